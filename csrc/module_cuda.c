@@ -1,0 +1,98 @@
+/*
+ * module_cuda.c: the CPython binding of the CUDA kernels, reprop._cuda.
+ *
+ * Built only when nvcc is found. It links the CUDA runtime statically, so
+ * importing it needs no driver and no device: rp_cuda_device_count() is then
+ * simply 0. Updates are enqueued on the caller's stream and never synchronise.
+ */
+#include <stdlib.h>
+
+#include "pyutil.h"
+
+PyDoc_STRVAR(optim_step_doc,
+             "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
+             "Fused multi-tensor optimizer step on CUDA, enqueued on `stream` (an\n"
+             "integer cudaStream_t). Non-capturable: step counters are host float32\n"
+             "and advanced here. Capturable: step counters are device float32 and\n"
+             "advanced on the stream; hparams[0] is ignored if `lr_ptr` is nonzero.");
+
+static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_optim_call call;
+    rp_step_scalars *scalars = NULL;
+    rp_error err = {{0}};
+    void *stream;
+    unsigned long long lr_ptr;
+    int capturable, rc;
+    (void)self;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "optim_step() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    capturable = PyObject_IsTrue(args[4]);
+    if (capturable < 0)
+        return NULL;
+    stream = PyLong_AsVoidPtr(args[5]);
+    if (stream == NULL && PyErr_Occurred())
+        return NULL;
+    lr_ptr = PyLong_AsUnsignedLongLong(args[6]);
+    if (lr_ptr == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    if (rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
+        return NULL;
+    call.hp.lr_ptr = (const float *)(uintptr_t)lr_ptr;
+    rc = rp_optim_check(&call.hp, call.entries, call.n, &err);
+    if (rc == RP_OK && !capturable && call.n > 0) {
+        scalars = (rp_step_scalars *)malloc((size_t)call.n * sizeof *scalars);
+        if (scalars == NULL)
+            rc = rp_set_error(&err, RP_ERUNTIME, "out of memory for %lld tensors",
+                              (long long)call.n);
+        else
+            rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars);
+    }
+    if (rc == RP_OK) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = rp_cuda_optim_step(&call.hp, call.dtype, call.entries, scalars, call.n, capturable,
+                                stream, &err);
+        Py_END_ALLOW_THREADS
+        rp_optim_entries_done(call.entries, call.n);
+    }
+    free(scalars);
+    Py_DECREF(call.table);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
+static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return Py_BuildValue("{s:s,s:i}", "archs", rp_cuda_archs(), "device_count",
+                         rp_cuda_device_count());
+}
+
+static PyMethodDef rp_cuda_methods[] = {
+    {"optim_step", (PyCFunction)(void (*)(void))rp_cuda_optim_step_py, METH_FASTCALL,
+     optim_step_doc},
+    {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
+    {NULL, NULL, 0, NULL},
+};
+
+static int rp_cuda_exec(PyObject *module)
+{
+    (void)module;
+    return rp_py_import_numpy();
+}
+
+static PyModuleDef_Slot rp_cuda_slots[] = {
+    {Py_mod_exec, rp_cuda_exec},
+    {0, NULL},
+};
+
+static struct PyModuleDef rp_cuda_module = {
+    PyModuleDef_HEAD_INIT, "reprop._cuda", "The reprop CUDA kernels.", 0, rp_cuda_methods,
+    rp_cuda_slots, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__cuda(void) { return PyModuleDef_Init(&rp_cuda_module); }

@@ -1,0 +1,38 @@
+/*
+ * pyutil.h: argument parsing shared by the CPython bindings (module.c for the
+ * CPU extension reprop._C, module_cuda.c for reprop._cuda). Only the binding
+ * files and pyutil.c touch the CPython and NumPy C APIs.
+ */
+#ifndef REPROP_PYUTIL_H
+#define REPROP_PYUTIL_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "reprop.h"
+
+/* Imports NumPy's C API; 0 on success, -1 with a Python exception set. */
+int rp_py_import_numpy(void);
+
+/* Turns a core status and message into a Python exception; returns NULL. */
+PyObject *rp_py_raise(int code, const rp_error *err);
+
+/* A parsed optimizer call: the hyper-parameters, the param dtype code and the
+ * entry table, which borrows the memory of a NumPy int64 array of shape (n, 8)
+ * held in `table` (a new reference the caller releases with Py_DECREF). */
+typedef struct {
+    rp_optim_hparams hp;
+    int dtype;
+    PyObject *table;
+    rp_optim_entry *entries;
+    int64_t n;
+} rp_py_optim_call;
+
+/* Parses (kind, dtype, table, hparams) where hparams is the tuple
+ * (lr, weight_decay, eps, beta1, beta2, momentum, dampening, alpha, rho,
+ *  lr_decay, nesterov, maximize, amsgrad, decoupled_weight_decay, centered)
+ * and checks the table. 0 on success, -1 with a Python exception set. */
+int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
+                           rp_py_optim_call *call);
+
+#endif /* REPROP_PYUTIL_H */

@@ -1,0 +1,146 @@
+/*
+ * reprop.h: the public header of the reprop C core.
+ *
+ * Everything here is plain C11: no Python, no torch. The Python layer hands
+ * down raw data pointers, sizes and dtype codes after checking them; the core
+ * trusts what it is given and returns an int status (RP_OK on success) with a
+ * message in the caller's rp_error buffer otherwise.
+ *
+ * Every public symbol is prefixed rp_.
+ */
+#ifndef REPROP_H
+#define REPROP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define RP_OK 0
+#define RP_EINVAL 1   /* bad argument: maps to ValueError */
+#define RP_ERUNTIME 2 /* failure while running: maps to RuntimeError */
+
+/* A caller-owned error message buffer. */
+typedef struct {
+    char msg[256];
+} rp_error;
+
+int rp_set_error(rp_error *err, int code, const char *fmt, ...);
+
+/* Element types of parameters and gradients. State is always float32. */
+typedef enum { RP_F32 = 0, RP_F16 = 1, RP_BF16 = 2 } rp_dtype;
+
+const char *rp_dtype_name(int dtype);
+
+/* ---------------------------------------------------------------------------
+ * Fused multi-tensor optimizers (csrc/optim.c, kernels/optim.cu)
+ * ------------------------------------------------------------------------- */
+
+typedef enum {
+    RP_SGD = 0,
+    RP_ADAM = 1, /* Adam and AdamW (decoupled_weight_decay) */
+    RP_ADAGRAD = 2,
+    RP_RMSPROP = 3,
+    RP_ADADELTA = 4,
+} rp_optim_kind;
+
+/* Which state slots each optimizer uses (entry.state[0..2]), in torch's names:
+ *   SGD:      [0] momentum_buffer (only when momentum != 0)
+ *   Adam(W):  [0] exp_avg  [1] exp_avg_sq  [2] max_exp_avg_sq (amsgrad only)
+ *   Adagrad:  [0] sum
+ *   RMSprop:  [0] square_avg  [1] momentum_buffer (momentum > 0)  [2] grad_avg (centered)
+ *   Adadelta: [0] square_avg  [1] acc_delta
+ * Unused slots are NULL. */
+
+/* Entry flags. */
+#define RP_ENTRY_FRESH_BUFFER 1 /* SGD: momentum buffer is new, initialise it from the gradient */
+
+/* One tensor of a multi-tensor update. Exactly 8 x 64 bits, so the Python
+ * layer can hand down an int64 array of shape (n, 8) and the core reads it as
+ * an array of entries. All tensors of an entry have `numel` elements laid out
+ * identically (same strides, non-overlapping and dense). */
+typedef struct {
+    void *param;       /* param dtype, updated in place */
+    const void *grad;  /* param dtype */
+    float *state[3];   /* float32, updated in place; see the table above */
+    float *step;       /* float32 step counter (torch's state["step"]); NULL for SGD.
+                          Host memory unless the update is capturable (then device memory). */
+    int64_t numel;
+    int64_t flags;     /* RP_ENTRY_* */
+} rp_optim_entry;
+
+/* Hyper-parameters of one parameter group, in torch's names. */
+typedef struct {
+    int kind; /* rp_optim_kind */
+    double lr;
+    double weight_decay;
+    double eps;
+    double beta1, beta2;        /* Adam */
+    double momentum, dampening; /* SGD, RMSprop (momentum) */
+    double alpha;               /* RMSprop */
+    double rho;                 /* Adadelta */
+    double lr_decay;            /* Adagrad */
+    int nesterov;               /* SGD */
+    int maximize;
+    int amsgrad;                /* Adam */
+    int decoupled_weight_decay; /* Adam: 1 for AdamW */
+    int centered;               /* RMSprop */
+    /* Capturable CUDA updates read the learning rate from device memory when
+     * lr_ptr is not NULL (a float32 scalar), and the steps from entry.step. */
+    const float *lr_ptr;
+} rp_optim_hparams;
+
+/* Per-tensor scalars that depend on the step count, computed on the host in
+ * double and rounded to float once, as torch does with Python floats:
+ *   Adam:    a = -lr / (1 - beta1^step)      b = sqrt(1 - beta2^step)
+ *   Adagrad: a = -lr / (1 + (step-1) * lr_decay)
+ *   others:  unused. */
+typedef struct {
+    float a, b;
+} rp_step_scalars;
+
+/* Validates the hyper-parameters and entries (NULL pointers, negative sizes,
+ * missing state slots). */
+int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                   rp_error *err);
+
+/* Advances the host-side step counters of all entries by one and fills
+ * scalars[i] for each entry. For non-capturable updates on any device. */
+void rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries,
+                            int64_t n, rp_step_scalars *scalars);
+
+/* Clears the one-shot entry flags once an update has been issued. */
+void rp_optim_entries_done(rp_optim_entry *entries, int64_t n);
+
+/* CPU update of n entries of one dtype in one OpenMP parallel region.
+ * Calls rp_optim_advance_steps itself. Vectorized with AVX2/AVX-512 chosen at
+ * run time. num_threads <= 0 means OpenMP's default. */
+int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *entries,
+                      int64_t n, int num_threads, rp_error *err);
+
+/* Number of OpenMP threads the core would use by default (1 without OpenMP). */
+int rp_omp_max_threads(void);
+
+/* CUDA update of n entries of one dtype on `stream` (a cudaStream_t), as few
+ * launches as the kernel-argument tables allow. When `capturable` is 0,
+ * `scalars` holds the per-entry host-computed values (see
+ * rp_optim_advance_steps) and entry.step is host memory that the caller has
+ * already advanced; when 1, `scalars` is NULL, entry.step is device memory
+ * incremented on the stream, and hp->lr_ptr may point to a device lr.
+ * Defined in kernels/optim.cu; returns RP_ERUNTIME with the CUDA error text. */
+int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype, const rp_optim_entry *entries,
+                       const rp_step_scalars *scalars, int64_t n, int capturable,
+                       void *stream, rp_error *err);
+
+/* CUDA device count (0 when there is no driver or device), and the
+ * architectures the kernels were compiled for, e.g. "sm_80 sm_90 compute_90". */
+int rp_cuda_device_count(void);
+const char *rp_cuda_archs(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* REPROP_H */

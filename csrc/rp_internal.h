@@ -1,0 +1,86 @@
+/*
+ * rp_internal.h: helpers shared by the C core and the CUDA kernels, not part
+ * of the public API. Everything is static inline and compiles as C11 (gcc)
+ * and as CUDA C++ (nvcc), where RP_HOSTDEV makes it callable from kernels.
+ */
+#ifndef REPROP_INTERNAL_H
+#define REPROP_INTERNAL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define RP_HOSTDEV __host__ __device__ __forceinline__
+#else
+#define RP_HOSTDEV static inline
+#endif
+
+/* Run-time choice of AVX-512 / AVX2 loops on x86-64 (GCC function
+ * multi-versioning); never -march=native, so one build runs everywhere. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__CUDACC__) && \
+    !defined(RP_NO_TARGET_CLONES)
+#define RP_TARGET_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define RP_TARGET_CLONES
+#endif
+
+/* ---- reduced-precision element types, round-to-nearest-even as torch ---- */
+
+RP_HOSTDEV float rp_bits_to_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+RP_HOSTDEV uint32_t rp_f32_to_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+RP_HOSTDEV float rp_bf16_to_f32(uint16_t h) { return rp_bits_to_f32((uint32_t)h << 16); }
+
+RP_HOSTDEV uint16_t rp_f32_to_bf16(float f)
+{
+    uint32_t u = rp_f32_to_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet and a NaN */
+        return (uint16_t)((u >> 16) | 0x0040u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+RP_HOSTDEV float rp_f16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    if (exp == 0x1fu) /* inf or NaN */
+        return rp_bits_to_f32(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in float */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return rp_bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+RP_HOSTDEV uint16_t rp_f32_to_f16(float f)
+{
+    uint32_t u = rp_f32_to_bits(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t au = u & 0x7fffffffu;
+    if (au > 0x7f800000u) /* NaN */
+        return (uint16_t)(sign | 0x7e00u | ((au >> 13) & 0x3ffu));
+    if (au >= 0x477ff000u) /* rounds to >= 65520: inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (au < 0x38800000u) { /* below 2^-14: subnormal half, round via float addition */
+        float a = rp_bits_to_f32(au) + 0.5f; /* 0.5 = 2^-1 aligns the half ulp 2^-24 */
+        return (uint16_t)(sign | (uint16_t)(rp_f32_to_bits(a) - 0x3f000000u));
+    }
+    uint32_t mant_odd = (au >> 13) & 1u;
+    au += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
+    return (uint16_t)(sign | (uint16_t)(au >> 13));
+}
+
+#endif /* REPROP_INTERNAL_H */

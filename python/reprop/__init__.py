@@ -1,0 +1,11 @@
+"""reprop: faster, leaner PyTorch training by restructuring backprop.
+
+Importing reprop needs no GPU, driver or CUDA toolkit; CUDA code paths are
+chosen at run time by the tensors' device.
+"""
+from ._native import cuda_available, cuda_built
+from . import optim
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "cuda_available", "cuda_built", "optim"]

@@ -1,0 +1,58 @@
+"""Argument checks and pointer tables shared by every reprop technique.
+
+The C core takes raw pointers; everything it is handed is checked here first,
+with errors that name the argument and say what was expected.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+# Element-type codes of csrc/reprop.h (rp_dtype).
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+# Width of one row of a pointer table: sizeof(rp_optim_entry) / 8.
+TABLE_COLUMNS = 8
+
+
+def dtype_code(t: torch.Tensor, name: str) -> int:
+    """The core's code for t's dtype; TypeError for what the kernels cannot take."""
+    code = DTYPE_CODES.get(t.dtype)
+    if code is None:
+        if t.is_complex():
+            raise TypeError(f"{name}: complex tensors are not supported (got {t.dtype})")
+        raise TypeError(f"{name}: expected float32, float16 or bfloat16, got {t.dtype}")
+    return code
+
+
+def check_strided(t: torch.Tensor, name: str) -> None:
+    """Rejects sparse and other non-strided layouts with a clear error."""
+    if t.layout is not torch.strided:
+        raise RuntimeError(f"{name}: sparse tensors are not supported (got layout {t.layout})")
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when t's elements fill one block of memory with no gaps or overlaps,
+    so an element-wise kernel can treat it as a flat array."""
+    if t.is_contiguous():
+        return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    if t.dim() == 5:
+        return t.is_contiguous(memory_format=torch.channels_last_3d)
+    return False
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b can be walked in lockstep as flat arrays."""
+    return a.shape == b.shape and (a.stride() == b.stride() or a.numel() <= 1)
+
+
+def new_table(rows: int) -> np.ndarray:
+    """An empty pointer table of `rows` rp_optim_entry records."""
+    return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)
+
+
+def current_stream_handle(device: torch.device) -> int:
+    """The cudaStream_t of PyTorch's current stream on `device`, as an integer."""
+    return torch.cuda.current_stream(device).cuda_stream

@@ -1,0 +1,367 @@
+"""Fused multi-tensor optimizers: drop-in replacements for torch.optim.
+
+``reprop.optim.SGD``, ``Adam``, ``AdamW``, ``Adagrad``, ``RMSprop`` and
+``Adadelta`` subclass their torch counterparts, so constructor arguments,
+defaults, ``param_groups`` keys, validation errors, hooks, LR schedulers and
+``state_dict`` layout are torch's own. Only ``step`` differs: each (group,
+device, dtype) is updated by one call into the C core (one OpenMP parallel
+region on the CPU, one kernel launch per table of tensors on CUDA), with the
+math of torch's single-tensor implementation term by term.
+
+Differences from torch, all deliberate:
+
+* State tensors are always float32, also for float16/bfloat16 parameters,
+  whose update is computed in float32 and rounded once to the parameter's
+  dtype. torch's ``load_state_dict`` casts them back to the parameter dtype,
+  so state dicts stay interchangeable.
+* ``foreach`` and ``fused`` are accepted for compatibility and ignored: reprop
+  always fuses. ``differentiable=True`` is refused.
+* ``step_params(params)`` updates just the given parameters now; the optimizer
+  fusion hooks call it from inside backward.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import torch
+
+from . import _tensors
+from ._native import _C, _cuda
+
+__all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta"]
+
+# Optimizer codes of csrc/reprop.h (rp_optim_kind).
+_SGD, _ADAM, _ADAGRAD, _RMSPROP, _ADADELTA = range(5)
+# rp_optim_entry columns and flags.
+_COL_PARAM, _COL_GRAD, _COL_STATE, _COL_STEP, _COL_NUMEL, _COL_FLAGS = 0, 1, 2, 5, 6, 7
+_FRESH_BUFFER = 1
+# Plans are cached per parameter subset; backward fusion uses one per module.
+_MAX_PLANS = 4096
+
+
+def _scalar(value, name: str) -> float:
+    """A hyper-parameter as a Python float; CUDA tensors would need a sync."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
+                             f"update, got a tensor on {value.device}")
+        return float(value)
+    return float(value)
+
+
+class _Plan:
+    """The pointer table of one call: one group's parameters of one device and
+    dtype that have a gradient, with their state. Built once and reused while
+    the same parameters, storages and state dicts take part; only the gradient
+    pointers are refreshed each step."""
+
+    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list):
+        first = params[0]
+        self.device = first.device
+        self.dtype_code = _tensors.dtype_code(first, "params")
+        self.params = params
+        self.param_ptrs = [p.data_ptr() for p in params]
+        self.state_dicts = [opt.state[p] for p in params]
+        self.contiguous = [p.is_contiguous() for p in params]
+        self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
+        self.table = _tensors.new_table(len(params))
+        capturable = bool(group.get("capturable", False))
+        slots = opt._state_slots(group)
+        for row, (p, st) in enumerate(zip(params, self.state_dicts)):
+            work = p
+            if not _tensors.is_dense(p):
+                work = p.contiguous()
+                self.staged.append((row, p, work))
+            self.table[row, _COL_PARAM] = work.data_ptr()
+            self.table[row, _COL_NUMEL] = p.numel()
+            for slot, key in enumerate(slots):
+                if key is not None:
+                    t = opt._state_tensor(st, key, work, group, self.table[row])
+                    self.table[row, _COL_STATE + slot] = t.data_ptr()
+            if opt._kind != _SGD:
+                self.table[row, _COL_STEP] = _step_tensor(st, p, capturable).data_ptr()
+            elif not group["momentum"]:
+                st["momentum_buffer"] = None  # what torch's SGD stores without momentum
+
+    def grad_pointers(self, state) -> tuple[list, list] | None:
+        """Gradient pointers for this step, or None when the plan is stale.
+        Also returns the gradient copies that must outlive the call."""
+        ptrs, keep = [], []
+        strided = torch.strided
+        for p, st, ptr, contig in zip(self.params, self.state_dicts, self.param_ptrs,
+                                      self.contiguous):
+            if p.data_ptr() != ptr or state.get(p) is not st:
+                return None
+            g = p.grad
+            if g is None:
+                return None
+            if g.layout is not strided:
+                raise RuntimeError("reprop.optim: sparse gradients are not supported "
+                                   f"(got a {g.layout} gradient for a parameter of shape "
+                                   f"{tuple(p.shape)})")
+            if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
+                g = g.contiguous() if contig or not _tensors.is_dense(p) else \
+                    torch.empty_like(p).copy_(g)
+                keep.append(g)
+            ptrs.append(g.data_ptr())
+        return ptrs, keep
+
+    def run(self, opt: "_FusedOptimizer", group: dict, grad_ptrs: list) -> None:
+        self.table[:, _COL_GRAD] = grad_ptrs
+        for _, p, work in self.staged:
+            work.copy_(p)
+        hp = opt._hparams(group)
+        if self.device.type == "cpu":
+            _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
+        else:
+            self._run_cuda(opt, group, hp)
+        for _, p, work in self.staged:
+            p.copy_(work)
+
+    def _run_cuda(self, opt, group, hp) -> None:
+        capturable = bool(group.get("capturable", False))
+        lr_ptr = 0
+        if capturable and isinstance(group["lr"], torch.Tensor):
+            lr = group["lr"]
+            if lr.device != self.device or lr.dtype != torch.float32:
+                raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
+                                 f"{self.device}, got {lr.dtype} on {lr.device}")
+            lr_ptr = lr.data_ptr()
+        elif not capturable and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
+                               "being captured; construct the optimizer with capturable=True")
+        stream = _tensors.current_stream_handle(self.device)
+        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
+
+
+def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
+    """state["step"] as the float32 0-dim tensor the core counts in: on the
+    param's device when capturable, else on the CPU (as torch places it)."""
+    device = p.device if capturable else torch.device("cpu")
+    step = st.get("step")
+    if not isinstance(step, torch.Tensor):
+        step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
+    elif step.dtype != torch.float32 or step.device != device or step.dim() != 0:
+        step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
+    st["step"] = step
+    return step
+
+
+class _FusedOptimizer:
+    """The fused step shared by all reprop optimizers; mixed in before the torch class."""
+
+    _kind: int
+    _torch_class: type
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        base_init = cls._torch_class.__init__
+
+        @functools.wraps(base_init)
+        def __init__(self, *args, **kw):
+            base_init(self, *args, **kw)
+            self._setup_fused()
+
+        cls.__init__ = __init__
+
+    def _setup_fused(self) -> None:
+        for group in self.param_groups:
+            self._check_group(group)
+        # GradScaler must unscale before step(): our step takes no grad_scale.
+        self._step_supports_amp_scaling = False
+        self._plans: dict = {}
+        self._group_of: dict | None = None
+        self.register_load_state_dict_post_hook(_FusedOptimizer._forget_plans)
+
+    def _check_group(self, group: dict) -> None:
+        if group.get("differentiable", False):
+            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported "
+                             f"by reprop; use torch.optim.{self._torch_class.__name__}")
+        for p in group["params"]:
+            if p.is_complex():
+                raise TypeError(f"{type(self).__name__}: complex parameters are not supported "
+                                f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
+            _tensors.dtype_code(p, "params")
+            if group.get("capturable", False) and p.device.type != "cuda":
+                raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA parameters, "
+                                 f"got a parameter on {p.device}")
+            if p.device.type == "cuda" and _cuda is None:
+                raise RuntimeError(f"{type(self).__name__}: reprop was built without CUDA, "
+                                   "so it cannot update CUDA parameters")
+            if p.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{type(self).__name__}: parameters must be on cpu or cuda, "
+                                 f"got {p.device}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
+            self._check_group(self.param_groups[-1])
+            self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        self._plans.clear()
+        self._group_of = None
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        """One fused update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._update(group, group["params"])
+        return loss
+
+    @torch.no_grad()
+    def step_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Updates just these parameters now, each with its group's settings.
+
+        Each parameter must belong to this optimizer; those without a gradient
+        are skipped. Updating every parameter once this way equals one step()."""
+        if self._group_of is None:
+            self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        by_group: dict[int, tuple[dict, list]] = {}
+        for i, p in enumerate(params):
+            group = self._group_of.get(id(p))
+            if group is None:
+                raise ValueError(f"params[{i}]: not a parameter of this optimizer "
+                                 f"(shape {tuple(p.shape)})")
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        for group, ps in by_group.values():
+            self._update(group, ps)
+
+    def _update(self, group: dict, params: list) -> None:
+        active = [p for p in params if p.grad is not None]
+        if not active:
+            return
+        key = (id(group), tuple(map(id, active)))
+        plans = self._plans.get(key)
+        for attempt in range(2):
+            if plans is None:
+                plans = self._make_plans(group, active)
+            pointers = [plan.grad_pointers(self.state) for plan in plans]
+            if all(ptrs is not None for ptrs in pointers):
+                break
+            plans = None  # a storage or state dict changed under us: rebuild
+        for plan, (ptrs, _keep) in zip(plans, pointers):
+            plan.run(self, group, ptrs)
+
+    def _make_plans(self, group: dict, active: list) -> list:
+        buckets: dict = {}
+        for p in active:
+            buckets.setdefault((p.device, p.dtype), []).append(p)
+        plans = [_Plan(self, group, ps) for ps in buckets.values()]
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[(id(group), tuple(map(id, active)))] = plans
+        return plans
+
+    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row) -> torch.Tensor:
+        """State st[key] as a float32 tensor laid out like p, created when absent."""
+        t = st.get(key)
+        if t is None:
+            t = self._initial_state(key, p, group)
+            if self._kind == _SGD:
+                row[_COL_FLAGS] |= _FRESH_BUFFER
+        elif (t.dtype != torch.float32 or t.device != p.device
+              or not _tensors.same_layout(t, p)):
+            t = torch.empty_like(p, dtype=torch.float32).copy_(t)
+        st[key] = t
+        return t
+
+    def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
+        return torch.zeros_like(p, dtype=torch.float32)
+
+    def _hparams(self, group: dict) -> tuple:
+        """The hparams tuple of csrc/pyutil.h."""
+        capturable = group.get("capturable", False)
+        lr = group["lr"]
+        lr = 0.0 if capturable and isinstance(lr, torch.Tensor) else _scalar(lr, "lr")
+        betas = group.get("betas", (0.0, 0.0))
+        return (lr, float(group.get("weight_decay", 0.0)), float(group.get("eps", 0.0)),
+                _scalar(betas[0], "betas[0]"), _scalar(betas[1], "betas[1]"),
+                float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0)),
+                float(group.get("alpha", 0.0)), float(group.get("rho", 0.0)),
+                float(group.get("lr_decay", 0.0)), bool(group.get("nesterov", False)),
+                bool(group.get("maximize", False)), bool(group.get("amsgrad", False)),
+                bool(group.get("decoupled_weight_decay", False)),
+                bool(group.get("centered", False)))
+
+    def _state_slots(self, group: dict) -> tuple:
+        """Names of the state tensors in the core's slots 0..2 (None: unused)."""
+        raise NotImplementedError
+
+
+class SGD(_FusedOptimizer, torch.optim.SGD):
+    """Fused SGD with momentum, dampening, nesterov, weight_decay and maximize.
+    State: ``momentum_buffer`` (float32, or None without momentum)."""
+
+    _kind = _SGD
+    _torch_class = torch.optim.SGD
+
+    def _state_slots(self, group):
+        return ("momentum_buffer" if group["momentum"] != 0 else None, None, None)
+
+    def _initial_state(self, key, p, group):
+        return torch.empty_like(p, dtype=torch.float32)  # filled from the first gradient
+
+
+class Adam(_FusedOptimizer, torch.optim.Adam):
+    """Fused Adam (amsgrad, maximize, weight_decay; decoupled_weight_decay where
+    torch has it). State: ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``."""
+
+    _kind = _ADAM
+    _torch_class = torch.optim.Adam
+
+    def _state_slots(self, group):
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq" if group["amsgrad"] else None)
+
+    def _hparams(self, group):
+        hp = super()._hparams(group)
+        if isinstance(self, torch.optim.AdamW):  # torch < 2.6 has no decoupled_weight_decay key
+            hp = hp[:13] + (True,) + hp[14:]
+        return hp
+
+
+class AdamW(Adam, torch.optim.AdamW):
+    """Fused AdamW: Adam with decoupled weight decay."""
+
+    _torch_class = torch.optim.AdamW
+
+
+class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
+    """Fused Adagrad (lr_decay, weight_decay, initial_accumulator_value, eps).
+    State: ``step``, ``sum``."""
+
+    _kind = _ADAGRAD
+    _torch_class = torch.optim.Adagrad
+
+    def _state_slots(self, group):
+        return ("sum", None, None)
+
+    def _initial_state(self, key, p, group):
+        return torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32)
+
+
+class RMSprop(_FusedOptimizer, torch.optim.RMSprop):
+    """Fused RMSprop (alpha, eps, weight_decay, momentum, centered).
+    State: ``step``, ``square_avg``, ``momentum_buffer``, ``grad_avg``."""
+
+    _kind = _RMSPROP
+    _torch_class = torch.optim.RMSprop
+
+    def _state_slots(self, group):
+        return ("square_avg", "momentum_buffer" if group["momentum"] > 0 else None,
+                "grad_avg" if group["centered"] else None)
+
+
+class Adadelta(_FusedOptimizer, torch.optim.Adadelta):
+    """Fused Adadelta (rho, eps, weight_decay). State: ``step``, ``square_avg``, ``acc_delta``."""
+
+    _kind = _ADADELTA
+    _torch_class = torch.optim.Adadelta
+
+    def _state_slots(self, group):
+        return ("square_avg", "acc_delta", None)
