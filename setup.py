@@ -31,21 +31,25 @@ def cuda_home():
     if want == "0":
         return None
     nvcc = shutil.which("nvcc")
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if nvcc is None and home and os.path.exists(os.path.join(home, "bin", "nvcc")):
-        nvcc = os.path.join(home, "bin", "nvcc")
-    if nvcc is None:
-        if want == "1":
-            raise RuntimeError("REPROP_CUDA=1 but nvcc was not found on PATH or in CUDA_HOME")
-        return None
-    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    if nvcc is not None:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")  # nvcc on PATH may be a wrapper script
+    for home in filter(None, candidates):
+        if os.path.exists(os.path.join(home, "bin", "nvcc")) and cuda_lib_dir(home):
+            return home
+    if want == "1":
+        raise RuntimeError("REPROP_CUDA=1 but no CUDA toolkit (nvcc and libcudart_static.a) "
+                           "was found via CUDA_HOME, PATH or /usr/local/cuda")
+    return None
 
 
 def cuda_lib_dir(home):
+    """The folder of home's static CUDA runtime, or None."""
     for sub in ("lib64", "lib", os.path.join("targets", "x86_64-linux", "lib")):
         if os.path.exists(os.path.join(home, sub, "libcudart_static.a")):
             return os.path.join(home, sub)
-    raise RuntimeError(f"libcudart_static.a not found under {home}")
+    return None
 
 
 class BuildExt(build_ext):

@@ -121,64 +121,94 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
 #define RP_LOAD_F16(ptr, i) rp_f16_to_f32(((const uint16_t *)(ptr))[i])
 #define RP_STORE_F16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_f16(v))
 
-/* Each loop reads one chunk [0, len) of already-offset pointers. */
+/* Each loop reads one chunk [0, len) of already-offset pointers. The consts
+ * are copied into a local whose optional-state flags are set to literals, so
+ * that GCC sees every flag as loop-invariant (a local cannot alias the float
+ * arrays), drops the dead branches and vectorizes the loop. */
+#define RP_LOOP(SUFFIX, LOAD, STORE, CALL)                                                        \
+    for (i = 0; i < len; i++)                                                                      \
+        STORE(p, i, CALL);
+
 #define RP_DEFINE_LOOPS(SUFFIX, LOAD, STORE)                                                       \
-    RP_TARGET_CLONES static void rp_sgd_loop_##SUFFIX(                                              \
-        const rp_optim_consts *c, void *restrict p, const void *restrict g, float *restrict buf,    \
-        int fresh, int64_t len)                                                                     \
-    {                                                                                               \
-        float dummy = 0.0f;                                                                         \
-        int64_t i;                                                                                  \
-        if (buf == NULL) {                                                                          \
-            for (i = 0; i < len; i++)                                                               \
-                STORE(p, i, rp_sgd_elem(c, LOAD(p, i), LOAD(g, i), &dummy, 0));                     \
-            return;                                                                                 \
-        }                                                                                           \
-        for (i = 0; i < len; i++)                                                                   \
-            STORE(p, i, rp_sgd_elem(c, LOAD(p, i), LOAD(g, i), &buf[i], fresh));                    \
-    }                                                                                               \
-    RP_TARGET_CLONES static void rp_adam_loop_##SUFFIX(                                             \
-        const rp_optim_consts *c, void *restrict p, const void *restrict g, float *restrict m,      \
-        float *restrict v, float *restrict vmax, float neg_step_size, float bc2_sqrt, int64_t len)  \
-    {                                                                                               \
-        int64_t i;                                                                                  \
-        if (vmax == NULL) {                                                                         \
-            float dummy = 0.0f;                                                                     \
-            for (i = 0; i < len; i++)                                                               \
-                STORE(p, i, rp_adam_elem(c, LOAD(p, i), LOAD(g, i), &m[i], &v[i], &dummy,           \
-                                         neg_step_size, bc2_sqrt));                                 \
-            return;                                                                                 \
-        }                                                                                           \
-        for (i = 0; i < len; i++)                                                                   \
-            STORE(p, i, rp_adam_elem(c, LOAD(p, i), LOAD(g, i), &m[i], &v[i], &vmax[i],             \
-                                     neg_step_size, bc2_sqrt));                                     \
-    }                                                                                               \
-    RP_TARGET_CLONES static void rp_adagrad_loop_##SUFFIX(                                          \
-        const rp_optim_consts *c, void *restrict p, const void *restrict g, float *restrict sum,    \
-        float neg_clr, int64_t len)                                                                 \
-    {                                                                                               \
-        int64_t i;                                                                                  \
-        for (i = 0; i < len; i++)                                                                   \
-            STORE(p, i, rp_adagrad_elem(c, LOAD(p, i), LOAD(g, i), &sum[i], neg_clr));              \
-    }                                                                                               \
-    RP_TARGET_CLONES static void rp_rmsprop_loop_##SUFFIX(                                          \
-        const rp_optim_consts *c, void *restrict p, const void *restrict g, float *restrict sq,     \
-        float *restrict buf, float *restrict ga, int64_t len)                                       \
-    {                                                                                               \
-        float dbuf = 0.0f, dga = 0.0f;                                                              \
-        int64_t i;                                                                                  \
-        for (i = 0; i < len; i++)                                                                   \
-            STORE(p, i, rp_rmsprop_elem(c, LOAD(p, i), LOAD(g, i), &sq[i],                          \
-                                        buf ? &buf[i] : &dbuf, ga ? &ga[i] : &dga));                \
-    }                                                                                               \
-    RP_TARGET_CLONES static void rp_adadelta_loop_##SUFFIX(                                         \
-        const rp_optim_consts *c, void *restrict p, const void *restrict g, float *restrict sq,     \
-        float *restrict acc, int64_t len)                                                           \
-    {                                                                                               \
-        int64_t i;                                                                                  \
-        for (i = 0; i < len; i++)                                                                   \
-            STORE(p, i, rp_adadelta_elem(c, LOAD(p, i), LOAD(g, i), &sq[i], &acc[i]));              \
-    }                                                                                               \
+    RP_TARGET_CLONES static void rp_sgd_loop_##SUFFIX(                                             \
+        const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict buf,   \
+        int fresh, int64_t len)                                                                    \
+    {                                                                                              \
+        rp_optim_consts c = cv;                                                                    \
+        float unused = 0.0f;                                                                       \
+        int64_t i;                                                                                 \
+        if (buf == NULL) {                                                                         \
+            c.has_momentum = 0;                                                                    \
+            RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &unused, 0))      \
+        } else {                                                                                   \
+            c.has_momentum = 1;                                                                    \
+            RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &buf[i], fresh))  \
+        }                                                                                          \
+    }                                                                                              \
+    RP_TARGET_CLONES static void rp_adam_loop_##SUFFIX(                                            \
+        const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict m,     \
+        float *restrict v, float *restrict vmax, float neg_step_size, float bc2_sqrt, int64_t len) \
+    {                                                                                              \
+        rp_optim_consts c = cv;                                                                    \
+        float unused = 0.0f;                                                                       \
+        int64_t i;                                                                                 \
+        if (vmax == NULL) {                                                                        \
+            c.amsgrad = 0;                                                                         \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_adam_elem(&c, LOAD(p, i), LOAD(g, i), &m[i], &v[i], &unused,                \
+                                 neg_step_size, bc2_sqrt))                                         \
+        } else {                                                                                   \
+            c.amsgrad = 1;                                                                         \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_adam_elem(&c, LOAD(p, i), LOAD(g, i), &m[i], &v[i], &vmax[i],               \
+                                 neg_step_size, bc2_sqrt))                                         \
+        }                                                                                          \
+    }                                                                                              \
+    RP_TARGET_CLONES static void rp_adagrad_loop_##SUFFIX(                                         \
+        const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict sum,   \
+        float neg_clr, int64_t len)                                                                \
+    {                                                                                              \
+        const rp_optim_consts c = cv;                                                              \
+        int64_t i;                                                                                 \
+        RP_LOOP(SUFFIX, LOAD, STORE, rp_adagrad_elem(&c, LOAD(p, i), LOAD(g, i), &sum[i], neg_clr)) \
+    }                                                                                              \
+    RP_TARGET_CLONES static void rp_rmsprop_loop_##SUFFIX(                                         \
+        const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict sq,    \
+        float *restrict buf, float *restrict ga, int64_t len)                                      \
+    {                                                                                              \
+        rp_optim_consts c = cv;                                                                    \
+        float unused_buf = 0.0f, unused_ga = 0.0f;                                                 \
+        int64_t i;                                                                                 \
+        if (buf == NULL && ga == NULL) {                                                           \
+            c.has_momentum = 0;                                                                    \
+            c.centered = 0;                                                                        \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_rmsprop_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &unused_buf, &unused_ga))  \
+        } else if (buf == NULL) {                                                                  \
+            c.has_momentum = 0;                                                                    \
+            c.centered = 1;                                                                        \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_rmsprop_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &unused_buf, &ga[i]))      \
+        } else if (ga == NULL) {                                                                   \
+            c.has_momentum = 1;                                                                    \
+            c.centered = 0;                                                                        \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_rmsprop_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &buf[i], &unused_ga))      \
+        } else {                                                                                   \
+            c.has_momentum = 1;                                                                    \
+            c.centered = 1;                                                                        \
+            RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
+                    rp_rmsprop_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &buf[i], &ga[i]))          \
+        }                                                                                          \
+    }                                                                                              \
+    RP_TARGET_CLONES static void rp_adadelta_loop_##SUFFIX(                                        \
+        const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict sq,    \
+        float *restrict acc, int64_t len)                                                          \
+    {                                                                                              \
+        const rp_optim_consts c = cv;                                                              \
+        int64_t i;                                                                                 \
+        RP_LOOP(SUFFIX, LOAD, STORE, rp_adadelta_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &acc[i])) \
+    }                                                                                              \
     static void rp_chunk_##SUFFIX(const rp_optim_hparams *hp, const rp_optim_consts *c,            \
                                   const rp_optim_entry *e, const rp_step_scalars *sc,              \
                                   int64_t start, int64_t len, size_t esize)                         \
@@ -190,20 +220,20 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         float *s2 = e->state[2] ? e->state[2] + start : NULL;                                       \
         switch (hp->kind) {                                                                         \
         case RP_SGD:                                                                                \
-            rp_sgd_loop_##SUFFIX(c, p, g, s0, (int)(e->flags & RP_ENTRY_FRESH_BUFFER), len);        \
+            rp_sgd_loop_##SUFFIX(*c, p, g, c->has_momentum ? s0 : NULL, (int)(e->flags & RP_ENTRY_FRESH_BUFFER), len);        \
             break;                                                                                  \
         case RP_ADAM:                                                                               \
-            rp_adam_loop_##SUFFIX(c, p, g, s0, s1, c->amsgrad ? s2 : NULL, sc->a, sc->b, len);      \
+            rp_adam_loop_##SUFFIX(*c, p, g, s0, s1, c->amsgrad ? s2 : NULL, sc->a, sc->b, len);      \
             break;                                                                                  \
         case RP_ADAGRAD:                                                                            \
-            rp_adagrad_loop_##SUFFIX(c, p, g, s0, sc->a, len);                                      \
+            rp_adagrad_loop_##SUFFIX(*c, p, g, s0, sc->a, len);                                      \
             break;                                                                                  \
         case RP_RMSPROP:                                                                            \
-            rp_rmsprop_loop_##SUFFIX(c, p, g, s0, c->has_momentum ? s1 : NULL,                      \
+            rp_rmsprop_loop_##SUFFIX(*c, p, g, s0, c->has_momentum ? s1 : NULL,                      \
                                      c->centered ? s2 : NULL, len);                                 \
             break;                                                                                  \
         case RP_ADADELTA:                                                                           \
-            rp_adadelta_loop_##SUFFIX(c, p, g, s0, s1, len);                                        \
+            rp_adadelta_loop_##SUFFIX(*c, p, g, s0, s1, len);                                        \
             break;                                                                                  \
         }                                                                                           \
     }

@@ -89,11 +89,10 @@ RP_HOSTDEV float rp_lerp(float self, float end, float w, float one_minus_w)
 /* torch.maximum: NaN in either operand wins. */
 RP_HOSTDEV float rp_maximum(float a, float b)
 {
-    if (RP_ISNAN(a))
-        return a;
-    if (RP_ISNAN(b))
-        return b;
-    return a > b ? a : b;
+    /* one expression of selects, so that CPU loops stay branch-free */
+    float m = a > b ? a : b;
+    m = RP_ISNAN(b) ? b : m;
+    return RP_ISNAN(a) ? a : m;
 }
 
 /* Gradient after maximize and coupled weight decay. */

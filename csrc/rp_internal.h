@@ -44,43 +44,41 @@ RP_HOSTDEV float rp_bf16_to_f32(uint16_t h) { return rp_bits_to_f32((uint32_t)h 
 
 RP_HOSTDEV uint16_t rp_f32_to_bf16(float f)
 {
+    /* selects, not branches, so that CPU loops over it vectorize */
     uint32_t u = rp_f32_to_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) /* NaN: keep it quiet and a NaN */
-        return (uint16_t)((u >> 16) | 0x0040u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (u >> 16) | 0x0040u;
+    return (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 RP_HOSTDEV float rp_f16_to_f32(uint16_t h)
 {
+    /* selects, not branches, so that CPU loops over it vectorize */
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t exp = (h >> 10) & 0x1fu;
     uint32_t man = h & 0x3ffu;
-    if (exp == 0x1fu) /* inf or NaN */
-        return rp_bits_to_f32(sign | 0x7f800000u | (man << 13));
-    if (exp == 0) { /* zero or subnormal: man * 2^-24, exact in float */
-        float v = (float)man * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    return rp_bits_to_f32(sign | ((exp + 112u) << 23) | (man << 13));
+    uint32_t normal = sign | ((exp + 112u) << 23) | (man << 13);
+    uint32_t special = sign | 0x7f800000u | (man << 13); /* inf or NaN */
+    /* zero or subnormal: man * 2^-24, exact in float */
+    uint32_t small = sign | rp_f32_to_bits((float)man * 5.9604644775390625e-8f);
+    return rp_bits_to_f32(exp == 0x1fu ? special : (exp == 0 ? small : normal));
 }
 
 RP_HOSTDEV uint16_t rp_f32_to_f16(float f)
 {
+    /* selects, not branches, so that CPU loops over it vectorize */
     uint32_t u = rp_f32_to_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t au = u & 0x7fffffffu;
-    if (au > 0x7f800000u) /* NaN */
-        return (uint16_t)(sign | 0x7e00u | ((au >> 13) & 0x3ffu));
-    if (au >= 0x477ff000u) /* rounds to >= 65520: inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (au < 0x38800000u) { /* below 2^-14: subnormal half, round via float addition */
-        float a = rp_bits_to_f32(au) + 0.5f; /* 0.5 = 2^-1 aligns the half ulp 2^-24 */
-        return (uint16_t)(sign | (uint16_t)(rp_f32_to_bits(a) - 0x3f000000u));
-    }
-    uint32_t mant_odd = (au >> 13) & 1u;
-    au += 0xc8000fffu + mant_odd; /* rebias exponent (-112 << 23) and round to nearest even */
-    return (uint16_t)(sign | (uint16_t)(au >> 13));
+    uint32_t nan = 0x7e00u | ((au >> 13) & 0x3ffu);
+    /* below 2^-14 the half is subnormal: adding 0.5 = 2^-1 rounds to its ulp 2^-24 */
+    uint32_t subnormal = rp_f32_to_bits(rp_bits_to_f32(au) + 0.5f) - 0x3f000000u;
+    /* rebias the exponent (-112 << 23) and round to nearest even */
+    uint32_t normal = (au + 0xc8000fffu + ((au >> 13) & 1u)) >> 13;
+    uint32_t mag = au > 0x7f800000u ? nan
+                   : au >= 0x477ff000u ? 0x7c00u /* rounds to >= 65520: inf */
+                   : au < 0x38800000u ? subnormal : normal;
+    return (uint16_t)(sign | mag);
 }
 
 #endif /* REPROP_INTERNAL_H */
