@@ -62,7 +62,9 @@ class _Plan:
         self.dtype_code = _tensors.dtype_code(first, "params")
         self.params = params
         self.param_ptrs = [p.data_ptr() for p in params]
-        self.state_dicts = [opt.state[p] for p in params]
+        # SGD without momentum keeps no state, as in torch: do not create entries
+        stateless = opt._kind == _SGD and not group["momentum"]
+        self.state_dicts = [opt.state.get(p) if stateless else opt.state[p] for p in params]
         self.contiguous = [p.is_contiguous() for p in params]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
@@ -81,8 +83,6 @@ class _Plan:
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
             if opt._kind != _SGD:
                 self.table[row, _COL_STEP] = _step_tensor(st, p, capturable).data_ptr()
-            elif not group["momentum"]:
-                st["momentum_buffer"] = None  # what torch's SGD stores without momentum
 
     def grad_pointers(self, state) -> tuple[list, list] | None:
         """Gradient pointers for this step, or None when the plan is stale.
