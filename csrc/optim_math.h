@@ -19,8 +19,11 @@
 #include "rp_internal.h"
 #include "reprop.h"
 
-#ifdef __CUDACC__
-#define RP_SQRTF(x) __fsqrt_rn(x)
+#if defined(__CUDA_ARCH__)
+#define RP_SQRTF(x) __fsqrt_rn(x) /* IEEE round-to-nearest whatever -prec-sqrt says */
+#define RP_ISNAN(x) isnan(x)
+#elif defined(__CUDACC__)
+#define RP_SQRTF(x) sqrtf(x)
 #define RP_ISNAN(x) isnan(x)
 #else
 #include <math.h>
