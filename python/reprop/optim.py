@@ -65,7 +65,9 @@ class _Plan:
         # SGD without momentum keeps no state, as in torch: do not create entries
         stateless = opt._kind == _SGD and not group["momentum"]
         self.state_dicts = [opt.state.get(p) if stateless else opt.state[p] for p in params]
-        self.contiguous = [p.is_contiguous() for p in params]
+        # Gradients are read through contiguous memory for contiguous params and
+        # for params updated through a contiguous stand-in; else with p's strides.
+        self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
         capturable = bool(group.get("capturable", False))
@@ -90,7 +92,7 @@ class _Plan:
         ptrs, keep = [], []
         strided = torch.strided
         for p, st, ptr, contig in zip(self.params, self.state_dicts, self.param_ptrs,
-                                      self.contiguous):
+                                      self.grad_contiguous):
             if p.data_ptr() != ptr or state.get(p) is not st:
                 return None
             g = p.grad
@@ -101,8 +103,7 @@ class _Plan:
                                    f"(got a {g.layout} gradient for a parameter of shape "
                                    f"{tuple(p.shape)})")
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
-                g = g.contiguous() if contig or not _tensors.is_dense(p) else \
-                    torch.empty_like(p).copy_(g)
+                g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
                 keep.append(g)
             ptrs.append(g.data_ptr())
         return ptrs, keep
@@ -198,6 +199,21 @@ class _FusedOptimizer:
         if hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
             self._check_group(self.param_groups[-1])
             self._forget_plans()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load_state_dict, keeping state float32 for low-precision
+        params (torch casts it to the param's dtype, which would lose bits)."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for pid, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(pid)
+            if not saved or p.dtype == torch.float32:
+                continue
+            st = self.state[p]
+            for key, value in saved.items():
+                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    st[key] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
 
     def _forget_plans(self) -> None:
         self._plans.clear()
@@ -340,6 +356,16 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
 
     def _state_slots(self, group):
         return ("sum", None, None)
+
+    def _setup_fused(self) -> None:
+        super()._setup_fused()
+        # torch's __init__ fills `sum` in the param's dtype; keep the exact value in float32
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and st["sum"].dtype != torch.float32:
+                    st["sum"] = torch.full_like(p, group["initial_accumulator_value"],
+                                                dtype=torch.float32)
 
     def _initial_state(self, key, p, group):
         return torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32)

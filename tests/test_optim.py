@@ -1,0 +1,1229 @@
+"""Tests for reprop.optim, the fused multi-tensor optimizers.
+
+Golden reference: torch.optim in the same process. On CPU torch's default
+(foreach=None) is the single-tensor for-loop implementation; on CUDA it is the
+foreach implementation. Two kinds of runs are compared:
+
+* closed loop (`train_model`): a small Conv/Linear/LayerNorm model trained on
+  identical synthetic batches, so the gradients depend on the parameters and
+  any difference feeds back into later steps;
+* open loop (`run_open_loop`): parameters of chosen shapes fed a fixed
+  sequence of gradients, for edge shapes, dtypes, NaN/inf, layouts and the
+  per-parameter API, where the result must not depend on the model.
+
+Both return a `Run` (parameters + optimizer) and are compared with
+`assert_runs_close`, which checks every parameter, the state keys of every
+parameter (exactly torch's), the dtype/shape/device of every state tensor, the
+step counters (exactly) and the state values.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import reprop.optim as rp
+
+NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
+CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
+FUSED_KWARG_NAMES = ("SGD", "Adam", "AdamW", "Adagrad")  # torch classes with `fused`
+
+
+def torch_cls(name: str) -> type[torch.optim.Optimizer]:
+    return getattr(torch.optim, name)
+
+
+def reprop_cls(name: str) -> type[torch.optim.Optimizer]:
+    return getattr(rp, name)
+
+
+# ---------------------------------------------------------------------------
+# Tolerances
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tol:
+    """|actual - expected| <= atol * scale + rtol * |expected|, elementwise.
+
+    `scale` is the largest finite magnitude of the quantity compared: over all
+    parameters for parameters, over all parameters' state[key] for a state
+    key. So one tolerance serves parameters (~1e-1), Adam's second moments
+    (~1e-6) and Adagrad's sums (~1e1) alike, and an element that came out of a
+    cancellation (0.9 * buf - g ~ 0) is judged by the size of its operands.
+    Non-finite values must match exactly.
+    """
+
+    rtol: float
+    atol: float
+
+
+# Bitwise equality with torch is impossible: torch's vectorized CPU kernels use
+# FMA inside add(alpha=)/lerp/addcmul while their scalar tails do not, and a
+# fused kernel orders its operations differently. One step from identical
+# inputs therefore differs by a few fp32 ulp, which STEP_TOL (the starting
+# tolerance) covers. The numbers below are worst cases over every test that
+# uses a tolerance, as multiples of STEP_TOL, measured on CPU with the reprop
+# build and with an independent implementation that does its math in float64
+# (so it rounds differently from torch everywhere). Single steps: 0.5x.
+STEP_TOL = Tol(rtol=1e-6, atol=1e-7)
+
+# Open loop (fixed gradients, up to 50 steps): rounding differences accumulate
+# in the state (momentum buffers, moments) but are not amplified. Observed:
+# 1.3x (reprop, Adadelta over the 50-step grid), 1.8x (float64 implementation,
+# RMSprop momentum_buffer). Tolerance 5x.
+OPEN_LOOP_TOL = Tol(rtol=5e-6, atol=5e-7)
+
+# Closed loop (training SmallNet for 50 steps): a difference of one ulp in a
+# parameter changes the next gradients, and optimizers that normalize each
+# element (Adagrad, RMSprop, Adadelta, Adam) turn a tiny absolute change of a
+# near-zero gradient element into a relative change of its update, so
+# differences grow with the number of steps. Worst observed over the option
+# grid (reprop / float64 implementation): SGD 11 / 11, Adam 3.2 / 1.9,
+# AdamW 3.2 / 4.5, Adagrad 1.8 / 8.7, RMSprop 5.1 / 6.3, Adadelta 21 / 13.
+# Tolerances are ~3x the larger. A wrong formula (a sign, the bias
+# correction, a missing term) is off by 1e-3 or more after a few steps.
+TRAIN_TOL = {
+    "SGD": Tol(rtol=3e-5, atol=3e-6),
+    "Adam": Tol(rtol=1.5e-5, atol=1.5e-6),
+    "AdamW": Tol(rtol=1.5e-5, atol=1.5e-6),
+    "Adagrad": Tol(rtol=3e-5, atol=3e-6),
+    "RMSprop": Tol(rtol=2e-5, atol=2e-6),
+    "Adadelta": Tol(rtol=6e-5, atol=6e-6),
+}
+
+
+def _finite_scale(expected: torch.Tensor) -> float:
+    finite = expected[torch.isfinite(expected)]
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def assert_tensor_close(
+    actual: torch.Tensor, expected: torch.Tensor, tol: Tol, what: str, *, scale: float | None = None
+) -> None:
+    """Same shape and dtype; same NaN and +-inf positions; finite values within
+    `tol`, with atol relative to `scale` (default: max|expected|)."""
+    assert isinstance(actual, torch.Tensor), f"{what}: expected a tensor, got {type(actual)}"
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    nan_a, nan_e = a.isnan(), e.isnan()
+    assert torch.equal(nan_a, nan_e), (
+        f"{what}: NaN positions differ: actual {nan_a.nonzero().flatten().tolist()[:20]} "
+        f"expected {nan_e.nonzero().flatten().tolist()[:20]}"
+    )
+    inf_a, inf_e = a.isinf(), e.isinf()
+    assert torch.equal(inf_a, inf_e) and torch.equal(a[inf_a], e[inf_e]), f"{what}: infinities differ"
+    finite = torch.isfinite(e)
+    if not finite.any():
+        return
+    a, e = a[finite], e[finite]
+    scale = _finite_scale(e) if scale is None else scale
+    err = (a - e).abs()
+    allowed = tol.atol * scale + tol.rtol * e.abs()
+    bad = err > allowed
+    if bad.any():
+        i = (err - allowed).argmax().item()
+        pytest.fail(
+            f"{what}: {int(bad.sum())}/{e.numel()} elements outside {tol}; worst at flat index {i}: "
+            f"actual {a[i].item()!r} expected {e[i].item()!r} (max error / scale = "
+            f"{(err.max() / scale).item() if scale else err.max().item():.3g})"
+        )
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in units in the last place between two 16-bit float tensors."""
+    assert a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16)
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.detach().cpu().contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)  # sign-magnitude -> ordered ints
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+# ---------------------------------------------------------------------------
+# Runs: closed loop (a model) and open loop (fixed gradient sequences)
+# ---------------------------------------------------------------------------
+
+OptFactory = Callable[[list], torch.optim.Optimizer]
+
+
+@dataclass
+class Run:
+    params: list[torch.Tensor]
+    opt: torch.optim.Optimizer
+    model: nn.Module | None = None
+    lrs: list[list[float]] = field(default_factory=list)  # per step, per group (schedulers)
+
+
+def factory(cls: type[torch.optim.Optimizer], **options) -> OptFactory:
+    return lambda groups: cls(groups, **options)
+
+
+def split_groups(params: Sequence[torch.Tensor], group1: dict | None) -> list:
+    """Two parameter groups: the first half with the optimizer's defaults and the
+    second half with the overrides in `group1`; one plain list when it is None."""
+    params = list(params)
+    if group1 is None:
+        return params
+    half = (len(params) + 1) // 2
+    return [{"params": params[:half]}, {"params": params[half:], **group1}]
+
+
+def group1_overrides(name: str, options: dict) -> dict:
+    """Hyper-parameters of the second group: a different lr and weight decay
+    (and betas for Adam), so that using group 0's values everywhere fails."""
+    out = {"lr": options["lr"] * 0.5, "weight_decay": 2 * options.get("weight_decay", 0)}
+    if name in ("Adam", "AdamW"):
+        out["betas"] = (0.8, 0.99)
+    return out
+
+
+class SmallNet(nn.Module):
+    """Conv2d -> tanh -> Linear -> LayerNorm -> tanh -> Linear, ~2.5K parameters.
+
+    x is (B, 3, 6, 6), the output (B, 3). Parameter sizes 108, 4, 2304, 16, 16,
+    16, 48, 3 exercise vector bodies and tails; three parameters share the
+    shape (16,) so that state shared between parameters shows up.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.fc1 = nn.Linear(4 * 6 * 6, 16)
+        self.norm = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.conv(x)).flatten(1)
+        return self.fc2(torch.tanh(self.norm(self.fc1(x))))
+
+
+def make_model(*, seed: int = 0, device: str = "cpu", channels_last: bool = False) -> SmallNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = SmallNet()
+    model = model.to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def make_batches(steps: int, *, seed: int = 1, device: str = "cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(4, 3, 6, 6, generator=gen).to(device), torch.randn(4, 3, generator=gen).to(device))
+        for _ in range(steps)
+    ]
+
+
+def train_model(
+    make_opt: OptFactory,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    group1: dict | None = None,
+    model: nn.Module | None = None,
+    opt: torch.optim.Optimizer | None = None,
+    maximize: bool = False,
+    use_closure: bool = False,
+    scheduler: Callable[[torch.optim.Optimizer], object] | None = None,
+    channels_last: bool = False,
+) -> Run:
+    """Train a SmallNet (a fresh one unless `model`/`opt` continue a run) on `batches`.
+
+    With `maximize` the loss is negated, so gradient *ascent* still minimizes
+    the MSE and the dynamics stay tame (a wrong sign still diverges at once).
+    """
+    if model is None:
+        model = make_model(channels_last=channels_last, device=batches[0][0].device.type)
+    if opt is None:
+        opt = make_opt(split_groups(list(model.parameters()), group1))
+    sched = scheduler(opt) if scheduler is not None else None
+    sign = -1.0 if maximize else 1.0
+    run = Run(list(model.parameters()), opt, model)
+    for x, y in batches:
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = sign * F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        if use_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        if sched is not None:
+            sched.step()
+        run.lrs.append([g["lr"] for g in opt.param_groups])
+    return run
+
+
+def make_params(
+    shapes: Sequence[tuple[int, ...]], *, seed: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Initial parameter values, uniform in [-1, 1]."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.rand(s, generator=gen) * 2 - 1).to(device=device, dtype=dtype) for s in shapes]
+
+
+def grad_sequence(
+    shapes: Sequence[tuple[int, ...]],
+    steps: int,
+    *,
+    seed: int = 7,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> list[list[torch.Tensor]]:
+    """`steps` lists of gradients for `shapes`: random signs, magnitudes uniform
+    in [0.05, 0.5].
+
+    Bounded away from zero on purpose: with parameters in [-1, 1] and weight
+    decay <= 0.02, g + weight_decay * p cannot cancel. Where it nearly cancels,
+    the eps-normalized updates (Adam, RMSprop: G / (|G| + eps)) turn the
+    last-bit difference of computing that sum (with FMA or without) into a
+    relative difference of 1e-4 or more in a handful of elements of a large
+    tensor, which says nothing about the implementation. Natural gradients are
+    covered by the training tests, tiny and zero ones by tests of their own.
+    """
+    out = []
+    for k in range(steps):
+        gen = torch.Generator().manual_seed(seed + 1000 * k)
+        step = []
+        for s in shapes:
+            magnitude = 0.05 + 0.45 * torch.rand(s, generator=gen)
+            sign = torch.where(torch.rand(s, generator=gen) < 0.5, -1.0, 1.0)
+            step.append((sign * magnitude).to(device=device, dtype=dtype))
+        out.append(step)
+    return out
+
+
+def run_open_loop(
+    make_opt: OptFactory,
+    init: Sequence[torch.Tensor],
+    grads: Sequence[Sequence[torch.Tensor | None]],
+    *,
+    group1: dict | None = None,
+    make_param: Callable[[torch.Tensor], torch.Tensor] = lambda t: t,
+) -> Run:
+    """Copies of `init` (passed through `make_param`, e.g. to change the
+    layout) as parameters, stepped once per entry of `grads` with p.grad set to
+    (a copy of) the given gradient, or None."""
+    params = [nn.Parameter(make_param(t.clone())) for t in init]
+    opt = make_opt(split_groups(params, group1))
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = None if g is None else clone_exact(g)
+        opt.step()
+    return Run(params, opt)
+
+
+def clone_exact(t: torch.Tensor) -> torch.Tensor:
+    """A copy with exactly t's strides, also where they have gaps (which
+    Tensor.clone() would make contiguous)."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).copy_(t)
+
+
+def assert_runs_close(got: Run, ref: Run, tol: Tol, *, state_tol: Tol | None = None) -> None:
+    """Parameters close; per parameter exactly torch's state keys; state tensors
+    float32 with the reference's shape and device and close values; step
+    counters exactly equal float32 0-dim tensors on the reference's device."""
+    state_tol = state_tol or tol
+    assert len(got.params) == len(ref.params)
+    ref_states = [ref.opt.state.get(p, {}) for p in ref.params]
+    scales = {None: max((_finite_scale(p.detach().float()) for p in ref.params), default=0.0)}
+    for st in ref_states:
+        for key, v in st.items():
+            if isinstance(v, torch.Tensor) and key != "step":
+                scales[key] = max(scales.get(key, 0.0), _finite_scale(v.detach().float()))
+    for i, (pg, pr, sr) in enumerate(zip(got.params, ref.params, ref_states)):
+        assert pg.dtype == pr.dtype and pg.device == pr.device, f"param {i}: dtype/device changed"
+        assert_tensor_close(pg, pr, tol, f"param {i} {tuple(pr.shape)}", scale=scales[None])
+        sg = got.opt.state.get(pg, {})
+        assert sorted(sg) == sorted(sr), f"param {i}: state keys {sorted(sg)} != torch's {sorted(sr)}"
+        for key, vr in sr.items():
+            vg, what = sg[key], f"param {i} {tuple(pr.shape)} state[{key!r}]"
+            if vr is None:
+                assert vg is None, f"{what}: torch stores None"
+            elif key == "step":
+                assert isinstance(vg, torch.Tensor) and vg.dtype == torch.float32 and vg.dim() == 0, (
+                    f"{what}: expected a float32 0-dim tensor, got {vg!r}"
+                )
+                assert vg.device == vr.device, f"{what}: on {vg.device}, torch keeps it on {vr.device}"
+                assert vg.item() == vr.item(), f"{what}: {vg.item()} != torch's {vr.item()}"
+            else:
+                assert vg.dtype == torch.float32, f"{what}: state must be float32, is {vg.dtype}"
+                assert vg.device == pg.device, f"{what}: on {vg.device}, param on {pg.device}"
+                assert_tensor_close(vg, vr.float(), state_tol, what, scale=scales[key])
+
+
+def assert_runs_equal(a: Run, b: Run) -> None:
+    """Bitwise-identical parameters and state (same implementation, same inputs)."""
+    assert_runs_close(a, b, Tol(0.0, 0.0))
+
+
+# ---------------------------------------------------------------------------
+# Option grids
+# ---------------------------------------------------------------------------
+
+BASE = {
+    "SGD": {"lr": 0.05},
+    "Adam": {"lr": 1e-2},
+    "AdamW": {"lr": 1e-2},
+    "Adagrad": {"lr": 0.05},
+    "RMSprop": {"lr": 1e-3},
+    "Adadelta": {"lr": 1.0},
+}
+
+AXES = {
+    "SGD": {
+        "momentum": [0, 0.9],
+        "dampening": [0, 0.1],
+        "nesterov": [False, True],
+        "weight_decay": [0, 0.01],
+        "maximize": [False, True],
+    },
+    "Adam": {"amsgrad": [False, True], "maximize": [False, True], "weight_decay": [0, 0.01]},
+    "AdamW": {"amsgrad": [False, True], "maximize": [False, True], "weight_decay": [0, 0.01]},
+    "Adagrad": {
+        "lr_decay": [0, 0.01],
+        "weight_decay": [0, 0.01],
+        "initial_accumulator_value": [0, 0.1],
+        "eps": [1e-10, 1e-3],
+    },
+    "RMSprop": {"momentum": [0, 0.9], "centered": [False, True], "weight_decay": [0, 0.01], "alpha": [0.99, 0.9]},
+    "Adadelta": {"rho": [0.9, 0.5], "eps": [1e-6, 1e-3], "weight_decay": [0, 0.01], "maximize": [False, True]},
+}
+
+# One option set per optimizer with every state slot in use, for the tests
+# that are not about the option grid.
+RICH = {
+    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "Adam": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01},
+    "AdamW": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
+    "Adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
+    "RMSprop": {"lr": 1e-3, "momentum": 0.9, "centered": True, "weight_decay": 0.01},
+    "Adadelta": {"lr": 1.0, "rho": 0.9, "weight_decay": 0.01},
+}
+
+
+def _valid(name: str, options: dict) -> bool:
+    # torch: "Nesterov momentum requires a momentum and zero dampening"
+    return not (name == "SGD" and options.get("nesterov") and (options["momentum"] <= 0 or options["dampening"] != 0))
+
+
+def _grid() -> Iterable:
+    for name in NAMES:
+        keys = list(AXES[name])
+        for values in itertools.product(*(AXES[name][k] for k in keys)):
+            options = {**BASE[name], **dict(zip(keys, values))}
+            if _valid(name, options):
+                ident = "-".join(f"{k}={v}" for k, v in zip(keys, values))
+                yield pytest.param(name, options, id=f"{name}-{ident}")
+
+
+GRID = list(_grid())
+TRAIN_STEPS = 50
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_intra_op_thread():
+    """Run this module's torch ops on one thread. The tensors are tiny, so
+    intra-op threads are pure overhead, and on a loaded 2-core machine OpenMP
+    barriers made a 50-step run 80x slower (6 s instead of 0.08 s). The thread
+    count reprop is given is exercised by test_thread_count_does_not_change_results."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return make_batches(TRAIN_STEPS)
+
+
+def train_pair(name: str, options: dict, batches, **kw) -> tuple[Run, Run]:
+    """The same training with reprop and with torch; returns (reprop, torch)."""
+    group1 = kw.pop("group1", group1_overrides(name, options))
+    maximize = options.get("maximize", False)
+    got = train_model(factory(reprop_cls(name), **options), batches, group1=group1, maximize=maximize, **kw)
+    ref = train_model(factory(torch_cls(name), **options), batches, group1=group1, maximize=maximize, **kw)
+    return got, ref
+
+
+# ---------------------------------------------------------------------------
+# 1. Parity with torch over the option grid
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, options", GRID)
+def test_training_matches_torch(name: str, options: dict, batches) -> None:
+    got, ref = train_pair(name, options, batches)
+    assert_runs_close(got, ref, TRAIN_TOL[name])
+
+
+@pytest.mark.parametrize("name, options", GRID)
+def test_option_grid_open_loop_matches_torch(name: str, options: dict) -> None:
+    """The SmallNet parameter shapes fed 50 fixed gradients: no feedback through
+    the model, so a much tighter tolerance than training."""
+    shapes = [tuple(p.shape) for p in make_model().parameters()]
+    init, grads = make_params(shapes, seed=2), grad_sequence(shapes, TRAIN_STEPS)
+    group1 = group1_overrides(name, options)
+    got = run_open_loop(factory(reprop_cls(name), **options), init, grads, group1=group1)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1)
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_single_steps_match_torch_tightly(name: str) -> None:
+    """Two steps from identical inputs, two groups: the starting tolerance holds."""
+    shapes = [(5, 7), (33,), (16,), (16,), (9,)]
+    init, grads = make_params(shapes, seed=3), grad_sequence(shapes, 2)
+    group1 = group1_overrides(name, RICH[name])
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads, group1=group1)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads, group1=group1)
+    assert_runs_close(got, ref, STEP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tiny_gradients_match_torch(name: str) -> None:
+    """Gradients of 1e-8 .. 1e-6, where eps (1e-10 .. 1e-6) is not negligible,
+    so eps in the wrong place (e.g. inside the square root) shows. Default
+    options: no weight decay, so the gradient reaches the update exactly."""
+    shapes = [(5, 7), (33,)]
+    init = make_params(shapes, seed=3)
+    grads = [[g * 2e-6 for g in step] for step in grad_sequence(shapes, 3)]
+    got = run_open_loop(factory(reprop_cls(name), **BASE[name]), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **BASE[name]), init, grads)
+    assert_runs_close(got, ref, STEP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_is_a_drop_in_subclass(name: str) -> None:
+    params = [nn.Parameter(torch.randn(3))]
+    got, ref = reprop_cls(name)(params), torch_cls(name)(params)
+    assert isinstance(got, torch_cls(name))
+    assert got.defaults == ref.defaults
+    assert got.param_groups[0].keys() == ref.param_groups[0].keys()
+    assert {k: v for k, v in got.param_groups[0].items() if k != "params"} == {
+        k: v for k, v in ref.param_groups[0].items() if k != "params"
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_is_not_shared_between_params(name: str, batches) -> None:
+    got, _ = train_pair(name, RICH[name], batches[:3])
+    ptrs = [
+        v.data_ptr() for p in got.params for k, v in got.opt.state[p].items()
+        if isinstance(v, torch.Tensor) and k != "step" and v.numel()
+    ]
+    assert len(ptrs) == len(set(ptrs)), "two state slots share memory"
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_foreach_and_fused_are_accepted_and_ignored(name: str, flag: str) -> None:
+    shapes = [(4, 5), (9,)]
+    init, grads = make_params(shapes, seed=4), grad_sequence(shapes, 3)
+    plain = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads)
+    flagged = run_open_loop(factory(reprop_cls(name), **RICH[name], **{flag: True}), init, grads)
+    assert_runs_equal(flagged, plain)
+
+
+# ---------------------------------------------------------------------------
+# 2. state_dict interchange with torch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_layout_matches_torch(name: str, batches) -> None:
+    got, ref = train_pair(name, RICH[name], batches[:5])
+    sg, sr = got.opt.state_dict(), ref.opt.state_dict()
+    assert sg["param_groups"] == sr["param_groups"]
+    assert sg["state"].keys() == sr["state"].keys()  # e.g. no entries at all for SGD without momentum
+    for i, s in sr["state"].items():
+        assert sorted(sg["state"][i]) == sorted(s)
+        for k, v in s.items():
+            assert type(sg["state"][i][k]) is type(v)
+            if isinstance(v, torch.Tensor):
+                assert (sg["state"][i][k].dtype, sg["state"][i][k].shape) == (v.dtype, v.shape), (i, k)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("direction", ["reprop_to_torch", "torch_to_reprop"])
+def test_state_dict_round_trip(name: str, direction: str, batches) -> None:
+    """Train N steps with one implementation, load its state_dict into the other,
+    then train M more steps with both from that point: they must agree."""
+    n, m = 10, 10
+    src_cls, dst_cls = (
+        (reprop_cls(name), torch_cls(name)) if direction == "reprop_to_torch" else (torch_cls(name), reprop_cls(name))
+    )
+    options, group1 = RICH[name], group1_overrides(name, RICH[name])
+    src = train_model(factory(src_cls, **options), batches[:n], group1=group1)
+
+    dst_model = copy.deepcopy(src.model)
+    dst_opt = dst_cls(split_groups(list(dst_model.parameters()), group1), **options)
+    dst_opt.load_state_dict(copy.deepcopy(src.opt.state_dict()))
+
+    cont_src = train_model(None, batches[n:n + m], model=src.model, opt=src.opt)
+    cont_dst = train_model(None, batches[n:n + m], model=dst_model, opt=dst_opt)
+    assert_runs_close(cont_dst, cont_src, TRAIN_TOL[name])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_resume_is_exact(name: str, batches) -> None:
+    """reprop -> reprop: saving and loading mid-training changes nothing."""
+    options, group1 = RICH[name], group1_overrides(name, RICH[name])
+    straight = train_model(factory(reprop_cls(name), **options), batches[:12], group1=group1)
+    first = train_model(factory(reprop_cls(name), **options), batches[:6], group1=group1)
+    model = copy.deepcopy(first.model)
+    opt = reprop_cls(name)(split_groups(list(model.parameters()), group1), **options)
+    opt.load_state_dict(copy.deepcopy(first.opt.state_dict()))
+    resumed = train_model(None, batches[6:12], model=model, opt=opt)
+    assert_runs_equal(resumed, straight)
+
+
+# ---------------------------------------------------------------------------
+# 3. LR schedulers (OneCycleLR also cycles Adam's betas / SGD's momentum)
+# ---------------------------------------------------------------------------
+
+SCHEDULERS = {
+    "StepLR": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=7, gamma=0.5),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[g["lr"] * 2 for g in opt.param_groups], total_steps=30
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name, sched",
+    [
+        ("SGD", "OneCycleLR"),
+        ("Adam", "OneCycleLR"),
+        ("AdamW", "StepLR"),
+        ("Adagrad", "StepLR"),
+        ("RMSprop", "OneCycleLR"),
+        ("Adadelta", "StepLR"),
+    ],
+)
+def test_lr_scheduler_matches_torch(name: str, sched: str, batches) -> None:
+    got, ref = train_pair(name, RICH[name], batches[:30], scheduler=SCHEDULERS[sched])
+    assert got.lrs == ref.lrs
+    assert_runs_close(got, ref, TRAIN_TOL[name])
+
+
+# ---------------------------------------------------------------------------
+# 4. Edge shapes: empty, scalar, one element, hundreds of tensors, large
+# ---------------------------------------------------------------------------
+
+
+def _many_small_shapes(n: int = 300, seed: int = 11) -> list[tuple[int, ...]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = []
+    for _ in range(n):
+        ndim = int(torch.randint(0, 4, (), generator=gen))
+        shapes.append(tuple(int(d) for d in torch.randint(1, 6, (ndim,), generator=gen)))
+    return shapes
+
+
+SHAPE_SETS = {
+    "empty_and_tiny": [(0,), (5,), (3, 0), (), (1,), (0, 4, 2), (1, 1)],
+    "many_small": _many_small_shapes(),
+    "large": [(70_003,), (3, 257), (65_536,)],
+}
+
+
+@pytest.mark.parametrize("shape_set", list(SHAPE_SETS))
+@pytest.mark.parametrize("name", NAMES)
+def test_edge_shapes_match_torch(name: str, shape_set: str) -> None:
+    shapes = SHAPE_SETS[shape_set]
+    init, grads = make_params(shapes, seed=5), grad_sequence(shapes, 3)
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_thread_count_does_not_change_results(name: str) -> None:
+    """reprop splits its work over torch.get_num_threads() threads: the split
+    must not change a single bit (e.g. by moving vector/scalar-tail boundaries)."""
+    shapes = SHAPE_SETS["large"] + [(37,), (16,)]
+    init, grads = make_params(shapes, seed=6), grad_sequence(shapes, 2)
+    runs = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            runs.append(run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads))
+        finally:
+            torch.set_num_threads(1)
+    assert_runs_equal(runs[1], runs[0])
+    assert_runs_equal(runs[2], runs[0])
+
+
+# ---------------------------------------------------------------------------
+# 5. bfloat16 / float16 parameters: fp32 state and math, one rounding per step
+# ---------------------------------------------------------------------------
+
+LOW_PRECISION_LR = {"SGD": 0.1, "Adam": 0.05, "AdamW": 0.05, "Adagrad": 0.1, "RMSprop": 0.01, "Adadelta": 1.0}
+
+
+def run_low_precision(name: str, dtype: torch.dtype, device: str = "cpu", steps: int = 20) -> None:
+    """Reference: torch.optim on an fp32 copy of the parameters, with g.float(),
+    rounded to `dtype` after each step (round to nearest even, as Tensor.to).
+
+    The fp32 copy is re-synchronized to reprop's rounded parameter before every
+    step (instead of to the reference's own rounded value). Both carry the same
+    fp32 state, so each step must then agree to within one rounding, i.e. one
+    ulp, without the two rounded trajectories drifting apart over many steps.
+    """
+    options = {**RICH[name], "lr": LOW_PRECISION_LR[name]}
+    shapes = [(37,), (8, 9), (1,), (16,)]
+    init = make_params(shapes, seed=21, dtype=dtype, device=device)
+    grads = grad_sequence(shapes, steps, dtype=dtype, device=device)
+    params = [nn.Parameter(t.clone()) for t in init]
+    masters = [nn.Parameter(t.float()) for t in init]
+    opt = reprop_cls(name)(params, **options)
+    ref = torch_cls(name)(masters, **options)
+    exact = total = 0
+    for k, step_grads in enumerate(grads):
+        for p, m, g in zip(params, masters, step_grads):
+            with torch.no_grad():
+                m.copy_(p.float())
+            p.grad, m.grad = g.clone(), g.float()
+        opt.step()
+        ref.step()
+        for i, (p, m) in enumerate(zip(params, masters)):
+            assert p.dtype == dtype
+            ulps = ulp_distance(p, m.detach().to(dtype))
+            assert ulps.max() <= 1, f"step {k} param {i}: {int(ulps.max())} ulp from the fp32 reference"
+            exact += int((ulps == 0).sum())
+            total += ulps.numel()
+    # A one-ulp difference needs an fp32 result within a few fp32 ulp of a
+    # rounding midpoint; anything but rare means the rounding is not RNE.
+    assert exact >= 0.97 * total, f"only {exact}/{total} parameter values equal the reference"
+    for i, (p, m) in enumerate(zip(params, masters)):
+        sg, sr = opt.state[p], ref.state[m]
+        assert sorted(sg) == sorted(sr)
+        for key, vr in sr.items():
+            if key == "step":
+                assert sg[key].dtype == torch.float32 and sg[key].item() == vr.item()
+            elif vr is not None:
+                assert sg[key].dtype == torch.float32, f"state[{key!r}] of a {dtype} param must be float32"
+                assert_tensor_close(sg[key], vr, Tol(1e-5, 1e-6), f"param {i} state[{key!r}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_low_precision_params(name: str, dtype: torch.dtype) -> None:
+    run_low_precision(name, dtype)
+
+
+def _ties(dtype: torch.dtype, n: int = 64, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values x of `dtype` and h = half an ulp of x, so that x + h lies exactly
+    halfway between x and the next representable value away from zero."""
+    x = (torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 3 + 0.5).to(dtype)
+    x = torch.where(torch.arange(n) % 2 == 0, x, -x)
+    bits = x.view(torch.int16)
+    nxt = (bits + 1).view(dtype)  # next magnitude up, same sign
+    return x, (nxt.float() - x.float()) / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_low_precision_rounds_to_nearest_even(dtype: torch.dtype) -> None:
+    x, h = _ties(dtype)
+    p = nn.Parameter(x.clone())
+    p.grad = (-h).to(dtype)  # exactly representable: a power of two
+    assert torch.equal(p.grad.float(), -h)
+    rp.SGD([p], lr=1.0).step()  # fp32: x + h exactly, a tie
+    expected = (x.float() + h).to(dtype)  # torch rounds to nearest even
+    assert torch.equal(p.detach(), expected)
+    assert not torch.equal(expected, x) and not torch.equal(expected, (x.view(torch.int16) + 1).view(dtype))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_precision_state_dict_keeps_fp32_state(name: str) -> None:
+    """torch's load_state_dict casts floating state to the param dtype; reprop's
+    state must stay float32 after a load, and training must continue exactly."""
+    shapes = [(6, 5), (7,)]
+    init = make_params(shapes, seed=8, dtype=torch.bfloat16)
+    grads = grad_sequence(shapes, 6, dtype=torch.bfloat16)
+    straight = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads)
+    first = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:3])
+    params = [nn.Parameter(p.detach().clone()) for p in first.params]
+    opt = reprop_cls(name)(params, **RICH[name])
+    opt.load_state_dict(copy.deepcopy(first.opt.state_dict()))
+    for p in params:
+        for key, v in opt.state[p].items():
+            if isinstance(v, torch.Tensor):
+                assert v.dtype == torch.float32, f"state[{key!r}] became {v.dtype} after load_state_dict"
+    for step_grads in grads[3:]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    assert_runs_equal(Run(params, opt), straight)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_dtypes_in_one_group(name: str) -> None:
+    """A group holding fp32, bf16 and fp16 params updates each exactly as when
+    each dtype has an optimizer of its own."""
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float32]
+    init = [make_params([(5, 3)], seed=30 + i, dtype=d)[0] for i, d in enumerate(dtypes)]
+    grads = [[g.to(d) for g, d in zip(step, dtypes)] for step in grad_sequence([(5, 3)] * len(dtypes), 4)]
+    mixed = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads)
+    for i in range(len(dtypes)):
+        alone = run_open_loop(factory(reprop_cls(name), **RICH[name]), [init[i]], [[g[i]] for g in grads])
+        assert_runs_equal(Run([mixed.params[i]], mixed.opt), alone)
+
+
+# ---------------------------------------------------------------------------
+# 6. The Optimizer API: closures, zero_grad, groups, hooks, None grads, step_params
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_closure(name: str, batches) -> None:
+    calls = []
+    got, ref = train_pair(name, RICH[name], batches[:10], use_closure=True)
+    assert_runs_close(got, ref, TRAIN_TOL[name])
+
+    model = make_model()
+    opt = reprop_cls(name)(model.parameters(), **RICH[name])
+    x, y = batches[0]
+
+    def closure():
+        calls.append(1)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert len(calls) == 1 and isinstance(loss, torch.Tensor)
+    assert loss.item() == pytest.approx(F.mse_loss(make_model()(x), y).item())
+    assert opt.step() is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_grad_set_to_none(name: str, batches) -> None:
+    run = train_model(factory(reprop_cls(name), **RICH[name]), batches[:3])
+    run.opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in run.params)
+    before = copy.deepcopy(run.opt.state_dict()), [p.detach().clone() for p in run.params]
+    run.opt.step()  # nothing has a gradient: nothing changes, no step counted
+    after = run.opt.state_dict(), run.params
+    assert all(torch.equal(a, b) for a, b in zip(before[1], after[1]))
+    for i, s in before[0]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(after[0]["state"][i][k], v), (i, k)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_grad_keep_zeros(name: str) -> None:
+    """Zero gradients are gradients: steps count, weight decay and momentum act."""
+    shapes = [(4, 4), (7,)]
+    init = make_params(shapes, seed=9)
+    zeros = [torch.zeros(s) for s in shapes]
+    grads = grad_sequence(shapes, 3) + [zeros] * 3
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        run = run_open_loop(factory(cls, **RICH[name]), init, grads[:3])
+        for _ in range(3):
+            run.opt.zero_grad(set_to_none=False)
+            assert all(p.grad is not None and not p.grad.any() for p in run.params)
+            run.opt.step()
+        runs.append(run)
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_add_param_group(name: str) -> None:
+    shapes = [(4, 3), (6,), (5, 2), (3,)]
+    init, grads = make_params(shapes, seed=12), grad_sequence(shapes, 6)
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params[:2], **RICH[name])
+        for k, step_grads in enumerate(grads):
+            if k == 3:
+                opt.add_param_group({"params": params[2:], "lr": RICH[name]["lr"] * 0.3, "weight_decay": 0.05})
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_hooks_fire(name: str) -> None:
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    seen = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(("pre", o, p.detach().clone())))
+    handle = opt.register_step_post_hook(lambda o, args, kwargs: seen.append(("post", o, p.detach().clone())))
+    p.grad = torch.full((3,), 0.5)
+    opt.step()
+    assert [s[0] for s in seen] == ["pre", "post"] and all(s[1] is opt for s in seen)
+    assert torch.equal(seen[0][2], torch.ones(3)) and not torch.equal(seen[1][2], torch.ones(3))
+    handle.remove()
+    opt.step()
+    assert [s[0] for s in seen] == ["pre", "post", "pre"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_params_without_grad_are_skipped(name: str) -> None:
+    """Param 1 gets a gradient every other step, param 2 never: their step
+    counts, state (or its absence) and values must be torch's."""
+    shapes = [(3, 4), (5,), (6,), (2, 2)]
+    init, full = make_params(shapes, seed=13), grad_sequence(shapes, 6)
+    grads = [[g[0], g[1] if k % 2 == 0 else None, None, g[3]] for k, g in enumerate(full)]
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+    assert torch.equal(got.params[2], init[2])
+
+
+def _fresh_open_loop(name: str, shapes, *, seed: int = 14) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    params = [nn.Parameter(t) for t in make_params(shapes, seed=seed)]
+    opt = reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])), **RICH[name])
+    return opt, params
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_equals_step(name: str) -> None:
+    """step_params on every parameter once (in any order, one at a time or in
+    batches) is one step(), bitwise."""
+    shapes = [(3, 4), (5,), (16,), (16,), (2, 3, 2)]
+    grads = grad_sequence(shapes, 4)
+    whole, params_a = _fresh_open_loop(name, shapes)
+    parts, params_b = _fresh_open_loop(name, shapes)
+    for k, step_grads in enumerate(grads):
+        for pa, pb, g in zip(params_a, params_b, step_grads):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        whole.step()
+        if k % 2 == 0:
+            for p in reversed(params_b):
+                parts.step_params([p])
+        else:
+            parts.step_params(params_b[3:])
+            parts.step_params(params_b[:3])
+    assert_runs_equal(Run(params_b, parts), Run(params_a, whole))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_touches_only_its_params(name: str) -> None:
+    shapes = [(3, 4), (5,), (6,)]
+    opt, params = _fresh_open_loop(name, shapes)
+    before = [p.detach().clone() for p in params]
+    state_before = copy.deepcopy(opt.state_dict()["state"])
+    for p, g in zip(params, grad_sequence(shapes, 1)[0]):
+        p.grad = g
+    opt.step_params([params[2]])  # in the second group: its hyper-parameters apply
+    assert torch.equal(params[0], before[0]) and torch.equal(params[1], before[1])
+    assert not torch.equal(params[2], before[2])
+    state = opt.state_dict()["state"]
+    for i in (0, 1):
+        assert {k: v.tolist() for k, v in state.get(i, {}).items()} == {
+            k: v.tolist() for k, v in state_before.get(i, {}).items()
+        }
+    if name != "SGD":
+        assert state[2]["step"].item() == 1.0
+
+    ref_params = [nn.Parameter(t) for t in make_params(shapes, seed=14)]
+    ref = torch_cls(name)(split_groups(ref_params, group1_overrides(name, RICH[name])), **RICH[name])
+    ref_params[2].grad = params[2].grad.clone()
+    ref.step()
+    assert_tensor_close(params[2], ref_params[2], STEP_TOL, "param 2")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_rejects_foreign_param(name: str) -> None:
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    stranger = nn.Parameter(torch.randn(7, 2))
+    stranger.grad = torch.randn(7, 2)
+    params[0].grad = torch.randn(3)
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError):
+        opt.step_params([params[0], stranger])
+    assert torch.equal(params[0], before), "a rejected call must not update anything"
+
+
+# ---------------------------------------------------------------------------
+# 7. NaN and inf in gradients propagate as in torch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options", ["default", "rich"])
+@pytest.mark.parametrize("name", NAMES)
+def test_nonfinite_gradients_propagate_like_torch(name: str, options: str) -> None:
+    opts = RICH[name] if options == "rich" else BASE[name]
+    shapes = [(37,), (4, 9)]
+    init, grads = make_params(shapes, seed=15), grad_sequence(shapes, 4)
+    # NaN, +inf and -inf in vector bodies and scalar tails, on the second step;
+    # later steps have finite gradients (state must stay poisoned as in torch).
+    g = grads[1]
+    g[0][[0, 5, 17, 36]] = torch.tensor([float("nan"), float("inf"), float("-inf"), float("nan")])
+    g[1][0, 1], g[1][3, 8], g[1][2, 2] = float("inf"), float("-inf"), float("nan")
+    got = run_open_loop(factory(reprop_cls(name), **opts), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **opts), init, grads)
+    assert any(p.isnan().any() for p in ref.params), "test is meant to produce NaN parameters"
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+# ---------------------------------------------------------------------------
+# 8. Errors
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sparse_gradient_raises(name: str) -> None:
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = reprop_cls(name)(emb.parameters(), **BASE[name])
+    emb(torch.tensor([1, 2, 2])).sum().backward()
+    assert emb.weight.grad.is_sparse
+    with pytest.raises(RuntimeError, match="(?i)sparse"):
+        opt.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_complex_param_raises(name: str) -> None:
+    p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))
+    with pytest.raises((TypeError, ValueError), match="(?i)complex"):
+        opt = reprop_cls(name)([p], **BASE[name])
+        p.grad = torch.randn(3, dtype=torch.cfloat)
+        opt.step()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_differentiable_raises(name: str) -> None:
+    with pytest.raises(ValueError):
+        reprop_cls(name)([nn.Parameter(torch.randn(3))], differentiable=True)
+
+
+@pytest.mark.parametrize("name", CAPTURABLE_NAMES)
+def test_capturable_with_cpu_params_raises(name: str) -> None:
+    p = nn.Parameter(torch.randn(3))
+    with pytest.raises((ValueError, RuntimeError), match="(?i)capturable"):
+        opt = reprop_cls(name)([p], capturable=True)
+        p.grad = torch.randn(3)
+        opt.step()
+
+
+INVALID = [
+    ("SGD", {"lr": -0.1}),
+    ("SGD", {"momentum": -0.5}),
+    ("SGD", {"weight_decay": -1.0}),
+    ("SGD", {"nesterov": True}),
+    ("SGD", {"momentum": 0.9, "dampening": 0.1, "nesterov": True}),
+    ("Adam", {"lr": -1e-3}),
+    ("Adam", {"eps": -1.0}),
+    ("Adam", {"betas": (1.0, 0.999)}),
+    ("Adam", {"betas": (0.9, -0.1)}),
+    ("Adam", {"weight_decay": -0.1}),
+    ("AdamW", {"betas": (0.9, 1.5)}),
+    ("AdamW", {"weight_decay": -0.1}),
+    ("Adagrad", {"lr_decay": -1.0}),
+    ("Adagrad", {"initial_accumulator_value": -0.1}),
+    ("Adagrad", {"eps": -1.0}),
+    ("RMSprop", {"alpha": -0.1}),
+    ("RMSprop", {"momentum": -0.1}),
+    ("RMSprop", {"eps": -1.0}),
+    ("Adadelta", {"rho": 1.5}),
+    ("Adadelta", {"lr": -1.0}),
+    ("Adadelta", {"eps": -1.0}),
+]
+
+
+@pytest.mark.parametrize("name, options", INVALID, ids=[f"{n}-{o}" for n, o in INVALID])
+def test_invalid_hyperparameters_raise_like_torch(name: str, options: dict) -> None:
+    with pytest.raises(Exception) as expected:
+        torch_cls(name)([nn.Parameter(torch.randn(3))], **options)
+    with pytest.raises(expected.type, match=re.escape(str(expected.value))):
+        reprop_cls(name)([nn.Parameter(torch.randn(3))], **options)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_empty_parameter_list_raises_like_torch(name: str) -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        reprop_cls(name)([])
+
+
+# ---------------------------------------------------------------------------
+# 9. Memory layouts: channels_last and non-contiguous parameters and grads
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_channels_last_model_matches_torch(name: str, batches) -> None:
+    got, ref = train_pair(name, RICH[name], batches[:20], channels_last=True)
+    assert got.model.conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert not got.model.conv.weight.is_contiguous()
+    assert_runs_close(got, ref, TRAIN_TOL[name])
+
+
+LAYOUTS = {
+    # parameter made from the tensor, gradient made from the gradient
+    "transposed": (lambda t: t.t(), lambda g: g.t()),
+    "strided": (lambda t: torch.stack([t, t], -1)[..., 0], lambda g: torch.stack([g, g], -1)[..., 0]),
+    "grad_layout_differs": (lambda t: t.t(), lambda g: g.t().contiguous()),
+    "channels_last_4d": (
+        lambda t: t.reshape(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        lambda g: g.reshape(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", NAMES)
+def test_non_contiguous_params_match_torch(name: str, layout: str) -> None:
+    make_param, make_grad = LAYOUTS[layout]
+    shapes = [(12, 10), (10, 12)]
+    init, grads = make_params(shapes, seed=16), grad_sequence(shapes, 4)
+    grads = [[make_grad(g) for g in step] for step in grads]
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads, make_param=make_param)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads, make_param=make_param)
+    if layout != "channels_last_4d":
+        assert not got.params[0].is_contiguous()
+    assert [p.stride() for p in got.params] == [p.stride() for p in ref.params]
+    assert [p.grad.stride() for p in got.params] == [g.stride() for g in grads[-1]]
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+# ---------------------------------------------------------------------------
+# 10. CUDA
+# ---------------------------------------------------------------------------
+
+GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)
+
+
+def _gpu_open_loop(cls_of: Callable[[str], type], name: str, device: str, options: dict | None = None,
+                   steps: int = 8) -> Run:
+    options = options or RICH[name]
+    init = make_params(GPU_SHAPES, seed=18, device=device)
+    grads = grad_sequence(GPU_SHAPES, steps, device=device)
+    return run_open_loop(factory(cls_of(name), **options), init, grads, group1=group1_overrides(name, options))
+
+
+def _to_cpu(run: Run) -> Run:
+    """A CPU copy of a run's parameters and state, to compare with a CPU run."""
+    params = [p.detach().cpu() for p in run.params]
+    state = {
+        q: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in run.opt.state.get(p, {}).items()}
+        for p, q in zip(run.params, params)
+    }
+    return Run(params, SimpleNamespace(state=state))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_matches_torch_cuda(name: str) -> None:
+    got = _gpu_open_loop(reprop_cls, name, "cuda")
+    ref = _gpu_open_loop(torch_cls, name, "cuda")  # foreach by default on CUDA
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, options", GRID)
+def test_gpu_option_grid_matches_torch_cuda(name: str, options: dict) -> None:
+    # Open loop: a closed loop on CUDA would also measure cuDNN's algorithm
+    # choices (TF32, non-deterministic reductions), not the optimizer.
+    got = _gpu_open_loop(reprop_cls, name, "cuda", options)
+    ref = _gpu_open_loop(torch_cls, name, "cuda", options)
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_matches_reprop_cpu(name: str) -> None:
+    gpu = _to_cpu(_gpu_open_loop(reprop_cls, name, "cuda"))
+    cpu = _gpu_open_loop(reprop_cls, name, "cpu")
+    assert_runs_close(gpu, cpu, OPEN_LOOP_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_low_precision_params(name: str, dtype: torch.dtype) -> None:
+    run_low_precision(name, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_low_precision_rounds_to_nearest_even(dtype: torch.dtype) -> None:
+    x, h = _ties(dtype)
+    p = nn.Parameter(x.cuda())
+    p.grad = (-h).to(dtype).cuda()
+    rp.SGD([p], lr=1.0).step()
+    assert torch.equal(p.detach().cpu(), (x.float() + h).to(dtype))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CAPTURABLE_NAMES)
+def test_gpu_capturable_eager_matches_torch(name: str) -> None:
+    options = {**RICH[name], "capturable": True}
+    got = _gpu_open_loop(reprop_cls, name, "cuda", options)
+    ref = _gpu_open_loop(torch_cls, name, "cuda", options)
+    for p in got.params:
+        step = got.opt.state[p]["step"]
+        assert step.device.type == "cuda" and step.dtype == torch.float32
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", CAPTURABLE_NAMES)
+def test_gpu_capturable_in_cuda_graph(name: str) -> None:
+    """Warm up on a side stream, capture opt.step() in a CUDAGraph, replay it with
+    new gradients copied into the static .grad tensors; compare with eager steps.
+    Capture must not advance anything; each replay must advance the device-side
+    step counters and use the new gradients."""
+    warmup, replays = 3, 5
+    shapes = [(64, 33), (1000,), (16,), (16,), (1,)]
+    init = make_params(shapes, seed=19, device="cuda")
+    grads = grad_sequence(shapes, warmup + replays, device="cuda")
+    options = {**RICH[name], "capturable": True}
+
+    params = [nn.Parameter(t.clone()) for t in init]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = reprop_cls(name)(split_groups(params, group1_overrides(name, options)), **options)
+
+    def load(k: int) -> None:
+        for p, g in zip(params, grads[k]):
+            p.grad.copy_(g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(warmup):
+            load(k)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for k in range(warmup, warmup + replays):
+        load(k)
+        graph.replay()
+    torch.cuda.synchronize()
+    captured = Run(params, opt)
+
+    eager = run_open_loop(factory(reprop_cls(name), **options), init, grads, group1=group1_overrides(name, options))
+    assert_runs_equal(captured, eager)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1_overrides(name, options))
+    assert_runs_close(captured, ref, OPEN_LOOP_TOL)
+    assert opt.state[params[0]]["step"].item() == warmup + replays
