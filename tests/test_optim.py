@@ -897,6 +897,28 @@ def test_params_without_grad_are_skipped(name: str) -> None:
     assert torch.equal(got.params[2], init[2])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
+    """Replacing a state tensor (or the step) between steps, as some training
+    code does to reset an optimizer, must act on the new tensor: the cached
+    pointer table may not keep writing into the old one."""
+    a = nn.Parameter(torch.linspace(-1.0, 1.0, 7))
+    b = nn.Parameter(a.detach().clone())
+    ours = reprop_cls(name)([a], **RICH[name])
+    ref = torch_cls(name)([b], **RICH[name])
+    for k in range(4):
+        for p, opt in ((a, ours), (b, ref)):
+            p.grad = torch.full_like(p, 0.1 * (k + 1))
+            opt.step()
+            if k == 1:
+                st = opt.state[p]
+                for key, value in list(st.items()):
+                    st[key] = torch.zeros_like(value) if torch.is_tensor(value) else value
+    assert_tensor_close(a.detach(), b.detach(), OPEN_LOOP_TOL, "param")
+    for key, value in ref.state[b].items():
+        assert_tensor_close(ours.state[a][key], value.float(), OPEN_LOOP_TOL, f"state[{key!r}]")
+
+
 def _fresh_open_loop(name: str, shapes, *, seed: int = 14) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
     params = [nn.Parameter(t) for t in make_params(shapes, seed=seed)]
     opt = reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])), **RICH[name])

@@ -72,7 +72,12 @@ class _Plan:
         self.table = _tensors.new_table(len(params))
         capturable = bool(group.get("capturable", False))
         slots = opt._state_slots(group)
+        # The state tensors each row points at: held, so that the table never
+        # points at freed memory, and checked each step, so that a tensor the
+        # user put in their place is picked up.
+        self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
+            watched = []
             work = p
             if not _tensors.is_dense(p):
                 work = p.contiguous()
@@ -83,18 +88,25 @@ class _Plan:
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
+                    watched.append((key, t))
             if opt._kind != _SGD:
-                self.table[row, _COL_STEP] = _step_tensor(st, p, capturable).data_ptr()
+                step = _step_tensor(st, p, capturable)
+                self.table[row, _COL_STEP] = step.data_ptr()
+                watched.append(("step", step))
+            self.watched.append(tuple(watched))
 
     def grad_pointers(self, state) -> tuple[list, list] | None:
         """Gradient pointers for this step, or None when the plan is stale.
         Also returns the gradient copies that must outlive the call."""
         ptrs, keep = [], []
         strided = torch.strided
-        for p, st, ptr, contig in zip(self.params, self.state_dicts, self.param_ptrs,
-                                      self.grad_contiguous):
+        for p, st, ptr, contig, watched in zip(self.params, self.state_dicts, self.param_ptrs,
+                                               self.grad_contiguous, self.watched):
             if p.data_ptr() != ptr or state.get(p) is not st:
                 return None
+            for key, t in watched:
+                if st.get(key) is not t:
+                    return None
             g = p.grad
             if g is None:
                 return None
