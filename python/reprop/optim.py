@@ -148,6 +148,15 @@ class _Plan:
         _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
 
 
+def _grad_pointers(plans: list | None, state) -> list | None:
+    """Each plan's gradient pointers for this step; None when there is no plan
+    yet or one of them is stale."""
+    if plans is None:
+        return None
+    pointers = [plan.grad_pointers(state) for plan in plans]
+    return None if any(ptrs is None for ptrs in pointers) else pointers
+
+
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
     """state["step"] as the float32 0-dim tensor the core counts in: on the
     param's device when capturable, else on the CPU (as torch places it)."""
@@ -266,24 +275,21 @@ class _FusedOptimizer:
             return
         key = (id(group), tuple(map(id, active)))
         plans = self._plans.get(key)
-        for attempt in range(2):
-            if plans is None:
-                plans = self._make_plans(group, active)
-            pointers = [plan.grad_pointers(self.state) for plan in plans]
-            if all(ptrs is not None for ptrs in pointers):
-                break
-            plans = None  # a storage or state dict changed under us: rebuild
+        pointers = _grad_pointers(plans, self.state)
+        if pointers is None:  # first use, or a storage or state tensor was replaced
+            plans = self._make_plans(group, active, key)
+            pointers = _grad_pointers(plans, self.state)
         for plan, (ptrs, _keep) in zip(plans, pointers):
             plan.run(self, group, ptrs)
 
-    def _make_plans(self, group: dict, active: list) -> list:
+    def _make_plans(self, group: dict, active: list, key: tuple) -> list:
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
         plans = [_Plan(self, group, ps) for ps in buckets.values()]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[(id(group), tuple(map(id, active)))] = plans
+        self._plans[key] = plans
         return plans
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row) -> torch.Tensor:
@@ -324,7 +330,7 @@ class _FusedOptimizer:
 
 class SGD(_FusedOptimizer, torch.optim.SGD):
     """Fused SGD with momentum, dampening, nesterov, weight_decay and maximize.
-    State: ``momentum_buffer`` (float32, or None without momentum)."""
+    State: ``momentum_buffer`` (float32; no state at all without momentum, as torch)."""
 
     _kind = _SGD
     _torch_class = torch.optim.SGD
