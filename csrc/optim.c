@@ -31,25 +31,6 @@ typedef struct {
 
 static int rp_needs_step(int kind) { return kind != RP_SGD; }
 
-/* Bit i set: state[i] is required for these hyper-parameters. */
-static unsigned rp_required_state(const rp_optim_hparams *hp)
-{
-    switch (hp->kind) {
-    case RP_SGD:
-        return hp->momentum != 0.0 ? 1u : 0u;
-    case RP_ADAM:
-        return 3u | (hp->amsgrad ? 4u : 0u);
-    case RP_ADAGRAD:
-        return 1u;
-    case RP_RMSPROP:
-        return 1u | (hp->momentum > 0.0 ? 2u : 0u) | (hp->centered ? 4u : 0u);
-    case RP_ADADELTA:
-        return 3u;
-    default:
-        return 0u;
-    }
-}
-
 int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                    rp_error *err)
 {
@@ -60,7 +41,7 @@ int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, in
         return rp_set_error(err, RP_EINVAL, "unknown optimizer kind %d", hp->kind);
     if (n < 0 || (n > 0 && entries == NULL))
         return rp_set_error(err, RP_EINVAL, "invalid entry table (n=%lld)", (long long)n);
-    need = rp_required_state(hp);
+    need = rp_optim_state_slots(hp);
     for (i = 0; i < n; i++) {
         const rp_optim_entry *e = &entries[i];
         if (e->numel < 0)

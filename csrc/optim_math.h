@@ -83,6 +83,25 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
     c->one_minus_w1 = 1.0f - c->w1;
 }
 
+/* The state slots these hyper-parameters use: bit i set for entry.state[i]. */
+RP_HOSTDEV unsigned rp_optim_state_slots(const rp_optim_hparams *hp)
+{
+    switch (hp->kind) {
+    case RP_SGD:
+        return hp->momentum != 0.0 ? 1u : 0u;
+    case RP_ADAM:
+        return 3u | (hp->amsgrad ? 4u : 0u);
+    case RP_ADAGRAD:
+        return 1u;
+    case RP_RMSPROP:
+        return 1u | (hp->momentum != 0.0 ? 2u : 0u) | (hp->centered ? 4u : 0u);
+    case RP_ADADELTA:
+        return 3u;
+    default:
+        return 0u;
+    }
+}
+
 /* torch.lerp(self, end, w): the two formulas ATen picks between by |w|. */
 RP_HOSTDEV float rp_lerp(float self, float end, float w, float one_minus_w)
 {

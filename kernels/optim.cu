@@ -551,25 +551,6 @@ static int64_t rp_pick_chunk(int64_t total, int sms, int64_t unit)
     return chunk;
 }
 
-/* State slots the CPU loops of csrc/optim.c touch for these hyper-parameters. */
-static unsigned rp_slots_used(int kind, const rp_optim_consts *c)
-{
-    switch (kind) {
-    case RP_SGD:
-        return c->has_momentum ? 1u : 0u;
-    case RP_ADAM:
-        return 3u | (c->amsgrad ? 4u : 0u);
-    case RP_ADAGRAD:
-        return 1u;
-    case RP_RMSPROP:
-        return 1u | (c->has_momentum ? 2u : 0u) | (c->centered ? 4u : 0u);
-    case RP_ADADELTA:
-        return 3u;
-    default:
-        return 0u;
-    }
-}
-
 static int rp_aligned(const void *p, int64_t bytes) { return (uintptr_t)p % (uintptr_t)bytes == 0; }
 
 /* Switches to the device of `stream` for the duration of a call. */
@@ -674,7 +655,7 @@ extern "C" int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype,
         L->hp.lr_ptr = NULL;
     L->c = c;
     L->chunk = (int32_t)chunk;
-    slots = rp_slots_used(hp->kind, &c);
+    slots = rp_optim_state_slots(hp);
 
     for (i = 0; i < n; i++) {
         const rp_optim_entry *e = &entries[i];
