@@ -52,6 +52,8 @@ static PyObject *rp_build_info_py(PyObject *self, PyObject *unused)
 
 static PyMethodDef rp_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_optim_step_py, METH_FASTCALL, optim_step_doc},
+    {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
+     "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
     {"build_info", rp_build_info_py, METH_NOARGS, "Facts about how the C core was built."},
     {NULL, NULL, 0, NULL},
 };

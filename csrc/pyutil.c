@@ -69,3 +69,123 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
     call->n = (int64_t)PyArray_DIM(arr, 0);
     return 0;
 }
+
+/* t.data_ptr() as an integer; -1 with an exception set on failure. */
+static int rp_py_data_ptr(PyObject *t, PyObject *name, unsigned long long *out)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(t, name);
+    if (r == NULL)
+        return -1;
+    *out = PyLong_AsUnsignedLongLong(r);
+    Py_DECREF(r);
+    return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* state.get(key) without calling __missing__: borrowed, Py_None when absent,
+ * NULL with an exception set on error. */
+static PyObject *rp_py_dict_get(PyObject *dict, PyObject *key)
+{
+    PyObject *v = PyDict_GetItemWithError(dict, key);
+    if (v == NULL && !PyErr_Occurred())
+        return Py_None;
+    return v;
+}
+
+/* One row of the fast path: 1 when it holds and its pointer was written,
+ * 0 when the Python path must take over, -1 on error. */
+static int rp_py_grad_row(PyObject *p, PyObject *param_ptr, PyObject *state, PyObject *st,
+                          PyObject *watched, PyObject *contiguous, PyObject *strided,
+                          PyObject *const *names, int64_t *row)
+{
+    unsigned long long ptr, want;
+    PyObject *g, *attr;
+    Py_ssize_t k;
+    int ok;
+    if (contiguous != Py_True || !PyTuple_Check(watched))
+        return 0;
+    if (rp_py_data_ptr(p, names[0], &ptr) < 0)
+        return -1;
+    want = PyLong_AsUnsignedLongLong(param_ptr);
+    if (want == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    if (ptr != want)
+        return 0;
+    attr = rp_py_dict_get(state, p);
+    if (attr != st)
+        return attr == NULL ? -1 : 0;
+    for (k = 0; k < PyTuple_GET_SIZE(watched); k++) {
+        PyObject *pair = PyTuple_GET_ITEM(watched, k), *v;
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(st))
+            return 0;
+        v = rp_py_dict_get(st, PyTuple_GET_ITEM(pair, 0));
+        if (v != PyTuple_GET_ITEM(pair, 1))
+            return v == NULL ? -1 : 0;
+    }
+    g = PyObject_GetAttr(p, names[1]);
+    if (g == NULL)
+        return -1;
+    ok = g != Py_None;
+    if (ok) {
+        attr = PyObject_GetAttr(g, names[2]);
+        ok = attr == NULL ? -1 : attr == strided;
+        Py_XDECREF(attr);
+    }
+    if (ok == 1) {
+        attr = PyObject_CallMethodNoArgs(g, names[3]);
+        ok = attr == NULL ? -1 : attr == Py_True;
+        Py_XDECREF(attr);
+    }
+    if (ok == 1)
+        ok = rp_py_data_ptr(g, names[0], &ptr) < 0 ? -1 : 1;
+    Py_DECREF(g);
+    if (ok == 1)
+        row[1] = (int64_t)ptr;
+    return ok;
+}
+
+PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const attr_names[4] = {"data_ptr", "grad", "layout", "is_contiguous"};
+    PyObject *names[4] = {NULL, NULL, NULL, NULL};
+    PyObject *result = NULL;
+    PyArrayObject *table;
+    Py_ssize_t n, i;
+    int k, ok = 1;
+    (void)self;
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 8 arguments (%zd given)",
+                     nargs);
+        return NULL;
+    }
+    if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
+        !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "optim_grad_pointers: expected lists, a dict of state and a table");
+        return NULL;
+    }
+    if (rp_py_check_table(args[7], &table) < 0)
+        return NULL;
+    n = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != n || PyList_GET_SIZE(args[3]) != n ||
+        PyList_GET_SIZE(args[4]) != n || PyList_GET_SIZE(args[5]) != n ||
+        PyArray_DIM(table, 0) != (npy_intp)n) {
+        PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: lists and table differ in length");
+        return NULL;
+    }
+    for (k = 0; k < 4; k++) {
+        names[k] = PyUnicode_InternFromString(attr_names[k]);
+        if (names[k] == NULL)
+            goto done;
+    }
+    for (i = 0; i < n && ok == 1; i++)
+        ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
+                            PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
+                            PyList_GET_ITEM(args[5], i), args[6], names,
+                            (int64_t *)PyArray_GETPTR1(table, i));
+    if (ok >= 0)
+        result = PyBool_FromLong(ok);
+done:
+    for (k = 0; k < 4; k++)
+        Py_XDECREF(names[k]);
+    return result;
+}

@@ -95,11 +95,15 @@ class _Plan:
                 watched.append(("step", step))
             self.watched.append(tuple(watched))
 
-    def grad_pointers(self, state) -> tuple[list, list] | None:
-        """Gradient pointers for this step, or None when the plan is stale.
-        Also returns the gradient copies that must outlive the call."""
+    def prepare_grads(self, state) -> list | None:
+        """Writes this step's gradient pointers into the table. Returns the
+        gradient copies that must outlive the call, or None when the plan is
+        stale. The common case (same storages and state, contiguous strided
+        gradients) is checked in C; anything else comes here."""
+        if _C.optim_grad_pointers(self.params, self.param_ptrs, state, self.state_dicts,
+                                  self.watched, self.grad_contiguous, torch.strided, self.table):
+            return []
         ptrs, keep = [], []
-        strided = torch.strided
         for p, st, ptr, contig, watched in zip(self.params, self.state_dicts, self.param_ptrs,
                                                self.grad_contiguous, self.watched):
             if p.data_ptr() != ptr or state.get(p) is not st:
@@ -110,7 +114,7 @@ class _Plan:
             g = p.grad
             if g is None:
                 return None
-            if g.layout is not strided:
+            if g.layout is not torch.strided:
                 raise RuntimeError("reprop.optim: sparse gradients are not supported "
                                    f"(got a {g.layout} gradient for a parameter of shape "
                                    f"{tuple(p.shape)})")
@@ -118,10 +122,11 @@ class _Plan:
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
                 keep.append(g)
             ptrs.append(g.data_ptr())
-        return ptrs, keep
+        self.table[:, _COL_GRAD] = ptrs
+        return keep
 
-    def run(self, opt: "_FusedOptimizer", group: dict, grad_ptrs: list) -> None:
-        self.table[:, _COL_GRAD] = grad_ptrs
+    def run(self, opt: "_FusedOptimizer", group: dict) -> None:
+        """Issues the update; prepare_grads() must have succeeded this step."""
         for _, p, work in self.staged:
             work.copy_(p)
         hp = opt._hparams(group)
@@ -148,13 +153,13 @@ class _Plan:
         _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
 
 
-def _grad_pointers(plans: list | None, state) -> list | None:
-    """Each plan's gradient pointers for this step; None when there is no plan
-    yet or one of them is stale."""
+def _prepare_grads(plans: list | None, state) -> list | None:
+    """Prepares each plan's gradients for this step; returns the gradient copies
+    to keep alive, or None when there is no plan yet or one of them is stale."""
     if plans is None:
         return None
-    pointers = [plan.grad_pointers(state) for plan in plans]
-    return None if any(ptrs is None for ptrs in pointers) else pointers
+    keep = [plan.prepare_grads(state) for plan in plans]
+    return None if any(k is None for k in keep) else keep
 
 
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
@@ -275,12 +280,13 @@ class _FusedOptimizer:
             return
         key = (id(group), tuple(map(id, active)))
         plans = self._plans.get(key)
-        pointers = _grad_pointers(plans, self.state)
-        if pointers is None:  # first use, or a storage or state tensor was replaced
+        keep = _prepare_grads(plans, self.state)
+        if keep is None:  # first use, or a storage or state tensor was replaced
             plans = self._make_plans(group, active, key)
-            pointers = _grad_pointers(plans, self.state)
-        for plan, (ptrs, _keep) in zip(plans, pointers):
-            plan.run(self, group, ptrs)
+            keep = _prepare_grads(plans, self.state)
+        for plan in plans:
+            plan.run(self, group)
+        del keep  # gradient copies: only now may they be freed
 
     def _make_plans(self, group: dict, active: list, key: tuple) -> list:
         buckets: dict = {}
