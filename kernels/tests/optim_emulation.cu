@@ -1,0 +1,1245 @@
+/*
+ * optim_emulation.cu: the CUDA optimizer launcher and kernels of kernels/optim.cu,
+ * run on the host, must agree bit for bit with the CPU core (csrc/optim.c).
+ *
+ * CI has nvcc but no GPU. This test includes optim.cu with the CUDA runtime calls
+ * it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice, cudaSetDevice,
+ * cudaDeviceGetAttribute, cudaGetLastError) renamed to the host mocks below; every
+ * other runtime call (cudaGetDeviceCount, cudaGetErrorString) is the real static
+ * runtime. The launch mock checks the launch table it is handed, then runs every
+ * block of the grid on the host through the kernels' __host__ __device__ parts
+ * (rp_block_consts, rp_capturable_scalars, rp_update_chunk for each of the
+ * RP_THREADS threads); the step-increment kernel is one line and is re-stated.
+ * Each case runs two steps through rp_cuda_optim_step and through
+ * rp_optim_step_cpu on identical inputs and compares params, grads, every state
+ * buffer and step counter byte for byte, with canary bytes around every buffer.
+ *
+ * What it proves, for every optimizer and its options, float32, float16 and
+ * bfloat16, aligned, misaligned and 8-byte-aligned tensors, non-capturable and
+ * capturable updates (with and without a device lr), and 1 to 132 SMs:
+ *   - the launch tables: each table tensor points into its entry at a chunk
+ *     boundary with the right numel, state slots, step scalars or step pointer,
+ *     and every element of every entry is updated exactly once;
+ *   - the block -> (tensor, chunk) mapping and the thread loops, on the vector
+ *     and the scalar path, tails included;
+ *   - the vector-path decision: all used pointers 16-byte aligned (8 bytes for
+ *     16-bit params and grads);
+ *   - capturable updates: every step counter (zero-numel entries too) is
+ *     incremented once, in as many increment launches as RP_STEP_TAB needs,
+ *     before any update launch; consts and step scalars derived per block,
+ *     from the device lr when given;
+ *   - tables that fill up: several launches per call and a tensor continued in
+ *     the next table (RP_TAB_TENSORS, RP_TAB_BLOCKS and RP_STEP_TAB are made
+ *     small below, which optim.cu allows, so small inputs spill);
+ *   - the stream's device is current during the launches and restored after;
+ *   - error statuses: bad arguments give RP_EINVAL with nothing launched or
+ *     written, CUDA errors give RP_ERUNTIME with CUDA's text, and
+ *     rp_cuda_device_count() is 0 when the runtime finds no driver.
+ *
+ * What it cannot prove: anything only the device does: real 128-bit and 64-bit
+ * loads and stores, the shared memory and barrier of capturable updates, CUDA's
+ * double pow and sqrt (the emulation uses the host's, as the CPU core does),
+ * blocks running concurrently, and the device code nvcc generates.
+ * emulate_block() below re-states the body of rp_optim_kernel: keep them in step.
+ *
+ * Build (.ci/run does this): the CPU reference with setup.py's flags, then this
+ * file with nvcc (optim.cu is CUDA C++), against the static CUDA runtime. Only
+ * host code runs; -arch=sm_80 is there because __grid_constant__ needs sm_70+.
+ *   gcc -std=c11 -O3 -fopenmp -fno-math-errno -ffp-contract=off -Icsrc \
+ *       -c csrc/optim.c -o optim.o            (and csrc/common.c -> common.o)
+ *   nvcc -std=c++17 -O2 --fmad=false -arch=sm_80 -Xcompiler -fopenmp,-ffp-contract=off \
+ *       -Icsrc -Ikernels kernels/tests/optim_emulation.cu optim.o common.o -o optim_emulation
+ * Without -ffp-contract=off on both sides the bitwise comparison is meaningless;
+ * nvcc would compile the .c files with gcc's defaults (-ffp-contract=fast), hence gcc.
+ * Exit status 0 when everything agrees; one summary line either way.
+ */
+#include <cuda_runtime.h>
+
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <algorithm>
+#include <vector>
+
+/* Small tables, so that a few thousand elements already need several launches. */
+#define RP_TAB_TENSORS 6
+#define RP_TAB_BLOCKS 24
+#define RP_STEP_TAB 5
+
+static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                      size_t smem, cudaStream_t stream);
+static cudaError_t mock_get_device(int *dev);
+static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev);
+static cudaError_t mock_set_device(int dev);
+static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev);
+static cudaError_t mock_get_last_error(void);
+
+#define cudaLaunchKernel mock_launch_kernel
+#define cudaGetDevice mock_get_device
+#define cudaStreamGetDevice mock_stream_get_device
+#define cudaSetDevice mock_set_device
+#define cudaDeviceGetAttribute mock_device_get_attribute
+#define cudaGetLastError mock_get_last_error
+#include "optim.cu"
+#undef cudaLaunchKernel
+#undef cudaGetDevice
+#undef cudaStreamGetDevice
+#undef cudaSetDevice
+#undef cudaDeviceGetAttribute
+#undef cudaGetLastError
+
+#define STEPS_PER_CASE 2
+#define BLOCK_STEP (4 * RP_THREADS) /* elements of one block step: chunks are multiples */
+
+/* ---------------------------------------------------------------------------
+ * Failure reporting
+ * ------------------------------------------------------------------------- */
+
+static int g_failures;
+static char g_context[256]; /* the case being run */
+
+static void report_failure(int line, const char *cond, const char *fmt, ...)
+{
+    va_list ap;
+    if (++g_failures > 30)
+        return;
+    fprintf(stderr, "FAIL [%s] line %d: CHECK(%s): ", g_context, line, cond);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+/* A crash (an out-of-bounds or misaligned access of the emulated kernel) still
+ * names the case. */
+static void on_fatal_signal(int sig)
+{
+    static const char head[] = "FAIL [";
+    static const char tail[] = "]: crashed (out-of-bounds or misaligned access?)\n";
+    ssize_t ignored = write(2, head, sizeof head - 1);
+    ignored = write(2, g_context, strnlen(g_context, sizeof g_context));
+    ignored = write(2, tail, sizeof tail - 1);
+    (void)ignored;
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            report_failure(__LINE__, #cond, __VA_ARGS__);                                          \
+    } while (0)
+
+/* ---------------------------------------------------------------------------
+ * The emulated runtime: devices, streams, injected faults
+ * ------------------------------------------------------------------------- */
+
+#define EMU_DEVICES 4
+static const int emu_sm_count[EMU_DEVICES] = {132, 1, 4, 7};
+
+/* Stream handles of the emulated devices (never dereferenced). */
+static cudaStream_t emu_stream(int dev) { return (cudaStream_t)(uintptr_t)(0x5000 + 0x100 * dev); }
+
+typedef enum {
+    FAULT_NONE,
+    FAULT_GET_DEVICE,    /* cudaGetDevice fails */
+    FAULT_STEP_LAUNCH,   /* the step-increment launch is refused */
+    FAULT_UPDATE_LAUNCH, /* an update launch is refused */
+    FAULT_LAST_ERROR,    /* an update launch "succeeds" but cudaGetLastError reports an error */
+} emu_fault;
+
+typedef struct {
+    int current_device;
+    emu_fault fault;
+    cudaError_t pending; /* what cudaGetLastError returns next */
+    long get_device_calls;
+} emu_runtime;
+
+static emu_runtime g_rt;
+
+/* What the current rp_cuda_optim_step call is expected to launch, and what it did. */
+typedef struct {
+    int kind, dtype;
+    bool capturable;
+    unsigned slots; /* rp_optim_state_slots of the hyper-parameters */
+    cudaStream_t stream;
+    int device; /* the stream's device: current during every launch */
+    const rp_optim_entry *entries;
+    int64_t n;
+    const rp_step_scalars *scalars; /* non-capturable; may be NULL without step scalars */
+    const uint8_t *expect_vec;      /* per entry: 1 when the vector path must be taken */
+    std::vector<int64_t> updated;   /* elements updated per entry */
+    int step_launches, update_launches;
+} emu_call;
+
+static emu_call g_call;
+
+/* What the grid exercised, to make sure no dimension is silently lost. */
+typedef struct {
+    long cases, calls, update_launches, step_launches;
+    long vector_blocks, scalar_blocks;
+    long multi_launch_calls;      /* calls with more than one update launch */
+    long multi_step_launch_calls; /* capturable calls with more than one increment launch */
+    long continued_tensors;       /* table tensors that continue an entry begun earlier */
+    long capped_chunks;           /* launches with chunks of RP_HUGE_STEPS block steps */
+    std::vector<int> chunks;      /* the distinct chunk sizes launched */
+    long device_switches;         /* calls on a stream of another device than the current */
+} emu_stats;
+
+static emu_stats g_stats;
+
+static cudaError_t mock_get_device(int *dev)
+{
+    g_rt.get_device_calls++;
+    if (g_rt.fault == FAULT_GET_DEVICE) {
+        g_rt.pending = cudaErrorNoDevice;
+        return cudaErrorNoDevice;
+    }
+    *dev = g_rt.current_device;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
+{
+    for (int d = 0; d < EMU_DEVICES; d++) {
+        if (stream == emu_stream(d)) {
+            *dev = d;
+            return cudaSuccess;
+        }
+    }
+    CHECK(false, "cudaStreamGetDevice on stream %p, not an emulated one", (void *)stream);
+    return cudaErrorInvalidResourceHandle;
+}
+
+static cudaError_t mock_set_device(int dev)
+{
+    CHECK(dev >= 0 && dev < EMU_DEVICES, "cudaSetDevice(%d)", dev);
+    g_rt.current_device = dev;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
+{
+    CHECK(attr == cudaDevAttrMultiProcessorCount, "unexpected attribute %d", (int)attr);
+    CHECK(dev >= 0 && dev < EMU_DEVICES, "attribute of device %d", dev);
+    *value = emu_sm_count[dev >= 0 && dev < EMU_DEVICES ? dev : 0];
+    return cudaSuccess;
+}
+
+static cudaError_t mock_get_last_error(void)
+{
+    const cudaError_t e = g_rt.pending;
+    g_rt.pending = cudaSuccess;
+    return e;
+}
+
+/* ---------------------------------------------------------------------------
+ * The emulated kernels
+ * ------------------------------------------------------------------------- */
+
+/* rp_step_increment_kernel: thread i < n increments step i. */
+static void emulate_step_increment(const rp_step_launch &S, dim3 grid, dim3 block)
+{
+    CHECK(g_call.capturable && g_call.kind != RP_SGD, "step increment launched needlessly");
+    CHECK(g_call.update_launches == 0, "step increment launched after an update launch");
+    CHECK(S.n >= 1 && S.n <= RP_STEP_TAB, "step table of %d counters", S.n);
+    CHECK((int64_t)grid.x * block.x >= S.n && (int64_t)(grid.x - 1) * block.x < S.n,
+          "%u x %u threads for %d counters", grid.x, block.x, S.n);
+    for (int i = 0; i < S.n && i < RP_STEP_TAB; i++)
+        *S.step[i] = *S.step[i] + 1.0f;
+    g_call.step_launches++;
+    g_stats.step_launches++;
+}
+
+/* rp_optim_kernel for block `block`: the same steps, its threads one after the
+ * other (they touch disjoint elements). */
+template <int KIND, int DT, bool CAPT>
+static void emulate_block(const rp_optim_launch &L, int block)
+{
+    const int t = L.block_tensor[block];
+    rp_optim_consts c;
+    float a = 0.0f, b = 1.0f;
+    rp_block_consts<CAPT>(L, &c);
+    if constexpr (KIND == RP_ADAM || KIND == RP_ADAGRAD) {
+        if constexpr (CAPT) {
+            const float2 scal = rp_capturable_scalars<KIND>(&L.hp, L.u.step[t]);
+            a = scal.x;
+            b = scal.y;
+        } else {
+            a = L.u.sc.a[t];
+            b = L.u.sc.b[t];
+        }
+    }
+    for (int tid = 0; tid < RP_THREADS; tid++)
+        rp_update_chunk<KIND, DT>(L, block, tid, &c, a, b);
+}
+
+template <int KIND, int DT, bool CAPT>
+static void emulate_grid(const rp_optim_launch &L, int nblocks)
+{
+    for (int block = 0; block < nblocks; block++)
+        emulate_block<KIND, DT, CAPT>(L, block);
+}
+
+typedef void (*emulate_fn)(const rp_optim_launch &, int);
+
+template <int KIND, int DT>
+static emulate_fn emulator_capt(bool capturable)
+{
+    return capturable ? emulate_grid<KIND, DT, true> : emulate_grid<KIND, DT, false>;
+}
+
+template <int KIND>
+static emulate_fn emulator_dtype(int dtype, bool capturable)
+{
+    switch (dtype) {
+    case RP_F32:
+        return emulator_capt<KIND, RP_F32>(capturable);
+    case RP_F16:
+        return emulator_capt<KIND, RP_F16>(capturable);
+    default:
+        return emulator_capt<KIND, RP_BF16>(capturable);
+    }
+}
+
+static emulate_fn emulator_for(int kind, int dtype, bool capturable)
+{
+    switch (kind) {
+    case RP_SGD:
+        return emulator_dtype<RP_SGD>(dtype, capturable);
+    case RP_ADAM:
+        return emulator_dtype<RP_ADAM>(dtype, capturable);
+    case RP_ADAGRAD:
+        return emulator_dtype<RP_ADAGRAD>(dtype, capturable);
+    case RP_RMSPROP:
+        return emulator_dtype<RP_RMSPROP>(dtype, capturable);
+    default:
+        return emulator_dtype<RP_ADADELTA>(dtype, capturable);
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Launch-table checks
+ * ------------------------------------------------------------------------- */
+
+static int64_t param_size(int dtype) { return dtype == RP_F32 ? 4 : 2; }
+
+/* The entry whose param holds `p`, and p's element offset in it; -1 if none. */
+static int64_t find_entry(const void *p, int64_t *offset)
+{
+    const int64_t esize = param_size(g_call.dtype);
+    for (int64_t j = 0; j < g_call.n; j++) {
+        const rp_optim_entry &e = g_call.entries[j];
+        const char *base = (const char *)e.param;
+        if (e.numel > 0 && (const char *)p >= base && (const char *)p < base + e.numel * esize) {
+            *offset = ((const char *)p - base) / esize;
+            return j;
+        }
+    }
+    return -1;
+}
+
+/* The flags byte entry j must get: vector path, state slots read and written. */
+static unsigned expected_flags(int64_t j)
+{
+    const rp_optim_entry &e = g_call.entries[j];
+    unsigned used = 0, load;
+    for (int s = 0; s < 3; s++)
+        if ((g_call.slots >> s & 1u) && e.state[s] != NULL)
+            used |= 1u << s;
+    load = used;
+    if (g_call.kind == RP_SGD && (e.flags & RP_ENTRY_FRESH_BUFFER))
+        load &= ~1u;
+    return (g_call.expect_vec[j] ? RP_TF_VEC : 0u) | load << RP_TF_LOAD_SHIFT |
+           used << RP_TF_STORE_SHIFT;
+}
+
+static bool same_float_bits(float a, float b) { return memcmp(&a, &b, sizeof a) == 0; }
+
+/* Table tensor t against the entry it points into; returns the entry, or -1. */
+static int64_t check_table_tensor(const rp_optim_launch &L, int t)
+{
+    const int64_t esize = param_size(g_call.dtype);
+    int64_t off = 0;
+    const int64_t j = find_entry(L.ptr[0][t], &off);
+    CHECK(j >= 0, "table tensor %d: param pointer %p is in no entry", t, L.ptr[0][t]);
+    if (j < 0)
+        return -1;
+    const rp_optim_entry &e = g_call.entries[j];
+    const unsigned flags = expected_flags(j);
+    const unsigned used = flags >> RP_TF_STORE_SHIFT & 7u;
+    CHECK(off % L.chunk == 0, "entry %lld resumes at element %lld, inside a chunk of %d",
+          (long long)j, (long long)off, L.chunk);
+    CHECK(L.ptr[1][t] == (const char *)e.grad + off * esize, "entry %lld: grad pointer",
+          (long long)j);
+    for (int s = 0; s < 3; s++) {
+        const void *want = (used >> s & 1u) ? (const void *)(e.state[s] + off) : NULL;
+        CHECK(L.ptr[2 + s][t] == want, "entry %lld: state %d pointer", (long long)j, s);
+    }
+    CHECK(L.numel[t] == e.numel - off, "entry %lld: numel %lld from element %lld of %lld",
+          (long long)j, (long long)L.numel[t], (long long)off, (long long)e.numel);
+    CHECK(L.flags[t] == flags, "entry %lld: flags %#x, expected %#x", (long long)j, L.flags[t],
+          flags);
+    if (g_call.capturable) {
+        CHECK(L.u.step[t] == e.step, "entry %lld: step pointer", (long long)j);
+    } else {
+        const float a = g_call.scalars != NULL ? g_call.scalars[j].a : 0.0f;
+        const float b = g_call.scalars != NULL ? g_call.scalars[j].b : 1.0f;
+        CHECK(same_float_bits(L.u.sc.a[t], a) && same_float_bits(L.u.sc.b[t], b),
+              "entry %lld: step scalars (%g, %g), expected (%g, %g)", (long long)j,
+              L.u.sc.a[t], L.u.sc.b[t], a, b);
+    }
+    if (off > 0)
+        g_stats.continued_tensors++;
+    return j;
+}
+
+/* The table of one update launch of nblocks blocks; adds each block's elements
+ * to g_call.updated. Returns false when the table cannot be emulated safely. */
+static bool check_table(const rp_optim_launch &L, int nblocks)
+{
+    int64_t entry_of[RP_TAB_TENSORS];
+    bool seen[RP_TAB_TENSORS] = {false};
+    bool ok = true;
+
+    CHECK(L.chunk > 0 && L.chunk % BLOCK_STEP == 0, "chunk %d", L.chunk);
+    if (L.chunk <= 0 || L.chunk % BLOCK_STEP != 0)
+        return false;
+    if (L.chunk == RP_HUGE_STEPS * BLOCK_STEP)
+        g_stats.capped_chunks++;
+    if (std::find(g_stats.chunks.begin(), g_stats.chunks.end(), L.chunk) == g_stats.chunks.end())
+        g_stats.chunks.push_back(L.chunk);
+    for (int block = 0; block < nblocks; block++) {
+        const int t = L.block_tensor[block];
+        CHECK(t < RP_TAB_TENSORS, "block %d: tensor %d", block, t);
+        if (t >= RP_TAB_TENSORS)
+            return false;
+        if (!seen[t]) {
+            seen[t] = true;
+            entry_of[t] = check_table_tensor(L, t);
+            ok = ok && entry_of[t] >= 0;
+        }
+        const int64_t start = (int64_t)(block - L.first_block[t]) * L.chunk;
+        CHECK(start >= 0 && start < L.numel[t], "block %d: chunk start %lld of %lld elements",
+              block, (long long)start, (long long)L.numel[t]);
+        if (start < 0 || start >= L.numel[t] || entry_of[t] < 0)
+            return false;
+        const int64_t rest = L.numel[t] - start;
+        g_call.updated[entry_of[t]] += rest < L.chunk ? rest : L.chunk;
+        if (L.flags[t] & RP_TF_VEC)
+            g_stats.vector_blocks++;
+        else
+            g_stats.scalar_blocks++;
+    }
+    return ok;
+}
+
+static void emulate_update(const void *fn, const rp_optim_launch &L, dim3 grid, dim3 block)
+{
+    const bool step_kind = g_call.kind != RP_SGD;
+    CHECK(fn == (const void *)rp_update_kernel_for(g_call.kind, g_call.dtype, g_call.capturable),
+          "wrong kernel for kind %d, dtype %d, capturable %d", g_call.kind, g_call.dtype,
+          (int)g_call.capturable);
+    CHECK(block.x == RP_THREADS, "%u threads per block", block.x);
+    CHECK(grid.x >= 1 && grid.x <= RP_TAB_BLOCKS, "%u blocks", grid.x);
+    CHECK(!(g_call.capturable && step_kind) || g_call.step_launches > 0,
+          "update launched before the step increments");
+    g_call.update_launches++;
+    g_stats.update_launches++;
+    if (grid.x < 1 || grid.x > RP_TAB_BLOCKS || !check_table(L, (int)grid.x))
+        return;
+    emulator_for(g_call.kind, g_call.dtype, g_call.capturable)(L, (int)grid.x);
+}
+
+static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                      size_t smem, cudaStream_t stream)
+{
+    CHECK(stream == g_call.stream, "launch on stream %p, not the caller's", (void *)stream);
+    CHECK(g_rt.current_device == g_call.device, "launch on device %d, the stream's is %d",
+          g_rt.current_device, g_call.device);
+    CHECK(smem == 0 && grid.y == 1 && grid.z == 1 && block.y == 1 && block.z == 1,
+          "launch shape");
+    if (fn == (const void *)rp_step_increment_kernel) {
+        if (g_rt.fault == FAULT_STEP_LAUNCH) {
+            g_rt.pending = cudaErrorLaunchOutOfResources;
+            return cudaErrorLaunchOutOfResources;
+        }
+        emulate_step_increment(*(const rp_step_launch *)args[0], grid, block);
+        return cudaSuccess;
+    }
+    if (g_rt.fault == FAULT_UPDATE_LAUNCH) {
+        g_rt.pending = cudaErrorInvalidConfiguration;
+        return cudaErrorInvalidConfiguration;
+    }
+    if (g_rt.fault == FAULT_LAST_ERROR) {
+        g_rt.pending = cudaErrorLaunchFailure;
+        return cudaSuccess;
+    }
+    emulate_update(fn, *(const rp_optim_launch *)args[0], grid, block);
+    return cudaSuccess;
+}
+
+/* ---------------------------------------------------------------------------
+ * Test data: guarded buffers, tensors, cases
+ * ------------------------------------------------------------------------- */
+
+#define GUARD 64 /* canary bytes on each side of every buffer */
+#define CANARY 0xA5
+
+/* `size` payload bytes starting `misalign` bytes after a 64-byte boundary. */
+typedef struct {
+    std::vector<unsigned char> storage;
+    size_t offset, size;
+} guarded_buffer;
+
+static void buffer_allocate(guarded_buffer *buf, size_t size, size_t misalign)
+{
+    buf->storage.assign(64 + GUARD + misalign + size + GUARD, CANARY);
+    buf->offset = (64 - (uintptr_t)buf->storage.data() % 64) % 64 + GUARD + misalign;
+    buf->size = size;
+}
+
+static void *buffer_data(guarded_buffer *buf) { return buf->storage.data() + buf->offset; }
+
+static bool buffer_guards_intact(const guarded_buffer *buf)
+{
+    for (size_t k = 0; k < buf->offset; k++)
+        if (buf->storage[k] != CANARY)
+            return false;
+    for (size_t k = buf->offset + buf->size; k < buf->storage.size(); k++)
+        if (buf->storage[k] != CANARY)
+            return false;
+    return true;
+}
+
+/* splitmix64: fast, and the same sequence everywhere. */
+typedef struct {
+    uint64_t state;
+} rng64;
+
+static uint64_t rng_next(rng64 *r)
+{
+    uint64_t z = (r->state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float rng_uniform(rng64 *r, float lo, float hi) /* in [lo, hi) */
+{
+    return lo + (hi - lo) * ((float)(rng_next(r) >> 40) * (1.0f / 16777216.0f));
+}
+
+/* n values in [lo, hi) of `dtype`; with `specials`, every 97th is tiny (a float16
+ * subnormal) and every 89th exactly zero. */
+static void fill_values(void *dst, int dtype, int64_t n, float lo, float hi, bool specials,
+                        rng64 *r)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float v = rng_uniform(r, lo, hi);
+        if (specials && i % 97 == 5)
+            v = 1e-6f * rng_uniform(r, -1.0f, 1.0f);
+        if (specials && i % 89 == 7)
+            v = 0.0f;
+        if (dtype == RP_F32)
+            ((float *)dst)[i] = v;
+        else if (dtype == RP_F16)
+            ((uint16_t *)dst)[i] = rp_f32_to_f16(v);
+        else
+            ((uint16_t *)dst)[i] = rp_f32_to_bf16(v);
+    }
+}
+
+/* Values are drawn once into a pool per kind of buffer; a buffer copies its pool
+ * from a random start, wrapping around (drawing every value afresh would take
+ * most of the run time). */
+#define POOL_ELEMS 65521 /* prime: no repeats at chunk-sized periods */
+
+typedef struct {
+    int dtype;
+    float lo, hi;
+    bool specials;
+    std::vector<unsigned char> values;
+} value_pool;
+
+static std::vector<value_pool> g_pools;
+
+static const value_pool &pool_for(int dtype, float lo, float hi, bool specials)
+{
+    for (const value_pool &p : g_pools)
+        if (p.dtype == dtype && p.lo == lo && p.hi == hi && p.specials == specials)
+            return p;
+    rng64 r = {1000 + g_pools.size()};
+    g_pools.push_back({dtype, lo, hi, specials, {}});
+    value_pool &p = g_pools.back();
+    p.values.resize((size_t)POOL_ELEMS * (size_t)param_size(dtype));
+    fill_values(p.values.data(), dtype, POOL_ELEMS, lo, hi, specials, &r);
+    return p;
+}
+
+static void fill_from_pool(void *dst, int dtype, int64_t n, float lo, float hi, bool specials,
+                           rng64 *r)
+{
+    const value_pool &p = pool_for(dtype, lo, hi, specials);
+    const size_t esize = (size_t)param_size(dtype);
+    int64_t start = (int64_t)(rng_next(r) % POOL_ELEMS), done = 0;
+    while (done < n) {
+        const int64_t take = n - done < POOL_ELEMS - start ? n - done : POOL_ELEMS - start;
+        memcpy((char *)dst + done * esize, p.values.data() + start * esize, take * esize);
+        done += take;
+        start = 0;
+    }
+}
+
+/* Plausible values of state slot `slot` (squares and their averages >= 0; the
+ * centered RMSprop's grad_avg small enough that square_avg - grad_avg^2 > 0). */
+static void state_range(int kind, int slot, float *lo, float *hi)
+{
+    *lo = 0.0f;
+    *hi = 0.1f;
+    if (kind == RP_SGD || (kind == RP_ADAM && slot == 0) || (kind == RP_RMSPROP && slot == 1))
+        *lo = -0.1f; /* momentum buffers, exp_avg */
+    else if (kind == RP_ADAM)
+        *hi = 0.01f; /* exp_avg_sq, max_exp_avg_sq */
+    else if (kind == RP_RMSPROP && slot == 0)
+        *lo = 0.01f; /* square_avg */
+    else if (kind == RP_RMSPROP && slot == 2) {
+        *lo = -0.05f; /* grad_avg */
+        *hi = 0.05f;
+    }
+}
+
+typedef enum { ALIGNED, MIXED, EIGHT_BYTES, N_MISALIGNMENTS } misalignment;
+
+static const char *const misalignment_names[N_MISALIGNMENTS] = {
+    "aligned", "mixed misaligned", "param/grad 8-byte aligned"};
+
+/* Byte offsets of entry i's buffers from a 64-byte boundary. */
+typedef struct {
+    size_t param, grad, state[3];
+} buffer_offsets;
+
+static buffer_offsets offsets_for(misalignment m, size_t i, size_t esize)
+{
+    buffer_offsets o = {0, 0, {0, 0, 0}};
+    if (m == MIXED) {
+        if (i % 3 == 1)
+            o.param = esize; /* one element */
+        if (i % 5 == 2)
+            o.grad = 2 * esize;
+        if (i % 11 == 5)
+            o.state[0] = 4; /* one float */
+        if (i % 7 == 3)
+            o.state[1] = 8;
+        if (i % 13 == 6)
+            o.state[2] = 12;
+    } else if (m == EIGHT_BYTES) {
+        o.param = 8; /* enough for 16-bit vectors (8 bytes), not for float32 ones */
+        o.grad = 8;
+    }
+    return o;
+}
+
+/* optim.cu's rule, from the offsets: E = 4 elements of param and grad, and
+ * float4s of every state slot the update uses, must be naturally aligned. */
+static bool vector_path_expected(const buffer_offsets &o, unsigned used_slots, size_t esize)
+{
+    bool vec = o.param % (4 * esize) == 0 && o.grad % (4 * esize) == 0;
+    for (int s = 0; s < 3; s++)
+        if (used_slots >> s & 1u)
+            vec = vec && o.state[s] % 16 == 0;
+    return vec;
+}
+
+typedef struct {
+    guarded_buffer param, grad, state[3];
+    float step;
+} tensor_data;
+
+/* The tensors of one call; entries point into them. */
+typedef struct {
+    std::vector<tensor_data> tensors;
+    std::vector<rp_optim_entry> entries;
+    std::vector<uint8_t> expect_vec;
+} case_data;
+
+/* The values of `dst`: copied from `from`, or drawn when `from` is NULL. */
+static void set_values(guarded_buffer *dst, const guarded_buffer *from, int dtype, int64_t n,
+                       float lo, float hi, bool specials, rng64 *r)
+{
+    if (from != NULL)
+        memcpy(buffer_data(dst), from->storage.data() + from->offset, dst->size);
+    else
+        fill_from_pool(buffer_data(dst), dtype, n, lo, hi, specials, r);
+}
+
+/* Entry i and its tensors; their values those of `from` when not NULL. */
+static void build_tensor(case_data *cd, size_t i, const rp_optim_hparams &hp, int dtype,
+                         int64_t numel, misalignment m, const tensor_data *from, rng64 *r)
+{
+    const size_t esize = (size_t)param_size(dtype);
+    const unsigned slots = rp_optim_state_slots(&hp);
+    const buffer_offsets o = offsets_for(m, i, esize);
+    tensor_data *t = &cd->tensors[i];
+    rp_optim_entry *e = &cd->entries[i];
+    unsigned used = 0;
+
+    buffer_allocate(&t->param, (size_t)numel * esize, o.param);
+    buffer_allocate(&t->grad, (size_t)numel * esize, o.grad);
+    set_values(&t->param, from ? &from->param : NULL, dtype, numel, -1.0f, 1.0f, true, r);
+    set_values(&t->grad, from ? &from->grad : NULL, dtype, numel, -0.5f, 0.5f, true, r);
+    e->param = buffer_data(&t->param);
+    e->grad = buffer_data(&t->grad);
+    e->numel = numel;
+    for (int s = 0; s < 3; s++) {
+        float lo = -1.0f, hi = 1.0f;
+        const bool slot_used = slots >> s & 1u;
+        /* An unused slot is NULL in even entries; odd ones get a buffer the update
+         * must leave alone. */
+        if (!slot_used && i % 2 == 0)
+            continue;
+        if (slot_used)
+            state_range(hp.kind, s, &lo, &hi);
+        buffer_allocate(&t->state[s], (size_t)numel * 4, o.state[s]);
+        set_values(&t->state[s], from ? &from->state[s] : NULL, RP_F32, numel, lo, hi, false,
+                   r);
+        e->state[s] = (float *)buffer_data(&t->state[s]);
+        used |= slot_used ? 1u << s : 0u;
+    }
+    if (hp.kind != RP_SGD) {
+        t->step = (float)(i * 7 % 10);
+        e->step = &t->step;
+    } else if (i % 2 == 0) {
+        e->flags = RP_ENTRY_FRESH_BUFFER; /* momentum buffer created by this step */
+    }
+    cd->expect_vec[i] = vector_path_expected(o, used, esize);
+}
+
+/* Tensors of the given sizes, their values drawn from `seed`, or (`from` not
+ * NULL: a twin) those of `from`, built from the same arguments. */
+static void build_case(case_data *cd, const rp_optim_hparams &hp, int dtype,
+                       const std::vector<int64_t> &sizes, misalignment m, uint64_t seed,
+                       const case_data *from = NULL)
+{
+    rng64 r = {seed};
+    const size_t n = sizes.size();
+    cd->tensors.clear();
+    cd->tensors.resize(n);
+    cd->entries.assign(n, rp_optim_entry());
+    cd->expect_vec.assign(n, 0);
+    for (size_t i = 0; i < n; i++)
+        build_tensor(cd, i, hp, dtype, sizes[i], m, from ? &from->tensors[i] : NULL, &r);
+}
+
+/* The first element where two buffers of `esize`-byte elements differ, or -1. */
+static int64_t first_difference(guarded_buffer *a, guarded_buffer *b, size_t esize)
+{
+    if (a->size != b->size)
+        return 0;
+    if (a->size == 0)
+        return -1;
+    if (memcmp(buffer_data(a), buffer_data(b), a->size) == 0)
+        return -1;
+    const unsigned char *pa = (const unsigned char *)buffer_data(a);
+    const unsigned char *pb = (const unsigned char *)buffer_data(b);
+    size_t k = 0;
+    while (pa[k] == pb[k])
+        k++;
+    return (int64_t)(k / esize);
+}
+
+static bool compare_buffer(guarded_buffer *want, guarded_buffer *got, size_t esize,
+                           const char *what, size_t i)
+{
+    const int64_t at = first_difference(want, got, esize);
+    const bool guards = buffer_guards_intact(got);
+    CHECK(guards, "write out of bounds of %s of tensor %zu", what, i);
+    CHECK(at < 0, "%s of tensor %zu differs from the CPU's at element %lld", what, i,
+          (long long)at);
+    return at < 0 && guards;
+}
+
+/* Everything of `got` equal, byte for byte, to `want`. */
+static bool compare_cases(case_data *want, case_data *got, int dtype)
+{
+    const size_t esize = (size_t)param_size(dtype);
+    for (size_t i = 0; i < want->tensors.size(); i++) {
+        tensor_data *w = &want->tensors[i], *g = &got->tensors[i];
+        bool ok = compare_buffer(&w->param, &g->param, esize, "param", i) &&
+                  compare_buffer(&w->grad, &g->grad, esize, "grad", i);
+        static const char *const names[3] = {"state 0", "state 1", "state 2"};
+        for (int s = 0; s < 3 && ok; s++)
+            ok = compare_buffer(&w->state[s], &g->state[s], 4, names[s], i);
+        if (ok) {
+            CHECK(same_float_bits(w->step, g->step), "step of tensor %zu: %g, CPU %g", i,
+                  (double)g->step, (double)w->step);
+            ok = same_float_bits(w->step, g->step);
+        }
+        if (!ok)
+            return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------
+ * The grid: hyper-parameters, sizes, launch configurations
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    const char *name;
+    rp_optim_hparams hp;
+} hparam_config;
+
+static rp_optim_hparams base_hparams(int kind)
+{
+    rp_optim_hparams h;
+    memset(&h, 0, sizeof h);
+    h.kind = kind;
+    h.lr = 1e-2;
+    h.eps = 1e-8;
+    h.beta1 = 0.9;
+    h.beta2 = 0.999;
+    h.alpha = 0.99;
+    h.rho = 0.9;
+    return h;
+}
+
+/* Every optimizer, each option at least once. */
+static std::vector<hparam_config> hparam_configs(void)
+{
+    std::vector<hparam_config> v;
+    rp_optim_hparams h = base_hparams(RP_SGD);
+    v.push_back({"sgd", h});
+    h.momentum = 0.9;
+    v.push_back({"sgd momentum", h});
+    h.nesterov = 1;
+    h.weight_decay = 0.01;
+    v.push_back({"sgd nesterov weight_decay", h});
+    h.nesterov = 0;
+    h.dampening = 0.1;
+    h.maximize = 1;
+    v.push_back({"sgd dampening maximize", h});
+
+    h = base_hparams(RP_ADAM);
+    v.push_back({"adam", h});
+    h.weight_decay = 0.01;
+    v.push_back({"adam weight_decay", h});
+    h.decoupled_weight_decay = 1;
+    v.push_back({"adamw", h});
+    h.amsgrad = 1;
+    v.push_back({"adamw amsgrad", h});
+    h.decoupled_weight_decay = 0;
+    h.maximize = 1;
+    v.push_back({"adam amsgrad maximize", h});
+    h.beta1 = 0.3; /* lerp weight >= 0.5: ATen's other formula */
+    v.push_back({"adam amsgrad maximize beta1=0.3", h});
+
+    h = base_hparams(RP_ADAGRAD);
+    v.push_back({"adagrad", h});
+    h.lr_decay = 0.01;
+    h.weight_decay = 0.1;
+    h.maximize = 1;
+    v.push_back({"adagrad lr_decay weight_decay maximize", h});
+
+    h = base_hparams(RP_RMSPROP);
+    v.push_back({"rmsprop", h});
+    h.momentum = 0.5;
+    v.push_back({"rmsprop momentum", h});
+    h.centered = 1;
+    v.push_back({"rmsprop momentum centered", h});
+    h.momentum = 0.0;
+    h.weight_decay = 0.1;
+    h.maximize = 1;
+    v.push_back({"rmsprop centered weight_decay maximize", h});
+
+    h = base_hparams(RP_ADADELTA);
+    h.lr = 1.0;
+    v.push_back({"adadelta", h});
+    h.weight_decay = 0.1;
+    h.maximize = 1;
+    v.push_back({"adadelta weight_decay maximize", h});
+    return v;
+}
+
+typedef struct {
+    const char *name;
+    std::vector<int64_t> sizes;
+    bool sampled; /* too big for the whole grid: one case per hyper-parameter config */
+} size_set;
+
+/* With RP_TAB_TENSORS 6 and RP_TAB_BLOCKS 24, chunks are 2048 to 16384 elements
+ * (by SM count) until a call has more than 24 x 2048; then they grow to fit one
+ * table, up to 65536. */
+static std::vector<size_set> size_sets(void)
+{
+    std::vector<size_set> v;
+    v.push_back({"no tensors", {}, false});
+    v.push_back({"empty tensors only", {0, 0, 0}, false});
+    v.push_back({"vector-width edges", {1, 3, 4, 5}, false});
+    v.push_back({"block-step and chunk edges", {1023, 1024, 1025, 2047, 2048, 2049, 4097}, false});
+    v.push_back({"mixed with empties", {0, 7, 0, 6149, 13, 64, 65, 1, 2, 3, 4, 9999, 0}, false});
+    v.push_back({"table full of blocks", {9000, 9000, 9000, 9000, 9001}, false});
+    v.push_back({"chunks grown to fit a table", {70001, 3, 30000}, false});
+    {
+        size_set many = {"many tensors", {}, false};
+        for (int i = 0; i < 40; i++)
+            many.sizes.push_back(i * 7919 % 3000 + (i % 3 == 0 ? 5000 : 0));
+        v.push_back(many);
+    }
+    v.push_back({"largest chunks, split over tables", {1600001, 77}, true});
+    return v;
+}
+
+typedef enum { NOT_CAPTURABLE, CAPTURABLE, CAPTURABLE_LR_PTR, N_CAPTURE_MODES } capture_mode;
+
+static const char *const capture_names[N_CAPTURE_MODES] = {
+    "not capturable", "capturable", "capturable with device lr"};
+
+/* Where a call runs: the current device and the stream (on its own device). */
+typedef struct {
+    const char *name;
+    int current_device;
+    cudaStream_t stream;
+    int stream_device;
+} launch_config;
+
+static std::vector<launch_config> launch_configs(void)
+{
+    std::vector<launch_config> v;
+    v.push_back({"default stream, device 0 (132 SMs)", 0, NULL, 0});
+    v.push_back({"stream of device 1 (1 SM) from device 0", 0, emu_stream(1), 1});
+    v.push_back({"per-thread stream, device 2 (4 SMs)", 2, cudaStreamPerThread, 2});
+    v.push_back({"stream of device 3 (7 SMs), current", 3, emu_stream(3), 3});
+    v.push_back({"legacy stream, device 1 (1 SM)", 1, cudaStreamLegacy, 1});
+    return v;
+}
+
+/* ---------------------------------------------------------------------------
+ * One case: STEPS_PER_CASE steps on the CPU and through the emulated launcher
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    const hparam_config *config;
+    int dtype;
+    const size_set *sizes;
+    misalignment misalign;
+    capture_mode capture;
+} case_spec;
+
+static void expect_call(const rp_optim_hparams &hp, int dtype, bool capturable, case_data *cd,
+                        const rp_step_scalars *scalars, const launch_config &lc)
+{
+    g_call.kind = hp.kind;
+    g_call.dtype = dtype;
+    g_call.capturable = capturable;
+    g_call.slots = rp_optim_state_slots(&hp);
+    g_call.stream = lc.stream;
+    g_call.device = lc.stream_device;
+    g_call.entries = cd->entries.data();
+    g_call.n = (int64_t)cd->entries.size();
+    g_call.scalars = scalars;
+    g_call.expect_vec = cd->expect_vec.data();
+    g_call.updated.assign(cd->entries.size(), 0);
+    g_call.step_launches = 0;
+    g_call.update_launches = 0;
+    g_rt.current_device = lc.current_device;
+}
+
+/* After a successful call: everything updated once, the device restored. */
+static void check_call_done(const case_data *cd, const launch_config &lc)
+{
+    int64_t steps = 0, total = 0;
+    for (size_t j = 0; j < cd->entries.size(); j++) {
+        const rp_optim_entry &e = cd->entries[j];
+        CHECK(g_call.updated[j] == e.numel, "entry %zu: %lld of %lld elements updated", j,
+              (long long)g_call.updated[j], (long long)e.numel);
+        steps += e.step != NULL;
+        total += e.numel;
+    }
+    if (g_call.capturable && g_call.kind != RP_SGD) {
+        const int64_t want = (steps + RP_STEP_TAB - 1) / RP_STEP_TAB;
+        CHECK(g_call.step_launches == want, "%d increment launches for %lld counters",
+              g_call.step_launches, (long long)steps);
+    }
+    CHECK((g_call.update_launches > 0) == (total > 0), "%d update launches for %lld elements",
+          g_call.update_launches, (long long)total);
+    CHECK(g_rt.current_device == lc.current_device, "device %d current after the call, not %d",
+          g_rt.current_device, lc.current_device);
+    g_stats.calls++;
+    g_stats.multi_launch_calls += g_call.update_launches > 1;
+    g_stats.multi_step_launch_calls += g_call.step_launches > 1;
+    g_stats.device_switches += lc.stream_device != lc.current_device;
+}
+
+/* One step through rp_cuda_optim_step, as csrc/module_cuda.c makes it. */
+static int emulated_step(const case_spec &spec, int iteration, case_data *cd,
+                         const launch_config &lc, const float *device_lr)
+{
+    rp_optim_hparams hp = spec.config->hp;
+    const int64_t n = (int64_t)cd->entries.size();
+    const bool capturable = spec.capture != NOT_CAPTURABLE;
+    std::vector<rp_step_scalars> scalars((size_t)n);
+    const rp_step_scalars *sc = NULL;
+    rp_error err = {{0}};
+    int rc;
+
+    if (spec.capture == CAPTURABLE_LR_PTR) {
+        hp.lr = 123.0; /* must not be used */
+        hp.lr_ptr = device_lr;
+    }
+    if (!capturable) {
+        rp_optim_advance_steps(&hp, cd->entries.data(), n, scalars.data());
+        /* Only Adam and Adagrad need the scalars: the others may pass NULL. */
+        const bool needs_scalars = hp.kind == RP_ADAM || hp.kind == RP_ADAGRAD;
+        sc = needs_scalars || iteration % 2 == 0 ? scalars.data() : NULL;
+    }
+    expect_call(hp, spec.dtype, capturable, cd, sc, lc);
+    rc = rp_cuda_optim_step(&hp, spec.dtype, cd->entries.data(), sc, n, capturable ? 1 : 0,
+                            (void *)lc.stream, &err);
+    CHECK(rc == RP_OK, "rp_cuda_optim_step: status %d: %s", rc, err.msg);
+    rp_optim_entries_done(cd->entries.data(), n);
+    if (rc == RP_OK)
+        check_call_done(cd, lc);
+    return rc;
+}
+
+static void describe_case(const case_spec &spec, int iteration, const launch_config &lc)
+{
+    snprintf(g_context, sizeof g_context, "%s, %s, '%s', %s, %s, step %d, %s",
+             spec.config->name, rp_dtype_name(spec.dtype), spec.sizes->name,
+             misalignment_names[spec.misalign], capture_names[spec.capture], iteration + 1,
+             lc.name);
+}
+
+/* Returns false on the first disagreement. */
+static bool run_case(const case_spec &spec, const std::vector<launch_config> &configs,
+                     uint64_t seed)
+{
+    const rp_optim_hparams &hp = spec.config->hp;
+    const float device_lr = (float)hp.lr;
+    rp_optim_hparams hp_cpu = hp;
+    case_data cpu, emu;
+    rp_error err = {{0}};
+
+    build_case(&cpu, hp, spec.dtype, spec.sizes->sizes, spec.misalign, seed);
+    build_case(&emu, hp, spec.dtype, spec.sizes->sizes, spec.misalign, seed, &cpu);
+    if (spec.capture == CAPTURABLE_LR_PTR)
+        hp_cpu.lr = (double)device_lr; /* what the device reads */
+    g_stats.cases++;
+    for (int it = 0; it < STEPS_PER_CASE; it++) {
+        const launch_config &lc = configs[(size_t)(g_stats.cases + it) % configs.size()];
+        const int failures = g_failures;
+        describe_case(spec, it, lc);
+        const int rc = rp_optim_step_cpu(&hp_cpu, spec.dtype, cpu.entries.data(),
+                                         (int64_t)cpu.entries.size(), 1, &err);
+        CHECK(rc == RP_OK, "rp_optim_step_cpu: status %d: %s", rc, err.msg);
+        if (rc != RP_OK || emulated_step(spec, it, &emu, lc, &device_lr) != RP_OK)
+            return false;
+        if (!compare_cases(&cpu, &emu, spec.dtype) || g_failures != failures)
+            return false;
+    }
+    return true;
+}
+
+/* ---------------------------------------------------------------------------
+ * Error statuses
+ * ------------------------------------------------------------------------- */
+
+static void check_status(const char *what, int rc, int want, const rp_error &err,
+                         const char *text)
+{
+    snprintf(g_context, sizeof g_context, "status: %s", what);
+    CHECK(rc == want, "status %d, expected %d (%s)", rc, want, err.msg);
+    CHECK(text == NULL || strstr(err.msg, text) != NULL, "message '%s' lacks '%s'", err.msg,
+          text);
+}
+
+/* A rejected call on `cd` (built as in test_argument_errors): the status, nothing
+ * launched, nothing written. */
+static void expect_rejected(const char *what, const rp_optim_hparams *hp, int dtype,
+                            case_data *cd, const rp_step_scalars *scalars, int capturable,
+                            int want, const char *text)
+{
+    static const launch_config lc = {"device 0", 0, NULL, 0};
+    case_data untouched;
+    rp_error err = {{0}};
+    build_case(&untouched, base_hparams(RP_ADAM), RP_F32, {100, 9}, ALIGNED, 7);
+    if (hp->kind >= RP_SGD && hp->kind <= RP_ADADELTA)
+        expect_call(*hp, dtype, capturable != 0, cd, scalars, lc);
+    else
+        expect_call(base_hparams(RP_ADAM), dtype, capturable != 0, cd, scalars, lc);
+    const int rc = rp_cuda_optim_step(hp, dtype, cd->entries.data(), scalars,
+                                      (int64_t)cd->entries.size(), capturable, NULL, &err);
+    check_status(what, rc, want, err, text);
+    CHECK(g_call.step_launches == 0 && g_call.update_launches == 0, "launched anyway");
+    compare_cases(&untouched, cd, RP_F32);
+}
+
+static void test_argument_errors(void)
+{
+    const rp_optim_hparams adam = base_hparams(RP_ADAM);
+    const rp_step_scalars scalars[2] = {{-1e-3f, 1.0f}, {-1e-3f, 1.0f}};
+    rp_optim_hparams hp = adam;
+    case_data cd;
+    rp_error err = {{0}};
+
+    build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
+    expect_rejected("bad dtype", &adam, 7, &cd, scalars, 0, RP_EINVAL, "dtype code 7");
+    hp.kind = 9;
+    expect_rejected("bad kind", &hp, RP_F32, &cd, scalars, 0, RP_EINVAL, "kind 9");
+    expect_rejected("adam without scalars", &adam, RP_F32, &cd, NULL, 0, RP_EINVAL,
+                    "step scalars are required");
+    hp = base_hparams(RP_ADAGRAD);
+    expect_rejected("adagrad without scalars", &hp, RP_F32, &cd, NULL, 0, RP_EINVAL,
+                    "step scalars are required");
+
+    cd.entries[1].state[1] = NULL;
+    expect_rejected("missing state slot", &adam, RP_F32, &cd, scalars, 1, RP_EINVAL,
+                    "state slot 1 is required");
+    build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
+    cd.entries[0].step = NULL;
+    expect_rejected("missing step", &adam, RP_F32, &cd, scalars, 1, RP_EINVAL,
+                    "step pointer is required");
+    build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
+    cd.entries[1].numel = -1;
+    expect_rejected("negative numel", &adam, RP_F32, &cd, scalars, 0, RP_EINVAL,
+                    "negative numel");
+
+    check_status("null hyper-parameters",
+                 rp_cuda_optim_step(NULL, RP_F32, NULL, NULL, 0, 0, NULL, &err), RP_EINVAL, err,
+                 "null hyper-parameters");
+    {
+        const long queries = g_rt.get_device_calls;
+        const int rc = rp_cuda_optim_step(&adam, RP_F32, NULL, NULL, 0, 0, NULL, &err);
+        check_status("no entries", rc, RP_OK, err, NULL);
+        CHECK(g_rt.get_device_calls == queries, "the runtime was queried for nothing");
+    }
+}
+
+/* A call on another device's stream that meets `fault`: RP_ERUNTIME with the
+ * CUDA error's text, the error cleared and the current device restored. */
+static void expect_runtime_error(const char *what, emu_fault fault, int capturable,
+                                 cudaError_t error)
+{
+    static const launch_config lc = {"stream of device 2 from device 0", 0, emu_stream(2), 2};
+    const rp_optim_hparams adam = base_hparams(RP_ADAM);
+    std::vector<rp_step_scalars> scalars(2);
+    case_data cd;
+    rp_error err = {{0}};
+
+    build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
+    rp_optim_advance_steps(&adam, cd.entries.data(), 2, scalars.data());
+    expect_call(adam, RP_F32, capturable != 0, &cd, capturable ? NULL : scalars.data(), lc);
+    g_rt.fault = fault;
+    const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(),
+                                      capturable ? NULL : scalars.data(), 2, capturable,
+                                      (void *)lc.stream, &err);
+    g_rt.fault = FAULT_NONE;
+    check_status(what, rc, RP_ERUNTIME, err, cudaGetErrorString(error));
+    CHECK(g_rt.pending == cudaSuccess, "the CUDA error was left pending");
+    CHECK(g_rt.current_device == lc.current_device, "device %d left current",
+          g_rt.current_device);
+}
+
+static void test_runtime_errors(void)
+{
+    expect_runtime_error("cudaGetDevice fails", FAULT_GET_DEVICE, 0, cudaErrorNoDevice);
+    expect_runtime_error("step increment launch fails", FAULT_STEP_LAUNCH, 1,
+                         cudaErrorLaunchOutOfResources);
+    expect_runtime_error("update launch fails", FAULT_UPDATE_LAUNCH, 0,
+                         cudaErrorInvalidConfiguration);
+    expect_runtime_error("launch error reported later", FAULT_LAST_ERROR, 1,
+                         cudaErrorLaunchFailure);
+}
+
+/* The real runtime answers: without a driver (CI) the count must be 0. */
+static int test_device_count(void)
+{
+    const int count = rp_cuda_device_count();
+    int real = 0;
+    const cudaError_t e = cudaGetDeviceCount(&real);
+    snprintf(g_context, sizeof g_context, "rp_cuda_device_count");
+    if (e != cudaSuccess)
+        CHECK(count == 0, "%d devices, but the runtime says: %s", count, cudaGetErrorString(e));
+    else
+        CHECK(count == real, "%d devices, the runtime counts %d", count, real);
+    return count;
+}
+
+/* ---------------------------------------------------------------------------
+ * Main
+ * ------------------------------------------------------------------------- */
+
+/* Every dimension must have been exercised. */
+static void check_coverage(void)
+{
+    snprintf(g_context, sizeof g_context, "coverage");
+    CHECK(g_stats.vector_blocks > 0 && g_stats.scalar_blocks > 0, "vector or scalar path unused");
+    CHECK(g_stats.multi_launch_calls > 0, "no call needed several update launches");
+    CHECK(g_stats.continued_tensors > 0, "no tensor continued in a second table");
+    CHECK(g_stats.multi_step_launch_calls > 0, "no call needed several increment launches");
+    CHECK(g_stats.chunks.size() >= 6, "only %zu chunk sizes", g_stats.chunks.size());
+    CHECK(g_stats.capped_chunks > 0, "chunks never reached RP_HUGE_STEPS block steps");
+    CHECK(g_stats.device_switches > 0, "no call on another device's stream");
+}
+
+/* Sampled sets run one (dtype, misalignment, capture mode) combination per
+ * hyper-parameter config h, spread over all 27 by a stride of 7. */
+static bool sampled_case(size_t h, int dtype, int m, int cm)
+{
+    const size_t combo = ((size_t)dtype * N_MISALIGNMENTS + (size_t)m) * N_CAPTURE_MODES + cm;
+    return combo == h * 7 % (3 * N_MISALIGNMENTS * N_CAPTURE_MODES);
+}
+
+static bool run_grid(void)
+{
+    const std::vector<hparam_config> hps = hparam_configs();
+    const std::vector<size_set> sets = size_sets();
+    const std::vector<launch_config> configs = launch_configs();
+    uint64_t seed = 1;
+    int failed_cases = 0;
+
+    for (size_t h = 0; h < hps.size(); h++)
+        for (int dtype = RP_F32; dtype <= RP_BF16; dtype++)
+            for (const size_set &set : sets)
+                for (int m = 0; m < N_MISALIGNMENTS; m++)
+                    for (int cm = 0; cm < N_CAPTURE_MODES; cm++) {
+                        const case_spec spec = {&hps[h], dtype, &set, (misalignment)m,
+                                                (capture_mode)cm};
+                        if (set.sampled && !sampled_case(h, dtype, m, cm))
+                            continue;
+                        if (!run_case(spec, configs, seed++) && ++failed_cases >= 10)
+                            return false;
+                    }
+    return failed_cases == 0;
+}
+
+int main(void)
+{
+    struct timespec t0, t1;
+    unsetenv("REPROP_CUDA_OPTIM_CHUNK"); /* the chunk heuristic, not a tuning override */
+    signal(SIGSEGV, on_fatal_signal);
+    signal(SIGBUS, on_fatal_signal);
+    signal(SIGABRT, on_fatal_signal); /* e.g. malloc finding its heap overwritten */
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    test_argument_errors();
+    test_runtime_errors();
+    const int devices = test_device_count();
+    run_grid();
+    if (g_failures == 0)
+        check_coverage();
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("optim_emulation: %s: %ld cases, %ld calls, %ld update + %ld increment launches "
+           "(%ld vector / %ld scalar blocks, %ld multi-launch calls, %ld continued tensors, "
+           "%zu chunk sizes), %d CUDA devices, %.1f s\n",
+           g_failures ? "FAILED" : "ok", g_stats.cases, g_stats.calls, g_stats.update_launches,
+           g_stats.step_launches, g_stats.vector_blocks, g_stats.scalar_blocks,
+           g_stats.multi_launch_calls, g_stats.continued_tensors, g_stats.chunks.size(), devices,
+           (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+    return g_failures != 0;
+}
