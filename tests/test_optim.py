@@ -919,6 +919,23 @@ def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
         assert_tensor_close(ours.state[a][key], value.float(), OPEN_LOOP_TOL, f"state[{key!r}]")
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_step_marks_params_modified_in_place(name: str) -> None:
+    """The kernels write through raw pointers; autograd must still learn of it,
+    so that backward through a graph saved before the step fails loudly, as
+    with torch.optim, instead of using the new values."""
+    w = nn.Parameter(torch.randn(3, 3))
+    x = torch.randn(2, 3, requires_grad=True)
+    loss = (x @ w).square().sum()
+    w.grad = torch.ones_like(w)
+    opt = reprop_cls(name)([w], **RICH[name])
+    version = w._version
+    opt.step()
+    assert w._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def _fresh_open_loop(name: str, shapes, *, seed: int = 14) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
     params = [nn.Parameter(t) for t in make_params(shapes, seed=seed)]
     opt = reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])), **RICH[name])

@@ -48,6 +48,25 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and (a.stride() == b.stride() or a.numel() <= 1)
 
 
+def _version_bumper():
+    """torch.autograd.graph.increment_version for a list: one call where torch
+    takes a list (recent versions), one per tensor on older ones."""
+    try:
+        torch.autograd.graph.increment_version([torch.zeros(1)])
+        return torch.autograd.graph.increment_version
+    except TypeError:
+        def bump_each(tensors):
+            for t in tensors:
+                torch.autograd.graph.increment_version(t)
+        return bump_each
+
+
+# Our kernels write through raw pointers, which autograd cannot see: bump the
+# version counters ourselves, so that a tensor saved for backward and modified
+# since raises PyTorch's in-place-modification error instead of going wrong.
+bump_versions = _version_bumper()
+
+
 def new_table(rows: int) -> np.ndarray:
     """An empty pointer table of `rows` rp_optim_entry records."""
     return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)

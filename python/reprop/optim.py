@@ -136,6 +136,7 @@ class _Plan:
             self._run_cuda(opt, group, hp)
         for _, p, work in self.staged:
             p.copy_(work)
+        _tensors.bump_versions(self.params)
 
     def _run_cuda(self, opt, group, hp) -> None:
         capturable = bool(group.get("capturable", False))
