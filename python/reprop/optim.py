@@ -126,7 +126,8 @@ class _Plan:
         return keep
 
     def run(self, opt: "_FusedOptimizer", group: dict) -> None:
-        """Issues the update; prepare_grads() must have succeeded this step."""
+        """Issues the update with `group`'s hyper-parameters; prepare_grads()
+        must have succeeded this step."""
         for _, p, work in self.staged:
             work.copy_(p)
         hp = opt._hparams(group)
@@ -258,11 +259,14 @@ class _FusedOptimizer:
         return loss
 
     @torch.no_grad()
-    def step_params(self, params: Iterable[torch.Tensor]) -> None:
+    def step_params(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         """Updates just these parameters now, each with its group's settings.
 
         Each parameter must belong to this optimizer; those without a gradient
-        are skipped. Updating every parameter once this way equals one step()."""
+        are skipped. Updating every parameter once this way equals one step().
+        `settings` optionally maps id(group) to the hyper-parameters to use
+        instead of the group's current ones: a deferred update applies the lr
+        etc. of the moment it was decided, not what a scheduler set since."""
         if self._group_of is None:
             self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         by_group: dict[int, tuple[dict, list]] = {}
@@ -273,9 +277,9 @@ class _FusedOptimizer:
                                  f"(shape {tuple(p.shape)})")
             by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, ps in by_group.values():
-            self._update(group, ps)
+            self._update(group, ps, settings.get(id(group)) if settings else None)
 
-    def _update(self, group: dict, params: list) -> None:
+    def _update(self, group: dict, params: list, settings: dict | None = None) -> None:
         active = [p for p in params if p.grad is not None]
         if not active:
             return
@@ -286,7 +290,7 @@ class _FusedOptimizer:
             plans = self._make_plans(group, active, key)
             keep = _prepare_grads(plans, self.state)
         for plan in plans:
-            plan.run(self, group)
+            plan.run(self, group if settings is None else settings)
         del keep  # gradient copies: only now may they be freed
 
     def _make_plans(self, group: dict, active: list, key: tuple) -> list:

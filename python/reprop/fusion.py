@@ -1,0 +1,369 @@
+"""Optimizer fusion: update parameters inside backward, or lazily before their next use.
+
+Implements Jiang et al., "Optimizer Fusion" (Algorithms 2 and 3) with hooks on
+an unmodified ``nn.Module``; the training loop keeps calling
+``loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+
+* ``mode="backward"`` (backward-fusion, Algorithm 3): each parameter is updated
+  inside ``backward()`` as soon as its gradient is complete (PyTorch's
+  post-accumulate-grad hooks fire once per backward, after every use of a
+  parameter has contributed, so tied weights are safe), the parameters of one
+  module together in one fused call when their gradients complete together.
+  Gradients are freed right after the update unless ``keep_grads=True``, so
+  the peak memory of a step drops by up to the size of all gradients.
+  ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
+  Global information (gradient clipping, GradScaler) is not known before the
+  updates in this mode: use ``mode="forward"`` for those.
+* ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
+  marks the updates pending, and ``zero_grad()`` is deferred to them; each
+  pending update is applied right before its module's next forward, in
+  training or evaluation, once. Clipping (``clip_grad_norm=`` or
+  ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
+  ``torch.amp.GradScaler`` work as in eager training. ``model.state_dict()``
+  and ``optimizer.state_dict()`` apply pending updates first, so checkpoints
+  are exact.
+
+Each update is the same fused kernel as ``reprop.optim``'s ``step()``, with
+the hyper-parameters of the moment it was decided, so fused training computes
+exactly what the eager loop computes.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from . import optim
+
+__all__ = ["fuse", "FusionHandle"]
+
+# torch.optim classes converted to their reprop counterparts (exact types:
+# a subclass may change what step() means).
+_CONVERTIBLE = {
+    torch.optim.SGD: optim.SGD,
+    torch.optim.Adam: optim.Adam,
+    torch.optim.AdamW: optim.AdamW,
+    torch.optim.Adagrad: optim.Adagrad,
+    torch.optim.RMSprop: optim.RMSprop,
+    torch.optim.Adadelta: optim.Adadelta,
+}
+_MODES = ("backward", "forward")
+
+
+def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
+         accumulation_steps: int = 1, clip_grad_norm: float | None = None,
+         keep_grads: bool = False) -> "FusionHandle":
+    """Fuses `optimizer`'s updates into `model`'s backward or next forward.
+
+    Args:
+        model: the root module whose forward runs each training step (a
+            DistributedDataParallel wrapper is fine).
+        optimizer: a ``reprop.optim`` optimizer, or a ``torch.optim`` SGD, Adam,
+            AdamW, Adagrad, RMSprop or Adadelta, whose param_groups and state
+            the fused updates then share (LR schedulers and its state_dict()
+            keep working on it).
+        mode: "backward" or "forward" (see the module docstring).
+        accumulation_steps: backward mode: update in the backward that follows
+            every n-th training forward (forwards under no_grad do not count),
+            as an eager loop stepping every n micro-batches. In forward mode the
+            user loop decides when to call step().
+        clip_grad_norm: forward mode: clip the global gradient norm to this
+            value when step() is called, as clip_grad_norm_ before step().
+        keep_grads: backward mode: keep gradients after their update until the
+            next training forward, instead of freeing them at once.
+
+    Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
+    also usable as a context manager that removes the fusion on exit.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    if mode not in _MODES:
+        raise ValueError(f"mode: expected 'backward' or 'forward', got {mode!r}")
+    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
+    if clip_grad_norm is not None:
+        if mode == "backward":
+            raise ValueError("clip_grad_norm: the global gradient norm is not known before "
+                             "backward-fusion updates a parameter; use mode='forward'")
+        if not clip_grad_norm > 0:
+            raise ValueError(f"clip_grad_norm: expected a positive max norm, got {clip_grad_norm!r}")
+    if mode == "forward" and accumulation_steps != 1:
+        raise ValueError("accumulation_steps: in forward mode the training loop decides when "
+                         "to call optimizer.step(); leave accumulation_steps at 1")
+    engine = _engine_for(optimizer)
+    if mode == "backward":
+        return _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
+    return _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+
+
+def _engine_for(optimizer) -> optim._FusedOptimizer:
+    """The reprop optimizer that applies the updates: `optimizer` itself, or a
+    reprop counterpart sharing a torch optimizer's param_groups and state."""
+    if isinstance(optimizer, optim._FusedOptimizer):
+        return optimizer
+    ours = _CONVERTIBLE.get(type(optimizer))
+    if ours is None:
+        names = ", ".join(f"torch.optim.{c.__name__}" for c in _CONVERTIBLE)
+        raise TypeError(f"optimizer: {type(optimizer).__name__} is not supported; use a "
+                        f"reprop.optim optimizer or one of {names}")
+    accepted = inspect.signature(ours._torch_class.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults["foreach"] = defaults["fused"] = None  # torch's own fast paths play no part
+    engine = ours([{"params": list(g["params"])} for g in optimizer.param_groups], **defaults)
+    # Share, not copy: schedulers change the user's groups, checkpoints read the user's state.
+    engine.param_groups = optimizer.param_groups
+    engine.state = optimizer.state
+    for group in engine.param_groups:
+        engine._check_group(group)
+    return engine
+
+
+def _direct_params(module: nn.Module, wanted: dict) -> list:
+    """The parameters `module` owns itself (not its children's) among `wanted`."""
+    return [p for p in module.parameters(recurse=False) if id(p) in wanted]
+
+
+def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
+    """What torch.optim.Optimizer.zero_grad does to one parameter."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        if p.grad.grad_fn is not None:
+            p.grad.detach_()
+        else:
+            p.grad.requires_grad_(False)
+        p.grad.zero_()
+
+
+def _settings_snapshot(engine: optim._FusedOptimizer) -> dict:
+    """Every group's hyper-parameters as they are now, for a deferred update."""
+    return {id(g): {k: v for k, v in g.items() if k != "params"} for g in engine.param_groups}
+
+
+class FusionHandle:
+    """What ``reprop.fuse`` returns: remove() undoes everything it installed."""
+
+    mode: str
+
+    def __init__(self, model: nn.Module, optimizer, engine: optim._FusedOptimizer):
+        self.model = model
+        self.optimizer = engine
+        self._user_optimizer = optimizer
+        self._hooks: list = []
+        self._warned: set = set()
+        self._removed = False
+        self._params = {id(p): p for g in engine.param_groups for p in g["params"]
+                        if p.requires_grad}
+        # GradScaler would pass grad_scale/found_inf to a step that supports it.
+        self._amp_flag = optimizer.__dict__.get("_step_supports_amp_scaling")
+        optimizer._step_supports_amp_scaling = False
+        optimizer.step = self._step
+        optimizer.zero_grad = self._zero_grad
+
+    def flush(self) -> None:
+        """Applies every pending update now."""
+
+    def remove(self) -> None:
+        """Applies pending updates, removes every hook and restores the
+        optimizer's own step() and zero_grad(): plain eager training again."""
+        if self._removed:
+            return
+        self.flush()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        opt = self._user_optimizer
+        del opt.step, opt.zero_grad
+        if self._amp_flag is None:
+            del opt._step_supports_amp_scaling
+        else:
+            opt._step_supports_amp_scaling = self._amp_flag
+        self._removed = True
+
+    def __enter__(self) -> "FusionHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _warn_once(self, what: str, message: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _step(self, closure=None):
+        raise NotImplementedError
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+
+class _BackwardFusion(FusionHandle):
+    """Algorithm 3: update each parameter as soon as its gradient is complete."""
+
+    mode = "backward"
+
+    def __init__(self, model, optimizer, engine, accumulation_steps: int, keep_grads: bool):
+        super().__init__(model, optimizer, engine)
+        self._every = accumulation_steps
+        self._keep_grads = keep_grads
+        self._forwards = 0  # training forwards of the root module so far
+        self._kept: list = []
+        self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
+        self._end_queued = False
+        # Parameters of one module complete together (one backward node): one call for
+        # them. A parameter shared by several modules goes with the first that owns it.
+        self._batch_of: dict = {}
+        for module in model.modules():
+            batch = tuple(p for p in _direct_params(module, self._params)
+                          if id(p) not in self._batch_of)
+            for p in batch:
+                self._batch_of[id(p)] = batch
+        for p in self._params.values():
+            self._batch_of.setdefault(id(p), (p,))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+
+    def _on_root_forward(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        for p in self._kept:  # kept for the user since the last update; eager zero_grad
+            p.grad = None
+        self._kept.clear()
+
+    def _updating(self) -> bool:
+        return self._forwards > 0 and self._forwards % self._every == 0
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._updating():
+            return  # accumulating: eager would not step after this micro-batch
+        self._ready[id(p)] = p
+        if not self._end_queued:
+            # Parameters whose module-mates got no gradient this time are updated at the end.
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._end_queued = True
+        batch = self._batch_of[id(p)]
+        if all(id(q) in self._ready for q in batch):
+            self._update(batch)
+
+    def _on_backward_end(self) -> None:
+        self._end_queued = False
+        if self._ready:
+            self._update(list(self._ready.values()))
+
+    def _update(self, params: Iterable[torch.Tensor]) -> None:
+        params = list(params)
+        for p in params:
+            del self._ready[id(p)]
+        self.optimizer.step_params(params)
+        if self._keep_grads:
+            self._kept.extend(params)
+        else:
+            for p in params:
+                p.grad = None
+
+    def _step(self, closure=None):
+        self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "
+                                "each parameter is updated inside backward()")
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
+                                     "no-op; gradients are freed as soon as they are applied")
+
+
+class _ForwardFusion(FusionHandle):
+    """Algorithm 2: step() marks updates pending; each is applied right before
+    its parameter's module next runs forward."""
+
+    mode = "forward"
+
+    def __init__(self, model, optimizer, engine, clip_grad_norm: float | None):
+        super().__init__(model, optimizer, engine)
+        self._clip = clip_grad_norm
+        self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
+        self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
+        self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
+        self._seen_running: set = set()  # ids of modules observed running forward
+        self._owned: list = []  # (module, its own parameters)
+        for module in model.modules():
+            own = _direct_params(module, self._params)
+            if own:
+                self._owned.append((module, own))
+                self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._hooks.append(model.register_state_dict_pre_hook(self._on_state_dict))
+        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
+        # Safety net: a gradient arriving for a still-pending parameter means its
+        # stale value was used in forward (read outside its module's forward).
+        for p in self._params.values():
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def flush(self) -> None:
+        if self._pending:
+            self._apply(list(self._pending.values()))
+
+    def _apply(self, params: list) -> None:
+        self.optimizer.step_params(params, self._settings)
+        for p in params:
+            del self._pending[id(p)]
+            if id(p) in self._zero:
+                _zero_grad_of(p, self._zero.pop(id(p)))
+        if not self._pending:
+            self._settings = {}
+
+    def _on_module_forward(self, module, args) -> None:
+        self._seen_running.add(id(module))
+        if self._pending:
+            mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
+            if mine:
+                self._apply(mine)
+
+    def _on_root_forward(self, module, args) -> None:
+        # Parameters of modules never seen running are read some other way: now.
+        orphans = [p for m, own in self._owned if id(m) not in self._seen_running
+                   for p in own if id(p) in self._pending]
+        if orphans:
+            self._apply(orphans)
+
+    def _on_state_dict(self, *args) -> None:
+        self.flush()
+
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if id(p) in self._pending:
+            raise RuntimeError(
+                f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
+                "forward while its update was still pending (it is read outside the forward of "
+                "the module that owns it); call handle.flush() before such a forward, or use "
+                "mode='backward'")
+
+    def _step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with_grad = [p for p in self._params.values() if p.grad is not None]
+        if self._clip is not None and with_grad:
+            torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
+        if self._pending:  # a second step() before any forward: eager applies the first now
+            self.flush()
+        self._settings = _settings_snapshot(self.optimizer)
+        for p in with_grad:
+            self._pending[id(p)] = p
+        return loss
+
+    def _zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._params.values():
+            if id(p) in self._pending:
+                self._zero[id(p)] = set_to_none
+            else:
+                _zero_grad_of(p, set_to_none)
