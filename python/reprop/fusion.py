@@ -215,6 +215,7 @@ class _BackwardFusion(FusionHandle):
         self._forwards = 0  # training forwards of the root module so far
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
+        self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
         self._end_queued = False
         # Parameters of one module complete together (one backward node): one call for
         # them. A parameter shared by several modules goes with the first that owns it.
@@ -226,7 +227,12 @@ class _BackwardFusion(FusionHandle):
                 self._batch_of[id(p)] = batch
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            # Local gradients are not final under DDP: update after each bucket's all-reduce.
+            model.register_comm_hook(None, self._ddp_bucket_hook)
+        else:
+            for p in self._params.values():
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
 
     def _on_root_forward(self, module, args) -> None:
@@ -257,16 +263,52 @@ class _BackwardFusion(FusionHandle):
         if self._ready:
             self._update(list(self._ready.values()))
 
+    def _after_ddp_backward(self) -> None:
+        # DDP's own end-of-backward callback, queued after our first one, waits
+        # for every bucket (so for our updates) and writes the all-reduced
+        # gradients into .grad: release them in a callback queued after it.
+        self._end_queued = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._release_ddp_grads)
+
+    def _release_ddp_grads(self) -> None:
+        self._release_grads(self._ddp_updated)
+        self._ddp_updated = []
+
     def _update(self, params: Iterable[torch.Tensor]) -> None:
         params = list(params)
         for p in params:
             del self._ready[id(p)]
         self.optimizer.step_params(params)
+        self._release_grads(params)
+
+    def _release_grads(self, params: list) -> None:
         if self._keep_grads:
             self._kept.extend(params)
         else:
             for p in params:
                 p.grad = None
+
+    def _ddp_bucket_hook(self, process_group, bucket):
+        """DDP communication hook: DDP's own all-reduce (mean), then the update
+        of the bucket's parameters from the reduced gradients. DDP offers no way
+        to unregister a hook, so after remove() it is the plain all-reduce."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        reduced = allreduce_hook(process_group, bucket)
+        if self._removed or not self._updating():
+            return reduced
+        pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                 if id(p) in self._params]
+        if not self._end_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_backward)
+            self._end_queued = True
+
+        def update(fut):
+            self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
+            self._ddp_updated.extend(p for p, _ in pairs)
+            return fut.value()
+
+        return reduced.then(update)
 
     def _step(self, closure=None):
         self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "

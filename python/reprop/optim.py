@@ -95,13 +95,15 @@ class _Plan:
                 watched.append(("step", step))
             self.watched.append(tuple(watched))
 
-    def prepare_grads(self, state) -> list | None:
-        """Writes this step's gradient pointers into the table. Returns the
-        gradient copies that must outlive the call, or None when the plan is
-        stale. The common case (same storages and state, contiguous strided
-        gradients) is checked in C; anything else comes here."""
-        if _C.optim_grad_pointers(self.params, self.param_ptrs, state, self.state_dicts,
-                                  self.watched, self.grad_contiguous, torch.strided, self.table):
+    def prepare_grads(self, state, given: dict | None = None) -> list | None:
+        """Writes this step's gradient pointers into the table: each param's
+        .grad, or given[id(param)]. Returns the gradient copies that must
+        outlive the call, or None when the plan is stale. The common case (same
+        storages and state, contiguous strided .grad) is checked in C; anything
+        else comes here."""
+        if given is None and _C.optim_grad_pointers(
+                self.params, self.param_ptrs, state, self.state_dicts, self.watched,
+                self.grad_contiguous, torch.strided, self.table):
             return []
         ptrs, keep = [], []
         for p, st, ptr, contig, watched in zip(self.params, self.state_dicts, self.param_ptrs,
@@ -111,9 +113,13 @@ class _Plan:
             for key, t in watched:
                 if st.get(key) is not t:
                     return None
-            g = p.grad
+            g = p.grad if given is None else given[id(p)]
             if g is None:
                 return None
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
+                                 f"{g.device} does not match its parameter ({tuple(p.shape)}, "
+                                 f"{p.dtype} on {p.device})")
             if g.layout is not torch.strided:
                 raise RuntimeError("reprop.optim: sparse gradients are not supported "
                                    f"(got a {g.layout} gradient for a parameter of shape "
@@ -155,12 +161,12 @@ class _Plan:
         _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
 
 
-def _prepare_grads(plans: list | None, state) -> list | None:
+def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
     """Prepares each plan's gradients for this step; returns the gradient copies
     to keep alive, or None when there is no plan yet or one of them is stale."""
     if plans is None:
         return None
-    keep = [plan.prepare_grads(state) for plan in plans]
+    keep = [plan.prepare_grads(state, given) for plan in plans]
     return None if any(k is None for k in keep) else keep
 
 
@@ -259,16 +265,26 @@ class _FusedOptimizer:
         return loss
 
     @torch.no_grad()
-    def step_params(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
+    def step_params(self, params: Iterable[torch.Tensor], settings: dict | None = None,
+                    grads: Iterable[torch.Tensor] | None = None) -> None:
         """Updates just these parameters now, each with its group's settings.
 
         Each parameter must belong to this optimizer; those without a gradient
         are skipped. Updating every parameter once this way equals one step().
         `settings` optionally maps id(group) to the hyper-parameters to use
         instead of the group's current ones: a deferred update applies the lr
-        etc. of the moment it was decided, not what a scheduler set since."""
+        etc. of the moment it was decided, not what a scheduler set since.
+        `grads`, when given, are the gradients to apply instead of each
+        parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
         if self._group_of is None:
             self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        params = list(params)
+        given = None
+        if grads is not None:
+            grads = list(grads)
+            if len(grads) != len(params):
+                raise ValueError(f"grads: expected {len(params)} gradients, got {len(grads)}")
+            given = {id(p): g for p, g in zip(params, grads)}
         by_group: dict[int, tuple[dict, list]] = {}
         for i, p in enumerate(params):
             group = self._group_of.get(id(p))
@@ -277,18 +293,22 @@ class _FusedOptimizer:
                                  f"(shape {tuple(p.shape)})")
             by_group.setdefault(id(group), (group, []))[1].append(p)
         for group, ps in by_group.values():
-            self._update(group, ps, settings.get(id(group)) if settings else None)
+            self._update(group, ps, settings.get(id(group)) if settings else None, given)
 
-    def _update(self, group: dict, params: list, settings: dict | None = None) -> None:
-        active = [p for p in params if p.grad is not None]
+    def _update(self, group: dict, params: list, settings: dict | None = None,
+                given: dict | None = None) -> None:
+        if given is None:
+            active = [p for p in params if p.grad is not None]
+        else:
+            active = [p for p in params if given[id(p)] is not None]
         if not active:
             return
         key = (id(group), tuple(map(id, active)))
         plans = self._plans.get(key)
-        keep = _prepare_grads(plans, self.state)
+        keep = _prepare_grads(plans, self.state, given)
         if keep is None:  # first use, or a storage or state tensor was replaced
             plans = self._make_plans(group, active, key)
-            keep = _prepare_grads(plans, self.state)
+            keep = _prepare_grads(plans, self.state, given)
         for plan in plans:
             plan.run(self, group if settings is None else settings)
         del keep  # gradient copies: only now may they be freed
