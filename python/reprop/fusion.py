@@ -10,7 +10,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   parameter has contributed, so tied weights are safe), the parameters of one
   module together in one fused call when their gradients complete together.
   Gradients are freed right after the update unless ``keep_grads=True``, so
-  the peak memory of a step drops by up to the size of all gradients.
+  the peak memory of a step drops by up to the size of all gradients. On CUDA
+  the updates run on a low-priority side stream, overlapping the rest of
+  backward, and are joined to the main stream when backward ends.
   ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
   Global information (gradient clipping, GradScaler) is not known before the
   updates in this mode: use ``mode="forward"`` for those.
@@ -217,6 +219,8 @@ class _BackwardFusion(FusionHandle):
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
         self._end_queued = False
+        self._side_streams: dict = {}  # CUDA device -> the stream updates run on
+        self._join_queued = False
         # Parameters of one module complete together (one backward node): one call for
         # them. A parameter shared by several modules goes with the first that owns it.
         self._batch_of: dict = {}
@@ -278,8 +282,34 @@ class _BackwardFusion(FusionHandle):
         params = list(params)
         for p in params:
             del self._ready[id(p)]
-        self.optimizer.step_params(params)
+        if params[0].device.type == "cuda":
+            self._update_on_side_stream(params)
+        else:
+            self.optimizer.step_params(params)
         self._release_grads(params)
+
+    def _update_on_side_stream(self, params: list) -> None:
+        """CUDA: the update runs on a low-priority side stream, ordered after the
+        gradients by the stream wait, so it overlaps the rest of backward; the
+        end of backward makes the main stream wait for it again."""
+        device = params[0].device
+        side = self._side_streams.get(device)
+        if side is None:
+            side = self._side_streams[device] = torch.cuda.Stream(device, priority=0)
+        main = torch.cuda.current_stream(device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            self.optimizer.step_params(params)
+        for p in params:
+            p.grad.record_stream(side)  # freed grads are not reused before the update ran
+        if not self._join_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._join_side_streams)
+            self._join_queued = True
+
+    def _join_side_streams(self) -> None:
+        self._join_queued = False
+        for device, side in self._side_streams.items():
+            torch.cuda.current_stream(device).wait_stream(side)
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
