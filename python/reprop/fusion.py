@@ -19,7 +19,8 @@ an unmodified ``nn.Module``; the training loop keeps calling
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
   marks the updates pending, and ``zero_grad()`` is deferred to them; each
   pending update is applied right before its module's next forward, in
-  training or evaluation, once. Clipping (``clip_grad_norm=`` or
+  training or evaluation, once (those the next forward did not use, at its
+  end). Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``model.state_dict()``
   and ``optimizer.state_dict()`` apply pending updates first, so checkpoints
@@ -53,6 +54,8 @@ _CONVERTIBLE = {
     torch.optim.Adadelta: optim.Adadelta,
 }
 _MODES = ("backward", "forward")
+_OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
+_MISSING = object()
 
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
@@ -161,11 +164,21 @@ class FusionHandle:
         self._removed = False
         self._params = {id(p): p for g in engine.param_groups for p in g["params"]
                         if p.requires_grad}
-        # GradScaler would pass grad_scale/found_inf to a step that supports it.
-        self._amp_flag = optimizer.__dict__.get("_step_supports_amp_scaling")
-        optimizer._step_supports_amp_scaling = False
-        optimizer.step = self._step
+        # The optimizer's own instance attributes that fusion overrides, to restore.
+        self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
+
+        def step(closure=None):
+            optimizer._opt_called = True  # what an LR scheduler's step wrapper records
+            return self._step(closure)
+
+        # Calls are tracked as an LR scheduler's own wrapper would, so a scheduler
+        # made before fuse() neither warns that step() was overridden nor that
+        # it was not called.
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
         optimizer.zero_grad = self._zero_grad
+        # GradScaler would pass grad_scale/found_inf to a step that supports it.
+        optimizer._step_supports_amp_scaling = False
 
     def flush(self) -> None:
         """Applies every pending update now."""
@@ -180,11 +193,11 @@ class FusionHandle:
             hook.remove()
         self._hooks.clear()
         opt = self._user_optimizer
-        del opt.step, opt.zero_grad
-        if self._amp_flag is None:
-            del opt._step_supports_amp_scaling
-        else:
-            opt._step_supports_amp_scaling = self._amp_flag
+        for name, value in self._saved.items():
+            if value is _MISSING:
+                opt.__dict__.pop(name, None)
+            else:
+                setattr(opt, name, value)
         self._removed = True
 
     def __enter__(self) -> "FusionHandle":
@@ -373,6 +386,7 @@ class _ForwardFusion(FusionHandle):
                 self._owned.append((module, own))
                 self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         self._hooks.append(model.register_state_dict_pre_hook(self._on_state_dict))
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
         # Safety net: a gradient arriving for a still-pending parameter means its
@@ -407,6 +421,12 @@ class _ForwardFusion(FusionHandle):
         if orphans:
             self._apply(orphans)
 
+    def _on_root_forward_end(self, module, args, output) -> None:
+        # What is still pending was not used by this forward, so gets no gradient
+        # from its backward: eager training has applied it long ago, and the
+        # gradients it still holds must not meet unscale_() or clipping.
+        self.flush()
+
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
@@ -423,11 +443,11 @@ class _ForwardFusion(FusionHandle):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pending:  # a second step() before any forward: eager applied the first
+            self.flush()
         with_grad = [p for p in self._params.values() if p.grad is not None]
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
-        if self._pending:  # a second step() before any forward: eager applies the first now
-            self.flush()
         self._settings = _settings_snapshot(self.optimizer)
         for p in with_grad:
             self._pending[id(p)] = p
