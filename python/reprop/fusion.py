@@ -261,7 +261,9 @@ class _BackwardFusion(FusionHandle):
         self._kept.clear()
 
     def _updating(self) -> bool:
-        return self._forwards > 0 and self._forwards % self._every == 0
+        # Without accumulation every backward updates, even one after a forward
+        # that bypassed the root module's hooks (model.forward(x), a submodule).
+        return self._every == 1 or (self._forwards > 0 and self._forwards % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if not self._updating():

@@ -1,0 +1,89 @@
+"""Fresh-process worker for tests/test_fusion.py (not a test module).
+
+    python _fusion_resume.py resume CASE OPT CKPT START STOP OUT
+        Build CASE's model and OPT (two groups, OneCycleLR) as test_fusion's
+        Trainer does, load the checkpoint CKPT (model, optimizer, scheduler,
+        RNG state), fuse in forward mode, train micro-batches START..STOP-1
+        and torch.save the Result (as a dict) to OUT.
+
+    python _fusion_resume.py ddp RANK WORLD INIT_FILE OUT
+        One rank of a gloo DistributedDataParallel run (init_method
+        file://INIT_FILE): 20 steps of DDP + eager step(), then 20 steps of
+        reprop.fuse(DDP(model), opt, mode="backward") from the same start, each
+        rank on its own data; torch.save {"eager": ..., "fused": ...} to OUT.
+
+Runs as a script, so this directory is sys.path[0] and test_fusion imports.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import test_fusion as tf
+
+
+def resume(case: str, opt_name: str, ckpt: str, start: int, stop: int, out: str) -> None:
+    loop = tf.Loop(scheduler=True)
+    t = tf.Trainer(case, opt_name, "forward", loop, total=tf.STEPS, checkpoint=torch.load(ckpt))
+    result = t.run(start, stop).finish()
+    t.handle.remove()
+    torch.save(dataclasses.asdict(result), out)
+
+
+DDP_STEPS = 20
+
+
+def ddp(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    case = tf.CASES["cnn"]
+    results = {}
+    for kind in ("eager", "fused"):
+        torch.manual_seed(1234 + rank)  # dropout masks differ per rank, equal between the two runs
+        model = DDP(case.make_model())
+        opt = tf.make_optimizer(model, "AdamW")
+        handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # backward mode: step()/zero_grad() are no-ops that warn
+            for i in range(DDP_STEPS):
+                x, y = case.batch(1000 * rank + i)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        if handle is not None:
+            handle.flush()
+        r = tf.Result(
+            params={n: p.detach().clone() for n, p in model.named_parameters()},
+            buffers={n: b.detach().clone() for n, b in model.named_buffers()},
+            state=tf.optimizer_state(model, opt),
+        )
+        if handle is not None:
+            handle.remove()
+        results[kind] = dataclasses.asdict(r)
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    cmd, *args = argv
+    if cmd == "resume":
+        case, opt_name, ckpt, start, stop, out = args
+        resume(case, opt_name, ckpt, int(start), int(stop), out)
+    elif cmd == "ddp":
+        rank, world, init_file, out = args
+        ddp(int(rank), int(world), init_file, out)
+    else:
+        raise SystemExit(f"unknown command {cmd!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1153 @@
+"""Tests for reprop.fuse, optimizer fusion (Jiang et al., Algorithms 2 and 3).
+
+Reference: the eager loop `loss.backward(); opt.step(); opt.zero_grad()` run
+from the same seed on the same batches. Fusion changes *when* each parameter
+is updated, never the update itself (the same reprop kernel runs in both), so
+against an eager *reprop* optimizer every parameter, buffer, optimizer state
+tensor, learning rate and eval output must be bitwise equal after 100 steps.
+Against torch.optim (a plain torch optimizer handed to fuse, which converts
+it) the closed-loop tolerances of test_optim.py apply.
+
+All runs go through one `Trainer` (the user's loop, eager or fused, with the
+variations a test asks for through `Loop`) and are compared as `Result`s.
+Models are tiny and deterministic:
+
+* `SmallCNN`: Conv2d -> BatchNorm2d -> ReLU -> Dropout -> Linear, with eval
+  forwards (BatchNorm running stats) between training steps;
+* `TinyLM`: one pre-norm transformer block with input and output embeddings
+  tied (one Parameter used by `emb` and `head`), dropout, a Parameter owned
+  by the root module;
+* `Branchy`: a frozen (requires_grad=False) Linear that is still in the
+  optimizer, a Linear applied twice per forward, a Linear used only every
+  third step and a Parameter used only every second step, so parameters go
+  without gradients (and, in forward mode, stay pending) for whole steps.
+
+`tests/_fusion_resume.py` is the worker for the fresh-process checkpoint test
+and for the DDP test; it imports this module.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import reprop
+import reprop.optim as rp
+
+MODES = ("backward", "forward")
+OPT_NAMES = ("SGD", "AdamW", "Adagrad")
+STEPS = 100
+MAX_NORM = 0.2  # below the CNN's gradient norm on most steps, so clipping really happens
+HERE = Path(__file__).resolve().parent
+WORKER = HERE / "_fusion_resume.py"
+
+# Every state slot in use (as test_optim.RICH).
+OPTIONS = {
+    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "AdamW": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
+    "Adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
+}
+# The second param group: another lr and weight decay (and betas for AdamW).
+GROUP1 = {
+    "SGD": {"lr": 0.025, "weight_decay": 0.02},
+    "AdamW": {"lr": 5e-3, "weight_decay": 0.2, "betas": (0.8, 0.99)},
+    "Adagrad": {"lr": 0.025, "weight_decay": 0.02},
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_intra_op_thread():
+    """Tiny tensors: intra-op threads are pure overhead (see test_optim.py)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+# ---------------------------------------------------------------------------
+# Models and their data
+# ---------------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    """x (4, 3, 4, 4) -> (4, 3); 311 parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # No bias before BatchNorm: its gradient would be pure rounding noise, which
+        # Adam-style normalization turns into full-size steps of random sign, so
+        # runs with different (correct) kernels would drift apart.
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.2)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        return self.fc(self.drop(F.relu(self.bn(self.conv(x))).flatten(1)))
+
+
+class TinyLM(nn.Module):
+    """Tokens (3, 6) -> logits (3, 6, 13). `head.weight is emb.weight`."""
+
+    V, T, D, H = 13, 6, 8, 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        V, T, D = self.V, self.T, self.D
+        self.emb = nn.Embedding(V, D)
+        self.pos = nn.Parameter(0.1 * torch.randn(T, D))  # owned by the root module
+        self.ln1 = nn.LayerNorm(D)
+        self.qkv = nn.Linear(D, 3 * D)
+        self.proj = nn.Linear(D, D)
+        self.ln2 = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, 2 * D)
+        self.out = nn.Linear(2 * D, D)
+        self.drop = nn.Dropout(0.1)
+        self.ln_f = nn.LayerNorm(D)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+    def forward(self, tok: torch.Tensor, step: int = 0) -> torch.Tensor:
+        B, T = tok.shape
+        H, hd = self.H, self.D // self.H
+        h = self.emb(tok) + self.pos[:T]
+        q, k, v = (t.view(B, T, H, hd).transpose(1, 2) for t in self.qkv(self.ln1(h)).chunk(3, -1))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        h = h + self.proj((self.drop(att) @ v).transpose(1, 2).reshape(B, T, self.D))
+        h = h + self.drop(self.out(F.gelu(self.fc(self.ln2(h)))))
+        return self.head(self.ln_f(h))
+
+
+class Branchy(nn.Module):
+    """x (4, 5) -> (4, 2). `stem` is frozen, `main` runs twice per forward,
+    `aux` only when step % 3 == 0 and `gate` only when step % 2 == 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(5, 6)
+        self.stem.requires_grad_(False)
+        self.main = nn.Linear(6, 6)
+        self.aux = nn.Linear(6, 6)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 6))
+        self.drop = nn.Dropout(0.2)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor, step: int = 0) -> torch.Tensor:
+        h = torch.tanh(self.stem(x))
+        h = torch.tanh(self.main(torch.tanh(self.main(h))))
+        if step % 3 == 0:
+            h = h + torch.tanh(self.aux(h))
+        if step % 2 == 0:
+            h = h * self.gate
+        return self.head(self.drop(h))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class Case:
+    model_cls: type
+    batch: Callable[[int], tuple]  # micro-batch i -> (input, target)
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (output, target) -> loss
+
+    def make_model(self, seed: int = 0) -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.model_cls()
+
+    def eval_input(self) -> torch.Tensor:
+        return self.batch(10_000)[0]
+
+
+def _lm_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tok = torch.randint(0, TinyLM.V, (3, TinyLM.T), generator=_gen(100 + i))
+    return tok, tok
+
+
+def _lm_loss(logits: torch.Tensor, tok: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, TinyLM.V), tok[:, 1:].reshape(-1))
+
+
+CASES = {
+    "cnn": Case(
+        SmallCNN,
+        lambda i: (torch.randn(4, 3, 4, 4, generator=_gen(100 + i)), torch.randn(4, 3, generator=_gen(200_000 + i))),
+        F.mse_loss,
+    ),
+    "lm": Case(TinyLM, _lm_batch, _lm_loss),
+    "branchy": Case(
+        Branchy,
+        lambda i: (torch.randn(4, 5, generator=_gen(100 + i)), torch.randn(4, 2, generator=_gen(200_000 + i))),
+        F.mse_loss,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------
+# Optimizers
+# ---------------------------------------------------------------------------
+
+
+def make_optimizer(model: nn.Module, name: str, impl: str = "reprop") -> torch.optim.Optimizer:
+    """Two param groups (first half of model.parameters() with OPTIONS, the
+    rest with GROUP1 on top), frozen parameters included."""
+    params = list(model.parameters())
+    half = (len(params) + 1) // 2
+    groups = [{"params": params[:half]}, {"params": params[half:], **GROUP1[name]}]
+    cls = getattr(rp if impl == "reprop" else torch.optim, name)
+    return cls(groups, **OPTIONS[name])
+
+
+def make_scheduler(opt: torch.optim.Optimizer, total: int):
+    """OneCycleLR: a new lr every step, and new momentum / betas for SGD / AdamW."""
+    return torch.optim.lr_scheduler.OneCycleLR(
+        opt,
+        max_lr=[2 * g["lr"] for g in opt.param_groups],
+        total_steps=total + 1,
+        cycle_momentum="momentum" in opt.defaults or "betas" in opt.defaults,
+    )
+
+
+# ---------------------------------------------------------------------------
+# One training loop for every run
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What the user's loop does besides forward/backward/step/zero_grad."""
+
+    accumulate: int = 1  # step() + zero_grad() after every n-th micro-batch
+    clip: str | None = None  # "user": clip_grad_norm_ before step; "arg": fuse(clip_grad_norm=) (eager: "user")
+    scaler: bool = False  # torch.amp.GradScaler("cpu")
+    inf_at: tuple[int, ...] = ()  # micro-batches whose loss is multiplied by inf (with scaler)
+    eval_every: int = 0  # an eval-mode no_grad forward before every n-th micro-batch
+    scheduler: bool = False  # OneCycleLR, stepped after every optimizer step
+    sched_after_fuse: bool = False  # create the scheduler after fuse() instead of before
+    zero_grad_first: bool = False  # zero_grad(); forward; backward; step() instead of ...; step(); zero_grad()
+    record_grads: bool = False  # record every p.grad right after backward
+    keep_grads: bool = False  # fuse(keep_grads=True)
+
+    def for_eager(self) -> "Loop":
+        """The same loop without the options that only concern fuse()."""
+        return dataclasses.replace(self, sched_after_fuse=False, keep_grads=False)
+
+
+@dataclass
+class Result:
+    """Everything that must match eager training: parameters and buffers (by
+    name), optimizer state (by parameter name), and the per-step records."""
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    state: dict[str, dict]
+    lrs: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    norms: list = field(default_factory=list)
+    scales: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)
+
+
+def _clone(v):
+    return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+
+def optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: _clone(v) for k, v in st.items()} for p, st in opt.state.items()}
+
+
+class Trainer:
+    """A model, its optimizer (two groups), optionally a scheduler and a
+    GradScaler, and fuse(mode) unless mode is None (the eager baseline)."""
+
+    def __init__(self, case: str, opt_name: str, mode: str | None, loop: Loop = Loop(), *,
+                 impl: str = "reprop", total: int = STEPS, checkpoint: dict | None = None, seed: int = 0) -> None:
+        self.case, self.mode, self.loop = CASES[case], mode, loop
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.rng = torch.get_rng_state()  # dropout masks: each Trainer draws from its own stream
+        self.model = self.case.make_model()
+        self.opt = make_optimizer(self.model, opt_name, impl)
+        self.sched = self.scaler = self.handle = None
+        if loop.scaler:
+            self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+        if loop.scheduler and not loop.sched_after_fuse:
+            self.sched = make_scheduler(self.opt, total // loop.accumulate)
+        if checkpoint is not None:
+            self.load(checkpoint)
+        self.warnings: list[str] = []
+        if mode is not None:
+            kw = {}
+            if mode == "backward" and loop.accumulate > 1:
+                kw["accumulation_steps"] = loop.accumulate
+            if loop.clip == "arg":
+                kw["clip_grad_norm"] = MAX_NORM
+            if loop.keep_grads:
+                kw["keep_grads"] = True
+            with self._catch():
+                self.handle = reprop.fuse(self.model, self.opt, mode=mode, **kw)
+            assert self.handle.mode == mode
+        if loop.scheduler and loop.sched_after_fuse:
+            self.sched = make_scheduler(self.opt, total // loop.accumulate)
+        self.result = Result({}, {}, {})
+
+    @contextlib.contextmanager
+    def _catch(self):
+        """Records every warning (fusion's own no-op warnings, torch's)."""
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                self.warnings.extend(str(w.message) for w in log)
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
+    def checkpoint(self) -> dict:
+        """What a user saves: model, optimizer, scheduler, scaler and RNG state."""
+        return {
+            "model": self.model.state_dict(),
+            "opt": self.opt.state_dict(),
+            "sched": self.sched.state_dict() if self.sched is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": self.rng,
+        }
+
+    def load(self, ckpt: dict) -> None:
+        self.model.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["opt"])
+        if self.sched is not None:
+            self.sched.load_state_dict(ckpt["sched"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(ckpt["scaler"])
+        self.rng = ckpt["rng"]
+
+    @contextlib.contextmanager
+    def own_rng(self):
+        """Runs with this Trainer's random stream, so that runs can be interleaved."""
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self.rng)
+            try:
+                yield
+            finally:
+                self.rng = torch.get_rng_state()
+
+    def eval_forward(self) -> torch.Tensor:
+        self.model.eval()
+        with torch.no_grad():
+            out = self.model(self.case.eval_input())
+        self.model.train()
+        return out
+
+    def no_grad_train_forward(self) -> None:
+        """A forward in train mode under no_grad: BatchNorm stats and dropout
+        change, but it is not a training forward."""
+        with self.own_rng(), torch.no_grad():
+            self.model(self.case.eval_input())
+
+    def run(self, start: int, stop: int) -> "Trainer":
+        """Micro-batches start .. stop-1 of the user's loop."""
+        loop, model, opt, r = self.loop, self.model, self.opt, self.result
+        with self._catch(), self.own_rng():
+            for i in range(start, stop):
+                if loop.eval_every and i % loop.eval_every == loop.eval_every - 1:
+                    r.evals.append(self.eval_forward())
+                last = (i + 1) % loop.accumulate == 0
+                if loop.zero_grad_first and i % loop.accumulate == 0:
+                    opt.zero_grad()
+                x, y = self.case.batch(i)
+                loss = self.case.loss(model(x, i), y) / loop.accumulate
+                if i in loop.inf_at:
+                    loss = loss * float("inf")
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                if loop.record_grads:
+                    r.grads.append({n: _clone(p.grad) for n, p in model.named_parameters()})
+                if not last:
+                    continue
+                user_clip = loop.clip == "user" or (loop.clip == "arg" and self.mode is None)
+                if self.scaler is not None:
+                    if user_clip:
+                        self.scaler.unscale_(opt)
+                        r.norms.append(torch.nn.utils.clip_grad_norm_(self.params(), MAX_NORM).item())
+                    self.scaler.step(opt)
+                    self.scaler.update()
+                    r.scales.append(self.scaler.get_scale())
+                else:
+                    if user_clip:
+                        r.norms.append(torch.nn.utils.clip_grad_norm_(self.params(), MAX_NORM).item())
+                    opt.step()
+                if not loop.zero_grad_first:
+                    opt.zero_grad()
+                if self.sched is not None:
+                    self.sched.step()
+                    r.lrs.append([g["lr"] for g in opt.param_groups])
+        return self
+
+    def finish(self) -> Result:
+        """Applies what is pending (fused) and snapshots the run."""
+        if self.handle is not None:
+            self.handle.flush()
+        r = self.result
+        r.params = {n: _clone(p) for n, p in self.model.named_parameters()}
+        r.buffers = {n: _clone(b) for n, b in self.model.named_buffers()}
+        r.state = optimizer_state(self.model, self.opt)
+        r.warnings = list(self.warnings)
+        return r
+
+
+@functools.lru_cache(maxsize=None)
+def _eager(case: str, opt_name: str, loop: Loop, steps: int, impl: str) -> Result:
+    return Trainer(case, opt_name, None, loop, impl=impl, total=steps).run(0, steps).finish()
+
+
+def eager(case: str, opt_name: str, loop: Loop = Loop(), steps: int = STEPS, impl: str = "reprop") -> Result:
+    """The eager baseline (cached: several tests compare against the same run)."""
+    return _eager(case, opt_name, loop.for_eager(), steps, impl)
+
+
+def fused(case: str, opt_name: str, mode: str, loop: Loop = Loop(), steps: int = STEPS, **kw) -> Result:
+    t = Trainer(case, opt_name, mode, loop, total=steps, **kw).run(0, steps)
+    result = t.finish()
+    t.handle.remove()
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Comparisons
+# ---------------------------------------------------------------------------
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
+    d = (a.double() - b.double()).abs()
+    return f"max |diff| {d.max().item():.3g} at {int(d.argmax())}, {int((a != b).sum())}/{a.numel()} elements differ"
+
+
+def _assert_tensor_dicts(got: dict, ref: dict, what: str, close: Callable | None) -> None:
+    assert sorted(got) == sorted(ref), f"{what}: keys {sorted(got)} != {sorted(ref)}"
+    for k in ref:
+        g, r = got[k], ref[k]
+        if isinstance(r, dict):
+            _assert_tensor_dicts(g, r, f"{what}[{k!r}]", close)
+        elif isinstance(r, torch.Tensor):
+            assert isinstance(g, torch.Tensor), f"{what}[{k!r}]: {type(g)} instead of a tensor"
+            if close is None or not r.is_floating_point() or k == "step":
+                same = g.dtype == r.dtype and torch.equal(g, r)
+                assert same, f"{what}[{k!r}]: {_diff(g, r)}"
+            else:
+                close(g, r, f"{what}[{k!r}]")
+        else:
+            assert g == r, f"{what}[{k!r}]: {g!r} != {r!r}"
+
+
+def _assert_tensor_lists(got: list, ref: list, what: str) -> None:
+    assert len(got) == len(ref), f"{what}: {len(got)} records, expected {len(ref)}"
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if isinstance(r, dict):
+            assert sorted(g) == sorted(r), f"{what}[{i}]: keys differ"
+            for k in r:
+                if r[k] is None or g[k] is None:
+                    assert g[k] is None and r[k] is None, f"{what}[{i}][{k!r}]: {g[k]} vs {r[k]}"
+                else:
+                    same = torch.equal(g[k], r[k])
+                    assert same, f"{what}[{i}][{k!r}]: {_diff(g[k], r[k])}"
+        else:
+            same = torch.equal(g, r)
+            assert same, f"{what}[{i}]: {_diff(g, r)}"
+
+
+def assert_results_equal(got: Result, ref: Result) -> None:
+    """Bitwise: parameters, buffers, optimizer state, and per-step records."""
+    _assert_tensor_dicts(got.params, ref.params, "params", None)
+    _assert_tensor_dicts(got.buffers, ref.buffers, "buffers", None)
+    _assert_tensor_dicts(got.state, ref.state, "optimizer state", None)
+    assert got.lrs == ref.lrs, "learning rates differ"
+    assert got.scales == ref.scales, f"GradScaler scales {got.scales} != {ref.scales}"
+    assert list(map(repr, got.norms)) == list(map(repr, ref.norms)), "clip_grad_norm_ norms differ"  # NaN too
+    _assert_tensor_lists(got.evals, ref.evals, "eval outputs")
+    _assert_tensor_lists(got.grads, ref.grads, "grads after backward")
+
+
+# Closed-loop tolerances of test_optim.py (TRAIN_TOL), same meaning:
+# |actual - expected| <= atol * max|expected| + rtol * |expected|.
+TORCH_TOL = {"SGD": (3e-5, 3e-6), "AdamW": (1.5e-5, 1.5e-6), "Adagrad": (3e-5, 3e-6)}
+
+
+def assert_results_close(got: Result, ref: Result, name: str) -> None:
+    rtol, atol = TORCH_TOL[name]
+
+    def close(g: torch.Tensor, r: torch.Tensor, what: str) -> None:
+        assert g.shape == r.shape, f"{what}: shape {tuple(g.shape)} != {tuple(r.shape)}"
+        g, r = g.double(), r.double()
+        allowed = atol * r.abs().max() + rtol * r.abs()
+        err = (g - r).abs()
+        ok = bool((err <= allowed).all())
+        assert ok, f"{what}: outside rtol={rtol} atol={atol}: {_diff(g, r)}"
+
+    _assert_tensor_dicts(got.params, ref.params, "params", close)
+    _assert_tensor_dicts(got.state, ref.state, "optimizer state", close)
+    assert got.lrs == ref.lrs, "learning rates differ"
+
+
+# ---------------------------------------------------------------------------
+# Hooks and patches: what remove() must undo
+# ---------------------------------------------------------------------------
+
+_MODULE_HOOK_DICTS = (
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_state_dict_pre_hooks",
+    "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+)
+_OPT_HOOK_DICTS = (
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+    "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+    "_optimizer_load_state_dict_post_hooks",
+)
+_GLOBAL_HOOK_DICTS = (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks", "_global_backward_hooks",
+    "_global_parameter_registration_hooks", "_global_module_registration_hooks",
+)
+
+
+def _keys(d) -> list:
+    return list(d.keys()) if d else []
+
+
+def hook_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """Every hook registry fuse() could touch, and the instance attributes that
+    are callables (patched methods) of the modules and the optimizer."""
+    import torch.nn.modules.module as module_mod
+
+    snap = {}
+    for name, m in model.named_modules():
+        snap[f"module {name!r}"] = {a: _keys(getattr(m, a, None)) for a in _MODULE_HOOK_DICTS}
+        snap[f"module {name!r} patched"] = sorted(k for k, v in vars(m).items() if callable(v))
+    for name, p in model.named_parameters():
+        snap[f"param {name!r}"] = (_keys(p._post_accumulate_grad_hooks), _keys(p._backward_hooks))
+    snap["optimizer"] = {a: _keys(getattr(opt, a, None)) for a in _OPT_HOOK_DICTS}
+    snap["optimizer patched"] = sorted(k for k, v in vars(opt).items() if callable(v))
+    snap["global"] = {a: _keys(getattr(module_mod, a, None)) for a in _GLOBAL_HOOK_DICTS}
+    return snap
+
+
+def assert_plain_optimizer(opt: torch.optim.Optimizer) -> None:
+    for meth in ("step", "zero_grad", "state_dict", "load_state_dict"):
+        assert meth not in vars(opt), f"optimizer.{meth} is still patched on the instance"
+        assert getattr(opt, meth).__func__ is getattr(type(opt), meth), f"optimizer.{meth} is not the class method"
+
+
+def assert_no_fusion_left(model: nn.Module, opt: torch.optim.Optimizer, before: dict) -> None:
+    after = hook_snapshot(model, opt)
+    for key in before:
+        assert after[key] == before[key], f"{key}: {before[key]} before fuse(), {after[key]} now"
+    assert_plain_optimizer(opt)
+
+
+# ---------------------------------------------------------------------------
+# 1. Equivalence with eager training (bitwise, same reprop kernels)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_cnn_batchnorm_with_eval_forwards_matches_eager(name: str, mode: str) -> None:
+    """BatchNorm in train mode, dropout, and eval-mode forwards (running stats)
+    between steps: in forward mode those eval forwards must see the updated
+    parameters, so the eval outputs are compared too."""
+    loop = Loop(eval_every=7)
+    assert_results_equal(fused("cnn", name, mode, loop), eager("cnn", name, loop))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_transformer_with_tied_embeddings_matches_eager(name: str, mode: str) -> None:
+    """One Parameter is the input embedding and the output projection: backward
+    fusion must update it once, after both uses have contributed; forward
+    fusion once, although two modules own it."""
+    loop = Loop(eval_every=9)
+    got, ref = fused("lm", name, mode, loop), eager("lm", name, loop)
+    assert "head.weight" not in got.params  # named_parameters() lists the tied weight once
+    assert_results_equal(got, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_frozen_and_intermittently_unused_params_match_eager(name: str, mode: str) -> None:
+    """A frozen parameter in the optimizer is never updated; parameters that get
+    no gradient in a step are skipped in that step (in forward mode while the
+    update of their last step may still be pending); a module applied twice
+    per forward is updated once. OneCycleLR changes the hyper-parameters every
+    step, so a pending update applied with the wrong step's settings shows."""
+    loop = Loop(scheduler=True)  # a pending update must keep the settings of its step()
+    got, ref = fused("branchy", name, mode, loop), eager("branchy", name, loop)
+    # The model does what it claims (Adagrad creates its state in __init__).
+    stem = ref.state.get("stem.weight", {})
+    assert "momentum_buffer" not in stem and float(stem.get("step", 0)) == 0
+    if name != "SGD":
+        assert (float(ref.state["aux.weight"]["step"]), float(ref.state["gate"]["step"])) == (34, 50)
+    assert_results_equal(got, ref)
+
+
+def _scheduler_warnings(result: Result) -> list[str]:
+    """torch's "optimizer.step() has been overridden after learning rate
+    scheduler initialization" and "lr_scheduler.step() before optimizer.step()"."""
+    return [w for w in result.warnings if "learning rate scheduler" in w or "lr_scheduler.step()" in w]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_param_groups_and_scheduler_match_eager(name: str, mode: str) -> None:
+    """Two groups with different lr and weight decay; OneCycleLR stepped after
+    every step (it also cycles SGD's momentum and AdamW's betas). In forward
+    mode the scheduler changes the hyper-parameters while the update is still
+    pending: it must use the values of the step() call."""
+    loop = Loop(scheduler=True)
+    got, ref = fused("cnn", name, mode, loop), eager("cnn", name, loop)
+    assert len(set(map(tuple, ref.lrs))) > 50 and ref.lrs[0][0] != ref.lrs[0][1]
+    assert_results_equal(got, ref)
+    # fuse() after the scheduler was made: the scheduler must not be told that
+    # optimizer.step() was overridden, nor that it was not called.
+    assert not _scheduler_warnings(got), got.warnings
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scheduler_created_after_fuse(mode: str) -> None:
+    loop = Loop(scheduler=True, sched_after_fuse=True)
+    got, ref = fused("cnn", "SGD", mode, loop, steps=30), eager("cnn", "SGD", loop, steps=30)
+    assert_results_equal(got, ref)
+    assert not _scheduler_warnings(got), got.warnings
+
+
+def test_dropout_is_active_and_reseeded() -> None:
+    """The comparisons above rely on dropout drawing the same masks in both runs
+    (Trainer never reseeds in between; fusion must not consume random
+    numbers). Check that dropout matters, so that they do test it."""
+    a, b = (Trainer("cnn", "SGD", None, seed=s).run(0, 5).finish() for s in (1, 2))
+    assert not torch.equal(a.params["fc.weight"], b.params["fc.weight"])
+    for mode in MODES:
+        t = Trainer("cnn", "SGD", mode, seed=1).run(0, 5)
+        assert_results_equal(t.finish(), a)
+        t.handle.remove()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_grad_before_forward_loop_order(mode: str) -> None:
+    """`zero_grad(); forward; backward; step()`: in forward mode zero_grad()
+    comes while the previous updates are still pending and must not drop
+    their gradients."""
+    loop = Loop(zero_grad_first=True)
+    assert_results_equal(fused("cnn", "AdamW", mode, loop, steps=30), eager("cnn", "AdamW", loop, steps=30))
+
+
+# ---------------------------------------------------------------------------
+# 2. Gradient accumulation
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_accumulation_matches_eager(name: str, mode: str) -> None:
+    """Eager: step() + zero_grad() every 4 micro-batches. Backward mode:
+    fuse(accumulation_steps=4), the same loop. Forward mode: just that loop.
+    Eval forwards (no_grad) every 3 micro-batches fall inside accumulation
+    windows and must not count as training forwards."""
+    loop = Loop(accumulate=4, eval_every=3, scheduler=True)
+    assert_results_equal(fused("cnn", name, mode, loop), eager("cnn", name, loop))
+
+
+def test_backward_accumulation_updates_in_the_nth_backward() -> None:
+    """The update happens in the 4th backward, not earlier; gradients
+    accumulate until then and are freed by it."""
+    t = Trainer("cnn", "AdamW", "backward", Loop(accumulate=4))
+    ref = Trainer("cnn", "AdamW", None, Loop(accumulate=4))
+    initial = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    for window in range(2):
+        for j in range(4):
+            i = 4 * window + j
+            t.no_grad_train_forward()  # not a training forward: does not count
+            ref.no_grad_train_forward()
+            t.run(i, i + 1)
+            ref.run(i, i + 1)
+            for n, p in t.model.named_parameters():
+                if j < 3:
+                    r = dict(ref.model.named_parameters())[n]
+                    assert p.grad is not None and torch.equal(p.grad, r.grad), f"{n}: grad during accumulation"
+                    if window == 0:
+                        assert torch.equal(p, initial[n]), f"{n} updated after micro-batch {i}"
+                else:
+                    assert p.grad is None, f"{n}: grad not freed by the update in micro-batch {i}"
+                    assert not torch.equal(p, initial[n]), f"{n}: not updated in micro-batch {i}"
+    assert_results_equal(t.finish(), ref.finish())
+    t.handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 3. Forward mode: clipping and GradScaler
+# ---------------------------------------------------------------------------
+
+
+LAST_WEIGHT = {"cnn": "fc.weight", "branchy": "head.weight"}
+
+
+@pytest.mark.parametrize("case", ["cnn", "branchy"])
+@pytest.mark.parametrize("clip", ["arg", "user"])
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_forward_mode_clip_grad_norm(name: str, clip: str, case: str) -> None:
+    """fuse(clip_grad_norm=) clips at step time like clip_grad_norm_ before
+    step(); the user's own clip_grad_norm_ before step() works as well. With
+    "branchy", parameters unused in a step still hold the gradient of their
+    pending update: it must neither enter this step's norm nor be clipped
+    a second time."""
+    loop = Loop(clip=clip)
+    got, ref = fused(case, name, "forward", loop), eager(case, name, loop)
+    assert sum(n > MAX_NORM for n in ref.norms) > STEPS // 2, "clipping should be active in most steps"
+    if clip == "arg":
+        got.norms = ref.norms  # the fused run has no norms of its own to record
+    assert_results_equal(got, ref)
+
+
+@pytest.mark.parametrize("case", ["cnn", "branchy"])
+@pytest.mark.parametrize("clip", [False, True], ids=["plain", "unscale-clip"])
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_forward_mode_grad_scaler(name: str, clip: bool, case: str) -> None:
+    """scaler.scale(loss).backward(); [scaler.unscale_(opt); clip_grad_norm_;]
+    scaler.step(opt); scaler.update(); opt.zero_grad(), with non-finite
+    gradients in three steps, which the scaler must skip exactly as in eager:
+    no update, and the bad gradients cleared by zero_grad() although no update
+    is pending for them."""
+    loop = Loop(scaler=True, inf_at=(5, 6, 40), clip="user" if clip else None)
+    got, ref = fused(case, name, "forward", loop, steps=60), eager(case, name, loop, steps=60)
+    assert sum(b < a for a, b in zip(ref.scales, ref.scales[1:])) == 3, ref.scales  # backoffs at 5, 6, 40
+    if name != "SGD":
+        assert float(ref.state[LAST_WEIGHT[case]]["step"]) == 60 - 3
+    assert_results_equal(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# 4. state_dict and checkpoints (forward mode: updates pending at save time)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_forward_mode_checkpoint_resumes_in_fresh_process(name: str, tmp_path: Path) -> None:
+    """Save model + optimizer (+ scheduler, RNG) state_dicts with torch.save
+    right after step() 50, with the updates still pending; they must hold the
+    values eager training has then. A fresh process loads them, fuses and
+    trains 50 more steps; this process keeps training too. Both must end where
+    an uninterrupted eager run of 100 steps ends."""
+    loop = Loop(scheduler=True)
+    t = Trainer("cnn", name, "forward", loop).run(0, 50)
+    ckpt = tmp_path / "ckpt.pt"
+    torch.save(t.checkpoint(), ckpt)
+
+    saved = torch.load(ckpt)
+    half = Trainer("cnn", name, None, loop).run(0, 50)
+    eager_model, eager_opt = half.model.state_dict(), half.opt.state_dict()
+    _assert_tensor_dicts(dict(saved["model"]), dict(eager_model), "model.state_dict() at step 50", None)
+    _assert_tensor_dicts(saved["opt"]["state"], eager_opt["state"], "optimizer.state_dict() at step 50", None)
+    assert saved["opt"]["param_groups"] == eager_opt["param_groups"]
+
+    out = tmp_path / "resumed.pt"
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), "resume", "cnn", name, str(ckpt), "50", str(STEPS), str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = Result(**torch.load(out))
+
+    ref = eager("cnn", name, loop)
+    continued = t.run(50, STEPS).finish()
+    t.handle.remove()
+    assert_results_equal(continued, ref)
+    ref_tail = dataclasses.replace(ref, lrs=ref.lrs[50:])
+    assert_results_equal(resumed, ref_tail)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dicts_are_current_and_do_not_double_apply(mode: str) -> None:
+    """model.state_dict() / optimizer.state_dict() taken after step() (forward
+    mode: updates pending) equal eager's; taking them does not make the next
+    forward apply the update a second time."""
+    t = Trainer("branchy", "AdamW", mode)
+    ref = Trainer("branchy", "AdamW", None)
+    for i in range(8):
+        t.run(i, i + 1)
+        ref.run(i, i + 1)
+        _assert_tensor_dicts(dict(t.model.state_dict()), dict(ref.model.state_dict()), f"model at {i}", None)
+        got_opt, ref_opt = t.opt.state_dict(), ref.opt.state_dict()
+        _assert_tensor_dicts(got_opt["state"], ref_opt["state"], f"optimizer at {i}", None)
+    t.run(8, 20)
+    ref.run(8, 20)
+    assert_results_equal(t.finish(), ref.finish())
+    t.handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 5. A plain torch.optim optimizer
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_torch_optimizer_is_converted(name: str, mode: str) -> None:
+    """The reprop engine shares the torch optimizer's param_groups and state:
+    the scheduler works on the user's object and the user's state_dict() is
+    the eager one. Bitwise against eager reprop (same kernels), within the
+    closed-loop tolerance against eager torch.optim."""
+    loop = Loop(scheduler=True)
+    t = Trainer("cnn", name, mode, loop, impl="torch")
+    assert isinstance(t.handle.optimizer, getattr(rp, name))
+    assert type(t.opt) is getattr(torch.optim, name)
+    assert t.handle.optimizer.param_groups is t.opt.param_groups and t.handle.optimizer.state is t.opt.state
+    t.run(0, STEPS)
+    user_state_dict = t.opt.state_dict()  # forward mode: taken with the last update pending
+    got = t.finish()
+    t.handle.remove()
+
+    ref = Trainer("cnn", name, None, loop).run(0, STEPS)
+    assert_results_equal(got, ref.finish())
+    ref_sd = ref.opt.state_dict()
+    _assert_tensor_dicts(user_state_dict["state"], ref_sd["state"], "user's optimizer.state_dict()", None)
+    assert user_state_dict["param_groups"] == ref_sd["param_groups"]
+    assert_results_close(got, eager("cnn", name, loop, impl="torch"), name)
+
+
+# ---------------------------------------------------------------------------
+# 6. remove() and the context manager
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_remove_restores_eager_behaviour(mode: str, impl: str) -> None:
+    """30 fused steps (forward mode: the last update still pending), remove(),
+    then 20 eager steps: equals 50 eager steps; every hook and patch is gone."""
+    t = Trainer("lm", "AdamW", None, impl=impl)
+    ref = Trainer("lm", "AdamW", None)  # reprop: the kernel that did the fused updates
+    before = hook_snapshot(t.model, t.opt)
+    with t._catch():
+        t.handle = reprop.fuse(t.model, t.opt, mode=mode)
+    t.mode = mode
+    t.run(0, 30)
+    t.handle.remove()  # forward mode: applies the update of step 30
+    t.handle = t.mode = None
+    assert_no_fusion_left(t.model, t.opt, before)
+    ref.run(0, 30)
+    assert_results_equal(t.finish(), ref.finish())
+    if impl == "torch":  # from here on torch's own step() updates t: continue ref with it too
+        torch_opt = make_optimizer(ref.model, "AdamW", "torch")
+        torch_opt.load_state_dict(ref.opt.state_dict())
+        ref.opt = torch_opt
+
+    # Plain eager again: backward only computes gradients (eval mode: no dropout
+    # drawn, nothing else changed), step() updates, no warnings.
+    x, y = t.case.batch(30)
+    snapshot = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.model.eval()
+    t.case.loss(t.model(x, 30), y).backward()
+    t.model.train()
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, snapshot[n]) and p.grad is not None, f"{n}: fusion still active after remove()"
+    t.opt.zero_grad()
+    warned = len(t.warnings)
+    t.run(30, 50)
+    ref.run(30, 50)
+    assert_results_equal(t.finish(), ref.finish())
+    assert t.warnings[warned:] == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_context_manager_removes_on_exit(mode: str) -> None:
+    t = Trainer("cnn", "SGD", None)
+    before = hook_snapshot(t.model, t.opt)
+    with t._catch(), reprop.fuse(t.model, t.opt, mode=mode) as handle:
+        assert handle.mode == mode and handle.optimizer is t.opt  # a reprop optimizer is used as is
+        t.run(0, 10)
+    assert_no_fusion_left(t.model, t.opt, before)
+    assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
+
+
+# ---------------------------------------------------------------------------
+# 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_backward_mode_grads_freed_or_kept(keep_grads: bool) -> None:
+    """keep_grads=False: every p.grad is None right after backward.
+    keep_grads=True: p.grad after backward is eager's gradient of that step,
+    still there after a no_grad forward, and replaced (not accumulated into)
+    by the next step's."""
+    loop = Loop(record_grads=True, keep_grads=keep_grads, eval_every=2)
+    got, ref = fused("branchy", "SGD", "backward", loop, steps=12), eager("branchy", "SGD", loop, steps=12)
+    if keep_grads:
+        assert_results_equal(got, ref)
+    else:
+        for i, grads in enumerate(got.grads):
+            assert all(g is None for g in grads.values()), f"step {i}: grads not freed: {[n for n, g in grads.items() if g is not None]}"
+        assert_results_equal(dataclasses.replace(got, grads=ref.grads), ref)
+
+
+def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
+    t = Trainer("cnn", "SGD", "backward", Loop(keep_grads=True)).run(0, 3)
+    ref_grads = eager("cnn", "SGD", Loop(record_grads=True), steps=3).grads[-1]
+    t.eval_forward()
+    t.no_grad_train_forward()
+    for n, p in t.model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, ref_grads[n]), n
+    t.handle.remove()
+
+
+def test_backward_mode_step_and_zero_grad_warn_once() -> None:
+    model = CASES["cnn"].make_model()
+    opt = make_optimizer(model, "SGD")
+    handle = reprop.fuse(model, opt, mode="backward")
+    per_iteration = []
+    for i in range(4):
+        x, y = CASES["cnn"].batch(i)
+        F.mse_loss(model(x), y).backward()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with warnings.catch_warnings(record=True) as log:
+            warnings.simplefilter("always")
+            opt.step()
+            opt.zero_grad()
+        per_iteration.append([(w.category, str(w.message)) for w in log])
+        for n, p in model.named_parameters():
+            assert torch.equal(p, before[n]), f"step() in backward mode changed {n}"
+    handle.remove()
+    first = per_iteration[0]
+    assert 1 <= len(first) <= 2 and all(issubclass(c, UserWarning) for c, _ in first), first
+    assert per_iteration[1:] == [[], [], []], per_iteration
+
+
+def test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete() -> None:
+    """Inside backward, when the gradient reaches fc1's output, fc2 is already
+    updated and fc1 is not yet (its gradient is not complete)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = {}
+
+    def watch(module, args, out):
+        out.register_hook(lambda g: seen.update({n: torch.equal(p, initial[n]) for n, p in model.named_parameters()}))
+
+    model[0].register_forward_hook(watch)
+    handle = reprop.fuse(model, opt, mode="backward")
+    model(torch.randn(6, 4)).square().sum().backward()
+    handle.remove()
+    assert seen == {"0.weight": True, "0.bias": True, "2.weight": False, "2.bias": False}, seen
+    assert all(not torch.equal(p, initial[n]) for n, p in model.named_parameters())
+
+
+# ---------------------------------------------------------------------------
+# 8. Forward mode: lazy, per-module application
+# ---------------------------------------------------------------------------
+
+
+def test_forward_mode_applies_each_module_before_its_next_use() -> None:
+    """After step() nothing has changed and the gradients are still there
+    (zero_grad() deferred); running one submodule applies just its update and
+    clears just its gradients; the full forward then applies the rest, once."""
+    t = Trainer("cnn", "AdamW", "forward")
+    ref = Trainer("cnn", "AdamW", None).run(0, 1)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    t.run(0, 1)  # forward, backward, step(), zero_grad()
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, before[n]), f"{n} updated by step() in forward mode"
+        assert p.grad is not None, f"{n}: zero_grad() not deferred"
+    with torch.no_grad():
+        t.model.conv(t.case.eval_input())
+    updated = {n: p for n, p in ref.model.named_parameters()}
+    for n, p in t.model.named_parameters():
+        if n.startswith("conv."):
+            assert torch.equal(p, updated[n]) and p.grad is None, n
+        else:
+            assert torch.equal(p, before[n]) and p.grad is not None, n
+    t.eval_forward()
+    t.eval_forward()
+    for n, p in t.model.named_parameters():
+        assert torch.equal(p, updated[n]) and p.grad is None, n
+    assert_results_equal(t.finish(), ref.finish())
+    t.handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 9. The hazard: old parameter values still needed by backward
+# ---------------------------------------------------------------------------
+
+
+class _Holder(nn.Module):
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        super().__init__()
+        self.w = nn.Parameter(0.5 * torch.randn(shape))
+
+
+class TwoUse(nn.Module):
+    """`w` (module `second`) used twice: `u = first(x) @ w` and `u @ w`. With
+    detach, the first use is `first(x) @ w.detach()`: its backward (for
+    `first`) still needs w's old value and runs after w's gradient is
+    complete (w's only graph use is the second), so updating w then is the
+    hazard. `first` is another module, so that w's update is not held back
+    for module-mates."""
+
+    def __init__(self, detach: bool) -> None:
+        super().__init__()
+        self.detach = detach
+        self.first = nn.Linear(4, 4, bias=False)
+        self.second = _Holder((4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.second.w
+        u = self.first(x) @ (w.detach() if self.detach else w)
+        return torch.tanh(u @ w).square().mean()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> None:
+    """Without detach(), both uses of w contribute to its gradient: backward
+    fusion updates it once, after both. In forward mode w's module never runs
+    forward itself (the root reads w directly), so its update is applied at
+    the root's forward."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = TwoUse(detach=False)
+        opt = getattr(rp, name)(model.parameters(), **OPTIONS[name])
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(5):
+                model(torch.randn(5, 4, generator=_gen(i))).backward()
+                opt.step()
+                opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    ref_model, ref_opt = run(None)
+    model, opt = run(mode)
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        same = torch.equal(p, r)
+        assert same, f"{n}: {_diff(p, r)}"
+        _assert_tensor_dicts(opt.state[p], ref_opt.state[r], n, None)
+
+
+def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
+    torch.manual_seed(0)
+    model = TwoUse(detach=True)
+    handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="backward")
+    loss = model(torch.randn(5, 4))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 10. Errors (and nothing installed when fuse() refuses)
+# ---------------------------------------------------------------------------
+
+
+def _refused(exc: type, match: str, make_opt: Callable, **kw) -> pytest.ExceptionInfo:
+    """fuse(**kw) raises exc and leaves model and optimizer untouched."""
+    model = SmallCNN()
+    opt = make_opt(model)
+    before = hook_snapshot(model, opt)
+    with pytest.raises(exc, match=match) as info:
+        reprop.fuse(model, opt, **kw)
+    assert_no_fusion_left(model, opt, before)
+    return info
+
+
+def test_unsupported_optimizer_raises_type_error() -> None:
+    info = _refused(TypeError, "NAdam", lambda m: torch.optim.NAdam(m.parameters()), mode="forward")
+    for supported in ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta"):
+        assert supported in str(info.value), f"{supported} not listed: {info.value}"
+
+
+def test_clip_grad_norm_in_backward_mode_raises() -> None:
+    _refused(ValueError, "forward", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="backward", clip_grad_norm=1.0)
+
+
+def test_bad_mode_raises() -> None:
+    _refused(ValueError, "mode", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="sideways")
+
+
+def test_non_module_raises() -> None:
+    params = [nn.Parameter(torch.randn(3))]
+    with pytest.raises(TypeError):
+        reprop.fuse(params, rp.SGD(params, lr=0.1), mode="forward")
+    with pytest.raises(TypeError):
+        reprop.fuse(lambda x: x, rp.SGD(params, lr=0.1), mode="backward")
+
+
+# ---------------------------------------------------------------------------
+# 11. DistributedDataParallel (gloo, 2 processes)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
+    """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
+    DDP with a plain step(), 2 CPU ranks with different data: every rank ends
+    with eager DDP's parameters and optimizer state."""
+    world = 2
+    init = tmp_path / "init"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), "ddp", str(rank), str(world), str(init), str(tmp_path / f"rank{rank}.pt")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(world)
+    ]
+    outputs = []
+    for p in procs:
+        try:
+            outputs.append(p.communicate(timeout=60)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("DDP workers timed out")
+    assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    rank0 = Result(**results[0]["fused"])
+    for rank, r in enumerate(results):
+        got, ref = Result(**r["fused"]), Result(**r["eager"])
+        assert_results_equal(got, ref)
+        # Parameters and optimizer state agree across ranks (BatchNorm's running
+        # stats are each rank's own after its last forward).
+        _assert_tensor_dicts(got.params, rank0.params, f"rank {rank} params vs rank 0", None)
+        _assert_tensor_dicts(got.state, rank0.state, f"rank {rank} optimizer state vs rank 0", None)
+
+
+def test_backward_mode_updates_after_a_forward_that_bypasses_root_hooks() -> None:
+    """Without accumulation every backward updates, even when the forward ran
+    through model.forward(x) and so never through the root module's hooks."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    before = model[0].weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with reprop.fuse(model, opt, mode="backward"):
+            model.forward(torch.ones(1, 2)).sum().backward()
+            assert model[0].weight.grad is None
+    assert not torch.equal(model[0].weight.detach(), before)
