@@ -6,6 +6,7 @@ Every benchmark script (benchmarks/<technique>.py) follows the same recipe:
     args = parser.parse_args(); device = setup_device(args)
     stats = measure_alternated({"torch": f, "reprop": g, "copy": make_bandwidth_probe(nbytes, device)}, device)
     ratio = speedup(stats["torch"].median, stats["reprop"].median)   # > 1: reprop faster
+    peak = peak_memory(step, device, setup=build)   # bytes held at the peak of step() (CUDA or CPU)
     print(format_table(headers, rows)); write_json(args.json, {..., "machine": machine_info(device)})
 
 Timing rules, and why:
@@ -149,6 +150,70 @@ def measure(fn: Callable[[], object], device: torch.device, warmup: int = 2, rep
             inner: int = 1) -> Stats:
     """Measure a single callable (measure_alternated with one candidate)."""
     return measure_alternated({"fn": fn}, device, warmup, reps, inner)["fn"]
+
+
+# ---------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------
+
+PEAK_MARKER = "harness.peak_memory"
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device,
+                setup: Callable[[], object] | None = None) -> int | None:
+    """Peak bytes held by torch's allocator while ``fn()`` runs, counted from before ``setup()``.
+
+    Memory already held when the call starts does not count; what ``setup()``
+    allocates and still holds when ``fn()`` starts does (e.g. setup builds a
+    model and takes warm-up steps, fn takes the step to measure: the result is
+    that step's peak including the model, its optimizer state and anything
+    kept between steps). Returns None when the device gives no measure.
+
+    CUDA: the caching allocator's own counters (memory_allocated, and
+    max_memory_allocated after reset_peak_memory_stats), exact.
+    CPU: torch keeps no counter for its CPU allocator (and tracemalloc does
+    not see it), but the profiler with profile_memory=True records each of its
+    allocations and frees as a "[memory]" event with a signed size; the peak
+    is the largest running sum, in time order, within ``fn()``. Memory taken
+    outside torch's allocator (oneDNN scratch pads, Python objects) is not
+    seen. The profiler slows the calls down: never time under it.
+    """
+    if device.type == "cuda":
+        synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        if setup is not None:
+            setup()
+            synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base
+    if device.type != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile, record_function
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        if setup is not None:
+            setup()
+        with record_function(PEAK_MARKER):
+            fn()
+    return _cpu_peak_from_events(prof.profiler.kineto_results.events())
+
+
+def _cpu_peak_from_events(events) -> int | None:
+    """Largest running sum of CPU "[memory]" event sizes inside the PEAK_MARKER range."""
+    marker = next((e for e in events if e.name() == PEAK_MARKER), None)
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    if marker is None or not memory:
+        return None
+    held = peak = 0
+    for t, nbytes in memory:
+        if t > marker.end_ns():
+            break
+        held += nbytes
+        if t >= marker.start_ns():
+            peak = max(peak, held)
+    return peak
 
 
 # ---------------------------------------------------------------------------

@@ -7,9 +7,19 @@ here reproduces a well-known architecture exactly, down to the order and
 names of its parameters, so results compare with published figures and with
 runs that do use torchvision.
 
+Models (name in ``MODELS``: input -> output):
+
+  * ``mobilenet_v2``, ``resnet18``, ``resnet50``, ``densenet121``, ``vgg19_bn``:
+    images (B, 3, H, W) -> (B, 1000) logits, torchvision's architectures;
+  * ``transformer_base``: token ids (B, L) -> (B, L, 30522) logits, a
+    BERT-base-sized encoder with a masked-LM head tied to the input embedding.
+
+``make_batch(name, batch_size, ...)`` returns synthetic (inputs, labels) of the
+right kind for a model; ``cross_entropy(logits, labels)`` is a loss for either.
+
 Adding a model: write a builder returning an ``nn.Module`` and register it in
-``MODELS`` with its expected parameter-tensor and parameter counts;
-``self_check()`` then verifies it along with the others.
+``MODELS`` with its expected parameter-tensor and parameter counts and its
+input kind; ``self_check()`` then verifies it along with the others.
 
     python benchmarks/models.py    # builds every registered model and checks its counts
 """
@@ -150,34 +160,380 @@ class MobileNetV2(nn.Module):
 
 
 # ---------------------------------------------------------------------------
-# Registry
+# ResNet (He et al. 2016), torchvision's variant (v1.5: stride on the 3x3 conv)
 # ---------------------------------------------------------------------------
+
+
+def conv3x3(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
+    """3x3 convolution, padding 1, no bias (a BatchNorm follows)."""
+    return nn.Conv2d(in_ch, out_ch, 3, stride, 1, bias=False)
+
+
+def conv1x1(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
+    """1x1 convolution, no bias (a BatchNorm follows)."""
+    return nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """ResNet-18/34 block: two 3x3 convs, residual (through ``downsample`` when the shape changes)."""
+
+    expansion = 1
+
+    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = conv3x3(in_ch, ch, stride)
+        self.bn1 = nn.BatchNorm2d(ch)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = conv3x3(ch, ch)
+        self.bn2 = nn.BatchNorm2d(ch)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class Bottleneck(nn.Module):
+    """ResNet-50+ block: 1x1 reduce -> 3x3 (strided) -> 1x1 expand (x4), residual."""
+
+    expansion = 4
+
+    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None):
+        super().__init__()
+        self.conv1 = conv1x1(in_ch, ch)
+        self.bn1 = nn.BatchNorm2d(ch)
+        self.conv2 = conv3x3(ch, ch, stride)
+        self.bn2 = nn.BatchNorm2d(ch)
+        self.conv3 = conv1x1(ch, ch * self.expansion)
+        self.bn3 = nn.BatchNorm2d(ch * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = downsample
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + identity)
+
+
+class ResNet(nn.Module):
+    """torchvision.models.ResNet with the same module tree and parameter names.
+
+    Input (B, 3, H, W) images, output (B, num_classes) logits. ``block`` is
+    BasicBlock or Bottleneck, ``layers`` the number of blocks in each of the
+    four stages (ResNet-18: BasicBlock, [2, 2, 2, 2]; ResNet-50: Bottleneck, [3, 4, 6, 3]).
+    """
+
+    def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int],
+                 num_classes: int = 1000):
+        super().__init__()
+        self.in_ch = 64
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        self.layer1 = self._make_layer(block, 64, layers[0])
+        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
+        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
+        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.fc = nn.Linear(512 * block.expansion, num_classes)
+        init_like_torchvision(self)
+
+    def _make_layer(self, block, ch: int, blocks: int, stride: int = 1) -> nn.Sequential:
+        """One stage; its first block changes the shape, through a 1x1 conv + BN shortcut if needed."""
+        downsample = None
+        if stride != 1 or self.in_ch != ch * block.expansion:
+            downsample = nn.Sequential(conv1x1(self.in_ch, ch * block.expansion, stride),
+                                       nn.BatchNorm2d(ch * block.expansion))
+        layers = [block(self.in_ch, ch, stride, downsample)]
+        self.in_ch = ch * block.expansion
+        layers += [block(self.in_ch, ch) for _ in range(1, blocks)]
+        return nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
+        return self.fc(torch.flatten(x, 1))
+
+
+def resnet18() -> ResNet:
+    """ResNet-18: 62 parameter tensors, 11,689,512 parameters."""
+    return ResNet(BasicBlock, [2, 2, 2, 2])
+
+
+def resnet50() -> ResNet:
+    """ResNet-50: 161 parameter tensors, 25,557,032 parameters."""
+    return ResNet(Bottleneck, [3, 4, 6, 3])
+
+
+# ---------------------------------------------------------------------------
+# DenseNet (Huang et al. 2017), torchvision's variant
+# ---------------------------------------------------------------------------
+
+
+class DenseLayer(nn.Module):
+    """BN-ReLU-1x1 conv (to bn_size * growth) -> BN-ReLU-3x3 conv (to growth).
+
+    Takes the list of all earlier feature maps of its block and returns only
+    its ``growth`` new channels (torchvision's ``_DenseLayer``, without the
+    memory-efficient checkpointing, which is off by default there too).
+    """
+
+    def __init__(self, in_ch: int, growth: int, bn_size: int):
+        super().__init__()
+        self.norm1 = nn.BatchNorm2d(in_ch)
+        self.relu1 = nn.ReLU(inplace=True)
+        self.conv1 = nn.Conv2d(in_ch, bn_size * growth, 1, 1, bias=False)
+        self.norm2 = nn.BatchNorm2d(bn_size * growth)
+        self.relu2 = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(bn_size * growth, growth, 3, 1, 1, bias=False)
+
+    def forward(self, features: list[torch.Tensor]) -> torch.Tensor:
+        x = self.conv1(self.relu1(self.norm1(torch.cat(features, 1))))
+        return self.conv2(self.relu2(self.norm2(x)))
+
+
+class DenseBlock(nn.ModuleDict):
+    """``num_layers`` DenseLayers, each fed every earlier output; returns them all concatenated.
+
+    A ModuleDict (as torchvision's ``_DenseBlock``) so names read ``denselayer1.norm1.weight``.
+    """
+
+    def __init__(self, num_layers: int, in_ch: int, growth: int, bn_size: int):
+        super().__init__()
+        for i in range(num_layers):
+            self[f"denselayer{i + 1}"] = DenseLayer(in_ch + i * growth, growth, bn_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = [x]
+        for layer in self.values():
+            features.append(layer(features))
+        return torch.cat(features, 1)
+
+
+class Transition(nn.Sequential):
+    """BN-ReLU-1x1 conv (halving the channels) -> 2x2 average pool, between dense blocks."""
+
+    def __init__(self, in_ch: int, out_ch: int):
+        super().__init__()
+        self.norm = nn.BatchNorm2d(in_ch)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv = nn.Conv2d(in_ch, out_ch, 1, 1, bias=False)
+        self.pool = nn.AvgPool2d(2, 2)
+
+
+class DenseNet(nn.Module):
+    """torchvision.models.DenseNet with the same module tree and parameter names.
+
+    Input (B, 3, H, W) images, output (B, num_classes) logits. DenseNet-121:
+    growth 32, blocks (6, 12, 24, 16), 64 initial features, bottleneck width 4 x growth.
+    """
+
+    def __init__(self, growth: int = 32, block_config: tuple[int, ...] = (6, 12, 24, 16),
+                 num_init_features: int = 64, bn_size: int = 4, num_classes: int = 1000):
+        super().__init__()
+        self.features = nn.Sequential()
+        self.features.add_module("conv0", nn.Conv2d(3, num_init_features, 7, 2, 3, bias=False))
+        self.features.add_module("norm0", nn.BatchNorm2d(num_init_features))
+        self.features.add_module("relu0", nn.ReLU(inplace=True))
+        self.features.add_module("pool0", nn.MaxPool2d(3, 2, 1))
+        ch = num_init_features
+        for i, num_layers in enumerate(block_config):
+            self.features.add_module(f"denseblock{i + 1}", DenseBlock(num_layers, ch, growth, bn_size))
+            ch += num_layers * growth
+            if i != len(block_config) - 1:
+                self.features.add_module(f"transition{i + 1}", Transition(ch, ch // 2))
+                ch //= 2
+        self.features.add_module("norm5", nn.BatchNorm2d(ch))
+        self.classifier = nn.Linear(ch, num_classes)
+        init_like_torchvision(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.relu(self.features(x))
+        x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+# ---------------------------------------------------------------------------
+# VGG (Simonyan & Zisserman 2015) with batch norm, torchvision's variant
+# ---------------------------------------------------------------------------
+
+# Configuration "E" (19 weight layers): output channels of each 3x3 conv, "M" a 2x2 max pool.
+VGG19_CONFIG: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
+                                 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"]
+
+
+class VGG(nn.Module):
+    """torchvision.models.vgg19_bn with the same module tree and parameter names.
+
+    Input (B, 3, H, W) images (H, W >= 32), output (B, num_classes) logits.
+    The convs keep their bias even before a BatchNorm, as torchvision's do.
+    """
+
+    def __init__(self, config: list[int | str] = VGG19_CONFIG, num_classes: int = 1000,
+                 dropout: float = 0.5):
+        super().__init__()
+        layers: list[nn.Module] = []
+        in_ch = 3
+        for v in config:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(in_ch, v, 3, padding=1), nn.BatchNorm2d(v), nn.ReLU(inplace=True)]
+                in_ch = v
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(dropout),
+            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(dropout),
+            nn.Linear(4096, num_classes),
+        )
+        init_like_torchvision(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.avgpool(self.features(x))
+        return self.classifier(torch.flatten(x, 1))
+
+
+# ---------------------------------------------------------------------------
+# Transformer-base encoder with a tied masked-LM head (BERT-base sizes)
+# ---------------------------------------------------------------------------
+
+BERT_VOCAB = 30522
+BERT_MAX_POSITIONS = 512
+
+
+class TransformerEncoderLM(nn.Module):
+    """A BERT-base-sized encoder (Devlin et al. 2019) built from nn.TransformerEncoderLayer.
+
+    Token ids (B, L) -> (B, L, vocab) logits. Embeddings: word + learned
+    position + token type (all ids 0 here) -> LayerNorm -> dropout; 12 post-norm
+    encoder layers (d_model 768, 12 heads, FFN 3072, GELU, dropout 0.1,
+    LayerNorm eps 1e-12); masked-LM head: dense 768 -> GELU -> LayerNorm ->
+    decoder whose weight *is* the word-embedding weight (tied; its own bias).
+
+    154 parameter tensors (the tied weight counted once, as model.parameters()
+    does): 5 embedding + 12 x 12 per layer (nn.MultiheadAttention packs Q, K, V
+    into one in_proj weight and bias, where BERT has three of each) + 5 head.
+    109,514,298 parameters: embeddings 23,837,184 (30522x768 + 512x768 + 2x768
+    + LayerNorm 2x768), 12 layers x 7,087,872, head 622,650 (768x768 + 768,
+    LayerNorm 2x768, decoder bias 30522); the same layout and sizes as BERT-base
+    with a masked-LM head and no pooler.
+    """
+
+    def __init__(self, vocab: int = BERT_VOCAB, max_positions: int = BERT_MAX_POSITIONS,
+                 d_model: int = 768, heads: int = 12, ffn: int = 3072, layers: int = 12,
+                 dropout: float = 0.1, eps: float = 1e-12):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, d_model)
+        self.position_embeddings = nn.Embedding(max_positions, d_model)
+        self.token_type_embeddings = nn.Embedding(2, d_model)
+        self.embedding_norm = nn.LayerNorm(d_model, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+        layer = nn.TransformerEncoderLayer(d_model, heads, ffn, dropout, activation="gelu",
+                                           layer_norm_eps=eps, batch_first=True)
+        # enable_nested_tensor only matters for padded inference; off, it doesn't warn.
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head_dense = nn.Linear(d_model, d_model)
+        self.head_norm = nn.LayerNorm(d_model, eps=eps)
+        self.decoder = nn.Linear(d_model, vocab)
+        self.decoder.weight = self.word_embeddings.weight  # tied: one tensor, two uses per step
+        init_like_bert(self)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(torch.zeros_like(ids)))
+        x = self.encoder(self.dropout(self.embedding_norm(x)))
+        x = self.head_norm(nn.functional.gelu(self.head_dense(x)))
+        return self.decoder(x)
+
+
+def init_like_bert(model: nn.Module) -> None:
+    """BERT's initialisation: Linear and Embedding weights normal(0, 0.02), biases 0, LayerNorm 1/0."""
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0, 0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.MultiheadAttention):  # its packed Q, K, V projection is a bare Parameter
+            nn.init.normal_(m.in_proj_weight, 0, 0.02)
+            nn.init.zeros_(m.in_proj_bias)
+
+
+# ---------------------------------------------------------------------------
+# Registry and synthetic batches
+# ---------------------------------------------------------------------------
+
+IMAGE, TOKENS = "image", "tokens"
+NUM_CLASSES = 1000
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A registered model: how to build it and the counts it must have."""
+    """A registered model: how to build it, the counts it must have, what it takes as input."""
 
     build: Callable[[], nn.Module]
     num_tensors: int  # len(list(model.parameters()))
     num_params: int   # sum(p.numel() for p in model.parameters())
-    # A small batch-of-one input for a smoke-test forward pass (cheap, not the
-    # benchmark resolution): images for CNNs, token ids for encoders, etc.
-    example_input: Callable[[], torch.Tensor]
+    inputs: str       # IMAGE: (B, 3, H, W) floats -> (B, 1000); TOKENS: (B, L) ids -> (B, L, vocab)
 
 
+# Parameter counts of the torchvision models are torchvision's documented num_params
+# (its model pages); tensor counts follow from the module trees (e.g. ResNet-18: conv1 +
+# bn1 = 3, 8 blocks x 6, 3 downsample shortcuts x 3, fc 2 = 62). transformer_base's are
+# derived in its docstring.
 MODELS: dict[str, ModelSpec] = {
-    "mobilenet_v2": ModelSpec(MobileNetV2, 158, 3_504_872, lambda: torch.zeros(1, 3, 64, 64)),
+    "mobilenet_v2": ModelSpec(MobileNetV2, 158, 3_504_872, IMAGE),
+    "resnet18": ModelSpec(resnet18, 62, 11_689_512, IMAGE),
+    "resnet50": ModelSpec(resnet50, 161, 25_557_032, IMAGE),
+    "densenet121": ModelSpec(DenseNet, 364, 7_978_856, IMAGE),
+    "vgg19_bn": ModelSpec(VGG, 70, 143_678_248, IMAGE),
+    "transformer_base": ModelSpec(TransformerEncoderLM, 154, 109_514_298, TOKENS),
 }
 
 
 def build(name: str) -> nn.Module:
     """Build a registered model by name (see ``MODELS``) on the CPU, in float32."""
+    return spec_of(name).build()
+
+
+def spec_of(name: str) -> ModelSpec:
+    """The registered ModelSpec of ``name``; ValueError listing the known names otherwise."""
     try:
-        spec = MODELS[name]
+        return MODELS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
-    return spec.build()
+
+
+def make_batch(name: str, batch_size: int, device: torch.device | str = "cpu", image_size: int = 224,
+               seq_len: int = 128, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic (inputs, labels) for one training step of model ``name``.
+
+    Images: (B, 3, image_size, image_size) standard-normal floats and (B,)
+    class ids in [0, 1000). Tokens: (B, seq_len) ids and (B, seq_len) target
+    ids, both uniform over the vocabulary. Deterministic for a given seed.
+    """
+    g = torch.Generator().manual_seed(seed)  # on the CPU, then moved: the same data on any device
+    if spec_of(name).inputs == IMAGE:
+        x = torch.randn(batch_size, 3, image_size, image_size, generator=g)
+        y = torch.randint(NUM_CLASSES, (batch_size,), generator=g)
+    else:
+        x = torch.randint(BERT_VOCAB, (batch_size, seq_len), generator=g)
+        y = torch.randint(BERT_VOCAB, (batch_size, seq_len), generator=g)
+    return x.to(device), y.to(device)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy for (B, C) logits and (B,) labels, or (B, L, V) and (B, L) per token."""
+    return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten())
 
 
 def param_counts(model: nn.Module) -> tuple[int, int]:
@@ -189,8 +545,9 @@ def param_counts(model: nn.Module) -> tuple[int, int]:
 def self_check(names: list[str] | None = None) -> None:
     """Build each model (all registered ones by default) and assert its counts.
 
-    Also runs a forward pass on the spec's small example input, so a block
-    wired with the wrong channel counts fails here rather than in a benchmark.
+    Also runs a forward pass on a small batch of one (64x64 image or 16
+    tokens, not the benchmark size), so a block wired with the wrong channel
+    counts fails here rather than in a benchmark.
     """
     for name in names or sorted(MODELS):
         spec = MODELS[name]
@@ -198,8 +555,10 @@ def self_check(names: list[str] | None = None) -> None:
         got = param_counts(model)
         want = (spec.num_tensors, spec.num_params)
         assert got == want, f"{name}: (tensors, params) = {got}, expected {want}"
+        x, y = make_batch(name, 1, image_size=64, seq_len=16)
         with torch.no_grad():
-            model(spec.example_input())
+            out = model(x)
+        assert out.shape[:-1] == y.shape, f"{name}: output {tuple(out.shape)} for labels {tuple(y.shape)}"
 
 
 if __name__ == "__main__":

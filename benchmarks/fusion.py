@@ -1,0 +1,589 @@
+"""Benchmark reprop's optimizer fusion (reprop.fuse) against eager training steps.
+
+One training step is the user's unchanged loop, on synthetic data generated once
+(random images or token ids, random labels; models.make_batch):
+
+    loss = cross_entropy(model(x), y); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Candidates, each training its own copy of the same initial model, all timed in
+the same run, alternated (harness.measure_alternated), medians:
+
+    torch foreach    torch.optim.X(foreach=True), eager
+    torch fused      torch.optim.X(fused=True), eager (n/a where torch has no fused X there)
+    reprop eager     reprop.optim.X, eager
+    reprop forward   reprop.fuse(model, reprop.optim.X(...), mode="forward"): each update is
+                     applied right before its module's next forward (Algorithm 2)
+    reprop backward  reprop.fuse(..., mode="backward"): each parameter is updated inside
+                     backward() once its gradient is complete, and the gradient freed (Algorithm 3)
+    no optimizer     forward + backward + zero_grad, no update: the floor no fusion can beat;
+                     (baseline - floor) / baseline is the optimizer's share of a step
+
+Sweeps, after Jiang et al., "Optimizer Fusion" (Figures 4-7, Table 2):
+
+    models   --models at batch --batch (32), AdamW          (Figure 6)
+    batches  MobileNetV2 at each of --batches, AdamW        (Figures 4, 5; Table 2 at 32)
+    optims   MobileNetV2 at batch --batch, each of --optims (Figure 7)
+
+A case in several sweeps is measured once. Optimizers and hyper-parameters are
+optim.py's (lr 1e-6, so hundreds of steps keep the model in range; AdamW has
+weight decay 0.01, the others none); images are 224x224 (--image-size),
+token sequences 128 long.
+
+Peak memory, per candidate, in a separate phase after the timing (one candidate
+alive at a time): the peak bytes torch's allocator holds during one steady-state
+step, counting everything the candidate holds (model, optimizer state, whatever
+is kept between steps) and the step's transients (activations, gradients);
+harness.peak_memory. Exact on CUDA; on CPU read from the profiler's allocator
+events (torch keeps no CPU counter). "grads MiB" (4 bytes per parameter) is for
+reference: backward-fusion frees each gradient right after its update, eager
+keeps all of them until zero_grad().
+
+    python benchmarks/fusion.py --quick                       # CI-sized, CPU (~25 s on 2 idle cores)
+    python benchmarks/fusion.py --device cuda --json out.json
+    python benchmarks/fusion.py --device cuda --sweeps batches --batches 32,64
+    python benchmarks/fusion.py --quick --baselines-only      # eager baselines only, no reprop.fuse
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Run as a script, benchmarks/ is already on sys.path; as `python -m benchmarks.fusion` it is not.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+import optim as optim_bench  # noqa: E402  (the optimizer benchmark: its optimizers and factories)
+
+OPTIMIZERS = optim_bench.OPTIMIZERS
+
+# Candidate names, in table order.
+FOREACH, FUSED = optim_bench.FOREACH, optim_bench.FUSED
+EAGER, FORWARD, BACKWARD, FLOOR = "reprop eager", "reprop forward", "reprop backward", "no optimizer"
+TORCH_BASELINES = (FOREACH, FUSED)
+BASELINES = (FOREACH, FUSED, EAGER)  # every candidate's speedup is reported against each of these
+FUSION_MODES = {FORWARD: "forward", BACKWARD: "backward"}
+
+SEQ_LEN = 128
+MIB = 2**20
+SWEEPS = ("models", "batches", "optims")
+FULL = {"models": ",".join(models.MODELS), "batches": "8,16,32,64,128",
+        "optims": "sgd,adam,adamw,adagrad,adadelta,rmsprop", "batch": 32, "image_size": 224}
+QUICK = {"models": "mobilenet_v2", "batches": "8", "optims": "adamw,sgd", "batch": 8, "image_size": 64}
+SWEEP_MODEL, SWEEP_OPTIM = "mobilenet_v2", "adamw"  # fixed in the sweeps that vary something else
+
+# Steps each candidate takes before its memory is measured: the first creates the
+# optimizer state, the second leaves whatever a mode keeps between steps.
+MEMORY_WARMUP = 2
+
+# Sanity range of a candidate's total parameter movement relative to torch foreach's.
+UPDATE_RANGE = (0.8, 1.25)
+
+# Targets (CUDA; printed as PASS/MISS, never asserted).
+TARGET_SPEEDUP = 1.25        # backward-fusion over torch foreach, MobileNetV2 AdamW at --batch
+TARGET_GRAD_SAVING = 0.5     # backward-fusion's peak below reprop eager's, as a fraction of the grads
+
+# reprop.fuse's backward mode makes step() and zero_grad() no-ops and says so once per handle;
+# the benchmark's loop calls them on purpose (the user's loop, unchanged).
+warnings.filterwarnings("ignore", message=r"reprop\.fuse", category=UserWarning)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration."""
+
+    model: str
+    batch: int
+    optimizer: str  # key of OPTIMIZERS
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} b{self.batch} {OPTIMIZERS[self.optimizer].cls}"
+
+
+@dataclass
+class Trainer:
+    """One candidate: its model copy, optimizer (None for the floor), fusion handle, and step()."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    handle: object | None
+    step: Callable[[], None]
+
+    def close(self) -> None:
+        """Apply pending updates and remove the fusion hooks (plain eager again)."""
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+@dataclass
+class CaseResult:
+    """Everything measured for one case."""
+
+    case: Case
+    sweeps: list[str]
+    num_tensors: int
+    num_params: int
+    stats: dict[str, harness.Stats] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+    peak_bytes: dict[str, int | None] = field(default_factory=dict)
+    update_l1: dict[str, float] = field(default_factory=dict)  # sum |final - initial| over all parameters
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.num_params * 4  # fp32 gradients, one per parameter
+
+    def median(self, name: str) -> float | None:
+        """Median ms of a candidate, None when it was n/a or not run."""
+        s = self.stats.get(name)
+        return s.median if s else None
+
+    def best_torch(self) -> float | None:
+        """The faster of torch's two eager baselines (ms)."""
+        times = [t for t in map(self.median, TORCH_BASELINES) if t is not None]
+        return min(times) if times else None
+
+
+# ---------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------
+
+
+def plan_cases(args) -> dict[Case, list[str]]:
+    """The cases of the selected sweeps, each once, with the sweeps that contain it."""
+    plan: dict[Case, list[str]] = {}
+
+    def add(case: Case, sweep: str) -> None:
+        plan.setdefault(case, []).append(sweep)
+
+    if "models" in args.sweeps:
+        for name in args.models:
+            add(Case(name, args.batch, SWEEP_OPTIM), "models")
+    if "batches" in args.sweeps:
+        for b in args.batches:
+            add(Case(SWEEP_MODEL, b, SWEEP_OPTIM), "batches")
+    if "optims" in args.sweeps:
+        for opt in args.optims:
+            add(Case(SWEEP_MODEL, args.batch, opt), "optims")
+    return plan
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+# ---------------------------------------------------------------------------
+
+
+def candidate_names(baselines_only: bool) -> list[str]:
+    """Table order; without the fusion modes when only the baselines are timed."""
+    fused = [] if baselines_only else list(FUSION_MODES)
+    return [*BASELINES, *fused, FLOOR]
+
+
+def optimizer_factories(optimizer: str) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
+    """Optimizer constructor of every candidate that has one, by candidate name.
+
+    The fusion modes fuse a reprop.optim optimizer (the same update kernels as
+    "reprop eager"), so fused vs eager isolates the reordering.
+    """
+    base = optim_bench.optimizer_factories(OPTIMIZERS[optimizer], with_reprop=True)
+    return {FOREACH: base[FOREACH], FUSED: base[FUSED], EAGER: base[optim_bench.REPROP],
+            **{name: base[optim_bench.REPROP] for name in FUSION_MODES}}
+
+
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                  x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """The user's training step; without an optimizer, forward + backward + zero_grad only.
+
+    ``optimizer.step`` is looked up at every call: reprop.fuse replaces it on
+    the instance.
+    """
+    def step() -> None:
+        loss = models.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def floor() -> None:
+        loss = models.cross_entropy(model(x), y)
+        loss.backward()
+        model.zero_grad()
+
+    return floor if optimizer is None else step
+
+
+def make_trainer(name: str, template: nn.Module, factory, batch: tuple[torch.Tensor, torch.Tensor],
+                 device: torch.device) -> Trainer:
+    """A fresh copy of ``template`` on ``device``, the candidate's optimizer and fusion, its step()."""
+    model = copy.deepcopy(template).to(device).train()
+    optimizer = factory(list(model.parameters())) if factory is not None else None
+    handle = None
+    if name in FUSION_MODES:
+        import reprop
+        handle = reprop.fuse(model, optimizer, mode=FUSION_MODES[name])
+    return Trainer(model, optimizer, handle, training_step(model, optimizer, *batch))
+
+
+def try_trainer(name: str, template: nn.Module, factory, batch, device: torch.device) -> Trainer | str:
+    """make_trainer plus one probe step; the reason as a string when the candidate is n/a here.
+
+    torch raises for an unsupported fused optimizer/device at construction or
+    only at the first step; the probe also creates the optimizer state.
+    """
+    try:
+        trainer = make_trainer(name, template, factory, batch, device)
+        trainer.step()
+    except Exception as e:  # noqa: BLE001 - any failure means "n/a here", with the reason shown
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+    return trainer
+
+
+def update_l1(model: nn.Module, template: nn.Module) -> float:
+    """sum |p - p0| over every parameter element: how far training moved the model.
+
+    All candidates take the same number of steps with the same hyper-parameters,
+    so a fusion mode that skips updates shows a clearly smaller total than the
+    eager baselines (dropout draws differ between candidates, so totals differ
+    a little; per-tensor equality is no test: with lr 1e-6, some SGD updates
+    round away entirely in fp32, in every candidate alike).
+    """
+    with torch.no_grad():
+        return sum(float((p - p0.to(p.device)).abs().sum(dtype=torch.float64))
+                   for p, p0 in zip(model.parameters(), template.parameters()))
+
+
+def release(device: torch.device) -> None:
+    """Return cached device memory between cases, so the next case starts alike."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------
+
+
+def time_candidates(result: CaseResult, template: nn.Module, batch, factories: dict,
+                    names: list[str], device: torch.device, args) -> None:
+    """Build every candidate, time them alternated, check each optimizer really updated."""
+    trainers: dict[str, Trainer] = {}
+    for name in names:
+        got = try_trainer(name, template, factories.get(name), batch, device)
+        if isinstance(got, str):
+            result.unavailable[name] = got
+        else:
+            trainers[name] = got
+    result.stats = harness.measure_alternated({n: t.step for n, t in trainers.items()}, device,
+                                              args.warmup, args.reps)
+    for name, trainer in trainers.items():
+        trainer.close()  # forward mode: applies the last step's pending updates
+        if name != FLOOR:
+            result.update_l1[name] = update_l1(trainer.model, template)
+    trainers.clear()
+    release(device)
+
+
+def measure_peaks(result: CaseResult, template: nn.Module, batch, factories: dict,
+                  device: torch.device) -> None:
+    """Peak memory of one steady-state step of each timed candidate, one candidate alive at a time."""
+    for name in result.stats:
+        holder: list[Trainer] = []
+
+        def setup() -> None:
+            holder.append(make_trainer(name, template, factories.get(name), batch, device))
+            for _ in range(MEMORY_WARMUP):
+                holder[0].step()
+
+        result.peak_bytes[name] = harness.peak_memory(lambda: holder[0].step(), device, setup)
+        holder[0].close()
+        holder.clear()
+        release(device)
+
+
+def run_case(case: Case, sweeps: list[str], device: torch.device, args) -> CaseResult:
+    """Time all candidates of one case, then measure their peak memory."""
+    torch.manual_seed(0)
+    template = models.build(case.model)  # on the CPU; every candidate copies it to the device
+    batch = models.make_batch(case.model, case.batch, device, args.image_size, SEQ_LEN)
+    result = CaseResult(case, sweeps, *models.param_counts(template))
+    factories = optimizer_factories(case.optimizer)
+    names = candidate_names(args.baselines_only)
+    time_candidates(result, template, batch, factories, names, device, args)
+    measure_peaks(result, template, batch, factories, device)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def ratio(peer_ms: float | None, ours_ms: float | None) -> float | None:
+    """harness.speedup, None where either side is missing."""
+    return harness.speedup(peer_ms, ours_ms) if peer_ms and ours_ms else None
+
+
+def mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / MIB
+
+
+def detail_rows(result: CaseResult, names: list[str]) -> list[dict]:
+    """One row per candidate: time, spread, speedup over each baseline, peak memory."""
+    eager_peak = result.peak_bytes.get(EAGER)
+    rows = []
+    for name in names:
+        ms = result.median(name)
+        s = result.stats.get(name)
+        peak = result.peak_bytes.get(name)
+        rows.append({
+            "case": result.case.label,
+            "candidate": name,
+            "ms": ms,
+            "iqr": s.iqr / s.median if s else None,
+            **{f"x_{b}": ratio(result.median(b), ms) for b in BASELINES},
+            "peak_mib": mib(peak),
+            "peak_vs_eager_mib": mib(peak - eager_peak) if peak is not None and eager_peak is not None else None,
+            "unavailable": result.unavailable.get(name),
+        })
+    return rows
+
+
+def summary_row(result: CaseResult) -> dict:
+    """The paper's figures for one case: optimizer share, speedups, time saved, memory saved."""
+    foreach, best, floor = result.median(FOREACH), result.best_torch(), result.median(FLOOR)
+    row = {
+        "case": result.case.label,
+        "sweeps": ",".join(result.sweeps),
+        "tensors": result.num_tensors,
+        "params_per_tensor": result.num_params / result.num_tensors,  # Figure 6's x axis
+        "grads_mib": result.grad_bytes / MIB,
+        # Figure 7's x axis: the optimizer's share of an eager step.
+        "opt_share_foreach": (foreach - floor) / foreach if foreach and floor else None,
+        "opt_share_eager": ((result.median(EAGER) - floor) / result.median(EAGER)
+                            if result.median(EAGER) and floor else None),
+    }
+    for name, tag in ((FORWARD, "ff"), (BACKWARD, "bf")):
+        ms = result.median(name)
+        row[f"{tag}_x_foreach"] = ratio(foreach, ms)
+        row[f"{tag}_x_best_torch"] = ratio(best, ms)
+        row[f"{tag}_saved_ms"] = foreach - ms if foreach and ms else None  # Figure 4
+    eager_peak, bf_peak = result.peak_bytes.get(EAGER), result.peak_bytes.get(BACKWARD)
+    row["bf_peak_saving_of_grads"] = ((eager_peak - bf_peak) / result.grad_bytes
+                                      if eager_peak is not None and bf_peak is not None else None)
+    return row
+
+
+def format_details(rows: list[dict]) -> str:
+    """The per-candidate table: n/a where a candidate is unavailable, - where not measured."""
+    headers = ["case", "candidate", "ms", "IQR", "x foreach", "x fused", "x reprop", "peak MiB",
+               "vs eager MiB"]
+    out = []
+    for r in rows:
+        if r["unavailable"]:
+            out.append([r["case"], r["candidate"]] + ["n/a"] * (len(headers) - 2))
+            continue
+        out.append([r["case"], r["candidate"], harness.fmt(r["ms"], ".2f"), pct(r["iqr"]),
+                    *(harness.fmt(r[f"x_{b}"], ".2f") for b in BASELINES),
+                    harness.fmt(r["peak_mib"], ".1f"), harness.fmt(r["peak_vs_eager_mib"], "+.1f")])
+    return harness.format_table(headers, out)
+
+
+def format_summary(rows: list[dict]) -> str:
+    """The per-case table of the paper's quantities (FF forward-, BF backward-fusion)."""
+    headers = ["case", "sweeps", "tensors", "params/tensor", "grads MiB", "opt share", "FF x foreach",
+               "BF x foreach", "FF x best torch", "BF x best torch", "FF saved ms", "BF saved ms",
+               "BF peak saving / grads"]
+    out = [[r["case"], r["sweeps"], r["tensors"], f"{r['params_per_tensor']:,.0f}",
+            harness.fmt(r["grads_mib"], ".1f"), pct(r["opt_share_foreach"]),
+            *(harness.fmt(r[k], ".2f") for k in ("ff_x_foreach", "bf_x_foreach", "ff_x_best_torch",
+                                                  "bf_x_best_torch", "ff_saved_ms", "bf_saved_ms")),
+            pct(r["bf_peak_saving_of_grads"])] for r in rows]
+    return harness.format_table(headers, out)
+
+
+def relative_updates(result: CaseResult) -> dict[str, float]:
+    """Each candidate's update_l1 relative to torch foreach's (nothing when foreach is missing)."""
+    ref = result.update_l1.get(FOREACH)
+    return {n: v / ref for n, v in result.update_l1.items() if ref} if ref else {}
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def evaluate_targets(results: list[CaseResult], args) -> list[dict]:
+    """The goals (for CUDA): speedup at the reference case, never slower, memory saved.
+
+    1. MobileNetV2, AdamW, batch --batch: backward-fusion >= TARGET_SPEEDUP x torch foreach.
+    2. Every batch of the batch sweep: both fusion modes at least as fast as
+       the faster torch baseline (speedup >= 1; the IQR says how close a tie is).
+    3. Every case: backward-fusion's peak memory below reprop eager's by at
+       least TARGET_GRAD_SAVING of the gradients' size. Not all of it: eager's
+       peak is often early in backward, when the activations are still alive
+       and only the last layers' gradients exist, so fusion can only save those.
+    """
+    checks = []
+    for res in results:
+        bf, ff = res.median(BACKWARD), res.median(FORWARD)
+        if bf is None:
+            continue
+        c = res.case
+        if (c.model, c.optimizer, c.batch) == (SWEEP_MODEL, SWEEP_OPTIM, args.batch) and res.median(FOREACH):
+            x = ratio(res.median(FOREACH), bf)
+            checks.append({"case": c.label, "target": f"backward >= {TARGET_SPEEDUP} x torch foreach",
+                           "value": f"{x:.2f}", "pass": x >= TARGET_SPEEDUP})
+        if "batches" in res.sweeps and ff is not None and res.best_torch():
+            xf, xb = ratio(res.best_torch(), ff), ratio(res.best_torch(), bf)
+            spread = max(s.iqr / s.median for s in res.stats.values())
+            checks.append({"case": c.label, "target": "forward and backward >= best torch baseline",
+                           "value": f"forward {xf:.2f}, backward {xb:.2f}, widest IQR {spread:.0%}",
+                           "pass": min(xf, xb) >= 1.0})
+        eager_peak, bf_peak = res.peak_bytes.get(EAGER), res.peak_bytes.get(BACKWARD)
+        if eager_peak is not None and bf_peak is not None:
+            saved = eager_peak - bf_peak
+            checks.append({"case": c.label,
+                           "target": f"backward peak <= eager peak - {TARGET_GRAD_SAVING:.0%} of grads",
+                           "value": f"saves {saved / MIB:.1f} MiB = {saved / res.grad_bytes:.0%} of "
+                                    f"{res.grad_bytes / MIB:.1f} MiB grads",
+                           "pass": saved >= TARGET_GRAD_SAVING * res.grad_bytes})
+    return checks
+
+
+def print_report(results: list[CaseResult], names: list[str], checks: list[dict], info: dict,
+                 args) -> None:
+    """Machine lines, settings, the per-candidate and per-case tables, notes, targets."""
+    print(harness.describe_machine(info))
+    print(f"device {args.device}; median of {args.reps} rounds (candidates alternated, rotating), "
+          f"{args.warmup} warm-up step(s) each after a probe step; fp32; images {args.image_size}x"
+          f"{args.image_size}, tokens {SEQ_LEN}; lr {optim_bench.LR:g}")
+    print("x <baseline> = baseline ms / candidate ms (> 1: candidate faster); IQR relative to the median;")
+    print("peak = torch allocator's peak during one steady-state step, one candidate alive "
+          f"({'exact, CUDA counters' if args.device == 'cuda' else 'CPU: from profiler allocation events'}); "
+          "vs eager = peak - reprop eager's peak\n")
+    print(format_details([row for res in results for row in detail_rows(res, names)]))
+    if any(res.median(FORWARD) or res.median(BACKWARD) for res in results):
+        print("\nopt share = (torch foreach - no optimizer) / torch foreach; FF/BF = forward-/backward-"
+              "fusion; saved ms = torch foreach - fusion\n")
+        print(format_summary([summary_row(res) for res in results]))
+    for res in results:
+        for name, why in res.unavailable.items():
+            print(f"n/a: {res.case.label} {name}: {why}")
+        for name, rel in relative_updates(res).items():
+            if not UPDATE_RANGE[0] <= rel <= UPDATE_RANGE[1]:
+                print(f"WARNING: {res.case.label} {name}: moved the parameters {rel:.2f}x as far as "
+                      f"torch foreach in the same steps: updates missing or wrong?")
+    if checks:
+        print(f"\ntargets{'' if args.device == 'cuda' else ' (goals for CUDA; on CPU for information)'}:")
+        for c in checks:
+            print(f"  {'PASS' if c['pass'] else 'MISS'}  {c['case']}: {c['target']} ({c['value']})")
+
+
+def json_payload(results: list[CaseResult], names: list[str], checks: list[dict], info: dict,
+                 args) -> dict:
+    """All settings, every candidate's statistics and peak, both tables' rows, the targets."""
+    return {
+        "benchmark": "fusion",
+        "machine": info,
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"lr": optim_bench.LR,
+                                                                           "seq_len": SEQ_LEN},
+        "cases": [{
+            "model": r.case.model, "batch": r.case.batch, "optimizer": r.case.optimizer,
+            "sweeps": r.sweeps, "tensors": r.num_tensors, "params": r.num_params,
+            "grad_bytes": r.grad_bytes,
+            "stats_ms": {n: s.to_dict() for n, s in r.stats.items()},
+            "peak_bytes": r.peak_bytes,
+            "unavailable": r.unavailable,
+            "update_l1": r.update_l1,
+        } for r in results],
+        "rows": [row for res in results for row in detail_rows(res, names)],
+        "summary": [summary_row(res) for res in results],
+        "targets": checks,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def parse_list(text: str, convert=str) -> list:
+    """Comma-separated values, empty items dropped."""
+    return [convert(v) for v in text.split(",") if v.strip()]
+
+
+def parse_args():
+    """Shared harness options plus the sweeps' settings (defaults from --quick)."""
+    p = harness.make_parser(__doc__.splitlines()[0])
+    p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"which sweeps (default all: {','.join(SWEEPS)})")
+    p.add_argument("--models", default=None,
+                   help=f"models of the models sweep (default {FULL['models']}; quick {QUICK['models']})")
+    p.add_argument("--batches", default=None,
+                   help=f"MobileNetV2 batch sizes of the batches sweep (default {FULL['batches']}; "
+                        f"quick {QUICK['batches']})")
+    p.add_argument("--optims", default=None,
+                   help=f"optimizers of the optims sweep (default {FULL['optims']}; quick {QUICK['optims']})")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"batch size of the models and optims sweeps (default {FULL['batch']}; quick {QUICK['batch']})")
+    p.add_argument("--image-size", type=int, default=None,
+                   help=f"image height and width (default {FULL['image_size']}; quick {QUICK['image_size']})")
+    p.add_argument("--baselines-only", action="store_true",
+                   help="time the eager baselines and the floor only (no reprop.fuse needed)")
+    args = p.parse_args()
+    defaults = QUICK if args.quick else FULL
+    for key in ("models", "batches", "optims", "batch", "image_size"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    args.sweeps = parse_list(args.sweeps)
+    args.models = parse_list(args.models)
+    args.batches = parse_list(args.batches, int)
+    args.optims = parse_list(args.optims)
+    for what, given, known in (("--sweeps", args.sweeps, SWEEPS), ("--models", args.models, models.MODELS),
+                               ("--optims", args.optims, OPTIMIZERS)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            p.error(f"{what}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    if args.reps is None:
+        args.reps = 15 if args.quick else 20
+    if args.warmup is None:
+        args.warmup = 2 if args.quick else 3
+    return args
+
+
+def check_reprop(device: torch.device, baselines_only: bool) -> None:
+    """Exit with a clear message when reprop (its fuse, its CUDA build) is missing."""
+    try:
+        import reprop
+        import reprop.optim  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"cannot import reprop.optim ({type(e).__name__}: {e}); install it (pip install -e .)")
+    if not baselines_only and not hasattr(reprop, "fuse"):
+        raise SystemExit("this reprop has no reprop.fuse; pass --baselines-only to time the eager baselines")
+    if device.type == "cuda" and not reprop.cuda_available():
+        raise SystemExit("reprop.cuda_available() is False: this build has no CUDA kernels")
+
+
+def main() -> None:
+    args = parse_args()
+    device = harness.setup_device(args)
+    check_reprop(device, args.baselines_only)
+    info = harness.machine_info(device)
+    names = candidate_names(args.baselines_only)
+    results = []
+    for case, sweeps in plan_cases(args).items():
+        print(f"... {case.label} ({', '.join(sweeps)})", file=sys.stderr, flush=True)
+        results.append(run_case(case, sweeps, device, args))
+    checks = evaluate_targets(results, args)
+    print_report(results, names, checks, info, args)
+    harness.write_json(args.json, json_payload(results, names, checks, info, args))
+
+
+if __name__ == "__main__":
+    main()
