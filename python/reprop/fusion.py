@@ -252,6 +252,11 @@ class _BackwardFusion(FusionHandle):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
 
+    def flush(self) -> None:
+        """Updates are applied inside backward; on CUDA, makes the current
+        streams wait for those still running on the side streams."""
+        self._join_side_streams()
+
     def _on_root_forward(self, module, args) -> None:
         if not torch.is_grad_enabled():
             return
