@@ -278,20 +278,27 @@ static void test_optimizers(void)
             }
 }
 
+/* A one-element float32 entry; s1 may be NULL (a missing state slot). */
+static rp_optim_entry scalar_entry(float *p, float *g, float *s0, float *s1, float *step)
+{
+    rp_optim_entry e;
+    memset(&e, 0, sizeof e);
+    e.param = p;
+    e.grad = g;
+    e.state[0] = s0;
+    e.state[1] = s1;
+    e.step = step;
+    e.numel = 1;
+    return e;
+}
+
 /* Adam's first step moves every element by lr (bias correction cancels). */
 static void test_adam_first_step(void)
 {
     rp_optim_hparams hp = base_hparams(RP_ADAM);
     float p = 1.0f, g = 0.5f, m = 0.0f, v = 0.0f, step = 0.0f;
-    rp_optim_entry e;
+    rp_optim_entry e = scalar_entry(&p, &g, &m, &v, &step);
     rp_error err;
-    memset(&e, 0, sizeof e);
-    e.param = &p;
-    e.grad = &g;
-    e.state[0] = &m;
-    e.state[1] = &v;
-    e.step = &step;
-    e.numel = 1;
     CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_OK, "%s", err.msg);
     CHECK(fabsf(p - (1.0f - 0.01f)) < 1e-6f, "p = %.9g", p);
     CHECK(step == 1.0f, "step = %g", step);
@@ -301,14 +308,8 @@ static void test_errors(void)
 {
     rp_optim_hparams hp = base_hparams(RP_ADAM);
     float p = 0.0f, g = 0.0f, m = 0.0f, step = 0.0f;
-    rp_optim_entry e;
+    rp_optim_entry e = scalar_entry(&p, &g, &m, NULL, &step);
     rp_error err;
-    memset(&e, 0, sizeof e);
-    e.param = &p;
-    e.grad = &g;
-    e.state[0] = &m;
-    e.step = &step;
-    e.numel = 1;
     CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "missing exp_avg_sq");
     CHECK(strstr(err.msg, "state slot 1") != NULL, "message: %s", err.msg);
     CHECK(step == 0.0f, "a failed call must not advance the step");
