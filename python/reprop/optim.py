@@ -120,10 +120,7 @@ class _Plan:
                 raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
                                  f"{g.device} does not match its parameter ({tuple(p.shape)}, "
                                  f"{p.dtype} on {p.device})")
-            if g.layout is not torch.strided:
-                raise RuntimeError("reprop.optim: sparse gradients are not supported "
-                                   f"(got a {g.layout} gradient for a parameter of shape "
-                                   f"{tuple(p.shape)})")
+            _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
                 keep.append(g)
