@@ -12,7 +12,15 @@ Models (name in ``MODELS``: input -> output):
   * ``mobilenet_v2``, ``resnet18``, ``resnet50``, ``densenet121``, ``vgg19_bn``:
     images (B, 3, H, W) -> (B, 1000) logits, torchvision's architectures;
   * ``transformer_base``: token ids (B, L) -> (B, L, 30522) logits, a
-    BERT-base-sized encoder with a masked-LM head tied to the input embedding.
+    BERT-base-sized encoder with a masked-LM head tied to the input embedding;
+  * ``bert_base``: token ids (B, L) -> (B, 2) logits, BERT-base for sequence
+    classification from explicit modules in HuggingFace's layout.
+
+``resnet50(act=...)`` and ``bert_base(act=..., layers=...)`` take an
+activation-module factory; ``activation(name, variant)`` gives one for Swish,
+Mish, GELU and tanh-GELU as torch's native module, the formula written out
+with torch ops ("composed"), or the composed form under
+torch.utils.checkpoint ("checkpointed") (the FAD benchmark's candidates).
 
 ``make_batch(name, batch_size, ...)`` returns synthetic (inputs, labels) of the
 right kind for a model; ``cross_entropy(logits, labels)`` is a loss for either.
@@ -21,16 +29,20 @@ Adding a model: write a builder returning an ``nn.Module`` and register it in
 ``MODELS`` with its expected parameter-tensor and parameter counts and its
 input kind; ``self_check()`` then verifies it along with the others.
 
-    python benchmarks/models.py    # builds every registered model and checks its counts
+    python benchmarks/models.py    # builds every registered model and checks its counts,
+                                   # and that every activation variant matches the native one
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 # ---------------------------------------------------------------------------
 # Shared building blocks
@@ -174,16 +186,26 @@ def conv1x1(in_ch: int, out_ch: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(in_ch, out_ch, 1, stride, bias=False)
 
 
+def relu_inplace() -> nn.Module:
+    """torchvision's ResNet activation, the default ``act`` of the ResNet classes."""
+    return nn.ReLU(inplace=True)
+
+
 class BasicBlock(nn.Module):
-    """ResNet-18/34 block: two 3x3 convs, residual (through ``downsample`` when the shape changes)."""
+    """ResNet-18/34 block: two 3x3 convs, residual (through ``downsample`` when the shape changes).
+
+    ``act`` builds the block's activation module (one instance, applied twice,
+    kept under torchvision's name ``relu`` whatever it is; it has no parameters).
+    """
 
     expansion = 1
 
-    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None):
+    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None,
+                 act: Callable[[], nn.Module] = relu_inplace):
         super().__init__()
         self.conv1 = conv3x3(in_ch, ch, stride)
         self.bn1 = nn.BatchNorm2d(ch)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = act()
         self.conv2 = conv3x3(ch, ch)
         self.bn2 = nn.BatchNorm2d(ch)
         self.downsample = downsample
@@ -196,11 +218,15 @@ class BasicBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """ResNet-50+ block: 1x1 reduce -> 3x3 (strided) -> 1x1 expand (x4), residual."""
+    """ResNet-50+ block: 1x1 reduce -> 3x3 (strided) -> 1x1 expand (x4), residual.
+
+    ``act`` as in BasicBlock (one instance named ``relu``, applied three times).
+    """
 
     expansion = 4
 
-    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None):
+    def __init__(self, in_ch: int, ch: int, stride: int = 1, downsample: nn.Module | None = None,
+                 act: Callable[[], nn.Module] = relu_inplace):
         super().__init__()
         self.conv1 = conv1x1(in_ch, ch)
         self.bn1 = nn.BatchNorm2d(ch)
@@ -208,7 +234,7 @@ class Bottleneck(nn.Module):
         self.bn2 = nn.BatchNorm2d(ch)
         self.conv3 = conv1x1(ch, ch * self.expansion)
         self.bn3 = nn.BatchNorm2d(ch * self.expansion)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = act()
         self.downsample = downsample
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -225,32 +251,36 @@ class ResNet(nn.Module):
     Input (B, 3, H, W) images, output (B, num_classes) logits. ``block`` is
     BasicBlock or Bottleneck, ``layers`` the number of blocks in each of the
     four stages (ResNet-18: BasicBlock, [2, 2, 2, 2]; ResNet-50: Bottleneck, [3, 4, 6, 3]).
+    ``act`` builds every activation module (the stem's and one per block;
+    default ReLU(inplace=True), torchvision's); activations have no parameters,
+    so the parameter names and counts do not depend on it.
     """
 
     def __init__(self, block: type[BasicBlock] | type[Bottleneck], layers: list[int],
-                 num_classes: int = 1000):
+                 num_classes: int = 1000, act: Callable[[], nn.Module] = relu_inplace):
         super().__init__()
         self.in_ch = 64
         self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
-        self.relu = nn.ReLU(inplace=True)
+        self.relu = act()
         self.maxpool = nn.MaxPool2d(3, 2, 1)
-        self.layer1 = self._make_layer(block, 64, layers[0])
-        self.layer2 = self._make_layer(block, 128, layers[1], stride=2)
-        self.layer3 = self._make_layer(block, 256, layers[2], stride=2)
-        self.layer4 = self._make_layer(block, 512, layers[3], stride=2)
+        self.layer1 = self._make_layer(block, 64, layers[0], 1, act)
+        self.layer2 = self._make_layer(block, 128, layers[1], 2, act)
+        self.layer3 = self._make_layer(block, 256, layers[2], 2, act)
+        self.layer4 = self._make_layer(block, 512, layers[3], 2, act)
         self.fc = nn.Linear(512 * block.expansion, num_classes)
         init_like_torchvision(self)
 
-    def _make_layer(self, block, ch: int, blocks: int, stride: int = 1) -> nn.Sequential:
+    def _make_layer(self, block, ch: int, blocks: int, stride: int,
+                    act: Callable[[], nn.Module]) -> nn.Sequential:
         """One stage; its first block changes the shape, through a 1x1 conv + BN shortcut if needed."""
         downsample = None
         if stride != 1 or self.in_ch != ch * block.expansion:
             downsample = nn.Sequential(conv1x1(self.in_ch, ch * block.expansion, stride),
                                        nn.BatchNorm2d(ch * block.expansion))
-        layers = [block(self.in_ch, ch, stride, downsample)]
+        layers = [block(self.in_ch, ch, stride, downsample, act)]
         self.in_ch = ch * block.expansion
-        layers += [block(self.in_ch, ch) for _ in range(1, blocks)]
+        layers += [block(self.in_ch, ch, act=act) for _ in range(1, blocks)]
         return nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -265,9 +295,12 @@ def resnet18() -> ResNet:
     return ResNet(BasicBlock, [2, 2, 2, 2])
 
 
-def resnet50() -> ResNet:
-    """ResNet-50: 161 parameter tensors, 25,557,032 parameters."""
-    return ResNet(Bottleneck, [3, 4, 6, 3])
+def resnet50(act: Callable[[], nn.Module] = relu_inplace) -> ResNet:
+    """ResNet-50: 161 parameter tensors, 25,557,032 parameters, whatever ``act`` builds.
+
+    49 activation calls per forward: the stem's and three in each of the 16 Bottlenecks.
+    """
+    return ResNet(Bottleneck, [3, 4, 6, 3], act=act)
 
 
 # ---------------------------------------------------------------------------
@@ -469,10 +502,267 @@ def init_like_bert(model: nn.Module) -> None:
 
 
 # ---------------------------------------------------------------------------
+# BERT-base encoder for sequence classification, from explicit modules (HuggingFace's layout)
+# ---------------------------------------------------------------------------
+
+BERT_LABELS = 2  # a GLUE-style sentence(-pair) task, as in the FAD paper's BERT runs
+
+
+class BertEmbeddings(nn.Module):
+    """Word + learned position + token type (all ids 0 here) embeddings -> LayerNorm -> dropout.
+
+    (B, L) ids -> (B, L, hidden).
+    """
+
+    def __init__(self, vocab: int, max_positions: int, hidden: int, dropout: float, eps: float):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab, hidden)
+        self.position_embeddings = nn.Embedding(max_positions, hidden)
+        self.token_type_embeddings = nn.Embedding(2, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        x = (self.word_embeddings(ids) + self.position_embeddings(positions)
+             + self.token_type_embeddings(torch.zeros_like(ids)))
+        return self.dropout(self.LayerNorm(x))
+
+
+class BertSelfAttention(nn.Module):
+    """Q, K, V projections and scaled dot-product attention over all positions (no mask).
+
+    (B, L, hidden) -> (B, L, hidden) (heads concatenated). The attention itself
+    is F.scaled_dot_product_attention with dropout on the probabilities, as
+    HuggingFace's default "sdpa" BERT attention.
+    """
+
+    def __init__(self, hidden: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads = heads
+        self.query = nn.Linear(hidden, hidden)
+        self.key = nn.Linear(hidden, hidden)
+        self.value = nn.Linear(hidden, hidden)
+        self.dropout_p = dropout
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L, hidden) -> (B, heads, L, hidden / heads)."""
+        b, seq, hidden = x.shape
+        return x.view(b, seq, self.heads, hidden // self.heads).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self.split_heads(proj(x)) for proj in (self.query, self.key, self.value))
+        out = nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout_p if self.training else 0.0)
+        return out.transpose(1, 2).flatten(2)
+
+
+class BertResidualOutput(nn.Module):
+    """Linear (in -> hidden) -> dropout -> LayerNorm(. + residual): BertSelfOutput and BertOutput."""
+
+    def __init__(self, in_features: int, hidden: int, dropout: float, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(in_features, hidden)
+        self.dropout = nn.Dropout(dropout)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(x)) + residual)
+
+
+class BertAttention(nn.Module):
+    """Self-attention then its output block: (B, L, hidden) -> (B, L, hidden)."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float, eps: float):
+        super().__init__()
+        self.self = BertSelfAttention(hidden, heads, dropout)
+        self.output = BertResidualOutput(hidden, hidden, dropout, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(x), x)
+
+
+class BertIntermediate(nn.Module):
+    """Linear hidden -> intermediate, then the activation MODULE ``act`` builds: (B, L, intermediate)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: Callable[[], nn.Module]):
+        super().__init__()
+        self.dense = nn.Linear(hidden, intermediate)
+        self.intermediate_act_fn = act()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.intermediate_act_fn(self.dense(x))
+
+
+class BertLayer(nn.Module):
+    """One post-norm encoder layer, HuggingFace's BertLayer: attention, intermediate, output.
+
+    (B, L, hidden) -> (B, L, hidden); module names as HuggingFace's
+    (``attention.self.query``, ``intermediate.dense``, ``output.LayerNorm``, ...).
+    """
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, dropout: float, eps: float,
+                 act: Callable[[], nn.Module]):
+        super().__init__()
+        self.attention = BertAttention(hidden, heads, dropout, eps)
+        self.intermediate = BertIntermediate(hidden, intermediate, act)
+        self.output = BertResidualOutput(intermediate, hidden, dropout, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.attention(x)
+        return self.output(self.intermediate(x), x)
+
+
+class BertClassifier(nn.Module):
+    """A BERT-base encoder with a pooler and a sequence-classification head (HuggingFace's layout).
+
+    Token ids (B, L) -> (B, num_labels) logits. Embeddings (BertEmbeddings),
+    ``layers`` BertLayers (hidden 768, 12 heads, intermediate 3072 with the
+    activation ``act`` builds, default exact (erf) GELU as BERT's; dropout 0.1;
+    LayerNorm eps 1e-12), pooler dense 768 -> 768 + tanh on the first token,
+    dropout, classifier 768 -> num_labels. ``layers`` below 12 gives the small
+    variants the benchmarks' --quick runs use.
+    """
+
+    def __init__(self, layers: int = 12, act: Callable[[], nn.Module] = nn.GELU,
+                 num_labels: int = BERT_LABELS, vocab: int = BERT_VOCAB,
+                 max_positions: int = BERT_MAX_POSITIONS, hidden: int = 768, heads: int = 12,
+                 intermediate: int = 3072, dropout: float = 0.1, eps: float = 1e-12):
+        super().__init__()
+        self.embeddings = BertEmbeddings(vocab, max_positions, hidden, dropout, eps)
+        self.encoder = nn.ModuleList(BertLayer(hidden, heads, intermediate, dropout, eps, act)
+                                     for _ in range(layers))
+        self.pooler = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(hidden, num_labels)
+        init_like_bert(self)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embeddings(ids)
+        for layer in self.encoder:
+            x = layer(x)
+        return self.classifier(self.dropout(self.pooler(x[:, 0])))
+
+
+def bert_base(act: Callable[[], nn.Module] = nn.GELU, layers: int = 12) -> BertClassifier:
+    """BERT-base for sequence classification (2 labels): 201 parameter tensors, 109,483,778 parameters.
+
+    Tensors: 5 embedding (3 tables, LayerNorm weight and bias) + 12 layers x 16
+    (Q, K, V, attention output, intermediate and output Linears: 6 x 2; two
+    LayerNorms: 2 x 2) + pooler 2 + classifier 2. Parameters: embeddings
+    23,837,184 (30522x768 + 512x768 + 2x768 + 2x768); per layer 7,087,872
+    (4 x (768x768 + 768) + (768x3072 + 3072) + (3072x768 + 768) + 2 x 2x768);
+    pooler 590,592 (768x768 + 768); classifier 1,538 (768x2 + 2). The same
+    as HuggingFace's BertForSequenceClassification of bert-base-uncased.
+    12 activation calls per forward (one per layer; the pooler's tanh is not ``act``).
+    """
+    return BertClassifier(layers=layers, act=act)
+
+
+# ---------------------------------------------------------------------------
+# Activation variants (the FAD benchmark's candidates)
+# ---------------------------------------------------------------------------
+
+
+class ComposedSwish(nn.Module):
+    """Swish/SiLU written out, ``x * torch.sigmoid(x)``: autograd saves x and sigmoid(x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(x)
+
+
+class ComposedMish(nn.Module):
+    """Mish written out, ``x * tanh(softplus(x))``: autograd saves x and the tanh."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tanh(nn.functional.softplus(x))
+
+
+class ComposedGELUTanh(nn.Module):
+    """The tanh GELU as HuggingFace writes it out (NewGELUActivation).
+
+    Autograd saves x (for pow), the tanh, 0.5 * x and 1 + tanh: four tensors.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+class ComposedGELU(nn.Module):
+    """The exact (erf) GELU written out, as HuggingFace's old ``gelu``.
+
+    Autograd saves x / sqrt(2) (for erf), x * 0.5 and 1 + erf: three tensors.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+class Checkpointed(nn.Module):
+    """Runs ``inner`` under torch.utils.checkpoint (non-reentrant): saves only its input x,
+    and recomputes ``inner`` in backward to get the gradient."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, x, use_reentrant=False)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """One activation function in the two forms the benchmarks compare."""
+
+    native: Callable[[], nn.Module]    # torch's fused module (saves one input-sized tensor)
+    composed: Callable[[], nn.Module]  # the formula written out with torch ops
+
+
+ACTIVATIONS: dict[str, Activation] = {
+    "swish": Activation(nn.SiLU, ComposedSwish),
+    "mish": Activation(nn.Mish, ComposedMish),
+    "gelu": Activation(nn.GELU, ComposedGELU),
+    "gelu_tanh": Activation(partial(nn.GELU, approximate="tanh"), ComposedGELUTanh),
+}
+VARIANTS = ("native", "composed", "checkpointed")
+
+
+def activation(name: str, variant: str) -> Callable[[], nn.Module]:
+    """A factory for activation ``name`` (key of ACTIVATIONS) in ``variant`` (one of VARIANTS).
+
+    "checkpointed" wraps the composed form in Checkpointed.
+    """
+    try:
+        act = ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; known: {', '.join(ACTIVATIONS)}") from None
+    if variant == "native":
+        return act.native
+    if variant == "composed":
+        return act.composed
+    if variant == "checkpointed":
+        return lambda: Checkpointed(act.composed())
+    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+
+
+def check_activations() -> None:
+    """Every variant of every activation computes its native form's values and gradients."""
+    x = torch.linspace(-8, 8, 1001, dtype=torch.float64, requires_grad=True)
+    for name in ACTIVATIONS:
+        ref = ACTIVATIONS[name].native()(x)
+        (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+        for variant in VARIANTS[1:]:
+            y = activation(name, variant)()(x)
+            (grad,) = torch.autograd.grad(y.sum(), x)
+            assert torch.allclose(y, ref, atol=1e-6) and torch.allclose(grad, ref_grad, atol=1e-6), \
+                f"{name} {variant}: differs from the native module"
+
+
+# ---------------------------------------------------------------------------
 # Registry and synthetic batches
 # ---------------------------------------------------------------------------
 
-IMAGE, TOKENS = "image", "tokens"
+IMAGE, TOKENS, SENTENCES = "image", "tokens", "sentences"
 NUM_CLASSES = 1000
 
 
@@ -483,13 +773,14 @@ class ModelSpec:
     build: Callable[[], nn.Module]
     num_tensors: int  # len(list(model.parameters()))
     num_params: int   # sum(p.numel() for p in model.parameters())
-    inputs: str       # IMAGE: (B, 3, H, W) floats -> (B, 1000); TOKENS: (B, L) ids -> (B, L, vocab)
+    inputs: str       # IMAGE: (B, 3, H, W) floats -> (B, 1000); TOKENS: (B, L) ids -> (B, L, vocab);
+                      # SENTENCES: (B, L) ids -> (B, BERT_LABELS)
 
 
 # Parameter counts of the torchvision models are torchvision's documented num_params
 # (its model pages); tensor counts follow from the module trees (e.g. ResNet-18: conv1 +
-# bn1 = 3, 8 blocks x 6, 3 downsample shortcuts x 3, fc 2 = 62). transformer_base's are
-# derived in its docstring.
+# bn1 = 3, 8 blocks x 6, 3 downsample shortcuts x 3, fc 2 = 62). transformer_base's and
+# bert_base's are derived in their docstrings.
 MODELS: dict[str, ModelSpec] = {
     "mobilenet_v2": ModelSpec(MobileNetV2, 158, 3_504_872, IMAGE),
     "resnet18": ModelSpec(resnet18, 62, 11_689_512, IMAGE),
@@ -497,6 +788,7 @@ MODELS: dict[str, ModelSpec] = {
     "densenet121": ModelSpec(DenseNet, 364, 7_978_856, IMAGE),
     "vgg19_bn": ModelSpec(VGG, 70, 143_678_248, IMAGE),
     "transformer_base": ModelSpec(TransformerEncoderLM, 154, 109_514_298, TOKENS),
+    "bert_base": ModelSpec(bert_base, 201, 109_483_778, SENTENCES),
 }
 
 
@@ -519,12 +811,18 @@ def make_batch(name: str, batch_size: int, device: torch.device | str = "cpu", i
 
     Images: (B, 3, image_size, image_size) standard-normal floats and (B,)
     class ids in [0, 1000). Tokens: (B, seq_len) ids and (B, seq_len) target
-    ids, both uniform over the vocabulary. Deterministic for a given seed.
+    ids, both uniform over the vocabulary. Sentences: (B, seq_len) ids uniform
+    over the vocabulary and (B,) labels in [0, BERT_LABELS). Deterministic
+    for a given seed.
     """
     g = torch.Generator().manual_seed(seed)  # on the CPU, then moved: the same data on any device
-    if spec_of(name).inputs == IMAGE:
+    inputs = spec_of(name).inputs
+    if inputs == IMAGE:
         x = torch.randn(batch_size, 3, image_size, image_size, generator=g)
         y = torch.randint(NUM_CLASSES, (batch_size,), generator=g)
+    elif inputs == SENTENCES:
+        x = torch.randint(BERT_VOCAB, (batch_size, seq_len), generator=g)
+        y = torch.randint(BERT_LABELS, (batch_size,), generator=g)
     else:
         x = torch.randint(BERT_VOCAB, (batch_size, seq_len), generator=g)
         y = torch.randint(BERT_VOCAB, (batch_size, seq_len), generator=g)
@@ -563,5 +861,7 @@ def self_check(names: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     self_check()
+    check_activations()
+    print(f"activations {', '.join(ACTIVATIONS)}: {', '.join(VARIANTS)} agree: ok")
     for name, spec in sorted(MODELS.items()):
         print(f"{name}: {spec.num_tensors} tensors, {spec.num_params:,} parameters: ok")

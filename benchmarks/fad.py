@@ -1,0 +1,885 @@
+"""Benchmark reprop's nested forward-AD activations (reprop.fad) against torch's native,
+composed and checkpointed activations.
+
+Two parts (--parts):
+
+steps: one training step of a model on synthetic data (models.make_batch), fp32 or,
+with --amp, under torch.autocast(bfloat16):
+
+    loss = cross_entropy(model(x), y); loss.backward(); SGD(lr 1e-4).step(); zero_grad(set_to_none)
+
+Models (models.py): ResNet-50 with Swish, Mish and tanh-GELU, and BERT-base for
+sequence classification (sequence 128) with GELU (erf, BERT's own) and tanh-GELU.
+Candidates, each training its own copy of the same initial model:
+
+    native               torch's module (nn.SiLU, nn.Mish, nn.GELU): saves one x-sized tensor
+    composed             the formula written out with torch ops (models.ComposedSwish, ...):
+                         autograd saves 2 (Swish, Mish), 3 (erf GELU) or 4 (tanh GELU) tensors
+    checkpointed         the composed module under torch.utils.checkpoint (non-reentrant):
+                         saves x, recomputes the chain in backward
+    reprop patch         reprop.fad.patch(native model): saves f'(x) in x's dtype
+    reprop patch bf16    ... saved_dtype=torch.bfloat16
+    reprop patch u8      ... saved_dtype=torch.uint8 (8-bit codes of f'(x))
+    reprop compose       the composed model's forward (and loss) inside
+                         reprop.fad.enabled(compose=True): each chain saves one derivative
+    reprop compose bf16  ... enabled(compose=True, saved_dtype=torch.bfloat16)
+
+Measured per candidate:
+
+  * bytes saved for backward by one forward, counted by a
+    torch.autograd.graph.saved_tensors_hooks pack hook: each saved tensor's whole
+    storage, once per storage (aliases and views are not counted twice), leaving
+    out the parameters' and the input batch's storages (they exist anyway) and
+    0-dim/one-element tensors (scalars autograd keeps). "saved" is the whole model's.
+    "act" is what the activations add: saved(model) - saved(the same model with
+    every activation module replaced by nn.Identity), same batch and precision.
+    Under Identity the activation's consumer (conv, Linear, pool) saves x; with the
+    activation it saves y instead, so the difference is exactly the bytes the
+    activation keeps beyond its output (for SiLU/Mish/GELU, which save x: one
+    x-sized tensor). "x" expresses act in units of the activations' inputs
+    (summed over the calls, in the dtype the activations receive); "tensors" is
+    the difference in the number of saved storages per activation call.
+  * peak memory of one steady-state step (after one warm-up step; model, gradients
+    and transients): harness.peak_memory, one candidate alive at a time. CUDA:
+    the allocator's counters; CPU: the profiler's allocation events.
+  * step time (forward + backward + SGD step + zero_grad), all candidates
+    alternated in the same run (harness.measure_alternated), medians; "x native"
+    = native ms / candidate ms and "x ckpt" = checkpointed ms / candidate ms
+    (> 1: the candidate is faster).
+  * CUDA only: the largest batch whose step fits under --mem-cap-gib, found by
+    doubling then bisection on the batch size, where a batch fits when the peak
+    of its second step (torch.cuda.max_memory_allocated, counted from before the
+    model was built) is at most the cap and no OutOfMemoryError is raised (the
+    process is also capped with torch.cuda.set_per_process_memory_fraction, so a
+    step that would need more fails there rather than using the whole GPU).
+    Measured peaks, not allocator fragmentation, decide: the figure is
+    reproducible. Reported with its ratio to native's (paper: up to 1.97x on
+    ResNet-50, 1.34x on average).
+
+micro: the activations alone on one large tensor (2^24 elements on CUDA, 2^22 on
+CPU, 2^20 with --quick), fp32 and bf16, forward + backward
+(torch.autograd.grad(f(x), x, g)) for torch native, torch composed, checkpointed,
+reprop (default storage and u8) and reprop compose (the composed module inside
+enabled(compose=True)), and forward alone for torch native and reprop (x requires
+grad, so reprop computes d). GB/s counts the bytes the candidate must move at
+least: native forward reads x and writes y (2 elements), its backward reads g
+and x and writes dx (3); reprop's forward reads x and writes y and d (3, d in
+its storage dtype), its backward reads g and d and writes dx (3). A copy probe
+of reprop's forward + backward traffic runs in the same alternation; "% copy" is
+a candidate's GB/s over the probe's. "grad err" is max |dx - dx_native| /
+max |dx_native|.
+
+Targets (printed PASS/FAIL, not asserted; timing targets are for CUDA, on CPU
+for information):
+
+  * composed chains save 2-4 tensors per activation, reprop compose saves 1;
+  * with 8-bit storage the activations' bytes are <= 0.25x native's in fp32
+    (0.5x under bf16 autocast);
+  * reprop (default storage) steps within 2% of native; 8-bit no more than 2% slower;
+  * reprop >= 1.15x faster than checkpointing the same activations: on the
+    activation alone (micro) and, for information, on the whole step.
+
+Candidates that cannot run (reprop missing, no enabled() yet, an error) are
+reported as n/a with the reason.
+
+--quick: ResNet-50 with Mish (64x64 images) and a 2-layer BERT with tanh-GELU,
+batch 2, 5 rounds (1 warm-up); micro on 2^20 elements for those two activations.
+
+    python benchmarks/fad.py --quick                      # CI-sized, CPU (about a minute on 2 cores)
+    python benchmarks/fad.py --device cuda --json $OUT/fad-cuda.json
+    python benchmarks/fad.py --device cuda --amp --json $OUT/fad-cuda-amp.json
+    python benchmarks/fad.py --models bert_base --acts gelu --parts steps
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+
+# Run as a script, benchmarks/ is already on sys.path; as `python -m benchmarks.fad` it is not.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+
+LR = 1e-4
+MIB = 2**20
+PARTS = ("steps", "micro")
+MODEL_NAMES = ("resnet50", "bert_base")
+DEFAULT_ACTS = {"resnet50": ("swish", "mish", "gelu_tanh"), "bert_base": ("gelu", "gelu_tanh")}
+QUICK_ACTS = {"resnet50": ("mish",), "bert_base": ("gelu_tanh",)}
+FULL = {"batch": 32, "image_size": 224, "bert_layers": 12, "reps": 20, "warmup": 3}
+QUICK = {"batch": 2, "image_size": 64, "bert_layers": 2, "reps": 5, "warmup": 1}
+MICRO_LOG2 = {"cuda": 24, "cpu": 22, "quick": 20}
+MICRO_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_BATCH_LIMIT = 4096  # the search stops doubling here
+
+# Targets (printed as PASS/FAIL, never asserted).
+TARGET_U8_BYTES = {False: 0.25, True: 0.5}  # u8 act bytes / native act bytes; key: --amp
+TARGET_STEP_SLOWDOWN = 1.02                 # candidate ms / native ms, at most
+TARGET_OVER_CKPT = 1.15                     # checkpointed ms / reprop ms, at least
+COMPOSED_TENSORS = (2, 4)                   # tensors per call autograd saves for a composed chain
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the activations of a model."""
+
+    name: str
+    variant: str               # models.VARIANTS: the activation modules the model is built with
+    reprop: str | None = None  # None, "patch" (reprop.fad.patch) or "compose" (reprop.fad.enabled)
+    saved_dtype: torch.dtype | None = None
+
+
+NATIVE, COMPOSED, CHECKPOINTED = "native", "composed", "checkpointed"
+PATCH, PATCH_BF16, PATCH_U8 = "reprop patch", "reprop patch bf16", "reprop patch u8"
+COMPOSE, COMPOSE_BF16 = "reprop compose", "reprop compose bf16"
+CANDIDATES = {c.name: c for c in (
+    Candidate(NATIVE, "native"),
+    Candidate(COMPOSED, "composed"),
+    Candidate(CHECKPOINTED, "checkpointed"),
+    Candidate(PATCH, "native", "patch"),
+    Candidate(PATCH_BF16, "native", "patch", torch.bfloat16),
+    Candidate(PATCH_U8, "native", "patch", torch.uint8),
+    Candidate(COMPOSE, "composed", "compose"),
+    Candidate(COMPOSE_BF16, "composed", "compose", torch.bfloat16),
+)}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One model with one activation function."""
+
+    model: str  # MODEL_NAMES
+    act: str    # key of models.ACTIVATIONS
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.act}"
+
+
+def reprop_fad():
+    """reprop.fad, imported on first use (ImportError when reprop is not installed)."""
+    import reprop.fad
+    return reprop.fad
+
+
+def build_model(case: Case, act: Callable[[], nn.Module], args) -> nn.Module:
+    """The case's model with ``act`` as its activation factory, seeded: every candidate starts alike."""
+    torch.manual_seed(0)
+    if case.model == "resnet50":
+        return models.resnet50(act=act)
+    return models.bert_base(act=act, layers=args.bert_layers)
+
+
+def make_batch(case: Case, batch: int, device: torch.device, args) -> tuple[torch.Tensor, torch.Tensor]:
+    return models.make_batch(case.model, batch, device, args.image_size, args.seq_len)
+
+
+def forward_context(candidate: Candidate, device: torch.device, amp: bool) -> Callable[[], ContextManager]:
+    """What the forward pass (model and loss) of ``candidate`` runs inside: autocast, reprop's mode.
+
+    Backward runs outside, as torch recommends for autocast.
+    """
+    def enter() -> ContextManager:
+        stack = contextlib.ExitStack()
+        if amp:
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+        if candidate.reprop == "compose":
+            stack.enter_context(reprop_fad().enabled(compose=True, saved_dtype=candidate.saved_dtype))
+        return stack
+    return enter
+
+
+@dataclass
+class Trainer:
+    """One candidate's model, optimizer and forward context."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    context: Callable[[], ContextManager]
+    patched: dict[str, str]
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self.context():
+            return models.cross_entropy(self.model(x), y)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One training step: forward, backward, SGD update, gradients freed."""
+        self.loss(x, y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_trainer(candidate: Candidate, case: Case, device: torch.device, args,
+                 act: Callable[[], nn.Module] | None = None) -> Trainer:
+    """A fresh model for ``candidate`` on ``device`` (``act`` overrides its activation factory)."""
+    model = build_model(case, act or models.activation(case.act, candidate.variant), args)
+    model = model.to(device).train()
+    patched = {}
+    if candidate.reprop == "patch":
+        patched = reprop_fad().patch(model, saved_dtype=candidate.saved_dtype)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    return Trainer(model, optimizer, forward_context(candidate, device, args.amp), patched)
+
+
+def describe_error(e: BaseException) -> str:
+    """``Type: first line of the message`` (shortened), for n/a reasons."""
+    text = str(e).splitlines()[0][:140] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def try_trainer(candidate: Candidate, case: Case, batch, device: torch.device, args) -> Trainer | str:
+    """make_trainer plus one probe step; the reason as a string when the candidate is n/a."""
+    try:
+        trainer = make_trainer(candidate, case, device, args)
+        trainer.step(*batch)
+    except Exception as e:  # noqa: BLE001 - any failure means "n/a here", with the reason shown
+        return describe_error(e)
+    return trainer
+
+
+def release(device: torch.device) -> None:
+    """Return cached device memory, so the next measurement starts alike."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------
+# Bytes saved for backward
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Saved:
+    """Storages saved for backward by one forward: bytes and count."""
+
+    nbytes: int = 0
+    tensors: int = 0
+
+
+class SavedCounter:
+    """A saved_tensors_hooks pack hook that records each saved storage once.
+
+    Storages in ``exclude`` (data pointers of the parameters and the input
+    batch) and tensors of at most one element are skipped. The hook returns the
+    tensor itself, so the forward and backward are unchanged.
+    """
+
+    def __init__(self, exclude: set[int]):
+        self.exclude = exclude
+        self.storages: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.numel() > 1:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr not in self.exclude:
+                self.storages[ptr] = max(self.storages.get(ptr, 0), storage.nbytes())
+        return t
+
+    def total(self) -> Saved:
+        return Saved(sum(self.storages.values()), len(self.storages))
+
+
+def count_saved(trainer: Trainer, batch) -> Saved:
+    """What one forward (model and loss) of ``trainer`` saves for backward; the graph is then dropped."""
+    exclude = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    exclude |= {t.untyped_storage().data_ptr() for t in batch}
+    counter = SavedCounter(exclude)
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        loss = trainer.loss(*batch)
+    del loss
+    return counter.total()
+
+
+@dataclass
+class ActivationCalls:
+    """The activation calls of one forward: how many, and their inputs' bytes in total."""
+
+    calls: int
+    input_bytes: int
+
+
+def activation_calls(case: Case, batch, device: torch.device, args) -> ActivationCalls:
+    """Count the native activation modules' calls in one forward, with forward pre-hooks.
+
+    Runs under the same precision as the candidates (input dtype under autocast).
+    """
+    trainer = make_trainer(CANDIDATES[NATIVE], case, device, args)
+    act_type = type(models.activation(case.act, "native")())
+    seen = ActivationCalls(0, 0)
+
+    def hook(module, inputs):
+        seen.calls += 1
+        seen.input_bytes += inputs[0].numel() * inputs[0].element_size()
+
+    handles = [m.register_forward_pre_hook(hook) for m in trainer.model.modules() if type(m) is act_type]
+    with torch.no_grad():
+        trainer.loss(*batch)
+    for h in handles:
+        h.remove()
+    return seen
+
+
+# ---------------------------------------------------------------------------
+# Largest batch under a memory cap (CUDA)
+# ---------------------------------------------------------------------------
+
+
+def step_fits(candidate: Candidate, case: Case, batch_size: int, cap: int, device: torch.device,
+              args) -> bool:
+    """Whether a steady-state step at ``batch_size`` peaks at most ``cap`` bytes (model included)."""
+    release(device)
+    base = torch.cuda.memory_allocated(device)
+    trainer = None
+    try:
+        trainer = make_trainer(candidate, case, device, args)
+        batch = make_batch(case, batch_size, device, args)
+        trainer.step(*batch)  # warm-up: lazy workspaces, cuDNN algorithm choice
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        trainer.step(*batch)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - base <= cap
+    except torch.cuda.OutOfMemoryError:
+        return False
+    finally:
+        del trainer
+        release(device)
+
+
+def largest_batch(candidate: Candidate, case: Case, cap: int, device: torch.device, args) -> int:
+    """The largest batch size whose step fits under ``cap`` (0 if not even 1 does): doubling, then bisection."""
+    def fits(b: int) -> bool:
+        return step_fits(candidate, case, b, cap, device, args)
+
+    if not fits(1):
+        return 0
+    lo = 1
+    while lo * 2 <= MAX_BATCH_LIMIT and fits(lo * 2):
+        lo *= 2
+    hi = lo * 2  # does not fit (or beyond the limit)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@contextlib.contextmanager
+def memory_cap(cap: int, device: torch.device):
+    """Limit this process's CUDA allocations to ``cap`` bytes (plus 5% slack), then lift the limit."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1.05 / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+# ---------------------------------------------------------------------------
+# One case of the steps part
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class CaseResult:
+    """Everything measured for one (model, activation)."""
+
+    case: Case
+    batch: int
+    calls: ActivationCalls
+    identity: Saved  # the same model with nn.Identity activations
+    saved: dict[str, Saved] = field(default_factory=dict)
+    stats: dict[str, harness.Stats] = field(default_factory=dict)
+    peak_bytes: dict[str, int | None] = field(default_factory=dict)
+    max_batch: dict[str, int] = field(default_factory=dict)
+    patched: dict[str, int] = field(default_factory=dict)  # candidate -> modules patch changed
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    def median(self, name: str) -> float | None:
+        s = self.stats.get(name)
+        return s.median if s else None
+
+    def act_bytes(self, name: str) -> int | None:
+        """Bytes the activations add to what the forward saves (see the module docstring)."""
+        s = self.saved.get(name)
+        return s.nbytes - self.identity.nbytes if s else None
+
+    def act_x(self, name: str) -> float | None:
+        """act_bytes in units of the activations' inputs."""
+        b = self.act_bytes(name)
+        return b / self.calls.input_bytes if b is not None and self.calls.input_bytes else None
+
+    def act_tensors(self, name: str) -> float | None:
+        """Extra saved storages per activation call."""
+        s = self.saved.get(name)
+        return (s.tensors - self.identity.tensors) / self.calls.calls if s and self.calls.calls else None
+
+
+def run_case(case: Case, names: list[str], device: torch.device, args) -> CaseResult:
+    """Bytes saved, step times (alternated), peaks and (CUDA) largest batches of every candidate."""
+    batch = make_batch(case, args.batch, device, args)
+    identity = make_trainer(CANDIDATES[NATIVE], case, device, args, act=nn.Identity)
+    result = CaseResult(case, args.batch, activation_calls(case, batch, device, args),
+                        count_saved(identity, batch))
+    del identity
+    trainers: dict[str, Trainer] = {}
+    for name in names:
+        got = try_trainer(CANDIDATES[name], case, batch, device, args)
+        if isinstance(got, str):
+            result.unavailable[name] = got
+            continue
+        trainers[name] = got
+        result.saved[name] = count_saved(got, batch)
+        if got.patched:
+            result.patched[name] = len(got.patched)
+    result.stats = harness.measure_alternated(
+        {name: (lambda t=t: t.step(*batch)) for name, t in trainers.items()}, device, args.warmup, args.reps)
+    available = list(trainers)
+    trainers.clear()
+    release(device)
+    for name in available:
+        result.peak_bytes[name] = steady_peak(CANDIDATES[name], case, batch, device, args)
+    if device.type == "cuda" and args.mem_cap_gib > 0:
+        cap = int(args.mem_cap_gib * 2**30)
+        with memory_cap(cap, device):
+            for name in available:
+                print(f"... {case.label} {name}: largest batch under {args.mem_cap_gib} GiB",
+                      file=sys.stderr, flush=True)
+                result.max_batch[name] = largest_batch(CANDIDATES[name], case, cap, device, args)
+    return result
+
+
+def steady_peak(candidate: Candidate, case: Case, batch, device: torch.device, args) -> int | None:
+    """harness.peak_memory of one step after one warm-up step, the model built inside (counted)."""
+    holder: list[Trainer] = []
+
+    def setup() -> None:
+        holder.append(make_trainer(candidate, case, device, args))
+        holder[0].step(*batch)
+
+    peak = harness.peak_memory(lambda: holder[0].step(*batch), device, setup)
+    holder.clear()
+    release(device)
+    return peak
+
+
+# ---------------------------------------------------------------------------
+# Micro-benchmark: the activations alone
+# ---------------------------------------------------------------------------
+
+# reprop.fad's functional for each activation, with its keyword arguments.
+REPROP_FUNCTIONAL = {"swish": ("silu", {}), "mish": ("mish", {}), "gelu": ("gelu", {}),
+                     "gelu_tanh": ("gelu", {"approximate": "tanh"})}
+
+
+@dataclass(frozen=True)
+class MicroCandidate:
+    """One way to run an activation on one tensor, and the bytes it must move at least."""
+
+    name: str
+    backward: bool
+    build: Callable[[str], Callable[[torch.Tensor], torch.Tensor]]  # act name -> y = f(x)
+    elements_moved: Callable[[int], float] | None = None  # element size of x -> bytes per element
+
+
+def reprop_function(act: str, saved_dtype=None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """reprop.fad's functional form of ``act``."""
+    name, kwargs = REPROP_FUNCTIONAL[act]
+    fn = getattr(reprop_fad(), name)
+    return lambda x: fn(x, saved_dtype=saved_dtype, **kwargs)
+
+
+def composed_under_compose(act: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The composed module, run inside reprop.fad.enabled(compose=True)."""
+    module, fad = models.activation(act, "composed")(), reprop_fad()
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        with fad.enabled(compose=True):
+            return module(x)
+    return run
+
+
+MICRO_CANDIDATES = (
+    MicroCandidate("torch native", True, lambda a: models.activation(a, "native")(), lambda es: 5 * es),
+    MicroCandidate("torch composed", True, lambda a: models.activation(a, "composed")()),
+    MicroCandidate("checkpointed", True, lambda a: models.activation(a, "checkpointed")()),
+    MicroCandidate("reprop", True, reprop_function, lambda es: 6 * es),
+    MicroCandidate("reprop u8", True, lambda a: reprop_function(a, torch.uint8), lambda es: 4 * es + 2),
+    MicroCandidate("reprop compose", True, composed_under_compose, lambda es: 6 * es),
+    MicroCandidate("torch native fwd", False, lambda a: models.activation(a, "native")(), lambda es: 2 * es),
+    MicroCandidate("reprop fwd", False, reprop_function, lambda es: 3 * es),
+)
+MICRO_REFERENCE = "torch native"
+PROBE = "copy"
+
+
+@dataclass
+class MicroResult:
+    """One activation at one dtype: timings, bytes moved and gradient errors per candidate."""
+
+    act: str
+    dtype: str
+    numel: int
+    stats: dict[str, harness.Stats] = field(default_factory=dict)
+    nbytes: dict[str, float] = field(default_factory=dict)
+    grad_err: dict[str, float] = field(default_factory=dict)
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    def gbps(self, name: str) -> float | None:
+        s = self.stats.get(name)
+        return harness.gbps(self.nbytes[name], s.median) if s and name in self.nbytes else None
+
+
+def micro_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor,
+               backward: bool) -> Callable[[], object]:
+    """f(x) (x requires grad, so the graph is built) and, with ``backward``, dx = vjp(g)."""
+    if backward:
+        return lambda: torch.autograd.grad(fn(x), x, g)
+    return lambda: fn(x)
+
+
+def run_micro(act: str, dtype_name: str, numel: int, device: torch.device, args) -> MicroResult:
+    """Time every micro candidate on one (numel,) tensor with a copy probe of reprop's traffic."""
+    dtype = MICRO_DTYPES[dtype_name]
+    result = MicroResult(act, dtype_name, numel)
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(numel, generator=gen)).to(device, dtype).requires_grad_()
+    g = torch.randn(numel, generator=gen).to(device, dtype)
+    es = x.element_size()
+    (reference,) = torch.autograd.grad(models.activation(act, "native")()(x), x, g)
+    scale = reference.abs().max().float().clamp_min(1e-30)
+    calls: dict[str, Callable[[], object]] = {}
+    for c in MICRO_CANDIDATES:
+        try:
+            call = micro_call(c.build(act), x, g, c.backward)
+            out = call()
+        except Exception as e:  # noqa: BLE001 - n/a with the reason
+            result.unavailable[c.name] = describe_error(e)
+            continue
+        calls[c.name] = call
+        if c.elements_moved is not None:
+            result.nbytes[c.name] = numel * c.elements_moved(es)
+        if c.backward:
+            result.grad_err[c.name] = float((out[0] - reference).abs().max().float() / scale)
+    result.nbytes[PROBE] = 6 * numel * es
+    calls[PROBE] = harness.make_bandwidth_probe(int(result.nbytes[PROBE]), device, PROBE)
+    result.stats = harness.measure_alternated(calls, device, args.warmup, args.reps)
+    return result
+
+
+# ---------------------------------------------------------------------------
+# Targets
+# ---------------------------------------------------------------------------
+
+
+def check(target: str, where: str, value: float | None, ok: Callable[[float], bool], text: str) -> dict | None:
+    """One target line, or None when the value is missing (a candidate n/a)."""
+    if value is None:
+        return None
+    return {"target": target, "case": where, "value": text.format(value), "pass": bool(ok(value))}
+
+
+def step_targets(r: CaseResult, amp: bool) -> list[dict]:
+    """The issue's targets read from one case of the steps part."""
+    native_ms, ckpt_ms = r.median(NATIVE), r.median(CHECKPOINTED)
+    native_act = r.act_bytes(NATIVE)
+
+    def slower(name):
+        ms = r.median(name)
+        return ms / native_ms if ms and native_ms else None
+
+    def over_ckpt(name):
+        ms = r.median(name)
+        return ckpt_ms / ms if ms and ckpt_ms else None
+
+    u8 = r.act_bytes(PATCH_U8)
+    u8_ratio = u8 / native_act if u8 is not None and native_act else None
+    limit = TARGET_U8_BYTES[amp]
+    lo, hi = COMPOSED_TENSORS
+    checks = [
+        check("composed chain saves 2-4 tensors per activation", r.case.label, r.act_tensors(COMPOSED),
+              lambda v: lo - 0.05 <= v <= hi + 0.05, "{:.2f} per call"),
+        check("reprop compose saves 1 tensor per activation", r.case.label, r.act_tensors(COMPOSE),
+              lambda v: abs(v - 1) < 0.05, "{:.2f} per call"),
+        check("reprop compose bf16 saves 1 tensor per activation", r.case.label,
+              r.act_tensors(COMPOSE_BF16), lambda v: abs(v - 1) < 0.05, "{:.2f} per call"),
+        check(f"u8 activation bytes <= {limit}x native", r.case.label, u8_ratio,
+              lambda v: v <= limit, "{:.3f}x"),
+        check("reprop patch step within 2% of native", r.case.label, slower(PATCH),
+              lambda v: v <= TARGET_STEP_SLOWDOWN, "{:.3f}x native ms"),
+        check("reprop compose step within 2% of native", r.case.label, slower(COMPOSE),
+              lambda v: v <= TARGET_STEP_SLOWDOWN, "{:.3f}x native ms"),
+        check("reprop patch u8 step no more than 2% slower than native", r.case.label, slower(PATCH_U8),
+              lambda v: v <= TARGET_STEP_SLOWDOWN, "{:.3f}x native ms"),
+        check("reprop patch >= 1.15x checkpointed (whole step, information)", r.case.label,
+              over_ckpt(PATCH), lambda v: v >= TARGET_OVER_CKPT, "{:.3f}x"),
+        check("reprop compose >= 1.15x checkpointed (whole step, information)", r.case.label,
+              over_ckpt(COMPOSE), lambda v: v >= TARGET_OVER_CKPT, "{:.3f}x"),
+    ]
+    return [c for c in checks if c is not None]
+
+
+def micro_targets(r: MicroResult) -> list[dict]:
+    """reprop (default storage) against checkpointing, the activation alone."""
+    ckpt = r.stats.get("checkpointed")
+    where = f"{r.act} {r.dtype} 2^{r.numel.bit_length() - 1}"
+    checks = []
+    for name in ("reprop", "reprop compose"):
+        s = r.stats.get(name)
+        value = harness.speedup(ckpt.median, s.median) if s and ckpt else None
+        checks.append(check(f"{name} >= 1.15x checkpointed (activation alone)", where, value,
+                            lambda v: v >= TARGET_OVER_CKPT, "{:.2f}x"))
+    return [c for c in checks if c is not None]
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / MIB
+
+
+def step_rows(r: CaseResult, names: list[str]) -> list[dict]:
+    """One row per candidate of a case (None where n/a)."""
+    rows = []
+    for name in names:
+        s = r.stats.get(name)
+        saved = r.saved.get(name)
+        native_saved = r.saved.get(NATIVE)
+        peak = r.peak_bytes.get(name)
+        rows.append({
+            "case": r.case.label, "candidate": name,
+            "ms": s.median if s else None, "iqr": s.iqr / s.median if s else None,
+            "x_native": ratio(r.median(NATIVE), s.median) if s else None,
+            "x_ckpt": ratio(r.median(CHECKPOINTED), s.median) if s else None,
+            "act_mib": mib(r.act_bytes(name)), "act_x": r.act_x(name), "act_tensors": r.act_tensors(name),
+            "saved_mib": mib(saved.nbytes) if saved else None,
+            "saved_vs_native": ratio(saved.nbytes, native_saved.nbytes) if saved and native_saved else None,
+            "peak_mib": mib(peak),
+            "peak_vs_native": ratio(peak, r.peak_bytes.get(NATIVE)) if peak else None,
+            "max_batch": r.max_batch.get(name),
+            "batch_vs_native": ratio(r.max_batch.get(name), r.max_batch.get(NATIVE)),
+        })
+    return rows
+
+
+def format_steps(rows: list[dict], cuda: bool) -> str:
+    f = harness.fmt
+    headers = ["case", "candidate", "ms", "IQR", "x native", "x ckpt", "act MiB", "act x", "tensors",
+               "saved MiB", "saved/nat", "peak MiB", "peak/nat"]
+    if cuda:
+        headers += ["max batch", "batch/nat"]
+    table = []
+    for row in rows:
+        cells = [row["case"], row["candidate"], f(row["ms"], ".2f"), f(row["iqr"], ".0%"),
+                 f(row["x_native"], ".3f"), f(row["x_ckpt"], ".3f"), f(row["act_mib"], ".1f"),
+                 f(row["act_x"], ".2f"), f(row["act_tensors"], ".2f"), f(row["saved_mib"], ".1f"),
+                 f(row["saved_vs_native"], ".3f"), f(row["peak_mib"], ".1f"), f(row["peak_vs_native"], ".3f")]
+        if cuda:
+            cells += [f(row["max_batch"]), f(row["batch_vs_native"], ".2f")]
+        table.append(cells)
+    return harness.format_table(headers, table)
+
+
+def micro_rows(r: MicroResult) -> list[dict]:
+    """One row per micro candidate (and the probe) of one activation and dtype."""
+    probe = r.gbps(PROBE)
+    rows = []
+    for name in [c.name for c in MICRO_CANDIDATES] + [PROBE]:
+        s = r.stats.get(name)
+        rows.append({
+            "act": r.act, "dtype": r.dtype, "numel": r.numel, "candidate": name,
+            "ms": s.median if s else None, "iqr": s.iqr / s.median if s else None,
+            "x_native": ratio(r.stats[MICRO_REFERENCE].median, s.median)
+            if s and MICRO_REFERENCE in r.stats else None,
+            "gbps": r.gbps(name), "pct_copy": ratio(r.gbps(name), probe),
+            "grad_err": r.grad_err.get(name),
+        })
+    return rows
+
+
+def format_micro(rows: list[dict]) -> str:
+    f = harness.fmt
+    return harness.format_table(
+        ["activation", "candidate", "ms", "IQR", "x native", "GB/s", "% copy", "grad err"],
+        [[f"{row['act']} {row['dtype']}", row["candidate"], f(row["ms"], ".3f"), f(row["iqr"], ".0%"),
+          f(row["x_native"], ".2f"), f(row["gbps"], ".1f"), f(row["pct_copy"], ".0%"),
+          f(row["grad_err"], ".1e")] for row in rows])
+
+
+def unavailable_by_reason(results: list[CaseResult], micro: list[MicroResult]) -> dict[str, list[str]]:
+    """{reason: ["case candidate", ...]}: one line per distinct reason (e.g. reprop not installed)."""
+    grouped: dict[str, list[str]] = {}
+    for r in [*results, *micro]:
+        where = r.case.label if isinstance(r, CaseResult) else f"micro {r.act} {r.dtype}"
+        for name, why in r.unavailable.items():
+            grouped.setdefault(why, []).append(f"{where} {name}")
+    return grouped
+
+
+def print_report(results: list[CaseResult], micro: list[MicroResult], checks: list[dict], names: list[str],
+                 info: dict, args) -> None:
+    """Machine, settings, the steps and micro tables, n/a reasons, targets."""
+    print(harness.describe_machine(info))
+    cuda = args.device == "cuda"
+    precision = "bf16 autocast" if args.amp else "fp32"
+    if results:
+        print(f"\nsteps: {precision}, batch {args.batch}, ResNet images {args.image_size}x{args.image_size}, "
+              f"BERT {args.bert_layers} layers x sequence {args.seq_len}; {args.reps} rounds "
+              f"({args.warmup} warm-ups), medians in ms; step = forward + backward + SGD + zero_grad")
+        print("x native / x ckpt = native / checkpointed ms over the candidate's (> 1: faster); act = bytes "
+              "the activations add to the saved tensors (vs nn.Identity), x = in units of their inputs, "
+              "tensors = saved storages per activation call; peak = one steady-state step "
+              f"({'CUDA counters' if cuda else 'CPU: profiler allocation events'})"
+              + (f"; max batch under {args.mem_cap_gib} GiB" if cuda and args.mem_cap_gib > 0 else "") + "\n")
+        print(format_steps([row for r in results for row in step_rows(r, names)],
+                           cuda and args.mem_cap_gib > 0))
+        for r in results:
+            print(f"{r.case.label}: {r.calls.calls} activation calls, inputs {mib(r.calls.input_bytes):.1f} MiB; "
+                  f"Identity model saves {mib(r.identity.nbytes):.1f} MiB"
+                  + "".join(f"; {n} swapped {k} modules" for n, k in r.patched.items() if n == PATCH))
+    if micro:
+        print(f"\nmicro: one tensor per activation, forward + backward unless 'fwd'; {args.reps} rounds; "
+              "GB/s over the bytes the candidate must move; % copy = over a copy of reprop's fwd+bwd traffic\n")
+        print(format_micro([row for r in micro for row in micro_rows(r)]))
+    for why, where in unavailable_by_reason(results, micro).items():
+        print(f"n/a: {why}: {', '.join(where)}")
+    if checks:
+        print(f"\ntargets{'' if cuda else ' (timing targets are for CUDA; on CPU for information)'}:")
+        for c in checks:
+            print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['case']}: {c['target']} ({c['value']})")
+
+
+def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: list[dict], names: list[str],
+                 info: dict, args) -> dict:
+    return {
+        "benchmark": "fad",
+        "machine": info,
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"lr": LR},
+        "cases": [{
+            "model": r.case.model, "act": r.case.act, "batch": r.batch,
+            "activation_calls": r.calls.calls, "activation_input_bytes": r.calls.input_bytes,
+            "identity_saved_bytes": r.identity.nbytes, "identity_saved_tensors": r.identity.tensors,
+            "saved": {n: {"bytes": s.nbytes, "tensors": s.tensors} for n, s in r.saved.items()},
+            "stats_ms": {n: s.to_dict() for n, s in r.stats.items()},
+            "peak_bytes": r.peak_bytes, "max_batch": r.max_batch, "patched_modules": r.patched,
+            "unavailable": r.unavailable,
+        } for r in results],
+        "rows": [row for r in results for row in step_rows(r, names)],
+        "micro": [{"act": r.act, "dtype": r.dtype, "numel": r.numel,
+                   "stats_ms": {n: s.to_dict() for n, s in r.stats.items()}, "bytes": r.nbytes,
+                   "grad_err": r.grad_err, "unavailable": r.unavailable} for r in micro],
+        "micro_rows": [row for r in micro for row in micro_rows(r)],
+        "targets": checks,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def parse_list(text: str) -> list[str]:
+    """Comma-separated values, empty items dropped."""
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def parse_args():
+    """Shared harness options plus the models, activations, candidates and sizes (defaults from --quick)."""
+    p = harness.make_parser(__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"which parts (default {','.join(PARTS)})")
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"models (default {','.join(MODEL_NAMES)})")
+    p.add_argument("--acts", default=None,
+                   help="activations for every model (default per model: "
+                        + "; ".join(f"{m} {','.join(a)}" for m, a in DEFAULT_ACTS.items()) + "; quick "
+                        + "; ".join(f"{m} {','.join(a)}" for m, a in QUICK_ACTS.items())
+                        + f"); micro: the union; known {','.join(models.ACTIVATIONS)}")
+    p.add_argument("--candidates", default=",".join(CANDIDATES),
+                   help="step candidates (default all; native and checkpointed are the ratios' references)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"batch size (default {FULL['batch']}; quick {QUICK['batch']})")
+    p.add_argument("--image-size", type=int, default=None,
+                   help=f"ResNet image size (default {FULL['image_size']}; quick {QUICK['image_size']})")
+    p.add_argument("--bert-layers", type=int, default=None,
+                   help=f"BERT encoder layers (default {FULL['bert_layers']}; quick {QUICK['bert_layers']})")
+    p.add_argument("--seq-len", type=int, default=128, help="BERT sequence length (default 128)")
+    p.add_argument("--amp", action="store_true", help="run the steps part under torch.autocast(bfloat16)")
+    p.add_argument("--mem-cap-gib", type=float, default=10.0,
+                   help="CUDA: memory cap of the largest-batch search, GiB (default 10; 0 skips the search)")
+    p.add_argument("--micro-log2", type=int, default=None,
+                   help="log2 of the micro tensor's elements (default 24 on CUDA, 22 on CPU, 20 quick)")
+    args = p.parse_args()
+    defaults = QUICK if args.quick else FULL
+    for key in ("batch", "image_size", "bert_layers", "reps", "warmup"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    if args.micro_log2 is None:
+        args.micro_log2 = MICRO_LOG2["quick" if args.quick else args.device]
+    args.parts = parse_list(args.parts)
+    args.models = parse_list(args.models)
+    args.candidates = parse_list(args.candidates)
+    args.acts = parse_list(args.acts) if args.acts else None
+    for what, given, known in (("--parts", args.parts, PARTS), ("--models", args.models, MODEL_NAMES),
+                               ("--acts", args.acts or [], models.ACTIVATIONS),
+                               ("--candidates", args.candidates, CANDIDATES)):
+        unknown = [v for v in given if v not in known]
+        if unknown:
+            p.error(f"{what}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return args
+
+
+def model_acts(model: str, args) -> tuple[str, ...]:
+    """The activations ``model`` runs with: --acts, or its defaults (fewer with --quick)."""
+    return tuple(args.acts) if args.acts else (QUICK_ACTS if args.quick else DEFAULT_ACTS)[model]
+
+
+def plan_cases(args) -> list[Case]:
+    return [Case(m, a) for m in args.models for a in model_acts(m, args)]
+
+
+def micro_acts(args) -> list[str]:
+    """The activations of the micro part: those of the selected models' cases, in ACTIVATIONS order."""
+    wanted = {a for m in args.models for a in model_acts(m, args)}
+    return [a for a in models.ACTIVATIONS if a in wanted]
+
+
+def main() -> None:
+    args = parse_args()
+    device = harness.setup_device(args)
+    info = harness.machine_info(device)
+    results, micro = [], []
+    if "steps" in args.parts:
+        for case in plan_cases(args):
+            print(f"... {case.label}", file=sys.stderr, flush=True)
+            results.append(run_case(case, args.candidates, device, args))
+    if "micro" in args.parts:
+        for act in micro_acts(args):
+            for dtype in MICRO_DTYPES:
+                print(f"... micro {act} {dtype}", file=sys.stderr, flush=True)
+                micro.append(run_micro(act, dtype, 2**args.micro_log2, device, args))
+    checks = [c for r in results for c in step_targets(r, args.amp)] + [c for r in micro for c in micro_targets(r)]
+    print_report(results, micro, checks, args.candidates, info, args)
+    harness.write_json(args.json, json_payload(results, micro, checks, args.candidates, info, args))
+
+
+if __name__ == "__main__":
+    main()
