@@ -134,6 +134,88 @@ int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype, const rp_optim_ent
                        const rp_step_scalars *scalars, int64_t n, int capturable,
                        void *stream, rp_error *err);
 
+/* ---------------------------------------------------------------------------
+ * Nested forward-AD activations (csrc/fad.c, kernels/fad.cu)
+ *
+ * One pass over x computes y = f(x) and d = f'(x); backward is then
+ * grad_x = grad_y * d, so only d is saved for backward. Arithmetic is float32
+ * whatever the input dtype (x: RP_F32/F16/BF16, y in x's dtype).
+ * ------------------------------------------------------------------------- */
+
+typedef enum {
+    RP_FAD_GELU = 0,       /* erf form */
+    RP_FAD_GELU_TANH = 1,  /* approximate="tanh" */
+    RP_FAD_SILU = 2,
+    RP_FAD_MISH = 3,
+    RP_FAD_SOFTPLUS = 4,   /* p0 = beta, p1 = threshold */
+    RP_FAD_SIGMOID = 5,
+    RP_FAD_TANH = 6,
+    RP_FAD_ELU = 7,        /* p0 = alpha */
+    RP_FAD_CELU = 8,       /* p0 = alpha (nonzero) */
+    RP_FAD_SELU = 9,
+    RP_FAD_LEAKY_RELU = 10, /* p0 = negative_slope */
+    RP_FAD_HARDSWISH = 11,
+    RP_FAD_HARDSIGMOID = 12,
+    RP_FAD_LOGSIGMOID = 13,
+    RP_FAD_SOFTSIGN = 14,
+    RP_FAD_TANHSHRINK = 15,
+    RP_FAD_KINDS = 16,
+} rp_fad_kind;
+
+/* How d is stored: an rp_dtype code (RP_F32, RP_F16, RP_BF16, rounded to
+ * nearest even from float32), RP_FAD_CODE8 (one uint8 code per element, see
+ * rp_fad_codebook), or RP_FAD_NONE (d is not computed: inference, no_grad). */
+#define RP_FAD_CODE8 3
+#define RP_FAD_NONE (-1)
+
+/* The 8-bit codebook of one activation and its parameters: a lookup
+ * quantization of f'(x). Codes 0..RP_FAD_CODE_GRID-1 are a uniform grid
+ * value[c] = (c - zero_code) * step covering f's derivative range, with 0
+ * exactly on the grid (so saturated regions give exactly zero gradient);
+ * code RP_FAD_CODE_EXACT stands for the activation's exact constant slope
+ * where it has one (x > 0 for ELU/CELU/SELU/LeakyReLU, x > 3 for Hardswish,
+ * the linear region of Softplus past its threshold); RP_FAD_CODE_NAN for a
+ * NaN derivative. Encoding rounds to the nearest grid value, so the error of
+ * a decoded derivative is at most step / 2 (exactly 0 on constant pieces). */
+#define RP_FAD_CODE_GRID 254
+#define RP_FAD_CODE_EXACT 254
+#define RP_FAD_CODE_NAN 255
+
+typedef struct {
+    float value[256]; /* decoded derivative of each code */
+    float inv_step;   /* encode: c = zero_code + rint(d * inv_step), clamped to the grid */
+    int zero_code;
+    float lo, hi;     /* the derivative range the grid covers */
+} rp_fad_codebook;
+
+/* Fills cb for kind with parameters p0, p1 (see rp_fad_kind). */
+int rp_fad_codebook_init(int kind, float p0, float p1, rp_fad_codebook *cb, rp_error *err);
+
+/* Validates kind, dtypes and parameters (e.g. CELU alpha != 0). */
+int rp_fad_check(int kind, float p0, float p1, int dtype, int d_store, rp_error *err);
+
+/* CPU forward: x and y are n elements of `dtype` (y may equal x: in place),
+ * d is n elements stored as d_store (NULL with RP_FAD_NONE). Vectorized with
+ * AVX2/AVX-512 chosen at run time, OpenMP over chunks for large n.
+ * num_threads <= 0 means OpenMP's default. */
+int rp_fad_forward_cpu(int kind, float p0, float p1, int dtype, const void *x, void *y,
+                       int d_store, void *d, int64_t n, int num_threads, rp_error *err);
+
+/* CPU backward from 8-bit codes: grad_x[i] = grad_y[i] * cb->value[codes[i]],
+ * grad_y and grad_x of `dtype` (float32 arithmetic, one rounding). */
+int rp_fad_backward_code8_cpu(int dtype, const void *grad_y, const uint8_t *codes,
+                              const rp_fad_codebook *cb, void *grad_x, int64_t n,
+                              int num_threads, rp_error *err);
+
+/* The same on CUDA, enqueued on `stream` (a cudaStream_t), never
+ * synchronizing; the kernels are compiled from the same per-element math
+ * (csrc/fad_math.h), so results equal the CPU's bit for bit. */
+int rp_cuda_fad_forward(int kind, float p0, float p1, int dtype, const void *x, void *y,
+                        int d_store, void *d, int64_t n, void *stream, rp_error *err);
+int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *codes,
+                               const rp_fad_codebook *cb, void *grad_x, int64_t n,
+                               void *stream, rp_error *err);
+
 /* CUDA device count (0 when there is no driver or device), and the
  * architectures the kernels were compiled for, e.g. "sm_80 sm_90 compute_90". */
 int rp_cuda_device_count(void);

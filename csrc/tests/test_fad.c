@@ -1,0 +1,544 @@
+/*
+ * test_fad.c: unit tests of the nested forward-AD activations (csrc/fad.c,
+ * csrc/fad_math.h), built and run by .ci/run under AddressSanitizer and
+ * UndefinedBehaviorSanitizer.
+ *
+ * The Python suite compares against torch; these tests cover what it cannot
+ * see: the float elementary functions over the whole float range against
+ * double-precision libm (max ulp error), f and f' of every kind against
+ * double-precision formulas, bf16/fp16 storage, the 8-bit codebook (error
+ * bound, exact zero and exact codes), in-place calls, error statuses, and
+ * OpenMP results equal to a single thread's bit for bit.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../fad_math.h"
+#include "../reprop.h"
+#include "../rp_internal.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                                            \
+    do {                                                                                            \
+        if (!(cond)) {                                                                              \
+            if (failures++ > 20)                                                                    \
+                break;                                                                              \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);               \
+            fprintf(stderr, __VA_ARGS__);                                                           \
+            fputc('\n', stderr);                                                                    \
+        }                                                                                           \
+    } while (0)
+
+static uint32_t rng_state = 12345u;
+
+static float rand_uniform(float lo, float hi)
+{
+    rng_state = rng_state * 1664525u + 1013904223u;
+    return lo + (hi - lo) * ((float)((rng_state >> 8) & 0xffffffu) / 16777216.0f);
+}
+
+static int same_bits(float a, float b) { return rp_f32_to_bits(a) == rp_f32_to_bits(b); }
+static int same_float(float a, float b) { return (a != a && b != b) || same_bits(a, b); }
+
+/* ---- elementary functions against double libm ---- */
+
+/* |got - want| in units of the float ulp at want (subnormal ulp below 2^-126);
+ * 1e9 for a wrong NaN, infinity or overflow. */
+static double ulp_error(float got, double want)
+{
+    int e;
+    if (isnan(want))
+        return isnan(got) ? 0.0 : 1e9;
+    if (isinf((float)want) || isinf(got))
+        return got == (float)want ? 0.0 : 1e9;
+    frexp(want, &e);
+    return fabs((double)got - want) / ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
+}
+
+typedef struct {
+    const char *name;
+    float (*f)(float);
+    double (*ref)(double);
+    double bound; /* ulp */
+} math_case;
+
+static void test_math_function(const math_case *mc)
+{
+    static const float specials[] = {0.0f, -0.0f, 1e-45f, -1e-45f, 1e-38f, -1e-38f, 0x1p-24f,
+                                     -0x1p-24f, 0.5f, -0.5f, 1.0f, -1.0f, 88.72283f, 88.7229f,
+                                     -87.0f, -103.9f, -104.0f, 9.0f, 10.0f, 4.0f, -4.0f, 3.9f,
+                                     1e30f, -1e30f};
+    const float inf = rp_bits_to_f32(RP_F32_INF), nan = rp_bits_to_f32(RP_F32_QNAN);
+    double worst = 0.0;
+    float worst_x = 0.0f;
+    uint64_t b;
+    size_t i;
+    for (b = 0; b < 0x100000000ull; b += 257) {
+        float x = rp_bits_to_f32((uint32_t)b);
+        double e = ulp_error(mc->f(x), mc->ref((double)x));
+        if (e > worst) {
+            worst = e;
+            worst_x = x;
+        }
+    }
+    for (i = 0; i < sizeof specials / sizeof *specials; i++) {
+        double e = ulp_error(mc->f(specials[i]), mc->ref((double)specials[i]));
+        if (e > worst) {
+            worst = e;
+            worst_x = specials[i];
+        }
+    }
+    printf("  %-6s max %.3f ulp (at %a)\n", mc->name, worst, (double)worst_x);
+    CHECK(worst <= mc->bound, "%s: %.3f ulp at %a exceeds %.1f", mc->name, worst, (double)worst_x,
+          mc->bound);
+    /* the sign of zero, infinities and NaN exactly as libm */
+    CHECK(same_bits(mc->f(-0.0f), (float)mc->ref(-0.0)), "%s(-0)", mc->name);
+    CHECK(same_bits(mc->f(0.0f), (float)mc->ref(0.0)), "%s(+0)", mc->name);
+    CHECK(same_float(mc->f(inf), (float)mc->ref(INFINITY)), "%s(inf) = %g", mc->name,
+          (double)mc->f(inf));
+    CHECK(same_float(mc->f(-inf), (float)mc->ref(-INFINITY)), "%s(-inf) = %g", mc->name,
+          (double)mc->f(-inf));
+    CHECK(mc->f(nan) != mc->f(nan), "%s(NaN) is not NaN", mc->name);
+}
+
+static void test_math(void)
+{
+    const math_case cases[] = {
+        {"exp", rp_expf, exp, 2.0},     {"expm1", rp_expm1f, expm1, 2.0},
+        {"log1p", rp_log1pf, log1p, 2.0}, {"tanh", rp_tanhf, tanh, 2.0},
+        {"erf", rp_erff, erf, 2.0},
+    };
+    size_t i;
+    printf("elementary functions, every 257th float against double libm:\n");
+    for (i = 0; i < sizeof cases / sizeof *cases; i++)
+        test_math_function(&cases[i]);
+    CHECK(rp_log1pf(-1.0f) == -rp_bits_to_f32(RP_F32_INF), "log1p(-1)");
+    CHECK(rp_log1pf(-2.0f) != rp_log1pf(-2.0f), "log1p(-2) is not NaN");
+}
+
+/* ---- f and f' of every kind against double formulas ---- */
+
+static const double selu_alpha = 1.6732632423543772848170429916717;
+static const double selu_scale = 1.0507009873554804934193349852946;
+static const double pi = 3.14159265358979323846;
+
+static double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+/* y and d of kind at x in double (the mathematical functions, not torch's
+ * float formulas). */
+static void reference(int kind, double p0, double p1, double x, double *y, double *d)
+{
+    switch (kind) {
+    case RP_FAD_GELU:
+        *y = 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+        *d = 0.5 * (1.0 + erf(x / sqrt(2.0))) + x * exp(-0.5 * x * x) / sqrt(2.0 * pi);
+        break;
+    case RP_FAD_GELU_TANH: {
+        double b = sqrt(2.0 / pi), k = 0.044715, t = tanh(b * (x + k * x * x * x));
+        *y = 0.5 * x * (1.0 + t);
+        *d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * b * (1.0 + 3.0 * k * x * x);
+        break;
+    }
+    case RP_FAD_SILU:
+        *y = x * sigmoid_d(x);
+        *d = sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x)));
+        break;
+    case RP_FAD_MISH: {
+        double t = tanh(log1p(exp(x)));
+        *y = x * t;
+        *d = t + x * sigmoid_d(x) * (1.0 - t * t);
+        break;
+    }
+    case RP_FAD_SOFTPLUS:
+        *y = x * p0 > p1 ? x : log1p(exp(x * p0)) / p0;
+        *d = x * p0 > p1 ? 1.0 : sigmoid_d(x * p0);
+        break;
+    case RP_FAD_SIGMOID:
+        *y = sigmoid_d(x);
+        *d = *y * (1.0 - *y);
+        break;
+    case RP_FAD_TANH:
+        *y = tanh(x);
+        *d = 1.0 - *y * *y;
+        break;
+    case RP_FAD_ELU:
+        *y = x > 0.0 ? x : p0 * expm1(x);
+        *d = x > 0.0 ? 1.0 : p0 * exp(x);
+        break;
+    case RP_FAD_CELU:
+        *y = x > 0.0 ? x : p0 * expm1(x / p0);
+        *d = x > 0.0 ? 1.0 : exp(x / p0);
+        break;
+    case RP_FAD_SELU:
+        *y = x > 0.0 ? selu_scale * x : selu_scale * selu_alpha * expm1(x);
+        *d = x > 0.0 ? selu_scale : selu_scale * selu_alpha * exp(x);
+        break;
+    case RP_FAD_LEAKY_RELU:
+        *y = x > 0.0 ? x : p0 * x;
+        *d = x > 0.0 ? 1.0 : p0;
+        break;
+    case RP_FAD_HARDSWISH:
+        *y = x * fmin(fmax(x + 3.0, 0.0), 6.0) / 6.0;
+        *d = x <= -3.0 ? 0.0 : (x >= 3.0 ? 1.0 : x / 3.0 + 0.5);
+        break;
+    case RP_FAD_HARDSIGMOID:
+        *y = fmin(fmax(x + 3.0, 0.0), 6.0) / 6.0;
+        *d = x > -3.0 && x < 3.0 ? 1.0 / 6.0 : 0.0;
+        break;
+    case RP_FAD_LOGSIGMOID:
+        *y = fmin(x, 0.0) - log1p(exp(-fabs(x)));
+        *d = sigmoid_d(-x);
+        break;
+    case RP_FAD_SOFTSIGN:
+        *y = x / (1.0 + fabs(x));
+        *d = 1.0 / ((1.0 + fabs(x)) * (1.0 + fabs(x)));
+        break;
+    default: /* RP_FAD_TANHSHRINK */
+        *y = x - tanh(x);
+        *d = tanh(x) * tanh(x);
+        break;
+    }
+}
+
+typedef struct {
+    int kind;
+    float p0, p1;
+} kind_case;
+
+static const kind_case kind_cases[] = {
+    {RP_FAD_GELU, 0, 0},        {RP_FAD_GELU_TANH, 0, 0},   {RP_FAD_SILU, 0, 0},
+    {RP_FAD_MISH, 0, 0},        {RP_FAD_SOFTPLUS, 1, 20},   {RP_FAD_SOFTPLUS, 2, 5},
+    {RP_FAD_SIGMOID, 0, 0},     {RP_FAD_TANH, 0, 0},        {RP_FAD_ELU, 1, 0},
+    {RP_FAD_ELU, 0.5f, 0},      {RP_FAD_CELU, 1, 0},        {RP_FAD_CELU, 2, 0},
+    {RP_FAD_SELU, 0, 0},        {RP_FAD_LEAKY_RELU, 0.01f, 0}, {RP_FAD_LEAKY_RELU, -0.2f, 0},
+    {RP_FAD_HARDSWISH, 0, 0},   {RP_FAD_HARDSIGMOID, 0, 0}, {RP_FAD_LOGSIGMOID, 0, 0},
+    {RP_FAD_SOFTSIGN, 0, 0},    {RP_FAD_TANHSHRINK, 0, 0},
+};
+#define N_KIND_CASES ((int)(sizeof kind_cases / sizeof *kind_cases))
+
+/* torch's float formulas cancel in places (1 + erf in GELU's tail, 1 - t^2
+ * near |t| = 1): absolute error bound relative to max(1, |ref|). */
+static void test_eval_against_reference(void)
+{
+    int c, i;
+    for (c = 0; c < N_KIND_CASES; c++) {
+        const kind_case *k = &kind_cases[c];
+        double worst_y = 0.0, worst_d = 0.0;
+        for (i = 0; i < 200000; i++) {
+            float x = i < 100000 ? rand_uniform(-6.0f, 6.0f) : rand_uniform(-40.0f, 40.0f);
+            float y, d;
+            double yr, dr;
+            /* torch's piecewise edges are compared exactly, not across them */
+            if (fabsf(fabsf(x) - 3.0f) < 1e-5f)
+                continue;
+            rp_fad_eval(k->kind, k->p0, k->p1, x, &y, &d);
+            reference(k->kind, k->p0, k->p1, x, &yr, &dr);
+            worst_y = fmax(worst_y, fabs(y - yr) / fmax(1.0, fabs(yr)));
+            worst_d = fmax(worst_d, fabs(d - dr) / fmax(1.0, fabs(dr)));
+        }
+        CHECK(worst_y < 2e-6 && worst_d < 2e-6, "kind %d (p0=%g): y err %.3g, d err %.3g",
+              k->kind, (double)k->p0, worst_y, worst_d);
+    }
+}
+
+/* Values torch 2.13 gives at the edges (measured), per kind. */
+static void test_eval_special_values(void)
+{
+    const float inf = rp_bits_to_f32(RP_F32_INF), nan = rp_bits_to_f32(RP_F32_QNAN);
+    float y, d;
+    rp_fad_eval(RP_FAD_GELU, 0, 0, inf, &y, &d);
+    CHECK(y == inf && d != d, "gelu(inf): y=%g d=%g (torch: inf, nan)", (double)y, (double)d);
+    rp_fad_eval(RP_FAD_SILU, 0, 0, -inf, &y, &d);
+    CHECK(y != y && d != d, "silu(-inf): torch gives nan, nan");
+    rp_fad_eval(RP_FAD_HARDSWISH, 0, 0, -3.0f, &y, &d);
+    CHECK(d == 0.0f, "hardswish'(-3) = %g, torch 0", (double)d);
+    rp_fad_eval(RP_FAD_HARDSWISH, 0, 0, 3.0f, &y, &d);
+    CHECK(d == 1.0f && y == 3.0f, "hardswish(3)");
+    rp_fad_eval(RP_FAD_HARDSWISH, 0, 0, nan, &y, &d);
+    CHECK(d != d, "hardswish'(nan) is nan in torch");
+    rp_fad_eval(RP_FAD_ELU, 1, 0, nan, &y, &d);
+    CHECK(y != y && d != d, "elu(nan)");
+    rp_fad_eval(RP_FAD_ELU, 1, 0, 0.0f, &y, &d);
+    CHECK(y == 0.0f && d == 1.0f, "elu'(0) = alpha");
+    rp_fad_eval(RP_FAD_LEAKY_RELU, 0.01f, 0, nan, &y, &d);
+    CHECK(y != y && d == 0.01f, "leaky_relu'(nan) = slope in torch");
+    rp_fad_eval(RP_FAD_SOFTSIGN, 0, 0, 0.0f, &y, &d);
+    CHECK(d == 1.0f, "softsign'(0)");
+    rp_fad_eval(RP_FAD_SOFTSIGN, 0, 0, inf, &y, &d);
+    CHECK(y != y && d != d, "softsign(inf) is nan in torch");
+    rp_fad_eval(RP_FAD_LOGSIGMOID, 0, 0, -inf, &y, &d);
+    CHECK(y == -inf && d == 1.0f, "logsigmoid(-inf)");
+    rp_fad_eval(RP_FAD_SOFTPLUS, 1, 20, inf, &y, &d);
+    CHECK(y == inf && d == 1.0f, "softplus(inf)");
+    rp_fad_eval(RP_FAD_HARDSIGMOID, 0, 0, nan, &y, &d);
+    CHECK(y != y && d == 0.0f, "hardsigmoid(nan)");
+    rp_fad_eval(RP_FAD_TANHSHRINK, 0, 0, -inf, &y, &d);
+    CHECK(y == -inf && d == 1.0f, "tanhshrink(-inf)");
+}
+
+/* ---- forward through the public entry point ---- */
+
+static float *random_inputs(int64_t n)
+{
+    float *x = (float *)malloc((size_t)n * sizeof *x);
+    int64_t i;
+    for (i = 0; i < n; i++)
+        x[i] = i % 97 == 0 ? rp_bits_to_f32(RP_F32_QNAN) : rand_uniform(-8.0f, 8.0f);
+    return x;
+}
+
+/* dtype and d storage rounding: the 16-bit results are the float32 math on
+ * the widened input, rounded once. */
+static void test_forward_storage(void)
+{
+    const int64_t n = 1000 + 3;
+    float *x = random_inputs(n);
+    uint16_t *x16 = (uint16_t *)malloc((size_t)n * 2), *y16 = (uint16_t *)malloc((size_t)n * 2);
+    uint16_t *d16 = (uint16_t *)malloc((size_t)n * 2);
+    rp_error err;
+    int c, dt;
+    int64_t i;
+    for (c = 0; c < N_KIND_CASES; c++) {
+        const kind_case *k = &kind_cases[c];
+        for (dt = RP_F16; dt <= RP_BF16; dt++) {
+            for (i = 0; i < n; i++)
+                x16[i] = dt == RP_F16 ? rp_f32_to_f16(x[i]) : rp_f32_to_bf16(x[i]);
+            CHECK(rp_fad_forward_cpu(k->kind, k->p0, k->p1, dt, x16, y16, dt, d16, n, 1, &err) ==
+                      RP_OK, "%s", err.msg);
+            for (i = 0; i < n; i++) {
+                float xf = dt == RP_F16 ? rp_f16_to_f32(x16[i]) : rp_bf16_to_f32(x16[i]);
+                float y, d;
+                uint16_t ye, de;
+                rp_fad_eval(k->kind, k->p0, k->p1, xf, &y, &d);
+                ye = dt == RP_F16 ? rp_f32_to_f16(y) : rp_f32_to_bf16(y);
+                de = dt == RP_F16 ? rp_f32_to_f16(d) : rp_f32_to_bf16(d);
+                CHECK(y16[i] == ye && d16[i] == de, "kind %d dtype %d at %lld", k->kind, dt,
+                      (long long)i);
+            }
+        }
+    }
+    free(x);
+    free(x16);
+    free(y16);
+    free(d16);
+}
+
+/* y == x gives what a separate y gives, for every dtype. */
+static void test_forward_in_place(void)
+{
+    const int64_t n = 5000 + 7;
+    float *x = random_inputs(n);
+    float *a = (float *)malloc((size_t)n * 4), *b = (float *)malloc((size_t)n * 4);
+    float *d = (float *)malloc((size_t)n * 4);
+    rp_error err;
+    int dt, c;
+    for (c = 0; c < N_KIND_CASES; c += 3) {
+        for (dt = RP_F32; dt <= RP_BF16; dt++) {
+            memcpy(a, x, (size_t)n * 4);
+            CHECK(rp_fad_forward_cpu(kind_cases[c].kind, kind_cases[c].p0, kind_cases[c].p1, dt,
+                                     a, b, RP_F32, d, n, 1, &err) == RP_OK, "%s", err.msg);
+            CHECK(rp_fad_forward_cpu(kind_cases[c].kind, kind_cases[c].p0, kind_cases[c].p1, dt,
+                                     a, a, RP_FAD_NONE, NULL, n, 1, &err) == RP_OK, "%s", err.msg);
+            /* only the first n x-sized bytes are y */
+            CHECK(memcmp(a, b, (size_t)n * (dt == RP_F32 ? 4 : 2)) == 0, "kind %d dtype %d",
+                  kind_cases[c].kind, dt);
+        }
+    }
+    free(x);
+    free(a);
+    free(b);
+    free(d);
+}
+
+/* Chunks over several threads equal one thread, bit for bit, for every storage. */
+static void test_forward_threads(void)
+{
+    const int64_t n = 3 * 16384 + 1000 + 5;
+    float *x = random_inputs(n);
+    float *y1 = (float *)malloc((size_t)n * 4), *y4 = (float *)malloc((size_t)n * 4);
+    float *d1 = (float *)malloc((size_t)n * 4), *d4 = (float *)malloc((size_t)n * 4);
+    const int stores[] = {RP_F32, RP_F16, RP_BF16, RP_FAD_CODE8};
+    rp_error err;
+    int c, s;
+    for (c = 0; c < N_KIND_CASES; c++) {
+        for (s = 0; s < 4; s++) {
+            size_t dbytes = (size_t)n * (stores[s] == RP_F32 ? 4 : (stores[s] == RP_FAD_CODE8 ? 1 : 2));
+            memset(d1, 0xab, (size_t)n * 4);
+            memset(d4, 0xcd, (size_t)n * 4);
+            CHECK(rp_fad_forward_cpu(kind_cases[c].kind, kind_cases[c].p0, kind_cases[c].p1,
+                                     RP_F32, x, y1, stores[s], d1, n, 1, &err) == RP_OK, "%s",
+                  err.msg);
+            CHECK(rp_fad_forward_cpu(kind_cases[c].kind, kind_cases[c].p0, kind_cases[c].p1,
+                                     RP_F32, x, y4, stores[s], d4, n, 4, &err) == RP_OK, "%s",
+                  err.msg);
+            CHECK(memcmp(y1, y4, (size_t)n * 4) == 0 && memcmp(d1, d4, dbytes) == 0,
+                  "kind %d store %d: threads differ", kind_cases[c].kind, stores[s]);
+        }
+    }
+    free(x);
+    free(y1);
+    free(y4);
+    free(d1);
+    free(d4);
+}
+
+/* ---- the 8-bit codebook ---- */
+
+static void test_codebook(void)
+{
+    const int64_t n = 20000;
+    float *x = random_inputs(n);
+    float *y = (float *)malloc((size_t)n * 4), *d = (float *)malloc((size_t)n * 4);
+    uint8_t *codes = (uint8_t *)malloc((size_t)n);
+    rp_fad_codebook cb;
+    rp_error err;
+    int c;
+    int64_t i;
+    printf("codebooks [lo, hi] step zero_code:\n");
+    for (c = 0; c < N_KIND_CASES; c++) {
+        const kind_case *k = &kind_cases[c];
+        float step;
+        CHECK(rp_fad_codebook_init(k->kind, k->p0, k->p1, &cb, &err) == RP_OK, "%s", err.msg);
+        step = cb.value[cb.zero_code + 1] - cb.value[cb.zero_code];
+        printf("  kind %2d p0=%-5g [%.6f, %.6f] step %.4g zero %d\n", k->kind, (double)k->p0,
+               (double)cb.lo, (double)cb.hi, (double)step, cb.zero_code);
+        CHECK(cb.value[cb.zero_code] == 0.0f, "kind %d: zero not on the grid", k->kind);
+        CHECK(cb.value[RP_FAD_CODE_NAN] != cb.value[RP_FAD_CODE_NAN], "NaN code");
+        CHECK(cb.value[0] <= cb.lo && cb.value[RP_FAD_CODE_GRID - 1] >= cb.hi,
+              "kind %d: grid [%g, %g] misses [%g, %g]", k->kind, (double)cb.value[0],
+              (double)cb.value[RP_FAD_CODE_GRID - 1], (double)cb.lo, (double)cb.hi);
+        CHECK(rp_fad_forward_cpu(k->kind, k->p0, k->p1, RP_F32, x, y, RP_F32, d, n, 1, &err) ==
+                  RP_OK, "%s", err.msg);
+        CHECK(rp_fad_forward_cpu(k->kind, k->p0, k->p1, RP_F32, x, y, RP_FAD_CODE8, codes, n, 1,
+                                 &err) == RP_OK, "%s", err.msg);
+        for (i = 0; i < n; i++) {
+            float v = cb.value[codes[i]];
+            if (d[i] != d[i]) {
+                CHECK(codes[i] == RP_FAD_CODE_NAN, "kind %d: NaN d coded %d", k->kind, codes[i]);
+            } else if (rp_fad_on_exact_piece(k->kind, k->p0, k->p1, x[i])) {
+                CHECK(codes[i] == RP_FAD_CODE_EXACT && v == d[i], "kind %d: exact piece at %g",
+                      k->kind, (double)x[i]);
+            } else {
+                CHECK(codes[i] < RP_FAD_CODE_GRID, "kind %d: grid code %d", k->kind, codes[i]);
+                CHECK(fabsf(v - d[i]) <= 0.5f * step * (1.0f + 0x1p-20f),
+                      "kind %d: d=%g decodes to %g (step %g)", k->kind, (double)d[i], (double)v,
+                      (double)step);
+                if (d[i] == 0.0f)
+                    CHECK(v == 0.0f, "kind %d: zero derivative decodes to %g", k->kind, (double)v);
+                if (k->kind == RP_FAD_LEAKY_RELU || k->kind == RP_FAD_HARDSIGMOID)
+                    CHECK(v == d[i], "kind %d: two-valued derivative %g decodes to %g", k->kind,
+                          (double)d[i], (double)v);
+            }
+        }
+    }
+    free(x);
+    free(y);
+    free(d);
+    free(codes);
+}
+
+static void test_backward_code8(void)
+{
+    const int64_t n = 3 * 16384 + 77;
+    float *g = random_inputs(n), *out = (float *)malloc((size_t)n * 4);
+    uint16_t *g16 = (uint16_t *)malloc((size_t)n * 2), *o16 = (uint16_t *)malloc((size_t)n * 2);
+    uint8_t *codes = (uint8_t *)malloc((size_t)n);
+    rp_fad_codebook cb;
+    rp_error err;
+    int64_t i;
+    int dt, threads;
+    CHECK(rp_fad_codebook_init(RP_FAD_GELU, 0, 0, &cb, &err) == RP_OK, "%s", err.msg);
+    for (i = 0; i < n; i++)
+        codes[i] = (uint8_t)(i * 7919 % 256);
+    for (threads = 1; threads <= 3; threads += 2) {
+        CHECK(rp_fad_backward_code8_cpu(RP_F32, g, codes, &cb, out, n, threads, &err) == RP_OK,
+              "%s", err.msg);
+        for (i = 0; i < n; i++)
+            CHECK(same_float(out[i], g[i] * cb.value[codes[i]]), "f32 at %lld", (long long)i);
+        for (dt = RP_F16; dt <= RP_BF16; dt++) {
+            for (i = 0; i < n; i++)
+                g16[i] = dt == RP_F16 ? rp_f32_to_f16(g[i]) : rp_f32_to_bf16(g[i]);
+            CHECK(rp_fad_backward_code8_cpu(dt, g16, codes, &cb, o16, n, threads, &err) == RP_OK,
+                  "%s", err.msg);
+            /* in place: grad_x == grad_y */
+            CHECK(rp_fad_backward_code8_cpu(dt, g16, codes, &cb, g16, n, threads, &err) == RP_OK,
+                  "%s", err.msg);
+            CHECK(memcmp(o16, g16, (size_t)n * 2) == 0, "dtype %d in place differs", dt);
+            for (i = 0; i < n; i++) {
+                float gf = dt == RP_F16 ? rp_f16_to_f32(rp_f32_to_f16(g[i]))
+                                        : rp_bf16_to_f32(rp_f32_to_bf16(g[i]));
+                float want = gf * cb.value[codes[i]];
+                uint16_t w = dt == RP_F16 ? rp_f32_to_f16(want) : rp_f32_to_bf16(want);
+                CHECK(o16[i] == w, "dtype %d at %lld", dt, (long long)i);
+            }
+        }
+    }
+    free(g);
+    free(out);
+    free(g16);
+    free(o16);
+    free(codes);
+}
+
+/* ---- error statuses ---- */
+
+static void test_errors(void)
+{
+    float x[4] = {0}, y[4], d[4];
+    uint8_t codes[4] = {0};
+    rp_fad_codebook cb;
+    rp_error err;
+    CHECK(rp_fad_check(RP_FAD_KINDS, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "bad kind");
+    CHECK(rp_fad_check(-1, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "negative kind");
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, 7, RP_F32, &err) == RP_EINVAL, "bad dtype");
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, 9, &err) == RP_EINVAL, "bad d_store");
+    CHECK(rp_fad_check(RP_FAD_CELU, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "CELU alpha 0");
+    CHECK(strstr(err.msg, "CELU") != NULL, "message: %s", err.msg);
+    CHECK(rp_fad_check(RP_FAD_ELU, rp_bits_to_f32(RP_F32_QNAN), 0, RP_F32, RP_F32, &err) ==
+              RP_EINVAL, "NaN parameter");
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, RP_FAD_NONE, &err) == RP_OK, "NONE ok");
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_BF16, RP_FAD_CODE8, &err) == RP_OK, "CODE8 ok");
+    CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, x, y, RP_F32, d, -1, 1, &err) ==
+              RP_EINVAL, "negative n");
+    CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, NULL, y, RP_F32, d, 4, 1, &err) ==
+              RP_EINVAL, "NULL x");
+    CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, x, y, RP_F32, NULL, 4, 1, &err) ==
+              RP_EINVAL, "NULL d");
+    CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, NULL, NULL, RP_F32, NULL, 0, 1, &err) ==
+              RP_OK, "n = 0 with NULL");
+    CHECK(rp_fad_forward_cpu(RP_FAD_KINDS, 0, 0, RP_F32, x, y, RP_F32, d, 4, 1, &err) ==
+              RP_EINVAL, "forward bad kind");
+    CHECK(rp_fad_codebook_init(RP_FAD_CELU, 0, 0, &cb, &err) == RP_EINVAL, "codebook CELU 0");
+    CHECK(rp_fad_codebook_init(RP_FAD_GELU, 0, 0, NULL, &err) == RP_EINVAL, "codebook NULL");
+    CHECK(rp_fad_codebook_init(RP_FAD_GELU, 0, 0, &cb, &err) == RP_OK, "%s", err.msg);
+    CHECK(rp_fad_backward_code8_cpu(RP_F32, x, codes, NULL, y, 4, 1, &err) == RP_EINVAL,
+          "backward NULL codebook");
+    CHECK(rp_fad_backward_code8_cpu(5, x, codes, &cb, y, 4, 1, &err) == RP_EINVAL,
+          "backward bad dtype");
+    CHECK(rp_fad_backward_code8_cpu(RP_F32, x, NULL, &cb, y, 4, 1, &err) == RP_EINVAL,
+          "backward NULL codes");
+    CHECK(rp_fad_backward_code8_cpu(RP_F32, x, codes, &cb, y, -2, 1, &err) == RP_EINVAL,
+          "backward negative n");
+}
+
+int main(void)
+{
+    test_math();
+    test_eval_against_reference();
+    test_eval_special_values();
+    test_forward_storage();
+    test_forward_in_place();
+    test_forward_threads();
+    test_codebook();
+    test_backward_code8();
+    test_errors();
+    if (failures) {
+        fprintf(stderr, "test_fad: %d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("test_fad: all checks passed\n");
+    return 0;
+}
