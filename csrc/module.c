@@ -37,6 +37,55 @@ static PyObject *rp_optim_step_py(PyObject *self, PyObject *const *args, Py_ssiz
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(fad_forward_doc,
+             "fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, num_threads)\n--\n\n"
+             "y = f(x) and d = f'(x) for n elements in one pass on the CPU (see\n"
+             "rp_fad_forward_cpu in csrc/reprop.h); x, y, d are data pointers.");
+
+static PyObject *rp_fad_forward_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_fad_forward_call c;
+    rp_error err = {{0}};
+    int num_threads, rc;
+    (void)self;
+    if (rp_py_parse_fad_forward(args, nargs, "fad_forward", &c) < 0)
+        return NULL;
+    num_threads = (int)PyLong_AsLong(args[9]);
+    if (num_threads == -1 && PyErr_Occurred())
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_fad_forward_cpu(c.kind, c.p0, c.p1, c.dtype, c.x, c.y, c.d_store, c.d, c.n,
+                            num_threads, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(fad_backward_code8_doc,
+             "fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, num_threads)\n--\n\n"
+             "grad_x = grad_y * codebook.value[codes] on the CPU (rp_fad_backward_code8_cpu).");
+
+static PyObject *rp_fad_backward_code8_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_fad_backward_call c;
+    rp_error err = {{0}};
+    int num_threads, rc;
+    (void)self;
+    if (rp_py_parse_fad_backward(args, nargs, "fad_backward_code8", &c) < 0)
+        return NULL;
+    num_threads = (int)PyLong_AsLong(args[6]);
+    if (num_threads == -1 && PyErr_Occurred())
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_fad_backward_code8_cpu(c.dtype, c.grad_y, c.codes, c.cb, c.grad_x, c.n, num_threads,
+                                   &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *rp_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -54,6 +103,11 @@ static PyMethodDef rp_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_optim_step_py, METH_FASTCALL, optim_step_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
+    {"fad_forward", (PyCFunction)(void (*)(void))rp_fad_forward_py, METH_FASTCALL, fad_forward_doc},
+    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_fad_backward_code8_py, METH_FASTCALL,
+     fad_backward_code8_doc},
+    {"fad_codebook", (PyCFunction)(void (*)(void))rp_py_fad_codebook, METH_FASTCALL,
+     "fad_codebook(kind, p0, p1) -> bytes: an activation's 8-bit codebook (csrc/pyutil.h)."},
     {"build_info", rp_build_info_py, METH_NOARGS, "Facts about how the C core was built."},
     {NULL, NULL, 0, NULL},
 };

@@ -9,6 +9,13 @@
 
 #include "pyutil.h"
 
+/* Streams arrive as integers (torch.cuda.Stream.cuda_stream). */
+static int rp_cuda_stream_arg(PyObject *obj, void **stream)
+{
+    *stream = PyLong_AsVoidPtr(obj);
+    return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
 PyDoc_STRVAR(optim_step_doc,
              "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
              "Fused multi-tensor optimizer step on CUDA, enqueued on `stream` (an\n"
@@ -32,8 +39,7 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     capturable = PyObject_IsTrue(args[4]);
     if (capturable < 0)
         return NULL;
-    stream = PyLong_AsVoidPtr(args[5]);
-    if (stream == NULL && PyErr_Occurred())
+    if (rp_cuda_stream_arg(args[5], &stream) < 0)
         return NULL;
     lr_ptr = PyLong_AsUnsignedLongLong(args[6]);
     if (lr_ptr == (unsigned long long)-1 && PyErr_Occurred())
@@ -64,6 +70,54 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(fad_forward_doc,
+             "fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, stream)\n--\n\n"
+             "y = f(x) and d = f'(x) for n elements in one kernel on `stream`\n"
+             "(rp_cuda_fad_forward in csrc/reprop.h); x, y, d are device pointers.");
+
+static PyObject *rp_cuda_fad_forward_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_fad_forward_call c;
+    rp_error err = {{0}};
+    void *stream;
+    int rc;
+    (void)self;
+    if (rp_py_parse_fad_forward(args, nargs, "fad_forward", &c) < 0 ||
+        rp_cuda_stream_arg(args[9], &stream) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_cuda_fad_forward(c.kind, c.p0, c.p1, c.dtype, c.x, c.y, c.d_store, c.d, c.n, stream,
+                             &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(fad_backward_code8_doc,
+             "fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, stream)\n--\n\n"
+             "grad_x = grad_y * codebook.value[codes] on `stream` (rp_cuda_fad_backward_code8).");
+
+static PyObject *rp_cuda_fad_backward_code8_py(PyObject *self, PyObject *const *args,
+                                               Py_ssize_t nargs)
+{
+    rp_py_fad_backward_call c;
+    rp_error err = {{0}};
+    void *stream;
+    int rc;
+    (void)self;
+    if (rp_py_parse_fad_backward(args, nargs, "fad_backward_code8", &c) < 0 ||
+        rp_cuda_stream_arg(args[6], &stream) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_cuda_fad_backward_code8(c.dtype, c.grad_y, c.codes, c.cb, c.grad_x, c.n, stream,
+                                    &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -75,6 +129,10 @@ static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 static PyMethodDef rp_cuda_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_cuda_optim_step_py, METH_FASTCALL,
      optim_step_doc},
+    {"fad_forward", (PyCFunction)(void (*)(void))rp_cuda_fad_forward_py, METH_FASTCALL,
+     fad_forward_doc},
+    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_cuda_fad_backward_code8_py,
+     METH_FASTCALL, fad_backward_code8_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };

@@ -189,3 +189,101 @@ done:
         Py_XDECREF(names[k]);
     return result;
 }
+
+static int rp_py_int_arg(PyObject *obj, int *out)
+{
+    long v = PyLong_AsLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int)v;
+    return 0;
+}
+
+static int rp_py_float_arg(PyObject *obj, float *out)
+{
+    double v = PyFloat_AsDouble(obj);
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = (float)v;
+    return 0;
+}
+
+static int rp_py_pointer_arg(PyObject *obj, void **out)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (void *)(uintptr_t)v;
+    return 0;
+}
+
+static int rp_py_size_arg(PyObject *obj, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname)
+{
+    if (nargs == want)
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", fname, want, nargs);
+    return -1;
+}
+
+int rp_py_parse_fad_forward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                            rp_py_fad_forward_call *call)
+{
+    void *x;
+    if (rp_py_check_nargs(nargs, 10, fname) < 0 || rp_py_int_arg(args[0], &call->kind) < 0 ||
+        rp_py_float_arg(args[1], &call->p0) < 0 || rp_py_float_arg(args[2], &call->p1) < 0 ||
+        rp_py_int_arg(args[3], &call->dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
+        rp_py_pointer_arg(args[5], &call->y) < 0 || rp_py_int_arg(args[6], &call->d_store) < 0 ||
+        rp_py_pointer_arg(args[7], &call->d) < 0 || rp_py_size_arg(args[8], &call->n) < 0)
+        return -1;
+    call->x = x;
+    return 0;
+}
+
+static int rp_py_codebook_arg(PyObject *obj, const rp_fad_codebook **out)
+{
+    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) != (Py_ssize_t)sizeof(rp_fad_codebook)) {
+        PyErr_SetString(PyExc_TypeError, "codebook: expected the bytes fad_codebook() returns");
+        return -1;
+    }
+    *out = (const rp_fad_codebook *)PyBytes_AS_STRING(obj);
+    return 0;
+}
+
+int rp_py_parse_fad_backward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                             rp_py_fad_backward_call *call)
+{
+    void *grad_y, *codes;
+    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_int_arg(args[0], &call->dtype) < 0 ||
+        rp_py_pointer_arg(args[1], &grad_y) < 0 || rp_py_pointer_arg(args[2], &codes) < 0 ||
+        rp_py_codebook_arg(args[3], &call->cb) < 0 ||
+        rp_py_pointer_arg(args[4], &call->grad_x) < 0 || rp_py_size_arg(args[5], &call->n) < 0)
+        return -1;
+    call->grad_y = grad_y;
+    call->codes = codes;
+    return 0;
+}
+
+PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_fad_codebook cb;
+    rp_error err = {{0}};
+    int kind, rc;
+    float p0, p1;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 3, "fad_codebook") < 0 || rp_py_int_arg(args[0], &kind) < 0 ||
+        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0)
+        return NULL;
+    rc = rp_fad_codebook_init(kind, p0, p1, &cb, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    return PyBytes_FromStringAndSize((const char *)&cb, sizeof cb);
+}

@@ -44,4 +44,43 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * Python path to rebuild, convert or raise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* A parsed FAD activation call (see rp_fad_forward_cpu / rp_cuda_fad_forward):
+ * pointers arrive as Python ints (tensor.data_ptr()), already checked by
+ * python/reprop/fad.py for dtype, device, layout and size. */
+typedef struct {
+    int kind;
+    float p0, p1;
+    int dtype;
+    const void *x;
+    void *y;
+    int d_store;
+    void *d;
+    int64_t n;
+} rp_py_fad_forward_call;
+
+/* Parses (kind, p0, p1, dtype, x, y, d_store, d, n) from the first 9 of
+ * `nargs` arguments. 0 on success, -1 with a Python exception set. */
+int rp_py_parse_fad_forward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                            rp_py_fad_forward_call *call);
+
+/* A parsed 8-bit backward call: (dtype, grad_y, codes, codebook, grad_x, n),
+ * where codebook is the bytes object fad_codebook() returned; `codebook`
+ * borrows its buffer (alive as long as the caller's argument tuple). */
+typedef struct {
+    int dtype;
+    const void *grad_y;
+    const uint8_t *codes;
+    const rp_fad_codebook *cb;
+    void *grad_x;
+    int64_t n;
+} rp_py_fad_backward_call;
+
+int rp_py_parse_fad_backward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                             rp_py_fad_backward_call *call);
+
+/* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an
+ * activation, for the 8-bit backward and for inspection (its first 256
+ * float32 are the decoded value of each code). Defined in pyutil.c. */
+PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 #endif /* REPROP_PYUTIL_H */

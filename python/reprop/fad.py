@@ -1,0 +1,986 @@
+"""Nested forward-AD activations: save only f'(x) for backward.
+
+Guo et al., "Nesting Forward Automatic Differentiation for Memory-Efficient
+Deep Neural Network Training" (../shared/papers/nested-forward-ad.md). An
+element-wise activation y = f(x) computes its derivative d = f'(x) in the
+forward pass, in the same pass over memory as y, and saves only d; backward is
+grad_x = grad_y * d. Three ways in:
+
+* functions and modules with torch's signatures: ``reprop.fad.gelu(x)``,
+  ``reprop.fad.Mish()``, ... each with a keyword ``saved_dtype``;
+* ``reprop.fad.patch(model)`` swaps the activation modules of an unmodified
+  model in place; ``reprop.fad.unpatch(model)`` restores them;
+* ``with reprop.fad.enabled(compose=True):`` reroutes functional activation
+  calls and finds chains of element-wise ops written out in user code
+  (``x * torch.sigmoid(x)``, ``x * torch.tanh(F.softplus(x))``, the tanh-GELU
+  formula), carrying their forward derivative along so that a whole chain saves
+  one tensor (the paper's run-time state machine, Section IV).
+
+``saved_dtype`` chooses how d is stored: ``None`` (x's dtype; gradients equal
+torch's within rounding), ``torch.float32``, ``torch.bfloat16``,
+``torch.float16``, or ``torch.uint8``: one 8-bit code per element, a
+per-activation lookup quantization of f'(x) (``codebook``), whose decoded
+derivative is off by at most half a grid step (``codebook(...).max_error``).
+
+Native torch activations (F.gelu, F.silu, F.mish, F.softplus, F.elu, ...)
+already save one input-sized tensor, so for them the default storage saves the
+same bytes; the gains are in fewer bits and in composed activations, which
+save 2 to 4 tensors under plain autograd.
+
+Double backward (``create_graph=True`` through an activation) needs f''(x),
+which is not kept: it raises a RuntimeError.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from . import _tensors
+from ._native import _C, _cuda
+
+__all__ = [
+    "gelu", "silu", "mish", "softplus", "sigmoid", "tanh", "elu", "celu", "selu", "leaky_relu",
+    "hardswish", "hardsigmoid", "logsigmoid", "softsign", "tanhshrink",
+    "GELU", "SiLU", "Mish", "Softplus", "Sigmoid", "Tanh", "ELU", "CELU", "SELU", "LeakyReLU",
+    "Hardswish", "Hardsigmoid", "LogSigmoid", "Softsign", "Tanhshrink",
+    "patch", "unpatch", "enabled", "codebook", "Codebook",
+]
+
+# rp_fad_kind of csrc/reprop.h
+_KINDS = ("gelu", "gelu_tanh", "silu", "mish", "softplus", "sigmoid", "tanh", "elu", "celu", "selu",
+          "leaky_relu", "hardswish", "hardsigmoid", "logsigmoid", "softsign", "tanhshrink")
+_KIND = {name: code for code, name in enumerate(_KINDS)}
+_CODE8 = 3  # RP_FAD_CODE8
+_NONE = -1  # RP_FAD_NONE
+_SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+
+
+class _Act(NamedTuple):
+    """One activation with its parameters, as the kernels take it."""
+
+    kind: str
+    p0: float = 0.0
+    p1: float = 0.0
+
+    @property
+    def code(self) -> int:
+        return _KIND[self.kind]
+
+
+# ---------------------------------------------------------------------------
+# Argument checks and the kernel calls
+# ---------------------------------------------------------------------------
+
+
+def _check_input(x, fname: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
+    _tensors.check_strided(x, f"{fname}: input")
+    _tensors.dtype_code(x, f"{fname}: input")
+    if x.device.type == "cuda":
+        if _cuda is None:
+            raise RuntimeError(f"{fname}: input is on {x.device} but reprop was built without "
+                               "CUDA (reinstall with nvcc on PATH, or REPROP_CUDA=1)")
+    elif x.device.type != "cpu":
+        raise ValueError(f"{fname}: input must be on cpu or cuda, got {x.device}")
+
+
+def _check_saved_dtype(saved_dtype, fname: str) -> None:
+    if saved_dtype is not None and saved_dtype not in _SAVED_DTYPES:
+        raise ValueError(f"{fname}: saved_dtype must be None, torch.float32, torch.bfloat16, "
+                         f"torch.float16 or torch.uint8 (8-bit codes), got {saved_dtype!r}")
+
+
+def _store_code(saved: torch.dtype) -> int:
+    return _CODE8 if saved is torch.uint8 else _tensors.DTYPE_CODES[saved]
+
+
+def _launch_forward(act: _Act, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor | None) -> None:
+    """y = f(x) and, when d is given, d = f'(x) in one pass; x, y, d dense in one layout."""
+    n = x.numel()
+    if n == 0:
+        return
+    dtype = _tensors.DTYPE_CODES[x.dtype]
+    d_store, d_ptr = (_NONE, 0) if d is None else (_store_code(d.dtype), d.data_ptr())
+    if x.device.type == "cpu":
+        _C.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store, d_ptr,
+                       n, torch.get_num_threads())
+    else:
+        with torch.cuda.device(x.device):
+            _cuda.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store,
+                              d_ptr, n, _tensors.current_stream_handle(x.device))
+
+
+def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y, d) with d stored as `saved` (None: d is not computed). In place, y is x."""
+    src = x if _tensors.is_dense(x) else x.contiguous()
+    y = src if inplace and src is x else torch.empty_like(src)  # empty_like keeps a dense layout
+    d = None if saved is None else torch.empty_like(src, dtype=saved)
+    _launch_forward(act, src, y, d)
+    if inplace:
+        if y is x:
+            _tensors.bump_versions([x])  # written through a raw pointer, unseen by autograd
+        else:
+            x.copy_(y)
+            y = x
+    return y, d
+
+
+@functools.lru_cache(maxsize=None)
+def _codebook_bytes(act: _Act) -> bytes:
+    return _C.fad_codebook(act.code, act.p0, act.p1)
+
+
+def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
+    if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
+        grad, codes = grad.contiguous(), codes.contiguous()
+    out = torch.empty_like(grad)
+    n = grad.numel()
+    if n == 0:
+        return out
+    dtype = _tensors.DTYPE_CODES[grad.dtype]
+    cb = _codebook_bytes(act)
+    if grad.device.type == "cpu":
+        _C.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(), n,
+                              torch.get_num_threads())
+    else:
+        with torch.cuda.device(grad.device):
+            _cuda.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(),
+                                     n, _tensors.current_stream_handle(grad.device))
+    return out
+
+
+def _refuse_double_backward(what: str) -> None:
+    # create_graph=True runs backward with grad mode on; grad * d would then
+    # silently miss the d(f'(x))/dx term, as f''(x) is not kept.
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} saves only f'(x) for backward, so it cannot be "
+                           "differentiated twice (create_graph=True); use the torch.nn.functional "
+                           "activation where higher-order gradients are needed")
+
+
+class _Activation(torch.autograd.Function):
+    """y = f(x), saving only d = f'(x) (in `saved` dtype) for backward."""
+
+    @staticmethod
+    def forward(ctx, x, act, saved, inplace):
+        y, d = _run_forward(act, x, saved, inplace)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(d)
+        ctx.act = act
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _refuse_double_backward(f"reprop.fad.{ctx.act.kind}")
+        (d,) = ctx.saved_tensors
+        if d.dtype == torch.uint8:
+            return _backward_code8(ctx.act, grad, d), None, None, None
+        return (grad * d).to(grad.dtype), None, None, None
+
+
+# ---------------------------------------------------------------------------
+# Autocast: run at the dtype torch's own op would
+# ---------------------------------------------------------------------------
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
+    """The dtype native(x) computes in under the current autocast state (some
+    activations, e.g. softplus on CUDA, are on autocast's float32 list), found
+    by running native on an empty tensor."""
+    return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
+
+
+def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
+                fname: str) -> torch.Tensor:
+    _check_input(x, fname)
+    _check_saved_dtype(saved_dtype, fname)
+    if _autocast_enabled(x.device.type):
+        target = _autocast_target(native, x)
+        if target != x.dtype:
+            x, inplace = x.to(target), False
+    if getattr(_capture, "on", False):
+        return _run_forward(act, x, x.dtype, False)
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
+    return _Activation.apply(x, act, saved_dtype or x.dtype, inplace)
+
+
+# ---------------------------------------------------------------------------
+# Functions, with torch.nn.functional's signatures
+# ---------------------------------------------------------------------------
+
+_SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype; or
+    torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
+    x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
+    result has x's dtype, shape and (dense) layout."""
+
+
+def _doc(fn):
+    fn.__doc__ = fn.__doc__.replace("{saves}", _SAVES)
+    return fn
+
+
+@_doc
+def gelu(input: torch.Tensor, approximate: str = "none", *, saved_dtype=None) -> torch.Tensor:
+    """GELU as torch.nn.functional.gelu (approximate "none": erf form, or "tanh").
+
+    {saves}"""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    act = _Act("gelu_tanh" if approximate == "tanh" else "gelu")
+    return _activation(act, functools.partial(F.gelu, approximate=approximate), input, saved_dtype,
+                       False, "gelu")
+
+
+@_doc
+def silu(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+    """SiLU / Swish, x * sigmoid(x), as torch.nn.functional.silu.
+
+    {saves}"""
+    return _activation(_Act("silu"), F.silu, input, saved_dtype, inplace, "silu")
+
+
+@_doc
+def mish(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+    """Mish, x * tanh(softplus(x)), as torch.nn.functional.mish.
+
+    {saves}"""
+    return _activation(_Act("mish"), F.mish, input, saved_dtype, inplace, "mish")
+
+
+@_doc
+def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
+             saved_dtype=None) -> torch.Tensor:
+    """Softplus, log1p(exp(beta x)) / beta (x where beta x > threshold), as
+    torch.nn.functional.softplus.
+
+    {saves}"""
+    beta, threshold = _finite(beta, "softplus", "beta"), _finite(threshold, "softplus", "threshold")
+    if beta == 0:
+        raise ValueError("softplus: beta must be nonzero")
+    return _activation(_Act("softplus", beta, threshold),
+                       functools.partial(F.softplus, beta=beta, threshold=threshold),
+                       input, saved_dtype, False, "softplus")
+
+
+@_doc
+def sigmoid(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+    """Sigmoid, as torch.sigmoid.
+
+    {saves}"""
+    return _activation(_Act("sigmoid"), torch.sigmoid, input, saved_dtype, False, "sigmoid")
+
+
+@_doc
+def tanh(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+    """Tanh, as torch.tanh.
+
+    {saves}"""
+    return _activation(_Act("tanh"), torch.tanh, input, saved_dtype, False, "tanh")
+
+
+@_doc
+def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
+        saved_dtype=None) -> torch.Tensor:
+    """ELU, as torch.nn.functional.elu.
+
+    {saves}"""
+    alpha = _finite(alpha, "elu", "alpha")
+    return _activation(_Act("elu", alpha), functools.partial(F.elu, alpha=alpha), input,
+                       saved_dtype, inplace, "elu")
+
+
+@_doc
+def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
+         saved_dtype=None) -> torch.Tensor:
+    """CELU, as torch.nn.functional.celu.
+
+    {saves}"""
+    alpha = _finite(alpha, "celu", "alpha")
+    if alpha == 0:
+        raise ValueError("celu: alpha must be nonzero (ZeroDivisionError in torch)")
+    return _activation(_Act("celu", alpha), functools.partial(F.celu, alpha=alpha), input,
+                       saved_dtype, inplace, "celu")
+
+
+@_doc
+def selu(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+    """SELU, as torch.nn.functional.selu.
+
+    {saves}"""
+    return _activation(_Act("selu"), F.selu, input, saved_dtype, inplace, "selu")
+
+
+@_doc
+def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False, *,
+               saved_dtype=None) -> torch.Tensor:
+    """LeakyReLU, as torch.nn.functional.leaky_relu.
+
+    {saves}"""
+    slope = _finite(negative_slope, "leaky_relu", "negative_slope")
+    return _activation(_Act("leaky_relu", slope),
+                       functools.partial(F.leaky_relu, negative_slope=slope), input, saved_dtype,
+                       inplace, "leaky_relu")
+
+
+@_doc
+def hardswish(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+    """Hardswish, as torch.nn.functional.hardswish.
+
+    {saves}"""
+    return _activation(_Act("hardswish"), F.hardswish, input, saved_dtype, inplace, "hardswish")
+
+
+@_doc
+def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+    """Hardsigmoid, as torch.nn.functional.hardsigmoid.
+
+    {saves}"""
+    return _activation(_Act("hardsigmoid"), F.hardsigmoid, input, saved_dtype, inplace,
+                       "hardsigmoid")
+
+
+@_doc
+def logsigmoid(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+    """LogSigmoid, as torch.nn.functional.logsigmoid.
+
+    {saves}"""
+    return _activation(_Act("logsigmoid"), F.logsigmoid, input, saved_dtype, False, "logsigmoid")
+
+
+@_doc
+def softsign(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+    """Softsign, x / (1 + |x|), as torch.nn.functional.softsign.
+
+    {saves}"""
+    return _activation(_Act("softsign"), F.softsign, input, saved_dtype, False, "softsign")
+
+
+@_doc
+def tanhshrink(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+    """Tanhshrink, x - tanh(x), as torch.nn.functional.tanhshrink.
+
+    {saves}"""
+    return _activation(_Act("tanhshrink"), F.tanhshrink, input, saved_dtype, False, "tanhshrink")
+
+
+def _finite(value, fname: str, name: str) -> float:
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{fname}: {name} must be finite, got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Modules: torch's, with forward through reprop (isinstance and state_dict unchanged)
+# ---------------------------------------------------------------------------
+
+
+class _SavedDtypeMixin:
+    """saved_dtype as a module attribute, shown in repr when set."""
+
+    saved_dtype = None
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        if self.saved_dtype is None:
+            return base
+        return f"{base}, saved_dtype={self.saved_dtype}" if base else f"saved_dtype={self.saved_dtype}"
+
+
+def _module(torch_cls, call: Callable, doc: str):
+    """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
+    same attributes, forward through `call(module, input)`."""
+
+    def __init__(self, *args, saved_dtype=None, **kwargs):
+        torch_cls.__init__(self, *args, **kwargs)
+        _check_saved_dtype(saved_dtype, torch_cls.__name__)
+        self.saved_dtype = saved_dtype
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return call(self, input)
+
+    return type(torch_cls.__name__, (_SavedDtypeMixin, torch_cls),
+                {"__init__": __init__, "forward": forward, "__module__": __name__,
+                 "__doc__": f"{doc} (torch.nn.{torch_cls.__name__} saving only f'(x); "
+                            "see reprop.fad)"})
+
+
+GELU = _module(nn.GELU, lambda m, x: gelu(x, m.approximate, saved_dtype=m.saved_dtype), "GELU")
+SiLU = _module(nn.SiLU, lambda m, x: silu(x, m.inplace, saved_dtype=m.saved_dtype), "SiLU")
+Mish = _module(nn.Mish, lambda m, x: mish(x, m.inplace, saved_dtype=m.saved_dtype), "Mish")
+Softplus = _module(nn.Softplus, lambda m, x: softplus(x, m.beta, m.threshold,
+                                                      saved_dtype=m.saved_dtype), "Softplus")
+Sigmoid = _module(nn.Sigmoid, lambda m, x: sigmoid(x, saved_dtype=m.saved_dtype), "Sigmoid")
+Tanh = _module(nn.Tanh, lambda m, x: tanh(x, saved_dtype=m.saved_dtype), "Tanh")
+ELU = _module(nn.ELU, lambda m, x: elu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "ELU")
+CELU = _module(nn.CELU, lambda m, x: celu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "CELU")
+SELU = _module(nn.SELU, lambda m, x: selu(x, m.inplace, saved_dtype=m.saved_dtype), "SELU")
+LeakyReLU = _module(nn.LeakyReLU, lambda m, x: leaky_relu(x, m.negative_slope, m.inplace,
+                                                          saved_dtype=m.saved_dtype), "LeakyReLU")
+Hardswish = _module(nn.Hardswish, lambda m, x: hardswish(x, m.inplace, saved_dtype=m.saved_dtype),
+                    "Hardswish")
+Hardsigmoid = _module(nn.Hardsigmoid,
+                      lambda m, x: hardsigmoid(x, m.inplace, saved_dtype=m.saved_dtype),
+                      "Hardsigmoid")
+LogSigmoid = _module(nn.LogSigmoid, lambda m, x: logsigmoid(x, saved_dtype=m.saved_dtype),
+                     "LogSigmoid")
+Softsign = _module(nn.Softsign, lambda m, x: softsign(x, saved_dtype=m.saved_dtype), "Softsign")
+Tanhshrink = _module(nn.Tanhshrink, lambda m, x: tanhshrink(x, saved_dtype=m.saved_dtype),
+                     "Tanhshrink")
+
+_MODULES = {cls.__mro__[2]: cls for cls in (GELU, SiLU, Mish, Softplus, Sigmoid, Tanh, ELU, CELU,
+                                             SELU, LeakyReLU, Hardswish, Hardsigmoid, LogSigmoid,
+                                             Softsign, Tanhshrink)}
+
+# torch's functional activations -> reprop's (function attributes such as
+# nn.TransformerEncoderLayer.activation, and enabled()'s rerouting)
+_FUNCTIONS = {
+    F.gelu: gelu, F.silu: silu, F.mish: mish, F.softplus: softplus, torch.sigmoid: sigmoid,
+    torch.Tensor.sigmoid: sigmoid, F.sigmoid: sigmoid, torch.special.expit: sigmoid,
+    torch.tanh: tanh, torch.Tensor.tanh: tanh, F.tanh: tanh, F.elu: elu, F.celu: celu,
+    torch.celu: celu, F.selu: selu, torch.selu: selu, F.leaky_relu: leaky_relu,
+    F.hardswish: hardswish, F.hardsigmoid: hardsigmoid, F.logsigmoid: logsigmoid,
+    F.softsign: softsign, F.tanhshrink: tanhshrink,
+}
+
+
+# ---------------------------------------------------------------------------
+# patch / unpatch
+# ---------------------------------------------------------------------------
+
+_PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
+_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: original function}
+
+
+def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
+    """Swap, in place, every torch activation module of `model` for reprop's.
+
+    Modules of exactly the torch classes nn.GELU, nn.SiLU, nn.Mish,
+    nn.Softplus, nn.Sigmoid, nn.Tanh, nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU,
+    nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink
+    change class (their attributes, hooks and state stay; they remain instances
+    of the torch class), and attributes holding a torch functional activation
+    (e.g. nn.TransformerEncoderLayer.activation = F.gelu) are rerouted. Each
+    then saves only f'(x) for backward, stored as `saved_dtype`. Subclasses of
+    those classes are left alone: their forward may do more. Calling patch
+    again updates saved_dtype. Returns {qualified name: what changed}.
+    """
+    _check_saved_dtype(saved_dtype, "patch")
+    changed = {}
+    for name, module in model.named_modules():
+        original = getattr(module, _PATCHED, type(module))
+        if original in _MODULES:
+            if type(module) is original:
+                module.__class__ = _MODULES[original]
+                module.__dict__[_PATCHED] = original
+            module.saved_dtype = saved_dtype
+            changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
+        changed.update(_patch_function_attributes(name, module, saved_dtype))
+    return changed
+
+
+def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
+    changed = {}
+    originals = module.__dict__.get(_PATCHED_FNS, {})
+    for attr, value in list(vars(module).items()):
+        original = originals.get(attr, value)
+        ours = _FUNCTIONS.get(original) if _hashable(original) else None
+        if ours is None:
+            continue
+        module.__dict__[attr] = functools.partial(ours, saved_dtype=saved_dtype)
+        originals[attr] = original
+        changed[f"{name}.{attr}" if name else attr] = (
+            f"{getattr(original, '__name__', original)} -> reprop.fad.{ours.__name__}")
+    if originals:
+        module.__dict__[_PATCHED_FNS] = originals
+    return changed
+
+
+def _hashable(value) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def unpatch(model: nn.Module) -> list[str]:
+    """Undo patch(model): restore the torch classes and functions. Returns the names restored."""
+    restored = []
+    for name, module in model.named_modules():
+        original = module.__dict__.pop(_PATCHED, None)
+        if original is not None:
+            module.__class__ = original
+            module.__dict__.pop("saved_dtype", None)
+            restored.append(name)
+        for attr, fn in module.__dict__.pop(_PATCHED_FNS, {}).items():
+            module.__dict__[attr] = fn
+            restored.append(f"{name}.{attr}" if name else attr)
+    return restored
+
+
+# ---------------------------------------------------------------------------
+# 8-bit codebooks
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """The 8-bit storage of one activation's derivative (csrc/reprop.h, rp_fad_codebook).
+
+    values: float32 (256,), the derivative each code decodes to (grid codes,
+    then the exact-slope code, then NaN); lo, hi: the derivative range the grid
+    covers; step: grid spacing; max_error: the largest error of a decoded
+    derivative (half a step; 0 on the exact pieces)."""
+
+    values: np.ndarray
+    lo: float
+    hi: float
+    step: float
+
+    @property
+    def max_error(self) -> float:
+        return self.step / 2
+
+
+def codebook(activation: str, *params: float) -> Codebook:
+    """The codebook torch.uint8 storage uses for `activation` (a name of
+    reprop.fad's functions; "gelu_tanh" for approximate GELU) with its
+    parameters in signature order (softplus: beta, threshold; elu, celu: alpha;
+    leaky_relu: negative_slope)."""
+    if activation not in _KIND:
+        raise ValueError(f"codebook: unknown activation {activation!r}; known: {', '.join(_KINDS)}")
+    raw = _codebook_bytes(_Act(activation, *map(float, params)))
+    values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
+    zero = int(np.frombuffer(raw, dtype=np.int32, count=1, offset=1028)[0])
+    lo, hi = np.frombuffer(raw, dtype=np.float32, count=2, offset=1032)
+    step = values[zero + 1] - values[zero]  # every grid reaches above 0
+    return Codebook(values, float(lo), float(hi), float(step))
+
+
+# ---------------------------------------------------------------------------
+# enabled(): rerouting, and the run-time state machine over element-wise chains
+# ---------------------------------------------------------------------------
+#
+# The paper's forward states over tensor-operator pairs (Section IV-A), here:
+#   NN  an op outside the tables below, or on inputs that are not one chain:
+#       plain torch, plain autograd;
+#   NY  an element-wise op on a root (a tensor that requires grad and is not a
+#       chain tensor): its output becomes a chain tensor rooted there;
+#   YY  an element-wise op whose tensor operands all belong to one root (chain
+#       tensors of it, or the root itself) and constants: the output's
+#       derivative with respect to the root is carried forward (FAD);
+#   YN  a chain tensor consumed by anything else: it already has its own
+#       autograd node, which saves only its derivative and points straight at
+#       the root, so nothing has to be rebuilt (the post-process of Fig. 6 only
+#       moves a full-precision derivative to saved_dtype, when that is lower).
+# Every chain tensor's node holds one derivative; intermediates die with the
+# Python temporaries that held them, so a finished chain keeps one tensor.
+
+
+class _Chain(torch.autograd.Function):
+    """A chain tensor: value v of an element-wise function of `source`, whose
+    backward is grad * dv/dsource (a saved tensor, or a number)."""
+
+    @staticmethod
+    def forward(ctx, source, step):
+        value, deriv = step.compute()
+        kept = step.mode._stored(deriv)
+        if isinstance(kept, torch.Tensor):
+            ctx.save_for_backward(kept)
+            ctx.number = None
+        else:
+            ctx.number = kept
+        ctx.source_dtype = source.dtype
+        step.result = (deriv, kept)
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        _refuse_double_backward("a reprop.fad chain of element-wise ops")
+        d = ctx.saved_tensors[0] if ctx.number is None else ctx.number
+        return (grad * d).to(ctx.source_dtype), None
+
+
+class _Step:
+    """One element-wise op on a chain: compute() gives (value, d value / d root)."""
+
+    __slots__ = ("mode", "compute", "result")
+
+    def __init__(self, mode, compute):
+        self.mode, self.compute, self.result = mode, compute, None
+
+
+class _Record:
+    """What the mode knows of a chain tensor: its root (weakly: the chain must
+    not keep it alive) and the versions it was made from, dv/droot for the next
+    step of the chain, and the copy its node saved."""
+
+    __slots__ = ("source", "source_version", "version", "deriv", "kept")
+
+    def __init__(self, source, version, deriv, kept):
+        self.source = weakref.ref(source)
+        self.source_version = source._version
+        self.version = version
+        self.deriv = deriv
+        self.kept = kept
+
+
+class _Operand(NamedTuple):
+    """An operand as the chain sees it: its value (tensors detached) and its
+    derivative with respect to the chain's root: None for the root itself,
+    0 for a constant."""
+
+    value: object
+    deriv: object
+
+
+def _is_zero(d) -> bool:
+    return _number(d) and d == 0
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _total(local, operand: _Operand):
+    """d(out)/d(operand) * d(operand)/d(root); None stands for the identity."""
+    if _is_zero(operand.deriv):
+        return 0
+    return local if operand.deriv is None else local * operand.deriv
+
+
+def _add(a, b):
+    return b if _is_zero(a) else a if _is_zero(b) else a + b
+
+
+# Local derivative rules of unary ops: (input value, output value) -> d out / d input.
+_UNARY = {
+    "neg": lambda a, v: -1.0,
+    "exp": lambda a, v: v,
+    "expm1": lambda a, v: v + 1,
+    "log": lambda a, v: torch.reciprocal(a),
+    "log1p": lambda a, v: torch.reciprocal(a + 1),
+    "sqrt": lambda a, v: 0.5 / v,
+    "rsqrt": lambda a, v: -0.5 * v * v * v,
+    "reciprocal": lambda a, v: -(v * v),
+    "sin": lambda a, v: torch.cos(a),
+    "cos": lambda a, v: -torch.sin(a),
+    "erf": lambda a, v: (2.0 / math.sqrt(math.pi)) * torch.exp(-(a * a)),
+    "square": lambda a, v: 2.0 * a,
+    "abs": lambda a, v: torch.sgn(a),
+    "relu": lambda a, v: (a > 0).to(v.dtype),
+}
+_UNARY_FUNCS = {getattr(owner, name): name for name in _UNARY for owner in (torch, torch.Tensor)
+                if hasattr(owner, name)}
+_UNARY_FUNCS.update({F.relu: "relu", torch.special.erf: "erf", torch.special.expm1: "expm1"})
+
+
+# Binary ops: (a, b, value, alpha) -> d out / d root, a and b _Operands.
+def _d_add(a, b, v, alpha):
+    return _add(_total(1.0, a), _total(alpha, b))
+
+
+def _d_sub(a, b, v, alpha):
+    return _add(_total(1.0, a), _total(-alpha, b))
+
+
+def _d_rsub(a, b, v, alpha):  # b - alpha * a
+    return _add(_total(-alpha, a), _total(1.0, b))
+
+
+def _d_mul(a, b, v, alpha):
+    return _add(_total(b.value, a), _total(a.value, b))
+
+
+def _d_div(a, b, v, alpha):  # a / b
+    inv_b = torch.reciprocal(b.value) if isinstance(b.value, torch.Tensor) else 1.0 / b.value
+    return _add(_total(inv_b, a), _total(-v * inv_b, b))
+
+
+def _d_rdiv(a, b, v, alpha):  # b / a
+    return _total(-v / a.value, a)
+
+
+def _d_pow(a, b, v, alpha):  # a ** b, where only one of them depends on the root
+    if not _is_zero(b.deriv):  # a constant base: d/db a^b = a^b ln a
+        base_log = math.log(a.value) if _number(a.value) else torch.log(a.value)
+        return _total(v * base_log, b)
+    p = b.value
+    return 0 if _number(p) and p == 0 else _total(p * a.value ** (p - 1), a)
+
+
+def _d_rpow(a, b, v, alpha):  # b ** a, b a number
+    return _d_pow(b, a, v, alpha)
+
+
+_BINARY = {"add": _d_add, "sub": _d_sub, "rsub": _d_rsub, "mul": _d_mul, "div": _d_div,
+           "rdiv": _d_rdiv, "pow": _d_pow, "rpow": _d_rpow}
+_BINARY_FUNCS = {
+    torch.add: "add", torch.Tensor.add: "add", torch.sub: "sub", torch.Tensor.sub: "sub",
+    torch.subtract: "sub", torch.mul: "mul", torch.Tensor.mul: "mul", torch.multiply: "mul",
+    torch.div: "div", torch.Tensor.div: "div", torch.true_divide: "div", torch.divide: "div",
+    torch.rsub: "rsub", torch.Tensor.__rsub__: "rsub", torch.Tensor.__rdiv__: "rdiv",
+    torch.Tensor.__rtruediv__: "rdiv", torch.Tensor.__rpow__: "rpow", torch.pow: "pow",
+    torch.Tensor.pow: "pow",
+}
+
+_PLAIN_TORCH_FUNCTION = {torch.Tensor.__torch_function__.__func__,
+                         torch._C._disabled_torch_function_impl}
+
+
+def _plain_type(t) -> bool:
+    """torch.Tensor and nn.Parameter, not subclasses with their own __torch_function__."""
+    impl = t.__torch_function__
+    return getattr(impl, "__func__", impl) in _PLAIN_TORCH_FUNCTION
+
+
+def _kernel_input(x) -> bool:
+    """Whether reprop's activation kernels can take x (else torch's op runs)."""
+    return (isinstance(x, torch.Tensor) and x.layout is torch.strided
+            and x.dtype in _tensors.DTYPE_CODES
+            and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None)))
+
+
+# While on (per thread), reprop's activation functions return (y, f'(x)) in
+# x's dtype instead of building their own node: enabled(compose=True) puts the
+# derivative into a chain's node, reusing each function's argument handling.
+_capture = threading.local()
+
+
+@contextmanager
+def _capturing():
+    _capture.on = True
+    try:
+        yield
+    finally:
+        _capture.on = False
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    return inspect.signature(fn)
+
+
+def _inplace_call(ours, args, kwargs) -> bool:
+    if "inplace" not in _signature(ours).parameters:
+        return False
+    try:
+        return bool(_signature(ours).bind(*args, **kwargs).arguments.get("inplace", False))
+    except TypeError:
+        return True  # a call torch must judge
+
+
+class enabled(TorchFunctionMode):
+    """Context manager: inside it, torch's functional activations run through
+    reprop (saving only f'(x)), and with compose=True chains of element-wise ops
+    written out in user code save one derivative tensor per chain.
+
+    compose=True runs the paper's run-time state machine over tensor-operator
+    pairs. A tensor that requires grad and is not a chain tensor is a root.
+    NY: an element-wise op on a root starts a chain; YY: an element-wise op
+    whose tensor operands all belong to one root (chain tensors of it, or the
+    root itself) and constants continues it: the output's value and its
+    derivative with respect to the root are computed in the forward pass, and
+    its autograd node saves only that derivative and leads straight to the
+    root; YN: a chain tensor consumed by anything else is an ordinary autograd
+    tensor (its node is already right), so nothing is rebuilt, and only a
+    derivative kept at higher precision than saved_dtype for the next step is
+    dropped. Intermediates die with the Python temporaries that hold them, so a
+    finished chain keeps one tensor. NN: anything else (two roots, in-place ops,
+    views, broadcasting past the root's shape, reductions, matmuls, no_grad,
+    float64) runs as plain torch and plain autograd, which stays correct
+    because every chain tensor's node is.
+
+    Element-wise ops: every reprop.fad activation (through torch.sigmoid,
+    torch.tanh, F.gelu, F.softplus, ... ), exp, expm1, log, log1p, sqrt, rsqrt,
+    reciprocal, sin, cos, erf, square, abs, neg, relu, and add, sub, mul, div,
+    pow (one side constant), with the output shaped like the root.
+
+    saved_dtype: how derivatives are saved; None (the chain's dtype),
+    torch.float32, bfloat16 or float16; with compose=False also torch.uint8
+    (8-bit codes; a composed chain has no known derivative range to code).
+    """
+
+    def __init__(self, compose: bool = False, saved_dtype=None):
+        super().__init__()
+        _check_saved_dtype(saved_dtype, "enabled")
+        if compose and saved_dtype is torch.uint8:
+            raise ValueError("enabled: saved_dtype=torch.uint8 (8-bit codes) needs an activation "
+                             "with a known derivative range; use it with compose=False, "
+                             "reprop.fad's functions or patch()")
+        self.compose = compose
+        self.saved_dtype = saved_dtype
+        self._records = WeakTensorKeyDictionary()
+
+    def __exit__(self, *exc):
+        self._records = WeakTensorKeyDictionary()  # chain tensors leave as plain autograd tensors
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not all(_plain_type(t) for t in types):
+            return func(*args, **kwargs)
+        if self.compose and torch.is_grad_enabled():
+            out = self._chain_step(func, args, kwargs)
+            if out is not None:
+                return out
+            if self.saved_dtype is not None:
+                self._leave_chains(args, kwargs)
+        ours = _FUNCTIONS.get(func)
+        if ours is not None and args and _kernel_input(args[0]):
+            return ours(*args, **kwargs, saved_dtype=self.saved_dtype)
+        return func(*args, **kwargs)
+
+    # ---- YN -----------------------------------------------------------------
+
+    def _leave_chains(self, args, kwargs) -> None:
+        """Chain tensors consumed outside their chain (YN): a next step now uses
+        the saved copy, and the full-precision derivative is freed."""
+        for t in _tensors_in(args, kwargs):
+            rec = self._records.get(t)
+            if rec is not None:
+                rec.deriv = rec.kept
+
+    def _stored(self, deriv):
+        if isinstance(deriv, torch.Tensor) and self.saved_dtype is not None:
+            return deriv.to(self.saved_dtype)
+        return deriv
+
+    # ---- NY and YY ----------------------------------------------------------
+
+    def _chain_step(self, func, args, kwargs):
+        """The op's output as a chain tensor, or None when the op is not a chain step."""
+        parsed = self._parse(func, args, kwargs)
+        if parsed is None:
+            return None
+        root, operands, compute = parsed
+        if not root.is_floating_point():
+            return None
+        shapes = [o.value.shape for o in operands if isinstance(o.value, torch.Tensor)]
+        if torch.broadcast_shapes(*shapes) != root.shape:
+            return None
+        step = _Step(self, compute)
+        out = _Chain.apply(root, step)
+        deriv, kept = step.result
+        self._records[out] = _Record(root, out._version, deriv, kept)
+        return out
+
+    def _operands(self, values) -> tuple[torch.Tensor, list[_Operand]] | None:
+        """(root, operands) when every tensor among values belongs to one root
+        or is a constant and at least one belongs to it; else None."""
+        root, operands = None, []
+        for x in values:
+            if _number(x):
+                operands.append(_Operand(x, 0))
+                continue
+            if not isinstance(x, torch.Tensor):
+                return None
+            src, deriv = self._root_of(x)
+            if src is None:
+                operands.append(_Operand(x, 0))
+                continue
+            if root is not None and src is not root:
+                return None
+            root = src
+            operands.append(_Operand(x.detach(), deriv))
+        return (root, operands) if root is not None else None
+
+    def _root_of(self, t: torch.Tensor):
+        """(root, d t / d root) of t; (t, None) for a root; (None, None) for a constant."""
+        rec = self._records.get(t)
+        if rec is not None and rec.version == t._version:
+            src = rec.source()
+            if src is not None and src._version == rec.source_version:
+                return src, rec.deriv
+        return (t, None) if t.requires_grad else (None, None)
+
+    def _parse(self, func, args, kwargs):
+        """(root, operands, compute) for an element-wise op of the tables, else None."""
+        ours = _FUNCTIONS.get(func)
+        if ours is not None:
+            return self._parse_activation(ours, args, kwargs)
+        name = _UNARY_FUNCS.get(func)
+        if name is not None and len(args) == 1 and not kwargs:
+            return self._parse_unary(func, _UNARY[name], args)
+        name = _BINARY_FUNCS.get(func)
+        if name is not None and len(args) == 2 and set(kwargs) <= {"alpha"}:
+            return self._parse_binary(func, _BINARY[name], args, kwargs)
+        return None
+
+    def _parse_activation(self, ours, args, kwargs):
+        if not args or not _kernel_input(args[0]) or _inplace_call(ours, args, kwargs):
+            return None
+        found = self._operands(args[:1])
+        if found is None:
+            return None
+        root, (a,) = found
+
+        def compute():
+            with _capturing():
+                v, local = ours(a.value, *args[1:], **kwargs)
+            return v, _total(local, a)
+
+        return root, [a], compute
+
+    def _parse_unary(self, func, rule, args):
+        found = self._operands(args)
+        if found is None:
+            return None
+        root, (a,) = found
+
+        def compute():
+            v = func(a.value)
+            return v, _total(rule(a.value, v), a)
+
+        return root, [a], compute
+
+    def _parse_binary(self, func, rule, args, kwargs):
+        found = self._operands(args)
+        if found is None:
+            return None
+        root, (a, b) = found
+        if rule in (_d_pow, _d_rpow) and not (_is_zero(a.deriv) or _is_zero(b.deriv)):
+            return None  # x ** x: both sides on the chain, not handled
+        if rule is _d_rpow and not _number(b.value):
+            return None
+        alpha = kwargs.get("alpha", 1)
+
+        def compute():
+            v = func(a.value, b.value, **kwargs)
+            return v, rule(a, b, v, alpha)
+
+        return root, [a, b], compute
+
+
+def _tensors_in(args, kwargs):
+    for x in (*args, *kwargs.values()):
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            yield from (t for t in x if isinstance(t, torch.Tensor))

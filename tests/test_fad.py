@@ -1,0 +1,738 @@
+"""reprop.fad against plain PyTorch: values, gradients, saved bytes, training.
+
+Golden references are torch's own activations (native ops, or the composed
+definitions autograd differentiates) on the same inputs, in the same test.
+
+Tolerances. float32: reprop's exp/log1p/tanh/erf are its own few-ulp
+implementations (vectorizable, identical on CPU and CUDA), where torch uses
+SLEEF on the CPU; both round differently, so values and gradients agree to a
+few ulp: rtol 4e-6, plus an absolute 1e-7 * (1 + |x|) near the zeros of f and
+f' where both formulas cancel (GELU's 1 + erf(x/sqrt 2) at negative x). 16-bit
+inputs: torch and reprop both compute in float32 and round once, so values are
+within one unit of the 16-bit type; reprop's gradient rounds twice (d stored
+in x's dtype, then grad * d), so two units.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from reprop import fad
+
+CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu", *CUDA]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+# name -> (reprop function, torch reference, kwargs); the torch reference is
+# what a user would otherwise call.
+ACTIVATIONS = {
+    "gelu": (fad.gelu, F.gelu, {}),
+    "gelu_tanh": (fad.gelu, F.gelu, {"approximate": "tanh"}),
+    "silu": (fad.silu, F.silu, {}),
+    "mish": (fad.mish, F.mish, {}),
+    "softplus": (fad.softplus, F.softplus, {}),
+    "softplus_beta": (fad.softplus, F.softplus, {"beta": 2.0, "threshold": 5.0}),
+    "sigmoid": (fad.sigmoid, torch.sigmoid, {}),
+    "tanh": (fad.tanh, torch.tanh, {}),
+    "elu": (fad.elu, F.elu, {}),
+    "elu_alpha": (fad.elu, F.elu, {"alpha": 0.5}),
+    "celu": (fad.celu, F.celu, {"alpha": 1.5}),
+    "selu": (fad.selu, F.selu, {}),
+    "leaky_relu": (fad.leaky_relu, F.leaky_relu, {"negative_slope": 0.2}),
+    "hardswish": (fad.hardswish, F.hardswish, {}),
+    "hardsigmoid": (fad.hardsigmoid, F.hardsigmoid, {}),
+    "logsigmoid": (fad.logsigmoid, F.logsigmoid, {}),
+    "softsign": (fad.softsign, F.softsign, {}),
+    "tanhshrink": (fad.tanhshrink, F.tanhshrink, {}),
+}
+# codebook() names and parameters of each case
+CODEBOOK_ARGS = {
+    "gelu": ("gelu",), "gelu_tanh": ("gelu_tanh",), "silu": ("silu",), "mish": ("mish",),
+    "softplus": ("softplus", 1.0, 20.0), "softplus_beta": ("softplus", 2.0, 5.0),
+    "sigmoid": ("sigmoid",), "tanh": ("tanh",), "elu": ("elu", 1.0), "elu_alpha": ("elu", 0.5),
+    "celu": ("celu", 1.5), "selu": ("selu",), "leaky_relu": ("leaky_relu", 0.2),
+    "hardswish": ("hardswish",), "hardsigmoid": ("hardsigmoid",), "logsigmoid": ("logsigmoid",),
+    "softsign": ("softsign",), "tanhshrink": ("tanhshrink",),
+}
+
+SPECIALS = [0.0, -0.0, 1e-30, -1e-30, 1e-3, -1e-3, 0.5, -0.5, 1.0, -1.0, 2.9, -2.9, 3.0, -3.0,
+            3.1, -3.1, 5.0, -5.0, 10.0, -10.0, 20.0, -20.0, 30.0, -30.0, 88.0, -88.0, 100.0,
+            -100.0, math.inf, -math.inf, math.nan]
+
+
+def sample(device, dtype, n=4096, seed=0):
+    """The special points first (so torch's vectorized loops, not its scalar
+    tails, give the reference there), then normal and wide-range values."""
+    g = torch.Generator().manual_seed(seed)
+    body = torch.cat([torch.tensor(SPECIALS), torch.randn(n, generator=g) * 3,
+                      torch.linspace(-12, 12, 1001)])
+    return body.to(dtype).to(device)
+
+
+def check_accuracy(got, ref, exact, scale, units=2):
+    """got is as accurate as torch's own result `ref`, measured against the
+    float64 `exact` value: within twice torch's error plus `units` roundings of
+    got's dtype, plus a cancellation allowance of `scale` (the size of the terms
+    that cancel) times 1.5e-6 in float32, one rounding in 16 bits. NaNs and
+    infinities must be where torch has them."""
+    eps = torch.finfo(got.dtype).eps
+    slack = 1.5e-6 if got.dtype == torch.float32 else eps
+    got, ref = got.double().cpu(), ref.double().cpu()
+    exact, scale = exact.cpu(), scale.cpu()
+    assert torch.equal(got.isnan(), ref.isnan()), "NaN positions differ"
+    special = ref.isinf()
+    assert torch.equal(got[special], ref[special]), "infinities differ"
+    finite = ref.isfinite() & exact.isfinite()
+    err, err_ref = (got - exact).abs(), (ref - exact).abs()
+    tol = 2 * err_ref + units * eps * exact.abs() + slack * scale
+    bad = finite & (err > tol)
+    assert not bad.any(), (f"{bad.sum().item()} elements off: got {got[bad][:4].tolist()}, "
+                           f"torch {ref[bad][:4].tolist()}, exact {exact[bad][:4].tolist()}")
+
+
+def values_and_grads(fn, x, grad, **kwargs):
+    x = x.detach().clone().requires_grad_()
+    y = fn(x, **kwargs)
+    (gx,) = torch.autograd.grad(y, x, grad)
+    return y.detach(), gx
+
+
+def check_against_torch(ours, ref, kw, x, grad, units=2):
+    """Values and input gradients of ours against torch's `ref` (same dtype) and float64."""
+    y, gx = values_and_grads(lambda t: ours(t, **kw), x, grad)
+    y_ref, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
+    y_64, d_64 = values_and_grads(lambda t: ref(t, **kw), x.double(), torch.ones_like(x, dtype=torch.float64))
+    assert y.dtype == x.dtype and gx.dtype == x.dtype and y.shape == x.shape == gx.shape
+    check_accuracy(y, y_ref, y_64, y_64.abs().clamp(min=1), units)
+    g64 = grad.double()
+    check_accuracy(gx, gx_ref, g64 * d_64, g64.abs() * d_64.abs().clamp(min=1), units)
+    return y
+
+
+# ---------------------------------------------------------------------------
+# Values and gradients against torch
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_matches_torch(name, dtype, device):
+    ours, ref, kw = ACTIVATIONS[name]
+    x = sample(device, dtype)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    check_against_torch(ours, ref, kw, x, grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["gelu", "silu", "elu", "hardswish"])
+def test_layouts_and_empty(name, device):
+    ours, ref, kw = ACTIVATIONS[name]
+    base = torch.randn(4, 6, 5, 3, device=device)
+    cases = {
+        "transposed": base.transpose(1, 3),                           # dense, not contiguous
+        "channels_last": base.contiguous(memory_format=torch.channels_last),
+        "strided": base[:, ::2, 1:, :],                               # not dense
+        "expanded": torch.randn(5, 1, device=device).expand(5, 7),
+        "empty": torch.empty(0, 3, device=device),
+        "scalar": torch.tensor(0.7, device=device),
+    }
+    for x in cases.values():
+        check_against_torch(ours, ref, kw, x, torch.randn(x.shape, device=device))
+    # a dense input keeps its layout, like torch's own activations
+    y = ours(cases["channels_last"], **kw)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["silu", "mish", "elu", "celu", "selu", "leaky_relu", "hardswish",
+                                  "hardsigmoid"])
+def test_inplace(name, device):
+    ours, ref, kw = ACTIVATIONS[name]
+    x0 = torch.randn(64, 33, device=device)
+    grad = torch.randn_like(x0)
+    leaf = x0.clone().requires_grad_()
+    h = leaf * 1.0
+    version = h._version
+    y = ours(h, inplace=True, **kw)
+    assert y is h and h._version > version
+    (gx,) = torch.autograd.grad(y, leaf, grad)
+    y_out, gx_out = values_and_grads(lambda t: ours(t, **kw), x0, grad)
+    assert torch.equal(y.detach(), y_out) and torch.equal(gx, gx_out)  # same as out of place
+    # non-dense in place: written back through a copy
+    z = torch.randn(8, 10, device=device)
+    want = ours(z.clone(), **kw)[:, ::2]
+    ours(z[:, ::2], inplace=True, **kw)
+    assert torch.equal(z[:, ::2], want)
+
+
+# ---------------------------------------------------------------------------
+# What is saved for backward
+# ---------------------------------------------------------------------------
+
+
+class LiveSaved:
+    """Tensors packed for backward that are still alive: each pack is recorded
+    by weak reference, so a node that has been freed no longer counts."""
+
+    def __init__(self):
+        self.refs = []
+
+    def pack(self, t):
+        self.refs.append(weakref.ref(t))
+        return t
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+    def live(self):
+        return [t for t in (r() for r in self.refs) if t is not None]
+
+    def live_bytes(self):
+        seen, total = set(), 0
+        for t in self.live():
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+        return total
+
+
+@pytest.mark.parametrize("saved_dtype", [None, torch.bfloat16, torch.float16, torch.uint8], ids=str)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_saves_only_the_derivative(name, saved_dtype):
+    ours, ref, kw = ACTIVATIONS[name]
+    x = torch.randn(32, 16, requires_grad=True)
+    h = x * 1.0
+    with LiveSaved() as saved:
+        y = ours(h, saved_dtype=saved_dtype, **kw)
+    assert [t.shape for t in saved.live()] == [h.shape]
+    assert saved.live()[0].dtype == (saved_dtype or torch.float32)
+    assert saved.live()[0].data_ptr() not in (h.data_ptr(), y.data_ptr())
+    # the input is free to go: nothing of reprop's holds it
+    probe = weakref.ref(h)
+    del h
+    assert probe() is None
+    y.sum().backward()
+
+
+def test_native_baseline_saves_input():
+    """The baseline the issue states: torch's native activations save one input-sized tensor."""
+    x = torch.randn(32, 16, requires_grad=True)
+    for fn in (F.gelu, F.silu, F.mish, F.softplus, F.elu, F.hardswish):
+        with LiveSaved() as saved:
+            y = fn(x * 1.0)
+        assert saved.live_bytes() == x.numel() * 4, fn
+        del y
+
+
+# ---------------------------------------------------------------------------
+# Derivative storage
+# ---------------------------------------------------------------------------
+
+
+def exact_derivative(name, x):
+    """f'(x) from torch's autograd in float64."""
+    _, ref, kw = ACTIVATIONS[name]
+    x = x.double().detach().requires_grad_()
+    (d,) = torch.autograd.grad(ref(x, **kw).sum(), x)
+    return d
+
+
+@pytest.mark.parametrize("saved_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_16bit_storage_error(name, saved_dtype):
+    ours, _, kw = ACTIVATIONS[name]
+    x = torch.randn(8192) * 4
+    grad = torch.ones_like(x)
+    _, gx = values_and_grads(lambda t: ours(t, saved_dtype=saved_dtype, **kw), x, grad)
+    want = exact_derivative(name, x)
+    # one rounding of f'(x) to saved_dtype, plus the float32 noise
+    tol = torch.finfo(saved_dtype).eps / 2 * want.abs() + 1e-6 * (1 + x.double().abs())
+    assert ((gx.double() - want).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_8bit_storage_error_is_bounded(name):
+    ours, _, kw = ACTIVATIONS[name]
+    cb = fad.codebook(*CODEBOOK_ARGS[name])
+    x = torch.cat([torch.randn(16384) * 4, torch.linspace(-30, 30, 6001), torch.tensor([0.0, -0.0])])
+    grad = torch.randn_like(x)
+    _, gx = values_and_grads(lambda t: ours(t, saved_dtype=torch.uint8, **kw), x, grad)
+    want = exact_derivative(name, x)
+    err = (gx.double() - grad.double() * want).abs()
+    bound = grad.double().abs() * (cb.max_error * (1 + 1e-3)) + 1e-6 * grad.double().abs() * (1 + want.abs())
+    assert (err <= bound).all(), f"max error {err.max().item()} > bound, step {cb.step}"
+    assert 0.0 in cb.values  # flat regions decode to exactly zero
+
+
+@pytest.mark.parametrize("name,slope_at", [("elu", 2.0), ("selu", 2.0), ("leaky_relu", 2.0),
+                                           ("leaky_relu", -2.0), ("hardswish", 4.0),
+                                           ("hardsigmoid", 0.5), ("hardsigmoid", 4.0),
+                                           ("softplus_beta", 10.0)])
+def test_8bit_exact_pieces(name, slope_at):
+    """On an activation's constant-slope pieces the 8-bit gradient is exact."""
+    ours, ref, kw = ACTIVATIONS[name]
+    x = torch.full((16,), slope_at)
+    grad = torch.randn(16)
+    _, gx = values_and_grads(lambda t: ours(t, saved_dtype=torch.uint8, **kw), x, grad)
+    _, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
+    assert torch.equal(gx, gx_ref)
+
+
+def test_8bit_nan_propagates():
+    x = torch.tensor([math.nan, 1.0])
+    _, gx = values_and_grads(lambda t: fad.gelu(t, saved_dtype=torch.uint8), x, torch.ones(2))
+    assert gx[0].isnan() and gx[1].isfinite()
+
+
+def test_codebook_rejects_unknown():
+    with pytest.raises(ValueError, match="unknown activation"):
+        fad.codebook("relu6")
+
+
+# ---------------------------------------------------------------------------
+# Autograd modes, autocast, double backward
+# ---------------------------------------------------------------------------
+
+
+def test_no_grad_computes_no_derivative(monkeypatch):
+    calls = []
+    real = fad._C
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def fad_forward(self, *args):
+            calls.append(args[6])  # d_store
+            return real.fad_forward(*args)
+
+    monkeypatch.setattr(fad, "_C", Spy())
+    x = torch.randn(100, requires_grad=True)
+    with torch.no_grad():
+        y = fad.gelu(x)
+    assert y.grad_fn is None and calls == [-1]
+    with torch.inference_mode():
+        fad.silu(x)
+    fad.mish(torch.randn(10))  # no input requires grad
+    assert calls == [-1, -1, -1]
+    fad.mish(x)
+    assert calls[-1] == 0
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "softplus", "tanh"])
+def test_autocast_follows_torch(name):
+    ours, ref, kw = ACTIVATIONS[name]
+    x = torch.randn(256, 64, requires_grad=True)
+    w = torch.randn(64, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        y, y_ref = ours(h, **kw), ref(h, **kw)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 * torch.finfo(y.dtype).eps, atol=1e-3)
+    (g,) = torch.autograd.grad(y.float().sum(), w, retain_graph=True)
+    (g_ref,) = torch.autograd.grad(y_ref.float().sum(), w)
+    assert (g - g_ref).norm() <= 0.01 * g_ref.norm()  # bf16 roundings in different places
+
+
+def test_double_backward_is_refused():
+    x = torch.randn(10, requires_grad=True)
+    y = fad.gelu(x)
+    with pytest.raises(RuntimeError, match="differentiated twice"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_gradcheck_in_float32():
+    """Finite differences as an independent check of f' (float32: loose tolerances)."""
+    for name, (ours, _, kw) in ACTIVATIONS.items():
+        x = torch.linspace(-3.95, 4.05, 17).requires_grad_()  # off the kinks at 0, +-3, 2.5
+        assert torch.autograd.gradcheck(lambda t: ours(t, **kw), (x,), eps=1e-3, atol=2e-3,
+                                        rtol=2e-2), name
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+
+def test_bad_input_raises_clearly():
+    with pytest.raises(TypeError, match="gelu: input.*float64"):
+        fad.gelu(torch.randn(3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="silu: input.*int64"):
+        fad.silu(torch.arange(3))
+    with pytest.raises(TypeError, match="complex"):
+        fad.mish(torch.randn(3, dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="sparse"):
+        fad.tanh(torch.randn(3, 3).to_sparse())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        fad.sigmoid([1.0, 2.0])
+    with pytest.raises(ValueError, match="cpu or cuda"):
+        fad.elu(torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="saved_dtype"):
+        fad.gelu(torch.randn(3), saved_dtype=torch.int8)
+    with pytest.raises(ValueError, match="approximate"):
+        fad.gelu(torch.randn(3), approximate="fast")
+    with pytest.raises(ValueError, match="alpha must be nonzero"):
+        fad.celu(torch.randn(3), alpha=0.0)
+    with pytest.raises(ValueError, match="beta must be finite"):
+        fad.softplus(torch.randn(3), beta=math.inf)
+    with pytest.raises(ValueError, match="saved_dtype"):
+        fad.GELU(saved_dtype="8bit")
+    with pytest.raises(ValueError, match="uint8"):
+        fad.enabled(compose=True, saved_dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------
+# Modules, patch and unpatch
+# ---------------------------------------------------------------------------
+
+MODULE_CASES = [
+    (nn.GELU(approximate="tanh"), fad.GELU), (nn.SiLU(), fad.SiLU), (nn.Mish(), fad.Mish),
+    (nn.Softplus(beta=2.0, threshold=4.0), fad.Softplus), (nn.Sigmoid(), fad.Sigmoid),
+    (nn.Tanh(), fad.Tanh), (nn.ELU(alpha=0.7), fad.ELU), (nn.CELU(alpha=1.3), fad.CELU),
+    (nn.SELU(), fad.SELU), (nn.LeakyReLU(0.1), fad.LeakyReLU), (nn.Hardswish(), fad.Hardswish),
+    (nn.Hardsigmoid(), fad.Hardsigmoid), (nn.LogSigmoid(), fad.LogSigmoid),
+    (nn.Softsign(), fad.Softsign), (nn.Tanhshrink(), fad.Tanhshrink),
+]
+
+
+@pytest.mark.parametrize("native,ours_cls", MODULE_CASES, ids=lambda v: type(v).__name__)
+def test_modules_are_drop_in(native, ours_cls):
+    assert isinstance(ours_cls(), type(native))
+    model = nn.Sequential(nn.Linear(8, 8), native, nn.Linear(8, 2))
+    ref = nn.Sequential(nn.Linear(8, 8), type(native)(), nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    ref[1].__dict__.update({k: v for k, v in native.__dict__.items() if not k.startswith("_")})
+    x = torch.randn(5, 8)
+    changed = fad.patch(model)
+    assert list(changed) == ["1"] and type(model[1]) is ours_cls
+    assert isinstance(model[1], type(native))
+    out, out_ref = model(x), ref(x)
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    out_ref.sum().backward()
+    torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
+    assert fad.unpatch(model) == ["1"] and type(model[1]) is type(native)
+    assert not hasattr(model[1], "saved_dtype") or model[1].saved_dtype is None
+
+
+def test_patch_keeps_hooks_and_updates_saved_dtype():
+    act = nn.GELU()
+    seen = []
+    act.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    model = nn.Sequential(nn.Linear(4, 4), act)
+    fad.patch(model, saved_dtype=torch.bfloat16)
+    assert model[1].saved_dtype is torch.bfloat16 and "saved_dtype" in repr(model[1])
+    fad.patch(model, saved_dtype=torch.uint8)  # again: updates, does not stack
+    assert model[1].saved_dtype is torch.uint8
+    x = torch.randn(3, 4)
+    with LiveSaved() as saved:
+        out = model(x)
+    assert out.requires_grad and seen == [torch.Size([3, 4])]
+    assert torch.uint8 in [t.dtype for t in saved.live()]
+    fad.unpatch(model)
+    assert type(model[1]) is nn.GELU and fad.unpatch(model) == []
+
+
+def test_patch_leaves_subclasses_and_reroutes_function_attributes():
+    class MyGELU(nn.GELU):
+        pass
+
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu", batch_first=True)
+    model = nn.Sequential(layer, MyGELU())
+    ref = nn.Sequential(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, activation="gelu",
+                                                   batch_first=True), MyGELU())
+    ref.load_state_dict(model.state_dict())
+    changed = fad.patch(model)
+    assert list(changed) == ["0.activation"] and type(model[1]) is MyGELU
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
+    fad.unpatch(model)
+    assert model[0].activation is F.gelu
+
+
+# ---------------------------------------------------------------------------
+# enabled(): rerouting and composed chains
+# ---------------------------------------------------------------------------
+
+
+def swish(x):
+    return x * torch.sigmoid(x)
+
+
+def mish_composed(x):
+    return x * torch.tanh(F.softplus(x))
+
+
+def gelu_hf(x):
+    """The tanh GELU as HuggingFace-style code writes it out."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def custom_chain(x):
+    return torch.exp(-x * x / 2) * x + 1.5 * torch.log1p(x * x) - x / (1 + x.abs()) + 2 ** x
+
+
+COMPOSED = {"swish": swish, "mish": mish_composed, "gelu_hf": gelu_hf, "custom": custom_chain}
+
+
+def run_chain(fn, x, grad, **mode):
+    leaf = x.clone().requires_grad_()
+    h = leaf * 1.0  # the chain's root: a non-leaf, as an activation's input is
+    saved = LiveSaved()
+    with saved, fad.enabled(**mode):
+        y = fn(h)
+    nbytes = saved.live_bytes()
+    (g,) = torch.autograd.grad(y, leaf, grad)
+    return y.detach(), g, nbytes
+
+
+@pytest.mark.parametrize("name", sorted(COMPOSED))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compose_saves_one_tensor(name, dtype):
+    fn = COMPOSED[name]
+    x = (torch.randn(64, 128) * 2).to(dtype)
+    grad = torch.randn_like(x)
+    y_ref, g_ref, bytes_ref = run_chain(fn, x, grad, compose=False)
+    y, g, nbytes = run_chain(fn, x, grad, compose=True)
+    assert nbytes == x.numel() * x.element_size(), f"{nbytes} bytes saved"
+    assert bytes_ref >= 2 * nbytes  # plain autograd keeps 2 to 4 tensors for these
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, y_ref, rtol=2e-6, atol=1e-6)
+        torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+    else:  # the order of the bf16 roundings differs between forward and reverse mode
+        torch.testing.assert_close(y, y_ref, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(g, g_ref, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("saved_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_compose_saved_dtype(saved_dtype):
+    x = torch.randn(64, 128) * 2
+    grad = torch.randn_like(x)
+    _, g_ref, _ = run_chain(mish_composed, x, grad)
+    saved = LiveSaved()
+    leaf = x.clone().requires_grad_()
+    with saved, fad.enabled(compose=True, saved_dtype=saved_dtype):
+        y = mish_composed(leaf * 1.0)
+        z = y @ torch.eye(128)  # the chain's end: consumed by a matmul (YN)
+    live = [t for t in saved.live() if t.shape == x.shape]
+    assert [t.dtype for t in live] == [saved_dtype]
+    (g,) = torch.autograd.grad(z, leaf, grad)
+    torch.testing.assert_close(g, g_ref, rtol=torch.finfo(saved_dtype).eps, atol=1e-3)
+
+
+def test_compose_reroutes_native_activations_and_modules():
+    x = torch.randn(32, 32)
+    grad = torch.randn_like(x)
+    model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Mish())
+    for compose in (False, True):
+        leaf = x.clone().requires_grad_()
+        with LiveSaved() as saved, fad.enabled(compose=compose, saved_dtype=torch.bfloat16):
+            y = model(leaf)
+        assert sum(t.dtype == torch.bfloat16 for t in saved.live()) == 2
+        (g,) = torch.autograd.grad(y, leaf, grad)
+        leaf_ref = x.clone().requires_grad_()
+        (g_ref,) = torch.autograd.grad(model(leaf_ref), leaf_ref, grad)
+        torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-3)
+
+
+BROKEN = {
+    # two different sources
+    "two_sources": lambda x, w: x * torch.sigmoid(w),
+    # an in-place op in the middle of a chain
+    "inplace": lambda x, w: torch.sigmoid(x).mul_(2) * x,
+    # a view in the middle
+    "view": lambda x, w: torch.tanh(x).view(-1).view(x.shape) * x,
+    # an intermediate also consumed outside the chain
+    "shared_intermediate": lambda x, w: (lambda s: s * x + (s @ w))(torch.sigmoid(x)),
+    # a non-element-wise op
+    "reduction": lambda x, w: torch.sigmoid(x) * x.sum(dim=1, keepdim=True),
+    # broadcasting past the root's shape
+    "broadcast": lambda x, w: torch.sigmoid(x)[None] * torch.ones(3, 1, 1),
+    # x ** x
+    "self_power": lambda x, w: (x.abs() + 1) ** (x.abs() + 1),
+    # the root modified in place after the chain started
+    "root_inplace": lambda x, w: (lambda s: (x.mul_(2), s * x)[1])(torch.sigmoid(x)),
+    # an op the tables do not know, then back into a chain
+    "unknown_op": lambda x, w: torch.atan(torch.sigmoid(x)) * x,
+    # no_grad inside the mode
+    "no_grad": lambda x, w: torch.sigmoid(x) * x.detach() + torch.no_grad()(torch.tanh)(x),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_compose_falls_back_correctly(name):
+    fn = BROKEN[name]
+    x = torch.randn(16, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        w_ = w.detach().clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            y = fn(leaf * 1.0, w_)
+        grads = torch.autograd.grad(y, (leaf, w_), torch.ones_like(y), allow_unused=True)
+        return y.detach(), grads
+
+    y, grads = run(True)
+    y_ref, grads_ref = run(False)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref is None:
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_compose_leaves_tensor_subclasses_alone():
+    p = nn.Parameter(torch.randn(8))
+    with fad.enabled(compose=True):
+        y = p * torch.sigmoid(p)
+    y.sum().backward()
+    torch.testing.assert_close(p.grad, torch.sigmoid(p) * (1 + p * (1 - torch.sigmoid(p))),
+                               rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# Training equivalence over 100 steps
+# ---------------------------------------------------------------------------
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), act(),
+            nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), act(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class SmallTransformer(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.norm1, self.norm2 = nn.LayerNorm(32), nn.LayerNorm(32)
+        self.ffn = nn.Sequential(nn.Linear(32, 64), act(), nn.Linear(64, 32))
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = self.norm1(h + self.attn(h, h, h, need_weights=False)[0])
+        h = self.norm2(h + self.ffn(h))
+        return self.head(h)
+
+
+def train(model, batches, steps=100):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for i in range(steps):
+        x, y = batches[i % len(batches)]
+        out = model(x)
+        loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
+def cnn_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(8, 3, 12, 12, generator=g), torch.randint(10, (8,), generator=g))
+            for _ in range(4)]
+
+
+def transformer_batches():
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(50, (4, 12), generator=g), torch.randint(50, (4, 12), generator=g))
+            for _ in range(4)]
+
+
+@pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=["default", "8bit"])
+@pytest.mark.parametrize("net", ["cnn_mish", "transformer_gelu"])
+def test_training_equivalence(net, saved_dtype):
+    """Default storage follows native PyTorch's loss curve to float32 rounding
+    (reprop's math differs by ulps, which 100 steps of SGD amplify only mildly);
+    8-bit storage stays within 2% of it (gradient error up to half a codebook
+    step per element)."""
+    make, act, batches = ((SmallCNN, nn.Mish, cnn_batches()) if net == "cnn_mish"
+                          else (SmallTransformer, nn.GELU, transformer_batches()))
+    torch.manual_seed(0)
+    ref = make(act)
+    ours = make(act)
+    ours.load_state_dict(ref.state_dict())
+    fad.patch(ours, saved_dtype=saved_dtype)
+    losses_ref, losses = train(ref, batches), train(ours, batches)
+    assert losses_ref[-1] < 0.7 * losses_ref[0]  # it does learn
+    if saved_dtype is None:
+        torch.testing.assert_close(losses, losses_ref, rtol=1e-4, atol=1e-5)
+    else:
+        torch.testing.assert_close(losses, losses_ref, rtol=0.02, atol=0.02)
+
+
+def test_training_equivalence_composed():
+    """A CNN written with composed Mish trains the same under enabled(compose=True)."""
+
+    class ComposedMish(nn.Module):
+        def forward(self, x):
+            return mish_composed(x)
+
+    torch.manual_seed(0)
+    ref = SmallCNN(ComposedMish)
+    ours = SmallCNN(ComposedMish)
+    ours.load_state_dict(ref.state_dict())
+    batches = cnn_batches()
+    losses_ref = train(ref, batches)
+    with fad.enabled(compose=True):
+        losses = train(ours, batches)
+    torch.testing.assert_close(losses, losses_ref, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# CUDA: the same kernels' math as the CPU, bit for bit
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("saved_dtype", [None, torch.bfloat16, torch.uint8], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_cuda_equals_cpu_bitwise(name, dtype, saved_dtype):
+    ours, _, kw = ACTIVATIONS[name]
+    x = sample("cpu", dtype, n=1 << 16)
+    grad = torch.randn(x.shape).to(dtype)
+    y, gx = values_and_grads(lambda t: ours(t, saved_dtype=saved_dtype, **kw), x, grad)
+    y_c, gx_c = values_and_grads(lambda t: ours(t, saved_dtype=saved_dtype, **kw), x.cuda(),
+                                 grad.cuda())
+    assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       y_c.cpu().view(torch.int16 if dtype != torch.float32 else torch.int32))
+    torch.testing.assert_close(gx_c.cpu(), gx, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_cuda_runs_on_current_stream_and_misaligned():
+    base = torch.randn((1 << 20) + 1, device="cuda", requires_grad=True)
+    x = base[1:]  # misaligned for vector loads
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        y = fad.gelu(x)
+        y.sum().backward()
+    s.synchronize()
+    torch.testing.assert_close(y, F.gelu(x), rtol=4e-6, atol=1e-7)
+    _, g_ref = values_and_grads(F.gelu, x.detach(), torch.ones_like(x))
+    torch.testing.assert_close(base.grad[1:], g_ref, rtol=4e-6, atol=1e-7)
