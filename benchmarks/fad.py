@@ -26,11 +26,15 @@ Candidates, each training its own copy of the same initial model:
 
 Measured per candidate:
 
-  * bytes saved for backward by one forward, counted by a
-    torch.autograd.graph.saved_tensors_hooks pack hook: each saved tensor's whole
-    storage, once per storage (aliases and views are not counted twice), leaving
-    out the parameters' and the input batch's storages (they exist anyway) and
-    0-dim/one-element tensors (scalars autograd keeps). "saved" is the whole model's.
+  * bytes saved for backward by one forward and still held when it ends (the
+    loss computed), counted with torch.autograd.graph.saved_tensors_hooks: the
+    pack hook records each saved tensor's whole storage and wraps it in an
+    object whose weak reference says whether autograd still holds that slot at
+    the end (reprop's compose mode saves a derivative per chain step and frees
+    the steps' nodes as the intermediates die); counted once per storage
+    (aliases and views are not counted twice), leaving out the parameters' and
+    the input batch's storages (they exist anyway) and 0-dim/one-element tensors
+    (scalars autograd keeps). "saved" is the whole model's.
     "act" is what the activations add: saved(model) - saved(the same model with
     every activation module replaced by nn.Identity), same batch and precision.
     Under Identity the activation's consumer (conv, Linear, pool) saves x; with the
@@ -47,14 +51,15 @@ Measured per candidate:
     = native ms / candidate ms and "x ckpt" = checkpointed ms / candidate ms
     (> 1: the candidate is faster).
   * CUDA only: the largest batch whose step fits under --mem-cap-gib, found by
-    doubling then bisection on the batch size, where a batch fits when the peak
-    of its second step (torch.cuda.max_memory_allocated, counted from before the
-    model was built) is at most the cap and no OutOfMemoryError is raised (the
-    process is also capped with torch.cuda.set_per_process_memory_fraction, so a
-    step that would need more fails there rather than using the whole GPU).
-    Measured peaks, not allocator fragmentation, decide: the figure is
-    reproducible. Reported with its ratio to native's (paper: up to 1.97x on
-    ResNet-50, 1.34x on average).
+    doubling then bisection on the batch size (one model per candidate for the
+    whole search), where a batch fits when the peak of its second step
+    (torch.cuda.max_memory_allocated, counted from before the model was built:
+    model, gradients, input batch, transients) is at most the cap and no
+    OutOfMemoryError is raised (the process is also capped, at the cap + 5%,
+    with torch.cuda.set_per_process_memory_fraction, so a step that would need
+    more fails there rather than using the whole GPU). Measured peaks, not the
+    allocator's fragmentation, decide, so the figure is reproducible. Reported
+    with its ratio to native's (paper: up to 1.97x on ResNet-50, 1.34x on average).
 
 micro: the activations alone on one large tensor (2^24 elements on CUDA, 2^22 on
 CPU, 2^20 with --quick), fp32 and bf16, forward + backward
@@ -82,6 +87,9 @@ for information):
 Candidates that cannot run (reprop missing, no enabled() yet, an error) are
 reported as n/a with the reason.
 
+--bytes-only counts the saved bytes and skips the rest of the steps part (with
+--amp on a CPU without native bf16 a ResNet-50 step is ~40x slower than in fp32).
+
 --quick: ResNet-50 with Mish (64x64 images) and a 2-layer BERT with tanh-GELU,
 batch 2, 5 rounds (1 warm-up); micro on 2^20 elements for those two activations.
 
@@ -94,8 +102,10 @@ batch 2, 5 rounds (1 warm-up); micro on 2^20 elements for those two activations.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
@@ -269,39 +279,62 @@ class Saved:
     tensors: int = 0
 
 
-class SavedCounter:
-    """A saved_tensors_hooks pack hook that records each saved storage once.
+class Packed:
+    """What the pack hook hands autograd instead of the tensor: alive exactly as long as the saved slot."""
 
-    Storages in ``exclude`` (data pointers of the parameters and the input
-    batch) and tensors of at most one element are skipped. The hook returns the
-    tensor itself, so the forward and backward are unchanged.
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedCounter:
+    """saved_tensors_hooks that find the storages autograd still holds at the end of a forward.
+
+    The pack hook wraps each saved tensor in a Packed (unpack returns the
+    tensor, so backward would be unchanged) and keeps a weak reference to it:
+    a saved slot freed during the forward (e.g. the node of an intermediate
+    that died) drops its Packed, so only what the graph still holds is
+    counted. Storages in ``exclude`` (data pointers of the parameters and the
+    input batch) and tensors of at most one element are skipped.
     """
 
     def __init__(self, exclude: set[int]):
         self.exclude = exclude
-        self.storages: dict[int, int] = {}
+        self.packed: list[tuple[weakref.ref, int, int]] = []  # (Packed, storage pointer, storage bytes)
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> Packed:
+        holder = Packed(t)
         if t.numel() > 1:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self.exclude:
-                self.storages[ptr] = max(self.storages.get(ptr, 0), storage.nbytes())
-        return t
+            if storage.data_ptr() not in self.exclude:
+                self.packed.append((weakref.ref(holder), storage.data_ptr(), storage.nbytes()))
+        return holder
 
-    def total(self) -> Saved:
-        return Saved(sum(self.storages.values()), len(self.storages))
+    @staticmethod
+    def unpack(holder: Packed) -> torch.Tensor:
+        return holder.tensor
+
+    def retained(self) -> Saved:
+        """Bytes and number of the distinct storages whose saved slots are still alive."""
+        gc.collect()  # slots held only by reference cycles are garbage, not retained
+        storages: dict[int, int] = {}
+        for ref, ptr, nbytes in self.packed:
+            if ref() is not None:
+                storages[ptr] = max(storages.get(ptr, 0), nbytes)
+        return Saved(sum(storages.values()), len(storages))
 
 
 def count_saved(trainer: Trainer, batch) -> Saved:
-    """What one forward (model and loss) of ``trainer`` saves for backward; the graph is then dropped."""
+    """What autograd holds for backward after one forward (model and loss) of ``trainer``."""
     exclude = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
     exclude |= {t.untyped_storage().data_ptr() for t in batch}
     counter = SavedCounter(exclude)
-    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
         loss = trainer.loss(*batch)
+    saved = counter.retained()
     del loss
-    return counter.total()
+    return saved
 
 
 @dataclass
@@ -338,32 +371,43 @@ def activation_calls(case: Case, batch, device: torch.device, args) -> Activatio
 # ---------------------------------------------------------------------------
 
 
-def step_fits(candidate: Candidate, case: Case, batch_size: int, cap: int, device: torch.device,
-              args) -> bool:
-    """Whether a steady-state step at ``batch_size`` peaks at most ``cap`` bytes (model included)."""
-    release(device)
-    base = torch.cuda.memory_allocated(device)
-    trainer = None
+def second_step_peak(trainer: Trainer, batch, device: torch.device) -> int:
+    """torch.cuda.max_memory_allocated during the second of two steps on ``batch``.
+
+    The first step is a warm-up (lazy workspaces, cuDNN's algorithm choice).
+    """
+    trainer.step(*batch)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    trainer.step(*batch)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def batch_peak(trainer: Trainer, case: Case, batch_size: int, device: torch.device, args) -> int | None:
+    """second_step_peak at ``batch_size``; None when it raised OutOfMemoryError."""
     try:
-        trainer = make_trainer(candidate, case, device, args)
-        batch = make_batch(case, batch_size, device, args)
-        trainer.step(*batch)  # warm-up: lazy workspaces, cuDNN algorithm choice
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        trainer.step(*batch)
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - base <= cap
+        peak = second_step_peak(trainer, make_batch(case, batch_size, device, args), device)
     except torch.cuda.OutOfMemoryError:
-        return False
-    finally:
-        del trainer
-        release(device)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        peak = None
+    release(device)  # after the handler: the failed step's tensors are gone
+    return peak
 
 
 def largest_batch(candidate: Candidate, case: Case, cap: int, device: torch.device, args) -> int:
-    """The largest batch size whose step fits under ``cap`` (0 if not even 1 does): doubling, then bisection."""
+    """The largest batch size whose step peaks at most ``cap`` bytes, the model included (0: not even 1).
+
+    One model for the whole search, its bytes counted from before it was built;
+    doubling from 1, then bisection.
+    """
+    release(device)
+    base = torch.cuda.memory_allocated(device)
+    trainer = make_trainer(candidate, case, device, args)
+
     def fits(b: int) -> bool:
-        return step_fits(candidate, case, b, cap, device, args)
+        peak = batch_peak(trainer, case, b, device, args)
+        return peak is not None and peak - base <= cap
 
     if not fits(1):
         return 0
@@ -445,9 +489,11 @@ def run_case(case: Case, names: list[str], device: torch.device, args) -> CaseRe
         result.saved[name] = count_saved(got, batch)
         if got.patched:
             result.patched[name] = len(got.patched)
+    available = list(trainers)
+    if args.bytes_only:
+        return result
     result.stats = harness.measure_alternated(
         {name: (lambda t=t: t.step(*batch)) for name, t in trainers.items()}, device, args.warmup, args.reps)
-    available = list(trainers)
     trainers.clear()
     release(device)
     for name in available:
@@ -823,6 +869,9 @@ def parse_args():
                    help=f"BERT encoder layers (default {FULL['bert_layers']}; quick {QUICK['bert_layers']})")
     p.add_argument("--seq-len", type=int, default=128, help="BERT sequence length (default 128)")
     p.add_argument("--amp", action="store_true", help="run the steps part under torch.autocast(bfloat16)")
+    p.add_argument("--bytes-only", action="store_true",
+                   help="steps part: saved bytes only, no timing, peaks or batch search (e.g. --amp on a "
+                        "CPU without fast bf16, where a step takes seconds)")
     p.add_argument("--mem-cap-gib", type=float, default=10.0,
                    help="CUDA: memory cap of the largest-batch search, GiB (default 10; 0 skips the search)")
     p.add_argument("--micro-log2", type=int, default=None,
