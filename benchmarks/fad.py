@@ -61,6 +61,10 @@ Measured per candidate:
     allocator's fragmentation, decide, so the figure is reproducible. Reported
     with its ratio to native's (paper: up to 1.97x on ResNet-50, 1.34x on average).
 
+Sanity check: every candidate's first step starts from the same weights, batch
+and RNG state (the same dropout masks); a loss or gradient norm more than 5% off
+native's is printed as a WARNING (wrong values or gradients).
+
 micro: the activations alone on one large tensor (2^24 elements on CUDA, 2^22 on
 CPU, 2^20 with --quick), fp32 and bf16, forward + backward
 (torch.autograd.grad(f(x), x, g)) for torch native, torch composed, checkpointed,
@@ -119,13 +123,15 @@ import harness  # noqa: E402
 import models  # noqa: E402
 
 LR = 1e-4
+PROBE_SEED = 1
+PROBE_TOLERANCE = 0.05  # a first step's loss or gradient norm this far from native's is reported
 MIB = 2**20
 PARTS = ("steps", "micro")
 MODEL_NAMES = ("resnet50", "bert_base")
 DEFAULT_ACTS = {"resnet50": ("swish", "mish", "gelu_tanh"), "bert_base": ("gelu", "gelu_tanh")}
 QUICK_ACTS = {"resnet50": ("mish",), "bert_base": ("gelu_tanh",)}
-FULL = {"batch": 32, "image_size": 224, "bert_layers": 12, "reps": 20, "warmup": 3}
-QUICK = {"batch": 2, "image_size": 64, "bert_layers": 2, "reps": 5, "warmup": 1}
+FULL = {"batch": 32, "image_size": 224, "bert_layers": 12, "reps": 20, "warmup": 3, "micro_reps": 30}
+QUICK = {"batch": 2, "image_size": 64, "bert_layers": 2, "reps": 5, "warmup": 1, "micro_reps": 15}
 MICRO_LOG2 = {"cuda": 24, "cpu": 22, "quick": 20}
 MICRO_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_BATCH_LIMIT = 4096  # the search stops doubling here
@@ -212,6 +218,19 @@ def forward_context(candidate: Candidate, device: torch.device, amp: bool) -> Ca
     return enter
 
 
+@dataclass(frozen=True)
+class Probe:
+    """Loss and gradient norm of a candidate's first step (Trainer.probe)."""
+
+    loss: float
+    grad_norm: float
+
+    def deviation(self, reference: "Probe") -> float:
+        """The larger relative difference, of the loss or of the gradient norm, from ``reference``."""
+        return max(abs(self.loss - reference.loss) / abs(reference.loss),
+                   abs(self.grad_norm - reference.grad_norm) / reference.grad_norm)
+
+
 @dataclass
 class Trainer:
     """One candidate's model, optimizer and forward context."""
@@ -230,6 +249,18 @@ class Trainer:
         self.loss(x, y).backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def probe(self, x: torch.Tensor, y: torch.Tensor) -> Probe:
+        """A first step from a fixed RNG state (the same dropout masks in every candidate):
+        its loss and gradient norm, for the sanity check against native."""
+        torch.manual_seed(PROBE_SEED)
+        loss = self.loss(x, y)
+        loss.backward()
+        norms = [p.grad.float().norm() for p in self.model.parameters() if p.grad is not None]
+        probe = Probe(float(loss.detach()), float(torch.stack(norms).norm()))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return probe
 
 
 def make_trainer(candidate: Candidate, case: Case, device: torch.device, args,
@@ -250,14 +281,14 @@ def describe_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"
 
 
-def try_trainer(candidate: Candidate, case: Case, batch, device: torch.device, args) -> Trainer | str:
-    """make_trainer plus one probe step; the reason as a string when the candidate is n/a."""
+def try_trainer(candidate: Candidate, case: Case, batch, device: torch.device,
+                args) -> tuple[Trainer, Probe] | str:
+    """make_trainer plus its probe step; the reason as a string when the candidate is n/a."""
     try:
         trainer = make_trainer(candidate, case, device, args)
-        trainer.step(*batch)
+        return trainer, trainer.probe(*batch)
     except Exception as e:  # noqa: BLE001 - any failure means "n/a here", with the reason shown
         return describe_error(e)
-    return trainer
 
 
 def release(device: torch.device) -> None:
@@ -450,7 +481,13 @@ class CaseResult:
     peak_bytes: dict[str, int | None] = field(default_factory=dict)
     max_batch: dict[str, int] = field(default_factory=dict)
     patched: dict[str, int] = field(default_factory=dict)  # candidate -> modules patch changed
+    probes: dict[str, Probe] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
+
+    def deviations(self) -> dict[str, float]:
+        """Each candidate's Probe.deviation from native's (empty when native is n/a)."""
+        ref = self.probes.get(NATIVE)
+        return {n: p.deviation(ref) for n, p in self.probes.items() if ref is not None}
 
     def median(self, name: str) -> float | None:
         s = self.stats.get(name)
@@ -485,10 +522,10 @@ def run_case(case: Case, names: list[str], device: torch.device, args) -> CaseRe
         if isinstance(got, str):
             result.unavailable[name] = got
             continue
-        trainers[name] = got
-        result.saved[name] = count_saved(got, batch)
-        if got.patched:
-            result.patched[name] = len(got.patched)
+        trainers[name], result.probes[name] = got
+        result.saved[name] = count_saved(trainers[name], batch)
+        if trainers[name].patched:
+            result.patched[name] = len(trainers[name].patched)
     available = list(trainers)
     if args.bytes_only:
         return result
@@ -622,7 +659,7 @@ def run_micro(act: str, dtype_name: str, numel: int, device: torch.device, args)
             result.grad_err[c.name] = float((out[0] - reference).abs().max().float() / scale)
     result.nbytes[PROBE] = 6 * numel * es
     calls[PROBE] = harness.make_bandwidth_probe(int(result.nbytes[PROBE]), device, PROBE)
-    result.stats = harness.measure_alternated(calls, device, args.warmup, args.reps)
+    result.stats = harness.measure_alternated(calls, device, args.warmup, args.micro_reps)
     return result
 
 
@@ -804,11 +841,18 @@ def print_report(results: list[CaseResult], micro: list[MicroResult], checks: li
                   f"Identity model saves {mib(r.identity.nbytes):.1f} MiB"
                   + "".join(f"; {n} swapped {k} modules" for n, k in r.patched.items() if n == PATCH))
     if micro:
-        print(f"\nmicro: one tensor per activation, forward + backward unless 'fwd'; {args.reps} rounds; "
+        print(f"\nmicro: one tensor of 2^{args.micro_log2} elements per activation, forward + backward unless "
+              f"'fwd'; {args.micro_reps} rounds; "
               "GB/s over the bytes the candidate must move; % copy = over a copy of reprop's fwd+bwd traffic\n")
         print(format_micro([row for r in micro for row in micro_rows(r)]))
     for why, where in unavailable_by_reason(results, micro).items():
         print(f"n/a: {why}: {', '.join(where)}")
+    for r in results:
+        for name, dev in r.deviations().items():
+            if dev > PROBE_TOLERANCE:
+                p, ref = r.probes[name], r.probes[NATIVE]
+                print(f"WARNING: {r.case.label} {name}: first step loss {p.loss:.6g}, gradient norm "
+                      f"{p.grad_norm:.6g}; native {ref.loss:.6g}, {ref.grad_norm:.6g}: wrong values or gradients?")
     if checks:
         print(f"\ntargets{'' if cuda else ' (timing targets are for CUDA; on CPU for information)'}:")
         for c in checks:
@@ -828,6 +872,7 @@ def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: li
             "saved": {n: {"bytes": s.nbytes, "tensors": s.tensors} for n, s in r.saved.items()},
             "stats_ms": {n: s.to_dict() for n, s in r.stats.items()},
             "peak_bytes": r.peak_bytes, "max_batch": r.max_batch, "patched_modules": r.patched,
+            "probes": {n: vars(p) for n, p in r.probes.items()}, "probe_deviation": r.deviations(),
             "unavailable": r.unavailable,
         } for r in results],
         "rows": [row for r in results for row in step_rows(r, names)],
@@ -874,11 +919,13 @@ def parse_args():
                         "CPU without fast bf16, where a step takes seconds)")
     p.add_argument("--mem-cap-gib", type=float, default=10.0,
                    help="CUDA: memory cap of the largest-batch search, GiB (default 10; 0 skips the search)")
+    p.add_argument("--micro-reps", type=int, default=None,
+                   help=f"timed rounds of the micro part (default {FULL['micro_reps']}; quick {QUICK['micro_reps']})")
     p.add_argument("--micro-log2", type=int, default=None,
                    help="log2 of the micro tensor's elements (default 24 on CUDA, 22 on CPU, 20 quick)")
     args = p.parse_args()
     defaults = QUICK if args.quick else FULL
-    for key in ("batch", "image_size", "bert_layers", "reps", "warmup"):
+    for key in ("batch", "image_size", "bert_layers", "reps", "warmup", "micro_reps"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     if args.micro_log2 is None:
