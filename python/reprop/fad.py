@@ -32,12 +32,12 @@ which is not kept: it raises a RuntimeError.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
 import threading
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -119,9 +119,16 @@ def _launch_forward(act: _Act, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor
         _C.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store, d_ptr,
                        n, torch.get_num_threads())
     else:
-        with torch.cuda.device(x.device):
+        with _on_device(x.device):
             _cuda.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store,
                               d_ptr, n, _tensors.current_stream_handle(x.device))
+
+
+def _on_device(device: torch.device):
+    """Makes `device` current for a launch; the kernels use the current device."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace: bool
@@ -159,7 +166,7 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
         _C.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(), n,
                               torch.get_num_threads())
     else:
-        with torch.cuda.device(grad.device):
+        with _on_device(grad.device):
             _cuda.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(),
                                      n, _tensors.current_stream_handle(grad.device))
     return out
@@ -773,7 +780,7 @@ def _kernel_input(x) -> bool:
 _capture = threading.local()
 
 
-@contextmanager
+@contextlib.contextmanager
 def _capturing():
     _capture.on = True
     try:
