@@ -516,33 +516,47 @@ def run_case(case: Case, names: list[str], device: torch.device, args) -> CaseRe
     result = CaseResult(case, args.batch, activation_calls(case, batch, device, args),
                         count_saved(identity, batch))
     del identity
-    trainers: dict[str, Trainer] = {}
-    for name in names:
-        got = try_trainer(CANDIDATES[name], case, batch, device, args)
-        if isinstance(got, str):
-            result.unavailable[name] = got
-            continue
-        trainers[name], result.probes[name] = got
-        result.saved[name] = count_saved(trainers[name], batch)
-        if trainers[name].patched:
-            result.patched[name] = len(trainers[name].patched)
-    available = list(trainers)
+    trainers = start_candidates(result, names, batch, device, args)
     if args.bytes_only:
         return result
     result.stats = harness.measure_alternated(
         {name: (lambda t=t: t.step(*batch)) for name, t in trainers.items()}, device, args.warmup, args.reps)
+    available = list(trainers)
     trainers.clear()
     release(device)
-    for name in available:
-        result.peak_bytes[name] = steady_peak(CANDIDATES[name], case, batch, device, args)
+    result.peak_bytes = {name: steady_peak(CANDIDATES[name], case, batch, device, args) for name in available}
     if device.type == "cuda" and args.mem_cap_gib > 0:
-        cap = int(args.mem_cap_gib * 2**30)
-        with memory_cap(cap, device):
-            for name in available:
-                print(f"... {case.label} {name}: largest batch under {args.mem_cap_gib} GiB",
-                      file=sys.stderr, flush=True)
-                result.max_batch[name] = largest_batch(CANDIDATES[name], case, cap, device, args)
+        result.max_batch = largest_batches(case, available, device, args)
     return result
+
+
+def start_candidates(result: CaseResult, names: list[str], batch, device: torch.device,
+                     args) -> dict[str, Trainer]:
+    """Each candidate's trainer after its probe step, with its saved bytes recorded; n/a ones noted."""
+    trainers: dict[str, Trainer] = {}
+    for name in names:
+        got = try_trainer(CANDIDATES[name], result.case, batch, device, args)
+        if isinstance(got, str):
+            result.unavailable[name] = got
+            continue
+        trainer, result.probes[name] = got
+        result.saved[name] = count_saved(trainer, batch)
+        if trainer.patched:
+            result.patched[name] = len(trainer.patched)
+        trainers[name] = trainer
+    return trainers
+
+
+def largest_batches(case: Case, names: list[str], device: torch.device, args) -> dict[str, int]:
+    """largest_batch of each candidate under --mem-cap-gib, one candidate alive at a time."""
+    cap = int(args.mem_cap_gib * 2**30)
+    found = {}
+    with memory_cap(cap, device):
+        for name in names:
+            print(f"... {case.label} {name}: largest batch under {args.mem_cap_gib} GiB",
+                  file=sys.stderr, flush=True)
+            found[name] = largest_batch(CANDIDATES[name], case, cap, device, args)
+    return found
 
 
 def steady_peak(candidate: Candidate, case: Case, batch, device: torch.device, args) -> int | None:
@@ -839,7 +853,7 @@ def print_report(results: list[CaseResult], micro: list[MicroResult], checks: li
         for r in results:
             print(f"{r.case.label}: {r.calls.calls} activation calls, inputs {mib(r.calls.input_bytes):.1f} MiB; "
                   f"Identity model saves {mib(r.identity.nbytes):.1f} MiB"
-                  + "".join(f"; {n} swapped {k} modules" for n, k in r.patched.items() if n == PATCH))
+                  + (f"; patch() swapped {max(r.patched.values())} modules" if r.patched else ""))
     if micro:
         print(f"\nmicro: one tensor of 2^{args.micro_log2} elements per activation, forward + backward unless "
               f"'fwd'; {args.micro_reps} rounds; "
