@@ -666,10 +666,12 @@ def transformer_batches():
 @pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=["default", "8bit"])
 @pytest.mark.parametrize("net", ["cnn_mish", "transformer_gelu"])
 def test_training_equivalence(net, saved_dtype):
-    """Default storage follows native PyTorch's loss curve to float32 rounding
-    (reprop's math differs by ulps, which 100 steps of SGD amplify only mildly);
-    8-bit storage stays within 2% of it (gradient error up to half a codebook
-    step per element)."""
+    """Default storage follows native PyTorch's loss curve to float32 rounding:
+    reprop's math differs from torch's by ulps, which 100 steps of SGD with
+    momentum amplify only mildly (measured: max relative loss difference 4e-7
+    for the CNN, 1.1e-5 for the transformer). 8-bit storage stays within 0.5%
+    of it (measured 7e-4 and 1.5e-4; each element's derivative is off by at
+    most half a codebook step)."""
     make, act, batches = ((SmallCNN, nn.Mish, cnn_batches()) if net == "cnn_mish"
                           else (SmallTransformer, nn.GELU, transformer_batches()))
     torch.manual_seed(0)
@@ -680,9 +682,10 @@ def test_training_equivalence(net, saved_dtype):
     losses_ref, losses = train(ref, batches), train(ours, batches)
     assert losses_ref[-1] < 0.7 * losses_ref[0]  # it does learn
     if saved_dtype is None:
-        torch.testing.assert_close(losses, losses_ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(losses, losses_ref, rtol=5e-5, atol=0)
     else:
-        torch.testing.assert_close(losses, losses_ref, rtol=0.02, atol=0.02)
+        torch.testing.assert_close(losses, losses_ref, rtol=5e-3, atol=0)
+        assert not torch.equal(losses, losses_ref)  # the 8-bit codes were really used
 
 
 def test_training_equivalence_composed():
