@@ -435,13 +435,6 @@ int rp_fad_forward_cpu(int kind, float p0, float p1, int dtype, const void *x, v
  * Backward from 8-bit codes
  * ------------------------------------------------------------------------- */
 
-#define RP_LOAD_F32(ptr, i) (((const float *)(ptr))[i])
-#define RP_STORE_F32(ptr, i, v) (((float *)(ptr))[i] = (v))
-#define RP_LOAD_BF16(ptr, i) rp_bf16_to_f32(((const uint16_t *)(ptr))[i])
-#define RP_STORE_BF16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_bf16(v))
-#define RP_LOAD_F16(ptr, i) rp_f16_to_f32(((const uint16_t *)(ptr))[i])
-#define RP_STORE_F16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_f16(v))
-
 /* grad_x = grad_y * value[code], out of place and in place (grad_x ==
  * grad_y: one restrict pointer read and written at the same index). */
 #define RP_FAD_DEFINE_BACKWARD(SUFFIX, LOAD, STORE)                                                \

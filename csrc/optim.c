@@ -94,14 +94,6 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
 
 /* ---- the chunk loops: one per optimizer, generic over the param type ---- */
 
-/* Loads and stores of the param/grad element type. */
-#define RP_LOAD_F32(ptr, i) (((const float *)(ptr))[i])
-#define RP_STORE_F32(ptr, i, v) (((float *)(ptr))[i] = (v))
-#define RP_LOAD_BF16(ptr, i) rp_bf16_to_f32(((const uint16_t *)(ptr))[i])
-#define RP_STORE_BF16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_bf16(v))
-#define RP_LOAD_F16(ptr, i) rp_f16_to_f32(((const uint16_t *)(ptr))[i])
-#define RP_STORE_F16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_f16(v))
-
 /* Each loop reads one chunk [0, len) of already-offset pointers. The consts
  * are copied into a local whose optional-state flags are set to literals, so
  * that GCC sees every flag as loop-invariant (a local cannot alias the float

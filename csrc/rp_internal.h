@@ -81,4 +81,13 @@ RP_HOSTDEV uint16_t rp_f32_to_f16(float f)
     return (uint16_t)(sign | mag);
 }
 
+/* Element i of a float32 / bfloat16 / float16 array, as float32 and back
+ * (for macro-generated loops over the three dtypes). */
+#define RP_LOAD_F32(ptr, i) (((const float *)(ptr))[i])
+#define RP_STORE_F32(ptr, i, v) (((float *)(ptr))[i] = (v))
+#define RP_LOAD_BF16(ptr, i) rp_bf16_to_f32(((const uint16_t *)(ptr))[i])
+#define RP_STORE_BF16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_bf16(v))
+#define RP_LOAD_F16(ptr, i) rp_f16_to_f32(((const uint16_t *)(ptr))[i])
+#define RP_STORE_F16(ptr, i, v) (((uint16_t *)(ptr))[i] = rp_f32_to_f16(v))
+
 #endif /* REPROP_INTERNAL_H */

@@ -15,18 +15,7 @@
 #include "../reprop.h"
 #include "../rp_internal.h"
 
-static int failures = 0;
-
-#define CHECK(cond, ...)                                                                            \
-    do {                                                                                            \
-        if (!(cond)) {                                                                              \
-            if (failures++ > 20)                                                                    \
-                break;                                                                              \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);               \
-            fprintf(stderr, __VA_ARGS__);                                                           \
-            fputc('\n', stderr);                                                                    \
-        }                                                                                           \
-    } while (0)
+#include "check.h"
 
 static uint32_t rng_state = 12345u;
 
