@@ -353,6 +353,7 @@ def test_double_backward_is_refused():
         torch.autograd.grad(y.sum(), x, create_graph=True)
 
 
+@pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
 def test_gradcheck_in_float32():
     """Finite differences as an independent check of f' (float32: loose tolerances)."""
     for name, (ours, _, kw) in ACTIVATIONS.items():
