@@ -216,6 +216,171 @@ int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *cod
                                const rp_fad_codebook *cb, void *grad_x, int64_t n,
                                void *stream, rp_error *err);
 
+/* ---------------------------------------------------------------------------
+ * BPPSA: backprop as a parallel scan (csrc/scan.c, kernels/scan.cu)
+ *
+ * The recurrence of backprop through a chain, for B independent sequences of
+ * n steps of H-vectors (h_t = f(h_{t-1}, x_t), J[t] = dh_t/dh_{t-1}):
+ *
+ *     g[n-1] = c[n-1],     g[t] = c[t] + J[t+1]^T g[t+1]     (t = n-2 .. 0)
+ *
+ * c[t] is the gradient reaching h_t from outside the recurrence (the output
+ * at step t), g[t] the total gradient of h_t. This is the exclusive scan of
+ * the paper's Eq. 4-5 with A <> B = BA over n + 1 slots
+ *
+ *     a[0] = c[n-1],   a[k] = (J[n-k]^T, c[n-1-k])  (k = 1 .. n-1),   a[n] spare
+ *
+ * where (M, c) is the affine map x -> M x + c (c[t] = 0 but for the last step
+ * gives the paper's pure matrix scan). Slot k of the result is g[n-k].
+ *
+ * The modified Blelloch scan runs `levels` up-sweep levels, a linear scan
+ * over the 2^levels-slot blocks that remain, and the down-sweep of those
+ * levels with reversed operands: levels = 0 is the plain linear scan,
+ * rp_scan_max_levels(n) the full Blelloch scan, anything between the hybrid
+ * of the paper's Section 5.3. Every level is parallel over its pairs and the
+ * batch; down-sweep and linear-scan steps are matrix-vector products.
+ * Arithmetic is float32, in a fixed order for a given `levels`.
+ *
+ * Shapes (row-major, contiguous):
+ *   c, g  (n, B, H)              g may alias c (in place)
+ *   dense leaves:       jt (n, B, H, H), jt[t] = J[t]^T
+ *   structured leaves:  J[t]^T = diag(u[t]) + sum_k W_k^T diag(v[t][kH:(k+1)H])
+ *       w (G*H, H) shared by every step and sequence (torch's weight_hh_l*,
+ *       W_k its rows kH..(k+1)H-1), u (n, B, H) or NULL for zero,
+ *       v (n, B, G*H). The RNN is G = 1, u = NULL, v = f'(pre-activation);
+ *       the GRU G = 3 (see python/reprop/bppsa.py). Never copied per step.
+ * Entry t = 0 of the leaves is never read.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t n, batch, dim; /* n steps, B sequences, H */
+    int gates;             /* G >= 1: structured leaves; 0: dense leaves */
+    const float *w;        /* structured: (G*H, H) */
+    const float *u;        /* structured: (n, B, H) or NULL */
+    const float *v;        /* structured: (n, B, G*H) */
+    const float *jt;       /* dense: (n, B, H, H) */
+} rp_scan_jacobians;
+
+/* What the cost model knows of a device: how many independent H x H
+ * products it runs at once, and the fixed costs, in multiply-adds, of one
+ * up- or down-sweep level (a launch, a barrier) and of one step of the
+ * linear scan (a dependent step: a barrier, a trip to memory). */
+typedef struct {
+    double workers;
+    double level_cost;
+    double step_cost;
+} rp_scan_machine;
+
+/* The largest useful `levels` for n steps: ceil(log2(n + 1)) - 1. */
+int rp_scan_max_levels(int64_t n);
+
+/* The `levels` in [0, rp_scan_max_levels(n)] the cost model predicts fastest. */
+int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
+                          const rp_scan_machine *m);
+
+/* Predicted time of `levels` in multiply-adds on machine m (for reports). */
+double rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
+                    const rp_scan_machine *m);
+
+/* Float32 workspace the scan needs: (n + 1) B H for the slots' vectors and
+ * floor(n / 2) B H H for the up-sweep products. */
+int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim);
+
+/* Validates shapes, pointers and levels. */
+int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, int levels,
+                  const float *work, rp_error *err);
+
+/* CPU scan: OpenMP over the pairs of a level and the batch. */
+int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
+                int num_threads, rp_error *err);
+
+/* CUDA scan on `stream`: one launch per level plus one for the linear part,
+ * never synchronizing; every pointer is device memory. */
+int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
+                 void *stream, rp_error *err);
+
+/* ---------------------------------------------------------------------------
+ * Sparse BPPSA over a chain of layers (csrc/scan.c, csrc/jacobian.c)
+ *
+ * Layers i = 0 .. n-1 with transposed Jacobians J_i^T (in_i x out_i, CSR,
+ * out_i = in_{i+1}); from the gradient of the chain's output g_n the scan
+ * gives every g_i = J_i^T g_{i+1}, the gradient of layer i's input. Slots as
+ * above: a[0] = g_n, a[k] = J_{n-k}^T. The sparsity pattern of each J_i^T is
+ * fixed by the architecture, so a plan computes once, ahead of training, the
+ * patterns of every up-sweep product and for each of their non-zeros the
+ * list of (A, B) non-zero pairs that sum into it; a step then only refreshes
+ * values: products are pair-list sums, down-sweep steps CSR mat-vecs.
+ * Values are per sequence: (B, nnz) float32, the pattern shared by the batch.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t rows, cols, nnz;
+    const int32_t *indptr;  /* rows + 1 */
+    const int32_t *indices; /* nnz column indices, ascending within each row */
+} rp_csr_pattern;
+
+typedef struct rp_csr_plan rp_csr_plan;
+
+/* Plans the scan of n leaves (leaves[i] = pattern of J_i^T, copied). levels
+ * < 0 lets the cost model choose from the exact product sizes; products
+ * whose pair lists would pass max_pairs (0: no cap) are not planned, which
+ * caps the levels. *out is freed with rp_csr_plan_free. */
+int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int64_t max_pairs,
+                       const rp_scan_machine *m, rp_csr_plan **out, rp_error *err);
+void rp_csr_plan_free(rp_csr_plan *p);
+
+/* Facts about a plan: the levels, the float32 workspace per sequence, the
+ * multiply-adds of one scan of one sequence (products, mat-vecs), and the
+ * multiply-adds of the same on the plain linear scan. */
+typedef struct {
+    int levels;
+    int64_t work_floats;
+    int64_t madds;
+    int64_t linear_madds;
+    int64_t products;
+    int64_t pairs;
+} rp_csr_plan_info;
+
+void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info);
+
+/* CPU scan of B sequences: values[i] (B, nnz_i), g_out (B, out_{n-1}),
+ * g[i] (B, in_i) written for every layer, work of B * info.work_floats. */
+int rp_csr_scan_cpu(const rp_csr_plan *p, int64_t batch, const float *const *values,
+                    const float *g_out, float *const *g, float *work, int num_threads,
+                    rp_error *err);
+
+/* ---------------------------------------------------------------------------
+ * Analytic CSR transposed Jacobians (csrc/jacobian.c)
+ *
+ * J^T of a layer as CSR with rows = input elements and columns = output
+ * elements (flattened C x H x W per sample, batch excluded), patterns fixed
+ * by the geometry. Values are gathered per step by the Python layer through
+ * the returned maps, so no routine here reads activations:
+ *   conv2d:    value[k] = weight.flatten()[wmap[k]]
+ *   linear:    value[k] = weight.flatten()[wmap[k]]        (weight (out, in))
+ *   maxpool2d: value[b, k] = (indices[b].flatten()[omap[k]] == pmap[k]), the
+ *              pattern is every (input, window) pair, so it never changes
+ *   diagonal:  value[b, k] = f'(x[b, k])  (ReLU and element-wise activations)
+ * Each routine is called twice: with NULL arrays to get *nnz, then with
+ * arrays of rows + 1 and nnz int32 elements.
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t c_in, h_in, w_in;
+    int64_t c_out, h_out, w_out;
+    int64_t kh, kw, sh, sw, ph, pw, dh, dw;
+    int64_t groups; /* conv2d only */
+} rp_conv2d_geom;
+
+int rp_jac_conv2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
+                  int32_t *wmap, rp_error *err);
+int rp_jac_maxpool2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
+                     int32_t *omap, int32_t *pmap, rp_error *err);
+int rp_jac_linear(int64_t in_features, int64_t out_features, int64_t *nnz, int32_t *indptr,
+                  int32_t *indices, int32_t *wmap, rp_error *err);
+int rp_jac_diagonal(int64_t size, int64_t *nnz, int32_t *indptr, int32_t *indices,
+                    rp_error *err);
+
 /* CUDA device count (0 when there is no driver or device), and the
  * architectures the kernels were compiled for, e.g. "sm_80 sm_90 compute_90". */
 int rp_cuda_device_count(void);
