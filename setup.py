@@ -18,7 +18,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 CUDA_ARCHS = ("80", "90")
-CORE_SOURCES = ["csrc/common.c", "csrc/fad.c", "csrc/optim.c", "csrc/pyutil.c"]
+CORE_SOURCES = ["csrc/common.c", "csrc/fad.c", "csrc/jacobian.c", "csrc/optim.c", "csrc/pyutil.c",
+                "csrc/scan.c"]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the
 # CPU math rounds term by term like torch's; -fno-math-errno lets sqrtf vectorise.
 C_FLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
@@ -91,7 +92,7 @@ def extensions():
     home = cuda_home()
     if home is not None:
         cuda = Extension("reprop._cuda", ["csrc/module_cuda.c", *CORE_SOURCES, "kernels/optim.cu",
-                                          "kernels/fad.cu"],
+                                          "kernels/fad.cu", "kernels/scan.cu"],
                          include_dirs=include, extra_compile_args=C_FLAGS,
                          library_dirs=[cuda_lib_dir(home)],
                          libraries=["cudart_static", "stdc++", "rt", "pthread", "dl"],

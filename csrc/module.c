@@ -86,6 +86,30 @@ static PyObject *rp_fad_backward_code8_py(PyObject *self, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(scan_doc,
+             "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, num_threads)\n--\n\n"
+             "The BPPSA recurrence g[t] = c[t] + J[t+1]^T g[t+1] on the CPU (rp_scan_cpu in\n"
+             "csrc/reprop.h); pointers as ints, 0 for NULL.");
+
+static PyObject *rp_scan_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_scan_call c;
+    rp_error err = {{0}};
+    int num_threads, rc;
+    (void)self;
+    if (rp_py_parse_scan(args, nargs, "scan", &c) < 0)
+        return NULL;
+    num_threads = (int)PyLong_AsLong(args[12]);
+    if (num_threads == -1 && PyErr_Occurred())
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_scan_cpu(&c.j, c.c, c.g, c.levels, c.work, num_threads, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *rp_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -108,6 +132,11 @@ static PyMethodDef rp_methods[] = {
      fad_backward_code8_doc},
     {"fad_codebook", (PyCFunction)(void (*)(void))rp_py_fad_codebook, METH_FASTCALL,
      "fad_codebook(kind, p0, p1) -> bytes: an activation's 8-bit codebook (csrc/pyutil.h)."},
+    {"scan", (PyCFunction)(void (*)(void))rp_scan_py, METH_FASTCALL, scan_doc},
+    {"scan_plan", (PyCFunction)(void (*)(void))rp_py_scan_plan, METH_FASTCALL,
+     "scan_plan(n, batch, dim, gates, workers, level_cost, step_cost) -> (levels, max, floats)."},
+    {"scan_cost", (PyCFunction)(void (*)(void))rp_py_scan_cost, METH_FASTCALL,
+     "scan_cost(n, batch, dim, gates, levels, workers, level_cost, step_cost) -> madds."},
     {"build_info", rp_build_info_py, METH_NOARGS, "Facts about how the C core was built."},
     {NULL, NULL, 0, NULL},
 };

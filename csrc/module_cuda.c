@@ -118,6 +118,28 @@ static PyObject *rp_cuda_fad_backward_code8_py(PyObject *self, PyObject *const *
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(scan_doc,
+             "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, stream)\n--\n\n"
+             "The BPPSA recurrence on `stream` (rp_cuda_scan in csrc/reprop.h); device\n"
+             "pointers as ints, 0 for NULL.");
+
+static PyObject *rp_cuda_scan_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_py_scan_call c;
+    rp_error err = {{0}};
+    void *stream;
+    int rc;
+    (void)self;
+    if (rp_py_parse_scan(args, nargs, "scan", &c) < 0 || rp_cuda_stream_arg(args[12], &stream) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_cuda_scan(&c.j, c.c, c.g, c.levels, c.work, stream, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}
+
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -133,6 +155,7 @@ static PyMethodDef rp_cuda_methods[] = {
      fad_forward_doc},
     {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_cuda_fad_backward_code8_py,
      METH_FASTCALL, fad_backward_code8_doc},
+    {"scan", (PyCFunction)(void (*)(void))rp_cuda_scan_py, METH_FASTCALL, scan_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };

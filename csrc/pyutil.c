@@ -287,3 +287,61 @@ PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t n
         return rp_py_raise(rc, &err);
     return PyBytes_FromStringAndSize((const char *)&cb, sizeof cb);
 }
+
+int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                     rp_py_scan_call *call)
+{
+    void *w, *u, *v, *jt, *c;
+    if (rp_py_check_nargs(nargs, 13, fname) < 0 || rp_py_size_arg(args[0], &call->j.n) < 0 ||
+        rp_py_size_arg(args[1], &call->j.batch) < 0 || rp_py_size_arg(args[2], &call->j.dim) < 0 ||
+        rp_py_int_arg(args[3], &call->j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
+        rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
+        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_pointer_arg(args[8], &c) < 0 ||
+        rp_py_pointer_arg(args[9], (void **)&call->g) < 0 ||
+        rp_py_int_arg(args[10], &call->levels) < 0 ||
+        rp_py_pointer_arg(args[11], (void **)&call->work) < 0)
+        return -1;
+    call->j.w = w, call->j.u = u, call->j.v = v, call->j.jt = jt;
+    call->c = c;
+    return 0;
+}
+
+static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)
+{
+    m->workers = PyFloat_AsDouble(args[0]);
+    m->level_cost = PyFloat_AsDouble(args[1]);
+    m->step_cost = PyFloat_AsDouble(args[2]);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t n, batch, dim;
+    int gates;
+    rp_scan_machine m;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
+        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+        rp_py_int_arg(args[3], &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
+        return NULL;
+    if (n < 1 || batch < 0 || dim < 1) {
+        PyErr_SetString(PyExc_ValueError, "scan_plan: need n >= 1, batch >= 0, dim >= 1");
+        return NULL;
+    }
+    return Py_BuildValue("(iiL)", rp_scan_choose_levels(n, batch, dim, gates, &m),
+                         rp_scan_max_levels(n), (long long)rp_scan_workspace_floats(n, batch, dim));
+}
+
+PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t n, batch, dim;
+    int gates, levels;
+    rp_scan_machine m;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
+        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+        rp_py_int_arg(args[3], &gates) < 0 || rp_py_int_arg(args[4], &levels) < 0 ||
+        rp_py_machine_args(args + 5, &m) < 0)
+        return NULL;
+    return PyFloat_FromDouble(rp_scan_cost(n, batch, dim, gates, levels, &m));
+}

@@ -83,4 +83,24 @@ int rp_py_parse_fad_backward(PyObject *const *args, Py_ssize_t nargs, const char
  * float32 are the decoded value of each code). Defined in pyutil.c. */
 PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* A parsed scan call: (n, batch, dim, gates, w, u, v, jt, c, g, levels, work)
+ * with pointers as Python ints (0 for NULL), checked by python/reprop/bppsa.py. */
+typedef struct {
+    rp_scan_jacobians j;
+    const float *c;
+    float *g;
+    int levels;
+    float *work;
+} rp_py_scan_call;
+
+int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
+                     rp_py_scan_call *call);
+
+/* Device-independent scan facts for reprop.bppsa (defined in pyutil.c):
+ *   scan_plan(n, batch, dim, gates, workers, level_cost, step_cost)
+ *       -> (levels the cost model picks, max levels, workspace floats)
+ *   scan_cost(n, batch, dim, gates, levels, workers, level_cost, step_cost) -> float */
+PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 #endif /* REPROP_PYUTIL_H */

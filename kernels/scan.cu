@@ -1,0 +1,1013 @@
+/*
+ * scan.cu: BPPSA, backprop through a chain as a parallel scan, on CUDA.
+ *
+ * The scan of reprop.h ("BPPSA"): slots k = 0..n, a[0] = c[n-1] (a vector),
+ * a[k] = (J[n-k]^T, c[n-1-k]) (affine maps x -> M x + c), a[n] spare; slot s
+ * ends with g[n-s]. `levels` = L up-sweep levels, a linear scan over the
+ * blocks of 2^L slots that remain, then the L down-sweep levels, each
+ * parallel over its pairs and the batch:
+ *
+ *   launch                    grid over          per task (one pair, one sequence)
+ *   up-sweep level d          (pair, sequence)   a[r] = a[l] <> a[r]: the H x H product
+ *                                                 M_r M_l and the vector M_r c_l + c_r
+ *                                                 (a mat-vec only on the left spine)
+ *   linear scan (middle)      sequence           P_j = M P_{j-1} + c over the blocks,
+ *                                                 one block per sequence, a barrier a step
+ *   down-sweep level d        (pair, sequence)   mat-vec: a[r] = M_l a[r] + c_l, a[l] = old a[r]
+ *
+ * so a scan is 2L + 1 launches (L = 0: the one linear-scan launch). Nothing
+ * else runs: level 0 of the up-sweep (and the linear scan when L = 0) reads c
+ * directly, level 0 of the down-sweep (the linear scan when L = 0) writes g
+ * directly, so there are no copy kernels, and g may alias c (every element
+ * of c is read before the element of g at its address is written, by the
+ * same block).
+ *
+ * Leaves J[t]^T are never materialized: element (i, m) is jt[t][i][m]
+ * (dense) or u[t][i] [i == m] + sum_k w[(kH + m) H + i] v[t][kH + m]
+ * (structured), computed where an operand is staged or a mat-vec reads it.
+ *
+ * Workspace (float32), rp_scan_workspace_floats(n, B, H):
+ *   vec  (n + 1, B, H)      the vector (c part) of every odd slot < n and the
+ *                           prefixes of the middle and the down-sweep (even
+ *                           slots < n never live here: their c is c itself)
+ *   prod (n / 2, B, H, H)   the matrix of odd slot s < n at index (s - 1) / 2
+ * The up-sweep writes each product over its right operand: a task's rows are
+ * read only by the block that writes them, and that block stages them in
+ * shared memory before its first store.
+ *
+ * Kernels (shared memory is dynamic; 48 KB is never exceeded without an
+ * opt-in, which only H in the thousands needs):
+ *   up-sweep, H <= 64:   Q whole tasks per block, both operands (leaves
+ *                        computed on the fly) staged in shared memory
+ *                        (Q * (2 H Hp + 2 Hp) floats, Hp = H rounded up to 4,
+ *                        Q ~ 256 / (Hp / 4)^2: 10 tasks at H = 20); each thread
+ *                        computes 4 x 4 output micro-tiles from float4 reads.
+ *   up-sweep, H > 64:    one block per (task, panel of T rows): the T x H rows
+ *                        of M_r staged (T = 64 for H <= 144, 32, 16, ...,
+ *                        whatever fits), then 64-column tiles of the product
+ *                        over 32-deep chunks of M_l, 4 x 4 (2 x 4, 1 x 4)
+ *                        micro-tiles per thread, 256 threads at T >= 16.
+ *   down-sweep:          Q tasks per block, S lanes per row reading a row of M
+ *                        (S ~ H / 4, at most 32, reduced by warp shuffles), 1
+ *                        lane per row on structured leaves (reads of w coalesce
+ *                        along the row index).
+ *   linear scan:         one block per sequence, P double-buffered in shared
+ *                        memory, one barrier per step; w staged in shared
+ *                        memory when it fits (L = 0, structured leaves).
+ * Every output is written once by one thread: deterministic, no atomics.
+ * Arithmetic is float32 with explicit fmaf (so --fmad=false does not matter
+ * here), in an order fixed by `levels` and H.
+ *
+ * Each kernel's work is a __host__ __device__ function of (executor, args,
+ * block) whose threads run in phases between the executor's barriers, so that
+ * kernels/tests/scan_emulation.cu runs the very same code on the host, every
+ * thread of every block, against the recurrence; per-thread state that
+ * crosses a barrier lives in an executor-provided `local`.
+ *
+ * Layout: executor and helpers, the task bodies, the kernels, the launcher.
+ */
+#include <cuda_runtime.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "reprop.h"
+#include "rp_internal.h"
+
+#define RP_HD __host__ __device__ __forceinline__
+
+#define RP_SCAN_THREADS 256     /* up- and down-sweep blocks, at most */
+#define RP_SCAN_MID_THREADS 1024 /* linear-scan blocks, at most */
+#define RP_SCAN_SMALL_H 64      /* up to this H, up-sweep blocks hold whole tasks */
+#define RP_SCAN_BN 64           /* large up-sweep: columns per output tile */
+#define RP_SCAN_BK 32           /* large up-sweep: depth of a staged chunk of M_l */
+#define RP_SCAN_MAX_Q 64        /* tasks per block, at most */
+#ifndef RP_SCAN_MAX_GRID /* overridable (smaller) by the emulation test */
+#define RP_SCAN_MAX_GRID (1 << 20) /* blocks per launch; more work loops */
+#endif
+#ifndef RP_SCAN_SMEM_DEFAULT /* overridable by the emulation test */
+#define RP_SCAN_SMEM_DEFAULT 49152 /* dynamic shared memory without an opt-in */
+#endif
+
+enum { RP_SCAN_PROD = 0, RP_SCAN_DENSE = 1, RP_SCAN_STRUCT = 2 };
+
+/* ---------------------------------------------------------------------------
+ * Executor and helpers
+ * ------------------------------------------------------------------------- */
+
+/* One thread of a block on the device. each(f) runs this thread's share of a
+ * phase, sync() is the barrier, local<T> a register variable, group_sum sums
+ * `x` over aligned groups of S lanes (S a power of two <= 32, every lane gets
+ * the sum; called by every thread of the block). */
+struct rp_scan_dev {
+    template <class T> struct local {
+        T v;
+        RP_HD T &operator()(int) { return v; }
+    };
+    int tid, nt;
+    template <class F> RP_HD void each(F &&f) { f(tid); }
+    RP_HD void sync()
+    {
+#ifdef __CUDA_ARCH__
+        __syncthreads();
+#endif
+    }
+    RP_HD void group_sum(local<float> &x, int S)
+    {
+#ifdef __CUDA_ARCH__
+        for (int o = S >> 1; o > 0; o >>= 1)
+            x.v += __shfl_xor_sync(0xffffffffu, x.v, o);
+#endif
+    }
+};
+
+/* Everything a kernel needs, passed by value. */
+typedef struct {
+    const float *w, *u, *v, *jt; /* the leaves (rp_scan_jacobians) */
+    const float *c;              /* (n, B, H) */
+    float *g;                    /* (n, B, H), may alias c */
+    float *vec;                  /* (n + 1, B, H) */
+    float *prod;                 /* (n / 2, B, H, H) */
+    int64_t n, B, H;
+    int G;
+    int d;          /* up/down: the level (0: leaves and c/g) */
+    int q;          /* up (small), down: tasks per block */
+    int tile;       /* up (large): rows per block */
+    int S;          /* down, middle: lanes per row */
+    int stage_w;    /* middle: w staged in shared memory */
+    int64_t npairs; /* up/down: pairs of the level */
+    int64_t ntasks; /* up/down: tasks (down level 0: pairs x B, then B tail copies) */
+    int64_t nunits; /* block-sized work items */
+    int64_t span;   /* middle: 2^levels */
+    int64_t nb;     /* middle: number of blocks of slots */
+} rp_scan_args;
+
+RP_HD int rp_scan_pad4(int64_t x) { return (int)((x + 3) & ~(int64_t)3); }
+
+RP_HD float rp_scan_ldg(const float *p)
+{
+#ifdef __CUDA_ARCH__
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+
+RP_HD float4 rp_scan_ld4(const float *p) /* p 16-byte aligned (shared memory) */
+{
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const float4 *>(p);
+#else
+    return make_float4(p[0], p[1], p[2], p[3]);
+#endif
+}
+
+/* Element (i, m) of the leaf J[t]^T of sequence b, tb = t * B + b; w_ may be
+ * a shared-memory copy of w. */
+template <int MODE>
+RP_HD float rp_scan_leaf(const rp_scan_args &a, const float *w_, int64_t tb, int64_t i, int64_t m)
+{
+    const int64_t H = a.H;
+    if constexpr (MODE == RP_SCAN_DENSE) {
+        (void)w_;
+        return rp_scan_ldg(a.jt + (tb * H + i) * H + m);
+    } else {
+        const float *vt = a.v + tb * a.G * H + m;
+        float s = (a.u != NULL && i == m) ? rp_scan_ldg(a.u + tb * H + i) : 0.0f;
+        for (int k = 0; k < a.G; k++)
+            s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_ldg(vt + (int64_t)k * H), s);
+        return s;
+    }
+}
+
+/* sum_m M[i][m] x[m] over m = lane, lane + S, ... for the leaf of tb. */
+template <int MODE>
+RP_HD float rp_scan_leaf_dot(const rp_scan_args &a, const float *w_, int64_t tb, int64_t i,
+                             const float *x, int lane, int S)
+{
+    const int64_t H = a.H;
+    float s = 0.0f;
+    if constexpr (MODE == RP_SCAN_DENSE) {
+        (void)w_;
+        const float *row = a.jt + (tb * H + i) * H;
+        for (int64_t m = lane; m < H; m += S)
+            s = fmaf(rp_scan_ldg(row + m), x[m], s);
+    } else { /* S == 1 */
+        const float *vt = a.v + tb * a.G * H;
+        if (a.u != NULL)
+            s = rp_scan_ldg(a.u + tb * H + i) * x[i];
+        for (int k = 0; k < a.G; k++)
+            for (int64_t m = lane; m < H; m += S)
+                s = fmaf(w_[((int64_t)k * H + m) * H + i],
+                         rp_scan_ldg(vt + (int64_t)k * H + m) * x[m], s);
+    }
+    return s;
+}
+
+/* Slot s of sequence b: its matrix in the workspace, its vector in the
+ * workspace, its c part (from c when `leaf`, the workspace otherwise), and
+ * where its final value goes (g[n-s] when `out`, the workspace otherwise). */
+RP_HD float *rp_scan_prod(const rp_scan_args &a, int64_t s, int64_t b)
+{
+    return a.prod + (((s - 1) >> 1) * a.B + b) * a.H * a.H;
+}
+RP_HD float *rp_scan_vec(const rp_scan_args &a, int64_t s, int64_t b)
+{
+    return a.vec + (s * a.B + b) * a.H;
+}
+RP_HD const float *rp_scan_cpart(const rp_scan_args &a, bool leaf, int64_t s, int64_t b)
+{
+    return leaf ? a.c + ((a.n - 1 - s) * a.B + b) * a.H : rp_scan_vec(a, s, b);
+}
+RP_HD float *rp_scan_dst(const rp_scan_args &a, bool out, int64_t s, int64_t b)
+{
+    return out ? a.g + ((a.n - s) * a.B + b) * a.H : rp_scan_vec(a, s, b);
+}
+
+/* Shared-memory floats of one task of the small up-sweep, and of a block. */
+RP_HD int rp_scan_small_task_floats(int64_t H)
+{
+    const int Hp = rp_scan_pad4(H);
+    return 2 * (int)H * Hp + 2 * Hp;
+}
+RP_HD size_t rp_scan_small_bytes(int64_t H, int Q)
+{
+    return (size_t)Q * 16 + (size_t)Q * rp_scan_small_task_floats(H) * 4;
+}
+/* ... of the large up-sweep with T rows per block. */
+RP_HD size_t rp_scan_large_bytes(int64_t H, int T)
+{
+    return ((size_t)rp_scan_pad4((int64_t)T * (H | 1)) + RP_SCAN_BK * RP_SCAN_BN +
+            (size_t)rp_scan_pad4(H) + (size_t)rp_scan_pad4(T)) *
+           4;
+}
+/* ... of the down-sweep with Q tasks per block. */
+RP_HD size_t rp_scan_down_bytes(int64_t H, int Q)
+{
+    return (size_t)Q * 16 + (size_t)Q * 2 * rp_scan_pad4(H) * 4;
+}
+
+/* The micro-tile of a large up-sweep thread. */
+template <int TM> struct rp_scan_acc {
+    float a[TM][4];
+};
+
+/* ---------------------------------------------------------------------------
+ * Up-sweep, H <= RP_SCAN_SMALL_H: Q whole tasks per block
+ *
+ * Task = p * B + b (pair p, sequence b); pair p joins l = p 2^(d+1) + 2^d - 1
+ * and r = l + 2^d. Shared memory: a table of (p, b) per task, then per task
+ * As (H x Hp, As[m][i] = M_r[i][m]), Bs (H x Hp, Bs[m][k] = M_l[m][k]), c_l
+ * and c_r (Hp each); rows and columns past H are zero. Pair 0 (the left
+ * spine) has a vector left operand: only its mat-vec runs.
+ * ------------------------------------------------------------------------- */
+
+template <int MODE, class X>
+RP_HD void rp_scan_up_small(X &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    constexpr bool leaf = MODE != RP_SCAN_PROD;
+    const int H = (int)a.H, Hp = rp_scan_pad4(H), Q = a.q, nt = x.nt;
+    const int TS = rp_scan_small_task_floats(H), H4 = Hp / 4, per = H4 * H4;
+    const int64_t half = (int64_t)1 << a.d;
+    int64_t *tab = reinterpret_cast<int64_t *>(sm);
+    float *base = sm + 4 * Q;
+
+    for (int64_t unit = block; unit < a.nunits; unit += grid) {
+        x.each([&](int t) {
+            for (int q = t; q < Q; q += nt) {
+                const int64_t task = unit * Q + q;
+                tab[2 * q] = task < a.ntasks ? task / a.B : -1;
+                tab[2 * q + 1] = task < a.ntasks ? task % a.B : 0;
+            }
+        });
+        x.sync();
+
+        /* Stage M_r, M_l (not on the spine), c_l and c_r of every task. */
+        x.each([&](int t) {
+            const int na = Q * H * Hp;
+            for (int e = t; e < na; e += nt) {
+                int q, i, m, rem;
+                if (MODE == RP_SCAN_STRUCT) { /* i fastest: w's rows are along i */
+                    q = e / (H * Hp);
+                    rem = e - q * H * Hp;
+                    m = rem / Hp;
+                    i = rem - m * Hp;
+                } else { /* m fastest: rows of M are contiguous */
+                    q = e / (Hp * H);
+                    rem = e - q * Hp * H;
+                    i = rem / H;
+                    m = rem - i * H;
+                }
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                float val = 0.0f;
+                if (p >= 0 && i < H) {
+                    const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
+                    if constexpr (leaf)
+                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m);
+                    else
+                        val = rp_scan_prod(a, r, b)[(int64_t)i * H + m];
+                }
+                base[q * TS + m * Hp + i] = val;
+            }
+            for (int e = t; e < na; e += nt) {
+                int q, m, k, rem;
+                if (MODE == RP_SCAN_STRUCT) { /* m fastest */
+                    q = e / (Hp * H);
+                    rem = e - q * Hp * H;
+                    k = rem / H;
+                    m = rem - k * H;
+                } else { /* k fastest */
+                    q = e / (H * Hp);
+                    rem = e - q * H * Hp;
+                    m = rem / Hp;
+                    k = rem - m * Hp;
+                }
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p < 1)
+                    continue; /* no task, or the spine: no matrix product */
+                float val = 0.0f;
+                if (k < H) {
+                    const int64_t l = (p << (a.d + 1)) + half - 1;
+                    if constexpr (leaf)
+                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
+                    else
+                        val = rp_scan_prod(a, l, b)[(int64_t)m * H + k];
+                }
+                base[q * TS + H * Hp + m * Hp + k] = val;
+            }
+            for (int e = t; e < Q * H; e += nt) {
+                const int q = e / H, i = e - q * H;
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p < 0)
+                    continue;
+                const int64_t l = (p << (a.d + 1)) + half - 1, r = l + half;
+                base[q * TS + 2 * H * Hp + i] = rp_scan_cpart(a, leaf, l, b)[i];
+                base[q * TS + 2 * H * Hp + Hp + i] = rp_scan_cpart(a, leaf, r, b)[i];
+            }
+        });
+        x.sync();
+
+        /* Products, 4 x 4 micro-tiles, then the vectors M_r c_l + c_r. Everything
+         * read is in shared memory now: writing over M_r and c_r is safe. */
+        x.each([&](int t) {
+            for (int mt = t; mt < Q * per; mt += nt) {
+                const int q = mt / per, rem = mt - q * per, i4 = rem / H4, k4 = rem - i4 * H4;
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p < 1)
+                    continue;
+                const float *As = base + q * TS + i4 * 4, *Bs = base + q * TS + H * Hp + k4 * 4;
+                float acc[4][4];
+#pragma unroll
+                for (int y = 0; y < 4; y++)
+#pragma unroll
+                    for (int z = 0; z < 4; z++)
+                        acc[y][z] = 0.0f;
+                for (int m = 0; m < H; m++) {
+                    const float4 av = rp_scan_ld4(As + m * Hp), bv = rp_scan_ld4(Bs + m * Hp);
+                    const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+                    for (int y = 0; y < 4; y++)
+#pragma unroll
+                        for (int z = 0; z < 4; z++)
+                            acc[y][z] = fmaf(ar[y], br[z], acc[y][z]);
+                }
+                const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
+                float *C = rp_scan_prod(a, r, b);
+#pragma unroll
+                for (int y = 0; y < 4; y++) {
+                    const int i = i4 * 4 + y;
+                    if (i < H)
+#pragma unroll
+                        for (int z = 0; z < 4; z++)
+                            if (k4 * 4 + z < H)
+                                C[(int64_t)i * H + k4 * 4 + z] = acc[y][z];
+                }
+            }
+            for (int e = t; e < Q * H; e += nt) {
+                const int q = e / H, i = e - q * H;
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p < 0)
+                    continue;
+                const float *As = base + q * TS, *cl = As + 2 * H * Hp, *cr = cl + Hp;
+                float s = 0.0f;
+                for (int m = 0; m < H; m++)
+                    s = fmaf(As[m * Hp + i], cl[m], s);
+                const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
+                rp_scan_vec(a, r, b)[i] = s + cr[i];
+            }
+        });
+        x.sync(); /* before the next unit restages */
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Up-sweep, H > RP_SCAN_SMALL_H: one block per (task, panel of T rows)
+ *
+ * Shared memory: As (T x (H|1), rows i0.. of M_r), Bs (BK x BN, a chunk of
+ * M_l), c_l (H), the panel's c_r (T). Thread (ty, tx) = (t / 16, t % 16)
+ * owns rows ty*TM .. ty*TM+TM-1 and columns tx*4 .. tx*4+3 of each 64-column
+ * tile; T / TM * 16 threads.
+ * ------------------------------------------------------------------------- */
+
+template <int MODE, int TM, class X>
+RP_HD void rp_scan_up_large(X &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    constexpr bool leaf = MODE != RP_SCAN_PROD;
+    const int H = (int)a.H, T = a.tile, HS = H | 1, nt = x.nt;
+    const int64_t npan = (a.H + T - 1) / T, half = (int64_t)1 << a.d;
+    float *As = sm;
+    float *Bs = sm + rp_scan_pad4((int64_t)T * HS);
+    float *cl = Bs + RP_SCAN_BK * RP_SCAN_BN;
+    float *cr = cl + rp_scan_pad4(H);
+    typename X::template local<rp_scan_acc<TM>> acc;
+
+    for (int64_t unit = block; unit < a.nunits; unit += grid) {
+        const int64_t task = unit / npan, p = task / a.B, b = task - p * a.B;
+        const int i0 = (int)(unit - task * npan) * T, rows = T < H - i0 ? T : H - i0;
+        const int64_t l = (p << (a.d + 1)) + half - 1, r = l + half;
+        const bool spine = p == 0;
+
+        x.each([&](int t) {
+            const int na = T * H;
+            for (int e = t; e < na; e += nt) {
+                int row, m;
+                if (MODE == RP_SCAN_STRUCT) {
+                    m = e / T;
+                    row = e - m * T;
+                } else {
+                    row = e / H;
+                    m = e - row * H;
+                }
+                float val = 0.0f;
+                if (row < rows) {
+                    if constexpr (leaf)
+                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i0 + row, m);
+                    else
+                        val = rp_scan_prod(a, r, b)[(int64_t)(i0 + row) * H + m];
+                }
+                As[row * HS + m] = val;
+            }
+            const float *cls = rp_scan_cpart(a, leaf, l, b), *crs = rp_scan_cpart(a, leaf, r, b);
+            for (int m = t; m < H; m += nt)
+                cl[m] = cls[m];
+            for (int row = t; row < rows; row += nt)
+                cr[row] = crs[i0 + row];
+        });
+        x.sync();
+
+        /* The panel's rows of M_r c_l + c_r (the spine's result). */
+        x.each([&](int t) {
+            float *dst = rp_scan_vec(a, r, b) + i0;
+            for (int row = t; row < rows; row += nt) {
+                float s = 0.0f;
+                for (int m = 0; m < H; m++)
+                    s = fmaf(As[row * HS + m], cl[m], s);
+                dst[row] = s + cr[row];
+            }
+        });
+
+        if (!spine) {
+            for (int k0 = 0; k0 < H; k0 += RP_SCAN_BN) {
+                x.each([&](int t) {
+                    for (int y = 0; y < TM; y++)
+                        for (int z = 0; z < 4; z++)
+                            acc(t).a[y][z] = 0.0f;
+                });
+                for (int m0 = 0; m0 < H; m0 += RP_SCAN_BK) {
+                    x.each([&](int t) {
+                        for (int e = t; e < RP_SCAN_BK * RP_SCAN_BN; e += nt) {
+                            int mm, kk;
+                            if (MODE == RP_SCAN_STRUCT) {
+                                kk = e / RP_SCAN_BK;
+                                mm = e - kk * RP_SCAN_BK;
+                            } else {
+                                mm = e / RP_SCAN_BN;
+                                kk = e - mm * RP_SCAN_BN;
+                            }
+                            const int m = m0 + mm, k = k0 + kk;
+                            float val = 0.0f;
+                            if (m < H && k < H) {
+                                if constexpr (leaf)
+                                    val = rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
+                                else
+                                    val = rp_scan_prod(a, l, b)[(int64_t)m * H + k];
+                            }
+                            Bs[mm * RP_SCAN_BN + kk] = val;
+                        }
+                    });
+                    x.sync();
+                    x.each([&](int t) {
+                        const int ty = t / 16, tx = t - ty * 16;
+                        const int kmax = RP_SCAN_BK < H - m0 ? RP_SCAN_BK : H - m0;
+                        const float *Ar = As + ty * TM * HS + m0;
+                        rp_scan_acc<TM> &c = acc(t);
+                        for (int mm = 0; mm < kmax; mm++) {
+                            const float4 bv = rp_scan_ld4(Bs + mm * RP_SCAN_BN + tx * 4);
+#pragma unroll
+                            for (int y = 0; y < TM; y++) {
+                                const float av = Ar[y * HS + mm];
+                                c.a[y][0] = fmaf(av, bv.x, c.a[y][0]);
+                                c.a[y][1] = fmaf(av, bv.y, c.a[y][1]);
+                                c.a[y][2] = fmaf(av, bv.z, c.a[y][2]);
+                                c.a[y][3] = fmaf(av, bv.w, c.a[y][3]);
+                            }
+                        }
+                    });
+                    x.sync();
+                }
+                x.each([&, k0](int t) {
+                    const int ty = t / 16, tx = t - ty * 16;
+                    float *C = rp_scan_prod(a, r, b);
+#pragma unroll
+                    for (int y = 0; y < TM; y++) {
+                        const int row = ty * TM + y;
+                        if (row < rows)
+#pragma unroll
+                            for (int z = 0; z < 4; z++) {
+                                const int k = k0 + tx * 4 + z;
+                                if (k < H)
+                                    C[(int64_t)(i0 + row) * H + k] = acc(t).a[y][z];
+                            }
+                    }
+                });
+            }
+        }
+        x.sync(); /* before the next unit restages */
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Down-sweep: Q tasks per block, S lanes per row
+ *
+ * Task = p * B + b for the pairs (l = p 2^(d+1) + 2^d - 1 < n, r = min(l + 2^d,
+ * n)); at level 0 with n even, B more tasks copy slot n (untouched by level
+ * 0) to g[0]. Shared memory: a table of (p, b) per task (p = -1: the copy,
+ * -2: none), then per task the prefix x = a[r] and c_l (Hp each).
+ * ------------------------------------------------------------------------- */
+
+template <int MODE, class X>
+RP_HD void rp_scan_down(X &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    constexpr bool leaf = MODE != RP_SCAN_PROD; /* level 0: leaves, c and g */
+    const int H = (int)a.H, Hp = rp_scan_pad4(H), Q = a.q, S = a.S, nt = x.nt, ng = nt / S;
+    const int rounds = (Q * H + ng - 1) / ng;
+    const int64_t half = (int64_t)1 << a.d, npt = a.npairs * a.B;
+    int64_t *tab = reinterpret_cast<int64_t *>(sm);
+    float *xs = sm + 4 * Q, *cs = xs + Q * Hp;
+    typename X::template local<float> part;
+
+    for (int64_t unit = block; unit < a.nunits; unit += grid) {
+        x.each([&](int t) {
+            for (int q = t; q < Q; q += nt) {
+                const int64_t task = unit * Q + q;
+                tab[2 * q] = task < npt ? task / a.B : (task < a.ntasks ? -1 : -2);
+                tab[2 * q + 1] = task < npt ? task % a.B : (task < a.ntasks ? task - npt : 0);
+            }
+        });
+        x.sync();
+
+        x.each([&](int t) {
+            for (int e = t; e < Q * H; e += nt) {
+                const int q = e / H, m = e - q * H;
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p == -1) {
+                    xs[q * Hp + m] = rp_scan_vec(a, a.n, b)[m];
+                } else if (p >= 0) {
+                    const int64_t l = (p << (a.d + 1)) + half - 1;
+                    const int64_t r = l + half < a.n ? l + half : a.n;
+                    xs[q * Hp + m] = rp_scan_vec(a, r, b)[m];
+                    cs[q * Hp + m] = rp_scan_cpart(a, leaf, l, b)[m];
+                }
+            }
+        });
+        x.sync();
+
+        for (int round = 0; round < rounds; round++) {
+            x.each([&, round](int t) {
+                const int row = round * ng + t / S, lane = t % S;
+                float s = 0.0f;
+                if (row < Q * H) {
+                    const int q = row / H, i = row - q * H;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    if (p >= 1) {
+                        const int64_t l = (p << (a.d + 1)) + half - 1;
+                        const float *xq = xs + q * Hp;
+                        if constexpr (leaf) {
+                            s = rp_scan_leaf_dot<MODE>(a, a.w, (a.n - l) * a.B + b, i, xq, lane, S);
+                        } else {
+                            const float *M = rp_scan_prod(a, l, b) + (int64_t)i * H;
+                            for (int m = lane; m < H; m += S)
+                                s = fmaf(M[m], xq[m], s);
+                        }
+                    }
+                }
+                part(t) = s;
+            });
+            x.group_sum(part, S);
+            x.each([&, round](int t) {
+                const int row = round * ng + t / S;
+                if (t % S != 0 || row >= Q * H)
+                    return;
+                const int q = row / H, i = row - q * H;
+                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                if (p == -1) {
+                    a.g[b * a.H + i] = xs[q * Hp + i]; /* slot n -> g[0] */
+                } else if (p >= 0) {
+                    const int64_t l = (p << (a.d + 1)) + half - 1;
+                    const int64_t r = l + half < a.n ? l + half : a.n;
+                    if (p == 0) { /* prefix = identity: a[r] = a[l] */
+                        rp_scan_dst(a, leaf, r, b)[i] = cs[q * Hp + i];
+                    } else {
+                        rp_scan_dst(a, leaf, r, b)[i] = part(t) + cs[q * Hp + i];
+                        rp_scan_dst(a, leaf, l, b)[i] = xs[q * Hp + i];
+                    }
+                }
+            });
+        }
+        x.sync(); /* before the next unit restages */
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Linear scan over the blocks of 2^L slots: one block per sequence
+ *
+ * Block j ends at e_j = min((j+1) 2^L - 1, n). P_1 = a[e_0] (a vector), then
+ * step j = 1 .. nb-1 writes P_j to slot e_j and, but for the last, computes
+ * P_{j+1} = M P_j + c from the map (M, c) of slot e_j, reading c before the
+ * same thread overwrites it with P_j. At L = 0 the maps are the leaves, c
+ * comes from c and P_j goes to g[n - j]. Shared memory: P (2 x Hp), w when
+ * staged (G H H).
+ * ------------------------------------------------------------------------- */
+
+template <int MODE, class X>
+RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    constexpr bool leaf = MODE != RP_SCAN_PROD; /* levels == 0 */
+    const int H = (int)a.H, Hp = rp_scan_pad4(H), S = a.S, nt = x.nt, ng = nt / S;
+    const int rounds = (H + ng - 1) / ng;
+    float *P = sm, *ws = sm + 2 * Hp;
+    const float *w_ = a.stage_w ? ws : a.w;
+    typename X::template local<float> part;
+
+    if (a.stage_w) {
+        x.each([&](int t) {
+            const int64_t nw = (int64_t)a.G * a.H * a.H;
+            for (int64_t e = t; e < nw; e += nt)
+                ws[e] = a.w[e];
+        });
+    }
+    for (int64_t b = block; b < a.B; b += grid) {
+        x.each([&](int t) {
+            const float *p1 = rp_scan_cpart(a, leaf, a.span - 1, b);
+            for (int m = t; m < H; m += nt)
+                P[m] = p1[m];
+        });
+        x.sync();
+        int cur = 0;
+        for (int64_t j = 1; j < a.nb; j++) {
+            const int64_t e = (j + 1) * a.span - 1 < a.n ? (j + 1) * a.span - 1 : a.n;
+            const bool more = j + 1 < a.nb;
+            const float *Pc = P + cur * Hp;
+            float *Pn = P + (1 - cur) * Hp;
+            for (int round = 0; round < rounds; round++) {
+                x.each([&, round](int t) {
+                    const int i = round * ng + t / S, lane = t % S;
+                    float s = 0.0f;
+                    if (more && i < H) {
+                        if constexpr (leaf) {
+                            s = rp_scan_leaf_dot<MODE>(a, w_, (a.n - e) * a.B + b, i, Pc, lane, S);
+                        } else {
+                            const float *M = rp_scan_prod(a, e, b) + (int64_t)i * H;
+                            for (int m = lane; m < H; m += S)
+                                s = fmaf(M[m], Pc[m], s);
+                        }
+                    }
+                    part(t) = s;
+                });
+                x.group_sum(part, S);
+                x.each([&, round](int t) {
+                    const int i = round * ng + t / S;
+                    if (t % S != 0 || i >= H)
+                        return;
+                    const float cold = more ? rp_scan_cpart(a, leaf, e, b)[i] : 0.0f;
+                    rp_scan_dst(a, leaf, e, b)[i] = Pc[i];
+                    if (more)
+                        Pn[i] = part(t) + cold;
+                });
+            }
+            x.sync();
+            cur = 1 - cur;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Kernels
+ * ------------------------------------------------------------------------- */
+
+#define RP_SCAN_KERNEL_BODY(call)                                                                  \
+    extern __shared__ float4 rp_scan_smem[];                                                       \
+    rp_scan_dev x;                                                                                 \
+    x.tid = (int)threadIdx.x;                                                                      \
+    x.nt = (int)blockDim.x;                                                                        \
+    call(x, a, (int64_t)blockIdx.x, (int64_t)gridDim.x, reinterpret_cast<float *>(rp_scan_smem))
+
+template <int MODE>
+__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_up_small_kernel(const rp_scan_args a)
+{
+    RP_SCAN_KERNEL_BODY(rp_scan_up_small<MODE>);
+}
+
+template <int MODE, int TM>
+__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_up_large_kernel(const rp_scan_args a)
+{
+    RP_SCAN_KERNEL_BODY((rp_scan_up_large<MODE, TM>));
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_down_kernel(const rp_scan_args a)
+{
+    RP_SCAN_KERNEL_BODY(rp_scan_down<MODE>);
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(RP_SCAN_MID_THREADS) rp_scan_mid_kernel(const rp_scan_args a)
+{
+    RP_SCAN_KERNEL_BODY(rp_scan_mid<MODE>);
+}
+
+/* ---------------------------------------------------------------------------
+ * Launchers
+ * ------------------------------------------------------------------------- */
+
+/* One planned launch. */
+typedef struct {
+    const void *fn;
+    unsigned threads;
+    size_t smem;
+    int64_t units;
+    rp_scan_args a;
+} rp_scan_launch_plan;
+
+template <int MODE> static const void *rp_scan_pick_large(int TM)
+{
+    if (TM == 4)
+        return (const void *)rp_scan_up_large_kernel<MODE, 4>;
+    if (TM == 2)
+        return (const void *)rp_scan_up_large_kernel<MODE, 2>;
+    return (const void *)rp_scan_up_large_kernel<MODE, 1>;
+}
+
+static const void *rp_scan_pick(int which, int mode, int TM)
+{
+    switch (which) {
+    case 0: /* up-sweep, small H */
+        return mode == RP_SCAN_PROD    ? (const void *)rp_scan_up_small_kernel<RP_SCAN_PROD>
+               : mode == RP_SCAN_DENSE ? (const void *)rp_scan_up_small_kernel<RP_SCAN_DENSE>
+                                       : (const void *)rp_scan_up_small_kernel<RP_SCAN_STRUCT>;
+    case 1: /* up-sweep, large H */
+        return mode == RP_SCAN_PROD    ? rp_scan_pick_large<RP_SCAN_PROD>(TM)
+               : mode == RP_SCAN_DENSE ? rp_scan_pick_large<RP_SCAN_DENSE>(TM)
+                                       : rp_scan_pick_large<RP_SCAN_STRUCT>(TM);
+    case 2: /* down-sweep */
+        return mode == RP_SCAN_PROD    ? (const void *)rp_scan_down_kernel<RP_SCAN_PROD>
+               : mode == RP_SCAN_DENSE ? (const void *)rp_scan_down_kernel<RP_SCAN_DENSE>
+                                       : (const void *)rp_scan_down_kernel<RP_SCAN_STRUCT>;
+    default: /* middle */
+        return mode == RP_SCAN_PROD    ? (const void *)rp_scan_mid_kernel<RP_SCAN_PROD>
+               : mode == RP_SCAN_DENSE ? (const void *)rp_scan_mid_kernel<RP_SCAN_DENSE>
+                                       : (const void *)rp_scan_mid_kernel<RP_SCAN_STRUCT>;
+    }
+}
+
+static unsigned rp_scan_round32(int64_t x)
+{
+    int64_t r = (x + 31) / 32 * 32;
+    return (unsigned)(r < 32 ? 32 : r);
+}
+
+/* Lanes per row of a mat-vec: about H / 4 elements each, at most 32 lanes;
+ * one on structured leaves. */
+static int rp_scan_lanes(int64_t H, bool structured_leaf)
+{
+    int S = 1;
+    if (structured_leaf)
+        return 1;
+    while (S < 32 && (int64_t)S * 4 < H)
+        S *= 2;
+    return S;
+}
+
+static void rp_scan_plan_up(const rp_scan_args *base, int d, int mode, size_t limit,
+                            rp_scan_launch_plan *L)
+{
+    const int64_t H = base->H;
+    L->a = *base;
+    L->a.d = d;
+    L->a.npairs = base->n >> (d + 1);
+    L->a.ntasks = L->a.npairs * base->B;
+    if (H <= RP_SCAN_SMALL_H) {
+        const int H4 = rp_scan_pad4(H) / 4, per = H4 * H4;
+        int Q = RP_SCAN_THREADS / per;
+        Q = Q < 1 ? 1 : (Q > RP_SCAN_MAX_Q ? RP_SCAN_MAX_Q : Q);
+        while (Q > 1 && rp_scan_small_bytes(H, Q) > limit)
+            Q--;
+        L->a.q = Q;
+        L->a.nunits = (L->a.ntasks + Q - 1) / Q;
+        L->threads = rp_scan_round32((int64_t)Q * per);
+        if (L->threads > RP_SCAN_THREADS)
+            L->threads = RP_SCAN_THREADS;
+        L->smem = rp_scan_small_bytes(H, Q);
+        L->fn = rp_scan_pick(0, mode, 0);
+    } else {
+        int T = 64, TM;
+        while (T > 1 && rp_scan_large_bytes(H, T) > limit)
+            T /= 2;
+        TM = T >= 64 ? 4 : (T == 32 ? 2 : 1);
+        L->a.tile = T;
+        L->a.nunits = L->a.ntasks * ((H + T - 1) / T);
+        L->threads = (unsigned)(T / TM * 16);
+        L->smem = rp_scan_large_bytes(H, T);
+        L->fn = rp_scan_pick(1, mode, TM);
+    }
+    L->units = L->a.nunits;
+}
+
+static void rp_scan_plan_down(const rp_scan_args *base, int d, int mode, size_t limit,
+                              rp_scan_launch_plan *L)
+{
+    const int64_t H = base->H, half = (int64_t)1 << d;
+    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT);
+    int64_t Q = RP_SCAN_THREADS / ((int64_t)S * H);
+    Q = Q < 1 ? 1 : (Q > RP_SCAN_MAX_Q ? RP_SCAN_MAX_Q : Q);
+    while (Q > 1 && rp_scan_down_bytes(H, (int)Q) > limit)
+        Q--;
+    L->a = *base;
+    L->a.d = d;
+    L->a.S = S;
+    L->a.q = (int)Q;
+    L->a.npairs = ((base->n - half) >> (d + 1)) + 1;
+    L->a.ntasks = L->a.npairs * base->B + (d == 0 && base->n % 2 == 0 ? base->B : 0);
+    L->a.nunits = (L->a.ntasks + Q - 1) / Q;
+    L->threads = rp_scan_round32(Q * H * S);
+    if (L->threads > RP_SCAN_THREADS)
+        L->threads = RP_SCAN_THREADS;
+    L->smem = rp_scan_down_bytes(H, (int)Q);
+    L->fn = rp_scan_pick(2, mode, 0);
+    L->units = L->a.nunits;
+}
+
+static void rp_scan_plan_mid(const rp_scan_args *base, int levels, int mode,
+                             rp_scan_launch_plan *L)
+{
+    const int64_t H = base->H;
+    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT);
+    const size_t pbytes = (size_t)2 * rp_scan_pad4(H) * 4;
+    const size_t wbytes = (size_t)rp_scan_pad4((int64_t)base->G * H * H) * 4;
+    L->a = *base;
+    L->a.S = S;
+    L->a.span = (int64_t)1 << levels;
+    L->a.nb = (base->n + L->a.span) / L->a.span; /* ceil((n + 1) / span) */
+    L->a.stage_w = mode == RP_SCAN_STRUCT && pbytes + wbytes <= RP_SCAN_SMEM_DEFAULT;
+    L->a.nunits = base->B;
+    L->threads = rp_scan_round32(H * S);
+    if (L->threads > RP_SCAN_MID_THREADS)
+        L->threads = RP_SCAN_MID_THREADS;
+    L->smem = pbytes + (L->a.stage_w ? wbytes : 0);
+    L->fn = rp_scan_pick(3, mode, 0);
+    L->units = L->a.nunits;
+}
+
+static int rp_scan_cuda_error(cudaError_t e, rp_error *err)
+{
+    (void)cudaGetLastError(); /* clear a non-sticky error */
+    return rp_set_error(err, RP_ERUNTIME, "CUDA error in rp_cuda_scan: %s", cudaGetErrorString(e));
+}
+
+/* Switches to the device of `stream` for the duration of a call. */
+struct rp_scan_device_guard {
+    int prev = -1;
+    bool switched = false;
+    ~rp_scan_device_guard()
+    {
+        if (switched)
+            (void)cudaSetDevice(prev);
+    }
+};
+
+extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels,
+                            float *work, void *stream_, rp_error *err)
+{
+    cudaStream_t stream = (cudaStream_t)stream_;
+    rp_scan_device_guard guard;
+    rp_scan_launch_plan *plans = NULL;
+    rp_scan_args base;
+    size_t limit = RP_SCAN_SMEM_DEFAULT, need = 0;
+    int dev = 0, nplans = 0, mode, k, rc;
+
+    rc = rp_scan_check(j, c, g, levels, work, err);
+    if (rc != RP_OK)
+        return rc;
+    if (j->n <= 0 || j->batch <= 0 || j->dim <= 0)
+        return RP_OK;
+
+    /* Run on the stream's device (kernels launch on the current one). */
+    {
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e != cudaSuccess)
+            return rp_scan_cuda_error(e, err);
+    }
+#if CUDART_VERSION >= 12080
+    if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+        int sdev = dev;
+        cudaError_t e = cudaStreamGetDevice(stream, &sdev);
+        if (e != cudaSuccess)
+            return rp_scan_cuda_error(e, err);
+        if (sdev != dev) {
+            e = cudaSetDevice(sdev);
+            if (e != cudaSuccess)
+                return rp_scan_cuda_error(e, err);
+            guard.prev = dev;
+            guard.switched = true;
+            dev = sdev;
+        }
+    }
+#endif
+
+    memset(&base, 0, sizeof base);
+    base.w = j->w;
+    base.u = j->u;
+    base.v = j->v;
+    base.jt = j->jt;
+    base.c = c;
+    base.g = g;
+    base.vec = work;
+    base.prod = work + (j->n + 1) * j->batch * j->dim;
+    base.n = j->n;
+    base.B = j->batch;
+    base.H = j->dim;
+    base.G = j->gates;
+    mode = j->gates > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
+
+    /* Shared memory: the default 48 KB, or the device's opt-in maximum when
+     * a one-task block does not fit in it (H in the thousands). */
+    {
+        const int64_t H = base.H;
+        size_t small = (size_t)2 * rp_scan_pad4(H) * 4 + 16;
+        if (levels > 0) {
+            size_t up = H <= RP_SCAN_SMALL_H ? rp_scan_small_bytes(H, 1) : rp_scan_large_bytes(H, 1);
+            size_t down = rp_scan_down_bytes(H, 1);
+            small = up > small ? up : small;
+            small = down > small ? down : small;
+        }
+        if (small > limit) {
+            int optin = 0;
+            cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+            if (e != cudaSuccess)
+                return rp_scan_cuda_error(e, err);
+            if ((size_t)optin < small)
+                return rp_set_error(err, RP_EINVAL,
+                                    "rp_cuda_scan: dim %lld needs %zu bytes of shared memory per "
+                                    "block, the device allows %d",
+                                    (long long)H, small, optin);
+            limit = (size_t)optin;
+        }
+    }
+
+    plans = (rp_scan_launch_plan *)malloc(sizeof *plans * (size_t)(2 * levels + 1));
+    if (plans == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "rp_cuda_scan: out of host memory");
+    for (k = 0; k < levels; k++)
+        rp_scan_plan_up(&base, k, k == 0 ? mode : RP_SCAN_PROD, limit, &plans[nplans++]);
+    rp_scan_plan_mid(&base, levels, levels == 0 ? mode : RP_SCAN_PROD, &plans[nplans++]);
+    for (k = levels - 1; k >= 0; k--)
+        rp_scan_plan_down(&base, k, k == 0 ? mode : RP_SCAN_PROD, limit, &plans[nplans++]);
+
+    for (k = 0; k < nplans; k++) {
+        need = plans[k].smem;
+        if (need > RP_SCAN_SMEM_DEFAULT) {
+            cudaError_t e = cudaFuncSetAttribute(plans[k].fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)need);
+            if (e != cudaSuccess) {
+                free(plans);
+                return rp_scan_cuda_error(e, err);
+            }
+        }
+    }
+    for (k = 0; k < nplans; k++) {
+        const rp_scan_launch_plan *L = &plans[k];
+        const int64_t units = L->units < 1 ? 1 : L->units;
+        const unsigned grid = (unsigned)(units < RP_SCAN_MAX_GRID ? units : RP_SCAN_MAX_GRID);
+        void *args[] = {(void *)&L->a};
+        cudaError_t e = cudaLaunchKernel(L->fn, dim3(grid), dim3(L->threads), args, L->smem, stream);
+        if (e == cudaSuccess)
+            e = cudaGetLastError();
+        if (e != cudaSuccess) {
+            free(plans);
+            return rp_scan_cuda_error(e, err);
+        }
+    }
+    free(plans);
+    return RP_OK;
+}

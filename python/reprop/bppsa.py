@@ -1,0 +1,366 @@
+"""BPPSA: backprop through recurrences as a parallel scan (Wang et al., MLSys 2020).
+
+Backprop through time solves g[t] = c[t] + J[t+1]^T g[t+1] step after step.
+BPPSA computes the same gradients as an exclusive scan of the transposed
+Jacobians with the modified Blelloch algorithm: Theta(log T) dependent steps
+instead of T, at the price of H x H matrix products in the up-sweep. The
+arithmetic is reordered, nothing is approximated.
+
+- :class:`RNN` and :class:`GRU` are drop-in ``torch.nn.RNN``/``torch.nn.GRU``
+  (same arguments, parameters and state_dict) whose backward runs the scan
+  inside an ordinary ``autograd.Function``: ``loss.backward()`` is unchanged.
+  The forward is PyTorch's own (cuDNN on the GPU), one layer and direction at
+  a time. The transposed Jacobians are never materialized: W_hh is shared by
+  every step and sequence and the activation derivatives stay vectors.
+- :func:`convert` swaps the RNNs and GRUs of an unmodified model in place.
+- :func:`scan` is the recurrence itself, for custom recurrences.
+- ``scan="auto"`` lets a cost model choose how many Blelloch levels to run
+  (``"linear"``: none, the plain linear scan; ``"blelloch"``: all of them;
+  an int: that many, the hybrid of the paper's Section 5.3).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ._native import _C, _cuda
+from ._tensors import check_strided
+
+__all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream"]
+
+_SCAN_NAMES = ("auto", "linear", "blelloch")
+
+
+# ---------------------------------------------------------------------------
+# The scan
+# ---------------------------------------------------------------------------
+
+def max_levels(n: int) -> int:
+    """Up-sweep levels of the full Blelloch scan over n steps: ceil(log2(n + 1)) - 1."""
+    return _C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _machine(device: torch.device) -> tuple[float, float, float]:
+    """The cost model's view of a device: (parallel products, cost of a level,
+    cost of a dependent linear-scan step), costs in multiply-adds of one worker.
+    CPU: one product per OpenMP thread, a level costs a fork/join. CUDA: about
+    16 small products per SM at once, a level costs a kernel launch (~4 us),
+    a linear step a block barrier and a dependent trip to L2."""
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        return float(16 * sms), 2.0e4, 3.0e3
+    return float(torch.get_num_threads()), 4.0e3, 20.0
+
+
+def _device_key(device: torch.device) -> torch.device:
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device | str = "cpu") -> int:
+    """The number of Blelloch levels the cost model picks for this problem on
+    `device` (0 is the linear scan, max_levels(n) the full Blelloch scan)."""
+    m = _machine(_device_key(torch.device(device)))
+    return _C.scan_plan(n, batch, hidden, gates, *m)[0]
+
+
+def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
+    top = max_levels(n)
+    if choice == "auto":
+        return scan_levels(n, batch, hidden, gates, device)
+    if choice == "linear":
+        return 0
+    if choice == "blelloch":
+        return top
+    return min(int(choice), top)
+
+
+def _check_scan_choice(scan) -> object:
+    if isinstance(scan, bool) or not (scan in _SCAN_NAMES or isinstance(scan, int)):
+        raise ValueError(f"scan: expected one of {_SCAN_NAMES} or a number of levels, got {scan!r}")
+    if isinstance(scan, int) and scan < 0:
+        raise ValueError(f"scan: the number of levels must be >= 0, got {scan}")
+    return scan
+
+
+def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torch.device,
+                   optional: bool = False) -> None:
+    if t is None:
+        if optional:
+            return
+        raise ValueError(f"{name}: required")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    check_strided(t, name)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: expected float32, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
+         v: torch.Tensor | None = None, jt: torch.Tensor | None = None, levels="auto") -> torch.Tensor:
+    """Solves g[T-1] = c[T-1], g[t] = c[t] + J[t+1]^T g[t+1] for every t.
+
+    c: (T, B, H) float32, the gradient reaching each h_t from outside the
+    recurrence. The transposed Jacobians J[t]^T are either dense, jt (T, B, H, H),
+    or structured, diag(u[t]) + sum_k W_k^T diag(v[t, :, kH:(k+1)H]) with
+    w (G*H, H) shared by all steps (W_k its row blocks), u (T, B, H) or None, and
+    v (T, B, G*H). Entry t = 0 of the Jacobians is not used. Returns g (T, B, H).
+    Runs on c's device (CPU or CUDA, on the current stream); float32 only.
+    """
+    if not isinstance(c, torch.Tensor) or c.dim() != 3:
+        raise ValueError("c: expected a (T, B, H) tensor")
+    T, B, H = c.shape
+    device = c.device
+    _check_operand(c, "c", (T, B, H), device)
+    if T < 1:
+        raise ValueError("c: need at least one step")
+    if jt is not None:
+        if w is not None or u is not None or v is not None:
+            raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
+        _check_operand(jt, "jt", (T, B, H, H), device)
+        gates = 0
+    else:
+        if w is None or w.dim() != 2 or w.shape[1] != H or w.shape[0] % H:
+            raise ValueError(f"w: expected a (G*{H}, {H}) tensor")
+        gates = w.shape[0] // H
+        _check_operand(w, "w", (gates * H, H), device)
+        _check_operand(u, "u", (T, B, H), device, optional=True)
+        _check_operand(v, "v", (T, B, gates * H), device)
+    _check_scan_choice(levels)
+    L = _resolve_levels(levels, T, B, H, gates, device)
+    c = c.contiguous()
+    operands = [None if t is None else t.contiguous() for t in (w, u, v, jt)]
+    g = torch.empty_like(c)
+    work = torch.empty(_C.scan_plan(T, B, H, max(gates, 1), 1.0, 0.0, 0.0)[2], device=device)
+    args = (T, B, H, gates, *map(_pointer, operands), c.data_ptr(), g.data_ptr(), L, work.data_ptr())
+    if device.type == "cuda":
+        if _cuda is None:
+            raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
+        with torch.cuda.device(device):
+            _cuda.scan(*args, torch.cuda.current_stream(device).cuda_stream)
+    elif device.type == "cpu":
+        _C.scan(*args, torch.get_num_threads())
+    else:
+        raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
+    return g
+
+
+# ---------------------------------------------------------------------------
+# One layer, one direction, as an autograd Function
+# ---------------------------------------------------------------------------
+
+def _forward_layer(mode: str, x: torch.Tensor, h0: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """PyTorch's own single-layer forward (cuDNN on the GPU); x (T, B, I), h0 (B, H)."""
+    fn = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru}[mode]
+    out, _ = fn(x, h0.unsqueeze(0), weights, len(weights) == 4, 1, 0.0, False, False, False)
+    return out
+
+
+def _sum_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).sum(0)
+
+
+def _matmul_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over steps and batch of a^T b: (T, B, M), (T, B, N) -> (M, N), one GEMM."""
+    return a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
+
+
+def _gru_gates(x, h_prev, w_ih, w_hh, b_ih, b_hh):
+    """r, z, n and M = W_hn h + b_hn for all steps at once (two GEMMs)."""
+    gi = torch.nn.functional.linear(x, w_ih, b_ih)
+    gh = torch.nn.functional.linear(h_prev, w_hh, b_hh)
+    i_r, i_z, i_n = gi.chunk(3, -1)
+    h_r, h_z, M = gh.chunk(3, -1)
+    r = torch.sigmoid(i_r + h_r)
+    z = torch.sigmoid(i_z + h_z)
+    n = torch.tanh(i_n + r * M)
+    return r, z, n, M
+
+
+class _Layer(torch.autograd.Function):
+    """out = layer(x, h0) with PyTorch's forward; backward through the scan.
+
+    Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
+    the GRU's gates are recomputed in backward in one parallel pass."""
+
+    @staticmethod
+    def forward(ctx, mode, levels, x, h0, w_ih, w_hh, b_ih, b_hh):
+        weights = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
+        out = _forward_layer(mode, x, h0, weights)
+        ctx.mode, ctx.levels, ctx.has_bias = mode, levels, b_ih is not None
+        ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, h0, w_ih, w_hh, b_ih, b_hh, out = ctx.saved_tensors
+        f32 = [t.float() if t is not None else None for t in (x, h0, w_ih, w_hh, b_ih, b_hh, out)]
+        x32, h032, w_ih32, w_hh32, b_ih32, b_hh32, out32 = f32
+        h_prev = torch.cat([h032.unsqueeze(0), out32[:-1]])
+        c = grad_out.float()
+        T, B, H = out.shape
+        if ctx.mode == "GRU":
+            r, z, n, M = _gru_gates(x32, h_prev, w_ih32, w_hh32, b_ih32, b_hh32)
+            dn = (1 - z) * (1 - n * n)
+            v = torch.cat([dn * M * r * (1 - r), (h_prev - n) * z * (1 - z), dn * r], -1)
+            levels = _resolve_levels(ctx.levels, T, B, H, 3, c.device)
+            g = scan(c, w=w_hh32, u=z, v=v, levels=levels)
+            d_gh = v * g.repeat(1, 1, 3)
+            d_gi = torch.cat([d_gh[..., :2 * H], dn * g], -1)  # W_in sees n's input before r
+            grad_h0 = z[0] * g[0] + d_gh[0] @ w_hh32
+        else:
+            v = 1 - out32 * out32 if ctx.mode == "RNN_TANH" else (out32 > 0).float()
+            levels = _resolve_levels(ctx.levels, T, B, H, 1, c.device)
+            g = scan(c, w=w_hh32, v=v, levels=levels)
+            d_gh = d_gi = v * g
+            grad_h0 = d_gh[0] @ w_hh32
+        grads = [d_gi @ w_ih32, grad_h0, _matmul_tn(d_gi, x32), _matmul_tn(d_gh, h_prev)]
+        grads += [_sum_rows(d_gi), _sum_rows(d_gh)] if ctx.has_bias else [None, None]
+        originals = (x, h0, w_ih, w_hh, b_ih, b_hh)
+        grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, originals)]
+        return (None, None, *grads)
+
+
+# ---------------------------------------------------------------------------
+# The modules
+# ---------------------------------------------------------------------------
+
+class _ScanRNNBase:
+    """forward() of nn.RNN / nn.GRU, layer by layer and direction by direction,
+    each through _Layer; mixed into subclasses of the torch modules so that
+    parameters, state_dict, flatten_parameters and repr stay theirs."""
+
+    scan = "auto"
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", scan={self.scan!r}"
+
+    def _layer_weights(self, layer: int, suffix: str):
+        names = [f"weight_ih_l{layer}{suffix}", f"weight_hh_l{layer}{suffix}"]
+        if self.bias:
+            names += [f"bias_ih_l{layer}{suffix}", f"bias_hh_l{layer}{suffix}"]
+            return [getattr(self, n) for n in names]
+        return [getattr(self, n) for n in names] + [None, None]
+
+    def _check_input(self, input, hx):
+        if isinstance(input, nn.utils.rnn.PackedSequence):
+            raise TypeError(f"{type(self).__name__}: PackedSequence input is not supported; "
+                            "pass a padded tensor")
+        if getattr(self, "proj_size", 0):
+            raise ValueError(f"{type(self).__name__}: proj_size is not supported")
+        if input.dim() not in (2, 3):
+            raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
+        if input.is_complex() or not input.is_floating_point():
+            raise TypeError(f"input: expected a real floating-point tensor, got {input.dtype}")
+        if input.dtype == torch.float64:
+            raise TypeError(f"input: {type(self).__name__} runs its scan in float32; got float64 "
+                            "(use torch.nn for double precision)")
+        if input.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"input: expected a CPU or CUDA tensor, got {input.device}")
+
+    def forward(self, input, hx=None):
+        self._check_input(input, hx)
+        batched = input.dim() == 3
+        if not batched:
+            input = input.unsqueeze(1)
+            hx = hx.unsqueeze(1) if hx is not None else None
+        elif self.batch_first:
+            input = input.transpose(0, 1)
+        dirs = 2 if self.bidirectional else 1
+        T, B = input.shape[0], input.shape[1]
+        if hx is None:
+            hx = input.new_zeros(self.num_layers * dirs, B, self.hidden_size)
+        elif hx.shape != (self.num_layers * dirs, B, self.hidden_size):
+            raise ValueError(f"hx: expected shape {(self.num_layers * dirs, B, self.hidden_size)}, "
+                             f"got {tuple(hx.shape)}")
+        if T == 0:
+            raise ValueError("input: expected a sequence of at least one step")
+        layer_in, h_n = input, []
+        for layer in range(self.num_layers):
+            outs = []
+            for d in range(dirs):
+                x = layer_in if d == 0 else layer_in.flip(0)
+                out = _Layer.apply(self.mode, self.scan, x, hx[layer * dirs + d],
+                                   *self._layer_weights(layer, "_reverse" if d else ""))
+                h_n.append(out[-1])
+                outs.append(out if d == 0 else out.flip(0))
+            layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
+            if self.dropout and self.training and layer + 1 < self.num_layers:
+                layer_in = nn.functional.dropout(layer_in, self.dropout, True)
+        output, h_n = layer_in, torch.stack(h_n)
+        if not batched:
+            return output.squeeze(1), h_n.squeeze(1)
+        return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+
+class RNN(_ScanRNNBase, nn.RNN):
+    """torch.nn.RNN (tanh or relu) whose backward is a BPPSA scan.
+
+    Same arguments, parameters and state_dict as nn.RNN, plus keyword ``scan``
+    ("auto", "linear", "blelloch" or a number of up-sweep levels). Input
+    (T, B, I), (B, T, I) with batch_first, or unbatched (T, I); float32, or
+    lower precision under autocast (the scan itself runs in float32)."""
+
+    def __init__(self, *args, scan="auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scan = _check_scan_choice(scan)
+
+
+class GRU(_ScanRNNBase, nn.GRU):
+    """torch.nn.GRU whose backward is a BPPSA scan; see :class:`RNN`.
+
+    The scan's Jacobians need the gates r, z, n, which PyTorch's fused GRU
+    does not expose: backward recomputes them for all steps at once (two
+    GEMMs and element-wise work), instead of saving them in forward."""
+
+    def __init__(self, *args, scan="auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scan = _check_scan_choice(scan)
+
+
+_CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
+
+
+def convert(model: nn.Module, scan="auto") -> list[str]:
+    """Turns every torch.nn.RNN and torch.nn.GRU in `model` (the model itself
+    included) into its BPPSA version in place, keeping parameters, buffers
+    and hooks; returns the qualified names of the modules changed. Exact
+    classes only: subclasses may override forward and are left alone."""
+    _check_scan_choice(scan)
+    changed = []
+    for name, module in model.named_modules():
+        target = _CONVERSIONS.get(type(module))
+        if target is not None:
+            module.__class__ = target
+            module.scan = scan
+            changed.append(name)
+    return changed
+
+
+# ---------------------------------------------------------------------------
+# The paper's synthetic task
+# ---------------------------------------------------------------------------
+
+def bitstream(num_samples: int, seq_len: int, *, generator: torch.Generator | None = None,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The bitstream classification task of the paper's Eq. 8: labels c in 0..9
+    and bits x_t ~ Bernoulli(0.05 + 0.1 c). Returns x (seq_len, num_samples, 1)
+    float32 and labels (num_samples,) int64, generated on the CPU from
+    `generator` and moved to `device`."""
+    labels = torch.randint(0, 10, (num_samples,), generator=generator)
+    p = (0.05 + 0.1 * labels.float()).expand(seq_len, num_samples)
+    x = torch.bernoulli(p, generator=generator).unsqueeze(-1)
+    return x.to(device), labels.to(device)

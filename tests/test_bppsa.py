@@ -1,0 +1,423 @@
+"""BPPSA (reprop.bppsa): backprop through time as a parallel scan.
+
+Golden references are plain PyTorch: nn.RNN / nn.GRU autograd for the
+modules, the recurrence evaluated step by step in float64 for the scan.
+
+Tolerance: BPPSA reorders the float32 arithmetic of backprop (products of
+Jacobians first, then matrix-vector products), so results differ from
+autograd's by rounding only. Errors are measured as max |ours - torch| /
+max |torch| per tensor; measured below 1e-6 for T up to 1000 (tanh, relu,
+GRU, every scan choice), asserted at 3e-6. A wrong Jacobian, operand order
+or level schedule gives errors of order 1e-1.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import reprop
+from reprop import bppsa
+
+TOL = 3e-6
+CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    scale = ref.abs().max().item()
+    return (ours.double() - ref.double()).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def make_pair(kind: str, *args, scan="auto", **kwargs):
+    """A torch module and its BPPSA twin with the same weights."""
+    if kind == "gru":
+        ref = nn.GRU(*args, **kwargs)
+        ours = bppsa.GRU(*args, scan=scan, **kwargs)
+    else:
+        ref = nn.RNN(*args, nonlinearity=kind, **kwargs)
+        ours = bppsa.RNN(*args, nonlinearity=kind, scan=scan, **kwargs)
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def run(module, x, h0, weight_out):
+    """Outputs and the gradients of x, h0 and every parameter for a loss that
+    reaches every step's output and the final hidden states."""
+    x = x.detach().clone().requires_grad_()
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
+    out, h_n = module(x, h0)
+    loss = (out * weight_out).sum() + h_n.sin().sum()
+    loss.backward()
+    grads = [x.grad] + ([h0.grad] if h0 is not None else []) + [p.grad for p in module.parameters()]
+    module.zero_grad()
+    return [out.detach(), h_n.detach()] + grads
+
+
+def assert_close_lists(ours, ref, tol=TOL):
+    assert len(ours) == len(ref)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert a.shape == b.shape, i
+        assert rel_err(a, b) <= tol, (i, rel_err(a, b))
+
+
+# ---------------------------------------------------------------------------
+# The scan itself
+# ---------------------------------------------------------------------------
+
+def reference_scan(c, jt):
+    """g[t] = c[t] + jt[t+1] g[t+1], step by step in float64."""
+    c, jt = c.double(), jt.double()
+    g = torch.empty_like(c)
+    g[-1] = c[-1]
+    for t in range(c.shape[0] - 2, -1, -1):
+        g[t] = c[t] + torch.einsum("bij,bj->bi", jt[t + 1], g[t + 1])
+    return g
+
+
+def structured_dense(w, u, v):
+    """The dense J^T = diag(u) + sum_k W_k^T diag(v_k) of the structured form."""
+    T, B, GH = v.shape
+    H = w.shape[1]
+    wk = w.reshape(GH // H, H, H)  # (G, H(m), H(i)): W_k[m, i]
+    dense = torch.einsum("kmi,tbkm->tbim", wk, v.reshape(T, B, GH // H, H))
+    if u is not None:
+        dense = dense + torch.diag_embed(u)
+    return dense
+
+
+@pytest.mark.parametrize("n", range(1, 71))
+def test_blelloch_equals_linear_scan_dense(n):
+    gen = torch.Generator().manual_seed(n)
+    B, H = 2, 3
+    jt = torch.randn(n, B, H, H, generator=gen) * 0.5
+    c = torch.randn(n, B, H, generator=gen)
+    want = reference_scan(c, jt)
+    results = [bppsa.scan(c, jt=jt, levels=L) for L in range(bppsa.max_levels(n) + 1)]
+    for L, g in enumerate(results):
+        assert rel_err(g, want) <= 1e-5, (n, L)
+    assert rel_err(results[-1], results[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("gates", [1, 3])
+@pytest.mark.parametrize("with_u", [False, True])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 300])
+def test_structured_scan_equals_dense(gates, with_u, n):
+    gen = torch.Generator().manual_seed(7 * n + gates)
+    B, H = 3, 6
+    w = torch.randn(gates * H, H, generator=gen) / (gates * H) ** 0.5
+    u = torch.rand(n, B, H, generator=gen) * 0.5 if with_u else None
+    v = torch.rand(n, B, gates * H, generator=gen)
+    c = torch.randn(n, B, H, generator=gen)
+    want = reference_scan(c, structured_dense(w, u, v))
+    for levels in ("linear", "blelloch", "auto", 2):
+        assert rel_err(bppsa.scan(c, w=w, u=u, v=v, levels=levels), want) <= 1e-5, levels
+
+
+def test_max_levels_and_cost_model():
+    assert [bppsa.max_levels(n) for n in (1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 1, 2, 2, 3, 9]
+    # two CPU threads: the linear scan's matrix-vector steps win over H x H products
+    torch.set_num_threads(2)
+    assert bppsa.scan_levels(1000, 16, 20, 1, "cpu") == 0
+
+
+def test_scan_rejects_bad_input():
+    c = torch.randn(5, 2, 3)
+    jt = torch.randn(5, 2, 3, 3)
+    with pytest.raises(TypeError, match="c: expected float32"):
+        bppsa.scan(c.double(), jt=jt.double())
+    with pytest.raises(ValueError, match=r"jt: expected shape \(5, 2, 3, 3\)"):
+        bppsa.scan(c, jt=jt[:4])
+    with pytest.raises(ValueError, match="w: expected"):
+        bppsa.scan(c, w=torch.randn(4, 3), v=torch.randn(5, 2, 3))
+    with pytest.raises(ValueError, match="either dense jt or the structured"):
+        bppsa.scan(c, jt=jt, w=torch.randn(3, 3))
+    with pytest.raises(ValueError, match="scan: expected one of"):
+        bppsa.scan(c, jt=jt, levels="fast")
+    with pytest.raises(RuntimeError, match="sparse"):
+        bppsa.scan(c.to_sparse(), jt=jt)
+
+
+# ---------------------------------------------------------------------------
+# The modules against nn.RNN / nn.GRU
+# ---------------------------------------------------------------------------
+
+KINDS = ["tanh", "relu", "gru"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 2, 3, 7, 64])
+@pytest.mark.parametrize("scan", ["auto", "linear", "blelloch", 2])
+def test_gradients_equal_torch(kind, T, scan):
+    torch.manual_seed(T)
+    ref, ours = make_pair(kind, 4, 6, num_layers=2, scan=scan)
+    x, h0 = torch.randn(T, 3, 4), torch.randn(2, 3, 6)
+    w_out = torch.randn(T, 3, 6)
+    assert_close_lists(run(ours, x, h0, w_out), run(ref, x, h0, w_out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("scan", ["linear", "blelloch"])
+def test_gradients_long_sequence(kind, scan):
+    torch.manual_seed(1)
+    ref, ours = make_pair(kind, 1, 8, scan=scan)
+    x = torch.randn(1000, 2, 1)
+    w_out = torch.randn(1000, 2, 8) * 0.1
+    assert_close_lists(run(ours, x, None, w_out), run(ref, x, None, w_out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("with_h0", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_layouts_and_options(kind, batch_first, with_h0, bidirectional):
+    torch.manual_seed(3)
+    ref, ours = make_pair(kind, 5, 7, num_layers=2, batch_first=batch_first,
+                          bidirectional=bidirectional)
+    T, B, dirs = 9, 4, 2 if bidirectional else 1
+    x = torch.randn(B, T, 5) if batch_first else torch.randn(T, B, 5)
+    h0 = torch.randn(2 * dirs, B, 7) if with_h0 else None
+    w_out = torch.randn(*x.shape[:2], 7 * dirs)
+    assert_close_lists(run(ours, x, h0, w_out), run(ref, x, h0, w_out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_without_bias_and_unbatched(kind):
+    torch.manual_seed(4)
+    ref, ours = make_pair(kind, 3, 5, bias=False)
+    x, h0, w_out = torch.randn(11, 3), torch.randn(1, 5), torch.randn(11, 5)
+    assert_close_lists(run(ours, x, h0, w_out), run(ref, x, h0, w_out))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hidden_sizes_and_batches(kind):
+    for H, B in [(1, 1), (20, 16), (33, 5)]:
+        torch.manual_seed(H)
+        ref, ours = make_pair(kind, 2, H, scan="blelloch")
+        x, w_out = torch.randn(50, B, 2), torch.randn(50, B, H)
+        assert_close_lists(run(ours, x, None, w_out), run(ref, x, None, w_out))
+
+
+def test_dropout_between_layers_matches_with_same_masks():
+    torch.manual_seed(5)
+    ref, ours = make_pair("tanh", 3, 4, num_layers=2, dropout=0.5)
+    ours.eval(), ref.eval()  # eval: no dropout, identical results
+    x, w_out = torch.randn(6, 2, 3), torch.randn(6, 2, 4)
+    assert_close_lists(run(ours, x, None, w_out), run(ref, x, None, w_out))
+    ours.train()
+    out, _ = ours(x)
+    assert out.shape == (6, 2, 4)
+
+
+def test_saves_only_what_torch_saves():
+    """The scan recomputes the Jacobians in backward: the layer keeps x, h0,
+    the weights and the output sequence, nothing of size T*B*H*H."""
+    ours = bppsa.RNN(3, 8, scan="blelloch")
+    x = torch.randn(50, 4, 3, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        ours(x)[0].sum().backward()
+    assert max(saved) <= 50 * 4 * 8
+    assert sum(saved) <= 50 * 4 * (3 + 8) + 4 * 8 + 2 * 64 + 2 * 8 + 8 * 3
+
+
+def test_double_backward_is_refused():
+    ours = bppsa.RNN(2, 3)
+    x = torch.randn(4, 1, 2, requires_grad=True)
+    (g,) = torch.autograd.grad(ours(x)[0].pow(2).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
+        g.sum().backward()
+
+
+def test_module_rejects_bad_input():
+    rnn = bppsa.RNN(2, 3)
+    with pytest.raises(TypeError, match="float64"):
+        rnn.double()(torch.randn(4, 1, 2, dtype=torch.float64))
+    rnn = bppsa.RNN(2, 3)
+    with pytest.raises(TypeError, match="PackedSequence"):
+        rnn(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 3]))
+    with pytest.raises(ValueError, match=r"hx: expected shape \(1, 2, 3\)"):
+        rnn(torch.randn(4, 2, 2), torch.randn(1, 3, 3))
+    with pytest.raises(TypeError, match="real floating-point"):
+        rnn(torch.ones(4, 2, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scan: expected one of"):
+        bppsa.GRU(2, 3, scan="fastest")
+    with pytest.raises(ValueError, match="levels must be >= 0"):
+        bppsa.GRU(2, 3, scan=-1)
+
+
+# ---------------------------------------------------------------------------
+# convert()
+# ---------------------------------------------------------------------------
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.RNN(4, 6, batch_first=True)
+        self.gru = nn.GRU(6, 5, num_layers=2)
+        self.lstm = nn.LSTM(5, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x):
+        y, _ = self.rnn(x)
+        y, _ = self.gru(y.transpose(0, 1))
+        y, _ = self.lstm(y)
+        return self.head(y)
+
+
+def test_convert_swaps_in_place_and_keeps_training_identical():
+    torch.manual_seed(6)
+    ref = Tagger()
+    ours = Tagger()
+    ours.load_state_dict(ref.state_dict())
+    hook_calls = []
+    ours.gru.register_forward_hook(lambda *a: hook_calls.append(1))
+    changed = bppsa.convert(ours, scan="blelloch")
+    assert changed == ["rnn", "gru"]
+    assert type(ours.rnn) is bppsa.RNN and type(ours.gru) is bppsa.GRU
+    assert type(ours.lstm) is nn.LSTM
+    assert isinstance(ours.rnn, nn.RNN) and ours.gru.scan == "blelloch"
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt_ours = torch.optim.Adam(ours.parameters(), lr=1e-2)
+    for step in range(20):
+        x = torch.randn(3, 12, 4)
+        for model, opt in ((ref, opt_ref), (ours, opt_ours)):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+    assert hook_calls
+    for (name, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
+        assert rel_err(b, a) <= 1e-5, name
+    assert bppsa.convert(ours) == []
+
+
+# ---------------------------------------------------------------------------
+# Convergence on the paper's bitstream task (Eq. 8)
+# ---------------------------------------------------------------------------
+
+def test_bitstream_dataset():
+    gen = torch.Generator().manual_seed(0)
+    x, labels = bppsa.bitstream(4000, 200, generator=gen)
+    assert x.shape == (200, 4000, 1) and labels.shape == (4000,)
+    assert set(x.unique().tolist()) <= {0.0, 1.0} and labels.min() >= 0 and labels.max() <= 9
+    rate = x.squeeze(-1).mean(0)
+    for c in range(10):
+        assert abs(rate[labels == c].mean().item() - (0.05 + 0.1 * c)) < 0.01
+
+
+class BitstreamRNN(nn.Module):
+    def __init__(self, hidden=20):
+        super().__init__()
+        self.rnn = nn.RNN(1, hidden)
+        self.head = nn.Linear(hidden, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[1][-1])
+
+
+def train_curve(model, steps, seed):
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    curve = []
+    for _ in range(steps):
+        x, y = bppsa.bitstream(16, 100, generator=gen)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        curve.append(loss.item())
+    return torch.tensor(curve, dtype=torch.float64)
+
+
+def test_training_follows_the_same_loss_curve():
+    """300 Adam steps on the bitstream task (T = 100, B = 16). This training
+    is chaotic: a one-ulp change of the initial weights of nn.RNN itself
+    makes its loss curve wander by ~1e-1 from step ~170 on. So BPPSA (whose
+    gradients on equal weights match to ~4e-7) must match nn.RNN's curve
+    closely before the chaos sets in, and afterwards stay within a few times
+    the spread of that ulp-perturbed nn.RNN run."""
+    torch.manual_seed(0)
+    ref = BitstreamRNN()
+    ours, nudged = BitstreamRNN(), BitstreamRNN()
+    ours.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        for p, q in zip(nudged.parameters(), ref.parameters()):
+            p.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
+    bppsa.convert(ours, scan="blelloch")
+    steps = 300
+    ref_curve, our_curve, nudged_curve = (train_curve(m, steps, seed=1) for m in (ref, ours, nudged))
+    assert ref_curve[-50:].mean() < ref_curve[:50].mean() - 0.1  # it learns
+    ours_dev = (our_curve - ref_curve).abs() / ref_curve
+    natural_dev = (nudged_curve - ref_curve).abs() / ref_curve
+    assert ours_dev[:100].max() <= 1e-5
+    assert ours_dev.max() <= max(4 * natural_dev.max().item(), 1e-5)
+
+
+# ---------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gates", [0, 1, 3])
+@pytest.mark.parametrize("H", [1, 20, 64, 130])
+def test_cuda_scan_equals_cpu(gates, H):
+    gen = torch.Generator().manual_seed(H + gates)
+    n, B = 77, 3
+    c = torch.randn(n, B, H, generator=gen)
+    if gates:
+        kw = dict(w=torch.randn(gates * H, H, generator=gen) / (gates * H) ** 0.5,
+                  u=torch.rand(n, B, H, generator=gen) * 0.5,
+                  v=torch.rand(n, B, gates * H, generator=gen))
+    else:
+        kw = dict(jt=torch.randn(n, B, H, H, generator=gen) / H ** 0.5)
+    for L in range(bppsa.max_levels(n) + 1):
+        cpu = bppsa.scan(c, levels=L, **kw)
+        gpu = bppsa.scan(c.cuda(), levels=L, **{k: t.cuda() for k, t in kw.items()})
+        assert rel_err(gpu.cpu(), cpu) <= 1e-5, L
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [1, 7, 1000])
+def test_cuda_gradients_equal_cudnn(kind, T):
+    torch.manual_seed(T)
+    ref, ours = make_pair(kind, 3, 20, num_layers=2, batch_first=True)
+    ref.cuda(), ours.cuda()
+    x, w_out = torch.randn(16, T, 3, device="cuda"), torch.randn(16, T, 20, device="cuda")
+    ref_res = run(ref, x, None, w_out)
+    # cuDNN's own float32 math (TF32 off by default for RNNs) differs from
+    # CPU by rounding; the same bound holds.
+    assert_close_lists(run(ours, x, None, w_out), ref_res, tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_runs_on_current_stream():
+    ours = bppsa.GRU(3, 20).cuda()
+    x = torch.randn(300, 8, 3, device="cuda")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out, _ = ours(x)
+        out.sum().backward()
+        grads = [p.grad.clone() for p in ours.parameters()]
+    s.synchronize()
+    ours.zero_grad()
+    ours(x)[0].sum().backward()
+    for a, p in zip(grads, ours.parameters()):
+        assert torch.equal(a, p.grad)
+
+
+@pytest.mark.gpu
+def test_cuda_autocast_float16():
+    torch.manual_seed(9)
+    ref, ours = make_pair("gru", 4, 16)
+    ref.cuda(), ours.cuda()
+    x = torch.randn(50, 4, 4, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        out_ref, _ = ref(x)
+        out_ours, _ = ours(x)
+    assert out_ours.dtype == out_ref.dtype
+    out_ref.float().sum().backward()
+    out_ours.float().sum().backward()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert a.grad.dtype == torch.float32
+        assert rel_err(a.grad, b.grad) <= 2e-2  # float16 forward activations
