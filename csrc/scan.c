@@ -53,7 +53,8 @@ typedef struct {
     void (*apply)(void *ctx, int64_t s, int64_t b, const float *in, float *out, float *work);
     /* the vector of slot s: its up-sweep vector or c part, later its prefix */
     float *(*vec)(void *ctx, int64_t s, int64_t b);
-    /* length of the prefix vector slot s receives: the input size of its map */
+    /* length of the exclusive prefix at slot s: the input size of a[s]'s map
+     * (vectors of every slot have room for the longest) */
     int64_t (*prefix_len)(void *ctx, int64_t s);
 } rp_scan_sched;
 
@@ -113,14 +114,16 @@ static void rp_down_level(const rp_scan_sched *s, int d, float *scratch, int thr
         const int64_t p = task / s->batch, b = task % s->batch;
         const int64_t l = p * step + half - 1, r = rp_min64(l + half, s->nslots);
         float *vl = s->vec(s->ctx, l, b), *vr = s->vec(s->ctx, r, b);
+        /* vr holds the prefix of the node [i, r], i = l - half + 1; the left
+         * child keeps it, the right child [l + 1, r] gets it through a[l] */
         if (p == 0) {
             /* the prefix of a range starting at slot 0 is the identity */
-            rp_copy(vr, vl, s->prefix_len(s->ctx, r));
+            rp_copy(vr, vl, s->prefix_len(s->ctx, l + 1));
         } else {
             float *work = rp_thread_scratch(s, scratch), *out = work + s->work_floats;
             s->apply(s->ctx, l, b, vr, out, work);
-            rp_copy(vl, vr, s->prefix_len(s->ctx, l));
-            rp_copy(vr, out, s->prefix_len(s->ctx, r));
+            rp_copy(vl, vr, s->prefix_len(s->ctx, l - half + 1));
+            rp_copy(vr, out, s->prefix_len(s->ctx, l + 1));
         }
     }
 }
@@ -143,10 +146,10 @@ static void rp_middle(const rp_scan_sched *s, float *scratch, int threads)
         for (int64_t j = 2; j < nb; j++) {
             const int64_t e = j * block - 1; /* e_{j-1} */
             s->apply(s->ctx, e, b, run, next, work);
-            rp_copy(s->vec(s->ctx, e, b), run, s->prefix_len(s->ctx, e));
+            rp_copy(s->vec(s->ctx, e, b), run, s->prefix_len(s->ctx, (j - 1) * block));
             t = run, run = next, next = t;
         }
-        rp_copy(s->vec(s->ctx, last, b), run, s->prefix_len(s->ctx, last));
+        rp_copy(s->vec(s->ctx, last, b), run, s->prefix_len(s->ctx, (nb - 1) * block));
     }
 }
 
@@ -452,4 +455,457 @@ int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
             best = L, best_cost = c;
     }
     return best;
+}
+
+/* ---------------------------------------------------------------------------
+ * The sparse chain: CSR transposed Jacobians with planned products
+ *
+ * Slots: N = n + 1; a[0] = g_n; a[k] = J_{n-k}^T (leaf k - 1, layer n - k).
+ * Matrix ids: leaves 0..n-1 (values from the caller), then the up-sweep
+ * products P(r, d) = (a[r] after levels < d) x (a[l] after levels < d), in
+ * level order, whose values live per sequence in the workspace at val_off.
+ * A product's value p is the sum of A[pair_a[q]] B[pair_b[q]] over its
+ * pairs q (k ascending, the order of a row-by-row Gustavson product).
+ * ------------------------------------------------------------------------- */
+
+typedef struct {
+    int64_t rows, cols, nnz;
+    int32_t *indptr, *indices;
+    int level;             /* products: the up-sweep level; leaves: -1 */
+    int64_t a, b;          /* products: operand ids, C = A B */
+    int64_t *pair_ptr;     /* nnz + 1 */
+    int32_t *pair_a, *pair_b;
+    int64_t val_off;       /* products: offset in a sequence's workspace */
+} rp_csr_mat;
+
+struct rp_csr_plan {
+    int64_t n, nslots;
+    int levels, planned; /* levels run; levels whose products exist */
+    int64_t nmats;
+    rp_csr_mat *mats;
+    int64_t stride;      /* levels the prod table has room for, plus one */
+    int64_t *prod;       /* (N + 1) x stride: id of P(s, d) or -1 */
+    int64_t *vec_off;    /* per slot, offset of its vector in a sequence's workspace */
+    int64_t vec_floats, work_floats, max_vec;
+};
+
+static void rp_csr_mat_free(rp_csr_mat *m)
+{
+    free(m->indptr), free(m->indices), free(m->pair_ptr), free(m->pair_a), free(m->pair_b);
+}
+
+void rp_csr_plan_free(rp_csr_plan *p)
+{
+    if (p == NULL)
+        return;
+    for (int64_t i = 0; i < p->nmats; i++)
+        rp_csr_mat_free(&p->mats[i]);
+    free(p->mats), free(p->prod), free(p->vec_off), free(p);
+}
+
+/* Slot s's map once the levels below `upto` have run. */
+static int64_t rp_csr_map_at(const rp_csr_plan *p, int64_t s, int upto)
+{
+    for (int d = (upto < p->planned ? upto : p->planned) - 1; d >= 0; d--)
+        if (p->prod[s * p->stride + d] >= 0)
+            return p->prod[s * p->stride + d];
+    return s - 1; /* the leaf */
+}
+
+static int64_t rp_csr_prefix_len_of(const rp_csr_plan *p, int64_t s)
+{
+    if (s == 0)
+        return 0;
+    if (s == p->nslots)
+        return p->mats[s - 2].rows; /* g_0: rows of the last slot's leaf */
+    return p->mats[s - 1].cols;
+}
+
+/* The symbolic product C = A B: pattern and pair lists. -1 when out of memory
+ * or past max_pairs (C left empty). */
+static int rp_csr_symbolic(const rp_csr_mat *A, const rp_csr_mat *B, int64_t max_pairs,
+                           rp_csr_mat *C)
+{
+    int32_t *pos = malloc((size_t)(B->cols > 0 ? B->cols : 1) * sizeof *pos);
+    int64_t *row_nnz = calloc((size_t)A->rows + 1, sizeof *row_nnz), pairs = 0;
+    memset(C, 0, sizeof *C);
+    C->rows = A->rows, C->cols = B->cols;
+    if (pos == NULL || row_nnz == NULL)
+        goto fail;
+    for (int64_t j = 0; j < B->cols; j++)
+        pos[j] = -1;
+    /* pass 1: the row sizes and the pair count */
+    for (int64_t i = 0; i < A->rows; i++) {
+        int64_t cnt = 0;
+        for (int64_t q = A->indptr[i]; q < A->indptr[i + 1]; q++) {
+            const int64_t k = A->indices[q];
+            pairs += B->indptr[k + 1] - B->indptr[k];
+            for (int64_t t = B->indptr[k]; t < B->indptr[k + 1]; t++)
+                if (pos[B->indices[t]] != (int32_t)i)
+                    pos[B->indices[t]] = (int32_t)i, cnt++;
+        }
+        row_nnz[i + 1] = row_nnz[i] + cnt;
+        if (max_pairs > 0 && pairs > max_pairs)
+            goto fail;
+    }
+    if (row_nnz[A->rows] > INT32_MAX)
+        goto fail;
+    C->nnz = row_nnz[A->rows];
+    C->indptr = malloc((size_t)(C->rows + 1) * sizeof *C->indptr);
+    C->indices = malloc((size_t)(C->nnz > 0 ? C->nnz : 1) * sizeof *C->indices);
+    C->pair_ptr = calloc((size_t)C->nnz + 1, sizeof *C->pair_ptr);
+    C->pair_a = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof *C->pair_a);
+    C->pair_b = malloc((size_t)(pairs > 0 ? pairs : 1) * sizeof *C->pair_b);
+    if (!C->indptr || !C->indices || !C->pair_ptr || !C->pair_a || !C->pair_b)
+        goto fail;
+    for (int64_t j = 0; j < B->cols; j++)
+        pos[j] = -1;
+    /* pass 2: sorted columns per row, then the pairs per non-zero */
+    for (int64_t i = 0; i < A->rows; i++) {
+        const int64_t base = row_nnz[i];
+        int64_t cnt = 0;
+        C->indptr[i] = (int32_t)base;
+        for (int64_t q = A->indptr[i]; q < A->indptr[i + 1]; q++)
+            for (int64_t t = B->indptr[A->indices[q]]; t < B->indptr[A->indices[q] + 1]; t++)
+                if (pos[B->indices[t]] < base) /* stale marks are below this row's base */
+                    pos[B->indices[t]] = (int32_t)(base + cnt), C->indices[base + cnt++] = B->indices[t];
+        /* insertion sort: rows are short and mostly ordered */
+        for (int64_t x = base + 1; x < base + cnt; x++)
+            for (int64_t y = x; y > base && C->indices[y - 1] > C->indices[y]; y--) {
+                const int32_t tmp = C->indices[y];
+                C->indices[y] = C->indices[y - 1], C->indices[y - 1] = tmp;
+            }
+        for (int64_t x = base; x < base + cnt; x++)
+            pos[C->indices[x]] = (int32_t)x;
+        for (int64_t q = A->indptr[i]; q < A->indptr[i + 1]; q++)
+            for (int64_t t = B->indptr[A->indices[q]]; t < B->indptr[A->indices[q] + 1]; t++)
+                C->pair_ptr[pos[B->indices[t]] + 1]++;
+    }
+    C->indptr[C->rows] = (int32_t)C->nnz;
+    for (int64_t x = 0; x < C->nnz; x++)
+        C->pair_ptr[x + 1] += C->pair_ptr[x];
+    {
+        int64_t *fill = malloc((size_t)(C->nnz > 0 ? C->nnz : 1) * sizeof *fill);
+        if (fill == NULL)
+            goto fail;
+        memcpy(fill, C->pair_ptr, (size_t)(C->nnz > 0 ? C->nnz : 0) * sizeof *fill);
+        for (int64_t i = 0; i < A->rows; i++) {
+            for (int64_t x = C->indptr[i]; x < C->indptr[i + 1]; x++)
+                pos[C->indices[x]] = (int32_t)x;
+            for (int64_t q = A->indptr[i]; q < A->indptr[i + 1]; q++)
+                for (int64_t t = B->indptr[A->indices[q]]; t < B->indptr[A->indices[q] + 1]; t++) {
+                    const int64_t at = fill[pos[B->indices[t]]]++;
+                    C->pair_a[at] = (int32_t)q, C->pair_b[at] = (int32_t)t;
+                }
+        }
+        free(fill);
+    }
+    free(pos), free(row_nnz);
+    return 0;
+fail:
+    free(pos), free(row_nnz);
+    rp_csr_mat_free(C);
+    memset(C, 0, sizeof *C);
+    return -1;
+}
+
+/* Multiply-adds of one scan of one sequence with `levels`, and the
+ * critical-path cost the model compares (see rp_scan_cost). */
+static double rp_csr_cost(const rp_csr_plan *p, int levels, int64_t batch, const rp_scan_machine *m,
+                          int64_t *madds_out)
+{
+    const double W = m->workers > 1 ? m->workers : 1, B = (double)batch;
+    const int64_t N = p->nslots, block = (int64_t)1 << levels, nb = (N + block) / block;
+    int64_t madds = 0;
+    double t = 0.0;
+    for (int d = 0; d < levels; d++) {
+        const int64_t half = (int64_t)1 << d, step = half << 1;
+        int64_t up = 0, down = 0;
+        for (int64_t i = 0; i + step - 1 < N; i += step) {
+            const int64_t r = i + step - 1, id = p->prod[r * p->stride + d];
+            up += id >= 0 ? p->mats[id].pair_ptr[p->mats[id].nnz]
+                          : p->mats[rp_csr_map_at(p, r, d)].nnz; /* spine: a mat-vec */
+        }
+        for (int64_t l = step + half - 1; l < N; l += step)
+            down += p->mats[rp_csr_map_at(p, l, d)].nnz;
+        madds += up + down;
+        t += (double)(up + down) * B / W + 2 * m->level_cost;
+    }
+    for (int64_t j = 2; j < nb; j++) {
+        const int64_t nnz = p->mats[rp_csr_map_at(p, j * block - 1, levels)].nnz;
+        madds += nnz;
+        t += (double)nnz * (B < W ? 1.0 : B / W) + m->step_cost;
+    }
+    if (madds_out)
+        *madds_out = madds;
+    return t;
+}
+
+static int rp_csr_copy_leaf(const rp_csr_pattern *src, rp_csr_mat *dst)
+{
+    memset(dst, 0, sizeof *dst);
+    dst->rows = src->rows, dst->cols = src->cols, dst->nnz = src->nnz, dst->level = -1;
+    dst->indptr = malloc((size_t)(src->rows + 1) * sizeof *dst->indptr);
+    dst->indices = malloc((size_t)(src->nnz > 0 ? src->nnz : 1) * sizeof *dst->indices);
+    if (!dst->indptr || !dst->indices)
+        return -1;
+    memcpy(dst->indptr, src->indptr, (size_t)(src->rows + 1) * sizeof *dst->indptr);
+    if (src->nnz > 0)
+        memcpy(dst->indices, src->indices, (size_t)src->nnz * sizeof *dst->indices);
+    return 0;
+}
+
+static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error *err)
+{
+    if (n < 1 || leaves == NULL)
+        return rp_set_error(err, RP_EINVAL, "csr plan: need at least one layer");
+    for (int64_t i = 0; i < n; i++) {
+        const rp_csr_pattern *m = &leaves[i];
+        if (m->rows < 1 || m->cols < 1 || m->nnz < 0 || !m->indptr || (m->nnz > 0 && !m->indices))
+            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: bad CSR sizes or NULL arrays",
+                                (long long)i);
+        if (i + 1 < n && m->cols != leaves[i + 1].rows)
+            return rp_set_error(err, RP_EINVAL,
+                                "csr plan: layer %lld has %lld outputs but layer %lld has %lld inputs",
+                                (long long)i, (long long)m->cols, (long long)i + 1,
+                                (long long)leaves[i + 1].rows);
+        if (m->indptr[0] != 0 || m->indptr[m->rows] != m->nnz)
+            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz",
+                                (long long)i);
+        for (int64_t r = 0; r < m->rows; r++)
+            for (int64_t q = m->indptr[r]; q < m->indptr[r + 1]; q++)
+                if (m->indptr[r] > m->indptr[r + 1] || m->indices[q] < 0 || m->indices[q] >= m->cols ||
+                    (q > m->indptr[r] && m->indices[q] <= m->indices[q - 1]))
+                    return rp_set_error(err, RP_EINVAL,
+                                        "csr plan: layer %lld: row %lld is not sorted, unique and in range",
+                                        (long long)i, (long long)r);
+    }
+    return RP_OK;
+}
+
+/* Plans the products of every level up to `want` (all when < 0), stopping
+ * at the first level whose products would pass max_pairs. */
+static int rp_csr_plan_products(rp_csr_plan *p, int want, int64_t max_pairs, rp_error *err)
+{
+    const int top = rp_scan_max_levels(p->nslots);
+    p->planned = want < 0 || want > top ? top : want;
+    p->stride = p->planned + 1;
+    p->prod = malloc((size_t)((p->nslots + 1) * p->stride) * sizeof *p->prod);
+    if (p->prod == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+    for (int64_t i = 0; i < (p->nslots + 1) * p->stride; i++)
+        p->prod[i] = -1;
+    for (int d = 0; d < p->planned; d++) {
+        const int64_t half = (int64_t)1 << d, step = half << 1;
+        for (int64_t i = step; i + step - 1 < p->nslots; i += step) { /* off the spine */
+            const int64_t l = i + half - 1, r = i + step - 1;
+            rp_csr_mat *grown = realloc(p->mats, (size_t)(p->nmats + 1) * sizeof *grown);
+            if (grown == NULL)
+                return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+            p->mats = grown;
+            rp_csr_mat *C = &p->mats[p->nmats];
+            const int64_t a = rp_csr_map_at(p, r, d), b = rp_csr_map_at(p, l, d);
+            if (rp_csr_symbolic(&p->mats[a], &p->mats[b], max_pairs, C) != 0) {
+                /* too big (or no memory): drop this level, those below stay usable */
+                for (int64_t x = 0; x < p->nmats; x++)
+                    if (p->mats[x].level == d) {
+                        rp_csr_mat_free(&p->mats[x]);
+                        memset(&p->mats[x], 0, sizeof p->mats[x]);
+                    }
+                while (p->nmats > p->n && p->mats[p->nmats - 1].level == d)
+                    p->nmats--;
+                for (int64_t s = 0; s <= p->nslots; s++)
+                    p->prod[s * p->stride + d] = -1;
+                p->planned = d;
+                return RP_OK;
+            }
+            C->level = d, C->a = a, C->b = b;
+            p->prod[r * p->stride + d] = p->nmats++;
+        }
+    }
+    return RP_OK;
+}
+
+/* Per sequence: one vector per slot, each with room for the longest prefix
+ * (a slot holds the prefixes of several node starts in turn), then the
+ * values of the products of the levels run. */
+static void rp_csr_layout(rp_csr_plan *p)
+{
+    int64_t off;
+    p->max_vec = 1;
+    for (int64_t s = 1; s <= p->nslots; s++) {
+        const int64_t len = rp_csr_prefix_len_of(p, s);
+        p->max_vec = len > p->max_vec ? len : p->max_vec;
+    }
+    for (int64_t s = 0; s <= p->nslots; s++)
+        p->vec_off[s] = s * p->max_vec;
+    off = p->vec_floats = (p->nslots + 1) * p->max_vec;
+    for (int64_t i = p->n; i < p->nmats; i++)
+        if (p->mats[i].level < p->levels)
+            p->mats[i].val_off = off, off += p->mats[i].nnz;
+    p->work_floats = off;
+}
+
+int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int64_t max_pairs,
+                       const rp_scan_machine *m, rp_csr_plan **out, rp_error *err)
+{
+    int rc = rp_csr_check_leaves(n, leaves, err);
+    rp_csr_plan *p;
+    if (rc != RP_OK)
+        return rc;
+    if (out == NULL || m == NULL)
+        return rp_set_error(err, RP_EINVAL, "csr plan: NULL out or machine");
+    *out = NULL;
+    p = calloc(1, sizeof *p);
+    if (p == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+    p->n = n, p->nslots = n + 1;
+    p->mats = calloc((size_t)n, sizeof *p->mats);
+    p->vec_off = malloc((size_t)(n + 2) * sizeof *p->vec_off);
+    if (p->mats == NULL || p->vec_off == NULL) {
+        rp_csr_plan_free(p);
+        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+    }
+    /* slot k holds leaf k - 1 = J_{n-k}^T */
+    for (int64_t k = 1; k <= n; k++, p->nmats++)
+        if (rp_csr_copy_leaf(&leaves[n - k], &p->mats[k - 1]) != 0) {
+            p->nmats++;
+            rp_csr_plan_free(p);
+            return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+        }
+    rc = rp_csr_plan_products(p, levels, max_pairs, err);
+    if (rc != RP_OK) {
+        rp_csr_plan_free(p);
+        return rc;
+    }
+    if (levels < 0) {
+        double best = rp_csr_cost(p, 0, 1, m, NULL);
+        for (int L = 1; L <= p->planned; L++) {
+            const double c = rp_csr_cost(p, L, 1, m, NULL);
+            if (c < best)
+                best = c, p->levels = L;
+        }
+    } else {
+        p->levels = levels < p->planned ? levels : p->planned;
+    }
+    rp_csr_layout(p);
+    *out = p;
+    return RP_OK;
+}
+
+void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
+{
+    rp_scan_machine one = {1, 0, 0};
+    memset(info, 0, sizeof *info);
+    info->levels = p->levels;
+    info->work_floats = p->work_floats;
+    rp_csr_cost(p, p->levels, 1, &one, &info->madds);
+    rp_csr_cost(p, 0, 1, &one, &info->linear_madds);
+    for (int64_t i = p->n; i < p->nmats; i++)
+        if (p->mats[i].level < p->levels) {
+            info->products++;
+            info->pairs += p->mats[i].pair_ptr[p->mats[i].nnz];
+        }
+}
+
+/* ---- the numeric scan ---- */
+
+typedef struct {
+    const rp_csr_plan *p;
+    int64_t batch;
+    const float *const *values; /* per layer */
+    float *work;                /* B x work_floats */
+} rp_csr_ctx;
+
+static const float *rp_csr_values(const rp_csr_ctx *x, int64_t id, int64_t b)
+{
+    const rp_csr_mat *m = &x->p->mats[id];
+    if (id < x->p->n) /* leaf id of slot id + 1 is layer n - 1 - id */
+        return x->values[x->p->n - 1 - id] + b * m->nnz;
+    return x->work + b * x->p->work_floats + m->val_off;
+}
+
+static float *rp_csr_vec(void *ctx, int64_t s, int64_t b)
+{
+    const rp_csr_ctx *x = ctx;
+    return x->work + b * x->p->work_floats + x->p->vec_off[s];
+}
+
+static int64_t rp_csr_prefix_len(void *ctx, int64_t s)
+{
+    return rp_csr_prefix_len_of(((const rp_csr_ctx *)ctx)->p, s);
+}
+
+/* out = M in for CSR M (out aliases nothing). */
+static void rp_csr_mv(const rp_csr_mat *M, const float *restrict val, const float *restrict in,
+                      float *restrict out)
+{
+    for (int64_t i = 0; i < M->rows; i++) {
+        float acc = 0.0f;
+        for (int64_t q = M->indptr[i]; q < M->indptr[i + 1]; q++)
+            acc += val[q] * in[M->indices[q]];
+        out[i] = acc;
+    }
+}
+
+static void rp_csr_apply(void *ctx, int64_t s, int64_t b, const float *in, float *out, float *work)
+{
+    const rp_csr_ctx *x = ctx;
+    const int64_t id = rp_csr_map_at(x->p, s, x->p->levels);
+    (void)work;
+    rp_csr_mv(&x->p->mats[id], rp_csr_values(x, id, b), in, out);
+}
+
+static void rp_csr_combine(void *ctx, int64_t l, int64_t r, int spine, int64_t b, float *work)
+{
+    const rp_csr_ctx *x = ctx;
+    const rp_csr_plan *p = x->p;
+    int d = 0;
+    while (((int64_t)1 << d) < r - l)
+        d++;
+    if (spine) { /* a vector: a[r]'s map applied to a[l]'s vector */
+        const int64_t id = rp_csr_map_at(p, r, d);
+        rp_csr_mv(&p->mats[id], rp_csr_values(x, id, b), rp_csr_vec(ctx, l, b), work);
+        rp_copy(rp_csr_vec(ctx, r, b), work, p->mats[id].rows);
+        return;
+    }
+    const int64_t id = p->prod[r * p->stride + d];
+    const rp_csr_mat *C = &p->mats[id];
+    const float *restrict va = rp_csr_values(x, C->a, b), *restrict vb = rp_csr_values(x, C->b, b);
+    float *restrict vc = x->work + b * p->work_floats + C->val_off;
+    for (int64_t q = 0; q < C->nnz; q++) {
+        float acc = 0.0f;
+        for (int64_t t = C->pair_ptr[q]; t < C->pair_ptr[q + 1]; t++)
+            acc += va[C->pair_a[t]] * vb[C->pair_b[t]];
+        vc[q] = acc;
+    }
+}
+
+int rp_csr_scan_cpu(const rp_csr_plan *p, int64_t batch, const float *const *values,
+                    const float *g_out, float *const *g, float *work, int num_threads,
+                    rp_error *err)
+{
+    if (p == NULL || values == NULL || g_out == NULL || g == NULL || (work == NULL && batch > 0))
+        return rp_set_error(err, RP_EINVAL, "csr scan: NULL plan, values, g_out, g or work");
+    if (batch < 0)
+        return rp_set_error(err, RP_EINVAL, "csr scan: batch must be >= 0");
+    for (int64_t i = 0; i < p->n; i++)
+        if (g[i] == NULL || (values[i] == NULL && p->mats[p->n - 1 - i].nnz > 0))
+            return rp_set_error(err, RP_EINVAL, "csr scan: NULL values or g of layer %lld", (long long)i);
+    if (batch == 0)
+        return RP_OK;
+    rp_csr_ctx x = {p, batch, values, work};
+    rp_scan_sched s = {p->nslots, batch, p->levels, p->max_vec, p->max_vec, &x,
+                       rp_csr_combine, rp_csr_apply, rp_csr_vec, rp_csr_prefix_len};
+    const int64_t out_len = p->mats[0].cols;
+    for (int64_t b = 0; b < batch; b++)
+        memcpy(rp_csr_vec(&x, 0, b), g_out + b * out_len, (size_t)out_len * sizeof *g_out);
+    if (rp_scan_run(&s, num_threads) != 0)
+        return rp_set_error(err, RP_ERUNTIME, "csr scan: out of memory for the per-thread scratch");
+    for (int64_t i = 0; i < p->n; i++) { /* g_i is the prefix of slot n - i + 1 */
+        const int64_t len = rp_csr_prefix_len_of(p, p->n - i + 1);
+        for (int64_t b = 0; b < batch; b++)
+            memcpy(g[i] + b * len, rp_csr_vec(&x, p->n - i + 1, b), (size_t)len * sizeof *g[i]);
+    }
+    return RP_OK;
 }

@@ -140,8 +140,116 @@ static void test_errors(void)
           "dense without jt: %s", err.msg);
 }
 
+/* ---- the sparse chain ---- */
+
+typedef struct {
+    int64_t rows, cols, nnz;
+    int32_t *indptr, *indices;
+} test_csr;
+
+/* A random CSR pattern with about `density` of its entries set. */
+static test_csr random_pattern(int64_t rows, int64_t cols, float density)
+{
+    test_csr m = {rows, cols, 0, malloc((size_t)(rows + 1) * sizeof(int32_t)),
+                  malloc((size_t)(rows * cols) * sizeof(int32_t))};
+    m.indptr[0] = 0;
+    for (int64_t i = 0; i < rows; i++) {
+        for (int64_t j = 0; j < cols; j++)
+            if ((rnd() + 1.0f) * 0.5f < density)
+                m.indices[m.nnz++] = (int32_t)j;
+        m.indptr[i + 1] = (int32_t)m.nnz;
+    }
+    return m;
+}
+
+static void test_csr_chain(int64_t n, int64_t B, int threads)
+{
+    test_csr *pat = malloc((size_t)n * sizeof *pat);
+    rp_csr_pattern *leaves = malloc((size_t)n * sizeof *leaves);
+    float **values = malloc((size_t)n * sizeof *values), **g = malloc((size_t)n * sizeof *g);
+    int64_t *size = malloc((size_t)(n + 1) * sizeof *size);
+    rp_scan_machine m = {4, 100, 10};
+    rp_error err = {{0}};
+    for (int64_t i = 0; i <= n; i++)
+        size[i] = 1 + (int64_t)((rnd() + 1.0f) * 4.0f); /* layer sizes 1..8 */
+    for (int64_t i = 0; i < n; i++) {
+        pat[i] = random_pattern(size[i], size[i + 1], 0.4f);
+        leaves[i] = (rp_csr_pattern){pat[i].rows, pat[i].cols, pat[i].nnz, pat[i].indptr, pat[i].indices};
+        values[i] = rnd_array(B * pat[i].nnz, 0.9f);
+        g[i] = malloc((size_t)(B * size[i]) * sizeof *g[i]);
+    }
+    float *g_out = rnd_array(B * size[n], 1.0f);
+    for (int round = 0; round < 2; round++) {
+        /* reference: g_i = J_i^T g_{i+1} in double */
+        double *want = malloc((size_t)(B * 8 * (n + 1)) * sizeof *want);
+        for (int64_t b = 0; b < B; b++) {
+            double cur[8], next[8];
+            for (int64_t j = 0; j < size[n]; j++)
+                cur[j] = g_out[b * size[n] + j];
+            for (int64_t i = n - 1; i >= 0; i--) {
+                for (int64_t r = 0; r < size[i]; r++) {
+                    next[r] = 0.0;
+                    for (int64_t q = pat[i].indptr[r]; q < pat[i].indptr[r + 1]; q++)
+                        next[r] += (double)values[i][b * pat[i].nnz + q] * cur[pat[i].indices[q]];
+                }
+                memcpy(cur, next, sizeof cur);
+                for (int64_t r = 0; r < size[i]; r++)
+                    want[(b * (n + 1) + i) * 8 + r] = cur[r];
+            }
+        }
+        for (int L = -1; L <= rp_scan_max_levels(n + 1); L++) {
+            rp_csr_plan *plan = NULL;
+            rp_csr_plan_info info;
+            int rc = rp_csr_plan_create(n, leaves, L, 0, &m, &plan, &err);
+            CHECK(rc == RP_OK, "plan n=%lld L=%d: %s", (long long)n, L, err.msg);
+            if (rc != RP_OK)
+                continue;
+            rp_csr_plan_describe(plan, &info);
+            CHECK(L < 0 || info.levels == L, "levels %d != %d", info.levels, L);
+            float *work = malloc((size_t)(B * info.work_floats) * sizeof *work);
+            rc = rp_csr_scan_cpu(plan, B, (const float *const *)values, g_out, g, work, threads, &err);
+            CHECK(rc == RP_OK, "scan: %s", err.msg);
+            double worst = 0.0;
+            for (int64_t b = 0; b < B; b++)
+                for (int64_t i = 0; i < n; i++)
+                    for (int64_t r = 0; r < size[i]; r++)
+                        worst = fmax(worst, fabs(g[i][b * size[i] + r] - want[(b * (n + 1) + i) * 8 + r]));
+            CHECK(worst <= 1e-5, "csr n=%lld L=%d round %d: error %g", (long long)n, info.levels, round, worst);
+            free(work);
+            rp_csr_plan_free(plan);
+        }
+        free(want);
+        /* new values, same patterns: plans are rebuilt above but must not care */
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t q = 0; q < B * pat[i].nnz; q++)
+                values[i][q] = 0.9f * rnd();
+    }
+    for (int64_t i = 0; i < n; i++)
+        free(pat[i].indptr), free(pat[i].indices), free(values[i]), free(g[i]);
+    free(pat), free(leaves), free(values), free(g), free(size), free(g_out);
+}
+
+static void test_csr_errors(void)
+{
+    int32_t ptr[3] = {0, 1, 2}, idx[2] = {1, 0}, bad[2] = {0, 5};
+    rp_csr_pattern a = {2, 2, 2, ptr, idx}, b = {3, 2, 2, ptr, idx}, c = {2, 2, 2, ptr, bad};
+    rp_csr_pattern chain[2] = {a, b};
+    rp_scan_machine m = {1, 0, 0};
+    rp_csr_plan *plan = NULL;
+    rp_error err = {{0}};
+    CHECK(rp_csr_plan_create(2, chain, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "outputs"),
+          "mismatched chain: %s", err.msg);
+    CHECK(rp_csr_plan_create(1, &c, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "row 1"),
+          "column out of range: %s", err.msg);
+    CHECK(plan == NULL, "no plan on error");
+}
+
 int main(void)
 {
+    test_csr_errors();
+    for (int64_t n = 1; n <= 40; n++)
+        test_csr_chain(n, 2, 2);
+    test_csr_chain(70, 3, 3);
     test_levels();
     test_errors();
     for (int64_t n = 1; n <= 70; n++)
