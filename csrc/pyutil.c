@@ -345,3 +345,255 @@ PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t narg
         return NULL;
     return PyFloat_FromDouble(rp_scan_cost(n, batch, dim, gates, levels, &m));
 }
+
+/* ---- BPPSA: analytic CSR Jacobians and the sparse chain scan ---- */
+
+static PyObject *rp_py_int32_array(int64_t len, int32_t **data)
+{
+    npy_intp dims[1] = {(npy_intp)len};
+    PyObject *arr = PyArray_SimpleNew(1, dims, NPY_INT32);
+    if (arr != NULL)
+        *data = (int32_t *)PyArray_DATA((PyArrayObject *)arr);
+    return arr;
+}
+
+/* A tuple of `count` new int32 arrays: indptr (rows + 1), then `count - 1`
+ * arrays of nnz (indices and maps), their data pointers in ptrs. */
+static PyObject *rp_py_pattern_tuple(int64_t rows, int64_t nnz, int count, int32_t **ptrs)
+{
+    PyObject *tuple = PyTuple_New(count);
+    if (tuple == NULL)
+        return NULL;
+    for (int i = 0; i < count; i++) {
+        PyObject *arr = rp_py_int32_array(i == 0 ? rows + 1 : nnz, &ptrs[i]);
+        if (arr == NULL) {
+            Py_DECREF(tuple);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(tuple, i, arr);
+    }
+    return tuple;
+}
+
+static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
+{
+    int64_t f[15];
+    if (!PyTuple_Check(obj) || PyTuple_GET_SIZE(obj) != 15) {
+        PyErr_SetString(PyExc_TypeError,
+                        "geometry: expected a tuple (c_in, h_in, w_in, c_out, h_out, w_out, kh, kw, "
+                        "sh, sw, ph, pw, dh, dw, groups)");
+        return -1;
+    }
+    for (int i = 0; i < 15; i++)
+        if (rp_py_size_arg(PyTuple_GET_ITEM(obj, i), &f[i]) < 0)
+            return -1;
+    *g = (rp_conv2d_geom){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
+                          f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
+    return 0;
+}
+
+PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_error err = {{0}};
+    rp_conv2d_geom g;
+    int64_t nnz = 0, rows, a = 0, b = 0;
+    int32_t *p[4] = {NULL, NULL, NULL, NULL};
+    const char *kind;
+    PyObject *out;
+    int rc, count;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 2, "jacobian") < 0)
+        return NULL;
+    kind = PyUnicode_AsUTF8(args[0]);
+    if (kind == NULL)
+        return NULL;
+    if (!strcmp(kind, "conv2d") || !strcmp(kind, "maxpool2d")) {
+        if (rp_py_geom_arg(args[1], &g) < 0)
+            return NULL;
+        rows = g.c_in * g.h_in * g.w_in;
+        count = kind[0] == 'c' ? 3 : 4;
+        rc = count == 3 ? rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err)
+                        : rp_jac_maxpool2d(&g, &nnz, NULL, NULL, NULL, NULL, &err);
+    } else if (!strcmp(kind, "linear") || !strcmp(kind, "diagonal")) {
+        if (!PyArg_ParseTuple(args[1], "LL", &a, &b))
+            return NULL;
+        rows = a;
+        count = kind[0] == 'l' ? 3 : 2;
+        rc = count == 3 ? rp_jac_linear(a, b, &nnz, NULL, NULL, NULL, &err)
+                        : rp_jac_diagonal(a, &nnz, NULL, NULL, &err);
+    } else {
+        PyErr_Format(PyExc_ValueError, "jacobian: unknown layer kind '%s'", kind);
+        return NULL;
+    }
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    out = rp_py_pattern_tuple(rows, nnz, count, p);
+    if (out == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (!strcmp(kind, "conv2d"))
+        rc = rp_jac_conv2d(&g, &nnz, p[0], p[1], p[2], &err);
+    else if (!strcmp(kind, "maxpool2d"))
+        rc = rp_jac_maxpool2d(&g, &nnz, p[0], p[1], p[2], p[3], &err);
+    else if (count == 3)
+        rc = rp_jac_linear(a, b, &nnz, p[0], p[1], p[2], &err);
+    else
+        rc = rp_jac_diagonal(a, &nnz, p[0], p[1], &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK) {
+        Py_DECREF(out);
+        return rp_py_raise(rc, &err);
+    }
+    return out;
+}
+
+#define RP_CSR_PLAN_CAPSULE "reprop.csr_plan"
+
+static void rp_py_plan_destructor(PyObject *capsule)
+{
+    rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
+}
+
+/* An int32, C-contiguous 1-D array of at least `len` elements, borrowed. */
+static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
+{
+    PyArrayObject *arr = (PyArrayObject *)obj;
+    if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
+        !PyArray_IS_C_CONTIGUOUS(arr) || PyArray_DIM(arr, 0) != (npy_intp)len) {
+        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous int32 array of %lld elements", name,
+                     (long long)len);
+        return -1;
+    }
+    *out = (const int32_t *)PyArray_DATA(arr);
+    return 0;
+}
+
+PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_error err = {{0}};
+    rp_scan_machine m;
+    rp_csr_pattern *leaves;
+    rp_csr_plan *plan = NULL;
+    int64_t n, max_pairs;
+    int levels, rc;
+    PyObject *seq;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], &levels) < 0 ||
+        rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
+        return NULL;
+    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices)");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    leaves = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *leaves);
+    if (leaves == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (int64_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices;
+        long long rows, cols;
+        if (!PyArg_ParseTuple(item, "LLOO", &rows, &cols, &indptr, &indices) || rows < 1 ||
+            rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
+            rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
+                            "indices", &leaves[i].indices) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "leaves: rows must be >= 1");
+            PyMem_Free(leaves);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        leaves[i].rows = rows, leaves[i].cols = cols;
+        leaves[i].nnz = PyArray_DIM((PyArrayObject *)indices, 0);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_csr_plan_create(n, leaves, levels, max_pairs, &m, &plan, &err);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(leaves);
+    Py_DECREF(seq);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    PyObject *capsule = PyCapsule_New(plan, RP_CSR_PLAN_CAPSULE, rp_py_plan_destructor);
+    if (capsule == NULL)
+        rp_csr_plan_free(plan);
+    return capsule;
+}
+
+PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_csr_plan_info info;
+    rp_csr_plan *plan;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "csr_plan_info") < 0)
+        return NULL;
+    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL)
+        return NULL;
+    rp_csr_plan_describe(plan, &info);
+    return Py_BuildValue("{s:i,s:L,s:L,s:L,s:L,s:L}", "levels", info.levels, "work_floats",
+                         (long long)info.work_floats, "madds", (long long)info.madds, "linear_madds",
+                         (long long)info.linear_madds, "products", (long long)info.products, "pairs",
+                         (long long)info.pairs);
+}
+
+/* A list of n data pointers (Python ints) into a PyMem array. */
+static void **rp_py_pointer_list(PyObject *obj, int64_t n, const char *name)
+{
+    PyObject *seq = PySequence_Fast(obj, name);
+    void **out;
+    if (seq == NULL)
+        return NULL;
+    if (PySequence_Fast_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%s: expected %lld pointers", name, (long long)n);
+        Py_DECREF(seq);
+        return NULL;
+    }
+    out = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *out);
+    for (int64_t i = 0; out != NULL && i < n; i++)
+        if (rp_py_pointer_arg(PySequence_Fast_GET_ITEM(seq, i), &out[i]) < 0) {
+            PyMem_Free(out);
+            out = NULL;
+        }
+    if (out == NULL && !PyErr_Occurred())
+        PyErr_NoMemory();
+    Py_DECREF(seq);
+    return out;
+}
+
+PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_error err = {{0}};
+    rp_csr_plan *plan;
+    rp_csr_plan_info info;
+    void **values, **g, *g_out, *work;
+    int64_t batch, n;
+    int threads, rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 7, "csr_scan") < 0)
+        return NULL;
+    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[3], &g_out) < 0 ||
+        rp_py_pointer_arg(args[5], &work) < 0 || rp_py_int_arg(args[6], &threads) < 0)
+        return NULL;
+    rp_csr_plan_describe(plan, &info);
+    n = PySequence_Size(args[2]);
+    if (n < 0)
+        return NULL;
+    values = rp_py_pointer_list(args[2], n, "values");
+    if (values == NULL)
+        return NULL;
+    g = rp_py_pointer_list(args[4], n, "g");
+    if (g == NULL) {
+        PyMem_Free(values);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_csr_scan_cpu(plan, batch, (const float *const *)values, g_out, (float *const *)g, work,
+                         threads, &err);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(values);
+    PyMem_Free(g);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    Py_RETURN_NONE;
+}

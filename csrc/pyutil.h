@@ -103,4 +103,17 @@ int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* The sparse side of reprop.bppsa (defined in pyutil.c):
+ *   jacobian(kind, geometry) -> int32 NumPy arrays (indptr, indices, maps...)
+ *       kind "conv2d"/"maxpool2d" with the 15-tuple of rp_conv2d_geom,
+ *       "linear" with (in, out), "diagonal" with (size, 0)
+ *   csr_plan(leaves, levels, max_pairs, workers, level_cost, step_cost) -> capsule
+ *       leaves: (rows, cols, indptr, indices) per layer, int32 arrays
+ *   csr_plan_info(plan) -> dict of rp_csr_plan_info
+ *   csr_scan(plan, batch, values, g_out, g, work, num_threads): pointers as ints */
+PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 #endif /* REPROP_PYUTIL_H */

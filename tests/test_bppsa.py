@@ -421,3 +421,107 @@ def test_cuda_autocast_float16():
     for a, b in zip(ours.parameters(), ref.parameters()):
         assert a.grad.dtype == torch.float32
         assert rel_err(a.grad, b.grad) <= 2e-2  # float16 forward activations
+
+
+# ---------------------------------------------------------------------------
+# The sparse chain: analytic CSR Jacobians and chain_backward
+# ---------------------------------------------------------------------------
+
+def dense_transposed_jacobian(layer, x):
+    J = torch.autograd.functional.jacobian(lambda t: layer(t.unsqueeze(0))[0], x)
+    return J.reshape(-1, x.numel()).t()
+
+
+CHAIN_LAYERS = [
+    nn.Conv2d(3, 4, 3, padding=1),
+    nn.Conv2d(3, 4, 1),
+    nn.Conv2d(3, 6, (2, 3), stride=(2, 1), padding=(1, 2), dilation=(2, 1), groups=3),
+    nn.Conv2d(3, 2, 5, stride=3, padding=2, bias=False),
+    nn.Conv2d(3, 4, 3, padding="same"),
+    nn.MaxPool2d(2),
+    nn.MaxPool2d(3, stride=2, padding=1),
+    nn.MaxPool2d(2, ceil_mode=True),
+    nn.MaxPool2d((2, 3), stride=1, dilation=(1, 2)),
+    nn.ReLU(), nn.GELU(), nn.Tanh(), nn.LeakyReLU(0.2), nn.Softplus(),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layer", CHAIN_LAYERS, ids=lambda m: repr(m))
+def test_csr_jacobian_equals_autograd(layer):
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, 6)
+    ours = bppsa.transposed_jacobian(layer, x)
+    assert ours.layout == torch.sparse_csr
+    assert torch.equal(ours.to_dense(), dense_transposed_jacobian(layer, x))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_csr_jacobian_linear_and_patterns_are_input_independent():
+    lin = nn.Linear(5, 3)
+    x = torch.randn(5)
+    assert torch.equal(bppsa.transposed_jacobian(lin, x).to_dense(), dense_transposed_jacobian(lin, x))
+    pool = nn.MaxPool2d(2)
+    torch.manual_seed(3)
+    a, b = (bppsa.transposed_jacobian(pool, torch.randn(2, 4, 4)) for _ in range(2))
+    assert torch.equal(a.crow_indices(), b.crow_indices()) and torch.equal(a.col_indices(), b.col_indices())
+    assert not torch.equal(a.values(), b.values())  # only the values follow the argmax
+
+
+def small_cnn():
+    return [nn.Conv2d(2, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 3, 3, stride=2),
+            nn.Tanh(), nn.Flatten(), nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4)]
+
+
+def autograd_layer_input_grads(layers, x, grad_output):
+    inputs, h = [], x.detach().requires_grad_()
+    for layer in layers:
+        if not isinstance(layer, nn.Flatten):
+            h.retain_grad()
+            inputs.append(h)
+        h = layer(h)
+    h.backward(grad_output)
+    return [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("levels", ["auto", "linear", "blelloch", 1, 2])
+def test_chain_backward_equals_autograd(levels):
+    torch.manual_seed(1)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    ours = bppsa.chain_backward(layers, x, g, levels=levels)
+    want = autograd_layer_input_grads(layers, x, g)
+    assert len(ours) == len(want) == 8
+    for a, b in zip(ours, want):
+        assert a.shape == b.shape
+        assert rel_err(a, b) <= 1e-5
+
+
+def test_chain_plan_reuse_equals_fresh_plans():
+    """Patterns are planned once; new weights and inputs only change values."""
+    torch.manual_seed(2)
+    layers = small_cnn()
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch")
+    assert plan.info["levels"] == bppsa.max_levels(len(plan.leaves) + 1)
+    assert plan.info["products"] > 0 and plan.info["pairs"] > 0
+    for step in range(3):
+        with torch.no_grad():
+            for p in layers[0].parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        x, g = torch.randn(2, 2, 6, 6), torch.randn(2, 4)
+        reused = bppsa.chain_backward(layers, x, g, plan=plan)
+        fresh = bppsa.chain_backward(layers, x, g, levels="blelloch")
+        for a, b in zip(reused, fresh):
+            assert torch.equal(a, b)
+
+
+def test_chain_rejects_bad_layers_and_shapes():
+    with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
+        bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))
+    with pytest.raises(ValueError, match="padding_mode"):
+        bppsa.ChainPlan([nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")], (1, 5, 5))
+    with pytest.raises(ValueError, match=r"Linear: expected an input of shape \(4,\)"):
+        bppsa.ChainPlan([nn.Linear(4, 2)], (5,))
+    plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))
+    with pytest.raises(ValueError, match="grad_output: expected 2 elements"):
+        plan.backward([torch.randn(1, 4)], torch.randn(1, 3))

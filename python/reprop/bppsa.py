@@ -14,6 +14,10 @@ arithmetic is reordered, nothing is approximated.
   every step and sequence and the activation derivatives stay vectors.
 - :func:`convert` swaps the RNNs and GRUs of an unmodified model in place.
 - :func:`scan` is the recurrence itself, for custom recurrences.
+- :class:`ChainPlan` and :func:`chain_backward`: the sparse side, for chains
+  of Conv2d/ReLU/MaxPool2d/Linear/element-wise layers (the paper's pruned
+  networks): CSR transposed Jacobians generated analytically, the patterns
+  of every up-sweep product planned once, only values refreshed per step.
 - ``scan="auto"`` lets a cost model choose how many Blelloch levels to run
   (``"linear"``: none, the plain linear scan; ``"blelloch"``: all of them;
   an int: that many, the hybrid of the paper's Section 5.3).
@@ -21,6 +25,8 @@ arithmetic is reordered, nothing is approximated.
 from __future__ import annotations
 
 import functools
+import math
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -28,7 +34,8 @@ from torch import nn
 from ._native import _C, _cuda
 from ._tensors import check_strided
 
-__all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream"]
+__all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
+           "ChainPlan", "chain_backward", "transposed_jacobian"]
 
 _SCAN_NAMES = ("auto", "linear", "blelloch")
 
@@ -364,3 +371,200 @@ def bitstream(num_samples: int, seq_len: int, *, generator: torch.Generator | No
     p = (0.05 + 0.1 * labels.float()).expand(seq_len, num_samples)
     x = torch.bernoulli(p, generator=generator).unsqueeze(-1)
     return x.to(device), labels.to(device)
+
+
+# ---------------------------------------------------------------------------
+# The sparse chain (Section 4.3): CSR transposed Jacobians, planned products
+# ---------------------------------------------------------------------------
+
+# Element-wise layers whose transposed Jacobian is diag(f'(x)).
+_ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish,
+                nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
+                nn.LogSigmoid, nn.Softsign, nn.Tanhshrink)
+
+
+def _pair(v) -> tuple[int, int]:
+    return (v, v) if isinstance(v, int) else tuple(v)
+
+
+def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
+    if layer.padding_mode != "zeros":
+        raise ValueError(f"Conv2d: padding_mode={layer.padding_mode!r} is not supported (only 'zeros')")
+    c, h, w = shape
+    kh, kw = layer.kernel_size
+    sh, sw = layer.stride
+    dh, dw = layer.dilation
+    if isinstance(layer.padding, str):
+        if layer.padding == "valid":
+            ph = pw = 0
+        else:  # "same" with stride 1: torch pads symmetrically when the total is even
+            th, tw = dh * (kh - 1), dw * (kw - 1)
+            if th % 2 or tw % 2:
+                raise ValueError("Conv2d: padding='same' with an odd total padding is not supported")
+            ph, pw = th // 2, tw // 2
+    else:
+        ph, pw = layer.padding
+    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    geom = (c, h, w, layer.out_channels, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, layer.groups)
+    return geom, (layer.out_channels, ho, wo)
+
+
+def _pool_geometry(layer: nn.MaxPool2d, shape: tuple) -> tuple[tuple, tuple]:
+    c, h, w = shape
+    kh, kw = _pair(layer.kernel_size)
+    sh, sw = _pair(layer.stride if layer.stride is not None else layer.kernel_size)
+    ph, pw = _pair(layer.padding)
+    dh, dw = _pair(layer.dilation)
+    out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
+                                         (ph, pw), (dh, dw), layer.ceil_mode)
+    ho, wo = out.shape[-2:]
+    return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
+
+
+def _check_chain_layer(layer: nn.Module, index: int) -> None:
+    if isinstance(layer, nn.MaxPool2d) and layer.return_indices:
+        raise ValueError(f"layers[{index}]: MaxPool2d(return_indices=True) is not supported in a chain")
+    if not isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)):
+        raise TypeError(f"layers[{index}]: {type(layer).__name__} is not supported; expected Conv2d, "
+                        "MaxPool2d, Linear, Flatten, ReLU or an element-wise activation")
+
+
+class _Leaf:
+    """One layer's CSR transposed Jacobian: its pattern (int32) and how to
+    gather its values for a step."""
+
+    def __init__(self, layer: nn.Module, in_shape: tuple):
+        self.layer, self.in_shape = layer, in_shape
+        size = math.prod(in_shape)
+        if isinstance(layer, nn.Conv2d):
+            geom, self.out_shape = _conv_geometry(layer, in_shape)
+            self.indptr, self.indices, self.wmap = _C.jacobian("conv2d", geom)
+        elif isinstance(layer, nn.MaxPool2d):
+            geom, self.out_shape = _pool_geometry(layer, in_shape)
+            self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
+        elif isinstance(layer, nn.Linear):
+            if in_shape != (layer.in_features,):
+                raise ValueError(f"Linear: expected an input of shape ({layer.in_features},) per sample, "
+                                 f"got {in_shape}")
+            self.out_shape = (layer.out_features,)
+            self.indptr, self.indices, self.wmap = _C.jacobian("linear", (layer.in_features,
+                                                                          layer.out_features))
+        else:  # element-wise
+            self.out_shape = in_shape
+            self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
+        self.rows, self.cols = size, math.prod(self.out_shape)
+        self._maps = {}
+
+    def _map(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, device)
+        if key not in self._maps:
+            self._maps[key] = torch.from_numpy(getattr(self, name)).long().to(device)
+        return self._maps[key]
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, nnz) float32 values of J^T for the batch of inputs x."""
+        layer, B = self.layer, x.shape[0]
+        with torch.no_grad():
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                vals = layer.weight.detach().reshape(-1).float()[self._map("wmap", x.device)]
+                return vals.expand(B, -1).contiguous()
+            if isinstance(layer, nn.MaxPool2d):
+                _, idx = torch.nn.functional.max_pool2d(
+                    x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
+                    return_indices=True)
+                picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
+                return (picked == self._map("pmap", x.device)).float()
+        with torch.enable_grad():  # f'(x) of an element-wise layer, exactly as autograd has it
+            xr = x.detach().float().requires_grad_()
+            (d,) = torch.autograd.grad(layer(xr).sum(), xr)
+        return d.reshape(B, -1).contiguous()
+
+
+class ChainPlan:
+    """The planned sparse BPPSA of a chain of layers for one input shape.
+
+    Builds every layer's CSR transposed Jacobian pattern (csrc/jacobian.c)
+    and, once, the patterns and pair lists of every up-sweep product the
+    chosen schedule needs; :meth:`backward` then only gathers values.
+    `input_shape` is one sample's (C, H, W) or (features,). `levels`: "auto"
+    (the cost model, from the exact product sizes), "linear", "blelloch" or
+    an int; `max_pairs` caps a level's planned products (0: no cap)."""
+
+    def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
+                 max_pairs: int = 0):
+        _check_scan_choice(levels)
+        layers = list(layers)
+        if not layers:
+            raise ValueError("layers: expected at least one layer")
+        shape, self.leaves, self.steps = tuple(input_shape), [], []
+        for i, layer in enumerate(layers):
+            _check_chain_layer(layer, i)
+            if isinstance(layer, nn.Flatten):  # already flat here: no Jacobian
+                self.steps.append((layer, None))
+                shape = (math.prod(shape),)
+                continue
+            leaf = _Leaf(layer, shape)
+            self.leaves.append(leaf)
+            self.steps.append((layer, leaf))
+            shape = leaf.out_shape
+        self.input_shape, self.output_shape = tuple(input_shape), shape
+        want = {"auto": -1, "linear": 0, "blelloch": 64}.get(levels, levels)
+        self._plan = _C.csr_plan([(l.rows, l.cols, l.indptr, l.indices) for l in self.leaves], want,
+                                 max_pairs, *_machine(torch.device("cpu")))
+        self.info = _C.csr_plan_info(self._plan)
+
+    def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
+        inputs = []
+        for layer, leaf in self.steps:
+            if leaf is not None:
+                inputs.append(x)
+            x = layer(x)
+        return inputs, x
+
+    def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+        """Gradients of every Jacobian layer's input, shaped like it, from the
+        layer inputs of forward_inputs() and the gradient of the chain's output."""
+        if len(inputs) != len(self.leaves):
+            raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
+        B = grad_output.shape[0]
+        if grad_output.device.type != "cpu":
+            raise ValueError("grad_output: the sparse chain scan runs on the CPU; got "
+                             f"{grad_output.device} (the CUDA path is not built yet)")
+        if grad_output[0].numel() != self.leaves[-1].cols:
+            raise ValueError(f"grad_output: expected {self.leaves[-1].cols} elements per sample, "
+                             f"got {grad_output[0].numel()}")
+        values = [leaf.values(x) for leaf, x in zip(self.leaves, inputs)]
+        g_out = grad_output.detach().float().reshape(B, -1).contiguous()
+        grads = [torch.empty(B, leaf.rows) for leaf in self.leaves]
+        work = torch.empty(B * self.info["work_floats"])
+        _C.csr_scan(self._plan, B, [v.data_ptr() for v in values], g_out.data_ptr(),
+                    [g.data_ptr() for g in grads], work.data_ptr(), torch.get_num_threads())
+        return [g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)]
+
+
+def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: torch.Tensor | None = None,
+                   *, plan: ChainPlan | None = None, levels="auto") -> list[torch.Tensor]:
+    """BPPSA over a chain: the gradient of the input of every Jacobian layer
+    of `layers` (Flatten layers have none) for inputs x (B, ...) and the
+    gradient of the chain's output (ones when None), through the CSR
+    transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
+    patterns across steps; else one is built for x's sample shape."""
+    if plan is None:
+        plan = ChainPlan(layers, x.shape[1:], levels=levels)
+    with torch.no_grad():
+        inputs, out = plan.forward_inputs(x)
+    if grad_output is None:
+        grad_output = torch.ones_like(out)
+    return plan.backward(inputs, grad_output)
+
+
+def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
+    as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
+    _check_chain_layer(layer, 0)
+    leaf = _Leaf(layer, tuple(x.shape))
+    vals = leaf.values(x.unsqueeze(0))[0]
+    return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
+                                   vals, (leaf.rows, leaf.cols), check_invariants=True)
