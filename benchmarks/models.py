@@ -759,6 +759,67 @@ def check_activations() -> None:
 
 
 # ---------------------------------------------------------------------------
+# Recurrent classifiers (the BPPSA benchmark's models, paper Sections 4.1 and 4.2)
+# ---------------------------------------------------------------------------
+
+BITSTREAM_CLASSES = 10  # bitstream task (paper Eq. 8): x_t ~ Bernoulli(0.05 + 0.1 c), c in 0..9
+IRMAS_CLASSES = 11      # IRMAS's predominant-instrument classes
+# MFCC feature shapes, frames F x coefficients C, of the paper's S, M and L sets (Table 3).
+MFCC_SHAPES: dict[str, tuple[int, int]] = {"S": (259, 38), "M": (517, 24), "L": (1034, 12)}
+
+
+class RecurrentClassifier(nn.Module):
+    """A one-layer recurrent module over the sequence, then a Linear on its last hidden state.
+
+    Inputs (T, B, input_size) floats, sequence first (nn.RNN's default layout)
+    -> (B, num_classes) logits. The recurrent module is the attribute ``rnn``
+    (an nn.RNN or nn.GRU, so reprop.bppsa.convert finds and swaps it in place);
+    parameters, in order: rnn.weight_ih_l0, rnn.weight_hh_l0, rnn.bias_ih_l0,
+    rnn.bias_hh_l0, head.weight, head.bias, initialized as torch does.
+    """
+
+    def __init__(self, cell: type[nn.RNNBase], input_size: int, hidden_size: int, num_classes: int):
+        super().__init__()
+        self.rnn = cell(input_size, hidden_size)
+        self.head = nn.Linear(hidden_size, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, h_n = self.rnn(x)  # h_n is (1, B, hidden): the state after the last step
+        return self.head(h_n[-1])
+
+
+def bitstream_rnn(hidden_size: int = 20) -> RecurrentClassifier:
+    """The paper's RNN (Section 4.1, Eq. 9): tanh nn.RNN(1, hidden) + Linear(hidden, 10).
+
+    670 parameters at hidden 20 (20 + 400 + 20 + 20, head 200 + 10).
+    """
+    return RecurrentClassifier(nn.RNN, 1, hidden_size, BITSTREAM_CLASSES)
+
+
+def mfcc_gru(coefficients: int, hidden_size: int = 20) -> RecurrentClassifier:
+    """The paper's GRU (Section 4.2, Eq. 10): nn.GRU(C, hidden) + Linear(hidden, 11).
+
+    3,831 parameters for C = 38 at hidden 20 (3x20x38 + 3x400 + 2x60, head 220 + 11).
+    """
+    return RecurrentClassifier(nn.GRU, coefficients, hidden_size, IRMAS_CLASSES)
+
+
+def mfcc_batch(frames: int, coefficients: int, batch_size: int, device: torch.device | str = "cpu",
+               seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Synthetic MFCC-shaped (inputs, labels) for mfcc_gru.
+
+    (F, B, C) standard-normal float32 features (the paper normalizes every
+    coefficient to zero mean and unit variance) and (B,) int64 labels in
+    [0, IRMAS_CLASSES). Generated on the CPU, then moved: the same data on
+    any device for a given seed.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(frames, batch_size, coefficients, generator=g)
+    y = torch.randint(IRMAS_CLASSES, (batch_size,), generator=g)
+    return x.to(device), y.to(device)
+
+
+# ---------------------------------------------------------------------------
 # Registry and synthetic batches
 # ---------------------------------------------------------------------------
 

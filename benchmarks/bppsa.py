@@ -1,0 +1,710 @@
+"""Benchmark reprop's BPPSA recurrent layers (reprop.bppsa) against torch's nn.RNN / nn.GRU.
+
+Reproduces the paper's end-to-end benchmarks (BPPSA, Sections 4.1-4.2 and 5.1-5.2,
+appendix Tables 4-6), the peer and ours in the same run, alternated, medians:
+
+  * RNN, bitstream classification (Eq. 8, reprop.bppsa.bitstream): tanh
+    RNN(1, d) + Linear(d, 10) on the last hidden state, cross entropy, Adam
+    lr 1e-5 (models.bitstream_rnn).
+  * GRU on MFCC-shaped synthetic inputs (standard-normal (F, B, C) features,
+    11 classes; models.mfcc_gru / models.mfcc_batch): GRU(C, 20) + Linear(20, 11),
+    Adam lr 3e-4; the paper's sets S, M, L are F x C = 259x38, 517x24, 1034x12.
+
+The baseline is the model with torch's nn.RNN / nn.GRU (cuDNN on CUDA); ours is
+the same model, built from the same seed (same initial weights, checked), then
+reprop.bppsa.convert(model, scan=--scan). Per configuration (T, B, d), on one
+batch, all times are medians of --reps rounds of one training iteration each:
+
+  fwd        forward + loss of the baseline model, no backward (graph dropped)
+  fwd ours   the same with the converted model (includes any Jacobian work
+             ours does in its forward: the paper's "FP + overhead")
+  base       forward + backward + Adam step + zero_grad, baseline
+  bppsa      the same, converted model
+  bwd x      backward speedup, the paper's definition (base - fwd) / (bppsa - fwd), except
+             that where ours' forward is faster than the baseline's (fwd ours < fwd, as
+             with reprop's CPU forward against torch's CPU nn.RNN) bppsa's own forward
+             is subtracted instead: (base - fwd) / (bppsa - min(fwd, fwd ours)), so a
+             faster forward is never counted as a faster backward. Equal to the paper's
+             formula whenever ours' forward costs at least the baseline's (the paper's
+             case: both run cuDNN's forward). "-" when a difference is not positive
+             (backward within noise). The JSON also has the literal formula's value.
+  bwd x ex   the same excluding ours' forward overhead: (base - fwd) / (bppsa - fwd ours)
+             (the paper's GRU figure, Section 5.2)
+  e2e x      end-to-end speedup base / bppsa
+  V100 ...   the paper's backward and end-to-end speedups for the same T, B (d = 20),
+             derived from its V100 Tables 4-6 as bwd x and e2e x are (the JSON also has
+             the GRU's excluding-overhead figure, from Table 6's "FP + Overhead" row)
+  MiB        peak memory of one steady-state iteration (harness.peak_memory: model,
+             Adam state, one warm-up step, then the measured step; CUDA counters or,
+             on CPU, the profiler's allocation events)
+  grad err   max over parameters of max |g_ours - g_base| / max |g_base|: one
+             backward of each from the same initial weights on the same batch
+  levels     the up-sweep levels ours runs / max_levels(T) (with --scan auto, what
+             reprop.bppsa.scan_levels' cost model picks)
+
+Sweeps (--part, repeatable; default all):
+
+  rnn-t       T in 10, 30, 100, ..., 30000 at B = --batch (16), d = --hidden (20)
+  rnn-batch   B in 2, 4, ..., 256 at T = --seq-len (1000), d = --hidden
+  rnn-hidden  d in 8, 16, 20, 32, 64, 128 at T = --seq-len, B = --batch: where the
+              scan's d^2 matrix products stop paying
+  gru         sets S, M, L x B in 16, 32, 64 (d = 20)
+
+Configurations repeated across sweeps (e.g. T=1000, B=16, d=20) are measured once.
+On CUDA a configuration whose estimated memory (estimate_bytes) exceeds
+--mem-cap-gib is skipped with a note, as is one that runs out of memory.
+
+Summary: at T=1000, B=16, d=20 the backward and end-to-end speedups against the
+issue's H200 targets (backward >= 20x over cuDNN, the paper's 16x on an RTX 2070;
+end-to-end >= 2.75x), and the best backward speedup of the run against the
+paper's 108x (RTX 2080Ti). PASS/MISS on CUDA only; on CPU for information.
+
+--quick: a CI-sized CPU run: T in 10, 100, 1000; B in 2, 8 and d in 8, 32 at T = 100;
+GRU set S at B = 16; 3 rounds, 1 warm-up (11-15 s on 2 CPUs with --threads 1 even with
+other jobs running; two OpenMP threads on a busy 2-CPU box can take minutes, see the
+harness's load warning). About half of it is the CPU peak-memory profiling.
+
+    python benchmarks/bppsa.py --quick
+    python benchmarks/bppsa.py --device cuda --json $OUT/bppsa-cuda.json
+    python benchmarks/bppsa.py --device cuda --part rnn-t --scan blelloch
+    python benchmarks/bppsa.py --device cuda --part rnn-hidden --hiddens 20,256 --seq-len 3000
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+# Run as a script, benchmarks/ is already on sys.path; as `python -m benchmarks.bppsa` it is not.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import models  # noqa: E402
+
+LR = {"rnn": 1e-5, "gru": 3e-4}  # the paper's Adam learning rates (Sections 4.1, 4.2)
+GATES = {"rnn": 1, "gru": 3}     # gate blocks per step, as reprop.bppsa.scan_levels takes them
+DATA_SEED = 0
+MODEL_SEED = 0
+MIB = 2**20
+GIB = 2**30
+
+PARTS = ("rnn-t", "rnn-batch", "rnn-hidden", "gru")
+SCANS = ("auto", "blelloch", "linear")
+FULL = {"seq_lens": (10, 30, 100, 300, 1000, 3000, 10000, 30000),
+        "batches": (2, 4, 8, 16, 32, 64, 128, 256),
+        "hiddens": (8, 16, 20, 32, 64, 128),
+        "gru_sets": ("S", "M", "L"), "gru_batches": (16, 32, 64),
+        "seq_len": 1000, "reps": 10, "warmup": 2}
+QUICK = {"seq_lens": (10, 100, 1000), "batches": (2, 8), "hiddens": (8, 32),
+         "gru_sets": ("S",), "gru_batches": (16,),
+         "seq_len": 100, "reps": 3, "warmup": 1}
+
+# The summary's reference configuration and targets (printed as PASS/MISS on CUDA, never asserted).
+REFERENCE = {"seq_len": 1000, "batch": 16, "hidden": 20}
+TARGET_BACKWARD = 20.0    # the issue's H200 target over cuDNN (paper: 16x on an RTX 2070)
+TARGET_END_TO_END = 2.75  # the issue's H200 target (paper: 2.73x on an RTX 2070 at this config)
+PAPER_BEST_BACKWARD = 108.0  # the paper's best backward speedup (RTX 2080Ti, Section 5.1)
+
+# Rough memory model for the CUDA cap (bytes per float32 element, see estimate_bytes).
+JACOBIAN_COPIES = 3  # the T transposed Jacobians (d x d per sample) plus the scan's partial products
+STATE_COPIES = 8     # per gate block: activations, gates, gradients of both models
+
+# ---------------------------------------------------------------------------
+# The paper's figures (appendix G, V100; seconds per epoch)
+# ---------------------------------------------------------------------------
+
+# Table 4, B = 16: T -> (forward only, baseline, BPPSA).
+PAPER_T = {10: (1.57, 4.49, 4.24), 30: (2.13, 5.5, 4.91), 100: (3.82, 8.87, 6.64),
+           300: (8.79, 18.49, 11.71), 1000: (25.86, 53.33, 29.29), 3000: (75.33, 157.11, 79.48),
+           10000: (250.28, 510.13, 265.02), 30000: (748.99, 1557.94, 764.31)}
+# Table 5, T = 1000: B -> (forward only, baseline, BPPSA).
+PAPER_B = {256: (2.13, 4.02, 3.72), 128: (3.87, 7.96, 5.49), 64: (7.51, 14.77, 9.27),
+           32: (13.62, 29.51, 15.0), 16: (25.86, 53.33, 29.29), 8: (51.29, 102.77, 56.37),
+           4: (100.55, 209.67, 112.23), 2: (200.65, 409.33, 227.13)}
+# Table 6: (set, B) -> (FP, baseline, FP + overhead, BPPSA).
+PAPER_GRU = {("S", 16): (1.66, 3.71, 2.1, 2.94), ("S", 32): (0.91, 1.9, 1.09, 1.48),
+             ("S", 64): (0.52, 1.0, 0.62, 0.82), ("M", 16): (3.21, 6.19, 3.52, 4.2),
+             ("M", 32): (1.73, 3.3, 1.83, 2.22), ("M", 64): (0.86, 1.82, 1.18, 1.2),
+             ("L", 16): (5.78, 11.43, 6.06, 6.91), ("L", 32): (3.04, 6.09, 3.23, 3.57),
+             ("L", 64): (1.64, 3.19, 2.13, 2.33)}
+
+# Candidate names (timed in one alternation).
+FWD, FWD_OURS, BASE, OURS = "fwd", "fwd ours", "base", "bppsa"
+
+
+# ---------------------------------------------------------------------------
+# Configurations
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: cell type, sequence length, batch, hidden size, inputs."""
+
+    cell: str         # "rnn" or "gru"
+    seq_len: int      # T (GRU: frames F)
+    batch: int        # B
+    hidden: int       # d
+    inputs: int = 1   # input features per step (GRU: MFCC coefficients C)
+    dataset: str = "bitstream"  # "bitstream", or the GRU's MFCC set name (S, M, L)
+
+    @property
+    def label(self) -> str:
+        if self.cell == "gru":
+            return f"{self.dataset} {self.seq_len}x{self.inputs} B={self.batch} d={self.hidden}"
+        return f"T={self.seq_len} B={self.batch} d={self.hidden}"
+
+
+def rnn_config(seq_len: int, batch: int, hidden: int) -> Config:
+    return Config("rnn", seq_len, batch, hidden)
+
+
+def gru_config(dataset: str, batch: int) -> Config:
+    frames, coefficients = models.MFCC_SHAPES[dataset]
+    return Config("gru", frames, batch, 20, coefficients, dataset)
+
+
+def plan(args) -> list[tuple[str, list[Config]]]:
+    """The selected sweeps, in PARTS order: (part, its configurations)."""
+    sweeps = {
+        "rnn-t": [rnn_config(t, args.batch, args.hidden) for t in args.seq_lens],
+        "rnn-batch": [rnn_config(args.seq_len, b, args.hidden) for b in args.batches],
+        "rnn-hidden": [rnn_config(args.seq_len, args.batch, d) for d in args.hiddens],
+        "gru": [gru_config(s, b) for s in args.gru_sets for b in args.gru_batches],
+    }
+    return [(part, sweeps[part]) for part in PARTS if part in args.part]
+
+
+# ---------------------------------------------------------------------------
+# The paper's speedups
+# ---------------------------------------------------------------------------
+
+
+def backward_speedup(base: float, ours: float, fwd: float, fwd_ours: float | None = None) -> float | None:
+    """(base - fwd) / (ours - fwd_ours), fwd_ours defaulting to fwd; None unless both are positive."""
+    peer_bwd = base - fwd
+    our_bwd = ours - (fwd if fwd_ours is None else fwd_ours)
+    return peer_bwd / our_bwd if peer_bwd > 0 and our_bwd > 0 else None
+
+
+def paper_speedups(cfg: Config) -> dict[str, float | None]:
+    """The paper's V100 speedups for ``cfg`` (all None where it has none), defined as ours are.
+
+    "bwd": (baseline - FP) / (BPPSA - FP), "bwd_ex": the same less BPPSA's forward
+    overhead (GRU only: Table 6's "FP + Overhead"; the RNN tables have no such
+    column), "e2e": baseline / BPPSA.
+    """
+    out = {"bwd": None, "bwd_ex": None, "e2e": None}
+    if cfg.hidden != 20:
+        return out
+    if cfg.cell == "gru":
+        row = PAPER_GRU.get((cfg.dataset, cfg.batch))
+        if row is None:
+            return out
+        fp, base, fp_overhead, ours = row
+        out["bwd_ex"] = backward_speedup(base, ours, fp, fp_overhead)
+    elif cfg.batch == 16 and cfg.seq_len in PAPER_T:
+        fp, base, ours = PAPER_T[cfg.seq_len]
+    elif cfg.seq_len == 1000 and cfg.batch in PAPER_B:
+        fp, base, ours = PAPER_B[cfg.batch]
+    else:
+        return out
+    out["bwd"], out["e2e"] = backward_speedup(base, ours, fp), base / ours
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Models, data, trainers
+# ---------------------------------------------------------------------------
+
+
+def reprop_bppsa():
+    """reprop.bppsa, imported on first use."""
+    import reprop.bppsa
+    return reprop.bppsa
+
+
+def build_model(cfg: Config) -> nn.Module:
+    """The configuration's model with torch's recurrent module, seeded: every build starts alike."""
+    torch.manual_seed(MODEL_SEED)
+    if cfg.cell == "gru":
+        return models.mfcc_gru(cfg.inputs, cfg.hidden)
+    return models.bitstream_rnn(cfg.hidden)
+
+
+def make_data(cfg: Config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch: (T, B, C) float32 inputs and (B,) labels."""
+    if cfg.cell == "gru":
+        return models.mfcc_batch(cfg.seq_len, cfg.inputs, cfg.batch, device, seed=DATA_SEED)
+    g = torch.Generator().manual_seed(DATA_SEED)
+    x, y = reprop_bppsa().bitstream(cfg.batch, cfg.seq_len, generator=g)
+    return x.to(device), y.to(device)
+
+
+@dataclass
+class Trainer:
+    """One model with its Adam optimizer; ``converted`` names the modules reprop swapped."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    converted: list[str] = field(default_factory=list)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.model(x), y)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Forward + loss as in training (the graph is built, then dropped): the paper's "forward pass only"."""
+        self.loss(x, y)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One training iteration: forward, backward, Adam step, gradients freed."""
+        self.loss(x, y).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gradients(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parameters' gradients of one backward on (x, y), without a step; grads left freed."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss(x, y).backward()
+        grads = {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        self.optimizer.zero_grad(set_to_none=True)
+        return grads
+
+
+def make_trainer(cfg: Config, device: torch.device, scan: str | int | None = None) -> Trainer:
+    """A fresh baseline model (scan None) or a converted one (reprop.bppsa.convert(model, scan))."""
+    model = build_model(cfg)
+    converted = []
+    if scan is not None:
+        converted = reprop_bppsa().convert(model, scan=scan)
+        if not converted:
+            raise RuntimeError("reprop.bppsa.convert swapped no module")
+    model = model.to(device).train()
+    return Trainer(model, torch.optim.Adam(model.parameters(), lr=LR[cfg.cell]), list(converted))
+
+
+def same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two models hold the same parameters under the same names."""
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    return pa.keys() == pb.keys() and all(torch.equal(pa[n].detach(), pb[n].detach()) for n in pa)
+
+
+def gradient_error(base: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> float:
+    """max over parameters of max |g_ours - g_base| / max |g_base| (inf for a gradient ours lacks)."""
+    worst = 0.0
+    for name, g in base.items():
+        if name not in ours:
+            return float("inf")
+        diff = float((ours[name].float() - g.float()).abs().max())
+        scale = float(g.float().abs().max())
+        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
+    return worst
+
+
+# ---------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    """Everything measured for one configuration."""
+
+    cfg: Config
+    scan: str | int = "auto"
+    levels: int | None = None
+    max_levels: int | None = None
+    stats: dict[str, harness.Stats] = field(default_factory=dict)
+    peaks: dict[str, int | None] = field(default_factory=dict)
+    grad_err: float | None = None
+    converted: list[str] = field(default_factory=list)
+    same_weights: bool | None = None
+    inner: int = 1
+    unavailable: dict[str, str] = field(default_factory=dict)  # candidate -> why it is n/a
+    skipped: str | None = None                                  # why the configuration did not run
+
+    def median(self, name: str) -> float | None:
+        s = self.stats.get(name)
+        return s.median if s else None
+
+
+def describe_error(e: BaseException) -> str:
+    """``Type: first line of the message`` (shortened), for n/a reasons."""
+    text = str(e).splitlines()[0][:140] if str(e) else ""
+    return f"{type(e).__name__}: {text}"
+
+
+def scan_levels(cfg: Config, scan: str | int, device: torch.device) -> tuple[int | None, int | None]:
+    """(levels ours runs for ``cfg`` under ``scan``, max_levels(T)); None where reprop cannot say."""
+    try:
+        bppsa = reprop_bppsa()
+        top = int(bppsa.max_levels(cfg.seq_len))
+        if scan == "auto":
+            return int(bppsa.scan_levels(cfg.seq_len, cfg.batch, cfg.hidden, GATES[cfg.cell], device)), top
+        return {"blelloch": top, "linear": 0}.get(scan, scan), top
+    except Exception:  # noqa: BLE001 - reporting only
+        return None, None
+
+
+def estimate_bytes(cfg: Config) -> int:
+    """A rough upper estimate of one iteration's memory with ours, for the CUDA cap.
+
+    T x B x (JACOBIAN_COPIES d^2 + STATE_COPIES gates d + inputs) float32 elements:
+    the transposed Jacobians (one d x d per step and sample) and the scan's
+    partial products dominate; the recurrent states, gates and gradients of both
+    models and the inputs are linear in d.
+    """
+    d = cfg.hidden
+    per_step = JACOBIAN_COPIES * d * d + STATE_COPIES * GATES[cfg.cell] * d + cfg.inputs
+    return 4 * cfg.seq_len * cfg.batch * per_step
+
+
+def over_cap(cfg: Config, device: torch.device, cap_gib: float) -> str | None:
+    """On CUDA, why ``cfg`` is skipped for the memory cap (None when it fits or on the CPU)."""
+    if device.type != "cuda" or cap_gib <= 0:
+        return None
+    need = estimate_bytes(cfg)
+    if need <= cap_gib * GIB:
+        return None
+    return f"estimated {need / GIB:.1f} GiB > --mem-cap-gib {cap_gib:g}"
+
+
+def step_peak(make: Callable[[], Trainer], x: torch.Tensor, y: torch.Tensor, device: torch.device) -> int | None:
+    """Peak bytes of one steady-state iteration: a fresh trainer and one warm-up step, then the measured step."""
+    box: list[Trainer] = []
+
+    def setup() -> None:
+        box.append(make())
+        box[0].step(x, y)
+
+    return harness.peak_memory(lambda: box[0].step(x, y), device, setup)
+
+
+def check_ours(res: Result, base: Trainer, cfg: Config, x, y, device, args) -> Trainer | None:
+    """Build ours, check its weights and gradients against the baseline's; None (reason recorded) if n/a."""
+    try:
+        ours = make_trainer(cfg, device, args.scan)
+        res.converted = ours.converted
+        res.same_weights = same_weights(base.model, ours.model)
+        res.grad_err = gradient_error(base.gradients(x, y), ours.gradients(x, y))
+        return ours
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ours n/a here, with the reason shown
+        res.unavailable[OURS] = res.unavailable[FWD_OURS] = describe_error(e)
+        return None
+
+
+def measure_peaks(res: Result, cfg: Config, x, y, device, with_ours: bool, args) -> None:
+    """Peak memory of a baseline and (when available) an ours iteration, one trainer alive at a time."""
+    res.peaks[BASE] = step_peak(lambda: make_trainer(cfg, device), x, y, device)
+    if with_ours:
+        try:
+            res.peaks[OURS] = step_peak(lambda: make_trainer(cfg, device, args.scan), x, y, device)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            res.unavailable.setdefault(OURS, describe_error(e))
+    release(device)
+
+
+def measure_times(res: Result, base: Trainer, ours: Trainer | None, x, y, device, args) -> None:
+    """Forward-only and training-iteration times of both models, alternated (harness)."""
+    candidates = {FWD: lambda: base.forward(x, y), BASE: lambda: base.step(x, y)}
+    if ours is not None:
+        candidates[FWD_OURS] = lambda: ours.forward(x, y)
+        candidates[OURS] = lambda: ours.step(x, y)
+    res.inner = harness.choose_inner(list(candidates.values()), device, args.min_sample_ms)
+    res.stats = harness.measure_alternated(candidates, device, args.warmup, args.reps, res.inner)
+
+
+def release(device: torch.device) -> None:
+    """Free what the last measurement left, so the next starts alike."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_config(cfg: Config, device: torch.device, args) -> Result:
+    """Levels, memory cap, gradient check, peaks and times for one configuration."""
+    res = Result(cfg, args.scan)
+    res.levels, res.max_levels = scan_levels(cfg, args.scan, device)
+    res.skipped = over_cap(cfg, device, args.mem_cap_gib)
+    if res.skipped:
+        return res
+    base = ours = None
+    try:
+        x, y = make_data(cfg, device)
+        base = make_trainer(cfg, device)
+        ours = check_ours(res, base, cfg, x, y, device, args)
+        # Peaks count only what their own fresh trainers allocate, so base and ours may stay alive.
+        measure_peaks(res, cfg, x, y, device, ours is not None, args)
+        measure_times(res, base, ours if OURS not in res.unavailable else None, x, y, device, args)
+    except torch.cuda.OutOfMemoryError as e:
+        res.skipped = f"out of memory ({describe_error(e)[:80]})"
+    finally:
+        del base, ours
+        release(device)
+    return res
+
+
+def run_all(sweeps: list[tuple[str, list[Config]]], device: torch.device, args) -> dict[Config, Result]:
+    """Every distinct configuration of the sweeps, measured once."""
+    results: dict[Config, Result] = {}
+    for part, configs in sweeps:
+        for cfg in configs:
+            if cfg in results:
+                continue
+            print(f"... {part} {cfg.label}", file=sys.stderr, flush=True)
+            results[cfg] = run_config(cfg, device, args)
+            if results[cfg].skipped:
+                print(f"skip {part} {cfg.label}: {results[cfg].skipped}", flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------
+# Reporting
+# ---------------------------------------------------------------------------
+
+
+def result_row(part: str, res: Result) -> dict:
+    """One table/JSON row: times (ms), speedups, the paper's, peaks, gradient error, levels."""
+    cfg = res.cfg
+    fwd, fwd_ours, base, ours = (res.median(n) for n in (FWD, FWD_OURS, BASE, OURS))
+    paper = paper_speedups(cfg)
+    timed = fwd is not None and base is not None and ours is not None
+    return {
+        "part": part, "cell": cfg.cell, "dataset": cfg.dataset, "seq_len": cfg.seq_len, "batch": cfg.batch,
+        "hidden": cfg.hidden, "inputs": cfg.inputs, "scan": res.scan,
+        "levels": res.levels, "max_levels": res.max_levels,
+        "fwd_ms": fwd, "fwd_ours_ms": fwd_ours, "base_ms": base, "bppsa_ms": ours,
+        "bwd_speedup": (backward_speedup(base, ours, fwd, min(fwd, fwd_ours if fwd_ours is not None else fwd))
+                        if timed else None),
+        "bwd_speedup_baseline_fwd": backward_speedup(base, ours, fwd) if timed else None,
+        "bwd_speedup_excl_overhead": (backward_speedup(base, ours, fwd, fwd_ours)
+                                      if timed and fwd_ours is not None else None),
+        "e2e_speedup": harness.speedup(base, ours) if base and ours else None,
+        "paper_v100_bwd_speedup": paper["bwd"], "paper_v100_bwd_speedup_excl_overhead": paper["bwd_ex"],
+        "paper_v100_e2e_speedup": paper["e2e"],
+        "peak_base_bytes": res.peaks.get(BASE), "peak_bppsa_bytes": res.peaks.get(OURS),
+        "grad_err": res.grad_err, "same_weights": res.same_weights, "converted": res.converted,
+        "unavailable": res.unavailable, "skipped": res.skipped,
+    }
+
+
+TABLE_HEADERS = ["config", "levels", "fwd ms", "fwd ours", "base ms", "bppsa ms", "bwd x", "bwd x ex",
+                 "e2e x", "V100 bwd", "V100 e2e", "base MiB", "ours MiB", "grad err"]
+
+
+def levels_cell(row: dict) -> str:
+    if row["levels"] is None:
+        return "-"
+    return f"{row['levels']}/{row['max_levels']}" if row["max_levels"] is not None else str(row["levels"])
+
+
+def mib_cell(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / MIB:.3g}"
+
+
+def table_cells(row: dict, label: str) -> list[str]:
+    """One printed row: skipped configurations say why, n/a candidates show '-'."""
+    if row["skipped"]:
+        return [label, levels_cell(row), f"skipped: {row['skipped']}"] + [""] * (len(TABLE_HEADERS) - 3)
+    f = harness.fmt
+    return [label, levels_cell(row), f(row["fwd_ms"], ".3g"), f(row["fwd_ours_ms"], ".3g"),
+            f(row["base_ms"], ".3g"), f(row["bppsa_ms"], ".3g"), f(row["bwd_speedup"], ".2f"),
+            f(row["bwd_speedup_excl_overhead"], ".2f"), f(row["e2e_speedup"], ".2f"),
+            f(row["paper_v100_bwd_speedup"], ".2f"), f(row["paper_v100_e2e_speedup"], ".2f"),
+            mib_cell(row["peak_base_bytes"]), mib_cell(row["peak_bppsa_bytes"]), f(row["grad_err"], ".1e")]
+
+
+def format_sweep(rows: list[tuple[dict, str]]) -> str:
+    return harness.format_table(TABLE_HEADERS, [table_cells(row, label) for row, label in rows])
+
+
+def sweep_rows(sweeps, results: dict[Config, Result]) -> list[tuple[str, list[tuple[dict, str]]]]:
+    """(part, [(row, config label)]) for every sweep, in plan order."""
+    return [(part, [(result_row(part, results[cfg]), cfg.label) for cfg in configs]) for part, configs in sweeps]
+
+
+def check(target: str, where: str, value: float | None, goal: float, judged: bool, missing: str) -> dict:
+    """One target line: value >= goal; pass is None when not judged (CPU) or there is no value (``missing`` says why)."""
+    return {"target": target, "case": where, "value": value, "missing": None if value is not None else missing,
+            "pass": None if value is None or not judged else bool(value >= goal)}
+
+
+def missing_reason(res: Result | None) -> str:
+    """Why the reference configuration has no speedup: not run, skipped, ours n/a, or a backward within noise."""
+    if res is None:
+        return "not measured in this run"
+    if res.skipped:
+        return f"skipped ({res.skipped})"
+    if OURS in res.unavailable:
+        return f"bppsa n/a ({res.unavailable[OURS]})"
+    return "n/a: a forward-subtracted time is not positive (backward within the timing noise)"
+
+
+def summary_checks(results: dict[Config, Result], device: torch.device) -> list[dict]:
+    """The reference configuration's speedups against the issue's targets, the best against the paper's 108x.
+
+    Judged (pass True/False) on CUDA only: the targets are for the H200.
+    """
+    judged = device.type == "cuda"
+    ref = rnn_config(REFERENCE["seq_len"], REFERENCE["batch"], REFERENCE["hidden"])
+    row = result_row("summary", results[ref]) if ref in results else None
+    where, missing = ref.label, missing_reason(results.get(ref))
+    bwd = row["bwd_speedup"] if row else None
+    e2e = row["e2e_speedup"] if row else None
+    best_row, best = None, None
+    for res in results.values():
+        value = result_row("best", res)["bwd_speedup"]
+        if value is not None and (best is None or value > best):
+            best_row, best = res.cfg.label, value
+    return [
+        check(f"backward >= {TARGET_BACKWARD:g}x over the baseline (H200; paper 16x on RTX 2070)",
+              where, bwd, TARGET_BACKWARD, judged, missing),
+        check(f"end-to-end >= {TARGET_END_TO_END:g}x (H200; paper 2.73x on RTX 2070)", where, e2e,
+              TARGET_END_TO_END, judged, missing),
+        check(f"best backward speedup vs the paper's {PAPER_BEST_BACKWARD:g}x (RTX 2080Ti)",
+              best_row or "-", best, PAPER_BEST_BACKWARD, judged, "no backward speedup measured"),
+    ]
+
+
+def print_checks(checks: list[dict], device: torch.device) -> None:
+    """PASS/MISS on CUDA; on the CPU the values only (the targets are for the H200)."""
+    cuda = device.type == "cuda"
+    print("\nsummary" + ("" if cuda else " (the targets are for the H200 with CUDA; CPU values for information only)")
+          + ":")
+    for c in checks:
+        value = c["missing"] if c["value"] is None else f"{c['value']:.2f}x"
+        verdict = "----" if c["pass"] is None else ("PASS" if c["pass"] else "MISS")
+        print(f"  {verdict}  {c['case']}: {c['target']}: {value}")
+
+
+def print_notes(results: dict[Config, Result]) -> None:
+    """n/a reasons (grouped), weights that convert changed, gradient errors worth a look."""
+    reasons: dict[str, list[str]] = {}
+    for res in results.values():
+        if OURS in res.unavailable:
+            reasons.setdefault(res.unavailable[OURS], []).append(res.cfg.label)
+    for why, where in reasons.items():
+        print(f"n/a: bppsa: {why}: {', '.join(where)}")
+    for res in results.values():
+        if res.same_weights is False:
+            print(f"WARNING: {res.cfg.label}: the converted model's weights differ from the baseline's")
+        if res.grad_err is not None and res.grad_err > 1e-2:
+            print(f"WARNING: {res.cfg.label}: gradient error {res.grad_err:.2g} vs the baseline (wrong gradients?)")
+
+
+def print_report(table: list, results: dict[Config, Result], checks: list[dict], info: dict,
+                 device: torch.device, args) -> None:
+    """Machine, settings, one table per sweep, notes, summary."""
+    print(harness.describe_machine(info))
+    print(f"scan={args.scan}; {args.reps} rounds ({args.warmup} warm-ups, {args.min_sample_ms:g} ms min sample), "
+          "medians in ms per training iteration (forward + loss [+ backward + Adam step]); "
+          "bwd x = (base - fwd) / (bppsa - min(fwd, fwd ours)), bwd x ex = (base - fwd) / (bppsa - fwd ours), e2e x = base / bppsa; "
+          "V100 = the paper's Tables 4-6; MiB = peak of one iteration "
+          f"({'CUDA counters' if device.type == 'cuda' else 'CPU: profiler allocation events'}); "
+          "grad err = max over parameters of max|g_ours - g_base| / max|g_base|; levels = chosen / max")
+    for part, rows in table:
+        print(f"\n{part}\n" + format_sweep(rows))
+    print_notes(results)
+    print_checks(checks, device)
+
+
+def json_payload(table: list, results: dict[Config, Result], checks: list[dict], info: dict, args) -> dict:
+    return {
+        "benchmark": "bppsa",
+        "machine": info,
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"lr": LR},
+        "rows": [row for _, rows in table for row, _ in rows],
+        "stats_ms": [{"config": res.cfg.label, "calls_per_sample": res.inner,
+                      "stats": {n: s.to_dict() for n, s in res.stats.items()}} for res in results.values()],
+        "targets": checks,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def str_list(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
+
+
+def scan_arg(text: str) -> str | int:
+    """--scan: auto, blelloch, linear, or a non-negative number of up-sweep levels."""
+    if text in SCANS:
+        return text
+    if text.isdigit():
+        return int(text)
+    raise ValueError(text)
+
+
+def parse_args(argv: list[str] | None = None):
+    """Shared harness options plus the sweeps, their fixed axes, the scan and the memory cap."""
+    p = harness.make_parser(__doc__.splitlines()[0])
+    p.add_argument("--part", action="append", choices=PARTS, default=None,
+                   help="sweep to run (repeatable; default all)")
+    p.add_argument("--scan", type=scan_arg, default="auto",
+                   help="reprop.bppsa scan: auto (cost model, default), blelloch, linear, or a number of levels")
+    p.add_argument("--seq-lens", type=int_list, default=None, help="rnn-t sweep's T values (comma-separated)")
+    p.add_argument("--batches", type=int_list, default=None, help="rnn-batch sweep's B values")
+    p.add_argument("--hiddens", type=int_list, default=None, help="rnn-hidden sweep's d values")
+    p.add_argument("--gru-sets", type=str_list, default=None, help="gru sweep's MFCC sets (S, M, L)")
+    p.add_argument("--gru-batches", type=int_list, default=None, help="gru sweep's B values")
+    p.add_argument("--seq-len", type=int, default=None, help="T of the batch and hidden sweeps (default 1000; quick 100)")
+    p.add_argument("--batch", type=int, default=16, help="B of the T and hidden sweeps (default 16)")
+    p.add_argument("--hidden", type=int, default=20, help="d of the T and batch sweeps (default 20)")
+    p.add_argument("--mem-cap-gib", type=float, default=40.0,
+                   help="CUDA: skip configurations estimated above this many GiB (default 40; 0: no cap)")
+    p.add_argument("--min-sample-ms", type=float, default=None,
+                   help="repeat calls within a sample until it lasts this long (default 1 on cuda, 0 on cpu)")
+    args = p.parse_args(argv)
+    defaults = QUICK if args.quick else FULL
+    for key in ("seq_lens", "batches", "hiddens", "gru_sets", "gru_batches", "seq_len", "reps", "warmup"):
+        if getattr(args, key) is None:
+            setattr(args, key, defaults[key])
+    args.part = tuple(args.part or PARTS)
+    if args.min_sample_ms is None:
+        args.min_sample_ms = 1.0 if args.device == "cuda" else 0.0
+    unknown = [s for s in args.gru_sets if s not in models.MFCC_SHAPES]
+    if unknown:
+        p.error(f"--gru-sets: unknown {', '.join(unknown)}; known: {', '.join(models.MFCC_SHAPES)}")
+    return args
+
+
+def check_reprop() -> None:
+    """Exit with a clear message when reprop.bppsa is missing."""
+    try:
+        reprop_bppsa()
+    except Exception as e:  # noqa: BLE001
+        raise SystemExit(f"cannot import reprop.bppsa ({describe_error(e)}); install reprop (pip install -e .)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = harness.setup_device(args)
+    check_reprop()
+    info = harness.machine_info(device)
+    sweeps = plan(args)
+    results = run_all(sweeps, device, args)
+    table = sweep_rows(sweeps, results)
+    checks = summary_checks(results, device)
+    print_report(table, results, checks, info, device, args)
+    harness.write_json(args.json, json_payload(table, results, checks, info, args))
+
+
+if __name__ == "__main__":
+    main()
