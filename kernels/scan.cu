@@ -35,34 +35,43 @@
  * read only by the block that writes them, and that block stages them in
  * shared memory before its first store.
  *
- * Kernels (shared memory is dynamic; 48 KB is never exceeded without an
- * opt-in, which only H in the thousands needs):
- *   up-sweep, H <= 64:   Q whole tasks per block, both operands (leaves
- *                        computed on the fly) staged in shared memory
- *                        (Q * (2 H Hp + 2 Hp) floats, Hp = H rounded up to 4,
- *                        Q ~ 256 / (Hp / 4)^2: 10 tasks at H = 20); each thread
- *                        computes 4 x 4 output micro-tiles from float4 reads.
- *   up-sweep, H > 64:    one block per (task, panel of T rows): the T x H rows
- *                        of M_r staged (T = 64 for H <= 144, 32, 16, ...,
- *                        whatever fits), then 64-column tiles of the product
- *                        over 32-deep chunks of M_l, 4 x 4 (2 x 4, 1 x 4)
- *                        micro-tiles per thread, 256 threads at T >= 16.
- *   down-sweep:          Q tasks per block, S lanes per row reading a row of M
- *                        (S ~ H / 4, at most 32, reduced by warp shuffles), 1
- *                        lane per row on structured leaves (reads of w coalesce
- *                        along the row index).
- *   linear scan:         one block per sequence, P double-buffered in shared
- *                        memory, one barrier per step; w staged in shared
- *                        memory when it fits (L = 0, structured leaves).
+ * Kernels (dynamic shared memory, within the default 48 KB for H < 5117;
+ * beyond, the launcher opts in to the device's maximum):
+ *   up-sweep, H <= 64:   Q whole tasks per block, both operands staged in
+ *                        shared memory (leaves computed on the fly while
+ *                        staging), Q (2 H Hp + 2 Hp) floats + a 16-byte task
+ *                        entry each, Hp = H rounded up to 4, Q ~ 256 / (Hp/4)^2
+ *                        (H = 20: 10 tasks, 250 threads, 33 KB; H = 64: 1
+ *                        task, 256 threads, 33 KB); each thread computes 4 x 4
+ *                        output micro-tiles from float4 shared reads.
+ *   up-sweep, H > 64:    one block per (task, panel of T rows): the T x H
+ *                        rows of M_r staged, then 64-column tiles of the
+ *                        product over 32-deep staged chunks of M_l; thread
+ *                        micro-tiles of TM x 4 (TM = 4, 2, 1 for T = 64, 32,
+ *                        <= 16), T / TM * 16 threads (256 for T >= 16). T = 64
+ *                        for H <= 155, 32 to 309, 16 to 601, 8 to 1136, 4 to
+ *                        2047, 2 to 3411, 1 beyond (H = 128: 41 KB).
+ *   down-sweep:          Q tasks per block (~256 threads), S lanes per row of
+ *                        M (~8 elements each, S <= 32, summed by warp
+ *                        shuffles), one lane per row on structured leaves;
+ *                        the prefix and c_l of each task staged (Q (2 Hp)
+ *                        floats + 16 bytes).
+ *   linear scan:         one block per sequence (S lanes per row, ~4
+ *                        elements each, up to 1024 threads), P double-buffered
+ *                        in shared memory, one barrier per step; w staged in
+ *                        shared memory when it fits (L = 0, structured).
  * Every output is written once by one thread: deterministic, no atomics.
  * Arithmetic is float32 with explicit fmaf (so --fmad=false does not matter
- * here), in an order fixed by `levels` and H.
+ * here); each output's order of operations depends on `levels` and H only
+ * (not on the launch configuration).
  *
  * Each kernel's work is a __host__ __device__ function of (executor, args,
- * block) whose threads run in phases between the executor's barriers, so that
- * kernels/tests/scan_emulation.cu runs the very same code on the host, every
- * thread of every block, against the recurrence; per-thread state that
- * crosses a barrier lives in an executor-provided `local`.
+ * block) written as phases (x.each(lambda of the thread index)) separated by
+ * the executor's barriers (x.sync()), so that kernels/tests/scan_emulation.cu
+ * runs the very same code on the host, every thread of every block, against
+ * the recurrence. Rules that keep that honest: per-thread state that crosses
+ * a barrier lives in an executor-provided `local`; a phase's lambda captures
+ * loop counters by value (the emulation runs phases late, at the next barrier).
  *
  * Layout: executor and helpers, the task bodies, the kernels, the launcher.
  */
@@ -76,6 +85,11 @@
 #include "rp_internal.h"
 
 #define RP_HD __host__ __device__ __forceinline__
+#ifdef __CUDA_ARCH__ /* the bodies are host code too (the emulation test) */
+#define RP_SCAN_UNROLL _Pragma("unroll")
+#else
+#define RP_SCAN_UNROLL
+#endif
 
 #define RP_SCAN_THREADS 256     /* up- and down-sweep blocks, at most */
 #define RP_SCAN_MID_THREADS 1024 /* linear-scan blocks, at most */
@@ -118,6 +132,9 @@ struct rp_scan_dev {
 #ifdef __CUDA_ARCH__
         for (int o = S >> 1; o > 0; o >>= 1)
             x.v += __shfl_xor_sync(0xffffffffu, x.v, o);
+#else
+        (void)x; /* never run on the host */
+        (void)S;
 #endif
     }
 };
@@ -205,6 +222,22 @@ RP_HD float rp_scan_leaf_dot(const rp_scan_args &a, const float *w_, int64_t tb,
     return s;
 }
 
+/* Calls f(j, lane, L) for the rows j < nj of a 2-D loop spread over the
+ * block: L lanes per row (a power of two, at most 32, about nk), f covering
+ * k = lane, lane + L, ... < nk (the index contiguous in global memory), so
+ * that index arithmetic divides once per row, not per element. */
+template <class F> RP_HD void rp_scan_rows(int t, int nt, int nj, int nk, F &&f)
+{
+    int L = 1;
+    while (L < 32 && L < nk && 2 * L <= nt)
+        L *= 2;
+    const int R = nt / L;
+    if (t >= R * L)
+        return;
+    for (int j = t / L; j < nj; j += R)
+        f(j, t % L, L);
+}
+
 /* Slot s of sequence b: its matrix in the workspace, its vector in the
  * workspace, its c part (from c when `leaf`, the workspace otherwise), and
  * where its final value goes (g[n-s] when `out`, the workspace otherwise). */
@@ -285,66 +318,79 @@ RP_HD void rp_scan_up_small(X &x, const rp_scan_args &a, int64_t block, int64_t 
 
         /* Stage M_r, M_l (not on the spine), c_l and c_r of every task. */
         x.each([&](int t) {
-            const int na = Q * H * Hp;
-            for (int e = t; e < na; e += nt) {
-                int q, i, m, rem;
-                if (MODE == RP_SCAN_STRUCT) { /* i fastest: w's rows are along i */
-                    q = e / (H * Hp);
-                    rem = e - q * H * Hp;
-                    m = rem / Hp;
-                    i = rem - m * Hp;
-                } else { /* m fastest: rows of M are contiguous */
-                    q = e / (Hp * H);
-                    rem = e - q * Hp * H;
-                    i = rem / H;
-                    m = rem - i * H;
-                }
-                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
-                float val = 0.0f;
-                if (p >= 0 && i < H) {
-                    const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
-                    if constexpr (leaf)
-                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m);
-                    else
-                        val = rp_scan_prod(a, r, b)[(int64_t)i * H + m];
-                }
-                base[q * TS + m * Hp + i] = val;
+            if (MODE == RP_SCAN_STRUCT) { /* rows (q, m), lanes along i: w's rows run along i */
+                rp_scan_rows(t, nt, Q * H, Hp, [&](int j, int lane, int L) {
+                    const int q = j / H, m = j - q * H;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t tb = (a.n - p * 2 * half - 2 * half + 1) * a.B + b;
+                    float *dst = base + q * TS + m * Hp;
+                    if (p >= 0)
+                        for (int i = lane; i < Hp; i += L)
+                            dst[i] = i < H ? rp_scan_leaf<MODE>(a, a.w, tb, i, m) : 0.0f;
+                });
+            } else { /* rows (q, i), lanes along m: rows of M are contiguous */
+                rp_scan_rows(t, nt, Q * Hp, H, [&](int j, int lane, int L) {
+                    const int q = j / Hp, i = j - q * Hp;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t r = p * 2 * half + 2 * half - 1;
+                    float *dst = base + q * TS + i;
+                    if (p < 0)
+                        return;
+                    for (int m = lane; m < H; m += L) {
+                        float val = 0.0f;
+                        if (i < H) {
+                            if constexpr (leaf)
+                                val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m);
+                            else
+                                val = rp_scan_prod(a, r, b)[(int64_t)i * H + m];
+                        }
+                        dst[m * Hp] = val;
+                    }
+                });
             }
-            for (int e = t; e < na; e += nt) {
-                int q, m, k, rem;
-                if (MODE == RP_SCAN_STRUCT) { /* m fastest */
-                    q = e / (Hp * H);
-                    rem = e - q * Hp * H;
-                    k = rem / H;
-                    m = rem - k * H;
-                } else { /* k fastest */
-                    q = e / (H * Hp);
-                    rem = e - q * H * Hp;
-                    m = rem / Hp;
-                    k = rem - m * Hp;
-                }
-                const int64_t p = tab[2 * q], b = tab[2 * q + 1];
-                if (p < 1)
-                    continue; /* no task, or the spine: no matrix product */
-                float val = 0.0f;
-                if (k < H) {
-                    const int64_t l = (p << (a.d + 1)) + half - 1;
-                    if constexpr (leaf)
-                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
-                    else
-                        val = rp_scan_prod(a, l, b)[(int64_t)m * H + k];
-                }
-                base[q * TS + H * Hp + m * Hp + k] = val;
+            /* M_l[m][k], not on the spine (p == 0) */
+            if (MODE == RP_SCAN_STRUCT) { /* rows (q, k), lanes along m */
+                rp_scan_rows(t, nt, Q * Hp, H, [&](int j, int lane, int L) {
+                    const int q = j / Hp, k = j - q * Hp;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t tb = (a.n - p * 2 * half - half + 1) * a.B + b;
+                    float *dst = base + q * TS + H * Hp + k;
+                    if (p >= 1)
+                        for (int m = lane; m < H; m += L)
+                            dst[m * Hp] = k < H ? rp_scan_leaf<MODE>(a, a.w, tb, m, k) : 0.0f;
+                });
+            } else { /* rows (q, m), lanes along k */
+                rp_scan_rows(t, nt, Q * H, Hp, [&](int j, int lane, int L) {
+                    const int q = j / H, m = j - q * H;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t l = p * 2 * half + half - 1;
+                    float *dst = base + q * TS + H * Hp + m * Hp;
+                    if (p < 1)
+                        return;
+                    for (int k = lane; k < Hp; k += L) {
+                        float val = 0.0f;
+                        if (k < H) {
+                            if constexpr (leaf)
+                                val = rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
+                            else
+                                val = rp_scan_prod(a, l, b)[(int64_t)m * H + k];
+                        }
+                        dst[k] = val;
+                    }
+                });
             }
-            for (int e = t; e < Q * H; e += nt) {
-                const int q = e / H, i = e - q * H;
+            rp_scan_rows(t, nt, Q, H, [&](int q, int lane, int L) {
                 const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                const int64_t l = p * 2 * half + half - 1, r = l + half;
+                float *dst = base + q * TS + 2 * H * Hp;
                 if (p < 0)
-                    continue;
-                const int64_t l = (p << (a.d + 1)) + half - 1, r = l + half;
-                base[q * TS + 2 * H * Hp + i] = rp_scan_cpart(a, leaf, l, b)[i];
-                base[q * TS + 2 * H * Hp + Hp + i] = rp_scan_cpart(a, leaf, r, b)[i];
-            }
+                    return;
+                const float *cl = rp_scan_cpart(a, leaf, l, b), *cr = rp_scan_cpart(a, leaf, r, b);
+                for (int i = lane; i < H; i += L) {
+                    dst[i] = cl[i];
+                    dst[Hp + i] = cr[i];
+                }
+            });
         });
         x.sync();
 
@@ -358,27 +404,27 @@ RP_HD void rp_scan_up_small(X &x, const rp_scan_args &a, int64_t block, int64_t 
                     continue;
                 const float *As = base + q * TS + i4 * 4, *Bs = base + q * TS + H * Hp + k4 * 4;
                 float acc[4][4];
-#pragma unroll
+RP_SCAN_UNROLL
                 for (int y = 0; y < 4; y++)
-#pragma unroll
+RP_SCAN_UNROLL
                     for (int z = 0; z < 4; z++)
                         acc[y][z] = 0.0f;
                 for (int m = 0; m < H; m++) {
                     const float4 av = rp_scan_ld4(As + m * Hp), bv = rp_scan_ld4(Bs + m * Hp);
                     const float ar[4] = {av.x, av.y, av.z, av.w}, br[4] = {bv.x, bv.y, bv.z, bv.w};
-#pragma unroll
+RP_SCAN_UNROLL
                     for (int y = 0; y < 4; y++)
-#pragma unroll
+RP_SCAN_UNROLL
                         for (int z = 0; z < 4; z++)
                             acc[y][z] = fmaf(ar[y], br[z], acc[y][z]);
                 }
-                const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
+                const int64_t r = p * 2 * half + 2 * half - 1;
                 float *C = rp_scan_prod(a, r, b);
-#pragma unroll
+RP_SCAN_UNROLL
                 for (int y = 0; y < 4; y++) {
                     const int i = i4 * 4 + y;
                     if (i < H)
-#pragma unroll
+RP_SCAN_UNROLL
                         for (int z = 0; z < 4; z++)
                             if (k4 * 4 + z < H)
                                 C[(int64_t)i * H + k4 * 4 + z] = acc[y][z];
@@ -393,7 +439,7 @@ RP_HD void rp_scan_up_small(X &x, const rp_scan_args &a, int64_t block, int64_t 
                 float s = 0.0f;
                 for (int m = 0; m < H; m++)
                     s = fmaf(As[m * Hp + i], cl[m], s);
-                const int64_t r = (p << (a.d + 1)) + 2 * half - 1;
+                const int64_t r = p * 2 * half + 2 * half - 1;
                 rp_scan_vec(a, r, b)[i] = s + cr[i];
             }
         });
@@ -425,28 +471,30 @@ RP_HD void rp_scan_up_large(X &x, const rp_scan_args &a, int64_t block, int64_t 
     for (int64_t unit = block; unit < a.nunits; unit += grid) {
         const int64_t task = unit / npan, p = task / a.B, b = task - p * a.B;
         const int i0 = (int)(unit - task * npan) * T, rows = T < H - i0 ? T : H - i0;
-        const int64_t l = (p << (a.d + 1)) + half - 1, r = l + half;
+        const int64_t l = p * 2 * half + half - 1, r = l + half;
         const bool spine = p == 0;
 
         x.each([&](int t) {
-            const int na = T * H;
-            for (int e = t; e < na; e += nt) {
-                int row, m;
-                if (MODE == RP_SCAN_STRUCT) {
-                    m = e / T;
-                    row = e - m * T;
-                } else {
-                    row = e / H;
-                    m = e - row * H;
-                }
-                float val = 0.0f;
-                if (row < rows) {
-                    if constexpr (leaf)
-                        val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i0 + row, m);
-                    else
-                        val = rp_scan_prod(a, r, b)[(int64_t)(i0 + row) * H + m];
-                }
-                As[row * HS + m] = val;
+            if (MODE == RP_SCAN_STRUCT) { /* rows m, lanes along the panel's rows */
+                rp_scan_rows(t, nt, H, T, [&](int m, int lane, int L) {
+                    for (int row = lane; row < T; row += L)
+                        As[row * HS + m] = row < rows ? rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b,
+                                                                           i0 + row, m)
+                                                      : 0.0f;
+                });
+            } else { /* rows of the panel, lanes along m */
+                rp_scan_rows(t, nt, T, H, [&](int row, int lane, int L) {
+                    for (int m = lane; m < H; m += L) {
+                        float val = 0.0f;
+                        if (row < rows) {
+                            if constexpr (leaf)
+                                val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i0 + row, m);
+                            else
+                                val = rp_scan_prod(a, r, b)[(int64_t)(i0 + row) * H + m];
+                        }
+                        As[row * HS + m] = val;
+                    }
+                });
             }
             const float *cls = rp_scan_cpart(a, leaf, l, b), *crs = rp_scan_cpart(a, leaf, r, b);
             for (int m = t; m < H; m += nt)
@@ -504,7 +552,7 @@ RP_HD void rp_scan_up_large(X &x, const rp_scan_args &a, int64_t block, int64_t 
                         rp_scan_acc<TM> &c = acc(t);
                         for (int mm = 0; mm < kmax; mm++) {
                             const float4 bv = rp_scan_ld4(Bs + mm * RP_SCAN_BN + tx * 4);
-#pragma unroll
+RP_SCAN_UNROLL
                             for (int y = 0; y < TM; y++) {
                                 const float av = Ar[y * HS + mm];
                                 c.a[y][0] = fmaf(av, bv.x, c.a[y][0]);
@@ -519,11 +567,11 @@ RP_HD void rp_scan_up_large(X &x, const rp_scan_args &a, int64_t block, int64_t 
                 x.each([&, k0](int t) {
                     const int ty = t / 16, tx = t - ty * 16;
                     float *C = rp_scan_prod(a, r, b);
-#pragma unroll
+RP_SCAN_UNROLL
                     for (int y = 0; y < TM; y++) {
                         const int row = ty * TM + y;
                         if (row < rows)
-#pragma unroll
+RP_SCAN_UNROLL
                             for (int z = 0; z < 4; z++) {
                                 const int k = k0 + tx * 4 + z;
                                 if (k < H)
@@ -568,18 +616,19 @@ RP_HD void rp_scan_down(X &x, const rp_scan_args &a, int64_t block, int64_t grid
         x.sync();
 
         x.each([&](int t) {
-            for (int e = t; e < Q * H; e += nt) {
-                const int q = e / H, m = e - q * H;
+            rp_scan_rows(t, nt, Q, H, [&](int q, int lane, int L) {
                 const int64_t p = tab[2 * q], b = tab[2 * q + 1];
-                if (p == -1) {
-                    xs[q * Hp + m] = rp_scan_vec(a, a.n, b)[m];
-                } else if (p >= 0) {
-                    const int64_t l = (p << (a.d + 1)) + half - 1;
-                    const int64_t r = l + half < a.n ? l + half : a.n;
-                    xs[q * Hp + m] = rp_scan_vec(a, r, b)[m];
-                    cs[q * Hp + m] = rp_scan_cpart(a, leaf, l, b)[m];
+                const int64_t l = p * 2 * half + half - 1;
+                const int64_t r = p < 0 ? a.n : (l + half < a.n ? l + half : a.n);
+                if (p < -1)
+                    return;
+                const float *xr = rp_scan_vec(a, r, b), *cl = rp_scan_cpart(a, leaf, l, b);
+                for (int m = lane; m < H; m += L) {
+                    xs[q * Hp + m] = xr[m]; /* the copy task (p == -1): slot n */
+                    if (p >= 0)
+                        cs[q * Hp + m] = cl[m];
                 }
-            }
+            });
         });
         x.sync();
 
@@ -591,7 +640,7 @@ RP_HD void rp_scan_down(X &x, const rp_scan_args &a, int64_t block, int64_t grid
                     const int q = row / H, i = row - q * H;
                     const int64_t p = tab[2 * q], b = tab[2 * q + 1];
                     if (p >= 1) {
-                        const int64_t l = (p << (a.d + 1)) + half - 1;
+                        const int64_t l = p * 2 * half + half - 1;
                         const float *xq = xs + q * Hp;
                         if constexpr (leaf) {
                             s = rp_scan_leaf_dot<MODE>(a, a.w, (a.n - l) * a.B + b, i, xq, lane, S);
@@ -614,7 +663,7 @@ RP_HD void rp_scan_down(X &x, const rp_scan_args &a, int64_t block, int64_t grid
                 if (p == -1) {
                     a.g[b * a.H + i] = xs[q * Hp + i]; /* slot n -> g[0] */
                 } else if (p >= 0) {
-                    const int64_t l = (p << (a.d + 1)) + half - 1;
+                    const int64_t l = p * 2 * half + half - 1;
                     const int64_t r = l + half < a.n ? l + half : a.n;
                     if (p == 0) { /* prefix = identity: a[r] = a[l] */
                         rp_scan_dst(a, leaf, r, b)[i] = cs[q * Hp + i];
@@ -714,25 +763,25 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
     call(x, a, (int64_t)blockIdx.x, (int64_t)gridDim.x, reinterpret_cast<float *>(rp_scan_smem))
 
 template <int MODE>
-__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_up_small_kernel(const rp_scan_args a)
+__global__ void __launch_bounds__(RP_SCAN_THREADS, 4) rp_scan_up_small_kernel(const rp_scan_args a)
 {
     RP_SCAN_KERNEL_BODY(rp_scan_up_small<MODE>);
 }
 
 template <int MODE, int TM>
-__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_up_large_kernel(const rp_scan_args a)
+__global__ void __launch_bounds__(RP_SCAN_THREADS, TM == 4 ? 2 : 3) rp_scan_up_large_kernel(const rp_scan_args a)
 {
     RP_SCAN_KERNEL_BODY((rp_scan_up_large<MODE, TM>));
 }
 
 template <int MODE>
-__global__ void __launch_bounds__(RP_SCAN_THREADS) rp_scan_down_kernel(const rp_scan_args a)
+__global__ void __launch_bounds__(RP_SCAN_THREADS, 4) rp_scan_down_kernel(const rp_scan_args a)
 {
     RP_SCAN_KERNEL_BODY(rp_scan_down<MODE>);
 }
 
 template <int MODE>
-__global__ void __launch_bounds__(RP_SCAN_MID_THREADS) rp_scan_mid_kernel(const rp_scan_args a)
+__global__ void __launch_bounds__(RP_SCAN_MID_THREADS, 1) rp_scan_mid_kernel(const rp_scan_args a)
 {
     RP_SCAN_KERNEL_BODY(rp_scan_mid<MODE>);
 }
@@ -787,14 +836,14 @@ static unsigned rp_scan_round32(int64_t x)
     return (unsigned)(r < 32 ? 32 : r);
 }
 
-/* Lanes per row of a mat-vec: about H / 4 elements each, at most 32 lanes;
- * one on structured leaves. */
-static int rp_scan_lanes(int64_t H, bool structured_leaf)
+/* Lanes per row of a mat-vec: about `per` elements each, at most 32 lanes;
+ * one on structured leaves (their reads of w coalesce along the rows). */
+static int rp_scan_lanes(int64_t H, bool structured_leaf, int per)
 {
     int S = 1;
     if (structured_leaf)
         return 1;
-    while (S < 32 && (int64_t)S * 4 < H)
+    while (S < 32 && (int64_t)S * per < H)
         S *= 2;
     return S;
 }
@@ -838,7 +887,7 @@ static void rp_scan_plan_down(const rp_scan_args *base, int d, int mode, size_t 
                               rp_scan_launch_plan *L)
 {
     const int64_t H = base->H, half = (int64_t)1 << d;
-    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT);
+    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT, 8);
     int64_t Q = RP_SCAN_THREADS / ((int64_t)S * H);
     Q = Q < 1 ? 1 : (Q > RP_SCAN_MAX_Q ? RP_SCAN_MAX_Q : Q);
     while (Q > 1 && rp_scan_down_bytes(H, (int)Q) > limit)
@@ -862,7 +911,7 @@ static void rp_scan_plan_mid(const rp_scan_args *base, int levels, int mode,
                              rp_scan_launch_plan *L)
 {
     const int64_t H = base->H;
-    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT);
+    const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT, 4); /* short dependent chains */
     const size_t pbytes = (size_t)2 * rp_scan_pad4(H) * 4;
     const size_t wbytes = (size_t)rp_scan_pad4((int64_t)base->G * H * H) * 4;
     L->a = *base;
