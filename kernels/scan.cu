@@ -281,6 +281,13 @@ RP_HD size_t rp_scan_down_bytes(int64_t H, int Q)
     return (size_t)Q * 16 + (size_t)Q * 2 * rp_scan_pad4(H) * 4;
 }
 
+/* A linear-scan thread's prefetched share of the next step's map. */
+#define RP_SCAN_PF 8
+struct rp_scan_pf {
+    float m[RP_SCAN_PF];
+    float c;
+};
+
 /* The micro-tile of a large up-sweep thread. */
 template <int TM> struct rp_scan_acc {
     float a[TM][4];
@@ -695,9 +702,15 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
     constexpr bool leaf = MODE != RP_SCAN_PROD; /* levels == 0 */
     const int H = (int)a.H, Hp = rp_scan_pad4(H), S = a.S, nt = x.nt, ng = nt / S;
     const int rounds = (H + ng - 1) / ng;
+    /* Prefetch: with one row per lane group (one round) and at most
+     * RP_SCAN_PF elements per lane, each thread loads the next step's row
+     * elements (and lane 0 its c) into registers while the current step
+     * finishes, so a step's critical path holds no global load. */
+    const bool pf = MODE != RP_SCAN_STRUCT && rounds == 1 && (H + S - 1) / S <= RP_SCAN_PF;
     float *P = sm, *ws = sm + 2 * Hp;
     const float *w_ = a.stage_w ? ws : a.w;
     typename X::template local<float> part;
+    typename X::template local<rp_scan_pf> nx;
 
     if (a.stage_w) {
         x.each([&](int t) {
@@ -707,15 +720,35 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
         });
     }
     for (int64_t b = block; b < a.B; b += grid) {
+        /* Thread t's share of the map of slot e (a step that computes P_{j+1}). */
+        auto fetch = [&](int t, int64_t e) {
+            const int i = t / S, lane = t % S;
+            if (i >= H)
+                return;
+            const float *row;
+            if constexpr (MODE == RP_SCAN_DENSE)
+                row = a.jt + (((a.n - e) * a.B + b) * a.H + i) * a.H;
+            else
+                row = rp_scan_prod(a, e, b) + (int64_t)i * H;
+            RP_SCAN_UNROLL
+            for (int k = 0; k < RP_SCAN_PF; k++) {
+                const int m = lane + k * S;
+                nx(t).m[k] = m < H ? rp_scan_ldg(row + m) : 0.0f;
+            }
+            nx(t).c = lane == 0 ? rp_scan_cpart(a, leaf, e, b)[i] : 0.0f;
+        };
         x.each([&](int t) {
             const float *p1 = rp_scan_cpart(a, leaf, a.span - 1, b);
             for (int m = t; m < H; m += nt)
                 P[m] = p1[m];
+            if (pf && a.nb > 2)
+                fetch(t, 2 * a.span - 1 < a.n ? 2 * a.span - 1 : a.n);
         });
         x.sync();
         int cur = 0;
         for (int64_t j = 1; j < a.nb; j++) {
             const int64_t e = (j + 1) * a.span - 1 < a.n ? (j + 1) * a.span - 1 : a.n;
+            const int64_t enext = (j + 2) * a.span - 1 < a.n ? (j + 2) * a.span - 1 : a.n;
             const bool more = j + 1 < a.nb;
             const float *Pc = P + cur * Hp;
             float *Pn = P + (1 - cur) * Hp;
@@ -724,7 +757,14 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
                     const int i = round * ng + t / S, lane = t % S;
                     float s = 0.0f;
                     if (more && i < H) {
-                        if constexpr (leaf) {
+                        if (pf) {
+                            RP_SCAN_UNROLL
+                            for (int k = 0; k < RP_SCAN_PF; k++) {
+                                const int m = lane + k * S;
+                                if (m < H)
+                                    s = fmaf(nx(t).m[k], Pc[m], s);
+                            }
+                        } else if constexpr (leaf) {
                             s = rp_scan_leaf_dot<MODE>(a, w_, (a.n - e) * a.B + b, i, Pc, lane, S);
                         } else {
                             const float *M = rp_scan_prod(a, e, b) + (int64_t)i * H;
@@ -737,12 +777,15 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
                 x.group_sum(part, S);
                 x.each([&, round](int t) {
                     const int i = round * ng + t / S;
-                    if (t % S != 0 || i >= H)
-                        return;
-                    const float cold = more ? rp_scan_cpart(a, leaf, e, b)[i] : 0.0f;
-                    rp_scan_dst(a, leaf, e, b)[i] = Pc[i];
-                    if (more)
-                        Pn[i] = part(t) + cold;
+                    if (t % S == 0 && i < H) {
+                        /* c of slot e before P_j overwrites it (L > 0: the same address) */
+                        const float cold = !more ? 0.0f : (pf ? nx(t).c : rp_scan_cpart(a, leaf, e, b)[i]);
+                        rp_scan_dst(a, leaf, e, b)[i] = Pc[i];
+                        if (more)
+                            Pn[i] = part(t) + cold;
+                    }
+                    if (pf && j + 2 < a.nb)
+                        fetch(t, enext); /* the next step's map: read-only until then */
                 });
             }
             x.sync();
@@ -913,7 +956,8 @@ static void rp_scan_plan_mid(const rp_scan_args *base, int levels, int mode,
     const int64_t H = base->H;
     const int S = rp_scan_lanes(H, mode == RP_SCAN_STRUCT, 4); /* short dependent chains */
     const size_t pbytes = (size_t)2 * rp_scan_pad4(H) * 4;
-    const size_t wbytes = (size_t)rp_scan_pad4((int64_t)base->G * H * H) * 4;
+    const int64_t wfloats = (int64_t)base->G * H * H;
+    const size_t wbytes = wfloats < ((int64_t)1 << 28) ? (size_t)rp_scan_pad4(wfloats) * 4 : SIZE_MAX / 2;
     L->a = *base;
     L->a.S = S;
     L->a.span = (int64_t)1 << levels;

@@ -1,0 +1,893 @@
+/*
+ * scan_emulation.cu: the CUDA scan of kernels/scan.cu (rp_cuda_scan and its
+ * kernels), run on the host, must agree with the recurrence it computes.
+ *
+ * CI has nvcc but no GPU. This test includes scan.cu with the CUDA runtime
+ * calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice,
+ * cudaSetDevice, cudaDeviceGetAttribute, cudaFuncSetAttribute,
+ * cudaGetLastError) renamed to the host mocks below. The launch mock finds
+ * the kernel it is handed among every instantiation scan.cu can launch and
+ * runs every block of the grid on the host through the very task bodies the
+ * kernels run (rp_scan_up_small, rp_scan_up_large, rp_scan_mid,
+ * rp_scan_down), with a host executor: a phase (x.each) is queued, and a
+ * barrier (x.sync, or the warp shuffle of x.group_sum) runs the queued phases
+ * thread-major, each thread through all of them before the next thread
+ * starts, in increasing thread order on some runs and decreasing on others.
+ * That is an order the device may choose where no barrier separates two
+ * phases, so a missing barrier shows up as a read of shared memory another
+ * thread has not written yet (it starts as NaN, fenced by canaries) or has
+ * already overwritten. Per-thread state lives in one array slot per thread;
+ * the shuffle sum is the same butterfly over the group's slots.
+ *
+ * Each case compares g with the recurrence g[n-1] = c[n-1], g[t] = c[t] +
+ * J[t+1]^T g[t+1] evaluated in double, and with rp_scan_cpu (csrc/scan.c),
+ * for n = 1..70 (a subset for the larger H) and every levels in [0,
+ * rp_scan_max_levels(n)], dense leaves and structured ones (G = 1 without u,
+ * G = 1 and G = 3 with u), H from 1 to 400 (whole-task up-sweep blocks up to
+ * 64, row panels of 64, 32, 16, 8, 4, 2 and 1 rows beyond), in place (g ==
+ * c) and not, under three shared-memory budgets (48 KB, and 20 KB and 12 KB
+ * to force the other tile shapes and the opt-in path; the results must be
+ * bitwise the same under another budget), with the grid capped
+ * at 3 blocks so that every kernel's loop over work items runs. Workspace
+ * and g start as NaN (a read of anything not yet written shows), every
+ * buffer is fenced by canaries (the workspace is exactly
+ * rp_scan_workspace_floats), and the inputs must come back unchanged.
+ *
+ * Also checked: 2 levels + 1 launches per call, on the stream, with the
+ * stream's device current during them and the caller's restored after;
+ * block sizes within the kernels' launch bounds and a multiple of the shuffle
+ * group; dynamic shared memory within 48 KB or the opt-in set for that kernel
+ * beforehand; rp_scan_check's failures returned with nothing launched; batch
+ * 0 launches nothing; a refused launch, an error reported by
+ * cudaGetLastError and a device without enough opt-in shared memory give
+ * RP_ERUNTIME / RP_EINVAL with a message.
+ *
+ * What it cannot prove: anything only the device does (blocks running
+ * concurrently, __ldg, bank conflicts, the generated code, launch-bound
+ * register limits). Blocks of a launch run one after another, in forward
+ * order and (on a third run of the small n) in reverse, and the results must
+ * be bitwise identical, which catches a block that reads what another block
+ * of the same launch writes; thread orders likewise.
+ *
+ * Build and run (no GPU needed; -arch=sm_80 only because nvcc needs one):
+ *   gcc -std=c11 -O3 -fopenmp -fno-math-errno -ffp-contract=off -Icsrc \
+ *       -c csrc/scan.c -o scan.o                  (and csrc/common.c -> common.o)
+ *   nvcc -std=c++17 -O2 --fmad=false -arch=sm_80 -Xcompiler -fopenmp \
+ *       -Icsrc -Ikernels kernels/tests/scan_emulation.cu scan.o common.o -o scan_emulation
+ *   ./scan_emulation          (--quick: a smaller grid of cases)
+ * Exit status 0 when everything agrees; one summary line either way.
+ */
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <functional>
+#include <vector>
+
+static int g_smem_default = 49152; /* the budget scan.cu plans with */
+#define RP_SCAN_SMEM_DEFAULT ((size_t)g_smem_default)
+#define RP_SCAN_MAX_GRID 3 /* every kernel loops over its work items */
+
+static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                      size_t smem, cudaStream_t stream);
+static cudaError_t mock_get_device(int *dev);
+static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev);
+static cudaError_t mock_set_device(int dev);
+static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev);
+static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute attr, int value);
+static cudaError_t mock_get_last_error(void);
+
+#define cudaLaunchKernel mock_launch_kernel
+#define cudaGetDevice mock_get_device
+#define cudaStreamGetDevice mock_stream_get_device
+#define cudaSetDevice mock_set_device
+#define cudaDeviceGetAttribute mock_device_get_attribute
+#define cudaFuncSetAttribute mock_func_set_attribute
+#define cudaGetLastError mock_get_last_error
+#include "scan.cu"
+#undef cudaLaunchKernel
+#undef cudaGetDevice
+#undef cudaStreamGetDevice
+#undef cudaSetDevice
+#undef cudaDeviceGetAttribute
+#undef cudaFuncSetAttribute
+#undef cudaGetLastError
+
+/* ---------------------------------------------------------------------------
+ * Failure reporting
+ * ------------------------------------------------------------------------- */
+
+static int g_failures;
+static char g_context[256];
+
+static void report_failure(int line, const char *cond, const char *fmt, ...)
+{
+    va_list ap;
+    if (++g_failures > 30)
+        return;
+    fprintf(stderr, "FAIL [%s] line %d: CHECK(%s): ", g_context, line, cond);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+}
+
+static void on_fatal_signal(int sig)
+{
+    static const char head[] = "FAIL [";
+    static const char tail[] = "]: crashed (out-of-bounds access?)\n";
+    ssize_t ignored = write(2, head, sizeof head - 1);
+    ignored = write(2, g_context, strnlen(g_context, sizeof g_context));
+    ignored = write(2, tail, sizeof tail - 1);
+    (void)ignored;
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+#define CHECK(cond, ...)                                                                           \
+    do {                                                                                           \
+        if (!(cond))                                                                               \
+            report_failure(__LINE__, #cond, __VA_ARGS__);                                          \
+    } while (0)
+
+/* ---------------------------------------------------------------------------
+ * The host executor: every thread of a block, phase by phase
+ * ------------------------------------------------------------------------- */
+
+#define EMU_MAX_THREADS 1024
+
+struct emu_exec {
+    template <class T> struct local {
+        T v[EMU_MAX_THREADS];
+        __host__ __device__ T &operator()(int t) { return v[t]; }
+    };
+    int nt;
+    bool reverse; /* unsynchronized phases: threads last to first */
+    std::vector<std::function<void(int)>> pending;
+    /* A phase is queued; a barrier (or a shuffle) runs the queued phases
+     * thread-major: each thread runs all of them before the next thread
+     * starts, which is one order the device may pick without a barrier. A
+     * missing barrier then shows as reads of another thread's not-yet-written
+     * data (NaN shared memory, stale values) in one of the two orders. */
+    template <class F> __host__ __device__ void each(F &&f)
+    {
+#ifndef __CUDA_ARCH__
+        pending.emplace_back(f);
+#endif
+    }
+    __host__ __device__ void flush()
+    {
+#ifndef __CUDA_ARCH__
+        for (int i = 0; i < nt; i++) {
+            const int t = reverse ? nt - 1 - i : i;
+            for (auto &f : pending)
+                f(t);
+        }
+        pending.clear();
+#endif
+    }
+    __host__ __device__ void sync() { flush(); }
+    /* __shfl_xor_sync butterfly: lane l adds lane l ^ o, for o = S/2 .. 1 (the
+     * launch mock has checked that S is a power of two <= 32 dividing nt).
+     * A shuffle waits for the lanes of its warp: the queued phases run first. */
+    __host__ __device__ void group_sum(local<float> &x, int S)
+    {
+        float tmp[32];
+        flush();
+        for (int g = 0; g < nt; g += S)
+            for (int o = S >> 1; o > 0; o >>= 1) {
+                for (int l = 0; l < S; l++)
+                    tmp[l] = x.v[g + l] + x.v[g + (l ^ o)];
+                for (int l = 0; l < S; l++)
+                    x.v[g + l] = tmp[l];
+            }
+    }
+};
+
+/* ---------------------------------------------------------------------------
+ * The emulated runtime
+ * ------------------------------------------------------------------------- */
+
+#define EMU_DEVICES 3
+static cudaStream_t emu_stream(int dev) { return (cudaStream_t)(uintptr_t)(0x7000 + 0x100 * dev); }
+
+typedef enum { FAULT_NONE, FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE } emu_fault;
+
+static struct {
+    int current_device;
+    int optin; /* cudaDevAttrMaxSharedMemoryPerBlockOptin */
+    emu_fault fault;
+    int fault_at; /* the launch (0-based) the fault hits */
+    cudaError_t pending;
+    cudaStream_t stream; /* the stream of the call */
+    int stream_device;
+    int launches;
+    bool reverse_blocks;  /* run each grid's blocks last to first */
+    bool reverse_threads; /* run unsynchronized phases' threads last to first */
+    std::vector<std::pair<const void *, int>> attr; /* opt-ins set */
+} g_rt;
+
+static struct {
+    long cases, launches, blocks, optins;
+    long by_kind[4];
+    long tiles[8]; /* large up-sweep launches by log2(T) */
+} g_stats;
+
+static cudaError_t mock_get_device(int *dev)
+{
+    if (g_rt.fault == FAULT_GET_DEVICE)
+        return cudaErrorNoDevice;
+    *dev = g_rt.current_device;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
+{
+    for (int d = 0; d < EMU_DEVICES; d++)
+        if (stream == emu_stream(d)) {
+            *dev = d;
+            return cudaSuccess;
+        }
+    CHECK(false, "cudaStreamGetDevice on stream %p", (void *)stream);
+    return cudaErrorInvalidResourceHandle;
+}
+
+static cudaError_t mock_set_device(int dev)
+{
+    CHECK(dev >= 0 && dev < EMU_DEVICES, "cudaSetDevice(%d)", dev);
+    g_rt.current_device = dev;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
+{
+    CHECK(attr == cudaDevAttrMaxSharedMemoryPerBlockOptin, "unexpected attribute %d", (int)attr);
+    CHECK(dev == g_rt.stream_device, "attribute of device %d, the stream's is %d", dev,
+          g_rt.stream_device);
+    *value = g_rt.optin;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute attr, int value)
+{
+    CHECK(attr == cudaFuncAttributeMaxDynamicSharedMemorySize, "unexpected attribute %d", (int)attr);
+    CHECK(value > g_smem_default && value <= g_rt.optin, "opt-in of %d bytes (default %d, max %d)",
+          value, g_smem_default, g_rt.optin);
+    CHECK(g_rt.current_device == g_rt.stream_device, "opt-in on device %d, stream on %d",
+          g_rt.current_device, g_rt.stream_device);
+    g_rt.attr.push_back(std::make_pair(fn, value));
+    g_stats.optins++;
+    return cudaSuccess;
+}
+
+static cudaError_t mock_get_last_error(void)
+{
+    const cudaError_t e = g_rt.pending;
+    g_rt.pending = cudaSuccess;
+    return e;
+}
+
+/* ---------------------------------------------------------------------------
+ * The kernels: every instantiation scan.cu can launch, and its body
+ * ------------------------------------------------------------------------- */
+
+typedef void (*emu_body)(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t grid,
+                         float *sm);
+
+template <int MODE>
+static void body_up_small(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    rp_scan_up_small<MODE>(x, a, block, grid, sm);
+}
+template <int MODE, int TM>
+static void body_up_large(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    rp_scan_up_large<MODE, TM>(x, a, block, grid, sm);
+}
+template <int MODE>
+static void body_down(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    rp_scan_down<MODE>(x, a, block, grid, sm);
+}
+template <int MODE>
+static void body_mid(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t grid, float *sm)
+{
+    rp_scan_mid<MODE>(x, a, block, grid, sm);
+}
+
+typedef struct {
+    const void *fn;
+    emu_body body;
+    int kind; /* 0 up small, 1 up large, 2 down, 3 middle */
+    int mode, tm;
+    int max_threads;
+} emu_kernel;
+
+static std::vector<emu_kernel> g_kernels;
+
+template <int MODE> static void register_mode()
+{
+    g_kernels.push_back({(const void *)rp_scan_up_small_kernel<MODE>, body_up_small<MODE>, 0, MODE,
+                         0, RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 1>, body_up_large<MODE, 1>, 1,
+                         MODE, 1, RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 2>, body_up_large<MODE, 2>, 1,
+                         MODE, 2, RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 4>, body_up_large<MODE, 4>, 1,
+                         MODE, 4, RP_SCAN_THREADS});
+    g_kernels.push_back(
+        {(const void *)rp_scan_down_kernel<MODE>, body_down<MODE>, 2, MODE, 0, RP_SCAN_THREADS});
+    g_kernels.push_back(
+        {(const void *)rp_scan_mid_kernel<MODE>, body_mid<MODE>, 3, MODE, 0, RP_SCAN_MID_THREADS});
+}
+
+/* What the current call is expected to launch. */
+static struct {
+    int levels, mode; /* the leaves' mode */
+    int next;         /* launches so far */
+} g_expect;
+
+#define EMU_CANARY 64
+static const uint32_t emu_canary_bits = 0x7fc0dead; /* a NaN no arithmetic produces */
+
+static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
+                                      size_t smem, cudaStream_t stream)
+{
+    const emu_kernel *k = NULL;
+    const int index = g_rt.launches++;
+    for (const emu_kernel &e : g_kernels)
+        if (e.fn == fn)
+            k = &e;
+    CHECK(k != NULL, "launch of an unknown kernel %p", fn);
+    if (k == NULL)
+        return cudaErrorInvalidDeviceFunction;
+    if (g_rt.fault == FAULT_LAUNCH && index == g_rt.fault_at)
+        return cudaErrorLaunchOutOfResources;
+    if (g_rt.fault == FAULT_LAST_ERROR && index == g_rt.fault_at)
+        g_rt.pending = cudaErrorIllegalAddress; /* "launched", then reported */
+
+    const rp_scan_args &a = *(const rp_scan_args *)args[0];
+    CHECK(stream == g_rt.stream, "launch on stream %p, call on %p", (void *)stream,
+          (void *)g_rt.stream);
+    CHECK(g_rt.current_device == g_rt.stream_device, "launch on device %d, stream on %d",
+          g_rt.current_device, g_rt.stream_device);
+    CHECK(grid.y == 1 && grid.z == 1 && block.y == 1 && block.z == 1, "grid or block not 1-D");
+    CHECK(grid.x >= 1 && grid.x <= RP_SCAN_MAX_GRID, "grid of %u", grid.x);
+    CHECK(block.x >= 1 && (int)block.x <= k->max_threads, "%u threads, kernel bound %d", block.x,
+          k->max_threads);
+    CHECK((int64_t)grid.x == (a.nunits < RP_SCAN_MAX_GRID ? a.nunits : RP_SCAN_MAX_GRID),
+          "grid of %u for %lld units", grid.x, (long long)a.nunits);
+    {
+        size_t allowed = (size_t)g_smem_default;
+        for (auto &p : g_rt.attr)
+            if (p.first == fn && (size_t)p.second > allowed)
+                allowed = (size_t)p.second;
+        CHECK(smem <= allowed, "%zu bytes of shared memory, %zu allowed", smem, allowed);
+    }
+
+    /* The order of launches: up-sweep levels 0..L-1, the middle, the down-sweep L-1..0. */
+    {
+        const int L = g_expect.levels, i = g_expect.next++;
+        int kind, d = -1, mode;
+        if (i < L) {
+            kind = 0;
+            d = i;
+        } else if (i == L) {
+            kind = 3;
+        } else {
+            kind = 2;
+            d = 2 * L - i;
+        }
+        mode = (kind == 3 ? L == 0 : d == 0) ? g_expect.mode : RP_SCAN_PROD;
+        CHECK(i < 2 * L + 1, "launch %d of a scan with %d levels", i, L);
+        CHECK(k->kind == kind || (kind == 0 && k->kind == 1), "launch %d is kernel kind %d, not %d",
+              i, k->kind, kind);
+        CHECK(k->mode == mode, "launch %d in mode %d, not %d", i, k->mode, mode);
+        if (d >= 0)
+            CHECK(a.d == d, "launch %d at level %d, not %d", i, a.d, d);
+        if (k->kind == 0)
+            CHECK(a.H <= RP_SCAN_SMALL_H, "small up-sweep with H = %lld", (long long)a.H);
+        if (k->kind == 1) {
+            const int T = a.tile, tm = T >= 64 ? 4 : (T == 32 ? 2 : 1);
+            CHECK(a.H > RP_SCAN_SMALL_H, "large up-sweep with H = %lld", (long long)a.H);
+            CHECK(tm == k->tm && (int)block.x == T / tm * 16, "tile %d, TM %d, %u threads", T,
+                  k->tm, block.x);
+            for (int s = 0; s < 8; s++)
+                if (T == 1 << s)
+                    g_stats.tiles[s]++;
+        }
+        if (k->kind == 2 || k->kind == 3)
+            CHECK(a.S >= 1 && a.S <= 32 && (a.S & (a.S - 1)) == 0 && block.x % 32 == 0,
+                  "%u threads in groups of %d", block.x, a.S);
+    }
+    if (g_failures)
+        return cudaSuccess;
+
+    g_stats.launches++;
+    g_stats.by_kind[k->kind]++;
+    std::vector<float> sm(smem / 4 + 2 * EMU_CANARY + 4);
+    float *base = sm.data() + EMU_CANARY;
+    emu_exec x;
+    x.nt = (int)block.x;
+    x.reverse = g_rt.reverse_threads;
+    for (unsigned i = 0; i < grid.x; i++) {
+        const unsigned blk = g_rt.reverse_blocks ? grid.x - 1 - i : i;
+        float nan_fill;
+        uint32_t nan_bits = 0x7fbfffff, canary = emu_canary_bits;
+        memcpy(&nan_fill, &nan_bits, 4);
+        for (size_t e = 0; e < sm.size(); e++)
+            memcpy(&sm[e], &canary, 4);
+        for (size_t e = 0; e < smem / 4; e++)
+            base[e] = nan_fill;
+        k->body(x, a, blk, grid.x, base);
+        CHECK(x.pending.empty(), "block %u ends with %zu phases after its last barrier", blk,
+              x.pending.size());
+        x.flush();
+        for (size_t e = 0; e < sm.size(); e++) {
+            if (e >= EMU_CANARY && e < EMU_CANARY + smem / 4)
+                continue;
+            uint32_t bits;
+            memcpy(&bits, &sm[e], 4);
+            CHECK(bits == emu_canary_bits, "block %u wrote shared memory outside its %zu bytes", blk,
+                  smem);
+            if (bits != emu_canary_bits)
+                break;
+        }
+        g_stats.blocks++;
+    }
+    return cudaSuccess;
+}
+
+/* ---------------------------------------------------------------------------
+ * Buffers with canaries, data, the reference
+ * ------------------------------------------------------------------------- */
+
+struct fenced {
+    std::vector<float> mem;
+    int64_t n = 0;
+    void init(int64_t count, float fill)
+    {
+        n = count;
+        mem.assign((size_t)(count + 2 * EMU_CANARY), fill);
+        float c;
+        memcpy(&c, &emu_canary_bits, 4);
+        for (int i = 0; i < EMU_CANARY; i++)
+            mem[i] = mem[(size_t)(EMU_CANARY + count + i)] = c;
+    }
+    float *p() { return mem.data() + EMU_CANARY; }
+    bool intact() const
+    {
+        for (int i = 0; i < EMU_CANARY; i++) {
+            uint32_t a, b;
+            memcpy(&a, &mem[i], 4);
+            memcpy(&b, &mem[(size_t)(EMU_CANARY + n + i)], 4);
+            if (a != emu_canary_bits || b != emu_canary_bits)
+                return false;
+        }
+        return true;
+    }
+};
+
+static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
+static float urand(float lo, float hi)
+{
+    g_rng ^= g_rng << 13;
+    g_rng ^= g_rng >> 7;
+    g_rng ^= g_rng << 17;
+    return lo + (hi - lo) * (float)((g_rng >> 40) * (1.0 / 16777216.0));
+}
+
+typedef struct {
+    int64_t n, B, H;
+    int G;      /* 0: dense */
+    bool has_u; /* structured */
+} emu_problem;
+
+struct emu_data {
+    emu_problem pr;
+    fenced w, u, v, jt, c;
+};
+
+static void make_data(const emu_problem &pr, emu_data &D)
+{
+    const int64_t n = pr.n, B = pr.B, H = pr.H, G = pr.G;
+    D.pr = pr;
+    D.c.init(n * B * H, 0.0f);
+    for (int64_t i = 0; i < n * B * H; i++)
+        D.c.p()[i] = urand(-1.0f, 1.0f);
+    if (G == 0) {
+        const float s = 1.2f / sqrtf((float)H);
+        D.jt.init(n * B * H * H, 0.0f);
+        for (int64_t i = 0; i < n * B * H * H; i++)
+            D.jt.p()[i] = urand(-s, s);
+        D.w.init(0, 0.0f);
+        D.u.init(0, 0.0f);
+        D.v.init(0, 0.0f);
+    } else {
+        const float s = 0.5f / sqrtf((float)(H * G));
+        D.w.init(G * H * H, 0.0f);
+        for (int64_t i = 0; i < G * H * H; i++)
+            D.w.p()[i] = urand(-s, s);
+        D.v.init(n * B * G * H, 0.0f);
+        for (int64_t i = 0; i < n * B * G * H; i++)
+            D.v.p()[i] = urand(-1.0f, 1.0f);
+        D.u.init(pr.has_u ? n * B * H : 0, 0.0f);
+        for (int64_t i = 0; i < (pr.has_u ? n * B * H : 0); i++)
+            D.u.p()[i] = urand(-0.4f, 0.4f);
+        D.jt.init(0, 0.0f);
+    }
+}
+
+static rp_scan_jacobians jacobians_of(emu_data &D)
+{
+    rp_scan_jacobians j;
+    memset(&j, 0, sizeof j);
+    j.n = D.pr.n;
+    j.batch = D.pr.B;
+    j.dim = D.pr.H;
+    j.gates = D.pr.G;
+    if (D.pr.G > 0) {
+        j.w = D.w.p();
+        j.u = D.pr.has_u ? D.u.p() : NULL;
+        j.v = D.v.p();
+    } else {
+        j.jt = D.jt.p();
+    }
+    return j;
+}
+
+/* g[n-1] = c[n-1], g[t] = c[t] + J[t+1]^T g[t+1], in double. */
+static void reference(emu_data &D, std::vector<double> &g)
+{
+    const int64_t n = D.pr.n, B = D.pr.B, H = D.pr.H, G = D.pr.G;
+    const float *c = D.c.p();
+    g.assign((size_t)(n * B * H), 0.0);
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t i = 0; i < H; i++)
+            g[(size_t)(((n - 1) * B + b) * H + i)] = c[((n - 1) * B + b) * H + i];
+        for (int64_t t = n - 2; t >= 0; t--) {
+            const int64_t tb = (t + 1) * B + b;
+            const double *gn = &g[(size_t)(((t + 1) * B + b) * H)];
+            for (int64_t i = 0; i < H; i++) {
+                double s = c[(t * B + b) * H + i];
+                for (int64_t m = 0; m < H; m++) {
+                    double M;
+                    if (G == 0) {
+                        M = D.jt.p()[(tb * H + i) * H + m];
+                    } else {
+                        M = (D.pr.has_u && i == m) ? D.u.p()[tb * H + i] : 0.0;
+                        for (int64_t k = 0; k < G; k++)
+                            M += (double)D.w.p()[(k * H + m) * H + i] *
+                                 (double)D.v.p()[tb * G * H + k * H + m];
+                    }
+                    s += M * gn[m];
+                }
+                g[(size_t)((t * B + b) * H + i)] = s;
+            }
+        }
+    }
+}
+
+static bool same_bits(const float *a, const float *b, int64_t n)
+{
+    return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
+}
+
+/* ---------------------------------------------------------------------------
+ * One case: every levels, in place and not, blocks forward and reversed
+ * ------------------------------------------------------------------------- */
+
+static double g_max_err, g_max_err_cpu;
+
+static void run_case(const emu_problem &pr, int device, bool both_orders)
+{
+    emu_data D;
+    std::vector<double> ref;
+    make_data(pr, D);
+    reference(D, ref);
+    const int64_t n = pr.n, B = pr.B, H = pr.H, total = n * B * H;
+    const int maxL = rp_scan_max_levels(n);
+    const int64_t wf = rp_scan_workspace_floats(n, B, H);
+    emu_data saved = D;
+    double scale = 1.0;
+    for (int64_t i = 0; i < total; i++)
+        scale = fmax(scale, fabs(ref[(size_t)i]));
+
+    for (int L = 0; L <= maxL; L++) {
+        std::vector<float> first; /* the forward-order result of this levels */
+        /* 0: forward, out of place; 1: in place, threads reversed; 2: blocks
+         * reversed; 3: another shared-memory budget (other Q, T, S: the
+         * results must not depend on the launch configuration) */
+        const int save_budget = g_smem_default;
+        for (int variant = 0; variant < (both_orders ? 4 : 2); variant++) {
+            const bool inplace = variant == 1, reverse = variant == 2;
+            g_smem_default = variant == 3 ? (save_budget == 12288 ? 49152 : 12288) : save_budget;
+            rp_scan_jacobians j = jacobians_of(D);
+            fenced work, gsep, cin;
+            rp_error err;
+            err.msg[0] = '\0';
+            float nanv;
+            uint32_t nb = 0x7fa00000;
+            memcpy(&nanv, &nb, 4);
+            work.init(wf, nanv);
+            gsep.init(total, nanv);
+            cin = D.c; /* the call's c (and g when in place) */
+            float *g = inplace ? cin.p() : gsep.p();
+            snprintf(g_context, sizeof g_context,
+                     "n=%lld B=%lld H=%lld G=%d u=%d levels=%d %s%s smem=%d", (long long)n,
+                     (long long)B, (long long)H, pr.G, (int)pr.has_u, L,
+                     inplace ? "in place" : "out of place", reverse ? " reversed" : "",
+                     g_smem_default);
+            g_rt.stream = emu_stream(device);
+            g_rt.stream_device = device;
+            g_rt.current_device = (device + 1) % EMU_DEVICES;
+            g_rt.launches = 0;
+            g_rt.reverse_blocks = reverse;
+            g_rt.reverse_threads = inplace;
+            g_rt.attr.clear();
+            g_expect.levels = L;
+            g_expect.mode = pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
+            g_expect.next = 0;
+            const int rc = rp_cuda_scan(&j, cin.p(), g, L, work.p(), (void *)g_rt.stream, &err);
+            g_stats.cases++;
+            CHECK(rc == RP_OK, "status %d: %s", rc, err.msg);
+            CHECK(g_rt.launches == 2 * L + 1, "%d launches for %d levels", g_rt.launches, L);
+            CHECK(g_rt.current_device == (device + 1) % EMU_DEVICES,
+                  "current device %d after the call, was %d", g_rt.current_device,
+                  (device + 1) % EMU_DEVICES);
+            CHECK(work.intact() && gsep.intact() && cin.intact() && D.w.intact() && D.u.intact() &&
+                      D.v.intact() && D.jt.intact(),
+                  "a canary was overwritten");
+            CHECK(same_bits(D.w.p(), saved.w.p(), D.w.n) && same_bits(D.u.p(), saved.u.p(), D.u.n) &&
+                      same_bits(D.v.p(), saved.v.p(), D.v.n) &&
+                      same_bits(D.jt.p(), saved.jt.p(), D.jt.n),
+                  "the leaves were modified");
+            if (!inplace)
+                CHECK(same_bits(cin.p(), saved.c.p(), total), "c was modified");
+            double err_max = 0.0;
+            int64_t worst = 0;
+            for (int64_t i = 0; i < total; i++) {
+                const double e = fabs((double)g[i] - ref[(size_t)i]);
+                if (!(e <= err_max)) { /* NaN too */
+                    err_max = isnan(e) ? INFINITY : e;
+                    worst = i;
+                }
+            }
+            CHECK(err_max <= 2e-5 * scale * (1.0 + 0.05 * (double)n * sqrt((double)H) / 8.0),
+                  "max |g - reference| = %g at (t=%lld, b=%lld, i=%lld): %g vs %g (scale %g)",
+                  err_max, (long long)(worst / (B * H)), (long long)(worst / H % B),
+                  (long long)(worst % H), (double)g[worst], ref[(size_t)worst], scale);
+            g_max_err = fmax(g_max_err, err_max / scale);
+            if (variant == 0) {
+                first.assign(g, g + total);
+                /* against the CPU scan of csrc/scan.c with the same levels */
+                std::vector<float> gcpu((size_t)total), wcpu((size_t)(wf > 0 ? wf : 1));
+                rp_error e2;
+                const int rc2 = rp_scan_cpu(&j, D.c.p(), gcpu.data(), L, wcpu.data(), 1, &e2);
+                CHECK(rc2 == RP_OK, "rp_scan_cpu: %s", e2.msg);
+                double ec = 0.0;
+                for (int64_t i = 0; i < total; i++)
+                    ec = fmax(ec, fabs((double)gcpu[(size_t)i] - (double)g[i]));
+                g_max_err_cpu = fmax(g_max_err_cpu, ec / scale);
+            } else {
+                CHECK(same_bits(first.data(), g, total),
+                      "differs bitwise from the forward, out-of-place run");
+            }
+            g_smem_default = save_budget;
+            if (g_failures)
+                return;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * Error paths
+ * ------------------------------------------------------------------------- */
+
+static void error_cases(void)
+{
+    emu_problem pr = {9, 2, 5, 1, false};
+    emu_data D;
+    make_data(pr, D);
+    rp_scan_jacobians j = jacobians_of(D);
+    fenced work, g;
+    rp_error err;
+    work.init(rp_scan_workspace_floats(9, 2, 5), 0.0f);
+    g.init(9 * 2 * 5, 0.0f);
+    g_rt.stream = emu_stream(1);
+    g_rt.stream_device = 1;
+    g_rt.current_device = 1;
+    g_rt.attr.clear();
+    g_rt.reverse_blocks = false;
+    g_rt.reverse_threads = false;
+
+    /* rp_scan_check's verdicts, nothing launched */
+    {
+        const int bad_levels[] = {-1, rp_scan_max_levels(9) + 1};
+        for (int L : bad_levels) {
+            snprintf(g_context, sizeof g_context, "error: levels %d", L);
+            rp_error e1, e2;
+            g_rt.launches = 0;
+            const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), L, work.p(), g_rt.stream, &e1);
+            const int want = rp_scan_check(&j, D.c.p(), g.p(), L, work.p(), &e2);
+            CHECK(rc == want && rc == RP_EINVAL && strcmp(e1.msg, e2.msg) == 0,
+                  "status %d (%s), rp_scan_check %d (%s)", rc, e1.msg, want, e2.msg);
+            CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+        }
+        snprintf(g_context, sizeof g_context, "error: NULL jacobians");
+        g_rt.launches = 0;
+        CHECK(rp_cuda_scan(NULL, D.c.p(), g.p(), 0, work.p(), g_rt.stream, &err) == RP_EINVAL,
+              "accepted NULL jacobians");
+        CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+    }
+    /* batch 0: nothing to do */
+    {
+        snprintf(g_context, sizeof g_context, "error: batch 0");
+        rp_scan_jacobians j0 = j;
+        j0.batch = 0;
+        g_rt.launches = 0;
+        const int rc = rp_cuda_scan(&j0, D.c.p(), g.p(), 1, NULL, g_rt.stream, &err);
+        CHECK(rc == RP_OK && g_rt.launches == 0, "status %d, %d launches", rc, g_rt.launches);
+    }
+    /* faults: a refused launch, an error found by cudaGetLastError, no device */
+    {
+        const emu_fault faults[] = {FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE};
+        for (emu_fault f : faults)
+            for (int at = 0; at < 5; at++) {
+                snprintf(g_context, sizeof g_context, "error: fault %d at launch %d", (int)f, at);
+                g_rt.fault = f;
+                g_rt.fault_at = at;
+                g_rt.launches = 0;
+                g_rt.pending = cudaSuccess;
+                g_rt.current_device = 0;
+                g_expect.levels = 2;
+                g_expect.mode = RP_SCAN_STRUCT;
+                g_expect.next = 0;
+                err.msg[0] = '\0';
+                const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_rt.stream, &err);
+                CHECK(rc == RP_ERUNTIME && strstr(err.msg, "CUDA error") != NULL,
+                      "status %d: %s", rc, err.msg);
+                if (f == FAULT_GET_DEVICE)
+                    CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+                else
+                    CHECK(g_rt.launches == at + 1, "%d launches, fault at %d", g_rt.launches, at);
+                CHECK(g_rt.current_device == 0, "device %d not restored", g_rt.current_device);
+                CHECK(g_rt.pending == cudaSuccess, "error left pending");
+                if (f == FAULT_GET_DEVICE)
+                    break;
+            }
+        g_rt.fault = FAULT_NONE;
+    }
+    /* a dimension whose one-task blocks need more shared memory than the device has */
+    {
+        snprintf(g_context, sizeof g_context, "error: shared memory");
+        const int save = g_rt.optin, save_default = g_smem_default;
+        g_smem_default = 1024;
+        g_rt.optin = 1024;
+        emu_problem p2 = {4, 1, 200, 1, false};
+        emu_data D2;
+        make_data(p2, D2);
+        rp_scan_jacobians j2 = jacobians_of(D2);
+        fenced w2, g2;
+        w2.init(rp_scan_workspace_floats(4, 1, 200), 0.0f);
+        g2.init(4 * 200, 0.0f);
+        g_rt.launches = 0;
+        err.msg[0] = '\0';
+        const int rc = rp_cuda_scan(&j2, D2.c.p(), g2.p(), 1, w2.p(), g_rt.stream, &err);
+        CHECK(rc == RP_EINVAL && strstr(err.msg, "shared memory") != NULL, "status %d: %s", rc,
+              err.msg);
+        CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+        g_rt.optin = save;
+        g_smem_default = save_default;
+    }
+}
+
+/* ---------------------------------------------------------------------------
+ * The grid of cases
+ * ------------------------------------------------------------------------- */
+
+static void sweep(bool quick, bool smoke)
+{
+    struct leafkind {
+        int G;
+        bool u;
+    };
+    const leafkind kinds[] = {{0, false}, {1, false}, {1, true}, {3, true}};
+    const int budgets[] = {49152, 20480, 12288};
+    int device = 0;
+
+    for (int bi = 0; bi < 3; bi++) {
+        g_smem_default = budgets[bi];
+        g_rt.optin = 232448; /* an H100/H200's */
+        for (const leafkind &lk : kinds) {
+            /* small H: whole-task up-sweep blocks */
+            const int small_h[] = {1, 3, 5, 8, 20, 33, 64};
+            for (int H : small_h) {
+                if (bi > 0 && H != 20 && H != 64 && H != 5)
+                    continue;
+                if (smoke && H != 5 && H != 20)
+                    continue;
+                for (int64_t n = 1; n <= 70; n++) {
+                    const bool all_n = H <= 20 && bi == 0;
+                    if (!all_n && !(n <= 17 || (n >= 31 && n <= 34) || n == 63 || n == 64 ||
+                                    n == 65 || n == 70))
+                        continue;
+                    if (quick && n > 20 && n != 33 && n != 64)
+                        continue;
+                    if (smoke && n > 12)
+                        continue;
+                    if (H >= 33 && n > 34 && (quick || bi > 0))
+                        continue;
+                    const int64_t B = H >= 33 ? 1 : (n % 3 == 0 ? 1 : 3);
+                    run_case({n, B, H, lk.G, lk.u}, device, n <= 17);
+                    device = (device + 1) % EMU_DEVICES;
+                    if (g_failures)
+                        return;
+                }
+            }
+            /* large H: row panels */
+            const int large_h[] = {65, 70, 100, 130, 180, 300, 400};
+            for (int H : large_h) {
+                if (H >= 180 && bi != 2)
+                    continue; /* T of 4, 2, 1 appear under the 12 KB budget */
+                if (smoke && H != 70 && H != 180)
+                    continue;
+                const int64_t ns[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 17};
+                for (int64_t n : ns) {
+                    if (H >= 100 && n > 5)
+                        continue;
+                    if (quick && n > 5)
+                        continue;
+                    run_case({n, n <= 4 && H < 100 ? 2 : 1, H, lk.G, lk.u}, device, n <= 5);
+                    device = (device + 1) % EMU_DEVICES;
+                    if (g_failures)
+                        return;
+                }
+            }
+        }
+    }
+    g_smem_default = 49152;
+}
+
+int main(int argc, char **argv)
+{
+    const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    const bool smoke = argc > 1 && strcmp(argv[1], "--smoke") == 0; /* seconds: for edits */
+    signal(SIGSEGV, on_fatal_signal);
+    signal(SIGBUS, on_fatal_signal);
+    signal(SIGFPE, on_fatal_signal);
+    register_mode<RP_SCAN_PROD>();
+    register_mode<RP_SCAN_DENSE>();
+    register_mode<RP_SCAN_STRUCT>();
+    g_rt.optin = 232448;
+
+    sweep(quick || smoke, smoke);
+    if (!g_failures)
+        error_cases();
+
+    /* the grid must have exercised every kernel and tile shape */
+    if (!g_failures) {
+        snprintf(g_context, sizeof g_context, "coverage");
+        for (int k = 0; k < 4; k++)
+            CHECK(g_stats.by_kind[k] > 0, "kernel kind %d never launched", k);
+        for (int s = 0; s <= 6; s++)
+            CHECK(smoke || g_stats.tiles[s] > 0, "large up-sweep with %d-row panels never launched", 1 << s);
+        CHECK(smoke || g_stats.optins > 0, "the shared-memory opt-in never exercised");
+    }
+
+    if (g_failures) {
+        printf("scan_emulation: FAILED (%d failures; %ld cases, %ld launches)\n", g_failures,
+               g_stats.cases, g_stats.launches);
+        return 1;
+    }
+    printf("scan_emulation: OK (%ld cases, %ld launches, %ld blocks, %ld opt-ins; max error "
+           "%.2e vs double, %.2e vs rp_scan_cpu, relative to max |g|)\n",
+           g_stats.cases, g_stats.launches, g_stats.blocks, g_stats.optins, g_max_err, g_max_err_cpu);
+    return 0;
+}
