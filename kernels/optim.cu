@@ -53,6 +53,7 @@
 #include "rp_internal.h"
 
 #include "optim_math.h"
+#include "rp_cuda.cuh"
 
 /* ---------------------------------------------------------------------------
  * Launch geometry and tables
@@ -553,16 +554,6 @@ static int64_t rp_pick_chunk(int64_t total, int sms, int64_t unit)
 
 static int rp_aligned(const void *p, int64_t bytes) { return (uintptr_t)p % (uintptr_t)bytes == 0; }
 
-/* Switches to the device of `stream` for the duration of a call. */
-struct rp_device_guard {
-    int prev = -1;
-    bool switched = false;
-    ~rp_device_guard()
-    {
-        if (switched)
-            (void)cudaSetDevice(prev);
-    }
-};
 
 /* ---------------------------------------------------------------------------
  * Entry points
@@ -578,7 +569,7 @@ extern "C" int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype,
     rp_optim_launch *L;
     rp_optim_consts c;
     int64_t esize, unit, vbytes, chunk, total = 0, i;
-    int dev = 0, nt = 0, nb = 0, rc;
+    int nt = 0, nb = 0, rc;
     unsigned slots;
 
     if (hp == NULL)
@@ -595,37 +586,11 @@ extern "C" int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype,
     if (n == 0)
         return RP_OK;
 
-    /* Run on the stream's device (kernels launch on the current one). */
     {
-        cudaError_t e = cudaGetDevice(&dev);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            return rp_set_error(err, RP_ERUNTIME, "CUDA error in rp_cuda_optim_step: %s",
-                                cudaGetErrorString(e));
-        }
+        cudaError_t e = guard.enter(stream);
+        if (e != cudaSuccess)
+            return rp_cuda_error(e, "rp_cuda_optim_step", err);
     }
-#if CUDART_VERSION >= 12080
-    if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
-        int sdev = dev;
-        cudaError_t e = cudaStreamGetDevice(stream, &sdev);
-        if (e != cudaSuccess) {
-            (void)cudaGetLastError();
-            return rp_set_error(err, RP_ERUNTIME, "CUDA error in rp_cuda_optim_step: %s",
-                                cudaGetErrorString(e));
-        }
-        if (sdev != dev) {
-            e = cudaSetDevice(sdev);
-            if (e != cudaSuccess) {
-                (void)cudaGetLastError();
-                return rp_set_error(err, RP_ERUNTIME, "CUDA error in rp_cuda_optim_step: %s",
-                                    cudaGetErrorString(e));
-            }
-            guard.prev = dev;
-            guard.switched = true;
-            dev = sdev;
-        }
-    }
-#endif
 
     /* Capturable: the step counters first, on the same stream. */
     if (capturable && hp->kind != RP_SGD) {
@@ -644,7 +609,7 @@ extern "C" int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype,
     esize = dtype == RP_F32 ? rp_io<RP_F32>::SIZE : rp_io<RP_F16>::SIZE;
     vbytes = 4 * esize;
     unit = 4 * RP_THREADS; /* elements per block step */
-    chunk = rp_pick_chunk(total, rp_sm_count(dev), unit);
+    chunk = rp_pick_chunk(total, rp_sm_count(guard.dev), unit);
 
     L = (rp_optim_launch *)malloc(sizeof *L);
     if (L == NULL)

@@ -83,6 +83,7 @@
 
 #include "reprop.h"
 #include "rp_internal.h"
+#include "rp_cuda.cuh"
 
 #define RP_HD __host__ __device__ __forceinline__
 #ifdef __CUDA_ARCH__ /* the bodies are host code too (the emulation test) */
@@ -972,32 +973,15 @@ static void rp_scan_plan_mid(const rp_scan_args *base, int levels, int mode,
     L->units = L->a.nunits;
 }
 
-static int rp_scan_cuda_error(cudaError_t e, rp_error *err)
-{
-    (void)cudaGetLastError(); /* clear a non-sticky error */
-    return rp_set_error(err, RP_ERUNTIME, "CUDA error in rp_cuda_scan: %s", cudaGetErrorString(e));
-}
-
-/* Switches to the device of `stream` for the duration of a call. */
-struct rp_scan_device_guard {
-    int prev = -1;
-    bool switched = false;
-    ~rp_scan_device_guard()
-    {
-        if (switched)
-            (void)cudaSetDevice(prev);
-    }
-};
-
 extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels,
                             float *work, void *stream_, rp_error *err)
 {
     cudaStream_t stream = (cudaStream_t)stream_;
-    rp_scan_device_guard guard;
+    rp_device_guard guard;
     rp_scan_launch_plan *plans = NULL;
     rp_scan_args base;
     size_t limit = RP_SCAN_SMEM_DEFAULT, need = 0;
-    int dev = 0, nplans = 0, mode, k, rc;
+    int nplans = 0, mode, k, rc;
 
     rc = rp_scan_check(j, c, g, levels, work, err);
     if (rc != RP_OK)
@@ -1005,28 +989,11 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     if (j->n <= 0 || j->batch <= 0 || j->dim <= 0)
         return RP_OK;
 
-    /* Run on the stream's device (kernels launch on the current one). */
     {
-        cudaError_t e = cudaGetDevice(&dev);
+        cudaError_t e = guard.enter(stream);
         if (e != cudaSuccess)
-            return rp_scan_cuda_error(e, err);
+            return rp_cuda_error(e, "rp_cuda_scan", err);
     }
-#if CUDART_VERSION >= 12080
-    if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
-        int sdev = dev;
-        cudaError_t e = cudaStreamGetDevice(stream, &sdev);
-        if (e != cudaSuccess)
-            return rp_scan_cuda_error(e, err);
-        if (sdev != dev) {
-            e = cudaSetDevice(sdev);
-            if (e != cudaSuccess)
-                return rp_scan_cuda_error(e, err);
-            guard.prev = dev;
-            guard.switched = true;
-            dev = sdev;
-        }
-    }
-#endif
 
     memset(&base, 0, sizeof base);
     base.w = j->w;
@@ -1056,9 +1023,9 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
         }
         if (small > limit) {
             int optin = 0;
-            cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+            cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, guard.dev);
             if (e != cudaSuccess)
-                return rp_scan_cuda_error(e, err);
+                return rp_cuda_error(e, "rp_cuda_scan", err);
             if ((size_t)optin < small)
                 return rp_set_error(err, RP_EINVAL,
                                     "rp_cuda_scan: dim %lld needs %zu bytes of shared memory per "
@@ -1084,7 +1051,7 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
                                                  (int)need);
             if (e != cudaSuccess) {
                 free(plans);
-                return rp_scan_cuda_error(e, err);
+                return rp_cuda_error(e, "rp_cuda_scan", err);
             }
         }
     }
@@ -1098,7 +1065,7 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
             e = cudaGetLastError();
         if (e != cudaSuccess) {
             free(plans);
-            return rp_scan_cuda_error(e, err);
+            return rp_cuda_error(e, "rp_cuda_scan", err);
         }
     }
     free(plans);

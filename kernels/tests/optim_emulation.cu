@@ -96,44 +96,7 @@ static cudaError_t mock_get_last_error(void);
 #define STEPS_PER_CASE 2
 #define BLOCK_STEP (4 * RP_THREADS) /* elements of one block step: chunks are multiples */
 
-/* ---------------------------------------------------------------------------
- * Failure reporting
- * ------------------------------------------------------------------------- */
-
-static int g_failures;
-static char g_context[256]; /* the case being run */
-
-static void report_failure(int line, const char *cond, const char *fmt, ...)
-{
-    va_list ap;
-    if (++g_failures > 30)
-        return;
-    fprintf(stderr, "FAIL [%s] line %d: CHECK(%s): ", g_context, line, cond);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-}
-
-/* A crash (an out-of-bounds or misaligned access of the emulated kernel) still
- * names the case. */
-static void on_fatal_signal(int sig)
-{
-    static const char head[] = "FAIL [";
-    static const char tail[] = "]: crashed (out-of-bounds or misaligned access?)\n";
-    ssize_t ignored = write(2, head, sizeof head - 1);
-    ignored = write(2, g_context, strnlen(g_context, sizeof g_context));
-    ignored = write(2, tail, sizeof tail - 1);
-    (void)ignored;
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            report_failure(__LINE__, #cond, __VA_ARGS__);                                          \
-    } while (0)
+#include "emu_check.h" /* CHECK, g_context, on_fatal_signal */
 
 /* ---------------------------------------------------------------------------
  * The emulated runtime: devices, streams, injected faults

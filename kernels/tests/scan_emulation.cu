@@ -99,42 +99,7 @@ static cudaError_t mock_get_last_error(void);
 #undef cudaFuncSetAttribute
 #undef cudaGetLastError
 
-/* ---------------------------------------------------------------------------
- * Failure reporting
- * ------------------------------------------------------------------------- */
-
-static int g_failures;
-static char g_context[256];
-
-static void report_failure(int line, const char *cond, const char *fmt, ...)
-{
-    va_list ap;
-    if (++g_failures > 30)
-        return;
-    fprintf(stderr, "FAIL [%s] line %d: CHECK(%s): ", g_context, line, cond);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-}
-
-static void on_fatal_signal(int sig)
-{
-    static const char head[] = "FAIL [";
-    static const char tail[] = "]: crashed (out-of-bounds access?)\n";
-    ssize_t ignored = write(2, head, sizeof head - 1);
-    ignored = write(2, g_context, strnlen(g_context, sizeof g_context));
-    ignored = write(2, tail, sizeof tail - 1);
-    (void)ignored;
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-#define CHECK(cond, ...)                                                                           \
-    do {                                                                                           \
-        if (!(cond))                                                                               \
-            report_failure(__LINE__, #cond, __VA_ARGS__);                                          \
-    } while (0)
+#include "emu_check.h" /* CHECK, g_context, on_fatal_signal */
 
 /* ---------------------------------------------------------------------------
  * The host executor: every thread of a block, phase by phase

@@ -1,0 +1,61 @@
+/*
+ * rp_cuda.cuh: host-side pieces shared by the CUDA launchers: the CUDA error
+ * convention and running a call on the device of the caller's stream.
+ * Included by each .cu after reprop.h; its runtime calls go through the same
+ * names the host emulations (kernels/tests/*_emulation.cu) replace.
+ */
+#ifndef REPROP_CUDA_CUH
+#define REPROP_CUDA_CUH
+
+#include <cuda_runtime.h>
+
+#include "reprop.h"
+
+/* RP_ERUNTIME with CUDA's text, the error cleared if it is not sticky. */
+static int rp_cuda_error(cudaError_t e, const char *fn, rp_error *err)
+{
+    (void)cudaGetLastError();
+    return rp_set_error(err, RP_ERUNTIME, "CUDA error in %s: %s", fn, cudaGetErrorString(e));
+}
+
+/* Makes the device of `stream` current for the lifetime of the guard
+ * (kernels launch on the current device), restoring the caller's after. */
+struct rp_device_guard {
+    int dev = 0; /* the device the call runs on */
+    int prev = -1;
+    bool switched = false;
+
+    cudaError_t enter(cudaStream_t stream)
+    {
+        cudaError_t e = cudaGetDevice(&dev);
+        if (e != cudaSuccess)
+            return e;
+#if CUDART_VERSION >= 12080
+        if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
+            int sdev = dev;
+            e = cudaStreamGetDevice(stream, &sdev);
+            if (e != cudaSuccess)
+                return e;
+            if (sdev != dev) {
+                e = cudaSetDevice(sdev);
+                if (e != cudaSuccess)
+                    return e;
+                prev = dev;
+                switched = true;
+                dev = sdev;
+            }
+        }
+#else
+        (void)stream;
+#endif
+        return cudaSuccess;
+    }
+
+    ~rp_device_guard()
+    {
+        if (switched)
+            (void)cudaSetDevice(prev);
+    }
+};
+
+#endif /* REPROP_CUDA_CUH */
