@@ -2,7 +2,8 @@
  * rp_cuda.cuh: host-side pieces shared by the CUDA launchers: the CUDA error
  * convention and running a call on the device of the caller's stream.
  * Included by each .cu after reprop.h; its runtime calls go through the same
- * names the host emulations (kernels/tests/*_emulation.cu) replace.
+ * names the host emulations (kernels/tests/optim_emulation.cu and
+ * scan_emulation.cu) replace.
  */
 #ifndef REPROP_CUDA_CUH
 #define REPROP_CUDA_CUH
