@@ -333,43 +333,6 @@ static void rp_jac_conv2d_fill(const rp_conv2d_geom *g, const rp_jac_taps *th,
     indptr[g->c_in * h_in * w_in] = (int32_t)nnz;
 }
 
-int rp_jac_conv2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
-                  int32_t *wmap, rp_error *err)
-{
-    rp_jac_axis ah, aw;
-    rp_jac_taps th, tw;
-    int64_t count;
-    int fill, rc;
-    if (nnz == NULL)
-        return rp_set_error(err, RP_EINVAL, "conv2d: nnz pointer is NULL");
-    if (g == NULL)
-        return rp_set_error(err, RP_EINVAL, "conv2d: geometry pointer is NULL");
-    rc = rp_jac_conv2d_check(g, err);
-    if (rc != RP_OK)
-        return rc;
-    rp_jac_axes(g, &ah, &aw);
-    count = rp_jac_mul(rp_jac_mul(rp_jac_mul(g->c_in, g->c_out / g->groups),
-                                  rp_jac_axis_total(&ah)),
-                       rp_jac_axis_total(&aw));
-    rc = rp_jac_check_i32("conv2d", "nnz (non-zeros of the Jacobian)", count, err);
-    if (rc == RP_OK)
-        rc = rp_jac_check_arrays("conv2d", "indptr, indices and wmap", indptr,
-                                 (indptr != NULL) + (indices != NULL) + (wmap != NULL), 3, count,
-                                 &fill, err);
-    if (rc != RP_OK)
-        return rc;
-    *nnz = count;
-    if (!fill)
-        return RP_OK;
-    rc = rp_jac_build_both("conv2d", g, &th, &tw, err);
-    if (rc != RP_OK)
-        return rc;
-    rp_jac_conv2d_fill(g, &th, &tw, count, indptr, indices, wmap);
-    rp_jac_taps_free(&th);
-    rp_jac_taps_free(&tw);
-    return RP_OK;
-}
-
 /* ---------------------------------------------------------------------------
  * maxpool2d
  * ------------------------------------------------------------------------- */
@@ -439,40 +402,65 @@ static void rp_jac_maxpool2d_fill(const rp_conv2d_geom *g, const rp_jac_taps *th
     indptr[g->c_in * h_in * w_in] = (int32_t)nnz;
 }
 
-int rp_jac_maxpool2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
-                     int32_t *omap, int32_t *pmap, rp_error *err)
+/* ---------------------------------------------------------------------------
+ * conv2d and maxpool2d entry points
+ * ------------------------------------------------------------------------- */
+
+/* The entry of conv2d (pool = 0, maps: wmap) and maxpool2d (pool = 1, maps:
+ * omap, pmap): validate, count, then fill when arrays are given. */
+static int rp_jac_windowed(int pool, const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr,
+                           int32_t *indices, int32_t *map0, int32_t *map1, rp_error *err)
 {
+    const char *name = pool ? "maxpool2d" : "conv2d";
     rp_jac_axis ah, aw;
     rp_jac_taps th, tw;
     int64_t count;
     int fill, rc;
     if (nnz == NULL)
-        return rp_set_error(err, RP_EINVAL, "maxpool2d: nnz pointer is NULL");
+        return rp_set_error(err, RP_EINVAL, "%s: nnz pointer is NULL", name);
     if (g == NULL)
-        return rp_set_error(err, RP_EINVAL, "maxpool2d: geometry pointer is NULL");
-    rc = rp_jac_maxpool2d_check(g, err);
+        return rp_set_error(err, RP_EINVAL, "%s: geometry pointer is NULL", name);
+    rc = pool ? rp_jac_maxpool2d_check(g, err) : rp_jac_conv2d_check(g, err);
     if (rc != RP_OK)
         return rc;
     rp_jac_axes(g, &ah, &aw);
-    count = rp_jac_mul(rp_jac_mul(g->c_in, rp_jac_axis_total(&ah)), rp_jac_axis_total(&aw));
-    rc = rp_jac_check_i32("maxpool2d", "nnz (non-zeros of the Jacobian)", count, err);
+    /* per input element: its windows, times the output channels it feeds */
+    count = rp_jac_mul(rp_jac_mul(rp_jac_mul(g->c_in, pool ? 1 : g->c_out / g->groups),
+                                  rp_jac_axis_total(&ah)),
+                       rp_jac_axis_total(&aw));
+    rc = rp_jac_check_i32(name, "nnz (non-zeros of the Jacobian)", count, err);
     if (rc == RP_OK)
-        rc = rp_jac_check_arrays("maxpool2d", "indptr, indices, omap and pmap", indptr,
-                                 (indptr != NULL) + (indices != NULL) + (omap != NULL) +
-                                     (pmap != NULL),
-                                 4, count, &fill, err);
+        rc = rp_jac_check_arrays(name, pool ? "indptr, indices, omap and pmap" : "indptr, indices and wmap",
+                                 indptr, (indptr != NULL) + (indices != NULL) + (map0 != NULL) +
+                                     (pool && map1 != NULL),
+                                 pool ? 4 : 3, count, &fill, err);
     if (rc != RP_OK)
         return rc;
     *nnz = count;
     if (!fill)
         return RP_OK;
-    rc = rp_jac_build_both("maxpool2d", g, &th, &tw, err);
+    rc = rp_jac_build_both(name, g, &th, &tw, err);
     if (rc != RP_OK)
         return rc;
-    rp_jac_maxpool2d_fill(g, &th, &tw, count, indptr, indices, omap, pmap);
+    if (pool)
+        rp_jac_maxpool2d_fill(g, &th, &tw, count, indptr, indices, map0, map1);
+    else
+        rp_jac_conv2d_fill(g, &th, &tw, count, indptr, indices, map0);
     rp_jac_taps_free(&th);
     rp_jac_taps_free(&tw);
     return RP_OK;
+}
+
+int rp_jac_conv2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
+                  int32_t *wmap, rp_error *err)
+{
+    return rp_jac_windowed(0, g, nnz, indptr, indices, wmap, NULL, err);
+}
+
+int rp_jac_maxpool2d(const rp_conv2d_geom *g, int64_t *nnz, int32_t *indptr, int32_t *indices,
+                     int32_t *omap, int32_t *pmap, rp_error *err)
+{
+    return rp_jac_windowed(1, g, nnz, indptr, indices, omap, pmap, err);
 }
 
 /* ---------------------------------------------------------------------------
