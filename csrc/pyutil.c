@@ -328,8 +328,20 @@ PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "scan_plan: need n >= 1, batch >= 0, dim >= 1");
         return NULL;
     }
-    return Py_BuildValue("(iiL)", rp_scan_choose_levels(n, batch, dim, gates, &m),
-                         rp_scan_max_levels(n), (long long)rp_scan_workspace_floats(n, batch, dim));
+    return Py_BuildValue("(ii)", rp_scan_choose_levels(n, batch, dim, gates, &m),
+                         rp_scan_max_levels(n));
+}
+
+PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t n, batch, dim;
+    int levels;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
+        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+        rp_py_int_arg(args[3], &levels) < 0)
+        return NULL;
+    return PyLong_FromLongLong((long long)rp_scan_workspace_floats(n, batch, dim, levels));
 }
 
 PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs)

@@ -98,10 +98,12 @@ int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
 
 /* Device-independent scan facts for reprop.bppsa (defined in pyutil.c):
  *   scan_plan(n, batch, dim, gates, workers, level_cost, step_cost)
- *       -> (levels the cost model picks, max levels, workspace floats)
+ *       -> (levels the cost model picks, max levels)
+ *   scan_workspace(n, batch, dim, levels) -> float32 elements of the workspace
  *   scan_cost(n, batch, dim, gates, levels, workers, level_cost, step_cost) -> float */
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* The sparse side of reprop.bppsa (defined in pyutil.c):
  *   jacobian(kind, geometry) -> int32 NumPy arrays (indptr, indices, maps...)

@@ -353,9 +353,9 @@ static void rp_rec_combine(void *ctx, int64_t l, int64_t r, int spine, int64_t b
     }
 }
 
-int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim)
+int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels)
 {
-    return (n + 1) * batch * dim + (n / 2) * batch * dim * dim;
+    return (n + 1) * batch * dim + (levels > 0 ? (n / 2) * batch * dim * dim : 0);
 }
 
 int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, int levels,

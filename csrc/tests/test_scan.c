@@ -85,7 +85,7 @@ static void test_recurrence(int64_t n, int64_t B, int64_t H, int gates, int with
     float *w = rnd_array(G * H * H, 1.0f), *u = rnd_array(n * B * H, 0.5f);
     float *v = rnd_array(n * B * G * H, scale), *jt = rnd_array(n * B * H * H, scale * 1.3f);
     float *c = rnd_array(n * B * H, 1.0f), *g = malloc((size_t)(n * B * H) * sizeof *g);
-    float *work = malloc((size_t)rp_scan_workspace_floats(n, B, H) * sizeof *work);
+    float *work = malloc((size_t)rp_scan_workspace_floats(n, B, H, rp_scan_max_levels(n)) * sizeof *work);
     double *want = malloc((size_t)(n * B * H) * sizeof *want);
     rp_scan_jacobians j = {n, B, H, gates, w, with_u ? u : NULL, v, jt};
     rp_error err = {{0}};

@@ -31,7 +31,7 @@
  * at 3 blocks so that every kernel's loop over work items runs. Workspace
  * and g start as NaN (a read of anything not yet written shows), every
  * buffer is fenced by canaries (the workspace is exactly
- * rp_scan_workspace_floats), and the inputs must come back unchanged.
+ * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
  *
  * Also checked: 2 levels + 1 launches per call, on the stream, with the
  * stream's device current during them and the caller's restored after;
@@ -558,13 +558,13 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
     reference(D, ref);
     const int64_t n = pr.n, B = pr.B, H = pr.H, total = n * B * H;
     const int maxL = rp_scan_max_levels(n);
-    const int64_t wf = rp_scan_workspace_floats(n, B, H);
     emu_data saved = D;
     double scale = 1.0;
     for (int64_t i = 0; i < total; i++)
         scale = fmax(scale, fabs(ref[(size_t)i]));
 
     for (int L = 0; L <= maxL; L++) {
+        const int64_t wf = rp_scan_workspace_floats(n, B, H, L);
         std::vector<float> first; /* the forward-order result of this levels */
         /* 0: forward, out of place; 1: in place, threads reversed; 2: blocks
          * reversed; 3: another shared-memory budget (other Q, T, S: the
@@ -663,7 +663,7 @@ static void error_cases(void)
     rp_scan_jacobians j = jacobians_of(D);
     fenced work, g;
     rp_error err;
-    work.init(rp_scan_workspace_floats(9, 2, 5), 0.0f);
+    work.init(rp_scan_workspace_floats(9, 2, 5, rp_scan_max_levels(9)), 0.0f);
     g.init(9 * 2 * 5, 0.0f);
     g_rt.stream = emu_stream(1);
     g_rt.stream_device = 1;
@@ -740,7 +740,7 @@ static void error_cases(void)
         make_data(p2, D2);
         rp_scan_jacobians j2 = jacobians_of(D2);
         fenced w2, g2;
-        w2.init(rp_scan_workspace_floats(4, 1, 200), 0.0f);
+        w2.init(rp_scan_workspace_floats(4, 1, 200, 1), 0.0f);
         g2.init(4 * 200, 0.0f);
         g_rt.launches = 0;
         err.msg[0] = '\0';

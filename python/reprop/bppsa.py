@@ -150,7 +150,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     c = c.contiguous()
     operands = [None if t is None else t.contiguous() for t in (w, u, v, jt)]
     g = torch.empty_like(c)
-    work = torch.empty(_C.scan_plan(T, B, H, max(gates, 1), 1.0, 0.0, 0.0)[2], device=device)
+    work = torch.empty(_C.scan_workspace(T, B, H, L), device=device)
     args = (T, B, H, gates, *map(_pointer, operands), c.data_ptr(), g.data_ptr(), L, work.data_ptr())
     if device.type == "cuda":
         if _cuda is None:
