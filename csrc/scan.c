@@ -486,7 +486,7 @@ struct rp_csr_plan {
     int64_t stride;      /* levels the prod table has room for, plus one */
     int64_t *prod;       /* (N + 1) x stride: id of P(s, d) or -1 */
     int64_t *vec_off;    /* per slot, offset of its vector in a sequence's workspace */
-    int64_t vec_floats, work_floats, max_vec;
+    int64_t work_floats, max_vec;
 };
 
 static void rp_csr_mat_free(rp_csr_mat *m)
@@ -739,7 +739,7 @@ static void rp_csr_layout(rp_csr_plan *p)
     }
     for (int64_t s = 0; s <= p->nslots; s++)
         p->vec_off[s] = s * p->max_vec;
-    off = p->vec_floats = (p->nslots + 1) * p->max_vec;
+    off = (p->nslots + 1) * p->max_vec;
     for (int64_t i = p->n; i < p->nmats; i++)
         if (p->mats[i].level < p->levels)
             p->mats[i].val_off = off, off += p->mats[i].nnz;
@@ -812,7 +812,6 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
 
 typedef struct {
     const rp_csr_plan *p;
-    int64_t batch;
     const float *const *values; /* per layer */
     float *work;                /* B x work_floats */
 } rp_csr_ctx;
@@ -894,7 +893,7 @@ int rp_csr_scan_cpu(const rp_csr_plan *p, int64_t batch, const float *const *val
             return rp_set_error(err, RP_EINVAL, "csr scan: NULL values or g of layer %lld", (long long)i);
     if (batch == 0)
         return RP_OK;
-    rp_csr_ctx x = {p, batch, values, work};
+    rp_csr_ctx x = {p, values, work};
     rp_scan_sched s = {p->nslots, batch, p->levels, p->max_vec, p->max_vec, &x,
                        rp_csr_combine, rp_csr_apply, rp_csr_vec, rp_csr_prefix_len};
     const int64_t out_len = p->mats[0].cols;
