@@ -9,8 +9,12 @@ runs that do use torchvision.
 
 Models (name in ``MODELS``: input -> output):
 
-  * ``mobilenet_v2``, ``resnet18``, ``resnet50``, ``densenet121``, ``vgg19_bn``:
-    images (B, 3, H, W) -> (B, 1000) logits, torchvision's architectures;
+  * ``mobilenet_v2``, ``mobilenet_v3_large``, ``resnet18``, ``resnet50``,
+    ``densenet121``, ``vgg19_bn``: images (B, 3, H, W) -> (B, 1000) logits,
+    torchvision's architectures;
+  * ``mobilenet_v3_large_0.25`` / ``_0.5`` / ``_0.75`` (torchvision's
+    ``mobilenet_v3_large(width_mult=...)``) and ``densenet121_k12`` / ``_k24``
+    (DenseNet-121 with growth rate 12 or 24): the same, at other sizes;
   * ``transformer_base``: token ids (B, L) -> (B, L, 30522) logits, a
     BERT-base-sized encoder with a masked-LM head tied to the input embedding;
   * ``bert_base``: token ids (B, L) -> (B, 2) logits, BERT-base for sequence
@@ -67,14 +71,16 @@ class ConvBNAct(nn.Sequential):
 
     A Sequential (as torchvision's ``Conv2dNormActivation``) so that parameter
     names come out as ``<prefix>.0.weight``, ``<prefix>.1.weight``, ``<prefix>.1.bias``.
+    ``norm(out_ch)`` builds the norm layer (MobileNetV3 passes its BatchNorm eps and momentum).
     """
 
     def __init__(self, in_ch: int, out_ch: int, kernel_size: int = 3, stride: int = 1,
-                 groups: int = 1, activation: Callable[[], nn.Module] | None = nn.ReLU6):
+                 groups: int = 1, activation: Callable[[], nn.Module] | None = nn.ReLU6,
+                 norm: Callable[[int], nn.Module] = nn.BatchNorm2d):
         padding = (kernel_size - 1) // 2
         layers: list[nn.Module] = [
             nn.Conv2d(in_ch, out_ch, kernel_size, stride, padding, groups=groups, bias=False),
-            nn.BatchNorm2d(out_ch),
+            norm(out_ch),
         ]
         if activation is not None:
             layers.append(activation())
@@ -168,6 +174,138 @@ class MobileNetV2(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.features(x)
         x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+# ---------------------------------------------------------------------------
+# MobileNetV3-Large (Howard et al. 2019), torchvision's variant
+# ---------------------------------------------------------------------------
+
+# torchvision's MobileNetV3 norm layer: BatchNorm2d with eps 0.001 and momentum 0.01.
+MOBILENET_V3_NORM = partial(nn.BatchNorm2d, eps=0.001, momentum=0.01)
+
+
+def hardswish_inplace() -> nn.Module:
+    """The Hardswish of MobileNetV3's conv blocks and classifier (in place, as torchvision's)."""
+    return nn.Hardswish(inplace=True)
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision.ops.SqueezeExcitation as MobileNetV3 uses it (ReLU, then Hardsigmoid scale).
+
+    x is (B, ch, H, W) -> x * hardsigmoid(fc2(relu(fc1(avgpool(x))))), the same
+    shape: fc1 and fc2 are 1x1 convs with bias, ch -> squeeze_ch -> ch, on the
+    (B, ch, 1, 1) channel means, so each channel of x is scaled by a value in [0, 1].
+    """
+
+    def __init__(self, ch: int, squeeze_ch: int):
+        super().__init__()
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc1 = nn.Conv2d(ch, squeeze_ch, 1)
+        self.fc2 = nn.Conv2d(squeeze_ch, ch, 1)
+        self.activation = nn.ReLU()
+        self.scale_activation = nn.Hardsigmoid()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.fc2(self.activation(self.fc1(self.avgpool(x))))
+        return self.scale_activation(scale) * x
+
+
+class InvertedResidualSE(nn.Module):
+    """MobileNetV3 block (torchvision's mobilenetv3.InvertedResidual), channels already width-adjusted.
+
+    x is (B, inp, H, W) -> (B, oup, H/stride, W/stride): 1x1 expand to ``hidden``
+    (omitted when hidden == inp) -> kxk depthwise (stride here) -> squeeze-excitation
+    (if ``use_se``; squeeze channels make_divisible(hidden // 4)) -> 1x1 linear
+    projection; Hardswish (``use_hs``) or ReLU after the expand and depthwise convs;
+    a residual connection when the shape is kept. All under ``block``, a Sequential,
+    as torchvision names them (``block.0.0.weight``, ..., ``block.2.fc1.weight``).
+    """
+
+    def __init__(self, inp: int, kernel_size: int, hidden: int, oup: int, use_se: bool,
+                 use_hs: bool, stride: int):
+        super().__init__()
+        self.use_res_connect = stride == 1 and inp == oup
+        act = hardswish_inplace if use_hs else relu_inplace
+        layers: list[nn.Module] = []
+        if hidden != inp:
+            layers.append(ConvBNAct(inp, hidden, 1, activation=act, norm=MOBILENET_V3_NORM))
+        layers.append(ConvBNAct(hidden, hidden, kernel_size, stride, groups=hidden, activation=act,
+                                norm=MOBILENET_V3_NORM))
+        if use_se:
+            layers.append(SqueezeExcitation(hidden, make_divisible(hidden // 4, 8)))
+        layers.append(ConvBNAct(hidden, oup, 1, activation=None, norm=MOBILENET_V3_NORM))
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.block(x)
+        if self.use_res_connect:
+            out += x  # in place, as torchvision's (out is a fresh BatchNorm output)
+        return out
+
+
+# torchvision's "Large" table (the paper's Table 1), at width 1.0: (input channels, kernel,
+# expanded channels, output channels, squeeze-excitation, activation (RE: ReLU, HS: Hardswish),
+# stride). 15 blocks, between the stem conv (3 -> 16) and the last 1x1 conv (160 -> 960).
+MOBILENET_V3_LARGE_SETTING = [
+    (16, 3, 16, 16, False, "RE", 1),
+    (16, 3, 64, 24, False, "RE", 2),
+    (24, 3, 72, 24, False, "RE", 1),
+    (24, 5, 72, 40, True, "RE", 2),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 5, 120, 40, True, "RE", 1),
+    (40, 3, 240, 80, False, "HS", 2),
+    (80, 3, 200, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 184, 80, False, "HS", 1),
+    (80, 3, 480, 112, True, "HS", 1),
+    (112, 3, 672, 112, True, "HS", 1),
+    (112, 5, 672, 160, True, "HS", 2),
+    (160, 5, 960, 160, True, "HS", 1),
+    (160, 5, 960, 160, True, "HS", 1),
+]
+
+
+class MobileNetV3(nn.Module):
+    """torchvision.models.mobilenet_v3_large(width_mult=...), the same module tree and parameter names.
+
+    Input (B, 3, H, W) float images, output (B, num_classes) logits.
+    ``features``: stem ConvBNAct (3x3, stride 2, Hardswish), the 15 InvertedResidualSE
+    blocks of MOBILENET_V3_LARGE_SETTING, a 1x1 ConvBNAct (Hardswish) to 6x the last
+    block's channels; ``avgpool``; ``classifier``: Linear -> Hardswish -> Dropout ->
+    Linear. Every channel count, the classifier's hidden 1280 included (torchvision's
+    ``last_channel = adjust_channels(1280)``, unlike MobileNetV2's), is scaled by
+    ``width_mult`` and rounded with make_divisible(., 8); the last conv's 6x is not rounded.
+    Width 1.0, 1000 classes: 174 parameter tensors, 5,483,032 parameters; 960 -> 1280 -> 1000.
+    """
+
+    def __init__(self, width_mult: float = 1.0, num_classes: int = 1000, dropout: float = 0.2):
+        super().__init__()
+
+        def adjust_channels(ch: int) -> int:
+            return make_divisible(ch * width_mult, 8)
+
+        first_ch = adjust_channels(MOBILENET_V3_LARGE_SETTING[0][0])
+        features: list[nn.Module] = [ConvBNAct(3, first_ch, 3, 2, activation=hardswish_inplace,
+                                               norm=MOBILENET_V3_NORM)]
+        for inp, k, hidden, oup, use_se, act, stride in MOBILENET_V3_LARGE_SETTING:
+            features.append(InvertedResidualSE(adjust_channels(inp), k, adjust_channels(hidden),
+                                               adjust_channels(oup), use_se, act == "HS", stride))
+        last_conv_in = adjust_channels(MOBILENET_V3_LARGE_SETTING[-1][3])
+        last_conv_out = 6 * last_conv_in
+        features.append(ConvBNAct(last_conv_in, last_conv_out, 1, activation=hardswish_inplace,
+                                  norm=MOBILENET_V3_NORM))
+        last_ch = adjust_channels(1280)
+        self.features = nn.Sequential(*features)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.classifier = nn.Sequential(
+            nn.Linear(last_conv_out, last_ch), hardswish_inplace(),
+            nn.Dropout(p=dropout, inplace=True), nn.Linear(last_ch, num_classes),
+        )
+        init_like_torchvision(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.avgpool(self.features(x))
         return self.classifier(torch.flatten(x, 1))
 
 
@@ -389,6 +527,14 @@ class DenseNet(nn.Module):
         x = nn.functional.relu(self.features(x))
         x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
         return self.classifier(torch.flatten(x, 1))
+
+
+def densenet121_growth(growth: int) -> DenseNet:
+    """DenseNet-121 (blocks 6, 12, 24, 16; torchvision's 64 initial features, bottleneck
+    4 x growth) with growth rate ``growth`` instead of 32: 364 parameter tensors whatever
+    the growth; 1,448,376 parameters at 12, 4,743,180 at 24 (7,978,856 at 32).
+    """
+    return DenseNet(growth=growth)
 
 
 # ---------------------------------------------------------------------------
@@ -842,11 +988,27 @@ class ModelSpec:
 # (its model pages); tensor counts follow from the module trees (e.g. ResNet-18: conv1 +
 # bn1 = 3, 8 blocks x 6, 3 downsample shortcuts x 3, fc 2 = 62). transformer_base's and
 # bert_base's are derived in their docstrings.
+#
+# MobileNetV3-Large, 174 tensors at every width: stem 3 (conv, BN weight and bias);
+# 15 blocks x 6 (depthwise and projection ConvBNAct), + 3 for the 14 with an expand conv
+# (all but the first), + 4 for the 8 with squeeze-excitation (fc1, fc2 with biases);
+# last conv 3; classifier 4: 3 + 90 + 42 + 32 + 3 + 4 = 174. Its width-1.0 count is
+# torchvision's documented 5,483,032; the 0.25 / 0.5 / 0.75 counts are NOT documented
+# anywhere: derived here from the module tree (build the model and count), and checked
+# against a hand sum over MOBILENET_V3_LARGE_SETTING with torchvision's rounding.
+# DenseNet-121 at growth 12 / 24 likewise: derived (364 tensors as at 32; the
+# parameters come from the channel counts), not documented.
 MODELS: dict[str, ModelSpec] = {
     "mobilenet_v2": ModelSpec(MobileNetV2, 158, 3_504_872, IMAGE),
+    "mobilenet_v3_large": ModelSpec(MobileNetV3, 174, 5_483_032, IMAGE),
+    "mobilenet_v3_large_0.25": ModelSpec(partial(MobileNetV3, width_mult=0.25), 174, 617_000, IMAGE),
+    "mobilenet_v3_large_0.5": ModelSpec(partial(MobileNetV3, width_mult=0.5), 174, 1_734_576, IMAGE),
+    "mobilenet_v3_large_0.75": ModelSpec(partial(MobileNetV3, width_mult=0.75), 174, 3_377_576, IMAGE),
     "resnet18": ModelSpec(resnet18, 62, 11_689_512, IMAGE),
     "resnet50": ModelSpec(resnet50, 161, 25_557_032, IMAGE),
     "densenet121": ModelSpec(DenseNet, 364, 7_978_856, IMAGE),
+    "densenet121_k12": ModelSpec(partial(densenet121_growth, 12), 364, 1_448_376, IMAGE),
+    "densenet121_k24": ModelSpec(partial(densenet121_growth, 24), 364, 4_743_180, IMAGE),
     "vgg19_bn": ModelSpec(VGG, 70, 143_678_248, IMAGE),
     "transformer_base": ModelSpec(TransformerEncoderLM, 154, 109_514_298, TOKENS),
     "bert_base": ModelSpec(bert_base, 201, 109_483_778, SENTENCES),
