@@ -19,7 +19,7 @@ from setuptools.command.build_ext import build_ext
 
 CUDA_ARCHS = ("80", "90")
 CORE_SOURCES = ["csrc/common.c", "csrc/fad.c", "csrc/jacobian.c", "csrc/optim.c", "csrc/pyutil.c",
-                "csrc/scan.c"]
+                "csrc/scan.c", "csrc/schedule.c"]
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the
 # CPU math rounds term by term like torch's; -fno-math-errno lets sqrtf vectorise.
 C_FLAGS = ["-std=c11", "-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",

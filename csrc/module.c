@@ -110,6 +110,44 @@ static PyObject *rp_scan_py(PyObject *self, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(sched_graph_doc,
+             "sched_graph(spec)\n--\n\n"
+             "The task graph of layered training iterations (rp_iter_graph_build in\n"
+             "csrc/reprop.h) as a dict of NumPy arrays: kind, layer, micro, iteration,\n"
+             "resource, policy, group (int32), cost, priority, dep_delay (float64),\n"
+             "dep_ptr, dep_idx (int64). `spec` is a dict of every rp_iter_spec field\n"
+             "(see csrc/pyutil.h); sync and stage may be None.");
+
+PyDoc_STRVAR(simulate_doc,
+             "simulate(graph, corun_rate)\n--\n\n"
+             "Plays a task graph (a dict as sched_graph returns) as a discrete-event\n"
+             "simulation (rp_simulate): (start, finish, busy, makespan). ValueError for\n"
+             "a malformed graph or a deadlock.");
+
+PyDoc_STRVAR(sched_stages_doc,
+             "sched_stages(layers, stages, group)\n--\n\n"
+             "The device of each layer (int32): contiguous blocks for group 0, else the\n"
+             "modulo allocation (l // group) % stages (rp_sched_stages).");
+
+PyDoc_STRVAR(reverse_first_k_doc,
+             "reverse_first_k(layers, k, mem_out_grad, mem_weight_grad, mem_forward, mem_cap)\n"
+             "--\n\n"
+             "Algorithm 2's backward order as (kind, layer) int32 arrays of 2 * layers\n"
+             "entries, and the k it used after the memory cap (mem_cap <= 0: none; the\n"
+             "int64 sizes may then be None). See rp_sched_reverse_first_k.");
+
+PyDoc_STRVAR(ksearch_next_doc,
+             "ksearch_next(layers, score)\n--\n\n"
+             "The coarse-to-fine search for k from the scores alone (NaN: not measured):\n"
+             "(next k to measure or -1 when done, best k so far or -1). See\n"
+             "rp_ksearch_next.");
+
+PyDoc_STRVAR(sched_regions_doc,
+             "sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap)\n--\n\n"
+             "Algorithm 1 with pre-scheduling (rp_sched_regions): (region, order, pre,\n"
+             "peak), region and order int64 arrays of the tasks. mem may be None;\n"
+             "mem_cap < 0 is no cap.");
+
 static PyObject *rp_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -147,6 +185,17 @@ static PyMethodDef rp_methods[] = {
      "csr_plan_info(plan) -> dict: levels, work_floats, madds, linear_madds, products, pairs."},
     {"csr_scan", (PyCFunction)(void (*)(void))rp_py_csr_scan, METH_FASTCALL,
      "csr_scan(plan, batch, values, g_out, g, work, num_threads): the sparse chain scan (CPU)."},
+    {"sched_graph", (PyCFunction)(void (*)(void))rp_py_sched_graph, METH_FASTCALL,
+     sched_graph_doc},
+    {"simulate", (PyCFunction)(void (*)(void))rp_py_simulate, METH_FASTCALL, simulate_doc},
+    {"sched_stages", (PyCFunction)(void (*)(void))rp_py_sched_stages, METH_FASTCALL,
+     sched_stages_doc},
+    {"reverse_first_k", (PyCFunction)(void (*)(void))rp_py_reverse_first_k, METH_FASTCALL,
+     reverse_first_k_doc},
+    {"ksearch_next", (PyCFunction)(void (*)(void))rp_py_ksearch_next, METH_FASTCALL,
+     ksearch_next_doc},
+    {"sched_regions", (PyCFunction)(void (*)(void))rp_py_sched_regions, METH_FASTCALL,
+     sched_regions_doc},
     {"build_info", rp_build_info_py, METH_NOARGS, "Facts about how the C core was built."},
     {NULL, NULL, 0, NULL},
 };

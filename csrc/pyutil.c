@@ -609,3 +609,496 @@ PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return rp_py_raise(rc, &err);
     Py_RETURN_NONE;
 }
+
+/* ---- out-of-order backprop scheduling ---- */
+
+/* Re-raises a pending TypeError or ValueError with "fname: name: " in front
+ * of its message, so that a bad spec entry or array names itself. */
+static void rp_py_prefix_error(const char *fname, const char *name)
+{
+    PyObject *type, *value, *tb, *msg, *kind;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)    ? PyExc_TypeError
+           : PyErr_GivenExceptionMatches(type, PyExc_ValueError) ? PyExc_ValueError
+                                                                 : NULL;
+    msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
+    if (msg == NULL) {
+        if (kind != NULL) /* PyObject_Str failed: keep the original */
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    PyErr_Format(kind, "%s: %s: %U", fname, name, msg);
+    Py_DECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* spec[key], borrowed; NULL with a TypeError naming the key when absent. */
+static PyObject *rp_py_spec_item(PyObject *spec, const char *key, const char *fname)
+{
+    PyObject *v = PyDict_GetItemString(spec, key);
+    if (v == NULL && !PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "%s: the dict has no '%s'", fname, key);
+    return v;
+}
+
+static int rp_py_spec_int(PyObject *spec, const char *key, const char *fname, int64_t *out)
+{
+    PyObject *v = rp_py_spec_item(spec, key, fname), *index;
+    long long x;
+    if (v == NULL)
+        return -1;
+    index = PyNumber_Index(v); /* ints and NumPy integers, not floats */
+    x = index != NULL ? PyLong_AsLongLong(index) : -1;
+    Py_XDECREF(index);
+    if (x == -1 && PyErr_Occurred()) {
+        rp_py_prefix_error(fname, key);
+        return -1;
+    }
+    *out = (int64_t)x;
+    return 0;
+}
+
+static int rp_py_spec_float(PyObject *spec, const char *key, const char *fname, double *out)
+{
+    PyObject *v = rp_py_spec_item(spec, key, fname);
+    if (v == NULL)
+        return -1;
+    *out = PyFloat_AsDouble(v);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        rp_py_prefix_error(fname, key);
+        return -1;
+    }
+    return 0;
+}
+
+/* A bool, a Python int or a NumPy bool or integer: its truth. */
+static int rp_py_spec_flag(PyObject *spec, const char *key, const char *fname, int *out)
+{
+    PyObject *v = rp_py_spec_item(spec, key, fname);
+    if (v == NULL)
+        return -1;
+    if (!PyLong_Check(v) && !PyArray_IsScalar(v, Bool) && !PyArray_IsScalar(v, Integer)) {
+        PyErr_Format(PyExc_TypeError, "%s: %s must be a bool (got %s)", fname, key,
+                     Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    *out = PyObject_IsTrue(v);
+    return *out < 0 ? -1 : 0;
+}
+
+/* obj as an aligned C-contiguous array of typenum and shape dims (-1: any
+ * extent), a new reference; NULL with an exception naming `name`. Any
+ * array-like is first read in its own dtype and then cast by NumPy's safe
+ * rule, so floats (arrays or lists) are never truncated into an integer
+ * array (an empty one casts freely: [] reads as float64). int32 is reached
+ * through int64 with a range check, so that int64 arrays (NumPy's default
+ * integer) are accepted when their values fit. */
+static PyArrayObject *rp_py_array(PyObject *obj, int typenum, int ndim, const npy_intp *dims,
+                                  const char *fname, const char *name)
+{
+    const int via = typenum == NPY_INT32 && !(PyArray_Check(obj) &&
+                                              PyArray_TYPE((PyArrayObject *)obj) == NPY_INT32)
+                        ? NPY_INT64
+                        : typenum;
+    PyArrayObject *arr, *src = (PyArrayObject *)PyArray_FROM_OF(obj, 0);
+    if (src == NULL) {
+        rp_py_prefix_error(fname, name);
+        return NULL;
+    }
+    arr = (PyArrayObject *)PyArray_FROM_OTF(
+        (PyObject *)src, via,
+        NPY_ARRAY_IN_ARRAY | (PyArray_SIZE(src) == 0 ? NPY_ARRAY_FORCECAST : 0));
+    Py_DECREF(src);
+    if (arr == NULL) {
+        rp_py_prefix_error(fname, name);
+        return NULL;
+    }
+    if (PyArray_NDIM(arr) != ndim) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be %d-D (got %d-D)", fname, name, ndim,
+                     PyArray_NDIM(arr));
+        goto fail;
+    }
+    for (int i = 0; i < ndim; i++)
+        if (dims[i] >= 0 && PyArray_DIM(arr, i) != dims[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s: %s must have %lld elements along axis %d (got %lld)", fname, name,
+                         (long long)dims[i], i, (long long)PyArray_DIM(arr, i));
+            goto fail;
+        }
+    if (via != typenum) {
+        const int64_t *v = (const int64_t *)PyArray_DATA(arr);
+        PyArrayObject *narrow;
+        for (npy_intp i = 0; i < PyArray_SIZE(arr); i++)
+            if (v[i] < INT32_MIN || v[i] > INT32_MAX) {
+                PyErr_Format(PyExc_ValueError, "%s: %s[%lld] = %lld does not fit in int32", fname,
+                             name, (long long)i, (long long)v[i]);
+                goto fail;
+            }
+        narrow = (PyArrayObject *)PyArray_FROM_OTF((PyObject *)arr, typenum,
+                                                   NPY_ARRAY_IN_ARRAY | NPY_ARRAY_FORCECAST);
+        Py_DECREF(arr);
+        return narrow;
+    }
+    return arr;
+fail:
+    Py_DECREF(arr);
+    return NULL;
+}
+
+/* spec[key] as a 1-D array of `len` elements of typenum; *out NULL when the
+ * entry is None and none_ok. */
+static int rp_py_spec_array(PyObject *spec, const char *key, const char *fname, int typenum,
+                            npy_intp len, int none_ok, PyArrayObject **out)
+{
+    PyObject *v = rp_py_spec_item(spec, key, fname);
+    *out = NULL;
+    if (v == NULL)
+        return -1;
+    if (none_ok && v == Py_None)
+        return 0;
+    *out = rp_py_array(v, typenum, 1, &len, fname, key);
+    return *out == NULL ? -1 : 0;
+}
+
+/* The arrays of an rp_task_graph, as the dicts of sched_graph and simulate
+ * hold them. The extent of each: 0 tasks, 1 tasks + 1, 2 deps, 3 resources;
+ * the first array of each extent sets it. */
+typedef struct {
+    const char *key;
+    int typenum;
+    int extent;
+} rp_py_graph_field;
+
+#define RP_PY_GRAPH_FIELDS 12
+
+static const rp_py_graph_field rp_py_graph_fields[RP_PY_GRAPH_FIELDS] = {
+    {"kind", NPY_INT32, 0},      {"layer", NPY_INT32, 0},     {"micro", NPY_INT32, 0},
+    {"iteration", NPY_INT32, 0}, {"resource", NPY_INT32, 0},  {"cost", NPY_FLOAT64, 0},
+    {"priority", NPY_FLOAT64, 0}, {"dep_ptr", NPY_INT64, 1},  {"dep_idx", NPY_INT64, 2},
+    {"dep_delay", NPY_FLOAT64, 2}, {"policy", NPY_INT32, 3}, {"group", NPY_INT32, 3},
+};
+
+static void rp_py_graph_bind(PyArrayObject *const *a, rp_task_graph *g)
+{
+    g->n_tasks = (int64_t)PyArray_DIM(a[0], 0);
+    g->n_deps = (int64_t)PyArray_DIM(a[8], 0);
+    g->n_resources = (int64_t)PyArray_DIM(a[10], 0);
+    g->kind = PyArray_DATA(a[0]), g->layer = PyArray_DATA(a[1]), g->micro = PyArray_DATA(a[2]);
+    g->iteration = PyArray_DATA(a[3]), g->resource = PyArray_DATA(a[4]);
+    g->cost = PyArray_DATA(a[5]), g->priority = PyArray_DATA(a[6]);
+    g->dep_ptr = PyArray_DATA(a[7]), g->dep_idx = PyArray_DATA(a[8]);
+    g->dep_delay = PyArray_DATA(a[9]), g->policy = PyArray_DATA(a[10]);
+    g->group = PyArray_DATA(a[11]);
+}
+
+static void rp_py_release(PyArrayObject **a, int n)
+{
+    for (int i = 0; i < n; i++)
+        Py_CLEAR(a[i]);
+}
+
+static PyObject *rp_py_new_array(npy_intp len, int typenum)
+{
+    return PyArray_SimpleNew(1, &len, typenum);
+}
+
+/* The rp_iter_spec of a sched_graph dict; the arrays it points into are
+ * new references in a[0 .. 4] (fwd, out_grad, weight_grad, sync, stage). */
+static int rp_py_parse_spec(PyObject *spec, rp_iter_spec *s, PyArrayObject **a)
+{
+    static const char *const fname = "sched_graph";
+    int64_t order;
+    memset(s, 0, sizeof *s);
+    if (rp_py_spec_int(spec, "layers", fname, &s->layers) < 0 ||
+        rp_py_spec_int(spec, "micro", fname, &s->micro) < 0 ||
+        rp_py_spec_int(spec, "stages", fname, &s->stages) < 0 ||
+        rp_py_spec_int(spec, "iterations", fname, &s->iterations) < 0 ||
+        rp_py_spec_float(spec, "transfer", fname, &s->transfer) < 0 ||
+        rp_py_spec_int(spec, "order", fname, &order) < 0 ||
+        rp_py_spec_int(spec, "k", fname, &s->k) < 0 ||
+        rp_py_spec_flag(spec, "sync_by_layer", fname, &s->sync_by_layer) < 0 ||
+        rp_py_spec_flag(spec, "sub_stream", fname, &s->sub_stream) < 0 ||
+        rp_py_spec_flag(spec, "input_grad", fname, &s->input_grad) < 0)
+        return -1;
+    if (s->layers < 1 || s->layers > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: layers must be in [1, 2^31) (got %lld)", fname,
+                     (long long)s->layers);
+        return -1;
+    }
+    s->order = order < INT32_MIN || order > INT32_MAX ? -1 : (int)order;
+    if (rp_py_spec_array(spec, "fwd", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[0]) < 0 ||
+        rp_py_spec_array(spec, "out_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[1]) < 0 ||
+        rp_py_spec_array(spec, "weight_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[2]) <
+            0 ||
+        rp_py_spec_array(spec, "sync", fname, NPY_FLOAT64, (npy_intp)s->layers, 1, &a[3]) < 0 ||
+        rp_py_spec_array(spec, "stage", fname, NPY_INT32, (npy_intp)s->layers, 1, &a[4]) < 0)
+        return -1;
+    s->fwd = PyArray_DATA(a[0]), s->out_grad = PyArray_DATA(a[1]);
+    s->weight_grad = PyArray_DATA(a[2]);
+    s->sync = a[3] != NULL ? PyArray_DATA(a[3]) : NULL;
+    s->stage = a[4] != NULL ? PyArray_DATA(a[4]) : NULL;
+    return 0;
+}
+
+PyObject *rp_py_sched_graph(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_iter_spec s;
+    rp_task_graph g;
+    rp_error err = {{0}};
+    PyArrayObject *in[5] = {NULL, NULL, NULL, NULL, NULL}, *out[RP_PY_GRAPH_FIELDS] = {NULL};
+    PyObject *result = NULL;
+    npy_intp extent[4];
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "sched_graph") < 0)
+        return NULL;
+    if (!PyDict_Check(args[0])) {
+        PyErr_Format(PyExc_TypeError, "sched_graph: spec must be a dict (got %s)",
+                     Py_TYPE(args[0])->tp_name);
+        return NULL;
+    }
+    if (rp_py_parse_spec(args[0], &s, in) < 0)
+        goto done;
+    memset(&g, 0, sizeof g);
+    rc = rp_iter_graph_size(&s, &g.n_tasks, &g.n_deps, &g.n_resources, &err);
+    if (rc != RP_OK) {
+        rp_py_raise(rc, &err);
+        goto done;
+    }
+    extent[0] = (npy_intp)g.n_tasks, extent[1] = (npy_intp)g.n_tasks + 1;
+    extent[2] = (npy_intp)g.n_deps, extent[3] = (npy_intp)g.n_resources;
+    for (int i = 0; i < RP_PY_GRAPH_FIELDS; i++) {
+        const rp_py_graph_field *f = &rp_py_graph_fields[i];
+        out[i] = (PyArrayObject *)rp_py_new_array(extent[f->extent], f->typenum);
+        if (out[i] == NULL)
+            goto done;
+    }
+    rp_py_graph_bind(out, &g);
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_iter_graph_build(&s, &g, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK) {
+        rp_py_raise(rc, &err);
+        goto done;
+    }
+    result = PyDict_New();
+    for (int i = 0; result != NULL && i < RP_PY_GRAPH_FIELDS; i++)
+        if (PyDict_SetItemString(result, rp_py_graph_fields[i].key, (PyObject *)out[i]) < 0)
+            Py_CLEAR(result);
+done:
+    rp_py_release(in, 5);
+    rp_py_release(out, RP_PY_GRAPH_FIELDS);
+    return result;
+}
+
+/* The twelve arrays of a graph dict, new references in a. */
+static int rp_py_parse_graph(PyObject *graph, PyArrayObject **a)
+{
+    static const char *const fname = "simulate";
+    npy_intp extent[4] = {-1, -1, -1, -1};
+    if (!PyDict_Check(graph)) {
+        PyErr_Format(PyExc_TypeError, "simulate: graph must be a dict (got %s)",
+                     Py_TYPE(graph)->tp_name);
+        return -1;
+    }
+    for (int i = 0; i < RP_PY_GRAPH_FIELDS; i++) {
+        const rp_py_graph_field *f = &rp_py_graph_fields[i];
+        if (rp_py_spec_array(graph, f->key, fname, f->typenum, extent[f->extent], 0, &a[i]) < 0)
+            return -1;
+        if (extent[f->extent] < 0)
+            extent[f->extent] = PyArray_DIM(a[i], 0);
+        if (f->extent == 0)
+            extent[1] = extent[0] + 1;
+    }
+    return 0;
+}
+
+PyObject *rp_py_simulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_task_graph g;
+    rp_error err = {{0}};
+    PyArrayObject *a[RP_PY_GRAPH_FIELDS] = {NULL};
+    PyObject *start = NULL, *finish = NULL, *busy = NULL, *result = NULL;
+    double rate, makespan = 0.0;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 2, "simulate") < 0)
+        return NULL;
+    rate = PyFloat_AsDouble(args[1]);
+    if (rate == -1.0 && PyErr_Occurred()) {
+        rp_py_prefix_error("simulate", "corun_rate");
+        return NULL;
+    }
+    if (rp_py_parse_graph(args[0], a) < 0)
+        goto done;
+    rp_py_graph_bind(a, &g);
+    start = rp_py_new_array((npy_intp)g.n_tasks, NPY_FLOAT64);
+    finish = rp_py_new_array((npy_intp)g.n_tasks, NPY_FLOAT64);
+    busy = rp_py_new_array((npy_intp)g.n_resources, NPY_FLOAT64);
+    if (start == NULL || finish == NULL || busy == NULL)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_simulate(&g, rate, PyArray_DATA((PyArrayObject *)start),
+                     PyArray_DATA((PyArrayObject *)finish), PyArray_DATA((PyArrayObject *)busy),
+                     &makespan, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        rp_py_raise(rc, &err);
+    else
+        result = Py_BuildValue("(OOOd)", start, finish, busy, makespan);
+done:
+    rp_py_release(a, RP_PY_GRAPH_FIELDS);
+    Py_XDECREF(start);
+    Py_XDECREF(finish);
+    Py_XDECREF(busy);
+    return result;
+}
+
+PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_error err = {{0}};
+    int64_t layers, stages, group;
+    PyObject *out;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 3, "sched_stages") < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
+        rp_py_size_arg(args[1], &stages) < 0 || rp_py_size_arg(args[2], &group) < 0)
+        return NULL;
+    if (layers < 1 || layers > INT32_MAX) /* the core's message, before allocating */
+        return rp_py_raise(rp_sched_stages(layers, stages, group, NULL, &err), &err);
+    out = rp_py_new_array((npy_intp)layers, NPY_INT32);
+    if (out == NULL)
+        return NULL;
+    rc = rp_sched_stages(layers, stages, group, PyArray_DATA((PyArrayObject *)out), &err);
+    if (rc != RP_OK) {
+        Py_DECREF(out);
+        return rp_py_raise(rc, &err);
+    }
+    return out;
+}
+
+/* An optional int64 array of `len` elements (None: *out stays NULL). */
+static int rp_py_optional_int64(PyObject *obj, npy_intp len, const char *fname, const char *name,
+                                PyArrayObject **out)
+{
+    *out = NULL;
+    if (obj == Py_None)
+        return 0;
+    *out = rp_py_array(obj, NPY_INT64, 1, &len, fname, name);
+    return *out == NULL ? -1 : 0;
+}
+
+PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const fname = "reverse_first_k";
+    rp_error err = {{0}};
+    int64_t layers, k, mem_forward, mem_cap, k_used = 0;
+    PyArrayObject *og = NULL, *wg = NULL;
+    PyObject *kind = NULL, *layer = NULL, *result = NULL;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 6, fname) < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
+        rp_py_size_arg(args[1], &k) < 0 || rp_py_size_arg(args[4], &mem_forward) < 0 ||
+        rp_py_size_arg(args[5], &mem_cap) < 0)
+        return NULL;
+    if (layers < 1 || layers > INT32_MAX / 2) /* the core's message, before allocating */
+        return rp_py_raise(rp_sched_reverse_first_k(layers, k, NULL, NULL, 0, 0, NULL, NULL, NULL,
+                                                    &err),
+                           &err);
+    if (rp_py_optional_int64(args[2], (npy_intp)layers, fname, "mem_out_grad", &og) < 0 ||
+        rp_py_optional_int64(args[3], (npy_intp)layers, fname, "mem_weight_grad", &wg) < 0)
+        goto done;
+    kind = rp_py_new_array((npy_intp)(2 * layers), NPY_INT32);
+    layer = rp_py_new_array((npy_intp)(2 * layers), NPY_INT32);
+    if (kind == NULL || layer == NULL)
+        goto done;
+    rc = rp_sched_reverse_first_k(layers, k, og != NULL ? PyArray_DATA(og) : NULL,
+                                  wg != NULL ? PyArray_DATA(wg) : NULL, mem_forward, mem_cap,
+                                  PyArray_DATA((PyArrayObject *)kind),
+                                  PyArray_DATA((PyArrayObject *)layer), &k_used, &err);
+    if (rc != RP_OK)
+        rp_py_raise(rc, &err);
+    else
+        result = Py_BuildValue("(OOL)", kind, layer, (long long)k_used);
+done:
+    Py_XDECREF(og);
+    Py_XDECREF(wg);
+    Py_XDECREF(kind);
+    Py_XDECREF(layer);
+    return result;
+}
+
+PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_error err = {{0}};
+    int64_t layers, next = -1, best = -1;
+    PyArrayObject *score;
+    npy_intp len;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 2, "ksearch_next") < 0 || rp_py_size_arg(args[0], &layers) < 0)
+        return NULL;
+    if (layers < 1 || layers > (int64_t)1 << 40)
+        return rp_py_raise(rp_ksearch_next(layers, NULL, &next, &best, &err), &err);
+    len = (npy_intp)(layers + 1);
+    score = rp_py_array(args[1], NPY_FLOAT64, 1, &len, "ksearch_next", "score");
+    if (score == NULL)
+        return NULL;
+    rc = rp_ksearch_next(layers, PyArray_DATA(score), &next, &best, &err);
+    Py_DECREF(score);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    return Py_BuildValue("(LL)", (long long)next, (long long)best);
+}
+
+PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const fname = "sched_regions";
+    rp_error err = {{0}};
+    /* t_main, ready, deadline, t_sub, speedup, mem */
+    PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *region = NULL, *order = NULL, *result = NULL;
+    npy_intp any = -1, n, tasks, shape[2];
+    int64_t mem_cap, pre = 0, peak = 0;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], &mem_cap) < 0)
+        return NULL;
+    a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, fname, "t_main");
+    if (a[0] == NULL)
+        goto done;
+    a[1] = rp_py_array(args[1], NPY_FLOAT64, 1, &any, fname, "ready");
+    if (a[1] == NULL)
+        goto done;
+    n = PyArray_DIM(a[0], 0), tasks = PyArray_DIM(a[1], 0);
+    shape[0] = tasks, shape[1] = n;
+    if ((a[2] = rp_py_array(args[2], NPY_INT64, 1, &tasks, fname, "deadline")) == NULL ||
+        (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, fname, "t_sub")) == NULL ||
+        (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, fname, "speedup")) == NULL ||
+        rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0)
+        goto done;
+    region = rp_py_new_array(tasks, NPY_INT64);
+    order = rp_py_new_array(tasks, NPY_INT64);
+    if (region == NULL || order == NULL)
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_sched_regions((int64_t)n, PyArray_DATA(a[0]), (int64_t)tasks, PyArray_DATA(a[1]),
+                          PyArray_DATA(a[2]), PyArray_DATA(a[3]), PyArray_DATA(a[4]),
+                          a[5] != NULL ? PyArray_DATA(a[5]) : NULL, mem_cap,
+                          PyArray_DATA((PyArrayObject *)region),
+                          PyArray_DATA((PyArrayObject *)order), &pre, &peak, &err);
+    Py_END_ALLOW_THREADS
+    if (rc != RP_OK)
+        rp_py_raise(rc, &err);
+    else
+        result = Py_BuildValue("(OOLL)", region, order, (long long)pre, (long long)peak);
+done:
+    rp_py_release(a, 6);
+    Py_XDECREF(region);
+    Py_XDECREF(order);
+    return result;
+}

@@ -118,4 +118,31 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* Out-of-order backprop scheduling (csrc/schedule.c), defined in pyutil.c;
+ * arguments may be any array-likes, cast by NumPy's safe rule:
+ *   sched_graph(spec) -> dict of the rp_task_graph arrays: kind, layer,
+ *       micro, iteration, resource, policy, group (int32), cost, priority,
+ *       dep_delay (float64), dep_ptr, dep_idx (int64). spec: a dict with
+ *       every field of rp_iter_spec: layers, micro, stages, iterations,
+ *       order, k (ints), transfer (float), sync_by_layer, sub_stream,
+ *       input_grad (bools), fwd, out_grad, weight_grad (float64, layers),
+ *       sync (float64 or None), stage (int32 or None)
+ *   simulate(graph, corun_rate) -> (start, finish, busy, makespan): graph a
+ *       dict of those arrays (sizes from kind, dep_idx and policy)
+ *   sched_stages(layers, stages, group) -> int32 stage of each layer
+ *   reverse_first_k(layers, k, mem_out_grad, mem_weight_grad, mem_forward,
+ *       mem_cap) -> (kind, layer, k_used): int32 arrays of 2 layers; the
+ *       memory sizes int64 arrays or None
+ *   ksearch_next(layers, score) -> (next, best): score float64 (layers + 1)
+ *   sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap)
+ *       -> (region, order, pre, peak): t_main (n), ready and deadline
+ *       (n_tasks), t_sub and speedup (n_tasks, n), mem int64 (n_tasks) or
+ *       None; region and order int64 arrays */
+PyObject *rp_py_sched_graph(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_simulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 #endif /* REPROP_PYUTIL_H */

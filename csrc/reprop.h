@@ -382,6 +382,141 @@ int rp_jac_linear(int64_t in_features, int64_t out_features, int64_t *nnz, int32
 int rp_jac_diagonal(int64_t size, int64_t *nnz, int32_t *indptr, int32_t *indices,
                     rp_error *err);
 
+/* ---------------------------------------------------------------------------
+ * Out-of-order backprop scheduling (csrc/schedule.c)
+ *
+ * One training iteration as a task graph over layers l = 0 .. L-1 (layer 0
+ * nearest the input) and micro-batches m = 0 .. M-1:
+ *   F(l, m)  forward;          needs F(l-1, m) and, from the second
+ *                              iteration on, layer l's update (S(l), or
+ *                              every dW(l, .) of the previous iteration)
+ *   dO(l, m) output gradient:  the gradient of layer l's input; needs
+ *                              dO(l+1, m) (for l = L-1: F(L-1, m), the loss)
+ *   dW(l, m) weight gradient:  needs what dO(l, m) needs, and nothing needs it
+ *                              but the update: the freedom ooo backprop uses
+ *   S(l)     all-reduce of layer l's weight gradient (data parallelism)
+ * dO(0, .) exists only when the input needs a gradient. Tasks run on
+ * resources: a device's main stream, its sub-stream, its network link. The
+ * simulator below plays any such graph; the builders, Algorithm 1 (multi-
+ * region joint scheduling), Algorithm 2 (reverse first-k), the search for k
+ * and the layer allocation are the paper's (Oh et al., EuroSys '22).
+ * ------------------------------------------------------------------------- */
+
+typedef enum {
+    RP_TASK_FORWARD = 0,
+    RP_TASK_OUTPUT_GRAD = 1,
+    RP_TASK_WEIGHT_GRAD = 2,
+    RP_TASK_SYNC = 3,
+} rp_task_kind;
+
+/* How a resource picks its next task when it is free. */
+typedef enum {
+    RP_RES_IN_ORDER = 0, /* a fixed program: tasks strictly by ascending priority */
+    RP_RES_PRIORITY = 1, /* list scheduling: the ready task of lowest priority */
+    RP_RES_FIFO = 2,     /* the task that became ready first (ties: lowest priority) */
+} rp_res_policy;
+
+/* A task graph: per task its kind, layer, micro-batch, iteration, resource,
+ * cost (time alone on its resource) and priority (lower first); the
+ * predecessors of task t are dep_idx[dep_ptr[t] .. dep_ptr[t+1]) with the
+ * delay each adds after its finish (a transfer between devices); per
+ * resource its policy and co-run group (resources of one group share a
+ * device: while k > 1 of them run, each advances at corun_rate, see
+ * rp_simulate; -1 for none). Arrays are the caller's. */
+typedef struct {
+    int64_t n_tasks, n_deps, n_resources;
+    int32_t *kind, *layer, *micro, *iteration, *resource; /* (n_tasks) */
+    double *cost, *priority;                               /* (n_tasks) */
+    int64_t *dep_ptr;                                      /* (n_tasks + 1) */
+    int64_t *dep_idx;                                      /* (n_deps) */
+    double *dep_delay;                                     /* (n_deps) */
+    int32_t *policy, *group;                               /* (n_resources) */
+} rp_task_graph;
+
+/* Plays the graph as a discrete-event simulation: a task starts when its
+ * resource is free and chooses it, and every predecessor has finished (plus
+ * its delay). Tasks of one co-run group that overlap advance at corun_rate
+ * each (1: no slowdown, 0.5: the device is shared fairly). Writes start and
+ * finish (n_tasks), busy (n_resources: time running a task) and *makespan.
+ * RP_EINVAL for a malformed graph or one that deadlocks (a cycle, or an
+ * in-order program waiting on a task ordered after it; start and finish of
+ * the tasks that never ran are then NaN). kind, layer, micro and iteration
+ * only label messages here and may be NULL. */
+int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double *finish,
+                double *busy, double *makespan, rp_error *err);
+
+typedef enum {
+    RP_ORDER_CONVENTIONAL = 0,    /* autograd's: dW(l) then dO(l), layer by layer; forwards first */
+    RP_ORDER_FAST_FORWARD = 1,    /* gradient fast-forwarding: any ready dO before any dW */
+    RP_ORDER_REVERSE_FIRST_K = 2, /* Algorithm 2: dW(0) .. dW(k-1) after the last dO, first to last */
+} rp_order;
+
+/* A layered training iteration, every time in one unit (seconds, or 1 for
+ * the paper's unit-time figures). */
+typedef struct {
+    int64_t layers, micro, stages, iterations;
+    const double *fwd, *out_grad, *weight_grad; /* (layers) per micro-batch */
+    const double *sync;    /* (layers) all-reduce time of dW(l); NULL: no data parallelism */
+    const int32_t *stage;  /* (layers) device of layer l; NULL: all on device 0 */
+    double transfer;       /* delay of an activation or gradient between two devices */
+    int order;             /* rp_order */
+    int64_t k;             /* RP_ORDER_REVERSE_FIRST_K: layers whose dW is reversed */
+    int sync_by_layer;     /* the link sends S(l) lowest layer first; 0: first come first served */
+    int sub_stream;        /* dW on a second stream of its device (co-run group of the device) */
+    int input_grad;        /* dO(0, .) is computed */
+} rp_iter_spec;
+
+/* Sizes of the graph of `iterations` iterations (count, then build into
+ * arrays of these sizes). Resources: devices [0, S), then sub-streams
+ * [S, 2S) (they run the dW tasks) when sub_stream, then links (one per
+ * device) when sync. Main streams and sub-streams are in order except under
+ * FAST_FORWARD (priority); links are FIFO unless sync_by_layer (priority). */
+int rp_iter_graph_size(const rp_iter_spec *s, int64_t *n_tasks, int64_t *n_deps,
+                       int64_t *n_resources, rp_error *err);
+int rp_iter_graph_build(const rp_iter_spec *s, rp_task_graph *g, rp_error *err);
+
+/* Layer allocation over `stages` devices: group 0 gives contiguous blocks
+ * (balanced by count, the conventional allocation); group g >= 1 the modulo
+ * allocation of groups of g consecutive layers: layer l on (l / g) mod stages. */
+int rp_sched_stages(int64_t layers, int64_t stages, int64_t group, int32_t *stage, rp_error *err);
+
+/* Algorithm 2, reverse first-k, with its memory cap (line 1): the largest
+ * k' <= min(k, layers) with mem_forward - sum_{i >= k'} mem_out_grad[i] +
+ * sum_{i < k'} mem_weight_grad[i] < mem_cap (mem_cap <= 0: no cap; 0 when no
+ * k' fits) becomes *k_used; then order (2L entries of kind and layer) is
+ * dW(l), dO(l) for l = L-1 .. k_used, dO(l) for l = k_used-1 .. 0, then
+ * dW(0) .. dW(k_used-1). Arrays of sizes may be NULL when there is no cap. */
+int rp_sched_reverse_first_k(int64_t layers, int64_t k, const int64_t *mem_out_grad,
+                             const int64_t *mem_weight_grad, int64_t mem_forward,
+                             int64_t mem_cap, int32_t *kind, int32_t *layer, int64_t *k_used,
+                             rp_error *err);
+
+/* The coarse-to-fine search for k (Section 5.1), stateless: score[k] for k
+ * in [0, layers] is the measured throughput or NaN where not measured yet.
+ * Returns in *next the k to measure next, or -1 when the search is over;
+ * *best is the best k measured so far (-1 before any). Steps of L/10
+ * over [0, L), then halving steps around the best until a step of 1. */
+int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t *best,
+                    rp_error *err);
+
+/* Algorithm 1, multi-region joint scheduling of sub-stream tasks, with the
+ * memory model of pre-scheduling. The main stream's timeline is cut into n
+ * regions of times t_main (n); task j (a deferred dW) becomes runnable at
+ * ready[j] on that timeline, must be placed in a region before
+ * deadline[j] (the region of the forward that uses its weights; n: none),
+ * takes t_sub[j * n + i] when it runs in region i and speeds region i up
+ * by speedup[j * n + i] (co-run profile). It holds mem[j] bytes from ready
+ * until it runs (NULL: no memory model). Regions [0, pre) are pre-scheduled:
+ * their tasks run as soon as ready, in their own region; pre grows from 0
+ * until the peak of held memory (measured at region ends) is <= mem_cap
+ * (< 0: no cap), or up to n (*peak may then still pass the cap). Tasks that
+ * no open region can take go to region deadline[j] - 1. Writes region[j],
+ * order (tasks by region, then as placed), *pre and *peak (0 without mem). */
+int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
+                     const int64_t *deadline, const double *t_sub, const double *speedup,
+                     const int64_t *mem, int64_t mem_cap, int64_t *region, int64_t *order,
+                     int64_t *pre, int64_t *peak, rp_error *err);
+
 /* CUDA device count (0 when there is no driver or device), and the
  * architectures the kernels were compiled for, e.g. "sm_80 sm_90 compute_90". */
 int rp_cuda_device_count(void);

@@ -583,8 +583,9 @@ class OOOHandle:
         starts = np.concatenate([[0.0], np.cumsum(t_main)[:-1]])
         pos = {k: i for i, k in enumerate(keys)}
         tasks = [k for k in keys if k in sub]
-        # a dW is ready once its call's dO has run: the start of the next call's interval
-        ready = np.array([starts[region_main[k]] + main[bounds[region_main[k]]:pos[k] + 1].sum()
+        # a dW is ready within its call's interval (once the call's dO ran): stamp it at
+        # the interval's start, which keeps it in the region of its dO
+        ready = np.array([starts[region_main[k]] + main[bounds[region_main[k]]:pos[k]].sum()
                           for k in tasks])
         deadline = np.full(len(tasks), n, dtype=np.int64)
         t_sub = np.repeat(np.array([[sub[k]] for k in tasks]), n, axis=1)
@@ -677,3 +678,128 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
     return OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
+
+
+# ---------------------------------------------------------------------------
+# Planning: the scheduler core for machines one does not have
+# ---------------------------------------------------------------------------
+
+_ORDER_CODES = {"conventional": 0, "fast_forward": 1, "reverse_first_k": 2}
+_TASK_NAMES = ("F", "dO", "dW", "S")
+
+
+def _per_layer(value, layers: int, name: str) -> np.ndarray:
+    """A per-layer float64 array from a scalar or a sequence of `layers` values."""
+    arr = np.full(layers, value, dtype=np.float64) if np.ndim(value) == 0 \
+        else np.asarray(value, dtype=np.float64)
+    if arr.shape != (layers,):
+        raise ValueError(f"{name}: expected a number or {layers} per-layer values, "
+                         f"got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)) or np.any(arr < 0):
+        raise ValueError(f"{name}: expected finite times >= 0")
+    return arr
+
+
+def stages(layers: int, num_stages: int, allocation: str = "contiguous", group: int = 1) -> list[int]:
+    """The device of each layer: contiguous blocks, or the paper's modulo
+    allocation of groups of `group` consecutive layers (layer l on
+    (l // group) mod num_stages)."""
+    if allocation not in ("contiguous", "modulo"):
+        raise ValueError(f"allocation: expected 'contiguous' or 'modulo', got {allocation!r}")
+    if not isinstance(group, int) or group < 1:
+        raise ValueError(f"group: expected an int >= 1, got {group!r}")
+    return _C.sched_stages(layers, num_stages, group if allocation == "modulo" else 0).tolist()
+
+
+def reverse_first_k(layers: int, k: int, mem_out_grad: Sequence[int] | None = None,
+                    mem_weight_grad: Sequence[int] | None = None, mem_forward: int = 0,
+                    mem_cap: int = 0) -> tuple[list[tuple[str, int]], int]:
+    """Algorithm 2: the backward order [("dW" | "dO", layer), ...] with the
+    weight gradients of layers 0 .. k-1 last, first to last, and the k the
+    memory cap allowed (mem_cap 0: no cap)."""
+    og = None if mem_out_grad is None else np.asarray(mem_out_grad, dtype=np.int64)
+    wg = None if mem_weight_grad is None else np.asarray(mem_weight_grad, dtype=np.int64)
+    kinds, lays, k_used = _C.reverse_first_k(layers, k, og, wg, mem_forward, mem_cap)
+    return [(_TASK_NAMES[c], int(l)) for c, l in zip(kinds, lays)], int(k_used)
+
+
+def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
+    """The paper's coarse-to-fine search for reverse first-k's k: steps of
+    L/10, then halving around the best. `measure(k)` returns a throughput
+    (higher is better). Returns the best k and every measurement."""
+    score = np.full(layers + 1, np.nan)
+    while True:
+        nxt, best = _C.ksearch_next(layers, score)
+        if nxt < 0:
+            return int(best), {k: float(v) for k, v in enumerate(score) if not np.isnan(v)}
+        score[nxt] = float(measure(int(nxt)))
+
+
+def allreduce_time(nbytes: float, workers: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds a ring all-reduce of `nbytes` takes over `workers` at
+    `bandwidth` bytes/s per link and `latency` s per message:
+    2 (N-1)/N bytes/bandwidth + 2 (N-1) latency."""
+    if workers <= 1:
+        return 0.0
+    return 2.0 * (workers - 1) / workers * nbytes / bandwidth + 2.0 * (workers - 1) * latency
+
+
+@dataclass
+class SimResult:
+    """What ``simulate`` found. ``order[d]`` lists device d's tasks as run:
+    (kind, layer, micro-batch, iteration) with kind in F, dO, dW, S."""
+
+    makespan: float
+    period: float | None  # time per iteration in steady state (iterations >= 2)
+    busy: list[float]     # per device: time its main stream computed
+    idle: list[float]     # per device: makespan - busy
+    order: list[list[tuple[str, int, int, int]]]
+    graph: dict = field(repr=False)
+    start: np.ndarray = field(repr=False)
+    finish: np.ndarray = field(repr=False)
+
+
+def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batches: int = 1,
+             num_stages: int = 1, allocation: str = "contiguous", group: int = 1,
+             order: str = "conventional", k: int = 0, sync=None, sync_by_layer: bool = True,
+             transfer: float = 0.0, iterations: int = 1, sub_stream: bool = False,
+             corun_rate: float = 1.0, input_grad: bool = False) -> SimResult:
+    """Plays `iterations` training iterations of a layered model on the
+    scheduler core's discrete-event simulator.
+
+    Times are per layer and micro-batch (a number for all layers or a
+    sequence of `layers`), in any unit: 1 reproduces the paper's unit-time
+    figures, profiled seconds plan a real run. ``sync`` is each layer's
+    all-reduce time (data parallelism; see ``allreduce_time``), None for
+    none; ``transfer`` the delay of an activation between devices. Orders:
+    "conventional" (autograd's; GPipe with micro-batches), "fast_forward"
+    (gradient fast-forwarding), "reverse_first_k" (Algorithm 2 with `k`).
+    ``sub_stream`` runs dW on a second stream of its device, both streams
+    advancing at `corun_rate` while they overlap.
+    """
+    if order not in _ORDER_CODES:
+        raise ValueError(f"order: expected one of {tuple(_ORDER_CODES)}, got {order!r}")
+    spec = {
+        "layers": layers, "micro": micro_batches, "stages": num_stages, "iterations": iterations,
+        "fwd": _per_layer(fwd, layers, "fwd"), "out_grad": _per_layer(out_grad, layers, "out_grad"),
+        "weight_grad": _per_layer(weight_grad, layers, "weight_grad"),
+        "sync": None if sync is None else _per_layer(sync, layers, "sync"),
+        "stage": np.asarray(stages(layers, num_stages, allocation, group), dtype=np.int32),
+        "transfer": float(transfer), "order": _ORDER_CODES[order], "k": k,
+        "sync_by_layer": bool(sync_by_layer), "sub_stream": bool(sub_stream),
+        "input_grad": bool(input_grad),
+    }
+    graph = _C.sched_graph(spec)
+    start, finish, busy, makespan = _C.simulate(graph, float(corun_rate))
+    kinds, res = graph["kind"], graph["resource"]
+    forward_ends = [finish[(kinds == 0) & (graph["iteration"] == it)].max() for it in range(iterations)]
+    period = (forward_ends[-1] - forward_ends[0]) / (iterations - 1) if iterations > 1 else None
+    order_of = []
+    for d in range(num_stages):
+        on_d = np.flatnonzero((res == d) | (sub_stream and res == num_stages + d))
+        on_d = on_d[np.argsort(start[on_d], kind="stable")]
+        order_of.append([(_TASK_NAMES[kinds[t]], int(graph["layer"][t]), int(graph["micro"][t]),
+                          int(graph["iteration"][t])) for t in on_d])
+    busy_main = [float(busy[d]) for d in range(num_stages)]
+    return SimResult(float(makespan), None if period is None else float(period), busy_main,
+                     [float(makespan) - b for b in busy_main], order_of, graph, start, finish)
