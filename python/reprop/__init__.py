@@ -4,9 +4,9 @@ Importing reprop needs no GPU, driver or CUDA toolkit; CUDA code paths are
 chosen at run time by the tensors' device.
 """
 from ._native import cuda_available, cuda_built
-from . import bppsa, fad, fusion, optim
+from . import bppsa, fad, fusion, ooo, optim
 from .fusion import fuse
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "bppsa", "cuda_available", "cuda_built", "fad", "fuse", "fusion", "optim"]
+__all__ = ["__version__", "bppsa", "cuda_available", "cuda_built", "fad", "fuse", "fusion", "ooo", "optim"]
