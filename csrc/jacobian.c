@@ -42,6 +42,7 @@
 #include <stdlib.h>
 
 #include "reprop.h"
+#include "rp_internal.h"
 
 /* Every index handed back is int32 (torch's CSR and the planner use int32). */
 #define RP_JAC_I32_MAX ((int64_t)INT32_MAX)
@@ -54,14 +55,7 @@
 
 /* a * b for a, b >= 0, or -1 past int64: callers only compare the result
  * with the int32 limit, so saturating to an impossible value is enough. */
-static int64_t rp_jac_mul(int64_t a, int64_t b)
-{
-    if (a < 0 || b < 0)
-        return -1;
-    if (b != 0 && a > INT64_MAX / b)
-        return -1;
-    return a * b;
-}
+static int64_t rp_jac_mul(int64_t a, int64_t b) { return rp_mul_capped(a, b, INT64_MAX); }
 
 /* A size that must fit the int32 arrays; `what` names it for the message. */
 static int rp_jac_check_i32(const char *layer, const char *what, int64_t v, rp_error *err)

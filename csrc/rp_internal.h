@@ -24,6 +24,17 @@
 #define RP_TARGET_CLONES
 #endif
 
+/* a * b for a, b >= 0, or -1 when either is negative or the product passes
+ * `cap`: size arithmetic on caller-given counts that must not overflow. */
+RP_HOSTDEV int64_t rp_mul_capped(int64_t a, int64_t b, int64_t cap)
+{
+    if (a < 0 || b < 0)
+        return -1;
+    if (b != 0 && a > cap / b)
+        return -1;
+    return a * b;
+}
+
 /* ---- reduced-precision element types, round-to-nearest-even as torch ---- */
 
 RP_HOSTDEV float rp_bits_to_f32(uint32_t u)

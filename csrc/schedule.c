@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "reprop.h"
+#include "rp_internal.h"
 
 /* Priorities are integers stored as double: exact below 2^53. Graphs are
  * kept far below that (and below what int64 sizes times 8 bytes allow). */
@@ -42,14 +43,7 @@
  * ------------------------------------------------------------------------- */
 
 /* a * b for a, b >= 0, or -1 past RP_SCHED_MAX_ITEMS. */
-static int64_t rp_sched_mul(int64_t a, int64_t b)
-{
-    if (a < 0 || b < 0)
-        return -1;
-    if (b != 0 && a > RP_SCHED_MAX_ITEMS / b)
-        return -1;
-    return a * b;
-}
+static int64_t rp_sched_mul(int64_t a, int64_t b) { return rp_mul_capped(a, b, RP_SCHED_MAX_ITEMS); }
 
 /* count elements of `size` bytes; never malloc(0), which may return NULL. */
 static void *rp_sched_alloc(int64_t count, size_t size)
