@@ -37,13 +37,15 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from ._native import _C
 
 __all__ = ["enable", "OOOHandle", "simulate", "SimResult", "stages", "reverse_first_k",
-           "search_k", "ORDERS"]
+           "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
+           "SCHEDULES", "ALLOCATIONS"]
 
 _aten = torch.ops.aten
 
@@ -803,3 +805,750 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
     busy_main = [float(busy[d]) for d in range(num_stages)]
     return SimResult(float(makespan), None if period is None else float(period), busy_main,
                      [float(makespan) - b for b in busy_main], order_of, graph, start, finish)
+
+
+# ---------------------------------------------------------------------------
+# Across devices: data parallelism (reverse first-k) and pipeline parallelism
+# (GPipe, gradient fast-forwarding, modulo allocation), Sections 5.1 and 5.2
+# ---------------------------------------------------------------------------
+
+# rp_task_kind of csrc/reprop.h: the kinds in the graphs of _C.sched_graph
+_FORWARD, _OUTPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2
+
+
+def _src_rank(group) -> int:
+    """The global rank of `group`'s rank 0: where DDP broadcasts from."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------
+# Data parallelism: reverse first-k (Algorithm 2) and the search for k
+# ---------------------------------------------------------------------------
+
+
+def _first_k_order(layers: int, k: int) -> list[int]:
+    """The layers whose dW Algorithm 2 moves after the last dO, in the order
+    it runs them (layer 0 first): the tail of the core's schedule D."""
+    if layers == 0 or k == 0:
+        return []
+    kind, layer, k_used = _C.reverse_first_k(layers, k, None, None, 0, 0)
+    return [int(l) for kd, l in zip(kind, layer) if kd == _WEIGHT_GRAD and l < k_used]
+
+
+@dataclass(eq=False)
+class _Bucket:
+    """Gradients all-reduced together: one flat tensor of one dtype and device.
+
+    ``layer`` is the held layer whose dW completes the bucket (reverse first-k),
+    None for a bucket completed by autograd itself during backward.
+    """
+
+    params: list
+    layer: int | None = None
+    pending: set = field(default_factory=set)  # params whose gradient is not final yet
+    flat: torch.Tensor | None = None            # (sum of numels,) pre-divided, then summed
+    work: object = None                         # the async all-reduce
+
+
+def _pack(params: Sequence[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
+    """Consecutive runs of `params` of one dtype and device and at most
+    `cap_bytes` (a larger parameter gets a run of its own)."""
+    runs, run, size = [], [], 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if run and (p.dtype != run[0].dtype or p.device != run[0].device
+                    or size + nbytes > cap_bytes):
+            runs.append(run)
+            run, size = [], 0
+        run.append(p)
+        size += nbytes
+    if run:
+        runs.append(run)
+    return runs
+
+
+def _output_tensors(out) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or lists, tuples, dicts of them)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _output_tensors(o)]
+    return []
+
+
+class DataParallel:
+    """Data-parallel training of `model` with reverse first-k scheduling.
+
+    Not a wrapper: call `model` itself, then ``loss.backward()``; when backward
+    returns, every parameter's ``.grad`` is the average over the ranks of the
+    process group, as DistributedDataParallel leaves it (same values: each
+    rank's gradient is multiplied by 1/world_size before the all-reduce sum, as
+    DDP's reducer does), so any optimizer steps the replicas alike.
+
+    Layers are the modules ``enable()`` splits (Linear, Conv, Embedding,
+    norms), in the order of their first call in the first forward. The dW of
+    layers [0, k) are held during backward and run after it, layer 0 first;
+    each held layer's parameters are all-reduced as soon as its dW ran (issue
+    order is the priority). All other parameters (the other layers', and
+    those of modules that are not split, plain ``nn.Parameter`` included) are
+    all-reduced in buckets of about `bucket_cap_mb` MiB in reverse forward
+    order (other modules' parameters last), each as soon as autograd has
+    finished with all its parameters and the buckets before it have gone, so
+    every rank issues the same collectives in the same order. A parameter
+    shared by several layers is reduced once, after the last task that adds
+    to it; one that has no gradient on a rank counts as zeros there.
+
+    Construction broadcasts the parameters and buffers from rank 0 of the
+    group; with `broadcast_buffers` buffers are broadcast again before each
+    forward (DDP's default). The first k layers are held only in a backward
+    that starts at a tensor the model returned (the usual ``loss.backward()``);
+    another backward runs in autograd's order, still averaged.
+    ``create_graph=True`` is not supported.
+    """
+
+    def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
+                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                 search_iters: int = 3):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DataParallel: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group first")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+                or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
+        if not _is_count(search_iters) or search_iters < 1:
+            raise ValueError(f"search_iters: expected an int >= 1, got {search_iters!r}")
+        if k != "auto" and not _is_count(k):
+            raise ValueError(f"k: expected an int or 'auto', got {k!r}")
+        self.handle: OOOHandle = enable(model, order="conventional")
+        layers = len(self.handle.sites)
+        if k != "auto" and not 0 <= k <= layers:
+            self.handle.remove()
+            raise ValueError(f"k: expected 0 <= k <= {layers} (the split layers of the model), "
+                             f"got {k}")
+        self.model = model
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.k = 0 if k == "auto" else int(k)  # in force; the search moves it
+        self.searching = k == "auto"
+        self.search_iters = int(search_iters)
+        self.scores: np.ndarray | None = None  # throughput per k while searching (NaN: not yet)
+        self._samples: list[float] = []
+        self._last_end: float | None = None
+        self._cap = float(bucket_cap_mb) * 2 ** 20
+        self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
+        self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
+        self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
+        self._layer_buckets: dict = {}  # held layer -> the buckets its dW completes
+        self._order: list[int] = []    # held layers in dW order
+        self._held_modules: set = set()
+        self._in_backward = False
+        self._held: list | None = None
+        self._stack: contextlib.ExitStack | None = None
+        self._next = 0                 # the next bucket to launch in this backward
+        with torch.no_grad():
+            self._broadcast(list(model.parameters()) + list(model.buffers()))
+        self._hooks = [model.register_forward_hook(self._watch_output)]
+        if broadcast_buffers and self.world > 1 and any(True for _ in model.buffers()):
+            self._hooks.append(model.register_forward_pre_hook(self._sync_buffers))
+        self._hooks += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
+                        for p in self._params]
+
+    # -- public ----------------------------------------------------------------
+
+    @property
+    def layers(self) -> int:
+        """Split layers called in forward so far: the L of Algorithm 2."""
+        return sum(1 for s in self.handle.sites if s.index >= 0)
+
+    def remove(self) -> None:
+        """Stops reducing gradients and restores the model's own forward."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+        self.handle.remove()
+
+    def __enter__(self) -> "DataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # -- the plan: which parameters go in which bucket ----------------------------
+
+    def _plan(self) -> None:
+        """Buckets for the current k: autograd's in reverse forward order, then
+        one per held layer in Algorithm 2's dW order (the launch order)."""
+        sites = [s for s in self.handle.sites if s.index >= 0]
+        if self.searching and self.scores is None and sites:
+            # the first k to measure is a function of L alone: every rank agrees
+            self.scores = np.full(len(sites) + 1, np.nan)
+            self.k = int(_C.ksearch_next(len(sites), self.scores)[0])
+        k = min(self.k, len(sites))
+        self._order = _first_k_order(len(sites), k)
+        held_layer, first_layer = {}, {}
+        for s in sites:
+            for p in s.params:
+                first_layer[p] = min(first_layer.get(p, s.index), s.index)
+                if s.index < k:  # complete only once its last held dW has run
+                    held_layer[p] = max(held_layer.get(p, -1), s.index)
+        self._held_modules = {s.module for s in sites if s.index < k}
+        # reverse forward order; parameters outside the split layers last:
+        # autograd may finish them anywhere, and a bucket launches only after
+        # the buckets before it, so placed late they hold up no other bucket
+        rest = sorted((p for p in self._params if p not in held_layer),
+                      key=lambda p: first_layer.get(p, -1), reverse=True)
+        buckets = [_Bucket(run) for run in _pack(rest, self._cap)]
+        self._bucket_of = {p: b for b in buckets for p in b.params}
+        self._layer_buckets = {}
+        for layer in self._order:
+            mine = [p for p in self._params if held_layer.get(p) == layer]
+            self._layer_buckets[layer] = [_Bucket(run, layer) for run in _pack(mine, float("inf"))]
+            buckets += self._layer_buckets[layer]
+        self._buckets = buckets
+
+    # -- hooks -------------------------------------------------------------------
+
+    def _sync_buffers(self, module, args) -> None:
+        with torch.no_grad():
+            self._broadcast(list(module.buffers()))
+
+    def _watch_output(self, module, args, out) -> None:
+        for t in _output_tensors(out):
+            if t.requires_grad:
+                # runs before any layer's backward: hold the first k from the start
+                t.register_hook(self._output_grad)
+
+    def _output_grad(self, grad: torch.Tensor) -> None:
+        self._begin_backward(hold=True)
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        # AccumulateGrad of p ran: autograd is done with p in this backward
+        # (every dO and dW through p came before it, as the split runs the
+        # dW of a layer that is not held inside the layer's backward node)
+        if not self._in_backward:
+            self._begin_backward(hold=False)  # backward did not start at the output
+        bucket = self._bucket_of.get(p)
+        if bucket is not None:
+            bucket.pending.discard(p)
+            if not bucket.pending:
+                self._launch_ready()
+
+    # -- one backward ----------------------------------------------------------------
+
+    def _begin_backward(self, hold: bool) -> None:
+        if self._in_backward:
+            return
+        if self._buckets is None:
+            self._plan()
+        self._in_backward = True
+        self._next = 0
+        for b in self._buckets:
+            b.pending = set(b.params)
+            b.flat = b.work = None
+        if hold and self._held_modules:
+            self._stack = contextlib.ExitStack()
+            self._held = self._stack.enter_context(
+                self.handle.hold(keep=self._held_modules.__contains__))
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _launch_ready(self) -> None:
+        """Launches complete buckets in bucket order (the order every rank issues)."""
+        while self._next < len(self._buckets) and not self._buckets[self._next].pending:
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = []
+        for p in b.params:
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            if g.layout != torch.strided:
+                raise RuntimeError("DataParallel: only dense gradients are supported")
+            grads.append(g.reshape(-1))
+        # DDP's reducer multiplies each gradient by 1 / world_size as it copies
+        # it into the bucket, then sums: the same products, the same sums
+        b.flat = torch.cat(grads).mul_(1.0 / self.world)
+        b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+
+    def _end_backward(self) -> None:
+        """Autograd is done: reverse first-k, then wait and write the averages back."""
+        try:
+            held, self._held = self._held or [], None
+            if self._stack is not None:
+                self._stack.close()
+                self._stack = None
+            for b in self._buckets:
+                if b.layer is None:  # autograd's part is final now
+                    b.pending.clear()
+            self._launch_ready()
+            by_layer: dict = {}
+            for t in held:
+                by_layer.setdefault(t.site.index, []).append(t)
+            with torch.no_grad():
+                for layer in self._order:
+                    self.handle.run(by_layer.pop(layer, ()))
+                    for b in self._layer_buckets[layer]:
+                        b.pending.clear()
+                    self._launch_ready()
+                for tasks in by_layer.values():  # none: only layers < k are held
+                    self.handle.run(tasks)
+                for b in self._buckets:  # backward that did not start at the output
+                    b.pending.clear()
+                self._launch_ready()
+                for b in self._buckets:
+                    b.work.wait()
+                    self._write_back(b)
+        finally:
+            self._in_backward = False
+        if self.searching and self.scores is not None:
+            self._search_step()
+
+    @staticmethod
+    def _write_back(b: _Bucket) -> None:
+        offset = 0
+        for p in b.params:
+            avg = b.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(avg)
+            else:
+                p.grad.copy_(avg)
+        b.flat = b.work = None
+
+    # -- the search for k (Section 5.1) ---------------------------------------------
+
+    def _search_step(self) -> None:
+        """Times iterations (backward end to backward end); after `search_iters`
+        at one k, scores it (1 / median time) and moves to the k the core's
+        coarse-to-fine search asks for next, as rank 0 decides."""
+        now = time.perf_counter()
+        if self._last_end is not None:
+            self._samples.append(now - self._last_end)
+        self._last_end = now
+        if len(self._samples) < self.search_iters:
+            return
+        self.scores[self.k] = 1.0 / float(np.median(self._samples))
+        self._samples = []
+        nxt, best = _C.ksearch_next(len(self.scores) - 1, self.scores)
+        decision = torch.tensor([nxt, best], dtype=torch.int64, device=self._comm_device())
+        dist.broadcast(decision, _src_rank(self.group), group=self.group)
+        nxt, best = (int(v) for v in decision.tolist())
+        self.searching = nxt >= 0
+        self.k = nxt if self.searching else best
+        self._buckets = None  # re-planned for the new k at the next backward
+
+    def _comm_device(self) -> torch.device:
+        return self._params[0].device if self._params else torch.device("cpu")
+
+    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+        src = _src_rank(self.group)
+        for t in tensors:
+            dist.broadcast(t.data if isinstance(t, nn.Parameter) else t, src, group=self.group)
+
+
+def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
+                  bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                  search_iters: int = 3) -> DataParallel:
+    """Data-parallel training of `model` with reverse first-k scheduling.
+
+    Args:
+        model: the replica on this rank; its split layers are those of ``enable()``.
+        process_group: the group to average over (None: the default group).
+        k: layers, from the input, whose dW runs after backward, layer 0 first
+            (0 <= k <= the number of split layers), or "auto": the paper's
+            coarse-to-fine search over measured iteration times, `search_iters`
+            iterations per k, k chosen by rank 0 and broadcast.
+        bucket_cap_mb: size of the buckets of the other gradients, in MiB.
+        broadcast_buffers: broadcast buffers from rank 0 before each forward.
+
+    Returns a ``DataParallel`` handle; ``remove()`` undoes it.
+    """
+    return DataParallel(model, process_group=process_group, k=k, bucket_cap_mb=bucket_cap_mb,
+                        broadcast_buffers=broadcast_buffers, search_iters=search_iters)
+
+
+# ---------------------------------------------------------------------------
+# Pipeline parallelism: gradient fast-forwarding and modulo layer allocation
+# ---------------------------------------------------------------------------
+
+# schedule -> rp_order of the simulated iteration
+SCHEDULES = {"gpipe": 0, "fast_forward": 1}  # RP_ORDER_CONVENTIONAL, RP_ORDER_FAST_FORWARD
+ALLOCATIONS = ("contiguous", "modulo")
+
+# Messages between stages: an activation travels as a header, then its data
+# (the receiver learns shape, dtype and whether it needs a gradient); a
+# gradient needs no header: it has the shape of the activation it is for.
+_ACTIVATION, _GRADIENT = 0, 1
+_HEADER = 16  # int64 slots: ndim, dtype, requires_grad, then the shape
+_WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+                torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
+                torch.uint8, torch.bool)
+
+
+def _header(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """(16,) int64 description of `t`, which the receiver's copy is to match."""
+    if t.dim() > _HEADER - 3 or t.dtype not in _WIRE_DTYPES:
+        raise ValueError(f"Pipeline: cannot send a {t.dim()}-d {t.dtype} activation between "
+                         f"stages (at most {_HEADER - 3} dims of {_WIRE_DTYPES})")
+    h = [t.dim(), _WIRE_DTYPES.index(t.dtype), int(requires_grad), *t.shape]
+    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
+
+
+def _splits_any(module: nn.Module) -> bool:
+    """Whether ``enable(module)`` finds a layer to split (it raises otherwise)."""
+    return any(kind is not None and "forward" not in m.__dict__
+               and any(p.requires_grad for p in kind.params(m))
+               for m in module.modules() for kind in (_kind_of(m),))
+
+
+@dataclass
+class _Step:
+    """What one rank holds during a step, by (layer, micro-batch)."""
+
+    inputs: tuple                                   # M micro-batches (b, ...), detached
+    targets: tuple
+    input_grad: bool                                # the caller's inputs need a gradient
+    inbox: dict                                     # sender stage -> iterator over its messages
+    early: dict = field(default_factory=dict)       # messages received before they are needed
+    acts: dict = field(default_factory=dict)        # (l, m) -> (input x, output y)
+    out_grads: dict = field(default_factory=dict)   # (l, m) -> grad of y, from a local dO(l+1, m)
+    in_grads: dict = field(default_factory=dict)    # (l, m) -> grad of x, until dO(l, m) sends it
+    held: dict = field(default_factory=dict)        # (l, m) -> its dW tasks, [] once run
+    input_grads: dict = field(default_factory=dict)  # m -> grad of the micro-batch input
+    sends: list = field(default_factory=list)       # (request, tensor kept alive)
+    losses: list = field(default_factory=list)
+
+
+class Pipeline:
+    """Pipeline-parallel training of a list of layers, one stage per rank.
+
+    Every rank builds the same `layers` (same seed) and passes them in; rank
+    r keeps layer l when ``_C.sched_stages`` puts l on stage r: contiguous
+    blocks, or modulo allocation of groups of `group` consecutive layers
+    ((l // group) mod stages). Each layer maps one tensor to one tensor.
+    Layers must not share parameters across stages.
+
+    ``step(inputs, targets, loss_fn)`` splits the batch into `micro_batches`
+    equal micro-batches and runs this rank's tasks F(l, m), dO(l, m) and
+    dW(l, m) in the order the simulator gives for the schedule ("gpipe":
+    conventional order, forwards first, then per micro-batch each layer's dW
+    then dO; "fast_forward": every ready dO before any dW), with unit costs
+    unless `costs` says otherwise. The last layer's output goes to
+    ``loss_fn(output_m, targets_m) / micro_batches``: when `loss_fn` is a mean
+    over the micro-batch, the micro-batches' gradients add up to the gradient
+    of the full batch's mean loss, so after the step each rank's layers have
+    the ``.grad`` of single-process training on the whole batch (up to float
+    rounding of the split sums; accumulated into ``.grad`` like backward).
+    BatchNorm layers see micro-batch statistics, as in GPipe.
+
+    Activations and gradients go between stages with ``isend`` (waited on at
+    the end of the step) and blocking ``recv``, in the order each sender
+    sends (see ``_receive``), so NCCL's in-order matching is met as well as
+    gloo's.
+    """
+
+    def __init__(self, layers: Sequence[nn.Module], *, micro_batches: int = 1,
+                 schedule: str = "fast_forward", allocation: str = "contiguous", group: int = 1,
+                 costs: dict | None = None, process_group=None,
+                 device: torch.device | str | None = None):
+        if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)) or not layers \
+                or not all(isinstance(m, nn.Module) for m in layers):
+            raise TypeError("layers: expected a non-empty list of torch.nn.Module")
+        if not _is_count(micro_batches) or micro_batches < 1:
+            raise ValueError(f"micro_batches: expected an int >= 1, got {micro_batches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: expected one of {tuple(SCHEDULES)}, got {schedule!r}")
+        if allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation: expected one of {ALLOCATIONS}, got {allocation!r}")
+        if not _is_count(group) or group < 1:
+            raise ValueError(f"group: expected an int >= 1, got {group!r}")
+        if allocation == "contiguous" and group != 1:
+            raise ValueError("group: only allocation='modulo' groups layers; got "
+                             f"group={group} with allocation='contiguous'")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("Pipeline: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group first")
+        n = len(layers)
+        self.costs = _check_costs(costs, n)
+        self.micro_batches = int(micro_batches)
+        self.schedule = schedule
+        self.group = process_group
+        self.stages = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self._ranks = [r if process_group is None else dist.get_global_rank(process_group, r)
+                       for r in range(self.stages)]
+        self.num_layers = n
+        self.stage_of = np.asarray(_C.sched_stages(n, self.stages,
+                                                   group if allocation == "modulo" else 0))
+        # only this rank's layers are kept
+        self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
+        local = nn.ModuleList(self.layers.values())
+        self.handle: OOOHandle | None = (enable(local, order="conventional")
+                                         if _splits_any(local) else None)
+        if device is None:
+            device = next((p.device for p in local.parameters()), torch.device("cpu"))
+        self.device = torch.device(device)
+        self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
+
+    # -- public ----------------------------------------------------------------
+
+    def parameters(self):
+        """This rank's parameters (for its optimizer)."""
+        seen = set()
+        for layer in self.layers.values():
+            for p in layer.parameters():
+                if p not in seen:
+                    seen.add(p)
+                    yield p
+
+    def plan(self, input_grad: bool = False) -> list[tuple[str, int, int]]:
+        """This rank's tasks in execution order: ("F" | "dO" | "dW", layer, micro-batch),
+        from simulating the iteration; `input_grad`: dO(0, .) exists."""
+        names = {_FORWARD: "F", _OUTPUT_GRAD: "dO", _WEIGHT_GRAD: "dW"}
+        return [(names[k], l, m) for k, l, m in self._schedule(bool(input_grad))[0]]
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor,
+             loss_fn: Callable) -> torch.Tensor | None:
+        """One training step on a batch: every rank passes the same `inputs`
+        (B, ...) and `targets` (B, ...) (read by the owners of the first and the
+        last layer; ``inputs.requires_grad`` must agree too, as it changes the
+        schedule). Gradients accumulate into this rank's ``.grad``; so does
+        ``inputs.grad`` when `inputs` requires grad. Returns the batch loss
+        (sum over micro-batches of loss_fn / micro_batches, detached) on the
+        rank of the last layer, None on the others."""
+        m_count = self.micro_batches
+        batch = inputs.shape[0] if inputs.dim() else 0
+        if batch == 0 or batch % m_count:
+            raise ValueError(f"micro_batches: {m_count} must divide the batch size "
+                             f"(inputs.shape[0] = {batch})")
+        if len(targets) != batch:
+            raise ValueError(f"targets: expected {batch} targets (one per input), "
+                             f"got {len(targets)}")
+        size = batch // m_count
+        program, inbox = self._schedule(inputs.requires_grad)
+        st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
+                   {src: iter(msgs) for src, msgs in inbox.items()})
+        for kind, l, m in program:
+            if kind == _FORWARD:
+                self._forward(st, l, m, loss_fn)
+            elif kind == _OUTPUT_GRAD:
+                self._output_grad(st, l, m)
+            else:
+                self._weight_grad(st, l, m)
+        for req, _ in st.sends:
+            req.wait()
+        if st.input_grads:  # this rank has layer 0 and inputs need a gradient
+            torch.autograd.backward(inputs, torch.cat([st.input_grads[m]
+                                                       for m in range(m_count)]))
+        return torch.stack(st.losses).sum() if st.losses else None
+
+    def remove(self) -> None:
+        """Restores the local layers' own forward."""
+        if self.handle is not None:
+            self.handle.remove()
+
+    # -- the schedule --------------------------------------------------------------
+
+    def _schedule(self, input_grad: bool) -> tuple[list, dict]:
+        cached = self._schedules.get(input_grad)
+        if cached is None:
+            programs = _stage_programs(self.stage_of, self.micro_batches, self.stages,
+                                       self.costs, SCHEDULES[self.schedule], input_grad)
+            cached = self._schedules[input_grad] = (
+                programs[self.rank], _inbox(programs, self.stage_of, self.rank))
+        return cached
+
+    # -- the tasks ----------------------------------------------------------------------
+
+    def _forward(self, st: _Step, l: int, m: int, loss_fn: Callable) -> None:
+        """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
+        x = self._layer_input(st, l, m)
+        with torch.enable_grad():
+            y = self.layers[l](x)
+            if not isinstance(y, torch.Tensor):
+                raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
+            if l == self.num_layers - 1:
+                y = loss_fn(y, st.targets[m]) / self.micro_batches
+                st.losses.append(y.detach())
+        st.acts[(l, m)] = (x, y)
+        if l + 1 < self.num_layers and self._owner(l + 1) != self.rank:
+            out = y.detach().contiguous()
+            self._send(st, _header(out, y.requires_grad), self._owner(l + 1))
+            self._send(st, out, self._owner(l + 1))
+
+    def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
+        """Layer l's input for micro-batch m: a leaf, so that backward stops at
+        it and leaves its gradient in ``.grad`` for dO to hand on."""
+        if l == 0:
+            return st.inputs[m].requires_grad_(st.input_grad)
+        if self._owner(l - 1) == self.rank:
+            y = st.acts[(l - 1, m)][1]
+            return y.detach().requires_grad_(y.requires_grad)
+        return self._receive(st, _ACTIVATION, l - 1, m)
+
+    def _backward(self, st: _Step, l: int, m: int) -> None:
+        """Layer l's backward for micro-batch m, once, by the first of dO(l, m)
+        and dW(l, m) to run: dO now (the input's gradient waits for dO(l, m)
+        in `in_grads`), the split layers' dW held for dW(l, m)."""
+        if (l, m) in st.held:
+            return
+        x, y = st.acts[(l, m)]
+        tasks: list = []
+        if y.requires_grad:
+            grad = None if l == self.num_layers - 1 else self._grad_of_output(st, l, m)
+            with self._hold() as tasks:
+                torch.autograd.backward(y, grad)
+        del st.acts[(l, m)]
+        st.held[(l, m)] = tasks
+        if x.requires_grad:  # None: the layer ignores its input
+            st.in_grads[(l, m)] = x.grad if x.grad is not None else torch.zeros_like(x)
+
+    def _hold(self):
+        """Collects the dW tasks of a backward (none without split layers)."""
+        return self.handle.hold() if self.handle is not None else contextlib.nullcontext([])
+
+    def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor:
+        if self._owner(l + 1) == self.rank:
+            return st.out_grads.pop((l, m))
+        return self._receive(st, _GRADIENT, l, m)
+
+    def _output_grad(self, st: _Step, l: int, m: int) -> None:
+        """dO(l, m): hands the gradient of layer l's input to layer l - 1."""
+        self._backward(st, l, m)
+        g = st.in_grads.pop((l, m), None)
+        if g is None:
+            return
+        if l == 0:
+            st.input_grads[m] = g
+        elif self._owner(l - 1) == self.rank:
+            st.out_grads[(l - 1, m)] = g
+        else:
+            self._send(st, g.contiguous(), self._owner(l - 1))
+
+    def _weight_grad(self, st: _Step, l: int, m: int) -> None:
+        """dW(l, m): the held weight gradients of layer l for micro-batch m."""
+        self._backward(st, l, m)
+        tasks, st.held[(l, m)] = st.held[(l, m)], []
+        if tasks:
+            with torch.no_grad():
+                self.handle.run(tasks)
+
+    # -- point to point ------------------------------------------------------------------
+
+    def _owner(self, l: int) -> int:
+        return int(self.stage_of[l])
+
+    def _send(self, st: _Step, t: torch.Tensor, stage: int) -> None:
+        # the tensor is kept until the request is waited on at the end of the step
+        st.sends.append((dist.isend(t, self._ranks[stage], group=self.group), t))
+
+    def _receive(self, st: _Step, what: int, l: int, m: int) -> torch.Tensor:
+        """Message (what, l, m): the activation of layer l's output or its gradient.
+
+        NCCL matches the messages between two ranks in the order they are
+        issued, and a stage may need its messages in another order than the
+        sender sends them (fast-forwarding and modulo allocation do that).
+        So messages are received in the sender's order, those needed later
+        kept in `st.early`: this never waits longer than for the message
+        wanted, which the sender sends after them."""
+        key = (what, l, m)
+        src = self._owner(l if what == _ACTIVATION else l + 1)
+        while key not in st.early:
+            msg = next(st.inbox[src])
+            t = self._recv_message(st, src, *msg)
+            if t is not None:
+                st.early[msg] = t
+        return st.early.pop(key)
+
+    def _recv_message(self, st: _Step, src: int, what: int, l: int,
+                      m: int) -> torch.Tensor | None:
+        if what == _ACTIVATION:
+            h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+            self._recv(h, src)
+            ndim, dtype, requires_grad, *shape = h.tolist()
+            x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=self.device)
+            self._recv(x, src)
+            return x.requires_grad_(bool(requires_grad))
+        # a gradient comes only for an output that needs one; F(l, m) ran
+        # here before the sender could compute it, so y tells
+        x_y = st.acts.get((l, m))
+        if x_y is None or not x_y[1].requires_grad:
+            return None
+        g = torch.empty_like(x_y[1], memory_format=torch.contiguous_format)
+        self._recv(g, src)
+        return g
+
+    def _recv(self, t: torch.Tensor, stage: int) -> None:
+        dist.recv(t, self._ranks[stage], group=self.group)
+
+
+def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
+    """What each other stage sends `rank`, in the order it sends: (what,
+    layer, micro) for the output of F(l, m) (_ACTIVATION, l, m) and for the
+    gradient dO(l + 1, m) computes (_GRADIENT, l, m)."""
+    inbox: dict = {}
+    n = len(stage_of)
+    for src, program in enumerate(programs):
+        for kind, l, m in program:
+            if kind == _FORWARD and l + 1 < n and stage_of[l + 1] == rank != src:
+                inbox.setdefault(src, []).append((_ACTIVATION, l, m))
+            elif kind == _OUTPUT_GRAD and l > 0 and stage_of[l - 1] == rank != src:
+                inbox.setdefault(src, []).append((_GRADIENT, l - 1, m))
+    return inbox
+
+
+def _stage_programs(stage_of: np.ndarray, micro: int, stages: int, costs: dict, order: int,
+                    input_grad: bool) -> list[list[tuple[int, int, int]]]:
+    """Each stage's tasks (kind, layer, micro) in execution order: one
+    iteration simulated, each stage's tasks by start time.
+
+    Ties break by task id, in which every task follows its predecessors: the
+    order over all stages is then one topological order of the graph, so
+    stages running their parts of it with blocking receives (and
+    non-blocking sends) cannot deadlock."""
+    spec = dict(layers=len(stage_of), micro=micro, stages=stages, iterations=1,
+                fwd=costs["fwd"], out_grad=costs["out_grad"], weight_grad=costs["weight_grad"],
+                sync=None, stage=np.asarray(stage_of, dtype=np.int32),
+                transfer=costs["transfer"], order=order, k=0, sync_by_layer=0, sub_stream=0,
+                input_grad=int(input_grad))
+    graph = _C.sched_graph(spec)
+    start = np.asarray(_C.simulate(graph, 1.0)[0])
+    tasks = np.lexsort((np.arange(len(start)), start))
+    programs: list = [[] for _ in range(stages)]
+    for t in tasks:  # one resource per stage: no sub-streams, no links
+        programs[graph["resource"][t]].append(
+            (int(graph["kind"][t]), int(graph["layer"][t]), int(graph["micro"][t])))
+    return programs
+
+
+def _check_costs(costs: dict | None, layers: int) -> dict:
+    """Per-layer times for the simulated schedule: unit times by default."""
+    out = {"fwd": 1.0, "out_grad": 1.0, "weight_grad": 1.0, "transfer": 0.0}
+    if costs is not None:
+        if not isinstance(costs, dict) or set(costs) - set(out):
+            raise ValueError(f"costs: expected a dict with keys among {tuple(out)}, "
+                             f"got {costs!r}")
+        out.update(costs)
+    for key in ("fwd", "out_grad", "weight_grad"):
+        v = np.asarray(out[key], dtype=np.float64)
+        if v.ndim == 0:
+            v = np.full(layers, float(v))
+        if v.shape != (layers,) or not np.all(np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"costs: {key!r} must be a time >= 0 or {layers} of them, "
+                             f"got {out[key]!r}")
+        out[key] = v
+    if not (np.isscalar(out["transfer"]) and np.isfinite(out["transfer"])
+            and out["transfer"] >= 0):
+        raise ValueError(f"costs: 'transfer' must be a time >= 0, got {out['transfer']!r}")
+    out["transfer"] = float(out["transfer"])
+    return out
