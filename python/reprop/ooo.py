@@ -165,8 +165,20 @@ class _EmbeddingKind(_Kind):
                                                           m.scale_grad_by_freq))]
 
 
-class _BatchNormKind(_Kind):
-    tensors_saved = 4  # x, weight, save_mean, save_invstd
+class _NormKind(_Kind):
+    """Norm layers: one native backward whose mask picks dO or (dweight, dbias)."""
+
+    tensors_saved = 4
+
+    def input_grad(self, m, saved, g):
+        return self._backward(m, saved, g, [True, False, False])[0]
+
+    def weight_grads(self, m, saved, g):
+        _, dw, db = self._backward(m, saved, g, [False, m.weight is not None, m.bias is not None])
+        return [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
+
+
+class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
 
     def _state(self, m):
         # torch.nn.modules.batchnorm._BatchNorm.forward, step for step
@@ -191,16 +203,8 @@ class _BatchNormKind(_Kind):
         x, w, mean, invstd, rm, rv, training = saved
         return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, m.eps, mask)
 
-    def input_grad(self, m, saved, g):
-        return self._backward(m, saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g):
-        _, dw, db = self._backward(m, saved, g, [False, m.weight is not None, m.bias is not None])
-        return [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
-
-
-class _LayerNormKind(_Kind):
-    tensors_saved = 4  # x, weight, mean, rstd
+class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd
 
     def forward(self, m, x):
         shape = list(m.normalized_shape)
@@ -212,16 +216,8 @@ class _LayerNormKind(_Kind):
         return _aten.native_layer_norm_backward(g, x, list(m.normalized_shape), mean, rstd, w,
                                                 m.bias, mask)
 
-    def input_grad(self, m, saved, g):
-        return self._backward(m, saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g):
-        _, dw, db = self._backward(m, saved, g, [False, m.weight is not None, m.bias is not None])
-        return [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
-
-
-class _GroupNormKind(_Kind):
-    tensors_saved = 4
+class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
 
     def _sizes(self, x):
         n, c = x.shape[0], x.shape[1]
@@ -239,13 +235,6 @@ class _GroupNormKind(_Kind):
         # the kernel reads both as contiguous; autograd's formula makes them so
         return _aten.native_group_norm_backward(g.contiguous(), x.contiguous(), mean, rstd, w,
                                                 n, c, hw, m.num_groups, mask)
-
-    def input_grad(self, m, saved, g):
-        return self._backward(m, saved, g, [True, False, False])[0]
-
-    def weight_grads(self, m, saved, g):
-        _, dw, db = self._backward(m, saved, g, [False, m.weight is not None, m.bias is not None])
-        return [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
 
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -265,6 +254,16 @@ def _kind_of(m: nn.Module) -> _Kind | None:
         if type(m) in types_:
             return kind
     return None
+
+
+def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
+    """(kind, trainable params) when enable() splits `m`: a known exact type,
+    its own forward not replaced, some parameter trainable."""
+    kind = _kind_of(m)
+    if kind is None or "forward" in m.__dict__:
+        return None
+    params = [p for p in kind.params(m) if p.requires_grad]
+    return (kind, params) if params else None
 
 
 class _Split(torch.autograd.Function):
@@ -380,12 +379,10 @@ class OOOHandle:
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
-            kind = _kind_of(m)
-            if kind is None or "forward" in m.__dict__:
+            split = _splittable(m)
+            if split is None:
                 continue
-            params = [p for p in kind.params(m) if p.requires_grad]
-            if not params:
-                continue
+            kind, params = split
             kind.check(m)
             site = _Site(m, kind, self, name or type(m).__name__, params=params)
             m.forward = types.MethodType(_make_forward(site), m)
@@ -746,6 +743,34 @@ def allreduce_time(nbytes: float, workers: int, bandwidth: float, latency: float
     return 2.0 * (workers - 1) / workers * nbytes / bandwidth + 2.0 * (workers - 1) * latency
 
 
+def _play(stage: Sequence[int], devices: int, *, micro: int, iterations: int, fwd: np.ndarray,
+          out_grad: np.ndarray, weight_grad: np.ndarray, sync: np.ndarray | None,
+          transfer: float, order: int, k: int, sync_by_layer: bool, sub_stream: bool,
+          input_grad: bool, corun_rate: float):
+    """The layered iteration's graph, layer l on device stage[l] of
+    `devices`, simulated: (graph, start, finish, busy, makespan)."""
+    spec = {"layers": len(stage), "micro": micro, "stages": devices,
+            "iterations": iterations, "fwd": fwd, "out_grad": out_grad,
+            "weight_grad": weight_grad, "sync": sync,
+            "stage": np.asarray(stage, dtype=np.int32), "transfer": float(transfer),
+            "order": order, "k": k, "sync_by_layer": bool(sync_by_layer),
+            "sub_stream": bool(sub_stream), "input_grad": bool(input_grad)}
+    graph = _C.sched_graph(spec)
+    return (graph,) + tuple(_C.simulate(graph, float(corun_rate)))
+
+
+def _device_tasks(graph: dict, start: np.ndarray, devices: int, sub_stream: bool) -> list:
+    """Each device's task ids (main stream and sub-stream) by start time, ties
+    by id: every task after its predecessors, so the order over all devices is
+    one topological order of the graph."""
+    res = graph["resource"]
+    out = []
+    for d in range(devices):
+        on_d = np.flatnonzero((res == d) | (sub_stream and res == devices + d))
+        out.append(on_d[np.argsort(start[on_d], kind="stable")])
+    return out
+
+
 @dataclass
 class SimResult:
     """What ``simulate`` found. ``order[d]`` lists device d's tasks as run:
@@ -781,27 +806,20 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
     """
     if order not in _ORDER_CODES:
         raise ValueError(f"order: expected one of {tuple(_ORDER_CODES)}, got {order!r}")
-    spec = {
-        "layers": layers, "micro": micro_batches, "stages": num_stages, "iterations": iterations,
-        "fwd": _per_layer(fwd, layers, "fwd"), "out_grad": _per_layer(out_grad, layers, "out_grad"),
-        "weight_grad": _per_layer(weight_grad, layers, "weight_grad"),
-        "sync": None if sync is None else _per_layer(sync, layers, "sync"),
-        "stage": np.asarray(stages(layers, num_stages, allocation, group), dtype=np.int32),
-        "transfer": float(transfer), "order": _ORDER_CODES[order], "k": k,
-        "sync_by_layer": bool(sync_by_layer), "sub_stream": bool(sub_stream),
-        "input_grad": bool(input_grad),
-    }
-    graph = _C.sched_graph(spec)
-    start, finish, busy, makespan = _C.simulate(graph, float(corun_rate))
-    kinds, res = graph["kind"], graph["resource"]
+    stage = stages(layers, num_stages, allocation, group)
+    graph, start, finish, busy, makespan = _play(
+        stage, num_stages, micro=micro_batches, iterations=iterations, fwd=_per_layer(fwd, layers, "fwd"),
+        out_grad=_per_layer(out_grad, layers, "out_grad"),
+        weight_grad=_per_layer(weight_grad, layers, "weight_grad"),
+        sync=None if sync is None else _per_layer(sync, layers, "sync"), transfer=transfer,
+        order=_ORDER_CODES[order], k=k, sync_by_layer=sync_by_layer, sub_stream=sub_stream,
+        input_grad=input_grad, corun_rate=corun_rate)
+    kinds = graph["kind"]
     forward_ends = [finish[(kinds == 0) & (graph["iteration"] == it)].max() for it in range(iterations)]
     period = (forward_ends[-1] - forward_ends[0]) / (iterations - 1) if iterations > 1 else None
-    order_of = []
-    for d in range(num_stages):
-        on_d = np.flatnonzero((res == d) | (sub_stream and res == num_stages + d))
-        on_d = on_d[np.argsort(start[on_d], kind="stable")]
-        order_of.append([(_TASK_NAMES[kinds[t]], int(graph["layer"][t]), int(graph["micro"][t]),
-                          int(graph["iteration"][t])) for t in on_d])
+    order_of = [[(_TASK_NAMES[kinds[t]], int(graph["layer"][t]), int(graph["micro"][t]),
+                  int(graph["iteration"][t])) for t in on_d]
+                for on_d in _device_tasks(graph, start, num_stages, sub_stream)]
     busy_main = [float(busy[d]) for d in range(num_stages)]
     return SimResult(float(makespan), None if period is None else float(period), busy_main,
                      [float(makespan) - b for b in busy_main], order_of, graph, start, finish)
@@ -813,7 +831,7 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
 # ---------------------------------------------------------------------------
 
 # rp_task_kind of csrc/reprop.h: the kinds in the graphs of _C.sched_graph
-_FORWARD, _OUTPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2
+_FORWARD, _OUTPUT_GRAD = 0, 1
 
 
 def _src_rank(group) -> int:
@@ -835,8 +853,8 @@ def _first_k_order(layers: int, k: int) -> list[int]:
     it runs them (layer 0 first): the tail of the core's schedule D."""
     if layers == 0 or k == 0:
         return []
-    kind, layer, k_used = _C.reverse_first_k(layers, k, None, None, 0, 0)
-    return [int(l) for kd, l in zip(kind, layer) if kd == _WEIGHT_GRAD and l < k_used]
+    order, k_used = reverse_first_k(layers, k)
+    return [l for kd, l in order if kd == "dW" and l < k_used]
 
 
 @dataclass(eq=False)
@@ -1182,7 +1200,7 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
 # ---------------------------------------------------------------------------
 
 # schedule -> rp_order of the simulated iteration
-SCHEDULES = {"gpipe": 0, "fast_forward": 1}  # RP_ORDER_CONVENTIONAL, RP_ORDER_FAST_FORWARD
+SCHEDULES = {"gpipe": _ORDER_CODES["conventional"], "fast_forward": _ORDER_CODES["fast_forward"]}
 ALLOCATIONS = ("contiguous", "modulo")
 
 # Messages between stages: an activation travels as a header, then its data
@@ -1206,9 +1224,7 @@ def _header(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
 
 def _splits_any(module: nn.Module) -> bool:
     """Whether ``enable(module)`` finds a layer to split (it raises otherwise)."""
-    return any(kind is not None and "forward" not in m.__dict__
-               and any(p.requires_grad for p in kind.params(m))
-               for m in module.modules() for kind in (_kind_of(m),))
+    return any(_splittable(m) is not None for m in module.modules())
 
 
 @dataclass
@@ -1288,8 +1304,7 @@ class Pipeline:
         self._ranks = [r if process_group is None else dist.get_global_rank(process_group, r)
                        for r in range(self.stages)]
         self.num_layers = n
-        self.stage_of = np.asarray(_C.sched_stages(n, self.stages,
-                                                   group if allocation == "modulo" else 0))
+        self.stage_of = np.asarray(stages(n, self.stages, allocation, group))
         # only this rank's layers are kept
         self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
         local = nn.ModuleList(self.layers.values())
@@ -1314,8 +1329,7 @@ class Pipeline:
     def plan(self, input_grad: bool = False) -> list[tuple[str, int, int]]:
         """This rank's tasks in execution order: ("F" | "dO" | "dW", layer, micro-batch),
         from simulating the iteration; `input_grad`: dO(0, .) exists."""
-        names = {_FORWARD: "F", _OUTPUT_GRAD: "dO", _WEIGHT_GRAD: "dW"}
-        return [(names[k], l, m) for k, l, m in self._schedule(bool(input_grad))[0]]
+        return [(_TASK_NAMES[k], l, m) for k, l, m in self._schedule(bool(input_grad))[0]]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable) -> torch.Tensor | None:
@@ -1516,19 +1530,13 @@ def _stage_programs(stage_of: np.ndarray, micro: int, stages: int, costs: dict, 
     order over all stages is then one topological order of the graph, so
     stages running their parts of it with blocking receives (and
     non-blocking sends) cannot deadlock."""
-    spec = dict(layers=len(stage_of), micro=micro, stages=stages, iterations=1,
-                fwd=costs["fwd"], out_grad=costs["out_grad"], weight_grad=costs["weight_grad"],
-                sync=None, stage=np.asarray(stage_of, dtype=np.int32),
-                transfer=costs["transfer"], order=order, k=0, sync_by_layer=0, sub_stream=0,
-                input_grad=int(input_grad))
-    graph = _C.sched_graph(spec)
-    start = np.asarray(_C.simulate(graph, 1.0)[0])
-    tasks = np.lexsort((np.arange(len(start)), start))
-    programs: list = [[] for _ in range(stages)]
-    for t in tasks:  # one resource per stage: no sub-streams, no links
-        programs[graph["resource"][t]].append(
-            (int(graph["kind"][t]), int(graph["layer"][t]), int(graph["micro"][t])))
-    return programs
+    graph, start, *_ = _play(stage_of, stages, micro=micro, iterations=1, fwd=costs["fwd"],
+                             out_grad=costs["out_grad"], weight_grad=costs["weight_grad"],
+                             sync=None, transfer=costs["transfer"], order=order, k=0,
+                             sync_by_layer=False, sub_stream=False, input_grad=input_grad,
+                             corun_rate=1.0)
+    return [[(int(graph["kind"][t]), int(graph["layer"][t]), int(graph["micro"][t])) for t in on_d]
+            for on_d in _device_tasks(graph, start, stages, False)]
 
 
 def _check_costs(costs: dict | None, layers: int) -> dict:
