@@ -122,6 +122,38 @@ def test_hold_defers_until_run():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def _sum_of_squares(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return net(x).pow(2).sum()
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_partial_backward_reaches_only_what_autograd_reaches(order):
+    """autograd.grad() for the input leaves .grad alone; autograd.grad() for a
+    weight returns its gradient; backward(inputs=...) fills only those."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order=order)
+    x = torch.randn(6, 4, requires_grad=True)
+    for _ in range(ooo.enable.__kwdefaults__["profile_iters"] + 1):  # past the profile too
+        (gx,) = torch.autograd.grad(_sum_of_squares(model, x), x)
+        (gx_ref,) = torch.autograd.grad(_sum_of_squares(ref, x), x)
+        torch.testing.assert_close(gx, gx_ref, rtol=RTOL, atol=ATOL)
+        assert all(p.grad is None for p in model.parameters())
+        assert handle.pending() == 0
+    wanted = [model[0].weight, model[2].bias]
+    got = torch.autograd.grad(_sum_of_squares(model, x), [x] + wanted)
+    want = torch.autograd.grad(_sum_of_squares(ref, x), [x, ref[0].weight, ref[2].bias])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+    assert all(p.grad is None for p in model.parameters())
+    _sum_of_squares(model, x).backward(inputs=wanted)
+    _sum_of_squares(ref, x).backward(inputs=[ref[0].weight, ref[2].bias])
+    assert model[0].bias.grad is None and model[2].weight.grad is None and x.grad is None
+    torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(model[2].bias.grad, ref[2].bias.grad, rtol=RTOL, atol=ATOL)
+
+
 def test_remove_restores_plain_modules():
     model = EveryKind()
     handle = ooo.enable(model)

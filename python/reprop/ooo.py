@@ -287,10 +287,35 @@ class _Split(torch.autograd.Function):
         site = ctx.site
         saved = tuple(ctx.saved_tensors) + tuple(ctx.extra)
         handle = site.handle
-        task = handle._weight_grad_ready(site, saved, g)
+        deferred, returned = _weight_grad_targets(ctx, site.params)
+        task = handle._weight_grad_ready(site, saved, g, deferred) if deferred else None
         dx = site.kind.input_grad(site.module, saved, g) if ctx.needs_input_grad[1] else None
-        handle._after_input_grad(task)
-        return (None, dx) + (None,) * (len(ctx.needs_input_grad) - 2)
+        if task is not None:
+            handle._after_input_grad(task)
+        grads = dict.fromkeys(site.params)
+        if returned:
+            for p, d in site.kind.weight_grads(site.module, saved, g):
+                if any(p is q for q in returned):
+                    grads[p] = d
+        return (None, dx) + tuple(grads.values())
+
+
+def _weight_grad_targets(ctx, params: list) -> tuple[list, list]:
+    """Which parameters this backward accumulates into (their dW deferred) and
+    which it must return (autograd.grad() asked for them). Parameters the
+    engine will not reach, as in autograd.grad() for inputs only, get no dW:
+    their .grad must not change."""
+    deferred, returned = [], []
+    for p, (node, _) in zip(params, ctx.next_functions[1:]):
+        try:
+            if node is not None and torch._C._will_engine_execute_node(node):
+                deferred.append(p)
+        except RuntimeError as exc:
+            # torch's answer for a leaf whose gradient autograd.grad() captures
+            if "autograd.grad" not in str(exc):
+                raise
+            returned.append(p)
+    return deferred, returned
 
 
 @dataclass(eq=False)
@@ -316,17 +341,19 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
 class _Task:
     """A deferred weight gradient: one call's saved tensors and output gradient."""
 
-    __slots__ = ("site", "saved", "grad", "key", "event", "nbytes")
+    __slots__ = ("site", "saved", "grad", "key", "targets", "event", "nbytes")
 
-    def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple):
+    def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple, targets: list):
         self.site, self.saved, self.grad, self.key = site, saved, grad, key
+        self.targets = targets  # the parameters whose .grad this backward reaches
         self.event = None
         self.nbytes = sum(t.numel() * t.element_size() for t in (grad,) + saved
                           if isinstance(t, torch.Tensor))
 
     def run(self) -> None:
         for p, d in self.site.kind.weight_grads(self.site.module, self.saved, self.grad):
-            _accumulate(p, d)
+            if any(p is q for q in self.targets):
+                _accumulate(p, d)
         self.saved = self.grad = None  # the memory a deferred task holds goes now
 
 
@@ -475,12 +502,13 @@ class OOOHandle:
             return e
         return time.perf_counter() - self._task_time
 
-    def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor) -> _Task:
+    def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
+                           targets: list) -> _Task:
         if not self._in_backward:
             self._begin_backward()
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
-        task = _Task(site, saved, g, (site.index, call))
+        task = _Task(site, saved, g, (site.index, call), targets)
         if self._profiling():
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
@@ -540,8 +568,8 @@ class OOOHandle:
             if profiling:
                 end.record(sub)
                 self._profile.sub.setdefault(task.key, []).append((begin, end))
-        main = torch.cuda.current_stream(task.site.params[0].device)
-        for p in task.site.params:
+        main = torch.cuda.current_stream(task.targets[0].device)
+        for p in task.targets:
             if p.grad is not None:
                 p.grad.record_stream(main)
 
