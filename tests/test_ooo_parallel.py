@@ -138,11 +138,43 @@ def _compare_with_ddp(rank: int, world: int, k, shared: bool, steps: int,
     return dp
 
 
+def _compare_accumulation(rank: int, world: int, as_view: bool, micro: int = 3) -> None:
+    """Gradient accumulation under no_sync(), DDP's way: `micro` - 1 local
+    backward passes inside, the last outside; with gradient_as_bucket_view
+    on both sides, and zero_grad(set_to_none=False) so the views persist."""
+    exact = world == 2
+    torch.manual_seed(rank)
+    model = _Net()
+    ref = DistributedDataParallel(copy.deepcopy(model), gradient_as_bucket_view=as_view)
+    dp = data_parallel(model, k=2, gradient_as_bucket_view=as_view)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        for net, handle, o in ((ref, ref, ref_opt), (model, dp, opt)):
+            o.zero_grad(set_to_none=False)
+            with handle.no_sync():
+                for m in range(micro - 1):
+                    F.mse_loss(net(_batch(rank, 10 * step + m)[0]),
+                               _batch(rank, 10 * step + m)[1]).backward()
+            x, t = _batch(rank, 10 * step + micro - 1)
+            F.mse_loss(net(x), t).backward()
+        _assert_same(model, ref.module, "grad", exact)
+        if as_view:
+            flats = {b.flat.data_ptr() for b in dp._buckets}
+            assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref.module, "parameter", exact)
+    dp.remove()
+
+
 def _dp_cases(rank: int, world: int) -> None:
     for k, shared in itertools.product((0, 2, DEPTH), (False, True)):
         dp = _compare_with_ddp(rank, world, k, shared, steps=3)
         assert dp.k == k and dp.layers == DEPTH
         dp.remove()
+    for as_view in (False, True):
+        _compare_accumulation(rank, world, as_view)
     dp = _compare_with_ddp(rank, world, "auto", False, steps=100, search_iters=1)
     assert not dp.searching, "the search for k did not end in 100 iterations"
     assert 0 <= dp.k <= DEPTH
@@ -185,6 +217,7 @@ def _dp_order(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 3])
 def test_data_parallel_matches_ddp(world):
     """k in {0, 2, all} with and without a weight shared by layers 0 and 7,
+    accumulation under no_sync() with and without gradient_as_bucket_view,
     then k = "auto" until its search ends: DDP's gradients and parameters at
     every step, bitwise on 2 ranks, to 1e-6 on 3 (where 1/3 is inexact and
     the gradient must be pre-divided as DDP does to come that close)."""

@@ -896,8 +896,20 @@ class _Bucket:
     params: list
     layer: int | None = None
     pending: set = field(default_factory=set)  # params whose gradient is not final yet
-    flat: torch.Tensor | None = None            # (sum of numels,) pre-divided, then summed
-    work: object = None                         # the async all-reduce
+    flat: torch.Tensor | None = None  # (sum of numels,) pre-divided, then summed; kept
+    work: object = None               # the async all-reduce
+
+    def __post_init__(self):
+        p = self.params[0]
+        self.flat = torch.empty(sum(q.numel() for q in self.params), dtype=p.dtype,
+                                device=p.device)
+
+    def views(self):
+        """(parameter, its slice of the flat buffer, shaped like it)."""
+        offset = 0
+        for p in self.params:
+            yield p, self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
 
 
 def _pack(params: Sequence[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
@@ -950,6 +962,12 @@ class DataParallel:
     shared by several layers is reduced once, after the last task that adds
     to it; one that has no gradient on a rank counts as zeros there.
 
+    Each bucket's flat buffer is allocated once per plan and reused by every
+    backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
+    into it, as DDP's option of that name (no copy back, one buffer less).
+    Inside ``no_sync()`` a forward's backward only accumulates locally; the
+    first backward of a forward outside it averages the sum, as DDP does.
+
     Construction broadcasts the parameters and buffers from rank 0 of the
     group; with `broadcast_buffers` buffers are broadcast again before each
     forward (DDP's default). The first k layers are held only in a backward
@@ -960,7 +978,7 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
                  bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                 search_iters: int = 3):
+                 gradient_as_bucket_view: bool = False, search_iters: int = 3):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -989,6 +1007,9 @@ class DataParallel:
         self._samples: list[float] = []
         self._last_end: float | None = None
         self._cap = float(bucket_cap_mb) * 2 ** 20
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self._require_sync = True  # no_sync() clears it
+        self._sync_backward = True  # the flag when the last forward ran
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
         self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
@@ -1013,6 +1034,16 @@ class DataParallel:
     def layers(self) -> int:
         """Split layers called in forward so far: the L of Algorithm 2."""
         return sum(1 for s in self.handle.sites if s.index >= 0)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes of forwards run inside accumulate ``.grad`` on this
+        rank only, as DDP's ``no_sync()``."""
+        before, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = before
 
     def remove(self) -> None:
         """Stops reducing gradients and restores the model's own forward."""
@@ -1070,6 +1101,11 @@ class DataParallel:
             self._broadcast(list(module.buffers()))
 
     def _watch_output(self, module, args, out) -> None:
+        # DDP decides at forward time too: a backward of a no_sync() forward
+        # accumulates locally wherever it runs
+        self._sync_backward = self._require_sync
+        if not self._sync_backward:
+            return
         for t in _output_tensors(out):
             if t.requires_grad:
                 # runs before any layer's backward: hold the first k from the start
@@ -1082,6 +1118,8 @@ class DataParallel:
         # AccumulateGrad of p ran: autograd is done with p in this backward
         # (every dO and dW through p came before it, as the split runs the
         # dW of a layer that is not held inside the layer's backward node)
+        if not self._sync_backward:
+            return
         if not self._in_backward:
             self._begin_backward(hold=False)  # backward did not start at the output
         bucket = self._bucket_of.get(p)
@@ -1101,7 +1139,7 @@ class DataParallel:
         self._next = 0
         for b in self._buckets:
             b.pending = set(b.params)
-            b.flat = b.work = None
+            b.work = None
         if hold and self._held_modules:
             self._stack = contextlib.ExitStack()
             self._held = self._stack.enter_context(
@@ -1115,15 +1153,15 @@ class DataParallel:
             self._next += 1
 
     def _launch(self, b: _Bucket) -> None:
-        grads = []
-        for p in b.params:
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
-            if g.layout != torch.strided:
-                raise RuntimeError("DataParallel: only dense gradients are supported")
-            grads.append(g.reshape(-1))
         # DDP's reducer multiplies each gradient by 1 / world_size as it copies
         # it into the bucket, then sums: the same products, the same sums
-        b.flat = torch.cat(grads).mul_(1.0 / self.world)
+        for p, view in b.views():
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.layout != torch.strided:
+                raise RuntimeError("DataParallel: only dense gradients are supported")
+            else:
+                torch.mul(p.grad, 1.0 / self.world, out=view)
         b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
 
     def _end_backward(self) -> None:
@@ -1153,23 +1191,23 @@ class DataParallel:
                 self._launch_ready()
                 for b in self._buckets:
                     b.work.wait()
-                    self._write_back(b)
+                    self._write_back(b, self.gradient_as_bucket_view)
         finally:
             self._in_backward = False
         if self.searching and self.scores is not None:
             self._search_step()
 
     @staticmethod
-    def _write_back(b: _Bucket) -> None:
-        offset = 0
-        for p in b.params:
-            avg = b.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
-            if p.grad is None:
+    def _write_back(b: _Bucket, as_view: bool) -> None:
+        for p, avg in b.views():
+            if as_view:
+                if p.grad is None or p.grad.data_ptr() != avg.data_ptr():
+                    p.grad = avg
+            elif p.grad is None:
                 p.grad = torch.empty_like(p).copy_(avg)
             else:
                 p.grad.copy_(avg)
-        b.flat = b.work = None
+        b.work = None
 
     # -- the search for k (Section 5.1) ---------------------------------------------
 
@@ -1204,7 +1242,7 @@ class DataParallel:
 
 def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
                   bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
-                  search_iters: int = 3) -> DataParallel:
+                  gradient_as_bucket_view: bool = False, search_iters: int = 3) -> DataParallel:
     """Data-parallel training of `model` with reverse first-k scheduling.
 
     Args:
@@ -1216,11 +1254,16 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
             iterations per k, k chosen by rank 0 and broadcast.
         bucket_cap_mb: size of the buckets of the other gradients, in MiB.
         broadcast_buffers: broadcast buffers from rank 0 before each forward.
+        gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
+            its bucket's buffer (DDP's option: saves a copy and the memory of
+            one set of gradients; the optimizer sees the same values).
 
-    Returns a ``DataParallel`` handle; ``remove()`` undoes it.
+    Returns a ``DataParallel`` handle; ``no_sync()`` skips the all-reduce for
+    accumulation steps; ``remove()`` undoes it.
     """
     return DataParallel(model, process_group=process_group, k=k, bucket_cap_mb=bucket_cap_mb,
-                        broadcast_buffers=broadcast_buffers, search_iters=search_iters)
+                        broadcast_buffers=broadcast_buffers,
+                        gradient_as_bucket_view=gradient_as_bucket_view, search_iters=search_iters)
 
 
 # ---------------------------------------------------------------------------
