@@ -303,3 +303,138 @@ def test_allreduce_time_is_the_ring_formula():
 def test_simulate_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ooo.simulate(4, **kwargs)
+
+
+# ---------------------------------------------------------------------------
+# capture(): the whole step in one CUDA graph (eager on the CPU)
+# ---------------------------------------------------------------------------
+
+
+class ConvNet(nn.Module):
+    """Conv, BatchNorm, Linear, LayerNorm: the kinds cuDNN and cuBLAS run."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 8 * 8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x))).flatten(1)
+        return self.out(torch.tanh(self.ln(self.fc(h))))
+
+
+def _conv_batch(step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(6, 3, 8, 8, generator=g), torch.randint(4, (6,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def _captured_training(device: str, steps: int, rtol: float, atol: float) -> None:
+    """ooo + capture() trains like plain autograd, step for step."""
+    torch.manual_seed(0)
+    ref = ConvNet().to(device)
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    def ref_step(x, y):
+        opt_ref.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        opt_ref.step()
+        return loss.detach()
+
+    x0, y0 = _conv_batch(0, device)
+    captured = ooo.capture(step, x0, y0, warmup=2, handle=handle)
+    assert (captured.graph is None) == (device == "cpu")
+    assert handle.schedule is not None, "capture must wait for the fixed schedule"
+    assert captured.warmup_steps == max(2, handle.profile_iters)
+    for _ in range(captured.warmup_steps):  # what the warm-up did to `model`
+        ref_step(x0, y0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=f"after warm-up: {name}")
+    for s in range(1, steps + 1):
+        loss = captured(*_conv_batch(s, device))
+        loss_ref = ref_step(*_conv_batch(s, device))
+        torch.testing.assert_close(loss, loss_ref, rtol=rtol, atol=atol)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=name)
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected shape \(6, 3, 8, 8\)"):
+        captured(torch.zeros(5, 3, 8, 8, device=device), y0)
+
+
+def test_capture_on_cpu_runs_the_step_eagerly_and_checks_inputs():
+    _captured_training("cpu", steps=5, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (lambda: ooo.capture("step", torch.zeros(2)), TypeError, "step"),
+    (lambda: ooo.capture(print), TypeError, "inputs"),
+    (lambda: ooo.capture(print, torch.zeros(2), warmup=0), ValueError, "warmup"),
+    (lambda: ooo.capture(print, torch.zeros(2), handle=object()), TypeError, "handle"),
+    (lambda: ooo.capture(print, torch.zeros(2).to_sparse()), ValueError, r"inputs\[0\]"),
+    (lambda: ooo.capture(print, torch.zeros(2), 3), TypeError, r"inputs\[1\]"),
+    (lambda: ooo.capture(print, torch.zeros(2))(torch.zeros(2, dtype=torch.float64)),
+     ValueError, r"inputs\[0\]: expected torch.float32"),
+    (lambda: ooo.capture(print, torch.zeros(2))(), TypeError, "inputs: expected 1"),
+])
+def test_capture_bad_arguments(bad, error, match):
+    with pytest.raises(error, match=match):
+        bad()
+
+
+def _cuda_exact():
+    """cuDNN's deterministic algorithms and no TF32: the split and autograd
+    then run the same kernels on the same data."""
+    return torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
+                                      allow_tf32=False)
+
+
+@pytest.mark.gpu
+def test_sub_stream_training_matches_autograd_on_cuda():
+    """dW on the low-priority sub-stream, ordered by events, the schedule
+    fixed after the profile: gradients equal autograd's at every step."""
+    with _cuda_exact():
+        torch.manual_seed(0)
+        ref = ConvNet().cuda()
+        model = copy.deepcopy(ref)
+        handle = ooo.enable(model, speedup=lambda own, at: 1.0 if own == at else 1.5)
+        for s in range(8):
+            x, y = _conv_batch(s, "cuda")
+            for net in (ref, model):
+                net.zero_grad()
+                nn.functional.cross_entropy(net(x), y).backward()
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+        assert handle.schedule is not None and handle._sub_streams
+
+
+@pytest.mark.gpu
+def test_capture_on_cuda_trains_like_eager():
+    with _cuda_exact():
+        _captured_training("cuda", steps=6, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_capture_refuses_a_step_that_synchronizes():
+    model = nn.Linear(4, 4).cuda()
+    handle = ooo.enable(model)
+
+    def step(x):
+        loss = model(x).sum()
+        loss.backward()
+        return loss.item()  # waits for the GPU: cannot be captured
+
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        ooo.capture(step, torch.randn(2, 4, device="cuda"), handle=handle)

@@ -43,7 +43,7 @@ from torch import nn
 
 from ._native import _C
 
-__all__ = ["enable", "OOOHandle", "simulate", "SimResult", "stages", "reverse_first_k",
+__all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
            "SCHEDULES", "ALLOCATIONS"]
 
@@ -493,6 +493,10 @@ class OOOHandle:
         """Backward passes after the warm-up and before the schedule is fixed."""
         return self.order == "ooo" and self.schedule is None and self._iteration >= 1
 
+    def _profiling_left(self) -> bool:
+        """Backward passes are still to be profiled before the schedule is fixed."""
+        return self.order == "ooo" and self.schedule is None and not self._removed
+
     def _stamp(self, like):
         """A main-stream time stamp: a timing event on CUDA, a clock that
         excludes inline dW time on the CPU."""
@@ -705,6 +709,138 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
     return OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
+
+
+# ---------------------------------------------------------------------------
+# Pre-compiled kernel issue: the whole step in one CUDA graph
+# ---------------------------------------------------------------------------
+
+# what the CUDA runtime says when a captured stream is asked to synchronize
+_CAPTURE_ERRORS = ("capturing", "capture")
+
+
+class CapturedStep:
+    """A training step captured once and replayed (see ``capture()``).
+
+    Call it with tensors of the captured shapes, dtypes and devices: they are
+    copied into the static input buffers and the graph is replayed; it returns
+    the step's own outputs, static tensors that the next call overwrites.
+    ``graph`` is the ``torch.cuda.CUDAGraph``, None on the CPU (where the step
+    runs eagerly on the static buffers, so a script runs unchanged).
+    ``warmup_steps`` is how many eager steps the warm-up ran: training steps
+    on the example batch, which the model has taken.
+    """
+
+    def __init__(self, step: Callable, inputs: Sequence[torch.Tensor], graph, outputs,
+                 warmup_steps: int):
+        self.step, self.static_inputs, self.graph, self.outputs = step, inputs, graph, outputs
+        self.warmup_steps = warmup_steps
+
+    def __call__(self, *inputs: torch.Tensor):
+        _check_replay_inputs(inputs, self.static_inputs)
+        for static, new in zip(self.static_inputs, inputs):
+            if new is not static:
+                static.copy_(new)
+        if self.graph is None:
+            return self.step(*self.static_inputs)
+        self.graph.replay()
+        return self.outputs
+
+
+def _check_replay_inputs(inputs: Sequence, static: Sequence[torch.Tensor]) -> None:
+    if len(inputs) != len(static):
+        raise TypeError(f"inputs: expected {len(static)} tensors as captured, got {len(inputs)}")
+    for i, (new, ref) in enumerate(zip(inputs, static)):
+        if not isinstance(new, torch.Tensor):
+            raise TypeError(f"inputs[{i}]: expected a tensor, got {type(new).__name__}")
+        if new.shape != ref.shape:
+            raise ValueError(f"inputs[{i}]: expected shape {tuple(ref.shape)} as captured, got "
+                             f"{tuple(new.shape)}; a captured step replays fixed shapes "
+                             "(capture one step per shape, or pad the batch)")
+        if new.dtype != ref.dtype or new.device != ref.device:
+            raise ValueError(f"inputs[{i}]: expected {ref.dtype} on {ref.device} as captured, "
+                             f"got {new.dtype} on {new.device}")
+
+
+def _check_capture_inputs(inputs: Sequence) -> torch.device:
+    if not inputs:
+        raise TypeError("inputs: expected at least one tensor (the batch the step reads)")
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"inputs[{i}]: expected a tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise ValueError(f"inputs[{i}]: expected a dense (strided) tensor, got {t.layout}")
+        if t.device != inputs[0].device:
+            raise ValueError(f"inputs[{i}]: expected every input on {inputs[0].device}, got "
+                             f"{t.device}")
+    return inputs[0].device
+
+
+def _warm_up(step: Callable, static: list, warmup: int, handle: "OOOHandle | None") -> int:
+    """`warmup` steps, and more while the handle still profiles (at most its
+    profile_iters more: a step without backward never ends the profile)."""
+    limit = warmup + (handle.profile_iters if handle is not None else 0)
+    done = 0
+    while done < warmup or (done < limit and handle._profiling_left()):
+        step(*static)
+        done += 1
+    return done
+
+
+def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
+            handle: "OOOHandle | None" = None, pool=None) -> CapturedStep:
+    """Captures a whole training step (forward, backward with its deferred
+    dW on the sub-stream, optimizer step) in one CUDA graph.
+
+    Args:
+        step: ``step(*inputs)`` runs one iteration; it must not synchronize
+            with the CPU (no ``.item()``, ``.cpu()``, printing a tensor,
+            data-dependent shapes) and its optimizer must be capturable
+            (``reprop.optim`` or torch's with ``capturable=True``; SGD is).
+        inputs: example batch; static copies of it are what the graph reads.
+        warmup: eager iterations first, on a side stream as torch's recipe
+            asks (lazy state such as optimizer moments is allocated there).
+        handle: the ``enable()`` handle of the model, if any: warm-up goes on
+            until its profile is over, so the captured step has the fixed
+            schedule (profiling synchronizes, which capture forbids).
+        pool: memory pool for the graph (``torch.cuda.graph_pool_handle()``).
+
+    Returns a ``CapturedStep``. On the CPU nothing is captured: after the
+    same warm-up the step runs eagerly on the static inputs, with the same
+    input checks, so a script behaves alike on both devices.
+    """
+    if not callable(step):
+        raise TypeError(f"step: expected a callable, got {type(step).__name__}")
+    if not _is_count(warmup) or warmup < 1:
+        raise ValueError(f"warmup: expected an int >= 1, got {warmup!r}")
+    if handle is not None and not isinstance(handle, OOOHandle):
+        raise TypeError(f"handle: expected the OOOHandle of reprop.ooo.enable(), got "
+                        f"{type(handle).__name__}")
+    device = _check_capture_inputs(inputs)
+    static = [t.detach().clone() for t in inputs]
+    if device.type != "cuda":
+        steps = _warm_up(step, static, warmup, handle)
+        return CapturedStep(step, static, None, None, steps)
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            steps = _warm_up(step, static, warmup, handle)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                outputs = step(*static)
+        except RuntimeError as exc:
+            if not any(word in str(exc) for word in _CAPTURE_ERRORS):
+                raise
+            raise RuntimeError(
+                "reprop.ooo.capture: the step cannot be captured in a CUDA graph: something "
+                "in it waits for the GPU on the CPU (.item(), .cpu(), .tolist(), printing a "
+                "tensor, torch.cuda.synchronize(), a data-dependent shape such as nonzero() or "
+                "boolean indexing) or uses a non-capturable optimizer; run it eagerly or move "
+                f"that out of the step. CUDA said: {exc}") from exc
+    return CapturedStep(step, static, graph, outputs, steps)
 
 
 # ---------------------------------------------------------------------------
