@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -85,9 +86,53 @@ def test_training_matches_autograd(order):
 
 
 def test_memory_cap_zero_keeps_every_task_in_place():
-    handle = _train_pair({"max_extra_memory": 0.0, "profile_iters": 2, "regions": 4}, steps=5)
+    # 2 profile passes, then 4 + 1 co-run passes, then the schedule in force
+    handle = _train_pair({"max_extra_memory": 0.0, "profile_iters": 2, "regions": 4}, steps=9)
     assert handle.schedule["peak_extra_bytes"] == 0
     assert handle.schedule["moved"] == 0
+
+
+def test_corun_profile_latin_square():
+    """Pass t measures dW of region r beside region r + t; pass n each region
+    and each dW group alone; speedup = sequential / together."""
+    n = 3
+    main, sub = np.array([1.0, 2.0, 3.0]), np.array([0.4, 0.6, 0.8])
+    corun = ooo._CoRun({("k", r): r for r in range(n)}, n)
+    for t in range(n + 1):
+        assert [corun.region_of(("k", r)) for r in range(n)] == \
+            [min(r + t, n) if t < n else n for r in range(n)]
+        clock = 0.0
+        for i in range(n):  # region entries, stamped on a synthetic clock
+            corun.entries.append((i, clock))
+            r = i - t
+            clock += main[i] + (sub[r] / 2 if t < n and r >= 0 else 0.0)
+        corun.entries.append((n, clock))
+        if t == n:
+            for r in range(n):
+                corun.groups.append((r, clock, clock + sub[r]))
+                clock += sub[r]
+        assert not corun.done()
+        corun.record()
+    assert corun.done()
+    got = corun.speedup()
+    for r in range(n):
+        for i in range(n):
+            want = (main[i] + sub[r]) / (main[i] + sub[r] / 2) if i >= r else 1.0
+            assert got[r, i] == pytest.approx(want, rel=1e-12), (r, i)
+
+
+def test_corun_profile_runs_in_training():
+    """The default speedup='profile' measures every pair a dW can meet and
+    keeps gradients exact meanwhile (on the CPU dW runs inline: the ratios
+    are timing noise around 1 there, so only their presence is checked)."""
+    handle = _train_pair({"profile_iters": 2, "regions": 3}, steps=8)
+    speedup = np.array(handle.schedule["speedup"])
+    n = handle.schedule_regions
+    assert speedup.shape == (n, n) and n == 3
+    upper = speedup[np.triu_indices(n)]
+    assert np.all(np.isfinite(upper) & (upper > 0)), speedup
+    assert not np.all(upper == 1.0), "no pair was measured"
+    assert np.all(speedup[np.tril_indices(n, -1)] == 1.0)
 
 
 def test_speedup_profile_moves_tasks_and_keeps_gradients():
@@ -199,6 +244,7 @@ def test_no_grad_and_frozen_layers_run_unsplit():
     (lambda: ooo.enable(nn.Linear(2, 2), regions=0), ValueError, "regions"),
     (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=1), ValueError, "profile_iters"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=-1), ValueError, "max_extra_memory"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup="measure"), ValueError, "speedup"),
     (lambda: ooo.enable(nn.ReLU()), ValueError, "model: no Linear"),
     (lambda: ooo.enable(nn.Embedding(5, 2, sparse=True)), ValueError, "sparse"),
     (lambda: ooo.enable(nn.Conv1d(2, 2, 4, padding="same")), ValueError, "same"),
@@ -359,7 +405,7 @@ def _captured_training(device: str, steps: int, rtol: float, atol: float) -> Non
     captured = ooo.capture(step, x0, y0, warmup=2, handle=handle)
     assert (captured.graph is None) == (device == "cpu")
     assert handle.schedule is not None, "capture must wait for the fixed schedule"
-    assert captured.warmup_steps == max(2, handle.profile_iters)
+    assert captured.warmup_steps == handle.profile_iters + handle.schedule_regions + 1
     for _ in range(captured.warmup_steps):  # what the warm-up did to `model`
         ref_step(x0, y0)
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
@@ -402,15 +448,17 @@ def _cuda_exact():
 
 
 @pytest.mark.gpu
-def test_sub_stream_training_matches_autograd_on_cuda():
-    """dW on the low-priority sub-stream, ordered by events, the schedule
-    fixed after the profile: gradients equal autograd's at every step."""
+@pytest.mark.parametrize("speedup", ["profile", lambda own, at: 1.0 if own == at else 1.5])
+def test_sub_stream_training_matches_autograd_on_cuda(speedup):
+    """dW on the low-priority sub-stream, ordered by events, through the
+    profile (the co-run passes too) to the fixed schedule: gradients equal
+    autograd's at every step."""
     with _cuda_exact():
         torch.manual_seed(0)
         ref = ConvNet().cuda()
         model = copy.deepcopy(ref)
-        handle = ooo.enable(model, speedup=lambda own, at: 1.0 if own == at else 1.5)
-        for s in range(8):
+        handle = ooo.enable(model, speedup=speedup)
+        for s in range(handle._profile_passes() + 2):
             x, y = _conv_batch(s, "cuda")
             for net in (ref, model):
                 net.zero_grad()

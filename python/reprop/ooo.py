@@ -14,14 +14,17 @@ into a deferred task, which the handle runs in the order its schedule says:
 
 The schedule is the paper's multi-region joint scheduling (Algorithm 1, in
 csrc/schedule.c): the first iterations profile the time of each layer's
-backward and of each dW task (and, on CUDA, how much each region speeds up
-with each region's dW running beside it); then the backward timeline is cut
-into regions and each dW is placed in the region where it helps most,
+backward and of each dW task; the backward timeline is cut into regions; the
+next passes measure how much each region speeds up with each earlier
+region's dW running beside it; then each dW is placed where it helps most,
 subject to a cap on the extra memory deferred tasks hold (the paper's
 pre-scheduling). Every deferred task has run when backward returns, so
 ``optimizer.step()`` (any optimizer) and gradient hooks see complete
 gradients, equal to plain autograd's: the formulas are autograd's own kernels
 called with the dO and dW halves of their output masks.
+
+``capture()`` records the whole step (forward, backward on both streams,
+optimizer) in one CUDA graph once the schedule is fixed, and replays it.
 
 ``simulate()``, ``stages()``, ``reverse_first_k()`` and ``search_k()`` expose
 the scheduler core for planning runs on machines one does not have.
@@ -374,11 +377,62 @@ class _Profile:
     order: list = field(default_factory=list)  # keys in backward order
 
 
+class _CoRun:
+    """Step 1 of the paper's scheduling: how much faster each pair (dW of
+    region r beside the main stream's region i >= r) runs together than one
+    after the other.
+
+    Pass t < n issues the dW of every region r at the entry of region r + t
+    (a Latin square over the pairs: each pass measures every region once);
+    pass n runs the regions alone, then each region's dW group alone. The main
+    stream waits for the sub-stream at every region entry, so the time between
+    two entries is the pair's time, or the region's alone.
+    """
+
+    def __init__(self, region_main: dict, n: int):
+        self.region_main, self.n = region_main, n
+        self.pass_ = 0
+        self.pair = np.full((n, n), np.nan)  # [r, i]: dW of r beside region i (s)
+        self.main_alone = np.full(n, np.nan)
+        self.sub_alone = np.zeros(n)
+        self.entries: list = []  # (region, stamp) of this pass; (n, stamp) closes it
+        self.groups: list = []   # (region, stamp before, stamp after) of the dW groups alone
+
+    def region_of(self, key) -> int:
+        """Where pass `pass_` runs the dW of `key`; n: after backward."""
+        return min(self.region_main[key] + self.pass_, self.n) if self.pass_ < self.n else self.n
+
+    def record(self) -> None:
+        for (i, a), (_, b) in zip(self.entries, self.entries[1:]):
+            if self.pass_ == self.n:
+                self.main_alone[i] = _elapsed(a, b)
+            elif i >= self.pass_:
+                self.pair[i - self.pass_, i] = _elapsed(a, b)
+        for r, a, b in self.groups:
+            self.sub_alone[r] = _elapsed(a, b)
+        self.entries, self.groups = [], []
+        self.pass_ += 1
+
+    def done(self) -> bool:
+        return self.pass_ > self.n
+
+    def speedup(self) -> np.ndarray:
+        """[r, i]: sequential time over co-run time (1 where unmeasured or i < r)."""
+        out = np.ones((self.n, self.n))
+        for r in range(self.n):
+            for i in range(r, self.n):
+                together = self.pair[r, i]
+                alone = self.main_alone[i] + self.sub_alone[r]
+                if np.isfinite(together) and np.isfinite(alone) and together > 0:
+                    out[r, i] = alone / together
+        return out
+
+
 class OOOHandle:
     """What ``enable`` returns; ``remove()`` restores the modules' own forward."""
 
     def __init__(self, model: nn.Module, order: str, regions: int, max_extra_memory: float,
-                 profile_iters: int, speedup: Callable[[int, int], float] | None):
+                 profile_iters: int, speedup: "Callable[[int, int], float] | str | None"):
         self.model = model
         self.order = order
         self.regions = regions
@@ -391,6 +445,9 @@ class OOOHandle:
         self._calls: dict = {}       # site -> calls this iteration (tasks are keyed by call)
         self._region_of: dict = {}   # task key -> region of the fixed schedule
         self._region_of_main: dict = {}  # task key -> region its dO runs in
+        self._corun: _CoRun | None = None  # the co-run profile while it runs
+        self.schedule_regions = 0    # regions of the schedule, once cut
+        self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
         self._profile = _Profile()
@@ -450,8 +507,7 @@ class OOOHandle:
         tasks, self._pending = self._pending, []
         for t in tasks:
             self._issue(t)
-        for device, sub in self._sub_streams.items():
-            torch.cuda.current_stream(device).wait_stream(sub)
+        self._join_sub_streams()
 
     def remove(self) -> None:
         """Flushes and restores every module's own forward: plain autograd again."""
@@ -481,21 +537,74 @@ class OOOHandle:
         profiling = self._profiling()
         if profiling and self._marks:
             self._marks.append((None, self._stamp(self._marks[-1][1])))
+        corun = self._corun
+        if corun is not None:
+            self._end_corun_pass(corun)
         self.flush()
         self._in_backward = False
         if profiling:
             self._record_profile()
         self._iteration += 1
-        if self.order == "ooo" and self.schedule is None and self._iteration >= self.profile_iters:
-            self._make_schedule()
+        if self.order != "ooo" or self.schedule is not None:
+            return
+        if corun is not None:
+            corun.record()
+            if corun.done():
+                self._corun = None
+                self._place(corun.speedup())
+            else:
+                self._region_of = {k: corun.region_of(k) for k in self._region_of_main}
+        elif self._iteration >= self.profile_iters and self._fix_regions():
+            if self._speedup == "profile":
+                self._corun = _CoRun(self._region_of_main, self.schedule_regions)
+                self._region_of = {k: self._corun.region_of(k) for k in self._region_of_main}
+            elif self._speedup is None:
+                self._place(np.ones((self.schedule_regions,) * 2))
+            else:
+                n = self.schedule_regions
+                self._place(np.array([[float(self._speedup(r, i)) for i in range(n)]
+                                      for r in range(n)]))
 
     def _profiling(self) -> bool:
-        """Backward passes after the warm-up and before the schedule is fixed."""
-        return self.order == "ooo" and self.schedule is None and self._iteration >= 1
+        """Backward passes after the warm-up that time the sequential profile."""
+        return self.order == "ooo" and self.schedule is None and self._iteration >= 1 \
+            and self._corun is None and not self._region_of_main
 
     def _profiling_left(self) -> bool:
         """Backward passes are still to be profiled before the schedule is fixed."""
         return self.order == "ooo" and self.schedule is None and not self._removed
+
+    def _profile_passes(self) -> int:
+        """Backward passes before the schedule is fixed, at most."""
+        corun = self.regions + 1 if self._speedup == "profile" else 0
+        return self.profile_iters + corun
+
+    def _join_sub_streams(self) -> None:
+        for device, sub in self._sub_streams.items():
+            torch.cuda.current_stream(device).wait_stream(sub)
+
+    def _corun_stamp(self):
+        """A main-stream time stamp after joining the sub-stream (every clock
+        counts here: the pair's time is what is measured)."""
+        self._join_sub_streams()
+        if self._device is not None and self._device.type == "cuda":
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def _end_corun_pass(self, corun: _CoRun) -> None:
+        """Closes the last region; in the last pass runs each dW group alone."""
+        corun.entries.append((corun.n, self._corun_stamp()))
+        if corun.pass_ < corun.n:
+            return
+        for r in range(corun.n):
+            group = [t for t in self._pending if corun.region_main.get(t.key) == r]
+            self._pending = [t for t in self._pending if corun.region_main.get(t.key) != r]
+            before = self._corun_stamp()
+            for t in group:
+                self._issue(t)
+            corun.groups.append((r, before, self._corun_stamp()))
 
     def _stamp(self, like):
         """A main-stream time stamp: a timing event on CUDA, a clock that
@@ -510,6 +619,7 @@ class OOOHandle:
                            targets: list) -> _Task:
         if not self._in_backward:
             self._begin_backward()
+        self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
         task = _Task(site, saved, g, (site.index, call), targets)
@@ -541,6 +651,8 @@ class OOOHandle:
         if region <= self._current_region:
             return
         self._current_region = region
+        if self._corun is not None:
+            self._corun.entries.append((region, self._corun_stamp()))
         due = [t for t in self._pending if self._region_of[t.key] <= region]
         if due:
             self._pending = [t for t in self._pending if self._region_of[t.key] > region]
@@ -595,21 +707,28 @@ class OOOHandle:
 
     # -- the schedule ------------------------------------------------------------
 
-    def _make_schedule(self) -> None:
-        """Algorithm 1 over the profiled backward: regions, placement, memory cap."""
+    def _fix_regions(self) -> bool:
+        """Cuts the profiled backward into regions of near-equal main-stream
+        time (False when the profile saw no split layer)."""
         prof = self._profile
         keys = prof.order
         if not keys:
-            return
-        sub = {k: float(np.median([_elapsed(*v) if isinstance(v, tuple) else v for v in vs]))
-               for k, vs in prof.sub.items()}
+            return False
         main = np.array([np.median(prof.main[k]) for k in keys], dtype=np.float64)
         n = max(1, min(self.regions, len(keys)))
         bounds = _balanced_cuts(main, n)              # region r: keys[bounds[r]:bounds[r+1]]
-        region_main = {}
-        for r in range(n):
-            for k in keys[bounds[r]:bounds[r + 1]]:
-                region_main[k] = r
+        self._region_of_main = {k: r for r in range(n) for k in keys[bounds[r]:bounds[r + 1]]}
+        self._main_times, self._bounds = main, bounds
+        self.schedule_regions = n
+        return True
+
+    def _place(self, speedup: np.ndarray) -> None:
+        """Algorithm 1 with speedup[r, i] (dW of region r beside region i),
+        then the memory cap: where each dW runs from now on."""
+        prof, main, bounds = self._profile, self._main_times, self._bounds
+        keys, n, region_main = prof.order, self.schedule_regions, self._region_of_main
+        sub = {k: float(np.median([_elapsed(*v) if isinstance(v, tuple) else v for v in vs]))
+               for k, vs in prof.sub.items()}
         t_main = np.array([main[bounds[r]:bounds[r + 1]].sum() for r in range(n)])
         starts = np.concatenate([[0.0], np.cumsum(t_main)[:-1]])
         pos = {k: i for i, k in enumerate(keys)}
@@ -620,19 +739,15 @@ class OOOHandle:
                           for k in tasks])
         deadline = np.full(len(tasks), n, dtype=np.int64)
         t_sub = np.repeat(np.array([[sub[k]] for k in tasks]), n, axis=1)
-        speedup = np.ones((len(tasks), n))
-        if self._speedup is not None:
-            for j, k in enumerate(tasks):
-                for i in range(n):
-                    speedup[j, i] = float(self._speedup(region_main[k], i))
+        per_task = np.array([speedup[region_main[k]] for k in tasks]).reshape(len(tasks), n)
         mem = np.array([prof.nbytes.get(k, 0) for k in tasks], dtype=np.int64)
         cap = int(self.max_extra_memory * max(1, int(mem.sum())))
-        region, order, pre, peak = _C.sched_regions(t_main, ready, deadline, t_sub, speedup, mem, cap)
+        region, order, pre, peak = _C.sched_regions(t_main, ready, deadline, t_sub, per_task, mem,
+                                                    cap)
         self._region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
-        self._region_of_main = region_main
         self.schedule = {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
-                         "peak_extra_bytes": int(peak), "moved": int(sum(
-                             1 for k in tasks if self._region_of[k] != region_main[k]))}
+                         "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
+                         "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
 
 
 def _elapsed(a, b) -> float:
@@ -675,24 +790,28 @@ def _make_forward(site: _Site):
 
 def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
            max_extra_memory: float = 0.1, profile_iters: int = 3,
-           speedup: Callable[[int, int], float] | None = None) -> OOOHandle:
+           speedup: Callable[[int, int], float] | str | None = "profile") -> OOOHandle:
     """Splits the backward of `model`'s layers into dO now and dW deferred.
 
     Args:
         model: any nn.Module; its Linear, Conv1d/2d/3d, Embedding,
             BatchNorm1d/2d/3d, LayerNorm and GroupNorm with trainable
             parameters are split (exact types; others run as before).
-        order: "ooo" (deferred dW placed by Algorithm 1 after `profile_iters`
-            backward passes; on CUDA on a low-priority sub-stream) or
+        order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
+            CUDA on a low-priority sub-stream) or
             "conventional" (dW right after dO on the main stream: the split
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
         max_extra_memory: cap on the bytes held by deferred tasks at a region
             end, as a fraction of what all of them hold together.
-        profile_iters: backward passes before the schedule is fixed (the
-            first is a warm-up, the others are timed).
-        speedup: speedup(region of the dW, region it runs in) from a co-run
-            profile; None: 1 everywhere (the CPU has no co-run).
+        profile_iters: backward passes that time each layer alone (the
+            first is a warm-up), after which the regions are cut.
+        speedup: "profile": measured in `regions` + 1 more backward passes
+            (each region's dW beside each later region, a Latin square over
+            the pairs, then each alone; on the CPU, where dW runs inline,
+            the ratios are timing noise around 1); or a function
+            speedup(region of the dW, region it runs in); or None: 1
+            everywhere, no extra passes.
 
     Returns an ``OOOHandle`` (also a context manager). Gradients after each
     backward equal plain autograd's; create_graph=True is not supported.
@@ -708,6 +827,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not isinstance(profile_iters, int) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
+    if not (speedup is None or speedup == "profile" or callable(speedup)):
+        raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
+                         f"-> speedup, or None; got {speedup!r}")
     return OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
 
 
@@ -778,8 +900,8 @@ def _check_capture_inputs(inputs: Sequence) -> torch.device:
 
 def _warm_up(step: Callable, static: list, warmup: int, handle: "OOOHandle | None") -> int:
     """`warmup` steps, and more while the handle still profiles (at most its
-    profile_iters more: a step without backward never ends the profile)."""
-    limit = warmup + (handle.profile_iters if handle is not None else 0)
+    profile passes more: a step without backward never ends the profile)."""
+    limit = warmup + (handle._profile_passes() if handle is not None else 0)
     done = 0
     while done < warmup or (done < limit and handle._profiling_left()):
         step(*static)
