@@ -199,6 +199,81 @@ def test_partial_backward_reaches_only_what_autograd_reaches(order):
     torch.testing.assert_close(model[2].bias.grad, ref[2].bias.grad, rtol=RTOL, atol=ATOL)
 
 
+def _moving(**kw) -> dict:
+    """enable() arguments whose schedule moves dW into the last region."""
+    return dict(profile_iters=2, regions=4, max_extra_memory=1.0,
+                speedup=lambda own, at: 2.0 if at == 3 else 1.0, **kw)
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_tensor_hooks_see_the_summed_gradient(order):
+    """register_hook on a split weight (used at two sites) gets the real
+    gradient, summed over the sites, and what it returns is what accumulates."""
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving(order=order))
+    seen = {}
+    for net in (ref, model):
+        net.shared.weight.register_hook(lambda g, net=net: seen.setdefault(net, []).append(g)
+                                        or g.clamp(-0.01, 0.01))
+    for step in range(8):
+        idx, y = _batch(step)
+        for net in (ref, model):
+            net.zero_grad()
+            nn.functional.cross_entropy(net(idx), y).backward()
+        torch.testing.assert_close(seen[model][-1], seen[ref][-1], rtol=RTOL, atol=ATOL)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert len(seen[model]) == len(seen[ref]) == 8
+    assert order == "conventional" or handle.schedule["moved"] > 0
+
+
+def test_post_accumulate_grad_hooks_fire_after_the_deferred_dw():
+    """A hook (an optimizer in backward, an all-reduce) sees each parameter's
+    final gradient, once per backward, even when its dW runs regions later."""
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving())
+    seen: dict = {}
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.setdefault(p, []).append(p.grad.clone()))
+    for step in range(8):
+        seen.clear()
+        idx, y = _batch(step)
+        for net in (ref, model):
+            net.zero_grad()
+            nn.functional.cross_entropy(net(idx), y).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert len(seen[b]) == 1, name
+            torch.testing.assert_close(seen[b][0], a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert handle.schedule["moved"] > 0
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+
+
+def test_backward_fusion_updates_after_the_deferred_dw():
+    """reprop.fuse(mode='backward') on a split model trains exactly as it
+    does on the plain model: each update waits for its deferred dW."""
+    import reprop
+
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving())
+    fused = [reprop.fuse(net, reprop.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+             for net in (ref, model)]
+    for step in range(10):
+        idx, y = _batch(step)
+        for net in (ref, model):
+            nn.functional.cross_entropy(net(idx), y).backward()
+    for f in fused:
+        f.flush()
+    assert handle.schedule["moved"] > 0
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def test_remove_restores_plain_modules():
     model = EveryKind()
     handle = ooo.enable(model)

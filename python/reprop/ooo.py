@@ -311,13 +311,17 @@ def _weight_grad_targets(ctx, params: list) -> tuple[list, list]:
     deferred, returned = [], []
     for p, (node, _) in zip(params, ctx.next_functions[1:]):
         try:
-            if node is not None and torch._C._will_engine_execute_node(node):
-                deferred.append(p)
+            if node is None or not torch._C._will_engine_execute_node(node):
+                continue
         except RuntimeError as exc:
             # torch's answer for a leaf whose gradient autograd.grad() captures
             if "autograd.grad" not in str(exc):
                 raise
             returned.append(p)
+            continue
+        # autograd calls a leaf's tensor hooks (register_hook) with the gradient
+        # it hands to AccumulateGrad: that must be the real one, summed over sites
+        (returned if p._backward_hooks else deferred).append(p)
     return deferred, returned
 
 
@@ -339,6 +343,20 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
         p.grad = d if d.stride() == p.stride() else torch.empty_like(p).copy_(d)
     else:
         p.grad.add_(d)
+
+
+_STAND_IN = object()  # key of the internal post-accumulate-grad hook
+
+
+@dataclass(eq=False)
+class _HookState:
+    """A parameter's own post-accumulate-grad hooks, held back until its
+    deferred dW tasks have run and autograd is done with it."""
+
+    param: torch.Tensor
+    hooks: dict
+    outstanding: int = 1
+    autograd_done: bool = False
 
 
 class _Task:
@@ -446,6 +464,7 @@ class OOOHandle:
         self._region_of: dict = {}   # task key -> region of the fixed schedule
         self._region_of_main: dict = {}  # task key -> region its dO runs in
         self._corun: _CoRun | None = None  # the co-run profile while it runs
+        self._hooked: dict = {}      # param -> _HookState while its hooks wait for dW
         self.schedule_regions = 0    # regions of the schedule, once cut
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
@@ -541,6 +560,8 @@ class OOOHandle:
         if corun is not None:
             self._end_corun_pass(corun)
         self.flush()
+        for state in list(self._hooked.values()):  # autograd never reached it: hooks back
+            self._restore_post_hooks(state)
         self._in_backward = False
         if profiling:
             self._record_profile()
@@ -637,6 +658,7 @@ class OOOHandle:
         if self.order == "conventional" or self._held is not None:
             self.run([task])
             return
+        self._defer_post_hooks(task)
         main_region = self._region_of_main.get(task.key)
         if main_region is not None:
             self._enter_region(main_region)
@@ -645,6 +667,46 @@ class OOOHandle:
             self._issue(task)
         else:
             self._pending.append(task)
+
+    def _after_deferred_run(self, task: _Task) -> None:
+        for p in task.targets:
+            state = self._hooked.get(p)
+            if state is not None:
+                self._hook_event(state)
+
+    def _defer_post_hooks(self, task: _Task) -> None:
+        """Post-accumulate-grad hooks (an optimizer in backward, a gradient
+        all-reduce) must see the final gradient: autograd would fire them when
+        its AccumulateGrad node runs, maybe before a deferred dW did. Until the
+        last of both, the hooks wait here and an internal one stands in."""
+        for p in task.targets:
+            state = self._hooked.get(p)
+            if state is not None:
+                state.outstanding += 1
+            elif p._post_accumulate_grad_hooks:
+                state = _HookState(p, dict(p._post_accumulate_grad_hooks))
+                p._post_accumulate_grad_hooks.clear()
+                p._post_accumulate_grad_hooks[_STAND_IN] = lambda _p, st=state: self._hook_event(
+                    st, autograd_done=True)
+                self._hooked[p] = state
+
+    def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
+        """A deferred dW of the parameter ran, or autograd is done with it:
+        after the last of both, its own hooks come back and run."""
+        if autograd_done:
+            state.autograd_done = True
+        else:
+            state.outstanding -= 1
+        if state.outstanding == 0 and state.autograd_done:
+            self._restore_post_hooks(state)
+            for hook in state.hooks.values():
+                hook(state.param)
+
+    def _restore_post_hooks(self, state: "_HookState") -> None:
+        hooks = state.param._post_accumulate_grad_hooks
+        hooks.pop(_STAND_IN, None)
+        hooks.update(state.hooks)
+        self._hooked.pop(state.param, None)
 
     def _enter_region(self, region: int) -> None:
         """The main stream reached `region`: issue the tasks placed there."""
@@ -666,6 +728,7 @@ class OOOHandle:
         if task.event is None:
             start = time.perf_counter()
             task.run()
+            self._after_deferred_run(task)
             spent = time.perf_counter() - start
             self._task_time += spent
             if profiling:
@@ -681,6 +744,7 @@ class OOOHandle:
                 begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 begin.record(sub)
             task.run()
+            self._after_deferred_run(task)  # hooks see the gradient on the stream it is made on
             if profiling:
                 end.record(sub)
                 self._profile.sub.setdefault(task.key, []).append((begin, end))
