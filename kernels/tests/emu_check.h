@@ -2,7 +2,8 @@
  * emu_check.h: failure reporting of the host emulations of the CUDA
  * launchers (optim_emulation.cu, scan_emulation.cu). Each failed CHECK is
  * printed with the case being run (g_context), up to 30; a crash of an
- * emulated kernel still names its case.
+ * emulated kernel still names its case. CHECKs stand in this directory's
+ * headers too, hence the file in each report.
  */
 #ifndef REPROP_EMU_CHECK_H
 #define REPROP_EMU_CHECK_H
@@ -16,19 +17,18 @@
 static int g_failures;
 static char g_context[256]; /* the case being run */
 
-static void report_failure(int line, const char *cond, const char *fmt, ...)
+static void report_failure(const char *file, int line, const char *cond, const char *fmt, ...)
 {
     va_list ap;
     if (++g_failures > 30)
         return;
-    fprintf(stderr, "FAIL [%s] line %d: CHECK(%s): ", g_context, line, cond);
+    fprintf(stderr, "FAIL [%s] %s:%d: CHECK(%s): ", g_context, file, line, cond);
     va_start(ap, fmt);
     vfprintf(stderr, fmt, ap);
     va_end(ap);
     fputc('\n', stderr);
 }
 
-/* Installed for the fatal signals by each emulation's main(). */
 static void on_fatal_signal(int sig)
 {
     static const char head[] = "FAIL [";
@@ -41,10 +41,19 @@ static void on_fatal_signal(int sig)
     raise(sig);
 }
 
+/* From main(), before the first case: a crash can come from any of them. */
+static void catch_fatal_signals(void)
+{
+    signal(SIGSEGV, on_fatal_signal);
+    signal(SIGBUS, on_fatal_signal);
+    signal(SIGFPE, on_fatal_signal);
+    signal(SIGABRT, on_fatal_signal); /* e.g. malloc finding its heap overwritten */
+}
+
 #define CHECK(cond, ...)                                                                           \
     do {                                                                                           \
         if (!(cond))                                                                               \
-            report_failure(__LINE__, #cond, __VA_ARGS__);                                          \
+            report_failure(__FILE__, __LINE__, #cond, __VA_ARGS__);                                \
     } while (0)
 
 #endif /* REPROP_EMU_CHECK_H */

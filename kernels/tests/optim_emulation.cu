@@ -4,10 +4,11 @@
  *
  * CI has nvcc but no GPU. This test includes optim.cu with the CUDA runtime calls
  * it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice, cudaSetDevice,
- * cudaDeviceGetAttribute, cudaGetLastError) renamed to the host mocks below; every
- * other runtime call (cudaGetDeviceCount, cudaGetErrorString) is the real static
- * runtime. The launch mock checks the launch table it is handed, then runs every
- * block of the grid on the host through the kernels' __host__ __device__ parts
+ * cudaDeviceGetAttribute, cudaGetLastError) renamed to host mocks (emu_runtime.h;
+ * the launch and attribute mocks below); every other runtime call
+ * (cudaGetDeviceCount, cudaGetErrorString) is the real static runtime. The
+ * launch mock checks the launch table it is handed, then runs every block of
+ * the grid on the host through the kernels' __host__ __device__ parts
  * (rp_block_consts, rp_capturable_scalars, rp_update_chunk for each of the
  * RP_THREADS threads); the step-increment kernel is one line and is re-stated.
  * Each case runs two steps through rp_cuda_optim_step and through
@@ -55,14 +56,11 @@
  */
 #include <cuda_runtime.h>
 
-#include <signal.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #include <algorithm>
 #include <vector>
 
@@ -71,42 +69,18 @@
 #define RP_TAB_BLOCKS 24
 #define RP_STEP_TAB 5
 
-static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
-                                      size_t smem, cudaStream_t stream);
-static cudaError_t mock_get_device(int *dev);
-static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev);
-static cudaError_t mock_set_device(int dev);
-static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev);
-static cudaError_t mock_get_last_error(void);
-
-#define cudaLaunchKernel mock_launch_kernel
-#define cudaGetDevice mock_get_device
-#define cudaStreamGetDevice mock_stream_get_device
-#define cudaSetDevice mock_set_device
-#define cudaDeviceGetAttribute mock_device_get_attribute
-#define cudaGetLastError mock_get_last_error
+#define EMU_DEVICES 4
+#include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "optim.cu"
-#undef cudaLaunchKernel
-#undef cudaGetDevice
-#undef cudaStreamGetDevice
-#undef cudaSetDevice
-#undef cudaDeviceGetAttribute
-#undef cudaGetLastError
 
 #define STEPS_PER_CASE 2
 #define BLOCK_STEP (4 * RP_THREADS) /* elements of one block step: chunks are multiples */
 
-#include "emu_check.h" /* CHECK, g_context, on_fatal_signal */
-
 /* ---------------------------------------------------------------------------
- * The emulated runtime: devices, streams, injected faults
+ * The emulated runtime: devices, injected faults
  * ------------------------------------------------------------------------- */
 
-#define EMU_DEVICES 4
 static const int emu_sm_count[EMU_DEVICES] = {132, 1, 4, 7};
-
-/* Stream handles of the emulated devices (never dereferenced). */
-static cudaStream_t emu_stream(int dev) { return (cudaStream_t)(uintptr_t)(0x5000 + 0x100 * dev); }
 
 typedef enum {
     FAULT_NONE,
@@ -116,22 +90,15 @@ typedef enum {
     FAULT_LAST_ERROR,    /* an update launch "succeeds" but cudaGetLastError reports an error */
 } emu_fault;
 
-typedef struct {
-    int current_device;
-    emu_fault fault;
-    cudaError_t pending; /* what cudaGetLastError returns next */
-    long get_device_calls;
-} emu_runtime;
+static emu_fault g_fault;
 
-static emu_runtime g_rt;
+static bool emu_get_device_fails(void) { return g_fault == FAULT_GET_DEVICE; }
 
 /* What the current rp_cuda_optim_step call is expected to launch, and what it did. */
 typedef struct {
     int kind, dtype;
     bool capturable;
     unsigned slots; /* rp_optim_state_slots of the hyper-parameters */
-    cudaStream_t stream;
-    int device; /* the stream's device: current during every launch */
     const rp_optim_entry *entries;
     int64_t n;
     const rp_step_scalars *scalars; /* non-capturable; may be NULL without step scalars */
@@ -156,49 +123,12 @@ typedef struct {
 
 static emu_stats g_stats;
 
-static cudaError_t mock_get_device(int *dev)
-{
-    g_rt.get_device_calls++;
-    if (g_rt.fault == FAULT_GET_DEVICE) {
-        g_rt.pending = cudaErrorNoDevice;
-        return cudaErrorNoDevice;
-    }
-    *dev = g_rt.current_device;
-    return cudaSuccess;
-}
-
-static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
-{
-    for (int d = 0; d < EMU_DEVICES; d++) {
-        if (stream == emu_stream(d)) {
-            *dev = d;
-            return cudaSuccess;
-        }
-    }
-    CHECK(false, "cudaStreamGetDevice on stream %p, not an emulated one", (void *)stream);
-    return cudaErrorInvalidResourceHandle;
-}
-
-static cudaError_t mock_set_device(int dev)
-{
-    CHECK(dev >= 0 && dev < EMU_DEVICES, "cudaSetDevice(%d)", dev);
-    g_rt.current_device = dev;
-    return cudaSuccess;
-}
-
 static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
 {
     CHECK(attr == cudaDevAttrMultiProcessorCount, "unexpected attribute %d", (int)attr);
     CHECK(dev >= 0 && dev < EMU_DEVICES, "attribute of device %d", dev);
     *value = emu_sm_count[dev >= 0 && dev < EMU_DEVICES ? dev : 0];
     return cudaSuccess;
-}
-
-static cudaError_t mock_get_last_error(void)
-{
-    const cudaError_t e = g_rt.pending;
-    g_rt.pending = cudaSuccess;
-    return e;
 }
 
 /* ---------------------------------------------------------------------------
@@ -422,25 +352,22 @@ static void emulate_update(const void *fn, const rp_optim_launch &L, dim3 grid, 
 static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
                                       size_t smem, cudaStream_t stream)
 {
-    CHECK(stream == g_call.stream, "launch on stream %p, not the caller's", (void *)stream);
-    CHECK(g_rt.current_device == g_call.device, "launch on device %d, the stream's is %d",
-          g_rt.current_device, g_call.device);
-    CHECK(smem == 0 && grid.y == 1 && grid.z == 1 && block.y == 1 && block.z == 1,
-          "launch shape");
+    emu_check_launch_site(grid, block, stream);
+    CHECK(smem == 0, "%zu bytes of shared memory", smem);
     if (fn == (const void *)rp_step_increment_kernel) {
-        if (g_rt.fault == FAULT_STEP_LAUNCH) {
-            g_rt.pending = cudaErrorLaunchOutOfResources;
+        if (g_fault == FAULT_STEP_LAUNCH) {
+            g_emu.pending = cudaErrorLaunchOutOfResources;
             return cudaErrorLaunchOutOfResources;
         }
         emulate_step_increment(*(const rp_step_launch *)args[0], grid, block);
         return cudaSuccess;
     }
-    if (g_rt.fault == FAULT_UPDATE_LAUNCH) {
-        g_rt.pending = cudaErrorInvalidConfiguration;
+    if (g_fault == FAULT_UPDATE_LAUNCH) {
+        g_emu.pending = cudaErrorInvalidConfiguration;
         return cudaErrorInvalidConfiguration;
     }
-    if (g_rt.fault == FAULT_LAST_ERROR) {
-        g_rt.pending = cudaErrorLaunchFailure;
+    if (g_fault == FAULT_LAST_ERROR) {
+        g_emu.pending = cudaErrorLaunchFailure;
         return cudaSuccess;
     }
     emulate_update(fn, *(const rp_optim_launch *)args[0], grid, block);
@@ -901,8 +828,6 @@ static void expect_call(const rp_optim_hparams &hp, int dtype, bool capturable, 
     g_call.dtype = dtype;
     g_call.capturable = capturable;
     g_call.slots = rp_optim_state_slots(&hp);
-    g_call.stream = lc.stream;
-    g_call.device = lc.stream_device;
     g_call.entries = cd->entries.data();
     g_call.n = (int64_t)cd->entries.size();
     g_call.scalars = scalars;
@@ -910,7 +835,9 @@ static void expect_call(const rp_optim_hparams &hp, int dtype, bool capturable, 
     g_call.updated.assign(cd->entries.size(), 0);
     g_call.step_launches = 0;
     g_call.update_launches = 0;
-    g_rt.current_device = lc.current_device;
+    g_emu.current_device = lc.current_device;
+    g_emu.stream = lc.stream;
+    g_emu.stream_device = lc.stream_device;
 }
 
 /* After a successful call: everything updated once, the device restored. */
@@ -931,8 +858,8 @@ static void check_call_done(const case_data *cd, const launch_config &lc)
     }
     CHECK((g_call.update_launches > 0) == (total > 0), "%d update launches for %lld elements",
           g_call.update_launches, (long long)total);
-    CHECK(g_rt.current_device == lc.current_device, "device %d current after the call, not %d",
-          g_rt.current_device, lc.current_device);
+    CHECK(g_emu.current_device == lc.current_device, "device %d current after the call, not %d",
+          g_emu.current_device, lc.current_device);
     g_stats.calls++;
     g_stats.multi_launch_calls += g_call.update_launches > 1;
     g_stats.multi_step_launch_calls += g_call.step_launches > 1;
@@ -1077,10 +1004,10 @@ static void test_argument_errors(void)
                  rp_cuda_optim_step(NULL, RP_F32, NULL, NULL, 0, 0, NULL, &err), RP_EINVAL, err,
                  "null hyper-parameters");
     {
-        const long queries = g_rt.get_device_calls;
+        const long queries = g_emu.get_device_calls;
         const int rc = rp_cuda_optim_step(&adam, RP_F32, NULL, NULL, 0, 0, NULL, &err);
         check_status("no entries", rc, RP_OK, err, NULL);
-        CHECK(g_rt.get_device_calls == queries, "the runtime was queried for nothing");
+        CHECK(g_emu.get_device_calls == queries, "the runtime was queried for nothing");
     }
 }
 
@@ -1098,15 +1025,15 @@ static void expect_runtime_error(const char *what, emu_fault fault, int capturab
     build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
     rp_optim_advance_steps(&adam, cd.entries.data(), 2, scalars.data());
     expect_call(adam, RP_F32, capturable != 0, &cd, capturable ? NULL : scalars.data(), lc);
-    g_rt.fault = fault;
+    g_fault = fault;
     const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(),
                                       capturable ? NULL : scalars.data(), 2, capturable,
                                       (void *)lc.stream, &err);
-    g_rt.fault = FAULT_NONE;
+    g_fault = FAULT_NONE;
     check_status(what, rc, RP_ERUNTIME, err, cudaGetErrorString(error));
-    CHECK(g_rt.pending == cudaSuccess, "the CUDA error was left pending");
-    CHECK(g_rt.current_device == lc.current_device, "device %d left current",
-          g_rt.current_device);
+    CHECK(g_emu.pending == cudaSuccess, "the CUDA error was left pending");
+    CHECK(g_emu.current_device == lc.current_device, "device %d left current",
+          g_emu.current_device);
 }
 
 static void test_runtime_errors(void)
@@ -1186,9 +1113,7 @@ int main(void)
 {
     struct timespec t0, t1;
     unsetenv("REPROP_CUDA_OPTIM_CHUNK"); /* the chunk heuristic, not a tuning override */
-    signal(SIGSEGV, on_fatal_signal);
-    signal(SIGBUS, on_fatal_signal);
-    signal(SIGABRT, on_fatal_signal); /* e.g. malloc finding its heap overwritten */
+    catch_fatal_signals();
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
     test_runtime_errors();

@@ -5,11 +5,12 @@
  * CI has nvcc but no GPU. This test includes scan.cu with the CUDA runtime
  * calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice,
  * cudaSetDevice, cudaDeviceGetAttribute, cudaFuncSetAttribute,
- * cudaGetLastError) renamed to the host mocks below. The launch mock finds
- * the kernel it is handed among every instantiation scan.cu can launch and
- * runs every block of the grid on the host through the very task bodies the
- * kernels run (rp_scan_up_small, rp_scan_up_large, rp_scan_mid,
- * rp_scan_down), with a host executor: a phase (x.each) is queued, and a
+ * cudaGetLastError) renamed to host mocks (emu_runtime.h; the launch and
+ * attribute mocks below). The launch mock finds the kernel it is handed
+ * among every instantiation scan.cu can launch and runs every block of the
+ * grid on the host through the very task bodies the kernels run
+ * (rp_scan_up_small, rp_scan_up_large, rp_scan_mid, rp_scan_down), with a
+ * host executor: a phase (x.each) is queued, and a
  * barrier (x.sync, or the warp shuffle of x.group_sum) runs the queued phases
  * thread-major, each thread through all of them before the next thread
  * starts, in increasing thread order on some runs and decreasing on others.
@@ -60,13 +61,10 @@
 #include <cuda_runtime.h>
 
 #include <math.h>
-#include <signal.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 #include <functional>
 #include <vector>
 
@@ -74,32 +72,11 @@ static int g_smem_default = 49152; /* the budget scan.cu plans with */
 #define RP_SCAN_SMEM_DEFAULT ((size_t)g_smem_default)
 #define RP_SCAN_MAX_GRID 3 /* every kernel loops over its work items */
 
-static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
-                                      size_t smem, cudaStream_t stream);
-static cudaError_t mock_get_device(int *dev);
-static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev);
-static cudaError_t mock_set_device(int dev);
-static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev);
+#define EMU_DEVICES 3
+#include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute attr, int value);
-static cudaError_t mock_get_last_error(void);
-
-#define cudaLaunchKernel mock_launch_kernel
-#define cudaGetDevice mock_get_device
-#define cudaStreamGetDevice mock_stream_get_device
-#define cudaSetDevice mock_set_device
-#define cudaDeviceGetAttribute mock_device_get_attribute
 #define cudaFuncSetAttribute mock_func_set_attribute
-#define cudaGetLastError mock_get_last_error
 #include "scan.cu"
-#undef cudaLaunchKernel
-#undef cudaGetDevice
-#undef cudaStreamGetDevice
-#undef cudaSetDevice
-#undef cudaDeviceGetAttribute
-#undef cudaFuncSetAttribute
-#undef cudaGetLastError
-
-#include "emu_check.h" /* CHECK, g_context, on_fatal_signal */
 
 /* ---------------------------------------------------------------------------
  * The host executor: every thread of a block, phase by phase
@@ -159,19 +136,12 @@ struct emu_exec {
  * The emulated runtime
  * ------------------------------------------------------------------------- */
 
-#define EMU_DEVICES 3
-static cudaStream_t emu_stream(int dev) { return (cudaStream_t)(uintptr_t)(0x7000 + 0x100 * dev); }
-
 typedef enum { FAULT_NONE, FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE } emu_fault;
 
 static struct {
-    int current_device;
     int optin; /* cudaDevAttrMaxSharedMemoryPerBlockOptin */
     emu_fault fault;
     int fault_at; /* the launch (0-based) the fault hits */
-    cudaError_t pending;
-    cudaStream_t stream; /* the stream of the call */
-    int stream_device;
     int launches;
     bool reverse_blocks;  /* run each grid's blocks last to first */
     bool reverse_threads; /* run unsynchronized phases' threads last to first */
@@ -184,37 +154,13 @@ static struct {
     long tiles[8]; /* large up-sweep launches by log2(T) */
 } g_stats;
 
-static cudaError_t mock_get_device(int *dev)
-{
-    if (g_rt.fault == FAULT_GET_DEVICE)
-        return cudaErrorNoDevice;
-    *dev = g_rt.current_device;
-    return cudaSuccess;
-}
-
-static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
-{
-    for (int d = 0; d < EMU_DEVICES; d++)
-        if (stream == emu_stream(d)) {
-            *dev = d;
-            return cudaSuccess;
-        }
-    CHECK(false, "cudaStreamGetDevice on stream %p", (void *)stream);
-    return cudaErrorInvalidResourceHandle;
-}
-
-static cudaError_t mock_set_device(int dev)
-{
-    CHECK(dev >= 0 && dev < EMU_DEVICES, "cudaSetDevice(%d)", dev);
-    g_rt.current_device = dev;
-    return cudaSuccess;
-}
+static bool emu_get_device_fails(void) { return g_rt.fault == FAULT_GET_DEVICE; }
 
 static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
 {
     CHECK(attr == cudaDevAttrMaxSharedMemoryPerBlockOptin, "unexpected attribute %d", (int)attr);
-    CHECK(dev == g_rt.stream_device, "attribute of device %d, the stream's is %d", dev,
-          g_rt.stream_device);
+    CHECK(dev == g_emu.stream_device, "attribute of device %d, the stream's is %d", dev,
+          g_emu.stream_device);
     *value = g_rt.optin;
     return cudaSuccess;
 }
@@ -224,18 +170,11 @@ static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute att
     CHECK(attr == cudaFuncAttributeMaxDynamicSharedMemorySize, "unexpected attribute %d", (int)attr);
     CHECK(value > g_smem_default && value <= g_rt.optin, "opt-in of %d bytes (default %d, max %d)",
           value, g_smem_default, g_rt.optin);
-    CHECK(g_rt.current_device == g_rt.stream_device, "opt-in on device %d, stream on %d",
-          g_rt.current_device, g_rt.stream_device);
+    CHECK(g_emu.current_device == g_emu.stream_device, "opt-in on device %d, stream on %d",
+          g_emu.current_device, g_emu.stream_device);
     g_rt.attr.push_back(std::make_pair(fn, value));
     g_stats.optins++;
     return cudaSuccess;
-}
-
-static cudaError_t mock_get_last_error(void)
-{
-    const cudaError_t e = g_rt.pending;
-    g_rt.pending = cudaSuccess;
-    return e;
 }
 
 /* ---------------------------------------------------------------------------
@@ -315,14 +254,10 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
     if (g_rt.fault == FAULT_LAUNCH && index == g_rt.fault_at)
         return cudaErrorLaunchOutOfResources;
     if (g_rt.fault == FAULT_LAST_ERROR && index == g_rt.fault_at)
-        g_rt.pending = cudaErrorIllegalAddress; /* "launched", then reported */
+        g_emu.pending = cudaErrorIllegalAddress; /* "launched", then reported */
 
     const rp_scan_args &a = *(const rp_scan_args *)args[0];
-    CHECK(stream == g_rt.stream, "launch on stream %p, call on %p", (void *)stream,
-          (void *)g_rt.stream);
-    CHECK(g_rt.current_device == g_rt.stream_device, "launch on device %d, stream on %d",
-          g_rt.current_device, g_rt.stream_device);
-    CHECK(grid.y == 1 && grid.z == 1 && block.y == 1 && block.z == 1, "grid or block not 1-D");
+    emu_check_launch_site(grid, block, stream);
     CHECK(grid.x >= 1 && grid.x <= RP_SCAN_MAX_GRID, "grid of %u", grid.x);
     CHECK(block.x >= 1 && (int)block.x <= k->max_threads, "%u threads, kernel bound %d", block.x,
           k->max_threads);
@@ -589,9 +524,9 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                      (long long)B, (long long)H, pr.G, (int)pr.has_u, L,
                      inplace ? "in place" : "out of place", reverse ? " reversed" : "",
                      g_smem_default);
-            g_rt.stream = emu_stream(device);
-            g_rt.stream_device = device;
-            g_rt.current_device = (device + 1) % EMU_DEVICES;
+            g_emu.stream = emu_stream(device);
+            g_emu.stream_device = device;
+            g_emu.current_device = (device + 1) % EMU_DEVICES;
             g_rt.launches = 0;
             g_rt.reverse_blocks = reverse;
             g_rt.reverse_threads = inplace;
@@ -599,12 +534,12 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             g_expect.levels = L;
             g_expect.mode = pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
             g_expect.next = 0;
-            const int rc = rp_cuda_scan(&j, cin.p(), g, L, work.p(), (void *)g_rt.stream, &err);
+            const int rc = rp_cuda_scan(&j, cin.p(), g, L, work.p(), (void *)g_emu.stream, &err);
             g_stats.cases++;
             CHECK(rc == RP_OK, "status %d: %s", rc, err.msg);
             CHECK(g_rt.launches == 2 * L + 1, "%d launches for %d levels", g_rt.launches, L);
-            CHECK(g_rt.current_device == (device + 1) % EMU_DEVICES,
-                  "current device %d after the call, was %d", g_rt.current_device,
+            CHECK(g_emu.current_device == (device + 1) % EMU_DEVICES,
+                  "current device %d after the call, was %d", g_emu.current_device,
                   (device + 1) % EMU_DEVICES);
             CHECK(work.intact() && gsep.intact() && cin.intact() && D.w.intact() && D.u.intact() &&
                       D.v.intact() && D.jt.intact(),
@@ -665,9 +600,9 @@ static void error_cases(void)
     rp_error err;
     work.init(rp_scan_workspace_floats(9, 2, 5, rp_scan_max_levels(9)), 0.0f);
     g.init(9 * 2 * 5, 0.0f);
-    g_rt.stream = emu_stream(1);
-    g_rt.stream_device = 1;
-    g_rt.current_device = 1;
+    g_emu.stream = emu_stream(1);
+    g_emu.stream_device = 1;
+    g_emu.current_device = 1;
     g_rt.attr.clear();
     g_rt.reverse_blocks = false;
     g_rt.reverse_threads = false;
@@ -679,7 +614,7 @@ static void error_cases(void)
             snprintf(g_context, sizeof g_context, "error: levels %d", L);
             rp_error e1, e2;
             g_rt.launches = 0;
-            const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), L, work.p(), g_rt.stream, &e1);
+            const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), L, work.p(), g_emu.stream, &e1);
             const int want = rp_scan_check(&j, D.c.p(), g.p(), L, work.p(), &e2);
             CHECK(rc == want && rc == RP_EINVAL && strcmp(e1.msg, e2.msg) == 0,
                   "status %d (%s), rp_scan_check %d (%s)", rc, e1.msg, want, e2.msg);
@@ -687,7 +622,7 @@ static void error_cases(void)
         }
         snprintf(g_context, sizeof g_context, "error: NULL jacobians");
         g_rt.launches = 0;
-        CHECK(rp_cuda_scan(NULL, D.c.p(), g.p(), 0, work.p(), g_rt.stream, &err) == RP_EINVAL,
+        CHECK(rp_cuda_scan(NULL, D.c.p(), g.p(), 0, work.p(), g_emu.stream, &err) == RP_EINVAL,
               "accepted NULL jacobians");
         CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
     }
@@ -697,7 +632,7 @@ static void error_cases(void)
         rp_scan_jacobians j0 = j;
         j0.batch = 0;
         g_rt.launches = 0;
-        const int rc = rp_cuda_scan(&j0, D.c.p(), g.p(), 1, NULL, g_rt.stream, &err);
+        const int rc = rp_cuda_scan(&j0, D.c.p(), g.p(), 1, NULL, g_emu.stream, &err);
         CHECK(rc == RP_OK && g_rt.launches == 0, "status %d, %d launches", rc, g_rt.launches);
     }
     /* faults: a refused launch, an error found by cudaGetLastError, no device */
@@ -709,21 +644,21 @@ static void error_cases(void)
                 g_rt.fault = f;
                 g_rt.fault_at = at;
                 g_rt.launches = 0;
-                g_rt.pending = cudaSuccess;
-                g_rt.current_device = 0;
+                g_emu.pending = cudaSuccess;
+                g_emu.current_device = 0;
                 g_expect.levels = 2;
                 g_expect.mode = RP_SCAN_STRUCT;
                 g_expect.next = 0;
                 err.msg[0] = '\0';
-                const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_rt.stream, &err);
+                const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_emu.stream, &err);
                 CHECK(rc == RP_ERUNTIME && strstr(err.msg, "CUDA error") != NULL,
                       "status %d: %s", rc, err.msg);
                 if (f == FAULT_GET_DEVICE)
                     CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
                 else
                     CHECK(g_rt.launches == at + 1, "%d launches, fault at %d", g_rt.launches, at);
-                CHECK(g_rt.current_device == 0, "device %d not restored", g_rt.current_device);
-                CHECK(g_rt.pending == cudaSuccess, "error left pending");
+                CHECK(g_emu.current_device == 0, "device %d not restored", g_emu.current_device);
+                CHECK(g_emu.pending == cudaSuccess, "error left pending");
                 if (f == FAULT_GET_DEVICE)
                     break;
             }
@@ -744,7 +679,7 @@ static void error_cases(void)
         g2.init(4 * 200, 0.0f);
         g_rt.launches = 0;
         err.msg[0] = '\0';
-        const int rc = rp_cuda_scan(&j2, D2.c.p(), g2.p(), 1, w2.p(), g_rt.stream, &err);
+        const int rc = rp_cuda_scan(&j2, D2.c.p(), g2.p(), 1, w2.p(), g_emu.stream, &err);
         CHECK(rc == RP_EINVAL && strstr(err.msg, "shared memory") != NULL, "status %d: %s", rc,
               err.msg);
         CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
@@ -824,9 +759,7 @@ int main(int argc, char **argv)
 {
     const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     const bool smoke = argc > 1 && strcmp(argv[1], "--smoke") == 0; /* seconds: for edits */
-    signal(SIGSEGV, on_fatal_signal);
-    signal(SIGBUS, on_fatal_signal);
-    signal(SIGFPE, on_fatal_signal);
+    catch_fatal_signals();
     register_mode<RP_SCAN_PROD>();
     register_mode<RP_SCAN_DENSE>();
     register_mode<RP_SCAN_STRUCT>();
