@@ -501,7 +501,9 @@ class OOOHandle:
         """Within the block, deferred tasks of modules `keep` accepts (all by
         default) are collected into the yielded list instead of being run;
         run them later with ``run(tasks)``. The building block of the data-
-        and pipeline-parallel schedules, which order dW explicitly."""
+        and pipeline-parallel schedules, which order dW explicitly: the
+        caller owns the order, so post-accumulate-grad hooks of held
+        parameters fire when autograd is done with them, before ``run()``."""
         held: list = []
         saved = self._held, self._keep
         self._held, self._keep = held, keep
