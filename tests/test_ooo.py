@@ -453,28 +453,27 @@ def _conv_batch(step: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     return x.to(device), y.to(device)
 
 
+def _sgd_step(net: nn.Module):
+    """One training step of `net` with its own SGD, as a capturable function."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=False)
+        loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 def _captured_training(device: str, steps: int, rtol: float, atol: float) -> None:
     """ooo + capture() trains like plain autograd, step for step."""
     torch.manual_seed(0)
     ref = ConvNet().to(device)
     model = copy.deepcopy(ref)
     handle = ooo.enable(model)
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-    def step(x, y):
-        opt.zero_grad(set_to_none=False)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    def ref_step(x, y):
-        opt_ref.zero_grad(set_to_none=False)
-        loss = nn.functional.cross_entropy(ref(x), y)
-        loss.backward()
-        opt_ref.step()
-        return loss.detach()
+    step, ref_step = _sgd_step(model), _sgd_step(ref)
 
     x0, y0 = _conv_batch(0, device)
     captured = ooo.capture(step, x0, y0, warmup=2, handle=handle)
