@@ -99,8 +99,7 @@ def test_corun_profile_latin_square():
     main, sub = np.array([1.0, 2.0, 3.0]), np.array([0.4, 0.6, 0.8])
     corun = ooo._CoRun({("k", r): r for r in range(n)}, n)
     for t in range(n + 1):
-        assert [corun.region_of(("k", r)) for r in range(n)] == \
-            [min(r + t, n) if t < n else n for r in range(n)]
+        assert corun.regions() == {("k", r): min(r + t, n) for r in range(n)}
         clock = 0.0
         for i in range(n):  # region entries, stamped on a synthetic clock
             corun.entries.append((i, clock))

@@ -416,9 +416,9 @@ class _CoRun:
         self.entries: list = []  # (region, stamp) of this pass; (n, stamp) closes it
         self.groups: list = []   # (region, stamp before, stamp after) of the dW groups alone
 
-    def region_of(self, key) -> int:
-        """Where pass `pass_` runs the dW of `key`; n: after backward."""
-        return min(self.region_main[key] + self.pass_, self.n) if self.pass_ < self.n else self.n
+    def regions(self) -> dict:
+        """Task key -> where pass `pass_` runs its dW (n: after backward)."""
+        return {k: min(r + self.pass_, self.n) for k, r in self.region_main.items()}
 
     def record(self) -> None:
         for (i, a), (_, b) in zip(self.entries, self.entries[1:]):
@@ -576,11 +576,11 @@ class OOOHandle:
                 self._corun = None
                 self._place(corun.speedup())
             else:
-                self._region_of = {k: corun.region_of(k) for k in self._region_of_main}
+                self._region_of = corun.regions()
         elif self._iteration >= self.profile_iters and self._fix_regions():
             if self._speedup == "profile":
                 self._corun = _CoRun(self._region_of_main, self.schedule_regions)
-                self._region_of = {k: self._corun.region_of(k) for k in self._region_of_main}
+                self._region_of = self._corun.regions()
             elif self._speedup is None:
                 self._place(np.ones((self.schedule_regions,) * 2))
             else:
@@ -589,9 +589,10 @@ class OOOHandle:
                                       for r in range(n)]))
 
     def _profiling(self) -> bool:
-        """Backward passes after the warm-up that time the sequential profile."""
+        """Backward passes after the warm-up that time the sequential profile
+        (until the regions are cut: the co-run passes come after)."""
         return self.order == "ooo" and self.schedule is None and self._iteration >= 1 \
-            and self._corun is None and not self._region_of_main
+            and not self._region_of_main
 
     def _profiling_left(self) -> bool:
         """Backward passes are still to be profiled before the schedule is fixed."""
