@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import json
 import os
 import sys
@@ -361,6 +362,7 @@ def _rank_main(rank: int, world: int, tmp: str, jobs: list) -> None:
                             timeout=datetime.timedelta(seconds=300))
     try:
         results = [fn(rank, world, **kwargs) for fn, kwargs in jobs]
+        gc.collect()  # free model/hook/handle cycles while the group lives (see tests' _worker)
         dist.barrier()  # no rank tears its connections down while a peer still uses them
     finally:
         dist.destroy_process_group()
