@@ -166,6 +166,29 @@ def test_hold_defers_until_run():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_norms_with_batch_statistics_make_dw_with_do(training):
+    """BatchNorm with batch statistics and GroupNorm need dbias and dweight's
+    sums for dO anyway: their held task holds only the two per-channel
+    gradients, not the layer's input and output gradient. An eval-mode
+    BatchNorm's dO is element-wise, so its dW stays a deferred reduction.
+    Gradients equal autograd's either way."""
+    torch.manual_seed(0)
+    ref = EveryKind().train(training)
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    idx, y = _batch(0)
+    with handle.hold(keep=lambda m: isinstance(m, (nn.BatchNorm1d, nn.GroupNorm))) as tasks:
+        nn.functional.cross_entropy(model(idx), y).backward()
+    held = {type(t.site.module): sorted(tuple(x.shape) for x in t.tensors()) for t in tasks}
+    assert held[nn.GroupNorm] == [(8,), (8,)]
+    assert (held[nn.BatchNorm1d] == [(8,), (8,)]) == training
+    handle.run(tasks)
+    nn.functional.cross_entropy(ref(idx), y).backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
 def _sum_of_squares(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).pow(2).sum()
 

@@ -76,9 +76,14 @@ class _Kind:
         """What happens to the input outside the split (padding modes, renorm)."""
         return x
 
+    def fuses(self, saved: tuple) -> bool:
+        """True where dW falls out of the reductions dO needs anyway: then
+        both are made in one call and only dW's accumulation is deferred."""
+        return False
+
 
 def _fold(t: torch.Tensor, last: int) -> torch.Tensor:
-    return t.reshape(-1, last)
+    return t if t.dim() == 2 else t.reshape(-1, last)
 
 
 class _LinearKind(_Kind):
@@ -177,8 +182,13 @@ class _NormKind(_Kind):
         return self._backward(m, saved, g, [True, False, False])[0]
 
     def weight_grads(self, m, saved, g):
-        _, dw, db = self._backward(m, saved, g, [False, m.weight is not None, m.bias is not None])
-        return [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
+        return self.grads(m, saved, g, False)[1]
+
+    def grads(self, m, saved, g, input_grad: bool):
+        """(dO or None, [(param, dW)]) from one call of the native backward."""
+        dx, dw, db = self._backward(m, saved, g, [input_grad, m.weight is not None,
+                                                  m.bias is not None])
+        return dx, [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
 
 
 class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
@@ -201,6 +211,11 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
         training, eaf, rm, rv = self._state(m)
         y, mean, invstd = _aten.native_batch_norm(x, m.weight, m.bias, rm, rv, training, eaf, m.eps)
         return y, (x, m.weight, mean, invstd, rm, rv, training)
+
+    def fuses(self, saved):
+        # with batch statistics, dO needs the per-channel sums of g and g * x_hat,
+        # which are dbias and dweight; in eval mode dO is element-wise, dW a reduction
+        return saved[-1]
 
     def _backward(self, m, saved, g, mask):
         x, w, mean, invstd, rm, rv, training = saved
@@ -231,6 +246,9 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         n, c, hw = self._sizes(x)
         y, mean, rstd = _aten.native_group_norm(x, m.weight, m.bias, n, c, hw, m.num_groups, m.eps)
         return y, (x, m.weight, mean, rstd)
+
+    def fuses(self, saved):
+        return True  # dO and dW both reduce g and g * x per (sample, channel) first
 
     def _backward(self, m, saved, g, mask):
         x, w, mean, rstd = saved
@@ -288,16 +306,26 @@ class _Split(torch.autograd.Function):
                                f"{type(ctx.site.module).__name__} is not supported; call "
                                "remove() on the handle of reprop.ooo.enable() first")
         site = ctx.site
+        kind, module = site.kind, site.module
         saved = tuple(ctx.saved_tensors) + tuple(ctx.extra)
         handle = site.handle
         deferred, returned = _weight_grad_targets(ctx, site.params)
         task = handle._weight_grad_ready(site, saved, g, deferred) if deferred else None
-        dx = site.kind.input_grad(site.module, saved, g) if ctx.needs_input_grad[1] else None
+        input_grad = ctx.needs_input_grad[1]
+        weight_grads = None
+        if (deferred or returned) and kind.fuses(saved):
+            dx, weight_grads = kind.grads(module, saved, g, input_grad)
+            if task is not None:
+                task.made(weight_grads)
+        else:
+            dx = kind.input_grad(module, saved, g) if input_grad else None
         if task is not None:
             handle._after_input_grad(task)
         grads = dict.fromkeys(site.params)
         if returned:
-            for p, d in site.kind.weight_grads(site.module, saved, g):
+            if weight_grads is None:
+                weight_grads = kind.weight_grads(module, saved, g)
+            for p, d in weight_grads:
                 if any(p is q for q in returned):
                     grads[p] = d
         return (None, dx) + tuple(grads.values())
@@ -360,22 +388,41 @@ class _HookState:
 
 
 class _Task:
-    """A deferred weight gradient: one call's saved tensors and output gradient."""
+    """A deferred weight gradient: one call's saved tensors and output gradient,
+    or the gradients already made beside dO (``made``), to accumulate."""
 
-    __slots__ = ("site", "saved", "grad", "key", "targets", "event", "nbytes")
+    __slots__ = ("site", "saved", "grad", "key", "targets", "every", "event", "done")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple, targets: list):
         self.site, self.saved, self.grad, self.key = site, saved, grad, key
         self.targets = targets  # the parameters whose .grad this backward reaches
+        self.every = len(targets) == len(site.params)
         self.event = None
-        self.nbytes = sum(t.numel() * t.element_size() for t in (grad,) + saved
-                          if isinstance(t, torch.Tensor))
+        self.done: list | None = None
+
+    def made(self, grads: list) -> None:
+        """dW was made with dO (a fused kind): what is left is to accumulate it,
+        on the sub-stream after the main stream has made it."""
+        self.done, self.saved, self.grad = grads, (), None
+        if self.event is not None:
+            self.event = torch.cuda.current_stream(grads[0][1].device).record_event()
+
+    def tensors(self) -> list:
+        """What the task reads when it runs: kept alive for the sub-stream."""
+        return [t for t in (self.grad, *self.saved, *(d for _, d in self.done or ()))
+                if isinstance(t, torch.Tensor)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def run(self) -> None:
-        for p, d in self.site.kind.weight_grads(self.site.module, self.saved, self.grad):
-            if any(p is q for q in self.targets):
+        grads = self.done
+        if grads is None:
+            grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad)
+        for p, d in grads:
+            if self.every or any(p is q for q in self.targets):
                 _accumulate(p, d)
-        self.saved = self.grad = None  # the memory a deferred task holds goes now
+        self.saved = self.grad = self.done = None  # the memory a deferred task holds goes now
 
 
 # ---------------------------------------------------------------------------
@@ -672,6 +719,8 @@ class OOOHandle:
             self._pending.append(task)
 
     def _after_deferred_run(self, task: _Task) -> None:
+        if not self._hooked:
+            return
         for p in task.targets:
             state = self._hooked.get(p)
             if state is not None:
@@ -727,7 +776,7 @@ class OOOHandle:
     def _issue(self, task: _Task) -> None:
         profiling = self._profiling()
         if profiling:
-            self._profile.nbytes[task.key] = task.nbytes
+            self._profile.nbytes[task.key] = task.nbytes()
         if task.event is None:
             start = time.perf_counter()
             task.run()
@@ -737,10 +786,10 @@ class OOOHandle:
             if profiling:
                 self._profile.sub.setdefault(task.key, []).append(spent)
             return
-        sub = self._sub_stream(task.grad.device)
+        sub = self._sub_stream(task.targets[0].device)
         sub.wait_event(task.event)
-        for t in (task.grad,) + task.saved:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
+        for t in task.tensors():
+            if t.is_cuda:
                 t.record_stream(sub)  # the main stream's allocator reuses it only after sub
         with torch.cuda.stream(sub):
             if profiling:
