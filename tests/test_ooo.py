@@ -189,6 +189,41 @@ def test_norms_with_batch_statistics_make_dw_with_do(training):
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def _autocast_gradients_match(model_cls, batch, device: str, dtype: torch.dtype, order: str,
+                              shared: tuple = ()) -> None:
+    """Under autocast the split casts as autocast does and saves the cast
+    tensors, as autograd's graph does: gradients equal autograd's to the bit,
+    but for weights used at several sites (`shared`). Autocast casts such a
+    weight once per region, so autograd sums the sites' gradients in the low
+    precision before its cast back; the split casts each site's dW to the
+    parameter's float32 first. The difference is the rounding of that sum."""
+    torch.manual_seed(0)
+    ref = model_cls().to(device)
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order=order, profile_iters=2, regions=2)
+    for step in range(handle._profile_passes() + 2):
+        x, y = batch(step)
+        for net in (ref, model):
+            net.zero_grad()
+            with torch.autocast(device, dtype=dtype):
+                out = net(x.to(device))
+                assert out.dtype == dtype
+                loss = nn.functional.cross_entropy(out.float(), y.to(device))
+            loss.backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert b.grad.dtype == a.grad.dtype == torch.float32
+            if name.split(".")[0] in shared:
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-2, atol=1e-2 * a.grad.abs().max().item(),
+                                           msg=name)
+            else:
+                torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_autocast_bf16_gradients_match_autograd(order):
+    _autocast_gradients_match(EveryKind, _batch, "cpu", torch.bfloat16, order, shared=("shared",))
+
+
 def _sum_of_squares(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).pow(2).sum()
 
@@ -562,6 +597,13 @@ def test_sub_stream_training_matches_autograd_on_cuda(speedup):
             for (name, a), b in zip(ref.named_parameters(), model.parameters()):
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
         assert handle.schedule is not None and handle._sub_streams
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_autocast_gradients_match_autograd_on_cuda(dtype):
+    with _cuda_exact():
+        _autocast_gradients_match(ConvNet, lambda s: _conv_batch(s, "cpu"), "cuda", dtype, "ooo")
 
 
 @pytest.mark.gpu

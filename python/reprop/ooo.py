@@ -32,6 +32,7 @@ the scheduler core for planning runs on machines one does not have.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import types
@@ -60,8 +61,10 @@ _aten = torch.ops.aten
 class _Kind:
     """How one layer type computes its forward and the two halves of its backward.
 
-    ``forward`` returns the output and what backward needs (tensors first,
-    saved for backward so in-place changes are caught; then plain values).
+    ``forward(m, x, w, b)`` returns the output and what backward needs
+    (tensors first, saved for backward so in-place changes are caught; then
+    plain values); w and b are the module's weight and bias, cast as autocast
+    would cast them for ``op(m)``, the functional op the module's own forward calls.
     """
 
     tensors_saved = 2
@@ -88,8 +91,11 @@ def _fold(t: torch.Tensor, last: int) -> torch.Tensor:
 
 class _LinearKind(_Kind):
     # y = x W^T + b over any leading dims, folded to 2-D as at::linear does
-    def forward(self, m, x):
-        return F.linear(x, m.weight, m.bias), (x, m.weight)
+    def op(self, m):
+        return "linear"
+
+    def forward(self, m, x, w, b):
+        return F.linear(x, w, b), (x, w)
 
     def input_grad(self, m, saved, g):
         x, w = saved
@@ -125,10 +131,13 @@ class _ConvKind(_Kind):
             return F.pad(x, m._reversed_padding_repeated_twice, mode=m.padding_mode)
         return x
 
-    def forward(self, m, x):
-        y = _aten.convolution(x, m.weight, m.bias, list(m.stride), self._padding(m),
+    def op(self, m):
+        return f"conv{len(m.kernel_size)}d"
+
+    def forward(self, m, x, w, b):
+        y = _aten.convolution(x, w, b, list(m.stride), self._padding(m),
                               list(m.dilation), False, [0] * len(m.stride), m.groups)
-        return y, (x, m.weight)
+        return y, (x, w)
 
     def _backward(self, m, saved, g, mask):
         x, w = saved
@@ -159,9 +168,12 @@ class _EmbeddingKind(_Kind):
                 torch.embedding_renorm_(m.weight, x, m.max_norm, m.norm_type)
         return x
 
-    def forward(self, m, x):
+    def op(self, m):
+        return "embedding"
+
+    def forward(self, m, x, w, b):
         pad = -1 if m.padding_idx is None else m.padding_idx
-        return torch.embedding(m.weight, x, pad, m.scale_grad_by_freq, False), (x,)
+        return torch.embedding(w, x, pad, m.scale_grad_by_freq, False), (x,)
 
     def input_grad(self, m, saved, g):
         return None  # indices have no gradient
@@ -207,10 +219,13 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
         m._check_input_dim(x)
         return x
 
-    def forward(self, m, x):
+    def op(self, m):
+        return "batch_norm"
+
+    def forward(self, m, x, w, b):
         training, eaf, rm, rv = self._state(m)
-        y, mean, invstd = _aten.native_batch_norm(x, m.weight, m.bias, rm, rv, training, eaf, m.eps)
-        return y, (x, m.weight, mean, invstd, rm, rv, training)
+        y, mean, invstd = _aten.native_batch_norm(x, w, b, rm, rv, training, eaf, m.eps)
+        return y, (x, w, mean, invstd, rm, rv, training)
 
     def fuses(self, saved):
         # with batch statistics, dO needs the per-channel sums of g and g * x_hat,
@@ -224,10 +239,13 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
 
 class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd
 
-    def forward(self, m, x):
+    def op(self, m):
+        return "layer_norm"
+
+    def forward(self, m, x, w, b):
         shape = list(m.normalized_shape)
-        y, mean, rstd = _aten.native_layer_norm(x, shape, m.weight, m.bias, m.eps)
-        return y, (x, m.weight, mean, rstd)
+        y, mean, rstd = _aten.native_layer_norm(x, shape, w, b, m.eps)
+        return y, (x, w, mean, rstd)
 
     def _backward(self, m, saved, g, mask):
         x, w, mean, rstd = saved
@@ -241,11 +259,14 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         n, c = x.shape[0], x.shape[1]
         return n, c, x.numel() // max(1, n * c)
 
-    def forward(self, m, x):
+    def op(self, m):
+        return "group_norm"
+
+    def forward(self, m, x, w, b):
         x = x.contiguous()  # as at::group_norm
         n, c, hw = self._sizes(x)
-        y, mean, rstd = _aten.native_group_norm(x, m.weight, m.bias, n, c, hw, m.num_groups, m.eps)
-        return y, (x, m.weight, mean, rstd)
+        y, mean, rstd = _aten.native_group_norm(x, w, b, n, c, hw, m.num_groups, m.eps)
+        return y, (x, w, mean, rstd)
 
     def fuses(self, saved):
         return True  # dO and dW both reduce g and g * x per (sample, channel) first
@@ -277,6 +298,54 @@ def _kind_of(m: nn.Module) -> _Kind | None:
     return None
 
 
+# Autocast's policy for each functional op a split module's forward calls, read
+# off autocast itself on one-element tensors: "linear", "conv2d", ... -> the
+# (x, weight) arguments of the probe call with x of the given dtype.
+_PROBES = {
+    "linear": lambda x, z: F.linear(x(1, 1), z(1, 1), z(1)),
+    "conv1d": lambda x, z: F.conv1d(x(1, 1, 1), z(1, 1, 1)),
+    "conv2d": lambda x, z: F.conv2d(x(1, 1, 1, 1), z(1, 1, 1, 1)),
+    "conv3d": lambda x, z: F.conv3d(x(1, 1, 1, 1, 1), z(1, 1, 1, 1, 1)),
+    "embedding": lambda x, z: F.embedding(z(1).long(), x(1, 1)),
+    "batch_norm": lambda x, z: F.batch_norm(x(2, 1), None, None, z(1), z(1), training=True),
+    "layer_norm": lambda x, z: F.layer_norm(x(1, 2), (2,), z(2), z(2)),
+    "group_norm": lambda x, z: F.group_norm(x(1, 2), 1, z(2), z(2)),
+}
+
+
+def _autocasting(device: torch.device) -> bool:
+    return torch.is_autocast_enabled(device.type)
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_policy(op: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype autocast casts `op`'s floating inputs to: its lower precision
+    `dtype`, float32, or None where it leaves them as they are."""
+    probe = _PROBES[op]
+
+    def out_dtype(x_dtype):
+        def make(dt):
+            return lambda *shape: torch.zeros(shape, dtype=dt, device=device)
+        with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
+            return probe(make(x_dtype), make(torch.float32)).dtype
+
+    if out_dtype(torch.float32) == dtype:
+        return dtype
+    return torch.float32 if out_dtype(dtype) == torch.float32 else None
+
+
+def _autocast_target(op: str, device: torch.device) -> torch.dtype | None:
+    return _autocast_policy(op, device, torch.get_autocast_dtype(device.type))
+
+
+def _autocast_cast(t, dtype: torch.dtype):
+    """Autocast's cast: floating tensors other than float64 (the ones it calls eligible)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in (torch.float64,
+                                                                                 dtype):
+        return t.to(dtype)
+    return t
+
+
 def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     """(kind, trainable params) when enable() splits `m`: a known exact type,
     its own forward not replaced, some parameter trainable."""
@@ -292,7 +361,18 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, site: "_Site", x: torch.Tensor, *params: torch.Tensor):
-        y, saved = site.kind.forward(site.module, x)
+        m = site.module
+        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
+        cast = _autocast_target(site.kind.op(m), x.device) if _autocasting(x.device) else None
+        if cast is None:
+            y, saved = site.kind.forward(m, x, w, b)
+        else:
+            # what autocast does before the op, done here so that backward gets
+            # the cast tensors, as autograd's own graph saves them; the engine
+            # casts the returned gradients back to the inputs' dtypes
+            x, w, b = (_autocast_cast(t, cast) for t in (x, w, b))
+            with torch.autocast(x.device.type, enabled=False):
+                y, saved = site.kind.forward(m, x, w, b)
         n = site.kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
         ctx.extra = saved[n:]
@@ -366,7 +446,11 @@ class _Site:
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
-    """What AccumulateGrad does with a new gradient outside grad mode."""
+    """What AccumulateGrad does with a new gradient outside grad mode (after
+    the engine's cast to the parameter's dtype, which under autocast a dW made
+    from cast tensors needs)."""
+    if d.dtype != p.dtype:
+        d = d.to(p.dtype)
     if p.grad is None:
         p.grad = d if d.stride() == p.stride() else torch.empty_like(p).copy_(d)
     else:
