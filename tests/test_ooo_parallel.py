@@ -192,9 +192,10 @@ def _dp_cases(rank: int, world: int) -> None:
 
 
 def _dp_order(rank: int, world: int) -> None:
-    """Reverse first-k, k = 2: layers 7 .. 2's dW in backward, each bucket
-    launched during backward; then dW 0, dW 1 after it, each layer's
-    all-reduce right after its dW."""
+    """Reverse first-k, k = 2: layers 7 .. 2's dW in backward (split in the
+    first iteration, plain autograd from the second), each bucket launched
+    during backward; then dW 0, dW 1 after it, each layer's all-reduce right
+    after its dW."""
     model = _Net()
     dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
     name = {p: n for n, p in model.named_parameters()}
@@ -209,7 +210,9 @@ def _dp_order(rank: int, world: int) -> None:
         _train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batch(rank, step))
         during = []
         for l in range(DEPTH - 1, 1, -1):
-            during += [("dW", l), ("sync", [f"layers.{l}.weight"], False),
+            if step == 0:  # the first forward splits every layer; later only those below k
+                during.append(("dW", l))
+            during += [("sync", [f"layers.{l}.weight"], False),
                        ("sync", [f"layers.{l}.bias"], False)]
         after = [("dW", 0), ("sync", ["layers.0.weight", "layers.0.bias"], True),
                  ("dW", 1), ("sync", ["layers.1.weight", "layers.1.bias"], True)]
@@ -218,6 +221,8 @@ def _dp_order(rank: int, world: int) -> None:
         scale = ("sync", ["scale"], False)
         assert events.count(scale) == 1, events
         assert [e for e in events if e != scale] == during + after, events
+        assert [s.split for s in sorted(dp.handle.sites, key=lambda s: s.index)] == \
+            [True] * 2 + [False] * (DEPTH - 2), "layers past k must run plain autograd"
     dp.remove()
 
 

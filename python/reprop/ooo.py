@@ -443,6 +443,7 @@ class _Site:
     name: str
     index: int = -1  # order of first forward call in the iteration being profiled
     params: list = field(default_factory=list)
+    split: bool = True  # False: plain autograd (a schedule that never moves its dW)
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -977,7 +978,7 @@ def _make_forward(site: _Site):
 
     def forward(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() \
-                or site.handle._removed:
+                or site.handle._removed or not site.split:
             return own(self, x, *args, **kwargs)
         if site.index < 0:
             site.index = site.handle._next_index
@@ -1411,7 +1412,9 @@ class DataParallel:
     norms), in the order of their first call in the first forward. The dW of
     layers [0, k) are held during backward and run after it, layer 0 first;
     each held layer's parameters are all-reduced as soon as its dW ran (issue
-    order is the priority). All other parameters (the other layers', and
+    order is the priority). From the second forward on, only those k layers
+    run split; the others run plain autograd, whose order they keep anyway.
+    All other parameters (the other layers', and
     those of modules that are not split, plain ``nn.Parameter`` included) are
     all-reduced in buckets of about `bucket_cap_mb` MiB in reverse forward
     order (other modules' parameters last), each as soon as autograd has
@@ -1654,6 +1657,16 @@ class DataParallel:
             self._in_backward = False
         if self.searching and self.scores is not None:
             self._search_step()
+        self._split_only_held()
+
+    def _split_only_held(self) -> None:
+        """From the next forward on, only layers below k run split: the others
+        keep autograd's order here, so plain autograd (one native backward,
+        no Python task) computes the same gradients faster. A layer first
+        called later stays split until it has an index."""
+        for s in self.handle.sites:
+            if s.index >= 0:
+                s.split = s.index < self.k
 
     @staticmethod
     def _write_back(b: _Bucket, as_view: bool) -> None:
