@@ -19,22 +19,14 @@ static PyObject *rp_optim_step_py(PyObject *self, PyObject *const *args, Py_ssiz
     rp_error err = {{0}};
     int num_threads, rc;
     (void)self;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "optim_step() takes 5 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    num_threads = (int)PyLong_AsLong(args[4]);
-    if (num_threads == -1 && PyErr_Occurred())
-        return NULL;
-    if (rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
+    if (rp_py_check_nargs(nargs, 5, "optim_step") < 0 || rp_py_int_arg(args[4], &num_threads) < 0 ||
+        rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     rc = rp_optim_step_cpu(&call.hp, call.dtype, call.entries, call.n, num_threads, &err);
     Py_END_ALLOW_THREADS
     Py_DECREF(call.table);
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
+    return rp_py_none_or_raise(rc, &err);
 }
 
 PyDoc_STRVAR(fad_forward_doc,
@@ -42,73 +34,14 @@ PyDoc_STRVAR(fad_forward_doc,
              "y = f(x) and d = f'(x) for n elements in one pass on the CPU (see\n"
              "rp_fad_forward_cpu in csrc/reprop.h); x, y, d are data pointers.");
 
-static PyObject *rp_fad_forward_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    rp_py_fad_forward_call c;
-    rp_error err = {{0}};
-    int num_threads, rc;
-    (void)self;
-    if (rp_py_parse_fad_forward(args, nargs, "fad_forward", &c) < 0)
-        return NULL;
-    num_threads = (int)PyLong_AsLong(args[9]);
-    if (num_threads == -1 && PyErr_Occurred())
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_fad_forward_cpu(c.kind, c.p0, c.p1, c.dtype, c.x, c.y, c.d_store, c.d, c.n,
-                            num_threads, &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(fad_backward_code8_doc,
              "fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, num_threads)\n--\n\n"
              "grad_x = grad_y * codebook.value[codes] on the CPU (rp_fad_backward_code8_cpu).");
-
-static PyObject *rp_fad_backward_code8_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    rp_py_fad_backward_call c;
-    rp_error err = {{0}};
-    int num_threads, rc;
-    (void)self;
-    if (rp_py_parse_fad_backward(args, nargs, "fad_backward_code8", &c) < 0)
-        return NULL;
-    num_threads = (int)PyLong_AsLong(args[6]);
-    if (num_threads == -1 && PyErr_Occurred())
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_fad_backward_code8_cpu(c.dtype, c.grad_y, c.codes, c.cb, c.grad_x, c.n, num_threads,
-                                   &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
 
 PyDoc_STRVAR(scan_doc,
              "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, num_threads)\n--\n\n"
              "The BPPSA recurrence g[t] = c[t] + J[t+1]^T g[t+1] on the CPU (rp_scan_cpu in\n"
              "csrc/reprop.h); pointers as ints, 0 for NULL.");
-
-static PyObject *rp_scan_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    rp_py_scan_call c;
-    rp_error err = {{0}};
-    int num_threads, rc;
-    (void)self;
-    if (rp_py_parse_scan(args, nargs, "scan", &c) < 0)
-        return NULL;
-    num_threads = (int)PyLong_AsLong(args[12]);
-    if (num_threads == -1 && PyErr_Occurred())
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_scan_cpu(&c.j, c.c, c.g, c.levels, c.work, num_threads, &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
 
 PyDoc_STRVAR(sched_graph_doc,
              "sched_graph(spec)\n--\n\n"
@@ -165,12 +98,12 @@ static PyMethodDef rp_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_optim_step_py, METH_FASTCALL, optim_step_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
-    {"fad_forward", (PyCFunction)(void (*)(void))rp_fad_forward_py, METH_FASTCALL, fad_forward_doc},
-    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_fad_backward_code8_py, METH_FASTCALL,
+    {"fad_forward", (PyCFunction)(void (*)(void))rp_py_fad_forward, METH_FASTCALL, fad_forward_doc},
+    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_py_fad_backward_code8, METH_FASTCALL,
      fad_backward_code8_doc},
     {"fad_codebook", (PyCFunction)(void (*)(void))rp_py_fad_codebook, METH_FASTCALL,
      "fad_codebook(kind, p0, p1) -> bytes: an activation's 8-bit codebook (csrc/pyutil.h)."},
-    {"scan", (PyCFunction)(void (*)(void))rp_scan_py, METH_FASTCALL, scan_doc},
+    {"scan", (PyCFunction)(void (*)(void))rp_py_scan, METH_FASTCALL, scan_doc},
     {"scan_plan", (PyCFunction)(void (*)(void))rp_py_scan_plan, METH_FASTCALL,
      "scan_plan(n, batch, dim, gates, workers, level_cost, step_cost) -> (levels, max)."},
     {"scan_workspace", (PyCFunction)(void (*)(void))rp_py_scan_workspace, METH_FASTCALL,
@@ -200,11 +133,7 @@ static PyMethodDef rp_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static int rp_exec(PyObject *module)
-{
-    (void)module;
-    return rp_py_import_numpy();
-}
+static int rp_exec(PyObject *module) { return rp_py_module_exec(module, NULL); }
 
 static PyModuleDef_Slot rp_slots[] = {
     {Py_mod_exec, rp_exec},
@@ -212,8 +141,8 @@ static PyModuleDef_Slot rp_slots[] = {
 };
 
 static struct PyModuleDef rp_module = {
-    PyModuleDef_HEAD_INIT, "reprop._C", "The reprop C core (CPU).", 0, rp_methods, rp_slots,
-    NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "reprop._C", "The reprop C core (CPU).", sizeof(rp_py_module_state),
+    rp_methods, rp_slots, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__C(void) { return PyModuleDef_Init(&rp_module); }

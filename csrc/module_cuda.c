@@ -9,13 +9,6 @@
 
 #include "pyutil.h"
 
-/* Streams arrive as integers (torch.cuda.Stream.cuda_stream). */
-static int rp_cuda_stream_arg(PyObject *obj, void **stream)
-{
-    *stream = PyLong_AsVoidPtr(obj);
-    return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
-}
-
 PyDoc_STRVAR(optim_step_doc,
              "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
              "Fused multi-tensor optimizer step on CUDA, enqueued on `stream` (an\n"
@@ -32,14 +25,12 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     unsigned long long lr_ptr;
     int capturable, rc;
     (void)self;
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "optim_step() takes 7 arguments (%zd given)", nargs);
+    if (rp_py_check_nargs(nargs, 7, "optim_step") < 0)
         return NULL;
-    }
     capturable = PyObject_IsTrue(args[4]);
     if (capturable < 0)
         return NULL;
-    if (rp_cuda_stream_arg(args[5], &stream) < 0)
+    if (rp_py_stream_arg(args[5], &stream) < 0)
         return NULL;
     lr_ptr = PyLong_AsUnsignedLongLong(args[6]);
     if (lr_ptr == (unsigned long long)-1 && PyErr_Occurred())
@@ -65,80 +56,26 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     }
     free(scalars);
     Py_DECREF(call.table);
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
+    return rp_py_none_or_raise(rc, &err);
 }
+
+/* What the bindings pyutil.c shares with reprop._C run here. */
+static const rp_py_cuda_launchers rp_cuda_launchers = {rp_cuda_fad_forward,
+                                                       rp_cuda_fad_backward_code8, rp_cuda_scan};
 
 PyDoc_STRVAR(fad_forward_doc,
              "fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, stream)\n--\n\n"
              "y = f(x) and d = f'(x) for n elements in one kernel on `stream`\n"
              "(rp_cuda_fad_forward in csrc/reprop.h); x, y, d are device pointers.");
 
-static PyObject *rp_cuda_fad_forward_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    rp_py_fad_forward_call c;
-    rp_error err = {{0}};
-    void *stream;
-    int rc;
-    (void)self;
-    if (rp_py_parse_fad_forward(args, nargs, "fad_forward", &c) < 0 ||
-        rp_cuda_stream_arg(args[9], &stream) < 0)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_cuda_fad_forward(c.kind, c.p0, c.p1, c.dtype, c.x, c.y, c.d_store, c.d, c.n, stream,
-                             &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(fad_backward_code8_doc,
              "fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, stream)\n--\n\n"
              "grad_x = grad_y * codebook.value[codes] on `stream` (rp_cuda_fad_backward_code8).");
-
-static PyObject *rp_cuda_fad_backward_code8_py(PyObject *self, PyObject *const *args,
-                                               Py_ssize_t nargs)
-{
-    rp_py_fad_backward_call c;
-    rp_error err = {{0}};
-    void *stream;
-    int rc;
-    (void)self;
-    if (rp_py_parse_fad_backward(args, nargs, "fad_backward_code8", &c) < 0 ||
-        rp_cuda_stream_arg(args[6], &stream) < 0)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_cuda_fad_backward_code8(c.dtype, c.grad_y, c.codes, c.cb, c.grad_x, c.n, stream,
-                                    &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
 
 PyDoc_STRVAR(scan_doc,
              "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, stream)\n--\n\n"
              "The BPPSA recurrence on `stream` (rp_cuda_scan in csrc/reprop.h); device\n"
              "pointers as ints, 0 for NULL.");
-
-static PyObject *rp_cuda_scan_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    rp_py_scan_call c;
-    rp_error err = {{0}};
-    void *stream;
-    int rc;
-    (void)self;
-    if (rp_py_parse_scan(args, nargs, "scan", &c) < 0 || rp_cuda_stream_arg(args[12], &stream) < 0)
-        return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    rc = rp_cuda_scan(&c.j, c.c, c.g, c.levels, c.work, stream, &err);
-    Py_END_ALLOW_THREADS
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
-}
 
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
@@ -151,20 +88,15 @@ static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 static PyMethodDef rp_cuda_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_cuda_optim_step_py, METH_FASTCALL,
      optim_step_doc},
-    {"fad_forward", (PyCFunction)(void (*)(void))rp_cuda_fad_forward_py, METH_FASTCALL,
-     fad_forward_doc},
-    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_cuda_fad_backward_code8_py,
-     METH_FASTCALL, fad_backward_code8_doc},
-    {"scan", (PyCFunction)(void (*)(void))rp_cuda_scan_py, METH_FASTCALL, scan_doc},
+    {"fad_forward", (PyCFunction)(void (*)(void))rp_py_fad_forward, METH_FASTCALL, fad_forward_doc},
+    {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_py_fad_backward_code8, METH_FASTCALL,
+     fad_backward_code8_doc},
+    {"scan", (PyCFunction)(void (*)(void))rp_py_scan, METH_FASTCALL, scan_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };
 
-static int rp_cuda_exec(PyObject *module)
-{
-    (void)module;
-    return rp_py_import_numpy();
-}
+static int rp_cuda_exec(PyObject *module) { return rp_py_module_exec(module, &rp_cuda_launchers); }
 
 static PyModuleDef_Slot rp_cuda_slots[] = {
     {Py_mod_exec, rp_cuda_exec},
@@ -172,8 +104,8 @@ static PyModuleDef_Slot rp_cuda_slots[] = {
 };
 
 static struct PyModuleDef rp_cuda_module = {
-    PyModuleDef_HEAD_INIT, "reprop._cuda", "The reprop CUDA kernels.", 0, rp_cuda_methods,
-    rp_cuda_slots, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "reprop._cuda", "The reprop CUDA kernels.", sizeof(rp_py_module_state),
+    rp_cuda_methods, rp_cuda_slots, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__cuda(void) { return PyModuleDef_Init(&rp_cuda_module); }

@@ -1,19 +1,38 @@
-/* pyutil.c: argument parsing shared by the bindings; see pyutil.h. */
+/* pyutil.c: argument parsing and bindings shared by the extensions; see pyutil.h. */
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include "pyutil.h"
 
 #include <numpy/arrayobject.h>
 
-int rp_py_import_numpy(void)
+static int rp_py_import_numpy(void)
 {
     import_array1(-1);
     return 0;
+}
+
+int rp_py_module_exec(PyObject *module, const rp_py_cuda_launchers *cuda)
+{
+    ((rp_py_module_state *)PyModule_GetState(module))->cuda = cuda;
+    return rp_py_import_numpy();
+}
+
+/* The CUDA launchers of `module`'s extension; NULL in reprop._C. */
+static const rp_py_cuda_launchers *rp_py_cuda_of(PyObject *module)
+{
+    return ((rp_py_module_state *)PyModule_GetState(module))->cuda;
 }
 
 PyObject *rp_py_raise(int code, const rp_error *err)
 {
     PyErr_SetString(code == RP_EINVAL ? PyExc_ValueError : PyExc_RuntimeError, err->msg);
     return NULL;
+}
+
+PyObject *rp_py_none_or_raise(int code, const rp_error *err)
+{
+    if (code != RP_OK)
+        return rp_py_raise(code, err);
+    Py_RETURN_NONE;
 }
 
 static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
@@ -190,7 +209,7 @@ done:
     return result;
 }
 
-static int rp_py_int_arg(PyObject *obj, int *out)
+int rp_py_int_arg(PyObject *obj, int *out)
 {
     long v = PyLong_AsLong(obj);
     if (v == -1 && PyErr_Occurred())
@@ -226,7 +245,7 @@ static int rp_py_size_arg(PyObject *obj, int64_t *out)
     return 0;
 }
 
-static int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname)
+int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname)
 {
     if (nargs == want)
         return 0;
@@ -234,18 +253,52 @@ static int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fnam
     return -1;
 }
 
-int rp_py_parse_fad_forward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                            rp_py_fad_forward_call *call)
+int rp_py_stream_arg(PyObject *obj, void **stream)
 {
-    void *x;
-    if (rp_py_check_nargs(nargs, 10, fname) < 0 || rp_py_int_arg(args[0], &call->kind) < 0 ||
-        rp_py_float_arg(args[1], &call->p0) < 0 || rp_py_float_arg(args[2], &call->p1) < 0 ||
-        rp_py_int_arg(args[3], &call->dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
-        rp_py_pointer_arg(args[5], &call->y) < 0 || rp_py_int_arg(args[6], &call->d_store) < 0 ||
-        rp_py_pointer_arg(args[7], &call->d) < 0 || rp_py_size_arg(args[8], &call->n) < 0)
-        return -1;
-    call->x = x;
-    return 0;
+    *stream = PyLong_AsVoidPtr(obj);
+    return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* The last argument of a binding both extensions have: a thread count, or
+ * the stream when the module has CUDA launchers. */
+typedef struct {
+    int num_threads;
+    void *stream;
+} rp_py_where;
+
+static int rp_py_where_arg(PyObject *obj, const rp_py_cuda_launchers *cuda, rp_py_where *where)
+{
+    memset(where, 0, sizeof *where);
+    if (cuda != NULL)
+        return rp_py_stream_arg(obj, &where->stream);
+    return rp_py_int_arg(obj, &where->num_threads);
+}
+
+/* The bindings both extensions have release the GIL around the core, which
+ * never touches Python objects. */
+PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);
+    void *x, *y, *d;
+    float p0, p1;
+    int64_t n;
+    int kind, dtype, d_store, rc;
+    rp_py_where where;
+    rp_error err = {{0}};
+    if (rp_py_check_nargs(nargs, 10, "fad_forward") < 0 || rp_py_int_arg(args[0], &kind) < 0 ||
+        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0 ||
+        rp_py_int_arg(args[3], &dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
+        rp_py_pointer_arg(args[5], &y) < 0 || rp_py_int_arg(args[6], &d_store) < 0 ||
+        rp_py_pointer_arg(args[7], &d) < 0 || rp_py_size_arg(args[8], &n) < 0 ||
+        rp_py_where_arg(args[9], cuda, &where) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    if (cuda != NULL)
+        rc = cuda->fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, where.stream, &err);
+    else
+        rc = rp_fad_forward_cpu(kind, p0, p1, dtype, x, y, d_store, d, n, where.num_threads, &err);
+    Py_END_ALLOW_THREADS
+    return rp_py_none_or_raise(rc, &err);
 }
 
 static int rp_py_codebook_arg(PyObject *obj, const rp_fad_codebook **out)
@@ -258,18 +311,30 @@ static int rp_py_codebook_arg(PyObject *obj, const rp_fad_codebook **out)
     return 0;
 }
 
-int rp_py_parse_fad_backward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                             rp_py_fad_backward_call *call)
+PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *grad_y, *codes;
-    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_int_arg(args[0], &call->dtype) < 0 ||
-        rp_py_pointer_arg(args[1], &grad_y) < 0 || rp_py_pointer_arg(args[2], &codes) < 0 ||
-        rp_py_codebook_arg(args[3], &call->cb) < 0 ||
-        rp_py_pointer_arg(args[4], &call->grad_x) < 0 || rp_py_size_arg(args[5], &call->n) < 0)
-        return -1;
-    call->grad_y = grad_y;
-    call->codes = codes;
-    return 0;
+    const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);
+    const rp_fad_codebook *cb;
+    void *grad_y, *codes, *grad_x;
+    int64_t n;
+    int dtype, rc;
+    rp_py_where where;
+    rp_error err = {{0}};
+    if (rp_py_check_nargs(nargs, 7, "fad_backward_code8") < 0 ||
+        rp_py_int_arg(args[0], &dtype) < 0 || rp_py_pointer_arg(args[1], &grad_y) < 0 ||
+        rp_py_pointer_arg(args[2], &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
+        rp_py_pointer_arg(args[4], &grad_x) < 0 || rp_py_size_arg(args[5], &n) < 0 ||
+        rp_py_where_arg(args[6], cuda, &where) < 0)
+        return NULL;
+    /* cb points into the bytes argument, which the caller holds until we return. */
+    Py_BEGIN_ALLOW_THREADS
+    if (cuda != NULL)
+        rc = cuda->fad_backward_code8(dtype, grad_y, codes, cb, grad_x, n, where.stream, &err);
+    else
+        rc = rp_fad_backward_code8_cpu(dtype, grad_y, codes, cb, grad_x, n, where.num_threads,
+                                       &err);
+    Py_END_ALLOW_THREADS
+    return rp_py_none_or_raise(rc, &err);
 }
 
 PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -288,22 +353,30 @@ PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyBytes_FromStringAndSize((const char *)&cb, sizeof cb);
 }
 
-int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                     rp_py_scan_call *call)
+PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *w, *u, *v, *jt, *c;
-    if (rp_py_check_nargs(nargs, 13, fname) < 0 || rp_py_size_arg(args[0], &call->j.n) < 0 ||
-        rp_py_size_arg(args[1], &call->j.batch) < 0 || rp_py_size_arg(args[2], &call->j.dim) < 0 ||
-        rp_py_int_arg(args[3], &call->j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
+    const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);
+    rp_scan_jacobians j;
+    void *w, *u, *v, *jt, *c, *g, *work;
+    int levels, rc;
+    rp_py_where where;
+    rp_error err = {{0}};
+    if (rp_py_check_nargs(nargs, 13, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
+        rp_py_size_arg(args[1], &j.batch) < 0 || rp_py_size_arg(args[2], &j.dim) < 0 ||
+        rp_py_int_arg(args[3], &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
         rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
         rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_pointer_arg(args[8], &c) < 0 ||
-        rp_py_pointer_arg(args[9], (void **)&call->g) < 0 ||
-        rp_py_int_arg(args[10], &call->levels) < 0 ||
-        rp_py_pointer_arg(args[11], (void **)&call->work) < 0)
-        return -1;
-    call->j.w = w, call->j.u = u, call->j.v = v, call->j.jt = jt;
-    call->c = c;
-    return 0;
+        rp_py_pointer_arg(args[9], &g) < 0 || rp_py_int_arg(args[10], &levels) < 0 ||
+        rp_py_pointer_arg(args[11], &work) < 0 || rp_py_where_arg(args[12], cuda, &where) < 0)
+        return NULL;
+    j.w = w, j.u = u, j.v = v, j.jt = jt;
+    Py_BEGIN_ALLOW_THREADS
+    if (cuda != NULL)
+        rc = cuda->scan(&j, c, g, levels, work, where.stream, &err);
+    else
+        rc = rp_scan_cpu(&j, c, g, levels, work, where.num_threads, &err);
+    Py_END_ALLOW_THREADS
+    return rp_py_none_or_raise(rc, &err);
 }
 
 static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)

@@ -1,7 +1,7 @@
 /*
- * pyutil.h: argument parsing shared by the CPython bindings (module.c for the
- * CPU extension reprop._C, module_cuda.c for reprop._cuda). Only the binding
- * files and pyutil.c touch the CPython and NumPy C APIs.
+ * pyutil.h: argument parsing and bindings shared by the CPython extensions
+ * (module.c for the CPU extension reprop._C, module_cuda.c for reprop._cuda).
+ * Only the binding files and pyutil.c touch the CPython and NumPy C APIs.
  */
 #ifndef REPROP_PYUTIL_H
 #define REPROP_PYUTIL_H
@@ -10,9 +10,6 @@
 #include <Python.h>
 
 #include "reprop.h"
-
-/* Imports NumPy's C API; 0 on success, -1 with a Python exception set. */
-int rp_py_import_numpy(void);
 
 /* Turns a core status and message into a Python exception; returns NULL. */
 PyObject *rp_py_raise(int code, const rp_error *err);
@@ -44,57 +41,57 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * Python path to rebuild, convert or raise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* A parsed FAD activation call (see rp_fad_forward_cpu / rp_cuda_fad_forward):
- * pointers arrive as Python ints (tensor.data_ptr()), already checked by
- * python/reprop/fad.py for dtype, device, layout and size. */
-typedef struct {
-    int kind;
-    float p0, p1;
-    int dtype;
-    const void *x;
-    void *y;
-    int d_store;
-    void *d;
-    int64_t n;
-} rp_py_fad_forward_call;
-
-/* Parses (kind, p0, p1, dtype, x, y, d_store, d, n) from the first 9 of
- * `nargs` arguments. 0 on success, -1 with a Python exception set. */
-int rp_py_parse_fad_forward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                            rp_py_fad_forward_call *call);
-
-/* A parsed 8-bit backward call: (dtype, grad_y, codes, codebook, grad_x, n),
- * where codebook is the bytes object fad_codebook() returned; `codebook`
- * borrows its buffer (alive as long as the caller's argument tuple). */
-typedef struct {
-    int dtype;
-    const void *grad_y;
-    const uint8_t *codes;
-    const rp_fad_codebook *cb;
-    void *grad_x;
-    int64_t n;
-} rp_py_fad_backward_call;
-
-int rp_py_parse_fad_backward(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                             rp_py_fad_backward_call *call);
-
 /* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an
  * activation, for the 8-bit backward and for inspection (its first 256
  * float32 are the decoded value of each code). Defined in pyutil.c. */
 PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
-/* A parsed scan call: (n, batch, dim, gates, w, u, v, jt, c, g, levels, work)
- * with pointers as Python ints (0 for NULL), checked by python/reprop/bppsa.py. */
+/* The CUDA launchers (csrc/reprop.h) of the bindings both extensions have,
+ * handed over by module_cuda.c: pyutil.c is compiled into reprop._C too,
+ * which links no CUDA code. */
 typedef struct {
-    rp_scan_jacobians j;
-    const float *c;
-    float *g;
-    int levels;
-    float *work;
-} rp_py_scan_call;
+    int (*fad_forward)(int kind, float p0, float p1, int dtype, const void *x, void *y,
+                       int d_store, void *d, int64_t n, void *stream, rp_error *err);
+    int (*fad_backward_code8)(int dtype, const void *grad_y, const uint8_t *codes,
+                              const rp_fad_codebook *cb, void *grad_x, int64_t n, void *stream,
+                              rp_error *err);
+    int (*scan)(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
+                void *stream, rp_error *err);
+} rp_py_cuda_launchers;
 
-int rp_py_parse_scan(PyObject *const *args, Py_ssize_t nargs, const char *fname,
-                     rp_py_scan_call *call);
+/* The state of either extension module (PyModuleDef.m_size): its CUDA
+ * launchers, NULL in reprop._C. */
+typedef struct {
+    const rp_py_cuda_launchers *cuda;
+} rp_py_module_state;
+
+/* The Py_mod_exec work of either extension: imports NumPy's C API and keeps
+ * `cuda` (NULL for the CPU extension) in the module's state. 0 on success,
+ * -1 with a Python exception set. */
+int rp_py_module_exec(PyObject *module, const rp_py_cuda_launchers *cuda);
+
+/* The bindings both extensions have (METH_FASTCALL, self the module). Their
+ * last argument says where the work runs: the CPU core's thread count in
+ * reprop._C, the integer cudaStream_t the launchers enqueue on in reprop._cuda.
+ * Pointers arrive as Python ints (data_ptr(), 0 for NULL), already checked by
+ * python/reprop (fad.py, bppsa.py) for dtype, device, layout and size.
+ *   fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, where)
+ *       (rp_fad_forward_cpu, rp_cuda_fad_forward)
+ *   fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, where)
+ *       codebook: the bytes fad_codebook() returned (rp_fad_backward_code8_cpu)
+ *   scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, where)
+ *       (rp_scan_cpu, rp_cuda_scan) */
+PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* None when a core call returned RP_OK, else its error raised (NULL). */
+PyObject *rp_py_none_or_raise(int code, const rp_error *err);
+
+/* Arguments of the bindings' own calls: 0, or -1 with a Python exception set. */
+int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname);
+int rp_py_int_arg(PyObject *obj, int *out);
+int rp_py_stream_arg(PyObject *obj, void **stream); /* torch.cuda.Stream.cuda_stream, an int */
 
 /* Device-independent scan facts for reprop.bppsa (defined in pyutil.c):
  *   scan_plan(n, batch, dim, gates, workers, level_cost, step_cost)

@@ -16,6 +16,7 @@
 #include "../rp_internal.h"
 
 #include "check.h"
+#include "optim_shared.h"
 
 static uint32_t rng_state = 12345u;
 
@@ -94,25 +95,6 @@ typedef struct {
 
 static size_t elem_size(int dtype) { return dtype == RP_F32 ? 4 : 2; }
 
-static float load(int dtype, const void *p, int64_t i)
-{
-    if (dtype == RP_F32)
-        return ((const float *)p)[i];
-    if (dtype == RP_BF16)
-        return rp_bf16_to_f32(((const uint16_t *)p)[i]);
-    return rp_f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static void store(int dtype, void *p, int64_t i, float v)
-{
-    if (dtype == RP_F32)
-        ((float *)p)[i] = v;
-    else if (dtype == RP_BF16)
-        ((uint16_t *)p)[i] = rp_f32_to_bf16(v);
-    else
-        ((uint16_t *)p)[i] = rp_f32_to_f16(v);
-}
-
 static void fill_case(tensor_case *t, int64_t numel, int dtype, int with_nan)
 {
     int64_t i;
@@ -127,9 +109,9 @@ static void fill_case(tensor_case *t, int64_t numel, int dtype, int with_nan)
         t->ref_state[s] = malloc((size_t)(numel ? numel : 1) * sizeof(float));
     }
     for (i = 0; i < numel; i++) {
-        store(dtype, t->param, i, rand_uniform());
-        store(dtype, t->grad, i, (with_nan && i % 97 == 5) ? NAN : rand_uniform());
-        t->ref_param[i] = load(dtype, t->param, i);
+        elem_store(dtype, t->param, i, rand_uniform());
+        elem_store(dtype, t->grad, i, (with_nan && i % 97 == 5) ? NAN : rand_uniform());
+        t->ref_param[i] = elem_load(dtype, t->param, i);
         for (s = 0; s < 3; s++)
             t->state[s][i] = t->ref_state[s][i] = 0.5f + 0.25f * rand_uniform();
     }
@@ -159,7 +141,7 @@ static void reference_step(const rp_optim_hparams *hp, int dtype, tensor_case *t
     rp_optim_advance_steps(hp, &e, 1, &sc);
     rp_optim_make_consts(hp, hp->lr, &c);
     for (i = 0; i < t->numel; i++) {
-        float p = t->ref_param[i], g = load(dtype, t->grad, i), out = 0.0f;
+        float p = t->ref_param[i], g = elem_load(dtype, t->grad, i), out = 0.0f;
         float *s0 = &t->ref_state[0][i], *s1 = &t->ref_state[1][i], *s2 = &t->ref_state[2][i];
         switch (hp->kind) {
         case RP_SGD:
@@ -184,8 +166,8 @@ static void reference_step(const rp_optim_hparams *hp, int dtype, tensor_case *t
             if (dtype == RP_F32)
                 t->ref_param[i] = out;
             else {
-                store(dtype, u.h, 0, out);
-                t->ref_param[i] = load(dtype, u.h, 0);
+                elem_store(dtype, u.h, 0, out);
+                t->ref_param[i] = elem_load(dtype, u.h, 0);
             }
         }
     }
@@ -221,7 +203,7 @@ static void run_optimizer_case(const rp_optim_hparams *hp, int dtype, int thread
     for (k = 0; k < NT; k++) {
         int64_t i, bad = 0;
         for (i = 0; i < cases[k].numel; i++) {
-            bad += !same_float(load(dtype, cases[k].param, i), cases[k].ref_param[i]);
+            bad += !same_float(elem_load(dtype, cases[k].param, i), cases[k].ref_param[i]);
             for (s = 0; s < 3; s++)
                 bad += !same_float(cases[k].state[s][i], cases[k].ref_state[s][i]);
         }
@@ -231,20 +213,6 @@ static void run_optimizer_case(const rp_optim_hparams *hp, int dtype, int thread
             CHECK(cases[k].step == 3.0f, "step counter %g", cases[k].step);
         free_case(&cases[k]);
     }
-}
-
-static rp_optim_hparams base_hparams(int kind)
-{
-    rp_optim_hparams hp;
-    memset(&hp, 0, sizeof hp);
-    hp.kind = kind;
-    hp.lr = 1e-2;
-    hp.eps = 1e-8;
-    hp.beta1 = 0.9;
-    hp.beta2 = 0.999;
-    hp.alpha = 0.99;
-    hp.rho = 0.9;
-    return hp;
 }
 
 static void test_optimizers(void)

@@ -73,6 +73,8 @@
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "optim.cu"
 
+#include "../../csrc/tests/optim_shared.h" /* base_hparams, elem_store: as test_core.c's */
+
 #define STEPS_PER_CASE 2
 #define BLOCK_STEP (4 * RP_THREADS) /* elements of one block step: chunks are multiples */
 
@@ -436,12 +438,7 @@ static void fill_values(void *dst, int dtype, int64_t n, float lo, float hi, boo
             v = 1e-6f * rng_uniform(r, -1.0f, 1.0f);
         if (specials && i % 89 == 7)
             v = 0.0f;
-        if (dtype == RP_F32)
-            ((float *)dst)[i] = v;
-        else if (dtype == RP_F16)
-            ((uint16_t *)dst)[i] = rp_f32_to_f16(v);
-        else
-            ((uint16_t *)dst)[i] = rp_f32_to_bf16(v);
+        elem_store(dtype, dst, i, v);
     }
 }
 
@@ -684,20 +681,6 @@ typedef struct {
     const char *name;
     rp_optim_hparams hp;
 } hparam_config;
-
-static rp_optim_hparams base_hparams(int kind)
-{
-    rp_optim_hparams h;
-    memset(&h, 0, sizeof h);
-    h.kind = kind;
-    h.lr = 1e-2;
-    h.eps = 1e-8;
-    h.beta1 = 0.9;
-    h.beta2 = 0.999;
-    h.alpha = 0.99;
-    h.rho = 0.9;
-    return h;
-}
 
 /* Every optimizer, each option at least once. */
 static std::vector<hparam_config> hparam_configs(void)

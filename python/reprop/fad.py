@@ -251,6 +251,23 @@ def _doc(fn):
     return fn
 
 
+def _plain(kind: str, native: Callable, inplace: bool, summary: str) -> Callable:
+    """The reprop.fad function `kind` of an activation without parameters, with
+    the signature of torch's `native`: (input, inplace=False, *, saved_dtype=None)
+    where that takes `inplace`, else (input, *, saved_dtype=None)."""
+    act = _Act(kind)
+    if inplace:
+        def fn(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
+            return _activation(act, native, input, saved_dtype, inplace, kind)
+    else:
+        def fn(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
+            return _activation(act, native, input, saved_dtype, False, kind)
+    # Named as a module-level def: pickling (patch()'s partials) finds reprop.fad.<kind>.
+    fn.__name__ = fn.__qualname__ = kind
+    fn.__doc__ = f"{summary}\n\n    {_SAVES}"
+    return fn
+
+
 @_doc
 def gelu(input: torch.Tensor, approximate: str = "none", *, saved_dtype=None) -> torch.Tensor:
     """GELU as torch.nn.functional.gelu (approximate "none": erf form, or "tanh").
@@ -261,22 +278,6 @@ def gelu(input: torch.Tensor, approximate: str = "none", *, saved_dtype=None) ->
     act = _Act("gelu_tanh" if approximate == "tanh" else "gelu")
     return _activation(act, functools.partial(F.gelu, approximate=approximate), input, saved_dtype,
                        False, "gelu")
-
-
-@_doc
-def silu(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
-    """SiLU / Swish, x * sigmoid(x), as torch.nn.functional.silu.
-
-    {saves}"""
-    return _activation(_Act("silu"), F.silu, input, saved_dtype, inplace, "silu")
-
-
-@_doc
-def mish(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
-    """Mish, x * tanh(softplus(x)), as torch.nn.functional.mish.
-
-    {saves}"""
-    return _activation(_Act("mish"), F.mish, input, saved_dtype, inplace, "mish")
 
 
 @_doc
@@ -292,22 +293,6 @@ def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
     return _activation(_Act("softplus", beta, threshold),
                        functools.partial(F.softplus, beta=beta, threshold=threshold),
                        input, saved_dtype, False, "softplus")
-
-
-@_doc
-def sigmoid(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
-    """Sigmoid, as torch.sigmoid.
-
-    {saves}"""
-    return _activation(_Act("sigmoid"), torch.sigmoid, input, saved_dtype, False, "sigmoid")
-
-
-@_doc
-def tanh(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
-    """Tanh, as torch.tanh.
-
-    {saves}"""
-    return _activation(_Act("tanh"), torch.tanh, input, saved_dtype, False, "tanh")
 
 
 @_doc
@@ -335,14 +320,6 @@ def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
 
 
 @_doc
-def selu(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
-    """SELU, as torch.nn.functional.selu.
-
-    {saves}"""
-    return _activation(_Act("selu"), F.selu, input, saved_dtype, inplace, "selu")
-
-
-@_doc
 def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool = False, *,
                saved_dtype=None) -> torch.Tensor:
     """LeakyReLU, as torch.nn.functional.leaky_relu.
@@ -354,45 +331,24 @@ def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool 
                        inplace, "leaky_relu")
 
 
-@_doc
-def hardswish(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
-    """Hardswish, as torch.nn.functional.hardswish.
-
-    {saves}"""
-    return _activation(_Act("hardswish"), F.hardswish, input, saved_dtype, inplace, "hardswish")
-
-
-@_doc
-def hardsigmoid(input: torch.Tensor, inplace: bool = False, *, saved_dtype=None) -> torch.Tensor:
-    """Hardsigmoid, as torch.nn.functional.hardsigmoid.
-
-    {saves}"""
-    return _activation(_Act("hardsigmoid"), F.hardsigmoid, input, saved_dtype, inplace,
-                       "hardsigmoid")
-
-
-@_doc
-def logsigmoid(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
-    """LogSigmoid, as torch.nn.functional.logsigmoid.
-
-    {saves}"""
-    return _activation(_Act("logsigmoid"), F.logsigmoid, input, saved_dtype, False, "logsigmoid")
-
-
-@_doc
-def softsign(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
-    """Softsign, x / (1 + |x|), as torch.nn.functional.softsign.
-
-    {saves}"""
-    return _activation(_Act("softsign"), F.softsign, input, saved_dtype, False, "softsign")
-
-
-@_doc
-def tanhshrink(input: torch.Tensor, *, saved_dtype=None) -> torch.Tensor:
-    """Tanhshrink, x - tanh(x), as torch.nn.functional.tanhshrink.
-
-    {saves}"""
-    return _activation(_Act("tanhshrink"), F.tanhshrink, input, saved_dtype, False, "tanhshrink")
+# Activations without parameters: their functions differ only in name and torch op.
+silu = _plain("silu", F.silu, inplace=True,
+              summary="SiLU / Swish, x * sigmoid(x), as torch.nn.functional.silu.")
+mish = _plain("mish", F.mish, inplace=True,
+              summary="Mish, x * tanh(softplus(x)), as torch.nn.functional.mish.")
+sigmoid = _plain("sigmoid", torch.sigmoid, inplace=False, summary="Sigmoid, as torch.sigmoid.")
+tanh = _plain("tanh", torch.tanh, inplace=False, summary="Tanh, as torch.tanh.")
+selu = _plain("selu", F.selu, inplace=True, summary="SELU, as torch.nn.functional.selu.")
+hardswish = _plain("hardswish", F.hardswish, inplace=True,
+                   summary="Hardswish, as torch.nn.functional.hardswish.")
+hardsigmoid = _plain("hardsigmoid", F.hardsigmoid, inplace=True,
+                     summary="Hardsigmoid, as torch.nn.functional.hardsigmoid.")
+logsigmoid = _plain("logsigmoid", F.logsigmoid, inplace=False,
+                    summary="LogSigmoid, as torch.nn.functional.logsigmoid.")
+softsign = _plain("softsign", F.softsign, inplace=False,
+                  summary="Softsign, x / (1 + |x|), as torch.nn.functional.softsign.")
+tanhshrink = _plain("tanhshrink", F.tanhshrink, inplace=False,
+                    summary="Tanhshrink, x - tanh(x), as torch.nn.functional.tanhshrink.")
 
 
 def _finite(value, fname: str, name: str) -> float:
