@@ -282,9 +282,10 @@ int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
 double rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
                     const rp_scan_machine *m);
 
-/* Float32 workspace a scan with `levels` needs: (n + 1) B H for the slots'
- * vectors, and floor(n / 2) B H H for the up-sweep products when levels > 0
- * (the linear scan has none). */
+/* Float32 workspace a scan with `levels` needs: none for the linear scan
+ * (levels = 0 runs from c into g directly; work may then be NULL), else
+ * (n + 1) B H for the slots' vectors and floor(n / 2) B H H for the
+ * up-sweep products. */
 int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels);
 
 /* Validates shapes, pointers and levels. */

@@ -79,16 +79,21 @@ static int rp_threads(int num_threads)
     return num_threads > 0 ? num_threads : rp_omp_max_threads();
 }
 
+static int64_t rp_thread_num(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* Per-thread scratch: the callbacks' work area, then three vectors. */
 static int64_t rp_sched_scratch(const rp_scan_sched *s) { return s->work_floats + 3 * s->max_vec; }
 
 static float *rp_thread_scratch(const rp_scan_sched *s, float *scratch)
 {
-#ifdef _OPENMP
-    return scratch + (int64_t)omp_get_thread_num() * rp_sched_scratch(s);
-#else
-    return scratch;
-#endif
+    return scratch + rp_thread_num() * rp_sched_scratch(s);
 }
 
 /* Pairs of level d: l = p 2^(d+1) + 2^d - 1, r = l + 2^d, those with r < N. */
@@ -176,6 +181,7 @@ static int rp_scan_run(const rp_scan_sched *s, int num_threads)
  * vecs (n + 1, B, H): the c part or vector of each slot.
  * mats (n / 2, B, H, H): the up-sweep product of odd slot s at (s - 1) / 2.
  * A slot's map is its leaf until level 0 combines it (odd slots, L >= 1).
+ * The linear scan (L = 0) skips the slots: rp_rec_linear runs c into g.
  * ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -355,7 +361,9 @@ static void rp_rec_combine(void *ctx, int64_t l, int64_t r, int spine, int64_t b
 
 int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels)
 {
-    return (n + 1) * batch * dim + (levels > 0 ? (n / 2) * batch * dim * dim : 0);
+    if (levels == 0) /* the linear scan runs from c to g directly */
+        return 0;
+    return (n + 1) * batch * dim + (n / 2) * batch * dim * dim;
 }
 
 int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, int levels,
@@ -375,7 +383,7 @@ int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, in
     if (levels < 0 || levels > rp_scan_max_levels(j->n))
         return rp_set_error(err, RP_EINVAL, "scan: levels must be in [0, %d] for n = %lld (got %d)",
                             rp_scan_max_levels(j->n), (long long)j->n, levels);
-    if (work == NULL && j->batch > 0)
+    if (work == NULL && j->batch > 0 && rp_scan_workspace_floats(j->n, j->batch, j->dim, levels) > 0)
         return rp_set_error(err, RP_EINVAL, "scan: NULL workspace");
     return RP_OK;
 }
@@ -395,6 +403,35 @@ static void rp_rec_store(const rp_rec_ctx *x, float *g)
         memcpy(g + (x->n - s) * row, x->vecs + s * row, (size_t)row * sizeof *g);
 }
 
+/* levels = 0, the plain linear scan, straight from c into g: no slots, no
+ * workspace, one sequence per task. The same leaf mat-vecs in the same order
+ * as the schedule's middle with blocks of one slot, so the same bits. g[t]
+ * is written after the last read of c[t], so g may alias c. 0, or -1 when
+ * the per-thread scratch cannot be allocated. */
+static int rp_rec_linear(const rp_rec_ctx *x, const float *c, float *g, int num_threads)
+{
+    const int threads = rp_threads(num_threads);
+    const int64_t row = x->B * x->H;
+    /* rp_leaf_mv's work, written every step, padded by at least a 128-byte
+     * line: threads sharing a line made the scan 1.7x slower (B = 16,
+     * H = 20, two threads) */
+    const int64_t per_thread = ((x->G + 1) * x->H + 63) / 32 * 32;
+    float *scratch = malloc((size_t)(threads * per_thread) * sizeof *scratch);
+    if (scratch == NULL)
+        return -1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (x->B > 1)
+    for (int64_t b = 0; b < x->B; b++) {
+        float *work = scratch + rp_thread_num() * per_thread;
+        const float *cb = c + b * x->H;
+        float *gb = g + b * x->H;
+        rp_copy(gb + (x->n - 1) * row, cb + (x->n - 1) * row, x->H);
+        for (int64_t t = x->n - 2; t >= 0; t--)
+            rp_leaf_mv(x, t + 1, b, gb + (t + 1) * row, cb + t * row, gb + t * row, work);
+    }
+    free(scratch);
+    return 0;
+}
+
 int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
                 int num_threads, rp_error *err)
 {
@@ -402,6 +439,11 @@ int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels
     if (rc != RP_OK || j->batch == 0)
         return rc;
     rp_rec_ctx x = {j, j->n, j->batch, j->dim, j->gates, levels, work, NULL};
+    if (levels == 0) {
+        if (rp_rec_linear(&x, c, g, num_threads) != 0)
+            return rp_set_error(err, RP_ERUNTIME, "scan: out of memory for the per-thread scratch");
+        return RP_OK;
+    }
     x.mats = work + (j->n + 1) * j->batch * j->dim;
     const int64_t G = j->gates > 0 ? j->gates : 1, H = j->dim;
     rp_scan_sched s = {j->n, j->batch, levels, H * H + G * H * H + G * H + H, H, &x,

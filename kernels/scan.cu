@@ -26,12 +26,12 @@
  * (dense) or u[t][i] [i == m] + sum_k w[(kH + m) H + i] v[t][kH + m]
  * (structured), computed where an operand is staged or a mat-vec reads it.
  *
- * Workspace (float32), rp_scan_workspace_floats(n, B, H, levels):
+ * Workspace (float32), rp_scan_workspace_floats(n, B, H, levels): none when
+ * levels = 0 (the one linear-scan launch reads c and writes g), else
  *   vec  (n + 1, B, H)      the vector (c part) of every odd slot < n and the
  *                           prefixes of the middle and the down-sweep (even
  *                           slots < n never live here: their c is c itself)
  *   prod (n / 2, B, H, H)   the matrix of odd slot s < n at index (s - 1) / 2
- *                           (absent, never touched, when levels = 0)
  * The up-sweep writes each product over its right operand: a task's rows are
  * read only by the block that writes them, and that block stages them in
  * shared memory before its first store.
@@ -1003,8 +1003,10 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     base.jt = j->jt;
     base.c = c;
     base.g = g;
-    base.vec = work;
-    base.prod = work + (j->n + 1) * j->batch * j->dim;
+    if (levels > 0) { /* the linear scan reads c and writes g only: no workspace */
+        base.vec = work;
+        base.prod = work + (j->n + 1) * j->batch * j->dim;
+    }
     base.n = j->n;
     base.B = j->batch;
     base.H = j->dim;

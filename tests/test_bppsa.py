@@ -18,6 +18,7 @@ from torch import nn
 
 import reprop
 from reprop import bppsa
+from reprop._native import _C
 
 TOL = 3e-6
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -111,6 +112,40 @@ def test_structured_scan_equals_dense(gates, with_u, n):
     want = reference_scan(c, structured_dense(w, u, v))
     for levels in ("linear", "blelloch", "auto", 2):
         assert rel_err(bppsa.scan(c, w=w, u=u, v=v, levels=levels), want) <= 1e-5, levels
+
+
+@pytest.mark.parametrize("levels", ["linear", "blelloch"])
+def test_scan_into_out(levels):
+    gen = torch.Generator().manual_seed(11)
+    n, B, H = 40, 3, 5
+    w, v = torch.randn(H, H, generator=gen) / H, torch.rand(n, B, H, generator=gen)
+    c = torch.randn(n, B, H, generator=gen)
+    want = bppsa.scan(c, w=w, v=v, levels=levels)
+    planes = torch.full((2, n, B, H), float("nan"))
+    second = planes[1]
+    assert bppsa.scan(c, w=w, v=v, levels=levels, out=second) is second
+    assert torch.equal(second, want) and planes[0].isnan().all()
+    inplace = c.clone()
+    bppsa.scan(inplace, w=w, v=v, levels=levels, out=inplace)
+    assert torch.equal(inplace, want)
+
+
+def test_scan_out_rejects_overlap_and_bad_layout():
+    c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
+    with pytest.raises(ValueError, match="out: overlaps v"):
+        bppsa.scan(c, w=w, v=v, out=v)
+    both = torch.randn(7, 2, 3)
+    with pytest.raises(ValueError, match="c itself or not overlap"):
+        bppsa.scan(both[:6], w=w, v=v, out=both[1:])
+    with pytest.raises(ValueError, match="out: expected a contiguous"):
+        bppsa.scan(c, w=w, v=v, out=torch.empty(2, 6, 3).transpose(0, 1))
+    with pytest.raises(ValueError, match=r"out: expected shape \(6, 2, 3\)"):
+        bppsa.scan(c, w=w, v=v, out=torch.empty(5, 2, 3))
+
+
+def test_linear_scan_needs_no_workspace():
+    assert _C.scan_workspace(1000, 16, 20, 0) == 0
+    assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20
 
 
 def test_max_levels_and_cost_model():
@@ -218,6 +253,36 @@ def test_saves_only_what_torch_saves():
         ours(x)[0].sum().backward()
     assert max(saved) <= 50 * 4 * 8
     assert sum(saved) <= 50 * 4 * (3 + 8) + 4 * 8 + 2 * 64 + 2 * 8 + 8 * 3
+
+
+def backward_peak_bytes(out: torch.Tensor, grad: torch.Tensor) -> int:
+    """Peak bytes torch's CPU allocator holds during out.backward(grad) beyond
+    what it held before: the running sum of the profiler's allocation events
+    (sizes and order of allocations, nothing timed)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out.backward(grad)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("kind, buffers", [("tanh", 2), ("relu", 2), ("gru", 6)])
+def test_backward_temporaries(kind, buffers):
+    """Backward's (T, B, H) float32 buffers, beyond the gradients it returns:
+    the RNN's f'(out) (then d over it) and g, the GRU's six gate blocks, all
+    else in place over them (before: 4 for the RNN, 19 for the GRU)."""
+    T, B, H, I = 300, 8, 16, 4
+    torch.manual_seed(0)
+    module = bppsa.GRU(I, H, scan="linear") if kind == "gru" else bppsa.RNN(I, H, nonlinearity=kind, scan="linear")
+    x = torch.randn(T, B, I, requires_grad=True)
+    out, _ = module(x)
+    peak = backward_peak_bytes(out, torch.randn(T, B, H))
+    unit = T * B * H * 4
+    # the slack: x's gradient (T B I) and the (B, H) and weight-sized ones
+    assert peak <= buffers * unit + unit // 3, peak / unit
 
 
 def test_double_backward_is_refused():

@@ -99,16 +99,17 @@ static void test_recurrence(int64_t n, int64_t B, int64_t H, int gates, int with
         CHECK(worst <= 1e-5 * (top + 1.0), "n=%lld B=%lld H=%lld G=%d u=%d L=%d: error %g (max %g)",
               (long long)n, (long long)B, (long long)H, gates, with_u, L, worst, top);
     }
-    /* in place: g written over c */
-    {
+    /* in place, g written over c: the linear scan (no workspace) and the full Blelloch scan */
+    for (int k = 0; k < 2; k++) {
+        const int L = k == 0 ? 0 : rp_scan_max_levels(n);
         float *inplace = malloc((size_t)(n * B * H) * sizeof *inplace);
         double worst = 0.0;
         memcpy(inplace, c, (size_t)(n * B * H) * sizeof *c);
-        CHECK(rp_scan_cpu(&j, inplace, inplace, rp_scan_max_levels(n), work, threads, &err) == RP_OK,
-              "in place: %s", err.msg);
+        CHECK(rp_scan_cpu(&j, inplace, inplace, L, L > 0 ? work : NULL, threads, &err) == RP_OK,
+              "in place L=%d: %s", L, err.msg);
         for (int64_t i = 0; i < n * B * H; i++)
             worst = fmax(worst, fabs(inplace[i] - want[i]));
-        CHECK(worst <= 1e-5 * (top + 1.0), "in place n=%lld: error %g", (long long)n, worst);
+        CHECK(worst <= 1e-5 * (top + 1.0), "in place n=%lld L=%d: error %g", (long long)n, L, worst);
         free(inplace);
     }
     free(w), free(u), free(v), free(jt), free(c), free(g), free(work), free(want);
@@ -138,6 +139,13 @@ static void test_errors(void)
     j.n = 4, j.gates = 0;
     CHECK(rp_scan_cpu(&j, buf, buf, 0, buf, 1, &err) == RP_EINVAL && strstr(err.msg, "jt"),
           "dense without jt: %s", err.msg);
+    /* the linear scan needs no workspace; a Blelloch level does */
+    j.gates = 1;
+    CHECK(rp_scan_workspace_floats(1000, 16, 20, 0) == 0, "linear scan workspace");
+    CHECK(rp_scan_workspace_floats(4, 1, 2, 1) == 5 * 2 + 2 * 4, "one level's workspace");
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_OK, "linear, NULL work: %s", err.msg);
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 1, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "workspace"),
+          "a level without workspace: %s", err.msg);
 }
 
 /* ---- the sparse chain ---- */

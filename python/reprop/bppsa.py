@@ -115,16 +115,49 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of memory that t's elements can touch."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _check_out(out: torch.Tensor, c: torch.Tensor, jacobians: dict) -> None:
+    """out must be a contiguous (T, B, H) float32 tensor on c's device, c itself or
+    disjoint from it, and disjoint from the Jacobians the scan reads throughout."""
+    _check_operand(out, "out", tuple(c.shape), c.device)
+    if not out.is_contiguous():
+        raise ValueError("out: expected a contiguous tensor")
+    if _overlaps(out, c) and not (out.data_ptr() == c.data_ptr() and c.is_contiguous()):
+        raise ValueError("out: must be c itself or not overlap it")
+    for name, t in jacobians.items():
+        if t is not None and _overlaps(out, t):
+            raise ValueError(f"out: overlaps {name}")
+
+
 def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
-         v: torch.Tensor | None = None, jt: torch.Tensor | None = None, levels="auto") -> torch.Tensor:
+         v: torch.Tensor | None = None, jt: torch.Tensor | None = None, levels="auto",
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """Solves g[T-1] = c[T-1], g[t] = c[t] + J[t+1]^T g[t+1] for every t.
 
     c: (T, B, H) float32, the gradient reaching each h_t from outside the
     recurrence. The transposed Jacobians J[t]^T are either dense, jt (T, B, H, H),
     or structured, diag(u[t]) + sum_k W_k^T diag(v[t, :, kH:(k+1)H]) with
     w (G*H, H) shared by all steps (W_k its row blocks), u (T, B, H) or None, and
-    v (T, B, G*H). Entry t = 0 of the Jacobians is not used. Returns g (T, B, H).
-    Runs on c's device (CPU or CUDA, on the current stream); float32 only.
+    v (T, B, G*H). Entry t = 0 of the Jacobians is not used. Returns g (T, B, H),
+    written into `out` when given: a contiguous (T, B, H) float32 tensor on c's
+    device, c itself (in place) or disjoint from c, and disjoint from w, u, v, jt.
+    Runs on c's device (CPU or CUDA, on the current stream); float32 only. The
+    linear scan (levels 0) needs no memory beyond g; with Blelloch levels it
+    takes a workspace of (T + 1) B H + (T / 2) B H H floats.
     """
     if not isinstance(c, torch.Tensor) or c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
@@ -145,13 +178,16 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         _check_operand(w, "w", (gates * H, H), device)
         _check_operand(u, "u", (T, B, H), device, optional=True)
         _check_operand(v, "v", (T, B, gates * H), device)
+    if out is not None:
+        _check_out(out, c, {"w": w, "u": u, "v": v, "jt": jt})
     _check_scan_choice(levels)
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
     operands = [None if t is None else t.contiguous() for t in (w, u, v, jt)]
-    g = torch.empty_like(c)
-    work = torch.empty(_C.scan_workspace(T, B, H, L), device=device)
-    args = (T, B, H, gates, *map(_pointer, operands), c.data_ptr(), g.data_ptr(), L, work.data_ptr())
+    g = torch.empty_like(c) if out is None else out
+    floats = _C.scan_workspace(T, B, H, L)
+    work = torch.empty(floats, device=device) if floats else None
+    args = (T, B, H, gates, *map(_pointer, operands), c.data_ptr(), g.data_ptr(), L, _pointer(work))
     if device.type == "cuda":
         if _cuda is None:
             raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
@@ -180,64 +216,151 @@ def _sum_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _matmul_tn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """sum over steps and batch of a^T b: (T, B, M), (T, B, N) -> (M, N), one GEMM."""
+    """sum over steps and batch of a^T b: (T, B, M) or (T*B, M), same for b -> (M, N), one GEMM."""
     return a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
 
 
-def _gru_gates(x, h_prev, w_ih, w_hh, b_ih, b_hh):
-    """r, z, n and M = W_hn h + b_hn for all steps at once (two GEMMs)."""
-    gi = torch.nn.functional.linear(x, w_ih, b_ih)
-    gh = torch.nn.functional.linear(h_prev, w_hh, b_hh)
-    i_r, i_z, i_n = gi.chunk(3, -1)
-    h_r, h_z, M = gh.chunk(3, -1)
-    r = torch.sigmoid(i_r + h_r)
-    z = torch.sigmoid(i_z + h_z)
-    n = torch.tanh(i_n + r * M)
-    return r, z, n, M
+def _matmul_tn_prev(d: torch.Tensor, h0: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """sum over t and batch of d[t]^T h[t-1], h[-1] = h0: d (T, B, M), h0 (B, N),
+    out (T, B, N) -> (M, N), without building the shifted sequence of states."""
+    grad = d[0].t() @ h0
+    if d.shape[0] > 1:
+        grad.addmm_(d[1:].reshape(-1, d.shape[-1]).t(), out[:-1].reshape(-1, out.shape[-1]))
+    return grad
+
+
+def _linear_into(dst: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """dst = x w^T + b as one GEMM written into dst ((..., O), viewable as rows)."""
+    x2, d2 = x.reshape(-1, x.shape[-1]), dst.view(-1, dst.shape[-1])
+    if b is None:
+        torch.mm(x2, w.t(), out=d2)
+    else:
+        torch.addmm(b, x2, w.t(), out=d2)
+    return dst
+
+
+def _blocks_matmul(blocks: list[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
+    """a @ w for a (T, B, K) given as its column blocks (views), w (K, N) -> (T, B, N)."""
+    T, B = blocks[0].shape[:2]
+    acc, row = None, 0
+    for block in blocks:
+        flat, part = block.reshape(-1, block.shape[-1]), w[row:row + block.shape[-1]]
+        acc = flat @ part if acc is None else acc.addmm_(flat, part)
+        row += block.shape[-1]
+    return acc.view(T, B, -1)
+
+
+def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows one after another (no copy for a single part)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice) -> tuple:
+    """The RNN's pre-activation gradients d = f'(out) * g (T, B, H) through the
+    scan: one new buffer holds f'(out) (the scan's v), then d in place over it;
+    g is the only other. Returns ([d], d, grad h0): d_gi's blocks, d_gh."""
+    T, B, H = out.shape
+    d = 1 - out * out if mode == "RNN_TANH" else (out > 0).float()  # out * out is gone before g comes
+    g = scan(c, w=w_hh, v=d, levels=_resolve_levels(choice, T, B, H, 1, c.device))
+    d.mul_(g)
+    return [d], d, d[0] @ w_hh
+
+
+def _gate_planes(x2: torch.Tensor, w_ih: torch.Tensor, b_ih: torch.Tensor | None, shape: tuple) -> torch.Tensor:
+    """x W_ih^T + b_ih for x2 (T*B, I), each gate's block in its own contiguous
+    plane: (3, T, B, H), so that z can be the scan's u as it is."""
+    planes = x2.new_empty(3, *shape)
+    H = shape[-1]
+    for k, plane in enumerate(planes):
+        rows = slice(k * H, (k + 1) * H)
+        _linear_into(plane, x2, w_ih[rows], None if b_ih is None else b_ih[rows])
+    return planes
+
+
+def _hidden_gates(h0: torch.Tensor, out: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None) -> torch.Tensor:
+    """h[t-1] W_hh^T + b_hh (T, B, 3H), h[-1] = h0, in two GEMMs straight from h0 and out."""
+    gh = out.new_empty(*out.shape[:2], w_hh.shape[0])
+    _linear_into(gh[0], h0, w_hh, b_hh)
+    _linear_into(gh[1:], out[:-1], w_hh, b_hh)
+    return gh
+
+
+def _one_minus_into(dst: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """dst = 1 - t (as -t + 1: the same bits)."""
+    return torch.neg(t, out=dst).add_(1)
+
+
+def _previous_states_into(dst: torch.Tensor, h0: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """dst[t] = h[t-1]: h0, then out[:-1]."""
+    dst[0].copy_(h0)
+    dst[1:].copy_(out[:-1])
+    return dst
+
+
+def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice) -> tuple:
+    """The GRU's pre-activation gradients in two buffers: the input gates' planes
+    gi (3, T, B, H) and the hidden gates gh (T, B, 3H). The gates r, z, n are
+    recomputed into gi; the scan's v = [dn M r (1 - r), (h_prev - n) z (1 - z), dn r]
+    (dn = (1 - z)(1 - n^2)) replaces gh = [h_r, h_z, M], dn replaces n, blocks
+    already consumed serve as scratch; the scan writes g over r, then
+    d_gh = v * g replaces v and dn * g replaces dn. Every element gets the
+    operations of the plain expressions, in their order. Returns (d_gi as
+    column blocks, d_gh, grad h0)."""
+    T, B, H = out.shape
+    gi = _gate_planes(x2, w_ih, b_ih, (T, B, H))
+    gh = _hidden_gates(h0, out, w_hh, b_hh)
+    r, z, n = gi.unbind(0)
+    h_r, h_z, M = gh.split(H, -1)
+    r.add_(h_r).sigmoid_()
+    z.add_(h_z).sigmoid_()
+    n.add_(torch.mul(r, M, out=h_r)).tanh_()  # h_r and h_z are spent: scratch from here
+    one_minus_z = _one_minus_into(h_r, z)
+    _previous_states_into(h_z, h0, out).sub_(n).mul_(z).mul_(one_minus_z)  # v_z
+    dn = n.mul_(n).neg_().add_(1).mul_(one_minus_z)
+    torch.mul(dn, M, out=h_r).mul_(r)  # dn M r; M is spent
+    h_r.mul_(_one_minus_into(M, r))  # v_r = dn M r (1 - r)
+    torch.mul(dn, r, out=M)  # v_n
+    levels = _resolve_levels(choice, T, B, H, 3, c.device)
+    g = scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r)  # r is spent
+    gh.view(T, B, 3, H).mul_(g.unsqueeze(2))  # d_gh = v * [g, g, g]
+    dn.mul_(g)  # W_in sees n's input before r: its gradient is dn * g
+    return [gh[..., :2 * H], dn], gh, z[0] * g[0] + gh[0] @ w_hh
 
 
 class _Layer(torch.autograd.Function):
     """out = layer(x, h0) with PyTorch's forward; backward through the scan.
 
     Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
-    the GRU's gates are recomputed in backward in one parallel pass."""
+    the GRU's gates are recomputed in backward in one parallel pass. Beyond
+    grad_out and the gradients it returns, backward holds (T, B, H) float32
+    buffers: two for the RNN (f'(out), then d over it; g), six for the GRU
+    (its gates' pre-activations, everything later in place over them)."""
 
     @staticmethod
     def forward(ctx, mode, levels, x, h0, w_ih, w_hh, b_ih, b_hh):
         weights = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
         out = _forward_layer(mode, x, h0, weights)
-        ctx.mode, ctx.levels, ctx.has_bias = mode, levels, b_ih is not None
+        ctx.mode, ctx.levels = mode, levels
         ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, h0, w_ih, w_hh, b_ih, b_hh, out = ctx.saved_tensors
-        f32 = [t.float() if t is not None else None for t in (x, h0, w_ih, w_hh, b_ih, b_hh, out)]
-        x32, h032, w_ih32, w_hh32, b_ih32, b_hh32, out32 = f32
-        h_prev = torch.cat([h032.unsqueeze(0), out32[:-1]])
-        c = grad_out.float()
-        T, B, H = out.shape
+        saved = ctx.saved_tensors
+        x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
+        x2, c = x.reshape(-1, x.shape[-1]), grad_out.float()
         if ctx.mode == "GRU":
-            r, z, n, M = _gru_gates(x32, h_prev, w_ih32, w_hh32, b_ih32, b_hh32)
-            dn = (1 - z) * (1 - n * n)
-            v = torch.cat([dn * M * r * (1 - r), (h_prev - n) * z * (1 - z), dn * r], -1)
-            levels = _resolve_levels(ctx.levels, T, B, H, 3, c.device)
-            g = scan(c, w=w_hh32, u=z, v=v, levels=levels)
-            d_gh = v * g.repeat(1, 1, 3)
-            d_gi = torch.cat([d_gh[..., :2 * H], dn * g], -1)  # W_in sees n's input before r
-            grad_h0 = z[0] * g[0] + d_gh[0] @ w_hh32
+            d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels)
         else:
-            v = 1 - out32 * out32 if ctx.mode == "RNN_TANH" else (out32 > 0).float()
-            levels = _resolve_levels(ctx.levels, T, B, H, 1, c.device)
-            g = scan(c, w=w_hh32, v=v, levels=levels)
-            d_gh = d_gi = v * g
-            grad_h0 = d_gh[0] @ w_hh32
-        grads = [d_gi @ w_ih32, grad_h0, _matmul_tn(d_gi, x32), _matmul_tn(d_gh, h_prev)]
-        grads += [_sum_rows(d_gi), _sum_rows(d_gh)] if ctx.has_bias else [None, None]
-        originals = (x, h0, w_ih, w_hh, b_ih, b_hh)
-        grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, originals)]
+            d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels)
+        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[2:]
+        grads = [_blocks_matmul(d_gi, w_ih) if need_x else None, grad_h0,
+                 _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
+                 _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
+                 _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
+                 _sum_rows(d_gh) if need_b_hh else None]
+        grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
         return (None, None, *grads)
 
 
