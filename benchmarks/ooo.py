@@ -104,7 +104,7 @@ class Trainer:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(max(3, self.handle.profile_iters + 1 if self.handle else 3)):
+            for _ in range(max(3, self.handle._profile_passes() + 1 if self.handle else 3)):
                 self._eager_step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
@@ -139,6 +139,8 @@ def run_single(args, device: torch.device) -> list[dict]:
                     errors[label] = f"{type(exc).__name__}: {exc}"[:120]
             for t in trainers.values():  # past the ooo profile: the fixed schedule is timed
                 for _ in range(4):
+                    t.step()
+                while t.handle is not None and t.handle.schedule is None:
                     t.step()
             stats = harness.measure_alternated({k: t.step for k, t in trainers.items()}, device,
                                                warmup=args.warmup, reps=args.reps)

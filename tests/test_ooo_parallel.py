@@ -254,6 +254,27 @@ def test_data_parallel_solo(solo_group):
         dp.remove()
 
 
+def test_data_parallel_first_bucket_is_small_by_default(solo_group):
+    """DDP's rule: with the default cap the first bucket (the last layers'
+    gradients, ready first) holds at most 1 MiB; a cap the user gives holds
+    for every bucket."""
+    def bucket_bytes(**kwargs):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(8)))  # 257 KiB a layer
+        ref = copy.deepcopy(model)
+        dp = DataParallel(model, k=0, **kwargs)
+        x = torch.randn(4, 256)
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        _assert_same(model, ref, "grad")
+        sizes = [b.flat.numel() * 4 for b in dp._buckets]
+        dp.remove()
+        return sizes
+
+    assert bucket_bytes() == [3 * 257 * 1024, 5 * 257 * 1024]
+    assert bucket_bytes(bucket_cap_mb=25) == [8 * 257 * 1024]
+
+
 def test_data_parallel_bad_arguments(solo_group):
     model = _Net()
     for k in (-1, DEPTH + 1, "best", 1.5, True):

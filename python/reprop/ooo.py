@@ -1344,6 +1344,10 @@ def _first_k_order(layers: int, k: int) -> list[int]:
     return [l for kd, l in order if kd == "dW" and l < k_used]
 
 
+_DEFAULT_BUCKET_MB = 25.0
+_FIRST_BUCKET_BYTES = float(dist._DEFAULT_FIRST_BUCKET_BYTES) if dist.is_available() else 2.0 ** 20
+
+
 @dataclass(eq=False)
 class _Bucket:
     """Gradients all-reduced together: one flat tensor of one dtype and device.
@@ -1371,14 +1375,17 @@ class _Bucket:
             offset += p.numel()
 
 
-def _pack(params: Sequence[torch.Tensor], cap_bytes: float) -> list[list[torch.Tensor]]:
+def _pack(params: Sequence[torch.Tensor], cap_bytes: float,
+          first_cap_bytes: float | None = None) -> list[list[torch.Tensor]]:
     """Consecutive runs of `params` of one dtype and device and at most
-    `cap_bytes` (a larger parameter gets a run of its own)."""
+    `cap_bytes`, the first at most `first_cap_bytes` (a larger parameter gets
+    a run of its own)."""
     runs, run, size = [], [], 0
     for p in params:
         nbytes = p.numel() * p.element_size()
+        cap = first_cap_bytes if not runs and first_cap_bytes is not None else cap_bytes
         if run and (p.dtype != run[0].dtype or p.device != run[0].device
-                    or size + nbytes > cap_bytes):
+                    or size + nbytes > cap):
             runs.append(run)
             run, size = [], 0
         run.append(p)
@@ -1417,7 +1424,9 @@ class DataParallel:
     All other parameters (the other layers', and
     those of modules that are not split, plain ``nn.Parameter`` included) are
     all-reduced in buckets of about `bucket_cap_mb` MiB in reverse forward
-    order (other modules' parameters last), each as soon as autograd has
+    order (other modules' parameters last; by default the first bucket holds
+    at most 1 MiB, as DDP's, so that the first all-reduce starts early), each
+    as soon as autograd has
     finished with all its parameters and the buckets before it have gone, so
     every rank issues the same collectives in the same order. A parameter
     shared by several layers is reduced once, after the last task that adds
@@ -1438,13 +1447,16 @@ class DataParallel:
     """
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
-                 bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                 bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, search_iters: int = 3):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first")
+        default_cap = bucket_cap_mb is None
+        if default_cap:
+            bucket_cap_mb = _DEFAULT_BUCKET_MB
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
@@ -1468,6 +1480,8 @@ class DataParallel:
         self._samples: list[float] = []
         self._last_end: float | None = None
         self._cap = float(bucket_cap_mb) * 2 ** 20
+        # DDP's rule: a small first bucket unless the user sized the buckets
+        self._first_cap = _FIRST_BUCKET_BYTES if default_cap else self._cap
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self._require_sync = True  # no_sync() clears it
         self._sync_backward = True  # the flag when the last forward ran
@@ -1546,7 +1560,7 @@ class DataParallel:
         # the buckets before it, so placed late they hold up no other bucket
         rest = sorted((p for p in self._params if p not in held_layer),
                       key=lambda p: first_layer.get(p, -1), reverse=True)
-        buckets = [_Bucket(run) for run in _pack(rest, self._cap)]
+        buckets = [_Bucket(run) for run in _pack(rest, self._cap, self._first_cap)]
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._layer_buckets = {}
         for layer in self._order:
@@ -1712,7 +1726,7 @@ class DataParallel:
 
 
 def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
-                  bucket_cap_mb: float = 25.0, broadcast_buffers: bool = True,
+                  bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
                   gradient_as_bucket_view: bool = False, search_iters: int = 3) -> DataParallel:
     """Data-parallel training of `model` with reverse first-k scheduling.
 
@@ -1723,7 +1737,8 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
             (0 <= k <= the number of split layers), or "auto": the paper's
             coarse-to-fine search over measured iteration times, `search_iters`
             iterations per k, k chosen by rank 0 and broadcast.
-        bucket_cap_mb: size of the buckets of the other gradients, in MiB.
+        bucket_cap_mb: size of the buckets of the other gradients, in MiB
+            (None: 25, the first bucket 1 MiB, as DDP's default).
         broadcast_buffers: broadcast buffers from rank 0 before each forward.
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
             its bucket's buffer (DDP's option: saves a copy and the memory of
