@@ -49,6 +49,23 @@ Sweeps (--part, repeatable; default all):
   rnn-hidden  d in 8, 16, 20, 32, 64, 128 at T = --seq-len, B = --batch: where the
               scan's d^2 matrix products stop paying
   gru         sets S, M, L x B in 16, 32, 64 (d = 20)
+  vgg         the pruned VGG-11 micro-benchmark (Sections 4.3 and 5.3), CPU only: VGG-11's
+              layers (config A: 3x3 Conv2d pad 1 + ReLU, 2x2 MaxPool2d; then Flatten and the
+              CIFAR classifier Linear 512-512-10 unless --vgg-features-only) as one chain on
+              --vgg-res (32, CIFAR-10) inputs, channels / --vgg-width-div. One ChainPlan per
+              --vgg-levels (default 0 and 3: the linear scan and the paper's up-sweep L0-L2),
+              built once; then per --vgg-sparsities (0, 0.5, 0.9, 0.97, the paper's 97%) the
+              same modules are pruned in place by magnitude, per layer (the plans see the new
+              weights as in retraining), and reprop.bppsa.chain_backward (the input's
+              gradient through the CSR transposed Jacobians, values gathered every call) is
+              timed against torch.autograd.grad(model(x), x, g), alternated, each with its
+              forward. ChainPlan's patterns come from the layers' geometry only: pruned weights
+              stay in them as explicit zeros, so its nnz and scan MACs (ChainPlan.info madds)
+              do not fall with pruning. "masked" rows re-plan the same chain without those
+              zeros (a benchmark-only copy of the plan: the library has no such option) to
+              show what the paper counts. Also printed: every layer's J^T size, nnz and
+              density, and the dense autograd input-gradient's MACs (conv backward-data
+              c_in c_out 9 h w, Linear in x out) plus element ops (ReLU, pool scatter).
 
 Configurations repeated across sweeps (e.g. T=1000, B=16, d=20) are measured once.
 On CUDA a configuration whose estimated memory (estimate_bytes) exceeds
@@ -62,22 +79,32 @@ paper's 108x (RTX 2080Ti). PASS/MISS on CUDA only; on CPU for information.
 --quick: a CI-sized CPU run: T in 10, 100, 1000; B in 2, 8 and d in 8, 32 at T = 100;
 GRU set S at B = 16; 3 rounds, 1 warm-up (11-15 s on 2 CPUs with --threads 1 even with
 other jobs running; two OpenMP threads on a busy 2-CPU box can take minutes, see the
-harness's load warning). About half of it is the CPU peak-memory profiling.
+harness's load warning). About half of it is the CPU peak-memory profiling. The vgg
+part's quick run is VGG-11 at 1/16 width (4 to 32 channels), batch 4 (about 30 s); the
+full run 1/8 width (the unpruned 3-level plan alone holds ~3.5 GB of product patterns;
+at full width it would not fit: use --vgg-width-div 1 --vgg-levels 0 there).
 
     python benchmarks/bppsa.py --quick
     python benchmarks/bppsa.py --device cuda --json $OUT/bppsa-cuda.json
     python benchmarks/bppsa.py --device cuda --part rnn-t --scan blelloch
     python benchmarks/bppsa.py --device cuda --part rnn-hidden --hiddens 20,256 --seq-len 3000
+    python benchmarks/bppsa.py --quick --part vgg
+    python benchmarks/bppsa.py --part vgg --vgg-width-div 1 --vgg-levels 0
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import gc
+import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -94,7 +121,8 @@ MODEL_SEED = 0
 MIB = 2**20
 GIB = 2**30
 
-PARTS = ("rnn-t", "rnn-batch", "rnn-hidden", "gru")
+RNN_PARTS = ("rnn-t", "rnn-batch", "rnn-hidden", "gru")
+PARTS = RNN_PARTS + ("vgg",)
 SCANS = ("auto", "blelloch", "linear")
 FULL = {"seq_lens": (10, 30, 100, 300, 1000, 3000, 10000, 30000),
         "batches": (2, 4, 8, 16, 32, 64, 128, 256),
@@ -178,7 +206,7 @@ def plan(args) -> list[tuple[str, list[Config]]]:
         "rnn-hidden": [rnn_config(args.seq_len, args.batch, d) for d in args.hiddens],
         "gru": [gru_config(s, b) for s in args.gru_sets for b in args.gru_batches],
     }
-    return [(part, sweeps[part]) for part in PARTS if part in args.part]
+    return [(part, sweeps[part]) for part in RNN_PARTS if part in args.part]
 
 
 # ---------------------------------------------------------------------------
@@ -606,6 +634,8 @@ def print_report(table: list, results: dict[Config, Result], checks: list[dict],
                  device: torch.device, args) -> None:
     """Machine, settings, one table per sweep, notes, summary."""
     print(harness.describe_machine(info))
+    if not table:  # the vgg part alone
+        return
     print(f"scan={args.scan}; {args.reps} rounds ({args.warmup} warm-ups, {args.min_sample_ms:g} ms min sample), "
           "medians in ms per training iteration (forward + loss [+ backward + Adam step]); "
           "bwd x = (base - fwd) / (bppsa - min(fwd, fwd ours)), bwd x ex = (base - fwd) / (bppsa - fwd ours), e2e x = base / bppsa; "
@@ -631,12 +661,315 @@ def json_payload(table: list, results: dict[Config, Result], checks: list[dict],
 
 
 # ---------------------------------------------------------------------------
+# The pruned VGG-11 chain (Section 4.3)
+# ---------------------------------------------------------------------------
+
+# VGG-11, configuration "A": output channels of each 3x3 conv (padding 1, each followed by a
+# ReLU), "M" a 2x2 max pool. No batch norm (the paper's Jacobians are of Conv2d, ReLU and
+# MaxPool2d); the CIFAR classifier Linear(512, 512), ReLU, Linear(512, 512), ReLU,
+# Linear(512, 10) after the features' 512 x 1 x 1 output (dropout is the identity here).
+VGG11_CONFIG: list[int | str] = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+VGG_CLASSES = 10  # CIFAR-10
+PAPER_SPARSITY = 0.97  # "pruning away 97% of the weights in all convolution and linear operators"
+PAPER_LEVELS = 3       # Section 5.3: up-sweep L0-L2, then a linear scan, then the down-sweep
+VGG_FULL = {"vgg_width_div": 8, "vgg_batch": 4, "vgg_sparsities": (0.0, 0.5, 0.9, PAPER_SPARSITY),
+            "vgg_levels": (0, PAPER_LEVELS)}
+VGG_QUICK = {"vgg_width_div": 16, "vgg_batch": 4, "vgg_sparsities": (0.0, 0.5, 0.9, PAPER_SPARSITY),
+             "vgg_levels": (0, PAPER_LEVELS)}
+VGG_SEED = 0
+
+# Candidate names of the VGG part (timed in one alternation per sparsity).
+V_FWD, V_AUTOGRAD = "fwd", "autograd"
+
+
+def vgg_chain_name(kind: str, levels: int) -> str:
+    """Candidate name of a chain_backward run: kind "chain" (ChainPlan's own patterns) or "masked"."""
+    return f"{kind} L{levels}"
+
+
+def vgg11_chain(width_div: int, resolution: int, classifier: bool) -> list[nn.Module]:
+    """VGG-11's layers as a flat chain for (3, resolution, resolution) inputs, channels // width_div, seeded."""
+    torch.manual_seed(MODEL_SEED)
+    layers: list[nn.Module] = []
+    channels, size = 3, resolution
+    for v in VGG11_CONFIG:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2, 2))
+            size //= 2
+        else:
+            out = max(1, v // width_div)
+            layers += [nn.Conv2d(channels, out, 3, padding=1), nn.ReLU()]
+            channels = out
+    if classifier:
+        hidden = max(1, 512 // width_div)
+        layers += [nn.Flatten(), nn.Linear(channels * size * size, hidden), nn.ReLU(),
+                   nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, VGG_CLASSES)]
+    return layers
+
+
+def weighted(layers: list[nn.Module]) -> list[nn.Module]:
+    return [m for m in layers if isinstance(m, (nn.Conv2d, nn.Linear))]
+
+
+def prune_(layers: list[nn.Module], dense: list[torch.Tensor], sparsity: float) -> None:
+    """Magnitude pruning in place, per layer: each Conv2d/Linear keeps the round((1 - sparsity) n)
+    weights of largest |w| of its dense weights ``dense``, the rest become exact zeros."""
+    with torch.no_grad():
+        for layer, w in zip(weighted(layers), dense):
+            keep = round((1.0 - sparsity) * w.numel())
+            flat = torch.zeros(w.numel())
+            if keep > 0:
+                idx = torch.topk(w.abs().reshape(-1), keep).indices
+                flat[idx] = w.reshape(-1)[idx]
+            layer.weight.copy_(flat.reshape(w.shape))
+
+
+def dense_backward_ops(layers: list[nn.Module], input_shape: tuple) -> tuple[int, int]:
+    """Per sample, what dense autograd does for the input's gradient (no weight gradients):
+    (multiply-adds of Conv2d backward-data and Linear x W, element ops of ReLU and MaxPool2d).
+    Convs counted as a dense kernel runs them: c_in c_out kh kw h_out w_out, padding included."""
+    macs = elementwise = 0
+    shape = tuple(input_shape)
+    for layer in layers:
+        if isinstance(layer, nn.Conv2d):
+            c, h, w = shape
+            kh, kw = layer.kernel_size
+            ho = (h + 2 * layer.padding[0] - kh) // layer.stride[0] + 1
+            wo = (w + 2 * layer.padding[1] - kw) // layer.stride[1] + 1
+            macs += c * layer.out_channels // layer.groups * kh * kw * ho * wo
+            shape = (layer.out_channels, ho, wo)
+        elif isinstance(layer, nn.MaxPool2d):
+            c, h, w = shape
+            shape = (c, h // 2, w // 2)
+            elementwise += c * (h // 2) * (w // 2)  # one scatter-add per output
+        elif isinstance(layer, nn.Linear):
+            macs += layer.in_features * layer.out_features
+            shape = (layer.out_features,)
+        elif isinstance(layer, nn.Flatten):
+            shape = (math.prod(shape),)
+        else:
+            elementwise += math.prod(shape)
+    return macs, elementwise
+
+
+def leaf_label(leaf) -> str:
+    layer = leaf.layer
+    name = type(layer).__name__
+    if isinstance(layer, nn.Conv2d):
+        name = f"Conv2d {layer.in_channels}->{layer.out_channels}"
+    elif isinstance(layer, nn.Linear):
+        name = f"Linear {layer.in_features}->{layer.out_features}"
+    return f"{name} @ {'x'.join(map(str, leaf.in_shape))}"
+
+
+def masked_leaf(leaf):
+    """A copy of a Conv2d/Linear leaf without the entries whose weight is exactly zero: the
+    guaranteed zeros of a fixed pruning mask. Benchmark-only (reads ChainPlan internals):
+    ChainPlan's patterns come from the geometry alone and keep them as explicit zeros."""
+    if not hasattr(leaf, "wmap"):
+        return leaf
+    weight = leaf.layer.weight.detach().reshape(-1).numpy()
+    keep = weight[leaf.wmap] != 0
+    rows = np.repeat(np.arange(leaf.rows, dtype=np.int64), np.diff(leaf.indptr))
+    counts = np.bincount(rows[keep], minlength=leaf.rows)
+    out = copy.copy(leaf)
+    out.indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+    out.indices = np.ascontiguousarray(leaf.indices[keep])
+    out.wmap = np.ascontiguousarray(leaf.wmap[keep])
+    out._maps = {}
+    return out
+
+
+def masked_plan(plan, levels: int, max_pairs: int):
+    """``plan`` re-planned on the masked leaves (the pruned weights' entries dropped), for
+    `levels`: a shallow copy whose leaves, steps, plan and info are replaced, so that
+    ChainPlan.backward and chain_backward run it unchanged."""
+    bppsa = reprop_bppsa()
+    out = copy.copy(plan)
+    swap = {id(leaf): masked_leaf(leaf) for leaf in plan.leaves}
+    out.leaves = [swap[id(leaf)] for leaf in plan.leaves]
+    out.steps = [(layer, None if leaf is None else swap[id(leaf)]) for layer, leaf in plan.steps]
+    out._plan = bppsa._C.csr_plan([(l.rows, l.cols, l.indptr, l.indices) for l in out.leaves], levels,
+                                  max_pairs, *bppsa._machine(torch.device("cpu")))
+    out.info = bppsa._C.csr_plan_info(out._plan)
+    return out
+
+
+def nonzero_values(plan, x: torch.Tensor) -> int:
+    """Entries of the stored patterns whose value is non-zero at sample x[0] (pruned weights,
+    ReLU's inactive units and the pools' unpicked window positions are zeros)."""
+    with torch.no_grad():
+        inputs, _ = plan.forward_inputs(x[:1])
+    return sum(int(torch.count_nonzero(leaf.values(inp))) for leaf, inp in zip(plan.leaves, inputs))
+
+
+def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = float((got.float() - ref.float()).abs().max())
+    scale = float(ref.float().abs().max())
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+@dataclass
+class VggResult:
+    """The VGG part: per-layer patterns, then per sparsity the plans' counts, times and errors."""
+
+    setting: dict
+    layers: list[dict] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    stats: dict[float, dict[str, harness.Stats]] = field(default_factory=dict)
+
+
+def run_vgg(args) -> VggResult:
+    """Builds VGG-11's chain, ChainPlans once per --vgg-levels, then per sparsity: prune in
+    place (the plans see the new weights, as in retraining), re-plan the masked patterns,
+    check the input gradient against autograd and time both, alternated."""
+    bppsa = reprop_bppsa()
+    device = torch.device("cpu")
+    res_px = args.vgg_res
+    layers = vgg11_chain(args.vgg_width_div, res_px, not args.vgg_features_only)
+    model = nn.Sequential(*layers).eval()
+    in_shape = (3, res_px, res_px)
+    g = torch.Generator().manual_seed(DATA_SEED)
+    x = torch.randn(args.vgg_batch, *in_shape, generator=g)
+    with torch.no_grad():
+        out_shape = model(x[:1]).shape[1:]
+    grad_out = torch.randn(args.vgg_batch, *out_shape, generator=g)
+    dense = [m.weight.detach().clone() for m in weighted(layers)]
+    macs, elementwise = dense_backward_ops(layers, in_shape)
+    result = VggResult({"width_div": args.vgg_width_div, "resolution": res_px, "batch": args.vgg_batch,
+                        "classifier": not args.vgg_features_only, "max_pairs": args.vgg_max_pairs,
+                        "weights": sum(w.numel() for w in dense), "dense_macs": macs,
+                        "dense_elementwise": elementwise, "reps": args.reps, "warmup": args.warmup})
+    print(f"... vgg: VGG-11/{args.vgg_width_div} at {res_px}x{res_px}, planning", file=sys.stderr, flush=True)
+    plans = {}
+    for levels in args.vgg_levels:
+        t0 = time.perf_counter()
+        plans[levels] = bppsa.ChainPlan(layers, in_shape, levels=levels, max_pairs=args.vgg_max_pairs)
+        result.setting[f"plan_s_L{levels}"] = time.perf_counter() - t0
+    first = plans[args.vgg_levels[0]]
+    for leaf in first.leaves:
+        nnz = int(leaf.indices.shape[0])
+        result.layers.append({"layer": leaf_label(leaf), "rows": leaf.rows, "cols": leaf.cols, "nnz": nnz,
+                              "density": nnz / (leaf.rows * leaf.cols), "masked_nnz": {}})
+    xr = x.clone().requires_grad_()
+
+    def autograd_grad() -> torch.Tensor:
+        (gx,) = torch.autograd.grad(model(xr), xr, grad_out)
+        return gx
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    for sparsity in args.vgg_sparsities:
+        print(f"... vgg sparsity {sparsity:g}", file=sys.stderr, flush=True)
+        prune_(layers, dense, sparsity)
+        masked = {}
+        for levels in args.vgg_levels:
+            t0 = time.perf_counter()
+            masked[levels] = masked_plan(plans[levels], levels, args.vgg_max_pairs)
+            if sum(l.indices.shape[0] for l in masked[levels].leaves) == \
+                    sum(l.indices.shape[0] for l in plans[levels].leaves):
+                masked[levels] = plans[levels]  # no zero weights: the same patterns, timed once
+            result.setting[f"masked_plan_s_L{levels}_s{sparsity:g}"] = time.perf_counter() - t0
+        for row, leaf in zip(result.layers, masked[args.vgg_levels[0]].leaves):
+            row["masked_nnz"][sparsity] = int(leaf.indices.shape[0])
+        ref = autograd_grad()
+        candidates = {V_FWD: forward, V_AUTOGRAD: autograd_grad}
+        errors = {}
+        for levels in args.vgg_levels:
+            for kind, p in (("chain", plans[levels]), ("masked", masked[levels])):
+                name = vgg_chain_name(kind, levels)
+                if kind == "masked" and p is plans[levels]:
+                    errors[name] = errors[vgg_chain_name("chain", levels)]
+                    continue
+                errors[name] = relative_error(bppsa.chain_backward(layers, x, grad_out, plan=p)[0], ref)
+                candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out, plan=p)
+        stats = harness.measure_alternated(candidates, device, args.warmup, args.reps)
+        result.stats[sparsity] = stats
+        kept = sum(int(torch.count_nonzero(m.weight)) for m in weighted(layers))
+        nonzero = nonzero_values(plans[args.vgg_levels[0]], x)
+        t_fwd, t_auto = stats[V_FWD].median, stats[V_AUTOGRAD].median
+        for levels in args.vgg_levels:
+            lib, msk = plans[levels], masked[levels]
+            t_lib = stats[vgg_chain_name("chain", levels)].median
+            t_msk = stats.get(vgg_chain_name("masked", levels), stats[vgg_chain_name("chain", levels)]).median
+            result.rows.append({
+                "sparsity": sparsity, "weights_kept": kept, "levels": levels,
+                "levels_run": lib.info["levels"], "masked_levels_run": msk.info["levels"],
+                "nnz": sum(l.indices.shape[0] for l in lib.leaves), "nonzero_values": nonzero,
+                "masked_nnz": sum(l.indices.shape[0] for l in msk.leaves),
+                "size": sum(l.rows * l.cols for l in lib.leaves),
+                "scan_macs": lib.info["madds"], "masked_scan_macs": msk.info["madds"],
+                "linear_macs": lib.info["linear_madds"], "masked_linear_macs": msk.info["linear_madds"],
+                "pairs": lib.info["pairs"], "masked_pairs": msk.info["pairs"],
+                "dense_ops": macs + elementwise,
+                "fwd_ms": t_fwd, "autograd_ms": t_auto, "chain_ms": t_lib, "masked_ms": t_msk,
+                "chain_speedup": harness.speedup(t_auto, t_lib),
+                "chain_bwd_speedup": backward_speedup(t_auto, t_lib, t_fwd),
+                "masked_speedup": harness.speedup(t_auto, t_msk),
+                "masked_bwd_speedup": backward_speedup(t_auto, t_msk, t_fwd),
+                "chain_err": errors[vgg_chain_name("chain", levels)],
+                "masked_err": errors[vgg_chain_name("masked", levels)],
+            })
+        del masked
+        release(device)
+    return result
+
+
+def count_cell(n: int) -> str:
+    """Large counts in M (10^6) with 3 significant digits."""
+    return f"{n / 1e6:.3g}M" if n >= 1e5 else str(n)
+
+
+def format_vgg(vgg: VggResult) -> str:
+    s, f = vgg.setting, harness.fmt
+    sparsities = sorted({r["sparsity"] for r in vgg.rows})
+    lines = [f"VGG-11 chain (Section 4.3): channels / {s['width_div']}, {s['resolution']}x{s['resolution']} "
+             f"inputs, batch {s['batch']}, {'features + classifier' if s['classifier'] else 'features only'}, "
+             f"{count_cell(s['weights'])} weights; dense autograd input-gradient per sample "
+             f"{count_cell(s['dense_macs'])} MACs + {count_cell(s['dense_elementwise'])} element ops; "
+             f"ChainPlan max_pairs {s['max_pairs']}; plan built in "
+             + ", ".join(f"{s[k]:.2g} s ({k[7:]})" for k in s if k.startswith("plan_s_"))]
+    headers = ["J^T (input)", "rows x cols", "nnz", "density"] + [f"masked @{p:g}" for p in sparsities]
+    rows = [[r["layer"], f"{r['rows']}x{r['cols']}", count_cell(r["nnz"]), f"{r['density']:.2e}"]
+            + [count_cell(r["masked_nnz"][p]) for p in sparsities] for r in vgg.layers]
+    lines += ["\nper-layer transposed Jacobians (ChainPlan's patterns; masked = without the pruned "
+              "weights' explicit zeros)", harness.format_table(headers, rows)]
+    headers = ["sparsity", "levels", "J nnz", "nonzero", "masked nnz", "scan MACs", "masked MACs",
+               "dense ops", "fwd ms", "autograd", "chain ms", "masked ms", "chain x", "bwd x",
+               "masked x", "err", "masked err"]
+    rows = []
+    for r in vgg.rows:
+        rows.append([f"{r['sparsity']:g}", f"{r['levels_run']}/{r['masked_levels_run']} ({r['levels']})",
+                     count_cell(r["nnz"]), count_cell(r["nonzero_values"]), count_cell(r["masked_nnz"]),
+                     count_cell(r["scan_macs"]), count_cell(r["masked_scan_macs"]), count_cell(r["dense_ops"]),
+                     f(r["fwd_ms"], ".3g"), f(r["autograd_ms"], ".3g"), f(r["chain_ms"], ".3g"),
+                     f(r["masked_ms"], ".3g"), f(r["chain_speedup"], ".2f"), f(r["chain_bwd_speedup"], ".2f"),
+                     f(r["masked_speedup"], ".2f"), f(r["chain_err"], ".1e"), f(r["masked_err"], ".1e")])
+    lines += [f"\n{vgg.setting['reps']} rounds ({vgg.setting['warmup']} warm-ups), medians in ms per batch of one "
+              "forward + input gradient: autograd = torch.autograd.grad(model(x), x, g); chain / masked = "
+              "chain_backward with ChainPlan's patterns / without the pruned weights' zeros (plans built "
+              "once, values gathered every call); fwd = a no-grad forward; chain x = autograd / chain, "
+              "bwd x = (autograd - fwd) / (chain - fwd), masked x = autograd / masked; err = "
+              "max|dx - dx_autograd| / max|dx_autograd|; MACs = multiply-adds per sample "
+              "(ChainPlan.info madds; dense ops = autograd's MACs + element ops)"]
+    lines += ["\nper sparsity and schedule (levels run: chain/masked (requested)); counts per sample, "
+              "times per batch", harness.format_table(headers, rows)]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------
 
 
 def int_list(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(",") if v.strip())
+
+
+def float_list(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
 
 
 def str_list(text: str) -> tuple[str, ...]:
@@ -671,11 +1004,33 @@ def parse_args(argv: list[str] | None = None):
                    help="CUDA: skip configurations estimated above this many GiB (default 40; 0: no cap)")
     p.add_argument("--min-sample-ms", type=float, default=None,
                    help="repeat calls within a sample until it lasts this long (default 1 on cuda, 0 on cpu)")
+    p.add_argument("--vgg-width-div", type=int, default=None,
+                   help="vgg: VGG-11's channels divided by this (default 8; quick 16; 1: the real widths)")
+    p.add_argument("--vgg-res", type=int, default=32, help="vgg: input resolution (default 32, CIFAR-10's)")
+    p.add_argument("--vgg-batch", type=int, default=None, help="vgg: batch size (default 4)")
+    p.add_argument("--vgg-sparsities", type=float_list, default=None,
+                   help="vgg: fractions of weights pruned (default 0,0.5,0.9,0.97; the paper's 0.97)")
+    p.add_argument("--vgg-levels", type=int_list, default=None,
+                   help="vgg: up-sweep levels of the ChainPlans (default 0,3: linear and the paper's L0-L2)")
+    p.add_argument("--vgg-max-pairs", type=int, default=0,
+                   help="vgg: ChainPlan max_pairs, the cap on one planned product's pairs (default 0: none; a cap that "
+                        "stops a level after its first product currently crashes ChainPlan.info, see RESULTS.md)")
+    p.add_argument("--vgg-features-only", action="store_true",
+                   help="vgg: the conv features only (the paper's chain), without the classifier's Linear layers")
     args = p.parse_args(argv)
     defaults = QUICK if args.quick else FULL
     for key in ("seq_lens", "batches", "hiddens", "gru_sets", "gru_batches", "seq_len", "reps", "warmup"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
+    for key, value in (VGG_QUICK if args.quick else VGG_FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.vgg_res < 32 or args.vgg_res % 32:
+        p.error("--vgg-res: a multiple of 32 (five 2x2 pools)")
+    if any(not 0 <= v < 1 for v in args.vgg_sparsities):
+        p.error("--vgg-sparsities: fractions in [0, 1)")
+    if not args.vgg_levels or any(v < 0 for v in args.vgg_levels):
+        p.error("--vgg-levels: non-negative integers")
     args.part = tuple(args.part or PARTS)
     if args.min_sample_ms is None:
         args.min_sample_ms = 1.0 if args.device == "cuda" else 0.0
@@ -700,10 +1055,23 @@ def main(argv: list[str] | None = None) -> None:
     info = harness.machine_info(device)
     sweeps = plan(args)
     results = run_all(sweeps, device, args)
+    vgg = None
+    if "vgg" in args.part:
+        if device.type != "cpu":
+            print("skip vgg: the sparse chain scan runs on the CPU only (ChainPlan.backward)", flush=True)
+        else:
+            vgg = run_vgg(args)
     table = sweep_rows(sweeps, results)
-    checks = summary_checks(results, device)
+    checks = summary_checks(results, device) if sweeps else []
     print_report(table, results, checks, info, device, args)
-    harness.write_json(args.json, json_payload(table, results, checks, info, args))
+    if vgg is not None:
+        print("\n" + format_vgg(vgg))
+    payload = json_payload(table, results, checks, info, args)
+    if vgg is not None:
+        payload["vgg"] = {"setting": vgg.setting, "layers": vgg.layers, "rows": vgg.rows,
+                          "stats_ms": {str(p): {n: st.to_dict() for n, st in st_.items()}
+                                       for p, st_ in vgg.stats.items()}}
+    harness.write_json(args.json, payload)
 
 
 if __name__ == "__main__":
