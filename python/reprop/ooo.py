@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import time
 import types
 from dataclasses import dataclass, field
