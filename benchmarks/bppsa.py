@@ -59,11 +59,11 @@ Sweeps (--part, repeatable; default all):
               weights as in retraining), and reprop.bppsa.chain_backward (the input's
               gradient through the CSR transposed Jacobians, values gathered every call) is
               timed against torch.autograd.grad(model(x), x, g), alternated, each with its
-              forward. ChainPlan's patterns come from the layers' geometry only: pruned weights
-              stay in them as explicit zeros, so its nnz and scan MACs (ChainPlan.info madds)
-              do not fall with pruning. "masked" rows re-plan the same chain without those
-              zeros (a benchmark-only copy of the plan: the library has no such option) to
-              show what the paper counts. Also printed: every layer's J^T size, nnz and
+              forward. "chain" rows use ChainPlan's default patterns, from the layers'
+              geometry only: pruned weights stay in them as explicit zeros, so nnz and scan
+              MACs (ChainPlan.info madds) do not fall with pruning. "masked" rows plan the
+              pruned chain with ChainPlan(pruned=True), which leaves the zero weights'
+              entries out (what the paper counts). Also printed: every layer's J^T size, nnz and
               density, and the dense autograd input-gradient's MACs (conv backward-data
               c_in c_out 9 h w, Linear in x out) plus element ops (ReLU, pool scatter).
 
@@ -94,7 +94,6 @@ at full width it would not fit: use --vgg-width-div 1 --vgg-levels 0 there).
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import math
@@ -104,7 +103,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -762,39 +760,6 @@ def leaf_label(leaf) -> str:
     return f"{name} @ {'x'.join(map(str, leaf.in_shape))}"
 
 
-def masked_leaf(leaf):
-    """A copy of a Conv2d/Linear leaf without the entries whose weight is exactly zero: the
-    guaranteed zeros of a fixed pruning mask. Benchmark-only (reads ChainPlan internals):
-    ChainPlan's patterns come from the geometry alone and keep them as explicit zeros."""
-    if not hasattr(leaf, "wmap"):
-        return leaf
-    weight = leaf.layer.weight.detach().reshape(-1).numpy()
-    keep = weight[leaf.wmap] != 0
-    rows = np.repeat(np.arange(leaf.rows, dtype=np.int64), np.diff(leaf.indptr))
-    counts = np.bincount(rows[keep], minlength=leaf.rows)
-    out = copy.copy(leaf)
-    out.indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
-    out.indices = np.ascontiguousarray(leaf.indices[keep])
-    out.wmap = np.ascontiguousarray(leaf.wmap[keep])
-    out._maps = {}
-    return out
-
-
-def masked_plan(plan, levels: int, max_pairs: int):
-    """``plan`` re-planned on the masked leaves (the pruned weights' entries dropped), for
-    `levels`: a shallow copy whose leaves, steps, plan and info are replaced, so that
-    ChainPlan.backward and chain_backward run it unchanged."""
-    bppsa = reprop_bppsa()
-    out = copy.copy(plan)
-    swap = {id(leaf): masked_leaf(leaf) for leaf in plan.leaves}
-    out.leaves = [swap[id(leaf)] for leaf in plan.leaves]
-    out.steps = [(layer, None if leaf is None else swap[id(leaf)]) for layer, leaf in plan.steps]
-    out._plan = bppsa._C.csr_plan([(l.rows, l.cols, l.indptr, l.indices) for l in out.leaves], levels,
-                                  max_pairs, *bppsa._machine(torch.device("cpu")))
-    out.info = bppsa._C.csr_plan_info(out._plan)
-    return out
-
-
 def nonzero_values(plan, x: torch.Tensor) -> int:
     """Entries of the stored patterns whose value is non-zero at sample x[0] (pruned weights,
     ReLU's inactive units and the pools' unpicked window positions are zeros)."""
@@ -821,7 +786,7 @@ class VggResult:
 
 def run_vgg(args) -> VggResult:
     """Builds VGG-11's chain, ChainPlans once per --vgg-levels, then per sparsity: prune in
-    place (the plans see the new weights, as in retraining), re-plan the masked patterns,
+    place (the plans see the new weights, as in retraining), plan with pruned=True,
     check the input gradient against autograd and time both, alternated."""
     bppsa = reprop_bppsa()
     device = torch.device("cpu")
@@ -867,7 +832,8 @@ def run_vgg(args) -> VggResult:
         masked = {}
         for levels in args.vgg_levels:
             t0 = time.perf_counter()
-            masked[levels] = masked_plan(plans[levels], levels, args.vgg_max_pairs)
+            masked[levels] = bppsa.ChainPlan(layers, in_shape, levels=levels,
+                                             max_pairs=args.vgg_max_pairs, pruned=True)
             if sum(l.indices.shape[0] for l in masked[levels].leaves) == \
                     sum(l.indices.shape[0] for l in plans[levels].leaves):
                 masked[levels] = plans[levels]  # no zero weights: the same patterns, timed once

@@ -357,19 +357,21 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);
     rp_scan_jacobians j;
-    void *w, *u, *v, *jt, *c, *g, *work;
+    void *w, *u, *v, *jt, *y, *c, *g, *work;
     int levels, rc;
     rp_py_where where;
     rp_error err = {{0}};
-    if (rp_py_check_nargs(nargs, 13, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
+    if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
         rp_py_size_arg(args[1], &j.batch) < 0 || rp_py_size_arg(args[2], &j.dim) < 0 ||
         rp_py_int_arg(args[3], &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
         rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
-        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_pointer_arg(args[8], &c) < 0 ||
-        rp_py_pointer_arg(args[9], &g) < 0 || rp_py_int_arg(args[10], &levels) < 0 ||
-        rp_py_pointer_arg(args[11], &work) < 0 || rp_py_where_arg(args[12], cuda, &where) < 0)
+        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_int_arg(args[8], &j.act) < 0 ||
+        rp_py_pointer_arg(args[9], &y) < 0 || rp_py_int_arg(args[10], &j.pre_activation) < 0 ||
+        rp_py_pointer_arg(args[11], &c) < 0 || rp_py_pointer_arg(args[12], &g) < 0 ||
+        rp_py_int_arg(args[13], &levels) < 0 || rp_py_pointer_arg(args[14], &work) < 0 ||
+        rp_py_where_arg(args[15], cuda, &where) < 0)
         return NULL;
-    j.w = w, j.u = u, j.v = v, j.jt = jt;
+    j.w = w, j.u = u, j.v = v, j.jt = jt, j.y = y;
     Py_BEGIN_ALLOW_THREADS
     if (cuda != NULL)
         rc = cuda->scan(&j, c, g, levels, work, where.stream, &err);

@@ -79,8 +79,8 @@ int rp_py_module_exec(PyObject *module, const rp_py_cuda_launchers *cuda);
  *       (rp_fad_forward_cpu, rp_cuda_fad_forward)
  *   fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, where)
  *       codebook: the bytes fad_codebook() returned (rp_fad_backward_code8_cpu)
- *   scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, where)
- *       (rp_scan_cpu, rp_cuda_scan) */
+ *   scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels,
+ *        work, where): act an rp_scan_act (rp_scan_cpu, rp_cuda_scan) */
 PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

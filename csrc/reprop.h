@@ -249,16 +249,35 @@ int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *cod
  *       W_k its rows kH..(k+1)H-1), u (n, B, H) or NULL for zero,
  *       v (n, B, G*H). The RNN is G = 1, u = NULL, v = f'(pre-activation);
  *       the GRU G = 3 (see python/reprop/bppsa.py). Never copied per step.
- * Entry t = 0 of the leaves is never read.
+ *       Instead of v, an activation `act` and y (n, B, G*H), the layer's
+ *       output: v = f'(y) computed where v is read, 1 - y*y (y*y rounded
+ *       first, never fused) for tanh, (y > 0 ? 1 : 0) for relu, the same
+ *       float32 bits as those expressions evaluated into a v beforehand, with
+ *       no (n, B, G*H) buffer for them.
+ *   pre_activation (G = 1 only): the result is d[t] = v[t] * g[t] (the
+ *       gradient of the pre-activation when v = f'), written where g would
+ *       be, in place of g; the same bits as multiplying g by v afterwards.
+ *       g may alias c as before; it never overlaps w, u, v, y or jt.
+ * Entry t = 0 of the leaves is never read (but for v[0] by pre_activation).
  * ------------------------------------------------------------------------- */
+
+/* How the structured leaves' v is given. */
+typedef enum {
+    RP_SCAN_ACT_NONE = 0, /* v itself */
+    RP_SCAN_ACT_TANH = 1, /* v = 1 - y*y */
+    RP_SCAN_ACT_RELU = 2  /* v = (y > 0) */
+} rp_scan_act;
 
 typedef struct {
     int64_t n, batch, dim; /* n steps, B sequences, H */
     int gates;             /* G >= 1: structured leaves; 0: dense leaves */
     const float *w;        /* structured: (G*H, H) */
     const float *u;        /* structured: (n, B, H) or NULL */
-    const float *v;        /* structured: (n, B, G*H) */
+    const float *v;        /* structured: (n, B, G*H); NULL when act is set */
     const float *jt;       /* dense: (n, B, H, H) */
+    int act;               /* rp_scan_act; structured leaves only */
+    const float *y;        /* act set: (n, B, G*H), v = f'(y); else NULL */
+    int pre_activation;    /* G = 1: write v[t] * g[t] instead of g[t] */
 } rp_scan_jacobians;
 
 /* What the cost model knows of a device: how many independent H x H

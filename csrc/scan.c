@@ -241,9 +241,51 @@ static const float *rp_leaf_u(const rp_rec_ctx *x, int64_t t, int64_t b)
     return x->j->u ? x->j->u + (t * x->B + b) * x->H : NULL;
 }
 
+/* The row of v at (t, b), or of y when v is f'(y): read through rp_v_at. */
 static const float *rp_leaf_v(const rp_rec_ctx *x, int64_t t, int64_t b)
 {
-    return x->j->v + (t * x->B + b) * x->G * x->H;
+    const float *base = x->j->act == RP_SCAN_ACT_NONE ? x->j->v : x->j->y;
+    return base + (t * x->B + b) * x->G * x->H;
+}
+
+/* Element r of v from its row: v itself, or f'(y) with the float32
+ * operations of torch's 1 - y * y and (y > 0).float() (the build has no
+ * fp-contraction, so y * y is rounded before the subtraction). */
+static inline float rp_v_at(int act, const float *restrict row, int64_t r)
+{
+    switch (act) {
+    case RP_SCAN_ACT_TANH:
+        return 1.0f - row[r] * row[r];
+    case RP_SCAN_ACT_RELU:
+        return row[r] > 0.0f ? 1.0f : 0.0f;
+    default:
+        return row[r];
+    }
+}
+
+/* dst = v * x over a row (v times x, as d.mul_(g) forms d = v g in Python:
+ * the same bits), v read as `act` says; inlined with a constant act, one
+ * straight vector loop per activation (a test per element, unpredictable
+ * for relu, made the scan up to 2x slower). */
+static inline void rp_scale_row_as(int act, int64_t H, const float *restrict v, const float *x,
+                                   float *dst)
+{
+    for (int64_t i = 0; i < H; i++)
+        dst[i] = rp_v_at(act, v, i) * x[i];
+}
+
+static void rp_scale_row(int act, int64_t H, const float *restrict v, const float *x, float *dst)
+{
+    switch (act) {
+    case RP_SCAN_ACT_TANH:
+        rp_scale_row_as(RP_SCAN_ACT_TANH, H, v, x, dst);
+        break;
+    case RP_SCAN_ACT_RELU:
+        rp_scale_row_as(RP_SCAN_ACT_RELU, H, v, x, dst);
+        break;
+    default:
+        rp_scale_row_as(RP_SCAN_ACT_NONE, H, v, x, dst);
+    }
 }
 
 /* y = J[t]^T x + c; structured: u x + sum_k W_k^T (v_k x), W^T read in
@@ -260,8 +302,8 @@ static void rp_leaf_mv(const rp_rec_ctx *x, int64_t t, int64_t b, const float *r
     }
     u = rp_leaf_u(x, t, b);
     v = rp_leaf_v(x, t, b);
-    for (int64_t r = 0; r < GH; r++)
-        work[r] = v[r] * in[r % H];
+    for (int64_t k = 0; k < x->G; k++)
+        rp_scale_row(x->j->act, H, v + k * H, in, work + k * H);
     float *restrict acc = work + GH;
     for (int64_t i = 0; i < H; i++)
         acc[i] = u ? u[i] * in[i] : 0.0f;
@@ -288,9 +330,11 @@ static void rp_leaf_mm(const rp_rec_ctx *x, int64_t t, int64_t b, const float *r
     }
     u = rp_leaf_u(x, t, b);
     v = rp_leaf_v(x, t, b);
-    for (int64_t r = 0; r < GH; r++)
+    for (int64_t r = 0; r < GH; r++) {
+        const float vr = rp_v_at(x->j->act, v, r);
         for (int64_t m = 0; m < H; m++)
-            work[r * H + m] = v[r] * X[(r % H) * H + m];
+            work[r * H + m] = vr * X[(r % H) * H + m];
+    }
     for (int64_t i = 0; i < H; i++)
         for (int64_t m = 0; m < H; m++)
             Y[i * H + m] = u ? u[i] * X[i * H + m] : 0.0f;
@@ -315,7 +359,7 @@ static void rp_leaf_dense(const rp_rec_ctx *x, int64_t t, int64_t b, float *rest
         for (int64_t m = 0; m < H; m++) {
             float acc = (u && i == m) ? u[i] : 0.0f;
             for (int64_t k = 0; k < x->G; k++)
-                acc += w[(k * H + m) * H + i] * v[k * H + m];
+                acc += w[(k * H + m) * H + i] * rp_v_at(x->j->act, v, k * H + m);
             M[i * H + m] = acc;
         }
 }
@@ -366,9 +410,27 @@ int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int leve
     return (n + 1) * batch * dim + (n / 2) * batch * dim * dim;
 }
 
+/* Structured leaves take v, or y with an activation; dense ones neither. */
+static int rp_scan_check_v(const rp_scan_jacobians *j, rp_error *err)
+{
+    if (j->act != RP_SCAN_ACT_NONE && j->act != RP_SCAN_ACT_TANH && j->act != RP_SCAN_ACT_RELU)
+        return rp_set_error(err, RP_EINVAL, "scan: unknown activation %d", j->act);
+    if (j->gates == 0)
+        return j->act == RP_SCAN_ACT_NONE ? RP_OK
+                                         : rp_set_error(err, RP_EINVAL, "scan: dense leaves take no activation");
+    if (j->act == RP_SCAN_ACT_NONE)
+        return j->v != NULL && j->y == NULL
+                   ? RP_OK
+                   : rp_set_error(err, RP_EINVAL, "scan: structured leaves need v (and y only with an activation)");
+    return j->y != NULL && j->v == NULL
+               ? RP_OK
+               : rp_set_error(err, RP_EINVAL, "scan: an activation takes y in place of v (v must be NULL)");
+}
+
 int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, int levels,
                   const float *work, rp_error *err)
 {
+    int rc;
     if (j == NULL || c == NULL || g == NULL)
         return rp_set_error(err, RP_EINVAL, "scan: NULL jacobians, c or g");
     if (j->n < 1 || j->batch < 0 || j->dim < 1)
@@ -376,10 +438,15 @@ int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, in
                             (long long)j->n, (long long)j->batch, (long long)j->dim);
     if (j->gates < 0)
         return rp_set_error(err, RP_EINVAL, "scan: gates must be >= 0 (got %d)", j->gates);
-    if (j->gates > 0 && (j->w == NULL || j->v == NULL))
-        return rp_set_error(err, RP_EINVAL, "scan: structured leaves need w and v");
+    if (j->gates > 0 && j->w == NULL)
+        return rp_set_error(err, RP_EINVAL, "scan: structured leaves need w");
     if (j->gates == 0 && j->jt == NULL)
         return rp_set_error(err, RP_EINVAL, "scan: dense leaves need jt");
+    rc = rp_scan_check_v(j, err);
+    if (rc != RP_OK)
+        return rc;
+    if (j->pre_activation && j->gates != 1)
+        return rp_set_error(err, RP_EINVAL, "scan: pre_activation needs gates = 1 (got %d)", j->gates);
     if (levels < 0 || levels > rp_scan_max_levels(j->n))
         return rp_set_error(err, RP_EINVAL, "scan: levels must be in [0, %d] for n = %lld (got %d)",
                             rp_scan_max_levels(j->n), (long long)j->n, levels);
@@ -396,37 +463,57 @@ static void rp_rec_load(const rp_rec_ctx *x, const float *c)
         memcpy(x->vecs + k * row, c + (x->n - 1 - k) * row, (size_t)row * sizeof *c);
 }
 
+/* The result of (t, b) from g[t] into dst: g[t] itself, or with
+ * pre_activation v[t] * g[t]. dst may be gt. */
+static void rp_rec_emit(const rp_rec_ctx *x, int64_t t, int64_t b, const float *gt, float *dst)
+{
+    if (x->j->pre_activation)
+        rp_scale_row(x->j->act, x->H, rp_leaf_v(x, t, b), gt, dst);
+    else
+        rp_copy(dst, gt, x->H);
+}
+
 static void rp_rec_store(const rp_rec_ctx *x, float *g)
 {
-    const int64_t row = x->B * x->H;
     for (int64_t s = 1; s <= x->n; s++)
-        memcpy(g + (x->n - s) * row, x->vecs + s * row, (size_t)row * sizeof *g);
+        for (int64_t b = 0; b < x->B; b++)
+            rp_rec_emit(x, x->n - s, b, x->vecs + (s * x->B + b) * x->H,
+                        g + ((x->n - s) * x->B + b) * x->H);
 }
 
 /* levels = 0, the plain linear scan, straight from c into g: no slots, no
  * workspace, one sequence per task. The same leaf mat-vecs in the same order
  * as the schedule's middle with blocks of one slot, so the same bits. g[t]
- * is written after the last read of c[t], so g may alias c. 0, or -1 when
- * the per-thread scratch cannot be allocated. */
+ * is written after the last read of c[t], so g may alias c. With
+ * pre_activation g[t], still the next step's input, stays in two per-thread
+ * vectors and only v[t] g[t] goes out. 0, or -1 when the per-thread scratch
+ * cannot be allocated. */
 static int rp_rec_linear(const rp_rec_ctx *x, const float *c, float *g, int num_threads)
 {
     const int threads = rp_threads(num_threads);
-    const int64_t row = x->B * x->H;
-    /* rp_leaf_mv's work, written every step, padded by at least a 128-byte
-     * line: threads sharing a line made the scan 1.7x slower (B = 16,
-     * H = 20, two threads) */
-    const int64_t per_thread = ((x->G + 1) * x->H + 63) / 32 * 32;
+    const int64_t row = x->B * x->H, GH = x->G * x->H;
+    /* rp_leaf_mv's work and the two vectors, written every step, padded by
+     * at least a 128-byte line: threads sharing a line made the scan 1.7x
+     * slower (B = 16, H = 20, two threads) */
+    const int64_t per_thread = (GH + 3 * x->H + 63) / 32 * 32;
     float *scratch = malloc((size_t)(threads * per_thread) * sizeof *scratch);
     if (scratch == NULL)
         return -1;
 #pragma omp parallel for schedule(static) num_threads(threads) if (x->B > 1)
     for (int64_t b = 0; b < x->B; b++) {
         float *work = scratch + rp_thread_num() * per_thread;
-        const float *cb = c + b * x->H;
+        float *kept[2] = {work + GH + x->H, work + GH + 2 * x->H};
+        const float *cb = c + b * x->H, *next = NULL;
         float *gb = g + b * x->H;
-        rp_copy(gb + (x->n - 1) * row, cb + (x->n - 1) * row, x->H);
-        for (int64_t t = x->n - 2; t >= 0; t--)
-            rp_leaf_mv(x, t + 1, b, gb + (t + 1) * row, cb + t * row, gb + t * row, work);
+        for (int64_t t = x->n - 1; t >= 0; t--) {
+            float *gt = x->j->pre_activation ? kept[t & 1] : gb + t * row;
+            if (next == NULL)
+                rp_copy(gt, cb + t * row, x->H);
+            else
+                rp_leaf_mv(x, t + 1, b, next, cb + t * row, gt, work);
+            rp_rec_emit(x, t, b, gt, gb + t * row);
+            next = gt;
+        }
     }
     free(scratch);
     return 0;

@@ -24,7 +24,10 @@
  *
  * Leaves J[t]^T are never materialized: element (i, m) is jt[t][i][m]
  * (dense) or u[t][i] [i == m] + sum_k w[(kH + m) H + i] v[t][kH + m]
- * (structured), computed where an operand is staged or a mat-vec reads it.
+ * (structured), computed where an operand is staged or a mat-vec reads it;
+ * v is read from v or, with an activation, computed from y the same way
+ * (rp_scan_v). With pre_activation every store into g is v[t] g[t]
+ * (rp_scan_put): g itself is never written, nor read back.
  *
  * Workspace (float32), rp_scan_workspace_floats(n, B, H, levels): none when
  * levels = 0 (the one linear-scan launch reads c and writes g), else
@@ -62,8 +65,8 @@
  *                        in shared memory, one barrier per step; w staged in
  *                        shared memory when it fits (L = 0, structured).
  * Every output is written once by one thread: deterministic, no atomics.
- * Arithmetic is float32 with explicit fmaf (so --fmad=false does not matter
- * here); each output's order of operations depends on `levels` and H only
+ * Arithmetic is float32 with explicit fmaf and, for 1 - y*y, __fmul_rn (so
+ * --fmad=false does not matter here); each output's order of operations depends on `levels` and H only
  * (not on the launch configuration).
  *
  * Each kernel's work is a __host__ __device__ function of (executor, args,
@@ -144,6 +147,9 @@ struct rp_scan_dev {
 /* Everything a kernel needs, passed by value. */
 typedef struct {
     const float *w, *u, *v, *jt; /* the leaves (rp_scan_jacobians) */
+    const float *y;              /* with act: v = f'(y) */
+    int act;                     /* rp_scan_act */
+    int pre;                     /* pre_activation: g gets v * g */
     const float *c;              /* (n, B, H) */
     float *g;                    /* (n, B, H), may alias c */
     float *vec;                  /* (n + 1, B, H) */
@@ -182,6 +188,23 @@ RP_HD float4 rp_scan_ld4(const float *p) /* p 16-byte aligned (shared memory) */
 #endif
 }
 
+/* Element idx of the structured leaves' v, (n, B, G H): v itself, or f'(y)
+ * with the float32 operations of torch's 1 - y * y (the product rounded
+ * first: __fmul_rn is never fused) and (y > 0).float(), as csrc/scan.c. */
+RP_HD float rp_scan_v(const rp_scan_args &a, int64_t idx)
+{
+    if (a.act == RP_SCAN_ACT_NONE)
+        return rp_scan_ldg(a.v + idx);
+    const float y = rp_scan_ldg(a.y + idx);
+    if (a.act == RP_SCAN_ACT_RELU)
+        return y > 0.0f ? 1.0f : 0.0f;
+#ifdef __CUDA_ARCH__
+    return 1.0f - __fmul_rn(y, y);
+#else
+    return 1.0f - y * y;
+#endif
+}
+
 /* Element (i, m) of the leaf J[t]^T of sequence b, tb = t * B + b; w_ may be
  * a shared-memory copy of w. */
 template <int MODE>
@@ -192,10 +215,10 @@ RP_HD float rp_scan_leaf(const rp_scan_args &a, const float *w_, int64_t tb, int
         (void)w_;
         return rp_scan_ldg(a.jt + (tb * H + i) * H + m);
     } else {
-        const float *vt = a.v + tb * a.G * H + m;
+        const int64_t vt = tb * a.G * H + m;
         float s = (a.u != NULL && i == m) ? rp_scan_ldg(a.u + tb * H + i) : 0.0f;
         for (int k = 0; k < a.G; k++)
-            s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_ldg(vt + (int64_t)k * H), s);
+            s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_v(a, vt + (int64_t)k * H), s);
         return s;
     }
 }
@@ -213,13 +236,13 @@ RP_HD float rp_scan_leaf_dot(const rp_scan_args &a, const float *w_, int64_t tb,
         for (int64_t m = lane; m < H; m += S)
             s = fmaf(rp_scan_ldg(row + m), x[m], s);
     } else { /* S == 1 */
-        const float *vt = a.v + tb * a.G * H;
+        const int64_t vt = tb * a.G * H;
         if (a.u != NULL)
             s = rp_scan_ldg(a.u + tb * H + i) * x[i];
         for (int k = 0; k < a.G; k++)
             for (int64_t m = lane; m < H; m += S)
-                s = fmaf(w_[((int64_t)k * H + m) * H + i],
-                         rp_scan_ldg(vt + (int64_t)k * H + m) * x[m], s);
+                s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_v(a, vt + (int64_t)k * H + m) * x[m],
+                         s);
     }
     return s;
 }
@@ -242,7 +265,8 @@ template <class F> RP_HD void rp_scan_rows(int t, int nt, int nj, int nk, F &&f)
 
 /* Slot s of sequence b: its matrix in the workspace, its vector in the
  * workspace, its c part (from c when `leaf`, the workspace otherwise), and
- * where its final value goes (g[n-s] when `out`, the workspace otherwise). */
+ * the store of element i of its final value (to g[n-s] when `out`, times
+ * v[n-s] with pre_activation, where G = 1; to the workspace otherwise). */
 RP_HD float *rp_scan_prod(const rp_scan_args &a, int64_t s, int64_t b)
 {
     return a.prod + (((s - 1) >> 1) * a.B + b) * a.H * a.H;
@@ -255,9 +279,14 @@ RP_HD const float *rp_scan_cpart(const rp_scan_args &a, bool leaf, int64_t s, in
 {
     return leaf ? a.c + ((a.n - 1 - s) * a.B + b) * a.H : rp_scan_vec(a, s, b);
 }
-RP_HD float *rp_scan_dst(const rp_scan_args &a, bool out, int64_t s, int64_t b)
+RP_HD void rp_scan_put(const rp_scan_args &a, bool out, int64_t s, int64_t b, int i, float val)
 {
-    return out ? a.g + ((a.n - s) * a.B + b) * a.H : rp_scan_vec(a, s, b);
+    if (!out) {
+        rp_scan_vec(a, s, b)[i] = val;
+        return;
+    }
+    const int64_t e = ((a.n - s) * a.B + b) * a.H + i;
+    a.g[e] = a.pre ? rp_scan_v(a, e) * val : val;
 }
 
 /* Shared-memory floats of one task of the small up-sweep, and of a block. */
@@ -670,15 +699,15 @@ RP_HD void rp_scan_down(X &x, const rp_scan_args &a, int64_t block, int64_t grid
                 const int q = row / H, i = row - q * H;
                 const int64_t p = tab[2 * q], b = tab[2 * q + 1];
                 if (p == -1) {
-                    a.g[b * a.H + i] = xs[q * Hp + i]; /* slot n -> g[0] */
+                    rp_scan_put(a, true, a.n, b, i, xs[q * Hp + i]); /* slot n -> g[0] */
                 } else if (p >= 0) {
                     const int64_t l = p * 2 * half + half - 1;
                     const int64_t r = l + half < a.n ? l + half : a.n;
                     if (p == 0) { /* prefix = identity: a[r] = a[l] */
-                        rp_scan_dst(a, leaf, r, b)[i] = cs[q * Hp + i];
+                        rp_scan_put(a, leaf, r, b, i, cs[q * Hp + i]);
                     } else {
-                        rp_scan_dst(a, leaf, r, b)[i] = part(t) + cs[q * Hp + i];
-                        rp_scan_dst(a, leaf, l, b)[i] = xs[q * Hp + i];
+                        rp_scan_put(a, leaf, r, b, i, part(t) + cs[q * Hp + i]);
+                        rp_scan_put(a, leaf, l, b, i, xs[q * Hp + i]);
                     }
                 }
             });
@@ -782,7 +811,7 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
                     if (t % S == 0 && i < H) {
                         /* c of slot e before P_j overwrites it (L > 0: the same address) */
                         const float cold = !more ? 0.0f : (pf ? nx(t).c : rp_scan_cpart(a, leaf, e, b)[i]);
-                        rp_scan_dst(a, leaf, e, b)[i] = Pc[i];
+                        rp_scan_put(a, leaf, e, b, i, Pc[i]);
                         if (more)
                             Pn[i] = part(t) + cold;
                     }
@@ -1001,6 +1030,9 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     base.u = j->u;
     base.v = j->v;
     base.jt = j->jt;
+    base.y = j->y;
+    base.act = j->act;
+    base.pre = j->pre_activation;
     base.c = c;
     base.g = g;
     if (levels > 0) { /* the linear scan reads c and writes g only: no workspace */

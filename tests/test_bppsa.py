@@ -130,6 +130,74 @@ def test_scan_into_out(levels):
     assert torch.equal(inplace, want)
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)
+
+
+def activation_case(activation: str, n: int, B: int, H: int, gates: int, seed: int):
+    """w, y with zeros of both signs, and v = f'(y) as _rnn_backward formed it
+    before the scan could: 1 - y * y, or (y > 0).float()."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(gates * H, H, generator=gen) / (gates * H) ** 0.5
+    y = torch.randn(n, B, gates * H, generator=gen)
+    if activation == "tanh":
+        y = y.tanh()
+    flat = y.view(-1)
+    flat[3::7], flat[5::7] = 0.0, -0.0
+    v = 1 - y * y if activation == "tanh" else (y > 0).float()
+    return w, y, v, torch.randn(n, B, H, generator=gen)
+
+
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+@pytest.mark.parametrize("levels", ["linear", 1, 2, "blelloch"])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("gates", [1, 3])
+def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
+    """v = f'(y) read off y gives the bits of v passed in, and pre_activation
+    the bits of v * g, linear and Blelloch, into c itself and not."""
+    n, B, H = 37, 3, 5
+    w, y, v, c = activation_case(activation, n, B, H, gates, seed=len(activation) + gates)
+    u = torch.rand(n, B, H) * 0.5 if gates == 3 else None
+    want = bppsa.scan(c, w=w, u=u, v=v, levels=levels)
+
+    def implied(**kw):
+        dst = c.clone() if inplace else torch.full_like(c, float("nan"))
+        return bppsa.scan(dst if inplace else c, w=w, u=u, activation=activation, y=y, levels=levels,
+                          out=dst, **kw)
+
+    assert torch.equal(bits(implied()), bits(want))
+    if gates == 1:
+        scaled = v * want
+        assert torch.equal(bits(implied(pre_activation=True)), bits(scaled))
+        assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(scaled))
+
+
+def test_scan_activation_rejects_bad_arguments():
+    w, y, v, c = activation_case("tanh", 6, 2, 3, 1, seed=0)
+    with pytest.raises(ValueError, match="activation: expected 'tanh' or 'relu'"):
+        bppsa.scan(c, w=w, activation="sigmoid", y=y)
+    with pytest.raises(ValueError, match="activation: give v, or activation with y"):
+        bppsa.scan(c, w=w, v=v, activation="tanh", y=y)
+    with pytest.raises(ValueError, match="y: required with activation='relu'"):
+        bppsa.scan(c, w=w, activation="relu")
+    with pytest.raises(ValueError, match="y: only with activation"):
+        bppsa.scan(c, w=w, v=v, y=y)
+    with pytest.raises(ValueError, match="activation: structured leaves only"):
+        bppsa.scan(c, jt=torch.randn(6, 2, 3, 3), activation="tanh", y=y)
+    with pytest.raises(ValueError, match=r"y: expected shape \(6, 2, 3\)"):
+        bppsa.scan(c, w=w, activation="tanh", y=y[:5])
+    with pytest.raises(TypeError, match="y: expected float32"):
+        bppsa.scan(c, w=w, activation="tanh", y=y.double())
+    with pytest.raises(ValueError, match="out: overlaps y"):
+        bppsa.scan(c, w=w, activation="tanh", y=y, out=y)
+    with pytest.raises(TypeError, match="pre_activation: expected a bool"):
+        bppsa.scan(c, w=w, v=v, pre_activation=1)
+    with pytest.raises(ValueError, match="pre_activation: needs one gate"):
+        bppsa.scan(c, w=torch.randn(9, 3), v=torch.rand(6, 2, 9), pre_activation=True)
+    with pytest.raises(ValueError, match="pre_activation: needs one gate"):
+        bppsa.scan(c, jt=torch.randn(6, 2, 3, 3), pre_activation=True)
+
+
 def test_scan_out_rejects_overlap_and_bad_layout():
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
     with pytest.raises(ValueError, match="out: overlaps v"):
@@ -269,11 +337,12 @@ def backward_peak_bytes(out: torch.Tensor, grad: torch.Tensor) -> int:
     return peak
 
 
-@pytest.mark.parametrize("kind, buffers", [("tanh", 2), ("relu", 2), ("gru", 6)])
+@pytest.mark.parametrize("kind, buffers", [("tanh", 1), ("relu", 1), ("gru", 6)])
 def test_backward_temporaries(kind, buffers):
     """Backward's (T, B, H) float32 buffers, beyond the gradients it returns:
-    the RNN's f'(out) (then d over it) and g, the GRU's six gate blocks, all
-    else in place over them (before: 4 for the RNN, 19 for the GRU)."""
+    the RNN's d, which the scan writes, reading f'(out) off out; the GRU's six
+    gate blocks, all else in place over them (before: 4, then 2 for the RNN;
+    19 for the GRU)."""
     T, B, H, I = 300, 8, 16, 4
     torch.manual_seed(0)
     module = bppsa.GRU(I, H, scan="linear") if kind == "gru" else bppsa.RNN(I, H, nonlinearity=kind, scan="linear")
@@ -442,6 +511,19 @@ def test_cuda_scan_equals_cpu(gates, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["tanh", "relu"])
+@pytest.mark.parametrize("H", [20, 130])
+def test_cuda_scan_activation_equals_given_v(activation, H):
+    n, B = 77, 3
+    w, y, v, c = (t.cuda() for t in activation_case(activation, n, B, H, 1, seed=H))
+    for L in range(bppsa.max_levels(n) + 1):
+        want = bppsa.scan(c, w=w, v=v, levels=L)
+        implied = bppsa.scan(c, w=w, activation=activation, y=y, levels=L)
+        d = bppsa.scan(c, w=w, activation=activation, y=y, levels=L, pre_activation=True)
+        assert torch.equal(bits(implied), bits(want)) and torch.equal(bits(d), bits(v * want)), L
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T", [1, 7, 1000])
 def test_cuda_gradients_equal_cudnn(kind, T):
@@ -578,6 +660,33 @@ def test_chain_plan_reuse_equals_fresh_plans():
         fresh = bppsa.chain_backward(layers, x, g, levels="blelloch")
         for a, b in zip(reused, fresh):
             assert torch.equal(a, b)
+
+
+def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
+    """pruned=True leaves the zero weights' entries out of the patterns, so the
+    planned products are sparser, and gradients still equal autograd's; a
+    pruned weight that becomes non-zero is refused, not silently ignored."""
+    torch.manual_seed(4)
+    layers = small_cnn()
+    with torch.no_grad():
+        for layer in (layers[0], layers[3], layers[6], layers[8]):
+            w = layer.weight
+            w.mul_(w.abs() > w.abs().flatten().quantile(0.7))  # 70% pruned by magnitude
+    dense = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch")
+    pruned = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch", pruned=True)
+    for a, b in zip(dense.leaves, pruned.leaves):
+        if isinstance(a.layer, (nn.Conv2d, nn.Linear)):
+            zeros = int((a.layer.weight.reshape(-1)[torch.from_numpy(a.wmap).long()] == 0).sum())
+            assert zeros > 0 and b.indices.shape[0] == a.indices.shape[0] - zeros
+    assert pruned.info["madds"] < dense.info["madds"]
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    ours = bppsa.chain_backward(layers, x, g, plan=pruned)
+    for a, b in zip(ours, autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+    with torch.no_grad():
+        layers[3].weight.add_(0.01)
+    with pytest.raises(ValueError, match="Conv2d: weights that were zero .* non-zero now"):
+        bppsa.chain_backward(layers, x, g, plan=pruned)
 
 
 def test_chain_rejects_bad_layers_and_shapes():

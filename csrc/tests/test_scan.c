@@ -6,8 +6,10 @@
  * full Blelloch scan, against the recurrence evaluated step by step in
  * double, for every n up to 70 (powers of two and not), dense and
  * structured leaves (G = 1 and 3, with and without u), several H and
- * batches; in place (g == c); the sparse chain scan against dense
- * mat-vecs, with its plan reused for new values; and the error statuses.
+ * batches; in place (g == c); v given as f'(y) (tanh, relu) and
+ * pre_activation, bitwise against v given and g scaled afterwards; the sparse
+ * chain scan against dense mat-vecs, with its plan reused for new values;
+ * and the error statuses.
  */
 #include <math.h>
 #include <stdio.h>
@@ -87,7 +89,7 @@ static void test_recurrence(int64_t n, int64_t B, int64_t H, int gates, int with
     float *c = rnd_array(n * B * H, 1.0f), *g = malloc((size_t)(n * B * H) * sizeof *g);
     float *work = malloc((size_t)rp_scan_workspace_floats(n, B, H, rp_scan_max_levels(n)) * sizeof *work);
     double *want = malloc((size_t)(n * B * H) * sizeof *want);
-    rp_scan_jacobians j = {n, B, H, gates, w, with_u ? u : NULL, v, jt};
+    rp_scan_jacobians j = {n, B, H, gates, w, with_u ? u : NULL, v, jt, RP_SCAN_ACT_NONE, NULL, 0};
     rp_error err = {{0}};
     const double top = reference(&j, c, want);
     for (int L = 0; L <= rp_scan_max_levels(n); L++) {
@@ -131,7 +133,7 @@ static void test_errors(void)
 {
     float buf[64] = {0};
     rp_error err = {{0}};
-    rp_scan_jacobians j = {4, 1, 2, 1, buf, NULL, buf, NULL};
+    rp_scan_jacobians j = {4, 1, 2, 1, buf, NULL, buf, NULL, RP_SCAN_ACT_NONE, NULL, 0};
     CHECK(rp_scan_cpu(&j, buf, buf, 3, buf, 1, &err) == RP_EINVAL && strstr(err.msg, "levels"),
           "levels past the max: %s", err.msg);
     j.n = 0;
@@ -146,6 +148,82 @@ static void test_errors(void)
     CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_OK, "linear, NULL work: %s", err.msg);
     CHECK(rp_scan_cpu(&j, buf, buf + 8, 1, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "workspace"),
           "a level without workspace: %s", err.msg);
+    /* v, or y with an activation; pre_activation with one gate */
+    j.act = 3;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "activation 3"),
+          "unknown activation: %s", err.msg);
+    j.act = RP_SCAN_ACT_TANH;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "v must be NULL"),
+          "activation with v and no y: %s", err.msg);
+    j.v = NULL, j.y = buf + 16;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_OK, "activation with y: %s", err.msg);
+    j.act = RP_SCAN_ACT_NONE;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "need v"),
+          "y without an activation: %s", err.msg);
+    j.act = RP_SCAN_ACT_RELU, j.gates = 0, j.jt = buf + 16;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "no activation"),
+          "dense leaves with an activation: %s", err.msg);
+    j.act = RP_SCAN_ACT_NONE, j.pre_activation = 1;
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "pre_activation"),
+          "pre_activation on dense leaves: %s", err.msg);
+}
+
+/* f'(y) as the caller would form v: 1 - y * y (y * y rounded first), y > 0. */
+static float derivative(int act, float y)
+{
+    const float yy = y * y;
+    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y > 0.0f ? 1.0f : 0.0f);
+}
+
+static int same_bits(const float *a, const float *b, int64_t len)
+{
+    return memcmp(a, b, (size_t)len * sizeof *a) == 0;
+}
+
+/* v given as f'(y) must give the bits of v given, for every levels, in place
+ * and not; pre_activation the bits of v * g. y includes zeros of both signs. */
+static void test_activation(int64_t n, int64_t B, int64_t H, int gates, int act, int with_u, int threads)
+{
+    const int64_t len = n * B * H, vlen = n * B * gates * H;
+    float *w = rnd_array(gates * H * H, 0.9f / sqrtf((float)(gates * H))), *u = rnd_array(len, 0.5f);
+    float *y = rnd_array(vlen, 1.0f), *v = malloc((size_t)vlen * sizeof *v);
+    float *c = rnd_array(len, 1.0f), *want = malloc((size_t)len * sizeof *want);
+    float *got = malloc((size_t)len * sizeof *got), *scaled = malloc((size_t)len * sizeof *scaled);
+    float *work = malloc((size_t)rp_scan_workspace_floats(n, B, H, rp_scan_max_levels(n)) * sizeof *work);
+    for (int64_t i = 0; i < vlen; i++) {
+        y[i] = i % 7 == 3 ? 0.0f : (i % 7 == 5 ? -0.0f : y[i]);
+        v[i] = derivative(act, y[i]);
+    }
+    rp_scan_jacobians given = {n, B, H, gates, w, with_u ? u : NULL, v, NULL, RP_SCAN_ACT_NONE, NULL, 0};
+    rp_scan_jacobians implied = given;
+    implied.v = NULL, implied.act = act, implied.y = y;
+    rp_error err = {{0}};
+    for (int L = 0; L <= rp_scan_max_levels(n); L++) {
+        for (int inplace = 0; inplace < 2; inplace++) {
+            given.pre_activation = implied.pre_activation = 0;
+            CHECK(rp_scan_cpu(&given, c, want, L, work, threads, &err) == RP_OK, "v given: %s", err.msg);
+            memcpy(got, c, (size_t)len * sizeof *c);
+            CHECK(rp_scan_cpu(&implied, inplace ? got : c, got, L, work, threads, &err) == RP_OK,
+                  "f'(y): %s", err.msg);
+            CHECK(same_bits(got, want, len), "act=%d G=%d n=%lld L=%d in place=%d: f'(y) differs from v",
+                  act, gates, (long long)n, L, inplace);
+            if (gates != 1)
+                continue;
+            for (int64_t i = 0; i < len; i++)
+                scaled[i] = v[i] * want[i];
+            for (int k = 0; k < 2; k++) {
+                rp_scan_jacobians *j = k == 0 ? &given : &implied;
+                j->pre_activation = 1;
+                memcpy(got, c, (size_t)len * sizeof *c);
+                CHECK(rp_scan_cpu(j, inplace ? got : c, got, L, work, threads, &err) == RP_OK,
+                      "pre_activation: %s", err.msg);
+                CHECK(same_bits(got, scaled, len),
+                      "act=%d n=%lld L=%d in place=%d %s: pre_activation differs from v * g", act,
+                      (long long)n, L, inplace, k == 0 ? "v given" : "f'(y)");
+            }
+        }
+    }
+    free(w), free(u), free(y), free(v), free(c), free(want), free(got), free(scaled), free(work);
 }
 
 /* ---- the sparse chain ---- */
@@ -269,6 +347,12 @@ int main(void)
     test_recurrence(64, 2, 20, 1, 0, 2);
     test_recurrence(100, 1, 1, 1, 1, 2);
     test_recurrence(33, 2, 37, 3, 1, 2);
+    for (int act = RP_SCAN_ACT_TANH; act <= RP_SCAN_ACT_RELU; act++) {
+        for (int64_t n = 1; n <= 40; n++)
+            test_activation(n, 3, 5, 1, act, 0, 2);
+        test_activation(70, 2, 20, 1, act, 1, 2);
+        test_activation(33, 2, 6, 3, act, 1, 3);
+    }
     if (failures) {
         fprintf(stderr, "test_scan: %d failure(s)\n", failures);
         return 1;

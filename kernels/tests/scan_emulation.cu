@@ -24,7 +24,8 @@
  * J[t+1]^T g[t+1] evaluated in double, and with rp_scan_cpu (csrc/scan.c),
  * for n = 1..70 (a subset for the larger H) and every levels in [0,
  * rp_scan_max_levels(n)], dense leaves and structured ones (G = 1 without u,
- * G = 1 and G = 3 with u), H from 1 to 400 (whole-task up-sweep blocks up to
+ * G = 1 and G = 3 with u; with v given as f'(y) for tanh and relu, and
+ * pre_activation), H from 1 to 400 (whole-task up-sweep blocks up to
  * 64, row panels of 64, 32, 16, 8, 4, 2 and 1 rows beyond), in place (g ==
  * c) and not, under three shared-memory budgets (48 KB, and 20 KB and 12 KB
  * to force the other tile shapes and the opt-in path; the results must be
@@ -33,6 +34,10 @@
  * and g start as NaN (a read of anything not yet written shows), every
  * buffer is fenced by canaries (the workspace is exactly
  * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
+ * Where v is f'(y), the first run of each levels passes v = f'(y) (1 - y*y or
+ * y > 0, formed on the host) and every other run y with the activation: the
+ * results must be bitwise the same; with pre_activation the first run's
+ * result must also be bitwise v times that of a run without it.
  *
  * Also checked: 2 levels + 1 launches per call, on the stream, with the
  * stream's device current during them and the caller's restored after;
@@ -387,12 +392,21 @@ typedef struct {
     int64_t n, B, H;
     int G;      /* 0: dense */
     bool has_u; /* structured */
+    int act;    /* structured: v = f'(y), an rp_scan_act */
+    bool pre;   /* G = 1: pre_activation */
 } emu_problem;
 
 struct emu_data {
     emu_problem pr;
-    fenced w, u, v, jt, c;
+    fenced w, u, v, jt, c, y;
 };
+
+/* f'(y) as a caller forms v: 1 - y * y (y * y rounded first), (y > 0). */
+static float derivative(int act, float y)
+{
+    const float yy = y * y;
+    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y > 0.0f ? 1.0f : 0.0f);
+}
 
 static void make_data(const emu_problem &pr, emu_data &D)
 {
@@ -409,6 +423,7 @@ static void make_data(const emu_problem &pr, emu_data &D)
         D.w.init(0, 0.0f);
         D.u.init(0, 0.0f);
         D.v.init(0, 0.0f);
+        D.y.init(0, 0.0f);
     } else {
         const float s = 0.5f / sqrtf((float)(H * G));
         D.w.init(G * H * H, 0.0f);
@@ -417,6 +432,13 @@ static void make_data(const emu_problem &pr, emu_data &D)
         D.v.init(n * B * G * H, 0.0f);
         for (int64_t i = 0; i < n * B * G * H; i++)
             D.v.p()[i] = urand(-1.0f, 1.0f);
+        /* y with zeros of both signs; v = f'(y) */
+        D.y.init(pr.act ? n * B * G * H : 0, 0.0f);
+        for (int64_t i = 0; i < D.y.n; i++) {
+            const float y = pr.act == RP_SCAN_ACT_TANH ? tanhf(urand(-2.0f, 2.0f)) : urand(-1.0f, 1.0f);
+            D.y.p()[i] = i % 7 == 3 ? 0.0f : (i % 7 == 5 ? -0.0f : y);
+            D.v.p()[i] = derivative(pr.act, D.y.p()[i]);
+        }
         D.u.init(pr.has_u ? n * B * H : 0, 0.0f);
         for (int64_t i = 0; i < (pr.has_u ? n * B * H : 0); i++)
             D.u.p()[i] = urand(-0.4f, 0.4f);
@@ -424,7 +446,8 @@ static void make_data(const emu_problem &pr, emu_data &D)
     }
 }
 
-static rp_scan_jacobians jacobians_of(emu_data &D)
+/* The problem's Jacobians; `implied`: v as f'(y) where the problem has y. */
+static rp_scan_jacobians jacobians_of(emu_data &D, bool implied = false)
 {
     rp_scan_jacobians j;
     memset(&j, 0, sizeof j);
@@ -432,17 +455,23 @@ static rp_scan_jacobians jacobians_of(emu_data &D)
     j.batch = D.pr.B;
     j.dim = D.pr.H;
     j.gates = D.pr.G;
+    j.pre_activation = D.pr.pre;
     if (D.pr.G > 0) {
         j.w = D.w.p();
         j.u = D.pr.has_u ? D.u.p() : NULL;
-        j.v = D.v.p();
+        if (implied && D.pr.act) {
+            j.act = D.pr.act;
+            j.y = D.y.p();
+        } else {
+            j.v = D.v.p();
+        }
     } else {
         j.jt = D.jt.p();
     }
     return j;
 }
 
-/* g[n-1] = c[n-1], g[t] = c[t] + J[t+1]^T g[t+1], in double. */
+/* g[n-1] = c[n-1], g[t] = c[t] + J[t+1]^T g[t+1], in double; v g with pre_activation. */
 static void reference(emu_data &D, std::vector<double> &g)
 {
     const int64_t n = D.pr.n, B = D.pr.B, H = D.pr.H, G = D.pr.G;
@@ -472,6 +501,9 @@ static void reference(emu_data &D, std::vector<double> &g)
             }
         }
     }
+    if (D.pr.pre)
+        for (int64_t e = 0; e < n * B * H; e++)
+            g[(size_t)e] *= D.v.p()[e];
 }
 
 static bool same_bits(const float *a, const float *b, int64_t n)
@@ -484,6 +516,26 @@ static bool same_bits(const float *a, const float *b, int64_t n)
  * ------------------------------------------------------------------------- */
 
 static double g_max_err, g_max_err_cpu;
+
+/* d, the result of j with pre_activation, must be bitwise v times the g of
+ * the same scan without it. */
+static void check_pre_activation(const rp_scan_jacobians &j, emu_data &D, int L, const float *d)
+{
+    const int64_t total = j.n * j.batch * j.dim;
+    rp_scan_jacobians plain = j;
+    fenced g, work;
+    rp_error err;
+    plain.pre_activation = 0;
+    g.init(total, 0.0f);
+    work.init(rp_scan_workspace_floats(j.n, j.batch, j.dim, L), 0.0f);
+    g_rt.launches = 0;
+    g_expect.next = 0;
+    CHECK(rp_cuda_scan(&plain, D.c.p(), g.p(), L, work.p(), (void *)g_emu.stream, &err) == RP_OK,
+          "without pre_activation: %s", err.msg);
+    for (int64_t i = 0; i < total; i++)
+        g.p()[i] = D.v.p()[i] * g.p()[i];
+    CHECK(same_bits(g.p(), d, total), "pre_activation differs from v * g");
+}
 
 static void run_case(const emu_problem &pr, int device, bool both_orders)
 {
@@ -503,12 +555,13 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
         std::vector<float> first; /* the forward-order result of this levels */
         /* 0: forward, out of place; 1: in place, threads reversed; 2: blocks
          * reversed; 3: another shared-memory budget (other Q, T, S: the
-         * results must not depend on the launch configuration) */
+         * results must not depend on the launch configuration); v as f'(y)
+         * from 1 on */
         const int save_budget = g_smem_default;
         for (int variant = 0; variant < (both_orders ? 4 : 2); variant++) {
             const bool inplace = variant == 1, reverse = variant == 2;
             g_smem_default = variant == 3 ? (save_budget == 12288 ? 49152 : 12288) : save_budget;
-            rp_scan_jacobians j = jacobians_of(D);
+            rp_scan_jacobians j = jacobians_of(D, variant > 0);
             fenced work, gsep, cin;
             rp_error err;
             err.msg[0] = '\0';
@@ -520,10 +573,10 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             cin = D.c; /* the call's c (and g when in place) */
             float *g = inplace ? cin.p() : gsep.p();
             snprintf(g_context, sizeof g_context,
-                     "n=%lld B=%lld H=%lld G=%d u=%d levels=%d %s%s smem=%d", (long long)n,
-                     (long long)B, (long long)H, pr.G, (int)pr.has_u, L,
-                     inplace ? "in place" : "out of place", reverse ? " reversed" : "",
-                     g_smem_default);
+                     "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s smem=%d",
+                     (long long)n, (long long)B, (long long)H, pr.G, (int)pr.has_u, pr.act,
+                     j.act ? " (f'(y))" : "", (int)pr.pre, L, inplace ? "in place" : "out of place",
+                     reverse ? " reversed" : "", g_smem_default);
             g_emu.stream = emu_stream(device);
             g_emu.stream_device = device;
             g_emu.current_device = (device + 1) % EMU_DEVICES;
@@ -542,11 +595,11 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                   "current device %d after the call, was %d", g_emu.current_device,
                   (device + 1) % EMU_DEVICES);
             CHECK(work.intact() && gsep.intact() && cin.intact() && D.w.intact() && D.u.intact() &&
-                      D.v.intact() && D.jt.intact(),
+                      D.v.intact() && D.jt.intact() && D.y.intact(),
                   "a canary was overwritten");
             CHECK(same_bits(D.w.p(), saved.w.p(), D.w.n) && same_bits(D.u.p(), saved.u.p(), D.u.n) &&
                       same_bits(D.v.p(), saved.v.p(), D.v.n) &&
-                      same_bits(D.jt.p(), saved.jt.p(), D.jt.n),
+                      same_bits(D.jt.p(), saved.jt.p(), D.jt.n) && same_bits(D.y.p(), saved.y.p(), D.y.n),
                   "the leaves were modified");
             if (!inplace)
                 CHECK(same_bits(cin.p(), saved.c.p(), total), "c was modified");
@@ -575,6 +628,8 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                 for (int64_t i = 0; i < total; i++)
                     ec = fmax(ec, fabs((double)gcpu[(size_t)i] - (double)g[i]));
                 g_max_err_cpu = fmax(g_max_err_cpu, ec / scale);
+                if (pr.pre)
+                    check_pre_activation(j, D, L, g);
             } else {
                 CHECK(same_bits(first.data(), g, total),
                       "differs bitwise from the forward, out-of-place run");
@@ -616,6 +671,21 @@ static void error_cases(void)
             g_rt.launches = 0;
             const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), L, work.p(), g_emu.stream, &e1);
             const int want = rp_scan_check(&j, D.c.p(), g.p(), L, work.p(), &e2);
+            CHECK(rc == want && rc == RP_EINVAL && strcmp(e1.msg, e2.msg) == 0,
+                  "status %d (%s), rp_scan_check %d (%s)", rc, e1.msg, want, e2.msg);
+            CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+        }
+        /* an unknown activation, y and v both, pre_activation with 3 gates */
+        rp_scan_jacobians bad[3] = {j, j, j};
+        bad[0].act = 7;
+        bad[1].act = RP_SCAN_ACT_TANH, bad[1].y = D.v.p();
+        bad[2].gates = 3, bad[2].pre_activation = 1;
+        for (const rp_scan_jacobians &jb : bad) {
+            snprintf(g_context, sizeof g_context, "error: act %d, pre %d", jb.act, jb.pre_activation);
+            rp_error e1, e2;
+            g_rt.launches = 0;
+            const int rc = rp_cuda_scan(&jb, D.c.p(), g.p(), 0, work.p(), g_emu.stream, &e1);
+            const int want = rp_scan_check(&jb, D.c.p(), g.p(), 0, work.p(), &e2);
             CHECK(rc == want && rc == RP_EINVAL && strcmp(e1.msg, e2.msg) == 0,
                   "status %d (%s), rp_scan_check %d (%s)", rc, e1.msg, want, e2.msg);
             CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
@@ -697,8 +767,17 @@ static void sweep(bool quick, bool smoke)
     struct leafkind {
         int G;
         bool u;
+        int act;
+        bool pre;
     };
-    const leafkind kinds[] = {{0, false}, {1, false}, {1, true}, {3, true}};
+    const leafkind kinds[] = {{0, false, 0, false},
+                              {1, false, 0, false},
+                              {1, true, 0, false},
+                              {3, true, 0, false},
+                              {1, false, RP_SCAN_ACT_TANH, true},
+                              {1, false, RP_SCAN_ACT_RELU, true},
+                              {1, true, RP_SCAN_ACT_RELU, false},
+                              {3, true, RP_SCAN_ACT_TANH, false}};
     const int budgets[] = {49152, 20480, 12288};
     int device = 0;
 
@@ -706,6 +785,10 @@ static void sweep(bool quick, bool smoke)
         g_smem_default = budgets[bi];
         g_rt.optin = 232448; /* an H100/H200's */
         for (const leafkind &lk : kinds) {
+            /* v as f'(y) changes what the leaves read and g's stores, not the
+             * tiling: the default budget (and each case's variant 3) suffices */
+            if (lk.act && bi > 0)
+                continue;
             /* small H: whole-task up-sweep blocks */
             const int small_h[] = {1, 3, 5, 8, 20, 33, 64};
             for (int H : small_h) {
@@ -725,7 +808,7 @@ static void sweep(bool quick, bool smoke)
                     if (H >= 33 && n > 34 && (quick || bi > 0))
                         continue;
                     const int64_t B = H >= 33 ? 1 : (n % 3 == 0 ? 1 : 3);
-                    run_case({n, B, H, lk.G, lk.u}, device, n <= 17);
+                    run_case({n, B, H, lk.G, lk.u, lk.act, lk.pre}, device, n <= 17);
                     device = (device + 1) % EMU_DEVICES;
                     if (g_failures)
                         return;
@@ -744,7 +827,8 @@ static void sweep(bool quick, bool smoke)
                         continue;
                     if (quick && n > 5)
                         continue;
-                    run_case({n, n <= 4 && H < 100 ? 2 : 1, H, lk.G, lk.u}, device, n <= 5);
+                    run_case({n, n <= 4 && H < 100 ? 2 : 1, H, lk.G, lk.u, lk.act, lk.pre}, device,
+                             n <= 5);
                     device = (device + 1) % EMU_DEVICES;
                     if (g_failures)
                         return;

@@ -28,6 +28,7 @@ import functools
 import math
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -143,8 +144,29 @@ def _check_out(out: torch.Tensor, c: torch.Tensor, jacobians: dict) -> None:
             raise ValueError(f"out: overlaps {name}")
 
 
+_ACTIVATIONS = {"tanh": 1, "relu": 2}  # rp_scan_act
+
+
+def _check_activation(activation, y, v, jt) -> int:
+    """The rp_scan_act code of `activation`, 0 for none; y comes with it, in place of v."""
+    if activation is None:
+        if y is not None:
+            raise ValueError("y: only with activation='tanh' or 'relu' (v = f'(y)); else give v")
+        return 0
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation: expected 'tanh' or 'relu', got {activation!r}")
+    if jt is not None:
+        raise ValueError("activation: structured leaves only, not with dense jt")
+    if v is not None:
+        raise ValueError("activation: give v, or activation with y (v = f'(y)), not both")
+    if y is None:
+        raise ValueError(f"y: required with activation={activation!r}")
+    return _ACTIVATIONS[activation]
+
+
 def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
-         v: torch.Tensor | None = None, jt: torch.Tensor | None = None, levels="auto",
+         v: torch.Tensor | None = None, jt: torch.Tensor | None = None, activation: str | None = None,
+         y: torch.Tensor | None = None, pre_activation: bool = False, levels="auto",
          out: torch.Tensor | None = None) -> torch.Tensor:
     """Solves g[T-1] = c[T-1], g[t] = c[t] + J[t+1]^T g[t+1] for every t.
 
@@ -152,12 +174,19 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     recurrence. The transposed Jacobians J[t]^T are either dense, jt (T, B, H, H),
     or structured, diag(u[t]) + sum_k W_k^T diag(v[t, :, kH:(k+1)H]) with
     w (G*H, H) shared by all steps (W_k its row blocks), u (T, B, H) or None, and
-    v (T, B, G*H). Entry t = 0 of the Jacobians is not used. Returns g (T, B, H),
-    written into `out` when given: a contiguous (T, B, H) float32 tensor on c's
-    device, c itself (in place) or disjoint from c, and disjoint from w, u, v, jt.
-    Runs on c's device (CPU or CUDA, on the current stream); float32 only. The
-    linear scan (levels 0) needs no memory beyond g; with Blelloch levels it
-    takes a workspace of (T + 1) B H + (T / 2) B H H floats.
+    v (T, B, G*H). Instead of v, ``activation="tanh"`` or ``"relu"`` with
+    y (T, B, G*H), the activation's output: v = f'(y) is computed where the
+    scan reads it (1 - y * y, or y > 0), bit for bit what passing that v
+    gives, without its buffer. Entry t = 0 of the Jacobians is not used.
+
+    Returns g (T, B, H), or with ``pre_activation=True`` (one gate, w (H, H))
+    d = v * g, the gradient of the pre-activation, the same bits as scaling g
+    afterwards (and then v[0] is used); written into `out` when given: a
+    contiguous (T, B, H) float32 tensor on c's device, c itself (in place) or
+    disjoint from c, and disjoint from w, u, v, y, jt. Runs on c's device (CPU
+    or CUDA, on the current stream); float32 only. The linear scan (levels 0)
+    needs no memory beyond g; with Blelloch levels it takes a workspace of
+    (T + 1) B H + (T / 2) B H H floats.
     """
     if not isinstance(c, torch.Tensor) or c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
@@ -166,6 +195,9 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     _check_operand(c, "c", (T, B, H), device)
     if T < 1:
         raise ValueError("c: need at least one step")
+    act = _check_activation(activation, y, v, jt)
+    if not isinstance(pre_activation, bool):
+        raise TypeError(f"pre_activation: expected a bool, got {type(pre_activation).__name__}")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -177,17 +209,20 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         gates = w.shape[0] // H
         _check_operand(w, "w", (gates * H, H), device)
         _check_operand(u, "u", (T, B, H), device, optional=True)
-        _check_operand(v, "v", (T, B, gates * H), device)
+        _check_operand(y if act else v, "y" if act else "v", (T, B, gates * H), device)
+    if pre_activation and gates != 1:
+        raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
-        _check_out(out, c, {"w": w, "u": u, "v": v, "jt": jt})
+        _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
     _check_scan_choice(levels)
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
-    operands = [None if t is None else t.contiguous() for t in (w, u, v, jt)]
+    w, u, v, jt, y = [None if t is None else t.contiguous() for t in (w, u, v, jt, y)]
     g = torch.empty_like(c) if out is None else out
     floats = _C.scan_workspace(T, B, H, L)
     work = torch.empty(floats, device=device) if floats else None
-    args = (T, B, H, gates, *map(_pointer, operands), c.data_ptr(), g.data_ptr(), L, _pointer(work))
+    args = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation),
+            c.data_ptr(), g.data_ptr(), L, _pointer(work))
     if device.type == "cuda":
         if _cuda is None:
             raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
@@ -256,13 +291,14 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice) -> tuple:
-    """The RNN's pre-activation gradients d = f'(out) * g (T, B, H) through the
-    scan: one new buffer holds f'(out) (the scan's v), then d in place over it;
-    g is the only other. Returns ([d], d, grad h0): d_gi's blocks, d_gh."""
+    """The RNN's pre-activation gradients d = f'(out) * g (T, B, H), written by
+    the scan itself, which reads f'(out) off out (1 - out^2, out > 0) and
+    keeps g to itself: d is backward's one (T, B, H) buffer. Returns ([d], d,
+    grad h0): d_gi's blocks, d_gh."""
     T, B, H = out.shape
-    d = 1 - out * out if mode == "RNN_TANH" else (out > 0).float()  # out * out is gone before g comes
-    g = scan(c, w=w_hh, v=d, levels=_resolve_levels(choice, T, B, H, 1, c.device))
-    d.mul_(g)
+    activation = "tanh" if mode == "RNN_TANH" else "relu"
+    d = scan(c, w=w_hh, activation=activation, y=out, pre_activation=True,
+             levels=_resolve_levels(choice, T, B, H, 1, c.device))
     return [d], d, d[0] @ w_hh
 
 
@@ -333,8 +369,8 @@ class _Layer(torch.autograd.Function):
     Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
     the GRU's gates are recomputed in backward in one parallel pass. Beyond
     grad_out and the gradients it returns, backward holds (T, B, H) float32
-    buffers: two for the RNN (f'(out), then d over it; g), six for the GRU
-    (its gates' pre-activations, everything later in place over them)."""
+    buffers: one for the RNN (d, out of the scan), six for the GRU (its
+    gates' pre-activations, everything later in place over them)."""
 
     @staticmethod
     def forward(ctx, mode, levels, x, h0, w_ih, w_hh, b_ih, b_hh):
@@ -555,9 +591,10 @@ def _check_chain_layer(layer: nn.Module, index: int) -> None:
 
 class _Leaf:
     """One layer's CSR transposed Jacobian: its pattern (int32) and how to
-    gather its values for a step."""
+    gather its values for a step. With `pruned`, a Conv2d's or Linear's
+    entries whose weight is zero now are left out of the pattern."""
 
-    def __init__(self, layer: nn.Module, in_shape: tuple):
+    def __init__(self, layer: nn.Module, in_shape: tuple, pruned: bool = False):
         self.layer, self.in_shape = layer, in_shape
         size = math.prod(in_shape)
         if isinstance(layer, nn.Conv2d):
@@ -577,7 +614,30 @@ class _Leaf:
             self.out_shape = in_shape
             self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
         self.rows, self.cols = size, math.prod(self.out_shape)
+        self.zero_weights = None  # the pruning mask the pattern assumes
+        if pruned and hasattr(self, "wmap"):
+            self._drop_zero_weights()
         self._maps = {}
+
+    def _drop_zero_weights(self) -> None:
+        """The pattern without the entries of zero weights: a fixed pruning
+        mask's guaranteed zeros, which would otherwise fill in the products."""
+        weight = self.layer.weight.detach().reshape(-1).cpu()
+        zero = (weight == 0).numpy()
+        keep = ~zero[self.wmap]
+        rows = np.repeat(np.arange(self.rows), np.diff(self.indptr))
+        counts = np.bincount(rows[keep], minlength=self.rows)
+        self.indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
+        self.indices = np.ascontiguousarray(self.indices[keep])
+        self.wmap = np.ascontiguousarray(self.wmap[keep])
+        self.zero_weights = torch.from_numpy(zero)
+
+    def _check_still_pruned(self, weight: torch.Tensor) -> None:
+        mask = self.zero_weights.to(weight.device)
+        if weight.reshape(-1)[mask].any():
+            raise ValueError(f"{type(self.layer).__name__}: weights that were zero when the plan was "
+                             "built (pruned=True) are non-zero now; keep the pruning mask applied "
+                             "or build a new ChainPlan")
 
     def _map(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, device)
@@ -590,6 +650,8 @@ class _Leaf:
         layer, B = self.layer, x.shape[0]
         with torch.no_grad():
             if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                if self.zero_weights is not None:
+                    self._check_still_pruned(layer.weight)
                 vals = layer.weight.detach().reshape(-1).float()[self._map("wmap", x.device)]
                 return vals.expand(B, -1).contiguous()
             if isinstance(layer, nn.MaxPool2d):
@@ -612,10 +674,14 @@ class ChainPlan:
     chosen schedule needs; :meth:`backward` then only gathers values.
     `input_shape` is one sample's (C, H, W) or (features,). `levels`: "auto"
     (the cost model, from the exact product sizes), "linear", "blelloch" or
-    an int; `max_pairs` caps a level's planned products (0: no cap)."""
+    an int; `max_pairs` caps a level's planned products (0: no cap).
+    `pruned`: the Conv2d and Linear weights that are zero now are a fixed
+    pruning mask (Section 4.3): their entries are left out of the patterns,
+    so the products stay as sparse as the pruned network; backward raises
+    ValueError if any of them has become non-zero."""
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
-                 max_pairs: int = 0):
+                 max_pairs: int = 0, pruned: bool = False):
         _check_scan_choice(levels)
         layers = list(layers)
         if not layers:
@@ -627,7 +693,7 @@ class ChainPlan:
                 self.steps.append((layer, None))
                 shape = (math.prod(shape),)
                 continue
-            leaf = _Leaf(layer, shape)
+            leaf = _Leaf(layer, shape, bool(pruned))
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
