@@ -835,14 +835,10 @@ static int rp_csr_plan_products(rp_csr_plan *p, int want, int64_t max_pairs, rp_
             rp_csr_mat *C = &p->mats[p->nmats];
             const int64_t a = rp_csr_map_at(p, r, d), b = rp_csr_map_at(p, l, d);
             if (rp_csr_symbolic(&p->mats[a], &p->mats[b], max_pairs, C) != 0) {
-                /* too big (or no memory): drop this level, those below stay usable */
-                for (int64_t x = 0; x < p->nmats; x++)
-                    if (p->mats[x].level == d) {
-                        rp_csr_mat_free(&p->mats[x]);
-                        memset(&p->mats[x], 0, sizeof p->mats[x]);
-                    }
+                /* too big (or no memory): drop this level, whose products are the
+                 * last ones appended; those below stay usable */
                 while (p->nmats > p->n && p->mats[p->nmats - 1].level == d)
-                    p->nmats--;
+                    rp_csr_mat_free(&p->mats[--p->nmats]);
                 for (int64_t s = 0; s <= p->nslots; s++)
                     p->prod[s * p->stride + d] = -1;
                 p->planned = d;

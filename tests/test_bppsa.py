@@ -689,6 +689,23 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
         bppsa.chain_backward(layers, x, g, plan=pruned)
 
 
+def test_max_pairs_cap_drops_a_whole_level():
+    """A cap that a level passes after its first product drops that level,
+    whose products were already planned (this crashed when d >= 1); the
+    levels below stay, and gradients equal autograd's."""
+    torch.manual_seed(5)
+    channels = [1] * 5 + [4] * 5 + [1] * 7
+    layers = [nn.Conv2d(channels[i], channels[i + 1], 3, padding=1) for i in range(16)]
+    full = bppsa.ChainPlan(layers, (1, 8, 8), levels=2)
+    capped = bppsa.ChainPlan(layers, (1, 8, 8), levels=2, max_pairs=400000)
+    assert full.info["levels"] == 2 and capped.info["levels"] == 1
+    assert 0 < capped.info["products"] < full.info["products"]
+    x, g = torch.randn(2, 1, 8, 8), torch.randn(2, 1, 8, 8)
+    for a, b in zip(bppsa.chain_backward(layers, x, g, plan=capped),
+                    autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+
+
 def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))
