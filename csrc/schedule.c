@@ -272,18 +272,18 @@ static int rp_sim_alloc(rp_sim *s)
            s->queue_items && s->next && s->running && s->rem && s->group_id && s->group_busy;
 }
 
-/* (priority, id) order of one resource's tasks; qsort has no context, so
- * the sort runs over (priority, id) pairs. */
+/* qsort has no context: tasks (or resources) are sorted as (key, id)
+ * pairs, by key, then id, so every order is deterministic. */
 typedef struct {
-    double priority;
+    double key;
     int64_t task;
-} rp_sim_key;
+} rp_task_key;
 
-static int rp_sim_key_cmp(const void *pa, const void *pb)
+static int rp_task_key_cmp(const void *pa, const void *pb)
 {
-    const rp_sim_key *a = pa, *b = pb;
-    if (a->priority != b->priority)
-        return a->priority < b->priority ? -1 : 1;
+    const rp_task_key *a = pa, *b = pb;
+    if (a->key != b->key)
+        return a->key < b->key ? -1 : 1;
     return (a->task > b->task) - (a->task < b->task);
 }
 
@@ -291,7 +291,7 @@ static int rp_sim_key_cmp(const void *pa, const void *pb)
 static int rp_sim_sort(rp_sim *s)
 {
     const rp_task_graph *g = s->g;
-    rp_sim_key *keys = rp_sched_alloc(g->n_tasks, sizeof *keys);
+    rp_task_key *keys = rp_sched_alloc(g->n_tasks, sizeof *keys);
     int64_t *fill = rp_sched_alloc(g->n_resources, sizeof *fill);
     if (keys == NULL || fill == NULL) {
         free(keys), free(fill);
@@ -305,10 +305,10 @@ static int rp_sim_sort(rp_sim *s)
         fill[r] = s->res_start[r];
     }
     for (int64_t t = 0; t < g->n_tasks; t++)
-        keys[fill[g->resource[t]]++] = (rp_sim_key){g->priority[t], t};
+        keys[fill[g->resource[t]]++] = (rp_task_key){g->priority[t], t};
     for (int64_t r = 0; r < g->n_resources; r++)
         qsort(keys + s->res_start[r], (size_t)(s->res_start[r + 1] - s->res_start[r]),
-              sizeof *keys, rp_sim_key_cmp);
+              sizeof *keys, rp_task_key_cmp);
     for (int64_t i = 0; i < g->n_tasks; i++) {
         s->order[i] = keys[i].task;
         s->rank[keys[i].task] = i;
@@ -363,16 +363,16 @@ static void rp_sim_init(rp_sim *s)
 static int rp_sim_groups(rp_sim *s)
 {
     const rp_task_graph *g = s->g;
-    rp_sim_key *keys = rp_sched_alloc(g->n_resources, sizeof *keys);
+    rp_task_key *keys = rp_sched_alloc(g->n_resources, sizeof *keys);
     if (keys == NULL)
         return -1;
     for (int64_t r = 0; r < g->n_resources; r++)
-        keys[r] = (rp_sim_key){(double)g->group[r], r};
-    qsort(keys, (size_t)g->n_resources, sizeof *keys, rp_sim_key_cmp);
+        keys[r] = (rp_task_key){(double)g->group[r], r};
+    qsort(keys, (size_t)g->n_resources, sizeof *keys, rp_task_key_cmp);
     for (int64_t i = 0, first = 0; i < g->n_resources; i++) {
-        if (i > 0 && keys[i].priority != keys[i - 1].priority)
+        if (i > 0 && keys[i].key != keys[i - 1].key)
             first = i;
-        s->group_id[keys[i].task] = keys[i].priority >= 0 ? keys[first].task : -1;
+        s->group_id[keys[i].task] = keys[i].key >= 0 ? keys[first].task : -1;
     }
     free(keys);
     return 0;
@@ -1045,20 +1045,6 @@ typedef struct {
     int64_t *region;        /* (n_tasks) the caller's */
 } rp_regions;
 
-/* qsort has no context: tasks are sorted as (ready, id) pairs. */
-typedef struct {
-    double ready;
-    int64_t task;
-} rp_regions_key;
-
-static int rp_regions_key_cmp(const void *pa, const void *pb)
-{
-    const rp_regions_key *a = pa, *b = pb;
-    if (a->ready != b->ready)
-        return a->ready < b->ready ? -1 : 1;
-    return (a->task > b->task) - (a->task < b->task);
-}
-
 static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                             const int64_t *deadline, const double *t_sub, const double *speedup,
                             const int64_t *mem, const int64_t *region, const int64_t *order,
@@ -1191,7 +1177,7 @@ static int64_t rp_regions_peak(const rp_regions *x)
     return peak;
 }
 
-static void rp_regions_run(rp_regions *x, const rp_regions_key *by_ready, int64_t pre)
+static void rp_regions_run(rp_regions *x, const rp_task_key *by_ready, int64_t pre)
 {
     for (int64_t i = 0; i < x->n; i++) {
         x->now[i] = 0.0;
@@ -1228,7 +1214,7 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
 {
     rp_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem,
                     NULL, NULL, NULL, NULL, 0, NULL, 0, region};
-    rp_regions_key *by_ready = NULL;
+    rp_task_key *by_ready = NULL;
     int64_t *fill = NULL, *by_seq = NULL;
     int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, region,
                               order, pre, peak, err);
@@ -1255,8 +1241,8 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
         goto done;
     }
     for (int64_t k = 0; k < n_tasks; k++)
-        by_ready[k] = (rp_regions_key){ready[k], k};
-    qsort(by_ready, (size_t)n_tasks, sizeof *by_ready, rp_regions_key_cmp);
+        by_ready[k] = (rp_task_key){ready[k], k};
+    qsort(by_ready, (size_t)n_tasks, sizeof *by_ready, rp_task_key_cmp);
     /* pre grows until the held memory fits (or every region is pre-scheduled:
      * the caller sees *peak > mem_cap) */
     for (*pre = 0;; ++*pre) {
