@@ -312,10 +312,6 @@ _PROBES = {
 }
 
 
-def _autocasting(device: torch.device) -> bool:
-    return torch.is_autocast_enabled(device.type)
-
-
 @functools.lru_cache(maxsize=None)
 def _autocast_policy(op: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
     """The dtype autocast casts `op`'s floating inputs to: its lower precision
@@ -331,10 +327,6 @@ def _autocast_policy(op: str, device: torch.device, dtype: torch.dtype) -> torch
     if out_dtype(torch.float32) == dtype:
         return dtype
     return torch.float32 if out_dtype(dtype) == torch.float32 else None
-
-
-def _autocast_target(op: str, device: torch.device) -> torch.dtype | None:
-    return _autocast_policy(op, device, torch.get_autocast_dtype(device.type))
 
 
 def _autocast_cast(t, dtype: torch.dtype):
@@ -362,7 +354,9 @@ class _Split(torch.autograd.Function):
     def forward(ctx, site: "_Site", x: torch.Tensor, *params: torch.Tensor):
         m = site.module
         w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-        cast = _autocast_target(site.kind.op(m), x.device) if _autocasting(x.device) else None
+        cast, device = None, x.device
+        if torch.is_autocast_enabled(device.type):
+            cast = _autocast_policy(site.kind.op(m), device, torch.get_autocast_dtype(device.type))
         if cast is None:
             y, saved = site.kind.forward(m, x, w, b)
         else:
@@ -370,7 +364,7 @@ class _Split(torch.autograd.Function):
             # the cast tensors, as autograd's own graph saves them; the engine
             # casts the returned gradients back to the inputs' dtypes
             x, w, b = (_autocast_cast(t, cast) for t in (x, w, b))
-            with torch.autocast(x.device.type, enabled=False):
+            with torch.autocast(device.type, enabled=False):
                 y, saved = site.kind.forward(m, x, w, b)
         n = site.kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
