@@ -115,9 +115,13 @@ static PyMethodDef rp_methods[] = {
     {"csr_plan", (PyCFunction)(void (*)(void))rp_py_csr_plan, METH_FASTCALL,
      "csr_plan(leaves, levels, max_pairs, workers, level_cost, step_cost) -> plan capsule."},
     {"csr_plan_info", (PyCFunction)(void (*)(void))rp_py_csr_plan_info, METH_FASTCALL,
-     "csr_plan_info(plan) -> dict: levels, work_floats, madds, linear_madds, products, pairs."},
-    {"csr_scan", (PyCFunction)(void (*)(void))rp_py_csr_scan, METH_FASTCALL,
-     "csr_scan(plan, batch, values, g_out, g, work, num_threads): the sparse chain scan (CPU)."},
+     "csr_plan_info(plan) -> dict: levels, cost, seq_floats, shared_floats, madds, linear_madds,\n"
+     "products, pairs, phases, rows, terms."},
+    {"csr_program", (PyCFunction)(void (*)(void))rp_py_csr_program, METH_FASTCALL,
+     "csr_program(plan) -> dict of NumPy copies of the plan's program (csrc/reprop.h)."},
+    {"csr_run", (PyCFunction)(void (*)(void))rp_py_csr_run, METH_FASTCALL,
+     "csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, num_threads): the plan's program\n"
+     "on the CPU (rp_csr_run_cpu); seq and shared data pointers, the row pointers ignored."},
     {"sched_graph", (PyCFunction)(void (*)(void))rp_py_sched_graph, METH_FASTCALL,
      sched_graph_doc},
     {"simulate", (PyCFunction)(void (*)(void))rp_py_simulate, METH_FASTCALL, simulate_doc},

@@ -568,7 +568,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], &levels) < 0 ||
         rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
-    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices)");
+    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared)");
     if (seq == NULL)
         return NULL;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -580,7 +580,8 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     for (int64_t i = 0; i < n; i++) {
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices;
         long long rows, cols;
-        if (!PyArg_ParseTuple(item, "LLOO", &rows, &cols, &indptr, &indices) || rows < 1 ||
+        int shared;
+        if (!PyArg_ParseTuple(item, "LLOOp", &rows, &cols, &indptr, &indices, &shared) || rows < 1 ||
             rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
             rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
                             "indices", &leaves[i].indices) < 0) {
@@ -590,7 +591,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             Py_DECREF(seq);
             return NULL;
         }
-        leaves[i].rows = rows, leaves[i].cols = cols;
+        leaves[i].rows = rows, leaves[i].cols = cols, leaves[i].shared = shared;
         leaves[i].nnz = PyArray_DIM((PyArrayObject *)indices, 0);
     }
     Py_BEGIN_ALLOW_THREADS
@@ -617,72 +618,73 @@ PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (plan == NULL)
         return NULL;
     rp_csr_plan_describe(plan, &info);
-    return Py_BuildValue("{s:i,s:L,s:L,s:L,s:L,s:L}", "levels", info.levels, "work_floats",
-                         (long long)info.work_floats, "madds", (long long)info.madds, "linear_madds",
+    return Py_BuildValue("{s:i,s:d,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L,s:L}", "levels", info.levels, "cost",
+                         info.cost, "seq_floats", (long long)info.seq_floats, "shared_floats",
+                         (long long)info.shared_floats, "madds", (long long)info.madds, "linear_madds",
                          (long long)info.linear_madds, "products", (long long)info.products, "pairs",
-                         (long long)info.pairs);
+                         (long long)info.pairs, "phases", (long long)info.phases, "rows",
+                         (long long)info.rows, "terms", (long long)info.terms);
 }
 
-/* A list of n data pointers (Python ints) into a PyMem array. */
-static void **rp_py_pointer_list(PyObject *obj, int64_t n, const char *name)
+/* A NumPy copy of n elements of a core array. */
+static PyObject *rp_py_array_copy(const void *data, int64_t n, int typenum)
 {
-    PyObject *seq = PySequence_Fast(obj, name);
-    void **out;
-    if (seq == NULL)
-        return NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "%s: expected %lld pointers", name, (long long)n);
-        Py_DECREF(seq);
-        return NULL;
-    }
-    out = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *out);
-    for (int64_t i = 0; out != NULL && i < n; i++)
-        if (rp_py_pointer_arg(PySequence_Fast_GET_ITEM(seq, i), &out[i]) < 0) {
-            PyMem_Free(out);
-            out = NULL;
-        }
-    if (out == NULL && !PyErr_Occurred())
-        PyErr_NoMemory();
-    Py_DECREF(seq);
-    return out;
+    npy_intp dim = (npy_intp)n;
+    PyObject *arr = PyArray_SimpleNew(1, &dim, typenum);
+    if (arr != NULL && n > 0)
+        memcpy(PyArray_DATA((PyArrayObject *)arr), data, (size_t)n * PyArray_ITEMSIZE((PyArrayObject *)arr));
+    return arr;
 }
 
-PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    rp_error err = {{0}};
+    const rp_csr_program *g;
     rp_csr_plan *plan;
-    rp_csr_plan_info info;
-    void **values, **g, *g_out, *work;
-    int64_t batch, n;
-    int threads, rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, "csr_scan") < 0)
+    if (rp_py_check_nargs(nargs, 1, "csr_program") < 0)
         return NULL;
     plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[3], &g_out) < 0 ||
-        rp_py_pointer_arg(args[5], &work) < 0 || rp_py_int_arg(args[6], &threads) < 0)
+    if (plan == NULL)
         return NULL;
-    rp_csr_plan_describe(plan, &info);
-    n = PySequence_Size(args[2]);
-    if (n < 0)
+    g = rp_csr_plan_program(plan);
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:N,s:k}", "phase_ptr",
+                         rp_py_array_copy(g->phase_ptr, g->nphases + 1, NPY_INT64), "phase_shared",
+                         rp_py_array_copy(g->phase_shared, g->nphases, NPY_INT64), "dst",
+                         rp_py_array_copy(g->dst, g->nrows, NPY_UINT32), "term_ptr",
+                         rp_py_array_copy(g->term_ptr, g->nrows + 1, NPY_INT64), "tx",
+                         rp_py_array_copy(g->tx, g->nterms, NPY_UINT32), "ty",
+                         rp_py_array_copy(g->ty, g->nterms, NPY_UINT32), "leaf_addr",
+                         rp_py_array_copy(g->leaf_addr, g->layers, NPY_UINT32), "g_addr",
+                         rp_py_array_copy(g->g_addr, g->layers, NPY_UINT32), "g_out_addr",
+                         (unsigned long)g->g_out_addr);
+}
+
+PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);
+    rp_csr_device_rows rows;
+    rp_csr_plan *plan;
+    void *seq, *shared, *dst, *term_ptr, *tx, *ty;
+    int64_t batch;
+    rp_py_where where;
+    rp_error err = {{0}};
+    int rc;
+    if (rp_py_check_nargs(nargs, 9, "csr_run") < 0)
         return NULL;
-    values = rp_py_pointer_list(args[2], n, "values");
-    if (values == NULL)
+    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
+        rp_py_pointer_arg(args[3], &shared) < 0 || rp_py_pointer_arg(args[4], &dst) < 0 ||
+        rp_py_pointer_arg(args[5], &term_ptr) < 0 || rp_py_pointer_arg(args[6], &tx) < 0 ||
+        rp_py_pointer_arg(args[7], &ty) < 0 || rp_py_where_arg(args[8], cuda, &where) < 0)
         return NULL;
-    g = rp_py_pointer_list(args[4], n, "g");
-    if (g == NULL) {
-        PyMem_Free(values);
-        return NULL;
-    }
+    rows = (rp_csr_device_rows){dst, term_ptr, tx, ty};
     Py_BEGIN_ALLOW_THREADS
-    rc = rp_csr_scan_cpu(plan, batch, (const float *const *)values, g_out, (float *const *)g, work,
-                         threads, &err);
+    if (cuda != NULL)
+        rc = cuda->csr_run(rp_csr_plan_program(plan), &rows, batch, seq, shared, where.stream, &err);
+    else
+        rc = rp_csr_run_cpu(rp_csr_plan_program(plan), batch, seq, shared, where.num_threads, &err);
     Py_END_ALLOW_THREADS
-    PyMem_Free(values);
-    PyMem_Free(g);
-    if (rc != RP_OK)
-        return rp_py_raise(rc, &err);
-    Py_RETURN_NONE;
+    return rp_py_none_or_raise(rc, &err);
 }
 
 /* ---- out-of-order backprop scheduling ---- */

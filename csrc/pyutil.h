@@ -57,6 +57,8 @@ typedef struct {
                               rp_error *err);
     int (*scan)(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
                 void *stream, rp_error *err);
+    int (*csr_run)(const rp_csr_program *g, const rp_csr_device_rows *rows, int64_t batch,
+                   float *seq, float *shared, void *stream, rp_error *err);
 } rp_py_cuda_launchers;
 
 /* The state of either extension module (PyModuleDef.m_size): its CUDA
@@ -80,10 +82,14 @@ int rp_py_module_exec(PyObject *module, const rp_py_cuda_launchers *cuda);
  *   fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, where)
  *       codebook: the bytes fad_codebook() returned (rp_fad_backward_code8_cpu)
  *   scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels,
- *        work, where): act an rp_scan_act (rp_scan_cpu, rp_cuda_scan) */
+ *        work, where): act an rp_scan_act (rp_scan_cpu, rp_cuda_scan)
+ *   csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, where): a csr_plan's
+ *        program; dst .. ty the device copies of its rows, ignored on the CPU
+ *        (rp_csr_run_cpu, rp_cuda_csr_run) */
 PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* None when a core call returned RP_OK, else its error raised (NULL). */
 PyObject *rp_py_none_or_raise(int code, const rp_error *err);
@@ -106,14 +112,14 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
  *   jacobian(kind, geometry) -> int32 NumPy arrays (indptr, indices, maps...)
  *       kind "conv2d"/"maxpool2d" with the 15-tuple of rp_conv2d_geom,
  *       "linear" with (in, out), "diagonal" with (size, 0)
- *   csr_plan(leaves, levels, max_pairs, workers, level_cost, step_cost) -> capsule
- *       leaves: (rows, cols, indptr, indices) per layer, int32 arrays
+ *   csr_plan(leaves, levels, max_pairs, workers, level_cost, step_cost) -> capsule;
+ *       leaves: (rows, cols, indptr, indices, shared) per layer, int32 arrays
  *   csr_plan_info(plan) -> dict of rp_csr_plan_info
- *   csr_scan(plan, batch, values, g_out, g, work, num_threads): pointers as ints */
+ *   csr_program(plan) -> dict of NumPy copies of its rp_csr_program arrays */
 PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
-PyObject *rp_py_csr_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Out-of-order backprop scheduling (csrc/schedule.c), defined in pyutil.c;
  * arguments may be any array-likes, cast by NumPy's safe rule:

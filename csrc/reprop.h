@@ -331,13 +331,17 @@ int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int level
  * patterns of every up-sweep product and for each of their non-zeros the
  * list of (A, B) non-zero pairs that sum into it; a step then only refreshes
  * values: products are pair-list sums, down-sweep steps CSR mat-vecs.
- * Values are per sequence: (B, nnz) float32, the pattern shared by the batch.
+ *
+ * A leaf marked `shared` has the same values for every sequence (a Conv2d's
+ * or Linear's weights): stored once, and a product of two shared operands is
+ * computed once for the batch.
  * ------------------------------------------------------------------------- */
 
 typedef struct {
     int64_t rows, cols, nnz;
     const int32_t *indptr;  /* rows + 1 */
     const int32_t *indices; /* nnz column indices, ascending within each row */
+    int shared;             /* values the same for every sequence */
 } rp_csr_pattern;
 
 typedef struct rp_csr_plan rp_csr_plan;
@@ -350,25 +354,75 @@ int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int6
                        const rp_scan_machine *m, rp_csr_plan **out, rp_error *err);
 void rp_csr_plan_free(rp_csr_plan *p);
 
-/* Facts about a plan: the levels, the float32 workspace per sequence, the
- * multiply-adds of one scan of one sequence (products, mat-vecs), and the
- * multiply-adds of the same on the plain linear scan. */
+/* The plan's scan compiled to a program that the CPU (rp_csr_run_cpu) and
+ * the GPU (rp_cuda_csr_run) run alike. Two float32 buffers hold all a step
+ * reads and writes:
+ *   seq    (seq_floats x B, batch-minor: per-sequence offset o of sequence b
+ *          at o * B + b): the values of the per-sequence leaves, one vector
+ *          per slot (g_n goes in, every g_i comes out there) and the values
+ *          of per-sequence products;
+ *   shared (shared_floats): shared[0] = 1 (the caller's job: copies are
+ *          products with it), the values of the shared leaves and of the
+ *          products of two shared operands.
+ * An address is a uint32: RP_CSR_SHARED set for the shared buffer, else seq;
+ * the other bits the offset. Phase p is rows [phase_ptr[p], phase_ptr[p+1]);
+ * those from phase_shared[p] on write to shared and read only shared, once
+ * for the batch; the others once per sequence. Row r writes
+ *     dst[r] = sum over t in [term_ptr[r], term_ptr[r+1]) of X(tx[t]) * X(ty[t])
+ * in increasing t, a float32 multiply then a float32 add (never fused), so
+ * every runner gives the same bits. Phases run in order; no row of a phase
+ * reads what another row of it writes. */
+#define RP_CSR_SHARED 0x80000000u
+
+typedef struct {
+    int64_t layers, nphases, nrows, nterms;
+    const int64_t *phase_ptr;    /* nphases + 1 */
+    const int64_t *phase_shared; /* nphases */
+    const uint32_t *dst;         /* nrows */
+    const int64_t *term_ptr;     /* nrows + 1 */
+    const uint32_t *tx, *ty;     /* nterms */
+    int64_t seq_floats, shared_floats;
+    const uint32_t *leaf_addr;   /* n: where layer i's values go (shared or seq) */
+    const uint32_t *g_addr;      /* n: where g_i (in_i floats) comes out, in seq */
+    uint32_t g_out_addr;         /* where g_n (out_{n-1} floats) goes, in seq */
+} rp_csr_program;
+
+const rp_csr_program *rp_csr_plan_program(const rp_csr_plan *p);
+
+/* Facts about a plan: the levels, the cost model's figure for them (for one
+ * sequence on the plan's machine), the buffers per sequence and shared, the
+ * multiply-adds of one scan of one sequence (products, mat-vecs), those of
+ * the same on the plain linear scan, the planned products run and their
+ * pairs, and the program's size. */
 typedef struct {
     int levels;
-    int64_t work_floats;
+    double cost;
+    int64_t seq_floats, shared_floats;
     int64_t madds;
     int64_t linear_madds;
     int64_t products;
     int64_t pairs;
+    int64_t phases, rows, terms;
 } rp_csr_plan_info;
 
 void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info);
 
-/* CPU scan of B sequences: values[i] (B, nnz_i), g_out (B, out_{n-1}),
- * g[i] (B, in_i) written for every layer, work of B * info.work_floats. */
-int rp_csr_scan_cpu(const rp_csr_plan *p, int64_t batch, const float *const *values,
-                    const float *g_out, float *const *g, float *work, int num_threads,
-                    rp_error *err);
+/* Runs the program for B sequences on the CPU: OpenMP over the rows of a
+ * phase, each row over the batch. */
+int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *shared,
+                   int num_threads, rp_error *err);
+
+/* The program's row arrays in device memory (copies of dst, term_ptr, tx, ty). */
+typedef struct {
+    const uint32_t *dst;
+    const int64_t *term_ptr;
+    const uint32_t *tx, *ty;
+} rp_csr_device_rows;
+
+/* Runs the program on `stream`: one launch per phase, never synchronizing.
+ * g's phase arrays are host memory; rows, seq and shared device memory. */
+int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows *rows, int64_t batch,
+                    float *seq, float *shared, void *stream, rp_error *err);
 
 /* ---------------------------------------------------------------------------
  * Analytic CSR transposed Jacobians (csrc/jacobian.c)

@@ -592,20 +592,35 @@ int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
  * Slots: N = n + 1; a[0] = g_n; a[k] = J_{n-k}^T (leaf k - 1, layer n - k).
  * Matrix ids: leaves 0..n-1 (values from the caller), then the up-sweep
  * products P(r, d) = (a[r] after levels < d) x (a[l] after levels < d), in
- * level order, whose values live per sequence in the workspace at val_off.
- * A product's value p is the sum of A[pair_a[q]] B[pair_b[q]] over its
- * pairs q (k ascending, the order of a row-by-row Gustavson product).
+ * level order. A product's value is the sum of A[pair_a[q]] B[pair_b[q]]
+ * over its pairs q (k ascending, the order of a row-by-row Gustavson
+ * product).
+ *
+ * The plan then compiles the schedule of rp_scan_run, specialised to these
+ * slots, into a program (reprop.h) rather than calling back per pair: the
+ * same rows run on the CPU and the GPU, and a product of two shared leaves
+ * is a row of the shared buffer, computed once for the batch.
  * ------------------------------------------------------------------------- */
 
 typedef struct {
     int64_t rows, cols, nnz;
     int32_t *indptr, *indices;
     int level;             /* products: the up-sweep level; leaves: -1 */
+    int shared;            /* values the same for every sequence */
     int64_t a, b;          /* products: operand ids, C = A B */
     int64_t *pair_ptr;     /* nnz + 1 */
     int32_t *pair_a, *pair_b;
-    int64_t val_off;       /* products: offset in a sequence's workspace */
+    uint32_t addr;         /* where its values are (rp_csr_program addresses) */
 } rp_csr_mat;
+
+/* A growing program: the arrays rp_csr_program views. */
+typedef struct {
+    int64_t nphases, nrows, nterms;
+    int64_t *phase_ptr, *phase_shared, *term_ptr;
+    uint32_t *dst, *tx, *ty, *leaf_addr, *g_addr;
+    int64_t cap_phase_ptr, cap_phase_shared, cap_term_ptr, cap_dst, cap_tx, cap_ty;
+    int failed; /* out of memory */
+} rp_csr_emit;
 
 struct rp_csr_plan {
     int64_t n, nslots;
@@ -614,13 +629,22 @@ struct rp_csr_plan {
     rp_csr_mat *mats;
     int64_t stride;      /* levels the prod table has room for, plus one */
     int64_t *prod;       /* (N + 1) x stride: id of P(s, d) or -1 */
-    int64_t *vec_off;    /* per slot, offset of its vector in a sequence's workspace */
-    int64_t work_floats, max_vec;
+    int64_t max_vec;     /* room of each slot's vector */
+    uint32_t vec0, temp; /* slot 0's vector (the others follow), two spare vectors */
+    rp_scan_machine machine;
+    rp_csr_emit code;
+    rp_csr_program program;
 };
 
 static void rp_csr_mat_free(rp_csr_mat *m)
 {
     free(m->indptr), free(m->indices), free(m->pair_ptr), free(m->pair_a), free(m->pair_b);
+}
+
+static void rp_csr_emit_free(rp_csr_emit *e)
+{
+    free(e->phase_ptr), free(e->phase_shared), free(e->term_ptr), free(e->dst), free(e->tx);
+    free(e->ty), free(e->leaf_addr), free(e->g_addr);
 }
 
 void rp_csr_plan_free(rp_csr_plan *p)
@@ -629,7 +653,8 @@ void rp_csr_plan_free(rp_csr_plan *p)
         return;
     for (int64_t i = 0; i < p->nmats; i++)
         rp_csr_mat_free(&p->mats[i]);
-    free(p->mats), free(p->prod), free(p->vec_off), free(p);
+    rp_csr_emit_free(&p->code);
+    free(p->mats), free(p->prod), free(p);
 }
 
 /* Slot s's map once the levels below `upto` have run. */
@@ -738,6 +763,21 @@ fail:
     return -1;
 }
 
+/* Multiply-adds of up-sweep level d (pair lists off the spine, a mat-vec on
+ * it) and of down-sweep level d (mat-vecs), per sequence. */
+static int64_t rp_csr_level_madds(const rp_csr_plan *p, int d)
+{
+    const int64_t half = (int64_t)1 << d, step = half << 1, N = p->nslots;
+    int64_t madds = 0;
+    for (int64_t i = 0; i + step - 1 < N; i += step) {
+        const int64_t r = i + step - 1, id = p->prod[r * p->stride + d];
+        madds += id >= 0 ? p->mats[id].pair_ptr[p->mats[id].nnz] : p->mats[rp_csr_map_at(p, r, d)].nnz;
+    }
+    for (int64_t l = step + half - 1; l < N; l += step)
+        madds += p->mats[rp_csr_map_at(p, l, d)].nnz;
+    return madds;
+}
+
 /* Multiply-adds of one scan of one sequence with `levels`, and the
  * critical-path cost the model compares (see rp_scan_cost). */
 static double rp_csr_cost(const rp_csr_plan *p, int levels, int64_t batch, const rp_scan_machine *m,
@@ -748,17 +788,9 @@ static double rp_csr_cost(const rp_csr_plan *p, int levels, int64_t batch, const
     int64_t madds = 0;
     double t = 0.0;
     for (int d = 0; d < levels; d++) {
-        const int64_t half = (int64_t)1 << d, step = half << 1;
-        int64_t up = 0, down = 0;
-        for (int64_t i = 0; i + step - 1 < N; i += step) {
-            const int64_t r = i + step - 1, id = p->prod[r * p->stride + d];
-            up += id >= 0 ? p->mats[id].pair_ptr[p->mats[id].nnz]
-                          : p->mats[rp_csr_map_at(p, r, d)].nnz; /* spine: a mat-vec */
-        }
-        for (int64_t l = step + half - 1; l < N; l += step)
-            down += p->mats[rp_csr_map_at(p, l, d)].nnz;
-        madds += up + down;
-        t += (double)(up + down) * B / W + 2 * m->level_cost;
+        const int64_t level = rp_csr_level_madds(p, d);
+        madds += level;
+        t += (double)level * B / W + 2 * m->level_cost;
     }
     for (int64_t j = 2; j < nb; j++) {
         const int64_t nnz = p->mats[rp_csr_map_at(p, j * block - 1, levels)].nnz;
@@ -774,6 +806,7 @@ static int rp_csr_copy_leaf(const rp_csr_pattern *src, rp_csr_mat *dst)
 {
     memset(dst, 0, sizeof *dst);
     dst->rows = src->rows, dst->cols = src->cols, dst->nnz = src->nnz, dst->level = -1;
+    dst->shared = src->shared != 0;
     dst->indptr = malloc((size_t)(src->rows + 1) * sizeof *dst->indptr);
     dst->indices = malloc((size_t)(src->nnz > 0 ? src->nnz : 1) * sizeof *dst->indices);
     if (!dst->indptr || !dst->indices)
@@ -812,63 +845,342 @@ static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error
     return RP_OK;
 }
 
-/* Plans the products of every level up to `want` (all when < 0), stopping
- * at the first level whose products would pass max_pairs. */
-static int rp_csr_plan_products(rp_csr_plan *p, int want, int64_t max_pairs, rp_error *err)
+
+/* Plans the products of level d, each capped at `cap` pairs (0: none) and,
+ * when budget >= 0, all of them at `budget` pairs. -1 when a cap is passed
+ * or memory runs out: the caller drops the level. */
+static int rp_csr_plan_level(rp_csr_plan *p, int d, int64_t cap, int64_t budget)
 {
-    const int top = rp_scan_max_levels(p->nslots);
-    p->planned = want < 0 || want > top ? top : want;
-    p->stride = p->planned + 1;
+    const int64_t half = (int64_t)1 << d, step = half << 1;
+    for (int64_t i = step; i + step - 1 < p->nslots; i += step) { /* off the spine */
+        const int64_t l = i + half - 1, r = i + step - 1;
+        const int64_t limit = budget < 0 ? cap : cap > 0 && cap < budget ? cap : budget;
+        rp_csr_mat *grown = realloc(p->mats, (size_t)(p->nmats + 1) * sizeof *grown);
+        if (grown == NULL)
+            return -1;
+        p->mats = grown;
+        rp_csr_mat *C = &p->mats[p->nmats];
+        const int64_t a = rp_csr_map_at(p, r, d), b = rp_csr_map_at(p, l, d);
+        if (budget == 0 || rp_csr_symbolic(&p->mats[a], &p->mats[b], limit, C) != 0)
+            return -1;
+        C->level = d, C->a = a, C->b = b;
+        p->prod[r * p->stride + d] = p->nmats++;
+        if (budget > 0)
+            budget -= C->pair_ptr[C->nnz];
+    }
+    return 0;
+}
+
+/* Drops the products of levels >= d (the last ones appended). */
+static void rp_csr_drop_levels(rp_csr_plan *p, int d)
+{
+    while (p->nmats > p->n && p->mats[p->nmats - 1].level >= d)
+        rp_csr_mat_free(&p->mats[--p->nmats]);
+    for (int64_t s = 0; s <= p->nslots; s++)
+        for (int e = d; e < p->stride - 1; e++)
+            p->prod[s * p->stride + e] = -1;
+    p->planned = d < p->planned ? d : p->planned;
+}
+
+/* Plans the products level by level, up to `want` levels, or when want < 0
+ * every level the cost model could choose, then chooses. Planning stops at
+ * the first level some product of which passes max_pairs (or that memory
+ * cannot hold). With want < 0 it also stops at the first level that cannot
+ * win: every choice of more levels runs the up- and down-sweeps of those
+ * below it, so once their cost plus the new level's pairs pass the best
+ * cost so far, no deeper choice can beat it; the level's products are
+ * abandoned as soon as their pairs pass that budget, which bounds the time
+ * and memory of planning. Products of levels past the choice are dropped. */
+static int rp_csr_plan_products(rp_csr_plan *p, int want, int64_t max_pairs, const rp_scan_machine *m)
+{
+    const int top = rp_scan_max_levels(p->nslots), upto = want < 0 || want > top ? top : want;
+    const double W = m->workers > 1 ? m->workers : 1;
+    double best = 0.0, below = 0.0;
+    p->stride = upto + 1;
     p->prod = malloc((size_t)((p->nslots + 1) * p->stride) * sizeof *p->prod);
     if (p->prod == NULL)
-        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+        return RP_ERUNTIME;
     for (int64_t i = 0; i < (p->nslots + 1) * p->stride; i++)
         p->prod[i] = -1;
-    for (int d = 0; d < p->planned; d++) {
-        const int64_t half = (int64_t)1 << d, step = half << 1;
-        for (int64_t i = step; i + step - 1 < p->nslots; i += step) { /* off the spine */
-            const int64_t l = i + half - 1, r = i + step - 1;
-            rp_csr_mat *grown = realloc(p->mats, (size_t)(p->nmats + 1) * sizeof *grown);
-            if (grown == NULL)
-                return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
-            p->mats = grown;
-            rp_csr_mat *C = &p->mats[p->nmats];
-            const int64_t a = rp_csr_map_at(p, r, d), b = rp_csr_map_at(p, l, d);
-            if (rp_csr_symbolic(&p->mats[a], &p->mats[b], max_pairs, C) != 0) {
-                /* too big (or no memory): drop this level, whose products are the
-                 * last ones appended; those below stay usable */
-                while (p->nmats > p->n && p->mats[p->nmats - 1].level == d)
-                    rp_csr_mat_free(&p->mats[--p->nmats]);
-                for (int64_t s = 0; s <= p->nslots; s++)
-                    p->prod[s * p->stride + d] = -1;
-                p->planned = d;
-                return RP_OK;
-            }
-            C->level = d, C->a = a, C->b = b;
-            p->prod[r * p->stride + d] = p->nmats++;
+    if (want < 0)
+        best = rp_csr_cost(p, 0, 1, m, NULL);
+    for (int d = 0; d < upto; d++) {
+        const double room = (best - below - 2 * m->level_cost) * W;
+        const int64_t budget = want >= 0 ? -1 : room < 1.0 ? 0 : room > 9e18 ? INT64_MAX : (int64_t)room;
+        if (rp_csr_plan_level(p, d, max_pairs, budget) != 0) {
+            rp_csr_drop_levels(p, d);
+            break;
+        }
+        p->planned = d + 1;
+        if (want < 0) {
+            const double c = rp_csr_cost(p, d + 1, 1, m, NULL);
+            below += (double)rp_csr_level_madds(p, d) / W + 2 * m->level_cost;
+            if (c < best)
+                best = c, p->levels = d + 1;
         }
     }
+    if (want >= 0)
+        p->levels = want < p->planned ? want : p->planned;
+    rp_csr_drop_levels(p, p->levels);
     return RP_OK;
 }
 
-/* Per sequence: one vector per slot, each with room for the longest prefix
- * (a slot holds the prefixes of several node starts in turn), then the
- * values of the products of the levels run. */
-static void rp_csr_layout(rp_csr_plan *p)
+/* ---- the program ---- */
+
+#define RP_CSR_ONE RP_CSR_SHARED /* shared[0] = 1: a copy is a product with it */
+
+static int rp_csr_grow(void **arr, int64_t *cap, int64_t need, size_t size)
 {
-    int64_t off;
-    p->max_vec = 1;
-    for (int64_t s = 1; s <= p->nslots; s++) {
-        const int64_t len = rp_csr_prefix_len_of(p, s);
-        p->max_vec = len > p->max_vec ? len : p->max_vec;
+    if (need <= *cap)
+        return 0;
+    int64_t cap2 = *cap > 0 ? *cap : 64;
+    while (cap2 < need)
+        cap2 *= 2;
+    void *grown = realloc(*arr, (size_t)cap2 * size);
+    if (grown == NULL)
+        return -1;
+    *arr = grown, *cap = cap2;
+    return 0;
+}
+
+static void rp_emit_term(rp_csr_emit *e, uint32_t x, uint32_t y)
+{
+    if (e->failed || rp_csr_grow((void **)&e->tx, &e->cap_tx, e->nterms + 1, sizeof *e->tx) ||
+        rp_csr_grow((void **)&e->ty, &e->cap_ty, e->nterms + 1, sizeof *e->ty)) {
+        e->failed = 1;
+        return;
     }
-    for (int64_t s = 0; s <= p->nslots; s++)
-        p->vec_off[s] = s * p->max_vec;
-    off = (p->nslots + 1) * p->max_vec;
-    for (int64_t i = p->n; i < p->nmats; i++)
-        if (p->mats[i].level < p->levels)
-            p->mats[i].val_off = off, off += p->mats[i].nnz;
-    p->work_floats = off;
+    e->tx[e->nterms] = x, e->ty[e->nterms++] = y;
+}
+
+/* Closes a row: dst = the sum of the terms emitted since the last row. */
+static void rp_emit_row(rp_csr_emit *e, uint32_t dst)
+{
+    if (e->failed || rp_csr_grow((void **)&e->dst, &e->cap_dst, e->nrows + 1, sizeof *e->dst) ||
+        rp_csr_grow((void **)&e->term_ptr, &e->cap_term_ptr, e->nrows + 2, sizeof *e->term_ptr)) {
+        e->failed = 1;
+        return;
+    }
+    e->dst[e->nrows++] = dst;
+    e->term_ptr[e->nrows] = e->nterms;
+}
+
+/* From here on the phase's rows write the shared buffer. */
+static void rp_emit_shared_rows(rp_csr_emit *e)
+{
+    if (!e->failed)
+        e->phase_shared[e->nphases] = e->nrows;
+}
+
+/* Opens a phase (phase_ptr[nphases] is where it starts). */
+static void rp_emit_phase(rp_csr_emit *e)
+{
+    if (e->failed ||
+        rp_csr_grow((void **)&e->phase_ptr, &e->cap_phase_ptr, e->nphases + 2, sizeof *e->phase_ptr) ||
+        rp_csr_grow((void **)&e->phase_shared, &e->cap_phase_shared, e->nphases + 1,
+                    sizeof *e->phase_shared)) {
+        e->failed = 1;
+        return;
+    }
+    e->phase_shared[e->nphases] = -1;
+}
+
+/* Closes the open phase, dropping it when it has no rows. */
+static void rp_emit_phase_end(rp_csr_emit *e)
+{
+    if (e->failed)
+        return;
+    const int64_t start = e->phase_ptr[e->nphases];
+    if (e->phase_shared[e->nphases] < 0)
+        e->phase_shared[e->nphases] = e->nrows;
+    if (e->nrows > start)
+        e->nphases++;
+    e->phase_ptr[e->nphases] = e->nrows;
+}
+
+static void rp_emit_copy(rp_csr_emit *e, uint32_t dst, uint32_t src, int64_t len)
+{
+    for (int64_t i = 0; i < len; i++) {
+        rp_emit_term(e, src + (uint32_t)i, RP_CSR_ONE);
+        rp_emit_row(e, dst + (uint32_t)i);
+    }
+}
+
+/* out = M in, M's rows in CSR order. */
+static void rp_emit_matvec(rp_csr_emit *e, const rp_csr_mat *M, uint32_t in, uint32_t out)
+{
+    for (int64_t i = 0; i < M->rows; i++) {
+        for (int64_t q = M->indptr[i]; q < M->indptr[i + 1]; q++)
+            rp_emit_term(e, M->addr + (uint32_t)q, in + (uint32_t)M->indices[q]);
+        rp_emit_row(e, out + (uint32_t)i);
+    }
+}
+
+static void rp_emit_product(rp_csr_emit *e, const rp_csr_plan *p, const rp_csr_mat *C)
+{
+    const rp_csr_mat *A = &p->mats[C->a], *B = &p->mats[C->b];
+    for (int64_t q = 0; q < C->nnz; q++) {
+        for (int64_t t = C->pair_ptr[q]; t < C->pair_ptr[q + 1]; t++)
+            rp_emit_term(e, A->addr + (uint32_t)C->pair_a[t], B->addr + (uint32_t)C->pair_b[t]);
+        rp_emit_row(e, C->addr + (uint32_t)q);
+    }
+}
+
+static uint32_t rp_csr_vec_addr(const rp_csr_plan *p, int64_t s)
+{
+    return p->vec0 + (uint32_t)(s * p->max_vec);
+}
+
+static const rp_csr_mat *rp_csr_map(const rp_csr_plan *p, int64_t s, int upto)
+{
+    return &p->mats[rp_csr_map_at(p, s, upto)];
+}
+
+/* Up-sweep level d: the spine's mat-vec and the products off it, those of
+ * per-sequence operands first, then the shared ones. */
+static void rp_emit_up(const rp_csr_plan *p, rp_csr_emit *e, int d)
+{
+    const int64_t half = (int64_t)1 << d, step = half << 1;
+    rp_emit_phase(e);
+    for (int shared = 0; shared < 2; shared++) {
+        if (shared)
+            rp_emit_shared_rows(e);
+        for (int64_t i = 0; i + step - 1 < p->nslots; i += step) {
+            const int64_t l = i + half - 1, r = i + step - 1;
+            if (i == 0) {
+                if (!shared) /* a vector: a[r]'s map applied to a[l]'s vector */
+                    rp_emit_matvec(e, rp_csr_map(p, r, d), rp_csr_vec_addr(p, l), rp_csr_vec_addr(p, r));
+                continue;
+            }
+            const rp_csr_mat *C = &p->mats[p->prod[r * p->stride + d]];
+            if (C->shared == shared)
+                rp_emit_product(e, p, C);
+        }
+    }
+    rp_emit_phase_end(e);
+}
+
+/* The linear scan over the block ends (rp_middle): P_1 is the up-sweep
+ * vector of e_0, P_j = a[e_{j-1}] P_{j-1}; slot e_{j-1} receives P_{j-1} and
+ * the last block end the last P. The running P alternates between the two
+ * spare vectors, so each step is one phase. */
+static void rp_emit_middle(const rp_csr_plan *p, rp_csr_emit *e)
+{
+    const int64_t block = (int64_t)1 << p->levels, nb = (p->nslots + block) / block;
+    const int64_t last = rp_min64(nb * block - 1, p->nslots);
+    uint32_t run = rp_csr_vec_addr(p, block - 1);
+    if (nb < 2)
+        return;
+    if (nb == 2) {
+        rp_emit_phase(e);
+        rp_emit_copy(e, rp_csr_vec_addr(p, last), run, rp_csr_prefix_len_of(p, block));
+        rp_emit_phase_end(e);
+        return;
+    }
+    for (int64_t j = 2; j < nb; j++) {
+        const int64_t end = j * block - 1; /* e_{j-1} */
+        const uint32_t next = j + 1 < nb ? p->temp + (uint32_t)((j % 2) * p->max_vec)
+                                         : rp_csr_vec_addr(p, last);
+        rp_emit_phase(e);
+        rp_emit_matvec(e, rp_csr_map(p, end, p->levels), run, next);
+        rp_emit_copy(e, rp_csr_vec_addr(p, end), run, rp_csr_prefix_len_of(p, (j - 1) * block));
+        rp_emit_phase_end(e);
+        run = next;
+    }
+}
+
+/* Down-sweep level d (rp_down_level): (a[l], a[r]) = (a[r], a[r] <> a[l]),
+ * r clamped to the spare slot. The left child's copy of a[r]'s vector comes
+ * first; the mat-vec then reads that copy, so a[r] can be overwritten. */
+static void rp_emit_down(const rp_csr_plan *p, rp_csr_emit *e, int d)
+{
+    const int64_t half = (int64_t)1 << d, step = half << 1;
+    rp_emit_phase(e);
+    for (int64_t l = half - 1; l < p->nslots; l += step) {
+        const int64_t r = rp_min64(l + half, p->nslots);
+        if (l == half - 1) /* a range starting at slot 0: its prefix is the identity */
+            rp_emit_copy(e, rp_csr_vec_addr(p, r), rp_csr_vec_addr(p, l), rp_csr_prefix_len_of(p, l + 1));
+        else
+            rp_emit_copy(e, rp_csr_vec_addr(p, l), rp_csr_vec_addr(p, r),
+                         rp_csr_prefix_len_of(p, l - half + 1));
+    }
+    rp_emit_phase_end(e);
+    rp_emit_phase(e);
+    for (int64_t l = step + half - 1; l < p->nslots; l += step)
+        rp_emit_matvec(e, rp_csr_map(p, l, p->levels), rp_csr_vec_addr(p, l),
+                       rp_csr_vec_addr(p, rp_min64(l + half, p->nslots)));
+    rp_emit_phase_end(e);
+}
+
+/* Addresses: shared = [1, shared leaves, shared products]; per sequence =
+ * [per-sequence leaves, a vector per slot, two spare vectors, per-sequence
+ * products]. Products of levels not run get none. */
+static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
+{
+    int64_t seq = 0, shared = 1;
+    p->max_vec = 1;
+    for (int64_t s = 1; s <= p->nslots; s++)
+        p->max_vec = rp_csr_prefix_len_of(p, s) > p->max_vec ? rp_csr_prefix_len_of(p, s) : p->max_vec;
+    for (int64_t i = 0; i < p->nmats; i++) {
+        rp_csr_mat *m = &p->mats[i];
+        if (i == p->n) { /* between the leaves and the products */
+            p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
+            seq += (p->nslots + 3) * p->max_vec;
+        }
+        if (m->level >= p->levels || seq > (int64_t)~RP_CSR_SHARED || shared > (int64_t)~RP_CSR_SHARED)
+            continue;
+        if (m->level >= 0)
+            m->shared = p->mats[m->a].shared && p->mats[m->b].shared;
+        if (m->shared)
+            m->addr = (uint32_t)shared | RP_CSR_SHARED, shared += m->nnz;
+        else
+            m->addr = (uint32_t)seq, seq += m->nnz;
+    }
+    if (p->nmats == p->n) {
+        p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
+        seq += (p->nslots + 3) * p->max_vec;
+    }
+    if (seq > (int64_t)~RP_CSR_SHARED || shared > (int64_t)~RP_CSR_SHARED)
+        return rp_set_error(err, RP_EINVAL,
+                            "csr plan: the scan needs more than the 2^31 floats a program addresses "
+                            "(per sequence or shared); plan fewer levels or set max_pairs");
+    p->program.seq_floats = seq, p->program.shared_floats = shared;
+    return RP_OK;
+}
+
+/* Compiles the schedule; the pair lists, now in the rows, are freed. */
+static int rp_csr_compile(rp_csr_plan *p, rp_error *err)
+{
+    rp_csr_emit *e = &p->code;
+    int rc = rp_csr_layout(p, err);
+    if (rc != RP_OK)
+        return rc;
+    e->leaf_addr = malloc((size_t)p->n * sizeof *e->leaf_addr);
+    e->g_addr = malloc((size_t)p->n * sizeof *e->g_addr);
+    e->term_ptr = calloc(1, sizeof *e->term_ptr);
+    e->phase_ptr = calloc(1, sizeof *e->phase_ptr);
+    e->cap_term_ptr = e->cap_phase_ptr = 1;
+    if (!e->leaf_addr || !e->g_addr || !e->term_ptr || !e->phase_ptr)
+        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+    for (int64_t i = 0; i < p->n; i++) { /* layer i: leaf n - 1 - i; g_i: slot n - i + 1 */
+        e->leaf_addr[i] = p->mats[p->n - 1 - i].addr;
+        e->g_addr[i] = rp_csr_vec_addr(p, p->n - i + 1);
+    }
+    for (int d = 0; d < p->levels; d++)
+        rp_emit_up(p, e, d);
+    rp_emit_middle(p, e);
+    for (int d = p->levels - 1; d >= 0; d--)
+        rp_emit_down(p, e, d);
+    if (e->failed)
+        return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory for the program");
+    for (int64_t i = p->n; i < p->nmats; i++) {
+        free(p->mats[i].pair_a), free(p->mats[i].pair_b);
+        p->mats[i].pair_a = p->mats[i].pair_b = NULL;
+    }
+    p->program = (rp_csr_program){p->n, e->nphases, e->nrows, e->nterms, e->phase_ptr, e->phase_shared,
+                                  e->dst, e->term_ptr, e->tx, e->ty, p->program.seq_floats,
+                                  p->program.shared_floats, e->leaf_addr, e->g_addr, p->vec0};
+    return RP_OK;
 }
 
 int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int64_t max_pairs,
@@ -884,10 +1196,9 @@ int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int6
     p = calloc(1, sizeof *p);
     if (p == NULL)
         return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
-    p->n = n, p->nslots = n + 1;
+    p->n = n, p->nslots = n + 1, p->machine = *m;
     p->mats = calloc((size_t)n, sizeof *p->mats);
-    p->vec_off = malloc((size_t)(n + 2) * sizeof *p->vec_off);
-    if (p->mats == NULL || p->vec_off == NULL) {
+    if (p->mats == NULL) {
         rp_csr_plan_free(p);
         return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
     }
@@ -898,32 +1209,28 @@ int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int6
             rp_csr_plan_free(p);
             return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
         }
-    rc = rp_csr_plan_products(p, levels, max_pairs, err);
+    rc = rp_csr_plan_products(p, levels, max_pairs, m);
+    if (rc == RP_OK)
+        rc = rp_csr_compile(p, err);
+    else
+        rp_set_error(err, rc, "csr plan: out of memory");
     if (rc != RP_OK) {
         rp_csr_plan_free(p);
         return rc;
     }
-    if (levels < 0) {
-        double best = rp_csr_cost(p, 0, 1, m, NULL);
-        for (int L = 1; L <= p->planned; L++) {
-            const double c = rp_csr_cost(p, L, 1, m, NULL);
-            if (c < best)
-                best = c, p->levels = L;
-        }
-    } else {
-        p->levels = levels < p->planned ? levels : p->planned;
-    }
-    rp_csr_layout(p);
     *out = p;
     return RP_OK;
 }
+
+const rp_csr_program *rp_csr_plan_program(const rp_csr_plan *p) { return &p->program; }
 
 void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
 {
     rp_scan_machine one = {1, 0, 0};
     memset(info, 0, sizeof *info);
     info->levels = p->levels;
-    info->work_floats = p->work_floats;
+    info->cost = rp_csr_cost(p, p->levels, 1, &p->machine, NULL);
+    info->seq_floats = p->program.seq_floats, info->shared_floats = p->program.shared_floats;
     rp_csr_cost(p, p->levels, 1, &one, &info->madds);
     rp_csr_cost(p, 0, 1, &one, &info->linear_madds);
     for (int64_t i = p->n; i < p->nmats; i++)
@@ -931,105 +1238,88 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
             info->products++;
             info->pairs += p->mats[i].pair_ptr[p->mats[i].nnz];
         }
+    info->phases = p->program.nphases, info->rows = p->program.nrows, info->terms = p->program.nterms;
 }
 
-/* ---- the numeric scan ---- */
+/* ---- running a program on the CPU ---- */
 
-typedef struct {
-    const rp_csr_plan *p;
-    const float *const *values; /* per layer */
-    float *work;                /* B x work_floats */
-} rp_csr_ctx;
-
-static const float *rp_csr_values(const rp_csr_ctx *x, int64_t id, int64_t b)
+/* acc[b] += x[b * sx] * y[b * sy] over the batch, sx and sy 0 (a shared
+ * operand) or 1: one loop per case, so each vectorises. */
+static void rp_csr_madd(int64_t B, float *restrict acc, const float *restrict x, int sx,
+                        const float *restrict y, int sy)
 {
-    const rp_csr_mat *m = &x->p->mats[id];
-    if (id < x->p->n) /* leaf id of slot id + 1 is layer n - 1 - id */
-        return x->values[x->p->n - 1 - id] + b * m->nnz;
-    return x->work + b * x->p->work_floats + m->val_off;
+    if (sx && sy)
+        for (int64_t b = 0; b < B; b++)
+            acc[b] += x[b] * y[b];
+    else if (sx)
+        for (int64_t b = 0; b < B; b++)
+            acc[b] += x[b] * y[0];
+    else if (sy)
+        for (int64_t b = 0; b < B; b++)
+            acc[b] += x[0] * y[b];
+    else
+        for (int64_t b = 0; b < B; b++)
+            acc[b] += x[0] * y[0];
 }
 
-static float *rp_csr_vec(void *ctx, int64_t s, int64_t b)
+/* Rows [lo, hi) over B sequences (B = 1 and seq = shared for shared rows):
+ * each row's sums for the whole batch in acc, then stored. */
+static void rp_csr_rows(const rp_csr_program *g, int64_t lo, int64_t hi, int64_t B, float *seq,
+                        float *shared, float *acc)
 {
-    const rp_csr_ctx *x = ctx;
-    return x->work + b * x->p->work_floats + x->p->vec_off[s];
-}
-
-static int64_t rp_csr_prefix_len(void *ctx, int64_t s)
-{
-    return rp_csr_prefix_len_of(((const rp_csr_ctx *)ctx)->p, s);
-}
-
-/* out = M in for CSR M (out aliases nothing). */
-static void rp_csr_mv(const rp_csr_mat *M, const float *restrict val, const float *restrict in,
-                      float *restrict out)
-{
-    for (int64_t i = 0; i < M->rows; i++) {
-        float acc = 0.0f;
-        for (int64_t q = M->indptr[i]; q < M->indptr[i + 1]; q++)
-            acc += val[q] * in[M->indices[q]];
-        out[i] = acc;
-    }
-}
-
-static void rp_csr_apply(void *ctx, int64_t s, int64_t b, const float *in, float *out, float *work)
-{
-    const rp_csr_ctx *x = ctx;
-    const int64_t id = rp_csr_map_at(x->p, s, x->p->levels);
-    (void)work;
-    rp_csr_mv(&x->p->mats[id], rp_csr_values(x, id, b), in, out);
-}
-
-static void rp_csr_combine(void *ctx, int64_t l, int64_t r, int spine, int64_t b, float *work)
-{
-    const rp_csr_ctx *x = ctx;
-    const rp_csr_plan *p = x->p;
-    int d = 0;
-    while (((int64_t)1 << d) < r - l)
-        d++;
-    if (spine) { /* a vector: a[r]'s map applied to a[l]'s vector */
-        const int64_t id = rp_csr_map_at(p, r, d);
-        rp_csr_mv(&p->mats[id], rp_csr_values(x, id, b), rp_csr_vec(ctx, l, b), work);
-        rp_copy(rp_csr_vec(ctx, r, b), work, p->mats[id].rows);
+    if (B == 1) { /* one sum per row: the buffer picked by the address's top bit */
+        float *const base[2] = {seq, shared};
+        for (int64_t r = lo; r < hi; r++) {
+            float sum = 0.0f;
+            for (int64_t t = g->term_ptr[r]; t < g->term_ptr[r + 1]; t++) {
+                const uint32_t x = g->tx[t], y = g->ty[t];
+                sum += base[x >> 31][x & ~RP_CSR_SHARED] * base[y >> 31][y & ~RP_CSR_SHARED];
+            }
+            base[g->dst[r] >> 31][g->dst[r] & ~RP_CSR_SHARED] = sum;
+        }
         return;
     }
-    const int64_t id = p->prod[r * p->stride + d];
-    const rp_csr_mat *C = &p->mats[id];
-    const float *restrict va = rp_csr_values(x, C->a, b), *restrict vb = rp_csr_values(x, C->b, b);
-    float *restrict vc = x->work + b * p->work_floats + C->val_off;
-    for (int64_t q = 0; q < C->nnz; q++) {
-        float acc = 0.0f;
-        for (int64_t t = C->pair_ptr[q]; t < C->pair_ptr[q + 1]; t++)
-            acc += va[C->pair_a[t]] * vb[C->pair_b[t]];
-        vc[q] = acc;
+    for (int64_t r = lo; r < hi; r++) {
+        for (int64_t b = 0; b < B; b++)
+            acc[b] = 0.0f;
+        for (int64_t t = g->term_ptr[r]; t < g->term_ptr[r + 1]; t++) {
+            const uint32_t x = g->tx[t], y = g->ty[t];
+            const int sx = !(x & RP_CSR_SHARED), sy = !(y & RP_CSR_SHARED);
+            rp_csr_madd(B, acc, sx ? seq + (int64_t)x * B : shared + (x & ~RP_CSR_SHARED), sx,
+                        sy ? seq + (int64_t)y * B : shared + (y & ~RP_CSR_SHARED), sy);
+        }
+        float *dst = g->dst[r] & RP_CSR_SHARED ? shared + (g->dst[r] & ~RP_CSR_SHARED)
+                                               : seq + (int64_t)g->dst[r] * B;
+        memcpy(dst, acc, (size_t)B * sizeof *acc);
     }
 }
 
-int rp_csr_scan_cpu(const rp_csr_plan *p, int64_t batch, const float *const *values,
-                    const float *g_out, float *const *g, float *work, int num_threads,
-                    rp_error *err)
+int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *shared,
+                   int num_threads, rp_error *err)
 {
-    if (p == NULL || values == NULL || g_out == NULL || g == NULL || (work == NULL && batch > 0))
-        return rp_set_error(err, RP_EINVAL, "csr scan: NULL plan, values, g_out, g or work");
+    if (g == NULL || (batch > 0 && (seq == NULL || shared == NULL)))
+        return rp_set_error(err, RP_EINVAL, "csr run: NULL program, seq or shared");
     if (batch < 0)
-        return rp_set_error(err, RP_EINVAL, "csr scan: batch must be >= 0");
-    for (int64_t i = 0; i < p->n; i++)
-        if (g[i] == NULL || (values[i] == NULL && p->mats[p->n - 1 - i].nnz > 0))
-            return rp_set_error(err, RP_EINVAL, "csr scan: NULL values or g of layer %lld", (long long)i);
+        return rp_set_error(err, RP_EINVAL, "csr run: batch must be >= 0");
     if (batch == 0)
         return RP_OK;
-    rp_csr_ctx x = {p, values, work};
-    rp_scan_sched s = {p->nslots, batch, p->levels, p->max_vec, p->max_vec, &x,
-                       rp_csr_combine, rp_csr_apply, rp_csr_vec, rp_csr_prefix_len};
-    const int64_t out_len = p->mats[0].cols;
-    for (int64_t b = 0; b < batch; b++)
-        memcpy(rp_csr_vec(&x, 0, b), g_out + b * out_len, (size_t)out_len * sizeof *g_out);
-    if (rp_scan_run(&s, num_threads) != 0)
-        return rp_set_error(err, RP_ERUNTIME, "csr scan: out of memory for the per-thread scratch");
-    for (int64_t i = 0; i < p->n; i++) { /* g_i is the prefix of slot n - i + 1 */
-        const int64_t len = rp_csr_prefix_len_of(p, p->n - i + 1);
-        for (int64_t b = 0; b < batch; b++)
-            memcpy(g[i] + b * len, rp_csr_vec(&x, p->n - i + 1, b), (size_t)len * sizeof *g[i]);
+    const int threads = rp_threads(num_threads);
+    float *acc = malloc((size_t)(threads * batch) * sizeof *acc);
+    if (acc == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "csr run: out of memory for %lld sums", (long long)batch);
+    for (int64_t ph = 0; ph < g->nphases; ph++) {
+        const int64_t lo = g->phase_ptr[ph], mid = g->phase_shared[ph], hi = g->phase_ptr[ph + 1];
+        const int64_t chunk = 64, tasks = (hi - lo + chunk - 1) / chunk;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (tasks > 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t a = lo + task * chunk, z = rp_min64(a + chunk, hi);
+            float *mine = acc + rp_thread_num() * batch;
+            if (a < mid)
+                rp_csr_rows(g, a, rp_min64(z, mid), batch, seq, shared, mine);
+            if (z > mid)
+                rp_csr_rows(g, a > mid ? a : mid, z, 1, shared, shared, mine);
+        }
     }
+    free(acc);
     return RP_OK;
 }

@@ -706,6 +706,52 @@ def test_max_pairs_cap_drops_a_whole_level():
         assert rel_err(a, b) <= 1e-5
 
 
+def test_chain_shared_products_run_once_for_the_batch():
+    """Conv2d and Linear values are one set for the batch (no per-sample
+    copy), and a product of two of them lives in the shared buffer, computed
+    once; gradients still equal autograd's, for one sample and several."""
+    torch.manual_seed(6)
+    layers = [nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(),
+              nn.Conv2d(3, 2, 3, stride=2), nn.Conv2d(2, 2, 1), nn.Flatten(), nn.Linear(8, 6), nn.Linear(6, 3)]
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch")
+    shared_leaves = sum(leaf.indices.shape[0] for leaf in plan.leaves if leaf.shared)
+    assert plan.info["shared_floats"] > 1 + shared_leaves  # products of two shared leaves
+    for B in (1, 5):
+        x, g = torch.randn(B, 2, 6, 6), torch.randn(B, 3)
+        for a, b in zip(bppsa.chain_backward(layers, x, g, plan=plan),
+                        autograd_layer_input_grads(layers, x, g)):
+            assert rel_err(a, b) <= 1e-5, B
+
+
+def test_chain_auto_levels_are_the_cheapest():
+    """levels="auto" stops planning at the first level that cannot win; its
+    choice must still be the cheapest of every levels the cost model sees."""
+    layers = small_cnn()
+    auto = bppsa.ChainPlan(layers, (2, 6, 6))
+    costs = [bppsa.ChainPlan(layers, (2, 6, 6), levels=L).info["cost"]
+             for L in range(bppsa.max_levels(len(auto.leaves) + 1) + 1)]
+    assert auto.info["cost"] == min(costs)
+    assert auto.info["levels"] == costs.index(min(costs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", ["linear", 1, "blelloch"])
+def test_cuda_chain_equals_cpu_bitwise(levels):
+    """The GPU runs the plan's program row for row in the CPU's order of
+    float32 operations: the same bits."""
+    torch.manual_seed(7)
+    layers = small_cnn()
+    layers[4] = nn.ReLU()  # Tanh's derivative may round differently on the GPU
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels)
+    x, g = torch.randn(4, 2, 6, 6), torch.randn(4, 4)
+    cpu = bppsa.chain_backward(layers, x, g, plan=plan)
+    for layer in layers:
+        layer.cuda()
+    gpu = bppsa.chain_backward(layers, x.cuda(), g.cuda(), plan=plan)
+    for a, b in zip(gpu, cpu):
+        assert a.is_cuda and torch.equal(a.cpu(), b)
+
+
 def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))
@@ -716,3 +762,5 @@ def test_chain_rejects_bad_layers_and_shapes():
     plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))
     with pytest.raises(ValueError, match="grad_output: expected 2 elements"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 3))
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected 2 samples of 4 elements"):
+        plan.backward([torch.randn(1, 4)], torch.randn(2, 2))

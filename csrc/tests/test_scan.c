@@ -248,6 +248,73 @@ static test_csr random_pattern(int64_t rows, int64_t cols, float density)
     return m;
 }
 
+/* A shared leaf has sequence 0's values in every sequence. */
+static void share_values(const rp_csr_pattern *leaf, float *values, int64_t B)
+{
+    for (int64_t b = 1; leaf->shared && b < B; b++)
+        memcpy(values + b * leaf->nnz, values, (size_t)leaf->nnz * sizeof *values);
+}
+
+/* Runs a plan's program on the CPU from per-layer values (B, nnz) and g_out
+ * (B, out): the layout of reprop.h, batch-minor, shared leaves from
+ * sequence 0. g[i] (B, in_i) receives the results. */
+static int csr_run(const rp_csr_plan *plan, int64_t n, int64_t B, const test_csr *pat,
+                   float *const *values, const float *g_out, int64_t out_len, const int64_t *size,
+                   float *const *g, int threads, rp_error *err)
+{
+    const rp_csr_program *prog = rp_csr_plan_program(plan);
+    float *seq = malloc((size_t)(B * prog->seq_floats) * sizeof *seq);
+    float *shared = malloc((size_t)prog->shared_floats * sizeof *shared);
+    for (int64_t o = 0; o < B * prog->seq_floats; o++)
+        seq[o] = NAN;
+    for (int64_t o = 0; o < prog->shared_floats; o++)
+        shared[o] = NAN;
+    shared[0] = 1.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const uint32_t a = prog->leaf_addr[i];
+        for (int64_t q = 0; q < pat[i].nnz; q++) {
+            if (a & RP_CSR_SHARED)
+                shared[(a & ~RP_CSR_SHARED) + q] = values[i][q];
+            else
+                for (int64_t b = 0; b < B; b++)
+                    seq[(a + q) * B + b] = values[i][b * pat[i].nnz + q];
+        }
+    }
+    for (int64_t j = 0; j < out_len; j++)
+        for (int64_t b = 0; b < B; b++)
+            seq[(prog->g_out_addr + j) * B + b] = g_out[b * out_len + j];
+    const int rc = rp_csr_run_cpu(prog, B, seq, shared, threads, err);
+    for (int64_t i = 0; rc == RP_OK && i < n; i++)
+        for (int64_t r = 0; r < size[i]; r++)
+            for (int64_t b = 0; b < B; b++)
+                g[i][b * size[i] + r] = seq[(prog->g_addr[i] + r) * B + b];
+    free(seq), free(shared);
+    return rc;
+}
+
+/* The pruned search of levels="auto" finds the exhaustive search's choice. */
+static void check_auto_levels(int64_t n, const rp_csr_pattern *leaves, const rp_scan_machine *m)
+{
+    rp_error err = {{0}};
+    rp_csr_plan_info info;
+    rp_csr_plan *plan = NULL;
+    double best_cost = INFINITY;
+    int best = 0, chosen;
+    for (int L = 0; L <= rp_scan_max_levels(n + 1); L++) {
+        CHECK(rp_csr_plan_create(n, leaves, L, 0, m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+        rp_csr_plan_describe(plan, &info);
+        if (info.cost < best_cost)
+            best_cost = info.cost, best = L;
+        rp_csr_plan_free(plan);
+    }
+    CHECK(rp_csr_plan_create(n, leaves, -1, 0, m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    chosen = info.levels;
+    rp_csr_plan_free(plan);
+    CHECK(chosen == best, "csr n=%lld: auto chose %d levels, the cheapest is %d (machine %g %g %g)",
+          (long long)n, chosen, best, m->workers, m->level_cost, m->step_cost);
+}
+
 static void test_csr_chain(int64_t n, int64_t B, int threads)
 {
     test_csr *pat = malloc((size_t)n * sizeof *pat);
@@ -260,11 +327,16 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
         size[i] = 1 + (int64_t)((rnd() + 1.0f) * 4.0f); /* layer sizes 1..8 */
     for (int64_t i = 0; i < n; i++) {
         pat[i] = random_pattern(size[i], size[i + 1], 0.4f);
-        leaves[i] = (rp_csr_pattern){pat[i].rows, pat[i].cols, pat[i].nnz, pat[i].indptr, pat[i].indices};
+        leaves[i] = (rp_csr_pattern){pat[i].rows, pat[i].cols, pat[i].nnz, pat[i].indptr, pat[i].indices,
+                                     rnd() > 0.0f};
         values[i] = rnd_array(B * pat[i].nnz, 0.9f);
+        share_values(&leaves[i], values[i], B);
         g[i] = malloc((size_t)(B * size[i]) * sizeof *g[i]);
     }
     float *g_out = rnd_array(B * size[n], 1.0f);
+    const rp_scan_machine machines[3] = {{4, 100, 10}, {64, 0, 200}, {16, 5, 40}};
+    for (int k = 0; k < 3; k++)
+        check_auto_levels(n, leaves, &machines[k]);
     for (int round = 0; round < 2; round++) {
         /* reference: g_i = J_i^T g_{i+1} in double */
         double *want = malloc((size_t)(B * 8 * (n + 1)) * sizeof *want);
@@ -292,8 +364,7 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
                 continue;
             rp_csr_plan_describe(plan, &info);
             CHECK(L < 0 || info.levels == L, "levels %d != %d", info.levels, L);
-            float *work = malloc((size_t)(B * info.work_floats) * sizeof *work);
-            rc = rp_csr_scan_cpu(plan, B, (const float *const *)values, g_out, g, work, threads, &err);
+            rc = csr_run(plan, n, B, pat, values, g_out, size[n], size, g, threads, &err);
             CHECK(rc == RP_OK, "scan: %s", err.msg);
             double worst = 0.0;
             for (int64_t b = 0; b < B; b++)
@@ -301,14 +372,15 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
                     for (int64_t r = 0; r < size[i]; r++)
                         worst = fmax(worst, fabs(g[i][b * size[i] + r] - want[(b * (n + 1) + i) * 8 + r]));
             CHECK(worst <= 1e-5, "csr n=%lld L=%d round %d: error %g", (long long)n, info.levels, round, worst);
-            free(work);
             rp_csr_plan_free(plan);
         }
         free(want);
         /* new values, same patterns: plans are rebuilt above but must not care */
-        for (int64_t i = 0; i < n; i++)
+        for (int64_t i = 0; i < n; i++) {
             for (int64_t q = 0; q < B * pat[i].nnz; q++)
                 values[i][q] = 0.9f * rnd();
+            share_values(&leaves[i], values[i], B);
+        }
     }
     for (int64_t i = 0; i < n; i++)
         free(pat[i].indptr), free(pat[i].indices), free(values[i]), free(g[i]);
@@ -318,7 +390,7 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
 static void test_csr_errors(void)
 {
     int32_t ptr[3] = {0, 1, 2}, idx[2] = {1, 0}, bad[2] = {0, 5};
-    rp_csr_pattern a = {2, 2, 2, ptr, idx}, b = {3, 2, 2, ptr, idx}, c = {2, 2, 2, ptr, bad};
+    rp_csr_pattern a = {2, 2, 2, ptr, idx, 0}, b = {3, 2, 2, ptr, idx, 1}, c = {2, 2, 2, ptr, bad, 0};
     rp_csr_pattern chain[2] = {a, b};
     rp_scan_machine m = {1, 0, 0};
     rp_csr_plan *plan = NULL;
@@ -328,6 +400,14 @@ static void test_csr_errors(void)
     CHECK(rp_csr_plan_create(1, &c, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "row 1"),
           "column out of range: %s", err.msg);
     CHECK(plan == NULL, "no plan on error");
+    CHECK(rp_csr_plan_create(1, &a, -1, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    float seq[64], shared[64];
+    CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), -1, seq, shared, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "batch"), "negative batch: %s", err.msg);
+    CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), 1, NULL, shared, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "NULL"), "NULL seq: %s", err.msg);
+    CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), 0, NULL, NULL, 1, &err) == RP_OK, "batch 0: %s", err.msg);
+    rp_csr_plan_free(plan);
 }
 
 int main(void)

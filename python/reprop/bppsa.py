@@ -537,6 +537,8 @@ def bitstream(num_samples: int, seq_len: int, *, generator: torch.Generator | No
 # ---------------------------------------------------------------------------
 
 # Element-wise layers whose transposed Jacobian is diag(f'(x)).
+_SHARED = 0x80000000  # RP_CSR_SHARED: an address in the shared buffer (csrc/reprop.h)
+
 _ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish,
                 nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
                 nn.LogSigmoid, nn.Softsign, nn.Tanhshrink)
@@ -614,6 +616,7 @@ class _Leaf:
             self.out_shape = in_shape
             self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
         self.rows, self.cols = size, math.prod(self.out_shape)
+        self.shared = isinstance(layer, (nn.Conv2d, nn.Linear))  # weights: one set for the batch
         self.zero_weights = None  # the pruning mask the pattern assumes
         if pruned and hasattr(self, "wmap"):
             self._drop_zero_weights()
@@ -646,14 +649,14 @@ class _Leaf:
         return self._maps[key]
 
     def values(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, nnz) float32 values of J^T for the batch of inputs x."""
+        """float32 values of J^T for the batch of inputs x: (nnz,) for a
+        shared leaf (the weights), else (B, nnz)."""
         layer, B = self.layer, x.shape[0]
         with torch.no_grad():
-            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            if self.shared:
                 if self.zero_weights is not None:
                     self._check_still_pruned(layer.weight)
-                vals = layer.weight.detach().reshape(-1).float()[self._map("wmap", x.device)]
-                return vals.expand(B, -1).contiguous()
+                return layer.weight.detach().reshape(-1).float()[self._map("wmap", x.device)]
             if isinstance(layer, nn.MaxPool2d):
                 _, idx = torch.nn.functional.max_pool2d(
                     x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
@@ -699,9 +702,11 @@ class ChainPlan:
             shape = leaf.out_shape
         self.input_shape, self.output_shape = tuple(input_shape), shape
         want = {"auto": -1, "linear": 0, "blelloch": 64}.get(levels, levels)
-        self._plan = _C.csr_plan([(l.rows, l.cols, l.indptr, l.indices) for l in self.leaves], want,
-                                 max_pairs, *_machine(torch.device("cpu")))
+        self._plan = _C.csr_plan([(l.rows, l.cols, l.indptr, l.indices, l.shared) for l in self.leaves],
+                                 want, max_pairs, *_machine(torch.device("cpu")))
         self.info = _C.csr_plan_info(self._plan)
+        self._program = _C.csr_program(self._plan)
+        self._device_rows = {}
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -712,25 +717,56 @@ class ChainPlan:
             x = layer(x)
         return inputs, x
 
+    def _rows_on(self, device: torch.device) -> tuple[int, int, int, int]:
+        """Pointers to the program's rows copied to `device` once (CUDA)."""
+        if device not in self._device_rows:  # uint32 addresses travel as int32 bits
+            arrays = [self._program[k] for k in ("dst", "term_ptr", "tx", "ty")]
+            self._device_rows[device] = [torch.from_numpy(a.view(np.int32) if a.dtype == np.uint32 else a)
+                                         .to(device) for a in arrays]
+        return tuple(t.data_ptr() for t in self._device_rows[device])
+
+    def _run(self, B: int, seq: torch.Tensor, shared: torch.Tensor) -> None:
+        device = seq.device
+        if device.type == "cuda":
+            if _cuda is None:
+                raise RuntimeError("grad_output: CUDA tensors, but reprop was built without its CUDA kernels")
+            with torch.cuda.device(device):
+                _cuda.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), *self._rows_on(device),
+                              torch.cuda.current_stream(device).cuda_stream)
+        else:
+            _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
+
     def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() and the gradient of the chain's output."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
-        B = grad_output.shape[0]
-        if grad_output.device.type != "cpu":
-            raise ValueError("grad_output: the sparse chain scan runs on the CPU; got "
-                             f"{grad_output.device} (the CUDA path is not built yet)")
+        B, device = grad_output.shape[0], grad_output.device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"grad_output: expected a CPU or CUDA tensor, got device {device}")
         if grad_output[0].numel() != self.leaves[-1].cols:
             raise ValueError(f"grad_output: expected {self.leaves[-1].cols} elements per sample, "
                              f"got {grad_output[0].numel()}")
-        values = [leaf.values(x) for leaf, x in zip(self.leaves, inputs)]
-        g_out = grad_output.detach().float().reshape(B, -1).contiguous()
-        grads = [torch.empty(B, leaf.rows) for leaf in self.leaves]
-        work = torch.empty(B * self.info["work_floats"])
-        _C.csr_scan(self._plan, B, [v.data_ptr() for v in values], g_out.data_ptr(),
-                    [g.data_ptr() for g in grads], work.data_ptr(), torch.get_num_threads())
-        return [g.reshape(x.shape).to(x.dtype) for g, x in zip(grads, inputs)]
+        for i, (leaf, x) in enumerate(zip(self.leaves, inputs)):
+            if x.device != device or x.shape[0] != B or x[0].numel() != leaf.rows:
+                raise ValueError(f"inputs[{i}]: expected {B} samples of {leaf.rows} elements on {device}, "
+                                 f"got shape {tuple(x.shape)} on {x.device}")
+        prog = self._program
+        # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
+        seq = torch.empty(self.info["seq_floats"], B, device=device)
+        shared = torch.empty(self.info["shared_floats"], device=device)
+        shared[0] = 1.0
+        for leaf, x, addr in zip(self.leaves, inputs, prog["leaf_addr"].tolist()):
+            vals = leaf.values(x)
+            if addr & _SHARED:
+                shared[addr & ~_SHARED:(addr & ~_SHARED) + vals.numel()].copy_(vals)
+            else:
+                seq[addr:addr + vals.shape[1]].copy_(vals.T)
+        out = prog["g_out_addr"]
+        seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
+        self._run(B, seq, shared)
+        return [seq[a:a + leaf.rows].T.reshape(x.shape).to(x.dtype)
+                for leaf, x, a in zip(self.leaves, inputs, prog["g_addr"].tolist())]
 
 
 def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: torch.Tensor | None = None,
@@ -754,6 +790,6 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
     _check_chain_layer(layer, 0)
     leaf = _Leaf(layer, tuple(x.shape))
-    vals = leaf.values(x.unsqueeze(0))[0]
+    vals = leaf.values(x.unsqueeze(0)).reshape(-1)
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
