@@ -568,7 +568,8 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], &levels) < 0 ||
         rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
-    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared)");
+    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared, "
+                                   "value_map, values)");
     if (seq == NULL)
         return NULL;
     n = PySequence_Fast_GET_SIZE(seq);
@@ -578,20 +579,24 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return PyErr_NoMemory();
     }
     for (int64_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices;
-        long long rows, cols;
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices, *value_map;
+        long long rows, cols, values;
         int shared;
-        if (!PyArg_ParseTuple(item, "LLOOp", &rows, &cols, &indptr, &indices, &shared) || rows < 1 ||
-            rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
+        if (!PyArg_ParseTuple(item, "LLOOpOL", &rows, &cols, &indptr, &indices, &shared, &value_map,
+                              &values) ||
+            rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
             rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
-                            "indices", &leaves[i].indices) < 0) {
+                            "indices", &leaves[i].indices) < 0 ||
+            (value_map != Py_None &&
+             rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), "value_map",
+                             &leaves[i].value_map) < 0)) {
             if (!PyErr_Occurred())
                 PyErr_SetString(PyExc_ValueError, "leaves: rows must be >= 1");
             PyMem_Free(leaves);
             Py_DECREF(seq);
             return NULL;
         }
-        leaves[i].rows = rows, leaves[i].cols = cols, leaves[i].shared = shared;
+        leaves[i].rows = rows, leaves[i].cols = cols, leaves[i].shared = shared, leaves[i].values = values;
         leaves[i].nnz = PyArray_DIM((PyArrayObject *)indices, 0);
     }
     Py_BEGIN_ALLOW_THREADS

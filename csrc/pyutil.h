@@ -113,7 +113,8 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
  *       kind "conv2d"/"maxpool2d" with the 15-tuple of rp_conv2d_geom,
  *       "linear" with (in, out), "diagonal" with (size, 0)
  *   csr_plan(leaves, levels, max_pairs, workers, level_cost, step_cost) -> capsule;
- *       leaves: (rows, cols, indptr, indices, shared) per layer, int32 arrays
+ *       leaves: (rows, cols, indptr, indices, shared, value_map or None, values) per
+ *       layer, int32 arrays
  *   csr_plan_info(plan) -> dict of rp_csr_plan_info
  *   csr_program(plan) -> dict of NumPy copies of its rp_csr_program arrays */
 PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

@@ -339,9 +339,13 @@ int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int level
 
 typedef struct {
     int64_t rows, cols, nnz;
-    const int32_t *indptr;  /* rows + 1 */
-    const int32_t *indices; /* nnz column indices, ascending within each row */
-    int shared;             /* values the same for every sequence */
+    const int32_t *indptr;    /* rows + 1 */
+    const int32_t *indices;   /* nnz column indices, ascending within each row */
+    int shared;               /* values the same for every sequence */
+    const int32_t *value_map; /* NULL: the caller gives the nnz values; else it
+                               * gives `values` raw floats (a layer's weights)
+                               * and value q is raw[value_map[q]], never gathered */
+    int64_t values;
 } rp_csr_pattern;
 
 typedef struct rp_csr_plan rp_csr_plan;
@@ -382,7 +386,7 @@ typedef struct {
     const int64_t *term_ptr;     /* nrows + 1 */
     const uint32_t *tx, *ty;     /* nterms */
     int64_t seq_floats, shared_floats;
-    const uint32_t *leaf_addr;   /* n: where layer i's values go (shared or seq) */
+    const uint32_t *leaf_addr;   /* n: where layer i's values (or raw values) go */
     const uint32_t *g_addr;      /* n: where g_i (in_i floats) comes out, in seq */
     uint32_t g_out_addr;         /* where g_n (out_{n-1} floats) goes, in seq */
 } rp_csr_program;

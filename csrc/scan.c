@@ -608,6 +608,8 @@ typedef struct {
     int level;             /* products: the up-sweep level; leaves: -1 */
     int shared;            /* values the same for every sequence */
     int64_t a, b;          /* products: operand ids, C = A B */
+    int32_t *vmap;         /* leaves: value q at raw offset vmap[q], or NULL */
+    int64_t nvalues;       /* the floats its values take: nnz, or the raw values */
     int64_t *pair_ptr;     /* nnz + 1 */
     int32_t *pair_a, *pair_b;
     uint32_t addr;         /* where its values are (rp_csr_program addresses) */
@@ -638,7 +640,7 @@ struct rp_csr_plan {
 
 static void rp_csr_mat_free(rp_csr_mat *m)
 {
-    free(m->indptr), free(m->indices), free(m->pair_ptr), free(m->pair_a), free(m->pair_b);
+    free(m->indptr), free(m->indices), free(m->pair_ptr), free(m->pair_a), free(m->pair_b), free(m->vmap);
 }
 
 static void rp_csr_emit_free(rp_csr_emit *e)
@@ -806,7 +808,14 @@ static int rp_csr_copy_leaf(const rp_csr_pattern *src, rp_csr_mat *dst)
 {
     memset(dst, 0, sizeof *dst);
     dst->rows = src->rows, dst->cols = src->cols, dst->nnz = src->nnz, dst->level = -1;
-    dst->shared = src->shared != 0;
+    dst->shared = src->shared != 0, dst->nvalues = src->value_map ? src->values : src->nnz;
+    if (src->value_map != NULL) {
+        dst->vmap = malloc((size_t)(src->nnz > 0 ? src->nnz : 1) * sizeof *dst->vmap);
+        if (dst->vmap == NULL)
+            return -1;
+        if (src->nnz > 0)
+            memcpy(dst->vmap, src->value_map, (size_t)src->nnz * sizeof *dst->vmap);
+    }
     dst->indptr = malloc((size_t)(src->rows + 1) * sizeof *dst->indptr);
     dst->indices = malloc((size_t)(src->nnz > 0 ? src->nnz : 1) * sizeof *dst->indices);
     if (!dst->indptr || !dst->indices)
@@ -831,6 +840,11 @@ static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error
                                 "csr plan: layer %lld has %lld outputs but layer %lld has %lld inputs",
                                 (long long)i, (long long)m->cols, (long long)i + 1,
                                 (long long)leaves[i + 1].rows);
+        for (int64_t q = 0; m->value_map != NULL && q < m->nnz; q++)
+            if (m->value_map[q] < 0 || m->value_map[q] >= m->values)
+                return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: value_map[%lld] = %d is "
+                                    "outside its %lld values", (long long)i, (long long)q,
+                                    (int)m->value_map[q], (long long)m->values);
         if (m->indptr[0] != 0 || m->indptr[m->rows] != m->nnz)
             return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz",
                                 (long long)i);
@@ -1006,12 +1020,18 @@ static void rp_emit_copy(rp_csr_emit *e, uint32_t dst, uint32_t src, int64_t len
     }
 }
 
+/* The address of M's value q. */
+static uint32_t rp_csr_val(const rp_csr_mat *M, int64_t q)
+{
+    return M->addr + (uint32_t)(M->vmap != NULL ? M->vmap[q] : q);
+}
+
 /* out = M in, M's rows in CSR order. */
 static void rp_emit_matvec(rp_csr_emit *e, const rp_csr_mat *M, uint32_t in, uint32_t out)
 {
     for (int64_t i = 0; i < M->rows; i++) {
         for (int64_t q = M->indptr[i]; q < M->indptr[i + 1]; q++)
-            rp_emit_term(e, M->addr + (uint32_t)q, in + (uint32_t)M->indices[q]);
+            rp_emit_term(e, rp_csr_val(M, q), in + (uint32_t)M->indices[q]);
         rp_emit_row(e, out + (uint32_t)i);
     }
 }
@@ -1021,7 +1041,7 @@ static void rp_emit_product(rp_csr_emit *e, const rp_csr_plan *p, const rp_csr_m
     const rp_csr_mat *A = &p->mats[C->a], *B = &p->mats[C->b];
     for (int64_t q = 0; q < C->nnz; q++) {
         for (int64_t t = C->pair_ptr[q]; t < C->pair_ptr[q + 1]; t++)
-            rp_emit_term(e, A->addr + (uint32_t)C->pair_a[t], B->addr + (uint32_t)C->pair_b[t]);
+            rp_emit_term(e, rp_csr_val(A, C->pair_a[t]), rp_csr_val(B, C->pair_b[t]));
         rp_emit_row(e, C->addr + (uint32_t)q);
     }
 }
@@ -1131,10 +1151,12 @@ static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
             continue;
         if (m->level >= 0)
             m->shared = p->mats[m->a].shared && p->mats[m->b].shared;
+        if (m->level >= 0)
+            m->nvalues = m->nnz;
         if (m->shared)
-            m->addr = (uint32_t)shared | RP_CSR_SHARED, shared += m->nnz;
+            m->addr = (uint32_t)shared | RP_CSR_SHARED, shared += m->nvalues;
         else
-            m->addr = (uint32_t)seq, seq += m->nnz;
+            m->addr = (uint32_t)seq, seq += m->nvalues;
     }
     if (p->nmats == p->n) {
         p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
@@ -1243,27 +1265,48 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
 
 /* ---- running a program on the CPU ---- */
 
-/* acc[b] += x[b * sx] * y[b * sy] over the batch, sx and sy 0 (a shared
- * operand) or 1: one loop per case, so each vectorises. */
-static void rp_csr_madd(int64_t B, float *restrict acc, const float *restrict x, int sx,
-                        const float *restrict y, int sy)
+/* One row's sums for the batch: acc[b] = sum over its terms of x * y. A
+ * row's terms all read the same pair of buffers (a mat-vec: the map's values
+ * and a vector; a product: its operands'; a copy: a vector and the 1), so
+ * the case is read off its first term and each loop vectorises over b. */
+static void rp_csr_row_batch(const rp_csr_program *g, int64_t r, int64_t B, const float *seq,
+                             const float *shared, float *restrict acc)
 {
-    if (sx && sy)
+    const int64_t t0 = g->term_ptr[r], t1 = g->term_ptr[r + 1];
+    const uint32_t *restrict tx = g->tx, *restrict ty = g->ty, low = ~RP_CSR_SHARED;
+    for (int64_t b = 0; b < B; b++)
+        acc[b] = 0.0f;
+    if (t0 == t1)
+        return;
+    const int shared_x = (tx[t0] & RP_CSR_SHARED) != 0, shared_y = (ty[t0] & RP_CSR_SHARED) != 0;
+    if (!shared_x && !shared_y) {
+        for (int64_t t = t0; t < t1; t++) {
+            const float *restrict x = seq + (int64_t)tx[t] * B, *restrict y = seq + (int64_t)ty[t] * B;
+            for (int64_t b = 0; b < B; b++)
+                acc[b] += x[b] * y[b];
+        }
+    } else if (shared_x != shared_y) { /* one operand the same for every sequence */
+        const uint32_t *restrict one = shared_x ? tx : ty, *restrict per = shared_x ? ty : tx;
+        for (int64_t t = t0; t < t1; t++) {
+            const float s = shared[one[t] & low], *restrict v = seq + (int64_t)per[t] * B;
+            if (shared_x)
+                for (int64_t b = 0; b < B; b++)
+                    acc[b] += s * v[b];
+            else
+                for (int64_t b = 0; b < B; b++)
+                    acc[b] += v[b] * s;
+        }
+    } else { /* only a shared row reads two shared operands; not reached with B > 1 */
+        float sum = 0.0f;
+        for (int64_t t = t0; t < t1; t++)
+            sum += shared[tx[t] & low] * shared[ty[t] & low];
         for (int64_t b = 0; b < B; b++)
-            acc[b] += x[b] * y[b];
-    else if (sx)
-        for (int64_t b = 0; b < B; b++)
-            acc[b] += x[b] * y[0];
-    else if (sy)
-        for (int64_t b = 0; b < B; b++)
-            acc[b] += x[0] * y[b];
-    else
-        for (int64_t b = 0; b < B; b++)
-            acc[b] += x[0] * y[0];
+            acc[b] = sum;
+    }
 }
 
-/* Rows [lo, hi) over B sequences (B = 1 and seq = shared for shared rows):
- * each row's sums for the whole batch in acc, then stored. */
+/* Rows [lo, hi) over B sequences (B = 1 and seq = shared for shared rows),
+ * each stored once its sums are done. */
 static void rp_csr_rows(const rp_csr_program *g, int64_t lo, int64_t hi, int64_t B, float *seq,
                         float *shared, float *acc)
 {
@@ -1280,17 +1323,8 @@ static void rp_csr_rows(const rp_csr_program *g, int64_t lo, int64_t hi, int64_t
         return;
     }
     for (int64_t r = lo; r < hi; r++) {
-        for (int64_t b = 0; b < B; b++)
-            acc[b] = 0.0f;
-        for (int64_t t = g->term_ptr[r]; t < g->term_ptr[r + 1]; t++) {
-            const uint32_t x = g->tx[t], y = g->ty[t];
-            const int sx = !(x & RP_CSR_SHARED), sy = !(y & RP_CSR_SHARED);
-            rp_csr_madd(B, acc, sx ? seq + (int64_t)x * B : shared + (x & ~RP_CSR_SHARED), sx,
-                        sy ? seq + (int64_t)y * B : shared + (y & ~RP_CSR_SHARED), sy);
-        }
-        float *dst = g->dst[r] & RP_CSR_SHARED ? shared + (g->dst[r] & ~RP_CSR_SHARED)
-                                               : seq + (int64_t)g->dst[r] * B;
-        memcpy(dst, acc, (size_t)B * sizeof *acc);
+        rp_csr_row_batch(g, r, B, seq, shared, acc);
+        memcpy(seq + (int64_t)g->dst[r] * B, acc, (size_t)B * sizeof *acc);
     }
 }
 

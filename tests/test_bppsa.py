@@ -707,15 +707,16 @@ def test_max_pairs_cap_drops_a_whole_level():
 
 
 def test_chain_shared_products_run_once_for_the_batch():
-    """Conv2d and Linear values are one set for the batch (no per-sample
-    copy), and a product of two of them lives in the shared buffer, computed
-    once; gradients still equal autograd's, for one sample and several."""
+    """Conv2d and Linear values are their weights as they are, one set for
+    the batch (no gather, no per-sample copy), and a product of two of them
+    lives in the shared buffer, computed once; gradients still equal
+    autograd's, for one sample and several."""
     torch.manual_seed(6)
     layers = [nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 3, 3, padding=1), nn.ReLU(),
               nn.Conv2d(3, 2, 3, stride=2), nn.Conv2d(2, 2, 1), nn.Flatten(), nn.Linear(8, 6), nn.Linear(6, 3)]
     plan = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch")
-    shared_leaves = sum(leaf.indices.shape[0] for leaf in plan.leaves if leaf.shared)
-    assert plan.info["shared_floats"] > 1 + shared_leaves  # products of two shared leaves
+    weights = sum(leaf.layer.weight.numel() for leaf in plan.leaves if leaf.shared)
+    assert plan.info["shared_floats"] > 1 + weights  # the 1, the weights as they are, shared products
     for B in (1, 5):
         x, g = torch.randn(B, 2, 6, 6), torch.randn(B, 3)
         for a, b in zip(bppsa.chain_backward(layers, x, g, plan=plan),

@@ -248,6 +248,18 @@ static test_csr random_pattern(int64_t rows, int64_t cols, float density)
     return m;
 }
 
+/* A value map as a layer's weights give one: each value at its own raw
+ * offset, among more raw values than the pattern uses (the test fills only
+ * the mapped ones: a read of another is a NaN). */
+static int32_t *random_value_map(int64_t nnz, int64_t *values)
+{
+    int32_t *map = malloc((size_t)(nnz > 0 ? nnz : 1) * sizeof *map);
+    *values = 2 * nnz + 1;
+    for (int64_t q = 0; q < nnz; q++) /* a permutation of the odd offsets, reversed */
+        map[q] = (int32_t)(2 * (nnz - 1 - q) + 1);
+    return map;
+}
+
 /* A shared leaf has sequence 0's values in every sequence. */
 static void share_values(const rp_csr_pattern *leaf, float *values, int64_t B)
 {
@@ -259,6 +271,7 @@ static void share_values(const rp_csr_pattern *leaf, float *values, int64_t B)
  * (B, out): the layout of reprop.h, batch-minor, shared leaves from
  * sequence 0. g[i] (B, in_i) receives the results. */
 static int csr_run(const rp_csr_plan *plan, int64_t n, int64_t B, const test_csr *pat,
+                   const rp_csr_pattern *leaves,
                    float *const *values, const float *g_out, int64_t out_len, const int64_t *size,
                    float *const *g, int threads, rp_error *err)
 {
@@ -273,11 +286,12 @@ static int csr_run(const rp_csr_plan *plan, int64_t n, int64_t B, const test_csr
     for (int64_t i = 0; i < n; i++) {
         const uint32_t a = prog->leaf_addr[i];
         for (int64_t q = 0; q < pat[i].nnz; q++) {
+            const int64_t o = (a & ~RP_CSR_SHARED) + (leaves[i].value_map ? leaves[i].value_map[q] : q);
             if (a & RP_CSR_SHARED)
-                shared[(a & ~RP_CSR_SHARED) + q] = values[i][q];
+                shared[o] = values[i][q];
             else
                 for (int64_t b = 0; b < B; b++)
-                    seq[(a + q) * B + b] = values[i][b * pat[i].nnz + q];
+                    seq[o * B + b] = values[i][b * pat[i].nnz + q];
         }
     }
     for (int64_t j = 0; j < out_len; j++)
@@ -320,6 +334,7 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
     test_csr *pat = malloc((size_t)n * sizeof *pat);
     rp_csr_pattern *leaves = malloc((size_t)n * sizeof *leaves);
     float **values = malloc((size_t)n * sizeof *values), **g = malloc((size_t)n * sizeof *g);
+    int32_t **maps = calloc((size_t)n, sizeof *maps);
     int64_t *size = malloc((size_t)(n + 1) * sizeof *size);
     rp_scan_machine m = {4, 100, 10};
     rp_error err = {{0}};
@@ -328,7 +343,9 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
     for (int64_t i = 0; i < n; i++) {
         pat[i] = random_pattern(size[i], size[i + 1], 0.4f);
         leaves[i] = (rp_csr_pattern){pat[i].rows, pat[i].cols, pat[i].nnz, pat[i].indptr, pat[i].indices,
-                                     rnd() > 0.0f};
+                                     rnd() > 0.0f, NULL, 0};
+        if (rnd() > 0.0f)
+            leaves[i].value_map = maps[i] = random_value_map(pat[i].nnz, &leaves[i].values);
         values[i] = rnd_array(B * pat[i].nnz, 0.9f);
         share_values(&leaves[i], values[i], B);
         g[i] = malloc((size_t)(B * size[i]) * sizeof *g[i]);
@@ -364,7 +381,7 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
                 continue;
             rp_csr_plan_describe(plan, &info);
             CHECK(L < 0 || info.levels == L, "levels %d != %d", info.levels, L);
-            rc = csr_run(plan, n, B, pat, values, g_out, size[n], size, g, threads, &err);
+            rc = csr_run(plan, n, B, pat, leaves, values, g_out, size[n], size, g, threads, &err);
             CHECK(rc == RP_OK, "scan: %s", err.msg);
             double worst = 0.0;
             for (int64_t b = 0; b < B; b++)
@@ -383,14 +400,15 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
         }
     }
     for (int64_t i = 0; i < n; i++)
-        free(pat[i].indptr), free(pat[i].indices), free(values[i]), free(g[i]);
-    free(pat), free(leaves), free(values), free(g), free(size), free(g_out);
+        free(pat[i].indptr), free(pat[i].indices), free(values[i]), free(g[i]), free(maps[i]);
+    free(pat), free(leaves), free(values), free(g), free(size), free(g_out), free(maps);
 }
 
 static void test_csr_errors(void)
 {
     int32_t ptr[3] = {0, 1, 2}, idx[2] = {1, 0}, bad[2] = {0, 5};
-    rp_csr_pattern a = {2, 2, 2, ptr, idx, 0}, b = {3, 2, 2, ptr, idx, 1}, c = {2, 2, 2, ptr, bad, 0};
+    rp_csr_pattern a = {2, 2, 2, ptr, idx, 0, NULL, 0}, b = {3, 2, 2, ptr, idx, 1, NULL, 0};
+    rp_csr_pattern c = {2, 2, 2, ptr, bad, 0, NULL, 0}, d = {2, 2, 2, ptr, idx, 1, idx, 1};
     rp_csr_pattern chain[2] = {a, b};
     rp_scan_machine m = {1, 0, 0};
     rp_csr_plan *plan = NULL;
@@ -399,6 +417,8 @@ static void test_csr_errors(void)
           "mismatched chain: %s", err.msg);
     CHECK(rp_csr_plan_create(1, &c, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "row 1"),
           "column out of range: %s", err.msg);
+    CHECK(rp_csr_plan_create(1, &d, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "value_map[0] = 1"),
+          "value map out of range: %s", err.msg);
     CHECK(plan == NULL, "no plan on error");
     CHECK(rp_csr_plan_create(1, &a, -1, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
     float seq[64], shared[64];

@@ -648,15 +648,24 @@ class _Leaf:
             self._maps[key] = torch.from_numpy(getattr(self, name)).long().to(device)
         return self._maps[key]
 
+    def pattern(self) -> tuple:
+        """csr_plan's leaf: a shared leaf's values are its layer's weights as
+        they are, placed by the plan through wmap (never gathered per step)."""
+        if self.shared:
+            return (self.rows, self.cols, self.indptr, self.indices, True, self.wmap, self.layer.weight.numel())
+        return (self.rows, self.cols, self.indptr, self.indices, False, None, 0)
+
     def values(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 values of J^T for the batch of inputs x: (nnz,) for a
-        shared leaf (the weights), else (B, nnz)."""
+        """float32 values of J^T for the batch of inputs x: the flat weights for
+        a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
         layer, B = self.layer, x.shape[0]
         with torch.no_grad():
             if self.shared:
                 if self.zero_weights is not None:
                     self._check_still_pruned(layer.weight)
-                return layer.weight.detach().reshape(-1).float()[self._map("wmap", x.device)]
+                return layer.weight.detach().reshape(-1).float()
+            if isinstance(layer, nn.ReLU):  # autograd's threshold_backward: 0 where x <= 0, else 1
+                return (~(x <= 0)).reshape(B, -1).float()
             if isinstance(layer, nn.MaxPool2d):
                 _, idx = torch.nn.functional.max_pool2d(
                     x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
@@ -702,8 +711,8 @@ class ChainPlan:
             shape = leaf.out_shape
         self.input_shape, self.output_shape = tuple(input_shape), shape
         want = {"auto": -1, "linear": 0, "blelloch": 64}.get(levels, levels)
-        self._plan = _C.csr_plan([(l.rows, l.cols, l.indptr, l.indices, l.shared) for l in self.leaves],
-                                 want, max_pairs, *_machine(torch.device("cpu")))
+        self._plan = _C.csr_plan([leaf.pattern() for leaf in self.leaves], want, max_pairs,
+                                 *_machine(torch.device("cpu")))
         self.info = _C.csr_plan_info(self._plan)
         self._program = _C.csr_program(self._plan)
         self._device_rows = {}
@@ -791,5 +800,7 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     _check_chain_layer(layer, 0)
     leaf = _Leaf(layer, tuple(x.shape))
     vals = leaf.values(x.unsqueeze(0)).reshape(-1)
+    if leaf.shared:
+        vals = vals[torch.from_numpy(leaf.wmap).long()]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
