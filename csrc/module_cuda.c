@@ -60,8 +60,8 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
 }
 
 /* What the bindings pyutil.c shares with reprop._C run here. */
-static const rp_py_cuda_launchers rp_cuda_launchers = {rp_cuda_fad_forward,
-                                                       rp_cuda_fad_backward_code8, rp_cuda_scan};
+static const rp_py_cuda_launchers rp_cuda_launchers = {
+    rp_cuda_fad_forward, rp_cuda_fad_backward_code8, rp_cuda_scan, rp_cuda_csr_run};
 
 PyDoc_STRVAR(fad_forward_doc,
              "fad_forward(kind, p0, p1, dtype, x, y, d_store, d, n, stream)\n--\n\n"
@@ -76,6 +76,11 @@ PyDoc_STRVAR(scan_doc,
              "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, stream)\n--\n\n"
              "The BPPSA recurrence on `stream` (rp_cuda_scan in csrc/reprop.h); device\n"
              "pointers as ints, 0 for NULL.");
+
+PyDoc_STRVAR(csr_run_doc,
+             "csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, stream)\n--\n\n"
+             "A reprop._C.csr_plan's program on `stream` (rp_cuda_csr_run): seq, shared\n"
+             "and the device copies of its rows dst, term_ptr, tx, ty as device pointers.");
 
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
@@ -92,6 +97,7 @@ static PyMethodDef rp_cuda_methods[] = {
     {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_py_fad_backward_code8, METH_FASTCALL,
      fad_backward_code8_doc},
     {"scan", (PyCFunction)(void (*)(void))rp_py_scan, METH_FASTCALL, scan_doc},
+    {"csr_run", (PyCFunction)(void (*)(void))rp_py_csr_run, METH_FASTCALL, csr_run_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };

@@ -371,11 +371,13 @@ void rp_csr_plan_free(rp_csr_plan *p);
  * An address is a uint32: RP_CSR_SHARED set for the shared buffer, else seq;
  * the other bits the offset. Phase p is rows [phase_ptr[p], phase_ptr[p+1]);
  * those from phase_shared[p] on write to shared and read only shared, once
- * for the batch; the others once per sequence. Row r writes
+ * for the batch; the others write seq, once per sequence. Row r writes
  *     dst[r] = sum over t in [term_ptr[r], term_ptr[r+1]) of X(tx[t]) * X(ty[t])
  * in increasing t, a float32 multiply then a float32 add (never fused), so
- * every runner gives the same bits. Phases run in order; no row of a phase
- * reads what another row of it writes. */
+ * every runner gives the same bits. Every term of a row reads the same pair
+ * of buffers (the CPU runner picks its loop by the first term). Phases run
+ * in order; the rows of a phase write distinct addresses, none of which
+ * another row of the phase reads. */
 #define RP_CSR_SHARED 0x80000000u
 
 typedef struct {

@@ -77,7 +77,8 @@
  * a barrier lives in an executor-provided `local`; a phase's lambda captures
  * loop counters by value (the emulation runs phases late, at the next barrier).
  *
- * Layout: executor and helpers, the task bodies, the kernels, the launcher.
+ * Layout: executor and helpers, the task bodies, the kernels, the launcher;
+ * then the sparse scan's program runner (rp_cuda_csr_run), at the end.
  */
 #include <cuda_runtime.h>
 
@@ -1104,5 +1105,138 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
         }
     }
     free(plans);
+    return RP_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Sparse BPPSA: the compiled program of an rp_csr_plan (reprop.h)
+ *
+ * One launch per non-empty phase; its work items are the phase's
+ * per-sequence rows times the batch, then its shared rows once each. Item
+ * idx < nseq * B is row begin + idx / B of sequence b = idx % B: the seq
+ * buffer is batch-minor (offset o of sequence b at o * B + b), so the B
+ * consecutive threads of one row read B consecutive floats of each operand
+ * and write B consecutive floats (coalesced), and they share that row's
+ * term list (broadcast loads). Rows are independent within a phase, so
+ * items need no ordering; each row sums its terms in their order, one
+ * float32 multiply then one add each, as rp_csr_run_cpu does.
+ * ------------------------------------------------------------------------- */
+
+#ifndef RP_CSR_THREADS /* overridable (smaller) by the emulation test */
+#define RP_CSR_THREADS 256
+#endif
+
+typedef struct {
+    rp_csr_device_rows rows;
+    float *seq, *shared;
+    int64_t B;
+    int64_t begin;   /* the phase's first row */
+    int64_t nseq;    /* its per-sequence rows, from begin */
+    int64_t nshared; /* its shared rows, after those */
+} rp_csr_args;
+
+RP_HD float *rp_csr_at(const rp_csr_args &a, uint32_t addr, int64_t b)
+{
+    if (addr & RP_CSR_SHARED)
+        return a.shared + (addr & ~RP_CSR_SHARED);
+    return a.seq + (int64_t)addr * a.B + b;
+}
+
+/* The items first, first + stride, ... of one launch (one per thread). */
+RP_HD void rp_csr_items(const rp_csr_args &a, int64_t first, int64_t stride)
+{
+    const int64_t nseq_items = a.nseq * a.B, items = nseq_items + a.nshared;
+    for (int64_t idx = first; idx < items; idx += stride) {
+        const bool per_seq = idx < nseq_items;
+        const int64_t row = a.begin + (per_seq ? idx / a.B : a.nseq + (idx - nseq_items));
+        const int64_t b = per_seq ? idx % a.B : 0;
+        const int64_t t1 = a.rows.term_ptr[row + 1];
+        float acc = 0.0f;
+        for (int64_t t = a.rows.term_ptr[row]; t < t1; t++)
+            acc += *rp_csr_at(a, a.rows.tx[t], b) * *rp_csr_at(a, a.rows.ty[t], b);
+        *rp_csr_at(a, a.rows.dst[row], b) = acc;
+    }
+}
+
+__global__ void __launch_bounds__(RP_CSR_THREADS) rp_csr_kernel(const rp_csr_args a)
+{
+    rp_csr_items(a, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                 (int64_t)gridDim.x * blockDim.x);
+}
+
+static int rp_csr_check_run(const rp_csr_program *g, const rp_csr_device_rows *rows, int64_t batch,
+                            const float *seq, const float *shared, rp_error *err)
+{
+    if (g == NULL || rows == NULL)
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: NULL program or device rows");
+    if (batch < 0)
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: batch %lld < 0", (long long)batch);
+    if (g->nphases < 0 || g->nrows < 0 || g->nterms < 0 || g->seq_floats < 0 ||
+        g->shared_floats < 0)
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: negative sizes in the program");
+    if (g->nphases > 0 && (g->phase_ptr == NULL || g->phase_shared == NULL))
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: NULL phase arrays");
+    if (g->nrows > 0 && (rows->dst == NULL || rows->term_ptr == NULL))
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: NULL device dst or term_ptr");
+    if (g->nterms > 0 && (rows->tx == NULL || rows->ty == NULL))
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: NULL device tx or ty");
+    if ((seq == NULL && g->seq_floats > 0 && batch > 0) || (shared == NULL && g->shared_floats > 0))
+        return rp_set_error(err, RP_EINVAL, "rp_cuda_csr_run: NULL seq or shared buffer");
+    if (rp_mul_capped(g->seq_floats, batch, INT64_MAX) < 0 ||
+        rp_mul_capped(g->nrows + 1, batch, INT64_MAX / 2) < 0)
+        return rp_set_error(err, RP_EINVAL,
+                            "rp_cuda_csr_run: batch %lld overflows the program's sizes",
+                            (long long)batch);
+    for (int64_t p = 0; p < g->nphases; p++)
+        if (g->phase_ptr[p] < 0 || g->phase_ptr[p] > g->phase_shared[p] ||
+            g->phase_shared[p] > g->phase_ptr[p + 1] || g->phase_ptr[p + 1] > g->nrows)
+            return rp_set_error(err, RP_EINVAL,
+                                "rp_cuda_csr_run: phase %lld: rows [%lld, %lld), shared from %lld, "
+                                "not ordered within [0, %lld)",
+                                (long long)p, (long long)g->phase_ptr[p],
+                                (long long)g->phase_ptr[p + 1], (long long)g->phase_shared[p],
+                                (long long)g->nrows);
+    return RP_OK;
+}
+
+extern "C" int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows *rows,
+                               int64_t batch, float *seq, float *shared, void *stream_,
+                               rp_error *err)
+{
+    cudaStream_t stream = (cudaStream_t)stream_;
+    rp_device_guard guard;
+    rp_csr_args a;
+    int rc = rp_csr_check_run(g, rows, batch, seq, shared, err);
+    if (rc != RP_OK)
+        return rc;
+    if (batch == 0)
+        return RP_OK;
+
+    {
+        cudaError_t e = guard.enter(stream);
+        if (e != cudaSuccess)
+            return rp_cuda_error(e, "rp_cuda_csr_run", err);
+    }
+    a.rows = *rows;
+    a.seq = seq;
+    a.shared = shared;
+    a.B = batch;
+    for (int64_t p = 0; p < g->nphases; p++) {
+        a.begin = g->phase_ptr[p];
+        a.nseq = g->phase_shared[p] - a.begin;
+        a.nshared = g->phase_ptr[p + 1] - g->phase_shared[p];
+        const int64_t items = a.nseq * batch + a.nshared;
+        if (items == 0)
+            continue;
+        const int64_t blocks = (items + RP_CSR_THREADS - 1) / RP_CSR_THREADS;
+        const unsigned grid = (unsigned)(blocks < RP_SCAN_MAX_GRID ? blocks : RP_SCAN_MAX_GRID);
+        void *args[] = {(void *)&a};
+        cudaError_t e = cudaLaunchKernel((const void *)rp_csr_kernel, dim3(grid),
+                                         dim3(RP_CSR_THREADS), args, 0, stream);
+        if (e == cudaSuccess)
+            e = cudaGetLastError();
+        if (e != cudaSuccess)
+            return rp_cuda_error(e, "rp_cuda_csr_run", err);
+    }
     return RP_OK;
 }
