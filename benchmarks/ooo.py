@@ -511,10 +511,11 @@ class PipeCandidate:
         dist.barrier()
 
     def messages(self) -> int:
-        """Point-to-point messages per step: per micro-batch, a header and the
-        activation forward and the gradient back at each change of stage."""
+        """Point-to-point messages per timed step: per micro-batch, the
+        activation forward and the gradient back at each change of stage (the
+        headers went in the first step; Pipeline.messages counts a rank's)."""
         stage = self.pipe.stage_of
-        return 3 * PIPE_MICRO * int((stage[1:] != stage[:-1]).sum())
+        return 2 * PIPE_MICRO * int((stage[1:] != stage[:-1]).sum())
 
     def grads(self) -> dict[str, torch.Tensor]:
         """This rank's gradients, named as in the whole list of layers."""

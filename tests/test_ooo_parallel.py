@@ -323,7 +323,10 @@ def _pipeline_cases(world: int) -> list[dict]:
     return cases
 
 
-def _check_pipeline(rank: int, case: dict, steps: int = 2) -> None:
+def _check_pipeline(rank: int, case: dict, steps: int = 3) -> None:
+    """`steps` training steps against single-process training; the last one
+    on half the batch, a new input shape whose headers are sent anew. Only
+    a new input shape's first step sends headers."""
     make = case["layers"]
     ref_layers = make()
     ref = nn.Sequential(*ref_layers)
@@ -334,8 +337,11 @@ def _check_pipeline(rank: int, case: dict, steps: int = 2) -> None:
     opt = torch.optim.SGD(local, lr=0.1) if local else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     exact = case["micro_batches"] == 1
+    messages = []
     for step in range(steps):
         x, t = _batch(0, step)  # the same batch on every rank
+        if step == steps - 1:
+            x, t = x[:BATCH // 2], t[:BATCH // 2]
         x_ref = x.clone().requires_grad_(case["input_grad"])
         x = x.clone().requires_grad_(case["input_grad"])
         ref_opt.zero_grad()
@@ -361,6 +367,11 @@ def _check_pipeline(rank: int, case: dict, steps: int = 2) -> None:
         if opt is not None:
             opt.step()
         ref_opt.step()
+        messages.append(pipe.messages)
+    stage = pipe.stage_of
+    activations = case["micro_batches"] * sum(stage[l] == rank != stage[l + 1] for l in range(DEPTH - 1))
+    # per step: its activations and gradients, plus a header per activation in a shape's first step
+    assert messages[0] == messages[1] + activations and messages[2] == messages[0], (case, rank, messages)
     pipe.remove()
 
 

@@ -1756,6 +1756,10 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Messages between stages: an activation travels as a header, then its data
 # (the receiver learns shape, dtype and whether it needs a gradient); a
 # gradient needs no header: it has the shape of the activation it is for.
+# Headers go only in the first step for a given input (shape, dtype,
+# requires_grad): both ends keep them per (input, layer, micro-batch), as a
+# layer's output is described by its input's description; a sender whose
+# output no longer matches the kept header raises instead of sending.
 _ACTIVATION, _GRADIENT = 0, 1
 _HEADER = 16  # int64 slots: ndim, dtype, requires_grad, then the shape
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
@@ -1793,6 +1797,7 @@ class _Step:
     input_grads: dict = field(default_factory=dict)  # m -> grad of the micro-batch input
     sends: list = field(default_factory=list)       # (request, tensor kept alive)
     losses: list = field(default_factory=list)
+    key: tuple = ()                                 # the input's description, for the headers
 
 
 class Pipeline:
@@ -1864,6 +1869,8 @@ class Pipeline:
             device = next((p.device for p in local.parameters()), torch.device("cpu"))
         self.device = torch.device(device)
         self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
+        self._headers: dict = {}  # (input key, layer, micro) -> header sent or received
+        self.messages = 0  # point-to-point messages this rank sent in its last step
 
     # -- public ----------------------------------------------------------------
 
@@ -1901,7 +1908,9 @@ class Pipeline:
         size = batch // m_count
         program, inbox = self._schedule(inputs.requires_grad)
         st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
-                   {src: iter(msgs) for src, msgs in inbox.items()})
+                   {src: iter(msgs) for src, msgs in inbox.items()},
+                   key=(tuple(inputs.shape), inputs.dtype, inputs.requires_grad))
+        self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
                 self._forward(st, l, m, loss_fn)
@@ -1947,7 +1956,7 @@ class Pipeline:
         st.acts[(l, m)] = (x, y)
         if l + 1 < self.num_layers and self._owner(l + 1) != self.rank:
             out = y.detach().contiguous()
-            self._send(st, _header(out, y.requires_grad), self._owner(l + 1))
+            self._send_header(st, l, m, _header(out, y.requires_grad))
             self._send(st, out, self._owner(l + 1))
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
@@ -2015,6 +2024,18 @@ class Pipeline:
     def _send(self, st: _Step, t: torch.Tensor, stage: int) -> None:
         # the tensor is kept until the request is waited on at the end of the step
         st.sends.append((dist.isend(t, self._ranks[stage], group=self.group), t))
+        self.messages += 1
+
+    def _send_header(self, st: _Step, l: int, m: int, h: torch.Tensor) -> None:
+        kept = self._headers.get((st.key, l, m))
+        if kept is None:
+            self._headers[(st.key, l, m)] = h
+            self._send(st, h, self._owner(l + 1))
+        elif not torch.equal(kept, h):
+            raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape, "
+                               "dtype or requires_grad for the same input description; the stage "
+                               "that receives it expects the kept header (pass inputs of another "
+                               "shape, or build a new Pipeline)")
 
     def _receive(self, st: _Step, what: int, l: int, m: int) -> torch.Tensor:
         """Message (what, l, m): the activation of layer l's output or its gradient.
@@ -2037,8 +2058,11 @@ class Pipeline:
     def _recv_message(self, st: _Step, src: int, what: int, l: int,
                       m: int) -> torch.Tensor | None:
         if what == _ACTIVATION:
-            h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self._recv(h, src)
+            h = self._headers.get((st.key, l, m))
+            if h is None:
+                h = self._headers[(st.key, l, m)] = torch.empty(_HEADER, dtype=torch.int64,
+                                                                device=self.device)
+                self._recv(h, src)
             ndim, dtype, requires_grad, *shape = h.tolist()
             x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=self.device)
             self._recv(x, src)
