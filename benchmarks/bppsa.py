@@ -765,7 +765,7 @@ def nonzero_values(plan, x: torch.Tensor) -> int:
     ReLU's inactive units and the pools' unpicked window positions are zeros)."""
     with torch.no_grad():
         inputs, _ = plan.forward_inputs(x[:1])
-    return sum(int(torch.count_nonzero(leaf.values(inp))) for leaf, inp in zip(plan.leaves, inputs))
+    return sum(int(torch.count_nonzero(leaf.entry_values(inp))) for leaf, inp in zip(plan.leaves, inputs))
 
 
 def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:

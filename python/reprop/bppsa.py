@@ -655,6 +655,14 @@ class _Leaf:
             return (self.rows, self.cols, self.indptr, self.indices, True, self.wmap, self.layer.weight.numel())
         return (self.rows, self.cols, self.indptr, self.indices, False, None, 0)
 
+    def entry_values(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, nnz): the value of every stored entry, for inspection (a shared
+        leaf's weights gathered through wmap, which the scan never does)."""
+        vals = self.values(x)
+        if self.shared:
+            vals = vals[self._map("wmap", x.device)].expand(x.shape[0], -1)
+        return vals
+
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """float32 values of J^T for the batch of inputs x: the flat weights for
         a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
@@ -799,8 +807,6 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
     _check_chain_layer(layer, 0)
     leaf = _Leaf(layer, tuple(x.shape))
-    vals = leaf.values(x.unsqueeze(0)).reshape(-1)
-    if leaf.shared:
-        vals = vals[torch.from_numpy(leaf.wmap).long()]
+    vals = leaf.entry_values(x.unsqueeze(0))[0]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
