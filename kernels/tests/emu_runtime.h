@@ -101,4 +101,18 @@ static void emu_check_launch_site(dim3 grid, dim3 block, cudaStream_t stream)
 #define cudaDeviceGetAttribute mock_device_get_attribute
 #define cudaGetLastError mock_get_last_error
 
+/* After a call that met an injected fault at launch `at`, having made
+ * `launches`: a failed cudaGetDevice (no_device) launches nothing, a refused
+ * or reported launch stops the call there; either way the caller's device
+ * is back and no error is left pending. */
+static void emu_check_fault_outcome(bool no_device, int at, int launches)
+{
+    if (no_device)
+        CHECK(launches == 0, "%d launches", launches);
+    else
+        CHECK(launches == at + 1, "%d launches, fault at %d", launches, at);
+    CHECK(g_emu.current_device == 0, "device %d not restored", g_emu.current_device);
+    CHECK(g_emu.pending == cudaSuccess, "error left pending");
+}
+
 #endif /* REPROP_EMU_RUNTIME_H */

@@ -723,12 +723,7 @@ static void error_cases(void)
                 const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_emu.stream, &err);
                 CHECK(rc == RP_ERUNTIME && strstr(err.msg, "CUDA error") != NULL,
                       "status %d: %s", rc, err.msg);
-                if (f == FAULT_GET_DEVICE)
-                    CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
-                else
-                    CHECK(g_rt.launches == at + 1, "%d launches, fault at %d", g_rt.launches, at);
-                CHECK(g_emu.current_device == 0, "device %d not restored", g_emu.current_device);
-                CHECK(g_emu.pending == cudaSuccess, "error left pending");
+                emu_check_fault_outcome(f == FAULT_GET_DEVICE, at, g_rt.launches);
                 if (f == FAULT_GET_DEVICE)
                     break;
             }
