@@ -21,9 +21,11 @@
  * matrix-vector products, and every down-sweep and middle step is one; the
  * only matrix-matrix products are the up-sweep's off the spine.
  *
- * The schedule (rp_scan_run) calls back per (slot pair, sequence), so the
- * dense/structured recurrence and the sparse chain share it; OpenMP runs the
- * pairs of a level and the sequences in parallel, the middle per sequence.
+ * The dense/structured recurrence runs the schedule through rp_scan_run,
+ * which calls back per (slot pair, sequence); OpenMP runs the pairs of a
+ * level and the sequences in parallel, the middle per sequence. The sparse
+ * chain compiles the same schedule into a program of rows (rp_csr_compile)
+ * that the CPU and the GPU run alike.
  */
 #include <math.h>
 #include <stdlib.h>
