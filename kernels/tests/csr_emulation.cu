@@ -167,47 +167,8 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
 }
 
 /* ---------------------------------------------------------------------------
- * Buffers with canaries, the format's meaning, its rules
+ * The format's meaning, its rules
  * ------------------------------------------------------------------------- */
-
-#define EMU_CANARY 64
-static const uint32_t emu_canary_bits = 0x7fc0dead; /* a NaN no arithmetic produces */
-
-static float from_bits(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* A float buffer between canaries. */
-struct fenced {
-    std::vector<float> mem;
-    int64_t n = 0;
-    void init(int64_t count, float fill)
-    {
-        n = count;
-        mem.assign((size_t)(count + 2 * EMU_CANARY), fill);
-        for (int i = 0; i < EMU_CANARY; i++)
-            mem[(size_t)i] = mem[(size_t)(EMU_CANARY + count + i)] = from_bits(emu_canary_bits);
-    }
-    float *p() { return mem.data() + EMU_CANARY; }
-    bool intact() const
-    {
-        for (int i = 0; i < EMU_CANARY; i++) {
-            uint32_t a, b;
-            memcpy(&a, &mem[(size_t)i], 4);
-            memcpy(&b, &mem[(size_t)(EMU_CANARY + n + i)], 4);
-            if (a != emu_canary_bits || b != emu_canary_bits)
-                return false;
-        }
-        return true;
-    }
-    bool same(const fenced &o) const /* bitwise, canaries included */
-    {
-        return n == o.n && memcmp(mem.data(), o.mem.data(), mem.size() * sizeof(float)) == 0;
-    }
-};
 
 static float *at(float *seq, float *shared, int64_t B, uint32_t addr, int64_t b)
 {

@@ -1,8 +1,9 @@
 /*
  * emu_check.h: failure reporting of the host emulations of the CUDA
- * launchers (optim_emulation.cu, scan_emulation.cu). Each failed CHECK is
- * printed with the case being run (g_context), up to 30; a crash of an
- * emulated kernel still names its case. CHECKs stand in this directory's
+ * launchers (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu), and
+ * their canary-fenced buffers. Each failed CHECK is printed with the case
+ * being run (g_context), up to 30; a crash of an emulated kernel still names
+ * its case. CHECKs stand in this directory's
  * headers too, hence the file in each report.
  */
 #ifndef REPROP_EMU_CHECK_H
@@ -10,9 +11,12 @@
 
 #include <signal.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
+
+#include <vector>
 
 static int g_failures;
 static char g_context[256]; /* the case being run */
@@ -55,5 +59,44 @@ static void catch_fatal_signals(void)
         if (!(cond))                                                                               \
             report_failure(__FILE__, __LINE__, #cond, __VA_ARGS__);                                \
     } while (0)
+
+/* Buffers between canaries: a write out of bounds changes a canary. */
+#define EMU_CANARY 64
+static const uint32_t emu_canary_bits = 0x7fc0dead; /* a NaN no arithmetic produces */
+
+static float from_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+struct fenced {
+    std::vector<float> mem;
+    int64_t n = 0;
+    void init(int64_t count, float fill)
+    {
+        n = count;
+        mem.assign((size_t)(count + 2 * EMU_CANARY), fill);
+        for (int i = 0; i < EMU_CANARY; i++)
+            mem[(size_t)i] = mem[(size_t)(EMU_CANARY + count + i)] = from_bits(emu_canary_bits);
+    }
+    float *p() { return mem.data() + EMU_CANARY; }
+    bool intact() const
+    {
+        for (int i = 0; i < EMU_CANARY; i++) {
+            uint32_t a, b;
+            memcpy(&a, &mem[(size_t)i], 4);
+            memcpy(&b, &mem[(size_t)(EMU_CANARY + n + i)], 4);
+            if (a != emu_canary_bits || b != emu_canary_bits)
+                return false;
+        }
+        return true;
+    }
+    bool same(const fenced &o) const /* bitwise, canaries included */
+    {
+        return n == o.n && memcmp(mem.data(), o.mem.data(), mem.size() * sizeof(float)) == 0;
+    }
+};
 
 #endif /* REPROP_EMU_CHECK_H */

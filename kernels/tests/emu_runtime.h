@@ -1,6 +1,7 @@
 /*
  * emu_runtime.h: the CUDA runtime as the host emulations of the launchers
- * (optim_emulation.cu, scan_emulation.cu) present it to the .cu under test.
+ * (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu) present it to the
+ * .cu under test.
  *
  * The launchers' runtime calls are renamed to host mocks. Those about
  * devices, streams and the last error behave the same for every launcher and

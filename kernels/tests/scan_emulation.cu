@@ -242,8 +242,6 @@ static struct {
     int next;         /* launches so far */
 } g_expect;
 
-#define EMU_CANARY 64
-static const uint32_t emu_canary_bits = 0x7fc0dead; /* a NaN no arithmetic produces */
 
 static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
                                       size_t smem, cudaStream_t stream)
@@ -350,34 +348,8 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
 }
 
 /* ---------------------------------------------------------------------------
- * Buffers with canaries, data, the reference
+ * Data, the reference
  * ------------------------------------------------------------------------- */
-
-struct fenced {
-    std::vector<float> mem;
-    int64_t n = 0;
-    void init(int64_t count, float fill)
-    {
-        n = count;
-        mem.assign((size_t)(count + 2 * EMU_CANARY), fill);
-        float c;
-        memcpy(&c, &emu_canary_bits, 4);
-        for (int i = 0; i < EMU_CANARY; i++)
-            mem[i] = mem[(size_t)(EMU_CANARY + count + i)] = c;
-    }
-    float *p() { return mem.data() + EMU_CANARY; }
-    bool intact() const
-    {
-        for (int i = 0; i < EMU_CANARY; i++) {
-            uint32_t a, b;
-            memcpy(&a, &mem[i], 4);
-            memcpy(&b, &mem[(size_t)(EMU_CANARY + n + i)], 4);
-            if (a != emu_canary_bits || b != emu_canary_bits)
-                return false;
-        }
-        return true;
-    }
-};
 
 static uint64_t g_rng = 0x9e3779b97f4a7c15ull;
 static float urand(float lo, float hi)
