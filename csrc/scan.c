@@ -1143,26 +1143,18 @@ static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
     p->max_vec = 1;
     for (int64_t s = 1; s <= p->nslots; s++)
         p->max_vec = rp_csr_prefix_len_of(p, s) > p->max_vec ? rp_csr_prefix_len_of(p, s) : p->max_vec;
-    for (int64_t i = 0; i < p->nmats; i++) {
+    for (int64_t i = 0; i < p->nmats; i++) { /* leaves, then the products (of the levels run only) */
         rp_csr_mat *m = &p->mats[i];
-        if (i == p->n) { /* between the leaves and the products */
-            p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
-            seq += (p->nslots + 3) * p->max_vec;
-        }
-        if (m->level >= p->levels || seq > (int64_t)~RP_CSR_SHARED || shared > (int64_t)~RP_CSR_SHARED)
-            continue;
         if (m->level >= 0)
-            m->shared = p->mats[m->a].shared && p->mats[m->b].shared;
-        if (m->level >= 0)
-            m->nvalues = m->nnz;
-        if (m->shared)
+            m->shared = p->mats[m->a].shared && p->mats[m->b].shared, m->nvalues = m->nnz;
+        if (m->shared) /* past 2^31 the addresses wrap, but the plan is refused below */
             m->addr = (uint32_t)shared | RP_CSR_SHARED, shared += m->nvalues;
         else
             m->addr = (uint32_t)seq, seq += m->nvalues;
-    }
-    if (p->nmats == p->n) {
-        p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
-        seq += (p->nslots + 3) * p->max_vec;
+        if (i == p->n - 1) { /* the vectors go between the leaves and the products */
+            p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
+            seq += (p->nslots + 3) * p->max_vec;
+        }
     }
     if (seq > (int64_t)~RP_CSR_SHARED || shared > (int64_t)~RP_CSR_SHARED)
         return rp_set_error(err, RP_EINVAL,
@@ -1257,11 +1249,10 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
     info->seq_floats = p->program.seq_floats, info->shared_floats = p->program.shared_floats;
     rp_csr_cost(p, p->levels, 1, &one, &info->madds);
     rp_csr_cost(p, 0, 1, &one, &info->linear_madds);
-    for (int64_t i = p->n; i < p->nmats; i++)
-        if (p->mats[i].level < p->levels) {
-            info->products++;
-            info->pairs += p->mats[i].pair_ptr[p->mats[i].nnz];
-        }
+    for (int64_t i = p->n; i < p->nmats; i++) { /* the products of the levels run */
+        info->products++;
+        info->pairs += p->mats[i].pair_ptr[p->mats[i].nnz];
+    }
     info->phases = p->program.nphases, info->rows = p->program.nrows, info->terms = p->program.nterms;
 }
 

@@ -536,9 +536,9 @@ def bitstream(num_samples: int, seq_len: int, *, generator: torch.Generator | No
 # The sparse chain (Section 4.3): CSR transposed Jacobians, planned products
 # ---------------------------------------------------------------------------
 
-# Element-wise layers whose transposed Jacobian is diag(f'(x)).
 _SHARED = 0x80000000  # RP_CSR_SHARED: an address in the shared buffer (csrc/reprop.h)
 
+# Element-wise layers whose transposed Jacobian is diag(f'(x)).
 _ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU, nn.SiLU, nn.Mish,
                 nn.Sigmoid, nn.Tanh, nn.Softplus, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh,
                 nn.LogSigmoid, nn.Softsign, nn.Tanhshrink)
