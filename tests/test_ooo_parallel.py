@@ -175,7 +175,33 @@ def _compare_accumulation(rank: int, world: int, as_view: bool, micro: int = 3) 
     dp.remove()
 
 
+def _compare_buffers(rank: int, world: int, steps: int = 3) -> None:
+    """A BatchNorm's running statistics and step count (float and int64
+    buffers, coalesced into one broadcast) start as rank 0's and are rank
+    0's again before every forward, as DDP's: bitwise equal to DDP's on
+    every rank after every step, and different from what a rank's own
+    data alone would have left."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Linear(WIDTH, WIDTH))
+    with torch.no_grad():  # replicas' buffers differ until both broadcast rank 0's
+        model[1].running_mean.fill_(float(rank))
+        model[1].num_batches_tracked.fill_(rank)
+    local = copy.deepcopy(model)
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=1)
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        for net in (ref, model, local):
+            F.mse_loss(net(x), t).backward()
+        for (name, a), b in zip(model.named_buffers(), ref.module.buffers()):
+            assert torch.equal(a, b), f"buffer {name} after step {step}: {a} != DDP's {b}"
+    assert rank == 0 or not torch.equal(local[1].running_mean, model[1].running_mean)
+    dp.remove()
+
+
 def _dp_cases(rank: int, world: int) -> None:
+    _compare_buffers(rank, world)
     for k, shared in itertools.product((0, 2, DEPTH), (False, True)):
         dp = _compare_with_ddp(rank, world, k, shared, steps=3)
         assert dp.k == k and dp.layers == DEPTH
