@@ -1258,66 +1258,85 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info)
 
 /* ---- running a program on the CPU ---- */
 
-/* One row's sums for the batch: acc[b] = sum over its terms of x * y. A
- * row's terms all read the same pair of buffers (a mat-vec: the map's values
- * and a vector; a product: its operands'; a copy: a vector and the 1), so
- * the case is read off its first term and each loop vectorises over b. */
-static void rp_csr_row_batch(const rp_csr_program *g, int64_t r, int64_t B, const float *seq,
-                             const float *shared, float *restrict acc)
+#define RP_CSR_LANES 8 /* two SSE registers of sums: the portable build's vectors */
+
+/* Lanes [b0, b0 + W) of row r: dst = sum over its terms of x * y, per lane
+ * in increasing t. W is a constant at every call (the function is always
+ * inlined), so the W sums stay in registers and each term is one vector
+ * multiply and add; a runtime-width loop over b costs a loop, its aliasing
+ * checks and a scalar tail per term, which left 4 sequences at 3x the time
+ * of one. A row's terms all read the same pair of buffers (a mat-vec: the
+ * map's values and a vector; a product: its operands'; a copy: a vector and
+ * the 1), so the case is read off its first term. Lane b of dst depends
+ * only on lane b of what the row reads, so the row may write lanes as it
+ * goes even where it reads its own dst. */
+static inline __attribute__((always_inline)) void
+rp_csr_row_lanes(const rp_csr_program *g, int64_t r, int64_t B, int64_t b0, const int W,
+                 float *seq, const float *shared)
 {
     const int64_t t0 = g->term_ptr[r], t1 = g->term_ptr[r + 1];
     const uint32_t *restrict tx = g->tx, *restrict ty = g->ty, low = ~RP_CSR_SHARED;
-    for (int64_t b = 0; b < B; b++)
-        acc[b] = 0.0f;
-    if (t0 == t1)
-        return;
-    const int shared_x = (tx[t0] & RP_CSR_SHARED) != 0, shared_y = (ty[t0] & RP_CSR_SHARED) != 0;
+    float acc[RP_CSR_LANES]; /* W <= RP_CSR_LANES; the first W used */
+    for (int w = 0; w < W; w++)
+        acc[w] = 0.0f;
+    const int shared_x = t0 < t1 && (tx[t0] & RP_CSR_SHARED), shared_y = t0 < t1 && (ty[t0] & RP_CSR_SHARED);
     if (!shared_x && !shared_y) {
         for (int64_t t = t0; t < t1; t++) {
-            const float *restrict x = seq + (int64_t)tx[t] * B, *restrict y = seq + (int64_t)ty[t] * B;
-            for (int64_t b = 0; b < B; b++)
-                acc[b] += x[b] * y[b];
+            const float *x = seq + (int64_t)tx[t] * B + b0, *y = seq + (int64_t)ty[t] * B + b0;
+            for (int w = 0; w < W; w++)
+                acc[w] += x[w] * y[w];
         }
     } else if (shared_x != shared_y) { /* one operand the same for every sequence */
         const uint32_t *restrict one = shared_x ? tx : ty, *restrict per = shared_x ? ty : tx;
         for (int64_t t = t0; t < t1; t++) {
-            const float s = shared[one[t] & low], *restrict v = seq + (int64_t)per[t] * B;
-            if (shared_x)
-                for (int64_t b = 0; b < B; b++)
-                    acc[b] += s * v[b];
-            else
-                for (int64_t b = 0; b < B; b++)
-                    acc[b] += v[b] * s;
+            const float s = shared[one[t] & low], *v = seq + (int64_t)per[t] * B + b0;
+            for (int w = 0; w < W; w++)
+                acc[w] += s * v[w]; /* float multiplication commutes: x * y either way */
         }
     } else { /* only a shared row reads two shared operands; not reached with B > 1 */
         float sum = 0.0f;
         for (int64_t t = t0; t < t1; t++)
             sum += shared[tx[t] & low] * shared[ty[t] & low];
-        for (int64_t b = 0; b < B; b++)
-            acc[b] = sum;
+        for (int w = 0; w < W; w++)
+            acc[w] = sum;
+    }
+    float *dst = seq + (int64_t)g->dst[r] * B + b0;
+    for (int w = 0; w < W; w++)
+        dst[w] = acc[w];
+}
+
+/* Per-sequence rows [lo, hi) for B sequences: blocks of RP_CSR_LANES lanes,
+ * then the rest in one block of its own constant width. */
+static void rp_csr_rows_batch(const rp_csr_program *g, int64_t lo, int64_t hi, int64_t B, float *seq,
+                              const float *shared)
+{
+    const int64_t full = B - B % RP_CSR_LANES;
+    for (int64_t r = lo; r < hi; r++) {
+        for (int64_t b0 = 0; b0 < full; b0 += RP_CSR_LANES)
+            rp_csr_row_lanes(g, r, B, b0, RP_CSR_LANES, seq, shared);
+        switch (B - full) {
+        case 0: break;
+        case 1: rp_csr_row_lanes(g, r, B, full, 1, seq, shared); break;
+        case 2: rp_csr_row_lanes(g, r, B, full, 2, seq, shared); break;
+        case 3: rp_csr_row_lanes(g, r, B, full, 3, seq, shared); break;
+        case 4: rp_csr_row_lanes(g, r, B, full, 4, seq, shared); break;
+        case 5: rp_csr_row_lanes(g, r, B, full, 5, seq, shared); break;
+        case 6: rp_csr_row_lanes(g, r, B, full, 6, seq, shared); break;
+        default: rp_csr_row_lanes(g, r, B, full, 7, seq, shared); break;
+        }
     }
 }
 
-/* Rows [lo, hi) over B sequences (B = 1 and seq = shared for shared rows),
- * each stored once its sums are done. */
-static void rp_csr_rows(const rp_csr_program *g, int64_t lo, int64_t hi, int64_t B, float *seq,
-                        float *shared, float *acc)
+/* Shared rows [lo, hi): they read and write only the shared buffer, one sum
+ * per row for the whole batch. */
+static void rp_csr_rows_shared(const rp_csr_program *g, int64_t lo, int64_t hi, float *shared)
 {
-    if (B == 1) { /* one sum per row: the buffer picked by the address's top bit */
-        float *const base[2] = {seq, shared};
-        for (int64_t r = lo; r < hi; r++) {
-            float sum = 0.0f;
-            for (int64_t t = g->term_ptr[r]; t < g->term_ptr[r + 1]; t++) {
-                const uint32_t x = g->tx[t], y = g->ty[t];
-                sum += base[x >> 31][x & ~RP_CSR_SHARED] * base[y >> 31][y & ~RP_CSR_SHARED];
-            }
-            base[g->dst[r] >> 31][g->dst[r] & ~RP_CSR_SHARED] = sum;
-        }
-        return;
-    }
+    const uint32_t low = ~RP_CSR_SHARED;
     for (int64_t r = lo; r < hi; r++) {
-        rp_csr_row_batch(g, r, B, seq, shared, acc);
-        memcpy(seq + (int64_t)g->dst[r] * B, acc, (size_t)B * sizeof *acc);
+        float sum = 0.0f;
+        for (int64_t t = g->term_ptr[r]; t < g->term_ptr[r + 1]; t++)
+            sum += shared[g->tx[t] & low] * shared[g->ty[t] & low];
+        shared[g->dst[r] & low] = sum;
     }
 }
 
@@ -1331,22 +1350,17 @@ int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *sh
     if (batch == 0)
         return RP_OK;
     const int threads = rp_threads(num_threads);
-    float *acc = malloc((size_t)(threads * batch) * sizeof *acc);
-    if (acc == NULL)
-        return rp_set_error(err, RP_ERUNTIME, "csr run: out of memory for %lld sums", (long long)batch);
     for (int64_t ph = 0; ph < g->nphases; ph++) {
         const int64_t lo = g->phase_ptr[ph], mid = g->phase_shared[ph], hi = g->phase_ptr[ph + 1];
         const int64_t chunk = 64, tasks = (hi - lo + chunk - 1) / chunk;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (tasks > 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t a = lo + task * chunk, z = rp_min64(a + chunk, hi);
-            float *mine = acc + rp_thread_num() * batch;
             if (a < mid)
-                rp_csr_rows(g, a, rp_min64(z, mid), batch, seq, shared, mine);
+                rp_csr_rows_batch(g, a, rp_min64(z, mid), batch, seq, shared);
             if (z > mid)
-                rp_csr_rows(g, a > mid ? a : mid, z, 1, shared, shared, mine);
+                rp_csr_rows_shared(g, a > mid ? a : mid, z, shared);
         }
     }
-    free(acc);
     return RP_OK;
 }

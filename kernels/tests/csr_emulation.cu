@@ -21,7 +21,7 @@
  * from fewer or more raw floats) whose leaves are all shared, none, or some
  * (two chains of each per n), for every levels from 0 to
  * rp_scan_max_levels(n + 1) (the plan has n + 1 slots), each run for B = 1,
- * 2, 3 and 5. Each program
+ * 2, 3 and 13 (the CPU runner's blocks of 8 sequences and a rest). Each program
  * is first checked against the format's rules (phases and terms in order,
  * addresses in range, shared rows touching only shared, no row of a phase
  * writing what another row of it reads or writes, shared[0] never written).
@@ -558,7 +558,7 @@ static void run_plan(const chain &c, int L, int64_t B, int device)
 
 static void sweep(void)
 {
-    const int64_t batches[] = {1, 2, 3, 5};
+    const int64_t batches[] = {1, 2, 3, 13};
     int device = 0;
     for (int64_t n = 1; n <= 40; n++)
         for (int k = 0; k < 6; k++) { /* two chains of each sharing */
@@ -642,7 +642,7 @@ static void make_synthetic(int64_t S, int64_t H, int nphases, synthetic &s)
 
 static void synthetic_cases(void)
 {
-    const int64_t batches[] = {1, 2, 7, 40};
+    const int64_t batches[] = {1, 2, 7, 19, 40};
     for (int k = 0; k < 300; k++) {
         synthetic s;
         make_synthetic(6 + irand(30), 4 + irand(12), 1 + irand(8), s);
