@@ -90,6 +90,12 @@ def test_memory_cap_zero_keeps_every_task_in_place():
     handle = _train_pair({"max_extra_memory": 0.0, "profile_iters": 2, "regions": 4}, steps=9)
     assert handle.schedule["peak_extra_bytes"] == 0
     assert handle.schedule["moved"] == 0
+    # on the CPU nothing moved is autograd's order: the last two steps ran unsplit
+    assert not any(s.split for s in handle.sites)
+
+
+def _moved_sites(handle) -> set:
+    return {k[0] for k, r in handle._region_of.items() if r != handle._region_of_main[k]}
 
 
 def test_corun_profile_latin_square():
@@ -144,6 +150,9 @@ def test_speedup_profile_moves_tasks_and_keeps_gradients():
                           "speedup": speedup}, steps=6)
     assert handle.schedule["moved"] > 0
     assert handle.schedule["peak_extra_bytes"] > 0
+    # the layers whose dW moved stay split; the others run plain autograd
+    moved = _moved_sites(handle)
+    assert moved and all(s.split == (s.index in moved) for s in handle.sites)
 
 
 def test_hold_defers_until_run():

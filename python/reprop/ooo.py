@@ -942,6 +942,19 @@ class OOOHandle:
         self.schedule = {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
                          "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
                          "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
+        if self._device is None or self._device.type != "cuda":
+            self._unsplit_unmoved(region_main)
+
+    def _unsplit_unmoved(self, region_main: dict) -> None:
+        """Without a sub-stream a dW the schedule leaves in its dO's region
+        runs right after that dO: autograd's own order. A layer none of whose
+        calls' dW moved runs plain autograd from the next forward on (one
+        native backward, no Python task), as DataParallel's layers past k
+        do; a layer first called later stays split."""
+        moved = {k[0] for k, r in self._region_of.items() if r != region_main[k]}
+        for site in self.sites:
+            if site.index >= 0 and site.index not in moved:
+                site.split = False
 
 
 def _elapsed(a, b) -> float:
@@ -1009,6 +1022,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
 
     Returns an ``OOOHandle`` (also a context manager). Gradients after each
     backward equal plain autograd's; create_graph=True is not supported.
+    Off CUDA, once the schedule is fixed, a layer whose dW it leaves beside
+    its dO runs plain autograd (the same order, without the split's cost).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
