@@ -399,6 +399,13 @@ def describe_machine(info: dict) -> str:
         line1 += (f"; {info['gpu']} ({info['gpu_capability']}, {info['gpu_memory_gib']} GiB), "
                   f"CUDA {info['torch_cuda']}")
     text = f"{line1}\n{rp_text}; git {info['git_commit'] or 'n/a'}; {info['date']}"
+    checkout = os.path.realpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir,
+                                             "python", "reprop"))
+    if rp.get("importable") and os.path.realpath(rp.get("path") or "") != checkout:
+        # an older `pip install .` shadows the checkout: the git line would lie
+        text += (f"\nWARNING: reprop was imported from {rp.get('path')}, not from this checkout "
+                 f"({checkout}): the figures are for that build, not for git "
+                 f"{info['git_commit'] or 'n/a'} (pip install -e ., or PYTHONPATH=python)")
     load, cpus = info.get("loadavg_1min"), info.get("cpu_count") or 1
     if load is not None and load > 0.25 * cpus + 0.5:
         text += (f"\nWARNING: load average {load:.1f} on {cpus} CPUs before the run: other "
