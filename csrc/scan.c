@@ -1293,7 +1293,7 @@ rp_csr_row_lanes(const rp_csr_program *g, int64_t r, int64_t B, int64_t b0, cons
             for (int w = 0; w < W; w++)
                 acc[w] += s * v[w]; /* float multiplication commutes: x * y either way */
         }
-    } else { /* only a shared row reads two shared operands; not reached with B > 1 */
+    } else { /* two shared operands (plans write such sums to shared): one sum for every lane */
         float sum = 0.0f;
         for (int64_t t = t0; t < t1; t++)
             sum += shared[tx[t] & low] * shared[ty[t] & low];
