@@ -943,18 +943,19 @@ class OOOHandle:
                          "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
                          "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
         if self._device is None or self._device.type != "cuda":
-            self._unsplit_unmoved(region_main)
+            # without a sub-stream a dW left in its dO's region runs right
+            # after that dO: autograd's own order
+            moved = {k[0] for k, r in self._region_of.items() if r != region_main[k]}
+            self._split_only(lambda site: site.index in moved)
 
-    def _unsplit_unmoved(self, region_main: dict) -> None:
-        """Without a sub-stream a dW the schedule leaves in its dO's region
-        runs right after that dO: autograd's own order. A layer none of whose
-        calls' dW moved runs plain autograd from the next forward on (one
-        native backward, no Python task), as DataParallel's layers past k
-        do; a layer first called later stays split."""
-        moved = {k[0] for k, r in self._region_of.items() if r != region_main[k]}
+    def _split_only(self, keep: Callable[[_Site], bool]) -> None:
+        """From the next forward on, only the called layers `keep` accepts
+        run split; the others run plain autograd (one native backward, no
+        Python task), for schedules that leave their dW in autograd's order.
+        A layer first called later stays split until it has an index."""
         for site in self.sites:
-            if site.index >= 0 and site.index not in moved:
-                site.split = False
+            if site.index >= 0:
+                site.split = keep(site)
 
 
 def _elapsed(a, b) -> float:
@@ -1680,16 +1681,8 @@ class DataParallel:
             self._in_backward = False
         if self.searching and self.scores is not None:
             self._search_step()
-        self._split_only_held()
-
-    def _split_only_held(self) -> None:
-        """From the next forward on, only layers below k run split: the others
-        keep autograd's order here, so plain autograd (one native backward,
-        no Python task) computes the same gradients faster. A layer first
-        called later stays split until it has an index."""
-        for s in self.handle.sites:
-            if s.index >= 0:
-                s.split = s.index < self.k
+        # only the held layers leave autograd's order
+        self.handle._split_only(lambda site: site.index < self.k)
 
     @staticmethod
     def _write_back(b: _Bucket, as_view: bool) -> None:
