@@ -166,10 +166,7 @@ def test_hold_defers_until_run():
     assert len(tasks) == 3  # out, and shared at two sites
     assert model.out.weight.grad is None and model.shared.weight.grad is None
     assert model.c1.weight.grad is not None  # not held: ran right after its dO
-    seen = []
-    handle.after_task = seen.append
     handle.run(tasks)
-    assert len(seen) == 3
     nn.functional.cross_entropy(ref(idx), y).backward()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
@@ -377,6 +374,62 @@ def test_no_grad_and_frozen_layers_run_unsplit():
     assert [s.module for s in handle.sites] == [model[1]]
     with torch.no_grad():
         assert model(torch.randn(2, 4)).grad_fn is None
+
+
+def _hook_counts(model: nn.Module) -> dict:
+    """Post-accumulate-grad hook calls per parameter name: a hook fires only
+    where autograd's graph reaches the parameter itself."""
+    counts = {}
+    for name, p in model.named_parameters():
+        counts[name] = 0
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(
+                lambda _p, n=name: counts.__setitem__(n, counts[n] + 1))
+    return counts
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # torch.nn.utils.weight_norm
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "replace", "weight_norm", "spectral_norm"])
+def test_parameters_as_they_are_at_each_call(change):
+    """The split reads a layer's parameters at each call, not at enable():
+    a weight unfrozen, frozen or replaced since, or computed before each
+    forward (weight_norm, spectral_norm: the layer is not split then, since
+    autograd must reach what the weight is made from), gets autograd's
+    gradient and its hooks fire as often as autograd's."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+        if change == "unfreeze":
+            model[0].weight.requires_grad_(False)
+        if change in ("weight_norm", "spectral_norm"):
+            getattr(nn.utils, change)(model[0])
+        return model
+
+    ref, model = build(), build()
+    handle = ooo.enable(model, order="conventional")
+    for net in (ref, model):
+        if change == "unfreeze":
+            net[0].weight.requires_grad_(True)
+        if change == "freeze":
+            net[2].bias.requires_grad_(False)
+        if change == "replace":
+            net[2].weight = nn.Parameter(torch.linspace(-1, 1, 18).reshape(3, 6))
+    counts_ref, counts = _hook_counts(ref), _hook_counts(model)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for net, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            net(x).square().sum().backward()
+            o.step()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert (a.grad is None) == (b.grad is None), name
+            if a.grad is not None:
+                torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert counts == counts_ref
+    split = [s.module for s in handle.sites if s.index >= 0]
+    assert split == ([model[2]] if "norm" in change else [model[0], model[2]])
 
 
 @pytest.mark.parametrize("bad, error, match", [

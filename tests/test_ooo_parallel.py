@@ -225,9 +225,9 @@ def _dp_order(rank: int, world: int) -> None:
     model = _Net()
     dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
     name = {p: n for n, p in model.named_parameters()}
-    site_of = {id(s.params): s for s in dp.handle.sites}
     events = []
-    dp.handle.after_task = lambda params: events.append(("dW", site_of[id(params)].index))
+    run = dp.handle.run  # every dW task, held or not, runs through it
+    dp.handle.run = lambda tasks: (events.extend(("dW", t.site.index) for t in tasks), run(tasks))
     launch = dp._launch
     dp._launch = lambda b: (events.append(("sync", [name[p] for p in b.params],
                                            dp._held is None)), launch(b))

@@ -64,12 +64,23 @@ class _Kind:
     (tensors first, saved for backward so in-place changes are caught; then
     plain values); w and b are the module's weight and bias, cast as autocast
     would cast them for ``op(m)``, the functional op the module's own forward calls.
+    ``weight_grads(m, saved, g, mask)`` returns (dweight, dbias), each None
+    where `mask` (two bools) does not ask for it.
     """
 
     tensors_saved = 2
+    names = ("weight", "bias")  # the parameters, as the module registers them
 
-    def params(self, m: nn.Module) -> list:
-        return [p for p in (getattr(m, "weight", None), getattr(m, "bias", None)) if p is not None]
+    def params(self, m: nn.Module) -> tuple | None:
+        """(weight, bias) at this call, None where the module has none; None
+        in all where one is not a registered Parameter (the weight that
+        torch.nn.utils.weight_norm computes before each forward): autograd
+        must then reach what it is computed from, so the layer is not split."""
+        own = m._parameters
+        out = [own.get(n, _UNREGISTERED) for n in self.names]
+        if any(p is _UNREGISTERED for p in out):
+            return None
+        return (*out, None) if len(out) == 1 else tuple(out)
 
     def check(self, m: nn.Module) -> None:
         """ValueError for a configuration the split cannot reproduce exactly."""
@@ -82,6 +93,9 @@ class _Kind:
         """True where dW falls out of the reductions dO needs anyway: then
         both are made in one call and only dW's accumulation is deferred."""
         return False
+
+
+_UNREGISTERED = object()
 
 
 def _fold(t: torch.Tensor, last: int) -> torch.Tensor:
@@ -100,13 +114,11 @@ class _LinearKind(_Kind):
         x, w = saved
         return _fold(g, w.shape[0]).mm(w).view(x.shape)
 
-    def weight_grads(self, m, saved, g):
+    def weight_grads(self, m, saved, g, mask):
         x, w = saved
         g2 = _fold(g, w.shape[0])
-        out = [(m.weight, g2.t().mm(_fold(x, w.shape[1])))]
-        if m.bias is not None:
-            out.append((m.bias, g2.sum(0)))
-        return out
+        return (g2.t().mm(_fold(x, w.shape[1])) if mask[0] else None,
+                g2.sum(0) if mask[1] else None)
 
 
 class _ConvKind(_Kind):
@@ -140,7 +152,7 @@ class _ConvKind(_Kind):
 
     def _backward(self, m, saved, g, mask):
         x, w = saved
-        bias = [w.shape[0]] if m.bias is not None else None
+        bias = [w.shape[0]] if mask[2] else None
         return _aten.convolution_backward(g, x, w, bias, list(m.stride), self._padding(m),
                                           list(m.dilation), False, [0] * len(m.stride),
                                           m.groups, mask)
@@ -148,13 +160,13 @@ class _ConvKind(_Kind):
     def input_grad(self, m, saved, g):
         return self._backward(m, saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g):
-        _, dw, db = self._backward(m, saved, g, [False, True, m.bias is not None])
-        return [(m.weight, dw)] + ([(m.bias, db)] if m.bias is not None else [])
+    def weight_grads(self, m, saved, g, mask):
+        return tuple(self._backward(m, saved, g, [False, *mask])[1:])
 
 
 class _EmbeddingKind(_Kind):
     tensors_saved = 1
+    names = ("weight",)
 
     def check(self, m):
         if m.sparse:
@@ -177,11 +189,11 @@ class _EmbeddingKind(_Kind):
     def input_grad(self, m, saved, g):
         return None  # indices have no gradient
 
-    def weight_grads(self, m, saved, g):
+    def weight_grads(self, m, saved, g, mask):
         (idx,) = saved
         pad = -1 if m.padding_idx is None else m.padding_idx
-        return [(m.weight, _aten.embedding_dense_backward(g, idx, m.num_embeddings, pad,
-                                                          m.scale_grad_by_freq))]
+        return _aten.embedding_dense_backward(g, idx, m.num_embeddings, pad,
+                                              m.scale_grad_by_freq), None
 
 
 class _NormKind(_Kind):
@@ -192,14 +204,13 @@ class _NormKind(_Kind):
     def input_grad(self, m, saved, g):
         return self._backward(m, saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g):
-        return self.grads(m, saved, g, False)[1]
+    def weight_grads(self, m, saved, g, mask):
+        return self.grads(m, saved, g, False, mask)[1]
 
-    def grads(self, m, saved, g, input_grad: bool):
-        """(dO or None, [(param, dW)]) from one call of the native backward."""
-        dx, dw, db = self._backward(m, saved, g, [input_grad, m.weight is not None,
-                                                  m.bias is not None])
-        return dx, [(p, d) for p, d in ((m.weight, dw), (m.bias, db)) if p is not None]
+    def grads(self, m, saved, g, input_grad: bool, mask) -> tuple:
+        """(dO or None, (dweight, dbias)) from one call of the native backward."""
+        dx, dw, db = self._backward(m, saved, g, [input_grad, *mask])
+        return dx, (dw, db)
 
 
 class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
@@ -236,7 +247,7 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
         return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, m.eps, mask)
 
 
-class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd
+class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd; keeps bias
 
     def op(self, m):
         return "layer_norm"
@@ -244,12 +255,12 @@ class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd
     def forward(self, m, x, w, b):
         shape = list(m.normalized_shape)
         y, mean, rstd = _aten.native_layer_norm(x, shape, w, b, m.eps)
-        return y, (x, w, mean, rstd)
+        return y, (x, w, mean, rstd, b)  # the kernel reads only whether b exists
 
     def _backward(self, m, saved, g, mask):
-        x, w, mean, rstd = saved
+        x, w, mean, rstd, b = saved
         return _aten.native_layer_norm_backward(g, x, list(m.normalized_shape), mean, rstd, w,
-                                                m.bias, mask)
+                                                b, mask)
 
 
 class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
@@ -339,11 +350,11 @@ def _autocast_cast(t, dtype: torch.dtype):
 
 def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     """(kind, trainable params) when enable() splits `m`: a known exact type,
-    its own forward not replaced, some parameter trainable."""
+    its own forward not replaced, some registered parameter trainable."""
     kind = _kind_of(m)
     if kind is None or "forward" in m.__dict__:
         return None
-    params = [p for p in kind.params(m) if p.requires_grad]
+    params = [p for p in kind.params(m) or () if p is not None and p.requires_grad]
     return (kind, params) if params else None
 
 
@@ -351,25 +362,27 @@ class _Split(torch.autograd.Function):
     """One call of a split layer: backward returns dO and hands dW to the handle."""
 
     @staticmethod
-    def forward(ctx, site: "_Site", x: torch.Tensor, *params: torch.Tensor):
-        m = site.module
-        w, b = getattr(m, "weight", None), getattr(m, "bias", None)
-        cast, device = None, x.device
+    def forward(ctx, site: "_Site", x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
+        m, kind = site.module, site.kind
+        device = x.device
         if torch.is_autocast_enabled(device.type):
-            cast = _autocast_policy(site.kind.op(m), device, torch.get_autocast_dtype(device.type))
+            cast = _autocast_policy(kind.op(m), device, torch.get_autocast_dtype(device.type))
+        else:
+            cast = None
         if cast is None:
-            y, saved = site.kind.forward(m, x, w, b)
+            y, saved = kind.forward(m, x, w, b)
         else:
             # what autocast does before the op, done here so that backward gets
             # the cast tensors, as autograd's own graph saves them; the engine
             # casts the returned gradients back to the inputs' dtypes
-            x, w, b = (_autocast_cast(t, cast) for t in (x, w, b))
+            xc, wc, bc = (_autocast_cast(t, cast) for t in (x, w, b))
             with torch.autocast(device.type, enabled=False):
-                y, saved = site.kind.forward(m, x, w, b)
-        n = site.kind.tensors_saved
+                y, saved = kind.forward(m, xc, wc, bc)
+        n = kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
         ctx.extra = saved[n:]
         ctx.site = site
+        ctx.params = (w, b)
         return y
 
     @staticmethod
@@ -380,37 +393,40 @@ class _Split(torch.autograd.Function):
                                "remove() on the handle of reprop.ooo.enable() first")
         site = ctx.site
         kind, module = site.kind, site.module
-        saved = tuple(ctx.saved_tensors) + tuple(ctx.extra)
-        handle = site.handle
-        deferred, returned = _weight_grad_targets(ctx, site.params)
-        task = handle._weight_grad_ready(site, saved, g, deferred) if deferred else None
+        saved = ctx.saved_tensors + ctx.extra
+        deferred, returned = _weight_grad_targets(ctx)
+        task = None
+        if deferred[0] or deferred[1]:
+            task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred)
         input_grad = ctx.needs_input_grad[1]
+        wanted = (deferred[0] or returned[0], deferred[1] or returned[1])
         weight_grads = None
-        if (deferred or returned) and kind.fuses(saved):
-            dx, weight_grads = kind.grads(module, saved, g, input_grad)
+        if (wanted[0] or wanted[1]) and kind.fuses(saved):
+            dx, weight_grads = kind.grads(module, saved, g, input_grad, wanted)
             if task is not None:
                 task.made(weight_grads)
         else:
             dx = kind.input_grad(module, saved, g) if input_grad else None
         if task is not None:
-            handle._after_input_grad(task)
-        grads = dict.fromkeys(site.params)
-        if returned:
-            if weight_grads is None:
-                weight_grads = kind.weight_grads(module, saved, g)
-            for p, d in weight_grads:
-                if any(p is q for q in returned):
-                    grads[p] = d
-        return (None, dx) + tuple(grads.values())
+            site.handle._after_input_grad(task)
+        if not (returned[0] or returned[1]):
+            return None, dx, None, None
+        if weight_grads is None:
+            weight_grads = kind.weight_grads(module, saved, g, returned)
+        return (None, dx) + tuple(d if r else None for d, r in zip(weight_grads, returned))
 
 
-def _weight_grad_targets(ctx, params: list) -> tuple[list, list]:
-    """Which parameters this backward accumulates into (their dW deferred) and
-    which it must return (autograd.grad() asked for them). Parameters the
-    engine will not reach, as in autograd.grad() for inputs only, get no dW:
-    their .grad must not change."""
-    deferred, returned = [], []
-    for p, (node, _) in zip(params, ctx.next_functions[1:]):
+def _weight_grad_targets(ctx) -> tuple[list, list]:
+    """Masks over (weight, bias): which this backward accumulates into (their
+    dW deferred) and which it must return (autograd.grad() asked for them).
+    Parameters the engine will not reach, as in autograd.grad() for inputs
+    only, or frozen ones, get no dW: their .grad must not change."""
+    deferred, returned = [False, False], [False, False]
+    edges = iter(ctx.next_functions[1:])  # one per tensor input after x
+    for i, p in enumerate(ctx.params):
+        if p is None:
+            continue
+        node = next(edges)[0]
         try:
             if node is None or not torch._C._will_engine_execute_node(node):
                 continue
@@ -418,11 +434,11 @@ def _weight_grad_targets(ctx, params: list) -> tuple[list, list]:
             # torch's answer for a leaf whose gradient autograd.grad() captures
             if "autograd.grad" not in str(exc):
                 raise
-            returned.append(p)
+            returned[i] = True
             continue
         # autograd calls a leaf's tensor hooks (register_hook) with the gradient
         # it hands to AccumulateGrad: that must be the real one, summed over sites
-        (returned if p._backward_hooks else deferred).append(p)
+        (returned if p._backward_hooks else deferred)[i] = True
     return deferred, returned
 
 
@@ -435,7 +451,7 @@ class _Site:
     handle: "OOOHandle"
     name: str
     index: int = -1  # order of first forward call in the iteration being profiled
-    params: list = field(default_factory=list)
+    params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
 
 
@@ -469,25 +485,26 @@ class _Task:
     """A deferred weight gradient: one call's saved tensors and output gradient,
     or the gradients already made beside dO (``made``), to accumulate."""
 
-    __slots__ = ("site", "saved", "grad", "key", "targets", "every", "event", "done")
+    __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done")
 
-    def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple, targets: list):
+    def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
+                 params: tuple, mask: list):
         self.site, self.saved, self.grad, self.key = site, saved, grad, key
-        self.targets = targets  # the parameters whose .grad this backward reaches
-        self.every = len(targets) == len(site.params)
+        self.params, self.mask = params, mask  # (weight, bias) of the call, which to make
+        self.targets = [p for p, m in zip(params, mask) if m]  # whose .grad it adds to
         self.event = None
-        self.done: list | None = None
+        self.done: tuple | None = None
 
-    def made(self, grads: list) -> None:
+    def made(self, grads: tuple) -> None:
         """dW was made with dO (a fused kind): what is left is to accumulate it,
         on the sub-stream after the main stream has made it."""
-        self.done, self.saved, self.grad = grads, (), None
         if self.event is not None:
-            self.event = torch.cuda.current_stream(grads[0][1].device).record_event()
+            self.event = torch.cuda.current_stream(self.grad.device).record_event()
+        self.done, self.saved, self.grad = grads, (), None
 
     def tensors(self) -> list:
         """What the task reads when it runs: kept alive for the sub-stream."""
-        return [t for t in (self.grad, *self.saved, *(d for _, d in self.done or ()))
+        return [t for t in (self.grad, *self.saved, *(self.done or ()))
                 if isinstance(t, torch.Tensor)]
 
     def nbytes(self) -> int:
@@ -496,9 +513,9 @@ class _Task:
     def run(self) -> None:
         grads = self.done
         if grads is None:
-            grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad)
-        for p, d in grads:
-            if self.every or any(p is q for q in self.targets):
+            grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad, self.mask)
+        for p, d, want in zip(self.params, grads, self.mask):
+            if want:
                 _accumulate(p, d)
         self.saved = self.grad = self.done = None  # the memory a deferred task holds goes now
 
@@ -600,9 +617,6 @@ class OOOHandle:
         self._next_index = 0
         self._held: list | None = None  # hold(): tasks collected instead of run
         self._keep = None
-        # Called with a task's parameters right after their gradients were
-        # accumulated by run() (data parallelism starts its all-reduce there).
-        self.after_task: Callable[[list], None] | None = None
         self._sub_streams: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
@@ -641,8 +655,6 @@ class OOOHandle:
         """Runs held tasks now, in the given order, on the current stream."""
         for t in tasks:
             t.run()
-            if self.after_task is not None:
-                self.after_task(t.site.params)
 
     def pending(self) -> int:
         """Deferred weight-gradient tasks not run yet (0 outside backward)."""
@@ -765,13 +777,13 @@ class OOOHandle:
         return time.perf_counter() - self._task_time
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
-                           targets: list) -> _Task:
+                           params: tuple, mask: list) -> _Task:
         if not self._in_backward:
             self._begin_backward()
         self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
-        task = _Task(site, saved, g, (site.index, call), targets)
+        task = _Task(site, saved, g, (site.index, call), params, mask)
         if self._profiling():
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
@@ -987,11 +999,16 @@ def _make_forward(site: _Site):
         if args or kwargs or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() \
                 or site.handle._removed or not site.split:
             return own(self, x, *args, **kwargs)
+        # the parameters as they are now: one may have been replaced, frozen
+        # or unfrozen since enable(); a layer with none trainable has no dW
+        params = kind.params(module)
+        if params is None or not any(p is not None and p.requires_grad for p in params):
+            return own(self, x, *args, **kwargs)
         if site.index < 0:
             site.index = site.handle._next_index
             site.handle._next_index += 1
         x = kind.prepare(module, x)
-        return _Split.apply(site, x, *site.params)
+        return _Split.apply(site, x, *params)
 
     return forward
 
