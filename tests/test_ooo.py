@@ -432,6 +432,26 @@ def test_parameters_as_they_are_at_each_call(change):
     assert split == ([model[2]] if "norm" in change else [model[0], model[2]])
 
 
+@pytest.mark.filterwarnings("ignore:Complex modules")
+def test_complex_and_meta_calls_run_plain_autograd():
+    """The split's formulas are the real ones (autograd conjugates for complex
+    tensors): complex calls run plain autograd, with its gradients. Meta
+    tensors (shape inference) have nothing to defer."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).to(torch.complex64)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x = torch.randn(5, 3, dtype=torch.complex64)
+    for net in (ref, model):
+        net(x).abs().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    lin = nn.Linear(3, 2, device="meta")
+    ooo.enable(lin)
+    out = lin(torch.randn(4, 3, device="meta"))
+    assert out.is_meta and "_Split" not in type(out.grad_fn).__name__
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: ooo.enable("model"), TypeError, "model"),
     (lambda: ooo.enable(nn.Linear(2, 2), order="fast"), ValueError, "order"),

@@ -997,7 +997,8 @@ def _make_forward(site: _Site):
 
     def forward(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() \
-                or site.handle._removed or not site.split:
+                or site.handle._removed or not site.split or x.is_complex() or x.is_meta:
+            # complex: autograd's formulas conjugate, the split's do not; meta: nothing to defer
             return own(self, x, *args, **kwargs)
         # the parameters as they are now: one may have been replaced, frozen
         # or unfrozen since enable(); a layer with none trainable has no dW
@@ -1021,7 +1022,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     Args:
         model: any nn.Module; its Linear, Conv1d/2d/3d, Embedding,
             BatchNorm1d/2d/3d, LayerNorm and GroupNorm with trainable
-            parameters are split (exact types; others run as before).
+            parameters are split (exact types; others run as before, and so
+            do calls on complex or meta tensors, and layers whose weight is
+            not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
             CUDA on a low-priority sub-stream) or
             "conventional" (dW right after dO on the main stream: the split
