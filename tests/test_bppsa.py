@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import nn
 
-import reprop
 from reprop import bppsa
 from reprop._native import _C
 
@@ -377,6 +376,30 @@ def test_module_rejects_bad_input():
         bppsa.GRU(2, 3, scan="fastest")
     with pytest.raises(ValueError, match="levels must be >= 0"):
         bppsa.GRU(2, 3, scan=-1)
+    with pytest.raises(ValueError, match=r"input: expected 2 features \(input_size\)"):
+        rnn(torch.randn(4, 2, 3))
+    with pytest.raises(RuntimeError, match="input: sparse tensors are not supported"):
+        rnn(torch.randn(4, 2, 2).to_sparse())
+    with pytest.raises(TypeError, match="hx: expected torch.float32 on cpu like input"):
+        rnn(torch.randn(4, 2, 2), torch.randn(1, 2, 3, dtype=torch.float64))
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
+        bppsa.convert("rnn")
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_module_empty_batch_is_torch_own(batch_first):
+    """No sequence to scan: outputs and gradients (zeros) as nn.RNN gives them."""
+    torch.manual_seed(0)
+    ref = nn.RNN(2, 3, batch_first=batch_first)
+    ours = bppsa.RNN(2, 3, batch_first=batch_first)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(0, 4, 2) if batch_first else torch.randn(4, 0, 2)
+    (out_ref, h_ref), (out, h) = ref(x), ours(x)
+    assert out.shape == out_ref.shape and h.shape == h_ref.shape
+    (out.sum() + h.sum()).backward()
+    (out_ref.sum() + h_ref.sum()).backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
 # ---------------------------------------------------------------------------
@@ -765,3 +788,16 @@ def test_chain_rejects_bad_layers_and_shapes():
         plan.backward([torch.randn(1, 4)], torch.randn(1, 3))
     with pytest.raises(ValueError, match=r"inputs\[0\]: expected 2 samples of 4 elements"):
         plan.backward([torch.randn(1, 4)], torch.randn(2, 2))
+    with pytest.raises(TypeError, match="grad_output: expected a real floating-point"):
+        plan.backward([torch.randn(1, 4)], torch.randn(1, 2, dtype=torch.complex64))
+    with pytest.raises(RuntimeError, match="grad_output: sparse tensors are not supported"):
+        plan.backward([torch.randn(1, 4)], torch.randn(1, 2).to_sparse())
+    with pytest.raises(ValueError, match="grad_output: expected 3 samples like x"):
+        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4), torch.randn(2, 2), plan=plan)
+    with pytest.raises(ValueError, match=r"x: expected samples of shape \(4,\)"):
+        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 5), plan=plan)
+    with pytest.raises(ValueError, match="x: expected a CPU or CUDA tensor, got device meta"):
+        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4, device="meta"), plan=plan)
+    # an empty batch has empty gradients
+    (gx,) = bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(0, 4), torch.randn(0, 2), plan=plan)
+    assert gx.shape == (0, 4)

@@ -95,6 +95,17 @@ def _check_scan_choice(scan) -> object:
     return scan
 
 
+def _check_real_dense(t, name: str) -> None:
+    """A strided real floating-point tensor on the CPU or a CUDA device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    check_strided(t, name)
+    if t.is_complex() or not t.is_floating_point():
+        raise TypeError(f"{name}: expected a real floating-point tensor, got {t.dtype}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
+
+
 def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torch.device,
                    optional: bool = False) -> None:
     if t is None:
@@ -427,19 +438,26 @@ class _ScanRNNBase:
                             "pass a padded tensor")
         if getattr(self, "proj_size", 0):
             raise ValueError(f"{type(self).__name__}: proj_size is not supported")
+        _check_real_dense(input, "input")
         if input.dim() not in (2, 3):
             raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
-        if input.is_complex() or not input.is_floating_point():
-            raise TypeError(f"input: expected a real floating-point tensor, got {input.dtype}")
         if input.dtype == torch.float64:
             raise TypeError(f"input: {type(self).__name__} runs its scan in float32; got float64 "
                             "(use torch.nn for double precision)")
-        if input.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"input: expected a CPU or CUDA tensor, got {input.device}")
+        if input.shape[-1] != self.input_size:
+            raise ValueError(f"input: expected {self.input_size} features (input_size) in the last "
+                             f"dimension, got {input.shape[-1]}")
+        if hx is not None:
+            _check_real_dense(hx, "hx")
+            if hx.dtype != input.dtype or hx.device != input.device:
+                raise TypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
+                                f"{hx.dtype} on {hx.device}")
 
     def forward(self, input, hx=None):
         self._check_input(input, hx)
         batched = input.dim() == 3
+        if batched and input.shape[0 if self.batch_first else 1] == 0:
+            return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
             input = input.unsqueeze(1)
             hx = hx.unsqueeze(1) if hx is not None else None
@@ -505,6 +523,8 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     included) into its BPPSA version in place, keeping parameters, buffers
     and hooks; returns the qualified names of the modules changed. Exact
     classes only: subclasses may override forward and are left alone."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
     changed = []
     for name, module in model.named_modules():
@@ -758,16 +778,18 @@ class ChainPlan:
         layer inputs of forward_inputs() and the gradient of the chain's output."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
+        _check_real_dense(grad_output, "grad_output")
         B, device = grad_output.shape[0], grad_output.device
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"grad_output: expected a CPU or CUDA tensor, got device {device}")
-        if grad_output[0].numel() != self.leaves[-1].cols:
+        if grad_output.numel() != B * self.leaves[-1].cols:
             raise ValueError(f"grad_output: expected {self.leaves[-1].cols} elements per sample, "
-                             f"got {grad_output[0].numel()}")
+                             f"got shape {tuple(grad_output.shape)}")
         for i, (leaf, x) in enumerate(zip(self.leaves, inputs)):
-            if x.device != device or x.shape[0] != B or x[0].numel() != leaf.rows:
+            _check_real_dense(x, f"inputs[{i}]")
+            if x.device != device or x.shape[0] != B or x.numel() != B * leaf.rows:
                 raise ValueError(f"inputs[{i}]: expected {B} samples of {leaf.rows} elements on {device}, "
                                  f"got shape {tuple(x.shape)} on {x.device}")
+        if B == 0:
+            return [torch.zeros_like(x) for x in inputs]
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
         seq = torch.empty(self.info["seq_floats"], B, device=device)
@@ -793,12 +815,21 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     gradient of the chain's output (ones when None), through the CSR
     transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
     patterns across steps; else one is built for x's sample shape."""
+    _check_real_dense(x, "x")
+    if x.dim() < 2:
+        raise ValueError(f"x: expected a batch (B, ...) of samples, got shape {tuple(x.shape)}")
     if plan is None:
         plan = ChainPlan(layers, x.shape[1:], levels=levels)
+    elif tuple(x.shape[1:]) != plan.input_shape:
+        raise ValueError(f"x: expected samples of shape {plan.input_shape} (the plan's), "
+                         f"got {tuple(x.shape[1:])}")
     with torch.no_grad():
         inputs, out = plan.forward_inputs(x)
     if grad_output is None:
         grad_output = torch.ones_like(out)
+    elif isinstance(grad_output, torch.Tensor) and grad_output.shape[:1] != x.shape[:1]:
+        raise ValueError(f"grad_output: expected {x.shape[0]} samples like x, got shape "
+                         f"{tuple(grad_output.shape)}")
     return plan.backward(inputs, grad_output)
 
 
