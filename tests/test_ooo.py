@@ -483,6 +483,19 @@ def test_complex_and_meta_calls_run_plain_autograd():
     assert out.is_meta and "_Split" not in type(out.grad_fn).__name__
 
 
+def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 2)))
+    inner = ooo.enable(model[1])
+    with pytest.raises(ValueError, match=r"model: 1\.0 is split by another"):
+        ooo.enable(model)
+    inner.remove()
+    assert len(ooo.enable(model).sites) == 2
+    refused = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(3, 3, 4, padding="same"))
+    with pytest.raises(ValueError, match="pads asymmetrically"):
+        ooo.enable(refused)
+    assert all("forward" not in m.__dict__ for m in refused.modules())
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: ooo.enable("model"), TypeError, "model"),
     (lambda: ooo.enable(nn.Linear(2, 2), order="fast"), ValueError, "order"),

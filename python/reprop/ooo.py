@@ -621,14 +621,17 @@ class OOOHandle:
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
+            if getattr(getattr(m.__dict__.get("forward"), "__func__", None), "ooo_site", None):
+                raise ValueError(f"model: {name or type(m).__name__} is split by another "
+                                 "reprop.ooo.enable() handle; call remove() on it first")
             split = _splittable(m)
             if split is None:
                 continue
             kind, params = split
-            kind.check(m)
-            site = _Site(m, kind, self, name or type(m).__name__, params=params)
-            m.forward = types.MethodType(_make_forward(site), m)
-            self.sites.append(site)
+            kind.check(m)  # before any forward is replaced: a refusal leaves the model as it was
+            self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
+        for site in self.sites:
+            site.module.forward = types.MethodType(_make_forward(site), site.module)
         if not self.sites:
             raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
                              "or GroupNorm with trainable parameters to split")
@@ -1011,6 +1014,7 @@ def _make_forward(site: _Site):
         x = kind.prepare(module, x)
         return _Split.apply(site, x, *params)
 
+    forward.ooo_site = site
     return forward
 
 
