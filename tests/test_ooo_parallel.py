@@ -200,8 +200,40 @@ def _compare_buffers(rank: int, world: int, steps: int = 3) -> None:
     dp.remove()
 
 
+class _NoSplit(nn.Module):
+    """No layer enable() splits: a GRU and a plain parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(WIDTH, WIDTH)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x):
+        return self.gru(x.unsqueeze(0))[0][0] * self.scale
+
+
+def _compare_unsplit(rank: int, world: int, steps: int = 3) -> None:
+    """A model with no split layer (L = 0): DDP's buckets alone, DDP's gradients."""
+    torch.manual_seed(rank)
+    model = _NoSplit()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        _train_step(ref, ref_opt, x, t)
+        _train_step(model, opt, x, t)
+        _assert_same(model, ref.module, "grad", world == 2)
+        ref_opt.step()
+        opt.step()
+    assert dp.layers == 0 and dp.k == 0 and not dp.searching
+    dp.remove()
+
+
 def _dp_cases(rank: int, world: int) -> None:
     _compare_buffers(rank, world)
+    _compare_unsplit(rank, world)
     for k, shared in itertools.product((0, 2, DEPTH), (False, True)):
         dp = _compare_with_ddp(rank, world, k, shared, steps=3)
         assert dp.k == k and dp.layers == DEPTH

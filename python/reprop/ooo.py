@@ -632,9 +632,6 @@ class OOOHandle:
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
         for site in self.sites:
             site.module.forward = types.MethodType(_make_forward(site), site.module)
-        if not self.sites:
-            raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
-                             "or GroupNorm with trainable parameters to split")
 
     # -- public ----------------------------------------------------------------
 
@@ -1064,7 +1061,11 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not (speedup is None or speedup == "profile" or callable(speedup)):
         raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
                          f"-> speedup, or None; got {speedup!r}")
-    return OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
+    handle = OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
+    if not handle.sites:
+        raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
+                         "or GroupNorm with trainable parameters to split")
+    return handle
 
 
 # ---------------------------------------------------------------------------
@@ -1450,7 +1451,8 @@ class DataParallel:
     DDP's reducer does), so any optimizer steps the replicas alike.
 
     Layers are the modules ``enable()`` splits (Linear, Conv, Embedding,
-    norms), in the order of their first call in the first forward. The dW of
+    norms), in the order of their first call in the first forward; a model
+    without any (an RNN alone, say) is reduced in the buckets alone, as DDP. The dW of
     layers [0, k) are held during backward and run after it, layer 0 first;
     each held layer's parameters are all-reduced as soon as its dW ran (issue
     order is the priority). From the second forward on, only those k layers
@@ -1498,7 +1500,10 @@ class DataParallel:
             raise ValueError(f"search_iters: expected an int >= 1, got {search_iters!r}")
         if k != "auto" and not _is_count(k):
             raise ValueError(f"k: expected an int or 'auto', got {k!r}")
-        self.handle: OOOHandle = enable(model, order="conventional")
+        # no split layer at all is fine here (L = 0: DDP's buckets alone); the
+        # schedule's arguments do not apply to the conventional order
+        self.handle = OOOHandle(model, "conventional", regions=1, max_extra_memory=0.0,
+                                profile_iters=2, speedup=None)
         layers = len(self.handle.sites)
         if k != "auto" and not 0 <= k <= layers:
             self.handle.remove()
@@ -1508,7 +1513,7 @@ class DataParallel:
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.k = 0 if k == "auto" else int(k)  # in force; the search moves it
-        self.searching = k == "auto"
+        self.searching = k == "auto" and bool(self.handle.sites)  # nothing to search without layers
         self.search_iters = int(search_iters)
         self.scores: np.ndarray | None = None  # throughput per k while searching (NaN: not yet)
         self._samples: list[float] = []
