@@ -13,6 +13,13 @@ Parts (--parts, default all that run on the device):
             of each part as the paper's Figure 7 (graph over eager, ooo+graph
             over graph). Models after the paper: DenseNet-121 (growth 12, 24,
             32), MobileNetV3-Large (width 0.25 to 1.0), ResNet-50; batch 32, 64.
+  split     the Python cost of the split itself: a training step (forward and
+            backward, no optimizer) of chains of 200 small layers, Linear(16, 16)
+            and Conv2d(4, 4, 3) + BatchNorm2d(4), plain autograd against every
+            layer split (order="conventional": dW right after dO), alternated;
+            microseconds per layer and the difference, which is what an eager
+            run pays per split layer on top of its kernels (a captured CUDA
+            graph pays none of it).
   simulate  the scheduler core's simulator with the paper's settings:
             data parallel ResNet-50 (380 ms of computation per iteration) on
             16, 32, 48 GPUs as the paper's Pub-A cluster, nodes of 4 V100 on
@@ -157,6 +164,46 @@ def run_single(args, device: torch.device) -> list[dict]:
             if cuda:
                 torch.cuda.empty_cache()
     return rows
+
+
+SPLIT_CHAINS = {
+    "Linear(16, 16)": (lambda: [nn.Linear(16, 16) for _ in range(200)], (4, 16)),
+    "Conv2d(4, 4, 3) + BatchNorm2d(4)": (
+        lambda: [m for _ in range(100) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4))],
+        (2, 4, 8, 8)),
+}
+
+
+def run_split(args, device: torch.device) -> list[dict]:
+    rows = []
+    for name, (layers, shape) in SPLIT_CHAINS.items():
+        torch.manual_seed(0)
+        plain = nn.Sequential(*layers()).to(device)
+        split = copy.deepcopy(plain)
+        ooo.enable(split, order="conventional")
+        x = torch.randn(*shape, device=device)
+
+        def step(model):
+            for p in model.parameters():
+                p.grad = None
+            model(x).sum().backward()
+
+        stats = harness.measure_alternated({"eager": lambda: step(plain), "split": lambda: step(split)},
+                                           device, warmup=max(args.warmup, 3), reps=max(args.reps, 20))
+        per_layer = {k: s.median * 1e3 / len(plain) for k, s in stats.items()}
+        rows.append({"chain": name, "layers": len(plain), "us_per_layer": per_layer,
+                     "split_cost_us": per_layer["split"] - per_layer["eager"],
+                     "ratio": per_layer["eager"] / per_layer["split"]})
+    return rows
+
+
+def print_split(rows: list[dict]) -> None:
+    print("\nsplit cost per layer (forward + backward, us; eager / split = ratio)")
+    print(f"{'chain':<34} {'layers':>6} {'eager':>8} {'split':>8} {'cost':>8} {'ratio':>6}")
+    for r in rows:
+        us = r["us_per_layer"]
+        print(f"{r['chain']:<34} {r['layers']:>6} {us['eager']:>8.1f} {us['split']:>8.1f} "
+              f"{r['split_cost_us']:>8.1f} {r['ratio']:>6.3f}")
 
 
 def print_single(rows: list[dict]) -> None:
@@ -691,21 +738,24 @@ def print_dist_pipeline(r: dict) -> None:
 def main() -> None:
     parser = harness.make_parser(__doc__.splitlines()[0])
     parser.add_argument("--parts", default=None,
-                        help="comma-separated: single, simulate, dist (default: all three on the "
-                             "CPU, single and simulate on CUDA)")
+                        help="comma-separated: single, split, simulate, dist (default: all four on "
+                             "the CPU, single, split and simulate on CUDA)")
     parser.add_argument("--models", type=lambda s: s.split(","), default=FULL_MODELS)
     parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[32, 64])
     args = parser.parse_args()
     device = harness.setup_device(args)
     args.reps = args.reps or (3 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else 1
-    parts = (args.parts or ("single,simulate,dist" if device.type == "cpu"
-                            else "single,simulate")).split(",")
+    parts = (args.parts or ("single,split,simulate,dist" if device.type == "cpu"
+                            else "single,split,simulate")).split(",")
     out = {"machine": harness.machine_info(device)}
     print(harness.describe_machine(out["machine"]))
     if "single" in parts:
         out["single"] = run_single(args, device)
         print_single(out["single"])
+    if "split" in parts:
+        out["split"] = run_split(args, device)
+        print_split(out["split"])
     if "simulate" in parts:
         gpus = [16] if args.quick else [16, 32, 48]
         cases = [(16, 4, 4)] if args.quick else [(16, 4, 4), (24, 8, 8), (48, 16, 16), (48, 24, 24),
