@@ -72,16 +72,13 @@
 #define EMU_DEVICES 3
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "scan.cu"
+#include "emu_faults.h" /* after reprop.h: rp_error */
 
 /* ---------------------------------------------------------------------------
  * The emulated runtime
  * ------------------------------------------------------------------------- */
 
-typedef enum { FAULT_NONE, FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE } emu_fault;
-
 static struct {
-    emu_fault fault;
-    int fault_at; /* the launch (0-based) the fault hits */
     int launches;
     bool reverse; /* blocks, and threads within them, last to first */
 } g_rt;
@@ -99,8 +96,6 @@ static struct {
     long plans, runs, launches, blocks, looped;
 } g_stats;
 
-static bool emu_get_device_fails(void) { return g_rt.fault == FAULT_GET_DEVICE; }
-
 static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
 {
     CHECK(false, "attribute %d of device %d asked for", (int)attr, dev);
@@ -116,10 +111,9 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
           index);
     if (fn != (const void *)rp_csr_kernel)
         return cudaErrorInvalidDeviceFunction;
-    if (g_rt.fault == FAULT_LAUNCH && index == g_rt.fault_at)
-        return cudaErrorLaunchOutOfResources;
-    if (g_rt.fault == FAULT_LAST_ERROR && index == g_rt.fault_at)
-        g_emu.pending = cudaErrorIllegalAddress; /* "launched", then reported */
+    const cudaError_t injected = emu_injected_launch_error(index);
+    if (injected != cudaSuccess)
+        return injected;
 
     const rp_csr_args &a = *(const rp_csr_args *)args[0];
     const rp_csr_program *g = g_expect.g;
@@ -737,29 +731,10 @@ static void error_cases(void)
               rc, g_rt.launches);
     }
     /* faults: a refused launch, an error found by cudaGetLastError, no device */
-    {
-        const emu_fault faults[] = {FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE};
-        for (emu_fault f : faults)
-            for (int at = 0; at < 3; at++) {
-                snprintf(g_context, sizeof g_context, "error: fault %d at launch %d", (int)f, at);
-                rp_error err;
-                g_rt.fault = f;
-                g_rt.fault_at = at;
-                g_rt.launches = 0;
-                g_emu.pending = cudaSuccess;
-                g_emu.current_device = 0;
-                g_expect = {&s.g, &rows.r, B, seq.p(), shared.p(), 0};
-                err.msg[0] = '\0';
-                const int rc =
-                    rp_cuda_csr_run(&s.g, &rows.r, B, seq.p(), shared.p(), g_emu.stream, &err);
-                CHECK(rc == RP_ERUNTIME && strstr(err.msg, "CUDA error in rp_cuda_csr_run") != NULL,
-                      "status %d: %s", rc, err.msg);
-                emu_check_fault_outcome(f == FAULT_GET_DEVICE, at, g_rt.launches);
-                if (f == FAULT_GET_DEVICE)
-                    break;
-            }
-        g_rt.fault = FAULT_NONE;
-    }
+    emu_check_faults(3, g_rt.launches, "CUDA error in rp_cuda_csr_run", [&](rp_error &err) {
+        g_expect = {&s.g, &rows.r, B, seq.p(), shared.p(), 0};
+        return rp_cuda_csr_run(&s.g, &rows.r, B, seq.p(), shared.p(), g_emu.stream, &err);
+    });
 }
 
 int main(void)

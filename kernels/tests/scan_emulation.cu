@@ -82,6 +82,7 @@ static int g_smem_default = 49152; /* the budget scan.cu plans with */
 static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute attr, int value);
 #define cudaFuncSetAttribute mock_func_set_attribute
 #include "scan.cu"
+#include "emu_faults.h" /* after reprop.h: rp_error */
 
 /* ---------------------------------------------------------------------------
  * The host executor: every thread of a block, phase by phase
@@ -141,12 +142,8 @@ struct emu_exec {
  * The emulated runtime
  * ------------------------------------------------------------------------- */
 
-typedef enum { FAULT_NONE, FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE } emu_fault;
-
 static struct {
     int optin; /* cudaDevAttrMaxSharedMemoryPerBlockOptin */
-    emu_fault fault;
-    int fault_at; /* the launch (0-based) the fault hits */
     int launches;
     bool reverse_blocks;  /* run each grid's blocks last to first */
     bool reverse_threads; /* run unsynchronized phases' threads last to first */
@@ -158,8 +155,6 @@ static struct {
     long by_kind[4];
     long tiles[8]; /* large up-sweep launches by log2(T) */
 } g_stats;
-
-static bool emu_get_device_fails(void) { return g_rt.fault == FAULT_GET_DEVICE; }
 
 static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
 {
@@ -254,10 +249,9 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
     CHECK(k != NULL, "launch of an unknown kernel %p", fn);
     if (k == NULL)
         return cudaErrorInvalidDeviceFunction;
-    if (g_rt.fault == FAULT_LAUNCH && index == g_rt.fault_at)
-        return cudaErrorLaunchOutOfResources;
-    if (g_rt.fault == FAULT_LAST_ERROR && index == g_rt.fault_at)
-        g_emu.pending = cudaErrorIllegalAddress; /* "launched", then reported */
+    const cudaError_t injected = emu_injected_launch_error(index);
+    if (injected != cudaSuccess)
+        return injected;
 
     const rp_scan_args &a = *(const rp_scan_args *)args[0];
     emu_check_launch_site(grid, block, stream);
@@ -678,29 +672,12 @@ static void error_cases(void)
         CHECK(rc == RP_OK && g_rt.launches == 0, "status %d, %d launches", rc, g_rt.launches);
     }
     /* faults: a refused launch, an error found by cudaGetLastError, no device */
-    {
-        const emu_fault faults[] = {FAULT_LAUNCH, FAULT_LAST_ERROR, FAULT_GET_DEVICE};
-        for (emu_fault f : faults)
-            for (int at = 0; at < 5; at++) {
-                snprintf(g_context, sizeof g_context, "error: fault %d at launch %d", (int)f, at);
-                g_rt.fault = f;
-                g_rt.fault_at = at;
-                g_rt.launches = 0;
-                g_emu.pending = cudaSuccess;
-                g_emu.current_device = 0;
-                g_expect.levels = 2;
-                g_expect.mode = RP_SCAN_STRUCT;
-                g_expect.next = 0;
-                err.msg[0] = '\0';
-                const int rc = rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_emu.stream, &err);
-                CHECK(rc == RP_ERUNTIME && strstr(err.msg, "CUDA error") != NULL,
-                      "status %d: %s", rc, err.msg);
-                emu_check_fault_outcome(f == FAULT_GET_DEVICE, at, g_rt.launches);
-                if (f == FAULT_GET_DEVICE)
-                    break;
-            }
-        g_rt.fault = FAULT_NONE;
-    }
+    emu_check_faults(5, g_rt.launches, "CUDA error", [&](rp_error &e) {
+        g_expect.levels = 2;
+        g_expect.mode = RP_SCAN_STRUCT;
+        g_expect.next = 0;
+        return rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_emu.stream, &e);
+    });
     /* a dimension whose one-task blocks need more shared memory than the device has */
     {
         snprintf(g_context, sizeof g_context, "error: shared memory");
