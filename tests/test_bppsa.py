@@ -706,9 +706,15 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
     ours = bppsa.chain_backward(layers, x, g, plan=pruned)
     for a, b in zip(ours, autograd_layer_input_grads(layers, x, g)):
         assert rel_err(a, b) <= 1e-5
+    kept = layers[3].weight.detach().clone()
     with torch.no_grad():
         layers[3].weight.add_(0.01)
     with pytest.raises(ValueError, match="Conv2d: weights that were zero .* non-zero now"):
+        bppsa.chain_backward(layers, x, g, plan=pruned)
+    with torch.no_grad():  # the mask applied again, then one pruned weight of the last layer regrown
+        layers[3].weight.copy_(kept)
+        layers[8].weight.view(-1)[int(pruned.leaves[-1].zero_weights[-1])] = 1e-30
+    with pytest.raises(ValueError, match="Linear: weights that were zero .* non-zero now"):
         bppsa.chain_backward(layers, x, g, plan=pruned)
 
 

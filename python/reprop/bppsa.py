@@ -637,7 +637,7 @@ class _Leaf:
             self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
         self.rows, self.cols = size, math.prod(self.out_shape)
         self.shared = isinstance(layer, (nn.Conv2d, nn.Linear))  # weights: one set for the batch
-        self.zero_weights = None  # the pruning mask the pattern assumes
+        self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
         if pruned and hasattr(self, "wmap"):
             self._drop_zero_weights()
         self._maps = {}
@@ -653,14 +653,16 @@ class _Leaf:
         self.indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         self.indices = np.ascontiguousarray(self.indices[keep])
         self.wmap = np.ascontiguousarray(self.wmap[keep])
-        self.zero_weights = torch.from_numpy(zero)
+        self.zero_weights = np.flatnonzero(zero)
 
-    def _check_still_pruned(self, weight: torch.Tensor) -> None:
-        mask = self.zero_weights.to(weight.device)
-        if weight.reshape(-1)[mask].any():
-            raise ValueError(f"{type(self.layer).__name__}: weights that were zero when the plan was "
-                             "built (pruned=True) are non-zero now; keep the pruning mask applied "
-                             "or build a new ChainPlan")
+    def regrown(self) -> torch.Tensor | None:
+        """A 0-d bool tensor, true if a weight the pattern dropped as zero is
+        non-zero now; left on the weights' device, so that ChainPlan.backward
+        waits for the GPU once for all layers, not once per layer."""
+        if self.zero_weights is None:
+            return None
+        weight = self.layer.weight.detach().reshape(-1)
+        return weight[self._map("zero_weights", weight.device)].ne(0).any()
 
     def _map(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, device)
@@ -689,8 +691,6 @@ class _Leaf:
         layer, B = self.layer, x.shape[0]
         with torch.no_grad():
             if self.shared:
-                if self.zero_weights is not None:
-                    self._check_still_pruned(layer.weight)
                 return layer.weight.detach().reshape(-1).float()
             if isinstance(layer, nn.ReLU):  # autograd's threshold_backward: 0 where x <= 0, else 1
                 return (~(x <= 0)).reshape(B, -1).float()
@@ -773,6 +773,15 @@ class ChainPlan:
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
+    def _check_still_pruned(self) -> None:
+        flags = [(leaf, flag) for leaf in self.leaves if (flag := leaf.regrown()) is not None]
+        if not flags or not torch.stack([flag for _, flag in flags]).any():
+            return
+        leaf = next(leaf for leaf, flag in flags if flag)
+        raise ValueError(f"{type(leaf.layer).__name__}: weights that were zero when the plan was "
+                         "built (pruned=True) are non-zero now; keep the pruning mask applied "
+                         "or build a new ChainPlan")
+
     def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() and the gradient of the chain's output."""
@@ -790,6 +799,7 @@ class ChainPlan:
                                  f"got shape {tuple(x.shape)} on {x.device}")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
+        self._check_still_pruned()
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
         seq = torch.empty(self.info["seq_floats"], B, device=device)
