@@ -310,6 +310,59 @@ def test_dropout_between_layers_matches_with_same_masks():
     assert out.shape == (6, 2, 4)
 
 
+def run_packed(module, x, lengths, h0, sort):
+    """run() for a PackedSequence of x's first `lengths` steps, returning the
+    packed output's fields as well."""
+    x = x.detach().clone().requires_grad_()
+    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
+    out, h_n = module(nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=sort), h0)
+    weight_out = torch.randn(out.data.shape, generator=torch.Generator().manual_seed(1))
+    ((out.data * weight_out).sum() + h_n.sin().sum()).backward()
+    grads = [x.grad] + ([h0.grad] if h0 is not None else []) + [p.grad for p in module.parameters()]
+    return [out.data.detach(), h_n.detach()] + grads, out
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("kind", ["tanh", "relu", "gru"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_packed_sequences_match_torch(kind, bidirectional, device):
+    """PackedSequence input, sorted or not, with and without h0, over two
+    layers: the packed output (same layout), h_n and every gradient equal
+    torch's, which runs each sequence for its own length only; bidirectional
+    layers read each sequence backwards from its own last step."""
+    torch.manual_seed(6)
+    ref, ours = make_pair(kind, 3, 5, num_layers=2, bidirectional=bidirectional)
+    ref, ours = ref.to(device), ours.to(device)
+    x = torch.randn(9, 5, 3, device=device)
+    for sort, lengths, h0 in [(False, [7, 3, 9, 1, 5], None),
+                              (True, [9, 9, 4, 2, 1], torch.randn(2 * (1 + bidirectional), 5, 5))]:
+        h0 = None if h0 is None else h0.to(device)
+        (ref_res, ref_out), (our_res, our_out) = (run_packed(m, x, lengths, h0, sort) for m in (ref, ours))
+        assert torch.equal(our_out.batch_sizes, ref_out.batch_sizes)
+        for a, b in [(our_out.sorted_indices, ref_out.sorted_indices),
+                     (our_out.unsorted_indices, ref_out.unsorted_indices)]:
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert_close_lists(our_res, ref_res)
+
+
+def test_packed_padding_that_overflows_leaves_gradients_finite():
+    """The recurrence of a short sequence's padding can overflow (ReLU, a
+    growing W_hh): what it computed there must not reach any gradient as
+    inf * 0 = NaN, since torch never computes those steps."""
+    ref, ours = make_pair("relu", 1, 2)
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.weight_ih_l0.fill_(1.0)
+            m.weight_hh_l0.copy_(3 * torch.eye(2))
+            m.bias_hh_l0.fill_(1.0)
+    x = torch.zeros(200, 2, 1)
+    x[:, 0] = -1e3  # sample 0 stays at 0 for 200 steps; sample 1 is 1 step, then padding growing 3x a step
+    ref_res, _ = run_packed(ref, x, [200, 1], None, True)
+    our_res, _ = run_packed(ours, x, [200, 1], None, True)
+    assert all(torch.isfinite(g).all() for g in our_res)
+    assert_close_lists(our_res, ref_res)
+
+
 def test_saves_only_what_torch_saves():
     """The scan recomputes the Jacobians in backward: the layer keeps x, h0,
     the weights and the output sequence, nothing of size T*B*H*H."""
@@ -366,8 +419,10 @@ def test_module_rejects_bad_input():
     with pytest.raises(TypeError, match="float64"):
         rnn.double()(torch.randn(4, 1, 2, dtype=torch.float64))
     rnn = bppsa.RNN(2, 3)
-    with pytest.raises(TypeError, match="PackedSequence"):
-        rnn(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 3]))
+    with pytest.raises(ValueError, match="hx: expected a 3-D tensor with a PackedSequence"):
+        rnn(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 3]), torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"hx: expected shape \(1, 2, 3\)"):
+        rnn(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 3]), torch.randn(1, 3, 3))
     with pytest.raises(ValueError, match=r"hx: expected shape \(1, 2, 3\)"):
         rnn(torch.randn(4, 2, 2), torch.randn(1, 3, 3))
     with pytest.raises(TypeError, match="real floating-point"):

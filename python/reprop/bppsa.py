@@ -384,9 +384,11 @@ class _Layer(torch.autograd.Function):
     gates' pre-activations, everything later in place over them)."""
 
     @staticmethod
-    def forward(ctx, mode, levels, x, h0, w_ih, w_hh, b_ih, b_hh):
+    def forward(ctx, mode, levels, pad, x, h0, w_ih, w_hh, b_ih, b_hh):
         weights = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
         out = _forward_layer(mode, x, h0, weights)
+        if pad is not None:  # padded steps: 0, whatever the recurrence made of them (inf times 0 would be NaN)
+            out.masked_fill_(pad, 0)
         ctx.mode, ctx.levels = mode, levels
         ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
         return out
@@ -401,14 +403,14 @@ class _Layer(torch.autograd.Function):
             d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels)
         else:
             d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels)
-        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[2:]
+        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[3:]
         grads = [_blocks_matmul(d_gi, w_ih) if need_x else None, grad_h0,
                  _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
                  _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
                  _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
                  _sum_rows(d_gh) if need_b_hh else None]
         grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 # ---------------------------------------------------------------------------
@@ -433,9 +435,6 @@ class _ScanRNNBase:
         return [getattr(self, n) for n in names] + [None, None]
 
     def _check_input(self, input, hx):
-        if isinstance(input, nn.utils.rnn.PackedSequence):
-            raise TypeError(f"{type(self).__name__}: PackedSequence input is not supported; "
-                            "pass a padded tensor")
         if getattr(self, "proj_size", 0):
             raise ValueError(f"{type(self).__name__}: proj_size is not supported")
         _check_real_dense(input, "input")
@@ -453,7 +452,17 @@ class _ScanRNNBase:
                 raise TypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
                                 f"{hx.dtype} on {hx.device}")
 
+    def _initial_states(self, input: torch.Tensor, hx, B: int) -> torch.Tensor:
+        shape = (self.num_layers * (2 if self.bidirectional else 1), B, self.hidden_size)
+        if hx is None:
+            return input.new_zeros(shape)
+        if hx.shape != shape:
+            raise ValueError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
+        return hx
+
     def forward(self, input, hx=None):
+        if isinstance(input, nn.utils.rnn.PackedSequence):
+            return self._forward_packed(input, hx)
         self._check_input(input, hx)
         batched = input.dim() == 3
         if batched and input.shape[0 if self.batch_first else 1] == 0:
@@ -463,31 +472,68 @@ class _ScanRNNBase:
             hx = hx.unsqueeze(1) if hx is not None else None
         elif self.batch_first:
             input = input.transpose(0, 1)
-        dirs = 2 if self.bidirectional else 1
-        T, B = input.shape[0], input.shape[1]
-        if hx is None:
-            hx = input.new_zeros(self.num_layers * dirs, B, self.hidden_size)
-        elif hx.shape != (self.num_layers * dirs, B, self.hidden_size):
-            raise ValueError(f"hx: expected shape {(self.num_layers * dirs, B, self.hidden_size)}, "
-                             f"got {tuple(hx.shape)}")
-        if T == 0:
+        if input.shape[0] == 0:
             raise ValueError("input: expected a sequence of at least one step")
+        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), None)
+        if not batched:
+            return output.squeeze(1), h_n.squeeze(1)
+        return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+    def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx):
+        """A PackedSequence as torch's modules take it (batch_first has no say,
+        hx and h_n in the caller's batch order): scanned as a padded batch
+        sorted by length. Padded steps get no gradient, so every sequence's
+        gradients are those of its own length."""
+        data, batch_sizes, sorted_indices, unsorted_indices = input
+        if hx is not None and hx.dim() != 3:
+            raise ValueError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
+        self._check_input(data, hx)
+        T, B = len(batch_sizes), int(batch_sizes[0])
+        hx = self._initial_states(data, hx, B)
+        if sorted_indices is not None:
+            hx = hx.index_select(1, sorted_indices.to(hx.device))
+        lengths = (batch_sizes.unsqueeze(1) > torch.arange(B)).sum(0)
+        steps = torch.repeat_interleave(torch.arange(T), batch_sizes).to(data.device)
+        rows = (torch.arange(len(data)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
+                                                                  batch_sizes)).to(data.device)
+        padded = data.new_zeros(T, B, data.shape[-1]).index_put((steps, rows), data)
+        output, h_n = self._layers(padded, hx, lengths.to(data.device))
+        if unsorted_indices is not None:
+            h_n = h_n.index_select(1, unsorted_indices.to(h_n.device))
+        return type(input)(output[steps, rows], batch_sizes, sorted_indices, unsorted_indices), h_n
+
+    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None):
+        """All layers and directions over input (T, B, I); `lengths` (B,), if
+        given, the valid steps of each sample (the rest is padding, left 0 in
+        every layer's output). Returns the output (T, B, dirs*H) and h_n."""
+        dirs = 2 if self.bidirectional else 1
+        T, B = input.shape[:2]
+        pad = last = reverse = None
+        if lengths is not None:
+            steps = torch.arange(T, device=input.device).unsqueeze(1)
+            pad = (steps >= lengths).unsqueeze(-1)
+            last = (lengths - 1, torch.arange(B, device=input.device))
+            # reverse[t, b]: the step that sample b reads at t when its valid steps run backwards
+            reverse = (torch.where(steps < lengths, lengths - 1 - steps, steps), last[1])
         layer_in, h_n = input, []
         for layer in range(self.num_layers):
             outs = []
             for d in range(dirs):
-                x = layer_in if d == 0 else layer_in.flip(0)
-                out = _Layer.apply(self.mode, self.scan, x, hx[layer * dirs + d],
+                x = layer_in if d == 0 else _reversed(layer_in, reverse)
+                out = _Layer.apply(self.mode, self.scan, pad, x, hx[layer * dirs + d],
                                    *self._layer_weights(layer, "_reverse" if d else ""))
-                h_n.append(out[-1])
-                outs.append(out if d == 0 else out.flip(0))
+                h_n.append(out[-1] if last is None else out[last])
+                outs.append(out if d == 0 else _reversed(out, reverse))
             layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer + 1 < self.num_layers:
                 layer_in = nn.functional.dropout(layer_in, self.dropout, True)
-        output, h_n = layer_in, torch.stack(h_n)
-        if not batched:
-            return output.squeeze(1), h_n.squeeze(1)
-        return (output.transpose(0, 1) if self.batch_first else output), h_n
+        return layer_in, torch.stack(h_n)
+
+
+def _reversed(x: torch.Tensor, index: tuple | None) -> torch.Tensor:
+    """x (T, B, F) with each sample's valid steps in reverse order (all T
+    steps when index is None); its own inverse."""
+    return x.flip(0) if index is None else x[index]
 
 
 class RNN(_ScanRNNBase, nn.RNN):
