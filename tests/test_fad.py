@@ -14,11 +14,15 @@ in x's dtype, then grad * d), so two units.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import weakref
 
+import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 
@@ -299,6 +303,24 @@ def test_8bit_nan_propagates():
 def test_codebook_rejects_unknown():
     with pytest.raises(ValueError, match="unknown activation"):
         fad.codebook("relu6")
+    with pytest.raises(ValueError, match="at most 1 parameters"):
+        fad.codebook("elu", 1.0, 2.0)
+
+
+def test_codebook_defaults_are_the_functions():
+    """codebook(name) describes what fad.<name>(x, saved_dtype=torch.uint8)
+    stores at its default parameters (not at parameters of 0), and its
+    max_error bounds the error seen."""
+    x = torch.linspace(-6, 6, 20001)
+    for name, params in [("elu", (1.0,)), ("celu", (1.0,)), ("softplus", (1.0, 20.0))]:
+        default, explicit = fad.codebook(name), fad.codebook(name, *params)
+        assert (default.lo, default.hi, default.step) == (explicit.lo, explicit.hi, explicit.step)
+        assert np.array_equal(default.values, explicit.values, equal_nan=True)
+        leaf = x.clone().requires_grad_()
+        getattr(fad, name)(leaf, saved_dtype=torch.uint8).sum().backward()
+        ref = x.clone().requires_grad_()
+        getattr(F, name)(ref).sum().backward()
+        assert (leaf.grad - ref.grad).abs().max() <= fad.codebook(name).max_error * (1 + 1e-6)
 
 
 # ---------------------------------------------------------------------------
@@ -378,8 +400,6 @@ def test_bad_input_raises_clearly():
         fad.tanh(torch.randn(3, 3).to_sparse())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         fad.sigmoid([1.0, 2.0])
-    with pytest.raises(ValueError, match="cpu or cuda"):
-        fad.elu(torch.empty(3, device="meta"))
     with pytest.raises(ValueError, match="saved_dtype"):
         fad.gelu(torch.randn(3), saved_dtype=torch.int8)
     with pytest.raises(ValueError, match="approximate"):
@@ -594,6 +614,145 @@ def test_compose_falls_back_correctly(name):
             assert g is None or not g.any()
         else:
             torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
+# Chains at special points, where the order of the products matters: autograd
+# multiplies from the loss inwards and its selects (relu, hardsigmoid, the
+# masks of pow) give an exact 0; a forward product would give 0 * inf = NaN.
+SPECIAL = {
+    "sqrt_relu": lambda x: torch.sqrt(torch.relu(x)),
+    "log_relu": lambda x: torch.log(x.relu()),
+    "relu_pow_half": lambda x: torch.relu(x) ** 0.5,
+    "reciprocal_relu": lambda x: 1 / torch.relu(x),
+    "sqrt_hardsigmoid": lambda x: torch.sqrt(F.hardsigmoid(x)),
+    "sqrt_hardswish": lambda x: torch.sqrt(F.hardswish(x - 4.0) + 0),
+    "relu_pow_tensor": lambda x: torch.relu(x) ** torch.tensor([0.0, 0.0, 2.0, 0.0, 1.0]),
+    "pow_tensor_zero_base": lambda x: (x - x.detach()) ** torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0]),
+    "zero_base_pow": lambda x: 0.0 ** x,
+    "negative_base_pow": lambda x: (-2.0) ** x,
+    "tensor_zero_base_pow": lambda x: torch.pow(torch.zeros(5), x),
+    "divide_by_zero": lambda x: torch.exp(x) / 0,
+    "divide_by_negative_zero": lambda x: x / -0.0,
+    "relu_then_plain_op": lambda x: torch.atan(torch.relu(x) ** 0.5),  # the chain's node meets inf
+    "select_both_sides": lambda x: torch.sqrt(torch.relu(x) + torch.relu(-x) * 2),
+}
+
+
+@pytest.mark.parametrize("compose", [False, True])
+@pytest.mark.parametrize("name", sorted(SPECIAL))
+def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
+    """The same values and gradients as plain autograd, down to where they
+    are 0, inf or NaN, at inputs on kinks, zeros and sign changes."""
+    fn = SPECIAL[name]
+    x = torch.tensor([-4.0, 0.0, 4.0, -1.0, 2.0])
+
+    def run(mode):
+        leaf = x.clone().requires_grad_()
+        with mode:
+            y = fn(leaf)
+        (g,) = torch.autograd.grad(y.sum(), leaf)
+        return y.detach(), g
+
+    for ours, ref in zip(run(fad.enabled(compose=compose)), run(contextlib.nullcontext())):
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
+
+
+def test_compose_chain_tensors_with_hooks_stay_in_the_graph():
+    """A chain tensor given a hook or retain_grad() before the next op is a
+    root of what follows, so autograd reaches it: its hooks run (one that
+    clips changes the input's gradient, as under plain autograd) and .grad
+    is kept."""
+    x = torch.randn(6)
+
+    def run(compose):
+        leaf, seen = x.clone().requires_grad_(), []
+        with fad.enabled(compose=compose):
+            s = torch.sigmoid(leaf)
+            s.retain_grad()
+            s.register_hook(lambda g: seen.append(g) or g.clamp(max=0.5))
+            y = torch.exp(s) * leaf * 3
+        y.sum().backward()
+        return leaf.grad, s.grad, len(seen)
+
+    (g, sg, calls), (g_ref, sg_ref, calls_ref) = run(True), run(False)
+    assert calls == calls_ref == 1
+    torch.testing.assert_close(sg, sg_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
+
+
+def test_compose_complex_constants_run_plain_autograd():
+    """A complex constant makes a complex result, whose backward autograd
+    conjugates: such ops are not chain steps (the chain's grad * d was the
+    conjugate's sign off)."""
+    x = torch.randn(3)
+    w = torch.randn(3, dtype=torch.complex64)
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            y = torch.exp(leaf) * w
+        (g,) = torch.autograd.grad(y.imag.sum(), leaf)
+        return g
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-6, atol=0)
+
+
+def test_compose_does_not_keep_finished_chains_alive():
+    """The mode's records are weakly keyed by the chain tensor: one whose
+    derivative is the tensor itself (exp of the root) must still die with
+    its last reference, not at the end of the with block."""
+    mode = fad.enabled(compose=True)
+    x = torch.randn(64, requires_grad=True)
+    with mode:
+        refs = []
+        for _ in range(5):
+            y = torch.exp(x * 1.0)
+            z = torch.exp(x)
+            refs += [weakref.ref(y), weakref.ref(z)]
+            del y, z
+        gc.collect()
+        assert all(r() is None for r in refs) and len(mode._records) == 0
+
+
+@pytest.mark.parametrize("compose", [False, True])
+def test_enabled_passes_out_and_nested_autocast(compose):
+    """out= goes to torch's op as written; an enabled() nested in another
+    under autocast gives autocast's dtype and torch's gradient."""
+    x = torch.randn(4, 8)
+    buf = torch.empty(4, 8)
+    with fad.enabled(compose=compose):
+        y = torch.tanh(x, out=buf)
+    assert y is buf and torch.equal(buf, torch.tanh(x))
+    leaf = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), fad.enabled(compose=True), fad.enabled(compose=compose):
+        y = F.gelu(leaf @ torch.eye(8)) * leaf
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_leaf = x.clone().requires_grad_()
+        ref = F.gelu(ref_leaf @ torch.eye(8)) * ref_leaf
+    assert y.dtype == ref.dtype
+    y.float().sum().backward()
+    ref.float().sum().backward()
+    torch.testing.assert_close(leaf.grad, ref_leaf.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_forward_ad_functorch_and_meta_run_torch_ops():
+    """Dual tensors keep their tangent, functorch transforms work, and meta
+    tensors get torch's shapes: such inputs run torch's own activation (the
+    raw kernels would drop the tangent or fail on a wrapper without data)."""
+    x, t = torch.randn(5), torch.randn(5)
+    _, ref_tangent = torch.func.jvp(F.gelu, (x,), (t,))
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, t)
+        assert torch.equal(fwAD.unpack_dual(fad.gelu(dual)).tangent, ref_tangent)
+        with fad.enabled(compose=True):
+            assert torch.equal(fwAD.unpack_dual(F.gelu(dual)).tangent, ref_tangent)
+    assert torch.equal(torch.func.jvp(fad.gelu, (x,), (t,))[1], ref_tangent)
+    batch = torch.randn(3, 5)
+    torch.testing.assert_close(torch.func.vmap(fad.silu)(batch), F.silu(batch), rtol=0, atol=0)
+    torch.testing.assert_close(torch.func.grad(lambda v: fad.mish(v).sum())(x),
+                               torch.func.grad(lambda v: F.mish(v).sum())(x), rtol=1e-6, atol=1e-7)
+    meta = fad.elu(torch.empty(2, 3, device="meta"), 0.5)
+    assert meta.device.type == "meta" and meta.shape == (2, 3)
 
 
 def test_compose_leaves_tensor_subclasses_alone():

@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -152,6 +153,12 @@ def _codebook_bytes(act: _Act) -> bytes:
     return _C.fad_codebook(act.code, act.p0, act.p1)
 
 
+@functools.lru_cache(maxsize=None)
+def _zero_code(act: _Act) -> int:
+    """The 8-bit code of a derivative of exactly 0 (rp_fad_codebook's zero_code)."""
+    return int(np.frombuffer(_codebook_bytes(act), dtype=np.int32, count=1, offset=1028)[0])
+
+
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
     if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
@@ -198,8 +205,12 @@ class _Activation(torch.autograd.Function):
         _refuse_double_backward(f"reprop.fad.{ctx.act.kind}")
         (d,) = ctx.saved_tensors
         if d.dtype == torch.uint8:
-            return _backward_code8(ctx.act, grad, d), None, None, None
-        return (grad * d).to(grad.dtype), None, None, None
+            grad_x, zero = _backward_code8(ctx.act, grad, d), d == _zero_code(ctx.act)
+        else:
+            grad_x, zero = (grad * d).to(grad.dtype), d == 0
+        if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
+            grad_x = grad_x.masked_fill_(zero, 0)
+        return grad_x, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -217,14 +228,32 @@ def _autocast_enabled(device_type: str) -> bool:
 def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
     """The dtype native(x) computes in under the current autocast state (some
     activations, e.g. softplus on CUDA, are on autocast's float32 list), found
-    by running native on an empty tensor."""
-    return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
+    by running native on an empty tensor (past every torch function mode:
+    an enabled() around this one would hand it to reprop)."""
+    with torch._C.DisableTorchFunction():
+        return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
+
+
+def _torch_only(x: torch.Tensor) -> bool:
+    """Tensors whose meaning the raw kernels would lose: functorch's wrappers
+    (vmap, grad, jvp), forward-AD duals (their tangent) and meta tensors
+    (no data). Their activations run as torch's own ops."""
+    if x.device.type == "meta" or _is_functorch_wrapped(x):
+        return True
+    return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
+
+
+def _is_functorch_wrapped(x: torch.Tensor) -> bool:
+    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+    return check is not None and check(x)
 
 
 def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
-    _check_input(x, fname)
     _check_saved_dtype(saved_dtype, fname)
+    if isinstance(x, torch.Tensor) and _torch_only(x):
+        return native(x, inplace=True) if inplace else native(x)
+    _check_input(x, fname)
     if _autocast_enabled(x.device.type):
         target = _autocast_target(native, x)
         if target != x.dtype:
@@ -531,16 +560,25 @@ class Codebook:
         return self.step / 2
 
 
+# The parameters of reprop.fad's functions, in signature order, at their defaults.
+_DEFAULT_PARAMS = {"softplus": (1.0, 20.0), "elu": (1.0,), "celu": (1.0,), "leaky_relu": (0.01,)}
+
+
 def codebook(activation: str, *params: float) -> Codebook:
     """The codebook torch.uint8 storage uses for `activation` (a name of
     reprop.fad's functions; "gelu_tanh" for approximate GELU) with its
     parameters in signature order (softplus: beta, threshold; elu, celu: alpha;
-    leaky_relu: negative_slope)."""
+    leaky_relu: negative_slope); those left out take the functions' defaults."""
     if activation not in _KIND:
         raise ValueError(f"codebook: unknown activation {activation!r}; known: {', '.join(_KINDS)}")
-    raw = _codebook_bytes(_Act(activation, *map(float, params)))
+    defaults = _DEFAULT_PARAMS.get(activation, ())
+    if len(params) > len(defaults):
+        raise ValueError(f"codebook: {activation} takes at most {len(defaults)} parameters, got {len(params)}")
+    params = tuple(map(float, params)) + defaults[len(params):]
+    act = _Act(activation, *params)
+    raw = _codebook_bytes(act)
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
-    zero = int(np.frombuffer(raw, dtype=np.int32, count=1, offset=1028)[0])
+    zero = _zero_code(act)
     lo, hi = np.frombuffer(raw, dtype=np.float32, count=2, offset=1032)
     step = values[zero + 1] - values[zero]  # every grid reaches above 0
     return Codebook(values, float(lo), float(hi), float(step))
@@ -572,26 +610,31 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source, step):
-        value, deriv = step.compute()
+        value, deriv, blocked = step.compute()
         kept = step.mode._stored(deriv)
         if isinstance(kept, torch.Tensor):
-            ctx.save_for_backward(kept)
+            ctx.save_for_backward(kept, blocked)
             ctx.number = None
         else:
+            ctx.save_for_backward(blocked)
             ctx.number = kept
         ctx.source_dtype = source.dtype
-        step.result = (deriv, kept)
+        step.result = (deriv, kept, blocked)
         return value
 
     @staticmethod
     def backward(ctx, grad):
         _refuse_double_backward("a reprop.fad chain of element-wise ops")
-        d = ctx.saved_tensors[0] if ctx.number is None else ctx.number
-        return (grad * d).to(ctx.source_dtype), None
+        *kept, blocked = ctx.saved_tensors
+        grad = grad * (kept[0] if ctx.number is None else ctx.number)
+        if blocked is not None:  # a select on the way: 0 there, whatever grad holds (inf included)
+            grad = grad.masked_fill(blocked, 0)
+        return grad.to(ctx.source_dtype), None
 
 
 class _Step:
-    """One element-wise op on a chain: compute() gives (value, d value / d root)."""
+    """One element-wise op on a chain: compute() gives (value, d value / d root,
+    blocked: see _Record)."""
 
     __slots__ = ("mode", "compute", "result")
 
@@ -602,25 +645,36 @@ class _Step:
 class _Record:
     """What the mode knows of a chain tensor: its root (weakly: the chain must
     not keep it alive) and the versions it was made from, dv/droot for the next
-    step of the chain, and the copy its node saved."""
+    step of the chain, and the copy its node saved; `blocked`, where a
+    select-style backward on the way (relu, hardsigmoid, ...) gives the root
+    an exact 0 whatever comes from later steps (inf or NaN included), as
+    autograd's does (None: nowhere). The mode keeps records in a dictionary
+    weakly keyed by the chain tensor, so a derivative that is the tensor
+    itself (exp of the root) is kept as _SELF: a value holding its key would
+    never let it go."""
 
-    __slots__ = ("source", "source_version", "version", "deriv", "kept")
+    __slots__ = ("source", "source_version", "version", "deriv", "kept", "blocked")
 
-    def __init__(self, source, version, deriv, kept):
+    def __init__(self, source, out, deriv, kept, blocked):
         self.source = weakref.ref(source)
         self.source_version = source._version
-        self.version = version
-        self.deriv = deriv
-        self.kept = kept
+        self.version = out._version
+        self.deriv = _SELF if deriv is out else deriv
+        self.kept = _SELF if kept is out else kept
+        self.blocked = blocked
+
+
+_SELF = object()
 
 
 class _Operand(NamedTuple):
-    """An operand as the chain sees it: its value (tensors detached) and its
-    derivative with respect to the chain's root: None for the root itself,
-    0 for a constant."""
+    """An operand as the chain sees it: its value (tensors detached), its
+    derivative with respect to the chain's root (None for the root itself, 0
+    for a constant) and where that is blocked (_Record)."""
 
     value: object
     deriv: object
+    blocked: torch.Tensor | None = None
 
 
 def _is_zero(d) -> bool:
@@ -632,10 +686,33 @@ def _number(x) -> bool:
 
 
 def _total(local, operand: _Operand):
-    """d(out)/d(operand) * d(operand)/d(root); None stands for the identity."""
+    """d(out)/d(operand) * d(operand)/d(root); None stands for the identity.
+    Exactly 0 where the operand's path is blocked, as autograd's select gives
+    (a product would make 0 * inf = NaN there)."""
     if _is_zero(operand.deriv):
         return 0
-    return local if operand.deriv is None else local * operand.deriv
+    if operand.deriv is None:
+        return local
+    total = local * operand.deriv
+    return total if operand.blocked is None else total.masked_fill(operand.blocked, 0)
+
+
+def _blocked(operands, own=None):
+    """The output's blocked positions: where every operand on the chain is
+    blocked, or where the op's own backward selects 0 (`own`)."""
+    on_chain = [o.blocked for o in operands if not _is_zero(o.deriv)]
+    common = None if None in on_chain or not on_chain else functools.reduce(torch.logical_and, on_chain)
+    if own is None:
+        return common
+    return own if common is None else common | own
+
+
+def _reciprocal(b):
+    """1 / b, for a tensor or a number (±inf at ±0, as torch divides)."""
+    if isinstance(b, torch.Tensor):
+        return torch.reciprocal(b)
+    with np.errstate(divide="ignore"):
+        return float(np.reciprocal(np.float64(b)))
 
 
 def _add(a, b):
@@ -658,6 +735,15 @@ _UNARY = {
     "square": lambda a, v: 2.0 * a,
     "abs": lambda a, v: torch.sgn(a),
     "relu": lambda a, v: (a > 0).to(v.dtype),
+}
+# Ops whose backward is a select (threshold_backward, hardsigmoid_backward,
+# hardswish_backward): input value -> where they give exactly 0, whatever the
+# incoming gradient; f'(x) is 0 exactly there, and elsewhere only at
+# hardswish's x = -1.5.
+_SELECTS = {
+    "relu": lambda a: ~(a > 0),
+    "hardsigmoid": lambda a: ~((a > -3) & (a < 3)),
+    "hardswish": lambda a: a < -3,
 }
 _UNARY_FUNCS = {getattr(owner, name): name for name in _UNARY for owner in (torch, torch.Tensor)
                 if hasattr(owner, name)}
@@ -682,7 +768,7 @@ def _d_mul(a, b, v, alpha):
 
 
 def _d_div(a, b, v, alpha):  # a / b
-    inv_b = torch.reciprocal(b.value) if isinstance(b.value, torch.Tensor) else 1.0 / b.value
+    inv_b = _reciprocal(b.value)
     return _add(_total(inv_b, a), _total(-v * inv_b, b))
 
 
@@ -691,11 +777,15 @@ def _d_rdiv(a, b, v, alpha):  # b / a
 
 
 def _d_pow(a, b, v, alpha):  # a ** b, where only one of them depends on the root
-    if not _is_zero(b.deriv):  # a constant base: d/db a^b = a^b ln a
-        base_log = math.log(a.value) if _number(a.value) else torch.log(a.value)
-        return _total(v * base_log, b)
+    if not _is_zero(b.deriv):  # a constant base: d/db a^b = a^b ln a, 0 for base 0 and b >= 0 (torch's)
+        if _number(a.value) and a.value > 0:
+            return _total(v * math.log(a.value), b)
+        base = torch.as_tensor(a.value, dtype=v.dtype, device=v.device)
+        return _total((v * torch.log(base)).masked_fill((base == 0) & (b.value >= 0), 0), b)
     p = b.value
-    return 0 if _number(p) and p == 0 else _total(p * a.value ** (p - 1), a)
+    if _number(p):
+        return 0 if p == 0 else _total(p * a.value ** (p - 1), a)
+    return _total((p * a.value ** (p - 1)).masked_fill(p == 0, 0), a)  # torch's: 0 where p == 0
 
 
 def _d_rpow(a, b, v, alpha):  # b ** a, b a number
@@ -710,6 +800,7 @@ _BINARY_FUNCS = {
     torch.div: "div", torch.Tensor.div: "div", torch.true_divide: "div", torch.divide: "div",
     torch.rsub: "rsub", torch.Tensor.__rsub__: "rsub", torch.Tensor.__rdiv__: "rdiv",
     torch.Tensor.__rtruediv__: "rdiv", torch.Tensor.__rpow__: "rpow", torch.pow: "pow",
+    torch.Tensor.__pow__: "pow",
     torch.Tensor.pow: "pow",
 }
 
@@ -727,7 +818,8 @@ def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
             and x.dtype in _tensors.DTYPE_CODES
-            and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None)))
+            and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None))
+            and not _torch_only(x))
 
 
 # While on (per thread), reprop's activation functions return (y, f'(x)) in
@@ -807,8 +899,8 @@ class enabled(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not all(_plain_type(t) for t in types):
-            return func(*args, **kwargs)
+        if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None:
+            return func(*args, **kwargs)  # out=: torch's op writes it (and refuses autograd)
         if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
@@ -845,13 +937,14 @@ class enabled(TorchFunctionMode):
         root, operands, compute = parsed
         if not root.is_floating_point():
             return None
-        shapes = [o.value.shape for o in operands if isinstance(o.value, torch.Tensor)]
-        if torch.broadcast_shapes(*shapes) != root.shape:
+        tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
+        if any(t.is_complex() for t in tensors):
+            return None  # autograd conjugates what a complex op's backward multiplies by
+        if torch.broadcast_shapes(*(t.shape for t in tensors)) != root.shape:
             return None
         step = _Step(self, compute)
         out = _Chain.apply(root, step)
-        deriv, kept = step.result
-        self._records[out] = _Record(root, out._version, deriv, kept)
+        self._records[out] = _Record(root, out, *step.result)
         return out
 
     def _operands(self, values) -> tuple[torch.Tensor, list[_Operand]] | None:
@@ -862,26 +955,28 @@ class enabled(TorchFunctionMode):
             if _number(x):
                 operands.append(_Operand(x, 0))
                 continue
-            if not isinstance(x, torch.Tensor):
+            if not isinstance(x, torch.Tensor) or _torch_only(x):
                 return None
-            src, deriv = self._root_of(x)
+            src, deriv, blocked = self._root_of(x)
             if src is None:
                 operands.append(_Operand(x, 0))
                 continue
             if root is not None and src is not root:
                 return None
             root = src
-            operands.append(_Operand(x.detach(), deriv))
+            operands.append(_Operand(x.detach(), deriv, blocked))
         return (root, operands) if root is not None else None
 
     def _root_of(self, t: torch.Tensor):
-        """(root, d t / d root) of t; (t, None) for a root; (None, None) for a constant."""
+        """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
+        (None, None, None) for a constant. A chain tensor with hooks or
+        retain_grad() is a root: a next step must reach it through autograd."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version:
+        if rec is not None and rec.version == t._version and not (t._backward_hooks or t.retains_grad):
             src = rec.source()
             if src is not None and src._version == rec.source_version:
-                return src, rec.deriv
-        return (t, None) if t.requires_grad else (None, None)
+                return src, (t.detach() if rec.deriv is _SELF else rec.deriv), rec.blocked
+        return (t, None, None) if t.requires_grad else (None, None, None)
 
     def _parse(self, func, args, kwargs):
         """(root, operands, compute) for an element-wise op of the tables, else None."""
@@ -890,7 +985,7 @@ class enabled(TorchFunctionMode):
             return self._parse_activation(ours, args, kwargs)
         name = _UNARY_FUNCS.get(func)
         if name is not None and len(args) == 1 and not kwargs:
-            return self._parse_unary(func, _UNARY[name], args)
+            return self._parse_unary(func, name, args)
         name = _BINARY_FUNCS.get(func)
         if name is not None and len(args) == 2 and set(kwargs) <= {"alpha"}:
             return self._parse_binary(func, _BINARY[name], args, kwargs)
@@ -904,22 +999,25 @@ class enabled(TorchFunctionMode):
             return None
         root, (a,) = found
 
+        select = _SELECTS.get(ours.__name__)
+
         def compute():
             with _capturing():
                 v, local = ours(a.value, *args[1:], **kwargs)
-            return v, _total(local, a)
+            return v, _total(local, a), _blocked([a], select(a.value) if select else None)
 
         return root, [a], compute
 
-    def _parse_unary(self, func, rule, args):
+    def _parse_unary(self, func, name, args):
         found = self._operands(args)
         if found is None:
             return None
         root, (a,) = found
+        rule, select = _UNARY[name], _SELECTS.get(name)
 
         def compute():
             v = func(a.value)
-            return v, _total(rule(a.value, v), a)
+            return v, _total(rule(a.value, v), a), _blocked([a], select(a.value) if select else None)
 
         return root, [a], compute
 
@@ -936,7 +1034,7 @@ class enabled(TorchFunctionMode):
 
         def compute():
             v = func(a.value, b.value, **kwargs)
-            return v, rule(a, b, v, alpha)
+            return v, rule(a, b, v, alpha), _blocked([a, b])
 
         return root, [a, b], compute
 
