@@ -110,25 +110,87 @@ static PyObject *rp_py_dict_get(PyObject *dict, PyObject *key)
     return v;
 }
 
-/* One row of the fast path: 1 when it holds and its pointer was written,
- * 0 when the Python path must take over, -1 on error. */
-static int rp_py_grad_row(PyObject *p, PyObject *param_ptr, PyObject *state, PyObject *st,
-                          PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *const *names, int64_t *row)
+/* Whether getattr(t, name) (call: t.name()) equals `want`: 1 yes, 0 no, -1 on error.
+ * `same`: compare by identity (dtype objects are singletons), else with ==. */
+static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *want, int same)
+{
+    PyObject *v = call ? PyObject_CallMethodNoArgs(t, name) : PyObject_GetAttr(t, name);
+    int eq;
+    if (v == NULL)
+        return -1;
+    eq = same ? v == want : PyObject_RichCompareBool(v, want, Py_EQ);
+    Py_DECREF(v);
+    return eq;
+}
+
+/* Attribute names the fast path looks up, interned once per call. */
+enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_NUMEL,
+       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_NAMES };
+
+/* Whether param p still has the memory a row of the table was built for:
+ * key is (data_ptr, dtype, numel, layout, device index) as the plan recorded
+ * them (optim.py's _layout_key), layout True for a contiguous param, else its
+ * strides. The kernels walk numel elements of the dtype from the data
+ * pointer, so a param whose .data was replaced by another tensor at the same
+ * address (a view of its own storage, or a reused allocation) of another
+ * size, dtype or layout must not pass. Equal addresses are on the same device
+ * (CUDA's unified addressing). 1 / 0 / -1 with an exception set. */
+static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
 {
     unsigned long long ptr, want;
-    PyObject *g, *attr;
-    Py_ssize_t k;
+    PyObject *layout = PyTuple_GET_ITEM(key, 3);
     int ok;
-    if (contiguous != Py_True || !PyTuple_Check(watched))
-        return 0;
-    if (rp_py_data_ptr(p, names[0], &ptr) < 0)
+    if (rp_py_data_ptr(p, names[RP_N_DATA_PTR], &ptr) < 0)
         return -1;
-    want = PyLong_AsUnsignedLongLong(param_ptr);
+    want = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 0));
     if (want == (unsigned long long)-1 && PyErr_Occurred())
         return -1;
     if (ptr != want)
         return 0;
+    ok = rp_py_attr_equals(p, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(p, names[RP_N_NUMEL], 1, PyTuple_GET_ITEM(key, 2), 0);
+    if (ok == 1) {
+        if (layout == Py_True)
+            ok = rp_py_attr_equals(p, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+        else
+            ok = rp_py_attr_equals(p, names[RP_N_STRIDE], 1, layout, 0);
+    }
+    return ok;
+}
+
+/* Whether gradient g is one the row can read as a flat array: strided,
+ * contiguous, with the param's dtype, numel and device. 1 / 0 / -1. */
+static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyObject *const *names)
+{
+    int ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_NUMEL], 1, PyTuple_GET_ITEM(key, 2), 0);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_GET_DEVICE], 1, PyTuple_GET_ITEM(key, 4), 0);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+    return ok;
+}
+
+/* One row of the fast path: 1 when it holds and its pointer was written,
+ * 0 when the Python path must take over, -1 on error. */
+static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
+                          PyObject *watched, PyObject *contiguous, PyObject *strided,
+                          PyObject *const *names, int64_t *row)
+{
+    unsigned long long ptr;
+    PyObject *g, *attr;
+    Py_ssize_t k;
+    int ok;
+    if (contiguous != Py_True || !PyTuple_Check(watched) || !PyTuple_Check(key) ||
+        PyTuple_GET_SIZE(key) != 5)
+        return 0;
+    ok = rp_py_same_param(p, key, names);
+    if (ok != 1)
+        return ok;
     attr = rp_py_dict_get(state, p);
     if (attr != st)
         return attr == NULL ? -1 : 0;
@@ -140,22 +202,12 @@ static int rp_py_grad_row(PyObject *p, PyObject *param_ptr, PyObject *state, PyO
         if (v != PyTuple_GET_ITEM(pair, 1))
             return v == NULL ? -1 : 0;
     }
-    g = PyObject_GetAttr(p, names[1]);
+    g = PyObject_GetAttr(p, names[RP_N_GRAD]);
     if (g == NULL)
         return -1;
-    ok = g != Py_None;
-    if (ok) {
-        attr = PyObject_GetAttr(g, names[2]);
-        ok = attr == NULL ? -1 : attr == strided;
-        Py_XDECREF(attr);
-    }
-    if (ok == 1) {
-        attr = PyObject_CallMethodNoArgs(g, names[3]);
-        ok = attr == NULL ? -1 : attr == Py_True;
-        Py_XDECREF(attr);
-    }
+    ok = g == Py_None ? 0 : rp_py_usable_grad(g, key, strided, names);
     if (ok == 1)
-        ok = rp_py_data_ptr(g, names[0], &ptr) < 0 ? -1 : 1;
+        ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
     Py_DECREF(g);
     if (ok == 1)
         row[1] = (int64_t)ptr;
@@ -164,8 +216,9 @@ static int rp_py_grad_row(PyObject *p, PyObject *param_ptr, PyObject *state, PyO
 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static const char *const attr_names[4] = {"data_ptr", "grad", "layout", "is_contiguous"};
-    PyObject *names[4] = {NULL, NULL, NULL, NULL};
+    static const char *const attr_names[RP_N_NAMES] = {
+        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "numel", "stride", "get_device"};
+    PyObject *names[RP_N_NAMES] = {NULL};
     PyObject *result = NULL;
     PyArrayObject *table;
     Py_ssize_t n, i;
@@ -191,7 +244,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: lists and table differ in length");
         return NULL;
     }
-    for (k = 0; k < 4; k++) {
+    for (k = 0; k < RP_N_NAMES; k++) {
         names[k] = PyUnicode_InternFromString(attr_names[k]);
         if (names[k] == NULL)
             goto done;
@@ -204,7 +257,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     if (ok >= 0)
         result = PyBool_FromLong(ok);
 done:
-    for (k = 0; k < 4; k++)
+    for (k = 0; k < RP_N_NAMES; k++)
         Py_XDECREF(names[k]);
     return result;
 }

@@ -32,11 +32,13 @@ typedef struct {
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call);
 
-/* optim_grad_pointers(params, param_ptrs, state, state_dicts, watched,
+/* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
  *                     grad_contiguous, strided, table) -> bool
  * The per-step fast path of reprop.optim's cached pointer tables: checks that
- * each param still has its storage and state (the same dict and state tensors)
- * and a contiguous strided gradient, and writes the gradient pointers into
+ * each param still has its storage and layout (param_keys[i] is the tuple
+ * (data_ptr, dtype, numel, True if contiguous else strides, device index) the
+ * table was built for), its state (the same dict and state tensors) and a
+ * contiguous strided gradient of the param's dtype, numel and device, and writes the gradient pointers into
  * column 1 of `table`. Returns False as soon as anything differs, leaving the
  * Python path to rebuild, convert or raise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

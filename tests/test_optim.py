@@ -19,6 +19,7 @@ step counters (exactly) and the state values.
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -1143,7 +1144,159 @@ def test_non_contiguous_params_match_torch(name: str, layout: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 10. CUDA
+# 10. What the cached pointer tables assume, changed between steps
+# ---------------------------------------------------------------------------
+
+# Options switched on after the first step: (name, options, step -> group update).
+LATE_OPTIONS = {
+    "SGD-momentum": ("SGD", {"lr": 0.1}, {1: {"momentum": 0.9}, 3: {"momentum": 0.0}, 4: {"momentum": 0.5}}),
+    "SGD-nesterov": ("SGD", {"lr": 0.1}, {2: {"momentum": 0.9, "nesterov": True}}),
+    "Adam-amsgrad": ("Adam", {"lr": 0.1}, {1: {"amsgrad": True}}),
+    "AdamW-amsgrad": ("AdamW", {"lr": 0.1}, {1: {"amsgrad": True}}),
+    "RMSprop-momentum": ("RMSprop", {"lr": 0.01}, {1: {"momentum": 0.9}}),
+    "RMSprop-centered": ("RMSprop", {"lr": 0.01}, {1: {"centered": True}}),
+    "Adam-amsgrad-off": ("Adam", {"lr": 0.1, "amsgrad": True}, {2: {"amsgrad": False}}),
+    "RMSprop-off": ("RMSprop", {"lr": 0.01, "momentum": 0.9, "centered": True}, {2: {"momentum": 0.0, "centered": False}}),
+}
+
+
+@pytest.mark.parametrize("case", list(LATE_OPTIONS))
+def test_options_that_need_state_changed_after_first_step_act_like_torch(case: str) -> None:
+    """The state an update needs depends on the hyper-parameters: SGD creates
+    its momentum buffer whenever momentum is first non-zero (also after
+    steps without it), while torch's Adam (amsgrad) and RMSprop (momentum,
+    centered) create all state at the first step and raise KeyError when an
+    option that needs more is switched on later. reprop must do the same, not
+    reuse a pointer table built for the old options."""
+    name, options, changes = LATE_OPTIONS[case]
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=21), grad_sequence(shapes, 6)
+    runs, errors = [], []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **options)
+        error = None
+        for k, step_grads in enumerate(grads):
+            opt.param_groups[0].update(changes.get(k, {}))
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            try:
+                opt.step()
+            except KeyError as e:
+                error = e
+                break
+        runs.append(Run(params, opt))
+        errors.append(error)
+    got_error, ref_error = errors
+    assert (got_error is None) == (ref_error is None), f"reprop: {got_error!r}, torch: {ref_error!r}"
+    if ref_error is not None:
+        assert str(got_error).startswith(repr(ref_error.args[0])[:-1]), got_error
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("name", NAMES)
+def test_copied_optimizer_steps_like_the_original(name: str, how: str) -> None:
+    """copy.deepcopy(opt) and torch.save/torch.load(opt) keep only torch's
+    state (defaults, state, param_groups): the copy must set up its fused
+    step again and continue exactly as the original does."""
+    shapes = [(4, 3), (5,), (6,)]
+    init, grads = make_params(shapes, seed=22), grad_sequence(shapes, 6)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])), **RICH[name])
+    for step_grads in grads[:3]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    if how == "deepcopy":
+        twin = copy.deepcopy(opt)
+    else:
+        buf = io.BytesIO()
+        torch.save(opt, buf)
+        buf.seek(0)
+        twin = torch.load(buf, weights_only=False)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    assert all(a is not b for a, b in zip(twin_params, params))
+    for step_grads in grads[3:]:
+        for pa, pb, g in zip(params, twin_params, step_grads):
+            pa.grad, pb.grad = g.clone(), g.clone()
+        opt.step()
+        twin.step()
+    assert_runs_equal(Run(twin_params, twin), Run(params, opt))
+    # The copy still forgets its tables on load_state_dict, once.
+    hooks = list(twin._optimizer_load_state_dict_post_hooks.values())
+    assert hooks.count(rp._FusedOptimizer._forget_plans) == 1
+    twin.load_state_dict(opt.state_dict())
+
+
+SAME_ADDRESS = {
+    # the parameter's new .data, made from the float32 storage `base` it starts
+    # at, which has twice its elements: same data_ptr, another size, dtype or layout
+    "narrowed": lambda base, n: base[:10],
+    "reinterpreted_bf16": lambda base, n: base.view(torch.bfloat16)[:n],
+    "strided": lambda base, n: base[::2],
+}
+
+
+@pytest.mark.parametrize("change", list(SAME_ADDRESS))
+def test_param_data_replaced_at_the_same_address(change: str) -> None:
+    """p.data replaced by a view of its own storage starting at the same
+    address: the cached table (numel, dtype and layout of the old tensor) must
+    not be reused, or the kernel reads the gradient and writes the parameter
+    out of bounds. SGD without momentum is stateless, so torch accepts this."""
+    n = 4096
+    results = []
+    for cls in (rp.SGD, torch.optim.SGD):
+        p = nn.Parameter(torch.zeros(2 * n)[:n])
+        opt = cls([p], lr=1.0)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        storage = p.untyped_storage()
+        base = torch.empty(0).set_(storage, 0, (2 * n,))
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
+        p.data = SAME_ADDRESS[change](base, n)
+        assert p.data_ptr() == base.data_ptr()
+        with torch.no_grad():
+            raw.fill_(0x55)
+            p.zero_()
+        outside = raw == 0x55  # every byte the new parameter does not cover
+        p.grad = torch.ones_like(p)
+        opt.step()
+        assert (raw[outside] == 0x55).all(), f"{cls.__module__}: wrote outside the parameter"
+        results.append(p.detach().clone())
+    assert torch.equal(*results)
+
+
+def test_grad_of_another_size_is_refused() -> None:
+    """A gradient whose size no longer matches its parameter (its .data
+    replaced behind the .grad setter's check) must be refused, not read out
+    of bounds; torch refuses it too."""
+    for cls in (rp.SGD, torch.optim.SGD):
+        p = nn.Parameter(torch.zeros(1000))
+        opt = cls([p], lr=1.0, momentum=0.9)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        p.grad.data = torch.ones(10)
+        before = p.detach().clone()
+        with pytest.raises((ValueError, RuntimeError)):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.cfloat])
+@pytest.mark.parametrize("name", NAMES)
+def test_refused_param_group_is_not_added(name: str, dtype: torch.dtype) -> None:
+    p = nn.Parameter(torch.randn(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    with pytest.raises((TypeError, ValueError)):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, dtype=dtype))]})
+    assert len(opt.param_groups) == 1
+    p.grad = torch.ones(3)
+    opt.step()
+
+
+# ---------------------------------------------------------------------------
+# 11. CUDA
 # ---------------------------------------------------------------------------
 
 GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)

@@ -40,6 +40,17 @@ _FRESH_BUFFER = 1
 _MAX_PLANS = 4096
 
 
+def _layout_key(p: torch.Tensor) -> tuple:
+    """What a table row assumes of a param beyond its identity: the kernels
+    walk numel elements of this dtype from this address with this layout
+    (True: contiguous, else the strides), so a param whose .data was replaced
+    (by a view of its own storage at the same address, or by a tensor that
+    reuses a freed allocation) must not match. The fast path in C
+    (optim_grad_pointers) checks the same tuple."""
+    return (p.data_ptr(), p.dtype, p.numel(), True if p.is_contiguous() else p.stride(),
+            p.get_device())
+
+
 def _scalar(value, name: str) -> float:
     """A hyper-parameter as a Python float; CUDA tensors would need a sync."""
     if isinstance(value, torch.Tensor):
@@ -53,17 +64,18 @@ def _scalar(value, name: str) -> float:
 class _Plan:
     """The pointer table of one call: one group's parameters of one device and
     dtype that have a gradient, with their state. Built once and reused while
-    the same parameters, storages and state dicts take part; only the gradient
-    pointers are refreshed each step."""
+    the same parameters, storages, layouts and state dicts take part; only the
+    gradient pointers are refreshed each step. `slots` are the state keys the
+    group's hyper-parameters need (opt._state_slots(group))."""
 
-    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list):
+    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple):
         first = params[0]
         self.device = first.device
         self.dtype_code = _tensors.dtype_code(first, "params")
         self.params = params
-        self.param_ptrs = [p.data_ptr() for p in params]
+        self.param_keys = [_layout_key(p) for p in params]
         # SGD without momentum keeps no state, as in torch: do not create entries
-        stateless = opt._kind == _SGD and not group["momentum"]
+        stateless = opt._kind == _SGD and slots[0] is None
         self.state_dicts = [opt.state.get(p) if stateless else opt.state[p] for p in params]
         # Gradients are read through contiguous memory for contiguous params and
         # for params updated through a contiguous stand-in; else with p's strides.
@@ -71,12 +83,14 @@ class _Plan:
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
         capturable = bool(group.get("capturable", False))
-        slots = opt._state_slots(group)
         # The state tensors each row points at: held, so that the table never
         # points at freed memory, and checked each step, so that a tensor the
         # user put in their place is picked up.
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
+            # torch creates all state at a param's first step (SGD: the buffer
+            # when first needed): a slot switched on later has no state
+            initialized = bool(st) and opt._kind != _SGD
             watched = []
             work = p
             if not _tensors.is_dense(p):
@@ -86,7 +100,7 @@ class _Plan:
             self.table[row, _COL_NUMEL] = p.numel()
             for slot, key in enumerate(slots):
                 if key is not None:
-                    t = opt._state_tensor(st, key, work, group, self.table[row])
+                    t = opt._state_tensor(st, key, work, group, self.table[row], initialized)
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t))
             if opt._kind != _SGD:
@@ -102,13 +116,13 @@ class _Plan:
         storages and state, contiguous strided .grad) is checked in C; anything
         else comes here."""
         if given is None and _C.optim_grad_pointers(
-                self.params, self.param_ptrs, state, self.state_dicts, self.watched,
+                self.params, self.param_keys, state, self.state_dicts, self.watched,
                 self.grad_contiguous, torch.strided, self.table):
             return []
         ptrs, keep = [], []
-        for p, st, ptr, contig, watched in zip(self.params, self.state_dicts, self.param_ptrs,
+        for p, st, key, contig, watched in zip(self.params, self.state_dicts, self.param_keys,
                                                self.grad_contiguous, self.watched):
-            if p.data_ptr() != ptr or state.get(p) is not st:
+            if _layout_key(p) != key or state.get(p) is not st:
                 return None
             for key, t in watched:
                 if st.get(key) is not t:
@@ -204,7 +218,14 @@ class _FusedOptimizer:
         self._step_supports_amp_scaling = False
         self._plans: dict = {}
         self._group_of: dict | None = None
-        self.register_load_state_dict_post_hook(_FusedOptimizer._forget_plans)
+        if _FusedOptimizer._forget_plans not in self._optimizer_load_state_dict_post_hooks.values():
+            self.register_load_state_dict_post_hook(_FusedOptimizer._forget_plans)
+
+    def __setstate__(self, state: dict) -> None:
+        """copy.deepcopy and unpickling (torch.save of the optimizer): torch
+        keeps only defaults, state and param_groups; set up the rest again."""
+        super().__setstate__(state)
+        self._setup_fused()
 
     def _check_group(self, group: dict) -> None:
         if group.get("differentiable", False):
@@ -228,7 +249,12 @@ class _FusedOptimizer:
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
-            self._check_group(self.param_groups[-1])
+            try:
+                self._check_group(self.param_groups[-1])
+            except BaseException:
+                # torch normalizes the group, so check it after; a refused group is not kept
+                self.param_groups.pop()
+                raise
             self._forget_plans()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -300,29 +326,41 @@ class _FusedOptimizer:
             active = [p for p in params if given[id(p)] is not None]
         if not active:
             return
-        key = (id(group), tuple(map(id, active)))
+        hp = group if settings is None else settings
+        # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
+        slots = self._state_slots(hp)
+        key = (id(group), slots, tuple(map(id, active)))
         plans = self._plans.get(key)
         keep = _prepare_grads(plans, self.state, given)
         if keep is None:  # first use, or a storage or state tensor was replaced
-            plans = self._make_plans(group, active, key)
+            plans = self._make_plans(hp, active, key, slots)
             keep = _prepare_grads(plans, self.state, given)
         for plan in plans:
-            plan.run(self, group if settings is None else settings)
+            plan.run(self, hp)
         del keep  # gradient copies: only now may they be freed
 
-    def _make_plans(self, group: dict, active: list, key: tuple) -> list:
+    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        plans = [_Plan(self, group, ps) for ps in buckets.values()]
+        plans = [_Plan(self, group, ps, slots) for ps in buckets.values()]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plans
         return plans
 
-    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row) -> torch.Tensor:
-        """State st[key] as a float32 tensor laid out like p, created when absent."""
+    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row,
+                      initialized: bool) -> torch.Tensor:
+        """State st[key] as a float32 tensor laid out like p, created when absent
+        from a param's fresh state; absent from a state that torch initialized
+        without it (an option switched on after the first step) it is torch's
+        KeyError."""
         t = st.get(key)
+        if t is None and initialized:
+            raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} was "
+                           f"created without it (an option that needs it was switched on after "
+                           f"the first step); torch.optim.{self._torch_class.__name__} raises "
+                           f"this KeyError too")
         if t is None:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
