@@ -28,6 +28,7 @@ and for the DDP test; it imports this module.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -47,7 +48,7 @@ import reprop
 import reprop.optim as rp
 
 MODES = ("backward", "forward")
-OPT_NAMES = ("SGD", "AdamW", "Adagrad")
+OPT_NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 STEPS = 100
 MAX_NORM = 0.2  # below the CNN's gradient norm on most steps, so clipping really happens
 HERE = Path(__file__).resolve().parent
@@ -56,14 +57,20 @@ WORKER = HERE / "_fusion_resume.py"
 # Every state slot in use (as test_optim.RICH).
 OPTIONS = {
     "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
+    "Adam": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01},
     "AdamW": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
     "Adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
+    "RMSprop": {"lr": 1e-3, "momentum": 0.9, "centered": True, "weight_decay": 0.01},
+    "Adadelta": {"lr": 1.0, "rho": 0.9, "weight_decay": 0.01},
 }
 # The second param group: another lr and weight decay (and betas for AdamW).
 GROUP1 = {
     "SGD": {"lr": 0.025, "weight_decay": 0.02},
+    "Adam": {"lr": 5e-3, "weight_decay": 0.02, "betas": (0.8, 0.99)},
     "AdamW": {"lr": 5e-3, "weight_decay": 0.2, "betas": (0.8, 0.99)},
     "Adagrad": {"lr": 0.025, "weight_decay": 0.02},
+    "RMSprop": {"lr": 5e-4, "weight_decay": 0.02, "alpha": 0.9},
+    "Adadelta": {"lr": 0.5, "weight_decay": 0.02, "rho": 0.8},
 }
 
 
@@ -489,7 +496,10 @@ def assert_results_equal(got: Result, ref: Result) -> None:
 
 # Closed-loop tolerances of test_optim.py (TRAIN_TOL), same meaning:
 # |actual - expected| <= atol * max|expected| + rtol * |expected|.
-TORCH_TOL = {"SGD": (3e-5, 3e-6), "AdamW": (1.5e-5, 1.5e-6), "Adagrad": (3e-5, 3e-6)}
+TORCH_TOL = {
+    "SGD": (3e-5, 3e-6), "Adam": (1.5e-5, 1.5e-6), "AdamW": (1.5e-5, 1.5e-6), "Adagrad": (3e-5, 3e-6),
+    "RMSprop": (2e-5, 2e-6), "Adadelta": (6e-5, 6e-6),
+}
 
 
 def assert_results_close(got: Result, ref: Result, name: str) -> None:
@@ -1151,3 +1161,217 @@ def test_backward_mode_updates_after_a_forward_that_bypasses_root_hooks() -> Non
             model.forward(torch.ones(1, 2)).sum().backward()
             assert model[0].weight.grad is None
     assert not torch.equal(model[0].weight.detach(), before)
+
+
+# ---------------------------------------------------------------------------
+# 12. The optimizer and the model changed while fused
+# ---------------------------------------------------------------------------
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def _mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(5, 4, generator=_gen(300 + i)), torch.randn(5, 3, generator=_gen(400_000 + i))
+
+
+def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | None = None,
+              after_step: dict | None = None, before_step: dict | None = None,
+              ) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Trains _mlp() for `steps` steps, eager (mode None) or fused; events[i]
+    (model, opt) runs before step i's forward, before_step[i] between its
+    backward and step(), after_step[i] right after its step() (forward mode:
+    with the updates pending)."""
+    model = _mlp()
+    opt = make_opt(model)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            if events and i in events:
+                events[i](model, opt)
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if before_step and i in before_step:
+                before_step[i](model, opt)
+            opt.step()
+            if after_step and i in after_step:
+                after_step[i](model, opt)
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def _assert_same_training(got: tuple, ref: tuple) -> None:
+    (model, opt), (ref_model, ref_opt) = got, ref
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+        _assert_tensor_dicts(opt.state.get(p, {}), ref_opt.state.get(r, {}), f"state of {n}", None)
+
+
+def _unfreeze_first_layer_at_3(model: nn.Module, opt) -> None:
+    model[0].requires_grad_(True)
+
+
+def _freeze_first_layer(model: nn.Module) -> nn.Module:
+    model[0].requires_grad_(False)
+    return model
+
+
+def _add_first_layer_at_3(model: nn.Module, opt) -> None:
+    opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.02})
+
+
+LATER = {
+    # (what the optimizer is made with, what happens in step 3, when: "events"
+    # before the forward, "before_step" between backward and step())
+    "unfrozen": (lambda m: m.parameters(), _unfreeze_first_layer_at_3, "events"),
+    "added_group": (lambda m: list(m[2:].parameters()), _add_first_layer_at_3, "events"),
+    "added_group_before_step": (lambda m: list(m[2:].parameters()), _add_first_layer_at_3, "before_step"),
+}
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("later", list(LATER))
+@pytest.mark.parametrize("mode", MODES)
+def test_params_unfrozen_or_added_after_fuse_are_trained(mode: str, later: str, impl: str) -> None:
+    """Staged fine-tuning: a layer frozen when fuse() is called and unfrozen
+    later, or added with add_param_group() after fuse(), is updated from then
+    on exactly as in eager training (bitwise against eager reprop)."""
+    params_of, event, when = LATER[later]
+
+    def make_opt(cls):
+        def make(model):
+            if later == "unfrozen":
+                _freeze_first_layer(model)
+            return cls(params_of(model), lr=0.01, weight_decay=0.1)
+        return make
+
+    cls = rp.AdamW if impl == "reprop" else torch.optim.AdamW
+    got = _mlp_loop(mode, make_opt(cls), 8, **{when: {3: event}})
+    ref = _mlp_loop(None, make_opt(rp.AdamW), 8, **{when: {3: event}})
+    assert not torch.equal(ref[0][0].weight, _mlp()[0].weight)
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_optimizer_load_state_dict_after_fuse(mode: str) -> None:
+    """Resume: fuse() a fresh torch optimizer, then load a checkpoint into the
+    model and the optimizer. torch's load_state_dict replaces param_groups and
+    state with new objects: the fused updates must use them (the loaded lr,
+    step counts and moments), and the user's state_dict() must advance."""
+    ckpt = {}
+
+    def save_at_4(model, opt):
+        ckpt["model"] = copy.deepcopy(model.state_dict())
+        ckpt["opt"] = copy.deepcopy(opt.state_dict())
+
+    ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, {4: save_at_4})
+
+    model = _mlp(seed=5)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    handle = reprop.fuse(model, opt, mode=mode)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(copy.deepcopy(ckpt["opt"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4, 8):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    sd = opt.state_dict()
+    handle.remove()
+    assert sd["param_groups"][0]["lr"] == 0.01
+    assert [float(s["step"]) for s in sd["state"].values()] == [8.0] * 6
+    _assert_same_training((model, opt), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_remove_gives_torch_optimizer_state_in_param_dtype(mode: str, dtype: torch.dtype) -> None:
+    """The engine keeps float32 state for low-precision params; after remove()
+    the torch optimizer gets it in the param's dtype, as its load_state_dict
+    would give it, and can step again."""
+    model = _mlp().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x.to(dtype)).float(), y).backward()
+            opt.step()
+            opt.zero_grad()
+    fp32_state = copy.deepcopy(opt.state_dict())
+    handle.remove()
+    ref = torch.optim.AdamW(_mlp().to(dtype).parameters(), lr=0.01)
+    ref.load_state_dict(fp32_state)  # torch's own cast
+    for p, r in zip(opt.param_groups[0]["params"], ref.param_groups[0]["params"]):
+        assert sorted(opt.state[p]) == sorted(ref.state[r])
+        for key, expected in ref.state[r].items():
+            value = opt.state[p][key]
+            assert value.dtype == expected.dtype and torch.equal(value, expected), key
+        assert opt.state[p]["exp_avg"].dtype == dtype
+    x, y = _mlp_batch(3)
+    F.mse_loss(model(x.to(dtype)).float(), y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_forward_mode_tensor_lr_with_scheduler(name: str) -> None:
+    """A tensor lr is changed in place by LR schedulers (fill_): a pending
+    update must use the value of its step(), not the scheduler's next one."""
+    def make_opt(model):
+        opt = getattr(rp, name)(model.parameters(), lr=torch.tensor(0.05))
+        opt.sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return opt
+
+    step_sched = {i: (lambda m, o: o.sched.step()) for i in range(6)}
+    got = _mlp_loop("forward", make_opt, 6, after_step=step_sched)
+    ref = _mlp_loop(None, make_opt, 6, after_step=step_sched)
+    assert got[1].param_groups[0]["lr"].item() < 0.05 / 2**5  # the scheduler did run
+    _assert_same_training(got, ref)
+
+
+def _load_model_checkpoint(model: nn.Module, opt) -> None:
+    model.load_state_dict(_mlp(seed=7).state_dict())
+
+
+def _load_submodule_checkpoint(model: nn.Module, opt) -> None:
+    model[2].load_state_dict(_mlp(seed=7)[2].state_dict())
+
+
+def _load_optimizer_checkpoint(model: nn.Module, opt) -> None:
+    if not hasattr(opt, "saved_for_test"):  # the first time: save (flushes), later: load that
+        opt.saved_for_test = copy.deepcopy(opt.state_dict())
+    else:
+        opt.load_state_dict(copy.deepcopy(opt.saved_for_test))
+
+
+def _convert_model(model: nn.Module, opt) -> None:
+    model.to(torch.bfloat16).to(torch.float32)
+
+
+AFTER_STEP = {
+    "model.load_state_dict": _load_model_checkpoint,
+    "submodule.load_state_dict": _load_submodule_checkpoint,
+    "optimizer.load_state_dict": _load_optimizer_checkpoint,
+    "model.to": _convert_model,
+}
+
+
+@pytest.mark.parametrize("change", list(AFTER_STEP))
+def test_forward_mode_state_changes_after_step_apply_pending_updates_first(change: str) -> None:
+    """Loading a checkpoint into the model (or a submodule) or the optimizer,
+    or converting the model (.to), right after step() while the updates are
+    pending: eager applied them before, so they land first, not on top of the
+    loaded or converted values."""
+    events = {1: AFTER_STEP[change], 3: AFTER_STEP[change], 5: AFTER_STEP[change]}
+    got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
+    ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
+    _assert_same_training(got, ref)

@@ -22,9 +22,17 @@ an unmodified ``nn.Module``; the training loop keeps calling
   training or evaluation, once (those the next forward did not use, at its
   end). Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
-  ``torch.amp.GradScaler`` work as in eager training. ``model.state_dict()``
-  and ``optimizer.state_dict()`` apply pending updates first, so checkpoints
-  are exact.
+  ``torch.amp.GradScaler`` work as in eager training. ``model.state_dict()``,
+  ``optimizer.state_dict()``, ``model.load_state_dict()`` (also of a
+  submodule), ``optimizer.load_state_dict()`` and ``model.to()`` (any
+  ``Module._apply`` of the root) apply pending updates first, so checkpoints
+  are exact. Code that reads or writes a parameter directly between
+  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
+  sees the value before the update and must call ``handle.flush()`` first.
+
+Every parameter of the optimizer's groups is fused, frozen ones included (they
+are updated once unfrozen), and groups added after ``fuse()`` are picked up at
+the next forward of the root module or ``optimizer.step()``.
 
 Each update is the same fused kernel as ``reprop.optim``'s ``step()``, with
 the hyper-parameters of the moment it was decided, so fused training computes
@@ -33,7 +41,9 @@ exactly what the eager loop computes.
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
+import weakref
 from typing import Iterable
 
 import torch
@@ -56,6 +66,22 @@ _CONVERTIBLE = {
 _MODES = ("backward", "forward")
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
 _MISSING = object()
+# Root module -> its forward-mode fusion, for _flushing_apply.
+_FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
+    """Module._apply (what .to(), .half(), .cuda() call) that first applies the
+    pending forward-mode updates of `module`'s fusion, installed on the root
+    module as an instance method (a copy of the module has no fusion)."""
+    handle = _FLUSH_BEFORE_APPLY.get(module)
+    if handle is not None:
+        handle.flush()
+    return type(module)._apply(module, fn, *args, **kwargs)
+
+
+# Pickling the bound method stores getattr(module, __name__): the class's _apply.
+_flushing_apply.__name__ = "_apply"
 
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
@@ -116,7 +142,9 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
                         f"reprop.optim optimizer or one of {names}")
     accepted = inspect.signature(ours._torch_class.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    defaults["foreach"] = defaults["fused"] = None  # torch's own fast paths play no part
+    for flag in ("foreach", "fused"):  # torch's own fast paths play no part
+        if flag in accepted:  # RMSprop and Adadelta have no `fused`
+            defaults[flag] = None
     engine = ours([{"params": list(g["params"])} for g in optimizer.param_groups], **defaults)
     # Share, not copy: schedulers change the user's groups, checkpoints read the user's state.
     engine.param_groups = optimizer.param_groups
@@ -145,9 +173,59 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
+def _frozen(value):
+    """`value` as it is now: tensors (a tensor lr, betas) are copied, since
+    schedulers change them in place."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_frozen(v) for v in value)
+    return value
+
+
 def _settings_snapshot(engine: optim._FusedOptimizer) -> dict:
     """Every group's hyper-parameters as they are now, for a deferred update."""
-    return {id(g): {k: v for k, v in g.items() if k != "params"} for g in engine.param_groups}
+    return {id(g): {k: _frozen(v) for k, v in g.items() if k != "params"}
+            for g in engine.param_groups}
+
+
+def _membership(engine: optim._FusedOptimizer) -> tuple:
+    """Which groups and parameter lists the optimizer has, to notice cheaply
+    that add_param_group or load_state_dict changed them."""
+    return (id(engine.param_groups),) + tuple(
+        (id(g), id(g["params"]), len(g["params"])) for g in engine.param_groups)
+
+
+def _all_params(engine: optim._FusedOptimizer) -> dict:
+    """id -> parameter, for every parameter of the optimizer's groups, frozen
+    ones included: unfrozen later, they are trained as in eager training."""
+    return {id(p): p for g in engine.param_groups for p in g["params"]}
+
+
+def _register_grad_ready(p: torch.Tensor, hook) -> "torch.utils.hooks.RemovableHandle":
+    """p.register_post_accumulate_grad_hook(hook), also for a frozen p (torch
+    refuses to register on a tensor that does not require grad; the hook then
+    fires once p is unfrozen)."""
+    if p.requires_grad:
+        return p.register_post_accumulate_grad_hook(hook)
+    p.requires_grad_(True)
+    try:
+        return p.register_post_accumulate_grad_hook(hook)
+    finally:
+        p.requires_grad_(False)
+
+
+def _low_precision_state_as_torch_keeps_it(optimizer: torch.optim.Optimizer) -> None:
+    """A torch optimizer keeps its state in the parameter's dtype (its
+    load_state_dict casts it so): the reprop engine's float32 state of
+    float16/bfloat16 parameters, cast back for torch's own step()."""
+    for p, st in optimizer.state.items():
+        if not isinstance(p, torch.Tensor) or p.dtype == torch.float32:
+            continue
+        for key, value in st.items():
+            if (key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point()
+                    and value.dtype != p.dtype):
+                st[key] = value.to(dtype=p.dtype)
 
 
 class FusionHandle:
@@ -162,8 +240,8 @@ class FusionHandle:
         self._hooks: list = []
         self._warned: set = set()
         self._removed = False
-        self._params = {id(p): p for g in engine.param_groups for p in g["params"]
-                        if p.requires_grad}
+        self._params = _all_params(engine)
+        self._membership = _membership(engine)
         # The optimizer's own instance attributes that fusion overrides, to restore.
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
 
@@ -179,9 +257,46 @@ class FusionHandle:
         optimizer.zero_grad = self._zero_grad
         # GradScaler would pass grad_scale/found_inf to a step that supports it.
         optimizer._step_supports_amp_scaling = False
+        # optimizer.load_state_dict: pending updates first; then torch's replaces
+        # param_groups and state with new objects, which the engine must share.
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(self._before_load))
+        self._hooks.append(optimizer.register_load_state_dict_post_hook(self._after_load))
 
     def flush(self) -> None:
         """Applies every pending update now."""
+
+    def _before_load(self, *args) -> None:
+        self.flush()
+
+    def _after_load(self, *args) -> None:
+        self._sync()
+
+    def _sync(self) -> list:
+        """Follows the optimizer's groups: a torch optimizer's param_groups and
+        state rebound by its load_state_dict, and groups or parameters added
+        since fuse() (add_param_group), whose parameters are then fused too.
+        Returns those new parameters."""
+        opt, engine = self._user_optimizer, self.optimizer
+        if opt is not engine and (engine.param_groups is not opt.param_groups
+                                  or engine.state is not opt.state):
+            engine.param_groups = opt.param_groups
+            engine.state = opt.state
+            engine._forget_plans()
+        membership = _membership(engine)
+        if membership == self._membership:
+            return []
+        for group in engine.param_groups:
+            engine._check_group(group)
+        engine._forget_plans()
+        self._membership = membership
+        params = _all_params(engine)
+        new = [p for i, p in params.items() if i not in self._params]
+        self._params = params
+        self._track(new)
+        return new
+
+    def _track(self, new: list) -> None:
+        """Installs what the mode needs for parameters added to the optimizer."""
 
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
@@ -198,6 +313,8 @@ class FusionHandle:
                 opt.__dict__.pop(name, None)
             else:
                 setattr(opt, name, value)
+        if opt is not self.optimizer:
+            _low_precision_state_as_torch_keeps_it(opt)
         self._removed = True
 
     def __enter__(self) -> "FusionHandle":
@@ -234,23 +351,28 @@ class _BackwardFusion(FusionHandle):
         self._end_queued = False
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
         self._join_queued = False
+        self._batch_of: dict = {}
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self._ddp:
+            # Local gradients are not final under DDP: update after each bucket's all-reduce.
+            model.register_comm_hook(None, self._ddp_bucket_hook)
+        self._track(list(self._params.values()))
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+
+    def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
         # them. A parameter shared by several modules goes with the first that owns it.
-        self._batch_of: dict = {}
-        for module in model.modules():
+        self._batch_of = {}
+        for module in self.model.modules():
             batch = tuple(p for p in _direct_params(module, self._params)
                           if id(p) not in self._batch_of)
             for p in batch:
                 self._batch_of[id(p)] = batch
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            # Local gradients are not final under DDP: update after each bucket's all-reduce.
-            model.register_comm_hook(None, self._ddp_bucket_hook)
-        else:
-            for p in self._params.values():
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        if not self._ddp:  # under DDP the bucket hook sees every parameter
+            for p in new:
+                self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
 
     def flush(self) -> None:
         """Updates are applied inside backward; on CUDA, makes the current
@@ -258,6 +380,7 @@ class _BackwardFusion(FusionHandle):
         self._join_side_streams()
 
     def _on_root_forward(self, module, args) -> None:
+        self._sync()
         if not torch.is_grad_enabled():
             return
         self._forwards += 1
@@ -271,16 +394,16 @@ class _BackwardFusion(FusionHandle):
         return self._every == 1 or (self._forwards > 0 and self._forwards % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._updating():
-            return  # accumulating: eager would not step after this micro-batch
+        if not self._updating() or id(p) not in self._params:
+            return  # accumulating (eager would not step now), or no longer in the optimizer
         self._ready[id(p)] = p
         if not self._end_queued:
             # Parameters whose module-mates got no gradient this time are updated at the end.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._end_queued = True
         batch = self._batch_of[id(p)]
-        if all(id(q) in self._ready for q in batch):
-            self._update(batch)
+        if all(id(q) in self._ready or not q.requires_grad for q in batch):
+            self._update([q for q in batch if id(q) in self._ready])
 
     def _on_backward_end(self) -> None:
         self._end_queued = False
@@ -363,10 +486,17 @@ class _BackwardFusion(FusionHandle):
     def _step(self, closure=None):
         self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "
                                 "each parameter is updated inside backward()")
+        loss = None
         if closure is not None:
             with torch.enable_grad():
-                return closure()
-        return None
+                loss = closure()
+        # Parameters added to the optimizer since the last forward got their
+        # gradients without being fused yet: eager updates them in this step().
+        late = [p for p in self._sync() if p.grad is not None]
+        if late and self._updating():
+            self.optimizer.step_params(late)
+            self._release_grads(late)
+        return loss
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
@@ -387,19 +517,44 @@ class _ForwardFusion(FusionHandle):
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
-        for module in model.modules():
-            own = _direct_params(module, self._params)
-            if own:
-                self._owned.append((module, own))
-                self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
+        self._hooked_modules: set = set()
+        self._track(list(self._params.values()))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         self._hooks.append(model.register_state_dict_pre_hook(self._on_state_dict))
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
+        # model.load_state_dict (also of a submodule): pending updates land first,
+        # not on top of the loaded values.
+        self._hooks.append(model._register_load_state_dict_pre_hook(self._before_load))
+        # model.to() / .half() / .cuda() (Module._apply): pending updates first too.
+        self._saved_apply = model.__dict__.get("_apply", _MISSING)
+        _FLUSH_BEFORE_APPLY[model] = self
+        model._apply = types.MethodType(_flushing_apply, model)
+
+    def _track(self, new: list) -> None:
+        self._owned = []
+        for module in self.model.modules():
+            own = _direct_params(module, self._params)
+            if own:
+                self._owned.append((module, own))
+                if id(module) not in self._hooked_modules:
+                    self._hooked_modules.add(id(module))
+                    self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
+                    self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
-        for p in self._params.values():
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for p in new:
+            self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
+
+    def remove(self) -> None:
+        if not self._removed:
+            self.flush()
+            _FLUSH_BEFORE_APPLY.pop(self.model, None)
+            if self._saved_apply is _MISSING:
+                self.model.__dict__.pop("_apply", None)
+            else:
+                self.model._apply = self._saved_apply
+        super().remove()
 
     def flush(self) -> None:
         if self._pending:
@@ -422,6 +577,7 @@ class _ForwardFusion(FusionHandle):
                 self._apply(mine)
 
     def _on_root_forward(self, module, args) -> None:
+        self._sync()
         # Parameters of modules never seen running are read some other way: now.
         orphans = [p for m, own in self._owned if id(m) not in self._seen_running
                    for p in own if id(p) in self._pending]
@@ -452,6 +608,7 @@ class _ForwardFusion(FusionHandle):
                 loss = closure()
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
+        self._sync()
         with_grad = [p for p in self._params.values() if p.grad is not None]
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
