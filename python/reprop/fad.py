@@ -204,12 +204,10 @@ class _Activation(torch.autograd.Function):
     def backward(ctx, grad):
         _refuse_double_backward(f"reprop.fad.{ctx.act.kind}")
         (d,) = ctx.saved_tensors
-        if d.dtype == torch.uint8:
-            grad_x, zero = _backward_code8(ctx.act, grad, d), d == _zero_code(ctx.act)
-        else:
-            grad_x, zero = (grad * d).to(grad.dtype), d == 0
+        coded = d.dtype == torch.uint8
+        grad_x = _backward_code8(ctx.act, grad, d) if coded else (grad * d).to(grad.dtype)
         if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
-            grad_x = grad_x.masked_fill_(zero, 0)
+            grad_x = grad_x.masked_fill_(d == (_zero_code(ctx.act) if coded else 0), 0)
         return grad_x, None, None, None
 
 
@@ -238,14 +236,12 @@ def _torch_only(x: torch.Tensor) -> bool:
     """Tensors whose meaning the raw kernels would lose: functorch's wrappers
     (vmap, grad, jvp), forward-AD duals (their tangent) and meta tensors
     (no data). Their activations run as torch's own ops."""
-    if x.device.type == "meta" or _is_functorch_wrapped(x):
+    if x.device.type == "meta" or (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
 
-def _is_functorch_wrapped(x: torch.Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return check is not None and check(x)
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
