@@ -323,6 +323,22 @@ def test_codebook_defaults_are_the_functions():
         assert (leaf.grad - ref.grad).abs().max() <= fad.codebook(name).max_error * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("name,params", [("leaky_relu", ()), ("leaky_relu", (-0.3,)),
+                                         ("leaky_relu", (1e-35,)), ("hardsigmoid", ())])
+def test_codebook_two_valued_max_error(name, params):
+    """LeakyReLU and Hardsigmoid store their two derivative values exactly
+    (max_error 0) unless the slope is below the smallest grid step, and
+    max_error is then the error the gradients show."""
+    x = torch.cat([torch.linspace(-6, 6, 2001), torch.tensor([0.0, -0.0, 3.0, -3.0])])
+    cb = fad.codebook(name, *params)
+    leaf, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    getattr(fad, name)(leaf, *params, saved_dtype=torch.uint8).sum().backward()
+    getattr(F, name)(ref, *params).sum().backward()
+    err = (leaf.grad.double() - ref.grad.double()).abs().max().item()
+    assert err == pytest.approx(cb.max_error, rel=1e-6, abs=0)
+    assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-30 else pytest.approx(1e-35))
+
+
 # ---------------------------------------------------------------------------
 # Autograd modes, autocast, double backward
 # ---------------------------------------------------------------------------

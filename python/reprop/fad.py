@@ -544,19 +544,19 @@ class Codebook:
     values: float32 (256,), the derivative each code decodes to (grid codes,
     then the exact-slope code, then NaN); lo, hi: the derivative range the grid
     covers; step: grid spacing; max_error: the largest error of a decoded
-    derivative (half a step; 0 on the exact pieces)."""
+    derivative (half a step; 0 on the exact pieces, and 0 for LeakyReLU and
+    Hardsigmoid, whose two values sit on their grid)."""
 
     values: np.ndarray
     lo: float
     hi: float
     step: float
-
-    @property
-    def max_error(self) -> float:
-        return self.step / 2
+    max_error: float
 
 
 # The parameters of reprop.fad's functions, in signature order, at their defaults.
+# Kinds whose derivative takes two values, 0 and v (csrc/fad.c, rp_fad_two_valued).
+_TWO_VALUED = ("leaky_relu", "hardsigmoid")
 _DEFAULT_PARAMS = {"softplus": (1.0, 20.0), "elu": (1.0,), "celu": (1.0,), "leaky_relu": (0.01,)}
 
 
@@ -577,7 +577,13 @@ def codebook(activation: str, *params: float) -> Codebook:
     zero = _zero_code(act)
     lo, hi = np.frombuffer(raw, dtype=np.float32, count=2, offset=1032)
     step = values[zero + 1] - values[zero]  # every grid reaches above 0
-    return Codebook(values, float(lo), float(hi), float(step))
+    max_error = step / 2
+    if activation in _TWO_VALUED:
+        # f' is 0 or v, the range's other end; the grid's step is |v| unless
+        # |v| is below the smallest step, so v decodes to its nearest grid value.
+        v = lo if lo < 0 else hi
+        max_error = abs(values[zero + int(np.rint(v / step))] - v)
+    return Codebook(values, float(lo), float(hi), float(step), float(max_error))
 
 
 # ---------------------------------------------------------------------------
