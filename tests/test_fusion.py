@@ -249,6 +249,7 @@ class Loop:
     zero_grad_first: bool = False  # zero_grad(); forward; backward; step() instead of ...; step(); zero_grad()
     record_grads: bool = False  # record every p.grad right after backward
     keep_grads: bool = False  # fuse(keep_grads=True)
+    set_to_none: bool = True  # zero_grad(set_to_none=...)
 
     def for_eager(self) -> "Loop":
         """The same loop without the options that only concern fuse()."""
@@ -379,7 +380,7 @@ class Trainer:
                     r.evals.append(self.eval_forward())
                 last = (i + 1) % loop.accumulate == 0
                 if loop.zero_grad_first and i % loop.accumulate == 0:
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=loop.set_to_none)
                 x, y = self.case.batch(i)
                 loss = self.case.loss(model(x, i), y) / loop.accumulate
                 if i in loop.inf_at:
@@ -402,7 +403,7 @@ class Trainer:
                         r.norms.append(torch.nn.utils.clip_grad_norm_(self.params(), MAX_NORM).item())
                     opt.step()
                 if not loop.zero_grad_first:
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=loop.set_to_none)
                 if self.sched is not None:
                     self.sched.step()
                     r.lrs.append([g["lr"] for g in opt.param_groups])
@@ -673,15 +674,32 @@ def test_zero_grad_before_forward_loop_order(mode: str) -> None:
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("case", ["cnn", "branchy"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OPT_NAMES)
-def test_accumulation_matches_eager(name: str, mode: str) -> None:
+def test_accumulation_matches_eager(name: str, mode: str, case: str) -> None:
     """Eager: step() + zero_grad() every 4 micro-batches. Backward mode:
     fuse(accumulation_steps=4), the same loop. Forward mode: just that loop.
     Eval forwards (no_grad) every 3 micro-batches fall inside accumulation
-    windows and must not count as training forwards."""
+    windows and must not count as training forwards. In "branchy" a param
+    used every second micro-batch gets no gradient in the window's last one,
+    whose backward updates: its accumulated gradient must still be applied."""
     loop = Loop(accumulate=4, eval_every=3, scheduler=True)
-    assert_results_equal(fused("cnn", name, mode, loop), eager("cnn", name, loop))
+    assert_results_equal(fused(case, name, mode, loop), eager(case, name, loop))
+
+
+@pytest.mark.parametrize("accumulate", [1, 4])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_zero_grad_keeping_zeros_matches_eager(name: str, mode: str, accumulate: int) -> None:
+    """zero_grad(set_to_none=False): eager keeps a zero gradient for every
+    param that ever had one, so step() moves params a micro-batch did not use
+    (momentum, weight decay, Adam's step count); fused training must too."""
+    loop = Loop(set_to_none=False, accumulate=accumulate)
+    got, ref = fused("branchy", name, mode, loop), eager("branchy", name, loop)
+    if name != "SGD":  # gate is used every second micro-batch, yet steps in every step
+        assert float(ref.state["gate"]["step"]) == STEPS // accumulate
+    assert_results_equal(got, ref)
 
 
 def test_backward_accumulation_updates_in_the_nth_backward() -> None:

@@ -347,6 +347,13 @@ class _BackwardFusion(FusionHandle):
         self._forwards = 0  # training forwards of the root module so far
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
+        self._updated: set = set()  # ids of the params updated in this backward
+        # id(param) -> param whose gradient an accumulating backward left in .grad
+        self._accumulated: dict = {}
+        # After zero_grad(set_to_none=False) eager keeps a zero .grad for every param
+        # that ever had one, and step() moves it (momentum, weight decay): those params.
+        self._zeroed_not_freed = False
+        self._ever_updated: dict = {}
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
         self._end_queued = False
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
@@ -394,8 +401,11 @@ class _BackwardFusion(FusionHandle):
         return self._every == 1 or (self._forwards > 0 and self._forwards % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if not self._updating() or id(p) not in self._params:
-            return  # accumulating (eager would not step now), or no longer in the optimizer
+        if id(p) not in self._params:
+            return  # no longer in the optimizer
+        if not self._updating():  # accumulating: eager would not step now
+            self._accumulated[id(p)] = p
+            return
         self._ready[id(p)] = p
         if not self._end_queued:
             # Parameters whose module-mates got no gradient this time are updated at the end.
@@ -409,6 +419,24 @@ class _BackwardFusion(FusionHandle):
         self._end_queued = False
         if self._ready:
             self._update(list(self._ready.values()))
+        self._update_left_behind()
+        self._updated.clear()
+
+    def _update_left_behind(self) -> None:
+        """What eager's step() updates although this backward gave it no
+        gradient: params whose gradients earlier micro-batches of the window
+        accumulated, and after zero_grad(set_to_none=False) every param that
+        ever had a gradient, from the zeros eager would hold."""
+        left = [p for i, p in self._accumulated.items() if i not in self._updated]
+        self._accumulated.clear()
+        if self._zeroed_not_freed:
+            left += [p for i, p in self._ever_updated.items()
+                     if i not in self._updated and p.grad is None and i in self._params]
+        for p in left:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if left:
+            self._update(left)
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -424,7 +452,9 @@ class _BackwardFusion(FusionHandle):
     def _update(self, params: Iterable[torch.Tensor]) -> None:
         params = list(params)
         for p in params:
-            del self._ready[id(p)]
+            self._ready.pop(id(p), None)
+            self._updated.add(id(p))
+            self._ever_updated[id(p)] = p
         if params[0].device.type == "cuda":
             self._update_on_side_stream(params)
         else:
@@ -499,6 +529,7 @@ class _BackwardFusion(FusionHandle):
         return loss
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._zeroed_not_freed = not set_to_none
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
                                      "no-op; gradients are freed as soon as they are applied")
 
