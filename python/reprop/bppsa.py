@@ -734,22 +734,33 @@ class _Leaf:
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """float32 values of J^T for the batch of inputs x: the flat weights for
         a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
+        shape = (self.layer.weight.numel(),) if self.shared else (x.shape[0], self.indices.size)
+        dst = torch.empty(shape, device=x.device)
+        self.write_values(x, dst)
+        return dst
+
+    def write_values(self, x: torch.Tensor, dst: torch.Tensor) -> None:
+        """values(x) written straight into dst (float32, any strides: the
+        scan's batch-minor buffer seen as (B, nnz)), with no temporary copy."""
         layer, B = self.layer, x.shape[0]
         with torch.no_grad():
             if self.shared:
-                return layer.weight.detach().reshape(-1).float()
+                dst.copy_(layer.weight.reshape(-1))
+                return
             if isinstance(layer, nn.ReLU):  # autograd's threshold_backward: 0 where x <= 0, else 1
-                return (~(x <= 0)).reshape(B, -1).float()
+                torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
+                return
             if isinstance(layer, nn.MaxPool2d):
                 _, idx = torch.nn.functional.max_pool2d(
                     x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
                     return_indices=True)
                 picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
-                return (picked == self._map("pmap", x.device)).float()
+                torch.eq(picked, self._map("pmap", x.device), out=dst)
+                return
         with torch.enable_grad():  # f'(x) of an element-wise layer, exactly as autograd has it
             xr = x.detach().float().requires_grad_()
             (d,) = torch.autograd.grad(layer(xr).sum(), xr)
-        return d.reshape(B, -1).contiguous()
+        dst.copy_(d.reshape(B, -1))
 
 
 class ChainPlan:
@@ -852,11 +863,11 @@ class ChainPlan:
         shared = torch.empty(self.info["shared_floats"], device=device)
         shared[0] = 1.0
         for leaf, x, addr in zip(self.leaves, inputs, prog["leaf_addr"].tolist()):
-            vals = leaf.values(x)
             if addr & _SHARED:
-                shared[addr & ~_SHARED:(addr & ~_SHARED) + vals.numel()].copy_(vals)
+                start = addr & ~_SHARED
+                leaf.write_values(x, shared[start:start + leaf.layer.weight.numel()])
             else:
-                seq[addr:addr + vals.shape[1]].copy_(vals.T)
+                leaf.write_values(x, seq[addr:addr + leaf.indices.size].T)
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
