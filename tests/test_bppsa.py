@@ -12,6 +12,8 @@ or level schedule gives errors of order 1e-1.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -237,6 +239,11 @@ def test_scan_rejects_bad_input():
         bppsa.scan(c, jt=jt, levels="fast")
     with pytest.raises(RuntimeError, match="sparse"):
         bppsa.scan(c.to_sparse(), jt=jt)
+    with pytest.raises(ValueError, match="c: expected a hidden size H of at least 1"):
+        bppsa.scan(torch.randn(5, 2, 0), w=torch.randn(0, 0), v=torch.randn(5, 2, 0))
+    for levels in ("linear", "blelloch"):  # an empty batch has an empty result
+        g = bppsa.scan(torch.randn(5, 0, 3), w=torch.randn(3, 3), v=torch.randn(5, 0, 3), levels=levels)
+        assert g.shape == (5, 0, 3)
 
 
 # ---------------------------------------------------------------------------
@@ -500,7 +507,28 @@ def test_convert_swaps_in_place_and_keeps_training_identical():
     assert hook_calls
     for (name, a), b in zip(ref.state_dict().items(), ours.state_dict().values()):
         assert rel_err(b, a) <= 1e-5, name
-    assert bppsa.convert(ours) == []
+    assert bppsa.convert(ours) == []  # nothing left to convert, but the scan asked for is taken
+    assert ours.gru.scan == "auto" and bppsa.convert(ours, scan="linear") == [] and ours.gru.scan == "linear"
+
+
+def test_autocast_hidden_state_fed_back_as_hx():
+    """Under autocast h_n is bf16; fed back as hx with float32 input (truncated
+    BPTT), nn.RNN casts both, and so must the BPPSA modules."""
+    torch.manual_seed(0)
+    for cls in ("RNN", "GRU"):
+        ref = getattr(nn, cls)(3, 4)
+        ours = getattr(bppsa, cls)(3, 4)
+        ours.load_state_dict(ref.state_dict())
+        x1, x2 = torch.randn(5, 2, 3), torch.randn(5, 2, 3)
+        results = []
+        for model in (ref, ours):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, h = model(x1)
+                out, h = model(x2, h.detach())
+            out.float().sum().backward()
+            results.append((out, h, model.weight_hh_l0.grad))
+        for a, b in zip(*results):
+            assert a.dtype == b.dtype and rel_err(b.float(), a.float()) <= 1e-2, cls
 
 
 # ---------------------------------------------------------------------------
@@ -845,20 +873,54 @@ def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(ValueError, match=r"Linear: expected an input of shape \(4,\)"):
         bppsa.ChainPlan([nn.Linear(4, 2)], (5,))
     plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))
-    with pytest.raises(ValueError, match="grad_output: expected 2 elements"):
+    with pytest.raises(ValueError, match=r"grad_output: expected shape \(1, 2\)"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 3))
-    with pytest.raises(ValueError, match=r"inputs\[0\]: expected 2 samples of 4 elements"):
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected shape \(2, 4\)"):
         plan.backward([torch.randn(1, 4)], torch.randn(2, 2))
     with pytest.raises(TypeError, match="grad_output: expected a real floating-point"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 2, dtype=torch.complex64))
     with pytest.raises(RuntimeError, match="grad_output: sparse tensors are not supported"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 2).to_sparse())
+    own = [layer for layer, _ in plan.steps]
     with pytest.raises(ValueError, match="grad_output: expected 3 samples like x"):
-        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4), torch.randn(2, 2), plan=plan)
+        bppsa.chain_backward(own, torch.randn(3, 4), torch.randn(2, 2), plan=plan)
     with pytest.raises(ValueError, match=r"x: expected samples of shape \(4,\)"):
-        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 5), plan=plan)
+        bppsa.chain_backward(own, torch.randn(3, 5), plan=plan)
     with pytest.raises(ValueError, match="x: expected a CPU or CUDA tensor, got device meta"):
-        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4, device="meta"), plan=plan)
+        bppsa.chain_backward(own, torch.randn(3, 4, device="meta"), plan=plan)
+    with pytest.raises(ValueError, match="layers: not the layers `plan` was built for"):
+        bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4), plan=plan)
     # an empty batch has empty gradients
-    (gx,) = bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(0, 4), torch.randn(0, 2), plan=plan)
+    (gx,) = bppsa.chain_backward(own, torch.randn(0, 4), torch.randn(0, 2), plan=plan)
     assert gx.shape == (0, 4)
+    # same number of elements, another shape: autograd refuses it, so must we
+    conv = nn.Conv2d(3, 2, 3)
+    with pytest.raises(ValueError, match=r"grad_output: expected shape \(4, 2, 7, 7\)"):
+        bppsa.chain_backward([conv], torch.randn(4, 3, 9, 9), torch.randn(4, 7, 7, 2))
+    with pytest.raises(ValueError, match=r"Conv2d: expected an input of shape \(3, H, W\)"):
+        bppsa.chain_backward([conv], torch.randn(4, 5, 9, 9))
+    with pytest.raises(ValueError, match=r"Conv2d: expected an input of shape \(3, H, W\)"):
+        bppsa.ChainPlan([conv], (3, 9))
+    with pytest.raises(ValueError, match=r"MaxPool2d: expected an input of shape \(C, H, W\)"):
+        bppsa.ChainPlan([nn.MaxPool2d(2)], (9, 9))
+
+
+@pytest.mark.parametrize("act", [nn.ReLU(inplace=True), nn.ELU(inplace=True), nn.LeakyReLU(0.1, inplace=True),
+                                 nn.Hardtanh(inplace=True), nn.SiLU(inplace=True), nn.Hardswish(inplace=True)],
+                         ids=lambda m: type(m).__name__)
+def test_chain_inplace_activations(act):
+    """An in-place activation must not overwrite the input its Jacobian is
+    taken at (nor fail on autograd's leaf check)."""
+    torch.manual_seed(8)
+    layers = [nn.Conv2d(2, 3, 3), act, nn.Conv2d(3, 2, 3)]
+    x, g = torch.randn(3, 2, 7, 7), torch.randn(3, 2, 3, 3)
+    kept = x.clone()
+    ours = bppsa.chain_backward(layers, x, g)
+    twin = copy.deepcopy(act)  # the reference keeps each layer's input: not in place
+    twin.inplace = False
+    for a, b in zip(ours, autograd_layer_input_grads([layers[0], twin, layers[2]], x, g)):
+        assert rel_err(a, b) <= 1e-5
+    assert torch.equal(x, kept)
+    y = torch.randn(6)
+    want = torch.autograd.functional.jacobian(lambda t: act(t.clone()), y).T
+    assert torch.equal(bppsa.transposed_jacobian(act, y).to_dense(), want)

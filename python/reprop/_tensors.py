@@ -67,6 +67,14 @@ def _version_bumper():
 bump_versions = _version_bumper()
 
 
+def autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is on for `device_type` ("cpu", "cuda") right now."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # torch < 2.4
+        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
 def new_table(rows: int) -> np.ndarray:
     """An empty pointer table of `rows` rp_optim_entry records."""
     return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)

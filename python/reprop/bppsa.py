@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._native import _C, _cuda
-from ._tensors import check_strided
+from ._tensors import autocast_enabled, check_strided
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -206,6 +206,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     _check_operand(c, "c", (T, B, H), device)
     if T < 1:
         raise ValueError("c: need at least one step")
+    if H < 1:
+        raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
     if not isinstance(pre_activation, bool):
         raise TypeError(f"pre_activation: expected a bool, got {type(pre_activation).__name__}")
@@ -230,6 +232,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     c = c.contiguous()
     w, u, v, jt, y = [None if t is None else t.contiguous() for t in (w, u, v, jt, y)]
     g = torch.empty_like(c) if out is None else out
+    if B == 0:
+        return g
     floats = _C.scan_workspace(T, B, H, L)
     work = torch.empty(floats, device=device) if floats else None
     args = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation),
@@ -448,7 +452,10 @@ class _ScanRNNBase:
                              f"dimension, got {input.shape[-1]}")
         if hx is not None:
             _check_real_dense(hx, "hx")
-            if hx.dtype != input.dtype or hx.device != input.device:
+            # Under autocast torch's kernels cast both (h_n of an autocast step is
+            # bf16/fp16 and goes back in as hx with float32 input), as nn.RNN does.
+            same_dtype = hx.dtype == input.dtype or autocast_enabled(input.device.type)
+            if not same_dtype or hx.device != input.device:
                 raise TypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
                                 f"{hx.dtype} on {hx.device}")
 
@@ -567,8 +574,9 @@ _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
 def convert(model: nn.Module, scan="auto") -> list[str]:
     """Turns every torch.nn.RNN and torch.nn.GRU in `model` (the model itself
     included) into its BPPSA version in place, keeping parameters, buffers
-    and hooks; returns the qualified names of the modules changed. Exact
-    classes only: subclasses may override forward and are left alone."""
+    and hooks; returns the qualified names of the modules converted. BPPSA
+    modules already there are not listed but take `scan`. Exact classes
+    only: subclasses may override forward and are left alone."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
@@ -579,6 +587,8 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
             module.__class__ = target
             module.scan = scan
             changed.append(name)
+        elif type(module) in _CONVERSIONS.values():  # converted before: the scan asked for now
+            module.scan = scan
     return changed
 
 
@@ -617,6 +627,9 @@ def _pair(v) -> tuple[int, int]:
 def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
     if layer.padding_mode != "zeros":
         raise ValueError(f"Conv2d: padding_mode={layer.padding_mode!r} is not supported (only 'zeros')")
+    if len(shape) != 3 or shape[0] != layer.in_channels:
+        raise ValueError(f"Conv2d: expected an input of shape ({layer.in_channels}, H, W) per sample "
+                         f"(in_channels={layer.in_channels}), got {shape}")
     c, h, w = shape
     kh, kw = layer.kernel_size
     sh, sw = layer.stride
@@ -638,6 +651,8 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
 
 
 def _pool_geometry(layer: nn.MaxPool2d, shape: tuple) -> tuple[tuple, tuple]:
+    if len(shape) != 3:
+        raise ValueError(f"MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
     c, h, w = shape
     kh, kw = _pair(layer.kernel_size)
     sh, sw = _pair(layer.stride if layer.stride is not None else layer.kernel_size)
@@ -655,6 +670,12 @@ def _check_chain_layer(layer: nn.Module, index: int) -> None:
     if not isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)):
         raise TypeError(f"layers[{index}]: {type(layer).__name__} is not supported; expected Conv2d, "
                         "MaxPool2d, Linear, Flatten, ReLU or an element-wise activation")
+
+
+def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x, or a copy of it for an in-place layer (ReLU(inplace=True), ...),
+    which would overwrite what the Jacobian is taken at."""
+    return x.clone() if getattr(layer, "inplace", False) else x
 
 
 class _Leaf:
@@ -759,7 +780,7 @@ class _Leaf:
                 return
         with torch.enable_grad():  # f'(x) of an element-wise layer, exactly as autograd has it
             xr = x.detach().float().requires_grad_()
-            (d,) = torch.autograd.grad(layer(xr).sum(), xr)
+            (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
         dst.copy_(d.reshape(B, -1))
 
 
@@ -808,6 +829,7 @@ class ChainPlan:
         for layer, leaf in self.steps:
             if leaf is not None:
                 inputs.append(x)
+                x = _unless_overwritten(layer, x)
             x = layer(x)
         return inputs, x
 
@@ -845,15 +867,15 @@ class ChainPlan:
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_real_dense(grad_output, "grad_output")
-        B, device = grad_output.shape[0], grad_output.device
-        if grad_output.numel() != B * self.leaves[-1].cols:
-            raise ValueError(f"grad_output: expected {self.leaves[-1].cols} elements per sample, "
-                             f"got shape {tuple(grad_output.shape)}")
+        B, device = grad_output.shape[0] if grad_output.dim() else 0, grad_output.device
+        if grad_output.shape != (B, *self.output_shape):  # as autograd: no reshaping
+            raise ValueError(f"grad_output: expected shape {(B, *self.output_shape)} (the chain's "
+                             f"output), got {tuple(grad_output.shape)}")
         for i, (leaf, x) in enumerate(zip(self.leaves, inputs)):
             _check_real_dense(x, f"inputs[{i}]")
-            if x.device != device or x.shape[0] != B or x.numel() != B * leaf.rows:
-                raise ValueError(f"inputs[{i}]: expected {B} samples of {leaf.rows} elements on {device}, "
-                                 f"got shape {tuple(x.shape)} on {x.device}")
+            if x.device != device or x.shape != (B, *leaf.in_shape):
+                raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
+                                 f"got {tuple(x.shape)} on {x.device}")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
         self._check_still_pruned()
@@ -875,6 +897,11 @@ class ChainPlan:
                 for leaf, x, a in zip(self.leaves, inputs, prog["g_addr"].tolist())]
 
 
+def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
+    a = list(a)
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
 def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: torch.Tensor | None = None,
                    *, plan: ChainPlan | None = None, levels="auto") -> list[torch.Tensor]:
     """BPPSA over a chain: the gradient of the input of every Jacobian layer
@@ -887,6 +914,9 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
         raise ValueError(f"x: expected a batch (B, ...) of samples, got shape {tuple(x.shape)}")
     if plan is None:
         plan = ChainPlan(layers, x.shape[1:], levels=levels)
+    elif not _same_modules(layers, [layer for layer, _ in plan.steps]):
+        raise ValueError("layers: not the layers `plan` was built for; pass the plan's own "
+                         "layers or build a ChainPlan for these")
     elif tuple(x.shape[1:]) != plan.input_shape:
         raise ValueError(f"x: expected samples of shape {plan.input_shape} (the plan's), "
                          f"got {tuple(x.shape[1:])}")

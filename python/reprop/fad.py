@@ -216,13 +216,6 @@ class _Activation(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
-
-
 def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
     """The dtype native(x) computes in under the current autocast state (some
     activations, e.g. softplus on CUDA, are on autocast's float32 list), found
@@ -250,7 +243,7 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
     if isinstance(x, torch.Tensor) and _torch_only(x):
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
-    if _autocast_enabled(x.device.type):
+    if _tensors.autocast_enabled(x.device.type):
         target = _autocast_target(native, x)
         if target != x.dtype:
             x, inplace = x.to(target), False
