@@ -483,6 +483,131 @@ def test_complex_and_meta_calls_run_plain_autograd():
     assert out.is_meta and "_Split" not in type(out.grad_fn).__name__
 
 
+def test_a_deep_copy_is_an_independent_plain_model():
+    """copy.deepcopy of an enabled model (an EMA or teacher copy) must use its
+    own parameters and fill its own gradients, as a copy of a plain model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    ooo.enable(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(-2.0)
+    x = torch.randn(5, 4)
+    out = twin(x)
+    out.sum().backward()
+    plain = copy.deepcopy(twin)
+    for m in plain.modules():
+        m.__dict__.pop("forward", None)
+    plain(x).sum().backward()
+    torch.testing.assert_close(out, plain(x), rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())
+    for a, b in zip(plain.parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_functional_call_with_a_computed_weight():
+    """torch.func.functional_call with a weight computed from another tensor
+    (MAML, hypernetworks): its gradient must flow on to what it is computed
+    from, not into the .grad of the non-leaf."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x = torch.randn(3, 4)
+    grads = []
+    for net in (ref, model):
+        base = torch.ones(2, 4, requires_grad=True)
+        weight = base * net.weight
+        torch.func.functional_call(net, {"weight": weight, "bias": net.bias}, (x,)).pow(2).sum().backward()
+        grads.append((base.grad, net.bias.grad))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+def test_a_backward_that_raises_leaves_no_stale_state():
+    """A backward that raises (a hook, an anomaly check, Ctrl-C) never reaches
+    its end-of-backward callback; the next step must still run and finish
+    every deferred dW, without the failed pass's tasks added in."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=lambda r, i: 10.0 if i > r else 1.0, regions=3,
+                        profile_iters=2, max_extra_memory=10.0)
+    x = torch.randn(5, 4)
+
+    def boom(g):
+        raise RuntimeError("hook failure")
+
+    for net in (ref, model):
+        for _ in range(6):  # profiled, then the schedule fixed with tasks moved
+            net.zero_grad()
+            net(x).pow(2).mean().backward()
+        out = net[2](net[1](net[0](x)))
+        out.register_hook(boom)
+        with pytest.raises(RuntimeError, match="hook failure"):
+            net[4](net[3](out)).pow(2).mean().backward()
+        for _ in range(2):
+            net.zero_grad()
+            net(x).pow(2).mean().backward()
+    assert handle.schedule["moved"] > 0 and handle.pending() == 0
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_calls_torch_accepts():
+    """What the modules' own forward takes must keep working: unbatched conv
+    input, BatchNorm's refusal of one value per channel, an Embedding switched
+    to sparse gradients after enable() (refused, not silently dense), and
+    max_extra_memory=inf (no cap)."""
+    torch.manual_seed(0)
+    for conv, x in ((nn.Conv2d(3, 4, 3), torch.randn(3, 8, 8)),
+                    (nn.Conv1d(3, 4, 3, padding=1, padding_mode="reflect"), torch.randn(3, 8))):
+        ref = copy.deepcopy(conv)
+        ooo.enable(conv, order="conventional")
+        for net in (ref, conv):
+            net(x).pow(2).sum().backward()
+        assert conv(x).shape == ref(x).shape
+        for a, b in zip(ref.parameters(), conv.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL)
+    bn = nn.BatchNorm1d(3)
+    ooo.enable(bn)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(1, 3))
+    assert torch.isfinite(bn.running_var).all()
+    emb = nn.Embedding(5, 2)
+    ooo.enable(emb)
+    emb.sparse = True
+    with pytest.raises(ValueError, match="sparse"):
+        emb(torch.tensor([1, 2]))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    handle = ooo.enable(model, max_extra_memory=float("inf"), speedup=None, profile_iters=2)
+    for _ in range(4):
+        model(torch.randn(3, 4)).sum().backward()
+    assert handle.schedule is not None
+
+
+def test_functorch_transforms_run_plain_autograd():
+    """torch.func.grad / vmap and forward-mode AD over an enabled model: the
+    split Function cannot carry them, so those calls run the modules' own
+    forward, with torch's results."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x = torch.randn(5, 4)
+    results = []
+    for net in (ref, model):
+        params = dict(net.named_parameters())
+        loss = lambda p: torch.func.functional_call(net, p, (x,)).pow(2).sum()  # noqa: E731
+        grads = torch.func.grad(loss)(params)
+        per_sample = torch.func.vmap(lambda xi: net(xi.unsqueeze(0)).squeeze(0))(x)
+        _, tangent = torch.func.jvp(lambda xi: net(xi), (x,), (torch.ones_like(x),))
+        results.append([*grads.values(), per_sample, tangent])
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
 def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 2)))
     inner = ooo.enable(model[1])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as fwAD
 
 # Element-type codes of csrc/reprop.h (rp_dtype).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -73,6 +74,18 @@ def autocast_enabled(device_type: str) -> bool:
         return torch.is_autocast_enabled(device_type)
     except TypeError:  # torch < 2.4
         return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+
+
+def torch_only(x: torch.Tensor) -> bool:
+    """Tensors whose meaning raw kernels and custom autograd Functions would
+    lose: functorch's wrappers (vmap, grad, jvp), forward-AD duals (their
+    tangent) and meta tensors (no data). They go through torch's own ops."""
+    if x.device.type == "meta" or (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
+        return True
+    return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
+
+
+_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def new_table(rows: int) -> np.ndarray:

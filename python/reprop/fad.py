@@ -43,7 +43,6 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
-import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -225,22 +224,10 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
         return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
 
 
-def _torch_only(x: torch.Tensor) -> bool:
-    """Tensors whose meaning the raw kernels would lose: functorch's wrappers
-    (vmap, grad, jvp), forward-AD duals (their tangent) and meta tensors
-    (no data). Their activations run as torch's own ops."""
-    if x.device.type == "meta" or (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
-        return True
-    return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
-
-
-_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-
-
 def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     _check_saved_dtype(saved_dtype, fname)
-    if isinstance(x, torch.Tensor) and _torch_only(x):
+    if isinstance(x, torch.Tensor) and _tensors.torch_only(x):
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
     if _tensors.autocast_enabled(x.device.type):
@@ -814,7 +801,7 @@ def _kernel_input(x) -> bool:
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
             and x.dtype in _tensors.DTYPE_CODES
             and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None))
-            and not _torch_only(x))
+            and not _tensors.torch_only(x))
 
 
 # While on (per thread), reprop's activation functions return (y, f'(x)) in
@@ -950,7 +937,7 @@ class enabled(TorchFunctionMode):
             if _number(x):
                 operands.append(_Operand(x, 0))
                 continue
-            if not isinstance(x, torch.Tensor) or _torch_only(x):
+            if not isinstance(x, torch.Tensor) or _tensors.torch_only(x):
                 return None
             src, deriv, blocked = self._root_of(x)
             if src is None:

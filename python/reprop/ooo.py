@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._native import _C
+from ._tensors import torch_only
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -94,6 +95,11 @@ class _Kind:
         both are made in one call and only dW's accumulation is deferred."""
         return False
 
+    def unbatched(self, m: nn.Module, x: torch.Tensor) -> bool:
+        """True for an input without its batch dimension, which the module's
+        own forward takes as a batch of one."""
+        return False
+
 
 _UNREGISTERED = object()
 
@@ -129,6 +135,9 @@ class _ConvKind(_Kind):
                     raise ValueError(f"{type(m).__name__}: padding='same' with an even total "
                                      f"padding per side is supported; kernel {m.kernel_size} "
                                      f"dilation {m.dilation} pads asymmetrically")
+
+    def unbatched(self, m, x):
+        return x.dim() == len(m.kernel_size) + 1  # as F.conv1d/2d/3d
 
     def _padding(self, m) -> list:
         if m.padding_mode != "zeros" or m.padding == "valid":
@@ -227,6 +236,8 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
 
     def prepare(self, m, x):
         m._check_input_dim(x)
+        if m.training or (m.running_mean is None and m.running_var is None):
+            F._verify_batch_size(x.size())  # as F.batch_norm: one value per channel has no variance
         return x
 
     def op(self, m):
@@ -437,8 +448,10 @@ def _weight_grad_targets(ctx) -> tuple[list, list]:
             returned[i] = True
             continue
         # autograd calls a leaf's tensor hooks (register_hook) with the gradient
-        # it hands to AccumulateGrad: that must be the real one, summed over sites
-        (returned if p._backward_hooks else deferred)[i] = True
+        # it hands to AccumulateGrad: that must be the real one, summed over sites.
+        # A weight computed from others (torch.func.functional_call with a
+        # non-leaf) has no .grad to defer into: autograd carries it on.
+        (returned if p._backward_hooks or not p.is_leaf else deferred)[i] = True
     return deferred, returned
 
 
@@ -690,6 +703,20 @@ class OOOHandle:
         self._current_region = -1
         self._marks = []
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _abandon_backward(self) -> None:
+        """The last backward raised, so its end-of-backward callback never
+        ran: its deferred dW are dropped with it (as are the gradients
+        autograd had not accumulated yet), hooks held for them come back, and
+        its timings are discarded; the next backward starts clean."""
+        self._join_sub_streams()
+        self._pending = []
+        for state in list(self._hooked.values()):
+            self._restore_post_hooks(state)
+        self._marks = []
+        if self._corun is not None:  # that pass is measured again
+            self._corun.entries, self._corun.groups = [], []
+        self._in_backward = False
 
     def _end_backward(self) -> None:
         profiling = self._profiling()
@@ -947,7 +974,8 @@ class OOOHandle:
         t_sub = np.repeat(np.array([[sub[k]] for k in tasks]), n, axis=1)
         per_task = np.array([speedup[region_main[k]] for k in tasks]).reshape(len(tasks), n)
         mem = np.array([prof.nbytes.get(k, 0) for k in tasks], dtype=np.int64)
-        cap = int(self.max_extra_memory * max(1, int(mem.sum())))
+        # a fraction of 1 or more (inf: no cap) holds everything
+        cap = int(min(self.max_extra_memory, 1.0) * max(1, int(mem.sum())))
         region, order, pre, peak = _C.sched_regions(t_main, ready, deadline, t_sub, per_task, mem,
                                                     cap)
         self._region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
@@ -992,22 +1020,32 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
 
 
 def _make_forward(site: _Site):
-    kind, module = site.kind, site.module
+    kind, module, handle = site.kind, site.module, site.handle
     own = type(module).forward
 
     def forward(self, x, *args, **kwargs):
-        if args or kwargs or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled() \
-                or site.handle._removed or not site.split or x.is_complex() or x.is_meta:
-            # complex: autograd's formulas conjugate, the split's do not; meta: nothing to defer
+        # self is not module in a copy (copy.deepcopy, an EMA or teacher
+        # model): the closure's site is the original's, so the copy runs plain
+        if self is not module or args or kwargs or not isinstance(x, torch.Tensor) \
+                or not torch.is_grad_enabled() or handle._removed or not site.split \
+                or x.is_complex() or torch_only(x):
+            # complex: autograd's formulas conjugate, the split's do not; meta,
+            # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, x, *args, **kwargs)
         # the parameters as they are now: one may have been replaced, frozen
         # or unfrozen since enable(); a layer with none trainable has no dW
         params = kind.params(module)
-        if params is None or not any(p is not None and p.requires_grad for p in params):
+        if params is None or not any(p is not None and p.requires_grad for p in params) \
+                or any(p is not None and torch_only(p) for p in params):
             return own(self, x, *args, **kwargs)
+        kind.check(module)  # a setting changed since enable() (Embedding.sparse)
+        if kind.unbatched(module, x):
+            return forward(self, x.unsqueeze(0)).squeeze(0)
+        if handle._in_backward and torch._C._current_graph_task_id() == -1:
+            handle._abandon_backward()  # a forward outside backward, which never ended
         if site.index < 0:
-            site.index = site.handle._next_index
-            site.handle._next_index += 1
+            site.index = handle._next_index
+            handle._next_index += 1
         x = kind.prepare(module, x)
         return _Split.apply(site, x, *params)
 
