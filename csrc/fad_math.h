@@ -321,9 +321,11 @@ RP_HOSTDEV void rp_fad_eval(int kind, float p0, float p1, float x, float *y, flo
         m = m < 0.0f ? 0.0f : m;
         m = m > 6.0f ? 6.0f : m;
         *y = x * m / 6.0f;
-        /* torch 2.13 (measured): 0 from -3 down, 1 from 3 up, NaN stays NaN */
+        /* torch 2.13 (measured): 0 from -3 down, 1 from 3 up, NaN stays NaN.
+         * -0 from -3 down tells torch's select (a 0 gradient even from an inf)
+         * from the +0 of the middle piece at x = -1.5, which it multiplies. */
         float mid = x / 3.0f + 0.5f;
-        *d = x <= -3.0f ? 0.0f : (x >= 3.0f ? 1.0f : mid);
+        *d = x <= -3.0f ? -0.0f : (x >= 3.0f ? 1.0f : mid);
         break;
     }
     case RP_FAD_HARDSIGMOID: {

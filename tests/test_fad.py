@@ -642,6 +642,8 @@ SPECIAL = {
     "reciprocal_relu": lambda x: 1 / torch.relu(x),
     "sqrt_hardsigmoid": lambda x: torch.sqrt(F.hardsigmoid(x)),
     "sqrt_hardswish": lambda x: torch.sqrt(F.hardswish(x - 4.0) + 0),
+    # f'(-1.5) = 0 meets an inf: torch multiplies there (NaN), it selects only below -3
+    "sqrt_hardswish_kink": lambda x: torch.sqrt(F.hardswish(x - 0.5) + 0.375),
     "relu_pow_tensor": lambda x: torch.relu(x) ** torch.tensor([0.0, 0.0, 2.0, 0.0, 1.0]),
     "pow_tensor_zero_base": lambda x: (x - x.detach()) ** torch.tensor([0.0, 0.5, 2.0, 0.0, 1.0]),
     "zero_base_pow": lambda x: 0.0 ** x,

@@ -206,8 +206,19 @@ class _Activation(torch.autograd.Function):
         coded = d.dtype == torch.uint8
         grad_x = _backward_code8(ctx.act, grad, d) if coded else (grad * d).to(grad.dtype)
         if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
-            grad_x = grad_x.masked_fill_(d == (_zero_code(ctx.act) if coded else 0), 0)
+            grad_x = grad_x.masked_fill_(_selected(ctx.act, d, coded), 0)
         return grad_x, None, None, None
+
+
+def _selected(act: _Act, d: torch.Tensor, coded: bool) -> torch.Tensor:
+    """Where torch's backward of a select kind gives 0 whatever the incoming
+    gradient: where f' is 0, except Hardswish's x = -1.5, whose +0 the kernel
+    tells from the -0 it stores below -3 (8-bit codes have one zero)."""
+    if coded:
+        return d == _zero_code(act)
+    if act.kind == "hardswish":
+        return (d == 0) & torch.signbit(d)
+    return d == 0
 
 
 # ---------------------------------------------------------------------------
