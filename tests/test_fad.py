@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from reprop import fad
@@ -673,6 +674,31 @@ def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
 
     for ours, ref in zip(run(fad.enabled(compose=compose)), run(contextlib.nullcontext())):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("compose", [False, True])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_enabled_under_activation_checkpointing(compose, reentrant):
+    """torch.utils.checkpoint inside enabled(): the non-reentrant one matches
+    saved tensors by position with a recompute that runs without the mode,
+    so the recorded forward must save what torch's ops save."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 8)
+    x = torch.randn(4, 8)
+
+    def block(t, weight):
+        h = t @ weight
+        return h * torch.tanh(F.softplus(h)) + F.gelu(h)
+
+    def run(mode):
+        w_ = w.clone().requires_grad_()
+        with mode:
+            y = torch.utils.checkpoint.checkpoint(block, x, w_, use_reentrant=reentrant).sum()
+        y.backward()
+        return w_.grad
+
+    ours, ref = run(fad.enabled(compose=compose)), run(contextlib.nullcontext())
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_compose_chain_tensors_with_hooks_stay_in_the_graph():

@@ -807,6 +807,19 @@ def _plain_type(t) -> bool:
     return getattr(impl, "__func__", impl) in _PLAIN_TORCH_FUNCTION
 
 
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def _checkpointing() -> bool:
+    """Whether a non-reentrant torch.utils.checkpoint is recording (or
+    recomputing) this forward. Its recompute runs outside enabled(), saving
+    what torch's own ops save, and checkpoint matches the saved tensors by
+    position: the recorded forward must be torch's ops too."""
+    hooks = _top_saved_tensors_hooks(False) if _top_saved_tensors_hooks is not None else None
+    return hooks is not None and hooks[0].__qualname__.startswith(("_checkpoint_hook.",
+                                                                   "_recomputation_hook."))
+
+
 def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
@@ -892,7 +905,8 @@ class enabled(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None:
+        if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None \
+                or _checkpointing():
             return func(*args, **kwargs)  # out=: torch's op writes it (and refuses autograd)
         if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
