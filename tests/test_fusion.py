@@ -43,6 +43,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import reprop
 import reprop.optim as rp
@@ -702,6 +703,43 @@ def test_zero_grad_keeping_zeros_matches_eager(name: str, mode: str, accumulate:
     assert_results_equal(got, ref)
 
 
+def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
+    """One micro-batch's loss, with the model called the way `how` says."""
+    if how == "twice":  # siamese / contrastive: two calls, one backward
+        return (model(x) - model(x.flip(0))).square().mean()
+    if how == "checkpoint":  # the whole model checkpointed: its recompute calls it again in backward
+        return torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).square().mean()
+    h = x
+    for layer in model:  # the layers called one by one: the root's forward never runs
+        h = layer(h)
+    return h.square().mean()
+
+
+@pytest.mark.parametrize("every", [2, 3])
+@pytest.mark.parametrize("how", ["twice", "checkpoint", "layers"])
+def test_backward_accumulation_counts_micro_batches(how: str, every: int) -> None:
+    """accumulation_steps counts backward passes (micro-batches), not calls of
+    the root module: the result equals the eager loop stepping every n."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref_model)
+    ref_opt = rp.AdamW(ref_model.parameters(), lr=0.05)
+    opt = rp.AdamW(model.parameters(), lr=0.05)
+    handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
+    batches = [torch.randn(4, 5) for _ in range(4 * every)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
+        for i, x in enumerate(batches):
+            for m, o in ((ref_model, ref_opt), (model, opt)):
+                (_micro_batch_loss(m, x, how) / every).backward()
+                if (i + 1) % every == 0:
+                    o.step()
+                    o.zero_grad()
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    handle.remove()
+
+
 def test_backward_accumulation_updates_in_the_nth_backward() -> None:
     """The update happens in the 4th backward, not earlier; gradients
     accumulate until then and are freed by it."""
@@ -1017,6 +1055,55 @@ def test_forward_mode_applies_each_module_before_its_next_use() -> None:
         assert torch.equal(p, updated[n]) and p.grad is None, n
     assert_results_equal(t.finish(), ref.finish())
     t.handle.remove()
+
+
+def test_forward_mode_applies_params_no_module_owns_at_step() -> None:
+    """A parameter of the optimizer used before the model (a learned prompt)
+    has no module whose forward announces its next use: step() applies it at
+    once, as eager training does."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref_prompt = nn.Parameter(torch.randn(1, 4))
+    model, prompt = copy.deepcopy(ref_model), nn.Parameter(ref_prompt.detach().clone())
+    ref_opt = rp.SGD([ref_prompt, *ref_model.parameters()], lr=0.1, momentum=0.9)
+    opt = rp.SGD([prompt, *model.parameters()], lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="forward")
+    for step in range(5):
+        x = torch.randn(3, 4)
+        for m, p, o in ((ref_model, ref_prompt, ref_opt), (model, prompt, opt)):
+            m(x + p).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        assert torch.equal(prompt, ref_prompt), step
+    handle.flush()
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    handle.remove()
+
+
+def test_forward_mode_two_optimizers_flush_before_to() -> None:
+    """Two forward-mode fusions of one model (an optimizer per part):
+    model.double() applies the pending updates of both first, and removing
+    them in either order restores the module's own _apply."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = copy.deepcopy(ref)
+    ref_opts = [rp.SGD(m.parameters(), lr=0.5) for m in ref]
+    opts = [rp.SGD(m.parameters(), lr=0.5) for m in model]
+    handles = [reprop.fuse(model, o, mode="forward") for o in opts]
+    x = torch.ones(3, 4)
+    for m, os_ in ((ref, ref_opts), (model, opts)):
+        m(x).sum().backward()
+        for o in os_:
+            o.step()
+    ref.double()
+    model.double()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert b.dtype == torch.float64 and torch.equal(a, b)
+    handles[0].remove()
+    assert "_apply" in vars(model)
+    handles[1].remove()
+    assert "_apply" not in vars(model)
 
 
 # ---------------------------------------------------------------------------

@@ -15,7 +15,8 @@ an unmodified ``nn.Module``; the training loop keeps calling
   backward, and are joined to the main stream when backward ends.
   ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
   Global information (gradient clipping, GradScaler) is not known before the
-  updates in this mode: use ``mode="forward"`` for those.
+  updates in this mode: use ``mode="forward"`` for those. Hyper-parameters
+  changed between ``backward()`` and ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
   marks the updates pending, and ``zero_grad()`` is deferred to them; each
   pending update is applied right before its module's next forward, in
@@ -66,18 +67,38 @@ _CONVERTIBLE = {
 _MODES = ("backward", "forward")
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
 _MISSING = object()
-# Root module -> its forward-mode fusion, for _flushing_apply.
+# Root module -> (its own instance _apply or _MISSING, its forward-mode
+# fusions: one per optimizer), for _flushing_apply.
 _FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
     """Module._apply (what .to(), .half(), .cuda() call) that first applies the
-    pending forward-mode updates of `module`'s fusion, installed on the root
+    pending forward-mode updates of `module`'s fusions, installed on the root
     module as an instance method (a copy of the module has no fusion)."""
-    handle = _FLUSH_BEFORE_APPLY.get(module)
-    if handle is not None:
+    for handle in list(_FLUSH_BEFORE_APPLY.get(module, (None, ()))[1]):
         handle.flush()
     return type(module)._apply(module, fn, *args, **kwargs)
+
+
+def _flush_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
+    if model not in _FLUSH_BEFORE_APPLY:
+        _FLUSH_BEFORE_APPLY[model] = (model.__dict__.get("_apply", _MISSING), [])
+        model._apply = types.MethodType(_flushing_apply, model)
+    _FLUSH_BEFORE_APPLY[model][1].append(handle)
+
+
+def _stop_flushing_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
+    saved, handles = _FLUSH_BEFORE_APPLY.get(model, (_MISSING, []))
+    if handle in handles:
+        handles.remove(handle)
+    if handles or model not in _FLUSH_BEFORE_APPLY:
+        return
+    del _FLUSH_BEFORE_APPLY[model]
+    if saved is _MISSING:
+        model.__dict__.pop("_apply", None)
+    else:
+        model._apply = saved
 
 
 # Pickling the bound method stores getattr(module, __name__): the class's _apply.
@@ -97,10 +118,11 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             the fused updates then share (LR schedulers and its state_dict()
             keep working on it).
         mode: "backward" or "forward" (see the module docstring).
-        accumulation_steps: backward mode: update in the backward that follows
-            every n-th training forward (forwards under no_grad do not count),
-            as an eager loop stepping every n micro-batches. In forward mode the
-            user loop decides when to call step().
+        accumulation_steps: backward mode: update in every n-th backward
+            pass that reaches the parameters, as an eager loop stepping every
+            n micro-batches of one backward each (however often each calls
+            the model). In forward mode the user loop decides when to call
+            step().
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step().
         keep_grads: backward mode: keep gradients after their update until the
@@ -344,7 +366,8 @@ class _BackwardFusion(FusionHandle):
         super().__init__(model, optimizer, engine)
         self._every = accumulation_steps
         self._keep_grads = keep_grads
-        self._forwards = 0  # training forwards of the root module so far
+        self._backwards = 0  # backward passes that reached the parameters so far
+        self._graph_task = None  # autograd's id of the latest of them
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated in this backward
@@ -390,17 +413,24 @@ class _BackwardFusion(FusionHandle):
         self._sync()
         if not torch.is_grad_enabled():
             return
-        self._forwards += 1
         for p in self._kept:  # kept for the user since the last update; eager zero_grad
             p.grad = None
         self._kept.clear()
 
+    def _note_backward(self) -> None:
+        """Counts the backward passes, one per micro-batch of the eager loop:
+        forwards would miscount a model called twice per micro-batch, a
+        checkpoint's recompute, or calls that bypass the root module."""
+        task = torch._C._current_graph_task_id()
+        if task != self._graph_task:
+            self._graph_task = task
+            self._backwards += 1
+
     def _updating(self) -> bool:
-        # Without accumulation every backward updates, even one after a forward
-        # that bypassed the root module's hooks (model.forward(x), a submodule).
-        return self._every == 1 or (self._forwards > 0 and self._forwards % self._every == 0)
+        return self._every == 1 or self._backwards % self._every == 0
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        self._note_backward()
         if id(p) not in self._params:
             return  # no longer in the optimizer
         if not self._updating():  # accumulating: eager would not step now
@@ -498,6 +528,7 @@ class _BackwardFusion(FusionHandle):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         reduced = allreduce_hook(process_group, bucket)
+        self._note_backward()
         if self._removed or not self._updating():
             return reduced
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
@@ -558,20 +589,24 @@ class _ForwardFusion(FusionHandle):
         # not on top of the loaded values.
         self._hooks.append(model._register_load_state_dict_pre_hook(self._before_load))
         # model.to() / .half() / .cuda() (Module._apply): pending updates first too.
-        self._saved_apply = model.__dict__.get("_apply", _MISSING)
-        _FLUSH_BEFORE_APPLY[model] = self
-        model._apply = types.MethodType(_flushing_apply, model)
+        _flush_before_apply(model, self)
 
     def _track(self, new: list) -> None:
         self._owned = []
+        owned: set = set()
         for module in self.model.modules():
             own = _direct_params(module, self._params)
+            owned.update(map(id, own))
             if own:
                 self._owned.append((module, own))
                 if id(module) not in self._hooked_modules:
                     self._hooked_modules.add(id(module))
                     self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
                     self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+        # Parameters of the optimizer that no module of the model owns (a learned
+        # prompt or temperature used before or outside the model): no forward
+        # announces their next use, so step() applies them at once, as eager.
+        self._foreign = {i for i in self._params if i not in owned}
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
         for p in new:
@@ -580,11 +615,7 @@ class _ForwardFusion(FusionHandle):
     def remove(self) -> None:
         if not self._removed:
             self.flush()
-            _FLUSH_BEFORE_APPLY.pop(self.model, None)
-            if self._saved_apply is _MISSING:
-                self.model.__dict__.pop("_apply", None)
-            else:
-                self.model._apply = self._saved_apply
+            _stop_flushing_before_apply(self.model, self)
         super().remove()
 
     def flush(self) -> None:
@@ -646,6 +677,9 @@ class _ForwardFusion(FusionHandle):
         self._settings = _settings_snapshot(self.optimizer)
         for p in with_grad:
             self._pending[id(p)] = p
+        foreign = [p for p in with_grad if id(p) in self._foreign]
+        if foreign:
+            self._apply(foreign)
         return loss
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
