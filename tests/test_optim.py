@@ -1054,6 +1054,21 @@ def test_differentiable_raises(name: str) -> None:
         reprop_cls(name)([nn.Parameter(torch.randn(3))], differentiable=True)
 
 
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_duplicate_params_in_a_group_raise(name: str) -> None:
+    """torch warns that this will be an error; its loop updates such a param
+    twice in a row, one fused call would do it twice at once (SGD momentum
+    diverged from torch's silently)."""
+    p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="params: a parameter appears more than once"):
+        reprop_cls(name)([p, q, p], **BASE[name])
+    opt = reprop_cls(name)([q], **BASE[name])
+    with pytest.raises(ValueError, match="params: a parameter appears more than once"):
+        opt.add_param_group({"params": [p, p]})
+    assert len(opt.param_groups) == 1
+
+
 @pytest.mark.parametrize("name", CAPTURABLE_NAMES)
 def test_capturable_with_cpu_params_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3))

@@ -231,6 +231,11 @@ class _FusedOptimizer:
         if group.get("differentiable", False):
             raise ValueError(f"{type(self).__name__}: differentiable=True is not supported "
                              f"by reprop; use torch.optim.{self._torch_class.__name__}")
+        if len({id(p) for p in group["params"]}) != len(group["params"]):
+            # torch warns that this will be an error; one fused call would update
+            # the parameter twice at once, not twice in a row as torch's loop does
+            raise ValueError(f"{type(self).__name__}: params: a parameter appears more than once "
+                             "in a group")
         for p in group["params"]:
             if p.is_complex():
                 raise TypeError(f"{type(self).__name__}: complex parameters are not supported "
