@@ -457,14 +457,15 @@ class _BackwardFusion(FusionHandle):
         gradient: params whose gradients earlier micro-batches of the window
         accumulated, and after zero_grad(set_to_none=False) every param that
         ever had a gradient, from the zeros eager would hold."""
-        left = [p for i, p in self._accumulated.items() if i not in self._updated]
+        left = [p for i, p in self._accumulated.items()
+                if i not in self._updated and p.grad is not None]  # not cleared since
         self._accumulated.clear()
         if self._zeroed_not_freed:
-            left += [p for i, p in self._ever_updated.items()
-                     if i not in self._updated and p.grad is None and i in self._params]
-        for p in left:
-            if p.grad is None:
+            zeroed = [p for i, p in self._ever_updated.items()
+                      if i not in self._updated and p.grad is None and i in self._params]
+            for p in zeroed:
                 p.grad = torch.zeros_like(p)
+            left += zeroed
         if left:
             self._update(left)
 
