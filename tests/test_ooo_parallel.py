@@ -20,6 +20,7 @@ import copy
 import datetime
 import gc
 import itertools
+import math
 import tempfile
 
 import pytest
@@ -31,8 +32,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from reprop import _C
-from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox,
-                                        _stage_programs, data_parallel)
+from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
+                        allreduce_time, data_parallel, search_k)
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -513,3 +514,54 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x, t, F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+
+
+# ---------------------------------------------------------------------------
+# Planning helpers for data parallelism: the search for k, all-reduce times
+# ---------------------------------------------------------------------------
+
+
+def test_search_k_measures_k_equal_to_layers():
+    """k = L (every layer's dW held) is a candidate: the coarse sweep of L/10
+    steps stopped short of it."""
+    best, seen = search_k(10, lambda k: float(k))
+    assert best == 10 and 10 in seen
+    best, seen = search_k(100, lambda k: float(k))
+    assert best == 100 and len(seen) < 25
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_search_k_refuses_a_bad_measurement(bad):
+    """A NaN reads as "not measured" to the core, which asked for the same k
+    forever. (A negative score is fine: a negated time, say.)"""
+    calls = []
+
+    def measure(k):
+        calls.append(k)
+        assert len(calls) < 100, "search_k keeps asking"
+        return bad if len(calls) == 3 else 1.0
+
+    with pytest.raises(ValueError, match=r"^measure: .*k=\d+"):
+        search_k(10, measure)
+    with pytest.raises(TypeError, match="^measure: "):
+        search_k(10, lambda k: "fast")
+
+
+@pytest.mark.parametrize("layers", [0, -3, 2 ** 20 + 1, 10 ** 9, 2.0, True, None])
+def test_search_k_refuses_bad_layers(layers):
+    """10**9 layers allocated a score per k (8 GB) before measuring anything."""
+    with pytest.raises(ValueError, match="^layers: "):
+        search_k(layers, lambda k: 1.0)
+
+
+def test_allreduce_time_refuses_bad_arguments():
+    for kwargs, name in [(dict(bandwidth=0.0), "bandwidth"), (dict(bandwidth=-1e9), "bandwidth"),
+                         (dict(bandwidth=float("nan")), "bandwidth"),
+                         (dict(nbytes=-1.0), "nbytes"), (dict(nbytes=float("inf")), "nbytes"),
+                         (dict(latency=-1e-6), "latency"), (dict(workers=0), "workers"),
+                         (dict(workers=2.5), "workers")]:
+        args = dict(nbytes=1e6, workers=4, bandwidth=1e9, latency=0.0) | kwargs
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            allreduce_time(**args)
+    # infinite bandwidth: the latencies alone (how benchmarks/ooo.py separates them)
+    assert math.isclose(allreduce_time(1e6, 4, float("inf"), 1e-5), 6e-5)

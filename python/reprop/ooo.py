@@ -1281,25 +1281,60 @@ def reverse_first_k(layers: int, k: int, mem_out_grad: Sequence[int] | None = No
     return [(_TASK_NAMES[c], int(l)) for c, l in zip(kinds, lays)], int(k_used)
 
 
+# the core's search keeps a score per k in [0, L]: 8 MiB at this L, far
+# beyond any model's layers (and each score is a measured training run)
+_MAX_SEARCH_LAYERS = 2 ** 20
+
+
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
-    """The paper's coarse-to-fine search for reverse first-k's k: steps of
-    L/10, then halving around the best. `measure(k)` returns a throughput
-    (higher is better). Returns the best k and every measurement."""
-    score = np.full(layers + 1, np.nan)
+    """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
+    steps of L/10 (k = L included), then halving around the best.
+    `measure(k)` returns a finite score, higher is better (a throughput, or
+    a negated time). Returns the best k and every measurement. `layers` is
+    at most 2^20."""
+    if not _is_count(layers) or not 1 <= layers <= _MAX_SEARCH_LAYERS:
+        raise ValueError(f"layers: expected an int in [1, {_MAX_SEARCH_LAYERS}], got {layers!r}")
+    score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
     while True:
         nxt, best = _C.ksearch_next(layers, score)
         if nxt < 0:
             return int(best), {k: float(v) for k, v in enumerate(score) if not np.isnan(v)}
-        score[nxt] = float(measure(int(nxt)))
+        score[nxt] = _score(measure, int(nxt))
+
+
+def _score(measure: Callable[[int], float], k: int) -> float:
+    """measure(k), checked: a NaN would read as "not measured" and be asked
+    for again forever, an infinity would outrank every measurement."""
+    result = measure(k)
+    try:
+        value = float(result)
+    except (TypeError, ValueError):
+        raise TypeError(f"measure: expected a number for k={k}, got "
+                        f"{type(result).__name__}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"measure: expected a finite score for k={k}, got {value!r}")
+    return value
 
 
 def allreduce_time(nbytes: float, workers: int, bandwidth: float, latency: float = 0.0) -> float:
     """Seconds a ring all-reduce of `nbytes` takes over `workers` at
     `bandwidth` bytes/s per link and `latency` s per message:
-    2 (N-1)/N bytes/bandwidth + 2 (N-1) latency."""
-    if workers <= 1:
+    2 (N-1)/N bytes/bandwidth + 2 (N-1) latency. A `bandwidth` of inf
+    leaves the latencies alone."""
+    if not _is_count(workers) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    for name, value in (("nbytes", nbytes), ("latency", latency)):
+        if not _is_number(value) or not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    if not _is_number(bandwidth) or not bandwidth > 0:
+        raise ValueError(f"bandwidth: expected a number > 0 (bytes/s), got {bandwidth!r}")
+    if workers == 1:
         return 0.0
     return 2.0 * (workers - 1) / workers * nbytes / bandwidth + 2.0 * (workers - 1) * latency
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def _play(stage: Sequence[int], devices: int, *, micro: int, iterations: int, fwd: np.ndarray,
