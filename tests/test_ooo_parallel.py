@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from reprop import _C
 from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
@@ -112,7 +113,9 @@ def _train_step(model, opt, x, t) -> None:
 def _assert_same(ours: nn.Module, ref: nn.Module, what: str, exact: bool = True) -> None:
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         x, y = (a.grad, b.grad) if what == "grad" else (a, b)
-        if exact:
+        if x is None or y is None:
+            assert x is None and y is None, f"{what} of {name}: ours {x}, reference {y}"
+        elif exact:
             assert torch.equal(x, y), f"{what} of {name}: max diff {(x - y).abs().max().item()}"
         else:
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-8, msg=f"{what} of {name}")
@@ -299,6 +302,131 @@ def test_data_parallel_order():
     _spawn(_dp_order, 2)
 
 
+class _Branchy(nn.Module):
+    """A layer that a rank calls or skips by rank and step (DDP's
+    find_unused_parameters case: the ranks' first-call orders differ, and
+    in some steps no rank calls it), and a layer no rank ever calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.branch = nn.Linear(WIDTH, WIDTH)  # registered last, called second
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.a(x))
+        if use_branch:
+            h = torch.tanh(self.branch(h))
+        return self.head(torch.tanh(self.b(h)))
+
+
+def _compare_branchy(rank: int, world: int, k: int, steps: int = 4) -> None:
+    """Against DDP(find_unused_parameters=True), with weight decay and
+    momentum, which move a parameter whose .grad is zeros and not one whose
+    .grad is None: the branch's gradient is averaged with zeros from the
+    ranks that skipped it, and left None in a step where every rank did."""
+    torch.manual_seed(rank)
+    model = _Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = data_parallel(model, k=k)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+                    for m in (model, ref))
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        use_branch = (rank + step) % 3 == 0  # on 2 ranks: rank 0, none, rank 1, rank 0
+        for net, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(net(x, use_branch), t).backward()
+        _assert_same(model, ref.module, "grad", world == 2)
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref.module, "parameter", world == 2)
+    assert model.unused.weight.grad is None and dp.layers == 4
+    dp.remove()
+
+
+def _dp_branchy(rank: int, world: int) -> None:
+    for k in (0, 2, 5):
+        _compare_branchy(rank, world, k)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_rank_dependent_branch(world):
+    """Buckets are the same on every rank although the ranks call different
+    layers in different orders (they were planned from each rank's own
+    calls: other parameters summed together, or a gloo abort for k = 5);
+    unused parameters get DDP's gradients, None where no rank used them."""
+    _spawn(_dp_branchy, world)
+
+
+def _average(model: nn.Module, world: int) -> None:
+    """DDP's average, parameter by parameter: each .grad times 1/world, summed."""
+    for p in model.parameters():
+        p.grad.mul_(1.0 / world)
+        dist.all_reduce(p.grad)
+
+
+def _dp_after_failed_backward(rank: int, world: int) -> None:
+    """A check in a tensor hook raises in one backward on every rank, after
+    the last layers' buckets went (one per parameter) and while layers 0
+    and 1 were held (k = 2): the next steps are averaged as before."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def failing_check(grad):
+        raise ValueError("gradient check failed")
+
+    def add_check(module, args, out):
+        out.register_hook(failing_check)
+
+    x, t = _batch(rank, 0)
+    check = model.layers[1].register_forward_hook(add_check)
+    with pytest.raises(ValueError, match="gradient check failed"):
+        F.mse_loss(model(x), t).backward()
+    check.remove()
+    for step in range(1, 3):
+        x, t = _batch(rank, step)
+        for net, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _average(ref, world)
+        _assert_same(model, ref, "grad")
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref, "parameter")
+    dp.remove()
+
+
+def test_data_parallel_after_failed_backward():
+    """The failed backward's end never ran; it left the handle in backward,
+    and later gradients were not averaged at all."""
+    _spawn(_dp_after_failed_backward, 2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_data_parallel_checkpointed_model(solo_group, reentrant):
+    """The whole model under activation checkpointing: its forward runs
+    again inside backward, which must not be taken for a new step that
+    finds an unfinished backward (dropping the held layers' dW)."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2)
+    for step in range(2):
+        x, t = _batch(0, step)
+        x.requires_grad_(reentrant)  # reentrant checkpointing needs an input that does
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(checkpoint(net, x, use_reentrant=reentrant), t).backward()
+        _assert_same(model, ref, "grad")
+    dp.remove()
+
+
 def test_data_parallel_solo(solo_group):
     """One rank: the gradients of plain autograd, for any k."""
     for k in (0, 3, DEPTH):
@@ -326,7 +454,7 @@ def test_data_parallel_first_bucket_is_small_by_default(solo_group):
         model(x).square().sum().backward()
         ref(x).square().sum().backward()
         _assert_same(model, ref, "grad")
-        sizes = [b.flat.numel() * 4 for b in dp._buckets]
+        sizes = [sum(p.numel() for p in b.params) * 4 for b in dp._buckets]
         dp.remove()
         return sizes
 
