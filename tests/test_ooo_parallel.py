@@ -492,6 +492,14 @@ def _alternating(seed: int = 0) -> list:
     return [nn.Linear(WIDTH, WIDTH) if l % 2 == 0 else nn.Tanh() for l in range(DEPTH)]
 
 
+def _in_place(seed: int = 0) -> list:
+    """8 layers: Linear, ReLU(inplace=True), ...: a layer that changes its
+    input in place, the previous layer's output (on its stage or received)."""
+    torch.manual_seed(seed)
+    return [nn.Linear(WIDTH, WIDTH) if l % 2 == 0 else nn.ReLU(inplace=True)
+            for l in range(DEPTH)]
+
+
 _ALLOCATIONS = [("contiguous", 1), ("modulo", 1), ("modulo", 2)]
 
 
@@ -502,6 +510,8 @@ def _pipeline_cases(world: int) -> list[dict]:
                                                    (1, 4))]
     cases += [dict(schedule=s, allocation="modulo", group=1, micro_batches=m, layers=_alternating,
                    input_grad=True) for s, m in (("gpipe", 2), ("fast_forward", 4))]
+    cases += [dict(schedule=s, allocation=a, group=1, micro_batches=2, layers=_in_place,
+                   input_grad=True) for s, a in (("gpipe", "contiguous"), ("fast_forward", "modulo"))]
     # measured-looking times: another order of the same tasks
     costs = dict(fwd=[1.0 + 0.1 * l for l in range(DEPTH)], out_grad=2.0,
                  weight_grad=[0.5 + 0.2 * (l % 3) for l in range(DEPTH)], transfer=0.3)
@@ -571,15 +581,28 @@ def _pipeline_worker(rank: int, world: int) -> None:
 def test_pipeline_matches_single_process(world):
     """Every (schedule, allocation) with 1 and 4 micro-batches, modulo groups
     of 1 and 2, two SGD steps; stages without split layers, with an input
-    that needs a gradient; and non-unit task times."""
+    that needs a gradient; layers that work on their input in place; and
+    non-unit task times."""
     _spawn(_pipeline_worker, world)
 
 
 def test_pipeline_solo(solo_group):
     """One stage: every task local, still single-process training's gradients."""
-    for schedule in ("gpipe", "fast_forward"):
+    for schedule, layers in itertools.product(("gpipe", "fast_forward"), (_blocks, _in_place)):
         _check_pipeline(0, dict(schedule=schedule, allocation="contiguous", group=1,
-                                micro_batches=4, layers=_blocks, input_grad=True))
+                                micro_batches=4, layers=layers, input_grad=True))
+
+
+def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
+    """ReLU(inplace=True) after tanh, which saves its output for backward:
+    the single process's error, not a wrong gradient."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH)]
+    x, t = _batch(0, 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        F.mse_loss(nn.Sequential(*layers)(x), t).backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        Pipeline(layers, micro_batches=2).step(x, t, F.mse_loss)
 
 
 def test_pipeline_plan(solo_group):

@@ -1972,6 +1972,24 @@ def _header(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
 
 
+class _Alias(torch.autograd.Function):
+    """The identity, as an alias of its input that is neither the input nor
+    a view of it (a view of a leaf, or a custom Function's output that is
+    its input, may not be changed in place): a layer may work on it in
+    place while backward still reaches the leaf behind it. It shares the
+    leaf's storage and version counter, as a layer's input shares its
+    producer's output in a single process: changing in place what the
+    previous layer saved for backward fails the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
 def _splits_any(module: nn.Module) -> bool:
     """Whether ``enable(module)`` finds a layer to split (it raises otherwise)."""
     return any(_splittable(m) is not None for m in module.modules())
@@ -2143,7 +2161,9 @@ class Pipeline:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
         with torch.enable_grad():
-            y = self.layers[l](x)
+            # past layer 0 the input stands for the previous layer's output, a
+            # non-leaf the layer may change in place (nn.ReLU(inplace=True))
+            y = self.layers[l](x if l == 0 else _Alias.apply(x))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -2157,7 +2177,8 @@ class Pipeline:
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
         """Layer l's input for micro-batch m: a leaf, so that backward stops at
-        it and leaves its gradient in ``.grad`` for dO to hand on."""
+        it and leaves its gradient in ``.grad`` for dO to hand on (the layer
+        gets an alias of it past layer 0)."""
         if l == 0:
             return st.inputs[m].requires_grad_(st.input_grad)
         if self._owner(l - 1) == self.rank:
