@@ -979,15 +979,18 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
                             (long long)layers);
     if (score == NULL || next == NULL || best == NULL)
         return rp_set_error(err, RP_EINVAL, "k search: NULL score, next or best");
-    /* round 0: a coarse sweep of [0, L) in steps of L / 10 */
+    /* round 0: a coarse sweep of [0, L] in steps of L / 10, ending at k = L
+     * (every layer's dW held), which no step of L / 10 may land on */
     step = layers / 10 > 1 ? layers / 10 : 1;
-    for (int64_t k = 0; k < layers; k += step) {
+    for (int64_t k = 0;; k = k + step < layers ? k + step : layers) {
         if (isnan(score[k])) {
             if (first_missing < 0)
                 first_missing = k;
         } else if (rp_ks_better(score, k, b)) {
             b = k;
         }
+        if (k == layers)
+            break;
     }
     *best = b;
     if (first_missing >= 0) {

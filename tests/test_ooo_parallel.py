@@ -20,6 +20,7 @@ import copy
 import datetime
 import gc
 import itertools
+import math
 import tempfile
 
 import pytest
@@ -29,10 +30,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from reprop import _C
-from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox,
-                                        _stage_programs, data_parallel)
+from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
+                        allreduce_time, data_parallel, search_k)
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -111,7 +113,9 @@ def _train_step(model, opt, x, t) -> None:
 def _assert_same(ours: nn.Module, ref: nn.Module, what: str, exact: bool = True) -> None:
     for (name, a), b in zip(ours.named_parameters(), ref.parameters()):
         x, y = (a.grad, b.grad) if what == "grad" else (a, b)
-        if exact:
+        if x is None or y is None:
+            assert x is None and y is None, f"{what} of {name}: ours {x}, reference {y}"
+        elif exact:
             assert torch.equal(x, y), f"{what} of {name}: max diff {(x - y).abs().max().item()}"
         else:
             torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-8, msg=f"{what} of {name}")
@@ -298,6 +302,131 @@ def test_data_parallel_order():
     _spawn(_dp_order, 2)
 
 
+class _Branchy(nn.Module):
+    """A layer that a rank calls or skips by rank and step (DDP's
+    find_unused_parameters case: the ranks' first-call orders differ, and
+    in some steps no rank calls it), and a layer no rank ever calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.branch = nn.Linear(WIDTH, WIDTH)  # registered last, called second
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.a(x))
+        if use_branch:
+            h = torch.tanh(self.branch(h))
+        return self.head(torch.tanh(self.b(h)))
+
+
+def _compare_branchy(rank: int, world: int, k: int, steps: int = 4) -> None:
+    """Against DDP(find_unused_parameters=True), with weight decay and
+    momentum, which move a parameter whose .grad is zeros and not one whose
+    .grad is None: the branch's gradient is averaged with zeros from the
+    ranks that skipped it, and left None in a step where every rank did."""
+    torch.manual_seed(rank)
+    model = _Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = data_parallel(model, k=k)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+                    for m in (model, ref))
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        use_branch = (rank + step) % 3 == 0  # on 2 ranks: rank 0, none, rank 1, rank 0
+        for net, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(net(x, use_branch), t).backward()
+        _assert_same(model, ref.module, "grad", world == 2)
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref.module, "parameter", world == 2)
+    assert model.unused.weight.grad is None and dp.layers == 4
+    dp.remove()
+
+
+def _dp_branchy(rank: int, world: int) -> None:
+    for k in (0, 2, 5):
+        _compare_branchy(rank, world, k)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_data_parallel_rank_dependent_branch(world):
+    """Buckets are the same on every rank although the ranks call different
+    layers in different orders (they were planned from each rank's own
+    calls: other parameters summed together, or a gloo abort for k = 5);
+    unused parameters get DDP's gradients, None where no rank used them."""
+    _spawn(_dp_branchy, world)
+
+
+def _average(model: nn.Module, world: int) -> None:
+    """DDP's average, parameter by parameter: each .grad times 1/world, summed."""
+    for p in model.parameters():
+        p.grad.mul_(1.0 / world)
+        dist.all_reduce(p.grad)
+
+
+def _dp_after_failed_backward(rank: int, world: int) -> None:
+    """A check in a tensor hook raises in one backward on every rank, after
+    the last layers' buckets went (one per parameter) and while layers 0
+    and 1 were held (k = 2): the next steps are averaged as before."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def failing_check(grad):
+        raise ValueError("gradient check failed")
+
+    def add_check(module, args, out):
+        out.register_hook(failing_check)
+
+    x, t = _batch(rank, 0)
+    check = model.layers[1].register_forward_hook(add_check)
+    with pytest.raises(ValueError, match="gradient check failed"):
+        F.mse_loss(model(x), t).backward()
+    check.remove()
+    for step in range(1, 3):
+        x, t = _batch(rank, step)
+        for net, o in ((ref, ref_opt), (model, opt)):
+            o.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _average(ref, world)
+        _assert_same(model, ref, "grad")
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref, "parameter")
+    dp.remove()
+
+
+def test_data_parallel_after_failed_backward():
+    """The failed backward's end never ran; it left the handle in backward,
+    and later gradients were not averaged at all."""
+    _spawn(_dp_after_failed_backward, 2)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_data_parallel_checkpointed_model(solo_group, reentrant):
+    """The whole model under activation checkpointing: its forward runs
+    again inside backward, which must not be taken for a new step that
+    finds an unfinished backward (dropping the held layers' dW)."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2)
+    for step in range(2):
+        x, t = _batch(0, step)
+        x.requires_grad_(reentrant)  # reentrant checkpointing needs an input that does
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(checkpoint(net, x, use_reentrant=reentrant), t).backward()
+        _assert_same(model, ref, "grad")
+    dp.remove()
+
+
 def test_data_parallel_solo(solo_group):
     """One rank: the gradients of plain autograd, for any k."""
     for k in (0, 3, DEPTH):
@@ -325,7 +454,7 @@ def test_data_parallel_first_bucket_is_small_by_default(solo_group):
         model(x).square().sum().backward()
         ref(x).square().sum().backward()
         _assert_same(model, ref, "grad")
-        sizes = [b.flat.numel() * 4 for b in dp._buckets]
+        sizes = [sum(p.numel() for p in b.params) * 4 for b in dp._buckets]
         dp.remove()
         return sizes
 
@@ -363,6 +492,14 @@ def _alternating(seed: int = 0) -> list:
     return [nn.Linear(WIDTH, WIDTH) if l % 2 == 0 else nn.Tanh() for l in range(DEPTH)]
 
 
+def _in_place(seed: int = 0) -> list:
+    """8 layers: Linear, ReLU(inplace=True), ...: a layer that changes its
+    input in place, the previous layer's output (on its stage or received)."""
+    torch.manual_seed(seed)
+    return [nn.Linear(WIDTH, WIDTH) if l % 2 == 0 else nn.ReLU(inplace=True)
+            for l in range(DEPTH)]
+
+
 _ALLOCATIONS = [("contiguous", 1), ("modulo", 1), ("modulo", 2)]
 
 
@@ -373,6 +510,8 @@ def _pipeline_cases(world: int) -> list[dict]:
                                                    (1, 4))]
     cases += [dict(schedule=s, allocation="modulo", group=1, micro_batches=m, layers=_alternating,
                    input_grad=True) for s, m in (("gpipe", 2), ("fast_forward", 4))]
+    cases += [dict(schedule=s, allocation=a, group=1, micro_batches=2, layers=_in_place,
+                   input_grad=True) for s, a in (("gpipe", "contiguous"), ("fast_forward", "modulo"))]
     # measured-looking times: another order of the same tasks
     costs = dict(fwd=[1.0 + 0.1 * l for l in range(DEPTH)], out_grad=2.0,
                  weight_grad=[0.5 + 0.2 * (l % 3) for l in range(DEPTH)], transfer=0.3)
@@ -442,15 +581,28 @@ def _pipeline_worker(rank: int, world: int) -> None:
 def test_pipeline_matches_single_process(world):
     """Every (schedule, allocation) with 1 and 4 micro-batches, modulo groups
     of 1 and 2, two SGD steps; stages without split layers, with an input
-    that needs a gradient; and non-unit task times."""
+    that needs a gradient; layers that work on their input in place; and
+    non-unit task times."""
     _spawn(_pipeline_worker, world)
 
 
 def test_pipeline_solo(solo_group):
     """One stage: every task local, still single-process training's gradients."""
-    for schedule in ("gpipe", "fast_forward"):
+    for schedule, layers in itertools.product(("gpipe", "fast_forward"), (_blocks, _in_place)):
         _check_pipeline(0, dict(schedule=schedule, allocation="contiguous", group=1,
-                                micro_batches=4, layers=_blocks, input_grad=True))
+                                micro_batches=4, layers=layers, input_grad=True))
+
+
+def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
+    """ReLU(inplace=True) after tanh, which saves its output for backward:
+    the single process's error, not a wrong gradient."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH)]
+    x, t = _batch(0, 0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        F.mse_loss(nn.Sequential(*layers)(x), t).backward()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        Pipeline(layers, micro_batches=2).step(x, t, F.mse_loss)
 
 
 def test_pipeline_plan(solo_group):
@@ -513,3 +665,54 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x, t, F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+
+
+# ---------------------------------------------------------------------------
+# Planning helpers for data parallelism: the search for k, all-reduce times
+# ---------------------------------------------------------------------------
+
+
+def test_search_k_measures_k_equal_to_layers():
+    """k = L (every layer's dW held) is a candidate: the coarse sweep of L/10
+    steps stopped short of it."""
+    best, seen = search_k(10, lambda k: float(k))
+    assert best == 10 and 10 in seen
+    best, seen = search_k(100, lambda k: float(k))
+    assert best == 100 and len(seen) < 25
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_search_k_refuses_a_bad_measurement(bad):
+    """A NaN reads as "not measured" to the core, which asked for the same k
+    forever. (A negative score is fine: a negated time, say.)"""
+    calls = []
+
+    def measure(k):
+        calls.append(k)
+        assert len(calls) < 100, "search_k keeps asking"
+        return bad if len(calls) == 3 else 1.0
+
+    with pytest.raises(ValueError, match=r"^measure: .*k=\d+"):
+        search_k(10, measure)
+    with pytest.raises(TypeError, match="^measure: "):
+        search_k(10, lambda k: "fast")
+
+
+@pytest.mark.parametrize("layers", [0, -3, 2 ** 20 + 1, 10 ** 9, 2.0, True, None])
+def test_search_k_refuses_bad_layers(layers):
+    """10**9 layers allocated a score per k (8 GB) before measuring anything."""
+    with pytest.raises(ValueError, match="^layers: "):
+        search_k(layers, lambda k: 1.0)
+
+
+def test_allreduce_time_refuses_bad_arguments():
+    for kwargs, name in [(dict(bandwidth=0.0), "bandwidth"), (dict(bandwidth=-1e9), "bandwidth"),
+                         (dict(bandwidth=float("nan")), "bandwidth"),
+                         (dict(nbytes=-1.0), "nbytes"), (dict(nbytes=float("inf")), "nbytes"),
+                         (dict(latency=-1e-6), "latency"), (dict(workers=0), "workers"),
+                         (dict(workers=2.5), "workers")]:
+        args = dict(nbytes=1e6, workers=4, bandwidth=1e9, latency=0.0) | kwargs
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            allreduce_time(**args)
+    # infinite bandwidth: the latencies alone (how benchmarks/ooo.py separates them)
+    assert math.isclose(allreduce_time(1e6, 4, float("inf"), 1e-5), 6e-5)

@@ -495,20 +495,31 @@ static void test_ksearch(void)
         measured++;
     }
     CHECK(best == 37, "best %lld, want 37", (long long)best);
-    /* 10 coarse points (0, 10, .., 90) then steps 5, 2, 1 around the best */
-    CHECK(measured == 16, "measured %lld points", (long long)measured);
+    /* 11 coarse points (0, 10, .., 90, 100) then steps 5, 2, 1 around the best */
+    CHECK(measured == 17 && !isnan(score[100]), "measured %lld points", (long long)measured);
 
-    /* L < 20: a step of 1, every k < L */
+    /* L < 20: a step of 1, every k <= L */
     for (int i = 0; i <= 5; i++)
         score[i] = NAN;
-    for (measured = 0; measured <= 6; measured++) {
+    for (measured = 0; measured <= 7; measured++) {
         CHECK(rp_ksearch_next(5, score, &next, &best, &err) == RP_OK, "%s", err.msg);
         if (next < 0)
             break;
         score[next] = next == 1 || next == 3 ? 2.0 : 1.0; /* a tie: the smaller k wins */
     }
-    CHECK(measured == 5 && best == 1 && isnan(score[5]), "L = 5: %lld points, best %lld",
-          (long long)measured, (long long)best);
+    CHECK(measured == 6 && best == 1, "L = 5: %lld points, best %lld", (long long)measured,
+          (long long)best);
+
+    /* the best at k = L, which the coarse sweep must reach */
+    for (int i = 0; i <= 10; i++)
+        score[i] = NAN;
+    for (measured = 0; measured <= 11; measured++) {
+        CHECK(rp_ksearch_next(10, score, &next, &best, &err) == RP_OK, "%s", err.msg);
+        if (next < 0)
+            break;
+        score[next] = (double)next;
+    }
+    CHECK(best == 10, "L = 10, score k: best %lld", (long long)best);
 }
 
 static void test_stages(void)

@@ -1281,25 +1281,60 @@ def reverse_first_k(layers: int, k: int, mem_out_grad: Sequence[int] | None = No
     return [(_TASK_NAMES[c], int(l)) for c, l in zip(kinds, lays)], int(k_used)
 
 
+# the core's search keeps a score per k in [0, L]: 8 MiB at this L, far
+# beyond any model's layers (and each score is a measured training run)
+_MAX_SEARCH_LAYERS = 2 ** 20
+
+
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
-    """The paper's coarse-to-fine search for reverse first-k's k: steps of
-    L/10, then halving around the best. `measure(k)` returns a throughput
-    (higher is better). Returns the best k and every measurement."""
-    score = np.full(layers + 1, np.nan)
+    """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
+    steps of L/10 (k = L included), then halving around the best.
+    `measure(k)` returns a finite score, higher is better (a throughput, or
+    a negated time). Returns the best k and every measurement. `layers` is
+    at most 2^20."""
+    if not _is_count(layers) or not 1 <= layers <= _MAX_SEARCH_LAYERS:
+        raise ValueError(f"layers: expected an int in [1, {_MAX_SEARCH_LAYERS}], got {layers!r}")
+    score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
     while True:
         nxt, best = _C.ksearch_next(layers, score)
         if nxt < 0:
             return int(best), {k: float(v) for k, v in enumerate(score) if not np.isnan(v)}
-        score[nxt] = float(measure(int(nxt)))
+        score[nxt] = _score(measure, int(nxt))
+
+
+def _score(measure: Callable[[int], float], k: int) -> float:
+    """measure(k), checked: a NaN would read as "not measured" and be asked
+    for again forever, an infinity would outrank every measurement."""
+    result = measure(k)
+    try:
+        value = float(result)
+    except (TypeError, ValueError):
+        raise TypeError(f"measure: expected a number for k={k}, got "
+                        f"{type(result).__name__}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"measure: expected a finite score for k={k}, got {value!r}")
+    return value
 
 
 def allreduce_time(nbytes: float, workers: int, bandwidth: float, latency: float = 0.0) -> float:
     """Seconds a ring all-reduce of `nbytes` takes over `workers` at
     `bandwidth` bytes/s per link and `latency` s per message:
-    2 (N-1)/N bytes/bandwidth + 2 (N-1) latency."""
-    if workers <= 1:
+    2 (N-1)/N bytes/bandwidth + 2 (N-1) latency. A `bandwidth` of inf
+    leaves the latencies alone."""
+    if not _is_count(workers) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    for name, value in (("nbytes", nbytes), ("latency", latency)):
+        if not _is_number(value) or not (np.isfinite(value) and value >= 0):
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
+    if not _is_number(bandwidth) or not bandwidth > 0:
+        raise ValueError(f"bandwidth: expected a number > 0 (bytes/s), got {bandwidth!r}")
+    if workers == 1:
         return 0.0
     return 2.0 * (workers - 1) / workers * nbytes / bandwidth + 2.0 * (workers - 1) * latency
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def _play(stage: Sequence[int], devices: int, *, micro: int, iterations: int, fwd: np.ndarray,
@@ -1426,19 +1461,29 @@ class _Bucket:
     """Gradients all-reduced together: one flat tensor of one dtype and device.
 
     ``layer`` is the held layer whose dW completes the bucket (reverse first-k),
-    None for a bucket completed by autograd itself during backward.
+    None for a bucket completed by autograd itself during backward. The flat
+    buffer ends in one usage flag per parameter (1: it got a gradient on
+    this rank since the last reduction), summed in the same all-reduce: a
+    parameter whose sum is 0 got none on any rank, and keeps its ``.grad``
+    (None under zero_grad()), as DDP(find_unused_parameters=True) leaves it.
     """
 
     params: list
     layer: int | None = None
     pending: set = field(default_factory=set)  # params whose gradient is not final yet
-    flat: torch.Tensor | None = None  # (sum of numels,) pre-divided, then summed; kept
+    flat: torch.Tensor | None = None  # (sum of numels + len(params),) pre-divided, then summed; kept
     work: object = None               # the async all-reduce
+    idle_here: bool = False           # a parameter got no gradient on this rank (flag 0)
 
     def __post_init__(self):
         p = self.params[0]
-        self.flat = torch.empty(sum(q.numel() for q in self.params), dtype=p.dtype,
-                                device=p.device)
+        self.flat = torch.empty(sum(q.numel() for q in self.params) + len(self.params),
+                                dtype=p.dtype, device=p.device)
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """(len(params),) the usage flags after the gradients."""
+        return self.flat[self.flat.numel() - len(self.params):]
 
     def views(self):
         """(parameter, its slice of the flat buffer, shaped like it)."""
@@ -1489,8 +1534,11 @@ class DataParallel:
     DDP's reducer does), so any optimizer steps the replicas alike.
 
     Layers are the modules ``enable()`` splits (Linear, Conv, Embedding,
-    norms), in the order of their first call in the first forward; a model
-    without any (an RNN alone, say) is reduced in the buckets alone, as DDP. The dW of
+    norms) that the first forward called on any rank, in the order of their
+    first call (the earliest over the ranks, ties in the model's module
+    order; one small all-reduce agrees on it, so ranks that take different
+    branches still plan the same buckets); a model without any (an RNN
+    alone, say) is reduced in the buckets alone, as DDP. The dW of
     layers [0, k) are held during backward and run after it, layer 0 first;
     each held layer's parameters are all-reduced as soon as its dW ran (issue
     order is the priority). From the second forward on, only those k layers
@@ -1504,7 +1552,9 @@ class DataParallel:
     finished with all its parameters and the buckets before it have gone, so
     every rank issues the same collectives in the same order. A parameter
     shared by several layers is reduced once, after the last task that adds
-    to it; one that has no gradient on a rank counts as zeros there.
+    to it; one that has no gradient on a rank counts as zeros there, and one
+    that got no gradient on any rank keeps its ``.grad`` (None after
+    ``zero_grad()``), as under DDP(find_unused_parameters=True).
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
@@ -1517,7 +1567,9 @@ class DataParallel:
     forward (DDP's default). The first k layers are held only in a backward
     that starts at a tensor the model returned (the usual ``loss.backward()``);
     another backward runs in autograd's order, still averaged.
-    ``create_graph=True`` is not supported.
+    ``create_graph=True`` is not supported. A backward that raises (on every
+    rank, as a failing check does) is dropped at the next forward: the
+    gradients it had not averaged stay local, and the next step is averaged.
     """
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
@@ -1567,16 +1619,19 @@ class DataParallel:
         self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
         self._layer_buckets: dict = {}  # held layer -> the buckets its dW completes
         self._order: list[int] = []    # held layers in dW order
+        self._position: dict = {}      # site -> its layer number, as every rank agreed
         self._held_modules: set = set()
+        self._used: set = set()        # params that got a gradient since the last reduction
         self._in_backward = False
         self._held: list | None = None
         self._stack: contextlib.ExitStack | None = None
         self._next = 0                 # the next bucket to launch in this backward
+        self._sync_buffers = broadcast_buffers and self.world > 1 \
+            and any(True for _ in model.buffers())
         with torch.no_grad():
             self._broadcast(list(model.parameters()) + list(model.buffers()))
-        self._hooks = [model.register_forward_hook(self._watch_output)]
-        if broadcast_buffers and self.world > 1 and any(True for _ in model.buffers()):
-            self._hooks.append(model.register_forward_pre_hook(self._sync_buffers))
+        self._hooks = [model.register_forward_pre_hook(self._before_forward),
+                       model.register_forward_hook(self._watch_output)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                         for p in self._params]
 
@@ -1584,8 +1639,9 @@ class DataParallel:
 
     @property
     def layers(self) -> int:
-        """Split layers called in forward so far: the L of Algorithm 2."""
-        return sum(1 for s in self.handle.sites if s.index >= 0)
+        """Split layers called on any rank, as of the last plan (made at the
+        first backward and at each new k): the L of Algorithm 2."""
+        return len(self._position)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -1617,8 +1673,11 @@ class DataParallel:
 
     def _plan(self) -> None:
         """Buckets for the current k: autograd's in reverse forward order, then
-        one per held layer in Algorithm 2's dW order (the launch order)."""
-        sites = [s for s in self.handle.sites if s.index >= 0]
+        one per held layer in Algorithm 2's dW order (the launch order).
+        Everything here must be the same on every rank: the layers come from
+        ``_agreed_layers``, the parameters in the model's order."""
+        sites = self._agreed_layers()
+        self._position = {s: l for l, s in enumerate(sites)}
         if self.searching and self.scores is None and sites:
             # the first k to measure is a function of L alone: every rank agrees
             self.scores = np.full(len(sites) + 1, np.nan)
@@ -1626,12 +1685,12 @@ class DataParallel:
         k = min(self.k, len(sites))
         self._order = _first_k_order(len(sites), k)
         held_layer, first_layer = {}, {}
-        for s in sites:
+        for l, s in enumerate(sites):
             for p in s.params:
-                first_layer[p] = min(first_layer.get(p, s.index), s.index)
-                if s.index < k:  # complete only once its last held dW has run
-                    held_layer[p] = max(held_layer.get(p, -1), s.index)
-        self._held_modules = {s.module for s in sites if s.index < k}
+                first_layer[p] = min(first_layer.get(p, l), l)
+                if l < k:  # complete only once its last held dW has run
+                    held_layer[p] = max(held_layer.get(p, -1), l)
+        self._held_modules = {s.module for s in sites[:k]}
         # reverse forward order; parameters outside the split layers last:
         # autograd may finish them anywhere, and a bucket launches only after
         # the buckets before it, so placed late they hold up no other bucket
@@ -1646,11 +1705,33 @@ class DataParallel:
             buckets += self._layer_buckets[layer]
         self._buckets = buckets
 
+    def _agreed_layers(self) -> list:
+        """The split layers called so far on any rank, ordered by their
+        earliest first call over the ranks, ties in the model's module order
+        (the same on every rank). A rank's own call order differs from its
+        peers' when they take different branches (DDP's unused-parameter
+        case); buckets planned from it would sum different parameters."""
+        sites = self.handle.sites
+        if not sites:
+            return []
+        never = len(sites)  # after every first-call index
+        first = torch.tensor([s.index if s.index >= 0 else never for s in sites],
+                             dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
+        first = first.tolist()
+        called = [i for i in range(len(sites)) if first[i] < never]
+        return [sites[i] for i in sorted(called, key=lambda i: (first[i], i))]
+
     # -- hooks -------------------------------------------------------------------
 
-    def _sync_buffers(self, module, args) -> None:
-        with torch.no_grad():
-            self._broadcast(list(module.buffers()))
+    def _before_forward(self, module, args) -> None:
+        # not inside any backward (checkpoint's recomputing forward is), yet a
+        # backward never ended: it raised, and its end callback was dropped
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._abandon_backward()
+        if self._sync_buffers:
+            with torch.no_grad():
+                self._broadcast(list(module.buffers()))
 
     def _watch_output(self, module, args, out) -> None:
         # DDP decides at forward time too: a backward of a no_sync() forward
@@ -1669,7 +1750,12 @@ class DataParallel:
     def _grad_accumulated(self, p: torch.Tensor) -> None:
         # AccumulateGrad of p ran: autograd is done with p in this backward
         # (every dO and dW through p came before it, as the split runs the
-        # dW of a layer that is not held inside the layer's backward node)
+        # dW of a layer that is not held inside the layer's backward node).
+        # It also runs, with no gradient, for a held layer's parameter (the
+        # split returns none) and for a branch the loss does not reach: a
+        # use is a gradient, as DDP counts it, under no_sync() too.
+        if p.grad is not None:
+            self._used.add(p)
         if not self._sync_backward:
             return
         if not self._in_backward:
@@ -1714,22 +1800,25 @@ class DataParallel:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
                 torch.mul(p.grad, 1.0 / self.world, out=view)
+        b.flags.fill_(1)
+        idle = [i for i, p in enumerate(b.params) if p not in self._used]
+        if idle:
+            b.flags[idle] = 0
+        b.idle_here = bool(idle)
         b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
 
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
         try:
-            held, self._held = self._held or [], None
-            if self._stack is not None:
-                self._stack.close()
-                self._stack = None
+            held = self._release_held()
+            self._used.update(p for t in held for p in t.targets)
             for b in self._buckets:
                 if b.layer is None:  # autograd's part is final now
                     b.pending.clear()
             self._launch_ready()
             by_layer: dict = {}
             for t in held:
-                by_layer.setdefault(t.site.index, []).append(t)
+                by_layer.setdefault(self._position[t.site], []).append(t)
             with torch.no_grad():
                 for layer in self._order:
                     self.handle.run(by_layer.pop(layer, ()))
@@ -1744,16 +1833,46 @@ class DataParallel:
                 for b in self._buckets:
                     b.work.wait()
                     self._write_back(b, self.gradient_as_bucket_view)
+            self._used.clear()
         finally:
             self._in_backward = False
         if self.searching and self.scores is not None:
             self._search_step()
-        # only the held layers leave autograd's order
-        self.handle._split_only(lambda site: site.index < self.k)
+        # only the held layers leave autograd's order, from the next forward on
+        # (at the k the search may just have moved to; a layer no plan saw is not held)
+        self.handle._split_only(lambda site: self._position.get(site, self.k) < self.k)
+
+    def _release_held(self) -> list:
+        """Ends the hold of this backward's first k layers: their tasks."""
+        held, self._held = self._held or [], None
+        if self._stack is not None:
+            self._stack.close()
+            self._stack = None
+        return held
+
+    def _abandon_backward(self) -> None:
+        """Drops the state of a backward that raised: its held dW tasks (with
+        the tensors they saved) are never run, the hold on the first k layers
+        ends, buckets it launched are waited for (every rank that raised at
+        the same point launched them too; their sums are dropped, the flat
+        buffers are free again), and no parameter counts as used any more."""
+        self._release_held()
+        for b in self._buckets:
+            if b.work is not None:
+                b.work.wait()
+            b.work = None
+            b.pending = set()
+        self._used.clear()
+        self._in_backward = False
 
     @staticmethod
     def _write_back(b: _Bucket, as_view: bool) -> None:
-        for p, avg in b.views():
+        # no rank used it (all flags 0): its .grad stays as it is, as DDP's;
+        # read only where this rank saw an idle parameter (a device sync)
+        flags = b.flags.tolist() if b.idle_here else [1] * len(b.params)
+        for (p, avg), used in zip(b.views(), flags):
+            if not used:
+                continue
             if as_view:
                 if p.grad is None or p.grad.data_ptr() != avg.data_ptr():
                     p.grad = avg
@@ -1851,6 +1970,24 @@ def _header(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
                          f"stages (at most {_HEADER - 3} dims of {_WIRE_DTYPES})")
     h = [t.dim(), _WIRE_DTYPES.index(t.dtype), int(requires_grad), *t.shape]
     return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
+
+
+class _Alias(torch.autograd.Function):
+    """The identity, as an alias of its input that is neither the input nor
+    a view of it (a view of a leaf, or a custom Function's output that is
+    its input, may not be changed in place): a layer may work on it in
+    place while backward still reaches the leaf behind it. It shares the
+    leaf's storage and version counter, as a layer's input shares its
+    producer's output in a single process: changing in place what the
+    previous layer saved for backward fails the same way."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g
 
 
 def _splits_any(module: nn.Module) -> bool:
@@ -2024,7 +2161,9 @@ class Pipeline:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
         with torch.enable_grad():
-            y = self.layers[l](x)
+            # past layer 0 the input stands for the previous layer's output, a
+            # non-leaf the layer may change in place (nn.ReLU(inplace=True))
+            y = self.layers[l](x if l == 0 else _Alias.apply(x))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -2038,7 +2177,8 @@ class Pipeline:
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
         """Layer l's input for micro-batch m: a leaf, so that backward stops at
-        it and leaves its gradient in ``.grad`` for dO to hand on."""
+        it and leaves its gradient in ``.grad`` for dO to hand on (the layer
+        gets an alias of it past layer 0)."""
         if l == 0:
             return st.inputs[m].requires_grad_(st.input_grad)
         if self._owner(l - 1) == self.rank:
