@@ -875,8 +875,12 @@ def test_chain_rejects_bad_layers_and_shapes():
     plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))
     with pytest.raises(ValueError, match=r"grad_output: expected shape \(1, 2\)"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 3))
-    with pytest.raises(ValueError, match=r"inputs\[0\]: expected shape \(2, 4\)"):
+    with pytest.raises(ValueError, match=r"grad_output: expected shape \(1, 2\)"):
         plan.backward([torch.randn(1, 4)], torch.randn(2, 2))
+    with pytest.raises(ValueError, match=r"grad_output: expected shape \(2, 2\)"):
+        plan.backward([torch.randn(2, 4)], torch.randn(4))  # flattened: named by the batch of inputs
+    with pytest.raises(ValueError, match=r"inputs\[0\]: expected shape \(2, 4\)"):
+        plan.backward([torch.randn(2, 2, 2)], torch.randn(2, 2))
     with pytest.raises(TypeError, match="grad_output: expected a real floating-point"):
         plan.backward([torch.randn(1, 4)], torch.randn(1, 2, dtype=torch.complex64))
     with pytest.raises(RuntimeError, match="grad_output: sparse tensors are not supported"):

@@ -867,7 +867,8 @@ class ChainPlan:
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_real_dense(grad_output, "grad_output")
-        B, device = grad_output.shape[0] if grad_output.dim() else 0, grad_output.device
+        _check_real_dense(inputs[0], "inputs[0]")
+        B, device = inputs[0].shape[0] if inputs[0].dim() else 0, grad_output.device
         if grad_output.shape != (B, *self.output_shape):  # as autograd: no reshaping
             raise ValueError(f"grad_output: expected shape {(B, *self.output_shape)} (the chain's "
                              f"output), got {tuple(grad_output.shape)}")
