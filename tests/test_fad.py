@@ -15,6 +15,7 @@ in x's dtype, then grad * d), so two units.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import weakref
@@ -797,6 +798,23 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
                                torch.func.grad(lambda v: F.mish(v).sum())(x), rtol=1e-6, atol=1e-7)
     meta = fad.elu(torch.empty(2, 3, device="meta"), 0.5)
     assert meta.device.type == "meta" and meta.shape == (2, 3)
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_tracing_and_export_run_torch_ops():
+    """torch.jit.trace cannot see a kernel writing through a pointer (under
+    no_grad it recorded an empty_like: the traced model returned garbage),
+    and torch.export's FakeTensors have no data: both must get torch's ops."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 3), nn.SiLU())
+    model = copy.deepcopy(ref)
+    fad.patch(model)
+    x, x2 = torch.randn(2, 4), torch.randn(5, 4)
+    with torch.no_grad():
+        traced = torch.jit.trace(model.eval(), x)
+    torch.testing.assert_close(traced(x2), ref(x2), rtol=1e-6, atol=1e-7)
+    exported = torch.export.export(model, (x,))
+    torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
 
 
 def test_compose_leaves_tensor_subclasses_alone():

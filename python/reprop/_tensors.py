@@ -79,11 +79,18 @@ def autocast_enabled(device_type: str) -> bool:
 def torch_only(x: torch.Tensor) -> bool:
     """Tensors whose meaning raw kernels and custom autograd Functions would
     lose: functorch's wrappers (vmap, grad, jvp), forward-AD duals (their
-    tangent) and meta tensors (no data). They go through torch's own ops."""
+    tangent), meta tensors (no data), tensor subclasses (FakeTensor under
+    torch.export and compile, DTensor, ...), and any tensor while
+    torch.jit.trace records (it cannot see a kernel that writes through a
+    pointer). They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
-    if x.is_meta or (_is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
+    if x.is_meta or type(x) not in _PLAIN_TYPES or torch._C._is_tracing() or (
+            _is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
