@@ -702,6 +702,20 @@ def test_enabled_under_activation_checkpointing(compose, reentrant):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_compose_constant_changed_in_place_between_steps():
+    """x * c carries c itself as the derivative; c changed in place before the
+    next step must not change the gradient silently: autograd raises, and
+    so must the chain (its node saved c)."""
+    x = torch.randn(5, requires_grad=True)
+    c = torch.full((5,), 3.0)
+    with fad.enabled(compose=True):
+        y = x * c
+        c.mul_(10)
+        z = torch.exp(y)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.sum().backward()
+
+
 def test_compose_chain_tensors_with_hooks_stay_in_the_graph():
     """A chain tensor given a hook or retain_grad() before the next op is a
     root of what follows, so autograd reaches it: its hooks run (one that

@@ -644,14 +644,18 @@ class _Record:
     autograd's does (None: nowhere). The mode keeps records in a dictionary
     weakly keyed by the chain tensor, so a derivative that is the tensor
     itself (exp of the root) is kept as _SELF: a value holding its key would
-    never let it go."""
+    never let it go. A derivative may be a constant operand itself (x * c):
+    its version too, so that c changed in place ends the chain there, and
+    autograd's version check on the node's saved c raises as it would."""
 
-    __slots__ = ("source", "source_version", "version", "deriv", "kept", "blocked")
+    __slots__ = ("source", "source_version", "version", "deriv", "deriv_version", "kept",
+                 "blocked")
 
     def __init__(self, source, out, deriv, kept, blocked):
         self.source = weakref.ref(source)
         self.source_version = source._version
         self.version = out._version
+        self.deriv_version = deriv._version if isinstance(deriv, torch.Tensor) else None
         self.deriv = _SELF if deriv is out else deriv
         self.kept = _SELF if kept is out else kept
         self.blocked = blocked
@@ -979,7 +983,9 @@ class enabled(TorchFunctionMode):
         (None, None, None) for a constant. A chain tensor with hooks or
         retain_grad() is a root: a next step must reach it through autograd."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version and not (t._backward_hooks or t.retains_grad):
+        if rec is not None and rec.version == t._version and not (t._backward_hooks or t.retains_grad) \
+                and (rec.deriv_version is None or rec.deriv is _SELF
+                     or rec.deriv._version == rec.deriv_version):
             src = rec.source()
             if src is not None and src._version == rec.source_version:
                 return src, (t.detach() if rec.deriv is _SELF else rec.deriv), rec.blocked
