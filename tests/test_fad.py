@@ -438,8 +438,8 @@ def test_bad_input_raises_clearly():
 
 MODULE_CASES = [
     (nn.GELU(approximate="tanh"), fad.GELU), (nn.SiLU(), fad.SiLU), (nn.Mish(), fad.Mish),
-    (nn.Softplus(beta=2.0, threshold=4.0), fad.Softplus), (nn.Sigmoid(), fad.Sigmoid),
-    (nn.Tanh(), fad.Tanh), (nn.ELU(alpha=0.7), fad.ELU), (nn.CELU(alpha=1.3), fad.CELU),
+    (nn.Softplus(beta=2.0, threshold=4.0), fad.Softplus),
+    (nn.ELU(alpha=0.7), fad.ELU), (nn.CELU(alpha=1.3), fad.CELU),
     (nn.SELU(), fad.SELU), (nn.LeakyReLU(0.1), fad.LeakyReLU), (nn.Hardswish(), fad.Hardswish),
     (nn.Hardsigmoid(), fad.Hardsigmoid), (nn.LogSigmoid(), fad.LogSigmoid),
     (nn.Softsign(), fad.Softsign), (nn.Tanhshrink(), fad.Tanhshrink),
@@ -464,6 +464,42 @@ def test_modules_are_drop_in(native, ours_cls):
     torch.testing.assert_close(model[0].weight.grad, ref[0].weight.grad, rtol=1e-5, atol=1e-6)
     assert fad.unpatch(model) == ["1"] and type(model[1]) is type(native)
     assert not hasattr(model[1], "saved_dtype") or model[1].saved_dtype is None
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd holds for backward after fn()."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("native,ours_cls", [(nn.Sigmoid(), fad.Sigmoid), (nn.Tanh(), fad.Tanh)],
+                         ids=["Sigmoid", "Tanh"])
+def test_output_saving_activations_stay_torch_under_patch_and_enabled(native, ours_cls):
+    """torch's Sigmoid and Tanh save their output, which the next Linear saves
+    as its input anyway: f'(x) would add a tensor. patch() and enabled()'s
+    rerouting leave them to torch (no more saved than plain autograd); the
+    reprop class used directly is still a drop-in."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), native, nn.Linear(64, 8))
+    x = torch.randn(32, 64, requires_grad=True)
+    plain = _saved_bytes(lambda: model(x))
+    assert fad.patch(model) == {} and type(model[1]) is type(native)
+    with fad.enabled():
+        assert _saved_bytes(lambda: model(x)) == plain
+    direct = nn.Sequential(model[0], ours_cls(), model[2])
+    assert isinstance(direct[1], type(native))
+    out, ref = direct(x), model(x)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    (g,) = torch.autograd.grad(out.sum(), x)
+    (g_ref,) = torch.autograd.grad(ref.sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
 
 
 def test_patch_keeps_hooks_and_updates_saved_dtype():
@@ -590,7 +626,7 @@ BROKEN = {
     # two different sources
     "two_sources": lambda x, w: x * torch.sigmoid(w),
     # an in-place op in the middle of a chain
-    "inplace": lambda x, w: torch.sigmoid(x).mul_(2) * x,
+    "inplace": lambda x, w: F.silu(x).mul_(2) * x,
     # a view in the middle
     "view": lambda x, w: torch.tanh(x).view(-1).view(x.shape) * x,
     # an intermediate also consumed outside the chain

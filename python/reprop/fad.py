@@ -446,6 +446,14 @@ _FUNCTIONS = {
     F.hardswish: hardswish, F.hardsigmoid: hardsigmoid, F.logsigmoid: logsigmoid,
     F.softsign: softsign, F.tanhshrink: tanhshrink,
 }
+# torch's Sigmoid and Tanh save their output, which the next layer usually
+# saves anyway (as its input), so f'(x) would be one tensor more, not one less:
+# patch() and enabled()'s rerouting leave them to torch. reprop.fad.sigmoid /
+# tanh, their modules and the chains of compose=True still take them.
+_OUTPUT_SAVED = (sigmoid, tanh)
+_REROUTED = {f: ours for f, ours in _FUNCTIONS.items() if ours not in _OUTPUT_SAVED}
+_PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
+                    if native not in (nn.Sigmoid, nn.Tanh)}
 
 
 # ---------------------------------------------------------------------------
@@ -460,22 +468,24 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     """Swap, in place, every torch activation module of `model` for reprop's.
 
     Modules of exactly the torch classes nn.GELU, nn.SiLU, nn.Mish,
-    nn.Softplus, nn.Sigmoid, nn.Tanh, nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU,
-    nn.Hardswish, nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink
-    change class (their attributes, hooks and state stay; they remain instances
-    of the torch class), and attributes holding a torch functional activation
-    (e.g. nn.TransformerEncoderLayer.activation = F.gelu) are rerouted. Each
-    then saves only f'(x) for backward, stored as `saved_dtype`. Subclasses of
-    those classes are left alone: their forward may do more. Calling patch
-    again updates saved_dtype. Returns {qualified name: what changed}.
+    nn.Softplus, nn.ELU, nn.CELU, nn.SELU, nn.LeakyReLU, nn.Hardswish,
+    nn.Hardsigmoid, nn.LogSigmoid, nn.Softsign, nn.Tanhshrink change class
+    (their attributes, hooks and state stay; they remain instances of the
+    torch class), and attributes holding a torch functional activation (e.g.
+    nn.TransformerEncoderLayer.activation = F.gelu) are rerouted. Each then
+    saves only f'(x) for backward, stored as `saved_dtype`. nn.Sigmoid and
+    nn.Tanh stay torch's: they save their output, which the next layer
+    usually saves too, so f'(x) would add a tensor. Subclasses of those
+    classes are left alone: their forward may do more. Calling patch again
+    updates saved_dtype. Returns {qualified name: what changed}.
     """
     _check_saved_dtype(saved_dtype, "patch")
     changed = {}
     for name, module in model.named_modules():
         original = getattr(module, _PATCHED, type(module))
-        if original in _MODULES:
+        if original in _PATCHED_MODULES:
             if type(module) is original:
-                module.__class__ = _MODULES[original]
+                module.__class__ = _PATCHED_MODULES[original]
                 module.__dict__[_PATCHED] = original
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
@@ -488,7 +498,7 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
     originals = module.__dict__.get(_PATCHED_FNS, {})
     for attr, value in list(vars(module).items()):
         original = originals.get(attr, value)
-        ours = _FUNCTIONS.get(original) if _hashable(original) else None
+        ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
         module.__dict__[attr] = functools.partial(ours, saved_dtype=saved_dtype)
@@ -918,7 +928,7 @@ class enabled(TorchFunctionMode):
                 return out
             if self.saved_dtype is not None:
                 self._leave_chains(args, kwargs)
-        ours = _FUNCTIONS.get(func)
+        ours = _REROUTED.get(func)
         if ours is not None and args and _kernel_input(args[0]):
             return ours(*args, **kwargs, saved_dtype=self.saved_dtype)
         return func(*args, **kwargs)
