@@ -940,8 +940,8 @@ class enabled(TorchFunctionMode):
         the saved copy, and the full-precision derivative is freed."""
         for t in _tensors_in(args, kwargs):
             rec = self._records.get(t)
-            if rec is not None:
-                rec.deriv = rec.kept
+            if rec is not None:  # the node's own low-precision copy: no one else writes it
+                rec.deriv, rec.deriv_version = rec.kept, None
 
     def _stored(self, deriv):
         if isinstance(deriv, torch.Tensor) and self.saved_dtype is not None:
