@@ -194,13 +194,25 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     attr = rp_py_dict_get(state, p);
     if (attr != st)
         return attr == NULL ? -1 : 0;
+    /* watched: (key, tensor, column) of each state tensor the row points at;
+     * the same tensor object with other memory (.data replaced) is stale too */
     for (k = 0; k < PyTuple_GET_SIZE(watched); k++) {
-        PyObject *pair = PyTuple_GET_ITEM(watched, k), *v;
-        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyDict_Check(st))
+        PyObject *entry = PyTuple_GET_ITEM(watched, k), *v;
+        long col;
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyDict_Check(st))
             return 0;
-        v = rp_py_dict_get(st, PyTuple_GET_ITEM(pair, 0));
-        if (v != PyTuple_GET_ITEM(pair, 1))
+        v = rp_py_dict_get(st, PyTuple_GET_ITEM(entry, 0));
+        if (v != PyTuple_GET_ITEM(entry, 1))
             return v == NULL ? -1 : 0;
+        col = PyLong_AsLong(PyTuple_GET_ITEM(entry, 2));
+        if (col == -1 && PyErr_Occurred())
+            return -1;
+        if (col < 0 || (size_t)col >= sizeof(rp_optim_entry) / sizeof(int64_t))
+            return 0;
+        if (rp_py_data_ptr(v, names[RP_N_DATA_PTR], &ptr) < 0)
+            return -1;
+        if ((int64_t)ptr != row[col])
+            return 0;
     }
     g = PyObject_GetAttr(p, names[RP_N_GRAD]);
     if (g == NULL)

@@ -1282,6 +1282,29 @@ def test_param_data_replaced_at_the_same_address(change: str) -> None:
     assert torch.equal(*results)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_state_data_replaced_is_followed(name: str) -> None:
+    """A state tensor whose .data is replaced (state moved by hand, as an
+    offloading loop does) keeps its identity but not its memory: the cached
+    table must follow it, not write to the freed old memory. Results equal
+    torch's through the same replacements."""
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        p = nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(99)))
+        opt = cls([p], **RICH[name])
+        for step in range(4):
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(step))
+            opt.step()
+            for value in opt.state[p].values():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    old = value.data
+                    value.data = old.clone()  # new memory, same tensor object
+                    old.fill_(float("nan"))   # what the freed memory may then hold
+        runs.append(p.detach().clone())
+    assert runs[0].isfinite().all()
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-6)
+
+
 def test_grad_of_another_size_is_refused() -> None:
     """A gradient whose size no longer matches its parameter (its .data
     replaced behind the .grad setter's check) must be refused, not read out

@@ -83,9 +83,10 @@ class _Plan:
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
         capturable = bool(group.get("capturable", False))
-        # The state tensors each row points at: held, so that the table never
-        # points at freed memory, and checked each step, so that a tensor the
-        # user put in their place is picked up.
+        # The state tensors each row points at, with their column: held, so that
+        # the table never points at freed memory, and checked each step (identity
+        # and address), so that a tensor the user put in their place, or one whose
+        # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
             # torch creates all state at a param's first step (SGD: the buffer
@@ -102,11 +103,11 @@ class _Plan:
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row], initialized)
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
-                    watched.append((key, t))
+                    watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
                 step = _step_tensor(st, p, capturable)
                 self.table[row, _COL_STEP] = step.data_ptr()
-                watched.append(("step", step))
+                watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
@@ -120,12 +121,12 @@ class _Plan:
                 self.grad_contiguous, torch.strided, self.table):
             return []
         ptrs, keep = [], []
-        for p, st, key, contig, watched in zip(self.params, self.state_dicts, self.param_keys,
-                                               self.grad_contiguous, self.watched):
+        for row, (p, st, key, contig, watched) in enumerate(zip(
+                self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
             if _layout_key(p) != key or state.get(p) is not st:
                 return None
-            for key, t in watched:
-                if st.get(key) is not t:
+            for key, t, col in watched:
+                if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
                     return None
             g = p.grad if given is None else given[id(p)]
             if g is None:
