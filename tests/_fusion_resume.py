@@ -10,12 +10,15 @@
         One rank of a gloo DistributedDataParallel run (init_method
         file://INIT_FILE): 20 steps of DDP + eager step(), then 20 steps of
         reprop.fuse(DDP(model), opt, mode="backward") from the same start, each
-        rank on its own data; torch.save {"eager": ..., "fused": ...} to OUT.
+        rank on its own data; then both again accumulating 2 micro-batches
+        under no_sync() (accumulation_steps=2); torch.save {"eager": ...,
+        "fused": ..., "eager_acc": ..., "fused_acc": ...} to OUT.
 
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import warnings
@@ -45,18 +48,25 @@ def ddp(rank: int, world: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     case = tf.CASES["cnn"]
     results = {}
-    for kind in ("eager", "fused"):
+    # "_acc": DDP's accumulation loop, no_sync() but every second micro-batch
+    for kind in ("eager", "fused", "eager_acc", "fused_acc"):
+        every = 2 if kind.endswith("_acc") else 1
         torch.manual_seed(1234 + rank)  # dropout masks differ per rank, equal between the two runs
         model = DDP(case.make_model())
         opt = tf.make_optimizer(model, "AdamW")
-        handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
+        handle = None
+        if kind.startswith("fused"):
+            handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # backward mode: step()/zero_grad() are no-ops that warn
             for i in range(DDP_STEPS):
                 x, y = case.batch(1000 * rank + i)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+                last = (i + 1) % every == 0
+                with contextlib.nullcontext() if last else model.no_sync():
+                    (F.mse_loss(model(x), y) / every).backward()
+                if last:
+                    opt.step()
+                    opt.zero_grad()
         if handle is not None:
             handle.flush()
         r = tf.Result(

@@ -709,22 +709,28 @@ def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tens
         return (model(x) - model(x.flip(0))).square().mean()
     if how == "checkpoint":  # the whole model checkpointed: its recompute calls it again in backward
         return torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False).square().mean()
+    if how == "reentrant":  # the last layer checkpointed: its backward is a nested backward pass
+        h = model[:-1](x)
+        return torch.utils.checkpoint.checkpoint(model[-1], h, use_reentrant=True).square().mean()
     h = x
     for layer in model:  # the layers called one by one: the root's forward never runs
         h = layer(h)
     return h.square().mean()
 
 
-@pytest.mark.parametrize("every", [2, 3])
-@pytest.mark.parametrize("how", ["twice", "checkpoint", "layers"])
-def test_backward_accumulation_counts_micro_batches(how: str, every: int) -> None:
-    """accumulation_steps counts backward passes (micro-batches), not calls of
-    the root module: the result equals the eager loop stepping every n."""
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("every", [1, 2, 3])
+@pytest.mark.parametrize("how", ["twice", "checkpoint", "reentrant", "layers"])
+def test_backward_accumulation_counts_micro_batches(how: str, every: int, set_to_none: bool) -> None:
+    """accumulation_steps counts micro-batches, not calls of the root module
+    nor backward passes (reentrant checkpointing nests one in another): the
+    result equals the eager loop stepping every n, also when zero_grad keeps
+    zeros, whose updates must not run in the middle of a backward."""
     torch.manual_seed(0)
-    ref_model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    ref_model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Linear(6, 2))
     model = copy.deepcopy(ref_model)
-    ref_opt = rp.AdamW(ref_model.parameters(), lr=0.05)
-    opt = rp.AdamW(model.parameters(), lr=0.05)
+    ref_opt = rp.SGD(ref_model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
     batches = [torch.randn(4, 5) for _ in range(4 * every)]
     with warnings.catch_warnings():
@@ -734,7 +740,7 @@ def test_backward_accumulation_counts_micro_batches(how: str, every: int) -> Non
                 (_micro_batch_loss(m, x, how) / every).backward()
                 if (i + 1) % every == 0:
                     o.step()
-                    o.zero_grad()
+                    o.zero_grad(set_to_none=set_to_none)
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     handle.remove()
@@ -1248,6 +1254,8 @@ def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
     for rank, r in enumerate(results):
         got, ref = Result(**r["fused"]), Result(**r["eager"])
         assert_results_equal(got, ref)
+        # accumulation over DDP's no_sync(): its backward calls no bucket hook
+        assert_results_equal(Result(**r["fused_acc"]), Result(**r["eager_acc"]))
         # Parameters and optimizer state agree across ranks (BatchNorm's running
         # stats are each rank's own after its last forward).
         _assert_tensor_dicts(got.params, rank0.params, f"rank {rank} params vs rank 0", None)

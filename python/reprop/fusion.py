@@ -118,10 +118,12 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             the fused updates then share (LR schedulers and its state_dict()
             keep working on it).
         mode: "backward" or "forward" (see the module docstring).
-        accumulation_steps: backward mode: update in every n-th backward
-            pass that reaches the parameters, as an eager loop stepping every
-            n micro-batches of one backward each (however often each calls
-            the model). In forward mode the user loop decides when to call
+        accumulation_steps: backward mode: update in the backward of every
+            n-th micro-batch, as an eager loop stepping every n micro-batches.
+            A micro-batch is the forwards in grad mode (of any module that owns
+            fused parameters, however often) up to the next backward; forwards
+            under no_grad, and those checkpointing recomputes inside backward,
+            do not count. In forward mode the user loop decides when to call
             step().
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step().
@@ -366,11 +368,16 @@ class _BackwardFusion(FusionHandle):
         super().__init__(model, optimizer, engine)
         self._every = accumulation_steps
         self._keep_grads = keep_grads
-        self._backwards = 0  # backward passes that reached the parameters so far
-        self._graph_task = None  # autograd's id of the latest of them
+        # Micro-batches so far: the training forwards between two backward passes
+        # (a model called twice per micro-batch, or a forward recomputed by
+        # checkpointing inside backward, is one micro-batch, as in the eager loop).
+        self._micro_batches = 0
+        self._backward_since_forward = True
+        self._hooked_modules: set = set()
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
-        self._updated: set = set()  # ids of the params updated in this backward
+        self._updated: set = set()  # ids of the params updated since the window's last step
+        self._left_behind_due = False  # a window's updating backward ran: its step is not done
         # id(param) -> param whose gradient an accumulating backward left in .grad
         self._accumulated: dict = {}
         # After zero_grad(set_to_none=False) eager keeps a zero .grad for every param
@@ -400,9 +407,19 @@ class _BackwardFusion(FusionHandle):
                 self._batch_of[id(p)] = batch
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
-        if not self._ddp:  # under DDP the bucket hook sees every parameter
+        # under DDP the bucket hook sees every parameter; a no_sync() backward
+        # calls no bucket hook, yet ends a micro-batch
+        on_grad = self._on_grad_ready if not self._ddp else self._mark_backward
+        if not self._ddp or self._every > 1:
             for p in new:
-                self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
+                self._hooks.append(_register_grad_ready(p, on_grad))
+        if self._every > 1:
+            # a micro-batch starts at the first forward of any module with fused
+            # parameters: the root's may not run (layers called one by one)
+            for module in self.model.modules():
+                if id(module) not in self._hooked_modules and _direct_params(module, self._params):
+                    self._hooked_modules.add(id(module))
+                    self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
 
     def flush(self) -> None:
         """Updates are applied inside backward; on CUDA, makes the current
@@ -411,31 +428,41 @@ class _BackwardFusion(FusionHandle):
 
     def _on_root_forward(self, module, args) -> None:
         self._sync()
+        self._on_training_forward(module, args)
         if not torch.is_grad_enabled():
             return
         for p in self._kept:  # kept for the user since the last update; eager zero_grad
             p.grad = None
         self._kept.clear()
 
-    def _note_backward(self) -> None:
-        """Counts the backward passes, one per micro-batch of the eager loop:
-        forwards would miscount a model called twice per micro-batch, a
-        checkpoint's recompute, or calls that bypass the root module."""
-        task = torch._C._current_graph_task_id()
-        if task != self._graph_task:
-            self._graph_task = task
-            self._backwards += 1
+    def _on_training_forward(self, module, args) -> None:
+        """A forward in grad mode outside backward (checkpointing recomputes
+        inside it): the first after a backward starts a micro-batch, and the
+        step of the window that backward ended is finished first."""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        self._finish_step()
+        if self._backward_since_forward:
+            self._backward_since_forward = False
+            self._micro_batches += 1
+
+    def _mark_backward(self, p: torch.Tensor) -> None:
+        self._backward_since_forward = True
 
     def _updating(self) -> bool:
-        return self._every == 1 or self._backwards % self._every == 0
+        # Without accumulation every backward updates, even one after a forward
+        # that bypassed every hook (model.forward(x) on a model owning the params).
+        return self._every == 1 or (self._micro_batches > 0
+                                    and self._micro_batches % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._note_backward()
+        self._backward_since_forward = True
         if id(p) not in self._params:
             return  # no longer in the optimizer
         if not self._updating():  # accumulating: eager would not step now
             self._accumulated[id(p)] = p
             return
+        self._left_behind_due = True
         self._ready[id(p)] = p
         if not self._end_queued:
             # Parameters whose module-mates got no gradient this time are updated at the end.
@@ -446,17 +473,22 @@ class _BackwardFusion(FusionHandle):
             self._update([q for q in batch if id(q) in self._ready])
 
     def _on_backward_end(self) -> None:
+        # (under reentrant checkpointing this may be a nested backward's end:
+        # what it updates is complete, and the rest waits for _finish_step)
         self._end_queued = False
         if self._ready:
             self._update(list(self._ready.values()))
-        self._update_left_behind()
-        self._updated.clear()
 
-    def _update_left_behind(self) -> None:
-        """What eager's step() updates although this backward gave it no
-        gradient: params whose gradients earlier micro-batches of the window
-        accumulated, and after zero_grad(set_to_none=False) every param that
-        ever had a gradient, from the zeros eager would hold."""
+    def _finish_step(self) -> None:
+        """At step() or the next training forward, once the backward of a
+        window's last micro-batch is over: what eager's step() updates
+        although that backward gave it no gradient. Params whose gradients
+        earlier micro-batches of the window accumulated, and after
+        zero_grad(set_to_none=False) every param that ever had a gradient,
+        from the zeros eager would hold."""
+        if not self._left_behind_due:
+            return
+        self._left_behind_due = False
         left = [p for i, p in self._accumulated.items()
                 if i not in self._updated and p.grad is not None]  # not cleared since
         self._accumulated.clear()
@@ -468,6 +500,7 @@ class _BackwardFusion(FusionHandle):
             left += zeroed
         if left:
             self._update(left)
+        self._updated.clear()
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -529,7 +562,7 @@ class _BackwardFusion(FusionHandle):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         reduced = allreduce_hook(process_group, bucket)
-        self._note_backward()
+        self._backward_since_forward = True
         if self._removed or not self._updating():
             return reduced
         pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
@@ -552,6 +585,7 @@ class _BackwardFusion(FusionHandle):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._finish_step()
         # Parameters added to the optimizer since the last forward got their
         # gradients without being fused yet: eager updates them in this step().
         late = [p for p in self._sync() if p.grad is not None]
