@@ -96,6 +96,14 @@ _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
+def outside_backward() -> bool:
+    """Whether no backward pass is running on this thread (checkpointing's
+    recomputing forwards run inside one): a forward here that finds a
+    backward still marked as running knows that backward raised, since its
+    end-of-backward callback was dropped with it."""
+    return torch._C._current_graph_task_id() == -1
+
+
 def new_table(rows: int) -> np.ndarray:
     """An empty pointer table of `rows` rp_optim_entry records."""
     return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)

@@ -546,7 +546,8 @@ class Codebook:
     then the exact-slope code, then NaN); lo, hi: the derivative range the grid
     covers; step: grid spacing; max_error: the largest error of a decoded
     derivative (half a step; 0 on the exact pieces, and 0 for LeakyReLU and
-    Hardsigmoid, whose two values sit on their grid)."""
+    Hardsigmoid, whose two values sit on their grid, unless LeakyReLU's
+    slope is below the smallest step, 2^-102)."""
 
     values: np.ndarray
     lo: float
@@ -580,8 +581,9 @@ def codebook(activation: str, *params: float) -> Codebook:
     step = values[zero + 1] - values[zero]  # every grid reaches above 0
     max_error = step / 2
     if activation in _TWO_VALUED:
-        # f' is 0 or v, the range's other end; the grid's step is |v| unless
-        # |v| is below the smallest step, so v decodes to its nearest grid value.
+        # f' on the grid is 0 or v, the range's other end (LeakyReLU's 1 has
+        # the exact code); the grid's step is |v| unless |v| is below the
+        # smallest step, so v decodes to its nearest grid value.
         v = lo if lo < 0 else hi
         max_error = abs(values[zero + int(np.rint(v / step))] - v)
     return Codebook(values, float(lo), float(hi), float(step), float(max_error))

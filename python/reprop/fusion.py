@@ -50,7 +50,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from . import optim
+from . import _tensors, optim
 
 __all__ = ["fuse", "FusionHandle"]
 
@@ -439,7 +439,7 @@ class _BackwardFusion(FusionHandle):
         """A forward in grad mode outside backward (checkpointing recomputes
         inside it): the first after a backward starts a micro-batch, and the
         step of the window that backward ended is finished first."""
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        if not torch.is_grad_enabled() or not _tensors.outside_backward():
             return
         self._finish_step()
         if self._backward_since_forward:

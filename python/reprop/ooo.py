@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._native import _C
-from ._tensors import torch_only
+from ._tensors import outside_backward, torch_only
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1019,6 +1019,13 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
+def _substituted(p) -> bool:
+    """A weight that is not a registered Parameter (torch.func.functional_call
+    swaps tensors in; a functorch wrapper or a dual among them must run
+    plain): only those need torch_only's checks, which cost more."""
+    return p is not None and type(p) is not nn.Parameter
+
+
 def _make_forward(site: _Site):
     kind, module, handle = site.kind, site.module, site.handle
     own = type(module).forward
@@ -1036,12 +1043,12 @@ def _make_forward(site: _Site):
         # or unfrozen since enable(); a layer with none trainable has no dW
         params = kind.params(module)
         if params is None or not any(p is not None and p.requires_grad for p in params) \
-                or any(p is not None and torch_only(p) for p in params):
+                or any(_substituted(p) and torch_only(p) for p in params):
             return own(self, x, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
-        if handle._in_backward and torch._C._current_graph_task_id() == -1:
+        if handle._in_backward and outside_backward():
             handle._abandon_backward()  # a forward outside backward, which never ended
         if site.index < 0:
             site.index = handle._next_index
@@ -1727,7 +1734,7 @@ class DataParallel:
     def _before_forward(self, module, args) -> None:
         # not inside any backward (checkpoint's recomputing forward is), yet a
         # backward never ended: it raised, and its end callback was dropped
-        if self._in_backward and torch._C._current_graph_task_id() == -1:
+        if self._in_backward and outside_backward():
             self._abandon_backward()
         if self._sync_buffers:
             with torch.no_grad():
@@ -1752,8 +1759,8 @@ class DataParallel:
         # (every dO and dW through p came before it, as the split runs the
         # dW of a layer that is not held inside the layer's backward node).
         # It also runs, with no gradient, for a held layer's parameter (the
-        # split returns none) and for a branch the loss does not reach: a
-        # use is a gradient, as DDP counts it, under no_sync() too.
+        # split returns none) and for a parameter whose node returned none:
+        # a use is a gradient, as DDP counts it, under no_sync() too.
         if p.grad is not None:
             self._used.add(p)
         if not self._sync_backward:
@@ -1833,8 +1840,8 @@ class DataParallel:
                 for b in self._buckets:
                     b.work.wait()
                     self._write_back(b, self.gradient_as_bucket_view)
-            self._used.clear()
         finally:
+            self._used.clear()
             self._in_backward = False
         if self.searching and self.scores is not None:
             self._search_step()
