@@ -1295,8 +1295,8 @@ def test_state_data_replaced_is_followed(name: str) -> None:
         for step in range(4):
             p.grad = torch.randn(64, generator=torch.Generator().manual_seed(step))
             opt.step()
-            for value in opt.state[p].values():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+            for value in opt.state[p].values():  # the step count too
+                if isinstance(value, torch.Tensor):
                     old = value.data
                     value.data = old.clone()  # new memory, same tensor object
                     old.fill_(float("nan"))   # what the freed memory may then hold

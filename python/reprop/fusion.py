@@ -407,6 +407,8 @@ class _BackwardFusion(FusionHandle):
                 self._batch_of[id(p)] = batch
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
+        # parameters removed from the optimizer are not held any more
+        self._ever_updated = {i: p for i, p in self._ever_updated.items() if i in self._params}
         # under DDP the bucket hook sees every parameter; a no_sync() backward
         # calls no bucket hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._mark_backward
