@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils.checkpoint import checkpoint
 
 import reprop
 import reprop.optim as rp
@@ -744,6 +745,102 @@ def test_backward_accumulation_counts_micro_batches(how: str, every: int, set_to
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     handle.remove()
+
+
+_LOOP_X = [torch.randn(2, 4, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+
+def _two_layers(fused: bool, every: int = 1, keep_grads: bool = False):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    o = rp.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    h = reprop.fuse(m, o, accumulation_steps=every, keep_grads=keep_grads) if fused else None
+    return m, o, h
+
+
+def _whole_model_reentrant(fused):
+    # the only grad-mode forward of each micro-batch is checkpointing's recompute
+    m, o, _ = _two_layers(fused, every=2)
+    for i in range(4):
+        checkpoint(m, _LOOP_X[i].clone().requires_grad_(), use_reentrant=True).sum().backward()
+        if i % 2:
+            o.step()
+            o.zero_grad()
+    return [p.detach() for p in m.parameters()]
+
+
+def _kept_grads_layers_called(fused):
+    m, o, _ = _two_layers(fused, keep_grads=True)
+    for i in range(3):
+        m[1](m[0](_LOOP_X[i])).sum().backward()
+        o.step()
+        o.zero_grad()
+    return [p.detach() for p in m.parameters()]
+
+
+def _lr_set_before_step(fused):
+    # micro-batch 2 leaves m[1] to step(): with the lr of its backward
+    m, o, _ = _two_layers(fused, every=2)
+    m(_LOOP_X[0]).sum().backward()
+    m[0](_LOOP_X[1]).sum().backward()
+    if fused:
+        o.param_groups[0]["lr"] = 1.0  # backward mode: from the next step on
+    o.step()
+    return [p.detach() for p in m.parameters()]
+
+
+def _no_step_then(end: str):
+    def run(fused):
+        m, o, h = _two_layers(fused, every=2)
+        m(_LOOP_X[0]).sum().backward()
+        m[0](_LOOP_X[1]).sum().backward()
+        if not fused:
+            o.step()
+            o.zero_grad()
+        if end == "eval":
+            with torch.no_grad():
+                return [m(_LOOP_X[7])]
+        if fused:
+            getattr(h, end)()
+        return [p.detach() for p in m.parameters()]
+    return run
+
+
+def _fused_after_eager_zeros(fused):
+    m, o, _ = _two_layers(False)
+    m(_LOOP_X[0]).sum().backward()
+    o.step()
+    o.zero_grad(set_to_none=False)
+    if fused:
+        reprop.fuse(m, o)
+    m[0](_LOOP_X[1]).sum().backward()  # m[1] unused: eager moves it by momentum
+    o.step()
+    o.zero_grad(set_to_none=False)
+    return [p.detach() for p in m.parameters()]
+
+
+STEP_CASES = {
+    "whole_model_reentrant": _whole_model_reentrant,
+    "kept_grads_layers_called": _kept_grads_layers_called,
+    "lr_set_before_step": _lr_set_before_step,
+    "no_step_then_eval": _no_step_then("eval"),
+    "no_step_then_flush": _no_step_then("flush"),
+    "no_step_then_remove": _no_step_then("remove"),
+    "fused_after_eager_zeros": _fused_after_eager_zeros,
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_backward_mode_finishes_what_eager_step_does(case: str) -> None:
+    """What eager step() does beyond the gradients of the last backward (the
+    window's earlier gradients, kept zeros, the hyper-parameters of that
+    backward), and counting a micro-batch whose only grad-mode forward is
+    a reentrant checkpoint's recompute, in loops that skip step()."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got, want = STEP_CASES[case](True), STEP_CASES[case](False)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_backward_accumulation_updates_in_the_nth_backward() -> None:

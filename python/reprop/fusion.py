@@ -7,7 +7,8 @@ an unmodified ``nn.Module``; the training loop keeps calling
 * ``mode="backward"`` (backward-fusion, Algorithm 3): each parameter is updated
   inside ``backward()`` as soon as its gradient is complete (PyTorch's
   post-accumulate-grad hooks fire once per backward, after every use of a
-  parameter has contributed, so tied weights are safe), the parameters of one
+  parameter has contributed, so tied weights are safe; a reentrant
+  checkpoint's nested backward counts as one), the parameters of one
   module together in one fused call when their gradients complete together.
   Gradients are freed right after the update unless ``keep_grads=True``, so
   the peak memory of a step drops by up to the size of all gradients. On CUDA
@@ -373,13 +374,14 @@ class _BackwardFusion(FusionHandle):
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
+        self._backward_task = -1  # autograd's id of the backward pass that set it
         self._hooked_modules: set = set()
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated since the window's last step
-        self._left_behind_due = False  # a window's updating backward ran: its step is not done
-        # id(param) -> param whose gradient an accumulating backward left in .grad
-        self._accumulated: dict = {}
+        # The hyper-parameters of the window's updating backward, while the
+        # updates its step() makes without a gradient there are still due.
+        self._step_settings: dict | None = None
         # After zero_grad(set_to_none=False) eager keeps a zero .grad for every param
         # that ever had one, and step() moves it (momentum, weight decay): those params.
         self._zeroed_not_freed = False
@@ -415,7 +417,7 @@ class _BackwardFusion(FusionHandle):
         if not self._ddp or self._every > 1:
             for p in new:
                 self._hooks.append(_register_grad_ready(p, on_grad))
-        if self._every > 1:
+        if self._every > 1 or self._keep_grads:
             # a micro-batch starts at the first forward of any module with fused
             # parameters: the root's may not run (layers called one by one)
             for module in self.model.modules():
@@ -424,32 +426,45 @@ class _BackwardFusion(FusionHandle):
                     self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
 
     def flush(self) -> None:
-        """Updates are applied inside backward; on CUDA, makes the current
-        streams wait for those still running on the side streams."""
+        """Updates are applied inside backward, and what the last step() makes
+        without a gradient there; on CUDA, makes the current streams wait for
+        those still running on the side streams."""
+        if _tensors.outside_backward():
+            self._finish_step()
         self._join_side_streams()
 
     def _on_root_forward(self, module, args) -> None:
         self._sync()
         self._on_training_forward(module, args)
-        if not torch.is_grad_enabled():
-            return
-        for p in self._kept:  # kept for the user since the last update; eager zero_grad
-            p.grad = None
-        self._kept.clear()
 
     def _on_training_forward(self, module, args) -> None:
-        """A forward in grad mode outside backward (checkpointing recomputes
-        inside it): the first after a backward starts a micro-batch, and the
-        step of the window that backward ended is finished first."""
-        if not torch.is_grad_enabled() or not _tensors.outside_backward():
+        """A forward of the model: the step of a window whose last backward
+        is over is finished first (eval forwards must see it); in grad mode,
+        the first forward after a backward starts a micro-batch and frees the
+        gradients kept since the last update."""
+        task = torch._C._current_graph_task_id()
+        if task != -1:  # inside backward: a forward that checkpointing recomputes
+            # counts only when it is the micro-batch's first grad-mode forward:
+            # a reentrant checkpoint of the whole model runs the first under no_grad
+            if torch.is_grad_enabled() and self._backward_since_forward \
+                    and task > self._backward_task:
+                self._backward_since_forward = False
+                self._micro_batches += 1
             return
         self._finish_step()
+        if not torch.is_grad_enabled():
+            return
         if self._backward_since_forward:
             self._backward_since_forward = False
             self._micro_batches += 1
+            for p in self._kept:  # kept for the user since the last update; eager zero_grad
+                p.grad = None
+            self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
-        self._backward_since_forward = True
+        if not self._backward_since_forward:
+            self._backward_since_forward = True
+            self._backward_task = torch._C._current_graph_task_id()
 
     def _updating(self) -> bool:
         # Without accumulation every backward updates, even one after a forward
@@ -458,13 +473,11 @@ class _BackwardFusion(FusionHandle):
                                     and self._micro_batches % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._backward_since_forward = True
-        if id(p) not in self._params:
-            return  # no longer in the optimizer
-        if not self._updating():  # accumulating: eager would not step now
-            self._accumulated[id(p)] = p
-            return
-        self._left_behind_due = True
+        self._mark_backward(p)
+        if id(p) not in self._params or not self._updating():
+            return  # no longer in the optimizer, or accumulating: eager would not step now
+        if self._step_settings is None:
+            self._step_settings = _settings_snapshot(self.optimizer)
         self._ready[id(p)] = p
         if not self._end_queued:
             # Parameters whose module-mates got no gradient this time are updated at the end.
@@ -482,18 +495,17 @@ class _BackwardFusion(FusionHandle):
             self._update(list(self._ready.values()))
 
     def _finish_step(self) -> None:
-        """At step() or the next training forward, once the backward of a
+        """At step(), flush() or the next forward, once the backward of a
         window's last micro-batch is over: what eager's step() updates
-        although that backward gave it no gradient. Params whose gradients
-        earlier micro-batches of the window accumulated, and after
-        zero_grad(set_to_none=False) every param that ever had a gradient,
-        from the zeros eager would hold."""
-        if not self._left_behind_due:
+        although that backward gave it no gradient, with that backward's
+        hyper-parameters. Every param with a .grad it did not update (from
+        earlier micro-batches of the window, or from before fuse()), and
+        after zero_grad(set_to_none=False) every param that ever had a
+        gradient, from the zeros eager would hold."""
+        settings, self._step_settings = self._step_settings, None
+        if settings is None:
             return
-        self._left_behind_due = False
-        left = [p for i, p in self._accumulated.items()
-                if i not in self._updated and p.grad is not None]  # not cleared since
-        self._accumulated.clear()
+        left = [p for i, p in self._params.items() if i not in self._updated and p.grad is not None]
         if self._zeroed_not_freed:
             zeroed = [p for i, p in self._ever_updated.items()
                       if i not in self._updated and p.grad is None and i in self._params]
@@ -501,7 +513,7 @@ class _BackwardFusion(FusionHandle):
                 p.grad = torch.zeros_like(p)
             left += zeroed
         if left:
-            self._update(left)
+            self._update(left, settings)
         self._updated.clear()
 
     def _after_ddp_backward(self) -> None:
@@ -515,19 +527,19 @@ class _BackwardFusion(FusionHandle):
         self._release_grads(self._ddp_updated)
         self._ddp_updated = []
 
-    def _update(self, params: Iterable[torch.Tensor]) -> None:
+    def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         params = list(params)
         for p in params:
             self._ready.pop(id(p), None)
             self._updated.add(id(p))
             self._ever_updated[id(p)] = p
         if params[0].device.type == "cuda":
-            self._update_on_side_stream(params)
+            self._update_on_side_stream(params, settings)
         else:
-            self.optimizer.step_params(params)
+            self.optimizer.step_params(params, settings)
         self._release_grads(params)
 
-    def _update_on_side_stream(self, params: list) -> None:
+    def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
         """CUDA: the update runs on a low-priority side stream, ordered after the
         gradients by the stream wait, so it overlaps the rest of backward; the
         end of backward makes the main stream wait for it again."""
@@ -538,7 +550,7 @@ class _BackwardFusion(FusionHandle):
         main = torch.cuda.current_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.optimizer.step_params(params)
+            self.optimizer.step_params(params, settings)
         for p in params:
             p.grad.record_stream(side)  # freed grads are not reused before the update ran
         if not self._join_queued:
