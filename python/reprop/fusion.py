@@ -533,7 +533,9 @@ class _BackwardFusion(FusionHandle):
             self._ready.pop(id(p), None)
             self._updated.add(id(p))
             self._ever_updated[id(p)] = p
-        if params[0].device.type == "cuda":
+        # outside backward (what step() finishes) nothing is left to overlap with,
+        # and no end-of-backward callback could join a side stream
+        if params[0].device.type == "cuda" and not _tensors.outside_backward():
             self._update_on_side_stream(params, settings)
         else:
             self.optimizer.step_params(params, settings)
