@@ -267,6 +267,7 @@ class FusionHandle:
         self._removed = False
         self._params = _all_params(engine)
         self._membership = _membership(engine)
+        self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
         # The optimizer's own instance attributes that fusion overrides, to restore.
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
 
@@ -323,6 +324,14 @@ class FusionHandle:
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
 
+    def _owners_to_hook(self) -> list:
+        """Modules of the model that own fused parameters and have no forward
+        hooks of this fusion yet (from now on they count as hooked)."""
+        fresh = [m for m in self.model.modules()
+                 if id(m) not in self._hooked_modules and _direct_params(m, self._params)]
+        self._hooked_modules.update(map(id, fresh))
+        return fresh
+
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
         optimizer's own step() and zero_grad(): plain eager training again."""
@@ -375,7 +384,6 @@ class _BackwardFusion(FusionHandle):
         self._micro_batches = 0
         self._backward_since_forward = True
         self._backward_task = -1  # autograd's id of the backward pass that set it
-        self._hooked_modules: set = set()
         self._kept: list = []
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated since the window's last step
@@ -420,10 +428,8 @@ class _BackwardFusion(FusionHandle):
         if self._every > 1 or self._keep_grads:
             # a micro-batch starts at the first forward of any module with fused
             # parameters: the root's may not run (layers called one by one)
-            for module in self.model.modules():
-                if id(module) not in self._hooked_modules and _direct_params(module, self._params):
-                    self._hooked_modules.add(id(module))
-                    self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+            for module in self._owners_to_hook():
+                self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
 
     def flush(self) -> None:
         """Updates are applied inside backward, and what the last step() makes
@@ -630,7 +636,6 @@ class _ForwardFusion(FusionHandle):
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
-        self._hooked_modules: set = set()
         self._track(list(self._params.values()))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
@@ -643,17 +648,12 @@ class _ForwardFusion(FusionHandle):
         _flush_before_apply(model, self)
 
     def _track(self, new: list) -> None:
-        self._owned = []
-        owned: set = set()
-        for module in self.model.modules():
-            own = _direct_params(module, self._params)
-            owned.update(map(id, own))
-            if own:
-                self._owned.append((module, own))
-                if id(module) not in self._hooked_modules:
-                    self._hooked_modules.add(id(module))
-                    self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
-                    self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+        self._owned = [(m, own) for m in self.model.modules()
+                       if (own := _direct_params(m, self._params))]
+        owned = {id(p) for _, own in self._owned for p in own}
+        for module in self._owners_to_hook():
+            self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
+            self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
