@@ -477,48 +477,53 @@ static void test_reverse_first_k(void)
           "cap 0: no cap");
 }
 
+/* Runs the k search over L layers from no measurement, scoring each k it
+ * asks for with score_of(k) into score (L + 1 entries) and checking that no
+ * k is asked twice; returns how many it measured, the best k in *best. */
+static int64_t run_ksearch(int64_t L, double (*score_of)(int64_t), double *score, int64_t *best)
+{
+    int64_t next = 0, measured = 0;
+    rp_error err = {{0}};
+    for (int64_t i = 0; i <= L; i++)
+        score[i] = NAN;
+    while (measured <= L + 1) {
+        CHECK(rp_ksearch_next(L, score, &next, best, &err) == RP_OK, "%s", err.msg);
+        if (next < 0)
+            break;
+        CHECK(next <= L && isnan(score[next]), "k = %lld asked twice", (long long)next);
+        score[next] = score_of(next);
+        measured++;
+    }
+    return measured;
+}
+
+static double concave_at_37(int64_t k) { return 1000.0 - (double)((k - 37) * (k - 37)); }
+
+static double tie_at_1_and_3(int64_t k) { return k == 1 || k == 3 ? 2.0 : 1.0; }
+
+static double rising(int64_t k) { return (double)k; }
+
 static void test_ksearch(void)
 {
     double score[101];
-    int64_t next = 0, best = 0, measured = 0;
+    int64_t next = 0, best = 0, measured;
     rp_error err = {{0}};
     for (int i = 0; i <= 100; i++)
         score[i] = NAN;
     CHECK(rp_ksearch_next(100, score, &next, &best, &err) == RP_OK && next == 0 && best == -1,
           "first: %lld %lld", (long long)next, (long long)best);
-    while (measured <= 101) {
-        CHECK(rp_ksearch_next(100, score, &next, &best, &err) == RP_OK, "%s", err.msg);
-        if (next < 0)
-            break;
-        CHECK(next <= 100 && isnan(score[next]), "k = %lld asked twice", (long long)next);
-        score[next] = 1000.0 - (double)((next - 37) * (next - 37)); /* concave, peak at 37 */
-        measured++;
-    }
+    measured = run_ksearch(100, concave_at_37, score, &best);
     CHECK(best == 37, "best %lld, want 37", (long long)best);
     /* 11 coarse points (0, 10, .., 90, 100) then steps 5, 2, 1 around the best */
     CHECK(measured == 17 && !isnan(score[100]), "measured %lld points", (long long)measured);
 
-    /* L < 20: a step of 1, every k <= L */
-    for (int i = 0; i <= 5; i++)
-        score[i] = NAN;
-    for (measured = 0; measured <= 7; measured++) {
-        CHECK(rp_ksearch_next(5, score, &next, &best, &err) == RP_OK, "%s", err.msg);
-        if (next < 0)
-            break;
-        score[next] = next == 1 || next == 3 ? 2.0 : 1.0; /* a tie: the smaller k wins */
-    }
+    /* L < 20: a step of 1, every k <= L; a tie: the smaller k wins */
+    measured = run_ksearch(5, tie_at_1_and_3, score, &best);
     CHECK(measured == 6 && best == 1, "L = 5: %lld points, best %lld", (long long)measured,
           (long long)best);
 
     /* the best at k = L, which the coarse sweep must reach */
-    for (int i = 0; i <= 10; i++)
-        score[i] = NAN;
-    for (measured = 0; measured <= 11; measured++) {
-        CHECK(rp_ksearch_next(10, score, &next, &best, &err) == RP_OK, "%s", err.msg);
-        if (next < 0)
-            break;
-        score[next] = (double)next;
-    }
+    run_ksearch(10, rising, score, &best);
     CHECK(best == 10, "L = 10, score k: best %lld", (long long)best);
 }
 
