@@ -867,13 +867,13 @@ class ChainPlan:
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_real_dense(grad_output, "grad_output")
-        _check_real_dense(inputs[0], "inputs[0]")
+        for i, x in enumerate(inputs):
+            _check_real_dense(x, f"inputs[{i}]")
         B, device = inputs[0].shape[0] if inputs[0].dim() else 0, grad_output.device
         if grad_output.shape != (B, *self.output_shape):  # as autograd: no reshaping
             raise ValueError(f"grad_output: expected shape {(B, *self.output_shape)} (the chain's "
                              f"output), got {tuple(grad_output.shape)}")
         for i, (leaf, x) in enumerate(zip(self.leaves, inputs)):
-            _check_real_dense(x, f"inputs[{i}]")
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
