@@ -1390,7 +1390,7 @@ def _mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | None = None,
               after_step: dict | None = None, before_step: dict | None = None,
-              ) -> tuple[nn.Module, torch.optim.Optimizer]:
+              set_to_none: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains _mlp() for `steps` steps, eager (mode None) or fused; events[i]
     (model, opt) runs before step i's forward, before_step[i] between its
     backward and step(), after_step[i] right after its step() (forward mode:
@@ -1410,7 +1410,7 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
             opt.step()
             if after_step and i in after_step:
                 after_step[i](model, opt)
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
     if handle is not None:
         handle.remove()
     return model, opt
@@ -1465,6 +1465,25 @@ def test_params_unfrozen_or_added_after_fuse_are_trained(mode: str, later: str, 
     got = _mlp_loop(mode, make_opt(cls), 8, **{when: {3: event}})
     ref = _mlp_loop(None, make_opt(rp.AdamW), 8, **{when: {3: event}})
     assert not torch.equal(ref[0][0].weight, _mlp()[0].weight)
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_param_added_before_step_keeps_its_zero_gradient(mode: str) -> None:
+    """A layer added with add_param_group() between backward and step() is
+    updated by that step(); after zero_grad(set_to_none=False) it holds zeros
+    like every param that had a gradient, so frozen right after (no new
+    gradient) each later step() still moves it by its momentum, as eager's does."""
+    def make_opt(model):
+        return rp.SGD(list(model[2:].parameters()), lr=0.01, momentum=0.9)
+
+    def freeze(model, opt):
+        _freeze_first_layer(model)
+
+    kw = dict(before_step={3: _add_first_layer_at_3}, events={4: freeze}, set_to_none=False)
+    got, ref = _mlp_loop(mode, make_opt, 8, **kw), _mlp_loop(None, make_opt, 8, **kw)
+    frozen_at_4 = _mlp_loop(None, make_opt, 5, **kw)[0][0].weight
+    assert not torch.equal(ref[0][0].weight, frozen_at_4)  # momentum moved it after the freeze
     _assert_same_training(got, ref)
 
 

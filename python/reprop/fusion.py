@@ -613,6 +613,7 @@ class _BackwardFusion(FusionHandle):
         late = [p for p in self._sync() if p.grad is not None]
         if late and self._updating():
             self.optimizer.step_params(late)
+            self._ever_updated.update((id(p), p) for p in late)  # zero_grad(False) keeps zeros
             self._release_grads(late)
         return loss
 
