@@ -413,12 +413,39 @@ def test_backward_temporaries(kind, buffers):
     assert peak <= buffers * unit + unit // 3, peak / unit
 
 
-def test_double_backward_is_refused():
-    ours = bppsa.RNN(2, 3)
+@pytest.mark.parametrize("loss", ["square", "linear"])
+def test_double_backward_is_refused(loss):
+    """create_graph=True through the scan raises, also for a loss linear in the
+    output (a critic's score), whose grad_output needs no grad: there the
+    penalty's second-order terms would silently be lost."""
+    ours = bppsa.GRU(2, 3)
     x = torch.randn(4, 1, 2, requires_grad=True)
-    (g,) = torch.autograd.grad(ours(x)[0].pow(2).sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match="once_differentiable|twice"):
-        g.sum().backward()
+    out = ours(x)[0]
+    score = out.pow(2).sum() if loss == "square" else out.sum()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(score, x, create_graph=True)
+
+
+def _tangent(module, x, t):
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        return fwAD.unpack_dual(module(fwAD.make_dual(x, t))[0]).tangent
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_what_the_scan_cannot_carry_runs_torch_own(kind):
+    """Forward-mode AD, torch.func transforms, jit.trace and meta tensors run
+    nn.RNN/GRU's own recurrence, with nn's results."""
+    torch.manual_seed(0)
+    ref, ours = make_pair(kind, 3, 4)
+    x, t = torch.randn(5, 2, 3), torch.randn(5, 2, 3)
+    torch.testing.assert_close(_tangent(ours, x, t), _tangent(ref, x, t), rtol=0, atol=0)
+    grads = [torch.func.grad(lambda x: m(x)[0].sum())(x) for m in (ours, ref)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    torch.testing.assert_close(torch.jit.trace(ours, (x,))(x)[0], ref(x)[0], rtol=0, atol=0)
+    meta = copy.deepcopy(ours).to("meta")
+    out, h_n = meta(torch.empty(5, 2, 3, device="meta"))
+    assert out.is_meta and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
 
 
 def test_module_rejects_bad_input():
@@ -444,6 +471,15 @@ def test_module_rejects_bad_input():
         rnn(torch.randn(4, 2, 2).to_sparse())
     with pytest.raises(TypeError, match="hx: expected torch.float32 on cpu like input"):
         rnn(torch.randn(4, 2, 2), torch.randn(1, 2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"input: expected torch.float32 like the weights \(weight_ih_l0\), "
+                                         "got torch.bfloat16"):
+        rnn(torch.randn(4, 2, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="input: expected torch.bfloat16 like the weights"):
+        bppsa.GRU(2, 3).bfloat16()(torch.randn(4, 2, 2))
+    with pytest.raises(ValueError, match="hx: expected a 2-D tensor with unbatched 2-D input, got 3-D"):
+        rnn(torch.randn(4, 2), torch.randn(1, 1, 3))
+    with pytest.raises(ValueError, match="hx: expected a 3-D tensor with batched 3-D input, got 2-D"):
+        rnn(torch.randn(4, 1, 2), torch.randn(1, 3))
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         bppsa.convert("rnn")
 
@@ -870,6 +906,8 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))
     with pytest.raises(ValueError, match="padding_mode"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")], (1, 5, 5))
+    with pytest.raises(ValueError, match=r"layers\[1\]: only Flatten\(start_dim=1, end_dim=-1\) .*start_dim=2"):
+        bppsa.ChainPlan([nn.Conv2d(4, 4, 1), nn.Flatten(2), nn.Linear(16, 2)], (4, 4, 4))
     with pytest.raises(ValueError, match=r"Linear: expected an input of shape \(4,\)"):
         bppsa.ChainPlan([nn.Linear(4, 2)], (5,))
     plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))

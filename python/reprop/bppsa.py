@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ._native import _C, _cuda
-from ._tensors import autocast_enabled, check_strided
+from ._tensors import autocast_enabled, check_strided, torch_only
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -398,8 +398,14 @@ class _Layer(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            # once_differentiable would only refuse a grad_out that needs grad:
+            # a loss linear in the output (a critic's score) would silently
+            # lose the penalty's second-order terms
+            raise RuntimeError("reprop.bppsa: double backward (create_graph=True, as a gradient "
+                               "penalty through the recurrence needs) is not supported; use "
+                               "torch.nn.RNN/GRU for it")
         saved = ctx.saved_tensors
         x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
         x2, c = x.reshape(-1, x.shape[-1]), grad_out.float()
@@ -447,6 +453,10 @@ class _ScanRNNBase:
         if input.dtype == torch.float64:
             raise TypeError(f"input: {type(self).__name__} runs its scan in float32; got float64 "
                             "(use torch.nn for double precision)")
+        weight = self.weight_ih_l0
+        if weight.dtype != input.dtype and not autocast_enabled(input.device.type):
+            raise ValueError(f"input: expected {weight.dtype} like the weights (weight_ih_l0), got "
+                             f"{input.dtype}; convert the input or the module")
         if input.shape[-1] != self.input_size:
             raise ValueError(f"input: expected {self.input_size} features (input_size) in the last "
                              f"dimension, got {input.shape[-1]}")
@@ -467,11 +477,25 @@ class _ScanRNNBase:
             raise ValueError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
+    def _needs_torch_own(self, input, hx) -> bool:
+        """Whether a tensor of the call is one the scan cannot carry (functorch
+        transforms, forward-AD duals, meta, subclasses such as FakeTensor,
+        jit.trace): torch's own recurrence, which differentiates them all."""
+        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        tensors = [data, hx, *(getattr(self, n) for n in self._flat_weights_names)]
+        return any(isinstance(t, torch.Tensor) and torch_only(t) for t in tensors)
+
     def forward(self, input, hx=None):
+        if self._needs_torch_own(input, hx):
+            return super().forward(input, hx)
         if isinstance(input, nn.utils.rnn.PackedSequence):
             return self._forward_packed(input, hx)
         self._check_input(input, hx)
         batched = input.dim() == 3
+        if hx is not None and hx.dim() != input.dim():
+            raise ValueError(f"hx: expected a {input.dim()}-D tensor with "
+                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
+                             f"got {hx.dim()}-D")
         if batched and input.shape[0 if self.batch_first else 1] == 0:
             return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
@@ -670,6 +694,10 @@ def _check_chain_layer(layer: nn.Module, index: int) -> None:
     if not isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)):
         raise TypeError(f"layers[{index}]: {type(layer).__name__} is not supported; expected Conv2d, "
                         "MaxPool2d, Linear, Flatten, ReLU or an element-wise activation")
+    if isinstance(layer, nn.Flatten) and (layer.start_dim, layer.end_dim) != (1, -1):
+        raise ValueError(f"layers[{index}]: only Flatten(start_dim=1, end_dim=-1) is supported (each "
+                         f"sample to one vector); got start_dim={layer.start_dim}, "
+                         f"end_dim={layer.end_dim}")
 
 
 def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
