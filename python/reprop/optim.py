@@ -439,7 +439,8 @@ class AdamW(Adam, torch.optim.AdamW):
 
 class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
     """Fused Adagrad (lr_decay, weight_decay, initial_accumulator_value, eps).
-    State: ``step``, ``sum``."""
+    State: ``step``, ``sum``, which starts at the constructor's
+    initial_accumulator_value in every group, as torch's."""
 
     _kind = _ADAGRAD
     _torch_class = torch.optim.Adagrad
@@ -454,11 +455,13 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and st["sum"].dtype != torch.float32:
-                    st["sum"] = torch.full_like(p, group["initial_accumulator_value"],
-                                                dtype=torch.float32)
+                    st["sum"] = self._initial_state("sum", p, group)
 
     def _initial_state(self, key, p, group):
-        return torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32)
+        # torch fills every `sum` from the constructor's value (its __init__ and
+        # _init_group read defaults): a group's own initial_accumulator_value,
+        # given at construction or by add_param_group, plays no part
+        return torch.full_like(p, self.defaults["initial_accumulator_value"], dtype=torch.float32)
 
 
 class RMSprop(_FusedOptimizer, torch.optim.RMSprop):
