@@ -1076,6 +1076,28 @@ def test_backward_mode_grads_freed_or_kept(keep_grads: bool) -> None:
         assert_results_equal(dataclasses.replace(got, grads=ref.grads), ref)
 
 
+KEPT_THEN_EAGER = {
+    "zero_grad_last": Loop(keep_grads=True, record_grads=True),
+    "zero_grad_last_keeping_zeros": Loop(keep_grads=True, record_grads=True, set_to_none=False),
+    "zero_grad_first": Loop(keep_grads=True, record_grads=True, zero_grad_first=True),
+}
+
+
+@pytest.mark.parametrize("loop", list(KEPT_THEN_EAGER))
+def test_backward_mode_remove_with_kept_grads_continues_like_eager(loop: str) -> None:
+    """keep_grads=True: the gradients stay after their update, zero_grad() is
+    a no-op, and the next training forward frees them. After remove() no
+    forward does, so remove() does to them what the zero_grad() called since
+    did in eager training: the next eager backward must not accumulate onto
+    the gradients of a step already applied, nor lose those zero_grad_first
+    still has to clear."""
+    t = Trainer("cnn", "SGD", "backward", KEPT_THEN_EAGER[loop]).run(0, 5)
+    t.handle.remove()
+    t.handle = t.mode = None
+    t.run(5, 10)
+    assert_results_equal(t.finish(), eager("cnn", "SGD", KEPT_THEN_EAGER[loop], steps=10))
+
+
 def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
     t = Trainer("cnn", "SGD", "backward", Loop(keep_grads=True)).run(0, 3)
     ref_grads = eager("cnn", "SGD", Loop(record_grads=True), steps=3).grads[-1]

@@ -385,6 +385,10 @@ class _BackwardFusion(FusionHandle):
         self._backward_since_forward = True
         self._backward_task = -1  # autograd's id of the backward pass that set it
         self._kept: list = []
+        # set_to_none of a zero_grad() called since the kept gradients were applied
+        # (a no-op here, so they are still there), None when none was: remove()
+        # does to them what that call did in eager training.
+        self._kept_zeroed: bool | None = None
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated since the window's last step
         # The hyper-parameters of the window's updating backward, while the
@@ -438,6 +442,16 @@ class _BackwardFusion(FusionHandle):
         if _tensors.outside_backward():
             self._finish_step()
         self._join_side_streams()
+
+    def remove(self) -> None:
+        removed = self._removed
+        super().remove()
+        # No training forward will free the kept gradients now: the next eager
+        # backward would accumulate onto those of a step already applied.
+        if not removed and self._kept_zeroed is not None:
+            for p in self._kept:
+                _zero_grad_of(p, self._kept_zeroed)
+            self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
         self._sync()
@@ -573,6 +587,7 @@ class _BackwardFusion(FusionHandle):
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
             self._kept.extend(params)
+            self._kept_zeroed = None
         else:
             for p in params:
                 p.grad = None
@@ -619,6 +634,8 @@ class _BackwardFusion(FusionHandle):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self._zeroed_not_freed = not set_to_none
+        if self._kept:
+            self._kept_zeroed = set_to_none
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
                                      "no-op; gradients are freed as soon as they are applied")
 
