@@ -1055,6 +1055,36 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
 
 
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) -> None:
+    """A second fuse() of a fused optimizer (a notebook cell run twice, or one
+    fuse() per sub-module; of a torch optimizer, also of its reprop engine)
+    would stack a second fusion on the first (with keep_grads=True every
+    parameter was updated twice per backward; removing the handles in creation
+    order left a dead step() installed). It is refused and installs nothing;
+    after remove() fusing again works, and training equals eager."""
+    kw = {"keep_grads": True} if mode == "backward" else {}
+    t = Trainer("cnn", "SGD", None, impl=impl)
+    before = hook_snapshot(t.model, t.opt)
+    t.mode = mode
+    with t._catch():
+        t.handle = reprop.fuse(t.model, t.opt, mode=mode, **kw)
+    fused_once = hook_snapshot(t.model, t.opt)
+    for model, opt in [(t.model, t.opt), (t.model.fc, t.opt), (t.model, t.handle.optimizer)]:
+        with pytest.raises(ValueError, match=r"optimizer: already fused .*remove\(\)"):
+            reprop.fuse(model, opt, mode=mode, **kw)
+        assert hook_snapshot(t.model, t.opt) == fused_once
+    t.run(0, 5)
+    t.handle.remove()
+    assert_no_fusion_left(t.model, t.opt, before)
+    with t._catch():
+        t.handle = reprop.fuse(t.model, t.opt, mode=mode, **kw)
+    t.run(5, 10)
+    assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
+    t.handle.remove()
+
+
 # ---------------------------------------------------------------------------
 # 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------

@@ -71,6 +71,11 @@ _MISSING = object()
 # Root module -> (its own instance _apply or _MISSING, its forward-mode
 # fusions: one per optimizer), for _flushing_apply.
 _FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Optimizer (the user's, and the reprop engine of a converted torch one) ->
+# weak reference to the live handle fusing it: a second fusion of it would
+# stack hooks and update twice. Weak both ways: the optimizer's patched step()
+# keeps its handle alive while it is fused.
+_FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
@@ -117,7 +122,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         optimizer: a ``reprop.optim`` optimizer, or a ``torch.optim`` SGD, Adam,
             AdamW, Adagrad, RMSprop or Adadelta, whose param_groups and state
             the fused updates then share (LR schedulers and its state_dict()
-            keep working on it).
+            keep working on it). Not one fused by a handle not yet removed.
         mode: "backward" or "forward" (see the module docstring).
         accumulation_steps: backward mode: update in the backward of every
             n-th micro-batch, as an eager loop stepping every n micro-batches.
@@ -149,10 +154,23 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
+    _check_not_fused(optimizer)
     engine = _engine_for(optimizer)
     if mode == "backward":
         return _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
     return _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+
+
+def _check_not_fused(optimizer) -> None:
+    """Refuses a second fusion of `optimizer` (a notebook cell run twice, or one
+    fuse() per sub-module) while the first one's handle is live."""
+    ref = _FUSED_BY.get(optimizer)
+    handle = ref() if ref is not None else None
+    if handle is not None:
+        raise ValueError(
+            f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
+            "a second fusion would stack its hooks on the first. Call remove() on that handle "
+            "first, or fuse once the module that holds all its parameters")
 
 
 def _engine_for(optimizer) -> optim._FusedOptimizer:
@@ -270,6 +288,7 @@ class FusionHandle:
         self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
         # The optimizer's own instance attributes that fusion overrides, to restore.
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
+        _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
 
         def step(closure=None):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
@@ -349,6 +368,8 @@ class FusionHandle:
                 setattr(opt, name, value)
         if opt is not self.optimizer:
             _low_precision_state_as_torch_keeps_it(opt)
+        _FUSED_BY.pop(opt, None)
+        _FUSED_BY.pop(self.optimizer, None)
         self._removed = True
 
     def __enter__(self) -> "FusionHandle":
