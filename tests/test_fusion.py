@@ -1656,3 +1656,95 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     _assert_same_training(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# 13. Optimizer step hooks
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _global_step_hooks(log: list, pre: bool):
+    """torch.optim's global step hooks (for every optimizer) logging their
+    kind while the block runs; the pre-hook returns (args, kwargs) unchanged,
+    which torch allows."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def global_pre(opt, args, kwargs):
+        log.append(("global pre", args == (opt,), kwargs))
+        return args, kwargs
+
+    handles = [register_optimizer_step_post_hook(lambda o, a, k: log.append(("global post", a == (o,), k)))]
+    if pre:
+        handles.append(register_optimizer_step_pre_hook(global_pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _hooked_sgd(log: list, pre: bool) -> Callable:
+    """make_opt for _mlp_loop: SGD with momentum and its own step hooks. The
+    pre-hook halves the gradients (the update must read them after it), the
+    post-hook keeps an EMA of the parameters in opt.ema (it must see them updated)."""
+    def halve_grads(opt, args, kwargs):
+        log.append(("pre", args == (opt,), kwargs))
+        for p in opt.param_groups[0]["params"]:
+            p.grad.mul_(0.5)
+
+    @torch.no_grad()
+    def ema(opt, args, kwargs):
+        log.append(("post", args == (opt,), kwargs))
+        for e, p in zip(opt.ema, opt.param_groups[0]["params"]):
+            e.lerp_(p, 0.25)
+
+    def make(model):
+        opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt.ema = [p.detach().clone() for p in model.parameters()]
+        if pre:
+            opt.register_step_pre_hook(halve_grads)
+        opt.register_step_post_hook(ema)
+        return opt
+    return make
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_hooks_run_as_in_eager_training(mode: str) -> None:
+    """The step() fusion installs must still run the optimizer's own and the
+    global step hooks in torch's order, with torch's arguments: pre-hooks
+    (forward mode) before the update reads the gradients, post-hooks after the
+    parameters are updated, so an EMA kept by a post-hook is eager's."""
+    pre = mode == "forward"  # backward mode refuses pre-hooks (next test)
+    runs = {}
+    for how in (None, mode):
+        log = []
+        with _global_step_hooks(log, pre):
+            model, opt = _mlp_loop(how, _hooked_sgd(log, pre), 5)
+        runs[how] = (model, opt, log)
+    (model, opt, log), (ref_model, ref_opt, ref_log) = runs[mode], runs[None]
+    expected = ([("global pre", True, {}), ("pre", True, {})] if pre else []) + [
+        ("post", True, {}), ("global post", True, {})]
+    assert ref_log == expected * 5
+    assert log == ref_log
+    _assert_same_training((model, opt), (ref_model, ref_opt))
+    _assert_tensor_lists(opt.ema, ref_opt.ema, "EMA of the parameters")
+
+
+@pytest.mark.parametrize("scope", ["own", "global"])
+def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
+    """Backward mode has updated the parameters inside backward(), so a step
+    pre-hook cannot run before the update: step() says so instead of running
+    it too late."""
+    log = []
+    model = _mlp()
+    opt = _hooked_sgd(log, pre=scope == "own")(model)
+    with _global_step_hooks(log, pre=scope == "global"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with reprop.fuse(model, opt, mode="backward"):
+            x, y = _mlp_batch(0)
+            F.mse_loss(model(x), y).backward()
+            kind = "register_step_pre_hook" if scope == "own" else "register_optimizer_step_pre_hook"
+            with pytest.raises(RuntimeError, match=f"{kind}.*mode='forward'"):
+                opt.step()
+    assert log == []

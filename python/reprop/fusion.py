@@ -32,6 +32,12 @@ an unmodified ``nn.Module``; the training loop keeps calling
   ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
   sees the value before the update and must call ``handle.flush()`` first.
 
+Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
+before the updates are marked pending; a registered post-hook makes step()
+apply them at once, then run, as it sees the parameters after an eager step.
+Backward mode: post-hooks run at step(); a pre-hook cannot run before the
+updates backward() made, so step() raises while one is registered.
+
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
 the next forward of the root module or ``optimizer.step()``.
@@ -50,6 +56,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from . import _tensors, optim
 
@@ -290,9 +297,9 @@ class FusionHandle:
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
         _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
 
-        def step(closure=None):
+        def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
-            return self._step(closure)
+            return self._hooked_step(args, kwargs)
 
         # Calls are tracked as an LR scheduler's own wrapper would, so a scheduler
         # made before fuse() neither warns that step() was overridden nor that
@@ -382,6 +389,38 @@ class FusionHandle:
         if what not in self._warned:
             self._warned.add(what)
             warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _hooked_step(self, args: tuple, kwargs: dict):
+        """The mode's step() inside the optimizer's step hooks, in the order of
+        torch's Optimizer.profile_hook_step, which the step() fusion installs
+        on the instance bypasses: global pre-hooks, own pre-hooks (either may
+        return new (args, kwargs)), step, own post-hooks, global post-hooks.
+        Post-hooks see the step finished, as after an eager step(): pending
+        updates applied, side streams joined."""
+        opt = self._user_optimizer
+        args = (opt, *args)  # torch's hooks get the optimizer as args[0]
+        own_pre, global_pre = opt._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks
+        if self.mode == "backward" and (own_pre or global_pre):
+            kind = ("a step pre-hook (optimizer.register_step_pre_hook)" if own_pre else
+                    "a global optimizer step pre-hook (register_optimizer_step_pre_hook)")
+            raise RuntimeError(f"reprop.fuse(mode='backward'): the optimizer has {kind}, but "
+                               "backward mode applied the updates inside backward(), before step() "
+                               "could run it; use mode='forward', or remove the hook")
+        for hook in [*global_pre.values(), *own_pre.values()]:
+            result = hook(opt, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"optimizer step pre-hook {hook!r}: expected None or a "
+                                       f"tuple (new_args, new_kwargs), got {result!r}")
+                args, kwargs = result
+        out = self._step(*args[1:], **kwargs)
+        post = [*opt._optimizer_step_post_hooks.values(),
+                *torch_optimizer._global_optimizer_post_hooks.values()]
+        if post:
+            self.flush()
+            for hook in post:
+                hook(opt, args, kwargs)
+        return out
 
     def _step(self, closure=None):
         raise NotImplementedError
