@@ -1520,6 +1520,44 @@ def test_params_unfrozen_or_added_after_fuse_are_trained(mode: str, later: str, 
     _assert_same_training(got, ref)
 
 
+def _pop_first_group(model: nn.Module, opt) -> None:
+    """Stops training the first layer: its group leaves the optimizer."""
+    for p in opt.param_groups.pop(0)["params"]:
+        p.requires_grad_(False)
+
+
+def _move_first_group(model: nn.Module, opt) -> None:
+    """The first layer's params go to a new group with another lr."""
+    group = opt.param_groups.pop(0)
+    opt.add_param_group({"params": group["params"], "lr": 10 * group["lr"]})
+
+
+REGROUPED = {"popped": _pop_first_group, "moved": _move_first_group}
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("change", list(REGROUPED))
+@pytest.mark.parametrize("mode", MODES)
+def test_groups_changed_right_after_step_match_eager(mode: str, change: str, impl: str) -> None:
+    """A group popped right after step() (or its params moved to a group with
+    another lr): eager's step() has applied their update already, with the old
+    group's settings, so forward mode applies the pending one so (the next
+    forward raised 'not a parameter of this optimizer', or used the new lr).
+    The zero_grad() after it does not touch the popped params, as eager's."""
+    def make_opt(cls):
+        return lambda model: cls([{"params": model[0].parameters()},
+                                  {"params": model[2:].parameters(), "lr": 0.02}], lr=0.01)
+
+    events = {2: REGROUPED[change]}
+    got = _mlp_loop(mode, make_opt(rp.Adam if impl == "reprop" else torch.optim.Adam), 6, after_step=events)
+    ref = _mlp_loop(None, make_opt(rp.Adam), 6, after_step=events)
+    _assert_same_training(got, ref)
+    if mode == "forward":  # backward mode frees every gradient it applies
+        grads = {n: p.grad for n, p in got[0].named_parameters()}
+        _assert_tensor_dicts(grads, {n: p.grad for n, p in ref[0].named_parameters()}, "grads", None)
+        assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_param_added_before_step_keeps_its_zero_gradient(mode: str) -> None:
     """A layer added with add_param_group() between backward and step() is

@@ -329,23 +329,27 @@ class FusionHandle:
         since fuse() (add_param_group), whose parameters are then fused too.
         Returns those new parameters."""
         opt, engine = self._user_optimizer, self.optimizer
-        if opt is not engine and (engine.param_groups is not opt.param_groups
-                                  or engine.state is not opt.state):
+        rebound = opt is not engine and (engine.param_groups is not opt.param_groups
+                                         or engine.state is not opt.state)
+        if not rebound and _membership(engine) == self._membership:
+            return []
+        self._before_regroup()
+        if rebound:
             engine.param_groups = opt.param_groups
             engine.state = opt.state
-            engine._forget_plans()
-        membership = _membership(engine)
-        if membership == self._membership:
-            return []
         for group in engine.param_groups:
             engine._check_group(group)
         engine._forget_plans()
-        self._membership = membership
+        self._membership = _membership(engine)
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
         self._params = params
         self._track(new)
         return new
+
+    def _before_regroup(self) -> None:
+        """What the mode must do while the fusion still follows the optimizer's
+        old groups, which _sync is about to leave."""
 
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
@@ -740,6 +744,9 @@ class _ForwardFusion(FusionHandle):
         # stale value was used in forward (read outside its module's forward).
         for p in new:
             self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
+        # Each param's group as of this sync, which every step() makes: the group
+        # its pending update was decided in (_before_regroup keeps it so).
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
 
     def remove(self) -> None:
         if not self._removed:
@@ -751,8 +758,13 @@ class _ForwardFusion(FusionHandle):
         if self._pending:
             self._apply(list(self._pending.values()))
 
+    def _before_regroup(self) -> None:
+        # Eager step() applied its updates before the groups changed (a group
+        # popped, a param moved): apply the pending ones in their groups of then.
+        self.flush()
+
     def _apply(self, params: list) -> None:
-        self.optimizer.step_params(params, self._settings)
+        self.optimizer._step_in_groups(params, self._group_of, self._settings)
         for p in params:
             del self._pending[id(p)]
             if id(p) in self._zero:
@@ -812,6 +824,7 @@ class _ForwardFusion(FusionHandle):
         return loss
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._sync()  # eager zeroes the params of the groups as they are now
         for p in self._params.values():
             if id(p) in self._pending:
                 self._zero[id(p)] = set_to_none

@@ -314,9 +314,18 @@ class _FusedOptimizer:
             if len(grads) != len(params):
                 raise ValueError(f"grads: expected {len(params)} gradients, got {len(grads)}")
             given = {id(p): g for p, g in zip(params, grads)}
+        self._step_in_groups(params, self._group_of, settings, given)
+
+    @torch.no_grad()
+    def _step_in_groups(self, params: list, group_of: dict, settings: dict | None = None,
+                        given: dict | None = None) -> None:
+        """step_params with each parameter's group looked up in `group_of`
+        (id(param) -> group) rather than in the current param_groups: a
+        deferred update runs in the group it was decided in, also when that
+        group has left the optimizer since."""
         by_group: dict[int, tuple[dict, list]] = {}
         for i, p in enumerate(params):
-            group = self._group_of.get(id(p))
+            group = group_of.get(id(p))
             if group is None:
                 raise ValueError(f"params[{i}]: not a parameter of this optimizer "
                                  f"(shape {tuple(p.shape)})")
