@@ -1055,6 +1055,36 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
 
 
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) -> None:
+    """A second fuse() of a fused optimizer (a notebook cell run twice, or one
+    fuse() per sub-module; of a torch optimizer, also of its reprop engine)
+    would stack a second fusion on the first (with keep_grads=True every
+    parameter was updated twice per backward; removing the handles in creation
+    order left a dead step() installed). It is refused and installs nothing;
+    after remove() fusing again works, and training equals eager."""
+    kw = {"keep_grads": True} if mode == "backward" else {}
+    t = Trainer("cnn", "SGD", None, impl=impl)
+    before = hook_snapshot(t.model, t.opt)
+    t.mode = mode
+    with t._catch():
+        t.handle = reprop.fuse(t.model, t.opt, mode=mode, **kw)
+    fused_once = hook_snapshot(t.model, t.opt)
+    for model, opt in [(t.model, t.opt), (t.model.fc, t.opt), (t.model, t.handle.optimizer)]:
+        with pytest.raises(ValueError, match=r"optimizer: already fused .*remove\(\)"):
+            reprop.fuse(model, opt, mode=mode, **kw)
+        assert hook_snapshot(t.model, t.opt) == fused_once
+    t.run(0, 5)
+    t.handle.remove()
+    assert_no_fusion_left(t.model, t.opt, before)
+    with t._catch():
+        t.handle = reprop.fuse(t.model, t.opt, mode=mode, **kw)
+    t.run(5, 10)
+    assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
+    t.handle.remove()
+
+
 # ---------------------------------------------------------------------------
 # 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------
@@ -1074,6 +1104,28 @@ def test_backward_mode_grads_freed_or_kept(keep_grads: bool) -> None:
         for i, grads in enumerate(got.grads):
             assert all(g is None for g in grads.values()), f"step {i}: grads not freed: {[n for n, g in grads.items() if g is not None]}"
         assert_results_equal(dataclasses.replace(got, grads=ref.grads), ref)
+
+
+KEPT_THEN_EAGER = {
+    "zero_grad_last": Loop(keep_grads=True, record_grads=True),
+    "zero_grad_last_keeping_zeros": Loop(keep_grads=True, record_grads=True, set_to_none=False),
+    "zero_grad_first": Loop(keep_grads=True, record_grads=True, zero_grad_first=True),
+}
+
+
+@pytest.mark.parametrize("loop", list(KEPT_THEN_EAGER))
+def test_backward_mode_remove_with_kept_grads_continues_like_eager(loop: str) -> None:
+    """keep_grads=True: the gradients stay after their update, zero_grad() is
+    a no-op, and the next training forward frees them. After remove() no
+    forward does, so remove() does to them what the zero_grad() called since
+    did in eager training: the next eager backward must not accumulate onto
+    the gradients of a step already applied, nor lose those zero_grad_first
+    still has to clear."""
+    t = Trainer("cnn", "SGD", "backward", KEPT_THEN_EAGER[loop]).run(0, 5)
+    t.handle.remove()
+    t.handle = t.mode = None
+    t.run(5, 10)
+    assert_results_equal(t.finish(), eager("cnn", "SGD", KEPT_THEN_EAGER[loop], steps=10))
 
 
 def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
@@ -1468,6 +1520,44 @@ def test_params_unfrozen_or_added_after_fuse_are_trained(mode: str, later: str, 
     _assert_same_training(got, ref)
 
 
+def _pop_first_group(model: nn.Module, opt) -> None:
+    """Stops training the first layer: its group leaves the optimizer."""
+    for p in opt.param_groups.pop(0)["params"]:
+        p.requires_grad_(False)
+
+
+def _move_first_group(model: nn.Module, opt) -> None:
+    """The first layer's params go to a new group with another lr."""
+    group = opt.param_groups.pop(0)
+    opt.add_param_group({"params": group["params"], "lr": 10 * group["lr"]})
+
+
+REGROUPED = {"popped": _pop_first_group, "moved": _move_first_group}
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("change", list(REGROUPED))
+@pytest.mark.parametrize("mode", MODES)
+def test_groups_changed_right_after_step_match_eager(mode: str, change: str, impl: str) -> None:
+    """A group popped right after step() (or its params moved to a group with
+    another lr): eager's step() has applied their update already, with the old
+    group's settings, so forward mode applies the pending one so (the next
+    forward raised 'not a parameter of this optimizer', or used the new lr).
+    The zero_grad() after it does not touch the popped params, as eager's."""
+    def make_opt(cls):
+        return lambda model: cls([{"params": model[0].parameters()},
+                                  {"params": model[2:].parameters(), "lr": 0.02}], lr=0.01)
+
+    events = {2: REGROUPED[change]}
+    got = _mlp_loop(mode, make_opt(rp.Adam if impl == "reprop" else torch.optim.Adam), 6, after_step=events)
+    ref = _mlp_loop(None, make_opt(rp.Adam), 6, after_step=events)
+    _assert_same_training(got, ref)
+    if mode == "forward":  # backward mode frees every gradient it applies
+        grads = {n: p.grad for n, p in got[0].named_parameters()}
+        _assert_tensor_dicts(grads, {n: p.grad for n, p in ref[0].named_parameters()}, "grads", None)
+        assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_param_added_before_step_keeps_its_zero_gradient(mode: str) -> None:
     """A layer added with add_param_group() between backward and step() is
@@ -1604,3 +1694,95 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     _assert_same_training(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# 13. Optimizer step hooks
+# ---------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _global_step_hooks(log: list, pre: bool):
+    """torch.optim's global step hooks (for every optimizer) logging their
+    kind while the block runs; the pre-hook returns (args, kwargs) unchanged,
+    which torch allows."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def global_pre(opt, args, kwargs):
+        log.append(("global pre", args == (opt,), kwargs))
+        return args, kwargs
+
+    handles = [register_optimizer_step_post_hook(lambda o, a, k: log.append(("global post", a == (o,), k)))]
+    if pre:
+        handles.append(register_optimizer_step_pre_hook(global_pre))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _hooked_sgd(log: list, pre: bool) -> Callable:
+    """make_opt for _mlp_loop: SGD with momentum and its own step hooks. The
+    pre-hook halves the gradients (the update must read them after it), the
+    post-hook keeps an EMA of the parameters in opt.ema (it must see them updated)."""
+    def halve_grads(opt, args, kwargs):
+        log.append(("pre", args == (opt,), kwargs))
+        for p in opt.param_groups[0]["params"]:
+            p.grad.mul_(0.5)
+
+    @torch.no_grad()
+    def ema(opt, args, kwargs):
+        log.append(("post", args == (opt,), kwargs))
+        for e, p in zip(opt.ema, opt.param_groups[0]["params"]):
+            e.lerp_(p, 0.25)
+
+    def make(model):
+        opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        opt.ema = [p.detach().clone() for p in model.parameters()]
+        if pre:
+            opt.register_step_pre_hook(halve_grads)
+        opt.register_step_post_hook(ema)
+        return opt
+    return make
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_hooks_run_as_in_eager_training(mode: str) -> None:
+    """The step() fusion installs must still run the optimizer's own and the
+    global step hooks in torch's order, with torch's arguments: pre-hooks
+    (forward mode) before the update reads the gradients, post-hooks after the
+    parameters are updated, so an EMA kept by a post-hook is eager's."""
+    pre = mode == "forward"  # backward mode refuses pre-hooks (next test)
+    runs = {}
+    for how in (None, mode):
+        log = []
+        with _global_step_hooks(log, pre):
+            model, opt = _mlp_loop(how, _hooked_sgd(log, pre), 5)
+        runs[how] = (model, opt, log)
+    (model, opt, log), (ref_model, ref_opt, ref_log) = runs[mode], runs[None]
+    expected = ([("global pre", True, {}), ("pre", True, {})] if pre else []) + [
+        ("post", True, {}), ("global post", True, {})]
+    assert ref_log == expected * 5
+    assert log == ref_log
+    _assert_same_training((model, opt), (ref_model, ref_opt))
+    _assert_tensor_lists(opt.ema, ref_opt.ema, "EMA of the parameters")
+
+
+@pytest.mark.parametrize("scope", ["own", "global"])
+def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
+    """Backward mode has updated the parameters inside backward(), so a step
+    pre-hook cannot run before the update: step() says so instead of running
+    it too late."""
+    log = []
+    model = _mlp()
+    opt = _hooked_sgd(log, pre=scope == "own")(model)
+    with _global_step_hooks(log, pre=scope == "global"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with reprop.fuse(model, opt, mode="backward"):
+            x, y = _mlp_batch(0)
+            F.mse_loss(model(x), y).backward()
+            kind = "register_step_pre_hook" if scope == "own" else "register_optimizer_step_pre_hook"
+            with pytest.raises(RuntimeError, match=f"{kind}.*mode='forward'"):
+                opt.step()
+    assert log == []

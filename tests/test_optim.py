@@ -869,6 +869,41 @@ def test_add_param_group(name: str) -> None:
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+def test_adagrad_sum_of_an_added_group_starts_at_the_constructor_value() -> None:
+    """torch's Adagrad creates the `sum` of a group added later at its first
+    step from defaults["initial_accumulator_value"]; the group's own value
+    plays no part."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=15), grad_sequence(shapes, 3)
+    runs = []
+    for cls in (rp.Adagrad, torch.optim.Adagrad):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params[:1], lr=0.1, initial_accumulator_value=0.5)
+        opt.add_param_group({"params": params[1:], "initial_accumulator_value": 2.0})
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_adagrad_low_precision_sum_starts_at_the_constructor_value(dtype: torch.dtype) -> None:
+    """torch's __init__ fills `sum` from the constructor's
+    initial_accumulator_value also for a group given its own; reprop remakes
+    the sum of low-precision params in float32 with that same value."""
+    def groups():
+        return [{"params": [nn.Parameter(torch.ones(3, dtype=dtype))]},
+                {"params": [nn.Parameter(torch.ones(3, dtype=dtype))], "initial_accumulator_value": 2.0}]
+
+    got = rp.Adagrad(groups(), lr=0.1, initial_accumulator_value=0.5)
+    ref = torch.optim.Adagrad(groups(), lr=0.1, initial_accumulator_value=0.5)
+    for g, r in zip(got.param_groups, ref.param_groups):
+        s, expected = got.state[g["params"][0]]["sum"], ref.state[r["params"][0]]["sum"].float()
+        assert s.dtype == torch.float32 and torch.equal(s, expected), f"sum {s} != torch's {expected}"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_step_hooks_fire(name: str) -> None:
     p = nn.Parameter(torch.ones(3))

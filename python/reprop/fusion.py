@@ -32,6 +32,12 @@ an unmodified ``nn.Module``; the training loop keeps calling
   ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
   sees the value before the update and must call ``handle.flush()`` first.
 
+Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
+before the updates are marked pending; a registered post-hook makes step()
+apply them at once, then run, as it sees the parameters after an eager step.
+Backward mode: post-hooks run at step(); a pre-hook cannot run before the
+updates backward() made, so step() raises while one is registered.
+
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
 the next forward of the root module or ``optimizer.step()``.
@@ -50,6 +56,7 @@ from typing import Iterable
 
 import torch
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 
 from . import _tensors, optim
 
@@ -71,6 +78,11 @@ _MISSING = object()
 # Root module -> (its own instance _apply or _MISSING, its forward-mode
 # fusions: one per optimizer), for _flushing_apply.
 _FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Optimizer (the user's, and the reprop engine of a converted torch one) ->
+# weak reference to the live handle fusing it: a second fusion of it would
+# stack hooks and update twice. Weak both ways: the optimizer's patched step()
+# keeps its handle alive while it is fused.
+_FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
@@ -117,7 +129,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         optimizer: a ``reprop.optim`` optimizer, or a ``torch.optim`` SGD, Adam,
             AdamW, Adagrad, RMSprop or Adadelta, whose param_groups and state
             the fused updates then share (LR schedulers and its state_dict()
-            keep working on it).
+            keep working on it). Not one fused by a handle not yet removed.
         mode: "backward" or "forward" (see the module docstring).
         accumulation_steps: backward mode: update in the backward of every
             n-th micro-batch, as an eager loop stepping every n micro-batches.
@@ -149,10 +161,23 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
+    _check_not_fused(optimizer)
     engine = _engine_for(optimizer)
     if mode == "backward":
         return _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
     return _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+
+
+def _check_not_fused(optimizer) -> None:
+    """Refuses a second fusion of `optimizer` (a notebook cell run twice, or one
+    fuse() per sub-module) while the first one's handle is live."""
+    ref = _FUSED_BY.get(optimizer)
+    handle = ref() if ref is not None else None
+    if handle is not None:
+        raise ValueError(
+            f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
+            "a second fusion would stack its hooks on the first. Call remove() on that handle "
+            "first, or fuse once the module that holds all its parameters")
 
 
 def _engine_for(optimizer) -> optim._FusedOptimizer:
@@ -270,10 +295,11 @@ class FusionHandle:
         self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
         # The optimizer's own instance attributes that fusion overrides, to restore.
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
+        _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
 
-        def step(closure=None):
+        def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
-            return self._step(closure)
+            return self._hooked_step(args, kwargs)
 
         # Calls are tracked as an LR scheduler's own wrapper would, so a scheduler
         # made before fuse() neither warns that step() was overridden nor that
@@ -303,23 +329,27 @@ class FusionHandle:
         since fuse() (add_param_group), whose parameters are then fused too.
         Returns those new parameters."""
         opt, engine = self._user_optimizer, self.optimizer
-        if opt is not engine and (engine.param_groups is not opt.param_groups
-                                  or engine.state is not opt.state):
+        rebound = opt is not engine and (engine.param_groups is not opt.param_groups
+                                         or engine.state is not opt.state)
+        if not rebound and _membership(engine) == self._membership:
+            return []
+        self._before_regroup()
+        if rebound:
             engine.param_groups = opt.param_groups
             engine.state = opt.state
-            engine._forget_plans()
-        membership = _membership(engine)
-        if membership == self._membership:
-            return []
         for group in engine.param_groups:
             engine._check_group(group)
         engine._forget_plans()
-        self._membership = membership
+        self._membership = _membership(engine)
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
         self._params = params
         self._track(new)
         return new
+
+    def _before_regroup(self) -> None:
+        """What the mode must do while the fusion still follows the optimizer's
+        old groups, which _sync is about to leave."""
 
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
@@ -349,6 +379,8 @@ class FusionHandle:
                 setattr(opt, name, value)
         if opt is not self.optimizer:
             _low_precision_state_as_torch_keeps_it(opt)
+        _FUSED_BY.pop(opt, None)
+        _FUSED_BY.pop(self.optimizer, None)
         self._removed = True
 
     def __enter__(self) -> "FusionHandle":
@@ -361,6 +393,38 @@ class FusionHandle:
         if what not in self._warned:
             self._warned.add(what)
             warnings.warn(message, UserWarning, stacklevel=3)
+
+    def _hooked_step(self, args: tuple, kwargs: dict):
+        """The mode's step() inside the optimizer's step hooks, in the order of
+        torch's Optimizer.profile_hook_step, which the step() fusion installs
+        on the instance bypasses: global pre-hooks, own pre-hooks (either may
+        return new (args, kwargs)), step, own post-hooks, global post-hooks.
+        Post-hooks see the step finished, as after an eager step(): pending
+        updates applied, side streams joined."""
+        opt = self._user_optimizer
+        args = (opt, *args)  # torch's hooks get the optimizer as args[0]
+        own_pre, global_pre = opt._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks
+        if self.mode == "backward" and (own_pre or global_pre):
+            kind = ("a step pre-hook (optimizer.register_step_pre_hook)" if own_pre else
+                    "a global optimizer step pre-hook (register_optimizer_step_pre_hook)")
+            raise RuntimeError(f"reprop.fuse(mode='backward'): the optimizer has {kind}, but "
+                               "backward mode applied the updates inside backward(), before step() "
+                               "could run it; use mode='forward', or remove the hook")
+        for hook in [*global_pre.values(), *own_pre.values()]:
+            result = hook(opt, args, kwargs)
+            if result is not None:
+                if not (isinstance(result, tuple) and len(result) == 2):
+                    raise RuntimeError(f"optimizer step pre-hook {hook!r}: expected None or a "
+                                       f"tuple (new_args, new_kwargs), got {result!r}")
+                args, kwargs = result
+        out = self._step(*args[1:], **kwargs)
+        post = [*opt._optimizer_step_post_hooks.values(),
+                *torch_optimizer._global_optimizer_post_hooks.values()]
+        if post:
+            self.flush()
+            for hook in post:
+                hook(opt, args, kwargs)
+        return out
 
     def _step(self, closure=None):
         raise NotImplementedError
@@ -385,6 +449,10 @@ class _BackwardFusion(FusionHandle):
         self._backward_since_forward = True
         self._backward_task = -1  # autograd's id of the backward pass that set it
         self._kept: list = []
+        # set_to_none of a zero_grad() called since the kept gradients were applied
+        # (a no-op here, so they are still there), None when none was: remove()
+        # does to them what that call did in eager training.
+        self._kept_zeroed: bool | None = None
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated since the window's last step
         # The hyper-parameters of the window's updating backward, while the
@@ -438,6 +506,16 @@ class _BackwardFusion(FusionHandle):
         if _tensors.outside_backward():
             self._finish_step()
         self._join_side_streams()
+
+    def remove(self) -> None:
+        removed = self._removed
+        super().remove()
+        # No training forward will free the kept gradients now: the next eager
+        # backward would accumulate onto those of a step already applied.
+        if not removed and self._kept_zeroed is not None:
+            for p in self._kept:
+                _zero_grad_of(p, self._kept_zeroed)
+            self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
         self._sync()
@@ -573,6 +651,7 @@ class _BackwardFusion(FusionHandle):
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
             self._kept.extend(params)
+            self._kept_zeroed = None
         else:
             for p in params:
                 p.grad = None
@@ -619,6 +698,8 @@ class _BackwardFusion(FusionHandle):
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
         self._zeroed_not_freed = not set_to_none
+        if self._kept:
+            self._kept_zeroed = set_to_none
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
                                      "no-op; gradients are freed as soon as they are applied")
 
@@ -663,6 +744,9 @@ class _ForwardFusion(FusionHandle):
         # stale value was used in forward (read outside its module's forward).
         for p in new:
             self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
+        # Each param's group as of this sync, which every step() makes: the group
+        # its pending update was decided in (_before_regroup keeps it so).
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
 
     def remove(self) -> None:
         if not self._removed:
@@ -674,8 +758,13 @@ class _ForwardFusion(FusionHandle):
         if self._pending:
             self._apply(list(self._pending.values()))
 
+    def _before_regroup(self) -> None:
+        # Eager step() applied its updates before the groups changed (a group
+        # popped, a param moved): apply the pending ones in their groups of then.
+        self.flush()
+
     def _apply(self, params: list) -> None:
-        self.optimizer.step_params(params, self._settings)
+        self.optimizer._step_in_groups(params, self._group_of, self._settings)
         for p in params:
             del self._pending[id(p)]
             if id(p) in self._zero:
@@ -735,6 +824,7 @@ class _ForwardFusion(FusionHandle):
         return loss
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        self._sync()  # eager zeroes the params of the groups as they are now
         for p in self._params.values():
             if id(p) in self._pending:
                 self._zero[id(p)] = set_to_none

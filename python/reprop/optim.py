@@ -314,9 +314,18 @@ class _FusedOptimizer:
             if len(grads) != len(params):
                 raise ValueError(f"grads: expected {len(params)} gradients, got {len(grads)}")
             given = {id(p): g for p, g in zip(params, grads)}
+        self._step_in_groups(params, self._group_of, settings, given)
+
+    @torch.no_grad()
+    def _step_in_groups(self, params: list, group_of: dict, settings: dict | None = None,
+                        given: dict | None = None) -> None:
+        """step_params with each parameter's group looked up in `group_of`
+        (id(param) -> group) rather than in the current param_groups: a
+        deferred update runs in the group it was decided in, also when that
+        group has left the optimizer since."""
         by_group: dict[int, tuple[dict, list]] = {}
         for i, p in enumerate(params):
-            group = self._group_of.get(id(p))
+            group = group_of.get(id(p))
             if group is None:
                 raise ValueError(f"params[{i}]: not a parameter of this optimizer "
                                  f"(shape {tuple(p.shape)})")
@@ -439,7 +448,8 @@ class AdamW(Adam, torch.optim.AdamW):
 
 class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
     """Fused Adagrad (lr_decay, weight_decay, initial_accumulator_value, eps).
-    State: ``step``, ``sum``."""
+    State: ``step``, ``sum``, which starts at the constructor's
+    initial_accumulator_value in every group, as torch's."""
 
     _kind = _ADAGRAD
     _torch_class = torch.optim.Adagrad
@@ -454,11 +464,13 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
             for p in group["params"]:
                 st = self.state.get(p)
                 if st and st["sum"].dtype != torch.float32:
-                    st["sum"] = torch.full_like(p, group["initial_accumulator_value"],
-                                                dtype=torch.float32)
+                    st["sum"] = self._initial_state("sum", p, group)
 
     def _initial_state(self, key, p, group):
-        return torch.full_like(p, group["initial_accumulator_value"], dtype=torch.float32)
+        # torch fills every `sum` from the constructor's value (its __init__ and
+        # _init_group read defaults): a group's own initial_accumulator_value,
+        # given at construction or by add_param_group, plays no part
+        return torch.full_like(p, self.defaults["initial_accumulator_value"], dtype=torch.float32)
 
 
 class RMSprop(_FusedOptimizer, torch.optim.RMSprop):
