@@ -587,6 +587,41 @@ def test_calls_torch_accepts():
     assert handle.schedule is not None
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # Linear(4, 0)
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.BatchNorm1d(4), (0, 4)),                # train mode: batch statistics
+    (lambda: nn.BatchNorm1d(4), (3, 4, 0)),
+    (lambda: nn.BatchNorm2d(4).eval(), (0, 4, 3, 3)),   # native backward divided by zero
+    (lambda: nn.Linear(4, 0), (2, 5, 4)),               # a weight without elements
+    (lambda: nn.Linear(4, 3), (2, 0, 4)),
+    (lambda: nn.Conv2d(2, 3, 3), (0, 2, 5, 5)),
+    (lambda: nn.GroupNorm(2, 4), (0, 4, 3)),
+    (lambda: nn.LayerNorm(4), (0, 4)),
+    (lambda: nn.Embedding(5, 3), (0, 2)),
+], ids=["batch_norm", "batch_norm_no_length", "batch_norm_eval", "linear_no_outputs", "linear",
+        "conv", "group_norm", "layer_norm", "embedding"])
+def test_empty_inputs_and_weights_run_as_in_torch(make, shape):
+    """torch's functional ops return an empty output for an input without
+    elements, with zero weight gradients (BatchNorm in training mode also
+    counts the batch); the native kernels the split calls refuse it or
+    divide by zero, so those calls run the module's own forward."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x = torch.zeros(shape, dtype=torch.long) if isinstance(ref, nn.Embedding) else torch.randn(shape)
+    outs = []
+    for net in (ref, model):
+        out = net(x)
+        out.sum().backward()
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    for a, b in zip(ref.buffers(), model.buffers()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
 def test_functorch_transforms_run_plain_autograd():
     """torch.func.grad / vmap and forward-mode AD over an enabled model: the
     split Function cannot carry them, so those calls run the modules' own

@@ -1026,6 +1026,15 @@ def _substituted(p) -> bool:
     return p is not None and type(p) is not nn.Parameter
 
 
+def _empty(x: torch.Tensor, params: tuple) -> bool:
+    """An input or parameter without elements: torch's functional ops guard
+    that case before their native kernels (at::batch_norm returns an empty
+    output; native_batch_norm refuses it, and its eval-mode backward divides
+    by zero), and the split calls the kernels directly; the module's own
+    forward gives torch's empty output and zero gradients."""
+    return x.numel() == 0 or any(p is not None and p.numel() == 0 for p in params)
+
+
 def _make_forward(site: _Site):
     kind, module, handle = site.kind, site.module, site.handle
     own = type(module).forward
@@ -1043,7 +1052,7 @@ def _make_forward(site: _Site):
         # or unfrozen since enable(); a layer with none trainable has no dW
         params = kind.params(module)
         if params is None or not any(p is not None and p.requires_grad for p in params) \
-                or any(_substituted(p) and torch_only(p) for p in params):
+                or any(_substituted(p) and torch_only(p) for p in params) or _empty(x, params):
             return own(self, x, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
@@ -1069,7 +1078,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         model: any nn.Module; its Linear, Conv1d/2d/3d, Embedding,
             BatchNorm1d/2d/3d, LayerNorm and GroupNorm with trainable
             parameters are split (exact types; others run as before, and so
-            do calls on complex or meta tensors, and layers whose weight is
+            do calls on complex, meta or empty tensors, and layers whose weight is
             not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
             CUDA on a low-priority sub-stream) or
