@@ -172,6 +172,55 @@ def test_hold_defers_until_run():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def _three_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("speedup", [None, "profile"])
+def test_hold_on_every_step_from_the_first(speedup):
+    """Held tasks never reach the profile's dW timing; the schedule made
+    without any leaves every dW in place, and backward never raises."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=speedup, profile_iters=2, regions=2)
+    for step in range(handle._profile_passes() + 2):
+        x = torch.randn(3, 4)
+        ref.zero_grad()
+        ref(x).sum().backward()
+        model.zero_grad()
+        with handle.hold() as tasks:
+            model(x).sum().backward()
+        handle.run(tasks)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    assert handle.schedule is not None and handle.schedule["moved"] == 0
+
+
+def test_a_schedule_that_cannot_be_made_raises_once():
+    """An error while fixing the schedule comes out of the backward that
+    tried, with its gradients complete; the passes after it keep every dW in
+    place instead of trying again."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=lambda r, i: 1.0 if i == r else float("nan"),
+                        profile_iters=2, regions=2)
+    raised = 0
+    for step in range(5):
+        x = torch.randn(3, 4)
+        for net in (ref, model):
+            net.zero_grad()
+            try:
+                net(x).sum().backward()
+            except ValueError as exc:
+                assert "speedup" in str(exc)
+                raised += 1
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    assert raised == 1
+    assert handle.schedule["moved"] == 0 and handle.pending() == 0
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_norms_with_batch_statistics_make_dw_with_do(training):
     """BatchNorm with batch statistics and GroupNorm need dbias and dweight's

@@ -734,6 +734,17 @@ class OOOHandle:
         self._iteration += 1
         if self.order != "ooo" or self.schedule is not None:
             return
+        try:
+            self._advance_schedule(corun)
+        except Exception:
+            # raised once, from the backward that tried (its gradients are
+            # complete); the backward passes after it run autograd's order
+            self._keep_in_place()
+            raise
+
+    def _advance_schedule(self, corun: "_CoRun | None") -> None:
+        """After a profiling pass: cuts the regions, moves the co-run
+        profile on, or fixes the schedule, as far as the profile allows."""
         if corun is not None:
             corun.record()
             if corun.done():
@@ -971,7 +982,9 @@ class OOOHandle:
         ready = np.array([starts[region_main[k]] + main[bounds[region_main[k]]:pos[k]].sum()
                           for k in tasks])
         deadline = np.full(len(tasks), n, dtype=np.int64)
-        t_sub = np.repeat(np.array([[sub[k]] for k in tasks]), n, axis=1)
+        # no task at all when hold() took every one: the tasks' caller orders them
+        t_sub = np.repeat(np.array([sub[k] for k in tasks], dtype=np.float64).reshape(-1, 1), n,
+                          axis=1)
         per_task = np.array([speedup[region_main[k]] for k in tasks]).reshape(len(tasks), n)
         mem = np.array([prof.nbytes.get(k, 0) for k in tasks], dtype=np.int64)
         # a fraction of 1 or more (inf: no cap) holds everything
@@ -982,10 +995,23 @@ class OOOHandle:
         self.schedule = {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
                          "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
                          "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
+        self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+
+    def _keep_in_place(self) -> None:
+        """The schedule that leaves every dW beside its dO (autograd's order),
+        for a profile that could not be turned into one."""
+        self._corun = None
+        self._region_of = {}
+        n = self.schedule_regions
+        self.schedule = {"regions": n, "region_time": [], "prescheduled": n,
+                         "peak_extra_bytes": 0, "speedup": [], "moved": 0}
+        self._split_moved(set())
+
+    def _split_moved(self, moved: set) -> None:
+        """Off CUDA, only the layers of site index in `moved` stay split:
+        without a sub-stream a dW left in its dO's region runs right after
+        that dO, which is autograd's own order."""
         if self._device is None or self._device.type != "cuda":
-            # without a sub-stream a dW left in its dO's region runs right
-            # after that dO: autograd's own order
-            moved = {k[0] for k, r in self._region_of.items() if r != region_main[k]}
             self._split_only(lambda site: site.index in moved)
 
     def _split_only(self, keep: Callable[[_Site], bool]) -> None:
