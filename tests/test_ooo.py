@@ -197,6 +197,29 @@ def test_hold_on_every_step_from_the_first(speedup):
     assert handle.schedule is not None and handle.schedule["moved"] == 0
 
 
+def test_hold_takes_layers_the_fixed_schedule_runs_plain():
+    """Once the CPU schedule is fixed, the layers whose dW it leaves in place
+    run plain autograd; inside hold() those it keeps run split again, so
+    their tasks wait for run()."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None, profile_iters=2)
+    for step in range(handle._profile_passes()):
+        model(torch.randn(3, 4)).sum().backward()
+    assert handle.schedule is not None and not any(s.split for s in handle.sites)
+    x = torch.randn(3, 4)
+    model.zero_grad()
+    with handle.hold(keep=lambda m: isinstance(m, nn.Linear)) as tasks:
+        model(x).sum().backward()
+    assert sorted(type(t.site.module).__name__ for t in tasks) == ["Linear", "Linear"]
+    assert model[0].weight.grad is None and model[3].weight.grad is None
+    assert model[1].weight.grad is not None  # not held: plain autograd
+    handle.run(tasks)
+    ref(x).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
 def test_a_schedule_that_cannot_be_made_raises_once():
     """An error while fixing the schedule comes out of the backward that
     tried, with its gradients complete; the passes after it keep every dW in

@@ -652,7 +652,8 @@ class OOOHandle:
     def hold(self, keep: Callable[[nn.Module], bool] | None = None):
         """Within the block, deferred tasks of modules `keep` accepts (all by
         default) are collected into the yielded list instead of being run;
-        run them later with ``run(tasks)``. The building block of the data-
+        run them later with ``run(tasks)``. Those modules' forwards inside
+        the block run split even where the fixed schedule runs them plain. The building block of the data-
         and pipeline-parallel schedules, which order dW explicitly: the
         caller owns the order, so post-accumulate-grad hooks of held
         parameters fire when autograd is done with them, before ``run()``."""
@@ -828,8 +829,12 @@ class OOOHandle:
             task.event = torch.cuda.current_stream(g.device).record_event()
         return task
 
+    def _holds(self, module: nn.Module) -> bool:
+        """Inside hold(): the dW tasks of `module` are collected."""
+        return self._held is not None and (self._keep is None or self._keep(module))
+
     def _after_input_grad(self, task: _Task) -> None:
-        if self._held is not None and (self._keep is None or self._keep(task.site.module)):
+        if self._holds(task.site.module):
             task.event = None
             self._held.append(task)
             return
@@ -1068,9 +1073,11 @@ def _make_forward(site: _Site):
     def forward(self, x, *args, **kwargs):
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
         # model): the closure's site is the original's, so the copy runs plain
+        # a layer the schedule runs plain is split again inside hold(), whose
+        # caller takes every dW task it asks for
         if self is not module or args or kwargs or not isinstance(x, torch.Tensor) \
-                or not torch.is_grad_enabled() or handle._removed or not site.split \
-                or x.is_complex() or torch_only(x):
+                or not torch.is_grad_enabled() or handle._removed \
+                or not (site.split or handle._holds(module)) or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, x, *args, **kwargs)
