@@ -172,6 +172,62 @@ def test_hold_defers_until_run():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_hold_defers_post_accumulate_grad_hooks_until_run():
+    """The post-accumulate-grad hooks of a held task's parameters fire from
+    run(), once the held dW is in .grad, as autograd fires them once the
+    gradient is accumulated; the others fire in backward as before. Hooks
+    of tasks held and never run come back at remove()."""
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    seen: dict = {}
+    for net in (ref, model):
+        for name, p in net.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, key=(net, name): seen.setdefault(key, []).append(p.grad.clone()))
+    idx, y = _batch(0)
+    with handle.hold(keep=lambda m: isinstance(m, nn.Linear)) as tasks:
+        nn.functional.cross_entropy(model(idx), y).backward()
+    held = {name for name, _ in model.named_parameters() if name.startswith(("shared.", "out."))}
+    assert {name for net, name in seen if net is model} == \
+        {name for name, _ in model.named_parameters()} - held
+    handle.run(tasks)
+    nn.functional.cross_entropy(ref(idx), y).backward()
+    for name, _ in ref.named_parameters():
+        assert len(seen[(model, name)]) == 1, name
+        torch.testing.assert_close(seen[(model, name)][0], seen[(ref, name)][0], rtol=0, atol=0,
+                                   msg=name)
+    seen.clear()
+    with handle.hold() as tasks:
+        nn.functional.cross_entropy(model(idx), y).backward()
+    handle.remove()  # the held tasks are dropped: their hooks are the parameters' own again
+    nn.functional.cross_entropy(model(idx), y).backward()
+    assert all(len(seen[(model, name)]) == 1 for name, _ in model.named_parameters())
+
+
+def test_hold_of_one_of_two_layers_sharing_a_weight():
+    """A tied weight whose first layer in backward is held and whose second
+    runs its dW inline: the hooks wait for run(), not for the inline dW."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref[2].weight = ref[0].weight
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    seen: dict = {}
+    for net in (ref, model):
+        net[0].weight.register_post_accumulate_grad_hook(
+            lambda p, net=net: seen.setdefault(net, []).append(p.grad.clone()))
+    x = torch.randn(3, 4)
+    with handle.hold(keep=lambda m: m is model[2]) as tasks:
+        model(x).sum().backward()
+    assert model not in seen and len(tasks) == 1
+    handle.run(tasks)
+    ref(x).sum().backward()
+    assert len(seen[model]) == 1
+    torch.testing.assert_close(seen[model][0], seen[ref][0], rtol=RTOL, atol=ATOL)
+
+
 def _three_layers() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))

@@ -498,7 +498,8 @@ class _Task:
     """A deferred weight gradient: one call's saved tensors and output gradient,
     or the gradients already made beside dO (``made``), to accumulate."""
 
-    __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done")
+    __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
+                 "hooks_wait")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
                  params: tuple, mask: list):
@@ -507,6 +508,7 @@ class _Task:
         self.targets = [p for p, m in zip(params, mask) if m]  # whose .grad it adds to
         self.event = None
         self.done: tuple | None = None
+        self.hooks_wait = False  # its targets' post-accumulate-grad hooks wait for it
 
     def made(self, grads: tuple) -> None:
         """dW was made with dO (a fused kind): what is left is to accumulate it,
@@ -653,10 +655,13 @@ class OOOHandle:
         """Within the block, deferred tasks of modules `keep` accepts (all by
         default) are collected into the yielded list instead of being run;
         run them later with ``run(tasks)``. Those modules' forwards inside
-        the block run split even where the fixed schedule runs them plain. The building block of the data-
-        and pipeline-parallel schedules, which order dW explicitly: the
-        caller owns the order, so post-accumulate-grad hooks of held
-        parameters fire when autograd is done with them, before ``run()``."""
+        the block run split even where the fixed schedule runs them plain.
+        The building block of the data- and pipeline-parallel schedules,
+        which order dW explicitly. As for any deferred dW, the
+        post-accumulate-grad hooks of a held task's parameters wait for it:
+        ``run()`` fires them once autograd is done with the parameter and its
+        last held task has run (a held task never run keeps them waiting,
+        until ``remove()``)."""
         held: list = []
         saved = self._held, self._keep
         self._held, self._keep = held, keep
@@ -666,9 +671,11 @@ class OOOHandle:
             self._held, self._keep = saved
 
     def run(self, tasks: Iterable[_Task]) -> None:
-        """Runs held tasks now, in the given order, on the current stream."""
+        """Runs held tasks now, in the given order, on the current stream,
+        then the post-accumulate-grad hooks that waited for them."""
         for t in tasks:
             t.run()
+            self._after_deferred_run(t)
 
     def pending(self) -> int:
         """Deferred weight-gradient tasks not run yet (0 outside backward)."""
@@ -682,10 +689,12 @@ class OOOHandle:
         self._join_sub_streams()
 
     def remove(self) -> None:
-        """Flushes and restores every module's own forward: plain autograd again."""
+        """Flushes and restores every module's own forward (and the hooks
+        held tasks never run keep waiting): plain autograd again."""
         if self._removed:
             return
         self.flush()
+        self._restore_all_post_hooks()
         for site in self.sites:
             site.module.__dict__.pop("forward", None)
         self._removed = True
@@ -712,8 +721,7 @@ class OOOHandle:
         its timings are discarded; the next backward starts clean."""
         self._join_sub_streams()
         self._pending = []
-        for state in list(self._hooked.values()):
-            self._restore_post_hooks(state)
+        self._restore_all_post_hooks()
         self._marks = []
         if self._corun is not None:  # that pass is measured again
             self._corun.entries, self._corun.groups = [], []
@@ -727,8 +735,10 @@ class OOOHandle:
         if corun is not None:
             self._end_corun_pass(corun)
         self.flush()
-        for state in list(self._hooked.values()):  # autograd never reached it: hooks back
-            self._restore_post_hooks(state)
+        for state in list(self._hooked.values()):
+            if state.outstanding == 0:  # autograd never reached it: hooks back
+                self._restore_post_hooks(state)
+            # the others wait for held tasks, which run() runs
         self._in_backward = False
         if profiling:
             self._record_profile()
@@ -836,6 +846,7 @@ class OOOHandle:
     def _after_input_grad(self, task: _Task) -> None:
         if self._holds(task.site.module):
             task.event = None
+            self._defer_post_hooks(task)
             self._held.append(task)
             return
         if self.order == "conventional" or self._held is not None:
@@ -852,8 +863,8 @@ class OOOHandle:
             self._pending.append(task)
 
     def _after_deferred_run(self, task: _Task) -> None:
-        if not self._hooked:
-            return
+        if not (task.hooks_wait and self._hooked):
+            return  # ran inline in its layer's backward node: autograd fires p's hooks
         for p in task.targets:
             state = self._hooked.get(p)
             if state is not None:
@@ -864,6 +875,7 @@ class OOOHandle:
         all-reduce) must see the final gradient: autograd would fire them when
         its AccumulateGrad node runs, maybe before a deferred dW did. Until the
         last of both, the hooks wait here and an internal one stands in."""
+        task.hooks_wait = True
         for p in task.targets:
             state = self._hooked.get(p)
             if state is not None:
@@ -886,6 +898,11 @@ class OOOHandle:
             self._restore_post_hooks(state)
             for hook in state.hooks.values():
                 hook(state.param)
+
+    def _restore_all_post_hooks(self) -> None:
+        """Every parameter's own hooks back, none fired (their tasks are dropped)."""
+        for state in list(self._hooked.values()):
+            self._restore_post_hooks(state)
 
     def _restore_post_hooks(self, state: "_HookState") -> None:
         hooks = state.param._post_accumulate_grad_hooks
