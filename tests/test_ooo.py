@@ -969,6 +969,28 @@ def test_capture_on_cpu_runs_the_step_eagerly_and_checks_inputs():
     _captured_training("cpu", steps=5, rtol=RTOL, atol=ATOL)
 
 
+def test_a_captured_step_takes_only_the_values_of_its_inputs():
+    """A batch that requires grad (a feature extractor's output) is copied
+    into the static inputs as values: they stay outside every graph, so a
+    call neither keeps earlier batches alive nor backpropagates into them."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None, profile_iters=2)
+    step, ref_step = _sgd_step(model), _sgd_step(ref)
+    x0, y0 = torch.randn(5, 6), torch.randint(4, (5,))
+    captured = ooo.capture(step, x0, y0, warmup=1, handle=handle)
+    for _ in range(captured.warmup_steps):
+        ref_step(x0, y0)
+    features = nn.Linear(3, 6)
+    for _ in range(3):
+        x, y = features(torch.randn(5, 3)), torch.randint(4, (5,))
+        loss = captured(x, y)
+        assert not captured.static_inputs[0].requires_grad
+        torch.testing.assert_close(loss, ref_step(x.detach(), y), rtol=RTOL, atol=ATOL)
+    assert features.weight.grad is None
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: ooo.capture("step", torch.zeros(2)), TypeError, "step"),
     (lambda: ooo.capture(print), TypeError, "inputs"),

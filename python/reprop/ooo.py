@@ -1183,8 +1183,9 @@ _CAPTURE_ERRORS = ("capturing", "capture")
 class CapturedStep:
     """A training step captured once and replayed (see ``capture()``).
 
-    Call it with tensors of the captured shapes, dtypes and devices: they are
-    copied into the static input buffers and the graph is replayed; it returns
+    Call it with tensors of the captured shapes, dtypes and devices: their
+    values are copied into the static input buffers (no gradient flows back
+    to them) and the graph is replayed; it returns
     the step's own outputs, static tensors that the next call overwrites.
     ``graph`` is the ``torch.cuda.CUDAGraph``, None on the CPU (where the step
     runs eagerly on the static buffers, so a script runs unchanged).
@@ -1199,9 +1200,12 @@ class CapturedStep:
 
     def __call__(self, *inputs: torch.Tensor):
         _check_replay_inputs(inputs, self.static_inputs)
-        for static, new in zip(self.static_inputs, inputs):
-            if new is not static:
-                static.copy_(new)
+        # the values only: a batch that requires grad must not make the static
+        # buffers part of its graph (each call would chain every earlier batch)
+        with torch.no_grad():
+            for static, new in zip(self.static_inputs, inputs):
+                if new is not static:
+                    static.copy_(new)
         if self.graph is None:
             return self.step(*self.static_inputs)
         self.graph.replay()
