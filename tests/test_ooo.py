@@ -750,6 +750,39 @@ def test_empty_inputs_and_weights_run_as_in_torch(make, shape):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Linear(4, 3), (2, 4)),
+    (lambda: nn.Conv1d(2, 3, 3), (2, 2, 5)),
+    (lambda: nn.Conv2d(2, 3, 3), (2, 2, 5, 5)),
+    (lambda: nn.Conv3d(2, 3, 1), (2, 2, 3, 3, 3)),
+    (lambda: nn.Embedding(5, 3), (2, 4)),
+    (lambda: nn.BatchNorm1d(4), (3, 4)),
+    (lambda: nn.BatchNorm2d(4), (3, 4, 2, 2)),
+    (lambda: nn.BatchNorm3d(4), (3, 4, 2, 2, 2)),
+    (lambda: nn.LayerNorm(4), (3, 4)),
+    (lambda: nn.GroupNorm(2, 4), (3, 4, 5)),
+], ids=["linear", "conv1d", "conv2d", "conv3d", "embedding", "batch_norm1d", "batch_norm2d",
+        "batch_norm3d", "layer_norm", "group_norm"])
+def test_input_by_keyword_is_split(make, shape):
+    """layer(input=x), torch's keyword for the input of every split type, is
+    the call layer(x); other arguments still reach the module's own forward
+    (which refuses them as in torch)."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x = torch.randint(5, shape) if isinstance(ref, nn.Embedding) else torch.randn(shape)
+    out = model(input=x)
+    assert type(out.grad_fn).__name__ == "_SplitBackward"
+    out.sum().backward()
+    ref(input=x).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    for bad in ({"x": x}, {"input": x, "scale": 2.0}):
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            model(**bad)
+
+
 def test_functorch_transforms_run_plain_autograd():
     """torch.func.grad / vmap and forward-mode AD over an enabled model: the
     split Function cannot carry them, so those calls run the modules' own

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import types
 from dataclasses import dataclass, field
@@ -1083,27 +1084,39 @@ def _empty(x: torch.Tensor, params: tuple) -> bool:
     return x.numel() == 0 or any(p is not None and p.numel() == 0 for p in params)
 
 
+def _input_alone(args: tuple, kwargs: dict, name: str):
+    """The input of a call that passes only it, by position or by its
+    keyword `name` in the module's own forward; None for any other call."""
+    if len(args) == 1 and not kwargs:
+        return args[0]
+    if not args and len(kwargs) == 1:
+        return kwargs.get(name)
+    return None
+
+
 def _make_forward(site: _Site):
     kind, module, handle = site.kind, site.module, site.handle
     own = type(module).forward
+    input_name = list(inspect.signature(own).parameters)[1]  # "input" in torch's layers
 
-    def forward(self, x, *args, **kwargs):
+    def forward(self, *args, **kwargs):
+        x = _input_alone(args, kwargs, input_name)
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
         # model): the closure's site is the original's, so the copy runs plain
         # a layer the schedule runs plain is split again inside hold(), whose
         # caller takes every dW task it asks for
-        if self is not module or args or kwargs or not isinstance(x, torch.Tensor) \
+        if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
                 or not (site.split or handle._holds(module)) or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
-            return own(self, x, *args, **kwargs)
+            return own(self, *args, **kwargs)
         # the parameters as they are now: one may have been replaced, frozen
         # or unfrozen since enable(); a layer with none trainable has no dW
         params = kind.params(module)
         if params is None or not any(p is not None and p.requires_grad for p in params) \
                 or any(_substituted(p) and torch_only(p) for p in params) or _empty(x, params):
-            return own(self, x, *args, **kwargs)
+            return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
