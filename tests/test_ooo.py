@@ -321,7 +321,7 @@ def test_a_schedule_that_cannot_be_made_raises_once():
             try:
                 net(x).sum().backward()
             except ValueError as exc:
-                assert "speedup" in str(exc)
+                assert str(exc).startswith("speedup: speedup(0, 1) = nan"), exc
                 raised += 1
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
@@ -853,6 +853,16 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=1), ValueError, "profile_iters"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=-1), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup="measure"), ValueError, "speedup"),
+    (lambda: ooo.enable(nn.Linear(2, 2), regions=True), ValueError, "regions"),
+    (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=True), ValueError, "max_extra_memory"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: float("nan")), ValueError,
+     r"speedup: speedup\(0, 0\) = nan"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: -2.0), ValueError,
+     "speedup: .* expected a finite number > 0"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: None), TypeError,
+     "speedup: .* expected a number"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r: 1.0), TypeError,
+     r"speedup: speedup\(0, 0\) raised TypeError"),
     (lambda: ooo.enable(nn.ReLU()), ValueError, "model: no Linear"),
     (lambda: ooo.enable(nn.Embedding(5, 2, sparse=True)), ValueError, "sparse"),
     (lambda: ooo.enable(nn.Conv1d(2, 2, 4, padding="same")), ValueError, "same"),

@@ -34,6 +34,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import math
+import numbers
 import time
 import types
 from dataclasses import dataclass, field
@@ -771,9 +773,10 @@ class OOOHandle:
             elif self._speedup is None:
                 self._place(np.ones((self.schedule_regions,) * 2))
             else:
+                # a dW runs in its own region or a later one: Algorithm 1 reads no other pair
                 n = self.schedule_regions
-                self._place(np.array([[float(self._speedup(r, i)) for i in range(n)]
-                                      for r in range(n)]))
+                self._place(np.array([[_speedup_value(self._speedup, r, i) if i >= r else 1.0
+                                       for i in range(n)] for r in range(n)]))
 
     def _profiling(self) -> bool:
         """Backward passes after the warm-up that time the sequential profile
@@ -1132,6 +1135,21 @@ def _make_forward(site: _Site):
     return forward
 
 
+def _speedup_value(speedup: Callable, r: int, i: int) -> float:
+    """speedup(r, i), checked: Algorithm 1 compares the values, so each must
+    be a finite number > 0 (a ratio of times)."""
+    try:
+        value = speedup(r, i)
+    except TypeError as exc:
+        raise TypeError(f"speedup: speedup({r}, {i}) raised TypeError ({exc}); expected a "
+                        "function (region of the dW, region it runs in) -> speedup") from exc
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"speedup: speedup({r}, {i}) = {value!r}; expected a finite number > 0")
+    return float(value)
+
+
 def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
            max_extra_memory: float = 0.1, profile_iters: int = 3,
            speedup: Callable[[int, int], float] | str | None = "profile") -> OOOHandle:
@@ -1156,8 +1174,10 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             (each region's dW beside each later region, a Latin square over
             the pairs, then each alone; on the CPU, where dW runs inline,
             the ratios are timing noise around 1); or a function
-            speedup(region of the dW, region it runs in); or None: 1
-            everywhere, no extra passes.
+            speedup(region of the dW, region it runs in >= that region)
+            returning a finite number > 0 (called on (0, 0) here, and
+            each value checked where used); or None: 1 everywhere, no
+            extra passes.
 
     Returns an ``OOOHandle`` (also a context manager). Gradients after each
     backward equal plain autograd's; create_graph=True is not supported.
@@ -1168,16 +1188,19 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
-    if not isinstance(regions, int) or regions < 1:
+    if not _is_count(regions) or regions < 1:
         raise ValueError(f"regions: expected an int >= 1, got {regions!r}")
-    if not (isinstance(max_extra_memory, (int, float)) and max_extra_memory >= 0):
+    if isinstance(max_extra_memory, bool) or not (
+            isinstance(max_extra_memory, (int, float)) and max_extra_memory >= 0):
         raise ValueError(f"max_extra_memory: expected a fraction >= 0, got {max_extra_memory!r}")
-    if not isinstance(profile_iters, int) or profile_iters < 2:
+    if not _is_count(profile_iters) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
     if not (speedup is None or speedup == "profile" or callable(speedup)):
         raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
                          f"-> speedup, or None; got {speedup!r}")
+    if callable(speedup):
+        _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
     handle = OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
