@@ -430,6 +430,13 @@ class _Split(torch.autograd.Function):
         return (None, dx) + tuple(d if r else None for d, r in zip(weight_grads, returned))
 
 
+# autograd.Function.apply's Python layer binds setup_context arguments (_Split
+# has none) and unwraps functorch's dead wrappers (a split layer's forward
+# sends every functorch tensor to torch's own layer instead): outside functorch
+# transforms the C apply beneath it is called directly.
+_apply_split = super(torch.autograd.Function, _Split).apply
+
+
 def _weight_grad_targets(ctx) -> tuple[list, list]:
     """Masks over (weight, bias): which this backward accumulates into (their
     dW deferred) and which it must return (autograd.grad() asked for them).
@@ -1129,7 +1136,9 @@ def _make_forward(site: _Site):
             site.index = handle._next_index
             handle._next_index += 1
         x = kind.prepare(module, x)
-        return _Split.apply(site, x, *params)
+        if torch._C._are_functorch_transforms_active():
+            return _Split.apply(site, x, *params)
+        return _apply_split(site, x, *params)
 
     forward.ooo_site = site
     return forward
