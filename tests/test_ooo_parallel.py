@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from reprop import _C
+from reprop import _C, fuse
 from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
                         allreduce_time, data_parallel, search_k)
 
@@ -473,6 +473,28 @@ def test_data_parallel_bad_arguments(solo_group):
             DataParallel(model, bucket_cap_mb=cap)
     with pytest.raises(ValueError, match="search_iters"):
         DataParallel(model, search_iters=0)
+
+
+def test_data_parallel_refuses_backward_fusion(solo_group):
+    """Backward-mode fusion updated each parameter from its local gradient
+    (a held layer's: from none) before DataParallel averaged it, so the
+    replicas drifted apart silently. Refused in either order, also through
+    a wrapper module; forward mode steps on the averages and is fine, and
+    each works again once the other is removed."""
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dp = DataParallel(model, k=2)
+    for root in (model, nn.Sequential(model)):
+        with pytest.raises(ValueError, match="^mode: .*mode='forward'"):
+            fuse(root, opt, mode="backward")
+    fuse(model, opt, mode="forward").remove()
+    dp.remove()
+    fused = fuse(model, opt, mode="backward")
+    with pytest.raises(ValueError, match="^model: .*mode='forward'"):
+        DataParallel(model, k=2)
+    assert all("forward" not in lin.__dict__ for lin in model.layers), "split left behind"
+    fused.remove()
+    DataParallel(model, k=2).remove()
 
 
 # ---------------------------------------------------------------------------

@@ -164,6 +164,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     _check_not_fused(optimizer)
     engine = _engine_for(optimizer)
     if mode == "backward":
+        _check_not_data_parallel(model)
         return _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
     return _ForwardFusion(model, optimizer, engine, clip_grad_norm)
 
@@ -178,6 +179,18 @@ def _check_not_fused(optimizer) -> None:
             f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
             "a second fusion would stack its hooks on the first. Call remove() on that handle "
             "first, or fuse once the module that holds all its parameters")
+
+
+def _check_not_data_parallel(model: nn.Module) -> None:
+    """Backward mode updates each parameter from its local gradient as soon as
+    autograd has it; reprop.ooo.DataParallel averages the gradients over the
+    ranks later (those of the layers it holds, after backward), so each
+    replica would step on its own gradient."""
+    from .ooo import _under_data_parallel  # ooo imports this module
+    if _under_data_parallel(model):
+        raise ValueError("mode: 'backward' updates parameters from local gradients before "
+                         "reprop.ooo.data_parallel averages them over the ranks (the replicas "
+                         "would drift apart); use mode='forward', which steps on the averages")
 
 
 def _engine_for(optimizer) -> optim._FusedOptimizer:

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._native import _C
+from .fusion import _BackwardFusion
 from ._tensors import outside_backward, torch_only
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
@@ -1639,6 +1640,25 @@ def _output_tensors(out) -> list[torch.Tensor]:
     return []
 
 
+# Set in the model's __dict__ while a DataParallel averages its gradients:
+# reprop.fuse(mode="backward") would update from the local gradients first.
+_DATA_PARALLEL_MARK = "_reprop_data_parallel"
+
+
+def _under_data_parallel(model: nn.Module) -> bool:
+    """Whether a live DataParallel averages the gradients of `model` or of one
+    of its modules."""
+    return any(_DATA_PARALLEL_MARK in m.__dict__ for m in model.modules())
+
+
+def _backward_fused(model: nn.Module) -> bool:
+    """Whether a live ``reprop.fuse(mode="backward")`` updates parameters of
+    `model` or of one of its modules: such a fusion hooks the forward of the
+    module it was given (and remove() takes the hook away)."""
+    return any(isinstance(getattr(hook, "__self__", None), _BackwardFusion)
+               for m in model.modules() for hook in m._forward_pre_hooks.values())
+
+
 class DataParallel:
     """Data-parallel training of `model` with reverse first-k scheduling.
 
@@ -1685,6 +1705,8 @@ class DataParallel:
     ``create_graph=True`` is not supported. A backward that raises (on every
     rank, as a failing check does) is dropped at the next forward: the
     gradients it had not averaged stay local, and the next step is averaged.
+    ``reprop.fuse`` works in forward mode; backward mode (updates from the
+    local gradients) is refused while this handle is live, either order.
     """
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
@@ -1695,6 +1717,11 @@ class DataParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first")
+        if _backward_fused(model):
+            raise ValueError("model: reprop.fuse(mode='backward') updates its parameters from "
+                             "local gradients inside backward, before they are averaged over "
+                             "the ranks, so the replicas would drift apart; fuse with "
+                             "mode='forward' (or remove() the fusion first)")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
@@ -1749,6 +1776,7 @@ class DataParallel:
                        model.register_forward_hook(self._watch_output)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                         for p in self._params]
+        model.__dict__[_DATA_PARALLEL_MARK] = True
 
     # -- public ----------------------------------------------------------------
 
@@ -1773,6 +1801,7 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self.model.__dict__.pop(_DATA_PARALLEL_MARK, None)
         if self._stack is not None:
             self._stack.close()
             self._stack = None
