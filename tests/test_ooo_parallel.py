@@ -615,6 +615,74 @@ def test_pipeline_solo(solo_group):
                                 micro_batches=4, layers=layers, input_grad=True))
 
 
+class _DetachAbove(nn.Module):
+    """Detaches its input in a micro-batch whose first feature's mean is
+    above `threshold`: no gradient reaches the layers before it there."""
+
+    def __init__(self, threshold: float):
+        super().__init__()
+        self.threshold = threshold
+
+    def forward(self, x):
+        return x.detach() if x[:, 0].mean() > self.threshold else x
+
+
+def _stopping(threshold: float) -> list:
+    """Linear, tanh, _DetachAbove(threshold), Linear (seed 0)."""
+    torch.manual_seed(0)
+    return [nn.Linear(WIDTH, WIDTH), nn.Tanh(), _DetachAbove(threshold), nn.Linear(WIDTH, WIDTH)]
+
+
+def _check_pipeline_stopped_gradients(rank: int, micro: int = 4) -> None:
+    """A layer that detaches its input in every micro-batch, then in all but
+    one: the layers before it (on its stage and on the stage before) and the
+    input get what plain autograd accumulates over the micro-batches, None
+    where no micro-batch gave a gradient. They got zeros, which weight decay
+    and momentum then apply."""
+    x, t = _batch(0, 0)
+    size = BATCH // micro
+    with torch.no_grad():
+        head = nn.Sequential(*_stopping(0.0)[:2])
+        lowest = min(head(xm)[:, 0].mean().item() for xm in x.split(size))
+    for threshold in (-math.inf, lowest):  # every micro-batch detaches; all but one
+        ref_layers = _stopping(threshold)
+        ref = nn.Sequential(*ref_layers)
+        x_ref = x.clone().requires_grad_()
+        for xm, tm in zip(x_ref.split(size), t.split(size)):
+            (F.mse_loss(ref(xm), tm) / micro).backward()
+        assert (ref_layers[0].weight.grad is None) == (threshold == -math.inf)
+        pipe = Pipeline(_stopping(threshold), micro_batches=micro)
+        x_pipe = x.clone().requires_grad_()
+        pipe.step(x_pipe, t, F.mse_loss)
+        pairs = [(f"layer {l} {n}", p.grad, dict(ref_layers[l].named_parameters())[n].grad)
+                 for l, layer in pipe.layers.items() for n, p in layer.named_parameters()]
+        if pipe.stage_of[0] == rank:
+            pairs.append(("input", x_pipe.grad, x_ref.grad))
+        for what, got, want in pairs:
+            where = f"threshold {threshold} rank {rank}: {what}"
+            if want is None:
+                assert got is None, f"{where}: a gradient where plain autograd has none"
+            else:
+                assert got is not None, f"{where}: no gradient"
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=where)
+        pipe.remove()
+
+
+def _pipeline_edge_cases(rank: int, world: int) -> None:
+    _check_pipeline_stopped_gradients(rank)
+
+
+def test_pipeline_edge_cases():
+    """On 2 stages: gradients that stop at a layer in some or all
+    micro-batches (a one-byte flag tells the stage before)."""
+    _spawn(_pipeline_edge_cases, 2)
+
+
+def test_pipeline_stopped_gradients_solo(solo_group):
+    """The same within one stage."""
+    _check_pipeline_stopped_gradients(0)
+
+
 def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
     """ReLU(inplace=True) after tanh, which saves its output for backward:
     the single process's error, not a wrong gradient."""

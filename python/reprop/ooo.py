@@ -2096,6 +2096,10 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Messages between stages: an activation travels as a header, then its data
 # (the receiver learns shape, dtype and whether it needs a gradient); a
 # gradient needs no header: it has the shape of the activation it is for.
+# It travels as a one-element flag, then its data if the flag is 1: a layer
+# that ignores or detaches its input gives it no gradient, and the layers
+# before it must then get none either (plain autograd leaves their .grad
+# alone), not zeros.
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad): both ends keep them per (input, layer, micro-batch), as a
 # layer's output is described by its input's description; a sender whose
@@ -2149,6 +2153,7 @@ class _Step:
     inbox: dict                                     # sender stage -> iterator over its messages
     early: dict = field(default_factory=dict)       # messages received before they are needed
     acts: dict = field(default_factory=dict)        # (l, m) -> (input x, output y)
+    # None in these three: no gradient (a layer after it ignored its input)
     out_grads: dict = field(default_factory=dict)   # (l, m) -> grad of y, from a local dO(l+1, m)
     in_grads: dict = field(default_factory=dict)    # (l, m) -> grad of x, until dO(l, m) sends it
     held: dict = field(default_factory=dict)        # (l, m) -> its dW tasks, [] once run
@@ -2178,7 +2183,10 @@ class Pipeline:
     of the full batch's mean loss, so after the step each rank's layers have
     the ``.grad`` of single-process training on the whole batch (up to float
     rounding of the split sums; accumulated into ``.grad`` like backward).
-    BatchNorm layers see micro-batch statistics, as in GPipe.
+    BatchNorm layers see micro-batch statistics, as in GPipe. A layer that
+    ignores or detaches its input gives the layers before it no gradient in
+    that micro-batch, as plain autograd: a ``.grad`` no micro-batch adds to
+    stays None.
 
     Activations and gradients go between stages with ``isend`` (waited on at
     the end of the step) and blocking ``recv``, in the order each sender
@@ -2229,6 +2237,9 @@ class Pipeline:
         self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
         self._headers: dict = {}  # (input key, layer, micro) -> header sent or received
         self.messages = 0  # point-to-point messages this rank sent in its last step
+        # whether a gradient follows (see _send_gradient); sent, never written
+        self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
+                       for has in (False, True)}
 
     # -- public ----------------------------------------------------------------
 
@@ -2279,9 +2290,19 @@ class Pipeline:
         for req, _ in st.sends:
             req.wait()
         if st.input_grads:  # this rank has layer 0 and inputs need a gradient
-            torch.autograd.backward(inputs, torch.cat([st.input_grads[m]
-                                                       for m in range(m_count)]))
+            self._input_backward(inputs, st)
         return torch.stack(st.losses).sum() if st.losses else None
+
+    @staticmethod
+    def _input_backward(inputs: torch.Tensor, st: _Step) -> None:
+        """Hands the micro-batches' input gradients on to `inputs`, as one
+        backward: none when no micro-batch has one (as plain autograd leaves
+        ``inputs.grad``), zeros for the rows of those without."""
+        grads = [st.input_grads[m] for m in range(len(st.inputs))]
+        if all(g is None for g in grads):
+            return
+        torch.autograd.backward(inputs, torch.cat([
+            torch.zeros_like(x) if g is None else g for x, g in zip(st.inputs, grads)]))
 
     def remove(self) -> None:
         """Restores the local layers' own forward."""
@@ -2339,19 +2360,21 @@ class Pipeline:
         x, y = st.acts[(l, m)]
         tasks: list = []
         if y.requires_grad:
-            grad = None if l == self.num_layers - 1 else self._grad_of_output(st, l, m)
-            with self._hold() as tasks:
-                torch.autograd.backward(y, grad)
+            last = l == self.num_layers - 1
+            grad = None if last else self._grad_of_output(st, l, m)
+            if last or grad is not None:  # else no later layer used y: no backward
+                with self._hold() as tasks:
+                    torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
-        if x.requires_grad:  # None: the layer ignores its input
-            st.in_grads[(l, m)] = x.grad if x.grad is not None else torch.zeros_like(x)
+        if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
+            st.in_grads[(l, m)] = x.grad
 
     def _hold(self):
         """Collects the dW tasks of a backward (none without split layers)."""
         return self.handle.hold() if self.handle is not None else contextlib.nullcontext([])
 
-    def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor:
+    def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor | None:
         if self._owner(l + 1) == self.rank:
             return st.out_grads.pop((l, m))
         return self._receive(st, _GRADIENT, l, m)
@@ -2359,15 +2382,15 @@ class Pipeline:
     def _output_grad(self, st: _Step, l: int, m: int) -> None:
         """dO(l, m): hands the gradient of layer l's input to layer l - 1."""
         self._backward(st, l, m)
-        g = st.in_grads.pop((l, m), None)
-        if g is None:
+        if (l, m) not in st.in_grads:  # its input needs no gradient
             return
+        g = st.in_grads.pop((l, m))
         if l == 0:
             st.input_grads[m] = g
         elif self._owner(l - 1) == self.rank:
             st.out_grads[(l - 1, m)] = g
         else:
-            self._send(st, g.contiguous(), self._owner(l - 1))
+            self._send_gradient(st, g, self._owner(l - 1))
 
     def _weight_grad(self, st: _Step, l: int, m: int) -> None:
         """dW(l, m): the held weight gradients of layer l for micro-batch m."""
@@ -2386,6 +2409,11 @@ class Pipeline:
         # the tensor is kept until the request is waited on at the end of the step
         st.sends.append((dist.isend(t, self._ranks[stage], group=self.group), t))
         self.messages += 1
+
+    def _send_gradient(self, st: _Step, g: torch.Tensor | None, stage: int) -> None:
+        self._send(st, self._flags[g is not None], stage)
+        if g is not None:
+            self._send(st, g.contiguous(), stage)
 
     def _send_header(self, st: _Step, l: int, m: int, h: torch.Tensor) -> None:
         kept = self._headers.get((st.key, l, m))
@@ -2410,30 +2438,39 @@ class Pipeline:
         key = (what, l, m)
         src = self._owner(l if what == _ACTIVATION else l + 1)
         while key not in st.early:
-            msg = next(st.inbox[src])
-            t = self._recv_message(st, src, *msg)
-            if t is not None:
-                st.early[msg] = t
+            self._recv_message(st, src, *next(st.inbox[src]))
         return st.early.pop(key)
 
-    def _recv_message(self, st: _Step, src: int, what: int, l: int,
-                      m: int) -> torch.Tensor | None:
+    def _recv_message(self, st: _Step, src: int, what: int, l: int, m: int) -> None:
+        """Receives message (what, l, m) from stage `src` into ``st.early``, if it is sent."""
         if what == _ACTIVATION:
-            h = self._headers.get((st.key, l, m))
-            if h is None:
-                h = self._headers[(st.key, l, m)] = torch.empty(_HEADER, dtype=torch.int64,
-                                                                device=self.device)
-                self._recv(h, src)
-            ndim, dtype, requires_grad, *shape = h.tolist()
-            x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=self.device)
-            self._recv(x, src)
-            return x.requires_grad_(bool(requires_grad))
+            st.early[(what, l, m)] = self._recv_activation(st, src, l, m)
+            return
         # a gradient comes only for an output that needs one; F(l, m) ran
         # here before the sender could compute it, so y tells
         x_y = st.acts.get((l, m))
-        if x_y is None or not x_y[1].requires_grad:
+        if x_y is not None and x_y[1].requires_grad:
+            st.early[(what, l, m)] = self._recv_gradient(x_y[1], src)
+
+    def _recv_activation(self, st: _Step, src: int, l: int, m: int) -> torch.Tensor:
+        """Layer l's output for micro-batch m, after its header in the first step."""
+        h = self._headers.get((st.key, l, m))
+        if h is None:
+            h = self._headers[(st.key, l, m)] = torch.empty(_HEADER, dtype=torch.int64,
+                                                            device=self.device)
+            self._recv(h, src)
+        ndim, dtype, requires_grad, *shape = h.tolist()
+        x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=self.device)
+        self._recv(x, src)
+        return x.requires_grad_(bool(requires_grad))
+
+    def _recv_gradient(self, y: torch.Tensor, src: int) -> torch.Tensor | None:
+        """The gradient of output `y`, None when the sender has none for it."""
+        flag = torch.empty_like(self._flags[True])
+        self._recv(flag, src)
+        if not flag.item():
             return None
-        g = torch.empty_like(x_y[1], memory_format=torch.contiguous_format)
+        g = torch.empty_like(y, memory_format=torch.contiguous_format)
         self._recv(g, src)
         return g
 
