@@ -408,6 +408,59 @@ def test_data_parallel_after_failed_backward():
     _spawn(_dp_after_failed_backward, 2)
 
 
+class _Policy(nn.Module):
+    """An RL policy's head: a mean, and a learned log-std returned as it is
+    (a leaf among the outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = nn.Linear(WIDTH, WIDTH)
+        self.log_std = nn.Parameter(torch.linspace(-0.5, 0.5, WIDTH))
+
+    def forward(self, x):
+        return self.mean(x), self.log_std
+
+
+def _policy_loss(out, t):
+    mean, log_std = out
+    return ((mean - t).square() * torch.exp(-log_std)).mean() + log_std.sum()
+
+
+def _check_output_parameter(rank: int, world: int, steps: int = 3) -> None:
+    """A model that returns one of its Parameters: DDP's gradients, and no
+    hook left on that Parameter (it got one per forward, never removed: 3000
+    after 3000 steps). After remove(), a backward of a loss made before it
+    runs on rank 0 alone, with no collective (it hung in an all-reduce)."""
+    torch.manual_seed(0)
+    model = _Policy()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=1)
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        for net in (ref, model):
+            net.zero_grad()
+            _policy_loss(net(x), t).backward()
+        _assert_same(model, ref.module, "grad", world == 2)
+        assert not model.log_std._backward_hooks, "hooks piled up on the returned Parameter"
+    pending = _policy_loss(model(x), t)
+    dp.remove()
+    if rank == 0:
+        model.zero_grad()
+        pending.backward()
+        local = torch.autograd.grad(_policy_loss(model(x), t), list(model.parameters()))
+        for p, g in zip(model.parameters(), local):
+            torch.testing.assert_close(p.grad, g, msg="not this rank's own gradient")
+
+
+def _dp_edge_cases(rank: int, world: int) -> None:
+    _check_output_parameter(rank, world)
+
+
+def test_data_parallel_edge_cases():
+    """On 2 ranks: a model that returns one of its Parameters."""
+    _spawn(_dp_edge_cases, 2)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_data_parallel_checkpointed_model(solo_group, reentrant):
     """The whole model under activation checkpointing: its forward runs

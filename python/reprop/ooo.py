@@ -1770,6 +1770,7 @@ class DataParallel:
         self._next = 0                 # the next bucket to launch in this backward
         self._sync_buffers = broadcast_buffers and self.world > 1 \
             and any(True for _ in model.buffers())
+        self._removed = False
         with torch.no_grad():
             self._broadcast(list(model.parameters()) + list(model.buffers()))
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
@@ -1797,10 +1798,12 @@ class DataParallel:
             self._require_sync = before
 
     def remove(self) -> None:
-        """Stops reducing gradients and restores the model's own forward."""
+        """Stops reducing gradients and restores the model's own forward; the
+        backward of a graph made before is this rank's own too."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._removed = True  # see _output_grad
         self.model.__dict__.pop(_DATA_PARALLEL_MARK, None)
         if self._stack is not None:
             self._stack.close()
@@ -1884,12 +1887,18 @@ class DataParallel:
         if not self._sync_backward:
             return
         for t in _output_tensors(out):
-            if t.requires_grad:
+            # not on a leaf (a Parameter the model returns, as a policy's
+            # log-std): no layer is behind it to hold, and its hooks would
+            # outlive the step, one more per forward
+            if t.requires_grad and t.grad_fn is not None:
                 # runs before any layer's backward: hold the first k from the start
                 t.register_hook(self._output_grad)
 
     def _output_grad(self, grad: torch.Tensor) -> None:
-        self._begin_backward(hold=True)
+        # the hook stays on a graph made before remove(), whose backward is
+        # this rank's alone now (its peers start no collective)
+        if not self._removed:
+            self._begin_backward(hold=True)
 
     def _grad_accumulated(self, p: torch.Tensor) -> None:
         # AccumulateGrad of p ran: autograd is done with p in this backward
