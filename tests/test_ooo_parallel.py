@@ -452,12 +452,28 @@ def _check_output_parameter(rank: int, world: int, steps: int = 3) -> None:
             torch.testing.assert_close(p.grad, g, msg="not this rank's own gradient")
 
 
+def _check_different_models(rank: int, world: int) -> None:
+    """Ranks that build models of other widths or depths (a configuration
+    bug): DDP's clear error, on every rank (the broadcast crashed gloo or
+    hung), and the group still works."""
+    wider = nn.Sequential(nn.Linear(WIDTH, WIDTH + rank), nn.Linear(WIDTH + rank, 1))
+    deeper = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(2 + rank)))
+    with_buffer = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH + rank))
+    for model in (wider, deeper, with_buffer):
+        with pytest.raises(ValueError, match="^model: .*every rank must build the same model"):
+            data_parallel(model, k=0)
+        assert all("forward" not in m.__dict__ for m in model.modules()), "split left behind"
+    data_parallel(nn.Linear(WIDTH, WIDTH), k=0).remove()
+
+
 def _dp_edge_cases(rank: int, world: int) -> None:
     _check_output_parameter(rank, world)
+    _check_different_models(rank, world)
 
 
 def test_data_parallel_edge_cases():
-    """On 2 ranks: a model that returns one of its Parameters."""
+    """On 2 ranks: a model that returns one of its Parameters; models that
+    differ between the ranks."""
     _spawn(_dp_edge_cases, 2)
 
 

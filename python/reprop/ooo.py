@@ -1553,6 +1553,37 @@ def _is_count(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
+def _pg(group):
+    """The process group object of `group` (None: the default group)."""
+    return dist.group.WORLD if group is None else group
+
+
+def _verify_same_shapes(tensors: list, group) -> None:
+    """DDP's check that every rank of `group` holds as many tensors, of the
+    same shapes, as rank 0 (a model built differently on some rank crashed
+    or hung the broadcast that follows). torch's check raises only on the
+    ranks that differ from rank 0; one small all-reduce then has every rank
+    raise. torch's function is private: without it, no check."""
+    verify = getattr(dist, "_verify_params_across_processes", None)
+    if verify is None:
+        return
+    error = None
+    try:
+        verify(_pg(group), tensors)
+    except RuntimeError as exc:
+        error = exc
+    device = tensors[0].device if tensors else torch.device("cpu")
+    failed = torch.tensor([error is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if error is not None:
+        raise ValueError(f"model: the ranks' parameters and buffers differ in number or "
+                         f"shape (every rank must build the same model): {error}") from error
+    if failed.item():
+        raise ValueError("model: another rank's parameters and buffers differ from rank 0's in "
+                         "number or shape (every rank must build the same model; see the error "
+                         "on that rank)")
+
+
 # ---------------------------------------------------------------------------
 # Data parallelism: reverse first-k (Algorithm 2) and the search for k
 # ---------------------------------------------------------------------------
@@ -1697,8 +1728,9 @@ class DataParallel:
     Inside ``no_sync()`` a forward's backward only accumulates locally; the
     first backward of a forward outside it averages the sum, as DDP does.
 
-    Construction broadcasts the parameters and buffers from rank 0 of the
-    group; with `broadcast_buffers` buffers are broadcast again before each
+    Construction checks, as DDP, that every rank's model has as many
+    parameters and buffers as rank 0's, of the same shapes (a ValueError on
+    every rank otherwise), then broadcasts them from rank 0 of the group; with `broadcast_buffers` buffers are broadcast again before each
     forward (DDP's default). The first k layers are held only in a backward
     that starts at a tensor the model returned (the usual ``loss.backward()``);
     another backward runs in autograd's order, still averaged.
@@ -1722,6 +1754,8 @@ class DataParallel:
                              "local gradients inside backward, before they are averaged over "
                              "the ranks, so the replicas would drift apart; fuse with "
                              "mode='forward' (or remove() the fusion first)")
+        # what the broadcast below sends
+        _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
@@ -2063,8 +2097,8 @@ class DataParallel:
     def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
         # coalesced into few flat broadcasts, as DDP syncs its buffers: one
         # broadcast per tensor cost a ResNet-18's forward 60 collectives
-        group = dist.group.WORLD if self.group is None else self.group
-        dist._broadcast_coalesced(group, [t.detach() for t in tensors], _BROADCAST_BUCKET_BYTES, 0)
+        dist._broadcast_coalesced(_pg(self.group), [t.detach() for t in tensors],
+                                  _BROADCAST_BUCKET_BYTES, 0)
 
 
 def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
