@@ -466,15 +466,39 @@ def _check_different_models(rank: int, world: int) -> None:
     data_parallel(nn.Linear(WIDTH, WIDTH), k=0).remove()
 
 
+def _check_non_member(rank: int, world: int) -> None:
+    """A group of ranks 0 and 1: its members average over it as DDP does;
+    the rank left out gets a ValueError naming process_group from both
+    classes (DataParallel failed in torch's shape check with a TypeError,
+    Pipeline with "stages: ... got -1")."""
+    group = dist.new_group([0, 1])
+    if rank > 1:
+        for make in (lambda: data_parallel(_Net(), process_group=group, k=1),
+                     lambda: Pipeline(_blocks(), micro_batches=2, process_group=group)):
+            with pytest.raises(ValueError, match="^process_group: .*not a member"):
+                make()
+        return
+    torch.manual_seed(rank)
+    model = _Net()
+    ref = DistributedDataParallel(copy.deepcopy(model), process_group=group)
+    dp = data_parallel(model, process_group=group, k=1)
+    x, t = _batch(rank, 0)
+    for net in (ref, model):
+        F.mse_loss(net(x), t).backward()
+    _assert_same(model, ref.module, "grad")
+    dp.remove()
+
+
 def _dp_edge_cases(rank: int, world: int) -> None:
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
+    _check_non_member(rank, world)
 
 
 def test_data_parallel_edge_cases():
-    """On 2 ranks: a model that returns one of its Parameters; models that
-    differ between the ranks."""
-    _spawn(_dp_edge_cases, 2)
+    """On 3 ranks: a model that returns one of its Parameters; models that
+    differ between the ranks; a group of two and the rank it leaves out."""
+    _spawn(_dp_edge_cases, 3)
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -542,6 +566,8 @@ def test_data_parallel_bad_arguments(solo_group):
             DataParallel(model, bucket_cap_mb=cap)
     with pytest.raises(ValueError, match="search_iters"):
         DataParallel(model, search_iters=0)
+    with pytest.raises(TypeError, match="^process_group: .*got str"):
+        DataParallel(model, process_group="world")
 
 
 def test_data_parallel_refuses_backward_fusion(solo_group):
@@ -818,6 +844,8 @@ def test_pipeline_bad_arguments(solo_group):
                          (dict(costs={"backward": 1.0}), "costs")]:
         with pytest.raises(ValueError, match=f"^{name}: "):
             Pipeline(layers, **kwargs)
+    with pytest.raises(TypeError, match="^process_group: .*got str"):
+        Pipeline(layers, process_group="world")
     pipe = Pipeline(layers, micro_batches=3)
     x, t = _batch(0, 0)
     with pytest.raises(ValueError, match="^micro_batches: 3 must divide"):

@@ -1553,6 +1553,19 @@ def _is_count(v) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
+def _check_group(group) -> None:
+    """`process_group`: None (the default group) or a group this rank is in
+    (new_group() gives the ranks it leaves out a stand-in, on which every
+    collective fails)."""
+    non_member = isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER
+    if not (group is None or non_member or isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"process_group: expected None or a torch.distributed ProcessGroup, "
+                        f"got {type(group).__name__}")
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"process_group: this rank (global rank {dist.get_rank()}) is not a "
+                         "member of the group; only its members may use it")
+
+
 def _pg(group):
     """The process group object of `group` (None: the default group)."""
     return dist.group.WORLD if group is None else group
@@ -1749,6 +1762,7 @@ class DataParallel:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DataParallel: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first")
+        _check_group(process_group)
         if _backward_fused(model):
             raise ValueError("model: reprop.fuse(mode='backward') updates its parameters from "
                              "local gradients inside backward, before they are averaged over "
@@ -2108,7 +2122,8 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
 
     Args:
         model: the replica on this rank; its split layers are those of ``enable()``.
-        process_group: the group to average over (None: the default group).
+        process_group: the group to average over (None: the default group),
+            one this rank is a member of.
         k: layers, from the input, whose dW runs after backward, layer 0 first
             (0 <= k <= the number of split layers), or "auto": the paper's
             coarse-to-fine search over measured iteration times, `search_iters`
@@ -2209,10 +2224,11 @@ class _Step:
 class Pipeline:
     """Pipeline-parallel training of a list of layers, one stage per rank.
 
-    Every rank builds the same `layers` (same seed) and passes them in; rank
-    r keeps layer l when ``_C.sched_stages`` puts l on stage r: contiguous
-    blocks, or modulo allocation of groups of `group` consecutive layers
-    ((l // group) mod stages). Each layer maps one tensor to one tensor.
+    Every rank of `process_group` (None: the default group; a rank outside
+    it gets a ValueError) builds the same `layers` (same seed) and passes
+    them in; rank r keeps layer l when ``_C.sched_stages`` puts l on stage
+    r: contiguous blocks, or modulo allocation of groups of `group`
+    consecutive layers ((l // group) mod stages). Each layer maps one tensor to one tensor.
     Layers must not share parameters across stages.
 
     ``step(inputs, targets, loss_fn)`` splits the batch into `micro_batches`
@@ -2258,6 +2274,7 @@ class Pipeline:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("Pipeline: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first")
+        _check_group(process_group)
         n = len(layers)
         self.costs = _check_costs(costs, n)
         self.micro_batches = int(micro_batches)
