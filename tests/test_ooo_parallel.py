@@ -495,12 +495,6 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _check_non_member(rank, world)
 
 
-def test_data_parallel_edge_cases():
-    """On 3 ranks: a model that returns one of its Parameters; models that
-    differ between the ranks; a group of two and the rank it leaves out."""
-    _spawn(_dp_edge_cases, 3)
-
-
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_data_parallel_checkpointed_model(solo_group, reentrant):
     """The whole model under activation checkpointing: its forward runs
@@ -763,18 +757,53 @@ def _check_pipeline_stopped_gradients(rank: int, micro: int = 4) -> None:
         pipe.remove()
 
 
+def _tied(seed: int = 0) -> list:
+    """4 layers; the first and the last are one Linear."""
+    torch.manual_seed(seed)
+    shared = nn.Linear(WIDTH, WIDTH)
+    return [shared, nn.Tanh(), nn.Linear(WIDTH, WIDTH), shared]
+
+
+def _check_pipeline_tied_layers(rank: int, world: int) -> None:
+    """Layers 0 and 3 share a Linear. On different stages (contiguous): a
+    ValueError naming them (each stage trained its own copy from part of the
+    gradient); on one stage (modulo over 3 stages): single-process gradients."""
+    assert world == 3
+    with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.weight is layers\[3\]\.weight"):
+        Pipeline(_tied(), micro_batches=2)
+    ref_layers = _tied()
+    x, t = _batch(0, 0)
+    F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()
+    pipe = Pipeline(_tied(), micro_batches=2, allocation="modulo")
+    pipe.step(x, t, F.mse_loss)
+    for l, layer in pipe.layers.items():
+        for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            torch.testing.assert_close(p.grad, want.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"layer {l} {name}")
+    pipe.remove()
+
+
 def _pipeline_edge_cases(rank: int, world: int) -> None:
     _check_pipeline_stopped_gradients(rank)
+    _check_pipeline_tied_layers(rank, world)
 
 
-def test_pipeline_edge_cases():
-    """On 2 stages: gradients that stop at a layer in some or all
-    micro-batches (a one-byte flag tells the stage before)."""
-    _spawn(_pipeline_edge_cases, 2)
+def _edge_cases(rank: int, world: int) -> None:
+    _dp_edge_cases(rank, world)
+    _pipeline_edge_cases(rank, world)
+
+
+def test_parallel_edge_cases():
+    """On 3 ranks, in one group of processes. Data parallelism: a model that
+    returns one of its Parameters; models that differ between the ranks; a
+    group of two and the rank it leaves out. Pipeline: gradients that stop
+    at a layer in some or all micro-batches (a one-byte flag tells the stage
+    before); a layer shared by two stages, and by layers of one stage."""
+    _spawn(_edge_cases, 3)
 
 
 def test_pipeline_stopped_gradients_solo(solo_group):
-    """The same within one stage."""
+    """Gradients that stop at a layer, within one stage."""
     _check_pipeline_stopped_gradients(0)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 import numbers
 import time
@@ -2229,7 +2230,8 @@ class Pipeline:
     them in; rank r keeps layer l when ``_C.sched_stages`` puts l on stage
     r: contiguous blocks, or modulo allocation of groups of `group`
     consecutive layers ((l // group) mod stages). Each layer maps one tensor to one tensor.
-    Layers must not share parameters across stages.
+    Layers on different stages must not share a parameter or buffer (a
+    ValueError names them); on one stage they may.
 
     ``step(inputs, targets, loss_fn)`` splits the batch into `micro_batches`
     equal micro-batches and runs this rank's tasks F(l, m), dO(l, m) and
@@ -2286,6 +2288,7 @@ class Pipeline:
                        for r in range(self.stages)]
         self.num_layers = n
         self.stage_of = np.asarray(stages(n, self.stages, allocation, group))
+        _check_not_tied_across_stages(layers, self.stage_of)
         # only this rank's layers are kept
         self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
         local = nn.ModuleList(self.layers.values())
@@ -2536,6 +2539,23 @@ class Pipeline:
 
     def _recv(self, t: torch.Tensor, stage: int) -> None:
         dist.recv(t, self._ranks[stage], group=self.group)
+
+
+def _check_not_tied_across_stages(layers: Sequence[nn.Module], stage_of: np.ndarray) -> None:
+    """Refuses a parameter or buffer (a tied embedding, a module used twice)
+    of layers on different stages: each stage would train its own copy from
+    its part of the gradient. Every rank holds every layer, so identity
+    tells."""
+    first: dict = {}  # id(tensor) -> (layer, name) of its first use
+    for l, layer in enumerate(layers):
+        for name, t in itertools.chain(layer.named_parameters(), layer.named_buffers()):
+            k, k_name = first.setdefault(id(t), (l, name))
+            if stage_of[k] != stage_of[l]:
+                raise ValueError(
+                    f"layers: layers[{k}].{k_name} is layers[{l}].{name}, but the layers are on "
+                    f"stages {stage_of[k]} and {stage_of[l]}; a shared parameter or buffer must "
+                    "stay on one stage (choose allocation and group so that its layers meet, "
+                    "or give each layer its own)")
 
 
 def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
