@@ -16,6 +16,7 @@ Errors in a rank surface as the exception of mp.spawn, with its traceback.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import gc
@@ -489,7 +490,33 @@ def _check_non_member(rank: int, world: int) -> None:
     dp.remove()
 
 
+def _compare_buffers_skipping_broadcasts(rank: int, world: int) -> None:
+    """DDP broadcasts buffers before a forward only when the forward before
+    it ran in grad mode outside no_sync() (or there was none): after two
+    no_sync() steps, a synced one, a no_grad forward (BatchNorm in training
+    mode still updates its statistics) and two more steps, the buffers equal
+    DDP's on every rank. DataParallel broadcast before every forward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Linear(WIDTH, WIDTH))
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=1)
+    steps = [("no_sync", 0), ("no_sync", 1), ("sync", 2), ("no_grad", 3), ("sync", 4), ("sync", 5)]
+    for how, step in steps:
+        x, t = _batch(rank, step)
+        for net, handle in ((ref, ref), (model, dp)):
+            with handle.no_sync() if how == "no_sync" else contextlib.nullcontext():
+                with torch.no_grad() if how == "no_grad" else contextlib.nullcontext():
+                    loss = F.mse_loss(net(x), t)
+                if loss.requires_grad:
+                    loss.backward()
+        for (name, a), b in zip(model.named_buffers(), ref.module.buffers()):
+            assert torch.equal(a, b), f"rank {rank}, {how} step {step}: {name} differs from DDP's"
+    dp.remove()
+
+
 def _dp_edge_cases(rank: int, world: int) -> None:
+    _compare_buffers_skipping_broadcasts(rank, world)
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
     _check_non_member(rank, world)
@@ -794,8 +821,9 @@ def _edge_cases(rank: int, world: int) -> None:
 
 
 def test_parallel_edge_cases():
-    """On 3 ranks, in one group of processes. Data parallelism: a model that
-    returns one of its Parameters; models that differ between the ranks; a
+    """On 3 ranks, in one group of processes. Data parallelism: buffers after
+    no_sync() and no_grad forwards; a model that returns one of its
+    Parameters; models that differ between the ranks; a
     group of two and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage."""

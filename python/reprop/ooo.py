@@ -1744,13 +1744,18 @@ class DataParallel:
 
     Construction checks, as DDP, that every rank's model has as many
     parameters and buffers as rank 0's, of the same shapes (a ValueError on
-    every rank otherwise), then broadcasts them from rank 0 of the group; with `broadcast_buffers` buffers are broadcast again before each
-    forward (DDP's default). The first k layers are held only in a backward
-    that starts at a tensor the model returned (the usual ``loss.backward()``);
-    another backward runs in autograd's order, still averaged.
-    ``create_graph=True`` is not supported. A backward that raises (on every
-    rank, as a failing check does) is dropped at the next forward: the
-    gradients it had not averaged stay local, and the next step is averaged.
+    every rank otherwise), then broadcasts them from rank 0 of the group.
+    With `broadcast_buffers` (DDP's default) buffers are broadcast again
+    before a forward that follows a grad-mode forward outside ``no_sync()``,
+    as DDP does (not after a ``no_sync()`` or ``no_grad`` one: a BatchNorm's
+    statistics then accumulate locally until the next broadcast).
+
+    The first k layers are held only in a backward that starts at a tensor
+    the model returned (the usual ``loss.backward()``); another backward
+    runs in autograd's order, still averaged. ``create_graph=True`` is not
+    supported. A backward that raises (on every rank, as a failing check
+    does) is dropped at the next forward: the gradients it had not averaged
+    stay local, and the next step is averaged.
     ``reprop.fuse`` works in forward mode; backward mode (updates from the
     local gradients) is refused while this handle is live, either order.
     """
@@ -1805,6 +1810,9 @@ class DataParallel:
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self._require_sync = True  # no_sync() clears it
         self._sync_backward = True  # the flag when the last forward ran
+        # DDP's require_forward_param_sync: buffers are broadcast before a
+        # forward only after a grad-mode forward outside no_sync() (or none)
+        self._sync_next_forward = True
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
         self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
@@ -1925,7 +1933,7 @@ class DataParallel:
         # backward never ended: it raised, and its end callback was dropped
         if self._in_backward and outside_backward():
             self._abandon_backward()
-        if self._sync_buffers:
+        if self._sync_buffers and self._sync_next_forward:
             with torch.no_grad():
                 self._broadcast(list(module.buffers()))
 
@@ -1933,6 +1941,7 @@ class DataParallel:
         # DDP decides at forward time too: a backward of a no_sync() forward
         # accumulates locally wherever it runs
         self._sync_backward = self._require_sync
+        self._sync_next_forward = self._sync_backward and torch.is_grad_enabled()
         if not self._sync_backward:
             return
         for t in _output_tensors(out):
@@ -2131,7 +2140,8 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
             iterations per k, k chosen by rank 0 and broadcast.
         bucket_cap_mb: size of the buckets of the other gradients, in MiB
             (None: 25, the first bucket 1 MiB, as DDP's default).
-        broadcast_buffers: broadcast buffers from rank 0 before each forward.
+        broadcast_buffers: broadcast buffers from rank 0 before each forward
+            that follows a grad-mode forward outside ``no_sync()``, as DDP.
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
             its bucket's buffer (DDP's option: saves a copy and the memory of
             one set of gradients; the optimizer sees the same values).
