@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse
 from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
-                        allreduce_time, data_parallel, search_k)
+                        allreduce_time, data_parallel, reverse_first_k, search_k, simulate)
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -960,3 +960,33 @@ def test_allreduce_time_refuses_bad_arguments():
             allreduce_time(**args)
     # infinite bandwidth: the latencies alone (how benchmarks/ooo.py separates them)
     assert math.isclose(allreduce_time(1e6, 4, float("inf"), 1e-5), 6e-5)
+
+
+def test_simulate_refuses_a_k_it_cannot_use():
+    """k = 99 with 4 layers was clamped to 4 without a word (simulate returns
+    no k_used), and a k with another order was ignored."""
+    for kwargs in (dict(order="reverse_first_k", k=99), dict(order="reverse_first_k", k=-1),
+                   dict(order="reverse_first_k", k=1.5), dict(order="fast_forward", k=2)):
+        with pytest.raises(ValueError, match="^k: "):
+            simulate(4, **kwargs)
+    assert simulate(4, order="reverse_first_k", k=4).makespan > 0
+
+
+def test_reverse_first_k_refuses_bad_memory_sizes():
+    """A negative mem_cap read as "no cap" and fractional sizes were
+    truncated, both silently. Whole floats are sizes too; a k past the
+    layers holds every layer, as k_used says."""
+    sizes = dict(mem_out_grad=[1] * 4, mem_weight_grad=[10] * 4, mem_forward=5, mem_cap=13)
+    for kwargs, name in [(dict(mem_cap=-5), "mem_cap"), (dict(mem_cap=13.5), "mem_cap"),
+                         (dict(mem_forward=-1), "mem_forward"),
+                         (dict(mem_out_grad=[1.5] * 4), "mem_out_grad"),
+                         (dict(mem_out_grad=[1, 2]), "mem_out_grad"),
+                         (dict(mem_weight_grad=[10, 10, 10, -10]), "mem_weight_grad")]:
+        with pytest.raises(ValueError, match=f"^{name}: "):
+            reverse_first_k(4, 3, **(sizes | kwargs))
+    for k in (-1, 1.5):
+        with pytest.raises(ValueError, match="^k: "):
+            reverse_first_k(4, k)
+    whole = dict(mem_out_grad=[1.0] * 4, mem_weight_grad=[10.0] * 4, mem_forward=5.0, mem_cap=13.0)
+    assert reverse_first_k(4, 3, **whole) == reverse_first_k(4, 3, **sizes)
+    assert reverse_first_k(4, 99)[1] == 4

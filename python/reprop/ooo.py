@@ -1390,12 +1390,42 @@ def reverse_first_k(layers: int, k: int, mem_out_grad: Sequence[int] | None = No
                     mem_weight_grad: Sequence[int] | None = None, mem_forward: int = 0,
                     mem_cap: int = 0) -> tuple[list[tuple[str, int]], int]:
     """Algorithm 2: the backward order [("dW" | "dO", layer), ...] with the
-    weight gradients of layers 0 .. k-1 last, first to last, and the k the
-    memory cap allowed (mem_cap 0: no cap)."""
-    og = None if mem_out_grad is None else np.asarray(mem_out_grad, dtype=np.int64)
-    wg = None if mem_weight_grad is None else np.asarray(mem_weight_grad, dtype=np.int64)
-    kinds, lays, k_used = _C.reverse_first_k(layers, k, og, wg, mem_forward, mem_cap)
+    weight gradients of layers 0 .. k-1 last, first to last, and the k used:
+    at most `layers` (a larger k holds every layer), less where the memory
+    cap allows less. Memory sizes are whole numbers of bytes >= 0: per layer
+    (`layers` of them) for the deferred output and weight gradients, then
+    the forward's; `mem_cap` 0 means no cap."""
+    if not _is_count(layers) or not 1 <= layers < 2 ** 30:
+        raise ValueError(f"layers: expected an int in [1, 2^30), got {layers!r}")
+    if not _is_count(k) or k < 0:
+        raise ValueError(f"k: expected an int >= 0, got {k!r}")
+    og = _byte_counts(mem_out_grad, layers, "mem_out_grad")
+    wg = _byte_counts(mem_weight_grad, layers, "mem_weight_grad")
+    for name, value in (("mem_forward", mem_forward), ("mem_cap", mem_cap)):
+        if not _is_number(value) or not _whole_bytes(np.asarray(value)):
+            raise ValueError(f"{name}: expected a whole number of bytes >= 0, got {value!r}")
+    kinds, lays, k_used = _C.reverse_first_k(layers, k, og, wg, int(mem_forward), int(mem_cap))
     return [(_TASK_NAMES[c], int(l)) for c, l in zip(kinds, lays)], int(k_used)
+
+
+def _byte_counts(value, layers: int, name: str) -> np.ndarray | None:
+    """Per-layer memory sizes as int64 (None stays None); a fraction would
+    have been truncated."""
+    if value is None:
+        return None
+    arr = np.asarray(value)
+    if arr.shape != (layers,):
+        raise ValueError(f"{name}: expected {layers} sizes (one per layer), got shape {arr.shape}")
+    if not _whole_bytes(arr):
+        raise ValueError(f"{name}: expected whole numbers of bytes >= 0, got {arr.tolist()!r}")
+    return arr.astype(np.int64)
+
+
+def _whole_bytes(arr: np.ndarray) -> bool:
+    """Whether every element is a whole number in [0, 2^63) (an int64 size)."""
+    if arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)):
+        return False
+    return bool(np.all(arr == np.floor(arr)) and np.all(arr >= 0) and np.all(arr < 2.0 ** 63))
 
 
 # the core's search keeps a score per k in [0, L]: 8 MiB at this L, far
@@ -1482,6 +1512,16 @@ def _device_tasks(graph: dict, start: np.ndarray, devices: int, sub_stream: bool
     return out
 
 
+def _check_simulated_k(k, layers: int, order: str) -> None:
+    """k counts layers whose dW reverse first-k holds: 0 .. layers (the core
+    would hold all of them for a larger k, and the result would not say)."""
+    if not _is_count(k) or not 0 <= k <= layers:
+        raise ValueError(f"k: expected an int in [0, {layers}] (the layers), got {k!r}")
+    if k and order != "reverse_first_k":
+        raise ValueError(f"k: only order='reverse_first_k' holds layers; got k={k} with "
+                         f"order={order!r}")
+
+
 @dataclass
 class SimResult:
     """What ``simulate`` found. ``order[d]`` lists device d's tasks as run:
@@ -1511,13 +1551,15 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
     all-reduce time (data parallelism; see ``allreduce_time``), None for
     none; ``transfer`` the delay of an activation between devices. Orders:
     "conventional" (autograd's; GPipe with micro-batches), "fast_forward"
-    (gradient fast-forwarding), "reverse_first_k" (Algorithm 2 with `k`).
+    (gradient fast-forwarding), "reverse_first_k" (Algorithm 2 with `k`, in
+    [0, layers]; the other orders take no k).
     ``sub_stream`` runs dW on a second stream of its device, both streams
     advancing at `corun_rate` while they overlap.
     """
     if order not in _ORDER_CODES:
         raise ValueError(f"order: expected one of {tuple(_ORDER_CODES)}, got {order!r}")
     stage = stages(layers, num_stages, allocation, group)
+    _check_simulated_k(k, layers, order)
     graph, start, finish, busy, makespan = _play(
         stage, num_stages, micro=micro_batches, iterations=iterations, fwd=_per_layer(fwd, layers, "fwd"),
         out_grad=_per_layer(out_grad, layers, "out_grad"),
