@@ -2296,7 +2296,8 @@ class Pipeline:
     of the full batch's mean loss, so after the step each rank's layers have
     the ``.grad`` of single-process training on the whole batch (up to float
     rounding of the split sums; accumulated into ``.grad`` like backward).
-    BatchNorm layers see micro-batch statistics, as in GPipe. A layer that
+    BatchNorm layers see micro-batch statistics, as in GPipe, and dropout
+    draws its masks per micro-batch on the stage's rank. A layer that
     ignores or detaches its input gives the layers before it no gradient in
     that micro-batch, as plain autograd: a ``.grad`` no micro-batch adds to
     stays None.
