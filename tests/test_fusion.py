@@ -1085,6 +1085,27 @@ def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) 
     t.handle.remove()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
+    """A fuse() that raises while building its handle (DDP refusing a second
+    comm hook, say) leaves the optimizer unpatched and not marked as fused:
+    eager step() works, and a second fuse() is not refused."""
+    t = Trainer("cnn", "SGD", None)
+    before = hook_snapshot(t.model, t.opt)
+    cls = reprop.fusion._BackwardFusion if mode == "backward" else reprop.fusion._ForwardFusion
+
+    def fail(self, new):
+        raise RuntimeError("building failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(cls, "_track", fail)
+        with pytest.raises(RuntimeError, match="building failed"):
+            reprop.fuse(t.model, t.opt, mode=mode)
+    assert "step" not in t.opt.__dict__ and "zero_grad" not in t.opt.__dict__
+    assert hook_snapshot(t.model, t.opt) == before
+    reprop.fuse(t.model, t.opt, mode=mode).remove()
+
+
 # ---------------------------------------------------------------------------
 # 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------

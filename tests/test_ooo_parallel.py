@@ -436,6 +436,14 @@ def _check_output_parameter(rank: int, world: int, steps: int = 3) -> None:
     model = _Policy()
     ref = DistributedDataParallel(copy.deepcopy(model))
     dp = data_parallel(model, k=1)
+    held, release = [], dp._release_held
+
+    def record_held():
+        tasks = release()
+        held.extend(tasks)
+        return tasks
+
+    dp._release_held = record_held
     for step in range(steps):
         x, t = _batch(rank, step)
         for net in (ref, model):
@@ -443,6 +451,9 @@ def _check_output_parameter(rank: int, world: int, steps: int = 3) -> None:
             _policy_loss(net(x), t).backward()
         _assert_same(model, ref.module, "grad", world == 2)
         assert not model.log_std._backward_hooks, "hooks piled up on the returned Parameter"
+    # backward starts at the returned leaf's AccumulateGrad: the first layer is still held
+    assert [t.site.module for t in held] == [model.mean] * steps
+    dp._release_held = release
     pending = _policy_loss(model(x), t)
     dp.remove()
     if rank == 0:
@@ -594,9 +605,11 @@ def test_data_parallel_bad_arguments(solo_group):
 def test_data_parallel_refuses_backward_fusion(solo_group):
     """Backward-mode fusion updated each parameter from its local gradient
     (a held layer's: from none) before DataParallel averaged it, so the
-    replicas drifted apart silently. Refused in either order, also through
-    a wrapper module; forward mode steps on the averages and is fine, and
-    each works again once the other is removed."""
+    replicas drifted apart silently. Refused in either order, whichever
+    module each was given (the model, a wrapper of it, one of its layers);
+    forward mode steps on the averages and is fine, each works again once the
+    other is removed, and a deepcopy of the model (an EMA) is a model of its
+    own."""
     model = _Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     dp = DataParallel(model, k=2)
@@ -604,13 +617,18 @@ def test_data_parallel_refuses_backward_fusion(solo_group):
         with pytest.raises(ValueError, match="^mode: .*mode='forward'"):
             fuse(root, opt, mode="backward")
     fuse(model, opt, mode="forward").remove()
+    ema = copy.deepcopy(model)
+    fuse(ema, torch.optim.SGD(ema.parameters(), lr=0.1), mode="backward").remove()
     dp.remove()
-    fused = fuse(model, opt, mode="backward")
-    with pytest.raises(ValueError, match="^model: .*mode='forward'"):
-        DataParallel(model, k=2)
+    fused = fuse(nn.Sequential(model), opt, mode="backward")
+    for root in (model, model.layers[0]):
+        with pytest.raises(ValueError, match="^model: .*mode='forward'"):
+            DataParallel(root, k=1)
     assert all("forward" not in lin.__dict__ for lin in model.layers), "split left behind"
     fused.remove()
     DataParallel(model, k=2).remove()
+    with pytest.raises(ValueError, match="^model: has no parameters"):
+        DataParallel(nn.ReLU())
 
 
 # ---------------------------------------------------------------------------
@@ -798,6 +816,9 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     assert world == 3
     with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.weight is layers\[3\]\.weight"):
         Pipeline(_tied(), micro_batches=2)
+    frozen = _tied()
+    frozen[0].requires_grad_(False)  # no gradient changes it: each stage may hold it
+    Pipeline(frozen, micro_batches=2).remove()
     ref_layers = _tied()
     x, t = _batch(0, 0)
     F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()

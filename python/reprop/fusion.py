@@ -164,9 +164,13 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     _check_not_fused(optimizer)
     engine = _engine_for(optimizer)
     if mode == "backward":
-        _check_not_data_parallel(model)
-        return _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
-    return _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+        _check_not_data_parallel(engine)
+        handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
+    else:
+        handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+    # the optimizer changes last: a handle that failed to build leaves it as it was
+    handle._take_over_optimizer()
+    return handle
 
 
 def _check_not_fused(optimizer) -> None:
@@ -181,13 +185,13 @@ def _check_not_fused(optimizer) -> None:
             "first, or fuse once the module that holds all its parameters")
 
 
-def _check_not_data_parallel(model: nn.Module) -> None:
+def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
     """Backward mode updates each parameter from its local gradient as soon as
     autograd has it; reprop.ooo.DataParallel averages the gradients over the
     ranks later (those of the layers it holds, after backward), so each
     replica would step on its own gradient."""
-    from .ooo import _under_data_parallel  # ooo imports this module
-    if _under_data_parallel(model):
+    from .ooo import _averaged_by_data_parallel  # ooo imports this module
+    if _averaged_by_data_parallel(p for g in engine.param_groups for p in g["params"]):
         raise ValueError("mode: 'backward' updates parameters from local gradients before "
                          "reprop.ooo.data_parallel averages them over the ranks (the replicas "
                          "would drift apart); use mode='forward', which steps on the averages")
@@ -306,7 +310,12 @@ class FusionHandle:
         self._params = _all_params(engine)
         self._membership = _membership(engine)
         self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
-        # The optimizer's own instance attributes that fusion overrides, to restore.
+        self._saved: dict = {}  # the optimizer's instance attributes fusion overrides
+
+    def _take_over_optimizer(self) -> None:
+        """Routes the optimizer's step(), zero_grad() and load_state_dict() to
+        this fusion, saving what it overrides for remove()."""
+        optimizer, engine = self._user_optimizer, self.optimizer
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
         _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
 

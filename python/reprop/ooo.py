@@ -34,11 +34,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import itertools
 import math
 import numbers
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -1727,23 +1727,25 @@ def _output_tensors(out) -> list[torch.Tensor]:
     return []
 
 
-# Set in the model's __dict__ while a DataParallel averages its gradients:
-# reprop.fuse(mode="backward") would update from the local gradients first.
-_DATA_PARALLEL_MARK = "_reprop_data_parallel"
+# The DataParallel instances not removed yet: reprop.fuse(mode="backward")
+# would update their parameters from the local gradients, before the average.
+_LIVE_DATA_PARALLEL: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _under_data_parallel(model: nn.Module) -> bool:
-    """Whether a live DataParallel averages the gradients of `model` or of one
-    of its modules."""
-    return any(_DATA_PARALLEL_MARK in m.__dict__ for m in model.modules())
+def _averaged_by_data_parallel(params: Iterable[torch.Tensor]) -> bool:
+    """Whether a live DataParallel averages the gradient of one of `params`
+    (by identity: a deepcopy of its model, an EMA, is a model of its own)."""
+    ids = {id(p) for dp in _LIVE_DATA_PARALLEL for p in dp._all_params}
+    return any(id(p) in ids for p in params)
 
 
 def _backward_fused(model: nn.Module) -> bool:
-    """Whether a live ``reprop.fuse(mode="backward")`` updates parameters of
-    `model` or of one of its modules: such a fusion hooks the forward of the
-    module it was given (and remove() takes the hook away)."""
+    """Whether a live ``reprop.fuse(mode="backward")`` updates a parameter of
+    `model`: its post-accumulate-grad hook on the parameter, whatever module
+    the fusion was given (remove() takes the hooks away)."""
     return any(isinstance(getattr(hook, "__self__", None), _BackwardFusion)
-               for m in model.modules() for hook in m._forward_pre_hooks.values())
+               for p in model.parameters()
+               for hook in (p._post_accumulate_grad_hooks or {}).values())
 
 
 class DataParallel:
@@ -1816,6 +1818,8 @@ class DataParallel:
                              "local gradients inside backward, before they are averaged over "
                              "the ranks, so the replicas would drift apart; fuse with "
                              "mode='forward' (or remove() the fusion first)")
+        if not any(True for _ in model.parameters()):
+            raise ValueError("model: has no parameters; DataParallel has no gradient to average")
         # what the broadcast below sends
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
         default_cap = bucket_cap_mb is None
@@ -1855,6 +1859,7 @@ class DataParallel:
         # DDP's require_forward_param_sync: buffers are broadcast before a
         # forward only after a grad-mode forward outside no_sync() (or none)
         self._sync_next_forward = True
+        self._output_leaves: set = set()  # ids of the last forward's outputs that are leaves
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
         self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
@@ -1876,7 +1881,8 @@ class DataParallel:
                        model.register_forward_hook(self._watch_output)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
                         for p in self._params]
-        model.__dict__[_DATA_PARALLEL_MARK] = True
+        self._all_params = list(model.parameters())
+        _LIVE_DATA_PARALLEL.add(self)
 
     # -- public ----------------------------------------------------------------
 
@@ -1903,7 +1909,7 @@ class DataParallel:
             h.remove()
         self._hooks = []
         self._removed = True  # see _output_grad
-        self.model.__dict__.pop(_DATA_PARALLEL_MARK, None)
+        _LIVE_DATA_PARALLEL.discard(self)
         if self._stack is not None:
             self._stack.close()
             self._stack = None
@@ -1986,11 +1992,13 @@ class DataParallel:
         self._sync_next_forward = self._sync_backward and torch.is_grad_enabled()
         if not self._sync_backward:
             return
-        for t in _output_tensors(out):
-            # not on a leaf (a Parameter the model returns, as a policy's
-            # log-std): no layer is behind it to hold, and its hooks would
-            # outlive the step, one more per forward
-            if t.requires_grad and t.grad_fn is not None:
+        outputs = [t for t in _output_tensors(out) if t.requires_grad]
+        # a hook on a leaf (a Parameter the model returns, as a policy's
+        # log-std) would outlive the step, one more per forward: its
+        # AccumulateGrad starts the held backward instead (_grad_accumulated)
+        self._output_leaves = {id(t) for t in outputs if t.grad_fn is None}
+        for t in outputs:
+            if t.grad_fn is not None:
                 # runs before any layer's backward: hold the first k from the start
                 t.register_hook(self._output_grad)
 
@@ -2012,7 +2020,8 @@ class DataParallel:
         if not self._sync_backward:
             return
         if not self._in_backward:
-            self._begin_backward(hold=False)  # backward did not start at the output
+            # an output itself, or backward did not start at the outputs
+            self._begin_backward(hold=id(p) in self._output_leaves)
         bucket = self._bucket_of.get(p)
         if bucket is not None:
             bucket.pending.discard(p)
@@ -2595,18 +2604,21 @@ class Pipeline:
 
 
 def _check_not_tied_across_stages(layers: Sequence[nn.Module], stage_of: np.ndarray) -> None:
-    """Refuses a parameter or buffer (a tied embedding, a module used twice)
+    """Refuses a trainable parameter (a tied embedding, a module used twice)
     of layers on different stages: each stage would train its own copy from
     its part of the gradient. Every rank holds every layer, so identity
-    tells."""
+    tells. Frozen parameters and buffers (a fixed positional table) may be
+    shared: no gradient changes them."""
     first: dict = {}  # id(tensor) -> (layer, name) of its first use
     for l, layer in enumerate(layers):
-        for name, t in itertools.chain(layer.named_parameters(), layer.named_buffers()):
+        for name, t in layer.named_parameters():
+            if not t.requires_grad:
+                continue
             k, k_name = first.setdefault(id(t), (l, name))
             if stage_of[k] != stage_of[l]:
                 raise ValueError(
                     f"layers: layers[{k}].{k_name} is layers[{l}].{name}, but the layers are on "
-                    f"stages {stage_of[k]} and {stage_of[l]}; a shared parameter or buffer must "
+                    f"stages {stage_of[k]} and {stage_of[l]}; a shared trainable parameter must "
                     "stay on one stage (choose allocation and group so that its layers meet, "
                     "or give each layer its own)")
 
