@@ -341,6 +341,43 @@ def test_codebook_two_valued_max_error(name, params):
     assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-30 else pytest.approx(1e-35))
 
 
+def test_8bit_refuses_unbounded_derivative():
+    """CELU with alpha < 0 has f'(x) = exp(x / alpha), unbounded as x -> -inf:
+    no grid covers it, so 8-bit storage is refused (not clipped) by the
+    function, a patched module, enabled()'s rerouting and codebook()."""
+    x = torch.tensor([-1.0, -20.0], requires_grad=True)
+    match = "saved_dtype=torch.uint8.*alpha < 0.*alpha=-5.0"
+    with pytest.raises(ValueError, match=match):
+        fad.celu(x, alpha=-5.0, saved_dtype=torch.uint8)
+    model = nn.Sequential(nn.CELU(alpha=-5.0))
+    fad.patch(model, saved_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        model(x)
+    with pytest.raises(ValueError, match=match), fad.enabled(saved_dtype=torch.uint8):
+        F.celu(x, alpha=-5.0)
+    with pytest.raises(ValueError, match="codebook: .*alpha < 0"):
+        fad.codebook("celu", -0.5)
+    # 16-bit storage rounds instead: relative error, no range
+    y = fad.celu(x, alpha=-5.0, saved_dtype=torch.bfloat16)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(g, torch.exp(x.detach() / -5.0), rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("name,params", [("elu", (-0.5,)), ("elu", (-2.0,)),
+                                         ("softplus", (-1.0, 20.0)), ("leaky_relu", (-3.0,))])
+def test_8bit_negative_parameters_stay_bounded(name, params):
+    """ELU (alpha e^x), Softplus (sigmoid(beta x)) and LeakyReLU keep a bounded
+    f' for negative parameters: 8-bit storage is accepted, within max_error."""
+    x = torch.cat([torch.linspace(-40, 40, 8001), torch.tensor([0.0, -0.0])])
+    cb = fad.codebook(name, *params)
+    leaf = x.clone().requires_grad_()
+    getattr(fad, name)(leaf, *params, saved_dtype=torch.uint8).sum().backward()
+    ref = x.double().requires_grad_()
+    getattr(F, name)(ref, *params).sum().backward()
+    err = (leaf.grad.double() - ref.grad).abs().max().item()
+    assert err <= cb.max_error * (1 + 1e-3) + 1e-6
+
+
 # ---------------------------------------------------------------------------
 # Autograd modes, autocast, double backward
 # ---------------------------------------------------------------------------

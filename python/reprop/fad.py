@@ -104,6 +104,19 @@ def _check_saved_dtype(saved_dtype, fname: str) -> None:
                          f"torch.float16 or torch.uint8 (8-bit codes), got {saved_dtype!r}")
 
 
+def _check_codable(act: _Act, saved_dtype, fname: str) -> None:
+    """8-bit codes are a grid over f's derivative range, so that range must be
+    bounded; clamping an unbounded f' to a grid would be silently wrong. Of the
+    kinds, only CELU with alpha < 0 has one: f'(x) = exp(x / alpha) for x <= 0.
+    (ELU's alpha e^x, Softplus's sigmoid(beta x) and LeakyReLU's two values stay
+    bounded for any sign of their parameter.)"""
+    if saved_dtype is torch.uint8 and act.kind == "celu" and act.p0 < 0:
+        raise ValueError(f"{fname}: saved_dtype=torch.uint8 (8-bit codes) needs a bounded "
+                         f"derivative, but CELU's f'(x) = exp(x / alpha) is unbounded for "
+                         f"alpha < 0 (got alpha={act.p0}); use saved_dtype None, torch.float32, "
+                         "torch.bfloat16 or torch.float16")
+
+
 def _store_code(saved: torch.dtype) -> int:
     return _CODE8 if saved is torch.uint8 else _tensors.DTYPE_CODES[saved]
 
@@ -238,6 +251,7 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
 def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     _check_saved_dtype(saved_dtype, fname)
+    _check_codable(act, saved_dtype, fname)
     if isinstance(x, torch.Tensor) and _tensors.torch_only(x):
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
@@ -574,6 +588,7 @@ def codebook(activation: str, *params: float) -> Codebook:
         raise ValueError(f"codebook: {activation} takes at most {len(defaults)} parameters, got {len(params)}")
     params = tuple(map(float, params)) + defaults[len(params):]
     act = _Act(activation, *params)
+    _check_codable(act, torch.uint8, "codebook")
     raw = _codebook_bytes(act)
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
     zero = _zero_code(act)
