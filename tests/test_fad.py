@@ -341,6 +341,25 @@ def test_codebook_two_valued_max_error(name, params):
     assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-30 else pytest.approx(1e-35))
 
 
+@pytest.mark.parametrize("alpha", [-0.5, -2.0])
+def test_codebook_of_a_grid_ending_at_zero(alpha):
+    """ELU with alpha < 0 has f' in [alpha, 0]: its grid ends at 0, and
+    codebook() reports that grid's step and half of it as max_error (the
+    error the gradients show), not a step read past its last code."""
+    cb = fad.codebook("elu", alpha)
+    grid = np.unique(cb.values[:254])
+    assert cb.step == pytest.approx(np.diff(grid).max(), rel=1e-6)
+    assert cb.step == pytest.approx(abs(alpha) / 253, rel=0.01)
+    assert cb.max_error == cb.step / 2
+    x = torch.linspace(-10, 3, 100001)
+    leaf = x.clone().requires_grad_()
+    fad.elu(leaf, alpha, saved_dtype=torch.uint8).sum().backward()
+    ref = x.double().requires_grad_()
+    F.elu(ref, alpha).sum().backward()
+    err = (leaf.grad.double() - ref.grad).abs().max().item()
+    assert cb.max_error * 0.9 <= err <= cb.max_error * (1 + 1e-3)
+
+
 def test_8bit_refuses_unbounded_derivative():
     """CELU with alpha < 0 has f'(x) = exp(x / alpha), unbounded as x -> -inf:
     no grid covers it, so 8-bit storage is refused (not clipped) by the

@@ -593,7 +593,9 @@ def codebook(activation: str, *params: float) -> Codebook:
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
     zero = _zero_code(act)
     lo, hi = np.frombuffer(raw, dtype=np.float32, count=2, offset=1032)
-    step = values[zero + 1] - values[zero]  # every grid reaches above 0
+    # values[c] = (c - zero) * step exactly; the grid may end at 0 (ELU with
+    # alpha < 0), so step is read from its first two codes, not from above 0
+    step = values[1] - values[0]
     max_error = step / 2
     if activation in _TWO_VALUED:
         # f' on the grid is 0 or v, the range's other end (LeakyReLU's 1 has
