@@ -66,6 +66,9 @@ _KIND = {name: code for code, name in enumerate(_KINDS)}
 _CODE8 = 3  # RP_FAD_CODE8
 _NONE = -1  # RP_FAD_NONE
 _SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+# Inputs the functions hand to torch's own op: the kernels compute in float32,
+# and float64 input asks for float64 gradients (enabled() does the same).
+_TORCH_DTYPES = (torch.float64,)
 
 
 class _Act(NamedTuple):
@@ -252,7 +255,7 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
                 fname: str) -> torch.Tensor:
     _check_saved_dtype(saved_dtype, fname)
     _check_codable(act, saved_dtype, fname)
-    if isinstance(x, torch.Tensor) and _tensors.torch_only(x):
+    if isinstance(x, torch.Tensor) and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x)):
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
     if _tensors.autocast_enabled(x.device.type):
@@ -273,7 +276,8 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
 _SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype; or
     torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
     x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
-    result has x's dtype, shape and (dense) layout."""
+    result has x's dtype, shape and (dense) layout. float64 x runs torch's own
+    op (the kernels compute in float32), saving what it saves."""
 
 
 def _doc(fn):
