@@ -812,6 +812,35 @@ def test_enabled_under_activation_checkpointing(compose, reentrant):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_compose_float64_runs_plain_autograd():
+    """float64 results run plain torch (as documented), so their gradients
+    are torch's float64 ones, even through a float32 constant divisor."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    k32 = torch.rand(1000) + 0.5
+    for fn in (lambda t: (t + 1) / k32, lambda t: torch.exp(t) * F.silu(t),
+               lambda t: t.float() / k32.double()):
+        with fad.enabled(compose=True):
+            y = fn(x)
+        assert type(y.grad_fn).__name__ != "_ChainBackward"
+        (got,) = torch.autograd.grad(y.sum(), x)
+        (want,) = torch.autograd.grad(fn(x).sum(), x)
+        assert torch.equal(got, want)
+
+
+def test_compose_low_precision_constant_divisor():
+    """A bfloat16 constant divides a float32 chain in float32 (torch's
+    promotion): its reciprocal is taken after promotion, not in bfloat16."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, requires_grad=True)
+    k = torch.rand(1000, dtype=torch.bfloat16) + 0.5
+    with fad.enabled(compose=True):
+        y = (x + 1) / k
+    (got,) = torch.autograd.grad(y.sum(), x)
+    (want,) = torch.autograd.grad(((x + 1) / k).sum(), x)
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+
+
 def test_compose_constant_changed_in_place_between_steps():
     """x * c carries c itself as the derivative; c changed in place before the
     next step must not change the gradient silently: autograd raises, and

@@ -737,10 +737,12 @@ def _blocked(operands, own=None):
     return own if common is None else common | own
 
 
-def _reciprocal(b):
-    """1 / b, for a tensor or a number (±inf at ±0, as torch divides)."""
+def _reciprocal(b, dtype: torch.dtype):
+    """1 / b in `dtype` (the result's, so that a lower-precision constant is
+    promoted before it is inverted, as torch's grad / b does), for a tensor or
+    a number (±inf at ±0, as torch divides)."""
     if isinstance(b, torch.Tensor):
-        return torch.reciprocal(b)
+        return torch.reciprocal(b.to(dtype))
     with np.errstate(divide="ignore"):
         return float(np.reciprocal(np.float64(b)))
 
@@ -798,7 +800,7 @@ def _d_mul(a, b, v, alpha):
 
 
 def _d_div(a, b, v, alpha):  # a / b
-    inv_b = _reciprocal(b.value)
+    inv_b = _reciprocal(b.value, v.dtype)
     return _add(_total(inv_b, a), _total(-v * inv_b, b))
 
 
@@ -912,7 +914,7 @@ class enabled(TorchFunctionMode):
     dropped. Intermediates die with the Python temporaries that hold them, so a
     finished chain keeps one tensor. NN: anything else (two roots, in-place ops,
     views, broadcasting past the root's shape, reductions, matmuls, no_grad,
-    float64) runs as plain torch and plain autograd, which stays correct
+    float64 results) runs as plain torch and plain autograd, which stays correct
     because every chain tensor's node is.
 
     Element-wise ops: every reprop.fad activation (through torch.sigmoid,
@@ -979,8 +981,8 @@ class enabled(TorchFunctionMode):
         if parsed is None:
             return None
         root, operands, compute = parsed
-        if not root.is_floating_point():
-            return None
+        if not root.is_floating_point() or _result_dtype(operands) in _TORCH_DTYPES:
+            return None  # float64 results keep torch's float64 backward formulas
         tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
         if any(t.is_complex() for t in tensors):
             return None  # autograd conjugates what a complex op's backward multiplies by
@@ -1083,6 +1085,12 @@ class enabled(TorchFunctionMode):
             return v, rule(a, b, v, alpha), _blocked([a, b])
 
         return root, [a, b], compute
+
+
+def _result_dtype(operands) -> torch.dtype:
+    """The dtype of the op's output, by torch's promotion (one operand: its own)."""
+    values = [o.value for o in operands]
+    return values[0].dtype if len(values) == 1 else torch.result_type(*values)
 
 
 def _tensors_in(args, kwargs):
