@@ -925,6 +925,12 @@ class enabled(TorchFunctionMode):
     saved_dtype: how derivatives are saved; None (the chain's dtype),
     torch.float32, bfloat16 or float16; with compose=False also torch.uint8
     (8-bit codes; a composed chain has no known derivative range to code).
+    For chains bfloat16 is the safer 16-bit choice: a derivative above 65504
+    overflows float16 to inf, and a later zero gradient makes that NaN.
+
+    A step whose derivative cancels exactly (x - x, x * 0) carries the number
+    0, so a later infinite local derivative gives 0 where autograd's
+    inf * 0 gives NaN (sqrt(x - x), log(x * 0)).
     """
 
     def __init__(self, compose: bool = False, saved_dtype=None):
