@@ -483,6 +483,19 @@ def test_float64_runs_torch_ops():
     assert torch.equal(fad.softplus(t, -2.0, 3.0), F.softplus(t, -2.0, 3.0))
 
 
+def test_inplace_on_inference_tensor_is_refused_as_torch():
+    with torch.inference_mode():
+        t = torch.randn(3)
+    before = t.clone()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        F.elu(t, inplace=True)
+    with pytest.raises(RuntimeError, match="elu: inplace update to inference tensor"):
+        fad.elu(t, inplace=True)
+    assert torch.equal(t, before)
+    with torch.inference_mode():  # inside inference_mode both write it
+        assert torch.equal(fad.elu(t.clone(), inplace=True), F.elu(t))
+
+
 def test_bad_input_raises_clearly():
     with pytest.raises(TypeError, match="silu: input.*int64"):
         fad.silu(torch.arange(3))
