@@ -150,9 +150,14 @@ def test_layouts_and_empty(name, device):
     }
     for x in cases.values():
         check_against_torch(ours, ref, kw, x, torch.randn(x.shape, device=device))
-    # a dense input keeps its layout, like torch's own activations
-    y = ours(cases["channels_last"], **kw)
-    assert y.is_contiguous(memory_format=torch.channels_last)
+    # a dense input keeps its layout (strides), like torch's own activations
+    for x in (cases["channels_last"], cases["transposed"], base.permute(2, 0, 3, 1),
+              torch.randn(5, 7, device=device).t()):
+        leaf = x.detach().requires_grad_()
+        y = ours(leaf, saved_dtype=torch.uint8, **kw)
+        assert y.stride() == ref(x, **kw).stride()
+        (gx,) = torch.autograd.grad(y, leaf, torch.ones_like(y))
+        assert gx.stride() == leaf.stride()
 
 
 @pytest.mark.parametrize("device", DEVICES)
