@@ -988,6 +988,16 @@ def test_tracing_and_export_run_torch_ops():
     torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
 
 
+def test_script_of_a_patched_model_says_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    fad.patch(model)
+    with pytest.raises(RuntimeError, match="reprop.fad.GELU .*cannot be scripted.*unpatch"):
+        torch.jit.script(model)
+    assert type(model[1]) is fad.GELU  # still patched
+    fad.unpatch(model)
+    torch.jit.script(model)
+
+
 def test_compose_leaves_tensor_subclasses_alone():
     p = nn.Parameter(torch.randn(8))
     with fad.enabled(compose=True):

@@ -427,6 +427,15 @@ class _SavedDtypeMixin:
 
     saved_dtype = None
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first; without it, it fails compiling our
+        # forward with "Expected a single top-level function". Swapping in
+        # torch's class here would unpatch the caller's model in place.
+        raise RuntimeError(f"torch.jit.script: reprop.fad.{type(self).__name__} runs reprop's "
+                           "kernels from Python and cannot be scripted; call "
+                           "reprop.fad.unpatch(model) first, or use torch.jit.trace (which "
+                           "records torch's own ops)")
+
     def extra_repr(self) -> str:
         base = super().extra_repr()
         if self.saved_dtype is None:
