@@ -89,10 +89,7 @@ static void rp_fad_deriv_range(int kind, float p0, double *lo, double *hi)
         *lo = p0 < 0.0f ? (double)p0 : 0.0;
         *hi = p0 > 0.0f ? (double)p0 : 0.0;
         break;
-    case RP_FAD_CELU:
-        /* e^(x/alpha) for x <= 0: in (0, 1] when alpha > 0; unbounded when
-         * alpha < 0, where the grid saturates at e^3 (x/alpha = 3). */
-        *hi = p0 > 0.0f ? 1.0 : exp(3.0);
+    case RP_FAD_CELU: /* e^(x/alpha) for x <= 0: in (0, 1] (rp_fad_check refuses alpha < 0) */
         break;
     case RP_FAD_SELU: /* alpha scale e^x for x <= 0 */
         *hi = (double)(RP_SELU_ALPHA * RP_SELU_SCALE);
@@ -222,6 +219,11 @@ int rp_fad_check(int kind, float p0, float p1, int dtype, int d_store, rp_error 
                             (double)p0, (double)p1);
     if (kind == RP_FAD_CELU && p0 == 0.0f)
         return rp_set_error(err, RP_EINVAL, "CELU alpha must be nonzero");
+    /* A grid needs a bounded f'; CELU's e^(x/alpha) grows without bound as
+     * x -> -inf when alpha < 0, and clamping it would be silently wrong. */
+    if (kind == RP_FAD_CELU && p0 < 0.0f && d_store == RP_FAD_CODE8)
+        return rp_set_error(err, RP_EINVAL,
+                            "CELU with alpha < 0 has an unbounded derivative: no 8-bit codes");
     return RP_OK;
 }
 

@@ -150,9 +150,14 @@ def test_layouts_and_empty(name, device):
     }
     for x in cases.values():
         check_against_torch(ours, ref, kw, x, torch.randn(x.shape, device=device))
-    # a dense input keeps its layout, like torch's own activations
-    y = ours(cases["channels_last"], **kw)
-    assert y.is_contiguous(memory_format=torch.channels_last)
+    # a dense input keeps its layout (strides), like torch's own activations
+    for x in (cases["channels_last"], cases["transposed"], base.permute(2, 0, 3, 1),
+              torch.randn(5, 7, device=device).t()):
+        leaf = x.detach().requires_grad_()
+        y = ours(leaf, saved_dtype=torch.uint8, **kw)
+        assert y.stride() == ref(x, **kw).stride()
+        (gx,) = torch.autograd.grad(y, leaf, torch.ones_like(y))
+        assert gx.stride() == leaf.stride()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -341,6 +346,62 @@ def test_codebook_two_valued_max_error(name, params):
     assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-30 else pytest.approx(1e-35))
 
 
+@pytest.mark.parametrize("alpha", [-0.5, -2.0])
+def test_codebook_of_a_grid_ending_at_zero(alpha):
+    """ELU with alpha < 0 has f' in [alpha, 0]: its grid ends at 0, and
+    codebook() reports that grid's step and half of it as max_error (the
+    error the gradients show), not a step read past its last code."""
+    cb = fad.codebook("elu", alpha)
+    grid = np.unique(cb.values[:254])
+    assert cb.step == pytest.approx(np.diff(grid).max(), rel=1e-6)
+    assert cb.step == pytest.approx(abs(alpha) / 253, rel=0.01)
+    assert cb.max_error == cb.step / 2
+    x = torch.linspace(-10, 3, 100001)
+    leaf = x.clone().requires_grad_()
+    fad.elu(leaf, alpha, saved_dtype=torch.uint8).sum().backward()
+    ref = x.double().requires_grad_()
+    F.elu(ref, alpha).sum().backward()
+    err = (leaf.grad.double() - ref.grad).abs().max().item()
+    assert cb.max_error * 0.9 <= err <= cb.max_error * (1 + 1e-3)
+
+
+def test_8bit_refuses_unbounded_derivative():
+    """CELU with alpha < 0 has f'(x) = exp(x / alpha), unbounded as x -> -inf:
+    no grid covers it, so 8-bit storage is refused (not clipped) by the
+    function, a patched module, enabled()'s rerouting and codebook()."""
+    x = torch.tensor([-1.0, -20.0], requires_grad=True)
+    match = "saved_dtype=torch.uint8.*alpha < 0.*alpha=-5.0"
+    with pytest.raises(ValueError, match=match):
+        fad.celu(x, alpha=-5.0, saved_dtype=torch.uint8)
+    model = nn.Sequential(nn.CELU(alpha=-5.0))
+    fad.patch(model, saved_dtype=torch.uint8)
+    with pytest.raises(ValueError, match=match):
+        model(x)
+    with pytest.raises(ValueError, match=match), fad.enabled(saved_dtype=torch.uint8):
+        F.celu(x, alpha=-5.0)
+    with pytest.raises(ValueError, match="codebook: .*alpha < 0"):
+        fad.codebook("celu", -0.5)
+    # 16-bit storage rounds instead: relative error, no range
+    y = fad.celu(x, alpha=-5.0, saved_dtype=torch.bfloat16)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    assert torch.allclose(g, torch.exp(x.detach() / -5.0), rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("name,params", [("elu", (-0.5,)), ("elu", (-2.0,)),
+                                         ("softplus", (-1.0, 20.0)), ("leaky_relu", (-3.0,))])
+def test_8bit_negative_parameters_stay_bounded(name, params):
+    """ELU (alpha e^x), Softplus (sigmoid(beta x)) and LeakyReLU keep a bounded
+    f' for negative parameters: 8-bit storage is accepted, within max_error."""
+    x = torch.cat([torch.linspace(-40, 40, 8001), torch.tensor([0.0, -0.0])])
+    cb = fad.codebook(name, *params)
+    leaf = x.clone().requires_grad_()
+    getattr(fad, name)(leaf, *params, saved_dtype=torch.uint8).sum().backward()
+    ref = x.double().requires_grad_()
+    getattr(F, name)(ref, *params).sum().backward()
+    err = (leaf.grad.double() - ref.grad).abs().max().item()
+    assert err <= cb.max_error * (1 + 1e-3) + 1e-6
+
+
 # ---------------------------------------------------------------------------
 # Autograd modes, autocast, double backward
 # ---------------------------------------------------------------------------
@@ -407,9 +468,40 @@ def test_gradcheck_in_float32():
 # ---------------------------------------------------------------------------
 
 
+def test_float64_runs_torch_ops():
+    """float64 input runs torch's own op in the functions and patched
+    modules, as under enabled(): float64 gradients, and gradcheck passes."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.GELU(), nn.Linear(5, 5), nn.ELU(alpha=0.7),
+                          nn.Linear(5, 3), nn.Mish()).double()
+    plain = copy.deepcopy(model)
+    fad.patch(model, saved_dtype=torch.uint8)
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(model, (x,))
+    out, ref = model(x), plain(x)
+    assert out.dtype == torch.float64 and torch.equal(out, ref)
+    grads = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    refs = torch.autograd.grad(ref.sum(), [x, *plain.parameters()])
+    assert all(torch.equal(g, r) for g, r in zip(grads, refs))
+    t = torch.randn(5, dtype=torch.float64)
+    assert torch.equal(fad.silu(t.clone(), inplace=True), F.silu(t))
+    assert torch.equal(fad.softplus(t, -2.0, 3.0), F.softplus(t, -2.0, 3.0))
+
+
+def test_inplace_on_inference_tensor_is_refused_as_torch():
+    with torch.inference_mode():
+        t = torch.randn(3)
+    before = t.clone()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        F.elu(t, inplace=True)
+    with pytest.raises(RuntimeError, match="elu: inplace update to inference tensor"):
+        fad.elu(t, inplace=True)
+    assert torch.equal(t, before)
+    with torch.inference_mode():  # inside inference_mode both write it
+        assert torch.equal(fad.elu(t.clone(), inplace=True), F.elu(t))
+
+
 def test_bad_input_raises_clearly():
-    with pytest.raises(TypeError, match="gelu: input.*float64"):
-        fad.gelu(torch.randn(3, dtype=torch.float64))
     with pytest.raises(TypeError, match="silu: input.*int64"):
         fad.silu(torch.arange(3))
     with pytest.raises(TypeError, match="complex"):
@@ -738,6 +830,35 @@ def test_enabled_under_activation_checkpointing(compose, reentrant):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+def test_compose_float64_runs_plain_autograd():
+    """float64 results run plain torch (as documented), so their gradients
+    are torch's float64 ones, even through a float32 constant divisor."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, dtype=torch.float64, requires_grad=True)
+    k32 = torch.rand(1000) + 0.5
+    for fn in (lambda t: (t + 1) / k32, lambda t: torch.exp(t) * F.silu(t),
+               lambda t: t.float() / k32.double()):
+        with fad.enabled(compose=True):
+            y = fn(x)
+        assert type(y.grad_fn).__name__ != "_ChainBackward"
+        (got,) = torch.autograd.grad(y.sum(), x)
+        (want,) = torch.autograd.grad(fn(x).sum(), x)
+        assert torch.equal(got, want)
+
+
+def test_compose_low_precision_constant_divisor():
+    """A bfloat16 constant divides a float32 chain in float32 (torch's
+    promotion): its reciprocal is taken after promotion, not in bfloat16."""
+    torch.manual_seed(0)
+    x = torch.randn(1000, requires_grad=True)
+    k = torch.rand(1000, dtype=torch.bfloat16) + 0.5
+    with fad.enabled(compose=True):
+        y = (x + 1) / k
+    (got,) = torch.autograd.grad(y.sum(), x)
+    (want,) = torch.autograd.grad(((x + 1) / k).sum(), x)
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+
+
 def test_compose_constant_changed_in_place_between_steps():
     """x * c carries c itself as the derivative; c changed in place before the
     next step must not change the gradient silently: autograd raises, and
@@ -865,6 +986,16 @@ def test_tracing_and_export_run_torch_ops():
     torch.testing.assert_close(traced(x2), ref(x2), rtol=1e-6, atol=1e-7)
     exported = torch.export.export(model, (x,))
     torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
+
+
+def test_script_of_a_patched_model_says_what_to_do():
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    fad.patch(model)
+    with pytest.raises(RuntimeError, match="reprop.fad.GELU .*cannot be scripted.*unpatch"):
+        torch.jit.script(model)
+    assert type(model[1]) is fad.GELU  # still patched
+    fad.unpatch(model)
+    torch.jit.script(model)
 
 
 def test_compose_leaves_tensor_subclasses_alone():

@@ -501,6 +501,10 @@ static void test_errors(void)
     CHECK(rp_fad_forward_cpu(RP_FAD_KINDS, 0, 0, RP_F32, x, y, RP_F32, d, 4, 1, &err) ==
               RP_EINVAL, "forward bad kind");
     CHECK(rp_fad_codebook_init(RP_FAD_CELU, 0, 0, &cb, &err) == RP_EINVAL, "codebook CELU 0");
+    CHECK(rp_fad_codebook_init(RP_FAD_CELU, -0.5f, 0, &cb, &err) == RP_EINVAL,
+          "codebook CELU alpha < 0");
+    CHECK(strstr(err.msg, "unbounded") != NULL, "message: %s", err.msg);
+    CHECK(rp_fad_check(RP_FAD_CELU, -0.5f, 0, RP_F32, RP_F32, &err) == RP_OK, "CELU < 0 in f32");
     CHECK(rp_fad_codebook_init(RP_FAD_GELU, 0, 0, NULL, &err) == RP_EINVAL, "codebook NULL");
     CHECK(rp_fad_codebook_init(RP_FAD_GELU, 0, 0, &cb, &err) == RP_OK, "%s", err.msg);
     CHECK(rp_fad_backward_code8_cpu(RP_F32, x, codes, NULL, y, 4, 1, &err) == RP_EINVAL,

@@ -66,6 +66,9 @@ _KIND = {name: code for code, name in enumerate(_KINDS)}
 _CODE8 = 3  # RP_FAD_CODE8
 _NONE = -1  # RP_FAD_NONE
 _SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
+# Inputs the functions hand to torch's own op: the kernels compute in float32,
+# and float64 input asks for float64 gradients (enabled() does the same).
+_TORCH_DTYPES = (torch.float64,)
 
 
 class _Act(NamedTuple):
@@ -104,6 +107,19 @@ def _check_saved_dtype(saved_dtype, fname: str) -> None:
                          f"torch.float16 or torch.uint8 (8-bit codes), got {saved_dtype!r}")
 
 
+def _check_codable(act: _Act, saved_dtype, fname: str) -> None:
+    """8-bit codes are a grid over f's derivative range, so that range must be
+    bounded; clamping an unbounded f' to a grid would be silently wrong. Of the
+    kinds, only CELU with alpha < 0 has one: f'(x) = exp(x / alpha) for x <= 0.
+    (ELU's alpha e^x, Softplus's sigmoid(beta x) and LeakyReLU's two values stay
+    bounded for any sign of their parameter.)"""
+    if saved_dtype is torch.uint8 and act.kind == "celu" and act.p0 < 0:
+        raise ValueError(f"{fname}: saved_dtype=torch.uint8 (8-bit codes) needs a bounded "
+                         f"derivative, but CELU's f'(x) = exp(x / alpha) is unbounded for "
+                         f"alpha < 0 (got alpha={act.p0}); use saved_dtype None, torch.float32, "
+                         "torch.bfloat16 or torch.float16")
+
+
 def _store_code(saved: torch.dtype) -> int:
     return _CODE8 if saved is torch.uint8 else _tensors.DTYPE_CODES[saved]
 
@@ -131,10 +147,25 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill one gap-free block of memory in some order of
+    its dims (contiguous, channels_last, any permutation such as a transpose):
+    the kernels then walk it as a flat array, and torch.empty_like(t) has the
+    same strides, so the result keeps t's layout as torch's ops do."""
+    if _tensors.is_dense(t):
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, d) with d stored as `saved` (None: d is not computed). In place, y is x."""
-    src = x if _tensors.is_dense(x) else x.contiguous()
+    src = x if _dense(x) else x.contiguous()
     y = src if inplace and src is x else torch.empty_like(src)  # empty_like keeps a dense layout
     d = None if saved is None else torch.empty_like(src, dtype=saved)
     _launch_forward(act, src, y, d)
@@ -160,7 +191,7 @@ def _zero_code(act: _Act) -> int:
 
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
-    if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
+    if not _tensors.same_layout(grad, codes) or not _dense(grad):
         grad, codes = grad.contiguous(), codes.contiguous()
     out = torch.empty_like(grad)
     n = grad.numel()
@@ -235,16 +266,27 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
         return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
 
 
+def _check_writable(x: torch.Tensor, fname: str) -> None:
+    """torch's refusal of an in-place write that the kernels' raw pointer would
+    slip past: an inference tensor outside inference_mode cannot be tracked."""
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{fname}: inplace update to inference tensor outside InferenceMode is "
+                           "not allowed (as in torch); clone it first to get a normal tensor")
+
+
 def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     _check_saved_dtype(saved_dtype, fname)
-    if isinstance(x, torch.Tensor) and _tensors.torch_only(x):
+    _check_codable(act, saved_dtype, fname)
+    if isinstance(x, torch.Tensor) and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x)):
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
     if _tensors.autocast_enabled(x.device.type):
         target = _autocast_target(native, x)
         if target != x.dtype:
             x, inplace = x.to(target), False
+    if inplace:
+        _check_writable(x, fname)
     if getattr(_capture, "on", False):
         return _run_forward(act, x, x.dtype, False)
     if not (torch.is_grad_enabled() and x.requires_grad):
@@ -259,7 +301,8 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
 _SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype; or
     torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
     x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
-    result has x's dtype, shape and (dense) layout."""
+    result has x's dtype, shape and (dense) layout. float64 x runs torch's own
+    op (the kernels compute in float32), saving what it saves."""
 
 
 def _doc(fn):
@@ -383,6 +426,15 @@ class _SavedDtypeMixin:
     """saved_dtype as a module attribute, shown in repr when set."""
 
     saved_dtype = None
+
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first; without it, it fails compiling our
+        # forward with "Expected a single top-level function". Swapping in
+        # torch's class here would unpatch the caller's model in place.
+        raise RuntimeError(f"torch.jit.script: reprop.fad.{type(self).__name__} runs reprop's "
+                           "kernels from Python and cannot be scripted; call "
+                           "reprop.fad.unpatch(model) first, or use torch.jit.trace (which "
+                           "records torch's own ops)")
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -574,11 +626,14 @@ def codebook(activation: str, *params: float) -> Codebook:
         raise ValueError(f"codebook: {activation} takes at most {len(defaults)} parameters, got {len(params)}")
     params = tuple(map(float, params)) + defaults[len(params):]
     act = _Act(activation, *params)
+    _check_codable(act, torch.uint8, "codebook")
     raw = _codebook_bytes(act)
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
     zero = _zero_code(act)
     lo, hi = np.frombuffer(raw, dtype=np.float32, count=2, offset=1032)
-    step = values[zero + 1] - values[zero]  # every grid reaches above 0
+    # values[c] = (c - zero) * step exactly; the grid may end at 0 (ELU with
+    # alpha < 0), so step is read from its first two codes, not from above 0
+    step = values[1] - values[0]
     max_error = step / 2
     if activation in _TWO_VALUED:
         # f' on the grid is 0 or v, the range's other end (LeakyReLU's 1 has
@@ -716,10 +771,12 @@ def _blocked(operands, own=None):
     return own if common is None else common | own
 
 
-def _reciprocal(b):
-    """1 / b, for a tensor or a number (±inf at ±0, as torch divides)."""
+def _reciprocal(b, dtype: torch.dtype):
+    """1 / b in `dtype` (the result's, so that a lower-precision constant is
+    promoted before it is inverted, as torch's grad / b does), for a tensor or
+    a number (±inf at ±0, as torch divides)."""
     if isinstance(b, torch.Tensor):
-        return torch.reciprocal(b)
+        return torch.reciprocal(b.to(dtype))
     with np.errstate(divide="ignore"):
         return float(np.reciprocal(np.float64(b)))
 
@@ -777,7 +834,7 @@ def _d_mul(a, b, v, alpha):
 
 
 def _d_div(a, b, v, alpha):  # a / b
-    inv_b = _reciprocal(b.value)
+    inv_b = _reciprocal(b.value, v.dtype)
     return _add(_total(inv_b, a), _total(-v * inv_b, b))
 
 
@@ -891,7 +948,7 @@ class enabled(TorchFunctionMode):
     dropped. Intermediates die with the Python temporaries that hold them, so a
     finished chain keeps one tensor. NN: anything else (two roots, in-place ops,
     views, broadcasting past the root's shape, reductions, matmuls, no_grad,
-    float64) runs as plain torch and plain autograd, which stays correct
+    float64 results) runs as plain torch and plain autograd, which stays correct
     because every chain tensor's node is.
 
     Element-wise ops: every reprop.fad activation (through torch.sigmoid,
@@ -902,6 +959,12 @@ class enabled(TorchFunctionMode):
     saved_dtype: how derivatives are saved; None (the chain's dtype),
     torch.float32, bfloat16 or float16; with compose=False also torch.uint8
     (8-bit codes; a composed chain has no known derivative range to code).
+    For chains bfloat16 is the safer 16-bit choice: a derivative above 65504
+    overflows float16 to inf, and a later zero gradient makes that NaN.
+
+    A step whose derivative cancels exactly (x - x, x * 0) carries the number
+    0, so a later infinite local derivative gives 0 where autograd's
+    inf * 0 gives NaN (sqrt(x - x), log(x * 0)).
     """
 
     def __init__(self, compose: bool = False, saved_dtype=None):
@@ -958,8 +1021,8 @@ class enabled(TorchFunctionMode):
         if parsed is None:
             return None
         root, operands, compute = parsed
-        if not root.is_floating_point():
-            return None
+        if not root.is_floating_point() or _result_dtype(operands) in _TORCH_DTYPES:
+            return None  # float64 results keep torch's float64 backward formulas
         tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
         if any(t.is_complex() for t in tensors):
             return None  # autograd conjugates what a complex op's backward multiplies by
@@ -1062,6 +1125,12 @@ class enabled(TorchFunctionMode):
             return v, rule(a, b, v, alpha), _blocked([a, b])
 
         return root, [a, b], compute
+
+
+def _result_dtype(operands) -> torch.dtype:
+    """The dtype of the op's output, by torch's promotion (one operand: its own)."""
+    values = [o.value for o in operands]
+    return values[0].dtype if len(values) == 1 else torch.result_type(*values)
 
 
 def _tensors_in(args, kwargs):
