@@ -442,6 +442,11 @@ def test_what_the_scan_cannot_carry_runs_torch_own(kind):
     torch.testing.assert_close(_tangent(ours, x, t), _tangent(ref, x, t), rtol=0, atol=0)
     grads = [torch.func.grad(lambda x: m(x)[0].sum())(x) for m in (ours, ref)]
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    # weights swapped in by functional_call are functorch's wrappers too
+    params = {k: v.detach() for k, v in ours.named_parameters()}
+    grads = [torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,))[0].sum())(params)
+             for m in (ours, ref)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
     torch.testing.assert_close(torch.jit.trace(ours, (x,))(x)[0], ref(x)[0], rtol=0, atol=0)
     meta = copy.deepcopy(ours).to("meta")
     out, h_n = meta(torch.empty(5, 2, 3, device="meta"))

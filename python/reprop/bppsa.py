@@ -482,8 +482,14 @@ class _ScanRNNBase:
         transforms, forward-AD duals, meta, subclasses such as FakeTensor,
         jit.trace): torch's own recurrence, which differentiates them all."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
-        tensors = [data, hx, *(getattr(self, n) for n in self._flat_weights_names)]
-        return any(isinstance(t, torch.Tensor) and torch_only(t) for t in tensors)
+        if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
+            return True
+        # registered Parameters are plain: only weights swapped in (functional_call,
+        # a transform's wrappers) need the check; _parameters is what getattr
+        # reads (functional_call swaps there, not in nn.RNNBase's _flat_weights)
+        own = self._parameters
+        return any(type(w) is not nn.Parameter and w is not None and torch_only(w)
+                   for w in map(own.get, self._flat_weights_names))
 
     def forward(self, input, hx=None):
         if self._needs_torch_own(input, hx):
