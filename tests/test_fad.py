@@ -859,6 +859,20 @@ def test_compose_low_precision_constant_divisor():
     torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_compose_zero_dim_float32_divisor_of_a_half_chain(dtype):
+    """A 0-d CPU float32 divisor is a scalar to torch's kernels, read at
+    float32: its reciprocal too (70000 overflowed float16, and the gradient
+    came out 0)."""
+    x = torch.ones(4, dtype=dtype, requires_grad=True)
+    for k in (torch.tensor(70000.0), torch.tensor(3e-6), torch.tensor(1 / 3)):
+        with fad.enabled(compose=True):
+            y = (x + 1) / k
+        (got,) = torch.autograd.grad(y.sum(), x)
+        (want,) = torch.autograd.grad(((x + 1) / k).sum(), x)
+        assert torch.equal(got, want), (k, got, want)
+
+
 def test_compose_constant_changed_in_place_between_steps():
     """x * c carries c itself as the derivative; c changed in place before the
     next step must not change the gradient silently: autograd raises, and

@@ -602,6 +602,29 @@ def test_data_parallel_bad_arguments(solo_group):
         DataParallel(model, process_group="world")
 
 
+def test_a_deepcopy_of_a_data_parallel_model_is_a_model_of_its_own(solo_group, monkeypatch):
+    """copy.deepcopy of the model (an EMA, a teacher) copied DataParallel's
+    forward hooks with a working DataParallel behind them: the copy's
+    backward all-reduced, and on one rank alone waited for peers that never
+    came. The copy runs no collective and gets plain autograd's gradients."""
+    model = _Net()
+    dp = DataParallel(model, k=2)
+    ema, plain = copy.deepcopy(model), copy.deepcopy(model)
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective from the copy of the model")
+
+    for name in ("all_reduce", "broadcast", "_broadcast_coalesced"):
+        monkeypatch.setattr(dist, name, no_collective)
+    x, t = _batch(0, 0)
+    for net in (ema, plain):
+        F.mse_loss(net(x), t).backward()
+    for (name, a), b in zip(ema.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=name)
+    monkeypatch.undo()
+    dp.remove()
+
+
 def test_data_parallel_refuses_backward_fusion(solo_group):
     """Backward-mode fusion updated each parameter from its local gradient
     (a held layer's: from none) before DataParallel averaged it, so the
@@ -819,6 +842,9 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     frozen = _tied()
     frozen[0].requires_grad_(False)  # no gradient changes it: each stage may hold it
     Pipeline(frozen, micro_batches=2).remove()
+    norm = nn.BatchNorm1d(WIDTH, affine=False)  # no parameter, but forward updates its statistics
+    with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.running_mean is layers\[3\]"):
+        Pipeline([norm, nn.Linear(WIDTH, WIDTH), nn.Tanh(), norm], micro_batches=2)
     ref_layers = _tied()
     x, t = _batch(0, 0)
     F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()

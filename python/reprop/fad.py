@@ -772,10 +772,14 @@ def _blocked(operands, own=None):
 
 
 def _reciprocal(b, dtype: torch.dtype):
-    """1 / b in `dtype` (the result's, so that a lower-precision constant is
-    promoted before it is inverted, as torch's grad / b does), for a tensor or
-    a number (±inf at ±0, as torch divides)."""
+    """1 / b at the precision torch's grad / b divides by b, for a tensor or a
+    number (±inf at ±0, as torch divides): a tensor divisor in `dtype`, the
+    result's (a lower-precision constant is promoted before it is inverted);
+    a 0-d CPU tensor, which torch's kernels read as a scalar, at least in
+    float32 (a float32 70000 stays finite for a float16 chain)."""
     if isinstance(b, torch.Tensor):
+        if b.dim() == 0 and b.device.type == "cpu":
+            dtype = torch.promote_types(dtype, torch.float32)
         return torch.reciprocal(b.to(dtype))
     with np.errstate(divide="ignore"):
         return float(np.reciprocal(np.float64(b)))

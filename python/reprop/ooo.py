@@ -1921,6 +1921,16 @@ class DataParallel:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def __deepcopy__(self, memo) -> "DataParallel":
+        """A deepcopy of the model (an EMA, a teacher) copies its forward hooks,
+        and this object with them: the copy is a model of its own, so what
+        it gets is an inert, removed DataParallel whose hooks do nothing
+        (a copy that averaged would wait in collectives its peers never join)."""
+        inert = object.__new__(type(self))
+        inert._removed = True
+        memo[id(self)] = inert
+        return inert
+
     # -- the plan: which parameters go in which bucket ----------------------------
 
     def _plan(self) -> None:
@@ -1977,6 +1987,8 @@ class DataParallel:
     # -- hooks -------------------------------------------------------------------
 
     def _before_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a deepcopy of the model
+            return
         # not inside any backward (checkpoint's recomputing forward is), yet a
         # backward never ended: it raised, and its end callback was dropped
         if self._in_backward and outside_backward():
@@ -1986,6 +1998,8 @@ class DataParallel:
                 self._broadcast(list(module.buffers()))
 
     def _watch_output(self, module, args, out) -> None:
+        if self._removed:
+            return
         # DDP decides at forward time too: a backward of a no_sync() forward
         # accumulates locally wherever it runs
         self._sync_backward = self._require_sync
@@ -2603,23 +2617,33 @@ class Pipeline:
         dist.recv(t, self._ranks[stage], group=self.group)
 
 
+def _changing_state(layer: nn.Module):
+    """(name, tensor) of what training changes in `layer`: its trainable
+    parameters, and the running statistics its norm layers update in forward."""
+    for name, p in layer.named_parameters():
+        if p.requires_grad:
+            yield name, p
+    for prefix, m in layer.named_modules():
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            for name, b in m.named_buffers(prefix, recurse=False):
+                yield name, b
+
+
 def _check_not_tied_across_stages(layers: Sequence[nn.Module], stage_of: np.ndarray) -> None:
     """Refuses a trainable parameter (a tied embedding, a module used twice)
-    of layers on different stages: each stage would train its own copy from
-    its part of the gradient. Every rank holds every layer, so identity
-    tells. Frozen parameters and buffers (a fixed positional table) may be
-    shared: no gradient changes them."""
+    or a buffer that forward updates (a norm layer's running statistics) of
+    layers on different stages: each stage would change its own copy. Every
+    rank holds every layer, so identity tells. Frozen parameters and other
+    buffers (a fixed positional table) may be shared: nothing changes them."""
     first: dict = {}  # id(tensor) -> (layer, name) of its first use
     for l, layer in enumerate(layers):
-        for name, t in layer.named_parameters():
-            if not t.requires_grad:
-                continue
+        for name, t in _changing_state(layer):
             k, k_name = first.setdefault(id(t), (l, name))
             if stage_of[k] != stage_of[l]:
                 raise ValueError(
                     f"layers: layers[{k}].{k_name} is layers[{l}].{name}, but the layers are on "
-                    f"stages {stage_of[k]} and {stage_of[l]}; a shared trainable parameter must "
-                    "stay on one stage (choose allocation and group so that its layers meet, "
+                    f"stages {stage_of[k]} and {stage_of[l]}; a shared trainable parameter or "
+                    "running statistic must stay on one stage (choose allocation and group so that its layers meet, "
                     "or give each layer its own)")
 
 
