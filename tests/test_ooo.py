@@ -257,6 +257,84 @@ def test_hold_of_one_of_two_layers_sharing_a_weight():
     torch.testing.assert_close(seen[model][0], seen[ref][0], rtol=RTOL, atol=ATOL)
 
 
+def test_hold_run_with_backward_mode_fusion():
+    """reprop.fuse(mode="backward") updates from a post-accumulate-grad hook,
+    which run() fires outside backward for a held task's parameters (it
+    raised 'Final callbacks can only be installed during backward pass' and
+    the held tasks after it never ran): the parameters are eager SGD's."""
+    import reprop
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    ref_opt = reprop.optim.SGD(ref.parameters(), lr=0.1)
+    fused = reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    handle = ooo.enable(model, speedup=None)
+    for step in range(3):
+        x = torch.randn(3, 4)
+        ref_opt.zero_grad()
+        ref(x).sum().backward()
+        ref_opt.step()
+        with handle.hold(keep=lambda m: isinstance(m, nn.Linear)) as tasks:
+            model(x).sum().backward()
+        handle.run(tasks)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step} {name}")
+    handle.remove()
+    fused.remove()
+
+
+def test_held_tasks_outlive_an_abandoned_backward_not_remove():
+    """Tasks held from a good backward, a later backward that raises (dropped
+    at the next forward): run() still fires their parameters' hooks. After
+    remove() the hooks are the parameters' own again, and run() says so;
+    a task runs once, and hold() checks its `keep`."""
+    model = _three_layers()
+    fired = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(p))
+    handle = ooo.enable(model, speedup=None)
+    with handle.hold(keep=lambda m: m is model[0]) as tasks:
+        model(torch.randn(3, 4)).sum().backward()
+    mid = model[:3](torch.randn(3, 4))
+    mid.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("a failing hook")))
+    with pytest.raises(RuntimeError, match="a failing hook"):
+        model[3](mid).sum().backward()
+    model(torch.randn(3, 4))  # drops the failed pass
+    fired.clear()
+    handle.run(tasks)
+    assert [p.shape for p in fired] == [model[0].weight.shape, model[0].bias.shape]
+    with pytest.raises(RuntimeError, match="has run already"):
+        handle.run(tasks)
+    for keep in (model[0], nn.Linear, [model[0]]):
+        with pytest.raises(TypeError, match="^keep: expected None or a function"):
+            with handle.hold(keep=keep):
+                pass
+    with handle.hold() as tasks:
+        model(torch.randn(3, 4)).sum().backward()
+    handle.remove()
+    with pytest.raises(RuntimeError, match=r"run\(\) after remove\(\)"):
+        handle.run(tasks)
+
+
+def test_a_deepcopy_of_an_enabled_model_can_be_enabled():
+    """The copy's modules carry copies of the split forwards, bound to the
+    copy but closing over the original's sites: the copy runs plain, and
+    enable() on it splits it as a model of its own (it raised 'is split by
+    another handle', even after the original's remove())."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    twin = copy.deepcopy(model)
+    twin_handle = ooo.enable(twin, order="conventional")
+    assert [s.module for s in twin_handle.sites] == [twin[0], twin[1], twin[3]]
+    x = torch.randn(3, 4)
+    for net in (ref, twin):
+        net(x).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    twin_handle.remove()
+    handle.remove()
+
+
 def _three_layers() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2))

@@ -585,8 +585,10 @@ class _BackwardFusion(FusionHandle):
         if self._step_settings is None:
             self._step_settings = _settings_snapshot(self.optimizer)
         self._ready[id(p)] = p
-        if not self._end_queued:
-            # Parameters whose module-mates got no gradient this time are updated at the end.
+        # Parameters whose module-mates got no gradient this time are updated at the
+        # end of backward; outside one (reprop.ooo's run() of held weight gradients
+        # fires the hook), what is left waits for _finish_step.
+        if not self._end_queued and not _tensors.outside_backward():
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._end_queued = True
         batch = self._batch_of[id(p)]

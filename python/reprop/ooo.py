@@ -511,7 +511,7 @@ class _Task:
     or the gradients already made beside dO (``made``), to accumulate."""
 
     __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
-                 "hooks_wait")
+                 "hooks_wait", "__weakref__")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
                  params: tuple, mask: list):
@@ -539,6 +539,9 @@ class _Task:
 
     def run(self) -> None:
         grads = self.done
+        if grads is None and self.grad is None:
+            raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} (call "
+                               f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
             grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad, self.mask)
         for p, d, want in zip(self.params, grads, self.mask):
@@ -644,13 +647,19 @@ class OOOHandle:
         self._next_index = 0
         self._held: list | None = None  # hold(): tasks collected instead of run
         self._keep = None
+        # held tasks not run yet, which their parameters' hooks wait for (weak:
+        # a caller that drops them drops them)
+        self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._sub_streams: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
-            if getattr(getattr(m.__dict__.get("forward"), "__func__", None), "ooo_site", None):
+            site = getattr(getattr(m.__dict__.get("forward"), "__func__", None), "ooo_site", None)
+            if site is not None and site.module is m:
                 raise ValueError(f"model: {name or type(m).__name__} is split by another "
                                  "reprop.ooo.enable() handle; call remove() on it first")
+            if site is not None:  # a deepcopy's copy of another module's split forward: plain
+                del m.__dict__["forward"]
             split = _splittable(m)
             if split is None:
                 continue
@@ -674,6 +683,8 @@ class OOOHandle:
         ``run()`` fires them once autograd is done with the parameter and its
         last held task has run (a held task never run keeps them waiting,
         until ``remove()``)."""
+        if keep is not None and (not callable(keep) or isinstance(keep, (type, nn.Module))):
+            raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
         saved = self._held, self._keep
         self._held, self._keep = held, keep
@@ -685,8 +696,13 @@ class OOOHandle:
     def run(self, tasks: Iterable[_Task]) -> None:
         """Runs held tasks now, in the given order, on the current stream,
         then the post-accumulate-grad hooks that waited for them."""
+        if self._removed:
+            raise RuntimeError("reprop.ooo: run() after remove(): remove() gave the parameters "
+                               "their hooks back and dropped what held tasks were waiting for; "
+                               "run held tasks before remove()")
         for t in tasks:
             t.run()
+            self._unrun_held.discard(t)
             self._after_deferred_run(t)
 
     def pending(self) -> int:
@@ -733,7 +749,7 @@ class OOOHandle:
         its timings are discarded; the next backward starts clean."""
         self._join_sub_streams()
         self._pending = []
-        self._restore_all_post_hooks()
+        self._restore_post_hooks_not_held()
         self._marks = []
         if self._corun is not None:  # that pass is measured again
             self._corun.entries, self._corun.groups = [], []
@@ -861,6 +877,7 @@ class OOOHandle:
             task.event = None
             self._defer_post_hooks(task)
             self._held.append(task)
+            self._unrun_held.add(task)
             return
         if self.order == "conventional" or self._held is not None:
             self.run([task])
@@ -911,6 +928,21 @@ class OOOHandle:
             self._restore_post_hooks(state)
             for hook in state.hooks.values():
                 hook(state.param)
+
+    def _restore_post_hooks_not_held(self) -> None:
+        """Hooks back for every parameter but those that held tasks not run
+        yet (of an earlier backward) still add to: run() fires those after
+        the last of them, autograd being done with the parameter."""
+        waiting: dict = {}
+        for t in self._unrun_held:
+            for p in t.targets:
+                waiting[p] = waiting.get(p, 0) + 1
+        for state in list(self._hooked.values()):
+            n = waiting.get(state.param, 0)
+            if n:
+                state.outstanding, state.autograd_done = n, True
+            else:
+                self._restore_post_hooks(state)
 
     def _restore_all_post_hooks(self) -> None:
         """Every parameter's own hooks back, none fired (their tasks are dropped)."""
