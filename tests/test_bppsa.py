@@ -235,8 +235,19 @@ def test_scan_rejects_bad_input():
         bppsa.scan(c, w=torch.randn(4, 3), v=torch.randn(5, 2, 3))
     with pytest.raises(ValueError, match="either dense jt or the structured"):
         bppsa.scan(c, jt=jt, w=torch.randn(3, 3))
-    with pytest.raises(ValueError, match="scan: expected one of"):
+    with pytest.raises(ValueError, match="^levels: expected one of"):
         bppsa.scan(c, jt=jt, levels="fast")
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="^levels: "):
+            bppsa.scan(c, jt=jt, levels=bad)
+    for args, name in [((0, 4, 3, 1), "n"), ((10, -1, 3, 1), "batch"), ((10, 4, 0, 1), "hidden"),
+                       ((10, 4, 3, -3), "gates"), ((10, 4, 3, True), "gates")]:
+        with pytest.raises(ValueError, match=f"^{name}: expected an int"):
+            bppsa.scan_levels(*args)
+    with pytest.raises(ValueError, match="^n: expected an int"):
+        bppsa.max_levels(0)
+    with pytest.raises(ValueError, match="^device: expected a CPU or CUDA device"):
+        bppsa.scan_levels(10, 4, 3, 1, "meta")
     with pytest.raises(RuntimeError, match="sparse"):
         bppsa.scan(c.to_sparse(), jt=jt)
     with pytest.raises(ValueError, match="c: expected a hidden size H of at least 1"):
@@ -451,6 +462,31 @@ def test_what_the_scan_cannot_carry_runs_torch_own(kind):
     meta = copy.deepcopy(ours).to("meta")
     out, h_n = meta(torch.empty(5, 2, 3, device="meta"))
     assert out.is_meta and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
+
+
+def test_scan_choice_is_checked_when_set():
+    """module.scan set after construction is checked there (a bad one failed
+    only in backward, with int()'s error), as the constructor checks it."""
+    rnn = bppsa.RNN(2, 3)
+    for bad in ("Blelloch", None, 2.7, True, -1):
+        with pytest.raises(ValueError, match="^scan: "):
+            rnn.scan = bad
+    rnn.scan = 2
+    assert rnn.scan == 2 and "scan=2" in repr(rnn)
+    assert copy.deepcopy(rnn).scan == 2
+
+
+def test_scan_auto_follows_the_thread_count():
+    """The CPU cost model counts the threads torch uses now (it kept the
+    count of its first call)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = bppsa.scan_levels(5000, 512, 1, 1)
+        torch.set_num_threads(64)
+        assert bppsa.scan_levels(5000, 512, 1, 1) > one == 0
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_module_rejects_bad_input():
@@ -913,6 +949,17 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3, padding=1, padding_mode="reflect")], (1, 5, 5))
     with pytest.raises(ValueError, match=r"layers\[1\]: only Flatten\(start_dim=1, end_dim=-1\) .*start_dim=2"):
         bppsa.ChainPlan([nn.Conv2d(4, 4, 1), nn.Flatten(2), nn.Linear(16, 2)], (4, 4, 4))
+    for bad in (-1, True, 2 ** 31):
+        with pytest.raises(ValueError, match="^max_pairs: expected an int"):
+            bppsa.ChainPlan([nn.Linear(4, 2)], (4,), max_pairs=bad)
+    with pytest.raises(ValueError, match="^levels: the number of levels must be >= 0"):
+        bppsa.ChainPlan([nn.Linear(4, 2)], (4,), levels=-1)
+    # float64 came back float32-accurate: refused, as the RNN modules refuse it
+    chain = [nn.Linear(4, 3).double(), nn.Tanh()]
+    with pytest.raises(TypeError, match="^x: chain Jacobians are float32; got float64"):
+        bppsa.chain_backward(chain, torch.randn(2, 4, dtype=torch.float64))
+    with pytest.raises(TypeError, match="^x: chain Jacobians are float32; got float64"):
+        bppsa.transposed_jacobian(nn.Tanh(), torch.randn(4, dtype=torch.float64))
     with pytest.raises(ValueError, match=r"Linear: expected an input of shape \(4,\)"):
         bppsa.ChainPlan([nn.Linear(4, 2)], (5,))
     plan = bppsa.ChainPlan([nn.Linear(4, 2)], (4,))

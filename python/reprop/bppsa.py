@@ -47,20 +47,26 @@ _SCAN_NAMES = ("auto", "linear", "blelloch")
 
 def max_levels(n: int) -> int:
     """Up-sweep levels of the full Blelloch scan over n steps: ceil(log2(n + 1)) - 1."""
+    _check_count(n, "n", 1)
     return _C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1]
 
 
-@functools.lru_cache(maxsize=None)
 def _machine(device: torch.device) -> tuple[float, float, float]:
     """The cost model's view of a device: (parallel products, cost of a level,
     cost of a dependent linear-scan step), costs in multiply-adds of one worker.
-    CPU: one product per OpenMP thread, a level costs a fork/join. CUDA: about
-    16 small products per SM at once, a level costs a kernel launch (~4 us),
-    a linear step a block barrier and a dependent trip to L2."""
+    CPU: one product per OpenMP thread (as many as torch uses now), a level
+    costs a fork/join."""
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return float(16 * sms), 2.0e4, 3.0e3
+        return _cuda_machine(device)
     return float(torch.get_num_threads()), 4.0e3, 20.0
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_machine(device: torch.device) -> tuple[float, float, float]:
+    """CUDA: about 16 small products per SM at once, a level costs a kernel
+    launch (~4 us), a linear step a block barrier and a dependent trip to L2."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return float(16 * sms), 2.0e4, 3.0e3
 
 
 def _device_key(device: torch.device) -> torch.device:
@@ -71,9 +77,23 @@ def _device_key(device: torch.device) -> torch.device:
 
 def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device | str = "cpu") -> int:
     """The number of Blelloch levels the cost model picks for this problem on
-    `device` (0 is the linear scan, max_levels(n) the full Blelloch scan)."""
-    m = _machine(_device_key(torch.device(device)))
-    return _C.scan_plan(n, batch, hidden, gates, *m)[0]
+    `device` (0 is the linear scan, max_levels(n) the full Blelloch scan):
+    n steps, batch sequences, hidden size, gates diagonal Jacobians per step
+    (1 for an RNN, 3 for a GRU, 0 for dense ones)."""
+    for name, value, least in (("n", n, 1), ("batch", batch, 0), ("hidden", hidden, 1),
+                               ("gates", gates, 0)):
+        _check_count(value, name, least)
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: CUDA is not available")
+    return _C.scan_plan(n, batch, hidden, gates, *_machine(_device_key(device)))[0]
+
+
+def _check_count(value, name: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 2 ** 31:
+        raise ValueError(f"{name}: expected an int in [{least}, 2^31), got {value!r}")
 
 
 def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
@@ -87,11 +107,11 @@ def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device:
     return min(int(choice), top)
 
 
-def _check_scan_choice(scan) -> object:
-    if isinstance(scan, bool) or not (scan in _SCAN_NAMES or isinstance(scan, int)):
-        raise ValueError(f"scan: expected one of {_SCAN_NAMES} or a number of levels, got {scan!r}")
+def _check_scan_choice(scan, name: str = "scan") -> object:
+    if isinstance(scan, bool) or not (isinstance(scan, int) or scan in _SCAN_NAMES):
+        raise ValueError(f"{name}: expected one of {_SCAN_NAMES} or a number of levels, got {scan!r}")
     if isinstance(scan, int) and scan < 0:
-        raise ValueError(f"scan: the number of levels must be >= 0, got {scan}")
+        raise ValueError(f"{name}: the number of levels must be >= 0, got {scan}")
     return scan
 
 
@@ -227,7 +247,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
-    _check_scan_choice(levels)
+    _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
     w, u, v, jt, y = [None if t is None else t.contiguous() for t in (w, u, v, jt, y)]
@@ -432,7 +452,14 @@ class _ScanRNNBase:
     each through _Layer; mixed into subclasses of the torch modules so that
     parameters, state_dict, flatten_parameters and repr stay theirs."""
 
-    scan = "auto"
+    @property
+    def scan(self):
+        """"auto", "linear", "blelloch" or a number of up-sweep levels."""
+        return self.__dict__.get("_scan", "auto")
+
+    @scan.setter
+    def scan(self, choice) -> None:  # checked when set, not in backward
+        self.__dict__["_scan"] = _check_scan_choice(choice)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", scan={self.scan!r}"
@@ -583,7 +610,7 @@ class RNN(_ScanRNNBase, nn.RNN):
 
     def __init__(self, *args, scan="auto", **kwargs):
         super().__init__(*args, **kwargs)
-        self.scan = _check_scan_choice(scan)
+        self.scan = scan
 
 
 class GRU(_ScanRNNBase, nn.GRU):
@@ -595,7 +622,7 @@ class GRU(_ScanRNNBase, nn.GRU):
 
     def __init__(self, *args, scan="auto", **kwargs):
         super().__init__(*args, **kwargs)
-        self.scan = _check_scan_choice(scan)
+        self.scan = scan
 
 
 _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
@@ -692,6 +719,15 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple) -> tuple[tuple, tuple]:
                                          (ph, pw), (dh, dw), layer.ceil_mode)
     ho, wo = out.shape[-2:]
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
+
+
+def _check_chain_tensor(t, name: str) -> None:
+    """What a chain's float32 Jacobian values can take: float64 would come
+    back float32-accurate, so it is refused as the RNN modules refuse it."""
+    _check_real_dense(t, name)
+    if t.dtype == torch.float64:
+        raise TypeError(f"{name}: chain Jacobians are float32; got float64 (use autograd for "
+                        "double precision)")
 
 
 def _check_chain_layer(layer: nn.Module, index: int) -> None:
@@ -834,7 +870,8 @@ class ChainPlan:
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
                  max_pairs: int = 0, pruned: bool = False):
-        _check_scan_choice(levels)
+        _check_scan_choice(levels, "levels")
+        _check_count(max_pairs, "max_pairs", 0)
         layers = list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
@@ -850,7 +887,9 @@ class ChainPlan:
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
         self.input_shape, self.output_shape = tuple(input_shape), shape
-        want = {"auto": -1, "linear": 0, "blelloch": 64}.get(levels, levels)
+        # an int past the chain's depth is the full scan, as in scan()
+        want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
+            else min(levels, 64)
         self._plan = _C.csr_plan([leaf.pattern() for leaf in self.leaves], want, max_pairs,
                                  *_machine(torch.device("cpu")))
         self.info = _C.csr_plan_info(self._plan)
@@ -900,9 +939,9 @@ class ChainPlan:
         layer inputs of forward_inputs() and the gradient of the chain's output."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
-        _check_real_dense(grad_output, "grad_output")
+        _check_chain_tensor(grad_output, "grad_output")
         for i, x in enumerate(inputs):
-            _check_real_dense(x, f"inputs[{i}]")
+            _check_chain_tensor(x, f"inputs[{i}]")
         B, device = inputs[0].shape[0] if inputs[0].dim() else 0, grad_output.device
         if grad_output.shape != (B, *self.output_shape):  # as autograd: no reshaping
             raise ValueError(f"grad_output: expected shape {(B, *self.output_shape)} (the chain's "
@@ -944,7 +983,7 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     gradient of the chain's output (ones when None), through the CSR
     transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
     patterns across steps; else one is built for x's sample shape."""
-    _check_real_dense(x, "x")
+    _check_chain_tensor(x, "x")
     if x.dim() < 2:
         raise ValueError(f"x: expected a batch (B, ...) of samples, got shape {tuple(x.shape)}")
     if plan is None:
@@ -969,6 +1008,7 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
     _check_chain_layer(layer, 0)
+    _check_chain_tensor(x, "x")
     leaf = _Leaf(layer, tuple(x.shape))
     vals = leaf.entry_values(x.unsqueeze(0))[0]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
