@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -246,6 +247,8 @@ def test_scan_rejects_bad_input():
             bppsa.scan_levels(*args)
     with pytest.raises(ValueError, match="^n: expected an int"):
         bppsa.max_levels(0)
+    assert bppsa.scan_levels(np.int64(10), np.int32(2), 4, 1) == bppsa.scan_levels(10, 2, 4, 1)
+    assert bppsa.max_levels(np.int64(10)) == 3
     with pytest.raises(ValueError, match="^device: expected a CPU or CUDA device"):
         bppsa.scan_levels(10, 4, 3, 1, "meta")
     with pytest.raises(RuntimeError, match="sparse"):
@@ -471,9 +474,12 @@ def test_scan_choice_is_checked_when_set():
     for bad in ("Blelloch", None, 2.7, True, -1):
         with pytest.raises(ValueError, match="^scan: "):
             rnn.scan = bad
-    rnn.scan = 2
+    rnn.scan = np.int64(2)
     assert rnn.scan == 2 and "scan=2" in repr(rnn)
     assert copy.deepcopy(rnn).scan == 2
+    del rnn.__dict__["_scan"]
+    rnn.__dict__["scan"] = "linear"  # a module saved before scan was a checked property
+    assert rnn.scan == "linear"
 
 
 def test_scan_auto_follows_the_thread_count():

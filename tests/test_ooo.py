@@ -315,6 +315,42 @@ def test_held_tasks_outlive_an_abandoned_backward_not_remove():
         handle.run(tasks)
 
 
+class _Raise(torch.autograd.Function):
+    """The identity, whose backward raises."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("a failing backward")
+
+
+def test_tasks_held_by_a_backward_that_raised_block_no_hooks():
+    """A backward that raises inside hold() after holding a task (the task
+    list still alive): that task is partial, so at the next forward its
+    parameters' hooks come back rather than wait for it, and the next held
+    step fires every parameter's hooks once."""
+    model = _three_layers()
+    fired: dict = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: fired.__setitem__(name, fired.get(name, 0) + 1))
+    handle = ooo.enable(model, order="conventional")
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="a failing backward"):
+        with handle.hold() as partial:
+            model[3](model[2](model[1](_Raise.apply(model[0](x))))).sum().backward()
+    assert partial  # the layers after the raise held their tasks
+    fired.clear()
+    out = model(x)  # drops the failed pass
+    with handle.hold() as tasks:
+        out.sum().backward()
+    handle.run(tasks)
+    assert fired == {name: 1 for name, _ in model.named_parameters()}
+
+
 def test_a_deepcopy_of_an_enabled_model_can_be_enabled():
     """The copy's modules carry copies of the split forwards, bound to the
     copy but closing over the original's sites: the copy runs plain, and

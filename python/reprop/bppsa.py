@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
+import operator
 from typing import Sequence
 
 import numpy as np
@@ -47,7 +49,7 @@ _SCAN_NAMES = ("auto", "linear", "blelloch")
 
 def max_levels(n: int) -> int:
     """Up-sweep levels of the full Blelloch scan over n steps: ceil(log2(n + 1)) - 1."""
-    _check_count(n, "n", 1)
+    n = _check_count(n, "n", 1)
     return _C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1]
 
 
@@ -80,9 +82,8 @@ def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.devic
     `device` (0 is the linear scan, max_levels(n) the full Blelloch scan):
     n steps, batch sequences, hidden size, gates diagonal Jacobians per step
     (1 for an RNN, 3 for a GRU, 0 for dense ones)."""
-    for name, value, least in (("n", n, 1), ("batch", batch, 0), ("hidden", hidden, 1),
-                               ("gates", gates, 0)):
-        _check_count(value, name, least)
+    n, batch, hidden, gates = (_check_count(value, name, least) for name, value, least in (
+        ("n", n, 1), ("batch", batch, 0), ("hidden", hidden, 1), ("gates", gates, 0)))
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
@@ -91,9 +92,15 @@ def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.devic
     return _C.scan_plan(n, batch, hidden, gates, *_machine(_device_key(device)))[0]
 
 
-def _check_count(value, name: str, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not least <= value < 2 ** 31:
+def _check_count(value, name: str, least: int) -> int:
+    """value as a Python int (numpy's ints too), if it is one in [least, 2^31)."""
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        count = None
+    if count is None or not least <= count < 2 ** 31:
         raise ValueError(f"{name}: expected an int in [{least}, 2^31), got {value!r}")
+    return count
 
 
 def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
@@ -108,11 +115,14 @@ def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device:
 
 
 def _check_scan_choice(scan, name: str = "scan") -> object:
-    if isinstance(scan, bool) or not (isinstance(scan, int) or scan in _SCAN_NAMES):
+    """scan, a name or a number of levels as a Python int (numpy's ints too)."""
+    if isinstance(scan, str) and scan in _SCAN_NAMES:
+        return scan
+    if isinstance(scan, bool) or not isinstance(scan, numbers.Integral):
         raise ValueError(f"{name}: expected one of {_SCAN_NAMES} or a number of levels, got {scan!r}")
-    if isinstance(scan, int) and scan < 0:
+    if scan < 0:
         raise ValueError(f"{name}: the number of levels must be >= 0, got {scan}")
-    return scan
+    return operator.index(scan)
 
 
 def _check_real_dense(t, name: str) -> None:
@@ -247,7 +257,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
-    _check_scan_choice(levels, "levels")
+    levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
     w, u, v, jt, y = [None if t is None else t.contiguous() for t in (w, u, v, jt, y)]
@@ -455,7 +465,8 @@ class _ScanRNNBase:
     @property
     def scan(self):
         """"auto", "linear", "blelloch" or a number of up-sweep levels."""
-        return self.__dict__.get("_scan", "auto")
+        # a module saved before scan was checked when set keeps it as "scan"
+        return self.__dict__.get("_scan", self.__dict__.get("scan", "auto"))
 
     @scan.setter
     def scan(self, choice) -> None:  # checked when set, not in backward
@@ -870,8 +881,8 @@ class ChainPlan:
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
                  max_pairs: int = 0, pruned: bool = False):
-        _check_scan_choice(levels, "levels")
-        _check_count(max_pairs, "max_pairs", 0)
+        levels = _check_scan_choice(levels, "levels")
+        max_pairs = _check_count(max_pairs, "max_pairs", 0)
         layers = list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")

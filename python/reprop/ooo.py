@@ -537,9 +537,13 @@ class _Task:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    @property
+    def has_run(self) -> bool:
+        return self.done is None and self.grad is None
+
     def run(self) -> None:
         grads = self.done
-        if grads is None and self.grad is None:
+        if self.has_run:
             raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} (call "
                                f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
@@ -647,9 +651,11 @@ class OOOHandle:
         self._next_index = 0
         self._held: list | None = None  # hold(): tasks collected instead of run
         self._keep = None
-        # held tasks not run yet, which their parameters' hooks wait for (weak:
-        # a caller that drops them drops them)
+        # held tasks of backward passes that ended, not run yet, which their
+        # parameters' hooks wait for (weak: a caller that drops them drops
+        # them); those of the running pass join at its end, not if it raises
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
+        self._held_in_pass: list = []
         self._sub_streams: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
@@ -749,6 +755,7 @@ class OOOHandle:
         its timings are discarded; the next backward starts clean."""
         self._join_sub_streams()
         self._pending = []
+        self._held_in_pass = []  # its held tasks are partial: their hooks wait for none
         self._restore_post_hooks_not_held()
         self._marks = []
         if self._corun is not None:  # that pass is measured again
@@ -767,6 +774,8 @@ class OOOHandle:
             if state.outstanding == 0:  # autograd never reached it: hooks back
                 self._restore_post_hooks(state)
             # the others wait for held tasks, which run() runs
+        self._unrun_held.update(t for t in self._held_in_pass if not t.has_run)
+        self._held_in_pass = []
         self._in_backward = False
         if profiling:
             self._record_profile()
@@ -877,7 +886,7 @@ class OOOHandle:
             task.event = None
             self._defer_post_hooks(task)
             self._held.append(task)
-            self._unrun_held.add(task)
+            self._held_in_pass.append(task)
             return
         if self.order == "conventional" or self._held is not None:
             self.run([task])
