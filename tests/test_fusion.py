@@ -1515,6 +1515,9 @@ LATER = {
     "unfrozen": (lambda m: m.parameters(), _unfreeze_first_layer_at_3, "events"),
     "added_group": (lambda m: list(m[2:].parameters()), _add_first_layer_at_3, "events"),
     "added_group_before_step": (lambda m: list(m[2:].parameters()), _add_first_layer_at_3, "before_step"),
+    # between step() and zero_grad(): the layer's gradient is not a fused one, and
+    # eager zero_grad() clears it
+    "added_group_after_step": (lambda m: list(m[2:].parameters()), _add_first_layer_at_3, "after_step"),
 }
 
 
@@ -1577,6 +1580,35 @@ def test_groups_changed_right_after_step_match_eager(mode: str, change: str, imp
         grads = {n: p.grad for n, p in got[0].named_parameters()}
         _assert_tensor_dicts(grads, {n: p.grad for n, p in ref[0].named_parameters()}, "grads", None)
         assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
+
+
+def _two_groups(model: nn.Module):
+    return rp.SGD([{"params": list(model[0].parameters()), "lr": 0.01},
+                   {"params": list(model[2:].parameters()), "lr": 0.05}], lr=0.01, momentum=0.9)
+
+
+def _swap_first_params_at_3(model: nn.Module, opt) -> None:
+    g0, g1 = opt.param_groups
+    g0["params"][0], g1["params"][0] = g1["params"][0], g0["params"][0]
+
+
+def _new_head_at_3(model: nn.Module, opt) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        model[4] = nn.Linear(6, 3)
+    opt.param_groups[1]["params"][-2:] = list(model[4].parameters())
+
+
+@pytest.mark.parametrize("edit", [_swap_first_params_at_3, _new_head_at_3])
+@pytest.mark.parametrize("mode", MODES)
+def test_params_swapped_or_replaced_inside_groups(mode: str, edit) -> None:
+    """A group's list edited in place (two parameters swapped between groups,
+    a re-initialised head put in place of the old one) keeps the groups'
+    ids and lengths: fusion noticed only those, so the swapped parameters kept
+    their old lr and the new head was never trained."""
+    got = _mlp_loop(mode, _two_groups, 8, events={3: edit})
+    ref = _mlp_loop(None, _two_groups, 8, events={3: edit})
+    _assert_same_training(got, ref)
 
 
 @pytest.mark.parametrize("mode", MODES)

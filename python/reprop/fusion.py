@@ -139,7 +139,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             do not count. In forward mode the user loop decides when to call
             step().
         clip_grad_norm: forward mode: clip the global gradient norm to this
-            value when step() is called, as clip_grad_norm_ before step().
+            value when step() is called, as clip_grad_norm_ before step()
+            (but after the optimizer's step pre-hooks, inside step()).
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once.
 
@@ -257,10 +258,11 @@ def _settings_snapshot(engine: optim._FusedOptimizer) -> dict:
 
 
 def _membership(engine: optim._FusedOptimizer) -> tuple:
-    """Which groups and parameter lists the optimizer has, to notice cheaply
-    that add_param_group or load_state_dict changed them."""
+    """Which groups the optimizer has and which parameters each holds, to
+    notice that add_param_group, load_state_dict or an edit of a group's
+    list (a parameter replaced, or moved to another group) changed them."""
     return (id(engine.param_groups),) + tuple(
-        (id(g), id(g["params"]), len(g["params"])) for g in engine.param_groups)
+        (id(g), tuple(map(id, g["params"]))) for g in engine.param_groups)
 
 
 def _all_params(engine: optim._FusedOptimizer) -> dict:
@@ -724,6 +726,10 @@ class _BackwardFusion(FusionHandle):
         self._zeroed_not_freed = not set_to_none
         if self._kept:
             self._kept_zeroed = set_to_none
+        # parameters added since the last step(): their gradients are not fused
+        # ones, and eager zero_grad() clears them
+        for p in self._sync():
+            _zero_grad_of(p, set_to_none)
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
                                      "no-op; gradients are freed as soon as they are applied")
 
