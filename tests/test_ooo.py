@@ -311,7 +311,7 @@ def test_held_tasks_outlive_an_abandoned_backward_not_remove():
     with handle.hold() as tasks:
         model(torch.randn(3, 4)).sum().backward()
     handle.remove()
-    with pytest.raises(RuntimeError, match=r"run\(\) after remove\(\)"):
+    with pytest.raises(RuntimeError, match=r"run\(\) of held tasks after remove\(\)"):
         handle.run(tasks)
 
 

@@ -702,10 +702,12 @@ class OOOHandle:
     def run(self, tasks: Iterable[_Task]) -> None:
         """Runs held tasks now, in the given order, on the current stream,
         then the post-accumulate-grad hooks that waited for them."""
-        if self._removed:
-            raise RuntimeError("reprop.ooo: run() after remove(): remove() gave the parameters "
-                               "their hooks back and dropped what held tasks were waiting for; "
-                               "run held tasks before remove()")
+        tasks = list(tasks)
+        # (a graph made before remove() still runs its dW inline through here)
+        if self._removed and any(t in self._unrun_held for t in tasks):
+            raise RuntimeError("reprop.ooo: run() of held tasks after remove(): remove() gave "
+                               "the parameters their hooks back and dropped what held tasks were "
+                               "waiting for; run held tasks before remove()")
         for t in tasks:
             t.run()
             self._unrun_held.discard(t)
