@@ -49,7 +49,10 @@ _SCAN_NAMES = ("auto", "linear", "blelloch")
 
 def max_levels(n: int) -> int:
     """Up-sweep levels of the full Blelloch scan over n steps: ceil(log2(n + 1)) - 1."""
-    n = _check_count(n, "n", 1)
+    return _max_levels(_check_count(n, "n", 1))
+
+
+def _max_levels(n: int) -> int:
     return _C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1]
 
 
@@ -89,6 +92,11 @@ def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.devic
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device: CUDA is not available")
+    return _planned_levels(n, batch, hidden, gates, device)
+
+
+def _planned_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
+    """scan_levels for sizes taken from checked tensors (every backward asks)."""
     return _C.scan_plan(n, batch, hidden, gates, *_machine(_device_key(device)))[0]
 
 
@@ -104,9 +112,9 @@ def _check_count(value, name: str, least: int) -> int:
 
 
 def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
-    top = max_levels(n)
+    top = _max_levels(n)
     if choice == "auto":
-        return scan_levels(n, batch, hidden, gates, device)
+        return _planned_levels(n, batch, hidden, gates, device)
     if choice == "linear":
         return 0
     if choice == "blelloch":
