@@ -93,6 +93,14 @@ def torch_only(x: torch.Tensor) -> bool:
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
+def torch_only_weight(p) -> bool:
+    """torch_only for a module's weight (None: no weight). A registered
+    Parameter is plain; only a tensor swapped in (torch.func.functional_call,
+    a transform's wrappers, a forward-AD dual) needs torch_only's checks,
+    which cost more."""
+    return p is not None and type(p) is not torch.nn.Parameter and torch_only(p)
+
+
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 

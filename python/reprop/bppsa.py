@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ._native import _C, _cuda
-from ._tensors import autocast_enabled, check_strided, torch_only
+from ._tensors import autocast_enabled, check_strided, torch_only, torch_only_weight
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -530,12 +530,9 @@ class _ScanRNNBase:
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
             return True
-        # registered Parameters are plain: only weights swapped in (functional_call,
-        # a transform's wrappers) need the check; _parameters is what getattr
-        # reads (functional_call swaps there, not in nn.RNNBase's _flat_weights)
-        own = self._parameters
-        return any(type(w) is not nn.Parameter and w is not None and torch_only(w)
-                   for w in map(own.get, self._flat_weights_names))
+        # _parameters is what getattr reads (functional_call swaps there, not
+        # in nn.RNNBase's _flat_weights)
+        return any(map(torch_only_weight, map(self._parameters.get, self._flat_weights_names)))
 
     def forward(self, input, hx=None):
         if self._needs_torch_own(input, hx):

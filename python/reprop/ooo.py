@@ -50,7 +50,7 @@ from torch import nn
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import outside_backward, torch_only
+from ._tensors import outside_backward, torch_only, torch_only_weight
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1123,13 +1123,6 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
-def _substituted(p) -> bool:
-    """A weight that is not a registered Parameter (torch.func.functional_call
-    swaps tensors in; a functorch wrapper or a dual among them must run
-    plain): only those need torch_only's checks, which cost more."""
-    return p is not None and type(p) is not nn.Parameter
-
-
 def _empty(x: torch.Tensor, params: tuple) -> bool:
     """An input or parameter without elements: torch's functional ops guard
     that case before their native kernels (at::batch_norm returns an empty
@@ -1170,7 +1163,7 @@ def _make_forward(site: _Site):
         # or unfrozen since enable(); a layer with none trainable has no dW
         params = kind.params(module)
         if params is None or not any(p is not None and p.requires_grad for p in params) \
-                or any(_substituted(p) and torch_only(p) for p in params) or _empty(x, params):
+                or any(map(torch_only_weight, params)) or _empty(x, params):
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
