@@ -841,7 +841,14 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
         Pipeline(_tied(), micro_batches=2)
     frozen = _tied()
     frozen[0].requires_grad_(False)  # no gradient changes it: each stage may hold it
-    Pipeline(frozen, micro_batches=2).remove()
+    pipe = Pipeline(frozen, micro_batches=2)
+    x, t = _batch(0, 0)
+    pipe.step(x, t, F.mse_loss)
+    frozen[0].requires_grad_(True)  # now each stage would train its own copy
+    with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.weight is layers\[3\]\.weight.*"
+                                         r"fixed when the Pipeline was built"):
+        pipe.step(x, t, F.mse_loss)
+    pipe.remove()
     norm = nn.BatchNorm1d(WIDTH, affine=False)  # no parameter, but forward updates its statistics
     with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.running_mean is layers\[3\]"):
         Pipeline([norm, nn.Linear(WIDTH, WIDTH), nn.Tanh(), norm], micro_batches=2)

@@ -2400,7 +2400,11 @@ class Pipeline:
                        for r in range(self.stages)]
         self.num_layers = n
         self.stage_of = np.asarray(stages(n, self.stages, allocation, group))
-        _check_not_tied_across_stages(layers, self.stage_of)
+        sharing = _layers_sharing_across_stages(layers, self.stage_of)
+        _check_not_tied_across_stages(sharing, self.stage_of)
+        # a shared parameter frozen now may be unfrozen later: step() checks
+        # again; weak, as layers of other stages are not this rank's to keep
+        self._sharing = [(l, weakref.ref(layer)) for l, layer in sharing]
         # only this rank's layers are kept
         self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
         local = nn.ModuleList(self.layers.values())
@@ -2450,6 +2454,10 @@ class Pipeline:
             raise ValueError(f"targets: expected {batch} targets (one per input), "
                              f"got {len(targets)}")
         size = batch // m_count
+        if self._sharing:
+            _check_not_tied_across_stages(
+                [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
+                self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
         program, inbox = self._schedule(inputs.requires_grad)
         st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
                    {src: iter(msgs) for src, msgs in inbox.items()},
@@ -2665,14 +2673,28 @@ def _changing_state(layer: nn.Module):
                 yield name, b
 
 
-def _check_not_tied_across_stages(layers: Sequence[nn.Module], stage_of: np.ndarray) -> None:
+def _layers_sharing_across_stages(layers: Sequence[nn.Module],
+                                  stage_of: np.ndarray) -> list[tuple[int, nn.Module]]:
+    """(l, layers[l]) of each layer holding a parameter or buffer that a layer
+    of another stage holds too. Every rank holds every layer, so identity tells."""
+    stages_of: dict = {}  # id(tensor) -> the stages of the layers holding it
+    for l, layer in enumerate(layers):
+        for t in (*layer.parameters(), *layer.buffers()):
+            stages_of.setdefault(id(t), set()).add(int(stage_of[l]))
+    crossing = {i for i, on in stages_of.items() if len(on) > 1}
+    return [(l, layer) for l, layer in enumerate(layers)
+            if any(id(t) in crossing for t in (*layer.parameters(), *layer.buffers()))]
+
+
+def _check_not_tied_across_stages(layers: Sequence[tuple[int, nn.Module]], stage_of: np.ndarray,
+                                  when: str = "") -> None:
     """Refuses a trainable parameter (a tied embedding, a module used twice)
     or a buffer that forward updates (a norm layer's running statistics) of
-    layers on different stages: each stage would change its own copy. Every
-    rank holds every layer, so identity tells. Frozen parameters and other
-    buffers (a fixed positional table) may be shared: nothing changes them."""
+    layers on different stages, given as (l, layers[l]): each stage would
+    change its own copy. Frozen parameters and other buffers (a fixed
+    positional table) may be shared: nothing changes them."""
     first: dict = {}  # id(tensor) -> (layer, name) of its first use
-    for l, layer in enumerate(layers):
+    for l, layer in layers:
         for name, t in _changing_state(layer):
             k, k_name = first.setdefault(id(t), (l, name))
             if stage_of[k] != stage_of[l]:
@@ -2680,7 +2702,7 @@ def _check_not_tied_across_stages(layers: Sequence[nn.Module], stage_of: np.ndar
                     f"layers: layers[{k}].{k_name} is layers[{l}].{name}, but the layers are on "
                     f"stages {stage_of[k]} and {stage_of[l]}; a shared trainable parameter or "
                     "running statistic must stay on one stage (choose allocation and group so that its layers meet, "
-                    "or give each layer its own)")
+                    f"or give each layer its own){when}")
 
 
 def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
