@@ -235,6 +235,34 @@ def test_hold_defers_post_accumulate_grad_hooks_until_run():
     assert all(len(seen[(model, name)]) == 1 for name, _ in model.named_parameters())
 
 
+def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
+    """Held tasks the caller drops unrun can never fire their parameters'
+    hooks: the next backward gives the hooks back, and they fire on its
+    gradient as plain autograd's would (before: they waited until remove())."""
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    seen: dict = {}
+    for net in (ref, model):
+        for name, p in net.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, key=(net, name): seen.setdefault(key, []).append(p.grad.clone()))
+    idx, y = _batch(0)
+    with handle.hold() as tasks:
+        nn.functional.cross_entropy(model(idx), y).backward()
+    del tasks
+    seen.clear()
+    model.zero_grad()
+    nn.functional.cross_entropy(model(idx), y).backward()
+    nn.functional.cross_entropy(ref(idx), y).backward()
+    for name, _ in ref.named_parameters():
+        assert len(seen.get((model, name), ())) == 1, name
+        torch.testing.assert_close(seen[(model, name)][0], seen[(ref, name)][0], rtol=0, atol=0,
+                                   msg=name)
+    handle.remove()
+
+
 def test_hold_of_one_of_two_layers_sharing_a_weight():
     """A tied weight whose first layer in backward is held and whose second
     runs its dW inline: the hooks wait for run(), not for the inline dW."""

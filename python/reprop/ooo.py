@@ -687,8 +687,9 @@ class OOOHandle:
         which order dW explicitly. As for any deferred dW, the
         post-accumulate-grad hooks of a held task's parameters wait for it:
         ``run()`` fires them once autograd is done with the parameter and its
-        last held task has run (a held task never run keeps them waiting,
-        until ``remove()``)."""
+        last held task has run. A held task never run keeps them waiting
+        until ``remove()``; one dropped unrun (no reference left) gives them
+        back, unfired, when the next backward starts (its gradient is lost)."""
         if keep is not None and (not callable(keep) or isinstance(keep, (type, nn.Module))):
             raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
@@ -744,6 +745,8 @@ class OOOHandle:
     # -- called from backward --------------------------------------------------
 
     def _begin_backward(self) -> None:
+        if self._hooked:  # held tasks dropped unrun since: their parameters' hooks come back
+            self._restore_post_hooks_not_held()
         self._in_backward = True
         self._calls = {}
         self._current_region = -1
