@@ -954,6 +954,37 @@ def test_input_by_keyword_is_split(make, shape):
             model(**bad)
 
 
+@pytest.mark.parametrize("make, shape, fmt", [
+    (lambda: nn.Conv2d(8, 4, 3), (3, 8, 5, 5), torch.channels_last),
+    (lambda: nn.BatchNorm2d(8), (3, 8, 5, 5), torch.channels_last),
+    (lambda: nn.GroupNorm(2, 8), (3, 8, 5, 5), torch.channels_last),
+    (lambda: nn.GroupNorm(2, 8), (3, 8, 2, 3, 4), torch.channels_last_3d),
+], ids=["conv2d", "batch_norm2d", "group_norm", "group_norm_3d"])
+def test_channels_last_keeps_its_layout_and_bitwise_gradients(make, shape, fmt):
+    """Inputs in channels_last: output, input and weight gradients bitwise
+    equal to autograd's, and the output in autograd's layout (GroupNorm's
+    split made them contiguous: other sums, and every later layer left
+    channels_last)."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x = torch.randn(shape).contiguous(memory_format=fmt)
+    g = torch.randn(ref(x).shape)
+    outs = []
+    for net in (ref, model):
+        xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        out = net(xi)
+        out.backward(g)
+        outs.append((out, xi.grad))
+    (want, want_dx), (got, got_dx) = outs
+    assert got.stride() == want.stride()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
 def test_functorch_transforms_run_plain_autograd():
     """torch.func.grad / vmap and forward-mode AD over an enabled model: the
     split Function cannot carry them, so those calls run the modules' own

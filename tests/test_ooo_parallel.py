@@ -369,10 +369,36 @@ def _average(model: nn.Module, world: int) -> None:
         dist.all_reduce(p.grad)
 
 
+def _backward_retried(net: nn.Module, x: torch.Tensor, t: torch.Tensor) -> None:
+    """A backward that a hook at layers[1]'s output makes raise once, run
+    again on the same graph (retain_graph) after zero_grad(), with no
+    forward between."""
+    armed = [True]
+
+    def flaky(grad):
+        if armed:
+            armed.pop()
+            raise ValueError("transient")
+
+    def add_flaky(module, args, out):
+        out.register_hook(flaky)
+
+    check = net.layers[1].register_forward_hook(add_flaky)
+    loss = F.mse_loss(net(x), t)
+    check.remove()
+    with pytest.raises(ValueError, match="transient"):
+        loss.backward(retain_graph=True)
+    net.zero_grad()
+    loss.backward()
+
+
 def _dp_after_failed_backward(rank: int, world: int) -> None:
     """A check in a tensor hook raises in one backward on every rank, after
     the last layers' buckets went (one per parameter) and while layers 0
-    and 1 were held (k = 2): the next steps are averaged as before."""
+    and 1 were held (k = 2): the next steps are averaged as before. So is a
+    retry of a backward that raised, with no forward between (before, the
+    handle took it for the failed pass still running, and nothing of it
+    was averaged)."""
     torch.manual_seed(0)
     model = _Net()
     ref = copy.deepcopy(model)
@@ -400,6 +426,11 @@ def _dp_after_failed_backward(rank: int, world: int) -> None:
         ref_opt.step()
         opt.step()
         _assert_same(model, ref, "parameter")
+    x, t = _batch(rank, 3)
+    for net in (ref, model):
+        _backward_retried(net, x, t)
+    _average(ref, world)
+    _assert_same(model, ref, "grad")
     dp.remove()
 
 

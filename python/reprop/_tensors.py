@@ -5,6 +5,9 @@ with errors that name the argument and say what was expected.
 """
 from __future__ import annotations
 
+import weakref
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -110,6 +113,18 @@ def outside_backward() -> bool:
     backward still marked as running knows that backward raised, since its
     end-of-backward callback was dropped with it."""
     return torch._C._current_graph_task_id() == -1
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
+    """Queues `callback` for the end of the backward pass running now, and
+    returns a weak reference to it. The pass holds the only strong one (pass
+    a fresh object, as ``obj.method`` is), so the reference dies when the
+    pass is over: alive while ``_in_backward`` says a pass runs, it is
+    running; dead, it raised and dropped the callback unrun, whichever
+    thread it ran in and whatever ran since (a retry of it, another
+    forward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+    return weakref.ref(callback)
 
 
 def new_table(rows: int) -> np.ndarray:

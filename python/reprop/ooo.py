@@ -47,10 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._prims_common import suggest_memory_format  # Tensor's own is C++ only
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import outside_backward, torch_only, torch_only_weight
+from ._tensors import queue_end_of_backward, torch_only, torch_only_weight
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -289,7 +290,7 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         return "group_norm"
 
     def forward(self, m, x, w, b):
-        x = x.contiguous()  # as at::group_norm
+        x = x.contiguous(memory_format=suggest_memory_format(x))  # as at::group_norm
         n, c, hw = self._sizes(x)
         y, mean, rstd = _aten.native_group_norm(x, w, b, n, c, hw, m.num_groups, m.eps)
         return y, (x, w, mean, rstd)
@@ -300,9 +301,10 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
     def _backward(self, m, saved, g, mask):
         x, w, mean, rstd = saved
         n, c, hw = self._sizes(x)
-        # the kernel reads both as contiguous; autograd's formula makes them so
-        return _aten.native_group_norm_backward(g.contiguous(), x.contiguous(), mean, rstd, w,
-                                                n, c, hw, m.num_groups, mask)
+        # the kernel reads both dense in x's layout; autograd's formula makes them so
+        fmt = suggest_memory_format(x)
+        return _aten.native_group_norm_backward(g.contiguous(memory_format=fmt), x, mean, rstd,
+                                                w, n, c, hw, m.num_groups, mask)
 
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -645,6 +647,7 @@ class OOOHandle:
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
+        self._end_ref = None  # weakly, the end-of-backward callback of the pass running
         self._profile = _Profile()
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
@@ -751,7 +754,11 @@ class OOOHandle:
         self._calls = {}
         self._current_region = -1
         self._marks = []
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._end_ref = queue_end_of_backward(self._end_backward)
+
+    def _backward_raised(self) -> bool:
+        """The backward marked as running raised: its end never ran."""
+        return self._in_backward and self._end_ref() is None
 
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
@@ -870,6 +877,8 @@ class OOOHandle:
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
                            params: tuple, mask: list) -> _Task:
+        if self._backward_raised():  # and is retried (retain_graph), with no forward since
+            self._abandon_backward()
         if not self._in_backward:
             self._begin_backward()
         self._device = g.device
@@ -1171,8 +1180,8 @@ def _make_forward(site: _Site):
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
-        if handle._in_backward and outside_backward():
-            handle._abandon_backward()  # a forward outside backward, which never ended
+        if handle._backward_raised():
+            handle._abandon_backward()
         if site.index < 0:
             site.index = handle._next_index
             handle._next_index += 1
@@ -1908,6 +1917,7 @@ class DataParallel:
         self._held_modules: set = set()
         self._used: set = set()        # params that got a gradient since the last reduction
         self._in_backward = False
+        self._end_ref = None           # weakly, the end-of-backward callback of the pass running
         self._held: list | None = None
         self._stack: contextlib.ExitStack | None = None
         self._next = 0                 # the next bucket to launch in this backward
@@ -2028,9 +2038,7 @@ class DataParallel:
     def _before_forward(self, module, args) -> None:
         if self._removed:  # the hook of a deepcopy of the model
             return
-        # not inside any backward (checkpoint's recomputing forward is), yet a
-        # backward never ended: it raised, and its end callback was dropped
-        if self._in_backward and outside_backward():
+        if self._backward_raised():
             self._abandon_backward()
         if self._sync_buffers and self._sync_next_forward:
             with torch.no_grad():
@@ -2072,9 +2080,9 @@ class DataParallel:
             self._used.add(p)
         if not self._sync_backward:
             return
-        if not self._in_backward:
-            # an output itself, or backward did not start at the outputs
-            self._begin_backward(hold=id(p) in self._output_leaves)
+        # (begun already, unless p is an output itself or backward did not
+        # start at the outputs)
+        self._begin_backward(hold=id(p) in self._output_leaves)
         bucket = self._bucket_of.get(p)
         if bucket is not None:
             bucket.pending.discard(p)
@@ -2085,7 +2093,9 @@ class DataParallel:
 
     def _begin_backward(self, hold: bool) -> None:
         if self._in_backward:
-            return
+            if not self._backward_raised():
+                return
+            self._abandon_backward()  # retried (retain_graph), with no forward since
         if self._buckets is None:
             self._plan()
         self._in_backward = True
@@ -2097,7 +2107,11 @@ class DataParallel:
             self._stack = contextlib.ExitStack()
             self._held = self._stack.enter_context(
                 self.handle.hold(keep=self._held_modules.__contains__))
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._end_ref = queue_end_of_backward(self._end_backward)
+
+    def _backward_raised(self) -> bool:
+        """The backward marked as running raised: its end never ran."""
+        return self._in_backward and self._end_ref() is None
 
     def _launch_ready(self) -> None:
         """Launches complete buckets in bucket order (the order every rank issues)."""
