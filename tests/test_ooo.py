@@ -10,6 +10,7 @@ several sites whose per-site gradients a moved schedule adds in another order
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import numpy as np
@@ -985,6 +986,73 @@ def test_channels_last_keeps_its_layout_and_bitwise_gradients(make, shape, fmt):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("make_x", [
+    lambda: torch.randn(8, 32).t(),
+    lambda: torch.randn(1, 8, 32).transpose(1, 2),  # Conv1d -> transpose -> Linear, batch 1
+    lambda: torch.randn(1, 5).t(),
+    lambda: torch.randn(1),
+    lambda: torch.randn(2, 8, 32).transpose(1, 2),
+], ids=["2d", "3d_batch_1", "one_column", "1d_one_feature", "3d_copied_fold"])
+def test_linear_on_a_column_major_input_gives_autograd_bits(make_x):
+    """Autograd's mm backward makes dX of a column-major (folded) input as
+    (W^T g^T)^T: the split does too, so dX is bitwise autograd's (before:
+    g W, other sums, in every gradient upstream)."""
+    torch.manual_seed(0)
+    x0 = make_x()
+    ref = nn.Linear(x0.shape[-1], 16)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    g = torch.randn(ref(x0).shape)
+    grads = []
+    for net in (ref, model):
+        x = torch.empty_strided(x0.shape, x0.stride()).copy_(x0).requires_grad_()
+        net(x).backward(g)
+        grads.append(x.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+def test_a_pickled_enabled_model_can_be_enabled_again():
+    """torch.save of an enabled model and torch.load: pickle keeps the split
+    forward by name, so the loaded layers hold the class's own forward in
+    their __dict__, which enable() took for a replaced forward (nothing to
+    split, or some layers silently left plain). The loaded model trains as
+    the original."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    ooo.enable(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    ref = copy.deepcopy(loaded)
+    handle = ooo.enable(loaded, order="conventional")
+    assert [site.name for site in handle.sites] == ["0", "2"]
+    x = torch.randn(3, 4)
+    for net in (ref, loaded):
+        net(x).square().sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), loaded.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+def test_nested_holds_give_each_task_to_the_innermost_block_that_keeps_it():
+    """An inner hold(keep=...) no longer hides the outer block: the tasks it
+    does not keep go to the outer list (before: they ran at once)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    handle = ooo.enable(model, order="conventional")
+    with handle.hold() as outer:
+        with handle.hold(keep=lambda m: m is model[2]) as inner:
+            model(torch.randn(3, 4)).sum().backward()
+    assert [t.site.module for t in inner] == [model[2]]
+    assert [t.site.module for t in outer] == [model[0]]
+    assert model[0].weight.grad is None
+    handle.run(inner + outer)
+    assert model[0].weight.grad is not None
+    handle.remove()
+
+
 def test_functorch_transforms_run_plain_autograd():
     """torch.func.grad / vmap and forward-mode AD over an enabled model: the
     split Function cannot carry them, so those calls run the modules' own
@@ -1038,11 +1106,28 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
      r"speedup: speedup\(0, 0\) raised TypeError"),
     (lambda: ooo.enable(nn.ReLU()), ValueError, "model: no Linear"),
     (lambda: ooo.enable(nn.Embedding(5, 2, sparse=True)), ValueError, "sparse"),
+    (lambda: ooo.enable(nn.Sequential(nn.Linear(2, 2), nn.Embedding(5, 2, sparse=True))),
+     ValueError, r"^model: 1: Embedding\(sparse=True\)"),
     (lambda: ooo.enable(nn.Conv1d(2, 2, 4, padding="same")), ValueError, "same"),
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: 10 ** 400), ValueError,
+     "speedup: .* expected a finite number > 0"),
+    (lambda: ooo.enable(nn.Linear(2, 2)).run([1]), TypeError,
+     "tasks: expected the tasks a hold"),
 ])
 def test_bad_arguments(bad, error, match):
     with pytest.raises(error, match=match):
         bad()
+
+
+def test_numpy_numbers_are_accepted_as_python_ones():
+    """NumPy scalars (from a config or a sweep) pass where Python's do, and
+    the handle keeps Python numbers (before: np.float32 was refused for
+    max_extra_memory, and regions stayed np.int64 in the schedule)."""
+    handle = ooo.enable(nn.Linear(2, 2), regions=np.int64(2), profile_iters=np.int32(3),
+                        max_extra_memory=np.float32(0.5))
+    assert (type(handle.regions), type(handle.profile_iters)) == (int, int)
+    assert handle.regions == 2 and handle.max_extra_memory == 0.5
+    handle.remove()
 
 
 # ---------------------------------------------------------------------------

@@ -114,6 +114,18 @@ def _fold(t: torch.Tensor, last: int) -> torch.Tensor:
     return t if t.dim() == 2 else t.reshape(-1, last)
 
 
+def _column_major_fold(x: torch.Tensor) -> bool:
+    """Whether x as F.linear multiplies it (2-D: a row for 1-D x, leading
+    dims folded for more) is column-major, where autograd's mm backward
+    makes dX as (W^T g^T)^T, with other sums than g W. Only a fold whose
+    last stride is its row count can be: the others pay nothing more."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.stride(-1) != rows:
+        return False
+    x2 = x.unsqueeze(0) if x.dim() == 1 else _fold(x, x.shape[-1])
+    return x2.stride(0) == 1 and x2.stride(1) == x2.shape[0]
+
+
 class _LinearKind(_Kind):
     # y = x W^T + b over any leading dims, folded to 2-D as at::linear does
     def op(self, m):
@@ -124,7 +136,10 @@ class _LinearKind(_Kind):
 
     def input_grad(self, m, saved, g):
         x, w = saved
-        return _fold(g, w.shape[0]).mm(w).view(x.shape)
+        g2 = _fold(g, w.shape[0])
+        if _column_major_fold(x):  # autograd's mm backward transposes the product here
+            return w.t().mm(g2.t()).t().reshape(x.shape)
+        return g2.mm(w).view(x.shape)
 
     def weight_grads(self, m, saved, g, mask):
         x, w = saved
@@ -652,8 +667,7 @@ class OOOHandle:
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
         self._next_index = 0
-        self._held: list | None = None  # hold(): tasks collected instead of run
-        self._keep = None
+        self._holding: tuple = ()  # (tasks, keep) of each hold() block, innermost last
         # held tasks of backward passes that ended, not run yet, which their
         # parameters' hooks wait for (weak: a caller that drops them drops
         # them); those of the running pass join at its end, not if it raises
@@ -663,17 +677,25 @@ class OOOHandle:
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
-            site = getattr(getattr(m.__dict__.get("forward"), "__func__", None), "ooo_site", None)
+            own = m.__dict__.get("forward")
+            site = getattr(getattr(own, "__func__", None), "ooo_site", None)
             if site is not None and site.module is m:
                 raise ValueError(f"model: {name or type(m).__name__} is split by another "
                                  "reprop.ooo.enable() handle; call remove() on it first")
-            if site is not None:  # a deepcopy's copy of another module's split forward: plain
+            # a deepcopy's copy of another module's split forward, or a pickled
+            # split forward (pickle keeps a method by name: torch.load binds the
+            # class's own): plain
+            if site is not None or (getattr(own, "__func__", None) is type(m).forward
+                                    and getattr(own, "__self__", None) is m):
                 del m.__dict__["forward"]
             split = _splittable(m)
             if split is None:
                 continue
             kind, params = split
-            kind.check(m)  # before any forward is replaced: a refusal leaves the model as it was
+            try:  # before any forward is replaced: a refusal leaves the model as it was
+                kind.check(m)
+            except ValueError as exc:
+                raise ValueError(f"model: {name or type(m).__name__}: {exc}") from None
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
         for site in self.sites:
             site.module.forward = types.MethodType(_make_forward(site), site.module)
@@ -692,21 +714,26 @@ class OOOHandle:
         ``run()`` fires them once autograd is done with the parameter and its
         last held task has run. A held task never run keeps them waiting
         until ``remove()``; one dropped unrun (no reference left) gives them
-        back, unfired, when the next backward starts (its gradient is lost)."""
+        back, unfired, when the next backward starts (its gradient is lost).
+        In nested blocks a task goes to the innermost one whose `keep`
+        accepts it."""
         if keep is not None and (not callable(keep) or isinstance(keep, (type, nn.Module))):
             raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
-        saved = self._held, self._keep
-        self._held, self._keep = held, keep
+        saved = self._holding
+        self._holding = (*saved, (held, keep))
         try:
             yield held
         finally:
-            self._held, self._keep = saved
+            self._holding = saved
 
     def run(self, tasks: Iterable[_Task]) -> None:
         """Runs held tasks now, in the given order, on the current stream,
         then the post-accumulate-grad hooks that waited for them."""
         tasks = list(tasks)
+        wrong = next((t for t in tasks if not isinstance(t, _Task)), None)
+        if wrong is not None:
+            raise TypeError(f"tasks: expected the tasks a hold() block collected, got {wrong!r}")
         # (a graph made before remove() still runs its dW inline through here)
         if self._removed and any(t in self._unrun_held for t in tasks):
             raise RuntimeError("reprop.ooo: run() of held tasks after remove(): remove() gave "
@@ -891,18 +918,22 @@ class OOOHandle:
             task.event = torch.cuda.current_stream(g.device).record_event()
         return task
 
-    def _holds(self, module: nn.Module) -> bool:
-        """Inside hold(): the dW tasks of `module` are collected."""
-        return self._held is not None and (self._keep is None or self._keep(module))
+    def _hold_list(self, module: nn.Module) -> list | None:
+        """Inside hold(): the list that collects the dW tasks of `module`."""
+        for held, keep in reversed(self._holding):
+            if keep is None or keep(module):
+                return held
+        return None
 
     def _after_input_grad(self, task: _Task) -> None:
-        if self._holds(task.site.module):
+        held = self._hold_list(task.site.module)
+        if held is not None:
             task.event = None
             self._defer_post_hooks(task)
-            self._held.append(task)
+            held.append(task)
             self._held_in_pass.append(task)
             return
-        if self.order == "conventional" or self._held is not None:
+        if self.order == "conventional" or self._holding:
             self.run([task])
             return
         self._defer_post_hooks(task)
@@ -1167,7 +1198,8 @@ def _make_forward(site: _Site):
         # caller takes every dW task it asks for
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
-                or not (site.split or handle._holds(module)) or x.is_complex() or torch_only(x):
+                or not (site.split or handle._hold_list(module) is not None) \
+                or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, *args, **kwargs)
@@ -1204,9 +1236,13 @@ def _speedup_value(speedup: Callable, r: int, i: int) -> float:
                         "function (region of the dW, region it runs in) -> speedup") from exc
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number")
-    if not (math.isfinite(value) and value > 0):
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int past float's range
+        as_float = math.inf
+    if not (math.isfinite(as_float) and as_float > 0):
         raise ValueError(f"speedup: speedup({r}, {i}) = {value!r}; expected a finite number > 0")
-    return float(value)
+    return as_float
 
 
 def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
@@ -1250,7 +1286,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not _is_count(regions) or regions < 1:
         raise ValueError(f"regions: expected an int >= 1, got {regions!r}")
     if isinstance(max_extra_memory, bool) or not (
-            isinstance(max_extra_memory, (int, float)) and max_extra_memory >= 0):
+            isinstance(max_extra_memory, numbers.Real) and max_extra_memory >= 0):
         raise ValueError(f"max_extra_memory: expected a fraction >= 0, got {max_extra_memory!r}")
     if not _is_count(profile_iters) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
@@ -1260,7 +1296,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
-    handle = OOOHandle(model, order, regions, float(max_extra_memory), profile_iters, speedup)
+    handle = OOOHandle(model, order, int(regions), float(max_extra_memory), int(profile_iters),
+                       speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
                          "or GroupNorm with trainable parameters to split")
