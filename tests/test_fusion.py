@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import math
 import subprocess
 import sys
@@ -1053,6 +1054,60 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
         t.run(0, 10)
     assert_no_fusion_left(t.model, t.opt, before)
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
+
+
+def _copy_of(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
+    """A copy of a fused model (a teacher, an EMA, a fine-tuned clone) taken
+    right after step() (forward mode: the update still pending) carries the
+    fusion's hooks, but is a plain model with the values of that moment:
+    backward fills its .grad and updates nothing (it updated itself with a
+    hidden clone of the optimizer, or its first forward raised), an eager
+    optimizer trains it as any model, and the original's training goes on
+    exactly as eager."""
+    ref = _mlp()
+    ref_opt = rp.Adam(ref.parameters(), lr=1e-2)
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=1e-2)
+    handle = reprop.fuse(model, opt, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            x, y = _mlp_batch(i)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                F.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            if i != 2:
+                continue
+            twin, plain = _copy_of(model, how), _mlp()
+            with torch.no_grad():
+                for a, b in zip(plain.parameters(), model.parameters()):
+                    a.copy_(b)
+            opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
+            for j in range(3):
+                x, y = _mlp_batch(100 + j)
+                for m, o in zip((plain, twin), opts):
+                    F.mse_loss(m(x), y).backward()
+                for (n, a), b in zip(plain.named_parameters(), twin.parameters()):
+                    assert b.grad is not None and torch.equal(b.grad, a.grad), f"{n}: copy's grad"
+                    assert torch.equal(b, a), f"{n}: the copy changed in backward"
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+    handle.remove()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b, a), f"{n}: the original after the copy's training"
 
 
 @pytest.mark.parametrize("impl", ["reprop", "torch"])

@@ -38,6 +38,9 @@ apply them at once, then run, as it sees the parameters after an eager step.
 Backward mode: post-hooks run at step(); a pre-hook cannot run before the
 updates backward() made, so step() raises while one is registered.
 
+A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
+plain model: the hooks it copies belong to an inert copy of the handle.
+
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
 the next forward of the root module or ``optimizer.step()``.
@@ -284,6 +287,14 @@ def _register_grad_ready(p: torch.Tensor, hook) -> "torch.utils.hooks.RemovableH
         p.requires_grad_(False)
 
 
+def _inert_handle(cls: type) -> "FusionHandle":
+    """What a copy of a fusion handle is: removed, its hooks do nothing (see
+    FusionHandle.__reduce__)."""
+    handle = object.__new__(cls)
+    handle._removed = True
+    return handle
+
+
 def _low_precision_state_as_torch_keeps_it(optimizer: torch.optim.Optimizer) -> None:
     """A torch optimizer keeps its state in the parameter's dtype (its
     load_state_dict casts it so): the reprop engine's float32 state of
@@ -407,6 +418,15 @@ class FusionHandle:
         _FUSED_BY.pop(self.optimizer, None)
         self._removed = True
 
+    def __reduce__(self):
+        """copy.deepcopy(model) and torch.save(model) copy the hooks this
+        handle installed on the model's modules (bound methods), and with
+        them the handle: the copy (a teacher, an EMA, a fine-tuned clone) is
+        a plain model of its own, so what it gets is an inert, removed handle
+        whose hooks do nothing, not a clone of the optimizer that would
+        update it. (Parameters' own hooks are not copied by torch.)"""
+        return _inert_handle, (type(self),)
+
     def __enter__(self) -> "FusionHandle":
         return self
 
@@ -527,6 +547,8 @@ class _BackwardFusion(FusionHandle):
         """Updates are applied inside backward, and what the last step() makes
         without a gradient there; on CUDA, makes the current streams wait for
         those still running on the side streams."""
+        if self._removed:  # also a copy's inert handle
+            return
         if _tensors.outside_backward():
             self._finish_step()
         self._join_side_streams()
@@ -542,6 +564,8 @@ class _BackwardFusion(FusionHandle):
             self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._sync()
         self._on_training_forward(module, args)
 
@@ -550,6 +574,8 @@ class _BackwardFusion(FusionHandle):
         is over is finished first (eval forwards must see it); in grad mode,
         the first forward after a backward starts a micro-batch and frees the
         gradients kept since the last update."""
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         task = torch._C._current_graph_task_id()
         if task != -1:  # inside backward: a forward that checkpointing recomputes
             # counts only when it is the micro-batch's first grad-mode forward:
@@ -785,6 +811,8 @@ class _ForwardFusion(FusionHandle):
         super().remove()
 
     def flush(self) -> None:
+        if self._removed:  # also what a copy's hooks call (see __reduce__)
+            return
         if self._pending:
             self._apply(list(self._pending.values()))
 
@@ -803,6 +831,8 @@ class _ForwardFusion(FusionHandle):
             self._settings = {}
 
     def _on_module_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._seen_running.add(id(module))
         if self._pending:
             mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
@@ -810,6 +840,8 @@ class _ForwardFusion(FusionHandle):
                 self._apply(mine)
 
     def _on_root_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._sync()
         # Parameters of modules never seen running are read some other way: now.
         orphans = [p for m, own in self._owned if id(m) not in self._seen_running
