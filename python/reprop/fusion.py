@@ -16,8 +16,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   backward, and are joined to the main stream when backward ends.
   ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
   Global information (gradient clipping, GradScaler) is not known before the
-  updates in this mode: use ``mode="forward"`` for those. Hyper-parameters
-  changed between ``backward()`` and ``step()`` apply from the next step.
+  updates in this mode: use ``mode="forward"`` for those; nor can the
+  gradients of several backward() calls per step be summed before the
+  update: a second gradient for a parameter before step() or the next
+  forward raises. Hyper-parameters changed between ``backward()`` and
+  ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
   marks the updates pending, and ``zero_grad()`` is deferred to them; each
   pending update is applied right before its module's next forward, in
@@ -610,6 +613,8 @@ class _BackwardFusion(FusionHandle):
         self._mark_backward(p)
         if id(p) not in self._params or not self._updating():
             return  # no longer in the optimizer, or accumulating: eager would not step now
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
         if self._step_settings is None:
             self._step_settings = _settings_snapshot(self.optimizer)
         self._ready[id(p)] = p
@@ -622,6 +627,27 @@ class _BackwardFusion(FusionHandle):
         batch = self._batch_of[id(p)]
         if all(id(q) in self._ready or not q.requires_grad for q in batch):
             self._update([q for q in batch if id(q) in self._ready])
+
+    def _refuse_second_gradient(self, p: torch.Tensor) -> None:
+        """A gradient for a parameter already updated since the last step() or
+        forward of the model: a second backward() of the same forward (two
+        losses, retain_graph=True), or a second nested backward of a reentrant
+        checkpoint. Eager's step() applies the sum of the gradients once; here
+        the first one is applied already, and applying the next one too is
+        silently wrong where autograd does not catch the in-place change (a
+        weight it did not save for backward: an Embedding's, a bias). Raised
+        before any parameter is updated twice."""
+        # the exception ends this backward, and autograd drops its end callbacks
+        self._end_queued = False
+        self._join_side_streams()
+        raise RuntimeError(
+            f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
+            "gradient after its update, before optimizer.step() or the next forward of the "
+            "model: several backward() calls per step (e.g. two losses, retain_graph=True) "
+            "each update it, where eager step() applies their sum once. Add the losses and "
+            "call backward() once, or use mode='forward'. (A weight used both inside and "
+            "outside a reentrant checkpoint gets one gradient per nested backward: use "
+            "use_reentrant=False there.)")
 
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
