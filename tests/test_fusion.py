@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import io
 import math
 import subprocess
 import sys
@@ -1055,6 +1056,60 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
 
 
+def _copy_of(model: nn.Module, how: str) -> nn.Module:
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
+    """A copy of a fused model (a teacher, an EMA, a fine-tuned clone) taken
+    right after step() (forward mode: the update still pending) carries the
+    fusion's hooks, but is a plain model with the values of that moment:
+    backward fills its .grad and updates nothing (it updated itself with a
+    hidden clone of the optimizer, or its first forward raised), an eager
+    optimizer trains it as any model, and the original's training goes on
+    exactly as eager."""
+    ref = _mlp()
+    ref_opt = rp.Adam(ref.parameters(), lr=1e-2)
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=1e-2)
+    handle = reprop.fuse(model, opt, mode=mode)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            x, y = _mlp_batch(i)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                F.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            if i != 2:
+                continue
+            twin, plain = _copy_of(model, how), _mlp()
+            with torch.no_grad():
+                for a, b in zip(plain.parameters(), model.parameters()):
+                    a.copy_(b)
+            opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
+            for j in range(3):
+                x, y = _mlp_batch(100 + j)
+                for m, o in zip((plain, twin), opts):
+                    F.mse_loss(m(x), y).backward()
+                for (n, a), b in zip(plain.named_parameters(), twin.parameters()):
+                    assert b.grad is not None and torch.equal(b.grad, a.grad), f"{n}: copy's grad"
+                    assert torch.equal(b, a), f"{n}: the copy changed in backward"
+                for o in opts:
+                    o.step()
+                    o.zero_grad()
+    handle.remove()
+    for (n, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b, a), f"{n}: the original after the copy's training"
+
+
 @pytest.mark.parametrize("impl", ["reprop", "torch"])
 @pytest.mark.parametrize("mode", MODES)
 def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) -> None:
@@ -1351,6 +1406,119 @@ def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     handle.remove()
+
+
+class TwoHeads(nn.Module):
+    """Tokens (10,) -> two outputs of a shared Embedding, whose backward does
+    not save the weight (nor does a bias's): autograd's in-place check does
+    not catch a second backward that reaches them after their update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.h1 = nn.Linear(4, 1)
+        self.h2 = nn.Linear(4, 1)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.emb(tokens)
+        return self.h1(e), self.h2(e)
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -> None:
+    """Two losses of one forward backwarded separately (retain_graph=True):
+    eager step() applies the sum of both gradients once, backward mode
+    applied each one (the shared embedding twice, silently). The second
+    backward raises before any parameter is updated twice; with
+    accumulation, in the window's updating micro-batch (earlier ones sum
+    the gradients as eager does)."""
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
+    tokens = torch.arange(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(every - 1):
+            a, b = model(tokens)
+            a.square().mean().backward(retain_graph=True)
+            b.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        a, b = model(tokens)
+        a.square().mean().backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match=r"mode='backward'.* second gradient .*Add the "
+                                               r"losses and call backward\(\) once"):
+            b.square().mean().backward()
+    assert all(float(opt.state[p]["step"]) <= 1 for p in model.parameters())
+    handle.remove()
+
+
+def _one_gradient_per_step(how: str, fused: bool) -> list:
+    """4 steps of a loop whose parameters get one gradient per step in
+    backward mode, `how` says in what way; eager always steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=2 if how == "two_forwards" else 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            x = torch.randn(5, 4, generator=_gen(i))
+            out = model(x)
+            if how == "autograd_grad":  # a gradient penalty, a logged norm: accumulates nothing
+                torch.autograd.grad(out.square().sum(), list(model.parameters()), retain_graph=True)
+            out.sum().backward()
+            if how == "two_forwards":  # a forward per loss: two micro-batches
+                model(x.flip(0)).square().mean().backward()
+            with torch.no_grad():  # an eval forward in between
+                model(x)
+            if not (fused and how == "no_step"):  # the next forward ends the step
+                opt.step()
+                opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["autograd_grad", "two_forwards", "no_step"])
+def test_one_gradient_per_step_is_not_refused(how: str) -> None:
+    """What is not a second gradient for an updated parameter trains as
+    eager (so do checkpointing, accumulation, reprop.ooo's held tasks and
+    DDP: their own tests)."""
+    for a, b in zip(_one_gradient_per_step(how, True), _one_gradient_per_step(how, False)):
+        assert torch.equal(a, b)
+
+
+def _train_shared_and_checkpointed(fused: bool, reentrant: bool) -> list:
+    """3 steps of a model whose model[0] runs before a checkpoint and inside
+    it: one weight, two gradients under reentrant checkpointing (one per
+    nested backward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if fused:
+        reprop.fuse(model, opt, mode="backward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            h = model[0](torch.randn(5, 4, generator=_gen(i)))
+            h = checkpoint(lambda t: model[1](model[0](t)), h, use_reentrant=reentrant)
+            model[2](h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_weight_inside_and_outside_a_reentrant_checkpoint_raises() -> None:
+    """A weight used both inside and outside a reentrant checkpoint gets a
+    partial gradient per nested backward: backward mode updated it from
+    each, silently; it raises now, naming use_reentrant=False, with which
+    (one backward pass) training equals eager."""
+    with pytest.raises(RuntimeError, match="second gradient .*use_reentrant=False"):
+        _train_shared_and_checkpointed(fused=True, reentrant=True)
+    got, want = (_train_shared_and_checkpointed(fused, reentrant=False) for fused in (True, False))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------

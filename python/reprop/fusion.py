@@ -16,8 +16,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   backward, and are joined to the main stream when backward ends.
   ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
   Global information (gradient clipping, GradScaler) is not known before the
-  updates in this mode: use ``mode="forward"`` for those. Hyper-parameters
-  changed between ``backward()`` and ``step()`` apply from the next step.
+  updates in this mode: use ``mode="forward"`` for those; nor can the
+  gradients of several backward() calls per step be summed before the
+  update: a second gradient for a parameter before step() or the next
+  forward raises. Hyper-parameters changed between ``backward()`` and
+  ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
   marks the updates pending, and ``zero_grad()`` is deferred to them; each
   pending update is applied right before its module's next forward, in
@@ -37,6 +40,9 @@ before the updates are marked pending; a registered post-hook makes step()
 apply them at once, then run, as it sees the parameters after an eager step.
 Backward mode: post-hooks run at step(); a pre-hook cannot run before the
 updates backward() made, so step() raises while one is registered.
+
+A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
+plain model: the hooks it copies belong to an inert copy of the handle.
 
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
@@ -284,6 +290,14 @@ def _register_grad_ready(p: torch.Tensor, hook) -> "torch.utils.hooks.RemovableH
         p.requires_grad_(False)
 
 
+def _inert_handle(cls: type) -> "FusionHandle":
+    """What a copy of a fusion handle is: removed, its hooks do nothing (see
+    FusionHandle.__reduce__)."""
+    handle = object.__new__(cls)
+    handle._removed = True
+    return handle
+
+
 def _low_precision_state_as_torch_keeps_it(optimizer: torch.optim.Optimizer) -> None:
     """A torch optimizer keeps its state in the parameter's dtype (its
     load_state_dict casts it so): the reprop engine's float32 state of
@@ -407,6 +421,15 @@ class FusionHandle:
         _FUSED_BY.pop(self.optimizer, None)
         self._removed = True
 
+    def __reduce__(self):
+        """copy.deepcopy(model) and torch.save(model) copy the hooks this
+        handle installed on the model's modules (bound methods), and with
+        them the handle: the copy (a teacher, an EMA, a fine-tuned clone) is
+        a plain model of its own, so what it gets is an inert, removed handle
+        whose hooks do nothing, not a clone of the optimizer that would
+        update it. (Parameters' own hooks are not copied by torch.)"""
+        return _inert_handle, (type(self),)
+
     def __enter__(self) -> "FusionHandle":
         return self
 
@@ -527,6 +550,8 @@ class _BackwardFusion(FusionHandle):
         """Updates are applied inside backward, and what the last step() makes
         without a gradient there; on CUDA, makes the current streams wait for
         those still running on the side streams."""
+        if self._removed:  # also a copy's inert handle
+            return
         if _tensors.outside_backward():
             self._finish_step()
         self._join_side_streams()
@@ -542,6 +567,8 @@ class _BackwardFusion(FusionHandle):
             self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._sync()
         self._on_training_forward(module, args)
 
@@ -550,6 +577,8 @@ class _BackwardFusion(FusionHandle):
         is over is finished first (eval forwards must see it); in grad mode,
         the first forward after a backward starts a micro-batch and frees the
         gradients kept since the last update."""
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         task = torch._C._current_graph_task_id()
         if task != -1:  # inside backward: a forward that checkpointing recomputes
             # counts only when it is the micro-batch's first grad-mode forward:
@@ -584,6 +613,8 @@ class _BackwardFusion(FusionHandle):
         self._mark_backward(p)
         if id(p) not in self._params or not self._updating():
             return  # no longer in the optimizer, or accumulating: eager would not step now
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
         if self._step_settings is None:
             self._step_settings = _settings_snapshot(self.optimizer)
         self._ready[id(p)] = p
@@ -596,6 +627,27 @@ class _BackwardFusion(FusionHandle):
         batch = self._batch_of[id(p)]
         if all(id(q) in self._ready or not q.requires_grad for q in batch):
             self._update([q for q in batch if id(q) in self._ready])
+
+    def _refuse_second_gradient(self, p: torch.Tensor) -> None:
+        """A gradient for a parameter already updated since the last step() or
+        forward of the model: a second backward() of the same forward (two
+        losses, retain_graph=True), or a second nested backward of a reentrant
+        checkpoint. Eager's step() applies the sum of the gradients once; here
+        the first one is applied already, and applying the next one too is
+        silently wrong where autograd does not catch the in-place change (a
+        weight it did not save for backward: an Embedding's, a bias). Raised
+        before any parameter is updated twice."""
+        # the exception ends this backward, and autograd drops its end callbacks
+        self._end_queued = False
+        self._join_side_streams()
+        raise RuntimeError(
+            f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
+            "gradient after its update, before optimizer.step() or the next forward of the "
+            "model: several backward() calls per step (e.g. two losses, retain_graph=True) "
+            "each update it, where eager step() applies their sum once. Add the losses and "
+            "call backward() once, or use mode='forward'. (A weight used both inside and "
+            "outside a reentrant checkpoint gets one gradient per nested backward: use "
+            "use_reentrant=False there.)")
 
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
@@ -785,6 +837,8 @@ class _ForwardFusion(FusionHandle):
         super().remove()
 
     def flush(self) -> None:
+        if self._removed:  # also what a copy's hooks call (see __reduce__)
+            return
         if self._pending:
             self._apply(list(self._pending.values()))
 
@@ -803,6 +857,8 @@ class _ForwardFusion(FusionHandle):
             self._settings = {}
 
     def _on_module_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._seen_running.add(id(module))
         if self._pending:
             mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
@@ -810,6 +866,8 @@ class _ForwardFusion(FusionHandle):
                 self._apply(mine)
 
     def _on_root_forward(self, module, args) -> None:
+        if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
         self._sync()
         # Parameters of modules never seen running are read some other way: now.
         orphans = [p for m, own in self._owned if id(m) not in self._seen_running
