@@ -873,6 +873,50 @@ def test_compose_zero_dim_float32_divisor_of_a_half_chain(dtype):
         assert torch.equal(got, want), (k, got, want)
 
 
+def square_of_thousand_x(x):
+    y = x * 1000.0
+    return y * y * 1e-3  # d/dx of y * y is 2e6 x: above 65504 for |x| > 0.033
+
+
+def fourth_power_of_small_x(x):
+    y = x * 1e-5
+    return y ** 4 * 1e4  # d/dx of y ** 4 is 4e-20 x^3: below 6e-5, float16's normal numbers
+
+
+# Chains whose values and gradients fit float16, but whose derivative with
+# respect to the root, a product of local derivatives, leaves float16's
+# range in between; autograd multiplies the gradient by one at a time.
+HALF_RANGE = {
+    "overflow": (square_of_thousand_x, torch.linspace(-0.07, 0.07, 15)),
+    "underflow": (fourth_power_of_small_x, torch.linspace(1e4, 3e4, 15)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", sorted(HALF_RANGE))
+def test_compose_carries_half_chains_in_float32(name, dtype):
+    """A float16 chain carries its derivative in float32 and rounds only the
+    one its node saves, in the chain's dtype: the gradient is as accurate as
+    torch's (it was inf, or lost digits to float16's subnormals), and a chain
+    tensor consumed outside its chain drops the float32 one. bfloat16, with
+    float32's range, carries bfloat16 as accurately."""
+    fn, x = HALF_RANGE[name]
+    x = x.to(dtype)
+    grad = torch.ones_like(x)
+    y_ref, g_ref, _ = run_chain(fn, x, grad, compose=False)
+    y, g, nbytes = run_chain(fn, x, grad, compose=True)
+    _, g_64, _ = run_chain(fn, x.double(), grad.double(), compose=False)
+    assert torch.equal(y, y_ref)
+    assert nbytes == x.numel() * x.element_size(), f"{nbytes} bytes saved"
+    assert g.dtype == dtype
+    check_accuracy(g, g_ref, g_64, g_64.abs())
+    mode = fad.enabled(compose=True)
+    with mode:
+        y = fn(x.clone().requires_grad_())
+        y.sum()  # y leaves its chain (YN)
+        assert mode._records[y].deriv.dtype == dtype
+
+
 def test_compose_constant_changed_in_place_between_steps():
     """x * c carries c itself as the derivative; c changed in place before the
     next step must not change the gradient silently: autograd raises, and

@@ -659,7 +659,8 @@ def codebook(activation: str, *params: float) -> Codebook:
 #   YN  a chain tensor consumed by anything else: it already has its own
 #       autograd node, which saves only its derivative and points straight at
 #       the root, so nothing has to be rebuilt (the post-process of Fig. 6 only
-#       moves a full-precision derivative to saved_dtype, when that is lower).
+#       drops a derivative carried at higher precision than its node saved:
+#       above saved_dtype, or float32 for a float16 chain).
 # Every chain tensor's node holds one derivative; intermediates die with the
 # Python temporaries that held them, so a finished chain keeps one tensor.
 
@@ -671,7 +672,7 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
-        kept = step.mode._stored(deriv)
+        kept = step.mode._stored(deriv, value.dtype)
         if isinstance(kept, torch.Tensor):
             ctx.save_for_backward(kept, blocked)
             ctx.number = None
@@ -757,8 +758,36 @@ def _total(local, operand: _Operand):
         return 0
     if operand.deriv is None:
         return local
-    total = local * operand.deriv
+    total = _product(local, operand.deriv)
     return total if operand.blocked is None else total.masked_fill(operand.blocked, 0)
+
+
+def _product(local, deriv):
+    """local * deriv, at float32 where torch would give float16: a float16 chain
+    carries its derivative in float32. torch's backward multiplies the
+    gradient by one local derivative at a time (each product computed in
+    float32, rounded to float16); their product, carried forward, can leave
+    float16's range where the gradient does not (x * 1000, then a square:
+    2e6 x, above 65504 for |x| > 0.033; x * 1e-5, then a fourth power: below
+    float16's normal numbers). Only the copy a node saves is rounded
+    (enabled._stored). bfloat16 has float32's range: its chains carry
+    bfloat16, rounding once a step as torch's backward does (in float32 a
+    chain's forward took 1.3 to 2.7 times as long on the CPU, and its
+    gradient's relative error went from 3.0e-3 to 2.9e-3 only)."""
+    if _sets_dtype(local) or _sets_dtype(deriv):
+        return local * deriv  # torch promotes a float16 operand on the fly
+    return _widened(local) * _widened(deriv)
+
+
+def _sets_dtype(x) -> bool:
+    """A floating tensor with dimensions, not float16: a product has its dtype
+    or a wider one (a 0-d tensor's dtype does not count, by torch's promotion)."""
+    return isinstance(x, torch.Tensor) and x.dtype.is_floating_point \
+        and x.dtype is not torch.float16 and x.dim() > 0
+
+
+def _widened(x):
+    return x.float() if isinstance(x, torch.Tensor) and x.dtype is torch.float16 else x
 
 
 def _blocked(operands, own=None):
@@ -948,11 +977,12 @@ class enabled(TorchFunctionMode):
     its autograd node saves only that derivative and leads straight to the
     root; YN: a chain tensor consumed by anything else is an ordinary autograd
     tensor (its node is already right), so nothing is rebuilt, and only a
-    derivative kept at higher precision than saved_dtype for the next step is
-    dropped. Intermediates die with the Python temporaries that hold them, so a
-    finished chain keeps one tensor. NN: anything else (two roots, in-place ops,
-    views, broadcasting past the root's shape, reductions, matmuls, no_grad,
-    float64 results) runs as plain torch and plain autograd, which stays correct
+    derivative kept for the next step at higher precision than the node saved
+    (saved_dtype, or float16 for a float16 chain) is dropped. Intermediates
+    die with the Python temporaries that hold them, so a finished chain keeps
+    one tensor. NN: anything else (two roots, in-place ops, views,
+    broadcasting past the root's shape, reductions, matmuls, no_grad, float64
+    results) runs as plain torch and plain autograd, which stays correct
     because every chain tensor's node is.
 
     Element-wise ops: every reprop.fad activation (through torch.sigmoid,
@@ -963,8 +993,10 @@ class enabled(TorchFunctionMode):
     saved_dtype: how derivatives are saved; None (the chain's dtype),
     torch.float32, bfloat16 or float16; with compose=False also torch.uint8
     (8-bit codes; a composed chain has no known derivative range to code).
-    For chains bfloat16 is the safer 16-bit choice: a derivative above 65504
-    overflows float16 to inf, and a later zero gradient makes that NaN.
+    A float16 chain carries its derivative in float32 from step to step and
+    rounds only the copy each node saves; bfloat16 chains carry bfloat16.
+    For chains bfloat16 is the safer 16-bit choice: a saved derivative above
+    65504 overflows float16 to inf, and a later zero gradient makes that NaN.
 
     A step whose derivative cancels exactly (x - x, x * 0) carries the number
     0, so a later infinite local derivative gives 0 where autograd's
@@ -981,9 +1013,13 @@ class enabled(TorchFunctionMode):
         self.compose = compose
         self.saved_dtype = saved_dtype
         self._records = WeakTensorKeyDictionary()
+        # whether a chain's node saved a lower-precision copy of the derivative
+        # its record carries: then chain tensors leaving (YN) drop the carried one
+        self._copies = False
 
     def __exit__(self, *exc):
         self._records = WeakTensorKeyDictionary()  # chain tensors leave as plain autograd tensors
+        self._copies = False
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -995,7 +1031,7 @@ class enabled(TorchFunctionMode):
             out = self._chain_step(func, args, kwargs)
             if out is not None:
                 return out
-            if self.saved_dtype is not None:
+            if self._copies:
                 self._leave_chains(args, kwargs)
         ours = _REROUTED.get(func)
         if ours is not None and args and _kernel_input(args[0]):
@@ -1009,13 +1045,21 @@ class enabled(TorchFunctionMode):
         the saved copy, and the full-precision derivative is freed."""
         for t in _tensors_in(args, kwargs):
             rec = self._records.get(t)
-            if rec is not None:  # the node's own low-precision copy: no one else writes it
+            if rec is not None and rec.kept is not rec.deriv:
+                # the node's own low-precision copy: no one else writes it
                 rec.deriv, rec.deriv_version = rec.kept, None
 
-    def _stored(self, deriv):
-        if isinstance(deriv, torch.Tensor) and self.saved_dtype is not None:
+    def _stored(self, deriv, dtype: torch.dtype):
+        """The copy of a step's derivative its node saves: in saved_dtype, or
+        in the chain's dtype `dtype`, to which a float16 chain's float32
+        derivative (_product) is rounded. A 0-d derivative (a constant's own
+        scalar tensor, which torch's kernels read at its own precision) is
+        kept as it is."""
+        if not isinstance(deriv, torch.Tensor):
+            return deriv
+        if self.saved_dtype is not None:
             return deriv.to(self.saved_dtype)
-        return deriv
+        return deriv.to(dtype) if deriv.dim() > 0 else deriv
 
     # ---- NY and YY ----------------------------------------------------------
 
@@ -1034,7 +1078,9 @@ class enabled(TorchFunctionMode):
             return None
         step = _Step(self, compute)
         out = _Chain.apply(root, step)
-        self._records[out] = _Record(root, out, *step.result)
+        deriv, kept, blocked = step.result
+        self._records[out] = _Record(root, out, deriv, kept, blocked)
+        self._copies = self._copies or kept is not deriv
         return out
 
     def _operands(self, values) -> tuple[torch.Tensor, list[_Operand]] | None:
