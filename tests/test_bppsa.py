@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from reprop import bppsa
 from reprop._native import _C
@@ -1003,6 +1004,96 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([conv], (3, 9))
     with pytest.raises(ValueError, match=r"MaxPool2d: expected an input of shape \(C, H, W\)"):
         bppsa.ChainPlan([nn.MaxPool2d(2)], (9, 9))
+
+
+class _StandardizedConv2d(nn.Conv2d):
+    """A Conv2d whose forward standardizes its weight (timm's StdConv2d)."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / w.std((1, 2, 3), keepdim=True)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def test_chain_refuses_subclasses_and_hooks():
+    """A subclass may override forward (weight standardization, torch's QAT
+    fake-quantizing layers), a forward hook or pre-hook may change the
+    output or input, a backward hook the gradients: the chain's Jacobians
+    would be the plain layer's, silently wrong, so all are refused."""
+    x = torch.randn(2, 2, 5, 5)
+    with pytest.raises(TypeError, match=r"layers\[0\]: .*_StandardizedConv2d \(a subclass of nn.Conv2d\) "
+                                        r"is not supported"):
+        bppsa.chain_backward([_StandardizedConv2d(2, 3, 3)], x)
+    qat = torch.ao.nn.qat.Linear(4, 3, qconfig=torch.ao.quantization.get_default_qat_qconfig("x86"))
+    with pytest.raises(TypeError, match=r"layers\[1\]: torch\.ao\..*Linear \(a subclass of nn.Linear\)"):
+        bppsa.ChainPlan([nn.ReLU(), qat], (4,))
+    with pytest.raises(TypeError, match=r"^layer: .*_StandardizedConv2d \(a subclass of nn.Conv2d\)"):
+        bppsa.transposed_jacobian(_StandardizedConv2d(2, 3, 3), x[0])
+    hooked = [nn.Linear(4, 3) for _ in range(3)]
+    hooked[0].register_forward_hook(lambda module, args, out: out * 3)
+    hooked[1].register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    hooked[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    for layer, what in zip(hooked, ["forward hooks", "forward hooks or pre-hooks", "backward hooks"]):
+        with pytest.raises(ValueError, match=rf"layers\[1\]: Linear has {what}"):
+            bppsa.chain_backward([nn.Tanh(), layer], torch.randn(2, 4))
+    lin = nn.Linear(4, 3)
+    plan = bppsa.ChainPlan([lin], (4,))
+    lin.register_forward_hook(lambda module, args, out: out * 3)  # after the plan was built
+    with pytest.raises(ValueError, match=r"layers\[0\]: Linear has forward hooks"):
+        bppsa.chain_backward([lin], torch.randn(2, 4), plan=plan)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated")
+@pytest.mark.parametrize("reparametrize", ["prune", "weight_norm", "spectral_norm", "parametrizations"])
+def test_chain_takes_weight_reparametrizations(reparametrize):
+    """torch's own weight reparametrizations only change the weight the layer
+    reads, which is what the chain's Jacobians read too: the pre-hooks of
+    pruning, the hook-based weight_norm and spectral_norm, and the subclass
+    torch.nn.utils.parametrize swaps in."""
+    torch.manual_seed(9)
+    layers = small_cnn()
+    for i in (0, 6):
+        if reparametrize == "prune":
+            prune.l1_unstructured(layers[i], "weight", 0.5)
+        elif reparametrize == "weight_norm":
+            nn.utils.weight_norm(layers[i])
+        elif reparametrize == "spectral_norm":
+            nn.utils.spectral_norm(layers[i]).eval()  # eval: no power iteration in forward
+        else:
+            nn.utils.parametrizations.weight_norm(layers[i])
+    if reparametrize == "parametrizations":
+        nn.utils.parametrizations.orthogonal(layers[8])
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    for a, b in zip(bppsa.chain_backward(layers, x, g, levels="blelloch"),
+                    autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("pool", [nn.MaxPool2d((2,)), nn.MaxPool2d(2, stride=(2,)), nn.MaxPool2d(2, stride=[]),
+                                  nn.MaxPool2d(3, stride=1, padding=(1,)), nn.MaxPool2d(2, dilation=(2,)),
+                                  nn.MaxPool2d([2, 3], stride=[1], padding=[1, 0])], ids=repr)
+def test_chain_pool_arguments_expand_like_torch(pool):
+    """One int in a tuple stands for both dimensions and an empty stride is
+    the kernel size, as in torch's max_pool2d."""
+    torch.manual_seed(10)
+    layers = [nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), pool]
+    x = torch.randn(2, 2, 7, 6)
+    g = torch.randn_like(torch.nn.Sequential(*layers)(x))
+    for a, b in zip(bppsa.chain_backward(layers, x, g), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+    assert torch.equal(bppsa.transposed_jacobian(pool, x[0]).to_dense(), dense_transposed_jacobian(pool, x[0]))
+
+
+def test_chain_layer_errors_name_the_layer():
+    x = torch.randn(2, 2, 6, 6)
+    for mode in ("reflect", "circular", "replicate"):
+        with pytest.raises(ValueError, match=rf"layers\[1\]: Conv2d padding_mode='{mode}' is not supported"):
+            bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1, padding_mode=mode)], x)
+    for kernel in (2, (4, 3)):
+        with pytest.raises(ValueError, match=r"layers\[1\]: Conv2d padding='same' with an odd total padding"):
+            bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, kernel, padding="same")], x)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.stride: expected an int or a sequence of 1 or 2 ints"):
+        bppsa.ChainPlan([nn.MaxPool2d(2, stride=(1, 1, 1))], (2, 6, 6))
 
 
 @pytest.mark.parametrize("act", [nn.ReLU(inplace=True), nn.ELU(inplace=True), nn.LeakyReLU(0.1, inplace=True),
