@@ -332,6 +332,31 @@ def test_dropout_between_layers_matches_with_same_masks():
     assert out.shape == (6, 2, 4)
 
 
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_dropout_between_layers_draws_torch_masks(kind, packed, bidirectional):
+    """In train mode the same seed draws nn's dropout masks: over the (T, B, F)
+    output, or for a PackedSequence over its packed rows, as torch does: the
+    outputs and gradients equal torch's, and the generator is left where nn
+    leaves it."""
+    torch.manual_seed(11)
+    ref, ours = make_pair(kind, 3, 5, num_layers=3, dropout=0.5, bidirectional=bidirectional)
+    x = torch.randn(7, 3, 3)
+    results = []
+    for module in (ref, ours):
+        torch.manual_seed(5)
+        if packed:
+            res, _ = run_packed(module, x, [7, 1, 4], None, False)
+        else:
+            res = run(module, x, None, torch.randn(7, 3, 5 * (1 + bidirectional),
+                                                   generator=torch.Generator().manual_seed(1)))
+        results.append((res, torch.rand(4)))
+    (ref_res, ref_next), (our_res, our_next) = results
+    assert_close_lists(our_res, ref_res)
+    assert torch.equal(our_next, ref_next)
+
+
 def run_packed(module, x, lengths, h0, sort):
     """run() for a PackedSequence of x's first `lengths` steps, returning the
     packed output's fields as well."""

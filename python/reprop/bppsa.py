@@ -581,15 +581,17 @@ class _ScanRNNBase:
         rows = (torch.arange(len(data)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
                                                                   batch_sizes)).to(data.device)
         padded = data.new_zeros(T, B, data.shape[-1]).index_put((steps, rows), data)
-        output, h_n = self._layers(padded, hx, lengths.to(data.device))
+        output, h_n = self._layers(padded, hx, lengths.to(data.device), (steps, rows))
         if unsorted_indices is not None:
             h_n = h_n.index_select(1, unsorted_indices.to(h_n.device))
         return type(input)(output[steps, rows], batch_sizes, sorted_indices, unsorted_indices), h_n
 
-    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None):
+    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None,
+                packed: tuple | None = None):
         """All layers and directions over input (T, B, I); `lengths` (B,), if
         given, the valid steps of each sample (the rest is padding, left 0 in
-        every layer's output). Returns the output (T, B, dirs*H) and h_n."""
+        every layer's output), and `packed` the (steps, samples) index of a
+        PackedSequence's rows. Returns the output (T, B, dirs*H) and h_n."""
         dirs = 2 if self.bidirectional else 1
         T, B = input.shape[:2]
         pad = last = reverse = None
@@ -610,8 +612,16 @@ class _ScanRNNBase:
                 outs.append(out if d == 0 else _reversed(out, reverse))
             layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer + 1 < self.num_layers:
-                layer_in = nn.functional.dropout(layer_in, self.dropout, True)
+                layer_in = self._dropout(layer_in, packed)
         return layer_in, torch.stack(h_n)
+
+    def _dropout(self, x: torch.Tensor, packed: tuple | None) -> torch.Tensor:
+        """Dropout between layers, drawn as torch draws it: over the (T, B, F)
+        output, or over a PackedSequence's rows (the packed data, in its order),
+        so that a seed gives nn's masks and leaves the generator where nn does."""
+        if packed is None:
+            return nn.functional.dropout(x, self.dropout, True)
+        return x.index_put(packed, nn.functional.dropout(x[packed], self.dropout, True))
 
 
 def _reversed(x: torch.Tensor, index: tuple | None) -> torch.Tensor:
