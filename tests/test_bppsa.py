@@ -175,6 +175,51 @@ def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
         assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(scaled))
 
 
+@pytest.mark.parametrize("levels", [5, "blelloch"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scan_overflowing_products_fall_back_to_linear(levels, in_place):
+    """J^T = diag(100, 0.5) and a gradient only in the second component at
+    the end: g stays finite, but the up-sweep's products over 2^d steps
+    overflow to inf in the first, and the down-sweep's inf * 0 gave NaN. A
+    result that is not finite is the linear scan's, bit for bit."""
+    T = 64
+    jt = torch.diag(torch.tensor([100.0, 0.5])).expand(T, 1, 2, 2).contiguous()
+    c = torch.zeros(T, 1, 2)
+    c[-1, 0, 1] = 1.0
+    linear = bppsa.scan(c, jt=jt, levels="linear")
+    ours = bppsa.scan(c.clone(), jt=jt, levels=levels) if not in_place else \
+        bppsa.scan(c_ := c.clone(), jt=jt, levels=levels, out=c_)
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours, linear)
+    assert torch.equal(ours.double(), reference_scan(c, jt))
+
+
+def test_chaotic_rnn_gradients_stay_finite():
+    """A chaotic tanh RNN (recurrent gain 4) whose loss reads only its first
+    steps: torch's gradients are finite, the Blelloch scan's products of
+    Jacobians overflow float32; the result is the linear scan's, bit for
+    bit (and torch's within 1e-5: the gain amplifies rounding)."""
+    torch.manual_seed(0)
+    T, H = 2048, 32
+    ref, ours = make_pair("tanh", 2, H, scan="blelloch")
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.weight_hh_l0.copy_(torch.randn(H, H, generator=torch.Generator().manual_seed(0)) * 4 / H ** 0.5)
+    x = torch.randn(T, 1, 2)
+    results = []
+    for m, scan in [(ref, None), (ours, "blelloch"), (ours, "linear")]:
+        if scan is not None:
+            m.scan = scan
+        xr = x.clone().requires_grad_()
+        m(xr)[0][:8].sum().backward()
+        results.append([xr.grad] + [p.grad.clone() for p in m.parameters()])
+        m.zero_grad()
+    torch_res, blelloch, linear = results
+    assert all(torch.isfinite(t).all() for t in blelloch)
+    assert all(torch.equal(a, b) for a, b in zip(blelloch, linear))
+    assert_close_lists(blelloch, torch_res, tol=1e-5)
+
+
 def test_scan_activation_rejects_bad_arguments():
     w, y, v, c = activation_case("tanh", 6, 2, 3, 1, seed=0)
     with pytest.raises(ValueError, match="activation: expected 'tanh' or 'relu'"):
@@ -908,6 +953,26 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
         layers[8].weight.view(-1)[int(pruned.leaves[-1].zero_weights[-1])] = 1e-30
     with pytest.raises(ValueError, match="Linear: weights that were zero .* non-zero now"):
         bppsa.chain_backward(layers, x, g, plan=pruned)
+
+
+@pytest.mark.parametrize("levels", [2, "blelloch"])
+def test_chain_overflowing_products_fall_back_to_linear(levels):
+    """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
+    output: autograd's input gradients are finite, the up-sweep's products of
+    four layers overflow (1e40), and inf * 0 gave NaN. A result that is not
+    finite is the linear scan's, bit for bit."""
+    layers = [nn.Linear(2, 2, bias=False) for _ in range(8)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.diag(torch.tensor([1e10, 0.5])))
+    x, g = torch.randn(3, 2), torch.tensor([[0.0, 1.0]]).repeat(3, 1)
+    plan = bppsa.ChainPlan(layers, (2,), levels=levels)
+    assert plan.info["levels"] > 1
+    ours = bppsa.chain_backward(layers, x, g, plan=plan)
+    for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
+                       autograd_layer_input_grads(layers, x, g)):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+        assert rel_err(a, c) <= 1e-6
 
 
 def test_max_pairs_cap_drops_a_whole_level():

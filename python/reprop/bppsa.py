@@ -276,20 +276,34 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     g = torch.empty_like(c) if out is None else out
     if B == 0:
         return g
-    floats = _C.scan_workspace(T, B, H, L)
-    work = torch.empty(floats, device=device) if floats else None
-    args = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation),
-            c.data_ptr(), g.data_ptr(), L, _pointer(work))
-    if device.type == "cuda":
+    leaves = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation))
+    if device.type == "cpu":  # the C scan itself falls back to the linear scan (reprop.h)
+        _run_scan(leaves, c, g, L)
+    elif device.type == "cuda":
         if _cuda is None:
             raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
-        with torch.cuda.device(device):
-            _cuda.scan(*args, torch.cuda.current_stream(device).cuda_stream)
-    elif device.type == "cpu":
-        _C.scan(*args, torch.get_num_threads())
+        kept = c.clone() if L and c.data_ptr() == g.data_ptr() else c  # in place: c for the fallback
+        _run_scan(leaves, c, g, L)
+        # as the CPU scan does: overflowing up-sweep products (inf * 0 = NaN) are
+        # redone by the linear scan; bool() waits for the GPU (see README)
+        if L and not bool(torch.isfinite(g).all()):
+            _run_scan(leaves, kept, g, 0)
     else:
         raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
     return g
+
+
+def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> None:
+    """One scan of checked operands on c's device, with its workspace."""
+    T, B, H = c.shape
+    floats = _C.scan_workspace(T, B, H, levels)
+    work = torch.empty(floats, device=c.device) if floats else None
+    args = (*leaves, c.data_ptr(), g.data_ptr(), levels, _pointer(work))
+    if c.device.type == "cuda":
+        with torch.cuda.device(c.device):
+            _cuda.scan(*args, torch.cuda.current_stream(c.device).cuda_stream)
+    else:
+        _C.scan(*args, torch.get_num_threads())
 
 
 # ---------------------------------------------------------------------------
@@ -980,6 +994,7 @@ class ChainPlan:
         self.info = _C.csr_plan_info(self._plan)
         self._program = _C.csr_program(self._plan)
         self._device_rows = {}
+        self._linear = None  # _linear_plan()
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -1054,8 +1069,20 @@ class ChainPlan:
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
-        return [seq[a:a + leaf.rows].T.reshape(x.shape).to(x.dtype)
-                for leaf, x, a in zip(self.leaves, inputs, prog["g_addr"].tolist())]
+        grads = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, prog["g_addr"].tolist())]
+        # as scan() does: up-sweep products that overflowed (inf * 0 = NaN) are
+        # redone by the linear scan. One multi-tensor max-norm (not finite iff
+        # a gradient is not); bool() waits for a GPU (see README).
+        if self.info["levels"] and not bool(torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()):
+            return self._linear_plan().backward(inputs, grad_output)
+        return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
+
+    def _linear_plan(self) -> ChainPlan:
+        """This chain planned as the linear scan, once, the first time this
+        plan's result is not finite."""
+        if self._linear is None:
+            self._linear = ChainPlan([layer for layer, _ in self.steps], self.input_shape, levels="linear")
+        return self._linear
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
