@@ -311,7 +311,11 @@ int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int leve
 int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, int levels,
                   const float *work, rp_error *err);
 
-/* CPU scan: OpenMP over the pairs of a level and the batch. */
+/* CPU scan: OpenMP over the pairs of a level and the batch. With levels > 0,
+ * a result that is not finite is recomputed by the linear scan (levels 0):
+ * the up-sweep's products over 2^d steps can overflow where the linear
+ * scan's vectors do not (a chaotic recurrence whose later steps get no
+ * gradient), and inf * 0 gave NaN. */
 int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
                 int num_threads, rp_error *err);
 

@@ -475,6 +475,18 @@ static void rp_rec_emit(const rp_rec_ctx *x, int64_t t, int64_t b, const float *
         rp_copy(dst, gt, x->H);
 }
 
+/* Whether every result in the slots is finite: one pass over n B H floats
+ * (the scan with levels did n B H^3 multiply-adds), before rp_rec_store. */
+static int rp_rec_finite(const rp_rec_ctx *x)
+{
+    const float *first = x->vecs + x->B * x->H;
+    const int64_t len = x->n * x->B * x->H;
+    int64_t bad = 0;
+    for (int64_t k = 0; k < len; k++)
+        bad += !isfinite(first[k]);
+    return bad == 0;
+}
+
 static void rp_rec_store(const rp_rec_ctx *x, float *g)
 {
     for (int64_t s = 1; s <= x->n; s++)
@@ -540,6 +552,15 @@ int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels
     rp_rec_load(&x, c);
     if (rp_scan_run(&s, num_threads) != 0)
         return rp_set_error(err, RP_ERUNTIME, "scan: out of memory for the per-thread scratch");
+    if (!rp_rec_finite(&x)) {
+        /* the up-sweep's products of up to 2^levels Jacobians overflowed,
+         * and the down-sweep made inf * 0 = NaN of them: the linear scan
+         * never forms them, so its result is finite wherever autograd's
+         * is. c is intact (nothing was stored to g yet), so it starts over. */
+        if (rp_rec_linear(&x, c, g, num_threads) != 0)
+            return rp_set_error(err, RP_ERUNTIME, "scan: out of memory for the per-thread scratch");
+        return RP_OK;
+    }
     rp_rec_store(&x, g);
     return RP_OK;
 }

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from reprop import bppsa
 from reprop._native import _C
@@ -172,6 +173,51 @@ def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
         scaled = v * want
         assert torch.equal(bits(implied(pre_activation=True)), bits(scaled))
         assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(scaled))
+
+
+@pytest.mark.parametrize("levels", [5, "blelloch"])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_scan_overflowing_products_fall_back_to_linear(levels, in_place):
+    """J^T = diag(100, 0.5) and a gradient only in the second component at
+    the end: g stays finite, but the up-sweep's products over 2^d steps
+    overflow to inf in the first, and the down-sweep's inf * 0 gave NaN. A
+    result that is not finite is the linear scan's, bit for bit."""
+    T = 64
+    jt = torch.diag(torch.tensor([100.0, 0.5])).expand(T, 1, 2, 2).contiguous()
+    c = torch.zeros(T, 1, 2)
+    c[-1, 0, 1] = 1.0
+    linear = bppsa.scan(c, jt=jt, levels="linear")
+    ours = bppsa.scan(c.clone(), jt=jt, levels=levels) if not in_place else \
+        bppsa.scan(c_ := c.clone(), jt=jt, levels=levels, out=c_)
+    assert torch.isfinite(ours).all()
+    assert torch.equal(ours, linear)
+    assert torch.equal(ours.double(), reference_scan(c, jt))
+
+
+def test_chaotic_rnn_gradients_stay_finite():
+    """A chaotic tanh RNN (recurrent gain 4) whose loss reads only its first
+    steps: torch's gradients are finite, the Blelloch scan's products of
+    Jacobians overflow float32; the result is the linear scan's, bit for
+    bit (and torch's within 1e-5: the gain amplifies rounding)."""
+    torch.manual_seed(0)
+    T, H = 2048, 32
+    ref, ours = make_pair("tanh", 2, H, scan="blelloch")
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.weight_hh_l0.copy_(torch.randn(H, H, generator=torch.Generator().manual_seed(0)) * 4 / H ** 0.5)
+    x = torch.randn(T, 1, 2)
+    results = []
+    for m, scan in [(ref, None), (ours, "blelloch"), (ours, "linear")]:
+        if scan is not None:
+            m.scan = scan
+        xr = x.clone().requires_grad_()
+        m(xr)[0][:8].sum().backward()
+        results.append([xr.grad] + [p.grad.clone() for p in m.parameters()])
+        m.zero_grad()
+    torch_res, blelloch, linear = results
+    assert all(torch.isfinite(t).all() for t in blelloch)
+    assert all(torch.equal(a, b) for a, b in zip(blelloch, linear))
+    assert_close_lists(blelloch, torch_res, tol=1e-5)
 
 
 def test_scan_activation_rejects_bad_arguments():
@@ -329,6 +375,31 @@ def test_dropout_between_layers_matches_with_same_masks():
     ours.train()
     out, _ = ours(x)
     assert out.shape == (6, 2, 4)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_dropout_between_layers_draws_torch_masks(kind, packed, bidirectional):
+    """In train mode the same seed draws nn's dropout masks: over the (T, B, F)
+    output, or for a PackedSequence over its packed rows, as torch does: the
+    outputs and gradients equal torch's, and the generator is left where nn
+    leaves it."""
+    torch.manual_seed(11)
+    ref, ours = make_pair(kind, 3, 5, num_layers=3, dropout=0.5, bidirectional=bidirectional)
+    x = torch.randn(7, 3, 3)
+    results = []
+    for module in (ref, ours):
+        torch.manual_seed(5)
+        if packed:
+            res, _ = run_packed(module, x, [7, 1, 4], None, False)
+        else:
+            res = run(module, x, None, torch.randn(7, 3, 5 * (1 + bidirectional),
+                                                   generator=torch.Generator().manual_seed(1)))
+        results.append((res, torch.rand(4)))
+    (ref_res, ref_next), (our_res, our_next) = results
+    assert_close_lists(our_res, ref_res)
+    assert torch.equal(our_next, ref_next)
 
 
 def run_packed(module, x, lengths, h0, sort):
@@ -884,6 +955,26 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
         bppsa.chain_backward(layers, x, g, plan=pruned)
 
 
+@pytest.mark.parametrize("levels", [2, "blelloch"])
+def test_chain_overflowing_products_fall_back_to_linear(levels):
+    """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
+    output: autograd's input gradients are finite, the up-sweep's products of
+    four layers overflow (1e40), and inf * 0 gave NaN. A result that is not
+    finite is the linear scan's, bit for bit."""
+    layers = [nn.Linear(2, 2, bias=False) for _ in range(8)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.diag(torch.tensor([1e10, 0.5])))
+    x, g = torch.randn(3, 2), torch.tensor([[0.0, 1.0]]).repeat(3, 1)
+    plan = bppsa.ChainPlan(layers, (2,), levels=levels)
+    assert plan.info["levels"] > 1
+    ours = bppsa.chain_backward(layers, x, g, plan=plan)
+    for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
+                       autograd_layer_input_grads(layers, x, g)):
+        assert torch.isfinite(a).all() and torch.equal(a, b)
+        assert rel_err(a, c) <= 1e-6
+
+
 def test_max_pairs_cap_drops_a_whole_level():
     """A cap that a level passes after its first product drops that level,
     whose products were already planned (this crashed when d >= 1); the
@@ -1003,6 +1094,96 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([conv], (3, 9))
     with pytest.raises(ValueError, match=r"MaxPool2d: expected an input of shape \(C, H, W\)"):
         bppsa.ChainPlan([nn.MaxPool2d(2)], (9, 9))
+
+
+class _StandardizedConv2d(nn.Conv2d):
+    """A Conv2d whose forward standardizes its weight (timm's StdConv2d)."""
+
+    def forward(self, x):
+        w = self.weight
+        w = (w - w.mean((1, 2, 3), keepdim=True)) / w.std((1, 2, 3), keepdim=True)
+        return nn.functional.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+def test_chain_refuses_subclasses_and_hooks():
+    """A subclass may override forward (weight standardization, torch's QAT
+    fake-quantizing layers), a forward hook or pre-hook may change the
+    output or input, a backward hook the gradients: the chain's Jacobians
+    would be the plain layer's, silently wrong, so all are refused."""
+    x = torch.randn(2, 2, 5, 5)
+    with pytest.raises(TypeError, match=r"layers\[0\]: .*_StandardizedConv2d \(a subclass of nn.Conv2d\) "
+                                        r"is not supported"):
+        bppsa.chain_backward([_StandardizedConv2d(2, 3, 3)], x)
+    qat = torch.ao.nn.qat.Linear(4, 3, qconfig=torch.ao.quantization.get_default_qat_qconfig("x86"))
+    with pytest.raises(TypeError, match=r"layers\[1\]: torch\.ao\..*Linear \(a subclass of nn.Linear\)"):
+        bppsa.ChainPlan([nn.ReLU(), qat], (4,))
+    with pytest.raises(TypeError, match=r"^layer: .*_StandardizedConv2d \(a subclass of nn.Conv2d\)"):
+        bppsa.transposed_jacobian(_StandardizedConv2d(2, 3, 3), x[0])
+    hooked = [nn.Linear(4, 3) for _ in range(3)]
+    hooked[0].register_forward_hook(lambda module, args, out: out * 3)
+    hooked[1].register_forward_pre_hook(lambda module, args: (args[0] * 3,))
+    hooked[2].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    for layer, what in zip(hooked, ["forward hooks", "forward hooks or pre-hooks", "backward hooks"]):
+        with pytest.raises(ValueError, match=rf"layers\[1\]: Linear has {what}"):
+            bppsa.chain_backward([nn.Tanh(), layer], torch.randn(2, 4))
+    lin = nn.Linear(4, 3)
+    plan = bppsa.ChainPlan([lin], (4,))
+    lin.register_forward_hook(lambda module, args, out: out * 3)  # after the plan was built
+    with pytest.raises(ValueError, match=r"layers\[0\]: Linear has forward hooks"):
+        bppsa.chain_backward([lin], torch.randn(2, 4), plan=plan)
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated")
+@pytest.mark.parametrize("reparametrize", ["prune", "weight_norm", "spectral_norm", "parametrizations"])
+def test_chain_takes_weight_reparametrizations(reparametrize):
+    """torch's own weight reparametrizations only change the weight the layer
+    reads, which is what the chain's Jacobians read too: the pre-hooks of
+    pruning, the hook-based weight_norm and spectral_norm, and the subclass
+    torch.nn.utils.parametrize swaps in."""
+    torch.manual_seed(9)
+    layers = small_cnn()
+    for i in (0, 6):
+        if reparametrize == "prune":
+            prune.l1_unstructured(layers[i], "weight", 0.5)
+        elif reparametrize == "weight_norm":
+            nn.utils.weight_norm(layers[i])
+        elif reparametrize == "spectral_norm":
+            nn.utils.spectral_norm(layers[i]).eval()  # eval: no power iteration in forward
+        else:
+            nn.utils.parametrizations.weight_norm(layers[i])
+    if reparametrize == "parametrizations":
+        nn.utils.parametrizations.orthogonal(layers[8])
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    for a, b in zip(bppsa.chain_backward(layers, x, g, levels="blelloch"),
+                    autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("pool", [nn.MaxPool2d((2,)), nn.MaxPool2d(2, stride=(2,)), nn.MaxPool2d(2, stride=[]),
+                                  nn.MaxPool2d(3, stride=1, padding=(1,)), nn.MaxPool2d(2, dilation=(2,)),
+                                  nn.MaxPool2d([2, 3], stride=[1], padding=[1, 0])], ids=repr)
+def test_chain_pool_arguments_expand_like_torch(pool):
+    """One int in a tuple stands for both dimensions and an empty stride is
+    the kernel size, as in torch's max_pool2d."""
+    torch.manual_seed(10)
+    layers = [nn.Conv2d(2, 2, 3, padding=1), nn.ReLU(), pool]
+    x = torch.randn(2, 2, 7, 6)
+    g = torch.randn_like(torch.nn.Sequential(*layers)(x))
+    for a, b in zip(bppsa.chain_backward(layers, x, g), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+    assert torch.equal(bppsa.transposed_jacobian(pool, x[0]).to_dense(), dense_transposed_jacobian(pool, x[0]))
+
+
+def test_chain_layer_errors_name_the_layer():
+    x = torch.randn(2, 2, 6, 6)
+    for mode in ("reflect", "circular", "replicate"):
+        with pytest.raises(ValueError, match=rf"layers\[1\]: Conv2d padding_mode='{mode}' is not supported"):
+            bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1, padding_mode=mode)], x)
+    for kernel in (2, (4, 3)):
+        with pytest.raises(ValueError, match=r"layers\[1\]: Conv2d padding='same' with an odd total padding"):
+            bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, kernel, padding="same")], x)
+    with pytest.raises(ValueError, match=r"layers\[0\]\.stride: expected an int or a sequence of 1 or 2 ints"):
+        bppsa.ChainPlan([nn.MaxPool2d(2, stride=(1, 1, 1))], (2, 6, 6))
 
 
 @pytest.mark.parametrize("act", [nn.ReLU(inplace=True), nn.ELU(inplace=True), nn.LeakyReLU(0.1, inplace=True),

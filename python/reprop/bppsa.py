@@ -33,6 +33,10 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.prune import BasePruningMethod
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
 from ._tensors import autocast_enabled, check_strided, torch_only, torch_only_weight
@@ -272,20 +276,34 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     g = torch.empty_like(c) if out is None else out
     if B == 0:
         return g
-    floats = _C.scan_workspace(T, B, H, L)
-    work = torch.empty(floats, device=device) if floats else None
-    args = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation),
-            c.data_ptr(), g.data_ptr(), L, _pointer(work))
-    if device.type == "cuda":
+    leaves = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation))
+    if device.type == "cpu":  # the C scan itself falls back to the linear scan (reprop.h)
+        _run_scan(leaves, c, g, L)
+    elif device.type == "cuda":
         if _cuda is None:
             raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
-        with torch.cuda.device(device):
-            _cuda.scan(*args, torch.cuda.current_stream(device).cuda_stream)
-    elif device.type == "cpu":
-        _C.scan(*args, torch.get_num_threads())
+        kept = c.clone() if L and c.data_ptr() == g.data_ptr() else c  # in place: c for the fallback
+        _run_scan(leaves, c, g, L)
+        # as the CPU scan does: overflowing up-sweep products (inf * 0 = NaN) are
+        # redone by the linear scan; bool() waits for the GPU (see README)
+        if L and not bool(torch.isfinite(g).all()):
+            _run_scan(leaves, kept, g, 0)
     else:
         raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
     return g
+
+
+def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> None:
+    """One scan of checked operands on c's device, with its workspace."""
+    T, B, H = c.shape
+    floats = _C.scan_workspace(T, B, H, levels)
+    work = torch.empty(floats, device=c.device) if floats else None
+    args = (*leaves, c.data_ptr(), g.data_ptr(), levels, _pointer(work))
+    if c.device.type == "cuda":
+        with torch.cuda.device(c.device):
+            _cuda.scan(*args, torch.cuda.current_stream(c.device).cuda_stream)
+    else:
+        _C.scan(*args, torch.get_num_threads())
 
 
 # ---------------------------------------------------------------------------
@@ -577,15 +595,17 @@ class _ScanRNNBase:
         rows = (torch.arange(len(data)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
                                                                   batch_sizes)).to(data.device)
         padded = data.new_zeros(T, B, data.shape[-1]).index_put((steps, rows), data)
-        output, h_n = self._layers(padded, hx, lengths.to(data.device))
+        output, h_n = self._layers(padded, hx, lengths.to(data.device), (steps, rows))
         if unsorted_indices is not None:
             h_n = h_n.index_select(1, unsorted_indices.to(h_n.device))
         return type(input)(output[steps, rows], batch_sizes, sorted_indices, unsorted_indices), h_n
 
-    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None):
+    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None,
+                packed: tuple | None = None):
         """All layers and directions over input (T, B, I); `lengths` (B,), if
         given, the valid steps of each sample (the rest is padding, left 0 in
-        every layer's output). Returns the output (T, B, dirs*H) and h_n."""
+        every layer's output), and `packed` the (steps, samples) index of a
+        PackedSequence's rows. Returns the output (T, B, dirs*H) and h_n."""
         dirs = 2 if self.bidirectional else 1
         T, B = input.shape[:2]
         pad = last = reverse = None
@@ -606,8 +626,16 @@ class _ScanRNNBase:
                 outs.append(out if d == 0 else _reversed(out, reverse))
             layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer + 1 < self.num_layers:
-                layer_in = nn.functional.dropout(layer_in, self.dropout, True)
+                layer_in = self._dropout(layer_in, packed)
         return layer_in, torch.stack(h_n)
+
+    def _dropout(self, x: torch.Tensor, packed: tuple | None) -> torch.Tensor:
+        """Dropout between layers, drawn as torch draws it: over the (T, B, F)
+        output, or over a PackedSequence's rows (the packed data, in its order),
+        so that a seed gives nn's masks and leaves the generator where nn does."""
+        if packed is None:
+            return nn.functional.dropout(x, self.dropout, True)
+        return x.index_put(packed, nn.functional.dropout(x[packed], self.dropout, True))
 
 
 def _reversed(x: torch.Tensor, index: tuple | None) -> torch.Tensor:
@@ -693,16 +721,58 @@ _ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GE
                 nn.LogSigmoid, nn.Softsign, nn.Tanhshrink)
 
 
-def _pair(v) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else tuple(v)
+# The chain's layer classes. Exact classes only, as convert() takes them: the
+# Jacobians are those of these classes' own forward, which a subclass (a
+# weight-standardizing Conv2d, torch.ao.nn.qat's fake-quantizing Conv2d and
+# Linear) may override.
+_CHAIN_CLASSES = (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)
+
+# Forward pre-hooks of torch's weight reparametrizations (pruning masks, the
+# hook-based weight_norm and spectral_norm): they only set `weight` before
+# forward, and the Jacobian reads the weight they set.
+_WEIGHT_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
 
 
-def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
+def _chain_class(layer: nn.Module) -> type:
+    """layer's class, seen through the subclass torch.nn.utils.parametrize
+    swaps in (it only computes the parametrized tensors when they are read)."""
+    cls = type(layer)
+    if cls in _CHAIN_CLASSES or not parametrize.is_parametrized(layer):  # the first test is the cheap one
+        return cls
+    return cls.__bases__[0]
+
+
+def _check_hooks(layer: nn.Module, name: str) -> None:
+    """Hooks the chain would silently skip: forward hooks and pre-hooks may
+    change the layer's input or output, backward hooks its gradients, and
+    the scan runs neither through autograd."""
+    kind = type(layer).__name__
+    if layer._forward_hooks or (layer._forward_pre_hooks and any(
+            not isinstance(hook, _WEIGHT_PRE_HOOKS) for hook in layer._forward_pre_hooks.values())):
+        raise ValueError(f"{name}: {kind} has forward hooks or pre-hooks, which may change what it "
+                         "computes; chain Jacobians are those of the plain layer (remove the hooks "
+                         "or use autograd)")
+    if layer._backward_hooks or layer._backward_pre_hooks:
+        raise ValueError(f"{name}: {kind} has backward hooks, which the chain's scan never calls "
+                         "(remove them or use autograd)")
+
+
+def _pair(value, name: str) -> tuple[int, int]:
+    """A pooling argument as torch expands it: an int or one int for both
+    dimensions, or two ints."""
+    pair = (value,) if isinstance(value, int) else tuple(value)
+    if len(pair) not in (1, 2):
+        raise ValueError(f"{name}: expected an int or a sequence of 1 or 2 ints, got {value!r}")
+    return (pair[0], pair[0]) if len(pair) == 1 else pair
+
+
+def _conv_geometry(layer: nn.Conv2d, shape: tuple, name: str) -> tuple[tuple, tuple]:
     if layer.padding_mode != "zeros":
-        raise ValueError(f"Conv2d: padding_mode={layer.padding_mode!r} is not supported (only 'zeros')")
+        raise ValueError(f"{name}: Conv2d padding_mode={layer.padding_mode!r} is not supported "
+                         "(only 'zeros')")
     if len(shape) != 3 or shape[0] != layer.in_channels:
-        raise ValueError(f"Conv2d: expected an input of shape ({layer.in_channels}, H, W) per sample "
-                         f"(in_channels={layer.in_channels}), got {shape}")
+        raise ValueError(f"{name}: Conv2d: expected an input of shape ({layer.in_channels}, H, W) per "
+                         f"sample (in_channels={layer.in_channels}), got {shape}")
     c, h, w = shape
     kh, kw = layer.kernel_size
     sh, sw = layer.stride
@@ -713,7 +783,9 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
         else:  # "same" with stride 1: torch pads symmetrically when the total is even
             th, tw = dh * (kh - 1), dw * (kw - 1)
             if th % 2 or tw % 2:
-                raise ValueError("Conv2d: padding='same' with an odd total padding is not supported")
+                raise ValueError(f"{name}: Conv2d padding='same' with an odd total padding "
+                                 f"(kernel_size={layer.kernel_size}, dilation={layer.dilation}) is "
+                                 "not supported")
             ph, pw = th // 2, tw // 2
     else:
         ph, pw = layer.padding
@@ -723,14 +795,17 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple) -> tuple[tuple, tuple]:
     return geom, (layer.out_channels, ho, wo)
 
 
-def _pool_geometry(layer: nn.MaxPool2d, shape: tuple) -> tuple[tuple, tuple]:
+def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple, tuple]:
     if len(shape) != 3:
-        raise ValueError(f"MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
+        raise ValueError(f"{name}: MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
     c, h, w = shape
-    kh, kw = _pair(layer.kernel_size)
-    sh, sw = _pair(layer.stride if layer.stride is not None else layer.kernel_size)
-    ph, pw = _pair(layer.padding)
-    dh, dw = _pair(layer.dilation)
+    kh, kw = _pair(layer.kernel_size, f"{name}.kernel_size")
+    stride = layer.stride
+    if stride is None or (not isinstance(stride, int) and len(stride) == 0):  # torch: the kernel size
+        stride = (kh, kw)
+    sh, sw = _pair(stride, f"{name}.stride")
+    ph, pw = _pair(layer.padding, f"{name}.padding")
+    dh, dw = _pair(layer.dilation, f"{name}.dilation")
     out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
                                          (ph, pw), (dh, dw), layer.ceil_mode)
     ho, wo = out.shape[-2:]
@@ -746,14 +821,20 @@ def _check_chain_tensor(t, name: str) -> None:
                         "double precision)")
 
 
-def _check_chain_layer(layer: nn.Module, index: int) -> None:
-    if isinstance(layer, nn.MaxPool2d) and layer.return_indices:
-        raise ValueError(f"layers[{index}]: MaxPool2d(return_indices=True) is not supported in a chain")
-    if not isinstance(layer, (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)):
-        raise TypeError(f"layers[{index}]: {type(layer).__name__} is not supported; expected Conv2d, "
-                        "MaxPool2d, Linear, Flatten, ReLU or an element-wise activation")
-    if isinstance(layer, nn.Flatten) and (layer.start_dim, layer.end_dim) != (1, -1):
-        raise ValueError(f"layers[{index}]: only Flatten(start_dim=1, end_dim=-1) is supported (each "
+def _check_chain_layer(layer: nn.Module, name: str) -> None:
+    kind = _chain_class(layer)
+    if kind not in _CHAIN_CLASSES:
+        base = next((base for base in _CHAIN_CLASSES if issubclass(kind, base)), None)
+        what = kind.__name__ if base is None else \
+            f"{kind.__module__}.{kind.__qualname__} (a subclass of nn.{base.__name__})"
+        raise TypeError(f"{name}: {what} is not supported; expected Conv2d, MaxPool2d, Linear, "
+                        "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
+                        "themselves: a subclass may override forward)")
+    _check_hooks(layer, name)
+    if kind is nn.MaxPool2d and layer.return_indices:
+        raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
+    if kind is nn.Flatten and (layer.start_dim, layer.end_dim) != (1, -1):
+        raise ValueError(f"{name}: only Flatten(start_dim=1, end_dim=-1) is supported (each "
                          f"sample to one vector); got start_dim={layer.start_dim}, "
                          f"end_dim={layer.end_dim}")
 
@@ -767,21 +848,23 @@ def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 class _Leaf:
     """One layer's CSR transposed Jacobian: its pattern (int32) and how to
     gather its values for a step. With `pruned`, a Conv2d's or Linear's
-    entries whose weight is zero now are left out of the pattern."""
+    entries whose weight is zero now are left out of the pattern. `name`
+    says which layer it is in errors; the layer passed _check_chain_layer."""
 
-    def __init__(self, layer: nn.Module, in_shape: tuple, pruned: bool = False):
-        self.layer, self.in_shape = layer, in_shape
+    def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool = False):
+        self.layer, self.in_shape, self.name = layer, in_shape, name
+        self.kind = kind = _chain_class(layer)
         size = math.prod(in_shape)
-        if isinstance(layer, nn.Conv2d):
-            geom, self.out_shape = _conv_geometry(layer, in_shape)
+        if kind is nn.Conv2d:
+            geom, self.out_shape = _conv_geometry(layer, in_shape, name)
             self.indptr, self.indices, self.wmap = _C.jacobian("conv2d", geom)
-        elif isinstance(layer, nn.MaxPool2d):
-            geom, self.out_shape = _pool_geometry(layer, in_shape)
+        elif kind is nn.MaxPool2d:
+            geom, self.out_shape = _pool_geometry(layer, in_shape, name)
             self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
-        elif isinstance(layer, nn.Linear):
+        elif kind is nn.Linear:
             if in_shape != (layer.in_features,):
-                raise ValueError(f"Linear: expected an input of shape ({layer.in_features},) per sample, "
-                                 f"got {in_shape}")
+                raise ValueError(f"{name}: Linear: expected an input of shape ({layer.in_features},) per "
+                                 f"sample, got {in_shape}")
             self.out_shape = (layer.out_features,)
             self.indptr, self.indices, self.wmap = _C.jacobian("linear", (layer.in_features,
                                                                           layer.out_features))
@@ -789,7 +872,7 @@ class _Leaf:
             self.out_shape = in_shape
             self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
         self.rows, self.cols = size, math.prod(self.out_shape)
-        self.shared = isinstance(layer, (nn.Conv2d, nn.Linear))  # weights: one set for the batch
+        self.shared = kind in (nn.Conv2d, nn.Linear)  # weights: one set for the batch
         self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
         if pruned and hasattr(self, "wmap"):
             self._drop_zero_weights()
@@ -854,10 +937,10 @@ class _Leaf:
             if self.shared:
                 dst.copy_(layer.weight.reshape(-1))
                 return
-            if isinstance(layer, nn.ReLU):  # autograd's threshold_backward: 0 where x <= 0, else 1
+            if self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
                 torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
                 return
-            if isinstance(layer, nn.MaxPool2d):
+            if self.kind is nn.MaxPool2d:
                 _, idx = torch.nn.functional.max_pool2d(
                     x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
                     return_indices=True)
@@ -893,12 +976,12 @@ class ChainPlan:
             raise ValueError("layers: expected at least one layer")
         shape, self.leaves, self.steps = tuple(input_shape), [], []
         for i, layer in enumerate(layers):
-            _check_chain_layer(layer, i)
-            if isinstance(layer, nn.Flatten):  # already flat here: no Jacobian
+            _check_chain_layer(layer, f"layers[{i}]")
+            if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
                 self.steps.append((layer, None))
                 shape = (math.prod(shape),)
                 continue
-            leaf = _Leaf(layer, shape, bool(pruned))
+            leaf = _Leaf(layer, shape, f"layers[{i}]", bool(pruned))
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
@@ -911,6 +994,7 @@ class ChainPlan:
         self.info = _C.csr_plan_info(self._plan)
         self._program = _C.csr_program(self._plan)
         self._device_rows = {}
+        self._linear = None  # _linear_plan()
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -946,7 +1030,7 @@ class ChainPlan:
         if not flags or not torch.stack([flag for _, flag in flags]).any():
             return
         leaf = next(leaf for leaf, flag in flags if flag)
-        raise ValueError(f"{type(leaf.layer).__name__}: weights that were zero when the plan was "
+        raise ValueError(f"{leaf.name}: {type(leaf.layer).__name__}: weights that were zero when the plan was "
                          "built (pruned=True) are non-zero now; keep the pruning mask applied "
                          "or build a new ChainPlan")
 
@@ -966,6 +1050,8 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
+        for i, (layer, _) in enumerate(self.steps):  # hooks or a subclass swapped in since the plan
+            _check_chain_layer(layer, f"layers[{i}]")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
         self._check_still_pruned()
@@ -983,8 +1069,20 @@ class ChainPlan:
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
-        return [seq[a:a + leaf.rows].T.reshape(x.shape).to(x.dtype)
-                for leaf, x, a in zip(self.leaves, inputs, prog["g_addr"].tolist())]
+        grads = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, prog["g_addr"].tolist())]
+        # as scan() does: up-sweep products that overflowed (inf * 0 = NaN) are
+        # redone by the linear scan. One multi-tensor max-norm (not finite iff
+        # a gradient is not); bool() waits for a GPU (see README).
+        if self.info["levels"] and not bool(torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()):
+            return self._linear_plan().backward(inputs, grad_output)
+        return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
+
+    def _linear_plan(self) -> ChainPlan:
+        """This chain planned as the linear scan, once, the first time this
+        plan's result is not finite."""
+        if self._linear is None:
+            self._linear = ChainPlan([layer for layer, _ in self.steps], self.input_shape, levels="linear")
+        return self._linear
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
@@ -1023,9 +1121,9 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
 def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
-    _check_chain_layer(layer, 0)
+    _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
-    leaf = _Leaf(layer, tuple(x.shape))
+    leaf = _Leaf(layer, tuple(x.shape), "layer")
     vals = leaf.entry_values(x.unsqueeze(0))[0]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
