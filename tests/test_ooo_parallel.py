@@ -23,6 +23,7 @@ import gc
 import itertools
 import math
 import tempfile
+import weakref
 
 import pytest
 import torch
@@ -595,6 +596,24 @@ def test_data_parallel_solo(solo_group):
         F.mse_loss(ref(x), t).backward()
         _assert_same(model, ref, "grad")
         dp.remove()
+
+
+def test_a_data_parallel_model_dropped_without_remove_is_freed(solo_group):
+    """Dropping model, optimizer and handle without remove() frees them, as
+    with DDP: the parameters' post-accumulate-grad hooks, which torch keeps
+    where the garbage collector cannot see them, held the handle and so
+    the model for good."""
+    torch.manual_seed(0)
+    model = _Net()
+    alive = weakref.ref(model)
+    dp = DataParallel(model, k=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, t = _batch(0, 0)
+    F.mse_loss(model(x), t).backward()
+    opt.step()
+    del model, dp, opt
+    gc.collect()
+    assert alive() is None
 
 
 def test_data_parallel_first_bucket_is_small_by_default(solo_group):

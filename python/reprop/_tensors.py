@@ -127,6 +127,23 @@ def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
     return weakref.ref(callback)
 
 
+def weak_hook(method: Callable) -> Callable:
+    """A hook that calls the bound `method` through a weak reference to its
+    object, and does nothing once that is gone. For hooks torch keeps where
+    Python's garbage collector cannot see them (a parameter's
+    post-accumulate-grad hooks live in C++ autograd metadata): a strong one
+    would keep the handle, and through it the model and optimizer, alive
+    for good after the user dropped them."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args):
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return hook
+
+
 def new_table(rows: int) -> np.ndarray:
     """An empty pointer table of `rows` rp_optim_entry records."""
     return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)

@@ -51,7 +51,7 @@ from torch._prims_common import suggest_memory_format  # Tensor's own is C++ onl
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import queue_end_of_backward, torch_only, torch_only_weight
+from ._tensors import queue_end_of_backward, torch_only, torch_only_weight, weak_hook
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1965,7 +1965,7 @@ class DataParallel:
             self._broadcast(list(model.parameters()) + list(model.buffers()))
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        model.register_forward_hook(self._watch_output)]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._grad_accumulated)
+        self._hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._grad_accumulated))
                         for p in self._params]
         self._all_params = list(model.parameters())
         _LIVE_DATA_PARALLEL.add(self)
