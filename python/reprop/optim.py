@@ -89,9 +89,6 @@ class _Plan:
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
-            # torch creates all state at a param's first step (SGD: the buffer
-            # when first needed): a slot switched on later has no state
-            initialized = bool(st) and opt._kind != _SGD
             watched = []
             work = p
             if not _tensors.is_dense(p):
@@ -101,7 +98,7 @@ class _Plan:
             self.table[row, _COL_NUMEL] = p.numel()
             for slot, key in enumerate(slots):
                 if key is not None:
-                    t = opt._state_tensor(st, key, work, group, self.table[row], initialized)
+                    t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
@@ -131,11 +128,7 @@ class _Plan:
             g = p.grad if given is None else given[id(p)]
             if g is None:
                 return None
-            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
-                                 f"{g.device} does not match its parameter ({tuple(p.shape)}, "
-                                 f"{p.dtype} on {p.device})")
-            _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+            _check_grad(p, g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
                 keep.append(g)
@@ -143,12 +136,11 @@ class _Plan:
         self.table[:, _COL_GRAD] = ptrs
         return keep
 
-    def run(self, opt: "_FusedOptimizer", group: dict) -> None:
-        """Issues the update with `group`'s hyper-parameters; prepare_grads()
-        must have succeeded this step."""
+    def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
+        """Issues the update with `group`'s hyper-parameters (hp: their
+        opt._hparams tuple); prepare_grads() must have succeeded this step."""
         for _, p, work in self.staged:
             work.copy_(p)
-        hp = opt._hparams(group)
         if self.device.type == "cpu":
             _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
         else:
@@ -159,18 +151,35 @@ class _Plan:
 
     def _run_cuda(self, opt, group, hp) -> None:
         capturable = bool(group.get("capturable", False))
-        lr_ptr = 0
-        if capturable and isinstance(group["lr"], torch.Tensor):
-            lr = group["lr"]
-            if lr.device != self.device or lr.dtype != torch.float32:
-                raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
-                                 f"{self.device}, got {lr.dtype} on {lr.device}")
-            lr_ptr = lr.data_ptr()
-        elif not capturable and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
-                               "being captured; construct the optimizer with capturable=True")
+        lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
         _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
+
+
+def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
+    """The address of a capturable group's tensor lr on `device` (0: the lr
+    is in the hparams tuple); refuses a tensor lr the kernels cannot read and
+    a non-capturable update inside a CUDA graph capture."""
+    capturable = bool(group.get("capturable", False))
+    if capturable and isinstance(group["lr"], torch.Tensor):
+        lr = group["lr"]
+        if lr.device != device or lr.dtype != torch.float32:
+            raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
+                             f"{device}, got {lr.dtype} on {lr.device}")
+        return lr.data_ptr()
+    if not capturable and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
+                           "being captured; construct the optimizer with capturable=True")
+    return 0
+
+
+def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuses a gradient the kernels cannot read as p's."""
+    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+        raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
+                         f"{g.device} does not match its parameter ({tuple(p.shape)}, "
+                         f"{p.dtype} on {p.device})")
+    _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
 
 
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
@@ -342,17 +351,40 @@ class _FusedOptimizer:
         if not active:
             return
         hp = group if settings is None else settings
+        hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
         # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
         slots = self._state_slots(hp)
         key = (id(group), slots, tuple(map(id, active)))
         plans = self._plans.get(key)
         keep = _prepare_grads(plans, self.state, given)
         if keep is None:  # first use, or a storage or state tensor was replaced
+            self._check_step(hp, active, given, slots)
             plans = self._make_plans(hp, active, key, slots)
             keep = _prepare_grads(plans, self.state, given)
         for plan in plans:
-            plan.run(self, hp)
+            plan.run(self, hp, hparams)
         del keep  # gradient copies: only now may they be freed
+
+    def _check_step(self, group: dict, active: list, given: dict | None, slots: tuple) -> None:
+        """Raises for anything that refuses this step, before a plan creates
+        state: a refused step must leave the state as it was (an SGD momentum
+        buffer is created empty and filled by its first update, so one left
+        behind would later be read as a buffer)."""
+        for p in active:
+            _check_grad(p, p.grad if given is None else given[id(p)])
+            st = self.state.get(p)
+            if not st or self._kind == _SGD:
+                continue
+            # torch creates all state at a param's first step (SGD: the buffer
+            # when first needed): a slot switched on later has no state
+            for key in slots:
+                if key is not None and st.get(key) is None:
+                    raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
+                                   f"was created without it (an option that needs it was switched "
+                                   f"on after the first step); torch.optim."
+                                   f"{self._torch_class.__name__} raises this KeyError too")
+        for device in {p.device for p in active if p.device.type == "cuda"}:
+            _cuda_lr_pointer(self, group, device)
 
     def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
         buckets: dict = {}
@@ -364,18 +396,11 @@ class _FusedOptimizer:
         self._plans[key] = plans
         return plans
 
-    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row,
-                      initialized: bool) -> torch.Tensor:
+    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
+                      row) -> torch.Tensor:
         """State st[key] as a float32 tensor laid out like p, created when absent
-        from a param's fresh state; absent from a state that torch initialized
-        without it (an option switched on after the first step) it is torch's
-        KeyError."""
+        (_check_step has refused a key absent from state torch initialized)."""
         t = st.get(key)
-        if t is None and initialized:
-            raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} was "
-                           f"created without it (an option that needs it was switched on after "
-                           f"the first step); torch.optim.{self._torch_class.__name__} raises "
-                           f"this KeyError too")
         if t is None:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
