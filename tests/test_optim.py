@@ -19,6 +19,7 @@ step counters (exactly) and the state values.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import itertools
 import re
@@ -523,6 +524,34 @@ def test_is_a_drop_in_subclass(name: str) -> None:
     assert {k: v for k, v in got.param_groups[0].items() if k != "params"} == {
         k: v for k, v in ref.param_groups[0].items() if k != "params"
     }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_user_subclass_runs_its_own_init(name: str) -> None:
+    """A user's subclass with an __init__ of its own (its own defaults, an extra
+    argument) runs it, as a torch.optim subclass does; reprop used to replace
+    it with torch's constructor. One without an __init__ takes its base's."""
+
+    class Scaled(reprop_cls(name)):
+        def __init__(self, params, scale: float) -> None:
+            super().__init__(params, lr=0.25 * scale)
+            self.scale = scale
+
+    class Plain(reprop_cls(name)):
+        pass
+
+    p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    ref = torch_cls(name)([q], lr=0.5)
+    got = Scaled([p], scale=2.0)
+    assert got.scale == 2.0 and got.param_groups[0]["lr"] == 0.5
+    assert list(inspect.signature(Scaled).parameters) == ["params", "scale"]
+    assert Plain([p]).defaults == torch_cls(name)([p]).defaults
+    with torch.no_grad():
+        q.copy_(p)
+    for opt, param in ((got, p), (ref, q)):
+        param.grad = torch.ones(3)
+        opt.step()
+    assert_runs_close(Run([p], got), Run([q], ref), STEP_TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -211,7 +211,13 @@ class _FusedOptimizer:
     _torch_class: type
 
     def __init_subclass__(cls, **kwargs):
+        """Gives each reprop class (one that names its _torch_class) torch's
+        constructor, signature and docstring, followed by the fused setup. A
+        user's subclass inherits that constructor, or defines its own that
+        calls it through super(), as with torch.optim subclasses."""
         super().__init_subclass__(**kwargs)
+        if "_torch_class" not in cls.__dict__ or "__init__" in cls.__dict__:
+            return
         base_init = cls._torch_class.__init__
 
         @functools.wraps(base_init)
