@@ -1255,6 +1255,36 @@ def test_non_contiguous_params_match_torch(name: str, layout: str) -> None:
     assert_runs_close(got, ref, OPEN_LOOP_TOL)
 
 
+# Parameters made from one (6, 8) tensor, sharing its memory (tied weights),
+# with an unrelated (5,) parameter between them.
+OVERLAPPING = {
+    "transposed": lambda base, other: [base, other, base.t()],
+    "same": lambda base, other: [base, other, base],
+    "column_of": lambda base, other: [base, other, base[:, 3]],
+    "column_first": lambda base, other: [base[:, 3], other, base, base[:, 4]],
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAPPING))
+@pytest.mark.parametrize("name", NAMES)
+def test_params_overlapping_in_memory_are_updated_in_turn(name: str, case: str) -> None:
+    """torch updates a group's parameters one after another, so with tied
+    weights the later update starts from the earlier one's result. reprop
+    updated them in one call and wrote the staged copy of a non-contiguous
+    one back over the other's update."""
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        base, other = make_params([(6, 8), (5,)], seed=31)
+        params = [nn.Parameter(t) for t in OVERLAPPING[case](base, other)]
+        opt = cls(params, **RICH[name])
+        for step_grads in grad_sequence([p.shape for p in params], 4):
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 # ---------------------------------------------------------------------------
 # 10. What the cached pointer tables assume, changed between steps
 # ---------------------------------------------------------------------------

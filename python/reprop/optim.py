@@ -182,6 +182,40 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
 
 
+def _span(p: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, end) that p's elements lie in (torch strides are
+    never negative)."""
+    last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
+    return p.data_ptr(), p.data_ptr() + (last + 1) * p.element_size()
+
+
+def _ordered_runs(params: list) -> list[list]:
+    """`params` (of one device and dtype) as runs to update one after another.
+    torch updates a group's params in turn, so where two overlap in memory
+    (tied weights, one a transposed or column view of the other) the later
+    one's update starts from the earlier one's result. One fused call updates
+    all its params at once, and its staging copies of params with gaps
+    (Plan.run) would write back stale values over another's update, so each
+    param goes into the run after the latest run of an earlier param it
+    overlaps; params that overlap nothing all stay in the first, which is the
+    common case: one run, no cost per step. Spans are compared, so
+    interleaved views that share no element are ordered too, harmlessly."""
+    overlapped_by = [[] for _ in params]  # the earlier params each one overlaps
+    open_spans: list = []  # (end, index) of the spans the next one may overlap
+    for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params) if p.numel()):
+        open_spans = [(e, j) for e, j in open_spans if e > start]
+        for _, j in open_spans:
+            overlapped_by[max(i, j)].append(min(i, j))
+        open_spans.append((end, i))
+    run_of: list = []
+    for earlier in overlapped_by:
+        run_of.append(max((run_of[j] + 1 for j in earlier), default=0))
+    runs: list = [[] for _ in range(max(run_of) + 1)]
+    for p, r in zip(params, run_of):
+        runs[r].append(p)
+    return runs
+
+
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
     """Prepares each plan's gradients for this step; returns the gradient copies
     to keep alive, or None when there is no plan yet or one of them is stale."""
@@ -396,7 +430,8 @@ class _FusedOptimizer:
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        plans = [_Plan(self, group, ps, slots) for ps in buckets.values()]
+        plans = [_Plan(self, group, run, slots)
+                 for ps in buckets.values() for run in _ordered_runs(ps)]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plans
