@@ -267,6 +267,10 @@ class _FusedOptimizer:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
         self._plans: dict = {}
+        # What _drop_plans_of_departed_params last saw: (id, len) of each
+        # group's params list, and the ids of all params in groups.
+        self._groups_seen: list | None = None
+        self._members: set = set()
         self._group_of: dict | None = None
         if _FusedOptimizer._forget_plans not in self._optimizer_load_state_dict_post_hooks.values():
             self.register_load_state_dict_post_hook(_FusedOptimizer._forget_plans)
@@ -427,6 +431,7 @@ class _FusedOptimizer:
             _cuda_lr_pointer(self, group, device)
 
     def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
+        self._drop_plans_of_departed_params(key[2])
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -436,6 +441,24 @@ class _FusedOptimizer:
             self._plans.clear()
         self._plans[key] = plans
         return plans
+
+    def _drop_plans_of_departed_params(self, ids: tuple) -> None:
+        """Plans hold their params (the cache is keyed by their ids, which must
+        not be reused), so when params have left the param_groups (a group's
+        params replaced, a group removed), the plans of those that left every
+        group are dropped: they and their .grad are freed as torch frees them.
+        Checked when a plan is built (for params `ids`), which a change of
+        params brings about, never in the steady state; a change shows as a
+        group's params list replaced, resized, added or removed, or as a plan
+        built for a param not seen in any group, so the check costs
+        O(groups + len(ids)) and the full scan runs only on a change."""
+        groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+        if groups == self._groups_seen and self._members.issuperset(ids):
+            return
+        self._groups_seen = groups
+        self._members = {id(p) for g in self.param_groups for p in g["params"]}
+        self._plans = {k: plans for k, plans in self._plans.items()
+                       if self._members.issuperset(k[2])}
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
