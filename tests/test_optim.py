@@ -1105,11 +1105,12 @@ def test_sparse_gradient_raises(name: str) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("how", ["step", "step_params_grads"])
+@pytest.mark.parametrize("how", ["sparse_grad", "sparse_grad_step_params", "float64_param"])
 @pytest.mark.parametrize("name", NAMES)
 def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
-    """A step refused for one gradient (here a sparse one) must leave the
-    state of the other parameters as it was: SGD's momentum buffer is created
+    """A step refused for one parameter (a sparse gradient, or a float64
+    parameter put into a group by hand, past add_param_group's check) must
+    leave the state of the others as it was: SGD's momentum buffer is created
     empty and filled by its first update, so one left behind by the refused
     step was read as a buffer (uninitialised memory) by the next step over
     a different set of parameters. Later steps match torch's without the
@@ -1117,19 +1118,25 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     shapes = [(1000,), (7, 3)]
     init, grads = make_params(shapes, seed=30), grad_sequence(shapes, 3)
     params = [nn.Parameter(t.clone()) for t in init]
-    emb = nn.Embedding(4, 3, sparse=True)
-    opt = reprop_cls(name)([*params, emb.weight], **RICH[name])
-    emb(torch.tensor([1])).sum().backward()
+    if how == "float64_param":
+        bad = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        bad.grad = torch.ones_like(bad)
+    else:
+        emb = nn.Embedding(4, 3, sparse=True)
+        emb(torch.tensor([1])).sum().backward()
+        bad = emb.weight
+    opt = reprop_cls(name)(params, **RICH[name])
+    opt.param_groups[0]["params"].append(bad)
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
     before = copy.deepcopy(opt.state_dict()["state"])  # Adagrad's is made by __init__
-    with pytest.raises(RuntimeError, match="(?i)sparse"):
-        if how == "step":
-            for p, g in zip(params, grads[0]):
-                p.grad = g.clone()
-            opt.step()
+    with pytest.raises((RuntimeError, TypeError), match="(?i)sparse|float64"):
+        if how == "sparse_grad_step_params":
+            opt.step_params([*params, bad], grads=[*grads[0], bad.grad])
         else:
-            opt.step_params([*params, emb.weight], grads=[*grads[0], emb.weight.grad])
+            opt.step()
     torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
-    emb.weight.grad = None  # go on without the embedding
+    bad.grad = None  # go on without it
     for step_grads in grads[1:]:
         for p, g in zip(params, step_grads):
             p.grad = g.clone()

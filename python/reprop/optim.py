@@ -415,6 +415,7 @@ class _FusedOptimizer:
         buffer is created empty and filled by its first update, so one left
         behind would later be read as a buffer)."""
         for p in active:
+            _tensors.dtype_code(p, "params")  # a param put into a group by hand
             _check_grad(p, p.grad if given is None else given[id(p)])
             st = self.state.get(p)
             if not st or self._kind == _SGD:
