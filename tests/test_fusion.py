@@ -2007,3 +2007,21 @@ def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
             with pytest.raises(RuntimeError, match=f"{kind}.*mode='forward'"):
                 opt.step()
     assert log == []
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+@pytest.mark.parametrize("method", ["step", "zero_grad"])
+def test_reprop_subclass_overriding_what_fusion_replaces_raises(method: str, mode: str) -> None:
+    """fuse() replaces step() and zero_grad() (updates go through
+    step_params), so a reprop subclass's own version would never run (a
+    gradient-centralising step() was silently skipped): refused like a
+    torch.optim subclass. A subclass that overrides neither is fused."""
+
+    def override(self, *args, **kwargs):
+        return getattr(rp.Adam, method)(self, *args, **kwargs)
+
+    overriding = type("Overriding", (rp.Adam,), {method: override})
+    _refused(TypeError, rf"Overriding overrides {method}\(\)", lambda m: overriding(m.parameters()), mode=mode)
+    plain = type("Plain", (rp.Adam,), {})
+    model = _mlp()
+    reprop.fuse(model, plain(model.parameters()), mode=mode).remove()

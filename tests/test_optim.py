@@ -19,9 +19,12 @@ step counters (exactly) and the state values.
 from __future__ import annotations
 
 import copy
+import gc
+import inspect
 import io
 import itertools
 import re
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -523,6 +526,34 @@ def test_is_a_drop_in_subclass(name: str) -> None:
     assert {k: v for k, v in got.param_groups[0].items() if k != "params"} == {
         k: v for k, v in ref.param_groups[0].items() if k != "params"
     }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_user_subclass_runs_its_own_init(name: str) -> None:
+    """A user's subclass with an __init__ of its own (its own defaults, an extra
+    argument) runs it, as a torch.optim subclass does; reprop used to replace
+    it with torch's constructor. One without an __init__ takes its base's."""
+
+    class Scaled(reprop_cls(name)):
+        def __init__(self, params, scale: float) -> None:
+            super().__init__(params, lr=0.25 * scale)
+            self.scale = scale
+
+    class Plain(reprop_cls(name)):
+        pass
+
+    p, q = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    ref = torch_cls(name)([q], lr=0.5)
+    got = Scaled([p], scale=2.0)
+    assert got.scale == 2.0 and got.param_groups[0]["lr"] == 0.5
+    assert list(inspect.signature(Scaled).parameters) == ["params", "scale"]
+    assert Plain([p]).defaults == torch_cls(name)([p]).defaults
+    with torch.no_grad():
+        q.copy_(p)
+    for opt, param in ((got, p), (ref, q)):
+        param.grad = torch.ones(3)
+        opt.step()
+    assert_runs_close(Run([p], got), Run([q], ref), STEP_TOL)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -1074,6 +1105,46 @@ def test_sparse_gradient_raises(name: str) -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("how", ["sparse_grad", "sparse_grad_step_params", "float64_param"])
+@pytest.mark.parametrize("name", NAMES)
+def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
+    """A step refused for one parameter (a sparse gradient, or a float64
+    parameter put into a group by hand, past add_param_group's check) must
+    leave the state of the others as it was: SGD's momentum buffer is created
+    empty and filled by its first update, so one left behind by the refused
+    step was read as a buffer (uninitialised memory) by the next step over
+    a different set of parameters. Later steps match torch's without the
+    refused one."""
+    shapes = [(1000,), (7, 3)]
+    init, grads = make_params(shapes, seed=30), grad_sequence(shapes, 3)
+    params = [nn.Parameter(t.clone()) for t in init]
+    if how == "float64_param":
+        bad = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        bad.grad = torch.ones_like(bad)
+    else:
+        emb = nn.Embedding(4, 3, sparse=True)
+        emb(torch.tensor([1])).sum().backward()
+        bad = emb.weight
+    opt = reprop_cls(name)(params, **RICH[name])
+    opt.param_groups[0]["params"].append(bad)
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    before = copy.deepcopy(opt.state_dict()["state"])  # Adagrad's is made by __init__
+    with pytest.raises((RuntimeError, TypeError), match="(?i)sparse|float64"):
+        if how == "sparse_grad_step_params":
+            opt.step_params([*params, bad], grads=[*grads[0], bad.grad])
+        else:
+            opt.step()
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    bad.grad = None  # go on without it
+    for step_grads in grads[1:]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads[1:])
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_param_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))
@@ -1191,6 +1262,36 @@ def test_non_contiguous_params_match_torch(name: str, layout: str) -> None:
     assert [p.stride() for p in got.params] == [p.stride() for p in ref.params]
     assert [p.grad.stride() for p in got.params] == [g.stride() for g in grads[-1]]
     assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+# Parameters made from one (6, 8) tensor, sharing its memory (tied weights),
+# with an unrelated (5,) parameter between them.
+OVERLAPPING = {
+    "transposed": lambda base, other: [base, other, base.t()],
+    "same": lambda base, other: [base, other, base],
+    "column_of": lambda base, other: [base, other, base[:, 3]],
+    "column_first": lambda base, other: [base[:, 3], other, base, base[:, 4]],
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAPPING))
+@pytest.mark.parametrize("name", NAMES)
+def test_params_overlapping_in_memory_are_updated_in_turn(name: str, case: str) -> None:
+    """torch updates a group's parameters one after another, so with tied
+    weights the later update starts from the earlier one's result. reprop
+    updated them in one call and wrote the staged copy of a non-contiguous
+    one back over the other's update."""
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        base, other = make_params([(6, 8), (5,)], seed=31)
+        params = [nn.Parameter(t) for t in OVERLAPPING[case](base, other)]
+        opt = cls(params, **RICH[name])
+        for step_grads in grad_sequence([p.shape for p in params], 4):
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
 # ---------------------------------------------------------------------------
@@ -1366,6 +1467,35 @@ def test_refused_param_group_is_not_added(name: str, dtype: torch.dtype) -> None
     assert len(opt.param_groups) == 1
     p.grad = torch.ones(3)
     opt.step()
+
+
+# Adagrad is left out: torch's creates state only in __init__ and add_param_group,
+# so a parameter put into a group by hand raises KeyError at its step.
+@pytest.mark.parametrize("how", ["new_list", "in_place"])
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "Adagrad"])
+def test_replaced_params_are_freed(name: str, how: str) -> None:
+    """A group whose params are replaced each round (a re-initialised head)
+    must not keep the old ones, and their .grad, alive in reprop's cached
+    pointer tables; with their state popped, torch frees them."""
+    alive = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        opt = cls([nn.Parameter(torch.zeros(1))], **RICH[name])
+        heads = []
+        for _ in range(3):
+            old = opt.param_groups[0]["params"][0]
+            head = nn.Parameter(torch.randn(4, 3))
+            if how == "new_list":
+                opt.param_groups[0]["params"] = [head]
+            else:
+                opt.param_groups[0]["params"][0] = head
+            opt.state.pop(old, None)
+            head.grad = torch.ones(4, 3)
+            opt.step()
+            heads.append(weakref.ref(head))
+        del old, head
+        gc.collect()
+        alive.append(sum(h() is not None for h in heads))
+    assert alive == [1, 1]
 
 
 # ---------------------------------------------------------------------------

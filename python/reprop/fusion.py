@@ -208,6 +208,17 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     """The reprop optimizer that applies the updates: `optimizer` itself, or a
     reprop counterpart sharing a torch optimizer's param_groups and state."""
     if isinstance(optimizer, optim._FusedOptimizer):
+        # Fusion replaces step() and zero_grad() (updates go through
+        # step_params), so a subclass's own would never run: refused, as a
+        # torch.optim subclass is. inspect.unwrap: torch wraps step per class.
+        ours = next(c for c in type(optimizer).__mro__ if c.__module__ == optim.__name__)
+        for name in ("step", "zero_grad"):
+            if inspect.unwrap(getattr(type(optimizer), name)) is not inspect.unwrap(
+                    getattr(ours, name)):
+                raise TypeError(f"optimizer: {type(optimizer).__name__} overrides {name}(), "
+                                f"which fusion replaces, so it would never run; use "
+                                f"reprop.optim.{ours.__name__} (a step pre-hook with "
+                                f"mode='forward' can change the gradients first)")
         return optimizer
     ours = _CONVERTIBLE.get(type(optimizer))
     if ours is None:

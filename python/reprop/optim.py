@@ -89,9 +89,6 @@ class _Plan:
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
-            # torch creates all state at a param's first step (SGD: the buffer
-            # when first needed): a slot switched on later has no state
-            initialized = bool(st) and opt._kind != _SGD
             watched = []
             work = p
             if not _tensors.is_dense(p):
@@ -101,7 +98,7 @@ class _Plan:
             self.table[row, _COL_NUMEL] = p.numel()
             for slot, key in enumerate(slots):
                 if key is not None:
-                    t = opt._state_tensor(st, key, work, group, self.table[row], initialized)
+                    t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
@@ -131,11 +128,7 @@ class _Plan:
             g = p.grad if given is None else given[id(p)]
             if g is None:
                 return None
-            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
-                                 f"{g.device} does not match its parameter ({tuple(p.shape)}, "
-                                 f"{p.dtype} on {p.device})")
-            _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+            _check_grad(p, g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
                 keep.append(g)
@@ -143,12 +136,11 @@ class _Plan:
         self.table[:, _COL_GRAD] = ptrs
         return keep
 
-    def run(self, opt: "_FusedOptimizer", group: dict) -> None:
-        """Issues the update with `group`'s hyper-parameters; prepare_grads()
-        must have succeeded this step."""
+    def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
+        """Issues the update with `group`'s hyper-parameters (hp: their
+        opt._hparams tuple); prepare_grads() must have succeeded this step."""
         for _, p, work in self.staged:
             work.copy_(p)
-        hp = opt._hparams(group)
         if self.device.type == "cpu":
             _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
         else:
@@ -159,18 +151,69 @@ class _Plan:
 
     def _run_cuda(self, opt, group, hp) -> None:
         capturable = bool(group.get("capturable", False))
-        lr_ptr = 0
-        if capturable and isinstance(group["lr"], torch.Tensor):
-            lr = group["lr"]
-            if lr.device != self.device or lr.dtype != torch.float32:
-                raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
-                                 f"{self.device}, got {lr.dtype} on {lr.device}")
-            lr_ptr = lr.data_ptr()
-        elif not capturable and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
-                               "being captured; construct the optimizer with capturable=True")
+        lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
         _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
+
+
+def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
+    """The address of a capturable group's tensor lr on `device` (0: the lr
+    is in the hparams tuple); refuses a tensor lr the kernels cannot read and
+    a non-capturable update inside a CUDA graph capture."""
+    capturable = bool(group.get("capturable", False))
+    if capturable and isinstance(group["lr"], torch.Tensor):
+        lr = group["lr"]
+        if lr.device != device or lr.dtype != torch.float32:
+            raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
+                             f"{device}, got {lr.dtype} on {lr.device}")
+        return lr.data_ptr()
+    if not capturable and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
+                           "being captured; construct the optimizer with capturable=True")
+    return 0
+
+
+def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Refuses a gradient the kernels cannot read as p's."""
+    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+        raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
+                         f"{g.device} does not match its parameter ({tuple(p.shape)}, "
+                         f"{p.dtype} on {p.device})")
+    _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+
+
+def _span(p: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, end) that p's elements lie in (torch strides are
+    never negative)."""
+    last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
+    return p.data_ptr(), p.data_ptr() + (last + 1) * p.element_size()
+
+
+def _ordered_runs(params: list) -> list[list]:
+    """`params` (of one device and dtype) as runs to update one after another.
+    torch updates a group's params in turn, so where two overlap in memory
+    (tied weights, one a transposed or column view of the other) the later
+    one's update starts from the earlier one's result. One fused call updates
+    all its params at once, and its staging copies of params with gaps
+    (Plan.run) would write back stale values over another's update, so each
+    param goes into the run after the latest run of an earlier param it
+    overlaps; params that overlap nothing all stay in the first, which is the
+    common case: one run, no cost per step. Spans are compared, so
+    interleaved views that share no element are ordered too, harmlessly."""
+    overlapped_by = [[] for _ in params]  # the earlier params each one overlaps
+    open_spans: list = []  # (end, index) of the spans the next one may overlap
+    for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params) if p.numel()):
+        open_spans = [(e, j) for e, j in open_spans if e > start]
+        for _, j in open_spans:
+            overlapped_by[max(i, j)].append(min(i, j))
+        open_spans.append((end, i))
+    run_of: list = []
+    for earlier in overlapped_by:
+        run_of.append(max((run_of[j] + 1 for j in earlier), default=0))
+    runs: list = [[] for _ in range(max(run_of) + 1)]
+    for p, r in zip(params, run_of):
+        runs[r].append(p)
+    return runs
 
 
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
@@ -202,7 +245,13 @@ class _FusedOptimizer:
     _torch_class: type
 
     def __init_subclass__(cls, **kwargs):
+        """Gives each reprop class (one that names its _torch_class) torch's
+        constructor, signature and docstring, followed by the fused setup. A
+        user's subclass inherits that constructor, or defines its own that
+        calls it through super(), as with torch.optim subclasses."""
         super().__init_subclass__(**kwargs)
+        if "_torch_class" not in cls.__dict__ or "__init__" in cls.__dict__:
+            return
         base_init = cls._torch_class.__init__
 
         @functools.wraps(base_init)
@@ -218,6 +267,10 @@ class _FusedOptimizer:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
         self._plans: dict = {}
+        # What _drop_plans_of_departed_params last saw: (id, len) of each
+        # group's params list, and the ids of all params in groups.
+        self._groups_seen: list | None = None
+        self._members: set = set()
         self._group_of: dict | None = None
         if _FusedOptimizer._forget_plans not in self._optimizer_load_state_dict_post_hooks.values():
             self.register_load_state_dict_post_hook(_FusedOptimizer._forget_plans)
@@ -342,40 +395,77 @@ class _FusedOptimizer:
         if not active:
             return
         hp = group if settings is None else settings
+        hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
         # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
         slots = self._state_slots(hp)
         key = (id(group), slots, tuple(map(id, active)))
         plans = self._plans.get(key)
         keep = _prepare_grads(plans, self.state, given)
         if keep is None:  # first use, or a storage or state tensor was replaced
+            self._check_step(hp, active, given, slots)
             plans = self._make_plans(hp, active, key, slots)
             keep = _prepare_grads(plans, self.state, given)
         for plan in plans:
-            plan.run(self, hp)
+            plan.run(self, hp, hparams)
         del keep  # gradient copies: only now may they be freed
 
+    def _check_step(self, group: dict, active: list, given: dict | None, slots: tuple) -> None:
+        """Raises for anything that refuses this step, before a plan creates
+        state: a refused step must leave the state as it was (an SGD momentum
+        buffer is created empty and filled by its first update, so one left
+        behind would later be read as a buffer)."""
+        for p in active:
+            _tensors.dtype_code(p, "params")  # a param put into a group by hand
+            _check_grad(p, p.grad if given is None else given[id(p)])
+            st = self.state.get(p)
+            if not st or self._kind == _SGD:
+                continue
+            # torch creates all state at a param's first step (SGD: the buffer
+            # when first needed): a slot switched on later has no state
+            for key in slots:
+                if key is not None and st.get(key) is None:
+                    raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
+                                   f"was created without it (an option that needs it was switched "
+                                   f"on after the first step); torch.optim."
+                                   f"{self._torch_class.__name__} raises this KeyError too")
+        for device in {p.device for p in active if p.device.type == "cuda"}:
+            _cuda_lr_pointer(self, group, device)
+
     def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
+        self._drop_plans_of_departed_params(key[2])
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        plans = [_Plan(self, group, ps, slots) for ps in buckets.values()]
+        plans = [_Plan(self, group, run, slots)
+                 for ps in buckets.values() for run in _ordered_runs(ps)]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plans
         return plans
 
-    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict, row,
-                      initialized: bool) -> torch.Tensor:
+    def _drop_plans_of_departed_params(self, ids: tuple) -> None:
+        """Plans hold their params (the cache is keyed by their ids, which must
+        not be reused), so when params have left the param_groups (a group's
+        params replaced, a group removed), the plans of those that left every
+        group are dropped: they and their .grad are freed as torch frees them.
+        Checked when a plan is built (for params `ids`), which a change of
+        params brings about, never in the steady state; a change shows as a
+        group's params list replaced, resized, added or removed, or as a plan
+        built for a param not seen in any group, so the check costs
+        O(groups + len(ids)) and the full scan runs only on a change."""
+        groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+        if groups == self._groups_seen and self._members.issuperset(ids):
+            return
+        self._groups_seen = groups
+        self._members = {id(p) for g in self.param_groups for p in g["params"]}
+        self._plans = {k: plans for k, plans in self._plans.items()
+                       if self._members.issuperset(k[2])}
+
+    def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
+                      row) -> torch.Tensor:
         """State st[key] as a float32 tensor laid out like p, created when absent
-        from a param's fresh state; absent from a state that torch initialized
-        without it (an option switched on after the first step) it is torch's
-        KeyError."""
+        (_check_step has refused a key absent from state torch initialized)."""
         t = st.get(key)
-        if t is None and initialized:
-            raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} was "
-                           f"created without it (an option that needs it was switched on after "
-                           f"the first step); torch.optim.{self._torch_class.__name__} raises "
-                           f"this KeyError too")
         if t is None:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
