@@ -830,6 +830,29 @@ def test_enabled_under_activation_checkpointing(compose, reentrant):
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("saved_dtype", [None, torch.bfloat16])
+def test_compose_inside_torch_compile_runs_torch_ops(saved_dtype):
+    """Code torch.compile traces runs torch's ops under compose: dynamo
+    traced the chain's bookkeeping into its graphs, and the gradient came
+    out wrong (relative error 1 with saved_dtype=bfloat16) or dynamo
+    crashed."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    w = torch.randn(6, requires_grad=True)
+    x = torch.randn(4, 6)
+
+    def f(x):
+        h = x * w
+        return torch.exp(h) / (1 + h)
+
+    g = torch.randn(4, 6)
+    want = torch.autograd.grad(f(x), w, g)[0]
+    compiled = torch.compile(f, backend="eager")
+    with fad.enabled(compose=True, saved_dtype=saved_dtype):
+        got = torch.autograd.grad(compiled(x), w, g)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_compose_float64_runs_plain_autograd():
     """float64 results run plain torch (as documented), so their gradients
     are torch's float64 ones, even through a float32 constant divisor."""

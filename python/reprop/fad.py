@@ -1027,7 +1027,10 @@ class enabled(TorchFunctionMode):
         if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None \
                 or _checkpointing():
             return func(*args, **kwargs)  # out=: torch's op writes it (and refuses autograd)
-        if self.compose and torch.is_grad_enabled():
+        # dynamo would trace the chain's bookkeeping (the weak record table, the
+        # derivative carried from op to op) into its graphs: compiled code
+        # runs torch's ops (single activations are still rerouted)
+        if self.compose and torch.is_grad_enabled() and not torch.compiler.is_compiling():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
                 return out
