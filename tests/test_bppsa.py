@@ -511,6 +511,17 @@ def test_double_backward_is_refused(loss):
         torch.autograd.grad(score, x, create_graph=True)
 
 
+@pytest.mark.parametrize("make", [lambda: bppsa.GRU(2, 3), lambda: bppsa.RNN(2, 3)],
+                         ids=["gru", "rnn"])
+def test_batched_gradients_are_refused_clearly(make):
+    """autograd.grad(is_grads_batched=True) hands backward gradients without
+    storage: a clear error, not the scan's 'Cannot access data pointer'."""
+    x = torch.randn(4, 1, 2, requires_grad=True)
+    out = make()(x)[0]
+    with pytest.raises(RuntimeError, match="batched gradients .*torch.nn.RNN/GRU"):
+        torch.autograd.grad(out, x, torch.randn(3, *out.shape), is_grads_batched=True)
+
+
 def _tangent(module, x, t):
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():

@@ -301,6 +301,22 @@ def test_8bit_exact_pieces(name, slope_at):
     assert torch.equal(gx, gx_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_8bit_backward_of_batched_gradients(dtype):
+    """Gradients batched by vmap (autograd.grad(is_grads_batched=True),
+    jacobian(vectorize=True), gradcheck's batched check) have no storage for
+    the 8-bit kernel: they are decoded with torch's ops, with the kernel's
+    values (before: 'Cannot access data pointer')."""
+    ours, _, kw = ACTIVATIONS["gelu"]
+    x = (torch.randn(64) * 3).to(dtype).requires_grad_()
+    y = ours(x, saved_dtype=torch.uint8, **kw)
+    grads = torch.randn(3, 64).to(dtype)
+    (batched,) = torch.autograd.grad(y, x, grads, retain_graph=True, is_grads_batched=True)
+    for row, g in zip(batched, grads):
+        (one,) = torch.autograd.grad(y, x, g, retain_graph=True)
+        torch.testing.assert_close(row, one, rtol=0, atol=0)
+
+
 def test_8bit_nan_propagates():
     x = torch.tensor([math.nan, 1.0])
     _, gx = values_and_grads(lambda t: fad.gelu(t, saved_dtype=torch.uint8), x, torch.ones(2))

@@ -81,14 +81,16 @@ def autocast_enabled(device_type: str) -> bool:
 
 def torch_only(x: torch.Tensor) -> bool:
     """Tensors whose meaning raw kernels and custom autograd Functions would
-    lose: functorch's wrappers (vmap, grad, jvp), forward-AD duals (their
+    lose: functorch's wrappers (vmap, grad, jvp) and the batched gradients
+    of autograd.grad(is_grads_batched=True), forward-AD duals (their
     tangent), meta tensors (no data), tensor subclasses (FakeTensor under
     torch.export and compile, DTensor, ...), and any tensor while
     torch.jit.trace records (it cannot see a kernel that writes through a
     pointer). They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
     if x.is_meta or type(x) not in _PLAIN_TYPES or torch._C._is_tracing() or (
-            _is_functorch_wrapped is not None and _is_functorch_wrapped(x)):
+            _is_functorch_wrapped is not None and _is_functorch_wrapped(x)) or (
+            _is_legacy_batched is not None and _is_legacy_batched(x)):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
@@ -105,6 +107,8 @@ def torch_only_weight(p) -> bool:
 
 
 _is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+# the gradients autograd.grad(is_grads_batched=True) hands a backward (no storage)
+_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
 
 
 def outside_backward() -> bool:

@@ -462,6 +462,11 @@ class _Layer(torch.autograd.Function):
             raise RuntimeError("reprop.bppsa: double backward (create_graph=True, as a gradient "
                                "penalty through the recurrence needs) is not supported; use "
                                "torch.nn.RNN/GRU for it")
+        if torch_only(grad_out):
+            raise RuntimeError("reprop.bppsa: batched gradients (autograd.grad(is_grads_batched="
+                               "True), jacobian(vectorize=True), gradcheck's batched check) have "
+                               "no storage for the scan; use vectorize=False / "
+                               "check_batched_grad=False, or torch.nn.RNN/GRU")
         saved = ctx.saved_tensors
         x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
         x2, c = x.reshape(-1, x.shape[-1]), grad_out.float()

@@ -189,8 +189,18 @@ def _zero_code(act: _Act) -> int:
     return int(np.frombuffer(_codebook_bytes(act), dtype=np.int32, count=1, offset=1028)[0])
 
 
+@functools.lru_cache(maxsize=None)
+def _decode_table(act: _Act, device: torch.device) -> torch.Tensor:
+    """The 256 float32 derivatives the 8-bit codes stand for (rp_fad_codebook's first table)."""
+    table = np.frombuffer(_codebook_bytes(act), dtype=np.float32, count=256)
+    return torch.from_numpy(table.copy()).to(device)
+
+
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
+    if _tensors.torch_only(grad):  # batched by vmap (is_grads_batched, jacobian(vectorize=True))
+        decoded = _decode_table(act, grad.device)[codes.long()]
+        return (grad.float() * decoded).to(grad.dtype)
     if not _tensors.same_layout(grad, codes) or not _dense(grad):
         grad, codes = grad.contiguous(), codes.contiguous()
     out = torch.empty_like(grad)
