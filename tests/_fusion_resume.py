@@ -11,8 +11,9 @@
         file://INIT_FILE): 20 steps of DDP + eager step(), then 20 steps of
         reprop.fuse(DDP(model), opt, mode="backward") from the same start, each
         rank on its own data; then both again accumulating 2 micro-batches
-        under no_sync() (accumulation_steps=2); torch.save {"eager": ...,
-        "fused": ..., "eager_acc": ..., "fused_acc": ...} to OUT.
+        under no_sync() (accumulation_steps=2); then the lifetimes of
+        ddp_lifetimes; torch.save {"eager": ..., "fused": ..., "eager_acc":
+        ..., "fused_acc": ..., "freed": ..., "grads_after_remove": ...} to OUT.
 
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
 """
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import sys
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -77,9 +80,48 @@ def ddp(rank: int, world: int, init_file: str, out: str) -> None:
         if handle is not None:
             handle.remove()
         results[kind] = dataclasses.asdict(r)
+    results.update(ddp_lifetimes(rank))
     torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def ddp_lifetimes(rank: int) -> dict:
+    """"freed": whether DDP(model), its optimizer and a backward-mode fusion,
+    dropped without remove(), are freed (DDP's C++ Reducer keeps the comm
+    hook out of the garbage collector's sight). "grads_after_remove": the
+    gradients of a backward after remove() and dropping the handle (the comm
+    hook, which DDP cannot unregister, must still all-reduce)."""
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    case = tf.CASES["cnn"]
+
+    def fused_ddp():
+        model = DDP(case.make_model())
+        opt = tf.make_optimizer(model, "AdamW")
+        handle = reprop.fuse(model, opt, mode="backward")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(3):
+                x, y = case.batch(1000 * rank + i)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        return model, opt, handle
+
+    model, opt, handle = fused_ddp()
+    alive = weakref.ref(model)
+    del model, opt, handle
+    gc.collect()
+    freed = alive() is None
+    model, opt, handle = fused_ddp()
+    handle.remove()
+    del handle
+    gc.collect()
+    x, y = case.batch(1000 * rank + 3)
+    F.mse_loss(model(x), y).backward()
+    return {"freed": freed, "grads_after_remove": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
 def main(argv: list[str]) -> None:

@@ -31,11 +31,13 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import gc
 import io
 import math
 import subprocess
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1161,6 +1163,57 @@ def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, 
     reprop.fuse(t.model, t.opt, mode=mode).remove()
 
 
+# What fuse() can be asked for, by mode: the hooks each installs differ.
+FUSION_KINDS = {
+    "backward": Loop(),
+    "backward-accumulate": Loop(accumulate=2),
+    "backward-keep-grads": Loop(keep_grads=True),
+    "forward": Loop(eval_every=7),
+    "forward-clip": Loop(clip="arg"),
+}
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("kind", list(FUSION_KINDS))
+def test_a_fused_model_dropped_without_remove_is_freed(kind: str, impl: str) -> None:
+    """A hyper-parameter sweep drops model, optimizer and handle without
+    remove(): they are freed, as in eager training. The parameters'
+    post-accumulate-grad hooks (torch keeps them where the garbage collector
+    cannot see them) and, in forward mode, the registry of roots to flush
+    before .to() held the handle, and through it the model, for good."""
+    t = Trainer("cnn", "Adam", kind.split("-")[0], FUSION_KINDS[kind], impl=impl)
+    t.run(0, 6)
+    alive = [weakref.ref(x) for x in (t.model, t.opt, t.handle, t.handle.optimizer)]
+    del t
+    gc.collect()
+    assert [ref() is not None for ref in alive] == [False] * 4, "model, optimizer, handle, engine"
+
+
+@pytest.mark.parametrize("kind", list(FUSION_KINDS))
+def test_training_goes_on_when_the_user_drops_the_handle(kind: str) -> None:
+    """The user keeps model and optimizer but not the handle (fuse() called
+    for its effect): the model's forward hooks keep the fusion alive, and
+    training equals eager bitwise; in forward mode model.to() still applies
+    the pending updates first."""
+    mode = kind.split("-")[0]
+    loop = FUSION_KINDS[kind]
+    t = Trainer("cnn", "Adam", mode, loop, total=30)
+    handle = weakref.ref(t.handle)
+    t.handle = None
+    gc.collect()
+    t.run(0, 30)
+    assert handle() is not None, "the fusion died with the user's reference to its handle"
+    t.model.to(torch.float32)  # forward mode: the last step's updates were pending
+    ref = eager("cnn", "Adam", loop, steps=30)
+    _assert_tensor_dicts({n: _clone(p) for n, p in t.model.named_parameters()}, ref.params, "params", None)
+    t.handle = handle()
+    got = t.finish()
+    if loop.clip == "arg":
+        got.norms = ref.norms  # the fused run has no norms of its own to record
+    assert_results_equal(got, ref)
+    t.handle.remove()
+
+
 # ---------------------------------------------------------------------------
 # 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------
@@ -1568,7 +1621,11 @@ def test_non_module_raises() -> None:
 def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
     """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
     DDP with a plain step(), 2 CPU ranks with different data: every rank ends
-    with eager DDP's parameters and optimizer state."""
+    with eager DDP's parameters and optimizer state. Dropped without remove(),
+    the fused DDP model is freed (its comm hook, which DDP's C++ Reducer
+    keeps out of the garbage collector's sight, held the handle and so the
+    model for good); removed and its handle dropped, the comm hook is DDP's
+    plain all-reduce: the ranks' gradients are equal."""
     world = 2
     init = tmp_path / "init"
     procs = [
@@ -1598,6 +1655,9 @@ def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
         # stats are each rank's own after its last forward).
         _assert_tensor_dicts(got.params, rank0.params, f"rank {rank} params vs rank 0", None)
         _assert_tensor_dicts(got.state, rank0.state, f"rank {rank} optimizer state vs rank 0", None)
+        assert r["freed"], f"rank {rank}: the fused DDP model dropped without remove() is alive"
+        _assert_tensor_dicts(r["grads_after_remove"], results[0]["grads_after_remove"],
+                             f"rank {rank} gradients after remove() vs rank 0", None)
 
 
 def test_backward_mode_updates_after_a_forward_that_bypasses_root_hooks() -> None:

@@ -5,6 +5,8 @@ with errors that name the argument and say what was expected.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import weakref
 from typing import Callable
 
@@ -131,21 +133,45 @@ def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
     return weakref.ref(callback)
 
 
-def weak_hook(method: Callable) -> Callable:
+def weak_hook(method: Callable, otherwise: Callable | None = None) -> Callable:
     """A hook that calls the bound `method` through a weak reference to its
-    object, and does nothing once that is gone. For hooks torch keeps where
-    Python's garbage collector cannot see them (a parameter's
-    post-accumulate-grad hooks live in C++ autograd metadata): a strong one
-    would keep the handle, and through it the model and optimizer, alive
-    for good after the user dropped them."""
-    ref = weakref.WeakMethod(method)
+    object, and once that is gone does nothing (or returns ``otherwise(*args)``
+    where the hook must keep answering: a DDP communication hook). For hooks
+    torch keeps where Python's garbage collector cannot see them (a
+    parameter's post-accumulate-grad hooks live in C++ autograd metadata, a
+    DDP comm hook in its C++ Reducer): a strong one would keep the handle,
+    and through it the model and optimizer, alive for good after the user
+    dropped them. It has `method`'s signature (DDP's register_comm_hook
+    reads the parameter names); hook_owner(hook) is the object while alive."""
+    # the object weakly, its class's function strongly (it refers to no
+    # instance): a quarter of the cost of a weakref.WeakMethod call
+    owner, function = weakref.ref(method.__self__), method.__func__
 
     def hook(*args):
-        bound = ref()
-        if bound is not None:
-            bound(*args)
+        obj = owner()
+        if obj is not None:
+            return function(obj, *args)
+        return otherwise(*args) if otherwise is not None else None
 
+    hook.__signature__ = _bound_signature(function)
+    hook.owner = owner
     return hook
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_signature(function: Callable) -> inspect.Signature:
+    """The signature of `function` bound to an object (self dropped); cached,
+    as inspect.signature costs tens of microseconds and weak_hook is made once
+    per parameter."""
+    signature = inspect.signature(function)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
+
+
+def hook_owner(hook: Callable) -> object | None:
+    """The object whose method `hook` calls: a bound method's, or a weak_hook's
+    while it is alive; None for any other hook."""
+    owner = getattr(hook, "owner", None)
+    return owner() if owner is not None else getattr(hook, "__self__", None)
 
 
 def new_table(rows: int) -> np.ndarray:

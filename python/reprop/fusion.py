@@ -44,6 +44,11 @@ updates backward() made, so step() raises while one is registered.
 A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
 plain model: the hooks it copies belong to an inert copy of the handle.
 
+The fusion lives as long as the model or the optimizer (their hooks and patched
+step() hold the handle; the parameters' hooks, which torch keeps out of the
+garbage collector's sight, only weakly): the handle need not be kept, and all
+three dropped without remove() are freed.
+
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
 the next forward of the root module or ``optimizer.step()``.
@@ -81,8 +86,10 @@ _CONVERTIBLE = {
 _MODES = ("backward", "forward")
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
 _MISSING = object()
-# Root module -> (its own instance _apply or _MISSING, its forward-mode
-# fusions: one per optimizer), for _flushing_apply.
+# Root module -> (its own instance _apply or _MISSING, a WeakSet of its
+# forward-mode fusions: one per optimizer), for _flushing_apply. Weak: a value
+# referring to its key would never be freed, and the root's forward hooks keep
+# each fusion alive while it is installed.
 _FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Optimizer (the user's, and the reprop engine of a converted torch one) ->
 # weak reference to the live handle fusing it: a second fusion of it would
@@ -102,15 +109,14 @@ def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
 
 def _flush_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
     if model not in _FLUSH_BEFORE_APPLY:
-        _FLUSH_BEFORE_APPLY[model] = (model.__dict__.get("_apply", _MISSING), [])
+        _FLUSH_BEFORE_APPLY[model] = (model.__dict__.get("_apply", _MISSING), weakref.WeakSet())
         model._apply = types.MethodType(_flushing_apply, model)
-    _FLUSH_BEFORE_APPLY[model][1].append(handle)
+    _FLUSH_BEFORE_APPLY[model][1].add(handle)
 
 
 def _stop_flushing_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
-    saved, handles = _FLUSH_BEFORE_APPLY.get(model, (_MISSING, []))
-    if handle in handles:
-        handles.remove(handle)
+    saved, handles = _FLUSH_BEFORE_APPLY.get(model, (_MISSING, weakref.WeakSet()))
+    handles.discard(handle)
     if handles or model not in _FLUSH_BEFORE_APPLY:
         return
     del _FLUSH_BEFORE_APPLY[model]
@@ -288,10 +294,15 @@ def _all_params(engine: optim._FusedOptimizer) -> dict:
     return {id(p): p for g in engine.param_groups for p in g["params"]}
 
 
-def _register_grad_ready(p: torch.Tensor, hook) -> "torch.utils.hooks.RemovableHandle":
-    """p.register_post_accumulate_grad_hook(hook), also for a frozen p (torch
-    refuses to register on a tensor that does not require grad; the hook then
-    fires once p is unfrozen)."""
+def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
+    """p.register_post_accumulate_grad_hook for the handle's bound `method`,
+    also for a frozen p (torch refuses to register on a tensor that does not
+    require grad; the hook then fires once p is unfrozen). Torch keeps these
+    hooks out of the garbage collector's sight, so they hold the handle only
+    weakly (the model's forward hooks and the optimizer's patched step()
+    keep it alive while either is): a model, optimizer and handle dropped
+    without remove() are freed."""
+    hook = _tensors.weak_hook(method)
     if p.requires_grad:
         return p.register_post_accumulate_grad_hook(hook)
     p.requires_grad_(True)
@@ -527,8 +538,14 @@ class _BackwardFusion(FusionHandle):
         self._batch_of: dict = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         if self._ddp:
-            # Local gradients are not final under DDP: update after each bucket's all-reduce.
-            model.register_comm_hook(None, self._ddp_bucket_hook)
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            # Local gradients are not final under DDP: update after each bucket's
+            # all-reduce. DDP's C++ Reducer keeps the hook out of the garbage
+            # collector's sight (see _register_grad_ready); DDP cannot unregister
+            # it, so once the handle is gone (removed and dropped) it is DDP's own.
+            model.register_comm_hook(None, _tensors.weak_hook(self._ddp_bucket_hook,
+                                                              otherwise=allreduce_hook))
         self._track(list(self._params.values()))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
 

@@ -51,7 +51,7 @@ from torch._prims_common import suggest_memory_format  # Tensor's own is C++ onl
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import queue_end_of_backward, torch_only, torch_only_weight, weak_hook
+from ._tensors import hook_owner, queue_end_of_backward, torch_only, torch_only_weight, weak_hook
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1827,8 +1827,9 @@ def _averaged_by_data_parallel(params: Iterable[torch.Tensor]) -> bool:
 def _backward_fused(model: nn.Module) -> bool:
     """Whether a live ``reprop.fuse(mode="backward")`` updates a parameter of
     `model`: its post-accumulate-grad hook on the parameter, whatever module
-    the fusion was given (remove() takes the hooks away)."""
-    return any(isinstance(getattr(hook, "__self__", None), _BackwardFusion)
+    the fusion was given (remove() takes the hooks away; those of a fusion
+    dropped without it call nobody)."""
+    return any(isinstance(hook_owner(hook), _BackwardFusion)
                for p in model.parameters()
                for hook in (p._post_accumulate_grad_hooks or {}).values())
 
