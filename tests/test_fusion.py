@@ -2085,3 +2085,36 @@ def test_reprop_subclass_overriding_what_fusion_replaces_raises(method: str, mod
     plain = type("Plain", (rp.Adam,), {})
     model = _mlp()
     reprop.fuse(model, plain(model.parameters()), mode=mode).remove()
+
+
+@pytest.mark.parametrize("rewrite", ["prune", "weight_norm", "spectral_norm"])
+def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
+    """nn.utils.prune and the old weight_norm / spectral_norm compute the
+    weight from the parameters in forward pre-hooks registered before fuse():
+    the pending update lands before them (before: they read the parameters
+    of the step before, so evaluation right after step() and training were
+    silently off by a step)."""
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3))
+        if rewrite == "prune":
+            torch.nn.utils.prune.l1_unstructured(model[0], "weight", amount=0.5)
+        else:
+            getattr(torch.nn.utils, rewrite)(model[0])
+        return model
+
+    ref, model = make(), make()
+    ref_opt, opt = rp.SGD(ref.parameters(), lr=0.1), rp.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    torch.manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(6, 4)
+        for net, o in ((ref, ref_opt), (model, opt)):
+            net(x).square().sum().backward()
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    handle.remove()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

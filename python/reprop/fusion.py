@@ -829,7 +829,10 @@ class _ForwardFusion(FusionHandle):
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
         self._track(list(self._params.values()))
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        # prepended: pre-hooks registered before fuse() that compute a weight from
+        # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
+        # must see them updated
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         self._hooks.append(model.register_state_dict_pre_hook(self._on_state_dict))
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
@@ -844,7 +847,8 @@ class _ForwardFusion(FusionHandle):
                        if (own := _direct_params(m, self._params))]
         owned = {id(p) for _, own in self._owned for p in own}
         for module in self._owners_to_hook():
-            self._hooks.append(module.register_forward_pre_hook(self._on_module_forward))
+            self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
+                                                                prepend=True))
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
