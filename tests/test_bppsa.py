@@ -522,6 +522,18 @@ def test_batched_gradients_are_refused_clearly(make):
         torch.autograd.grad(out, x, torch.randn(3, *out.shape), is_grads_batched=True)
 
 
+@pytest.mark.parametrize("make", [lambda: bppsa.GRU(2, 3), lambda: bppsa.RNN(2, 3)],
+                         ids=["gru", "rnn"])
+def test_jit_script_is_refused_clearly(make):
+    """torch.jit.script names the module and what to do instead (before:
+    "Module 'GRU' has no attribute '__dict__'", then "Can't redefine method")."""
+    module = make()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"torch.jit.script: reprop.bppsa.(GRU|RNN) .*"
+                                               "torch.jit.trace"):
+            torch.jit.script(nn.Sequential(module))
+
+
 def _tangent(module, x, t):
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():

@@ -506,6 +506,14 @@ class _ScanRNNBase:
     def extra_repr(self) -> str:
         return super().extra_repr() + f", scan={self.scan!r}"
 
+    def __prepare_scriptable__(self):
+        # torch.jit.script calls this first; without it, it fails on the scan
+        # property with "has no attribute '__dict__'"
+        raise RuntimeError(f"torch.jit.script: reprop.bppsa.{type(self).__name__} runs the scan "
+                           "from Python and cannot be scripted; script a torch.nn."
+                           f"{type(self).__name__} with the same state_dict, or use "
+                           "torch.jit.trace (which records torch's own recurrence)")
+
     def _layer_weights(self, layer: int, suffix: str):
         names = [f"weight_ih_l{layer}{suffix}", f"weight_hh_l{layer}{suffix}"]
         if self.bias:
