@@ -462,17 +462,17 @@ static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int gates;
+    int gates, rc;
     rp_scan_machine m;
+    rp_error err = {{0}};
     (void)self;
     if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
         return NULL;
-    if (n < 1 || batch < 0 || dim < 1) {
-        PyErr_SetString(PyExc_ValueError, "scan_plan: need n >= 1, batch >= 0, dim >= 1");
-        return NULL;
-    }
+    rc = rp_scan_check_sizes(n, batch, dim, gates, 0, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
     return Py_BuildValue("(ii)", rp_scan_choose_levels(n, batch, dim, gates, &m),
                          rp_scan_max_levels(n));
 }
@@ -480,27 +480,37 @@ PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int levels;
+    int levels, rc;
+    rp_error err = {{0}};
     (void)self;
     if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
         rp_py_int_arg(args[3], "levels", &levels) < 0)
         return NULL;
+    /* gates 0: the workspace is the same for every kind of leaves */
+    rc = rp_scan_check_sizes(n, batch, dim, 0, levels, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
     return PyLong_FromLongLong((long long)rp_scan_workspace_floats(n, batch, dim, levels));
 }
 
 PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int gates, levels;
+    int gates, levels, rc;
     rp_scan_machine m;
+    rp_error err = {{0}};
+    double cost;
     (void)self;
     if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_int_arg(args[4], "levels", &levels) < 0 ||
         rp_py_machine_args(args + 5, &m) < 0)
         return NULL;
-    return PyFloat_FromDouble(rp_scan_cost(n, batch, dim, gates, levels, &m));
+    rc = rp_scan_cost(n, batch, dim, gates, levels, &m, &cost, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    return PyFloat_FromDouble(cost);
 }
 
 /* ---- BPPSA: analytic CSR Jacobians and the sparse chain scan ---- */
