@@ -542,6 +542,16 @@ static PyObject *rp_py_pattern_tuple(int64_t rows, int64_t nnz, int count, int32
     return tuple;
 }
 
+/* PyArg_ParseTuple raises SystemError, not TypeError, for anything but a
+ * tuple: its callers check first. `name` names the argument. */
+static int rp_py_tuple_arg(PyObject *obj, const char *name)
+{
+    if (PyTuple_Check(obj))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: expected a tuple, got %s", name, Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
 {
     int64_t f[15];
@@ -582,7 +592,11 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         rc = count == 3 ? rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err)
                         : rp_jac_maxpool2d(&g, &nnz, NULL, NULL, NULL, NULL, &err);
     } else if (!strcmp(kind, "linear") || !strcmp(kind, "diagonal")) {
-        if (!PyArg_ParseTuple(args[1], "LL", &a, &b))
+        if (rp_py_tuple_arg(args[1], "geometry") < 0 ||
+            !PyArg_ParseTuple(args[1],
+                              kind[0] == 'l' ? "LL;geometry: expected (in_features, out_features), 2 ints"
+                                             : "LL;geometry: expected (size, 0), 2 ints",
+                              &a, &b))
             return NULL;
         rows = a;
         count = kind[0] == 'l' ? 3 : 2;
@@ -662,8 +676,12 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices, *value_map;
         long long rows, cols, values;
         int shared;
-        if (!PyArg_ParseTuple(item, "LLOOpOL", &rows, &cols, &indptr, &indices, &shared, &value_map,
-                              &values) ||
+        char name[48];
+        PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
+        if (rp_py_tuple_arg(item, name) < 0 ||
+            !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
+                                    "value_map, values)",
+                              &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
             rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
             rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
                             "indices", &leaves[i].indices) < 0 ||

@@ -285,6 +285,22 @@ def test_scan_entry_points_check_sizes_at_int64_ends():
     assert [_C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1] for n in (2**62 - 1, 2**62, 2**63 - 1)] == [61, 62, 62]
 
 
+def test_csr_entry_points_reject_non_tuples():
+    # PyArg_ParseTuple on a non-tuple raised SystemError
+    with pytest.raises(TypeError, match="^geometry: expected a tuple, got int"):
+        _C.jacobian("linear", 5)
+    with pytest.raises(TypeError, match=r"^geometry: expected \(in_features, out_features\), 2 ints"):
+        _C.jacobian("linear", (5, 3, 1))
+    with pytest.raises(TypeError, match=r"^geometry: expected \(size, 0\), 2 ints"):
+        _C.jacobian("diagonal", (5,))
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    with pytest.raises(TypeError, match=r"^leaves\[1\]: expected a tuple, got int"):
+        _C.csr_plan([leaf, 5], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(TypeError, match=r"^leaves: expected tuples \(rows, cols, indptr"):
+        _C.csr_plan([leaf, leaf[:3]], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
+
+
 def test_max_levels_and_cost_model():
     assert [bppsa.max_levels(n) for n in (1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 1, 2, 2, 3, 9]
     # two CPU threads: the linear scan's matrix-vector steps win over H x H products
