@@ -19,7 +19,7 @@ static PyObject *rp_optim_step_py(PyObject *self, PyObject *const *args, Py_ssiz
     rp_error err = {{0}};
     int num_threads, rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 5, "optim_step") < 0 || rp_py_int_arg(args[4], &num_threads) < 0 ||
+    if (rp_py_check_nargs(nargs, 5, "optim_step") < 0 || rp_py_int_arg(args[4], "num_threads", &num_threads) < 0 ||
         rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS

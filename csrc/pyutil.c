@@ -64,11 +64,7 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
     PyArrayObject *arr = NULL;
     rp_optim_hparams *hp = &call->hp;
     memset(call, 0, sizeof *call);
-    hp->kind = PyLong_AsLong(kind);
-    if (hp->kind == -1 && PyErr_Occurred())
-        return -1;
-    call->dtype = (int)PyLong_AsLong(dtype);
-    if (call->dtype == -1 && PyErr_Occurred())
+    if (rp_py_int_arg(kind, "kind", &hp->kind) < 0 || rp_py_int_arg(dtype, "dtype", &call->dtype) < 0)
         return -1;
     if (!PyTuple_Check(hparams)) {
         PyErr_SetString(PyExc_TypeError, "hparams: expected a tuple");
@@ -274,13 +270,21 @@ done:
     return result;
 }
 
-int rp_py_int_arg(PyObject *obj, int *out)
+int rp_py_int_arg(PyObject *obj, const char *name, int *out)
 {
-    long v = PyLong_AsLong(obj);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    *out = (int)v;
-    return 0;
+    /* range-checked, never truncated: 2**32 must not become kind 0 */
+    long long v = PyLong_AsLongLong(obj);
+    if (v == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+    } else if (v >= INT_MIN && v <= INT_MAX) {
+        *out = (int)v;
+        return 0;
+    }
+    PyErr_Format(PyExc_OverflowError, "%s: expected an int in [%d, %d], got %R", name, INT_MIN, INT_MAX,
+                 obj);
+    return -1;
 }
 
 static int rp_py_float_arg(PyObject *obj, float *out)
@@ -336,7 +340,7 @@ static int rp_py_where_arg(PyObject *obj, const rp_py_cuda_launchers *cuda, rp_p
     memset(where, 0, sizeof *where);
     if (cuda != NULL)
         return rp_py_stream_arg(obj, &where->stream);
-    return rp_py_int_arg(obj, &where->num_threads);
+    return rp_py_int_arg(obj, "num_threads", &where->num_threads);
 }
 
 /* The bindings both extensions have release the GIL around the core, which
@@ -350,10 +354,10 @@ PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
     int kind, dtype, d_store, rc;
     rp_py_where where;
     rp_error err = {{0}};
-    if (rp_py_check_nargs(nargs, 10, "fad_forward") < 0 || rp_py_int_arg(args[0], &kind) < 0 ||
+    if (rp_py_check_nargs(nargs, 10, "fad_forward") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
         rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0 ||
-        rp_py_int_arg(args[3], &dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
-        rp_py_pointer_arg(args[5], &y) < 0 || rp_py_int_arg(args[6], &d_store) < 0 ||
+        rp_py_int_arg(args[3], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
+        rp_py_pointer_arg(args[5], &y) < 0 || rp_py_int_arg(args[6], "d_store", &d_store) < 0 ||
         rp_py_pointer_arg(args[7], &d) < 0 || rp_py_size_arg(args[8], &n) < 0 ||
         rp_py_where_arg(args[9], cuda, &where) < 0)
         return NULL;
@@ -386,7 +390,7 @@ PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssi
     rp_py_where where;
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 7, "fad_backward_code8") < 0 ||
-        rp_py_int_arg(args[0], &dtype) < 0 || rp_py_pointer_arg(args[1], &grad_y) < 0 ||
+        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], &grad_y) < 0 ||
         rp_py_pointer_arg(args[2], &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
         rp_py_pointer_arg(args[4], &grad_x) < 0 || rp_py_size_arg(args[5], &n) < 0 ||
         rp_py_where_arg(args[6], cuda, &where) < 0)
@@ -409,7 +413,7 @@ PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t n
     int kind, rc;
     float p0, p1;
     (void)self;
-    if (rp_py_check_nargs(nargs, 3, "fad_codebook") < 0 || rp_py_int_arg(args[0], &kind) < 0 ||
+    if (rp_py_check_nargs(nargs, 3, "fad_codebook") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
         rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0)
         return NULL;
     rc = rp_fad_codebook_init(kind, p0, p1, &cb, &err);
@@ -428,12 +432,13 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
         rp_py_size_arg(args[1], &j.batch) < 0 || rp_py_size_arg(args[2], &j.dim) < 0 ||
-        rp_py_int_arg(args[3], &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
+        rp_py_int_arg(args[3], "gates", &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
         rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
-        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_int_arg(args[8], &j.act) < 0 ||
-        rp_py_pointer_arg(args[9], &y) < 0 || rp_py_int_arg(args[10], &j.pre_activation) < 0 ||
+        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_int_arg(args[8], "act", &j.act) < 0 ||
+        rp_py_pointer_arg(args[9], &y) < 0 ||
+        rp_py_int_arg(args[10], "pre_activation", &j.pre_activation) < 0 ||
         rp_py_pointer_arg(args[11], &c) < 0 || rp_py_pointer_arg(args[12], &g) < 0 ||
-        rp_py_int_arg(args[13], &levels) < 0 || rp_py_pointer_arg(args[14], &work) < 0 ||
+        rp_py_int_arg(args[13], "levels", &levels) < 0 || rp_py_pointer_arg(args[14], &work) < 0 ||
         rp_py_where_arg(args[15], cuda, &where) < 0)
         return NULL;
     j.w = w, j.u = u, j.v = v, j.jt = jt, j.y = y;
@@ -457,17 +462,17 @@ static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int gates;
+    int gates, rc;
     rp_scan_machine m;
+    rp_error err = {{0}};
     (void)self;
     if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
-        rp_py_int_arg(args[3], &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
+        rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
         return NULL;
-    if (n < 1 || batch < 0 || dim < 1) {
-        PyErr_SetString(PyExc_ValueError, "scan_plan: need n >= 1, batch >= 0, dim >= 1");
-        return NULL;
-    }
+    rc = rp_scan_check_sizes(n, batch, dim, gates, 0, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
     return Py_BuildValue("(ii)", rp_scan_choose_levels(n, batch, dim, gates, &m),
                          rp_scan_max_levels(n));
 }
@@ -475,27 +480,37 @@ PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t narg
 PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int levels;
+    int levels, rc;
+    rp_error err = {{0}};
     (void)self;
     if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
-        rp_py_int_arg(args[3], &levels) < 0)
+        rp_py_int_arg(args[3], "levels", &levels) < 0)
         return NULL;
+    /* gates 0: the workspace is the same for every kind of leaves */
+    rc = rp_scan_check_sizes(n, batch, dim, 0, levels, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
     return PyLong_FromLongLong((long long)rp_scan_workspace_floats(n, batch, dim, levels));
 }
 
 PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     int64_t n, batch, dim;
-    int gates, levels;
+    int gates, levels, rc;
     rp_scan_machine m;
+    rp_error err = {{0}};
+    double cost;
     (void)self;
     if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
         rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
-        rp_py_int_arg(args[3], &gates) < 0 || rp_py_int_arg(args[4], &levels) < 0 ||
+        rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_int_arg(args[4], "levels", &levels) < 0 ||
         rp_py_machine_args(args + 5, &m) < 0)
         return NULL;
-    return PyFloat_FromDouble(rp_scan_cost(n, batch, dim, gates, levels, &m));
+    rc = rp_scan_cost(n, batch, dim, gates, levels, &m, &cost, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    return PyFloat_FromDouble(cost);
 }
 
 /* ---- BPPSA: analytic CSR Jacobians and the sparse chain scan ---- */
@@ -525,6 +540,16 @@ static PyObject *rp_py_pattern_tuple(int64_t rows, int64_t nnz, int count, int32
         PyTuple_SET_ITEM(tuple, i, arr);
     }
     return tuple;
+}
+
+/* PyArg_ParseTuple raises SystemError, not TypeError, for anything but a
+ * tuple: its callers check first. `name` names the argument. */
+static int rp_py_tuple_arg(PyObject *obj, const char *name)
+{
+    if (PyTuple_Check(obj))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: expected a tuple, got %s", name, Py_TYPE(obj)->tp_name);
+    return -1;
 }
 
 static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
@@ -567,7 +592,11 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         rc = count == 3 ? rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err)
                         : rp_jac_maxpool2d(&g, &nnz, NULL, NULL, NULL, NULL, &err);
     } else if (!strcmp(kind, "linear") || !strcmp(kind, "diagonal")) {
-        if (!PyArg_ParseTuple(args[1], "LL", &a, &b))
+        if (rp_py_tuple_arg(args[1], "geometry") < 0 ||
+            !PyArg_ParseTuple(args[1],
+                              kind[0] == 'l' ? "LL;geometry: expected (in_features, out_features), 2 ints"
+                                             : "LL;geometry: expected (size, 0), 2 ints",
+                              &a, &b))
             return NULL;
         rows = a;
         count = kind[0] == 'l' ? 3 : 2;
@@ -630,7 +659,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int levels, rc;
     PyObject *seq;
     (void)self;
-    if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], &levels) < 0 ||
+    if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], "levels", &levels) < 0 ||
         rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
     seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared, "
@@ -647,8 +676,12 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices, *value_map;
         long long rows, cols, values;
         int shared;
-        if (!PyArg_ParseTuple(item, "LLOOpOL", &rows, &cols, &indptr, &indices, &shared, &value_map,
-                              &values) ||
+        char name[48];
+        PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
+        if (rp_py_tuple_arg(item, name) < 0 ||
+            !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
+                                    "value_map, values)",
+                              &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
             rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
             rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
                             "indices", &leaves[i].indices) < 0 ||

@@ -290,21 +290,31 @@ typedef struct {
     double step_cost;
 } rp_scan_machine;
 
-/* The largest useful `levels` for n steps: ceil(log2(n + 1)) - 1. */
+/* The largest useful `levels` for n steps: ceil(log2(n + 1)) - 1, at most 62
+ * (n = INT64_MAX); 0 for n < 1. */
 int rp_scan_max_levels(int64_t n);
 
-/* The `levels` in [0, rp_scan_max_levels(n)] the cost model predicts fastest. */
+/* Validates the sizes of a scan: n >= 1, batch >= 0, dim >= 1, gates >= 0,
+ * levels in [0, rp_scan_max_levels(n)], and a workspace whose size in bytes
+ * fits in int64 (see rp_scan_workspace_floats). */
+int rp_scan_check_sizes(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
+                        rp_error *err);
+
+/* The `levels` in [0, rp_scan_max_levels(n)] the cost model predicts fastest;
+ * 0 for sizes rp_scan_check_sizes rejects or a NULL m. */
 int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
                           const rp_scan_machine *m);
 
-/* Predicted time of `levels` in multiply-adds on machine m (for reports). */
-double rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
-                    const rp_scan_machine *m);
+/* Predicted time of `levels` in multiply-adds on machine m (for reports),
+ * in *cost; RP_EINVAL for sizes rp_scan_check_sizes rejects. */
+int rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
+                 const rp_scan_machine *m, double *cost, rp_error *err);
 
 /* Float32 workspace a scan with `levels` needs: none for the linear scan
  * (levels = 0 runs from c into g directly; work may then be NULL), else
  * (n + 1) B H for the slots' vectors and floor(n / 2) B H H for the
- * up-sweep products. */
+ * up-sweep products; -1 when a size is negative or the workspace's bytes
+ * would pass INT64_MAX. */
 int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels);
 
 /* Validates shapes, pointers and levels. */

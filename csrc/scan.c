@@ -62,10 +62,12 @@ typedef struct {
 
 int rp_scan_max_levels(int64_t n)
 {
+    /* ceil(log2(n + 1)) - 1 is floor(log2(n)) for n >= 1, counted by shifting
+     * n down: never forms 2^k or n + 1, which overflow for n near INT64_MAX */
     int k = 0;
-    while (((int64_t)1 << k) < n + 1)
-        k++;
-    return k > 0 ? k - 1 : 0;
+    while (n > 1)
+        n >>= 1, k++;
+    return k;
 }
 
 static int64_t rp_min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -407,9 +409,35 @@ static void rp_rec_combine(void *ctx, int64_t l, int64_t r, int spine, int64_t b
 
 int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels)
 {
+    /* Counted with overflow checks: a wrapped count would size a buffer that
+     * the scan overruns. The cap keeps the buffer's bytes in int64 too. */
+    const int64_t cap = INT64_MAX / (int64_t)sizeof(float);
+    const int64_t row = rp_mul_capped(batch, dim, cap);                         /* B H */
+    const int64_t vecs = rp_mul_capped(n, row, cap);                            /* n B H */
+    const int64_t prods = rp_mul_capped(rp_mul_capped(n / 2, row, cap), dim, cap); /* (n/2) B H H */
     if (levels == 0) /* the linear scan runs from c to g directly */
         return 0;
-    return (n + 1) * batch * dim + (n / 2) * batch * dim * dim;
+    if (vecs < 0 || prods < 0 || prods > cap - row - vecs)
+        return -1;
+    return vecs + row + prods;
+}
+
+int rp_scan_check_sizes(int64_t n, int64_t batch, int64_t dim, int gates, int levels, rp_error *err)
+{
+    if (n < 1 || batch < 0 || dim < 1)
+        return rp_set_error(err, RP_EINVAL, "scan: need n >= 1, batch >= 0, dim >= 1 (got %lld, %lld, %lld)",
+                            (long long)n, (long long)batch, (long long)dim);
+    if (gates < 0)
+        return rp_set_error(err, RP_EINVAL, "scan: gates must be >= 0 (got %d)", gates);
+    if (levels < 0 || levels > rp_scan_max_levels(n))
+        return rp_set_error(err, RP_EINVAL, "scan: levels must be in [0, %d] for n = %lld (got %d)",
+                            rp_scan_max_levels(n), (long long)n, levels);
+    if (rp_scan_workspace_floats(n, batch, dim, levels) < 0)
+        return rp_set_error(err, RP_EINVAL,
+                            "scan: the workspace of n = %lld, batch = %lld, dim = %lld (levels > 0) "
+                            "passes INT64_MAX bytes",
+                            (long long)n, (long long)batch, (long long)dim);
+    return RP_OK;
 }
 
 /* Structured leaves take v, or y with an activation; dense ones neither. */
@@ -435,11 +463,9 @@ int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, in
     int rc;
     if (j == NULL || c == NULL || g == NULL)
         return rp_set_error(err, RP_EINVAL, "scan: NULL jacobians, c or g");
-    if (j->n < 1 || j->batch < 0 || j->dim < 1)
-        return rp_set_error(err, RP_EINVAL, "scan: need n >= 1, batch >= 0, dim >= 1 (got %lld, %lld, %lld)",
-                            (long long)j->n, (long long)j->batch, (long long)j->dim);
-    if (j->gates < 0)
-        return rp_set_error(err, RP_EINVAL, "scan: gates must be >= 0 (got %d)", j->gates);
+    rc = rp_scan_check_sizes(j->n, j->batch, j->dim, j->gates, levels, err);
+    if (rc != RP_OK)
+        return rc;
     if (j->gates > 0 && j->w == NULL)
         return rp_set_error(err, RP_EINVAL, "scan: structured leaves need w");
     if (j->gates == 0 && j->jt == NULL)
@@ -449,9 +475,6 @@ int rp_scan_check(const rp_scan_jacobians *j, const float *c, const float *g, in
         return rc;
     if (j->pre_activation && j->gates != 1)
         return rp_set_error(err, RP_EINVAL, "scan: pre_activation needs gates = 1 (got %d)", j->gates);
-    if (levels < 0 || levels > rp_scan_max_levels(j->n))
-        return rp_set_error(err, RP_EINVAL, "scan: levels must be in [0, %d] for n = %lld (got %d)",
-                            rp_scan_max_levels(j->n), (long long)j->n, levels);
     if (work == NULL && j->batch > 0 && rp_scan_workspace_floats(j->n, j->batch, j->dim, levels) > 0)
         return rp_set_error(err, RP_EINVAL, "scan: NULL workspace");
     return RP_OK;
@@ -576,14 +599,17 @@ static double rp_rounds(double tasks, double workers)
     return workers >= tasks ? (tasks > 0 ? 1.0 : 0.0) : ceil(tasks / workers);
 }
 
-double rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
-                    const rp_scan_machine *m)
+/* rp_scan_cost for sizes rp_scan_check_sizes accepts: levels <= 62, so every
+ * 2^d fits, and the middle's nb - 2 steps (nb = ceil((n + 1) / block)) are
+ * n / block - 1, which never forms n + block (past INT64_MAX for n near it). */
+static double rp_scan_model_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
+                                 const rp_scan_machine *m)
 {
     const double H = (double)dim, G = gates > 0 ? gates : 1, B = (double)batch;
     const double W = m->workers > 1 ? m->workers : 1;
     const double leaf_mm = G * H * H * H + H * H * G, mm = H * H * H;
     const double leaf_mv = G * H * H + G * H, mv = H * H;
-    const int64_t block = (int64_t)1 << levels, nb = (n + block) / block;
+    const int64_t block = (int64_t)1 << levels, middle_steps = n / block - 1;
     double t = 0.0;
     for (int d = 0; d < levels; d++) {
         const int64_t half = (int64_t)1 << d;
@@ -591,18 +617,33 @@ double rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels
         t += rp_rounds(up * B, W) * (d == 0 ? leaf_mm : mm) + m->level_cost;
         t += rp_rounds(down * B, W) * (d == 0 ? leaf_mv : mv) + m->level_cost;
     }
-    if (nb > 2) /* the middle: one sequence per worker, nb - 2 dependent steps */
-        t += (double)(nb - 2) * (rp_rounds(B, W) * (levels == 0 ? leaf_mv : mv) + m->step_cost);
+    if (middle_steps > 0) /* one sequence per worker, nb - 2 dependent steps */
+        t += (double)middle_steps * (rp_rounds(B, W) * (levels == 0 ? leaf_mv : mv) + m->step_cost);
     return t;
+}
+
+int rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
+                 const rp_scan_machine *m, double *cost, rp_error *err)
+{
+    const int rc = rp_scan_check_sizes(n, batch, dim, gates, levels, err);
+    if (rc != RP_OK)
+        return rc;
+    if (m == NULL || cost == NULL)
+        return rp_set_error(err, RP_EINVAL, "scan cost: NULL machine or cost");
+    *cost = rp_scan_model_cost(n, batch, dim, gates, levels, m);
+    return RP_OK;
 }
 
 int rp_scan_choose_levels(int64_t n, int64_t batch, int64_t dim, int gates,
                           const rp_scan_machine *m)
 {
     int best = 0;
-    double best_cost = rp_scan_cost(n, batch, dim, gates, 0, m);
+    double best_cost;
+    if (m == NULL || rp_scan_check_sizes(n, batch, dim, gates, 0, NULL) != RP_OK)
+        return 0;
+    best_cost = rp_scan_model_cost(n, batch, dim, gates, 0, m);
     for (int L = 1; L <= rp_scan_max_levels(n); L++) {
-        const double c = rp_scan_cost(n, batch, dim, gates, L, m);
+        const double c = rp_scan_model_cost(n, batch, dim, gates, L, m);
         if (c < best_cost)
             best = L, best_cost = c;
     }

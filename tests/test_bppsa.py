@@ -264,6 +264,43 @@ def test_linear_scan_needs_no_workspace():
     assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20
 
 
+def test_scan_entry_points_check_sizes_at_int64_ends():
+    # the C core checks its own ranges: levels >= 64 shifted 1 << levels and
+    # divided by zero (SIGFPE), a workspace count wrapped to 0, n >= 2**62
+    # never left the level count's loop; levels past int were truncated
+    machine = (1.0, 1.0, 1.0)
+    for levels in (-1, 4, 64, 2**31 - 1):
+        with pytest.raises(ValueError, match=r"levels must be in \[0, 3\] for n = 10"):
+            _C.scan_cost(10, 1, 1, 1, levels, *machine)
+    for levels in (2**32, 2**33 + 1):
+        int_range = r"\[-2147483648, 2147483647\]"
+        with pytest.raises(OverflowError, match=rf"^levels: expected an int in {int_range}, got {levels}"):
+            _C.scan_cost(10, 1, 1, 1, levels, *machine)
+    assert _C.scan_cost(10, 1, 1, 1, 3, *machine) > 0
+    with pytest.raises(ValueError, match="workspace of n = 4611686018427387904.* passes INT64_MAX bytes"):
+        _C.scan_workspace(2**62, 2**62, 2**62, 60)
+    with pytest.raises(ValueError, match="workspace of n = 2305843009213693952, batch = 1, dim = 1"):
+        _C.scan_workspace(2**61, 1, 1, 1)
+    assert _C.scan_workspace(2**62, 2**62, 2**62, 0) == 0  # the linear scan needs none
+    assert [_C.scan_plan(n, 1, 1, 1, 1.0, 0.0, 0.0)[1] for n in (2**62 - 1, 2**62, 2**63 - 1)] == [61, 62, 62]
+
+
+def test_csr_entry_points_reject_non_tuples():
+    # PyArg_ParseTuple on a non-tuple raised SystemError
+    with pytest.raises(TypeError, match="^geometry: expected a tuple, got int"):
+        _C.jacobian("linear", 5)
+    with pytest.raises(TypeError, match=r"^geometry: expected \(in_features, out_features\), 2 ints"):
+        _C.jacobian("linear", (5, 3, 1))
+    with pytest.raises(TypeError, match=r"^geometry: expected \(size, 0\), 2 ints"):
+        _C.jacobian("diagonal", (5,))
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    with pytest.raises(TypeError, match=r"^leaves\[1\]: expected a tuple, got int"):
+        _C.csr_plan([leaf, 5], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(TypeError, match=r"^leaves: expected tuples \(rows, cols, indptr"):
+        _C.csr_plan([leaf, leaf[:3]], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
+
+
 def test_max_levels_and_cost_model():
     assert [bppsa.max_levels(n) for n in (1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 1, 2, 2, 3, 9]
     # two CPU threads: the linear scan's matrix-vector steps win over H x H products

@@ -29,12 +29,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import reprop.optim as rp
+from reprop._native import _C
 
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
@@ -1054,6 +1056,17 @@ def test_step_params_touches_only_its_params(name: str) -> None:
     ref_params[2].grad = params[2].grad.clone()
     ref.step()
     assert_tensor_close(params[2], ref_params[2], STEP_TOL, "param 2")
+
+
+def test_native_step_rejects_codes_past_int() -> None:
+    # kind 2**32 was truncated to 0 and ran SGD
+    table, hparams = np.zeros((1, 8), np.int64), (0.1,) * 10 + (False,) * 5
+    with pytest.raises(OverflowError, match=r"^kind: expected an int in \[-2147483648, 2147483647\], got 4294967296"):
+        _C.optim_step(2**32, 0, table, hparams, 1)
+    with pytest.raises(OverflowError, match=r"^dtype: expected an int in .*, got -4294967296"):
+        _C.optim_step(0, -2**32, table, hparams, 1)
+    with pytest.raises(OverflowError, match=r"^num_threads: expected an int in .*, got 4294967297"):
+        _C.optim_step(0, 0, table, hparams, 2**32 + 1)
 
 
 @pytest.mark.parametrize("name", NAMES)

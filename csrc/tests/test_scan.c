@@ -129,6 +129,47 @@ static void test_levels(void)
     CHECK(rp_scan_choose_levels(1000, 16, 20, 1, &gpu) > 4, "wide device: Blelloch levels");
 }
 
+/* Sizes at the ends of int64: every call returns, an error where the sizes
+ * cannot be, never an overflowed count (UBSan catches the shifts). */
+static void test_size_limits(void)
+{
+    const rp_scan_machine m = {4096, 2e5, 2e4};
+    rp_error err = {{0}};
+    double cost = 0.0;
+    CHECK(rp_scan_max_levels(INT64_MAX) == 62, "n = INT64_MAX: %d", rp_scan_max_levels(INT64_MAX));
+    CHECK(rp_scan_max_levels((int64_t)1 << 62) == 62, "n = 2^62");
+    CHECK(rp_scan_max_levels(((int64_t)1 << 62) - 1) == 61, "n = 2^62 - 1");
+    CHECK(rp_scan_max_levels(0) == 0 && rp_scan_max_levels(INT64_MIN) == 0, "n < 1");
+    CHECK(rp_scan_choose_levels(INT64_MAX, 1, 1, 1, &m) <= 62, "choose for n = INT64_MAX");
+    CHECK(rp_scan_choose_levels(INT64_MIN, 1, 1, 1, &m) == 0, "choose for n < 1");
+    for (int L = 0; L <= 62; L++)
+        CHECK(rp_scan_cost(INT64_MAX, 0, 1, 1, L, &m, &cost, &err) == RP_OK && cost >= 0.0,
+              "cost of L = %d for n = INT64_MAX: %s", L, err.msg);
+    const int bad_levels[] = {-1, 4, 63, 64, INT32_MAX};
+    for (size_t i = 0; i < sizeof bad_levels / sizeof *bad_levels; i++)
+        CHECK(rp_scan_cost(10, 1, 1, 1, bad_levels[i], &m, &cost, &err) == RP_EINVAL &&
+                  strstr(err.msg, "levels must be in [0, 3]"),
+              "cost of levels = %d: %s", bad_levels[i], err.msg);
+    CHECK(rp_scan_cost(10, 1, 1, -1, 0, &m, &cost, &err) == RP_EINVAL && strstr(err.msg, "gates"),
+          "cost with gates < 0: %s", err.msg);
+    /* (n + 1) B H + (n / 2) B H H floats, whose bytes must fit in int64 */
+    const int64_t cap = INT64_MAX / 4;
+    CHECK(rp_scan_workspace_floats((int64_t)1 << 62, (int64_t)1 << 62, (int64_t)1 << 62, 60) == -1,
+          "2^62 cubed");
+    CHECK(rp_scan_workspace_floats(cap - 1, 1, 1, 1) == -1, "n B H alone fits, with n/2 B H H not");
+    /* B = H = 1: n + 1 + n / 2 floats, exactly cap for n = 2 (cap - 1) / 3 */
+    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3), 1, 1, 1) == cap, "the largest workspace");
+    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3) + 1, 1, 1, 1) == -1, "one float past it");
+    CHECK(rp_scan_workspace_floats(-4, 1, 1, 1) == -1 && rp_scan_workspace_floats(4, -1, 1, 1) == -1,
+          "negative sizes");
+    CHECK(rp_scan_workspace_floats(INT64_MAX, INT64_MAX, INT64_MAX, 0) == 0, "the linear scan needs none");
+    CHECK(rp_scan_check_sizes(INT64_MAX, 1, 1, 1, 0, &err) == RP_OK, "linear scan of INT64_MAX steps: %s",
+          err.msg);
+    CHECK(rp_scan_check_sizes((int64_t)1 << 40, 1 << 20, 1 << 10, 1, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "workspace"),
+          "workspace past int64: %s", err.msg);
+}
+
 static void test_errors(void)
 {
     float buf[64] = {0};
@@ -437,6 +478,7 @@ int main(void)
         test_csr_chain(n, 2, 2);
     test_csr_chain(70, 3, 3);
     test_levels();
+    test_size_limits();
     test_errors();
     for (int64_t n = 1; n <= 70; n++)
         test_recurrence(n, 2, 3, 1, 0, 2);
