@@ -1617,20 +1617,12 @@ def test_non_module_raises() -> None:
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
-def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
-    """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
-    DDP with a plain step(), 2 CPU ranks with different data: every rank ends
-    with eager DDP's parameters and optimizer state. Dropped without remove(),
-    the fused DDP model is freed (its comm hook, which DDP's C++ Reducer
-    keeps out of the garbage collector's sight, held the handle and so the
-    model for good); removed and its handle dropped, the comm hook is DDP's
-    plain all-reduce: the ranks' gradients are equal."""
-    world = 2
+def _run_ddp_workers(cmd: str, tmp_path: Path, world: int = 2) -> list[dict]:
+    """Runs `cmd` of the worker script on `world` gloo ranks; what each saved."""
     init = tmp_path / "init"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "ddp", str(rank), str(world), str(init), str(tmp_path / f"rank{rank}.pt")],
+            [sys.executable, str(WORKER), cmd, str(rank), str(world), str(init), str(tmp_path / f"rank{rank}.pt")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(world)
@@ -1644,7 +1636,19 @@ def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
                 q.kill()
             pytest.fail("DDP workers timed out")
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
+    """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
+    DDP with a plain step(), 2 CPU ranks with different data: every rank ends
+    with eager DDP's parameters and optimizer state. Dropped without remove(),
+    the fused DDP model is freed (its comm hook, which DDP's C++ Reducer
+    keeps out of the garbage collector's sight, held the handle and so the
+    model for good); removed and its handle dropped, the comm hook is DDP's
+    plain all-reduce: the ranks' gradients are equal."""
+    results = _run_ddp_workers("ddp", tmp_path)
     rank0 = Result(**results[0]["fused"])
     for rank, r in enumerate(results):
         got, ref = Result(**r["fused"]), Result(**r["eager"])
@@ -2118,3 +2122,14 @@ def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
     handle.remove()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True): a parameter no rank used in a step
+    has no gradient (DDP's bucket holds zeros for it) and eager step() skips
+    it; one only another rank used steps on the all-reduced gradient. Backward
+    fusion matches eager DDP bitwise (Adam: the step count shows skips)."""
+    for r in _run_ddp_workers("ddp_unused", tmp_path):
+        for view in ("", "_view"):
+            assert_results_equal(Result(**r["fused" + view]), Result(**r["eager" + view]))

@@ -294,6 +294,23 @@ def _all_params(engine: optim._FusedOptimizer) -> dict:
     return {id(p): p for g in engine.param_groups for p in g["params"]}
 
 
+def _split_by_local_use(pairs: Iterable[tuple]) -> tuple[list, list]:
+    """(parameter, all-reduced gradient) pairs of a DDP bucket: those this rank
+    gave a gradient to since the last all-reduce, and the parameters it gave
+    none. DDP's own test (its local_used_map under find_unused_parameters=True):
+    its reducer marks a parameter used when its .grad is defined, and backward
+    fusion leaves .grad None after each update. The bucket holds zeros for an
+    unused one, which only the end of backward tells apart from the gradient of
+    a parameter no rank used."""
+    used, unused = [], []
+    for p, g in pairs:
+        if p.grad is None:
+            unused.append(p)
+        else:
+            used.append((p, g))
+    return used, unused
+
+
 def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
     """p.register_post_accumulate_grad_hook for the handle's bound `method`,
     also for a frozen p (torch refuses to register on a tensor that does not
@@ -532,6 +549,9 @@ class _BackwardFusion(FusionHandle):
         self._zeroed_not_freed = False
         self._ever_updated: dict = {}
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
+        # params of this backward's DDP buckets this rank gave no gradient: updated
+        # at its end if another rank did
+        self._ddp_unused_here: list = []
         self._end_queued = False
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
         self._join_queued = False
@@ -714,6 +734,14 @@ class _BackwardFusion(FusionHandle):
         torch.autograd.Variable._execution_engine.queue_callback(self._release_ddp_grads)
 
     def _release_ddp_grads(self) -> None:
+        # DDP's end of backward wrote the all-reduced gradient into .grad of the
+        # parameters a rank used, and left .grad None where none did, as eager
+        # step() then sees it (find_unused_parameters=True).
+        used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
+        self._ddp_unused_here = []
+        if used_elsewhere:
+            self.optimizer.step_params(used_elsewhere)
+            self._ddp_updated.extend(used_elsewhere)
         self._release_grads(self._ddp_updated)
         self._ddp_updated = []
 
@@ -772,15 +800,17 @@ class _BackwardFusion(FusionHandle):
         self._backward_since_forward = True
         if self._removed or not self._updating():
             return reduced
-        pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
-                 if id(p) in self._params]
+        pairs, unused_here = _split_by_local_use(
+            (p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._params)
+        self._ddp_unused_here.extend(unused_here)
         if not self._end_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_backward)
             self._end_queued = True
 
         def update(fut):
-            self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
-            self._ddp_updated.extend(p for p, _ in pairs)
+            if pairs:
+                self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
+                self._ddp_updated.extend(p for p, _ in pairs)
             return fut.value()
 
         return reduced.then(update)
