@@ -178,6 +178,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     engine = _engine_for(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
+        _check_not_micro_batch_pipelined(engine)
         handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
     else:
         handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
@@ -208,6 +209,20 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
         raise ValueError("mode: 'backward' updates parameters from local gradients before "
                          "reprop.ooo.data_parallel averages them over the ranks (the replicas "
                          "would drift apart); use mode='forward', which steps on the averages")
+
+
+def _check_not_micro_batch_pipelined(engine: optim._FusedOptimizer) -> None:
+    """reprop.ooo.Pipeline's step() runs the forwards and backwards of its
+    micro-batches interleaved: backward mode would update a parameter in each
+    micro-batch's backward, under the forwards of the others."""
+    from .ooo import _pipelined_in_micro_batches  # ooo imports this module
+    if _pipelined_in_micro_batches(p for g in engine.param_groups for p in g["params"]):
+        raise ValueError("mode: 'backward' updates parameters inside each micro-batch's "
+                         "backward, but reprop.ooo.Pipeline(micro_batches > 1) interleaves the "
+                         "forwards and backwards of its micro-batches in one step() (later "
+                         "forwards would see the update, and each micro-batch's gradient would "
+                         "be applied on its own); use mode='forward', which steps once on their "
+                         "sum")
 
 
 def _engine_for(optimizer) -> optim._FusedOptimizer:
