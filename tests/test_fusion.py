@@ -716,6 +716,11 @@ def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tens
     if how == "reentrant":  # the last layer checkpointed: its backward is a nested backward pass
         h = model[:-1](x)
         return torch.utils.checkpoint.checkpoint(model[-1], h, use_reentrant=True).square().mean()
+    if how == "nested":  # a checkpoint in a reentrant one: its recompute is in a nested backward
+        def block(t):
+            return model[2](torch.utils.checkpoint.checkpoint(model[:2], t, use_reentrant=True))
+        h = torch.utils.checkpoint.checkpoint(block, x.detach().requires_grad_(), use_reentrant=True)
+        return model[-1](h).square().mean()
     h = x
     for layer in model:  # the layers called one by one: the root's forward never runs
         h = layer(h)
@@ -724,7 +729,7 @@ def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tens
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("every", [1, 2, 3])
-@pytest.mark.parametrize("how", ["twice", "checkpoint", "reentrant", "layers"])
+@pytest.mark.parametrize("how", ["twice", "checkpoint", "reentrant", "nested", "layers"])
 def test_backward_accumulation_counts_micro_batches(how: str, every: int, set_to_none: bool) -> None:
     """accumulation_steps counts micro-batches, not calls of the root module
     nor backward passes (reentrant checkpointing nests one in another): the

@@ -548,7 +548,9 @@ class _BackwardFusion(FusionHandle):
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
-        self._backward_task = -1  # autograd's id of the backward pass that set it
+        # _backward_pass() of the backward that set it (None: set outside one)
+        self._marked_in: weakref.ref | None = None
+        self._pass: weakref.ref | None = None  # see _backward_pass
         self._kept: list = []
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (a no-op here, so they are still there), None when none was: remove()
@@ -642,12 +644,14 @@ class _BackwardFusion(FusionHandle):
         gradients kept since the last update."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        task = torch._C._current_graph_task_id()
-        if task != -1:  # inside backward: a forward that checkpointing recomputes
-            # counts only when it is the micro-batch's first grad-mode forward:
-            # a reentrant checkpoint of the whole model runs the first under no_grad
+        if not _tensors.outside_backward():  # a forward that checkpointing recomputes
+            # counts only when it is the micro-batch's first grad-mode forward (a
+            # reentrant checkpoint of the whole model runs the first under no_grad),
+            # not when a gradient of this backward pass came before it (a nested
+            # checkpoint's recompute, in a nested backward of a reentrant one)
+            this_pass = self._backward_pass()
             if torch.is_grad_enabled() and self._backward_since_forward \
-                    and task > self._backward_task:
+                    and self._marked_in is not this_pass:
                 self._backward_since_forward = False
                 self._micro_batches += 1
             return
@@ -664,7 +668,19 @@ class _BackwardFusion(FusionHandle):
     def _mark_backward(self, p: torch.Tensor) -> None:
         if not self._backward_since_forward:
             self._backward_since_forward = True
-            self._backward_task = torch._C._current_graph_task_id()
+            self._marked_in = None if _tensors.outside_backward() else self._backward_pass()
+
+    def _backward_pass(self) -> weakref.ref:
+        """A token of the backward pass running now, the same in the nested
+        backward passes of its reentrant checkpoints (whose graph task ids
+        are new ones): a weak reference alive until the end of the pass in
+        which this fusion first saw a gradient or a forward, the outermost
+        one unless every fused module runs inside a nested reentrant
+        checkpoint. Dead after an exception, which drops the pass's
+        callbacks."""
+        if self._pass is None or self._pass() is None:
+            self._pass = _tensors.queue_end_of_backward(lambda: None)
+        return self._pass
 
     def _updating(self) -> bool:
         # Without accumulation every backward updates, even one after a forward
