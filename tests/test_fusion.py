@@ -2138,3 +2138,24 @@ def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) 
     for r in _run_ddp_workers("ddp_unused", tmp_path):
         for view in ("", "_view"):
             assert_results_equal(Result(**r["fused" + view]), Result(**r["eager" + view]))
+
+
+def test_backward_mode_layers_called_one_by_one_without_step() -> None:
+    """Layers called one by one (the root's forward never runs) and no
+    step() (a no-op in backward mode): the next forward of a module with
+    fused parameters ends the step, so its backward's gradients are not
+    second ones; training matches the eager loop that steps."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref_model)
+    ref_opt = rp.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1, momentum=0.9), mode="backward")
+    for i in range(3):
+        x = torch.randn(4, 5, generator=_gen(i))
+        _micro_batch_loss(ref_model, x, "layers").backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _micro_batch_loss(model, x, "layers").backward()
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    handle.remove()

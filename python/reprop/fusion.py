@@ -605,11 +605,11 @@ class _BackwardFusion(FusionHandle):
         if not self._ddp or self._every > 1:
             for p in new:
                 self._hooks.append(_register_grad_ready(p, on_grad))
-        if self._every > 1 or self._keep_grads:
-            # a micro-batch starts at the first forward of any module with fused
-            # parameters: the root's may not run (layers called one by one)
-            for module in self._owners_to_hook():
-                self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+        # a micro-batch starts, and the last step ends (what a gradient then reaching
+        # an updated parameter is not a second one of), at the first forward of any
+        # module with fused parameters: the root's may not run (layers called one by one)
+        for module in self._owners_to_hook():
+            self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
 
     def flush(self) -> None:
         """Updates are applied inside backward, and what the last step() makes
@@ -638,8 +638,10 @@ class _BackwardFusion(FusionHandle):
         self._on_training_forward(module, args)
 
     def _on_training_forward(self, module, args) -> None:
-        """A forward of the model: the step of a window whose last backward
-        is over is finished first (eval forwards must see it); in grad mode,
+        """A forward of the model or of a module owning fused parameters: the
+        step of a window whose last backward is over is finished first (eval
+        forwards must see it, and a gradient after it is not a second one of
+        the updated parameters); in grad mode,
         the first forward after a backward starts a micro-batch and frees the
         gradients kept since the last update."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -709,7 +711,7 @@ class _BackwardFusion(FusionHandle):
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
-        forward of the model: a second backward() of the same forward (two
+        forward of a module owning fused parameters: a second backward() of the same forward (two
         losses, retain_graph=True), or a second nested backward of a reentrant
         checkpoint. Eager's step() applies the sum of the gradients once; here
         the first one is applied already, and applying the next one too is
@@ -722,7 +724,7 @@ class _BackwardFusion(FusionHandle):
         raise RuntimeError(
             f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
             "gradient after its update, before optimizer.step() or the next forward of the "
-            "model: several backward() calls per step (e.g. two losses, retain_graph=True) "
+            "model or of a module owning fused parameters: several backward() calls per step (e.g. two losses, retain_graph=True) "
             "each update it, where eager step() applies their sum once. Add the losses and "
             "call backward() once, or use mode='forward'. (A weight used both inside and "
             "outside a reentrant checkpoint gets one gradient per nested backward: use "
