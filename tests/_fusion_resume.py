@@ -21,6 +21,11 @@
         reprop.fuse(mode="backward") (gradient_as_bucket_view False and True);
         torch.save {"eager": ..., "fused": ..., ...} to OUT.
 
+    python _fusion_resume.py ddp_twice RANK WORLD INIT_FILE OUT
+        reprop.fuse(DDP(model), mode="backward") and two backward() calls of
+        one forward (the second reaching only an Embedding's weight, which
+        autograd does not save); torch.save {"error": its message or None}.
+
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
 """
 from __future__ import annotations
@@ -173,15 +178,48 @@ def ddp_unused(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+class _EmbeddingHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, tokens):
+        e = self.emb(tokens)
+        return self.head(torch.tanh(e)), e
+
+
+def ddp_twice(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = DDP(_EmbeddingHead())
+    handle = reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    out_, e = model(torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(rank)))
+    out_.square().mean().backward(retain_graph=True)
+    error = None
+    try:
+        e.square().mean().backward()
+    except RuntimeError as exc:
+        error = str(exc)
+    handle.remove()
+    torch.save({"error": error}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cmd, *args = argv
     if cmd == "resume":
         case, opt_name, ckpt, start, stop, out = args
         resume(case, opt_name, ckpt, int(start), int(stop), out)
-    elif cmd in ("ddp", "ddp_unused"):
+    elif cmd in ("ddp", "ddp_unused", "ddp_twice"):
         rank, world, init_file, out = args
-        (ddp if cmd == "ddp" else ddp_unused)(int(rank), int(world), init_file, out)
+        {"ddp": ddp, "ddp_unused": ddp_unused, "ddp_twice": ddp_twice}[cmd](
+            int(rank), int(world), init_file, out)
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 

@@ -2159,3 +2159,12 @@ def test_backward_mode_layers_called_one_by_one_without_step() -> None:
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     handle.remove()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
+    """Under DDP a second backward() of one forward is not all-reduced (DDP's
+    reducer ignores it); backward mode left its local gradient in .grad,
+    where the next step's all-reduce picked it up. It raises, as without DDP."""
+    for r in _run_ddp_workers("ddp_twice", tmp_path):
+        assert r["error"] is not None and "second gradient" in r["error"]

@@ -599,12 +599,11 @@ class _BackwardFusion(FusionHandle):
             self._batch_of.setdefault(id(p), (p,))
         # parameters removed from the optimizer are not held any more
         self._ever_updated = {i: p for i, p in self._ever_updated.items() if i in self._params}
-        # under DDP the bucket hook sees every parameter; a no_sync() backward
-        # calls no bucket hook, yet ends a micro-batch
-        on_grad = self._on_grad_ready if not self._ddp else self._mark_backward
-        if not self._ddp or self._every > 1:
-            for p in new:
-                self._hooks.append(_register_grad_ready(p, on_grad))
+        # under DDP the bucket hook updates; a no_sync() backward calls no bucket
+        # hook, yet ends a micro-batch
+        on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
+        for p in new:
+            self._hooks.append(_register_grad_ready(p, on_grad))
         # a micro-batch starts, and the last step ends (what a gradient then reaching
         # an updated parameter is not a second one of), at the first forward of any
         # module with fused parameters: the root's may not run (layers called one by one)
@@ -709,6 +708,13 @@ class _BackwardFusion(FusionHandle):
         if all(id(q) in self._ready or not q.requires_grad for q in batch):
             self._update([q for q in batch if id(q) in self._ready])
 
+    def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
+        # (a second backward of one forward: DDP's reducer ignores it, and the
+        # local gradient would stay in .grad for the next step's all-reduce)
+        self._mark_backward(p)
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
+
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
         forward of a module owning fused parameters: a second backward() of the same forward (two
@@ -747,6 +753,7 @@ class _BackwardFusion(FusionHandle):
         gradient, from the zeros eager would hold."""
         settings, self._step_settings = self._step_settings, None
         if settings is None:
+            self._updated.clear()  # DDP's bucket hooks update without step settings
             return
         left = [p for i, p in self._params.items() if i not in self._updated and p.grad is not None]
         if self._zeroed_not_freed:
@@ -774,6 +781,7 @@ class _BackwardFusion(FusionHandle):
         self._ddp_unused_here = []
         if used_elsewhere:
             self.optimizer.step_params(used_elsewhere)
+            self._updated.update(map(id, used_elsewhere))
             self._ddp_updated.extend(used_elsewhere)
         self._release_grads(self._ddp_updated)
         self._ddp_updated = []
@@ -836,6 +844,7 @@ class _BackwardFusion(FusionHandle):
         pairs, unused_here = _split_by_local_use(
             (p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._params)
         self._ddp_unused_here.extend(unused_here)
+        self._updated.update(id(p) for p, _ in pairs)
         if not self._end_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_backward)
             self._end_queued = True
