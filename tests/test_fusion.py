@@ -2168,3 +2168,17 @@ def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
     where the next step's all-reduce picked it up. It raises, as without DDP."""
     for r in _run_ddp_workers("ddp_twice", tmp_path):
         assert r["error"] is not None and "second gradient" in r["error"]
+
+
+def test_weight_in_two_reentrant_checkpoint_segments_raises() -> None:
+    """A weight used in two reentrant checkpoint segments gets a partial
+    gradient in each segment's nested backward: refused as a second gradient,
+    the message naming that case and use_reentrant=False."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="backward")
+    x = torch.randn(5, 4, requires_grad=True)
+    h = checkpoint(model[0], x, use_reentrant=True)
+    h = checkpoint(model[0], torch.tanh(h), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="second gradient .*two reentrant checkpoint segments"):
+        model[1](h).square().mean().backward()

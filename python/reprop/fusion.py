@@ -717,13 +717,14 @@ class _BackwardFusion(FusionHandle):
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
-        forward of a module owning fused parameters: a second backward() of the same forward (two
-        losses, retain_graph=True), or a second nested backward of a reentrant
-        checkpoint. Eager's step() applies the sum of the gradients once; here
-        the first one is applied already, and applying the next one too is
-        silently wrong where autograd does not catch the in-place change (a
-        weight it did not save for backward: an Embedding's, a bias). Raised
-        before any parameter is updated twice."""
+        forward of a module owning fused parameters: a second backward() of
+        the same forward (two losses, retain_graph=True), or a second nested
+        backward of reentrant checkpoints (a weight used in two segments, or
+        inside and outside one). Eager's step() applies the sum of the
+        gradients once; here the first one is applied already, and applying
+        the next one too is silently wrong where autograd does not catch the
+        in-place change (a weight it did not save for backward: an
+        Embedding's, a bias). Raised before any parameter is updated twice."""
         # the exception ends this backward, and autograd drops its end callbacks
         self._end_queued = False
         self._join_side_streams()
@@ -732,9 +733,9 @@ class _BackwardFusion(FusionHandle):
             "gradient after its update, before optimizer.step() or the next forward of the "
             "model or of a module owning fused parameters: several backward() calls per step (e.g. two losses, retain_graph=True) "
             "each update it, where eager step() applies their sum once. Add the losses and "
-            "call backward() once, or use mode='forward'. (A weight used both inside and "
-            "outside a reentrant checkpoint gets one gradient per nested backward: use "
-            "use_reentrant=False there.)")
+            "call backward() once, or use mode='forward'. (A weight used in two reentrant "
+            "checkpoint segments, or both inside and outside one, gets one gradient per "
+            "nested backward: use use_reentrant=False there.)")
 
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
