@@ -15,6 +15,17 @@
         ddp_lifetimes; torch.save {"eager": ..., "fused": ..., "eager_acc":
         ..., "fused_acc": ..., "freed": ..., "grads_after_remove": ...} to OUT.
 
+    python _fusion_resume.py ddp_unused RANK WORLD INIT_FILE OUT
+        DDP(find_unused_parameters=True) of a model whose `aux` layer no rank
+        uses in most steps and one rank alone uses in one, eager step() and
+        reprop.fuse(mode="backward") (gradient_as_bucket_view False and True);
+        torch.save {"eager": ..., "fused": ..., ...} to OUT.
+
+    python _fusion_resume.py ddp_twice RANK WORLD INIT_FILE OUT
+        reprop.fuse(DDP(model), mode="backward") and two backward() calls of
+        one forward (the second reaching only an Embedding's weight, which
+        autograd does not save); torch.save {"error": its message or None}.
+
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
 """
 from __future__ import annotations
@@ -124,15 +135,91 @@ def ddp_lifetimes(rank: int) -> dict:
     return {"freed": freed, "grads_after_remove": {n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
+class _SometimesAux(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 4)
+        self.aux = torch.nn.Linear(4, 4)
+
+    def forward(self, x, use_aux: bool):
+        h = self.body(x)
+        return h + self.aux(h) if use_aux else h
+
+
+def ddp_unused(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for as_view in (False, True):
+        for kind in ("eager", "fused"):
+            model = DDP(_SometimesAux(), find_unused_parameters=True,
+                        gradient_as_bucket_view=as_view)
+            opt = reprop.optim.Adam(model.parameters(), lr=0.01)
+            handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for i in range(4):
+                    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+                    # step 0: every rank uses aux; step 2: rank 0 alone; else none
+                    use_aux = i == 0 or (i == 2 and rank == 0)
+                    model(x, use_aux).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            if handle is not None:
+                handle.remove()
+            r = tf.Result(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                          buffers={}, state=tf.optimizer_state(model, opt))
+            results[f"{kind}_view" if as_view else kind] = dataclasses.asdict(r)
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+class _EmbeddingHead(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, tokens):
+        e = self.emb(tokens)
+        return self.head(torch.tanh(e)), e
+
+
+def ddp_twice(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    model = DDP(_EmbeddingHead())
+    handle = reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    out_, e = model(torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(rank)))
+    out_.square().mean().backward(retain_graph=True)
+    error = None
+    try:
+        e.square().mean().backward()
+    except RuntimeError as exc:
+        error = str(exc)
+    handle.remove()
+    torch.save({"error": error}, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cmd, *args = argv
     if cmd == "resume":
         case, opt_name, ckpt, start, stop, out = args
         resume(case, opt_name, ckpt, int(start), int(stop), out)
-    elif cmd == "ddp":
+    elif cmd in ("ddp", "ddp_unused", "ddp_twice"):
         rank, world, init_file, out = args
-        ddp(int(rank), int(world), init_file, out)
+        {"ddp": ddp, "ddp_unused": ddp_unused, "ddp_twice": ddp_twice}[cmd](
+            int(rank), int(world), init_file, out)
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 

@@ -716,6 +716,11 @@ def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tens
     if how == "reentrant":  # the last layer checkpointed: its backward is a nested backward pass
         h = model[:-1](x)
         return torch.utils.checkpoint.checkpoint(model[-1], h, use_reentrant=True).square().mean()
+    if how == "nested":  # a checkpoint in a reentrant one: its recompute is in a nested backward
+        def block(t):
+            return model[2](torch.utils.checkpoint.checkpoint(model[:2], t, use_reentrant=True))
+        h = torch.utils.checkpoint.checkpoint(block, x.detach().requires_grad_(), use_reentrant=True)
+        return model[-1](h).square().mean()
     h = x
     for layer in model:  # the layers called one by one: the root's forward never runs
         h = layer(h)
@@ -724,7 +729,7 @@ def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tens
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("every", [1, 2, 3])
-@pytest.mark.parametrize("how", ["twice", "checkpoint", "reentrant", "layers"])
+@pytest.mark.parametrize("how", ["twice", "checkpoint", "reentrant", "nested", "layers"])
 def test_backward_accumulation_counts_micro_batches(how: str, every: int, set_to_none: bool) -> None:
     """accumulation_steps counts micro-batches, not calls of the root module
     nor backward passes (reentrant checkpointing nests one in another): the
@@ -1617,20 +1622,12 @@ def test_non_module_raises() -> None:
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
-def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
-    """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
-    DDP with a plain step(), 2 CPU ranks with different data: every rank ends
-    with eager DDP's parameters and optimizer state. Dropped without remove(),
-    the fused DDP model is freed (its comm hook, which DDP's C++ Reducer
-    keeps out of the garbage collector's sight, held the handle and so the
-    model for good); removed and its handle dropped, the comm hook is DDP's
-    plain all-reduce: the ranks' gradients are equal."""
-    world = 2
+def _run_ddp_workers(cmd: str, tmp_path: Path, world: int = 2) -> list[dict]:
+    """Runs `cmd` of the worker script on `world` gloo ranks; what each saved."""
     init = tmp_path / "init"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), "ddp", str(rank), str(world), str(init), str(tmp_path / f"rank{rank}.pt")],
+            [sys.executable, str(WORKER), cmd, str(rank), str(world), str(init), str(tmp_path / f"rank{rank}.pt")],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(world)
@@ -1644,7 +1641,19 @@ def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
                 q.kill()
             pytest.fail("DDP workers timed out")
     assert all(p.returncode == 0 for p in procs), "\n".join(outputs)
-    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_backward_fusion_matches_ddp_eager(tmp_path: Path) -> None:
+    """reprop.fuse(DistributedDataParallel(model), opt, mode="backward") against
+    DDP with a plain step(), 2 CPU ranks with different data: every rank ends
+    with eager DDP's parameters and optimizer state. Dropped without remove(),
+    the fused DDP model is freed (its comm hook, which DDP's C++ Reducer
+    keeps out of the garbage collector's sight, held the handle and so the
+    model for good); removed and its handle dropped, the comm hook is DDP's
+    plain all-reduce: the ranks' gradients are equal."""
+    results = _run_ddp_workers("ddp", tmp_path)
     rank0 = Result(**results[0]["fused"])
     for rank, r in enumerate(results):
         got, ref = Result(**r["fused"]), Result(**r["eager"])
@@ -2118,3 +2127,58 @@ def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
     handle.remove()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True): a parameter no rank used in a step
+    has no gradient (DDP's bucket holds zeros for it) and eager step() skips
+    it; one only another rank used steps on the all-reduced gradient. Backward
+    fusion matches eager DDP bitwise (Adam: the step count shows skips)."""
+    for r in _run_ddp_workers("ddp_unused", tmp_path):
+        for view in ("", "_view"):
+            assert_results_equal(Result(**r["fused" + view]), Result(**r["eager" + view]))
+
+
+def test_backward_mode_layers_called_one_by_one_without_step() -> None:
+    """Layers called one by one (the root's forward never runs) and no
+    step() (a no-op in backward mode): the next forward of a module with
+    fused parameters ends the step, so its backward's gradients are not
+    second ones; training matches the eager loop that steps."""
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref_model)
+    ref_opt = rp.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1, momentum=0.9), mode="backward")
+    for i in range(3):
+        x = torch.randn(4, 5, generator=_gen(i))
+        _micro_batch_loss(ref_model, x, "layers").backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        _micro_batch_loss(model, x, "layers").backward()
+    for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+    handle.remove()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
+    """Under DDP a second backward() of one forward is not all-reduced (DDP's
+    reducer ignores it); backward mode left its local gradient in .grad,
+    where the next step's all-reduce picked it up. It raises, as without DDP."""
+    for r in _run_ddp_workers("ddp_twice", tmp_path):
+        assert r["error"] is not None and "second gradient" in r["error"]
+
+
+def test_weight_in_two_reentrant_checkpoint_segments_raises() -> None:
+    """A weight used in two reentrant checkpoint segments gets a partial
+    gradient in each segment's nested backward: refused as a second gradient,
+    the message naming that case and use_reentrant=False."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="backward")
+    x = torch.randn(5, 4, requires_grad=True)
+    h = checkpoint(model[0], x, use_reentrant=True)
+    h = checkpoint(model[0], torch.tanh(h), use_reentrant=True)
+    with pytest.raises(RuntimeError, match="second gradient .*two reentrant checkpoint segments"):
+        model[1](h).square().mean().backward()

@@ -1094,3 +1094,40 @@ def test_reverse_first_k_refuses_bad_memory_sizes():
     whole = dict(mem_out_grad=[1.0] * 4, mem_weight_grad=[10.0] * 4, mem_forward=5.0, mem_cap=13.0)
     assert reverse_first_k(4, 3, **whole) == reverse_first_k(4, 3, **sizes)
     assert reverse_first_k(4, 99)[1] == 4
+
+
+def test_pipeline_of_micro_batches_refuses_backward_fusion(solo_group):
+    """A step() of several micro-batches interleaves their forwards and
+    backwards: backward fusion updated the parameters in each micro-batch's
+    backward (later forwards saw the update, each gradient was applied on its
+    own), training silently wrong. Refused in either order; one micro-batch,
+    forward mode, and either after the other's remove(), work."""
+    layers = _blocks()
+    opt = torch.optim.SGD([p for layer in layers for p in layer.parameters()], lr=0.1)
+    pipe = Pipeline(layers, micro_batches=2)
+    for root in (nn.Sequential(*layers), layers[3]):
+        with pytest.raises(ValueError, match="^mode: .*Pipeline.*mode='forward'"):
+            fuse(root, opt, mode="backward")
+    pipe.remove()
+    fused = fuse(nn.Sequential(*layers), opt, mode="backward")
+    with pytest.raises(ValueError, match="^micro_batches: .*mode='forward'"):
+        Pipeline(layers, micro_batches=2)
+    Pipeline(layers, micro_batches=1).remove()
+    fused.remove()
+    # forward mode: single-process training of the whole batch, step by step
+    ref = nn.Sequential(*_blocks())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pipe = Pipeline(layers, micro_batches=2)
+    fused = fuse(nn.Sequential(*layers), opt, mode="forward")
+    for step in range(3):
+        x, t = _batch(0, step)
+        F.mse_loss(ref(x), t).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        pipe.step(x, t, F.mse_loss)
+        opt.step()
+        opt.zero_grad()
+    fused.remove()
+    pipe.remove()
+    for got, want in zip(nn.Sequential(*layers).parameters(), ref.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

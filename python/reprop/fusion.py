@@ -178,6 +178,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     engine = _engine_for(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
+        _check_not_micro_batch_pipelined(engine)
         handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
     else:
         handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
@@ -208,6 +209,20 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
         raise ValueError("mode: 'backward' updates parameters from local gradients before "
                          "reprop.ooo.data_parallel averages them over the ranks (the replicas "
                          "would drift apart); use mode='forward', which steps on the averages")
+
+
+def _check_not_micro_batch_pipelined(engine: optim._FusedOptimizer) -> None:
+    """reprop.ooo.Pipeline's step() runs the forwards and backwards of its
+    micro-batches interleaved: backward mode would update a parameter in each
+    micro-batch's backward, under the forwards of the others."""
+    from .ooo import _pipelined_in_micro_batches  # ooo imports this module
+    if _pipelined_in_micro_batches(p for g in engine.param_groups for p in g["params"]):
+        raise ValueError("mode: 'backward' updates parameters inside each micro-batch's "
+                         "backward, but reprop.ooo.Pipeline(micro_batches > 1) interleaves the "
+                         "forwards and backwards of its micro-batches in one step() (later "
+                         "forwards would see the update, and each micro-batch's gradient would "
+                         "be applied on its own); use mode='forward', which steps once on their "
+                         "sum")
 
 
 def _engine_for(optimizer) -> optim._FusedOptimizer:
@@ -292,6 +307,23 @@ def _all_params(engine: optim._FusedOptimizer) -> dict:
     """id -> parameter, for every parameter of the optimizer's groups, frozen
     ones included: unfrozen later, they are trained as in eager training."""
     return {id(p): p for g in engine.param_groups for p in g["params"]}
+
+
+def _split_by_local_use(pairs: Iterable[tuple]) -> tuple[list, list]:
+    """(parameter, all-reduced gradient) pairs of a DDP bucket: those this rank
+    gave a gradient to since the last all-reduce, and the parameters it gave
+    none. DDP's own test (its local_used_map under find_unused_parameters=True):
+    its reducer marks a parameter used when its .grad is defined, and backward
+    fusion leaves .grad None after each update. The bucket holds zeros for an
+    unused one, which only the end of backward tells apart from the gradient of
+    a parameter no rank used."""
+    used, unused = [], []
+    for p, g in pairs:
+        if p.grad is None:
+            unused.append(p)
+        else:
+            used.append((p, g))
+    return used, unused
 
 
 def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
@@ -516,7 +548,9 @@ class _BackwardFusion(FusionHandle):
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
-        self._backward_task = -1  # autograd's id of the backward pass that set it
+        # _backward_pass() of the backward that set it (None: set outside one)
+        self._marked_in: weakref.ref | None = None
+        self._pass: weakref.ref | None = None  # see _backward_pass
         self._kept: list = []
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (a no-op here, so they are still there), None when none was: remove()
@@ -532,6 +566,9 @@ class _BackwardFusion(FusionHandle):
         self._zeroed_not_freed = False
         self._ever_updated: dict = {}
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
+        # params of this backward's DDP buckets this rank gave no gradient: updated
+        # at its end if another rank did
+        self._ddp_unused_here: list = []
         self._end_queued = False
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
         self._join_queued = False
@@ -562,17 +599,16 @@ class _BackwardFusion(FusionHandle):
             self._batch_of.setdefault(id(p), (p,))
         # parameters removed from the optimizer are not held any more
         self._ever_updated = {i: p for i, p in self._ever_updated.items() if i in self._params}
-        # under DDP the bucket hook sees every parameter; a no_sync() backward
-        # calls no bucket hook, yet ends a micro-batch
-        on_grad = self._on_grad_ready if not self._ddp else self._mark_backward
-        if not self._ddp or self._every > 1:
-            for p in new:
-                self._hooks.append(_register_grad_ready(p, on_grad))
-        if self._every > 1 or self._keep_grads:
-            # a micro-batch starts at the first forward of any module with fused
-            # parameters: the root's may not run (layers called one by one)
-            for module in self._owners_to_hook():
-                self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+        # under DDP the bucket hook updates; a no_sync() backward calls no bucket
+        # hook, yet ends a micro-batch
+        on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
+        for p in new:
+            self._hooks.append(_register_grad_ready(p, on_grad))
+        # a micro-batch starts, and the last step ends (what a gradient then reaching
+        # an updated parameter is not a second one of), at the first forward of any
+        # module with fused parameters: the root's may not run (layers called one by one)
+        for module in self._owners_to_hook():
+            self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
 
     def flush(self) -> None:
         """Updates are applied inside backward, and what the last step() makes
@@ -601,18 +637,22 @@ class _BackwardFusion(FusionHandle):
         self._on_training_forward(module, args)
 
     def _on_training_forward(self, module, args) -> None:
-        """A forward of the model: the step of a window whose last backward
-        is over is finished first (eval forwards must see it); in grad mode,
+        """A forward of the model or of a module owning fused parameters: the
+        step of a window whose last backward is over is finished first (eval
+        forwards must see it, and a gradient after it is not a second one of
+        the updated parameters); in grad mode,
         the first forward after a backward starts a micro-batch and frees the
         gradients kept since the last update."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        task = torch._C._current_graph_task_id()
-        if task != -1:  # inside backward: a forward that checkpointing recomputes
-            # counts only when it is the micro-batch's first grad-mode forward:
-            # a reentrant checkpoint of the whole model runs the first under no_grad
+        if not _tensors.outside_backward():  # a forward that checkpointing recomputes
+            # counts only when it is the micro-batch's first grad-mode forward (a
+            # reentrant checkpoint of the whole model runs the first under no_grad),
+            # not when a gradient of this backward pass came before it (a nested
+            # checkpoint's recompute, in a nested backward of a reentrant one)
+            this_pass = self._backward_pass()
             if torch.is_grad_enabled() and self._backward_since_forward \
-                    and task > self._backward_task:
+                    and self._marked_in is not this_pass:
                 self._backward_since_forward = False
                 self._micro_batches += 1
             return
@@ -629,7 +669,19 @@ class _BackwardFusion(FusionHandle):
     def _mark_backward(self, p: torch.Tensor) -> None:
         if not self._backward_since_forward:
             self._backward_since_forward = True
-            self._backward_task = torch._C._current_graph_task_id()
+            self._marked_in = None if _tensors.outside_backward() else self._backward_pass()
+
+    def _backward_pass(self) -> weakref.ref:
+        """A token of the backward pass running now, the same in the nested
+        backward passes of its reentrant checkpoints (whose graph task ids
+        are new ones): a weak reference alive until the end of the pass in
+        which this fusion first saw a gradient or a forward, the outermost
+        one unless every fused module runs inside a nested reentrant
+        checkpoint. Dead after an exception, which drops the pass's
+        callbacks."""
+        if self._pass is None or self._pass() is None:
+            self._pass = _tensors.queue_end_of_backward(lambda: None)
+        return self._pass
 
     def _updating(self) -> bool:
         # Without accumulation every backward updates, even one after a forward
@@ -656,26 +708,34 @@ class _BackwardFusion(FusionHandle):
         if all(id(q) in self._ready or not q.requires_grad for q in batch):
             self._update([q for q in batch if id(q) in self._ready])
 
+    def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
+        # (a second backward of one forward: DDP's reducer ignores it, and the
+        # local gradient would stay in .grad for the next step's all-reduce)
+        self._mark_backward(p)
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
+
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
-        forward of the model: a second backward() of the same forward (two
-        losses, retain_graph=True), or a second nested backward of a reentrant
-        checkpoint. Eager's step() applies the sum of the gradients once; here
-        the first one is applied already, and applying the next one too is
-        silently wrong where autograd does not catch the in-place change (a
-        weight it did not save for backward: an Embedding's, a bias). Raised
-        before any parameter is updated twice."""
+        forward of a module owning fused parameters: a second backward() of
+        the same forward (two losses, retain_graph=True), or a second nested
+        backward of reentrant checkpoints (a weight used in two segments, or
+        inside and outside one). Eager's step() applies the sum of the
+        gradients once; here the first one is applied already, and applying
+        the next one too is silently wrong where autograd does not catch the
+        in-place change (a weight it did not save for backward: an
+        Embedding's, a bias). Raised before any parameter is updated twice."""
         # the exception ends this backward, and autograd drops its end callbacks
         self._end_queued = False
         self._join_side_streams()
         raise RuntimeError(
             f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
             "gradient after its update, before optimizer.step() or the next forward of the "
-            "model: several backward() calls per step (e.g. two losses, retain_graph=True) "
+            "model or of a module owning fused parameters: several backward() calls per step (e.g. two losses, retain_graph=True) "
             "each update it, where eager step() applies their sum once. Add the losses and "
-            "call backward() once, or use mode='forward'. (A weight used both inside and "
-            "outside a reentrant checkpoint gets one gradient per nested backward: use "
-            "use_reentrant=False there.)")
+            "call backward() once, or use mode='forward'. (A weight used in two reentrant "
+            "checkpoint segments, or both inside and outside one, gets one gradient per "
+            "nested backward: use use_reentrant=False there.)")
 
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
@@ -694,6 +754,7 @@ class _BackwardFusion(FusionHandle):
         gradient, from the zeros eager would hold."""
         settings, self._step_settings = self._step_settings, None
         if settings is None:
+            self._updated.clear()  # DDP's bucket hooks update without step settings
             return
         left = [p for i, p in self._params.items() if i not in self._updated and p.grad is not None]
         if self._zeroed_not_freed:
@@ -714,6 +775,15 @@ class _BackwardFusion(FusionHandle):
         torch.autograd.Variable._execution_engine.queue_callback(self._release_ddp_grads)
 
     def _release_ddp_grads(self) -> None:
+        # DDP's end of backward wrote the all-reduced gradient into .grad of the
+        # parameters a rank used, and left .grad None where none did, as eager
+        # step() then sees it (find_unused_parameters=True).
+        used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
+        self._ddp_unused_here = []
+        if used_elsewhere:
+            self.optimizer.step_params(used_elsewhere)
+            self._updated.update(map(id, used_elsewhere))
+            self._ddp_updated.extend(used_elsewhere)
         self._release_grads(self._ddp_updated)
         self._ddp_updated = []
 
@@ -772,15 +842,18 @@ class _BackwardFusion(FusionHandle):
         self._backward_since_forward = True
         if self._removed or not self._updating():
             return reduced
-        pairs = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
-                 if id(p) in self._params]
+        pairs, unused_here = _split_by_local_use(
+            (p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._params)
+        self._ddp_unused_here.extend(unused_here)
+        self._updated.update(id(p) for p, _ in pairs)
         if not self._end_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_backward)
             self._end_queued = True
 
         def update(fut):
-            self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
-            self._ddp_updated.extend(p for p, _ in pairs)
+            if pairs:
+                self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
+                self._ddp_updated.extend(p for p, _ in pairs)
             return fut.value()
 
         return reduced.then(update)

@@ -1817,11 +1817,27 @@ def _output_tensors(out) -> list[torch.Tensor]:
 _LIVE_DATA_PARALLEL: "weakref.WeakSet" = weakref.WeakSet()
 
 
-def _averaged_by_data_parallel(params: Iterable[torch.Tensor]) -> bool:
-    """Whether a live DataParallel averages the gradient of one of `params`
-    (by identity: a deepcopy of its model, an EMA, is a model of its own)."""
-    ids = {id(p) for dp in _LIVE_DATA_PARALLEL for p in dp._all_params}
+# The Pipelines of several micro-batches: reprop.fuse(mode="backward") would
+# update their parameters in each micro-batch's backward, between the
+# forwards and backwards of the others.
+_MICRO_BATCH_PIPELINES: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _any_held(held: Iterable[torch.Tensor], params: Iterable[torch.Tensor]) -> bool:
+    """Whether one of `params` is one of `held` (by identity: a deepcopy of a
+    model, an EMA, is a model of its own)."""
+    ids = set(map(id, held))
     return any(id(p) in ids for p in params)
+
+
+def _averaged_by_data_parallel(params: Iterable[torch.Tensor]) -> bool:
+    """Whether a live DataParallel averages the gradient of one of `params`."""
+    return _any_held((p for dp in _LIVE_DATA_PARALLEL for p in dp._all_params), params)
+
+
+def _pipelined_in_micro_batches(params: Iterable[torch.Tensor]) -> bool:
+    """Whether a Pipeline of several micro-batches holds one of `params`."""
+    return _any_held((p for pipe in _MICRO_BATCH_PIPELINES for p in pipe.parameters()), params)
 
 
 def _backward_fused(model: nn.Module) -> bool:
@@ -2463,6 +2479,15 @@ class Pipeline:
         # only this rank's layers are kept
         self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
         local = nn.ModuleList(self.layers.values())
+        if self.micro_batches > 1:
+            if _backward_fused(local):
+                raise ValueError(
+                    f"micro_batches: a step() of {self.micro_batches} micro-batches interleaves "
+                    "their forwards and backwards, but reprop.fuse(mode='backward') updates this "
+                    "rank's parameters inside each micro-batch's backward (the later forwards "
+                    "would see the update, and each gradient would be applied on its own); fuse "
+                    "with mode='forward' (or remove() the fusion first)")
+            _MICRO_BATCH_PIPELINES.add(self)
         self.handle: OOOHandle | None = (enable(local, order="conventional")
                                          if _splits_any(local) else None)
         if device is None:
@@ -2543,9 +2568,11 @@ class Pipeline:
             torch.zeros_like(x) if g is None else g for x, g in zip(st.inputs, grads)]))
 
     def remove(self) -> None:
-        """Restores the local layers' own forward."""
+        """Restores the local layers' own forward (and lets backward fusion
+        update its parameters again)."""
         if self.handle is not None:
             self.handle.remove()
+        _MICRO_BATCH_PIPELINES.discard(self)
 
     # -- the schedule --------------------------------------------------------------
 
