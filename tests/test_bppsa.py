@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn.utils import prune
 
+import reprop
+import reprop.optim
 from reprop import bppsa
 from reprop._native import _C
 
@@ -1191,6 +1193,21 @@ def test_chain_refuses_subclasses_and_hooks():
     lin.register_forward_hook(lambda module, args, out: out * 3)  # after the plan was built
     with pytest.raises(ValueError, match=r"layers\[0\]: Linear has forward hooks"):
         bppsa.chain_backward([lin], torch.randn(2, 4), plan=plan)
+
+
+@pytest.mark.parametrize("mode", ["forward", "backward"])
+def test_chain_takes_layers_under_optimizer_fusion(mode):
+    """reprop.fuse's module hooks only apply pending updates to the weights:
+    a fused model's layers give the same chain gradients (the hook check
+    refused them)."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 4))
+    x = torch.randn(2, 2, 5, 5)
+    want = bppsa.chain_backward(list(layers), x)
+    handle = reprop.fuse(layers, reprop.optim.SGD(layers.parameters(), lr=0.1), mode=mode)
+    for got, w in zip(bppsa.chain_backward(list(layers), x), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    handle.remove()
 
 
 @pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated")

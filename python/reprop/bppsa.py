@@ -39,7 +39,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
-from ._tensors import autocast_enabled, check_strided, torch_only, torch_only_weight
+from ._tensors import autocast_enabled, check_strided, hook_owner, torch_only, torch_only_weight
+from .fusion import FusionHandle
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -755,13 +756,19 @@ def _chain_class(layer: nn.Module) -> type:
     return cls.__bases__[0]
 
 
+def _fusion_hook(hook) -> bool:
+    """reprop.fuse's module hooks only apply pending updates to the weights
+    (which the chain reads) and count micro-batches."""
+    return isinstance(hook_owner(hook), FusionHandle)
+
+
 def _check_hooks(layer: nn.Module, name: str) -> None:
     """Hooks the chain would silently skip: forward hooks and pre-hooks may
     change the layer's input or output, backward hooks its gradients, and
     the scan runs neither through autograd."""
     kind = type(layer).__name__
-    if layer._forward_hooks or (layer._forward_pre_hooks and any(
-            not isinstance(hook, _WEIGHT_PRE_HOOKS) for hook in layer._forward_pre_hooks.values())):
+    if any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in
+           (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())):
         raise ValueError(f"{name}: {kind} has forward hooks or pre-hooks, which may change what it "
                          "computes; chain Jacobians are those of the plain layer (remove the hooks "
                          "or use autograd)")
