@@ -174,6 +174,24 @@ def hook_owner(hook: Callable) -> object | None:
     return owner() if owner is not None else getattr(hook, "__self__", None)
 
 
+def suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
+    """Tensor.suggest_memory_format(), which only C++ has (torch's Python port
+    goes through symbolic shapes: sympy on first use, microseconds a call):
+    c10's is_channels_last_strides_2d/3d on x's sizes and strides."""
+    if x.layout != torch.strided or x.dim() not in (4, 5):
+        return torch.contiguous_format
+    sizes, strides = x.shape, x.stride()
+    if strides[1] == 0:  # a trivial channel dimension: NCHW by default
+        return torch.contiguous_format
+    low = 0
+    for d in ((1, 3, 2, 0) if x.dim() == 4 else (1, 4, 3, 2, 0)):
+        # ambiguous strides (an N111 tensor) fall back to contiguous, as in c10
+        if sizes[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return torch.contiguous_format
+        low = strides[d] * max(sizes[d], 1)
+    return torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+
+
 def new_table(rows: int) -> np.ndarray:
     """An empty pointer table of `rows` rp_optim_entry records."""
     return np.zeros((rows, TABLE_COLUMNS), dtype=np.int64)

@@ -47,11 +47,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch._prims_common import suggest_memory_format  # Tensor's own is C++ only
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import hook_owner, queue_end_of_backward, torch_only, torch_only_weight, weak_hook
+from ._tensors import (hook_owner, queue_end_of_backward, suggest_memory_format, torch_only,
+                       torch_only_weight, weak_hook)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
