@@ -2182,3 +2182,39 @@ def test_weight_in_two_reentrant_checkpoint_segments_raises() -> None:
     h = checkpoint(model[0], torch.tanh(h), use_reentrant=True)
     with pytest.raises(RuntimeError, match="second gradient .*two reentrant checkpoint segments"):
         model[1](h).square().mean().backward()
+
+
+class _RaiseOnce(torch.autograd.Function):
+    armed = True
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _RaiseOnce.armed:
+            _RaiseOnce.armed = False
+            raise RuntimeError("transient")
+        return grad
+
+
+def test_backward_mode_queues_its_end_again_after_a_backward_that_raised():
+    """A backward raising after fusion queued its end-of-backward callback
+    dropped the callback, and the flag saying it was queued stayed set: in
+    every later backward, a parameter whose module-mate got no gradient (a
+    bias left out) waited for step() instead of being updated at the end of
+    backward (on CUDA, the side streams were not joined there either)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 3)
+    opt = rp.SGD(layer.parameters(), lr=0.1)
+    handle = reprop.fuse(layer, opt, mode="backward")
+    x = torch.randn(5, 4, requires_grad=True)
+    _RaiseOnce.armed = True
+    with pytest.raises(RuntimeError, match="transient"):
+        F.linear(_RaiseOnce.apply(x), layer.weight).sum().backward()
+    layer(torch.zeros(0, 4))  # a forward ends the step
+    before = layer.weight.detach().clone()
+    F.linear(x, layer.weight).sum().backward()  # the bias gets no gradient
+    assert not torch.equal(layer.weight, before), "not updated at the end of backward"
+    handle.remove()

@@ -133,6 +133,12 @@ def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
     return weakref.ref(callback)
 
 
+def not_queued() -> None:
+    """What queue_end_of_backward's reference gives once its callback has run
+    or was dropped: the starting value for one."""
+    return None
+
+
 def weak_hook(method: Callable, otherwise: Callable | None = None) -> Callable:
     """A hook that calls the bound `method` through a weak reference to its
     object, and once that is gone does nothing (or returns ``otherwise(*args)``

@@ -569,9 +569,10 @@ class _BackwardFusion(FusionHandle):
         # params of this backward's DDP buckets this rank gave no gradient: updated
         # at its end if another rank did
         self._ddp_unused_here: list = []
-        self._end_queued = False
+        # weakly, the end-of-backward callbacks queued (dead when done, or
+        # dropped by a backward that raised: then queued again)
+        self._end_ref = self._join_ref = _tensors.not_queued
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
-        self._join_queued = False
         self._batch_of: dict = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         if self._ddp:
@@ -701,9 +702,8 @@ class _BackwardFusion(FusionHandle):
         # Parameters whose module-mates got no gradient this time are updated at the
         # end of backward; outside one (reprop.ooo's run() of held weight gradients
         # fires the hook), what is left waits for _finish_step.
-        if not self._end_queued and not _tensors.outside_backward():
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._end_queued = True
+        if self._end_ref() is None and not _tensors.outside_backward():
+            self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
         batch = self._batch_of[id(p)]
         if all(id(q) in self._ready or not q.requires_grad for q in batch):
             self._update([q for q in batch if id(q) in self._ready])
@@ -726,7 +726,6 @@ class _BackwardFusion(FusionHandle):
         in-place change (a weight it did not save for backward: an
         Embedding's, a bias). Raised before any parameter is updated twice."""
         # the exception ends this backward, and autograd drops its end callbacks
-        self._end_queued = False
         self._join_side_streams()
         raise RuntimeError(
             f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
@@ -740,7 +739,6 @@ class _BackwardFusion(FusionHandle):
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
         # what it updates is complete, and the rest waits for _finish_step)
-        self._end_queued = False
         if self._ready:
             self._update(list(self._ready.values()))
 
@@ -771,7 +769,6 @@ class _BackwardFusion(FusionHandle):
         # DDP's own end-of-backward callback, queued after our first one, waits
         # for every bucket (so for our updates) and writes the all-reduced
         # gradients into .grad: release them in a callback queued after it.
-        self._end_queued = False
         torch.autograd.Variable._execution_engine.queue_callback(self._release_ddp_grads)
 
     def _release_ddp_grads(self) -> None:
@@ -815,12 +812,10 @@ class _BackwardFusion(FusionHandle):
             self.optimizer.step_params(params, settings)
         for p in params:
             p.grad.record_stream(side)  # freed grads are not reused before the update ran
-        if not self._join_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._join_side_streams)
-            self._join_queued = True
+        if self._join_ref() is None:
+            self._join_ref = _tensors.queue_end_of_backward(self._join_side_streams)
 
     def _join_side_streams(self) -> None:
-        self._join_queued = False
         for device, side in self._side_streams.items():
             torch.cuda.current_stream(device).wait_stream(side)
 
@@ -846,14 +841,18 @@ class _BackwardFusion(FusionHandle):
             (p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._params)
         self._ddp_unused_here.extend(unused_here)
         self._updated.update(id(p) for p, _ in pairs)
-        if not self._end_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_ddp_backward)
-            self._end_queued = True
+        if self._end_ref() is None:
+            self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
+
+        # weakly: the callback may be released later, by gloo's or NCCL's thread
+        # (a strong one kept the dropped model alive until then)
+        handle = weakref.ref(self)
 
         def update(fut):
-            if pairs:
-                self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
-                self._ddp_updated.extend(p for p, _ in pairs)
+            fusion = handle()
+            if pairs and fusion is not None:
+                fusion.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
+                fusion._ddp_updated.extend(p for p, _ in pairs)
             return fut.value()
 
         return reduced.then(update)
