@@ -202,11 +202,9 @@ def test_hold_defers_until_run():
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
-def test_hold_defers_post_accumulate_grad_hooks_until_run():
-    """The post-accumulate-grad hooks of a held task's parameters fire from
-    run(), once the held dW is in .grad, as autograd fires them once the
-    gradient is accumulated; the others fire in backward as before. Hooks
-    of tasks held and never run come back at remove()."""
+def _hooked_pair():
+    """An EveryKind model and its enabled copy, and what post-accumulate-grad
+    hooks on every parameter of both see: (net, name) -> [.grad, ...]."""
     torch.manual_seed(0)
     ref = EveryKind()
     model = copy.deepcopy(ref)
@@ -216,6 +214,15 @@ def test_hold_defers_post_accumulate_grad_hooks_until_run():
         for name, p in net.named_parameters():
             p.register_post_accumulate_grad_hook(
                 lambda p, key=(net, name): seen.setdefault(key, []).append(p.grad.clone()))
+    return ref, model, handle, seen
+
+
+def test_hold_defers_post_accumulate_grad_hooks_until_run():
+    """The post-accumulate-grad hooks of a held task's parameters fire from
+    run(), once the held dW is in .grad, as autograd fires them once the
+    gradient is accumulated; the others fire in backward as before. Hooks
+    of tasks held and never run come back at remove()."""
+    ref, model, handle, seen = _hooked_pair()
     idx, y = _batch(0)
     with handle.hold(keep=lambda m: isinstance(m, nn.Linear)) as tasks:
         nn.functional.cross_entropy(model(idx), y).backward()
@@ -240,15 +247,7 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     """Held tasks the caller drops unrun can never fire their parameters'
     hooks: the next backward gives the hooks back, and they fire on its
     gradient as plain autograd's would (before: they waited until remove())."""
-    torch.manual_seed(0)
-    ref = EveryKind()
-    model = copy.deepcopy(ref)
-    handle = ooo.enable(model, order="conventional")
-    seen: dict = {}
-    for net in (ref, model):
-        for name, p in net.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda p, key=(net, name): seen.setdefault(key, []).append(p.grad.clone()))
+    ref, model, handle, seen = _hooked_pair()
     idx, y = _batch(0)
     with handle.hold() as tasks:
         nn.functional.cross_entropy(model(idx), y).backward()
