@@ -1050,9 +1050,9 @@ class ChainPlan:
         if not flags or not torch.stack([flag for _, flag in flags]).any():
             return
         leaf = next(leaf for leaf, flag in flags if flag)
-        raise ValueError(f"{leaf.name}: {type(leaf.layer).__name__}: weights that were zero when the plan was "
-                         "built (pruned=True) are non-zero now; keep the pruning mask applied "
-                         "or build a new ChainPlan")
+        raise ValueError(f"{leaf.name}: {type(leaf.layer).__name__}: weights that were zero when "
+                         "the plan was built (pruned=True) are non-zero now; keep the pruning "
+                         "mask applied or build a new ChainPlan")
 
     def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
@@ -1093,7 +1093,8 @@ class ChainPlan:
         # as scan() does: up-sweep products that overflowed (inf * 0 = NaN) are
         # redone by the linear scan. One multi-tensor max-norm (not finite iff
         # a gradient is not); bool() waits for a GPU (see README).
-        if self.info["levels"] and not bool(torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()):
+        if self.info["levels"] and not bool(
+                torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()):
             return self._linear_plan().backward(inputs, grad_output)
         return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
 

@@ -730,11 +730,11 @@ class _BackwardFusion(FusionHandle):
         raise RuntimeError(
             f"reprop.fuse(mode='backward'): a parameter of shape {tuple(p.shape)} got a second "
             "gradient after its update, before optimizer.step() or the next forward of the "
-            "model or of a module owning fused parameters: several backward() calls per step (e.g. two losses, retain_graph=True) "
-            "each update it, where eager step() applies their sum once. Add the losses and "
-            "call backward() once, or use mode='forward'. (A weight used in two reentrant "
-            "checkpoint segments, or both inside and outside one, gets one gradient per "
-            "nested backward: use use_reentrant=False there.)")
+            "model or of a module owning fused parameters: several backward() calls per step "
+            "(e.g. two losses, retain_graph=True) each update it, where eager step() applies "
+            "their sum once. Add the losses and call backward() once, or use mode='forward'. "
+            "(A weight used in two reentrant checkpoint segments, or both inside and outside "
+            "one, gets one gradient per nested backward: use use_reentrant=False there.)")
 
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
