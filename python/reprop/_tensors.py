@@ -38,15 +38,19 @@ def check_strided(t: torch.Tensor, name: str) -> None:
 
 
 def is_dense(t: torch.Tensor) -> bool:
-    """True when t's elements fill one block of memory with no gaps or overlaps,
-    so an element-wise kernel can treat it as a flat array."""
+    """True when t's elements fill one gap-free block of memory in some order
+    of its dims (contiguous, channels_last, any permutation such as a
+    transpose): an element-wise kernel then walks it as a flat array, and
+    torch.empty_like(t) has the same strides, so a result keeps t's layout as
+    torch's ops do."""
     if t.is_contiguous():
         return True
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last)
-    if t.dim() == 5:
-        return t.is_contiguous(memory_format=torch.channels_last_3d)
-    return False
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:

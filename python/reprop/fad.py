@@ -147,25 +147,10 @@ def _on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill one gap-free block of memory in some order of
-    its dims (contiguous, channels_last, any permutation such as a transpose):
-    the kernels then walk it as a flat array, and torch.empty_like(t) has the
-    same strides, so the result keeps t's layout as torch's ops do."""
-    if _tensors.is_dense(t):
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
 def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace: bool
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, d) with d stored as `saved` (None: d is not computed). In place, y is x."""
-    src = x if _dense(x) else x.contiguous()
+    src = x if _tensors.is_dense(x) else x.contiguous()
     y = src if inplace and src is x else torch.empty_like(src)  # empty_like keeps a dense layout
     d = None if saved is None else torch.empty_like(src, dtype=saved)
     _launch_forward(act, src, y, d)
@@ -201,7 +186,7 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
     if _tensors.torch_only(grad):  # batched by vmap (is_grads_batched, jacobian(vectorize=True))
         decoded = _decode_table(act, grad.device)[codes.long()]
         return (grad.float() * decoded).to(grad.dtype)
-    if not _tensors.same_layout(grad, codes) or not _dense(grad):
+    if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
         grad, codes = grad.contiguous(), codes.contiguous()
     out = torch.empty_like(grad)
     n = grad.numel()
