@@ -52,6 +52,8 @@ from torch.utils.checkpoint import checkpoint
 import reprop
 import reprop.optim as rp
 
+from _optim_options import RICH
+
 MODES = ("backward", "forward")
 OPT_NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 STEPS = 100
@@ -59,15 +61,6 @@ MAX_NORM = 0.2  # below the CNN's gradient norm on most steps, so clipping reall
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_fusion_resume.py"
 
-# Every state slot in use (as test_optim.RICH).
-OPTIONS = {
-    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    "Adam": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01},
-    "AdamW": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
-    "Adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
-    "RMSprop": {"lr": 1e-3, "momentum": 0.9, "centered": True, "weight_decay": 0.01},
-    "Adadelta": {"lr": 1.0, "rho": 0.9, "weight_decay": 0.01},
-}
 # The second param group: another lr and weight decay (and betas for AdamW).
 GROUP1 = {
     "SGD": {"lr": 0.025, "weight_decay": 0.02},
@@ -216,13 +209,13 @@ CASES = {
 
 
 def make_optimizer(model: nn.Module, name: str, impl: str = "reprop") -> torch.optim.Optimizer:
-    """Two param groups (first half of model.parameters() with OPTIONS, the
+    """Two param groups (first half of model.parameters() with RICH, the
     rest with GROUP1 on top), frozen parameters included."""
     params = list(model.parameters())
     half = (len(params) + 1) // 2
     groups = [{"params": params[:half]}, {"params": params[half:], **GROUP1[name]}]
     cls = getattr(rp if impl == "reprop" else torch.optim, name)
-    return cls(groups, **OPTIONS[name])
+    return cls(groups, **RICH[name])
 
 
 def make_scheduler(opt: torch.optim.Optimizer, total: int):
@@ -1436,7 +1429,7 @@ def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> 
     def run(mode):
         torch.manual_seed(0)
         model = TwoUse(detach=False)
-        opt = getattr(rp, name)(model.parameters(), **OPTIONS[name])
+        opt = getattr(rp, name)(model.parameters(), **RICH[name])
         handle = reprop.fuse(model, opt, mode=mode) if mode else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

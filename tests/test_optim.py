@@ -38,6 +38,8 @@ import torch.nn.functional as F
 import reprop.optim as rp
 from reprop._native import _C
 
+from _optim_options import RICH
+
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
 FUSED_KWARG_NAMES = ("SGD", "Adam", "AdamW", "Adagrad")  # torch classes with `fused`
@@ -413,18 +415,6 @@ AXES = {
     "RMSprop": {"momentum": [0, 0.9], "centered": [False, True], "weight_decay": [0, 0.01], "alpha": [0.99, 0.9]},
     "Adadelta": {"rho": [0.9, 0.5], "eps": [1e-6, 1e-3], "weight_decay": [0, 0.01], "maximize": [False, True]},
 }
-
-# One option set per optimizer with every state slot in use, for the tests
-# that are not about the option grid.
-RICH = {
-    "SGD": {"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01},
-    "Adam": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.01},
-    "AdamW": {"lr": 1e-2, "amsgrad": True, "weight_decay": 0.1},
-    "Adagrad": {"lr": 0.05, "lr_decay": 0.01, "weight_decay": 0.01, "initial_accumulator_value": 0.1},
-    "RMSprop": {"lr": 1e-3, "momentum": 0.9, "centered": True, "weight_decay": 0.01},
-    "Adadelta": {"lr": 1.0, "rho": 0.9, "weight_decay": 0.01},
-}
-
 
 def _valid(name: str, options: dict) -> bool:
     # torch: "Nesterov momentum requires a momentum and zero dampening"
