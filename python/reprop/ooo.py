@@ -639,7 +639,16 @@ class _CoRun:
         return out
 
 
-class OOOHandle:
+class _PassTracking:
+    """For objects that mark a backward as running (_in_backward) and hold its
+    end-of-backward callback weakly (_end_ref, from queue_end_of_backward)."""
+
+    def _backward_raised(self) -> bool:
+        """The backward marked as running raised: its end never ran."""
+        return self._in_backward and self._end_ref() is None
+
+
+class OOOHandle(_PassTracking):
     """What ``enable`` returns; ``remove()`` restores the modules' own forward."""
 
     def __init__(self, model: nn.Module, order: str, regions: int, max_extra_memory: float,
@@ -782,10 +791,6 @@ class OOOHandle:
         self._current_region = -1
         self._marks = []
         self._end_ref = queue_end_of_backward(self._end_backward)
-
-    def _backward_raised(self) -> bool:
-        """The backward marked as running raised: its end never ran."""
-        return self._in_backward and self._end_ref() is None
 
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
@@ -1850,7 +1855,7 @@ def _backward_fused(model: nn.Module) -> bool:
                for hook in (p._post_accumulate_grad_hooks or {}).values())
 
 
-class DataParallel:
+class DataParallel(_PassTracking):
     """Data-parallel training of `model` with reverse first-k scheduling.
 
     Not a wrapper: call `model` itself, then ``loss.backward()``; when backward
@@ -2162,10 +2167,6 @@ class DataParallel:
             self._held = self._stack.enter_context(
                 self.handle.hold(keep=self._held_modules.__contains__))
         self._end_ref = queue_end_of_backward(self._end_backward)
-
-    def _backward_raised(self) -> bool:
-        """The backward marked as running raised: its end never ran."""
-        return self._in_backward and self._end_ref() is None
 
     def _launch_ready(self) -> None:
         """Launches complete buckets in bucket order (the order every rank issues)."""
