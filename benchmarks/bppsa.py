@@ -49,7 +49,7 @@ Sweeps (--part, repeatable; default all):
   rnn-hidden  d in 8, 16, 20, 32, 64, 128 at T = --seq-len, B = --batch: where the
               scan's d^2 matrix products stop paying
   gru         sets S, M, L x B in 16, 32, 64 (d = 20)
-  vgg         the pruned VGG-11 micro-benchmark (Sections 4.3 and 5.3), CPU only: VGG-11's
+  vgg         the pruned VGG-11 micro-benchmark (Sections 4.3 and 5.3), on --device: VGG-11's
               layers (config A: 3x3 Conv2d pad 1 + ReLU, 2x2 MaxPool2d; then Flatten and the
               CIFAR classifier Linear 512-512-10 unless --vgg-features-only) as one chain on
               --vgg-res (32, CIFAR-10) inputs, channels / --vgg-width-div. One ChainPlan per
