@@ -558,11 +558,11 @@ class PipeCandidate:
         dist.barrier()
 
     def messages(self) -> int:
-        """Point-to-point messages per timed step: per micro-batch, the
-        activation forward and the gradient back at each change of stage (the
-        headers went in the first step; Pipeline.messages counts a rank's)."""
-        stage = self.pipe.stage_of
-        return 2 * PIPE_MICRO * int((stage[1:] != stage[:-1]).sum())
+        """Point-to-point messages of the last step, all ranks together
+        (Pipeline.messages counts what its rank sent; a collective call)."""
+        count = torch.tensor([self.pipe.messages])
+        dist.all_reduce(count)
+        return int(count)
 
     def grads(self) -> dict[str, torch.Tensor]:
         """This rank's gradients, named as in the whole list of layers."""
@@ -615,6 +615,7 @@ def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
     stats = harness.measure_alternated({n: c.step for n, c in cands.items()}, torch.device("cpu"),
                                        warmup=warmup, reps=reps)
     round_trip = round_trip_ms(rank, (PIPE_BATCH // PIPE_MICRO, PIPE_WIDTH))
+    messages = {n: c.messages() for n, c in cands.items()}
     if rank != 0:
         return {}
     baseline = next(iter(cands))
@@ -627,7 +628,7 @@ def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
                                     for n, gr in grads.items() if n != baseline},
             "max_abs_grad": max(float(v.abs().max()) for v in ref.values()),
             "simulated_speedup": simulated_pipeline_speedups(world),
-            "messages_per_step": {n: c.messages() for n, c in cands.items()},
+            "messages_per_step": messages,
             "round_trip_ms": round_trip,
             **stats_summary(stats, baseline)}
 
