@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -656,6 +657,44 @@ def test_inplace_change_of_a_saved_input_is_caught():
     h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("layer, change", [
+    (lambda: nn.BatchNorm1d(4).eval(), lambda m: m.running_var.mul_(100)),
+    (lambda: nn.BatchNorm1d(4), lambda m: m.running_mean.add_(1)),
+    (lambda: nn.LayerNorm(4), lambda m: m.bias.add_(1)),
+], ids=["batchnorm-eval-running-var", "batchnorm-train-running-mean", "layernorm-bias"])
+def test_inplace_change_of_what_autograd_saves_with_a_norm_is_caught(layer, change):
+    """Autograd's norm nodes save the running statistics (which eval mode
+    normalizes with) and LayerNorm's bias: changed in place before backward,
+    plain autograd raises, and so must the split."""
+    for split in (False, True):
+        m = layer()
+        if split:
+            ooo.enable(m, order="conventional")
+        y = m(torch.randn(3, 4, requires_grad=True))
+        with torch.no_grad():
+            change(m)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.pow(2).sum().backward()
+
+
+def test_anomaly_mode_sees_a_nan_weight_gradient():
+    """A dW made outside autograd's nodes escapes anomaly mode's NaN check
+    unless the task checks it: an inf in the data, hidden from the next
+    layer by nan_to_num, makes only the first layer's dW NaN."""
+    x = torch.randn(5, 3)
+    x[0, 0] = float("inf")
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        if split:
+            ooo.enable(model, order="conventional")
+        with torch.autograd.set_detect_anomaly(True), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # anomaly mode's traceback warning
+            out = model[1](model[0](x).nan_to_num())
+            with pytest.raises(RuntimeError, match="returned nan values"):
+                out.sum().backward()
 
 
 def test_double_backward_is_refused():

@@ -243,7 +243,11 @@ class _NormKind(_Kind):
         return dx, (dw, db)
 
 
-class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
+class _BatchNormKind(_NormKind):
+    # saves x, weight, save_mean, save_invstd and, as autograd's node does, the
+    # running statistics (eval mode normalizes with them), so an in-place change
+    # between forward and backward raises as it does there
+    tensors_saved = 6
 
     def _state(self, m):
         # torch.nn.modules.batchnorm._BatchNorm.forward, step for step
@@ -279,7 +283,8 @@ class _BatchNormKind(_NormKind):  # saves x, weight, save_mean, save_invstd
         return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, m.eps, mask)
 
 
-class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd; keeps bias
+class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as autograd's node
+    tensors_saved = 5
 
     def op(self, m):
         return "layer_norm"
@@ -565,10 +570,21 @@ class _Task:
                                f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
             grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad, self.mask)
+        if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
+            self._check_nan(grads)
         for p, d, want in zip(self.params, grads, self.mask):
             if want:
                 _accumulate(p, d)
         self.saved = self.grad = self.done = None  # the memory a deferred task holds goes now
+
+    def _check_nan(self, grads: tuple) -> None:
+        """Anomaly mode's check of each backward function's outputs, which a
+        dW made outside autograd's nodes would escape (torch's wording)."""
+        for i, (d, want) in enumerate(zip(grads, self.mask)):
+            if want and d is not None and bool(torch.isnan(d).any()):
+                raise RuntimeError(f"Function 'reprop.ooo weight gradient of {self.site.name}' "
+                                   f"returned nan values in its {i}th output "
+                                   f"({self.site.kind.names[i]}).")
 
 
 # ---------------------------------------------------------------------------
