@@ -171,11 +171,12 @@ static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyOb
     return ok;
 }
 
-/* One row of the fast path: 1 when it holds and its pointer was written,
- * 0 when the Python path must take over, -1 on error. */
+/* One row of the fast path: 1 when it holds and its pointer was written (the
+ * gradient it points at, a new reference, in *held), 0 when the Python path
+ * must take over, -1 on error. */
 static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                           PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *const *names, int64_t *row)
+                          PyObject *const *names, int64_t *row, PyObject **held)
 {
     unsigned long long ptr;
     PyObject *g, *attr;
@@ -216,10 +217,13 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     ok = g == Py_None ? 0 : rp_py_usable_grad(g, key, strided, names);
     if (ok == 1)
         ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
-    Py_DECREF(g);
-    if (ok == 1)
-        row[1] = (int64_t)ptr;
-    return ok;
+    if (ok != 1) {
+        Py_DECREF(g);
+        return ok;
+    }
+    row[1] = (int64_t)ptr;
+    *held = g;
+    return 1;
 }
 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -227,7 +231,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     static const char *const attr_names[RP_N_NAMES] = {
         "data_ptr", "grad", "layout", "is_contiguous", "dtype", "numel", "stride", "get_device"};
     PyObject *names[RP_N_NAMES] = {NULL};
-    PyObject *result = NULL;
+    PyObject *result = NULL, *held = NULL;
     PyArrayObject *table;
     Py_ssize_t n, i;
     int k, ok = 1;
@@ -257,14 +261,30 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         if (names[k] == NULL)
             goto done;
     }
-    for (i = 0; i < n && ok == 1; i++)
+    /* the gradients the table points at, for the caller to hold until the
+     * update has run: the update releases the GIL, and another thread may
+     * drop a .grad (zero_grad) meanwhile */
+    held = PyList_New(n);
+    if (held == NULL)
+        goto done;
+    for (i = 0; i < n && ok == 1; i++) {
+        PyObject *g = NULL;
         ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
                             PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
                             PyList_GET_ITEM(args[5], i), args[6], names,
-                            (int64_t *)PyArray_GETPTR1(table, i));
-    if (ok >= 0)
-        result = PyBool_FromLong(ok);
+                            (int64_t *)PyArray_GETPTR1(table, i), &g);
+        if (ok == 1)
+            PyList_SET_ITEM(held, i, g);
+    }
+    if (ok == 1) {
+        result = held;
+        held = NULL;
+    } else if (ok == 0) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
 done:
+    Py_XDECREF(held);
     for (k = 0; k < RP_N_NAMES; k++)
         Py_XDECREF(names[k]);
     return result;

@@ -109,14 +109,18 @@ class _Plan:
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
-        .grad, or given[id(param)]. Returns the gradient copies that must
-        outlive the call, or None when the plan is stale. The common case (same
-        storages and state, contiguous strided .grad) is checked in C; anything
-        else comes here."""
-        if given is None and _C.optim_grad_pointers(
+        .grad, or given[id(param)]. Returns the gradients the table points at
+        (copies included), which the caller holds until the update has run:
+        the update releases the GIL, and another thread may drop a .grad
+        meanwhile. None when the plan is stale. The common case (same storages
+        and state, contiguous strided .grad) is checked in C; anything else
+        comes here."""
+        if given is None:
+            held = _C.optim_grad_pointers(
                 self.params, self.param_keys, state, self.state_dicts, self.watched,
-                self.grad_contiguous, torch.strided, self.table):
-            return []
+                self.grad_contiguous, torch.strided, self.table)
+            if held is not None:
+                return held
         ptrs, keep = [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
                 self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
@@ -131,7 +135,7 @@ class _Plan:
             _check_grad(p, g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
-                keep.append(g)
+            keep.append(g)
             ptrs.append(g.data_ptr())
         self.table[:, _COL_GRAD] = ptrs
         return keep
@@ -217,8 +221,9 @@ def _ordered_runs(params: list) -> list[list]:
 
 
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
-    """Prepares each plan's gradients for this step; returns the gradient copies
-    to keep alive, or None when there is no plan yet or one of them is stale."""
+    """Prepares each plan's gradients for this step; returns the gradients to
+    hold until the update has run, or None when there is no plan yet or one
+    of them is stale."""
     if plans is None:
         return None
     keep = [plan.prepare_grads(state, given) for plan in plans]
@@ -407,7 +412,7 @@ class _FusedOptimizer:
             keep = _prepare_grads(plans, self.state, given)
         for plan in plans:
             plan.run(self, hp, hparams)
-        del keep  # gradient copies: only now may they be freed
+        del keep  # the gradients read (and copies): only now may they be freed
 
     def _check_step(self, group: dict, active: list, given: dict | None, slots: tuple) -> None:
         """Raises for anything that refuses this step, before a plan creates
