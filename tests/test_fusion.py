@@ -1459,6 +1459,63 @@ def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     handle.remove()
 
 
+def test_detached_second_use_under_allow_mutation_on_saved_tensors_matches_eager() -> None:
+    """Inside torch.autograd.graph.allow_mutation_on_saved_tensors() the
+    in-backward update of w has the old w that `first`'s backward needs
+    cloned first, as torch's own in-place ops would, so backward fusion
+    computes what the eager loop computes instead of raising."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = TwoUse(detach=True)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings(), torch.autograd.graph.allow_mutation_on_saved_tensors():
+            warnings.simplefilter("ignore")
+            for i in range(3):
+                model(torch.randn(5, 4, generator=_gen(i))).backward()
+                opt.step()
+                opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return model
+
+    ref, model = run(None), run("backward")
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_update_under_allow_mutation_on_saved_tensors_matches_eager(name: str, mode: str) -> None:
+    """A graph backwarded again after the update (retain_graph=True) uses the
+    weights of its forward inside allow_mutation_on_saved_tensors(), as with
+    eager step(): the fused update, applied in backward or at the next
+    forward, has them cloned first."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = getattr(rp, name)(model.parameters(), **RICH[name])
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings(), torch.autograd.graph.allow_mutation_on_saved_tensors():
+            warnings.simplefilter("ignore")
+            for i in range(3):
+                x = torch.randn(5, 4, generator=_gen(i), requires_grad=True)
+                loss = model(x).square().mean()
+                loss.backward(retain_graph=True)  # x.grad: with the weights of the forward
+                opt.step()
+                opt.zero_grad()
+                model(torch.randn(5, 4, generator=_gen(10 + i)))  # forward mode updates here
+                (again,) = torch.autograd.grad(loss, x)
+                assert torch.equal(again, x.grad), f"{mode or 'eager'}, step {i}: {_diff(again, x.grad)}"
+        if handle is not None:
+            handle.remove()
+        return model
+
+    ref, model = run(None), run(mode)
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+
+
 class TwoHeads(nn.Module):
     """Tokens (10,) -> two outputs of a shared Embedding, whose backward does
     not save the weight (nor does a bias's): autograd's in-place check does

@@ -995,6 +995,57 @@ def test_step_marks_params_modified_in_place(name: str) -> None:
         loss.backward()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_step_under_allow_mutation_on_saved_tensors_matches_torch(name: str) -> None:
+    """Inside torch.autograd.graph.allow_mutation_on_saved_tensors(), torch
+    clones a saved parameter before torch.optim's in-place update, so a
+    backward after step() uses the weight of the forward; the fused kernels,
+    which write through raw pointers, must have it cloned too."""
+    grads = {}
+    for make in (torch_cls, reprop_cls):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        x = torch.randn(5, 4, requires_grad=True)
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)  # the gradients of an earlier backward
+        opt = make(name)(model.parameters(), **RICH[name])
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            loss = model(x).square().sum()  # saves the weight
+            opt.step()
+            loss.backward(inputs=[x])
+        grads[make] = (x.grad, model.weight.detach().clone())
+    (got, weight), (expected, ref_weight) = grads[reprop_cls], grads[torch_cls]
+    assert torch.equal(got, expected)  # the same weight and input: the same bits
+    assert_tensor_close(weight, ref_weight, STEP_TOL, "weight")
+
+
+STATE_SAVED = {"SGD": "momentum_buffer", "Adam": "exp_avg", "AdamW": "exp_avg_sq",
+               "Adagrad": "sum", "RMSprop": "grad_avg", "Adadelta": "acc_delta"}
+
+
+@pytest.mark.parametrize("make", [torch_cls, reprop_cls], ids=["torch", "reprop"])
+@pytest.mark.parametrize("name", NAMES)
+def test_state_saved_by_autograd_is_cloned_before_a_step(name: str, make) -> None:
+    """What allow_mutation_on_saved_tensors() does for state tensors that a
+    graph saved (torch.optim updates them in place too): a backward after
+    each of two steps sees the state of its own forward, so the state's
+    version must change with each fused update."""
+    w = nn.Parameter(torch.randn(3, 4))
+    opt = make(name)([w], **RICH[name])
+    w.grad = torch.randn(3, 4)
+    opt.step()  # creates the state
+    state = opt.state[w][STATE_SAVED[name]]
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        for _ in range(2):
+            before = state.clone()
+            loss = (x * state).sum()  # saves the state tensor
+            opt.step()
+            assert not torch.equal(state, before)
+            (got,) = torch.autograd.grad(loss, x)
+            assert torch.equal(got, before)
+
+
 def _fresh_open_loop(name: str, shapes, *, seed: int = 14) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
     params = [nn.Parameter(t) for t in make_params(shapes, seed=seed)]
     opt = reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])), **RICH[name])

@@ -77,6 +77,23 @@ def _version_bumper():
 bump_versions = _version_bumper()
 
 
+# torch.autograd.graph.allow_mutation_on_saved_tensors() sets this module's
+# flag _allow_mutation_on_saved_tensors_enabled for its duration; reading it
+# (one attribute) is how a raw write learns it must call show_coming_writes.
+autograd_graph = torch.autograd.graph
+
+
+def show_coming_writes(tensors: list) -> None:
+    """Lets allow_mutation_on_saved_tensors() clone what autograd saved of
+    `tensors` before a kernel writes them through raw pointers, which its
+    dispatch mode cannot see: the mode clones the saved tensors aliasing
+    each argument an aten op writes, before the op runs, so an op that
+    writes each tensor onto itself (a no-op) is enough. Call it right before
+    the raw write, and bump_versions(tensors) after: the mode tells a tensor
+    saved again after the write from the copy saved before by its version."""
+    torch._foreach_copy_(tensors, tensors)
+
+
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for `device_type` ("cpu", "cuda") right now."""
     try:

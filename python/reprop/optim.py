@@ -28,6 +28,7 @@ import torch
 
 from . import _tensors
 from ._native import _C, _cuda
+from ._tensors import autograd_graph as _autograd_graph
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta"]
 
@@ -106,6 +107,9 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
+        # Everything the kernels write: the params (a staged one is written by
+        # Plan.run's copy_, but listing it costs nothing) and their state
+        self.written = params + [t for watched in self.watched for _, t, _ in watched]
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
@@ -142,16 +146,25 @@ class _Plan:
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
         """Issues the update with `group`'s hyper-parameters (hp: their
-        opt._hparams tuple); prepare_grads() must have succeeded this step."""
+        opt._hparams tuple); prepare_grads() must have succeeded this step.
+        Under allow_mutation_on_saved_tensors() what autograd saved of the
+        params and state is cloned first, as torch.optim's in-place ops have
+        it cloned, and their versions bumped after; otherwise only the
+        params' versions are bumped (a graph rarely saves optimizer state,
+        and bumping it too would cost microseconds a step)."""
         for _, p, work in self.staged:
             work.copy_(p)
+        written = self.params
+        if _autograd_graph._allow_mutation_on_saved_tensors_enabled:
+            written = self.written
+            _tensors.show_coming_writes(written)
         if self.device.type == "cpu":
             _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
         else:
             self._run_cuda(opt, group, hp)
         for _, p, work in self.staged:
             p.copy_(work)
-        _tensors.bump_versions(self.params)
+        _tensors.bump_versions(written)
 
     def _run_cuda(self, opt, group, hp) -> None:
         capturable = bool(group.get("capturable", False))
