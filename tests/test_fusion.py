@@ -1057,11 +1057,12 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
 
 
-def _copy_of(model: nn.Module, how: str) -> nn.Module:
+def _copy_of(obj, how: str):
+    """A copy of a model or optimizer by copy.deepcopy or torch.save/torch.load."""
     if how == "deepcopy":
-        return copy.deepcopy(model)
+        return copy.deepcopy(obj)
     buffer = io.BytesIO()
-    torch.save(model, buffer)
+    torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
 
@@ -2033,6 +2034,33 @@ def test_forward_mode_submodule_checkpoint_or_conversion_after_step(name: str, h
                                after_step=after_step, make_model=_wrapped_mlp)
     for i, (got, ref) in enumerate(zip(saved["forward"], saved[None], strict=True)):
         _assert_tensor_dicts(got, ref, f"{name}.state_dict() #{i}", None)
+    _assert_same_training(runs["forward"], runs[None])
+
+
+def _copy_optimizer_state(how: str, saved: list) -> Callable:
+    def take(model: nn.Module, opt) -> None:
+        twin = _copy_of(opt, how)
+        saved.append([twin.state.get(p, {}) for g in twin.param_groups for p in g["params"]])
+    return take
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl: str) -> None:
+    """copy.deepcopy(opt) or torch.save(opt) (the whole optimizer, not its
+    state_dict()) right after step(), while the updates are pending: the
+    copy holds the state eager has after that step (it cannot hold the
+    pending gradients), and the original trains on as eager."""
+    make_opt = {"reprop": lambda m: rp.Adam(m.parameters(), lr=0.01),
+                "torch": lambda m: torch.optim.Adam(m.parameters(), lr=0.01)}
+    runs, copies = {}, {}
+    for mode in ("forward", None):
+        copies[mode] = []
+        after_step = dict.fromkeys((1, 3), _copy_optimizer_state(how, copies[mode]))
+        runs[mode] = _mlp_loop(mode, make_opt[impl if mode else "reprop"], 6, after_step=after_step)
+    for i, (got, ref) in enumerate(zip(copies["forward"], copies[None], strict=True)):
+        for j, (g, r) in enumerate(zip(got, ref, strict=True)):
+            _assert_tensor_dicts(g, r, f"copy #{i}, state of param {j}", None)
     _assert_same_training(runs["forward"], runs[None])
 
 

@@ -30,8 +30,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
   ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
   of any submodule holding fused parameters (``ddp.module``, a backbone),
-  ``optimizer.state_dict()`` and ``optimizer.load_state_dict()`` apply
-  pending updates first, so checkpoints
+  and ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and
+  pickling the optimizer (``torch.save(optimizer)``,
+  ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
   are exact. Code that reads or writes a parameter directly between
   ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
   sees the value before the update and must call ``handle.flush()`` first.
@@ -85,7 +86,9 @@ _CONVERTIBLE = {
     torch.optim.Adadelta: optim.Adadelta,
 }
 _MODES = ("backward", "forward")
-_OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
+# The optimizer's attributes fusion sets on the instance (forward mode also
+# __getstate__), restored by remove().
+_OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
 _MISSING = object()
 # Module -> (its own instance _apply or _MISSING, a WeakSet of the
 # forward-mode fusions of parameters at or below it: one per optimizer), for
@@ -949,6 +952,19 @@ class _ForwardFusion(FusionHandle):
                  and any(id(p) in self._params for p in m.parameters())]
         self._covered.update(fresh)
         return fresh
+
+    def _take_over_optimizer(self) -> None:
+        super()._take_over_optimizer()
+        # torch.save(optimizer) and copy.deepcopy(optimizer) keep what torch's
+        # Optimizer.__getstate__ returns, not the pending gradients; pickle looks
+        # __getstate__ up on the instance, so this one optimizer's applies the
+        # pending updates first, as its state_dict() does (a copy gets torch's).
+        self._user_optimizer.__getstate__ = self._optimizer_getstate
+
+    def _optimizer_getstate(self) -> dict:
+        self.flush()
+        opt = self._user_optimizer
+        return type(opt).__getstate__(opt)
 
     def remove(self) -> None:
         if not self._removed:
