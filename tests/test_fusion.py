@@ -27,6 +27,7 @@ and for the DDP test; it imports this module.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -1056,11 +1057,12 @@ def test_context_manager_removes_on_exit(mode: str) -> None:
     assert_results_equal(t.finish(), eager("cnn", "SGD", steps=10))
 
 
-def _copy_of(model: nn.Module, how: str) -> nn.Module:
+def _copy_of(obj, how: str):
+    """A copy of a model or optimizer by copy.deepcopy or torch.save/torch.load."""
     if how == "deepcopy":
-        return copy.deepcopy(model)
+        return copy.deepcopy(obj)
     buffer = io.BytesIO()
-    torch.save(model, buffer)
+    torch.save(obj, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=False)
 
@@ -1750,12 +1752,13 @@ def _mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | None = None,
               after_step: dict | None = None, before_step: dict | None = None,
-              set_to_none: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Trains _mlp() for `steps` steps, eager (mode None) or fused; events[i]
-    (model, opt) runs before step i's forward, before_step[i] between its
-    backward and step(), after_step[i] right after its step() (forward mode:
-    with the updates pending)."""
-    model = _mlp()
+              set_to_none: bool = True,
+              make_model: Callable[[], nn.Module] = _mlp) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
+    None) or fused; events[i] (model, opt) runs before step i's forward,
+    before_step[i] between its backward and step(), after_step[i] right after
+    its step() (forward mode: with the updates pending)."""
+    model = make_model()
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
     with warnings.catch_warnings():
@@ -2016,11 +2019,16 @@ def _convert_model(model: nn.Module, opt) -> None:
     model.to(torch.bfloat16).to(torch.float32)
 
 
+def _convert_submodule(model: nn.Module, opt) -> None:
+    model[2].bfloat16().float()
+
+
 AFTER_STEP = {
     "model.load_state_dict": _load_model_checkpoint,
     "submodule.load_state_dict": _load_submodule_checkpoint,
     "optimizer.load_state_dict": _load_optimizer_checkpoint,
     "model.to": _convert_model,
+    "submodule.to": _convert_submodule,
 }
 
 
@@ -2034,6 +2042,83 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     _assert_same_training(got, ref)
+
+
+class _Wrapper(nn.Module):
+    """What DistributedDataParallel is to the model it wraps: the root that is
+    fused and called, while the checkpoint is taken of its .module."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
+def _wrapped_mlp() -> nn.Module:
+    """_mlp()'s layers as module.backbone (two Linears; it owns no parameter
+    itself) and module.head, inside a _Wrapper."""
+    flat = _mlp()
+    return _Wrapper(nn.Sequential(collections.OrderedDict(backbone=flat[:4], head=flat[4])))
+
+
+def _take_state_dict(name: str, saved: list) -> Callable:
+    def take(model: nn.Module, opt) -> None:
+        saved.append({k: v.clone() for k, v in model.get_submodule(name).state_dict().items()})
+    return take
+
+
+def _convert(name: str, saved: list) -> Callable:
+    def convert(model: nn.Module, opt) -> None:
+        model.get_submodule(name).bfloat16().float()
+    return convert
+
+
+@pytest.mark.parametrize("how", [_take_state_dict, _convert], ids=["state_dict", "to"])
+@pytest.mark.parametrize("name", ["module", "module.backbone", "module.backbone.2", "module.head"])
+def test_forward_mode_submodule_checkpoint_or_conversion_after_step(name: str, how: Callable) -> None:
+    """state_dict() or .to() of a submodule right after step(), while the
+    updates are pending: a DDP model's ddp.module, a backbone that owns no
+    parameter itself, a layer. The state dict holds the updated values eager
+    has (not one update behind), taking it does not apply the update twice,
+    and the conversion comes after the update, as in eager training."""
+    runs, saved = {}, {}
+    for mode in ("forward", None):
+        saved[mode] = []
+        after_step = dict.fromkeys(range(1, 7, 2), how(name, saved[mode]))
+        runs[mode] = _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 8,
+                               after_step=after_step, make_model=_wrapped_mlp)
+    for i, (got, ref) in enumerate(zip(saved["forward"], saved[None], strict=True)):
+        _assert_tensor_dicts(got, ref, f"{name}.state_dict() #{i}", None)
+    _assert_same_training(runs["forward"], runs[None])
+
+
+def _copy_optimizer_state(how: str, saved: list) -> Callable:
+    def take(model: nn.Module, opt) -> None:
+        twin = _copy_of(opt, how)
+        saved.append([twin.state.get(p, {}) for g in twin.param_groups for p in g["params"]])
+    return take
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl: str) -> None:
+    """copy.deepcopy(opt) or torch.save(opt) (the whole optimizer, not its
+    state_dict()) right after step(), while the updates are pending: the
+    copy holds the state eager has after that step (it cannot hold the
+    pending gradients), and the original trains on as eager."""
+    make_opt = {"reprop": lambda m: rp.Adam(m.parameters(), lr=0.01),
+                "torch": lambda m: torch.optim.Adam(m.parameters(), lr=0.01)}
+    runs, copies = {}, {}
+    for mode in ("forward", None):
+        copies[mode] = []
+        after_step = dict.fromkeys((1, 3), _copy_optimizer_state(how, copies[mode]))
+        runs[mode] = _mlp_loop(mode, make_opt[impl if mode else "reprop"], 6, after_step=after_step)
+    for i, (got, ref) in enumerate(zip(copies["forward"], copies[None], strict=True)):
+        for j, (g, r) in enumerate(zip(got, ref, strict=True)):
+            _assert_tensor_dicts(g, r, f"copy #{i}, state of param {j}", None)
+    _assert_same_training(runs["forward"], runs[None])
 
 
 # ---------------------------------------------------------------------------

@@ -1523,6 +1523,51 @@ def test_refused_param_group_is_not_added(name: str, dtype: torch.dtype) -> None
     opt.step()
 
 
+# A saved group reprop refuses (a checkpoint of torch's capturable=True, or of
+# a differentiable optimizer) and what the refusal says.
+REFUSED_ON_LOAD = [(name, "capturable", "capturable=True needs CUDA parameters")
+                   for name in CAPTURABLE_NAMES]
+REFUSED_ON_LOAD += [(name, "differentiable", "differentiable=True is not supported")
+                    for name in NAMES]
+
+
+@pytest.mark.parametrize("name,flag,message", REFUSED_ON_LOAD)
+def test_refused_load_state_dict_leaves_the_optimizer_as_it_was(name: str, flag: str,
+                                                                message: str) -> None:
+    """load_state_dict of a state dict with a group reprop refuses raises
+    before anything is replaced, as add_param_group adds nothing: the
+    optimizer keeps its own groups and state (not the loaded lr and step
+    counts of one step earlier) and steps on exactly as one that never tried
+    the load."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=23), grad_sequence(shapes, 5)
+    runs = []
+    for _ in range(2):
+        params = [nn.Parameter(t.clone()) for t in init]
+        runs.append(Run(params, reprop_cls(name)(split_groups(params, group1_overrides(name, RICH[name])),
+                                                 **RICH[name])))
+    tried, ref = runs
+    saved = None
+    for i, step_grads in enumerate(grads):
+        for run in runs:
+            for p, g in zip(run.params, step_grads):
+                p.grad = g.clone()
+            run.opt.step()
+        if i == 0:
+            saved = copy.deepcopy(tried.opt.state_dict())
+            saved["param_groups"][1][flag] = True
+            saved["param_groups"][1]["lr"] *= 3
+        if i == 1:
+            groups, before = tried.opt.param_groups, copy.deepcopy(tried.opt.state_dict())
+            with pytest.raises(ValueError, match=message):
+                tried.opt.load_state_dict(saved)
+            assert tried.opt.param_groups is groups
+            after = tried.opt.state_dict()
+            assert after["param_groups"] == before["param_groups"]
+            torch.testing.assert_close(after["state"], before["state"], rtol=0, atol=0)
+    assert_runs_equal(tried, ref)
+
+
 # Adagrad is left out: torch's creates state only in __init__ and add_param_group,
 # so a parameter put into a group by hand raises KeyError at its step.
 @pytest.mark.parametrize("how", ["new_list", "in_place"])

@@ -27,10 +27,12 @@ an unmodified ``nn.Module``; the training loop keeps calling
   training or evaluation, once (those the next forward did not use, at its
   end). Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
-  ``torch.amp.GradScaler`` work as in eager training. ``model.state_dict()``,
-  ``optimizer.state_dict()``, ``model.load_state_dict()`` (also of a
-  submodule), ``optimizer.load_state_dict()`` and ``model.to()`` (any
-  ``Module._apply`` of the root) apply pending updates first, so checkpoints
+  ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
+  ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
+  of any submodule holding fused parameters (``ddp.module``, a backbone),
+  and ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and
+  pickling the optimizer (``torch.save(optimizer)``,
+  ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
   are exact. Code that reads or writes a parameter directly between
   ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
   sees the value before the update and must call ``handle.flush()`` first.
@@ -84,12 +86,14 @@ _CONVERTIBLE = {
     torch.optim.Adadelta: optim.Adadelta,
 }
 _MODES = ("backward", "forward")
-_OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling")
+# The optimizer's attributes fusion sets on the instance (forward mode also
+# __getstate__), restored by remove().
+_OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
 _MISSING = object()
-# Root module -> (its own instance _apply or _MISSING, a WeakSet of its
-# forward-mode fusions: one per optimizer), for _flushing_apply. Weak: a value
-# referring to its key would never be freed, and the root's forward hooks keep
-# each fusion alive while it is installed.
+# Module -> (its own instance _apply or _MISSING, a WeakSet of the
+# forward-mode fusions of parameters at or below it: one per optimizer), for
+# _flushing_apply. Weak: a value referring to its key would never be freed,
+# and the root's forward hooks keep each fusion alive while it is installed.
 _FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Optimizer (the user's, and the reprop engine of a converted torch one) ->
 # weak reference to the live handle fusing it: a second fusion of it would
@@ -100,30 +104,32 @@ _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
     """Module._apply (what .to(), .half(), .cuda() call) that first applies the
-    pending forward-mode updates of `module`'s fusions, installed on the root
-    module as an instance method (a copy of the module has no fusion)."""
+    pending forward-mode updates of `module`'s fusions, installed as an
+    instance method on each module holding fused parameters (a copy of the
+    module has no fusion). A parent's _apply calls its children's, which
+    then find nothing pending."""
     for handle in list(_FLUSH_BEFORE_APPLY.get(module, (None, ()))[1]):
         handle.flush()
     return type(module)._apply(module, fn, *args, **kwargs)
 
 
-def _flush_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
-    if model not in _FLUSH_BEFORE_APPLY:
-        _FLUSH_BEFORE_APPLY[model] = (model.__dict__.get("_apply", _MISSING), weakref.WeakSet())
-        model._apply = types.MethodType(_flushing_apply, model)
-    _FLUSH_BEFORE_APPLY[model][1].add(handle)
+def _flush_before_apply(module: nn.Module, handle: "_ForwardFusion") -> None:
+    if module not in _FLUSH_BEFORE_APPLY:
+        _FLUSH_BEFORE_APPLY[module] = (module.__dict__.get("_apply", _MISSING), weakref.WeakSet())
+        module._apply = types.MethodType(_flushing_apply, module)
+    _FLUSH_BEFORE_APPLY[module][1].add(handle)
 
 
-def _stop_flushing_before_apply(model: nn.Module, handle: "_ForwardFusion") -> None:
-    saved, handles = _FLUSH_BEFORE_APPLY.get(model, (_MISSING, weakref.WeakSet()))
+def _stop_flushing_before_apply(module: nn.Module, handle: "_ForwardFusion") -> None:
+    saved, handles = _FLUSH_BEFORE_APPLY.get(module, (_MISSING, weakref.WeakSet()))
     handles.discard(handle)
-    if handles or model not in _FLUSH_BEFORE_APPLY:
+    if handles or module not in _FLUSH_BEFORE_APPLY:
         return
-    del _FLUSH_BEFORE_APPLY[model]
+    del _FLUSH_BEFORE_APPLY[module]
     if saved is _MISSING:
-        model.__dict__.pop("_apply", None)
+        module.__dict__.pop("_apply", None)
     else:
-        model._apply = saved
+        module._apply = saved
 
 
 # Pickling the bound method stores getattr(module, __name__): the class's _apply.
@@ -900,19 +906,15 @@ class _ForwardFusion(FusionHandle):
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
+        # modules given the checkpoint hooks: those holding fused parameters (see _track)
+        self._covered: "weakref.WeakSet" = weakref.WeakSet()
         self._track(list(self._params.values()))
         # prepended: pre-hooks registered before fuse() that compute a weight from
         # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
         # must see them updated
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
-        self._hooks.append(model.register_state_dict_pre_hook(self._on_state_dict))
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
-        # model.load_state_dict (also of a submodule): pending updates land first,
-        # not on top of the loaded values.
-        self._hooks.append(model._register_load_state_dict_pre_hook(self._before_load))
-        # model.to() / .half() / .cuda() (Module._apply): pending updates first too.
-        _flush_before_apply(model, self)
 
     def _track(self, new: list) -> None:
         self._owned = [(m, own) for m in self.model.modules()
@@ -921,7 +923,15 @@ class _ForwardFusion(FusionHandle):
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
+        # state_dict() of any module holding fused parameters (the root, ddp.module,
+        # a backbone), its load_state_dict() and its .to()/.half()/.cuda()
+        # (Module._apply): pending updates first, as eager applied them at step(),
+        # so that they are saved, not loaded or converted values updated after.
+        # Each hook of a nested call finds nothing pending: a check per module.
+        for module in self._covering_to_hook():
+            self._hooks.append(module.register_state_dict_pre_hook(self._on_state_dict))
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+            _flush_before_apply(module, self)
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
@@ -934,10 +944,33 @@ class _ForwardFusion(FusionHandle):
         # its pending update was decided in (_before_regroup keeps it so).
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
 
+    def _covering_to_hook(self) -> list:
+        """Modules of the model with a fused parameter at or below them (the
+        owners and all their ancestors) that have no checkpoint hooks of this
+        fusion yet (from now on they count as hooked)."""
+        fresh = [m for m in self.model.modules() if m not in self._covered
+                 and any(id(p) in self._params for p in m.parameters())]
+        self._covered.update(fresh)
+        return fresh
+
+    def _take_over_optimizer(self) -> None:
+        super()._take_over_optimizer()
+        # torch.save(optimizer) and copy.deepcopy(optimizer) keep what torch's
+        # Optimizer.__getstate__ returns, not the pending gradients; pickle looks
+        # __getstate__ up on the instance, so this one optimizer's applies the
+        # pending updates first, as its state_dict() does (a copy gets torch's).
+        self._user_optimizer.__getstate__ = self._optimizer_getstate
+
+    def _optimizer_getstate(self) -> dict:
+        self.flush()
+        opt = self._user_optimizer
+        return type(opt).__getstate__(opt)
+
     def remove(self) -> None:
         if not self._removed:
             self.flush()
-            _stop_flushing_before_apply(self.model, self)
+            for module in list(self._covered):
+                _stop_flushing_before_apply(module, self)
         super().remove()
 
     def flush(self) -> None:

@@ -275,13 +275,12 @@ class _FusedOptimizer:
         @functools.wraps(base_init)
         def __init__(self, *args, **kw):
             base_init(self, *args, **kw)
+            self._check_groups(self.param_groups)
             self._setup_fused()
 
         cls.__init__ = __init__
 
     def _setup_fused(self) -> None:
-        for group in self.param_groups:
-            self._check_group(group)
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
         self._plans: dict = {}
@@ -295,9 +294,17 @@ class _FusedOptimizer:
 
     def __setstate__(self, state: dict) -> None:
         """copy.deepcopy and unpickling (torch.save of the optimizer): torch
-        keeps only defaults, state and param_groups; set up the rest again."""
+        keeps only defaults, state and param_groups; set up the rest again.
+        torch's load_state_dict ends here too, with the loaded groups and
+        state: a group we refuse is refused before either replaces ours, so
+        the optimizer stays as it was."""
+        self._check_groups(state["param_groups"])
         super().__setstate__(state)
         self._setup_fused()
+
+    def _check_groups(self, groups: list) -> None:
+        for group in groups:
+            self._check_group(group)
 
     def _check_group(self, group: dict) -> None:
         if group.get("differentiable", False):
