@@ -589,8 +589,9 @@ int rp_sched_reverse_first_k(int64_t layers, int64_t k, const int64_t *mem_out_g
  * in [0, layers] is the measured throughput or NaN where not measured yet.
  * Returns in *next the k to measure next, or -1 when the search is over;
  * *best is the best k measured so far (-1 before any). Steps of L/10
- * over [0, L] (L itself included), then halving steps around the best
- * until a step of 1. */
+ * over [0, L] (L itself included), then steps halved (rounded up) around
+ * the best until a step of 1: for a concave score, its maximum, measuring
+ * each k at most once. */
 int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t *best,
                     rp_error *err);
 

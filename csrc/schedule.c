@@ -997,10 +997,16 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
         *next = first_missing;
         return RP_OK;
     }
-    /* then halve the step around the best until a step of 1 has been tried */
+    /* then halve the step around the best until a step of 1 has been tried.
+     * For a concave score the maximum lies strictly within a step of the
+     * best (its sampled neighbours score no higher); halving rounded up keeps
+     * that so, as a move to a neighbour leaves at most step - ceil(step / 2)
+     * <= ceil(step / 2) of the old interval on the far side. Rounded down
+     * it would not: from a best of 0 at step 3, a step of 1 never measured
+     * k = 2. A step of 1 leaves the best alone in its interval. */
     while (step > 1) {
         const int64_t center = b;
-        step = step / 2 > 1 ? step / 2 : 1;
+        step = (step + 1) / 2;
         for (int side = 0; side < 2; side++) {
             const int64_t k = side == 0 ? center - step : center + step;
             if (k >= 0 && k <= layers && isnan(score[k])) {

@@ -503,6 +503,52 @@ static double tie_at_1_and_3(int64_t k) { return k == 1 || k == 3 ? 2.0 : 1.0; }
 
 static double rising(int64_t k) { return (double)k; }
 
+/* +1 per step up to k = 2, then -10 per step: with L = 30 the sweep's best
+ * is 0 at a step of 3, and a step of 1 after it never reached k = 2 */
+static double peak_at_2(int64_t k) { return k <= 2 ? (double)k : 2.0 - 10.0 * (double)(k - 2); }
+
+/* a random strictly concave score over [0, 200]: sum of decreasing increments */
+static double concave_table[201];
+
+static double from_table(int64_t k) { return concave_table[k]; }
+
+static uint64_t lcg(uint64_t *state)
+{
+    *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return *state >> 11;
+}
+
+/* Every k search on a concave score ends at its maximum: 2000 random
+ * strictly concave scores over L in [1, 200] (deterministic). */
+static void test_ksearch_concave(void)
+{
+    double inc[200], score[201];
+    uint64_t state = 7;
+    int64_t best;
+    run_ksearch(30, peak_at_2, score, &best);
+    CHECK(best == 2, "L = 30, peak at 2: best %lld", (long long)best);
+    for (int trial = 0; trial < 2000; trial++) {
+        const int64_t L = 1 + (int64_t)(lcg(&state) % 200);
+        int64_t argmax = 0;
+        /* L increments in (-10, 10), sorted decreasing (insertion sort) */
+        for (int64_t i = 0; i < L; i++) {
+            double v = (double)lcg(&state) / 9007199254740992.0 * 20.0 - 10.0;
+            int64_t j = i;
+            for (; j > 0 && inc[j - 1] < v; j--)
+                inc[j] = inc[j - 1];
+            inc[j] = v;
+        }
+        concave_table[0] = 0.0;
+        for (int64_t k = 1; k <= L; k++) {
+            concave_table[k] = concave_table[k - 1] + inc[k - 1];
+            argmax = concave_table[k] > concave_table[argmax] ? k : argmax;
+        }
+        run_ksearch(L, from_table, score, &best);
+        CHECK(best == argmax, "trial %d, L = %lld: best %lld, argmax %lld", trial, (long long)L,
+              (long long)best, (long long)argmax);
+    }
+}
+
 static void test_ksearch(void)
 {
     double score[101];
@@ -867,6 +913,7 @@ int main(void)
     test_deadlock();
     test_reverse_first_k();
     test_ksearch();
+    test_ksearch_concave();
     test_stages();
     test_regions();
     test_simulate_errors();

@@ -1525,10 +1525,11 @@ _MAX_SEARCH_LAYERS = 2 ** 20
 
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
-    steps of L/10 (k = L included), then halving around the best.
+    steps of L/10 (k = L included), then steps halved (rounded up) around
+    the best down to 1, which finds the maximum of a concave score.
     `measure(k)` returns a finite score, higher is better (a throughput, or
-    a negated time). Returns the best k and every measurement. `layers` is
-    at most 2^20."""
+    a negated time); each k is measured at most once. Returns the best k and
+    every measurement. `layers` is at most 2^20."""
     if not _is_count(layers) or not 1 <= layers <= _MAX_SEARCH_LAYERS:
         raise ValueError(f"layers: expected an int in [1, {_MAX_SEARCH_LAYERS}], got {layers!r}")
     score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
