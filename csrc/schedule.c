@@ -124,15 +124,16 @@ static rp_heap_item rp_heap_pop(rp_heap *h)
  * the next task of their program, the others keep a heap of available
  * tasks keyed by their policy. The clock then jumps to the next finish or
  * release, advancing every running task by rate * dt. Times are compared
- * with a tolerance relative to the graph's time scale, so that a finish
- * computed as start + cost and a release computed from it meet.
+ * with a tolerance relative to the time itself (a task's finish, the
+ * clock), so that a finish computed as start + cost and a release computed
+ * from it meet: not to the graph's largest cost, which made every task
+ * running beside a cost of 1e12 finish within 1 unit of the next event.
  * ------------------------------------------------------------------------- */
 
 static const char *const rp_task_names[4] = {"F", "dO", "dW", "S"};
 
 typedef struct {
     const rp_task_graph *g;
-    double scale;        /* largest cost or delay: the unit of the tolerance */
     int64_t *order;      /* (n_tasks) task ids by resource, each resource's by (priority, id) */
     int64_t *res_start;  /* (n_resources + 1) resource r's tasks: order[res_start[r] ..) */
     int64_t *rank;       /* (n_tasks) position of a task in order */
@@ -152,7 +153,9 @@ typedef struct {
     int64_t *group_busy; /* (n_resources) running resources per group_id */
 } rp_sim;
 
-static double rp_sim_tol(const rp_sim *s, double t) { return 1e-12 * (fabs(t) + s->scale); }
+/* Times within this of t are t: some thousand rounding errors of t, the
+ * most the sums that make a time accumulate. */
+static double rp_sim_tol(double t) { return 1e-12 * fabs(t); }
 
 static int rp_sim_check_tasks(const rp_task_graph *g, rp_error *err)
 {
@@ -318,20 +321,15 @@ static int rp_sim_sort(rp_sim *s)
 }
 
 /* Successor lists (the transpose of the predecessor lists), predecessor
- * counts, the time scale and the empty queues. */
+ * counts and the empty queues. */
 static void rp_sim_init(rp_sim *s)
 {
     const rp_task_graph *g = s->g;
-    s->scale = 0.0;
     memset(s->succ_ptr, 0, (size_t)(g->n_tasks + 1) * sizeof *s->succ_ptr);
-    for (int64_t e = 0; e < g->n_deps; e++) {
+    for (int64_t e = 0; e < g->n_deps; e++)
         s->succ_ptr[g->dep_idx[e] + 1]++;
-        s->scale = fmax(s->scale, g->dep_delay[e]);
-    }
-    for (int64_t t = 0; t < g->n_tasks; t++) {
+    for (int64_t t = 0; t < g->n_tasks; t++)
         s->succ_ptr[t + 1] += s->succ_ptr[t];
-        s->scale = fmax(s->scale, g->cost[t]);
-    }
     /* waiting[] first counts the successors written so far of each task */
     memset(s->waiting, 0, (size_t)g->n_tasks * sizeof *s->waiting);
     for (int64_t t = 0; t < g->n_tasks; t++)
@@ -382,7 +380,7 @@ static int rp_sim_groups(rp_sim *s)
 static void rp_sim_release(rp_sim *s, double now)
 {
     const rp_task_graph *g = s->g;
-    const double limit = now + rp_sim_tol(s, now);
+    const double limit = now + rp_sim_tol(now);
     while (s->released.size > 0 && s->released.items[0].key <= limit) {
         int64_t t = rp_heap_pop(&s->released).task;
         int32_t r = g->resource[t];
@@ -448,7 +446,7 @@ static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *fi
                            double *busy)
 {
     const rp_task_graph *g = s->g;
-    double next = INFINITY, tol;
+    double next = INFINITY;
     int64_t finished = 0;
     memset(s->group_busy, 0, (size_t)g->n_resources * sizeof *s->group_busy);
     for (int64_t r = 0; r < g->n_resources; r++)
@@ -461,13 +459,13 @@ static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *fi
         next = fmin(next, s->released.items[0].key);
     if (next == INFINITY)
         return -1;
-    tol = rp_sim_tol(s, next);
     for (int64_t r = 0; r < g->n_resources; r++) {
         const double rate = rp_sim_rate(s, r, corun_rate);
         if (s->running[r] < 0)
             continue;
         busy[r] += next - *now;
-        if (*now + s->rem[r] / rate <= next + tol) {
+        /* within the tolerance of its own finish (next, if it finishes now) */
+        if (*now + s->rem[r] / rate <= next + rp_sim_tol(next)) {
             rp_sim_finish(s, r, next, finish);
             finished++;
         } else {

@@ -1187,6 +1187,23 @@ def test_sub_stream_corun_halves_overlap():
     assert alone.makespan < serial.makespan <= shared.makespan + 1e-9
 
 
+def test_a_huge_cost_leaves_the_other_tasks_times_alone():
+    """Events were simultaneous within 1e-12 of the graph's largest cost: a
+    dW of 1e12 ended dO(1) (0.6 + 0.7) with the sub-stream's dW(1) at 0.9.
+    By hand: F0 0-0.3, F1 0.3-0.6; dO(1) 0.6-1.3 beside dW(1) 0.6-0.9; dO(0)
+    1.3-1.6 beside dW(0) from 1.3 (co-running costs nothing at rate 1)."""
+    r = ooo.simulate(2, fwd=0.3, out_grad=[0.3, 0.7], weight_grad=[1e12, 0.3],
+                     order="fast_forward", sub_stream=True, input_grad=True)
+    want = {("F", 0): (0, 0.3), ("F", 1): (0.3, 0.6), ("dO", 1): (0.6, 1.3),
+            ("dW", 1): (0.6, 0.9), ("dO", 0): (1.3, 1.6), ("dW", 0): (1.3, 1.3 + 1e12)}
+    g = r.graph
+    got = {(ooo._TASK_NAMES[g["kind"][t]], int(g["layer"][t])): (r.start[t], r.finish[t])
+           for t in range(len(r.start))}
+    assert got.keys() == want.keys()
+    for task, times in want.items():
+        np.testing.assert_allclose(got[task], times, rtol=1e-15, atol=1e-15, err_msg=str(task))
+
+
 def test_reverse_first_k_order_and_memory_cap():
     order, k = ooo.reverse_first_k(4, 2)
     assert k == 2

@@ -8,8 +8,9 @@
  * modulo allocation on two devices), the Fig. 12 setting (16 layers, 4
  * devices, 4 micro-batches) and a reconstruction of Fig. 4 (reverse
  * first-k under data parallelism); the simulator's policies, co-run
- * slowdown, transfer delays and deadlock detection on hand-made graphs;
- * Algorithm 2's order and memory cap; the k search on a concave score;
+ * slowdown, transfer delays, the time tolerance and deadlock detection on
+ * hand-made graphs; Algorithm 2's order and memory cap; the k search on
+ * concave scores;
  * Algorithm 1 on hand-checked cases (max speedup against first come first
  * served, deadlines, the overcommitted fallback, pre-scheduling under a
  * memory cap); and every validation error.
@@ -388,6 +389,40 @@ static void test_corun(void)
         CHECK(rp_simulate(&g3, 0.25, st3, fi3, busy3, &makespan, &err) == RP_OK &&
                   fi3[0] == 4 && fi3[1] == 4 && fi3[2] == 4,
               "three in group 7: %g %g %g", fi3[0], fi3[1], fi3[2]);
+    }
+}
+
+/* Events are simultaneous within a tolerance relative to their time (a sum
+ * of costs rounds), not to the graph's largest cost. */
+static void test_tolerance(void)
+{
+    /* resource 0: A (0.7); resource 1: B (0.3) then C (1e12). A ended with
+     * B at 0.3: the tolerance was 1e-12 of the largest cost, 1 unit. */
+    int32_t res[3] = {0, 1, 1}, policy[2] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER};
+    int32_t group[2] = {-1, -1};
+    double cost[3] = {0.7, 0.3, 1e12}, prio[3] = {0, 0, 1}, delay[1] = {0};
+    int64_t ptr[4] = {0, 0, 0, 0}, idx[1] = {0};
+    double start[3], finish[3], busy[2], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(3, 2, res, cost, prio, ptr, idx, delay, policy, group);
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    /* C's remaining cost is rounded at 0.7 (1e12 - 0.4, to 2^-13) */
+    CHECK(finish[0] == 0.7 && finish[1] == 0.3 && fabs(finish[2] - (0.3 + 1e12)) < 1e-3,
+          "beside a cost of 1e12: %.17g %.17g %.17g", finish[0], finish[1], finish[2]);
+    {
+        /* X (0.1) then Y (0.2) on resource 0 end at 0.1 + 0.2 > 0.3, Z (0.3)
+         * on resource 1 at 0.3: one event, so the priority resource 2 sees P
+         * (after Y, priority 0) and Q (after Z, priority 1) at once */
+        int32_t r5[6] = {0, 0, 1, 2, 2}, p5[3] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER,
+                                                 RP_RES_PRIORITY};
+        int32_t g5[3] = {-1, -1, -1};
+        double c5[5] = {0.1, 0.2, 0.3, 1, 1}, pr5[5] = {0, 1, 0, 0, 1}, d5[2] = {0, 0};
+        double s5[5], f5[5], b5[3];
+        int64_t ptr5[6] = {0, 0, 0, 0, 1, 2}, idx5[2] = {1, 2};
+        rp_task_graph h = graph(5, 3, r5, c5, pr5, ptr5, idx5, d5, p5, g5);
+        CHECK(0.1 + 0.2 > 0.3, "the rounding this case is about");
+        CHECK(rp_simulate(&h, 1.0, s5, f5, b5, &makespan, &err) == RP_OK, "%s", err.msg);
+        CHECK(s5[3] == 0.3 && s5[4] == 1.3, "P first, at 0.3: P %.17g, Q %.17g", s5[3], s5[4]);
     }
 }
 
@@ -910,6 +945,7 @@ int main(void)
     test_policies();
     test_zero_cost_and_empty();
     test_corun();
+    test_tolerance();
     test_deadlock();
     test_reverse_first_k();
     test_ksearch();
