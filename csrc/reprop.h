@@ -532,10 +532,11 @@ typedef struct {
  * its delay). Tasks of one co-run group that overlap advance at corun_rate
  * each (1: no slowdown, 0.5: the device is shared fairly). Writes start and
  * finish (n_tasks), busy (n_resources: time running a task) and *makespan.
- * RP_EINVAL for a malformed graph or one that deadlocks (a cycle, or an
- * in-order program waiting on a task ordered after it; start and finish of
- * the tasks that never ran are then NaN). kind, layer, micro and iteration
- * only label messages here and may be NULL. */
+ * RP_EINVAL for a malformed graph, one that deadlocks (a cycle, or an
+ * in-order program waiting on a task ordered after it), or one whose times
+ * overflow a double (finite costs that sum past it, or a tiny corun_rate);
+ * start and finish of the tasks that never ran are then NaN. kind, layer,
+ * micro and iteration only label messages here and may be NULL. */
 int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double *finish,
                 double *busy, double *makespan, rp_error *err);
 

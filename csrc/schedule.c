@@ -439,26 +439,35 @@ static double rp_sim_rate(const rp_sim *s, int64_t r, double corun_rate)
     return gid >= 0 && s->group_busy[gid] > 1 ? corun_rate : 1.0;
 }
 
+/* What rp_sim_step returns instead of a count of finished tasks. */
+enum { RP_SIM_DEADLOCK = -1, RP_SIM_OVERFLOW = -2 };
+
 /* Advances the clock to the next finish or release, finishing what ends
- * then. Returns the number of tasks finished, or -1 when nothing is running
- * and nothing will be released: a deadlock. */
+ * then. Returns the number of tasks finished; RP_SIM_DEADLOCK when nothing
+ * is running and nothing will be released; RP_SIM_OVERFLOW when something
+ * is, but past the largest double (finite costs whose sum, or whose time at
+ * a tiny corun_rate, overflows). */
 static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *finish,
                            double *busy)
 {
     const rp_task_graph *g = s->g;
     double next = INFINITY;
-    int64_t finished = 0;
+    int64_t finished = 0, pending = s->released.size;
     memset(s->group_busy, 0, (size_t)g->n_resources * sizeof *s->group_busy);
     for (int64_t r = 0; r < g->n_resources; r++)
         if (s->running[r] >= 0 && s->group_id[r] >= 0)
             s->group_busy[s->group_id[r]]++;
     for (int64_t r = 0; r < g->n_resources; r++)
-        if (s->running[r] >= 0)
+        if (s->running[r] >= 0) {
             next = fmin(next, *now + s->rem[r] / rp_sim_rate(s, r, corun_rate));
+            pending++;
+        }
     if (s->released.size > 0)
         next = fmin(next, s->released.items[0].key);
-    if (next == INFINITY)
-        return -1;
+    if (pending == 0)
+        return RP_SIM_DEADLOCK;
+    if (isinf(next))
+        return RP_SIM_OVERFLOW;
     for (int64_t r = 0; r < g->n_resources; r++) {
         const double rate = rp_sim_rate(s, r, corun_rate);
         if (s->running[r] < 0)
@@ -476,6 +485,16 @@ static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *fi
     return finished;
 }
 
+/* Task t as the errors name it: " F(layer 3, micro 0, iteration 0)" where
+ * the graph has labels, else "". */
+static void rp_sim_label(const rp_task_graph *g, int64_t t, char *label, size_t size)
+{
+    label[0] = '\0';
+    if (g->kind != NULL && g->layer != NULL && g->micro != NULL && g->iteration != NULL)
+        snprintf(label, size, " %s(layer %d, micro %d, iteration %d)", rp_task_names[g->kind[t]],
+                 g->layer[t], g->micro[t], g->iteration[t]);
+}
+
 /* Names a task that never runs: the first still waiting on a predecessor
  * (when nothing runs or will be released, every unstarted task either waits
  * on one or sits behind an in-order program's next task that does). */
@@ -483,20 +502,38 @@ static int rp_sim_deadlock(const rp_sim *s, double now, rp_error *err)
 {
     const rp_task_graph *g = s->g;
     int64_t t = 0;
-    char label[96] = "";
+    char label[96];
     while (t < g->n_tasks - 1 && s->waiting[t] == 0)
         t++;
     if (s->waiting[t] == 0) /* not expected; then any unstarted task */
         for (t = 0; t < g->n_tasks - 1 && s->avail[t] == 2; t++) {
         }
-    if (g->kind != NULL && g->layer != NULL && g->micro != NULL && g->iteration != NULL)
-        snprintf(label, sizeof label, " %s(layer %d, micro %d, iteration %d)",
-                 rp_task_names[g->kind[t]], g->layer[t], g->micro[t], g->iteration[t]);
+    rp_sim_label(g, t, label, sizeof label);
     return rp_set_error(err, RP_EINVAL,
                         "simulate: deadlock at t = %g: task %lld%s on resource %d waits on %lld "
                         "unfinished predecessor(s) (a cycle, or an in-order resource whose next "
                         "task waits on a later one)",
                         now, (long long)t, label, g->resource[t], (long long)s->waiting[t]);
+}
+
+/* Names a task whose finish (a running one) or release would lie past the
+ * largest double: every one that is pending, as the next event is there. */
+static int rp_sim_overflow(const rp_sim *s, double now, rp_error *err)
+{
+    const rp_task_graph *g = s->g;
+    int64_t t = -1;
+    char label[96];
+    for (int64_t r = 0; r < g->n_resources && t < 0; r++)
+        t = s->running[r];
+    if (t < 0)
+        t = s->released.items[0].task;
+    rp_sim_label(g, t, label, sizeof label);
+    return rp_set_error(err, RP_EINVAL,
+                        "simulate: the simulated time overflows after t = %g: task %lld%s on "
+                        "resource %d would %s past the largest double (scale the times down, "
+                        "or raise corun_rate)",
+                        now, (long long)t, label, g->resource[t],
+                        s->avail[t] == 2 ? "finish" : "start");
 }
 
 int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double *finish,
@@ -516,7 +553,7 @@ int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double
     }
     rp_sim_init(&s);
     for (int64_t t = 0; t < g->n_tasks; t++)
-        start[t] = finish[t] = NAN; /* left so for tasks a deadlock never runs */
+        start[t] = finish[t] = NAN; /* left so for tasks an error stops before */
     for (int64_t r = 0; r < g->n_resources; r++)
         busy[r] = 0.0;
     while (done < g->n_tasks) {
@@ -525,7 +562,8 @@ int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double
         rp_sim_dispatch(&s, now, start);
         finished = rp_sim_step(&s, corun_rate, &now, finish, busy);
         if (finished < 0) {
-            rc = rp_sim_deadlock(&s, now, err);
+            rc = finished == RP_SIM_DEADLOCK ? rp_sim_deadlock(&s, now, err)
+                                             : rp_sim_overflow(&s, now, err);
             break;
         }
         done += finished;

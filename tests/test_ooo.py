@@ -1204,6 +1204,16 @@ def test_a_huge_cost_leaves_the_other_tasks_times_alone():
         np.testing.assert_allclose(got[task], times, rtol=1e-15, atol=1e-15, err_msg=str(task))
 
 
+@pytest.mark.parametrize("kwargs, task", [
+    (dict(fwd=1e308), r"F\(layer 1, .* would finish"),  # 1e308 + 1e308
+    (dict(sub_stream=True, corun_rate=5e-324, order="fast_forward"), "would finish"),  # 1 / 5e-324
+])
+def test_simulated_times_that_overflow_say_so(kwargs, task):
+    """The next event at infinity read as no next event: a "deadlock"."""
+    with pytest.raises(ValueError, match=f"^simulate: the simulated time overflows .*{task}"):
+        ooo.simulate(3, **kwargs)
+
+
 def test_reverse_first_k_order_and_memory_cap():
     order, k = ooo.reverse_first_k(4, 2)
     assert k == 2

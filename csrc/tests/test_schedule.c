@@ -8,8 +8,8 @@
  * modulo allocation on two devices), the Fig. 12 setting (16 layers, 4
  * devices, 4 micro-batches) and a reconstruction of Fig. 4 (reverse
  * first-k under data parallelism); the simulator's policies, co-run
- * slowdown, transfer delays, the time tolerance and deadlock detection on
- * hand-made graphs; Algorithm 2's order and memory cap; the k search on
+ * slowdown, transfer delays, the time tolerance, deadlock and overflow
+ * detection on hand-made graphs; Algorithm 2's order and memory cap; the k search on
  * concave scores;
  * Algorithm 1 on hand-checked cases (max speedup against first come first
  * served, deadlines, the overcommitted fallback, pre-scheduling under a
@@ -468,6 +468,38 @@ static void test_deadlock(void)
     CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
               strstr(err.msg, "task 0 on resource 0"),
           "unlabelled: %s", err.msg);
+}
+
+/* Finite costs whose times overflow a double: an error that says so (it
+ * read as a deadlock, the next event at infinity as no event). */
+static void test_overflow(void)
+{
+    int32_t kind[2] = {RP_TASK_FORWARD, RP_TASK_FORWARD}, layer[2] = {0, 1}, zero[2] = {0, 0};
+    int32_t res[2] = {0, 0}, policy[2] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER}, group[2] = {-1, -1};
+    double cost[2] = {1e308, 1e308}, prio[2] = {0, 1}, delay[1] = {0};
+    int64_t ptr[3] = {0, 0, 1}, idx[1] = {0};
+    double start[2], finish[2], busy[2], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = {2, 1, 1, kind, layer, zero, zero, res, cost, prio, ptr, idx, delay,
+                       policy, group};
+    /* a chain of two: the second would finish past the largest double */
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "overflows after t = 1e+308: task 1 F(layer 1, micro 0, "
+                              "iteration 0) on resource 0 would finish"),
+          "sum: %s", err.msg);
+    CHECK(finish[0] == 1e308 && isnan(finish[1]), "the first ran: %g %g", finish[0], finish[1]);
+    /* a delay past it: the second on its own resource would start there */
+    g.n_resources = 2, res[1] = 1, delay[0] = 1e308, cost[1] = 1;
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "task 1") && strstr(err.msg, "would start"),
+          "delay: %s", err.msg);
+    /* unit costs co-running at the smallest rate: 1 / 5e-324 */
+    g.n_deps = 0, ptr[2] = 0, cost[0] = cost[1] = 1, group[0] = group[1] = 0;
+    CHECK(rp_simulate(&g, 5e-324, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "overflows after t = 0: task 0") && strstr(err.msg, "corun_rate"),
+          "co-run: %s", err.msg);
+    CHECK(rp_simulate(&g, 0.5, start, finish, busy, &makespan, &err) == RP_OK && makespan == 2,
+          "co-run at 0.5: %s", err.msg);
 }
 
 /* ---- Algorithm 2, the k search, the layer allocation ---- */
@@ -947,6 +979,7 @@ int main(void)
     test_corun();
     test_tolerance();
     test_deadlock();
+    test_overflow();
     test_reverse_first_k();
     test_ksearch();
     test_ksearch_concave();
