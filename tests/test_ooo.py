@@ -1261,16 +1261,57 @@ def test_allreduce_time_is_the_ring_formula():
     assert math.isclose(ooo.allreduce_time(1e9, 4, 1e10, 1e-5), 2 * 3 / 4 * 0.1 + 6e-5)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"order": "gpipe"}, "order"),
-    ({"fwd": [1, 2]}, "fwd"),
-    ({"sync": -1}, "sync"),
-    ({"allocation": "striped"}, "allocation"),
-    ({"group": 0}, "group"),
+@pytest.mark.parametrize("bad, name", [
+    (lambda: ooo.simulate(4, order="gpipe"), "order"),
+    (lambda: ooo.simulate(4, fwd=[1, 2]), "fwd"),
+    (lambda: ooo.simulate(4, sync=-1), "sync"),
+    (lambda: ooo.simulate(4, allocation="striped"), "allocation"),
+    (lambda: ooo.simulate(4, group=0), "group"),
+    # before: bare TypeErrors and OverflowErrors, or the core's internal names
+    (lambda: ooo.simulate(4.0), "layers"),
+    (lambda: ooo.simulate(None), "layers"),
+    (lambda: ooo.simulate(4, num_stages=2.0), "num_stages"),
+    (lambda: ooo.simulate(4, num_stages=2 ** 64), "num_stages"),
+    (lambda: ooo.simulate(4, micro_batches=2.0), "micro_batches"),
+    (lambda: ooo.simulate(4, iterations=2 ** 64), "iterations"),
+    (lambda: ooo.simulate(4, transfer=None), "transfer"),
+    (lambda: ooo.simulate(4, corun_rate=None), "corun_rate"),
+    (lambda: ooo.simulate(4, fwd=[1, 2, 3, "a"]), "fwd"),
+    (lambda: ooo.simulate(4, sub_stream=None), "sub_stream"),
+    (lambda: ooo.simulate(4, input_grad="yes"), "input_grad"),
+    (lambda: ooo.allreduce_time(10 ** 400, 4, 1e9), "nbytes"),
+    (lambda: ooo.allreduce_time(1e6, 4, 1e9, latency=10 ** 400), "latency"),
+    (lambda: ooo.search_k(5, lambda k: 10 ** 400), "measure"),
+    (lambda: ooo.reverse_first_k(4, 1, [0] * 4, [0] * 4, mem_forward=2 ** 64), "mem_forward"),
+    # bools are not counts, as k always refused them (some accepted True as 1)
+    (lambda: ooo.simulate(True), "layers"),
+    (lambda: ooo.simulate(4, micro_batches=True), "micro_batches"),
+    (lambda: ooo.simulate(4, num_stages=True), "num_stages"),
+    (lambda: ooo.simulate(4, iterations=True), "iterations"),
+    (lambda: ooo.simulate(4, corun_rate=True), "corun_rate"),
+    (lambda: ooo.stages(8, 2, "modulo", True), "group"),
+    (lambda: ooo.reverse_first_k(4, True), "k"),
+    (lambda: ooo.allreduce_time(1e6, True, 1e9), "workers"),
 ])
-def test_simulate_bad_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        ooo.simulate(4, **kwargs)
+def test_planning_bad_arguments(bad, name):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        bad()
+
+
+def test_planning_takes_numpy_ints_and_large_numbers():
+    """group refused NumPy ints (which Pipeline passes on); a k past the
+    layers, 2^63 - 1 bytes and 2^70 bytes are valid, and were refused."""
+    assert ooo.stages(8, 2, "modulo", np.int64(2)) == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert ooo.stages(8, 2, "modulo", 2 ** 64) == [0] * 8
+    r = ooo.simulate(np.int64(8), num_stages=np.int64(2), allocation="modulo",
+                     group=np.int64(2), micro_batches=np.int32(2), iterations=np.int64(2))
+    assert r.makespan == ooo.simulate(8, num_stages=2, allocation="modulo", group=2,
+                                      micro_batches=2, iterations=2).makespan
+    assert ooo.reverse_first_k(4, 2 ** 63) == ooo.reverse_first_k(4, 4)
+    _, k = ooo.reverse_first_k(4, 1, [0] * 4, [0] * 4, mem_forward=2 ** 63 - 1,
+                               mem_cap=2 ** 63 - 1)
+    assert k == 0  # the forward alone reaches the cap: nothing is held
+    assert ooo.allreduce_time(2 ** 70, 4, 1e9) == 2 * 3 / 4 * 2.0 ** 70 / 1e9
 
 
 # ---------------------------------------------------------------------------
