@@ -55,7 +55,7 @@ PyDoc_STRVAR(simulate_doc,
              "simulate(graph, corun_rate)\n--\n\n"
              "Plays a task graph (a dict as sched_graph returns) as a discrete-event\n"
              "simulation (rp_simulate): (start, finish, busy, makespan). ValueError for\n"
-             "a malformed graph or a deadlock.");
+             "a malformed graph, a deadlock, or times that overflow.");
 
 PyDoc_STRVAR(sched_stages_doc,
              "sched_stages(layers, stages, group)\n--\n\n"

@@ -532,10 +532,11 @@ typedef struct {
  * its delay). Tasks of one co-run group that overlap advance at corun_rate
  * each (1: no slowdown, 0.5: the device is shared fairly). Writes start and
  * finish (n_tasks), busy (n_resources: time running a task) and *makespan.
- * RP_EINVAL for a malformed graph or one that deadlocks (a cycle, or an
- * in-order program waiting on a task ordered after it; start and finish of
- * the tasks that never ran are then NaN). kind, layer, micro and iteration
- * only label messages here and may be NULL. */
+ * RP_EINVAL for a malformed graph, one that deadlocks (a cycle, or an
+ * in-order program waiting on a task ordered after it), or one whose times
+ * overflow a double (finite costs that sum past it, or a tiny corun_rate);
+ * start and finish of the tasks that never ran are then NaN. kind, layer,
+ * micro and iteration only label messages here and may be NULL. */
 int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double *finish,
                 double *busy, double *makespan, rp_error *err);
 
@@ -589,8 +590,9 @@ int rp_sched_reverse_first_k(int64_t layers, int64_t k, const int64_t *mem_out_g
  * in [0, layers] is the measured throughput or NaN where not measured yet.
  * Returns in *next the k to measure next, or -1 when the search is over;
  * *best is the best k measured so far (-1 before any). Steps of L/10
- * over [0, L] (L itself included), then halving steps around the best
- * until a step of 1. */
+ * over [0, L] (L itself included), then steps halved (rounded up) around
+ * the best until a step of 1: for a concave score, its maximum, measuring
+ * each k at most once. */
 int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t *best,
                     rp_error *err);
 

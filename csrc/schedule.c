@@ -124,15 +124,16 @@ static rp_heap_item rp_heap_pop(rp_heap *h)
  * the next task of their program, the others keep a heap of available
  * tasks keyed by their policy. The clock then jumps to the next finish or
  * release, advancing every running task by rate * dt. Times are compared
- * with a tolerance relative to the graph's time scale, so that a finish
- * computed as start + cost and a release computed from it meet.
+ * with a tolerance relative to the time itself (a task's finish, the
+ * clock), so that a finish computed as start + cost and a release computed
+ * from it meet: not to the graph's largest cost, which made every task
+ * running beside a cost of 1e12 finish within 1 unit of the next event.
  * ------------------------------------------------------------------------- */
 
 static const char *const rp_task_names[4] = {"F", "dO", "dW", "S"};
 
 typedef struct {
     const rp_task_graph *g;
-    double scale;        /* largest cost or delay: the unit of the tolerance */
     int64_t *order;      /* (n_tasks) task ids by resource, each resource's by (priority, id) */
     int64_t *res_start;  /* (n_resources + 1) resource r's tasks: order[res_start[r] ..) */
     int64_t *rank;       /* (n_tasks) position of a task in order */
@@ -152,7 +153,9 @@ typedef struct {
     int64_t *group_busy; /* (n_resources) running resources per group_id */
 } rp_sim;
 
-static double rp_sim_tol(const rp_sim *s, double t) { return 1e-12 * (fabs(t) + s->scale); }
+/* Times within this of t are t: some thousand rounding errors of t, the
+ * most the sums that make a time accumulate. */
+static double rp_sim_tol(double t) { return 1e-12 * fabs(t); }
 
 static int rp_sim_check_tasks(const rp_task_graph *g, rp_error *err)
 {
@@ -318,20 +321,15 @@ static int rp_sim_sort(rp_sim *s)
 }
 
 /* Successor lists (the transpose of the predecessor lists), predecessor
- * counts, the time scale and the empty queues. */
+ * counts and the empty queues. */
 static void rp_sim_init(rp_sim *s)
 {
     const rp_task_graph *g = s->g;
-    s->scale = 0.0;
     memset(s->succ_ptr, 0, (size_t)(g->n_tasks + 1) * sizeof *s->succ_ptr);
-    for (int64_t e = 0; e < g->n_deps; e++) {
+    for (int64_t e = 0; e < g->n_deps; e++)
         s->succ_ptr[g->dep_idx[e] + 1]++;
-        s->scale = fmax(s->scale, g->dep_delay[e]);
-    }
-    for (int64_t t = 0; t < g->n_tasks; t++) {
+    for (int64_t t = 0; t < g->n_tasks; t++)
         s->succ_ptr[t + 1] += s->succ_ptr[t];
-        s->scale = fmax(s->scale, g->cost[t]);
-    }
     /* waiting[] first counts the successors written so far of each task */
     memset(s->waiting, 0, (size_t)g->n_tasks * sizeof *s->waiting);
     for (int64_t t = 0; t < g->n_tasks; t++)
@@ -382,7 +380,7 @@ static int rp_sim_groups(rp_sim *s)
 static void rp_sim_release(rp_sim *s, double now)
 {
     const rp_task_graph *g = s->g;
-    const double limit = now + rp_sim_tol(s, now);
+    const double limit = now + rp_sim_tol(now);
     while (s->released.size > 0 && s->released.items[0].key <= limit) {
         int64_t t = rp_heap_pop(&s->released).task;
         int32_t r = g->resource[t];
@@ -441,33 +439,42 @@ static double rp_sim_rate(const rp_sim *s, int64_t r, double corun_rate)
     return gid >= 0 && s->group_busy[gid] > 1 ? corun_rate : 1.0;
 }
 
+/* What rp_sim_step returns instead of a count of finished tasks. */
+enum { RP_SIM_DEADLOCK = -1, RP_SIM_OVERFLOW = -2 };
+
 /* Advances the clock to the next finish or release, finishing what ends
- * then. Returns the number of tasks finished, or -1 when nothing is running
- * and nothing will be released: a deadlock. */
+ * then. Returns the number of tasks finished; RP_SIM_DEADLOCK when nothing
+ * is running and nothing will be released; RP_SIM_OVERFLOW when something
+ * is, but past the largest double (finite costs whose sum, or whose time at
+ * a tiny corun_rate, overflows). */
 static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *finish,
                            double *busy)
 {
     const rp_task_graph *g = s->g;
-    double next = INFINITY, tol;
-    int64_t finished = 0;
+    double next = INFINITY;
+    int64_t finished = 0, pending = s->released.size;
     memset(s->group_busy, 0, (size_t)g->n_resources * sizeof *s->group_busy);
     for (int64_t r = 0; r < g->n_resources; r++)
         if (s->running[r] >= 0 && s->group_id[r] >= 0)
             s->group_busy[s->group_id[r]]++;
     for (int64_t r = 0; r < g->n_resources; r++)
-        if (s->running[r] >= 0)
+        if (s->running[r] >= 0) {
             next = fmin(next, *now + s->rem[r] / rp_sim_rate(s, r, corun_rate));
+            pending++;
+        }
     if (s->released.size > 0)
         next = fmin(next, s->released.items[0].key);
-    if (next == INFINITY)
-        return -1;
-    tol = rp_sim_tol(s, next);
+    if (pending == 0)
+        return RP_SIM_DEADLOCK;
+    if (isinf(next))
+        return RP_SIM_OVERFLOW;
     for (int64_t r = 0; r < g->n_resources; r++) {
         const double rate = rp_sim_rate(s, r, corun_rate);
         if (s->running[r] < 0)
             continue;
         busy[r] += next - *now;
-        if (*now + s->rem[r] / rate <= next + tol) {
+        /* within the tolerance of its own finish (next, if it finishes now) */
+        if (*now + s->rem[r] / rate <= next + rp_sim_tol(next)) {
             rp_sim_finish(s, r, next, finish);
             finished++;
         } else {
@@ -478,6 +485,16 @@ static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *fi
     return finished;
 }
 
+/* Task t as the errors name it: " F(layer 3, micro 0, iteration 0)" where
+ * the graph has labels, else "". */
+static void rp_sim_label(const rp_task_graph *g, int64_t t, char *label, size_t size)
+{
+    label[0] = '\0';
+    if (g->kind != NULL && g->layer != NULL && g->micro != NULL && g->iteration != NULL)
+        snprintf(label, size, " %s(layer %d, micro %d, iteration %d)", rp_task_names[g->kind[t]],
+                 g->layer[t], g->micro[t], g->iteration[t]);
+}
+
 /* Names a task that never runs: the first still waiting on a predecessor
  * (when nothing runs or will be released, every unstarted task either waits
  * on one or sits behind an in-order program's next task that does). */
@@ -485,20 +502,38 @@ static int rp_sim_deadlock(const rp_sim *s, double now, rp_error *err)
 {
     const rp_task_graph *g = s->g;
     int64_t t = 0;
-    char label[96] = "";
+    char label[96];
     while (t < g->n_tasks - 1 && s->waiting[t] == 0)
         t++;
     if (s->waiting[t] == 0) /* not expected; then any unstarted task */
         for (t = 0; t < g->n_tasks - 1 && s->avail[t] == 2; t++) {
         }
-    if (g->kind != NULL && g->layer != NULL && g->micro != NULL && g->iteration != NULL)
-        snprintf(label, sizeof label, " %s(layer %d, micro %d, iteration %d)",
-                 rp_task_names[g->kind[t]], g->layer[t], g->micro[t], g->iteration[t]);
+    rp_sim_label(g, t, label, sizeof label);
     return rp_set_error(err, RP_EINVAL,
                         "simulate: deadlock at t = %g: task %lld%s on resource %d waits on %lld "
                         "unfinished predecessor(s) (a cycle, or an in-order resource whose next "
                         "task waits on a later one)",
                         now, (long long)t, label, g->resource[t], (long long)s->waiting[t]);
+}
+
+/* Names a task whose finish (a running one) or release would lie past the
+ * largest double: every one that is pending, as the next event is there. */
+static int rp_sim_overflow(const rp_sim *s, double now, rp_error *err)
+{
+    const rp_task_graph *g = s->g;
+    int64_t t = -1;
+    char label[96];
+    for (int64_t r = 0; r < g->n_resources && t < 0; r++)
+        t = s->running[r];
+    if (t < 0)
+        t = s->released.items[0].task;
+    rp_sim_label(g, t, label, sizeof label);
+    return rp_set_error(err, RP_EINVAL,
+                        "simulate: the simulated time overflows after t = %g: task %lld%s on "
+                        "resource %d would %s past the largest double (scale the times down, "
+                        "or raise corun_rate)",
+                        now, (long long)t, label, g->resource[t],
+                        s->avail[t] == 2 ? "finish" : "start");
 }
 
 int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double *finish,
@@ -518,7 +553,7 @@ int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double
     }
     rp_sim_init(&s);
     for (int64_t t = 0; t < g->n_tasks; t++)
-        start[t] = finish[t] = NAN; /* left so for tasks a deadlock never runs */
+        start[t] = finish[t] = NAN; /* left so for tasks an error stops before */
     for (int64_t r = 0; r < g->n_resources; r++)
         busy[r] = 0.0;
     while (done < g->n_tasks) {
@@ -527,7 +562,8 @@ int rp_simulate(const rp_task_graph *g, double corun_rate, double *start, double
         rp_sim_dispatch(&s, now, start);
         finished = rp_sim_step(&s, corun_rate, &now, finish, busy);
         if (finished < 0) {
-            rc = rp_sim_deadlock(&s, now, err);
+            rc = finished == RP_SIM_DEADLOCK ? rp_sim_deadlock(&s, now, err)
+                                             : rp_sim_overflow(&s, now, err);
             break;
         }
         done += finished;
@@ -997,10 +1033,16 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
         *next = first_missing;
         return RP_OK;
     }
-    /* then halve the step around the best until a step of 1 has been tried */
+    /* then halve the step around the best until a step of 1 has been tried.
+     * For a concave score the maximum lies strictly within a step of the
+     * best (its sampled neighbours score no higher); halving rounded up keeps
+     * that so, as a move to a neighbour leaves at most step - ceil(step / 2)
+     * <= ceil(step / 2) of the old interval on the far side. Rounded down
+     * it would not: from a best of 0 at step 3, a step of 1 never measured
+     * k = 2. A step of 1 leaves the best alone in its interval. */
     while (step > 1) {
         const int64_t center = b;
-        step = step / 2 > 1 ? step / 2 : 1;
+        step = (step + 1) / 2;
         for (int side = 0; side < 2; side++) {
             const int64_t k = side == 0 ? center - step : center + step;
             if (k >= 0 && k <= layers && isnan(score[k])) {

@@ -25,6 +25,7 @@ import math
 import tempfile
 import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -1013,6 +1014,15 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x, t, F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+
+
+def test_pipeline_takes_numpy_ints(solo_group):
+    """Pipeline checked group as a count, NumPy's ints too, then passed it to
+    stages(), which refused them."""
+    pipe = Pipeline(_blocks(), micro_batches=np.int64(2), allocation="modulo", group=np.int64(2))
+    assert pipe.micro_batches == 2 and pipe.stage_of.tolist() == [0] * DEPTH
+    x, t = _batch(0, 0)
+    pipe.step(x, t, F.mse_loss)
 
 
 # ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@
  * modulo allocation on two devices), the Fig. 12 setting (16 layers, 4
  * devices, 4 micro-batches) and a reconstruction of Fig. 4 (reverse
  * first-k under data parallelism); the simulator's policies, co-run
- * slowdown, transfer delays and deadlock detection on hand-made graphs;
- * Algorithm 2's order and memory cap; the k search on a concave score;
+ * slowdown, transfer delays, the time tolerance, deadlock and overflow
+ * detection on hand-made graphs; Algorithm 2's order and memory cap; the k search on
+ * concave scores;
  * Algorithm 1 on hand-checked cases (max speedup against first come first
  * served, deadlines, the overcommitted fallback, pre-scheduling under a
  * memory cap); and every validation error.
@@ -391,6 +392,40 @@ static void test_corun(void)
     }
 }
 
+/* Events are simultaneous within a tolerance relative to their time (a sum
+ * of costs rounds), not to the graph's largest cost. */
+static void test_tolerance(void)
+{
+    /* resource 0: A (0.7); resource 1: B (0.3) then C (1e12). A ended with
+     * B at 0.3: the tolerance was 1e-12 of the largest cost, 1 unit. */
+    int32_t res[3] = {0, 1, 1}, policy[2] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER};
+    int32_t group[2] = {-1, -1};
+    double cost[3] = {0.7, 0.3, 1e12}, prio[3] = {0, 0, 1}, delay[1] = {0};
+    int64_t ptr[4] = {0, 0, 0, 0}, idx[1] = {0};
+    double start[3], finish[3], busy[2], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(3, 2, res, cost, prio, ptr, idx, delay, policy, group);
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    /* C's remaining cost is rounded at 0.7 (1e12 - 0.4, to 2^-13) */
+    CHECK(finish[0] == 0.7 && finish[1] == 0.3 && fabs(finish[2] - (0.3 + 1e12)) < 1e-3,
+          "beside a cost of 1e12: %.17g %.17g %.17g", finish[0], finish[1], finish[2]);
+    {
+        /* X (0.1) then Y (0.2) on resource 0 end at 0.1 + 0.2 > 0.3, Z (0.3)
+         * on resource 1 at 0.3: one event, so the priority resource 2 sees P
+         * (after Y, priority 0) and Q (after Z, priority 1) at once */
+        int32_t r5[6] = {0, 0, 1, 2, 2}, p5[3] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER,
+                                                 RP_RES_PRIORITY};
+        int32_t g5[3] = {-1, -1, -1};
+        double c5[5] = {0.1, 0.2, 0.3, 1, 1}, pr5[5] = {0, 1, 0, 0, 1}, d5[2] = {0, 0};
+        double s5[5], f5[5], b5[3];
+        int64_t ptr5[6] = {0, 0, 0, 0, 1, 2}, idx5[2] = {1, 2};
+        rp_task_graph h = graph(5, 3, r5, c5, pr5, ptr5, idx5, d5, p5, g5);
+        CHECK(0.1 + 0.2 > 0.3, "the rounding this case is about");
+        CHECK(rp_simulate(&h, 1.0, s5, f5, b5, &makespan, &err) == RP_OK, "%s", err.msg);
+        CHECK(s5[3] == 0.3 && s5[4] == 1.3, "P first, at 0.3: P %.17g, Q %.17g", s5[3], s5[4]);
+    }
+}
+
 static void test_deadlock(void)
 {
     int32_t kind[2] = {RP_TASK_FORWARD, RP_TASK_WEIGHT_GRAD}, layer[2] = {3, 1}, micro[2] = {0, 2};
@@ -433,6 +468,38 @@ static void test_deadlock(void)
     CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
               strstr(err.msg, "task 0 on resource 0"),
           "unlabelled: %s", err.msg);
+}
+
+/* Finite costs whose times overflow a double: an error that says so (it
+ * read as a deadlock, the next event at infinity as no event). */
+static void test_overflow(void)
+{
+    int32_t kind[2] = {RP_TASK_FORWARD, RP_TASK_FORWARD}, layer[2] = {0, 1}, zero[2] = {0, 0};
+    int32_t res[2] = {0, 0}, policy[2] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER}, group[2] = {-1, -1};
+    double cost[2] = {1e308, 1e308}, prio[2] = {0, 1}, delay[1] = {0};
+    int64_t ptr[3] = {0, 0, 1}, idx[1] = {0};
+    double start[2], finish[2], busy[2], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = {2, 1, 1, kind, layer, zero, zero, res, cost, prio, ptr, idx, delay,
+                       policy, group};
+    /* a chain of two: the second would finish past the largest double */
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "overflows after t = 1e+308: task 1 F(layer 1, micro 0, "
+                              "iteration 0) on resource 0 would finish"),
+          "sum: %s", err.msg);
+    CHECK(finish[0] == 1e308 && isnan(finish[1]), "the first ran: %g %g", finish[0], finish[1]);
+    /* a delay past it: the second on its own resource would start there */
+    g.n_resources = 2, res[1] = 1, delay[0] = 1e308, cost[1] = 1;
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "task 1") && strstr(err.msg, "would start"),
+          "delay: %s", err.msg);
+    /* unit costs co-running at the smallest rate: 1 / 5e-324 */
+    g.n_deps = 0, ptr[2] = 0, cost[0] = cost[1] = 1, group[0] = group[1] = 0;
+    CHECK(rp_simulate(&g, 5e-324, start, finish, busy, &makespan, &err) == RP_EINVAL &&
+              strstr(err.msg, "overflows after t = 0: task 0") && strstr(err.msg, "corun_rate"),
+          "co-run: %s", err.msg);
+    CHECK(rp_simulate(&g, 0.5, start, finish, busy, &makespan, &err) == RP_OK && makespan == 2,
+          "co-run at 0.5: %s", err.msg);
 }
 
 /* ---- Algorithm 2, the k search, the layer allocation ---- */
@@ -502,6 +569,52 @@ static double concave_at_37(int64_t k) { return 1000.0 - (double)((k - 37) * (k 
 static double tie_at_1_and_3(int64_t k) { return k == 1 || k == 3 ? 2.0 : 1.0; }
 
 static double rising(int64_t k) { return (double)k; }
+
+/* +1 per step up to k = 2, then -10 per step: with L = 30 the sweep's best
+ * is 0 at a step of 3, and a step of 1 after it never reached k = 2 */
+static double peak_at_2(int64_t k) { return k <= 2 ? (double)k : 2.0 - 10.0 * (double)(k - 2); }
+
+/* a random strictly concave score over [0, 200]: sum of decreasing increments */
+static double concave_table[201];
+
+static double from_table(int64_t k) { return concave_table[k]; }
+
+static uint64_t lcg(uint64_t *state)
+{
+    *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
+    return *state >> 11;
+}
+
+/* Every k search on a concave score ends at its maximum: 2000 random
+ * strictly concave scores over L in [1, 200] (deterministic). */
+static void test_ksearch_concave(void)
+{
+    double inc[200], score[201];
+    uint64_t state = 7;
+    int64_t best;
+    run_ksearch(30, peak_at_2, score, &best);
+    CHECK(best == 2, "L = 30, peak at 2: best %lld", (long long)best);
+    for (int trial = 0; trial < 2000; trial++) {
+        const int64_t L = 1 + (int64_t)(lcg(&state) % 200);
+        int64_t argmax = 0;
+        /* L increments in (-10, 10), sorted decreasing (insertion sort) */
+        for (int64_t i = 0; i < L; i++) {
+            double v = (double)lcg(&state) / 9007199254740992.0 * 20.0 - 10.0;
+            int64_t j = i;
+            for (; j > 0 && inc[j - 1] < v; j--)
+                inc[j] = inc[j - 1];
+            inc[j] = v;
+        }
+        concave_table[0] = 0.0;
+        for (int64_t k = 1; k <= L; k++) {
+            concave_table[k] = concave_table[k - 1] + inc[k - 1];
+            argmax = concave_table[k] > concave_table[argmax] ? k : argmax;
+        }
+        run_ksearch(L, from_table, score, &best);
+        CHECK(best == argmax, "trial %d, L = %lld: best %lld, argmax %lld", trial, (long long)L,
+              (long long)best, (long long)argmax);
+    }
+}
 
 static void test_ksearch(void)
 {
@@ -864,9 +977,12 @@ int main(void)
     test_policies();
     test_zero_cost_and_empty();
     test_corun();
+    test_tolerance();
     test_deadlock();
+    test_overflow();
     test_reverse_first_k();
     test_ksearch();
+    test_ksearch_concave();
     test_stages();
     test_regions();
     test_simulate_errors();

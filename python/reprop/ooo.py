@@ -1257,10 +1257,7 @@ def _speedup_value(speedup: Callable, r: int, i: int) -> float:
                         "function (region of the dW, region it runs in) -> speedup") from exc
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number")
-    try:
-        as_float = float(value)
-    except OverflowError:  # an int past float's range
-        as_float = math.inf
+    as_float = _to_float(value)
     if not (math.isfinite(as_float) and as_float > 0):
         raise ValueError(f"speedup: speedup({r}, {i}) = {value!r}; expected a finite number > 0")
     return as_float
@@ -1304,8 +1301,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
-    if not _is_count(regions) or regions < 1:
-        raise ValueError(f"regions: expected an int >= 1, got {regions!r}")
+    regions = _count(regions, "regions", 1)
     if isinstance(max_extra_memory, bool) or not (
             isinstance(max_extra_memory, numbers.Real) and max_extra_memory >= 0):
         raise ValueError(f"max_extra_memory: expected a fraction >= 0, got {max_extra_memory!r}")
@@ -1317,7 +1313,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
-    handle = OOOHandle(model, order, int(regions), float(max_extra_memory), int(profile_iters),
+    handle = OOOHandle(model, order, regions, float(max_extra_memory), int(profile_iters),
                        speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
@@ -1429,8 +1425,7 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
     """
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
-    if not _is_count(warmup) or warmup < 1:
-        raise ValueError(f"warmup: expected an int >= 1, got {warmup!r}")
+    warmup = _count(warmup, "warmup", 1)
     if handle is not None and not isinstance(handle, OOOHandle):
         raise TypeError(f"handle: expected the OOOHandle of reprop.ooo.enable(), got "
                         f"{type(handle).__name__}")
@@ -1462,17 +1457,76 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 
 
 # ---------------------------------------------------------------------------
+# Argument checks shared by every entry point
+# ---------------------------------------------------------------------------
+
+
+def _is_count(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def _count(value, name: str, low: int, high: int | None = None) -> int:
+    """`value` as a Python int if it is a count (an int or a NumPy int, never
+    a bool or a float) in [low, high] (high None: no bound); else a
+    ValueError naming `name`."""
+    if not _is_count(value) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {bound}, got {value!r}")
+    return int(value)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _to_float(value) -> float:
+    """float(value), with an int past float's range as an infinity."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _number(value, name: str, expected: str, ok: Callable[[float], bool]) -> float:
+    """`value` as a float if it is a number (never a bool) for which ok(value)
+    holds (ok sees NaN for anything else); else a ValueError naming `name`
+    and what it `expected`."""
+    as_float = _to_float(value) if _is_number(value) else math.nan
+    if not ok(as_float):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return as_float
+
+
+def _is_time(v: float) -> bool:
+    return 0.0 <= v < math.inf
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)
+
+
+# ---------------------------------------------------------------------------
 # Planning: the scheduler core for machines one does not have
 # ---------------------------------------------------------------------------
 
 _ORDER_CODES = {"conventional": 0, "fast_forward": 1, "reverse_first_k": 2}
 _TASK_NAMES = ("F", "dO", "dW", "S")
+# the core labels layers, micro-batches and iterations with int32s, and a
+# simulated device has three resources (main stream, sub-stream, link)
+_INT32_MAX = 2 ** 31 - 1
+_MAX_SIM_STAGES = _INT32_MAX // 3
 
 
 def _per_layer(value, layers: int, name: str) -> np.ndarray:
     """A per-layer float64 array from a scalar or a sequence of `layers` values."""
-    arr = np.full(layers, value, dtype=np.float64) if np.ndim(value) == 0 \
-        else np.asarray(value, dtype=np.float64)
+    try:
+        arr = np.full(layers, value, dtype=np.float64) if np.ndim(value) == 0 \
+            else np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ValueError(f"{name}: expected a number or {layers} per-layer times "
+                         f"({exc})") from None
     if arr.shape != (layers,):
         raise ValueError(f"{name}: expected a number or {layers} per-layer values, "
                          f"got shape {arr.shape}")
@@ -1485,10 +1539,12 @@ def stages(layers: int, num_stages: int, allocation: str = "contiguous", group: 
     """The device of each layer: contiguous blocks, or the paper's modulo
     allocation of groups of `group` consecutive layers (layer l on
     (l // group) mod num_stages)."""
+    layers = _count(layers, "layers", 1, _INT32_MAX)
+    num_stages = _count(num_stages, "num_stages", 1, _INT32_MAX)
     if allocation not in ("contiguous", "modulo"):
         raise ValueError(f"allocation: expected 'contiguous' or 'modulo', got {allocation!r}")
-    if not isinstance(group, int) or group < 1:
-        raise ValueError(f"group: expected an int >= 1, got {group!r}")
+    # a group of `layers` or more puts every layer on device 0 alike
+    group = min(_count(group, "group", 1), layers)
     return _C.sched_stages(layers, num_stages, group if allocation == "modulo" else 0).tolist()
 
 
@@ -1501,10 +1557,8 @@ def reverse_first_k(layers: int, k: int, mem_out_grad: Sequence[int] | None = No
     cap allows less. Memory sizes are whole numbers of bytes >= 0: per layer
     (`layers` of them) for the deferred output and weight gradients, then
     the forward's; `mem_cap` 0 means no cap."""
-    if not _is_count(layers) or not 1 <= layers < 2 ** 30:
-        raise ValueError(f"layers: expected an int in [1, 2^30), got {layers!r}")
-    if not _is_count(k) or k < 0:
-        raise ValueError(f"k: expected an int >= 0, got {k!r}")
+    layers = _count(layers, "layers", 1, 2 ** 30 - 1)
+    k = min(_count(k, "k", 0), layers)  # as the core holds them: all for a larger k
     og = _byte_counts(mem_out_grad, layers, "mem_out_grad")
     wg = _byte_counts(mem_weight_grad, layers, "mem_weight_grad")
     for name, value in (("mem_forward", mem_forward), ("mem_cap", mem_cap)):
@@ -1529,7 +1583,10 @@ def _byte_counts(value, layers: int, name: str) -> np.ndarray | None:
 
 def _whole_bytes(arr: np.ndarray) -> bool:
     """Whether every element is a whole number in [0, 2^63) (an int64 size)."""
-    if arr.dtype.kind not in "iuf" or not np.all(np.isfinite(arr)):
+    if arr.dtype.kind in "iu":
+        # compared as integers: 2^63 - 1 is 2^63 as a float; a signed int fits
+        return bool(np.all(arr >= 0) and (arr.dtype.kind == "i" or np.all(arr < 2 ** 63)))
+    if arr.dtype.kind != "f" or not np.all(np.isfinite(arr)):
         return False
     return bool(np.all(arr == np.floor(arr)) and np.all(arr >= 0) and np.all(arr < 2.0 ** 63))
 
@@ -1541,12 +1598,12 @@ _MAX_SEARCH_LAYERS = 2 ** 20
 
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
-    steps of L/10 (k = L included), then halving around the best.
+    steps of L/10 (k = L included), then steps halved (rounded up) around
+    the best down to 1, which finds the maximum of a concave score.
     `measure(k)` returns a finite score, higher is better (a throughput, or
-    a negated time). Returns the best k and every measurement. `layers` is
-    at most 2^20."""
-    if not _is_count(layers) or not 1 <= layers <= _MAX_SEARCH_LAYERS:
-        raise ValueError(f"layers: expected an int in [1, {_MAX_SEARCH_LAYERS}], got {layers!r}")
+    a negated time); each k is measured at most once. Returns the best k and
+    every measurement. `layers` is at most 2^20."""
+    layers = _count(layers, "layers", 1, _MAX_SEARCH_LAYERS)
     score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
     while True:
         nxt, best = _C.ksearch_next(layers, score)
@@ -1560,12 +1617,12 @@ def _score(measure: Callable[[int], float], k: int) -> float:
     for again forever, an infinity would outrank every measurement."""
     result = measure(k)
     try:
-        value = float(result)
+        value = _to_float(result)
     except (TypeError, ValueError):
         raise TypeError(f"measure: expected a number for k={k}, got "
                         f"{type(result).__name__}") from None
     if not np.isfinite(value):
-        raise ValueError(f"measure: expected a finite score for k={k}, got {value!r}")
+        raise ValueError(f"measure: expected a finite score for k={k}, got {result!r}")
     return value
 
 
@@ -1574,20 +1631,13 @@ def allreduce_time(nbytes: float, workers: int, bandwidth: float, latency: float
     `bandwidth` bytes/s per link and `latency` s per message:
     2 (N-1)/N bytes/bandwidth + 2 (N-1) latency. A `bandwidth` of inf
     leaves the latencies alone."""
-    if not _is_count(workers) or workers < 1:
-        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
-    for name, value in (("nbytes", nbytes), ("latency", latency)):
-        if not _is_number(value) or not (np.isfinite(value) and value >= 0):
-            raise ValueError(f"{name}: expected a finite number >= 0, got {value!r}")
-    if not _is_number(bandwidth) or not bandwidth > 0:
-        raise ValueError(f"bandwidth: expected a number > 0 (bytes/s), got {bandwidth!r}")
+    workers = _count(workers, "workers", 1)
+    nbytes, latency = (_number(v, name, "a finite number >= 0", _is_time)
+                       for v, name in ((nbytes, "nbytes"), (latency, "latency")))
+    bandwidth = _number(bandwidth, "bandwidth", "a number > 0 (bytes/s)", lambda v: v > 0)
     if workers == 1:
         return 0.0
     return 2.0 * (workers - 1) / workers * nbytes / bandwidth + 2.0 * (workers - 1) * latency
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
 
 
 def _play(stage: Sequence[int], devices: int, *, micro: int, iterations: int, fwd: np.ndarray,
@@ -1621,8 +1671,7 @@ def _device_tasks(graph: dict, start: np.ndarray, devices: int, sub_stream: bool
 def _check_simulated_k(k, layers: int, order: str) -> None:
     """k counts layers whose dW reverse first-k holds: 0 .. layers (the core
     would hold all of them for a larger k, and the result would not say)."""
-    if not _is_count(k) or not 0 <= k <= layers:
-        raise ValueError(f"k: expected an int in [0, {layers}] (the layers), got {k!r}")
+    _count(k, "k", 0, layers)
     if k and order != "reverse_first_k":
         raise ValueError(f"k: only order='reverse_first_k' holds layers; got k={k} with "
                          f"order={order!r}")
@@ -1664,15 +1713,21 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
     """
     if order not in _ORDER_CODES:
         raise ValueError(f"order: expected one of {tuple(_ORDER_CODES)}, got {order!r}")
-    stage = stages(layers, num_stages, allocation, group)
+    num_stages = _count(num_stages, "num_stages", 1, _MAX_SIM_STAGES)
+    stage = stages(layers, num_stages, allocation, group)  # checks layers, group
     _check_simulated_k(k, layers, order)
+    iterations = _count(iterations, "iterations", 1, _INT32_MAX)
+    sub_stream = _flag(sub_stream, "sub_stream")
     graph, start, finish, busy, makespan = _play(
-        stage, num_stages, micro=micro_batches, iterations=iterations, fwd=_per_layer(fwd, layers, "fwd"),
+        stage, num_stages, micro=_count(micro_batches, "micro_batches", 1, _INT32_MAX),
+        iterations=iterations, fwd=_per_layer(fwd, layers, "fwd"),
         out_grad=_per_layer(out_grad, layers, "out_grad"),
         weight_grad=_per_layer(weight_grad, layers, "weight_grad"),
-        sync=None if sync is None else _per_layer(sync, layers, "sync"), transfer=transfer,
-        order=_ORDER_CODES[order], k=k, sync_by_layer=sync_by_layer, sub_stream=sub_stream,
-        input_grad=input_grad, corun_rate=corun_rate)
+        sync=None if sync is None else _per_layer(sync, layers, "sync"),
+        transfer=_number(transfer, "transfer", "a finite time >= 0", _is_time),
+        order=_ORDER_CODES[order], k=k, sync_by_layer=_flag(sync_by_layer, "sync_by_layer"),
+        sub_stream=sub_stream, input_grad=_flag(input_grad, "input_grad"),
+        corun_rate=_number(corun_rate, "corun_rate", "a number in (0, 1]", lambda v: 0 < v <= 1))
     kinds = graph["kind"]
     forward_ends = [finish[(kinds == 0) & (graph["iteration"] == it)].max() for it in range(iterations)]
     period = (forward_ends[-1] - forward_ends[0]) / (iterations - 1) if iterations > 1 else None
@@ -1696,10 +1751,6 @@ _FORWARD, _OUTPUT_GRAD = 0, 1
 def _src_rank(group) -> int:
     """The global rank of `group`'s rank 0: where DDP broadcasts from."""
     return 0 if group is None else dist.get_global_rank(group, 0)
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _check_group(group) -> None:
@@ -1951,8 +2002,7 @@ class DataParallel(_PassTracking):
         if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
                 or not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
-        if not _is_count(search_iters) or search_iters < 1:
-            raise ValueError(f"search_iters: expected an int >= 1, got {search_iters!r}")
+        _count(search_iters, "search_iters", 1)
         if k != "auto" and not _is_count(k):
             raise ValueError(f"k: expected an int or 'auto', got {k!r}")
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
@@ -2462,14 +2512,12 @@ class Pipeline:
         if not isinstance(layers, (list, tuple, nn.ModuleList, nn.Sequential)) or not layers \
                 or not all(isinstance(m, nn.Module) for m in layers):
             raise TypeError("layers: expected a non-empty list of torch.nn.Module")
-        if not _is_count(micro_batches) or micro_batches < 1:
-            raise ValueError(f"micro_batches: expected an int >= 1, got {micro_batches!r}")
+        micro_batches = _count(micro_batches, "micro_batches", 1, _INT32_MAX)
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: expected one of {tuple(SCHEDULES)}, got {schedule!r}")
         if allocation not in ALLOCATIONS:
             raise ValueError(f"allocation: expected one of {ALLOCATIONS}, got {allocation!r}")
-        if not _is_count(group) or group < 1:
-            raise ValueError(f"group: expected an int >= 1, got {group!r}")
+        group = _count(group, "group", 1)
         if allocation == "contiguous" and group != 1:
             raise ValueError("group: only allocation='modulo' groups layers; got "
                              f"group={group} with allocation='contiguous'")
