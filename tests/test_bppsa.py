@@ -494,6 +494,41 @@ def test_packed_padding_that_overflows_leaves_gradients_finite():
     assert_close_lists(our_res, ref_res)
 
 
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "bidirectional", "unbatched", "packed"])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_h_n_is_not_part_of_the_output(kind, num_layers, layout, with_h0):
+    """h_n is an output of its own, as nn's: autograd.grad(h_n, output) is
+    None, and a hook or retain_grad on the output sees the output's gradient
+    only (before: a unidirectional sequence-first output also got h_n's at
+    its last step, and the hook scaled it into every gradient)."""
+    torch.manual_seed(7)
+    ref, ours = make_pair(kind, 3, 5, num_layers=num_layers, batch_first=layout == "batch_first",
+                          bidirectional=layout == "bidirectional")
+    dirs, batch = 2 if layout == "bidirectional" else 1, () if layout == "unbatched" else (2,)
+    x = torch.randn(2, 6, 3) if layout == "batch_first" else torch.randn(6, *batch, 3)
+    h0 = torch.randn(num_layers * dirs, *batch, 5) if with_h0 else None
+
+    def forward(module, x):
+        x = nn.utils.rnn.pack_padded_sequence(x, [6, 4]) if layout == "packed" else x
+        out, h_n = module(x, h0)
+        return (out.data if layout == "packed" else out), h_n
+
+    results = []
+    for module in (ref, ours):
+        out, h_n = forward(module, x)
+        assert torch.autograd.grad(h_n.sum(), out, allow_unused=True) == (None,)
+        leaf = x.clone().requires_grad_()  # h_n's gradient alone reaches the layers
+        (grad_x_from_h_n,) = torch.autograd.grad(forward(module, leaf)[1].sin().sum(), leaf)
+        out, h_n = forward(module, x)
+        out.retain_grad()
+        out.register_hook(lambda g: g * 3)
+        (out.pow(2).sum() + h_n.sin().sum()).backward()
+        results.append([out.grad, grad_x_from_h_n] + [p.grad for p in module.parameters()])
+    assert_close_lists(results[1], results[0])
+
+
 def test_saves_only_what_torch_saves():
     """The scan recomputes the Jacobians in backward: the layer keeps x, h0,
     the weights and the output sequence, nothing of size T*B*H*H."""
