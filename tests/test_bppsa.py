@@ -1317,3 +1317,26 @@ def test_chain_inplace_activations(act):
     y = torch.randn(6)
     want = torch.autograd.functional.jacobian(lambda t: act(t.clone()), y).T
     assert torch.equal(bppsa.transposed_jacobian(act, y).to_dense(), want)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_backward_under_inference_mode():
+    """Element-wise layers' f'(x) is taken by autograd, which records nothing
+    in inference mode and refuses its tensors: it runs outside the mode, so
+    chain_backward, transposed_jacobian and a plan's backward there (or on
+    inputs made there) give the bits they give under no_grad (before: 'element
+    0 of tensors does not require grad')."""
+    torch.manual_seed(9)
+    layers = small_cnn() + [nn.SiLU(inplace=True)]
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    with torch.no_grad():
+        want = bppsa.chain_backward(layers, x, g, plan=plan)
+        want_jacobian = bppsa.transposed_jacobian(layers[4], x[0]).to_dense()
+    with torch.inference_mode():
+        got = bppsa.chain_backward(layers, x, g, plan=plan)
+        got_jacobian = bppsa.transposed_jacobian(layers[4], x[0]).to_dense()
+        inputs, _ = plan.forward_inputs(x)
+    got_outside = plan.backward(inputs, g)
+    assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(got, want, got_outside))
+    assert torch.equal(got_jacobian, want_jacobian)

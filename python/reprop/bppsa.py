@@ -898,6 +898,16 @@ def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.clone() if getattr(layer, "inplace", False) else x
 
 
+def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """f'(x) of an element-wise layer, exactly as autograd has it. Taken
+    outside inference mode, where autograd records nothing, and on a copy of
+    an inference tensor (one made in that mode), which autograd cannot take."""
+    with torch.inference_mode(False), torch.enable_grad():
+        xr = x.detach().to(torch.float32, copy=x.is_inference()).requires_grad_()
+        (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
+    return d
+
+
 class _Leaf:
     """One layer's CSR transposed Jacobian: its pattern (int32) and how to
     gather its values for a step. With `pruned`, a Conv2d's or Linear's
@@ -1000,10 +1010,7 @@ class _Leaf:
                 picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
                 torch.eq(picked, self._map("pmap", x.device), out=dst)
                 return
-        with torch.enable_grad():  # f'(x) of an element-wise layer, exactly as autograd has it
-            xr = x.detach().float().requires_grad_()
-            (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
-        dst.copy_(d.reshape(B, -1))
+        dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
 
 
 class ChainPlan:
