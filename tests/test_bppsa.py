@@ -1340,3 +1340,44 @@ def test_chain_backward_under_inference_mode():
     got_outside = plan.backward(inputs, g)
     assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(got, want, got_outside))
     assert torch.equal(got_jacobian, want_jacobian)
+
+
+class _ChainModule(nn.Module):
+    """chain_backward inside a module's forward, as functional_call runs it."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return bppsa.chain_backward(self.layers, x)[0]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_refuses_what_only_torch_carries():
+    """The chain reads raw memory and records no graph: torch.func transforms'
+    tensors and forward-AD duals (inputs or weights swapped in by
+    functional_call) get an error naming them (before: 'Cannot access data
+    pointer', 'Batching rule not implemented', or a silently dropped tangent)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(10)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    refused = "a tensor of a torch.func transform .*Call chain_backward outside the transform"
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.vmap(lambda xi, gi: bppsa.chain_backward(layers, xi[None], gi[None])[0])(x, g)
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.grad(lambda x: bppsa.chain_backward(layers, x, g)[0].sum())(x)
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.vmap(lambda xi: bppsa.transposed_jacobian(nn.Tanh(), xi).values())(x)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    inputs, _ = plan.forward_inputs(x)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="x: " + refused):
+            bppsa.chain_backward(layers, fwAD.make_dual(x, torch.ones_like(x)))
+        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused):
+            plan.backward([inputs[0], fwAD.make_dual(inputs[1], inputs[1]), *inputs[2:]], g)
+        weights = {name: fwAD.make_dual(p.detach(), torch.ones_like(p))
+                   for name, p in _ChainModule(layers).named_parameters()}
+        with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
+            torch.func.functional_call(_ChainModule(layers), weights, (x,))

@@ -872,6 +872,17 @@ def _check_chain_tensor(t, name: str) -> None:
     if t.dtype == torch.float64:
         raise TypeError(f"{name}: chain Jacobians are float32; got float64 (use autograd for "
                         "double precision)")
+    if torch_only(t):
+        _refuse_torch_only(name)
+
+
+def _refuse_torch_only(name: str) -> None:
+    """The chain has no torch fallback, unlike the RNN modules: what only
+    torch's ops can carry (torch_only) is refused, not silently stripped."""
+    raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
+                       "forward-AD dual, a tensor subclass or one under torch.jit.trace; the chain's "
+                       "scan reads raw memory and records no graph for them. Call chain_backward "
+                       "outside the transform, or use autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str) -> None:
@@ -884,6 +895,9 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
     _check_hooks(layer, name)
+    # _parameters: where torch.func.functional_call swaps its tensors in
+    if torch_only_weight(layer._parameters.get("weight")):
+        _refuse_torch_only(f"{name}.weight")
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
     if kind is nn.Flatten and (layer.start_dim, layer.end_dim) != (1, -1):
