@@ -494,6 +494,41 @@ def test_packed_padding_that_overflows_leaves_gradients_finite():
     assert_close_lists(our_res, ref_res)
 
 
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "bidirectional", "unbatched", "packed"])
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_h_n_is_not_part_of_the_output(kind, num_layers, layout, with_h0):
+    """h_n is an output of its own, as nn's: autograd.grad(h_n, output) is
+    None, and a hook or retain_grad on the output sees the output's gradient
+    only (before: a unidirectional sequence-first output also got h_n's at
+    its last step, and the hook scaled it into every gradient)."""
+    torch.manual_seed(7)
+    ref, ours = make_pair(kind, 3, 5, num_layers=num_layers, batch_first=layout == "batch_first",
+                          bidirectional=layout == "bidirectional")
+    dirs, batch = 2 if layout == "bidirectional" else 1, () if layout == "unbatched" else (2,)
+    x = torch.randn(2, 6, 3) if layout == "batch_first" else torch.randn(6, *batch, 3)
+    h0 = torch.randn(num_layers * dirs, *batch, 5) if with_h0 else None
+
+    def forward(module, x):
+        x = nn.utils.rnn.pack_padded_sequence(x, [6, 4]) if layout == "packed" else x
+        out, h_n = module(x, h0)
+        return (out.data if layout == "packed" else out), h_n
+
+    results = []
+    for module in (ref, ours):
+        out, h_n = forward(module, x)
+        assert torch.autograd.grad(h_n.sum(), out, allow_unused=True) == (None,)
+        leaf = x.clone().requires_grad_()  # h_n's gradient alone reaches the layers
+        (grad_x_from_h_n,) = torch.autograd.grad(forward(module, leaf)[1].sin().sum(), leaf)
+        out, h_n = forward(module, x)
+        out.retain_grad()
+        out.register_hook(lambda g: g * 3)
+        (out.pow(2).sum() + h_n.sin().sum()).backward()
+        results.append([out.grad, grad_x_from_h_n] + [p.grad for p in module.parameters()])
+    assert_close_lists(results[1], results[0])
+
+
 def test_saves_only_what_torch_saves():
     """The scan recomputes the Jacobians in backward: the layer keeps x, h0,
     the weights and the output sequence, nothing of size T*B*H*H."""
@@ -1282,3 +1317,67 @@ def test_chain_inplace_activations(act):
     y = torch.randn(6)
     want = torch.autograd.functional.jacobian(lambda t: act(t.clone()), y).T
     assert torch.equal(bppsa.transposed_jacobian(act, y).to_dense(), want)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_backward_under_inference_mode():
+    """Element-wise layers' f'(x) is taken by autograd, which records nothing
+    in inference mode and refuses its tensors: it runs outside the mode, so
+    chain_backward, transposed_jacobian and a plan's backward there (or on
+    inputs made there) give the bits they give under no_grad (before: 'element
+    0 of tensors does not require grad')."""
+    torch.manual_seed(9)
+    layers = small_cnn() + [nn.SiLU(inplace=True)]
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    with torch.no_grad():
+        want = bppsa.chain_backward(layers, x, g, plan=plan)
+        want_jacobian = bppsa.transposed_jacobian(layers[4], x[0]).to_dense()
+    with torch.inference_mode():
+        got = bppsa.chain_backward(layers, x, g, plan=plan)
+        got_jacobian = bppsa.transposed_jacobian(layers[4], x[0]).to_dense()
+        inputs, _ = plan.forward_inputs(x)
+    got_outside = plan.backward(inputs, g)
+    assert all(torch.equal(a, b) and torch.equal(c, b) for a, b, c in zip(got, want, got_outside))
+    assert torch.equal(got_jacobian, want_jacobian)
+
+
+class _ChainModule(nn.Module):
+    """chain_backward inside a module's forward, as functional_call runs it."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        return bppsa.chain_backward(self.layers, x)[0]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_refuses_what_only_torch_carries():
+    """The chain reads raw memory and records no graph: torch.func transforms'
+    tensors and forward-AD duals (inputs or weights swapped in by
+    functional_call) get an error naming them (before: 'Cannot access data
+    pointer', 'Batching rule not implemented', or a silently dropped tangent)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(10)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    refused = "a tensor of a torch.func transform .*Call chain_backward outside the transform"
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.vmap(lambda xi, gi: bppsa.chain_backward(layers, xi[None], gi[None])[0])(x, g)
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.grad(lambda x: bppsa.chain_backward(layers, x, g)[0].sum())(x)
+    with pytest.raises(RuntimeError, match="x: " + refused):
+        torch.func.vmap(lambda xi: bppsa.transposed_jacobian(nn.Tanh(), xi).values())(x)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    inputs, _ = plan.forward_inputs(x)
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match="x: " + refused):
+            bppsa.chain_backward(layers, fwAD.make_dual(x, torch.ones_like(x)))
+        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused):
+            plan.backward([inputs[0], fwAD.make_dual(inputs[1], inputs[1]), *inputs[2:]], g)
+        weights = {name: fwAD.make_dual(p.detach(), torch.ones_like(p))
+                   for name, p in _ChainModule(layers).named_parameters()}
+        with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
+            torch.func.functional_call(_ChainModule(layers), weights, (x,))

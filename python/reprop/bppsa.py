@@ -435,27 +435,60 @@ def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice) -> tuple:
     return [gh[..., :2 * H], dn], gh, z[0] * g[0] + gh[0] @ w_hh
 
 
+def _last_states(out: torch.Tensor, last: tuple | None) -> torch.Tensor:
+    """(B, H): each sample's state at its last valid step, out[-1] when `last`
+    (the (steps, samples) index of padded input's last steps) is None. A copy,
+    never a view of out: h_n's gradient must not pass through the output's."""
+    return out[-1].clone() if last is None else out[last]
+
+
+def _step_gradients(grad_out: torch.Tensor | None, grad_h: torch.Tensor | None, out: torch.Tensor,
+                    last: tuple | None) -> torch.Tensor:
+    """The scan's c (T, B, H) float32: the output's gradient plus the final
+    states' at each sample's last step (None: that output got no gradient).
+    grad_out is copied only to add grad_h."""
+    if grad_h is None and grad_out is not None:
+        return grad_out.float()
+    if grad_out is None:
+        c = out.new_zeros(out.shape, dtype=torch.float32)
+    else:  # contiguous: the layout the scan reads c in
+        c = grad_out.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    if grad_h is None:
+        return c
+    if last is None:
+        c[-1].add_(grad_h)
+    else:
+        c.index_put_(last, grad_h.float(), accumulate=True)
+    return c
+
+
 class _Layer(torch.autograd.Function):
-    """out = layer(x, h0) with PyTorch's forward; backward through the scan.
+    """(out, h) = layer(x, h0) with PyTorch's forward; backward through the
+    scan. h (B, H), each sample's last state, is an output of its own, as
+    nn.RNN's h_n is: hooks on the output see only the output's gradient.
 
     Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
     the GRU's gates are recomputed in backward in one parallel pass. Beyond
     grad_out and the gradients it returns, backward holds (T, B, H) float32
     buffers: one for the RNN (d, out of the scan), six for the GRU (its
-    gates' pre-activations, everything later in place over them)."""
+    gates' pre-activations, everything later in place over them), plus c
+    when both outputs get a gradient (grad_out with grad_h added: the sum
+    autograd made when h was a view of out)."""
 
     @staticmethod
-    def forward(ctx, mode, levels, pad, x, h0, w_ih, w_hh, b_ih, b_hh):
+    def forward(ctx, mode, levels, pad, last, x, h0, w_ih, w_hh, b_ih, b_hh):
         weights = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
         out = _forward_layer(mode, x, h0, weights)
         if pad is not None:  # padded steps: 0, whatever the recurrence made of them (inf times 0 would be NaN)
             out.masked_fill_(pad, 0)
-        ctx.mode, ctx.levels = mode, levels
+        ctx.mode, ctx.levels, ctx.last = mode, levels, last
         ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
-        return out
+        # an unused output's gradient stays None, not a (T, B, H) of zeros
+        ctx.set_materialize_grads(False)
+        return out, _last_states(out, last)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_h):
         if torch.is_grad_enabled():
             # once_differentiable would only refuse a grad_out that needs grad:
             # a loss linear in the output (a critic's score) would silently
@@ -463,26 +496,26 @@ class _Layer(torch.autograd.Function):
             raise RuntimeError("reprop.bppsa: double backward (create_graph=True, as a gradient "
                                "penalty through the recurrence needs) is not supported; use "
                                "torch.nn.RNN/GRU for it")
-        if torch_only(grad_out):
+        if any(g is not None and torch_only(g) for g in (grad_out, grad_h)):
             raise RuntimeError("reprop.bppsa: batched gradients (autograd.grad(is_grads_batched="
                                "True), jacobian(vectorize=True), gradcheck's batched check) have "
                                "no storage for the scan; use vectorize=False / "
                                "check_batched_grad=False, or torch.nn.RNN/GRU")
         saved = ctx.saved_tensors
         x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
-        x2, c = x.reshape(-1, x.shape[-1]), grad_out.float()
+        x2, c = x.reshape(-1, x.shape[-1]), _step_gradients(grad_out, grad_h, out, ctx.last)
         if ctx.mode == "GRU":
             d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels)
         else:
             d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels)
-        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[3:]
+        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[4:]
         grads = [_blocks_matmul(d_gi, w_ih) if need_x else None, grad_h0,
                  _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
                  _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
                  _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
                  _sum_rows(d_gh) if need_b_hh else None]
         grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
-        return (None, None, None, *grads)
+        return (None, None, None, None, *grads)
 
 
 # ---------------------------------------------------------------------------
@@ -634,9 +667,9 @@ class _ScanRNNBase:
             outs = []
             for d in range(dirs):
                 x = layer_in if d == 0 else _reversed(layer_in, reverse)
-                out = _Layer.apply(self.mode, self.scan, pad, x, hx[layer * dirs + d],
-                                   *self._layer_weights(layer, "_reverse" if d else ""))
-                h_n.append(out[-1] if last is None else out[last])
+                out, h = _Layer.apply(self.mode, self.scan, pad, last, x, hx[layer * dirs + d],
+                                      *self._layer_weights(layer, "_reverse" if d else ""))
+                h_n.append(h)
                 outs.append(out if d == 0 else _reversed(out, reverse))
             layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
             if self.dropout and self.training and layer + 1 < self.num_layers:
@@ -839,6 +872,17 @@ def _check_chain_tensor(t, name: str) -> None:
     if t.dtype == torch.float64:
         raise TypeError(f"{name}: chain Jacobians are float32; got float64 (use autograd for "
                         "double precision)")
+    if torch_only(t):
+        _refuse_torch_only(name)
+
+
+def _refuse_torch_only(name: str) -> None:
+    """The chain has no torch fallback, unlike the RNN modules: what only
+    torch's ops can carry (torch_only) is refused, not silently stripped."""
+    raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
+                       "forward-AD dual, a tensor subclass or one under torch.jit.trace; the chain's "
+                       "scan reads raw memory and records no graph for them. Call chain_backward "
+                       "outside the transform, or use autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str) -> None:
@@ -851,6 +895,9 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
     _check_hooks(layer, name)
+    # _parameters: where torch.func.functional_call swaps its tensors in
+    if torch_only_weight(layer._parameters.get("weight")):
+        _refuse_torch_only(f"{name}.weight")
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
     if kind is nn.Flatten and (layer.start_dim, layer.end_dim) != (1, -1):
@@ -863,6 +910,16 @@ def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x, or a copy of it for an in-place layer (ReLU(inplace=True), ...),
     which would overwrite what the Jacobian is taken at."""
     return x.clone() if getattr(layer, "inplace", False) else x
+
+
+def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """f'(x) of an element-wise layer, exactly as autograd has it. Taken
+    outside inference mode, where autograd records nothing, and on a copy of
+    an inference tensor (one made in that mode), which autograd cannot take."""
+    with torch.inference_mode(False), torch.enable_grad():
+        xr = x.detach().to(torch.float32, copy=x.is_inference()).requires_grad_()
+        (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
+    return d
 
 
 class _Leaf:
@@ -967,10 +1024,7 @@ class _Leaf:
                 picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
                 torch.eq(picked, self._map("pmap", x.device), out=dst)
                 return
-        with torch.enable_grad():  # f'(x) of an element-wise layer, exactly as autograd has it
-            xr = x.detach().float().requires_grad_()
-            (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
-        dst.copy_(d.reshape(B, -1))
+        dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
 
 
 class ChainPlan:
