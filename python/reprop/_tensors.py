@@ -37,6 +37,20 @@ def check_strided(t: torch.Tensor, name: str) -> None:
         raise RuntimeError(f"{name}: sparse tensors are not supported (got layout {t.layout})")
 
 
+def is_count(value) -> bool:
+    """An int or a NumPy int; never a bool (True is not a count of 1) nor a float."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def check_count(value, name: str, low: int, high: int | None = None) -> int:
+    """`value` as a Python int if it is a count (is_count) in [low, high]
+    (high None: no bound); else a ValueError naming `name`."""
+    if not is_count(value) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name}: expected an int {bound}, got {value!r}")
+    return int(value)
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """True when t's elements fill one gap-free block of memory in some order
     of its dims (contiguous, channels_last, any permutation such as a

@@ -39,7 +39,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
-from ._tensors import autocast_enabled, check_strided, hook_owner, torch_only, torch_only_weight
+from ._tensors import (autocast_enabled, check_count, check_strided, hook_owner, torch_only,
+                       torch_only_weight)
 from .fusion import FusionHandle
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -106,14 +107,8 @@ def _planned_levels(n: int, batch: int, hidden: int, gates: int, device: torch.d
 
 
 def _check_count(value, name: str, least: int) -> int:
-    """value as a Python int (numpy's ints too), if it is one in [least, 2^31)."""
-    try:
-        count = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        count = None
-    if count is None or not least <= count < 2 ** 31:
-        raise ValueError(f"{name}: expected an int in [{least}, 2^31), got {value!r}")
-    return count
+    """value as a Python int, if it is one in [least, 2^31) (the core's sizes are int32s)."""
+    return check_count(value, name, least, 2 ** 31 - 1)
 
 
 def _resolve_levels(choice, n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:

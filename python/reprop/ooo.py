@@ -50,8 +50,9 @@ from torch import nn
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import (hook_owner, queue_end_of_backward, suggest_memory_format, torch_only,
-                       torch_only_weight, weak_hook)
+from ._tensors import check_count as _count
+from ._tensors import (hook_owner, is_count as _is_count, queue_end_of_backward,
+                       suggest_memory_format, torch_only, torch_only_weight, weak_hook)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1459,20 +1460,6 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 # ---------------------------------------------------------------------------
 # Argument checks shared by every entry point
 # ---------------------------------------------------------------------------
-
-
-def _is_count(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
-def _count(value, name: str, low: int, high: int | None = None) -> int:
-    """`value` as a Python int if it is a count (an int or a NumPy int, never
-    a bool or a float) in [low, high] (high None: no bound); else a
-    ValueError naming `name`."""
-    if not _is_count(value) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name}: expected an int {bound}, got {value!r}")
-    return int(value)
 
 
 def _is_number(v) -> bool:
