@@ -1421,6 +1421,24 @@ class TwoUse(nn.Module):
         return torch.tanh(u @ w).square().mean()
 
 
+def _train_two_use(detach: bool, make_opt, mode: str | None, steps: int):
+    """(model, optimizer) after `steps` steps of a TwoUse from seed 0, fused
+    in `mode` (None: the eager loop)."""
+    torch.manual_seed(0)
+    model = TwoUse(detach=detach)
+    opt = make_opt(model.parameters())
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            model(torch.randn(5, 4, generator=_gen(i))).backward()
+            opt.step()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", OPT_NAMES)
 def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> None:
@@ -1429,19 +1447,7 @@ def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> 
     forward itself (the root reads w directly), so its update is applied at
     the root's forward."""
     def run(mode):
-        torch.manual_seed(0)
-        model = TwoUse(detach=False)
-        opt = getattr(rp, name)(model.parameters(), **RICH[name])
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(5):
-                model(torch.randn(5, 4, generator=_gen(i))).backward()
-                opt.step()
-                opt.zero_grad()
-        if handle is not None:
-            handle.remove()
-        return model, opt
+        return _train_two_use(False, lambda ps: getattr(rp, name)(ps, **RICH[name]), mode, 5)
 
     ref_model, ref_opt = run(None)
     model, opt = run(mode)
@@ -1467,19 +1473,8 @@ def test_detached_second_use_under_allow_mutation_on_saved_tensors_matches_eager
     cloned first, as torch's own in-place ops would, so backward fusion
     computes what the eager loop computes instead of raising."""
     def run(mode):
-        torch.manual_seed(0)
-        model = TwoUse(detach=True)
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        with warnings.catch_warnings(), torch.autograd.graph.allow_mutation_on_saved_tensors():
-            warnings.simplefilter("ignore")
-            for i in range(3):
-                model(torch.randn(5, 4, generator=_gen(i))).backward()
-                opt.step()
-                opt.zero_grad()
-        if handle is not None:
-            handle.remove()
-        return model
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            return _train_two_use(True, lambda ps: rp.SGD(ps, lr=0.1, momentum=0.9), mode, 3)[0]
 
     ref, model = run(None), run("backward")
     for (n, p), r in zip(model.named_parameters(), ref.parameters()):
