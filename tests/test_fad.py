@@ -851,7 +851,8 @@ def test_compose_inside_torch_compile_runs_torch_ops(saved_dtype):
     """Code torch.compile traces runs torch's ops under compose: dynamo
     traced the chain's bookkeeping into its graphs, and the gradient came
     out wrong (relative error 1 with saved_dtype=bfloat16) or dynamo
-    crashed."""
+    crashed. (aot_eager: the eager backend's graph calls torch's functions
+    again at run time, which the mode then takes as in eager code.)"""
     torch._dynamo.reset()
     torch.manual_seed(0)
     w = torch.randn(6, requires_grad=True)
@@ -863,10 +864,55 @@ def test_compose_inside_torch_compile_runs_torch_ops(saved_dtype):
 
     g = torch.randn(4, 6)
     want = torch.autograd.grad(f(x), w, g)[0]
-    compiled = torch.compile(f, backend="eager")
+    compiled = torch.compile(f, backend="aot_eager")
     with fad.enabled(compose=True, saved_dtype=saved_dtype):
         got = torch.autograd.grad(compiled(x), w, g)[0]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class NewGELU(nn.Module):
+    """The tanh GELU written out, as GPT-2-style code has it."""
+
+    def forward(self, x):
+        return gelu_hf(x)
+
+
+def plus_one_doubled_plus_one(t):
+    return 1.0 + (2.0 * (t + 1.0))
+
+
+def plus_one_doubled_plus_one_inside_enabled(t):
+    with fad.enabled(compose=True):
+        return plus_one_doubled_plus_one(t)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("compose", [False, True])
+def test_compiled_code_inside_enabled_equals_eager(compose, backend):
+    """Compiled code inside enabled() (or entering it) gives eager's values
+    and gradients. A graph break inside the mode's __torch_function__ made
+    dynamo drop the number on the left of a binary op: 1 + (2 * (1 + 1))
+    came out 4, and a GELU written out was off by 1.15. Traced code runs
+    torch's ops: the aot_eager graph (aten ops) is bitwise plain torch; the
+    eager backend's graph calls torch's functions, which the mode then takes
+    as in eager code (FAD's rounding)."""
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(8, 32), NewGELU(), nn.Linear(32, 8), nn.SiLU())
+    x = torch.randn(4, 8)
+    ref = mlp(x)
+    ref_grads = torch.autograd.grad(ref.sum(), list(mlp.parameters()))
+    torch._dynamo.reset()
+    with fad.enabled(compose=compose):
+        out = torch.compile(mlp, backend=backend)(x)
+        small = torch.compile(plus_one_doubled_plus_one, backend=backend)(torch.ones(3))
+    grads = torch.autograd.grad(out.sum(), list(mlp.parameters()))
+    tol = {"rtol": 0, "atol": 0} if backend == "aot_eager" else {"rtol": 1e-5, "atol": 1e-6}
+    for got, want in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got, want, **tol)
+    assert small.tolist() == [5.0] * 3
+    torch._dynamo.reset()
+    inner = torch.compile(plus_one_doubled_plus_one_inside_enabled, backend=backend)
+    assert inner(torch.ones(3)).tolist() == [5.0] * 3
 
 
 def test_compose_float64_runs_plain_autograd():

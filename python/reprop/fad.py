@@ -1019,13 +1019,17 @@ class enabled(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Code dynamo traces runs torch's ops, before anything it cannot trace:
+        # it would bake the chain's bookkeeping (the weak record table, the
+        # derivative carried from op to op) into its graphs, and a graph break
+        # in here (at _checkpointing's hook query) made it drop a number on
+        # the left of the op that broke: 1.0 + (2.0 * (t + 1.0)) gave 4.0.
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
         if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None \
                 or _checkpointing():
             return func(*args, **kwargs)  # out=: torch's op writes it (and refuses autograd)
-        # dynamo would trace the chain's bookkeeping (the weak record table, the
-        # derivative carried from op to op) into its graphs: compiled code
-        # runs torch's ops (single activations are still rerouted)
-        if self.compose and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
                 return out
