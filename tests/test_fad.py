@@ -508,11 +508,11 @@ def test_inplace_on_inference_tensor_is_refused_as_torch():
     with torch.inference_mode():
         t = torch.randn(3)
     before = t.clone()
-    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
-        F.elu(t, inplace=True)
     with pytest.raises(RuntimeError, match="elu: inplace update to inference tensor"):
         fad.elu(t, inplace=True)
     assert torch.equal(t, before)
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        F.elu(t, inplace=True)  # (torch 2.13 has written t by then)
     with torch.inference_mode():  # inside inference_mode both write it
         assert torch.equal(fad.elu(t.clone(), inplace=True), F.elu(t))
 
