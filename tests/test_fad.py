@@ -517,6 +517,78 @@ def test_inplace_on_inference_tensor_is_refused_as_torch():
         assert torch.equal(fad.elu(t.clone(), inplace=True), F.elu(t))
 
 
+def leaf_parameter():
+    p = nn.Parameter(torch.randn(2, 4))
+    return p, p
+
+
+def view_of_leaf():
+    p = nn.Parameter(torch.randn(2, 4))
+    return p[0], p
+
+
+def unbind_output():
+    base = torch.randn(2, 4, requires_grad=True) * 1.0
+    return base.unbind(0)[0], base
+
+
+def view_made_under_no_grad():
+    base = torch.randn(2, 4, requires_grad=True) * 1.0
+    with torch.no_grad():
+        view = base[0]
+    return view, base
+
+
+def silu_inplace_in_enabled(t):
+    with fad.enabled():
+        return F.silu(t, inplace=True)
+
+
+REFUSED_IN_PLACE = {"leaf": leaf_parameter, "view_of_leaf": view_of_leaf,
+                    "unbind_output": unbind_output, "no_grad_view": view_made_under_no_grad}
+IN_PLACE_CALLS = {
+    "silu": (lambda t: fad.silu(t, inplace=True), lambda t: F.silu(t, inplace=True)),
+    "SiLU": (fad.SiLU(inplace=True), nn.SiLU(inplace=True)),
+    "leaky_relu": (lambda t: fad.leaky_relu(t, 0.1, inplace=True),
+                   lambda t: F.leaky_relu(t, 0.1, inplace=True)),
+    "enabled": (silu_inplace_in_enabled, lambda t: F.silu(t, inplace=True)),
+}
+
+
+@pytest.mark.parametrize("call", sorted(IN_PLACE_CALLS))
+@pytest.mark.parametrize("case", sorted(REFUSED_IN_PLACE))
+def test_inplace_refused_by_autograd_leaves_data_unchanged(case, call):
+    """In-place writes autograd refuses (a leaf that requires grad, views of
+    it, unbind's outputs, views made under no_grad): torch's error, raised
+    before anything is written. The kernels wrote first, and autograd's
+    check came after (with a wrong message for the no_grad view)."""
+    ours, ref = IN_PLACE_CALLS[call]
+    messages = []
+    for fn in (ref, ours):
+        torch.manual_seed(0)
+        target, owner = REFUSED_IN_PLACE[case]()
+        before = owner.detach().clone()
+        with pytest.raises(RuntimeError) as raised:
+            fn(target)
+        assert torch.equal(owner.detach(), before)
+        messages.append(str(raised.value))
+    assert messages[1] == messages[0]
+
+
+def test_inplace_on_a_view_of_a_non_leaf_runs_torch():
+    """An in-place activation on a view of a tensor that requires grad (which
+    autograd allows) runs torch's op: the same values and gradients."""
+    def run(act):
+        leaf = torch.linspace(-3, 3, 8).reshape(2, 4).requires_grad_()
+        h = leaf * 2.0
+        act(h[1])
+        (g,) = torch.autograd.grad((h * h).sum(), leaf)
+        return h.detach(), g
+
+    for got, want in zip(run(lambda t: fad.elu(t, inplace=True)), run(lambda t: F.elu(t, inplace=True))):
+        assert torch.equal(got, want)
+
+
 def test_bad_input_raises_clearly():
     with pytest.raises(TypeError, match="silu: input.*int64"):
         fad.silu(torch.arange(3))

@@ -286,7 +286,20 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
         return _run_forward(act, x, x.dtype, False)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
+    if inplace and _may_be_refused_in_place(x):
+        return native(x, inplace=True)  # torch refuses before writing, or runs it
     return _Activation.apply(x, act, saved_dtype or x.dtype, inplace)
+
+
+def _may_be_refused_in_place(x: torch.Tensor) -> bool:
+    """Whether autograd may refuse an in-place write to x, which requires grad:
+    a leaf (a Parameter, or a view made under no_grad) or a view (of a leaf,
+    one of unbind's outputs, ...). torch checks before it writes; the kernels
+    would write first, as autograd checks a Function's mark_dirty only after
+    its forward returned. torch's op runs every view, rather than this
+    reading each view's creation record: a view of a non-leaf, which
+    autograd allows, then saves what torch's op saves."""
+    return x.is_leaf or x._is_view()
 
 
 # ---------------------------------------------------------------------------
