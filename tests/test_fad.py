@@ -589,6 +589,36 @@ def test_inplace_on_a_view_of_a_non_leaf_runs_torch():
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("how", ["function", "patched", "enabled"])
+@pytest.mark.parametrize("name", ["elu", "leaky_relu", "silu", "hardswish"])
+def test_inplace_under_allow_mutation_on_saved_tensors(name, how):
+    """A tensor saved by another op, then activated in place, under
+    allow_mutation_on_saved_tensors(): the mode must see the write to clone
+    the saved values first. The raw write slipped past it (gradients off by
+    13 to 17)."""
+    native = {"elu": nn.ELU, "leaky_relu": nn.LeakyReLU, "silu": nn.SiLU,
+              "hardswish": nn.Hardswish}[name](inplace=True)
+    patched = nn.Sequential(copy.deepcopy(native))
+    fad.patch(patched)
+    ours = {"function": lambda t: ACTIVATIONS[name][0](t, inplace=True), "patched": patched,
+            "enabled": native}[how]
+    x0 = torch.randn(6)
+
+    def run(act, mode=contextlib.nullcontext()):
+        x = x0.clone().requires_grad_()
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
+            with mode:
+                z = x * 2
+                p = z * z  # saves z
+                act(z)
+                out = (p + z).sum()
+            out.backward()
+        return x.grad
+
+    mode = fad.enabled() if how == "enabled" else contextlib.nullcontext()
+    torch.testing.assert_close(run(ours, mode), run(native), rtol=1e-6, atol=1e-6)
+
+
 def test_bad_input_raises_clearly():
     with pytest.raises(TypeError, match="silu: input.*int64"):
         fad.silu(torch.arange(3))
