@@ -923,6 +923,47 @@ def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
 
 
+SELECT_STEPS = {"relu": torch.relu, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
+                "Hardswish": nn.Hardswish()}
+
+
+@pytest.mark.parametrize("name", sorted(SELECT_STEPS))
+def test_compose_select_saves_no_more_than_plain(name):
+    """A select op between two matmuls: compose saved a bool mask next to
+    the derivative (a one-step chain's mask is where its derivative is 0),
+    and relu a derivative where torch's saves its output, which the next
+    matmul saves anyway: up to 1.36 times plain autograd's bytes. The
+    gradients stay plain autograd's, down to the zeros a select gives from
+    an inf gradient (Hardswish selects at -3 too) and the gradient relu
+    passes at a NaN, after a first chain step too."""
+    act = SELECT_STEPS[name]
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(64, 16), torch.randn(16, 128), torch.randn(128, 8)
+
+    def run(mode):
+        w = w1.clone().requires_grad_()
+        with mode:
+            y = act(x @ w) @ w2
+        return torch.autograd.grad(y, w, torch.ones_like(y))[0]
+
+    plain = _saved_bytes(lambda: run(contextlib.nullcontext()))
+    assert _saved_bytes(lambda: run(fad.enabled(compose=True))) <= plain
+    torch.testing.assert_close(run(fad.enabled(compose=True)), run(contextlib.nullcontext()),
+                               rtol=1e-5, atol=1e-5)
+    # (reprop's Hardswish keeps a NaN input's NaN derivative: csrc/fad_math.h)
+    xs = torch.tensor([math.nan if name == "relu" else 1.0, -4.0, -3.0, -1.5, 0.0, 3.0, 4.0])
+    grad = torch.tensor([1.0, math.inf, math.inf, 1.0, math.inf, 1.0, 1.0])
+    for first in (lambda t: t, lambda t: t * 1.0):
+        def grads(mode):
+            leaf = xs.clone().requires_grad_()
+            with mode:
+                y = act(first(leaf))
+            return torch.autograd.grad(y, leaf, grad)[0]
+
+        torch.testing.assert_close(grads(fad.enabled(compose=True)), grads(contextlib.nullcontext()),
+                                   rtol=1e-6, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("compose", [False, True])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_enabled_under_activation_checkpointing(compose, reentrant):
