@@ -273,6 +273,39 @@ def test_16bit_storage_error(name, saved_dtype):
     assert ((gx.double() - want).abs() <= tol).all()
 
 
+# f' beyond float16's 65504: (function, torch's, parameter, x)
+FLOAT16_WIDE = {
+    "celu_negative_alpha": (fad.celu, F.celu, -0.5, [-6.0, -5.8, -1.0, 2.0]),
+    "elu_large_alpha": (fad.elu, F.elu, 1e5, [-1e-3, -2e-3, -20.0, 2.0]),
+    "leaky_relu_large_slope": (fad.leaky_relu, F.leaky_relu, 1e5, [-1e-3, -2e-3, -1.0, 2.0]),
+}
+
+
+@pytest.mark.parametrize("how", ["function", "enabled"])
+@pytest.mark.parametrize("name", sorted(FLOAT16_WIDE))
+def test_float16_default_storage_of_a_derivative_beyond_its_range(name, how):
+    """float16 input, saved_dtype None: where the parameters let f' pass
+    65504, d is saved in float32, so the gradient is torch's (finite, not
+    inf, and not NaN from a zero gradient times inf); others stay float16."""
+    ours, ref, param, values = FLOAT16_WIDE[name]
+    x = torch.tensor(values, dtype=torch.float16)
+    grad = torch.tensor([1e-3, 0.0, 1e-3, 1.0], dtype=torch.float16)
+    call = {"function": lambda t: ours(t, param), "enabled": lambda t: ref(t, param)}[how]
+    mode = fad.enabled() if how == "enabled" else contextlib.nullcontext()
+
+    def saved_dtypes_and_grad(fn):
+        leaf = x.clone().requires_grad_()
+        with LiveSaved() as saved, mode:
+            y = fn(leaf)
+        return [t.dtype for t in saved.live()], torch.autograd.grad(y, leaf, grad)[0]
+
+    saved, gx = saved_dtypes_and_grad(call)
+    _, gx_ref = values_and_grads(lambda t: ref(t, param), x, grad)
+    assert saved == [torch.float32] and gx.isfinite().all()
+    torch.testing.assert_close(gx, gx_ref, rtol=2 * torch.finfo(torch.float16).eps, atol=0)
+    assert saved_dtypes_and_grad(lambda t: ours(t, 1.5))[0] == [torch.float16]  # f' in range
+
+
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_8bit_storage_error_is_bounded(name):
     ours, _, kw = ACTIVATIONS[name]

@@ -292,12 +292,29 @@ def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inpla
     if inplace:
         _check_writable(x, fname)
     if getattr(_capture, "on", False):
-        return _run_forward(act, x, x.dtype, False)
+        return _run_forward(act, x, _default_saved(act, x.dtype), False)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
     if inplace and _may_be_refused_in_place(x):
         return native(x, inplace=True)  # torch refuses before writing, or runs it
-    return _Activation.apply(x, act, saved_dtype or x.dtype, inplace)
+    return _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
+
+
+def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
+    """How d is stored for saved_dtype=None: in x's dtype, but in float32 for
+    float16 x where f' can pass float16's largest number, 65504 (CELU with
+    alpha < 0: exp(x / alpha), unbounded; ELU's |alpha| e^x and LeakyReLU's
+    slope above it): d would be inf, and grad * d inf or NaN where torch's
+    backward, which multiplies in float32 and rounds once, is finite. The
+    other kinds' |f'| stays below 1.76. Decided from the parameters alone."""
+    if dtype is not torch.float16:
+        return dtype
+    unbounded = act.kind == "celu" and act.p0 < 0
+    large = act.kind in ("elu", "leaky_relu") and abs(act.p0) > _FLOAT16_MAX
+    return torch.float32 if unbounded or large else dtype
+
+
+_FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
 def _may_be_refused_in_place(x: torch.Tensor) -> bool:
@@ -315,7 +332,8 @@ def _may_be_refused_in_place(x: torch.Tensor) -> bool:
 # Functions, with torch.nn.functional's signatures
 # ---------------------------------------------------------------------------
 
-_SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype; or
+_SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype, or
+    float32 for float16 x where the parameters let f' pass 65504; or
     torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
     x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
     result has x's dtype, shape and (dense) layout. float64 x runs torch's own
