@@ -1597,30 +1597,30 @@ def test_replaced_params_are_freed(name: str, how: str) -> None:
     assert alive == [1, 1]
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "transposed_grad"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
     """The update runs without the GIL, so another thread may drop a .grad
     (zero_grad(set_to_none=True)) while it reads it: the step must hold the
     gradients its table points at. Dropped here just before the update, with
     a same-sized tensor of other values allocated at once (the allocator then
     hands out the freed memory), the update must still use the gradient
-    step() was called with. The transposed gradient takes the Python path."""
+    step() was called with. A transposed parameter and gradient take the
+    Python path, which reads the gradient in place (no copy to hold)."""
     shape = (256, 1024)
-    p = nn.Parameter(torch.zeros(shape))
-    grad = torch.ones(shape)
-    p.grad = grad.t().contiguous().t() if layout == "transposed_grad" else grad.clone()
+    p = nn.Parameter(torch.zeros(shape[::-1]).t() if layout == "transposed" else torch.zeros(shape))
+    p.grad = torch.ones_like(p)
     opt = rp.SGD([p], lr=1.0)
     run, scribbles = rp._Plan.run, []
 
     def drop_grad_then_run(plan, *args):
         p.grad = None
         gc.collect()
-        scribbles.append(torch.full(shape, 7.0))
+        scribbles.append(torch.full(shape[::-1], 7.0).t())
         run(plan, *args)
 
     monkeypatch.setattr(rp._Plan, "run", drop_grad_then_run)
     opt.step()
-    assert torch.equal(p.detach(), -grad)
+    assert torch.equal(p.detach(), torch.full(shape, -1.0))
 
 
 # ---------------------------------------------------------------------------
