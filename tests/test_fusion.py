@@ -2097,6 +2097,33 @@ def _copy_optimizer_state(how: str, saved: list) -> Callable:
 
 
 @pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_optimizer_load_leaves_a_fused_optimizer_as_it_was(mode: str, impl: str) -> None:
+    """A state dict whose group the engine refuses (differentiable=True) is
+    refused before torch replaces the groups: a fused torch optimizer kept
+    the refused group and could not step again."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = (rp if impl == "reprop" else torch.optim).SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode=mode)
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(differentiable=True, lr=0.5)
+    groups = opt.param_groups
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups is groups and groups[0]["lr"] == 0.1
+    assert not groups[0].get("differentiable", False)
+    before = model.weight.detach().clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    handle.flush()
+    assert not torch.equal(model.weight, before)  # it still trains
+    handle.remove()
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl: str) -> None:
     """copy.deepcopy(opt) or torch.save(opt) (the whole optimizer, not its

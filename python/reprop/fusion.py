@@ -409,7 +409,8 @@ class FusionHandle:
         optimizer._step_supports_amp_scaling = False
         # optimizer.load_state_dict: pending updates first; then torch's replaces
         # param_groups and state with new objects, which the engine must share.
-        self._hooks.append(optimizer.register_load_state_dict_pre_hook(self._before_load))
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(
+            self._before_optimizer_load))
         self._hooks.append(optimizer.register_load_state_dict_post_hook(self._after_load))
 
     def flush(self) -> None:
@@ -417,6 +418,16 @@ class FusionHandle:
 
     def _before_load(self, *args) -> None:
         self.flush()
+
+    def _before_optimizer_load(self, optimizer, state_dict: dict) -> None:
+        """Pending updates first; and a loaded group the engine would refuse
+        (differentiable=True, capturable=True on the CPU) is refused now,
+        before torch replaces the groups and state (a refusal in _sync would
+        leave the optimizer holding it). The saved groups name their
+        parameters by index, in the order of the optimizer's groups."""
+        self.flush()
+        for saved, group in zip(state_dict.get("param_groups", ()), optimizer.param_groups):
+            self.optimizer._check_group({**saved, "params": group["params"]})
 
     def _after_load(self, *args) -> None:
         self._sync()
