@@ -91,10 +91,12 @@ def _version_bumper():
 bump_versions = _version_bumper()
 
 
-# torch.autograd.graph.allow_mutation_on_saved_tensors() sets this module's
-# flag _allow_mutation_on_saved_tensors_enabled for its duration; reading it
-# (one attribute) is how a raw write learns it must call show_coming_writes.
-autograd_graph = torch.autograd.graph
+def dispatch_mode_active() -> bool:
+    """Whether a torch dispatch mode is on (allow_mutation_on_saved_tensors()
+    runs one): it sees aten ops only, so a kernel's write through raw
+    pointers must be shown to it as one (show_coming_writes, or a copy_ of
+    the result)."""
+    return torch._C._len_torch_dispatch_stack() > 0
 
 
 def show_coming_writes(tensors: list) -> None:

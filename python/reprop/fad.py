@@ -151,7 +151,10 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, d) with d stored as `saved` (None: d is not computed). In place, y is x."""
     src = x if _tensors.is_dense(x) else x.contiguous()
-    raw = inplace and src is x and not _dispatch_mode_active()
+    # under a dispatch mode (allow_mutation_on_saved_tensors(): a tensor saved
+    # for backward is cloned before an aten op mutates it) the kernels write a
+    # new tensor and x.copy_ takes it, so the mode sees the write
+    raw = inplace and src is x and not _tensors.dispatch_mode_active()
     y = src if raw else torch.empty_like(src)  # empty_like keeps a dense layout
     d = None if saved is None else torch.empty_like(src, dtype=saved)
     _launch_forward(act, src, y, d)
@@ -161,15 +164,6 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
         x.copy_(y)
         y = x
     return y, d
-
-
-def _dispatch_mode_active() -> bool:
-    """Whether a torch dispatch mode is on, which must see an in-place write as
-    an aten op: under torch.autograd.graph.allow_mutation_on_saved_tensors()
-    a raw write skipped the clone a saved tensor gets before it is mutated,
-    and backward read the new values. In place under a mode, the kernels
-    write a new tensor and x.copy_ takes it."""
-    return torch._C._len_torch_dispatch_stack() > 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,7 +28,6 @@ import torch
 
 from . import _tensors
 from ._native import _C, _cuda
-from ._tensors import autograd_graph as _autograd_graph
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta"]
 
@@ -147,15 +146,15 @@ class _Plan:
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
         """Issues the update with `group`'s hyper-parameters (hp: their
         opt._hparams tuple); prepare_grads() must have succeeded this step.
-        Under allow_mutation_on_saved_tensors() what autograd saved of the
-        params and state is cloned first, as torch.optim's in-place ops have
+        Under a dispatch mode (allow_mutation_on_saved_tensors()) what
+        autograd saved of the params and state is cloned first, as torch.optim's in-place ops have
         it cloned, and their versions bumped after; otherwise only the
         params' versions are bumped (a graph rarely saves optimizer state,
         and bumping it too would cost microseconds a step)."""
         for _, p, work in self.staged:
             work.copy_(p)
         written = self.params
-        if _autograd_graph._allow_mutation_on_saved_tensors_enabled:
+        if _tensors.dispatch_mode_active():
             written = self.written
             _tensors.show_coming_writes(written)
         if self.device.type == "cpu":
