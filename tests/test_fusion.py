@@ -37,6 +37,7 @@ import io
 import math
 import subprocess
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -2375,3 +2376,135 @@ def test_backward_mode_queues_its_end_again_after_a_backward_that_raised():
     F.linear(x, layer.weight).sum().backward()  # the bias gets no gradient
     assert not torch.equal(layer.weight, before), "not updated at the end of backward"
     handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 14. Other threads: an asynchronous checkpoint, remove() from another thread
+# ---------------------------------------------------------------------------
+# The interleavings are forced (a thread started and joined, or events), not
+# left to the scheduler; _WAIT only bounds a hang.
+
+_WAIT = 60.0
+
+
+def _in_thread(fn: Callable[[], object]) -> Callable[[], None]:
+    """Starts fn() on another thread; returns its join(), which re-raises
+    what fn raised there."""
+    raised = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: B902 (handed to the joining thread)
+            raised.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def join() -> None:
+        thread.join(_WAIT)
+        assert not thread.is_alive(), f"{fn} still runs after {_WAIT} s: a deadlock"
+        if raised:
+            raise raised[0]
+    return join
+
+
+class _WatchedLock:
+    """An RLock that sets `contended` when a thread finds it held by another
+    and waits: put in place of a handle's lock, it tells a test that the
+    other thread now waits."""
+
+    def __init__(self, contended: threading.Event) -> None:
+        self._lock = threading.RLock()
+        self._contended = contended
+
+    def __enter__(self) -> "_WatchedLock":
+        if not self._lock.acquire(blocking=False):
+            self._contended.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._lock.release()
+
+
+def _pause_first_update(monkeypatch, opt, handle) -> threading.Event:
+    """Makes the first update of `opt`'s fusion, once begun, wait until
+    another thread either waits for it (for the handle's lock) or starts an
+    update of its own; returns the event set when it has begun."""
+    begun, other = threading.Event(), threading.Event()
+    step_in_groups = opt._step_in_groups
+
+    def paused(*args, **kwargs):
+        if not begun.is_set():
+            begun.set()
+            assert other.wait(_WAIT), "the other thread neither waited nor updated"
+        else:
+            other.set()
+        return step_in_groups(*args, **kwargs)
+
+    monkeypatch.setattr(opt, "_step_in_groups", paused)
+    monkeypatch.setattr(handle, "_lock", _WatchedLock(other))
+    return begun
+
+
+APPLIED_ELSEWHERE = {
+    "model.state_dict": lambda model, opt, handle: model.state_dict(),
+    "optimizer.state_dict": lambda model, opt, handle: opt.state_dict(),
+    "flush": lambda model, opt, handle: handle.flush(),
+    "remove": lambda model, opt, handle: handle.remove(),
+}
+
+
+@pytest.mark.parametrize("how", list(APPLIED_ELSEWHERE))
+def test_forward_mode_updates_applied_on_another_thread_during_a_forward(how: str, monkeypatch) -> None:
+    """An asynchronous checkpoint (state_dict() on another thread), a flush()
+    or a remove() there applies the pending updates while the training
+    thread's next forward would apply them too: forced here by pausing the
+    other thread's update until the forward waits for it, or starts the same
+    update itself. Both applied them (Adam's step count 2, or a KeyError);
+    the forward must wait and compute with each parameter updated once."""
+    x, y = _mlp_batch(0)
+    ref_model, ref_opt = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 1)
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    begun = _pause_first_update(monkeypatch, opt, handle)
+    join = _in_thread(lambda: APPLIED_ELSEWHERE[how](model, opt, handle))
+    assert begun.wait(_WAIT)
+    with torch.no_grad():
+        out = model(x)
+    join()
+    handle.remove()
+    _assert_same_training((model, opt), (ref_model, ref_opt))
+    with torch.no_grad():
+        assert torch.equal(out, ref_model(x)), _diff(out, ref_model(x))
+
+
+def test_forward_mode_step_overtaken_by_remove_on_another_thread_still_updates() -> None:
+    """remove() on another thread after step() was called, while its step
+    pre-hooks run: the step was marked pending on the removed fusion and
+    never applied. It is eager's step() after remove(): it updates at once."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    ref_model, ref_opt = _mlp_loop(None, make_opt, 4)
+    model = _mlp()
+    opt = make_opt(model)
+    handle = reprop.fuse(model, opt, mode="forward")
+    at_step = []
+
+    def remove_at_step_2(opt, args, kwargs) -> None:
+        if at_step == [2]:
+            _in_thread(handle.remove)()  # started and joined: it runs now
+
+    opt.register_step_pre_hook(remove_at_step_2)
+    for i in range(4):
+        at_step[:] = [i]
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert handle._removed
+    _assert_same_training((model, opt), (ref_model, ref_opt))

@@ -43,6 +43,11 @@ apply them at once, then run, as it sees the parameters after an eager step.
 Backward mode: post-hooks run at step(); a pre-hook cannot run before the
 updates backward() made, so step() raises while one is registered.
 
+Other threads may apply the updates while one trains (state_dict() in an
+asynchronous checkpoint, flush(), remove()): a lock per handle makes each
+update happen once, and a forward waits for those of its parameters being
+applied elsewhere.
+
 A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
 plain model: the hooks it copies belong to an inert copy of the handle.
 
@@ -62,6 +67,7 @@ exactly what the eager loop computes.
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 import warnings
 import weakref
@@ -387,6 +393,14 @@ class FusionHandle:
         self._membership = _membership(engine)
         self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
         self._saved: dict = {}  # the optimizer's instance attributes fusion overrides
+        # Held while the fusion's bookkeeping changes and while it updates:
+        # other threads call in too (an async checkpoint's state_dict()
+        # flushing forward mode's pending updates while training runs a
+        # forward, remove() from a controlling thread), and each must find
+        # an update not yet started or over, never half done (applied twice,
+        # or a plan's table refilled mid-update). Reentrant: flush() runs
+        # inside step(), remove() and the hooks.
+        self._lock = threading.RLock()
 
     def _take_over_optimizer(self) -> None:
         """Routes the optimizer's step(), zero_grad() and load_state_dict() to
@@ -430,7 +444,9 @@ class FusionHandle:
             self.optimizer._check_group({**saved, "params": group["params"]})
 
     def _after_load(self, *args) -> None:
-        self._sync()
+        with self._lock:
+            if not self._removed:
+                self._sync()
 
     def _sync(self) -> list:
         """Follows the optimizer's groups: a torch optimizer's param_groups and
@@ -473,9 +489,15 @@ class FusionHandle:
 
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
-        optimizer's own step() and zero_grad(): plain eager training again."""
-        if self._removed:
-            return
+        optimizer's own step() and zero_grad(): plain eager training again.
+        Safe to call from another thread than training's."""
+        with self._lock:
+            if not self._removed:
+                self._undo()
+                self._removed = True
+
+    def _undo(self) -> None:
+        """What remove() does, under the lock, while the fusion is still on."""
         self.flush()
         for hook in self._hooks:
             hook.remove()
@@ -490,7 +512,16 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
-        self._removed = True
+
+    def _step_after_removal(self) -> None:
+        """A step() that another thread's remove() overtook (after its
+        pre-hooks and closure, before its update): it is eager training's
+        step() after remove(), so it updates every parameter with a gradient
+        now, with the kernel fusion uses (the optimizer's own step() would
+        run the step pre-hooks again)."""
+        optim._FusedOptimizer.step(self.optimizer)
+        if self._user_optimizer is not self.optimizer:
+            _low_precision_state_as_torch_keeps_it(self._user_optimizer)
 
     def __reduce__(self):
         """copy.deepcopy(model) and torch.save(model) copy the hooks this
@@ -507,10 +538,12 @@ class FusionHandle:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def _warn_once(self, what: str, message: str) -> None:
+    def _warn_once(self, what: str, message: str, stacklevel: int) -> None:
+        """Warns once per `what`, at the user's call `stacklevel` frames up
+        from the caller."""
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warnings.warn(message, UserWarning, stacklevel=stacklevel + 2)
 
     def _hooked_step(self, args: tuple, kwargs: dict):
         """The mode's step() inside the optimizer's step hooks, in the order of
@@ -545,9 +578,29 @@ class FusionHandle:
         return out
 
     def _step(self, closure=None):
+        loss = None
+        if closure is not None:  # outside the lock: it runs forward and backward
+            with torch.enable_grad():
+                loss = closure()
+        with self._lock:
+            if self._removed:
+                self._step_after_removal()
+            else:
+                self._fused_step()
+        return loss
+
+    def _fused_step(self) -> None:
+        """What the mode's step() does once the closure has run (under the lock)."""
         raise NotImplementedError
 
     def _zero_grad(self, set_to_none: bool = True) -> None:
+        with self._lock:
+            if self._removed:  # by another thread since this call began: eager's
+                self._user_optimizer.zero_grad(set_to_none)
+            else:
+                self._fused_zero_grad(set_to_none)
+
+    def _fused_zero_grad(self, set_to_none: bool) -> None:
         raise NotImplementedError
 
 
@@ -638,12 +691,11 @@ class _BackwardFusion(FusionHandle):
             self._finish_step()
         self._join_side_streams()
 
-    def remove(self) -> None:
-        removed = self._removed
-        super().remove()
+    def _undo(self) -> None:
+        super()._undo()
         # No training forward will free the kept gradients now: the next eager
         # backward would accumulate onto those of a step already applied.
-        if not removed and self._kept_zeroed is not None:
+        if self._kept_zeroed is not None:
             for p in self._kept:
                 _zero_grad_of(p, self._kept_zeroed)
             self._kept.clear()
@@ -874,13 +926,10 @@ class _BackwardFusion(FusionHandle):
 
         return reduced.then(update)
 
-    def _step(self, closure=None):
+    def _fused_step(self) -> None:
+        # (called by _step, _hooked_step and the step() fusion installs)
         self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "
-                                "each parameter is updated inside backward()")
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+                                "each parameter is updated inside backward()", stacklevel=4)
         self._finish_step()
         # Parameters added to the optimizer since the last forward got their
         # gradients without being fused yet: eager updates them in this step().
@@ -889,9 +938,8 @@ class _BackwardFusion(FusionHandle):
             self.optimizer.step_params(late)
             self._ever_updated.update((id(p), p) for p in late)  # zero_grad(False) keeps zeros
             self._release_grads(late)
-        return loss
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
+    def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
         if self._kept:
             self._kept_zeroed = set_to_none
@@ -900,7 +948,8 @@ class _BackwardFusion(FusionHandle):
         for p in self._sync():
             _zero_grad_of(p, set_to_none)
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
-                                     "no-op; gradients are freed as soon as they are applied")
+                                     "no-op; gradients are freed as soon as they are applied",
+                        stacklevel=2)  # (called by _zero_grad)
 
 
 class _ForwardFusion(FusionHandle):
@@ -977,18 +1026,17 @@ class _ForwardFusion(FusionHandle):
         opt = self._user_optimizer
         return type(opt).__getstate__(opt)
 
-    def remove(self) -> None:
-        if not self._removed:
-            self.flush()
-            for module in list(self._covered):
-                _stop_flushing_before_apply(module, self)
-        super().remove()
+    def _undo(self) -> None:
+        super()._undo()
+        for module in list(self._covered):
+            _stop_flushing_before_apply(module, self)
 
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
             return
-        if self._pending:
-            self._apply(list(self._pending.values()))
+        with self._lock:
+            if self._pending:
+                self._apply(list(self._pending.values()))
 
     def _before_regroup(self) -> None:
         # Eager step() applied its updates before the groups changed (a group
@@ -996,6 +1044,9 @@ class _ForwardFusion(FusionHandle):
         self.flush()
 
     def _apply(self, params: list) -> None:
+        """Applies these pending updates (under the lock). They leave _pending
+        only once applied: a module pre-hook finding nothing of its own there
+        knows its parameters are current, without taking the lock."""
         self.optimizer._step_in_groups(params, self._group_of, self._settings)
         for p in params:
             del self._pending[id(p)]
@@ -1008,20 +1059,24 @@ class _ForwardFusion(FusionHandle):
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
         self._seen_running.add(id(module))
-        if self._pending:
-            mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
-            if mine:
-                self._apply(mine)
+        if self._pending:  # the common case, nothing pending, takes no lock
+            with self._lock:  # (another thread may be applying these very updates)
+                mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
+                if mine:
+                    self._apply(mine)
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        self._sync()
-        # Parameters of modules never seen running are read some other way: now.
-        orphans = [p for m, own in self._owned if id(m) not in self._seen_running
-                   for p in own if id(p) in self._pending]
-        if orphans:
-            self._apply(orphans)
+        with self._lock:
+            if self._removed:  # by another thread since
+                return
+            self._sync()
+            # Parameters of modules never seen running are read some other way: now.
+            orphans = [p for m, own in self._owned if id(m) not in self._seen_running
+                       for p in own if id(p) in self._pending]
+            if orphans:
+                self._apply(orphans)
 
     def _on_root_forward_end(self, module, args, output) -> None:
         # What is still pending was not used by this forward, so gets no gradient
@@ -1040,11 +1095,7 @@ class _ForwardFusion(FusionHandle):
                 "the module that owns it); call handle.flush() before such a forward, or use "
                 "mode='backward'")
 
-    def _step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
         self._sync()
@@ -1057,9 +1108,8 @@ class _ForwardFusion(FusionHandle):
         foreign = [p for p in with_grad if id(p) in self._foreign]
         if foreign:
             self._apply(foreign)
-        return loss
 
-    def _zero_grad(self, set_to_none: bool = True) -> None:
+    def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._sync()  # eager zeroes the params of the groups as they are now
         for p in self._params.values():
             if id(p) in self._pending:
