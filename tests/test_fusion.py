@@ -2484,6 +2484,66 @@ def test_forward_mode_updates_applied_on_another_thread_during_a_forward(how: st
         assert torch.equal(out, ref_model(x)), _diff(out, ref_model(x))
 
 
+@pytest.mark.parametrize("call", ["flush", "step", "remove"])
+def test_backward_mode_calls_on_another_thread_leave_a_running_backward_be(call: str,
+                                                                           monkeypatch) -> None:
+    """handle.flush(), optimizer.step() or handle.remove() on another thread
+    while the training thread's backward runs, forced between the
+    accumulation of the first layer's weight gradient and fusion's hook for
+    it, with an update the call makes held until that backward is over:
+    they finished the step, updating that weight from its gradient, and the
+    hook then refused the gradient as a second one. A backward still running
+    is not over: they leave its gradients to it (after remove(), to eager's
+    step()), and training matches eager."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    ref_model, ref_opt = _mlp_loop(None, make_opt, 4)
+    model = _mlp()
+    training = threading.current_thread()
+    at_step, calls, joins = [], {}, []
+    settled, backward_over = threading.Event(), threading.Event()
+
+    def call_on_another_thread(p: torch.Tensor) -> None:
+        if at_step == [2]:
+            def run() -> None:
+                try:
+                    calls[call]()
+                finally:
+                    settled.set()
+            joins.append(_in_thread(run))
+            assert settled.wait(_WAIT)
+
+    # registered before fuse(), so it runs before fusion's own hook
+    model[0].weight.register_post_accumulate_grad_hook(call_on_another_thread)
+    opt = make_opt(model)
+    handle = reprop.fuse(model, opt, mode="backward")
+    calls.update(flush=handle.flush, step=opt.step, remove=handle.remove)
+    step_params = opt.step_params
+
+    def held_until_backward_is_over(*args, **kwargs) -> None:
+        if threading.current_thread() is not training:
+            settled.set()
+            assert backward_over.wait(_WAIT)
+        step_params(*args, **kwargs)
+
+    monkeypatch.setattr(opt, "step_params", held_until_backward_is_over)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            at_step[:] = [i]
+            x, y = _mlp_batch(i)
+            backward_over.clear()
+            try:
+                F.mse_loss(model(x), y).backward()
+            finally:
+                backward_over.set()
+            opt.step()
+            opt.zero_grad()
+    for join in joins:
+        join()
+    handle.remove()
+    _assert_same_training((model, opt), (ref_model, ref_opt))
+
+
 def test_forward_mode_step_overtaken_by_remove_on_another_thread_still_updates() -> None:
     """remove() on another thread after step() was called, while its step
     pre-hooks run: the step was marked pending on the removed fusion and

@@ -46,7 +46,8 @@ updates backward() made, so step() raises while one is registered.
 Other threads may apply the updates while one trains (state_dict() in an
 asynchronous checkpoint, flush(), remove()): a lock per handle makes each
 update happen once, and a forward waits for those of its parameters being
-applied elsewhere.
+applied elsewhere. In backward mode, flush(), step() and remove() on another
+thread leave a running backward's gradients to it.
 
 A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
 plain model: the hooks it copies belong to an inert copy of the handle.
@@ -396,9 +397,10 @@ class FusionHandle:
         # Held while the fusion's bookkeeping changes and while it updates:
         # other threads call in too (an async checkpoint's state_dict()
         # flushing forward mode's pending updates while training runs a
-        # forward, remove() from a controlling thread), and each must find
-        # an update not yet started or over, never half done (applied twice,
-        # or a plan's table refilled mid-update). Reentrant: flush() runs
+        # forward, remove() from a controlling thread, DDP's comm-hook
+        # callbacks on the process group's threads), and each must find an
+        # update not yet started or over, never half done (applied twice, or
+        # a plan's table refilled mid-update). Reentrant: flush() runs
         # inside step(), remove() and the hooks.
         self._lock = threading.RLock()
 
@@ -687,9 +689,10 @@ class _BackwardFusion(FusionHandle):
         those still running on the side streams."""
         if self._removed:  # also a copy's inert handle
             return
-        if _tensors.outside_backward():
-            self._finish_step()
-        self._join_side_streams()
+        with self._lock:  # (the hooks of a backward on another thread add side streams)
+            if _tensors.outside_backward():
+                self._finish_step()
+            self._join_side_streams()
 
     def _undo(self) -> None:
         super()._undo()
@@ -703,7 +706,10 @@ class _BackwardFusion(FusionHandle):
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        self._sync()
+        with self._lock:
+            if self._removed:  # by another thread since
+                return
+            self._sync()
         self._on_training_forward(module, args)
 
     def _on_training_forward(self, module, args) -> None:
@@ -730,11 +736,12 @@ class _BackwardFusion(FusionHandle):
         if not torch.is_grad_enabled():
             return
         if self._backward_since_forward:
-            self._backward_since_forward = False
-            self._micro_batches += 1
-            for p in self._kept:  # kept for the user since the last update; eager zero_grad
-                p.grad = None
-            self._kept.clear()
+            with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+                self._backward_since_forward = False
+                self._micro_batches += 1
+                for p in self._kept:  # kept for the user since the last update; eager zero_grad
+                    p.grad = None
+                self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         if not self._backward_since_forward:
@@ -760,29 +767,35 @@ class _BackwardFusion(FusionHandle):
                                     and self._micro_batches % self._every == 0)
 
     def _on_grad_ready(self, p: torch.Tensor) -> None:
-        self._mark_backward(p)
-        if id(p) not in self._params or not self._updating():
-            return  # no longer in the optimizer, or accumulating: eager would not step now
-        if id(p) in self._updated:
-            self._refuse_second_gradient(p)
-        if self._step_settings is None:
-            self._step_settings = _settings_snapshot(self.optimizer)
-        self._ready[id(p)] = p
-        # Parameters whose module-mates got no gradient this time are updated at the
-        # end of backward; outside one (reprop.ooo's run() of held weight gradients
-        # fires the hook), what is left waits for _finish_step.
-        if self._end_ref() is None and not _tensors.outside_backward():
-            self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
-        batch = self._batch_of[id(p)]
-        if all(id(q) in self._ready or not q.requires_grad for q in batch):
-            self._update([q for q in batch if id(q) in self._ready])
+        with self._lock:
+            if self._removed:  # by another thread during this backward: p.grad is eager's now
+                return
+            self._mark_backward(p)
+            if id(p) not in self._params or not self._updating():
+                return  # no longer in the optimizer, or accumulating: eager would not step now
+            if id(p) in self._updated:
+                self._refuse_second_gradient(p)
+            if self._step_settings is None:
+                self._step_settings = _settings_snapshot(self.optimizer)
+            self._ready[id(p)] = p
+            # Parameters whose module-mates got no gradient this time are updated at the
+            # end of backward; outside one (reprop.ooo's run() of held weight gradients
+            # fires the hook), what is left waits for _finish_step.
+            if self._end_ref() is None and not _tensors.outside_backward():
+                self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
+            batch = self._batch_of[id(p)]
+            if all(id(q) in self._ready or not q.requires_grad for q in batch):
+                self._update([q for q in batch if id(q) in self._ready])
 
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
         # local gradient would stay in .grad for the next step's all-reduce)
-        self._mark_backward(p)
-        if id(p) in self._updated:
-            self._refuse_second_gradient(p)
+        with self._lock:
+            if self._removed:
+                return
+            self._mark_backward(p)
+            if id(p) in self._updated:
+                self._refuse_second_gradient(p)
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
@@ -808,8 +821,9 @@ class _BackwardFusion(FusionHandle):
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
         # what it updates is complete, and the rest waits for _finish_step)
-        if self._ready:
-            self._update(list(self._ready.values()))
+        with self._lock:
+            if self._ready and not self._removed:  # (removed: eager's step() applies them)
+                self._update(list(self._ready.values()))
 
     def _finish_step(self) -> None:
         """At step(), flush() or the next forward, once the backward of a
@@ -818,21 +832,30 @@ class _BackwardFusion(FusionHandle):
         hyper-parameters. Every param with a .grad it did not update (from
         earlier micro-batches of the window, or from before fuse()), and
         after zero_grad(set_to_none=False) every param that ever had a
-        gradient, from the zeros eager would hold."""
-        settings, self._step_settings = self._step_settings, None
-        if settings is None:
-            self._updated.clear()  # DDP's bucket hooks update without step settings
-            return
-        left = [p for i, p in self._params.items() if i not in self._updated and p.grad is not None]
-        if self._zeroed_not_freed:
-            zeroed = [p for i, p in self._ever_updated.items()
-                      if i not in self._updated and p.grad is None and i in self._params]
-            for p in zeroed:
-                p.grad = torch.zeros_like(p)
-            left += zeroed
-        if left:
-            self._update(left, settings)
-        self._updated.clear()
+        gradient, from the zeros eager would hold. Called outside backward;
+        a backward that reached this fusion and still runs on another thread
+        (its end callback is queued) is not over, so its step is finished
+        after it, at the next step(), flush() or forward."""
+        if self._step_settings is None and not self._updated:
+            return  # nothing to finish, as at most forwards: no lock taken
+        with self._lock:
+            if self._removed or self._end_ref() is not None:
+                return
+            settings, self._step_settings = self._step_settings, None
+            if settings is None:
+                self._updated.clear()  # DDP's bucket hooks update without step settings
+                return
+            left = [p for i, p in self._params.items()
+                    if i not in self._updated and p.grad is not None]
+            if self._zeroed_not_freed:
+                zeroed = [p for i, p in self._ever_updated.items()
+                          if i not in self._updated and p.grad is None and i in self._params]
+                for p in zeroed:
+                    p.grad = torch.zeros_like(p)
+                left += zeroed
+            if left:
+                self._update(left, settings)
+            self._updated.clear()
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -844,14 +867,15 @@ class _BackwardFusion(FusionHandle):
         # DDP's end of backward wrote the all-reduced gradient into .grad of the
         # parameters a rank used, and left .grad None where none did, as eager
         # step() then sees it (find_unused_parameters=True).
-        used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
-        self._ddp_unused_here = []
-        if used_elsewhere:
-            self.optimizer.step_params(used_elsewhere)
-            self._updated.update(map(id, used_elsewhere))
-            self._ddp_updated.extend(used_elsewhere)
-        self._release_grads(self._ddp_updated)
-        self._ddp_updated = []
+        with self._lock:
+            used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
+            self._ddp_unused_here = []
+            if used_elsewhere and not self._removed:  # (removed: eager's step() applies them)
+                self.optimizer.step_params(used_elsewhere)
+                self._updated.update(map(id, used_elsewhere))
+                self._ddp_updated.extend(used_elsewhere)
+            self._release_grads(self._ddp_updated)
+            self._ddp_updated = []
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         params = list(params)
@@ -903,25 +927,31 @@ class _BackwardFusion(FusionHandle):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         reduced = allreduce_hook(process_group, bucket)
-        self._backward_since_forward = True
-        if self._removed or not self._updating():
-            return reduced
-        pairs, unused_here = _split_by_local_use(
-            (p, g) for p, g in zip(bucket.parameters(), bucket.gradients()) if id(p) in self._params)
-        self._ddp_unused_here.extend(unused_here)
-        self._updated.update(id(p) for p, _ in pairs)
-        if self._end_ref() is None:
-            self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
+        with self._lock:
+            self._backward_since_forward = True
+            if self._removed or not self._updating():
+                return reduced
+            pairs, unused_here = _split_by_local_use(
+                (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                if id(p) in self._params)
+            self._ddp_unused_here.extend(unused_here)
+            self._updated.update(id(p) for p, _ in pairs)
+            if self._end_ref() is None:
+                self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
 
         # weakly: the callback may be released later, by gloo's or NCCL's thread
         # (a strong one kept the dropped model alive until then)
         handle = weakref.ref(self)
 
         def update(fut):
+            # on the process group's threads, maybe several buckets at once:
+            # under the lock, as every update of the optimizer's plans
             fusion = handle()
             if pairs and fusion is not None:
-                fusion.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
-                fusion._ddp_updated.extend(p for p, _ in pairs)
+                with fusion._lock:
+                    fusion.optimizer.step_params([p for p, _ in pairs],
+                                                 grads=[g for _, g in pairs])
+                    fusion._ddp_updated.extend(p for p, _ in pairs)
             return fut.value()
 
         return reduced.then(update)
