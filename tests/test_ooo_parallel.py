@@ -125,7 +125,7 @@ def _assert_same(ours: nn.Module, ref: nn.Module, what: str, exact: bool = True)
 
 
 def _compare_with_ddp(rank: int, world: int, k, shared: bool, steps: int,
-                      search_iters: int = 3) -> DataParallel:
+                      search_iters: int = 3, bucket_cap_mb: float | None = None) -> DataParallel:
     """Trains a model with DDP and a copy with data_parallel side by side.
 
     Bitwise equal on 2 ranks. On more, gloo's ring all-reduce adds the ranks'
@@ -135,7 +135,7 @@ def _compare_with_ddp(rank: int, world: int, k, shared: bool, steps: int,
     torch.manual_seed(rank)  # replicas differ until both broadcast rank 0's
     model = _Net(shared)
     ref = DistributedDataParallel(copy.deepcopy(model))
-    dp = data_parallel(model, k=k, search_iters=search_iters)
+    dp = data_parallel(model, k=k, search_iters=search_iters, bucket_cap_mb=bucket_cap_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     _assert_same(model, ref.module, "parameter")
@@ -147,7 +147,7 @@ def _compare_with_ddp(rank: int, world: int, k, shared: bool, steps: int,
         ref_opt.step()
         opt.step()
         _assert_same(model, ref.module, "parameter", exact)
-        if k == "auto" and not dp.searching:
+        if dp.scores is not None and not dp.searching:  # a search for k ended
             break
     return dp
 
@@ -303,6 +303,32 @@ def test_data_parallel_matches_ddp(world):
 
 def test_data_parallel_order():
     _spawn(_dp_order, 2)
+
+
+def _dp_rank_dependent_arguments(rank: int, world: int) -> None:
+    one_layer = (WIDTH * WIDTH + WIDTH) * 4 / 2 ** 20  # MiB: one Linear per bucket
+    dp = _compare_with_ddp(rank, world, 2 * rank, False, steps=3,
+                           bucket_cap_mb=one_layer if rank == 0 else None)
+    assert dp.k == 0 and dp._cap == one_layer * 2 ** 20 == dp._first_cap
+    dp.remove()
+    dp = _compare_with_ddp(rank, world, "auto" if rank == 0 else 1, False, steps=100,
+                           search_iters=1 + rank)
+    assert dp.search_iters == 1 and dp.scores is not None and not dp.searching
+    ks = [None] * world
+    dist.all_gather_object(ks, dp.k)
+    assert len(set(ks)) == 1, f"ranks chose different k: {ks}"
+    dp.remove()
+
+
+def test_data_parallel_uses_rank_0s_arguments():
+    """k, bucket_cap_mb and search_iters given differently on each rank (a
+    per-rank configuration; k="auto" on one rank only): every rank uses rank
+    0's, as DDP uses rank 0's buckets, so gradients and parameters are DDP's
+    and the search for k runs on every rank. Each rank planned its buckets
+    from its own: with one layer per bucket the ranks summed different
+    layers' gradients (5e-2 off DDP's), otherwise gloo aborted on tensors of
+    different sizes."""
+    _spawn(_dp_rank_dependent_arguments, 2)
 
 
 class _Branchy(nn.Module):

@@ -1922,7 +1922,9 @@ class DataParallel(_PassTracking):
     norms) that the first forward called on any rank, in the order of their
     first call (the earliest over the ranks, ties in the model's module
     order; one small all-reduce agrees on it, so ranks that take different
-    branches still plan the same buckets); a model without any (an RNN
+    branches still plan the same buckets, and on rank 0's `k`,
+    `search_iters` and `bucket_cap_mb`, which every rank uses, as DDP uses
+    rank 0's buckets); a model without any (an RNN
     alone, say) is reduced in the buckets alone, as DDP. The dW of
     layers [0, k) are held during backward and run after it, layer 0 first;
     each held layer's parameters are all-reduced as soon as its dW ran (issue
@@ -2097,9 +2099,9 @@ class DataParallel(_PassTracking):
     def _plan(self) -> None:
         """Buckets for the current k: autograd's in reverse forward order, then
         one per held layer in Algorithm 2's dW order (the launch order).
-        Everything here must be the same on every rank: the layers come from
-        ``_agreed_layers``, the parameters in the model's order."""
-        sites = self._agreed_layers()
+        Everything here must be the same on every rank: the layers, k and
+        the bucket sizes come from ``_agree``, the parameters in the model's order."""
+        sites = self._agree()
         self._position = {s: l for l, s in enumerate(sites)}
         if self.searching and self.scores is None and sites:
             # the first k to measure is a function of L alone: every rank agrees
@@ -2128,20 +2130,29 @@ class DataParallel(_PassTracking):
             buckets += self._layer_buckets[layer]
         self._buckets = buckets
 
-    def _agreed_layers(self) -> list:
+    def _agree(self) -> list:
         """The split layers called so far on any rank, ordered by their
         earliest first call over the ranks, ties in the model's module order
-        (the same on every rank). A rank's own call order differs from its
-        peers' when they take different branches (DDP's unused-parameter
-        case); buckets planned from it would sum different parameters."""
+        (the same on every rank); and rank 0's k, search and bucket sizes,
+        taken by every rank. One small all-reduce (MIN; the other ranks
+        send +inf for rank 0's part) agrees on both. A rank's own call
+        order differs from its peers' when they take different branches
+        (DDP's unused-parameter case), and its arguments when the ranks are
+        configured apart (k measured per rank, "auto" on one): buckets
+        planned from either would sum different parameters, or all-reduce
+        tensors of different sizes (gloo aborts). DDP's buckets are rank 0's
+        too (it broadcasts their layout after the first iteration)."""
         sites = self.handle.sites
-        if not sites:
-            return []
         never = len(sites)  # after every first-call index
-        first = torch.tensor([s.index if s.index >= 0 else never for s in sites],
-                             dtype=torch.int64, device=self._comm_device())
-        dist.all_reduce(first, op=dist.ReduceOp.MIN, group=self.group)
-        first = first.tolist()
+        first = [s.index if s.index >= 0 else never for s in sites]
+        settings = [self.k, self.searching, self.search_iters, self._cap, self._first_cap]
+        if dist.get_rank(self.group) != 0:
+            settings = [math.inf] * len(settings)
+        # float64 holds the indices, the counts and the byte caps exactly
+        agreed = torch.tensor(first + settings, dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
+        *first, k, searching, search_iters, self._cap, self._first_cap = agreed.tolist()
+        self.k, self.searching, self.search_iters = int(k), bool(searching), int(search_iters)
         called = [i for i in range(len(sites)) if first[i] < never]
         return [sites[i] for i in sorted(called, key=lambda i: (first[i], i))]
 
@@ -2363,9 +2374,11 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
         k: layers, from the input, whose dW runs after backward, layer 0 first
             (0 <= k <= the number of split layers), or "auto": the paper's
             coarse-to-fine search over measured iteration times, `search_iters`
-            iterations per k, k chosen by rank 0 and broadcast.
+            iterations per k, k chosen by rank 0 and broadcast. Rank 0's
+            k (and `search_iters`) is used on every rank.
         bucket_cap_mb: size of the buckets of the other gradients, in MiB
-            (None: 25, the first bucket 1 MiB, as DDP's default).
+            (None: 25, the first bucket 1 MiB, as DDP's default); rank 0's
+            is used on every rank, as DDP's buckets are rank 0's.
         broadcast_buffers: broadcast buffers from rank 0 before each forward
             that follows a grad-mode forward outside ``no_sync()``, as DDP.
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
