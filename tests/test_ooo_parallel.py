@@ -47,10 +47,10 @@ WIDTH, BATCH, DEPTH = 16, 8, 8
 # ---------------------------------------------------------------------------
 
 
-def _worker(rank: int, world: int, tmp: str, fn, args) -> None:
+def _worker(rank: int, world: int, tmp: str, fn, args, timeout: float) -> None:
     torch.set_num_threads(1)  # ranks share two cores
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rdzv", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
     try:
         fn(rank, world, *args)
         # Models, their hooks and the data-parallel handle form reference
@@ -66,10 +66,11 @@ def _worker(rank: int, world: int, tmp: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def _spawn(fn, world: int, *args) -> None:
-    """Runs fn(rank, world, *args) on `world` gloo ranks; raises what a rank raised."""
+def _spawn(fn, world: int, *args, timeout: float = 60) -> None:
+    """Runs fn(rank, world, *args) on `world` gloo ranks; raises what a rank
+    raised. A collective waits at most `timeout` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_worker, args=(world, tmp, fn, args), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, tmp, fn, args, timeout), nprocs=world, join=True)
 
 
 @pytest.fixture
@@ -959,6 +960,41 @@ def test_parallel_edge_cases():
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage."""
     _spawn(_edge_cases, 3)
+
+
+def _check_pipeline_arguments_agree(rank: int, world: int) -> None:
+    assert world == 3
+    mismatches = [
+        (dict(schedule="gpipe" if rank == 0 else "fast_forward"),
+         r"^schedule: differs between the ranks \(rank 0: 'gpipe'; ranks 1, 2: 'fast_forward'\)"),
+        # times measured on each rank: its own layers slower
+        (dict(costs=dict(fwd=[1.0 + 4.0 * (l % world == rank) for l in range(DEPTH)])),
+         r"^costs: differs between the ranks \(rank 0 vs rank 1 vs rank 2\)"),
+        (dict(micro_batches=4 if rank == 2 else 2), r"^micro_batches: .*\(ranks 0, 1: 2; rank 2: 4\)"),
+        (dict(allocation="contiguous" if rank == 1 else "modulo"),
+         r"^allocation: .*\(ranks 0, 2: 'modulo'; rank 1: 'contiguous'\)"),
+        (dict(allocation="modulo", group=1 + rank % 2), r"^group: .*\(ranks 0, 2: 1; rank 1: 2\)"),
+        (dict(layers=DEPTH - (rank == 0)), r"^layers: .*\(rank 0: 7 layers; ranks 1, 2: 8 layers\)"),
+    ]
+    for kwargs, match in mismatches:
+        layers = _blocks()[:kwargs.pop("layers", DEPTH)]
+        with pytest.raises(ValueError, match=match):
+            Pipeline(layers, **{"micro_batches": 2, "allocation": "modulo", **kwargs})
+        assert all("forward" not in m.__dict__ for layer in layers for m in layer.modules()), \
+            "split left behind"
+    x, t = _batch(0, 0)  # the group still works
+    Pipeline(_blocks(), micro_batches=2).step(x, t, F.mse_loss)
+
+
+def test_pipeline_arguments_must_agree():
+    """Each rank derives every stage's program from its own arguments, and
+    messages are matched in the order of those programs: a schedule, costs
+    (times measured on each rank), micro_batches, allocation, group or
+    number of layers that differs between ranks gets a ValueError naming it
+    on every rank. Schedules and costs gave gradients 4e-2 off single-process
+    training without an error; micro_batches raised on one rank, the
+    allocation waited in recv until the timeout."""
+    _spawn(_check_pipeline_arguments_agree, 3, timeout=20)
 
 
 def test_pipeline_stopped_gradients_solo(solo_group):

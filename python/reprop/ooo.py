@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import math
 import numbers
@@ -2476,9 +2477,12 @@ class Pipeline:
 
     Every rank of `process_group` (None: the default group; a rank outside
     it gets a ValueError) builds the same `layers` (same seed) and passes
-    them in; rank r keeps layer l when ``_C.sched_stages`` puts l on stage
-    r: contiguous blocks, or modulo allocation of groups of `group`
-    consecutive layers ((l // group) mod stages). Each layer maps one tensor to one tensor.
+    them in, with the same arguments (one all_gather at construction raises
+    a ValueError on every rank naming one that differs; `costs` timed on
+    each rank must be agreed on first); rank r keeps layer l when
+    ``_C.sched_stages`` puts l on stage r: contiguous blocks, or modulo
+    allocation of groups of `group` consecutive layers ((l // group) mod
+    stages). Each layer maps one tensor to one tensor.
     Layers on different stages must not share a parameter or buffer (a
     ValueError names them); on one stage they may.
 
@@ -2536,14 +2540,27 @@ class Pipeline:
                        for r in range(self.stages)]
         self.num_layers = n
         self.stage_of = np.asarray(stages(n, self.stages, allocation, group))
+        # only this rank's layers are kept
+        self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
+        local = nn.ModuleList(self.layers.values())
+        if device is None:
+            device = next((p.device for p in local.parameters()), torch.device("cpu"))
+        self.device = torch.device(device)
+        # before any check whose outcome these arguments decide, so that all
+        # ranks pass it or raise
+        _check_same_on_every_rank({
+            "layers": (n, lambda v: f"{v} layers"),
+            "micro_batches": (self.micro_batches, str),
+            "schedule": (list(SCHEDULES).index(schedule), lambda v: repr(list(SCHEDULES)[v])),
+            "allocation": (ALLOCATIONS.index(allocation), lambda v: repr(ALLOCATIONS[v])),
+            "group": (group, str),
+            "costs": (_digest(self.costs), None),
+        }, process_group, self.device)
         sharing = _layers_sharing_across_stages(layers, self.stage_of)
         _check_not_tied_across_stages(sharing, self.stage_of)
         # a shared parameter frozen now may be unfrozen later: step() checks
         # again; weak, as layers of other stages are not this rank's to keep
         self._sharing = [(l, weakref.ref(layer)) for l, layer in sharing]
-        # only this rank's layers are kept
-        self.layers = {l: layers[l] for l in range(n) if self.stage_of[l] == self.rank}
-        local = nn.ModuleList(self.layers.values())
         if self.micro_batches > 1:
             if _backward_fused(local):
                 raise ValueError(
@@ -2555,9 +2572,6 @@ class Pipeline:
             _MICRO_BATCH_PIPELINES.add(self)
         self.handle: OOOHandle | None = (enable(local, order="conventional")
                                          if _splits_any(local) else None)
-        if device is None:
-            device = next((p.device for p in local.parameters()), torch.device("cpu"))
-        self.device = torch.device(device)
         self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
         self._headers: dict = {}  # (input key, layer, micro) -> header sent or received
         self.messages = 0  # point-to-point messages this rank sent in its last step
@@ -2806,6 +2820,40 @@ class Pipeline:
 
     def _recv(self, t: torch.Tensor, stage: int) -> None:
         dist.recv(t, self._ranks[stage], group=self.group)
+
+
+def _check_same_on_every_rank(arguments: dict, group, device: torch.device) -> None:
+    """Raises the same ValueError on every rank of `group` when an argument
+    differs between the ranks: each rank derives every stage's program from
+    them, and messages are matched by the order those programs send them in,
+    so programs derived from different arguments pair the wrong tensors
+    (wrong gradients), or wait for a message never sent. `arguments`: name
+    -> (an int standing for this rank's value, a function writing a value
+    from it, or None where it cannot). One all_gather."""
+    mine = torch.tensor([code for code, _ in arguments.values()], dtype=torch.int64,
+                        device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    rows = [t.tolist() for t in every]
+    for i, (name, (_, show)) in enumerate(arguments.items()):
+        ranks_of: dict = {}  # value -> the ranks that passed it
+        for rank, row in enumerate(rows):
+            ranks_of.setdefault(row[i], []).append(rank)
+        if len(ranks_of) > 1:
+            who = [("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+                   + ("" if show is None else f": {show(v)}") for v, ranks in ranks_of.items()]
+            who = (" vs " if show is None else "; ").join(who)
+            raise ValueError(f"{name}: differs between the ranks ({who}); every rank "
+                             "must pass the same, as each one derives every stage's schedule "
+                             "from it and the messages between stages are matched by that "
+                             "schedule")
+
+
+def _digest(costs: dict) -> int:
+    """An int64 that stands for checked costs (of ``_check_costs``)."""
+    data = b"".join(np.asarray(costs[key], dtype=np.float64).tobytes()
+                    for key in ("fwd", "out_grad", "weight_grad", "transfer"))
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def _changing_state(layer: nn.Module):
