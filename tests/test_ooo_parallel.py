@@ -997,6 +997,50 @@ def test_pipeline_arguments_must_agree():
     _spawn(_check_pipeline_arguments_agree, 3, timeout=20)
 
 
+def _check_pipeline_freezing(rank: int, world: int) -> None:
+    assert world == 3  # stages hold layers 0-2, 3-5, 6-7
+    for frozen_by_step in ([range(6), (), range(4), (1,)], [(), range(4), range(6), (1,)]):
+        ref_layers = _blocks()
+        ref = nn.Sequential(*ref_layers)
+        layers = _blocks()
+        for l in frozen_by_step[0]:  # when the Pipeline is built
+            layers[l].requires_grad_(False)
+        pipe = Pipeline(layers, micro_batches=2)
+        messages = []
+        for step, frozen in enumerate(frozen_by_step):
+            for some in (ref_layers, layers):
+                for l, layer in enumerate(some):
+                    layer.requires_grad_(l not in frozen)
+                    layer.zero_grad()
+            x, t = _batch(0, step)
+            F.mse_loss(ref(x), t).backward()
+            pipe.step(x, t, F.mse_loss)
+            messages.append(pipe.messages)
+            for l, layer in pipe.layers.items():
+                for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
+                    where = f"rank {rank} step {step}, layers {list(frozen)} frozen: layer {l} {name}"
+                    if want.grad is None:
+                        assert p.grad is None, f"{where}: a gradient where plain autograd has none"
+                    else:
+                        torch.testing.assert_close(p.grad, want.grad, rtol=1e-5, atol=1e-6,
+                                                   msg=where)
+        if not frozen_by_step[0]:  # after the headers, frozen or not: the same messages
+            assert len(set(messages[1:])) == 1, messages
+        pipe.remove()
+
+
+def test_pipeline_freezing_and_unfreezing_between_steps():
+    """Two stages' layers frozen when the Pipeline is built, then unfrozen,
+    then frozen again in part; and the same from trainable layers: single-
+    process gradients in every step, None for frozen layers, and no message
+    more in steps after a trainable first one (its gradients go back, and
+    the stage before drops those it needs none of). Whether an activation
+    required grad went to the next stage in its first step only: the stage
+    before an (un)frozen layer raised, the next one waited in recv until the
+    timeout."""
+    _spawn(_check_pipeline_freezing, 3, timeout=20)
+
+
 def test_pipeline_stopped_gradients_solo(solo_group):
     """Gradients that stop at a layer, within one stage."""
     _check_pipeline_stopped_gradients(0)

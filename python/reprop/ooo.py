@@ -2413,20 +2413,44 @@ ALLOCATIONS = ("contiguous", "modulo")
 # requires_grad): both ends keep them per (input, layer, micro-batch), as a
 # layer's output is described by its input's description; a sender whose
 # output no longer matches the kept header raises instead of sending.
+# Whether the output requires grad is not described by the input: it
+# follows every earlier parameter's requires_grad, which the user may
+# change between steps (freezing a backbone, gradual unfreezing) on the
+# stages holding them, unseen by the next. An output that required grad in
+# the header's step gets its gradient back in every step, and a sender
+# whose output needs none since (frozen before it) drops it: the stages
+# after compute it in vain (from their first layer's input gradient on; a
+# new Pipeline sends new headers), but training with unchanged
+# requires_grad sends no more messages. One that did not is followed in
+# each step by a flag saying whether it requires grad now (none for dtypes
+# without gradients).
 _ACTIVATION, _GRADIENT = 0, 1
-_HEADER = 16  # int64 slots: ndim, dtype, requires_grad, then the shape
+_HEADER = 16  # int64 slots: ndim, dtype, requires_grad when sent, then the shape
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
                 torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
                 torch.uint8, torch.bool)
 
 
-def _header(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """(16,) int64 description of `t`, which the receiver's copy is to match."""
+def _describe(t: torch.Tensor) -> tuple:
+    """(ndim, dtype's index, *shape) of `t`, which the receiver's copy is to match."""
     if t.dim() > _HEADER - 3 or t.dtype not in _WIRE_DTYPES:
         raise ValueError(f"Pipeline: cannot send a {t.dim()}-d {t.dtype} activation between "
                          f"stages (at most {_HEADER - 3} dims of {_WIRE_DTYPES})")
-    h = [t.dim(), _WIRE_DTYPES.index(t.dtype), int(requires_grad), *t.shape]
-    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=t.device)
+    return (t.dim(), _WIRE_DTYPES.index(t.dtype), *t.shape)
+
+
+def _header(description: tuple, requires_grad: bool, device: torch.device) -> torch.Tensor:
+    """(16,) int64: the header of an activation (see the note above)."""
+    ndim, dtype, *shape = description
+    h = [ndim, dtype, int(requires_grad), *shape]
+    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=device)
+
+
+def _flagged(always: bool, dtype: torch.dtype) -> bool:
+    """Whether a flag says in each step if an activation requires grad: not
+    where its header said it did (see the note above), nor for a dtype
+    without gradients."""
+    return not always and (dtype.is_floating_point or dtype.is_complex)
 
 
 class _Alias(torch.autograd.Function):
@@ -2470,6 +2494,7 @@ class _Step:
     sends: list = field(default_factory=list)       # (request, tensor kept alive)
     losses: list = field(default_factory=list)
     key: tuple = ()                                 # the input's description, for the headers
+    returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
 
 
 class Pipeline:
@@ -2501,7 +2526,8 @@ class Pipeline:
     draws its masks per micro-batch on the stage's rank. A layer that
     ignores or detaches its input gives the layers before it no gradient in
     that micro-batch, as plain autograd: a ``.grad`` no micro-batch adds to
-    stays None.
+    stays None. Parameters may be frozen or unfrozen between steps; frozen
+    ones get no gradient (see the note on messages for what that costs).
 
     Activations and gradients go between stages with ``isend`` (waited on at
     the end of the step) and blocking ``recv``, in the order each sender
@@ -2573,7 +2599,8 @@ class Pipeline:
         self.handle: OOOHandle | None = (enable(local, order="conventional")
                                          if _splits_any(local) else None)
         self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
-        self._headers: dict = {}  # (input key, layer, micro) -> header sent or received
+        # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
+        self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
         # whether a gradient follows (see _send_gradient); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
@@ -2680,9 +2707,7 @@ class Pipeline:
                 st.losses.append(y.detach())
         st.acts[(l, m)] = (x, y)
         if l + 1 < self.num_layers and self._owner(l + 1) != self.rank:
-            out = y.detach().contiguous()
-            self._send_header(st, l, m, _header(out, y.requires_grad))
-            self._send(st, out, self._owner(l + 1))
+            self._send_activation(st, l, m, y)
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
         """Layer l's input for micro-batch m: a leaf, so that backward stops at
@@ -2703,12 +2728,12 @@ class Pipeline:
             return
         x, y = st.acts[(l, m)]
         tasks: list = []
-        if y.requires_grad:
-            last = l == self.num_layers - 1
-            grad = None if last else self._grad_of_output(st, l, m)
-            if last or grad is not None:  # else no later layer used y: no backward
-                with self._hold() as tasks:
-                    torch.autograd.backward(y, grad)
+        last = l == self.num_layers - 1
+        grad = None if last else self._grad_of_output(st, l, m)
+        # no gradient: no later layer used y; y needs none: the one received is dropped
+        if y.requires_grad and (last or grad is not None):
+            with self._hold() as tasks:
+                torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
         if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
@@ -2719,9 +2744,12 @@ class Pipeline:
         return self.handle.hold() if self.handle is not None else contextlib.nullcontext([])
 
     def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor | None:
+        """The gradient of layer l's output for micro-batch m, None if none
+        comes (received from another stage also where the output needs none
+        since its header: see the note on messages)."""
         if self._owner(l + 1) == self.rank:
-            return st.out_grads.pop((l, m))
-        return self._receive(st, _GRADIENT, l, m)
+            return st.out_grads.pop((l, m), None)  # none where the output needs none
+        return self._receive(st, _GRADIENT, l, m) if (l, m) in st.returned else None
 
     def _output_grad(self, st: _Step, l: int, m: int) -> None:
         """dO(l, m): hands the gradient of layer l's input to layer l - 1."""
@@ -2759,16 +2787,29 @@ class Pipeline:
         if g is not None:
             self._send(st, g.contiguous(), stage)
 
-    def _send_header(self, st: _Step, l: int, m: int, h: torch.Tensor) -> None:
+    def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
+        """Layer l's output `y` for micro-batch m to the next stage: its header
+        in the first step for the input's description, then, where the
+        header leaves it open, a flag saying whether y requires grad, then
+        its data (see the note on messages)."""
+        out = y.detach().contiguous()
+        stage = self._owner(l + 1)
+        description = _describe(out)
         kept = self._headers.get((st.key, l, m))
         if kept is None:
-            self._headers[(st.key, l, m)] = h
-            self._send(st, h, self._owner(l + 1))
-        elif not torch.equal(kept, h):
-            raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape, "
-                               "dtype or requires_grad for the same input description; the stage "
-                               "that receives it expects the kept header (pass inputs of another "
-                               "shape, or build a new Pipeline)")
+            kept = self._headers[(st.key, l, m)] = (description, y.requires_grad)
+            self._send(st, _header(description, y.requires_grad, out.device), stage)
+        elif kept[0] != description:
+            raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape "
+                               "or dtype for the same input description; the stage that receives "
+                               "it expects the kept header (pass inputs of another shape, or "
+                               "build a new Pipeline)")
+        always = kept[1]
+        if _flagged(always, out.dtype):
+            self._send(st, self._flags[y.requires_grad], stage)
+        if always or y.requires_grad:
+            st.returned.add((l, m))
+        self._send(st, out, stage)
 
     def _receive(self, st: _Step, what: int, l: int, m: int) -> torch.Tensor:
         """Message (what, l, m): the activation of layer l's output or its gradient.
@@ -2790,33 +2831,39 @@ class Pipeline:
         if what == _ACTIVATION:
             st.early[(what, l, m)] = self._recv_activation(st, src, l, m)
             return
-        # a gradient comes only for an output that needs one; F(l, m) ran
-        # here before the sender could compute it, so y tells
-        x_y = st.acts.get((l, m))
-        if x_y is not None and x_y[1].requires_grad:
-            st.early[(what, l, m)] = self._recv_gradient(x_y[1], src)
+        # F(l, m), which sent the activation, said whether it comes back;
+        # the backward that drops y has received it by then
+        if (l, m) in st.returned:
+            st.early[(what, l, m)] = self._recv_gradient(st.acts[(l, m)][1], src)
 
     def _recv_activation(self, st: _Step, src: int, l: int, m: int) -> torch.Tensor:
-        """Layer l's output for micro-batch m, after its header in the first step."""
-        h = self._headers.get((st.key, l, m))
-        if h is None:
-            h = self._headers[(st.key, l, m)] = torch.empty(_HEADER, dtype=torch.int64,
-                                                            device=self.device)
+        """Layer l's output for micro-batch m, after its header in the first
+        step and its flag where the header leaves requires_grad open."""
+        kept = self._headers.get((st.key, l, m))
+        if kept is None:
+            h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
             self._recv(h, src)
-        ndim, dtype, requires_grad, *shape = h.tolist()
-        x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=self.device)
+            ndim, dtype, always, *shape = h.tolist()
+            kept = self._headers[(st.key, l, m)] = ((ndim, dtype, *shape[:ndim]), bool(always))
+        (_, dtype, *shape), always = kept
+        dtype = _WIRE_DTYPES[dtype]
+        requires_grad = self._recv_flag(src) if _flagged(always, dtype) else always
+        x = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(x, src)
-        return x.requires_grad_(bool(requires_grad))
+        return x.requires_grad_(requires_grad)
 
     def _recv_gradient(self, y: torch.Tensor, src: int) -> torch.Tensor | None:
         """The gradient of output `y`, None when the sender has none for it."""
-        flag = torch.empty_like(self._flags[True])
-        self._recv(flag, src)
-        if not flag.item():
+        if not self._recv_flag(src):
             return None
         g = torch.empty_like(y, memory_format=torch.contiguous_format)
         self._recv(g, src)
         return g
+
+    def _recv_flag(self, src: int) -> bool:
+        flag = torch.empty_like(self._flags[True])
+        self._recv(flag, src)
+        return bool(flag.item())
 
     def _recv(self, t: torch.Tensor, stage: int) -> None:
         dist.recv(t, self._ranks[stage], group=self.group)
