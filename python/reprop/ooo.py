@@ -1989,10 +1989,8 @@ class DataParallel(_PassTracking):
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
-        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-                or not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb: expected a number > 0, got {bucket_cap_mb!r}")
-        _count(search_iters, "search_iters", 1)
+        bucket_cap_mb = _number(bucket_cap_mb, "bucket_cap_mb", "a number > 0", lambda v: v > 0)
+        search_iters = _count(search_iters, "search_iters", 1)
         if k != "auto" and not _is_count(k):
             raise ValueError(f"k: expected an int or 'auto', got {k!r}")
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
@@ -2009,7 +2007,7 @@ class DataParallel(_PassTracking):
         self.world = dist.get_world_size(process_group)
         self.k = 0 if k == "auto" else int(k)  # in force; the search moves it
         self.searching = k == "auto" and bool(self.handle.sites)  # nothing to search without layers
-        self.search_iters = int(search_iters)
+        self.search_iters = search_iters
         self.scores: np.ndarray | None = None  # throughput per k while searching (NaN: not yet)
         self._samples: list[float] = []
         self._last_end: float | None = None
