@@ -51,9 +51,9 @@ from torch import nn
 
 from ._native import _C
 from .fusion import _BackwardFusion
-from ._tensors import check_count as _count
-from ._tensors import (hook_owner, is_count as _is_count, queue_end_of_backward,
-                       suggest_memory_format, torch_only, torch_only_weight, weak_hook)
+from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
+                       queue_end_of_backward, suggest_memory_format, torch_only,
+                       torch_only_weight, weak_hook)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
