@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from reprop import ooo
 
@@ -448,6 +449,39 @@ def test_hold_takes_layers_the_fixed_schedule_runs_plain():
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("hold_in", ["backward", "forward"])
+def test_hold_and_a_non_reentrant_checkpoint_across_the_block(hold_in):
+    """A non-reentrant checkpoint recomputes the forward in backward and
+    matches what it saves against the recorded forward: a layer the fixed
+    schedule runs plain must take the same path in both, whether hold()
+    covers the forward or the backward (its tasks are held either way)."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None, profile_iters=2)
+
+    def loss_of(net, x):
+        return checkpoint(net, x, use_reentrant=False).sum()
+
+    for step in range(handle._profile_passes()):
+        loss_of(model, torch.randn(3, 4)).backward()
+    assert handle.schedule is not None and not any(s.split for s in handle.sites)
+    x = torch.randn(3, 4)
+    model.zero_grad()
+    if hold_in == "backward":
+        loss = loss_of(model, x)
+        with handle.hold() as tasks:
+            loss.backward()
+    else:
+        with handle.hold() as tasks:
+            loss = loss_of(model, x)
+        loss.backward()
+    handle.run(tasks)
+    assert len(tasks) == (3 if hold_in == "backward" else 0)
+    loss_of(ref, x).backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
 def test_a_schedule_that_cannot_be_made_raises_once():
     """An error while fixing the schedule comes out of the backward that
     tried, with its gradients complete; the passes after it keep every dW in
@@ -770,12 +804,64 @@ def test_parameters_as_they_are_at_each_call(change):
     assert split == ([model[2]] if "norm" in change else [model[0], model[2]])
 
 
+def _conv_per_branch(conv, x):
+    outs = []
+    for d in (1, 2, 3):  # TridentNet: one kernel, a dilation per branch
+        conv.dilation = conv.padding = (d, d)
+        outs.append(conv(x))
+    return sum(o * (i + 1) for i, o in enumerate(outs))
+
+
+def _groups_per_call(gn, x):
+    gn.num_groups = 1
+    a = gn(x)
+    gn.num_groups = 4
+    b = gn(x)
+    gn.num_groups = 2
+    return a * 2 + b
+
+
+def _eps_per_call(bn, x):
+    bn.eps = 1.0
+    a = bn(x)
+    bn.eps = 1e-5
+    return a * 2 + bn(x)
+
+
+def _table_replaced(emb, idx):
+    # num_embeddings stays 10: the table's rows are the weight's
+    emb.weight = nn.Parameter(torch.linspace(-1, 1, 36).reshape(12, 3))
+    return emb(idx)
+
+
+@pytest.mark.parametrize("layer, x, forward", [
+    (lambda: nn.Conv2d(3, 4, 3), torch.randn(2, 3, 8, 8), _conv_per_branch),
+    (lambda: nn.GroupNorm(2, 4), torch.randn(3, 4, 5), _groups_per_call),
+    (lambda: nn.BatchNorm1d(4).eval(), torch.randn(3, 4, 5), _eps_per_call),
+    (lambda: nn.Embedding(10, 3), torch.tensor([[1, 11], [9, 11]]), _table_replaced),
+], ids=["conv_dilation", "group_norm_groups", "batch_norm_eps", "embedding_rows"])
+def test_backward_uses_the_settings_of_its_own_call(layer, x, forward):
+    """Autograd records a layer's settings at each call: a setting changed
+    between calls of one module (or before backward) must not reach the
+    earlier calls' gradients, deferred or not. Bitwise: the same kernels."""
+    torch.manual_seed(0)
+    ref = layer()
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    float_input = x.is_floating_point()
+    xr, xm = (x.clone().requires_grad_(float_input) for _ in range(2))
+    forward(ref, xr).pow(3).mean().backward()
+    forward(model, xm).pow(3).mean().backward()
+    if float_input:
+        assert torch.equal(xm.grad, xr.grad)
+    assert torch.equal(model.weight.grad, ref.weight.grad)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("order", ooo.ORDERS)
 def test_activation_checkpointing_matches_autograd(order, reentrant):
     """torch.utils.checkpoint recomputes split layers inside backward: their
     recomputed calls split again and every task has run when backward returns."""
-    from torch.utils.checkpoint import checkpoint
 
     class Net(nn.Module):
         def __init__(self):

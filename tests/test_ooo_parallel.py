@@ -1118,6 +1118,8 @@ def test_pipeline_bad_arguments(solo_group):
     x, t = _batch(0, 0)
     with pytest.raises(ValueError, match="^micro_batches: 3 must divide"):
         pipe.step(x, t, F.mse_loss)
+    with pytest.raises(ValueError, match=r"^inputs: expected a batch of at least 3 .*\(0, 16\)"):
+        pipe.step(x[:0], t[:0], F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
 

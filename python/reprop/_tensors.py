@@ -158,6 +158,20 @@ def outside_backward() -> bool:
     return torch._C._current_graph_task_id() == -1
 
 
+_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def non_reentrant_checkpointing() -> bool:
+    """Whether a non-reentrant torch.utils.checkpoint is recording (or
+    recomputing) this forward: it matches the tensors saved by the
+    recompute against the recorded ones by position, so a layer must take
+    the same path in both, whatever changed in between. (A user's pack
+    hook may be any callable: a functools.partial has no __qualname__.)"""
+    hooks = _top_saved_tensors_hooks(False) if _top_saved_tensors_hooks is not None else None
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        ("_checkpoint_hook.", "_recomputation_hook."))
+
+
 def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
     """Queues `callback` for the end of the backward pass running now, and
     returns a weak reference to it. The pass holds the only strong one (pass

@@ -52,8 +52,8 @@ from torch import nn
 from ._native import _C
 from .fusion import _BackwardFusion
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
-                       queue_end_of_backward, suggest_memory_format, torch_only,
-                       torch_only_weight, weak_hook)
+                       non_reentrant_checkpointing, queue_end_of_backward,
+                       suggest_memory_format, torch_only, torch_only_weight, weak_hook)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -73,7 +73,11 @@ class _Kind:
     (tensors first, saved for backward so in-place changes are caught; then
     plain values); w and b are the module's weight and bias, cast as autocast
     would cast them for ``op(m)``, the functional op the module's own forward calls.
-    ``weight_grads(m, saved, g, mask)`` returns (dweight, dbias), each None
+    Backward reads only what forward saved, never the module: a setting
+    changed between two calls of one layer (a shared Conv2d given another
+    dilation per branch) must not reach the first call's gradients, as it
+    does not under autograd, which records them at forward.
+    ``weight_grads(saved, g, mask)`` returns (dweight, dbias), each None
     where `mask` (two bools) does not ask for it.
     """
 
@@ -136,14 +140,14 @@ class _LinearKind(_Kind):
     def forward(self, m, x, w, b):
         return F.linear(x, w, b), (x, w)
 
-    def input_grad(self, m, saved, g):
+    def input_grad(self, saved, g):
         x, w = saved
         g2 = _fold(g, w.shape[0])
         if _column_major_fold(x):  # autograd's mm backward transposes the product here
             return w.t().mm(g2.t()).t().reshape(x.shape)
         return g2.mm(w).view(x.shape)
 
-    def weight_grads(self, m, saved, g, mask):
+    def weight_grads(self, saved, g, mask):
         x, w = saved
         g2 = _fold(g, w.shape[0])
         return (g2.t().mm(_fold(x, w.shape[1])) if mask[0] else None,
@@ -178,22 +182,20 @@ class _ConvKind(_Kind):
         return f"conv{len(m.kernel_size)}d"
 
     def forward(self, m, x, w, b):
-        y = _aten.convolution(x, w, b, list(m.stride), self._padding(m),
-                              list(m.dilation), False, [0] * len(m.stride), m.groups)
-        return y, (x, w)
+        geometry = (list(m.stride), self._padding(m), list(m.dilation), False,
+                    [0] * len(m.stride), m.groups)
+        return _aten.convolution(x, w, b, *geometry), (x, w, geometry)
 
-    def _backward(self, m, saved, g, mask):
-        x, w = saved
+    def _backward(self, saved, g, mask):
+        x, w, geometry = saved
         bias = [w.shape[0]] if mask[2] else None
-        return _aten.convolution_backward(g, x, w, bias, list(m.stride), self._padding(m),
-                                          list(m.dilation), False, [0] * len(m.stride),
-                                          m.groups, mask)
+        return _aten.convolution_backward(g, x, w, bias, *geometry, mask)
 
-    def input_grad(self, m, saved, g):
-        return self._backward(m, saved, g, [True, False, False])[0]
+    def input_grad(self, saved, g):
+        return self._backward(saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g, mask):
-        return tuple(self._backward(m, saved, g, [False, *mask])[1:])
+    def weight_grads(self, saved, g, mask):
+        return tuple(self._backward(saved, g, [False, *mask])[1:])
 
 
 class _EmbeddingKind(_Kind):
@@ -215,17 +217,18 @@ class _EmbeddingKind(_Kind):
         return "embedding"
 
     def forward(self, m, x, w, b):
-        pad = -1 if m.padding_idx is None else m.padding_idx
-        return torch.embedding(w, x, pad, m.scale_grad_by_freq, False), (x,)
+        # the table's rows are the weight's, as autograd's node records them
+        # (m.num_embeddings is stale once the weight is replaced)
+        settings = (w.shape[0], -1 if m.padding_idx is None else m.padding_idx,
+                    m.scale_grad_by_freq)
+        return torch.embedding(w, x, *settings[1:], False), (x, settings)
 
-    def input_grad(self, m, saved, g):
+    def input_grad(self, saved, g):
         return None  # indices have no gradient
 
-    def weight_grads(self, m, saved, g, mask):
-        (idx,) = saved
-        pad = -1 if m.padding_idx is None else m.padding_idx
-        return _aten.embedding_dense_backward(g, idx, m.num_embeddings, pad,
-                                              m.scale_grad_by_freq), None
+    def weight_grads(self, saved, g, mask):
+        idx, settings = saved
+        return _aten.embedding_dense_backward(g, idx, *settings), None
 
 
 class _NormKind(_Kind):
@@ -233,15 +236,15 @@ class _NormKind(_Kind):
 
     tensors_saved = 4
 
-    def input_grad(self, m, saved, g):
-        return self._backward(m, saved, g, [True, False, False])[0]
+    def input_grad(self, saved, g):
+        return self._backward(saved, g, [True, False, False])[0]
 
-    def weight_grads(self, m, saved, g, mask):
-        return self.grads(m, saved, g, False, mask)[1]
+    def weight_grads(self, saved, g, mask):
+        return self.grads(saved, g, False, mask)[1]
 
-    def grads(self, m, saved, g, input_grad: bool, mask) -> tuple:
+    def grads(self, saved, g, input_grad: bool, mask) -> tuple:
         """(dO or None, (dweight, dbias)) from one call of the native backward."""
-        dx, dw, db = self._backward(m, saved, g, [input_grad, *mask])
+        dx, dw, db = self._backward(saved, g, [input_grad, *mask])
         return dx, (dw, db)
 
 
@@ -273,16 +276,16 @@ class _BatchNormKind(_NormKind):
     def forward(self, m, x, w, b):
         training, eaf, rm, rv = self._state(m)
         y, mean, invstd = _aten.native_batch_norm(x, w, b, rm, rv, training, eaf, m.eps)
-        return y, (x, w, mean, invstd, rm, rv, training)
+        return y, (x, w, mean, invstd, rm, rv, training, m.eps)
 
     def fuses(self, saved):
         # with batch statistics, dO needs the per-channel sums of g and g * x_hat,
         # which are dbias and dweight; in eval mode dO is element-wise, dW a reduction
-        return saved[-1]
+        return saved[6]
 
-    def _backward(self, m, saved, g, mask):
-        x, w, mean, invstd, rm, rv, training = saved
-        return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, m.eps, mask)
+    def _backward(self, saved, g, mask):
+        x, w, mean, invstd, rm, rv, training, eps = saved
+        return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, eps, mask)
 
 
 class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as autograd's node
@@ -294,12 +297,11 @@ class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as aut
     def forward(self, m, x, w, b):
         shape = list(m.normalized_shape)
         y, mean, rstd = _aten.native_layer_norm(x, shape, w, b, m.eps)
-        return y, (x, w, mean, rstd, b)  # the kernel reads only whether b exists
+        return y, (x, w, mean, rstd, b, shape)  # the kernel reads only whether b exists
 
-    def _backward(self, m, saved, g, mask):
-        x, w, mean, rstd, b = saved
-        return _aten.native_layer_norm_backward(g, x, list(m.normalized_shape), mean, rstd, w,
-                                                b, mask)
+    def _backward(self, saved, g, mask):
+        x, w, mean, rstd, b, shape = saved
+        return _aten.native_layer_norm_backward(g, x, shape, mean, rstd, w, b, mask)
 
 
 class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
@@ -315,18 +317,18 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         x = x.contiguous(memory_format=suggest_memory_format(x))  # as at::group_norm
         n, c, hw = self._sizes(x)
         y, mean, rstd = _aten.native_group_norm(x, w, b, n, c, hw, m.num_groups, m.eps)
-        return y, (x, w, mean, rstd)
+        return y, (x, w, mean, rstd, m.num_groups)
 
     def fuses(self, saved):
         return True  # dO and dW both reduce g and g * x per (sample, channel) first
 
-    def _backward(self, m, saved, g, mask):
-        x, w, mean, rstd = saved
+    def _backward(self, saved, g, mask):
+        x, w, mean, rstd, groups = saved
         n, c, hw = self._sizes(x)
         # the kernel reads both dense in x's layout; autograd's formula makes them so
         fmt = suggest_memory_format(x)
         return _aten.native_group_norm_backward(g.contiguous(memory_format=fmt), x, mean, rstd,
-                                                w, n, c, hw, m.num_groups, mask)
+                                                w, n, c, hw, groups, mask)
 
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
@@ -432,7 +434,7 @@ class _Split(torch.autograd.Function):
                                f"{type(ctx.site.module).__name__} is not supported; call "
                                "remove() on the handle of reprop.ooo.enable() first")
         site = ctx.site
-        kind, module = site.kind, site.module
+        kind = site.kind
         saved = ctx.saved_tensors + ctx.extra
         deferred, returned = _weight_grad_targets(ctx)
         task = None
@@ -442,17 +444,17 @@ class _Split(torch.autograd.Function):
         wanted = (deferred[0] or returned[0], deferred[1] or returned[1])
         weight_grads = None
         if (wanted[0] or wanted[1]) and kind.fuses(saved):
-            dx, weight_grads = kind.grads(module, saved, g, input_grad, wanted)
+            dx, weight_grads = kind.grads(saved, g, input_grad, wanted)
             if task is not None:
                 task.made(weight_grads)
         else:
-            dx = kind.input_grad(module, saved, g) if input_grad else None
+            dx = kind.input_grad(saved, g) if input_grad else None
         if task is not None:
             site.handle._after_input_grad(task)
         if not (returned[0] or returned[1]):
             return None, dx, None, None
         if weight_grads is None:
-            weight_grads = kind.weight_grads(module, saved, g, returned)
+            weight_grads = kind.weight_grads(saved, g, returned)
         return (None, dx) + tuple(d if r else None for d, r in zip(weight_grads, returned))
 
 
@@ -571,7 +573,7 @@ class _Task:
             raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} (call "
                                f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
-            grads = self.site.kind.weight_grads(self.site.module, self.saved, self.grad, self.mask)
+            grads = self.site.kind.weight_grads(self.saved, self.grad, self.mask)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             self._check_nan(grads)
         for p, d, want in zip(self.params, grads, self.mask):
@@ -1218,10 +1220,13 @@ def _make_forward(site: _Site):
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
         # model): the closure's site is the original's, so the copy runs plain
         # a layer the schedule runs plain is split again inside hold(), whose
-        # caller takes every dW task it asks for
+        # caller takes every dW task it asks for, and under a non-reentrant
+        # checkpoint, whose recompute in backward may run in another hold()
+        # state than the recorded forward and must save what that saved
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
-                or not (site.split or handle._hold_list(module) is not None) \
+                or not (site.split or handle._hold_list(module) is not None
+                        or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
@@ -1319,7 +1324,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                        speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
-                         "or GroupNorm with trainable parameters to split")
+                         "or GroupNorm with trainable parameters to split (exact types whose "
+                         "weight and bias are registered Parameters: subclasses, lazy modules "
+                         "and parametrized weights run plain autograd)")
     return handle
 
 
@@ -2630,8 +2637,11 @@ class Pipeline:
         (sum over micro-batches of loss_fn / micro_batches, detached) on the
         rank of the last layer, None on the others."""
         m_count = self.micro_batches
-        batch = inputs.shape[0] if inputs.dim() else 0
-        if batch == 0 or batch % m_count:
+        if inputs.dim() == 0 or inputs.shape[0] == 0:
+            raise ValueError(f"inputs: expected a batch of at least {m_count} samples (one "
+                             f"per micro-batch), got shape {tuple(inputs.shape)}")
+        batch = inputs.shape[0]
+        if batch % m_count:
             raise ValueError(f"micro_batches: {m_count} must divide the batch size "
                              f"(inputs.shape[0] = {batch})")
         if len(targets) != batch:
