@@ -135,7 +135,7 @@ def test_corun_profile_latin_square():
     and each dW group alone; speedup = sequential / together."""
     n = 3
     main, sub = np.array([1.0, 2.0, 3.0]), np.array([0.4, 0.6, 0.8])
-    corun = ooo._CoRun({("k", r): r for r in range(n)}, n)
+    corun = ooo._CoRun({("k", r): r for r in range(n)}, n, nbytes={}, cap=0)
     for t in range(n + 1):
         assert corun.regions() == {("k", r): min(r + t, n) for r in range(n)}
         clock = 0.0
@@ -156,6 +156,33 @@ def test_corun_profile_latin_square():
         for i in range(n):
             want = (main[i] + sub[r]) / (main[i] + sub[r] / 2) if i >= r else 1.0
             assert got[r, i] == pytest.approx(want, rel=1e-12), (r, i)
+
+
+def test_corun_profile_defers_only_what_the_memory_cap_holds():
+    """The Latin-square passes hold deferred tasks too: each pass defers
+    them in backward order while their bytes fit under the cap, and the
+    rest run beside their dO; training never holds more than the cap."""
+    n = 3
+    corun = ooo._CoRun({("k", r): r for r in range(n)}, n,
+                       nbytes={("k", r): 10 for r in range(n)}, cap=15)
+    corun.pass_ = 1
+    assert corun.regions() == {("k", 0): 1, ("k", 1): 1, ("k", 2): 2}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)])
+    handle = ooo.enable(model, max_extra_memory=0.0, profile_iters=2, regions=3)
+    held = []
+    after_input_grad = handle._after_input_grad
+
+    def watch(task):
+        after_input_grad(task)
+        held.append(sum(t.nbytes() for t in handle._pending))
+
+    handle._after_input_grad = watch
+    for step in range(handle._profile_passes()):
+        model(torch.randn(4, 16)).sum().backward()
+    assert handle.schedule is not None and handle._corun is None
+    assert max(held) == 0
 
 
 def test_corun_profile_runs_in_training():
@@ -424,6 +451,20 @@ def test_hold_on_every_step_from_the_first(speedup):
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
     assert handle.schedule is not None and handle.schedule["moved"] == 0
+
+
+def test_run_outside_backward_records_no_graph_into_grad():
+    """run() after the hold() block runs in the caller's grad mode: a dW
+    made from a saved input that requires grad (every layer after the
+    first) must not hang a graph, and its saved tensors, off .grad."""
+    model = _three_layers()
+    handle = ooo.enable(model, order="conventional")
+    for step in range(2):  # the second accumulates onto the first
+        with handle.hold() as tasks:
+            model(torch.randn(3, 4)).sum().backward()
+        handle.run(tasks)
+    for name, p in model.named_parameters():
+        assert not p.grad.requires_grad and p.grad.grad_fn is None, name
 
 
 def test_hold_takes_layers_the_fixed_schedule_runs_plain():

@@ -617,11 +617,14 @@ class _CoRun:
     (a Latin square over the pairs: each pass measures every region once);
     pass n runs the regions alone, then each region's dW group alone. The main
     stream waits for the sub-stream at every region entry, so the time between
-    two entries is the pair's time, or the region's alone.
+    two entries is the pair's time, or the region's alone. A pass defers only
+    what the memory cap holds (`cap` bytes of `nbytes`, in backward order):
+    the rest runs beside its dO, and the pairs measure the deferred part.
     """
 
-    def __init__(self, region_main: dict, n: int):
+    def __init__(self, region_main: dict, n: int, nbytes: dict, cap: int):
         self.region_main, self.n = region_main, n
+        self.nbytes, self.cap = nbytes, cap
         self.pass_ = 0
         self.pair = np.full((n, n), np.nan)  # [r, i]: dW of r beside region i (s)
         self.main_alone = np.full(n, np.nan)
@@ -631,7 +634,16 @@ class _CoRun:
 
     def regions(self) -> dict:
         """Task key -> where pass `pass_` runs its dW (n: after backward)."""
-        return {k: min(r + self.pass_, self.n) for k, r in self.region_main.items()}
+        out, held = {}, 0
+        for k, r in self.region_main.items():
+            to = min(r + self.pass_, self.n)
+            if to > r:
+                if held + self.nbytes.get(k, 0) > self.cap:
+                    to = r
+                else:
+                    held += self.nbytes.get(k, 0)
+            out[k] = to
+        return out
 
     def record(self) -> None:
         for (i, a), (_, b) in zip(self.entries, self.entries[1:]):
@@ -768,10 +780,13 @@ class OOOHandle(_PassTracking):
             raise RuntimeError("reprop.ooo: run() of held tasks after remove(): remove() gave "
                                "the parameters their hooks back and dropped what held tasks were "
                                "waiting for; run held tasks before remove()")
-        for t in tasks:
-            t.run()
-            self._unrun_held.discard(t)
-            self._after_deferred_run(t)
+        # (outside backward the caller may be in grad mode: a dW made from a
+        # saved input that requires grad must not record a graph into .grad)
+        with torch.no_grad():
+            for t in tasks:
+                t.run()
+                self._unrun_held.discard(t)
+                self._after_deferred_run(t)
 
     def pending(self) -> int:
         """Deferred weight-gradient tasks not run yet (0 outside backward)."""
@@ -866,7 +881,9 @@ class OOOHandle(_PassTracking):
                 self._region_of = corun.regions()
         elif self._iteration >= self.profile_iters and self._fix_regions():
             if self._speedup == "profile":
-                self._corun = _CoRun(self._region_of_main, self.schedule_regions)
+                nbytes = self._profile.nbytes
+                self._corun = _CoRun(self._region_of_main, self.schedule_regions, nbytes,
+                                     self._cap_bytes(sum(nbytes.values())))
                 self._region_of = self._corun.regions()
             elif self._speedup is None:
                 self._place(np.ones((self.schedule_regions,) * 2))
@@ -1133,15 +1150,18 @@ class OOOHandle(_PassTracking):
                           axis=1)
         per_task = np.array([speedup[region_main[k]] for k in tasks]).reshape(len(tasks), n)
         mem = np.array([prof.nbytes.get(k, 0) for k in tasks], dtype=np.int64)
-        # a fraction of 1 or more (inf: no cap) holds everything
-        cap = int(min(self.max_extra_memory, 1.0) * max(1, int(mem.sum())))
         region, order, pre, peak = _C.sched_regions(t_main, ready, deadline, t_sub, per_task, mem,
-                                                    cap)
+                                                    self._cap_bytes(int(mem.sum())))
         self._region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
         self.schedule = {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
                          "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
                          "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
         self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+
+    def _cap_bytes(self, total: int) -> int:
+        """max_extra_memory in bytes of the deferred tasks' `total` (a
+        fraction of 1 or more, inf: no cap, holds everything)."""
+        return int(min(self.max_extra_memory, 1.0) * max(1, total))
 
     def _keep_in_place(self) -> None:
         """The schedule that leaves every dW beside its dO (autograd's order),
@@ -2273,11 +2293,10 @@ class DataParallel(_PassTracking):
             by_layer: dict = {}
             for t in held:
                 by_layer.setdefault(self._position[t.site], []).append(t)
-            with torch.no_grad():
-                for layer in self._order:
-                    self.handle.run(by_layer.pop(layer, ()))
-                    for b in self._layer_buckets[layer]:
-                        b.pending.clear()
+            for layer in self._order:
+                self.handle.run(by_layer.pop(layer, ()))
+                for b in self._layer_buckets[layer]:
+                    b.pending.clear()
                     self._launch_ready()
                 for tasks in by_layer.values():  # none: only layers < k are held
                     self.handle.run(tasks)
@@ -2777,8 +2796,7 @@ class Pipeline:
         self._backward(st, l, m)
         tasks, st.held[(l, m)] = st.held[(l, m)], []
         if tasks:
-            with torch.no_grad():
-                self.handle.run(tasks)
+            self.handle.run(tasks)
 
     # -- point to point ------------------------------------------------------------------
 
