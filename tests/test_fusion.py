@@ -872,6 +872,39 @@ def test_backward_accumulation_updates_in_the_nth_backward() -> None:
     t.handle.remove()
 
 
+def _epochs_with_a_shorter_last_window(fused: bool, set_to_none: bool, keep_grads: bool) -> list:
+    """2 epochs of 10 micro-batches, stepping every 4 or at the end of the
+    epoch (windows 4, 4, 2), as the usual accumulation loop does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=4, keep_grads=keep_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for i in range(10):
+                x = torch.randn(3, 4, generator=_gen(i))
+                (model(x).square().mean() / 4).backward()
+                if (i + 1) % 4 == 0 or i + 1 == 10:
+                    opt.step()
+                    opt.zero_grad(set_to_none=set_to_none)
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, keep_grads: bool) -> None:
+    """A step() before the n-th micro-batch (the last window of an epoch)
+    applies the window's gradients, as eager, and the next micro-batch
+    starts a new window: step() did nothing there, the gradients were summed
+    into the next epoch's first window and every later window was shifted."""
+    got = _epochs_with_a_shorter_last_window(True, set_to_none, keep_grads)
+    want = _epochs_with_a_shorter_last_window(False, set_to_none, keep_grads)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), _diff(a, b)
+
+
 # ---------------------------------------------------------------------------
 # 3. Forward mode: clipping and GradScaler
 # ---------------------------------------------------------------------------
@@ -1216,7 +1249,7 @@ def test_training_goes_on_when_the_user_drops_the_handle(kind: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
+# 7. Backward mode: gradients, step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------
 
 
@@ -1256,6 +1289,32 @@ def test_backward_mode_remove_with_kept_grads_continues_like_eager(loop: str) ->
     t.handle = t.mode = None
     t.run(5, 10)
     assert_results_equal(t.finish(), eager("cnn", "SGD", KEPT_THEN_EAGER[loop], steps=10))
+
+
+def _grads_set_by_hand(fused: bool) -> tuple:
+    """3 steps whose gradients come from torch.autograd.grad, assigned to .grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    if fused:
+        reprop.fuse(model, opt, mode="backward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            opt.zero_grad()
+            params = list(model.parameters())
+            grads = torch.autograd.grad(model(torch.randn(3, 4, generator=_gen(i))).square().sum(), params)
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+    return model, opt
+
+
+def test_backward_mode_step_applies_gradients_set_by_hand() -> None:
+    """Gradients that reach .grad without a backward() (torch.autograd.grad,
+    a hand-made all-reduce, a meta-learning outer step) are applied by
+    step() as in eager training: they were silently dropped."""
+    _assert_same_training(_grads_set_by_hand(True), _grads_set_by_hand(False))
 
 
 def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
@@ -1545,12 +1604,10 @@ def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -
     tokens = torch.arange(10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(every - 1):
+        for _ in range(every - 1):  # the loop steps after the window's last micro-batch
             a, b = model(tokens)
             a.square().mean().backward(retain_graph=True)
             b.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
         a, b = model(tokens)
         a.square().mean().backward(retain_graph=True)
         with pytest.raises(RuntimeError, match=r"mode='backward'.* second gradient .*Add the "

@@ -14,7 +14,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   the peak memory of a step drops by up to the size of all gradients. On CUDA
   the updates run on a low-priority side stream, overlapping the rest of
   backward, and are joined to the main stream when backward ends.
-  ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
+  ``optimizer.step()`` applies only gradients no backward applied (a window
+  shorter than ``accumulation_steps``, gradients set by hand), and
+  ``zero_grad()`` clears only those (they warn once).
   Global information (gradient clipping, GradScaler) is not known before the
   updates in this mode: use ``mode="forward"`` for those; nor can the
   gradients of several backward() calls per step be summed before the
@@ -157,7 +159,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             keep working on it). Not one fused by a handle not yet removed.
         mode: "backward" or "forward" (see the module docstring).
         accumulation_steps: backward mode: update in the backward of every
-            n-th micro-batch, as an eager loop stepping every n micro-batches.
+            n-th micro-batch, as an eager loop stepping every n micro-batches
+            (a step() before the n-th applies the window's gradients then, and
+            the next micro-batch starts a window).
             A micro-batch is the forwards in grad mode (of any module that owns
             fused parameters, however often) up to the next backward; forwards
             under no_grad, and those checkpointing recomputes inside backward,
@@ -615,18 +619,23 @@ class _BackwardFusion(FusionHandle):
         super().__init__(model, optimizer, engine)
         self._every = accumulation_steps
         self._keep_grads = keep_grads
-        # Micro-batches so far: the training forwards between two backward passes
-        # (a model called twice per micro-batch, or a forward recomputed by
+        # Micro-batches of this window so far (a window ends at its updating
+        # backward or at a step()): the training forwards between two backward
+        # passes (a model called twice per micro-batch, or a forward recomputed by
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
-        self._kept: list = []
+        # id(param) -> param whose .grad (keep_grads=True) holds a gradient applied
+        # already, kept for the user until the next micro-batch. Every other .grad
+        # of a fused param is one not applied yet: what step() applies and
+        # zero_grad() clears, as in eager training.
+        self._kept: dict = {}
         # set_to_none of a zero_grad() called since the kept gradients were applied
-        # (a no-op here, so they are still there), None when none was: remove()
-        # does to them what that call did in eager training.
+        # (deferred: they are still there), None when none was: remove() does to
+        # them what that call did in eager training.
         self._kept_zeroed: bool | None = None
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         self._updated: set = set()  # ids of the params updated since the window's last step
@@ -699,7 +708,7 @@ class _BackwardFusion(FusionHandle):
         # No training forward will free the kept gradients now: the next eager
         # backward would accumulate onto those of a step already applied.
         if self._kept_zeroed is not None:
-            for p in self._kept:
+            for p in self._kept.values():
                 _zero_grad_of(p, self._kept_zeroed)
             self._kept.clear()
 
@@ -739,7 +748,7 @@ class _BackwardFusion(FusionHandle):
             with self._lock:  # (remove() on another thread zeroes the kept gradients too)
                 self._backward_since_forward = False
                 self._micro_batches += 1
-                for p in self._kept:  # kept for the user since the last update; eager zero_grad
+                for p in self._kept.values():  # kept since the last update; eager zero_grad
                     p.grad = None
                 self._kept.clear()
 
@@ -825,37 +834,49 @@ class _BackwardFusion(FusionHandle):
             if self._ready and not self._removed:  # (removed: eager's step() applies them)
                 self._update(list(self._ready.values()))
 
-    def _finish_step(self) -> None:
-        """At step(), flush() or the next forward, once the backward of a
-        window's last micro-batch is over: what eager's step() updates
-        although that backward gave it no gradient, with that backward's
-        hyper-parameters. Every param with a .grad it did not update (from
-        earlier micro-batches of the window, or from before fuse()), and
-        after zero_grad(set_to_none=False) every param that ever had a
-        gradient, from the zeros eager would hold. Called outside backward;
-        a backward that reached this fusion and still runs on another thread
-        (its end callback is queued) is not over, so its step is finished
-        after it, at the next step(), flush() or forward."""
-        if self._step_settings is None and not self._updated:
+    def _finish_step(self, stepping: bool = False) -> None:
+        """At step(), flush() or the next forward, once the updating backward
+        of a window is over: what eager's step() updates although that
+        backward gave it no gradient (_apply_unapplied), with that backward's
+        hyper-parameters. At step() (`stepping`) also when no updating
+        backward ended the window (a shorter last window of an epoch,
+        gradients set by hand): what eager's step() updates, with the
+        hyper-parameters of now; the next micro-batch then starts a window.
+        Called outside backward; a backward that reached this fusion and
+        still runs on another thread (its end callback is queued) is not
+        over, so its step is finished after it, at the next step(), flush()
+        or forward."""
+        if not stepping and self._step_settings is None and not self._updated:
             return  # nothing to finish, as at most forwards: no lock taken
         with self._lock:
             if self._removed or self._end_ref() is not None:
                 return
+            # (None after DDP's bucket hooks, which update without step settings)
             settings, self._step_settings = self._step_settings, None
-            if settings is None:
-                self._updated.clear()  # DDP's bucket hooks update without step settings
-                return
-            left = [p for i, p in self._params.items()
-                    if i not in self._updated and p.grad is not None]
-            if self._zeroed_not_freed:
-                zeroed = [p for i, p in self._ever_updated.items()
-                          if i not in self._updated and p.grad is None and i in self._params]
-                for p in zeroed:
-                    p.grad = torch.zeros_like(p)
-                left += zeroed
-            if left:
-                self._update(left, settings)
+            if settings is not None or stepping:
+                self._apply_unapplied(settings)
             self._updated.clear()
+            if stepping:
+                # a micro-batch whose forward ran already belongs to the next window
+                self._micro_batches = 0 if self._backward_since_forward else 1
+
+    def _apply_unapplied(self, settings: dict | None) -> None:
+        """Updates, with `settings` (None: the groups' own), what eager step()
+        would from the gradients no update of this fusion applied yet: every
+        fused param with an unapplied .grad (from earlier micro-batches of
+        the window, set by hand, from before fuse()), and after
+        zero_grad(set_to_none=False) every param that ever had a gradient,
+        from the zeros eager would hold."""
+        left = [p for i, p in self._params.items()
+                if i not in self._updated and i not in self._kept and p.grad is not None]
+        if self._zeroed_not_freed:
+            zeroed = [p for i, p in self._ever_updated.items()
+                      if i not in self._updated and p.grad is None and i in self._params]
+            for p in zeroed:
+                p.grad = torch.zeros_like(p)
+            left += zeroed
+        if left:
+            self._update(left, settings)
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -914,7 +935,7 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
-            self._kept.extend(params)
+            self._kept.update((id(p), p) for p in params)
             self._kept_zeroed = None
         else:
             for p in params:
@@ -958,28 +979,28 @@ class _BackwardFusion(FusionHandle):
 
     def _fused_step(self) -> None:
         # (called by _step, _hooked_step and the step() fusion installs)
-        self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "
-                                "each parameter is updated inside backward()", stacklevel=4)
-        self._finish_step()
-        # Parameters added to the optimizer since the last forward got their
-        # gradients without being fused yet: eager updates them in this step().
-        late = [p for p in self._sync() if p.grad is not None]
-        if late and self._updating():
-            self.optimizer.step_params(late)
-            self._ever_updated.update((id(p), p) for p in late)  # zero_grad(False) keeps zeros
-            self._release_grads(late)
+        self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
+                                "backward(); optimizer.step() applies only what no backward did "
+                                "(a window shorter than accumulation_steps, gradients set by "
+                                "hand)", stacklevel=4)
+        self._sync()  # parameters added since the last forward: their gradients too
+        self._finish_step(stepping=True)
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
-        if self._kept:
+        if self._kept:  # applied already: freed by the next micro-batch or remove()
             self._kept_zeroed = set_to_none
-        # parameters added since the last step(): their gradients are not fused
-        # ones, and eager zero_grad() clears them
-        for p in self._sync():
-            _zero_grad_of(p, set_to_none)
-        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
-                                     "no-op; gradients are freed as soon as they are applied",
-                        stacklevel=2)  # (called by _zero_grad)
+        # What eager zero_grad() discards: gradients not applied yet (of earlier
+        # micro-batches of a window, set by hand), of the groups as they are now;
+        # no update waits for them any more.
+        self._sync()
+        for p in self._params.values():
+            if p.grad is not None and id(p) not in self._kept:
+                _zero_grad_of(p, set_to_none)
+                self._ready.pop(id(p), None)
+        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
+                                     "as backward() applies them; optimizer.zero_grad() clears "
+                                     "only those not applied yet", stacklevel=2)
 
 
 class _ForwardFusion(FusionHandle):
