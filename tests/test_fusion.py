@@ -2435,6 +2435,106 @@ def test_backward_mode_queues_its_end_again_after_a_backward_that_raised():
     handle.remove()
 
 
+class _Interrupted(Exception):
+    """What a user's tensor hook raises in the middle of backward."""
+
+
+class _TwoDepths(nn.Module):
+    """One module whose weights are used at different depths: the gradients
+    of b and w2 are complete first and wait for w1's, so a backward that
+    raises between them leaves theirs in .grad, unapplied. (b, which backward
+    does not save, is what a second backward reaches first.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.w2 = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.b = nn.Parameter(torch.randn(4) * 0.5)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w1)
+        if self.interrupt:
+            h.register_hook(self._raise)
+        return h @ self.w2 + self.b
+
+    @staticmethod
+    def _raise(grad: torch.Tensor) -> None:
+        raise _Interrupted
+
+
+def _failed_backward(model: nn.Module, opt, x: torch.Tensor, how: str, fused: bool) -> None:
+    """A training step whose backward raises in backward mode, `how` says
+    why; eager training is given the same failure, and what backward mode
+    applied before it."""
+    if how == "hook":  # raises in both
+        model[1].interrupt = True
+        try:
+            with pytest.raises(_Interrupted):
+                model(x).square().sum().backward()
+        finally:
+            model[1].interrupt = False
+    elif how == "refused":  # eager's step() raises; backward mode's first update
+        opt.param_groups[0]["amsgrad"] = True
+        try:
+            with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                model(x).square().sum().backward()
+                opt.step()
+        finally:
+            opt.param_groups[0]["amsgrad"] = False
+    else:  # "second_gradient": backward mode applied the first loss, refuses the second
+        out = model(x)
+        out.square().sum().backward(retain_graph=True)
+        if fused:
+            with pytest.raises(RuntimeError, match="second gradient"):
+                out.sum().backward()
+        else:  # (whose gradients the user then discards)
+            opt.step()
+
+
+def _through_a_failed_backward(fused: bool, how: str, then: str) -> tuple:
+    """4 steps, the second of which fails (_failed_backward); `then` is what
+    the user does next: zero_grad() and go on, step() all the same, or
+    zero_grad() and remove() the fusion, training on eagerly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _TwoDepths())
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward") if fused else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            x = torch.randn(8, 4, generator=_gen(i))
+            if i == 1:
+                _failed_backward(model, opt, x, how, fused)
+                if then == "step":
+                    opt.step()
+                opt.zero_grad()
+                if then == "remove" and handle is not None:
+                    handle.remove()
+                continue
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return model, opt
+
+
+# (step() after the other two is not compared: eager's backward went on where
+# backward mode's stopped, so eager has gradients for more parameters)
+@pytest.mark.parametrize("how, then", [("hook", "zero_grad"), ("hook", "step"), ("hook", "remove"),
+                                       ("refused", "zero_grad"), ("refused", "remove"),
+                                       ("second_gradient", "zero_grad"),
+                                       ("second_gradient", "remove")])
+def test_backward_mode_gradients_of_a_backward_that_raised_are_eager_ones(how: str, then: str) -> None:
+    """A backward that raised before it updated what is compared (a hook
+    raising, an update refused, fusion's own second-gradient error) left
+    gradients in .grad that fusion still counted as its own: zero_grad()
+    kept them, and the next forward or remove() applied them (a refused
+    update was marked done, too). They are eager's: zero_grad() discards
+    them, step() applies them."""
+    _assert_same_training(_through_a_failed_backward(True, how, then),
+                          _through_a_failed_backward(False, how, then))
+
+
 # ---------------------------------------------------------------------------
 # 14. Other threads: an asynchronous checkpoint, remove() from another thread
 # ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ an unmodified ``nn.Module``; the training loop keeps calling
   backward, and are joined to the main stream when backward ends.
   ``optimizer.step()`` applies only gradients no backward applied (a window
   shorter than ``accumulation_steps``, gradients set by hand), and
-  ``zero_grad()`` clears only those (they warn once).
+  ``zero_grad()`` clears only those (they warn once). A backward that raises
+  has updated every layer it reached; what it left unapplied is eager's.
   Global information (gradient clipping, GradScaler) is not known before the
   updates in this mode: use ``mode="forward"`` for those; nor can the
   gradients of several backward() calls per step be summed before the
@@ -638,6 +639,9 @@ class _BackwardFusion(FusionHandle):
         # them what that call did in eager training.
         self._kept_zeroed: bool | None = None
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
+        # _on_backward_end is queued for a backward that has not ended: when its
+        # weak reference is dead too, that backward raised (see _drop_failed_pass).
+        self._pass_open = False
         self._updated: set = set()  # ids of the params updated since the window's last step
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
@@ -784,14 +788,16 @@ class _BackwardFusion(FusionHandle):
                 return  # no longer in the optimizer, or accumulating: eager would not step now
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
-            if self._step_settings is None:
-                self._step_settings = _settings_snapshot(self.optimizer)
-            self._ready[id(p)] = p
             # Parameters whose module-mates got no gradient this time are updated at the
             # end of backward; outside one (reprop.ooo's run() of held weight gradients
             # fires the hook), what is left waits for _finish_step.
             if self._end_ref() is None and not _tensors.outside_backward():
+                self._drop_failed_pass()  # (a retry of a backward that raised)
                 self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
+                self._pass_open = True
+            if self._step_settings is None:
+                self._step_settings = _settings_snapshot(self.optimizer)
+            self._ready[id(p)] = p
             batch = self._batch_of[id(p)]
             if all(id(q) in self._ready or not q.requires_grad for q in batch):
                 self._update([q for q in batch if id(q) in self._ready])
@@ -831,8 +837,24 @@ class _BackwardFusion(FusionHandle):
         # (under reentrant checkpointing this may be a nested backward's end:
         # what it updates is complete, and the rest waits for _finish_step)
         with self._lock:
+            self._pass_open = False
             if self._ready and not self._removed:  # (removed: eager's step() applies them)
                 self._update(list(self._ready.values()))
+
+    def _drop_failed_pass(self) -> None:
+        """Forgets a backward that reached this fusion and raised (an error in
+        a hook, an update refused, a KeyboardInterrupt), which dropped its
+        end-of-backward callback. The parameters it updated stay updated
+        (inherent: each was updated when backward reached it); the gradients
+        it gave the others stay in .grad unapplied, as eager leaves them
+        after a backward that raised, for zero_grad() to discard or step()
+        to apply. Eager steps nothing there, so its step is not finished for
+        the rest (no update from zeros, no leftovers of its window)."""
+        if self._pass_open and self._end_ref() is None:
+            self._pass_open = False
+            self._ready.clear()
+            self._step_settings = None
+            self._join_side_streams()  # its end would have joined them
 
     def _finish_step(self, stepping: bool = False) -> None:
         """At step(), flush() or the next forward, once the updating backward
@@ -851,6 +873,7 @@ class _BackwardFusion(FusionHandle):
         with self._lock:
             if self._removed or self._end_ref() is not None:
                 return
+            self._drop_failed_pass()
             # (None after DDP's bucket hooks, which update without step settings)
             settings, self._step_settings = self._step_settings, None
             if settings is not None or stepping:
@@ -900,16 +923,18 @@ class _BackwardFusion(FusionHandle):
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         params = list(params)
-        for p in params:
-            self._ready.pop(id(p), None)
-            self._updated.add(id(p))
-            self._ever_updated[id(p)] = p
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
         if params[0].device.type == "cuda" and not _tensors.outside_backward():
             self._update_on_side_stream(params, settings)
         else:
             self.optimizer.step_params(params, settings)
+        # Only now: an update that raised (a setting the optimizer refuses) leaves
+        # its gradients unapplied in .grad, as a refused eager step() does.
+        for p in params:
+            self._ready.pop(id(p), None)
+            self._updated.add(id(p))
+            self._ever_updated[id(p)] = p
         self._release_grads(params)
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
@@ -990,9 +1015,10 @@ class _BackwardFusion(FusionHandle):
         self._zeroed_not_freed = not set_to_none
         if self._kept:  # applied already: freed by the next micro-batch or remove()
             self._kept_zeroed = set_to_none
+        self._drop_failed_pass()
         # What eager zero_grad() discards: gradients not applied yet (of earlier
-        # micro-batches of a window, set by hand), of the groups as they are now;
-        # no update waits for them any more.
+        # micro-batches of a window, of a backward that raised, set by hand), of
+        # the groups as they are now; no update waits for them any more.
         self._sync()
         for p in self._params.values():
             if p.grad is not None and id(p) not in self._kept:
