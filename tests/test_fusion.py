@@ -822,8 +822,22 @@ def _fused_after_eager_zeros(fused):
     return [p.detach() for p in m.parameters()]
 
 
+def _kept_grads_whole_model_reentrant(fused):
+    # the only grad-mode forward is the recompute inside backward: it starts the
+    # micro-batch, and must free the gradients kept from the last one
+    m, o, _ = _two_layers(fused, keep_grads=True)
+    grads = []
+    for i in range(3):
+        checkpoint(m, _LOOP_X[i].clone().requires_grad_(), use_reentrant=True).square().sum().backward()
+        grads += [p.grad.clone() for p in m.parameters()]
+        o.step()
+        o.zero_grad()
+    return grads + [p.detach() for p in m.parameters()]
+
+
 STEP_CASES = {
     "whole_model_reentrant": _whole_model_reentrant,
+    "kept_grads_whole_model_reentrant": _kept_grads_whole_model_reentrant,
     "kept_grads_layers_called": _kept_grads_layers_called,
     "lr_set_before_step": _lr_set_before_step,
     "no_step_then_eval": _no_step_then("eval"),

@@ -730,8 +730,7 @@ class _BackwardFusion(FusionHandle):
         step of a window whose last backward is over is finished first (eval
         forwards must see it, and a gradient after it is not a second one of
         the updated parameters); in grad mode,
-        the first forward after a backward starts a micro-batch and frees the
-        gradients kept since the last update."""
+        the first forward after a backward starts a micro-batch."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
         if not _tensors.outside_backward():  # a forward that checkpointing recomputes
@@ -742,19 +741,23 @@ class _BackwardFusion(FusionHandle):
             this_pass = self._backward_pass()
             if torch.is_grad_enabled() and self._backward_since_forward \
                     and self._marked_in is not this_pass:
-                self._backward_since_forward = False
-                self._micro_batches += 1
+                self._start_micro_batch()
             return
         self._finish_step()
-        if not torch.is_grad_enabled():
-            return
-        if self._backward_since_forward:
-            with self._lock:  # (remove() on another thread zeroes the kept gradients too)
-                self._backward_since_forward = False
-                self._micro_batches += 1
-                for p in self._kept.values():  # kept since the last update; eager zero_grad
-                    p.grad = None
-                self._kept.clear()
+        if torch.is_grad_enabled() and self._backward_since_forward:
+            self._start_micro_batch()
+
+    def _start_micro_batch(self) -> None:
+        """Counts a micro-batch, and frees the gradients kept since the last
+        update (eager's zero_grad() cleared them before it): also when it
+        starts inside backward, at a recompute that no gradient of this pass
+        came before (so none of its gradients is among them)."""
+        with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+            self._backward_since_forward = False
+            self._micro_batches += 1
+            for p in self._kept.values():
+                p.grad = None
+            self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         if not self._backward_since_forward:
