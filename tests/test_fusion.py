@@ -1305,6 +1305,35 @@ def test_backward_mode_remove_with_kept_grads_continues_like_eager(loop: str) ->
     assert_results_equal(t.finish(), eager("cnn", "SGD", KEPT_THEN_EAGER[loop], steps=10))
 
 
+def _remove_between_backward_and_step(fused: bool, every: int, keep_grads: bool) -> list:
+    """8 micro-batches, stepping every `every`; in backward mode the fusion
+    is removed between the backward and the step() of micro-batch 5, the
+    last of a window, so eager step() runs there."""
+    m, o, h = _two_layers(fused, every, keep_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(8):
+            m(_LOOP_X[i]).square().sum().backward()
+            if i == 5 and h is not None:
+                h.remove()
+            if (i + 1) % every == 0:
+                o.step()
+                o.zero_grad()
+    return [p.detach() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+def test_backward_mode_remove_before_step_applies_nothing_twice(every: int, keep_grads: bool) -> None:
+    """backward(); remove(); step(): the backward applied the gradients it
+    kept (keep_grads=True), and the eager step() after remove() applied
+    them a second time. remove() frees kept gradients no step() followed."""
+    got = _remove_between_backward_and_step(True, every, keep_grads)
+    want = _remove_between_backward_and_step(False, every, keep_grads)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), _diff(a, b)
+
+
 def _grads_set_by_hand(fused: bool) -> tuple:
     """3 steps whose gradients come from torch.autograd.grad, assigned to .grad."""
     torch.manual_seed(0)

@@ -172,7 +172,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             value when step() is called, as clip_grad_norm_ before step()
             (but after the optimizer's step pre-hooks, inside step()).
         keep_grads: backward mode: keep gradients after their update until the
-            next training forward, instead of freeing them at once.
+            next training forward, instead of freeing them at once (remove()
+            does to them what a zero_grad() since did, and frees them if no
+            step() was called since).
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -638,6 +640,10 @@ class _BackwardFusion(FusionHandle):
         # (deferred: they are still there), None when none was: remove() does to
         # them what that call did in eager training.
         self._kept_zeroed: bool | None = None
+        # No step() called since the kept gradients were applied: eager's .grad
+        # holds them unapplied, so an eager step() after remove() would apply them
+        # again; remove() frees them.
+        self._kept_unstepped = False
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         # _on_backward_end is queued for a backward that has not ended: when its
         # weak reference is dead too, that backward raised (see _drop_failed_pass).
@@ -710,10 +716,13 @@ class _BackwardFusion(FusionHandle):
     def _undo(self) -> None:
         super()._undo()
         # No training forward will free the kept gradients now: the next eager
-        # backward would accumulate onto those of a step already applied.
-        if self._kept_zeroed is not None:
+        # backward would accumulate onto those of a step already applied, and
+        # an eager step() before it (none called since their update) would
+        # apply them a second time.
+        if self._kept_zeroed is not None or self._kept_unstepped:
+            set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
             for p in self._kept.values():
-                _zero_grad_of(p, self._kept_zeroed)
+                _zero_grad_of(p, set_to_none)
             self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
@@ -885,6 +894,7 @@ class _BackwardFusion(FusionHandle):
             if stepping:
                 # a micro-batch whose forward ran already belongs to the next window
                 self._micro_batches = 0 if self._backward_since_forward else 1
+                self._kept_unstepped = False
 
     def _apply_unapplied(self, settings: dict | None) -> None:
         """Updates, with `settings` (None: the groups' own), what eager step()
@@ -965,6 +975,7 @@ class _BackwardFusion(FusionHandle):
         if self._keep_grads:
             self._kept.update((id(p), p) for p in params)
             self._kept_zeroed = None
+            self._kept_unstepped = True
         else:
             for p in params:
                 p.grad = None
