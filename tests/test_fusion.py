@@ -822,8 +822,22 @@ def _fused_after_eager_zeros(fused):
     return [p.detach() for p in m.parameters()]
 
 
+def _kept_grads_whole_model_reentrant(fused):
+    # the only grad-mode forward is the recompute inside backward: it starts the
+    # micro-batch, and must free the gradients kept from the last one
+    m, o, _ = _two_layers(fused, keep_grads=True)
+    grads = []
+    for i in range(3):
+        checkpoint(m, _LOOP_X[i].clone().requires_grad_(), use_reentrant=True).square().sum().backward()
+        grads += [p.grad.clone() for p in m.parameters()]
+        o.step()
+        o.zero_grad()
+    return grads + [p.detach() for p in m.parameters()]
+
+
 STEP_CASES = {
     "whole_model_reentrant": _whole_model_reentrant,
+    "kept_grads_whole_model_reentrant": _kept_grads_whole_model_reentrant,
     "kept_grads_layers_called": _kept_grads_layers_called,
     "lr_set_before_step": _lr_set_before_step,
     "no_step_then_eval": _no_step_then("eval"),
@@ -870,6 +884,39 @@ def test_backward_accumulation_updates_in_the_nth_backward() -> None:
                     assert not torch.equal(p, initial[n]), f"{n}: not updated in micro-batch {i}"
     assert_results_equal(t.finish(), ref.finish())
     t.handle.remove()
+
+
+def _epochs_with_a_shorter_last_window(fused: bool, set_to_none: bool, keep_grads: bool) -> list:
+    """2 epochs of 10 micro-batches, stepping every 4 or at the end of the
+    epoch (windows 4, 4, 2), as the usual accumulation loop does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=4, keep_grads=keep_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            for i in range(10):
+                x = torch.randn(3, 4, generator=_gen(i))
+                (model(x).square().mean() / 4).backward()
+                if (i + 1) % 4 == 0 or i + 1 == 10:
+                    opt.step()
+                    opt.zero_grad(set_to_none=set_to_none)
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, keep_grads: bool) -> None:
+    """A step() before the n-th micro-batch (the last window of an epoch)
+    applies the window's gradients, as eager, and the next micro-batch
+    starts a new window: step() did nothing there, the gradients were summed
+    into the next epoch's first window and every later window was shifted."""
+    got = _epochs_with_a_shorter_last_window(True, set_to_none, keep_grads)
+    want = _epochs_with_a_shorter_last_window(False, set_to_none, keep_grads)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), _diff(a, b)
 
 
 # ---------------------------------------------------------------------------
@@ -1216,7 +1263,7 @@ def test_training_goes_on_when_the_user_drops_the_handle(kind: str) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 7. Backward mode: gradients, no-op step()/zero_grad(), update timing
+# 7. Backward mode: gradients, step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------
 
 
@@ -1256,6 +1303,61 @@ def test_backward_mode_remove_with_kept_grads_continues_like_eager(loop: str) ->
     t.handle = t.mode = None
     t.run(5, 10)
     assert_results_equal(t.finish(), eager("cnn", "SGD", KEPT_THEN_EAGER[loop], steps=10))
+
+
+def _remove_between_backward_and_step(fused: bool, every: int, keep_grads: bool) -> list:
+    """8 micro-batches, stepping every `every`; in backward mode the fusion
+    is removed between the backward and the step() of micro-batch 5, the
+    last of a window, so eager step() runs there."""
+    m, o, h = _two_layers(fused, every, keep_grads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(8):
+            m(_LOOP_X[i]).square().sum().backward()
+            if i == 5 and h is not None:
+                h.remove()
+            if (i + 1) % every == 0:
+                o.step()
+                o.zero_grad()
+    return [p.detach() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+def test_backward_mode_remove_before_step_applies_nothing_twice(every: int, keep_grads: bool) -> None:
+    """backward(); remove(); step(): the backward applied the gradients it
+    kept (keep_grads=True), and the eager step() after remove() applied
+    them a second time. remove() frees kept gradients no step() followed."""
+    got = _remove_between_backward_and_step(True, every, keep_grads)
+    want = _remove_between_backward_and_step(False, every, keep_grads)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def _grads_set_by_hand(fused: bool) -> tuple:
+    """3 steps whose gradients come from torch.autograd.grad, assigned to .grad."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    if fused:
+        reprop.fuse(model, opt, mode="backward")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(3):
+            opt.zero_grad()
+            params = list(model.parameters())
+            grads = torch.autograd.grad(model(torch.randn(3, 4, generator=_gen(i))).square().sum(), params)
+            for p, g in zip(params, grads):
+                p.grad = g
+            opt.step()
+    return model, opt
+
+
+def test_backward_mode_step_applies_gradients_set_by_hand() -> None:
+    """Gradients that reach .grad without a backward() (torch.autograd.grad,
+    a hand-made all-reduce, a meta-learning outer step) are applied by
+    step() as in eager training: they were silently dropped."""
+    _assert_same_training(_grads_set_by_hand(True), _grads_set_by_hand(False))
 
 
 def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
@@ -1545,12 +1647,10 @@ def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -
     tokens = torch.arange(10)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for _ in range(every - 1):
+        for _ in range(every - 1):  # the loop steps after the window's last micro-batch
             a, b = model(tokens)
             a.square().mean().backward(retain_graph=True)
             b.square().mean().backward()
-            opt.step()
-            opt.zero_grad()
         a, b = model(tokens)
         a.square().mean().backward(retain_graph=True)
         with pytest.raises(RuntimeError, match=r"mode='backward'.* second gradient .*Add the "
@@ -2376,6 +2476,106 @@ def test_backward_mode_queues_its_end_again_after_a_backward_that_raised():
     F.linear(x, layer.weight).sum().backward()  # the bias gets no gradient
     assert not torch.equal(layer.weight, before), "not updated at the end of backward"
     handle.remove()
+
+
+class _Interrupted(Exception):
+    """What a user's tensor hook raises in the middle of backward."""
+
+
+class _TwoDepths(nn.Module):
+    """One module whose weights are used at different depths: the gradients
+    of b and w2 are complete first and wait for w1's, so a backward that
+    raises between them leaves theirs in .grad, unapplied. (b, which backward
+    does not save, is what a second backward reaches first.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.w2 = nn.Parameter(torch.randn(4, 4) * 0.5)
+        self.b = nn.Parameter(torch.randn(4) * 0.5)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x @ self.w1)
+        if self.interrupt:
+            h.register_hook(self._raise)
+        return h @ self.w2 + self.b
+
+    @staticmethod
+    def _raise(grad: torch.Tensor) -> None:
+        raise _Interrupted
+
+
+def _failed_backward(model: nn.Module, opt, x: torch.Tensor, how: str, fused: bool) -> None:
+    """A training step whose backward raises in backward mode, `how` says
+    why; eager training is given the same failure, and what backward mode
+    applied before it."""
+    if how == "hook":  # raises in both
+        model[1].interrupt = True
+        try:
+            with pytest.raises(_Interrupted):
+                model(x).square().sum().backward()
+        finally:
+            model[1].interrupt = False
+    elif how == "refused":  # eager's step() raises; backward mode's first update
+        opt.param_groups[0]["amsgrad"] = True
+        try:
+            with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                model(x).square().sum().backward()
+                opt.step()
+        finally:
+            opt.param_groups[0]["amsgrad"] = False
+    else:  # "second_gradient": backward mode applied the first loss, refuses the second
+        out = model(x)
+        out.square().sum().backward(retain_graph=True)
+        if fused:
+            with pytest.raises(RuntimeError, match="second gradient"):
+                out.sum().backward()
+        else:  # (whose gradients the user then discards)
+            opt.step()
+
+
+def _through_a_failed_backward(fused: bool, how: str, then: str) -> tuple:
+    """4 steps, the second of which fails (_failed_backward); `then` is what
+    the user does next: zero_grad() and go on, step() all the same, or
+    zero_grad() and remove() the fusion, training on eagerly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _TwoDepths())
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward") if fused else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            x = torch.randn(8, 4, generator=_gen(i))
+            if i == 1:
+                _failed_backward(model, opt, x, how, fused)
+                if then == "step":
+                    opt.step()
+                opt.zero_grad()
+                if then == "remove" and handle is not None:
+                    handle.remove()
+                continue
+            model(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return model, opt
+
+
+# (step() after the other two is not compared: eager's backward went on where
+# backward mode's stopped, so eager has gradients for more parameters)
+@pytest.mark.parametrize("how, then", [("hook", "zero_grad"), ("hook", "step"), ("hook", "remove"),
+                                       ("refused", "zero_grad"), ("refused", "remove"),
+                                       ("second_gradient", "zero_grad"),
+                                       ("second_gradient", "remove")])
+def test_backward_mode_gradients_of_a_backward_that_raised_are_eager_ones(how: str, then: str) -> None:
+    """A backward that raised before it updated what is compared (a hook
+    raising, an update refused, fusion's own second-gradient error) left
+    gradients in .grad that fusion still counted as its own: zero_grad()
+    kept them, and the next forward or remove() applied them (a refused
+    update was marked done, too). They are eager's: zero_grad() discards
+    them, step() applies them."""
+    _assert_same_training(_through_a_failed_backward(True, how, then),
+                          _through_a_failed_backward(False, how, then))
 
 
 # ---------------------------------------------------------------------------

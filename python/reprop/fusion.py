@@ -14,7 +14,10 @@ an unmodified ``nn.Module``; the training loop keeps calling
   the peak memory of a step drops by up to the size of all gradients. On CUDA
   the updates run on a low-priority side stream, overlapping the rest of
   backward, and are joined to the main stream when backward ends.
-  ``optimizer.step()`` and ``zero_grad()`` become no-ops (they warn once).
+  ``optimizer.step()`` applies only gradients no backward applied (a window
+  shorter than ``accumulation_steps``, gradients set by hand), and
+  ``zero_grad()`` clears only those (they warn once). A backward that raises
+  has updated every layer it reached; what it left unapplied is eager's.
   Global information (gradient clipping, GradScaler) is not known before the
   updates in this mode: use ``mode="forward"`` for those; nor can the
   gradients of several backward() calls per step be summed before the
@@ -157,7 +160,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             keep working on it). Not one fused by a handle not yet removed.
         mode: "backward" or "forward" (see the module docstring).
         accumulation_steps: backward mode: update in the backward of every
-            n-th micro-batch, as an eager loop stepping every n micro-batches.
+            n-th micro-batch, as an eager loop stepping every n micro-batches
+            (a step() before the n-th applies the window's gradients then, and
+            the next micro-batch starts a window).
             A micro-batch is the forwards in grad mode (of any module that owns
             fused parameters, however often) up to the next backward; forwards
             under no_grad, and those checkpointing recomputes inside backward,
@@ -167,7 +172,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             value when step() is called, as clip_grad_norm_ before step()
             (but after the optimizer's step pre-hooks, inside step()).
         keep_grads: backward mode: keep gradients after their update until the
-            next training forward, instead of freeing them at once.
+            next training forward, instead of freeing them at once (remove()
+            does to them what a zero_grad() since did, and frees them if no
+            step() was called since).
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -615,20 +622,32 @@ class _BackwardFusion(FusionHandle):
         super().__init__(model, optimizer, engine)
         self._every = accumulation_steps
         self._keep_grads = keep_grads
-        # Micro-batches so far: the training forwards between two backward passes
-        # (a model called twice per micro-batch, or a forward recomputed by
+        # Micro-batches of this window so far (a window ends at its updating
+        # backward or at a step()): the training forwards between two backward
+        # passes (a model called twice per micro-batch, or a forward recomputed by
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
-        self._kept: list = []
+        # id(param) -> param whose .grad (keep_grads=True) holds a gradient applied
+        # already, kept for the user until the next micro-batch. Every other .grad
+        # of a fused param is one not applied yet: what step() applies and
+        # zero_grad() clears, as in eager training.
+        self._kept: dict = {}
         # set_to_none of a zero_grad() called since the kept gradients were applied
-        # (a no-op here, so they are still there), None when none was: remove()
-        # does to them what that call did in eager training.
+        # (deferred: they are still there), None when none was: remove() does to
+        # them what that call did in eager training.
         self._kept_zeroed: bool | None = None
+        # No step() called since the kept gradients were applied: eager's .grad
+        # holds them unapplied, so an eager step() after remove() would apply them
+        # again; remove() frees them.
+        self._kept_unstepped = False
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
+        # _on_backward_end is queued for a backward that has not ended: when its
+        # weak reference is dead too, that backward raised (see _drop_failed_pass).
+        self._pass_open = False
         self._updated: set = set()  # ids of the params updated since the window's last step
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
@@ -697,10 +716,13 @@ class _BackwardFusion(FusionHandle):
     def _undo(self) -> None:
         super()._undo()
         # No training forward will free the kept gradients now: the next eager
-        # backward would accumulate onto those of a step already applied.
-        if self._kept_zeroed is not None:
-            for p in self._kept:
-                _zero_grad_of(p, self._kept_zeroed)
+        # backward would accumulate onto those of a step already applied, and
+        # an eager step() before it (none called since their update) would
+        # apply them a second time.
+        if self._kept_zeroed is not None or self._kept_unstepped:
+            set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
+            for p in self._kept.values():
+                _zero_grad_of(p, set_to_none)
             self._kept.clear()
 
     def _on_root_forward(self, module, args) -> None:
@@ -717,8 +739,7 @@ class _BackwardFusion(FusionHandle):
         step of a window whose last backward is over is finished first (eval
         forwards must see it, and a gradient after it is not a second one of
         the updated parameters); in grad mode,
-        the first forward after a backward starts a micro-batch and frees the
-        gradients kept since the last update."""
+        the first forward after a backward starts a micro-batch."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
         if not _tensors.outside_backward():  # a forward that checkpointing recomputes
@@ -729,19 +750,23 @@ class _BackwardFusion(FusionHandle):
             this_pass = self._backward_pass()
             if torch.is_grad_enabled() and self._backward_since_forward \
                     and self._marked_in is not this_pass:
-                self._backward_since_forward = False
-                self._micro_batches += 1
+                self._start_micro_batch()
             return
         self._finish_step()
-        if not torch.is_grad_enabled():
-            return
-        if self._backward_since_forward:
-            with self._lock:  # (remove() on another thread zeroes the kept gradients too)
-                self._backward_since_forward = False
-                self._micro_batches += 1
-                for p in self._kept:  # kept for the user since the last update; eager zero_grad
-                    p.grad = None
-                self._kept.clear()
+        if torch.is_grad_enabled() and self._backward_since_forward:
+            self._start_micro_batch()
+
+    def _start_micro_batch(self) -> None:
+        """Counts a micro-batch, and frees the gradients kept since the last
+        update (eager's zero_grad() cleared them before it): also when it
+        starts inside backward, at a recompute that no gradient of this pass
+        came before (so none of its gradients is among them)."""
+        with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+            self._backward_since_forward = False
+            self._micro_batches += 1
+            for p in self._kept.values():
+                p.grad = None
+            self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         if not self._backward_since_forward:
@@ -775,14 +800,16 @@ class _BackwardFusion(FusionHandle):
                 return  # no longer in the optimizer, or accumulating: eager would not step now
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
-            if self._step_settings is None:
-                self._step_settings = _settings_snapshot(self.optimizer)
-            self._ready[id(p)] = p
             # Parameters whose module-mates got no gradient this time are updated at the
             # end of backward; outside one (reprop.ooo's run() of held weight gradients
             # fires the hook), what is left waits for _finish_step.
             if self._end_ref() is None and not _tensors.outside_backward():
+                self._drop_failed_pass()  # (a retry of a backward that raised)
                 self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
+                self._pass_open = True
+            if self._step_settings is None:
+                self._step_settings = _settings_snapshot(self.optimizer)
+            self._ready[id(p)] = p
             batch = self._batch_of[id(p)]
             if all(id(q) in self._ready or not q.requires_grad for q in batch):
                 self._update([q for q in batch if id(q) in self._ready])
@@ -822,40 +849,70 @@ class _BackwardFusion(FusionHandle):
         # (under reentrant checkpointing this may be a nested backward's end:
         # what it updates is complete, and the rest waits for _finish_step)
         with self._lock:
+            self._pass_open = False
             if self._ready and not self._removed:  # (removed: eager's step() applies them)
                 self._update(list(self._ready.values()))
 
-    def _finish_step(self) -> None:
-        """At step(), flush() or the next forward, once the backward of a
-        window's last micro-batch is over: what eager's step() updates
-        although that backward gave it no gradient, with that backward's
-        hyper-parameters. Every param with a .grad it did not update (from
-        earlier micro-batches of the window, or from before fuse()), and
-        after zero_grad(set_to_none=False) every param that ever had a
-        gradient, from the zeros eager would hold. Called outside backward;
-        a backward that reached this fusion and still runs on another thread
-        (its end callback is queued) is not over, so its step is finished
-        after it, at the next step(), flush() or forward."""
-        if self._step_settings is None and not self._updated:
+    def _drop_failed_pass(self) -> None:
+        """Forgets a backward that reached this fusion and raised (an error in
+        a hook, an update refused, a KeyboardInterrupt), which dropped its
+        end-of-backward callback. The parameters it updated stay updated
+        (inherent: each was updated when backward reached it); the gradients
+        it gave the others stay in .grad unapplied, as eager leaves them
+        after a backward that raised, for zero_grad() to discard or step()
+        to apply. Eager steps nothing there, so its step is not finished for
+        the rest (no update from zeros, no leftovers of its window)."""
+        if self._pass_open and self._end_ref() is None:
+            self._pass_open = False
+            self._ready.clear()
+            self._step_settings = None
+            self._join_side_streams()  # its end would have joined them
+
+    def _finish_step(self, stepping: bool = False) -> None:
+        """At step(), flush() or the next forward, once the updating backward
+        of a window is over: what eager's step() updates although that
+        backward gave it no gradient (_apply_unapplied), with that backward's
+        hyper-parameters. At step() (`stepping`) also when no updating
+        backward ended the window (a shorter last window of an epoch,
+        gradients set by hand): what eager's step() updates, with the
+        hyper-parameters of now; the next micro-batch then starts a window.
+        Called outside backward; a backward that reached this fusion and
+        still runs on another thread (its end callback is queued) is not
+        over, so its step is finished after it, at the next step(), flush()
+        or forward."""
+        if not stepping and self._step_settings is None and not self._updated:
             return  # nothing to finish, as at most forwards: no lock taken
         with self._lock:
             if self._removed or self._end_ref() is not None:
                 return
+            self._drop_failed_pass()
+            # (None after DDP's bucket hooks, which update without step settings)
             settings, self._step_settings = self._step_settings, None
-            if settings is None:
-                self._updated.clear()  # DDP's bucket hooks update without step settings
-                return
-            left = [p for i, p in self._params.items()
-                    if i not in self._updated and p.grad is not None]
-            if self._zeroed_not_freed:
-                zeroed = [p for i, p in self._ever_updated.items()
-                          if i not in self._updated and p.grad is None and i in self._params]
-                for p in zeroed:
-                    p.grad = torch.zeros_like(p)
-                left += zeroed
-            if left:
-                self._update(left, settings)
+            if settings is not None or stepping:
+                self._apply_unapplied(settings)
             self._updated.clear()
+            if stepping:
+                # a micro-batch whose forward ran already belongs to the next window
+                self._micro_batches = 0 if self._backward_since_forward else 1
+                self._kept_unstepped = False
+
+    def _apply_unapplied(self, settings: dict | None) -> None:
+        """Updates, with `settings` (None: the groups' own), what eager step()
+        would from the gradients no update of this fusion applied yet: every
+        fused param with an unapplied .grad (from earlier micro-batches of
+        the window, set by hand, from before fuse()), and after
+        zero_grad(set_to_none=False) every param that ever had a gradient,
+        from the zeros eager would hold."""
+        left = [p for i, p in self._params.items()
+                if i not in self._updated and i not in self._kept and p.grad is not None]
+        if self._zeroed_not_freed:
+            zeroed = [p for i, p in self._ever_updated.items()
+                      if i not in self._updated and p.grad is None and i in self._params]
+            for p in zeroed:
+                p.grad = torch.zeros_like(p)
+            left += zeroed
+        if left:
+            self._update(left, settings)
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -879,16 +936,18 @@ class _BackwardFusion(FusionHandle):
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         params = list(params)
-        for p in params:
-            self._ready.pop(id(p), None)
-            self._updated.add(id(p))
-            self._ever_updated[id(p)] = p
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
         if params[0].device.type == "cuda" and not _tensors.outside_backward():
             self._update_on_side_stream(params, settings)
         else:
             self.optimizer.step_params(params, settings)
+        # Only now: an update that raised (a setting the optimizer refuses) leaves
+        # its gradients unapplied in .grad, as a refused eager step() does.
+        for p in params:
+            self._ready.pop(id(p), None)
+            self._updated.add(id(p))
+            self._ever_updated[id(p)] = p
         self._release_grads(params)
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
@@ -914,8 +973,9 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
-            self._kept.extend(params)
+            self._kept.update((id(p), p) for p in params)
             self._kept_zeroed = None
+            self._kept_unstepped = True
         else:
             for p in params:
                 p.grad = None
@@ -958,28 +1018,29 @@ class _BackwardFusion(FusionHandle):
 
     def _fused_step(self) -> None:
         # (called by _step, _hooked_step and the step() fusion installs)
-        self._warn_once("step", "reprop.fuse(mode='backward'): optimizer.step() is a no-op; "
-                                "each parameter is updated inside backward()", stacklevel=4)
-        self._finish_step()
-        # Parameters added to the optimizer since the last forward got their
-        # gradients without being fused yet: eager updates them in this step().
-        late = [p for p in self._sync() if p.grad is not None]
-        if late and self._updating():
-            self.optimizer.step_params(late)
-            self._ever_updated.update((id(p), p) for p in late)  # zero_grad(False) keeps zeros
-            self._release_grads(late)
+        self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
+                                "backward(); optimizer.step() applies only what no backward did "
+                                "(a window shorter than accumulation_steps, gradients set by "
+                                "hand)", stacklevel=4)
+        self._sync()  # parameters added since the last forward: their gradients too
+        self._finish_step(stepping=True)
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
-        if self._kept:
+        if self._kept:  # applied already: freed by the next micro-batch or remove()
             self._kept_zeroed = set_to_none
-        # parameters added since the last step(): their gradients are not fused
-        # ones, and eager zero_grad() clears them
-        for p in self._sync():
-            _zero_grad_of(p, set_to_none)
-        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): optimizer.zero_grad() is a "
-                                     "no-op; gradients are freed as soon as they are applied",
-                        stacklevel=2)  # (called by _zero_grad)
+        self._drop_failed_pass()
+        # What eager zero_grad() discards: gradients not applied yet (of earlier
+        # micro-batches of a window, of a backward that raised, set by hand), of
+        # the groups as they are now; no update waits for them any more.
+        self._sync()
+        for p in self._params.values():
+            if p.grad is not None and id(p) not in self._kept:
+                _zero_grad_of(p, set_to_none)
+                self._ready.pop(id(p), None)
+        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
+                                     "as backward() applies them; optimizer.zero_grad() clears "
+                                     "only those not applied yet", stacklevel=2)
 
 
 class _ForwardFusion(FusionHandle):
