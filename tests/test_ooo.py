@@ -605,6 +605,50 @@ def test_autocast_bf16_gradients_match_autograd(order):
     _autocast_gradients_match(EveryKind, _batch, "cpu", torch.bfloat16, order, shared=("shared",))
 
 
+def _saved_weight_copies(net: nn.Module, x: torch.Tensor) -> int:
+    """Distinct bf16 copies of the (8, 8) weight that a forward saves."""
+    copies = set()
+
+    def pack(t):
+        if t.dtype == torch.bfloat16 and t.shape == (8, 8):
+            copies.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=torch.bfloat16):
+        net(x)
+    return len(copies)
+
+
+def test_autocast_saves_one_cast_copy_of_a_weight_read_at_several_sites():
+    """Autograd saves autocast's one cached cast of a weight for every site
+    that reads it in a forward; the split saves that one copy too, and a
+    new one once the weight changes."""
+    class ThreeTimes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+    torch.manual_seed(0)
+    model = ThreeTimes()
+    x = torch.randn(4, 8)
+    assert _saved_weight_copies(model, x) == 1
+    ooo.enable(model, order="conventional")
+    assert _saved_weight_copies(model, x) == 1
+    ref = copy.deepcopy(model)  # plain: a deepcopy runs torch's layers
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = model(x)  # its graph keeps the cast copy alive
+    for net in (model, ref):
+        with torch.no_grad():
+            net.lin.weight.add_(0.5)  # an optimizer step: the copy is stale now
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(x), ref(x))
+    del kept
+
+
 def _sum_of_squares(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return net(x).pow(2).sum()
 

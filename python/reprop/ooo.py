@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ._native import _C
 from .fusion import _BackwardFusion
@@ -417,7 +418,8 @@ class _Split(torch.autograd.Function):
             # what autocast does before the op, done here so that backward gets
             # the cast tensors, as autograd's own graph saves them; the engine
             # casts the returned gradients back to the inputs' dtypes
-            xc, wc, bc = (_autocast_cast(t, cast) for t in (x, w, b))
+            xc = _autocast_cast(x, cast)
+            wc, bc = (site.handle._cast_param(p, cast) for p in (w, b))
             with torch.autocast(device.type, enabled=False):
                 y, saved = kind.forward(m, xc, wc, bc)
         n = kind.tensors_saved
@@ -715,6 +717,8 @@ class OOOHandle(_PassTracking):
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._held_in_pass: list = []
         self._sub_streams: dict = {}
+        # parameter -> (its version, dtype, weakly its cast copy): see _cast_param
+        self._casts = WeakIdKeyDictionary()
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -959,6 +963,23 @@ class OOOHandle(_PassTracking):
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
         return task
+
+    def _cast_param(self, p, dtype: torch.dtype):
+        """Autocast's cast of a parameter, one copy for every split site
+        while the parameter is unchanged and the copy saved by a graph, as
+        autocast's cache gives autograd (a weight read at N sites saved N
+        copies)."""
+        if p is None or not p.is_leaf:
+            return _autocast_cast(p, dtype)
+        hit = self._casts.get(p)
+        if hit is not None and hit[0] == p._version and hit[1] == dtype:
+            copy = hit[2]()
+            if copy is not None:
+                return copy
+        copy = _autocast_cast(p, dtype)
+        if copy is not p:
+            self._casts[p] = (p._version, dtype, weakref.ref(copy))
+        return copy
 
     def _hold_list(self, module: nn.Module) -> list | None:
         """Inside hold(): the list that collects the dW tasks of `module`."""
