@@ -956,6 +956,41 @@ def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
 
 
+# A select after steps whose derivative is infinite or negative: autograd's
+# select gives +0, which the steps before it multiply (inf * 0 = NaN, and a
+# negative derivative's sign), whatever the gradient from later steps.
+SELECT_AFTER = {
+    "relu_after_sqrt": lambda x: torch.relu(torch.sqrt(x) - 1.0),
+    "relu_after_log": lambda x: torch.relu(torch.log(x) + 1.0) * 2.0,
+    "hardsigmoid_after_reciprocal": lambda x: F.hardsigmoid(1.0 / x) * 2.0,
+    "hardswish_after_negative": lambda x: F.hardswish(torch.sqrt(x) * -3.0),
+    "hardswish_of_the_root_then_a_step": lambda x: F.hardswish(x) * 2.0,
+    "two_selects": lambda x: F.hardsigmoid(torch.relu(torch.sqrt(x) - 1.0) * -4.0),
+    "blocked_on_one_side": lambda x: torch.relu(torch.sqrt(x) - 1.0) + torch.sqrt(x),
+    "blocked_on_both_sides": lambda x: torch.relu(torch.sqrt(x) - 1.0) - torch.relu(torch.log(x)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELECT_AFTER))
+def test_compose_select_after_an_infinite_or_negative_derivative(name):
+    """Chains gave a plain 0 where a select blocks the path (from the NaN of
+    relu(sqrt(x) - 1) at 0, the -0 of hardsigmoid(1 / x) at 0.25): NaNs and
+    signs of zero as autograd's, with an inf gradient from later steps too."""
+    fn = SELECT_AFTER[name]
+    x = torch.tensor([0.0, 0.25, 4.0, 9.0, -4.0, 1.0])
+    for grad in (torch.ones(6), torch.tensor([1.0, -math.inf, 2.0, -1.0, math.inf, 1.0])):
+        def run(mode):
+            leaf = x.clone().requires_grad_()
+            with mode:
+                y = fn(leaf)
+            return torch.autograd.grad(y, leaf, grad)[0]
+
+        ours, ref = run(fad.enabled(compose=True)), run(contextlib.nullcontext())
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
+        zeros = ref == 0
+        assert torch.equal(ours[zeros].signbit(), ref[zeros].signbit()), (ours, ref)
+
+
 SELECT_STEPS = {"relu": torch.relu, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
                 "Hardswish": nn.Hardswish()}
 

@@ -696,8 +696,10 @@ def codebook(activation: str, *params: float) -> Codebook:
 
 class _Chain(torch.autograd.Function):
     """A chain tensor: value v of an element-wise function of `source`, whose
-    backward is grad * dv/dsource (a saved tensor, or a number); relu of
-    the root runs torch's relu backward on its saved output."""
+    backward is grad * dv/dsource (a saved tensor, or a number), except
+    where a select blocks the path (_Record), where dv/dsource is the
+    gradient itself; relu of the root runs torch's relu backward on its
+    saved output."""
 
     @staticmethod
     def forward(ctx, source, step):
@@ -728,12 +730,13 @@ class _Chain(torch.autograd.Function):
             (out,) = ctx.saved_tensors
             return torch.ops.aten.threshold_backward(grad, out, 0).to(ctx.source_dtype), None
         *kept, blocked = ctx.saved_tensors
-        grad = grad * (kept[0] if ctx.number is None else ctx.number)
-        if ctx.where_zero is not None:
-            blocked = ctx.where_zero.of(kept[0])
-        if blocked is not None:  # a select on the way: 0 there, whatever grad holds (inf included)
-            grad = grad.masked_fill(blocked, 0)
-        return grad.to(ctx.source_dtype), None
+        d = kept[0] if ctx.number is None else ctx.number
+        grad_source = grad * d
+        if blocked is not None:  # a select on the way: d is the gradient there, whatever grad holds
+            grad_source = torch.where(blocked, d, grad_source)
+        if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
+            grad_source.masked_fill_(ctx.where_zero.of(d), 0)
+        return grad_source.to(ctx.source_dtype), None
 
 
 class _Step:
@@ -750,17 +753,20 @@ class _Record:
     """What the mode knows of a chain tensor: its root (weakly: the chain must
     not keep it alive) and the versions it was made from, dv/droot for the next
     step of the chain, and the copy its node saved; `blocked`, where a
-    select-style backward on the way (relu, hardsigmoid, ...) gives the root
-    an exact 0 whatever comes from later steps (inf or NaN included), as
-    autograd's does (None: nowhere). The mode keeps records in a dictionary
-    weakly keyed by the chain tensor, so a derivative that is the tensor
-    itself (exp of the root) is kept as _SELF: a value holding its key would
-    never let it go; relu of the root keeps _RELU_OF_SELF, its derivative
-    and blocked positions found from the tensor when a next step needs them.
-    A derivative may be a constant operand itself (x * c): its version too,
-    so that c changed in place ends the chain there, and autograd's version
-    check on the node's saved c raises as it would. `blocked` may be a
-    _WhereZero, found from the derivative when needed."""
+    select-style backward on the way (relu, hardsigmoid, ...) gives +0
+    whatever comes from later steps (inf or NaN included), as autograd's
+    does (None: nowhere). There the root's gradient is that +0 times the
+    steps before the select, which the derivative holds in place of one:
+    NaN after an infinite step (sqrt at 0), else a 0 with their sign. The
+    mode keeps records in a dictionary weakly keyed by the chain tensor, so
+    a derivative that is the tensor itself (exp of the root) is kept as
+    _SELF: a value holding its key would never let it go; relu of the root
+    keeps _RELU_OF_SELF, its derivative and blocked positions found from
+    the tensor when a next step needs them. A derivative may be a constant
+    operand itself (x * c): its version too, so that c changed in place ends
+    the chain there, and autograd's version check on the node's saved c
+    raises as it would. `blocked` may be a _WhereZero, found from the
+    derivative when needed."""
 
     __slots__ = ("source", "source_version", "version", "deriv", "deriv_version", "kept",
                  "blocked")
@@ -802,6 +808,18 @@ class _WhereZero(NamedTuple):
     def of(self, deriv: torch.Tensor) -> torch.Tensor:
         return _selected(self.act, deriv, coded=False)
 
+    def carried(self, deriv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(derivative, blocked) for a next step, the derivative holding the
+        root's gradient where blocked (_Record): +0, where Hardswish's
+        kernel marks its select with -0 (_plus_zero)."""
+        return _plus_zero(deriv) if self.act.kind == "hardswish" else deriv, self.of(deriv)
+
+
+def _plus_zero(d: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """d with its -0s made +0 and every other value kept, as x + 0 does (a
+    twentieth of the time of a masked write, on the CPU)."""
+    return d.add_(0.0) if inplace else d + 0.0
+
 
 class _Operand(NamedTuple):
     """An operand as the chain sees it: its value (tensors detached), its
@@ -823,14 +841,15 @@ def _number(x) -> bool:
 
 def _total(local, operand: _Operand):
     """d(out)/d(operand) * d(operand)/d(root); None stands for the identity.
-    Exactly 0 where the operand's path is blocked, as autograd's select gives
-    (a product would make 0 * inf = NaN there)."""
+    Where the operand's path is blocked, d(operand)/d(root) as it is: the
+    root's gradient there, which no later step changes (_Record; a product
+    would make inf * 0 = NaN)."""
     if _is_zero(operand.deriv):
         return 0
     if operand.deriv is None:
         return local
     total = _product(local, operand.deriv)
-    return total if operand.blocked is None else total.masked_fill(operand.blocked, 0)
+    return total if operand.blocked is None else torch.where(operand.blocked, operand.deriv, total)
 
 
 def _product(local, deriv):
@@ -861,14 +880,21 @@ def _widened(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype is torch.float16 else x
 
 
-def _select_blocked(name: str, a: _Operand):
-    """The blocked positions of op `name` with its one operand a on the chain."""
+def _unary_step(name: str, local, a: _Operand):
+    """(d out / d root, blocked) of the op `name` on its one operand a, whose
+    local derivative is `local`."""
     select = _SELECTS.get(name)
     if select is None:
-        return _blocked([a])
+        return _total(local, a), _blocked([a])
     if a.deriv is None:  # the root: d = local derivative, 0 exactly where it selects
-        return _WhereZero(_Act(name))
-    return _blocked([a], select(a.value))
+        return local, _WhereZero(_Act(name))
+    own = select(a.value)
+    # where the op selects, local is +0, and +0 * d(a)/d(root) is the root's
+    # gradient (_Record); Hardswish's kernel marks its select with -0 (in
+    # its fresh output, rewritten in place)
+    if name == "hardswish":
+        _plus_zero(local, inplace=True)
+    return _total(local, a), _blocked([a], own)
 
 
 def _blocked(operands, own=None):
@@ -1081,7 +1107,9 @@ class enabled(TorchFunctionMode):
 
     A step whose derivative cancels exactly (x - x, x * 0) carries the number
     0, so a later infinite local derivative gives 0 where autograd's
-    inf * 0 gives NaN (sqrt(x - x), log(x * 0)).
+    inf * 0 gives NaN (sqrt(x - x), log(x * 0)); a derivative carried past
+    float32's range (log or 1 / x at subnormal x) is inf where autograd,
+    multiplying the gradient one step at a time, can stay finite.
     """
 
     def __init__(self, compose: bool = False, saved_dtype=None):
@@ -1228,7 +1256,7 @@ class enabled(TorchFunctionMode):
         def compute():
             with _capturing():
                 v, local = ours(a.value, *args[1:], **kwargs)
-            return v, _total(local, a), _select_blocked(ours.__name__, a)
+            return (v, *_unary_step(ours.__name__, local, a))
 
         return root, [a], compute
 
@@ -1243,7 +1271,7 @@ class enabled(TorchFunctionMode):
             v = func(a.value)
             if name == "relu" and a.deriv is None:
                 return v, _RELU_OF_SELF, None
-            return v, _total(rule(a.value, v), a), _select_blocked(name, a)
+            return (v, *_unary_step(name, rule(a.value, v), a))
 
         return root, [a], compute
 
@@ -1272,7 +1300,7 @@ def _carried(rec: _Record, t: torch.Tensor) -> tuple[object, torch.Tensor | None
     if rec.deriv is _RELU_OF_SELF:
         return _relu_local(t)
     if isinstance(rec.blocked, _WhereZero):
-        return rec.deriv, rec.blocked.of(rec.deriv)
+        return rec.blocked.carried(rec.deriv)
     return rec.deriv, rec.blocked
 
 
