@@ -663,16 +663,69 @@ def test_bad_input_raises_clearly():
         fad.sigmoid([1.0, 2.0])
     with pytest.raises(ValueError, match="saved_dtype"):
         fad.gelu(torch.randn(3), saved_dtype=torch.int8)
-    with pytest.raises(ValueError, match="approximate"):
-        fad.gelu(torch.randn(3), approximate="fast")
-    with pytest.raises(ValueError, match="alpha must be nonzero"):
-        fad.celu(torch.randn(3), alpha=0.0)
-    with pytest.raises(ValueError, match="beta must be finite"):
-        fad.softplus(torch.randn(3), beta=math.inf)
     with pytest.raises(ValueError, match="saved_dtype"):
         fad.GELU(saved_dtype="8bit")
     with pytest.raises(ValueError, match="uint8"):
         fad.enabled(compose=True, saved_dtype=torch.uint8)
+
+
+# Parameters the kernels cannot take: torch computes with inf and NaN, and
+# raises its own errors (which name the argument) for the others.
+TORCH_PARAMS = {
+    "softplus_threshold_inf": (F.softplus, {"threshold": math.inf}),
+    "softplus_threshold_minus_inf": (F.softplus, {"threshold": -math.inf}),
+    "softplus_beta_inf": (F.softplus, {"beta": math.inf}),
+    "softplus_beta_nan": (F.softplus, {"beta": math.nan}),
+    "elu_alpha_nan": (F.elu, {"alpha": math.nan}),
+    "elu_alpha_inf": (F.elu, {"alpha": math.inf}),
+    "celu_alpha_minus_inf": (F.celu, {"alpha": -math.inf}),
+    "leaky_relu_slope_inf": (F.leaky_relu, {"negative_slope": math.inf}),
+    "gelu_approximate_bogus": (F.gelu, {"approximate": "bogus"}),
+    "celu_alpha_zero": (F.celu, {"alpha": 0.0}),
+    "celu_alpha_beyond_float32": (F.celu, {"alpha": 1e-40}),  # 1 / alpha overflows
+    "elu_alpha_beyond_float32": (F.elu, {"alpha": 1e39}),
+    "leaky_relu_slope_none": (F.leaky_relu, {"negative_slope": None}),
+}
+
+
+PARAM_MODULES = {F.softplus: nn.Softplus, F.elu: nn.ELU, F.celu: nn.CELU,
+                 F.leaky_relu: nn.LeakyReLU, F.gelu: nn.GELU}
+
+
+@pytest.mark.parametrize("how", ["function", "patched", "enabled", "compose"])
+@pytest.mark.parametrize("case", sorted(TORCH_PARAMS))
+def test_parameters_the_kernels_cannot_take_run_torch(case, how):
+    """fad refused inf and NaN parameters that torch takes (ValueError
+    "threshold must be finite" from a patched Softplus(threshold=inf)), and
+    raised ValueError where torch raises RuntimeError (approximate="bogus",
+    celu alpha=0) or a TypeError without the argument's name (slope None)."""
+    native, kw = TORCH_PARAMS[case]
+    act = lambda t: native(t, **kw)  # noqa: E731
+    if how == "function":
+        act = lambda t: getattr(fad, native.__name__)(t, **kw)  # noqa: E731
+    elif how == "patched":
+        act = nn.Sequential(PARAM_MODULES[native](**kw))
+        fad.patch(act)
+        assert type(act[0]).__module__ == "reprop.fad"
+    mode = fad.enabled(compose=how == "compose") if how in ("enabled", "compose") \
+        else contextlib.nullcontext()
+
+    def outcome(act, mode):
+        """(value, gradient) of tanh(act(x)) * 2, or (exception type, message)."""
+        x = torch.tensor([-30.0, -2.0, 0.0, 0.5, 30.0, math.inf]).requires_grad_()
+        try:
+            with mode:
+                y = torch.tanh(act(x * 1.0)) * 2.0
+        except Exception as e:  # noqa: BLE001 - compared with torch's
+            return type(e), str(e)
+        return y.detach(), torch.autograd.grad(y.sum(), x)[0]
+
+    got, ref = outcome(act, mode), outcome(lambda t: native(t, **kw), contextlib.nullcontext())
+    if isinstance(ref[0], type):
+        assert got == ref
+    else:
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, equal_nan=True)
 
 
 # ---------------------------------------------------------------------------

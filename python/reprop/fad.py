@@ -36,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -272,11 +273,18 @@ def _check_writable(x: torch.Tensor, fname: str) -> None:
                            "not allowed (as in torch); clone it first to get a normal tensor")
 
 
-def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
+def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
+    """y = f(x) through the kernels, or through torch's `native` for what they
+    cannot take: act None (parameters, _kernel_act), float64 x, batched x.
+    While _capture is on: (y, f'(x)), or None where torch's op would run."""
     _check_saved_dtype(saved_dtype, fname)
-    _check_codable(act, saved_dtype, fname)
-    if isinstance(x, torch.Tensor) and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x)):
+    if act is not None:
+        _check_codable(act, saved_dtype, fname)
+    if act is None or (isinstance(x, torch.Tensor)
+                       and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x))):
+        if getattr(_capture, "on", False):
+            return None
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
     if _tensors.autocast_enabled(x.device.type):
@@ -309,6 +317,24 @@ def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
 
 
 _FLOAT16_MAX = torch.finfo(torch.float16).max
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _kernel_act(kind: str, *params) -> _Act | None:
+    """The kernels' _Act for `kind` with `params`, or None where they cannot
+    take them and torch's op runs instead, as the user called it: it computes
+    with an inf or NaN parameter (Softplus's threshold=inf: never linear) and
+    raises its own errors, which name the argument: a TypeError for what is
+    not a number, a RuntimeError for a number float32 cannot hold (CELU's
+    alpha = 0 included, whose 1 / alpha its kernel multiplies by)."""
+    for p in params:  # (a float skips the ABC check; NaN fails the range test)
+        if not (type(p) is float or isinstance(p, numbers.Real)) \
+                or not -_FLOAT32_MAX <= p <= _FLOAT32_MAX:
+            return None
+    act = _Act(kind, *map(float, params))
+    if kind == "celu" and not (act.p0 and abs(1 / act.p0) <= _FLOAT32_MAX):
+        return None
+    return act
 
 
 def _may_be_refused_in_place(x: torch.Tensor) -> bool:
@@ -356,14 +382,16 @@ def _plain(kind: str, native: Callable, inplace: bool, summary: str) -> Callable
     return fn
 
 
+# gelu's approximate -> its kernel; torch's gelu refuses any other
+_GELU_ACTS = {"none": _Act("gelu"), "tanh": _Act("gelu_tanh")}
+
+
 @_doc
 def gelu(input: torch.Tensor, approximate: str = "none", *, saved_dtype=None) -> torch.Tensor:
     """GELU as torch.nn.functional.gelu (approximate "none": erf form, or "tanh").
 
     {saves}"""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    act = _Act("gelu_tanh" if approximate == "tanh" else "gelu")
+    act = _GELU_ACTS.get(approximate) if isinstance(approximate, str) else None
     return _activation(act, functools.partial(F.gelu, approximate=approximate), input, saved_dtype,
                        False, "gelu")
 
@@ -375,10 +403,7 @@ def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
     torch.nn.functional.softplus.
 
     {saves}"""
-    beta, threshold = _finite(beta, "softplus", "beta"), _finite(threshold, "softplus", "threshold")
-    if beta == 0:
-        raise ValueError("softplus: beta must be nonzero")
-    return _activation(_Act("softplus", beta, threshold),
+    return _activation(_kernel_act("softplus", beta, threshold),
                        functools.partial(F.softplus, beta=beta, threshold=threshold),
                        input, saved_dtype, False, "softplus")
 
@@ -389,8 +414,7 @@ def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
     """ELU, as torch.nn.functional.elu.
 
     {saves}"""
-    alpha = _finite(alpha, "elu", "alpha")
-    return _activation(_Act("elu", alpha), functools.partial(F.elu, alpha=alpha), input,
+    return _activation(_kernel_act("elu", alpha), functools.partial(F.elu, alpha=alpha), input,
                        saved_dtype, inplace, "elu")
 
 
@@ -400,10 +424,7 @@ def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
     """CELU, as torch.nn.functional.celu.
 
     {saves}"""
-    alpha = _finite(alpha, "celu", "alpha")
-    if alpha == 0:
-        raise ValueError("celu: alpha must be nonzero (ZeroDivisionError in torch)")
-    return _activation(_Act("celu", alpha), functools.partial(F.celu, alpha=alpha), input,
+    return _activation(_kernel_act("celu", alpha), functools.partial(F.celu, alpha=alpha), input,
                        saved_dtype, inplace, "celu")
 
 
@@ -413,10 +434,9 @@ def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool 
     """LeakyReLU, as torch.nn.functional.leaky_relu.
 
     {saves}"""
-    slope = _finite(negative_slope, "leaky_relu", "negative_slope")
-    return _activation(_Act("leaky_relu", slope),
-                       functools.partial(F.leaky_relu, negative_slope=slope), input, saved_dtype,
-                       inplace, "leaky_relu")
+    return _activation(_kernel_act("leaky_relu", negative_slope),
+                       functools.partial(F.leaky_relu, negative_slope=negative_slope), input,
+                       saved_dtype, inplace, "leaky_relu")
 
 
 # Activations without parameters: their functions differ only in name and torch op.
@@ -437,13 +457,6 @@ softsign = _plain("softsign", F.softsign, inplace=False,
                   summary="Softsign, x / (1 + |x|), as torch.nn.functional.softsign.")
 tanhshrink = _plain("tanhshrink", F.tanhshrink, inplace=False,
                     summary="Tanhshrink, x - tanh(x), as torch.nn.functional.tanhshrink.")
-
-
-def _finite(value, fname: str, name: str) -> float:
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{fname}: {name} must be finite, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------------
@@ -1044,6 +1057,8 @@ def _kernel_input(x) -> bool:
 # While on (per thread), reprop's activation functions return (y, f'(x)) in
 # x's dtype instead of building their own node: enabled(compose=True) puts the
 # derivative into a chain's node, reusing each function's argument handling.
+# They return None where torch's op would run (parameters the kernels cannot
+# take): the call is then no chain step.
 _capture = threading.local()
 
 
@@ -1252,13 +1267,12 @@ class enabled(TorchFunctionMode):
         if found is None:
             return None
         root, (a,) = found
-
-        def compute():
-            with _capturing():
-                v, local = ours(a.value, *args[1:], **kwargs)
-            return (v, *_unary_step(ours.__name__, local, a))
-
-        return root, [a], compute
+        with _capturing():
+            captured = ours(a.value, *args[1:], **kwargs)
+        if captured is None:
+            return None  # parameters only torch's op takes (_kernel_act): it runs, NN
+        v, local = captured
+        return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a))
 
     def _parse_unary(self, func, name, args):
         found = self._operands(args)
