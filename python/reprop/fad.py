@@ -36,6 +36,7 @@ import contextlib
 import functools
 import inspect
 import math
+import numbers
 import threading
 import weakref
 from dataclasses import dataclass
@@ -272,11 +273,18 @@ def _check_writable(x: torch.Tensor, fname: str) -> None:
                            "not allowed (as in torch); clone it first to get a normal tensor")
 
 
-def _activation(act: _Act, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
+def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
+    """y = f(x) through the kernels, or through torch's `native` for what they
+    cannot take: act None (parameters, _kernel_act), float64 x, batched x.
+    While _capture is on: (y, f'(x)), or None where torch's op would run."""
     _check_saved_dtype(saved_dtype, fname)
-    _check_codable(act, saved_dtype, fname)
-    if isinstance(x, torch.Tensor) and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x)):
+    if act is not None:
+        _check_codable(act, saved_dtype, fname)
+    if act is None or (isinstance(x, torch.Tensor)
+                       and (x.dtype in _TORCH_DTYPES or _tensors.torch_only(x))):
+        if getattr(_capture, "on", False):
+            return None
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
     if _tensors.autocast_enabled(x.device.type):
@@ -300,7 +308,10 @@ def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
     alpha < 0: exp(x / alpha), unbounded; ELU's |alpha| e^x and LeakyReLU's
     slope above it): d would be inf, and grad * d inf or NaN where torch's
     backward, which multiplies in float32 and rounds once, is finite. The
-    other kinds' |f'| stays below 1.76. Decided from the parameters alone."""
+    other kinds' |f'| stays below 1.76. Decided from the parameters alone.
+    A small f' (below 6.1e-5, float16's normal numbers) stays float16, with
+    fewer bits: every kind but Hardswish, Hardsigmoid and LeakyReLU has
+    them in its tails, and float32 for them would double the bytes (README)."""
     if dtype is not torch.float16:
         return dtype
     unbounded = act.kind == "celu" and act.p0 < 0
@@ -309,6 +320,24 @@ def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
 
 
 _FLOAT16_MAX = torch.finfo(torch.float16).max
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _kernel_act(kind: str, *params) -> _Act | None:
+    """The kernels' _Act for `kind` with `params`, or None where they cannot
+    take them and torch's op runs instead, as the user called it: it computes
+    with an inf or NaN parameter (Softplus's threshold=inf: never linear) and
+    raises its own errors, which name the argument: a TypeError for what is
+    not a number, a RuntimeError for a number float32 cannot hold (CELU's
+    alpha = 0 included, whose 1 / alpha its kernel multiplies by)."""
+    for p in params:  # (a float skips the ABC check; NaN fails the range test)
+        if not (type(p) is float or isinstance(p, numbers.Real)) \
+                or not -_FLOAT32_MAX <= p <= _FLOAT32_MAX:
+            return None
+    act = _Act(kind, *map(float, params))
+    if kind == "celu" and not (act.p0 and abs(1 / act.p0) <= _FLOAT32_MAX):
+        return None
+    return act
 
 
 def _may_be_refused_in_place(x: torch.Tensor) -> bool:
@@ -356,14 +385,16 @@ def _plain(kind: str, native: Callable, inplace: bool, summary: str) -> Callable
     return fn
 
 
+# gelu's approximate -> its kernel; torch's gelu refuses any other
+_GELU_ACTS = {"none": _Act("gelu"), "tanh": _Act("gelu_tanh")}
+
+
 @_doc
 def gelu(input: torch.Tensor, approximate: str = "none", *, saved_dtype=None) -> torch.Tensor:
     """GELU as torch.nn.functional.gelu (approximate "none": erf form, or "tanh").
 
     {saves}"""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    act = _Act("gelu_tanh" if approximate == "tanh" else "gelu")
+    act = _GELU_ACTS.get(approximate) if isinstance(approximate, str) else None
     return _activation(act, functools.partial(F.gelu, approximate=approximate), input, saved_dtype,
                        False, "gelu")
 
@@ -375,10 +406,7 @@ def softplus(input: torch.Tensor, beta: float = 1.0, threshold: float = 20.0, *,
     torch.nn.functional.softplus.
 
     {saves}"""
-    beta, threshold = _finite(beta, "softplus", "beta"), _finite(threshold, "softplus", "threshold")
-    if beta == 0:
-        raise ValueError("softplus: beta must be nonzero")
-    return _activation(_Act("softplus", beta, threshold),
+    return _activation(_kernel_act("softplus", beta, threshold),
                        functools.partial(F.softplus, beta=beta, threshold=threshold),
                        input, saved_dtype, False, "softplus")
 
@@ -389,8 +417,7 @@ def elu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
     """ELU, as torch.nn.functional.elu.
 
     {saves}"""
-    alpha = _finite(alpha, "elu", "alpha")
-    return _activation(_Act("elu", alpha), functools.partial(F.elu, alpha=alpha), input,
+    return _activation(_kernel_act("elu", alpha), functools.partial(F.elu, alpha=alpha), input,
                        saved_dtype, inplace, "elu")
 
 
@@ -400,10 +427,7 @@ def celu(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False, *,
     """CELU, as torch.nn.functional.celu.
 
     {saves}"""
-    alpha = _finite(alpha, "celu", "alpha")
-    if alpha == 0:
-        raise ValueError("celu: alpha must be nonzero (ZeroDivisionError in torch)")
-    return _activation(_Act("celu", alpha), functools.partial(F.celu, alpha=alpha), input,
+    return _activation(_kernel_act("celu", alpha), functools.partial(F.celu, alpha=alpha), input,
                        saved_dtype, inplace, "celu")
 
 
@@ -413,10 +437,9 @@ def leaky_relu(input: torch.Tensor, negative_slope: float = 0.01, inplace: bool 
     """LeakyReLU, as torch.nn.functional.leaky_relu.
 
     {saves}"""
-    slope = _finite(negative_slope, "leaky_relu", "negative_slope")
-    return _activation(_Act("leaky_relu", slope),
-                       functools.partial(F.leaky_relu, negative_slope=slope), input, saved_dtype,
-                       inplace, "leaky_relu")
+    return _activation(_kernel_act("leaky_relu", negative_slope),
+                       functools.partial(F.leaky_relu, negative_slope=negative_slope), input,
+                       saved_dtype, inplace, "leaky_relu")
 
 
 # Activations without parameters: their functions differ only in name and torch op.
@@ -437,13 +460,6 @@ softsign = _plain("softsign", F.softsign, inplace=False,
                   summary="Softsign, x / (1 + |x|), as torch.nn.functional.softsign.")
 tanhshrink = _plain("tanhshrink", F.tanhshrink, inplace=False,
                     summary="Tanhshrink, x - tanh(x), as torch.nn.functional.tanhshrink.")
-
-
-def _finite(value, fname: str, name: str) -> float:
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{fname}: {name} must be finite, got {value}")
-    return value
 
 
 # ---------------------------------------------------------------------------
@@ -696,8 +712,10 @@ def codebook(activation: str, *params: float) -> Codebook:
 
 class _Chain(torch.autograd.Function):
     """A chain tensor: value v of an element-wise function of `source`, whose
-    backward is grad * dv/dsource (a saved tensor, or a number); relu of
-    the root runs torch's relu backward on its saved output."""
+    backward is grad * dv/dsource (a saved tensor, or a number), except
+    where a select blocks the path (_Record), where dv/dsource is the
+    gradient itself; relu of the root runs torch's relu backward on its
+    saved output."""
 
     @staticmethod
     def forward(ctx, source, step):
@@ -728,12 +746,13 @@ class _Chain(torch.autograd.Function):
             (out,) = ctx.saved_tensors
             return torch.ops.aten.threshold_backward(grad, out, 0).to(ctx.source_dtype), None
         *kept, blocked = ctx.saved_tensors
-        grad = grad * (kept[0] if ctx.number is None else ctx.number)
-        if ctx.where_zero is not None:
-            blocked = ctx.where_zero.of(kept[0])
-        if blocked is not None:  # a select on the way: 0 there, whatever grad holds (inf included)
-            grad = grad.masked_fill(blocked, 0)
-        return grad.to(ctx.source_dtype), None
+        d = kept[0] if ctx.number is None else ctx.number
+        grad_source = grad * d
+        if blocked is not None:  # a select on the way: d is the gradient there, whatever grad holds
+            grad_source = torch.where(blocked, d, grad_source)
+        if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
+            grad_source.masked_fill_(ctx.where_zero.of(d), 0)
+        return grad_source.to(ctx.source_dtype), None
 
 
 class _Step:
@@ -750,17 +769,20 @@ class _Record:
     """What the mode knows of a chain tensor: its root (weakly: the chain must
     not keep it alive) and the versions it was made from, dv/droot for the next
     step of the chain, and the copy its node saved; `blocked`, where a
-    select-style backward on the way (relu, hardsigmoid, ...) gives the root
-    an exact 0 whatever comes from later steps (inf or NaN included), as
-    autograd's does (None: nowhere). The mode keeps records in a dictionary
-    weakly keyed by the chain tensor, so a derivative that is the tensor
-    itself (exp of the root) is kept as _SELF: a value holding its key would
-    never let it go; relu of the root keeps _RELU_OF_SELF, its derivative
-    and blocked positions found from the tensor when a next step needs them.
-    A derivative may be a constant operand itself (x * c): its version too,
-    so that c changed in place ends the chain there, and autograd's version
-    check on the node's saved c raises as it would. `blocked` may be a
-    _WhereZero, found from the derivative when needed."""
+    select-style backward on the way (relu, hardsigmoid, ...) gives +0
+    whatever comes from later steps (inf or NaN included), as autograd's
+    does (None: nowhere). There the root's gradient is that +0 times the
+    steps before the select, which the derivative holds in place of one:
+    NaN after an infinite step (sqrt at 0), else a 0 with their sign. The
+    mode keeps records in a dictionary weakly keyed by the chain tensor, so
+    a derivative that is the tensor itself (exp of the root) is kept as
+    _SELF: a value holding its key would never let it go; relu of the root
+    keeps _RELU_OF_SELF, its derivative and blocked positions found from
+    the tensor when a next step needs them. A derivative may be a constant
+    operand itself (x * c): its version too, so that c changed in place ends
+    the chain there, and autograd's version check on the node's saved c
+    raises as it would. `blocked` may be a _WhereZero, found from the
+    derivative when needed."""
 
     __slots__ = ("source", "source_version", "version", "deriv", "deriv_version", "kept",
                  "blocked")
@@ -802,6 +824,18 @@ class _WhereZero(NamedTuple):
     def of(self, deriv: torch.Tensor) -> torch.Tensor:
         return _selected(self.act, deriv, coded=False)
 
+    def carried(self, deriv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(derivative, blocked) for a next step, the derivative holding the
+        root's gradient where blocked (_Record): +0, where Hardswish's
+        kernel marks its select with -0 (_plus_zero)."""
+        return _plus_zero(deriv) if self.act.kind == "hardswish" else deriv, self.of(deriv)
+
+
+def _plus_zero(d: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """d with its -0s made +0 and every other value kept, as x + 0 does (a
+    twentieth of the time of a masked write, on the CPU)."""
+    return d.add_(0.0) if inplace else d + 0.0
+
 
 class _Operand(NamedTuple):
     """An operand as the chain sees it: its value (tensors detached), its
@@ -823,14 +857,15 @@ def _number(x) -> bool:
 
 def _total(local, operand: _Operand):
     """d(out)/d(operand) * d(operand)/d(root); None stands for the identity.
-    Exactly 0 where the operand's path is blocked, as autograd's select gives
-    (a product would make 0 * inf = NaN there)."""
+    Where the operand's path is blocked, d(operand)/d(root) as it is: the
+    root's gradient there, which no later step changes (_Record; a product
+    would make inf * 0 = NaN)."""
     if _is_zero(operand.deriv):
         return 0
     if operand.deriv is None:
         return local
     total = _product(local, operand.deriv)
-    return total if operand.blocked is None else total.masked_fill(operand.blocked, 0)
+    return total if operand.blocked is None else torch.where(operand.blocked, operand.deriv, total)
 
 
 def _product(local, deriv):
@@ -861,14 +896,21 @@ def _widened(x):
     return x.float() if isinstance(x, torch.Tensor) and x.dtype is torch.float16 else x
 
 
-def _select_blocked(name: str, a: _Operand):
-    """The blocked positions of op `name` with its one operand a on the chain."""
+def _unary_step(name: str, local, a: _Operand):
+    """(d out / d root, blocked) of the op `name` on its one operand a, whose
+    local derivative is `local`."""
     select = _SELECTS.get(name)
     if select is None:
-        return _blocked([a])
+        return _total(local, a), _blocked([a])
     if a.deriv is None:  # the root: d = local derivative, 0 exactly where it selects
-        return _WhereZero(_Act(name))
-    return _blocked([a], select(a.value))
+        return local, _WhereZero(_Act(name))
+    own = select(a.value)
+    # where the op selects, local is +0, and +0 * d(a)/d(root) is the root's
+    # gradient (_Record); Hardswish's kernel marks its select with -0 (in
+    # its fresh output, rewritten in place)
+    if name == "hardswish":
+        _plus_zero(local, inplace=True)
+    return _total(local, a), _blocked([a], own)
 
 
 def _blocked(operands, own=None):
@@ -1018,6 +1060,8 @@ def _kernel_input(x) -> bool:
 # While on (per thread), reprop's activation functions return (y, f'(x)) in
 # x's dtype instead of building their own node: enabled(compose=True) puts the
 # derivative into a chain's node, reusing each function's argument handling.
+# They return None where torch's op would run (parameters the kernels cannot
+# take): the call is then no chain step.
 _capture = threading.local()
 
 
@@ -1081,7 +1125,9 @@ class enabled(TorchFunctionMode):
 
     A step whose derivative cancels exactly (x - x, x * 0) carries the number
     0, so a later infinite local derivative gives 0 where autograd's
-    inf * 0 gives NaN (sqrt(x - x), log(x * 0)).
+    inf * 0 gives NaN (sqrt(x - x), log(x * 0)); a derivative carried past
+    float32's range (log or 1 / x at subnormal x) is inf where autograd,
+    multiplying the gradient one step at a time, can stay finite.
     """
 
     def __init__(self, compose: bool = False, saved_dtype=None):
@@ -1224,13 +1270,12 @@ class enabled(TorchFunctionMode):
         if found is None:
             return None
         root, (a,) = found
-
-        def compute():
-            with _capturing():
-                v, local = ours(a.value, *args[1:], **kwargs)
-            return v, _total(local, a), _select_blocked(ours.__name__, a)
-
-        return root, [a], compute
+        with _capturing():
+            captured = ours(a.value, *args[1:], **kwargs)
+        if captured is None:
+            return None  # parameters only torch's op takes (_kernel_act): it runs, NN
+        v, local = captured
+        return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a))
 
     def _parse_unary(self, func, name, args):
         found = self._operands(args)
@@ -1243,7 +1288,7 @@ class enabled(TorchFunctionMode):
             v = func(a.value)
             if name == "relu" and a.deriv is None:
                 return v, _RELU_OF_SELF, None
-            return v, _total(rule(a.value, v), a), _select_blocked(name, a)
+            return (v, *_unary_step(name, rule(a.value, v), a))
 
         return root, [a], compute
 
@@ -1272,7 +1317,7 @@ def _carried(rec: _Record, t: torch.Tensor) -> tuple[object, torch.Tensor | None
     if rec.deriv is _RELU_OF_SELF:
         return _relu_local(t)
     if isinstance(rec.blocked, _WhereZero):
-        return rec.deriv, rec.blocked.of(rec.deriv)
+        return rec.blocked.carried(rec.deriv)
     return rec.deriv, rec.blocked
 
 
