@@ -15,6 +15,7 @@ in x's dtype, then grad * d), so two units.
 from __future__ import annotations
 
 import contextlib
+import functools
 import copy
 import gc
 import math
@@ -1133,6 +1134,41 @@ def test_enabled_under_activation_checkpointing(compose, reentrant):
 
     ours, ref = run(fad.enabled(compose=compose)), run(contextlib.nullcontext())
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+class _PackAsIs:
+    def __call__(self, t):
+        return t
+
+
+@pytest.mark.parametrize("compose", [False, True])
+@pytest.mark.parametrize("pack", [functools.partial(lambda tag, t: t, "offload"), _PackAsIs()],
+                         ids=["partial", "callable_object"])
+def test_enabled_under_a_pack_hook_of_any_callable(compose, pack):
+    """A saved-tensor pack hook may be any callable (the mode asks whether
+    it is a checkpoint's: a functools.partial has no __qualname__)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+
+    def grad(mode):
+        w = torch.linspace(-1, 1, 64).reshape(8, 8).requires_grad_()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mode:
+            h = x @ w
+            y = (F.gelu(h) + h * torch.sigmoid(h)).sum()
+        y.backward()
+        return w.grad
+
+    torch.testing.assert_close(grad(fad.enabled(compose=compose)), grad(contextlib.nullcontext()),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_codebook_caches_are_bounded():
+    """A parameter annealed every step makes a new codebook each time: the
+    caches keep the recent ones only."""
+    x = torch.randn(64, requires_grad=True)
+    for i in range(300):
+        fad.leaky_relu(x, 0.01 + i * 1e-4, saved_dtype=torch.uint8).sum().backward()
+    assert fad._codebook_bytes.cache_info().currsize <= 256
 
 
 @pytest.mark.parametrize("saved_dtype", [None, torch.bfloat16])

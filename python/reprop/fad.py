@@ -167,18 +167,20 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
     return y, d
 
 
-@functools.lru_cache(maxsize=None)
+# Bounded: a parameter annealed every step (a leaky_relu slope) makes a new
+# _Act each time, and each entry holds ~1.3 KB (the decode tables, tensors).
+@functools.lru_cache(maxsize=256)
 def _codebook_bytes(act: _Act) -> bytes:
     return _C.fad_codebook(act.code, act.p0, act.p1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _zero_code(act: _Act) -> int:
     """The 8-bit code of a derivative of exactly 0 (rp_fad_codebook's zero_code)."""
     return int(np.frombuffer(_codebook_bytes(act), dtype=np.int32, count=1, offset=1028)[0])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _decode_table(act: _Act, device: torch.device) -> torch.Tensor:
     """The 256 float32 derivatives the 8-bit codes stand for (rp_fad_codebook's first table)."""
     table = np.frombuffer(_codebook_bytes(act), dtype=np.float32, count=256)
@@ -1036,19 +1038,6 @@ def _plain_type(t) -> bool:
     return getattr(impl, "__func__", impl) in _PLAIN_TORCH_FUNCTION
 
 
-_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
-def _checkpointing() -> bool:
-    """Whether a non-reentrant torch.utils.checkpoint is recording (or
-    recomputing) this forward. Its recompute runs outside enabled(), saving
-    what torch's own ops save, and checkpoint matches the saved tensors by
-    position: the recorded forward must be torch's ops too."""
-    hooks = _top_saved_tensors_hooks(False) if _top_saved_tensors_hooks is not None else None
-    return hooks is not None and hooks[0].__qualname__.startswith(("_checkpoint_hook.",
-                                                                   "_recomputation_hook."))
-
-
 def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
@@ -1154,13 +1143,16 @@ class enabled(TorchFunctionMode):
         # Code dynamo traces runs torch's ops, before anything it cannot trace:
         # it would bake the chain's bookkeeping (the weak record table, the
         # derivative carried from op to op) into its graphs, and a graph break
-        # in here (at _checkpointing's hook query) made it drop a number on
+        # in here (at the checkpoint hook query) made it drop a number on
         # the left of the op that broke: 1.0 + (2.0 * (t + 1.0)) gave 4.0.
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
         if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None \
-                or _checkpointing():
-            return func(*args, **kwargs)  # out=: torch's op writes it (and refuses autograd)
+                or _tensors.non_reentrant_checkpointing():
+            # out=: torch's op writes it (and refuses autograd). A checkpoint's
+            # recompute runs outside enabled(), saving what torch's ops save,
+            # so the recorded forward must be torch's ops too
+            return func(*args, **kwargs)
         if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
