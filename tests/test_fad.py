@@ -1111,6 +1111,44 @@ def test_compose_select_saves_no_more_than_plain(name):
                                    rtol=1e-6, atol=0, equal_nan=True)
 
 
+# A select on the root, then a step, at positions 0 and 1 not blocked but with a
+# derivative of 0 (a 0 in a constant, Hardswish's f'(-1.5), an underflow), at
+# 2 and 3 blocked: the chain's node saves +0 at all four.
+SELECT_THEN_A_ZERO = {
+    "relu_times_zeros": (lambda x: torch.relu(x) * torch.tensor([0.0, 0.0, 1.0, 1.0]), [2.0, 2.0, -1.0, -1.0]),
+    "hardswish_at_its_zero": (lambda x: F.hardswish(x) * 2.0, [-1.5, -1.5, -4.0, -4.0]),
+    "hardsigmoid_times_zeros": (lambda x: F.hardsigmoid(x) * torch.tensor([0.0, 0.0, 1.0, 1.0]),
+                                [1.0, 1.0, 5.0, 5.0]),
+    "relu_cubed_underflow": (lambda x: torch.relu(x) ** 3, [1e-30, 1e-30, -1.0, -1.0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SELECT_THEN_A_ZERO))
+def test_compose_select_then_a_step_keeps_its_mask(name):
+    """A chain that goes on past a select saves a bool mask beside its
+    derivative (one byte an element more than plain autograd; README): the
+    saved derivative cannot stand in for it. Where it is 0 unblocked,
+    autograd's gradient is the gradient times 0 (-0, NaN from inf); where
+    blocked, +0. The same saved +0 and the same gradient must give both."""
+    fn, values = SELECT_THEN_A_ZERO[name]
+    x = torch.tensor(values)
+    grad = torch.tensor([-1.0, math.inf, -1.0, math.inf])
+
+    def run(mode, saved=lambda node: None):
+        leaf = x.clone().requires_grad_()
+        with mode:
+            y = fn(leaf)
+        kept = saved(y.grad_fn)  # before backward frees it
+        return torch.autograd.grad(y, leaf, grad)[0], kept
+
+    ours, (derivative, mask) = run(fad.enabled(compose=True), lambda node: node.saved_tensors)
+    ref, _ = run(contextlib.nullcontext())
+    assert derivative.dtype == torch.float32 and mask.dtype == torch.bool
+    assert torch.equal(derivative.view(torch.int32), torch.zeros(4, dtype=torch.int32))  # +0
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(ours.signbit(), ref.signbit()), (ours, ref)  # [-0, NaN, +0, +0]
+
+
 @pytest.mark.parametrize("compose", [False, True])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_enabled_under_activation_checkpointing(compose, reentrant):

@@ -708,8 +708,11 @@ def codebook(activation: str, *params: float) -> Codebook:
 #       the root, so nothing has to be rebuilt (the post-process of Fig. 6 only
 #       drops a derivative carried at higher precision than its node saved:
 #       above saved_dtype, or float32 for a float16 chain).
-# Every chain tensor's node holds one derivative; intermediates die with the
-# Python temporaries that held them, so a finished chain keeps one tensor.
+# Every chain tensor's node holds one derivative (and, past a select that
+# blocks its path, the bool mask of _Record, which the derivative cannot stand
+# in for: a 0 there is +0 blocked, the gradient times 0 unblocked);
+# intermediates die with the Python temporaries that held them, so a finished
+# chain keeps one tensor (or that and its mask).
 
 
 class _Chain(torch.autograd.Function):
@@ -1080,7 +1083,8 @@ def _inplace_call(ours, args, kwargs) -> bool:
 class enabled(TorchFunctionMode):
     """Context manager: inside it, torch's functional activations run through
     reprop (saving only f'(x)), and with compose=True chains of element-wise ops
-    written out in user code save one derivative tensor per chain.
+    written out in user code save one derivative tensor per chain (and a
+    bool mask past a select).
 
     compose=True runs the paper's run-time state machine over tensor-operator
     pairs. A tensor that requires grad and is not a chain tensor is a root.
@@ -1088,16 +1092,18 @@ class enabled(TorchFunctionMode):
     whose tensor operands all belong to one root (chain tensors of it, or the
     root itself) and constants continues it: the output's value and its
     derivative with respect to the root are computed in the forward pass, and
-    its autograd node saves only that derivative and leads straight to the
-    root; YN: a chain tensor consumed by anything else is an ordinary autograd
-    tensor (its node is already right), so nothing is rebuilt, and only a
-    derivative kept for the next step at higher precision than the node saved
-    (saved_dtype, or float16 for a float16 chain) is dropped. Intermediates
-    die with the Python temporaries that hold them, so a finished chain keeps
-    one tensor. NN: anything else (two roots, in-place ops, views,
-    broadcasting past the root's shape, reductions, matmuls, no_grad, float64
-    results) runs as plain torch and plain autograd, which stays correct
-    because every chain tensor's node is.
+    its autograd node saves only that derivative (and a bool mask once a
+    select, relu, Hardsigmoid or Hardswish, blocks the path and another step
+    follows) and leads straight to the root; YN: a chain tensor consumed by
+    anything else is an ordinary autograd tensor (its node is already right),
+    so nothing is rebuilt, and only a derivative kept for the next step at
+    higher precision than the node saved (saved_dtype, or float16 for a
+    float16 chain) is dropped. Intermediates die with the Python temporaries
+    that hold them, so a finished chain keeps one tensor (and that mask).
+    NN: anything else (two roots, in-place ops, views, broadcasting past the
+    root's shape, reductions, matmuls, no_grad, float64 results) runs as
+    plain torch and plain autograd, which stays correct because every chain
+    tensor's node is.
 
     Element-wise ops: every reprop.fad activation (through torch.sigmoid,
     torch.tanh, F.gelu, F.softplus, ... ), exp, expm1, log, log1p, sqrt, rsqrt,
