@@ -892,6 +892,21 @@ def test_add_param_group(name: str) -> None:
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+@pytest.mark.skipif("decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters,
+                    reason="torch < 2.6: AdamW always decouples, its groups have no such key")
+def test_adamw_group_with_coupled_weight_decay_matches_torch() -> None:
+    """torch's AdamW reads decoupled_weight_decay per group: a group that
+    sets it False gets Adam's L2 weight decay. reprop decoupled the decay of
+    every AdamW group (0.3 off after 3 steps)."""
+    shapes = [(4, 3), (6,), (5, 2)]
+    init, grads = make_params(shapes, seed=13), grad_sequence(shapes, 4)
+    group1 = {"weight_decay": 0.5, "decoupled_weight_decay": False}
+    runs = [run_open_loop(factory(cls, **RICH["AdamW"]), init, grads, group1=group1)
+            for cls in (rp.AdamW, torch.optim.AdamW)]
+    assert not runs[0].opt.param_groups[1]["decoupled_weight_decay"]
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 def test_adagrad_sum_of_an_added_group_starts_at_the_constructor_value() -> None:
     """torch's Adagrad creates the `sum` of a group added later at its first
     step from defaults["initial_accumulator_value"]; the group's own value

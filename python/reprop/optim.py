@@ -549,7 +549,9 @@ class Adam(_FusedOptimizer, torch.optim.Adam):
 
     def _hparams(self, group):
         hp = super()._hparams(group)
-        if isinstance(self, torch.optim.AdamW):  # torch < 2.6 has no decoupled_weight_decay key
+        # torch >= 2.6 reads decoupled_weight_decay per group (an AdamW group
+        # may set it False); before, AdamW had no such key and always decoupled
+        if "decoupled_weight_decay" not in self.defaults and isinstance(self, torch.optim.AdamW):
             hp = hp[:13] + (True,) + hp[14:]
         return hp
 
