@@ -1377,6 +1377,10 @@ LATE_OPTIONS = {
     "RMSprop-centered": ("RMSprop", {"lr": 0.01}, {1: {"centered": True}}),
     "Adam-amsgrad-off": ("Adam", {"lr": 0.1, "amsgrad": True}, {2: {"amsgrad": False}}),
     "RMSprop-off": ("RMSprop", {"lr": 0.01, "momentum": 0.9, "centered": True}, {2: {"momentum": 0.0, "centered": False}}),
+    # torch's RMSprop keeps and uses a momentum buffer only while momentum > 0
+    "RMSprop-negative": ("RMSprop", {"lr": 0.01, "momentum": 0.9}, {0: {"momentum": -0.5}}),
+    "RMSprop-nan": ("RMSprop", {"lr": 0.01, "momentum": 0.9},
+                    {2: {"momentum": float("nan")}, 4: {"momentum": 0.9}}),
 }
 
 

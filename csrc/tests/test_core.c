@@ -279,6 +279,21 @@ static void test_errors(void)
     CHECK(rp_optim_step_cpu(&hp, RP_F32, NULL, 0, 1, &err) == RP_OK, "empty table");
 }
 
+/* torch's RMSprop keeps no momentum buffer unless momentum > 0: a negative
+ * or NaN momentum runs plain RMSprop (it required state slot 1). */
+static void test_rmsprop_momentum_not_positive(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_RMSPROP);
+    float p = 1.0f, g = 0.5f, sq = 0.0f, step = 0.0f;
+    rp_optim_entry e = scalar_entry(&p, &g, &sq, NULL, &step);
+    rp_error err;
+    hp.momentum = -0.5;
+    CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_OK, "momentum < 0: %s", err.msg);
+    hp.momentum = NAN;
+    CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_OK, "momentum NaN: %s", err.msg);
+    CHECK(step == 2.0f && p < 1.0f, "plain RMSprop steps: step %g, p %g", step, p);
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -286,6 +301,7 @@ int main(void)
     test_bf16();
     test_adam_first_step();
     test_errors();
+    test_rmsprop_momentum_not_positive();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
