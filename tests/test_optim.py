@@ -1214,6 +1214,47 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+# State that torch's update cannot read as its (7, 3) parameter's, as loaded
+# from another model or set by hand: (optimizer, key, the state).
+BAD_STATE = {
+    "SGD-transposed": ("SGD", "momentum_buffer", lambda: torch.zeros(3, 7)),
+    "SGD-broadcast": ("SGD", "momentum_buffer", lambda: torch.zeros(1)),
+    "Adam-broadcast": ("Adam", "exp_avg_sq", lambda: torch.zeros(7, 1)),
+    "Adam-step": ("Adam", "step", lambda: torch.tensor([1.0, 2.0])),
+    "RMSprop-integer": ("RMSprop", "square_avg", lambda: torch.zeros(7, 3, dtype=torch.int64)),
+    "Adagrad-device": ("Adagrad", "sum", lambda: torch.zeros(7, 3, device="meta")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATE))
+def test_state_torch_cannot_read_is_refused_before_any_state_is_created(case: str) -> None:
+    """State of another shape (also one that broadcasts), device or a
+    non-floating dtype, or a step count of several elements, is refused with
+    a RuntimeError naming the key and the shapes, as torch's update raises
+    RuntimeError, and before any state is created or changed. reprop's copy_
+    raised torch's message for the second parameter after giving the first
+    an uninitialised SGD momentum buffer (NaN parameters at the next step),
+    or broadcast the state silently."""
+    name, key, bad = BAD_STATE[case]
+    shapes = [(1000,), (7, 3)]
+    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 2)
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        params[1].grad = grads[0][1].clone()
+        opt.step()  # the second parameter's state
+        opt.state[params[1]][key] = bad()
+        for p, g in zip(params, grads[1]):
+            p.grad = g.clone()
+        first = copy.deepcopy(opt.state.get(params[0], {}))  # Adagrad's is made by __init__
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+    assert re.match(rf"{key}: the state of a parameter of shape \(7, 3\) on cpu is a tensor of "
+                    rf"shape {re.escape(str(tuple(bad().shape)))}", str(raised.value)), raised.value
+    assert torch.equal(params[0].detach(), init[0])
+    torch.testing.assert_close(opt.state.get(params[0], {}), first, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_param_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))

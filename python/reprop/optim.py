@@ -198,6 +198,37 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
 
 
+def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
+    """Raises RuntimeError, torch's type for state its update cannot read."""
+    if isinstance(value, torch.Tensor):
+        value = f"a tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    else:
+        value = f"a {type(value).__name__}"
+    raise RuntimeError(f"{key}: the state of a parameter of shape {tuple(p.shape)} on {p.device} "
+                       f"is {value}; expected {expected}")
+
+
+def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
+    """Refuses a state tensor that torch's update of p refuses too (its
+    in-place ops raise RuntimeError): one of another shape, also one that
+    broadcasts, on another device, or not floating-point. Another
+    floating-point dtype (float64: torch accepts it) is converted to float32."""
+    if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != p.shape
+            or t.device != p.device):
+        _refuse_state(key, t, p, "a floating-point tensor of the parameter's shape on its device")
+
+
+def _check_step_count(step, p: torch.Tensor) -> None:
+    """Refuses a state["step"] that is not one real number (torch's Adam and
+    Adagrad read it with .item(), which raises for any other tensor)."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() == 1 and not step.is_complex():
+            return
+    elif isinstance(step, (int, float)):
+        return
+    _refuse_state("step", step, p, "a number or a one-element tensor")
+
+
 def _span(p: torch.Tensor) -> tuple[int, int]:
     """The addresses [first, end) that p's elements lie in (torch strides are
     never negative)."""
@@ -442,18 +473,28 @@ class _FusedOptimizer:
             _tensors.dtype_code(p, "params")  # a param put into a group by hand
             _check_grad(p, p.grad if given is None else given[id(p)])
             st = self.state.get(p)
-            if not st or self._kind == _SGD:
-                continue
-            # torch creates all state at a param's first step (SGD: the buffer
-            # when first needed): a slot switched on later has no state
-            for key in slots:
-                if key is not None and st.get(key) is None:
-                    raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
-                                   f"was created without it (an option that needs it was switched "
-                                   f"on after the first step); torch.optim."
-                                   f"{self._torch_class.__name__} raises this KeyError too")
+            if st:
+                self._check_state(p, st, slots)
         for device in {p.device for p in active if p.device.type == "cuda"}:
             _cuda_lr_pointer(self, group, device)
+
+    def _check_state(self, p: torch.Tensor, st: dict, slots: tuple) -> None:
+        """Refuses p's state where torch's update would: a tensor the update
+        reads that it cannot read as p's (one loaded for another model), a
+        step count that is not one number, or a key it needs that is missing."""
+        for key in filter(None, slots):
+            t = st.get(key)
+            if t is not None:
+                _check_state_tensor(key, t, p)
+            elif self._kind != _SGD:  # SGD creates its buffer when first needed
+                # torch creates all other state at a param's first step: a slot
+                # switched on later has no state
+                raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
+                               f"was created without it (an option that needs it was switched "
+                               f"on after the first step); torch.optim."
+                               f"{self._torch_class.__name__} raises this KeyError too")
+        if self._kind != _SGD and st.get("step") is not None:
+            _check_step_count(st["step"], p)
 
     def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
         self._drop_plans_of_departed_params(key[2])
@@ -487,15 +528,16 @@ class _FusedOptimizer:
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
-        """State st[key] as a float32 tensor laid out like p, created when absent
-        (_check_step has refused a key absent from state torch initialized)."""
+        """State st[key] as a float32 tensor laid out like p: itself, or a new
+        one when absent or of another dtype or layout (_check_step has refused
+        a key absent from state torch initialized, and state of another shape
+        or device)."""
         t = st.get(key)
         if t is None:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif (t.dtype != torch.float32 or t.device != p.device
-              or not _tensors.same_layout(t, p)):
+        elif t.dtype != torch.float32 or not _tensors.same_layout(t, p):
             t = torch.empty_like(p, dtype=torch.float32).copy_(t)
         st[key] = t
         return t
