@@ -66,7 +66,11 @@ class _Plan:
     dtype that have a gradient, with their state. Built once and reused while
     the same parameters, storages, layouts and state dicts take part; only the
     gradient pointers are refreshed each step. `slots` are the state keys the
-    group's hyper-parameters need (opt._state_slots(group))."""
+    group's hyper-parameters need (opt._state_slots(group)). The state tensors
+    a new plan creates (or converts to float32) go into opt.state only at
+    commit_state(), once check() has passed: a refused step leaves no state
+    behind (an SGD momentum buffer is created empty and filled by its first
+    update, so one left behind would later be read as a buffer)."""
 
     def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple):
         first = params[0]
@@ -82,7 +86,7 @@ class _Plan:
         self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
-        capturable = bool(group.get("capturable", False))
+        self.capturable = bool(group.get("capturable", False))
         # The state tensors each row points at, with their column: held, so that
         # the table never points at freed memory, and checked each step (identity
         # and address), so that a tensor the user put in their place, or one whose
@@ -102,13 +106,24 @@ class _Plan:
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
-                step = _step_tensor(st, p, capturable)
+                step = _step_tensor(st, p, self.capturable)
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
         # Everything the kernels write: the params (a staged one is written by
         # Plan.run's copy_, but listing it costs nothing) and their state
         self.written = params + [t for watched in self.watched for _, t, _ in watched]
+
+    def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
+        """Raises the ValueError with which run() would refuse this update
+        (hyper-parameters torch refuses at this step), changing nothing."""
+        _C.optim_check(opt._kind, self.dtype_code, self.table, hp, self.capturable)
+
+    def commit_state(self) -> None:
+        """Puts the state tensors the table points at into the state dicts."""
+        for st, watched in zip(self.state_dicts, self.watched):
+            for key, t, _ in watched:
+                st[key] = t
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
@@ -166,10 +181,10 @@ class _Plan:
         _tensors.bump_versions(written)
 
     def _run_cuda(self, opt, group, hp) -> None:
-        capturable = bool(group.get("capturable", False))
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
-        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
+        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, self.capturable, stream,
+                         lr_ptr)
 
 
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
@@ -275,14 +290,14 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
 
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
     """state["step"] as the float32 0-dim tensor the core counts in: on the
-    param's device when capturable, else on the CPU (as torch places it)."""
+    param's device when capturable, else on the CPU (as torch places it);
+    a new tensor when st has none or one of another kind."""
     device = p.device if capturable else torch.device("cpu")
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
     elif step.dtype != torch.float32 or step.device != device or step.dim() != 0:
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
-    st["step"] = step
     return step
 
 
@@ -456,19 +471,28 @@ class _FusedOptimizer:
         key = (id(group), slots, tuple(map(id, active)))
         plans = self._plans.get(key)
         keep = _prepare_grads(plans, self.state, given)
-        if keep is None:  # first use, or a storage or state tensor was replaced
-            self._check_step(hp, active, given, slots)
-            plans = self._make_plans(hp, active, key, slots)
-            keep = _prepare_grads(plans, self.state, given)
-        for plan in plans:
-            plan.run(self, hp, hparams)
+        try:
+            if keep is None:  # first use, or a storage or state tensor was replaced
+                self._check_step(hp, active, given, slots)
+                plans = self._make_plans(hp, active, key, slots, hparams)
+                keep = _prepare_grads(plans, self.state, given)
+            elif len(plans) > 1:  # each call checks its own: let none run if one refuses
+                for plan in plans:
+                    plan.check(self, hparams)
+            for plan in plans:
+                plan.run(self, hp, hparams)
+        except ValueError as e:  # refused (a hyper-parameter, a gradient): say which group
+            raise ValueError(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
 
+    def _group_name(self, group: dict) -> str:
+        index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
+        return "a group no longer in param_groups" if index is None else f"param_groups[{index}]"
+
     def _check_step(self, group: dict, active: list, given: dict | None, slots: tuple) -> None:
-        """Raises for anything that refuses this step, before a plan creates
-        state: a refused step must leave the state as it was (an SGD momentum
-        buffer is created empty and filled by its first update, so one left
-        behind would later be read as a buffer)."""
+        """Raises for the params, gradients and existing state of this step,
+        before a plan is built: a refused step must leave the state as it was
+        (the hyper-parameters are checked by _make_plans, in C)."""
         for p in active:
             _tensors.dtype_code(p, "params")  # a param put into a group by hand
             _check_grad(p, p.grad if given is None else given[id(p)])
@@ -496,13 +520,18 @@ class _FusedOptimizer:
         if self._kind != _SGD and st.get("step") is not None:
             _check_step_count(st["step"], p)
 
-    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
+    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple,
+                    hparams: tuple) -> list:
         self._drop_plans_of_departed_params(key[2])
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
         plans = [_Plan(self, group, run, slots)
                  for ps in buckets.values() for run in _ordered_runs(ps)]
+        for plan in plans:
+            plan.check(self, hparams)
+        for plan in plans:
+            plan.commit_state()
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plans
@@ -531,7 +560,7 @@ class _FusedOptimizer:
         """State st[key] as a float32 tensor laid out like p: itself, or a new
         one when absent or of another dtype or layout (_check_step has refused
         a key absent from state torch initialized, and state of another shape
-        or device)."""
+        or device); the plan commits it to st."""
         t = st.get(key)
         if t is None:
             t = self._initial_state(key, p, group)
@@ -539,7 +568,6 @@ class _FusedOptimizer:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
         elif t.dtype != torch.float32 or not _tensors.same_layout(t, p):
             t = torch.empty_like(p, dtype=torch.float32).copy_(t)
-        st[key] = t
         return t
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
