@@ -45,7 +45,7 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
             rc = rp_set_error(&err, RP_ERUNTIME, "out of memory for %lld tensors",
                               (long long)call.n);
         else
-            rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars);
+            rc = rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars, &err);
     }
     if (rc == RP_OK) {
         Py_BEGIN_ALLOW_THREADS

@@ -8,6 +8,7 @@
  * the shared per-element math of optim_math.h, compiled for AVX-512, AVX2 and
  * baseline x86-64 and picked at run time.
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 
@@ -30,6 +31,69 @@ typedef struct {
 /* ---- state-slot requirements and validation ---- */
 
 static int rp_needs_step(int kind) { return kind != RP_SGD; }
+
+/* ---- hyper-parameters that torch.optim refuses ----
+ *
+ * torch computes the step constants as Python floats, where a division by
+ * zero raises ZeroDivisionError, a power beyond double's range OverflowError,
+ * and a negative base to a fractional power (or the square root of a negative
+ * number) gives a complex number the update then refuses. It passes some of
+ * them as the alpha, value or weight of a float32 tensor op, which refuses a
+ * finite value beyond float32's range ("value cannot be converted to type
+ * float without overflow"; inf and NaN pass). The same values are refused
+ * here, before anything is updated, where the fused update would otherwise
+ * go on silently with inf or NaN. The checks are per call and per entry,
+ * never per element. */
+
+/* What c10 refuses when converting a double to float (inf and NaN pass). */
+static int rp_beyond_float(double v) { return fabs(v) > FLT_MAX && isfinite(v); }
+
+/* An SGD update reads a momentum buffer that it did not just create: only
+ * then does torch use 1 - dampening. */
+static int rp_sgd_reads_buffer(const rp_optim_hparams *hp, const rp_optim_entry *entries,
+                               int64_t n)
+{
+    int64_t i;
+    if (!rp_optim_has_momentum(hp))
+        return 0;
+    for (i = 0; i < n; i++)
+        if (!(entries[i].flags & RP_ENTRY_FRESH_BUFFER))
+            return 1;
+    return 0;
+}
+
+/* The step-independent constants torch passes to float32 ops (for Adam and
+ * Adagrad the lr enters through the step scalars, checked per entry). */
+int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                           rp_error *err)
+{
+    const int k = hp->kind;
+    const struct {
+        int used;
+        double value;
+        const char *name, *expr;
+    } ops[] = {
+        {hp->weight_decay != 0.0 && !(k == RP_ADAM && hp->decoupled_weight_decay),
+         hp->weight_decay, "weight_decay", "weight_decay"},
+        {k == RP_SGD && hp->nesterov && rp_optim_has_momentum(hp), hp->momentum, "momentum",
+         "momentum"},
+        {k == RP_SGD && rp_sgd_reads_buffer(hp, entries, n), 1.0 - hp->dampening, "dampening",
+         "1 - dampening"},
+        {k == RP_ADAM, 1.0 - hp->beta1, "betas", "1 - beta1"},
+        {k == RP_ADAM, 1.0 - hp->beta2, "betas", "1 - beta2"},
+        {k == RP_RMSPROP, 1.0 - hp->alpha, "alpha", "1 - alpha"},
+        {k == RP_ADADELTA, 1.0 - hp->rho, "rho", "1 - rho"},
+        {k == RP_SGD || k == RP_RMSPROP || k == RP_ADADELTA, -hp->lr, "lr", "-lr"},
+    };
+    size_t i;
+    for (i = 0; i < sizeof ops / sizeof ops[0]; i++)
+        if (ops[i].used && rp_beyond_float(ops[i].value))
+            return rp_set_error(err, RP_EINVAL,
+                                "%s: %s = %g is beyond float32's range (torch.optim raises "
+                                "\"value cannot be converted to type float without overflow\")",
+                                ops[i].name, ops[i].expr, ops[i].value);
+    return RP_OK;
+}
 
 int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                    rp_error *err)
@@ -59,29 +123,107 @@ int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, in
             return rp_set_error(err, RP_EINVAL, "entry %lld: step pointer is required",
                                 (long long)i);
     }
+    return rp_optim_check_hparams(hp, entries, n, err);
+}
+
+/* base ** t as Python computes it: finite operands with a result that is not
+ * a finite real number raise there (see above). */
+static int rp_python_pow(double base, double t, const char *name, double *out, rp_error *err)
+{
+    *out = pow(base, t);
+    if (!isfinite(*out) && isfinite(base) && isfinite(t))
+        return rp_set_error(err, RP_EINVAL,
+                            "betas: %s ** step is not a finite real number at step %g (%s = %g); "
+                            "torch.optim raises too", name, t, name, base);
     return RP_OK;
 }
 
-void rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries,
-                            int64_t n, rp_step_scalars *scalars)
+/* Adam at step t: a = -lr / (1 - beta1^t), b = sqrt(1 - beta2^t). */
+static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
+                           rp_error *err)
+{
+    double pow1, pow2, step_size;
+    int rc = rp_python_pow(hp->beta1, t, "beta1", &pow1, err);
+    if (rc == RP_OK)
+        rc = rp_python_pow(hp->beta2, t, "beta2", &pow2, err);
+    if (rc != RP_OK)
+        return rc;
+    if (1.0 - pow1 == 0.0)
+        return rp_set_error(err, RP_EINVAL,
+                            "betas: 1 - beta1 ** step is 0 at step %g (beta1 = %g), a division by "
+                            "zero (torch.optim raises ZeroDivisionError)", t, hp->beta1);
+    if (1.0 - pow2 < 0.0)
+        return rp_set_error(err, RP_EINVAL,
+                            "betas: 1 - beta2 ** step = %g at step %g (beta2 = %g) is negative, "
+                            "so its square root is complex; torch.optim raises too",
+                            1.0 - pow2, t, hp->beta2);
+    step_size = hp->lr / (1.0 - pow1);
+    if (rp_beyond_float(step_size))
+        return rp_set_error(err, RP_EINVAL,
+                            "lr: the step size lr / (1 - beta1 ** step) = %g at step %g is beyond "
+                            "float32's range (torch.optim raises \"value cannot be converted to "
+                            "type float without overflow\")", step_size, t);
+    sc->a = (float)(-step_size);
+    sc->b = (float)sqrt(1.0 - pow2);
+    return RP_OK;
+}
+
+/* Adagrad at step t: a = -lr / (1 + (t - 1) * lr_decay). */
+static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
+                              rp_error *err)
+{
+    const double decay = 1.0 + (t - 1.0) * hp->lr_decay;
+    double clr;
+    if (decay == 0.0)
+        return rp_set_error(err, RP_EINVAL,
+                            "lr_decay: 1 + (step - 1) * lr_decay is 0 at step %g (lr_decay = %g), "
+                            "a division by zero (torch.optim raises ZeroDivisionError)",
+                            t, hp->lr_decay);
+    clr = hp->lr / decay;
+    if (rp_beyond_float(clr))
+        return rp_set_error(err, RP_EINVAL,
+                            "lr: lr / (1 + (step - 1) * lr_decay) = %g at step %g is beyond "
+                            "float32's range (torch.optim raises \"value cannot be converted to "
+                            "type float without overflow\")", clr, t);
+    sc->a = (float)(-clr);
+    return RP_OK;
+}
+
+int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                          rp_step_scalars *scalars, rp_error *err)
 {
     int64_t i;
     for (i = 0; i < n; i++) {
+        /* torch: step_t += 1 on a float32 tensor, then step_t.item() */
         double t;
+        int rc = RP_OK;
         scalars[i].a = 0.0f;
         scalars[i].b = 1.0f;
         if (!rp_needs_step(hp->kind) || entries[i].step == NULL)
             continue;
-        /* torch: step_t += 1 on a float32 tensor, then step_t.item() */
-        *entries[i].step = *entries[i].step + 1.0f;
-        t = (double)*entries[i].step;
-        if (hp->kind == RP_ADAM) {
-            scalars[i].a = (float)(-(hp->lr / (1.0 - pow(hp->beta1, t))));
-            scalars[i].b = (float)sqrt(1.0 - pow(hp->beta2, t));
-        } else if (hp->kind == RP_ADAGRAD) {
-            scalars[i].a = (float)(-(hp->lr / (1.0 + (t - 1.0) * hp->lr_decay)));
-        }
+        t = (double)(*entries[i].step + 1.0f);
+        if (hp->kind == RP_ADAM)
+            rc = rp_adam_scalars(hp, t, &scalars[i], err);
+        else if (hp->kind == RP_ADAGRAD)
+            rc = rp_adagrad_scalars(hp, t, &scalars[i], err);
+        if (rc != RP_OK)
+            return rc;
     }
+    return RP_OK;
+}
+
+int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                           rp_step_scalars *scalars, rp_error *err)
+{
+    int64_t i;
+    /* every entry's scalars first: a refused step leaves all counters as they were */
+    int rc = rp_optim_step_scalars(hp, entries, n, scalars, err);
+    if (rc != RP_OK)
+        return rc;
+    for (i = 0; i < n; i++)
+        if (rp_needs_step(hp->kind) && entries[i].step != NULL)
+            *entries[i].step = *entries[i].step + 1.0f;
+    return RP_OK;
 }
 
 void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
@@ -284,7 +426,12 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
         free(chunks);
         return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld tensors", (long long)n);
     }
-    rp_optim_advance_steps(hp, entries, n, scalars);
+    rc = rp_optim_advance_steps(hp, entries, n, scalars, err);
+    if (rc != RP_OK) {
+        free(chunks);
+        free(scalars);
+        return rc;
+    }
     rp_optim_make_consts(hp, hp->lr, &c);
     if (num_threads <= 0)
         num_threads = rp_omp_max_threads();

@@ -50,6 +50,14 @@ typedef struct {
     float rho, one_minus_rho;     /* Adadelta */
 } rp_optim_consts;
 
+/* Whether the update keeps a momentum buffer: torch's SGD tests momentum != 0,
+ * its RMSprop momentum > 0 (a negative or NaN momentum set after construction
+ * runs plain RMSprop there). */
+RP_HOSTDEV int rp_optim_has_momentum(const rp_optim_hparams *hp)
+{
+    return hp->kind == RP_RMSPROP ? hp->momentum > 0.0 : hp->momentum != 0.0;
+}
+
 /* Fills the float constants from the double hyper-parameters. `lr` is passed
  * separately because capturable CUDA updates read it from device memory. */
 RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_optim_consts *c)
@@ -64,7 +72,7 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
     c->eps = (float)hp->eps;
     c->amsgrad = hp->amsgrad;
     c->momentum = (float)hp->momentum;
-    c->has_momentum = hp->momentum != 0.0;
+    c->has_momentum = rp_optim_has_momentum(hp);
     c->one_minus_dampening = (float)(1.0 - hp->dampening);
     c->nesterov = hp->nesterov;
     c->neg_lr = (float)(-lr);
@@ -88,13 +96,13 @@ RP_HOSTDEV unsigned rp_optim_state_slots(const rp_optim_hparams *hp)
 {
     switch (hp->kind) {
     case RP_SGD:
-        return hp->momentum != 0.0 ? 1u : 0u;
+        return rp_optim_has_momentum(hp) ? 1u : 0u;
     case RP_ADAM:
         return 3u | (hp->amsgrad ? 4u : 0u);
     case RP_ADAGRAD:
         return 1u;
     case RP_RMSPROP:
-        return 1u | (hp->momentum != 0.0 ? 2u : 0u) | (hp->centered ? 4u : 0u);
+        return 1u | (rp_optim_has_momentum(hp) ? 2u : 0u) | (hp->centered ? 4u : 0u);
     case RP_ADADELTA:
         return 3u;
     default:

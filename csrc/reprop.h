@@ -102,14 +102,28 @@ typedef struct {
 } rp_step_scalars;
 
 /* Validates the hyper-parameters and entries (NULL pointers, negative sizes,
- * missing state slots). */
+ * missing state slots), then rp_optim_check_hparams. */
 int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                    rp_error *err);
 
-/* Advances the host-side step counters of all entries by one and fills
- * scalars[i] for each entry. For non-capturable updates on any device. */
-void rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries,
-                            int64_t n, rp_step_scalars *scalars);
+/* RP_EINVAL, naming the hyper-parameter, for the step-independent values
+ * torch.optim refuses: a constant it passes to a float32 op (weight_decay,
+ * 1 - beta1, -lr, ...) beyond float32's range. Reads only the entries' flags. */
+int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                           rp_error *err);
+
+/* Fills scalars[i] for each entry's next step (its host-side counter + 1)
+ * and changes nothing. RP_EINVAL, naming the hyper-parameter, where torch.optim
+ * refuses the step: a bias correction or lr decay of 0 (a division by zero),
+ * a power that is not a finite real number, a step size beyond float32. */
+int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                          rp_step_scalars *scalars, rp_error *err);
+
+/* rp_optim_step_scalars, then advances the host-side step counters of all
+ * entries by one; a refused step changes no counter. For non-capturable
+ * updates on any device. */
+int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                           rp_step_scalars *scalars, rp_error *err);
 
 /* Clears the one-shot entry flags once an update has been issued. */
 void rp_optim_entries_done(rp_optim_entry *entries, int64_t n);

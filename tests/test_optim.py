@@ -892,6 +892,21 @@ def test_add_param_group(name: str) -> None:
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+@pytest.mark.skipif("decoupled_weight_decay" not in inspect.signature(torch.optim.Adam).parameters,
+                    reason="torch < 2.6: AdamW always decouples, its groups have no such key")
+def test_adamw_group_with_coupled_weight_decay_matches_torch() -> None:
+    """torch's AdamW reads decoupled_weight_decay per group: a group that
+    sets it False gets Adam's L2 weight decay. reprop decoupled the decay of
+    every AdamW group (0.3 off after 3 steps)."""
+    shapes = [(4, 3), (6,), (5, 2)]
+    init, grads = make_params(shapes, seed=13), grad_sequence(shapes, 4)
+    group1 = {"weight_decay": 0.5, "decoupled_weight_decay": False}
+    runs = [run_open_loop(factory(cls, **RICH["AdamW"]), init, grads, group1=group1)
+            for cls in (rp.AdamW, torch.optim.AdamW)]
+    assert not runs[0].opt.param_groups[1]["decoupled_weight_decay"]
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 def test_adagrad_sum_of_an_added_group_starts_at_the_constructor_value() -> None:
     """torch's Adagrad creates the `sum` of a group added later at its first
     step from defaults["initial_accumulator_value"]; the group's own value
@@ -1199,6 +1214,134 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+# State that torch's update cannot read as its (7, 3) parameter's, as loaded
+# from another model or set by hand: (optimizer, key, the state).
+BAD_STATE = {
+    "SGD-transposed": ("SGD", "momentum_buffer", lambda: torch.zeros(3, 7)),
+    "SGD-broadcast": ("SGD", "momentum_buffer", lambda: torch.zeros(1)),
+    "Adam-broadcast": ("Adam", "exp_avg_sq", lambda: torch.zeros(7, 1)),
+    "Adam-step": ("Adam", "step", lambda: torch.tensor([1.0, 2.0])),
+    "RMSprop-integer": ("RMSprop", "square_avg", lambda: torch.zeros(7, 3, dtype=torch.int64)),
+    "Adagrad-device": ("Adagrad", "sum", lambda: torch.zeros(7, 3, device="meta")),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_STATE))
+def test_state_torch_cannot_read_is_refused_before_any_state_is_created(case: str) -> None:
+    """State of another shape (also one that broadcasts), device or a
+    non-floating dtype, or a step count of several elements, is refused with
+    a RuntimeError naming the key and the shapes, as torch's update raises
+    RuntimeError, and before any state is created or changed. reprop's copy_
+    raised torch's message for the second parameter after giving the first
+    an uninitialised SGD momentum buffer (NaN parameters at the next step),
+    or broadcast the state silently."""
+    name, key, bad = BAD_STATE[case]
+    shapes = [(1000,), (7, 3)]
+    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 2)
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        params[1].grad = grads[0][1].clone()
+        opt.step()  # the second parameter's state
+        opt.state[params[1]][key] = bad()
+        for p, g in zip(params, grads[1]):
+            p.grad = g.clone()
+        first = copy.deepcopy(opt.state.get(params[0], {}))  # Adagrad's is made by __init__
+        with pytest.raises(RuntimeError) as raised:
+            opt.step()
+    assert re.match(rf"{key}: the state of a parameter of shape \(7, 3\) on cpu is a tensor of "
+                    rf"shape {re.escape(str(tuple(bad().shape)))}", str(raised.value)), raised.value
+    assert torch.equal(params[0].detach(), init[0])
+    torch.testing.assert_close(opt.state.get(params[0], {}), first, rtol=0, atol=0)
+
+
+# Hyper-parameters set after construction (the constructors refuse them) for
+# which torch's update raises, at step `at` of three: (optimizer, group 1's
+# values, at, reprop's message), and ones for which it steps on (at None).
+REFUSED_AT_A_STEP = {
+    "Adam-beta1-one": ("Adam", {"betas": (1.0, 0.999)}, 0,
+                       r"betas: 1 - beta1 \*\* step is 0 at step 1 \(beta1 = 1\), a division by zero"),
+    "Adam-beta1-minus-one": ("Adam", {"betas": (-1.0, 0.999)}, 1, r"betas: 1 - beta1 \*\* step is 0 at step 2"),
+    "Adam-beta2-complex": ("Adam", {"betas": (0.9, 1.5)}, 0, r"betas: 1 - beta2 \*\* step = -0.5 at step 1"),
+    "Adam-lr": ("Adam", {"lr": 1e300}, 0, r"lr: the step size lr / \(1 - beta1 \*\* step\) = 1e\+301"),
+    "AdamW-beta1": ("AdamW", {"betas": (1e300, 0.999)}, 0, r"betas: 1 - beta1 = -1e\+300 is beyond float32"),
+    "Adagrad-lr_decay": ("Adagrad", {"lr_decay": -1.0}, 1,
+                         r"lr_decay: 1 \+ \(step - 1\) \* lr_decay is 0 at step 2"),
+    "Adagrad-lr": ("Adagrad", {"lr": 1e300}, 0, r"lr: lr / \(1 \+ \(step - 1\) \* lr_decay\) = 1e\+300"),
+    "SGD-lr": ("SGD", {"lr": 1e300}, 0, r"lr: -lr = -1e\+300 is beyond float32's range"),
+    "SGD-momentum": ("SGD", {"momentum": 1e39}, 0, r"momentum: momentum = 1e\+39"),
+    "SGD-dampening": ("SGD", {"dampening": -1e39, "nesterov": False}, 1, r"dampening: 1 - dampening = 1e\+39"),
+    "RMSprop-alpha": ("RMSprop", {"alpha": -1e39}, 0, r"alpha: 1 - alpha = 1e\+39"),
+    "Adadelta-rho": ("Adadelta", {"rho": 1e39}, 0, r"rho: 1 - rho = -1e\+39"),
+    "Adadelta-weight_decay": ("Adadelta", {"weight_decay": 1e39}, 0, r"weight_decay: weight_decay = 1e\+39"),
+    "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
+    "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
+    "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_AT_A_STEP))
+def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) -> None:
+    """Where torch raises (ZeroDivisionError, a complex bias correction, a
+    constant beyond float32 passed to a tensor op), reprop raises ValueError
+    naming the group and hyper-parameter at the same step, before anything of
+    that group changes (torch has updated part of it by then); where torch
+    steps on, so does reprop. reprop stepped on with NaN or inf."""
+    name, change, at, message = REFUSED_AT_A_STEP[case]
+    shapes = [(4, 3), (5,), (6,)]
+    init, grads = make_params(shapes, seed=32), grad_sequence(shapes, 3)
+    runs, refusals = [], []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(split_groups(params, {}), **RICH[name])
+        opt.param_groups[1].update(change)
+        refusal = None
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            group1 = copy.deepcopy([(p.detach(), opt.state.get(p, {})) for p in params[2:]])
+            try:
+                opt.step()
+            except Exception as e:
+                refusal = (k, e)
+                break
+        runs.append(Run(params, opt))
+        refusals.append(refusal)
+    assert [r and r[0] for r in refusals] == [at, at], refusals
+    if at is None:
+        assert_runs_close(*runs, OPEN_LOOP_TOL)
+        return
+    error = refusals[1][1]
+    assert isinstance(error, ValueError), error
+    assert re.match(rf"{name}: param_groups\[1\]: {message}", str(error)), error
+    torch.testing.assert_close([(p.detach(), opt.state.get(p, {})) for p in params[2:]], group1,
+                               rtol=0, atol=0)
+    # group 0 was updated, as torch updates it before it gets to group 1
+    assert_runs_close(Run(runs[1].params[:2], runs[1].opt), Run(runs[0].params[:2], runs[0].opt),
+                      OPEN_LOOP_TOL)
+
+
+def test_group_updated_in_several_calls_is_refused_before_any() -> None:
+    """A group whose parameters take several calls (two dtypes) is checked
+    as a whole before the first: at lr=1e38 Adam's step size is within
+    float32 for the float32 parameter at step 12 but not for the bfloat16 one
+    at step 2. reprop updated the float32 one, then stepped the other to
+    inf."""
+    p32, p16 = nn.Parameter(torch.ones(5)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = rp.Adam([p32, p16], lr=1e-3)
+    for k in range(11):
+        p32.grad = torch.ones(5)
+        p16.grad = torch.ones(3, dtype=torch.bfloat16) if k == 10 else None
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e38
+    p32.grad, p16.grad = torch.ones(5), torch.ones(3, dtype=torch.bfloat16)
+    before = copy.deepcopy(([p32.detach(), p16.detach()], opt.state_dict()["state"]))
+    with pytest.raises(ValueError, match=r"Adam: param_groups\[0\]: lr: the step size .* at step 2 "):
+        opt.step()
+    torch.testing.assert_close(([p32.detach(), p16.detach()], opt.state_dict()["state"]), before,
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_param_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))
@@ -1362,6 +1505,10 @@ LATE_OPTIONS = {
     "RMSprop-centered": ("RMSprop", {"lr": 0.01}, {1: {"centered": True}}),
     "Adam-amsgrad-off": ("Adam", {"lr": 0.1, "amsgrad": True}, {2: {"amsgrad": False}}),
     "RMSprop-off": ("RMSprop", {"lr": 0.01, "momentum": 0.9, "centered": True}, {2: {"momentum": 0.0, "centered": False}}),
+    # torch's RMSprop keeps and uses a momentum buffer only while momentum > 0
+    "RMSprop-negative": ("RMSprop", {"lr": 0.01, "momentum": 0.9}, {0: {"momentum": -0.5}}),
+    "RMSprop-nan": ("RMSprop", {"lr": 0.01, "momentum": 0.9},
+                    {2: {"momentum": float("nan")}, 4: {"momentum": 0.9}}),
 }
 
 

@@ -135,10 +135,11 @@ static void reference_step(const rp_optim_hparams *hp, int dtype, tensor_case *t
     rp_optim_consts c;
     rp_step_scalars sc = {0.0f, 1.0f};
     rp_optim_entry e;
+    rp_error err;
     int64_t i;
     memset(&e, 0, sizeof e);
     e.step = &t->ref_step;
-    rp_optim_advance_steps(hp, &e, 1, &sc);
+    CHECK(rp_optim_advance_steps(hp, &e, 1, &sc, &err) == RP_OK, "%s", err.msg);
     rp_optim_make_consts(hp, hp->lr, &c);
     for (i = 0; i < t->numel; i++) {
         float p = t->ref_param[i], g = elem_load(dtype, t->grad, i), out = 0.0f;
@@ -279,6 +280,57 @@ static void test_errors(void)
     CHECK(rp_optim_step_cpu(&hp, RP_F32, NULL, 0, 1, &err) == RP_OK, "empty table");
 }
 
+/* torch's RMSprop keeps no momentum buffer unless momentum > 0: a negative
+ * or NaN momentum runs plain RMSprop (it required state slot 1). */
+static void test_rmsprop_momentum_not_positive(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_RMSPROP);
+    float p = 1.0f, g = 0.5f, sq = 0.0f, step = 0.0f;
+    rp_optim_entry e = scalar_entry(&p, &g, &sq, NULL, &step);
+    rp_error err;
+    hp.momentum = -0.5;
+    CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_OK, "momentum < 0: %s", err.msg);
+    hp.momentum = NAN;
+    CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_OK, "momentum NaN: %s", err.msg);
+    CHECK(step == 2.0f && p < 1.0f, "plain RMSprop steps: step %g, p %g", step, p);
+}
+
+/* Hyper-parameters torch.optim refuses at a step (a division by zero, a
+ * complex bias correction, a constant beyond float32) are refused before
+ * anything changes. */
+static void test_refused_hparams(void)
+{
+    static const struct {
+        int kind;
+        double lr, beta1, beta2, lr_decay, weight_decay;
+        const char *message;
+    } cases[] = {
+        {RP_ADAM, 1e-3, 1.0, 0.999, 0.0, 0.0, "betas: 1 - beta1 ** step is 0"},
+        {RP_ADAM, 1e-3, 0.9, 1.5, 0.0, 0.0, "betas: 1 - beta2 ** step"},
+        {RP_ADAM, 1e-3, 1e300, 0.999, 0.0, 0.0, "betas: 1 - beta1 = "},
+        {RP_ADAM, 1e38, 0.9, 0.999, 0.0, 0.0, "lr: the step size"},
+        {RP_ADAGRAD, 1e-3, 0.0, 0.0, -1.0, 0.0, "lr_decay: 1 + (step - 1) * lr_decay is 0"},
+        {RP_ADAGRAD, 1e300, 0.0, 0.0, 0.0, 0.0, "lr: lr / (1 + (step - 1) * lr_decay)"},
+        {RP_SGD, 1e300, 0.0, 0.0, 0.0, 0.0, "lr: -lr = "},
+        {RP_ADADELTA, 1e-3, 0.0, 0.0, 0.0, -1e39, "weight_decay: weight_decay = "},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        rp_optim_hparams hp = base_hparams(cases[k].kind);
+        float p = 1.0f, g = 0.5f, s0 = 0.0f, s1 = 0.0f, step = 1.0f;
+        rp_optim_entry e = scalar_entry(&p, &g, &s0, &s1, &step);
+        rp_error err;
+        hp.lr = cases[k].lr;
+        hp.beta1 = cases[k].beta1;
+        hp.beta2 = cases[k].beta2;
+        hp.lr_decay = cases[k].lr_decay;
+        hp.weight_decay = cases[k].weight_decay;
+        CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "case %zu ran", k);
+        CHECK(strstr(err.msg, cases[k].message) != NULL, "case %zu: %s", k, err.msg);
+        CHECK(p == 1.0f && step == 1.0f && s0 == 0.0f && s1 == 0.0f, "case %zu changed state", k);
+    }
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -286,6 +338,8 @@ int main(void)
     test_bf16();
     test_adam_first_step();
     test_errors();
+    test_rmsprop_momentum_not_positive();
+    test_refused_hparams();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);

@@ -866,7 +866,8 @@ static int emulated_step(const case_spec &spec, int iteration, case_data *cd,
         hp.lr_ptr = device_lr;
     }
     if (!capturable) {
-        rp_optim_advance_steps(&hp, cd->entries.data(), n, scalars.data());
+        rc = rp_optim_advance_steps(&hp, cd->entries.data(), n, scalars.data(), &err);
+        CHECK(rc == RP_OK, "%s", err.msg);
         /* Only Adam and Adagrad need the scalars: the others may pass NULL. */
         const bool needs_scalars = hp.kind == RP_ADAM || hp.kind == RP_ADAGRAD;
         sc = needs_scalars || iteration % 2 == 0 ? scalars.data() : NULL;
@@ -1006,7 +1007,8 @@ static void expect_runtime_error(const char *what, emu_fault fault, int capturab
     rp_error err = {{0}};
 
     build_case(&cd, adam, RP_F32, {100, 9}, ALIGNED, 7);
-    rp_optim_advance_steps(&adam, cd.entries.data(), 2, scalars.data());
+    CHECK(rp_optim_advance_steps(&adam, cd.entries.data(), 2, scalars.data(), &err) == RP_OK,
+          "%s", err.msg);
     expect_call(adam, RP_F32, capturable != 0, &cd, capturable ? NULL : scalars.data(), lc);
     g_fault = fault;
     const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(),

@@ -66,7 +66,11 @@ class _Plan:
     dtype that have a gradient, with their state. Built once and reused while
     the same parameters, storages, layouts and state dicts take part; only the
     gradient pointers are refreshed each step. `slots` are the state keys the
-    group's hyper-parameters need (opt._state_slots(group))."""
+    group's hyper-parameters need (opt._state_slots(group)). The state tensors
+    a new plan creates (or converts to float32) go into opt.state only at
+    commit_state(), once check() has passed: a refused step leaves no state
+    behind (an SGD momentum buffer is created empty and filled by its first
+    update, so one left behind would later be read as a buffer)."""
 
     def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple):
         first = params[0]
@@ -82,7 +86,7 @@ class _Plan:
         self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
-        capturable = bool(group.get("capturable", False))
+        self.capturable = bool(group.get("capturable", False))
         # The state tensors each row points at, with their column: held, so that
         # the table never points at freed memory, and checked each step (identity
         # and address), so that a tensor the user put in their place, or one whose
@@ -102,13 +106,24 @@ class _Plan:
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
-                step = _step_tensor(st, p, capturable)
+                step = _step_tensor(st, p, self.capturable)
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
         # Everything the kernels write: the params (a staged one is written by
         # Plan.run's copy_, but listing it costs nothing) and their state
         self.written = params + [t for watched in self.watched for _, t, _ in watched]
+
+    def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
+        """Raises the ValueError with which run() would refuse this update
+        (hyper-parameters torch refuses at this step), changing nothing."""
+        _C.optim_check(opt._kind, self.dtype_code, self.table, hp, self.capturable)
+
+    def commit_state(self) -> None:
+        """Puts the state tensors the table points at into the state dicts."""
+        for st, watched in zip(self.state_dicts, self.watched):
+            for key, t, _ in watched:
+                st[key] = t
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
@@ -166,10 +181,10 @@ class _Plan:
         _tensors.bump_versions(written)
 
     def _run_cuda(self, opt, group, hp) -> None:
-        capturable = bool(group.get("capturable", False))
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
-        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, capturable, stream, lr_ptr)
+        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, self.capturable, stream,
+                         lr_ptr)
 
 
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
@@ -196,6 +211,37 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
                          f"{g.device} does not match its parameter ({tuple(p.shape)}, "
                          f"{p.dtype} on {p.device})")
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+
+
+def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
+    """Raises RuntimeError, torch's type for state its update cannot read."""
+    if isinstance(value, torch.Tensor):
+        value = f"a tensor of shape {tuple(value.shape)}, {value.dtype} on {value.device}"
+    else:
+        value = f"a {type(value).__name__}"
+    raise RuntimeError(f"{key}: the state of a parameter of shape {tuple(p.shape)} on {p.device} "
+                       f"is {value}; expected {expected}")
+
+
+def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
+    """Refuses a state tensor that torch's update of p refuses too (its
+    in-place ops raise RuntimeError): one of another shape, also one that
+    broadcasts, on another device, or not floating-point. Another
+    floating-point dtype (float64: torch accepts it) is converted to float32."""
+    if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != p.shape
+            or t.device != p.device):
+        _refuse_state(key, t, p, "a floating-point tensor of the parameter's shape on its device")
+
+
+def _check_step_count(step, p: torch.Tensor) -> None:
+    """Refuses a state["step"] that is not one real number (torch's Adam and
+    Adagrad read it with .item(), which raises for any other tensor)."""
+    if isinstance(step, torch.Tensor):
+        if step.numel() == 1 and not step.is_complex():
+            return
+    elif isinstance(step, (int, float)):
+        return
+    _refuse_state("step", step, p, "a number or a one-element tensor")
 
 
 def _span(p: torch.Tensor) -> tuple[int, int]:
@@ -244,14 +290,14 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
 
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
     """state["step"] as the float32 0-dim tensor the core counts in: on the
-    param's device when capturable, else on the CPU (as torch places it)."""
+    param's device when capturable, else on the CPU (as torch places it);
+    a new tensor when st has none or one of another kind."""
     device = p.device if capturable else torch.device("cpu")
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
     elif step.dtype != torch.float32 or step.device != device or step.dim() != 0:
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
-    st["step"] = step
     return step
 
 
@@ -425,43 +471,67 @@ class _FusedOptimizer:
         key = (id(group), slots, tuple(map(id, active)))
         plans = self._plans.get(key)
         keep = _prepare_grads(plans, self.state, given)
-        if keep is None:  # first use, or a storage or state tensor was replaced
-            self._check_step(hp, active, given, slots)
-            plans = self._make_plans(hp, active, key, slots)
-            keep = _prepare_grads(plans, self.state, given)
-        for plan in plans:
-            plan.run(self, hp, hparams)
+        try:
+            if keep is None:  # first use, or a storage or state tensor was replaced
+                self._check_step(hp, active, given, slots)
+                plans = self._make_plans(hp, active, key, slots, hparams)
+                keep = _prepare_grads(plans, self.state, given)
+            elif len(plans) > 1:  # each call checks its own: let none run if one refuses
+                for plan in plans:
+                    plan.check(self, hparams)
+            for plan in plans:
+                plan.run(self, hp, hparams)
+        except ValueError as e:  # refused (a hyper-parameter, a gradient): say which group
+            raise ValueError(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
 
+    def _group_name(self, group: dict) -> str:
+        index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
+        return "a group no longer in param_groups" if index is None else f"param_groups[{index}]"
+
     def _check_step(self, group: dict, active: list, given: dict | None, slots: tuple) -> None:
-        """Raises for anything that refuses this step, before a plan creates
-        state: a refused step must leave the state as it was (an SGD momentum
-        buffer is created empty and filled by its first update, so one left
-        behind would later be read as a buffer)."""
+        """Raises for the params, gradients and existing state of this step,
+        before a plan is built: a refused step must leave the state as it was
+        (the hyper-parameters are checked by _make_plans, in C)."""
         for p in active:
             _tensors.dtype_code(p, "params")  # a param put into a group by hand
             _check_grad(p, p.grad if given is None else given[id(p)])
             st = self.state.get(p)
-            if not st or self._kind == _SGD:
-                continue
-            # torch creates all state at a param's first step (SGD: the buffer
-            # when first needed): a slot switched on later has no state
-            for key in slots:
-                if key is not None and st.get(key) is None:
-                    raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
-                                   f"was created without it (an option that needs it was switched "
-                                   f"on after the first step); torch.optim."
-                                   f"{self._torch_class.__name__} raises this KeyError too")
+            if st:
+                self._check_state(p, st, slots)
         for device in {p.device for p in active if p.device.type == "cuda"}:
             _cuda_lr_pointer(self, group, device)
 
-    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple) -> list:
+    def _check_state(self, p: torch.Tensor, st: dict, slots: tuple) -> None:
+        """Refuses p's state where torch's update would: a tensor the update
+        reads that it cannot read as p's (one loaded for another model), a
+        step count that is not one number, or a key it needs that is missing."""
+        for key in filter(None, slots):
+            t = st.get(key)
+            if t is not None:
+                _check_state_tensor(key, t, p)
+            elif self._kind != _SGD:  # SGD creates its buffer when first needed
+                # torch creates all other state at a param's first step: a slot
+                # switched on later has no state
+                raise KeyError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
+                               f"was created without it (an option that needs it was switched "
+                               f"on after the first step); torch.optim."
+                               f"{self._torch_class.__name__} raises this KeyError too")
+        if self._kind != _SGD and st.get("step") is not None:
+            _check_step_count(st["step"], p)
+
+    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple,
+                    hparams: tuple) -> list:
         self._drop_plans_of_departed_params(key[2])
         buckets: dict = {}
         for p in active:
             buckets.setdefault((p.device, p.dtype), []).append(p)
         plans = [_Plan(self, group, run, slots)
                  for ps in buckets.values() for run in _ordered_runs(ps)]
+        for plan in plans:
+            plan.check(self, hparams)
+        for plan in plans:
+            plan.commit_state()
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plans
@@ -487,17 +557,17 @@ class _FusedOptimizer:
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
-        """State st[key] as a float32 tensor laid out like p, created when absent
-        (_check_step has refused a key absent from state torch initialized)."""
+        """State st[key] as a float32 tensor laid out like p: itself, or a new
+        one when absent or of another dtype or layout (_check_step has refused
+        a key absent from state torch initialized, and state of another shape
+        or device); the plan commits it to st."""
         t = st.get(key)
         if t is None:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif (t.dtype != torch.float32 or t.device != p.device
-              or not _tensors.same_layout(t, p)):
+        elif t.dtype != torch.float32 or not _tensors.same_layout(t, p):
             t = torch.empty_like(p, dtype=torch.float32).copy_(t)
-        st[key] = t
         return t
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -549,7 +619,9 @@ class Adam(_FusedOptimizer, torch.optim.Adam):
 
     def _hparams(self, group):
         hp = super()._hparams(group)
-        if isinstance(self, torch.optim.AdamW):  # torch < 2.6 has no decoupled_weight_decay key
+        # torch >= 2.6 reads decoupled_weight_decay per group (an AdamW group
+        # may set it False); before, AdamW had no such key and always decoupled
+        if "decoupled_weight_decay" not in self.defaults and isinstance(self, torch.optim.AdamW):
             hp = hp[:13] + (True,) + hp[14:]
         return hp
 
