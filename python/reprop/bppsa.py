@@ -225,17 +225,20 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     w (G*H, H) shared by all steps (W_k its row blocks), u (T, B, H) or None, and
     v (T, B, G*H). Instead of v, ``activation="tanh"`` or ``"relu"`` with
     y (T, B, G*H), the activation's output: v = f'(y) is computed where the
-    scan reads it (1 - y * y, or y > 0), bit for bit what passing that v
-    gives, without its buffer. Entry t = 0 of the Jacobians is not used.
+    scan reads it, without its buffer: 1 - y * y, bit for bit what passing
+    that v gives; relu's v x as torch's threshold_backward forms it, 0 where
+    y <= 0 (an inf or NaN x too, where a product would give NaN), else x (a
+    NaN y included): for finite x the values of v = (y > 0) passed in, zeros
+    always +0. Entry t = 0 of the Jacobians is not used.
 
     Returns g (T, B, H), or with ``pre_activation=True`` (one gate, w (H, H))
     d = v * g, the gradient of the pre-activation, the same bits as scaling g
-    afterwards (and then v[0] is used); written into `out` when given: a
-    contiguous (T, B, H) float32 tensor on c's device, c itself (in place) or
-    disjoint from c, and disjoint from w, u, v, y, jt. Runs on c's device (CPU
-    or CUDA, on the current stream); float32 only. The linear scan (levels 0)
-    needs no memory beyond g; with Blelloch levels it takes a workspace of
-    (T + 1) B H + (T / 2) B H H floats.
+    afterwards (relu: selecting; and then v[0] is used); written into `out`
+    when given: a contiguous (T, B, H) float32 tensor on c's device, c itself
+    (in place) or disjoint from c, and disjoint from w, u, v, y, jt. Runs on
+    c's device (CPU or CUDA, on the current stream); float32 only. The linear
+    scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
+    workspace of (T + 1) B H + (T / 2) B H H floats.
     """
     if not isinstance(c, torch.Tensor) or c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
@@ -359,7 +362,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice) -> tuple:
     """The RNN's pre-activation gradients d = f'(out) * g (T, B, H), written by
-    the scan itself, which reads f'(out) off out (1 - out^2, out > 0) and
+    the scan itself, which reads f'(out) off out (1 - out^2, relu's select) and
     keeps g to itself: d is backward's one (T, B, H) buffer. Returns ([d], d,
     grad h0): d_gi's blocks, d_gh."""
     T, B, H = out.shape
