@@ -1088,7 +1088,7 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
     """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
     output: autograd's input gradients are finite, the up-sweep's products of
     four layers overflow (1e40), and inf * 0 gave NaN. A result that is not
-    finite is the linear scan's, bit for bit."""
+    finite is redone layer by layer: the linear scan's bits (and autograd's)."""
     layers = [nn.Linear(2, 2, bias=False) for _ in range(8)]
     with torch.no_grad():
         for layer in layers:
@@ -1099,8 +1099,31 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
     ours = bppsa.chain_backward(layers, x, g, plan=plan)
     for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
                        autograd_layer_input_grads(layers, x, g)):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
-        assert rel_err(a, c) <= 1e-6
+        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("levels", ["linear", "blelloch"])
+@pytest.mark.parametrize("case", ["inf_weight", "inf_gradient"])
+def test_chain_non_finite_gradients_select_like_torch(case, levels):
+    """torch's ReLU and MaxPool2d backward select: an inf gradient reaches
+    only active units and each window's maximum, the rest get 0. The program
+    multiplies by their 0/1 Jacobian values (0 * inf = NaN), so a result that
+    is not finite is redone by each layer's own torch backward, at any levels:
+    autograd's bits, its infs and NaNs included (before: NaN for the 0s)."""
+    layers = [nn.Conv2d(1, 2, 1, bias=False), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2, 1)]
+    with torch.no_grad():
+        layers[0].weight.copy_(torch.tensor([1.0, -1.0]).view(2, 1, 1, 1))
+    x, g = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]]).repeat(2, 1, 1, 1), torch.ones(2, 1)
+    if case == "inf_weight":
+        with torch.no_grad():
+            layers[4].weight.fill_(float("inf"))
+    else:
+        g[1] = float("-inf")
+    ours = bppsa.chain_backward(layers, x, g, levels=levels)
+    want = autograd_layer_input_grads(layers, x, g)
+    assert not want[0].isfinite().all() and (want[0] == 0).any()  # infs beside torch's zeros
+    for a, b in zip(ours, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_max_pairs_cap_drops_a_whole_level():
