@@ -265,12 +265,16 @@ int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *cod
  *       the GRU G = 3 (see python/reprop/bppsa.py). Never copied per step.
  *       Instead of v, an activation `act` and y (n, B, G*H), the layer's
  *       output: v = f'(y) computed where v is read, 1 - y*y (y*y rounded
- *       first, never fused) for tanh, (y > 0 ? 1 : 0) for relu, the same
- *       float32 bits as those expressions evaluated into a v beforehand, with
- *       no (n, B, G*H) buffer for them.
+ *       first, never fused) for tanh, the same float32 bits as that
+ *       expression evaluated into a v beforehand, with no (n, B, G*H) buffer
+ *       for them. relu is applied as torch's threshold_backward applies it,
+ *       a select: v x is 0 where y <= 0 (even for an inf or NaN x, where a
+ *       product would give NaN) and x elsewhere (a NaN y included); for
+ *       finite x the values of (y > 0 ? 1 : 0) * x, zeros always +0.
  *   pre_activation (G = 1 only): the result is d[t] = v[t] * g[t] (the
  *       gradient of the pre-activation when v = f'), written where g would
- *       be, in place of g; the same bits as multiplying g by v afterwards.
+ *       be, in place of g; the same bits as multiplying g by v afterwards
+ *       (relu: the select).
  *       g may alias c as before; it never overlaps w, u, v, y or jt.
  * Entry t = 0 of the leaves is never read (but for v[0] by pre_activation).
  * ------------------------------------------------------------------------- */
@@ -279,7 +283,7 @@ int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *cod
 typedef enum {
     RP_SCAN_ACT_NONE = 0, /* v itself */
     RP_SCAN_ACT_TANH = 1, /* v = 1 - y*y */
-    RP_SCAN_ACT_RELU = 2  /* v = (y > 0) */
+    RP_SCAN_ACT_RELU = 2  /* v x = (y <= 0 ? 0 : x), torch's threshold_backward */
 } rp_scan_act;
 
 typedef struct {

@@ -253,15 +253,16 @@ static const float *rp_leaf_v(const rp_rec_ctx *x, int64_t t, int64_t b)
 }
 
 /* Element r of v from its row: v itself, or f'(y) with the float32
- * operations of torch's 1 - y * y and (y > 0).float() (the build has no
- * fp-contraction, so y * y is rounded before the subtraction). */
+ * operations of torch's 1 - y * y (the build has no fp-contraction, so y * y
+ * is rounded before the subtraction) and, for relu, torch's derivative:
+ * threshold_backward zeroes where y <= 0 only, so a NaN y has slope 1. */
 static inline float rp_v_at(int act, const float *restrict row, int64_t r)
 {
     switch (act) {
     case RP_SCAN_ACT_TANH:
         return 1.0f - row[r] * row[r];
     case RP_SCAN_ACT_RELU:
-        return row[r] > 0.0f ? 1.0f : 0.0f;
+        return row[r] <= 0.0f ? 0.0f : 1.0f;
     default:
         return row[r];
     }
@@ -270,12 +271,17 @@ static inline float rp_v_at(int act, const float *restrict row, int64_t r)
 /* dst = v * x over a row (v times x, as d.mul_(g) forms d = v g in Python:
  * the same bits), v read as `act` says; inlined with a constant act, one
  * straight vector loop per activation (a test per element, unpredictable
- * for relu, made the scan up to 2x slower). */
+ * for relu, made the scan up to 2x slower). relu is torch's
+ * threshold_backward, a select, not a product: 0 where y <= 0 even for an
+ * inf or NaN x (0 * inf would be NaN), x itself elsewhere; the same values
+ * as (y > 0) * x for finite x but for the sign of a zero. */
 static inline void rp_scale_row_as(int act, int64_t H, const float *restrict v, const float *x,
                                    float *dst)
 {
-    for (int64_t i = 0; i < H; i++)
-        dst[i] = rp_v_at(act, v, i) * x[i];
+    for (int64_t i = 0; i < H; i++) {
+        const float xi = x[i]; /* read either way: the select is then a blend */
+        dst[i] = act == RP_SCAN_ACT_RELU ? (v[i] <= 0.0f ? 0.0f : xi) : rp_v_at(act, v, i) * xi;
+    }
 }
 
 static void rp_scale_row(int act, int64_t H, const float *restrict v, const float *x, float *dst)

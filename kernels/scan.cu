@@ -26,8 +26,9 @@
  * (dense) or u[t][i] [i == m] + sum_k w[(kH + m) H + i] v[t][kH + m]
  * (structured), computed where an operand is staged or a mat-vec reads it;
  * v is read from v or, with an activation, computed from y the same way
- * (rp_scan_v). With pre_activation every store into g is v[t] g[t]
- * (rp_scan_put): g itself is never written, nor read back.
+ * (rp_scan_v; relu's v x is a select, rp_scan_vx). With pre_activation every
+ * store into g is v[t] g[t] (rp_scan_put): g itself is never written, nor
+ * read back.
  *
  * Workspace (float32), rp_scan_workspace_floats(n, B, H, levels): none when
  * levels = 0 (the one linear-scan launch reads c and writes g), else
@@ -191,19 +192,30 @@ RP_HD float4 rp_scan_ld4(const float *p) /* p 16-byte aligned (shared memory) */
 
 /* Element idx of the structured leaves' v, (n, B, G H): v itself, or f'(y)
  * with the float32 operations of torch's 1 - y * y (the product rounded
- * first: __fmul_rn is never fused) and (y > 0).float(), as csrc/scan.c. */
+ * first: __fmul_rn is never fused) and torch's relu slope (0 where y <= 0,
+ * else 1, so 1 at a NaN y), as csrc/scan.c. */
 RP_HD float rp_scan_v(const rp_scan_args &a, int64_t idx)
 {
     if (a.act == RP_SCAN_ACT_NONE)
         return rp_scan_ldg(a.v + idx);
     const float y = rp_scan_ldg(a.y + idx);
     if (a.act == RP_SCAN_ACT_RELU)
-        return y > 0.0f ? 1.0f : 0.0f;
+        return y <= 0.0f ? 0.0f : 1.0f;
 #ifdef __CUDA_ARCH__
     return 1.0f - __fmul_rn(y, y);
 #else
     return 1.0f - y * y;
 #endif
+}
+
+/* v[idx] applied to x: v x, but relu as torch's threshold_backward applies
+ * it, a select (0 where y <= 0 even for an inf or NaN x, x elsewhere), as
+ * csrc/scan.c's rp_scale_row. */
+RP_HD float rp_scan_vx(const rp_scan_args &a, int64_t idx, float x)
+{
+    if (a.act == RP_SCAN_ACT_RELU)
+        return rp_scan_ldg(a.y + idx) <= 0.0f ? 0.0f : x;
+    return rp_scan_v(a, idx) * x;
 }
 
 /* Element (i, m) of the leaf J[t]^T of sequence b, tb = t * B + b; w_ may be
@@ -242,8 +254,7 @@ RP_HD float rp_scan_leaf_dot(const rp_scan_args &a, const float *w_, int64_t tb,
             s = rp_scan_ldg(a.u + tb * H + i) * x[i];
         for (int k = 0; k < a.G; k++)
             for (int64_t m = lane; m < H; m += S)
-                s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_v(a, vt + (int64_t)k * H + m) * x[m],
-                         s);
+                s = fmaf(w_[((int64_t)k * H + m) * H + i], rp_scan_vx(a, vt + (int64_t)k * H + m, x[m]), s);
     }
     return s;
 }
@@ -287,7 +298,7 @@ RP_HD void rp_scan_put(const rp_scan_args &a, bool out, int64_t s, int64_t b, in
         return;
     }
     const int64_t e = ((a.n - s) * a.B + b) * a.H + i;
-    a.g[e] = a.pre ? rp_scan_v(a, e) * val : val;
+    a.g[e] = a.pre ? rp_scan_vx(a, e, val) : val;
 }
 
 /* Shared-memory floats of one task of the small up-sweep, and of a block. */

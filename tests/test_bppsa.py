@@ -140,8 +140,9 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def activation_case(activation: str, n: int, B: int, H: int, gates: int, seed: int):
-    """w, y with zeros of both signs, and v = f'(y) as _rnn_backward formed it
-    before the scan could: 1 - y * y, or (y > 0).float()."""
+    """w, y with zeros of both signs (and NaNs for relu), and v = f'(y) as
+    _rnn_backward formed it before the scan could: 1 - y * y, or torch's relu
+    slope, 0 where y <= 0, else 1 (a NaN y included)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(gates * H, H, generator=gen) / (gates * H) ** 0.5
     y = torch.randn(n, B, gates * H, generator=gen)
@@ -149,7 +150,9 @@ def activation_case(activation: str, n: int, B: int, H: int, gates: int, seed: i
         y = y.tanh()
     flat = y.view(-1)
     flat[3::7], flat[5::7] = 0.0, -0.0
-    v = 1 - y * y if activation == "tanh" else (y > 0).float()
+    if activation == "relu":
+        flat[9::11] = float("nan")
+    v = 1 - y * y if activation == "tanh" else torch.logical_not(y <= 0).float()
     return w, y, v, torch.randn(n, B, H, generator=gen)
 
 
@@ -159,7 +162,8 @@ def activation_case(activation: str, n: int, B: int, H: int, gates: int, seed: i
 @pytest.mark.parametrize("gates", [1, 3])
 def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
     """v = f'(y) read off y gives the bits of v passed in, and pre_activation
-    the bits of v * g, linear and Blelloch, into c itself and not."""
+    the bits of v * g (relu: of torch's threshold_backward, a select, +0
+    where y <= 0), linear and Blelloch, into c itself and not."""
     n, B, H = 37, 3, 5
     w, y, v, c = activation_case(activation, n, B, H, gates, seed=len(activation) + gates)
     u = torch.rand(n, B, H) * 0.5 if gates == 3 else None
@@ -173,7 +177,8 @@ def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
     assert torch.equal(bits(implied()), bits(want))
     if gates == 1:
         scaled = v * want
-        assert torch.equal(bits(implied(pre_activation=True)), bits(scaled))
+        selected = torch.ops.aten.threshold_backward(want, y, 0) if activation == "relu" else scaled
+        assert torch.equal(bits(implied(pre_activation=True)), bits(selected))
         assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(scaled))
 
 
@@ -220,6 +225,32 @@ def test_chaotic_rnn_gradients_stay_finite():
     assert all(torch.isfinite(t).all() for t in blelloch)
     assert all(torch.equal(a, b) for a, b in zip(blelloch, linear))
     assert_close_lists(blelloch, torch_res, tol=1e-5)
+
+
+@pytest.mark.parametrize("scan", ["linear", "blelloch"])
+@pytest.mark.parametrize("case", ["inf_gradient", "inf_weight"])
+def test_relu_rnn_non_finite_gradients_match_torch(case, scan):
+    """relu's derivative is applied as torch's threshold_backward applies it,
+    a select: 0 where the output is <= 0 even for an inf gradient (the scan
+    multiplied by 0 and made NaN of it), and the gradient itself where the
+    output is NaN (the scan's y > 0 gave 0 there)."""
+    torch.manual_seed(0)
+    ref, ours = make_pair("relu", 2, 4, scan=scan)
+    x, g = torch.randn(9, 3, 2), torch.randn(9, 3, 4)
+    if case == "inf_gradient":
+        g[-1, :, :2], g[3, 1, 2] = float("inf"), float("-inf")
+    else:
+        with torch.no_grad():
+            for m in (ref, ours):
+                m.weight_hh_l0[0, 1] = float("inf")
+    results = []
+    for m in (ours, ref):
+        xr = x.clone().requires_grad_()
+        m(xr)[0].backward(g)
+        results.append([xr.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*results):
+        assert not b.isfinite().all()  # the case is one of non-finite gradients
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
 def test_scan_activation_rejects_bad_arguments():
@@ -1057,7 +1088,7 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
     """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
     output: autograd's input gradients are finite, the up-sweep's products of
     four layers overflow (1e40), and inf * 0 gave NaN. A result that is not
-    finite is the linear scan's, bit for bit."""
+    finite is redone layer by layer: the linear scan's bits (and autograd's)."""
     layers = [nn.Linear(2, 2, bias=False) for _ in range(8)]
     with torch.no_grad():
         for layer in layers:
@@ -1068,8 +1099,31 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
     ours = bppsa.chain_backward(layers, x, g, plan=plan)
     for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
                        autograd_layer_input_grads(layers, x, g)):
-        assert torch.isfinite(a).all() and torch.equal(a, b)
-        assert rel_err(a, c) <= 1e-6
+        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.parametrize("levels", ["linear", "blelloch"])
+@pytest.mark.parametrize("case", ["inf_weight", "inf_gradient"])
+def test_chain_non_finite_gradients_select_like_torch(case, levels):
+    """torch's ReLU and MaxPool2d backward select: an inf gradient reaches
+    only active units and each window's maximum, the rest get 0. The program
+    multiplies by their 0/1 Jacobian values (0 * inf = NaN), so a result that
+    is not finite is redone by each layer's own torch backward, at any levels:
+    autograd's bits, its infs and NaNs included (before: NaN for the 0s)."""
+    layers = [nn.Conv2d(1, 2, 1, bias=False), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(2, 1)]
+    with torch.no_grad():
+        layers[0].weight.copy_(torch.tensor([1.0, -1.0]).view(2, 1, 1, 1))
+    x, g = torch.tensor([[[[1.0, 2.0], [3.0, 4.0]]]]).repeat(2, 1, 1, 1), torch.ones(2, 1)
+    if case == "inf_weight":
+        with torch.no_grad():
+            layers[4].weight.fill_(float("inf"))
+    else:
+        g[1] = float("-inf")
+    ours = bppsa.chain_backward(layers, x, g, levels=levels)
+    want = autograd_layer_input_grads(layers, x, g)
+    assert not want[0].isfinite().all() and (want[0] == 0).any()  # infs beside torch's zeros
+    for a, b in zip(ours, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
 def test_max_pairs_cap_drops_a_whole_level():

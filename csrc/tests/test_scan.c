@@ -209,11 +209,19 @@ static void test_errors(void)
           "pre_activation on dense leaves: %s", err.msg);
 }
 
-/* f'(y) as the caller would form v: 1 - y * y (y * y rounded first), y > 0. */
+/* f'(y) as the caller would form v: 1 - y * y (y * y rounded first), and
+ * torch's relu slope, 0 where y <= 0, else 1 (a NaN y included). */
 static float derivative(int act, float y)
 {
     const float yy = y * y;
-    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y > 0.0f ? 1.0f : 0.0f);
+    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y <= 0.0f ? 0.0f : 1.0f);
+}
+
+/* pre_activation's d = v g, with relu's v applied as torch's
+ * threshold_backward applies it: a select, +0 where y <= 0. */
+static float pre_activation_of(int act, float y, float v, float g)
+{
+    return act == RP_SCAN_ACT_RELU ? (y <= 0.0f ? 0.0f : g) : v * g;
 }
 
 static int same_bits(const float *a, const float *b, int64_t len)
@@ -222,7 +230,8 @@ static int same_bits(const float *a, const float *b, int64_t len)
 }
 
 /* v given as f'(y) must give the bits of v given, for every levels, in place
- * and not; pre_activation the bits of v * g. y includes zeros of both signs. */
+ * and not; pre_activation the bits of v * g (relu: the select). y includes
+ * zeros of both signs, and for relu NaNs (slope 1, as torch's). */
 static void test_activation(int64_t n, int64_t B, int64_t H, int gates, int act, int with_u, int threads)
 {
     const int64_t len = n * B * H, vlen = n * B * gates * H;
@@ -233,6 +242,8 @@ static void test_activation(int64_t n, int64_t B, int64_t H, int gates, int act,
     float *work = malloc((size_t)rp_scan_workspace_floats(n, B, H, rp_scan_max_levels(n)) * sizeof *work);
     for (int64_t i = 0; i < vlen; i++) {
         y[i] = i % 7 == 3 ? 0.0f : (i % 7 == 5 ? -0.0f : y[i]);
+        if (act == RP_SCAN_ACT_RELU && i % 11 == 9)
+            y[i] = NAN;
         v[i] = derivative(act, y[i]);
     }
     rp_scan_jacobians given = {n, B, H, gates, w, with_u ? u : NULL, v, NULL, RP_SCAN_ACT_NONE, NULL, 0};
@@ -250,10 +261,10 @@ static void test_activation(int64_t n, int64_t B, int64_t H, int gates, int act,
                   act, gates, (long long)n, L, inplace);
             if (gates != 1)
                 continue;
-            for (int64_t i = 0; i < len; i++)
-                scaled[i] = v[i] * want[i];
             for (int k = 0; k < 2; k++) {
                 rp_scan_jacobians *j = k == 0 ? &given : &implied;
+                for (int64_t i = 0; i < len; i++) /* G = 1: y and v are (n, B, H) like g */
+                    scaled[i] = pre_activation_of(j->act, y[i], v[i], want[i]);
                 j->pre_activation = 1;
                 memcpy(got, c, (size_t)len * sizeof *c);
                 CHECK(rp_scan_cpu(j, inplace ? got : c, got, L, work, threads, &err) == RP_OK,

@@ -35,9 +35,10 @@
  * buffer is fenced by canaries (the workspace is exactly
  * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
  * Where v is f'(y), the first run of each levels passes v = f'(y) (1 - y*y or
- * y > 0, formed on the host) and every other run y with the activation: the
- * results must be bitwise the same; with pre_activation the first run's
- * result must also be bitwise v times that of a run without it.
+ * relu's slope, formed on the host) and every other run y with the
+ * activation: the results must be bitwise the same (relu with pre_activation:
+ * but for the +0 of its select where y <= 0); with pre_activation the first
+ * run's result must also be bitwise v times that of a run without it.
  *
  * Also checked: 2 levels + 1 launches per call, on the stream, with the
  * stream's device current during them and the caller's restored after;
@@ -367,11 +368,12 @@ struct emu_data {
     fenced w, u, v, jt, c, y;
 };
 
-/* f'(y) as a caller forms v: 1 - y * y (y * y rounded first), (y > 0). */
+/* f'(y) as a caller forms v: 1 - y * y (y * y rounded first), and torch's
+ * relu slope, 0 where y <= 0, else 1 (a NaN y included). */
 static float derivative(int act, float y)
 {
     const float yy = y * y;
-    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y > 0.0f ? 1.0f : 0.0f);
+    return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y <= 0.0f ? 0.0f : 1.0f);
 }
 
 static void make_data(const emu_problem &pr, emu_data &D)
@@ -398,10 +400,12 @@ static void make_data(const emu_problem &pr, emu_data &D)
         D.v.init(n * B * G * H, 0.0f);
         for (int64_t i = 0; i < n * B * G * H; i++)
             D.v.p()[i] = urand(-1.0f, 1.0f);
-        /* y with zeros of both signs; v = f'(y) */
+        /* y with zeros of both signs, and for relu NaNs (slope 1); v = f'(y) */
         D.y.init(pr.act ? n * B * G * H : 0, 0.0f);
         for (int64_t i = 0; i < D.y.n; i++) {
-            const float y = pr.act == RP_SCAN_ACT_TANH ? tanhf(urand(-2.0f, 2.0f)) : urand(-1.0f, 1.0f);
+            const float y = pr.act == RP_SCAN_ACT_TANH ? tanhf(urand(-2.0f, 2.0f))
+                            : i % 11 == 9                 ? NAN
+                                                          : urand(-1.0f, 1.0f);
             D.y.p()[i] = i % 7 == 3 ? 0.0f : (i % 7 == 5 ? -0.0f : y);
             D.v.p()[i] = derivative(pr.act, D.y.p()[i]);
         }
@@ -585,6 +589,10 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             g_max_err = fmax(g_max_err, err_max / scale);
             if (variant == 0) {
                 first.assign(g, g + total);
+                /* relu's f'(y) g is torch's select, +0 where y <= 0, where
+                 * this run's v * g has the zero of g's sign */
+                for (int64_t i = 0; pr.pre && pr.act == RP_SCAN_ACT_RELU && i < total; i++)
+                    first[(size_t)i] = D.y.p()[i] <= 0.0f ? 0.0f : first[(size_t)i];
                 /* against the CPU scan of csrc/scan.c with the same levels */
                 std::vector<float> gcpu((size_t)total), wcpu((size_t)(wf > 0 ? wf : 1));
                 rp_error e2;

@@ -225,17 +225,20 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     w (G*H, H) shared by all steps (W_k its row blocks), u (T, B, H) or None, and
     v (T, B, G*H). Instead of v, ``activation="tanh"`` or ``"relu"`` with
     y (T, B, G*H), the activation's output: v = f'(y) is computed where the
-    scan reads it (1 - y * y, or y > 0), bit for bit what passing that v
-    gives, without its buffer. Entry t = 0 of the Jacobians is not used.
+    scan reads it, without its buffer: 1 - y * y, bit for bit what passing
+    that v gives; relu's v x as torch's threshold_backward forms it, 0 where
+    y <= 0 (an inf or NaN x too, where a product would give NaN), else x (a
+    NaN y included): for finite x the values of v = (y > 0) passed in, zeros
+    always +0. Entry t = 0 of the Jacobians is not used.
 
     Returns g (T, B, H), or with ``pre_activation=True`` (one gate, w (H, H))
     d = v * g, the gradient of the pre-activation, the same bits as scaling g
-    afterwards (and then v[0] is used); written into `out` when given: a
-    contiguous (T, B, H) float32 tensor on c's device, c itself (in place) or
-    disjoint from c, and disjoint from w, u, v, y, jt. Runs on c's device (CPU
-    or CUDA, on the current stream); float32 only. The linear scan (levels 0)
-    needs no memory beyond g; with Blelloch levels it takes a workspace of
-    (T + 1) B H + (T / 2) B H H floats.
+    afterwards (relu: selecting; and then v[0] is used); written into `out`
+    when given: a contiguous (T, B, H) float32 tensor on c's device, c itself
+    (in place) or disjoint from c, and disjoint from w, u, v, y, jt. Runs on
+    c's device (CPU or CUDA, on the current stream); float32 only. The linear
+    scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
+    workspace of (T + 1) B H + (T / 2) B H H floats.
     """
     if not isinstance(c, torch.Tensor) or c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
@@ -359,7 +362,7 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice) -> tuple:
     """The RNN's pre-activation gradients d = f'(out) * g (T, B, H), written by
-    the scan itself, which reads f'(out) off out (1 - out^2, out > 0) and
+    the scan itself, which reads f'(out) off out (1 - out^2, relu's select) and
     keeps g to itself: d is backward's one (T, B, H) buffer. Returns ([d], d,
     grad h0): d_gi's blocks, d_gh."""
     T, B, H = out.shape
@@ -907,14 +910,27 @@ def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.clone() if getattr(layer, "inplace", False) else x
 
 
-def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """f'(x) of an element-wise layer, exactly as autograd has it. Taken
-    outside inference mode, where autograd records nothing, and on a copy of
-    an inference tensor (one made in that mode), which autograd cannot take."""
+def _input_grad(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The gradient of layer's input x (taken as `dtype`) for the gradient
+    `grad` of its output (any shape of the output's size; None: ones), by
+    the layer's own torch backward, selects included (ReLU's and MaxPool2d's
+    0 for an inf gradient, where a product by 0 gives NaN). Taken outside
+    inference mode, where autograd records nothing, on a copy of an inference
+    tensor (one made in that mode), which autograd cannot take, and through
+    forward(), not the module call: its hooks (reprop.fuse's count
+    micro-batches) ran when the chain ran forward."""
     with torch.inference_mode(False), torch.enable_grad():
-        xr = x.detach().to(torch.float32, copy=x.is_inference()).requires_grad_()
-        (d,) = torch.autograd.grad(layer(_unless_overwritten(layer, xr)).sum(), xr)
+        xr = x.detach().to(dtype, copy=x.is_inference()).requires_grad_()
+        out = layer.forward(_unless_overwritten(layer, xr))
+        grad = torch.ones_like(out) if grad is None else grad.reshape(out.shape).to(out.dtype)
+        (d,) = torch.autograd.grad(out, xr, grad)
     return d
+
+
+def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """f'(x) of an element-wise layer, exactly as autograd has it, in float32."""
+    return _input_grad(layer, x, None, torch.float32)
 
 
 class _Leaf:
@@ -1063,7 +1079,6 @@ class ChainPlan:
         self.info = _C.csr_plan_info(self._plan)
         self._program = _C.csr_program(self._plan)
         self._device_rows = {}
-        self._linear = None  # _linear_plan()
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -1105,7 +1120,9 @@ class ChainPlan:
 
     def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
-        layer inputs of forward_inputs() and the gradient of the chain's output."""
+        layer inputs of forward_inputs() and the gradient of the chain's output.
+        Where one is not finite, all are those of each layer's own torch
+        backward (autograd's infs and NaNs, see README)."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_chain_tensor(grad_output, "grad_output")
@@ -1139,20 +1156,31 @@ class ChainPlan:
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
         grads = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, prog["g_addr"].tolist())]
-        # as scan() does: up-sweep products that overflowed (inf * 0 = NaN) are
-        # redone by the linear scan. One multi-tensor max-norm (not finite iff
-        # a gradient is not); bool() waits for a GPU (see README).
-        if self.info["levels"] and not bool(
-                torch.stack(torch._foreach_norm(grads, math.inf)).isfinite().all()):
-            return self._linear_plan().backward(inputs, grad_output)
+        # A result that is not finite is redone layer by layer as torch does
+        # it: the program's up-sweep products may overflow (inf * 0 = NaN),
+        # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
+        # where torch selects (0 * inf = NaN, torch's 0).
+        if not _sums_finite(grads):
+            return self._torch_backward(inputs, grad_output)
         return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
 
-    def _linear_plan(self) -> ChainPlan:
-        """This chain planned as the linear scan, once, the first time this
-        plan's result is not finite."""
-        if self._linear is None:
-            self._linear = ChainPlan([layer for layer, _ in self.steps], self.input_shape, levels="linear")
-        return self._linear
+    def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+        """backward()'s result by each Jacobian layer's own torch backward at
+        its input, last layer first (the linear scan, as autograd runs it)."""
+        grads, grad = [], grad_output.detach()
+        for leaf, x in zip(reversed(self.leaves), reversed(inputs)):
+            grad = _input_grad(leaf.layer, x, grad, x.dtype)
+            grads.append(grad)
+        return grads[::-1]
+
+
+def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """False if an element of the tensors is not finite (or a tensor's sum
+    overflows float32, past 3e38, which only costs the exact slower path).
+    One sum per tensor: torch's inf-norm reduction was 13x slower on the CPU
+    (680 against 53 us over 200k floats, a quarter of a linear plan's
+    backward). bool() waits for a GPU (see README)."""
+    return bool(torch.stack([t.sum() for t in tensors]).isfinite().all())
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
