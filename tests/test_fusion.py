@@ -1868,6 +1868,36 @@ def test_groups_changed_right_after_step_match_eager(mode: str, change: str, imp
         assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
 
 
+def _head_apart(model: nn.Module):
+    """SGD with momentum, the last layer in a second group."""
+    return rp.SGD([{"params": model[:4].parameters()}, {"params": model[4].parameters()}],
+                  lr=0.1, momentum=0.9)
+
+
+def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once() -> None:
+    """flush() applies the pending updates group by group. When the second
+    group's update is refused (its gradient made sparse after step()), the
+    first group's has been applied: it must not stay pending, or the flush
+    after the fix updates those parameters a second time."""
+    ref = _mlp_loop(None, _head_apart, 3)
+    model = _mlp()
+    opt = _head_apart(model)
+    handle = reprop.fuse(model, opt, mode="forward")
+    for i in range(3):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if i == 2:
+            head = model[4].weight
+            head.grad = head.grad.to_sparse()
+            with pytest.raises(RuntimeError, match="sparse"):
+                handle.flush()
+            head.grad = head.grad.to_dense()
+        opt.zero_grad()
+    handle.remove()
+    _assert_same_training((model, opt), ref)
+
+
 def _two_groups(model: nn.Module):
     return rp.SGD([{"params": list(model[0].parameters()), "lr": 0.01},
                    {"params": list(model[2:].parameters()), "lr": 0.05}], lr=0.01, momentum=0.9)

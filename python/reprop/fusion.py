@@ -1074,16 +1074,27 @@ class _ForwardFusion(FusionHandle):
         self.flush()
 
     def _apply(self, params: list) -> None:
-        """Applies these pending updates (under the lock). They leave _pending
-        only once applied: a module pre-hook finding nothing of its own there
-        knows its parameters are current, without taking the lock."""
-        self.optimizer._step_in_groups(params, self._group_of, self._settings)
-        for p in params:
-            del self._pending[id(p)]
-            if id(p) in self._zero:
-                _zero_grad_of(p, self._zero.pop(id(p)))
+        """Applies these pending updates (under the lock), group by group. They
+        leave _pending only once applied: a module pre-hook finding nothing of
+        its own there knows its parameters are current, without taking the
+        lock; and when a later group's update is refused, the groups applied
+        before it are not pending any more, so the retry after the fix
+        updates each parameter once."""
+        for group_params in self._by_group(params):
+            self.optimizer._step_in_groups(group_params, self._group_of, self._settings)
+            for p in group_params:
+                del self._pending[id(p)]
+                if id(p) in self._zero:
+                    _zero_grad_of(p, self._zero.pop(id(p)))
         if not self._pending:
             self._settings = {}
+
+    def _by_group(self, params: list) -> Iterable[list]:
+        """`params` split by the group their update was decided in, in order."""
+        groups: dict = {}
+        for p in params:  # (one the optimizer does not hold: _step_in_groups refuses it)
+            groups.setdefault(id(self._group_of.get(id(p))), []).append(p)
+        return groups.values()
 
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
