@@ -1898,6 +1898,70 @@ def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once()
     _assert_same_training((model, opt), ref)
 
 
+def _amsgrad_switched_on_at_2(mode: str | None) -> tuple:
+    """Adam in two groups; before step 2 the user switches amsgrad on in the
+    second group (its state has no max_exp_avg_sq), step() raises, and the
+    user switches it off again and trains on."""
+    model = _mlp()
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(5):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        if i == 2:
+            opt.param_groups[1]["amsgrad"] = True
+            with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                opt.step()
+            opt.param_groups[1]["amsgrad"] = False
+        else:
+            opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_step_raises_what_eager_step_raises() -> None:
+    """An update the optimizer refuses is refused by step(), as in eager
+    training (which updates the groups before the refused one): marked
+    pending, it was refused by every later forward, flush(), state_dict()
+    and remove(), also once the user had undone the change, for good."""
+    _assert_same_training(_amsgrad_switched_on_at_2("forward"), _amsgrad_switched_on_at_2(None))
+
+
+def test_forward_mode_step_refuses_a_sparse_gradient() -> None:
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = rp.SGD(emb.parameters(), lr=0.1)
+    handle = reprop.fuse(emb, opt, mode="forward")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse tensors are not supported"):
+        opt.step()
+    emb.sparse = False
+    opt.zero_grad()
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    handle.remove()
+    assert emb.weight.grad is not None and emb.state_dict()
+
+
+def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> None:
+    """remove() applies the pending updates first; one refused there (its
+    gradient made sparse after step()) raises, but after the fusion is gone:
+    it stayed installed, so it could never be removed."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    before = hook_snapshot(model, opt)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    model[4].weight.grad = model[4].weight.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        handle.remove()
+    assert_no_fusion_left(model, opt, before)
+    handle.remove()  # done already: a no-op
+
+
 def _two_groups(model: nn.Module):
     return rp.SGD([{"params": list(model[0].parameters()), "lr": 0.01},
                    {"params": list(model[2:].parameters()), "lr": 0.05}], lr=0.01, momentum=0.9)

@@ -495,12 +495,21 @@ class FusionHandle:
         Safe to call from another thread than training's."""
         with self._lock:
             if not self._removed:
-                self._undo()
-                self._removed = True
+                try:
+                    self._undo()
+                finally:
+                    self._removed = True
 
     def _undo(self) -> None:
-        """What remove() does, under the lock, while the fusion is still on."""
-        self.flush()
+        """What remove() does, under the lock, while the fusion is still on.
+        A refused update (a gradient made sparse after step()) still raises,
+        after the fusion is gone: left installed, it could never be removed."""
+        try:
+            self.flush()
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -993,6 +1002,9 @@ class _ForwardFusion(FusionHandle):
         self._clip = clip_grad_norm
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
+        # id(group) -> (state slots, ids of the params with a gradient) of the
+        # last step() whose update of the group passed the optimizer's full check
+        self._checked: dict = {}
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
@@ -1056,8 +1068,8 @@ class _ForwardFusion(FusionHandle):
         opt = self._user_optimizer
         return type(opt).__getstate__(opt)
 
-    def _undo(self) -> None:
-        super()._undo()
+    def _unhook(self) -> None:
+        super()._unhook()
         for module in list(self._covered):
             _stop_flushing_before_apply(module, self)
 
@@ -1144,11 +1156,33 @@ class _ForwardFusion(FusionHandle):
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
-        for p in with_grad:
-            self._pending[id(p)] = p
-        foreign = [p for p in with_grad if id(p) in self._foreign]
-        if foreign:
-            self._apply(foreign)
+        try:
+            for group_params in self._by_group(with_grad):
+                self._check_update(group_params)
+                self._pending.update((id(p), p) for p in group_params)
+        finally:  # a refused group: eager step() has updated the groups before it
+            foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
+            if foreign:
+                self._apply(foreign)
+
+    def _check_update(self, params: list) -> None:
+        """Raises what eager step() raises for the update of these params of one
+        group (a bad lr, an option switched on after the first step whose state
+        that step did not create, a sparse gradient), before it is marked
+        pending: refused at the next forward instead, it would stay pending,
+        refused again by every forward and flush. The optimizer's full check
+        costs as much as the update, so it runs, as the optimizer's own does,
+        when the group's state slots or parameters with a gradient differ from
+        the last step checked; otherwise only the hyper-parameters are."""
+        engine = self.optimizer
+        group = self._group_of[id(params[0])]
+        settings = self._settings[id(group)]
+        engine._hparams(settings)
+        slots = engine._state_slots(settings)
+        checked = (slots, tuple(map(id, params)))
+        if self._checked.get(id(group)) != checked:
+            engine._check_step(settings, params, None, slots)
+            self._checked[id(group)] = checked
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._sync()  # eager zeroes the params of the groups as they are now
