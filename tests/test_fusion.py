@@ -2134,6 +2134,37 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     _assert_same_training(got, ref)
 
 
+def _reset_optimizer_state(how: str) -> Callable:
+    def reset(model: nn.Module, opt) -> None:
+        if how == "rebind":
+            opt.state = collections.defaultdict(dict)
+        elif how == "clear":
+            opt.state.clear()
+        elif how == "del":
+            del opt.state[model[4].weight]
+        else:
+            opt.state[model[2].weight] = {}
+    return reset
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("how", ["rebind", "clear", "del", "replace"])
+def test_forward_mode_optimizer_state_reset_after_step(how: str, impl: str) -> None:
+    """The optimizer's state reset right after step() (a warm restart, a layer
+    re-initialised): eager step() updated the old state first, so the pending
+    updates must run on it, not create fresh state that makes the restart's
+    first step its second. The first layer's first step is that one: its
+    state, created by the pending update, is kept unless the reset emptied
+    or replaced the whole state, as eager's."""
+    def make_opt(cls):
+        return lambda model: cls(_freeze_first_layer(model).parameters(), lr=0.01)
+
+    kw = dict(events={3: _unfreeze_first_layer_at_3}, after_step={3: _reset_optimizer_state(how)})
+    got = _mlp_loop("forward", make_opt(rp.Adam if impl == "reprop" else torch.optim.Adam), 6, **kw)
+    ref = _mlp_loop(None, make_opt(rp.Adam), 6, **kw)
+    _assert_same_training(got, ref)
+
+
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
     fused and called, while the checkpoint is taken of its .module."""

@@ -67,7 +67,9 @@ exactly what the eager loop computes.
 """
 from __future__ import annotations
 
+import collections
 import inspect
+import operator
 import threading
 import types
 import warnings
@@ -1006,6 +1008,8 @@ class _ForwardFusion(FusionHandle):
         # last step() whose update of the group passed the optimizer's full check
         self._checked: dict = {}
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
+        # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
+        self._step_state: tuple | None = None
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
@@ -1092,14 +1096,54 @@ class _ForwardFusion(FusionHandle):
         lock; and when a later group's update is refused, the groups applied
         before it are not pending any more, so the retry after the fix
         updates each parameter once."""
-        for group_params in self._by_group(params):
-            self.optimizer._step_in_groups(group_params, self._group_of, self._settings)
-            for p in group_params:
-                del self._pending[id(p)]
-                if id(p) in self._zero:
-                    _zero_grad_of(p, self._zero.pop(id(p)))
+        engine = self.optimizer
+        of_step = self._state_if_edited_since_step()
+        if of_step is not None:  # eager step() applied every update before the edit
+            params = list(self._pending.values())
+            users, engine.state = engine.state, of_step
+        try:
+            for group_params in self._by_group(params):
+                engine._step_in_groups(group_params, self._group_of, self._settings)
+                for p in group_params:
+                    del self._pending[id(p)]
+                    if id(p) in self._zero:
+                        _zero_grad_of(p, self._zero.pop(id(p)))
+        finally:
+            if of_step is not None:
+                engine.state = users
+                self._keep_state_created(of_step)
         if not self._pending:
             self._settings = {}
+            self._step_state = None
+
+    def _state_if_edited_since_step(self) -> dict | None:
+        """At the first update since step(): None when the optimizer's state
+        holds what it held at step() (one pass of identity checks per step;
+        later updates of the step skip it). Otherwise the user cleared or
+        rebound it, or deleted or replaced a parameter's entry (a warm
+        restart): eager step() updated those entries before, so the updates
+        run on them (a state of the entries of step()), and the state stays
+        as the user made it."""
+        if self._step_state is None:
+            return None
+        then, entries = self._step_state
+        now = self.optimizer.state
+        if now is then and len(now) == len(entries) and all(
+                map(operator.is_, now.values(), entries.values())):
+            self._step_state = None
+            return None
+        return collections.defaultdict(dict, entries)
+
+    def _keep_state_created(self, of_step: dict) -> None:
+        """The entries that updates on `of_step` created (a parameter's first
+        step): eager step() created them in the state before the user's edit,
+        which kept them unless it emptied or rebound the whole state."""
+        then, entries = self._step_state
+        now = self.optimizer.state
+        if now is then and now:
+            for p, st in of_step.items():
+                if p not in entries:
+                    now.setdefault(p, st)
 
     def _by_group(self, params: list) -> Iterable[list]:
         """`params` split by the group their update was decided in, in order."""
@@ -1161,9 +1205,18 @@ class _ForwardFusion(FusionHandle):
                 self._check_update(group_params)
                 self._pending.update((id(p), p) for p in group_params)
         finally:  # a refused group: eager step() has updated the groups before it
-            foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
-            if foreign:
-                self._apply(foreign)
+            self._decided(with_grad)
+
+    def _decided(self, with_grad: list) -> None:
+        """Once step() has marked its updates pending: those of parameters no
+        module owns are applied now, and the optimizer state the others will
+        update is noted (_state_if_edited_since_step): a shallow copy, in C."""
+        foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
+        if foreign:
+            self._apply(foreign)
+        if self._pending:
+            state = self.optimizer.state
+            self._step_state = (state, dict(state))
 
     def _check_update(self, params: list) -> None:
         """Raises what eager step() raises for the update of these params of one
