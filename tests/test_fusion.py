@@ -1458,6 +1458,36 @@ def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> 
         _assert_tensor_dicts(opt.state[p], ref_opt.state[r], n, None)
 
 
+def _penalty_between_step_and_forward(mode: str | None) -> tuple:
+    """A weight penalty backpropagated after step() and zero_grad(), before the
+    next forward: forward mode refuses it (the weight's update is pending),
+    and the user does what the error says: flush(), then the backward again."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(3):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
+                model[0].weight.square().sum().backward()
+            handle.flush()
+        model[0].weight.square().sum().backward()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_refuses_a_stale_use_before_its_gradient_reaches_grad() -> None:
+    """The safety net for a parameter used while its update is pending raises
+    before the gradient is summed into .grad: after the hook raised, the
+    pending update read .grad with the penalty's gradient in it."""
+    _assert_same_training(_penalty_between_step_and_forward("forward"),
+                          _penalty_between_step_and_forward(None))
+
+
 def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     torch.manual_seed(0)
     model = TwoUse(detach=True)

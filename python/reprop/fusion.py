@@ -68,6 +68,7 @@ exactly what the eager loop computes.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import operator
 import threading
@@ -349,12 +350,30 @@ def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.Removabl
     weakly (the model's forward hooks and the optimizer's patched step()
     keep it alive while either is): a model, optimizer and handle dropped
     without remove() are freed."""
-    hook = _tensors.weak_hook(method)
+    return _registered_even_if_frozen(p, p.register_post_accumulate_grad_hook,
+                                      _tensors.weak_hook(method))
+
+
+def _register_grad_coming(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
+    """p.register_hook for the handle's bound `method`, called with id(p) and
+    the gradient before it reaches p.grad (a leaf's tensor hooks run before
+    its AccumulateGrad), so a hook that raises leaves .grad as it was. Weak
+    and also for a frozen p, as _register_grad_ready; torch.save(model)
+    leaves it out without warning, as torch.save leaves out all tensor hooks."""
+    hook = functools.partial(_tensors.weak_hook(method), id(p))
+    hook.__torch_unserializable__ = True  # what torch.utils.hooks.unserializable_hook sets
+    return _registered_even_if_frozen(p, p.register_hook, hook)
+
+
+def _registered_even_if_frozen(p: torch.Tensor, register, hook):
+    """register(hook) for one of p's hook registries, also when p is frozen:
+    torch refuses to register on a tensor that does not require grad, and
+    the hook then fires once p is unfrozen."""
     if p.requires_grad:
-        return p.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     p.requires_grad_(True)
     try:
-        return p.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     finally:
         p.requires_grad_(False)
 
@@ -1044,8 +1063,9 @@ class _ForwardFusion(FusionHandle):
         self._foreign = {i for i in self._params if i not in owned}
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
+        # Refused before it is summed into .grad, which the pending update reads.
         for p in new:
-            self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
+            self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
         # Each param's group as of this sync, which every step() makes: the group
         # its pending update was decided in (_before_regroup keeps it so).
         self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
@@ -1184,8 +1204,9 @@ class _ForwardFusion(FusionHandle):
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if id(p) in self._pending:
+    def _on_grad_coming(self, pid: int, grad: torch.Tensor) -> None:
+        p = self._pending.get(pid)
+        if p is not None:
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
                 "forward while its update was still pending (it is read outside the forward of "
