@@ -2588,7 +2588,7 @@ def _pause_first_update(monkeypatch, opt, handle) -> threading.Event:
     another thread either waits for it (for the handle's lock) or starts an
     update of its own; returns the event set when it has begun."""
     begun, other = threading.Event(), threading.Event()
-    step_in_groups = opt._step_in_groups
+    update = opt._update  # (of one group: forward mode applies them one by one)
 
     def paused(*args, **kwargs):
         if not begun.is_set():
@@ -2596,9 +2596,9 @@ def _pause_first_update(monkeypatch, opt, handle) -> threading.Event:
             assert other.wait(_WAIT), "the other thread neither waited nor updated"
         else:
             other.set()
-        return step_in_groups(*args, **kwargs)
+        return update(*args, **kwargs)
 
-    monkeypatch.setattr(opt, "_step_in_groups", paused)
+    monkeypatch.setattr(opt, "_update", paused)
     monkeypatch.setattr(handle, "_lock", _WatchedLock(other))
     return begun
 

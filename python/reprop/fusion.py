@@ -1122,8 +1122,9 @@ class _ForwardFusion(FusionHandle):
             params = list(self._pending.values())
             users, engine.state = engine.state, of_step
         try:
-            for group_params in self._by_group(params):
-                engine._step_in_groups(group_params, self._group_of, self._settings)
+            for group, group_params in self._by_group(params):
+                with torch.no_grad():
+                    engine._update(group, group_params, self._settings.get(id(group)))
                 for p in group_params:
                     del self._pending[id(p)]
                     if id(p) in self._zero:
@@ -1165,11 +1166,13 @@ class _ForwardFusion(FusionHandle):
                 if p not in entries:
                     now.setdefault(p, st)
 
-    def _by_group(self, params: list) -> Iterable[list]:
-        """`params` split by the group their update was decided in, in order."""
+    def _by_group(self, params: list) -> Iterable[tuple]:
+        """(group, its params) for these pending params, each in the group its
+        update was decided in, the groups in the order of their first param."""
         groups: dict = {}
-        for p in params:  # (one the optimizer does not hold: _step_in_groups refuses it)
-            groups.setdefault(id(self._group_of.get(id(p))), []).append(p)
+        for p in params:
+            group = self._group_of[id(p)]
+            groups.setdefault(id(group), (group, []))[1].append(p)
         return groups.values()
 
     def _on_module_forward(self, module, args) -> None:
@@ -1217,14 +1220,17 @@ class _ForwardFusion(FusionHandle):
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
         self._sync()
-        with_grad = [p for p in self._params.values() if p.grad is not None]
+        by_group = [(g, [p for p in g["params"] if p.grad is not None])
+                    for g in self.optimizer.param_groups]
+        with_grad = [p for _, params in by_group for p in params]
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
         try:
-            for group_params in self._by_group(with_grad):
-                self._check_update(group_params)
-                self._pending.update((id(p), p) for p in group_params)
+            for group, params in by_group:
+                if params:
+                    self._check_update(group, params)
+                    self._pending.update((id(p), p) for p in params)
         finally:  # a refused group: eager step() has updated the groups before it
             self._decided(with_grad)
 
@@ -1239,7 +1245,7 @@ class _ForwardFusion(FusionHandle):
             state = self.optimizer.state
             self._step_state = (state, dict(state))
 
-    def _check_update(self, params: list) -> None:
+    def _check_update(self, group: dict, params: list) -> None:
         """Raises what eager step() raises for the update of these params of one
         group (a bad lr, an option switched on after the first step whose state
         that step did not create, a sparse gradient), before it is marked
@@ -1249,7 +1255,6 @@ class _ForwardFusion(FusionHandle):
         when the group's state slots or parameters with a gradient differ from
         the last step checked; otherwise only the hyper-parameters are."""
         engine = self.optimizer
-        group = self._group_of[id(params[0])]
         settings = self._settings[id(group)]
         engine._hparams(settings)
         slots = engine._state_slots(settings)
