@@ -2442,6 +2442,76 @@ def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
+class _Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def _parametrized_mlp() -> nn.Module:
+    """_mlp() with its first weight doubled by a parametrization and no first
+    bias: the first layer owns no parameter of its own until the weight comes back."""
+    model = _mlp()
+    model[0].bias = None
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Doubled())
+    return model
+
+
+PARAMETRIZE = {
+    # (the model, what happens to its first weight after step 2's zero_grad())
+    "register": (_mlp, lambda m, o: torch.nn.utils.parametrize.register_parametrization(
+        m[0], "weight", _Doubled())),
+    "remove": (_parametrized_mlp, lambda m, o: torch.nn.utils.parametrize.remove_parametrizations(
+        m[0], "weight", leave_parametrized=False)),
+    "remove_leaving_parametrized": (_parametrized_mlp, lambda m, o: (
+        torch.nn.utils.parametrize.remove_parametrizations(m[0], "weight", leave_parametrized=True))),
+}
+
+
+class _LayerByLayer(nn.Module):
+    """Calls the layers of the model it wraps one by one, so that the fused
+    model's own forward never runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.layers = [model]  # (not a submodule)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[0]:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("change, called", [(change, "model") for change in PARAMETRIZE]
+                         + [("register", "layers")])
+def test_forward_mode_parameter_moved_to_another_module(change: str, called: str) -> None:
+    """torch.nn.utils.parametrize moves a fused Parameter into a
+    ParametrizationList (register_parametrization) or back into its layer
+    (remove_parametrizations) after fuse(): its new owner had no forward
+    hooks, so its updates were applied after the forwards that used it, one
+    step behind from then on. Layers called one by one: the layer's own hook
+    finds the new owner (a layer without fused parameters of its own before
+    has none; a stale use of its weight then raises in backward)."""
+    make_model, change_at_2 = PARAMETRIZE[change]
+
+    def run(mode):
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        call = model if called == "model" else _LayerByLayer(model)
+        for i in range(5):
+            x, y = _mlp_batch(i)
+            F.mse_loss(call(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                change_at_2(model, opt)
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    _assert_same_training(run("forward"), run(None))
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step

@@ -413,7 +413,9 @@ class FusionHandle:
         self._removed = False
         self._params = _all_params(engine)
         self._membership = _membership(engine)
-        self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
+        # id -> module given this fusion's forward hooks (weakly: the id of one
+        # freed may be a new owner's, the next ParametrizationList's)
+        self._hooked_modules: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._saved: dict = {}  # the optimizer's instance attributes fusion overrides
         # Held while the fusion's bookkeeping changes and while it updates:
         # other threads call in too (an async checkpoint's state_dict()
@@ -506,9 +508,13 @@ class FusionHandle:
         """Modules of the model that own fused parameters and have no forward
         hooks of this fusion yet (from now on they count as hooked)."""
         fresh = [m for m in self.model.modules()
-                 if id(m) not in self._hooked_modules and _direct_params(m, self._params)]
-        self._hooked_modules.update(map(id, fresh))
+                 if not self._hooks_on(m) and _direct_params(m, self._params)]
+        self._hooked_modules.update((id(m), m) for m in fresh)
         return fresh
+
+    def _hooks_on(self, module: nn.Module) -> bool:
+        """Whether `module` has this fusion's forward hooks."""
+        return self._hooked_modules.get(id(module)) is module
 
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
@@ -1033,6 +1039,17 @@ class _ForwardFusion(FusionHandle):
         self._owned: list = []  # (module, its own parameters)
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
         self._covered: "weakref.WeakSet" = weakref.WeakSet()
+        # Set when a fused parameter is registered in a module without this
+        # fusion's forward hooks (torch.nn.utils.parametrize moves the Parameter
+        # into a ParametrizationList and back; a weight tied after fuse()): the
+        # owners change, which the global registration hook tells at no cost
+        # per forward. Weakly held: it is global. A handle dropped without
+        # remove() has it removed when freed.
+        self._owners_moved = False
+        registered = nn.modules.module.register_module_parameter_registration_hook(
+            _tensors.weak_hook(self._on_param_registered))
+        self._hooks.append(registered)
+        weakref.finalize(self, registered.remove)
         self._track(list(self._params.values()))
         # prepended: pre-hooks registered before fuse() that compute a weight from
         # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
@@ -1042,6 +1059,20 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
 
     def _track(self, new: list) -> None:
+        self._hook_owners()
+        # Safety net: a gradient arriving for a still-pending parameter means its
+        # stale value was used in forward (read outside its module's forward).
+        # Refused before it is summed into .grad, which the pending update reads.
+        for p in new:
+            self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
+        # Each param's group as of this sync, which every step() makes: the group
+        # its pending update was decided in (_before_regroup keeps it so).
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _hook_owners(self) -> None:
+        """Follows which modules own the fused parameters: a pending update is
+        applied before its owner's forward, so each owner needs the hooks."""
+        self._owners_moved = False
         self._owned = [(m, own) for m in self.model.modules()
                        if (own := _direct_params(m, self._params))]
         owned = {id(p) for _, own in self._owned for p in own}
@@ -1061,14 +1092,23 @@ class _ForwardFusion(FusionHandle):
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
         self._foreign = {i for i in self._params if i not in owned}
-        # Safety net: a gradient arriving for a still-pending parameter means its
-        # stale value was used in forward (read outside its module's forward).
-        # Refused before it is summed into .grad, which the pending update reads.
-        for p in new:
-            self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
-        # Each param's group as of this sync, which every step() makes: the group
-        # its pending update was decided in (_before_regroup keeps it so).
-        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
+        if param is not None and id(param) in self._params and not self._hooks_on(module):
+            self._owners_moved = True
+
+    def _follow_owners(self) -> None:
+        """Hooks the new owners of fused parameters registered in other modules
+        since the last look (under the lock). Without their hooks a pending
+        update waited for a module that no longer owns the parameter, and the
+        forward used it one update behind, in every step from then on."""
+        if self._owners_moved:
+            self._hook_owners()
+
+    def _sync(self) -> list:
+        new = super()._sync()
+        self._follow_owners()
+        return new
 
     def _covering_to_hook(self) -> list:
         """Modules of the model with a fused parameter at or below them (the
@@ -1181,6 +1221,7 @@ class _ForwardFusion(FusionHandle):
         self._seen_running.add(id(module))
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
+                self._follow_owners()  # (layers called one by one: no root forward)
                 mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
                 if mine:
                     self._apply(mine)
