@@ -34,8 +34,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   pickling the optimizer (``torch.save(optimizer)``,
   ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
   are exact. Code that reads or writes a parameter directly between
-  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
-  sees the value before the update and must call ``handle.flush()`` first.
+  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights),
+  or the optimizer's state tensors, sees the value before the update and
+  must call ``handle.flush()`` first; a reset of the optimizer's state
+  (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
+  refuses, before marking anything pending.
 
 Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
 before the updates are marked pending; a registered post-hook makes step()
