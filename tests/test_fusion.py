@@ -1560,6 +1560,36 @@ def test_weight_used_twice_updated_once_after_all_uses(name: str, mode: str) -> 
         _assert_tensor_dicts(opt.state[p], ref_opt.state[r], n, None)
 
 
+def _penalty_between_step_and_forward(mode: str | None) -> tuple:
+    """A weight penalty backpropagated after step() and zero_grad(), before the
+    next forward: forward mode refuses it (the weight's update is pending),
+    and the user does what the error says: flush(), then the backward again."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(3):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
+                model[0].weight.square().sum().backward()
+            handle.flush()
+        model[0].weight.square().sum().backward()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_refuses_a_stale_use_before_its_gradient_reaches_grad() -> None:
+    """The safety net for a parameter used while its update is pending raises
+    before the gradient is summed into .grad: after the hook raised, the
+    pending update read .grad with the penalty's gradient in it."""
+    _assert_same_training(_penalty_between_step_and_forward("forward"),
+                          _penalty_between_step_and_forward(None))
+
+
 def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     torch.manual_seed(0)
     model = TwoUse(detach=True)
@@ -1968,6 +1998,100 @@ def test_groups_changed_right_after_step_match_eager(mode: str, change: str, imp
         assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
 
 
+def _head_apart(model: nn.Module):
+    """SGD with momentum, the last layer in a second group."""
+    return rp.SGD([{"params": model[:4].parameters()}, {"params": model[4].parameters()}],
+                  lr=0.1, momentum=0.9)
+
+
+def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once() -> None:
+    """flush() applies the pending updates group by group. When the second
+    group's update is refused (its gradient made sparse after step()), the
+    first group's has been applied: it must not stay pending, or the flush
+    after the fix updates those parameters a second time."""
+    ref = _mlp_loop(None, _head_apart, 3)
+    model = _mlp()
+    opt = _head_apart(model)
+    handle = reprop.fuse(model, opt, mode="forward")
+    for i in range(3):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        if i == 2:
+            head = model[4].weight
+            head.grad = head.grad.to_sparse()
+            with pytest.raises(RuntimeError, match="sparse"):
+                handle.flush()
+            head.grad = head.grad.to_dense()
+        opt.zero_grad()
+    handle.remove()
+    _assert_same_training((model, opt), ref)
+
+
+def _amsgrad_switched_on_at_2(mode: str | None) -> tuple:
+    """Adam in two groups; before step 2 the user switches amsgrad on in the
+    second group (its state has no max_exp_avg_sq), step() raises, and the
+    user switches it off again and trains on."""
+    model = _mlp()
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(5):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        if i == 2:
+            opt.param_groups[1]["amsgrad"] = True
+            with pytest.raises(KeyError, match="max_exp_avg_sq"):
+                opt.step()
+            opt.param_groups[1]["amsgrad"] = False
+        else:
+            opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_step_raises_what_eager_step_raises() -> None:
+    """An update the optimizer refuses is refused by step(), as in eager
+    training (which updates the groups before the refused one): marked
+    pending, it was refused by every later forward, flush(), state_dict()
+    and remove(), also once the user had undone the change, for good."""
+    _assert_same_training(_amsgrad_switched_on_at_2("forward"), _amsgrad_switched_on_at_2(None))
+
+
+def test_forward_mode_step_refuses_a_sparse_gradient() -> None:
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = rp.SGD(emb.parameters(), lr=0.1)
+    handle = reprop.fuse(emb, opt, mode="forward")
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse tensors are not supported"):
+        opt.step()
+    emb.sparse = False
+    opt.zero_grad()
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    handle.remove()
+    assert emb.weight.grad is not None and emb.state_dict()
+
+
+def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> None:
+    """remove() applies the pending updates first; one refused there (its
+    gradient made sparse after step()) raises, but after the fusion is gone:
+    it stayed installed, so it could never be removed."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    before = hook_snapshot(model, opt)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    model[4].weight.grad = model[4].weight.grad.to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        handle.remove()
+    assert_no_fusion_left(model, opt, before)
+    handle.remove()  # done already: a no-op
+
+
 def _two_groups(model: nn.Module):
     return rp.SGD([{"params": list(model[0].parameters()), "lr": 0.01},
                    {"params": list(model[2:].parameters()), "lr": 0.05}], lr=0.01, momentum=0.9)
@@ -2137,6 +2261,37 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     events = {1: AFTER_STEP[change], 3: AFTER_STEP[change], 5: AFTER_STEP[change]}
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
+    _assert_same_training(got, ref)
+
+
+def _reset_optimizer_state(how: str) -> Callable:
+    def reset(model: nn.Module, opt) -> None:
+        if how == "rebind":
+            opt.state = collections.defaultdict(dict)
+        elif how == "clear":
+            opt.state.clear()
+        elif how == "del":
+            del opt.state[model[4].weight]
+        else:
+            opt.state[model[2].weight] = {}
+    return reset
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("how", ["rebind", "clear", "del", "replace"])
+def test_forward_mode_optimizer_state_reset_after_step(how: str, impl: str) -> None:
+    """The optimizer's state reset right after step() (a warm restart, a layer
+    re-initialised): eager step() updated the old state first, so the pending
+    updates must run on it, not create fresh state that makes the restart's
+    first step its second. The first layer's first step is that one: its
+    state, created by the pending update, is kept unless the reset emptied
+    or replaced the whole state, as eager's."""
+    def make_opt(cls):
+        return lambda model: cls(_freeze_first_layer(model).parameters(), lr=0.01)
+
+    kw = dict(events={3: _unfreeze_first_layer_at_3}, after_step={3: _reset_optimizer_state(how)})
+    got = _mlp_loop("forward", make_opt(rp.Adam if impl == "reprop" else torch.optim.Adam), 6, **kw)
+    ref = _mlp_loop(None, make_opt(rp.Adam), 6, **kw)
     _assert_same_training(got, ref)
 
 
@@ -2387,6 +2542,76 @@ def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
+class _Doubled(nn.Module):
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return 2 * w
+
+
+def _parametrized_mlp() -> nn.Module:
+    """_mlp() with its first weight doubled by a parametrization and no first
+    bias: the first layer owns no parameter of its own until the weight comes back."""
+    model = _mlp()
+    model[0].bias = None
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Doubled())
+    return model
+
+
+PARAMETRIZE = {
+    # (the model, what happens to its first weight after step 2's zero_grad())
+    "register": (_mlp, lambda m, o: torch.nn.utils.parametrize.register_parametrization(
+        m[0], "weight", _Doubled())),
+    "remove": (_parametrized_mlp, lambda m, o: torch.nn.utils.parametrize.remove_parametrizations(
+        m[0], "weight", leave_parametrized=False)),
+    "remove_leaving_parametrized": (_parametrized_mlp, lambda m, o: (
+        torch.nn.utils.parametrize.remove_parametrizations(m[0], "weight", leave_parametrized=True))),
+}
+
+
+class _LayerByLayer(nn.Module):
+    """Calls the layers of the model it wraps one by one, so that the fused
+    model's own forward never runs."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.layers = [model]  # (not a submodule)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[0]:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("change, called", [(change, "model") for change in PARAMETRIZE]
+                         + [("register", "layers")])
+def test_forward_mode_parameter_moved_to_another_module(change: str, called: str) -> None:
+    """torch.nn.utils.parametrize moves a fused Parameter into a
+    ParametrizationList (register_parametrization) or back into its layer
+    (remove_parametrizations) after fuse(): its new owner had no forward
+    hooks, so its updates were applied after the forwards that used it, one
+    step behind from then on. Layers called one by one: the layer's own hook
+    finds the new owner (a layer without fused parameters of its own before
+    has none; a stale use of its weight then raises in backward)."""
+    make_model, change_at_2 = PARAMETRIZE[change]
+
+    def run(mode):
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        call = model if called == "model" else _LayerByLayer(model)
+        for i in range(5):
+            x, y = _mlp_batch(i)
+            F.mse_loss(call(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                change_at_2(model, opt)
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    _assert_same_training(run("forward"), run(None))
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step
@@ -2633,7 +2858,7 @@ def _pause_first_update(monkeypatch, opt, handle) -> threading.Event:
     another thread either waits for it (for the handle's lock) or starts an
     update of its own; returns the event set when it has begun."""
     begun, other = threading.Event(), threading.Event()
-    step_in_groups = opt._step_in_groups
+    update = opt._update  # (of one group: forward mode applies them one by one)
 
     def paused(*args, **kwargs):
         if not begun.is_set():
@@ -2641,9 +2866,9 @@ def _pause_first_update(monkeypatch, opt, handle) -> threading.Event:
             assert other.wait(_WAIT), "the other thread neither waited nor updated"
         else:
             other.set()
-        return step_in_groups(*args, **kwargs)
+        return update(*args, **kwargs)
 
-    monkeypatch.setattr(opt, "_step_in_groups", paused)
+    monkeypatch.setattr(opt, "_update", paused)
     monkeypatch.setattr(handle, "_lock", _WatchedLock(other))
     return begun
 

@@ -37,8 +37,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   pickling the optimizer (``torch.save(optimizer)``,
   ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
   are exact. Code that reads or writes a parameter directly between
-  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights)
-  sees the value before the update and must call ``handle.flush()`` first.
+  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights),
+  or the optimizer's state tensors, sees the value before the update and
+  must call ``handle.flush()`` first; a reset of the optimizer's state
+  (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
+  refuses, before marking anything pending.
 
 Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
 before the updates are marked pending; a registered post-hook makes step()
@@ -70,7 +73,10 @@ exactly what the eager loop computes.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import inspect
+import operator
 import threading
 import types
 import warnings
@@ -354,12 +360,30 @@ def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.Removabl
     weakly (the model's forward hooks and the optimizer's patched step()
     keep it alive while either is): a model, optimizer and handle dropped
     without remove() are freed."""
-    hook = _tensors.weak_hook(method)
+    return _registered_even_if_frozen(p, p.register_post_accumulate_grad_hook,
+                                      _tensors.weak_hook(method))
+
+
+def _register_grad_coming(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
+    """p.register_hook for the handle's bound `method`, called with id(p) and
+    the gradient before it reaches p.grad (a leaf's tensor hooks run before
+    its AccumulateGrad), so a hook that raises leaves .grad as it was. Weak
+    and also for a frozen p, as _register_grad_ready; torch.save(model)
+    leaves it out without warning, as torch.save leaves out all tensor hooks."""
+    hook = functools.partial(_tensors.weak_hook(method), id(p))
+    hook.__torch_unserializable__ = True  # what torch.utils.hooks.unserializable_hook sets
+    return _registered_even_if_frozen(p, p.register_hook, hook)
+
+
+def _registered_even_if_frozen(p: torch.Tensor, register, hook):
+    """register(hook) for one of p's hook registries, also when p is frozen:
+    torch refuses to register on a tensor that does not require grad, and
+    the hook then fires once p is unfrozen."""
     if p.requires_grad:
-        return p.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     p.requires_grad_(True)
     try:
-        return p.register_post_accumulate_grad_hook(hook)
+        return register(hook)
     finally:
         p.requires_grad_(False)
 
@@ -399,7 +423,9 @@ class FusionHandle:
         self._removed = False
         self._params = _all_params(engine)
         self._membership = _membership(engine)
-        self._hooked_modules: set = set()  # ids of modules given this fusion's forward hooks
+        # id -> module given this fusion's forward hooks (weakly: the id of one
+        # freed may be a new owner's, the next ParametrizationList's)
+        self._hooked_modules: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._saved: dict = {}  # the optimizer's instance attributes fusion overrides
         # Held while the fusion's bookkeeping changes and while it updates:
         # other threads call in too (an async checkpoint's state_dict()
@@ -492,9 +518,13 @@ class FusionHandle:
         """Modules of the model that own fused parameters and have no forward
         hooks of this fusion yet (from now on they count as hooked)."""
         fresh = [m for m in self.model.modules()
-                 if id(m) not in self._hooked_modules and _direct_params(m, self._params)]
-        self._hooked_modules.update(map(id, fresh))
+                 if not self._hooks_on(m) and _direct_params(m, self._params)]
+        self._hooked_modules.update((id(m), m) for m in fresh)
         return fresh
+
+    def _hooks_on(self, module: nn.Module) -> bool:
+        """Whether `module` has this fusion's forward hooks."""
+        return self._hooked_modules.get(id(module)) is module
 
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
@@ -502,12 +532,21 @@ class FusionHandle:
         Safe to call from another thread than training's."""
         with self._lock:
             if not self._removed:
-                self._undo()
-                self._removed = True
+                try:
+                    self._undo()
+                finally:
+                    self._removed = True
 
     def _undo(self) -> None:
-        """What remove() does, under the lock, while the fusion is still on."""
-        self.flush()
+        """What remove() does, under the lock, while the fusion is still on.
+        A refused update (a gradient made sparse after step()) still raises,
+        after the fusion is gone: left installed, it could never be removed."""
+        try:
+            self.flush()
+        finally:
+            self._unhook()
+
+    def _unhook(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
@@ -1054,11 +1093,27 @@ class _ForwardFusion(FusionHandle):
         self._clip = clip_grad_norm
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
+        # id(group) -> (state slots, ids of the params with a gradient) of the
+        # last step() whose update of the group passed the optimizer's full check
+        self._checked: dict = {}
         self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
+        # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
+        self._step_state: tuple | None = None
         self._seen_running: set = set()  # ids of modules observed running forward
         self._owned: list = []  # (module, its own parameters)
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
         self._covered: "weakref.WeakSet" = weakref.WeakSet()
+        # Set when a fused parameter is registered in a module without this
+        # fusion's forward hooks (torch.nn.utils.parametrize moves the Parameter
+        # into a ParametrizationList and back; a weight tied after fuse()): the
+        # owners change, which the global registration hook tells at no cost
+        # per forward. Weakly held: it is global. A handle dropped without
+        # remove() has it removed when freed.
+        self._owners_moved = False
+        registered = nn.modules.module.register_module_parameter_registration_hook(
+            _tensors.weak_hook(self._on_param_registered))
+        self._hooks.append(registered)
+        weakref.finalize(self, registered.remove)
         self._track(list(self._params.values()))
         # prepended: pre-hooks registered before fuse() that compute a weight from
         # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
@@ -1068,6 +1123,20 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
 
     def _track(self, new: list) -> None:
+        self._hook_owners()
+        # Safety net: a gradient arriving for a still-pending parameter means its
+        # stale value was used in forward (read outside its module's forward).
+        # Refused before it is summed into .grad, which the pending update reads.
+        for p in new:
+            self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
+        # Each param's group as of this sync, which every step() makes: the group
+        # its pending update was decided in (_before_regroup keeps it so).
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _hook_owners(self) -> None:
+        """Follows which modules own the fused parameters: a pending update is
+        applied before its owner's forward, so each owner needs the hooks."""
+        self._owners_moved = False
         self._owned = [(m, own) for m in self.model.modules()
                        if (own := _direct_params(m, self._params))]
         owned = {id(p) for _, own in self._owned for p in own}
@@ -1087,13 +1156,23 @@ class _ForwardFusion(FusionHandle):
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
         self._foreign = {i for i in self._params if i not in owned}
-        # Safety net: a gradient arriving for a still-pending parameter means its
-        # stale value was used in forward (read outside its module's forward).
-        for p in new:
-            self._hooks.append(_register_grad_ready(p, self._on_grad_ready))
-        # Each param's group as of this sync, which every step() makes: the group
-        # its pending update was decided in (_before_regroup keeps it so).
-        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
+        if param is not None and id(param) in self._params and not self._hooks_on(module):
+            self._owners_moved = True
+
+    def _follow_owners(self) -> None:
+        """Hooks the new owners of fused parameters registered in other modules
+        since the last look (under the lock). Without their hooks a pending
+        update waited for a module that no longer owns the parameter, and the
+        forward used it one update behind, in every step from then on."""
+        if self._owners_moved:
+            self._hook_owners()
+
+    def _sync(self) -> list:
+        new = super()._sync()
+        self._follow_owners()
+        return new
 
     def _covering_to_hook(self) -> list:
         """Modules of the model with a fused parameter at or below them (the
@@ -1117,8 +1196,8 @@ class _ForwardFusion(FusionHandle):
         opt = self._user_optimizer
         return type(opt).__getstate__(opt)
 
-    def _undo(self) -> None:
-        super()._undo()
+    def _unhook(self) -> None:
+        super()._unhook()
         for module in list(self._covered):
             _stop_flushing_before_apply(module, self)
 
@@ -1135,16 +1214,70 @@ class _ForwardFusion(FusionHandle):
         self.flush()
 
     def _apply(self, params: list) -> None:
-        """Applies these pending updates (under the lock). They leave _pending
-        only once applied: a module pre-hook finding nothing of its own there
-        knows its parameters are current, without taking the lock."""
-        self.optimizer._step_in_groups(params, self._group_of, self._settings)
-        for p in params:
-            del self._pending[id(p)]
-            if id(p) in self._zero:
-                _zero_grad_of(p, self._zero.pop(id(p)))
+        """Applies these pending updates (under the lock), group by group. They
+        leave _pending only once applied: a module pre-hook finding nothing of
+        its own there knows its parameters are current, without taking the
+        lock; and when a later group's update is refused, the groups applied
+        before it are not pending any more, so the retry after the fix
+        updates each parameter once."""
+        engine = self.optimizer
+        of_step = self._state_if_edited_since_step()
+        if of_step is not None:  # eager step() applied every update before the edit
+            params = list(self._pending.values())
+            users, engine.state = engine.state, of_step
+        try:
+            for group, group_params in self._by_group(params):
+                with torch.no_grad():
+                    engine._update(group, group_params, self._settings.get(id(group)))
+                for p in group_params:
+                    del self._pending[id(p)]
+                    if id(p) in self._zero:
+                        _zero_grad_of(p, self._zero.pop(id(p)))
+        finally:
+            if of_step is not None:
+                engine.state = users
+                self._keep_state_created(of_step)
         if not self._pending:
             self._settings = {}
+            self._step_state = None
+
+    def _state_if_edited_since_step(self) -> dict | None:
+        """At the first update since step(): None when the optimizer's state
+        holds what it held at step() (one pass of identity checks per step;
+        later updates of the step skip it). Otherwise the user cleared or
+        rebound it, or deleted or replaced a parameter's entry (a warm
+        restart): eager step() updated those entries before, so the updates
+        run on them (a state of the entries of step()), and the state stays
+        as the user made it."""
+        if self._step_state is None:
+            return None
+        then, entries = self._step_state
+        now = self.optimizer.state
+        if now is then and len(now) == len(entries) and all(
+                map(operator.is_, now.values(), entries.values())):
+            self._step_state = None
+            return None
+        return collections.defaultdict(dict, entries)
+
+    def _keep_state_created(self, of_step: dict) -> None:
+        """The entries that updates on `of_step` created (a parameter's first
+        step): eager step() created them in the state before the user's edit,
+        which kept them unless it emptied or rebound the whole state."""
+        then, entries = self._step_state
+        now = self.optimizer.state
+        if now is then and now:
+            for p, st in of_step.items():
+                if p not in entries:
+                    now.setdefault(p, st)
+
+    def _by_group(self, params: list) -> Iterable[tuple]:
+        """(group, its params) for these pending params, each in the group its
+        update was decided in, the groups in the order of their first param."""
+        groups: dict = {}
+        for p in params:
+            group = self._group_of[id(p)]
+            groups.setdefault(id(group), (group, []))[1].append(p)
+        return groups.values()
 
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1152,6 +1285,7 @@ class _ForwardFusion(FusionHandle):
         self._seen_running.add(id(module))
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
+                self._follow_owners()  # (layers called one by one: no root forward)
                 mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
                 if mine:
                     self._apply(mine)
@@ -1178,8 +1312,9 @@ class _ForwardFusion(FusionHandle):
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if id(p) in self._pending:
+    def _on_grad_coming(self, pid: int, grad: torch.Tensor) -> None:
+        p = self._pending.get(pid)
+        if p is not None:
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
                 "forward while its update was still pending (it is read outside the forward of "
@@ -1190,15 +1325,48 @@ class _ForwardFusion(FusionHandle):
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
         self._sync()
-        with_grad = [p for p in self._params.values() if p.grad is not None]
+        by_group = [(g, [p for p in g["params"] if p.grad is not None])
+                    for g in self.optimizer.param_groups]
+        with_grad = [p for _, params in by_group for p in params]
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
-        for p in with_grad:
-            self._pending[id(p)] = p
-        foreign = [p for p in with_grad if id(p) in self._foreign]
+        try:
+            for group, params in by_group:
+                if params:
+                    self._check_update(group, params)
+                    self._pending.update((id(p), p) for p in params)
+        finally:  # a refused group: eager step() has updated the groups before it
+            self._decided(with_grad)
+
+    def _decided(self, with_grad: list) -> None:
+        """Once step() has marked its updates pending: those of parameters no
+        module owns are applied now, and the optimizer state the others will
+        update is noted (_state_if_edited_since_step): a shallow copy, in C."""
+        foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
         if foreign:
             self._apply(foreign)
+        if self._pending:
+            state = self.optimizer.state
+            self._step_state = (state, dict(state))
+
+    def _check_update(self, group: dict, params: list) -> None:
+        """Raises what eager step() raises for the update of these params of one
+        group (a bad lr, an option switched on after the first step whose state
+        that step did not create, a sparse gradient), before it is marked
+        pending: refused at the next forward instead, it would stay pending,
+        refused again by every forward and flush. The optimizer's full check
+        costs as much as the update, so it runs, as the optimizer's own does,
+        when the group's state slots or parameters with a gradient differ from
+        the last step checked; otherwise only the hyper-parameters are."""
+        engine = self.optimizer
+        settings = self._settings[id(group)]
+        engine._hparams(settings)
+        slots = engine._state_slots(settings)
+        checked = (slots, tuple(map(id, params)))
+        if self._checked.get(id(group)) != checked:
+            engine._check_step(settings, params, None, slots)
+            self._checked[id(group)] = checked
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._sync()  # eager zeroes the params of the groups as they are now
