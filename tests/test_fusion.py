@@ -1190,6 +1190,35 @@ def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) 
     t.handle.remove()
 
 
+@pytest.mark.parametrize("second", MODES)
+@pytest.mark.parametrize("first", MODES)
+def test_two_fused_optimizers_sharing_a_parameter_are_refused(first: str, second: str) -> None:
+    """Two optimizers over one parameter, each fused: the first frees (or
+    applies) its gradient before the second sees it, and one of eager's two
+    updates was lost (0.09 off). The second fuse() is refused and installs
+    nothing, and so is a param group added with a parameter the other holds;
+    after remove() it fuses."""
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 2)
+    head = nn.Linear(2, 2)
+    model = nn.Sequential(lin, head)
+    o1 = torch.optim.SGD(lin.parameters(), lr=0.1)
+    o2 = torch.optim.SGD([lin.weight], lr=0.1)
+    h1 = reprop.fuse(model, o1, mode=first)
+    before = hook_snapshot(model, o2)
+    with pytest.raises(ValueError, match=r"^optimizer: a parameter of shape \(2, 4\) is also in"):
+        reprop.fuse(model, o2, mode=second)
+    assert hook_snapshot(model, o2) == before
+    o3 = torch.optim.SGD(head.parameters(), lr=0.1)
+    h3 = reprop.fuse(model, o3, mode=second)  # disjoint: fused
+    o3.add_param_group({"params": [lin.bias]})
+    with pytest.raises(ValueError, match=r"^optimizer: a parameter of shape \(2,\) is also in"):
+        o3.step()
+    h3.remove()
+    h1.remove()
+    reprop.fuse(model, o2, mode=second).remove()
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second
@@ -1488,9 +1517,9 @@ def test_forward_mode_two_optimizers_flush_before_to() -> None:
     for a, b in zip(ref.parameters(), model.parameters()):
         assert b.dtype == torch.float64 and torch.equal(a, b)
     handles[0].remove()
-    assert "_apply" in vars(model)
+    assert "_apply" in vars(model) and "zero_grad" in vars(model)
     handles[1].remove()
-    assert "_apply" not in vars(model)
+    assert "_apply" not in vars(model) and "zero_grad" not in vars(model)
 
 
 # ---------------------------------------------------------------------------
@@ -2249,15 +2278,19 @@ AFTER_STEP = {
     "optimizer.load_state_dict": _load_optimizer_checkpoint,
     "model.to": _convert_model,
     "submodule.to": _convert_submodule,
+    # model.zero_grad() in place of the optimizer's dropped the pending updates' gradients
+    "model.zero_grad": lambda model, opt: model.zero_grad(),
+    "submodule.zero_grad": lambda model, opt: model[2].zero_grad(),
 }
 
 
 @pytest.mark.parametrize("change", list(AFTER_STEP))
 def test_forward_mode_state_changes_after_step_apply_pending_updates_first(change: str) -> None:
     """Loading a checkpoint into the model (or a submodule) or the optimizer,
-    or converting the model (.to), right after step() while the updates are
-    pending: eager applied them before, so they land first, not on top of the
-    loaded or converted values."""
+    converting the model (.to) or zeroing its gradients, right after step()
+    while the updates are pending: eager applied them before, so they land
+    first, not on top of the loaded or converted values, nor without their
+    gradients."""
     events = {1: AFTER_STEP[change], 3: AFTER_STEP[change], 5: AFTER_STEP[change]}
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)

@@ -86,6 +86,7 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _tensors, optim
 
@@ -106,50 +107,62 @@ _MODES = ("backward", "forward")
 # __getstate__), restored by remove().
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
 _MISSING = object()
-# Module -> (its own instance _apply or _MISSING, a WeakSet of the
-# forward-mode fusions of parameters at or below it: one per optimizer), for
-# _flushing_apply. Weak: a value referring to its key would never be freed,
-# and the root's forward hooks keep each fusion alive while it is installed.
-_FLUSH_BEFORE_APPLY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# Module -> (its own instance methods of _FLUSHING's names, or _MISSING, a
+# WeakSet of the forward-mode fusions of parameters at or below it: one per
+# optimizer), for _flushing. Weak: a value referring to its key would never
+# be freed, and the root's forward hooks keep each fusion alive while it is
+# installed.
+_FLUSH_BEFORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # Optimizer (the user's, and the reprop engine of a converted torch one) ->
 # weak reference to the live handle fusing it: a second fusion of it would
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# parameter -> weakly, the live handle whose optimizer holds it
+_PARAM_FUSED_BY = WeakIdKeyDictionary()
 
 
-def _flushing_apply(module: nn.Module, fn, *args, **kwargs):
-    """Module._apply (what .to(), .half(), .cuda() call) that first applies the
-    pending forward-mode updates of `module`'s fusions, installed as an
-    instance method on each module holding fused parameters (a copy of the
-    module has no fusion). A parent's _apply calls its children's, which
-    then find nothing pending."""
-    for handle in list(_FLUSH_BEFORE_APPLY.get(module, (None, ()))[1]):
-        handle.flush()
-    return type(module)._apply(module, fn, *args, **kwargs)
+def _flushing(name: str):
+    """Module.`name` that first applies the pending forward-mode updates of
+    the module's fusions, installed as an instance method on each module
+    holding fused parameters (a copy of the module has no fusion): _apply
+    (what .to(), .half(), .cuda() call: the values converted must be the
+    updated ones) and zero_grad (model.zero_grad() in place of the
+    optimizer's, between step() and the next forward: it dropped the
+    gradients of the pending updates). A nested call finds nothing pending."""
+    def method(module: nn.Module, *args, **kwargs):
+        for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
+            handle.flush()
+        return getattr(type(module), name)(module, *args, **kwargs)
+
+    # Pickling the bound method stores getattr(module, __name__): the class's.
+    method.__name__ = name
+    return method
 
 
-def _flush_before_apply(module: nn.Module, handle: "_ForwardFusion") -> None:
-    if module not in _FLUSH_BEFORE_APPLY:
-        _FLUSH_BEFORE_APPLY[module] = (module.__dict__.get("_apply", _MISSING), weakref.WeakSet())
-        module._apply = types.MethodType(_flushing_apply, module)
-    _FLUSH_BEFORE_APPLY[module][1].add(handle)
+_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad")}
 
 
-def _stop_flushing_before_apply(module: nn.Module, handle: "_ForwardFusion") -> None:
-    saved, handles = _FLUSH_BEFORE_APPLY.get(module, (_MISSING, weakref.WeakSet()))
+def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
+    if module not in _FLUSH_BEFORE:
+        _FLUSH_BEFORE[module] = ({name: module.__dict__.get(name, _MISSING) for name in _FLUSHING},
+                                 weakref.WeakSet())
+        for name, method in _FLUSHING.items():
+            setattr(module, name, types.MethodType(method, module))
+    _FLUSH_BEFORE[module][1].add(handle)
+
+
+def _stop_flushing_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
+    saved, handles = _FLUSH_BEFORE.get(module, ({}, weakref.WeakSet()))
     handles.discard(handle)
-    if handles or module not in _FLUSH_BEFORE_APPLY:
+    if handles or module not in _FLUSH_BEFORE:
         return
-    del _FLUSH_BEFORE_APPLY[module]
-    if saved is _MISSING:
-        module.__dict__.pop("_apply", None)
-    else:
-        module._apply = saved
-
-
-# Pickling the bound method stores getattr(module, __name__): the class's _apply.
-_flushing_apply.__name__ = "_apply"
+    del _FLUSH_BEFORE[module]
+    for name, own in saved.items():
+        if own is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, own)
 
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
@@ -223,6 +236,21 @@ def _check_not_fused(optimizer) -> None:
             f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
             "a second fusion would stack its hooks on the first. Call remove() on that handle "
             "first, or fuse once the module that holds all its parameters")
+
+
+def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandle") -> None:
+    """Refuses a parameter that another live fusion's optimizer holds too:
+    each would free or apply its gradient before the other sees it (eager
+    applies both optimizers' updates; one was lost)."""
+    for p in params:
+        ref = _PARAM_FUSED_BY.get(p)
+        other = ref() if ref is not None else None
+        if other is not None and other is not handle and not other._removed:
+            raise ValueError(
+                f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
+                f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
+                "share a parameter. Call remove() on that handle first, or fuse optimizers with "
+                "disjoint parameters")
 
 
 def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
@@ -422,6 +450,7 @@ class FusionHandle:
         self._warned: set = set()
         self._removed = False
         self._params = _all_params(engine)
+        _check_params_not_fused(self._params.values(), self)
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
         # freed may be a new owner's, the next ParametrizationList's)
@@ -443,6 +472,8 @@ class FusionHandle:
         optimizer, engine = self._user_optimizer, self.optimizer
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
         _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
+        for p in self._params.values():
+            _PARAM_FUSED_BY[p] = weakref.ref(self)
 
         def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
@@ -500,9 +531,12 @@ class FusionHandle:
         for group in engine.param_groups:
             engine._check_group(group)
         engine._forget_plans()
-        self._membership = _membership(engine)
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
+        _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
+        self._membership = _membership(engine)
+        for p in new:
+            _PARAM_FUSED_BY[p] = weakref.ref(self)
         self._params = params
         self._track(new)
         return new
@@ -560,6 +594,10 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
+        for p in self._params.values():
+            ref = _PARAM_FUSED_BY.get(p)
+            if ref is not None and ref() is self:
+                del _PARAM_FUSED_BY[p]
 
     def _step_after_removal(self) -> None:
         """A step() that another thread's remove() overtook (after its
@@ -1144,14 +1182,15 @@ class _ForwardFusion(FusionHandle):
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
         # state_dict() of any module holding fused parameters (the root, ddp.module,
-        # a backbone), its load_state_dict() and its .to()/.half()/.cuda()
-        # (Module._apply): pending updates first, as eager applied them at step(),
-        # so that they are saved, not loaded or converted values updated after.
+        # a backbone), its load_state_dict(), its .to()/.half()/.cuda()
+        # (Module._apply) and its zero_grad(): pending updates first, as eager
+        # applied them at step(), so that they are saved, not loaded or
+        # converted values updated after, and made from the gradients.
         # Each hook of a nested call finds nothing pending: a check per module.
         for module in self._covering_to_hook():
             self._hooks.append(module.register_state_dict_pre_hook(self._on_state_dict))
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
-            _flush_before_apply(module, self)
+            _flush_before_module_calls(module, self)
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
@@ -1199,7 +1238,7 @@ class _ForwardFusion(FusionHandle):
     def _unhook(self) -> None:
         super()._unhook()
         for module in list(self._covered):
-            _stop_flushing_before_apply(module, self)
+            _stop_flushing_before_module_calls(module, self)
 
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
