@@ -1389,6 +1389,36 @@ def test_backward_mode_step_applies_gradients_set_by_hand() -> None:
     _assert_same_training(_grads_set_by_hand(True), _grads_set_by_hand(False))
 
 
+@pytest.mark.parametrize("at", ["before_zero_grad", "before_step"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fusing_in_the_middle_of_eager_training(mode: str, at: str) -> None:
+    """fuse() after eager steps, with the last backward's gradients still in
+    .grad (applied by the eager step before, or not yet): the fused loop
+    goes on as eager's. Backward mode's no-op zero_grad() left them, and the
+    first fused backward added onto them (0.08 off)."""
+    def train(fuse_at: int | None) -> tuple:
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        handle = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(6):
+                if i == fuse_at and at == "before_zero_grad":
+                    handle = reprop.fuse(model, opt, mode=mode)
+                opt.zero_grad()
+                x, y = _mlp_batch(i)
+                F.mse_loss(model(x), y).backward()
+                if i == fuse_at and at == "before_step":
+                    handle = reprop.fuse(model, opt, mode=mode)
+                opt.step()
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    _assert_same_training(train(3), train(None))
+
+
 def test_backward_mode_kept_grads_readable_until_next_training_forward() -> None:
     t = Trainer("cnn", "SGD", "backward", Loop(keep_grads=True)).run(0, 3)
     ref_grads = eager("cnn", "SGD", Loop(record_grads=True), steps=3).grads[-1]
