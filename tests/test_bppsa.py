@@ -292,6 +292,25 @@ def test_scan_out_rejects_overlap_and_bad_layout():
         bppsa.scan(c, w=w, v=v, out=torch.empty(5, 2, 3))
 
 
+def test_scan_out_is_a_write_autograd_sees():
+    """scan(out=) writes through a raw pointer: a tensor saved for backward
+    and overwritten so raises autograd's in-place error, as torch's out=
+    ops do, and allow_mutation_on_saved_tensors() keeps the saved value."""
+    c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
+    leaf = torch.randn(6, 2, 3, requires_grad=True)
+    out = leaf * 1.0
+    loss = (out * out).sum()  # saves out
+    bppsa.scan(c, w=w, v=v, out=out)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    with torch.autograd.graph.allow_mutation_on_saved_tensors():
+        out = leaf * 1.0
+        loss = (out * out).sum()
+        bppsa.scan(c, w=w, v=v, out=out)
+        loss.backward()
+    torch.testing.assert_close(leaf.grad, 2 * leaf.detach(), rtol=0, atol=0)
+
+
 def test_linear_scan_needs_no_workspace():
     assert _C.scan_workspace(1000, 16, 20, 0) == 0
     assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20

@@ -39,7 +39,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
-from ._tensors import (autocast_enabled, check_count, check_strided, hook_owner, torch_only,
+from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided,
+                       dispatch_mode_active, hook_owner, show_coming_writes, torch_only,
                        torch_only_weight)
 from .fusion import FusionHandle
 
@@ -275,6 +276,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     g = torch.empty_like(c) if out is None else out
     if B == 0:
         return g
+    if out is not None and dispatch_mode_active():
+        show_coming_writes([out])  # allow_mutation_on_saved_tensors() clones what it saved
     leaves = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation))
     if device.type == "cpu":  # the C scan itself falls back to the linear scan (reprop.h)
         _run_scan(leaves, c, g, L)
@@ -289,6 +292,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
             _run_scan(leaves, kept, g, 0)
     else:
         raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
+    if out is not None:  # written through a raw pointer: autograd must see the change
+        bump_versions([out])
     return g
 
 
