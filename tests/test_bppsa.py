@@ -728,7 +728,7 @@ def test_module_rejects_bad_input():
         rnn(torch.ones(4, 2, 2, dtype=torch.int64))
     with pytest.raises(ValueError, match="scan: expected one of"):
         bppsa.GRU(2, 3, scan="fastest")
-    with pytest.raises(ValueError, match="levels must be >= 0"):
+    with pytest.raises(ValueError, match=r"^scan: expected an int >= 0, got -1"):
         bppsa.GRU(2, 3, scan=-1)
     with pytest.raises(ValueError, match=r"input: expected 2 features \(input_size\)"):
         rnn(torch.randn(4, 2, 3))
@@ -1219,7 +1219,7 @@ def test_chain_rejects_bad_layers_and_shapes():
     for bad in (-1, True, 2 ** 31):
         with pytest.raises(ValueError, match="^max_pairs: expected an int"):
             bppsa.ChainPlan([nn.Linear(4, 2)], (4,), max_pairs=bad)
-    with pytest.raises(ValueError, match="^levels: the number of levels must be >= 0"):
+    with pytest.raises(ValueError, match="^levels: expected an int >= 0, got -1"):
         bppsa.ChainPlan([nn.Linear(4, 2)], (4,), levels=-1)
     # float64 came back float32-accurate: refused, as the RNN modules refuse it
     chain = [nn.Linear(4, 3).double(), nn.Tanh()]

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
-import operator
 from typing import Sequence
 
 import numpy as np
@@ -40,8 +38,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided,
-                       dispatch_mode_active, hook_owner, show_coming_writes, torch_only,
-                       torch_only_weight)
+                       dispatch_mode_active, hook_owner, is_count, show_coming_writes,
+                       torch_only, torch_only_weight)
 from .fusion import FusionHandle
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -127,11 +125,9 @@ def _check_scan_choice(scan, name: str = "scan") -> object:
     """scan, a name or a number of levels as a Python int (numpy's ints too)."""
     if isinstance(scan, str) and scan in _SCAN_NAMES:
         return scan
-    if isinstance(scan, bool) or not isinstance(scan, numbers.Integral):
+    if not is_count(scan):
         raise ValueError(f"{name}: expected one of {_SCAN_NAMES} or a number of levels, got {scan!r}")
-    if scan < 0:
-        raise ValueError(f"{name}: the number of levels must be >= 0, got {scan}")
-    return operator.index(scan)
+    return check_count(scan, name, 0)
 
 
 def _check_real_dense(t, name: str) -> None:
