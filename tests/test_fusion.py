@@ -1190,6 +1190,7 @@ def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) 
     t.handle.remove()
 
 
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("second", MODES)
 @pytest.mark.parametrize("first", MODES)
 def test_two_fused_optimizers_sharing_a_parameter_are_refused(first: str, second: str) -> None:
