@@ -2318,15 +2318,15 @@ class DataParallel(_PassTracking):
                 self.handle.run(by_layer.pop(layer, ()))
                 for b in self._layer_buckets[layer]:
                     b.pending.clear()
-                    self._launch_ready()
-                for tasks in by_layer.values():  # none: only layers < k are held
-                    self.handle.run(tasks)
-                for b in self._buckets:  # backward that did not start at the output
-                    b.pending.clear()
                 self._launch_ready()
-                for b in self._buckets:
-                    b.work.wait()
-                    self._write_back(b, self.gradient_as_bucket_view)
+            for tasks in by_layer.values():  # none: only layers < k are held
+                self.handle.run(tasks)
+            for b in self._buckets:  # backward that did not start at the output
+                b.pending.clear()
+            self._launch_ready()
+            for b in self._buckets:
+                b.work.wait()
+                self._write_back(b, self.gradient_as_bucket_view)
         finally:
             self._used.clear()
             self._in_backward = False
