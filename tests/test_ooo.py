@@ -641,11 +641,12 @@ def test_autocast_saves_one_cast_copy_of_a_weight_read_at_several_sites():
     ref = copy.deepcopy(model)  # plain: a deepcopy runs torch's layers
     with torch.autocast("cpu", dtype=torch.bfloat16):
         kept = model(x)  # its graph keeps the cast copy alive
-    for net in (model, ref):
-        with torch.no_grad():
-            net.lin.weight.add_(0.5)  # an optimizer step: the copy is stale now
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(model(x), ref(x))
+    for change in (lambda w: w.add_(0.5), lambda w: setattr(w, "data", w.data * -3.0)):
+        for net in (model, ref):
+            with torch.no_grad():
+                change(net.lin.weight)  # an optimizer step, or .data rebound: the copy is stale
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(model(x), ref(x))
     del kept
 
 

@@ -717,7 +717,7 @@ class OOOHandle(_PassTracking):
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._held_in_pass: list = []
         self._sub_streams: dict = {}
-        # parameter -> (its version, dtype, weakly its cast copy): see _cast_param
+        # parameter -> ((its version, data pointer, dtype), weakly its cast copy): _cast_param
         self._casts = WeakIdKeyDictionary()
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
@@ -853,6 +853,7 @@ class OOOHandle(_PassTracking):
         if corun is not None:
             self._end_corun_pass(corun)
         self.flush()
+        self._casts.clear()
         for state in list(self._hooked.values()):
             if state.outstanding == 0:  # autograd never reached it: hooks back
                 self._restore_post_hooks(state)
@@ -968,17 +969,21 @@ class OOOHandle(_PassTracking):
         """Autocast's cast of a parameter, one copy for every split site
         while the parameter is unchanged and the copy saved by a graph, as
         autocast's cache gives autograd (a weight read at N sites saved N
-        copies)."""
+        copies). Kept until the end of the next backward at most: an
+        in-place change through .data, which no version counter sees, then
+        reaches only forwards of a graph still alive, as autograd's saved
+        tensors miss it too."""
         if p is None or not p.is_leaf:
             return _autocast_cast(p, dtype)
+        key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
         hit = self._casts.get(p)
-        if hit is not None and hit[0] == p._version and hit[1] == dtype:
-            copy = hit[2]()
+        if hit is not None and hit[0] == key:
+            copy = hit[1]()
             if copy is not None:
                 return copy
         copy = _autocast_cast(p, dtype)
         if copy is not p:
-            self._casts[p] = (p._version, dtype, weakref.ref(copy))
+            self._casts[p] = (key, weakref.ref(copy))
         return copy
 
     def _hold_list(self, module: nn.Module) -> list | None:
