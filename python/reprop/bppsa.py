@@ -284,7 +284,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         _run_scan(leaves, c, g, L)
         # as the CPU scan does: overflowing up-sweep products (inf * 0 = NaN) are
         # redone by the linear scan; bool() waits for the GPU (see README)
-        if L and not bool(torch.isfinite(g).all()):
+        if L and not _sums_finite([g]):
             _run_scan(leaves, kept, g, 0)
     else:
         raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
