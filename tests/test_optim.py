@@ -1255,6 +1255,23 @@ def test_state_torch_cannot_read_is_refused_before_any_state_is_created(case: st
     torch.testing.assert_close(opt.state.get(params[0], {}), first, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "RMSprop", "Adadelta"])
+def test_state_without_a_step_count_raises_torchs_key_error(name: str) -> None:
+    """torch reads state["step"] of any state it finds: state set or loaded
+    without it raises KeyError there; reprop counted from 0 again (the bias
+    correction of a first step on the moments of later ones)."""
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.ones(3))
+        opt = cls([p], **RICH[name])
+        p.grad = torch.ones(3)
+        opt.step()
+        del opt.state[p]["step"]
+        before = p.detach().clone()
+        with pytest.raises(KeyError, match="step"):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+
+
 # Hyper-parameters set after construction (the constructors refuse them) for
 # which torch's update raises, at step `at` of three: (optimizer, group 1's
 # values, at, reprop's message), and ones for which it steps on (at None).

@@ -517,7 +517,11 @@ class _FusedOptimizer:
                                f"was created without it (an option that needs it was switched "
                                f"on after the first step); torch.optim."
                                f"{self._torch_class.__name__} raises this KeyError too")
-        if self._kind != _SGD and st.get("step") is not None:
+        if self._kind != _SGD:
+            if "step" not in st:  # torch reads state["step"] of any state it finds
+                raise KeyError(f"step: the state of a parameter of shape {tuple(p.shape)} has no "
+                               f"step count (state set or loaded without it); torch.optim."
+                               f"{self._torch_class.__name__} raises this KeyError too")
             _check_step_count(st["step"], p)
 
     def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple,
