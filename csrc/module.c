@@ -7,8 +7,6 @@
  */
 #include "pyutil.h"
 
-#include <stdlib.h>
-
 PyDoc_STRVAR(optim_step_doc,
              "optim_step(kind, dtype, table, hparams, num_threads)\n--\n\n"
              "Fused multi-tensor optimizer step on the CPU. `table` is an int64 array of\n"
@@ -34,15 +32,11 @@ static PyObject *rp_optim_step_py(PyObject *self, PyObject *const *args, Py_ssiz
 PyDoc_STRVAR(optim_check_doc,
              "optim_check(kind, dtype, table, hparams, capturable)\n--\n\n"
              "Raises the ValueError with which optim_step (CPU or CUDA) would refuse\n"
-             "these hyper-parameters, changing nothing: rp_optim_check_hparams and,\n"
-             "unless capturable (step counters on the device), rp_optim_step_scalars.\n"
-             "Reads the table's flags and step pointers only (gradients may be unset),\n"
-             "so that a group updated by several calls is refused before any runs.");
+             "these hyper-parameters, changing nothing (rp_optim_check_update).");
 
 static PyObject *rp_optim_check_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     rp_py_optim_call call;
-    rp_step_scalars *scalars = NULL;
     rp_error err = {{0}};
     int capturable, rc;
     (void)self;
@@ -51,14 +45,7 @@ static PyObject *rp_optim_check_py(PyObject *self, PyObject *const *args, Py_ssi
     capturable = PyObject_IsTrue(args[4]);
     if (capturable < 0 || rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
         return NULL;
-    rc = rp_optim_check_hparams(&call.hp, call.entries, call.n, &err);
-    if (rc == RP_OK && !capturable && call.n > 0) {
-        scalars = (rp_step_scalars *)malloc((size_t)call.n * sizeof *scalars);
-        rc = scalars == NULL ? rp_set_error(&err, RP_ERUNTIME, "out of memory for %lld tensors",
-                                            (long long)call.n)
-                             : rp_optim_step_scalars(&call.hp, call.entries, call.n, scalars, &err);
-    }
-    free(scalars);
+    rc = rp_optim_check_update(&call.hp, call.entries, call.n, capturable, &err);
     Py_DECREF(call.table);
     return rp_py_none_or_raise(rc, &err);
 }

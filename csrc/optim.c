@@ -226,6 +226,21 @@ int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *ent
     return RP_OK;
 }
 
+int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                          int capturable, rp_error *err)
+{
+    rp_step_scalars *scalars;
+    int rc = rp_optim_check_hparams(hp, entries, n, err);
+    if (rc != RP_OK || capturable || n == 0)
+        return rc;
+    scalars = (rp_step_scalars *)malloc((size_t)n * sizeof *scalars);
+    if (scalars == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld tensors", (long long)n);
+    rc = rp_optim_step_scalars(hp, entries, n, scalars, err);
+    free(scalars);
+    return rc;
+}
+
 void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
 {
     int64_t i;

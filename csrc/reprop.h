@@ -125,6 +125,14 @@ int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entr
 int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_step_scalars *scalars, rp_error *err);
 
+/* What rp_optim_advance_steps would refuse, changing nothing:
+ * rp_optim_check_hparams and, unless capturable (step counters on the
+ * device, which the host cannot read), rp_optim_step_scalars. Reads the
+ * entries' flags and step pointers only, so that an update split over
+ * several calls is refused before any of them runs. */
+int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                          int capturable, rp_error *err);
+
 /* Clears the one-shot entry flags once an update has been issued. */
 void rp_optim_entries_done(rp_optim_entry *entries, int64_t n);
 
