@@ -62,6 +62,11 @@ static int rp_sgd_reads_buffer(const rp_optim_hparams *hp, const rp_optim_entry 
     return 0;
 }
 
+/* The end of every refusal of a constant beyond float32: torch's own words. */
+#define RP_BEYOND_FLOAT                                                                          \
+    "is beyond float32's range (torch.optim raises \"value cannot be converted to type float " \
+    "without overflow\")"
+
 /* The step-independent constants torch passes to float32 ops (for Adam and
  * Adagrad the lr enters through the step scalars, checked per entry). */
 int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
@@ -89,8 +94,7 @@ int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *ent
     for (i = 0; i < sizeof ops / sizeof ops[0]; i++)
         if (ops[i].used && rp_beyond_float(ops[i].value))
             return rp_set_error(err, RP_EINVAL,
-                                "%s: %s = %g is beyond float32's range (torch.optim raises "
-                                "\"value cannot be converted to type float without overflow\")",
+                                "%s: %s = %g " RP_BEYOND_FLOAT,
                                 ops[i].name, ops[i].expr, ops[i].value);
     return RP_OK;
 }
@@ -160,9 +164,8 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
     step_size = hp->lr / (1.0 - pow1);
     if (rp_beyond_float(step_size))
         return rp_set_error(err, RP_EINVAL,
-                            "lr: the step size lr / (1 - beta1 ** step) = %g at step %g is beyond "
-                            "float32's range (torch.optim raises \"value cannot be converted to "
-                            "type float without overflow\")", step_size, t);
+                            "lr: the step size lr / (1 - beta1 ** step) = %g at step %g "
+                            RP_BEYOND_FLOAT, step_size, t);
     sc->a = (float)(-step_size);
     sc->b = (float)sqrt(1.0 - pow2);
     return RP_OK;
@@ -182,9 +185,8 @@ static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scal
     clr = hp->lr / decay;
     if (rp_beyond_float(clr))
         return rp_set_error(err, RP_EINVAL,
-                            "lr: lr / (1 + (step - 1) * lr_decay) = %g at step %g is beyond "
-                            "float32's range (torch.optim raises \"value cannot be converted to "
-                            "type float without overflow\")", clr, t);
+                            "lr: lr / (1 + (step - 1) * lr_decay) = %g at step %g "
+                            RP_BEYOND_FLOAT, clr, t);
     sc->a = (float)(-clr);
     return RP_OK;
 }
