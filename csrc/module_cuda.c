@@ -5,9 +5,9 @@
  * importing it needs no driver and no device: rp_cuda_device_count() is then
  * simply 0. Updates are enqueued on the caller's stream and never synchronise.
  */
-#include <stdlib.h>
+#include "pyutil.h" /* Python.h first, as the C API asks */
 
-#include "pyutil.h"
+#include <stdlib.h>
 
 PyDoc_STRVAR(optim_step_doc,
              "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
@@ -40,10 +40,9 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     call.hp.lr_ptr = (const float *)(uintptr_t)lr_ptr;
     rc = rp_optim_check(&call.hp, call.entries, call.n, &err);
     if (rc == RP_OK && !capturable && call.n > 0) {
-        scalars = (rp_step_scalars *)malloc((size_t)call.n * sizeof *scalars);
+        scalars = rp_optim_scalars_alloc(call.n, &err);
         if (scalars == NULL)
-            rc = rp_set_error(&err, RP_ERUNTIME, "out of memory for %lld tensors",
-                              (long long)call.n);
+            rc = RP_ERUNTIME;
         else
             rc = rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars, &err);
     }

@@ -228,6 +228,14 @@ int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *ent
     return RP_OK;
 }
 
+rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err)
+{
+    rp_step_scalars *scalars = (rp_step_scalars *)malloc((size_t)n * sizeof *scalars);
+    if (scalars == NULL)
+        rp_set_error(err, RP_ERUNTIME, "out of memory for %lld tensors", (long long)n);
+    return scalars;
+}
+
 int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                           int capturable, rp_error *err)
 {
@@ -235,9 +243,9 @@ int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entr
     int rc = rp_optim_check_hparams(hp, entries, n, err);
     if (rc != RP_OK || capturable || n == 0)
         return rc;
-    scalars = (rp_step_scalars *)malloc((size_t)n * sizeof *scalars);
+    scalars = rp_optim_scalars_alloc(n, err);
     if (scalars == NULL)
-        return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld tensors", (long long)n);
+        return RP_ERUNTIME;
     rc = rp_optim_step_scalars(hp, entries, n, scalars, err);
     free(scalars);
     return rc;
@@ -380,7 +388,7 @@ typedef void (*rp_chunk_fn)(const rp_optim_hparams *, const rp_optim_consts *,
 
 /* Cuts every entry into chunks; returns the number of chunks, or -1 when out of memory. */
 static int64_t rp_make_chunks(const rp_optim_entry *entries, int64_t n, rp_chunk **out,
-                              int64_t *total)
+                              int64_t *total, rp_error *err)
 {
     int64_t i, count = 0, k = 0;
     rp_chunk *chunks;
@@ -390,8 +398,10 @@ static int64_t rp_make_chunks(const rp_optim_entry *entries, int64_t n, rp_chunk
         *total += entries[i].numel;
     }
     chunks = (rp_chunk *)malloc((size_t)(count > 0 ? count : 1) * sizeof *chunks);
-    if (chunks == NULL)
+    if (chunks == NULL) {
+        rp_set_error(err, RP_ERUNTIME, "out of memory for %lld chunks", (long long)count);
         return -1;
+    }
     for (i = 0; i < n; i++) {
         int64_t start;
         for (start = 0; start < entries[i].numel; start += RP_CHUNK) {
@@ -436,12 +446,13 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
     }
     if (n == 0)
         return RP_OK;
-    scalars = (rp_step_scalars *)malloc((size_t)n * sizeof *scalars);
-    nchunks = rp_make_chunks(entries, n, &chunks, &total);
-    if (scalars == NULL || nchunks < 0) {
+    scalars = rp_optim_scalars_alloc(n, err);
+    if (scalars == NULL)
+        return RP_ERUNTIME;
+    nchunks = rp_make_chunks(entries, n, &chunks, &total, err);
+    if (nchunks < 0) {
         free(scalars);
-        free(chunks);
-        return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld tensors", (long long)n);
+        return RP_ERUNTIME;
     }
     rc = rp_optim_advance_steps(hp, entries, n, scalars, err);
     if (rc != RP_OK) {

@@ -125,6 +125,10 @@ int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entr
 int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_step_scalars *scalars, rp_error *err);
 
+/* malloc'd room for n entries' step scalars (the caller frees it); NULL with
+ * RP_ERUNTIME set in err when memory runs out. */
+rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err);
+
 /* What rp_optim_advance_steps would refuse, changing nothing:
  * rp_optim_check_hparams and, unless capturable (step counters on the
  * device, which the host cannot read), rp_optim_step_scalars. Reads the
