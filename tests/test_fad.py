@@ -681,7 +681,7 @@ def test_inplace_under_allow_mutation_on_saved_tensors(name, how):
 def test_bad_input_raises_clearly():
     with pytest.raises(TypeError, match="silu: input.*int64"):
         fad.silu(torch.arange(3))
-    with pytest.raises(TypeError, match="complex"):
+    with pytest.raises(NotImplementedError, match="ComplexFloat"):  # torch's own refusal
         fad.mish(torch.randn(3, dtype=torch.complex64))
     with pytest.raises(RuntimeError, match="sparse"):
         fad.tanh(torch.randn(3, 3).to_sparse())
@@ -1400,6 +1400,26 @@ def test_compose_chain_tensors_with_hooks_stay_in_the_graph():
     assert calls == calls_ref == 1
     torch.testing.assert_close(sg, sg_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["tanh", "sigmoid", "silu", "softsign", "tanhshrink"])
+def test_complex_input_runs_torch(name):
+    """torch computes these on complex input, so a patched complex model must
+    still run: the functions and patched modules hand it to torch's op."""
+    torch.manual_seed(0)
+    z = torch.randn(5, dtype=torch.complex64)
+    native = getattr(torch.nn.functional, name, None) or getattr(torch, name)
+    torch.testing.assert_close(getattr(fad, name)(z), native(z), rtol=0, atol=0)
+    if name != "silu":  # torch's silu has no complex backward
+        zg = z.clone().requires_grad_()
+        (g,) = torch.autograd.grad(getattr(fad, name)(zg).abs().sum(), zg)
+        (ref,) = torch.autograd.grad(native(zg).abs().sum(), zg)
+        torch.testing.assert_close(g, ref, rtol=0, atol=0)
+    module = {"silu": nn.SiLU, "softsign": nn.Softsign, "tanhshrink": nn.Tanhshrink,
+              "tanh": nn.Tanh, "sigmoid": nn.Sigmoid}[name]
+    model = nn.Sequential(module())
+    fad.patch(model)
+    torch.testing.assert_close(model(z), native(z), rtol=0, atol=0)
 
 
 def test_compose_complex_constants_run_plain_autograd():
