@@ -1097,6 +1097,24 @@ def test_calls_torch_accepts():
     assert handle.schedule is not None
 
 
+def test_dense_gradient_onto_a_sparse_grad():
+    """A dense dW added to a sparse .grad (a sparse phase before, or one set by
+    hand) turns .grad dense, as AccumulateGrad does; sparse.add_(dense) raised."""
+    x = torch.tensor([[1, 2, 1]])
+    grads = []
+    for use in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+        m(x).sum().backward()
+        m[0].sparse = False
+        if use:
+            ooo.enable(m, speedup=None)
+        m(x).sum().backward()
+        assert m[0].weight.grad.layout == torch.strided
+        grads.append(m[0].weight.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # Linear(4, 0)
 @pytest.mark.parametrize("make, shape", [
     (lambda: nn.BatchNorm1d(4), (0, 4)),                # train mode: batch statistics

@@ -516,6 +516,8 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
         d = d.to(p.dtype)
     if p.grad is None:
         p.grad = d if d.stride() == p.stride() else torch.empty_like(p).copy_(d)
+    elif p.grad.is_sparse:
+        p.grad = d + p.grad  # a sparse tensor cannot turn dense in place
     else:
         p.grad.add_(d)
 
