@@ -1097,6 +1097,46 @@ def test_calls_torch_accepts():
     assert handle.schedule is not None
 
 
+def test_deterministic_algorithms_sum_shared_weight_in_backward_order():
+    """Under torch.use_deterministic_algorithms the schedule (cut from timings,
+    so different from run to run) may move a shared weight's dW, but they are
+    added in backward order: the bits of plain autograd, every run."""
+    class Unrolled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.l = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.pre(x)
+            for _ in range(4):
+                h = torch.tanh(self.l(h))
+            return h
+
+    def grads(speedup):
+        torch.manual_seed(0)
+        m = Unrolled()
+        if speedup is not None:
+            ooo.enable(m, regions=4, speedup=speedup, profile_iters=2, max_extra_memory=1.0)
+        out = []
+        for _ in range(6):
+            m.zero_grad()
+            m(torch.randn(32, 16)).pow(2).sum().backward()
+            out.append(m.l.weight.grad.clone())
+        return out
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = grads(None)
+        for speedup in (lambda r, i: 2.0 if i > r else 1.0,
+                        lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0,
+                        lambda r, i: 2.0 if (r, i) == (1, 2) else 1.0):
+            for got, want in zip(grads(speedup), ref):
+                assert torch.equal(got, want)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_dense_gradient_onto_a_sparse_grad():
     """A dense dW added to a sparse .grad (a sparse phase before, or one set by
     hand) turns .grad dense, as AccumulateGrad does; sparse.add_(dense) raised."""

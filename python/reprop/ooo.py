@@ -1012,7 +1012,11 @@ class OOOHandle(_PassTracking):
             self._enter_region(main_region)
         region = self._region_of.get(task.key)
         if region is None or region <= self._current_region:
-            self._issue(task)
+            if self._pending and torch.are_deterministic_algorithms_enabled():
+                self._pending.append(task)
+                self._issue_due(lambda t: t is task)
+            else:
+                self._issue(task)
         else:
             self._pending.append(task)
 
@@ -1086,11 +1090,28 @@ class OOOHandle(_PassTracking):
         self._current_region = region
         if self._corun is not None:
             self._corun.entries.append((region, self._corun_stamp()))
-        due = [t for t in self._pending if self._region_of[t.key] <= region]
-        if due:
-            self._pending = [t for t in self._pending if self._region_of[t.key] > region]
-            for t in due:
-                self._issue(t)
+        self._issue_due(lambda t: self._region_of[t.key] <= region)
+
+    def _issue_due(self, due: Callable[[_Task], bool]) -> None:
+        """Issues the pending tasks `due` accepts, in backward order. Under
+        torch.use_deterministic_algorithms, an earlier pending task that adds
+        to a parameter a due one adds to goes first: a shared weight's dW are
+        then summed in backward order, not in the order the timed schedule
+        (different from run to run) moved them to."""
+        flags = [due(t) for t in self._pending]
+        if not any(flags):
+            return
+        if torch.are_deterministic_algorithms_enabled():
+            reached: set = set()
+            for i in range(len(self._pending) - 1, -1, -1):
+                ids = {id(p) for p in self._pending[i].targets}
+                if flags[i] or ids & reached:
+                    flags[i] = True
+                    reached |= ids
+        issue = [t for t, f in zip(self._pending, flags) if f]
+        self._pending = [t for t, f in zip(self._pending, flags) if not f]
+        for t in issue:
+            self._issue(t)
 
     def _issue(self, task: _Task) -> None:
         profiling = self._profiling()
