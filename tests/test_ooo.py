@@ -1095,6 +1095,9 @@ def test_calls_torch_accepts():
     for _ in range(4):
         model(torch.randn(3, 4)).sum().backward()
     assert handle.schedule is not None
+    handle.remove()
+    # an int past float's range is no cap too (float() of it raised OverflowError)
+    assert ooo.enable(model, max_extra_memory=10**400).max_extra_memory == math.inf
 
 
 def test_deterministic_algorithms_sum_shared_weight_in_backward_order():

@@ -1108,8 +1108,11 @@ def test_pipeline_bad_arguments(solo_group):
                          (dict(allocation="round_robin"), "allocation"),
                          (dict(allocation="modulo", group=0), "group"),
                          (dict(group=2), "group"),
-                         (dict(costs={"fwd": [1.0] * 3}), "costs"),
-                         (dict(costs={"backward": 1.0}), "costs")]:
+                         (dict(costs={"fwd": [1.0] * 3}), r"costs\['fwd'\]"),
+                         (dict(costs={"backward": 1.0}), "costs"),
+                         (dict(costs={"fwd": "a"}), r"costs\['fwd'\]"),
+                         (dict(costs={"fwd": True}), r"costs\['fwd'\]"),
+                         (dict(costs={"transfer": "1"}), r"costs\['transfer'\]")]:
         with pytest.raises(ValueError, match=f"^{name}: "):
             Pipeline(layers, **kwargs)
     with pytest.raises(TypeError, match="^process_group: .*got str"):
@@ -1122,6 +1125,10 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x[:0], t[:0], F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+    with pytest.raises(TypeError, match="^inputs: expected a tensor, got list"):
+        pipe.step(x.tolist(), t, F.mse_loss)
+    with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):
+        pipe.step(x, t.tolist(), F.mse_loss)
 
 
 def test_pipeline_takes_numpy_ints(solo_group):

@@ -1378,9 +1378,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if order not in ORDERS:
         raise ValueError(f"order: expected one of {ORDERS}, got {order!r}")
     regions = _count(regions, "regions", 1)
-    if isinstance(max_extra_memory, bool) or not (
-            isinstance(max_extra_memory, numbers.Real) and max_extra_memory >= 0):
-        raise ValueError(f"max_extra_memory: expected a fraction >= 0, got {max_extra_memory!r}")
+    max_extra_memory = _number(max_extra_memory, "max_extra_memory", "a fraction >= 0",
+                               lambda v: v >= 0)  # inf (or an int past float's range): no cap
     if not _is_count(profile_iters) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
@@ -1389,7 +1388,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
-    handle = OOOHandle(model, order, regions, float(max_extra_memory), int(profile_iters),
+    handle = OOOHandle(model, order, regions, max_extra_memory, int(profile_iters),
                        speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
@@ -1584,10 +1583,13 @@ _MAX_SIM_STAGES = _INT32_MAX // 3
 
 
 def _per_layer(value, layers: int, name: str) -> np.ndarray:
-    """A per-layer float64 array from a scalar or a sequence of `layers` values."""
+    """A per-layer float64 array from a number or a sequence of `layers`
+    numbers (never bools or strings)."""
     try:
-        arr = np.full(layers, value, dtype=np.float64) if np.ndim(value) == 0 \
-            else np.asarray(value, dtype=np.float64)
+        raw = np.asarray(value)
+        if raw.dtype.kind not in "iuf":
+            raise TypeError(f"got {value!r}")
+        arr = np.full(layers, raw, dtype=np.float64) if raw.ndim == 0 else raw.astype(np.float64)
     except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"{name}: expected a number or {layers} per-layer times "
                          f"({exc})") from None
@@ -2705,6 +2707,9 @@ class Pipeline:
         (sum over micro-batches of loss_fn / micro_batches, detached) on the
         rank of the last layer, None on the others."""
         m_count = self.micro_batches
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
         if inputs.dim() == 0 or inputs.shape[0] == 0:
             raise ValueError(f"inputs: expected a batch of at least {m_count} samples (one "
                              f"per micro-batch), got shape {tuple(inputs.shape)}")
@@ -3064,15 +3069,6 @@ def _check_costs(costs: dict | None, layers: int) -> dict:
                              f"got {costs!r}")
         out.update(costs)
     for key in ("fwd", "out_grad", "weight_grad"):
-        v = np.asarray(out[key], dtype=np.float64)
-        if v.ndim == 0:
-            v = np.full(layers, float(v))
-        if v.shape != (layers,) or not np.all(np.isfinite(v)) or np.any(v < 0):
-            raise ValueError(f"costs: {key!r} must be a time >= 0 or {layers} of them, "
-                             f"got {out[key]!r}")
-        out[key] = v
-    if not (np.isscalar(out["transfer"]) and np.isfinite(out["transfer"])
-            and out["transfer"] >= 0):
-        raise ValueError(f"costs: 'transfer' must be a time >= 0, got {out['transfer']!r}")
-    out["transfer"] = float(out["transfer"])
+        out[key] = _per_layer(out[key], layers, f"costs[{key!r}]")
+    out["transfer"] = _number(out["transfer"], "costs['transfer']", "a finite time >= 0", _is_time)
     return out
