@@ -1725,6 +1725,39 @@ def test_sub_stream_training_matches_autograd_on_cuda(speedup):
 
 
 @pytest.mark.gpu
+def test_sub_stream_dw_ordered_with_accumulate_grad_on_cuda():
+    """A tied weight (a split Embedding, read again by F.linear) gets one
+    gradient from a dW on the sub-stream and one from AccumulateGrad on the
+    main stream; a post-accumulate-grad hook must see both. Neither stream
+    waited for the other: one addition could be lost, the hook could read
+    .grad before the dW was in it."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.lin = nn.Embedding(4096, 512), nn.Linear(512, 512)
+
+        def forward(self, x):
+            return nn.functional.linear(self.lin(self.emb(x)), self.emb.weight)
+
+    with _cuda_exact():
+        torch.manual_seed(0)
+        ref = Tied().cuda()
+        model = copy.deepcopy(ref)
+        seen = {}
+        for name, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, p.grad.clone()))
+        handle = ooo.enable(model, speedup=lambda own, at: 1.0 if own == at else 1.5)
+        for s in range(handle._profile_passes() + 3):
+            x = torch.randint(0, 4096, (64, 128), device="cuda")
+            for net in (ref, model):
+                net.zero_grad()
+                net(x).square().mean().backward()
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+                torch.testing.assert_close(seen[name], a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_autocast_gradients_match_autograd_on_cuda(dtype):
     with _cuda_exact():

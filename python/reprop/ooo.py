@@ -438,10 +438,10 @@ class _Split(torch.autograd.Function):
         site = ctx.site
         kind = site.kind
         saved = ctx.saved_tensors + ctx.extra
-        deferred, returned = _weight_grad_targets(ctx)
+        deferred, returned, nodes = _weight_grad_targets(ctx)
         task = None
         if deferred[0] or deferred[1]:
-            task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred)
+            task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred, nodes)
         input_grad = ctx.needs_input_grad[1]
         wanted = (deferred[0] or returned[0], deferred[1] or returned[1])
         weight_grads = None
@@ -467,12 +467,13 @@ class _Split(torch.autograd.Function):
 _apply_split = super(torch.autograd.Function, _Split).apply
 
 
-def _weight_grad_targets(ctx) -> tuple[list, list]:
+def _weight_grad_targets(ctx) -> tuple[list, list, list]:
     """Masks over (weight, bias): which this backward accumulates into (their
-    dW deferred) and which it must return (autograd.grad() asked for them).
-    Parameters the engine will not reach, as in autograd.grad() for inputs
-    only, or frozen ones, get no dW: their .grad must not change."""
-    deferred, returned = [False, False], [False, False]
+    dW deferred) and which it must return (autograd.grad() asked for them);
+    and the AccumulateGrad node of each deferred one. Parameters the engine
+    will not reach, as in autograd.grad() for inputs only, or frozen ones, get
+    no dW: their .grad must not change."""
+    deferred, returned, nodes = [False, False], [False, False], [None, None]
     edges = iter(ctx.next_functions[1:])  # one per tensor input after x
     for i, p in enumerate(ctx.params):
         if p is None:
@@ -491,8 +492,11 @@ def _weight_grad_targets(ctx) -> tuple[list, list]:
         # it hands to AccumulateGrad: that must be the real one, summed over sites.
         # A weight computed from others (torch.func.functional_call with a
         # non-leaf) has no .grad to defer into: autograd carries it on.
-        (returned if p._backward_hooks or not p.is_leaf else deferred)[i] = True
-    return deferred, returned
+        if p._backward_hooks or not p.is_leaf:
+            returned[i] = True
+        else:
+            deferred[i], nodes[i] = True, node
+    return deferred, returned, nodes
 
 
 @dataclass(eq=False)
@@ -703,6 +707,10 @@ class OOOHandle(_PassTracking):
         self._region_of_main: dict = {}  # task key -> region its dO runs in
         self._corun: _CoRun | None = None  # the co-run profile while it runs
         self._hooked: dict = {}      # param -> _HookState while its hooks wait for dW
+        # CUDA stream order around AccumulateGrad (_guard_accumulation), per backward:
+        self._guards: dict = {}      # param -> its AccumulateGrad pre-hook's handle
+        self._written: dict = {}     # param -> event after its last dW on the sub-stream
+        self._main_writes: set = set()  # params autograd added a gradient to on the main stream
         self.schedule_regions = 0    # regions of the schedule, once cut
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
@@ -839,6 +847,7 @@ class OOOHandle(_PassTracking):
         autograd had not accumulated yet), hooks held for them come back, and
         its timings are discarded; the next backward starts clean."""
         self._join_sub_streams()
+        self._end_stream_order()
         self._pending = []
         self._held_in_pass = []  # its held tasks are partial: their hooks wait for none
         self._restore_post_hooks_not_held()
@@ -855,6 +864,7 @@ class OOOHandle(_PassTracking):
         if corun is not None:
             self._end_corun_pass(corun)
         self.flush()
+        self._end_stream_order()
         self._casts.clear()
         for state in list(self._hooked.values()):
             if state.outstanding == 0:  # autograd never reached it: hooks back
@@ -925,7 +935,7 @@ class OOOHandle(_PassTracking):
         self._join_sub_streams()
         if self._device is not None and self._device.type == "cuda":
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(torch.cuda.current_stream(self._device))
             return e
         return time.perf_counter()
 
@@ -947,12 +957,12 @@ class OOOHandle(_PassTracking):
         excludes inline dW time on the CPU."""
         if isinstance(like, torch.Tensor) and like.is_cuda or isinstance(like, torch.cuda.Event):
             e = torch.cuda.Event(enable_timing=True)
-            e.record()
+            e.record(torch.cuda.current_stream(self._device))  # the model's, not the current device's
             return e
         return time.perf_counter() - self._task_time
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
-                           params: tuple, mask: list) -> _Task:
+                           params: tuple, mask: list, nodes: list) -> _Task:
         if self._backward_raised():  # and is retried (retain_graph), with no forward since
             self._abandon_backward()
         if not self._in_backward:
@@ -965,7 +975,37 @@ class OOOHandle(_PassTracking):
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
+            self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
         return task
+
+    def _guard_accumulation(self, targets: list, nodes: list) -> None:
+        """On CUDA a deferred dW writes .grad on the sub-stream, while the
+        parameter's AccumulateGrad (adding a use outside split layers, then
+        firing the post-accumulate-grad hooks held for the dW) runs on the
+        main stream: a hook ahead of it orders the two, once per parameter
+        and backward."""
+        for p, node in zip(targets, nodes):
+            if p not in self._guards:
+                self._guards[p] = node.register_prehook(
+                    functools.partial(weak_hook(self._before_accumulate), p))
+
+    def _before_accumulate(self, p: torch.Tensor, grads: tuple) -> None:
+        """p's AccumulateGrad is about to run on the current (main) stream.
+        A gradient it adds, or p's held hooks it fires, must come after the
+        dW of p already issued on the sub-stream; a dW issued later must come
+        after that addition (_issue)."""
+        if grads[0] is not None:
+            self._main_writes.add(p)
+        if grads[0] is not None or p in self._hooked:
+            done = self._written.get(p)
+            if done is not None:
+                torch.cuda.current_stream(p.device).wait_event(done)
+
+    def _end_stream_order(self) -> None:
+        """After the sub-streams are joined: this backward's guards go."""
+        for guard in self._guards.values():
+            guard.remove()
+        self._guards, self._written, self._main_writes = {}, {}, set()
 
     def _cast_param(self, p, dtype: torch.dtype):
         """Autocast's cast of a parameter, one copy for every split site
@@ -1128,6 +1168,8 @@ class OOOHandle(_PassTracking):
             return
         sub = self._sub_stream(task.targets[0].device)
         sub.wait_event(task.event)
+        if any(p in self._main_writes for p in task.targets):
+            sub.wait_stream(torch.cuda.current_stream(task.targets[0].device))
         for t in task.tensors():
             if t.is_cuda:
                 t.record_stream(sub)  # the main stream's allocator reuses it only after sub
@@ -1136,6 +1178,9 @@ class OOOHandle(_PassTracking):
                 begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 begin.record(sub)
             task.run()
+            done = sub.record_event()
+            for p in task.targets:
+                self._written[p] = done
             self._after_deferred_run(task)  # hooks see the gradient on the stream it is made on
             if profiling:
                 end.record(sub)
