@@ -1100,6 +1100,32 @@ def test_calls_torch_accepts():
     assert ooo.enable(model, max_extra_memory=10**400).max_extra_memory == math.inf
 
 
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Linear(6, 5), (4, 6)),
+    (lambda: nn.Conv1d(3, 4, 3), (2, 3, 8)),
+    (lambda: nn.LayerNorm(6), (4, 6)),
+    (lambda: nn.GroupNorm(2, 4), (2, 4, 5)),
+])
+def test_data_replaced_between_forward_and_backward(make, shape):
+    """`p.data = ...` between forward and backward (vector_to_parameters does
+    it): backward uses what the forward saved, as autograd's does. The split
+    Linear saved the Parameter and read its new values for dX."""
+    grads = []
+    for use in (False, True):
+        torch.manual_seed(0)
+        m = make()
+        if use:
+            ooo.enable(m, order="conventional")
+        x = torch.randn(*shape, requires_grad=True)
+        out = m(x)
+        for p in m.parameters():
+            p.data = p.data * 3.0 + 1.0
+        out.square().sum().backward()
+        grads.append([x.grad] + [p.grad for p in m.parameters()])
+    for got, want in zip(*reversed(grads)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_deterministic_algorithms_sum_shared_weight_in_backward_order():
     """Under torch.use_deterministic_algorithms the schedule (cut from timings,
     so different from run to run) may move a shared weight's dW, but they are

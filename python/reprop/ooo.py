@@ -139,17 +139,21 @@ class _LinearKind(_Kind):
         return "linear"
 
     def forward(self, m, x, w, b):
-        return F.linear(x, w, b), (x, w)
+        # W^T saved, as addmm saves it: a view taken now keeps the forward's
+        # storage when `w.data` is replaced before backward
+        return F.linear(x, w, b), (x, w.t())
 
     def input_grad(self, saved, g):
-        x, w = saved
+        x, wt = saved
+        w = wt.t()
         g2 = _fold(g, w.shape[0])
         if _column_major_fold(x):  # autograd's mm backward transposes the product here
-            return w.t().mm(g2.t()).t().reshape(x.shape)
+            return wt.mm(g2.t()).t().reshape(x.shape)
         return g2.mm(w).view(x.shape)
 
     def weight_grads(self, saved, g, mask):
-        x, w = saved
+        x, wt = saved
+        w = wt.t()
         g2 = _fold(g, w.shape[0])
         return (g2.t().mm(_fold(x, w.shape[1])) if mask[0] else None,
                 g2.sum(0) if mask[1] else None)
