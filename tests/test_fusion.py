@@ -1837,6 +1837,15 @@ def test_unsupported_optimizer_raises_type_error() -> None:
         assert supported in str(info.value), f"{supported} not listed: {info.value}"
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("not_an_optimizer", [None, "sgd"])
+def test_non_optimizer_raises_type_error_naming_it(not_an_optimizer, mode: str) -> None:
+    """Refused by the type check, not by the already-fused lookup (a weak
+    reference to it, which TypeError'd on None and str)."""
+    with pytest.raises(TypeError, match=f"^optimizer: {type(not_an_optimizer).__name__} is not supported"):
+        reprop.fuse(SmallCNN(), not_an_optimizer, mode=mode)
+
+
 def test_clip_grad_norm_in_backward_mode_raises() -> None:
     _refused(ValueError, "forward", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="backward", clip_grad_norm=1.0)
 

@@ -218,8 +218,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
+    engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
-    engine = _engine_for(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
         _check_not_micro_batch_pipelined(engine)
