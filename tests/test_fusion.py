@@ -1850,6 +1850,43 @@ def test_clip_grad_norm_in_backward_mode_raises() -> None:
     _refused(ValueError, "forward", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="backward", clip_grad_norm=1.0)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="backward", accumulation_steps=True), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="backward", accumulation_steps=2.0), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="backward", accumulation_steps=0), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="forward", accumulation_steps=2), "^accumulation_steps: in forward mode"),
+    (dict(mode="forward", keep_grads=True), "^keep_grads: forward mode"),
+])
+def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
+    """As reprop's other counts: a bool is not a count; and forward mode
+    refuses the backward-mode keep_grads as backward mode refuses
+    clip_grad_norm, instead of ignoring it."""
+    _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
+
+
+def test_numpy_int_accumulation_steps_is_a_count() -> None:
+    """np.int64(2), as len(loader) // n or a config array gives it, counts
+    as 2: trains as the int 2."""
+    import numpy as np
+
+    runs = {}
+    for steps in (2, np.int64(2)):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(4):
+                x, y = _mlp_batch(i)
+                F.mse_loss(model(x), y).backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+        handle.remove()
+        runs[type(steps).__name__] = (model, opt)
+    _assert_same_training(runs["int64"], runs["int"])
+
+
 def test_bad_mode_raises() -> None:
     _refused(ValueError, "mode", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="sideways")
 

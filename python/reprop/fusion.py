@@ -190,15 +190,17 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             A micro-batch is the forwards in grad mode (of any module that owns
             fused parameters, however often) up to the next backward; forwards
             under no_grad, and those checkpointing recomputes inside backward,
-            do not count. In forward mode the user loop decides when to call
-            step().
+            do not count. A count (an int or a NumPy int, not a bool). In
+            forward mode the user loop decides when to call step(): refused
+            there unless 1.
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step()
             (but after the optimizer's step pre-hooks, inside step()).
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
-            step() was called since).
+            step() was called since). Refused in forward mode, which frees
+            no gradient itself.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -207,8 +209,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if mode not in _MODES:
         raise ValueError(f"mode: expected 'backward' or 'forward', got {mode!r}")
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
+    accumulation_steps = _tensors.check_count(accumulation_steps, "accumulation_steps", 1)
     if clip_grad_norm is not None:
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
@@ -218,6 +219,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
+    if mode == "forward" and keep_grads:
+        raise ValueError("keep_grads: forward mode frees no gradient (zero_grad() and the "
+                         "training loop do, as in eager training); leave keep_grads False")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
     if mode == "backward":
