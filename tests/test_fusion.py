@@ -1478,24 +1478,22 @@ def test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete() -> N
 
 
 def test_forward_mode_applies_each_module_before_its_next_use() -> None:
-    """After step() nothing has changed and the gradients are still there
-    (zero_grad() deferred); running one submodule applies just its update and
-    clears just its gradients; the full forward then applies the rest, once."""
+    """After step() nothing has changed, and zero_grad() has freed the
+    gradients as in eager training (the pending updates hold them); running
+    one submodule applies just its update; the full forward then applies the
+    rest, once."""
     t = Trainer("cnn", "AdamW", "forward")
     ref = Trainer("cnn", "AdamW", None).run(0, 1)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     t.run(0, 1)  # forward, backward, step(), zero_grad()
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} updated by step() in forward mode"
-        assert p.grad is not None, f"{n}: zero_grad() not deferred"
+        assert p.grad is None, f"{n}: zero_grad() did not free the gradient"
     with torch.no_grad():
         t.model.conv(t.case.eval_input())
     updated = {n: p for n, p in ref.model.named_parameters()}
     for n, p in t.model.named_parameters():
-        if n.startswith("conv."):
-            assert torch.equal(p, updated[n]) and p.grad is None, n
-        else:
-            assert torch.equal(p, before[n]) and p.grad is not None, n
+        assert torch.equal(p, updated[n] if n.startswith("conv.") else before[n]), n
     t.eval_forward()
     t.eval_forward()
     for n, p in t.model.named_parameters():
@@ -1839,8 +1837,54 @@ def test_unsupported_optimizer_raises_type_error() -> None:
         assert supported in str(info.value), f"{supported} not listed: {info.value}"
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("not_an_optimizer", [None, "sgd"])
+def test_non_optimizer_raises_type_error_naming_it(not_an_optimizer, mode: str) -> None:
+    """Refused by the type check, not by the already-fused lookup (a weak
+    reference to it, which TypeError'd on None and str)."""
+    with pytest.raises(TypeError, match=f"^optimizer: {type(not_an_optimizer).__name__} is not supported"):
+        reprop.fuse(SmallCNN(), not_an_optimizer, mode=mode)
+
+
 def test_clip_grad_norm_in_backward_mode_raises() -> None:
     _refused(ValueError, "forward", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="backward", clip_grad_norm=1.0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(mode="backward", accumulation_steps=True), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="backward", accumulation_steps=2.0), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="backward", accumulation_steps=0), "^accumulation_steps: expected an int >= 1"),
+    (dict(mode="forward", accumulation_steps=2), "^accumulation_steps: in forward mode"),
+    (dict(mode="forward", keep_grads=True), "^keep_grads: forward mode"),
+])
+def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
+    """As reprop's other counts: a bool is not a count; and forward mode
+    refuses the backward-mode keep_grads as backward mode refuses
+    clip_grad_norm, instead of ignoring it."""
+    _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
+
+
+def test_numpy_int_accumulation_steps_is_a_count() -> None:
+    """np.int64(2), as len(loader) // n or a config array gives it, counts
+    as 2: trains as the int 2."""
+    import numpy as np
+
+    runs = {}
+    for steps in (2, np.int64(2)):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(4):
+                x, y = _mlp_batch(i)
+                F.mse_loss(model(x), y).backward()
+                if i % 2 == 1:
+                    opt.step()
+                    opt.zero_grad()
+        handle.remove()
+        runs[type(steps).__name__] = (model, opt)
+    _assert_same_training(runs["int64"], runs["int"])
 
 
 def test_bad_mode_raises() -> None:
@@ -2064,28 +2108,38 @@ def _head_apart(model: nn.Module):
                   lr=0.1, momentum=0.9)
 
 
-def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once() -> None:
-    """flush() applies the pending updates group by group. When the second
-    group's update is refused (its gradient made sparse after step()), the
-    first group's has been applied: it must not stay pending, or the flush
-    after the fix updates those parameters a second time."""
-    ref = _mlp_loop(None, _head_apart, 3)
+def _sparse_head_gradient_at_2(mode: str | None) -> tuple:
+    """Step 2's head gradient is sparse. Eager step() updates the first group
+    and refuses the second. Fused step() lets it pass (the gradients are
+    checked when a group's parameters with a gradient change, not each step)
+    and flush() refuses it: the first group's update is applied, and the
+    second's dropped, as eager's; then training goes on."""
     model = _mlp()
     opt = _head_apart(model)
-    handle = reprop.fuse(model, opt, mode="forward")
-    for i in range(3):
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(5):
         x, y = _mlp_batch(i)
         F.mse_loss(model(x), y).backward()
-        opt.step()
         if i == 2:
-            head = model[4].weight
-            head.grad = head.grad.to_sparse()
+            model[4].weight.grad = model[4].weight.grad.to_sparse()
             with pytest.raises(RuntimeError, match="sparse"):
-                handle.flush()
-            head.grad = head.grad.to_dense()
+                opt.step()  # eager: raises here
+                handle.flush()  # fused: here
+        else:
+            opt.step()
         opt.zero_grad()
-    handle.remove()
-    _assert_same_training((model, opt), ref)
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once() -> None:
+    """flush() applies the pending updates group by group. When the second
+    group's update is refused, the first group's has been applied: it must
+    not stay pending, or a later flush updates those parameters a second
+    time; nor may the refused one, whose held gradient would be refused by
+    every forward from then on."""
+    _assert_same_training(_sparse_head_gradient_at_2("forward"), _sparse_head_gradient_at_2(None))
 
 
 def _amsgrad_switched_on_at_2(mode: str | None) -> tuple:
@@ -2136,8 +2190,8 @@ def test_forward_mode_step_refuses_a_sparse_gradient() -> None:
 
 def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> None:
     """remove() applies the pending updates first; one refused there (its
-    gradient made sparse after step()) raises, but after the fusion is gone:
-    it stayed installed, so it could never be removed."""
+    gradient changed in place after step()) raises, but after the fusion is
+    gone: it stayed installed, so it could never be removed."""
     model = _mlp()
     opt = rp.SGD(model.parameters(), lr=0.1)
     before = hook_snapshot(model, opt)
@@ -2145,8 +2199,8 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
     x, y = _mlp_batch(0)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    model[4].weight.grad = model[4].weight.grad.to_sparse()
-    with pytest.raises(RuntimeError, match="sparse"):
+    model[4].weight.grad.mul_(2)
+    with pytest.raises(RuntimeError, match="changed in place"):
         handle.remove()
     assert_no_fusion_left(model, opt, before)
     handle.remove()  # done already: a no-op
@@ -2309,7 +2363,7 @@ AFTER_STEP = {
     "optimizer.load_state_dict": _load_optimizer_checkpoint,
     "model.to": _convert_model,
     "submodule.to": _convert_submodule,
-    # model.zero_grad() in place of the optimizer's dropped the pending updates' gradients
+    # model.zero_grad() in place of the optimizer's
     "model.zero_grad": lambda model, opt: model.zero_grad(),
     "submodule.zero_grad": lambda model, opt: model[2].zero_grad(),
 }
@@ -2326,6 +2380,109 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     got = _mlp_loop("forward", lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     ref = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 8, after_step=events)
     _assert_same_training(got, ref)
+
+
+def _free_grads_by_hand(model: nn.Module, opt) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _new_zero_grads_by_hand(model: nn.Module, opt) -> None:
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+
+def _zero_grad_then_set_by_hand(set_to_none: bool) -> Callable:
+    def change(model: nn.Module, opt) -> None:
+        opt.zero_grad(set_to_none=set_to_none)
+        model[2].weight.grad = torch.full_like(model[2].weight, 5.0)
+    return change
+
+
+GRADS_AFTER_STEP = {
+    "grad_none": _free_grads_by_hand,  # PyTorch's performance guide's zeroing
+    "new_zeros": _new_zero_grads_by_hand,
+    "zero_grad_then_set": _zero_grad_then_set_by_hand(True),
+    "zero_grad_keeping_zeros_then_set": _zero_grad_then_set_by_hand(False),
+}
+
+
+@pytest.mark.parametrize("change", list(GRADS_AFTER_STEP))
+def test_forward_mode_grads_changed_after_step_match_eager(change: str) -> None:
+    """Eager step() applied the gradients before the loop frees or replaces
+    .grad after it: the pending updates apply the gradients of step(), not
+    what .grad holds at the next forward (none: the update was dropped; a
+    hand-set one: applied in its place)."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    events = dict.fromkeys(range(6), GRADS_AFTER_STEP[change])
+    got = _mlp_loop("forward", make_opt, 6, after_step=events)
+    ref = _mlp_loop(None, make_opt, 6, after_step=events)
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_forward_mode_grads_after_zero_grad_are_eagers(set_to_none: bool) -> None:
+    """.grad after step() and zero_grad(), after a gradient set by hand then,
+    and after the next forward, is what eager training shows: None or a new
+    zero tensor at once (the gradient the pending update holds is not
+    zeroed in place), then the hand-set one, kept."""
+    runs = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        held = model[2].weight.grad
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        seen = [[None if p.grad is None else p.grad.clone() for p in model.parameters()]]
+        if mode is not None:  # (eager's set_to_none=False zeroes it: applied already)
+            assert held.abs().sum() > 0, "a gradient the pending update holds zeroed in place"
+        model[2].weight.grad = torch.full_like(model[2].weight, 5.0)
+        model(x)
+        seen.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        runs[mode] = (model, opt, seen)
+        if handle is not None:
+            handle.remove()
+    (model, opt, seen), (ref_model, ref_opt, ref_seen) = runs["forward"], runs[None]
+    for stage, (got, ref) in enumerate(zip(seen, ref_seen)):
+        for (n, _), g, r in zip(model.named_parameters(), got, ref):
+            assert (g is None) == (r is None) and (g is None or torch.equal(g, r)), \
+                f"{n} at stage {stage}: {g} != {r}"
+    _assert_same_training((model, opt), (ref_model, ref_opt))
+
+
+IN_PLACE_EDITS = {"zero_": lambda g: g.zero_(), "mul_": lambda g: g.mul_(0)}
+
+
+@pytest.mark.parametrize("edit", list(IN_PLACE_EDITS))
+def test_forward_mode_grad_edited_in_place_after_step_raises_and_drops_its_update(edit: str) -> None:
+    """A gradient changed in place after step() (p.grad.zero_() as manual
+    zeroing) is gone before its pending update could apply it, so that update
+    can give neither eager's result nor, silently, another: the forward that
+    would apply it raises, naming the parameter, and drops it; the other
+    pending updates apply as in eager training."""
+    runs = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        before = model[2].weight.detach().clone()
+        opt.step()
+        IN_PLACE_EDITS[edit](model[2].weight.grad)
+        if handle is not None:
+            with pytest.raises(RuntimeError, match=r"gradient of parameter '2\.weight' .*changed in place"):
+                model(x)
+            model(x)  # dropped: not raised again
+            assert torch.equal(model[2].weight, before)
+            handle.remove()
+        runs[mode] = model
+    for (n, p), r in zip(runs["forward"].named_parameters(), runs[None].parameters()):
+        if n != "2.weight":
+            assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
 
 
 def _reset_optimizer_state(how: str) -> Callable:

@@ -25,10 +25,14 @@ an unmodified ``nn.Module``; the training loop keeps calling
   forward raises. Hyper-parameters changed between ``backward()`` and
   ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
-  marks the updates pending, and ``zero_grad()`` is deferred to them; each
-  pending update is applied right before its module's next forward, in
-  training or evaluation, once (those the next forward did not use, at its
-  end). Clipping (``clip_grad_norm=`` or
+  marks the updates pending, each holding the gradient its parameter has
+  then (the tensor, not a copy), so ``.grad`` is the user's again at once:
+  ``zero_grad()``, ``p.grad = None`` and a gradient set by hand act as after
+  an eager step(). Each pending update is applied right before its module's
+  next forward, in training or evaluation, once (those the next forward did
+  not use, at its end). A held gradient changed in place before then
+  (``p.grad.zero_()`` after step()) cannot give eager's update: applying it
+  raises, and drops that update. Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
   ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
@@ -128,8 +132,9 @@ def _flushing(name: str):
     holding fused parameters (a copy of the module has no fusion): _apply
     (what .to(), .half(), .cuda() call: the values converted must be the
     updated ones) and zero_grad (model.zero_grad() in place of the
-    optimizer's, between step() and the next forward: it dropped the
-    gradients of the pending updates). A nested call finds nothing pending."""
+    optimizer's, between step() and the next forward: with
+    set_to_none=False it zeroes in place the gradients the pending updates
+    hold). A nested call finds nothing pending."""
     def method(module: nn.Module, *args, **kwargs):
         for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
             handle.flush()
@@ -185,15 +190,17 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             A micro-batch is the forwards in grad mode (of any module that owns
             fused parameters, however often) up to the next backward; forwards
             under no_grad, and those checkpointing recomputes inside backward,
-            do not count. In forward mode the user loop decides when to call
-            step().
+            do not count. A count (an int or a NumPy int, not a bool). In
+            forward mode the user loop decides when to call step(): refused
+            there unless 1.
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step()
             (but after the optimizer's step pre-hooks, inside step()).
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
-            step() was called since).
+            step() was called since). Refused in forward mode, which frees
+            no gradient itself.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -202,8 +209,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if mode not in _MODES:
         raise ValueError(f"mode: expected 'backward' or 'forward', got {mode!r}")
-    if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
-        raise ValueError(f"accumulation_steps: expected an int >= 1, got {accumulation_steps!r}")
+    accumulation_steps = _tensors.check_count(accumulation_steps, "accumulation_steps", 1)
     if clip_grad_norm is not None:
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
@@ -213,8 +219,11 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
+    if mode == "forward" and keep_grads:
+        raise ValueError("keep_grads: forward mode frees no gradient (zero_grad() and the "
+                         "training loop do, as in eager training); leave keep_grads False")
+    engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
-    engine = _engine_for(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
         _check_not_micro_batch_pipelined(engine)
@@ -331,6 +340,20 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         else:
             p.grad.requires_grad_(False)
         p.grad.zero_()
+
+
+def _param_name(model: nn.Module, p: torch.Tensor) -> str:
+    """p as an error message names it: by its name in `model` if it has one."""
+    name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p), None)
+    shape = f"of shape {tuple(p.shape)}"
+    return f"parameter {name!r} ({shape})" if name else f"a parameter {shape}"
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """t's version counter, which in-place ops bump; None for an inference
+    tensor, which has none (torch refuses its in-place edits outside
+    inference_mode)."""
+    return None if t.is_inference() else t._version
 
 
 def _frozen(value):
@@ -1130,11 +1153,13 @@ class _ForwardFusion(FusionHandle):
         super().__init__(model, optimizer, engine)
         self._clip = clip_grad_norm
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
+        # id(param) -> (the gradient its pending update applies: its .grad at
+        # step(), held, not copied; that tensor's _version then)
+        self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
         # id(group) -> (state slots, ids of the params with a gradient) of the
         # last step() whose update of the group passed the optimizer's full check
         self._checked: dict = {}
-        self._zero: dict = {}  # id(param) -> set_to_none of a zero_grad() deferred to the update
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
         self._seen_running: set = set()  # ids of modules observed running forward
@@ -1164,7 +1189,8 @@ class _ForwardFusion(FusionHandle):
         self._hook_owners()
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
-        # Refused before it is summed into .grad, which the pending update reads.
+        # Refused before it reaches .grad: the gradient the pending update holds
+        # may still be .grad, and flush() then the same backward trains as eager.
         for p in new:
             self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
         # Each param's group as of this sync, which every step() makes: the group
@@ -1253,32 +1279,69 @@ class _ForwardFusion(FusionHandle):
         self.flush()
 
     def _apply(self, params: list) -> None:
-        """Applies these pending updates (under the lock), group by group. They
-        leave _pending only once applied: a module pre-hook finding nothing of
-        its own there knows its parameters are current, without taking the
-        lock; and when a later group's update is refused, the groups applied
-        before it are not pending any more, so the retry after the fix
-        updates each parameter once."""
+        """Applies these pending updates (under the lock), from the gradients
+        step() held for them."""
         engine = self.optimizer
         of_step = self._state_if_edited_since_step()
         if of_step is not None:  # eager step() applied every update before the edit
             params = list(self._pending.values())
-            users, engine.state = engine.state, of_step
         try:
-            for group, group_params in self._by_group(params):
-                with torch.no_grad():
-                    engine._update(group, group_params, self._settings.get(id(group)))
-                for p in group_params:
-                    del self._pending[id(p)]
-                    if id(p) in self._zero:
-                        _zero_grad_of(p, self._zero.pop(id(p)))
-        finally:
+            grads = self._held_grads(params)
+            users = engine.state
             if of_step is not None:
-                engine.state = users
-                self._keep_state_created(of_step)
-        if not self._pending:
-            self._settings = {}
-            self._step_state = None
+                engine.state = of_step
+            try:
+                self._apply_by_group(params, grads)
+            finally:
+                if of_step is not None:
+                    engine.state = users
+                    self._keep_state_created(of_step)
+        finally:
+            if not self._pending:  # the step is over
+                self._settings = {}
+                self._step_state = None
+
+    def _apply_by_group(self, params: list, grads: dict) -> None:
+        """The updates of `params`, group by group (each group's in one call,
+        which the optimizer refuses or runs whole). Each group's leave
+        _pending once applied, so a module pre-hook finding nothing of its
+        own there knows its parameters are current, without taking the lock;
+        or once refused (a held gradient made sparse that step()'s cached
+        check let pass): it would be refused by every forward for good, as
+        its gradient stays what step() held, and eager's step() refused it
+        too, updating nothing of the group. The groups applied before a
+        refused one are not pending any more: each is updated once."""
+        for group, group_params in self._by_group(params):
+            try:
+                with torch.no_grad():
+                    self.optimizer._update(group, group_params, self._settings.get(id(group)),
+                                           grads)
+            finally:
+                self._settle(group_params)
+
+    def _held_grads(self, params: list) -> dict:
+        """id(param) -> the gradient step() held for each pending update of
+        `params`. One changed in place since (p.grad.zero_() or mul_() after
+        step(), where eager's step() had applied it already) can neither give
+        eager's update nor be applied edited: those updates are dropped and
+        a RuntimeError names them, before any of `params` is applied (the
+        others stay pending)."""
+        edited = [p for p in params if _version_of(self._grads[id(p)][0]) != self._grads[id(p)][1]]
+        if edited:
+            self._settle(edited)
+            names = ", ".join(_param_name(self.model, p) for p in edited)
+            raise RuntimeError(
+                f"reprop.fuse(mode='forward'): the gradient of {names} was changed in place "
+                "after optimizer.step() (e.g. p.grad.zero_()), before its pending update was "
+                "applied; that update is dropped. Set p.grad = None or call "
+                "optimizer.zero_grad() instead, or call handle.flush() before editing .grad")
+        return {id(p): self._grads[id(p)][0] for p in params}
+
+    def _settle(self, params: list) -> None:
+        """These updates are no longer pending (applied, or dropped)."""
+        for p in params:
+            del self._pending[id(p)]
+            del self._grads[id(p)]
 
     def _state_if_edited_since_step(self) -> dict | None:
         """At the first update since step(): None when the optimizer's state
@@ -1374,9 +1437,19 @@ class _ForwardFusion(FusionHandle):
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
-                    self._pending.update((id(p), p) for p in params)
+                    self._hold(params)
         finally:  # a refused group: eager step() has updated the groups before it
             self._decided(with_grad)
+
+    def _hold(self, params: list) -> None:
+        """Marks these updates pending, each to apply the gradient its param
+        has now (the tensor, not a copy), as eager's step() applies it now,
+        whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
+        gradient set by hand); its version tells an edit in place
+        (_held_grads)."""
+        for p in params:
+            self._pending[id(p)] = p
+            self._grads[id(p)] = (p.grad, _version_of(p.grad))
 
     def _decided(self, with_grad: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
@@ -1408,9 +1481,14 @@ class _ForwardFusion(FusionHandle):
             self._checked[id(group)] = checked
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
+        """What eager's zero_grad() does, now (the pending updates hold their
+        gradients), except to a gradient a pending update holds:
+        set_to_none=False gives its param a new zero gradient instead of
+        zeroing it in place."""
         self._sync()  # eager zeroes the params of the groups as they are now
         for p in self._params.values():
-            if id(p) in self._pending:
-                self._zero[id(p)] = set_to_none
+            held = self._grads.get(id(p))
+            if not set_to_none and held is not None and p.grad is held[0]:
+                p.grad = torch.zeros_like(held[0])
             else:
                 _zero_grad_of(p, set_to_none)
