@@ -353,6 +353,16 @@ def test_csr_entry_points_reject_non_tuples():
     assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
 
 
+def test_csr_plan_refuses_a_decreasing_indptr():
+    """indptr [0, 3, 2] ends at nnz = 2 but row 0 claims 3 entries: the plan
+    read indices[2], past a view of the first two (it planned on garbage)."""
+    indices = np.array([0, 1, 2, 3], np.int32)[:2]
+    leaf = (2, 4, np.array([0, 3, 2], np.int32), indices, False, None, 0)
+    nxt = (4, 4, np.arange(5, dtype=np.int32), np.arange(4, dtype=np.int32), False, None, 0)
+    with pytest.raises(ValueError, match="layer 0: indptr must run from 0 to nnz without decreasing"):
+        _C.csr_plan([leaf, nxt], -1, 0, 1.0, 4e3, 20.0)
+
+
 def test_max_levels_and_cost_model():
     assert [bppsa.max_levels(n) for n in (1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 1, 2, 2, 3, 9]
     # two CPU threads: the linear scan's matrix-vector steps win over H x H products
