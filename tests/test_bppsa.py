@@ -1061,6 +1061,19 @@ def test_chain_backward_equals_autograd(levels):
         assert rel_err(a, b) <= 1e-5
 
 
+def test_chain_gradients_are_contiguous_and_own_their_memory():
+    """They were transposed views of the scan's batch-minor buffer (the batch
+    the fastest dim), which kept the whole buffer alive; autograd's are
+    contiguous tensors of their own."""
+    torch.manual_seed(1)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    ours = bppsa.chain_backward(layers, x, g)
+    for a, b in zip(ours, autograd_layer_input_grads(layers, x, g)):
+        assert a.is_contiguous() and a.stride() == b.stride()
+        assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+
+
 def test_chain_plan_reuse_equals_fresh_plans():
     """Patterns are planned once; new weights and inputs only change values."""
     torch.manual_seed(2)

@@ -1163,7 +1163,9 @@ class ChainPlan:
         # where torch selects (0 * inf = NaN, torch's 0).
         if not _sums_finite(grads):
             return self._torch_backward(inputs, grad_output)
-        return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
+        # copied out contiguous, as autograd's are: views of the batch-minor
+        # buffer would be strided (B fastest) and keep all of it alive
+        return [x.new_empty(x.shape).copy_(grad.reshape(x.shape)) for grad, x in zip(grads, inputs)]
 
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
