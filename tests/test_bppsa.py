@@ -300,15 +300,55 @@ def test_scan_out_is_a_write_autograd_sees():
     leaf = torch.randn(6, 2, 3, requires_grad=True)
     out = leaf * 1.0
     loss = (out * out).sum()  # saves out
-    bppsa.scan(c, w=w, v=v, out=out)
+    with torch.no_grad():  # out requires grad: refused under grad mode, as by torch's out=
+        bppsa.scan(c, w=w, v=v, out=out)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         out = leaf * 1.0
         loss = (out * out).sum()
-        bppsa.scan(c, w=w, v=v, out=out)
+        with torch.no_grad():
+            bppsa.scan(c, w=w, v=v, out=out)
         loss.backward()
     torch.testing.assert_close(leaf.grad, 2 * leaf.detach(), rtol=0, atol=0)
+
+
+def test_scan_follows_autograd_and_inference_mode_rules():
+    """scan records no graph: an operand requiring grad lost its gradient
+    silently (the result did not require grad), and out= wrote a leaf that
+    requires grad and an inference tensor outside inference mode, where
+    torch's out= functions and in-place writes refuse both."""
+    T, B, H = 4, 2, 3
+    c, w, v, y = torch.randn(T, B, H), torch.randn(H, H), torch.rand(T, B, H), torch.rand(T, B, H)
+    want = bppsa.scan(c, w=w, v=v)
+    for name in ("c", "w", "v"):
+        args = {"c": c, "w": w, "v": v}
+        args[name] = args[name].clone().requires_grad_()
+        with pytest.raises(RuntimeError, match=f"^{name}: requires grad, but scan is not differentiable"):
+            bppsa.scan(**args)
+        with pytest.raises(RuntimeError, match=r"^scan\(\): functions with out=\.\.\. arguments don't "
+                                               rf"support automatic differentiation.*\({name}\)"):
+            bppsa.scan(**args, out=torch.empty(T, B, H))
+        with torch.no_grad():  # nothing to record: torch's ops run too
+            assert torch.equal(bppsa.scan(**args), want)
+    yg = y.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="^y: requires grad"):
+        bppsa.scan(c, w=w, activation="tanh", y=yg)
+    leaf = torch.zeros(T, B, H, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"automatic differentiation.*\(out\)"):
+        bppsa.scan(c, w=w, v=v, out=leaf)
+    assert torch.count_nonzero(leaf) == 0
+    with torch.no_grad():
+        bppsa.scan(c, w=w, v=v, out=leaf)
+    assert torch.equal(leaf, want)
+    with torch.inference_mode():
+        inference = torch.zeros(T, B, H)
+    with pytest.raises(RuntimeError, match="^out: inplace update to inference tensor outside InferenceMode"):
+        bppsa.scan(c, w=w, v=v, out=inference)
+    assert torch.count_nonzero(inference) == 0
+    with torch.inference_mode():
+        assert bppsa.scan(c, w=w, v=v, out=inference) is inference
+    assert torch.equal(inference, want)
 
 
 def test_linear_scan_needs_no_workspace():

@@ -37,7 +37,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
-from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided,
+from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
                        dispatch_mode_active, hook_owner, is_count, show_coming_writes,
                        torch_only, torch_only_weight)
 from .fusion import FusionHandle
@@ -190,6 +190,27 @@ def _check_out(out: torch.Tensor, c: torch.Tensor, jacobians: dict) -> None:
             raise ValueError(f"out: overlaps {name}")
 
 
+def _check_no_graph(operands: dict, out: torch.Tensor | None) -> None:
+    """scan records no autograd graph (its kernels write through raw
+    pointers): under grad mode an operand that requires grad is refused, as
+    torch refuses out= then, rather than its gradient silently lost; under
+    no_grad or inference_mode there is nothing to record. out is written in
+    place, so an inference tensor is refused outside inference_mode, as torch
+    refuses it."""
+    if out is not None:
+        check_writable(out, "out")
+    if not torch.is_grad_enabled():
+        return
+    name = next((name for name, t in operands.items() if t is not None and t.requires_grad), None)
+    if name is None:
+        return
+    if out is not None:
+        raise RuntimeError(f"scan(): functions with out=... arguments don't support automatic "
+                           f"differentiation, but one of the arguments requires grad ({name})")
+    raise RuntimeError(f"{name}: requires grad, but scan is not differentiable (it records no "
+                       f"graph); call it under torch.no_grad() or pass {name}.detach()")
+
+
 _ACTIVATIONS = {"tanh": 1, "relu": 2}  # rp_scan_act
 
 
@@ -233,7 +254,11 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     afterwards (relu: selecting; and then v[0] is used); written into `out`
     when given: a contiguous (T, B, H) float32 tensor on c's device, c itself
     (in place) or disjoint from c, and disjoint from w, u, v, y, jt. Runs on
-    c's device (CPU or CUDA, on the current stream); float32 only. The linear
+    c's device (CPU or CUDA, on the current stream); float32 only. Not
+    differentiable: under grad mode, an operand (or out) that requires grad
+    raises RuntimeError, as torch's out= functions do; call it under
+    torch.no_grad(). An inference tensor as out raises outside
+    torch.inference_mode, as torch's in-place writes do. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
@@ -265,6 +290,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
+    _check_no_graph({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}, out)
     levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
