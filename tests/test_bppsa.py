@@ -1329,6 +1329,28 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([nn.MaxPool2d(2)], (9, 9))
 
 
+def test_argument_errors_name_the_argument():
+    """A plan that is not a ChainPlan raised AttributeError, a float or bare
+    int input_shape Python's own TypeError from the layers' geometry, and a
+    numpy bool for pre_activation "expected a bool, got bool"."""
+    layers = [nn.Linear(4, 2)]
+    with pytest.raises(TypeError, match="^plan: expected a ChainPlan or None, got str"):
+        bppsa.chain_backward(layers, torch.randn(2, 4), plan="x")
+    for kind in (nn.Linear(4, 2), nn.ReLU()):
+        for bad in ((4.0,), 4, "4", (4, None)):
+            with pytest.raises(TypeError, match=r"^input_shape: expected one sample's shape, a sequence of ints"):
+                bppsa.ChainPlan([kind], bad)
+    with pytest.raises(ValueError, match=r"^input_shape: expected an int in \[1, 2147483647\], got 0"):
+        bppsa.ChainPlan([nn.ReLU()], (0,))
+    with pytest.raises(ValueError, match=r"^x: expected a batch \(B, \.\.\.\) of non-empty samples"):
+        bppsa.chain_backward([nn.ReLU()], torch.randn(2, 0))
+    plan = bppsa.ChainPlan([nn.Flatten(), nn.Linear(12, 2)], [np.int64(3), 4])  # numpy ints as torch takes them
+    assert plan.input_shape == (3, 4) and all(type(d) is int for d in plan.input_shape)
+    c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
+    with pytest.raises(TypeError, match=r"^pre_activation: expected a bool, got numpy\.bool"):
+        bppsa.scan(c, w=w, v=v, pre_activation=np.bool_(True))
+
+
 class _StandardizedConv2d(nn.Conv2d):
     """A Conv2d whose forward standardizes its weight (timm's StdConv2d)."""
 

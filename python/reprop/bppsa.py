@@ -158,6 +158,13 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+def _type_name(value) -> str:
+    """value's type as errors name it: qualified outside the builtins, so that
+    numpy.bool does not read as bool."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -272,8 +279,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     if H < 1:
         raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
-    if not isinstance(pre_activation, bool):
-        raise TypeError(f"pre_activation: expected a bool, got {type(pre_activation).__name__}")
+    if not isinstance(pre_activation, bool):  # numpy.bool too, as torch's bool arguments refuse it
+        raise TypeError(f"pre_activation: expected a bool, got {_type_name(pre_activation)}")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -890,6 +897,15 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
 
+def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
+    """One sample's shape as a tuple of Python ints >= 1 (numpy's ints too):
+    a float or a bare int reached the layers' geometry as Python's own error."""
+    dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
+    if dims is None or not all(is_count(d) for d in dims):
+        raise TypeError(f"{name}: expected one sample's shape, a sequence of ints, got {shape!r}")
+    return tuple(check_count(d, name, 1, 2 ** 31 - 1) for d in dims)
+
+
 def _check_chain_tensor(t, name: str) -> None:
     """What a chain's float32 Jacobian values can take: float64 would come
     back float32-accurate, so it is refused as the RNN modules refuse it."""
@@ -1083,10 +1099,11 @@ class ChainPlan:
                  max_pairs: int = 0, pruned: bool = False):
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
+        input_shape = _check_sample_shape(input_shape, "input_shape")
         layers = list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
-        shape, self.leaves, self.steps = tuple(input_shape), [], []
+        shape, self.leaves, self.steps = input_shape, [], []
         for i, layer in enumerate(layers):
             _check_chain_layer(layer, f"layers[{i}]")
             if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
@@ -1097,7 +1114,7 @@ class ChainPlan:
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
-        self.input_shape, self.output_shape = tuple(input_shape), shape
+        self.input_shape, self.output_shape = input_shape, shape
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
@@ -1225,8 +1242,10 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
     patterns across steps; else one is built for x's sample shape."""
     _check_chain_tensor(x, "x")
-    if x.dim() < 2:
-        raise ValueError(f"x: expected a batch (B, ...) of samples, got shape {tuple(x.shape)}")
+    if x.dim() < 2 or 0 in x.shape[1:]:
+        raise ValueError(f"x: expected a batch (B, ...) of non-empty samples, got shape {tuple(x.shape)}")
+    if plan is not None and not isinstance(plan, ChainPlan):
+        raise TypeError(f"plan: expected a ChainPlan or None, got {_type_name(plan)}")
     if plan is None:
         plan = ChainPlan(layers, x.shape[1:], levels=levels)
     elif not _same_modules(layers, [layer for layer, _ in plan.steps]):
