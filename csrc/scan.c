@@ -896,6 +896,19 @@ static int rp_csr_copy_leaf(const rp_csr_pattern *src, rp_csr_mat *dst)
     return 0;
 }
 
+/* 0 = indptr[0] <= indptr[1] <= ... <= indptr[rows] = nnz: every row's
+ * range lies inside indices[0, nnz), checked before any row is read (a
+ * decreasing step would let an earlier row run past nnz). */
+static int rp_csr_indptr_valid(const rp_csr_pattern *m)
+{
+    if (m->indptr[0] != 0 || m->indptr[m->rows] != m->nnz)
+        return 0;
+    for (int64_t r = 0; r < m->rows; r++)
+        if (m->indptr[r] > m->indptr[r + 1])
+            return 0;
+    return 1;
+}
+
 static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error *err)
 {
     if (n < 1 || leaves == NULL)
@@ -915,12 +928,12 @@ static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error
                 return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: value_map[%lld] = %d is "
                                     "outside its %lld values", (long long)i, (long long)q,
                                     (int)m->value_map[q], (long long)m->values);
-        if (m->indptr[0] != 0 || m->indptr[m->rows] != m->nnz)
-            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz",
-                                (long long)i);
+        if (!rp_csr_indptr_valid(m))
+            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz "
+                                "without decreasing", (long long)i);
         for (int64_t r = 0; r < m->rows; r++)
             for (int64_t q = m->indptr[r]; q < m->indptr[r + 1]; q++)
-                if (m->indptr[r] > m->indptr[r + 1] || m->indices[q] < 0 || m->indices[q] >= m->cols ||
+                if (m->indices[q] < 0 || m->indices[q] >= m->cols ||
                     (q > m->indptr[r] && m->indices[q] <= m->indices[q - 1]))
                     return rp_set_error(err, RP_EINVAL,
                                         "csr plan: layer %lld: row %lld is not sorted, unique and in range",

@@ -300,15 +300,55 @@ def test_scan_out_is_a_write_autograd_sees():
     leaf = torch.randn(6, 2, 3, requires_grad=True)
     out = leaf * 1.0
     loss = (out * out).sum()  # saves out
-    bppsa.scan(c, w=w, v=v, out=out)
+    with torch.no_grad():  # out requires grad: refused under grad mode, as by torch's out=
+        bppsa.scan(c, w=w, v=v, out=out)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
     with torch.autograd.graph.allow_mutation_on_saved_tensors():
         out = leaf * 1.0
         loss = (out * out).sum()
-        bppsa.scan(c, w=w, v=v, out=out)
+        with torch.no_grad():
+            bppsa.scan(c, w=w, v=v, out=out)
         loss.backward()
     torch.testing.assert_close(leaf.grad, 2 * leaf.detach(), rtol=0, atol=0)
+
+
+def test_scan_follows_autograd_and_inference_mode_rules():
+    """scan records no graph: an operand requiring grad lost its gradient
+    silently (the result did not require grad), and out= wrote a leaf that
+    requires grad and an inference tensor outside inference mode, where
+    torch's out= functions and in-place writes refuse both."""
+    T, B, H = 4, 2, 3
+    c, w, v, y = torch.randn(T, B, H), torch.randn(H, H), torch.rand(T, B, H), torch.rand(T, B, H)
+    want = bppsa.scan(c, w=w, v=v)
+    for name in ("c", "w", "v"):
+        args = {"c": c, "w": w, "v": v}
+        args[name] = args[name].clone().requires_grad_()
+        with pytest.raises(RuntimeError, match=f"^{name}: requires grad, but scan is not differentiable"):
+            bppsa.scan(**args)
+        with pytest.raises(RuntimeError, match=r"^scan\(\): functions with out=\.\.\. arguments don't "
+                                               rf"support automatic differentiation.*\({name}\)"):
+            bppsa.scan(**args, out=torch.empty(T, B, H))
+        with torch.no_grad():  # nothing to record: torch's ops run too
+            assert torch.equal(bppsa.scan(**args), want)
+    yg = y.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="^y: requires grad"):
+        bppsa.scan(c, w=w, activation="tanh", y=yg)
+    leaf = torch.zeros(T, B, H, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"automatic differentiation.*\(out\)"):
+        bppsa.scan(c, w=w, v=v, out=leaf)
+    assert torch.count_nonzero(leaf) == 0
+    with torch.no_grad():
+        bppsa.scan(c, w=w, v=v, out=leaf)
+    assert torch.equal(leaf, want)
+    with torch.inference_mode():
+        inference = torch.zeros(T, B, H)
+    with pytest.raises(RuntimeError, match="^out: inplace update to inference tensor outside InferenceMode"):
+        bppsa.scan(c, w=w, v=v, out=inference)
+    assert torch.count_nonzero(inference) == 0
+    with torch.inference_mode():
+        assert bppsa.scan(c, w=w, v=v, out=inference) is inference
+    assert torch.equal(inference, want)
 
 
 def test_linear_scan_needs_no_workspace():
@@ -351,6 +391,16 @@ def test_csr_entry_points_reject_non_tuples():
     with pytest.raises(TypeError, match=r"^leaves: expected tuples \(rows, cols, indptr"):
         _C.csr_plan([leaf, leaf[:3]], 0, 0, 1.0, 1.0, 1.0)
     assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
+
+
+def test_csr_plan_refuses_a_decreasing_indptr():
+    """indptr [0, 3, 2] ends at nnz = 2 but row 0 claims 3 entries: the plan
+    read indices[2], past a view of the first two (it planned on garbage)."""
+    indices = np.array([0, 1, 2, 3], np.int32)[:2]
+    leaf = (2, 4, np.array([0, 3, 2], np.int32), indices, False, None, 0)
+    nxt = (4, 4, np.arange(5, dtype=np.int32), np.arange(4, dtype=np.int32), False, None, 0)
+    with pytest.raises(ValueError, match="layer 0: indptr must run from 0 to nnz without decreasing"):
+        _C.csr_plan([leaf, nxt], -1, 0, 1.0, 4e3, 20.0)
 
 
 def test_max_levels_and_cost_model():
@@ -1051,6 +1101,19 @@ def test_chain_backward_equals_autograd(levels):
         assert rel_err(a, b) <= 1e-5
 
 
+def test_chain_gradients_are_contiguous_and_own_their_memory():
+    """They were transposed views of the scan's batch-minor buffer (the batch
+    the fastest dim), which kept the whole buffer alive; autograd's are
+    contiguous tensors of their own."""
+    torch.manual_seed(1)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    ours = bppsa.chain_backward(layers, x, g)
+    for a, b in zip(ours, autograd_layer_input_grads(layers, x, g)):
+        assert a.is_contiguous() and a.stride() == b.stride()
+        assert a.untyped_storage().nbytes() == a.numel() * a.element_size()
+
+
 def test_chain_plan_reuse_equals_fresh_plans():
     """Patterns are planned once; new weights and inputs only change values."""
     torch.manual_seed(2)
@@ -1264,6 +1327,28 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.ChainPlan([conv], (3, 9))
     with pytest.raises(ValueError, match=r"MaxPool2d: expected an input of shape \(C, H, W\)"):
         bppsa.ChainPlan([nn.MaxPool2d(2)], (9, 9))
+
+
+def test_argument_errors_name_the_argument():
+    """A plan that is not a ChainPlan raised AttributeError, a float or bare
+    int input_shape Python's own TypeError from the layers' geometry, and a
+    numpy bool for pre_activation "expected a bool, got bool"."""
+    layers = [nn.Linear(4, 2)]
+    with pytest.raises(TypeError, match="^plan: expected a ChainPlan or None, got str"):
+        bppsa.chain_backward(layers, torch.randn(2, 4), plan="x")
+    for kind in (nn.Linear(4, 2), nn.ReLU()):
+        for bad in ((4.0,), 4, "4", (4, None)):
+            with pytest.raises(TypeError, match=r"^input_shape: expected one sample's shape, a sequence of ints"):
+                bppsa.ChainPlan([kind], bad)
+    with pytest.raises(ValueError, match=r"^input_shape: expected an int in \[1, 2147483647\], got 0"):
+        bppsa.ChainPlan([nn.ReLU()], (0,))
+    with pytest.raises(ValueError, match=r"^x: expected a batch \(B, \.\.\.\) of non-empty samples"):
+        bppsa.chain_backward([nn.ReLU()], torch.randn(2, 0))
+    plan = bppsa.ChainPlan([nn.Flatten(), nn.Linear(12, 2)], [np.int64(3), 4])  # numpy ints as torch takes them
+    assert plan.input_shape == (3, 4) and all(type(d) is int for d in plan.input_shape)
+    c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
+    with pytest.raises(TypeError, match=r"^pre_activation: expected a bool, got numpy\.bool"):
+        bppsa.scan(c, w=w, v=v, pre_activation=np.bool_(True))
 
 
 class _StandardizedConv2d(nn.Conv2d):

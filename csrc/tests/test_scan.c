@@ -471,6 +471,12 @@ static void test_csr_errors(void)
           "column out of range: %s", err.msg);
     CHECK(rp_csr_plan_create(1, &d, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "value_map[0] = 1"),
           "value map out of range: %s", err.msg);
+    /* row 0 claims [0, 3) of 2 entries, row 1 steps back to 2 = nnz: refused
+     * before any row is read (ASan: indices[2] is past the array) */
+    int32_t back[3] = {0, 3, 2}, four[2] = {0, 1};
+    rp_csr_pattern e = {2, 4, 2, back, four, 0, NULL, 0};
+    CHECK(rp_csr_plan_create(1, &e, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "indptr"),
+          "decreasing indptr: %s", err.msg);
     CHECK(plan == NULL, "no plan on error");
     CHECK(rp_csr_plan_create(1, &a, -1, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
     float seq[64], shared[64];

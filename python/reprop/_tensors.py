@@ -37,6 +37,14 @@ def check_strided(t: torch.Tensor, name: str) -> None:
         raise RuntimeError(f"{name}: sparse tensors are not supported (got layout {t.layout})")
 
 
+def check_writable(x: torch.Tensor, name: str) -> None:
+    """torch's refusal of an in-place write that a kernel's raw pointer would
+    slip past: an inference tensor outside inference_mode cannot be tracked."""
+    if x.is_inference() and not torch.is_inference_mode_enabled():
+        raise RuntimeError(f"{name}: inplace update to inference tensor outside InferenceMode is "
+                           "not allowed (as in torch); clone it first to get a normal tensor")
+
+
 def is_count(value) -> bool:
     """An int or a NumPy int; never a bool (True is not a count of 1) nor a float."""
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)

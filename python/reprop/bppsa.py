@@ -37,7 +37,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda
-from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided,
+from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
                        dispatch_mode_active, hook_owner, is_count, show_coming_writes,
                        torch_only, torch_only_weight)
 from .fusion import FusionHandle
@@ -158,6 +158,13 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+def _type_name(value) -> str:
+    """value's type as errors name it: qualified outside the builtins, so that
+    numpy.bool does not read as bool."""
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+
+
 def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
@@ -188,6 +195,27 @@ def _check_out(out: torch.Tensor, c: torch.Tensor, jacobians: dict) -> None:
     for name, t in jacobians.items():
         if t is not None and _overlaps(out, t):
             raise ValueError(f"out: overlaps {name}")
+
+
+def _check_no_graph(operands: dict, out: torch.Tensor | None) -> None:
+    """scan records no autograd graph (its kernels write through raw
+    pointers): under grad mode an operand that requires grad is refused, as
+    torch refuses out= then, rather than its gradient silently lost; under
+    no_grad or inference_mode there is nothing to record. out is written in
+    place, so an inference tensor is refused outside inference_mode, as torch
+    refuses it."""
+    if out is not None:
+        check_writable(out, "out")
+    if not torch.is_grad_enabled():
+        return
+    name = next((name for name, t in operands.items() if t is not None and t.requires_grad), None)
+    if name is None:
+        return
+    if out is not None:
+        raise RuntimeError(f"scan(): functions with out=... arguments don't support automatic "
+                           f"differentiation, but one of the arguments requires grad ({name})")
+    raise RuntimeError(f"{name}: requires grad, but scan is not differentiable (it records no "
+                       f"graph); call it under torch.no_grad() or pass {name}.detach()")
 
 
 _ACTIVATIONS = {"tanh": 1, "relu": 2}  # rp_scan_act
@@ -233,7 +261,11 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     afterwards (relu: selecting; and then v[0] is used); written into `out`
     when given: a contiguous (T, B, H) float32 tensor on c's device, c itself
     (in place) or disjoint from c, and disjoint from w, u, v, y, jt. Runs on
-    c's device (CPU or CUDA, on the current stream); float32 only. The linear
+    c's device (CPU or CUDA, on the current stream); float32 only. Not
+    differentiable: under grad mode, an operand (or out) that requires grad
+    raises RuntimeError, as torch's out= functions do; call it under
+    torch.no_grad(). An inference tensor as out raises outside
+    torch.inference_mode, as torch's in-place writes do. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
@@ -247,8 +279,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     if H < 1:
         raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
-    if not isinstance(pre_activation, bool):
-        raise TypeError(f"pre_activation: expected a bool, got {type(pre_activation).__name__}")
+    if not isinstance(pre_activation, bool):  # numpy.bool too, as torch's bool arguments refuse it
+        raise TypeError(f"pre_activation: expected a bool, got {_type_name(pre_activation)}")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -265,6 +297,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
+    _check_no_graph({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}, out)
     levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     c = c.contiguous()
@@ -864,6 +897,15 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
 
+def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
+    """One sample's shape as a tuple of Python ints >= 1 (numpy's ints too):
+    a float or a bare int reached the layers' geometry as Python's own error."""
+    dims = tuple(shape) if isinstance(shape, Sequence) and not isinstance(shape, str) else None
+    if dims is None or not all(is_count(d) for d in dims):
+        raise TypeError(f"{name}: expected one sample's shape, a sequence of ints, got {shape!r}")
+    return tuple(check_count(d, name, 1, 2 ** 31 - 1) for d in dims)
+
+
 def _check_chain_tensor(t, name: str) -> None:
     """What a chain's float32 Jacobian values can take: float64 would come
     back float32-accurate, so it is refused as the RNN modules refuse it."""
@@ -1057,10 +1099,11 @@ class ChainPlan:
                  max_pairs: int = 0, pruned: bool = False):
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
+        input_shape = _check_sample_shape(input_shape, "input_shape")
         layers = list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
-        shape, self.leaves, self.steps = tuple(input_shape), [], []
+        shape, self.leaves, self.steps = input_shape, [], []
         for i, layer in enumerate(layers):
             _check_chain_layer(layer, f"layers[{i}]")
             if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
@@ -1071,7 +1114,7 @@ class ChainPlan:
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
-        self.input_shape, self.output_shape = tuple(input_shape), shape
+        self.input_shape, self.output_shape = input_shape, shape
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
@@ -1163,7 +1206,9 @@ class ChainPlan:
         # where torch selects (0 * inf = NaN, torch's 0).
         if not _sums_finite(grads):
             return self._torch_backward(inputs, grad_output)
-        return [grad.reshape(x.shape).to(x.dtype) for grad, x in zip(grads, inputs)]
+        # copied out contiguous, as autograd's are: views of the batch-minor
+        # buffer would be strided (B fastest) and keep all of it alive
+        return [x.new_empty(x.shape).copy_(grad.reshape(x.shape)) for grad, x in zip(grads, inputs)]
 
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
@@ -1197,8 +1242,10 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
     patterns across steps; else one is built for x's sample shape."""
     _check_chain_tensor(x, "x")
-    if x.dim() < 2:
-        raise ValueError(f"x: expected a batch (B, ...) of samples, got shape {tuple(x.shape)}")
+    if x.dim() < 2 or 0 in x.shape[1:]:
+        raise ValueError(f"x: expected a batch (B, ...) of non-empty samples, got shape {tuple(x.shape)}")
+    if plan is not None and not isinstance(plan, ChainPlan):
+        raise TypeError(f"plan: expected a ChainPlan or None, got {_type_name(plan)}")
     if plan is None:
         plan = ChainPlan(layers, x.shape[1:], levels=levels)
     elif not _same_modules(layers, [layer for layer, _ in plan.steps]):

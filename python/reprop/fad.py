@@ -267,14 +267,6 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
         return native(torch.empty(0, dtype=x.dtype, device=x.device)).dtype
 
 
-def _check_writable(x: torch.Tensor, fname: str) -> None:
-    """torch's refusal of an in-place write that the kernels' raw pointer would
-    slip past: an inference tensor outside inference_mode cannot be tracked."""
-    if x.is_inference() and not torch.is_inference_mode_enabled():
-        raise RuntimeError(f"{fname}: inplace update to inference tensor outside InferenceMode is "
-                           "not allowed (as in torch); clone it first to get a normal tensor")
-
-
 def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     """y = f(x) through the kernels, or through torch's `native` for what they
@@ -295,7 +287,7 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
         if target != x.dtype:
             x, inplace = x.to(target), False
     if inplace:
-        _check_writable(x, fname)
+        _tensors.check_writable(x, fname)
     if getattr(_capture, "on", False):
         return _run_forward(act, x, _default_saved(act, x.dtype), False)
     if not (torch.is_grad_enabled() and x.requires_grad):
