@@ -439,9 +439,9 @@ def _registered_even_if_frozen(p: torch.Tensor, register, hook):
         p.requires_grad_(False)
 
 
-def _inert_handle(cls: type) -> "FusionHandle":
-    """What a copy of a fusion handle is: removed, its hooks do nothing (see
-    FusionHandle.__reduce__)."""
+def _inert_handle(cls: type):
+    """What a copy of a handle whose hooks are on a model is: removed, its
+    hooks do nothing (see FusionHandle.__reduce__, ooo.DataParallel.__reduce__)."""
     handle = object.__new__(cls)
     handle._removed = True
     return handle

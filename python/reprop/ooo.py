@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ._native import _C
-from .fusion import _BackwardFusion
+from .fusion import _BackwardFusion, _inert_handle
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
                        non_reentrant_checkpointing, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, weak_hook)
@@ -2210,15 +2210,14 @@ class DataParallel(_PassTracking):
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def __deepcopy__(self, memo) -> "DataParallel":
-        """A deepcopy of the model (an EMA, a teacher) copies its forward hooks,
-        and this object with them: the copy is a model of its own, so what
-        it gets is an inert, removed DataParallel whose hooks do nothing
-        (a copy that averaged would wait in collectives its peers never join)."""
-        inert = object.__new__(type(self))
-        inert._removed = True
-        memo[id(self)] = inert
-        return inert
+    def __reduce__(self):
+        """A deepcopy of the model (an EMA, a teacher) and torch.save(model)
+        copy its forward hooks, and this object with them: the copy is a
+        model of its own, so what it gets is an inert, removed DataParallel
+        whose hooks do nothing (a copy that averaged would wait in
+        collectives its peers never join). Pickling the live object failed
+        on its weak references."""
+        return _inert_handle, (type(self),)
 
     # -- the plan: which parameters go in which bucket ----------------------------
 
@@ -2345,7 +2344,7 @@ class DataParallel(_PassTracking):
             if not self._backward_raised():
                 return
             self._abandon_backward()  # retried (retain_graph), with no forward since
-        if self._buckets is None:
+        if self._buckets is None or self._buckets_stale():
             self._plan()
         self._in_backward = True
         self._next = 0
@@ -2357,6 +2356,12 @@ class DataParallel(_PassTracking):
             self._held = self._stack.enter_context(
                 self.handle.hold(keep=self._held_modules.__contains__))
         self._end_ref = queue_end_of_backward(self._end_backward)
+
+    def _buckets_stale(self) -> bool:
+        """The model was converted since the plan (model.double(), .to()):
+        a bucket of the old dtype would round the gradients it averages."""
+        return any(b.flat.dtype != b.params[0].dtype or b.flat.device != b.params[0].device
+                   for b in self._buckets)
 
     def _launch_ready(self) -> None:
         """Launches complete buckets in bucket order (the order every rank issues)."""
