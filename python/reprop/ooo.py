@@ -617,7 +617,11 @@ class _Profile:
     main: dict = field(default_factory=dict)   # key -> [main-stream time from its dO on (s)]
     sub: dict = field(default_factory=dict)    # key -> [dW time (s), or CUDA event pairs]
     nbytes: dict = field(default_factory=dict)  # key -> bytes the deferred task holds
-    order: list = field(default_factory=list)  # keys in backward order
+
+    @property
+    def order(self) -> list:
+        """Keys in backward order (main's keys, in the order first timed)."""
+        return list(self.main)
 
 
 class _CoRun:
@@ -1199,8 +1203,6 @@ class OOOHandle(_PassTracking):
         prof = self._profile
         for (key, a), (_, b) in zip(self._marks, self._marks[1:]):
             prof.main.setdefault(key, []).append(_elapsed(a, b))
-            if key not in prof.order:
-                prof.order.append(key)
         self._marks = []
 
     def _sub_stream(self, device: torch.device) -> "torch.cuda.Stream":
@@ -1239,9 +1241,11 @@ class OOOHandle(_PassTracking):
         pos = {k: i for i, k in enumerate(keys)}
         tasks = [k for k in keys if k in sub]
         # a dW is ready within its call's interval (once the call's dO ran): stamp it at
-        # the interval's start, which keeps it in the region of its dO
-        ready = np.array([starts[region_main[k]] + main[bounds[region_main[k]]:pos[k]].sum()
-                          for k in tasks])
+        # the interval's start, which keeps it in the region of its dO (the first
+        # call of a region at exactly the region's start)
+        within = np.concatenate([np.concatenate([[0.0], np.cumsum(main[a:b])[:-1]])
+                                 for a, b in zip(bounds, bounds[1:])])
+        ready = np.array([starts[region_main[k]] + within[pos[k]] for k in tasks])
         deadline = np.full(len(tasks), n, dtype=np.int64)
         # no task at all when hold() took every one: the tasks' caller orders them
         t_sub = np.repeat(np.array([sub[k] for k in tasks], dtype=np.float64).reshape(-1, 1), n,
