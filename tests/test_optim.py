@@ -1137,6 +1137,32 @@ def test_step_params_rejects_foreign_param(name: str) -> None:
     assert torch.equal(params[0], before), "a rejected call must not update anything"
 
 
+def _state_snapshot(opt: torch.optim.Optimizer, params: list) -> list:
+    """Each param's state as comparable values: {key: list of floats}."""
+    return [{k: torch.as_tensor(v).tolist() for k, v in opt.state.get(p, {}).items()}
+            for p in params]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_rejects_repeated_param(name: str) -> None:
+    """A parameter listed twice in one call is refused, naming params, before
+    anything changes (one fused call would update it twice, or fail after
+    creating state), whether its group or another group's param comes first."""
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    state_before = _state_snapshot(opt, params)
+    for call in ([params[0], params[0]], [params[1], params[0], params[1]]):
+        with pytest.raises(ValueError, match=r"params\[\d\]: the same parameter as params\[\d\]"):
+            opt.step_params(call)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b), "a refused call must not update anything"
+    assert _state_snapshot(opt, params) == state_before, "a refused call must create no state"
+    opt.step_params(params)  # and the optimizer steps on
+    assert not torch.equal(params[0], before[0])
+
+
 # ---------------------------------------------------------------------------
 # 7. NaN and inf in gradients propagate as in torch
 # ---------------------------------------------------------------------------

@@ -278,6 +278,20 @@ def _ordered_runs(params: list) -> list[list]:
     return runs
 
 
+def _check_distinct(params: list) -> None:
+    """Refuses a parameter listed twice in one step_params call, as groups
+    refuse one listed twice: one fused call would give it two table rows,
+    updating it twice, each row with state of its own."""
+    if len(set(map(id, params))) == len(params):
+        return
+    first: dict = {}
+    for i, p in enumerate(params):
+        j = first.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"params[{i}]: the same parameter as params[{j}]; each parameter "
+                             "may be updated once per call")
+
+
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
     """Prepares each plan's gradients for this step; returns the gradients to
     hold until the update has run, or None when there is no plan yet or one
@@ -431,6 +445,7 @@ class _FusedOptimizer:
         if self._group_of is None:
             self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         params = list(params)
+        _check_distinct(params)
         given = None
         if grads is not None:
             grads = list(grads)
