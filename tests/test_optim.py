@@ -1385,6 +1385,71 @@ def test_group_updated_in_several_calls_is_refused_before_any() -> None:
                                rtol=0, atol=0)
 
 
+# The hyper-parameters each optimizer's update reads as numbers.
+NUMERIC_HPARAMS = {
+    "SGD": ("lr", "weight_decay", "momentum", "dampening"),
+    "Adam": ("lr", "weight_decay", "eps", "betas[0]", "betas[1]"),
+    "AdamW": ("lr", "weight_decay", "eps", "betas[0]", "betas[1]"),
+    "Adagrad": ("lr", "lr_decay", "weight_decay", "eps"),
+    "RMSprop": ("lr", "alpha", "eps", "weight_decay", "momentum"),
+    "Adadelta": ("lr", "rho", "eps", "weight_decay"),
+}
+NUMERIC_HPARAM_CASES = [(n, k) for n, keys in NUMERIC_HPARAMS.items() for k in keys]
+
+
+def _set_hparam(group: dict, key: str, make: Callable) -> None:
+    """group[key] = make(its current value); key "betas[i]" sets one beta."""
+    if key.startswith("betas["):
+        betas = list(group["betas"])
+        i = int(key[6])
+        betas[i] = make(betas[i])
+        group["betas"] = tuple(betas)
+    else:
+        group[key] = make(group[key])
+
+
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> None:
+    """A string, None, a complex number or a tensor of several elements set
+    into a group raises TypeError naming the group and the key, as torch's
+    update raises TypeError, before anything changes. float() parsed a string
+    and stepped with it; None and a 2-element tensor gave float()'s message."""
+    bad = {"str": str, "None": lambda v: None, "complex": complex,
+           "tensor2": lambda v: torch.tensor([v, v])}
+    for what, make in bad.items():
+        p = nn.Parameter(torch.ones(3))
+        torch_opt = torch_cls(name)([nn.Parameter(torch.ones(3))], **RICH[name])
+        _set_hparam(torch_opt.param_groups[0], key, make)
+        opt = reprop_cls(name)([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, make)
+        p.grad = torch_opt.param_groups[0]["params"][0].grad = torch.ones(3)
+        if what in ("str", "None"):  # torch: the others vary (some step on, some RuntimeError)
+            with pytest.raises(TypeError):  # (SGD reads momentum from its second step)
+                torch_opt.step()
+                torch_opt.step()
+        state = _state_snapshot(opt, [p])
+        with pytest.raises(TypeError, match=rf"{name}: param_groups\[0\]: {re.escape(key)}: "
+                                            r"expected a real number or a one-element real tensor"):
+            opt.step()
+        assert torch.equal(p.detach(), torch.ones(3)), what
+        assert _state_snapshot(opt, [p]) == state, what
+
+
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str) -> None:
+    """A NumPy float32 (no float subclass) is a number to both."""
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = cls([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, np.float32)
+        for k in range(2):
+            p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
+            opt.step()
+        runs.append(p.detach())
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_param_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))

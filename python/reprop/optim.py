@@ -22,8 +22,10 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from . import _tensors
@@ -51,14 +53,31 @@ def _layout_key(p: torch.Tensor) -> tuple:
             p.get_device())
 
 
+# The numeric entries of the hparams tuple, in its order, and the types that
+# go into it as they are (the core parses them as doubles); any other type is
+# converted or refused by _scalar.
+_NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "momentum", "dampening",
+                    "alpha", "rho", "lr_decay")
+_PLAIN_NUMBERS = frozenset({float, int})
+
+
 def _scalar(value, name: str) -> float:
-    """A hyper-parameter as a Python float; CUDA tensors would need a sync."""
-    if isinstance(value, torch.Tensor):
+    """A hyper-parameter as a Python float: a real number (bools and NumPy
+    scalars too, which torch's ops take) or a one-element real tensor on the
+    CPU (a CUDA one would need a sync). Anything else raises TypeError, as
+    torch's update does: float() alone would parse a string ("0.1") and step."""
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         if value.device.type != "cpu":
             raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
                              f"update, got a tensor on {value.device}")
         return float(value)
-    return float(value)
+    if isinstance(value, torch.Tensor):
+        value = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    else:
+        value = f"{value!r} ({type(value).__name__})"
+    raise TypeError(f"{name}: expected a real number or a one-element real tensor, got {value}")
 
 
 class _Plan:
@@ -480,13 +499,13 @@ class _FusedOptimizer:
         if not active:
             return
         hp = group if settings is None else settings
-        hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
-        # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
-        slots = self._state_slots(hp)
-        key = (id(group), slots, tuple(map(id, active)))
-        plans = self._plans.get(key)
-        keep = _prepare_grads(plans, self.state, given)
         try:
+            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
+            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
+            slots = self._state_slots(hp)
+            key = (id(group), slots, tuple(map(id, active)))
+            plans = self._plans.get(key)
+            keep = _prepare_grads(plans, self.state, given)
             if keep is None:  # first use, or a storage or state tensor was replaced
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, active, key, slots, hparams)
@@ -496,8 +515,9 @@ class _FusedOptimizer:
                     plan.check(self, hparams)
             for plan in plans:
                 plan.run(self, hp, hparams)
-        except ValueError as e:  # refused (a hyper-parameter, a gradient): say which group
-            raise ValueError(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
+        except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
+            refusal = TypeError if isinstance(e, TypeError) else ValueError
+            raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
 
     def _group_name(self, group: dict) -> str:
@@ -594,18 +614,19 @@ class _FusedOptimizer:
 
     def _hparams(self, group: dict) -> tuple:
         """The hparams tuple of csrc/pyutil.h."""
-        capturable = group.get("capturable", False)
         lr = group["lr"]
-        lr = 0.0 if capturable and isinstance(lr, torch.Tensor) else _scalar(lr, "lr")
+        if group.get("capturable", False) and isinstance(lr, torch.Tensor):
+            lr = 0.0  # the kernels read it on the device
         betas = group.get("betas", (0.0, 0.0))
-        return (lr, float(group.get("weight_decay", 0.0)), float(group.get("eps", 0.0)),
-                _scalar(betas[0], "betas[0]"), _scalar(betas[1], "betas[1]"),
-                float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0)),
-                float(group.get("alpha", 0.0)), float(group.get("rho", 0.0)),
-                float(group.get("lr_decay", 0.0)), bool(group.get("nesterov", False)),
-                bool(group.get("maximize", False)), bool(group.get("amsgrad", False)),
-                bool(group.get("decoupled_weight_decay", False)),
-                bool(group.get("centered", False)))
+        numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+                   group.get("momentum", 0.0), group.get("dampening", 0.0),
+                   group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
+        if not _PLAIN_NUMBERS.issuperset(map(type, numeric)):  # one check for the common case
+            numeric = tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
+        return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
+                          bool(group.get("amsgrad", False)),
+                          bool(group.get("decoupled_weight_decay", False)),
+                          bool(group.get("centered", False)))
 
     def _state_slots(self, group: dict) -> tuple:
         """Names of the state tensors in the core's slots 0..2 (None: unused)."""
