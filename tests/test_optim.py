@@ -1137,6 +1137,44 @@ def test_step_params_rejects_foreign_param(name: str) -> None:
     assert torch.equal(params[0], before), "a rejected call must not update anything"
 
 
+def _bad_step_params_calls(opt: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """step_params arguments that are not what it takes: (kwargs, exception
+    type, the start of its message after any 'Class: param_groups[i]: ')."""
+    group = opt.param_groups[0]
+    partial = {k: v for k, v in group.items() if k not in ("params", "lr")}
+    return {
+        "grads-list": ({"grads": [[1.0] * p.numel()]}, TypeError, r"grads\[0\]: expected a tensor"),
+        "grads-ndarray": ({"grads": [np.ones(p.shape, np.float32)]}, TypeError,
+                          r"grads\[0\]: expected a tensor"),
+        "params-int": ({"params": [1]}, TypeError, r"params\[0\]: expected a parameter"),
+        "settings-list": ({"settings": [1]}, TypeError, r"settings: expected a dict"),
+        "settings-int": ({"settings": {id(group): 1}}, TypeError, r"settings: expected a dict"),
+        "settings-empty": ({"settings": {id(group): {}}}, ValueError,
+                           r"settings: the hyper-parameters given for param_groups\[0\] lack .*'lr'"),
+        "settings-no-lr": ({"settings": {id(group): partial}}, ValueError,
+                           r"settings: the hyper-parameters given for param_groups\[0\] lack 'lr'$"),
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_bad_arguments_name_the_argument(name: str) -> None:
+    """Arguments of the wrong kind raise TypeError or ValueError naming
+    params, grads or settings, before anything changes. They gave
+    AttributeError ('list' object has no attribute 'shape'/'get'), KeyError
+    'lr', or for a NumPy gradient 'float32 ... does not match torch.float32'."""
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    p = params[0]
+    p.grad = torch.randn(3)
+    for case, (kwargs, error, message) in _bad_step_params_calls(opt, p).items():
+        before, state = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises(error, match=message):
+            opt.step_params(kwargs.pop("params", [p]), **kwargs)
+        assert torch.equal(p.detach(), before), case
+        assert _state_snapshot(opt, [p]) == state, case
+    opt.step_params([p], settings={id(opt.param_groups[0]): dict(opt.param_groups[0])})
+    assert not torch.equal(p.detach(), before)
+
+
 def _state_snapshot(opt: torch.optim.Optimizer, params: list) -> list:
     """Each param's state as comparable values: {key: list of floats}."""
     return [{k: torch.as_tensor(v).tolist() for k, v in opt.state.get(p, {}).items()}

@@ -297,6 +297,13 @@ def _ordered_runs(params: list) -> list[list]:
     return runs
 
 
+def _check_grad_types(grads: list) -> None:
+    """Refuses a given gradient that is not a tensor (or None: skip its param)."""
+    for i, g in enumerate(grads):
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(f"grads[{i}]: expected a tensor or None, got {type(g).__name__}")
+
+
 def _check_distinct(params: list) -> None:
     """Refuses a parameter listed twice in one step_params call, as groups
     refuse one listed twice: one fused call would give it two table rows,
@@ -457,8 +464,9 @@ class _FusedOptimizer:
         Each parameter must belong to this optimizer; those without a gradient
         are skipped. Updating every parameter once this way equals one step().
         `settings` optionally maps id(group) to the hyper-parameters to use
-        instead of the group's current ones: a deferred update applies the lr
-        etc. of the moment it was decided, not what a scheduler set since.
+        instead of the group's current ones (a dict with all of them, such as
+        a copy of the group): a deferred update applies the lr etc. of the
+        moment it was decided, not what a scheduler set since.
         `grads`, when given, are the gradients to apply instead of each
         parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
         if self._group_of is None:
@@ -470,7 +478,11 @@ class _FusedOptimizer:
             grads = list(grads)
             if len(grads) != len(params):
                 raise ValueError(f"grads: expected {len(params)} gradients, got {len(grads)}")
+            _check_grad_types(grads)
             given = {id(p): g for p, g in zip(params, grads)}
+        if settings is not None and not isinstance(settings, dict):
+            raise TypeError(f"settings: expected a dict mapping id(group) to that group's "
+                            f"hyper-parameters, got {type(settings).__name__}")
         self._step_in_groups(params, self._group_of, settings, given)
 
     @torch.no_grad()
@@ -484,11 +496,34 @@ class _FusedOptimizer:
         for i, p in enumerate(params):
             group = group_of.get(id(p))
             if group is None:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"params[{i}]: expected a parameter of this optimizer, "
+                                    f"got {type(p).__name__}")
                 raise ValueError(f"params[{i}]: not a parameter of this optimizer "
                                  f"(shape {tuple(p.shape)})")
             by_group.setdefault(id(group), (group, []))[1].append(p)
-        for group, ps in by_group.values():
-            self._update(group, ps, settings.get(id(group)) if settings else None, given)
+        # every group's settings are checked before any group is updated
+        updates = [(group, ps, self._settings_of(settings, group))
+                   for group, ps in by_group.values()]
+        for group, ps, hp in updates:
+            self._update(group, ps, hp, given)
+
+    def _settings_of(self, settings: dict | None, group: dict) -> dict | None:
+        """settings[id(group)] (None: use the group's own), refused unless it
+        is a dict with every hyper-parameter the group has: a key left out
+        would raise KeyError in the update (lr) or silently take its default
+        (weight_decay 0) instead of the group's value."""
+        hp = settings.get(id(group)) if settings else None
+        if hp is None:
+            return None
+        if not isinstance(hp, dict):
+            raise TypeError(f"settings: expected a dict of hyper-parameters for "
+                            f"{self._group_name(group)}, got {type(hp).__name__}")
+        missing = (self.defaults.keys() & group.keys()) - hp.keys()
+        if missing:
+            raise ValueError(f"settings: the hyper-parameters given for {self._group_name(group)} "
+                             f"lack {', '.join(map(repr, sorted(missing)))}")
+        return hp
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
                 given: dict | None = None) -> None:
