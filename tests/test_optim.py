@@ -1765,6 +1765,35 @@ def test_param_data_replaced_at_the_same_address(change: str) -> None:
     assert torch.equal(*results)
 
 
+RESHAPED = {
+    # a gradient or parameter of the same numel and address, another shape
+    "grad": lambda p: setattr(p.grad, "data", p.grad.data.reshape(3, 2)),
+    "param": lambda p: setattr(p, "data", p.data.reshape(3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("change", list(RESHAPED))
+def test_reshaped_param_or_grad_is_refused_at_every_step(name: str, change: str) -> None:
+    """A gradient that stops matching its parameter's shape (same numel)
+    after the cached table was built is refused, as torch's update refuses
+    it, with the parameter and state as they were (torch has counted the
+    step by then). The cached step compared numel, not shape, and applied it."""
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.randn(2, 3))
+        opt = cls([p], **BASE[name])
+        for _ in range(2):  # the second step is the cached one
+            p.grad = torch.randn(2, 3)
+            opt.step()
+        p.grad = torch.randn(2, 3)
+        RESHAPED[change](p)
+        before, state = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises((RuntimeError, ValueError), match="size|shape"):
+            opt.step()
+    assert torch.equal(p.detach(), before)
+    assert _state_snapshot(opt, [p]) == state
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_state_data_replaced_is_followed(name: str) -> None:
     """A state tensor whose .data is replaced (state moved by hand, as an

@@ -44,12 +44,13 @@ _MAX_PLANS = 4096
 
 def _layout_key(p: torch.Tensor) -> tuple:
     """What a table row assumes of a param beyond its identity: the kernels
-    walk numel elements of this dtype from this address with this layout
+    walk its elements of this dtype from this address with this layout
     (True: contiguous, else the strides), so a param whose .data was replaced
     (by a view of its own storage at the same address, or by a tensor that
-    reuses a freed allocation) must not match. The fast path in C
-    (optim_grad_pointers) checks the same tuple."""
-    return (p.data_ptr(), p.dtype, p.numel(), True if p.is_contiguous() else p.stride(),
+    reuses a freed allocation) must not match; nor one reshaped (the same
+    numel), whose gradient no longer matches it, which torch refuses. The
+    fast path in C (optim_grad_pointers) checks the same tuple."""
+    return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(),
             p.get_device())
 
 
