@@ -121,7 +121,7 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
 
 /* Attribute names the fast path looks up, interned once per call. */
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
-       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_NAMES };
+       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
 
 /* Whether param p still has the memory a row of the table was built for:
  * key is (data_ptr, dtype, shape, layout, device index) as the plan recorded
@@ -159,7 +159,8 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
 
 /* Whether gradient g is one the row can read as the param's: strided,
  * contiguous, with the param's dtype, shape (torch refuses a gradient of
- * another shape, also one of the same numel) and device. 1 / 0 / -1. */
+ * another shape, also one of the same numel) and device, and without torch's
+ * lazy negative bit (x.conj().imag: its memory holds -g). 1 / 0 / -1. */
 static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyObject *const *names)
 {
     int ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
@@ -171,6 +172,8 @@ static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyOb
         ok = rp_py_attr_equals(g, names[RP_N_GET_DEVICE], 1, PyTuple_GET_ITEM(key, 4), 0);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_IS_NEG], 1, Py_False, 1);
     return ok;
 }
 
@@ -232,7 +235,8 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const attr_names[RP_N_NAMES] = {
-        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device"};
+        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
+        "is_neg"};
     PyObject *names[RP_N_NAMES] = {NULL};
     PyObject *result = NULL, *held = NULL;
     PyArrayObject *table;

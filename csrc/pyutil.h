@@ -40,9 +40,10 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * table was built for), its state (the same dict, and each watched[i]
  * entry (key, tensor, column) still the tensor at that key, at the address
  * in that column) and a contiguous strided gradient of the param's dtype,
- * shape and device, and writes the gradient pointers into column 1 of
- * `table`. Returns False as soon as anything differs, leaving the
- * Python path to rebuild, convert or raise. Defined in pyutil.c. */
+ * shape and device without torch's negative bit, and writes the gradient
+ * pointers into column 1 of `table`. Returns False as soon as anything
+ * differs, leaving the Python path to rebuild, convert or raise. Defined in
+ * pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an

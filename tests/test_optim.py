@@ -1794,6 +1794,48 @@ def test_reshaped_param_or_grad_is_refused_at_every_step(name: str, change: str)
     assert _state_snapshot(opt, [p]) == state
 
 
+def _negative_bit(t: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to t that carries torch's lazy negative bit: its memory
+    holds -t (as x.conj().imag's does), in t's layout."""
+    out = (-t)._neg_view()
+    assert out.is_neg() and torch.equal(out, t) and out.stride() == t.stride()
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("where", ["grad", "given_grad", "param", "state"])
+def test_negative_bit_tensors_update_as_torch(name: str, where: str) -> None:
+    """Gradients (.grad or step_params(grads=)), parameters and state tensors
+    with torch's negative bit update as torch updates them: their values, not
+    their memory (the negated values), which reprop's kernels were handed.
+    Gradients: with the bit at the first step (plan built) and the third
+    (cached), plain at the second; a contiguous param, a transposed one
+    (updated in its layout) and one of a single element."""
+    shapes = [(4, 3), (3, 4), (1,)]
+    init, grads = make_params(shapes, seed=41), grad_sequence(shapes, 3)
+    init[1] = init[1].t().contiguous().t()  # dense, not contiguous
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(_negative_bit(t) if where == "param" else t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            negative = where in ("grad", "given_grad") and k != 1
+            step_grads = [_negative_bit(g) if negative else g.clone() for g in step_grads]
+            if where == "state" and k == 1:
+                for st in opt.state.values():
+                    st.update({key: _negative_bit(v) for key, v in st.items()})
+            if where == "given_grad" and cls is reprop_cls(name):
+                opt.step_params(params, grads=step_grads)
+                continue
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[1], runs[0], OPEN_LOOP_TOL)
+    if where == "param":
+        assert all(p.is_neg() for p in runs[1].params)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_state_data_replaced_is_followed(name: str) -> None:
     """A state tensor whose .data is replaced (state moved by hand, as an

@@ -114,9 +114,8 @@ class _Plan:
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
             watched = []
-            work = p
-            if not _tensors.is_dense(p):
-                work = p.contiguous()
+            work = _stand_in(p)
+            if work is not p:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
             self.table[row, _COL_NUMEL] = p.numel()
@@ -171,6 +170,7 @@ class _Plan:
             if g is None:
                 return None
             _check_grad(p, g)
+            g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
             keep.append(g)
@@ -222,6 +222,18 @@ def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
         raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
                            "being captured; construct the optimizer with capturable=True")
     return 0
+
+
+def _stand_in(p: torch.Tensor) -> torch.Tensor:
+    """What the kernels update in p's place: p itself when its memory holds
+    its values as one gap-free block, else a copy that Plan.run fills from p
+    and writes back (copy_ both ways): contiguous for a param with gaps,
+    resolved in p's layout for one with torch's lazy negative bit (x.conj().imag,
+    whose memory holds -p). The bit is looked at when the plan is built: a
+    param only gains it by a .data swap to a negative view of its own memory."""
+    if not _tensors.is_dense(p):
+        return p.contiguous()  # a copy, which resolves the bit
+    return p.resolve_neg()  # p itself where the bit is not set
 
 
 def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -337,7 +349,8 @@ def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif step.dtype != torch.float32 or step.device != device or step.dim() != 0:
+    elif (step.dtype != torch.float32 or step.device != device or step.dim() != 0
+          or step.is_neg()):
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
     return step
 
@@ -641,8 +654,8 @@ class _FusedOptimizer:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif t.dtype != torch.float32 or not _tensors.same_layout(t, p):
-            t = torch.empty_like(p, dtype=torch.float32).copy_(t)
+        elif t.dtype != torch.float32 or t.is_neg() or not _tensors.same_layout(t, p):
+            t = torch.empty_like(p, dtype=torch.float32).copy_(t)  # (copy_ resolves the bit)
         return t
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
