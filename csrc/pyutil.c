@@ -120,17 +120,19 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
 }
 
 /* Attribute names the fast path looks up, interned once per call. */
-enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_NUMEL,
-       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_NAMES };
+enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
+       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
 
 /* Whether param p still has the memory a row of the table was built for:
- * key is (data_ptr, dtype, numel, layout, device index) as the plan recorded
+ * key is (data_ptr, dtype, shape, layout, device index) as the plan recorded
  * them (optim.py's _layout_key), layout True for a contiguous param, else its
  * strides. The kernels walk numel elements of the dtype from the data
  * pointer, so a param whose .data was replaced by another tensor at the same
  * address (a view of its own storage, or a reused allocation) of another
- * size, dtype or layout must not pass. Equal addresses are on the same device
- * (CUDA's unified addressing). 1 / 0 / -1 with an exception set. */
+ * shape, dtype or layout must not pass: one of the same numel reshaped
+ * (p.data = p.data.reshape(3, 2)) no longer matches its gradient, which
+ * torch refuses. Equal addresses are on the same device (CUDA's unified
+ * addressing). 1 / 0 / -1 with an exception set. */
 static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
 {
     unsigned long long ptr, want;
@@ -145,7 +147,7 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
         return 0;
     ok = rp_py_attr_equals(p, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
     if (ok == 1)
-        ok = rp_py_attr_equals(p, names[RP_N_NUMEL], 1, PyTuple_GET_ITEM(key, 2), 0);
+        ok = rp_py_attr_equals(p, names[RP_N_SHAPE], 0, PyTuple_GET_ITEM(key, 2), 0);
     if (ok == 1) {
         if (layout == Py_True)
             ok = rp_py_attr_equals(p, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
@@ -155,19 +157,23 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
     return ok;
 }
 
-/* Whether gradient g is one the row can read as a flat array: strided,
- * contiguous, with the param's dtype, numel and device. 1 / 0 / -1. */
+/* Whether gradient g is one the row can read as the param's: strided,
+ * contiguous, with the param's dtype, shape (torch refuses a gradient of
+ * another shape, also one of the same numel) and device, and without torch's
+ * lazy negative bit (x.conj().imag: its memory holds -g). 1 / 0 / -1. */
 static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyObject *const *names)
 {
     int ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
     if (ok == 1)
-        ok = rp_py_attr_equals(g, names[RP_N_NUMEL], 1, PyTuple_GET_ITEM(key, 2), 0);
+        ok = rp_py_attr_equals(g, names[RP_N_SHAPE], 0, PyTuple_GET_ITEM(key, 2), 0);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_GET_DEVICE], 1, PyTuple_GET_ITEM(key, 4), 0);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(g, names[RP_N_IS_NEG], 1, Py_False, 1);
     return ok;
 }
 
@@ -229,7 +235,8 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const attr_names[RP_N_NAMES] = {
-        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "numel", "stride", "get_device"};
+        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
+        "is_neg"};
     PyObject *names[RP_N_NAMES] = {NULL};
     PyObject *result = NULL, *held = NULL;
     PyArrayObject *table;

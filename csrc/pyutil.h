@@ -36,13 +36,14 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  *                     grad_contiguous, strided, table) -> bool
  * The per-step fast path of reprop.optim's cached pointer tables: checks that
  * each param still has its storage and layout (param_keys[i] is the tuple
- * (data_ptr, dtype, numel, True if contiguous else strides, device index) the
+ * (data_ptr, dtype, shape, True if contiguous else strides, device index) the
  * table was built for), its state (the same dict, and each watched[i]
  * entry (key, tensor, column) still the tensor at that key, at the address
  * in that column) and a contiguous strided gradient of the param's dtype,
- * numel and device, and writes the gradient pointers into column 1 of
- * `table`. Returns False as soon as anything differs, leaving the
- * Python path to rebuild, convert or raise. Defined in pyutil.c. */
+ * shape and device without torch's negative bit, and writes the gradient
+ * pointers into column 1 of `table`. Returns False as soon as anything
+ * differs, leaving the Python path to rebuild, convert or raise. Defined in
+ * pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an

@@ -1137,6 +1137,70 @@ def test_step_params_rejects_foreign_param(name: str) -> None:
     assert torch.equal(params[0], before), "a rejected call must not update anything"
 
 
+def _bad_step_params_calls(opt: torch.optim.Optimizer, p: nn.Parameter) -> dict:
+    """step_params arguments that are not what it takes: (kwargs, exception
+    type, the start of its message after any 'Class: param_groups[i]: ')."""
+    group = opt.param_groups[0]
+    partial = {k: v for k, v in group.items() if k not in ("params", "lr")}
+    return {
+        "grads-list": ({"grads": [[1.0] * p.numel()]}, TypeError, r"grads\[0\]: expected a tensor"),
+        "grads-ndarray": ({"grads": [np.ones(p.shape, np.float32)]}, TypeError,
+                          r"grads\[0\]: expected a tensor"),
+        "params-int": ({"params": [1]}, TypeError, r"params\[0\]: expected a parameter"),
+        "settings-list": ({"settings": [1]}, TypeError, r"settings: expected a dict"),
+        "settings-int": ({"settings": {id(group): 1}}, TypeError, r"settings: expected a dict"),
+        "settings-empty": ({"settings": {id(group): {}}}, ValueError,
+                           r"settings: the hyper-parameters given for param_groups\[0\] lack .*'lr'"),
+        "settings-no-lr": ({"settings": {id(group): partial}}, ValueError,
+                           r"settings: the hyper-parameters given for param_groups\[0\] lack 'lr'$"),
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_bad_arguments_name_the_argument(name: str) -> None:
+    """Arguments of the wrong kind raise TypeError or ValueError naming
+    params, grads or settings, before anything changes. They gave
+    AttributeError ('list' object has no attribute 'shape'/'get'), KeyError
+    'lr', or for a NumPy gradient 'float32 ... does not match torch.float32'."""
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    p = params[0]
+    p.grad = torch.randn(3)
+    for case, (kwargs, error, message) in _bad_step_params_calls(opt, p).items():
+        before, state = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises(error, match=message):
+            opt.step_params(kwargs.pop("params", [p]), **kwargs)
+        assert torch.equal(p.detach(), before), case
+        assert _state_snapshot(opt, [p]) == state, case
+    opt.step_params([p], settings={id(opt.param_groups[0]): dict(opt.param_groups[0])})
+    assert not torch.equal(p.detach(), before)
+
+
+def _state_snapshot(opt: torch.optim.Optimizer, params: list) -> list:
+    """Each param's state as comparable values: {key: list of floats}."""
+    return [{k: torch.as_tensor(v).tolist() for k, v in opt.state.get(p, {}).items()}
+            for p in params]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_rejects_repeated_param(name: str) -> None:
+    """A parameter listed twice in one call is refused, naming params, before
+    anything changes (one fused call would update it twice, or fail after
+    creating state), whether its group or another group's param comes first."""
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before = [p.detach().clone() for p in params]
+    state_before = _state_snapshot(opt, params)
+    for call in ([params[0], params[0]], [params[1], params[0], params[1]]):
+        with pytest.raises(ValueError, match=r"params\[\d\]: the same parameter as params\[\d\]"):
+            opt.step_params(call)
+    for p, b in zip(params, before):
+        assert torch.equal(p, b), "a refused call must not update anything"
+    assert _state_snapshot(opt, params) == state_before, "a refused call must create no state"
+    opt.step_params(params)  # and the optimizer steps on
+    assert not torch.equal(params[0], before[0])
+
+
 # ---------------------------------------------------------------------------
 # 7. NaN and inf in gradients propagate as in torch
 # ---------------------------------------------------------------------------
@@ -1357,6 +1421,71 @@ def test_group_updated_in_several_calls_is_refused_before_any() -> None:
         opt.step()
     torch.testing.assert_close(([p32.detach(), p16.detach()], opt.state_dict()["state"]), before,
                                rtol=0, atol=0)
+
+
+# The hyper-parameters each optimizer's update reads as numbers.
+NUMERIC_HPARAMS = {
+    "SGD": ("lr", "weight_decay", "momentum", "dampening"),
+    "Adam": ("lr", "weight_decay", "eps", "betas[0]", "betas[1]"),
+    "AdamW": ("lr", "weight_decay", "eps", "betas[0]", "betas[1]"),
+    "Adagrad": ("lr", "lr_decay", "weight_decay", "eps"),
+    "RMSprop": ("lr", "alpha", "eps", "weight_decay", "momentum"),
+    "Adadelta": ("lr", "rho", "eps", "weight_decay"),
+}
+NUMERIC_HPARAM_CASES = [(n, k) for n, keys in NUMERIC_HPARAMS.items() for k in keys]
+
+
+def _set_hparam(group: dict, key: str, make: Callable) -> None:
+    """group[key] = make(its current value); key "betas[i]" sets one beta."""
+    if key.startswith("betas["):
+        betas = list(group["betas"])
+        i = int(key[6])
+        betas[i] = make(betas[i])
+        group["betas"] = tuple(betas)
+    else:
+        group[key] = make(group[key])
+
+
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> None:
+    """A string, None, a complex number or a tensor of several elements set
+    into a group raises TypeError naming the group and the key, as torch's
+    update raises TypeError, before anything changes. float() parsed a string
+    and stepped with it; None and a 2-element tensor gave float()'s message."""
+    bad = {"str": str, "None": lambda v: None, "complex": complex,
+           "tensor2": lambda v: torch.tensor([v, v])}
+    for what, make in bad.items():
+        p = nn.Parameter(torch.ones(3))
+        torch_opt = torch_cls(name)([nn.Parameter(torch.ones(3))], **RICH[name])
+        _set_hparam(torch_opt.param_groups[0], key, make)
+        opt = reprop_cls(name)([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, make)
+        p.grad = torch_opt.param_groups[0]["params"][0].grad = torch.ones(3)
+        if what in ("str", "None"):  # torch: the others vary (some step on, some RuntimeError)
+            with pytest.raises(TypeError):  # (SGD reads momentum from its second step)
+                torch_opt.step()
+                torch_opt.step()
+        state = _state_snapshot(opt, [p])
+        with pytest.raises(TypeError, match=rf"{name}: param_groups\[0\]: {re.escape(key)}: "
+                                            r"expected a real number or a one-element real tensor"):
+            opt.step()
+        assert torch.equal(p.detach(), torch.ones(3)), what
+        assert _state_snapshot(opt, [p]) == state, what
+
+
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str) -> None:
+    """A NumPy float32 (no float subclass) is a number to both."""
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = cls([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, np.float32)
+        for k in range(2):
+            p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
+            opt.step()
+        runs.append(p.detach())
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -1634,6 +1763,77 @@ def test_param_data_replaced_at_the_same_address(change: str) -> None:
         assert (raw[outside] == 0x55).all(), f"{cls.__module__}: wrote outside the parameter"
         results.append(p.detach().clone())
     assert torch.equal(*results)
+
+
+RESHAPED = {
+    # a gradient or parameter of the same numel and address, another shape
+    "grad": lambda p: setattr(p.grad, "data", p.grad.data.reshape(3, 2)),
+    "param": lambda p: setattr(p, "data", p.data.reshape(3, 2)),
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("change", list(RESHAPED))
+def test_reshaped_param_or_grad_is_refused_at_every_step(name: str, change: str) -> None:
+    """A gradient that stops matching its parameter's shape (same numel)
+    after the cached table was built is refused, as torch's update refuses
+    it, with the parameter and state as they were (torch has counted the
+    step by then). The cached step compared numel, not shape, and applied it."""
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.randn(2, 3))
+        opt = cls([p], **BASE[name])
+        for _ in range(2):  # the second step is the cached one
+            p.grad = torch.randn(2, 3)
+            opt.step()
+        p.grad = torch.randn(2, 3)
+        RESHAPED[change](p)
+        before, state = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises((RuntimeError, ValueError), match="size|shape"):
+            opt.step()
+    assert torch.equal(p.detach(), before)
+    assert _state_snapshot(opt, [p]) == state
+
+
+def _negative_bit(t: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to t that carries torch's lazy negative bit: its memory
+    holds -t (as x.conj().imag's does), in t's layout."""
+    out = (-t)._neg_view()
+    assert out.is_neg() and torch.equal(out, t) and out.stride() == t.stride()
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("where", ["grad", "given_grad", "param", "state"])
+def test_negative_bit_tensors_update_as_torch(name: str, where: str) -> None:
+    """Gradients (.grad or step_params(grads=)), parameters and state tensors
+    with torch's negative bit update as torch updates them: their values, not
+    their memory (the negated values), which reprop's kernels were handed.
+    Gradients: with the bit at the first step (plan built) and the third
+    (cached), plain at the second; a contiguous param, a transposed one
+    (updated in its layout) and one of a single element."""
+    shapes = [(4, 3), (3, 4), (1,)]
+    init, grads = make_params(shapes, seed=41), grad_sequence(shapes, 3)
+    init[1] = init[1].t().contiguous().t()  # dense, not contiguous
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(_negative_bit(t) if where == "param" else t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            negative = where in ("grad", "given_grad") and k != 1
+            step_grads = [_negative_bit(g) if negative else g.clone() for g in step_grads]
+            if where == "state" and k == 1:
+                for st in opt.state.values():
+                    st.update({key: _negative_bit(v) for key, v in st.items()})
+            if where == "given_grad" and cls is reprop_cls(name):
+                opt.step_params(params, grads=step_grads)
+                continue
+            for p, g in zip(params, step_grads):
+                p.grad = g
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[1], runs[0], OPEN_LOOP_TOL)
+    if where == "param":
+        assert all(p.is_neg() for p in runs[1].params)
 
 
 @pytest.mark.parametrize("name", NAMES)

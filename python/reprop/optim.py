@@ -22,8 +22,10 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from . import _tensors
@@ -42,23 +44,41 @@ _MAX_PLANS = 4096
 
 def _layout_key(p: torch.Tensor) -> tuple:
     """What a table row assumes of a param beyond its identity: the kernels
-    walk numel elements of this dtype from this address with this layout
+    walk its elements of this dtype from this address with this layout
     (True: contiguous, else the strides), so a param whose .data was replaced
     (by a view of its own storage at the same address, or by a tensor that
-    reuses a freed allocation) must not match. The fast path in C
-    (optim_grad_pointers) checks the same tuple."""
-    return (p.data_ptr(), p.dtype, p.numel(), True if p.is_contiguous() else p.stride(),
+    reuses a freed allocation) must not match; nor one reshaped (the same
+    numel), whose gradient no longer matches it, which torch refuses. The
+    fast path in C (optim_grad_pointers) checks the same tuple."""
+    return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(),
             p.get_device())
 
 
+# The numeric entries of the hparams tuple, in its order, and the types that
+# go into it as they are (the core parses them as doubles); any other type is
+# converted or refused by _scalar.
+_NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "momentum", "dampening",
+                    "alpha", "rho", "lr_decay")
+_PLAIN_NUMBERS = frozenset({float, int})
+
+
 def _scalar(value, name: str) -> float:
-    """A hyper-parameter as a Python float; CUDA tensors would need a sync."""
-    if isinstance(value, torch.Tensor):
+    """A hyper-parameter as a Python float: a real number (bools and NumPy
+    scalars too, which torch's ops take) or a one-element real tensor on the
+    CPU (a CUDA one would need a sync). Anything else raises TypeError, as
+    torch's update does: float() alone would parse a string ("0.1") and step."""
+    if isinstance(value, (numbers.Real, np.bool_)):
+        return float(value)
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         if value.device.type != "cpu":
             raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
                              f"update, got a tensor on {value.device}")
         return float(value)
-    return float(value)
+    if isinstance(value, torch.Tensor):
+        value = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    else:
+        value = f"{value!r} ({type(value).__name__})"
+    raise TypeError(f"{name}: expected a real number or a one-element real tensor, got {value}")
 
 
 class _Plan:
@@ -94,9 +114,8 @@ class _Plan:
         self.watched = []
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
             watched = []
-            work = p
-            if not _tensors.is_dense(p):
-                work = p.contiguous()
+            work = _stand_in(p)
+            if work is not p:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
             self.table[row, _COL_NUMEL] = p.numel()
@@ -151,6 +170,7 @@ class _Plan:
             if g is None:
                 return None
             _check_grad(p, g)
+            g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
             keep.append(g)
@@ -202,6 +222,18 @@ def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
         raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
                            "being captured; construct the optimizer with capturable=True")
     return 0
+
+
+def _stand_in(p: torch.Tensor) -> torch.Tensor:
+    """What the kernels update in p's place: p itself when its memory holds
+    its values as one gap-free block, else a copy that Plan.run fills from p
+    and writes back (copy_ both ways): contiguous for a param with gaps,
+    resolved in p's layout for one with torch's lazy negative bit (x.conj().imag,
+    whose memory holds -p). The bit is looked at when the plan is built: a
+    param only gains it by a .data swap to a negative view of its own memory."""
+    if not _tensors.is_dense(p):
+        return p.contiguous()  # a copy, which resolves the bit
+    return p.resolve_neg()  # p itself where the bit is not set
 
 
 def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -278,6 +310,27 @@ def _ordered_runs(params: list) -> list[list]:
     return runs
 
 
+def _check_grad_types(grads: list) -> None:
+    """Refuses a given gradient that is not a tensor (or None: skip its param)."""
+    for i, g in enumerate(grads):
+        if g is not None and not isinstance(g, torch.Tensor):
+            raise TypeError(f"grads[{i}]: expected a tensor or None, got {type(g).__name__}")
+
+
+def _check_distinct(params: list) -> None:
+    """Refuses a parameter listed twice in one step_params call, as groups
+    refuse one listed twice: one fused call would give it two table rows,
+    updating it twice, each row with state of its own."""
+    if len(set(map(id, params))) == len(params):
+        return
+    first: dict = {}
+    for i, p in enumerate(params):
+        j = first.setdefault(id(p), i)
+        if j != i:
+            raise ValueError(f"params[{i}]: the same parameter as params[{j}]; each parameter "
+                             "may be updated once per call")
+
+
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
     """Prepares each plan's gradients for this step; returns the gradients to
     hold until the update has run, or None when there is no plan yet or one
@@ -296,7 +349,8 @@ def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif step.dtype != torch.float32 or step.device != device or step.dim() != 0:
+    elif (step.dtype != torch.float32 or step.device != device or step.dim() != 0
+          or step.is_neg()):
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
     return step
 
@@ -424,19 +478,25 @@ class _FusedOptimizer:
         Each parameter must belong to this optimizer; those without a gradient
         are skipped. Updating every parameter once this way equals one step().
         `settings` optionally maps id(group) to the hyper-parameters to use
-        instead of the group's current ones: a deferred update applies the lr
-        etc. of the moment it was decided, not what a scheduler set since.
+        instead of the group's current ones (a dict with all of them, such as
+        a copy of the group): a deferred update applies the lr etc. of the
+        moment it was decided, not what a scheduler set since.
         `grads`, when given, are the gradients to apply instead of each
         parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
         if self._group_of is None:
             self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         params = list(params)
+        _check_distinct(params)
         given = None
         if grads is not None:
             grads = list(grads)
             if len(grads) != len(params):
                 raise ValueError(f"grads: expected {len(params)} gradients, got {len(grads)}")
+            _check_grad_types(grads)
             given = {id(p): g for p, g in zip(params, grads)}
+        if settings is not None and not isinstance(settings, dict):
+            raise TypeError(f"settings: expected a dict mapping id(group) to that group's "
+                            f"hyper-parameters, got {type(settings).__name__}")
         self._step_in_groups(params, self._group_of, settings, given)
 
     @torch.no_grad()
@@ -450,11 +510,34 @@ class _FusedOptimizer:
         for i, p in enumerate(params):
             group = group_of.get(id(p))
             if group is None:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"params[{i}]: expected a parameter of this optimizer, "
+                                    f"got {type(p).__name__}")
                 raise ValueError(f"params[{i}]: not a parameter of this optimizer "
                                  f"(shape {tuple(p.shape)})")
             by_group.setdefault(id(group), (group, []))[1].append(p)
-        for group, ps in by_group.values():
-            self._update(group, ps, settings.get(id(group)) if settings else None, given)
+        # every group's settings are checked before any group is updated
+        updates = [(group, ps, self._settings_of(settings, group))
+                   for group, ps in by_group.values()]
+        for group, ps, hp in updates:
+            self._update(group, ps, hp, given)
+
+    def _settings_of(self, settings: dict | None, group: dict) -> dict | None:
+        """settings[id(group)] (None: use the group's own), refused unless it
+        is a dict with every hyper-parameter the group has: a key left out
+        would raise KeyError in the update (lr) or silently take its default
+        (weight_decay 0) instead of the group's value."""
+        hp = settings.get(id(group)) if settings else None
+        if hp is None:
+            return None
+        if not isinstance(hp, dict):
+            raise TypeError(f"settings: expected a dict of hyper-parameters for "
+                            f"{self._group_name(group)}, got {type(hp).__name__}")
+        missing = (self.defaults.keys() & group.keys()) - hp.keys()
+        if missing:
+            raise ValueError(f"settings: the hyper-parameters given for {self._group_name(group)} "
+                             f"lack {', '.join(map(repr, sorted(missing)))}")
+        return hp
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
                 given: dict | None = None) -> None:
@@ -465,13 +548,13 @@ class _FusedOptimizer:
         if not active:
             return
         hp = group if settings is None else settings
-        hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
-        # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
-        slots = self._state_slots(hp)
-        key = (id(group), slots, tuple(map(id, active)))
-        plans = self._plans.get(key)
-        keep = _prepare_grads(plans, self.state, given)
         try:
+            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
+            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
+            slots = self._state_slots(hp)
+            key = (id(group), slots, tuple(map(id, active)))
+            plans = self._plans.get(key)
+            keep = _prepare_grads(plans, self.state, given)
             if keep is None:  # first use, or a storage or state tensor was replaced
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, active, key, slots, hparams)
@@ -481,8 +564,9 @@ class _FusedOptimizer:
                     plan.check(self, hparams)
             for plan in plans:
                 plan.run(self, hp, hparams)
-        except ValueError as e:  # refused (a hyper-parameter, a gradient): say which group
-            raise ValueError(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
+        except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
+            refusal = TypeError if isinstance(e, TypeError) else ValueError
+            raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
 
     def _group_name(self, group: dict) -> str:
@@ -570,8 +654,8 @@ class _FusedOptimizer:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif t.dtype != torch.float32 or not _tensors.same_layout(t, p):
-            t = torch.empty_like(p, dtype=torch.float32).copy_(t)
+        elif t.dtype != torch.float32 or t.is_neg() or not _tensors.same_layout(t, p):
+            t = torch.empty_like(p, dtype=torch.float32).copy_(t)  # (copy_ resolves the bit)
         return t
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
@@ -579,18 +663,19 @@ class _FusedOptimizer:
 
     def _hparams(self, group: dict) -> tuple:
         """The hparams tuple of csrc/pyutil.h."""
-        capturable = group.get("capturable", False)
         lr = group["lr"]
-        lr = 0.0 if capturable and isinstance(lr, torch.Tensor) else _scalar(lr, "lr")
+        if group.get("capturable", False) and isinstance(lr, torch.Tensor):
+            lr = 0.0  # the kernels read it on the device
         betas = group.get("betas", (0.0, 0.0))
-        return (lr, float(group.get("weight_decay", 0.0)), float(group.get("eps", 0.0)),
-                _scalar(betas[0], "betas[0]"), _scalar(betas[1], "betas[1]"),
-                float(group.get("momentum", 0.0)), float(group.get("dampening", 0.0)),
-                float(group.get("alpha", 0.0)), float(group.get("rho", 0.0)),
-                float(group.get("lr_decay", 0.0)), bool(group.get("nesterov", False)),
-                bool(group.get("maximize", False)), bool(group.get("amsgrad", False)),
-                bool(group.get("decoupled_weight_decay", False)),
-                bool(group.get("centered", False)))
+        numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+                   group.get("momentum", 0.0), group.get("dampening", 0.0),
+                   group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
+        if not _PLAIN_NUMBERS.issuperset(map(type, numeric)):  # one check for the common case
+            numeric = tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
+        return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
+                          bool(group.get("amsgrad", False)),
+                          bool(group.get("decoupled_weight_decay", False)),
+                          bool(group.get("centered", False)))
 
     def _state_slots(self, group: dict) -> tuple:
         """Names of the state tensors in the core's slots 0..2 (None: unused)."""
