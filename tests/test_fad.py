@@ -1405,6 +1405,27 @@ def test_compose_chain_tensors_with_hooks_stay_in_the_graph():
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
 
 
+def test_negative_bit_tensors_match_torch():
+    """A lazily negated view (is_neg: its memory holds -x) read through its
+    pointer gave f(-x): fad.silu of (0.5+2j).conj().imag, -2.0, gave 1.76
+    where torch gives -0.24; a negated gradient into the 8-bit backward gave
+    grad * -f'(x)."""
+    one = torch.tensor([0.5 + 2.0j]).conj().imag
+    many = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))._neg_view()
+    for x in (one, many):
+        assert x.is_neg()
+        for name in ("silu", "gelu", "tanh", "elu"):
+            native = getattr(torch.nn.functional, name, None) or getattr(torch, name)
+            torch.testing.assert_close(getattr(fad, name)(x), native(x), rtol=0, atol=0)
+        with fad.enabled(compose=True):
+            z = torch.tanh(x) * 2.0 + x
+        torch.testing.assert_close(z, torch.tanh(x.resolve_neg()) * 2.0 + x.resolve_neg())
+    leaf = torch.randn(4, 3, requires_grad=True)
+    (got,) = torch.autograd.grad(fad.silu(leaf, saved_dtype=torch.uint8), leaf, many)
+    (want,) = torch.autograd.grad(fad.silu(leaf, saved_dtype=torch.uint8), leaf, many.resolve_neg())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", ["tanh", "sigmoid", "silu", "softsign", "tanhshrink"])
 def test_complex_input_runs_torch(name):
     """torch computes these on complex input, so a patched complex model must

@@ -189,7 +189,7 @@ def _decode_table(act: _Act, device: torch.device) -> torch.Tensor:
 
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
-    if _tensors.torch_only(grad):  # batched by vmap (is_grads_batched, jacobian(vectorize=True))
+    if _torch_runs(grad):  # batched by vmap (is_grads_batched, jacobian(vectorize=True))
         decoded = _decode_table(act, grad.device)[codes.long()]
         return (grad.float() * decoded).to(grad.dtype)
     if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
@@ -277,7 +277,7 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
     if act is not None:
         _check_codable(act, saved_dtype, fname)
     if act is None or (isinstance(x, torch.Tensor)
-                       and (x.dtype in _TORCH_DTYPES or x.is_complex() or _tensors.torch_only(x))):
+                       and (x.dtype in _TORCH_DTYPES or x.is_complex() or _torch_runs(x))):
         if getattr(_capture, "on", False):
             return None
         return native(x, inplace=True) if inplace else native(x)
@@ -1034,12 +1034,18 @@ def _plain_type(t) -> bool:
     return getattr(impl, "__func__", impl) in _PLAIN_TORCH_FUNCTION
 
 
+def _torch_runs(x: torch.Tensor) -> bool:
+    """_tensors.torch_only, or a lazily negated view (is_neg: its memory
+    holds -x, which a kernel reading the pointer would take for x)."""
+    return _tensors.torch_only(x) or x.is_neg()
+
+
 def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
             and x.dtype in _tensors.DTYPE_CODES
             and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None))
-            and not _tensors.torch_only(x))
+            and not _torch_runs(x))
 
 
 # While on (per thread), reprop's activation functions return (y, f'(x)) in
@@ -1216,7 +1222,7 @@ class enabled(TorchFunctionMode):
             if _number(x):
                 operands.append(_Operand(x, 0))
                 continue
-            if not isinstance(x, torch.Tensor) or _tensors.torch_only(x):
+            if not isinstance(x, torch.Tensor) or _torch_runs(x):
                 return None
             src, deriv, blocked = self._root_of(x)
             if src is None:
