@@ -1539,3 +1539,28 @@ def test_chain_refuses_what_only_torch_carries():
                    for name, p in _ChainModule(layers).named_parameters()}
         with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
             torch.func.functional_call(_ChainModule(layers), weights, (x,))
+
+
+def test_negative_bit_operands_and_gradients_match_resolved_ones():
+    """A lazily negated view (is_neg) holds -t in memory, which the scan read
+    as t: scan operands and RNN/GRU output gradients gave other numbers than
+    the same values materialized; an out of that kind is refused."""
+    torch.manual_seed(0)
+    T, B, H = 4, 2, 3
+    c, w, v = torch.randn(T, B, H), torch.randn(H, H), torch.rand(T, B, H)
+    want = bppsa.scan(c, w=w, v=v)
+    for got in (bppsa.scan((-c)._neg_view(), w=w, v=v),
+                bppsa.scan(c, w=(-w)._neg_view(), v=v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(bppsa.scan(c, w=w, v=(-v)._neg_view()), want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="out: a lazily negated view"):
+        bppsa.scan(c, w=w, v=v, out=torch.zeros(T, B, H)._neg_view())
+    for cls in (bppsa.RNN, bppsa.GRU):
+        layer = cls(3, 4)
+        x = torch.randn(5, 2, 3, requires_grad=True)
+        out, h = layer(x)
+        g_out, g_h = torch.randn_like(out), torch.randn_like(h)
+        (got,) = torch.autograd.grad((out, h), x, ((-g_out)._neg_view(), (-g_h)._neg_view()),
+                                     retain_graph=True)
+        (want_x,) = torch.autograd.grad((out, h), x, (g_out, g_h))
+        torch.testing.assert_close(got, want_x, rtol=0, atol=0)

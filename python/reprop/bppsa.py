@@ -190,6 +190,9 @@ def _check_out(out: torch.Tensor, c: torch.Tensor, jacobians: dict) -> None:
     _check_operand(out, "out", tuple(c.shape), c.device)
     if not out.is_contiguous():
         raise ValueError("out: expected a contiguous tensor")
+    if out.is_neg():
+        raise ValueError("out: a lazily negated view (is_neg) holds -out in memory, which the "
+                         "scan would write as out; pass a tensor of its own")
     if _overlaps(out, c) and not (out.data_ptr() == c.data_ptr() and c.is_contiguous()):
         raise ValueError("out: must be c itself or not overlap it")
     for name, t in jacobians.items():
@@ -300,8 +303,9 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     _check_no_graph({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}, out)
     levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
-    c = c.contiguous()
-    w, u, v, jt, y = [None if t is None else t.contiguous() for t in (w, u, v, jt, y)]
+    # the kernels read memory: a lazily negated view holds -t there
+    c = c.contiguous().resolve_neg()
+    w, u, v, jt, y = [None if t is None else t.contiguous().resolve_neg() for t in (w, u, v, jt, y)]
     g = torch.empty_like(c) if out is None else out
     if B == 0:
         return g
@@ -535,6 +539,8 @@ class _Layer(torch.autograd.Function):
                                "check_batched_grad=False, or torch.nn.RNN/GRU")
         saved = ctx.saved_tensors
         x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
+        # the scan reads c's memory: a lazily negated gradient holds -g there
+        grad_out, grad_h = (g if g is None else g.resolve_neg() for g in (grad_out, grad_h))
         x2, c = x.reshape(-1, x.shape[-1]), _step_gradients(grad_out, grad_h, out, ctx.last)
         if ctx.mode == "GRU":
             d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels)
