@@ -270,14 +270,16 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
 def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     """y = f(x) through the kernels, or through torch's `native` for what they
-    cannot take: act None (parameters, _kernel_act), float64 or complex x
-    (torch's result, or torch's own refusal), batched x.
+    cannot take: act None (parameters, _kernel_act), float64, complex,
+    integer or bool x (torch's result, promoted, or torch's own refusal),
+    batched x.
     While _capture is on: (y, f'(x)), or None where torch's op would run."""
     _check_saved_dtype(saved_dtype, fname)
     if act is not None:
         _check_codable(act, saved_dtype, fname)
     if act is None or (isinstance(x, torch.Tensor)
-                       and (x.dtype in _TORCH_DTYPES or x.is_complex() or _torch_runs(x))):
+                       and (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
+                            or _torch_runs(x))):
         if getattr(_capture, "on", False):
             return None
         return native(x, inplace=True) if inplace else native(x)
