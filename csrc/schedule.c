@@ -62,7 +62,8 @@ static int rp_sched_oom(rp_error *err, const char *what)
 static int rp_sched_time_ok(double v) { return v >= 0.0 && isfinite(v); }
 
 /* ---------------------------------------------------------------------------
- * A binary min-heap of (key, rank) items, for the simulator's queues
+ * A binary min-heap of (key, rank) items, for the simulator's queues and
+ * Algorithm 1's proposals
  * ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1074,20 +1075,29 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
  * once its sub-stream time covers its main-stream time. Pre-scheduled
  * regions [0, pre) instead run each task as soon as it is ready, which
  * frees its memory early: the price of fitting a memory cap.
+ *
+ * One run (one pre) costs O(n K log K) time and O(n K) memory for K tasks
+ * (a rescan of the unplaced tasks per region per placement was O(n K^2):
+ * seconds at 8000 tasks): each region keeps its runnable tasks in a heap,
+ * each task offered to it once as its reach grows, and tasks placed
+ * elsewhere are dropped only when they surface.
  * ------------------------------------------------------------------------- */
 
 typedef struct {
     int64_t n, n_tasks;
     const double *t_main, *ready, *t_sub, *speedup;
     const int64_t *deadline, *mem;
+    rp_task_key *by_ready;  /* (n_tasks) the tasks by (ready, id) */
     double *start;          /* (n + 1) */
     double *now;            /* (n) */
     unsigned char *open;    /* (n) still a candidate of Algorithm 1 */
-    int64_t *pending;       /* (n_tasks) unplaced tasks by (ready, id) */
-    int64_t n_pending;
+    rp_heap *runnable;      /* (n) region i's runnable tasks, best proposal on top */
+    rp_heap_item *runnable_items; /* (n * n_tasks) their storage, n_tasks per region */
+    int64_t *fed;           /* (n) by_ready[0, fed[i]) have been offered to region i */
+    int64_t *held;          /* (n) the peak's changes of held memory by region */
     int64_t *seq;           /* (n_tasks) placement sequence */
     int64_t placed;
-    int64_t *region;        /* (n_tasks) the caller's */
+    int64_t *region;        /* (n_tasks) the caller's; -1 while unplaced */
 } rp_regions;
 
 static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
@@ -1139,17 +1149,13 @@ static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, co
     return RP_OK;
 }
 
-static void rp_regions_place(rp_regions *x, int64_t pending_pos, int64_t i)
+static void rp_regions_place(rp_regions *x, int64_t k, int64_t i)
 {
-    const int64_t k = x->pending[pending_pos];
     x->region[k] = i;
     x->seq[k] = x->placed++;
     x->now[i] += x->t_sub[k * x->n + i];
     if (x->now[i] >= x->t_main[i])
         x->open[i] = 0;
-    memmove(x->pending + pending_pos, x->pending + pending_pos + 1,
-            (size_t)(x->n_pending - pending_pos - 1) * sizeof *x->pending);
-    x->n_pending--;
 }
 
 /* Pre-scheduling: a task ready before region `pre` starts runs in the
@@ -1157,80 +1163,107 @@ static void rp_regions_place(rp_regions *x, int64_t pending_pos, int64_t i)
  * first), in ready order. */
 static void rp_regions_pre(rp_regions *x, int64_t pre)
 {
-    int64_t p = 0;
-    while (p < x->n_pending && x->ready[x->pending[p]] < x->start[pre]) {
-        const int64_t k = x->pending[p];
+    for (int64_t r = 0; r < x->n_tasks && x->by_ready[r].key < x->start[pre]; r++) {
+        const int64_t k = x->by_ready[r].task;
         int64_t i = pre - 1;
         while (i > 0 && x->start[i] > x->ready[k])
             i--;
-        rp_regions_place(x, p, i < x->deadline[k] - 1 ? i : x->deadline[k] - 1);
+        rp_regions_place(x, k, i < x->deadline[k] - 1 ? i : x->deadline[k] - 1);
     }
 }
 
-/* Region i's proposal: the pending task runnable there of highest speedup
- * (ties: earliest ready, then lowest id), as a position in pending, or -1. */
-static int64_t rp_regions_propose(const rp_regions *x, int64_t i)
+/* Offers region i the tasks its sub-stream has reached since the last call:
+ * reach only grows (now[i] only does), so each task is offered to each
+ * region at most once, in ready order. Its heap orders them by speedup
+ * there (highest first; the key is negated for the min-heap, which is exact),
+ * then by rank in by_ready, i.e. earliest ready, then lowest id. */
+static void rp_regions_feed(rp_regions *x, int64_t i)
 {
     const double reach = x->start[i] + x->now[i];
-    int64_t best = -1;
-    for (int64_t p = 0; p < x->n_pending && x->ready[x->pending[p]] <= reach; p++) {
-        const int64_t k = x->pending[p];
-        if (i < x->deadline[k] &&
-            (best < 0 || x->speedup[k * x->n + i] > x->speedup[x->pending[best] * x->n + i]))
-            best = p;
+    for (; x->fed[i] < x->n_tasks && x->by_ready[x->fed[i]].key <= reach; x->fed[i]++) {
+        const int64_t k = x->by_ready[x->fed[i]].task;
+        if (x->region[k] < 0 && i < x->deadline[k])
+            rp_heap_push(&x->runnable[i],
+                         (rp_heap_item){-x->speedup[k * x->n + i], x->fed[i], k});
     }
-    return best;
+}
+
+/* Region i's proposal: the unplaced task runnable there of highest speedup
+ * (ties: earliest ready, then lowest id), or -1. Tasks placed elsewhere
+ * since they were offered are dropped here, when they reach the top. */
+static int64_t rp_regions_propose(rp_regions *x, int64_t i)
+{
+    rp_heap *h = &x->runnable[i];
+    rp_regions_feed(x, i);
+    while (h->size > 0 && x->region[h->items[0].task] >= 0)
+        rp_heap_pop(h);
+    return h->size > 0 ? h->items[0].task : -1;
 }
 
 static void rp_regions_algorithm1(rp_regions *x, int64_t pre)
 {
-    while (x->n_pending > 0) {
-        int64_t region = -1, pos = -1;
+    while (x->placed < x->n_tasks) {
+        int64_t region = -1, task = -1;
         double gain = 0.0;
         for (int64_t i = pre; i < x->n; i++) {
-            int64_t p = x->open[i] ? rp_regions_propose(x, i) : -1;
-            if (p >= 0 && (region < 0 || x->speedup[x->pending[p] * x->n + i] > gain)) {
-                region = i, pos = p;
-                gain = x->speedup[x->pending[p] * x->n + i];
+            const int64_t k = x->open[i] ? rp_regions_propose(x, i) : -1;
+            if (k >= 0 && (region < 0 || x->speedup[k * x->n + i] > gain)) {
+                region = i, task = k;
+                gain = x->speedup[k * x->n + i];
             }
         }
         if (region < 0)
             break;
-        rp_regions_place(x, pos, region);
+        rp_regions_place(x, task, region);
     }
     /* the open regions cannot take the rest (the sub-stream is overcommitted,
      * or the tasks are ready too late): never lose a task, run each in the
-     * last region its deadline allows */
-    while (x->n_pending > 0)
-        rp_regions_place(x, 0, x->deadline[x->pending[0]] - 1);
+     * last region its deadline allows, in ready order */
+    for (int64_t r = 0; r < x->n_tasks; r++) {
+        const int64_t k = x->by_ready[r].task;
+        if (x->region[k] < 0)
+            rp_regions_place(x, k, x->deadline[k] - 1);
+    }
 }
 
 /* Held memory at the end of each region: tasks ready before it ends and
  * placed in a later region. Regions are half-open, [start, end): a task
  * ready exactly at a boundary belongs to the region that starts there, as
- * in pre-scheduling, so that pre = n always holds nothing. */
-static int64_t rp_regions_peak(const rp_regions *x)
+ * in pre-scheduling, so that pre = n always holds nothing. Task k is held
+ * at the ends of regions [first, region[k]), first the earliest region
+ * ending after ready[k], which only grows along by_ready: one pass adds
+ * and removes each task once in held[], a prefix sum gives each region's
+ * total (never past the sum of mem, which the check keeps within int64). */
+static int64_t rp_regions_peak(rp_regions *x)
 {
-    int64_t peak = 0;
+    int64_t first = 0, total = 0, peak = 0;
+    memset(x->held, 0, (size_t)x->n * sizeof *x->held);
+    for (int64_t r = 0; r < x->n_tasks; r++) {
+        const int64_t k = x->by_ready[r].task;
+        while (first < x->n && !(x->ready[k] < x->start[first + 1]))
+            first++;
+        if (first < x->region[k]) {
+            x->held[first] += x->mem[k];
+            x->held[x->region[k]] -= x->mem[k];
+        }
+    }
     for (int64_t i = 0; i < x->n; i++) {
-        int64_t held = 0;
-        for (int64_t k = 0; k < x->n_tasks; k++)
-            if (x->ready[k] < x->start[i + 1] && x->region[k] > i)
-                held += x->mem[k];
-        peak = held > peak ? held : peak;
+        total += x->held[i];
+        peak = total > peak ? total : peak;
     }
     return peak;
 }
 
-static void rp_regions_run(rp_regions *x, const rp_task_key *by_ready, int64_t pre)
+static void rp_regions_run(rp_regions *x, int64_t pre)
 {
     for (int64_t i = 0; i < x->n; i++) {
         x->now[i] = 0.0;
         x->open[i] = 1;
+        x->runnable[i] = (rp_heap){x->runnable_items + i * x->n_tasks, 0};
+        x->fed[i] = 0;
     }
     for (int64_t k = 0; k < x->n_tasks; k++)
-        x->pending[k] = by_ready[k].task;
-    x->n_pending = x->n_tasks;
+        x->region[k] = -1;
     x->placed = 0;
     rp_regions_pre(x, pre);
     rp_regions_algorithm1(x, pre);
@@ -1252,29 +1285,45 @@ static void rp_regions_order(const rp_regions *x, int64_t *order, int64_t *fill,
     }
 }
 
+static void rp_regions_free(rp_regions *x)
+{
+    free(x->by_ready), free(x->start), free(x->now), free(x->open);
+    free(x->runnable), free(x->runnable_items), free(x->fed), free(x->held), free(x->seq);
+}
+
+/* Every buffer of x, once for all of rp_sched_regions' runs. */
+static int rp_regions_alloc(rp_regions *x)
+{
+    x->by_ready = rp_sched_alloc(x->n_tasks, sizeof *x->by_ready);
+    x->start = rp_sched_alloc(x->n + 1, sizeof *x->start);
+    x->now = rp_sched_alloc(x->n, sizeof *x->now);
+    x->open = rp_sched_alloc(x->n, sizeof *x->open);
+    x->runnable = rp_sched_alloc(x->n, sizeof *x->runnable);
+    x->runnable_items = rp_sched_alloc(rp_sched_mul(x->n, x->n_tasks), sizeof *x->runnable_items);
+    x->fed = rp_sched_alloc(x->n, sizeof *x->fed);
+    x->held = rp_sched_alloc(x->n, sizeof *x->held);
+    x->seq = rp_sched_alloc(x->n_tasks, sizeof *x->seq);
+    return x->by_ready != NULL && x->start != NULL && x->now != NULL && x->open != NULL &&
+           x->runnable != NULL && x->runnable_items != NULL && x->fed != NULL &&
+           x->held != NULL && x->seq != NULL;
+}
+
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                      const int64_t *deadline, const double *t_sub, const double *speedup,
                      const int64_t *mem, int64_t mem_cap, int64_t *region, int64_t *order,
                      int64_t *pre, int64_t *peak, rp_error *err)
 {
-    rp_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem,
-                    NULL, NULL, NULL, NULL, 0, NULL, 0, region};
-    rp_task_key *by_ready = NULL;
+    rp_regions x = {.n = n, .n_tasks = n_tasks, .t_main = t_main, .ready = ready,
+                    .t_sub = t_sub, .speedup = speedup, .deadline = deadline, .mem = mem,
+                    .region = region};
     int64_t *fill = NULL, *by_seq = NULL;
     int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, region,
                               order, pre, peak, err);
     if (rc != RP_OK)
         return rc;
-    x.start = rp_sched_alloc(n + 1, sizeof *x.start);
-    x.now = rp_sched_alloc(n, sizeof *x.now);
-    x.open = rp_sched_alloc(n, sizeof *x.open);
-    x.pending = rp_sched_alloc(n_tasks, sizeof *x.pending);
-    x.seq = rp_sched_alloc(n_tasks, sizeof *x.seq);
-    by_ready = rp_sched_alloc(n_tasks, sizeof *by_ready);
     fill = rp_sched_alloc(n + 1, sizeof *fill);
     by_seq = rp_sched_alloc(n_tasks, sizeof *by_seq);
-    if (x.start == NULL || x.now == NULL || x.open == NULL || x.pending == NULL ||
-        x.seq == NULL || by_ready == NULL || fill == NULL || by_seq == NULL) {
+    if (!rp_regions_alloc(&x) || fill == NULL || by_seq == NULL) {
         rc = rp_sched_oom(err, "regions");
         goto done;
     }
@@ -1286,19 +1335,19 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
         goto done;
     }
     for (int64_t k = 0; k < n_tasks; k++)
-        by_ready[k] = (rp_task_key){ready[k], k};
-    qsort(by_ready, (size_t)n_tasks, sizeof *by_ready, rp_task_key_cmp);
+        x.by_ready[k] = (rp_task_key){ready[k], k};
+    qsort(x.by_ready, (size_t)n_tasks, sizeof *x.by_ready, rp_task_key_cmp);
     /* pre grows until the held memory fits (or every region is pre-scheduled:
      * the caller sees *peak > mem_cap) */
     for (*pre = 0;; ++*pre) {
-        rp_regions_run(&x, by_ready, *pre);
+        rp_regions_run(&x, *pre);
         *peak = mem != NULL ? rp_regions_peak(&x) : 0;
         if (mem == NULL || mem_cap < 0 || *peak <= mem_cap || *pre == n)
             break;
     }
     rp_regions_order(&x, order, fill, by_seq);
 done:
-    free(x.start), free(x.now), free(x.open), free(x.pending), free(x.seq);
-    free(by_ready), free(fill), free(by_seq);
+    rp_regions_free(&x);
+    free(fill), free(by_seq);
     return rc;
 }

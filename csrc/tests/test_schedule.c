@@ -13,7 +13,8 @@
  * concave scores;
  * Algorithm 1 on hand-checked cases (max speedup against first come first
  * served, deadlines, the overcommitted fallback, pre-scheduling under a
- * memory cap); and every validation error.
+ * memory cap), and bit for bit against a test-only copy of its first,
+ * quadratic form on random inputs; and every validation error.
  */
 #include <math.h>
 #include <stdio.h>
@@ -763,6 +764,224 @@ static void test_regions(void)
     CHECK(o.rc == RP_OK && o.pre == 0 && o.peak == 0, "no tasks");
 }
 
+/* ---- Algorithm 1 against a reference ----
+ *
+ * ref_regions_*: TEST-ONLY reference, the straightforward O(n K^2) form of
+ * rp_sched_regions (csrc/schedule.c before its proposals came from heaps):
+ * every round rescans the unplaced tasks, kept ready-sorted in an array,
+ * for each region's proposal, and the peak sums every task per region. The
+ * library's must match it bit for bit (region, order, pre, peak) on random
+ * inputs full of ties, zero times, deadlines and overcommitted regions. */
+
+typedef struct {
+    int64_t n, n_tasks;
+    const double *t_main, *ready, *t_sub, *speedup;
+    const int64_t *deadline, *mem;
+    double *start, *now;
+    unsigned char *open;
+    int64_t *pending, n_pending, *seq, placed, *region;
+} ref_regions;
+
+static const double *ref_ready_of; /* the ready times ref_by_ready sorts by */
+
+static int ref_by_ready(const void *pa, const void *pb)
+{
+    const int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+    if (ref_ready_of[a] != ref_ready_of[b])
+        return ref_ready_of[a] < ref_ready_of[b] ? -1 : 1;
+    return (a > b) - (a < b);
+}
+
+static void ref_regions_place(ref_regions *x, int64_t pending_pos, int64_t i)
+{
+    const int64_t k = x->pending[pending_pos];
+    x->region[k] = i;
+    x->seq[k] = x->placed++;
+    x->now[i] += x->t_sub[k * x->n + i];
+    if (x->now[i] >= x->t_main[i])
+        x->open[i] = 0;
+    memmove(x->pending + pending_pos, x->pending + pending_pos + 1,
+            (size_t)(x->n_pending - pending_pos - 1) * sizeof *x->pending);
+    x->n_pending--;
+}
+
+static void ref_regions_pre(ref_regions *x, int64_t pre)
+{
+    int64_t p = 0;
+    while (p < x->n_pending && x->ready[x->pending[p]] < x->start[pre]) {
+        const int64_t k = x->pending[p];
+        int64_t i = pre - 1;
+        while (i > 0 && x->start[i] > x->ready[k])
+            i--;
+        ref_regions_place(x, p, i < x->deadline[k] - 1 ? i : x->deadline[k] - 1);
+    }
+}
+
+static int64_t ref_regions_propose(const ref_regions *x, int64_t i)
+{
+    const double reach = x->start[i] + x->now[i];
+    int64_t best = -1;
+    for (int64_t p = 0; p < x->n_pending && x->ready[x->pending[p]] <= reach; p++) {
+        const int64_t k = x->pending[p];
+        if (i < x->deadline[k] &&
+            (best < 0 || x->speedup[k * x->n + i] > x->speedup[x->pending[best] * x->n + i]))
+            best = p;
+    }
+    return best;
+}
+
+static void ref_regions_algorithm1(ref_regions *x, int64_t pre)
+{
+    while (x->n_pending > 0) {
+        int64_t region = -1, pos = -1;
+        double gain = 0.0;
+        for (int64_t i = pre; i < x->n; i++) {
+            int64_t p = x->open[i] ? ref_regions_propose(x, i) : -1;
+            if (p >= 0 && (region < 0 || x->speedup[x->pending[p] * x->n + i] > gain)) {
+                region = i, pos = p;
+                gain = x->speedup[x->pending[p] * x->n + i];
+            }
+        }
+        if (region < 0)
+            break;
+        ref_regions_place(x, pos, region);
+    }
+    while (x->n_pending > 0)
+        ref_regions_place(x, 0, x->deadline[x->pending[0]] - 1);
+}
+
+static int64_t ref_regions_peak(const ref_regions *x)
+{
+    int64_t peak = 0;
+    for (int64_t i = 0; i < x->n; i++) {
+        int64_t held = 0;
+        for (int64_t k = 0; k < x->n_tasks; k++)
+            if (x->ready[k] < x->start[i + 1] && x->region[k] > i)
+                held += x->mem[k];
+        peak = held > peak ? held : peak;
+    }
+    return peak;
+}
+
+static void ref_regions_run(ref_regions *x, const int64_t *by_ready, int64_t pre)
+{
+    for (int64_t i = 0; i < x->n; i++) {
+        x->now[i] = 0.0;
+        x->open[i] = 1;
+    }
+    memcpy(x->pending, by_ready, (size_t)x->n_tasks * sizeof *x->pending);
+    x->n_pending = x->n_tasks;
+    x->placed = 0;
+    ref_regions_pre(x, pre);
+    ref_regions_algorithm1(x, pre);
+}
+
+/* The reference's region, order, pre and peak for valid inputs (n <= 12). */
+static void ref_sched_regions(int64_t n, const double *t_main, int64_t n_tasks,
+                              const double *ready, const int64_t *deadline, const double *t_sub,
+                              const double *speedup, const int64_t *mem, int64_t mem_cap,
+                              int64_t *region, int64_t *order, int64_t *pre, int64_t *peak)
+{
+    double start[13], now[12];
+    unsigned char open[12];
+    int64_t *by_ready = alloc(n_tasks, sizeof *by_ready), fill[13] = {0};
+    ref_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem, start, now, open,
+                     alloc(n_tasks, sizeof(int64_t)), 0, alloc(n_tasks, sizeof(int64_t)), 0,
+                     region};
+    start[0] = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        start[i + 1] = start[i] + t_main[i];
+    for (int64_t k = 0; k < n_tasks; k++)
+        by_ready[k] = k;
+    ref_ready_of = ready;
+    qsort(by_ready, (size_t)n_tasks, sizeof *by_ready, ref_by_ready);
+    for (*pre = 0;; ++*pre) {
+        ref_regions_run(&x, by_ready, *pre);
+        *peak = mem != NULL ? ref_regions_peak(&x) : 0;
+        if (mem == NULL || mem_cap < 0 || *peak <= mem_cap || *pre == n)
+            break;
+    }
+    /* order: by region, then as placed (by_ready reused as by_seq) */
+    for (int64_t k = 0; k < n_tasks; k++) {
+        fill[region[k] + 1]++;
+        by_ready[x.seq[k]] = k;
+    }
+    for (int64_t i = 0; i < n; i++)
+        fill[i + 1] += fill[i];
+    for (int64_t s = 0; s < n_tasks; s++)
+        order[fill[region[by_ready[s]]]++] = by_ready[s];
+    free(by_ready), free(x.pending), free(x.seq);
+}
+
+/* a pick from a small set, so that ties are common */
+static double pick(uint64_t *state, const double *from, int count)
+{
+    return from[lcg(state) % (uint64_t)count];
+}
+
+/* One random Algorithm 1 input: n in [1, 12], up to 300 tasks; values from
+ * small sets (ties in ready, speedup and t_sub; zero times; ready on region
+ * boundaries), a scale that ranges from roomy to overcommitted sub-streams,
+ * random deadlines, and a cap from none to 0. Library and reference agree. */
+static void regions_trial(uint64_t *state, int trial)
+{
+    static const double times[] = {0.0, 0.5, 1.0, 1.0, 2.0, 3.25};
+    static const double gains[] = {-0.5, -0.0, 0.0, 0.1, 0.25, 0.25, 0.9, 1.0};
+    static const double scales[] = {0.0, 0.01, 0.1, 0.5, 1.0, 4.0};
+    const int64_t n = 1 + (int64_t)(lcg(state) % 12);
+    const int64_t tasks = (int64_t)(lcg(state) % 301);
+    const double scale = pick(state, scales, 6);
+    const int with_mem = lcg(state) % 4 != 0;
+    double t_main[12], start = 0.0, *ready = alloc(tasks, sizeof *ready);
+    double *t_sub = alloc(tasks * n, sizeof *t_sub), *speedup = alloc(tasks * n, sizeof *speedup);
+    int64_t *deadline = alloc(tasks, sizeof *deadline), *mem = alloc(tasks, sizeof *mem);
+    int64_t *region = alloc(tasks, sizeof *region), *order = alloc(tasks, sizeof *order);
+    int64_t *ref_region = alloc(tasks, sizeof *region), *ref_order = alloc(tasks, sizeof *order);
+    int64_t total = 0, cap, pre, peak, ref_pre, ref_peak;
+    rp_error err = {{0}};
+    for (int64_t i = 0; i < n; i++)
+        start += t_main[i] = pick(state, times, 6);
+    for (int64_t k = 0; k < tasks; k++) {
+        /* half on a grid of quarter units (boundaries, ties), half anywhere */
+        ready[k] = lcg(state) % 2 ? (double)(lcg(state) % 64) / 4.0
+                                  : (double)lcg(state) / 9007199254740992.0 * (start + 1.0);
+        deadline[k] = lcg(state) % 3 ? n : 1 + (int64_t)(lcg(state) % (uint64_t)n);
+        mem[k] = (int64_t)(lcg(state) % 4) * 1000 + (int64_t)(lcg(state) % 3);
+        total += mem[k];
+        for (int64_t i = 0; i < n; i++) {
+            t_sub[k * n + i] = scale * pick(state, times, 6);
+            speedup[k * n + i] = pick(state, gains, 8);
+        }
+    }
+    switch (lcg(state) % 4) {
+    case 0: cap = -1; break;
+    case 1: cap = 0; break;
+    default: cap = (int64_t)(lcg(state) % (uint64_t)(total + 1));
+    }
+    CHECK(rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup,
+                           with_mem ? mem : NULL, cap, region, order, &pre, &peak,
+                           &err) == RP_OK,
+          "trial %d: %s", trial, err.msg);
+    ref_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, with_mem ? mem : NULL,
+                      cap, ref_region, ref_order, &ref_pre, &ref_peak);
+    CHECK(pre == ref_pre && peak == ref_peak, "trial %d (n %lld, %lld tasks): pre %lld peak %lld, "
+          "reference %lld %lld", trial, (long long)n, (long long)tasks, (long long)pre,
+          (long long)peak, (long long)ref_pre, (long long)ref_peak);
+    CHECK(memcmp(region, ref_region, (size_t)tasks * sizeof *region) == 0 &&
+              memcmp(order, ref_order, (size_t)tasks * sizeof *order) == 0,
+          "trial %d (n %lld, %lld tasks): region or order differ from the reference", trial,
+          (long long)n, (long long)tasks);
+    free(ready), free(t_sub), free(speedup), free(deadline), free(mem);
+    free(region), free(order), free(ref_region), free(ref_order);
+}
+
+static void test_regions_reference(void)
+{
+    uint64_t state = 11;
+    for (int trial = 0; trial < 1500; trial++)
+        regions_trial(&state, trial);
+}
+
 /* ---- every validation error ---- */
 
 static void expect(int rc, const char *msg, const char *want, const char *what)
@@ -985,6 +1204,7 @@ int main(void)
     test_ksearch_concave();
     test_stages();
     test_regions();
+    test_regions_reference();
     test_simulate_errors();
     test_builder_errors();
     test_other_errors();
