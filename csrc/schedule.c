@@ -45,10 +45,11 @@
 /* a * b for a, b >= 0, or -1 past RP_SCHED_MAX_ITEMS. */
 static int64_t rp_sched_mul(int64_t a, int64_t b) { return rp_mul_capped(a, b, RP_SCHED_MAX_ITEMS); }
 
-/* count elements of `size` bytes; never malloc(0), which may return NULL. */
+/* count elements of `size` bytes; never malloc(0), which may return NULL.
+ * PTRDIFF_MAX bounds an object's size (and tells gcc the request fits). */
 static void *rp_sched_alloc(int64_t count, size_t size)
 {
-    if (count < 0 || (uint64_t)count >= (uint64_t)(SIZE_MAX / size))
+    if (count < 0 || (uint64_t)count >= (uint64_t)PTRDIFF_MAX / size)
         return NULL;
     return malloc(((size_t)count + 1) * size);
 }
