@@ -2833,6 +2833,79 @@ def test_forward_mode_parameter_moved_to_another_module(change: str, called: str
     _assert_same_training(run("forward"), run(None))
 
 
+def _qat_conv_bn() -> nn.Module:
+    """torch's quantization-aware ConvBn2d (with its fake-quantize modules),
+    whose forward divides bn.weight by the running std before calling bn."""
+    import torch.ao.quantization as tq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tq.fuse_modules_qat(nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).train(),
+                                    [["0", "1"]])
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+        return tq.prepare_qat(model)
+
+
+def _each_layer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x)
+    return x
+
+
+def _each_attention(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x, x, x, need_weights=False)[0]
+    return x
+
+
+READS_SUBMODULE_PARAMS = {
+    # (the model, how the loop calls it, its input's shape)
+    "attention_layers": (lambda: nn.ModuleList([nn.MultiheadAttention(8, 2, batch_first=True)]),
+                         _each_attention, (2, 3, 8)),
+    "encoder_layers": (lambda: nn.ModuleList([nn.TransformerEncoderLayer(
+        8, 2, 16, dropout=0.0, batch_first=True)]), _each_layer, (2, 3, 8)),
+    "encoder_and_decoder": (lambda: nn.Transformer(
+        8, 2, 1, 1, 16, dropout=0.0, batch_first=True),
+        lambda m, x: m.decoder(x, m.encoder(x)), (2, 3, 8)),
+    "qat_conv_bn": (_qat_conv_bn, lambda m, x: m(x), (4, 1, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(READS_SUBMODULE_PARAMS))
+def test_forward_mode_module_reading_its_submodules_parameters(case: str) -> None:
+    """A module holding parameters of its own may read its submodules'
+    without calling them (MultiheadAttention's out_proj, whose forward never
+    runs) or before calling them (a QAT ConvBn2d reads bn.weight first): their
+    updates waited for the root's forward, which a loop calling the layers,
+    or nn.Transformer's encoder and decoder, directly never runs, or for the
+    submodule's own forward, after the read. Training then raised (a stale
+    out_proj.bias got a gradient) or went one update behind silently, and
+    the evaluation after it used out_proj one update behind."""
+    make_model, call, shape = READS_SUBMODULE_PARAMS[case]
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's nested-tensor and observer notes)
+            for i in range(3):
+                call(model, torch.randn(shape, generator=_gen(i))).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                out = call(model, torch.randn(shape, generator=_gen(10)))
+        if handle is not None:
+            handle.remove()
+        return (model, opt), out
+
+    (got, out), (ref, ref_out) = run("forward"), run(None)
+    _assert_same_training(got, ref)
+    # (eager's evaluation may take torch's fused fast path, which hooks disable)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step

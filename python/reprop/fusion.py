@@ -30,9 +30,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   ``zero_grad()``, ``p.grad = None`` and a gradient set by hand act as after
   an eager step(). Each pending update is applied right before its module's
   next forward, in training or evaluation, once (those the next forward did
-  not use, at its end). A held gradient changed in place before then
-  (``p.grad.zero_()`` after step()) cannot give eager's update: applying it
-  raises, and drops that update. Clipping (``clip_grad_norm=`` or
+  not use, at its end); a module with parameters of its own and submodules
+  applies its submodules' too, as its forward may read them directly. A
+  held gradient changed in place before then (``p.grad.zero_()`` after
+  step()) cannot give eager's update: applying it raises, and drops that
+  update. Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
   ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
@@ -326,6 +328,21 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
 def _direct_params(module: nn.Module, wanted: dict) -> list:
     """The parameters `module` owns itself (not its children's) among `wanted`."""
     return [p for p in module.parameters(recurse=False) if id(p) in wanted]
+
+
+def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
+    """The parameters whose pending updates the forward of `module`, an owner
+    of fused parameters, needs first: its own, and when it has submodules
+    too, theirs. Such a module combines its parameters with its submodules'
+    and may read theirs without calling them, or before it does
+    (MultiheadAttention reads its out_proj's, whose forward never runs; a QAT
+    ConvBn2d divides bn.weight before calling bn). Modules without parameters
+    of their own (containers, transformer layers, most models) have no
+    forward hooks: each submodule announces its own next use, so the updates
+    still wait for the layer that uses them."""
+    if not module._modules:  # (children() would build a generator, at every forward)
+        return module.parameters(recurse=False)
+    return module.parameters()
 
 
 def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
@@ -1388,7 +1405,7 @@ class _ForwardFusion(FusionHandle):
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
                 self._follow_owners()  # (layers called one by one: no root forward)
-                mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
+                mine = [p for p in _params_read_by(module) if id(p) in self._pending]
                 if mine:
                     self._apply(mine)
 
