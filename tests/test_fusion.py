@@ -1648,6 +1648,64 @@ def test_forward_mode_refuses_a_stale_use_before_its_gradient_reaches_grad() -> 
                           _penalty_between_step_and_forward(None))
 
 
+def _generator_step_through_a_stepped_discriminator(mode: str | None, inputs: bool,
+                                                    allow_mutation: bool = False) -> list:
+    """A GAN step done wrong: the generator's loss goes through a graph of
+    the discriminator built before the discriminator's step(). Returns the
+    generator's gradients, or the error's message. Inside
+    allow_mutation_on_saved_tensors(), forward mode's pending update of the
+    discriminator is applied in between on another thread (an asynchronous
+    checkpoint's state_dict()), where the context's dispatch mode is off."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), nn.Linear(6, 1)
+    opt_g, opt_d = rp.SGD(gen.parameters(), lr=0.1), rp.SGD(disc.parameters(), lr=0.1)
+    handles = ([reprop.fuse(m, o, mode=mode) for m, o in ((gen, opt_g), (disc, opt_d))]
+               if mode else [])
+    z, real = torch.randn(8, 4, generator=_gen(0)), torch.randn(8, 6, generator=_gen(1))
+    with (torch.autograd.graph.allow_mutation_on_saved_tensors() if allow_mutation
+          else contextlib.nullcontext()):
+        fake = gen(z)
+        d_fake = disc(fake)  # saves disc.weight as it is before opt_d.step()
+        (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()).backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        if allow_mutation:
+            _in_thread(disc.state_dict)()
+        try:
+            F.softplus(-d_fake).mean().backward(inputs=list(gen.parameters()) if inputs else None)
+        except RuntimeError as e:
+            return [str(e)]
+        finally:
+            for handle in handles:
+                handle.remove()
+    return [p.grad for p in gen.parameters()]
+
+
+@pytest.mark.parametrize("inputs", [True, False])
+def test_forward_mode_graph_saved_before_step_raises_as_eager(inputs: bool) -> None:
+    """step() only marks the updates pending, so a graph that saved a
+    parameter before step() went on through its old value: with
+    backward(inputs=...) not reaching the parameter, nothing noticed it;
+    otherwise fusion's own pending-update error said it was read outside
+    its module's forward. step() does to the saved value what eager's
+    in-place update does: backward raises autograd's in-place error, as
+    eager."""
+    got, ref = (_generator_step_through_a_stepped_discriminator(mode, inputs)
+                for mode in ("forward", None))
+    assert "modified by an inplace operation" in ref[0]
+    assert isinstance(got[0], str), "forward mode went through the old discriminator weights"
+    assert got == ref
+
+
+def test_forward_mode_graph_saved_before_step_under_allow_mutation_matches_eager() -> None:
+    """Inside allow_mutation_on_saved_tensors() that graph uses the values
+    before step(), as eager: step() has them copied, also when the update
+    then runs on a thread where the context's dispatch mode is off."""
+    got, ref = (_generator_step_through_a_stepped_discriminator(mode, True, allow_mutation=True)
+                for mode in ("forward", None))
+    _assert_tensor_lists(got, ref, "generator gradients")
+
+
 def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     torch.manual_seed(0)
     model = TwoUse(detach=True)

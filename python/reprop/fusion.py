@@ -345,6 +345,22 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
     return module.parameters()
 
 
+def _as_if_updated_in_place(params: list) -> None:
+    """What eager step()'s in-place update does to the graphs that saved
+    `params` before it, done when step() marks their updates pending: such a
+    graph's backward raises autograd's in-place error (inside
+    allow_mutation_on_saved_tensors() it gets a copy of their values of now,
+    the values before the update: the update may run where that mode is
+    off, in another thread's state_dict()), instead of going through the old
+    values unnoticed while the updates wait. The update itself bumps the versions
+    again, harmlessly: it comes before the next forward that reads them
+    saves anything."""
+    if _tensors.dispatch_mode_active():
+        with torch.no_grad():
+            _tensors.show_coming_writes(params)
+    _tensors.bump_versions(params)
+
+
 def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
     """What torch.optim.Optimizer.zero_grad does to one parameter."""
     if p.grad is None:
@@ -1436,9 +1452,10 @@ class _ForwardFusion(FusionHandle):
         if p is not None:
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
-                "forward while its update was still pending (it is read outside the forward of "
-                "the module that owns it); call handle.flush() before such a forward, or use "
-                "mode='backward'")
+                "forward while its update was still pending: its old value was read after "
+                "optimizer.step() outside the forward of the module that owns it, or before "
+                "step() by a graph backpropagated after it; call handle.flush() before such a "
+                "use, or use mode='backward'")
 
     def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
@@ -1467,6 +1484,7 @@ class _ForwardFusion(FusionHandle):
         for p in params:
             self._pending[id(p)] = p
             self._grads[id(p)] = (p.grad, _version_of(p.grad))
+        _as_if_updated_in_place(params)
 
     def _decided(self, with_grad: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
