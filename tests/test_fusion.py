@@ -1648,6 +1648,64 @@ def test_forward_mode_refuses_a_stale_use_before_its_gradient_reaches_grad() -> 
                           _penalty_between_step_and_forward(None))
 
 
+def _generator_step_through_a_stepped_discriminator(mode: str | None, inputs: bool,
+                                                    allow_mutation: bool = False) -> list:
+    """A GAN step done wrong: the generator's loss goes through a graph of
+    the discriminator built before the discriminator's step(). Returns the
+    generator's gradients, or the error's message. Inside
+    allow_mutation_on_saved_tensors(), forward mode's pending update of the
+    discriminator is applied in between on another thread (an asynchronous
+    checkpoint's state_dict()), where the context's dispatch mode is off."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(4, 6), nn.Linear(6, 1)
+    opt_g, opt_d = rp.SGD(gen.parameters(), lr=0.1), rp.SGD(disc.parameters(), lr=0.1)
+    handles = ([reprop.fuse(m, o, mode=mode) for m, o in ((gen, opt_g), (disc, opt_d))]
+               if mode else [])
+    z, real = torch.randn(8, 4, generator=_gen(0)), torch.randn(8, 6, generator=_gen(1))
+    with (torch.autograd.graph.allow_mutation_on_saved_tensors() if allow_mutation
+          else contextlib.nullcontext()):
+        fake = gen(z)
+        d_fake = disc(fake)  # saves disc.weight as it is before opt_d.step()
+        (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()).backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        if allow_mutation:
+            _in_thread(disc.state_dict)()
+        try:
+            F.softplus(-d_fake).mean().backward(inputs=list(gen.parameters()) if inputs else None)
+        except RuntimeError as e:
+            return [str(e)]
+        finally:
+            for handle in handles:
+                handle.remove()
+    return [p.grad for p in gen.parameters()]
+
+
+@pytest.mark.parametrize("inputs", [True, False])
+def test_forward_mode_graph_saved_before_step_raises_as_eager(inputs: bool) -> None:
+    """step() only marks the updates pending, so a graph that saved a
+    parameter before step() went on through its old value: with
+    backward(inputs=...) not reaching the parameter, nothing noticed it;
+    otherwise fusion's own pending-update error said it was read outside
+    its module's forward. step() does to the saved value what eager's
+    in-place update does: backward raises autograd's in-place error, as
+    eager."""
+    got, ref = (_generator_step_through_a_stepped_discriminator(mode, inputs)
+                for mode in ("forward", None))
+    assert "modified by an inplace operation" in ref[0]
+    assert isinstance(got[0], str), "forward mode went through the old discriminator weights"
+    assert got == ref
+
+
+def test_forward_mode_graph_saved_before_step_under_allow_mutation_matches_eager() -> None:
+    """Inside allow_mutation_on_saved_tensors() that graph uses the values
+    before step(), as eager: step() has them copied, also when the update
+    then runs on a thread where the context's dispatch mode is off."""
+    got, ref = (_generator_step_through_a_stepped_discriminator(mode, True, allow_mutation=True)
+                for mode in ("forward", None))
+    _assert_tensor_lists(got, ref, "generator gradients")
+
+
 def test_detached_second_use_raises_instead_of_using_the_new_value() -> None:
     torch.manual_seed(0)
     model = TwoUse(detach=True)
@@ -2831,6 +2889,79 @@ def test_forward_mode_parameter_moved_to_another_module(change: str, called: str
         return model, opt
 
     _assert_same_training(run("forward"), run(None))
+
+
+def _qat_conv_bn() -> nn.Module:
+    """torch's quantization-aware ConvBn2d (with its fake-quantize modules),
+    whose forward divides bn.weight by the running std before calling bn."""
+    import torch.ao.quantization as tq
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tq.fuse_modules_qat(nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).train(),
+                                    [["0", "1"]])
+        model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+        return tq.prepare_qat(model)
+
+
+def _each_layer(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x)
+    return x
+
+
+def _each_attention(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    for layer in model:
+        x = layer(x, x, x, need_weights=False)[0]
+    return x
+
+
+READS_SUBMODULE_PARAMS = {
+    # (the model, how the loop calls it, its input's shape)
+    "attention_layers": (lambda: nn.ModuleList([nn.MultiheadAttention(8, 2, batch_first=True)]),
+                         _each_attention, (2, 3, 8)),
+    "encoder_layers": (lambda: nn.ModuleList([nn.TransformerEncoderLayer(
+        8, 2, 16, dropout=0.0, batch_first=True)]), _each_layer, (2, 3, 8)),
+    "encoder_and_decoder": (lambda: nn.Transformer(
+        8, 2, 1, 1, 16, dropout=0.0, batch_first=True),
+        lambda m, x: m.decoder(x, m.encoder(x)), (2, 3, 8)),
+    "qat_conv_bn": (_qat_conv_bn, lambda m, x: m(x), (4, 1, 3, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(READS_SUBMODULE_PARAMS))
+def test_forward_mode_module_reading_its_submodules_parameters(case: str) -> None:
+    """A module holding parameters of its own may read its submodules'
+    without calling them (MultiheadAttention's out_proj, whose forward never
+    runs) or before calling them (a QAT ConvBn2d reads bn.weight first): their
+    updates waited for the root's forward, which a loop calling the layers,
+    or nn.Transformer's encoder and decoder, directly never runs, or for the
+    submodule's own forward, after the read. Training then raised (a stale
+    out_proj.bias got a gradient) or went one update behind silently, and
+    the evaluation after it used out_proj one update behind."""
+    make_model, call, shape = READS_SUBMODULE_PARAMS[case]
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch's nested-tensor and observer notes)
+            for i in range(3):
+                call(model, torch.randn(shape, generator=_gen(i))).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            model.eval()
+            with torch.no_grad():
+                out = call(model, torch.randn(shape, generator=_gen(10)))
+        if handle is not None:
+            handle.remove()
+        return (model, opt), out
+
+    (got, out), (ref, ref_out) = run("forward"), run(None)
+    _assert_same_training(got, ref)
+    # (eager's evaluation may take torch's fused fast path, which hooks disable)
+    torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")

@@ -30,9 +30,11 @@ an unmodified ``nn.Module``; the training loop keeps calling
   ``zero_grad()``, ``p.grad = None`` and a gradient set by hand act as after
   an eager step(). Each pending update is applied right before its module's
   next forward, in training or evaluation, once (those the next forward did
-  not use, at its end). A held gradient changed in place before then
-  (``p.grad.zero_()`` after step()) cannot give eager's update: applying it
-  raises, and drops that update. Clipping (``clip_grad_norm=`` or
+  not use, at its end); a module with parameters of its own and submodules
+  applies its submodules' too, as its forward may read them directly. A
+  held gradient changed in place before then (``p.grad.zero_()`` after
+  step()) cannot give eager's update: applying it raises, and drops that
+  update. Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
   ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
@@ -326,6 +328,37 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
 def _direct_params(module: nn.Module, wanted: dict) -> list:
     """The parameters `module` owns itself (not its children's) among `wanted`."""
     return [p for p in module.parameters(recurse=False) if id(p) in wanted]
+
+
+def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
+    """The parameters whose pending updates the forward of `module`, an owner
+    of fused parameters, needs first: its own, and when it has submodules
+    too, theirs. Such a module combines its parameters with its submodules'
+    and may read theirs without calling them, or before it does
+    (MultiheadAttention reads its out_proj's, whose forward never runs; a QAT
+    ConvBn2d divides bn.weight before calling bn). Modules without parameters
+    of their own (containers, transformer layers, most models) have no
+    forward hooks: each submodule announces its own next use, so the updates
+    still wait for the layer that uses them."""
+    if not module._modules:  # (children() would build a generator, at every forward)
+        return module.parameters(recurse=False)
+    return module.parameters()
+
+
+def _as_if_updated_in_place(params: list) -> None:
+    """What eager step()'s in-place update does to the graphs that saved
+    `params` before it, done when step() marks their updates pending: such a
+    graph's backward raises autograd's in-place error (inside
+    allow_mutation_on_saved_tensors() it gets a copy of their values of now,
+    the values before the update: the update may run where that mode is
+    off, in another thread's state_dict()), instead of going through the old
+    values unnoticed while the updates wait. The update itself bumps the versions
+    again, harmlessly: it comes before the next forward that reads them
+    saves anything."""
+    if _tensors.dispatch_mode_active():
+        with torch.no_grad():
+            _tensors.show_coming_writes(params)
+    _tensors.bump_versions(params)
 
 
 def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
@@ -1388,7 +1421,7 @@ class _ForwardFusion(FusionHandle):
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
                 self._follow_owners()  # (layers called one by one: no root forward)
-                mine = [p for p in module.parameters(recurse=False) if id(p) in self._pending]
+                mine = [p for p in _params_read_by(module) if id(p) in self._pending]
                 if mine:
                     self._apply(mine)
 
@@ -1419,9 +1452,10 @@ class _ForwardFusion(FusionHandle):
         if p is not None:
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
-                "forward while its update was still pending (it is read outside the forward of "
-                "the module that owns it); call handle.flush() before such a forward, or use "
-                "mode='backward'")
+                "forward while its update was still pending: its old value was read after "
+                "optimizer.step() outside the forward of the module that owns it, or before "
+                "step() by a graph backpropagated after it; call handle.flush() before such a "
+                "use, or use mode='backward'")
 
     def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
@@ -1450,6 +1484,7 @@ class _ForwardFusion(FusionHandle):
         for p in params:
             self._pending[id(p)] = p
             self._grads[id(p)] = (p.grad, _version_of(p.grad))
+        _as_if_updated_in_place(params)
 
     def _decided(self, with_grad: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
