@@ -2511,7 +2511,8 @@ def test_forward_mode_grads_after_zero_grad_are_eagers(set_to_none: bool) -> Non
     _assert_same_training((model, opt), (ref_model, ref_opt))
 
 
-IN_PLACE_EDITS = {"zero_": lambda g: g.zero_(), "mul_": lambda g: g.mul_(0)}
+IN_PLACE_EDITS = {"zero_": lambda g: g.zero_(), "mul_": lambda g: g.mul_(0),
+                  "set_data": lambda g: setattr(g, "data", torch.zeros_like(g))}
 
 
 @pytest.mark.parametrize("edit", list(IN_PLACE_EDITS))

@@ -382,11 +382,13 @@ def _param_name(model: nn.Module, p: torch.Tensor) -> str:
     return f"parameter {name!r} ({shape})" if name else f"a parameter {shape}"
 
 
-def _version_of(t: torch.Tensor) -> int | None:
-    """t's version counter, which in-place ops bump; None for an inference
-    tensor, which has none (torch refuses its in-place edits outside
-    inference_mode)."""
-    return None if t.is_inference() else t._version
+def _grad_mark(t: torch.Tensor) -> tuple:
+    """What tells a held gradient edited since step(): its version counter,
+    which in-place ops bump (None for an inference tensor, which has none:
+    torch refuses its in-place edits outside inference_mode), and its data
+    pointer, which `t.data = ...` changes. Edits through `t.data` or NumPy
+    change neither."""
+    return None if t.is_inference() else t._version, t.data_ptr()
 
 
 def _frozen(value):
@@ -1359,15 +1361,17 @@ class _ForwardFusion(FusionHandle):
         eager's update nor be applied edited: those updates are dropped and
         a RuntimeError names them, before any of `params` is applied (the
         others stay pending)."""
-        edited = [p for p in params if _version_of(self._grads[id(p)][0]) != self._grads[id(p)][1]]
+        edited = [p for p in params if _grad_mark(self._grads[id(p)][0]) != self._grads[id(p)][1]]
         if edited:
             self._settle(edited)
             names = ", ".join(_param_name(self.model, p) for p in edited)
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): the gradient of {names} was changed in place "
-                "after optimizer.step() (e.g. p.grad.zero_()), before its pending update was "
-                "applied; that update is dropped. Set p.grad = None or call "
-                "optimizer.zero_grad() instead, or call handle.flush() before editing .grad")
+                "after optimizer.step() (p.grad.zero_(), p.grad.data = ..., or the zero_grad() "
+                "of a module that contains the fused model, which zeroes .grad in place), "
+                "before its pending update was applied; that update is dropped. Set "
+                "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
+                "instead, or call handle.flush() before editing .grad")
         return {id(p): self._grads[id(p)][0] for p in params}
 
     def _settle(self, params: list) -> None:
@@ -1483,7 +1487,7 @@ class _ForwardFusion(FusionHandle):
         (_held_grads)."""
         for p in params:
             self._pending[id(p)] = p
-            self._grads[id(p)] = (p.grad, _version_of(p.grad))
+            self._grads[id(p)] = (p.grad, _grad_mark(p.grad))
         _as_if_updated_in_place(params)
 
     def _decided(self, with_grad: list) -> None:
