@@ -386,9 +386,10 @@ def _grad_mark(t: torch.Tensor) -> tuple:
     """What tells a held gradient edited since step(): its version counter,
     which in-place ops bump (None for an inference tensor, which has none:
     torch refuses its in-place edits outside inference_mode), and its data
-    pointer, which `t.data = ...` changes. Edits through `t.data` or NumPy
-    change neither."""
-    return None if t.is_inference() else t._version, t.data_ptr()
+    pointer, which `t.data = ...` changes (a sparse one has none: step()
+    refuses it). Edits through `t.data` or NumPy change neither."""
+    return (None if t.is_inference() else t._version,
+            t.data_ptr() if t.layout is torch.strided else None)
 
 
 def _frozen(value):
