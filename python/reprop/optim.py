@@ -83,24 +83,37 @@ def _scalar(value, name: str) -> float:
 
 class _Plan:
     """The pointer table of one call: one group's parameters of one device and
-    dtype that have a gradient, with their state. Built once and reused while
-    the same parameters, storages, layouts and state dicts take part; only the
-    gradient pointers are refreshed each step. `slots` are the state keys the
-    group's hyper-parameters need (opt._state_slots(group)). The state tensors
-    a new plan creates (or converts to float32) go into opt.state only at
-    commit_state(), once check() has passed: a refused step leaves no state
-    behind (an SGD momentum buffer is created empty and filled by its first
-    update, so one left behind would later be read as a buffer)."""
+    dtype, with their state, one row each. Built once and reused while the
+    same parameters, storages, layouts and state dicts take part; only the
+    gradient pointers are refreshed each step, and a row whose param has no
+    gradient sits the step out (prepare_grads), so that a different subset
+    with gradients each step (LayerDrop, experts without tokens) reuses the
+    plan instead of building one per subset. A param without a gradient when
+    the plan is built gets a row only if its state exists as the row needs it
+    (torch creates state at a param's first update, not before); otherwise
+    its row is dormant, and its first gradient makes the plan stale. `slots`
+    are the state keys the group's hyper-parameters need
+    (opt._state_slots(group)), `active` the ids of the params with a gradient.
+    The state tensors a new plan creates (or converts to float32) go into
+    opt.state only at commit_state(), once check() has passed: a refused step
+    leaves no state behind (an SGD momentum buffer is created empty and
+    filled by its first update, so one left behind would later be read as a
+    buffer)."""
 
-    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple):
+    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple,
+                 active: set):
         first = params[0]
         self.device = first.device
-        self.dtype_code = _tensors.dtype_code(first, "params")
+        # None for a dtype the kernels cannot take, of a param put into a group
+        # by hand: its rows stay dormant (_check_step refuses it with a gradient)
+        self.dtype_code = _tensors.DTYPE_CODES.get(first.dtype)
         self.params = params
         self.param_keys = [_layout_key(p) for p in params]
-        # SGD without momentum keeps no state, as in torch: do not create entries
+        # SGD without momentum keeps no state, as in torch: do not create entries;
+        # nor for a param without a gradient
         stateless = opt._kind == _SGD and slots[0] is None
-        self.state_dicts = [opt.state.get(p) if stateless else opt.state[p] for p in params]
+        self.state_dicts = [opt.state[p] if id(p) in active and not stateless else opt.state.get(p)
+                            for p in params]
         # Gradients are read through contiguous memory for contiguous params and
         # for params updated through a contiguous stand-in; else with p's strides.
         self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
@@ -115,6 +128,10 @@ class _Plan:
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
             watched = []
             work = _stand_in(p)
+            if id(p) not in active and not (self.dtype_code is not None
+                                            and opt._has_state(st, work, slots, self.capturable)):
+                self.watched.append(None)  # dormant
+                continue
             if work is not p:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
@@ -129,81 +146,114 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
-        # Everything the kernels write: the params (a staged one is written by
-        # Plan.run's copy_, but listing it costs nothing) and their state
-        self.written = params + [t for watched in self.watched for _, t, _ in watched]
+        self._take_part([row for row, p in enumerate(params) if id(p) in active])
+
+    def _take_part(self, rows: list | None) -> None:
+        """Sets the rows of this step's update (None: all): `step_table`, the
+        table the core is called with (a copy of those rows when some sit the
+        step out), and `step_params`, their params."""
+        if rows is not None and len(rows) == len(self.params):
+            rows = None
+        self.rows = rows
+        self.step_table = self.table if rows is None else self.table[rows]
+        self.step_params = self.params if rows is None else [self.params[r] for r in rows]
+
+    @property
+    def idle(self) -> bool:
+        """Whether no row takes part this step."""
+        return not self.step_params
 
     def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
         """Raises the ValueError with which run() would refuse this update
         (hyper-parameters torch refuses at this step), changing nothing."""
-        _C.optim_check(opt._kind, self.dtype_code, self.table, hp, self.capturable)
+        _C.optim_check(opt._kind, self.dtype_code, self.step_table, hp, self.capturable)
 
     def commit_state(self) -> None:
-        """Puts the state tensors the table points at into the state dicts."""
-        for st, watched in zip(self.state_dicts, self.watched):
-            for key, t, _ in watched:
-                st[key] = t
+        """Puts the state tensors the rows of this step point at into the
+        state dicts (the other rows' are there already)."""
+        for row in range(len(self.params)) if self.rows is None else self.rows:
+            for key, t, _ in self.watched[row]:
+                self.state_dicts[row][key] = t
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
-        .grad, or given[id(param)]. Returns the gradients the table points at
-        (copies included), which the caller holds until the update has run:
-        the update releases the GIL, and another thread may drop a .grad
-        meanwhile. None when the plan is stale. The common case (same storages
+        .grad, or given[id(param)]; a row without one sits the step out.
+        Returns the gradients the table points at (copies included), which the
+        caller holds until the update has run: the update releases the GIL,
+        and another thread may drop a .grad meanwhile. None when the plan is
+        stale (a dormant row has a gradient). The common case (same storages
         and state, contiguous strided .grad) is checked in C; anything else
         comes here."""
         if given is None:
-            held = _C.optim_grad_pointers(
+            read = _C.optim_grad_pointers(
                 self.params, self.param_keys, state, self.state_dicts, self.watched,
                 self.grad_contiguous, torch.strided, self.table)
-            if held is not None:
+            if read is not None:
+                held, rows = read
+                self._take_part(rows)
                 return held
-        ptrs, keep = [], []
+        rows, ptrs, keep = [], [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
                 self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
-            if _layout_key(p) != key or state.get(p) is not st:
+            g = p.grad if given is None else given[id(p)]
+            if g is None:
+                continue
+            if watched is None or _layout_key(p) != key or state.get(p) is not st:
                 return None
             for key, t, col in watched:
                 if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
                     return None
-            g = p.grad if given is None else given[id(p)]
-            if g is None:
-                return None
             _check_grad(p, g)
             g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
             keep.append(g)
             ptrs.append(g.data_ptr())
-        self.table[:, _COL_GRAD] = ptrs
+            rows.append(row)
+        self.table[rows, _COL_GRAD] = ptrs
+        self._take_part(rows)
         return keep
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
-        """Issues the update with `group`'s hyper-parameters (hp: their
-        opt._hparams tuple); prepare_grads() must have succeeded this step.
-        Under a dispatch mode (allow_mutation_on_saved_tensors()) what
-        autograd saved of the params and state is cloned first, as torch.optim's in-place ops have
-        it cloned, and their versions bumped after; otherwise only the
-        params' versions are bumped (a graph rarely saves optimizer state,
-        and bumping it too would cost microseconds a step)."""
-        for _, p, work in self.staged:
+        """Issues the update of this step's rows with `group`'s hyper-parameters
+        (hp: their opt._hparams tuple); prepare_grads() must have succeeded
+        this step. Under a dispatch mode (allow_mutation_on_saved_tensors())
+        what autograd saved of the params and state is cloned first, as
+        torch.optim's in-place ops have it cloned, and their versions bumped
+        after; otherwise only the params' versions are bumped (a graph rarely
+        saves optimizer state, and bumping it too would cost microseconds a
+        step). A param that sits the step out is neither written nor bumped,
+        as torch leaves it."""
+        staged = self.staged
+        if self.rows is not None:
+            taking_part = set(self.rows)
+            staged = [s for s in staged if s[0] in taking_part]
+        for _, p, work in staged:
             work.copy_(p)
-        written = self.params
+        written = self.step_params
         if _tensors.dispatch_mode_active():
-            written = self.written
+            written = self._written()
             _tensors.show_coming_writes(written)
         if self.device.type == "cpu":
-            _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
+            _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
         else:
             self._run_cuda(opt, group, hp)
-        for _, p, work in self.staged:
+        if self.rows is not None:  # the core clears a new SGD buffer's flag once it is filled
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
+        for _, p, work in staged:
             p.copy_(work)
         _tensors.bump_versions(written)
+
+    def _written(self) -> list:
+        """Everything the kernels write this step: the params (a staged one is
+        written by run()'s copy_, but listing it costs nothing) and their state."""
+        rows = range(len(self.params)) if self.rows is None else self.rows
+        return self.step_params + [t for row in rows for _, t, _ in self.watched[row]]
 
     def _run_cuda(self, opt, group, hp) -> None:
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
-        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, self.capturable, stream,
+        _cuda.optim_step(opt._kind, self.dtype_code, self.step_table, hp, self.capturable, stream,
                          lr_ptr)
 
 
@@ -341,18 +391,37 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
     return None if any(k is None for k in keep) else keep
 
 
+def _step_device(p: torch.Tensor, capturable: bool) -> torch.device:
+    """Where the core counts p's steps: on its device when capturable, else
+    on the CPU (as torch places them)."""
+    return p.device if capturable else torch.device("cpu")
+
+
+def _usable_step(step, p: torch.Tensor, capturable: bool) -> bool:
+    """Whether state["step"] is the float32 0-dim tensor the core counts in."""
+    return (isinstance(step, torch.Tensor) and step.dtype == torch.float32
+            and step.device == _step_device(p, capturable) and step.dim() == 0
+            and not step.is_neg())
+
+
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
-    """state["step"] as the float32 0-dim tensor the core counts in: on the
-    param's device when capturable, else on the CPU (as torch places it);
-    a new tensor when st has none or one of another kind."""
-    device = p.device if capturable else torch.device("cpu")
+    """state["step"] as the float32 0-dim tensor the core counts in; a new
+    tensor when st has none or one of another kind."""
+    device = _step_device(p, capturable)
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif (step.dtype != torch.float32 or step.device != device or step.dim() != 0
-          or step.is_neg()):
+    elif not _usable_step(step, p, capturable):
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
     return step
+
+
+def _usable_state(t, work: torch.Tensor) -> bool:
+    """Whether state tensor t is one a row can point at as it is: float32,
+    laid out like `work` (what the kernels update in the param's place) on
+    its device, and without torch's negative bit."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t.is_neg()
+            and t.device == work.device and _tensors.same_layout(t, work))
 
 
 class _FusedOptimizer:
@@ -550,16 +619,20 @@ class _FusedOptimizer:
         hp = group if settings is None else settings
         try:
             hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
-            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
+            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...).
+            # Keyed by all the params of the call, not those with a gradient: a
+            # plan per subset would be built (O(params)) and kept for every new
+            # subset with gradients; its rows without one sit the step out.
             slots = self._state_slots(hp)
-            key = (id(group), slots, tuple(map(id, active)))
+            key = (id(group), slots, tuple(map(id, params)))
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
-            if keep is None:  # first use, or a storage or state tensor was replaced
+            if keep is None:  # first use, a first gradient, or a storage or state tensor replaced
                 self._check_step(hp, active, given, slots)
-                plans = self._make_plans(hp, active, key, slots, hparams)
+                plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
-            elif len(plans) > 1:  # each call checks its own: let none run if one refuses
+            plans = [plan for plan in plans if not plan.idle]
+            if len(plans) > 1:  # each call checks its own: let none run if one refuses
                 for plan in plans:
                     plan.check(self, hparams)
             for plan in plans:
@@ -608,16 +681,18 @@ class _FusedOptimizer:
                                f"{self._torch_class.__name__} raises this KeyError too")
             _check_step_count(st["step"], p)
 
-    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple,
+    def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
         self._drop_plans_of_departed_params(key[2])
         buckets: dict = {}
-        for p in active:
+        for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        plans = [_Plan(self, group, run, slots)
+        active_ids = set(map(id, active))
+        plans = [_Plan(self, group, run, slots, active_ids)
                  for ps in buckets.values() for run in _ordered_runs(ps)]
         for plan in plans:
-            plan.check(self, hparams)
+            if not plan.idle:
+                plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
         if len(self._plans) >= _MAX_PLANS:
@@ -654,9 +729,18 @@ class _FusedOptimizer:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif t.dtype != torch.float32 or t.is_neg() or not _tensors.same_layout(t, p):
+        elif not _usable_state(t, p):
             t = torch.empty_like(p, dtype=torch.float32).copy_(t)  # (copy_ resolves the bit)
         return t
+
+    def _has_state(self, st: dict | None, work: torch.Tensor, slots: tuple,
+                   capturable: bool) -> bool:
+        """Whether a param (updated through `work`) has the state its row
+        points at as it is, so that a plan may give it a row while it has no
+        gradient: creating or converting state is for its next update."""
+        if self._kind != _SGD and not (st and _usable_step(st.get("step"), work, capturable)):
+            return False
+        return all(st and _usable_state(st.get(key), work) for key in filter(None, slots))
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
         return torch.zeros_like(p, dtype=torch.float32)
