@@ -38,8 +38,11 @@ _SGD, _ADAM, _ADAGRAD, _RMSPROP, _ADADELTA = range(5)
 # rp_optim_entry columns and flags.
 _COL_PARAM, _COL_GRAD, _COL_STATE, _COL_STEP, _COL_NUMEL, _COL_FLAGS = 0, 1, 2, 5, 6, 7
 _FRESH_BUFFER = 1
-# Plans are cached per parameter subset; backward fusion uses one per module.
-_MAX_PLANS = 4096
+# Plans are cached per list of params updated together (a group for step(),
+# a module's params for backward fusion), bounded by the rows they hold: this
+# many per parameter of the optimizer, and at least _MIN_PLAN_ROWS.
+_PLAN_ROWS_PER_PARAM = 4
+_MIN_PLAN_ROWS = 4096
 
 
 def _layout_key(p: torch.Tensor) -> tuple:
@@ -424,6 +427,79 @@ def _usable_state(t, work: torch.Tensor) -> bool:
             and t.device == work.device and _tensors.same_layout(t, work))
 
 
+class _PlanCache:
+    """The plans of update calls, by key (id(group), state slots, ids of the
+    call's params), bounded by the table rows they hold rather than by their
+    number, and evicting the least recently used. A stable working set is
+    never evicted however large the model (one plan per module of a fused
+    model of thousands: a cache cleared when full rebuilt every plan every
+    step), as long as it fits the budget, which grows with the optimizer's
+    parameter count (set_budget); calls with ever new lists of params
+    (step_params on changing subsets) cannot grow memory beyond it."""
+
+    def __init__(self):
+        self._entries: dict = {}  # key -> [plans, rows, last use]
+        self._rows = 0
+        self._clock = 0
+        self._budget = _MIN_PLAN_ROWS
+
+    def get(self, key: tuple) -> list | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        # a use count, not a move to the end of the dict: hashing the key again
+        # would cost O(params) a call
+        self._clock += 1
+        entry[2] = self._clock
+        return entry[0]
+
+    def put(self, key: tuple, plans: list) -> None:
+        """Caches `plans` (replacing a stale entry of the key), then evicts
+        others while over budget."""
+        self._clock += 1
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._rows -= old[1]
+        rows = sum(len(plan.params) for plan in plans)
+        self._entries[key] = [plans, rows, self._clock]
+        self._rows += rows
+        if self._rows > self._budget:
+            self._evict(keep=key)
+
+    def _evict(self, keep: tuple) -> None:
+        """Drops the least recently used entries, never `keep`, down to 3/4 of
+        the budget: in batches, so that a stream of new keys costs one sort
+        per batch, not one scan per key."""
+        target = self._budget * 3 // 4
+        for key, entry in sorted(self._entries.items(), key=lambda item: item[1][2]):
+            if self._rows <= target:
+                break
+            if key is not keep:
+                del self._entries[key]
+                self._rows -= entry[1]
+
+    def set_budget(self, params: int) -> None:
+        """Bounds the rows held for an optimizer of `params` parameters."""
+        self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
+
+    def retain(self, keep: Callable[[tuple], bool]) -> None:
+        """Drops the entries whose key fails `keep`."""
+        for key in [k for k in self._entries if not keep(k)]:
+            self._rows -= self._entries.pop(key)[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._rows = 0
+
+    @property
+    def rows(self) -> int:
+        """The table rows of all the plans held."""
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
 class _FusedOptimizer:
     """The fused step shared by all reprop optimizers; mixed in before the torch class."""
 
@@ -451,7 +527,7 @@ class _FusedOptimizer:
     def _setup_fused(self) -> None:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
-        self._plans: dict = {}
+        self._plans = _PlanCache()
         # What _drop_plans_of_departed_params last saw: (id, len) of each
         # group's params list, and the ids of all params in groups.
         self._groups_seen: list | None = None
@@ -695,9 +771,7 @@ class _FusedOptimizer:
                 plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plans
+        self._plans.put(key, plans)
         return plans
 
     def _drop_plans_of_departed_params(self, ids: tuple) -> None:
@@ -715,8 +789,8 @@ class _FusedOptimizer:
             return
         self._groups_seen = groups
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
-        self._plans = {k: plans for k, plans in self._plans.items()
-                       if self._members.issuperset(k[2])}
+        self._plans.retain(lambda key: self._members.issuperset(key[2]))
+        self._plans.set_budget(len(self._members))
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
