@@ -227,14 +227,34 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
  * take over. */
 enum { RP_ROW_ERROR = -1, RP_ROW_STALE = 0, RP_ROW_HOLDS = 1, RP_ROW_NO_GRAD = 2 };
 
+/* Param p's gradient this step, a new reference: p.grad, or given[id(p)]
+ * where the caller gives the gradients (a dict by id, as optim.py's `given`);
+ * NULL with an exception set (KeyError for a param given none, as
+ * given[id(p)] raises). */
+static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *names)
+{
+    PyObject *id, *g;
+    if (given == Py_None)
+        return PyObject_GetAttr(p, names[RP_N_GRAD]);
+    id = PyLong_FromVoidPtr(p); /* id(p) */
+    if (id == NULL)
+        return NULL;
+    g = PyDict_GetItemWithError(given, id);
+    if (g == NULL && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_KeyError, id);
+    Py_DECREF(id);
+    Py_XINCREF(g);
+    return g;
+}
+
 /* One row of the fast path; RP_ROW_HOLDS with the gradient the row now
  * points at, a new reference, in *held. */
 static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                           PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *const *names, int64_t *row, PyObject **held)
+                          PyObject *given, PyObject *const *names, int64_t *row, PyObject **held)
 {
     unsigned long long ptr;
-    PyObject *g = PyObject_GetAttr(p, names[RP_N_GRAD]);
+    PyObject *g = rp_py_grad_of(p, given, names);
     int ok;
     if (g == NULL)
         return RP_ROW_ERROR;
@@ -299,7 +319,7 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table, PyObject
         PyObject *g = NULL;
         int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
                                 PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                                PyList_GET_ITEM(args[5], i), args[6], names,
+                                PyList_GET_ITEM(args[5], i), args[6], args[8], names,
                                 (int64_t *)PyArray_GETPTR1(table, i), &g);
         if (ok == RP_ROW_NO_GRAD) {
             if (*rows == NULL && (*rows = rp_py_range_list(i)) == NULL)
@@ -327,15 +347,16 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     Py_ssize_t n;
     int k, ok;
     (void)self;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 8 arguments (%zd given)",
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 9 arguments (%zd given)",
                      nargs);
         return NULL;
     }
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
-        !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "optim_grad_pointers: expected lists, a dict of state and a table");
+        !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
+        (args[8] != Py_None && !PyDict_Check(args[8]))) {
+        PyErr_SetString(PyExc_TypeError, "optim_grad_pointers: expected lists, a dict of state, "
+                                         "a table and None or a dict of gradients");
         return NULL;
     }
     if (rp_py_check_table(args[7], &table) < 0)

@@ -33,9 +33,11 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
                            rp_py_optim_call *call);
 
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
- *                     grad_contiguous, strided, table) -> (held, rows) or None
- * The per-step fast path of reprop.optim's cached pointer tables. A row
- * whose param has no gradient sits the step out; of each other row it checks
+ *                     grad_contiguous, strided, table, given) -> (held, rows) or None
+ * The per-step fast path of reprop.optim's cached pointer tables. A param's
+ * gradient is its .grad, or given[id(param)] where `given` (else None) is a
+ * dict of them. A row whose param has no gradient sits the step out; of
+ * each other row it checks
  * that the param still has its storage and layout (param_keys[i] is the
  * tuple (data_ptr, dtype, shape, True if contiguous else strides, device
  * index) the table was built for), its state (the same dict, and each

@@ -185,16 +185,15 @@ class _Plan:
         caller holds until the update has run: the update releases the GIL,
         and another thread may drop a .grad meanwhile. None when the plan is
         stale (a dormant row has a gradient). The common case (same storages
-        and state, contiguous strided .grad) is checked in C; anything else
-        comes here."""
-        if given is None:
-            read = _C.optim_grad_pointers(
-                self.params, self.param_keys, state, self.state_dicts, self.watched,
-                self.grad_contiguous, torch.strided, self.table)
-            if read is not None:
-                held, rows = read
-                self._take_part(rows)
-                return held
+        and state, contiguous strided gradients, given or not) is checked in
+        C; anything else comes here."""
+        read = _C.optim_grad_pointers(
+            self.params, self.param_keys, state, self.state_dicts, self.watched,
+            self.grad_contiguous, torch.strided, self.table, given)
+        if read is not None:
+            held, rows = read
+            self._take_part(rows)
+            return held
         rows, ptrs, keep = [], [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
                 self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
