@@ -107,6 +107,7 @@ class _Plan:
                  active: set):
         first = params[0]
         self.device = first.device
+        self.slots = slots
         # None for a dtype the kernels cannot take, of a param put into a group
         # by hand: its rows stay dormant (_check_step refuses it with a gradient)
         self.dtype_code = _tensors.DTYPE_CODES.get(first.dtype)
@@ -393,6 +394,13 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
     return None if any(k is None for k in keep) else keep
 
 
+def _with_grad(params: list, given: dict | None) -> list:
+    """The params with a gradient: .grad, or given[id(param)]."""
+    if given is None:
+        return [p for p in params if p.grad is not None]
+    return [p for p in params if given[id(p)] is not None]
+
+
 def _step_device(p: torch.Tensor, capturable: bool) -> torch.device:
     """Where the core counts p's steps: on its device when capturable, else
     on the CPU (as torch places them)."""
@@ -427,8 +435,8 @@ def _usable_state(t, work: torch.Tensor) -> bool:
 
 
 class _PlanCache:
-    """The plans of update calls, by key (id(group), state slots, ids of the
-    call's params), bounded by the table rows they hold rather than by their
+    """The plans of update calls, by key (id(group), ids of the call's
+    params), bounded by the table rows they hold rather than by their
     number, and evicting the least recently used. A stable working set is
     never evicted however large the model (one plan per module of a fused
     model of thousands: a cache cleared when full rebuilt every plan every
@@ -685,24 +693,24 @@ class _FusedOptimizer:
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
                 given: dict | None = None) -> None:
-        if given is None:
-            active = [p for p in params if p.grad is not None]
-        else:
-            active = [p for p in params if given[id(p)] is not None]
-        if not active:
-            return
         hp = group if settings is None else settings
+        # Keyed by all the params of the call, not those with a gradient: a plan
+        # per subset would be built (O(params)) and kept for every new subset
+        # with gradients; its rows without one sit the step out. A cached plan
+        # reads each gradient once, in C, also to find that none has one.
+        key = (id(group), tuple(map(id, params)))
         try:
-            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
-            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...).
-            # Keyed by all the params of the call, not those with a gradient: a
-            # plan per subset would be built (O(params)) and kept for every new
-            # subset with gradients; its rows without one sit the step out.
-            slots = self._state_slots(hp)
-            key = (id(group), slots, tuple(map(id, params)))
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
-            if keep is None:  # first use, a first gradient, or a storage or state tensor replaced
+            if (not _with_grad(params, given) if keep is None
+                    else all(plan.idle for plan in plans)):
+                return  # no param of the call has a gradient
+            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
+            # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
+            slots = self._state_slots(hp)
+            # first use, a first gradient, a storage or state tensor replaced, other state
+            if keep is None or plans[0].slots != slots:
+                active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
@@ -758,7 +766,7 @@ class _FusedOptimizer:
 
     def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(key[2])
+        self._drop_plans_of_departed_params(key[1])
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -788,7 +796,7 @@ class _FusedOptimizer:
             return
         self._groups_seen = groups
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
-        self._plans.retain(lambda key: self._members.issuperset(key[2]))
+        self._plans.retain(lambda key: self._members.issuperset(key[1]))
         self._plans.set_budget(len(self._members))
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
