@@ -177,15 +177,18 @@ static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyOb
     return ok;
 }
 
-/* One row of the fast path: 1 when it holds and its pointer was written (the
- * gradient it points at, a new reference, in *held), 0 when the Python path
- * must take over, -1 on error. */
-static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
-                          PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *const *names, int64_t *row, PyObject **held)
+/* Whether a row still points where the table was built for: the same
+ * param memory and layout, the same state dict, and each state tensor
+ * watched[i] lists, (key, tensor, column), still the tensor at that key, at
+ * the address in that column (the same tensor object with other memory,
+ * .data replaced, is stale too). A dormant row (watched None: its param had
+ * no state when the table was built) never is. 1 / 0 / -1. */
+static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
+                             PyObject *watched, PyObject *contiguous, PyObject *const *names,
+                             const int64_t *row)
 {
     unsigned long long ptr;
-    PyObject *g, *attr;
+    PyObject *attr;
     Py_ssize_t k;
     int ok;
     if (contiguous != Py_True || !PyTuple_Check(watched) || !PyTuple_Check(key) ||
@@ -197,8 +200,6 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     attr = rp_py_dict_get(state, p);
     if (attr != st)
         return attr == NULL ? -1 : 0;
-    /* watched: (key, tensor, column) of each state tensor the row points at;
-     * the same tensor object with other memory (.data replaced) is stale too */
     for (k = 0; k < PyTuple_GET_SIZE(watched); k++) {
         PyObject *entry = PyTuple_GET_ITEM(watched, k), *v;
         long col;
@@ -217,10 +218,53 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
         if ((int64_t)ptr != row[col])
             return 0;
     }
-    g = PyObject_GetAttr(p, names[RP_N_GRAD]);
+    return 1;
+}
+
+/* What rp_py_grad_row found: the row takes part with its pointer written,
+ * its param has no gradient this step (the row sits the step out, as torch
+ * skips such a param, unchecked: nothing reads it), or the Python path must
+ * take over. */
+enum { RP_ROW_ERROR = -1, RP_ROW_STALE = 0, RP_ROW_HOLDS = 1, RP_ROW_NO_GRAD = 2 };
+
+/* Param p's gradient this step, a new reference: p.grad, or given[id(p)]
+ * where the caller gives the gradients (a dict by id, as optim.py's `given`);
+ * NULL with an exception set (KeyError for a param given none, as
+ * given[id(p)] raises). */
+static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *names)
+{
+    PyObject *id, *g;
+    if (given == Py_None)
+        return PyObject_GetAttr(p, names[RP_N_GRAD]);
+    id = PyLong_FromVoidPtr(p); /* id(p) */
+    if (id == NULL)
+        return NULL;
+    g = PyDict_GetItemWithError(given, id);
+    if (g == NULL && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_KeyError, id);
+    Py_DECREF(id);
+    Py_XINCREF(g);
+    return g;
+}
+
+/* One row of the fast path; RP_ROW_HOLDS with the gradient the row now
+ * points at, a new reference, in *held. */
+static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
+                          PyObject *watched, PyObject *contiguous, PyObject *strided,
+                          PyObject *given, PyObject *const *names, int64_t *row, PyObject **held)
+{
+    unsigned long long ptr;
+    PyObject *g = rp_py_grad_of(p, given, names);
+    int ok;
     if (g == NULL)
-        return -1;
-    ok = g == Py_None ? 0 : rp_py_usable_grad(g, key, strided, names);
+        return RP_ROW_ERROR;
+    if (g == Py_None) {
+        Py_DECREF(g);
+        return RP_ROW_NO_GRAD;
+    }
+    ok = rp_py_row_current(p, key, state, st, watched, contiguous, names, row);
+    if (ok == 1)
+        ok = rp_py_usable_grad(g, key, strided, names);
     if (ok == 1)
         ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
     if (ok != 1) {
@@ -229,7 +273,67 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     }
     row[1] = (int64_t)ptr;
     *held = g;
-    return 1;
+    return RP_ROW_HOLDS;
+}
+
+/* [0, 1, ..., n - 1]: the rows taking part before the first one that sits
+ * a step out. */
+static PyObject *rp_py_range_list(Py_ssize_t n)
+{
+    PyObject *list = PyList_New(n);
+    Py_ssize_t i;
+    for (i = 0; list != NULL && i < n; i++) {
+        PyObject *v = PyLong_FromSsize_t(i);
+        if (v == NULL)
+            Py_CLEAR(list);
+        else
+            PyList_SET_ITEM(list, i, v);
+    }
+    return list;
+}
+
+/* Notes row i in `rows`, the rows taking part (NULL while all have so far);
+ * 0, or -1 with an exception set. */
+static int rp_py_note_row(PyObject *rows, Py_ssize_t i)
+{
+    PyObject *v;
+    int rc;
+    if (rows == NULL)
+        return 0;
+    v = PyLong_FromSsize_t(i);
+    if (v == NULL)
+        return -1;
+    rc = PyList_Append(rows, v);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* Fills the table's gradient column from the rows of params[i] with one;
+ * RP_ROW_HOLDS with (held, rows) in *out, rows NULL when every row takes
+ * part, else RP_ROW_STALE or RP_ROW_ERROR. */
+static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table, PyObject *const *names,
+                           PyObject *held, PyObject **rows)
+{
+    Py_ssize_t n = PyList_GET_SIZE(args[0]), i;
+    for (i = 0; i < n; i++) {
+        PyObject *g = NULL;
+        int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
+                                PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
+                                PyList_GET_ITEM(args[5], i), args[6], args[8], names,
+                                (int64_t *)PyArray_GETPTR1(table, i), &g);
+        if (ok == RP_ROW_NO_GRAD) {
+            if (*rows == NULL && (*rows = rp_py_range_list(i)) == NULL)
+                return RP_ROW_ERROR;
+            continue;
+        }
+        if (ok != RP_ROW_HOLDS)
+            return ok;
+        ok = PyList_Append(held, g);
+        Py_DECREF(g);
+        if (ok < 0 || rp_py_note_row(*rows, i) < 0)
+            return RP_ROW_ERROR;
+    }
+    return RP_ROW_HOLDS;
 }
 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -238,20 +342,21 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
         "is_neg"};
     PyObject *names[RP_N_NAMES] = {NULL};
-    PyObject *result = NULL, *held = NULL;
+    PyObject *result = NULL, *held = NULL, *rows = NULL;
     PyArrayObject *table;
-    Py_ssize_t n, i;
-    int k, ok = 1;
+    Py_ssize_t n;
+    int k, ok;
     (void)self;
-    if (nargs != 8) {
-        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 8 arguments (%zd given)",
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 9 arguments (%zd given)",
                      nargs);
         return NULL;
     }
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
-        !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "optim_grad_pointers: expected lists, a dict of state and a table");
+        !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
+        (args[8] != Py_None && !PyDict_Check(args[8]))) {
+        PyErr_SetString(PyExc_TypeError, "optim_grad_pointers: expected lists, a dict of state, "
+                                         "a table and None or a dict of gradients");
         return NULL;
     }
     if (rp_py_check_table(args[7], &table) < 0)
@@ -271,27 +376,19 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     /* the gradients the table points at, for the caller to hold until the
      * update has run: the update releases the GIL, and another thread may
      * drop a .grad (zero_grad) meanwhile */
-    held = PyList_New(n);
+    held = PyList_New(0);
     if (held == NULL)
         goto done;
-    for (i = 0; i < n && ok == 1; i++) {
-        PyObject *g = NULL;
-        ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
-                            PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                            PyList_GET_ITEM(args[5], i), args[6], names,
-                            (int64_t *)PyArray_GETPTR1(table, i), &g);
-        if (ok == 1)
-            PyList_SET_ITEM(held, i, g);
-    }
-    if (ok == 1) {
-        result = held;
-        held = NULL;
-    } else if (ok == 0) {
+    ok = rp_py_grad_rows(args, table, names, held, &rows);
+    if (ok == RP_ROW_HOLDS) {
+        result = PyTuple_Pack(2, held, rows != NULL ? rows : Py_None);
+    } else if (ok == RP_ROW_STALE) {
         Py_INCREF(Py_None);
         result = Py_None;
     }
 done:
     Py_XDECREF(held);
+    Py_XDECREF(rows);
     for (k = 0; k < RP_N_NAMES; k++)
         Py_XDECREF(names[k]);
     return result;

@@ -33,15 +33,20 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
                            rp_py_optim_call *call);
 
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
- *                     grad_contiguous, strided, table) -> bool
- * The per-step fast path of reprop.optim's cached pointer tables: checks that
- * each param still has its storage and layout (param_keys[i] is the tuple
- * (data_ptr, dtype, shape, True if contiguous else strides, device index) the
- * table was built for), its state (the same dict, and each watched[i]
- * entry (key, tensor, column) still the tensor at that key, at the address
- * in that column) and a contiguous strided gradient of the param's dtype,
- * shape and device without torch's negative bit, and writes the gradient
- * pointers into column 1 of `table`. Returns False as soon as anything
+ *                     grad_contiguous, strided, table, given) -> (held, rows) or None
+ * The per-step fast path of reprop.optim's cached pointer tables. A param's
+ * gradient is its .grad, or given[id(param)] where `given` (else None) is a
+ * dict of them. A row whose param has no gradient sits the step out; of
+ * each other row it checks
+ * that the param still has its storage and layout (param_keys[i] is the
+ * tuple (data_ptr, dtype, shape, True if contiguous else strides, device
+ * index) the table was built for), its state (the same dict, and each
+ * watched[i] entry (key, tensor, column) still the tensor at that key, at
+ * the address in that column; watched[i] None: a dormant row, built without
+ * state) and a contiguous strided gradient of the param's dtype, shape and
+ * device without torch's negative bit, and writes the gradient pointer into
+ * column 1 of `table`. Returns the gradients read and the indices of the
+ * rows that take part (None: all of them), or None as soon as anything
  * differs, leaving the Python path to rebuild, convert or raise. Defined in
  * pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

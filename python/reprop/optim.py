@@ -38,8 +38,11 @@ _SGD, _ADAM, _ADAGRAD, _RMSPROP, _ADADELTA = range(5)
 # rp_optim_entry columns and flags.
 _COL_PARAM, _COL_GRAD, _COL_STATE, _COL_STEP, _COL_NUMEL, _COL_FLAGS = 0, 1, 2, 5, 6, 7
 _FRESH_BUFFER = 1
-# Plans are cached per parameter subset; backward fusion uses one per module.
-_MAX_PLANS = 4096
+# Plans are cached per list of params updated together (a group for step(),
+# a module's params for backward fusion), bounded by the rows they hold: this
+# many per parameter of the optimizer, and at least _MIN_PLAN_ROWS.
+_PLAN_ROWS_PER_PARAM = 4
+_MIN_PLAN_ROWS = 4096
 
 
 def _layout_key(p: torch.Tensor) -> tuple:
@@ -83,24 +86,38 @@ def _scalar(value, name: str) -> float:
 
 class _Plan:
     """The pointer table of one call: one group's parameters of one device and
-    dtype that have a gradient, with their state. Built once and reused while
-    the same parameters, storages, layouts and state dicts take part; only the
-    gradient pointers are refreshed each step. `slots` are the state keys the
-    group's hyper-parameters need (opt._state_slots(group)). The state tensors
-    a new plan creates (or converts to float32) go into opt.state only at
-    commit_state(), once check() has passed: a refused step leaves no state
-    behind (an SGD momentum buffer is created empty and filled by its first
-    update, so one left behind would later be read as a buffer)."""
+    dtype, with their state, one row each. Built once and reused while the
+    same parameters, storages, layouts and state dicts take part; only the
+    gradient pointers are refreshed each step, and a row whose param has no
+    gradient sits the step out (prepare_grads), so that a different subset
+    with gradients each step (LayerDrop, experts without tokens) reuses the
+    plan instead of building one per subset. A param without a gradient when
+    the plan is built gets a row only if its state exists as the row needs it
+    (torch creates state at a param's first update, not before); otherwise
+    its row is dormant, and its first gradient makes the plan stale. `slots`
+    are the state keys the group's hyper-parameters need
+    (opt._state_slots(group)), `active` the ids of the params with a gradient.
+    The state tensors a new plan creates (or converts to float32) go into
+    opt.state only at commit_state(), once check() has passed: a refused step
+    leaves no state behind (an SGD momentum buffer is created empty and
+    filled by its first update, so one left behind would later be read as a
+    buffer)."""
 
-    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple):
+    def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple,
+                 active: set):
         first = params[0]
         self.device = first.device
-        self.dtype_code = _tensors.dtype_code(first, "params")
+        self.slots = slots
+        # None for a dtype the kernels cannot take, of a param put into a group
+        # by hand: its rows stay dormant (_check_step refuses it with a gradient)
+        self.dtype_code = _tensors.DTYPE_CODES.get(first.dtype)
         self.params = params
         self.param_keys = [_layout_key(p) for p in params]
-        # SGD without momentum keeps no state, as in torch: do not create entries
+        # SGD without momentum keeps no state, as in torch: do not create entries;
+        # nor for a param without a gradient
         stateless = opt._kind == _SGD and slots[0] is None
-        self.state_dicts = [opt.state.get(p) if stateless else opt.state[p] for p in params]
+        self.state_dicts = [opt.state[p] if id(p) in active and not stateless else opt.state.get(p)
+                            for p in params]
         # Gradients are read through contiguous memory for contiguous params and
         # for params updated through a contiguous stand-in; else with p's strides.
         self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
@@ -115,6 +132,10 @@ class _Plan:
         for row, (p, st) in enumerate(zip(params, self.state_dicts)):
             watched = []
             work = _stand_in(p)
+            if id(p) not in active and not (self.dtype_code is not None
+                                            and opt._has_state(st, work, slots, self.capturable)):
+                self.watched.append(None)  # dormant
+                continue
             if work is not p:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
@@ -129,81 +150,113 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
-        # Everything the kernels write: the params (a staged one is written by
-        # Plan.run's copy_, but listing it costs nothing) and their state
-        self.written = params + [t for watched in self.watched for _, t, _ in watched]
+        self._take_part([row for row, p in enumerate(params) if id(p) in active])
+
+    def _take_part(self, rows: list | None) -> None:
+        """Sets the rows of this step's update (None: all): `step_table`, the
+        table the core is called with (a copy of those rows when some sit the
+        step out), and `step_params`, their params."""
+        if rows is not None and len(rows) == len(self.params):
+            rows = None
+        self.rows = rows
+        self.step_table = self.table if rows is None else self.table[rows]
+        self.step_params = self.params if rows is None else [self.params[r] for r in rows]
+
+    @property
+    def idle(self) -> bool:
+        """Whether no row takes part this step."""
+        return not self.step_params
 
     def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
         """Raises the ValueError with which run() would refuse this update
         (hyper-parameters torch refuses at this step), changing nothing."""
-        _C.optim_check(opt._kind, self.dtype_code, self.table, hp, self.capturable)
+        _C.optim_check(opt._kind, self.dtype_code, self.step_table, hp, self.capturable)
 
     def commit_state(self) -> None:
-        """Puts the state tensors the table points at into the state dicts."""
-        for st, watched in zip(self.state_dicts, self.watched):
-            for key, t, _ in watched:
-                st[key] = t
+        """Puts the state tensors the rows of this step point at into the
+        state dicts (the other rows' are there already)."""
+        for row in range(len(self.params)) if self.rows is None else self.rows:
+            for key, t, _ in self.watched[row]:
+                self.state_dicts[row][key] = t
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
-        .grad, or given[id(param)]. Returns the gradients the table points at
-        (copies included), which the caller holds until the update has run:
-        the update releases the GIL, and another thread may drop a .grad
-        meanwhile. None when the plan is stale. The common case (same storages
-        and state, contiguous strided .grad) is checked in C; anything else
-        comes here."""
-        if given is None:
-            held = _C.optim_grad_pointers(
-                self.params, self.param_keys, state, self.state_dicts, self.watched,
-                self.grad_contiguous, torch.strided, self.table)
-            if held is not None:
-                return held
-        ptrs, keep = [], []
+        .grad, or given[id(param)]; a row without one sits the step out.
+        Returns the gradients the table points at (copies included), which the
+        caller holds until the update has run: the update releases the GIL,
+        and another thread may drop a .grad meanwhile. None when the plan is
+        stale (a dormant row has a gradient). The common case (same storages
+        and state, contiguous strided gradients, given or not) is checked in
+        C; anything else comes here."""
+        read = _C.optim_grad_pointers(
+            self.params, self.param_keys, state, self.state_dicts, self.watched,
+            self.grad_contiguous, torch.strided, self.table, given)
+        if read is not None:
+            held, rows = read
+            self._take_part(rows)
+            return held
+        rows, ptrs, keep = [], [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
                 self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
-            if _layout_key(p) != key or state.get(p) is not st:
+            g = p.grad if given is None else given[id(p)]
+            if g is None:
+                continue
+            if watched is None or _layout_key(p) != key or state.get(p) is not st:
                 return None
             for key, t, col in watched:
                 if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
                     return None
-            g = p.grad if given is None else given[id(p)]
-            if g is None:
-                return None
             _check_grad(p, g)
             g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
             if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
                 g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
             keep.append(g)
             ptrs.append(g.data_ptr())
-        self.table[:, _COL_GRAD] = ptrs
+            rows.append(row)
+        self.table[rows, _COL_GRAD] = ptrs
+        self._take_part(rows)
         return keep
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
-        """Issues the update with `group`'s hyper-parameters (hp: their
-        opt._hparams tuple); prepare_grads() must have succeeded this step.
-        Under a dispatch mode (allow_mutation_on_saved_tensors()) what
-        autograd saved of the params and state is cloned first, as torch.optim's in-place ops have
-        it cloned, and their versions bumped after; otherwise only the
-        params' versions are bumped (a graph rarely saves optimizer state,
-        and bumping it too would cost microseconds a step)."""
-        for _, p, work in self.staged:
+        """Issues the update of this step's rows with `group`'s hyper-parameters
+        (hp: their opt._hparams tuple); prepare_grads() must have succeeded
+        this step. Under a dispatch mode (allow_mutation_on_saved_tensors())
+        what autograd saved of the params and state is cloned first, as
+        torch.optim's in-place ops have it cloned, and their versions bumped
+        after; otherwise only the params' versions are bumped (a graph rarely
+        saves optimizer state, and bumping it too would cost microseconds a
+        step). A param that sits the step out is neither written nor bumped,
+        as torch leaves it."""
+        staged = self.staged
+        if self.rows is not None:
+            taking_part = set(self.rows)
+            staged = [s for s in staged if s[0] in taking_part]
+        for _, p, work in staged:
             work.copy_(p)
-        written = self.params
+        written = self.step_params
         if _tensors.dispatch_mode_active():
-            written = self.written
+            written = self._written()
             _tensors.show_coming_writes(written)
         if self.device.type == "cpu":
-            _C.optim_step(opt._kind, self.dtype_code, self.table, hp, torch.get_num_threads())
+            _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
         else:
             self._run_cuda(opt, group, hp)
-        for _, p, work in self.staged:
+        if self.rows is not None:  # the core clears a new SGD buffer's flag once it is filled
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
+        for _, p, work in staged:
             p.copy_(work)
         _tensors.bump_versions(written)
+
+    def _written(self) -> list:
+        """Everything the kernels write this step: the params (a staged one is
+        written by run()'s copy_, but listing it costs nothing) and their state."""
+        rows = range(len(self.params)) if self.rows is None else self.rows
+        return self.step_params + [t for row in rows for _, t, _ in self.watched[row]]
 
     def _run_cuda(self, opt, group, hp) -> None:
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
-        _cuda.optim_step(opt._kind, self.dtype_code, self.table, hp, self.capturable, stream,
+        _cuda.optim_step(opt._kind, self.dtype_code, self.step_table, hp, self.capturable, stream,
                          lr_ptr)
 
 
@@ -341,18 +394,117 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
     return None if any(k is None for k in keep) else keep
 
 
+def _with_grad(params: list, given: dict | None) -> list:
+    """The params with a gradient: .grad, or given[id(param)]."""
+    if given is None:
+        return [p for p in params if p.grad is not None]
+    return [p for p in params if given[id(p)] is not None]
+
+
+def _step_device(p: torch.Tensor, capturable: bool) -> torch.device:
+    """Where the core counts p's steps: on its device when capturable, else
+    on the CPU (as torch places them)."""
+    return p.device if capturable else torch.device("cpu")
+
+
+def _usable_step(step, p: torch.Tensor, capturable: bool) -> bool:
+    """Whether state["step"] is the float32 0-dim tensor the core counts in."""
+    return (isinstance(step, torch.Tensor) and step.dtype == torch.float32
+            and step.device == _step_device(p, capturable) and step.dim() == 0
+            and not step.is_neg())
+
+
 def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
-    """state["step"] as the float32 0-dim tensor the core counts in: on the
-    param's device when capturable, else on the CPU (as torch places it);
-    a new tensor when st has none or one of another kind."""
-    device = p.device if capturable else torch.device("cpu")
+    """state["step"] as the float32 0-dim tensor the core counts in; a new
+    tensor when st has none or one of another kind."""
+    device = _step_device(p, capturable)
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
         step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif (step.dtype != torch.float32 or step.device != device or step.dim() != 0
-          or step.is_neg()):
+    elif not _usable_step(step, p, capturable):
         step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
     return step
+
+
+def _usable_state(t, work: torch.Tensor) -> bool:
+    """Whether state tensor t is one a row can point at as it is: float32,
+    laid out like `work` (what the kernels update in the param's place) on
+    its device, and without torch's negative bit."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and not t.is_neg()
+            and t.device == work.device and _tensors.same_layout(t, work))
+
+
+class _PlanCache:
+    """The plans of update calls, by key (id(group), ids of the call's
+    params), bounded by the table rows they hold rather than by their
+    number, and evicting the least recently used. A stable working set is
+    never evicted however large the model (one plan per module of a fused
+    model of thousands: a cache cleared when full rebuilt every plan every
+    step), as long as it fits the budget, which grows with the optimizer's
+    parameter count (set_budget); calls with ever new lists of params
+    (step_params on changing subsets) cannot grow memory beyond it."""
+
+    def __init__(self):
+        self._entries: dict = {}  # key -> [plans, rows, last use]
+        self._rows = 0
+        self._clock = 0
+        self._budget = _MIN_PLAN_ROWS
+
+    def get(self, key: tuple) -> list | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        # a use count, not a move to the end of the dict: hashing the key again
+        # would cost O(params) a call
+        self._clock += 1
+        entry[2] = self._clock
+        return entry[0]
+
+    def put(self, key: tuple, plans: list) -> None:
+        """Caches `plans` (replacing a stale entry of the key), then evicts
+        others while over budget."""
+        self._clock += 1
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._rows -= old[1]
+        rows = sum(len(plan.params) for plan in plans)
+        self._entries[key] = [plans, rows, self._clock]
+        self._rows += rows
+        if self._rows > self._budget:
+            self._evict(keep=key)
+
+    def _evict(self, keep: tuple) -> None:
+        """Drops the least recently used entries, never `keep`, down to 3/4 of
+        the budget: in batches, so that a stream of new keys costs one sort
+        per batch, not one scan per key."""
+        target = self._budget * 3 // 4
+        for key, entry in sorted(self._entries.items(), key=lambda item: item[1][2]):
+            if self._rows <= target:
+                break
+            if key is not keep:
+                del self._entries[key]
+                self._rows -= entry[1]
+
+    def set_budget(self, params: int) -> None:
+        """Bounds the rows held for an optimizer of `params` parameters."""
+        self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
+
+    def retain(self, keep: Callable[[tuple], bool]) -> None:
+        """Drops the entries whose key fails `keep`."""
+        for key in [k for k in self._entries if not keep(k)]:
+            self._rows -= self._entries.pop(key)[1]
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._rows = 0
+
+    @property
+    def rows(self) -> int:
+        """The table rows of all the plans held."""
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 class _FusedOptimizer:
@@ -382,7 +534,7 @@ class _FusedOptimizer:
     def _setup_fused(self) -> None:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
-        self._plans: dict = {}
+        self._plans = _PlanCache()
         # What _drop_plans_of_departed_params last saw: (id, len) of each
         # group's params list, and the ids of all params in groups.
         self._groups_seen: list | None = None
@@ -541,25 +693,29 @@ class _FusedOptimizer:
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
                 given: dict | None = None) -> None:
-        if given is None:
-            active = [p for p in params if p.grad is not None]
-        else:
-            active = [p for p in params if given[id(p)] is not None]
-        if not active:
-            return
         hp = group if settings is None else settings
+        # Keyed by all the params of the call, not those with a gradient: a plan
+        # per subset would be built (O(params)) and kept for every new subset
+        # with gradients; its rows without one sit the step out. A cached plan
+        # reads each gradient once, in C, also to find that none has one.
+        key = (id(group), tuple(map(id, params)))
         try:
+            plans = self._plans.get(key)
+            keep = _prepare_grads(plans, self.state, given)
+            if (not _with_grad(params, given) if keep is None
+                    else all(plan.idle for plan in plans)):
+                return  # no param of the call has a gradient
             hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
             # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
             slots = self._state_slots(hp)
-            key = (id(group), slots, tuple(map(id, active)))
-            plans = self._plans.get(key)
-            keep = _prepare_grads(plans, self.state, given)
-            if keep is None:  # first use, or a storage or state tensor was replaced
+            # first use, a first gradient, a storage or state tensor replaced, other state
+            if keep is None or plans[0].slots != slots:
+                active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
-                plans = self._make_plans(hp, active, key, slots, hparams)
+                plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
-            elif len(plans) > 1:  # each call checks its own: let none run if one refuses
+            plans = [plan for plan in plans if not plan.idle]
+            if len(plans) > 1:  # each call checks its own: let none run if one refuses
                 for plan in plans:
                     plan.check(self, hparams)
             for plan in plans:
@@ -608,21 +764,21 @@ class _FusedOptimizer:
                                f"{self._torch_class.__name__} raises this KeyError too")
             _check_step_count(st["step"], p)
 
-    def _make_plans(self, group: dict, active: list, key: tuple, slots: tuple,
+    def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(key[2])
+        self._drop_plans_of_departed_params(key[1])
         buckets: dict = {}
-        for p in active:
+        for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        plans = [_Plan(self, group, run, slots)
+        active_ids = set(map(id, active))
+        plans = [_Plan(self, group, run, slots, active_ids)
                  for ps in buckets.values() for run in _ordered_runs(ps)]
         for plan in plans:
-            plan.check(self, hparams)
+            if not plan.idle:
+                plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plans
+        self._plans.put(key, plans)
         return plans
 
     def _drop_plans_of_departed_params(self, ids: tuple) -> None:
@@ -640,8 +796,8 @@ class _FusedOptimizer:
             return
         self._groups_seen = groups
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
-        self._plans = {k: plans for k, plans in self._plans.items()
-                       if self._members.issuperset(k[2])}
+        self._plans.retain(lambda key: self._members.issuperset(key[1]))
+        self._plans.set_budget(len(self._members))
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
@@ -654,9 +810,18 @@ class _FusedOptimizer:
             t = self._initial_state(key, p, group)
             if self._kind == _SGD:
                 row[_COL_FLAGS] |= _FRESH_BUFFER
-        elif t.dtype != torch.float32 or t.is_neg() or not _tensors.same_layout(t, p):
+        elif not _usable_state(t, p):
             t = torch.empty_like(p, dtype=torch.float32).copy_(t)  # (copy_ resolves the bit)
         return t
+
+    def _has_state(self, st: dict | None, work: torch.Tensor, slots: tuple,
+                   capturable: bool) -> bool:
+        """Whether a param (updated through `work`) has the state its row
+        points at as it is, so that a plan may give it a row while it has no
+        gradient: creating or converting state is for its next update."""
+        if self._kind != _SGD and not (st and _usable_step(st.get("step"), work, capturable)):
+            return False
+        return all(st and _usable_state(st.get(key), work) for key in filter(None, slots))
 
     def _initial_state(self, key: str, p: torch.Tensor, group: dict) -> torch.Tensor:
         return torch.zeros_like(p, dtype=torch.float32)
