@@ -1614,14 +1614,17 @@ def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> No
         assert _state_snapshot(opt, [p]) == state, what
 
 
+@pytest.mark.parametrize("make", [np.float32, np.array], ids=["float32", "array"])
 @pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
-def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str) -> None:
-    """A NumPy float32 (no float subclass) is a number to both."""
+def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str, make) -> None:
+    """A NumPy float32 (no float subclass) and a 0-d NumPy array (refused
+    before; torch takes one as lr, and refuses it where an op wants a
+    tensor or a Number) step as their float value steps torch."""
     runs = []
-    for cls in (torch_cls(name), reprop_cls(name)):
+    for cls, kind in ((torch_cls(name), lambda v: float(make(v))), (reprop_cls(name), make)):
         p = nn.Parameter(torch.linspace(-1, 1, 5))
         opt = cls([p], **RICH[name])
-        _set_hparam(opt.param_groups[0], key, np.float32)
+        _set_hparam(opt.param_groups[0], key, kind)
         for k in range(2):
             p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
             opt.step()

@@ -66,12 +66,14 @@ _PLAIN_NUMBERS = frozenset({float, int})
 
 
 def _scalar(value, name: str) -> float:
-    """A hyper-parameter as a Python float: a real number (bools and NumPy
-    scalars too, which torch's ops take) or a one-element real tensor on the
+    """A hyper-parameter as a Python float: a real number (bools, NumPy
+    scalars and one-element arrays too, which torch's ops take) or a one-element real tensor on the
     CPU (a CUDA one would need a sync). Anything else raises TypeError, as
     torch's update does: float() alone would parse a string ("0.1") and step."""
     if isinstance(value, (numbers.Real, np.bool_)):
         return float(value)
+    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "biuf":
+        return float(value)  # np.array(0.1): torch's ops take it as a number
     if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
         if value.device.type != "cpu":
             raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
