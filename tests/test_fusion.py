@@ -2478,6 +2478,17 @@ def test_forward_mode_grads_changed_after_step_match_eager(change: str) -> None:
     _assert_same_training(got, ref)
 
 
+def _mlp_after_one_backward(mode: str | None) -> tuple:
+    """(model, SGD with momentum fused in `mode` or eager, its handle or None,
+    the batch's input) after one backward."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    return model, opt, handle, x
+
+
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_forward_mode_grads_after_zero_grad_are_eagers(set_to_none: bool) -> None:
     """.grad after step() and zero_grad(), after a gradient set by hand then,
@@ -2486,11 +2497,7 @@ def test_forward_mode_grads_after_zero_grad_are_eagers(set_to_none: bool) -> Non
     zeroed in place), then the hand-set one, kept."""
     runs = {}
     for mode in (None, "forward"):
-        model = _mlp()
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        x, y = _mlp_batch(0)
-        F.mse_loss(model(x), y).backward()
+        model, opt, handle, x = _mlp_after_one_backward(mode)
         held = model[2].weight.grad
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
@@ -2524,11 +2531,7 @@ def test_forward_mode_grad_edited_in_place_after_step_raises_and_drops_its_updat
     pending updates apply as in eager training."""
     runs = {}
     for mode in (None, "forward"):
-        model = _mlp()
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        x, y = _mlp_batch(0)
-        F.mse_loss(model(x), y).backward()
+        model, opt, handle, x = _mlp_after_one_backward(mode)
         before = model[2].weight.detach().clone()
         opt.step()
         IN_PLACE_EDITS[edit](model[2].weight.grad)
