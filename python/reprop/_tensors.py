@@ -7,12 +7,32 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import weakref
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.autograd.forward_ad as fwAD
+
+# The oldest PyTorch reprop runs on: 2.8 is the first with
+# torch._C._autograd._top_saved_tensors_default_hooks, the only way to see that
+# a non-reentrant torch.utils.checkpoint is recording (non_reentrant_checkpointing);
+# without it fad.enabled() under such a checkpoint gives wrong gradients.
+MIN_TORCH = (2, 8)
+
+
+def require_torch(version: str) -> None:
+    """ImportError unless `version` (a torch.__version__) is MIN_TORCH or newer;
+    a version string not of the form major.minor... is let through."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and tuple(map(int, found.groups())) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"reprop needs PyTorch {need} or newer, found {version}; "
+                          f"upgrade with: pip install 'torch>={need}'")
+
+
+require_torch(torch.__version__)
 
 # Element-type codes of csrc/reprop.h (rp_dtype).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
