@@ -450,6 +450,12 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max |diff| {d.max().item():.3g} at {int(d.argmax())}, {int((a != b).sum())}/{a.numel()} elements differ"
 
 
+def _paired(got: list, ref: list) -> zip:
+    """zip(got, ref) after checking they are as long (zip's strict= needs Python 3.10)."""
+    assert len(got) == len(ref), f"{len(got)} items against {len(ref)}"
+    return zip(got, ref)
+
+
 def _assert_tensor_dicts(got: dict, ref: dict, what: str, close: Callable | None) -> None:
     assert sorted(got) == sorted(ref), f"{what}: keys {sorted(got)} != {sorted(ref)}"
     for k in ref:
@@ -2623,7 +2629,7 @@ def test_forward_mode_submodule_checkpoint_or_conversion_after_step(name: str, h
         after_step = dict.fromkeys(range(1, 7, 2), how(name, saved[mode]))
         runs[mode] = _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 8,
                                after_step=after_step, make_model=_wrapped_mlp)
-    for i, (got, ref) in enumerate(zip(saved["forward"], saved[None], strict=True)):
+    for i, (got, ref) in enumerate(_paired(saved["forward"], saved[None])):
         _assert_tensor_dicts(got, ref, f"{name}.state_dict() #{i}", None)
     _assert_same_training(runs["forward"], runs[None])
 
@@ -2676,8 +2682,8 @@ def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl
         copies[mode] = []
         after_step = dict.fromkeys((1, 3), _copy_optimizer_state(how, copies[mode]))
         runs[mode] = _mlp_loop(mode, make_opt[impl if mode else "reprop"], 6, after_step=after_step)
-    for i, (got, ref) in enumerate(zip(copies["forward"], copies[None], strict=True)):
-        for j, (g, r) in enumerate(zip(got, ref, strict=True)):
+    for i, (got, ref) in enumerate(_paired(copies["forward"], copies[None])):
+        for j, (g, r) in enumerate(_paired(got, ref)):
             _assert_tensor_dicts(g, r, f"copy #{i}, state of param {j}", None)
     _assert_same_training(runs["forward"], runs[None])
 

@@ -7,12 +7,32 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import weakref
 from typing import Callable
 
 import numpy as np
 import torch
 import torch.autograd.forward_ad as fwAD
+
+# The oldest PyTorch reprop runs on: 2.8 is the first with
+# torch._C._autograd._top_saved_tensors_default_hooks, the only way to see that
+# a non-reentrant torch.utils.checkpoint is recording (non_reentrant_checkpointing);
+# without it fad.enabled() under such a checkpoint gives wrong gradients.
+MIN_TORCH = (2, 8)
+
+
+def require_torch(version: str) -> None:
+    """ImportError unless `version` (a torch.__version__) is MIN_TORCH or newer;
+    a version string not of the form major.minor... is let through."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found and tuple(map(int, found.groups())) < MIN_TORCH:
+        need = ".".join(map(str, MIN_TORCH))
+        raise ImportError(f"reprop needs PyTorch {need} or newer, found {version}; "
+                          f"upgrade with: pip install 'torch>={need}'")
+
+
+require_torch(torch.__version__)
 
 # Element-type codes of csrc/reprop.h (rp_dtype).
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -80,23 +100,10 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and (a.stride() == b.stride() or a.numel() <= 1)
 
 
-def _version_bumper():
-    """torch.autograd.graph.increment_version for a list: one call where torch
-    takes a list (recent versions), one per tensor on older ones."""
-    try:
-        torch.autograd.graph.increment_version([torch.zeros(1)])
-        return torch.autograd.graph.increment_version
-    except TypeError:
-        def bump_each(tensors):
-            for t in tensors:
-                torch.autograd.graph.increment_version(t)
-        return bump_each
-
-
 # Our kernels write through raw pointers, which autograd cannot see: bump the
 # version counters ourselves, so that a tensor saved for backward and modified
 # since raises PyTorch's in-place-modification error instead of going wrong.
-bump_versions = _version_bumper()
+bump_versions = torch.autograd.graph.increment_version  # takes a list of tensors
 
 
 def dispatch_mode_active() -> bool:
@@ -120,10 +127,7 @@ def show_coming_writes(tensors: list) -> None:
 
 def autocast_enabled(device_type: str) -> bool:
     """Whether autocast is on for `device_type` ("cpu", "cuda") right now."""
-    try:
-        return torch.is_autocast_enabled(device_type)
-    except TypeError:  # torch < 2.4
-        return torch.is_autocast_cpu_enabled() if device_type == "cpu" else torch.is_autocast_enabled()
+    return torch.is_autocast_enabled(device_type)
 
 
 def torch_only(x: torch.Tensor) -> bool:
@@ -135,9 +139,8 @@ def torch_only(x: torch.Tensor) -> bool:
     torch.jit.trace records (it cannot see a kernel that writes through a
     pointer). They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
-    if x.is_meta or type(x) not in _PLAIN_TYPES or torch._C._is_tracing() or (
-            _is_functorch_wrapped is not None and _is_functorch_wrapped(x)) or (
-            _is_legacy_batched is not None and _is_legacy_batched(x)):
+    if (x.is_meta or type(x) not in _PLAIN_TYPES or torch._C._is_tracing()
+            or _is_functorch_wrapped(x) or _is_legacy_batched(x)):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
@@ -153,9 +156,9 @@ def torch_only_weight(p) -> bool:
     return p is not None and type(p) is not torch.nn.Parameter and torch_only(p)
 
 
-_is_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+_is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # the gradients autograd.grad(is_grads_batched=True) hands a backward (no storage)
-_is_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", None)
+_is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
 def outside_backward() -> bool:
@@ -166,16 +169,13 @@ def outside_backward() -> bool:
     return torch._C._current_graph_task_id() == -1
 
 
-_top_saved_tensors_hooks = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-
-
 def non_reentrant_checkpointing() -> bool:
     """Whether a non-reentrant torch.utils.checkpoint is recording (or
     recomputing) this forward: it matches the tensors saved by the
     recompute against the recorded ones by position, so a layer must take
     the same path in both, whatever changed in between. (A user's pack
     hook may be any callable: a functools.partial has no __qualname__.)"""
-    hooks = _top_saved_tensors_hooks(False) if _top_saved_tensors_hooks is not None else None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
         ("_checkpoint_hook.", "_recomputation_hook."))
 
