@@ -1401,6 +1401,25 @@ def test_sparse_gradient_raises(name: str) -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("name", [n for n in NAMES if n != "Adagrad"])  # (its constructor
+def test_sparse_param_without_a_gradient_sits_out(name: str) -> None:  # refuses one, as torch's)
+    """A sparse parameter in a group, without a gradient, sits the step out
+    as in torch: the plan of all the call's params read its data pointer
+    (torch's 'no storage' error); its gradient is still refused."""
+    dense = nn.Parameter(torch.ones(3))
+    sparse = nn.Parameter(torch.eye(3).to_sparse())
+    ref = nn.Parameter(torch.ones(3))
+    opt, torch_opt = reprop_cls(name)([dense, sparse], **BASE[name]), torch_cls(name)([ref], **BASE[name])
+    for _ in range(2):
+        dense.grad, ref.grad = torch.ones(3), torch.ones(3)
+        opt.step()
+        torch_opt.step()
+    torch.testing.assert_close(dense.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    sparse.grad = torch.eye(3).to_sparse()
+    with pytest.raises(RuntimeError, match="(?i)sparse"):
+        opt.step()
+
+
 @pytest.mark.parametrize("how", ["sparse_grad", "sparse_grad_step_params", "float64_param"])
 @pytest.mark.parametrize("name", NAMES)
 def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:

@@ -52,7 +52,10 @@ def _layout_key(p: torch.Tensor) -> tuple:
     (by a view of its own storage at the same address, or by a tensor that
     reuses a freed allocation) must not match; nor one reshaped (the same
     numel), whose gradient no longer matches it, which torch refuses. The
-    fast path in C (optim_grad_pointers) checks the same tuple."""
+    fast path in C (optim_grad_pointers) checks the same tuple. None for a
+    param with no strided memory (a sparse one): its row stays dormant."""
+    if p.layout is not torch.strided:
+        return None
     return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(),
             p.get_device())
 
@@ -122,7 +125,8 @@ class _Plan:
                             for p in params]
         # Gradients are read through contiguous memory for contiguous params and
         # for params updated through a contiguous stand-in; else with p's strides.
-        self.grad_contiguous = [p.is_contiguous() or not _tensors.is_dense(p) for p in params]
+        self.grad_contiguous = [key is not None and (p.is_contiguous() or not _tensors.is_dense(p))
+                                for p, key in zip(params, self.param_keys)]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
         self.table = _tensors.new_table(len(params))
         self.capturable = bool(group.get("capturable", False))
@@ -131,8 +135,11 @@ class _Plan:
         # and address), so that a tensor the user put in their place, or one whose
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
-        for row, (p, st) in enumerate(zip(params, self.state_dicts)):
+        for row, (p, st, key) in enumerate(zip(params, self.state_dicts, self.param_keys)):
             watched = []
+            if key is None:  # no memory to point at: its gradient takes the Python path,
+                self.watched.append(None)  # whose check refuses it
+                continue
             work = _stand_in(p)
             if id(p) not in active and not (self.dtype_code is not None
                                             and opt._has_state(st, work, slots, self.capturable)):
@@ -351,7 +358,8 @@ def _ordered_runs(params: list) -> list[list]:
     interleaved views that share no element are ordered too, harmlessly."""
     overlapped_by = [[] for _ in params]  # the earlier params each one overlaps
     open_spans: list = []  # (end, index) of the spans the next one may overlap
-    for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params) if p.numel()):
+    for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params)
+                                  if p.numel() and p.layout is torch.strided):
         open_spans = [(e, j) for e, j in open_spans if e > start]
         for _, j in open_spans:
             overlapped_by[max(i, j)].append(min(i, j))
