@@ -340,8 +340,8 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
     of their own (containers, transformer layers, most models) have no
     forward hooks: each submodule announces its own next use, so the updates
     still wait for the layer that uses them."""
-    if not module._modules:  # (children() would build a generator, at every forward)
-        return module.parameters(recurse=False)
+    if not module._modules:  # (children() and parameters() build generators, at every forward)
+        return module._parameters.values()  # (None for a parameter slot left empty)
     return module.parameters()
 
 
@@ -388,8 +388,11 @@ def _grad_mark(t: torch.Tensor) -> tuple:
     torch refuses its in-place edits outside inference_mode), and its data
     pointer, which `t.data = ...` changes (a sparse one has none: step()
     refuses it). Edits through `t.data` or NumPy change neither."""
-    return (None if t.is_inference() else t._version,
-            t.data_ptr() if t.layout is torch.strided else None)
+    try:
+        return t._version, t.data_ptr()
+    except RuntimeError:  # the rare kinds, asked only once the common case failed
+        return (None if t.is_inference() else t._version,
+                t.data_ptr() if t.layout is torch.strided else None)
 
 
 def _frozen(value):
@@ -1426,9 +1429,12 @@ class _ForwardFusion(FusionHandle):
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
                 self._follow_owners()  # (layers called one by one: no root forward)
-                mine = [p for p in _params_read_by(module) if id(p) in self._pending]
+                pending = self._pending
+                # (a parameter registered under two names is applied once)
+                mine = {id(p): p for p in _params_read_by(module)
+                        if p is not None and id(p) in pending}
                 if mine:
-                    self._apply(mine)
+                    self._apply(list(mine.values()))
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1526,9 +1532,13 @@ class _ForwardFusion(FusionHandle):
         set_to_none=False gives its param a new zero gradient instead of
         zeroing it in place."""
         self._sync()  # eager zeroes the params of the groups as they are now
+        if set_to_none:
+            for p in self._params.values():
+                p.grad = None
+            return
         for p in self._params.values():
             held = self._grads.get(id(p))
-            if not set_to_none and held is not None and p.grad is held[0]:
+            if held is not None and p.grad is held[0]:
                 p.grad = torch.zeros_like(held[0])
             else:
-                _zero_grad_of(p, set_to_none)
+                _zero_grad_of(p, False)
