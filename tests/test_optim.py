@@ -1469,6 +1469,7 @@ BAD_STATE = {
     "Adam-step": ("Adam", "step", lambda: torch.tensor([1.0, 2.0])),
     "RMSprop-integer": ("RMSprop", "square_avg", lambda: torch.zeros(7, 3, dtype=torch.int64)),
     "Adagrad-device": ("Adagrad", "sum", lambda: torch.zeros(7, 3, device="meta")),
+    "Adam-sparse": ("Adam", "exp_avg", lambda: torch.zeros(7, 3).to_sparse()),
 }
 
 

@@ -320,11 +320,12 @@ def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
 def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
     """Refuses a state tensor that torch's update of p refuses too (its
     in-place ops raise RuntimeError): one of another shape, also one that
-    broadcasts, on another device, or not floating-point. Another
+    broadcasts, on another device, not floating-point, or sparse. Another
     floating-point dtype (float64: torch accepts it) is converted to float32."""
     if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != p.shape
-            or t.device != p.device):
-        _refuse_state(key, t, p, "a floating-point tensor of the parameter's shape on its device")
+            or t.device != p.device or t.layout is not torch.strided):
+        _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
+                                 "its device")
 
 
 def _check_step_count(step, p: torch.Tensor) -> None:
