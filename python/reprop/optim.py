@@ -873,22 +873,13 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
 
 class Adam(_FusedOptimizer, torch.optim.Adam):
-    """Fused Adam (amsgrad, maximize, weight_decay; decoupled_weight_decay where
-    torch has it). State: ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``."""
+    """Fused Adam (amsgrad, maximize, weight_decay, decoupled_weight_decay). State: ``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``."""
 
     _kind = _ADAM
     _torch_class = torch.optim.Adam
 
     def _state_slots(self, group):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq" if group["amsgrad"] else None)
-
-    def _hparams(self, group):
-        hp = super()._hparams(group)
-        # torch >= 2.6 reads decoupled_weight_decay per group (an AdamW group
-        # may set it False); before, AdamW had no such key and always decoupled
-        if "decoupled_weight_decay" not in self.defaults and isinstance(self, torch.optim.AdamW):
-            hp = hp[:13] + (True,) + hp[14:]
-        return hp
 
 
 class AdamW(Adam, torch.optim.AdamW):
