@@ -942,10 +942,15 @@ class OOOHandle(_PassTracking):
         counts here: the pair's time is what is measured)."""
         self._join_sub_streams()
         if self._device is not None and self._device.type == "cuda":
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(torch.cuda.current_stream(self._device))
-            return e
+            return self._cuda_stamp()
         return time.perf_counter()
+
+    def _cuda_stamp(self) -> "torch.cuda.Event":
+        """A timing event recorded now on the current stream of the model's
+        device (not of the current device)."""
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(torch.cuda.current_stream(self._device))
+        return e
 
     def _end_corun_pass(self, corun: _CoRun) -> None:
         """Closes the last region; in the last pass runs each dW group alone."""
@@ -964,9 +969,7 @@ class OOOHandle(_PassTracking):
         """A main-stream time stamp: a timing event on CUDA, a clock that
         excludes inline dW time on the CPU."""
         if isinstance(like, torch.Tensor) and like.is_cuda or isinstance(like, torch.cuda.Event):
-            e = torch.cuda.Event(enable_timing=True)
-            e.record(torch.cuda.current_stream(self._device))  # the model's, not the current device's
-            return e
+            return self._cuda_stamp()
         return time.perf_counter() - self._task_time
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
