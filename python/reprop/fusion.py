@@ -1193,7 +1193,7 @@ class _ForwardFusion(FusionHandle):
         self._clip = clip_grad_norm
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
-        # step(), held, not copied; that tensor's _version then)
+        # step(), held, not copied; that tensor's _grad_mark then)
         self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
         # id(group) -> (state slots, ids of the params with a gradient) of the
@@ -1229,7 +1229,7 @@ class _ForwardFusion(FusionHandle):
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
         # Refused before it reaches .grad: the gradient the pending update holds
-        # may still be .grad, and flush() then the same backward trains as eager.
+        # may still be .grad, and flush() then the forward again trains as eager.
         for p in new:
             self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
         # Each param's group as of this sync, which every step() makes: the group
@@ -1490,7 +1490,7 @@ class _ForwardFusion(FusionHandle):
         """Marks these updates pending, each to apply the gradient its param
         has now (the tensor, not a copy), as eager's step() applies it now,
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
-        gradient set by hand); its version tells an edit in place
+        gradient set by hand); its _grad_mark tells an edit in place
         (_held_grads)."""
         for p in params:
             self._pending[id(p)] = p
