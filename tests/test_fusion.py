@@ -3355,3 +3355,38 @@ def test_forward_mode_step_overtaken_by_remove_on_another_thread_still_updates()
         opt.zero_grad()
     assert handle._removed
     _assert_same_training((model, opt), (ref_model, ref_opt))
+
+
+@pytest.fixture
+def swap_params_on_conversion():
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+def _load_shifted_state(model: nn.Module, opt) -> None:
+    model.load_state_dict({k: v + 0.25 for k, v in model.state_dict().items()})
+
+
+def _to_bfloat16(model: nn.Module, opt) -> None:
+    model.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("edit", [_load_shifted_state, _to_bfloat16])
+@pytest.mark.parametrize("mode", MODES)
+def test_conversions_that_swap_tensors_train_as_eager(mode: str, edit, swap_params_on_conversion) -> None:
+    """Under torch's swap flag, load_state_dict() and .to() swap each
+    parameter's contents with torch.utils.swap_tensors, which refuses a tensor
+    with a weak reference: fusion's registry of fused parameters held one, so
+    both raised mid-training (and .to() left the model half converted)."""
+    def make_opt(m):
+        return rp.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    def bf16_batches(model, opt):  # the batches follow the model's dtype
+        model.register_forward_pre_hook(lambda m, args: tuple(a.to(m[0].weight.dtype) for a in args))
+
+    events = {0: bf16_batches, 3: edit}
+    got = _mlp_loop(mode, make_opt, 6, events=events)
+    ref = _mlp_loop(None, make_opt, 6, events=events)
+    _assert_same_training(got, ref)

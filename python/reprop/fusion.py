@@ -92,7 +92,6 @@ from typing import Iterable
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
-from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _tensors, optim
 
@@ -124,8 +123,11 @@ _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# parameter -> weakly, the live handle whose optimizer holds it
-_PARAM_FUSED_BY = WeakIdKeyDictionary()
+# The handles whose optimizers hold parameters, held weakly. Not a weak map
+# keyed by parameter: torch.utils.swap_tensors (what .to()/.half() and
+# load_state_dict use under torch.__future__'s swap flag) refuses a tensor
+# with a weak reference.
+_HANDLES_HOLDING_PARAMS: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _flushing(name: str):
@@ -253,10 +255,10 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
     """Refuses a parameter that another live fusion's optimizer holds too:
     each would free or apply its gradient before the other sees it (eager
     applies both optimizers' updates; one was lost)."""
+    others = [h for h in _HANDLES_HOLDING_PARAMS if h is not handle and not h._removed]
     for p in params:
-        ref = _PARAM_FUSED_BY.get(p)
-        other = ref() if ref is not None else None
-        if other is not None and other is not handle and not other._removed:
+        other = next((h for h in others if h._params.get(id(p)) is p), None)
+        if other is not None:
             raise ValueError(
                 f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
                 f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
@@ -534,8 +536,7 @@ class FusionHandle:
         optimizer, engine = self._user_optimizer, self.optimizer
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
         _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
-        for p in self._params.values():
-            _PARAM_FUSED_BY[p] = weakref.ref(self)
+        _HANDLES_HOLDING_PARAMS.add(self)
 
         def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
@@ -597,8 +598,6 @@ class FusionHandle:
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
         self._membership = _membership(engine)
-        for p in new:
-            _PARAM_FUSED_BY[p] = weakref.ref(self)
         self._params = params
         self._track(new)
         return new
@@ -656,10 +655,7 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
-        for p in self._params.values():
-            ref = _PARAM_FUSED_BY.get(p)
-            if ref is not None and ref() is self:
-                del _PARAM_FUSED_BY[p]
+        _HANDLES_HOLDING_PARAMS.discard(self)
 
     def _step_after_removal(self) -> None:
         """A step() that another thread's remove() overtook (after its
