@@ -605,6 +605,32 @@ def test_autocast_bf16_gradients_match_autograd(order):
     _autocast_gradients_match(EveryKind, _batch, "cpu", torch.bfloat16, order, shared=("shared",))
 
 
+def test_autocast_forward_without_backward_leaves_parameters_swappable():
+    """Under torch's swap flag, .to() swaps each parameter's contents with
+    torch.utils.swap_tensors, which refuses a tensor with a weak reference:
+    the split's cache of autocast copies, keyed weakly by parameter and
+    cleared only by a backward, made .double() raise after an autocast
+    forward that no backward followed (a validation pass, a skipped step)."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        model = copy.deepcopy(ref)
+        ooo.enable(model)
+        x = torch.randn(3, 4)
+        for net in (ref, model):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                net(x).float().sum()
+            net.double()
+            net(x.double()).sum().backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert b.dtype == torch.float64, name
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
 def _saved_weight_copies(net: nn.Module, x: torch.Tensor) -> int:
     """Distinct bf16 copies of the (8, 8) weight that a forward saves."""
     copies = set()

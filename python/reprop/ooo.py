@@ -48,7 +48,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle
@@ -735,8 +734,11 @@ class OOOHandle(_PassTracking):
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._held_in_pass: list = []
         self._sub_streams: dict = {}
-        # parameter -> ((its version, data pointer, dtype), weakly its cast copy): _cast_param
-        self._casts = WeakIdKeyDictionary()
+        # id(parameter) -> (the parameter, (its version, data pointer, dtype),
+        # weakly its cast copy): _cast_param. Not a weak map keyed by the
+        # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
+        # swap flag) refuses a tensor with a weak reference
+        self._casts: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1029,14 +1031,14 @@ class OOOHandle(_PassTracking):
         if p is None or not p.is_leaf:
             return _autocast_cast(p, dtype)
         key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
-        hit = self._casts.get(p)
-        if hit is not None and hit[0] == key:
-            copy = hit[1]()
+        hit = self._casts.get(id(p))
+        if hit is not None and hit[0] is p and hit[1] == key:
+            copy = hit[2]()
             if copy is not None:
                 return copy
         copy = _autocast_cast(p, dtype)
         if copy is not p:
-            self._casts[p] = (key, weakref.ref(copy))
+            self._casts[id(p)] = (p, key, weakref.ref(copy))
         return copy
 
     def _hold_list(self, module: nn.Module) -> list | None:
