@@ -159,17 +159,33 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
+        self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
 
     def _take_part(self, rows: list | None) -> None:
         """Sets the rows of this step's update (None: all): `step_table`, the
         table the core is called with (a copy of those rows when some sit the
-        step out), and `step_params`, their params."""
+        step out), `step_rows` their indices for the C fast path (None: all),
+        `step_params` their params and `step_staged` their staged entries.
+        Kept while the same rows take part: the fast path writes the gradient
+        pointers into the copy, so that the steady state of a model with
+        frozen params copies no rows and builds no lists of them."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
+        if self.rows is not None:
+            # the flags the core cleared in the copy (a new SGD buffer is filled
+            # once) go back to the table that the next copy is taken from
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
         self.rows = rows
-        self.step_table = self.table if rows is None else self.table[rows]
-        self.step_params = self.params if rows is None else [self.params[r] for r in rows]
+        if rows is None:
+            self.step_rows, self.step_table = None, self.table
+            self.step_params, self.step_staged = self.params, self.staged
+            return
+        self.step_rows = np.array(rows, dtype=np.int64)
+        self.step_table = self.table[self.step_rows]
+        self.step_params = [self.params[r] for r in rows]
+        taking_part = set(rows)
+        self.step_staged = [s for s in self.staged if s[0] in taking_part]
 
     @property
     def idle(self) -> bool:
@@ -196,13 +212,17 @@ class _Plan:
         and another thread may drop a .grad meanwhile. None when the plan is
         stale (a dormant row has a gradient). The common case (same storages
         and state, contiguous strided gradients, given or not) is checked in
-        C; anything else comes here."""
+        C, which also writes the pointers into the step table and says
+        whether other rows than last step's take part; anything else comes
+        here."""
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
-            self.grad_contiguous, torch.strided, self.table, given)
+            self.grad_contiguous, torch.strided, self.table, given, self.step_table,
+            self.step_rows)
         if read is not None:
             held, rows = read
-            self._take_part(rows)
+            if rows is not None:  # other rows than last step's
+                self._take_part(rows)
             return held
         rows, ptrs, keep = [], [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
@@ -236,10 +256,7 @@ class _Plan:
         saves optimizer state, and bumping it too would cost microseconds a
         step). A param that sits the step out is neither written nor bumped,
         as torch leaves it."""
-        staged = self.staged
-        if self.rows is not None:
-            taking_part = set(self.rows)
-            staged = [s for s in staged if s[0] in taking_part]
+        staged = self.step_staged
         for _, p, work in staged:
             work.copy_(p)
         written = self.step_params
@@ -250,8 +267,6 @@ class _Plan:
             _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
         else:
             self._run_cuda(opt, group, hp)
-        if self.rows is not None:  # the core clears a new SGD buffer's flag once it is filled
-            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
         for _, p, work in staged:
             p.copy_(work)
         _tensors.bump_versions(written)
