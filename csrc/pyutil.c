@@ -450,6 +450,29 @@ done:
     return result;
 }
 
+PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq, *key = NULL;
+    Py_ssize_t n, i;
+    uintptr_t *ids;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "optim_call_key") < 0)
+        return NULL;
+    seq = PySequence_Fast(args[0], "optim_call_key: params must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    /* no overflow: the sequence holds n pointers of this size already */
+    key = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof *ids);
+    if (key != NULL) {
+        ids = (uintptr_t *)PyBytes_AS_STRING(key);
+        for (i = 0; i < n; i++)
+            ids[i] = (uintptr_t)PySequence_Fast_GET_ITEM(seq, i); /* id(params[i]) */
+    }
+    Py_DECREF(seq);
+    return key;
+}
+
 int rp_py_int_arg(PyObject *obj, const char *name, int *out)
 {
     /* range-checked, never truncated: 2**32 must not become kind 0 */

@@ -56,6 +56,12 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * rebuild, convert or raise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* optim_call_key(params) -> bytes: the id() of each object of the sequence
+ * `params`, as native uintptr_t words: reprop.optim's plan cache key for a
+ * call's params, which hashes and compares at memory speed where a tuple of
+ * ids costs an int object per param each step. Defined in pyutil.c. */
+PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an
  * activation, for the 8-bit backward and for inspection (its first 256
  * float32 are the decoded value of each code). Defined in pyutil.c. */

@@ -1109,6 +1109,19 @@ def test_plans_of_thousands_of_modules_are_not_rebuilt(monkeypatch) -> None:
     assert all(torch.equal(p.detach(), torch.full((1,), -1.0)) for p in params)
 
 
+def test_plan_cache_key_is_the_ids_of_the_call_params() -> None:
+    """The plan cache's key of a call's params (_C.optim_call_key) is their
+    ids in order, packed as bytes (a tuple of ids cost an int object per
+    param each step); anything but a sequence is refused, naming params."""
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    key = _C.optim_call_key(params)
+    assert key == np.array([id(p) for p in params], dtype=np.uintp).tobytes()
+    assert _C.optim_call_key(tuple(params)) == key != _C.optim_call_key(params[::-1])
+    assert _C.optim_call_key([]) == b""
+    with pytest.raises(TypeError, match="params must be a sequence"):
+        _C.optim_call_key(params[0].grad)
+
+
 def test_plans_of_ever_new_param_lists_stay_bounded(monkeypatch) -> None:
     """step_params on a new list of params at each call (every 7 of 14):
     the plans held stay within the cache's row budget (4096 rows here, a

@@ -462,13 +462,16 @@ def _usable_state(t, work: torch.Tensor) -> bool:
 
 class _PlanCache:
     """The plans of update calls, by key (id(group), ids of the call's
-    params), bounded by the table rows they hold rather than by their
-    number, and evicting the least recently used. A stable working set is
-    never evicted however large the model (one plan per module of a fused
-    model of thousands: a cache cleared when full rebuilt every plan every
-    step), as long as it fits the budget, which grows with the optimizer's
-    parameter count (set_budget); calls with ever new lists of params
-    (step_params on changing subsets) cannot grow memory beyond it."""
+    params packed as bytes by _C.optim_call_key, which hash and compare in
+    bulk: a tuple of ids cost 30 ns a param each step, most of what a frozen
+    param left in the optimizer cost), bounded by the table rows they hold
+    rather than by their number, and evicting the least recently used. A
+    stable working set is never evicted however large the model (one plan
+    per module of a fused model of thousands: a cache cleared when full
+    rebuilt every plan every step), as long as it fits the budget, which
+    grows with the optimizer's parameter count (set_budget); calls with ever
+    new lists of params (step_params on changing subsets) cannot grow memory
+    beyond it."""
 
     def __init__(self):
         self._entries: dict = {}  # key -> [plans, rows, last use]
@@ -515,9 +518,9 @@ class _PlanCache:
         """Bounds the rows held for an optimizer of `params` parameters."""
         self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
 
-    def retain(self, keep: Callable[[tuple], bool]) -> None:
-        """Drops the entries whose key fails `keep`."""
-        for key in [k for k in self._entries if not keep(k)]:
+    def retain(self, keep: Callable[[list], bool]) -> None:
+        """Drops the entries whose plans fail `keep`."""
+        for key in [k for k, entry in self._entries.items() if not keep(entry[0])]:
             self._rows -= self._entries.pop(key)[1]
 
     def clear(self) -> None:
@@ -724,7 +727,7 @@ class _FusedOptimizer:
         # per subset would be built (O(params)) and kept for every new subset
         # with gradients; its rows without one sit the step out. A cached plan
         # reads each gradient once, in C, also to find that none has one.
-        key = (id(group), tuple(map(id, params)))
+        key = (id(group), _C.optim_call_key(params))
         try:
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
@@ -792,7 +795,7 @@ class _FusedOptimizer:
 
     def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(key[1])
+        self._drop_plans_of_departed_params(params)
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -807,22 +810,23 @@ class _FusedOptimizer:
         self._plans.put(key, plans)
         return plans
 
-    def _drop_plans_of_departed_params(self, ids: tuple) -> None:
+    def _drop_plans_of_departed_params(self, params: list) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
         not be reused), so when params have left the param_groups (a group's
         params replaced, a group removed), the plans of those that left every
         group are dropped: they and their .grad are freed as torch frees them.
-        Checked when a plan is built (for params `ids`), which a change of
-        params brings about, never in the steady state; a change shows as a
-        group's params list replaced, resized, added or removed, or as a plan
-        built for a param not seen in any group, so the check costs
-        O(groups + len(ids)) and the full scan runs only on a change."""
+        Checked when a plan is built (for `params`), which a change of params
+        brings about, never in the steady state; a change shows as a group's
+        params list replaced, resized, added or removed, or as a plan built
+        for a param not seen in any group, so the check costs
+        O(groups + len(params)) and the full scan runs only on a change."""
         groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
-        if groups == self._groups_seen and self._members.issuperset(ids):
+        if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
         self._groups_seen = groups
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
-        self._plans.retain(lambda key: self._members.issuperset(key[1]))
+        self._plans.retain(lambda plans: self._members.issuperset(
+            id(p) for plan in plans for p in plan.params))
         self._plans.set_budget(len(self._members))
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
