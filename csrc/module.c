@@ -120,6 +120,8 @@ static PyMethodDef rp_methods[] = {
     {"optim_check", (PyCFunction)(void (*)(void))rp_optim_check_py, METH_FASTCALL, optim_check_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
+    {"optim_call_key", (PyCFunction)(void (*)(void))rp_py_optim_call_key, METH_FASTCALL,
+     "optim_call_key(params) -> bytes: the ids of params, reprop.optim's plan cache key."},
     {"fad_forward", (PyCFunction)(void (*)(void))rp_py_fad_forward, METH_FASTCALL, fad_forward_doc},
     {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_py_fad_backward_code8, METH_FASTCALL,
      fad_backward_code8_doc},

@@ -276,14 +276,30 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     return RP_ROW_HOLDS;
 }
 
-/* [0, 1, ..., n - 1]: the rows taking part before the first one that sits
- * a step out. */
-static PyObject *rp_py_range_list(Py_ssize_t n)
+/* The rows of the table the previous step's update ran on (optim.py's
+ * _Plan.step_table): `at` their indices, ascending (NULL: all n rows, the
+ * step table being the table itself), m of them, and `entries` the step
+ * table's rows, in that order. */
+typedef struct {
+    const int64_t *at;
+    Py_ssize_t m;
+    rp_optim_entry *entries;
+} rp_py_step_rows;
+
+/* The k-th row of the previous step's update. */
+static Py_ssize_t rp_py_step_row(const rp_py_step_rows *step, Py_ssize_t k)
 {
-    PyObject *list = PyList_New(n);
+    return step->at == NULL ? k : (Py_ssize_t)step->at[k];
+}
+
+/* [step row 0, ..., step row k - 1]: the rows taking part this step, as far
+ * as they are the previous step's, once this step's differ. */
+static PyObject *rp_py_step_row_list(const rp_py_step_rows *step, Py_ssize_t k)
+{
+    PyObject *list = PyList_New(k);
     Py_ssize_t i;
-    for (i = 0; list != NULL && i < n; i++) {
-        PyObject *v = PyLong_FromSsize_t(i);
+    for (i = 0; list != NULL && i < k; i++) {
+        PyObject *v = PyLong_FromSsize_t(rp_py_step_row(step, i));
         if (v == NULL)
             Py_CLEAR(list);
         else
@@ -292,48 +308,88 @@ static PyObject *rp_py_range_list(Py_ssize_t n)
     return list;
 }
 
-/* Notes row i in `rows`, the rows taking part (NULL while all have so far);
- * 0, or -1 with an exception set. */
-static int rp_py_note_row(PyObject *rows, Py_ssize_t i)
+/* Row i takes part as the k-th row of this step: while the rows taking part
+ * are the previous step's, its gradient pointer goes into the step table too
+ * (a copy of those rows when some sit out), which the update runs on again;
+ * from the first difference on, each row is listed in *rows for the caller
+ * to build another step table. 0, or -1 with an exception set. */
+static int rp_py_take_part(const rp_py_step_rows *step, Py_ssize_t i, Py_ssize_t k,
+                           int64_t grad, PyObject **rows)
 {
     PyObject *v;
     int rc;
-    if (rows == NULL)
-        return 0;
+    if (*rows == NULL) {
+        if (k < step->m && rp_py_step_row(step, k) == i) {
+            step->entries[k].grad = (const void *)(intptr_t)grad;
+            return 0;
+        }
+        if ((*rows = rp_py_step_row_list(step, k)) == NULL)
+            return -1;
+    }
     v = PyLong_FromSsize_t(i);
     if (v == NULL)
         return -1;
-    rc = PyList_Append(rows, v);
+    rc = PyList_Append(*rows, v);
     Py_DECREF(v);
     return rc;
 }
 
 /* Fills the table's gradient column from the rows of params[i] with one;
- * RP_ROW_HOLDS with (held, rows) in *out, rows NULL when every row takes
- * part, else RP_ROW_STALE or RP_ROW_ERROR. */
-static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table, PyObject *const *names,
-                           PyObject *held, PyObject **rows)
+ * RP_ROW_HOLDS with the gradients read appended to `held` and, in *rows,
+ * NULL when the rows taking part are the previous step's, else their list;
+ * or RP_ROW_STALE or RP_ROW_ERROR. */
+static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
+                           const rp_py_step_rows *step, PyObject *const *names, PyObject *held,
+                           PyObject **rows)
 {
-    Py_ssize_t n = PyList_GET_SIZE(args[0]), i;
+    Py_ssize_t n = PyList_GET_SIZE(args[0]), i, k = 0;
     for (i = 0; i < n; i++) {
+        int64_t *row = (int64_t *)PyArray_GETPTR1(table, i);
         PyObject *g = NULL;
         int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
                                 PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                                PyList_GET_ITEM(args[5], i), args[6], args[8], names,
-                                (int64_t *)PyArray_GETPTR1(table, i), &g);
-        if (ok == RP_ROW_NO_GRAD) {
-            if (*rows == NULL && (*rows = rp_py_range_list(i)) == NULL)
-                return RP_ROW_ERROR;
+                                PyList_GET_ITEM(args[5], i), args[6], args[8], names, row, &g);
+        if (ok == RP_ROW_NO_GRAD)
             continue;
-        }
         if (ok != RP_ROW_HOLDS)
             return ok;
         ok = PyList_Append(held, g);
         Py_DECREF(g);
-        if (ok < 0 || rp_py_note_row(*rows, i) < 0)
+        if (ok < 0 || rp_py_take_part(step, i, k++, row[1], rows) < 0)
             return RP_ROW_ERROR;
     }
+    if (*rows == NULL && k != step->m && (*rows = rp_py_step_row_list(step, k)) == NULL)
+        return RP_ROW_ERROR;
     return RP_ROW_HOLDS;
+}
+
+/* The step table and rows arguments (args[9], args[10]) of the fast path, for
+ * a table of n rows. 0, or -1 with an exception set. */
+static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_ssize_t n,
+                               rp_py_step_rows *step)
+{
+    PyArrayObject *step_table, *at;
+    if (rp_py_check_table(args[9], &step_table) < 0)
+        return -1;
+    step->entries = (rp_optim_entry *)PyArray_DATA(step_table);
+    step->m = (Py_ssize_t)PyArray_DIM(step_table, 0);
+    step->at = NULL;
+    if (args[10] == Py_None) {
+        if (step_table == table)
+            return 0;
+    } else if (PyArray_Check(args[10])) {
+        at = (PyArrayObject *)args[10];
+        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 &&
+            PyArray_IS_C_CONTIGUOUS(at) && PyArray_ISALIGNED(at) &&
+            PyArray_DIM(at, 0) == (npy_intp)step->m && step->m <= n) {
+            step->at = (const int64_t *)PyArray_DATA(at);
+            return 0;
+        }
+    }
+    PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: step_rows must be None with the "
+                                      "table as step_table, or the int64 row indices of "
+                                      "step_table's rows");
+    return -1;
 }
 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -344,14 +400,12 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     PyObject *names[RP_N_NAMES] = {NULL};
     PyObject *result = NULL, *held = NULL, *rows = NULL;
     PyArrayObject *table;
+    rp_py_step_rows step;
     Py_ssize_t n;
     int k, ok;
     (void)self;
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "optim_grad_pointers() takes 9 arguments (%zd given)",
-                     nargs);
+    if (rp_py_check_nargs(nargs, 11, "optim_grad_pointers") < 0)
         return NULL;
-    }
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
         !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
         (args[8] != Py_None && !PyDict_Check(args[8]))) {
@@ -368,6 +422,8 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: lists and table differ in length");
         return NULL;
     }
+    if (rp_py_step_rows_arg(args, table, n, &step) < 0)
+        return NULL;
     for (k = 0; k < RP_N_NAMES; k++) {
         names[k] = PyUnicode_InternFromString(attr_names[k]);
         if (names[k] == NULL)
@@ -379,7 +435,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     held = PyList_New(0);
     if (held == NULL)
         goto done;
-    ok = rp_py_grad_rows(args, table, names, held, &rows);
+    ok = rp_py_grad_rows(args, table, &step, names, held, &rows);
     if (ok == RP_ROW_HOLDS) {
         result = PyTuple_Pack(2, held, rows != NULL ? rows : Py_None);
     } else if (ok == RP_ROW_STALE) {
@@ -392,6 +448,29 @@ done:
     for (k = 0; k < RP_N_NAMES; k++)
         Py_XDECREF(names[k]);
     return result;
+}
+
+PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *seq, *key = NULL;
+    Py_ssize_t n, i;
+    uintptr_t *ids;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "optim_call_key") < 0)
+        return NULL;
+    seq = PySequence_Fast(args[0], "optim_call_key: params must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(seq);
+    /* no overflow: the sequence holds n pointers of this size already */
+    key = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof *ids);
+    if (key != NULL) {
+        ids = (uintptr_t *)PyBytes_AS_STRING(key);
+        for (i = 0; i < n; i++)
+            ids[i] = (uintptr_t)PySequence_Fast_GET_ITEM(seq, i); /* id(params[i]) */
+    }
+    Py_DECREF(seq);
+    return key;
 }
 
 int rp_py_int_arg(PyObject *obj, const char *name, int *out)

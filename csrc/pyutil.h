@@ -33,7 +33,8 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
                            rp_py_optim_call *call);
 
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
- *                     grad_contiguous, strided, table, given) -> (held, rows) or None
+ *                     grad_contiguous, strided, table, given, step_table,
+ *                     step_rows) -> (held, rows) or None
  * The per-step fast path of reprop.optim's cached pointer tables. A param's
  * gradient is its .grad, or given[id(param)] where `given` (else None) is a
  * dict of them. A row whose param has no gradient sits the step out; of
@@ -45,11 +46,21 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * the address in that column; watched[i] None: a dormant row, built without
  * state) and a contiguous strided gradient of the param's dtype, shape and
  * device without torch's negative bit, and writes the gradient pointer into
- * column 1 of `table`. Returns the gradients read and the indices of the
- * rows that take part (None: all of them), or None as soon as anything
- * differs, leaving the Python path to rebuild, convert or raise. Defined in
- * pyutil.c. */
+ * column 1 of `table`. `step_table` is the table the previous step's update
+ * ran on: `table` itself with step_rows None (all rows took part), else a
+ * copy of the rows whose int64 indices step_rows holds, ascending. While the
+ * same rows take part, their pointers go into step_table too. Returns the
+ * gradients read and None when the rows taking part are the previous step's,
+ * else the list of their indices (for the caller to build another step
+ * table); or None as soon as anything differs, leaving the Python path to
+ * rebuild, convert or raise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
+/* optim_call_key(params) -> bytes: the id() of each object of the sequence
+ * `params`, as native uintptr_t words: reprop.optim's plan cache key for a
+ * call's params, which hashes and compares at memory speed where a tuple of
+ * ids costs an int object per param each step. Defined in pyutil.c. */
+PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* fad_codebook(kind, p0, p1) -> bytes: the rp_fad_codebook struct of an
  * activation, for the 8-bit backward and for inspection (its first 256

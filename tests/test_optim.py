@@ -1044,6 +1044,51 @@ def test_a_different_subset_with_gradients_each_step_reuses_one_plan(name: str,
     assert spy.builds <= 2
 
 
+# Which of 4 params have a gradient at each step, for the step table of the
+# rows taking part: kept while they stay the same (steps 1, 7, 9), the C fast
+# path writing the new gradients' pointers into it; rebuilt when they change
+# to as many other rows (4, 11), to a prefix of them (5), to more (3, 6, 12),
+# to fewer (10, from all). Steps 2 and 8 build a plan (a first gradient), in
+# which param 2 (then 3) starts a new SGD buffer while others sit out: the
+# core clears its fresh flag in the step table's copy of its row only.
+FROZEN_MASKS = [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [1, 0, 1, 0], [0, 1, 1, 0],
+                [0, 1, 0, 0], [0, 1, 1, 0], [0, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1],
+                [1, 1, 1, 0], [1, 1, 0, 1], [1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rows_taking_part_keep_their_step_table_while_unchanged(name: str,
+                                                                 monkeypatch) -> None:
+    """The step table of the rows with a gradient is reused while the same
+    rows have one and rebuilt when they change (FROZEN_MASKS): results are
+    torch's, a param without a gradient and its state are untouched bitwise,
+    and a table is built only at a change."""
+    shapes = [(3,), (2, 2), (5,), (4,)]
+    init, full = make_params(shapes, seed=23), grad_sequence(shapes, len(FROZEN_MASKS))
+    runs, built_at, step = [], set(), 0
+    take_part = rp._Plan._take_part
+
+    def noting_take_part(plan, rows):
+        built_at.add(step)
+        take_part(plan, rows)
+
+    monkeypatch.setattr(rp._Plan, "_take_part", noting_take_part)
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for step, (mask, grads) in enumerate(zip(FROZEN_MASKS, full)):
+            frozen = [p for p, m in zip(params, mask) if not m]
+            values, state = [p.detach().clone() for p in frozen], _state_snapshot(opt, frozen)
+            for p, g, m in zip(params, grads, mask):
+                p.grad = g.clone() if m else None
+            opt.step()
+            assert all(torch.equal(p, v) for p, v in zip(frozen, values)), f"step {step}"
+            assert _state_snapshot(opt, frozen) == state, f"step {step}"
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    assert sorted(built_at) == [0, 2, 3, 4, 5, 6, 8, 10, 11, 12]
+
+
 def test_plans_of_thousands_of_modules_are_not_rebuilt(monkeypatch) -> None:
     """Backward fusion updates each module's params in a call of their own,
     one plan per (module, group). The cache was cleared when it held 4096
@@ -1062,6 +1107,19 @@ def test_plans_of_thousands_of_modules_are_not_rebuilt(monkeypatch) -> None:
             opt.step_params([p])
     assert spy.builds == modules
     assert all(torch.equal(p.detach(), torch.full((1,), -1.0)) for p in params)
+
+
+def test_plan_cache_key_is_the_ids_of_the_call_params() -> None:
+    """The plan cache's key of a call's params (_C.optim_call_key) is their
+    ids in order, packed as bytes (a tuple of ids cost an int object per
+    param each step); anything but a sequence is refused, naming params."""
+    params = [nn.Parameter(torch.zeros(1)) for _ in range(3)]
+    key = _C.optim_call_key(params)
+    assert key == np.array([id(p) for p in params], dtype=np.uintp).tobytes()
+    assert _C.optim_call_key(tuple(params)) == key != _C.optim_call_key(params[::-1])
+    assert _C.optim_call_key([]) == b""
+    with pytest.raises(TypeError, match="params must be a sequence"):
+        _C.optim_call_key(params[0].grad)
 
 
 def test_plans_of_ever_new_param_lists_stay_bounded(monkeypatch) -> None:

@@ -159,17 +159,33 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
+        self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
 
     def _take_part(self, rows: list | None) -> None:
         """Sets the rows of this step's update (None: all): `step_table`, the
         table the core is called with (a copy of those rows when some sit the
-        step out), and `step_params`, their params."""
+        step out), `step_rows` their indices for the C fast path (None: all),
+        `step_params` their params and `step_staged` their staged entries.
+        Kept while the same rows take part: the fast path writes the gradient
+        pointers into the copy, so that the steady state of a model with
+        frozen params copies no rows and builds no lists of them."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
+        if self.rows is not None:
+            # the flags the core cleared in the copy (a new SGD buffer is filled
+            # once) go back to the table that the next copy is taken from
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
         self.rows = rows
-        self.step_table = self.table if rows is None else self.table[rows]
-        self.step_params = self.params if rows is None else [self.params[r] for r in rows]
+        if rows is None:
+            self.step_rows, self.step_table = None, self.table
+            self.step_params, self.step_staged = self.params, self.staged
+            return
+        self.step_rows = np.array(rows, dtype=np.int64)
+        self.step_table = self.table[self.step_rows]
+        self.step_params = [self.params[r] for r in rows]
+        taking_part = set(rows)
+        self.step_staged = [s for s in self.staged if s[0] in taking_part]
 
     @property
     def idle(self) -> bool:
@@ -196,13 +212,17 @@ class _Plan:
         and another thread may drop a .grad meanwhile. None when the plan is
         stale (a dormant row has a gradient). The common case (same storages
         and state, contiguous strided gradients, given or not) is checked in
-        C; anything else comes here."""
+        C, which also writes the pointers into the step table and says
+        whether other rows than last step's take part; anything else comes
+        here."""
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
-            self.grad_contiguous, torch.strided, self.table, given)
+            self.grad_contiguous, torch.strided, self.table, given, self.step_table,
+            self.step_rows)
         if read is not None:
             held, rows = read
-            self._take_part(rows)
+            if rows is not None:  # other rows than last step's
+                self._take_part(rows)
             return held
         rows, ptrs, keep = [], [], []
         for row, (p, st, key, contig, watched) in enumerate(zip(
@@ -236,10 +256,7 @@ class _Plan:
         saves optimizer state, and bumping it too would cost microseconds a
         step). A param that sits the step out is neither written nor bumped,
         as torch leaves it."""
-        staged = self.staged
-        if self.rows is not None:
-            taking_part = set(self.rows)
-            staged = [s for s in staged if s[0] in taking_part]
+        staged = self.step_staged
         for _, p, work in staged:
             work.copy_(p)
         written = self.step_params
@@ -250,8 +267,6 @@ class _Plan:
             _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
         else:
             self._run_cuda(opt, group, hp)
-        if self.rows is not None:  # the core clears a new SGD buffer's flag once it is filled
-            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
         for _, p, work in staged:
             p.copy_(work)
         _tensors.bump_versions(written)
@@ -447,13 +462,16 @@ def _usable_state(t, work: torch.Tensor) -> bool:
 
 class _PlanCache:
     """The plans of update calls, by key (id(group), ids of the call's
-    params), bounded by the table rows they hold rather than by their
-    number, and evicting the least recently used. A stable working set is
-    never evicted however large the model (one plan per module of a fused
-    model of thousands: a cache cleared when full rebuilt every plan every
-    step), as long as it fits the budget, which grows with the optimizer's
-    parameter count (set_budget); calls with ever new lists of params
-    (step_params on changing subsets) cannot grow memory beyond it."""
+    params packed as bytes by _C.optim_call_key, which hash and compare in
+    bulk: a tuple of ids cost 30 ns a param each step, most of what a frozen
+    param left in the optimizer cost), bounded by the table rows they hold
+    rather than by their number, and evicting the least recently used. A
+    stable working set is never evicted however large the model (one plan
+    per module of a fused model of thousands: a cache cleared when full
+    rebuilt every plan every step), as long as it fits the budget, which
+    grows with the optimizer's parameter count (set_budget); calls with ever
+    new lists of params (step_params on changing subsets) cannot grow memory
+    beyond it."""
 
     def __init__(self):
         self._entries: dict = {}  # key -> [plans, rows, last use]
@@ -500,9 +518,9 @@ class _PlanCache:
         """Bounds the rows held for an optimizer of `params` parameters."""
         self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
 
-    def retain(self, keep: Callable[[tuple], bool]) -> None:
-        """Drops the entries whose key fails `keep`."""
-        for key in [k for k in self._entries if not keep(k)]:
+    def retain(self, keep: Callable[[list], bool]) -> None:
+        """Drops the entries whose plans fail `keep`."""
+        for key in [k for k, entry in self._entries.items() if not keep(entry[0])]:
             self._rows -= self._entries.pop(key)[1]
 
     def clear(self) -> None:
@@ -709,7 +727,7 @@ class _FusedOptimizer:
         # per subset would be built (O(params)) and kept for every new subset
         # with gradients; its rows without one sit the step out. A cached plan
         # reads each gradient once, in C, also to find that none has one.
-        key = (id(group), tuple(map(id, params)))
+        key = (id(group), _C.optim_call_key(params))
         try:
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
@@ -777,7 +795,7 @@ class _FusedOptimizer:
 
     def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(key[1])
+        self._drop_plans_of_departed_params(params)
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -792,22 +810,23 @@ class _FusedOptimizer:
         self._plans.put(key, plans)
         return plans
 
-    def _drop_plans_of_departed_params(self, ids: tuple) -> None:
+    def _drop_plans_of_departed_params(self, params: list) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
         not be reused), so when params have left the param_groups (a group's
         params replaced, a group removed), the plans of those that left every
         group are dropped: they and their .grad are freed as torch frees them.
-        Checked when a plan is built (for params `ids`), which a change of
-        params brings about, never in the steady state; a change shows as a
-        group's params list replaced, resized, added or removed, or as a plan
-        built for a param not seen in any group, so the check costs
-        O(groups + len(ids)) and the full scan runs only on a change."""
+        Checked when a plan is built (for `params`), which a change of params
+        brings about, never in the steady state; a change shows as a group's
+        params list replaced, resized, added or removed, or as a plan built
+        for a param not seen in any group, so the check costs
+        O(groups + len(params)) and the full scan runs only on a change."""
         groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
-        if groups == self._groups_seen and self._members.issuperset(ids):
+        if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
         self._groups_seen = groups
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
-        self._plans.retain(lambda key: self._members.issuperset(key[1]))
+        self._plans.retain(lambda plans: self._members.issuperset(
+            id(p) for plan in plans for p in plan.params))
         self._plans.set_budget(len(self._members))
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
