@@ -145,17 +145,18 @@ class _LinearKind(_Kind):
 
     def input_grad(self, saved, g):
         x, wt = saved
-        w = wt.t()
-        g2 = _fold(g, w.shape[0])
+        g2 = _fold(g, wt.shape[1])
         if _column_major_fold(x):  # autograd's mm backward transposes the product here
-            return wt.mm(g2.t()).t().reshape(x.shape)
-        return g2.mm(w).view(x.shape)
+            dx = wt.mm(g2.t()).t()
+        else:
+            dx = g2.mm(wt.t())
+        # a 2-D input was not folded: dx has its shape (a view costs a dispatch)
+        return dx if x.dim() == 2 else dx.reshape(x.shape)
 
     def weight_grads(self, saved, g, mask):
         x, wt = saved
-        w = wt.t()
-        g2 = _fold(g, w.shape[0])
-        return (g2.t().mm(_fold(x, w.shape[1])) if mask[0] else None,
+        g2 = _fold(g, wt.shape[1])
+        return (g2.t().mm(_fold(x, wt.shape[0])) if mask[0] else None,
                 g2.sum(0) if mask[1] else None)
 
 
