@@ -1333,6 +1333,21 @@ def test_linear_gradients_keep_autograd_bits_and_layout_at_every_rank(shape):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("frozen", [(), ("weight",), ("bias",), ("weight", "bias")])
+@pytest.mark.parametrize("empty", [None, "input", "weight"])
+def test_a_call_is_split_when_some_parameter_is_trainable_and_nothing_is_empty(frozen, empty):
+    """Whether a call is split is read off its parameters at the call: any
+    one trainable is enough (its dW is deferred), none leaves the call to
+    plain autograd, and so does an input or weight without elements."""
+    layer = nn.Linear(4, 0 if empty == "weight" else 3)
+    ooo.enable(layer, order="conventional")
+    for name in frozen:
+        getattr(layer, name).requires_grad_(False)
+    x = torch.randn(0 if empty == "input" else 2, 4, requires_grad=True)
+    split = type(layer(x).grad_fn).__name__ == "_SplitBackward"
+    assert split == (len(frozen) < 2 and empty is None)
+
+
 def test_a_pickled_enabled_model_can_be_enabled_again():
     """torch.save of an enabled model and torch.load: pickle keeps the split
     forward by name, so the loaded layers hold the class's own forward in
