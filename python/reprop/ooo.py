@@ -805,8 +805,10 @@ class OOOHandle(_PassTracking):
                                "the parameters their hooks back and dropped what held tasks were "
                                "waiting for; run held tasks before remove()")
         # (outside backward the caller may be in grad mode: a dW made from a
-        # saved input that requires grad must not record a graph into .grad)
-        with torch.no_grad():
+        # saved input that requires grad must not record a graph into .grad;
+        # in backward, where the tasks run that no hold() keeps, grad mode is
+        # off already, and no_grad's Python context costs more than the rest of run())
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             for t in tasks:
                 t.run()
                 self._unrun_held.discard(t)
