@@ -1336,6 +1336,44 @@ def test_linear_on_a_column_major_input_gives_autograd_bits(make_x):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("shape", [(6,), (4, 6), (2, 3, 6), (2, 1, 3, 6)],
+                         ids=["1d", "2d", "3d", "4d"])
+def test_linear_gradients_keep_autograd_bits_and_layout_at_every_rank(shape):
+    """dX of a split Linear comes back in x's shape and autograd's layout
+    (a 2-D input is not folded, the others are folded back), and dW folds
+    x's leading dims as at::linear does; the weight is not square, so a fold
+    by the wrong side of it cannot pass. Bit for bit."""
+    torch.manual_seed(0)
+    ref = nn.Linear(6, 5)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    x0, g = torch.randn(shape), torch.randn(*shape[:-1], 5)
+    grads = []
+    for net in (ref, model):
+        x = x0.clone().requires_grad_()
+        net(x).backward(g)
+        grads.append(x.grad)
+    assert grads[1].shape == grads[0].shape and grads[1].stride() == grads[0].stride()
+    torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("frozen", [(), ("weight",), ("bias",), ("weight", "bias")])
+@pytest.mark.parametrize("empty", [None, "input", "weight"])
+def test_a_call_is_split_when_some_parameter_is_trainable_and_nothing_is_empty(frozen, empty):
+    """Whether a call is split is read off its parameters at the call: any
+    one trainable is enough (its dW is deferred), none leaves the call to
+    plain autograd, and so does an input or weight without elements."""
+    layer = nn.Linear(4, 0 if empty == "weight" else 3)
+    ooo.enable(layer, order="conventional")
+    for name in frozen:
+        getattr(layer, name).requires_grad_(False)
+    x = torch.randn(0 if empty == "input" else 2, 4, requires_grad=True)
+    split = type(layer(x).grad_fn).__name__ == "_SplitBackward"
+    assert split == (len(frozen) < 2 and empty is None)
+
+
 def test_a_pickled_enabled_model_can_be_enabled_again():
     """torch.save of an enabled model and torch.load: pickle keeps the split
     forward by name, so the loaded layers hold the class's own forward in

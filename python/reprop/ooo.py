@@ -144,17 +144,18 @@ class _LinearKind(_Kind):
 
     def input_grad(self, saved, g):
         x, wt = saved
-        w = wt.t()
-        g2 = _fold(g, w.shape[0])
+        g2 = _fold(g, wt.shape[1])
         if _column_major_fold(x):  # autograd's mm backward transposes the product here
-            return wt.mm(g2.t()).t().reshape(x.shape)
-        return g2.mm(w).view(x.shape)
+            dx = wt.mm(g2.t()).t()
+        else:
+            dx = g2.mm(wt.t())
+        # a 2-D input was not folded: dx has its shape (a view costs a dispatch)
+        return dx if x.dim() == 2 else dx.reshape(x.shape)
 
     def weight_grads(self, saved, g, mask):
         x, wt = saved
-        w = wt.t()
-        g2 = _fold(g, w.shape[0])
-        return (g2.t().mm(_fold(x, w.shape[1])) if mask[0] else None,
+        g2 = _fold(g, wt.shape[1])
+        return (g2.t().mm(_fold(x, wt.shape[0])) if mask[0] else None,
                 g2.sum(0) if mask[1] else None)
 
 
@@ -410,11 +411,12 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: "_Site", x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         m, kind = site.module, site.kind
-        device = x.device
-        if torch.is_autocast_enabled(device.type):
-            cast = _autocast_policy(kind.op(m), device, torch.get_autocast_dtype(device.type))
-        else:
-            cast = None
+        cast = None
+        # (the check for any device first: the one for x's costs a device object and a lookup)
+        if torch._C._is_any_autocast_enabled():
+            device = x.device
+            if torch.is_autocast_enabled(device.type):
+                cast = _autocast_policy(kind.op(m), device, torch.get_autocast_dtype(device.type))
         if cast is None:
             y, saved = kind.forward(m, x, w, b)
         else:
@@ -805,8 +807,10 @@ class OOOHandle(_PassTracking):
                                "the parameters their hooks back and dropped what held tasks were "
                                "waiting for; run held tasks before remove()")
         # (outside backward the caller may be in grad mode: a dW made from a
-        # saved input that requires grad must not record a graph into .grad)
-        with torch.no_grad():
+        # saved input that requires grad must not record a graph into .grad;
+        # in backward, where the tasks run that no hold() keeps, grad mode is
+        # off already, and no_grad's Python context costs more than the rest of run())
+        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
             for t in tasks:
                 t.run()
                 self._unrun_held.discard(t)
@@ -1318,13 +1322,27 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
-def _empty(x: torch.Tensor, params: tuple) -> bool:
-    """An input or parameter without elements: torch's functional ops guard
-    that case before their native kernels (at::batch_norm returns an empty
-    output; native_batch_norm refuses it, and its eval-mode backward divides
-    by zero), and the split calls the kernels directly; the module's own
-    forward gives torch's empty output and zero gradients."""
-    return x.numel() == 0 or any(p is not None and p.numel() == 0 for p in params)
+def _split_params(kind: _Kind, m: nn.Module, x: torch.Tensor) -> tuple | None:
+    """The (weight, bias) a call of `m` on `x` splits with, as they are now
+    (one may have been replaced, frozen or unfrozen since enable()); None
+    where the call runs plain autograd: a weight computed before each forward
+    (kind.params), none trainable (no dW), one that torch_only_weight sends
+    to torch's own ops, or an input or parameter without elements. torch's
+    functional ops guard that last case before their native kernels
+    (at::batch_norm returns an empty output; native_batch_norm refuses it,
+    and its eval-mode backward divides by zero), and the split calls the
+    kernels directly; the module's own forward gives torch's empty output
+    and zero gradients. One pass over the parameters: this runs at every call."""
+    params = kind.params(m)
+    if params is None or x.numel() == 0:
+        return None
+    trainable = False
+    for p in params:
+        if p is not None:
+            if torch_only_weight(p) or p.numel() == 0:
+                return None
+            trainable = trainable or p.requires_grad
+    return params if trainable else None
 
 
 def _input_alone(args: tuple, kwargs: dict, name: str):
@@ -1358,11 +1376,8 @@ def _make_forward(site: _Site):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, *args, **kwargs)
-        # the parameters as they are now: one may have been replaced, frozen
-        # or unfrozen since enable(); a layer with none trainable has no dW
-        params = kind.params(module)
-        if params is None or not any(p is not None and p.requires_grad for p in params) \
-                or any(map(torch_only_weight, params)) or _empty(x, params):
+        params = _split_params(kind, module, x)
+        if params is None:
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         if kind.unbatched(module, x):
