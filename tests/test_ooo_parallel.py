@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse
 from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
-                        allreduce_time, data_parallel, reverse_first_k, search_k, simulate)
+                        allreduce_time, data_parallel, enable, reverse_first_k, search_k, simulate)
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -729,6 +729,28 @@ def test_a_deepcopy_of_a_data_parallel_model_is_a_model_of_its_own(solo_group, m
         torch.testing.assert_close(c.grad, b.grad, rtol=0, atol=0, msg=name)
     monkeypatch.undo()
     dp.remove()
+
+
+def test_split_layers_refuse_to_run_under_ddp(solo_group):
+    """DDP's reducer copies each .grad into its bucket when autograd
+    accumulates it; a deferred weight gradient was added after that, so the
+    all-reduced gradients lost it (zeros from the first co-run pass on).
+    Refused whichever is made first; after remove() DDP trains as usual."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    with pytest.raises(ValueError, match="^model: is or holds a torch.nn.parallel.Distributed"):
+        enable(DistributedDataParallel(model))
+    handle = enable(model)
+    ddp = DistributedDataParallel(model)
+    with pytest.raises(ValueError, match="inside torch.nn.parallel.DistributedDataParallel.*data_parallel"):
+        ddp(torch.randn(3, 4))
+    handle.remove()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    ddp(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
 
 
 def test_data_parallel_refuses_backward_fusion(solo_group):

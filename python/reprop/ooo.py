@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle
@@ -1345,6 +1346,20 @@ def _split_params(kind: _Kind, m: nn.Module, x: torch.Tensor) -> tuple | None:
     return params if trainable else None
 
 
+_UNDER_DDP = (
+    "torch.nn.parallel.DistributedDataParallel, whose reducer copies each parameter's .grad "
+    "into its all-reduce bucket when autograd accumulates it, before the deferred weight "
+    "gradients are added (they would be lost); for data parallelism with out-of-order "
+    "backprop use reprop.ooo.data_parallel(model) instead of DDP")
+
+
+def _check_not_under_ddp() -> None:
+    """A split layer called inside DDP's forward (DDP sets the active module
+    for its forward: torch's reducer, not the compiled one)."""
+    if DistributedDataParallel._active_ddp_module is not None:
+        raise ValueError(f"reprop.ooo.enable: the model runs inside {_UNDER_DDP}")
+
+
 def _input_alone(args: tuple, kwargs: dict, name: str):
     """The input of a call that passes only it, by position or by its
     keyword `name` in the module's own forward; None for any other call."""
@@ -1380,6 +1395,7 @@ def _make_forward(site: _Site):
         if params is None:
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
+        _check_not_under_ddp()
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
         if handle._backward_raised():
@@ -1461,6 +1477,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise ValueError(f"model: is or holds a {_UNDER_DDP}")
     handle = OOOHandle(model, order, regions, max_extra_memory, int(profile_iters),
                        speedup)
     if not handle.sites:
