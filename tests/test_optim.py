@@ -1771,6 +1771,48 @@ def test_capturable_with_cpu_params_raises(name: str) -> None:
         opt.step()
 
 
+@pytest.mark.parametrize("switched", ["before_the_first_step", "after_two_steps"])
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)], ids=["float_lr", "tensor_lr"])
+@pytest.mark.parametrize("name", CAPTURABLE_NAMES)
+def test_capturable_switched_on_for_cpu_params_is_refused_at_step(name: str, lr,
+                                                                    switched: str) -> None:
+    """capturable=True set by editing param_groups, on a group of CPU params:
+    torch's update asserts at each step that capturable params are on a
+    supported device. reprop checked that only at construction, so its
+    params stepped on as before, or, with a tensor lr (which the capturable
+    kernels read on the device), silently stopped moving with lr zeroed.
+    Refused with a ValueError naming the group and capturable, leaving
+    params and state as they were; switched off again, it steps on as torch."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=33), grad_sequence(shapes, 4)
+    params = [nn.Parameter(t.clone()) for t in init]
+    options = {**BASE[name], "lr": lr.clone() if isinstance(lr, torch.Tensor) else lr}
+    opt = reprop_cls(name)(params, **options)
+    done = 0 if switched == "before_the_first_step" else 2
+    for step_grads in grads[:done]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    opt.param_groups[0]["capturable"] = True
+    for p, g in zip(params, grads[done]):
+        p.grad = g.clone()
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"^\w+: param_groups\[0\]: capturable=True needs CUDA "
+                                         r"parameters, got a parameter on cpu"):
+        opt.step()
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    opt.param_groups[0]["capturable"] = False
+    for step_grads in grads[done:]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
 INVALID = [
     ("SGD", {"lr": -0.1}),
     ("SGD", {"momentum": -0.5}),
