@@ -316,6 +316,7 @@ def _stand_in(p: torch.Tensor) -> torch.Tensor:
 def _check_param(p: torch.Tensor, capturable: bool) -> None:
     """Refuses a parameter the fused update cannot take, in a group with this
     `capturable` setting; the caller names the optimizer and group."""
+    _check_plain(p, "params", f"a parameter of shape {tuple(p.shape)}")
     if p.is_complex():
         raise TypeError(f"complex parameters are not supported "
                         f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
@@ -330,13 +331,39 @@ def _check_param(p: torch.Tensor, capturable: bool) -> None:
         raise ValueError(f"parameters must be on cpu or cuda, got {p.device}")
 
 
+def _check_plain(t: torch.Tensor, name: str, what: str) -> None:
+    """Refuses a tensor subclass with __torch_dispatch__ (DTensor, FSDP2's
+    sharded parameters, TwoTensor): its ops run in Python on the tensors it
+    wraps, mostly with no memory of its own (a null data pointer) for the
+    kernels to read or update, and writing whatever memory it has would
+    bypass it. torch routes a tensor's ops to Python by this same test of its
+    type; subclasses with __torch_function__ only (nn.Parameter's) keep plain
+    tensors' memory and pass."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(f"{name}: {what} is a {type(t).__name__}, a tensor subclass with "
+                        f"__torch_dispatch__; reprop's fused kernels need plain strided tensors "
+                        f"(for DTensor and FSDP2 use torch.optim)")
+
+
 def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     """Refuses a gradient the kernels cannot read as p's."""
+    _check_plain(g, "grads", f"the gradient of a parameter of shape {tuple(p.shape)}")
     if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
         raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
                          f"{g.device} does not match its parameter ({tuple(p.shape)}, "
                          f"{p.dtype} on {p.device})")
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+
+
+def _check_grads_read(plans: list, keep: list) -> None:
+    """Refuses, with _check_grad's reason, a gradient that the C fast path let
+    into a table: it checks a gradient's layout, dtype and shape, not its
+    type, so it reads a __torch_dispatch__ subclass's (DTensor's) as a null
+    data pointer, which the core refuses without saying why. Called once the
+    core has refused a step: it costs the fast path nothing."""
+    for plan, grads in zip(plans, keep):
+        for p, g in zip(plan.step_params, grads):
+            _check_grad(p, g)
 
 
 def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
@@ -755,12 +782,16 @@ class _FusedOptimizer:
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
-            plans = [plan for plan in plans if not plan.idle]
-            if len(plans) > 1:  # each call checks its own: let none run if one refuses
-                for plan in plans:
-                    plan.check(self, hparams)
-            for plan in plans:
-                plan.run(self, hp, hparams)
+            running = [plan for plan in plans if not plan.idle]
+            try:
+                if len(running) > 1:  # each call checks its own: let none run if one refuses
+                    for plan in running:
+                        plan.check(self, hparams)
+                for plan in running:
+                    plan.run(self, hp, hparams)
+            except ValueError:
+                _check_grads_read(plans, keep)  # say why, where a gradient was the cause
+                raise
         except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
             refusal = TypeError if isinstance(e, TypeError) else ValueError
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
