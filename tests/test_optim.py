@@ -1518,6 +1518,142 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+def two_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A TwoTensor of copies of t: torch's test wrapper subclass, which, like
+    DTensor and FSDP2's sharded parameters, has __torch_dispatch__ and no
+    memory of its own."""
+    two = pytest.importorskip("torch.testing._internal.two_tensor")
+    return two.TwoTensor(t.clone(), t.clone())
+
+
+DISPATCH_SUBCLASS = r"is a TwoTensor, a tensor subclass with __torch_dispatch__"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dispatch_subclass_param_is_refused_before_any_state(name: str) -> None:
+    """A parameter that is a tensor subclass with __torch_dispatch__ has no
+    memory for the kernels to update: step() created its state (of the
+    subclass) and then failed in the core with "null param or grad pointer".
+    Refused with a TypeError by the constructor, by add_param_group (which
+    then adds nothing) and, put into a group by hand, by step(), before any
+    state is created."""
+    wrapped = nn.Parameter(two_tensor(torch.randn(4, 3)))
+    with pytest.raises(TypeError, match=rf"^{name}: params: a parameter of shape \(4, 3\) "
+                                        rf"{DISPATCH_SUBCLASS}.*torch.optim"):
+        reprop_cls(name)([wrapped], **RICH[name])
+    p = nn.Parameter(torch.randn(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    with pytest.raises(TypeError, match=DISPATCH_SUBCLASS):
+        opt.add_param_group({"params": [wrapped]})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["params"].append(wrapped)
+    p.grad, wrapped.grad = torch.ones(3), two_tensor(torch.ones(4, 3))
+    before = copy.deepcopy(opt.state_dict()["state"])  # Adagrad's is made by __init__
+    with pytest.raises(TypeError, match=rf"param_groups\[0\]: params: .*{DISPATCH_SUBCLASS}"):
+        opt.step()
+    assert wrapped not in opt.state
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["first_step", "cached_plan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: bool) -> None:
+    """A gradient that is a tensor subclass with __torch_dispatch__ (of a
+    plain parameter) was read as a null pointer, which the core refused with
+    a ValueError that does not say why, and at a first step only after the
+    step had created the state (SGD's momentum buffer uninitialised memory,
+    Adam's moments of the subclass). Refused with a TypeError naming the
+    gradient, by step() and step_params(grads=...), leaving parameters and
+    state as they were: at a first step, and through a cached plan, whose
+    fast path in C reads the gradient's pointer without looking at its type.
+    Later steps with plain gradients match torch's."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 3)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    steps = grads
+    if cached:
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        opt.step()
+        steps = grads[1:]
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    refused = rf"^{name}: param_groups\[0\]: grads: the gradient of a parameter of shape " \
+              rf"\(5,\) {DISPATCH_SUBCLASS}"
+    params[0].grad, params[1].grad = steps[0][0].clone(), two_tensor(steps[0][1])
+    with pytest.raises(TypeError, match=refused):
+        opt.step()
+    with pytest.raises(TypeError, match=refused):
+        opt.step_params(params, grads=[steps[0][0], two_tensor(steps[0][1])])
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    for step_grads in steps:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
+def test_dtensor_param_and_grad_are_refused() -> None:
+    """DTensor, on a one-rank gloo mesh, is refused as a parameter and as the
+    gradient of a plain parameter, before any state is created."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo, not yet initialized")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+        with pytest.raises(TypeError, match="params: .* is a DTensor, a tensor subclass with "
+                                            "__torch_dispatch__"):
+            rp.Adam([sharded], lr=0.1)
+        p = nn.Parameter(torch.randn(4, 3))
+        opt = rp.Adam([p], lr=0.1)
+        p.grad = distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)])
+        with pytest.raises(TypeError, match="grads: .* is a DTensor, a tensor subclass with "
+                                            "__torch_dispatch__"):
+            opt.step()
+        assert p not in opt.state
+    finally:
+        dist.destroy_process_group()
+
+
+class _FunctionTensor(torch.Tensor):
+    """A subclass with __torch_function__ only: plain memory, as nn.Parameter's."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _MyParameter(nn.Parameter):
+    pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameter_and_torch_function_subclasses_step_as_torch(name: str) -> None:
+    """The refusal of __torch_dispatch__ subclasses leaves those of
+    nn.Parameter and __torch_function__-only subclasses (params and grads),
+    whose memory is a plain tensor's, stepping as torch's."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=32), grad_sequence(shapes, 3)
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [_MyParameter(init[0].clone()), nn.Parameter(init[1].clone().as_subclass(_FunctionTensor))]
+        opt = cls(params, **RICH[name])
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone().as_subclass(_FunctionTensor)
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 # State that torch's update cannot read as its (7, 3) parameter's, as loaded
 # from another model or set by hand: (optimizer, key, the state).
 BAD_STATE = {
@@ -1769,6 +1905,48 @@ def test_capturable_with_cpu_params_raises(name: str) -> None:
         opt = reprop_cls(name)([p], capturable=True)
         p.grad = torch.randn(3)
         opt.step()
+
+
+@pytest.mark.parametrize("switched", ["before_the_first_step", "after_two_steps"])
+@pytest.mark.parametrize("lr", [0.01, torch.tensor(0.01)], ids=["float_lr", "tensor_lr"])
+@pytest.mark.parametrize("name", CAPTURABLE_NAMES)
+def test_capturable_switched_on_for_cpu_params_is_refused_at_step(name: str, lr,
+                                                                    switched: str) -> None:
+    """capturable=True set by editing param_groups, on a group of CPU params:
+    torch's update asserts at each step that capturable params are on a
+    supported device. reprop checked that only at construction, so its
+    params stepped on as before, or, with a tensor lr (which the capturable
+    kernels read on the device), silently stopped moving with lr zeroed.
+    Refused with a ValueError naming the group and capturable, leaving
+    params and state as they were; switched off again, it steps on as torch."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=33), grad_sequence(shapes, 4)
+    params = [nn.Parameter(t.clone()) for t in init]
+    options = {**BASE[name], "lr": lr.clone() if isinstance(lr, torch.Tensor) else lr}
+    opt = reprop_cls(name)(params, **options)
+    done = 0 if switched == "before_the_first_step" else 2
+    for step_grads in grads[:done]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    opt.param_groups[0]["capturable"] = True
+    for p, g in zip(params, grads[done]):
+        p.grad = g.clone()
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"^\w+: param_groups\[0\]: capturable=True needs CUDA "
+                                         r"parameters, got a parameter on cpu"):
+        opt.step()
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    opt.param_groups[0]["capturable"] = False
+    for step_grads in grads[done:]:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
 INVALID = [

@@ -313,13 +313,57 @@ def _stand_in(p: torch.Tensor) -> torch.Tensor:
     return p.resolve_neg()  # p itself where the bit is not set
 
 
+def _check_param(p: torch.Tensor, capturable: bool) -> None:
+    """Refuses a parameter the fused update cannot take, in a group with this
+    `capturable` setting; the caller names the optimizer and group."""
+    _check_plain(p, "params", f"a parameter of shape {tuple(p.shape)}")
+    if p.is_complex():
+        raise TypeError(f"complex parameters are not supported "
+                        f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
+    _tensors.dtype_code(p, "params")
+    if capturable and p.device.type != "cuda":
+        # torch's update asserts this at each step, so a group switched to
+        # capturable by editing param_groups is refused too (by _check_step)
+        raise ValueError(f"capturable=True needs CUDA parameters, got a parameter on {p.device}")
+    if p.device.type == "cuda" and _cuda is None:
+        raise RuntimeError("reprop was built without CUDA, so it cannot update CUDA parameters")
+    if p.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"parameters must be on cpu or cuda, got {p.device}")
+
+
+def _check_plain(t: torch.Tensor, name: str, what: str) -> None:
+    """Refuses a tensor subclass with __torch_dispatch__ (DTensor, FSDP2's
+    sharded parameters, TwoTensor): its ops run in Python on the tensors it
+    wraps, mostly with no memory of its own (a null data pointer) for the
+    kernels to read or update, and writing whatever memory it has would
+    bypass it. torch routes a tensor's ops to Python by this same test of its
+    type; subclasses with __torch_function__ only (nn.Parameter's) keep plain
+    tensors' memory and pass."""
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise TypeError(f"{name}: {what} is a {type(t).__name__}, a tensor subclass with "
+                        f"__torch_dispatch__; reprop's fused kernels need plain strided tensors "
+                        f"(for DTensor and FSDP2 use torch.optim)")
+
+
 def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
     """Refuses a gradient the kernels cannot read as p's."""
+    _check_plain(g, "grads", f"the gradient of a parameter of shape {tuple(p.shape)}")
     if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
         raise ValueError(f"grads: a gradient of shape {tuple(g.shape)}, {g.dtype} on "
                          f"{g.device} does not match its parameter ({tuple(p.shape)}, "
                          f"{p.dtype} on {p.device})")
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
+
+
+def _check_grads_read(plans: list, keep: list) -> None:
+    """Refuses, with _check_grad's reason, a gradient that the C fast path let
+    into a table: it checks a gradient's layout, dtype and shape, not its
+    type, so it reads a __torch_dispatch__ subclass's (DTensor's) as a null
+    data pointer, which the core refuses without saying why. Called once the
+    core has refused a step: it costs the fast path nothing."""
+    for plan, grads in zip(plans, keep):
+        for p, g in zip(plan.step_params, grads):
+            _check_grad(p, g)
 
 
 def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
@@ -595,20 +639,12 @@ class _FusedOptimizer:
             # the parameter twice at once, not twice in a row as torch's loop does
             raise ValueError(f"{type(self).__name__}: params: a parameter appears more than once "
                              "in a group")
-        for p in group["params"]:
-            if p.is_complex():
-                raise TypeError(f"{type(self).__name__}: complex parameters are not supported "
-                                f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
-            _tensors.dtype_code(p, "params")
-            if group.get("capturable", False) and p.device.type != "cuda":
-                raise ValueError(f"{type(self).__name__}: capturable=True needs CUDA parameters, "
-                                 f"got a parameter on {p.device}")
-            if p.device.type == "cuda" and _cuda is None:
-                raise RuntimeError(f"{type(self).__name__}: reprop was built without CUDA, "
-                                   "so it cannot update CUDA parameters")
-            if p.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{type(self).__name__}: parameters must be on cpu or cuda, "
-                                 f"got {p.device}")
+        capturable = bool(group.get("capturable", False))
+        try:
+            for p in group["params"]:
+                _check_param(p, capturable)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise type(e)(f"{type(self).__name__}: {e}") from None
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -737,18 +773,25 @@ class _FusedOptimizer:
             hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
             # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
             slots = self._state_slots(hp)
-            # first use, a first gradient, a storage or state tensor replaced, other state
-            if keep is None or plans[0].slots != slots:
+            # first use, a first gradient, a storage or state tensor replaced, other
+            # state, capturable switched (step counts on another device; a CPU group
+            # is refused, as torch's update refuses it)
+            if (keep is None or plans[0].slots != slots
+                    or plans[0].capturable != bool(hp.get("capturable", False))):
                 active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
-            plans = [plan for plan in plans if not plan.idle]
-            if len(plans) > 1:  # each call checks its own: let none run if one refuses
-                for plan in plans:
-                    plan.check(self, hparams)
-            for plan in plans:
-                plan.run(self, hp, hparams)
+            running = [plan for plan in plans if not plan.idle]
+            try:
+                if len(running) > 1:  # each call checks its own: let none run if one refuses
+                    for plan in running:
+                        plan.check(self, hparams)
+                for plan in running:
+                    plan.run(self, hp, hparams)
+            except ValueError:
+                _check_grads_read(plans, keep)  # say why, where a gradient was the cause
+                raise
         except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
             refusal = TypeError if isinstance(e, TypeError) else ValueError
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
@@ -762,8 +805,10 @@ class _FusedOptimizer:
         """Raises for the params, gradients and existing state of this step,
         before a plan is built: a refused step must leave the state as it was
         (the hyper-parameters are checked by _make_plans, in C)."""
+        capturable = bool(group.get("capturable", False))
         for p in active:
-            _tensors.dtype_code(p, "params")  # a param put into a group by hand
+            # a param put into a group by hand, or a group's options edited since
+            _check_param(p, capturable)
             _check_grad(p, p.grad if given is None else given[id(p)])
             st = self.state.get(p)
             if st:
