@@ -375,6 +375,51 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
+def _without_grad(update, *args) -> None:
+    """update(*args) under torch.no_grad(), for the updates the hooks make:
+    those inside backward find grad mode off already, and the context
+    manager object costs about a microsecond per module."""
+    if not torch.is_grad_enabled():
+        update(*args)
+        return
+    torch._C._set_grad_enabled(False)
+    try:
+        update(*args)
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
+def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
+    """(group, its params) for `params`, each in its group per `group_of`
+    (id(param) -> group), the groups in the order of their first param."""
+    groups: dict = {}
+    for p in params:
+        group = group_of[id(p)]
+        groups.setdefault(id(group), (group, []))[1].append(p)
+    return groups.values()
+
+
+def _step_params_groups(engine: optim._FusedOptimizer) -> dict:
+    """id(param) -> group, the map in which engine.step_params looks up each
+    param's group (built at its first call after the groups changed)."""
+    if engine._group_of is None:
+        engine._group_of = {id(p): g for g in engine.param_groups for p in g["params"]}
+    return engine._group_of
+
+
+def _complete(batch: tuple, ready: dict) -> list:
+    """The params of `batch` (one module's) with a gradient this backward
+    (their ids in `ready`) once every one of them that requires grad has
+    one; otherwise an empty list."""
+    done = []
+    for q in batch:
+        if id(q) in ready:
+            done.append(q)
+        elif q.requires_grad:
+            return []
+    return done
+
+
 def _param_name(model: nn.Module, p: torch.Tensor) -> str:
     """p as an error message names it: by its name in `model` if it has one."""
     name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p), None)
@@ -949,9 +994,9 @@ class _BackwardFusion(FusionHandle):
             if self._step_settings is None:
                 self._step_settings = _settings_snapshot(self.optimizer)
             self._ready[id(p)] = p
-            batch = self._batch_of[id(p)]
-            if all(id(q) in self._ready or not q.requires_grad for q in batch):
-                self._update([q for q in batch if id(q) in self._ready])
+            batch = _complete(self._batch_of[id(p)], self._ready)
+            if batch:
+                self._update(batch)
 
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
@@ -1077,10 +1122,10 @@ class _BackwardFusion(FusionHandle):
         params = list(params)
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
-        if params[0].device.type == "cuda" and not _tensors.outside_backward():
+        if params[0].is_cuda and not _tensors.outside_backward():
             self._update_on_side_stream(params, settings)
         else:
-            self.optimizer.step_params(params, settings)
+            self._step_params(params, settings)
         # Only now: an update that raised (a setting the optimizer refuses) leaves
         # its gradients unapplied in .grad, as a refused eager step() does.
         for p in params:
@@ -1100,11 +1145,21 @@ class _BackwardFusion(FusionHandle):
         main = torch.cuda.current_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.optimizer.step_params(params, settings)
+            self._step_params(params, settings)
         for p in params:
             p.grad.record_stream(side)  # freed grads are not reused before the update ran
         if self._join_ref() is None:
             self._join_ref = _tensors.queue_end_of_backward(self._join_side_streams)
+
+    def _step_params(self, params: list, settings: dict | None) -> None:
+        """optimizer.step_params(params, settings), less what costs as much
+        as a small layer's update there: the checks of its arguments, which
+        fusion's own lists pass (distinct fused params, settings from
+        _settings_snapshot holding every hyper-parameter), and its two
+        no_grad wrappers (inside backward grad mode is off already)."""
+        engine = self.optimizer
+        for group, ps in _by_group(params, _step_params_groups(engine)):
+            _without_grad(engine._update, group, ps, settings.get(id(group)) if settings else None)
 
     def _join_side_streams(self) -> None:
         for device, side in self._side_streams.items():
@@ -1350,7 +1405,8 @@ class _ForwardFusion(FusionHandle):
         its gradient stays what step() held, and eager's step() refused it
         too, updating nothing of the group. The groups applied before a
         refused one are not pending any more: each is updated once."""
-        for group, group_params in self._by_group(params):
+        # (each in the group its update was decided in)
+        for group, group_params in _by_group(params, self._group_of):
             try:
                 with torch.no_grad():
                     self.optimizer._update(group, group_params, self._settings.get(id(group)),
@@ -1412,15 +1468,6 @@ class _ForwardFusion(FusionHandle):
             for p, st in of_step.items():
                 if p not in entries:
                     now.setdefault(p, st)
-
-    def _by_group(self, params: list) -> Iterable[tuple]:
-        """(group, its params) for these pending params, each in the group its
-        update was decided in, the groups in the order of their first param."""
-        groups: dict = {}
-        for p in params:
-            group = self._group_of[id(p)]
-            groups.setdefault(id(group), (group, []))[1].append(p)
-        return groups.values()
 
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
