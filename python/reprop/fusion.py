@@ -1257,7 +1257,9 @@ class _ForwardFusion(FusionHandle):
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
         self._seen_running: set = set()  # ids of modules observed running forward
-        self._owned: list = []  # (module, its own parameters)
+        # (module, its own parameters) for the owners not seen running forward
+        # since the owners were last followed: empty once all have run
+        self._unseen: list = []
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
         self._covered: "weakref.WeakSet" = weakref.WeakSet()
         # Set when a fused parameter is registered in a module without this
@@ -1295,9 +1297,10 @@ class _ForwardFusion(FusionHandle):
         """Follows which modules own the fused parameters: a pending update is
         applied before its owner's forward, so each owner needs the hooks."""
         self._owners_moved = False
-        self._owned = [(m, own) for m in self.model.modules()
-                       if (own := _direct_params(m, self._params))]
-        owned = {id(p) for _, own in self._owned for p in own}
+        owners = [(m, own) for m in self.model.modules()
+                  if (own := _direct_params(m, self._params))]
+        self._unseen = owners
+        owned = {id(p) for _, own in owners for p in own}
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
@@ -1408,9 +1411,8 @@ class _ForwardFusion(FusionHandle):
         # (each in the group its update was decided in)
         for group, group_params in _by_group(params, self._group_of):
             try:
-                with torch.no_grad():
-                    self.optimizer._update(group, group_params, self._settings.get(id(group)),
-                                           grads)
+                _without_grad(self.optimizer._update, group, group_params,
+                              self._settings.get(id(group)), grads)
             finally:
                 self._settle(group_params)
 
@@ -1421,7 +1423,8 @@ class _ForwardFusion(FusionHandle):
         eager's update nor be applied edited: those updates are dropped and
         a RuntimeError names them, before any of `params` is applied (the
         others stay pending)."""
-        edited = [p for p in params if _grad_mark(self._grads[id(p)][0]) != self._grads[id(p)][1]]
+        held = [self._grads[id(p)] for p in params]
+        edited = [p for p, (grad, mark) in zip(params, held) if _grad_mark(grad) != mark]
         if edited:
             self._settle(edited)
             names = ", ".join(_param_name(self.model, p) for p in edited)
@@ -1432,7 +1435,7 @@ class _ForwardFusion(FusionHandle):
                 "before its pending update was applied; that update is dropped. Set "
                 "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
                 "instead, or call handle.flush() before editing .grad")
-        return {id(p): self._grads[id(p)][0] for p in params}
+        return {id(p): grad for p, (grad, _) in zip(params, held)}
 
     def _settle(self, params: list) -> None:
         """These updates are no longer pending (applied, or dropped)."""
@@ -1491,8 +1494,11 @@ class _ForwardFusion(FusionHandle):
                 return
             self._sync()
             # Parameters of modules never seen running are read some other way: now.
-            orphans = [p for m, own in self._owned if id(m) not in self._seen_running
-                       for p in own if id(p) in self._pending]
+            # (_seen_running only grows: who was seen leaves _unseen for good, so the
+            # steady state looks at no module here)
+            self._unseen = [(m, own) for m, own in self._unseen
+                            if id(m) not in self._seen_running]
+            orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
             if orphans:
                 self._apply(orphans)
 
