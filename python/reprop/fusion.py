@@ -1423,8 +1423,12 @@ class _ForwardFusion(FusionHandle):
         eager's update nor be applied edited: those updates are dropped and
         a RuntimeError names them, before any of `params` is applied (the
         others stay pending)."""
-        held = [self._grads[id(p)] for p in params]
-        edited = [p for p, (grad, mark) in zip(params, held) if _grad_mark(grad) != mark]
+        grads, edited = {}, []
+        for p in params:
+            grad, mark = self._grads[id(p)]
+            grads[id(p)] = grad
+            if _grad_mark(grad) != mark:
+                edited.append(p)
         if edited:
             self._settle(edited)
             names = ", ".join(_param_name(self.model, p) for p in edited)
@@ -1435,7 +1439,7 @@ class _ForwardFusion(FusionHandle):
                 "before its pending update was applied; that update is dropped. Set "
                 "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
                 "instead, or call handle.flush() before editing .grad")
-        return {id(p): grad for p, (grad, _) in zip(params, held)}
+        return grads
 
     def _settle(self, params: list) -> None:
         """These updates are no longer pending (applied, or dropped)."""
