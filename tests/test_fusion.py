@@ -3337,15 +3337,15 @@ def test_backward_mode_calls_on_another_thread_leave_a_running_backward_be(call:
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="backward")
     calls.update(flush=handle.flush, step=opt.step, remove=handle.remove)
-    step_params = opt.step_params
+    update = opt._update  # (of one group: what every fused update calls)
 
     def held_until_backward_is_over(*args, **kwargs) -> None:
         if threading.current_thread() is not training:
             settled.set()
             assert backward_over.wait(_WAIT)
-        step_params(*args, **kwargs)
+        update(*args, **kwargs)
 
-    monkeypatch.setattr(opt, "step_params", held_until_backward_is_over)
+    monkeypatch.setattr(opt, "_update", held_until_backward_is_over)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(4):
