@@ -2318,6 +2318,39 @@ def test_param_added_before_step_keeps_its_zero_gradient(mode: str) -> None:
     _assert_same_training(got, ref)
 
 
+class _ReadsSecondDirectly(nn.Module):
+    """No parameters of its own: its forward calls `first` and reads
+    `second`'s parameters without calling it, so second's forward never
+    runs and forward mode applies its pending updates at the root's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.first = nn.Linear(4, 6)
+            self.second = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(torch.tanh(self.first(x)), self.second.weight, self.second.bias)
+
+
+def test_forward_mode_layer_added_later_that_never_runs_is_applied_at_root_forward() -> None:
+    """A layer whose forward never runs (the root reads its parameters),
+    added with add_param_group() after the other layers have run: its
+    pending updates are applied at the root's forward from then on (the
+    owners the root looks at are renewed when they change), bitwise as eager."""
+    def make_opt(model):
+        return rp.Adam(model.first.parameters(), lr=0.01)
+
+    def add_second(model, opt):
+        opt.add_param_group({"params": list(model.second.parameters()), "lr": 0.02})
+
+    kw = dict(events={2: add_second}, make_model=_ReadsSecondDirectly)
+    got, ref = _mlp_loop("forward", make_opt, 6, **kw), _mlp_loop(None, make_opt, 6, **kw)
+    assert not torch.equal(ref[0].second.weight, _ReadsSecondDirectly().second.weight)
+    _assert_same_training(got, ref)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_torch_optimizer_load_state_dict_after_fuse(mode: str) -> None:
     """Resume: fuse() a fresh torch optimizer, then load a checkpoint into the
@@ -3304,15 +3337,15 @@ def test_backward_mode_calls_on_another_thread_leave_a_running_backward_be(call:
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="backward")
     calls.update(flush=handle.flush, step=opt.step, remove=handle.remove)
-    step_params = opt.step_params
+    update = opt._update  # (of one group: what every fused update calls)
 
     def held_until_backward_is_over(*args, **kwargs) -> None:
         if threading.current_thread() is not training:
             settled.set()
             assert backward_over.wait(_WAIT)
-        step_params(*args, **kwargs)
+        update(*args, **kwargs)
 
-    monkeypatch.setattr(opt, "step_params", held_until_backward_is_over)
+    monkeypatch.setattr(opt, "_update", held_until_backward_is_over)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(4):

@@ -377,6 +377,51 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
+def _without_grad(update, *args) -> None:
+    """update(*args) under torch.no_grad(), for the updates the hooks make:
+    those inside backward find grad mode off already, and the context
+    manager object costs about a microsecond per module."""
+    if not torch.is_grad_enabled():
+        update(*args)
+        return
+    torch._C._set_grad_enabled(False)
+    try:
+        update(*args)
+    finally:
+        torch._C._set_grad_enabled(True)
+
+
+def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
+    """(group, its params) for `params`, each in its group per `group_of`
+    (id(param) -> group), the groups in the order of their first param."""
+    groups: dict = {}
+    for p in params:
+        group = group_of[id(p)]
+        groups.setdefault(id(group), (group, []))[1].append(p)
+    return groups.values()
+
+
+def _step_params_groups(engine: optim._FusedOptimizer) -> dict:
+    """id(param) -> group, the map in which engine.step_params looks up each
+    param's group (built at its first call after the groups changed)."""
+    if engine._group_of is None:
+        engine._group_of = {id(p): g for g in engine.param_groups for p in g["params"]}
+    return engine._group_of
+
+
+def _complete(batch: tuple, ready: dict) -> list:
+    """The params of `batch` (one module's) with a gradient this backward
+    (their ids in `ready`) once every one of them that requires grad has
+    one; otherwise an empty list."""
+    done = []
+    for q in batch:
+        if id(q) in ready:
+            done.append(q)
+        elif q.requires_grad:
+            return []
+    return done
+
+
 def _param_name(model: nn.Module, p: torch.Tensor) -> str:
     """p as an error message names it: by its name in `model` if it has one."""
     name = next((n for n, q in model.named_parameters(remove_duplicate=False) if q is p), None)
@@ -945,9 +990,9 @@ class _BackwardFusion(FusionHandle):
             if self._step_settings is None:
                 self._step_settings = _settings_snapshot(self.optimizer)
             self._ready[id(p)] = p
-            batch = self._batch_of[id(p)]
-            if all(id(q) in self._ready or not q.requires_grad for q in batch):
-                self._update([q for q in batch if id(q) in self._ready])
+            batch = _complete(self._batch_of[id(p)], self._ready)
+            if batch:
+                self._update(batch)
 
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
@@ -1073,10 +1118,10 @@ class _BackwardFusion(FusionHandle):
         params = list(params)
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
-        if params[0].device.type == "cuda" and not _tensors.outside_backward():
+        if params[0].is_cuda and not _tensors.outside_backward():
             self._update_on_side_stream(params, settings)
         else:
-            self.optimizer.step_params(params, settings)
+            self._step_params(params, settings)
         # Only now: an update that raised (a setting the optimizer refuses) leaves
         # its gradients unapplied in .grad, as a refused eager step() does.
         for p in params:
@@ -1096,11 +1141,21 @@ class _BackwardFusion(FusionHandle):
         main = torch.cuda.current_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            self.optimizer.step_params(params, settings)
+            self._step_params(params, settings)
         for p in params:
             p.grad.record_stream(side)  # freed grads are not reused before the update ran
         if self._join_ref() is None:
             self._join_ref = _tensors.queue_end_of_backward(self._join_side_streams)
+
+    def _step_params(self, params: list, settings: dict | None) -> None:
+        """optimizer.step_params(params, settings), less what costs as much
+        as a small layer's update there: the checks of its arguments, which
+        fusion's own lists pass (distinct fused params, settings from
+        _settings_snapshot holding every hyper-parameter), and its two
+        no_grad wrappers (inside backward grad mode is off already)."""
+        engine = self.optimizer
+        for group, ps in _by_group(params, _step_params_groups(engine)):
+            _without_grad(engine._update, group, ps, settings.get(id(group)) if settings else None)
 
     def _join_side_streams(self) -> None:
         for device, side in self._side_streams.items():
@@ -1198,7 +1253,9 @@ class _ForwardFusion(FusionHandle):
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
         self._seen_running: set = set()  # ids of modules observed running forward
-        self._owned: list = []  # (module, its own parameters)
+        # (module, its own parameters) for the owners not seen running forward
+        # since the owners were last followed: empty once all have run
+        self._unseen: list = []
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
         self._covered: "weakref.WeakSet" = weakref.WeakSet()
         # Set when a fused parameter is registered in a module without this
@@ -1236,9 +1293,10 @@ class _ForwardFusion(FusionHandle):
         """Follows which modules own the fused parameters: a pending update is
         applied before its owner's forward, so each owner needs the hooks."""
         self._owners_moved = False
-        self._owned = [(m, own) for m in self.model.modules()
-                       if (own := _direct_params(m, self._params))]
-        owned = {id(p) for _, own in self._owned for p in own}
+        owners = [(m, own) for m in self.model.modules()
+                  if (own := _direct_params(m, self._params))]
+        self._unseen = owners
+        owned = {id(p) for _, own in owners for p in own}
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
@@ -1346,11 +1404,11 @@ class _ForwardFusion(FusionHandle):
         its gradient stays what step() held, and eager's step() refused it
         too, updating nothing of the group. The groups applied before a
         refused one are not pending any more: each is updated once."""
-        for group, group_params in self._by_group(params):
+        # (each in the group its update was decided in)
+        for group, group_params in _by_group(params, self._group_of):
             try:
-                with torch.no_grad():
-                    self.optimizer._update(group, group_params, self._settings.get(id(group)),
-                                           grads)
+                _without_grad(self.optimizer._update, group, group_params,
+                              self._settings.get(id(group)), grads)
             finally:
                 self._settle(group_params)
 
@@ -1361,7 +1419,12 @@ class _ForwardFusion(FusionHandle):
         eager's update nor be applied edited: those updates are dropped and
         a RuntimeError names them, before any of `params` is applied (the
         others stay pending)."""
-        edited = [p for p in params if _grad_mark(self._grads[id(p)][0]) != self._grads[id(p)][1]]
+        grads, edited = {}, []
+        for p in params:
+            grad, mark = self._grads[id(p)]
+            grads[id(p)] = grad
+            if _grad_mark(grad) != mark:
+                edited.append(p)
         if edited:
             self._settle(edited)
             names = ", ".join(_param_name(self.model, p) for p in edited)
@@ -1372,7 +1435,7 @@ class _ForwardFusion(FusionHandle):
                 "before its pending update was applied; that update is dropped. Set "
                 "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
                 "instead, or call handle.flush() before editing .grad")
-        return {id(p): self._grads[id(p)][0] for p in params}
+        return grads
 
     def _settle(self, params: list) -> None:
         """These updates are no longer pending (applied, or dropped)."""
@@ -1409,15 +1472,6 @@ class _ForwardFusion(FusionHandle):
                 if p not in entries:
                     now.setdefault(p, st)
 
-    def _by_group(self, params: list) -> Iterable[tuple]:
-        """(group, its params) for these pending params, each in the group its
-        update was decided in, the groups in the order of their first param."""
-        groups: dict = {}
-        for p in params:
-            group = self._group_of[id(p)]
-            groups.setdefault(id(group), (group, []))[1].append(p)
-        return groups.values()
-
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -1440,8 +1494,11 @@ class _ForwardFusion(FusionHandle):
                 return
             self._sync()
             # Parameters of modules never seen running are read some other way: now.
-            orphans = [p for m, own in self._owned if id(m) not in self._seen_running
-                       for p in own if id(p) in self._pending]
+            # (_seen_running only grows: who was seen leaves _unseen for good, so the
+            # steady state looks at no module here)
+            self._unseen = [(m, own) for m, own in self._unseen
+                            if id(m) not in self._seen_running]
+            orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
             if orphans:
                 self._apply(orphans)
 
@@ -1488,18 +1545,21 @@ class _ForwardFusion(FusionHandle):
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
         gradient set by hand); its _grad_mark tells an edit in place
         (_held_grads)."""
-        for p in params:
-            self._pending[id(p)] = p
-            self._grads[id(p)] = (p.grad, _grad_mark(p.grad))
+        ids = list(map(id, params))
+        grads = [p.grad for p in params]
+        # (map and zip: a Python loop here cost a microsecond per param)
+        self._pending.update(zip(ids, params))
+        self._grads.update(zip(ids, zip(grads, map(_grad_mark, grads))))
         _as_if_updated_in_place(params)
 
     def _decided(self, with_grad: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
         module owns are applied now, and the optimizer state the others will
         update is noted (_state_if_edited_since_step): a shallow copy, in C."""
-        foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
-        if foreign:
-            self._apply(foreign)
+        if self._foreign:  # (most models have none: then no pass over the params)
+            foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
+            if foreign:
+                self._apply(foreign)
         if self._pending:
             state = self.optimizer.state
             self._step_state = (state, dict(state))
