@@ -1165,6 +1165,64 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
         bppsa.chain_backward(layers, x, g, plan=pruned)
 
 
+def pruned_small_cnn():
+    """small_cnn with half of every weight layer's weights zero."""
+    torch.manual_seed(5)
+    layers = small_cnn()
+    with torch.no_grad():
+        for layer in layers:
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                layer.weight.view(-1)[::2] = 0
+    return layers
+
+
+@pytest.mark.parametrize("levels", ["linear", "blelloch"])
+def test_pruned_chain_checks_every_weight_layer_and_names_the_first(levels):
+    """The plan writes and checks all its weights at once: each layer's
+    pruned weights are checked where that layer's weights are (a regrown
+    one, tiny or NaN, is refused in every layer), the error names the first
+    regrown layer of the chain, a float64 weight is checked in float64
+    (1e-300 is 0 in float32, but not zero), and the kept weights, changed,
+    reach the scan each in its own place."""
+    layers = pruned_small_cnn()
+    weighted = [i for i, layer in enumerate(layers) if isinstance(layer, (nn.Conv2d, nn.Linear))]
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=True)
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    inputs, _ = plan.forward_inputs(x)
+    for i in weighted:
+        flat = layers[i].weight.view(-1)
+        last = (flat.numel() - 1) // 2 * 2  # the last pruned weight: the layer's span is not cut short
+        for value in (1e-30, float("nan")):
+            with torch.no_grad():
+                flat[last] = value
+            with pytest.raises(ValueError, match=rf"^layers\[{i}\]: {type(layers[i]).__name__}: weights "
+                                                 "that were zero"):
+                plan.backward(inputs, g)
+            with torch.no_grad():
+                flat[last] = 0
+    with torch.no_grad():
+        layers[weighted[-1]].weight.view(-1)[0] = 1.0
+        layers[weighted[1]].weight.view(-1)[0] = 1.0
+    with pytest.raises(ValueError, match=rf"^layers\[{weighted[1]}\]: "):
+        plan.backward(inputs, g)
+    with torch.no_grad():
+        layers[weighted[-1]].weight.view(-1)[0] = layers[weighted[1]].weight.view(-1)[0] = 0
+        for i in weighted:  # the kept weights changed, the pattern kept
+            kept = layers[i].weight.view(-1)[1::2]
+            kept += torch.randn(kept.numel())
+    fresh = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=True)
+    inputs, _ = plan.forward_inputs(x)
+    for a, b in zip(plan.backward(inputs, g), fresh.backward(inputs, g)):
+        assert torch.equal(a, b)
+    for a, b in zip(plan.backward(inputs, g), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+    last = layers[weighted[-1]]
+    last.weight = nn.Parameter(last.weight.detach().double())
+    last.weight.data.view(-1)[-2] = 1e-300
+    with pytest.raises(ValueError, match=rf"^layers\[{weighted[-1]}\]: Linear: weights that were zero"):
+        plan.backward(inputs, g)
+
+
 @pytest.mark.parametrize("levels", [2, "blelloch"])
 def test_chain_overflowing_products_fall_back_to_linear(levels):
     """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
