@@ -1242,6 +1242,29 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
         assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_chain_under_a_float64_default_dtype():
+    """The scan's buffers are float32 whatever torch's default dtype: under
+    set_default_dtype(float64) they were float64, which the program read as
+    float32 (gradients off by 30% of their scale), and transposed_jacobian's
+    values were float64."""
+    torch.manual_seed(7)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    h = torch.randn(4, 6, 6)  # the ReLU's input
+    want = bppsa.chain_backward(layers, x, g, levels="blelloch")
+    want_jt = bppsa.transposed_jacobian(layers[1], h)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = bppsa.chain_backward(layers, x, g, levels="blelloch")
+        jt = bppsa.transposed_jacobian(layers[1], h)
+    finally:
+        torch.set_default_dtype(default)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert jt.dtype == torch.float32 and torch.equal(jt.values(), want_jt.values())
+
+
 @pytest.mark.parametrize("levels", ["linear", "blelloch"])
 @pytest.mark.parametrize("case", ["inf_weight", "inf_gradient"])
 def test_chain_non_finite_gradients_select_like_torch(case, levels):

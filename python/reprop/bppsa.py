@@ -1064,7 +1064,7 @@ class _Leaf:
         """float32 values of J^T for the batch of inputs x: the flat weights for
         a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
         shape = (self.layer.weight.numel(),) if self.shared else (x.shape[0], self.indices.size)
-        dst = torch.empty(shape, device=x.device)
+        dst = torch.empty(shape, dtype=torch.float32, device=x.device)
         self.write_values(x, dst)
         return dst
 
@@ -1236,8 +1236,9 @@ class ChainPlan:
             return [torch.zeros_like(x) for x in inputs]
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
-        seq = torch.empty(self.info["seq_floats"], B, device=device)
-        shared = torch.empty(self.info["shared_floats"], device=device)
+        # float32 whatever the default dtype: the program reads them as float32
+        seq = torch.empty(self.info["seq_floats"], B, dtype=torch.float32, device=device)
+        shared = torch.empty(self.info["shared_floats"], dtype=torch.float32, device=device)
         shared[0] = 1.0
         self._weights.write(shared)
         for i, leaf, start, stop in self._sequence_leaves:
