@@ -1242,6 +1242,74 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
         assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_chain_overflow_to_inf_alone_falls_back():
+    """Six Linear(1, 1) with weights 1e-20, 1e-20, 1, 1e20, 1e20, 1: the
+    up-sweep's product of the two 1e20 overflows to inf, with no 0 to turn it
+    into NaN, and only the first four layers' gradients are inf; autograd's
+    are finite (1e35 at most). Infinities are caught as NaNs are, in every
+    layer's gradient: the linear scan's bits (and autograd's)."""
+    layers = [nn.Linear(1, 1, bias=False) for _ in range(6)]
+    with torch.no_grad():
+        for layer, w in zip(layers, (1e-20, 1e-20, 1.0, 1e20, 1e20, 1.0)):
+            layer.weight.fill_(w)
+    x, g = torch.ones(2, 1), torch.full((2, 1), 1e-5)
+    ours = bppsa.chain_backward(layers, x, g, levels="blelloch")
+    for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
+                       autograd_layer_input_grads(layers, x, g)):
+        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_chain_non_finite_past_the_first_layer_falls_back():
+    """Linear (weights pruned to nothing, bias -1, 1), ReLU, Linear (inf):
+    the scan's first gradient is finite (no entries: 0) and only the later
+    ones are not; torch's first is 0 * inf = NaN and its ReLU selects 0. The
+    check covers every layer's gradient, not the first's alone."""
+    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1, bias=False)]
+    with torch.no_grad():
+        layers[0].weight.zero_()
+        layers[0].bias.copy_(torch.tensor([-1.0, 1.0]))
+        layers[2].weight.fill_(float("inf"))
+    x, g = torch.randn(3, 2), torch.ones(3, 1)
+    plan = bppsa.ChainPlan(layers, (2,), levels="linear", pruned=True)
+    assert plan.leaves[0].indices.size == 0
+    for a, b in zip(bppsa.chain_backward(layers, x, g, plan=plan), autograd_layer_input_grads(layers, x, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chain_gradients_take_the_inputs_dtype(dtype):
+    """Layer inputs of a half dtype (as autocast makes them) give gradients
+    of that dtype: the float32 results rounded once, as copying them into
+    tensors like the inputs did."""
+    torch.manual_seed(8)
+    layers = small_cnn()
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    inputs, out = plan.forward_inputs(torch.randn(3, 2, 6, 6))
+    inputs = [x.detach().to(dtype) for x in inputs]
+    g = torch.randn(out.shape)
+    want = plan.backward([x.float() for x in inputs], g)
+    for a, b, x in zip(plan.backward(inputs, g), want, inputs):
+        assert a.dtype == dtype and a.is_contiguous() and a.shape == x.shape
+        assert torch.equal(a, b.to(dtype))
+
+
+def test_chain_under_a_meta_default_device():
+    """The gradients are allocated where the scan ran, not on torch's default
+    device: the C pass that copies them out writes through their pointers."""
+    torch.manual_seed(9)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    want = bppsa.chain_backward(layers, x, g, plan=plan)
+    torch.set_default_device("meta")
+    try:
+        got = bppsa.chain_backward(layers, x, g, plan=plan)
+    finally:
+        torch.set_default_device(None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 def test_chain_under_a_float64_default_dtype():
     """The scan's buffers are float32 whatever torch's default dtype: under
     set_default_dtype(float64) they were float64, which the program read as

@@ -1246,16 +1246,28 @@ class ChainPlan:
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
-        grads = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, prog["g_addr"].tolist())]
+        grads = self._gradients(B, seq, inputs)
         # A result that is not finite is redone layer by layer as torch does
         # it: the program's up-sweep products may overflow (inf * 0 = NaN),
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
         # where torch selects (0 * inf = NaN, torch's 0).
-        if not _sums_finite(grads):
-            return self._torch_backward(inputs, grad_output)
-        # copied out contiguous, as autograd's are: views of the batch-minor
-        # buffer would be strided (B fastest) and keep all of it alive
-        return [x.new_empty(x.shape).copy_(grad.reshape(x.shape)) for grad, x in zip(grads, inputs)]
+        return self._torch_backward(inputs, grad_output) if grads is None else grads
+
+    def _gradients(self, B: int, seq: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Every layer input's gradient out of the scan's buffer, each
+        contiguous and owning its memory, as autograd's are (views of the
+        batch-minor buffer would be strided, B fastest, and keep all of it
+        alive), in the input's dtype; None if one is not finite."""
+        if seq.device.type == "cpu":  # one C pass copies and checks them all
+            grads = [torch.empty(x.shape, dtype=torch.float32, device=seq.device) for x in inputs]
+            if not _C.csr_gradients(self._plan, B, seq.data_ptr(), [g.data_ptr() for g in grads],
+                                    torch.get_num_threads()):
+                return None
+            return [g if x.dtype == torch.float32 else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        views = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, self._program["g_addr"].tolist())]
+        if not _sums_finite(views):
+            return None
+        return [x.new_empty(x.shape).copy_(v.reshape(x.shape)) for v, x in zip(views, inputs)]
 
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
@@ -1270,9 +1282,9 @@ class ChainPlan:
 def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """False if an element of the tensors is not finite (or a tensor's sum
     overflows float32, past 3e38, which only costs the exact slower path).
-    One sum per tensor: torch's inf-norm reduction was 13x slower on the CPU
-    (680 against 53 us over 200k floats, a quarter of a linear plan's
-    backward). bool() waits for a GPU (see README)."""
+    One sum per tensor: torch's inf-norm reduction was 13x slower (680
+    against 53 us over 200k floats on the CPU). bool() waits for the GPU
+    (see README)."""
     return bool(torch.stack([t.sum() for t in tensors]).isfinite().all())
 
 
