@@ -1057,6 +1057,7 @@ def test_csr_jacobian_equals_autograd(layer):
     x = torch.randn(3, 7, 6)
     ours = bppsa.transposed_jacobian(layer, x)
     assert ours.layout == torch.sparse_csr
+    assert not ours.requires_grad  # the weights (which require grad) read under no_grad: no graph
     assert torch.equal(ours.to_dense(), dense_transposed_jacobian(layer, x))
 
 

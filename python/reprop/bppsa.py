@@ -1065,28 +1065,29 @@ class _Leaf:
         a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
         shape = (self.layer.weight.numel(),) if self.shared else (x.shape[0], self.indices.size)
         dst = torch.empty(shape, dtype=torch.float32, device=x.device)
-        self.write_values(x, dst)
+        with torch.no_grad():
+            self.write_values(x, dst)
         return dst
 
     def write_values(self, x: torch.Tensor, dst: torch.Tensor) -> None:
         """values(x) written straight into dst (float32, any strides: the
-        scan's batch-minor buffer seen as (B, nnz)), with no temporary copy."""
+        scan's batch-minor buffer seen as (B, nnz)), with no temporary copy.
+        Under torch.no_grad, the caller's (once per backward, not per
+        layer): x and the weights may require grad, which out= refuses."""
         layer, B = self.layer, x.shape[0]
-        with torch.no_grad():
-            if self.shared:
-                dst.copy_(layer.weight.reshape(-1))
-                return
-            if self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
-                torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
-                return
-            if self.kind is nn.MaxPool2d:
-                _, idx = torch.nn.functional.max_pool2d(
-                    x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
-                    return_indices=True)
-                picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
-                torch.eq(picked, self._map("pmap", x.device), out=dst)
-                return
-        dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
+        if self.shared:
+            dst.copy_(layer.weight.reshape(-1))
+        elif self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
+            torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
+        elif self.kind is nn.MaxPool2d:
+            _, idx = torch.nn.functional.max_pool2d(
+                x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
+                return_indices=True)
+            # gather, not indexing: 3x faster on the CPU
+            picked = idx.reshape(B, -1).gather(1, self._map("omap", x.device).expand(B, -1))
+            torch.eq(picked, self._map("pmap", x.device), out=dst)
+        else:
+            dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
 
 
 class _SharedWeights:
@@ -1114,16 +1115,16 @@ class _SharedWeights:
 
     def write(self, shared: torch.Tensor) -> None:
         """The weights as they are now into shared; ValueError if one the
-        patterns dropped as zero is not zero any more."""
+        patterns dropped as zero is not zero any more. Under torch.no_grad,
+        as _Leaf.write_values."""
         if not self.order:
             return
-        with torch.no_grad():
-            # concatenated as the layers hold them, so that a float64 weight is
-            # checked in float64, then converted once, as a copy per layer did
-            flat = torch.cat([leaf.layer.weight.reshape(-1) for leaf in self.order])
-            shared[self.start:self.stop].copy_(flat)
-            if self.zero_weights.size and bool(flat.index_select(0, self._zeros_on(flat.device)).any()):
-                self._raise_regrown(flat)
+        # concatenated as the layers hold them, so that a float64 weight is
+        # checked in float64, then converted once, as a copy per layer did
+        flat = torch.cat([leaf.layer.weight.reshape(-1) for leaf in self.order])
+        shared[self.start:self.stop].copy_(flat)
+        if self.zero_weights.size and bool(flat.index_select(0, self._zeros_on(flat.device)).any()):
+            self._raise_regrown(flat)
 
     def _zeros_on(self, device: torch.device) -> torch.Tensor:
         return _index_on(self._maps, "zero_weights", self.zero_weights, device)
@@ -1240,9 +1241,10 @@ class ChainPlan:
         seq = torch.empty(self.info["seq_floats"], B, dtype=torch.float32, device=device)
         shared = torch.empty(self.info["shared_floats"], dtype=torch.float32, device=device)
         shared[0] = 1.0
-        self._weights.write(shared)
-        for i, leaf, start, stop in self._sequence_leaves:
-            leaf.write_values(inputs[i], seq[start:stop].T)
+        with torch.no_grad():
+            self._weights.write(shared)
+            for i, leaf, start, stop in self._sequence_leaves:
+                leaf.write_values(inputs[i], seq[start:stop].T)
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
