@@ -146,6 +146,10 @@ static PyMethodDef rp_methods[] = {
     {"csr_run", (PyCFunction)(void (*)(void))rp_py_csr_run, METH_FASTCALL,
      "csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, num_threads): the plan's program\n"
      "on the CPU (rp_csr_run_cpu); seq and shared data pointers, the row pointers ignored."},
+    {"csr_gradients", (PyCFunction)(void (*)(void))rp_py_csr_gradients, METH_FASTCALL,
+     "csr_gradients(plan, batch, seq, out, num_threads) -> bool: every layer's input gradient\n"
+     "out of a CPU run's seq into out's float32 batch-major buffers (rp_csr_gradients_cpu);\n"
+     "whether all are finite."},
     {"sched_graph", (PyCFunction)(void (*)(void))rp_py_sched_graph, METH_FASTCALL,
      sched_graph_doc},
     {"simulate", (PyCFunction)(void (*)(void))rp_py_simulate, METH_FASTCALL, simulate_doc},

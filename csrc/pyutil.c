@@ -993,6 +993,51 @@ PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return rp_py_none_or_raise(rc, &err);
 }
 
+PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_csr_plan *plan;
+    void *seq, *ptr;
+    float **out;
+    PyObject *ptrs;
+    int64_t batch, n, parsed = 0;
+    int num_threads, finite = 0, rc = RP_OK;
+    rp_error err = {{0}};
+    (void)self;
+    if (rp_py_check_nargs(nargs, 5, "csr_gradients") < 0)
+        return NULL;
+    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
+        rp_py_int_arg(args[4], "num_threads", &num_threads) < 0)
+        return NULL;
+    ptrs = PySequence_Fast(args[3], "out: expected a sequence of data pointers");
+    if (ptrs == NULL)
+        return NULL;
+    n = rp_csr_plan_program(plan)->layers;
+    if (PySequence_Fast_GET_SIZE(ptrs) != n) {
+        PyErr_Format(PyExc_ValueError, "out: expected %lld data pointers (one per layer), got %zd",
+                     (long long)n, PySequence_Fast_GET_SIZE(ptrs));
+        Py_DECREF(ptrs);
+        return NULL;
+    }
+    out = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof *out);
+    if (out == NULL) {
+        Py_DECREF(ptrs);
+        return PyErr_NoMemory();
+    }
+    while (parsed < n && rp_py_pointer_arg(PySequence_Fast_GET_ITEM(ptrs, parsed), &ptr) == 0)
+        out[parsed++] = ptr;
+    if (parsed == n) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = rp_csr_gradients_cpu(plan, batch, seq, out, num_threads, &finite, &err);
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(out);
+    Py_DECREF(ptrs);
+    if (parsed < n)
+        return NULL;
+    return rc == RP_OK ? PyBool_FromLong(finite) : rp_py_raise(rc, &err);
+}
+
 /* ---- out-of-order backprop scheduling ---- */
 
 /* Re-raises a pending TypeError or ValueError with "fname: name: " in front

@@ -138,11 +138,15 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
  *       leaves: (rows, cols, indptr, indices, shared, value_map or None, values) per
  *       layer, int32 arrays
  *   csr_plan_info(plan) -> dict of rp_csr_plan_info
- *   csr_program(plan) -> dict of NumPy copies of its rp_csr_program arrays */
+ *   csr_program(plan) -> dict of NumPy copies of its rp_csr_program arrays
+ *   csr_gradients(plan, batch, seq, out, num_threads) -> bool: out a sequence of
+ *       a float32 data pointer per layer (rp_csr_gradients_cpu); whether all
+ *       gradients are finite */
 PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Out-of-order backprop scheduling (csrc/schedule.c), defined in pyutil.c;
  * arguments may be any array-likes, cast by NumPy's safe rule:

@@ -462,6 +462,12 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info);
 int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *shared,
                    int num_threads, rp_error *err);
 
+/* Copies the gradients g_0 .. g_{n-1} out of a CPU run's seq buffer into
+ * out[i] (float32, batch-major: sequence b's rows_i floats at b * rows_i,
+ * rows_i layer i's inputs) and sets *finite to whether all are finite. */
+int rp_csr_gradients_cpu(const rp_csr_plan *p, int64_t batch, const float *seq, float *const *out,
+                         int num_threads, int *finite, rp_error *err);
+
 /* The program's row arrays in device memory (copies of dst, term_ptr, tx, ty). */
 typedef struct {
     const uint32_t *dst;

@@ -27,6 +27,7 @@
  * chain compiles the same schedule into a program of rows (rp_csr_compile)
  * that the CPU and the GPU run alike.
  */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1443,5 +1444,41 @@ int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *sh
                 rp_csr_rows_shared(g, a > mid ? a : mid, z, shared);
         }
     }
+    return RP_OK;
+}
+
+#define RP_CSR_GRADIENTS_PARALLEL (1 << 18) /* floats: below, threads cost more than the copy */
+
+/* Every layer's input gradient g_i out of the program's seq buffer
+ * (batch-minor) into out[i], batch-major: out[i][b * rows + o] =
+ * seq[(g_addr[i] + o) * batch + b], rows the layer's inputs; *finite says
+ * whether all of them are. One pass for ChainPlan.backward, where a torch
+ * copy and a sum per layer took longer than a small chain's scan. */
+int rp_csr_gradients_cpu(const rp_csr_plan *p, int64_t batch, const float *seq, float *const *out,
+                         int num_threads, int *finite, rp_error *err)
+{
+    if (p == NULL || finite == NULL || (batch > 0 && (seq == NULL || out == NULL)))
+        return rp_set_error(err, RP_EINVAL, "csr gradients: NULL plan, seq, out or finite");
+    if (batch < 0)
+        return rp_set_error(err, RP_EINVAL, "csr gradients: batch must be >= 0");
+    const int64_t n = p->n;
+    int64_t total = 0, bad = 0;
+    for (int64_t i = 0; i < n; i++)
+        total += p->mats[n - 1 - i].rows * batch;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(rp_threads(num_threads)) reduction(+ : bad) \
+    if (total >= RP_CSR_GRADIENTS_PARALLEL)
+    for (int64_t i = 0; i < n; i++) { /* layer i: leaf n - 1 - i (rp_csr_compile) */
+        const int64_t rows = p->mats[n - 1 - i].rows, len = rows * batch;
+        const float *restrict src = seq + (int64_t)p->program.g_addr[i] * batch;
+        float *restrict dst = out[i];
+        int nonfinite = 0;
+        for (int64_t k = 0; k < len; k++) /* a compare that vectorizes, false for inf and NaN */
+            nonfinite |= !(fabsf(src[k]) <= FLT_MAX);
+        for (int64_t b = 0; b < batch; b++) /* contiguous writes, strided reads */
+            for (int64_t o = 0; o < rows; o++)
+                dst[b * rows + o] = src[o * batch + b];
+        bad += nonfinite;
+    }
+    *finite = bad == 0;
     return RP_OK;
 }

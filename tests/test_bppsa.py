@@ -1057,6 +1057,7 @@ def test_csr_jacobian_equals_autograd(layer):
     x = torch.randn(3, 7, 6)
     ours = bppsa.transposed_jacobian(layer, x)
     assert ours.layout == torch.sparse_csr
+    assert not ours.requires_grad  # the weights (which require grad) read under no_grad: no graph
     assert torch.equal(ours.to_dense(), dense_transposed_jacobian(layer, x))
 
 
@@ -1165,6 +1166,64 @@ def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
         bppsa.chain_backward(layers, x, g, plan=pruned)
 
 
+def pruned_small_cnn():
+    """small_cnn with half of every weight layer's weights zero."""
+    torch.manual_seed(5)
+    layers = small_cnn()
+    with torch.no_grad():
+        for layer in layers:
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                layer.weight.view(-1)[::2] = 0
+    return layers
+
+
+@pytest.mark.parametrize("levels", ["linear", "blelloch"])
+def test_pruned_chain_checks_every_weight_layer_and_names_the_first(levels):
+    """The plan writes and checks all its weights at once: each layer's
+    pruned weights are checked where that layer's weights are (a regrown
+    one, tiny or NaN, is refused in every layer), the error names the first
+    regrown layer of the chain, a float64 weight is checked in float64
+    (1e-300 is 0 in float32, but not zero), and the kept weights, changed,
+    reach the scan each in its own place."""
+    layers = pruned_small_cnn()
+    weighted = [i for i, layer in enumerate(layers) if isinstance(layer, (nn.Conv2d, nn.Linear))]
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=True)
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    inputs, _ = plan.forward_inputs(x)
+    for i in weighted:
+        flat = layers[i].weight.view(-1)
+        last = (flat.numel() - 1) // 2 * 2  # the last pruned weight: the layer's span is not cut short
+        for value in (1e-30, float("nan")):
+            with torch.no_grad():
+                flat[last] = value
+            with pytest.raises(ValueError, match=rf"^layers\[{i}\]: {type(layers[i]).__name__}: weights "
+                                                 "that were zero"):
+                plan.backward(inputs, g)
+            with torch.no_grad():
+                flat[last] = 0
+    with torch.no_grad():
+        layers[weighted[-1]].weight.view(-1)[0] = 1.0
+        layers[weighted[1]].weight.view(-1)[0] = 1.0
+    with pytest.raises(ValueError, match=rf"^layers\[{weighted[1]}\]: "):
+        plan.backward(inputs, g)
+    with torch.no_grad():
+        layers[weighted[-1]].weight.view(-1)[0] = layers[weighted[1]].weight.view(-1)[0] = 0
+        for i in weighted:  # the kept weights changed, the pattern kept
+            kept = layers[i].weight.view(-1)[1::2]
+            kept += torch.randn(kept.numel())
+    fresh = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=True)
+    inputs, _ = plan.forward_inputs(x)
+    for a, b in zip(plan.backward(inputs, g), fresh.backward(inputs, g)):
+        assert torch.equal(a, b)
+    for a, b in zip(plan.backward(inputs, g), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+    last = layers[weighted[-1]]
+    last.weight = nn.Parameter(last.weight.detach().double())
+    last.weight.data.view(-1)[-2] = 1e-300
+    with pytest.raises(ValueError, match=rf"^layers\[{weighted[-1]}\]: Linear: weights that were zero"):
+        plan.backward(inputs, g)
+
+
 @pytest.mark.parametrize("levels", [2, "blelloch"])
 def test_chain_overflowing_products_fall_back_to_linear(levels):
     """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second
@@ -1182,6 +1241,97 @@ def test_chain_overflowing_products_fall_back_to_linear(levels):
     for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
                        autograd_layer_input_grads(layers, x, g)):
         assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_chain_overflow_to_inf_alone_falls_back():
+    """Six Linear(1, 1) with weights 1e-20, 1e-20, 1, 1e20, 1e20, 1: the
+    up-sweep's product of the two 1e20 overflows to inf, with no 0 to turn it
+    into NaN, and only the first four layers' gradients are inf; autograd's
+    are finite (1e35 at most). Infinities are caught as NaNs are, in every
+    layer's gradient: the linear scan's bits (and autograd's)."""
+    layers = [nn.Linear(1, 1, bias=False) for _ in range(6)]
+    with torch.no_grad():
+        for layer, w in zip(layers, (1e-20, 1e-20, 1.0, 1e20, 1e20, 1.0)):
+            layer.weight.fill_(w)
+    x, g = torch.ones(2, 1), torch.full((2, 1), 1e-5)
+    ours = bppsa.chain_backward(layers, x, g, levels="blelloch")
+    for a, b, c in zip(ours, bppsa.chain_backward(layers, x, g, levels="linear"),
+                       autograd_layer_input_grads(layers, x, g)):
+        assert torch.isfinite(a).all() and torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_chain_non_finite_past_the_first_layer_falls_back():
+    """Linear (weights pruned to nothing, bias -1, 1), ReLU, Linear (inf):
+    the scan's first gradient is finite (no entries: 0) and only the later
+    ones are not; torch's first is 0 * inf = NaN and its ReLU selects 0. The
+    check covers every layer's gradient, not the first's alone."""
+    layers = [nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1, bias=False)]
+    with torch.no_grad():
+        layers[0].weight.zero_()
+        layers[0].bias.copy_(torch.tensor([-1.0, 1.0]))
+        layers[2].weight.fill_(float("inf"))
+    x, g = torch.randn(3, 2), torch.ones(3, 1)
+    plan = bppsa.ChainPlan(layers, (2,), levels="linear", pruned=True)
+    assert plan.leaves[0].indices.size == 0
+    for a, b in zip(bppsa.chain_backward(layers, x, g, plan=plan), autograd_layer_input_grads(layers, x, g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chain_gradients_take_the_inputs_dtype(dtype):
+    """Layer inputs of a half dtype (as autocast makes them) give gradients
+    of that dtype: the float32 results rounded once, as copying them into
+    tensors like the inputs did."""
+    torch.manual_seed(8)
+    layers = small_cnn()
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    inputs, out = plan.forward_inputs(torch.randn(3, 2, 6, 6))
+    inputs = [x.detach().to(dtype) for x in inputs]
+    g = torch.randn(out.shape)
+    want = plan.backward([x.float() for x in inputs], g)
+    for a, b, x in zip(plan.backward(inputs, g), want, inputs):
+        assert a.dtype == dtype and a.is_contiguous() and a.shape == x.shape
+        assert torch.equal(a, b.to(dtype))
+
+
+def test_chain_under_a_meta_default_device():
+    """The gradients are allocated where the scan ran, not on torch's default
+    device: the C pass that copies them out writes through their pointers."""
+    torch.manual_seed(9)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    plan = bppsa.ChainPlan(layers, (2, 6, 6))
+    want = bppsa.chain_backward(layers, x, g, plan=plan)
+    torch.set_default_device("meta")
+    try:
+        got = bppsa.chain_backward(layers, x, g, plan=plan)
+    finally:
+        torch.set_default_device(None)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+def test_chain_under_a_float64_default_dtype():
+    """The scan's buffers are float32 whatever torch's default dtype: under
+    set_default_dtype(float64) they were float64, which the program read as
+    float32 (gradients off by 30% of their scale), and transposed_jacobian's
+    values were float64."""
+    torch.manual_seed(7)
+    layers = small_cnn()
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    h = torch.randn(4, 6, 6)  # the ReLU's input
+    want = bppsa.chain_backward(layers, x, g, levels="blelloch")
+    want_jt = bppsa.transposed_jacobian(layers[1], h)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        got = bppsa.chain_backward(layers, x, g, levels="blelloch")
+        jt = bppsa.transposed_jacobian(layers[1], h)
+    finally:
+        torch.set_default_dtype(default)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert jt.dtype == torch.float32 and torch.equal(jt.values(), want_jt.values())
 
 
 @pytest.mark.parametrize("levels", ["linear", "blelloch"])

@@ -982,6 +982,14 @@ def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _input_grad(layer, x, None, torch.float32)
 
 
+def _index_on(cache: dict, name: str, index: np.ndarray, device: torch.device) -> torch.Tensor:
+    """index as an int64 tensor on device, made once per (name, device) in cache."""
+    key = (name, device)
+    if key not in cache:
+        cache[key] = torch.from_numpy(index).long().to(device)
+    return cache[key]
+
+
 class _Leaf:
     """One layer's CSR transposed Jacobian: its pattern (int32) and how to
     gather its values for a step. With `pruned`, a Conv2d's or Linear's
@@ -1028,20 +1036,14 @@ class _Leaf:
         self.wmap = np.ascontiguousarray(self.wmap[keep])
         self.zero_weights = np.flatnonzero(zero)
 
-    def regrown(self) -> torch.Tensor | None:
-        """A 0-d bool tensor, true if a weight the pattern dropped as zero is
-        non-zero now; left on the weights' device, so that ChainPlan.backward
-        waits for the GPU once for all layers, not once per layer."""
-        if self.zero_weights is None:
-            return None
-        weight = self.layer.weight.detach().reshape(-1)
-        return weight[self._map("zero_weights", weight.device)].ne(0).any()
+    def regrown(self, weight: torch.Tensor) -> bool:
+        """Whether a weight the pattern dropped as zero is non-zero in
+        `weight` (this layer's, flat)."""
+        return self.zero_weights is not None and \
+            bool(weight.index_select(0, self._map("zero_weights", weight.device)).any())
 
     def _map(self, name: str, device: torch.device) -> torch.Tensor:
-        key = (name, device)
-        if key not in self._maps:
-            self._maps[key] = torch.from_numpy(getattr(self, name)).long().to(device)
-        return self._maps[key]
+        return _index_on(self._maps, name, getattr(self, name), device)
 
     def pattern(self) -> tuple:
         """csr_plan's leaf: a shared leaf's values are its layer's weights as
@@ -1062,29 +1064,76 @@ class _Leaf:
         """float32 values of J^T for the batch of inputs x: the flat weights for
         a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
         shape = (self.layer.weight.numel(),) if self.shared else (x.shape[0], self.indices.size)
-        dst = torch.empty(shape, device=x.device)
-        self.write_values(x, dst)
+        dst = torch.empty(shape, dtype=torch.float32, device=x.device)
+        with torch.no_grad():
+            self.write_values(x, dst)
         return dst
 
     def write_values(self, x: torch.Tensor, dst: torch.Tensor) -> None:
         """values(x) written straight into dst (float32, any strides: the
-        scan's batch-minor buffer seen as (B, nnz)), with no temporary copy."""
+        scan's batch-minor buffer seen as (B, nnz)), with no temporary copy.
+        Under torch.no_grad, the caller's (once per backward, not per
+        layer): x and the weights may require grad, which out= refuses."""
         layer, B = self.layer, x.shape[0]
-        with torch.no_grad():
-            if self.shared:
-                dst.copy_(layer.weight.reshape(-1))
-                return
-            if self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
-                torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
-                return
-            if self.kind is nn.MaxPool2d:
-                _, idx = torch.nn.functional.max_pool2d(
-                    x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
-                    return_indices=True)
-                picked = idx.reshape(B, -1)[:, self._map("omap", x.device)]
-                torch.eq(picked, self._map("pmap", x.device), out=dst)
-                return
-        dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
+        if self.shared:
+            dst.copy_(layer.weight.reshape(-1))
+        elif self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
+            torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
+        elif self.kind is nn.MaxPool2d:
+            _, idx = torch.nn.functional.max_pool2d(
+                x, layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode,
+                return_indices=True)
+            # gather, not indexing: 3x faster on the CPU
+            picked = idx.reshape(B, -1).gather(1, self._map("omap", x.device).expand(B, -1))
+            torch.eq(picked, self._map("pmap", x.device), out=dst)
+        else:
+            dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
+
+
+class _SharedWeights:
+    """A plan's Conv2d and Linear weights (its shared leaves): copied into the
+    shared buffer by one cat and their pruned zeros checked by one gather per
+    backward, for all layers at once (per layer, 4 to 6 torch calls each were
+    most of a small pruned chain's backward). The plan's layout puts the
+    shared leaves back to back after shared[0], in its own order (rp_csr_layout
+    in csrc/scan.c)."""
+
+    def __init__(self, leaves: Sequence[_Leaf], addrs: Sequence[int]):
+        placed = sorted(((addr & ~_SHARED, leaf) for leaf, addr in zip(leaves, addrs) if addr & _SHARED),
+                        key=lambda p: p[0])
+        self.order = [leaf for _, leaf in placed]
+        self.start = self.stop = placed[0][0] if placed else 1
+        spans = {}  # leaf: [start, stop) of its weights in the concatenated ones
+        for addr, leaf in placed:
+            assert addr == self.stop, "the plan's shared leaves are not back to back"
+            self.stop += leaf.layer.weight.numel()
+            spans[leaf] = (addr - self.start, self.stop - self.start)
+        self.spans = [(leaf, *spans[leaf]) for leaf in leaves if leaf in spans]  # the chain's order
+        zeros = [leaf.zero_weights + spans[leaf][0] for leaf in self.order if leaf.zero_weights is not None]
+        self.zero_weights = np.concatenate(zeros) if zeros else np.empty(0, np.int64)
+        self._maps = {}
+
+    def write(self, shared: torch.Tensor) -> None:
+        """The weights as they are now into shared; ValueError if one the
+        patterns dropped as zero is not zero any more. Under torch.no_grad,
+        as _Leaf.write_values."""
+        if not self.order:
+            return
+        # concatenated as the layers hold them, so that a float64 weight is
+        # checked in float64, then converted once, as a copy per layer did
+        flat = torch.cat([leaf.layer.weight.reshape(-1) for leaf in self.order])
+        shared[self.start:self.stop].copy_(flat)
+        if self.zero_weights.size and bool(flat.index_select(0, self._zeros_on(flat.device)).any()):
+            self._raise_regrown(flat)
+
+    def _zeros_on(self, device: torch.device) -> torch.Tensor:
+        return _index_on(self._maps, "zero_weights", self.zero_weights, device)
+
+    def _raise_regrown(self, flat: torch.Tensor) -> None:
+        leaf = next(leaf for leaf, start, stop in self.spans if leaf.regrown(flat[start:stop]))
+        raise ValueError(f"{leaf.name}: {type(leaf.layer).__name__}: weights that were zero when "
+                         "the plan was built (pruned=True) are non-zero now; keep the pruning "
+                         "mask applied or build a new ChainPlan")
 
 
 class ChainPlan:
@@ -1129,6 +1178,11 @@ class ChainPlan:
         self.info = _C.csr_plan_info(self._plan)
         self._program = _C.csr_program(self._plan)
         self._device_rows = {}
+        addrs = self._program["leaf_addr"].tolist()
+        self._weights = _SharedWeights(self.leaves, addrs)
+        # (input index, leaf, [start, stop) in the per-sequence buffer) of the other leaves
+        self._sequence_leaves = [(i, leaf, addr, addr + leaf.indices.size)
+                                 for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -1159,15 +1213,6 @@ class ChainPlan:
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
-    def _check_still_pruned(self) -> None:
-        flags = [(leaf, flag) for leaf in self.leaves if (flag := leaf.regrown()) is not None]
-        if not flags or not torch.stack([flag for _, flag in flags]).any():
-            return
-        leaf = next(leaf for leaf, flag in flags if flag)
-        raise ValueError(f"{leaf.name}: {type(leaf.layer).__name__}: weights that were zero when "
-                         "the plan was built (pruned=True) are non-zero now; keep the pruning "
-                         "mask applied or build a new ChainPlan")
-
     def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() and the gradient of the chain's output.
@@ -1190,31 +1235,41 @@ class ChainPlan:
             _check_chain_layer(layer, f"layers[{i}]")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
-        self._check_still_pruned()
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
-        seq = torch.empty(self.info["seq_floats"], B, device=device)
-        shared = torch.empty(self.info["shared_floats"], device=device)
+        # float32 whatever the default dtype: the program reads them as float32
+        seq = torch.empty(self.info["seq_floats"], B, dtype=torch.float32, device=device)
+        shared = torch.empty(self.info["shared_floats"], dtype=torch.float32, device=device)
         shared[0] = 1.0
-        for leaf, x, addr in zip(self.leaves, inputs, prog["leaf_addr"].tolist()):
-            if addr & _SHARED:
-                start = addr & ~_SHARED
-                leaf.write_values(x, shared[start:start + leaf.layer.weight.numel()])
-            else:
-                leaf.write_values(x, seq[addr:addr + leaf.indices.size].T)
+        with torch.no_grad():
+            self._weights.write(shared)
+            for i, leaf, start, stop in self._sequence_leaves:
+                leaf.write_values(inputs[i], seq[start:stop].T)
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         self._run(B, seq, shared)
-        grads = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, prog["g_addr"].tolist())]
+        grads = self._gradients(B, seq, inputs)
         # A result that is not finite is redone layer by layer as torch does
         # it: the program's up-sweep products may overflow (inf * 0 = NaN),
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
         # where torch selects (0 * inf = NaN, torch's 0).
-        if not _sums_finite(grads):
-            return self._torch_backward(inputs, grad_output)
-        # copied out contiguous, as autograd's are: views of the batch-minor
-        # buffer would be strided (B fastest) and keep all of it alive
-        return [x.new_empty(x.shape).copy_(grad.reshape(x.shape)) for grad, x in zip(grads, inputs)]
+        return self._torch_backward(inputs, grad_output) if grads is None else grads
+
+    def _gradients(self, B: int, seq: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Every layer input's gradient out of the scan's buffer, each
+        contiguous and owning its memory, as autograd's are (views of the
+        batch-minor buffer would be strided, B fastest, and keep all of it
+        alive), in the input's dtype; None if one is not finite."""
+        if seq.device.type == "cpu":  # one C pass copies and checks them all
+            grads = [torch.empty(x.shape, dtype=torch.float32, device=seq.device) for x in inputs]
+            if not _C.csr_gradients(self._plan, B, seq.data_ptr(), [g.data_ptr() for g in grads],
+                                    torch.get_num_threads()):
+                return None
+            return [g if x.dtype == torch.float32 else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        views = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, self._program["g_addr"].tolist())]
+        if not _sums_finite(views):
+            return None
+        return [x.new_empty(x.shape).copy_(v.reshape(x.shape)) for v, x in zip(views, inputs)]
 
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
@@ -1229,9 +1284,9 @@ class ChainPlan:
 def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """False if an element of the tensors is not finite (or a tensor's sum
     overflows float32, past 3e38, which only costs the exact slower path).
-    One sum per tensor: torch's inf-norm reduction was 13x slower on the CPU
-    (680 against 53 us over 200k floats, a quarter of a linear plan's
-    backward). bool() waits for a GPU (see README)."""
+    One sum per tensor: torch's inf-norm reduction was 13x slower (680
+    against 53 us over 200k floats on the CPU). bool() waits for the GPU
+    (see README)."""
     return bool(torch.stack([t.sum() for t in tensors]).isfinite().all())
 
 
