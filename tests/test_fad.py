@@ -1325,6 +1325,30 @@ def test_compose_zero_dim_float32_divisor_of_a_half_chain(dtype):
         assert torch.equal(got, want), (k, got, want)
 
 
+# b / a written as torch.Tensor.__rtruediv__(a, b) (what b / a calls when b
+# is not a tensor): torch computes a.reciprocal() * b, so b may be on the chain too.
+RDIV = {
+    "both_on_the_chain": lambda x: torch.Tensor.__rtruediv__(x, x.exp()),
+    "numerator_on_the_chain": lambda x: torch.Tensor.__rtruediv__(torch.full_like(x, 4.0), x.exp()),
+    "number_numerator": lambda x: torch.Tensor.__rdiv__(x * 2.0, 3.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RDIV))
+def test_compose_rdiv_differentiates_its_numerator(name):
+    """The gradient through a chain tensor b in b / a was dropped (the
+    chain took only a's term): exp(x) / x gave [-6.59, -2.72] at [0.5, 1]
+    for torch's [-3.30, 0]."""
+    fn = RDIV[name]
+    x = torch.tensor([0.5, 1.0, -2.0, 3.0], requires_grad=True)
+    with fad.enabled(compose=True):
+        y = fn(x)
+    assert type(y.grad_fn).__name__ == "_ChainBackward"
+    (got,) = torch.autograd.grad(y.sum(), x)
+    (want,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 def square_of_thousand_x(x):
     y = x * 1000.0
     return y * y * 1e-3  # d/dx of y * y is 2e6 x: above 65504 for |x| > 0.033

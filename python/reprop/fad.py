@@ -994,8 +994,10 @@ def _d_div(a, b, v, alpha):  # a / b
     return _add(_total(inv_b, a), _total(-v * inv_b, b))
 
 
-def _d_rdiv(a, b, v, alpha):  # b / a
-    return _total(-v / a.value, a)
+def _d_rdiv(a, b, v, alpha):  # b / a, which torch computes as a.reciprocal() * b
+    # b's term: torch's gradient through b is grad * a.reciprocal(), in a's dtype
+    d_b = 0 if _is_zero(b.deriv) else _total(torch.reciprocal(a.value), b)
+    return _add(_total(-v / a.value, a), d_b)
 
 
 def _d_pow(a, b, v, alpha):  # a ** b, where only one of them depends on the root
