@@ -1359,12 +1359,22 @@ def fourth_power_of_small_x(x):
     return y ** 4 * 1e4  # d/dx of y ** 4 is 4e-20 x^3: below 6e-5, float16's normal numbers
 
 
+def log_of_subnormal_x(x):
+    return torch.log(x) * 1e-3  # 1 / x: above 65504 for x < 1.53e-5, float16's subnormals
+
+
+def divided_by_subnormal(x):
+    return x / torch.full_like(x, 1e-5) * 1e-3  # 1 / 1e-5: 1e5
+
+
 # Chains whose values and gradients fit float16, but whose derivative with
 # respect to the root, a product of local derivatives, leaves float16's
 # range in between; autograd multiplies the gradient by one at a time.
 HALF_RANGE = {
     "overflow": (square_of_thousand_x, torch.linspace(-0.07, 0.07, 15)),
     "underflow": (fourth_power_of_small_x, torch.linspace(1e4, 3e4, 15)),
+    "log_of_subnormal": (log_of_subnormal_x, torch.linspace(1e-6, 1.5e-5, 15)),
+    "divided_by_subnormal": (divided_by_subnormal, torch.linspace(-1.0, 1.0, 15)),
 }
 
 
@@ -1374,7 +1384,9 @@ def test_compose_carries_half_chains_in_float32(name, dtype):
     """A float16 chain carries its derivative in float32 and rounds only the
     one its node saves, in the chain's dtype: the gradient is as accurate as
     torch's (it was inf, or lost digits to float16's subnormals), and a chain
-    tensor consumed outside its chain drops the float32 one. bfloat16, with
+    tensor consumed outside its chain drops the float32 one. The local
+    derivative 1 / x of log and of a division by a tensor is taken in
+    float32 too (it was inf at float16's subnormals). bfloat16, with
     float32's range, carries bfloat16 as accurately."""
     fn, x = HALF_RANGE[name]
     x = x.to(dtype)

@@ -924,17 +924,26 @@ def _blocked(operands, own=None):
 
 
 def _reciprocal(b, dtype: torch.dtype):
-    """1 / b at the precision torch's grad / b divides by b, for a tensor or a
-    number (±inf at ±0, as torch divides): a tensor divisor in `dtype`, the
-    result's (a lower-precision constant is promoted before it is inverted);
-    a 0-d CPU tensor, which torch's kernels read as a scalar, at least in
-    float32 (a float32 70000 stays finite for a float16 chain)."""
+    """1 / b, the local derivative of x / b, for a tensor or a number (±inf at
+    ±0, as torch divides). A tensor divisor is first rounded to `dtype`, the
+    result's, as torch's div promotes it (a lower-precision constant is
+    promoted before it is inverted; a 0-d CPU tensor, which torch's kernels
+    read as a scalar, to at least float32: a float32 70000 stays finite for a
+    float16 chain), then inverted as _inverse does."""
     if isinstance(b, torch.Tensor):
         if b.dim() == 0 and b.device.type == "cpu":
             dtype = torch.promote_types(dtype, torch.float32)
-        return torch.reciprocal(b.to(dtype))
+        return _inverse(b.to(dtype))
     with np.errstate(divide="ignore"):
         return float(np.reciprocal(np.float64(b)))
+
+
+def _inverse(t: torch.Tensor) -> torch.Tensor:
+    """1 / t, in float32 for float16 t, as a float16 chain carries its
+    derivative (_product): 1 / t overflows float16 for |t| < 1.53e-5, where
+    torch's backward, dividing the gradient by t in float32 (grad / t of div,
+    log, log1p), stays finite. bfloat16, with float32's range, stays bfloat16."""
+    return torch.reciprocal(_widened(t))
 
 
 def _add(a, b):
@@ -946,8 +955,8 @@ _UNARY = {
     "neg": lambda a, v: -1.0,
     "exp": lambda a, v: v,
     "expm1": lambda a, v: v + 1,
-    "log": lambda a, v: torch.reciprocal(a),
-    "log1p": lambda a, v: torch.reciprocal(a + 1),
+    "log": lambda a, v: _inverse(a),
+    "log1p": lambda a, v: _inverse(a + 1),
     "sqrt": lambda a, v: 0.5 / v,
     "rsqrt": lambda a, v: -0.5 * v * v * v,
     "reciprocal": lambda a, v: -(v * v),
