@@ -1080,16 +1080,25 @@ def _capturing():
 
 @functools.lru_cache(maxsize=None)
 def _signature(fn):
-    return inspect.signature(fn)
+    """fn's signature; None for a builtin, which has none (torch.exp)."""
+    try:
+        return inspect.signature(fn)
+    except ValueError:
+        return None
 
 
-def _inplace_call(ours, args, kwargs) -> bool:
-    if "inplace" not in _signature(ours).parameters:
+def _inplace_call(fn, args, kwargs) -> bool:
+    """Whether fn(*args, **kwargs) writes its input, or is a call torch must
+    judge: one that does not bind, or a builtin given `inplace`."""
+    sig = _signature(fn)
+    if sig is None:
+        return "inplace" in kwargs
+    if "inplace" not in sig.parameters:
         return False
     try:
-        return bool(_signature(ours).bind(*args, **kwargs).arguments.get("inplace", False))
+        return bool(sig.bind(*args, **kwargs).arguments.get("inplace", False))
     except TypeError:
-        return True  # a call torch must judge
+        return True
 
 
 class enabled(TorchFunctionMode):
@@ -1266,8 +1275,10 @@ class enabled(TorchFunctionMode):
         if ours is not None:
             return self._parse_activation(ours, args, kwargs)
         name = _UNARY_FUNCS.get(func)
-        if name is not None and len(args) == 1 and not kwargs:
-            return self._parse_unary(func, name, args)
+        # F.relu (and so nn.ReLU) hands on its inplace=False as a keyword
+        if name is not None and len(args) == 1 and set(kwargs) <= {"inplace"} \
+                and not _inplace_call(func, args, kwargs):
+            return self._parse_unary(func, name, args, kwargs)
         name = _BINARY_FUNCS.get(func)
         if name is not None and len(args) == 2 and set(kwargs) <= {"alpha"}:
             return self._parse_binary(func, _BINARY[name], args, kwargs)
@@ -1287,7 +1298,7 @@ class enabled(TorchFunctionMode):
         v, local = captured
         return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a))
 
-    def _parse_unary(self, func, name, args):
+    def _parse_unary(self, func, name, args, kwargs):
         found = self._operands(args)
         if found is None:
             return None
@@ -1295,7 +1306,7 @@ class enabled(TorchFunctionMode):
         rule = _UNARY[name]
 
         def compute():
-            v = func(a.value)
+            v = func(a.value, **kwargs)
             if name == "relu" and a.deriv is None:
                 return v, _RELU_OF_SELF, None
             return (v, *_unary_step(name, rule(a.value, v), a))
