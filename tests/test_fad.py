@@ -1469,6 +1469,33 @@ def test_compose_chain_tensors_with_hooks_stay_in_the_graph():
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("register", ["register_prehook", "register_hook"])
+def test_compose_hooks_on_a_chain_node_run(register):
+    """A hook on a chain tensor's node (e.grad_fn.register_prehook or
+    register_hook) given before the next op runs, as under plain autograd:
+    the next step's node led past it straight to the root, so it never ran.
+    A pre-hook that clips changes the input's gradient as under plain
+    autograd; both see autograd's gradient of e."""
+    x = torch.randn(6)
+
+    def run(compose):
+        leaf, seen = x.clone().requires_grad_(), []
+        with fad.enabled(compose=compose):
+            e = torch.exp(torch.sigmoid(leaf))
+            if register == "register_prehook":
+                e.grad_fn.register_prehook(lambda go: seen.append(go[0]) or (go[0].clamp(max=2.0),))
+            else:
+                e.grad_fn.register_hook(lambda gi, go: seen.append(go[0]))
+            y = torch.exp(e) * leaf * 3
+        y.sum().backward()
+        return leaf.grad, seen
+
+    (g, seen), (g_ref, seen_ref) = run(True), run(False)
+    assert len(seen) == len(seen_ref) == 1
+    torch.testing.assert_close(seen[0], seen_ref[0], rtol=1e-6, atol=0)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", ["tanh", "sigmoid", "softsign", "tanhshrink"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
 def test_integer_input_is_promoted_as_torch_does(name, dtype):

@@ -721,6 +721,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
+        ctx.hooked = False  # (_noting_hooks)
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
@@ -753,6 +754,24 @@ class _Chain(torch.autograd.Function):
         if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
             grad_source.masked_fill_(ctx.where_zero.of(d), 0)
         return grad_source.to(ctx.source_dtype), None
+
+
+def _noting_hooks(register):
+    """A chain node's register_hook or register_prehook, which also notes on
+    the node that it has a hook: a next step must then reach the node
+    through autograd (_root_of), not lead past it to the root. torch has no
+    query for a node's hooks."""
+
+    @functools.wraps(register)
+    def noted(node, hook):
+        node.hooked = True
+        return register(node, hook)
+
+    return noted
+
+
+for _register in ("register_hook", "register_prehook"):
+    setattr(_Chain._backward_cls, _register, _noting_hooks(getattr(_Chain._backward_cls, _register)))
 
 
 class _Step:
@@ -1258,10 +1277,12 @@ class enabled(TorchFunctionMode):
 
     def _root_of(self, t: torch.Tensor):
         """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
-        (None, None, None) for a constant. A chain tensor with hooks or
-        retain_grad() is a root: a next step must reach it through autograd."""
+        (None, None, None) for a constant. A chain tensor with hooks (its own
+        or its node's) or retain_grad() is a root: a next step must reach it
+        through autograd."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version and not (t._backward_hooks or t.retains_grad) \
+        if rec is not None and rec.version == t._version \
+                and not (t._backward_hooks or t.retains_grad or t.grad_fn.hooked) \
                 and (rec.deriv_version is None or rec.deriv is _SELF
                      or rec.deriv._version == rec.deriv_version):
             src = rec.source()
