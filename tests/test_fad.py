@@ -964,6 +964,8 @@ BROKEN = {
     "self_power": lambda x, w: (x.abs() + 1) ** (x.abs() + 1),
     # the root modified in place after the chain started
     "root_inplace": lambda x, w: (lambda s: (x.mul_(2), s * x)[1])(torch.sigmoid(x)),
+    # a chain tensor detached in place: a constant from then on
+    "detached_in_place": lambda x, w: (lambda s: (s.detach_(), s * x)[1])(torch.exp(x)),
     # an op the tables do not know, then back into a chain
     "unknown_op": lambda x, w: torch.atan(torch.sigmoid(x)) * x,
     # no_grad inside the mode

@@ -1279,9 +1279,10 @@ class enabled(TorchFunctionMode):
         """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
         (None, None, None) for a constant. A chain tensor with hooks (its own
         or its node's) or retain_grad() is a root: a next step must reach it
-        through autograd."""
+        through autograd; one detached in place (detach_(), which leaves its
+        version) is a constant."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version \
+        if rec is not None and rec.version == t._version and t.requires_grad \
                 and not (t._backward_hooks or t.retains_grad or t.grad_fn.hooked) \
                 and (rec.deriv_version is None or rec.deriv is _SELF
                      or rec.deriv._version == rec.deriv_version):
