@@ -156,7 +156,9 @@ static void rp_fad_grid(double lo, double hi, int *zero_code, double *step)
         lo -= RP_FAD_MARGIN * span;
     if (hi > 0.0)
         hi += RP_FAD_MARGIN * span;
-    z = (int)floor(-lo / (hi - lo) * n + 0.5);
+    /* the range holds 0; when it is only 0 (ELU with alpha = 0), -lo / (hi - lo)
+     * is 0 / 0, and converting its NaN to int is undefined behaviour */
+    z = hi > lo ? (int)floor(-lo / (hi - lo) * n + 0.5) : 0;
     z = z < 0 ? 0 : (z > n ? n : z);
     /* the step that reaches both ends from the zero point */
     s = 0.0;

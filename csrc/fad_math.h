@@ -17,7 +17,19 @@
  *     written term by term like PyTorch's own CPU kernels (the vectorized
  *     paths of aten/src/ATen/native/cpu/Activation.cpp and Elu.h/Gelu.h, and
  *     for the composite Softsign/Tanhshrink the gradient autograd builds from
- *     derivatives.yaml), so that NaN/inf behaviour and rounding match torch.
+ *     derivatives.yaml): the same terms in the same order, but with the
+ *     elementary functions above rather than torch's, so not torch's bits:
+ *     tests/test_fad.py holds every result to twice torch's own error
+ *     against float64 plus two roundings (and an allowance where terms
+ *     cancel). NaN and inf land where torch's
+ *     vectorized CPU loop puts them, which is not always where its scalar
+ *     loop (short tensors, the tails of long ones) does. Measured on torch
+ *     2.13, the differences: GELU (erf) at +inf is inf here, as in float64,
+ *     where torch's float32 kernel gives NaN (AVX-512, AVX2 and default
+ *     builds alike; a one-element tensor: inf); the derivative of ELU, CELU,
+ *     SELU and Hardswish at a NaN is NaN, as torch's vectorized loop gives,
+ *     where its scalar loop gives 1 (SELU: its scale, 1.0507). README lists
+ *     them.
  *     d is the gradient for grad_y = 1; backward multiplies it by grad_y.
  *
  * And the 8-bit derivative code of one element (rp_fad_encode), see

@@ -205,6 +205,7 @@ static const kind_case kind_cases[] = {
     {RP_FAD_SELU, 0, 0},        {RP_FAD_LEAKY_RELU, 0.01f, 0}, {RP_FAD_LEAKY_RELU, -0.2f, 0},
     {RP_FAD_HARDSWISH, 0, 0},   {RP_FAD_HARDSIGMOID, 0, 0}, {RP_FAD_LOGSIGMOID, 0, 0},
     {RP_FAD_SOFTSIGN, 0, 0},    {RP_FAD_TANHSHRINK, 0, 0},
+    {RP_FAD_ELU, 0, 0}, /* a derivative range of one point, 0 (rp_fad_grid) */
 };
 #define N_KIND_CASES ((int)(sizeof kind_cases / sizeof *kind_cases))
 

@@ -721,6 +721,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
+        ctx.hooked = False  # (_noting_hooks)
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
@@ -753,6 +754,24 @@ class _Chain(torch.autograd.Function):
         if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
             grad_source.masked_fill_(ctx.where_zero.of(d), 0)
         return grad_source.to(ctx.source_dtype), None
+
+
+def _noting_hooks(register):
+    """A chain node's register_hook or register_prehook, which also notes on
+    the node that it has a hook: a next step must then reach the node
+    through autograd (_root_of), not lead past it to the root. torch has no
+    query for a node's hooks."""
+
+    @functools.wraps(register)
+    def noted(node, hook):
+        node.hooked = True
+        return register(node, hook)
+
+    return noted
+
+
+for _register in ("register_hook", "register_prehook"):
+    setattr(_Chain._backward_cls, _register, _noting_hooks(getattr(_Chain._backward_cls, _register)))
 
 
 class _Step:
@@ -924,17 +943,26 @@ def _blocked(operands, own=None):
 
 
 def _reciprocal(b, dtype: torch.dtype):
-    """1 / b at the precision torch's grad / b divides by b, for a tensor or a
-    number (±inf at ±0, as torch divides): a tensor divisor in `dtype`, the
-    result's (a lower-precision constant is promoted before it is inverted);
-    a 0-d CPU tensor, which torch's kernels read as a scalar, at least in
-    float32 (a float32 70000 stays finite for a float16 chain)."""
+    """1 / b, the local derivative of x / b, for a tensor or a number (±inf at
+    ±0, as torch divides). A tensor divisor is first rounded to `dtype`, the
+    result's, as torch's div promotes it (a lower-precision constant is
+    promoted before it is inverted; a 0-d CPU tensor, which torch's kernels
+    read as a scalar, to at least float32: a float32 70000 stays finite for a
+    float16 chain), then inverted as _inverse does."""
     if isinstance(b, torch.Tensor):
         if b.dim() == 0 and b.device.type == "cpu":
             dtype = torch.promote_types(dtype, torch.float32)
-        return torch.reciprocal(b.to(dtype))
+        return _inverse(b.to(dtype))
     with np.errstate(divide="ignore"):
         return float(np.reciprocal(np.float64(b)))
+
+
+def _inverse(t: torch.Tensor) -> torch.Tensor:
+    """1 / t, in float32 for float16 t, as a float16 chain carries its
+    derivative (_product): 1 / t overflows float16 for |t| < 1.53e-5, where
+    torch's backward, dividing the gradient by t in float32 (grad / t of div,
+    log, log1p), stays finite. bfloat16, with float32's range, stays bfloat16."""
+    return torch.reciprocal(_widened(t))
 
 
 def _add(a, b):
@@ -946,8 +974,8 @@ _UNARY = {
     "neg": lambda a, v: -1.0,
     "exp": lambda a, v: v,
     "expm1": lambda a, v: v + 1,
-    "log": lambda a, v: torch.reciprocal(a),
-    "log1p": lambda a, v: torch.reciprocal(a + 1),
+    "log": lambda a, v: _inverse(a),
+    "log1p": lambda a, v: _inverse(a + 1),
     "sqrt": lambda a, v: 0.5 / v,
     "rsqrt": lambda a, v: -0.5 * v * v * v,
     "reciprocal": lambda a, v: -(v * v),
@@ -994,8 +1022,10 @@ def _d_div(a, b, v, alpha):  # a / b
     return _add(_total(inv_b, a), _total(-v * inv_b, b))
 
 
-def _d_rdiv(a, b, v, alpha):  # b / a
-    return _total(-v / a.value, a)
+def _d_rdiv(a, b, v, alpha):  # b / a, which torch computes as a.reciprocal() * b
+    # b's term: torch's gradient through b is grad * a.reciprocal(), in a's dtype
+    d_b = 0 if _is_zero(b.deriv) else _total(torch.reciprocal(a.value), b)
+    return _add(_total(-v / a.value, a), d_b)
 
 
 def _d_pow(a, b, v, alpha):  # a ** b, where only one of them depends on the root
@@ -1069,16 +1099,25 @@ def _capturing():
 
 @functools.lru_cache(maxsize=None)
 def _signature(fn):
-    return inspect.signature(fn)
+    """fn's signature; None for a builtin, which has none (torch.exp)."""
+    try:
+        return inspect.signature(fn)
+    except ValueError:
+        return None
 
 
-def _inplace_call(ours, args, kwargs) -> bool:
-    if "inplace" not in _signature(ours).parameters:
+def _inplace_call(fn, args, kwargs) -> bool:
+    """Whether fn(*args, **kwargs) writes its input, or is a call torch must
+    judge: one that does not bind, or a builtin given `inplace`."""
+    sig = _signature(fn)
+    if sig is None:
+        return "inplace" in kwargs
+    if "inplace" not in sig.parameters:
         return False
     try:
-        return bool(_signature(ours).bind(*args, **kwargs).arguments.get("inplace", False))
+        return bool(sig.bind(*args, **kwargs).arguments.get("inplace", False))
     except TypeError:
-        return True  # a call torch must judge
+        return True
 
 
 class enabled(TorchFunctionMode):
@@ -1238,10 +1277,13 @@ class enabled(TorchFunctionMode):
 
     def _root_of(self, t: torch.Tensor):
         """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
-        (None, None, None) for a constant. A chain tensor with hooks or
-        retain_grad() is a root: a next step must reach it through autograd."""
+        (None, None, None) for a constant. A chain tensor with hooks (its own
+        or its node's) or retain_grad() is a root: a next step must reach it
+        through autograd; one detached in place (detach_(), which leaves its
+        version) is a constant."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version and not (t._backward_hooks or t.retains_grad) \
+        if rec is not None and rec.version == t._version and t.requires_grad \
+                and not (t._backward_hooks or t.retains_grad or t.grad_fn.hooked) \
                 and (rec.deriv_version is None or rec.deriv is _SELF
                      or rec.deriv._version == rec.deriv_version):
             src = rec.source()
@@ -1255,8 +1297,10 @@ class enabled(TorchFunctionMode):
         if ours is not None:
             return self._parse_activation(ours, args, kwargs)
         name = _UNARY_FUNCS.get(func)
-        if name is not None and len(args) == 1 and not kwargs:
-            return self._parse_unary(func, name, args)
+        # F.relu (and so nn.ReLU) hands on its inplace=False as a keyword
+        if name is not None and len(args) == 1 and set(kwargs) <= {"inplace"} \
+                and not _inplace_call(func, args, kwargs):
+            return self._parse_unary(func, name, args, kwargs)
         name = _BINARY_FUNCS.get(func)
         if name is not None and len(args) == 2 and set(kwargs) <= {"alpha"}:
             return self._parse_binary(func, _BINARY[name], args, kwargs)
@@ -1276,7 +1320,7 @@ class enabled(TorchFunctionMode):
         v, local = captured
         return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a))
 
-    def _parse_unary(self, func, name, args):
+    def _parse_unary(self, func, name, args, kwargs):
         found = self._operands(args)
         if found is None:
             return None
@@ -1284,7 +1328,7 @@ class enabled(TorchFunctionMode):
         rule = _UNARY[name]
 
         def compute():
-            v = func(a.value)
+            v = func(a.value, **kwargs)
             if name == "relu" and a.deriv is None:
                 return v, _RELU_OF_SELF, None
             return (v, *_unary_step(name, rule(a.value, v), a))
