@@ -184,6 +184,31 @@ def _compare_accumulation(rank: int, world: int, as_view: bool, micro: int = 3) 
     dp.remove()
 
 
+def _compare_no_grad_forward_inside_accumulation(rank: int, world: int) -> None:
+    """A no_grad forward (a target or logging pass), on rank 0 alone, between
+    a no_sync() forward and its backward: that backward stays local, as
+    DDP's, whose reducer only a grad-mode forward arms. It was averaged: one
+    all-reduce more on rank 0, so the collectives paired up wrongly (wrong
+    gradients on the other ranks, a timeout on rank 0)."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=2)
+    local = {}
+    for net, handle in ((ref, ref), (model, dp)):
+        with handle.no_sync():
+            out = net(_batch(rank, 0)[0])
+        if rank == 0:
+            with torch.no_grad():
+                net(_batch(rank, 1)[0])
+        F.mse_loss(out, _batch(rank, 0)[1]).backward()
+        local[handle] = [p.grad.clone() for p in net.parameters()]
+        F.mse_loss(net(_batch(rank, 2)[0]), _batch(rank, 2)[1]).backward()
+    assert all(torch.equal(a, b) for a, b in zip(local[dp], local[ref])), "not local"
+    _assert_same(model, ref.module, "grad", world == 2)
+    dp.remove()
+
+
 def _compare_buffers(rank: int, world: int, steps: int = 3) -> None:
     """A BatchNorm's running statistics and step count (float and int64
     buffers, coalesced into one broadcast) start as rank 0's and are rank
@@ -249,6 +274,7 @@ def _dp_cases(rank: int, world: int) -> None:
         dp.remove()
     for as_view in (False, True):
         _compare_accumulation(rank, world, as_view)
+    _compare_no_grad_forward_inside_accumulation(rank, world)
     dp = _compare_with_ddp(rank, world, "auto", False, steps=100, search_iters=1)
     assert not dp.searching, "the search for k did not end in 100 iterations"
     assert 0 <= dp.k <= DEPTH

@@ -2338,9 +2338,15 @@ class DataParallel(_PassTracking):
         if self._removed:
             return
         # DDP decides at forward time too: a backward of a no_sync() forward
-        # accumulates locally wherever it runs
+        # accumulates locally wherever it runs. Only a grad-mode forward
+        # decides, as only it arms DDP's reducer: a no_grad forward (a target
+        # or logging pass) between a no_sync() forward and its backward left
+        # that backward averaged, one all-reduce more on this rank alone
+        if not torch.is_grad_enabled():
+            self._sync_next_forward = False
+            return
         self._sync_backward = self._require_sync
-        self._sync_next_forward = self._sync_backward and torch.is_grad_enabled()
+        self._sync_next_forward = self._sync_backward
         if not self._sync_backward:
             return
         outputs = [t for t in _output_tensors(out) if t.requires_grad]
