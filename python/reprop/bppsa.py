@@ -1092,7 +1092,7 @@ class _Leaf:
 
 class _SharedWeights:
     """A plan's Conv2d and Linear weights (its shared leaves): copied into the
-    shared buffer by one cat and their pruned zeros checked by one gather per
+    shared buffer by one call and their pruned zeros checked by one gather per
     backward, for all layers at once (per layer, 4 to 6 torch calls each were
     most of a small pruned chain's backward). The plan's layout puts the
     shared leaves back to back after shared[0], in its own order (rp_csr_layout
@@ -1109,6 +1109,7 @@ class _SharedWeights:
             self.stop += leaf.layer.weight.numel()
             spans[leaf] = (addr - self.start, self.stop - self.start)
         self.spans = [(leaf, *spans[leaf]) for leaf in leaves if leaf in spans]  # the chain's order
+        self.sizes = [leaf.layer.weight.numel() for leaf in self.order]
         zeros = [leaf.zero_weights + spans[leaf][0] for leaf in self.order if leaf.zero_weights is not None]
         self.zero_weights = np.concatenate(zeros) if zeros else np.empty(0, np.int64)
         self._maps = {}
@@ -1119,10 +1120,17 @@ class _SharedWeights:
         as _Leaf.write_values."""
         if not self.order:
             return
-        # concatenated as the layers hold them, so that a float64 weight is
-        # checked in float64, then converted once, as a copy per layer did
-        flat = torch.cat([leaf.layer.weight.reshape(-1) for leaf in self.order])
-        shared[self.start:self.stop].copy_(flat)
+        weights = [leaf.layer.weight.reshape(-1) for leaf in self.order]
+        flat = shared[self.start:self.stop]
+        if all(w.dtype == flat.dtype for w in weights):
+            # straight into their spans: a concatenation first doubled the
+            # bytes a backward allocates and freed (with large weights, the
+            # pages went back to the OS and faulted in again every backward)
+            torch._foreach_copy_(list(flat.split(self.sizes)), weights)
+        else:  # as the layers hold them, so a float64 weight is checked in float64
+            whole = torch.cat(weights)
+            flat.copy_(whole)
+            flat = whole
         if self.zero_weights.size and bool(flat.index_select(0, self._zeros_on(flat.device)).any()):
             self._raise_regrown(flat)
 
