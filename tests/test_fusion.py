@@ -1478,6 +1478,59 @@ def test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete() -> N
     assert all(not torch.equal(p, initial[n]) for n, p in model.named_parameters())
 
 
+def _train_with_grad_hooks_after_fuse(make_opt: Callable, fused: bool) -> tuple:
+    """Three Linears with post-accumulate-grad hooks registered after fuse()
+    on every parameter: one logs whether it sees .grad, one halves it. Also
+    records, in steps after the first, whether the last layer is already
+    updated when backward reaches the first layer's output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = make_opt(model.parameters())
+    handle = reprop.fuse(model, opt, mode="backward") if fused else None
+    seen, updated_inside = [], []
+
+    def log(p):
+        seen.append(p.grad is not None)
+
+    def halve(p):
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(log)
+        p.register_post_accumulate_grad_hook(halve)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            before = model[4].weight.detach().clone()
+            h = model[0](torch.randn(7, 4, generator=_gen(i)))
+            h.register_hook(lambda g: updated_inside.append(not torch.equal(model[4].weight, before)))
+            model[1:](h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return [p.detach() for p in model.parameters()], seen, updated_inside
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_backward_mode_grad_hooks_registered_after_fuse_see_the_gradient(name: str) -> None:
+    """Post-accumulate-grad hooks registered after fuse() run after the
+    fusion's own: every one of them sees the gradient and its edit is
+    applied, as in eager training (before, the update of a module ran at
+    its last parameter's gradient, before that parameter's later hooks,
+    which found .grad freed). From the next backward the fusion's hook runs
+    after them, and the updates are made inside backward again."""
+    make_opt = {"SGD": lambda ps: rp.SGD(ps, lr=0.1, momentum=0.9),
+                "Adam": lambda ps: rp.Adam(ps, lr=0.01)}[name]
+    ref_params, ref_seen, _ = _train_with_grad_hooks_after_fuse(make_opt, fused=False)
+    params, seen, updated_inside = _train_with_grad_hooks_after_fuse(make_opt, fused=True)
+    assert seen == ref_seen and all(seen), seen
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b), _diff(a, b)
+    assert updated_inside == [False, True, True, True], updated_inside
+
+
 # ---------------------------------------------------------------------------
 # 8. Forward mode: lazy, per-module application
 # ---------------------------------------------------------------------------

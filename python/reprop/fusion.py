@@ -845,6 +845,12 @@ class _BackwardFusion(FusionHandle):
         self._end_ref = self._join_ref = _tensors.not_queued
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
         self._batch_of: dict = {}
+        # id(param) -> the handle of this fusion's post-accumulate-grad hook on it
+        self._grad_hooks: dict = {}
+        # id(param) -> param whose update waited for the end of backward because
+        # hooks registered after this fusion's ran after it: its hook is
+        # registered again there, to be last (see _hooks_after_ours)
+        self._hooked_behind: dict = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         if self._ddp:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -875,7 +881,7 @@ class _BackwardFusion(FusionHandle):
         # hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
         for p in new:
-            self._hooks.append(_register_grad_ready(p, on_grad))
+            self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
         # a micro-batch starts, and the last step ends (what a gradient then reaching
         # an updated parameter is not a second one of), at the first forward of any
         # module with fused parameters: the root's may not run (layers called one by one)
@@ -892,6 +898,13 @@ class _BackwardFusion(FusionHandle):
             if _tensors.outside_backward():
                 self._finish_step()
             self._join_side_streams()
+
+    def _unhook(self) -> None:
+        super()._unhook()
+        for hook in self._grad_hooks.values():
+            hook.remove()
+        self._grad_hooks.clear()
+        self._hooked_behind.clear()
 
     def _undo(self) -> None:
         super()._undo()
@@ -992,7 +1005,28 @@ class _BackwardFusion(FusionHandle):
             self._ready[id(p)] = p
             batch = _complete(self._batch_of[id(p)], self._ready)
             if batch:
-                self._update(batch)
+                if self._hooks_after_ours(p):  # they see .grad first: at the end of backward
+                    self._hooked_behind[id(p)] = p
+                else:
+                    self._update(batch)
+
+    def _hooks_after_ours(self, p: torch.Tensor) -> bool:
+        """Whether p has post-accumulate-grad hooks registered after this
+        fusion's (after fuse()): torch runs them in registration order, so
+        they would find the gradient freed and their edits of it lost, where
+        in eager training every hook sees the gradient before step(). A look
+        at the last key of p's ordered hook dict."""
+        return next(reversed(p._post_accumulate_grad_hooks)) != self._grad_hooks[id(p)].id
+
+    def _put_hooks_last(self) -> None:
+        """Registers this fusion's hook again on the parameters whose update
+        waited for hooks registered after it, so that from the next backward
+        on those hooks run first and the update is fused again. At the end of
+        backward: while it runs a parameter's hooks, torch iterates their dict."""
+        for i, p in self._hooked_behind.items():
+            self._grad_hooks.pop(i).remove()
+            self._grad_hooks[i] = _register_grad_ready(p, self._on_grad_ready)
+        self._hooked_behind.clear()
 
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
@@ -1030,8 +1064,12 @@ class _BackwardFusion(FusionHandle):
         # what it updates is complete, and the rest waits for _finish_step)
         with self._lock:
             self._pass_open = False
-            if self._ready and not self._removed:  # (removed: eager's step() applies them)
+            if self._removed:  # (eager's step() applies what is ready)
+                return
+            if self._ready:
                 self._update(list(self._ready.values()))
+            if self._hooked_behind:
+                self._put_hooks_last()
 
     def _drop_failed_pass(self) -> None:
         """Forgets a backward that reached this fusion and raised (an error in
