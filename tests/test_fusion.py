@@ -1531,6 +1531,32 @@ def test_backward_mode_grad_hooks_registered_after_fuse_see_the_gradient(name: s
     assert updated_inside == [False, True, True, True], updated_inside
 
 
+
+def test_backward_mode_param_group_removed_and_added_again_updates_once() -> None:
+    """A param group popped and added again after fuse(): its parameters got
+    the fusion's gradient hook a second time, which refused the second call
+    in the same backward as a second gradient. Training matches eager."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+        opt = rp.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+        handle = reprop.fuse(model, opt, mode="backward") if fused else None
+        group = opt.param_groups.pop()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(3):
+                model(torch.randn(4, 3, generator=_gen(i))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if i == 0:
+                    opt.add_param_group(group)
+        if handle is not None:
+            handle.remove()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
+
 # ---------------------------------------------------------------------------
 # 8. Forward mode: lazy, per-module application
 # ---------------------------------------------------------------------------

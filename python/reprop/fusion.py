@@ -881,6 +881,10 @@ class _BackwardFusion(FusionHandle):
         # hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
         for p in new:
+            # (a param removed from the optimizer and added again has the hook already)
+            old = self._grad_hooks.pop(id(p), None)
+            if old is not None:
+                old.remove()
             self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
         # a micro-batch starts, and the last step ends (what a gradient then reaching
         # an updated parameter is not a second one of), at the first forward of any
