@@ -1566,11 +1566,12 @@ def test_forward_mode_applies_each_module_before_its_next_use() -> None:
     """After step() nothing has changed, and zero_grad() has freed the
     gradients as in eager training (the pending updates hold them); running
     one submodule applies just its update; the full forward then applies the
-    rest, once."""
-    t = Trainer("cnn", "AdamW", "forward")
-    ref = Trainer("cnn", "AdamW", None).run(0, 1)
+    rest, once. (The second step: the first, which creates the optimizer
+    state, step() applies at once.)"""
+    t = Trainer("cnn", "AdamW", "forward").run(0, 1)
+    ref = Trainer("cnn", "AdamW", None).run(0, 2)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    t.run(0, 1)  # forward, backward, step(), zero_grad()
+    t.run(1, 2)  # forward, backward, step(), zero_grad()
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} updated by step() in forward mode"
         assert p.grad is None, f"{n}: zero_grad() did not free the gradient"
@@ -1715,7 +1716,7 @@ def _penalty_between_step_and_forward(mode: str | None) -> tuple:
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        if handle is not None:
+        if handle is not None and i > 0:  # (the first step(), creating the state, applied them)
             with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
                 model[0].weight.square().sum().backward()
             handle.flush()
@@ -2339,7 +2340,8 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
     opt = rp.SGD(model.parameters(), lr=0.1)
     before = hook_snapshot(model, opt)
     handle = reprop.fuse(model, opt, mode="forward")
-    x, y = _mlp_batch(0)
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
     model[4].weight.grad.mul_(2)
@@ -2596,13 +2598,24 @@ def test_forward_mode_grads_changed_after_step_match_eager(change: str) -> None:
     _assert_same_training(got, ref)
 
 
+def _first_mlp_step(model: nn.Module, opt) -> None:
+    """One step of _mlp_loop's: in forward mode, the first step(), which
+    creates the optimizer state, applies its updates at once; the next
+    ones wait."""
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _mlp_after_one_backward(mode: str | None) -> tuple:
     """(model, SGD with momentum fused in `mode` or eager, its handle or None,
-    the batch's input) after one backward."""
+    the batch's input) after a first step and one backward."""
     model = _mlp()
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
-    x, y = _mlp_batch(0)
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     return model, opt, handle, x
 
@@ -2695,6 +2708,55 @@ def test_forward_mode_optimizer_state_reset_after_step(how: str, impl: str) -> N
     ref = _mlp_loop(None, make_opt(rp.Adam), 6, **kw)
     _assert_same_training(got, ref)
 
+
+
+def _read_optimizer_state(model: nn.Module, opt) -> None:
+    for p in model.parameters():
+        opt.state[p].get("step")  # a logging read: inserts an empty entry where none is
+
+
+def _clear_optimizer_state(model: nn.Module, opt) -> None:
+    opt.state.clear()
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+def test_forward_mode_reading_optimizer_state_after_step_changes_nothing(impl: str) -> None:
+    """opt.state[p] read right after a step() that creates p's state (the
+    first step, a layer unfrozen, the state cleared before it), which inserts
+    an empty entry into the defaultdict while the update was pending: that
+    entry was taken for a reset of p's state, which the update then left in
+    place (Adam's step count one behind from there). Training matches eager."""
+    cls = rp.Adam if impl == "reprop" else torch.optim.Adam
+    kw = dict(events={3: _unfreeze_first_layer_at_3},
+              after_step={0: _read_optimizer_state, 3: _read_optimizer_state,
+                          4: _clear_optimizer_state, 5: _read_optimizer_state})
+    make_opt = lambda model: cls(_freeze_first_layer(model).parameters(), lr=0.01)  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 7, **kw)
+    ref = _mlp_loop(None, lambda model: rp.Adam(_freeze_first_layer(model).parameters(), lr=0.01),
+                    7, **kw)
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> None:
+    """torch.distributed.checkpoint's get_optimizer_state_dict() right after
+    the first step(): it runs a step of its own (zero gradients, lr 0) when
+    opt.state is empty, which it was while the first updates were pending
+    (Adam then counted two steps). It saves what eager training has."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    saved = []
+
+    def save(model: nn.Module, opt) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved.append(get_optimizer_state_dict(model, opt))
+
+    kw = dict(events={1: save})  # (after the first step's zero_grad(): it steps on none)
+    got = _mlp_loop("forward", lambda model: rp.Adam(model.parameters(), lr=0.01), 3, **kw)
+    ref = _mlp_loop(None, lambda model: rp.Adam(model.parameters(), lr=0.01), 3, **kw)
+    _assert_same_training(got, ref)
+    for name, ref_st in saved[1]["state"].items():
+        _assert_tensor_dicts(saved[0]["state"][name], ref_st, f"saved state of {name}", None)
 
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
@@ -3363,11 +3425,12 @@ def test_forward_mode_updates_applied_on_another_thread_during_a_forward(how: st
     other thread's update until the forward waits for it, or starts the same
     update itself. Both applied them (Adam's step count 2, or a KeyError);
     the forward must wait and compute with each parameter updated once."""
-    x, y = _mlp_batch(0)
-    ref_model, ref_opt = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 1)
+    x, y = _mlp_batch(1)
+    ref_model, ref_opt = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 2)
     model = _mlp()
     opt = rp.Adam(model.parameters(), lr=0.01)
     handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
     F.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()

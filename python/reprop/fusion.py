@@ -25,7 +25,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   forward raises. Hyper-parameters changed between ``backward()`` and
   ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
-  marks the updates pending, each holding the gradient its parameter has
+  marks the updates pending (those of parameters without optimizer state
+  yet it applies at once, so that ``optimizer.state`` has their entries),
+  each holding the gradient its parameter has
   then (the tensor, not a copy), so ``.grad`` is the user's again at once:
   ``zero_grad()``, ``p.grad = None`` and a gradient set by hand act as after
   an eager step(). Each pending update is applied right before its module's
@@ -450,6 +452,15 @@ def _frozen(value):
     if isinstance(value, (tuple, list)):
         return type(value)(_frozen(v) for v in value)
     return value
+
+
+def _only_reads_since(state: dict, entries: dict) -> bool:
+    """Whether the optimizer `state` holds the `entries` it held at step()
+    and, besides, only empty ones: what reading opt.state[p] of a parameter
+    without state inserts (the state is a defaultdict), which is no reset."""
+    return len(state) > len(entries) and all(
+        state.get(p) is st for p, st in entries.items()) and not any(
+        st for p, st in state.items() if p not in entries)
 
 
 def _settings_snapshot(engine: optim._FusedOptimizer) -> dict:
@@ -1294,6 +1305,11 @@ class _ForwardFusion(FusionHandle):
         self._checked: dict = {}
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
+        # (id, len) of optimizer.state after the last step(), when every update it
+        # decided had state; and whether this step() ran a group's full check (its
+        # params with a gradient or state slots changed): see _may_lack_state
+        self._state_seen: tuple = (None, 0)
+        self._rechecked = False
         self._seen_running: set = set()  # ids of modules observed running forward
         # (module, its own parameters) for the owners not seen running forward
         # since the owners were last followed: empty once all have run
@@ -1497,8 +1513,9 @@ class _ForwardFusion(FusionHandle):
             return None
         then, entries = self._step_state
         now = self.optimizer.state
-        if now is then and len(now) == len(entries) and all(
-                map(operator.is_, now.values(), entries.values())):
+        if now is then and (len(now) == len(entries) and all(
+                map(operator.is_, now.values(), entries.values()))
+                or _only_reads_since(now, entries)):
             self._step_state = None
             return None
         return collections.defaultdict(dict, entries)
@@ -1511,8 +1528,8 @@ class _ForwardFusion(FusionHandle):
         now = self.optimizer.state
         if now is then and now:
             for p, st in of_step.items():
-                if p not in entries:
-                    now.setdefault(p, st)
+                if p not in entries and not now.get(p):  # (an empty entry: a read's)
+                    now[p] = st
 
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1573,13 +1590,16 @@ class _ForwardFusion(FusionHandle):
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
+        self._rechecked = False
+        held: list = []
         try:
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
                     self._hold(params)
+                    held += params
         finally:  # a refused group: eager step() has updated the groups before it
-            self._decided(with_grad)
+            self._decided(held)
 
     def _hold(self, params: list) -> None:
         """Marks these updates pending, each to apply the gradient its param
@@ -1592,19 +1612,45 @@ class _ForwardFusion(FusionHandle):
         # (map and zip: a Python loop here cost a microsecond per param)
         self._pending.update(zip(ids, params))
         self._grads.update(zip(ids, zip(grads, map(_grad_mark, grads))))
-        _as_if_updated_in_place(params)
 
-    def _decided(self, with_grad: list) -> None:
+    def _decided(self, held: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
-        module owns are applied now, and the optimizer state the others will
-        update is noted (_state_if_edited_since_step): a shallow copy, in C."""
-        if self._foreign:  # (most models have none: then no pass over the params)
-            foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
-            if foreign:
-                self._apply(foreign)
+        module owns are applied now, and so are those of parameters without
+        optimizer state (a first step, a parameter unfrozen, the state reset):
+        while such an update waited, opt.state lacked the entry eager step()
+        created (a read of opt.state[p], a defaultdict, inserted an empty one,
+        taken for a reset; torch's distributed checkpoint found the state
+        empty and ran a step of its own). Then the optimizer state the others
+        will update is noted (_state_if_edited_since_step): a shallow copy, in C.
+        What waits gets eager's in-place update done to it now
+        (_as_if_updated_in_place); what is applied now gets it from its update."""
+        state = self.optimizer.state
+        stateless = self._may_lack_state(state)
+        now = []
+        if self._foreign or stateless:  # (the steady state of most models: neither)
+            now = [p for p in held if id(p) in self._foreign or stateless and p not in state]
+        if now:
+            applied = set(map(id, now))
+            waiting = [p for p in held if id(p) not in applied]
+        else:
+            waiting = held
+        if waiting:
+            _as_if_updated_in_place(waiting)
+        if now:
+            self._apply(now)
+        self._state_seen = (id(state), len(state))
         if self._pending:
-            state = self.optimizer.state
             self._step_state = (state, dict(state))
+
+    def _may_lack_state(self, state: dict) -> bool:
+        """Whether a parameter whose update this step() decided may have no
+        entry in the optimizer's `state`: only when the step's params with a
+        gradient or state slots changed (_check_update ran a full check), or
+        the state did since the last step(): another dict, or entries added or
+        removed. (By id: holding the old dict would keep a state the user
+        dropped alive.) Two looks per step in the steady state, instead of a
+        lookup per parameter."""
+        return self._rechecked or self._state_seen != (id(state), len(state))
 
     def _check_update(self, group: dict, params: list) -> None:
         """Raises what eager step() raises for the update of these params of one
@@ -1623,6 +1669,7 @@ class _ForwardFusion(FusionHandle):
         if self._checked.get(id(group)) != checked:
             engine._check_step(settings, params, None, slots)
             self._checked[id(group)] = checked
+            self._rechecked = True
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         """What eager's zero_grad() does, now (the pending updates hold their
