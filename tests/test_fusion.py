@@ -3189,6 +3189,20 @@ def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
         assert r["error"] is not None and "second gradient" in r["error"]
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_join_with_uneven_inputs_matches_eager(tmp_path: Path) -> None:
+    """torch's Join([ddp]) with uneven inputs (rank r trains 2 + r steps).
+    Backward mode: the joined rank's DDP join hook runs the comm hook outside
+    backward to match the other rank's all-reduce, where the fusion queued an
+    end-of-backward callback (RuntimeError, SIGABRT, the other rank hung).
+    Every rank ends with eager's parameters."""
+    results = _run_ddp_workers("ddp_join", tmp_path)
+    for rank, r in enumerate(results):
+        for mode in ("backward",):
+            for i, (a, b) in enumerate(zip(r[mode], r["None"])):
+                assert torch.equal(a, b), f"rank {rank}, {mode} mode, param {i}: {_diff(a, b)}"
+
+
 def test_weight_in_two_reentrant_checkpoint_segments_raises() -> None:
     """A weight used in two reentrant checkpoint segments gets a partial
     gradient in each segment's nested backward: refused as a second gradient,

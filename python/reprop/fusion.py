@@ -1230,6 +1230,10 @@ class _BackwardFusion(FusionHandle):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         reduced = allreduce_hook(process_group, bucket)
+        if _tensors.outside_backward():
+            # DDP's join hook (Join([ddp]) with uneven inputs) running it on a joined
+            # rank to match another rank's all-reduce, of zeros: no backward, no update
+            return reduced
         with self._lock:
             self._backward_since_forward = True
             if self._removed or not self._updating():
