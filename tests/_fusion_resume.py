@@ -28,7 +28,7 @@
 
     python _fusion_resume.py ddp_join RANK WORLD INIT_FILE OUT
         Uneven inputs under torch's Join([ddp]) (rank r trains 2 + r steps):
-        eager step() and reprop.fuse(mode="backward");
+        eager step(), reprop.fuse(mode="backward") and mode="forward";
         torch.save {mode: the final parameters} to OUT.
 
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
@@ -222,7 +222,7 @@ def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
-    for mode in (None, "backward"):
+    for mode in (None, "backward", "forward"):
         model = DDP(tf._mlp())
         opt = reprop.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         handle = reprop.fuse(model, opt, mode=mode) if mode else None

@@ -3195,10 +3195,13 @@ def test_ddp_join_with_uneven_inputs_matches_eager(tmp_path: Path) -> None:
     Backward mode: the joined rank's DDP join hook runs the comm hook outside
     backward to match the other rank's all-reduce, where the fusion queued an
     end-of-backward callback (RuntimeError, SIGABRT, the other rank hung).
-    Every rank ends with eager's parameters."""
+    Forward mode: the join's final broadcast of the last joiner's parameters
+    took them before its pending update, and the other rank then applied its
+    own pending update on top (the replicas diverged). Both now end with
+    eager's parameters on every rank."""
     results = _run_ddp_workers("ddp_join", tmp_path)
     for rank, r in enumerate(results):
-        for mode in ("backward",):
+        for mode in ("backward", "forward"):
             for i, (a, b) in enumerate(zip(r[mode], r["None"])):
                 assert torch.equal(a, b), f"rank {rank}, {mode} mode, param {i}: {_diff(a, b)}"
 

@@ -1338,6 +1338,30 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
+        self._own_join_hook = _MISSING
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            self._own_join_hook = model.__dict__.get("join_hook", _MISSING)
+            model.join_hook = self._ddp_join_hook
+
+    def _ddp_join_hook(self, **kwargs):
+        """DDP's join hook (what Join([ddp]) asks the model for), applying the
+        pending updates first: its post-hook broadcasts the last joiner's
+        parameters to every rank, which must be the updated ones (eager step()
+        applied them), and on the others nothing may be left pending to be
+        applied on top of them."""
+        hook = type(self.model).join_hook(self.model, **kwargs)
+        main_hook, post_hook = hook.main_hook, hook.post_hook
+
+        def flushed_main_hook():
+            self.flush()
+            main_hook()
+
+        def flushed_post_hook(is_last_joiner: bool):
+            self.flush()
+            post_hook(is_last_joiner)
+
+        hook.main_hook, hook.post_hook = flushed_main_hook, flushed_post_hook
+        return hook
 
     def _track(self, new: list) -> None:
         self._hook_owners()
@@ -1420,6 +1444,10 @@ class _ForwardFusion(FusionHandle):
         super()._unhook()
         for module in list(self._covered):
             _stop_flushing_before_module_calls(module, self)
+        if self._own_join_hook is not _MISSING:
+            self.model.join_hook = self._own_join_hook
+        elif isinstance(self.model, nn.parallel.DistributedDataParallel):
+            self.model.__dict__.pop("join_hook", None)
 
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
