@@ -2758,6 +2758,44 @@ def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> No
     for name, ref_st in saved[1]["state"].items():
         _assert_tensor_dicts(saved[0]["state"][name], ref_st, f"saved state of {name}", None)
 
+
+@pytest.mark.parametrize("apply", ["forward", "flush"])
+def test_forward_mode_update_applied_under_inference_mode_makes_normal_state(apply: str) -> None:
+    """A pending update applied inside torch.inference_mode() (an evaluation
+    forward after step(), or flush() there) inherited the mode: the state
+    tensors it created (here Adam's step counts, which a checkpoint of an
+    older torch holds as floats) were inference tensors, which the next
+    eager update, or an in-place edit of the state, refused. They are normal
+    tensors, as eager step() makes them, and training goes on as eager."""
+    def train(fused: bool) -> tuple:
+        model = _mlp()
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        handle = reprop.fuse(model, opt, mode="forward") if fused else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if handle is not None:
+                handle.flush()
+            for st in opt.state.values():
+                st["step"] = float(st["step"])  # (as an old checkpoint loads it)
+            opt.step()
+            opt.zero_grad()
+            with torch.inference_mode():
+                if handle is not None and apply == "flush":
+                    handle.flush()
+                model(x)
+            assert not any(t.is_inference() for st in opt.state.values() for t in st.values()
+                           if isinstance(t, torch.Tensor))
+        for st in opt.state.values():
+            st["exp_avg"].mul_(0.5)  # an in-place edit of the state
+        if handle is not None:
+            handle.remove()
+        F.mse_loss(model(x), y).backward()
+        opt.step()  # eager, on that state
+        return model, opt
+
+    _assert_same_training(train(True), train(False))
+
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
     fused and called, while the checkpoint is taken of its .module."""

@@ -1474,7 +1474,14 @@ class _ForwardFusion(FusionHandle):
             if of_step is not None:
                 engine.state = of_step
             try:
-                self._apply_by_group(params, grads)
+                if torch.is_inference_mode_enabled():
+                    # (a forward under the user's inference_mode): the state the update
+                    # creates must be normal tensors, as eager step()'s, which the next
+                    # eager update can change in place
+                    with torch.inference_mode(False):
+                        self._apply_by_group(params, grads)
+                else:
+                    self._apply_by_group(params, grads)
             finally:
                 if of_step is not None:
                     engine.state = users
