@@ -2796,6 +2796,28 @@ def test_forward_mode_update_applied_under_inference_mode_makes_normal_state(app
 
     _assert_same_training(train(True), train(False))
 
+
+def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_updates() -> None:
+    """An optimizer state-dict pre-hook registered before fuse() ran before
+    the fusion's, which applies the pending updates: it saw the state before
+    them (no step count after the second step). It sees eager's."""
+    seen = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        opt.register_state_dict_pre_hook(
+            lambda o, mode=mode: seen.update({mode: o.state[model[0].weight]["step"].item()}))
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(2):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.state_dict()
+        if handle is not None:
+            handle.remove()
+    assert seen == {None: 2.0, "forward": 2.0}, seen
+
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
     fused and called, while the checkpoint is taken of its .module."""

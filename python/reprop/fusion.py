@@ -1337,7 +1337,10 @@ class _ForwardFusion(FusionHandle):
         # must see them updated
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
-        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
+        # prepended: the optimizer's state-dict pre-hooks registered before fuse()
+        # must see the state updated, as after an eager step()
+        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict,
+                                                                  prepend=True))
         self._own_join_hook = _MISSING
         if isinstance(model, nn.parallel.DistributedDataParallel):
             self._own_join_hook = model.__dict__.get("join_hook", _MISSING)
