@@ -2818,6 +2818,21 @@ def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_
             handle.remove()
     assert seen == {None: 2.0, "forward": 2.0}, seen
 
+
+def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
+    """An lr held as a NumPy array and changed in place after step() (a
+    hand-written schedule): the pending update shared the array and used the
+    new lr; eager step() had used the old one. It uses the old one."""
+    import numpy as np
+
+    def after(model: nn.Module, opt) -> None:
+        opt.param_groups[0]["lr"][...] = 10.0
+
+    make_opt = lambda model: rp.SGD(model.parameters(), lr=np.array(0.1))  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 3, after_step={1: after})
+    ref = _mlp_loop(None, make_opt, 3, after_step={1: after})
+    _assert_same_training(got, ref)
+
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
     fused and called, while the checkpoint is taken of its .module."""

@@ -91,6 +91,7 @@ import warnings
 import weakref
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
@@ -445,10 +446,12 @@ def _grad_mark(t: torch.Tensor) -> tuple:
 
 
 def _frozen(value):
-    """`value` as it is now: tensors (a tensor lr, betas) are copied, since
-    schedulers change them in place."""
+    """`value` as it is now: tensors (a tensor lr, betas) and NumPy arrays are
+    copied, since schedulers (or the user) change them in place."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
     if isinstance(value, (tuple, list)):
         return type(value)(_frozen(v) for v in value)
     return value
