@@ -26,6 +26,11 @@
         one forward (the second reaching only an Embedding's weight, which
         autograd does not save); torch.save {"error": its message or None}.
 
+    python _fusion_resume.py ddp_join RANK WORLD INIT_FILE OUT
+        Uneven inputs under torch's Join([ddp]) (rank r trains 2 + r steps):
+        eager step(), reprop.fuse(mode="backward") and mode="forward";
+        torch.save {mode: the final parameters} to OUT.
+
 Runs as a script, so this directory is sys.path[0] and test_fusion imports.
 """
 from __future__ import annotations
@@ -210,15 +215,42 @@ def ddp_twice(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.distributed.algorithms.join import Join
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for mode in (None, "backward", "forward"):
+        model = DDP(tf._mlp())
+        opt = reprop.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with Join([model]):
+                for i in range(2 + rank):
+                    x, y = tf._mlp_batch(10 * rank + i)
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        results[str(mode)] = [p.detach().clone() for p in model.parameters()]
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cmd, *args = argv
     if cmd == "resume":
         case, opt_name, ckpt, start, stop, out = args
         resume(case, opt_name, ckpt, int(start), int(stop), out)
-    elif cmd in ("ddp", "ddp_unused", "ddp_twice"):
+    elif cmd in ("ddp", "ddp_unused", "ddp_twice", "ddp_join"):
         rank, world, init_file, out = args
-        {"ddp": ddp, "ddp_unused": ddp_unused, "ddp_twice": ddp_twice}[cmd](
+        {"ddp": ddp, "ddp_unused": ddp_unused, "ddp_twice": ddp_twice, "ddp_join": ddp_join}[cmd](
             int(rank), int(world), init_file, out)
     else:
         raise SystemExit(f"unknown command {cmd!r}")

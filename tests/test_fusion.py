@@ -1478,6 +1478,85 @@ def test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete() -> N
     assert all(not torch.equal(p, initial[n]) for n, p in model.named_parameters())
 
 
+def _train_with_grad_hooks_after_fuse(make_opt: Callable, fused: bool) -> tuple:
+    """Three Linears with post-accumulate-grad hooks registered after fuse()
+    on every parameter: one logs whether it sees .grad, one halves it. Also
+    records, in steps after the first, whether the last layer is already
+    updated when backward reaches the first layer's output."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    opt = make_opt(model.parameters())
+    handle = reprop.fuse(model, opt, mode="backward") if fused else None
+    seen, updated_inside = [], []
+
+    def log(p):
+        seen.append(p.grad is not None)
+
+    def halve(p):
+        if p.grad is not None:
+            p.grad.mul_(0.5)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(log)
+        p.register_post_accumulate_grad_hook(halve)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(4):
+            before = model[4].weight.detach().clone()
+            h = model[0](torch.randn(7, 4, generator=_gen(i)))
+            h.register_hook(lambda g: updated_inside.append(not torch.equal(model[4].weight, before)))
+            model[1:](h).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return [p.detach() for p in model.parameters()], seen, updated_inside
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_backward_mode_grad_hooks_registered_after_fuse_see_the_gradient(name: str) -> None:
+    """Post-accumulate-grad hooks registered after fuse() run after the
+    fusion's own: every one of them sees the gradient and its edit is
+    applied, as in eager training (before, the update of a module ran at
+    its last parameter's gradient, before that parameter's later hooks,
+    which found .grad freed). From the next backward the fusion's hook runs
+    after them, and the updates are made inside backward again."""
+    make_opt = {"SGD": lambda ps: rp.SGD(ps, lr=0.1, momentum=0.9),
+                "Adam": lambda ps: rp.Adam(ps, lr=0.01)}[name]
+    ref_params, ref_seen, _ = _train_with_grad_hooks_after_fuse(make_opt, fused=False)
+    params, seen, updated_inside = _train_with_grad_hooks_after_fuse(make_opt, fused=True)
+    assert seen == ref_seen and all(seen), seen
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b), _diff(a, b)
+    assert updated_inside == [False, True, True, True], updated_inside
+
+
+
+def test_backward_mode_param_group_removed_and_added_again_updates_once() -> None:
+    """A param group popped and added again after fuse(): its parameters got
+    the fusion's gradient hook a second time, which refused the second call
+    in the same backward as a second gradient. Training matches eager."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+        opt = rp.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+        handle = reprop.fuse(model, opt, mode="backward") if fused else None
+        group = opt.param_groups.pop()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(3):
+                model(torch.randn(4, 3, generator=_gen(i))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if i == 0:
+                    opt.add_param_group(group)
+        if handle is not None:
+            handle.remove()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
+
 # ---------------------------------------------------------------------------
 # 8. Forward mode: lazy, per-module application
 # ---------------------------------------------------------------------------
@@ -1487,11 +1566,12 @@ def test_forward_mode_applies_each_module_before_its_next_use() -> None:
     """After step() nothing has changed, and zero_grad() has freed the
     gradients as in eager training (the pending updates hold them); running
     one submodule applies just its update; the full forward then applies the
-    rest, once."""
-    t = Trainer("cnn", "AdamW", "forward")
-    ref = Trainer("cnn", "AdamW", None).run(0, 1)
+    rest, once. (The second step: the first, which creates the optimizer
+    state, step() applies at once.)"""
+    t = Trainer("cnn", "AdamW", "forward").run(0, 1)
+    ref = Trainer("cnn", "AdamW", None).run(0, 2)
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-    t.run(0, 1)  # forward, backward, step(), zero_grad()
+    t.run(1, 2)  # forward, backward, step(), zero_grad()
     for n, p in t.model.named_parameters():
         assert torch.equal(p, before[n]), f"{n} updated by step() in forward mode"
         assert p.grad is None, f"{n}: zero_grad() did not free the gradient"
@@ -1636,7 +1716,7 @@ def _penalty_between_step_and_forward(mode: str | None) -> tuple:
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-        if handle is not None:
+        if handle is not None and i > 0:  # (the first step(), creating the state, applied them)
             with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
                 model[0].weight.square().sum().backward()
             handle.flush()
@@ -2260,7 +2340,8 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
     opt = rp.SGD(model.parameters(), lr=0.1)
     before = hook_snapshot(model, opt)
     handle = reprop.fuse(model, opt, mode="forward")
-    x, y = _mlp_batch(0)
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
     model[4].weight.grad.mul_(2)
@@ -2517,13 +2598,24 @@ def test_forward_mode_grads_changed_after_step_match_eager(change: str) -> None:
     _assert_same_training(got, ref)
 
 
+def _first_mlp_step(model: nn.Module, opt) -> None:
+    """One step of _mlp_loop's: in forward mode, the first step(), which
+    creates the optimizer state, applies its updates at once; the next
+    ones wait."""
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _mlp_after_one_backward(mode: str | None) -> tuple:
     """(model, SGD with momentum fused in `mode` or eager, its handle or None,
-    the batch's input) after one backward."""
+    the batch's input) after a first step and one backward."""
     model = _mlp()
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
-    x, y = _mlp_batch(0)
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     return model, opt, handle, x
 
@@ -2616,6 +2708,130 @@ def test_forward_mode_optimizer_state_reset_after_step(how: str, impl: str) -> N
     ref = _mlp_loop(None, make_opt(rp.Adam), 6, **kw)
     _assert_same_training(got, ref)
 
+
+
+def _read_optimizer_state(model: nn.Module, opt) -> None:
+    for p in model.parameters():
+        opt.state[p].get("step")  # a logging read: inserts an empty entry where none is
+
+
+def _clear_optimizer_state(model: nn.Module, opt) -> None:
+    opt.state.clear()
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+def test_forward_mode_reading_optimizer_state_after_step_changes_nothing(impl: str) -> None:
+    """opt.state[p] read right after a step() that creates p's state (the
+    first step, a layer unfrozen, the state cleared before it), which inserts
+    an empty entry into the defaultdict while the update was pending: that
+    entry was taken for a reset of p's state, which the update then left in
+    place (Adam's step count one behind from there). Training matches eager."""
+    cls = rp.Adam if impl == "reprop" else torch.optim.Adam
+    kw = dict(events={3: _unfreeze_first_layer_at_3},
+              after_step={0: _read_optimizer_state, 3: _read_optimizer_state,
+                          4: _clear_optimizer_state, 5: _read_optimizer_state})
+    make_opt = lambda model: cls(_freeze_first_layer(model).parameters(), lr=0.01)  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 7, **kw)
+    ref = _mlp_loop(None, lambda model: rp.Adam(_freeze_first_layer(model).parameters(), lr=0.01),
+                    7, **kw)
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> None:
+    """torch.distributed.checkpoint's get_optimizer_state_dict() right after
+    the first step(): it runs a step of its own (zero gradients, lr 0) when
+    opt.state is empty, which it was while the first updates were pending
+    (Adam then counted two steps). It saves what eager training has."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    saved = []
+
+    def save(model: nn.Module, opt) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved.append(get_optimizer_state_dict(model, opt))
+
+    kw = dict(events={1: save})  # (after the first step's zero_grad(): it steps on none)
+    got = _mlp_loop("forward", lambda model: rp.Adam(model.parameters(), lr=0.01), 3, **kw)
+    ref = _mlp_loop(None, lambda model: rp.Adam(model.parameters(), lr=0.01), 3, **kw)
+    _assert_same_training(got, ref)
+    for name, ref_st in saved[1]["state"].items():
+        _assert_tensor_dicts(saved[0]["state"][name], ref_st, f"saved state of {name}", None)
+
+
+@pytest.mark.parametrize("apply", ["forward", "flush"])
+def test_forward_mode_update_applied_under_inference_mode_makes_normal_state(apply: str) -> None:
+    """A pending update applied inside torch.inference_mode() (an evaluation
+    forward after step(), or flush() there) inherited the mode: the state
+    tensors it created (here Adam's step counts, which a checkpoint of an
+    older torch holds as floats) were inference tensors, which the next
+    eager update, or an in-place edit of the state, refused. They are normal
+    tensors, as eager step() makes them, and training goes on as eager."""
+    def train(fused: bool) -> tuple:
+        model = _mlp()
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        handle = reprop.fuse(model, opt, mode="forward") if fused else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if handle is not None:
+                handle.flush()
+            for st in opt.state.values():
+                st["step"] = float(st["step"])  # (as an old checkpoint loads it)
+            opt.step()
+            opt.zero_grad()
+            with torch.inference_mode():
+                if handle is not None and apply == "flush":
+                    handle.flush()
+                model(x)
+            assert not any(t.is_inference() for st in opt.state.values() for t in st.values()
+                           if isinstance(t, torch.Tensor))
+        for st in opt.state.values():
+            st["exp_avg"].mul_(0.5)  # an in-place edit of the state
+        if handle is not None:
+            handle.remove()
+        F.mse_loss(model(x), y).backward()
+        opt.step()  # eager, on that state
+        return model, opt
+
+    _assert_same_training(train(True), train(False))
+
+
+def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_updates() -> None:
+    """An optimizer state-dict pre-hook registered before fuse() ran before
+    the fusion's, which applies the pending updates: it saw the state before
+    them (no step count after the second step). It sees eager's."""
+    seen = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        opt.register_state_dict_pre_hook(
+            lambda o, mode=mode: seen.update({mode: o.state[model[0].weight]["step"].item()}))
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(2):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.state_dict()
+        if handle is not None:
+            handle.remove()
+    assert seen == {None: 2.0, "forward": 2.0}, seen
+
+
+def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
+    """An lr held as a NumPy array and changed in place after step() (a
+    hand-written schedule): the pending update shared the array and used the
+    new lr; eager step() had used the old one. It uses the old one."""
+    import numpy as np
+
+    def after(model: nn.Module, opt) -> None:
+        opt.param_groups[0]["lr"][...] = 10.0
+
+    make_opt = lambda model: rp.SGD(model.parameters(), lr=np.array(0.1))  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 3, after_step={1: after})
+    ref = _mlp_loop(None, make_opt, 3, after_step={1: after})
+    _assert_same_training(got, ref)
 
 class _Wrapper(nn.Module):
     """What DistributedDataParallel is to the model it wraps: the root that is
@@ -3048,6 +3264,23 @@ def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
         assert r["error"] is not None and "second gradient" in r["error"]
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_join_with_uneven_inputs_matches_eager(tmp_path: Path) -> None:
+    """torch's Join([ddp]) with uneven inputs (rank r trains 2 + r steps).
+    Backward mode: the joined rank's DDP join hook runs the comm hook outside
+    backward to match the other rank's all-reduce, where the fusion queued an
+    end-of-backward callback (RuntimeError, SIGABRT, the other rank hung).
+    Forward mode: the join's final broadcast of the last joiner's parameters
+    took them before its pending update, and the other rank then applied its
+    own pending update on top (the replicas diverged). Both now end with
+    eager's parameters on every rank."""
+    results = _run_ddp_workers("ddp_join", tmp_path)
+    for rank, r in enumerate(results):
+        for mode in ("backward", "forward"):
+            for i, (a, b) in enumerate(zip(r[mode], r["None"])):
+                assert torch.equal(a, b), f"rank {rank}, {mode} mode, param {i}: {_diff(a, b)}"
+
+
 def test_weight_in_two_reentrant_checkpoint_segments_raises() -> None:
     """A weight used in two reentrant checkpoint segments gets a partial
     gradient in each segment's nested backward: refused as a second gradient,
@@ -3284,11 +3517,12 @@ def test_forward_mode_updates_applied_on_another_thread_during_a_forward(how: st
     other thread's update until the forward waits for it, or starts the same
     update itself. Both applied them (Adam's step count 2, or a KeyError);
     the forward must wait and compute with each parameter updated once."""
-    x, y = _mlp_batch(0)
-    ref_model, ref_opt = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 1)
+    x, y = _mlp_batch(1)
+    ref_model, ref_opt = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 2)
     model = _mlp()
     opt = rp.Adam(model.parameters(), lr=0.01)
     handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
     F.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()

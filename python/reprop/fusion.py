@@ -25,7 +25,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   forward raises. Hyper-parameters changed between ``backward()`` and
   ``step()`` apply from the next step.
 * ``mode="forward"`` (forward-fusion, Algorithm 2): ``optimizer.step()`` only
-  marks the updates pending, each holding the gradient its parameter has
+  marks the updates pending (those of parameters without optimizer state
+  yet it applies at once, so that ``optimizer.state`` has their entries),
+  each holding the gradient its parameter has
   then (the tensor, not a copy), so ``.grad`` is the user's again at once:
   ``zero_grad()``, ``p.grad = None`` and a gradient set by hand act as after
   an eager step(). Each pending update is applied right before its module's
@@ -89,6 +91,7 @@ import warnings
 import weakref
 from typing import Iterable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
@@ -443,13 +446,24 @@ def _grad_mark(t: torch.Tensor) -> tuple:
 
 
 def _frozen(value):
-    """`value` as it is now: tensors (a tensor lr, betas) are copied, since
-    schedulers change them in place."""
+    """`value` as it is now: tensors (a tensor lr, betas) and NumPy arrays are
+    copied, since schedulers (or the user) change them in place."""
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
+    if isinstance(value, np.ndarray):
+        return value.copy()
     if isinstance(value, (tuple, list)):
         return type(value)(_frozen(v) for v in value)
     return value
+
+
+def _only_reads_since(state: dict, entries: dict) -> bool:
+    """Whether the optimizer `state` holds the `entries` it held at step()
+    and, besides, only empty ones: what reading opt.state[p] of a parameter
+    without state inserts (the state is a defaultdict), which is no reset."""
+    return len(state) > len(entries) and all(
+        state.get(p) is st for p, st in entries.items()) and not any(
+        st for p, st in state.items() if p not in entries)
 
 
 def _settings_snapshot(engine: optim._FusedOptimizer) -> dict:
@@ -845,6 +859,12 @@ class _BackwardFusion(FusionHandle):
         self._end_ref = self._join_ref = _tensors.not_queued
         self._side_streams: dict = {}  # CUDA device -> the stream updates run on
         self._batch_of: dict = {}
+        # id(param) -> the handle of this fusion's post-accumulate-grad hook on it
+        self._grad_hooks: dict = {}
+        # id(param) -> param whose update waited for the end of backward because
+        # hooks registered after this fusion's ran after it: its hook is
+        # registered again there, to be last (see _hooks_after_ours)
+        self._hooked_behind: dict = {}
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         if self._ddp:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -875,7 +895,11 @@ class _BackwardFusion(FusionHandle):
         # hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
         for p in new:
-            self._hooks.append(_register_grad_ready(p, on_grad))
+            # (a param removed from the optimizer and added again has the hook already)
+            old = self._grad_hooks.pop(id(p), None)
+            if old is not None:
+                old.remove()
+            self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
         # a micro-batch starts, and the last step ends (what a gradient then reaching
         # an updated parameter is not a second one of), at the first forward of any
         # module with fused parameters: the root's may not run (layers called one by one)
@@ -892,6 +916,13 @@ class _BackwardFusion(FusionHandle):
             if _tensors.outside_backward():
                 self._finish_step()
             self._join_side_streams()
+
+    def _unhook(self) -> None:
+        super()._unhook()
+        for hook in self._grad_hooks.values():
+            hook.remove()
+        self._grad_hooks.clear()
+        self._hooked_behind.clear()
 
     def _undo(self) -> None:
         super()._undo()
@@ -992,7 +1023,28 @@ class _BackwardFusion(FusionHandle):
             self._ready[id(p)] = p
             batch = _complete(self._batch_of[id(p)], self._ready)
             if batch:
-                self._update(batch)
+                if self._hooks_after_ours(p):  # they see .grad first: at the end of backward
+                    self._hooked_behind[id(p)] = p
+                else:
+                    self._update(batch)
+
+    def _hooks_after_ours(self, p: torch.Tensor) -> bool:
+        """Whether p has post-accumulate-grad hooks registered after this
+        fusion's (after fuse()): torch runs them in registration order, so
+        they would find the gradient freed and their edits of it lost, where
+        in eager training every hook sees the gradient before step(). A look
+        at the last key of p's ordered hook dict."""
+        return next(reversed(p._post_accumulate_grad_hooks)) != self._grad_hooks[id(p)].id
+
+    def _put_hooks_last(self) -> None:
+        """Registers this fusion's hook again on the parameters whose update
+        waited for hooks registered after it, so that from the next backward
+        on those hooks run first and the update is fused again. At the end of
+        backward: while it runs a parameter's hooks, torch iterates their dict."""
+        for i, p in self._hooked_behind.items():
+            self._grad_hooks.pop(i).remove()
+            self._grad_hooks[i] = _register_grad_ready(p, self._on_grad_ready)
+        self._hooked_behind.clear()
 
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
@@ -1030,8 +1082,12 @@ class _BackwardFusion(FusionHandle):
         # what it updates is complete, and the rest waits for _finish_step)
         with self._lock:
             self._pass_open = False
-            if self._ready and not self._removed:  # (removed: eager's step() applies them)
+            if self._removed:  # (eager's step() applies what is ready)
+                return
+            if self._ready:
                 self._update(list(self._ready.values()))
+            if self._hooked_behind:
+                self._put_hooks_last()
 
     def _drop_failed_pass(self) -> None:
         """Forgets a backward that reached this fusion and raised (an error in
@@ -1177,6 +1233,10 @@ class _BackwardFusion(FusionHandle):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         reduced = allreduce_hook(process_group, bucket)
+        if _tensors.outside_backward():
+            # DDP's join hook (Join([ddp]) with uneven inputs) running it on a joined
+            # rank to match another rank's all-reduce, of zeros: no backward, no update
+            return reduced
         with self._lock:
             self._backward_since_forward = True
             if self._removed or not self._updating():
@@ -1252,6 +1312,11 @@ class _ForwardFusion(FusionHandle):
         self._checked: dict = {}
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
+        # (id, len) of optimizer.state after the last step(), when every update it
+        # decided had state; and whether this step() ran a group's full check (its
+        # params with a gradient or state slots changed): see _may_lack_state
+        self._state_seen: tuple = (None, 0)
+        self._rechecked = False
         self._seen_running: set = set()  # ids of modules observed running forward
         # (module, its own parameters) for the owners not seen running forward
         # since the owners were last followed: empty once all have run
@@ -1275,7 +1340,34 @@ class _ForwardFusion(FusionHandle):
         # must see them updated
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
-        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict))
+        # prepended: the optimizer's state-dict pre-hooks registered before fuse()
+        # must see the state updated, as after an eager step()
+        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict,
+                                                                  prepend=True))
+        self._own_join_hook = _MISSING
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            self._own_join_hook = model.__dict__.get("join_hook", _MISSING)
+            model.join_hook = self._ddp_join_hook
+
+    def _ddp_join_hook(self, **kwargs):
+        """DDP's join hook (what Join([ddp]) asks the model for), applying the
+        pending updates first: its post-hook broadcasts the last joiner's
+        parameters to every rank, which must be the updated ones (eager step()
+        applied them), and on the others nothing may be left pending to be
+        applied on top of them."""
+        hook = type(self.model).join_hook(self.model, **kwargs)
+        main_hook, post_hook = hook.main_hook, hook.post_hook
+
+        def flushed_main_hook():
+            self.flush()
+            main_hook()
+
+        def flushed_post_hook(is_last_joiner: bool):
+            self.flush()
+            post_hook(is_last_joiner)
+
+        hook.main_hook, hook.post_hook = flushed_main_hook, flushed_post_hook
+        return hook
 
     def _track(self, new: list) -> None:
         self._hook_owners()
@@ -1358,6 +1450,10 @@ class _ForwardFusion(FusionHandle):
         super()._unhook()
         for module in list(self._covered):
             _stop_flushing_before_module_calls(module, self)
+        if self._own_join_hook is not _MISSING:
+            self.model.join_hook = self._own_join_hook
+        elif isinstance(self.model, nn.parallel.DistributedDataParallel):
+            self.model.__dict__.pop("join_hook", None)
 
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
@@ -1384,7 +1480,14 @@ class _ForwardFusion(FusionHandle):
             if of_step is not None:
                 engine.state = of_step
             try:
-                self._apply_by_group(params, grads)
+                if torch.is_inference_mode_enabled():
+                    # (a forward under the user's inference_mode): the state the update
+                    # creates must be normal tensors, as eager step()'s, which the next
+                    # eager update can change in place
+                    with torch.inference_mode(False):
+                        self._apply_by_group(params, grads)
+                else:
+                    self._apply_by_group(params, grads)
             finally:
                 if of_step is not None:
                     engine.state = users
@@ -1455,8 +1558,9 @@ class _ForwardFusion(FusionHandle):
             return None
         then, entries = self._step_state
         now = self.optimizer.state
-        if now is then and len(now) == len(entries) and all(
-                map(operator.is_, now.values(), entries.values())):
+        if now is then and (len(now) == len(entries) and all(
+                map(operator.is_, now.values(), entries.values()))
+                or _only_reads_since(now, entries)):
             self._step_state = None
             return None
         return collections.defaultdict(dict, entries)
@@ -1469,8 +1573,8 @@ class _ForwardFusion(FusionHandle):
         now = self.optimizer.state
         if now is then and now:
             for p, st in of_step.items():
-                if p not in entries:
-                    now.setdefault(p, st)
+                if p not in entries and not now.get(p):  # (an empty entry: a read's)
+                    now[p] = st
 
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1531,13 +1635,16 @@ class _ForwardFusion(FusionHandle):
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
+        self._rechecked = False
+        held: list = []
         try:
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
                     self._hold(params)
+                    held += params
         finally:  # a refused group: eager step() has updated the groups before it
-            self._decided(with_grad)
+            self._decided(held)
 
     def _hold(self, params: list) -> None:
         """Marks these updates pending, each to apply the gradient its param
@@ -1550,19 +1657,45 @@ class _ForwardFusion(FusionHandle):
         # (map and zip: a Python loop here cost a microsecond per param)
         self._pending.update(zip(ids, params))
         self._grads.update(zip(ids, zip(grads, map(_grad_mark, grads))))
-        _as_if_updated_in_place(params)
 
-    def _decided(self, with_grad: list) -> None:
+    def _decided(self, held: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
-        module owns are applied now, and the optimizer state the others will
-        update is noted (_state_if_edited_since_step): a shallow copy, in C."""
-        if self._foreign:  # (most models have none: then no pass over the params)
-            foreign = [p for p in with_grad if id(p) in self._foreign and id(p) in self._pending]
-            if foreign:
-                self._apply(foreign)
+        module owns are applied now, and so are those of parameters without
+        optimizer state (a first step, a parameter unfrozen, the state reset):
+        while such an update waited, opt.state lacked the entry eager step()
+        created (a read of opt.state[p], a defaultdict, inserted an empty one,
+        taken for a reset; torch's distributed checkpoint found the state
+        empty and ran a step of its own). Then the optimizer state the others
+        will update is noted (_state_if_edited_since_step): a shallow copy, in C.
+        What waits gets eager's in-place update done to it now
+        (_as_if_updated_in_place); what is applied now gets it from its update."""
+        state = self.optimizer.state
+        stateless = self._may_lack_state(state)
+        now = []
+        if self._foreign or stateless:  # (the steady state of most models: neither)
+            now = [p for p in held if id(p) in self._foreign or stateless and p not in state]
+        if now:
+            applied = set(map(id, now))
+            waiting = [p for p in held if id(p) not in applied]
+        else:
+            waiting = held
+        if waiting:
+            _as_if_updated_in_place(waiting)
+        if now:
+            self._apply(now)
+        self._state_seen = (id(state), len(state))
         if self._pending:
-            state = self.optimizer.state
             self._step_state = (state, dict(state))
+
+    def _may_lack_state(self, state: dict) -> bool:
+        """Whether a parameter whose update this step() decided may have no
+        entry in the optimizer's `state`: only when the step's params with a
+        gradient or state slots changed (_check_update ran a full check), or
+        the state did since the last step(): another dict, or entries added or
+        removed. (By id: holding the old dict would keep a state the user
+        dropped alive.) Two looks per step in the steady state, instead of a
+        lookup per parameter."""
+        return self._rechecked or self._state_seen != (id(state), len(state))
 
     def _check_update(self, group: dict, params: list) -> None:
         """Raises what eager step() raises for the update of these params of one
@@ -1581,6 +1714,7 @@ class _ForwardFusion(FusionHandle):
         if self._checked.get(id(group)) != checked:
             engine._check_step(settings, params, None, slots)
             self._checked[id(group)] = checked
+            self._rechecked = True
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         """What eager's zero_grad() does, now (the pending updates hold their
