@@ -966,6 +966,9 @@ BROKEN = {
     "root_inplace": lambda x, w: (lambda s: (x.mul_(2), s * x)[1])(torch.sigmoid(x)),
     # a chain tensor detached in place: a constant from then on
     "detached_in_place": lambda x, w: (lambda s: (s.detach_(), s * x)[1])(torch.exp(x)),
+    # ... and made a leaf again (requires_grad_()): a root of its own
+    "detached_then_leaf": lambda x, w: (lambda s: (s.detach_(), s.requires_grad_(),
+                                                   torch.tanh(s) * 3 * x)[2])(torch.exp(x) * 2),
     # an op the tables do not know, then back into a chain
     "unknown_op": lambda x, w: torch.atan(torch.sigmoid(x)) * x,
     # no_grad inside the mode

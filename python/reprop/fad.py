@@ -1279,11 +1279,13 @@ class enabled(TorchFunctionMode):
         """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
         (None, None, None) for a constant. A chain tensor with hooks (its own
         or its node's) or retain_grad() is a root: a next step must reach it
-        through autograd; one detached in place (detach_(), which leaves its
-        version) is a constant."""
+        through autograd. Its node must still be a chain node: detach_(), and
+        requires_grad_() after it, leave the version as it was, and make the
+        tensor a constant or a leaf (a root)."""
         rec = self._records.get(t)
-        if rec is not None and rec.version == t._version and t.requires_grad \
-                and not (t._backward_hooks or t.retains_grad or t.grad_fn.hooked) \
+        if rec is not None and rec.version == t._version \
+                and getattr(t.grad_fn, "hooked", True) is False \
+                and not (t._backward_hooks or t.retains_grad) \
                 and (rec.deriv_version is None or rec.deriv is _SELF
                      or rec.deriv._version == rec.deriv_version):
             src = rec.source()
