@@ -779,6 +779,38 @@ def test_split_layers_refuse_to_run_under_ddp(solo_group):
         assert torch.equal(a.grad, b.grad)
 
 
+class _WithAux(nn.Module):
+    """A model whose forward calls another model DDP does not hold."""
+
+    def __init__(self, aux: nn.Module):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.__dict__["aux"] = aux  # not a submodule
+
+    def forward(self, x):
+        return self.aux(self.lin(x))
+
+
+def test_a_model_ddp_does_not_hold_splits_inside_ddp_forward(solo_group):
+    """Only layers whose parameters DDP all-reduces are refused: an enabled
+    model of its own called from DDP's forward (a teacher, an auxiliary net)
+    trains as under plain autograd."""
+    torch.manual_seed(0)
+    aux = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref_aux = copy.deepcopy(aux)
+    handle = enable(aux, speedup=None, profile_iters=2)
+    ddp = DistributedDataParallel(_WithAux(aux))
+    ref = _WithAux(ref_aux)
+    ref.lin = copy.deepcopy(ddp.module.lin)
+    for step in range(5):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        ddp(x).sum().backward()
+        ref(x).sum().backward()
+    for a, b in zip(aux.parameters(), ref_aux.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    handle.remove()
+
+
 def test_data_parallel_refuses_backward_fusion(solo_group):
     """Backward-mode fusion updated each parameter from its local gradient
     (a held layer's: from none) before DataParallel averaged it, so the

@@ -1353,10 +1353,24 @@ _UNDER_DDP = (
     "backprop use reprop.ooo.data_parallel(model) instead of DDP")
 
 
-def _check_not_under_ddp() -> None:
-    """A split layer called inside DDP's forward (DDP sets the active module
-    for its forward: torch's reducer, not the compiled one)."""
-    if DistributedDataParallel._active_ddp_module is not None:
+# DDP model -> ids of the parameters its reducer all-reduces (it holds them)
+_DDP_REDUCED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _check_not_under_ddp(params: tuple) -> None:
+    """A split layer whose parameters DDP all-reduces, called inside DDP's
+    forward (DDP sets the active module for its forward: torch's reducer, not
+    the compiled one). A model of its own called there (a teacher, an
+    auxiliary net) splits as anywhere."""
+    ddp = DistributedDataParallel._active_ddp_module
+    if ddp is None:
+        return
+    reduced = _DDP_REDUCED.get(ddp)
+    if reduced is None:
+        owned = getattr(ddp, "_module_parameters", None)  # less those DDP ignores
+        reduced = _DDP_REDUCED[ddp] = frozenset(
+            map(id, ddp.module.parameters() if owned is None else owned))
+    if any(p is not None and id(p) in reduced for p in params):
         raise ValueError(f"reprop.ooo.enable: the model runs inside {_UNDER_DDP}")
 
 
@@ -1395,7 +1409,7 @@ def _make_forward(site: _Site):
         if params is None:
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
-        _check_not_under_ddp()
+        _check_not_under_ddp(params)
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
         if handle._backward_raised():
