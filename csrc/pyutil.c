@@ -157,13 +157,19 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
     return ok;
 }
 
-/* Whether gradient g is one the row can read as the param's: strided,
+/* Whether gradient g is one the row can read as the param's: a plain
+ * torch.Tensor (`tensor_type`: a subclass, whose __torch_dispatch__ may hold
+ * no memory of its own, goes to the Python path's checks), strided,
  * contiguous, with the param's dtype, shape (torch refuses a gradient of
  * another shape, also one of the same numel) and device, and without torch's
  * lazy negative bit (x.conj().imag: its memory holds -g). 1 / 0 / -1. */
-static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided, PyObject *const *names)
+static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided,
+                             PyObject *tensor_type, PyObject *const *names)
 {
-    int ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
+    int ok;
+    if ((PyObject *)Py_TYPE(g) != tensor_type)
+        return 0;
+    ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
     if (ok == 1)
@@ -251,7 +257,8 @@ static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *na
  * points at, a new reference, in *held. */
 static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                           PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *given, PyObject *const *names, int64_t *row, PyObject **held)
+                          PyObject *tensor_type, PyObject *given, PyObject *const *names,
+                          int64_t *row, PyObject **held)
 {
     unsigned long long ptr;
     PyObject *g = rp_py_grad_of(p, given, names);
@@ -264,7 +271,7 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     }
     ok = rp_py_row_current(p, key, state, st, watched, contiguous, names, row);
     if (ok == 1)
-        ok = rp_py_usable_grad(g, key, strided, names);
+        ok = rp_py_usable_grad(g, key, strided, tensor_type, names);
     if (ok == 1)
         ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
     if (ok != 1) {
@@ -348,7 +355,8 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
         PyObject *g = NULL;
         int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
                                 PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                                PyList_GET_ITEM(args[5], i), args[6], args[8], names, row, &g);
+                                PyList_GET_ITEM(args[5], i), args[6], args[11], args[8], names,
+                                row, &g);
         if (ok == RP_ROW_NO_GRAD)
             continue;
         if (ok != RP_ROW_HOLDS)
@@ -404,13 +412,13 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     Py_ssize_t n;
     int k, ok;
     (void)self;
-    if (rp_py_check_nargs(nargs, 11, "optim_grad_pointers") < 0)
+    if (rp_py_check_nargs(nargs, 12, "optim_grad_pointers") < 0)
         return NULL;
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
         !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
-        (args[8] != Py_None && !PyDict_Check(args[8]))) {
+        (args[8] != Py_None && !PyDict_Check(args[8])) || !PyType_Check(args[11])) {
         PyErr_SetString(PyExc_TypeError, "optim_grad_pointers: expected lists, a dict of state, "
-                                         "a table and None or a dict of gradients");
+                                         "a table, None or a dict of gradients and a type");
         return NULL;
     }
     if (rp_py_check_table(args[7], &table) < 0)

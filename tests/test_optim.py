@@ -1597,6 +1597,37 @@ def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: b
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+class _DispatchWithMemory(torch.Tensor):
+    """A __torch_dispatch__ subclass that keeps its own memory (unlike
+    TwoTensor or DTensor): a data pointer the C fast path could read."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.as_subclass(torch.Tensor) if isinstance(t, cls) else t
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_dispatch_subclass_grad_with_memory_is_refused_by_a_cached_plan(name: str) -> None:
+    """The fast path in C took a gradient by its layout, dtype and shape, not
+    its type: a dispatch subclass with memory of its own was refused at a
+    first step but stepped on from a cached plan."""
+    p = nn.Parameter(torch.ones(4))
+    opt = reprop_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(4)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict()["state"])
+    value = p.detach().clone()
+    p.grad = torch.Tensor._make_subclass(_DispatchWithMemory, torch.ones(4))
+    with pytest.raises(TypeError, match="is a _DispatchWithMemory, a tensor subclass with "
+                                        "__torch_dispatch__"):
+        opt.step()
+    assert torch.equal(p.detach(), value)
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+
+
 def test_dtensor_param_and_grad_are_refused() -> None:
     """DTensor, on a one-rank gloo mesh, is refused as a parameter and as the
     gradient of a plain parameter, before any state is created."""

@@ -218,7 +218,7 @@ class _Plan:
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
             self.grad_contiguous, torch.strided, self.table, given, self.step_table,
-            self.step_rows)
+            self.step_rows, torch.Tensor)
         if read is not None:
             held, rows = read
             if rows is not None:  # other rows than last step's
@@ -353,17 +353,6 @@ def _check_grad(p: torch.Tensor, g: torch.Tensor) -> None:
                          f"{g.device} does not match its parameter ({tuple(p.shape)}, "
                          f"{p.dtype} on {p.device})")
     _tensors.check_strided(g, f"gradient of a parameter of shape {tuple(p.shape)}")
-
-
-def _check_grads_read(plans: list, keep: list) -> None:
-    """Refuses, with _check_grad's reason, a gradient that the C fast path let
-    into a table: it checks a gradient's layout, dtype and shape, not its
-    type, so it reads a __torch_dispatch__ subclass's (DTensor's) as a null
-    data pointer, which the core refuses without saying why. Called once the
-    core has refused a step: it costs the fast path nothing."""
-    for plan, grads in zip(plans, keep):
-        for p, g in zip(plan.step_params, grads):
-            _check_grad(p, g)
 
 
 def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
@@ -783,15 +772,11 @@ class _FusedOptimizer:
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
             running = [plan for plan in plans if not plan.idle]
-            try:
-                if len(running) > 1:  # each call checks its own: let none run if one refuses
-                    for plan in running:
-                        plan.check(self, hparams)
+            if len(running) > 1:  # each call checks its own: let none run if one refuses
                 for plan in running:
-                    plan.run(self, hp, hparams)
-            except ValueError:
-                _check_grads_read(plans, keep)  # say why, where a gradient was the cause
-                raise
+                    plan.check(self, hparams)
+            for plan in running:
+                plan.run(self, hp, hparams)
         except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
             refusal = TypeError if isinstance(e, TypeError) else ValueError
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
