@@ -1105,7 +1105,9 @@ class _SharedWeights:
         self.start = self.stop = placed[0][0] if placed else 1
         spans = {}  # leaf: [start, stop) of its weights in the concatenated ones
         for addr, leaf in placed:
-            assert addr == self.stop, "the plan's shared leaves are not back to back"
+            if addr != self.stop:  # what write() relies on: checked under python -O too
+                raise RuntimeError("ChainPlan: the plan's shared leaves are not back to back "
+                                   "(rp_csr_layout changed); this is a bug in reprop")
             self.stop += leaf.layer.weight.numel()
             spans[leaf] = (addr - self.start, self.stop - self.start)
         self.spans = [(leaf, *spans[leaf]) for leaf in leaves if leaf in spans]  # the chain's order
