@@ -1226,6 +1226,46 @@ def test_two_fused_optimizers_sharing_a_parameter_are_refused(first: str, second
     reprop.fuse(model, o2, mode=second).remove()
 
 
+class _CountingGets(dict):
+    """A fusion's id -> param dict that counts the lookups made in it."""
+
+    gets = 0
+
+    def get(self, *args):
+        _CountingGets.gets += 1
+        return super().get(*args)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_looks_at_other_live_fusions_only_for_a_shared_parameter(mode: str,
+                                                                      monkeypatch) -> None:
+    """fuse() checks each parameter against the other live fusions in O(1): it
+    scanned every live handle per parameter (fusing a 200-Linear model beside
+    1000 per-layer fusions took 28 ms instead of 4). Also: a handle freed
+    without remove() leaves no entry behind, and a parameter the optimizer
+    let go may be fused by another."""
+    monkeypatch.setattr(_CountingGets, "gets", 0)
+    table = reprop.fusion._FUSION_OF_PARAM
+    baseline = len(table)
+    layers = [nn.Linear(2, 2) for _ in range(20)]
+    handles = [reprop.fuse(lin, rp.SGD(lin.parameters(), lr=0.1), mode=mode) for lin in layers]
+    for h in handles:
+        h._params = _CountingGets(h._params)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(10)])
+    h = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode=mode)
+    assert _CountingGets.gets == 0
+    with pytest.raises(ValueError, match=r"^optimizer: a parameter of shape \(2, 2\) is also in"):
+        reprop.fuse(layers[3], rp.SGD([layers[3].weight], lr=0.1), mode=mode)
+    opt = h.optimizer
+    del opt.param_groups[0]["params"][1]  # model[0].bias
+    opt.step()  # follows the groups: model[0].bias is let go
+    reprop.fuse(model[0], rp.SGD([model[0].bias], lr=0.1), mode=mode).remove()
+    h.remove()
+    del handles, layers, h, opt
+    gc.collect()
+    assert len(table) == baseline
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second

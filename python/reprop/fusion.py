@@ -126,11 +126,15 @@ _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# The handles whose optimizers hold parameters, held weakly. Not a weak map
-# keyed by parameter: torch.utils.swap_tensors (what .to()/.half() and
-# load_state_dict use under torch.__future__'s swap flag) refuses a tensor
-# with a weak reference.
-_HANDLES_HOLDING_PARAMS: "weakref.WeakSet" = weakref.WeakSet()
+# id(param) -> weak reference to the live handle whose optimizer holds it, so
+# that fuse() checks each parameter in O(1), however many fusions are live.
+# Keyed by id, not weakly by the parameter: torch.utils.swap_tensors (what
+# .to()/.half() and load_state_dict use under torch.__future__'s swap flag)
+# refuses a tensor with a weak reference. A hit counts only if that handle is
+# alive, not removed and holds that very parameter (an id is reused once its
+# tensor is freed); entries are dropped by remove(), by _sync when the
+# optimizer lets a parameter go, and when the handle is freed.
+_FUSION_OF_PARAM: dict = {}
 
 
 def _flushing(name: str):
@@ -258,15 +262,32 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
     """Refuses a parameter that another live fusion's optimizer holds too:
     each would free or apply its gradient before the other sees it (eager
     applies both optimizers' updates; one was lost)."""
-    others = [h for h in _HANDLES_HOLDING_PARAMS if h is not handle and not h._removed]
     for p in params:
-        other = next((h for h in others if h._params.get(id(p)) is p), None)
-        if other is not None:
+        other = _fusion_holding(p)
+        if other is not None and other is not handle:
             raise ValueError(
                 f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
                 f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
                 "share a parameter. Call remove() on that handle first, or fuse optimizers with "
                 "disjoint parameters")
+
+
+def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
+    """The live fusion whose optimizer holds `p`, if any (see _FUSION_OF_PARAM)."""
+    ref = _FUSION_OF_PARAM.get(id(p))
+    handle = ref() if ref is not None else None
+    if handle is None or handle._removed or handle._params.get(id(p)) is not p:
+        return None
+    return handle
+
+
+def _unclaim(ids: Iterable[int], claimed: set, ref: weakref.ref) -> None:
+    """Drops the _FUSION_OF_PARAM entries of `ids` that are still the handle's
+    (behind `ref`, alive or not), and forgets them in its `claimed` set."""
+    for i in list(ids):
+        if _FUSION_OF_PARAM.get(i) is ref:
+            del _FUSION_OF_PARAM[i]
+        claimed.discard(i)
 
 
 def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
@@ -594,8 +615,12 @@ class FusionHandle:
         this fusion, saving what it overrides for remove()."""
         optimizer, engine = self._user_optimizer, self.optimizer
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
-        _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
-        _HANDLES_HOLDING_PARAMS.add(self)
+        ref = weakref.ref(self)
+        _FUSED_BY[optimizer] = _FUSED_BY[engine] = ref
+        # (the set, not the handle: a handle freed without remove() drops its entries)
+        self._claimed: set = set()
+        self._unclaim_all = weakref.finalize(self, _unclaim, self._claimed, self._claimed, ref)
+        self._claim(self._params.values())
 
         def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
@@ -657,9 +682,17 @@ class FusionHandle:
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
         self._membership = _membership(engine)
+        _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
         self._params = params
+        self._claim(new)
         self._track(new)
         return new
+
+    def _claim(self, params: Iterable[torch.Tensor]) -> None:
+        """Records this fusion in _FUSION_OF_PARAM as the holder of `params`."""
+        ids = dict.fromkeys(map(id, params), weakref.ref(self))
+        _FUSION_OF_PARAM.update(ids)
+        self._claimed.update(ids)
 
     def _before_regroup(self) -> None:
         """What the mode must do while the fusion still follows the optimizer's
@@ -714,7 +747,7 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
-        _HANDLES_HOLDING_PARAMS.discard(self)
+        self._unclaim_all()
 
     def _step_after_removal(self) -> None:
         """A step() that another thread's remove() overtook (after its
