@@ -632,8 +632,7 @@ class FusionHandle:
         step._wrapped_by_lr_sched = True
         optimizer.step = step
         optimizer.zero_grad = self._zero_grad
-        # GradScaler would pass grad_scale/found_inf to a step that supports it.
-        optimizer._step_supports_amp_scaling = False
+        optimizer._step_supports_amp_scaling = self._step_sees_grad_scaler
         # optimizer.load_state_dict: pending updates first; then torch's replaces
         # param_groups and state with new objects, which the engine must share.
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
@@ -829,6 +828,12 @@ class FusionHandle:
         """What the mode's step() does once the closure has run (under the lock)."""
         raise NotImplementedError
 
+    # Whether GradScaler.step() sets grad_scale and found_inf on the optimizer
+    # and calls step() as is (torch's protocol for optimizers that unscale
+    # themselves), instead of unscaling the gradients and calling step() only
+    # if they are finite.
+    _step_sees_grad_scaler = False
+
     def _zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
             if self._removed:  # by another thread since this call began: eager's
@@ -858,10 +863,10 @@ class _BackwardFusion(FusionHandle):
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
-        # id(param) -> param whose .grad (keep_grads=True) holds a gradient applied
-        # already, kept for the user until the next micro-batch. Every other .grad
-        # of a fused param is one not applied yet: what step() applies and
-        # zero_grad() clears, as in eager training.
+        # id(param) -> (param, _grad_mark of its .grad) whose .grad (keep_grads=True)
+        # holds a gradient applied already, kept for the user until the next
+        # micro-batch. Every other .grad of a fused param is one not applied yet:
+        # what step() applies and zero_grad() clears, as in eager training.
         self._kept: dict = {}
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (deferred: they are still there), None when none was: remove() does to
@@ -965,7 +970,7 @@ class _BackwardFusion(FusionHandle):
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
             set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
-            for p in self._kept.values():
+            for p, _ in self._kept.values():
                 _zero_grad_of(p, set_to_none)
             self._kept.clear()
 
@@ -1008,7 +1013,8 @@ class _BackwardFusion(FusionHandle):
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
             self._backward_since_forward = False
             self._micro_batches += 1
-            for p in self._kept.values():
+            self._refuse_kept_grads_edited()
+            for p, _ in self._kept.values():
                 p.grad = None
             self._kept.clear()
 
@@ -1252,12 +1258,45 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
-            self._kept.update((id(p), p) for p in params)
+            self._kept.update((id(p), (p, _grad_mark(p.grad))) for p in params)
             self._kept_zeroed = None
             self._kept_unstepped = True
         else:
             for p in params:
                 p.grad = None
+
+    # GradScaler's step() then tells this fusion it is there (see _refuse_grad_scaler).
+    _step_sees_grad_scaler = True
+
+    def _refuse_grad_scaler(self) -> None:
+        """backward() applied the updates from the scaled gradients before
+        GradScaler could unscale them or skip a step with infs. Its unscale_()
+        leaves no trace on the gradients (torch's kernel bumps no version), so
+        this fusion asks GradScaler.step() for its found_inf (see
+        _step_sees_grad_scaler)."""
+        if "found_inf" in self._user_optimizer.__dict__:
+            raise RuntimeError(
+                "reprop.fuse(mode='backward'): optimizer.step() called by torch.amp.GradScaler, "
+                "but backward() applied the updates from the scaled gradients already, before "
+                "the scaler could unscale them or skip a step with infs; use mode='forward', "
+                "whose step() sees the gradients the scaler unscaled")
+
+    def _refuse_kept_grads_edited(self) -> None:
+        """Refuses kept gradients changed in place since their update (a
+        GradScaler's unscale_(), clip_grad_norm_()): eager's step() would
+        apply them as changed, but they were applied already, as backward
+        gave them (scaled, unclipped), and the change would be silently
+        lost. Checked at step() and at the next micro-batch (a loop that
+        calls no step() in backward mode)."""
+        for p, mark in self._kept.values():
+            if p.grad is not None and _grad_mark(p.grad) != mark:
+                raise RuntimeError(
+                    f"reprop.fuse(mode='backward', keep_grads=True): the gradient of "
+                    f"{_param_name(self.model, p)} was changed in place after backward() had "
+                    "applied it (clip_grad_norm_ or clip_grad_value_ after backward()?): the "
+                    "update used it as backward gave it. Use mode='forward', whose step() sees "
+                    "every gradient as the loop left it (or fuse(clip_grad_norm=...) there), or "
+                    "leave the gradients as they are")
 
     def _ddp_bucket_hook(self, process_group, bucket):
         """DDP communication hook: DDP's own all-reduce (mean), then the update
@@ -1305,6 +1344,8 @@ class _BackwardFusion(FusionHandle):
                                 "backward(); optimizer.step() applies only what no backward did "
                                 "(a window shorter than accumulation_steps, gradients set by "
                                 "hand)", stacklevel=4)
+        self._refuse_grad_scaler()
+        self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
         self._finish_step(stepping=True)
 
