@@ -3135,6 +3135,33 @@ def test_reprop_subclass_overriding_what_fusion_replaces_raises(method: str, mod
     reprop.fuse(model, plain(model.parameters()), mode=mode).remove()
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("method", ["step", "zero_grad"])
+def test_wrapper_set_on_the_optimizer_instance_before_fuse_is_refused(method: str,
+                                                                    mode: str) -> None:
+    """A step() or zero_grad() wrapper set on the optimizer instance before
+    fuse() (accelerate's patch_optimizer_step) was silently skipped: fusion
+    replaced it (0 calls where eager made 3). Refused, installing nothing,
+    as a subclass's override is; torch's LR-scheduler wrapper is fused."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    own = getattr(opt, method)
+
+    @functools.wraps(own)
+    def counted(*args, **kwargs):
+        return own(*args, **kwargs)
+
+    setattr(opt, method, counted)
+    before = hook_snapshot(model, opt)
+    with pytest.raises(TypeError, match=rf"^optimizer: its {method}\(\) is replaced on the "
+                                        r"instance by <function "):
+        reprop.fuse(model, opt, mode=mode)
+    assert hook_snapshot(model, opt) == before
+    scheduled = rp.SGD(model.parameters(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(scheduled, 1)  # wraps scheduled.step on the instance
+    reprop.fuse(model, scheduled, mode=mode).remove()
+
+
 @pytest.mark.parametrize("rewrite", ["prune", "weight_norm", "spectral_norm"])
 def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
     """nn.utils.prune and the old weight_norm / spectral_norm compute the

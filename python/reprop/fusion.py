@@ -235,6 +235,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
                          "training loop do, as in eager training); leave keep_grads False")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
+    _check_no_instance_override(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
         _check_not_micro_batch_pipelined(engine)
@@ -256,6 +257,21 @@ def _check_not_fused(optimizer) -> None:
             f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
             "a second fusion would stack its hooks on the first. Call remove() on that handle "
             "first, or fuse once the module that holds all its parameters")
+
+
+def _check_no_instance_override(optimizer) -> None:
+    """Refuses a step() or zero_grad() set on the optimizer instance (a
+    wrapper such as accelerate's patch_optimizer_step), as a subclass's
+    override is refused (see _engine_for): fusion installs its own there, so
+    the wrapper would never run. Calling through it is no way out: it calls
+    the optimizer's own step(), not the fusion's. Torch's LR-scheduler
+    wrapper is the exception: fusion's step() records the calls it would."""
+    for name in ("step", "zero_grad"):
+        own = optimizer.__dict__.get(name)
+        if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+            raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}, "
+                            "which fusion replaces, so it would never run; fuse first and wrap "
+                            f"the optimizer's {name}() after, or drop the wrapper")
 
 
 def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandle") -> None:
