@@ -3162,6 +3162,34 @@ def test_wrapper_set_on_the_optimizer_instance_before_fuse_is_refused(method: st
     reprop.fuse(model, scheduled, mode=mode).remove()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_step_captured_while_fused_and_called_after_remove_is_eager_step(mode: str) -> None:
+    """A step() captured while fused (accelerate keeps the one it wraps) and
+    called after remove() is the optimizer's own step(): its pre-hooks run
+    once and it updates as eager. In backward mode it raised the refusal of
+    a step pre-hook meant for a live fusion."""
+    def train(fused: bool) -> tuple:
+        torch.manual_seed(0)
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        step = opt.step
+        if fused:
+            h = reprop.fuse(model, opt, mode=mode)
+            step = opt.step
+            h.remove()
+        calls = []
+        opt.register_step_pre_hook(lambda *args: calls.append(1))
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        step()
+        return calls, [p.detach().clone() for p in model.parameters()]
+
+    (calls, params), (eager_calls, eager_params) = train(True), train(False)
+    assert calls == eager_calls == [1]
+    for p, q in zip(params, eager_params):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("rewrite", ["prune", "weight_norm", "spectral_norm"])
 def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
     """nn.utils.prune and the old weight_norm / spectral_norm compute the

@@ -802,8 +802,12 @@ class FusionHandle:
         on the instance bypasses: global pre-hooks, own pre-hooks (either may
         return new (args, kwargs)), step, own post-hooks, global post-hooks.
         Post-hooks see the step finished, as after an eager step(): pending
-        updates applied, side streams joined."""
+        updates applied, side streams joined. A step() captured while fused
+        and called after remove() is the optimizer's step() of now (its own,
+        or a later fusion's)."""
         opt = self._user_optimizer
+        if self._removed:
+            return opt.step(*args, **kwargs)
         args = (opt, *args)  # torch's hooks get the optimizer as args[0]
         own_pre, global_pre = opt._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks
         if self.mode == "backward" and (own_pre or global_pre):
