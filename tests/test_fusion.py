@@ -1276,6 +1276,54 @@ def test_backward_mode_kept_gradients_clipped_after_backward_are_refused(clip: s
     h.remove()
 
 
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("mode", MODES)
+def test_fusion_of_finds_the_fusion_of_a_dropped_optimizer(mode: str) -> None:
+    """The model keeps its fusion, and the fusion its optimizer: once the
+    user dropped the optimizer and the handle, backward mode kept updating
+    and fuse() with another optimizer was refused, with no handle left to
+    remove(). fusion_of(model) finds it: removed, training is eager's (no
+    update, .grad kept), the old optimizer is freed, and the model fuses
+    again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(8, 4)
+    assert reprop.fusion.fusion_of(model) is None
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    reprop.fuse(model, opt, mode=mode)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    dropped = weakref.ref(opt)
+    del opt
+    gc.collect()
+    handle = reprop.fusion.fusion_of(model)
+    assert handle is not None and handle.mode == mode
+    handle.remove()
+    del handle
+    gc.collect()
+    assert dropped() is None
+    w = model.weight.detach().clone()
+    model(x).square().mean().backward()
+    assert torch.equal(model.weight, w) and model.weight.grad is not None
+    reprop.fuse(model, rp.SGD(model.parameters(), lr=0.0), mode=mode).remove()
+    with pytest.raises(TypeError, match=r"^model: expected a torch.nn.Module, got Tensor"):
+        reprop.fusion.fusion_of(w)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fusion_of_a_model_fused_by_several_optimizers_asks_for_the_sub_module(mode: str) -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    handles = [reprop.fuse(m, rp.SGD(m.parameters(), lr=0.1), mode=mode) for m in model]
+    with pytest.raises(ValueError, match=r"^model: its parameters are held by 2 live fusions"):
+        reprop.fusion.fusion_of(model)
+    assert [reprop.fusion.fusion_of(m) for m in model] == handles
+    for h in handles:
+        h.remove()
+    assert reprop.fusion.fusion_of(model) is None
+
+
 class _CountingGets(dict):
     """A fusion's id -> param dict that counts the lookups made in it."""
 

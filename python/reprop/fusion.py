@@ -98,7 +98,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from . import _tensors, optim
 
-__all__ = ["fuse", "FusionHandle"]
+__all__ = ["fuse", "fusion_of", "FusionHandle"]
 
 # torch.optim classes converted to their reprop counterparts (exact types:
 # a subclass may change what step() means).
@@ -247,6 +247,23 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     return handle
 
 
+def fusion_of(model: nn.Module) -> "FusionHandle | None":
+    """The live fusion whose optimizer holds `model`'s parameters, or None.
+
+    A fusion lives as long as its model or its optimizer: this is the way
+    back to a handle not kept (its optimizer dropped too, say), to remove()
+    it or to fuse the model with another optimizer. Raises ValueError if
+    several fusions hold them (one optimizer per sub-module): ask each
+    sub-module then."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    found = {id(h): h for h in map(_fusion_holding, model.parameters()) if h is not None}
+    if len(found) > 1:
+        raise ValueError(f"model: its parameters are held by {len(found)} live fusions (one "
+                         "optimizer each); call fusion_of() on the sub-module of each")
+    return next(iter(found.values()), None)
+
+
 def _check_not_fused(optimizer) -> None:
     """Refuses a second fusion of `optimizer` (a notebook cell run twice, or one
     fuse() per sub-module) while the first one's handle is live."""
@@ -256,7 +273,8 @@ def _check_not_fused(optimizer) -> None:
         raise ValueError(
             f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
             "a second fusion would stack its hooks on the first. Call remove() on that handle "
-            "first, or fuse once the module that holds all its parameters")
+            "first (reprop.fusion.fusion_of(model) finds it), or fuse once the module that "
+            "holds all its parameters")
 
 
 def _check_no_instance_override(optimizer) -> None:
@@ -284,8 +302,8 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
             raise ValueError(
                 f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
                 f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
-                "share a parameter. Call remove() on that handle first, or fuse optimizers with "
-                "disjoint parameters")
+                "share a parameter. Call remove() on that handle first (reprop.fusion.fusion_of("
+                "model) finds it), or fuse optimizers with disjoint parameters")
 
 
 def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
