@@ -1051,7 +1051,8 @@ class _BackwardFusion(FusionHandle):
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
             self._backward_since_forward = False
             self._micro_batches += 1
-            self._refuse_kept_grads_edited()
+            if self._kept_unstepped:  # (step() checked them; later edits change no step)
+                self._refuse_kept_grads_edited()
             for p, _ in self._kept.values():
                 p.grad = None
             self._kept.clear()
