@@ -98,7 +98,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from . import _tensors, optim
 
-__all__ = ["fuse", "FusionHandle"]
+__all__ = ["fuse", "fusion_of", "FusionHandle"]
 
 # torch.optim classes converted to their reprop counterparts (exact types:
 # a subclass may change what step() means).
@@ -126,11 +126,15 @@ _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-# The handles whose optimizers hold parameters, held weakly. Not a weak map
-# keyed by parameter: torch.utils.swap_tensors (what .to()/.half() and
-# load_state_dict use under torch.__future__'s swap flag) refuses a tensor
-# with a weak reference.
-_HANDLES_HOLDING_PARAMS: "weakref.WeakSet" = weakref.WeakSet()
+# id(param) -> weak reference to the live handle whose optimizer holds it, so
+# that fuse() checks each parameter in O(1), however many fusions are live.
+# Keyed by id, not weakly by the parameter: torch.utils.swap_tensors (what
+# .to()/.half() and load_state_dict use under torch.__future__'s swap flag)
+# refuses a tensor with a weak reference. A hit counts only if that handle is
+# alive, not removed and holds that very parameter (an id is reused once its
+# tensor is freed); entries are dropped by remove(), by _sync when the
+# optimizer lets a parameter go, and when the handle is freed.
+_FUSION_OF_PARAM: dict = {}
 
 
 def _flushing(name: str):
@@ -231,6 +235,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
                          "training loop do, as in eager training); leave keep_grads False")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
+    _check_no_instance_override(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
         _check_not_micro_batch_pipelined(engine)
@@ -242,6 +247,23 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     return handle
 
 
+def fusion_of(model: nn.Module) -> "FusionHandle | None":
+    """The live fusion whose optimizer holds `model`'s parameters, or None.
+
+    A fusion lives as long as its model or its optimizer: this is the way
+    back to a handle not kept (its optimizer dropped too, say), to remove()
+    it or to fuse the model with another optimizer. Raises ValueError if
+    several fusions hold them (one optimizer per sub-module): ask each
+    sub-module then."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    found = {id(h): h for h in map(_fusion_holding, model.parameters()) if h is not None}
+    if len(found) > 1:
+        raise ValueError(f"model: its parameters are held by {len(found)} live fusions (one "
+                         "optimizer each); call fusion_of() on the sub-module of each")
+    return next(iter(found.values()), None)
+
+
 def _check_not_fused(optimizer) -> None:
     """Refuses a second fusion of `optimizer` (a notebook cell run twice, or one
     fuse() per sub-module) while the first one's handle is live."""
@@ -251,22 +273,55 @@ def _check_not_fused(optimizer) -> None:
         raise ValueError(
             f"optimizer: already fused by a live reprop.fuse handle (mode={handle.mode!r}); "
             "a second fusion would stack its hooks on the first. Call remove() on that handle "
-            "first, or fuse once the module that holds all its parameters")
+            "first (reprop.fusion.fusion_of(model) finds it), or fuse once the module that "
+            "holds all its parameters")
+
+
+def _check_no_instance_override(optimizer) -> None:
+    """Refuses a step() or zero_grad() set on the optimizer instance (a
+    wrapper such as accelerate's patch_optimizer_step), as a subclass's
+    override is refused (see _engine_for): fusion installs its own there, so
+    the wrapper would never run. Calling through it is no way out: it calls
+    the optimizer's own step(), not the fusion's. Torch's LR-scheduler
+    wrapper is the exception: fusion's step() records the calls it would."""
+    for name in ("step", "zero_grad"):
+        own = optimizer.__dict__.get(name)
+        if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
+            raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}, "
+                            "which fusion replaces, so it would never run; fuse first and wrap "
+                            f"the optimizer's {name}() after, or drop the wrapper")
 
 
 def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandle") -> None:
     """Refuses a parameter that another live fusion's optimizer holds too:
     each would free or apply its gradient before the other sees it (eager
     applies both optimizers' updates; one was lost)."""
-    others = [h for h in _HANDLES_HOLDING_PARAMS if h is not handle and not h._removed]
     for p in params:
-        other = next((h for h in others if h._params.get(id(p)) is p), None)
-        if other is not None:
+        other = _fusion_holding(p)
+        if other is not None and other is not handle:
             raise ValueError(
                 f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
                 f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
-                "share a parameter. Call remove() on that handle first, or fuse optimizers with "
-                "disjoint parameters")
+                "share a parameter. Call remove() on that handle first (reprop.fusion.fusion_of("
+                "model) finds it), or fuse optimizers with disjoint parameters")
+
+
+def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
+    """The live fusion whose optimizer holds `p`, if any (see _FUSION_OF_PARAM)."""
+    ref = _FUSION_OF_PARAM.get(id(p))
+    handle = ref() if ref is not None else None
+    if handle is None or handle._removed or handle._params.get(id(p)) is not p:
+        return None
+    return handle
+
+
+def _unclaim(ids: Iterable[int], claimed: set, ref: weakref.ref) -> None:
+    """Drops the _FUSION_OF_PARAM entries of `ids` that are still the handle's
+    (behind `ref`, alive or not), and forgets them in its `claimed` set."""
+    for i in list(ids):
+        if _FUSION_OF_PARAM.get(i) is ref:
+            del _FUSION_OF_PARAM[i]
+        claimed.discard(i)
 
 
 def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
@@ -594,8 +649,12 @@ class FusionHandle:
         this fusion, saving what it overrides for remove()."""
         optimizer, engine = self._user_optimizer, self.optimizer
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
-        _FUSED_BY[optimizer] = _FUSED_BY[engine] = weakref.ref(self)
-        _HANDLES_HOLDING_PARAMS.add(self)
+        ref = weakref.ref(self)
+        _FUSED_BY[optimizer] = _FUSED_BY[engine] = ref
+        # (the set, not the handle: a handle freed without remove() drops its entries)
+        self._claimed: set = set()
+        self._unclaim_all = weakref.finalize(self, _unclaim, self._claimed, self._claimed, ref)
+        self._claim(self._params.values())
 
         def step(*args, **kwargs):
             optimizer._opt_called = True  # what an LR scheduler's step wrapper records
@@ -607,8 +666,7 @@ class FusionHandle:
         step._wrapped_by_lr_sched = True
         optimizer.step = step
         optimizer.zero_grad = self._zero_grad
-        # GradScaler would pass grad_scale/found_inf to a step that supports it.
-        optimizer._step_supports_amp_scaling = False
+        optimizer._step_supports_amp_scaling = self._step_sees_grad_scaler
         # optimizer.load_state_dict: pending updates first; then torch's replaces
         # param_groups and state with new objects, which the engine must share.
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
@@ -657,9 +715,17 @@ class FusionHandle:
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
         self._membership = _membership(engine)
+        _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
         self._params = params
+        self._claim(new)
         self._track(new)
         return new
+
+    def _claim(self, params: Iterable[torch.Tensor]) -> None:
+        """Records this fusion in _FUSION_OF_PARAM as the holder of `params`."""
+        ids = dict.fromkeys(map(id, params), weakref.ref(self))
+        _FUSION_OF_PARAM.update(ids)
+        self._claimed.update(ids)
 
     def _before_regroup(self) -> None:
         """What the mode must do while the fusion still follows the optimizer's
@@ -714,7 +780,7 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
-        _HANDLES_HOLDING_PARAMS.discard(self)
+        self._unclaim_all()
 
     def _step_after_removal(self) -> None:
         """A step() that another thread's remove() overtook (after its
@@ -754,8 +820,12 @@ class FusionHandle:
         on the instance bypasses: global pre-hooks, own pre-hooks (either may
         return new (args, kwargs)), step, own post-hooks, global post-hooks.
         Post-hooks see the step finished, as after an eager step(): pending
-        updates applied, side streams joined."""
+        updates applied, side streams joined. A step() captured while fused
+        and called after remove() is the optimizer's step() of now (its own,
+        or a later fusion's)."""
         opt = self._user_optimizer
+        if self._removed:
+            return opt.step(*args, **kwargs)
         args = (opt, *args)  # torch's hooks get the optimizer as args[0]
         own_pre, global_pre = opt._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks
         if self.mode == "backward" and (own_pre or global_pre):
@@ -796,6 +866,12 @@ class FusionHandle:
         """What the mode's step() does once the closure has run (under the lock)."""
         raise NotImplementedError
 
+    # Whether GradScaler.step() sets grad_scale and found_inf on the optimizer
+    # and calls step() as is (torch's protocol for optimizers that unscale
+    # themselves), instead of unscaling the gradients and calling step() only
+    # if they are finite.
+    _step_sees_grad_scaler = False
+
     def _zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
             if self._removed:  # by another thread since this call began: eager's
@@ -825,10 +901,10 @@ class _BackwardFusion(FusionHandle):
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
-        # id(param) -> param whose .grad (keep_grads=True) holds a gradient applied
-        # already, kept for the user until the next micro-batch. Every other .grad
-        # of a fused param is one not applied yet: what step() applies and
-        # zero_grad() clears, as in eager training.
+        # id(param) -> (param, _grad_mark of its .grad) whose .grad (keep_grads=True)
+        # holds a gradient applied already, kept for the user until the next
+        # micro-batch. Every other .grad of a fused param is one not applied yet:
+        # what step() applies and zero_grad() clears, as in eager training.
         self._kept: dict = {}
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (deferred: they are still there), None when none was: remove() does to
@@ -932,7 +1008,7 @@ class _BackwardFusion(FusionHandle):
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
             set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
-            for p in self._kept.values():
+            for p, _ in self._kept.values():
                 _zero_grad_of(p, set_to_none)
             self._kept.clear()
 
@@ -975,7 +1051,9 @@ class _BackwardFusion(FusionHandle):
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
             self._backward_since_forward = False
             self._micro_batches += 1
-            for p in self._kept.values():
+            if self._kept_unstepped:  # (step() checked them; later edits change no step)
+                self._refuse_kept_grads_edited()
+            for p, _ in self._kept.values():
                 p.grad = None
             self._kept.clear()
 
@@ -1219,12 +1297,45 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
-            self._kept.update((id(p), p) for p in params)
+            self._kept.update((id(p), (p, _grad_mark(p.grad))) for p in params)
             self._kept_zeroed = None
             self._kept_unstepped = True
         else:
             for p in params:
                 p.grad = None
+
+    # GradScaler's step() then tells this fusion it is there (see _refuse_grad_scaler).
+    _step_sees_grad_scaler = True
+
+    def _refuse_grad_scaler(self) -> None:
+        """backward() applied the updates from the scaled gradients before
+        GradScaler could unscale them or skip a step with infs. Its unscale_()
+        leaves no trace on the gradients (torch's kernel bumps no version), so
+        this fusion asks GradScaler.step() for its found_inf (see
+        _step_sees_grad_scaler)."""
+        if "found_inf" in self._user_optimizer.__dict__:
+            raise RuntimeError(
+                "reprop.fuse(mode='backward'): optimizer.step() called by torch.amp.GradScaler, "
+                "but backward() applied the updates from the scaled gradients already, before "
+                "the scaler could unscale them or skip a step with infs; use mode='forward', "
+                "whose step() sees the gradients the scaler unscaled")
+
+    def _refuse_kept_grads_edited(self) -> None:
+        """Refuses kept gradients changed in place since their update (a
+        GradScaler's unscale_(), clip_grad_norm_()): eager's step() would
+        apply them as changed, but they were applied already, as backward
+        gave them (scaled, unclipped), and the change would be silently
+        lost. Checked at step() and at the next micro-batch (a loop that
+        calls no step() in backward mode)."""
+        for p, mark in self._kept.values():
+            if p.grad is not None and _grad_mark(p.grad) != mark:
+                raise RuntimeError(
+                    f"reprop.fuse(mode='backward', keep_grads=True): the gradient of "
+                    f"{_param_name(self.model, p)} was changed in place after backward() had "
+                    "applied it (clip_grad_norm_ or clip_grad_value_ after backward()?): the "
+                    "update used it as backward gave it. Use mode='forward', whose step() sees "
+                    "every gradient as the loop left it (or fuse(clip_grad_norm=...) there), or "
+                    "leave the gradients as they are")
 
     def _ddp_bucket_hook(self, process_group, bucket):
         """DDP communication hook: DDP's own all-reduce (mean), then the update
@@ -1272,6 +1383,8 @@ class _BackwardFusion(FusionHandle):
                                 "backward(); optimizer.step() applies only what no backward did "
                                 "(a window shorter than accumulation_steps, gradients set by "
                                 "hand)", stacklevel=4)
+        self._refuse_grad_scaler()
+        self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
         self._finish_step(stepping=True)
 
