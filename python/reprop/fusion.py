@@ -435,38 +435,6 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
-def _without_grad(update, *args) -> None:
-    """update(*args) under torch.no_grad(), for the updates the hooks make:
-    those inside backward find grad mode off already, and the context
-    manager object costs about a microsecond per module."""
-    if not torch.is_grad_enabled():
-        update(*args)
-        return
-    torch._C._set_grad_enabled(False)
-    try:
-        update(*args)
-    finally:
-        torch._C._set_grad_enabled(True)
-
-
-def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
-    """(group, its params) for `params`, each in its group per `group_of`
-    (id(param) -> group), the groups in the order of their first param."""
-    groups: dict = {}
-    for p in params:
-        group = group_of[id(p)]
-        groups.setdefault(id(group), (group, []))[1].append(p)
-    return groups.values()
-
-
-def _step_params_groups(engine: optim._FusedOptimizer) -> dict:
-    """id(param) -> group, the map in which engine.step_params looks up each
-    param's group (built at its first call after the groups changed)."""
-    if engine._group_of is None:
-        engine._group_of = {id(p): g for g in engine.param_groups for p in g["params"]}
-    return engine._group_of
-
-
 def _complete(batch: tuple, ready: dict) -> list:
     """The params of `batch` (one module's) with a gradient this backward
     (their ids in `ready`) once every one of them that requires grad has
@@ -1288,8 +1256,8 @@ class _BackwardFusion(FusionHandle):
         _settings_snapshot holding every hyper-parameter), and its two
         no_grad wrappers (inside backward grad mode is off already)."""
         engine = self.optimizer
-        for group, ps in _by_group(params, _step_params_groups(engine)):
-            _without_grad(engine._update, group, ps, settings.get(id(group)) if settings else None)
+        for group, ps in optim._by_group(params, engine._group_map()):
+            _tensors.without_grad(engine._update, group, ps, settings.get(id(group)) if settings else None)
 
     def _join_side_streams(self) -> None:
         for device, side in self._side_streams.items():
@@ -1621,9 +1589,9 @@ class _ForwardFusion(FusionHandle):
         too, updating nothing of the group. The groups applied before a
         refused one are not pending any more: each is updated once."""
         # (each in the group its update was decided in)
-        for group, group_params in _by_group(params, self._group_of):
+        for group, group_params in optim._by_group(params, self._group_of):
             try:
-                _without_grad(self.optimizer._update, group, group_params,
+                _tensors.without_grad(self.optimizer._update, group, group_params,
                               self._settings.get(id(group)), grads)
             finally:
                 self._settle(group_params)

@@ -54,7 +54,8 @@ from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
                        non_reentrant_checkpointing, queue_end_of_backward,
-                       suggest_memory_format, torch_only, torch_only_weight, weak_hook)
+                       suggest_memory_format, torch_only, torch_only_weight, weak_hook,
+                       without_grad)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -811,11 +812,13 @@ class OOOHandle(_PassTracking):
         # saved input that requires grad must not record a graph into .grad;
         # in backward, where the tasks run that no hold() keeps, grad mode is
         # off already, and no_grad's Python context costs more than the rest of run())
-        with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-            for t in tasks:
-                t.run()
-                self._unrun_held.discard(t)
-                self._after_deferred_run(t)
+        without_grad(self._run_each, tasks)
+
+    def _run_each(self, tasks) -> None:
+        for t in tasks:
+            t.run()
+            self._unrun_held.discard(t)
+            self._after_deferred_run(t)
 
     def pending(self) -> int:
         """Deferred weight-gradient tasks not run yet (0 outside backward)."""

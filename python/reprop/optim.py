@@ -453,6 +453,23 @@ def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None
     return None if any(k is None for k in keep) else keep
 
 
+def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
+    """(group, its params) for `params`, each in its group per `group_of`
+    (id(param) -> group), the groups in the order of their first param; a
+    param without a group is refused, naming it."""
+    groups: dict = {}
+    for i, p in enumerate(params):
+        group = group_of.get(id(p))
+        if group is None:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}]: expected a parameter of this optimizer, "
+                                f"got {type(p).__name__}")
+            raise ValueError(f"params[{i}]: not a parameter of this optimizer "
+                             f"(shape {tuple(p.shape)})")
+        groups.setdefault(id(group), (group, []))[1].append(p)
+    return groups.values()
+
+
 def _with_grad(params: list, given: dict | None) -> list:
     """The params with a gradient: .grad, or given[id(param)]."""
     if given is None:
@@ -689,8 +706,6 @@ class _FusedOptimizer:
         moment it was decided, not what a scheduler set since.
         `grads`, when given, are the gradients to apply instead of each
         parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
-        if self._group_of is None:
-            self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
         params = list(params)
         _check_distinct(params)
         given = None
@@ -703,7 +718,14 @@ class _FusedOptimizer:
         if settings is not None and not isinstance(settings, dict):
             raise TypeError(f"settings: expected a dict mapping id(group) to that group's "
                             f"hyper-parameters, got {type(settings).__name__}")
-        self._step_in_groups(params, self._group_of, settings, given)
+        self._step_in_groups(params, self._group_map(), settings, given)
+
+    def _group_map(self) -> dict:
+        """id(param) -> its group, as step_params looks groups up (built at
+        the first call after the groups changed)."""
+        if self._group_of is None:
+            self._group_of = {id(p): g for g in self.param_groups for p in g["params"]}
+        return self._group_of
 
     @torch.no_grad()
     def _step_in_groups(self, params: list, group_of: dict, settings: dict | None = None,
@@ -712,19 +734,9 @@ class _FusedOptimizer:
         (id(param) -> group) rather than in the current param_groups: a
         deferred update runs in the group it was decided in, also when that
         group has left the optimizer since."""
-        by_group: dict[int, tuple[dict, list]] = {}
-        for i, p in enumerate(params):
-            group = group_of.get(id(p))
-            if group is None:
-                if not isinstance(p, torch.Tensor):
-                    raise TypeError(f"params[{i}]: expected a parameter of this optimizer, "
-                                    f"got {type(p).__name__}")
-                raise ValueError(f"params[{i}]: not a parameter of this optimizer "
-                                 f"(shape {tuple(p.shape)})")
-            by_group.setdefault(id(group), (group, []))[1].append(p)
         # every group's settings are checked before any group is updated
         updates = [(group, ps, self._settings_of(settings, group))
-                   for group, ps in by_group.values()]
+                   for group, ps in _by_group(params, group_of)]
         for group, ps, hp in updates:
             self._update(group, ps, hp, given)
 
