@@ -1244,6 +1244,8 @@ def test_backward_mode_grad_scaler_step_is_refused(keep_grads: bool) -> None:
     with pytest.raises(RuntimeError, match=r"^reprop.fuse\(mode='backward'\): optimizer.step\(\) "
                                            r"called by torch.amp.GradScaler"):
         scaler.step(opt)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    opt.step()  # a step() of no scaler is no scaler's: not refused
     h.remove()
     assert not getattr(opt, "_step_supports_amp_scaling", False)  # torch's own again
 

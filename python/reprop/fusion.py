@@ -1281,7 +1281,13 @@ class _BackwardFusion(FusionHandle):
         leaves no trace on the gradients (torch's kernel bumps no version), so
         this fusion asks GradScaler.step() for its found_inf (see
         _step_sees_grad_scaler)."""
-        if "found_inf" in self._user_optimizer.__dict__:
+        opt = self._user_optimizer
+        if "found_inf" in opt.__dict__:
+            # what GradScaler.step() set for this step() goes, as it would have
+            # deleted it after a step() that returned: a later step() is no
+            # scaler's
+            opt.__dict__.pop("grad_scale", None)
+            del opt.found_inf
             raise RuntimeError(
                 "reprop.fuse(mode='backward'): optimizer.step() called by torch.amp.GradScaler, "
                 "but backward() applied the updates from the scaled gradients already, before "
