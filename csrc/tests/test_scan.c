@@ -349,11 +349,11 @@ static int csr_run(const rp_csr_plan *plan, int64_t n, int64_t B, const test_csr
     for (int64_t j = 0; j < out_len; j++)
         for (int64_t b = 0; b < B; b++)
             seq[(prog->g_out_addr + j) * B + b] = g_out[b * out_len + j];
-    const int rc = rp_csr_run_cpu(prog, B, seq, shared, threads, err);
-    for (int64_t i = 0; rc == RP_OK && i < n; i++)
-        for (int64_t r = 0; r < size[i]; r++)
-            for (int64_t b = 0; b < B; b++)
-                g[i][b * size[i] + r] = seq[(prog->g_addr[i] + r) * B + b];
+    int rc = rp_csr_run_cpu(prog, B, seq, shared, threads, err), finite = 0;
+    (void)size; /* each g[i] holds B x size[i] floats: what rp_csr_gradients_cpu writes */
+    if (rc == RP_OK)
+        rc = rp_csr_gradients_cpu(plan, B, seq, g, threads, &finite, err);
+    CHECK(rc != RP_OK || finite, "finite gradients reported as not finite");
     free(seq), free(shared);
     return rc;
 }
@@ -485,6 +485,30 @@ static void test_csr_errors(void)
     CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), 1, NULL, shared, 1, &err) == RP_EINVAL &&
               strstr(err.msg, "NULL"), "NULL seq: %s", err.msg);
     CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), 0, NULL, NULL, 1, &err) == RP_OK, "batch 0: %s", err.msg);
+    /* the copy-out: batch-major out of the batch-minor buffer, and one
+     * non-finite value anywhere (inf or NaN) makes the whole set not finite */
+    const rp_csr_program *prog = rp_csr_plan_program(plan);
+    const int64_t B = 3, at = (int64_t)prog->g_addr[0] * B;
+    float *buf = calloc((size_t)(B * prog->seq_floats), sizeof *buf), out0[6];
+    float *const out[1] = {out0};
+    int finite = -1;
+    CHECK(at + 2 * B <= B * prog->seq_floats, "g_0 inside the buffer");
+    for (int64_t k = 0; k < 2 * B; k++)
+        buf[at + k] = (float)k; /* row r, sequence b at r * B + b */
+    CHECK(rp_csr_gradients_cpu(plan, B, buf, out, 1, &finite, &err) == RP_OK && finite == 1,
+          "copy-out: %s", err.msg);
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t r = 0; r < 2; r++)
+            CHECK(out0[b * 2 + r] == (float)(r * B + b), "out[%lld][%lld]", (long long)b, (long long)r);
+    const float bad_values[2] = {INFINITY, NAN};
+    for (int k = 0; k < 2; k++) {
+        buf[at + 2 * B - 1] = bad_values[k];
+        CHECK(rp_csr_gradients_cpu(plan, B, buf, out, 1, &finite, &err) == RP_OK && finite == 0,
+              "a non-finite value (%g) passed", (double)bad_values[k]);
+    }
+    CHECK(rp_csr_gradients_cpu(plan, -1, buf, out, 1, &finite, &err) == RP_EINVAL, "negative batch");
+    CHECK(rp_csr_gradients_cpu(plan, 1, NULL, out, 1, &finite, &err) == RP_EINVAL, "NULL seq");
+    free(buf);
     rp_csr_plan_free(plan);
 }
 
