@@ -1257,7 +1257,8 @@ class _BackwardFusion(FusionHandle):
         no_grad wrappers (inside backward grad mode is off already)."""
         engine = self.optimizer
         for group, ps in optim._by_group(params, engine._group_map()):
-            _tensors.without_grad(engine._update, group, ps, settings.get(id(group)) if settings else None)
+            _tensors.without_grad(engine._update, group, ps,
+                                  settings.get(id(group)) if settings else None)
 
     def _join_side_streams(self) -> None:
         for device, side in self._side_streams.items():
@@ -1598,7 +1599,7 @@ class _ForwardFusion(FusionHandle):
         for group, group_params in optim._by_group(params, self._group_of):
             try:
                 _tensors.without_grad(self.optimizer._update, group, group_params,
-                              self._settings.get(id(group)), grads)
+                                      self._settings.get(id(group)), grads)
             finally:
                 self._settle(group_params)
 
