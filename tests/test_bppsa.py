@@ -1133,6 +1133,34 @@ def test_chain_plan_reuse_equals_fresh_plans():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("change", ["conv dilation", "conv stride", "pool ceil_mode", "pool stride",
+                                    "conv weight shape"])
+def test_chain_plan_refuses_layers_changed_since_the_plan(change):
+    """The plan's patterns and weight placement are those of the layers as
+    they were: a setting or a weight shape changed in place since (one that
+    keeps every shape the plan checks) is refused, not a wrong gradient."""
+    torch.manual_seed(3)
+    layers = nn.Sequential(nn.Conv2d(2, 3, (1, 3), padding=(0, 1)), nn.ReLU(),
+                           nn.MaxPool2d(2, stride=2), nn.Flatten(), nn.Linear(12, 4))
+    x, g = torch.randn(2, 2, 4, 4), torch.randn(2, 4)
+    plan = bppsa.ChainPlan(layers, (2, 4, 4))
+    inputs, _ = plan.forward_inputs(x)
+    conv, pool = layers[0], layers[2]
+    if change == "conv dilation":  # same output shape
+        conv.dilation, conv.padding = (1, 2), (0, 2)
+    elif change == "conv stride":
+        conv.stride = (2, 1)
+    elif change == "pool ceil_mode":
+        pool.ceil_mode = True
+    elif change == "pool stride":
+        pool.stride = 1
+    else:  # as many weights, another kernel shape than kernel_size says
+        conv.weight = nn.Parameter(conv.weight.detach().reshape(3, 2, 3, 1))
+    with pytest.raises(ValueError, match="layers\\[0\\]: Conv2d|layers\\[2\\]: MaxPool2d") as info:
+        plan.backward(inputs, g)
+    assert "build a new ChainPlan" in str(info.value)
+
+
 def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
     """pruned=True leaves the zero weights' entries out of the patterns, so the
     planned products are sparser, and gradients still equal autograd's; a

@@ -953,6 +953,19 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
                          f"end_dim={layer.end_dim}")
 
 
+def _settings(layer: nn.Module, kind: type) -> tuple:
+    """What a layer's Jacobian pattern is built from, besides its input shape
+    and weight shape: its attributes changed in place would leave a plan the
+    pattern and weight placement of the old layer (a silently wrong
+    gradient). Element-wise layers' attributes are read at each backward."""
+    if kind is nn.Conv2d:
+        return (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.groups,
+                layer.padding_mode)
+    if kind is nn.MaxPool2d:
+        return (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
+    return ()
+
+
 def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x, or a copy of it for an in-place layer (ReLU(inplace=True), ...),
     which would overwrite what the Jacobian is taken at."""
@@ -999,6 +1012,7 @@ class _Leaf:
     def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool = False):
         self.layer, self.in_shape, self.name = layer, in_shape, name
         self.kind = kind = _chain_class(layer)
+        self.settings = _settings(layer, kind)
         size = math.prod(in_shape)
         if kind is nn.Conv2d:
             geom, self.out_shape = _conv_geometry(layer, in_shape, name)
@@ -1021,7 +1035,15 @@ class _Leaf:
         self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
         if pruned and hasattr(self, "wmap"):
             self._drop_zero_weights()
+        self.weight_shape = layer.weight.shape if self.shared else None
         self._maps = {}
+
+    def check_unchanged(self) -> None:
+        """ValueError if the layer's settings changed since the plan."""
+        if _settings(self.layer, self.kind) != self.settings:
+            raise ValueError(f"{self.name}: {self.kind.__name__}'s settings changed since the "
+                             f"ChainPlan was built (was {self.settings}, now "
+                             f"{_settings(self.layer, self.kind)}); build a new ChainPlan")
 
     def _drop_zero_weights(self) -> None:
         """The pattern without the entries of zero weights: a fixed pruning
@@ -1122,7 +1144,13 @@ class _SharedWeights:
         as _Leaf.write_values."""
         if not self.order:
             return
-        weights = [leaf.layer.weight.reshape(-1) for leaf in self.order]
+        weights = [leaf.layer.weight for leaf in self.order]
+        for leaf, w in zip(self.order, weights):
+            if w.shape != leaf.weight_shape:
+                raise ValueError(f"{leaf.name}: {leaf.kind.__name__}'s weight has shape "
+                                 f"{tuple(w.shape)}, the ChainPlan was built for "
+                                 f"{tuple(leaf.weight_shape)}; build a new ChainPlan")
+        weights = [w.reshape(-1) for w in weights]
         flat = shared[self.start:self.stop]
         if all(w.dtype == flat.dtype for w in weights):
             # straight into their spans: a concatenation first doubled the
@@ -1241,8 +1269,10 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
-        for i, (layer, _) in enumerate(self.steps):  # hooks or a subclass swapped in since the plan
+        for i, (layer, leaf) in enumerate(self.steps):  # hooks or a subclass swapped in since the plan
             _check_chain_layer(layer, f"layers[{i}]")
+            if leaf is not None:
+                leaf.check_unchanged()
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
         prog = self._program
