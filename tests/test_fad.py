@@ -1501,6 +1501,91 @@ def test_compose_hooks_on_a_chain_node_run(register):
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
 
 
+_LATE_HOOKS = {
+    "register_hook": lambda a: a.register_hook(lambda g: None),
+    "grad_fn.register_hook": lambda a: a.grad_fn.register_hook(lambda gi, go: None),
+    "grad_fn.register_prehook": lambda a: a.grad_fn.register_prehook(lambda go: None),
+    "register_multi_grad_hook": lambda a: torch.autograd.graph.register_multi_grad_hook(
+        [a], lambda gs: None),
+    "retain_grad": lambda a: a.retain_grad(),
+}
+
+
+@pytest.mark.parametrize("late", sorted(_LATE_HOOKS))
+@pytest.mark.parametrize("inside", [True, False])
+def test_compose_hook_after_the_next_op_is_refused(late, inside):
+    """A hook or retain_grad() given to a chain tensor after its next op
+    chained past it: that op's node leads straight to the root, so the
+    tensor's node never ran, and the hook silently never fired (.grad stayed
+    None; register_multi_grad_hook passed None). It is refused, inside the
+    mode and after it (the tensor outlives it); retain_grad() after the mode,
+    which runs no Python, by the node that leads past the tensor, in
+    backward. A refused register_hook leaves no hook dict behind, so asking
+    again is refused again."""
+    x = torch.randn(4, 6, requires_grad=True)
+    with fad.enabled(compose=True):
+        a = F.softplus(x * 2)
+        b = torch.tanh(a)
+        if inside:
+            with pytest.raises(RuntimeError, match="chained past it"):
+                _LATE_HOOKS[late](a)
+        out = torch.exp(b * 0.5)
+    if inside:
+        return
+    if late == "retain_grad":
+        a.retain_grad()
+        with pytest.raises(RuntimeError, match="chained past it"):
+            out.sum().backward()
+        return
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="chained past it"):
+            _LATE_HOOKS[late](a)
+
+
+def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():
+    """retain_grad() after the mode on a chain tensor that a next step led
+    past is refused only if that step's node runs: where only the tensor's
+    own uses reach the loss, its node runs and .grad is torch's."""
+    x = torch.randn(4, 6)
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            a = F.softplus(leaf * 2)
+            torch.tanh(a)  # led past a, never used
+        a.retain_grad()
+        (a * a).sum().backward()
+        return a.grad, leaf.grad
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
+def test_compose_hook_after_a_removed_one_runs():
+    """A chain tensor whose hook was removed before its next op keeps the
+    (empty) hook dict Tensor.register_hook adds later hooks to without asking
+    the node: it stays a root, so a hook given after the next op fires with
+    torch's gradient (it silently never fired)."""
+    x = torch.randn(4, 6)
+
+    def run(compose):
+        leaf, seen = x.clone().requires_grad_(), []
+        with fad.enabled(compose=compose):
+            a = F.softplus(leaf * 2)
+            a.register_hook(lambda g: None).remove()
+            b = torch.tanh(a)
+            a.register_hook(seen.append)
+            out = torch.exp(b * 0.5)
+        out.sum().backward()
+        return seen, leaf.grad
+
+    (seen, g), (seen_ref, g_ref) = run(True), run(False)
+    assert len(seen) == len(seen_ref) == 1
+    # (where tanh saturates, 1 - tanh^2 is small and both lose digits to cancellation)
+    torch.testing.assert_close(seen[0], seen_ref[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("name", ["tanh", "sigmoid", "softsign", "tanhshrink"])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.bool])
 def test_integer_input_is_promoted_as_torch_does(name, dtype):

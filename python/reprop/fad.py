@@ -722,6 +722,8 @@ class _Chain(torch.autograd.Function):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
         ctx.hooked = False  # (_noting_hooks)
+        ctx.led_past = False  # (_lead_past)
+        ctx.passed = step.passed
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
@@ -743,6 +745,7 @@ class _Chain(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         _refuse_double_backward("a reprop.fad chain of element-wise ops")
+        _refuse_retained_past(ctx.passed)
         if ctx.relu:
             (out,) = ctx.saved_tensors
             return torch.ops.aten.threshold_backward(grad, out, 0).to(ctx.source_dtype), None
@@ -760,28 +763,75 @@ def _noting_hooks(register):
     """A chain node's register_hook or register_prehook, which also notes on
     the node that it has a hook: a next step must then reach the node
     through autograd (_root_of), not lead past it to the root. torch has no
-    query for a node's hooks."""
+    query for a node's hooks. Refused on a node a next step already led
+    past (_led_past_error)."""
 
     @functools.wraps(register)
     def noted(node, hook):
+        if node.led_past:
+            raise _led_past_error(f"grad_fn.{register.__name__}()")
         node.hooked = True
         return register(node, hook)
 
     return noted
 
 
+def _refusing_led_past(register_dict):
+    """A chain node's _register_hook_dict, which Tensor.register_hook calls
+    (once, when it makes the tensor's hook dict), refused on a node a next
+    step already led past (_led_past_error)."""
+
+    @functools.wraps(register_dict)
+    def checked(node, tensor):
+        if node.led_past:
+            # Tensor.register_hook made the dict before asking: left there, its
+            # next call would add the hook to it without asking again
+            tensor._backward_hooks = None
+            raise _led_past_error("register_hook()")
+        return register_dict(node, tensor)
+
+    return checked
+
+
 for _register in ("register_hook", "register_prehook"):
     setattr(_Chain._backward_cls, _register, _noting_hooks(getattr(_Chain._backward_cls, _register)))
+_Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
+
+
+def _led_past_error(what: str) -> RuntimeError:
+    """A hook or retain_grad() on a chain tensor that a next step led past:
+    that step's node goes straight to the root, so the gradient through it
+    never reaches the tensor's node (a hook would not fire and .grad would
+    stay None, or both would see only the gradient of the tensor's other
+    uses)."""
+    return RuntimeError(
+        f"reprop.fad: {what} on a chain tensor of enabled(compose=True) after a later "
+        "element-wise op chained past it: that op's node leads straight to the chain's root, "
+        "so this tensor's node does not get the gradient that flows through it (a hook would "
+        "not fire, .grad would stay None or partial). Register the hook or call retain_grad() "
+        "before the tensor's next op (it then starts a new chain), or leave compose off")
+
+
+def _refuse_retained_past(passed) -> None:
+    """retain_grad() on a chain tensor a node led past, called after the mode
+    exited: no Python code sees that call (torch's C++ method registers it
+    on the tensor's node), so the node that leads past it refuses it when
+    it runs."""
+    for ref in passed:
+        t = ref()
+        if t is not None and t.retains_grad:
+            raise _led_past_error("retain_grad() (called after the mode exited, found in backward)")
 
 
 class _Step:
     """One element-wise op on a chain: compute() gives (value, d value / d root,
-    blocked: see _Record)."""
+    blocked: see _Record); passed: weak references to the chain tensors its
+    node leads past (_passed)."""
 
-    __slots__ = ("mode", "compute", "result")
+    __slots__ = ("mode", "compute", "passed", "result")
 
-    def __init__(self, mode, compute):
-        self.mode, self.compute, self.result = mode, compute, None
+    def __init__(self, mode, compute, passed):
+        self.mode, self.compute, self.passed, self.result = mode, compute, passed, None
 
 
 class _Record:
@@ -859,11 +909,13 @@ def _plus_zero(d: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 class _Operand(NamedTuple):
     """An operand as the chain sees it: its value (tensors detached), its
     derivative with respect to the chain's root (None for the root itself, 0
-    for a constant) and where that is blocked (_Record)."""
+    for a constant), where that is blocked (_Record) and, for a chain
+    tensor, the tensor itself (not detached), which the step leads past."""
 
     value: object
     deriv: object
     blocked: torch.Tensor | None = None
+    chain: torch.Tensor | None = None
 
 
 def _is_zero(d) -> bool:
@@ -1163,6 +1215,13 @@ class enabled(TorchFunctionMode):
     inf * 0 gives NaN (sqrt(x - x), log(x * 0)); a derivative carried past
     float32's range (log or 1 / x at subnormal x) is inf where autograd,
     multiplying the gradient one step at a time, can stay finite.
+
+    A chain tensor given a hook (its own or its grad_fn's) or retain_grad()
+    before its next op starts a new chain, which reaches it through autograd;
+    after a next op chained past it they are refused (RuntimeError): that
+    op's node leads straight to the root, so the tensor's node never gets
+    the gradient through it (retain_grad() after the mode exited is refused
+    in backward, by a node that leads past it: torch runs no Python for it).
     """
 
     def __init__(self, compose: bool = False, saved_dtype=None):
@@ -1193,6 +1252,8 @@ class enabled(TorchFunctionMode):
         # the left of the op that broke: 1.0 + (2.0 * (t + 1.0)) gave 4.0.
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
+        if func is torch.Tensor.retain_grad and getattr(args[0].grad_fn, "led_past", False):
+            raise _led_past_error("retain_grad()")
         if not all(_plain_type(t) for t in types) or kwargs.get("out") is not None \
                 or _tensors.non_reentrant_checkpointing():
             # out=: torch's op writes it (and refuses autograd). A checkpoint's
@@ -1248,8 +1309,9 @@ class enabled(TorchFunctionMode):
             return None  # autograd conjugates what a complex op's backward multiplies by
         if torch.broadcast_shapes(*(t.shape for t in tensors)) != root.shape:
             return None
-        step = _Step(self, compute)
+        step = _Step(self, compute, _passed(operands))
         out = _Chain.apply(root, step)
+        _lead_past(operands)
         deriv, kept, blocked = step.result
         self._records[out] = _Record(root, out, deriv, kept, blocked)
         self._copies = self._copies or kept is not deriv
@@ -1272,20 +1334,22 @@ class enabled(TorchFunctionMode):
             if root is not None and src is not root:
                 return None
             root = src
-            operands.append(_Operand(x.detach(), deriv, blocked))
+            operands.append(_Operand(x.detach(), deriv, blocked, None if src is x else x))
         return (root, operands) if root is not None else None
 
     def _root_of(self, t: torch.Tensor):
         """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
         (None, None, None) for a constant. A chain tensor with hooks (its own
         or its node's) or retain_grad() is a root: a next step must reach it
-        through autograd. Its node must still be a chain node: detach_(), and
-        requires_grad_() after it, leave the version as it was, and make the
-        tensor a constant or a leaf (a root)."""
+        through autograd (a hook dict left empty by a removed hook counts:
+        Tensor.register_hook adds a next hook to it without asking the node,
+        which refuses hooks once led past). Its node must still be a chain
+        node: detach_(), and requires_grad_() after it, leave the version as
+        it was, and make the tensor a constant or a leaf (a root)."""
         rec = self._records.get(t)
         if rec is not None and rec.version == t._version \
                 and getattr(t.grad_fn, "hooked", True) is False \
-                and not (t._backward_hooks or t.retains_grad) \
+                and t._backward_hooks is None and not t.retains_grad \
                 and (rec.deriv_version is None or rec.deriv is _SELF
                      or rec.deriv._version == rec.deriv_version):
             src = rec.source()
@@ -1353,6 +1417,31 @@ class enabled(TorchFunctionMode):
             return v, rule(a, b, v, alpha), _blocked([a, b])
 
         return root, [a, b], compute
+
+
+def _passed(operands) -> tuple:
+    """Weak references to the chain tensors a step's node leads past: its
+    chain operands and those their nodes led past, alive ones only (a dead
+    tensor can be given no hook), each once."""
+    refs = {}
+    for o in operands:
+        if o.chain is None:
+            continue
+        refs[id(o.chain)] = weakref.ref(o.chain)
+        for ref in o.chain.grad_fn.passed:
+            t = ref()
+            if t is not None:
+                refs[id(t)] = ref
+    return tuple(refs.values())
+
+
+def _lead_past(operands) -> None:
+    """Marks the nodes of a step's chain operands as led past: the step's
+    node goes straight to the root, so a hook given to them now would never
+    run (_led_past_error)."""
+    for o in operands:
+        if o.chain is not None:
+            o.chain.grad_fn.led_past = True
 
 
 def _carried(rec: _Record, t: torch.Tensor) -> tuple[object, torch.Tensor | None]:
