@@ -1480,6 +1480,9 @@ class _ForwardFusion(FusionHandle):
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
+            # not run since its hooks: an id seen running is a freed module's
+            # that this one's memory reuses
+            self._seen_running.discard(id(module))
         # state_dict() of any module holding fused parameters (the root, ddp.module,
         # a backbone), its load_state_dict(), its .to()/.half()/.cuda()
         # (Module._apply) and its zero_grad(): pending updates first, as eager
