@@ -6,9 +6,17 @@ reprop._cuda  kernels/*.cu compiled by nvcc (sm_80, sm_90, PTX) and linked with
               when nvcc is found, unless REPROP_CUDA=0; REPROP_CUDA=1 makes a
               missing nvcc an error.
 
+              With cuSPARSE's header (cusparse.h) found, it also holds the
+              cuSPARSE peer of the sparse BPPSA scan (RP_HAVE_CUSPARSE),
+              which loads libcusparse.so.12 at run time and never links it;
+              the header is looked for in REPROP_CUSPARSE_INCLUDE (then
+              required), the toolkit's include, and the nvidia-cusparse
+              wheel's (nvidia/cu13, nvidia/cu12, nvidia/cusparse).
+
 Nothing links libtorch: torch is used from Python only, so one build serves
 every PyTorch >= 2.1.
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -53,6 +61,29 @@ def cuda_lib_dir(home):
     return None
 
 
+def nvidia_wheel_dirs(sub):
+    """`sub` (include, lib) of each layout of NVIDIA's pip wheels that exists:
+    nvidia/cu13 and nvidia/cu12 (CUDA 13 era), nvidia/cusparse (CUDA 12)."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    return [os.path.join(root, layout, sub) for root in roots for layout in ("cu13", "cu12", "cusparse")
+            if os.path.isdir(os.path.join(root, layout, sub))]
+
+
+def cusparse_include(home):
+    """The folder holding cusparse.h for the cuSPARSE peer, or None (the peer
+    is left out, the build goes on: a machine without the wheel still builds)."""
+    given = os.environ.get("REPROP_CUSPARSE_INCLUDE")
+    if given:
+        if not os.path.exists(os.path.join(given, "cusparse.h")):
+            raise RuntimeError(f"REPROP_CUSPARSE_INCLUDE={given} has no cusparse.h")
+        return given
+    for folder in [os.path.join(home, "include"), *nvidia_wheel_dirs("include")]:
+        if os.path.exists(os.path.join(folder, "cusparse.h")):
+            return folder
+    return None
+
+
 class BuildExt(build_ext):
     """Compiles the .cu sources of an extension with nvcc before linking."""
 
@@ -78,11 +109,24 @@ class BuildExt(build_ext):
             # --fmad=false: the same rounding as the CPU build (-ffp-contract=off),
             # so CUDA and CPU updates agree bit for bit; the kernels are memory-bound.
             cmd = [nvcc, "-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC", "-Icsrc",
-                   f'-DRP_CUDA_ARCHS="{archs}"', *gencode, "-c", src, "-o", obj]
+                   f'-DRP_CUDA_ARCHS="{archs}"', *ext.cuda_flags, *gencode, "-c", src, "-o", obj]
             print(" ".join(cmd))
             subprocess.check_call(cmd)
             objects.append(obj)
         return objects
+
+
+def cusparse_flags(home):
+    """nvcc flags that build the cuSPARSE peer, or none (and why, printed)."""
+    folder = cusparse_include(home)
+    if folder is None:
+        print("reprop: cusparse.h not found: the cuSPARSE peer of the sparse scan is left out "
+              "(pip install nvidia-cusparse, or set REPROP_CUSPARSE_INCLUDE, to build it)")
+        return []
+    print(f"reprop: the cuSPARSE peer of the sparse scan is built with {folder}/cusparse.h")
+    # -isystem: searched after the toolkit's own include, so a wheel folder that
+    # also holds other CUDA headers (nvidia/cu13/include) cannot shadow them
+    return ["-DRP_HAVE_CUSPARSE", "-isystem", folder]
 
 
 def extensions():
@@ -98,6 +142,7 @@ def extensions():
                          libraries=["cudart_static", "stdc++", "rt", "pthread", "dl"],
                          extra_link_args=["-fopenmp"])
         cuda.cuda_home = home
+        cuda.cuda_flags = cusparse_flags(home)
         exts.append(cuda)
     return exts
 

@@ -63,7 +63,10 @@ Sweeps (--part, repeatable; default all):
               geometry only: pruned weights stay in them as explicit zeros, so nnz and scan
               MACs (ChainPlan.info madds) do not fall with pruning. "masked" rows plan the
               pruned chain with ChainPlan(pruned=True), which leaves the zero weights'
-              entries out (what the paper counts). Also printed: every layer's J^T size, nnz and
+              entries out (what the paper counts). On CUDA the masked plans are also run by the
+              cuSPARSE peer, ChainPlan(pruned=True, product="cusparse"), in the same alternated
+              rounds ("vs cusparse" = cusparse / masked); on the CPU, or in a build without the
+              peer, that column is "-" and the reason is printed. Also printed: every layer's J^T size, nnz and
               density, and the dense autograd input-gradient's MACs (conv backward-data
               c_in c_out 9 h w, Linear in x out) plus element ops (ReLU, pool scatter).
 
@@ -681,8 +684,23 @@ V_FWD, V_AUTOGRAD = "fwd", "autograd"
 
 
 def vgg_chain_name(kind: str, levels: int) -> str:
-    """Candidate name of a chain_backward run: kind "chain" (ChainPlan's own patterns) or "masked"."""
+    """Candidate name of a chain_backward run: kind "chain" (ChainPlan's own patterns), "masked"
+    or "cusparse" (the masked plan run by the cuSPARSE peer)."""
     return f"{kind} L{levels}"
+
+
+def cusparse_plans(bppsa, layers: list[nn.Module], in_shape: tuple, args,
+                   device: torch.device) -> tuple[dict, str | None]:
+    """The cuSPARSE peer's plans per --vgg-levels (pruned=True, as the masked rows'), or
+    why there are none: CUDA only, and reprop must have been built with cusparse.h."""
+    if device.type != "cuda":
+        return {}, "the cuSPARSE peer runs on CUDA tensors only"
+    try:
+        return {levels: bppsa.ChainPlan(layers, in_shape, levels=levels, max_pairs=args.vgg_max_pairs,
+                                        pruned=True, product="cusparse")
+                for levels in args.vgg_levels}, None
+    except RuntimeError as e:  # not built with the peer
+        return {}, describe_error(e)
 
 
 def vgg11_chain(width_div: int, resolution: int, classifier: bool) -> list[nn.Module]:
@@ -842,6 +860,7 @@ def run_vgg(args, device: torch.device) -> VggResult:
             result.setting[f"masked_plan_s_L{levels}_s{sparsity:g}"] = time.perf_counter() - t0
         for row, leaf in zip(result.layers, masked[args.vgg_levels[0]].leaves):
             row["masked_nnz"][sparsity] = int(leaf.indices.shape[0])
+        peers, result.setting["cusparse_na"] = cusparse_plans(bppsa, layers, in_shape, args, device)
         ref = autograd_grad()
         candidates = {V_FWD: forward, V_AUTOGRAD: autograd_grad}
         errors = {}
@@ -853,6 +872,12 @@ def run_vgg(args, device: torch.device) -> VggResult:
                     continue
                 errors[name] = relative_error(bppsa.chain_backward(layers, x, grad_out, plan=p)[0], ref)
                 candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out, plan=p)
+            if levels in peers:  # its first call plans cuSPARSE's products, before the timing
+                name = vgg_chain_name("cusparse", levels)
+                errors[name] = relative_error(bppsa.chain_backward(layers, x, grad_out, plan=peers[levels])[0],
+                                              ref)
+                candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out,
+                                                     plan=peers[levels])
         stats = harness.measure_alternated(candidates, device, args.warmup, args.reps)
         result.stats[sparsity] = stats
         kept = sum(int(torch.count_nonzero(m.weight)) for m in weighted(layers))
@@ -862,6 +887,8 @@ def run_vgg(args, device: torch.device) -> VggResult:
             lib, msk = plans[levels], masked[levels]
             t_lib = stats[vgg_chain_name("chain", levels)].median
             t_msk = stats.get(vgg_chain_name("masked", levels), stats[vgg_chain_name("chain", levels)]).median
+            peer = stats.get(vgg_chain_name("cusparse", levels))
+            t_peer = peer.median if peer else None
             result.rows.append({
                 "sparsity": sparsity, "weights_kept": kept, "levels": levels,
                 "levels_run": lib.info["levels"], "masked_levels_run": msk.info["levels"],
@@ -879,8 +906,10 @@ def run_vgg(args, device: torch.device) -> VggResult:
                 "masked_bwd_speedup": backward_speedup(t_auto, t_msk, t_fwd),
                 "chain_err": errors[vgg_chain_name("chain", levels)],
                 "masked_err": errors[vgg_chain_name("masked", levels)],
+                "cusparse_ms": t_peer, "cusparse_err": errors.get(vgg_chain_name("cusparse", levels)),
+                "masked_vs_cusparse": harness.speedup(t_peer, t_msk) if t_peer else None,
             })
-        del masked
+        del masked, peers
         release(device)
     return result
 
@@ -907,7 +936,7 @@ def format_vgg(vgg: VggResult) -> str:
               "weights' explicit zeros)", harness.format_table(headers, rows)]
     headers = ["sparsity", "levels", "J nnz", "nonzero", "masked nnz", "scan MACs", "masked MACs",
                "dense ops", "fwd ms", "autograd", "chain ms", "masked ms", "chain x", "bwd x",
-               "masked x", "err", "masked err"]
+               "masked x", "err", "masked err", "cusparse ms", "vs cusparse", "cusparse err"]
     rows = []
     for r in vgg.rows:
         rows.append([f"{r['sparsity']:g}", f"{r['levels_run']}/{r['masked_levels_run']} ({r['levels']})",
@@ -915,14 +944,20 @@ def format_vgg(vgg: VggResult) -> str:
                      count_cell(r["scan_macs"]), count_cell(r["masked_scan_macs"]), count_cell(r["dense_ops"]),
                      f(r["fwd_ms"], ".3g"), f(r["autograd_ms"], ".3g"), f(r["chain_ms"], ".3g"),
                      f(r["masked_ms"], ".3g"), f(r["chain_speedup"], ".2f"), f(r["chain_bwd_speedup"], ".2f"),
-                     f(r["masked_speedup"], ".2f"), f(r["chain_err"], ".1e"), f(r["masked_err"], ".1e")])
+                     f(r["masked_speedup"], ".2f"), f(r["chain_err"], ".1e"), f(r["masked_err"], ".1e"),
+                     f(r["cusparse_ms"], ".3g"), f(r["masked_vs_cusparse"], ".2f"), f(r["cusparse_err"], ".1e")])
     lines += [f"\n{vgg.setting['reps']} rounds ({vgg.setting['warmup']} warm-ups), medians in ms per batch of one "
               "forward + input gradient: autograd = torch.autograd.grad(model(x), x, g); chain / masked = "
               "chain_backward with ChainPlan's patterns / without the pruned weights' zeros (plans built "
               "once, values gathered every call); fwd = a no-grad forward; chain x = autograd / chain, "
               "bwd x = (autograd - fwd) / (chain - fwd), masked x = autograd / masked; err = "
               "max|dx - dx_autograd| / max|dx_autograd|; MACs = multiply-adds per sample "
-              "(ChainPlan.info madds; dense ops = autograd's MACs + element ops)"]
+              "(ChainPlan.info madds; dense ops = autograd's MACs + element ops); cusparse = the masked "
+              "plan with product='cusparse' (the same schedule, products by cusparseSpGEMMreuse_compute, "
+              "mat-vecs by cusparseSpMM; cuSPARSE's planning in its first call, untimed), vs cusparse = "
+              "cusparse / masked (> 1: ours faster)"]
+    if s.get("cusparse_na"):
+        lines.append(f"cuSPARSE peer not run: {s['cusparse_na']}")
     lines += ["\nper sparsity and schedule (levels run: chain/masked (requested)); counts per sample, "
               "times per batch", harness.format_table(headers, rows)]
     return "\n".join(lines)

@@ -8,6 +8,7 @@
 #include "pyutil.h" /* Python.h first, as the C API asks */
 
 #include <stdlib.h>
+#include <string.h>
 
 PyDoc_STRVAR(optim_step_doc,
              "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
@@ -58,6 +59,108 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     return rp_py_none_or_raise(rc, &err);
 }
 
+#define RP_CUSPARSE_CAPSULE "reprop.cusparse_chain"
+#define RP_CUSPARSE_MAT_COLS 10
+#define RP_CUSPARSE_OP_COLS 5
+
+/* A C-contiguous 2-D int64 buffer (a NumPy array) of `cols` columns, held
+ * in *view until PyBuffer_Release; 0, or -1 with a ValueError naming it. */
+static int rp_cuda_table_arg(PyObject *obj, Py_ssize_t cols, const char *name, Py_buffer *view)
+{
+    const char *fmt;
+    int ok = PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0;
+    if (ok) {
+        fmt = view->format != NULL ? view->format : "B";
+        if (*fmt == '@' || *fmt == '=' || *fmt == '<')
+            fmt++;
+        ok = view->itemsize == 8 && (strcmp(fmt, "q") == 0 || strcmp(fmt, "l") == 0) &&
+             view->ndim == 2 && view->shape[1] == cols;
+        if (!ok)
+            PyBuffer_Release(view);
+    }
+    if (ok)
+        return 0;
+    PyErr_Clear(); /* the buffer protocol's own error does not name the argument */
+    PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous int64 array of shape (n, %zd)", name,
+                 cols);
+    return -1;
+}
+
+static void rp_cuda_cusparse_destructor(PyObject *capsule)
+{
+    rp_cuda_cusparse_free(PyCapsule_GetPointer(capsule, RP_CUSPARSE_CAPSULE));
+}
+
+PyDoc_STRVAR(cusparse_create_doc,
+             "cusparse_create(library, mats, ops, vectors, batch, nvectors, stride, stream)\n--\n\n"
+             "The cuSPARSE peer's chain (a capsule; kernels/scan.cu): cuSPARSE loaded\n"
+             "(by soname, else from the path `library`), every product's reuse stages\n"
+             "run on `stream` up to its values. Vector slot v of sequence b at\n"
+             "vectors + (v * batch + b) * stride floats.");
+
+static PyObject *rp_cuda_cusparse_create_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_buffer mats, ops;
+    rp_cusparse_chain *chain = NULL;
+    rp_error err = {{0}};
+    const char *library;
+    unsigned long long vectors;
+    long long batch, nvectors, stride;
+    void *stream;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 8, "cusparse_create") < 0)
+        return NULL;
+    if ((library = PyUnicode_AsUTF8(args[0])) == NULL ||
+        ((vectors = PyLong_AsUnsignedLongLong(args[3])) == (unsigned long long)-1 && PyErr_Occurred()) ||
+        ((batch = PyLong_AsLongLong(args[4])) == -1 && PyErr_Occurred()) ||
+        ((nvectors = PyLong_AsLongLong(args[5])) == -1 && PyErr_Occurred()) ||
+        ((stride = PyLong_AsLongLong(args[6])) == -1 && PyErr_Occurred()) ||
+        rp_py_stream_arg(args[7], &stream) < 0)
+        return NULL;
+    if (rp_cuda_table_arg(args[1], RP_CUSPARSE_MAT_COLS, "mats", &mats) < 0)
+        return NULL;
+    if (rp_cuda_table_arg(args[2], RP_CUSPARSE_OP_COLS, "ops", &ops) < 0) {
+        PyBuffer_Release(&mats);
+        return NULL;
+    }
+    /* with the GIL: the first call loads and resolves the library once */
+    rc = rp_cuda_cusparse_create(library, mats.shape[0], mats.buf, ops.shape[0], ops.buf,
+                                 (float *)(uintptr_t)vectors, batch, nvectors, stride, stream, &chain,
+                                 &err);
+    PyBuffer_Release(&mats);
+    PyBuffer_Release(&ops);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    PyObject *capsule = PyCapsule_New(chain, RP_CUSPARSE_CAPSULE, rp_cuda_cusparse_destructor);
+    if (capsule == NULL)
+        rp_cuda_cusparse_free(chain);
+    return capsule;
+}
+
+PyDoc_STRVAR(cusparse_run_doc,
+             "cusparse_run(chain, stream)\n--\n\n"
+             "One scan of a cusparse_create chain on `stream`: its products' values by\n"
+             "cusparseSpGEMMreuse_compute, its mat-vecs and copies; never synchronizes.");
+
+static PyObject *rp_cuda_cusparse_run_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_cusparse_chain *chain;
+    rp_error err = {{0}};
+    void *stream;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 2, "cusparse_run") < 0)
+        return NULL;
+    chain = PyCapsule_GetPointer(args[0], RP_CUSPARSE_CAPSULE);
+    if (chain == NULL || rp_py_stream_arg(args[1], &stream) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_cuda_cusparse_run(chain, stream, &err);
+    Py_END_ALLOW_THREADS
+    return rp_py_none_or_raise(rc, &err);
+}
+
 /* What the bindings pyutil.c shares with reprop._C run here. */
 static const rp_py_cuda_launchers rp_cuda_launchers = {
     rp_cuda_fad_forward, rp_cuda_fad_backward_code8, rp_cuda_scan, rp_cuda_csr_run};
@@ -85,8 +188,9 @@ static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:s,s:i}", "archs", rp_cuda_archs(), "device_count",
-                         rp_cuda_device_count());
+    return Py_BuildValue("{s:s,s:i,s:O}", "archs", rp_cuda_archs(), "device_count",
+                         rp_cuda_device_count(), "cusparse",
+                         rp_cuda_cusparse_built() ? Py_True : Py_False);
 }
 
 static PyMethodDef rp_cuda_methods[] = {
@@ -97,6 +201,10 @@ static PyMethodDef rp_cuda_methods[] = {
      fad_backward_code8_doc},
     {"scan", (PyCFunction)(void (*)(void))rp_py_scan, METH_FASTCALL, scan_doc},
     {"csr_run", (PyCFunction)(void (*)(void))rp_py_csr_run, METH_FASTCALL, csr_run_doc},
+    {"cusparse_create", (PyCFunction)(void (*)(void))rp_cuda_cusparse_create_py, METH_FASTCALL,
+     cusparse_create_doc},
+    {"cusparse_run", (PyCFunction)(void (*)(void))rp_cuda_cusparse_run_py, METH_FASTCALL,
+     cusparse_run_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };

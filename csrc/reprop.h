@@ -480,6 +480,22 @@ typedef struct {
 int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows *rows, int64_t batch,
                     float *seq, float *shared, void *stream, rp_error *err);
 
+/* The cuSPARSE peer of the program (kernels/scan.cu, built with
+ * RP_HAVE_CUSPARSE; without it, stubs that say so): the same schedule over
+ * whole CSR matrices, products by cusparseSpGEMMreuse (work estimation, nnz
+ * and copy once, at create; only _compute per run), mat-vecs by
+ * cusparseSpMM. Tables are C-contiguous int64 rows: matrices (rows, cols,
+ * nnz, a, b, shared, indptr, indices, values, stride), steps (kind, m, x, y,
+ * len); device pointers as integers. libcusparse.so.12 is dlopen'ed at the
+ * first create (by soname, else the path `library`), never linked. */
+typedef struct rp_cusparse_chain rp_cusparse_chain;
+int rp_cuda_cusparse_built(void);
+int rp_cuda_cusparse_create(const char *library, int64_t nmats, const int64_t *mat_rows, int64_t nops,
+                            const int64_t *op_rows, float *vectors, int64_t batch, int64_t nvectors,
+                            int64_t stride, void *stream, rp_cusparse_chain **out, rp_error *err);
+int rp_cuda_cusparse_run(rp_cusparse_chain *c, void *stream, rp_error *err);
+void rp_cuda_cusparse_free(rp_cusparse_chain *c);
+
 /* ---------------------------------------------------------------------------
  * Analytic CSR transposed Jacobians (csrc/jacobian.c)
  *

@@ -79,7 +79,8 @@
  * loop counters by value (the emulation runs phases late, at the next barrier).
  *
  * Layout: executor and helpers, the task bodies, the kernels, the launcher;
- * then the sparse scan's program runner (rp_cuda_csr_run), at the end.
+ * then the sparse scan's program runner (rp_cuda_csr_run), and at the end
+ * its cuSPARSE peer (rp_cuda_cusparse_*, built with RP_HAVE_CUSPARSE).
  */
 #include <cuda_runtime.h>
 
@@ -1251,3 +1252,570 @@ extern "C" int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows
     }
     return RP_OK;
 }
+
+/* ---------------------------------------------------------------------------
+ * The cuSPARSE peer of the sparse scan (ChainPlan(product="cusparse"))
+ *
+ * The same schedule as the program above (python/reprop/bppsa.py derives it
+ * as a list of steps), with every CSR x CSR product of the up-sweep done by
+ * cuSPARSE's structure-reusing SpGEMM and every mat-vec by cusparseSpMM:
+ *   GEMM  C = A B      cusparseSpGEMMreuse_compute per instance; the work
+ *                      estimation, nnz and copy stages ran once, in create
+ *   MV    y = M x      cusparseSpMM: a shared M once over the B vectors (B
+ *                      columns), a per-sequence M once per sequence
+ *   COPY  y = x        one 2D copy of the B vectors
+ * A matrix is one instance (`shared`: the same values for every sequence,
+ * a Conv2d's or Linear's) or one per sequence: cuSPARSE has no batched
+ * SpGEMM, so a per-sequence product costs B calls and B sets of buffers.
+ * A product is shared when both operands are. Vector slot v of sequence b
+ * is at vectors + (v * B + b) * stride (the caller's memory, as are the
+ * leaves' patterns and values); the products' arrays, the SpGEMM buffers and
+ * the SpMM workspace are the chain's own. Nothing links libcusparse: it is
+ * dlopen()ed at the first create (a CUDA build of torch has loaded it
+ * already), its functions resolved by name into pointers typed from
+ * cusparse.h, which setup.py found (RP_HAVE_CUSPARSE); without the header
+ * only the stubs at the end are built.
+ * ------------------------------------------------------------------------- */
+
+#ifdef RP_HAVE_CUSPARSE
+/* The reuse stages are deprecated in cuSPARSE 12.9 yet exported by every
+ * libcusparse.so.12; they are what the peer is about. */
+#define DISABLE_CUSPARSE_DEPRECATED
+#include <cusparse.h>
+#include <dlfcn.h>
+#include <stdio.h>
+
+enum { RP_SP_GEMM = 0, RP_SP_MV = 1, RP_SP_COPY = 2 };
+
+/* A row of the caller's matrix table (RP_SP_MAT_COLS int64 each; pointers
+ * as integers): a leaf (a < 0) with its device pattern and values, instance
+ * i's values at values + i * stride; or the product C = A B of matrices a
+ * and b, listed before it, whose nnz and arrays cuSPARSE makes. */
+typedef struct {
+    int64_t rows, cols, nnz, a, b, shared;
+    const int32_t *indptr, *indices;
+    float *values;
+    int64_t stride;
+} rp_sp_matrix;
+#define RP_SP_MAT_COLS 10
+
+/* A row of the step table (RP_SP_OP_COLS int64): kind; m the matrix (GEMM:
+ * the product to compute, MV: the map); x and y the vector slots read and
+ * written (MV, COPY); len the floats a COPY moves. */
+typedef struct {
+    int64_t kind, m, x, y, len;
+} rp_sp_op;
+#define RP_SP_OP_COLS 5
+
+typedef struct {
+    float *vectors;
+    int64_t batch, nvectors, stride;
+} rp_sp_vectors;
+
+static rp_sp_matrix rp_sp_matrix_row(const int64_t *r)
+{
+    rp_sp_matrix m = {r[0], r[1], r[2], r[3], r[4], r[5], (const int32_t *)(uintptr_t)r[6],
+                      (const int32_t *)(uintptr_t)r[7], (float *)(uintptr_t)r[8], r[9]};
+    return m;
+}
+
+static rp_sp_op rp_sp_op_row(const int64_t *r)
+{
+    rp_sp_op o = {r[0], r[1], r[2], r[3], r[4]};
+    return o;
+}
+
+#define RP_SP_FUNCS(X)                                                                             \
+    X(cusparseCreate) X(cusparseDestroy) X(cusparseSetStream) X(cusparseGetErrorString)            \
+    X(cusparseCreateCsr) X(cusparseDestroySpMat) X(cusparseCsrSetPointers)                         \
+    X(cusparseSpMatGetSize) X(cusparseCreateDnMat) X(cusparseDestroyDnMat)                         \
+    X(cusparseSpGEMM_createDescr) X(cusparseSpGEMM_destroyDescr)                                   \
+    X(cusparseSpGEMMreuse_workEstimation) X(cusparseSpGEMMreuse_nnz) X(cusparseSpGEMMreuse_copy)   \
+    X(cusparseSpGEMMreuse_compute) X(cusparseSpMM_bufferSize) X(cusparseSpMM)
+
+/* The library's functions, typed by the header's own declarations. */
+static struct {
+#define RP_SP_FIELD(name) decltype(&::name) name;
+    RP_SP_FUNCS(RP_SP_FIELD)
+#undef RP_SP_FIELD
+    bool loaded;
+} rp_sp;
+
+/* dlopen()s libcusparse.so.12 by name (found when torch loaded it, or on the
+ * library path), else at `path` (the nvidia wheel's copy, "" for none), and
+ * resolves the functions once. Not thread-safe: the binding holds the GIL. */
+static int rp_sp_load(const char *path, rp_error *err)
+{
+    char first[128] = "";
+    void *lib;
+    if (rp_sp.loaded)
+        return RP_OK;
+    lib = dlopen("libcusparse.so.12", RTLD_NOW | RTLD_LOCAL);
+    if (lib == NULL) {
+        snprintf(first, sizeof first, "%s", dlerror());
+        lib = path != NULL && path[0] != '\0' ? dlopen(path, RTLD_NOW | RTLD_LOCAL) : NULL;
+    }
+    if (lib == NULL)
+        return rp_set_error(err, RP_ERUNTIME,
+                            "cuSPARSE: cannot load libcusparse.so.12 (%s)%s%s; a CUDA build of torch "
+                            "loads it, or pip install nvidia-cusparse",
+                            first, path != NULL && path[0] != '\0' ? "; nor " : "",
+                            path != NULL && path[0] != '\0' ? path : "");
+#define RP_SP_RESOLVE(name)                                                                        \
+    rp_sp.name = (decltype(rp_sp.name))dlsym(lib, #name);                                          \
+    if (rp_sp.name == NULL)                                                                        \
+        return rp_set_error(err, RP_ERUNTIME, "cuSPARSE: libcusparse.so.12 lacks %s", #name);
+    RP_SP_FUNCS(RP_SP_RESOLVE)
+#undef RP_SP_RESOLVE
+    rp_sp.loaded = true; /* the handle stays open: the pointers live in it */
+    return RP_OK;
+}
+
+/* RP_ERUNTIME naming the call and cuSPARSE's text, or RP_OK. */
+static int rp_sp_check(cusparseStatus_t s, const char *what, rp_error *err)
+{
+    if (s == CUSPARSE_STATUS_SUCCESS)
+        return RP_OK;
+    return rp_set_error(err, RP_ERUNTIME, "cuSPARSE error in %s: %s", what,
+                        rp_sp.cusparseGetErrorString(s));
+}
+
+static int rp_sp_cuda(cudaError_t e, rp_error *err)
+{
+    return e == cudaSuccess ? RP_OK : rp_cuda_error(e, "the cuSPARSE peer", err);
+}
+
+/* At least 256 bytes: a NULL buffer would turn a reuse stage's second call
+ * back into a size query, which skips the stage. */
+static int rp_sp_alloc(void **p, size_t bytes, rp_error *err)
+{
+    return rp_sp_cuda(cudaMalloc(p, bytes > 256 ? bytes : 256), err);
+}
+
+static void rp_sp_free(void *p)
+{
+    if (p != NULL)
+        (void)cudaFree(p);
+}
+
+/* One matrix for one sequence, or for the batch when shared. */
+typedef struct {
+    cusparseSpMatDescr_t mat;
+    cusparseSpGEMMDescr_t gemm;                    /* products: the reuse state */
+    void *offsets, *columns, *values, *buf4, *buf5; /* products: owned */
+} rp_sp_inst;
+
+typedef struct {
+    rp_sp_matrix spec;
+    int64_t ninst; /* 1 if shared, else B */
+    rp_sp_inst *inst;
+} rp_sp_mat;
+
+typedef struct {
+    rp_sp_op op;
+    int64_t ninst;                   /* MV: the instances of its matrix */
+    cusparseDnMatDescr_t *x, *y;     /* MV: the vectors each instance reads and writes */
+} rp_sp_step;
+
+struct rp_cusparse_chain {
+    int device;
+    cusparseHandle_t handle;
+    int64_t nmats, nsteps;
+    rp_sp_mat *mats;
+    rp_sp_step *steps;
+    rp_sp_vectors vec;
+    void *work; /* SpMM's workspace, shared by every mat-vec (one stream) */
+    size_t work_size;
+};
+
+static const float rp_sp_one = 1.0f, rp_sp_zero = 0.0f;
+#define RP_SP_NN CUSPARSE_OPERATION_NON_TRANSPOSE, CUSPARSE_OPERATION_NON_TRANSPOSE
+
+/* The instance of matrix `id` that sequence (or shared instance) i reads. */
+static rp_sp_inst *rp_sp_operand(rp_cusparse_chain *c, int64_t id, int64_t i)
+{
+    rp_sp_mat *m = &c->mats[id];
+    return &m->inst[m->ninst == 1 ? 0 : i];
+}
+
+static float *rp_sp_slot(const rp_sp_vectors *v, int64_t slot, int64_t b)
+{
+    return v->vectors + (slot * v->batch + b) * v->stride;
+}
+
+static int rp_sp_leaf_setup(rp_sp_mat *m, rp_error *err)
+{
+    const rp_sp_matrix *s = &m->spec;
+    for (int64_t i = 0; i < m->ninst; i++) {
+        int rc = rp_sp_check(rp_sp.cusparseCreateCsr(&m->inst[i].mat, s->rows, s->cols, s->nnz,
+                                                     (void *)s->indptr, (void *)s->indices,
+                                                     s->values + i * s->stride, CUSPARSE_INDEX_32I,
+                                                     CUSPARSE_INDEX_32I, CUSPARSE_INDEX_BASE_ZERO,
+                                                     CUDA_R_32F),
+                             "cusparseCreateCsr", err);
+        if (rc != RP_OK)
+            return rc;
+    }
+    return RP_OK;
+}
+
+/* The reuse stages of C = A B up to its values: C's pattern, its arrays and
+ * the buffers compute needs (4 and 5), kept in x; buffers 1 to 3 are freed
+ * on every path. */
+static int rp_sp_gemm_stages(rp_cusparse_chain *c, const rp_sp_inst *A, const rp_sp_inst *B,
+                             rp_sp_inst *x, rp_error *err)
+{
+    const cusparseSpGEMMAlg_t alg = CUSPARSE_SPGEMM_DEFAULT;
+    cusparseHandle_t h = c->handle;
+    void *buf1 = NULL, *buf2 = NULL, *buf3 = NULL;
+    size_t s1 = 0, s2 = 0, s3 = 0, s4 = 0, s5 = 0;
+    int64_t rows = 0, cols = 0, nnz = 0;
+    int rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_workEstimation(h, RP_SP_NN, A->mat, B->mat, x->mat,
+                                                                  alg, x->gemm, &s1, NULL),
+                         "cusparseSpGEMMreuse_workEstimation", err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&buf1, s1, err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_workEstimation(h, RP_SP_NN, A->mat, B->mat, x->mat,
+                                                                  alg, x->gemm, &s1, buf1),
+                         "cusparseSpGEMMreuse_workEstimation", err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_nnz(h, RP_SP_NN, A->mat, B->mat, x->mat, alg,
+                                                       x->gemm, &s2, NULL, &s3, NULL, &s4, NULL),
+                         "cusparseSpGEMMreuse_nnz", err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&buf2, s2, err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&buf3, s3, err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&x->buf4, s4, err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_nnz(h, RP_SP_NN, A->mat, B->mat, x->mat, alg,
+                                                       x->gemm, &s2, buf2, &s3, buf3, &s4, x->buf4),
+                         "cusparseSpGEMMreuse_nnz", err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpMatGetSize(x->mat, &rows, &cols, &nnz),
+                         "cusparseSpMatGetSize", err);
+    if (rc == RP_OK && (nnz < 0 || nnz > INT32_MAX))
+        rc = rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: a product has %lld non-zeros, past "
+                          "32-bit indices", (long long)nnz);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&x->columns, (size_t)nnz * sizeof(int32_t), err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&x->values, (size_t)nnz * sizeof(float), err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseCsrSetPointers(x->mat, x->offsets, x->columns, x->values),
+                         "cusparseCsrSetPointers", err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_copy(h, RP_SP_NN, A->mat, B->mat, x->mat, alg,
+                                                        x->gemm, &s5, NULL),
+                         "cusparseSpGEMMreuse_copy", err);
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&x->buf5, s5, err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_copy(h, RP_SP_NN, A->mat, B->mat, x->mat, alg,
+                                                        x->gemm, &s5, x->buf5),
+                         "cusparseSpGEMMreuse_copy", err);
+    rp_sp_free(buf1), rp_sp_free(buf2), rp_sp_free(buf3);
+    return rc;
+}
+
+/* Every instance of product m: an empty CSR descriptor over owned offsets,
+ * then the reuse stages against its operands' instances. */
+static int rp_sp_product_setup(rp_cusparse_chain *c, rp_sp_mat *m, rp_error *err)
+{
+    const rp_sp_matrix *s = &m->spec;
+    for (int64_t i = 0; i < m->ninst; i++) {
+        rp_sp_inst *x = &m->inst[i];
+        int rc = rp_sp_alloc(&x->offsets, (size_t)(s->rows + 1) * sizeof(int32_t), err);
+        if (rc == RP_OK)
+            rc = rp_sp_check(rp_sp.cusparseCreateCsr(&x->mat, s->rows, s->cols, 0, x->offsets, NULL,
+                                                     NULL, CUSPARSE_INDEX_32I, CUSPARSE_INDEX_32I,
+                                                     CUSPARSE_INDEX_BASE_ZERO, CUDA_R_32F),
+                             "cusparseCreateCsr", err);
+        if (rc == RP_OK)
+            rc = rp_sp_check(rp_sp.cusparseSpGEMM_createDescr(&x->gemm), "cusparseSpGEMM_createDescr",
+                             err);
+        if (rc == RP_OK)
+            rc = rp_sp_gemm_stages(c, rp_sp_operand(c, s->a, i), rp_sp_operand(c, s->b, i), x, err);
+        if (rc != RP_OK)
+            return rc;
+    }
+    return RP_OK;
+}
+
+/* A mat-vec's vector descriptors (B columns for a shared matrix, one per
+ * sequence otherwise) and the workspace it needs. */
+static int rp_sp_mv_setup(rp_cusparse_chain *c, rp_sp_step *st, rp_error *err)
+{
+    rp_sp_mat *m = &c->mats[st->op.m];
+    const int64_t ncols = m->ninst == 1 ? c->vec.batch : 1;
+    st->ninst = m->ninst;
+    st->x = (cusparseDnMatDescr_t *)calloc((size_t)st->ninst, sizeof *st->x);
+    st->y = (cusparseDnMatDescr_t *)calloc((size_t)st->ninst, sizeof *st->y);
+    if (st->x == NULL || st->y == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory");
+    for (int64_t i = 0; i < st->ninst; i++) {
+        size_t need = 0;
+        int rc = rp_sp_check(rp_sp.cusparseCreateDnMat(&st->x[i], m->spec.cols, ncols, c->vec.stride,
+                                                       rp_sp_slot(&c->vec, st->op.x, i), CUDA_R_32F,
+                                                       CUSPARSE_ORDER_COL),
+                             "cusparseCreateDnMat", err);
+        if (rc == RP_OK)
+            rc = rp_sp_check(rp_sp.cusparseCreateDnMat(&st->y[i], m->spec.rows, ncols, c->vec.stride,
+                                                       rp_sp_slot(&c->vec, st->op.y, i), CUDA_R_32F,
+                                                       CUSPARSE_ORDER_COL),
+                             "cusparseCreateDnMat", err);
+        if (rc == RP_OK)
+            rc = rp_sp_check(rp_sp.cusparseSpMM_bufferSize(c->handle, RP_SP_NN, &rp_sp_one, m->inst[i].mat,
+                                                           st->x[i], &rp_sp_zero, st->y[i], CUDA_R_32F,
+                                                           CUSPARSE_SPMM_ALG_DEFAULT, &need),
+                             "cusparseSpMM_bufferSize", err);
+        if (rc != RP_OK)
+            return rc;
+        c->work_size = need > c->work_size ? need : c->work_size;
+    }
+    return RP_OK;
+}
+
+/* The shapes and ids the steps rely on: products after their operands,
+ * set up (by their GEMM step) before any step reads them; vectors in range. */
+static int rp_sp_check_chain(int64_t nmats, const rp_sp_matrix *mats, int64_t nops, const rp_sp_op *ops,
+                             const rp_sp_vectors *v, rp_error *err)
+{
+    if (v->batch < 1 || v->batch > INT32_MAX || v->nvectors < 1 || v->stride < 1 ||
+        v->vectors == NULL ||
+        rp_mul_capped(rp_mul_capped(v->nvectors, v->batch, INT64_MAX), v->stride, INT64_MAX / 4) < 0)
+        return rp_set_error(err, RP_EINVAL, "cuSPARSE peer: bad vector buffer");
+    char *ready = (char *)calloc((size_t)nmats, 1);
+    int rc = ready == NULL ? rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory") : RP_OK;
+    for (int64_t i = 0; rc == RP_OK && i < nmats; i++) {
+        const rp_sp_matrix *m = &mats[i];
+        const bool leaf = m->a < 0;
+        if (m->rows < 1 || m->cols < 1 || m->rows > INT32_MAX || m->cols > INT32_MAX)
+            rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: matrix %lld: bad shape", (long long)i);
+        else if (leaf && (m->nnz < 0 || m->nnz > INT32_MAX || m->indptr == NULL || m->values == NULL ||
+                          (m->nnz > 0 && m->indices == NULL) || (!m->shared && m->stride < m->nnz)))
+            rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: leaf %lld: bad CSR arrays", (long long)i);
+        else if (!leaf && (m->a >= i || m->b < 0 || m->b >= i || mats[m->a].cols != mats[m->b].rows ||
+                           m->rows != mats[m->a].rows || m->cols != mats[m->b].cols ||
+                           m->shared != (mats[m->a].shared && mats[m->b].shared)))
+            rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: product %lld: bad operands", (long long)i);
+        ready[i] = leaf;
+    }
+    for (int64_t k = 0; rc == RP_OK && k < nops; k++) {
+        const rp_sp_op *o = &ops[k];
+        const bool has_m = o->kind != RP_SP_COPY && o->m >= 0 && o->m < nmats;
+        const bool vecs = o->x >= 0 && o->x < v->nvectors && o->y >= 0 && o->y < v->nvectors;
+        if (o->kind == RP_SP_GEMM && has_m && !ready[o->m] && mats[o->m].a >= 0 &&
+            ready[mats[o->m].a] && ready[mats[o->m].b])
+            ready[o->m] = 1;
+        else if (o->kind == RP_SP_MV && has_m && ready[o->m] && vecs && o->x != o->y &&
+                 mats[o->m].rows <= v->stride && mats[o->m].cols <= v->stride)
+            continue;
+        else if (!(o->kind == RP_SP_COPY && vecs && o->x != o->y && o->len > 0 && o->len <= v->stride))
+            rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: step %lld is not a valid GEMM, MV or COPY "
+                              "at that point", (long long)k);
+    }
+    free(ready);
+    return rc;
+}
+
+static int rp_sp_build(rp_cusparse_chain *c, const rp_sp_matrix *mats, const rp_sp_op *ops,
+                       cudaStream_t stream, rp_error *err)
+{
+    int rc = rp_sp_check(rp_sp.cusparseCreate(&c->handle), "cusparseCreate", err);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSetStream(c->handle, stream), "cusparseSetStream", err);
+    for (int64_t i = 0; rc == RP_OK && i < c->nmats; i++) {
+        rp_sp_mat *m = &c->mats[i];
+        m->spec = mats[i];
+        m->ninst = m->spec.shared ? 1 : c->vec.batch;
+        m->inst = (rp_sp_inst *)calloc((size_t)m->ninst, sizeof *m->inst);
+        if (m->inst == NULL)
+            rc = rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory");
+        else if (m->spec.a < 0)
+            rc = rp_sp_leaf_setup(m, err);
+    }
+    for (int64_t k = 0; rc == RP_OK && k < c->nsteps; k++) { /* in order: operands first */
+        rp_sp_step *st = &c->steps[k];
+        st->op = ops[k];
+        if (st->op.kind == RP_SP_GEMM)
+            rc = rp_sp_product_setup(c, &c->mats[st->op.m], err);
+        else if (st->op.kind == RP_SP_MV)
+            rc = rp_sp_mv_setup(c, st, err);
+    }
+    if (rc == RP_OK)
+        rc = rp_sp_alloc(&c->work, c->work_size, err);
+    return rc;
+}
+
+extern "C" int rp_cuda_cusparse_built(void) { return 1; }
+
+extern "C" void rp_cuda_cusparse_free(rp_cusparse_chain *c)
+{
+    int prev = -1;
+    if (c == NULL)
+        return;
+    /* the handle and memory belong to the device they were made on */
+    if (cudaGetDevice(&prev) == cudaSuccess && prev != c->device)
+        (void)cudaSetDevice(c->device);
+    for (int64_t k = 0; c->steps != NULL && k < c->nsteps; k++) {
+        rp_sp_step *st = &c->steps[k];
+        for (int64_t i = 0; i < st->ninst; i++) {
+            if (st->x != NULL && st->x[i] != NULL)
+                (void)rp_sp.cusparseDestroyDnMat(st->x[i]);
+            if (st->y != NULL && st->y[i] != NULL)
+                (void)rp_sp.cusparseDestroyDnMat(st->y[i]);
+        }
+        free(st->x), free(st->y);
+    }
+    for (int64_t i = 0; c->mats != NULL && i < c->nmats; i++) {
+        rp_sp_mat *m = &c->mats[i];
+        for (int64_t j = 0; m->inst != NULL && j < m->ninst; j++) {
+            rp_sp_inst *x = &m->inst[j];
+            if (x->gemm != NULL)
+                (void)rp_sp.cusparseSpGEMM_destroyDescr(x->gemm);
+            if (x->mat != NULL)
+                (void)rp_sp.cusparseDestroySpMat(x->mat);
+            rp_sp_free(x->offsets), rp_sp_free(x->columns), rp_sp_free(x->values);
+            rp_sp_free(x->buf4), rp_sp_free(x->buf5);
+        }
+        free(m->inst);
+    }
+    rp_sp_free(c->work);
+    if (c->handle != NULL)
+        (void)rp_sp.cusparseDestroy(c->handle);
+    if (prev >= 0 && prev != c->device)
+        (void)cudaSetDevice(prev);
+    free(c->steps), free(c->mats), free(c);
+}
+
+/* The chain of typed rows, checked, on the stream's device. */
+static int rp_sp_create(const char *library, int64_t nmats, const rp_sp_matrix *mats, int64_t nops,
+                        const rp_sp_op *ops, const rp_sp_vectors *vec, cudaStream_t stream,
+                        rp_cusparse_chain **out, rp_error *err)
+{
+    rp_device_guard guard;
+    rp_cusparse_chain *c;
+    int rc = rp_sp_check_chain(nmats, mats, nops, ops, vec, err);
+    if (rc == RP_OK)
+        rc = rp_sp_load(library, err);
+    if (rc == RP_OK)
+        rc = rp_sp_cuda(guard.enter(stream), err);
+    if (rc != RP_OK)
+        return rc;
+    c = (rp_cusparse_chain *)calloc(1, sizeof *c);
+    if (c == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory");
+    c->device = guard.dev, c->nmats = nmats, c->nsteps = nops, c->vec = *vec;
+    c->mats = (rp_sp_mat *)calloc((size_t)nmats, sizeof *c->mats);
+    c->steps = (rp_sp_step *)calloc((size_t)(nops > 0 ? nops : 1), sizeof *c->steps);
+    rc = c->mats == NULL || c->steps == NULL
+             ? rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory")
+             : rp_sp_build(c, mats, ops, stream, err);
+    if (rc != RP_OK) {
+        rp_cuda_cusparse_free(c);
+        return rc;
+    }
+    *out = c;
+    return RP_OK;
+}
+
+extern "C" int rp_cuda_cusparse_create(const char *library, int64_t nmats, const int64_t *mat_rows,
+                                       int64_t nops, const int64_t *op_rows, float *vectors,
+                                       int64_t batch, int64_t nvectors, int64_t stride, void *stream,
+                                       rp_cusparse_chain **out, rp_error *err)
+{
+    const rp_sp_vectors vec = {vectors, batch, nvectors, stride};
+    rp_sp_matrix *mats;
+    rp_sp_op *ops;
+    int rc;
+    if (nmats < 1 || nops < 0 || mat_rows == NULL || (nops > 0 && op_rows == NULL) || out == NULL)
+        return rp_set_error(err, RP_EINVAL, "cuSPARSE peer: no matrices or NULL tables");
+    mats = (rp_sp_matrix *)malloc((size_t)nmats * sizeof *mats);
+    ops = (rp_sp_op *)malloc((size_t)(nops > 0 ? nops : 1) * sizeof *ops);
+    if (mats == NULL || ops == NULL)
+        rc = rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory");
+    else {
+        for (int64_t i = 0; i < nmats; i++)
+            mats[i] = rp_sp_matrix_row(mat_rows + i * RP_SP_MAT_COLS);
+        for (int64_t k = 0; k < nops; k++)
+            ops[k] = rp_sp_op_row(op_rows + k * RP_SP_OP_COLS);
+        rc = rp_sp_create(library, nmats, mats, nops, ops, &vec, (cudaStream_t)stream, out, err);
+    }
+    free(mats), free(ops);
+    return rc;
+}
+
+static int rp_sp_run_step(rp_cusparse_chain *c, const rp_sp_step *st, cudaStream_t stream, rp_error *err)
+{
+    const rp_sp_op *o = &st->op;
+    rp_sp_mat *m = o->kind == RP_SP_COPY ? NULL : &c->mats[o->m];
+    int rc = RP_OK;
+    if (o->kind == RP_SP_COPY) {
+        const size_t pitch = (size_t)c->vec.stride * sizeof(float);
+        return rp_sp_cuda(cudaMemcpy2DAsync(rp_sp_slot(&c->vec, o->y, 0), pitch, rp_sp_slot(&c->vec, o->x, 0),
+                                            pitch, (size_t)o->len * sizeof(float), (size_t)c->vec.batch,
+                                            cudaMemcpyDeviceToDevice, stream),
+                          err);
+    }
+    for (int64_t i = 0; rc == RP_OK && i < m->ninst; i++)
+        if (o->kind == RP_SP_GEMM)
+            rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_compute(
+                                 c->handle, RP_SP_NN, &rp_sp_one, rp_sp_operand(c, m->spec.a, i)->mat,
+                                 rp_sp_operand(c, m->spec.b, i)->mat, &rp_sp_zero, m->inst[i].mat, CUDA_R_32F,
+                                 CUSPARSE_SPGEMM_DEFAULT, m->inst[i].gemm),
+                             "cusparseSpGEMMreuse_compute", err);
+        else
+            rc = rp_sp_check(rp_sp.cusparseSpMM(c->handle, RP_SP_NN, &rp_sp_one, m->inst[i].mat, st->x[i],
+                                                &rp_sp_zero, st->y[i], CUDA_R_32F, CUSPARSE_SPMM_ALG_DEFAULT,
+                                                c->work),
+                             "cusparseSpMM", err);
+    return rc;
+}
+
+extern "C" int rp_cuda_cusparse_run(rp_cusparse_chain *c, void *stream_, rp_error *err)
+{
+    cudaStream_t stream = (cudaStream_t)stream_;
+    rp_device_guard guard;
+    if (c == NULL)
+        return rp_set_error(err, RP_EINVAL, "cuSPARSE peer: NULL chain");
+    int rc = rp_sp_cuda(guard.enter(stream), err);
+    if (rc == RP_OK && guard.dev != c->device)
+        rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: the stream is on device %d, the chain on %d",
+                          guard.dev, c->device);
+    if (rc == RP_OK)
+        rc = rp_sp_check(rp_sp.cusparseSetStream(c->handle, stream), "cusparseSetStream", err);
+    for (int64_t k = 0; rc == RP_OK && k < c->nsteps; k++)
+        rc = rp_sp_run_step(c, &c->steps[k], stream, err);
+    return rc;
+}
+
+#else /* built without cusparse.h: the peer says so */
+
+struct rp_cusparse_chain {
+    int unused;
+};
+
+extern "C" int rp_cuda_cusparse_built(void) { return 0; }
+
+extern "C" void rp_cuda_cusparse_free(rp_cusparse_chain *c) { (void)c; }
+
+extern "C" int rp_cuda_cusparse_create(const char *library, int64_t nmats, const int64_t *mat_rows,
+                                       int64_t nops, const int64_t *op_rows, float *vectors,
+                                       int64_t batch, int64_t nvectors, int64_t stride, void *stream,
+                                       rp_cusparse_chain **out, rp_error *err)
+{
+    (void)library, (void)nmats, (void)mat_rows, (void)nops, (void)op_rows, (void)vectors;
+    (void)batch, (void)nvectors, (void)stride, (void)stream, (void)out;
+    return rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: reprop was built without cusparse.h");
+}
+
+extern "C" int rp_cuda_cusparse_run(rp_cusparse_chain *c, void *stream, rp_error *err)
+{
+    (void)c, (void)stream;
+    return rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: reprop was built without cusparse.h");
+}
+
+#endif /* RP_HAVE_CUSPARSE */

@@ -1450,6 +1450,198 @@ def test_cuda_chain_equals_cpu_bitwise(levels):
         assert a.is_cuda and torch.equal(a.cpu(), b)
 
 
+# ---- the cuSPARSE peer (ChainPlan(product="cusparse")) ----
+
+def run_peer_schedule(plan, sched, inputs, grad_output):
+    """The peer's steps evaluated in float64 with dense per-sample matrices:
+    what the cuSPARSE calls compute, step for step (kernels/scan.cu)."""
+    n, B = len(plan.leaves), grad_output.shape[0]
+    mats = []
+    for k in range(1, n + 1):  # matrix k - 1: slot k's leaf, layer n - k
+        leaf = plan.leaves[n - k]
+        dense = torch.zeros(B, leaf.rows, leaf.cols, dtype=torch.float64)
+        rows = torch.from_numpy(np.repeat(np.arange(leaf.rows), np.diff(leaf.indptr)))
+        dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k]).double()
+        mats.append(dense)
+    mats += [None] * len(sched.products)
+    vec = torch.zeros(sched.slots + 3, B, sched.width, dtype=torch.float64)
+    vec[0, :, :plan.leaves[-1].cols] = grad_output.reshape(B, -1).double()
+    for kind, m, x, y, length in sched.steps:
+        if kind == bppsa._SP_GEMM:
+            a, b = sched.products[m - n]
+            assert mats[m] is None and mats[a] is not None and mats[b] is not None
+            mats[m] = mats[a] @ mats[b]
+            assert mats[m].shape[1:] == sched.dims[m]
+        elif kind == bppsa._SP_MV:
+            rows, cols = mats[m].shape[1:]
+            assert max(rows, cols) <= sched.width and x != y
+            vec[y, :, :rows] = (mats[m] @ vec[x, :, :cols, None])[..., 0]
+        else:
+            assert kind == bppsa._SP_COPY and m == -1 and 0 < length <= sched.width
+            vec[y, :, :length] = vec[x, :, :length]
+    return [vec[n - i + 1, :, :leaf.rows].reshape(inputs[i].shape) for i, leaf in enumerate(plan.leaves)]
+
+
+@pytest.mark.parametrize("make", [small_cnn, pruned_small_cnn])
+def test_peer_schedule_computes_the_plans_scan(make):
+    """The steps the cuSPARSE peer runs, at every level count, give autograd's
+    gradients, with one product per product of the plan: the schedule is
+    rebuilt in Python (the plan does not export its products), so this is
+    what keeps it the plan's."""
+    layers = make()
+    pruned = make is pruned_small_cnn
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    want = autograd_layer_input_grads(layers, x, g)
+    top = bppsa.max_levels(len([l for l in layers if not isinstance(l, nn.Flatten)]) + 1)
+    for levels in range(top + 1):
+        plan = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=pruned)
+        sched = bppsa._PeerSchedule(plan.leaves, plan.info["levels"])
+        assert plan.info["levels"] == levels and len(sched.products) == plan.info["products"]
+        assert [s[0] for s in sched.steps].count(bppsa._SP_GEMM) == len(sched.products)
+        inputs, _ = plan.forward_inputs(x)
+        for got, ref in zip(run_peer_schedule(plan, sched, inputs, g), want):
+            assert rel_err(got.float(), ref) <= 1e-5, levels
+
+
+def test_chain_product_is_checked():
+    layers = [nn.Linear(4, 3), nn.ReLU()]
+    for bad in ("CUSPARSE", "torch", None, 1):
+        with pytest.raises(ValueError, match=r"^product: expected one of \('reprop', 'cusparse'\), got"):
+            bppsa.ChainPlan(layers, (4,), product=bad)
+    assert bppsa.ChainPlan(layers, (4,)).product == "reprop"
+
+
+class _BuildInfo:
+    """A stand-in for reprop._cuda saying whether cusparse.h was there."""
+
+    def __init__(self, cusparse):
+        self.cusparse = cusparse
+
+    def build_info(self):
+        return {"archs": "sm_90", "device_count": 0, "cusparse": self.cusparse}
+
+
+def test_cusparse_peer_missing_from_the_build_is_named(monkeypatch):
+    layers = [nn.Linear(4, 3), nn.ReLU()]
+    monkeypatch.setattr(bppsa, "_cuda", None)
+    with pytest.raises(RuntimeError, match="^product: 'cusparse' is not available: reprop was built without "
+                                           "its CUDA kernels"):
+        bppsa.ChainPlan(layers, (4,), product="cusparse")
+    monkeypatch.setattr(bppsa, "_cuda", _BuildInfo(False))
+    with pytest.raises(RuntimeError, match=r"without cuSPARSE's header, cusparse.h; pip install "
+                                           r"nvidia-cusparse \(or set REPROP_CUSPARSE_INCLUDE"):
+        bppsa.ChainPlan(layers, (4,), product="cusparse")
+    monkeypatch.setattr(bppsa, "_cuda", _BuildInfo(True))
+    assert bppsa.ChainPlan(layers, (4,), product="cusparse").product == "cusparse"
+
+
+def test_cusparse_peer_refuses_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(bppsa, "_cuda", _BuildInfo(True))
+    layers = small_cnn()
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), product="cusparse")
+    x, g = torch.randn(2, 2, 6, 6), torch.randn(2, 4)
+    for call in (lambda: bppsa.chain_backward(layers, x, g, plan=plan),
+                 lambda: plan.backward(plan.forward_inputs(x)[0], g),
+                 lambda: bppsa.chain_backward(layers, x[:0], g[:0], plan=plan)):
+        with pytest.raises(ValueError, match="^grad_output: product='cusparse' runs on CUDA tensors only, "
+                                             "got cpu; use product='reprop' there"):
+            call()
+    assert not plan._peers
+
+
+def test_cusparse_peer_tables_pass_the_chains_checks(monkeypatch):
+    """The matrix and step tables _CusparsePeer hands to cusparse_create pass
+    the chain's checks (kernels/scan.cu: operands before products, every
+    product computed before it is read, vectors and lengths in range), which
+    run before the library is loaded or a device is touched: without a GPU
+    the call gets as far as loading cuSPARSE or finding no driver. A table
+    broken on purpose is refused by those checks, naming the row."""
+    if bppsa._cusparse_missing() is not None or torch.cuda.is_available():
+        pytest.skip("needs reprop's CUDA kernels built with cusparse.h, and no GPU")
+    import contextlib
+    import types
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: types.SimpleNamespace(cuda_stream=0))
+    for make, levels in [(small_cnn, "linear"), (small_cnn, 1), (pruned_small_cnn, "blelloch")]:
+        plan = bppsa.ChainPlan(make(), (2, 6, 6), levels=levels, pruned=make is pruned_small_cnn,
+                               product="cusparse")
+        with pytest.raises(RuntimeError, match="cuSPARSE: cannot load|CUDA error in the cuSPARSE peer"):
+            bppsa._CusparsePeer(plan, 3, torch.device("cpu"))
+    steps = np.array(plan._peer_schedule.steps, dtype=np.int64)
+    steps[0, 1] = len(plan._peer_schedule.dims)  # no such matrix
+    mats = np.ones((len(plan._peer_schedule.dims), 10), dtype=np.int64)
+    mats[:, 3] = -1
+    with pytest.raises(ValueError, match="^cuSPARSE peer: step 0 is not a valid GEMM, MV or COPY"):
+        bppsa._cuda.cusparse_create("", mats, steps, 1 << 20, 3, plan._peer_schedule.slots + 3, 16, 0)
+    with pytest.raises(ValueError, match=r"^mats: expected a C-contiguous int64 array of shape \(n, 10\)"):
+        bppsa._cuda.cusparse_create("", mats[:, :9], steps, 1 << 20, 3, 8, 16, 0)
+
+
+def cusparse_or_skip():
+    reason = bppsa._cusparse_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [small_cnn, pruned_small_cnn])
+@pytest.mark.parametrize("levels", ["linear", 1, "blelloch"])
+@pytest.mark.parametrize("B", [1, 3])
+def test_cuda_cusparse_peer_equals_ours_and_autograd(make, levels, B):
+    """The peer's products and mat-vecs (cuSPARSE's own order of sums) give
+    the gradients of our program and of autograd within fp32 rounding, on
+    the first backward (which plans cuSPARSE's products) and on later ones
+    with new values (which only compute)."""
+    cusparse_or_skip()
+    layers = [layer.cuda() for layer in make()]
+    pruned = make is pruned_small_cnn
+    ours = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=pruned)
+    peer = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=pruned, product="cusparse")
+    assert peer.info == ours.info
+    for step in range(3):
+        x, g = torch.randn(B, 2, 6, 6, device="cuda"), torch.randn(B, 4, device="cuda")
+        want = autograd_layer_input_grads(layers, x, g)
+        got = bppsa.chain_backward(layers, x, g, plan=peer)
+        for a, b, w in zip(got, bppsa.chain_backward(layers, x, g, plan=ours), want):
+            assert a.is_cuda and a.is_contiguous() and a.shape == w.shape
+            assert rel_err(a, b) <= 1e-5 and rel_err(a, w) <= 1e-5, step
+        with torch.no_grad():  # new weights, the pruned ones still zero
+            for layer in layers:
+                if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                    layer.weight.mul_(1.25)
+    assert list(peer._peers) == [(B, torch.device("cuda", torch.cuda.current_device()))]
+
+
+@pytest.mark.gpu
+def test_cuda_cusparse_peer_runs_on_the_current_stream():
+    cusparse_or_skip()
+    torch.manual_seed(8)
+    layers = [layer.cuda() for layer in small_cnn()]
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), levels="blelloch", product="cusparse")
+    x, g = torch.randn(3, 2, 6, 6, device="cuda"), torch.randn(3, 4, device="cuda")
+    want = bppsa.chain_backward(layers, x, g, plan=plan)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = bppsa.chain_backward(layers, x, g, plan=plan)
+    side.synchronize()
+    for a, b in zip(got, want):  # a stream mix-up would read stale or unwritten values
+        assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.gpu
+def test_cuda_cusparse_peer_refuses_regrown_pruned_weights():
+    cusparse_or_skip()
+    layers = [layer.cuda() for layer in pruned_small_cnn()]
+    plan = bppsa.ChainPlan(layers, (2, 6, 6), pruned=True, product="cusparse")
+    x, g = torch.randn(2, 2, 6, 6, device="cuda"), torch.randn(2, 4, device="cuda")
+    bppsa.chain_backward(layers, x, g, plan=plan)
+    with torch.no_grad():
+        layers[0].weight.add_(0.01)
+    with pytest.raises(ValueError, match="Conv2d: weights that were zero .* non-zero now"):
+        bppsa.chain_backward(layers, x, g, plan=plan)
+
+
 def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Sequence
 
 import numpy as np
@@ -1174,6 +1175,193 @@ class _SharedWeights:
                          "mask applied or build a new ChainPlan")
 
 
+_PRODUCTS = ("reprop", "cusparse")
+_SP_GEMM, _SP_MV, _SP_COPY = 0, 1, 2  # the cuSPARSE peer's step kinds (kernels/scan.cu)
+
+
+def _check_product(product) -> str:
+    if not isinstance(product, str) or product not in _PRODUCTS:
+        raise ValueError(f"product: expected one of {_PRODUCTS}, got {product!r}")
+    if product == "cusparse" and (reason := _cusparse_missing()) is not None:
+        raise RuntimeError(f"product: 'cusparse' is not available: {reason}")
+    return product
+
+
+def _cusparse_missing() -> str | None:
+    """Why this build cannot run the cuSPARSE peer, or None."""
+    if _cuda is None:
+        return "reprop was built without its CUDA kernels (no nvcc, or REPROP_CUDA=0)"
+    if not _cuda.build_info()["cusparse"]:
+        return ("reprop's CUDA kernels were built without cuSPARSE's header, cusparse.h; "
+                "pip install nvidia-cusparse (or set REPROP_CUSPARSE_INCLUDE to the folder "
+                "holding cusparse.h) and rebuild reprop")
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cusparse_library() -> str:
+    """The nvidia-cusparse wheel's libcusparse.so.12, for when it is not loaded
+    already (a CUDA build of torch loads it) nor on the library path; "" if none."""
+    import importlib.util
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec is not None else []:
+        for layout in ("cu13", "cu12", "cusparse"):
+            path = os.path.join(root, layout, "lib", "libcusparse.so.12")
+            if os.path.exists(path):
+                return path
+    return ""
+
+
+def _aligned(n: int) -> int:
+    """n rounded up to whole 16-byte (4-float) blocks, at least one: where
+    cuSPARSE reads an array, it starts 16-byte aligned."""
+    return max(4, -(-n // 4) * 4)
+
+
+class _PeerSchedule:
+    """A plan's scan as the cuSPARSE peer runs it, over whole matrices and
+    vectors: the steps rp_csr_compile emits rows for (csrc/scan.c:
+    rp_emit_up, rp_emit_middle, rp_emit_down), in their order. Rebuilt here
+    from the slot structure because a plan exports its program, not its
+    products. Matrix k - 1 is slot k's leaf, leaves[n - k]; products follow,
+    (a, b) for C = A B. Vector s is slot s's, n + 2 and n + 3 the middle's
+    two spares. Steps are cusparse_create's rows (kind, m, x, y, len):
+    (_SP_GEMM, c, -1, -1, 0) computes product c, (_SP_MV, m, x, y, 0) is
+    y = M x, (_SP_COPY, -1, x, y, len) copies len floats of vector x to y."""
+
+    def __init__(self, leaves: Sequence[_Leaf], levels: int):
+        n = len(leaves)
+        self.slots = n + 1
+        self.dims = [(leaves[n - k].rows, leaves[n - k].cols) for k in range(1, n + 1)]
+        self.shared = [leaves[n - k].shared for k in range(1, n + 1)]
+        self.products, self.steps, self.levels = [], [], levels
+        self._prod = {}  # (slot, level): the product the up-sweep made there
+        self.width = max(self._prefix_len(s) for s in range(1, self.slots + 1))
+        for d in range(levels):
+            self._up(d)
+        self._middle()
+        for d in reversed(range(levels)):
+            self._down(d)
+
+    def _prefix_len(self, s: int) -> int:
+        """rp_csr_prefix_len_of: the length of slot s's exclusive prefix."""
+        if s == 0:
+            return 0
+        return self.dims[s - 2][0] if s == self.slots else self.dims[s - 1][1]
+
+    def _map(self, s: int, upto: int) -> int:
+        """rp_csr_map_at: slot s's matrix once the levels below `upto` ran."""
+        return next((self._prod[s, d] for d in reversed(range(upto)) if (s, d) in self._prod), s - 1)
+
+    def _up(self, d: int) -> None:
+        half, step = 1 << d, 2 << d
+        for i in range(0, self.slots - step + 1, step):
+            left, right = i + half - 1, i + step - 1
+            a = self._map(right, d)
+            if i == 0:  # the spine: a vector
+                self.steps.append((_SP_MV, a, left, right, 0))
+                continue
+            b = self._map(left, d)
+            c = len(self.dims)
+            self.dims.append((self.dims[a][0], self.dims[b][1]))
+            self.shared.append(self.shared[a] and self.shared[b])
+            self.products.append((a, b))
+            self._prod[right, d] = c
+            self.steps.append((_SP_GEMM, c, -1, -1, 0))
+
+    def _middle(self) -> None:
+        block = 1 << self.levels
+        nb = (self.slots + block) // block
+        last, run = min(nb * block - 1, self.slots), block - 1
+        if nb == 2:
+            self.steps.append((_SP_COPY, -1, run, last, self._prefix_len(block)))
+        for j in range(2, nb) if nb > 2 else ():
+            end = j * block - 1
+            nxt = self.slots + 1 + j % 2 if j + 1 < nb else last
+            self.steps.append((_SP_MV, self._map(end, self.levels), run, nxt, 0))
+            self.steps.append((_SP_COPY, -1, run, end, self._prefix_len((j - 1) * block)))
+            run = nxt
+
+    def _down(self, d: int) -> None:
+        half, step = 1 << d, 2 << d
+        for left in range(half - 1, self.slots, step):
+            right = min(left + half, self.slots)
+            if left == half - 1:  # a range starting at slot 0: its prefix is the identity
+                self.steps.append((_SP_COPY, -1, left, right, self._prefix_len(left + 1)))
+            else:
+                self.steps.append((_SP_COPY, -1, right, left, self._prefix_len(left - half + 1)))
+        for left in range(step + half - 1, self.slots, step):
+            self.steps.append((_SP_MV, self._map(left, self.levels), left, min(left + half, self.slots), 0))
+
+
+class _CusparsePeer:
+    """The cuSPARSE peer's buffers and chain for one (plan, batch, device):
+    every leaf's device pattern and values in CSR, a per-sequence leaf's as
+    one 16-byte aligned row per sequence, the shared leaves' back to back in
+    one buffer gathered through their wmaps (a step the program never
+    takes), the vectors (slot, sequence, width), and the chain, which owns
+    the products (kernels/scan.cu). cuSPARSE's own planning (the reuse
+    stages) runs once, here; a backward refreshes values and computes."""
+
+    def __init__(self, plan: "ChainPlan", B: int, device: torch.device):
+        sched, n = plan._peer_schedule, len(plan.leaves)
+        strides = [_aligned(leaf.indices.size) for leaf in plan.leaves]
+        starts = dict(zip(plan.leaves, plan._program["leaf_addr"].tolist()))
+        shared = [i for i, leaf in enumerate(plan.leaves) if leaf.shared]
+        self.raw = torch.zeros(plan._weights.stop, dtype=torch.float32, device=device)
+        self.shared_values = torch.zeros(sum(strides[i] for i in shared), dtype=torch.float32, device=device)
+        gather = np.zeros(self.shared_values.numel(), dtype=np.int64)
+        values, offset = {}, 0
+        for i in shared:  # value q of leaf i is raw[its start + wmap[q]]
+            leaf = plan.leaves[i]
+            gather[offset:offset + leaf.indices.size] = leaf.wmap + (starts[leaf] & ~_SHARED)
+            values[i] = self.shared_values[offset:offset + strides[i]]
+            offset += strides[i]
+        self.gather = torch.from_numpy(gather).to(device)
+        self.per_sequence = []  # (i, leaf, its (B, nnz) values)
+        for i, leaf in enumerate(plan.leaves):
+            if not leaf.shared:
+                values[i] = torch.zeros(B, strides[i], dtype=torch.float32, device=device)
+                self.per_sequence.append((i, leaf, values[i][:, :leaf.indices.size]))
+        self.patterns = [(torch.from_numpy(leaf.indptr).to(device),
+                          torch.from_numpy(np.append(leaf.indices, np.int32(0))).to(device))
+                         for leaf in plan.leaves]  # one spare index: never an empty array
+        self.width = _aligned(sched.width)
+        self.vectors = torch.zeros(sched.slots + 3, B, self.width, dtype=torch.float32, device=device)
+        self.g_out = self.vectors[0, :, :plan.leaves[-1].cols]
+        # g_i, the gradient of layer i's input, ends in slot n - i + 1
+        self.grads = [self.vectors[n - i + 1, :, :leaf.rows] for i, leaf in enumerate(plan.leaves)]
+        mats = []
+        for k in range(1, n + 1):  # matrix k - 1: slot k's leaf, layer n - k
+            i = n - k
+            leaf, (indptr, indices) = plan.leaves[i], self.patterns[i]
+            mats.append((leaf.rows, leaf.cols, leaf.indices.size, -1, -1, int(leaf.shared), indptr.data_ptr(),
+                         indices.data_ptr(), values[i].data_ptr(), strides[i]))
+        mats += [(*sched.dims[n + j], 0, a, b, int(sched.shared[n + j]), 0, 0, 0, 0)
+                 for j, (a, b) in enumerate(sched.products)]
+        with torch.cuda.device(device):
+            self.chain = _cuda.cusparse_create(_cusparse_library(), np.array(mats, dtype=np.int64),
+                                               np.array(sched.steps, dtype=np.int64).reshape(-1, 5),
+                                               self.vectors.data_ptr(), B, sched.slots + 3, self.width,
+                                               torch.cuda.current_stream(device).cuda_stream)
+
+    def load(self, plan: "ChainPlan", inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> None:
+        """This step's values and g_n into the buffers the chain reads. Under
+        torch.no_grad, as _Leaf.write_values."""
+        plan._weights.write(self.raw)  # and the check that pruned weights stayed zero
+        torch.index_select(self.raw, 0, self.gather, out=self.shared_values)
+        for i, leaf, dst in self.per_sequence:
+            leaf.write_values(inputs[i], dst)
+        # zeroed first: cuSPARSE's documentation does not promise that beta = 0
+        # leaves an output unread, and a NaN left by a non-finite step would stay
+        self.vectors.zero_()
+        self.g_out.copy_(grad_output.detach().reshape(grad_output.shape[0], -1))
+
+    def run(self, device: torch.device) -> None:
+        with torch.cuda.device(device):
+            _cuda.cusparse_run(self.chain, torch.cuda.current_stream(device).cuda_stream)
+
+
 class ChainPlan:
     """The planned sparse BPPSA of a chain of layers for one input shape.
 
@@ -1186,10 +1374,18 @@ class ChainPlan:
     `pruned`: the Conv2d and Linear weights that are zero now are a fixed
     pruning mask (Section 4.3): their entries are left out of the patterns,
     so the products stay as sparse as the pruned network; backward raises
-    ValueError if any of them has become non-zero."""
+    ValueError if any of them has become non-zero.
+    `product`: "reprop" (the plan's own pattern-reusing program, CPU or
+    CUDA) or "cusparse", the peer: the same schedule with every CSR x CSR
+    product by cuSPARSE's structure-reusing SpGEMM and every mat-vec by
+    cusparseSpMM, CUDA tensors only (needs reprop built with cusparse.h and
+    libcusparse.so.12 at run time; RuntimeError here if the build lacks it).
+    The peer plans its products (work estimation, nnz, copy) once per batch
+    size and device, at that first backward."""
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
-                 max_pairs: int = 0, pruned: bool = False):
+                 max_pairs: int = 0, pruned: bool = False, product: str = "reprop"):
+        self.product = _check_product(product)
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
@@ -1221,6 +1417,8 @@ class ChainPlan:
         # (input index, leaf, [start, stop) in the per-sequence buffer) of the other leaves
         self._sequence_leaves = [(i, leaf, addr, addr + leaf.indices.size)
                                  for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
+        self._peer_schedule = _PeerSchedule(self.leaves, self.info["levels"]) if product == "cusparse" else None
+        self._peers = {}  # (B, device): _CusparsePeer
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -1273,8 +1471,14 @@ class ChainPlan:
             _check_chain_layer(layer, f"layers[{i}]")
             if leaf is not None:
                 leaf.check_unchanged()
+        if self.product == "cusparse" and device.type != "cuda":
+            raise ValueError(f"grad_output: product='cusparse' runs on CUDA tensors only, got {device}; "
+                             "use product='reprop' there")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
+        if self.product == "cusparse":
+            grads = self._peer_gradients(B, inputs, grad_output)
+            return self._torch_backward(inputs, grad_output) if grads is None else grads
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
         # float32 whatever the default dtype: the program reads them as float32
@@ -1306,10 +1510,22 @@ class ChainPlan:
                                     torch.get_num_threads()):
                 return None
             return [g if x.dtype == torch.float32 else g.to(x.dtype) for g, x in zip(grads, inputs)]
-        views = [seq[a:a + leaf.rows].T for leaf, a in zip(self.leaves, self._program["g_addr"].tolist())]
-        if not _sums_finite(views):
-            return None
-        return [x.new_empty(x.shape).copy_(v.reshape(x.shape)) for v, x in zip(views, inputs)]
+        return _owned_gradients([seq[a:a + leaf.rows].T for leaf, a in
+                                 zip(self.leaves, self._program["g_addr"].tolist())], inputs)
+
+    def _peer_gradients(self, B: int, inputs: Sequence[torch.Tensor],
+                        grad_output: torch.Tensor) -> list[torch.Tensor] | None:
+        """backward()'s gradients by the cuSPARSE peer (CUDA), None if one is
+        not finite. Its buffers and cuSPARSE's plans are made at the first
+        backward of each batch size on each device, then reused."""
+        device = grad_output.device
+        if (B, device) not in self._peers:
+            self._peers[B, device] = _CusparsePeer(self, B, device)
+        peer = self._peers[B, device]
+        with torch.no_grad():
+            peer.load(self, inputs, grad_output)
+        peer.run(device)
+        return _owned_gradients(peer.grads, inputs)
 
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
@@ -1319,6 +1535,15 @@ class ChainPlan:
             grad = _input_grad(leaf.layer, x, grad, x.dtype)
             grads.append(grad)
         return grads[::-1]
+
+
+def _owned_gradients(views: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Each (B, rows) view of a scan's buffer as a contiguous tensor of its
+    input's shape and dtype that owns its memory, as autograd's gradients
+    are; None if one is not finite."""
+    if not _sums_finite(views):
+        return None
+    return [x.new_empty(x.shape).copy_(v.reshape(x.shape)) for v, x in zip(views, inputs)]
 
 
 def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
