@@ -738,6 +738,56 @@ def test_tensor_hooks_see_the_summed_gradient(order):
     assert order == "conventional" or handle.schedule["moved"] > 0
 
 
+class OneOfEachKind(nn.Sequential):
+    """Every split kind once, each output straight from its node (what
+    grad_fn of a layer's output is under autograd too)."""
+
+    def __init__(self):
+        super().__init__(nn.Embedding(10, 8), Transpose(), nn.Conv1d(8, 8, 3, padding=1),
+                         nn.BatchNorm1d(8), nn.GroupNorm(2, 8), Transpose(), nn.LayerNorm(8),
+                         nn.Flatten(), nn.Linear(40, 3))
+
+
+class Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_post_hooks_on_a_split_node_see_and_change_the_weight_gradients(order):
+    """A hook on a layer's grad_fn sees every gradient its node returns, dW
+    and db among them, and what it returns accumulates, on steps where the
+    schedule would otherwise defer or move them."""
+    torch.manual_seed(0)
+    ref = OneOfEachKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving(order=order))
+    seen: dict = {}
+
+    def halve_on_its_node(net):
+        def halve(grad_inputs, grad_outputs):
+            seen.setdefault(net, []).append(sorted(g.numel() for g in grad_inputs if g is not None))
+            return tuple(None if g is None else g * 0.5 for g in grad_inputs)
+
+        def forward_hook(layer, inputs, out):
+            out.grad_fn.register_hook(halve)
+        return forward_hook
+
+    for step in range(8):
+        idx = torch.randint(10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for net in (ref, model):
+            hooks = [m.register_forward_hook(halve_on_its_node(net))
+                     for m in net if list(m.parameters())] if step % 2 else []
+            net.zero_grad()
+            net(idx).pow(2).sum().backward()
+            for h in hooks:
+                h.remove()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert seen[model] == seen[ref] and len(seen[ref]) == 4 * 6
+    assert order == "conventional" or handle.schedule["moved"] > 0
+
+
 def test_post_accumulate_grad_hooks_fire_after_the_deferred_dw():
     """A hook (an optimizer in backward, an all-reduce) sees each parameter's
     final gradient, once per backward, even when its dW runs regions later."""

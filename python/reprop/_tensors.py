@@ -253,6 +253,26 @@ def hook_owner(hook: Callable) -> object | None:
     return owner() if owner is not None else getattr(hook, "__self__", None)
 
 
+def note_node_hooks(function: type, registers: tuple = ("register_hook", "register_prehook")) -> None:
+    """Makes the backward nodes of `function` (an autograd.Function) note
+    their hooks: each of the node class's `registers` methods sets
+    ``node.hooked = True`` (the node is the Function's ctx) before it
+    registers, so that backward can give a hook what it would see under
+    plain autograd. torch has no query for a node's hooks."""
+    node_class = function._backward_cls
+    for name in registers:
+        setattr(node_class, name, _noting_hooks(getattr(node_class, name)))
+
+
+def _noting_hooks(register: Callable) -> Callable:
+    @functools.wraps(register)
+    def noted(node, hook):
+        node.hooked = True
+        return register(node, hook)
+
+    return noted
+
+
 def suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
     """Tensor.suggest_memory_format(), which only C++ has (torch's Python port
     goes through symbolic shapes: sympy on first use, microseconds a call):

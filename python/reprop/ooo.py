@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, queue_end_of_backward,
+                       non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, weak_hook,
                        without_grad)
 
@@ -467,6 +467,12 @@ class _Split(torch.autograd.Function):
         return (None, dx) + tuple(d if r else None for d, r in zip(weight_grads, returned))
 
 
+# a post-hook on a split node (grad_fn.register_hook) sees and may replace the
+# gradients the node returns, dW and db among them under plain autograd: a
+# hooked node returns them instead of deferring them (_weight_grad_targets).
+# Pre-hooks see and replace only the output gradient, which backward reads.
+note_node_hooks(_Split, ("register_hook",))
+
 # autograd.Function.apply's Python layer binds setup_context arguments (_Split
 # has none) and unwraps functorch's dead wrappers (a split layer's forward
 # sends every functorch tensor to torch's own layer instead): outside functorch
@@ -481,6 +487,7 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
     will not reach, as in autograd.grad() for inputs only, or frozen ones, get
     no dW: their .grad must not change."""
     deferred, returned, nodes = [False, False], [False, False], [None, None]
+    hooked = getattr(ctx, "hooked", False)  # a post-hook on the node (note_node_hooks)
     edges = iter(ctx.next_functions[1:])  # one per tensor input after x
     for i, p in enumerate(ctx.params):
         if p is None:
@@ -498,8 +505,9 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # autograd calls a leaf's tensor hooks (register_hook) with the gradient
         # it hands to AccumulateGrad: that must be the real one, summed over sites.
         # A weight computed from others (torch.func.functional_call with a
-        # non-leaf) has no .grad to defer into: autograd carries it on.
-        if p._backward_hooks or not p.is_leaf:
+        # non-leaf) has no .grad to defer into: autograd carries it on. A
+        # post-hook on the node must see (and may replace) dW and db.
+        if p._backward_hooks or not p.is_leaf or hooked:
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
