@@ -721,7 +721,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
-        ctx.hooked = False  # (_noting_hooks)
+        ctx.hooked = False  # (_tensors.note_node_hooks)
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
@@ -756,22 +756,9 @@ class _Chain(torch.autograd.Function):
         return grad_source.to(ctx.source_dtype), None
 
 
-def _noting_hooks(register):
-    """A chain node's register_hook or register_prehook, which also notes on
-    the node that it has a hook: a next step must then reach the node
-    through autograd (_root_of), not lead past it to the root. torch has no
-    query for a node's hooks."""
-
-    @functools.wraps(register)
-    def noted(node, hook):
-        node.hooked = True
-        return register(node, hook)
-
-    return noted
-
-
-for _register in ("register_hook", "register_prehook"):
-    setattr(_Chain._backward_cls, _register, _noting_hooks(getattr(_Chain._backward_cls, _register)))
+# a hook or pre-hook on a chain node must run: a next step must then reach the
+# node through autograd (_root_of), not lead past it to the root
+_tensors.note_node_hooks(_Chain)
 
 
 class _Step:
