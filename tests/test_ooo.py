@@ -1161,6 +1161,7 @@ def test_calls_torch_accepts():
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         bn(torch.randn(1, 3))
     assert torch.isfinite(bn.running_var).all()
+    assert int(bn.num_batches_tracked) == 1  # counted before the refusal, as torch's module does
     emb = nn.Embedding(5, 2)
     ooo.enable(emb)
     emb.sparse = True
@@ -1174,6 +1175,38 @@ def test_calls_torch_accepts():
     handle.remove()
     # an int past float's range is no cap too (float() of it raised OverflowError)
     assert ooo.enable(model, max_extra_memory=10**400).max_extra_memory == math.inf
+
+
+def _replaced(layer: nn.Module, **attributes) -> nn.Module:
+    for name, value in attributes.items():
+        setattr(layer, name, value)
+    return layer
+
+
+@pytest.mark.parametrize("make, channels", [
+    (lambda: nn.BatchNorm1d(4), 6),
+    (lambda: nn.BatchNorm1d(4).eval(), 6),
+    (lambda: nn.BatchNorm1d(4, track_running_stats=False), 6),
+    (lambda: _replaced(nn.BatchNorm1d(4), bias=nn.Parameter(torch.zeros(6))), 4),
+    (lambda: _replaced(nn.BatchNorm1d(4).eval(), running_var=torch.ones(6)), 4),
+    (lambda: _replaced(nn.BatchNorm1d(4).eval(), running_mean=None), 4),
+], ids=["train", "eval", "untracked", "bias", "running_var", "no_running_mean"])
+def test_batch_norm_of_another_width_raises_as_in_torch(make, channels):
+    """Channels that the weight, bias or running statistics do not match
+    raise torch's error before the native kernel, which indexes them by
+    channel and would read and write past their ends; the batch is counted
+    first, as torch's module counts it."""
+    x = torch.randn(8, channels)
+    ref = make()
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    with pytest.raises(RuntimeError) as want:
+        ref(x)
+    with pytest.raises(RuntimeError) as got:
+        model(x)
+    assert str(got.value) == str(want.value)
+    for (name, a), b in zip(ref.named_buffers(), model.buffers()):
+        assert torch.equal(b, a), name
 
 
 @pytest.mark.parametrize("make, shape", [

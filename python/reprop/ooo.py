@@ -271,10 +271,23 @@ class _BatchNormKind(_NormKind):
         keep = not m.training or m.track_running_stats
         return training, eaf, (m.running_mean if keep else None), (m.running_var if keep else None)
 
+    @staticmethod
+    def _check(x, w, b, rm, rv, training):
+        """What F.batch_norm and at::batch_norm check, in their order, after
+        the module's forward has counted the batch: the native kernel indexes
+        each per-channel tensor by x's channels and reads or writes past the
+        end of a shorter one."""
+        if training:
+            F._verify_batch_size(x.size())  # one value per channel has no variance
+        channels = x.shape[1]
+        for name, t in (("running_mean", rm), ("running_var", rv), ("weight", w), ("bias", b)):
+            if t is not None and t.numel() != channels:
+                raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
+            if t is None and not training and name.startswith("running"):
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
+
     def prepare(self, m, x):
         m._check_input_dim(x)
-        if m.training or (m.running_mean is None and m.running_var is None):
-            F._verify_batch_size(x.size())  # as F.batch_norm: one value per channel has no variance
         return x
 
     def op(self, m):
@@ -282,6 +295,7 @@ class _BatchNormKind(_NormKind):
 
     def forward(self, m, x, w, b):
         training, eaf, rm, rv = self._state(m)
+        self._check(x, w, b, rm, rv, training)
         y, mean, invstd = _aten.native_batch_norm(x, w, b, rm, rv, training, eaf, m.eps)
         return y, (x, w, mean, invstd, rm, rv, training, m.eps)
 
