@@ -1177,6 +1177,28 @@ def test_calls_torch_accepts():
     assert ooo.enable(model, max_extra_memory=10**400).max_extra_memory == math.inf
 
 
+@pytest.mark.parametrize("padding_idx", [-1, -5, 3, 5, -6])
+def test_embedding_padding_index_set_after_construction_as_f_embedding_takes_it(padding_idx):
+    """A padding_idx set after construction is taken as F.embedding takes it:
+    a negative one counts from the end (its row gets no gradient), one out
+    of range asserts before max_norm renormalises the table."""
+    torch.manual_seed(0)
+    ref = _replaced(nn.Embedding(5, 3, max_norm=0.5), padding_idx=padding_idx)
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    idx = torch.tensor([4, 4, 1, 0, 3])
+    if -5 <= padding_idx < 5:
+        for net in (ref, model):
+            net(idx).pow(2).sum().backward()
+        assert torch.equal(model.weight.grad, ref.weight.grad)
+        assert not model.weight.grad[padding_idx].any()
+    else:
+        for net in (ref, model):
+            with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
+                net(idx)
+    assert torch.equal(model.weight, ref.weight)
+
+
 def _replaced(layer: nn.Module, **attributes) -> nn.Module:
     for name, value in attributes.items():
         setattr(layer, name, value)

@@ -214,7 +214,21 @@ class _EmbeddingKind(_Kind):
             raise ValueError("Embedding(sparse=True): sparse gradients are not supported by "
                              "reprop.ooo; use sparse=False")
 
+    @staticmethod
+    def _padding_index(m, w: torch.Tensor) -> int:
+        """m.padding_idx as F.embedding hands it to the kernels: checked
+        against the rows of the table w, a negative one counted from the end
+        (set after construction, it reaches here as it is), None as -1 (none)."""
+        padding_idx = m.padding_idx
+        if padding_idx is None:
+            return -1
+        rows = w.size(0)
+        if not -rows <= padding_idx < rows:
+            raise AssertionError("Padding_idx must be within num_embeddings")
+        return padding_idx + rows if padding_idx < 0 else padding_idx
+
     def prepare(self, m, x):
+        self._padding_index(m, m.weight)  # F.embedding's check, before the renorm writes
         if m.max_norm is not None:  # as F.embedding: renormalise rows in place first
             with torch.no_grad():
                 torch.embedding_renorm_(m.weight, x, m.max_norm, m.norm_type)
@@ -226,8 +240,7 @@ class _EmbeddingKind(_Kind):
     def forward(self, m, x, w, b):
         # the table's rows are the weight's, as autograd's node records them
         # (m.num_embeddings is stale once the weight is replaced)
-        settings = (w.shape[0], -1 if m.padding_idx is None else m.padding_idx,
-                    m.scale_grad_by_freq)
+        settings = (w.shape[0], self._padding_index(m, w), m.scale_grad_by_freq)
         return torch.embedding(w, x, *settings[1:], False), (x, settings)
 
     def input_grad(self, saved, g):
