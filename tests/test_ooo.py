@@ -1199,6 +1199,22 @@ def test_embedding_padding_index_set_after_construction_as_f_embedding_takes_it(
     assert torch.equal(model.weight, ref.weight)
 
 
+@pytest.mark.parametrize("shape", [(4,), (), (1, 4), (1, 4, 1)],
+                         ids=["1d", "0d", "one_value_per_group", "one_value_per_group_3d"])
+def test_group_norm_refuses_what_f_group_norm_refuses(shape):
+    """Fewer than 2 dimensions, and one value per group, raise torch's errors
+    (a 1-D input raised a bare IndexError, one value per group ran)."""
+    ref = nn.GroupNorm(4, 4)
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x = torch.randn(shape)
+    with pytest.raises((RuntimeError, ValueError)) as want:
+        ref(x)
+    with pytest.raises(want.type) as got:
+        model(x)
+    assert str(got.value) == str(want.value)
+
+
 def _replaced(layer: nn.Module, **attributes) -> nn.Module:
     for name, value in attributes.items():
         setattr(layer, name, value)

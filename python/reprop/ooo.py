@@ -340,6 +340,15 @@ class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as aut
 
 class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
 
+    def prepare(self, m, x):
+        # F.group_norm's checks, before _sizes reads the channel dimension
+        if x.dim() < 2:
+            raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received "
+                               f"{x.dim()}")
+        # one value per group has no variance
+        F._verify_batch_size([x.size(0) * x.size(1) // m.num_groups, m.num_groups, *x.shape[2:]])
+        return x
+
     def _sizes(self, x):
         n, c = x.shape[0], x.shape[1]
         return n, c, x.numel() // max(1, n * c)
