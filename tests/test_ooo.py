@@ -1564,9 +1564,11 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     inner.remove()
     assert len(ooo.enable(model).sites) == 2
     refused = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(3, 3, 4, padding="same"))
-    with pytest.raises(ValueError, match="pads asymmetrically"):
+    with pytest.raises(ValueError, match=r"^model: 1: Conv1d: .* pads asymmetrically"):
         ooo.enable(refused)
     assert all("forward" not in m.__dict__ for m in refused.modules())
+    with pytest.raises(ValueError, match=r"^model: Conv2d: padding='same' with kernel_size=\(4, 4\)"):
+        ooo.enable(nn.Conv2d(1, 1, 4, padding="same"))  # the layer named once
 
 
 @pytest.mark.parametrize("bad, error, match", [

@@ -166,9 +166,10 @@ class _ConvKind(_Kind):
         if isinstance(m.padding, str) and m.padding == "same":
             for d, k in zip(m.dilation, m.kernel_size):
                 if d * (k - 1) % 2:
-                    raise ValueError(f"{type(m).__name__}: padding='same' with an even total "
-                                     f"padding per side is supported; kernel {m.kernel_size} "
-                                     f"dilation {m.dilation} pads asymmetrically")
+                    raise ValueError(f"{type(m).__name__}: padding='same' with kernel_size="
+                                     f"{m.kernel_size} and dilation={m.dilation} pads "
+                                     "asymmetrically (an odd total padding), which is not "
+                                     "supported; use an explicit padding or an odd kernel")
 
     def unbatched(self, m, x):
         return x.dim() == len(m.kernel_size) + 1  # as F.conv1d/2d/3d
@@ -808,7 +809,8 @@ class OOOHandle(_PassTracking):
             try:  # before any forward is replaced: a refusal leaves the model as it was
                 kind.check(m)
             except ValueError as exc:
-                raise ValueError(f"model: {name or type(m).__name__}: {exc}") from None
+                # (the message names the layer's type: the model itself adds no name)
+                raise ValueError(f"model: {name}: {exc}" if name else f"model: {exc}") from None
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
         for site in self.sites:
             site.module.forward = types.MethodType(_make_forward(site), site.module)
