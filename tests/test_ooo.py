@@ -738,6 +738,56 @@ def test_tensor_hooks_see_the_summed_gradient(order):
     assert order == "conventional" or handle.schedule["moved"] > 0
 
 
+class OneOfEachKind(nn.Sequential):
+    """Every split kind once, each output straight from its node (what
+    grad_fn of a layer's output is under autograd too)."""
+
+    def __init__(self):
+        super().__init__(nn.Embedding(10, 8), Transpose(), nn.Conv1d(8, 8, 3, padding=1),
+                         nn.BatchNorm1d(8), nn.GroupNorm(2, 8), Transpose(), nn.LayerNorm(8),
+                         nn.Flatten(), nn.Linear(40, 3))
+
+
+class Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_post_hooks_on_a_split_node_see_and_change_the_weight_gradients(order):
+    """A hook on a layer's grad_fn sees every gradient its node returns, dW
+    and db among them, and what it returns accumulates, on steps where the
+    schedule would otherwise defer or move them."""
+    torch.manual_seed(0)
+    ref = OneOfEachKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving(order=order))
+    seen: dict = {}
+
+    def halve_on_its_node(net):
+        def halve(grad_inputs, grad_outputs):
+            seen.setdefault(net, []).append(sorted(g.numel() for g in grad_inputs if g is not None))
+            return tuple(None if g is None else g * 0.5 for g in grad_inputs)
+
+        def forward_hook(layer, inputs, out):
+            out.grad_fn.register_hook(halve)
+        return forward_hook
+
+    for step in range(8):
+        idx = torch.randint(10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for net in (ref, model):
+            hooks = [m.register_forward_hook(halve_on_its_node(net))
+                     for m in net if list(m.parameters())] if step % 2 else []
+            net.zero_grad()
+            net(idx).pow(2).sum().backward()
+            for h in hooks:
+                h.remove()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert seen[model] == seen[ref] and len(seen[ref]) == 4 * 6
+    assert order == "conventional" or handle.schedule["moved"] > 0
+
+
 def test_post_accumulate_grad_hooks_fire_after_the_deferred_dw():
     """A hook (an optimizer in backward, an all-reduce) sees each parameter's
     final gradient, once per backward, even when its dW runs regions later."""
@@ -1111,6 +1161,7 @@ def test_calls_torch_accepts():
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         bn(torch.randn(1, 3))
     assert torch.isfinite(bn.running_var).all()
+    assert int(bn.num_batches_tracked) == 1  # counted before the refusal, as torch's module does
     emb = nn.Embedding(5, 2)
     ooo.enable(emb)
     emb.sparse = True
@@ -1124,6 +1175,76 @@ def test_calls_torch_accepts():
     handle.remove()
     # an int past float's range is no cap too (float() of it raised OverflowError)
     assert ooo.enable(model, max_extra_memory=10**400).max_extra_memory == math.inf
+
+
+@pytest.mark.parametrize("padding_idx", [-1, -5, 3, 5, -6])
+def test_embedding_padding_index_set_after_construction_as_f_embedding_takes_it(padding_idx):
+    """A padding_idx set after construction is taken as F.embedding takes it:
+    a negative one counts from the end (its row gets no gradient), one out
+    of range asserts before max_norm renormalises the table."""
+    torch.manual_seed(0)
+    ref = _replaced(nn.Embedding(5, 3, max_norm=0.5), padding_idx=padding_idx)
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    idx = torch.tensor([4, 4, 1, 0, 3])
+    if -5 <= padding_idx < 5:
+        for net in (ref, model):
+            net(idx).pow(2).sum().backward()
+        assert torch.equal(model.weight.grad, ref.weight.grad)
+        assert not model.weight.grad[padding_idx].any()
+    else:
+        for net in (ref, model):
+            with pytest.raises(AssertionError, match="Padding_idx must be within num_embeddings"):
+                net(idx)
+    assert torch.equal(model.weight, ref.weight)
+
+
+@pytest.mark.parametrize("shape", [(4,), (), (1, 4), (1, 4, 1)],
+                         ids=["1d", "0d", "one_value_per_group", "one_value_per_group_3d"])
+def test_group_norm_refuses_what_f_group_norm_refuses(shape):
+    """Fewer than 2 dimensions, and one value per group, raise torch's errors
+    (a 1-D input raised a bare IndexError, one value per group ran)."""
+    ref = nn.GroupNorm(4, 4)
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x = torch.randn(shape)
+    with pytest.raises((RuntimeError, ValueError)) as want:
+        ref(x)
+    with pytest.raises(want.type) as got:
+        model(x)
+    assert str(got.value) == str(want.value)
+
+
+def _replaced(layer: nn.Module, **attributes) -> nn.Module:
+    for name, value in attributes.items():
+        setattr(layer, name, value)
+    return layer
+
+
+@pytest.mark.parametrize("make, channels", [
+    (lambda: nn.BatchNorm1d(4), 6),
+    (lambda: nn.BatchNorm1d(4).eval(), 6),
+    (lambda: nn.BatchNorm1d(4, track_running_stats=False), 6),
+    (lambda: _replaced(nn.BatchNorm1d(4), bias=nn.Parameter(torch.zeros(6))), 4),
+    (lambda: _replaced(nn.BatchNorm1d(4).eval(), running_var=torch.ones(6)), 4),
+    (lambda: _replaced(nn.BatchNorm1d(4).eval(), running_mean=None), 4),
+], ids=["train", "eval", "untracked", "bias", "running_var", "no_running_mean"])
+def test_batch_norm_of_another_width_raises_as_in_torch(make, channels):
+    """Channels that the weight, bias or running statistics do not match
+    raise torch's error before the native kernel, which indexes them by
+    channel and would read and write past their ends; the batch is counted
+    first, as torch's module counts it."""
+    x = torch.randn(8, channels)
+    ref = make()
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    with pytest.raises(RuntimeError) as want:
+        ref(x)
+    with pytest.raises(RuntimeError) as got:
+        model(x)
+    assert str(got.value) == str(want.value)
+    for (name, a), b in zip(ref.named_buffers(), model.buffers()):
+        assert torch.equal(b, a), name
 
 
 @pytest.mark.parametrize("make, shape", [
@@ -1443,9 +1564,11 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     inner.remove()
     assert len(ooo.enable(model).sites) == 2
     refused = nn.Sequential(nn.Linear(3, 3), nn.Conv1d(3, 3, 4, padding="same"))
-    with pytest.raises(ValueError, match="pads asymmetrically"):
+    with pytest.raises(ValueError, match=r"^model: 1: Conv1d: .* pads asymmetrically"):
         ooo.enable(refused)
     assert all("forward" not in m.__dict__ for m in refused.modules())
+    with pytest.raises(ValueError, match=r"^model: Conv2d: padding='same' with kernel_size=\(4, 4\)"):
+        ooo.enable(nn.Conv2d(1, 1, 4, padding="same"))  # the layer named once
 
 
 @pytest.mark.parametrize("bad, error, match", [

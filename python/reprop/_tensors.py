@@ -253,6 +253,30 @@ def hook_owner(hook: Callable) -> object | None:
     return owner() if owner is not None else getattr(hook, "__self__", None)
 
 
+def note_node_hooks(function: type, registers: tuple = ("register_hook", "register_prehook"),
+                    check: Callable | None = None) -> None:
+    """Makes the backward nodes of `function` (an autograd.Function) note
+    their hooks: each of the node class's `registers` methods sets
+    ``node.hooked = True`` (the node is the Function's ctx) before it
+    registers, so that backward can give a hook what it would see under
+    plain autograd. torch has no query for a node's hooks. `check(node,
+    method name)`, if given, runs first and may refuse the hook by raising."""
+    node_class = function._backward_cls
+    for name in registers:
+        setattr(node_class, name, _noting_hooks(getattr(node_class, name), check))
+
+
+def _noting_hooks(register: Callable, check: Callable | None) -> Callable:
+    @functools.wraps(register)
+    def noted(node, hook):
+        if check is not None:
+            check(node, register.__name__)
+        node.hooked = True
+        return register(node, hook)
+
+    return noted
+
+
 def suggest_memory_format(x: torch.Tensor) -> torch.memory_format:
     """Tensor.suggest_memory_format(), which only C++ has (torch's Python port
     goes through symbolic shapes: sympy on first use, microseconds a call):

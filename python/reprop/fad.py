@@ -721,7 +721,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
-        ctx.hooked = False  # (_noting_hooks)
+        ctx.hooked = False  # (_tensors.note_node_hooks)
         ctx.led_past = False  # (_lead_past)
         ctx.passed = step.passed
         ctx.relu = deriv is _RELU_OF_SELF
@@ -759,21 +759,11 @@ class _Chain(torch.autograd.Function):
         return grad_source.to(ctx.source_dtype), None
 
 
-def _noting_hooks(register):
-    """A chain node's register_hook or register_prehook, which also notes on
-    the node that it has a hook: a next step must then reach the node
-    through autograd (_root_of), not lead past it to the root. torch has no
-    query for a node's hooks. Refused on a node a next step already led
-    past (_led_past_error)."""
-
-    @functools.wraps(register)
-    def noted(node, hook):
-        if node.led_past:
-            raise _led_past_error(f"grad_fn.{register.__name__}()")
-        node.hooked = True
-        return register(node, hook)
-
-    return noted
+def _refuse_led_past(node, register: str) -> None:
+    """A hook on a chain node that a next step already led past is refused
+    (_led_past_error)."""
+    if node.led_past:
+        raise _led_past_error(f"grad_fn.{register}()")
 
 
 def _refusing_led_past(register_dict):
@@ -793,8 +783,9 @@ def _refusing_led_past(register_dict):
     return checked
 
 
-for _register in ("register_hook", "register_prehook"):
-    setattr(_Chain._backward_cls, _register, _noting_hooks(getattr(_Chain._backward_cls, _register)))
+# a hook or pre-hook on a chain node must run: a next step must then reach the
+# node through autograd (_root_of), not lead past it to the root
+_tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
 
 

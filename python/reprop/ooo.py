@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, queue_end_of_backward,
+                       non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, weak_hook,
                        without_grad)
 
@@ -166,9 +166,10 @@ class _ConvKind(_Kind):
         if isinstance(m.padding, str) and m.padding == "same":
             for d, k in zip(m.dilation, m.kernel_size):
                 if d * (k - 1) % 2:
-                    raise ValueError(f"{type(m).__name__}: padding='same' with an even total "
-                                     f"padding per side is supported; kernel {m.kernel_size} "
-                                     f"dilation {m.dilation} pads asymmetrically")
+                    raise ValueError(f"{type(m).__name__}: padding='same' with kernel_size="
+                                     f"{m.kernel_size} and dilation={m.dilation} pads "
+                                     "asymmetrically (an odd total padding), which is not "
+                                     "supported; use an explicit padding or an odd kernel")
 
     def unbatched(self, m, x):
         return x.dim() == len(m.kernel_size) + 1  # as F.conv1d/2d/3d
@@ -214,7 +215,21 @@ class _EmbeddingKind(_Kind):
             raise ValueError("Embedding(sparse=True): sparse gradients are not supported by "
                              "reprop.ooo; use sparse=False")
 
+    @staticmethod
+    def _padding_index(m, w: torch.Tensor) -> int:
+        """m.padding_idx as F.embedding hands it to the kernels: checked
+        against the rows of the table w, a negative one counted from the end
+        (set after construction, it reaches here as it is), None as -1 (none)."""
+        padding_idx = m.padding_idx
+        if padding_idx is None:
+            return -1
+        rows = w.size(0)
+        if not -rows <= padding_idx < rows:
+            raise AssertionError("Padding_idx must be within num_embeddings")
+        return padding_idx + rows if padding_idx < 0 else padding_idx
+
     def prepare(self, m, x):
+        self._padding_index(m, m.weight)  # F.embedding's check, before the renorm writes
         if m.max_norm is not None:  # as F.embedding: renormalise rows in place first
             with torch.no_grad():
                 torch.embedding_renorm_(m.weight, x, m.max_norm, m.norm_type)
@@ -226,8 +241,7 @@ class _EmbeddingKind(_Kind):
     def forward(self, m, x, w, b):
         # the table's rows are the weight's, as autograd's node records them
         # (m.num_embeddings is stale once the weight is replaced)
-        settings = (w.shape[0], -1 if m.padding_idx is None else m.padding_idx,
-                    m.scale_grad_by_freq)
+        settings = (w.shape[0], self._padding_index(m, w), m.scale_grad_by_freq)
         return torch.embedding(w, x, *settings[1:], False), (x, settings)
 
     def input_grad(self, saved, g):
@@ -271,10 +285,23 @@ class _BatchNormKind(_NormKind):
         keep = not m.training or m.track_running_stats
         return training, eaf, (m.running_mean if keep else None), (m.running_var if keep else None)
 
+    @staticmethod
+    def _check(x, w, b, rm, rv, training):
+        """What F.batch_norm and at::batch_norm check, in their order, after
+        the module's forward has counted the batch: the native kernel indexes
+        each per-channel tensor by x's channels and reads or writes past the
+        end of a shorter one."""
+        if training:
+            F._verify_batch_size(x.size())  # one value per channel has no variance
+        channels = x.shape[1]
+        for name, t in (("running_mean", rm), ("running_var", rv), ("weight", w), ("bias", b)):
+            if t is not None and t.numel() != channels:
+                raise RuntimeError(f"{name} should contain {channels} elements not {t.numel()}")
+            if t is None and not training and name.startswith("running"):
+                raise RuntimeError(f"{name} must be defined in evaluation mode")
+
     def prepare(self, m, x):
         m._check_input_dim(x)
-        if m.training or (m.running_mean is None and m.running_var is None):
-            F._verify_batch_size(x.size())  # as F.batch_norm: one value per channel has no variance
         return x
 
     def op(self, m):
@@ -282,6 +309,7 @@ class _BatchNormKind(_NormKind):
 
     def forward(self, m, x, w, b):
         training, eaf, rm, rv = self._state(m)
+        self._check(x, w, b, rm, rv, training)
         y, mean, invstd = _aten.native_batch_norm(x, w, b, rm, rv, training, eaf, m.eps)
         return y, (x, w, mean, invstd, rm, rv, training, m.eps)
 
@@ -312,6 +340,15 @@ class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as aut
 
 
 class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
+
+    def prepare(self, m, x):
+        # F.group_norm's checks, before _sizes reads the channel dimension
+        if x.dim() < 2:
+            raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received "
+                               f"{x.dim()}")
+        # one value per group has no variance
+        F._verify_batch_size([x.size(0) * x.size(1) // m.num_groups, m.num_groups, *x.shape[2:]])
+        return x
 
     def _sizes(self, x):
         n, c = x.shape[0], x.shape[1]
@@ -467,6 +504,12 @@ class _Split(torch.autograd.Function):
         return (None, dx) + tuple(d if r else None for d, r in zip(weight_grads, returned))
 
 
+# a post-hook on a split node (grad_fn.register_hook) sees and may replace the
+# gradients the node returns, dW and db among them under plain autograd: a
+# hooked node returns them instead of deferring them (_weight_grad_targets).
+# Pre-hooks see and replace only the output gradient, which backward reads.
+note_node_hooks(_Split, ("register_hook",))
+
 # autograd.Function.apply's Python layer binds setup_context arguments (_Split
 # has none) and unwraps functorch's dead wrappers (a split layer's forward
 # sends every functorch tensor to torch's own layer instead): outside functorch
@@ -481,6 +524,7 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
     will not reach, as in autograd.grad() for inputs only, or frozen ones, get
     no dW: their .grad must not change."""
     deferred, returned, nodes = [False, False], [False, False], [None, None]
+    hooked = getattr(ctx, "hooked", False)  # a post-hook on the node (note_node_hooks)
     edges = iter(ctx.next_functions[1:])  # one per tensor input after x
     for i, p in enumerate(ctx.params):
         if p is None:
@@ -498,8 +542,9 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # autograd calls a leaf's tensor hooks (register_hook) with the gradient
         # it hands to AccumulateGrad: that must be the real one, summed over sites.
         # A weight computed from others (torch.func.functional_call with a
-        # non-leaf) has no .grad to defer into: autograd carries it on.
-        if p._backward_hooks or not p.is_leaf:
+        # non-leaf) has no .grad to defer into: autograd carries it on. A
+        # post-hook on the node must see (and may replace) dW and db.
+        if p._backward_hooks or not p.is_leaf or hooked:
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
@@ -764,7 +809,8 @@ class OOOHandle(_PassTracking):
             try:  # before any forward is replaced: a refusal leaves the model as it was
                 kind.check(m)
             except ValueError as exc:
-                raise ValueError(f"model: {name or type(m).__name__}: {exc}") from None
+                # (the message names the layer's type: the model itself adds no name)
+                raise ValueError(f"model: {name}: {exc}" if name else f"model: {exc}") from None
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
         for site in self.sites:
             site.module.forward = types.MethodType(_make_forward(site), site.module)
