@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
@@ -1922,9 +1923,9 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
 _FORWARD, _OUTPUT_GRAD = 0, 1
 
 
-def _src_rank(group) -> int:
-    """The global rank of `group`'s rank 0: where DDP broadcasts from."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def _global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (None: the default group)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _check_group(group) -> None:
@@ -2096,7 +2097,13 @@ def _backward_fused(model: nn.Module) -> bool:
                for hook in (p._post_accumulate_grad_hooks or {}).values())
 
 
-class DataParallel(_PassTracking):
+# What a rank still training announces before each forward under an enabled
+# Join (DataParallel._announce), MAX over the ranks; a rank that ran out of
+# data sends zeros and rank -1, so "rank" is the highest rank still training
+_JOIN_STATE = ("sync", "plans", "buffers", "rank")
+
+
+class DataParallel(_PassTracking, Joinable):
     """Data-parallel training of `model` with reverse first-k scheduling.
 
     Not a wrapper: call `model` itself, then ``loss.backward()``; when backward
@@ -2152,11 +2159,27 @@ class DataParallel(_PassTracking):
     stay local, and the next step is averaged.
     ``reprop.fuse`` works in forward mode; backward mode (updates from the
     local gradients) is refused while this handle is live, either order.
+
+    Uneven inputs: it is a torch ``Joinable``, as DDP is: under
+    ``torch.distributed.algorithms.join.Join([handle])`` (or
+    ``handle.join()``) a rank that ran out of data repeats, once per
+    iteration of the ranks still training, every collective their forward
+    and backward issue, with zero gradients (``_shadow_iteration``), so they
+    get DDP-with-Join's gradients: divided by the initial world size, or
+    with ``divide_by_initial_world_size=False`` by the number of ranks still
+    training. Before each forward under an enabled Join a rank still
+    training tells the others what its iteration does (one small all-reduce,
+    see ``_announce``); buffers are then broadcast from, and k chosen by,
+    the highest rank still training, and when all have run out every rank
+    takes the model of the highest of the last to run out, as DDP does.
+    Each grad-mode forward outside ``no_sync()`` must then be followed by
+    one backward, as under DDP.
     """
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
                  bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, search_iters: int = 3):
+        super().__init__()  # Joinable's: no Join until one takes this handle
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -2206,6 +2229,13 @@ class DataParallel(_PassTracking):
         # DDP's require_forward_param_sync: buffers are broadcast before a
         # forward only after a grad-mode forward outside no_sync() (or none)
         self._sync_next_forward = True
+        # under Join: the divisor of the gradients (DDP's div_factor), the
+        # all-reduce that counts the ranks still training if that is the
+        # divisor (read at the first bucket), and the last _announce's all-reduce
+        self._divide_by_initial_world_size = True
+        self._divisor = self.world
+        self._count_work = None
+        self._announced: tuple | None = None
         self._output_leaves: set = set()  # ids of the last forward's outputs that are leaves
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
@@ -2249,6 +2279,27 @@ class DataParallel(_PassTracking):
             yield
         finally:
             self._require_sync = before
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``Join([self], ...)``: training with uneven inputs, as DDP's ``join()``
+        (see the class docstring; the arguments are DDP's)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """What torch's Join runs on this rank once it ran out of data;
+        `divide_by_initial_world_size` (default True) as DDP's."""
+        return _JoinHook(self, _flag(kwargs.get("divide_by_initial_world_size", True),
+                                     "divide_by_initial_world_size"))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm_device()
+
+    @property
+    def join_process_group(self):
+        return _pg(self.group)
 
     def remove(self) -> None:
         """Stops reducing gradients and restores the model's own forward; the
@@ -2347,9 +2398,12 @@ class DataParallel(_PassTracking):
             return
         if self._backward_raised():
             self._abandon_backward()
-        if self._sync_buffers and self._sync_next_forward:
+        buffers = self._sync_buffers and self._sync_next_forward
+        if self._join_config.enable:
+            self._announce(buffers)
+        if buffers:
             with torch.no_grad():
-                self._broadcast(list(module.buffers()))
+                self._broadcast(list(module.buffers()), self._deciding_rank())
 
     def _watch_output(self, module, args, out) -> None:
         if self._removed:
@@ -2443,7 +2497,7 @@ class DataParallel(_PassTracking):
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, 1.0 / self.world, out=view)
+                torch.mul(p.grad, 1.0 / self._divide_by(), out=view)
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
@@ -2479,6 +2533,10 @@ class DataParallel(_PassTracking):
         finally:
             self._used.clear()
             self._in_backward = False
+        self._after_reduction()
+
+    def _after_reduction(self) -> None:
+        """The search for k, and the split layers from the next forward on."""
         if self.searching and self.scores is not None:
             self._search_step()
         # only the held layers leave autograd's order, from the next forward on
@@ -2530,7 +2588,8 @@ class DataParallel(_PassTracking):
     def _search_step(self) -> None:
         """Times iterations (backward end to backward end); after `search_iters`
         at one k, scores it (1 / median time) and moves to the k the core's
-        coarse-to-fine search asks for next, as rank 0 decides."""
+        coarse-to-fine search asks for next, as rank 0 decides (under Join,
+        the highest rank still training: ``_deciding_rank``)."""
         now = time.perf_counter()
         if self._last_end is not None:
             self._samples.append(now - self._last_end)
@@ -2541,7 +2600,8 @@ class DataParallel(_PassTracking):
         self._samples = []
         nxt, best = _C.ksearch_next(len(self.scores) - 1, self.scores)
         decision = torch.tensor([nxt, best], dtype=torch.int64, device=self._comm_device())
-        dist.broadcast(decision, _src_rank(self.group), group=self.group)
+        dist.broadcast(decision, _global_rank(self.group, self._deciding_rank()),
+                       group=self.group)
         nxt, best = (int(v) for v in decision.tolist())
         self.searching = nxt >= 0
         self.k = nxt if self.searching else best
@@ -2550,11 +2610,107 @@ class DataParallel(_PassTracking):
     def _comm_device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
-    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Broadcasts `tensors` from group rank `src`."""
         # coalesced into few flat broadcasts, as DDP syncs its buffers: one
         # broadcast per tensor cost a ResNet-18's forward 60 collectives
         dist._broadcast_coalesced(_pg(self.group), [t.detach() for t in tensors],
-                                  _BROADCAST_BUCKET_BYTES, 0)
+                                  _BROADCAST_BUCKET_BYTES, src)
+
+    # -- uneven inputs: torch's Join ------------------------------------------------
+
+    def _announce(self, buffers: bool) -> None:
+        """Before a forward under an enabled Join, on a rank still training:
+        Join's all-reduce that counts such ranks (it raises here under
+        ``throw_on_early_termination`` once one ran out), then what this
+        iteration does, for the shadow of the ranks that ran out: whether
+        its backward is averaged, whether that backward plans buckets
+        (``_agree``'s all-reduce), whether buffers are broadcast now, and
+        this rank (``_JOIN_STATE``). Waited for only where the highest rank
+        still training is needed, as DDP waits only for its buffers' source."""
+        counted = Join.notify_join_context(self)
+        self._divisor = self.world
+        self._count_work = None if self._divide_by_initial_world_size else counted
+        sync = torch.is_grad_enabled() and self._require_sync
+        plans = sync and (self._buckets is None or self._buckets_stale())
+        self._announced = self._share_state([sync, plans, buffers, dist.get_rank(self.group)])
+
+    def _share_state(self, state: list) -> tuple:
+        """The async MAX all-reduce of an iteration's `state` (``_JOIN_STATE``)."""
+        t = torch.tensor(state, dtype=torch.int64, device=self._comm_device())
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+
+    def _deciding_rank(self) -> int:
+        """The group rank whose buffers and k every rank takes: rank 0, or
+        under Join the highest rank still training (DDP's choice for its
+        buffers: rank 0 may have run out, with stale ones)."""
+        if self._announced is None:
+            return 0
+        work, state = self._announced
+        work.wait()
+        return int(state[_JOIN_STATE.index("rank")])
+
+    def _divide_by(self) -> float:
+        """The divisor of this reduction's gradients: the world size, or the
+        ranks still training at the last forward where the Join says so."""
+        if self._count_work is not None:
+            counted, self._count_work = self._count_work, None
+            self._divisor = counted.get_future().wait()[0].item()
+        return self._divisor
+
+    def _shadow_iteration(self) -> None:
+        """This rank ran out of data: one iteration's collectives of the ranks
+        still training (torch's Join calls it once per iteration they run,
+        after its own all-reduce that counts them), with zero gradients,
+        used by no parameter. It takes the buffers they broadcast, and
+        follows their plans and the search for k, so that it agrees with
+        them later (after the Join, and in any later plan)."""
+        work, state = self._announced = self._share_state([0, 0, 0, -1])
+        work.wait()
+        sync, plans, buffers, decider = state.tolist()
+        if buffers:
+            with torch.no_grad():
+                self._broadcast(list(self.model.buffers()), decider)
+        self._sync_next_forward = bool(sync)  # as theirs after their forward
+        if not sync:
+            return
+        if plans:
+            self._plan()
+        # not into the flat buffers: .grad may be views into them
+        works = [dist.all_reduce(torch.zeros_like(b.flat), group=self.group, async_op=True)
+                 for b in self._buckets]
+        for w in works:
+            w.wait()
+        self._after_reduction()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank ran out of data: all take the parameters (and, with
+        `broadcast_buffers`, buffers) of the highest of the last ranks to
+        run out, as DDP does."""
+        last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1],
+                            dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
+        states = list(self.model.parameters())
+        if self._sync_buffers:
+            states += list(self.model.buffers())
+        with torch.no_grad():
+            self._broadcast(states, int(last.item()))
+
+
+class _JoinHook(JoinHook):
+    """What torch's Join runs on a DataParallel rank that ran out of data:
+    the collectives of each iteration of the ranks still training, then the
+    final model's broadcast (DDP's ``_DDPJoinHook``)."""
+
+    def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool):
+        self.dp = dp
+        dp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.dp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.dp._sync_final_model(is_last_joiner)
 
 
 def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
@@ -2569,8 +2725,9 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
         k: layers, from the input, whose dW runs after backward, layer 0 first
             (0 <= k <= the number of split layers), or "auto": the paper's
             coarse-to-fine search over measured iteration times, `search_iters`
-            iterations per k, k chosen by rank 0 and broadcast. Rank 0's
-            k (and `search_iters`) is used on every rank.
+            iterations per k, k chosen by rank 0 (under a Join, the
+            highest rank still training) and broadcast. Rank 0's k (and
+            `search_iters`) is used on every rank.
         bucket_cap_mb: size of the buckets of the other gradients, in MiB
             (None: 25, the first bucket 1 MiB, as DDP's default); rank 0's
             is used on every rank, as DDP's buckets are rank 0's.
@@ -2581,7 +2738,8 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
             one set of gradients; the optimizer sees the same values).
 
     Returns a ``DataParallel`` handle; ``no_sync()`` skips the all-reduce for
-    accumulation steps; ``remove()`` undoes it.
+    accumulation steps; ``join()`` (a torch ``Join``) trains on uneven
+    inputs, as DDP's; ``remove()`` undoes it.
     """
     return DataParallel(model, process_group=process_group, k=k, bucket_cap_mb=bucket_cap_mb,
                         broadcast_buffers=broadcast_buffers,
