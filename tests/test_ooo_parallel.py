@@ -680,6 +680,21 @@ def _check_different_models(rank: int, world: int) -> None:
     data_parallel(nn.Linear(WIDTH, WIDTH), k=0).remove()
 
 
+def _check_broadcast_buffers_agree(rank: int, world: int) -> None:
+    """broadcast_buffers given differently on the ranks of a model with
+    buffers: a ValueError naming it and the ranks' values on every rank (one
+    rank then broadcast buffers before each forward, in a collective the
+    others never joined: a hang until the timeout). Without buffers it
+    changes nothing, and is not checked."""
+    bn = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+    with pytest.raises(ValueError, match=r"^broadcast_buffers: differs between the ranks "
+                                         r"\(ranks 0, 2: True; rank 1: False\)"):
+        data_parallel(bn, k=0, broadcast_buffers=rank != 1)
+    assert all("forward" not in m.__dict__ for m in bn.modules()), "split left behind"
+    data_parallel(nn.Linear(WIDTH, WIDTH), k=0, broadcast_buffers=rank != 1).remove()
+    data_parallel(bn, k=0, broadcast_buffers=False).remove()
+
+
 def _check_non_member(rank: int, world: int) -> None:
     """A group of ranks 0 and 1: its members average over it as DDP does;
     the rank left out gets a ValueError naming process_group from both
@@ -732,6 +747,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _compare_buffers_skipping_broadcasts(rank, world)
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
+    _check_broadcast_buffers_agree(rank, world)
     _check_non_member(rank, world)
 
 
@@ -1178,8 +1194,8 @@ def _edge_cases(rank: int, world: int) -> None:
 def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
-    Parameters; models that differ between the ranks; a
-    group of two and the rank it leaves out. Pipeline: gradients that stop
+    Parameters; models that differ between the ranks; broadcast_buffers
+    that differs between the ranks; a group of two and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage."""
     _spawn(_edge_cases, 3)

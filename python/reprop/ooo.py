@@ -2144,8 +2144,10 @@ class DataParallel(_PassTracking, Joinable):
     first backward of a forward outside it averages the sum, as DDP does.
 
     Construction checks, as DDP, that every rank's model has as many
-    parameters and buffers as rank 0's, of the same shapes (a ValueError on
-    every rank otherwise), then broadcasts them from rank 0 of the group.
+    parameters and buffers as rank 0's, of the same shapes, and that every
+    rank passed the same `broadcast_buffers` where there are buffers (a
+    ValueError on every rank otherwise), then broadcasts the parameters and
+    buffers from rank 0 of the group.
     With `broadcast_buffers` (DDP's default) buffers are broadcast again
     before a forward that follows a grad-mode forward outside ``no_sync()``,
     as DDP does (not after a ``no_sync()`` or ``no_grad`` one: a BatchNorm's
@@ -2195,6 +2197,17 @@ class DataParallel(_PassTracking, Joinable):
             raise ValueError("model: has no parameters; DataParallel has no gradient to average")
         # what the broadcast below sends
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
+        broadcast_buffers = bool(broadcast_buffers)
+        if any(True for _ in model.buffers()):  # as many on every rank, checked above
+            # unlike k and the bucket sizes, which only schedule the same sums
+            # (rank 0's are taken, see _agree), broadcast_buffers says whether
+            # a rank's buffers are its own: taking rank 0's would override
+            # what a rank asked for, so ranks that differ are refused
+            _check_same_on_every_rank(
+                {"broadcast_buffers": (int(broadcast_buffers), lambda v: str(bool(v)))},
+                process_group, next(model.parameters()).device,
+                "it decides whether the buffers are broadcast before a forward, a collective "
+                "every rank must join")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
@@ -2733,6 +2746,8 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
             is used on every rank, as DDP's buckets are rank 0's.
         broadcast_buffers: broadcast buffers from rank 0 before each forward
             that follows a grad-mode forward outside ``no_sync()``, as DDP.
+            The same on every rank of a model with buffers (a ValueError on
+            every rank otherwise: it is no scheduling choice to take from rank 0).
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
             its bucket's buffer (DDP's option: saves a copy and the memory of
             one set of gradients; the optimizer sees the same values).
@@ -3226,14 +3241,21 @@ class Pipeline:
         dist.recv(t, self._ranks[stage], group=self.group)
 
 
-def _check_same_on_every_rank(arguments: dict, group, device: torch.device) -> None:
+# why a Pipeline's arguments must agree (see _check_same_on_every_rank)
+_STAGE_PROGRAMS = ("each one derives every stage's schedule from it and the messages between "
+                   "stages are matched by that schedule")
+
+
+def _check_same_on_every_rank(arguments: dict, group, device: torch.device,
+                              why: str = _STAGE_PROGRAMS) -> None:
     """Raises the same ValueError on every rank of `group` when an argument
-    differs between the ranks: each rank derives every stage's program from
-    them, and messages are matched by the order those programs send them in,
-    so programs derived from different arguments pair the wrong tensors
-    (wrong gradients), or wait for a message never sent. `arguments`: name
-    -> (an int standing for this rank's value, a function writing a value
-    from it, or None where it cannot). One all_gather."""
+    differs between the ranks, saying `why` it must not. A Pipeline's: each
+    rank derives every stage's program from them, and messages are matched
+    by the order those programs send them in, so programs derived from
+    different arguments pair the wrong tensors (wrong gradients), or wait
+    for a message never sent. `arguments`: name -> (an int standing for
+    this rank's value, a function writing a value from it, or None where it
+    cannot). One all_gather."""
     mine = torch.tensor([code for code, _ in arguments.values()], dtype=torch.int64,
                         device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -3248,9 +3270,7 @@ def _check_same_on_every_rank(arguments: dict, group, device: torch.device) -> N
                    + ("" if show is None else f": {show(v)}") for v, ranks in ranks_of.items()]
             who = (" vs " if show is None else "; ").join(who)
             raise ValueError(f"{name}: differs between the ranks ({who}); every rank "
-                             "must pass the same, as each one derives every stage's schedule "
-                             "from it and the messages between stages are matched by that "
-                             "schedule")
+                             f"must pass the same, as {why}")
 
 
 def _digest(costs: dict) -> int:
