@@ -2779,7 +2779,11 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad): both ends keep them per (input, layer, micro-batch), as a
 # layer's output is described by its input's description; a sender whose
-# output no longer matches the kept header raises instead of sending.
+# output no longer matches the kept header raises instead of sending. The
+# receiver is not told: in the usual step an activation that required grad
+# in its header's step travels as its data alone, so telling it would take
+# a message (or a host read of a status sent with the data) in every step;
+# it waits in recv until the sender's process exits or the group's timeout.
 # Whether the output requires grad is not described by the input: it
 # follows every earlier parameter's requires_grad, which the user may
 # change between steps (freezing a backbone, gradual unfreezing) on the
@@ -3175,7 +3179,9 @@ class Pipeline:
             raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape "
                                "or dtype for the same input description; the stage that receives "
                                "it expects the kept header (pass inputs of another shape, or "
-                               "build a new Pipeline)")
+                               f"build a new Pipeline). Stage {stage} is not told: it waits for "
+                               "this output until this process exits or the process group's "
+                               "timeout")
         always = kept[1]
         if _flagged(always, out.dtype):
             self._send(st, self._flags[y.requires_grad], stage)
