@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
@@ -265,6 +266,109 @@ def _compare_unsplit(rank: int, world: int, steps: int = 3) -> None:
     dp.remove()
 
 
+def _join_net() -> nn.Module:
+    """Three Linear layers and a BatchNorm (4 split layers; buffers to broadcast)."""
+    return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                         nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+
+
+def _train_uneven(rank: int, net: nn.Module, handle, join: Join, steps: int,
+                  accumulate: bool) -> None:
+    """`steps` SGD steps of this rank's own data inside `join`, a Join of
+    `handle`; with `accumulate`, each step's backward follows a local one
+    under no_sync()."""
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    with join:
+        for step in range(steps):
+            opt.zero_grad()
+            if accumulate:
+                x, t = _batch(rank, 50 + step)
+                with handle.no_sync():
+                    F.mse_loss(net(x), t).backward()
+            x, t = _batch(rank, step)
+            F.mse_loss(net(x), t).backward()
+            opt.step()
+
+
+def _compare_uneven(rank: int, world: int, k, steps: list, accumulate: bool = False,
+                    **join) -> DataParallel:
+    """DDP under Join and data_parallel under Join, trained one after the
+    other on the same data, rank r for steps[r] steps: every parameter and
+    buffer after the Join equals DDP's, bitwise on 2 ranks (a rank that ran
+    out adds exact zeros), to rounding on 3 (see _compare_with_ddp)."""
+    torch.manual_seed(rank)  # replicas differ until both broadcast rank 0's
+    model = _join_net()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=k, search_iters=1)
+    _train_uneven(rank, ref, ref, ref.join(**join), steps[rank], accumulate)
+    _train_uneven(rank, model, dp, dp.join(**join), steps[rank], accumulate)
+    ours = itertools.chain(model.named_parameters(), model.named_buffers())
+    for (name, a), b in zip(ours, itertools.chain(ref.module.parameters(),
+                                                  ref.module.buffers())):
+        if world == 2:
+            assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item()}"
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=name)
+    return dp
+
+
+def _check_join_throws(rank: int, world: int) -> None:
+    """throw_on_early_termination: every rank raises once one runs out (DDP's
+    errors), and the group and the handle still work after."""
+    model = _join_net()
+    dp = data_parallel(model, k=2)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        _train_uneven(rank, model, dp, Join([dp], throw_on_early_termination=True), 1 + rank,
+                      False)
+    F.mse_loss(model(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
+    dp.remove()
+
+
+def _check_training_after_join(rank: int, world: int) -> None:
+    """The ranks still training end their Join with a no_grad forward (an
+    evaluation, all in the same iteration); rank 0, which ran out first,
+    ended with a training step.
+    After the Join every rank must agree whether the next forward
+    broadcasts buffers: the ranks that ran out take it from the others'
+    iterations (the one that ran out first broadcast, as its own last step
+    said, in a collective the others never joined). Training goes on, the
+    replicas alike (parameters and averaged gradients; each rank's forward
+    leaves its own statistics in the buffers)."""
+    torch.manual_seed(rank)
+    model = _join_net()
+    dp = data_parallel(model, k=2)
+    x, t = _batch(rank, 0)
+    with dp.join():
+        for step in range(1 if rank == 0 else 2):
+            F.mse_loss(model(x), t).backward()
+        if rank > 0:
+            with torch.no_grad():
+                model(x)
+    F.mse_loss(model(x), t).backward()
+    mine = torch.cat([v.detach().flatten() for p in model.parameters() for v in (p, p.grad)])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    assert all(torch.equal(v, every[0]) for v in every), "the replicas differ"
+    dp.remove()
+
+
+def _dp_uneven(rank: int, world: int) -> None:
+    first = [2, 4, 3][:world]  # rank 0 runs out first, with stale buffers
+    for k in (0, 2, 4):
+        _compare_uneven(rank, world, k, first).remove()
+    _compare_uneven(rank, world, 2, first[::-1], accumulate=True).remove()
+    _compare_uneven(rank, world, 4, first, divide_by_initial_world_size=False).remove()
+    # rank 0 runs out during the search for k (L + 2 = 6 steps at least)
+    dp = _compare_uneven(rank, world, "auto", [3] + [12] * (world - 1))
+    assert dp.scores is not None and not dp.searching, "the search for k did not end"
+    ks = [None] * world
+    dist.all_gather_object(ks, dp.k)
+    assert len(set(ks)) == 1, f"ranks chose different k: {ks}"
+    dp.remove()
+    _check_join_throws(rank, world)
+    _check_training_after_join(rank, world)
+
+
 def _dp_cases(rank: int, world: int) -> None:
     _compare_buffers(rank, world)
     _compare_unsplit(rank, world)
@@ -282,6 +386,7 @@ def _dp_cases(rank: int, world: int) -> None:
     dist.all_gather_object(ks, dp.k)
     assert len(set(ks)) == 1, f"ranks chose different k: {ks}"
     dp.remove()
+    _dp_uneven(rank, world)
 
 
 def _dp_order(rank: int, world: int) -> None:
@@ -325,7 +430,17 @@ def test_data_parallel_matches_ddp(world):
     accumulation under no_sync() with and without gradient_as_bucket_view,
     then k = "auto" until its search ends: DDP's gradients and parameters at
     every step, bitwise on 2 ranks, to 1e-6 on 3 (where 1/3 is inexact and
-    the gradient must be pre-divided as DDP does to come that close)."""
+    the gradient must be pre-divided as DDP does to come that close).
+    Then uneven inputs under torch's Join (_dp_uneven; in this group of
+    processes to save starting another): ranks train different numbers of
+    steps, those that ran out repeat the others' collectives (the first k
+    layers' all-reduces after backward, the buckets, the buffers' broadcast
+    from the highest rank still training, the plan's agreement, the search
+    for k's broadcasts), with k = 0, 2, all and "auto", with no_sync()
+    accumulation and divide_by_initial_world_size=False: DDP-with-Join's
+    parameters and buffers; then throw_on_early_termination. DataParallel
+    was no Joinable: Join([dp]) raised, and without it the ranks still
+    training waited until the timeout."""
     _spawn(_dp_cases, world)
 
 
@@ -565,6 +680,21 @@ def _check_different_models(rank: int, world: int) -> None:
     data_parallel(nn.Linear(WIDTH, WIDTH), k=0).remove()
 
 
+def _check_broadcast_buffers_agree(rank: int, world: int) -> None:
+    """broadcast_buffers given differently on the ranks of a model with
+    buffers: a ValueError naming it and the ranks' values on every rank (one
+    rank then broadcast buffers before each forward, in a collective the
+    others never joined: a hang until the timeout). Without buffers it
+    changes nothing, and is not checked."""
+    bn = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH))
+    with pytest.raises(ValueError, match=r"^broadcast_buffers: differs between the ranks "
+                                         r"\(ranks 0, 2: True; rank 1: False\)"):
+        data_parallel(bn, k=0, broadcast_buffers=rank != 1)
+    assert all("forward" not in m.__dict__ for m in bn.modules()), "split left behind"
+    data_parallel(nn.Linear(WIDTH, WIDTH), k=0, broadcast_buffers=rank != 1).remove()
+    data_parallel(bn, k=0, broadcast_buffers=False).remove()
+
+
 def _check_non_member(rank: int, world: int) -> None:
     """A group of ranks 0 and 1: its members average over it as DDP does;
     the rank left out gets a ValueError naming process_group from both
@@ -617,6 +747,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _compare_buffers_skipping_broadcasts(rank, world)
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
+    _check_broadcast_buffers_agree(rank, world)
     _check_non_member(rank, world)
 
 
@@ -1063,8 +1194,8 @@ def _edge_cases(rank: int, world: int) -> None:
 def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
-    Parameters; models that differ between the ranks; a
-    group of two and the rank it leaves out. Pipeline: gradients that stop
+    Parameters; models that differ between the ranks; broadcast_buffers
+    that differs between the ranks; a group of two and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage."""
     _spawn(_edge_cases, 3)

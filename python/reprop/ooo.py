@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
@@ -1968,9 +1969,9 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
 _FORWARD, _OUTPUT_GRAD = 0, 1
 
 
-def _src_rank(group) -> int:
-    """The global rank of `group`'s rank 0: where DDP broadcasts from."""
-    return 0 if group is None else dist.get_global_rank(group, 0)
+def _global_rank(group, rank: int) -> int:
+    """The global rank of `group`'s rank `rank` (None: the default group)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
 
 
 def _check_group(group) -> None:
@@ -2142,7 +2143,13 @@ def _backward_fused(model: nn.Module) -> bool:
                for hook in (p._post_accumulate_grad_hooks or {}).values())
 
 
-class DataParallel(_PassTracking):
+# What a rank still training announces before each forward under an enabled
+# Join (DataParallel._announce), MAX over the ranks; a rank that ran out of
+# data sends zeros and rank -1, so "rank" is the highest rank still training
+_JOIN_STATE = ("sync", "plans", "buffers", "rank")
+
+
+class DataParallel(_PassTracking, Joinable):
     """Data-parallel training of `model` with reverse first-k scheduling.
 
     Not a wrapper: call `model` itself, then ``loss.backward()``; when backward
@@ -2183,8 +2190,10 @@ class DataParallel(_PassTracking):
     first backward of a forward outside it averages the sum, as DDP does.
 
     Construction checks, as DDP, that every rank's model has as many
-    parameters and buffers as rank 0's, of the same shapes (a ValueError on
-    every rank otherwise), then broadcasts them from rank 0 of the group.
+    parameters and buffers as rank 0's, of the same shapes, and that every
+    rank passed the same `broadcast_buffers` where there are buffers (a
+    ValueError on every rank otherwise), then broadcasts the parameters and
+    buffers from rank 0 of the group.
     With `broadcast_buffers` (DDP's default) buffers are broadcast again
     before a forward that follows a grad-mode forward outside ``no_sync()``,
     as DDP does (not after a ``no_sync()`` or ``no_grad`` one: a BatchNorm's
@@ -2198,11 +2207,27 @@ class DataParallel(_PassTracking):
     stay local, and the next step is averaged.
     ``reprop.fuse`` works in forward mode; backward mode (updates from the
     local gradients) is refused while this handle is live, either order.
+
+    Uneven inputs: it is a torch ``Joinable``, as DDP is: under
+    ``torch.distributed.algorithms.join.Join([handle])`` (or
+    ``handle.join()``) a rank that ran out of data repeats, once per
+    iteration of the ranks still training, every collective their forward
+    and backward issue, with zero gradients (``_shadow_iteration``), so they
+    get DDP-with-Join's gradients: divided by the initial world size, or
+    with ``divide_by_initial_world_size=False`` by the number of ranks still
+    training. Before each forward under an enabled Join a rank still
+    training tells the others what its iteration does (one small all-reduce,
+    see ``_announce``); buffers are then broadcast from, and k chosen by,
+    the highest rank still training, and when all have run out every rank
+    takes the model of the highest of the last to run out, as DDP does.
+    Each grad-mode forward outside ``no_sync()`` must then be followed by
+    one backward, as under DDP.
     """
 
     def __init__(self, model: nn.Module, *, process_group=None, k: int | str = "auto",
                  bucket_cap_mb: float | None = None, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False, search_iters: int = 3):
+        super().__init__()  # Joinable's: no Join until one takes this handle
         if not isinstance(model, nn.Module):
             raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
         if not dist.is_available() or not dist.is_initialized():
@@ -2218,6 +2243,17 @@ class DataParallel(_PassTracking):
             raise ValueError("model: has no parameters; DataParallel has no gradient to average")
         # what the broadcast below sends
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
+        broadcast_buffers = bool(broadcast_buffers)
+        if any(True for _ in model.buffers()):  # as many on every rank, checked above
+            # unlike k and the bucket sizes, which only schedule the same sums
+            # (rank 0's are taken, see _agree), broadcast_buffers says whether
+            # a rank's buffers are its own: taking rank 0's would override
+            # what a rank asked for, so ranks that differ are refused
+            _check_same_on_every_rank(
+                {"broadcast_buffers": (int(broadcast_buffers), lambda v: str(bool(v)))},
+                process_group, next(model.parameters()).device,
+                "it decides whether the buffers are broadcast before a forward, a collective "
+                "every rank must join")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
@@ -2252,6 +2288,13 @@ class DataParallel(_PassTracking):
         # DDP's require_forward_param_sync: buffers are broadcast before a
         # forward only after a grad-mode forward outside no_sync() (or none)
         self._sync_next_forward = True
+        # under Join: the divisor of the gradients (DDP's div_factor), the
+        # all-reduce that counts the ranks still training if that is the
+        # divisor (read at the first bucket), and the last _announce's all-reduce
+        self._divide_by_initial_world_size = True
+        self._divisor = self.world
+        self._count_work = None
+        self._announced: tuple | None = None
         self._output_leaves: set = set()  # ids of the last forward's outputs that are leaves
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
@@ -2295,6 +2338,27 @@ class DataParallel(_PassTracking):
             yield
         finally:
             self._require_sync = before
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """``Join([self], ...)``: training with uneven inputs, as DDP's ``join()``
+        (see the class docstring; the arguments are DDP's)."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """What torch's Join runs on this rank once it ran out of data;
+        `divide_by_initial_world_size` (default True) as DDP's."""
+        return _JoinHook(self, _flag(kwargs.get("divide_by_initial_world_size", True),
+                                     "divide_by_initial_world_size"))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._comm_device()
+
+    @property
+    def join_process_group(self):
+        return _pg(self.group)
 
     def remove(self) -> None:
         """Stops reducing gradients and restores the model's own forward; the
@@ -2393,9 +2457,12 @@ class DataParallel(_PassTracking):
             return
         if self._backward_raised():
             self._abandon_backward()
-        if self._sync_buffers and self._sync_next_forward:
+        buffers = self._sync_buffers and self._sync_next_forward
+        if self._join_config.enable:
+            self._announce(buffers)
+        if buffers:
             with torch.no_grad():
-                self._broadcast(list(module.buffers()))
+                self._broadcast(list(module.buffers()), self._deciding_rank())
 
     def _watch_output(self, module, args, out) -> None:
         if self._removed:
@@ -2489,7 +2556,7 @@ class DataParallel(_PassTracking):
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, 1.0 / self.world, out=view)
+                torch.mul(p.grad, 1.0 / self._divide_by(), out=view)
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
@@ -2525,6 +2592,10 @@ class DataParallel(_PassTracking):
         finally:
             self._used.clear()
             self._in_backward = False
+        self._after_reduction()
+
+    def _after_reduction(self) -> None:
+        """The search for k, and the split layers from the next forward on."""
         if self.searching and self.scores is not None:
             self._search_step()
         # only the held layers leave autograd's order, from the next forward on
@@ -2576,7 +2647,8 @@ class DataParallel(_PassTracking):
     def _search_step(self) -> None:
         """Times iterations (backward end to backward end); after `search_iters`
         at one k, scores it (1 / median time) and moves to the k the core's
-        coarse-to-fine search asks for next, as rank 0 decides."""
+        coarse-to-fine search asks for next, as rank 0 decides (under Join,
+        the highest rank still training: ``_deciding_rank``)."""
         now = time.perf_counter()
         if self._last_end is not None:
             self._samples.append(now - self._last_end)
@@ -2587,7 +2659,8 @@ class DataParallel(_PassTracking):
         self._samples = []
         nxt, best = _C.ksearch_next(len(self.scores) - 1, self.scores)
         decision = torch.tensor([nxt, best], dtype=torch.int64, device=self._comm_device())
-        dist.broadcast(decision, _src_rank(self.group), group=self.group)
+        dist.broadcast(decision, _global_rank(self.group, self._deciding_rank()),
+                       group=self.group)
         nxt, best = (int(v) for v in decision.tolist())
         self.searching = nxt >= 0
         self.k = nxt if self.searching else best
@@ -2596,11 +2669,107 @@ class DataParallel(_PassTracking):
     def _comm_device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
-    def _broadcast(self, tensors: Sequence[torch.Tensor]) -> None:
+    def _broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+        """Broadcasts `tensors` from group rank `src`."""
         # coalesced into few flat broadcasts, as DDP syncs its buffers: one
         # broadcast per tensor cost a ResNet-18's forward 60 collectives
         dist._broadcast_coalesced(_pg(self.group), [t.detach() for t in tensors],
-                                  _BROADCAST_BUCKET_BYTES, 0)
+                                  _BROADCAST_BUCKET_BYTES, src)
+
+    # -- uneven inputs: torch's Join ------------------------------------------------
+
+    def _announce(self, buffers: bool) -> None:
+        """Before a forward under an enabled Join, on a rank still training:
+        Join's all-reduce that counts such ranks (it raises here under
+        ``throw_on_early_termination`` once one ran out), then what this
+        iteration does, for the shadow of the ranks that ran out: whether
+        its backward is averaged, whether that backward plans buckets
+        (``_agree``'s all-reduce), whether buffers are broadcast now, and
+        this rank (``_JOIN_STATE``). Waited for only where the highest rank
+        still training is needed, as DDP waits only for its buffers' source."""
+        counted = Join.notify_join_context(self)
+        self._divisor = self.world
+        self._count_work = None if self._divide_by_initial_world_size else counted
+        sync = torch.is_grad_enabled() and self._require_sync
+        plans = sync and (self._buckets is None or self._buckets_stale())
+        self._announced = self._share_state([sync, plans, buffers, dist.get_rank(self.group)])
+
+    def _share_state(self, state: list) -> tuple:
+        """The async MAX all-reduce of an iteration's `state` (``_JOIN_STATE``)."""
+        t = torch.tensor(state, dtype=torch.int64, device=self._comm_device())
+        return dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True), t
+
+    def _deciding_rank(self) -> int:
+        """The group rank whose buffers and k every rank takes: rank 0, or
+        under Join the highest rank still training (DDP's choice for its
+        buffers: rank 0 may have run out, with stale ones)."""
+        if self._announced is None:
+            return 0
+        work, state = self._announced
+        work.wait()
+        return int(state[_JOIN_STATE.index("rank")])
+
+    def _divide_by(self) -> float:
+        """The divisor of this reduction's gradients: the world size, or the
+        ranks still training at the last forward where the Join says so."""
+        if self._count_work is not None:
+            counted, self._count_work = self._count_work, None
+            self._divisor = counted.get_future().wait()[0].item()
+        return self._divisor
+
+    def _shadow_iteration(self) -> None:
+        """This rank ran out of data: one iteration's collectives of the ranks
+        still training (torch's Join calls it once per iteration they run,
+        after its own all-reduce that counts them), with zero gradients,
+        used by no parameter. It takes the buffers they broadcast, and
+        follows their plans and the search for k, so that it agrees with
+        them later (after the Join, and in any later plan)."""
+        work, state = self._announced = self._share_state([0, 0, 0, -1])
+        work.wait()
+        sync, plans, buffers, decider = state.tolist()
+        if buffers:
+            with torch.no_grad():
+                self._broadcast(list(self.model.buffers()), decider)
+        self._sync_next_forward = bool(sync)  # as theirs after their forward
+        if not sync:
+            return
+        if plans:
+            self._plan()
+        # not into the flat buffers: .grad may be views into them
+        works = [dist.all_reduce(torch.zeros_like(b.flat), group=self.group, async_op=True)
+                 for b in self._buckets]
+        for w in works:
+            w.wait()
+        self._after_reduction()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank ran out of data: all take the parameters (and, with
+        `broadcast_buffers`, buffers) of the highest of the last ranks to
+        run out, as DDP does."""
+        last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1],
+                            dtype=torch.int64, device=self._comm_device())
+        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
+        states = list(self.model.parameters())
+        if self._sync_buffers:
+            states += list(self.model.buffers())
+        with torch.no_grad():
+            self._broadcast(states, int(last.item()))
+
+
+class _JoinHook(JoinHook):
+    """What torch's Join runs on a DataParallel rank that ran out of data:
+    the collectives of each iteration of the ranks still training, then the
+    final model's broadcast (DDP's ``_DDPJoinHook``)."""
+
+    def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool):
+        self.dp = dp
+        dp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        self.dp._shadow_iteration()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.dp._sync_final_model(is_last_joiner)
 
 
 def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto",
@@ -2615,19 +2784,23 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
         k: layers, from the input, whose dW runs after backward, layer 0 first
             (0 <= k <= the number of split layers), or "auto": the paper's
             coarse-to-fine search over measured iteration times, `search_iters`
-            iterations per k, k chosen by rank 0 and broadcast. Rank 0's
-            k (and `search_iters`) is used on every rank.
+            iterations per k, k chosen by rank 0 (under a Join, the
+            highest rank still training) and broadcast. Rank 0's k (and
+            `search_iters`) is used on every rank.
         bucket_cap_mb: size of the buckets of the other gradients, in MiB
             (None: 25, the first bucket 1 MiB, as DDP's default); rank 0's
             is used on every rank, as DDP's buckets are rank 0's.
         broadcast_buffers: broadcast buffers from rank 0 before each forward
             that follows a grad-mode forward outside ``no_sync()``, as DDP.
+            The same on every rank of a model with buffers (a ValueError on
+            every rank otherwise: it is no scheduling choice to take from rank 0).
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
             its bucket's buffer (DDP's option: saves a copy and the memory of
             one set of gradients; the optimizer sees the same values).
 
     Returns a ``DataParallel`` handle; ``no_sync()`` skips the all-reduce for
-    accumulation steps; ``remove()`` undoes it.
+    accumulation steps; ``join()`` (a torch ``Join``) trains on uneven
+    inputs, as DDP's; ``remove()`` undoes it.
     """
     return DataParallel(model, process_group=process_group, k=k, bucket_cap_mb=bucket_cap_mb,
                         broadcast_buffers=broadcast_buffers,
@@ -2652,7 +2825,11 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad): both ends keep them per (input, layer, micro-batch), as a
 # layer's output is described by its input's description; a sender whose
-# output no longer matches the kept header raises instead of sending.
+# output no longer matches the kept header raises instead of sending. The
+# receiver is not told: in the usual step an activation that required grad
+# in its header's step travels as its data alone, so telling it would take
+# a message (or a host read of a status sent with the data) in every step;
+# it waits in recv until the sender's process exits or the group's timeout.
 # Whether the output requires grad is not described by the input: it
 # follows every earlier parameter's requires_grad, which the user may
 # change between steps (freezing a backbone, gradual unfreezing) on the
@@ -3048,7 +3225,9 @@ class Pipeline:
             raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape "
                                "or dtype for the same input description; the stage that receives "
                                "it expects the kept header (pass inputs of another shape, or "
-                               "build a new Pipeline)")
+                               f"build a new Pipeline). Stage {stage} is not told: it waits for "
+                               "this output until this process exits or the process group's "
+                               "timeout")
         always = kept[1]
         if _flagged(always, out.dtype):
             self._send(st, self._flags[y.requires_grad], stage)
@@ -3114,14 +3293,21 @@ class Pipeline:
         dist.recv(t, self._ranks[stage], group=self.group)
 
 
-def _check_same_on_every_rank(arguments: dict, group, device: torch.device) -> None:
+# why a Pipeline's arguments must agree (see _check_same_on_every_rank)
+_STAGE_PROGRAMS = ("each one derives every stage's schedule from it and the messages between "
+                   "stages are matched by that schedule")
+
+
+def _check_same_on_every_rank(arguments: dict, group, device: torch.device,
+                              why: str = _STAGE_PROGRAMS) -> None:
     """Raises the same ValueError on every rank of `group` when an argument
-    differs between the ranks: each rank derives every stage's program from
-    them, and messages are matched by the order those programs send them in,
-    so programs derived from different arguments pair the wrong tensors
-    (wrong gradients), or wait for a message never sent. `arguments`: name
-    -> (an int standing for this rank's value, a function writing a value
-    from it, or None where it cannot). One all_gather."""
+    differs between the ranks, saying `why` it must not. A Pipeline's: each
+    rank derives every stage's program from them, and messages are matched
+    by the order those programs send them in, so programs derived from
+    different arguments pair the wrong tensors (wrong gradients), or wait
+    for a message never sent. `arguments`: name -> (an int standing for
+    this rank's value, a function writing a value from it, or None where it
+    cannot). One all_gather."""
     mine = torch.tensor([code for code, _ in arguments.values()], dtype=torch.int64,
                         device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -3136,9 +3322,7 @@ def _check_same_on_every_rank(arguments: dict, group, device: torch.device) -> N
                    + ("" if show is None else f": {show(v)}") for v, ranks in ranks_of.items()]
             who = (" vs " if show is None else "; ").join(who)
             raise ValueError(f"{name}: differs between the ranks ({who}); every rank "
-                             "must pass the same, as each one derives every stage's schedule "
-                             "from it and the messages between stages are matched by that "
-                             "schedule")
+                             f"must pass the same, as {why}")
 
 
 def _digest(costs: dict) -> int:
