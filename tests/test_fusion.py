@@ -3938,3 +3938,127 @@ def test_forward_mode_new_module_on_a_freed_modules_id_is_updated_in_time(reuse_
         assert torch.equal(a, b)
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
+
+
+class _ReadsPositionsDirectly(nn.Module):
+    """Inputs of varying length. Its forward slices `pos`'s weight (added:
+    not saved for backward) and, when `saved`, gives `norm`'s weight and
+    bias to F.layer_norm (saved), without calling either module; given
+    `call`, it calls them instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.pos = nn.Embedding(16, 4)
+            self.norm = nn.LayerNorm(4)
+            self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, call: bool, saved: bool) -> torch.Tensor:
+        n = x.shape[1]
+        h = x + (self.pos(torch.arange(n)) if call else self.pos.weight[:n])
+        if saved:
+            h = self.norm(h) if call else F.layer_norm(h, (4,), self.norm.weight, self.norm.bias)
+        return self.head(h).pow(2).mean()
+
+
+def _train_reading_directly(mode, calls=(), eval_calls=(), saved=False):
+    """8 Adam steps of _ReadsPositionsDirectly, calling its modules in the
+    steps of `calls` and in a no_grad forward after the steps of
+    `eval_calls`. A refused backward is run again after handle.flush(), as
+    the error says. Returns the parameters and the refusals (step, message)."""
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 3 + t % 5, 4, generator=gen) for t in range(8)]
+    model = _ReadsPositionsDirectly()
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode) if mode else None
+    refused = []
+    for t, x in enumerate(batches):
+        try:
+            model(x, t in calls, saved).backward()
+        except RuntimeError as e:
+            refused.append((t, str(e)))
+            handle.flush()
+            opt.zero_grad()
+            model(x, t in calls, saved).backward()
+        opt.step()
+        opt.zero_grad()
+        if t in eval_calls:
+            with torch.no_grad():
+                model(x, True, saved)
+    if handle is not None:
+        handle.remove()
+    return [p.detach().clone() for p in model.parameters()], refused
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["added", "saved_for_backward"])
+def test_forward_mode_direct_read_of_a_module_that_ran_in_the_forward_before_is_refused(saved):
+    """A step that reads a module's parameters without calling it, right
+    after a step that called it, reads them before their pending update
+    (the forward's end applied it after the read): its backward raises
+    instead of training on the old values (the pending-update error; autograd's
+    in-place error where the read was saved for backward). flush() and the
+    step again train as eager, and the steps after it are not refused: the
+    module did not run in the forward before them, so its updates are
+    applied at the root's forward."""
+    got, refused = _train_reading_directly("forward", calls={2}, saved=saved)
+    ref, _ = _train_reading_directly(None, calls={2}, saved=saved)
+    assert [t for t, _ in refused] == [3]
+    message = refused[0][1]
+    if saved:
+        assert "modified by an inplace operation" in message
+    else:
+        assert "'pos.weight'" in message and "without calling the module" in message
+        assert "handle.flush()" in message
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["added", "saved_for_backward"])
+def test_forward_mode_module_called_in_an_eval_pass_then_read_directly_trains_as_eager(saved):
+    """A module called only in an evaluation forward, its parameters read
+    directly by every training step: once seen running it is no longer
+    taken for a module never called, yet its updates are still applied at
+    the root's forward (it did not run in the forward before), bitwise as eager."""
+    got, refused = _train_reading_directly("forward", eval_calls={2, 5}, saved=saved)
+    ref, _ = _train_reading_directly(None, eval_calls={2, 5}, saved=saved)
+    assert refused == []
+    assert not torch.equal(ref[0], _ReadsPositionsDirectly().pos.weight)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+
+
+class _SkipsALayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, skip: bool) -> torch.Tensor:
+        x = torch.tanh(self.a(x))
+        return self.head(x if skip else torch.tanh(self.b(x)))
+
+
+def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> None:
+    """A layer skipped in a step right after one that ran it has its update
+    applied at the forward's end; a penalty on every parameter added to the
+    loss after the forward reads it updated, as eager: its gradient there
+    is not refused, and training is bitwise as eager."""
+    def train(mode):
+        model = _SkipsALayer()
+        opt = rp.Adam(model.parameters(), lr=0.05)
+        handle = reprop.fuse(model, opt, mode) if mode else None
+        gen = torch.Generator().manual_seed(1)
+        for t in range(9):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+            loss = F.mse_loss(model(x, skip=t % 3 == 1), y)
+            (loss + 1e-2 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train("forward"), train(None)):
+        assert torch.equal(a, b)

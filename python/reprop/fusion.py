@@ -95,6 +95,7 @@ import numpy as np
 import torch
 from torch import nn
 from torch.optim import optimizer as torch_optimizer
+from torch.utils import _pytree
 
 from . import _tensors, optim
 
@@ -524,6 +525,25 @@ def _split_by_local_use(pairs: Iterable[tuple]) -> tuple[list, list]:
         else:
             used.append((p, g))
     return used, unused
+
+
+def _leaves_reached(roots: list, wanted: dict) -> set:
+    """The ids of the `wanted` parameters (id -> param) whose gradient
+    accumulators the autograd graph of `roots` (grad_fns, or leaf tensors
+    themselves) reaches: those its forward read with grad."""
+    found, seen, todo = set(), set(), list(roots)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (torch.Tensor, torch._C._functions.AccumulateGrad)):
+            leaf = node if isinstance(node, torch.Tensor) else node.variable
+            if id(leaf) in wanted:
+                found.add(id(leaf))
+            continue
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return found
 
 
 def _register_grad_ready(p: torch.Tensor, method) -> "torch.utils.hooks.RemovableHandle":
@@ -1405,10 +1425,20 @@ class _ForwardFusion(FusionHandle):
         # params with a gradient or state slots changed): see _may_lack_state
         self._state_seen: tuple = (None, 0)
         self._rechecked = False
-        self._seen_running: set = set()  # ids of modules observed running forward
+        # id(module) -> the stamp of the root forward it last ran in or after
+        # (the keys: the modules seen running forward); a new stamp per root forward
+        self._ran: dict = {}
+        self._stamp = object()
+        self._owners: list = []  # (module, its own parameters) for each owner
         # (module, its own parameters) for the owners not seen running forward
         # since the owners were last followed: empty once all have run
         self._unseen: list = []
+        # What a gradient may not reach (_on_grad_coming): the pending updates;
+        # from the end of a forward that applied some late until the next
+        # forward or step(), those late ones (see _on_root_forward_end)
+        self._guarded: dict = self._pending
+        self._late_roots: list = []  # that forward's graph: its outputs' grad_fns
+        self._read_stale: set | None = None  # ids of the late ones that graph reaches
         # modules given the checkpoint hooks: those holding fused parameters (see _track)
         self._covered: "weakref.WeakSet" = weakref.WeakSet()
         # Set when a fused parameter is registered in a module without this
@@ -1475,14 +1505,14 @@ class _ForwardFusion(FusionHandle):
         self._owners_moved = False
         owners = [(m, own) for m in self.model.modules()
                   if (own := _direct_params(m, self._params))]
-        self._unseen = owners
+        self._owners = self._unseen = owners
         owned = {id(p) for _, own in owners for p in own}
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
             # not run since its hooks: an id seen running is a freed module's
             # that this one's memory reuses
-            self._seen_running.discard(id(module))
+            self._ran.pop(id(module), None)
         # state_dict() of any module holding fused parameters (the root, ddp.module,
         # a backbone), its load_state_dict(), its .to()/.half()/.cuda()
         # (Module._apply) and its zero_grad(): pending updates first, as eager
@@ -1670,7 +1700,7 @@ class _ForwardFusion(FusionHandle):
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        self._seen_running.add(id(module))
+        self._ran[id(module)] = self._stamp
         if self._pending:  # the common case, nothing pending, takes no lock
             with self._lock:  # (another thread may be applying these very updates)
                 self._follow_owners()  # (layers called one by one: no root forward)
@@ -1688,37 +1718,88 @@ class _ForwardFusion(FusionHandle):
             if self._removed:  # by another thread since
                 return
             self._sync()
+            self._forget_late()
+            previous, self._stamp = self._stamp, object()
             # Parameters of modules never seen running are read some other way: now.
-            # (_seen_running only grows: who was seen leaves _unseen for good, so the
-            # steady state looks at no module here)
-            self._unseen = [(m, own) for m, own in self._unseen
-                            if id(m) not in self._seen_running]
+            # (a module seen leaves _unseen for good, so the steady state looks at
+            # no module here)
+            self._unseen = [(m, own) for m, own in self._unseen if id(m) not in self._ran]
             orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
+            if self._pending:
+                orphans += self._of_idle_owners(previous)
             if orphans:
                 self._apply(orphans)
 
+    def _of_idle_owners(self, previous: object) -> list:
+        """The pending parameters of the owners seen running before but not
+        in the previous root forward (stamped `previous`): one skipped in a
+        step, or called in one step or an eval pass only, whose parameters
+        its parent reads without calling it. They are applied now, as the
+        orphans: this forward may read them so, and an update waiting for a
+        call that may not come would be read one update behind (refused
+        then: see _on_root_forward_end). The steady state, every owner seen
+        having run, counts the stamps in C instead of looking at each owner."""
+        if operator.countOf(self._ran.values(), previous) >= len(self._owners) - len(self._unseen):
+            return []
+        pending, ran = self._pending, self._ran
+        return [p for m, own in self._owners if ran.get(id(m), previous) is not previous
+                for p in own if id(p) in pending]
+
     def _on_root_forward_end(self, module, args, output) -> None:
-        # What is still pending was not used by this forward, so gets no gradient
-        # from its backward: eager training has applied it long ago, and the
+        # What is still pending was not used by this forward through its module,
+        # so gets no gradient from its backward unless the forward read it some
+        # other way, one update behind (its module ran in the forward before,
+        # not in this one): eager training has applied it long ago, and the
         # gradients it still holds must not meet unscale_() or clipping.
-        self.flush()
+        if self._removed or not self._pending:  # (the steady state: every owner ran)
+            return
+        with self._lock:
+            late = dict(self._pending)
+            self.flush()
+            self._watch_late(late, output)
+
+    def _watch_late(self, late: dict, output) -> None:
+        """Has a gradient reaching a parameter of `late` (applied after this
+        forward may have read it) through this forward's graph refused,
+        until the next root forward or step(). Nothing to watch when the
+        forward built no graph (no_grad, an evaluation)."""
+        roots = [t.grad_fn or t for t in _pytree.tree_leaves(output)
+                 if isinstance(t, torch.Tensor) and t.requires_grad]
+        if roots:
+            self._guarded, self._late_roots, self._read_stale = late, roots, None
+
+    def _forget_late(self) -> None:
+        if self._late_roots:
+            self._guarded, self._late_roots, self._read_stale = self._pending, [], None
 
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
     def _on_grad_coming(self, pid: int, grad: torch.Tensor) -> None:
-        p = self._pending.get(pid)
-        if p is not None:
+        p = self._guarded.get(pid)  # (the steady state: the pending updates' dict)
+        if p is None:
+            return
+        if pid in self._pending:
             raise RuntimeError(
                 f"reprop.fuse(mode='forward'): a parameter of shape {tuple(p.shape)} was used in "
                 "forward while its update was still pending: its old value was read after "
                 "optimizer.step() outside the forward of the module that owns it, or before "
                 "step() by a graph backpropagated after it; call handle.flush() before such a "
                 "use, or use mode='backward'")
+        if self._read_stale is None:  # (once per forward: a walk of its graph)
+            self._read_stale = _leaves_reached(self._late_roots, self._guarded)
+        if pid in self._read_stale:
+            raise RuntimeError(
+                f"reprop.fuse(mode='forward'): {_param_name(self.model, p)} was read in forward "
+                "without calling the module that owns it, in a step where that module did not "
+                "run but did in the forward before: its update, pending since optimizer.step(), "
+                "was applied after the read, so the forward used its old value. Call the "
+                "module, or handle.flush() before such a forward, or use mode='backward'")
 
     def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
+        self._forget_late()
         self._sync()
         by_group = [(g, [p for p in g["params"] if p.grad is not None])
                     for g in self.optimizer.param_groups]
