@@ -695,6 +695,21 @@ def _check_broadcast_buffers_agree(rank: int, world: int) -> None:
     data_parallel(bn, k=0, broadcast_buffers=False).remove()
 
 
+def _check_requires_grad_agrees(rank: int, world: int) -> None:
+    """A parameter frozen on one rank only when data_parallel is built: a
+    ValueError naming it on every rank, as DDP's (the ranks bucketed other
+    parameters, and gloo aborted every rank at the first backward's
+    all-reduce of buckets of other sizes)."""
+    net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    net[0].bias.requires_grad_(rank != 1)
+    with pytest.raises(ValueError, match=r"^model\.0\.bias\.requires_grad: differs between the "
+                                         r"ranks \(ranks 0, 2: True; rank 1: False\)"):
+        data_parallel(net, k=0)
+    assert all("forward" not in m.__dict__ for m in net.modules()), "split left behind"
+    net[0].bias.requires_grad_(False)  # frozen on every rank: fine
+    data_parallel(net, k=0).remove()
+
+
 def _check_non_member(rank: int, world: int) -> None:
     """A group of ranks 0 and 1: its members average over it as DDP does;
     the rank left out gets a ValueError naming process_group from both
@@ -748,6 +763,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
     _check_broadcast_buffers_agree(rank, world)
+    _check_requires_grad_agrees(rank, world)
     _check_non_member(rank, world)
 
 
@@ -1195,7 +1211,8 @@ def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
     Parameters; models that differ between the ranks; broadcast_buffers
-    that differs between the ranks; a group of two and the rank it leaves out. Pipeline: gradients that stop
+    that differs between the ranks; a parameter frozen on one rank only; a group of two
+    and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage."""
     _spawn(_edge_cases, 3)

@@ -2244,16 +2244,21 @@ class DataParallel(_PassTracking, Joinable):
         # what the broadcast below sends
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
         broadcast_buffers = bool(broadcast_buffers)
-        if any(True for _ in model.buffers()):  # as many on every rank, checked above
-            # unlike k and the bucket sizes, which only schedule the same sums
-            # (rank 0's are taken, see _agree), broadcast_buffers says whether
-            # a rank's buffers are its own: taking rank 0's would override
-            # what a rank asked for, so ranks that differ are refused
-            _check_same_on_every_rank(
-                {"broadcast_buffers": (int(broadcast_buffers), lambda v: str(bool(v)))},
-                process_group, next(model.parameters()).device,
-                "it decides whether the buffers are broadcast before a forward, a collective "
-                "every rank must join")
+        # unlike k and the bucket sizes, which only schedule the same sums
+        # (rank 0's are taken, see _agree), these say what is summed: which
+        # parameters' gradients fill the buckets (DDP's parameters too are
+        # those requiring grad, and it refuses ranks whose differ), and
+        # whether a rank's buffers are its own (taking rank 0's would
+        # override what a rank asked for). Ranks that differ are refused.
+        agree = {f"model.{name}.requires_grad": (int(p.requires_grad), lambda v: str(bool(v)))
+                 for name, p in model.named_parameters()}  # as many on every rank, checked above
+        if any(True for _ in model.buffers()):
+            agree["broadcast_buffers"] = (int(broadcast_buffers), lambda v: str(bool(v)))
+        _check_same_on_every_rank(
+            agree, process_group, next(model.parameters()).device,
+            "the parameters requiring grad are bucketed and all-reduced alike on every rank "
+            "(gloo aborted on buckets of other sizes), and broadcast_buffers decides whether "
+            "the buffers are broadcast before a forward, a collective every rank must join")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
