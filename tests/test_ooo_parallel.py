@@ -1381,6 +1381,9 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x[:0], t[:0], F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+    # a 0-d dummy for a loss that reads no targets: it raised len()'s TypeError
+    with pytest.raises(ValueError, match=r"^targets: expected 8 targets .*got shape \(\)"):
+        Pipeline(layers, micro_batches=2).step(x, torch.tensor(0.0), lambda o, t: o.pow(2).mean())
     with pytest.raises(TypeError, match="^inputs: expected a tensor, got list"):
         pipe.step(x.tolist(), t, F.mse_loss)
     with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):

@@ -3064,9 +3064,11 @@ class Pipeline:
         if batch % m_count:
             raise ValueError(f"micro_batches: {m_count} must divide the batch size "
                              f"(inputs.shape[0] = {batch})")
-        if len(targets) != batch:
-            raise ValueError(f"targets: expected {batch} targets (one per input), "
-                             f"got {len(targets)}")
+        # split on dim 0 with the inputs: a 0-d dummy for a loss that needs
+        # none has no micro-batches to split into (pass one per sample)
+        if targets.dim() == 0 or targets.shape[0] != batch:
+            raise ValueError(f"targets: expected {batch} targets (one per input, split on dim 0 "
+                             f"as the inputs are), got shape {tuple(targets.shape)}")
         size = batch // m_count
         if self._sharing:
             _check_not_tied_across_stages(
