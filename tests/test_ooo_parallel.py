@@ -1197,9 +1197,34 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     pipe.remove()
 
 
+def _check_pipeline_autocast_toggle(rank: int, world: int) -> None:
+    """Autocast turned on, off and on again between steps of one input
+    shape: single-process training's gradients under the same autocast
+    state (bitwise, one micro-batch). The sender refused the second step
+    (its output's dtype changed for the kept header) and the receiver
+    waited until the timeout."""
+    ref_layers = _blocks()
+    ref = nn.Sequential(*ref_layers)
+    layers = _blocks()
+    pipe = Pipeline(layers, micro_batches=1)
+    x, t = _batch(0, 0)
+    for enabled in (True, False, True):
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            F.mse_loss(ref(x).float(), t).backward()
+            pipe.step(x, t, lambda out, target: F.mse_loss(out.float(), target))
+        for l, layer in pipe.layers.items():
+            for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
+                assert torch.equal(p.grad, ref_p.grad), f"rank {rank} autocast {enabled}: {name}"
+    pipe.remove()
+
+
 def _pipeline_edge_cases(rank: int, world: int) -> None:
     _check_pipeline_stopped_gradients(rank)
     _check_pipeline_tied_layers(rank, world)
+    _check_pipeline_autocast_toggle(rank, world)
 
 
 def _edge_cases(rank: int, world: int) -> None:
@@ -1214,7 +1239,8 @@ def test_parallel_edge_cases():
     that differs between the ranks; a parameter frozen on one rank only; a group of two
     and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
-    before); a layer shared by two stages, and by layers of one stage."""
+    before); a layer shared by two stages, and by layers of one stage;
+    autocast turned on and off between steps."""
     _spawn(_edge_cases, 3)
 
 

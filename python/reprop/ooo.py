@@ -2828,8 +2828,10 @@ ALLOCATIONS = ("contiguous", "modulo")
 # before it must then get none either (plain autograd leaves their .grad
 # alone), not zeros.
 # Headers go only in the first step for a given input (shape, dtype,
-# requires_grad): both ends keep them per (input, layer, micro-batch), as a
-# layer's output is described by its input's description; a sender whose
+# requires_grad) and autocast state: both ends keep them per (input,
+# layer, micro-batch), as a layer's output is described by its input's
+# description and the autocast state (turning autocast on or off between
+# steps sends new headers, as a new input shape does); a sender whose
 # output no longer matches the kept header raises instead of sending. The
 # receiver is not told: in the usual step an activation that required grad
 # in its header's step travels as its data alone, so telling it would take
@@ -2866,6 +2868,15 @@ def _header(description: tuple, requires_grad: bool, device: torch.device) -> to
     ndim, dtype, *shape = description
     h = [ndim, dtype, int(requires_grad), *shape]
     return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=device)
+
+
+def _autocast_state(device: torch.device) -> tuple:
+    """Whether autocast is on, and its dtype, for the CPU and `device`'s
+    type: with the input's description, it decides the dtype of each
+    layer's output, so a header kept for one state does not describe the
+    outputs under another."""
+    return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                 for kind in dict.fromkeys(("cpu", device.type)))
 
 
 def _flagged(always: bool, dtype: torch.dtype) -> bool:
@@ -2915,7 +2926,8 @@ class _Step:
     input_grads: dict = field(default_factory=dict)  # m -> grad of the micro-batch input
     sends: list = field(default_factory=list)       # (request, tensor kept alive)
     losses: list = field(default_factory=list)
-    key: tuple = ()                                 # the input's description, for the headers
+    key: tuple = ()                                 # the input's description and autocast
+                                                    # state, for the headers
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
 
 
@@ -3077,7 +3089,8 @@ class Pipeline:
         program, inbox = self._schedule(inputs.requires_grad)
         st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
                    {src: iter(msgs) for src, msgs in inbox.items()},
-                   key=(tuple(inputs.shape), inputs.dtype, inputs.requires_grad))
+                   key=(tuple(inputs.shape), inputs.dtype, inputs.requires_grad,
+                        _autocast_state(self.device)))
         self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
