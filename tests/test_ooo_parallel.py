@@ -1197,6 +1197,51 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     pipe.remove()
 
 
+def _check_pipeline_evaluation(rank: int, world: int) -> None:
+    """step() with grad mode off evaluates: single-process's loss, and the
+    predictions a loss_fn keeps, with no .grad touched and activations
+    alone sent; the next training step's gradients are the training
+    batch's alone. Under no_grad it ran backward and filled every rank's
+    .grad (a validation batch trained on); under inference_mode a stage
+    raised torch's error and the others waited. Ranks in different grad
+    modes get a ValueError naming it on every rank."""
+    ref_layers = _blocks()
+    ref = nn.Sequential(*ref_layers)
+    pipe = Pipeline(_blocks(), micro_batches=2)
+    x, t = _batch(0, 0)
+    x.requires_grad_()  # as in torch: no gradient under no_grad either
+    with torch.no_grad():
+        want = ref(x)
+    for mode in (torch.no_grad, torch.inference_mode):
+        outputs = []
+
+        def keeping(out, target):
+            outputs.append(out)
+            return F.mse_loss(out, target)
+
+        with mode():
+            loss = pipe.step(x, t, keeping)
+        where = f"rank {rank} {mode.__name__}"
+        assert all(p.grad is None for p in pipe.parameters()) and x.grad is None, where
+        if pipe.stage_of[-1] == rank:
+            torch.testing.assert_close(loss, F.mse_loss(want, t), rtol=1e-6, atol=0, msg=where)
+            torch.testing.assert_close(torch.cat(outputs), want, rtol=1e-6, atol=1e-7, msg=where)
+        # past the first evaluation's headers: one message per activation sent
+        sent = sum(pipe.stage_of[l] == rank != pipe.stage_of[l + 1] for l in range(DEPTH - 1))
+        assert mode is torch.no_grad or pipe.messages == 2 * sent, (where, pipe.messages)
+    F.mse_loss(ref(x), t).backward()
+    pipe.step(x, t, F.mse_loss)
+    for l, layer in pipe.layers.items():
+        for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} layer {l} {name}")
+    with pytest.raises(ValueError, match=r"^torch\.is_grad_enabled\(\): differs between the "
+                                         r"ranks \(ranks 0, 2: True; rank 1: False\)"):
+        with torch.set_grad_enabled(rank != 1):
+            pipe.step(x, t, F.mse_loss)
+    pipe.remove()
+
+
 def _check_pipeline_autocast_toggle(rank: int, world: int) -> None:
     """Autocast turned on, off and on again between steps of one input
     shape: single-process training's gradients under the same autocast
@@ -1224,6 +1269,7 @@ def _check_pipeline_autocast_toggle(rank: int, world: int) -> None:
 def _pipeline_edge_cases(rank: int, world: int) -> None:
     _check_pipeline_stopped_gradients(rank)
     _check_pipeline_tied_layers(rank, world)
+    _check_pipeline_evaluation(rank, world)
     _check_pipeline_autocast_toggle(rank, world)
 
 
@@ -1240,6 +1286,7 @@ def test_parallel_edge_cases():
     and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage;
+    steps with grad mode off (evaluation) and ranks that differ in it;
     autocast turned on and off between steps."""
     _spawn(_edge_cases, 3)
 

@@ -2879,11 +2879,11 @@ def _autocast_state(device: torch.device) -> tuple:
                  for kind in dict.fromkeys(("cpu", device.type)))
 
 
-def _flagged(always: bool, dtype: torch.dtype) -> bool:
+def _flagged(always: bool, dtype: torch.dtype, train: bool) -> bool:
     """Whether a flag says in each step if an activation requires grad: not
     where its header said it did (see the note above), nor for a dtype
-    without gradients."""
-    return not always and (dtype.is_floating_point or dtype.is_complex)
+    without gradients, nor in a forward-only step (no gradient comes back)."""
+    return train and not always and (dtype.is_floating_point or dtype.is_complex)
 
 
 class _Alias(torch.autograd.Function):
@@ -2916,6 +2916,7 @@ class _Step:
     inputs: tuple                                   # M micro-batches (b, ...), detached
     targets: tuple
     input_grad: bool                                # the caller's inputs need a gradient
+    train: bool                                     # grad mode on: backward too, else forwards
     inbox: dict                                     # sender stage -> iterator over its messages
     early: dict = field(default_factory=dict)       # messages received before they are needed
     acts: dict = field(default_factory=dict)        # (l, m) -> (input x, output y)
@@ -3059,12 +3060,20 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable) -> torch.Tensor | None:
         """One training step on a batch: every rank passes the same `inputs`
-        (B, ...) and `targets` (B, ...) (read by the owners of the first and the
-        last layer; ``inputs.requires_grad`` must agree too, as it changes the
-        schedule). Gradients accumulate into this rank's ``.grad``; so does
-        ``inputs.grad`` when `inputs` requires grad. Returns the batch loss
-        (sum over micro-batches of loss_fn / micro_batches, detached) on the
-        rank of the last layer, None on the others."""
+        (B, ...) and `targets` (B, ...), both split on dim 0 (read by the
+        owners of the first and the last layer; ``inputs.requires_grad`` must
+        agree too, as it changes the schedule). Gradients accumulate into
+        this rank's ``.grad``; so does ``inputs.grad`` when `inputs` requires
+        grad. Returns the batch loss (sum over micro-batches of loss_fn /
+        micro_batches, detached) on the rank of the last layer, None on the
+        others.
+
+        With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``)
+        it evaluates: the forwards alone, in the same order, and the same
+        loss, with no backward and no ``.grad`` touched, as a forward and
+        loss in a single process. The ranks must agree on grad mode (one
+        all_gather per step checks it; a ValueError on every rank names it).
+        For predictions, have `loss_fn` keep its micro-batch's output."""
         m_count = self.micro_batches
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor):
@@ -3086,10 +3095,12 @@ class Pipeline:
             _check_not_tied_across_stages(
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
-        program, inbox = self._schedule(inputs.requires_grad)
-        st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
+        train = self._grad_mode()
+        input_grad = train and inputs.requires_grad
+        program, inbox = self._schedule(input_grad, train)
+        st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
-                   key=(tuple(inputs.shape), inputs.dtype, inputs.requires_grad,
+                   key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
                         _autocast_state(self.device)))
         self.messages = 0
         for kind, l, m in program:
@@ -3104,6 +3115,22 @@ class Pipeline:
         if st.input_grads:  # this rank has layer 0 and inputs need a gradient
             self._input_backward(inputs, st)
         return torch.stack(st.losses).sum() if st.losses else None
+
+    def _grad_mode(self) -> bool:
+        """Whether this step trains (grad mode on) or only evaluates, the same
+        on every rank: a stage that evaluates sends no gradient and waits for
+        none, so a stage training beside it would wait for ever. One
+        all_gather (none on one stage), as the ranks' grad mode is each
+        their own and nothing in a training step's messages could carry it:
+        past a shape's first step an activation travels as its data alone."""
+        train = torch.is_grad_enabled()
+        if self.stages > 1:
+            _check_same_on_every_rank(
+                {"torch.is_grad_enabled()": (int(train), lambda v: str(bool(v)))},
+                self.group, self.device, "step() trains with grad mode on and runs the forwards "
+                "alone with it off (torch.no_grad(), torch.inference_mode()): the stages' messages "
+                "follow from it")
+        return train
 
     @staticmethod
     def _input_backward(inputs: torch.Tensor, st: _Step) -> None:
@@ -3125,12 +3152,18 @@ class Pipeline:
 
     # -- the schedule --------------------------------------------------------------
 
-    def _schedule(self, input_grad: bool) -> tuple[list, dict]:
-        cached = self._schedules.get(input_grad)
+    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict]:
+        """This rank's program and inbox; without `train`, the forwards alone
+        in the training order: what remains of a topological order of the
+        graph is one of the forwards' graph, so blocking receives still
+        cannot deadlock (see _stage_programs)."""
+        cached = self._schedules.get((input_grad, train))
         if cached is None:
             programs = _stage_programs(self.stage_of, self.micro_batches, self.stages,
                                        self.costs, SCHEDULES[self.schedule], input_grad)
-            cached = self._schedules[input_grad] = (
+            if not train:
+                programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
+            cached = self._schedules[(input_grad, train)] = (
                 programs[self.rank], _inbox(programs, self.stage_of, self.rank))
         return cached
 
@@ -3139,7 +3172,7 @@ class Pipeline:
     def _forward(self, st: _Step, l: int, m: int, loss_fn: Callable) -> None:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
-        with torch.enable_grad():
+        with torch.set_grad_enabled(st.train):
             # past layer 0 the input stands for the previous layer's output, a
             # non-leaf the layer may change in place (nn.ReLU(inplace=True))
             y = self.layers[l](x if l == 0 else _Alias.apply(x))
@@ -3148,8 +3181,10 @@ class Pipeline:
             if l == self.num_layers - 1:
                 y = loss_fn(y, st.targets[m]) / self.micro_batches
                 st.losses.append(y.detach())
-        st.acts[(l, m)] = (x, y)
-        if l + 1 < self.num_layers and self._owner(l + 1) != self.rank:
+        local_next = l + 1 < self.num_layers and self._owner(l + 1) == self.rank
+        if st.train or local_next:  # for backward; forwards alone: for the next one only
+            st.acts[(l, m)] = (x, y)
+        if l + 1 < self.num_layers and not local_next:
             self._send_activation(st, l, m, y)
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
@@ -3159,7 +3194,8 @@ class Pipeline:
         if l == 0:
             return st.inputs[m].requires_grad_(st.input_grad)
         if self._owner(l - 1) == self.rank:
-            y = st.acts[(l - 1, m)][1]
+            # forwards alone: nothing else reads it (backward would)
+            _, y = st.acts[(l - 1, m)] if st.train else st.acts.pop((l - 1, m))
             return y.detach().requires_grad_(y.requires_grad)
         return self._receive(st, _ACTIVATION, l - 1, m)
 
@@ -3249,7 +3285,7 @@ class Pipeline:
                                "this output until this process exits or the process group's "
                                "timeout")
         always = kept[1]
-        if _flagged(always, out.dtype):
+        if _flagged(always, out.dtype, st.train):
             self._send(st, self._flags[y.requires_grad], stage)
         if always or y.requires_grad:
             st.returned.add((l, m))
@@ -3291,7 +3327,7 @@ class Pipeline:
             kept = self._headers[(st.key, l, m)] = ((ndim, dtype, *shape[:ndim]), bool(always))
         (_, dtype, *shape), always = kept
         dtype = _WIRE_DTYPES[dtype]
-        requires_grad = self._recv_flag(src) if _flagged(always, dtype) else always
+        requires_grad = self._recv_flag(src) if _flagged(always, dtype, st.train) else always
         x = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(x, src)
         return x.requires_grad_(requires_grad)
