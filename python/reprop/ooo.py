@@ -2946,9 +2946,9 @@ class Pipeline:
     Layers on different stages must not share a parameter or buffer (a
     ValueError names them); on one stage they may.
 
-    ``step(inputs, targets, loss_fn)`` splits the batch into `micro_batches`
-    equal micro-batches and runs this rank's tasks F(l, m), dO(l, m) and
-    dW(l, m) in the order the simulator gives for the schedule ("gpipe":
+    ``step(inputs, targets, loss_fn)`` splits the batch (dim 0) into
+    `micro_batches` equal micro-batches and runs this rank's tasks F(l, m),
+    dO(l, m) and dW(l, m) in the order the simulator gives for the schedule ("gpipe":
     conventional order, forwards first, then per micro-batch each layer's dW
     then dO; "fast_forward": every ready dO before any dW), with unit costs
     unless `costs` says otherwise. The last layer's output goes to
