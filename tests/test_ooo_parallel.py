@@ -695,6 +695,21 @@ def _check_broadcast_buffers_agree(rank: int, world: int) -> None:
     data_parallel(bn, k=0, broadcast_buffers=False).remove()
 
 
+def _check_requires_grad_agrees(rank: int, world: int) -> None:
+    """A parameter frozen on one rank only when data_parallel is built: a
+    ValueError naming it on every rank, as DDP's (the ranks bucketed other
+    parameters, and gloo aborted every rank at the first backward's
+    all-reduce of buckets of other sizes)."""
+    net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
+    net[0].bias.requires_grad_(rank != 1)
+    with pytest.raises(ValueError, match=r"^model\.0\.bias\.requires_grad: differs between the "
+                                         r"ranks \(ranks 0, 2: True; rank 1: False\)"):
+        data_parallel(net, k=0)
+    assert all("forward" not in m.__dict__ for m in net.modules()), "split left behind"
+    net[0].bias.requires_grad_(False)  # frozen on every rank: fine
+    data_parallel(net, k=0).remove()
+
+
 def _check_non_member(rank: int, world: int) -> None:
     """A group of ranks 0 and 1: its members average over it as DDP does;
     the rank left out gets a ValueError naming process_group from both
@@ -748,6 +763,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
     _check_broadcast_buffers_agree(rank, world)
+    _check_requires_grad_agrees(rank, world)
     _check_non_member(rank, world)
 
 
@@ -1181,9 +1197,80 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     pipe.remove()
 
 
+def _check_pipeline_evaluation(rank: int, world: int) -> None:
+    """step() with grad mode off evaluates: single-process's loss, and the
+    predictions a loss_fn keeps, with no .grad touched and activations
+    alone sent; the next training step's gradients are the training
+    batch's alone. Under no_grad it ran backward and filled every rank's
+    .grad (a validation batch trained on); under inference_mode a stage
+    raised torch's error and the others waited. Ranks in different grad
+    modes get a ValueError naming it on every rank."""
+    ref_layers = _blocks()
+    ref = nn.Sequential(*ref_layers)
+    pipe = Pipeline(_blocks(), micro_batches=2)
+    x, t = _batch(0, 0)
+    x.requires_grad_()  # as in torch: no gradient under no_grad either
+    with torch.no_grad():
+        want = ref(x)
+    for mode in (torch.no_grad, torch.inference_mode):
+        outputs = []
+
+        def keeping(out, target):
+            outputs.append(out)
+            return F.mse_loss(out, target)
+
+        with mode():
+            loss = pipe.step(x, t, keeping)
+        where = f"rank {rank} {mode.__name__}"
+        assert all(p.grad is None for p in pipe.parameters()) and x.grad is None, where
+        if pipe.stage_of[-1] == rank:
+            torch.testing.assert_close(loss, F.mse_loss(want, t), rtol=1e-6, atol=0, msg=where)
+            torch.testing.assert_close(torch.cat(outputs), want, rtol=1e-6, atol=1e-7, msg=where)
+        # past the first evaluation's headers: one message per activation sent
+        sent = sum(pipe.stage_of[l] == rank != pipe.stage_of[l + 1] for l in range(DEPTH - 1))
+        assert mode is torch.no_grad or pipe.messages == 2 * sent, (where, pipe.messages)
+    F.mse_loss(ref(x), t).backward()
+    pipe.step(x, t, F.mse_loss)
+    for l, layer in pipe.layers.items():
+        for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank} layer {l} {name}")
+    with pytest.raises(ValueError, match=r"^torch\.is_grad_enabled\(\): differs between the "
+                                         r"ranks \(ranks 0, 2: True; rank 1: False\)"):
+        with torch.set_grad_enabled(rank != 1):
+            pipe.step(x, t, F.mse_loss)
+    pipe.remove()
+
+
+def _check_pipeline_autocast_toggle(rank: int, world: int) -> None:
+    """Autocast turned on, off and on again between steps of one input
+    shape: single-process training's gradients under the same autocast
+    state (bitwise, one micro-batch). The sender refused the second step
+    (its output's dtype changed for the kept header) and the receiver
+    waited until the timeout."""
+    ref_layers = _blocks()
+    ref = nn.Sequential(*ref_layers)
+    layers = _blocks()
+    pipe = Pipeline(layers, micro_batches=1)
+    x, t = _batch(0, 0)
+    for enabled in (True, False, True):
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            F.mse_loss(ref(x).float(), t).backward()
+            pipe.step(x, t, lambda out, target: F.mse_loss(out.float(), target))
+        for l, layer in pipe.layers.items():
+            for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
+                assert torch.equal(p.grad, ref_p.grad), f"rank {rank} autocast {enabled}: {name}"
+    pipe.remove()
+
+
 def _pipeline_edge_cases(rank: int, world: int) -> None:
     _check_pipeline_stopped_gradients(rank)
     _check_pipeline_tied_layers(rank, world)
+    _check_pipeline_evaluation(rank, world)
+    _check_pipeline_autocast_toggle(rank, world)
 
 
 def _edge_cases(rank: int, world: int) -> None:
@@ -1195,9 +1282,12 @@ def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
     Parameters; models that differ between the ranks; broadcast_buffers
-    that differs between the ranks; a group of two and the rank it leaves out. Pipeline: gradients that stop
+    that differs between the ranks; a parameter frozen on one rank only; a group of two
+    and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
-    before); a layer shared by two stages, and by layers of one stage."""
+    before); a layer shared by two stages, and by layers of one stage;
+    steps with grad mode off (evaluation) and ranks that differ in it;
+    autocast turned on and off between steps."""
     _spawn(_edge_cases, 3)
 
 
@@ -1364,6 +1454,9 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x[:0], t[:0], F.mse_loss)
     with pytest.raises(ValueError, match="^targets: "):
         Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+    # a 0-d dummy for a loss that reads no targets: it raised len()'s TypeError
+    with pytest.raises(ValueError, match=r"^targets: expected 8 targets .*got shape \(\)"):
+        Pipeline(layers, micro_batches=2).step(x, torch.tensor(0.0), lambda o, t: o.pow(2).mean())
     with pytest.raises(TypeError, match="^inputs: expected a tensor, got list"):
         pipe.step(x.tolist(), t, F.mse_loss)
     with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):

@@ -2244,16 +2244,21 @@ class DataParallel(_PassTracking, Joinable):
         # what the broadcast below sends
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
         broadcast_buffers = bool(broadcast_buffers)
-        if any(True for _ in model.buffers()):  # as many on every rank, checked above
-            # unlike k and the bucket sizes, which only schedule the same sums
-            # (rank 0's are taken, see _agree), broadcast_buffers says whether
-            # a rank's buffers are its own: taking rank 0's would override
-            # what a rank asked for, so ranks that differ are refused
-            _check_same_on_every_rank(
-                {"broadcast_buffers": (int(broadcast_buffers), lambda v: str(bool(v)))},
-                process_group, next(model.parameters()).device,
-                "it decides whether the buffers are broadcast before a forward, a collective "
-                "every rank must join")
+        # unlike k and the bucket sizes, which only schedule the same sums
+        # (rank 0's are taken, see _agree), these say what is summed: which
+        # parameters' gradients fill the buckets (DDP's parameters too are
+        # those requiring grad, and it refuses ranks whose differ), and
+        # whether a rank's buffers are its own (taking rank 0's would
+        # override what a rank asked for). Ranks that differ are refused.
+        agree = {f"model.{name}.requires_grad": (int(p.requires_grad), lambda v: str(bool(v)))
+                 for name, p in model.named_parameters()}  # as many on every rank, checked above
+        if any(True for _ in model.buffers()):
+            agree["broadcast_buffers"] = (int(broadcast_buffers), lambda v: str(bool(v)))
+        _check_same_on_every_rank(
+            agree, process_group, next(model.parameters()).device,
+            "the parameters requiring grad are bucketed and all-reduced alike on every rank "
+            "(gloo aborted on buckets of other sizes), and broadcast_buffers decides whether "
+            "the buffers are broadcast before a forward, a collective every rank must join")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB
@@ -2823,8 +2828,10 @@ ALLOCATIONS = ("contiguous", "modulo")
 # before it must then get none either (plain autograd leaves their .grad
 # alone), not zeros.
 # Headers go only in the first step for a given input (shape, dtype,
-# requires_grad): both ends keep them per (input, layer, micro-batch), as a
-# layer's output is described by its input's description; a sender whose
+# requires_grad) and autocast state: both ends keep them per (input,
+# layer, micro-batch), as a layer's output is described by its input's
+# description and the autocast state (turning autocast on or off between
+# steps sends new headers, as a new input shape does); a sender whose
 # output no longer matches the kept header raises instead of sending. The
 # receiver is not told: in the usual step an activation that required grad
 # in its header's step travels as its data alone, so telling it would take
@@ -2863,11 +2870,20 @@ def _header(description: tuple, requires_grad: bool, device: torch.device) -> to
     return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=device)
 
 
-def _flagged(always: bool, dtype: torch.dtype) -> bool:
+def _autocast_state(device: torch.device) -> tuple:
+    """Whether autocast is on, and its dtype, for the CPU and `device`'s
+    type: with the input's description, it decides the dtype of each
+    layer's output, so a header kept for one state does not describe the
+    outputs under another."""
+    return tuple((torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+                 for kind in dict.fromkeys(("cpu", device.type)))
+
+
+def _flagged(always: bool, dtype: torch.dtype, train: bool) -> bool:
     """Whether a flag says in each step if an activation requires grad: not
     where its header said it did (see the note above), nor for a dtype
-    without gradients."""
-    return not always and (dtype.is_floating_point or dtype.is_complex)
+    without gradients, nor in a forward-only step (no gradient comes back)."""
+    return train and not always and (dtype.is_floating_point or dtype.is_complex)
 
 
 class _Alias(torch.autograd.Function):
@@ -2900,6 +2916,7 @@ class _Step:
     inputs: tuple                                   # M micro-batches (b, ...), detached
     targets: tuple
     input_grad: bool                                # the caller's inputs need a gradient
+    train: bool                                     # grad mode on: backward too, else forwards
     inbox: dict                                     # sender stage -> iterator over its messages
     early: dict = field(default_factory=dict)       # messages received before they are needed
     acts: dict = field(default_factory=dict)        # (l, m) -> (input x, output y)
@@ -2910,7 +2927,8 @@ class _Step:
     input_grads: dict = field(default_factory=dict)  # m -> grad of the micro-batch input
     sends: list = field(default_factory=list)       # (request, tensor kept alive)
     losses: list = field(default_factory=list)
-    key: tuple = ()                                 # the input's description, for the headers
+    key: tuple = ()                                 # the input's description and autocast
+                                                    # state, for the headers
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
 
 
@@ -2928,9 +2946,9 @@ class Pipeline:
     Layers on different stages must not share a parameter or buffer (a
     ValueError names them); on one stage they may.
 
-    ``step(inputs, targets, loss_fn)`` splits the batch into `micro_batches`
-    equal micro-batches and runs this rank's tasks F(l, m), dO(l, m) and
-    dW(l, m) in the order the simulator gives for the schedule ("gpipe":
+    ``step(inputs, targets, loss_fn)`` splits the batch (dim 0) into
+    `micro_batches` equal micro-batches and runs this rank's tasks F(l, m),
+    dO(l, m) and dW(l, m) in the order the simulator gives for the schedule ("gpipe":
     conventional order, forwards first, then per micro-batch each layer's dW
     then dO; "fast_forward": every ready dO before any dW), with unit costs
     unless `costs` says otherwise. The last layer's output goes to
@@ -3042,12 +3060,20 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable) -> torch.Tensor | None:
         """One training step on a batch: every rank passes the same `inputs`
-        (B, ...) and `targets` (B, ...) (read by the owners of the first and the
-        last layer; ``inputs.requires_grad`` must agree too, as it changes the
-        schedule). Gradients accumulate into this rank's ``.grad``; so does
-        ``inputs.grad`` when `inputs` requires grad. Returns the batch loss
-        (sum over micro-batches of loss_fn / micro_batches, detached) on the
-        rank of the last layer, None on the others."""
+        (B, ...) and `targets` (B, ...), both split on dim 0 (read by the
+        owners of the first and the last layer; ``inputs.requires_grad`` must
+        agree too, as it changes the schedule). Gradients accumulate into
+        this rank's ``.grad``; so does ``inputs.grad`` when `inputs` requires
+        grad. Returns the batch loss (sum over micro-batches of loss_fn /
+        micro_batches, detached) on the rank of the last layer, None on the
+        others.
+
+        With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``)
+        it evaluates: the forwards alone, in the same order, and the same
+        loss, with no backward and no ``.grad`` touched, as a forward and
+        loss in a single process. The ranks must agree on grad mode (one
+        all_gather per step checks it; a ValueError on every rank names it).
+        For predictions, have `loss_fn` keep its micro-batch's output."""
         m_count = self.micro_batches
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor):
@@ -3059,18 +3085,23 @@ class Pipeline:
         if batch % m_count:
             raise ValueError(f"micro_batches: {m_count} must divide the batch size "
                              f"(inputs.shape[0] = {batch})")
-        if len(targets) != batch:
-            raise ValueError(f"targets: expected {batch} targets (one per input), "
-                             f"got {len(targets)}")
+        # split on dim 0 with the inputs: a 0-d dummy for a loss that needs
+        # none has no micro-batches to split into (pass one per sample)
+        if targets.dim() == 0 or targets.shape[0] != batch:
+            raise ValueError(f"targets: expected {batch} targets (one per input, split on dim 0 "
+                             f"as the inputs are), got shape {tuple(targets.shape)}")
         size = batch // m_count
         if self._sharing:
             _check_not_tied_across_stages(
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
-        program, inbox = self._schedule(inputs.requires_grad)
-        st = _Step(inputs.detach().split(size), targets.split(size), inputs.requires_grad,
+        train = self._grad_mode()
+        input_grad = train and inputs.requires_grad
+        program, inbox = self._schedule(input_grad, train)
+        st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
-                   key=(tuple(inputs.shape), inputs.dtype, inputs.requires_grad))
+                   key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
+                        _autocast_state(self.device)))
         self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
@@ -3084,6 +3115,22 @@ class Pipeline:
         if st.input_grads:  # this rank has layer 0 and inputs need a gradient
             self._input_backward(inputs, st)
         return torch.stack(st.losses).sum() if st.losses else None
+
+    def _grad_mode(self) -> bool:
+        """Whether this step trains (grad mode on) or only evaluates, the same
+        on every rank: a stage that evaluates sends no gradient and waits for
+        none, so a stage training beside it would wait for ever. One
+        all_gather (none on one stage), as the ranks' grad mode is each
+        their own and nothing in a training step's messages could carry it:
+        past a shape's first step an activation travels as its data alone."""
+        train = torch.is_grad_enabled()
+        if self.stages > 1:
+            _check_same_on_every_rank(
+                {"torch.is_grad_enabled()": (int(train), lambda v: str(bool(v)))},
+                self.group, self.device, "step() trains with grad mode on and runs the forwards "
+                "alone with it off (torch.no_grad(), torch.inference_mode()): the stages' messages "
+                "follow from it")
+        return train
 
     @staticmethod
     def _input_backward(inputs: torch.Tensor, st: _Step) -> None:
@@ -3105,12 +3152,18 @@ class Pipeline:
 
     # -- the schedule --------------------------------------------------------------
 
-    def _schedule(self, input_grad: bool) -> tuple[list, dict]:
-        cached = self._schedules.get(input_grad)
+    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict]:
+        """This rank's program and inbox; without `train`, the forwards alone
+        in the training order: what remains of a topological order of the
+        graph is one of the forwards' graph, so blocking receives still
+        cannot deadlock (see _stage_programs)."""
+        cached = self._schedules.get((input_grad, train))
         if cached is None:
             programs = _stage_programs(self.stage_of, self.micro_batches, self.stages,
                                        self.costs, SCHEDULES[self.schedule], input_grad)
-            cached = self._schedules[input_grad] = (
+            if not train:
+                programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
+            cached = self._schedules[(input_grad, train)] = (
                 programs[self.rank], _inbox(programs, self.stage_of, self.rank))
         return cached
 
@@ -3119,7 +3172,7 @@ class Pipeline:
     def _forward(self, st: _Step, l: int, m: int, loss_fn: Callable) -> None:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
-        with torch.enable_grad():
+        with torch.set_grad_enabled(st.train):
             # past layer 0 the input stands for the previous layer's output, a
             # non-leaf the layer may change in place (nn.ReLU(inplace=True))
             y = self.layers[l](x if l == 0 else _Alias.apply(x))
@@ -3128,8 +3181,10 @@ class Pipeline:
             if l == self.num_layers - 1:
                 y = loss_fn(y, st.targets[m]) / self.micro_batches
                 st.losses.append(y.detach())
-        st.acts[(l, m)] = (x, y)
-        if l + 1 < self.num_layers and self._owner(l + 1) != self.rank:
+        local_next = l + 1 < self.num_layers and self._owner(l + 1) == self.rank
+        if st.train or local_next:  # for backward; forwards alone: for the next one only
+            st.acts[(l, m)] = (x, y)
+        if l + 1 < self.num_layers and not local_next:
             self._send_activation(st, l, m, y)
 
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
@@ -3139,7 +3194,8 @@ class Pipeline:
         if l == 0:
             return st.inputs[m].requires_grad_(st.input_grad)
         if self._owner(l - 1) == self.rank:
-            y = st.acts[(l - 1, m)][1]
+            # forwards alone: nothing else reads it (backward would)
+            _, y = st.acts[(l - 1, m)] if st.train else st.acts.pop((l - 1, m))
             return y.detach().requires_grad_(y.requires_grad)
         return self._receive(st, _ACTIVATION, l - 1, m)
 
@@ -3229,7 +3285,7 @@ class Pipeline:
                                "this output until this process exits or the process group's "
                                "timeout")
         always = kept[1]
-        if _flagged(always, out.dtype):
+        if _flagged(always, out.dtype, st.train):
             self._send(st, self._flags[y.requires_grad], stage)
         if always or y.requires_grad:
             st.returned.add((l, m))
@@ -3271,7 +3327,7 @@ class Pipeline:
             kept = self._headers[(st.key, l, m)] = ((ndim, dtype, *shape[:ndim]), bool(always))
         (_, dtype, *shape), always = kept
         dtype = _WIRE_DTYPES[dtype]
-        requires_grad = self._recv_flag(src) if _flagged(always, dtype) else always
+        requires_grad = self._recv_flag(src) if _flagged(always, dtype, st.train) else always
         x = torch.empty(shape, dtype=dtype, device=self.device)
         self._recv(x, src)
         return x.requires_grad_(requires_grad)
