@@ -1750,6 +1750,22 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
     assert meta.device.type == "meta" and meta.shape == (2, 3)
 
 
+def test_compose_chain_on_a_closure_root_under_functorch_goes_through_function_apply():
+    """A chain step skips autograd.Function.apply's Python only outside
+    functorch's transforms: inside one, a step on a root the transform does
+    not wrap (a closure's tensor) still meets torch's check of an
+    autograd.Function under transforms (its error, not functorch's internal
+    assert that autograd's own apply hits there)."""
+    w = torch.randn(3, requires_grad=True)
+
+    def loss(v):
+        with fad.enabled(compose=True):
+            return (torch.exp(w) * 2 * v).sum()
+
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(loss)(torch.randn(3))
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_tracing_and_export_run_torch_ops():
     """torch.jit.trace cannot see a kernel writing through a pointer (under

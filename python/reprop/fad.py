@@ -759,6 +759,16 @@ class _Chain(torch.autograd.Function):
         return grad_source.to(ctx.source_dtype), None
 
 
+def _apply_chain(source: torch.Tensor, step: "_Step") -> torch.Tensor:
+    """_Chain.apply(source, step). Outside functorch's transforms that is
+    autograd's own apply after Python steps with nothing to do here (_Chain
+    has no setup_context; source, a root, is no functorch wrapper, dead or
+    alive: _torch_runs); they cost a chain step about a microsecond."""
+    if torch._C._are_functorch_transforms_active():
+        return _Chain.apply(source, step)
+    return _AUTOGRAD_APPLY(source, step)
+
+
 def _refuse_led_past(node, register: str) -> None:
     """A hook on a chain node that a next step already led past is refused
     (_led_past_error)."""
@@ -787,6 +797,7 @@ def _refusing_led_past(register_dict):
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
+_AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_apply_chain)
 
 
 def _led_past_error(what: str) -> RuntimeError:
@@ -1302,7 +1313,7 @@ class enabled(TorchFunctionMode):
         if not _root_shaped(tensors, root.shape):
             return None
         step = _Step(self, compute, _passed(operands))
-        out = _Chain.apply(root, step)
+        out = _apply_chain(root, step)
         _lead_past(operands)
         deriv, kept, blocked = step.result
         self._records[out] = _Record(root, out, deriv, kept, blocked)
