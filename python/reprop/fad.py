@@ -1110,6 +1110,10 @@ _BINARY_FUNCS = {
     torch.Tensor.pow: "pow",
 }
 
+# The functions enabled() does anything for (a matmul, conv, view, ... runs as
+# torch's op, unless chain tensors must drop a carried derivative: _copies).
+_SEEN_BY_MODE = {*_FUNCTIONS, *_UNARY_FUNCS, *_BINARY_FUNCS, torch.Tensor.retain_grad}
+
 _PLAIN_TORCH_FUNCTION = {torch.Tensor.__torch_function__.__func__,
                          torch._C._disabled_torch_function_impl}
 
@@ -1248,6 +1252,8 @@ class enabled(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _SEEN_BY_MODE and not self._copies:
+            return func(*args, **kwargs)  # what every path below ends in for it, checks skipped
         # Code dynamo traces runs torch's ops, before anything it cannot trace:
         # it would bake the chain's bookkeeping (the weak record table, the
         # derivative carried from op to op) into its graphs, and a graph break
