@@ -1314,6 +1314,31 @@ def test_compiled_code_inside_enabled_equals_eager(compose, backend):
     assert inner(torch.ones(3)).tolist() == [5.0] * 3
 
 
+# Operands broadcast up to the root's shape continue a chain; an output
+# broadcast past it ends the chain (both ways _root_shaped decides).
+ROOT_SHAPED = {
+    "same_shape": (lambda x: torch.tanh(x) * torch.full((4, 3), 0.5), True),
+    "row": (lambda x: torch.tanh(x) * torch.tensor([0.5, 2.0, -1.0]), True),
+    "column": (lambda x: torch.tanh(x) + torch.ones(4, 1), True),
+    "zero_dim": (lambda x: torch.tanh(x) * torch.tensor(3.0), True),
+    "past_the_root": (lambda x: torch.tanh(x) * torch.ones(2, 4, 3), False),
+    "past_a_size_one_root_dim": (lambda x: torch.tanh(x[:, :1] * 1.0) * torch.ones(4, 3), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROOT_SHAPED))
+def test_compose_chains_only_root_shaped_outputs(name):
+    fn, chained = ROOT_SHAPED[name]
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, requires_grad=True)
+    with fad.enabled(compose=True):
+        y = fn(x)
+    assert (type(y.grad_fn).__name__ == "_ChainBackward") == chained
+    (got,) = torch.autograd.grad(y.sum(), x)
+    (want,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-7)
+
+
 def test_compose_float64_runs_plain_autograd():
     """float64 results run plain torch (as documented), so their gradients
     are torch's float64 ones, even through a float32 constant divisor."""
@@ -1723,6 +1748,22 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
                                torch.func.grad(lambda v: F.mish(v).sum())(x), rtol=1e-6, atol=1e-7)
     meta = fad.elu(torch.empty(2, 3, device="meta"), 0.5)
     assert meta.device.type == "meta" and meta.shape == (2, 3)
+
+
+def test_compose_chain_on_a_closure_root_under_functorch_goes_through_function_apply():
+    """A chain step skips autograd.Function.apply's Python only outside
+    functorch's transforms: inside one, a step on a root the transform does
+    not wrap (a closure's tensor) still meets torch's check of an
+    autograd.Function under transforms (its error, not functorch's internal
+    assert that autograd's own apply hits there)."""
+    w = torch.randn(3, requires_grad=True)
+
+    def loss(v):
+        with fad.enabled(compose=True):
+            return (torch.exp(w) * 2 * v).sum()
+
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(loss)(torch.randn(3))
 
 
 @pytest.mark.filterwarnings("ignore")

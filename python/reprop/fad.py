@@ -94,11 +94,11 @@ def _check_input(x, fname: str) -> None:
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
     _tensors.check_strided(x, f"{fname}: input")
     _tensors.dtype_code(x, f"{fname}: input")
-    if x.device.type == "cuda":
+    if x.is_cuda:  # (is_cuda, is_cpu: a fifth of a microsecond less than device.type)
         if _cuda is None:
             raise RuntimeError(f"{fname}: input is on {x.device} but reprop was built without "
                                "CUDA (reinstall with nvcc on PATH, or REPROP_CUDA=1)")
-    elif x.device.type != "cpu":
+    elif not x.is_cpu:
         raise ValueError(f"{fname}: input must be on cpu or cuda, got {x.device}")
 
 
@@ -132,7 +132,7 @@ def _launch_forward(act: _Act, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor
         return
     dtype = _tensors.DTYPE_CODES[x.dtype]
     d_store, d_ptr = (_NONE, 0) if d is None else (_store_code(d.dtype), d.data_ptr())
-    if x.device.type == "cpu":
+    if x.is_cpu:
         _C.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store, d_ptr,
                        n, torch.get_num_threads())
     else:
@@ -200,7 +200,7 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
         return out
     dtype = _tensors.DTYPE_CODES[grad.dtype]
     cb = _codebook_bytes(act)
-    if grad.device.type == "cpu":
+    if grad.is_cpu:
         _C.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(), n,
                               torch.get_num_threads())
     else:
@@ -759,6 +759,16 @@ class _Chain(torch.autograd.Function):
         return grad_source.to(ctx.source_dtype), None
 
 
+def _apply_chain(source: torch.Tensor, step: "_Step") -> torch.Tensor:
+    """_Chain.apply(source, step). Outside functorch's transforms that is
+    autograd's own apply after Python steps with nothing to do here (_Chain
+    has no setup_context; source, a root, is no functorch wrapper, dead or
+    alive: _torch_runs); they cost a chain step about a microsecond."""
+    if torch._C._are_functorch_transforms_active():
+        return _Chain.apply(source, step)
+    return _AUTOGRAD_APPLY(source, step)
+
+
 def _refuse_led_past(node, register: str) -> None:
     """A hook on a chain node that a next step already led past is refused
     (_led_past_error)."""
@@ -787,6 +797,7 @@ def _refusing_led_past(register_dict):
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
+_AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_apply_chain)
 
 
 def _led_past_error(what: str) -> RuntimeError:
@@ -1099,6 +1110,10 @@ _BINARY_FUNCS = {
     torch.Tensor.pow: "pow",
 }
 
+# The functions enabled() does anything for (a matmul, conv, view, ... runs as
+# torch's op, unless chain tensors must drop a carried derivative: _copies).
+_SEEN_BY_MODE = {*_FUNCTIONS, *_UNARY_FUNCS, *_BINARY_FUNCS, torch.Tensor.retain_grad}
+
 _PLAIN_TORCH_FUNCTION = {torch.Tensor.__torch_function__.__func__,
                          torch._C._disabled_torch_function_impl}
 
@@ -1119,7 +1134,7 @@ def _kernel_input(x) -> bool:
     """Whether reprop's activation kernels can take x (else torch's op runs)."""
     return (isinstance(x, torch.Tensor) and x.layout is torch.strided
             and x.dtype in _tensors.DTYPE_CODES
-            and (x.device.type == "cpu" or (x.device.type == "cuda" and _cuda is not None))
+            and (x.is_cpu or (x.is_cuda and _cuda is not None))
             and not _torch_runs(x))
 
 
@@ -1131,11 +1146,12 @@ def _kernel_input(x) -> bool:
 _capture = threading.local()
 
 
-@contextlib.contextmanager
-def _capturing():
+def _captured(ours, args, kwargs):
+    """ours(*args, **kwargs) with _capture on. A try/finally rather than a
+    generator context manager, which cost a chain step about a microsecond."""
     _capture.on = True
     try:
-        yield
+        return ours(*args, **kwargs)
     finally:
         _capture.on = False
 
@@ -1236,6 +1252,8 @@ class enabled(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _SEEN_BY_MODE and not self._copies:
+            return func(*args, **kwargs)  # what every path below ends in for it, checks skipped
         # Code dynamo traces runs torch's ops, before anything it cannot trace:
         # it would bake the chain's bookkeeping (the weak record table, the
         # derivative carried from op to op) into its graphs, and a graph break
@@ -1298,10 +1316,10 @@ class enabled(TorchFunctionMode):
         tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
         if any(t.is_complex() for t in tensors):
             return None  # autograd conjugates what a complex op's backward multiplies by
-        if torch.broadcast_shapes(*(t.shape for t in tensors)) != root.shape:
+        if not _root_shaped(tensors, root.shape):
             return None
         step = _Step(self, compute, _passed(operands))
-        out = _Chain.apply(root, step)
+        out = _apply_chain(root, step)
         _lead_past(operands)
         deriv, kept, blocked = step.result
         self._records[out] = _Record(root, out, deriv, kept, blocked)
@@ -1370,8 +1388,7 @@ class enabled(TorchFunctionMode):
         if found is None:
             return None
         root, (a,) = found
-        with _capturing():
-            captured = ours(a.value, *args[1:], **kwargs)
+        captured = _captured(ours, (a.value, *args[1:]), kwargs)
         if captured is None:
             return None  # parameters only torch's op takes (_kernel_act): it runs, NN
         v, local = captured
@@ -1408,6 +1425,15 @@ class enabled(TorchFunctionMode):
             return v, rule(a, b, v, alpha), _blocked([a, b])
 
         return root, [a, b], compute
+
+
+def _root_shaped(tensors, shape: torch.Size) -> bool:
+    """Whether the op's output, broadcast from `tensors`, has the root's shape.
+    Operands of that shape already (most chain steps) skip torch.broadcast_shapes,
+    whose Python took about a fifth of a chain step."""
+    if all(t.shape == shape for t in tensors):
+        return True
+    return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
 
 
 def _passed(operands) -> tuple:
