@@ -1750,20 +1750,21 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
     assert meta.device.type == "meta" and meta.shape == (2, 3)
 
 
-def test_compose_chain_on_a_closure_root_under_functorch_goes_through_function_apply():
-    """A chain step skips autograd.Function.apply's Python only outside
-    functorch's transforms: inside one, a step on a root the transform does
-    not wrap (a closure's tensor) still meets torch's check of an
-    autograd.Function under transforms (its error, not functorch's internal
-    assert that autograd's own apply hits there)."""
-    w = torch.randn(3, requires_grad=True)
+def test_compose_under_functorch_transforms_runs_torch_ops():
+    """Under torch.func's transforms no op is a chain step: one on a root
+    they do not wrap (a closure's tensor that requires grad) raised their
+    refusal of an autograd.Function without setup_context, where torch's
+    ops give the gradient."""
+    w, v = torch.randn(3, requires_grad=True), torch.randn(3)
 
-    def loss(v):
-        with fad.enabled(compose=True):
-            return (torch.exp(w) * 2 * v).sum()
+    def loss(v, compose):
+        with fad.enabled(compose=True) if compose else contextlib.nullcontext():
+            return (torch.exp(w) * 2 * torch.tanh(v)).sum()
 
-    with pytest.raises(RuntimeError, match="setup_context"):
-        torch.func.grad(loss)(torch.randn(3))
+    want = torch.func.grad(loss)(v, False)
+    assert torch.equal(torch.func.grad(loss)(v, True), want)
+    assert torch.equal(torch.vmap(lambda r: torch.func.grad(loss)(r, True))(v.expand(2, 3)),
+                       want.expand(2, 3))
 
 
 @pytest.mark.filterwarnings("ignore")

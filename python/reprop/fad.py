@@ -759,16 +759,6 @@ class _Chain(torch.autograd.Function):
         return grad_source.to(ctx.source_dtype), None
 
 
-def _apply_chain(source: torch.Tensor, step: "_Step") -> torch.Tensor:
-    """_Chain.apply(source, step). Outside functorch's transforms that is
-    autograd's own apply after Python steps with nothing to do here (_Chain
-    has no setup_context; source, a root, is no functorch wrapper, dead or
-    alive: _torch_runs); they cost a chain step about a microsecond."""
-    if torch._C._are_functorch_transforms_active():
-        return _Chain.apply(source, step)
-    return _AUTOGRAD_APPLY(source, step)
-
-
 def _refuse_led_past(node, register: str) -> None:
     """A hook on a chain node that a next step already led past is refused
     (_led_past_error)."""
@@ -797,7 +787,7 @@ def _refusing_led_past(register_dict):
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
-_AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_apply_chain)
+_AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
 def _led_past_error(what: str) -> RuntimeError:
@@ -1306,7 +1296,12 @@ class enabled(TorchFunctionMode):
     # ---- NY and YY ----------------------------------------------------------
 
     def _chain_step(self, func, args, kwargs):
-        """The op's output as a chain tensor, or None when the op is not a chain step."""
+        """The op's output as a chain tensor, or None when the op is not a chain step
+        (under functorch's transforms none is: a step on a root they do not
+        wrap, a closure's tensor, meets their refusal of an autograd.Function
+        without setup_context, where torch's ops work)."""
+        if torch._C._are_functorch_transforms_active():
+            return None
         parsed = self._parse(func, args, kwargs)
         if parsed is None:
             return None
@@ -1319,7 +1314,10 @@ class enabled(TorchFunctionMode):
         if not _root_shaped(tensors, root.shape):
             return None
         step = _Step(self, compute, _passed(operands))
-        out = _apply_chain(root, step)
+        # autograd's own apply: Function.apply's Python steps have nothing to
+        # do here (_Chain has no setup_context, and no functorch transform is
+        # active); they cost a chain step about a microsecond
+        out = _AUTOGRAD_APPLY(root, step)
         _lead_past(operands)
         deriv, kept, blocked = step.result
         self._records[out] = _Record(root, out, deriv, kept, blocked)
