@@ -808,17 +808,21 @@ def _refuse_retained_past(passed) -> None:
     """retain_grad() on a chain tensor a node led past, called after the mode
     exited: no Python code sees that call (torch's C++ method registers it
     on the tensor's node), so the node that leads past it refuses it when
-    it runs."""
-    for ref in passed:
-        t = ref()
-        if t is not None and t.retains_grad:
-            raise _led_past_error("retain_grad() (called after the mode exited, found in backward)")
+    it runs. `passed` is _passed's: each level once."""
+    todo, seen = [passed], set()
+    while todo:
+        for ref, earlier in todo.pop():
+            t = ref()
+            if t is not None and t.retains_grad:
+                raise _led_past_error("retain_grad() (called after the mode exited, found in backward)")
+            if earlier and id(earlier) not in seen:
+                seen.add(id(earlier))
+                todo.append(earlier)
 
 
 class _Step:
     """One element-wise op on a chain: compute() gives (value, d value / d root,
-    blocked: see _Record); passed: weak references to the chain tensors its
-    node leads past (_passed)."""
+    blocked: see _Record); passed: what its node leads past (_passed)."""
 
     __slots__ = ("mode", "compute", "passed", "result")
 
@@ -1435,19 +1439,11 @@ def _root_shaped(tensors, shape: torch.Size) -> bool:
 
 
 def _passed(operands) -> tuple:
-    """Weak references to the chain tensors a step's node leads past: its
-    chain operands and those their nodes led past, alive ones only (a dead
-    tensor can be given no hook), each once."""
-    refs = {}
-    for o in operands:
-        if o.chain is None:
-            continue
-        refs[id(o.chain)] = weakref.ref(o.chain)
-        for ref in o.chain.grad_fn.passed:
-            t = ref()
-            if t is not None:
-                refs[id(t)] = ref
-    return tuple(refs.values())
+    """What a step's node leads past: for each chain operand, a weak
+    reference to it and what its own node led past, shared rather than
+    copied (a chain of n steps whose tensors the user keeps holds n entries,
+    not n^2; _refuse_retained_past walks them)."""
+    return tuple((weakref.ref(o.chain), o.chain.grad_fn.passed) for o in operands if o.chain is not None)
 
 
 def _lead_past(operands) -> None:
