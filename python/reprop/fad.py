@@ -804,20 +804,22 @@ def _led_past_error(what: str) -> RuntimeError:
         "before the tensor's next op (it then starts a new chain), or leave compose off")
 
 
-def _refuse_retained_past(passed) -> None:
+def _refuse_retained_past(passed: _Passed) -> None:
     """retain_grad() on a chain tensor a node led past, called after the mode
     exited: no Python code sees that call (torch's C++ method registers it
     on the tensor's node), so the node that leads past it refuses it when
-    it runs. `passed` is _passed's: each level once."""
-    todo, seen = [passed], set()
+    it runs. Each level once per backward (_Passed.checked)."""
+    task, todo = torch._C._current_graph_task_id(), [passed]
     while todo:
-        for ref, earlier in todo.pop():
+        level = todo.pop()
+        if level.checked == task:
+            continue
+        level.checked = task
+        for ref, earlier in level.entries:
             t = ref()
             if t is not None and t.retains_grad:
                 raise _led_past_error("retain_grad() (called after the mode exited, found in backward)")
-            if earlier and id(earlier) not in seen:
-                seen.add(id(earlier))
-                todo.append(earlier)
+            todo.append(earlier)
 
 
 class _Step:
@@ -1438,12 +1440,23 @@ def _root_shaped(tensors, shape: torch.Size) -> bool:
     return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
 
 
-def _passed(operands) -> tuple:
+class _Passed:
     """What a step's node leads past: for each chain operand, a weak
-    reference to it and what its own node led past, shared rather than
+    reference to it and what its own node led past, linked rather than
     copied (a chain of n steps whose tensors the user keeps holds n entries,
-    not n^2; _refuse_retained_past walks them)."""
-    return tuple((weakref.ref(o.chain), o.chain.grad_fn.passed) for o in operands if o.chain is not None)
+    not n^2). `checked`: the graph task (backward) whose retain_grad check
+    walked this level and those it links, so that each is walked once per
+    backward however many of the chain's nodes run in it."""
+
+    __slots__ = ("entries", "checked")
+
+    def __init__(self, entries: tuple):
+        self.entries, self.checked = entries, -1
+
+
+def _passed(operands) -> _Passed:
+    return _Passed(tuple((weakref.ref(o.chain), o.chain.grad_fn.passed)
+                         for o in operands if o.chain is not None))
 
 
 def _lead_past(operands) -> None:
