@@ -1161,6 +1161,23 @@ def test_chain_plan_refuses_layers_changed_since_the_plan(change):
     assert "build a new ChainPlan" in str(info.value)
 
 
+def test_chain_plan_takes_settings_rewritten_in_an_equivalent_form():
+    """An int written where the plan saw a pair (or a pair for an int, an
+    empty pooling stride for the kernel size) is the same setting: the
+    gradients stay autograd's."""
+    torch.manual_seed(3)
+    layers = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                           nn.Flatten(), nn.Linear(12, 4))
+    x, g = torch.randn(2, 2, 4, 4), torch.randn(2, 4)
+    plan = bppsa.ChainPlan(layers, (2, 4, 4))
+    conv, pool = layers[0], layers[2]
+    conv.padding, conv.stride, conv.kernel_size = 1, [1, 1], 3
+    pool.kernel_size, pool.stride = (2, 2), 2
+    ours = bppsa.chain_backward(layers, x, g, plan=plan)
+    for a, b in zip(ours, autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-6
+
+
 def test_pruned_chain_drops_zero_weights_and_keeps_gradients():
     """pruned=True leaves the zero weights' entries out of the patterns, so the
     planned products are sparser, and gradients still equal autograd's; a

@@ -887,17 +887,21 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple, name: str) -> tuple[tuple, tu
     return geom, (layer.out_channels, ho, wo)
 
 
+def _pool_args(layer: nn.MaxPool2d, name: str) -> tuple:
+    """(kernel, stride, padding, dilation) pairs as torch expands them: an
+    empty or None stride is the kernel size."""
+    kernel, stride = _pair(layer.kernel_size, f"{name}.kernel_size"), layer.stride
+    if stride is None or (not isinstance(stride, int) and len(stride) == 0):
+        stride = kernel
+    return (kernel, _pair(stride, f"{name}.stride"), _pair(layer.padding, f"{name}.padding"),
+            _pair(layer.dilation, f"{name}.dilation"))
+
+
 def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple, tuple]:
     if len(shape) != 3:
         raise ValueError(f"{name}: MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
     c, h, w = shape
-    kh, kw = _pair(layer.kernel_size, f"{name}.kernel_size")
-    stride = layer.stride
-    if stride is None or (not isinstance(stride, int) and len(stride) == 0):  # torch: the kernel size
-        stride = (kh, kw)
-    sh, sw = _pair(stride, f"{name}.stride")
-    ph, pw = _pair(layer.padding, f"{name}.padding")
-    dh, dw = _pair(layer.dilation, f"{name}.dilation")
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_args(layer, name)
     out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
                                          (ph, pw), (dh, dw), layer.ceil_mode)
     ho, wo = out.shape[-2:]
@@ -954,16 +958,17 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
                          f"end_dim={layer.end_dim}")
 
 
-def _settings(layer: nn.Module, kind: type) -> tuple:
+def _settings(layer: nn.Module, kind: type, name: str) -> tuple:
     """What a layer's Jacobian pattern is built from, besides its input shape
     and weight shape: its attributes changed in place would leave a plan the
     pattern and weight placement of the old layer (a silently wrong
     gradient). Element-wise layers' attributes are read at each backward."""
-    if kind is nn.Conv2d:
-        return (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.groups,
-                layer.padding_mode)
+    if kind is nn.Conv2d:  # (an int written in place of a pair is the same setting)
+        padding = layer.padding if isinstance(layer.padding, str) else _pair(layer.padding, f"{name}.padding")
+        return (_pair(layer.kernel_size, f"{name}.kernel_size"), _pair(layer.stride, f"{name}.stride"),
+                padding, _pair(layer.dilation, f"{name}.dilation"), layer.groups, layer.padding_mode)
     if kind is nn.MaxPool2d:
-        return (layer.kernel_size, layer.stride, layer.padding, layer.dilation, layer.ceil_mode)
+        return (*_pool_args(layer, name), layer.ceil_mode)
     return ()
 
 
@@ -1013,7 +1018,7 @@ class _Leaf:
     def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool = False):
         self.layer, self.in_shape, self.name = layer, in_shape, name
         self.kind = kind = _chain_class(layer)
-        self.settings = _settings(layer, kind)
+        self.settings = _settings(layer, kind, name)
         size = math.prod(in_shape)
         if kind is nn.Conv2d:
             geom, self.out_shape = _conv_geometry(layer, in_shape, name)
@@ -1041,10 +1046,11 @@ class _Leaf:
 
     def check_unchanged(self) -> None:
         """ValueError if the layer's settings changed since the plan."""
-        if _settings(self.layer, self.kind) != self.settings:
+        now = _settings(self.layer, self.kind, self.name)
+        if now != self.settings:
             raise ValueError(f"{self.name}: {self.kind.__name__}'s settings changed since the "
-                             f"ChainPlan was built (was {self.settings}, now "
-                             f"{_settings(self.layer, self.kind)}); build a new ChainPlan")
+                             f"ChainPlan was built (was {self.settings}, now {now}); build a new "
+                             "ChainPlan")
 
     def _drop_zero_weights(self) -> None:
         """The pattern without the entries of zero weights: a fixed pruning
