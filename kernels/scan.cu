@@ -1363,8 +1363,10 @@ static int rp_sp_load(const char *path, rp_error *err)
                             path != NULL && path[0] != '\0' ? path : "");
 #define RP_SP_RESOLVE(name)                                                                        \
     rp_sp.name = (decltype(rp_sp.name))dlsym(lib, #name);                                          \
-    if (rp_sp.name == NULL)                                                                        \
-        return rp_set_error(err, RP_ERUNTIME, "cuSPARSE: libcusparse.so.12 lacks %s", #name);
+    if (rp_sp.name == NULL) {                                                                      \
+        dlclose(lib); /* the pointers already taken are never used: loaded stays false */          \
+        return rp_set_error(err, RP_ERUNTIME, "cuSPARSE: libcusparse.so.12 lacks %s", #name);      \
+    }
     RP_SP_FUNCS(RP_SP_RESOLVE)
 #undef RP_SP_RESOLVE
     rp_sp.loaded = true; /* the handle stays open: the pointers live in it */
