@@ -2554,14 +2554,16 @@ class DataParallel(_PassTracking, Joinable):
 
     def _launch(self, b: _Bucket) -> None:
         # DDP's reducer multiplies each gradient by 1 / world_size as it copies
-        # it into the bucket, then sums: the same products, the same sums
+        # it into the bucket, then sums: the same products, the same sums.
+        # Once per bucket: the divisor is fixed for the whole backward
+        scale = 1.0 / self._divide_by()
         for p, view in b.views():
             if p.grad is None:
                 view.zero_()
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, 1.0 / self._divide_by(), out=view)
+                torch.mul(p.grad, scale, out=view)
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
