@@ -1198,13 +1198,11 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
 
 
 def _check_pipeline_evaluation(rank: int, world: int) -> None:
-    """step() with grad mode off evaluates: single-process's loss, and the
-    predictions a loss_fn keeps, with no .grad touched and activations
-    alone sent; the next training step's gradients are the training
-    batch's alone. Under no_grad it ran backward and filled every rank's
-    .grad (a validation batch trained on); under inference_mode a stage
-    raised torch's error and the others waited. Ranks in different grad
-    modes get a ValueError naming it on every rank."""
+    """evaluate() runs the forwards alone, in any grad mode: single-process's
+    loss, and the predictions a loss_fn keeps, with no .grad touched and
+    activations alone sent. step() with grad mode off raises on every rank
+    before any message: the next training step's messages still pair up,
+    and its gradients are the training batch's alone."""
     ref_layers = _blocks()
     ref = nn.Sequential(*ref_layers)
     pipe = Pipeline(_blocks(), micro_batches=2)
@@ -1212,7 +1210,7 @@ def _check_pipeline_evaluation(rank: int, world: int) -> None:
     x.requires_grad_()  # as in torch: no gradient under no_grad either
     with torch.no_grad():
         want = ref(x)
-    for mode in (torch.no_grad, torch.inference_mode):
+    for i, mode in enumerate((torch.enable_grad, torch.inference_mode)):
         outputs = []
 
         def keeping(out, target):
@@ -1220,7 +1218,7 @@ def _check_pipeline_evaluation(rank: int, world: int) -> None:
             return F.mse_loss(out, target)
 
         with mode():
-            loss = pipe.step(x, t, keeping)
+            loss = pipe.evaluate(x, t, keeping)
         where = f"rank {rank} {mode.__name__}"
         assert all(p.grad is None for p in pipe.parameters()) and x.grad is None, where
         if pipe.stage_of[-1] == rank:
@@ -1228,17 +1226,18 @@ def _check_pipeline_evaluation(rank: int, world: int) -> None:
             torch.testing.assert_close(torch.cat(outputs), want, rtol=1e-6, atol=1e-7, msg=where)
         # past the first evaluation's headers: one message per activation sent
         sent = sum(pipe.stage_of[l] == rank != pipe.stage_of[l + 1] for l in range(DEPTH - 1))
-        assert mode is torch.no_grad or pipe.messages == 2 * sent, (where, pipe.messages)
+        assert i == 0 or pipe.messages == 2 * sent, (where, pipe.messages)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with pytest.raises(RuntimeError, match=r"^Pipeline\.step\(\) trains, and grad mode is "
+                                               r"off .*call Pipeline\.evaluate\(\)"):
+            with mode():
+                pipe.step(x, t, F.mse_loss)
     F.mse_loss(ref(x), t).backward()
     pipe.step(x, t, F.mse_loss)
     for l, layer in pipe.layers.items():
         for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
             torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6,
                                        msg=f"rank {rank} layer {l} {name}")
-    with pytest.raises(ValueError, match=r"^torch\.is_grad_enabled\(\): differs between the "
-                                         r"ranks \(ranks 0, 2: True; rank 1: False\)"):
-        with torch.set_grad_enabled(rank != 1):
-            pipe.step(x, t, F.mse_loss)
     pipe.remove()
 
 
@@ -1286,7 +1285,7 @@ def test_parallel_edge_cases():
     and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage;
-    steps with grad mode off (evaluation) and ranks that differ in it;
+    evaluate() in any grad mode, and step() refusing grad mode off;
     autocast turned on and off between steps."""
     _spawn(_edge_cases, 3)
 

@@ -2554,14 +2554,16 @@ class DataParallel(_PassTracking, Joinable):
 
     def _launch(self, b: _Bucket) -> None:
         # DDP's reducer multiplies each gradient by 1 / world_size as it copies
-        # it into the bucket, then sums: the same products, the same sums
+        # it into the bucket, then sums: the same products, the same sums.
+        # Once per bucket: the divisor is fixed for the whole backward
+        scale = 1.0 / self._divide_by()
         for p, view in b.views():
             if p.grad is None:
                 view.zero_()
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, 1.0 / self._divide_by(), out=view)
+                torch.mul(p.grad, scale, out=view)
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
@@ -3033,7 +3035,7 @@ class Pipeline:
             _MICRO_BATCH_PIPELINES.add(self)
         self.handle: OOOHandle | None = (enable(local, order="conventional")
                                          if _splits_any(local) else None)
-        self._schedules: dict = {}  # input_grad -> (this rank's program, its inbox)
+        self._schedules: dict = {}  # (input_grad, train) -> (this rank's program, its inbox)
         # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
         self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
@@ -3068,12 +3070,34 @@ class Pipeline:
         micro_batches, detached) on the rank of the last layer, None on the
         others.
 
-        With grad mode off (``torch.no_grad()``, ``torch.inference_mode()``)
-        it evaluates: the forwards alone, in the same order, and the same
-        loss, with no backward and no ``.grad`` touched, as a forward and
-        loss in a single process. The ranks must agree on grad mode (one
-        all_gather per step checks it; a ValueError on every rank names it).
-        For predictions, have `loss_fn` keep its micro-batch's output."""
+        It needs grad mode on: under ``torch.no_grad()`` or
+        ``torch.inference_mode()`` it raises a RuntimeError; evaluate() is
+        the forward-only step. Every rank calls the same one of the two."""
+        if not torch.is_grad_enabled():
+            # raised before any message; grad mode is each rank's own and no
+            # collective checks it (one per step would cost every training step)
+            raise RuntimeError(
+                "Pipeline.step() trains, and grad mode is off (torch.no_grad() or "
+                "torch.inference_mode()); call Pipeline.evaluate() for the forwards alone, "
+                "on every rank")
+        return self._run(inputs, targets, loss_fn, train=True)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: Callable) -> torch.Tensor | None:
+        """The forward-only step, as ``torch.distributed.pipelining``'s
+        ``eval()``: the same arguments and loss as step(), the forwards alone
+        in the same order under ``torch.no_grad()`` (any grad mode; within
+        ``torch.inference_mode()`` too), with only activations sent between
+        stages, no backward and no ``.grad`` touched. Every rank calls
+        evaluate() where the others do (a rank calling step() instead waits
+        for gradients never sent). For predictions, have `loss_fn` keep its
+        micro-batch's output."""
+        with torch.no_grad():
+            return self._run(inputs, targets, loss_fn, train=False)
+
+    def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
+             train: bool) -> torch.Tensor | None:
+        """step() (`train`) or evaluate(): this rank's program on a batch."""
         m_count = self.micro_batches
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, torch.Tensor):
@@ -3095,7 +3119,6 @@ class Pipeline:
             _check_not_tied_across_stages(
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
-        train = self._grad_mode()
         input_grad = train and inputs.requires_grad
         program, inbox = self._schedule(input_grad, train)
         st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
@@ -3115,22 +3138,6 @@ class Pipeline:
         if st.input_grads:  # this rank has layer 0 and inputs need a gradient
             self._input_backward(inputs, st)
         return torch.stack(st.losses).sum() if st.losses else None
-
-    def _grad_mode(self) -> bool:
-        """Whether this step trains (grad mode on) or only evaluates, the same
-        on every rank: a stage that evaluates sends no gradient and waits for
-        none, so a stage training beside it would wait for ever. One
-        all_gather (none on one stage), as the ranks' grad mode is each
-        their own and nothing in a training step's messages could carry it:
-        past a shape's first step an activation travels as its data alone."""
-        train = torch.is_grad_enabled()
-        if self.stages > 1:
-            _check_same_on_every_rank(
-                {"torch.is_grad_enabled()": (int(train), lambda v: str(bool(v)))},
-                self.group, self.device, "step() trains with grad mode on and runs the forwards "
-                "alone with it off (torch.no_grad(), torch.inference_mode()): the stages' messages "
-                "follow from it")
-        return train
 
     @staticmethod
     def _input_backward(inputs: torch.Tensor, st: _Step) -> None:
