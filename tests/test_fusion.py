@@ -4066,3 +4066,35 @@ def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> N
 
     for a, b in zip(train("forward"), train(None)):
         assert torch.equal(a, b)
+
+
+class _CheckpointedDirectRead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            self.pos, self.body = nn.Embedding(4, 3), nn.Linear(3, 3)
+
+    def _segment(self, x: torch.Tensor, direct: bool) -> torch.Tensor:
+        return self.body(x + (self.pos.weight if direct else self.pos(torch.arange(4))))
+
+    def forward(self, x: torch.Tensor, direct: bool) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self._segment, x, direct, use_reentrant=True)
+
+
+def test_forward_mode_direct_read_inside_a_reentrant_checkpoint_is_refused() -> None:
+    """A stale direct read (the module ran in the forward before, not in
+    this one) inside a reentrant checkpoint: its node links only to the
+    segment's tensor inputs, so the walk of the forward's graph did not find
+    the read weight and the step trained on its old value, silently."""
+    model = _CheckpointedDirectRead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, "forward")
+    x = torch.ones(4, 3, requires_grad=True)
+    for direct in (False, False):
+        torch.tanh(model(x, direct)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="'pos.weight'.*without calling the module"):
+        torch.tanh(model(x, True)).sum().backward()
+    handle.remove()

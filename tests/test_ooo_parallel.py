@@ -272,13 +272,16 @@ def _join_net() -> nn.Module:
                          nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
 
 
-def _train_uneven(rank: int, net: nn.Module, handle, join: Join, steps: int,
-                  accumulate: bool) -> None:
-    """`steps` SGD steps of this rank's own data inside `join`, a Join of
+def _train_uneven(rank: int, net: nn.Module, handle, join, steps: int,
+                  accumulate: bool, fused: bool = False) -> None:
+    """`steps` SGD steps of this rank's own data inside `join()`, a Join of
     `handle`; with `accumulate`, each step's backward follows a local one
-    under no_sync()."""
+    under no_sync(); with `fused`, the optimizer under reprop.fuse(mode="forward")
+    (made before the Join, which takes its joinables' hooks when made;
+    removed after it, which applies what is pending)."""
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    with join:
+    fusion = fuse(net, opt, mode="forward") if fused else None
+    with join():
         for step in range(steps):
             opt.zero_grad()
             if accumulate:
@@ -288,10 +291,12 @@ def _train_uneven(rank: int, net: nn.Module, handle, join: Join, steps: int,
             x, t = _batch(rank, step)
             F.mse_loss(net(x), t).backward()
             opt.step()
+    if fusion is not None:
+        fusion.remove()
 
 
 def _compare_uneven(rank: int, world: int, k, steps: list, accumulate: bool = False,
-                    **join) -> DataParallel:
+                    fused: bool = False, **join) -> DataParallel:
     """DDP under Join and data_parallel under Join, trained one after the
     other on the same data, rank r for steps[r] steps: every parameter and
     buffer after the Join equals DDP's, bitwise on 2 ranks (a rank that ran
@@ -300,8 +305,8 @@ def _compare_uneven(rank: int, world: int, k, steps: list, accumulate: bool = Fa
     model = _join_net()
     ref = DistributedDataParallel(copy.deepcopy(model))
     dp = data_parallel(model, k=k, search_iters=1)
-    _train_uneven(rank, ref, ref, ref.join(**join), steps[rank], accumulate)
-    _train_uneven(rank, model, dp, dp.join(**join), steps[rank], accumulate)
+    _train_uneven(rank, ref, ref, lambda: ref.join(**join), steps[rank], accumulate, fused)
+    _train_uneven(rank, model, dp, lambda: dp.join(**join), steps[rank], accumulate, fused)
     ours = itertools.chain(model.named_parameters(), model.named_buffers())
     for (name, a), b in zip(ours, itertools.chain(ref.module.parameters(),
                                                   ref.module.buffers())):
@@ -318,8 +323,8 @@ def _check_join_throws(rank: int, world: int) -> None:
     model = _join_net()
     dp = data_parallel(model, k=2)
     with pytest.raises(RuntimeError, match="exhausted"):
-        _train_uneven(rank, model, dp, Join([dp], throw_on_early_termination=True), 1 + rank,
-                      False)
+        _train_uneven(rank, model, dp, lambda: Join([dp], throw_on_early_termination=True),
+                      1 + rank, False)
     F.mse_loss(model(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
     dp.remove()
 
@@ -358,6 +363,9 @@ def _dp_uneven(rank: int, world: int) -> None:
         _compare_uneven(rank, world, k, first).remove()
     _compare_uneven(rank, world, 2, first[::-1], accumulate=True).remove()
     _compare_uneven(rank, world, 4, first, divide_by_initial_world_size=False).remove()
+    # a forward fusion's pending updates are applied before the Join's hooks
+    # (they broadcast the last rank's model: the updated one, as eager's)
+    _compare_uneven(rank, world, 2, first, fused=True).remove()
     # rank 0 runs out during the search for k (L + 2 = 6 steps at least)
     dp = _compare_uneven(rank, world, "auto", [3] + [12] * (world - 1))
     assert dp.scores is not None and not dp.searching, "the search for k did not end"

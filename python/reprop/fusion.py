@@ -248,6 +248,19 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     return handle
 
 
+def _fusions_holding(model: nn.Module) -> list:
+    """The live fusions whose optimizers hold `model`'s parameters."""
+    return list({id(h): h for h in map(_fusion_holding, model.parameters()) if h is not None}.values())
+
+
+def flush_fusions_of(model: nn.Module) -> None:
+    """Applies the pending updates of every live fusion holding `model`'s
+    parameters (reprop.ooo's Join hooks: the model they broadcast, and the
+    one they leave, must be the updated one, as after an eager step())."""
+    for handle in _fusions_holding(model):
+        handle.flush()
+
+
 def fusion_of(model: nn.Module) -> "FusionHandle | None":
     """The live fusion whose optimizer holds `model`'s parameters, or None.
 
@@ -258,11 +271,11 @@ def fusion_of(model: nn.Module) -> "FusionHandle | None":
     sub-module then."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
-    found = {id(h): h for h in map(_fusion_holding, model.parameters()) if h is not None}
+    found = _fusions_holding(model)
     if len(found) > 1:
         raise ValueError(f"model: its parameters are held by {len(found)} live fusions (one "
                          "optimizer each); call fusion_of() on the sub-module of each")
-    return next(iter(found.values()), None)
+    return next(iter(found), None)
 
 
 def _check_not_fused(optimizer) -> None:
@@ -530,10 +543,14 @@ def _split_by_local_use(pairs: Iterable[tuple]) -> tuple[list, list]:
 def _leaves_reached(roots: list, wanted: dict) -> set:
     """The ids of the `wanted` parameters (id -> param) whose gradient
     accumulators the autograd graph of `roots` (grad_fns, or leaf tensors
-    themselves) reaches: those its forward read with grad."""
+    themselves) reaches: those its forward read with grad. All of them
+    where it meets a reentrant checkpoint: its node links only to the
+    segment's tensor inputs, not to the weights read inside it."""
     found, seen, todo = set(), set(), list(roots)
     while todo:
         node = todo.pop()
+        if getattr(node, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+            return set(wanted)
         if isinstance(node, (torch.Tensor, torch._C._functions.AccumulateGrad)):
             leaf = node if isinstance(node, torch.Tensor) else node.variable
             if id(leaf) in wanted:

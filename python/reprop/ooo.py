@@ -52,7 +52,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
-from .fusion import _BackwardFusion, _inert_handle
+from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
                        non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, weak_hook,
@@ -2773,9 +2773,13 @@ class _JoinHook(JoinHook):
         dp._divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
+        # a forward fusion's updates pending since this rank's last step()
+        # first, as eager step() applied them (and as reprop.fuse does for DDP)
+        flush_fusions_of(self.dp.model)
         self.dp._shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
+        flush_fusions_of(self.dp.model)  # the last joiner's broadcast is of the updated model
         self.dp._sync_final_model(is_last_joiner)
 
 
