@@ -143,6 +143,9 @@ static PyMethodDef rp_methods[] = {
      "products, pairs, phases, rows, terms."},
     {"csr_program", (PyCFunction)(void (*)(void))rp_py_csr_program, METH_FASTCALL,
      "csr_program(plan) -> dict of NumPy copies of the plan's program (csrc/reprop.h)."},
+    {"csr_schedule", (PyCFunction)(void (*)(void))rp_py_csr_schedule, METH_FASTCALL,
+     "csr_schedule(plan) -> dict: steps (kind, m, x, y, len) and products (a, b, rows, cols,\n"
+     "shared) as int64 arrays, vectors, width: the cuSPARSE peer's step table (csrc/reprop.h)."},
     {"csr_run", (PyCFunction)(void (*)(void))rp_py_csr_run, METH_FASTCALL,
      "csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, num_threads): the plan's program\n"
      "on the CPU (rp_csr_run_cpu); seq and shared data pointers, the row pointers ignored."},

@@ -973,6 +973,40 @@ PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t na
                          (unsigned long)g->g_out_addr);
 }
 
+/* A NumPy (rows, cols) int64 copy of a C-order table. */
+static PyObject *rp_py_table_copy(const int64_t *data, int64_t rows, int64_t cols)
+{
+    npy_intp dims[2] = {(npy_intp)rows, (npy_intp)cols};
+    PyObject *arr = PyArray_SimpleNew(2, dims, NPY_INT64);
+    if (arr != NULL && rows > 0)
+        memcpy(PyArray_DATA((PyArrayObject *)arr), data, (size_t)(rows * cols) * sizeof *data);
+    return arr;
+}
+
+PyObject *rp_py_csr_schedule(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rp_csr_schedule sched;
+    rp_csr_plan *plan;
+    rp_error err = {{0}};
+    PyObject *out;
+    int rc;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "csr_schedule") < 0)
+        return NULL;
+    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL)
+        return NULL;
+    rc = rp_csr_plan_schedule(plan, &sched, &err);
+    if (rc != RP_OK)
+        return rp_py_raise(rc, &err);
+    out = Py_BuildValue("{s:N,s:N,s:L,s:L}", "steps",
+                        rp_py_table_copy(sched.steps, sched.nsteps, RP_CSR_STEP_COLS), "products",
+                        rp_py_table_copy(sched.products, sched.nproducts, RP_CSR_PRODUCT_COLS), "vectors",
+                        (long long)sched.nvectors, "width", (long long)sched.width);
+    rp_csr_schedule_free(&sched);
+    return out;
+}
+
 PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     const rp_py_cuda_launchers *cuda = rp_py_cuda_of(self);

@@ -140,6 +140,8 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
  *       layer, int32 arrays
  *   csr_plan_info(plan) -> dict of rp_csr_plan_info
  *   csr_program(plan) -> dict of NumPy copies of its rp_csr_program arrays
+ *   csr_schedule(plan) -> dict of rp_csr_plan_schedule: steps (nsteps, 5) and
+ *       products (nproducts, 5) int64 NumPy arrays, vectors, width
  *   csr_gradients(plan, batch, seq, out, num_threads) -> bool: out a sequence of
  *       a float32 data pointer per layer (rp_csr_gradients_cpu); whether all
  *       gradients are finite */
@@ -147,6 +149,7 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+PyObject *rp_py_csr_schedule(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* Out-of-order backprop scheduling (csrc/schedule.c), defined in pyutil.c;

@@ -457,6 +457,32 @@ typedef struct {
 
 void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info);
 
+/* The plan's schedule over whole matrices and vectors, as the cuSPARSE
+ * peer's step table (rp_cuda_cusparse_create's op_rows): the steps the
+ * program's rows come from, in their order (one traversal makes both).
+ * Matrix k - 1 is slot k's leaf, the pattern of layer n - k; products n, n +
+ * 1, ... follow in the plan's order. Vector s <= n + 1 is slot s's (g_n goes
+ * in vector 0, g_i comes out of vector n - i + 1), n + 2 and n + 3 are two
+ * spares, each `width` floats. C-order int64 tables:
+ *   steps    (nsteps x RP_CSR_STEP_COLS): kind, m, x, y, len:
+ *            (RP_CSR_GEMM, c, -1, -1, 0) computes product c,
+ *            (RP_CSR_MV, m, x, y, 0) is vector y = matrix m times vector x,
+ *            (RP_CSR_COPY, -1, x, y, len) copies len floats of vector x to y;
+ *   products (nproducts x RP_CSR_PRODUCT_COLS): a, b, rows, cols, shared of
+ *            product n + j = matrix a times matrix b, shared when both are.
+ * Freed with rp_csr_schedule_free. */
+enum { RP_CSR_GEMM = 0, RP_CSR_MV = 1, RP_CSR_COPY = 2 }; /* kernels/scan.cu's RP_SP_* kinds */
+#define RP_CSR_STEP_COLS 5
+#define RP_CSR_PRODUCT_COLS 5
+
+typedef struct {
+    int64_t nsteps, nproducts, nvectors, width;
+    int64_t *steps, *products;
+} rp_csr_schedule;
+
+int rp_csr_plan_schedule(const rp_csr_plan *p, rp_csr_schedule *out, rp_error *err);
+void rp_csr_schedule_free(rp_csr_schedule *s);
+
 /* Runs the program for B sequences on the CPU: OpenMP over the rows of a
  * phase, each row over the batch. */
 int rp_csr_run_cpu(const rp_csr_program *g, int64_t batch, float *seq, float *shared,

@@ -703,7 +703,7 @@ struct rp_csr_plan {
     int64_t stride;      /* levels the prod table has room for, plus one */
     int64_t *prod;       /* (N + 1) x stride: id of P(s, d) or -1 */
     int64_t max_vec;     /* room of each slot's vector */
-    uint32_t vec0, temp; /* slot 0's vector (the others follow), two spare vectors */
+    uint32_t vec0;       /* slot 0's vector: the other slots' and the two spares follow */
     rp_scan_machine machine;
     rp_csr_emit code;
     rp_csr_program program;
@@ -1130,65 +1130,86 @@ static void rp_emit_product(rp_csr_emit *e, const rp_csr_plan *p, const rp_csr_m
     }
 }
 
-static uint32_t rp_csr_vec_addr(const rp_csr_plan *p, int64_t s)
+/* ---- the schedule ----
+ *
+ * rp_walk_up, rp_walk_middle and rp_walk_down traverse the schedule of
+ * rp_scan_run specialised to the plan's slots, step by step over whole
+ * matrices and vectors, and tell a visitor each step in order. The program
+ * (rp_csr_compile) and the cuSPARSE peer's step table (rp_csr_plan_schedule)
+ * are two visitors of this one traversal, so the two cannot drift apart.
+ * Vectors by index: vector s <= N is slot s's, N + 1 and N + 2 the middle's
+ * two spares; matrices by id. */
+
+typedef struct {
+    void *ctx;
+    /* RP_CSR_GEMM (m = the product), RP_CSR_MV (y = M x), RP_CSR_COPY (len
+     * floats of x to y); unused arguments -1 (len 0) */
+    void (*step)(void *ctx, int64_t kind, int64_t m, int64_t x, int64_t y, int64_t len);
+    /* the program's phases: RP_WALK_OPEN, RP_WALK_SHARED (the phase's rows
+     * from here on are shared), RP_WALK_CLOSE */
+    void (*phase)(void *ctx, int mark);
+} rp_csr_visitor;
+
+enum { RP_WALK_OPEN, RP_WALK_SHARED, RP_WALK_CLOSE };
+
+static void rp_walk_mv(const rp_csr_visitor *v, int64_t m, int64_t x, int64_t y)
 {
-    return p->vec0 + (uint32_t)(s * p->max_vec);
+    v->step(v->ctx, RP_CSR_MV, m, x, y, 0);
 }
 
-static const rp_csr_mat *rp_csr_map(const rp_csr_plan *p, int64_t s, int upto)
+static void rp_walk_copy(const rp_csr_visitor *v, int64_t x, int64_t y, int64_t len)
 {
-    return &p->mats[rp_csr_map_at(p, s, upto)];
+    v->step(v->ctx, RP_CSR_COPY, -1, x, y, len);
 }
 
 /* Up-sweep level d: the spine's mat-vec and the products off it, those of
  * per-sequence operands first, then the shared ones. */
-static void rp_emit_up(const rp_csr_plan *p, rp_csr_emit *e, int d)
+static void rp_walk_up(const rp_csr_plan *p, const rp_csr_visitor *v, int d)
 {
     const int64_t half = (int64_t)1 << d, step = half << 1;
-    rp_emit_phase(e);
+    v->phase(v->ctx, RP_WALK_OPEN);
     for (int shared = 0; shared < 2; shared++) {
         if (shared)
-            rp_emit_shared_rows(e);
+            v->phase(v->ctx, RP_WALK_SHARED);
         for (int64_t i = 0; i + step - 1 < p->nslots; i += step) {
             const int64_t l = i + half - 1, r = i + step - 1;
             if (i == 0) {
                 if (!shared) /* a vector: a[r]'s map applied to a[l]'s vector */
-                    rp_emit_matvec(e, rp_csr_map(p, r, d), rp_csr_vec_addr(p, l), rp_csr_vec_addr(p, r));
+                    rp_walk_mv(v, rp_csr_map_at(p, r, d), l, r);
                 continue;
             }
-            const rp_csr_mat *C = &p->mats[p->prod[r * p->stride + d]];
-            if (C->shared == shared)
-                rp_emit_product(e, p, C);
+            const int64_t c = p->prod[r * p->stride + d];
+            if (p->mats[c].shared == shared)
+                v->step(v->ctx, RP_CSR_GEMM, c, -1, -1, 0);
         }
     }
-    rp_emit_phase_end(e);
+    v->phase(v->ctx, RP_WALK_CLOSE);
 }
 
 /* The linear scan over the block ends (rp_middle): P_1 is the up-sweep
  * vector of e_0, P_j = a[e_{j-1}] P_{j-1}; slot e_{j-1} receives P_{j-1} and
  * the last block end the last P. The running P alternates between the two
  * spare vectors, so each step is one phase. */
-static void rp_emit_middle(const rp_csr_plan *p, rp_csr_emit *e)
+static void rp_walk_middle(const rp_csr_plan *p, const rp_csr_visitor *v)
 {
     const int64_t block = (int64_t)1 << p->levels, nb = (p->nslots + block) / block;
     const int64_t last = rp_min64(nb * block - 1, p->nslots);
-    uint32_t run = rp_csr_vec_addr(p, block - 1);
+    int64_t run = block - 1;
     if (nb < 2)
         return;
     if (nb == 2) {
-        rp_emit_phase(e);
-        rp_emit_copy(e, rp_csr_vec_addr(p, last), run, rp_csr_prefix_len_of(p, block));
-        rp_emit_phase_end(e);
+        v->phase(v->ctx, RP_WALK_OPEN);
+        rp_walk_copy(v, run, last, rp_csr_prefix_len_of(p, block));
+        v->phase(v->ctx, RP_WALK_CLOSE);
         return;
     }
     for (int64_t j = 2; j < nb; j++) {
         const int64_t end = j * block - 1; /* e_{j-1} */
-        const uint32_t next = j + 1 < nb ? p->temp + (uint32_t)((j % 2) * p->max_vec)
-                                         : rp_csr_vec_addr(p, last);
-        rp_emit_phase(e);
-        rp_emit_matvec(e, rp_csr_map(p, end, p->levels), run, next);
-        rp_emit_copy(e, rp_csr_vec_addr(p, end), run, rp_csr_prefix_len_of(p, (j - 1) * block));
-        rp_emit_phase_end(e);
+        const int64_t next = j + 1 < nb ? p->nslots + 1 + j % 2 : last;
+        v->phase(v->ctx, RP_WALK_OPEN);
+        rp_walk_mv(v, rp_csr_map_at(p, end, p->levels), run, next);
+        rp_walk_copy(v, run, end, rp_csr_prefix_len_of(p, (j - 1) * block));
+        v->phase(v->ctx, RP_WALK_CLOSE);
         run = next;
     }
 }
@@ -1196,24 +1217,121 @@ static void rp_emit_middle(const rp_csr_plan *p, rp_csr_emit *e)
 /* Down-sweep level d (rp_down_level): (a[l], a[r]) = (a[r], a[r] <> a[l]),
  * r clamped to the spare slot. The left child's copy of a[r]'s vector comes
  * first; the mat-vec then reads that copy, so a[r] can be overwritten. */
-static void rp_emit_down(const rp_csr_plan *p, rp_csr_emit *e, int d)
+static void rp_walk_down(const rp_csr_plan *p, const rp_csr_visitor *v, int d)
 {
     const int64_t half = (int64_t)1 << d, step = half << 1;
-    rp_emit_phase(e);
+    v->phase(v->ctx, RP_WALK_OPEN);
     for (int64_t l = half - 1; l < p->nslots; l += step) {
         const int64_t r = rp_min64(l + half, p->nslots);
         if (l == half - 1) /* a range starting at slot 0: its prefix is the identity */
-            rp_emit_copy(e, rp_csr_vec_addr(p, r), rp_csr_vec_addr(p, l), rp_csr_prefix_len_of(p, l + 1));
+            rp_walk_copy(v, l, r, rp_csr_prefix_len_of(p, l + 1));
         else
-            rp_emit_copy(e, rp_csr_vec_addr(p, l), rp_csr_vec_addr(p, r),
-                         rp_csr_prefix_len_of(p, l - half + 1));
+            rp_walk_copy(v, r, l, rp_csr_prefix_len_of(p, l - half + 1));
     }
-    rp_emit_phase_end(e);
-    rp_emit_phase(e);
+    v->phase(v->ctx, RP_WALK_CLOSE);
+    v->phase(v->ctx, RP_WALK_OPEN);
     for (int64_t l = step + half - 1; l < p->nslots; l += step)
-        rp_emit_matvec(e, rp_csr_map(p, l, p->levels), rp_csr_vec_addr(p, l),
-                       rp_csr_vec_addr(p, rp_min64(l + half, p->nslots)));
-    rp_emit_phase_end(e);
+        rp_walk_mv(v, rp_csr_map_at(p, l, p->levels), l, rp_min64(l + half, p->nslots));
+    v->phase(v->ctx, RP_WALK_CLOSE);
+}
+
+/* The whole scan: the up-sweep, the middle, the down-sweep. */
+static void rp_csr_walk(const rp_csr_plan *p, const rp_csr_visitor *v)
+{
+    for (int d = 0; d < p->levels; d++)
+        rp_walk_up(p, v, d);
+    rp_walk_middle(p, v);
+    for (int d = p->levels - 1; d >= 0; d--)
+        rp_walk_down(p, v, d);
+}
+
+/* ---- the step table: the visitor that records each step ---- */
+
+typedef struct {
+    rp_csr_schedule *s;
+    int64_t cap;
+    int failed; /* out of memory */
+} rp_table_visit;
+
+static void rp_table_step(void *ctx, int64_t kind, int64_t m, int64_t x, int64_t y, int64_t len)
+{
+    rp_table_visit *w = ctx;
+    rp_csr_schedule *s = w->s;
+    if (w->failed || rp_csr_grow((void **)&s->steps, &w->cap, (s->nsteps + 1) * RP_CSR_STEP_COLS,
+                                 sizeof *s->steps)) {
+        w->failed = 1;
+        return;
+    }
+    int64_t *row = &s->steps[s->nsteps++ * RP_CSR_STEP_COLS];
+    row[0] = kind, row[1] = m, row[2] = x, row[3] = y, row[4] = len;
+}
+
+/* The peer runs its steps in order: it has no phases. */
+static void rp_table_phase(void *ctx, int mark) { (void)ctx, (void)mark; }
+
+void rp_csr_schedule_free(rp_csr_schedule *s)
+{
+    if (s == NULL)
+        return;
+    free(s->steps), free(s->products);
+    memset(s, 0, sizeof *s);
+}
+
+int rp_csr_plan_schedule(const rp_csr_plan *p, rp_csr_schedule *out, rp_error *err)
+{
+    rp_table_visit w = {out, 0, 0};
+    memset(out, 0, sizeof *out);
+    out->nproducts = p->nmats - p->n, out->nvectors = p->nslots + 3, out->width = p->max_vec;
+    out->products = malloc((size_t)(out->nproducts > 0 ? out->nproducts : 1) * RP_CSR_PRODUCT_COLS *
+                           sizeof *out->products);
+    if (out->products == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "csr schedule: out of memory");
+    for (int64_t j = 0; j < out->nproducts; j++) {
+        const rp_csr_mat *C = &p->mats[p->n + j];
+        int64_t *row = &out->products[j * RP_CSR_PRODUCT_COLS];
+        row[0] = C->a, row[1] = C->b, row[2] = C->rows, row[3] = C->cols, row[4] = C->shared;
+    }
+    rp_csr_walk(p, &(rp_csr_visitor){&w, rp_table_step, rp_table_phase});
+    if (w.failed) {
+        rp_csr_schedule_free(out);
+        return rp_set_error(err, RP_ERUNTIME, "csr schedule: out of memory");
+    }
+    return RP_OK;
+}
+
+/* ---- the program: the visitor that emits each step's rows ---- */
+
+typedef struct {
+    const rp_csr_plan *p;
+    rp_csr_emit *e;
+} rp_program_visit;
+
+/* Vector v's address: the slots' vectors, then the spares, max_vec apart. */
+static uint32_t rp_csr_vec_addr(const rp_csr_plan *p, int64_t v)
+{
+    return p->vec0 + (uint32_t)(v * p->max_vec);
+}
+
+static void rp_program_step(void *ctx, int64_t kind, int64_t m, int64_t x, int64_t y, int64_t len)
+{
+    const rp_program_visit *w = ctx;
+    if (kind == RP_CSR_GEMM)
+        rp_emit_product(w->e, w->p, &w->p->mats[m]);
+    else if (kind == RP_CSR_MV)
+        rp_emit_matvec(w->e, &w->p->mats[m], rp_csr_vec_addr(w->p, x), rp_csr_vec_addr(w->p, y));
+    else
+        rp_emit_copy(w->e, rp_csr_vec_addr(w->p, y), rp_csr_vec_addr(w->p, x), len);
+}
+
+static void rp_program_phase(void *ctx, int mark)
+{
+    rp_csr_emit *e = ((const rp_program_visit *)ctx)->e;
+    if (mark == RP_WALK_OPEN)
+        rp_emit_phase(e);
+    else if (mark == RP_WALK_SHARED)
+        rp_emit_shared_rows(e);
+    else
+        rp_emit_phase_end(e);
 }
 
 /* Addresses: shared = [1, shared leaves, shared products]; per sequence =
@@ -1234,7 +1352,7 @@ static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
         else
             m->addr = (uint32_t)seq, seq += m->nvalues;
         if (i == p->n - 1) { /* the vectors go between the leaves and the products */
-            p->vec0 = (uint32_t)seq, p->temp = (uint32_t)(seq + (p->nslots + 1) * p->max_vec);
+            p->vec0 = (uint32_t)seq;
             seq += (p->nslots + 3) * p->max_vec;
         }
     }
@@ -1264,11 +1382,8 @@ static int rp_csr_compile(rp_csr_plan *p, rp_error *err)
         e->leaf_addr[i] = p->mats[p->n - 1 - i].addr;
         e->g_addr[i] = rp_csr_vec_addr(p, p->n - i + 1);
     }
-    for (int d = 0; d < p->levels; d++)
-        rp_emit_up(p, e, d);
-    rp_emit_middle(p, e);
-    for (int d = p->levels - 1; d >= 0; d--)
-        rp_emit_down(p, e, d);
+    rp_program_visit w = {p, e};
+    rp_csr_walk(p, &(rp_csr_visitor){&w, rp_program_step, rp_program_phase});
     if (e->failed)
         return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory for the program");
     for (int64_t i = p->n; i < p->nmats; i++) {

@@ -1470,9 +1470,10 @@ def test_cuda_chain_equals_cpu_bitwise(levels):
 # ---- the cuSPARSE peer (ChainPlan(product="cusparse")) ----
 
 def run_peer_schedule(plan, sched, inputs, grad_output):
-    """The peer's steps evaluated in float64 with dense per-sample matrices:
-    what the cuSPARSE calls compute, step for step (kernels/scan.cu)."""
-    n, B = len(plan.leaves), grad_output.shape[0]
+    """The peer's steps (_C.csr_schedule) evaluated in float64 with dense
+    per-sample matrices: what the cuSPARSE calls compute, step for step
+    (kernels/scan.cu)."""
+    n, B, width = len(plan.leaves), grad_output.shape[0], sched["width"]
     mats = []
     for k in range(1, n + 1):  # matrix k - 1: slot k's leaf, layer n - k
         leaf = plan.leaves[n - k]
@@ -1480,31 +1481,32 @@ def run_peer_schedule(plan, sched, inputs, grad_output):
         rows = torch.from_numpy(np.repeat(np.arange(leaf.rows), np.diff(leaf.indptr)))
         dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k]).double()
         mats.append(dense)
-    mats += [None] * len(sched.products)
-    vec = torch.zeros(sched.slots + 3, B, sched.width, dtype=torch.float64)
+    products = sched["products"].tolist()
+    mats += [None] * len(products)
+    vec = torch.zeros(sched["vectors"], B, width, dtype=torch.float64)
     vec[0, :, :plan.leaves[-1].cols] = grad_output.reshape(B, -1).double()
-    for kind, m, x, y, length in sched.steps:
+    for kind, m, x, y, length in sched["steps"].tolist():
         if kind == bppsa._SP_GEMM:
-            a, b = sched.products[m - n]
+            a, b, rows, cols, shared = products[m - n]
             assert mats[m] is None and mats[a] is not None and mats[b] is not None
             mats[m] = mats[a] @ mats[b]
-            assert mats[m].shape[1:] == sched.dims[m]
+            assert mats[m].shape[1:] == (rows, cols)
         elif kind == bppsa._SP_MV:
             rows, cols = mats[m].shape[1:]
-            assert max(rows, cols) <= sched.width and x != y
+            assert max(rows, cols) <= width and x != y
             vec[y, :, :rows] = (mats[m] @ vec[x, :, :cols, None])[..., 0]
         else:
-            assert kind == bppsa._SP_COPY and m == -1 and 0 < length <= sched.width
+            assert kind == bppsa._SP_COPY and m == -1 and 0 < length <= width
             vec[y, :, :length] = vec[x, :, :length]
     return [vec[n - i + 1, :, :leaf.rows].reshape(inputs[i].shape) for i, leaf in enumerate(plan.leaves)]
 
 
 @pytest.mark.parametrize("make", [small_cnn, pruned_small_cnn])
 def test_peer_schedule_computes_the_plans_scan(make):
-    """The steps the cuSPARSE peer runs, at every level count, give autograd's
-    gradients, with one product per product of the plan: the schedule is
-    rebuilt in Python (the plan does not export its products), so this is
-    what keeps it the plan's."""
+    """The steps the cuSPARSE peer runs (the plan's own schedule, from the
+    traversal that emits its program: _C.csr_schedule), at every level
+    count, give autograd's gradients, with one GEMM step per product of the
+    plan and each product shared exactly when both its operands are."""
     layers = make()
     pruned = make is pruned_small_cnn
     x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
@@ -1512,9 +1514,17 @@ def test_peer_schedule_computes_the_plans_scan(make):
     top = bppsa.max_levels(len([l for l in layers if not isinstance(l, nn.Flatten)]) + 1)
     for levels in range(top + 1):
         plan = bppsa.ChainPlan(layers, (2, 6, 6), levels=levels, pruned=pruned)
-        sched = bppsa._PeerSchedule(plan.leaves, plan.info["levels"])
-        assert plan.info["levels"] == levels and len(sched.products) == plan.info["products"]
-        assert [s[0] for s in sched.steps].count(bppsa._SP_GEMM) == len(sched.products)
+        sched = bppsa._C.csr_schedule(plan._plan)
+        products, steps = sched["products"], sched["steps"]
+        assert products.dtype == steps.dtype == np.int64 and steps.shape[1] == products.shape[1] == 5
+        assert plan.info["levels"] == levels and len(products) == plan.info["products"]
+        assert list(steps[:, 0]).count(bppsa._SP_GEMM) == len(products)
+        n = len(plan.leaves)
+        shared = [leaf.shared for leaf in reversed(plan.leaves)]  # matrix k - 1: leaves[n - k]
+        for a, b, _, _, both in products.tolist():
+            shared.append(shared[a] and shared[b])
+            assert both == shared[-1]
+        assert sched["vectors"] == n + 4
         inputs, _ = plan.forward_inputs(x)
         for got, ref in zip(run_peer_schedule(plan, sched, inputs, g), want):
             assert rel_err(got.float(), ref) <= 1e-5, levels
@@ -1584,12 +1594,14 @@ def test_cusparse_peer_tables_pass_the_chains_checks(monkeypatch):
                                product="cusparse")
         with pytest.raises(RuntimeError, match="cuSPARSE: cannot load|CUDA error in the cuSPARSE peer"):
             bppsa._CusparsePeer(plan, 3, torch.device("cpu"))
-    steps = np.array(plan._peer_schedule.steps, dtype=np.int64)
-    steps[0, 1] = len(plan._peer_schedule.dims)  # no such matrix
-    mats = np.ones((len(plan._peer_schedule.dims), 10), dtype=np.int64)
+    sched = plan._peer_schedule
+    nmats = len(plan.leaves) + len(sched["products"])
+    steps = sched["steps"].copy()
+    steps[0, 1] = nmats  # no such matrix
+    mats = np.ones((nmats, 10), dtype=np.int64)
     mats[:, 3] = -1
     with pytest.raises(ValueError, match="^cuSPARSE peer: step 0 is not a valid GEMM, MV or COPY"):
-        bppsa._cuda.cusparse_create("", mats, steps, 1 << 20, 3, plan._peer_schedule.slots + 3, 16, 0)
+        bppsa._cuda.cusparse_create("", mats, steps, 1 << 20, 3, sched["vectors"], 16, 0)
     with pytest.raises(ValueError, match=r"^mats: expected a C-contiguous int64 array of shape \(n, 10\)"):
         bppsa._cuda.cusparse_create("", mats[:, :9], steps, 1 << 20, 3, 8, 16, 0)
 

@@ -8,8 +8,9 @@
  * structured leaves (G = 1 and 3, with and without u), several H and
  * batches; in place (g == c); v given as f'(y) (tanh, relu) and
  * pre_activation, bitwise against v given and g scaled afterwards; the sparse
- * chain scan against dense mat-vecs, with its plan reused for new values;
- * and the error statuses.
+ * chain scan against dense mat-vecs, with its plan reused for new values,
+ * and its step table (rp_csr_plan_schedule) against the plan's products and
+ * evaluated densely; and the error statuses.
  */
 #include <math.h>
 #include <stdio.h>
@@ -359,6 +360,121 @@ static int csr_run(const rp_csr_plan *plan, int64_t n, int64_t B, const test_csr
 }
 
 /* The pruned search of levels="auto" finds the exhaustive search's choice. */
+/* Matrix id of a schedule (reprop.h: matrix k - 1 is leaf n - k, products
+ * follow): rows, cols and whether it is shared. */
+static void schedule_dims(const rp_csr_schedule *s, int64_t n, const rp_csr_pattern *leaves, int64_t id,
+                          int64_t dims[3])
+{
+    if (id < n) {
+        const rp_csr_pattern *leaf = &leaves[n - 1 - id];
+        dims[0] = leaf->rows, dims[1] = leaf->cols, dims[2] = leaf->shared != 0;
+    } else {
+        const int64_t *row = &s->products[(id - n) * RP_CSR_PRODUCT_COLS];
+        dims[0] = row[2], dims[1] = row[3], dims[2] = row[4];
+    }
+}
+
+/* The step table against its plan: the plan's products, each of the shape
+ * and sharing its operands give, computed by one GEMM step after theirs;
+ * every mat-vec of a matrix made by then, every vector in range. */
+static void check_schedule(const rp_csr_plan *plan, const rp_csr_schedule *s, int64_t n,
+                           const rp_csr_pattern *leaves)
+{
+    rp_csr_plan_info info;
+    int64_t a[3], b[3], c[3], gemms = 0;
+    char *made = calloc((size_t)(n + s->nproducts), 1);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(s->nproducts == info.products, "schedule: %lld products, the plan has %lld",
+          (long long)s->nproducts, (long long)info.products);
+    CHECK(s->nvectors == n + 4, "schedule: %lld vectors for %lld layers", (long long)s->nvectors, (long long)n);
+    memset(made, 1, (size_t)n);
+    for (int64_t j = 0; j < s->nproducts; j++) {
+        const int64_t *row = &s->products[j * RP_CSR_PRODUCT_COLS];
+        const int ok = row[0] >= 0 && row[0] < n + j && row[1] >= 0 && row[1] < n + j;
+        CHECK(ok, "schedule: product %lld of %lld x %lld", (long long)j, (long long)row[0], (long long)row[1]);
+        if (!ok)
+            continue;
+        schedule_dims(s, n, leaves, row[0], a), schedule_dims(s, n, leaves, row[1], b);
+        schedule_dims(s, n, leaves, n + j, c);
+        CHECK(a[1] == b[0] && c[0] == a[0] && c[1] == b[1] && c[2] == (a[2] && b[2]),
+              "schedule: product %lld is %lld x %lld (shared %lld) from %lld x %lld and %lld x %lld",
+              (long long)j, (long long)c[0], (long long)c[1], (long long)c[2], (long long)a[0],
+              (long long)a[1], (long long)b[0], (long long)b[1]);
+    }
+    for (int64_t t = 0; t < s->nsteps; t++) {
+        const int64_t *st = &s->steps[t * RP_CSR_STEP_COLS], m = st[1], x = st[2], y = st[3];
+        const int vecs = x >= 0 && x < s->nvectors && y >= 0 && y < s->nvectors && x != y;
+        int ok;
+        if (st[0] == RP_CSR_GEMM) {
+            const int64_t *row = m >= n && m < n + s->nproducts ? &s->products[(m - n) * RP_CSR_PRODUCT_COLS]
+                                                                : NULL;
+            ok = row != NULL && row[0] >= 0 && row[0] < m && row[1] >= 0 && row[1] < m && !made[m] &&
+                 made[row[0]] && made[row[1]];
+            if (ok)
+                made[m] = 1, gemms++;
+        } else if (st[0] == RP_CSR_MV) {
+            ok = vecs && m >= 0 && m < n + s->nproducts && made[m];
+            if (ok)
+                schedule_dims(s, n, leaves, m, c), ok = c[0] <= s->width && c[1] <= s->width;
+        } else {
+            ok = st[0] == RP_CSR_COPY && m == -1 && vecs && st[4] > 0 && st[4] <= s->width;
+        }
+        CHECK(ok, "schedule: step %lld (%lld, %lld, %lld, %lld, %lld) is not valid here", (long long)t,
+              (long long)st[0], (long long)m, (long long)x, (long long)y, (long long)st[4]);
+    }
+    CHECK(gemms == s->nproducts, "schedule: %lld GEMM steps for %lld products", (long long)gemms,
+          (long long)s->nproducts);
+    free(made);
+}
+
+/* The table's steps in double over dense matrices (layers at most 8 wide),
+ * sequence b: the worst difference of each g_i, out of vector n - i + 1,
+ * from want (test_csr_chain's layout). */
+static double schedule_error(const rp_csr_schedule *s, int64_t n, const rp_csr_pattern *leaves,
+                             float *const *values, const float *g_out, int64_t b, const double *want)
+{
+    const int64_t W = s->width;
+    double *mat = calloc((size_t)((n + s->nproducts) * 64), sizeof *mat);
+    double *vec = calloc((size_t)(s->nvectors * W), sizeof *vec), worst = 0.0;
+    int64_t a[3], c[3];
+    for (int64_t id = 0; id < n; id++) {
+        const rp_csr_pattern *leaf = &leaves[n - 1 - id];
+        for (int64_t r = 0; r < leaf->rows; r++)
+            for (int64_t q = leaf->indptr[r]; q < leaf->indptr[r + 1]; q++)
+                mat[id * 64 + r * 8 + leaf->indices[q]] = values[n - 1 - id][b * leaf->nnz + q];
+    }
+    for (int64_t j = 0; j < leaves[n - 1].cols; j++)
+        vec[j] = g_out[b * leaves[n - 1].cols + j];
+    for (int64_t t = 0; t < s->nsteps; t++) {
+        const int64_t *st = &s->steps[t * RP_CSR_STEP_COLS], m = st[1];
+        double *x = &vec[st[2] * W], *y = &vec[st[3] * W];
+        if (st[0] == RP_CSR_COPY) {
+            memcpy(y, x, (size_t)st[4] * sizeof *y);
+            continue;
+        }
+        schedule_dims(s, n, leaves, m, c);
+        if (st[0] == RP_CSR_MV) {
+            for (int64_t r = 0; r < c[0]; r++) {
+                y[r] = 0.0;
+                for (int64_t k = 0; k < c[1]; k++)
+                    y[r] += mat[m * 64 + r * 8 + k] * x[k];
+            }
+            continue;
+        }
+        const int64_t *row = &s->products[(m - n) * RP_CSR_PRODUCT_COLS];
+        schedule_dims(s, n, leaves, row[0], a);
+        for (int64_t r = 0; r < c[0]; r++)
+            for (int64_t k = 0; k < c[1]; k++)
+                for (int64_t u = 0; u < a[1]; u++)
+                    mat[m * 64 + r * 8 + k] += mat[row[0] * 64 + r * 8 + u] * mat[row[1] * 64 + u * 8 + k];
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t r = 0; r < leaves[i].rows; r++)
+            worst = fmax(worst, fabs(vec[(n - i + 1) * W + r] - want[(b * (n + 1) + i) * 8 + r]));
+    free(mat), free(vec);
+    return worst;
+}
+
 static void check_auto_levels(int64_t n, const rp_csr_pattern *leaves, const rp_scan_machine *m)
 {
     rp_error err = {{0}};
@@ -441,6 +557,15 @@ static void test_csr_chain(int64_t n, int64_t B, int threads)
                     for (int64_t r = 0; r < size[i]; r++)
                         worst = fmax(worst, fabs(g[i][b * size[i] + r] - want[(b * (n + 1) + i) * 8 + r]));
             CHECK(worst <= 1e-5, "csr n=%lld L=%d round %d: error %g", (long long)n, info.levels, round, worst);
+            rp_csr_schedule sched;
+            CHECK(rp_csr_plan_schedule(plan, &sched, &err) == RP_OK, "schedule: %s", err.msg);
+            check_schedule(plan, &sched, n, leaves);
+            for (int64_t b = 0; b < B; b++) {
+                const double e = schedule_error(&sched, n, leaves, values, g_out, b, want);
+                CHECK(e <= 1e-9, "csr n=%lld L=%d: the step table's scan is off by %g", (long long)n,
+                      info.levels, e);
+            }
+            rp_csr_schedule_free(&sched);
             rp_csr_plan_free(plan);
         }
         free(want);

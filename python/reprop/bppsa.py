@@ -1182,7 +1182,8 @@ class _SharedWeights:
 
 
 _PRODUCTS = ("reprop", "cusparse")
-_SP_GEMM, _SP_MV, _SP_COPY = 0, 1, 2  # the cuSPARSE peer's step kinds (kernels/scan.cu)
+# the cuSPARSE peer's step kinds: rows of _C.csr_schedule (csrc/reprop.h, RP_CSR_*)
+_SP_GEMM, _SP_MV, _SP_COPY = 0, 1, 2
 
 
 def _check_product(product) -> str:
@@ -1224,82 +1225,6 @@ def _aligned(n: int) -> int:
     return max(4, -(-n // 4) * 4)
 
 
-class _PeerSchedule:
-    """A plan's scan as the cuSPARSE peer runs it, over whole matrices and
-    vectors: the steps rp_csr_compile emits rows for (csrc/scan.c:
-    rp_emit_up, rp_emit_middle, rp_emit_down), in their order. Rebuilt here
-    from the slot structure because a plan exports its program, not its
-    products. Matrix k - 1 is slot k's leaf, leaves[n - k]; products follow,
-    (a, b) for C = A B. Vector s is slot s's, n + 2 and n + 3 the middle's
-    two spares. Steps are cusparse_create's rows (kind, m, x, y, len):
-    (_SP_GEMM, c, -1, -1, 0) computes product c, (_SP_MV, m, x, y, 0) is
-    y = M x, (_SP_COPY, -1, x, y, len) copies len floats of vector x to y."""
-
-    def __init__(self, leaves: Sequence[_Leaf], levels: int):
-        n = len(leaves)
-        self.slots = n + 1
-        self.dims = [(leaves[n - k].rows, leaves[n - k].cols) for k in range(1, n + 1)]
-        self.shared = [leaves[n - k].shared for k in range(1, n + 1)]
-        self.products, self.steps, self.levels = [], [], levels
-        self._prod = {}  # (slot, level): the product the up-sweep made there
-        self.width = max(self._prefix_len(s) for s in range(1, self.slots + 1))
-        for d in range(levels):
-            self._up(d)
-        self._middle()
-        for d in reversed(range(levels)):
-            self._down(d)
-
-    def _prefix_len(self, s: int) -> int:
-        """rp_csr_prefix_len_of: the length of slot s's exclusive prefix."""
-        if s == 0:
-            return 0
-        return self.dims[s - 2][0] if s == self.slots else self.dims[s - 1][1]
-
-    def _map(self, s: int, upto: int) -> int:
-        """rp_csr_map_at: slot s's matrix once the levels below `upto` ran."""
-        return next((self._prod[s, d] for d in reversed(range(upto)) if (s, d) in self._prod), s - 1)
-
-    def _up(self, d: int) -> None:
-        half, step = 1 << d, 2 << d
-        for i in range(0, self.slots - step + 1, step):
-            left, right = i + half - 1, i + step - 1
-            a = self._map(right, d)
-            if i == 0:  # the spine: a vector
-                self.steps.append((_SP_MV, a, left, right, 0))
-                continue
-            b = self._map(left, d)
-            c = len(self.dims)
-            self.dims.append((self.dims[a][0], self.dims[b][1]))
-            self.shared.append(self.shared[a] and self.shared[b])
-            self.products.append((a, b))
-            self._prod[right, d] = c
-            self.steps.append((_SP_GEMM, c, -1, -1, 0))
-
-    def _middle(self) -> None:
-        block = 1 << self.levels
-        nb = (self.slots + block) // block
-        last, run = min(nb * block - 1, self.slots), block - 1
-        if nb == 2:
-            self.steps.append((_SP_COPY, -1, run, last, self._prefix_len(block)))
-        for j in range(2, nb) if nb > 2 else ():
-            end = j * block - 1
-            nxt = self.slots + 1 + j % 2 if j + 1 < nb else last
-            self.steps.append((_SP_MV, self._map(end, self.levels), run, nxt, 0))
-            self.steps.append((_SP_COPY, -1, run, end, self._prefix_len((j - 1) * block)))
-            run = nxt
-
-    def _down(self, d: int) -> None:
-        half, step = 1 << d, 2 << d
-        for left in range(half - 1, self.slots, step):
-            right = min(left + half, self.slots)
-            if left == half - 1:  # a range starting at slot 0: its prefix is the identity
-                self.steps.append((_SP_COPY, -1, left, right, self._prefix_len(left + 1)))
-            else:
-                self.steps.append((_SP_COPY, -1, right, left, self._prefix_len(left - half + 1)))
-        for left in range(step + half - 1, self.slots, step):
-            self.steps.append((_SP_MV, self._map(left, self.levels), left, min(left + half, self.slots), 0))
-
-
 class _CusparsePeer:
     """The cuSPARSE peer's buffers and chain for one (plan, batch, device):
     every leaf's device pattern and values in CSR, a per-sequence leaf's as
@@ -1310,6 +1235,8 @@ class _CusparsePeer:
     stages) runs once, here; a backward refreshes values and computes."""
 
     def __init__(self, plan: "ChainPlan", B: int, device: torch.device):
+        # the plan's own schedule over whole matrices (csrc/scan.c, rp_csr_plan_schedule):
+        # matrix k - 1 is slot k's leaf, products (a, b, rows, cols, shared) follow
         sched, n = plan._peer_schedule, len(plan.leaves)
         strides = [_aligned(leaf.indices.size) for leaf in plan.leaves]
         starts = dict(zip(plan.leaves, plan._program["leaf_addr"].tolist()))
@@ -1332,8 +1259,8 @@ class _CusparsePeer:
         self.patterns = [(torch.from_numpy(leaf.indptr).to(device),
                           torch.from_numpy(np.append(leaf.indices, np.int32(0))).to(device))
                          for leaf in plan.leaves]  # one spare index: never an empty array
-        self.width = _aligned(sched.width)
-        self.vectors = torch.zeros(sched.slots + 3, B, self.width, dtype=torch.float32, device=device)
+        self.width = _aligned(sched["width"])
+        self.vectors = torch.zeros(sched["vectors"], B, self.width, dtype=torch.float32, device=device)
         self.g_out = self.vectors[0, :, :plan.leaves[-1].cols]
         # g_i, the gradient of layer i's input, ends in slot n - i + 1
         self.grads = [self.vectors[n - i + 1, :, :leaf.rows] for i, leaf in enumerate(plan.leaves)]
@@ -1343,13 +1270,12 @@ class _CusparsePeer:
             leaf, (indptr, indices) = plan.leaves[i], self.patterns[i]
             mats.append((leaf.rows, leaf.cols, leaf.indices.size, -1, -1, int(leaf.shared), indptr.data_ptr(),
                          indices.data_ptr(), values[i].data_ptr(), strides[i]))
-        mats += [(*sched.dims[n + j], 0, a, b, int(sched.shared[n + j]), 0, 0, 0, 0)
-                 for j, (a, b) in enumerate(sched.products)]
+        mats += [(rows, cols, 0, a, b, shared, 0, 0, 0, 0)
+                 for a, b, rows, cols, shared in sched["products"].tolist()]
         with torch.cuda.device(device):
             self.chain = _cuda.cusparse_create(_cusparse_library(), np.array(mats, dtype=np.int64),
-                                               np.array(sched.steps, dtype=np.int64).reshape(-1, 5),
-                                               self.vectors.data_ptr(), B, sched.slots + 3, self.width,
-                                               torch.cuda.current_stream(device).cuda_stream)
+                                               sched["steps"], self.vectors.data_ptr(), B, sched["vectors"],
+                                               self.width, torch.cuda.current_stream(device).cuda_stream)
 
     def load(self, plan: "ChainPlan", inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> None:
         """This step's values and g_n into the buffers the chain reads. Under
@@ -1423,7 +1349,7 @@ class ChainPlan:
         # (input index, leaf, [start, stop) in the per-sequence buffer) of the other leaves
         self._sequence_leaves = [(i, leaf, addr, addr + leaf.indices.size)
                                  for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
-        self._peer_schedule = _PeerSchedule(self.leaves, self.info["levels"]) if product == "cusparse" else None
+        self._peer_schedule = _C.csr_schedule(self._plan) if product == "cusparse" else None
         self._peers = {}  # (B, device): _CusparsePeer
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
