@@ -1166,6 +1166,19 @@ def _check_pipeline_stopped_gradients(rank: int, micro: int = 4) -> None:
         pipe.remove()
 
 
+def _assert_pipeline_grads(pipe: Pipeline, ref_layers: list, where: str,
+                           exact: bool = False) -> None:
+    """Every parameter of this rank's layers has the gradient of its layer
+    in `ref_layers` (single-process training): bitwise with `exact`."""
+    for l, layer in pipe.layers.items():
+        for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            if exact:
+                assert torch.equal(p.grad, ref_p.grad), f"{where}: layer {l} {name}"
+            else:
+                torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6,
+                                           msg=f"{where}: layer {l} {name}")
+
+
 def _tied(seed: int = 0) -> list:
     """4 layers; the first and the last are one Linear."""
     torch.manual_seed(seed)
@@ -1198,10 +1211,7 @@ def _check_pipeline_tied_layers(rank: int, world: int) -> None:
     F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()
     pipe = Pipeline(_tied(), micro_batches=2, allocation="modulo")
     pipe.step(x, t, F.mse_loss)
-    for l, layer in pipe.layers.items():
-        for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
-            torch.testing.assert_close(p.grad, want.grad, rtol=1e-5, atol=1e-6,
-                                       msg=f"layer {l} {name}")
+    _assert_pipeline_grads(pipe, ref_layers, f"rank {rank}")
     pipe.remove()
 
 
@@ -1242,10 +1252,7 @@ def _check_pipeline_evaluation(rank: int, world: int) -> None:
                 pipe.step(x, t, F.mse_loss)
     F.mse_loss(ref(x), t).backward()
     pipe.step(x, t, F.mse_loss)
-    for l, layer in pipe.layers.items():
-        for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
-            torch.testing.assert_close(p.grad, ref_p.grad, rtol=1e-5, atol=1e-6,
-                                       msg=f"rank {rank} layer {l} {name}")
+    _assert_pipeline_grads(pipe, ref_layers, f"rank {rank}")
     pipe.remove()
 
 
@@ -1267,9 +1274,7 @@ def _check_pipeline_autocast_toggle(rank: int, world: int) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
             F.mse_loss(ref(x).float(), t).backward()
             pipe.step(x, t, lambda out, target: F.mse_loss(out.float(), target))
-        for l, layer in pipe.layers.items():
-            for (name, p), ref_p in zip(layer.named_parameters(), ref_layers[l].parameters()):
-                assert torch.equal(p.grad, ref_p.grad), f"rank {rank} autocast {enabled}: {name}"
+        _assert_pipeline_grads(pipe, ref_layers, f"rank {rank} autocast {enabled}", exact=True)
     pipe.remove()
 
 
