@@ -222,13 +222,15 @@ def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
-    for mode in (None, "backward", "forward"):
+    for mode in (None, "backward", "forward", "forward, Join first"):
         model = DDP(tf._mlp())
         opt = reprop.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        first = mode == "forward, Join first"  # the Join then holds DDP's own join hook
+        join = Join([model]) if first else None
+        handle = reprop.fuse(model, opt, mode="forward" if first else mode) if mode else None
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with Join([model]):
+            with join or Join([model]):
                 for i in range(2 + rank):
                     x, y = tf._mlp_batch(10 * rank + i)
                     F.mse_loss(model(x), y).backward()

@@ -3466,10 +3466,11 @@ def test_ddp_join_with_uneven_inputs_matches_eager(tmp_path: Path) -> None:
     Forward mode: the join's final broadcast of the last joiner's parameters
     took them before its pending update, and the other rank then applied its
     own pending update on top (the replicas diverged). Both now end with
-    eager's parameters on every rank."""
+    eager's parameters on every rank, also with the Join made before fuse()
+    (it then holds DDP's own join hook)."""
     results = _run_ddp_workers("ddp_join", tmp_path)
     for rank, r in enumerate(results):
-        for mode in ("backward", "forward"):
+        for mode in ("backward", "forward", "forward, Join first"):
             for i, (a, b) in enumerate(zip(r[mode], r["None"])):
                 assert torch.equal(a, b), f"rank {rank}, {mode} mode, param {i}: {_diff(a, b)}"
 

@@ -1480,7 +1480,8 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict,
                                                                   prepend=True))
         self._own_join_hook = _MISSING
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        if self._ddp:
             self._own_join_hook = model.__dict__.get("join_hook", _MISSING)
             model.join_hook = self._ddp_join_hook
 
@@ -1834,6 +1835,10 @@ class _ForwardFusion(FusionHandle):
                     held += params
         finally:  # a refused group: eager step() has updated the groups before it
             self._decided(held)
+        if self._ddp and self.model._join_config.enable:
+            # under a Join made before fuse() (it took DDP's own join hook, not
+            # _ddp_join_hook) nothing may wait: this rank may have run out
+            self.flush()
 
     def _hold(self, params: list) -> None:
         """Marks these updates pending, each to apply the gradient its param
