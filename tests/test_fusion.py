@@ -4069,26 +4069,52 @@ def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> N
         assert torch.equal(a, b)
 
 
+class CheckpointFunction(torch.autograd.Function):
+    """A library's own reentrant checkpoint (DeepSpeed's, fairscale's,
+    Megatron's are of this name and shape), reduced to what matters: the
+    segment runs under no_grad, then again in backward."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run = run
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
 class _CheckpointedDirectRead(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, own: bool = False) -> None:
         super().__init__()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             self.pos, self.body = nn.Embedding(4, 3), nn.Linear(3, 3)
+        self.own = own
 
     def _segment(self, x: torch.Tensor, direct: bool) -> torch.Tensor:
         return self.body(x + (self.pos.weight if direct else self.pos(torch.arange(4))))
 
     def forward(self, x: torch.Tensor, direct: bool) -> torch.Tensor:
+        if self.own:
+            return CheckpointFunction.apply(lambda h: self._segment(h, direct), x)
         return torch.utils.checkpoint.checkpoint(self._segment, x, direct, use_reentrant=True)
 
 
-def test_forward_mode_direct_read_inside_a_reentrant_checkpoint_is_refused() -> None:
+@pytest.mark.parametrize("own", [False, True], ids=["torch", "a_library_s"])
+def test_forward_mode_direct_read_inside_a_reentrant_checkpoint_is_refused(own) -> None:
     """A stale direct read (the module ran in the forward before, not in
     this one) inside a reentrant checkpoint: its node links only to the
     segment's tensor inputs, so the walk of the forward's graph did not find
     the read weight and the step trained on its old value, silently."""
-    model = _CheckpointedDirectRead()
+    model = _CheckpointedDirectRead(own)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = reprop.fuse(model, opt, "forward")
     x = torch.ones(4, 3, requires_grad=True)

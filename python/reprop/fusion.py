@@ -545,11 +545,13 @@ def _leaves_reached(roots: list, wanted: dict) -> set:
     accumulators the autograd graph of `roots` (grad_fns, or leaf tensors
     themselves) reaches: those its forward read with grad. All of them
     where it meets a reentrant checkpoint: its node links only to the
-    segment's tensor inputs, not to the weights read inside it."""
+    segment's tensor inputs, not to the weights read inside it. Known by
+    its class's name: torch's CheckpointFunction, and the copies DeepSpeed,
+    fairscale and Megatron carry under that name."""
     found, seen, todo = set(), set(), list(roots)
     while todo:
         node = todo.pop()
-        if getattr(node, "_forward_cls", None) is torch.utils.checkpoint.CheckpointFunction:
+        if type(node).__name__ == "CheckpointFunctionBackward":
             return set(wanted)
         if isinstance(node, (torch.Tensor, torch._C._functions.AccumulateGrad)):
             leaf = node if isinstance(node, torch.Tensor) else node.variable
