@@ -2770,12 +2770,15 @@ class _JoinHook(JoinHook):
 
     def __init__(self, dp: DataParallel, divide_by_initial_world_size: bool):
         self.dp = dp
+        self.flushed = False
         dp._divide_by_initial_world_size = divide_by_initial_world_size
 
     def main_hook(self) -> None:
-        # a forward fusion's updates pending since this rank's last step()
-        # first, as eager step() applied them (and as reprop.fuse does for DDP)
-        flush_fusions_of(self.dp.model)
+        if not self.flushed:  # (this rank steps no more: once is enough)
+            # a forward fusion's updates pending since this rank's last step()
+            # first, as eager step() applied them (and as reprop.fuse does for DDP)
+            flush_fusions_of(self.dp.model)
+            self.flushed = True
         self.dp._shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
