@@ -707,7 +707,8 @@ def codebook(activation: str, *params: float) -> Codebook:
 # blocks its path, the bool mask of _Record, which the derivative cannot stand
 # in for: a 0 there is +0 blocked, the gradient times 0 unblocked);
 # intermediates die with the Python temporaries that held them, so a finished
-# chain keeps one tensor (or that and its mask).
+# chain keeps one tensor (or that and its mask), plus a small _Passed per step
+# (what each step's node led past, for the hook refusals).
 
 
 class _Chain(torch.autograd.Function):
@@ -1451,7 +1452,7 @@ class _Passed:
     __slots__ = ("entries", "checked")
 
     def __init__(self, entries: tuple):
-        self.entries, self.checked = entries, -1
+        self.entries, self.checked = entries, None  # (never a graph task id)
 
 
 def _passed(operands) -> _Passed:
