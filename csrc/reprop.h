@@ -471,7 +471,7 @@ void rp_csr_plan_describe(const rp_csr_plan *p, rp_csr_plan_info *info);
  *   products (nproducts x RP_CSR_PRODUCT_COLS): a, b, rows, cols, shared of
  *            product n + j = matrix a times matrix b, shared when both are.
  * Freed with rp_csr_schedule_free. */
-enum { RP_CSR_GEMM = 0, RP_CSR_MV = 1, RP_CSR_COPY = 2 }; /* kernels/scan.cu's RP_SP_* kinds */
+enum { RP_CSR_GEMM = 0, RP_CSR_MV = 1, RP_CSR_COPY = 2 }; /* also the cuSPARSE peer's (kernels/scan.cu) */
 #define RP_CSR_STEP_COLS 5
 #define RP_CSR_PRODUCT_COLS 5
 

@@ -1285,7 +1285,7 @@ extern "C" int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows
 #include <dlfcn.h>
 #include <stdio.h>
 
-enum { RP_SP_GEMM = 0, RP_SP_MV = 1, RP_SP_COPY = 2 };
+/* the steps' kinds are reprop.h's RP_CSR_GEMM, RP_CSR_MV, RP_CSR_COPY */
 
 /* A row of the caller's matrix table (RP_SP_MAT_COLS int64 each; pointers
  * as integers): a leaf (a < 0) with its device pattern and values, instance
@@ -1607,15 +1607,15 @@ static int rp_sp_check_chain(int64_t nmats, const rp_sp_matrix *mats, int64_t no
     }
     for (int64_t k = 0; rc == RP_OK && k < nops; k++) {
         const rp_sp_op *o = &ops[k];
-        const bool has_m = o->kind != RP_SP_COPY && o->m >= 0 && o->m < nmats;
+        const bool has_m = o->kind != RP_CSR_COPY && o->m >= 0 && o->m < nmats;
         const bool vecs = o->x >= 0 && o->x < v->nvectors && o->y >= 0 && o->y < v->nvectors;
-        if (o->kind == RP_SP_GEMM && has_m && !ready[o->m] && mats[o->m].a >= 0 &&
+        if (o->kind == RP_CSR_GEMM && has_m && !ready[o->m] && mats[o->m].a >= 0 &&
             ready[mats[o->m].a] && ready[mats[o->m].b])
             ready[o->m] = 1;
-        else if (o->kind == RP_SP_MV && has_m && ready[o->m] && vecs && o->x != o->y &&
+        else if (o->kind == RP_CSR_MV && has_m && ready[o->m] && vecs && o->x != o->y &&
                  mats[o->m].rows <= v->stride && mats[o->m].cols <= v->stride)
             continue;
-        else if (!(o->kind == RP_SP_COPY && vecs && o->x != o->y && o->len > 0 && o->len <= v->stride))
+        else if (!(o->kind == RP_CSR_COPY && vecs && o->x != o->y && o->len > 0 && o->len <= v->stride))
             rc = rp_set_error(err, RP_EINVAL, "cuSPARSE peer: step %lld is not a valid GEMM, MV or COPY "
                               "at that point", (long long)k);
     }
@@ -1642,9 +1642,9 @@ static int rp_sp_build(rp_cusparse_chain *c, const rp_sp_matrix *mats, const rp_
     for (int64_t k = 0; rc == RP_OK && k < c->nsteps; k++) { /* in order: operands first */
         rp_sp_step *st = &c->steps[k];
         st->op = ops[k];
-        if (st->op.kind == RP_SP_GEMM)
+        if (st->op.kind == RP_CSR_GEMM)
             rc = rp_sp_product_setup(c, &c->mats[st->op.m], err);
-        else if (st->op.kind == RP_SP_MV)
+        else if (st->op.kind == RP_CSR_MV)
             rc = rp_sp_mv_setup(c, st, err);
     }
     if (rc == RP_OK)
@@ -1753,9 +1753,9 @@ extern "C" int rp_cuda_cusparse_create(const char *library, int64_t nmats, const
 static int rp_sp_run_step(rp_cusparse_chain *c, const rp_sp_step *st, cudaStream_t stream, rp_error *err)
 {
     const rp_sp_op *o = &st->op;
-    rp_sp_mat *m = o->kind == RP_SP_COPY ? NULL : &c->mats[o->m];
+    rp_sp_mat *m = o->kind == RP_CSR_COPY ? NULL : &c->mats[o->m];
     int rc = RP_OK;
-    if (o->kind == RP_SP_COPY) {
+    if (o->kind == RP_CSR_COPY) {
         const size_t pitch = (size_t)c->vec.stride * sizeof(float);
         return rp_sp_cuda(cudaMemcpy2DAsync(rp_sp_slot(&c->vec, o->y, 0), pitch, rp_sp_slot(&c->vec, o->x, 0),
                                             pitch, (size_t)o->len * sizeof(float), (size_t)c->vec.batch,
@@ -1763,7 +1763,7 @@ static int rp_sp_run_step(rp_cusparse_chain *c, const rp_sp_step *st, cudaStream
                           err);
     }
     for (int64_t i = 0; rc == RP_OK && i < m->ninst; i++)
-        if (o->kind == RP_SP_GEMM)
+        if (o->kind == RP_CSR_GEMM)
             rc = rp_sp_check(rp_sp.cusparseSpGEMMreuse_compute(
                                  c->handle, RP_SP_NN, &rp_sp_one, rp_sp_operand(c, m->spec.a, i)->mat,
                                  rp_sp_operand(c, m->spec.b, i)->mat, &rp_sp_zero, m->inst[i].mat, CUDA_R_32F,

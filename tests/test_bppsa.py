@@ -29,6 +29,10 @@ TOL = 3e-6
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
 
 
+# the step kinds of _C.csr_schedule's rows (RP_CSR_GEMM, RP_CSR_MV, RP_CSR_COPY in csrc/reprop.h)
+_GEMM, _MV, _COPY = 0, 1, 2
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     scale = ref.abs().max().item()
     return (ours.double() - ref.double()).abs().max().item() / (scale if scale > 0 else 1.0)
@@ -1486,17 +1490,17 @@ def run_peer_schedule(plan, sched, inputs, grad_output):
     vec = torch.zeros(sched["vectors"], B, width, dtype=torch.float64)
     vec[0, :, :plan.leaves[-1].cols] = grad_output.reshape(B, -1).double()
     for kind, m, x, y, length in sched["steps"].tolist():
-        if kind == bppsa._SP_GEMM:
+        if kind == _GEMM:
             a, b, rows, cols, shared = products[m - n]
             assert mats[m] is None and mats[a] is not None and mats[b] is not None
             mats[m] = mats[a] @ mats[b]
             assert mats[m].shape[1:] == (rows, cols)
-        elif kind == bppsa._SP_MV:
+        elif kind == _MV:
             rows, cols = mats[m].shape[1:]
             assert max(rows, cols) <= width and x != y
             vec[y, :, :rows] = (mats[m] @ vec[x, :, :cols, None])[..., 0]
         else:
-            assert kind == bppsa._SP_COPY and m == -1 and 0 < length <= width
+            assert kind == _COPY and m == -1 and 0 < length <= width
             vec[y, :, :length] = vec[x, :, :length]
     return [vec[n - i + 1, :, :leaf.rows].reshape(inputs[i].shape) for i, leaf in enumerate(plan.leaves)]
 
@@ -1518,7 +1522,7 @@ def test_peer_schedule_computes_the_plans_scan(make):
         products, steps = sched["products"], sched["steps"]
         assert products.dtype == steps.dtype == np.int64 and steps.shape[1] == products.shape[1] == 5
         assert plan.info["levels"] == levels and len(products) == plan.info["products"]
-        assert list(steps[:, 0]).count(bppsa._SP_GEMM) == len(products)
+        assert list(steps[:, 0]).count(_GEMM) == len(products)
         n = len(plan.leaves)
         shared = [leaf.shared for leaf in reversed(plan.leaves)]  # matrix k - 1: leaves[n - k]
         for a, b, _, _, both in products.tolist():

@@ -1182,9 +1182,6 @@ class _SharedWeights:
 
 
 _PRODUCTS = ("reprop", "cusparse")
-# the cuSPARSE peer's step kinds: rows of _C.csr_schedule (csrc/reprop.h, RP_CSR_*)
-_SP_GEMM, _SP_MV, _SP_COPY = 0, 1, 2
-
 
 def _check_product(product) -> str:
     if not isinstance(product, str) or product not in _PRODUCTS:
