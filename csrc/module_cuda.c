@@ -60,8 +60,6 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
 }
 
 #define RP_CUSPARSE_CAPSULE "reprop.cusparse_chain"
-#define RP_CUSPARSE_MAT_COLS 10
-#define RP_CUSPARSE_OP_COLS 5
 
 /* A C-contiguous 2-D int64 buffer (a NumPy array) of `cols` columns, held
  * in *view until PyBuffer_Release; 0, or -1 with a ValueError naming it. */
@@ -120,7 +118,7 @@ static PyObject *rp_cuda_cusparse_create_py(PyObject *self, PyObject *const *arg
         return NULL;
     if (rp_cuda_table_arg(args[1], RP_CUSPARSE_MAT_COLS, "mats", &mats) < 0)
         return NULL;
-    if (rp_cuda_table_arg(args[2], RP_CUSPARSE_OP_COLS, "ops", &ops) < 0) {
+    if (rp_cuda_table_arg(args[2], RP_CSR_STEP_COLS, "ops", &ops) < 0) {
         PyBuffer_Release(&mats);
         return NULL;
     }

@@ -512,8 +512,10 @@ int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows *rows, int
  * and copy once, at create; only _compute per run), mat-vecs by
  * cusparseSpMM. Tables are C-contiguous int64 rows: matrices (rows, cols,
  * nnz, a, b, shared, indptr, indices, values, stride), steps (kind, m, x, y,
- * len); device pointers as integers. libcusparse.so.12 is dlopen'ed at the
- * first create (by soname, else the path `library`), never linked. */
+ * len: rp_csr_plan_schedule's, RP_CSR_STEP_COLS); device pointers as
+ * integers. libcusparse.so.12 is dlopen'ed at the first create (by soname,
+ * else the path `library`), never linked. */
+#define RP_CUSPARSE_MAT_COLS 10
 typedef struct rp_cusparse_chain rp_cusparse_chain;
 int rp_cuda_cusparse_built(void);
 int rp_cuda_cusparse_create(const char *library, int64_t nmats, const int64_t *mat_rows, int64_t nops,

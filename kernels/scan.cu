@@ -1287,7 +1287,7 @@ extern "C" int rp_cuda_csr_run(const rp_csr_program *g, const rp_csr_device_rows
 
 /* the steps' kinds are reprop.h's RP_CSR_GEMM, RP_CSR_MV, RP_CSR_COPY */
 
-/* A row of the caller's matrix table (RP_SP_MAT_COLS int64 each; pointers
+/* A row of the caller's matrix table (RP_CUSPARSE_MAT_COLS int64 each; pointers
  * as integers): a leaf (a < 0) with its device pattern and values, instance
  * i's values at values + i * stride; or the product C = A B of matrices a
  * and b, listed before it, whose nnz and arrays cuSPARSE makes. */
@@ -1297,15 +1297,13 @@ typedef struct {
     float *values;
     int64_t stride;
 } rp_sp_matrix;
-#define RP_SP_MAT_COLS 10
 
-/* A row of the step table (RP_SP_OP_COLS int64): kind; m the matrix (GEMM:
+/* A row of the step table (RP_CSR_STEP_COLS int64): kind; m the matrix (GEMM:
  * the product to compute, MV: the map); x and y the vector slots read and
  * written (MV, COPY); len the floats a COPY moves. */
 typedef struct {
     int64_t kind, m, x, y, len;
 } rp_sp_op;
-#define RP_SP_OP_COLS 5
 
 typedef struct {
     float *vectors;
@@ -1741,9 +1739,9 @@ extern "C" int rp_cuda_cusparse_create(const char *library, int64_t nmats, const
         rc = rp_set_error(err, RP_ERUNTIME, "cuSPARSE peer: out of host memory");
     else {
         for (int64_t i = 0; i < nmats; i++)
-            mats[i] = rp_sp_matrix_row(mat_rows + i * RP_SP_MAT_COLS);
+            mats[i] = rp_sp_matrix_row(mat_rows + i * RP_CUSPARSE_MAT_COLS);
         for (int64_t k = 0; k < nops; k++)
-            ops[k] = rp_sp_op_row(op_rows + k * RP_SP_OP_COLS);
+            ops[k] = rp_sp_op_row(op_rows + k * RP_CSR_STEP_COLS);
         rc = rp_sp_create(library, nmats, mats, nops, ops, &vec, (cudaStream_t)stream, out, err);
     }
     free(mats), free(ops);
