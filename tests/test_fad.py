@@ -318,7 +318,7 @@ FLOAT16_TAILS = {"gelu": [-5.0, -5.5], "silu": [-13.0, -17.0], "mish": [-13.0, -
 @pytest.mark.parametrize("name", sorted(FLOAT16_TAILS))
 def test_float16_tails_under_loss_scaling(name):
     """float16 x, gradient 4096: an f' saved in float16 keeps few bits
-    below 6.1e-5 (None: up to 44% off, as the README says), bfloat16 storage
+    below 6.1e-5 (None: up to 100% off, as the README says), bfloat16 storage
     float32's range (within its 2^-8 rounding plus torch's own error)."""
     ours, ref, kw = ACTIVATIONS[name]
     x = torch.tensor(FLOAT16_TAILS[name], dtype=torch.float16)
@@ -333,6 +333,35 @@ def test_float16_tails_under_loss_scaling(name):
     assert error(lambda t: ours(t, **kw, saved_dtype=torch.bfloat16)) < torch_error + 2 ** -8
     # float16 subnormals: documented, bfloat16 advised
     assert error(lambda t: ours(t, **kw)) > torch_error + 2 ** -8
+
+
+# The largest float16 x at which a float16 f' is 0 (below 3e-8, half its
+# smallest subnormal; README, saved_dtype), and torch's float32 f' is not.
+FLOAT16_ZERO_TAILS = {"gelu": -6.03515625, "elu": -17.34375,
+                      "softplus": -17.34375, "selu": -17.90625, "silu": -20.296875,
+                      "mish": -20.296875}
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT16_ZERO_TAILS))
+def test_float16_derivative_is_zero_in_the_tails(name):
+    """float16 x, saved_dtype None: from the README's x on, f' is 0, so the
+    gradient is 0 where torch's is not and NaN from an infinite gradient
+    where torch's is inf; one float16 step closer to 0, f' is not 0 yet.
+    bfloat16 storage gives torch's infinities there."""
+    ours, ref, kw = ACTIVATIONS[name]
+    zero = torch.tensor(FLOAT16_ZERO_TAILS[name], dtype=torch.float16)
+    x = torch.stack([torch.nextafter(zero, torch.zeros_like(zero)), zero])
+
+    def grads(grad):
+        return [values_and_grads(fn, x, torch.full_like(x, grad))[1]
+                for fn in (lambda t: ref(t, **kw), lambda t: ours(t, **kw),
+                           lambda t: ours(t, **kw, saved_dtype=torch.bfloat16))]
+
+    torch_grad, grad, _ = grads(4096.0)
+    assert (torch_grad != 0).all() and grad[0] != 0 and grad[1] == 0
+    torch_grad, grad, bf16_grad = grads(math.inf)
+    assert torch_grad.isinf().all() and torch.equal(bf16_grad, torch_grad)
+    assert grad[0] == torch_grad[0] and grad[1].isnan()
 
 
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))

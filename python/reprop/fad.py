@@ -306,9 +306,11 @@ def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
     slope above it): d would be inf, and grad * d inf or NaN where torch's
     backward, which multiplies in float32 and rounds once, is finite. The
     other kinds' |f'| stays below 1.76. Decided from the parameters alone.
-    A small f' (below 6.1e-5, float16's normal numbers) stays float16, with
-    fewer bits: every kind but Hardswish, Hardsigmoid and LeakyReLU has
-    them in its tails, and float32 for them would double the bytes (README)."""
+    A small f' stays float16: below 6.1e-5 (float16's normal numbers) with
+    fewer bits, below 3e-8 as 0, so the gradient there is 0 (NaN from an
+    inf one) where torch's, from an f' in float32, is not. Every kind but
+    Hardswish, Hardsigmoid and LeakyReLU has such tails, and float32 for
+    them would double the bytes, bfloat16 drop 3 bits everywhere (README)."""
     if dtype is not torch.float16:
         return dtype
     unbounded = act.kind == "celu" and act.p0 < 0
