@@ -1107,6 +1107,50 @@ def test_compose_select_after_an_infinite_or_negative_derivative(name):
         assert torch.equal(ours[zeros].signbit(), ref[zeros].signbit()), (ours, ref)
 
 
+def _softplus_of_a_quotient_by_zero_plus_it(x):
+    a = x / 0
+    return F.softplus(a) + a
+
+
+# Where paths join, autograd sums per-path gradients and a chain multiplies
+# the gradient by one summed derivative (README, compose): inf and NaN trade
+# places and zeros their sign. (function, composed, x, gradient, torch's
+# gradient, ours)
+JOINS = {
+    "sigmoid_gate_inf": (lambda x: x * torch.sigmoid(x), True, [-2.0, 0.5], math.inf,
+                         [math.nan, math.inf], [-math.inf, math.inf]),
+    "inf_derivative_meets_a_saturated_path": (_softplus_of_a_quotient_by_zero_plus_it, True,
+                                              [2.0, -2.0], 1.0, [math.inf, math.inf],
+                                              [math.inf, math.nan]),
+    "relu_skip_negative_zero": (lambda x: torch.relu(x) + x, True, [-2.0, 0.5], -0.0,
+                                [0.0, -0.0], [-0.0, -0.0]),
+    "softsign_inf": (F.softsign, False, [-2.0, 0.5, -0.0], math.inf,
+                     [math.nan] * 3, [math.inf] * 3),
+    "softsign_negative_zero": (F.softsign, False, [-2.0], -0.0, [0.0], [-0.0]),
+    "tanhshrink_inf": (F.tanhshrink, False, [-2.0, 0.5, -0.0], math.inf,
+                       [math.nan] * 3, [math.inf, math.inf, math.nan]),
+    "tanhshrink_negative_zero": (F.tanhshrink, False, [-0.0], -1.0, [0.0], [-0.0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JOINS))
+def test_joined_paths_differ_from_autograd_only_in_non_finite_and_zero_signs(name):
+    """The documented difference, pinned on both sides: torch's composite
+    Softsign and Tanhshrink and the joins of a composed chain give NaN where
+    ours gives inf (and the reverse), +0 where ours gives -0."""
+    fn, composed, values, grad, torch_grad, our_grad = JOINS[name]
+    mode = fad.enabled(compose=composed) if composed else fad.enabled()
+
+    def run(context):
+        leaf = torch.tensor(values, requires_grad=True)
+        with context:
+            y = fn(leaf)
+        return torch.autograd.grad(y, leaf, torch.full_like(leaf, grad))[0]
+
+    for got, want in ((run(contextlib.nullcontext()), torch_grad), (run(mode), our_grad)):
+        assert repr(got.tolist()) == repr(want), (got, want)
+
+
 SELECT_STEPS = {"relu": torch.relu, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
                 "Hardswish": nn.Hardswish()}
 
