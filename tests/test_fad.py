@@ -680,6 +680,38 @@ def test_inplace_on_a_view_of_a_non_leaf_runs_torch():
         assert torch.equal(got, want)
 
 
+NEGATIVE_SLOPE_MODULES = {"leaky_relu": lambda: nn.LeakyReLU(-0.2, inplace=True),
+                          "elu": lambda: nn.ELU(-0.5, inplace=True),
+                          "celu": lambda: nn.CELU(-0.5, inplace=True)}
+
+
+@pytest.mark.parametrize("name", sorted(NEGATIVE_SLOPE_MODULES))
+def test_inplace_negative_slope_trains_where_torch_refuses(name):
+    """torch refuses the backward of an in-place LeakyReLU, ELU or CELU with
+    a negative slope or alpha (it recovers f' from the output); a patched
+    one saves f' from x and gives the out-of-place gradient (README). On a
+    view it runs torch's op, whose error comes in backward."""
+    make = NEGATIVE_SLOPE_MODULES[name]
+    x = torch.linspace(-3, 3, 64)
+
+    def grad_of(module, view=False):
+        leaf = x.clone().requires_grad_()
+        h = leaf * 1.0
+        out = module(h[:] if view else h)
+        return torch.autograd.grad(out, leaf, torch.ones_like(x))[0]
+
+    native = make()
+    with pytest.raises(RuntimeError, match="negative slope"):
+        grad_of(native)
+    out_of_place = make()
+    out_of_place.inplace = False
+    patched = make()
+    fad.patch(patched)
+    torch.testing.assert_close(grad_of(patched), grad_of(out_of_place), rtol=4e-6, atol=0)
+    with pytest.raises(RuntimeError, match="negative slope"):
+        grad_of(patched, view=True)
+
+
 @pytest.mark.parametrize("how", ["function", "patched", "enabled"])
 @pytest.mark.parametrize("name", ["elu", "leaky_relu", "silu", "hardswish"])
 def test_inplace_under_allow_mutation_on_saved_tensors(name, how):
