@@ -28,14 +28,17 @@
  *
  * Convolution and pooling factor over the two spatial axes: input row ih
  * meets output row oh through kernel row ki iff ih = oh * sh - ph + ki * dh,
- * whatever the columns and channels. So each axis gets a small table listing,
- * per input coordinate, its (kernel offset, output coordinate) taps in
- * ascending output order, and a row of J^T is the product of its ih list and
- * its iw list (for conv2d once per output channel of the group). Row lengths,
- * and hence indptr, are closed-form, and each row is written independently
- * (OpenMP over rows) already in ascending column order, so there is no sort
- * and the work is O(rows + nnz). Counting alone is O(h_out + w_out), so the
- * count-only call rejects oversized layers without touching memory.
+ * whatever the columns and channels. ph and pw are the padding before each
+ * axis; what is after only sets the output size (torch's padding='same' with
+ * an odd total puts one more after, see rp_jac_pad_after). So each axis gets
+ * a small table listing, per input coordinate, its (kernel offset, output
+ * coordinate) taps in ascending output order, and a row of J^T is the
+ * product of its ih list and its iw list (for conv2d once per output channel
+ * of the group). Row lengths, and hence indptr, are closed-form, and each
+ * row is written independently (OpenMP over rows) already in ascending
+ * column order, so there is no sort and the work is O(rows + nnz). Counting
+ * alone is O(h_out + w_out), so the count-only call rejects oversized layers
+ * without touching memory.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -247,17 +250,30 @@ static int rp_jac_build_both(const char *layer, const rp_conv2d_geom *g, rp_jac_
  * conv2d
  * ------------------------------------------------------------------------- */
 
-/* torch's output size floor((n + 2p - d (k - 1) - 1) / s) + 1, which must
- * match the caller's, since a wrong size would silently misplace columns. */
+/* The padding after the input along an axis whose padding before is p.
+ * torch pads both sides alike, except padding='same' (stride 1) with an odd
+ * total d (k - 1) = 2p + 1, where the odd one goes after and the output keeps
+ * the input's size. The geometry has one padding per axis, the one the
+ * pattern depends on (before); the output size tells the two apart. */
+static int64_t rp_jac_pad_after(int64_t n_in, int64_t n_out, int64_t k, int64_t s, int64_t p,
+                                int64_t d)
+{
+    return s == 1 && d * (k - 1) == 2 * p + 1 && n_out == n_in ? p + 1 : p;
+}
+
+/* torch's output size floor((n + p + p_after - d (k - 1) - 1) / s) + 1, which
+ * must match the caller's, since a wrong size would silently misplace
+ * columns. */
 static int rp_jac_check_conv_out(const char *name, int64_t n_in, int64_t n_out, int64_t k,
                                  int64_t s, int64_t p, int64_t d, rp_error *err)
 {
-    int64_t span = n_in + 2 * p - d * (k - 1) - 1;
+    int64_t padded = n_in + p + rp_jac_pad_after(n_in, n_out, k, s, p, d);
+    int64_t span = padded - d * (k - 1) - 1;
     if (span < 0)
         return rp_set_error(err, RP_EINVAL,
                             "conv2d: the dilated kernel (%lld) is larger than the padded input "
                             "(%lld) along %s",
-                            (long long)(d * (k - 1) + 1), (long long)(n_in + 2 * p), name);
+                            (long long)(d * (k - 1) + 1), (long long)padded, name);
     if (n_out != span / s + 1)
         return rp_set_error(err, RP_EINVAL, "conv2d: %s = %lld, but the geometry gives %lld", name,
                             (long long)n_out, (long long)(span / s + 1));

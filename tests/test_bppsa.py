@@ -1046,6 +1046,8 @@ CHAIN_LAYERS = [
     nn.Conv2d(3, 6, (2, 3), stride=(2, 1), padding=(1, 2), dilation=(2, 1), groups=3),
     nn.Conv2d(3, 2, 5, stride=3, padding=2, bias=False),
     nn.Conv2d(3, 4, 3, padding="same"),
+    nn.Conv2d(3, 4, 2, padding="same"),  # odd totals: torch puts the extra padding after
+    nn.Conv2d(3, 2, (4, 3), padding="same", dilation=(1, 2)),
     nn.MaxPool2d(2),
     nn.MaxPool2d(3, stride=2, padding=1),
     nn.MaxPool2d(2, ceil_mode=True),
@@ -1055,6 +1057,7 @@ CHAIN_LAYERS = [
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 @pytest.mark.parametrize("layer", CHAIN_LAYERS, ids=lambda m: repr(m))
 def test_csr_jacobian_equals_autograd(layer):
     torch.manual_seed(0)
@@ -1852,11 +1855,32 @@ def test_chain_layer_errors_name_the_layer():
     for mode in ("reflect", "circular", "replicate"):
         with pytest.raises(ValueError, match=rf"layers\[1\]: Conv2d padding_mode='{mode}' is not supported"):
             bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, 3, padding=1, padding_mode=mode)], x)
-    for kernel in (2, (4, 3)):
-        with pytest.raises(ValueError, match=r"layers\[1\]: Conv2d padding='same' with an odd total padding"):
-            bppsa.chain_backward([nn.ReLU(), nn.Conv2d(2, 2, kernel, padding="same")], x)
     with pytest.raises(ValueError, match=r"layers\[0\]\.stride: expected an int or a sequence of 1 or 2 ints"):
         bppsa.ChainPlan([nn.MaxPool2d(2, stride=(1, 1, 1))], (2, 6, 6))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+@pytest.mark.parametrize("kernel, dilation", [(2, 1), (4, 1), (2, 2), (4, 2), ((2, 3), 1), ((2, 3), (1, 2)),
+                                              ((4, 1), (3, 2))])
+def test_chain_takes_same_padding_with_an_odd_total(kernel, dilation):
+    """padding='same' whose total d (k - 1) is odd on an axis: torch pads
+    half before and the extra one after, and the output keeps the input's
+    size; it was refused. The plan checks the setting as it does any other."""
+    torch.manual_seed(12)
+    conv = nn.Conv2d(2, 3, kernel, padding="same", dilation=dilation)
+    layers = [conv, nn.ReLU(), nn.Conv2d(3, 2, 2, padding="same"), nn.MaxPool2d(2), nn.Flatten(),
+              nn.Linear(2 * 3 * 3, 4)]
+    x, g = torch.randn(2, 2, 7, 6), torch.randn(2, 4)
+    assert torch.equal(bppsa.transposed_jacobian(conv, x[0]).to_dense(), dense_transposed_jacobian(conv, x[0]))
+    plan = bppsa.ChainPlan(layers, (2, 7, 6))
+    want = autograd_layer_input_grads(layers, x, g)
+    for ours in (bppsa.chain_backward(layers, x, g), bppsa.chain_backward(layers, x, g, plan=plan)):
+        for a, b in zip(ours, want, strict=True):
+            assert a.shape == b.shape and rel_err(a, b) <= 1e-6
+    conv.dilation = tuple(d + 1 for d in conv.dilation)  # still 'same' and the same shapes
+    with pytest.raises(ValueError, match=r"layers\[0\]: Conv2d's settings changed since the ChainPlan"):
+        bppsa.chain_backward(layers, x, g, plan=plan)
 
 
 @pytest.mark.parametrize("act", [nn.ReLU(inplace=True), nn.ELU(inplace=True), nn.LeakyReLU(0.1, inplace=True),

@@ -501,6 +501,19 @@ static rp_conv2d_geom conv_geom(int64_t c_in, int64_t c_out, int64_t groups, int
     return g;
 }
 
+/* Conv2d(padding='same') (stride 1): d (k - 1) padding in all per axis, half
+ * before; an odd total puts the extra one after, and the output keeps the
+ * input's size. */
+static rp_conv2d_geom same_geom(int64_t c_in, int64_t c_out, int64_t groups, int64_t h_in,
+                                int64_t w_in, int64_t kh, int64_t kw, int64_t dh, int64_t dw)
+{
+    rp_conv2d_geom g = conv_geom(c_in, c_out, groups, h_in, w_in, kh, kw, 1, 1, dh * (kh - 1) / 2,
+                                 dw * (kw - 1) / 2, dh, dw);
+    g.h_out = h_in;
+    g.w_out = w_in;
+    return g;
+}
+
 /* The smallest input the dilated kernel fits once padded, plus some. */
 static int64_t rand_input(int64_t k, int64_t p, int64_t d, int64_t extra)
 {
@@ -531,6 +544,14 @@ static void test_conv2d(void)
         rp_conv2d_geom g = conv_geom(groups * rand_int(1, 2), groups * rand_int(1, 3), groups,
                                      rand_input(kh, ph, dh, 6), rand_input(kw, pw, dw, 6), kh, kw,
                                      rand_int(1, 3), rand_int(1, 3), ph, pw, dh, dw);
+        test_conv2d_case(&g);
+    }
+    /* padding='same', odd totals (the extra padding after) among even ones */
+    for (i = 0; i < 200; i++) {
+        int64_t groups = rand_int(1, 2);
+        rp_conv2d_geom g = same_geom(groups * rand_int(1, 2), groups * rand_int(1, 3), groups,
+                                     rand_int(1, 8), rand_int(1, 8), rand_int(1, 5), rand_int(1, 5),
+                                     rand_int(1, 3), rand_int(1, 3));
         test_conv2d_case(&g);
     }
     /* edge cases: 1x1, kernel = input, padding bigger than the kernel, a
@@ -754,6 +775,14 @@ static void test_errors(void)
     g = base;
     g.w_out++;
     CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "w_out", "w_out + 1");
+    /* an odd 'same' total: the output keeps the input's size, and only that */
+    g = same_geom(2, 2, 1, 6, 5, 2, 4, 1, 3);
+    CHECK(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err) == RP_OK, "same: %s", err.msg);
+    g.h_out++;
+    CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "h_out", "same h_out + 1");
+    g = same_geom(2, 2, 1, 6, 5, 2, 4, 1, 3);
+    g.sw = 2; /* 'same' is stride 1: with stride 2 the padding after is ph again */
+    CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "w_out", "same stride 2");
     g = base;
     g.kh = 20; /* dilated kernel past the padded input */
     CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "h_out", "kernel too large");

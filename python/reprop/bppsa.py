@@ -869,22 +869,23 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple, name: str) -> tuple[tuple, tu
     kh, kw = layer.kernel_size
     sh, sw = layer.stride
     dh, dw = layer.dilation
-    if isinstance(layer.padding, str):
-        if layer.padding == "valid":
-            ph = pw = 0
-        else:  # "same" with stride 1: torch pads symmetrically when the total is even
-            th, tw = dh * (kh - 1), dw * (kw - 1)
-            if th % 2 or tw % 2:
-                raise ValueError(f"{name}: Conv2d padding='same' with an odd total padding "
-                                 f"(kernel_size={layer.kernel_size}, dilation={layer.dilation}) is "
-                                 "not supported")
-            ph, pw = th // 2, tw // 2
-    else:
-        ph, pw = layer.padding
-    ho = (h + 2 * ph - dh * (kh - 1) - 1) // sh + 1
-    wo = (w + 2 * pw - dw * (kw - 1) - 1) // sw + 1
+    (ph, th), (pw, tw) = _conv_padding(layer, name)
+    ho = (h + th - dh * (kh - 1) - 1) // sh + 1
+    wo = (w + tw - dw * (kw - 1) - 1) // sw + 1
+    # the Jacobian's pattern takes the padding before; the output size says what is after
     geom = (c, h, w, layer.out_channels, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, layer.groups)
     return geom, (layer.out_channels, ho, wo)
+
+
+def _conv_padding(layer: nn.Conv2d, name: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(before, total) padding of each spatial axis of a Conv2d as torch
+    applies it: "same" (stride 1) pads the dilated kernel's reach d (k - 1)
+    in all, half of it before, so an odd total puts the extra one after."""
+    if layer.padding == "valid":
+        return (0, 0), (0, 0)
+    if layer.padding == "same":
+        return tuple((d * (k - 1) // 2, d * (k - 1)) for k, d in zip(layer.kernel_size, layer.dilation))
+    return tuple((p, 2 * p) for p in _pair(layer.padding, f"{name}.padding"))
 
 
 def _pool_args(layer: nn.MaxPool2d, name: str) -> tuple:
