@@ -1597,10 +1597,26 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
      "speedup: .* expected a finite number > 0"),
     (lambda: ooo.enable(nn.Linear(2, 2)).run([1]), TypeError,
      "tasks: expected the tasks a hold"),
+    (lambda: ooo.enable(nn.Linear(2, 2)).run(None), TypeError, "tasks: expected a list .* NoneType"),
+    (lambda: ooo.enable(nn.Linear(2, 2)).run(5), TypeError, "tasks: expected a list .* int"),
 ])
 def test_bad_arguments(bad, error, match):
     with pytest.raises(error, match=match):
         bad()
+
+
+def test_run_of_one_task_names_the_argument():
+    """A single held task where the list goes (an easy slip) gets an error
+    naming `tasks`, not Python's '_Task object is not iterable'."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    handle = ooo.enable(model)
+    with handle.hold() as tasks:
+        model(torch.randn(3, 2)).sum().backward()
+    with pytest.raises(TypeError, match="tasks: expected a list of the tasks a hold.* got _Task"):
+        handle.run(tasks[0])
+    handle.run(tasks)  # the list still runs: nothing was consumed by the refusal
+    assert model[0].weight.grad is not None
+    handle.remove()
 
 
 def test_numpy_numbers_are_accepted_as_python_ones():
@@ -1903,6 +1919,8 @@ def test_a_captured_step_takes_only_the_values_of_its_inputs():
     (lambda: ooo.capture(print, torch.zeros(2))(torch.zeros(2, dtype=torch.float64)),
      ValueError, r"inputs\[0\]: expected torch.float32"),
     (lambda: ooo.capture(print, torch.zeros(2))(), TypeError, "inputs: expected 1"),
+    (lambda: ooo.capture(print, torch.zeros(2, 2))(torch.eye(2).to_sparse()), ValueError,
+     r"inputs\[0\]: expected a dense \(strided\) tensor, got torch.sparse_coo"),
 ])
 def test_capture_bad_arguments(bad, error, match):
     with pytest.raises(error, match=match):
@@ -1995,3 +2013,4 @@ def test_capture_refuses_a_step_that_synchronizes():
 
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         ooo.capture(step, torch.randn(2, 4, device="cuda"), handle=handle)
+

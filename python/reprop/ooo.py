@@ -846,6 +846,9 @@ class OOOHandle(_PassTracking):
     def run(self, tasks: Iterable[_Task]) -> None:
         """Runs held tasks now, in the given order, on the current stream,
         then the post-accumulate-grad hooks that waited for them."""
+        if isinstance(tasks, _Task) or not isinstance(tasks, Iterable):
+            raise TypeError(f"tasks: expected a list of the tasks a hold() block collected, got "
+                            f"{type(tasks).__name__}")
         tasks = list(tasks)
         wrong = next((t for t in tasks if not isinstance(t, _Task)), None)
         if wrong is not None:
@@ -1593,12 +1596,20 @@ class CapturedStep:
         return self.outputs
 
 
+def _check_dense_input(t: object, i: int) -> None:
+    """inputs[i] of a capture or a replay: a dense tensor (the static buffers
+    are copied into with copy_, which takes no sparse source)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"inputs[{i}]: expected a tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"inputs[{i}]: expected a dense (strided) tensor, got {t.layout}")
+
+
 def _check_replay_inputs(inputs: Sequence, static: Sequence[torch.Tensor]) -> None:
     if len(inputs) != len(static):
         raise TypeError(f"inputs: expected {len(static)} tensors as captured, got {len(inputs)}")
     for i, (new, ref) in enumerate(zip(inputs, static)):
-        if not isinstance(new, torch.Tensor):
-            raise TypeError(f"inputs[{i}]: expected a tensor, got {type(new).__name__}")
+        _check_dense_input(new, i)
         if new.shape != ref.shape:
             raise ValueError(f"inputs[{i}]: expected shape {tuple(ref.shape)} as captured, got "
                              f"{tuple(new.shape)}; a captured step replays fixed shapes "
@@ -1612,10 +1623,7 @@ def _check_capture_inputs(inputs: Sequence) -> torch.device:
     if not inputs:
         raise TypeError("inputs: expected at least one tensor (the batch the step reads)")
     for i, t in enumerate(inputs):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"inputs[{i}]: expected a tensor, got {type(t).__name__}")
-        if t.layout != torch.strided:
-            raise ValueError(f"inputs[{i}]: expected a dense (strided) tensor, got {t.layout}")
+        _check_dense_input(t, i)
         if t.device != inputs[0].device:
             raise ValueError(f"inputs[{i}]: expected every input on {inputs[0].device}, got "
                              f"{t.device}")
