@@ -1276,6 +1276,84 @@ def test_pruned_chain_checks_every_weight_layer_and_names_the_first(levels):
         plan.backward(inputs, g)
 
 
+class PlannedChain(nn.Module):
+    """A model holding its own ChainPlan, as a model copied for an EMA or
+    saved in a checkpoint does."""
+
+    def __init__(self, layers, input_shape, **plan_args):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.plan = bppsa.ChainPlan(self.layers, input_shape, **plan_args)
+
+    def input_grads(self, x, g):
+        return bppsa.chain_backward(list(self.layers), x, g, plan=self.plan)
+
+
+@pytest.mark.parametrize("levels", ["auto", "blelloch"])
+def test_chain_plan_deepcopy_reads_the_copied_layers(levels):
+    """The plan held a C capsule, so deepcopy of it or of a model holding it
+    raised TypeError. A deepcopy of the model gets a plan over the copy's
+    own layers (deepcopy's memo): the original's weights changed after the
+    copy leave the copy's gradients those of the copy; copy.copy plans over
+    the same layers."""
+    torch.manual_seed(9)
+    model = PlannedChain(small_cnn(), (2, 6, 6), levels=levels)
+    twin = copy.deepcopy(model)
+    assert [layer for layer, _ in twin.plan.steps] == list(twin.layers)
+    assert [layer for layer, _ in copy.copy(model.plan).steps] == list(model.layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-2.0)
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    for m in (twin, model):
+        for a, b in zip(m.input_grads(x, g), autograd_layer_input_grads(list(m.layers), x, g)):
+            assert rel_err(a, b) <= 1e-5
+
+
+def test_chain_plan_pickles_with_its_schedule(tmp_path):
+    """torch.save(weights_only=False) round-trips a model holding a plan; the
+    copy keeps the levels chosen, not "auto" again: the cost model's choice
+    depends on the thread count (64 Tanh of 256: a level with 64 threads,
+    none with 1), and the copy's gradients are the original's bits."""
+    layers = [nn.Tanh() for _ in range(64)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(64)
+        model = PlannedChain(layers, (256,))
+        torch.set_num_threads(1)
+        assert model.plan.info["levels"] == 1 and bppsa.ChainPlan(layers, (256,)).info["levels"] == 0
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    finally:
+        torch.set_num_threads(threads)
+    assert loaded.plan.info["levels"] == 1
+    assert [layer for layer, _ in loaded.plan.steps] == list(loaded.layers)
+    x, g = torch.randn(3, 256), torch.randn(3, 256)
+    for a, b in zip(loaded.input_grads(x, g), model.input_grads(x, g)):
+        assert torch.equal(a, b)
+
+
+def test_chain_plan_copy_keeps_its_pruning_mask():
+    """A pruned plan's copy keeps the mask it was built with (the weights
+    zero then), not the weights zero at the copy: a regrown weight is
+    refused by the copy as by the original, and with the mask applied the
+    copy's patterns and gradients are the original's."""
+    model = PlannedChain(pruned_small_cnn(), (2, 6, 6), levels="blelloch", pruned=True)
+    x, g = torch.randn(3, 2, 6, 6), torch.randn(3, 4)
+    with torch.no_grad():
+        model.layers[3].weight.view(-1)[0] = 0.5  # pruned: [::2] are zero
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        with pytest.raises(ValueError, match=r"^layers\[3\]: Conv2d: weights that were zero"):
+            m.input_grads(x, g)
+    with torch.no_grad():
+        twin.layers[3].weight.view(-1)[0] = model.layers[3].weight.view(-1)[0] = 0
+    for a, b in zip(model.plan.leaves, twin.plan.leaves):
+        assert np.array_equal(a.indptr, b.indptr) and np.array_equal(a.indices, b.indices)
+    for a, b in zip(twin.input_grads(x, g), model.input_grads(x, g)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("levels", [2, "blelloch"])
 def test_chain_overflowing_products_fall_back_to_linear(levels):
     """Eight Linear layers diag(1e10, 0.5) and a gradient only in the second

@@ -1014,9 +1014,11 @@ class _Leaf:
     """One layer's CSR transposed Jacobian: its pattern (int32) and how to
     gather its values for a step. With `pruned`, a Conv2d's or Linear's
     entries whose weight is zero now are left out of the pattern. `name`
-    says which layer it is in errors; the layer passed _check_chain_layer."""
+    says which layer it is in errors; the layer passed _check_chain_layer.
+    `pruned` may also be the flat indices of the weights to take as zero:
+    the mask of the plan being copied (ChainPlan.__reduce__)."""
 
-    def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool = False):
+    def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool | np.ndarray = False):
         self.layer, self.in_shape, self.name = layer, in_shape, name
         self.kind = kind = _chain_class(layer)
         self.settings = _settings(layer, kind, name)
@@ -1040,8 +1042,8 @@ class _Leaf:
         self.rows, self.cols = size, math.prod(self.out_shape)
         self.shared = kind in (nn.Conv2d, nn.Linear)  # weights: one set for the batch
         self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
-        if pruned and hasattr(self, "wmap"):
-            self._drop_zero_weights()
+        if pruned is not False and hasattr(self, "wmap"):
+            self._drop_zero_weights(self._zero_now() if pruned is True else pruned)
         self.weight_shape = layer.weight.shape if self.shared else None
         self._maps = {}
 
@@ -1053,18 +1055,23 @@ class _Leaf:
                              f"ChainPlan was built (was {self.settings}, now {now}); build a new "
                              "ChainPlan")
 
-    def _drop_zero_weights(self) -> None:
-        """The pattern without the entries of zero weights: a fixed pruning
-        mask's guaranteed zeros, which would otherwise fill in the products."""
-        weight = self.layer.weight.detach().reshape(-1).cpu()
-        zero = (weight == 0).numpy()
+    def _zero_now(self) -> np.ndarray:
+        """Flat indices of the layer's weights that are zero now."""
+        return np.flatnonzero((self.layer.weight.detach().reshape(-1).cpu() == 0).numpy())
+
+    def _drop_zero_weights(self, zero_weights: np.ndarray) -> None:
+        """The pattern without the entries of the zero weights (flat indices):
+        a fixed pruning mask's guaranteed zeros, which would otherwise fill
+        in the products."""
+        zero = np.zeros(self.layer.weight.numel(), dtype=bool)
+        zero[zero_weights] = True
         keep = ~zero[self.wmap]
         rows = np.repeat(np.arange(self.rows), np.diff(self.indptr))
         counts = np.bincount(rows[keep], minlength=self.rows)
         self.indptr = np.concatenate(([0], np.cumsum(counts))).astype(np.int32)
         self.indices = np.ascontiguousarray(self.indices[keep])
         self.wmap = np.ascontiguousarray(self.wmap[keep])
-        self.zero_weights = np.flatnonzero(zero)
+        self.zero_weights = zero_weights
 
     def regrown(self, weight: torch.Tensor) -> bool:
         """Whether a weight the pattern dropped as zero is non-zero in
@@ -1311,17 +1318,28 @@ class ChainPlan:
     cusparseSpMM, CUDA tensors only (needs reprop built with cusparse.h and
     libcusparse.so.12 at run time; RuntimeError here if the build lacks it).
     The peer plans its products (work estimation, nnz, copy) once per batch
-    size and device, at that first backward."""
+    size and device, at that first backward.
+    copy.deepcopy and pickle (torch.save) rebuild the plan: see __reduce__."""
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
                  max_pairs: int = 0, pruned: bool = False, product: str = "reprop"):
-        self.product = _check_product(product)
+        product = _check_product(product)
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
         layers = list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
+        # an int past the chain's depth is the full scan, as in scan()
+        want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
+            else min(levels, 64)
+        self._build(layers, input_shape, want, max_pairs, [bool(pruned)] * len(layers), product)
+
+    def _build(self, layers: list[nn.Module], input_shape: tuple[int, ...], want: int, max_pairs: int,
+               pruned: list, product: str) -> None:
+        """The plan of checked arguments: `want` is csr_plan's levels (-1:
+        the cost model's choice), pruned[i] layer i's mask as _Leaf takes it."""
+        self.product, self._max_pairs = product, max_pairs
         shape, self.leaves, self.steps = input_shape, [], []
         for i, layer in enumerate(layers):
             _check_chain_layer(layer, f"layers[{i}]")
@@ -1329,14 +1347,11 @@ class ChainPlan:
                 self.steps.append((layer, None))
                 shape = (math.prod(shape),)
                 continue
-            leaf = _Leaf(layer, shape, f"layers[{i}]", bool(pruned))
+            leaf = _Leaf(layer, shape, f"layers[{i}]", pruned[i])
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
         self.input_shape, self.output_shape = input_shape, shape
-        # an int past the chain's depth is the full scan, as in scan()
-        want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
-            else min(levels, 64)
         self._plan = _C.csr_plan([leaf.pattern() for leaf in self.leaves], want, max_pairs,
                                  *_machine(torch.device("cpu")))
         self.info = _C.csr_plan_info(self._plan)
@@ -1349,6 +1364,20 @@ class ChainPlan:
                                  for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
         self._peer_schedule = _C.csr_schedule(self._plan) if product == "cusparse" else None
         self._peers = {}  # (B, device): _CusparsePeer
+
+    def __reduce__(self):
+        """copy.deepcopy and pickle rebuild the plan from its layers (the C
+        plan is a capsule, which neither can copy): a deepcopy of a model
+        holding the plan gets a plan over the copied model's layers, through
+        deepcopy's memo. The copy keeps the schedule, with the levels chosen
+        (the cost model's choice depends on the thread count at the build),
+        and the pruning mask, with the weights that were zero at the build
+        (not those zero at the copy); its device copies and cuSPARSE peers
+        are made again at its first backward."""
+        masks = [False if leaf is None or leaf.zero_weights is None else leaf.zero_weights
+                 for _, leaf in self.steps]
+        return _rebuilt_plan, ([layer for layer, _ in self.steps], self.input_shape, self.info["levels"],
+                               self._max_pairs, masks, self.product)
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
@@ -1465,6 +1494,16 @@ class ChainPlan:
             grad = _input_grad(leaf.layer, x, grad, x.dtype)
             grads.append(grad)
         return grads[::-1]
+
+
+def _rebuilt_plan(layers: list[nn.Module], input_shape: tuple[int, ...], levels: int, max_pairs: int,
+                  pruned: list, product: str) -> ChainPlan:
+    """ChainPlan.__reduce__'s copy, planned again; product is checked again:
+    a checkpoint loaded where the cuSPARSE peer is missing raises as the
+    constructor does there."""
+    plan = ChainPlan.__new__(ChainPlan)
+    plan._build(layers, input_shape, levels, max_pairs, pruned, _check_product(product))
+    return plan
 
 
 def _owned_gradients(views: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
