@@ -926,6 +926,13 @@ class _BackwardFusion(FusionHandle):
         # weak reference is dead too, that backward raised (see _drop_failed_pass).
         self._pass_open = False
         self._updated: set = set()  # ids of the params updated since the window's last step
+        # ids of the params a window's step moved before its step() was called
+        # (finished at a forward or flush() after the updating backward, which
+        # lets the next gradients in: _updated is empty again). That step() is
+        # eager's step of the window, which moves each param once, so it moves
+        # these no more. Cleared by that step() and by the next gradient,
+        # which belongs to the next window.
+        self._moved_before_step: set = set()
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
@@ -1065,6 +1072,7 @@ class _BackwardFusion(FusionHandle):
             self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
+        self._moved_before_step.clear()  # (a gradient opens the next window)
         if not self._backward_since_forward:
             self._backward_since_forward = True
             self._marked_in = None if _tensors.outside_backward() else self._backward_pass()
@@ -1211,7 +1219,11 @@ class _BackwardFusion(FusionHandle):
             settings, self._step_settings = self._step_settings, None
             if settings is not None or stepping:
                 self._apply_unapplied(settings)
-            self._updated.clear()
+            # the window's step is finished: a gradient from now on is not a second
+            # one, and until one comes, the window's step() (if this is not it)
+            # moves none of the params this finish found moved
+            self._moved_before_step = set() if stepping else self._updated
+            self._updated = set()
             if stepping:
                 # a micro-batch whose forward ran already belongs to the next window
                 self._micro_batches = 0 if self._backward_since_forward else 1
@@ -1223,12 +1235,15 @@ class _BackwardFusion(FusionHandle):
         fused param with an unapplied .grad (from earlier micro-batches of
         the window, set by hand, from before fuse()), and after
         zero_grad(set_to_none=False) every param that ever had a gradient,
-        from the zeros eager would hold."""
+        from the zeros eager would hold. Not those this window's step moved
+        already (updated since its last step, or before a forward or flush()
+        that finished it): eager's step() moves each once."""
+        moved = self._updated | self._moved_before_step
         left = [p for i, p in self._params.items()
-                if i not in self._updated and i not in self._kept and p.grad is not None]
+                if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
             zeroed = [p for i, p in self._ever_updated.items()
-                      if i not in self._updated and p.grad is None and i in self._params]
+                      if i not in moved and p.grad is None and i in self._params]
             for p in zeroed:
                 p.grad = torch.zeros_like(p)
             left += zeroed
@@ -1364,6 +1379,7 @@ class _BackwardFusion(FusionHandle):
             return reduced
         with self._lock:
             self._backward_since_forward = True
+            self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
             if self._removed or not self._updating():
                 return reduced
             pairs, unused_here = _split_by_local_use(
