@@ -3456,6 +3456,20 @@ def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) 
             assert_results_equal(Result(**r["fused" + view]), Result(**r["eager" + view]))
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_zero_grad_keeping_zeros_moves_parameters_no_rank_used(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True) and zero_grad(set_to_none=False): a
+    parameter no rank used in a step keeps the zero gradient DDP leaves it,
+    which eager step() moves it from (Adam's moments and step count), as
+    without DDP; the bucket hook's updates count as the gradient it once
+    had. Also with a no_grad forward before each step(), which finishes the
+    step (those moves) before step() is called."""
+    for r in _run_ddp_workers("ddp_unused_zeroed", tmp_path):
+        assert float(r["eager"]["state"]["module.aux.weight"]["step"]) == 4
+        for variant in ("", "_view", "_eval", "_view_eval"):
+            assert_results_equal(Result(**r["fused" + variant]), Result(**r["eager" + variant]))
+
+
 def test_backward_mode_layers_called_one_by_one_without_step() -> None:
     """Layers called one by one (the root's forward never runs) and no
     step() (a no-op in backward mode): the next forward of a module with

@@ -1265,7 +1265,7 @@ class _BackwardFusion(FusionHandle):
             self._ddp_unused_here = []
             if used_elsewhere and not self._removed:  # (removed: eager's step() applies them)
                 self.optimizer.step_params(used_elsewhere)
-                self._updated.update(map(id, used_elsewhere))
+                self._record_updated(used_elsewhere)
                 self._ddp_updated.extend(used_elsewhere)
             self._release_grads(self._ddp_updated)
             self._ddp_updated = []
@@ -1282,9 +1282,19 @@ class _BackwardFusion(FusionHandle):
         # its gradients unapplied in .grad, as a refused eager step() does.
         for p in params:
             self._ready.pop(id(p), None)
+        self._record_updated(params)
+        self._release_grads(params)
+
+    def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
+        """Notes `params` as updated in this window (a second gradient for one
+        is refused, step() does not move it again) and as having had a
+        gradient (after zero_grad(set_to_none=False), eager's step() moves it
+        from zeros in every later step that gives it none). Every path that
+        updates notes here: _update, and under DDP the bucket hook and the
+        end of backward."""
+        for p in params:
             self._updated.add(id(p))
             self._ever_updated[id(p)] = p
-        self._release_grads(params)
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
         """CUDA: the update runs on a low-priority side stream, ordered after the
@@ -1386,7 +1396,7 @@ class _BackwardFusion(FusionHandle):
                 (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if id(p) in self._params)
             self._ddp_unused_here.extend(unused_here)
-            self._updated.update(id(p) for p, _ in pairs)
+            self._record_updated(p for p, _ in pairs)
             if self._end_ref() is None:
                 self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
 
