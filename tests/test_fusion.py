@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -2175,11 +2176,48 @@ def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
     _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
 
 
+@pytest.mark.parametrize("bad, exc, match", [
+    ("1", TypeError, "^clip_grad_norm: expected a real number"),  # (float() would parse it)
+    ([1.0], TypeError, "^clip_grad_norm: expected a real number"),
+    (True, TypeError, "^clip_grad_norm: expected a real number"),  # (no norm of 1.0)
+    (1 + 0j, TypeError, "^clip_grad_norm: expected a real number"),
+    (np.array([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
+    (torch.tensor([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
+    (torch.tensor(True), TypeError, "^clip_grad_norm: expected a real number"),
+    (0.0, ValueError, "^clip_grad_norm: expected a number > 0"),
+    (-1, ValueError, "^clip_grad_norm: expected a number > 0"),
+    (float("nan"), ValueError, "^clip_grad_norm: expected a number > 0"),
+])
+def test_bad_clip_grad_norm_raises_naming_it(bad, exc: type, match: str) -> None:
+    """What is not a real number > 0 is refused by fuse(), naming the
+    argument, instead of torch's own error about a comparison (a string, a
+    list, an array of two) or a bool taken as a max norm of 1.0."""
+    _refused(exc, match, lambda m: rp.SGD(m.parameters(), lr=0.1), mode="forward", clip_grad_norm=bad)
+
+
+def test_clip_grad_norm_as_numpy_scalar_or_tensor_trains_as_the_float() -> None:
+    """What torch's clip_grad_norm_ takes as its max_norm (float() of it) is
+    taken too, read once at fuse(): a NumPy scalar, a 0-d array, a one-element
+    tensor train as the float (1e-3: below every step's gradient norm)."""
+    runs = {}
+    for max_norm in (1e-3, np.float64(1e-3), np.array(1e-3), torch.tensor([1e-3], dtype=torch.float64)):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode="forward", clip_grad_norm=max_norm)
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        handle.remove()
+        runs[type(max_norm).__name__] = (model, opt)
+    for kind in ("float64", "ndarray", "Tensor"):
+        _assert_same_training(runs[kind], runs["float"])
+
+
 def test_numpy_int_accumulation_steps_is_a_count() -> None:
     """np.int64(2), as len(loader) // n or a config array gives it, counts
     as 2: trains as the int 2."""
-    import numpy as np
-
     runs = {}
     for steps in (2, np.int64(2)):
         model = _mlp()
@@ -2990,8 +3028,6 @@ def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
     """An lr held as a NumPy array and changed in place after step() (a
     hand-written schedule): the pending update shared the array and used the
     new lr; eager step() had used the old one. It uses the old one."""
-    import numpy as np
-
     def after(model: nn.Module, opt) -> None:
         opt.param_groups[0]["lr"][...] = 10.0
 

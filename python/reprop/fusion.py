@@ -207,7 +207,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             there unless 1.
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step()
-            (but after the optimizer's step pre-hooks, inside step()).
+            (but after the optimizer's step pre-hooks, inside step()). A real
+            number > 0 (inf: no clipping), not a bool; a NumPy scalar or a
+            one-element tensor is read once, here, as a float.
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
@@ -226,8 +228,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
                              "backward-fusion updates a parameter; use mode='forward'")
-        if not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm: expected a positive max norm, got {clip_grad_norm!r}")
+        # (a float: what torch's clip_grad_norm_ makes of its max_norm, read once here)
+        clip_grad_norm = _tensors.check_positive_real(clip_grad_norm, "clip_grad_norm")
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
