@@ -722,6 +722,41 @@ def test_zero_grad_keeping_zeros_matches_eager(name: str, mode: str, accumulate:
     assert_results_equal(got, ref)
 
 
+# (torch's note on the first layer's hook, which runs at its outputs' gradients)
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("mode, keep_grads", [(None, False), ("backward", False),
+                                              ("backward", True), ("forward", False)])
+def test_full_backward_hook_sees_the_parameters_as_readme_says(mode: str | None,
+                                                               keep_grads: bool) -> None:
+    """What README says a module's full backward hook sees: in backward mode
+    its parameters updated already and their .grad freed (kept with
+    keep_grads=True), as autograd accumulates them before the hook; as eager
+    (the gradient, the old values) in forward mode; and for the first layer,
+    whose input needs no gradient, the hook runs before its gradients, in
+    every mode as in eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    before = {i: model[i].weight.detach().clone() for i in (0, 2)}
+    seen = {}
+
+    def hook(index: int):
+        def record(module, grad_input, grad_output):
+            seen[index] = (module.weight.grad is not None, not torch.equal(module.weight, before[index]))
+        return record
+
+    for i in (0, 2):
+        model[i].register_full_backward_hook(hook(i))
+    handle = None
+    if mode is not None:
+        handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode=mode, keep_grads=keep_grads)
+    model(torch.randn(4, 3)).sum().backward()
+    # (has a gradient, is updated)
+    assert seen[2] == ((keep_grads, True) if mode == "backward" else (True, False))
+    assert seen[0] == (False, False)
+    if handle is not None:
+        handle.remove()
+
+
 @pytest.mark.parametrize("keep_grads", [False, True])
 @pytest.mark.parametrize("accumulate", [1, 4])
 @pytest.mark.parametrize("before_step", ["flush", "no_grad", "grad"])
