@@ -21,6 +21,11 @@
         reprop.fuse(mode="backward") (gradient_as_bucket_view False and True);
         torch.save {"eager": ..., "fused": ..., ...} to OUT.
 
+    python _fusion_resume.py ddp_unused_zeroed RANK WORLD INIT_FILE OUT
+        ddp_unused with zero_grad(set_to_none=False), whose zero gradients
+        eager step() moves a parameter no rank used from; also with a
+        no_grad forward before each step() (the keys ending in "_eval").
+
     python _fusion_resume.py ddp_twice RANK WORLD INIT_FILE OUT
         reprop.fuse(DDP(model), mode="backward") and two backward() calls of
         one forward (the second reaching only an Embedding's weight, which
@@ -37,7 +42,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
+import itertools
 import sys
 import warnings
 import weakref
@@ -152,32 +159,35 @@ class _SometimesAux(torch.nn.Module):
         return h + self.aux(h) if use_aux else h
 
 
-def ddp_unused(rank: int, world: int, init_file: str, out: str) -> None:
+def ddp_unused(rank: int, world: int, init_file: str, out: str, set_to_none: bool = True) -> None:
     import reprop
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     results = {}
-    for as_view in (False, True):
-        for kind in ("eager", "fused"):
-            model = DDP(_SometimesAux(), find_unused_parameters=True,
-                        gradient_as_bucket_view=as_view)
-            opt = reprop.optim.Adam(model.parameters(), lr=0.01)
-            handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for i in range(4):
-                    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
-                    # step 0: every rank uses aux; step 2: rank 0 alone; else none
-                    use_aux = i == 0 or (i == 2 and rank == 0)
-                    model(x, use_aux).square().mean().backward()
-                    opt.step()
-                    opt.zero_grad()
-            if handle is not None:
-                handle.remove()
-            r = tf.Result(params={n: p.detach().clone() for n, p in model.named_parameters()},
-                          buffers={}, state=tf.optimizer_state(model, opt))
-            results[f"{kind}_view" if as_view else kind] = dataclasses.asdict(r)
+    for as_view, evaluate, kind in itertools.product(
+            (False, True), (False,) if set_to_none else (False, True), ("eager", "fused")):
+        model = DDP(_SometimesAux(), find_unused_parameters=True,
+                    gradient_as_bucket_view=as_view)
+        opt = reprop.optim.Adam(model.parameters(), lr=0.01)
+        handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(4):
+                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+                # step 0: every rank uses aux; step 2: rank 0 alone; else none
+                use_aux = i == 0 or (i == 2 and rank == 0)
+                model(x, use_aux).square().mean().backward()
+                if evaluate:
+                    with torch.no_grad():
+                        model(x, True)
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+        if handle is not None:
+            handle.remove()
+        r = tf.Result(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                      buffers={}, state=tf.optimizer_state(model, opt))
+        results[kind + "_view" * as_view + "_eval" * evaluate] = dataclasses.asdict(r)
     torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
@@ -244,16 +254,24 @@ def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+DDP_COMMANDS = {
+    "ddp": ddp,
+    "ddp_unused": ddp_unused,
+    "ddp_unused_zeroed": functools.partial(ddp_unused, set_to_none=False),
+    "ddp_twice": ddp_twice,
+    "ddp_join": ddp_join,
+}
+
+
 def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     cmd, *args = argv
     if cmd == "resume":
         case, opt_name, ckpt, start, stop, out = args
         resume(case, opt_name, ckpt, int(start), int(stop), out)
-    elif cmd in ("ddp", "ddp_unused", "ddp_twice", "ddp_join"):
+    elif cmd in DDP_COMMANDS:
         rank, world, init_file, out = args
-        {"ddp": ddp, "ddp_unused": ddp_unused, "ddp_twice": ddp_twice, "ddp_join": ddp_join}[cmd](
-            int(rank), int(world), init_file, out)
+        DDP_COMMANDS[cmd](int(rank), int(world), init_file, out)
     else:
         raise SystemExit(f"unknown command {cmd!r}")
 

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -250,6 +251,9 @@ class Loop:
     record_grads: bool = False  # record every p.grad right after backward
     keep_grads: bool = False  # fuse(keep_grads=True)
     set_to_none: bool = True  # zero_grad(set_to_none=...)
+    # before each step(): "flush" (fused: handle.flush()), or a "no_grad" or
+    # "grad" forward of the model whose output is dropped
+    before_step: str | None = None
 
     def for_eager(self) -> "Loop":
         """The same loop without the options that only concern fuse()."""
@@ -390,6 +394,7 @@ class Trainer:
                     r.grads.append({n: _clone(p.grad) for n, p in model.named_parameters()})
                 if not last:
                     continue
+                self._before_step()
                 user_clip = loop.clip == "user" or (loop.clip == "arg" and self.mode is None)
                 if self.scaler is not None:
                     if user_clip:
@@ -408,6 +413,15 @@ class Trainer:
                     self.sched.step()
                     r.lrs.append([g["lr"] for g in opt.param_groups])
         return self
+
+    def _before_step(self) -> None:
+        """What the loop does between the window's last backward and step()."""
+        what = self.loop.before_step
+        if what == "flush" and self.handle is not None:
+            self.handle.flush()
+        elif what in ("no_grad", "grad"):
+            with torch.set_grad_enabled(what == "grad"):
+                self.model(self.case.eval_input())
 
     def finish(self) -> Result:
         """Applies what is pending (fused) and snapshots the run."""
@@ -706,6 +720,57 @@ def test_zero_grad_keeping_zeros_matches_eager(name: str, mode: str, accumulate:
     if name != "SGD":  # gate is used every second micro-batch, yet steps in every step
         assert float(ref.state["gate"]["step"]) == STEPS // accumulate
     assert_results_equal(got, ref)
+
+
+# (torch's note on the first layer's hook, which runs at its outputs' gradients)
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("mode, keep_grads", [(None, False), ("backward", False),
+                                              ("backward", True), ("forward", False)])
+def test_full_backward_hook_sees_the_parameters_as_readme_says(mode: str | None,
+                                                               keep_grads: bool) -> None:
+    """What README says a module's full backward hook sees: in backward mode
+    its parameters updated already and their .grad freed (kept with
+    keep_grads=True), as autograd accumulates them before the hook; as eager
+    (the gradient, the old values) in forward mode; and for the first layer,
+    whose input needs no gradient, the hook runs before its gradients, in
+    every mode as in eager."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    before = {i: model[i].weight.detach().clone() for i in (0, 2)}
+    seen = {}
+
+    def hook(index: int):
+        def record(module, grad_input, grad_output):
+            seen[index] = (module.weight.grad is not None, not torch.equal(module.weight, before[index]))
+        return record
+
+    for i in (0, 2):
+        model[i].register_full_backward_hook(hook(i))
+    handle = None
+    if mode is not None:
+        handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode=mode, keep_grads=keep_grads)
+    model(torch.randn(4, 3)).sum().backward()
+    # (has a gradient, is updated)
+    assert seen[2] == ((keep_grads, True) if mode == "backward" else (True, False))
+    assert seen[0] == (False, False)
+    if handle is not None:
+        handle.remove()
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("accumulate", [1, 4])
+@pytest.mark.parametrize("before_step", ["flush", "no_grad", "grad"])
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_zero_grad_keeping_zeros_with_a_flush_or_forward_before_step(
+        name: str, before_step: str, accumulate: int, keep_grads: bool) -> None:
+    """zero_grad(set_to_none=False) and a flush() or a forward between the
+    window's last backward and step() (a training accuracy taken before
+    stepping): the flush or forward finishes the window's step, moving the
+    params that backward did not use from their zeros, and the step() after
+    it is still that window's step, so it moves no param a second time."""
+    loop = Loop(set_to_none=False, accumulate=accumulate, before_step=before_step,
+                keep_grads=keep_grads)
+    assert_results_equal(fused("branchy", name, "backward", loop), eager("branchy", name, loop))
 
 
 def _micro_batch_loss(model: nn.Module, x: torch.Tensor, how: str) -> torch.Tensor:
@@ -2146,11 +2211,48 @@ def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
     _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
 
 
+@pytest.mark.parametrize("bad, exc, match", [
+    ("1", TypeError, "^clip_grad_norm: expected a real number"),  # (float() would parse it)
+    ([1.0], TypeError, "^clip_grad_norm: expected a real number"),
+    (True, TypeError, "^clip_grad_norm: expected a real number"),  # (no norm of 1.0)
+    (1 + 0j, TypeError, "^clip_grad_norm: expected a real number"),
+    (np.array([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
+    (torch.tensor([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
+    (torch.tensor(True), TypeError, "^clip_grad_norm: expected a real number"),
+    (0.0, ValueError, "^clip_grad_norm: expected a number > 0"),
+    (-1, ValueError, "^clip_grad_norm: expected a number > 0"),
+    (float("nan"), ValueError, "^clip_grad_norm: expected a number > 0"),
+])
+def test_bad_clip_grad_norm_raises_naming_it(bad, exc: type, match: str) -> None:
+    """What is not a real number > 0 is refused by fuse(), naming the
+    argument, instead of torch's own error about a comparison (a string, a
+    list, an array of two) or a bool taken as a max norm of 1.0."""
+    _refused(exc, match, lambda m: rp.SGD(m.parameters(), lr=0.1), mode="forward", clip_grad_norm=bad)
+
+
+def test_clip_grad_norm_as_numpy_scalar_or_tensor_trains_as_the_float() -> None:
+    """What torch's clip_grad_norm_ takes as its max_norm (float() of it) is
+    taken too, read once at fuse(): a NumPy scalar, a 0-d array, a one-element
+    tensor train as the float (1e-3: below every step's gradient norm)."""
+    runs = {}
+    for max_norm in (1e-3, np.float64(1e-3), np.array(1e-3), torch.tensor([1e-3], dtype=torch.float64)):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode="forward", clip_grad_norm=max_norm)
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        handle.remove()
+        runs[type(max_norm).__name__] = (model, opt)
+    for kind in ("float64", "ndarray", "Tensor"):
+        _assert_same_training(runs[kind], runs["float"])
+
+
 def test_numpy_int_accumulation_steps_is_a_count() -> None:
     """np.int64(2), as len(loader) // n or a config array gives it, counts
     as 2: trains as the int 2."""
-    import numpy as np
-
     runs = {}
     for steps in (2, np.int64(2)):
         model = _mlp()
@@ -2961,8 +3063,6 @@ def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
     """An lr held as a NumPy array and changed in place after step() (a
     hand-written schedule): the pending update shared the array and used the
     new lr; eager step() had used the old one. It uses the old one."""
-    import numpy as np
-
     def after(model: nn.Module, opt) -> None:
         opt.param_groups[0]["lr"][...] = 10.0
 
@@ -3425,6 +3525,20 @@ def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) 
     for r in _run_ddp_workers("ddp_unused", tmp_path):
         for view in ("", "_view"):
             assert_results_equal(Result(**r["fused" + view]), Result(**r["eager" + view]))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_zero_grad_keeping_zeros_moves_parameters_no_rank_used(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True) and zero_grad(set_to_none=False): a
+    parameter no rank used in a step keeps the zero gradient DDP leaves it,
+    which eager step() moves it from (Adam's moments and step count), as
+    without DDP; the bucket hook's updates count as the gradient it once
+    had. Also with a no_grad forward before each step(), which finishes the
+    step (those moves) before step() is called."""
+    for r in _run_ddp_workers("ddp_unused_zeroed", tmp_path):
+        assert float(r["eager"]["state"]["module.aux.weight"]["step"]) == 4
+        for variant in ("", "_view", "_eval", "_view_eval"):
+            assert_results_equal(Result(**r["fused" + variant]), Result(**r["eager" + variant]))
 
 
 def test_backward_mode_layers_called_one_by_one_without_step() -> None:

@@ -303,3 +303,34 @@ def new_table(rows: int) -> np.ndarray:
 def current_stream_handle(device: torch.device) -> int:
     """The cudaStream_t of PyTorch's current stream on `device`, as an integer."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def _is_real_scalar(value) -> bool:
+    """A real number as torch's float() takes one where it expects a scalar
+    (clip_grad_norm_'s max_norm): an int, a float, a NumPy real scalar or 0-d
+    array, a one-element real tensor. Not a bool (True is no number 1 there),
+    nor a string, which float() would parse."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return True
+    if isinstance(value, np.ndarray):
+        return value.ndim == 0 and value.dtype.kind in "iuf"
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return False
+
+
+def check_positive_real(value, name: str) -> float:
+    """`value` as a Python float if it is a real scalar (_is_real_scalar) > 0,
+    inf included; else a TypeError (not a real scalar) or a ValueError (0, a
+    negative number, NaN) naming `name`."""
+    if not _is_real_scalar(value):
+        what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})")
+        raise TypeError(f"{name}: expected a real number (an int, a float or a one-element real "
+                        f"tensor; not a bool), got {what}")
+    as_float = float(value)
+    if not as_float > 0:
+        raise ValueError(f"{name}: expected a number > 0, got {value!r}")
+    return as_float

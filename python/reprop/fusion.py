@@ -207,7 +207,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             there unless 1.
         clip_grad_norm: forward mode: clip the global gradient norm to this
             value when step() is called, as clip_grad_norm_ before step()
-            (but after the optimizer's step pre-hooks, inside step()).
+            (but after the optimizer's step pre-hooks, inside step()). A real
+            number > 0 (inf: no clipping), not a bool; a NumPy scalar or a
+            one-element tensor is read once, here, as a float.
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
@@ -226,8 +228,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
                              "backward-fusion updates a parameter; use mode='forward'")
-        if not clip_grad_norm > 0:
-            raise ValueError(f"clip_grad_norm: expected a positive max norm, got {clip_grad_norm!r}")
+        # (a float: what torch's clip_grad_norm_ makes of its max_norm, read once here)
+        clip_grad_norm = _tensors.check_positive_real(clip_grad_norm, "clip_grad_norm")
     if mode == "forward" and accumulation_steps != 1:
         raise ValueError("accumulation_steps: in forward mode the training loop decides when "
                          "to call optimizer.step(); leave accumulation_steps at 1")
@@ -926,6 +928,13 @@ class _BackwardFusion(FusionHandle):
         # weak reference is dead too, that backward raised (see _drop_failed_pass).
         self._pass_open = False
         self._updated: set = set()  # ids of the params updated since the window's last step
+        # ids of the params a window's step moved before its step() was called
+        # (finished at a forward or flush() after the updating backward, which
+        # lets the next gradients in: _updated is empty again). That step() is
+        # eager's step of the window, which moves each param once, so it moves
+        # these no more. Cleared by that step() and by the next gradient,
+        # which belongs to the next window.
+        self._moved_before_step: set = set()
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
@@ -1065,6 +1074,7 @@ class _BackwardFusion(FusionHandle):
             self._kept.clear()
 
     def _mark_backward(self, p: torch.Tensor) -> None:
+        self._moved_before_step.clear()  # (a gradient opens the next window)
         if not self._backward_since_forward:
             self._backward_since_forward = True
             self._marked_in = None if _tensors.outside_backward() else self._backward_pass()
@@ -1211,7 +1221,11 @@ class _BackwardFusion(FusionHandle):
             settings, self._step_settings = self._step_settings, None
             if settings is not None or stepping:
                 self._apply_unapplied(settings)
-            self._updated.clear()
+            # the window's step is finished: a gradient from now on is not a second
+            # one, and until one comes, the window's step() (if this is not it)
+            # moves none of the params this finish found moved
+            self._moved_before_step = set() if stepping else self._updated
+            self._updated = set()
             if stepping:
                 # a micro-batch whose forward ran already belongs to the next window
                 self._micro_batches = 0 if self._backward_since_forward else 1
@@ -1223,12 +1237,15 @@ class _BackwardFusion(FusionHandle):
         fused param with an unapplied .grad (from earlier micro-batches of
         the window, set by hand, from before fuse()), and after
         zero_grad(set_to_none=False) every param that ever had a gradient,
-        from the zeros eager would hold."""
+        from the zeros eager would hold. Not those this window's step moved
+        already (updated since its last step, or before a forward or flush()
+        that finished it): eager's step() moves each once."""
+        moved = self._updated | self._moved_before_step
         left = [p for i, p in self._params.items()
-                if i not in self._updated and i not in self._kept and p.grad is not None]
+                if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
             zeroed = [p for i, p in self._ever_updated.items()
-                      if i not in self._updated and p.grad is None and i in self._params]
+                      if i not in moved and p.grad is None and i in self._params]
             for p in zeroed:
                 p.grad = torch.zeros_like(p)
             left += zeroed
@@ -1250,7 +1267,7 @@ class _BackwardFusion(FusionHandle):
             self._ddp_unused_here = []
             if used_elsewhere and not self._removed:  # (removed: eager's step() applies them)
                 self.optimizer.step_params(used_elsewhere)
-                self._updated.update(map(id, used_elsewhere))
+                self._record_updated(used_elsewhere)
                 self._ddp_updated.extend(used_elsewhere)
             self._release_grads(self._ddp_updated)
             self._ddp_updated = []
@@ -1267,9 +1284,19 @@ class _BackwardFusion(FusionHandle):
         # its gradients unapplied in .grad, as a refused eager step() does.
         for p in params:
             self._ready.pop(id(p), None)
+        self._record_updated(params)
+        self._release_grads(params)
+
+    def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
+        """Notes `params` as updated in this window (a second gradient for one
+        is refused, step() does not move it again) and as having had a
+        gradient (after zero_grad(set_to_none=False), eager's step() moves it
+        from zeros in every later step that gives it none). Every path that
+        updates notes here: _update, and under DDP the bucket hook and the
+        end of backward."""
+        for p in params:
             self._updated.add(id(p))
             self._ever_updated[id(p)] = p
-        self._release_grads(params)
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
         """CUDA: the update runs on a low-priority side stream, ordered after the
@@ -1364,13 +1391,14 @@ class _BackwardFusion(FusionHandle):
             return reduced
         with self._lock:
             self._backward_since_forward = True
+            self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
             if self._removed or not self._updating():
                 return reduced
             pairs, unused_here = _split_by_local_use(
                 (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if id(p) in self._params)
             self._ddp_unused_here.extend(unused_here)
-            self._updated.update(id(p) for p, _ in pairs)
+            self._record_updated(p for p, _ in pairs)
             if self._end_ref() is None:
                 self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
 
