@@ -74,9 +74,11 @@ class Tol:
     atol: float
 
 
-# Bitwise equality with torch is impossible: torch's vectorized CPU kernels use
-# FMA inside add(alpha=)/lerp/addcmul while their scalar tails do not, and a
-# fused kernel orders its operations differently. One step from identical
+# Bitwise equality with torch is impossible: torch's CPU sqrt is not correctly
+# rounded (one ulp off in about one element in six), its kernels round
+# add(alpha=) and lerp with FMA, in vectorized bodies and scalar tails alike
+# (reprop's addcmul rounds as theirs does: test_mul_addcmul_state_is_torchs_bitwise),
+# and a fused kernel orders its operations differently. One step from identical
 # inputs therefore differs by a few fp32 ulp, which STEP_TOL (the starting
 # tolerance) covers. The numbers below are worst cases over every test that
 # uses a tolerance, as multiples of STEP_TOL, measured on CPU with the reprop
@@ -107,6 +109,20 @@ TRAIN_TOL = {
     "RMSprop": Tol(rtol=2e-5, atol=2e-6),
     "Adadelta": Tol(rtol=6e-5, atol=6e-6),
 }
+
+
+def _torch_fuses_multiply_adds() -> bool:
+    """Whether this torch's CPU kernels round addcmul (like add(alpha=) and
+    lerp) once, with FMA, as its AVX2 and AVX-512 kernels do and reprop does:
+    inf - 1e28 * 1e28 is then inf, where the product rounded on its own
+    overflows and gives NaN, as in torch's baseline x86 kernels
+    (ATEN_CPU_CAPABILITY=default), which reprop does not follow."""
+    big = torch.tensor([1e28])
+    return torch.tensor([float("inf")]).addcmul(big, big, value=-1).item() == float("inf")
+
+
+TORCH_FUSES_MULTIPLY_ADDS = _torch_fuses_multiply_adds()
+NO_TORCH_FMA = "this torch's CPU kernels round the product of a multiply-add on its own"
 
 
 def _finite_scale(expected: torch.Tensor) -> float:
@@ -493,6 +509,32 @@ def test_single_steps_match_torch_tightly(name: str) -> None:
     got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads, group1=group1)
     ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads, group1=group1)
     assert_runs_close(got, ref, STEP_TOL)
+
+
+# State that torch computes from the gradients alone with mul and addcmul (no
+# weight decay, no square root: torch's CPU sqrt is not correctly rounded), over
+# sizes that fill vector bodies and scalar tails in both libraries.
+MUL_ADDCMUL_STATE = {
+    "Adam": ({"lr": 1e-2}, ["exp_avg_sq"]),
+    "Adagrad": ({"lr": 0.05, "initial_accumulator_value": 0.1}, ["sum"]),
+    "RMSprop": ({"lr": 1e-3, "alpha": 0.9}, ["square_avg"]),
+    "Adadelta": ({"lr": 1.0, "rho": 0.9}, ["square_avg"]),
+}
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+@pytest.mark.parametrize("name", list(MUL_ADDCMUL_STATE))
+def test_mul_addcmul_state_is_torchs_bitwise(name: str) -> None:
+    """The same ops on the same inputs give the same bits: addcmul rounds once."""
+    options, keys = MUL_ADDCMUL_STATE[name]
+    shapes = [(n,) for n in range(1, 41)]
+    init, grads = make_params(shapes, seed=4), grad_sequence(shapes, 3)
+    got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    for pg, pr in zip(got.params, ref.params):
+        for key in keys:
+            assert torch.equal(got.opt.state[pg][key], ref.opt.state[pr][key]), (
+                f"{name} state[{key!r}] of {tuple(pr.shape)} differs from torch's")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -890,6 +932,7 @@ def _torch_adagrad_steps_added_groups() -> bool:
 
 
 TORCH_ADAGRAD_STEPS_ADDED_GROUPS = _torch_adagrad_steps_added_groups()
+
 NO_TORCH_ADAGRAD_ADDED_GROUPS = "this torch's Adagrad cannot step a group added later (KeyError: 'sum')"
 
 
@@ -1442,6 +1485,26 @@ def test_nonfinite_gradients_propagate_like_torch(name: str, options: str) -> No
     ref = run_open_loop(factory(torch_cls(name), **opts), init, grads)
     assert any(p.isnan().any() for p in ref.params), "test is meant to produce NaN parameters"
     assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+@pytest.mark.parametrize("torch_foreach", [False, True], ids=["torch_for_loop", "torch_foreach"])
+@pytest.mark.parametrize("options", [{}, {"momentum": 0.9}, {"eps": 0.0}], ids=["plain", "momentum", "eps0"])
+def test_rmsprop_centered_stays_finite_where_square_avg_overflows(options: dict,
+                                                                   torch_foreach: bool) -> None:
+    """Gradients beyond ~1.8e21 overflow square_avg to inf. torch's
+    square_avg - grad_avg^2 (one addcmul) is then inf, its square root inf and
+    the update 0; grad_avg^2 rounded on its own overflows too, and inf - inf
+    would make the parameter and the momentum buffer NaN."""
+    shapes = [(37,)]
+    init, grads = make_params(shapes, seed=16), grad_sequence(shapes, 3)
+    for step in grads[:2]:  # vector body and scalar tail; finite gradients after
+        step[0][[0, 20, 33, 36]] = torch.tensor([1e22, -1e22, 3e21, -1e30])
+    opts = {"lr": 1e-2, "centered": True, **options}
+    got = run_open_loop(factory(rp.RMSprop, **opts), init, grads)
+    ref = run_open_loop(factory(torch.optim.RMSprop, foreach=torch_foreach, **opts), init, grads)
+    assert ref.params[0].isfinite().all(), "torch keeps these parameters finite"
+    assert_runs_close(got, ref, STEP_TOL)
 
 
 # ---------------------------------------------------------------------------
