@@ -9,19 +9,19 @@
  * multiplies a float32 tensor by a Python scalar, and each tensor op rounds
  * its result once, as ATen's kernels do:
  *
- *   add(x, alpha=a)            self + a * x
+ *   add(x, alpha=a)            fma(a, x, self)
  *   addcmul(t1, t2, value=v)   fma(v * t1, t2, self)
- *   lerp(end, w)               self + w * (end - self), or for |w| >= 0.5
- *                              end - (1 - w) * (end - self)
+ *   lerp(end, w)               fma(w, end - self, self), or for |w| >= 0.5
+ *                              fma(-(end - self), 1 - w, end)
  *   addcdiv(t1, t2, value=v)   self + v * t1 / t2, each op rounded
  *
- * The fused multiply-add is torch's: its CPU kernels for AVX2 and AVX-512
+ * The fused multiply-adds are torch's: its CPU kernels for AVX2 and AVX-512
  * (vectorized bodies and scalar tails alike) and its CUDA kernels contract
- * addcmul, and the single rounding decides more than the last bit: RMSprop's
- * centered square_avg - grad_avg^2 is inf in torch once square_avg is inf,
- * where grad_avg^2 rounded on its own overflows too and inf - inf is NaN.
- * Only torch's baseline x86 kernels (CPUs without AVX2,
- * ATEN_CPU_CAPABILITY=default) round the product apart.
+ * these three ops, and the single rounding decides more than the last bit:
+ * a product that overflows on its own (RMSprop's centered square_avg minus
+ * grad_avg^2 once square_avg is inf, SGD's lr * grad against a large param)
+ * or underflows to a zero of the wrong sign. Only torch's baseline x86 kernels
+ * (CPUs without AVX2, ATEN_CPU_CAPABILITY=default) round the product apart.
  * Every other multiply-add rounds term by term (the build disables
  * contraction), so the CPU loops and the CUDA kernels agree bit for bit.
  *
@@ -131,7 +131,7 @@ RP_HOSTDEV unsigned rp_optim_state_slots(const rp_optim_hparams *hp)
 /* torch's self.add(other, alpha=alpha). */
 RP_HOSTDEV float rp_add_alpha(float self, float other, float alpha)
 {
-    return self + alpha * other;
+    return RP_FMAF(alpha, other, self);
 }
 
 /* Conditions in the element math pick operands (values at hand or constants),
@@ -139,19 +139,18 @@ RP_HOSTDEV float rp_add_alpha(float self, float other, float alpha)
  * only by turning it into a select, which it refuses where a branch calls fmaf
  * or does floating-point arithmetic (that might trap), unless it unswitches
  * the loop, which it does for small ones only. The two below rest on
- * x + -0.0 == x for every float x, -0.0 and NaN included (and 0 * -0.0 and
- * 1 * x are exact). */
+ * x + -0.0 == x for every float x, -0.0 and NaN included. */
 
 /* cond ? self.add(other, alpha=alpha) : self */
 RP_HOSTDEV float rp_add_alpha_if(int cond, float self, float other, float alpha)
 {
-    return self + (cond ? alpha : 0.0f) * (cond ? other : -0.0f);
+    return RP_FMAF(cond ? alpha : 0.0f, cond ? other : -0.0f, self);
 }
 
 /* cond ? self.add(other, alpha=alpha) : other */
 RP_HOSTDEV float rp_add_alpha_or_other(int cond, float self, float other, float alpha)
 {
-    return (cond ? self : -0.0f) + (cond ? alpha : 1.0f) * other;
+    return RP_FMAF(cond ? alpha : 1.0f, other, cond ? self : -0.0f);
 }
 
 /* torch's self.addcmul(t1, t2, value=value). */
@@ -167,12 +166,12 @@ RP_HOSTDEV float rp_addcdiv(float self, float t1, float t2, float value)
 }
 
 /* torch.lerp(self, end, w): self + w * (end - self) for |w| < 0.5, else
- * end - (1 - w) * (end - self); one multiply-add of picked operands, as in
- * ATen's vectorized lerp. */
+ * end - (1 - w) * (end - self); one fused multiply-add of picked operands, as
+ * in ATen's vectorized lerp. */
 RP_HOSTDEV float rp_lerp(float self, float end, float w, float one_minus_w)
 {
     int small_w = fabsf(w) < 0.5f;
-    return (small_w ? self : end) + (small_w ? w : -one_minus_w) * (end - self);
+    return RP_FMAF(small_w ? w : -one_minus_w, end - self, small_w ? self : end);
 }
 
 /* torch.maximum: NaN in either operand wins. */
@@ -190,7 +189,8 @@ RP_HOSTDEV float rp_effective_grad(const rp_optim_consts *c, float g, float p)
     return rp_add_alpha_if(c->has_wd, c->sign * g, p, c->wd);
 }
 
-/* SGD. buf: momentum_buffer (unused without momentum); fresh: buffer just created. */
+/* SGD. buf: momentum_buffer (unused without momentum); fresh: buffer just
+ * created (a literal in the CPU loops, where this branch must fold away). */
 RP_HOSTDEV float rp_sgd_elem(const rp_optim_consts *c, float p, float g, float *buf, int fresh)
 {
     g = rp_effective_grad(c, g, p);

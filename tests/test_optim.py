@@ -75,10 +75,10 @@ class Tol:
 
 
 # Bitwise equality with torch is impossible: torch's CPU sqrt is not correctly
-# rounded (one ulp off in about one element in six), its kernels round
-# add(alpha=) and lerp with FMA, in vectorized bodies and scalar tails alike
-# (reprop's addcmul rounds as theirs does: test_mul_addcmul_state_is_torchs_bitwise),
-# and a fused kernel orders its operations differently. One step from identical
+# rounded (one ulp off in about one element in six), and reprop's is. Every
+# other op rounds as torch's does, fused multiply-adds included (see
+# test_mul_addcmul_state_is_torchs_bitwise and its neighbours), so what no
+# square root reaches is torch's bit for bit. One step from identical
 # inputs therefore differs by a few fp32 ulp, which STEP_TOL (the starting
 # tolerance) covers. The numbers below are worst cases over every test that
 # uses a tolerance, as multiples of STEP_TOL, measured on CPU with the reprop
@@ -535,6 +535,61 @@ def test_mul_addcmul_state_is_torchs_bitwise(name: str) -> None:
         for key in keys:
             assert torch.equal(got.opt.state[pg][key], ref.opt.state[pr][key]), (
                 f"{name} state[{key!r}] of {tuple(pr.shape)} differs from torch's")
+
+
+# What torch computes with add(alpha=), lerp, mul and addcmul alone: SGD's
+# parameters and momentum buffer, Adam's exp_avg (lerp weight 1 - beta1 below
+# and above 0.5) and centered RMSprop's grad_avg; no weight decay where a
+# square root reaches the key through the parameters.
+ADD_LERP_RESULTS = [
+    ("SGD", RICH["SGD"], ["param", "momentum_buffer"]),
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01, "maximize": True},
+     ["param", "momentum_buffer"]),
+    ("Adam", {"lr": 1e-2}, ["exp_avg"]),
+    ("Adam", {"lr": 1e-2, "betas": (0.3, 0.999)}, ["exp_avg"]),
+    ("RMSprop", {"lr": 1e-3, "centered": True}, ["grad_avg"]),
+]
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+@pytest.mark.parametrize("name, options, keys", ADD_LERP_RESULTS,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(ADD_LERP_RESULTS)])
+def test_add_alpha_and_lerp_results_are_torchs_bitwise(name: str, options: dict, keys: list) -> None:
+    """The same ops on the same inputs give the same bits: add(alpha=) and
+    lerp round once."""
+    shapes = [(n,) for n in range(1, 41)]
+    init, grads = make_params(shapes, seed=5), grad_sequence(shapes, 3)
+    got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    for pg, pr in zip(got.params, ref.params):
+        for key in keys:
+            a, e = (pg, pr) if key == "param" else (got.opt.state[pg][key], ref.opt.state[pr][key])
+            assert torch.equal(a, e), f"{name} {key} of {tuple(pr.shape)} differs from torch's"
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+def test_a_product_rounded_once_keeps_torchs_sign_and_range() -> None:
+    """add(alpha=) and lerp round the product once, as torch's do: one that
+    underflows keeps its sign in the sum (0 - 0.1 * 1e-45 is -0.0, not +0.0;
+    so is Adam's exp_avg lerped from 0 towards -1e-45), and one that overflows
+    on its own does not make the sum inf (3e38 - 1.5 * 3e38 is -1.5e38)."""
+    def runs(classes: dict[str, type[torch.optim.Optimizer]]) -> list[torch.Tensor]:
+        sgd = [nn.Parameter(torch.tensor([0.0])), nn.Parameter(torch.tensor([3e38]))]
+        sgd[0].grad, sgd[1].grad = torch.tensor([1e-45]), torch.tensor([3e38])
+        classes["SGD"]([{"params": sgd[:1], "lr": 0.1}, {"params": sgd[1:], "lr": 1.5}]).step()
+        adam = nn.Parameter(torch.tensor([0.0]))
+        adam.grad = torch.tensor([-1e-45])
+        opt = classes["Adam"]([adam])
+        opt.step()
+        return [*sgd, opt.state[adam]["exp_avg"]]
+
+    got = runs({"SGD": rp.SGD, "Adam": rp.Adam})
+    ref = runs({"SGD": torch.optim.SGD, "Adam": torch.optim.Adam})
+    assert ref[0].signbit().item() and ref[1].isfinite().item() and ref[2].signbit().item(), (
+        f"torch's results {[r.item() for r in ref]} are not the -0.0, finite, -0.0 this test is about")
+    for what, a, e in zip(["SGD 0 - 0.1 * 1e-45", "SGD 3e38 - 1.5 * 3e38", "Adam exp_avg"], got, ref):
+        assert torch.equal(a.detach().view(torch.int32), e.detach().view(torch.int32)), (
+            f"{what}: {a.item()!r} (bits {a.detach().view(torch.int32).item():#x}), torch's {e.item()!r}")
 
 
 @pytest.mark.parametrize("name", NAMES)
