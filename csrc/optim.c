@@ -262,9 +262,10 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
 /* ---- the chunk loops: one per optimizer, generic over the param type ---- */
 
 /* Each loop reads one chunk [0, len) of already-offset pointers. The consts
- * are copied into a local whose optional-state flags are set to literals, so
- * that GCC sees every flag as loop-invariant (a local cannot alias the float
- * arrays), drops the dead branches and vectorizes the loop. */
+ * are copied into a local whose optional-state flags are set to literals (and
+ * SGD's `fresh` is passed as one), so that GCC sees every flag as
+ * loop-invariant (a local cannot alias the float arrays), drops the dead
+ * branches and vectorizes the loop. */
 #define RP_LOOP(SUFFIX, LOAD, STORE, CALL)                                                        \
     for (i = 0; i < len; i++)                                                                      \
         STORE(p, i, CALL);
@@ -280,9 +281,12 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         if (buf == NULL) {                                                                         \
             c.has_momentum = 0;                                                                    \
             RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &unused, 0))      \
+        } else if (fresh) {                                                                        \
+            c.has_momentum = 1;                                                                    \
+            RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &buf[i], 1))      \
         } else {                                                                                   \
             c.has_momentum = 1;                                                                    \
-            RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &buf[i], fresh))  \
+            RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &buf[i], 0))      \
         }                                                                                          \
     }                                                                                              \
     RP_TARGET_CLONES static void rp_adam_loop_##SUFFIX(                                            \

@@ -7,9 +7,23 @@
  * term by term (torch 2.x, e.g. torch/optim/adam.py `_single_tensor_adam`):
  * every Python float is rounded to float32 once, as torch does when it
  * multiplies a float32 tensor by a Python scalar, and each tensor op rounds
- * its result. `add(x, alpha=a)` is `self + a * x`, `addcmul(t1, t2, value=v)`
- * is `self + v * t1 * t2`, `addcdiv(t1, t2, value=v)` is `self + v * t1 / t2`,
- * left to right, as in ATen's CPU kernels.
+ * its result once, as ATen's kernels do:
+ *
+ *   add(x, alpha=a)            fma(a, x, self)
+ *   addcmul(t1, t2, value=v)   fma(v * t1, t2, self)
+ *   lerp(end, w)               fma(w, end - self, self), or for |w| >= 0.5
+ *                              fma(-(end - self), 1 - w, end)
+ *   addcdiv(t1, t2, value=v)   self + v * t1 / t2, each op rounded
+ *
+ * The fused multiply-adds are torch's: its CPU kernels for AVX2 and AVX-512
+ * (vectorized bodies and scalar tails alike) and its CUDA kernels contract
+ * these three ops, and the single rounding decides more than the last bit:
+ * a product that overflows on its own (RMSprop's centered square_avg minus
+ * grad_avg^2 once square_avg is inf, SGD's lr * grad against a large param)
+ * or underflows to a zero of the wrong sign. Only torch's baseline x86 kernels
+ * (CPUs without AVX2, ATEN_CPU_CAPABILITY=default) round the product apart.
+ * Every other multiply-add rounds term by term (the build disables
+ * contraction), so the CPU loops and the CUDA kernels agree bit for bit.
  *
  * Arithmetic is float32 whatever the parameter dtype; state is float32.
  */
@@ -21,13 +35,18 @@
 
 #if defined(__CUDA_ARCH__)
 #define RP_SQRTF(x) __fsqrt_rn(x) /* IEEE round-to-nearest whatever -prec-sqrt says */
+#define RP_FMAF(a, b, c) __fmaf_rn(a, b, c)
 #define RP_ISNAN(x) isnan(x)
 #elif defined(__CUDACC__)
 #define RP_SQRTF(x) sqrtf(x)
+#define RP_FMAF(a, b, c) fmaf(a, b, c)
 #define RP_ISNAN(x) isnan(x)
 #else
 #include <math.h>
 #define RP_SQRTF(x) sqrtf(x)
+/* one instruction in the AVX2 and AVX-512 clones of the CPU loops; a libm call
+ * in the baseline x86-64 one */
+#define RP_FMAF(a, b, c) fmaf(a, b, c)
 #define RP_ISNAN(x) ((x) != (x))
 #endif
 
@@ -35,10 +54,9 @@
  * optimizer's inner loop reads them. */
 typedef struct {
     float sign;            /* -1 when maximize, else 1: exact negation */
-    int has_wd;            /* weight_decay != 0 */
+    int has_wd;            /* weight_decay != 0, coupled (not AdamW's) */
     float wd;              /* coupled weight decay: grad + wd * param */
-    float decay_factor;    /* AdamW: 1 - lr * weight_decay */
-    int decoupled;
+    float decay_factor;    /* AdamW: 1 - lr * weight_decay; else 1, and param * 1 is param */
     float eps;
     float w1, one_minus_w1; /* lerp weight (1 - beta1 or 1 - alpha) and 1 - weight */
     float beta2, one_minus_beta2;
@@ -62,13 +80,13 @@ RP_HOSTDEV int rp_optim_has_momentum(const rp_optim_hparams *hp)
  * separately because capturable CUDA updates read it from device memory. */
 RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_optim_consts *c)
 {
+    const int decoupled = hp->kind == RP_ADAM && hp->decoupled_weight_decay;
     double w1 = 0.0;
     memset(c, 0, sizeof *c);
     c->sign = hp->maximize ? -1.0f : 1.0f;
-    c->has_wd = hp->weight_decay != 0.0;
+    c->has_wd = hp->weight_decay != 0.0 && !decoupled;
     c->wd = (float)hp->weight_decay;
-    c->decoupled = hp->decoupled_weight_decay;
-    c->decay_factor = (float)(1.0 - lr * hp->weight_decay);
+    c->decay_factor = decoupled ? (float)(1.0 - lr * hp->weight_decay) : 1.0f;
     c->eps = (float)hp->eps;
     c->amsgrad = hp->amsgrad;
     c->momentum = (float)hp->momentum;
@@ -110,10 +128,50 @@ RP_HOSTDEV unsigned rp_optim_state_slots(const rp_optim_hparams *hp)
     }
 }
 
-/* torch.lerp(self, end, w): the two formulas ATen picks between by |w|. */
+/* torch's self.add(other, alpha=alpha). */
+RP_HOSTDEV float rp_add_alpha(float self, float other, float alpha)
+{
+    return RP_FMAF(alpha, other, self);
+}
+
+/* Conditions in the element math pick operands (values at hand or constants),
+ * never whether something is computed: GCC vectorizes a CPU loop with a branch
+ * only by turning it into a select, which it refuses where a branch calls fmaf
+ * or does floating-point arithmetic (that might trap), unless it unswitches
+ * the loop, which it does for small ones only. The two below rest on
+ * x + -0.0 == x for every float x, -0.0 and NaN included. */
+
+/* cond ? self.add(other, alpha=alpha) : self */
+RP_HOSTDEV float rp_add_alpha_if(int cond, float self, float other, float alpha)
+{
+    return RP_FMAF(cond ? alpha : 0.0f, cond ? other : -0.0f, self);
+}
+
+/* cond ? self.add(other, alpha=alpha) : other */
+RP_HOSTDEV float rp_add_alpha_or_other(int cond, float self, float other, float alpha)
+{
+    return RP_FMAF(cond ? alpha : 1.0f, other, cond ? self : -0.0f);
+}
+
+/* torch's self.addcmul(t1, t2, value=value). */
+RP_HOSTDEV float rp_addcmul(float self, float t1, float t2, float value)
+{
+    return RP_FMAF(value * t1, t2, self);
+}
+
+/* torch's self.addcdiv(t1, t2, value=value): a division, so nothing to fuse. */
+RP_HOSTDEV float rp_addcdiv(float self, float t1, float t2, float value)
+{
+    return self + value * t1 / t2;
+}
+
+/* torch.lerp(self, end, w): self + w * (end - self) for |w| < 0.5, else
+ * end - (1 - w) * (end - self); one fused multiply-add of picked operands, as
+ * in ATen's vectorized lerp. */
 RP_HOSTDEV float rp_lerp(float self, float end, float w, float one_minus_w)
 {
-    return (w < 0.5f && w > -0.5f) ? self + w * (end - self) : end - (end - self) * one_minus_w;
+    int small_w = fabsf(w) < 0.5f;
+    return RP_FMAF(small_w ? w : -one_minus_w, end - self, small_w ? self : end);
 }
 
 /* torch.maximum: NaN in either operand wins. */
@@ -128,20 +186,20 @@ RP_HOSTDEV float rp_maximum(float a, float b)
 /* Gradient after maximize and coupled weight decay. */
 RP_HOSTDEV float rp_effective_grad(const rp_optim_consts *c, float g, float p)
 {
-    g = c->sign * g;
-    return c->has_wd ? g + c->wd * p : g;
+    return rp_add_alpha_if(c->has_wd, c->sign * g, p, c->wd);
 }
 
-/* SGD. buf: momentum_buffer (unused without momentum); fresh: buffer just created. */
+/* SGD. buf: momentum_buffer (unused without momentum); fresh: buffer just
+ * created (a literal in the CPU loops, where this branch must fold away). */
 RP_HOSTDEV float rp_sgd_elem(const rp_optim_consts *c, float p, float g, float *buf, int fresh)
 {
     g = rp_effective_grad(c, g, p);
     if (c->has_momentum) {
-        float b = fresh ? g : *buf * c->momentum + c->one_minus_dampening * g;
+        float b = fresh ? g : rp_add_alpha(*buf * c->momentum, g, c->one_minus_dampening);
         *buf = b;
-        g = c->nesterov ? g + c->momentum * b : b;
+        g = rp_add_alpha_or_other(c->nesterov, g, b, c->momentum);
     }
-    return p + c->neg_lr * g;
+    return rp_add_alpha(p, g, c->neg_lr);
 }
 
 /* Adam / AdamW. neg_step_size = -lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t). */
@@ -149,16 +207,10 @@ RP_HOSTDEV float rp_adam_elem(const rp_optim_consts *c, float p, float g, float 
                               float *vmax, float neg_step_size, float bc2_sqrt)
 {
     float mm, vv, denom;
-    g = c->sign * g;
-    if (c->has_wd) {
-        if (c->decoupled)
-            p = p * c->decay_factor;
-        else
-            g = g + c->wd * p;
-    }
+    p = p * c->decay_factor;
+    g = rp_effective_grad(c, g, p);
     mm = rp_lerp(*m, g, c->w1, c->one_minus_w1);
-    vv = *v * c->beta2;
-    vv = vv + c->one_minus_beta2 * g * g;
+    vv = rp_addcmul(*v * c->beta2, g, g, c->one_minus_beta2);
     *m = mm;
     *v = vv;
     if (c->amsgrad) {
@@ -166,7 +218,7 @@ RP_HOSTDEV float rp_adam_elem(const rp_optim_consts *c, float p, float g, float 
         *vmax = vv;
     }
     denom = RP_SQRTF(vv) / bc2_sqrt + c->eps;
-    return p + neg_step_size * mm / denom;
+    return rp_addcdiv(p, mm, denom, neg_step_size);
 }
 
 /* Adagrad. neg_clr = -lr / (1 + (t - 1) * lr_decay). */
@@ -175,9 +227,9 @@ RP_HOSTDEV float rp_adagrad_elem(const rp_optim_consts *c, float p, float g, flo
 {
     float s;
     g = rp_effective_grad(c, g, p);
-    s = *sum + g * g; /* addcmul with value=1: 1 * g is exact */
+    s = rp_addcmul(*sum, g, g, 1.0f);
     *sum = s;
-    return p + neg_clr * g / (RP_SQRTF(s) + c->eps);
+    return rp_addcdiv(p, g, RP_SQRTF(s) + c->eps, neg_clr);
 }
 
 /* RMSprop. sq: square_avg, buf: momentum_buffer, ga: grad_avg (centered). */
@@ -186,24 +238,22 @@ RP_HOSTDEV float rp_rmsprop_elem(const rp_optim_consts *c, float p, float g, flo
 {
     float s, avg;
     g = rp_effective_grad(c, g, p);
-    s = *sq * c->alpha;
-    s = s + c->one_minus_alpha * g * g;
+    s = rp_addcmul(*sq * c->alpha, g, g, c->one_minus_alpha);
     *sq = s;
     if (c->centered) {
         float a = rp_lerp(*ga, g, c->w1, c->one_minus_w1);
         *ga = a;
-        avg = RP_SQRTF(s + -1.0f * a * a);
+        avg = RP_SQRTF(rp_addcmul(s, a, a, -1.0f));
     } else {
         avg = RP_SQRTF(s);
     }
     avg = avg + c->eps;
     if (c->has_momentum) {
-        float b = *buf * c->momentum;
-        b = b + g / avg;
+        float b = rp_addcdiv(*buf * c->momentum, g, avg, 1.0f);
         *buf = b;
-        return p + c->neg_lr * b;
+        return rp_add_alpha(p, b, c->neg_lr);
     }
-    return p + c->neg_lr * g / avg;
+    return rp_addcdiv(p, g, avg, c->neg_lr);
 }
 
 /* Adadelta. sq: square_avg, acc: acc_delta. */
@@ -212,17 +262,15 @@ RP_HOSTDEV float rp_adadelta_elem(const rp_optim_consts *c, float p, float g, fl
 {
     float s, std, delta, a;
     g = rp_effective_grad(c, g, p);
-    s = *sq * c->rho;
-    s = s + c->one_minus_rho * g * g;
+    s = rp_addcmul(*sq * c->rho, g, g, c->one_minus_rho);
     *sq = s;
     std = RP_SQRTF(s + c->eps);
     delta = RP_SQRTF(*acc + c->eps);
     delta = delta / std;
     delta = delta * g;
-    a = *acc * c->rho;
-    a = a + c->one_minus_rho * delta * delta;
+    a = rp_addcmul(*acc * c->rho, delta, delta, c->one_minus_rho);
     *acc = a;
-    return p + c->neg_lr * delta;
+    return rp_add_alpha(p, delta, c->neg_lr);
 }
 
 #endif /* REPROP_OPTIM_MATH_H */

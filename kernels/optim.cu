@@ -29,7 +29,9 @@
  * The per-element math is optim_math.h's, shared with the CPU loops, in float32
  * whatever the parameter dtype. Bitwise agreement with the CPU build (compiled
  * with -ffp-contract=off) needs this file compiled with nvcc --fmad=false and
- * without --use_fast_math / -ftz=true / -prec-div=false / -prec-sqrt=false.
+ * without --use_fast_math / -ftz=true / -prec-div=false / -prec-sqrt=false:
+ * the only fused multiply-adds are optim_math.h's explicit RP_FMAF, where
+ * torch's ops have one.
  *
  * Capturable updates (CUDA graphs): one small launch first increments every
  * device step counter by one on the stream, then each update block reads its
