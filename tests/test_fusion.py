@@ -1191,7 +1191,8 @@ def _copy_of(obj, how: str):
 def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
     """A copy of a fused model (a teacher, an EMA, a fine-tuned clone) taken
     right after step() (forward mode: the update still pending) carries the
-    fusion's hooks, but is a plain model with the values of that moment:
+    fusion's hooks, but is a plain model with the values eager training has
+    then (forward mode: the copy applies the pending updates first):
     backward fills its .grad and updates nothing (it updated itself with a
     hidden clone of the optimizer, or its first forward raised), an eager
     optimizer trains it as any model, and the original's training goes on
@@ -1213,7 +1214,7 @@ def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
                 continue
             twin, plain = _copy_of(model, how), _mlp()
             with torch.no_grad():
-                for a, b in zip(plain.parameters(), model.parameters()):
+                for a, b in zip(plain.parameters(), ref.parameters()):
                     a.copy_(b)
             opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
             for j in range(3):
@@ -3173,6 +3174,81 @@ def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl
         for j, (g, r) in enumerate(_paired(got, ref)):
             _assert_tensor_dicts(g, r, f"copy #{i}, state of param {j}", None)
     _assert_same_training(runs["forward"], runs[None])
+
+
+def _resume_from_copy(how: str, what: str, saved: list) -> Callable:
+    """Copies the model, or the model and the optimizer as one object (in
+    the order `what` names them), and trains the copy on eagerly for two
+    steps, as one resumes from an in-memory snapshot; `saved` gets the copy
+    (model, optimizer)."""
+    def take(model: nn.Module, opt) -> None:
+        if what == "model":
+            twin = _copy_of(model, how)
+            twin_opt = rp.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+        else:
+            both = {"model": model, "opt": opt}
+            copied = _copy_of({k: both[k] for k in what.split(" then ")}, how)
+            twin, twin_opt = copied["model"], copied["opt"]
+        for j in range(2):
+            x, y = _mlp_batch(100 + j)
+            F.mse_loss(twin(x), y).backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+        saved.append((twin, twin_opt))
+    return take
+
+
+@pytest.mark.parametrize("what", ["model then opt", "opt then model", "model"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_forward_mode_copy_of_the_model_after_step_is_current(how: str, what: str) -> None:
+    """copy.deepcopy or torch.save of the model, alone or with the optimizer
+    in one object (a checkpoint dict), right after step(), while the updates
+    are pending: the copy holds the updated values eager's copy holds, and
+    training it on from there trains as eager. The model copied first held
+    the values before the update, with the optimizer state after it (that
+    copy applied them): resumed, one update was lost."""
+    runs, copies = {}, {}
+    for mode in ("forward", None):
+        copies[mode] = []
+        after_step = dict.fromkeys((1, 3), _resume_from_copy(how, what, copies[mode]))
+        runs[mode] = _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 6,
+                               after_step=after_step)
+    for got, ref in _paired(copies["forward"], copies[None]):
+        _assert_same_training(got, ref)
+    _assert_same_training(runs["forward"], runs[None])
+
+
+def _first_weight_doubled(model: nn.Module, opt=None) -> nn.Module:
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Doubled())
+    return model
+
+
+@pytest.mark.parametrize("when", ["before fuse", "after fuse"])
+def test_forward_mode_deepcopy_of_a_parametrized_layer_after_step_is_current(when: str) -> None:
+    """A parametrized module's class has its own __deepcopy__, which copies
+    its parameters (the bias) before its parametrizations: a deepcopy of
+    the layer with the optimizer right after step() holds the updated
+    values too, the parametrization registered before fuse() or after (its
+    class replaced then)."""
+    copies = {}
+    for mode in ("forward", None):
+        copies[mode] = []
+
+        def take(model: nn.Module, opt, saved=copies[mode]) -> None:
+            twin = copy.deepcopy({"layer": model[0], "opt": opt})
+            saved.append([(p.detach().clone(), twin["opt"].state[p])
+                          for p in twin["layer"].parameters()])
+
+        if when == "before fuse":
+            make_model, events = (lambda: _first_weight_doubled(_mlp())), None
+        else:
+            make_model, events = _mlp, {0: _first_weight_doubled}
+        _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 4, events=events,
+                  after_step=dict.fromkeys((1, 2), take), make_model=make_model)
+    for i, (got, ref) in enumerate(_paired(copies["forward"], copies[None])):
+        for j, ((p, state), (r, ref_state)) in enumerate(_paired(got, ref)):
+            assert torch.equal(p, r), f"copy #{i}, param {j}: {_diff(p, r)}"
+            _assert_tensor_dicts(state, ref_state, f"copy #{i}, state of param {j}", None)
 
 
 # ---------------------------------------------------------------------------

@@ -39,16 +39,18 @@ an unmodified ``nn.Module``; the training loop keeps calling
   update. Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
-  ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
-  of any submodule holding fused parameters (``ddp.module``, a backbone),
-  and ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and
-  pickling the optimizer (``torch.save(optimizer)``,
-  ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
-  are exact. Code that reads or writes a parameter directly between
-  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights),
-  or the optimizer's state tensors, sees the value before the update and
-  must call ``handle.flush()`` first; a reset of the optimizer's state
-  (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
+  ``load_state_dict()``, ``to()`` (any ``Module._apply``) and copying
+  (``copy.deepcopy``, ``torch.save``) of the model or of any submodule
+  holding fused parameters (``ddp.module``, a backbone), and
+  ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and copying
+  the optimizer (``torch.save(optimizer)``, ``copy.deepcopy(optimizer)``)
+  apply pending updates first, so checkpoints and copies are exact, the
+  model and the optimizer copied together in either order. Code that reads
+  or writes a parameter directly between ``step()`` and the next forward
+  (``p.clamp_()``, an EMA of the weights, a copy of the parameters
+  themselves), or the optimizer's state tensors, sees the value before the
+  update and must call ``handle.flush()`` first; a reset of the optimizer's
+  state (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
   refuses, before marking anything pending.
 
 Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
@@ -64,7 +66,8 @@ applied elsewhere. In backward mode, flush(), step() and remove() on another
 thread leave a running backward's gradients to it.
 
 A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
-plain model: the hooks it copies belong to an inert copy of the handle.
+plain model with the updated values: the hooks it copies belong to an inert
+copy of the handle.
 
 The fusion lives as long as the model or the optimizer (their hooks and patched
 step() hold the handle; the parameters' hooks, which torch keeps out of the
@@ -94,6 +97,7 @@ from typing import Iterable
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _pytree
 
@@ -143,10 +147,15 @@ def _flushing(name: str):
     the module's fusions, installed as an instance method on each module
     holding fused parameters (a copy of the module has no fusion): _apply
     (what .to(), .half(), .cuda() call: the values converted must be the
-    updated ones) and zero_grad (model.zero_grad() in place of the
+    updated ones), zero_grad (model.zero_grad() in place of the
     optimizer's, between step() and the next forward: with
     set_to_none=False it zeroes in place the gradients the pending updates
-    hold). A nested call finds nothing pending."""
+    hold), and __getstate__ and __deepcopy__, which copy.deepcopy,
+    copy.copy and pickling (torch.save) look up on the instance: a copy
+    holds the updated values an eager copy holds, also when copied before
+    the optimizer, whose copy applies them too (the module's parameters
+    would be copied first, one update behind the copied optimizer state).
+    A nested call finds nothing pending."""
     def method(module: nn.Module, *args, **kwargs):
         for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
             handle.flush()
@@ -157,16 +166,21 @@ def _flushing(name: str):
     return method
 
 
-_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad")}
+_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad", "__getstate__",
+                                                "__deepcopy__")}
 
 
 def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
-    if module not in _FLUSH_BEFORE:
-        _FLUSH_BEFORE[module] = ({name: module.__dict__.get(name, _MISSING) for name in _FLUSHING},
-                                 weakref.WeakSet())
-        for name, method in _FLUSHING.items():
+    """Installs _FLUSHING's methods that `module`'s class has and that are
+    not installed yet: __deepcopy__ only where the class defines one (a
+    parametrized module's, whose class register_parametrization replaces,
+    maybe after fuse()); other modules are deep-copied through __getstate__."""
+    saved, handles = _FLUSH_BEFORE.setdefault(module, ({}, weakref.WeakSet()))
+    for name, method in _FLUSHING.items():
+        if name not in saved and hasattr(type(module), name):
+            saved[name] = module.__dict__.get(name, _MISSING)
             setattr(module, name, types.MethodType(method, module))
-    _FLUSH_BEFORE[module][1].add(handle)
+    handles.add(handle)
 
 
 def _stop_flushing_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
@@ -1563,13 +1577,15 @@ class _ForwardFusion(FusionHandle):
             self._ran.pop(id(module), None)
         # state_dict() of any module holding fused parameters (the root, ddp.module,
         # a backbone), its load_state_dict(), its .to()/.half()/.cuda()
-        # (Module._apply) and its zero_grad(): pending updates first, as eager
-        # applied them at step(), so that they are saved, not loaded or
-        # converted values updated after, and made from the gradients.
-        # Each hook of a nested call finds nothing pending: a check per module.
+        # (Module._apply), its zero_grad() and a copy of it: pending updates
+        # first, as eager applied them at step(), so that they are saved or
+        # copied, not loaded or converted values updated after, and made from
+        # the gradients. Each hook of a nested call finds nothing pending: a
+        # check per module.
         for module in self._covering_to_hook():
             self._hooks.append(module.register_state_dict_pre_hook(self._on_state_dict))
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+        for module in list(self._covered):  # (all: a class parametrized since has a __deepcopy__)
             _flush_before_module_calls(module, self)
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
@@ -1577,7 +1593,14 @@ class _ForwardFusion(FusionHandle):
         self._foreign = {i for i in self._params if i not in owned}
 
     def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
-        if param is not None and id(param) in self._params and not self._hooks_on(module):
+        if param is None:
+            return
+        if id(param) in self._params and not self._hooks_on(module):
+            self._owners_moved = True
+        elif isinstance(module, parametrize.ParametrizationList):
+            # the new tensors a parametrization's right_inverse made (weight_norm's)
+            # replace a fused parameter: its module's class changed (see
+            # _flush_before_module_calls)
             self._owners_moved = True
 
     def _follow_owners(self) -> None:
