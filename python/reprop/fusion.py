@@ -50,7 +50,10 @@ an unmodified ``nn.Module``; the training loop keeps calling
   (``p.clamp_()``, an EMA of the weights, a copy of the parameters
   themselves), or the optimizer's state tensors, sees the value before the
   update and must call ``handle.flush()`` first; a reset of the optimizer's
-  state (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
+  state (``opt.state.clear()``) is seen. So must registering a
+  parametrization with a right_inverse (weight_norm, spectral_norm), which
+  reads the weight: the next forward refuses one registered on a weight
+  whose update is pending, and drops that update. ``step()`` refuses what eager ``step()``
   refuses, before marking anything pending.
 
 Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
@@ -433,6 +436,41 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
     if not module._modules:  # (children() and parameters() build generators, at every forward)
         return module._parameters.values()  # (None for a parameter slot left empty)
     return module.parameters()
+
+
+def _places_of(owners: list, wanted: dict) -> dict:
+    """id(param) -> the (module, name) pairs under which each of `wanted`
+    (id -> param) is registered in the modules of `owners` ((module, its
+    own parameters) pairs): a tied one has several."""
+    places = collections.defaultdict(list)
+    for module, _ in owners:
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in wanted:
+                places[id(p)].append((module, name))
+    return places
+
+
+def _through_right_inverse(module: nn.Module) -> bool:
+    """Whether `module` is a ParametrizationList holding a parametrization
+    with a right_inverse: register_parametrization called it on the tensor
+    it replaces (assumed the identity otherwise)."""
+    return isinstance(module, parametrize.ParametrizationList) and any(
+        hasattr(q, "right_inverse") for q in module)
+
+
+def _parametrized_with_inverse(place: tuple) -> bool:
+    """Whether module.name (`place`, a (module, name) pair) is parametrized
+    through a right_inverse (_through_right_inverse)."""
+    module, name = place
+    return (parametrize.is_parametrized(module, name)
+            and _through_right_inverse(module.parametrizations[name]))
+
+
+def _place_name(model: nn.Module, place: tuple) -> str:
+    """module.name (`place`) as `model` names it ("2.weight")."""
+    module, name = place
+    prefix = next((n for n, m in model.named_modules(remove_duplicate=False) if m is module), "")
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _as_if_updated_in_place(params: list) -> None:
@@ -1491,6 +1529,9 @@ class _ForwardFusion(FusionHandle):
         self._ran: dict = {}
         self._stamp = object()
         self._owners: list = []  # (module, its own parameters) for each owner
+        # id(param) -> the (module, name) places of each in the owners, as of
+        # the last look (see _refuse_parametrized_while_pending)
+        self._places: dict = {}
         # (module, its own parameters) for the owners not seen running forward
         # since the owners were last followed: empty once all have run
         self._unseen: list = []
@@ -1569,6 +1610,7 @@ class _ForwardFusion(FusionHandle):
                   if (own := _direct_params(m, self._params))]
         self._owners = self._unseen = owners
         owned = {id(p) for _, own in owners for p in own}
+        self._places = _places_of(owners, self._params)
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
@@ -1597,19 +1639,62 @@ class _ForwardFusion(FusionHandle):
             return
         if id(param) in self._params and not self._hooks_on(module):
             self._owners_moved = True
+            if id(param) in self._pending and not _through_right_inverse(module):
+                self._apply_moved(param)
         elif isinstance(module, parametrize.ParametrizationList):
             # the new tensors a parametrization's right_inverse made (weight_norm's)
-            # replace a fused parameter: its module's class changed (see
-            # _flush_before_module_calls)
+            # replace a fused parameter, which leaves its module unseen (see
+            # _refuse_parametrized_while_pending), and its module's class
+            # changed (see _flush_before_module_calls)
             self._owners_moved = True
+
+    def _apply_moved(self, p: torch.Tensor) -> None:
+        """Applies the pending update of `p`, registered in a module without
+        this fusion's hooks (a weight tied, a parametrization without a
+        right_inverse, which takes the parameter as it is): eager step() had
+        applied it, and until the owners are followed nothing applies it
+        before a read through its new module (remove_parametrizations reads
+        the weight through its parametrizations)."""
+        with self._lock:
+            if id(p) in self._pending and not self._removed:
+                self._apply([p])
 
     def _follow_owners(self) -> None:
         """Hooks the new owners of fused parameters registered in other modules
         since the last look (under the lock). Without their hooks a pending
         update waited for a module that no longer owns the parameter, and the
-        forward used it one update behind, in every step from then on."""
+        forward used it one update behind, in every step from then on. What
+        a parametrization read one update behind is refused first (and the
+        owners followed at the next call)."""
         if self._owners_moved:
+            self._refuse_parametrized_while_pending()
             self._hook_owners()
+
+    def _refuse_parametrized_while_pending(self) -> None:
+        """Raises if a parametrization with a right_inverse (weight_norm,
+        spectral_norm, orthogonal) took the place of a parameter whose update
+        is pending, since the owners were last followed (a parametrization
+        registers parameters, which marks them moved): register_parametrization
+        read the value through right_inverse (and spectral_norm's setup read
+        it too) one update behind eager, whose step() had applied it, and a
+        tensor it made may share the parameter's memory (weight_norm's), which
+        the update would then change under a forward that saved it. Those
+        updates are dropped first (each would be refused again), the others
+        stay pending. Without a right_inverse the parameter itself moves,
+        unread: its update is applied before its new module's forward."""
+        hit = {id(p): (p, place) for i, p in self._pending.items()
+               for place in self._places.get(i, ()) if _parametrized_with_inverse(place)}
+        if not hit:
+            return
+        self._settle([p for p, _ in hit.values()])
+        self._forget_step_if_over()
+        names = ", ".join(repr(_place_name(self.model, place)) for _, place in hit.values())
+        raise RuntimeError(
+            f"reprop.fuse(mode='forward'): a parametrization with a right_inverse (weight_norm, "
+            f"spectral_norm, orthogonal, ...) was registered on {names} while its update was "
+            "pending since optimizer.step(): it read the value before that update, which eager "
+            "step() had applied; that update is dropped. Call handle.flush() before registering "
+            "a parametrization between optimizer.step() and the next forward")
 
     def _sync(self) -> list:
         new = super()._sync()
@@ -1652,6 +1737,8 @@ class _ForwardFusion(FusionHandle):
             return
         with self._lock:
             if self._pending:
+                if self._owners_moved:  # (a parametrization since step() is refused, not applied)
+                    self._refuse_parametrized_while_pending()
                 self._apply(list(self._pending.values()))
 
     def _before_regroup(self) -> None:
@@ -1685,9 +1772,12 @@ class _ForwardFusion(FusionHandle):
                     engine.state = users
                     self._keep_state_created(of_step)
         finally:
-            if not self._pending:  # the step is over
-                self._settings = {}
-                self._step_state = None
+            self._forget_step_if_over()
+
+    def _forget_step_if_over(self) -> None:
+        if not self._pending:  # (every update of the last step() applied or dropped)
+            self._settings = {}
+            self._step_state = None
 
     def _apply_by_group(self, params: list, grads: dict) -> None:
         """The updates of `params`, group by group (each group's in one call,
