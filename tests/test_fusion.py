@@ -2204,11 +2204,15 @@ def test_clip_grad_norm_in_backward_mode_raises() -> None:
     (dict(mode="backward", accumulation_steps=0), "^accumulation_steps: expected an int >= 1"),
     (dict(mode="forward", accumulation_steps=2), "^accumulation_steps: in forward mode"),
     (dict(mode="forward", keep_grads=True), "^keep_grads: forward mode"),
+    (dict(mode="backward", keep_grads="no"), "^keep_grads: expected True or False, got 'no'$"),
+    (dict(mode="backward", keep_grads=1), "^keep_grads: expected True or False, got 1$"),
+    (dict(mode="forward", keep_grads=None), "^keep_grads: expected True or False, got None$"),
 ])
 def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
     """As reprop's other counts: a bool is not a count; and forward mode
     refuses the backward-mode keep_grads as backward mode refuses
-    clip_grad_norm, instead of ignoring it."""
+    clip_grad_norm, instead of ignoring it. keep_grads is True or False,
+    as reprop.ooo's options: keep_grads="no" kept the gradients."""
     _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
 
 
@@ -2270,6 +2274,22 @@ def test_numpy_int_accumulation_steps_is_a_count() -> None:
         handle.remove()
         runs[type(steps).__name__] = (model, opt)
     _assert_same_training(runs["int64"], runs["int"])
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_numpy_bool_keep_grads_is_the_bool(flag: bool) -> None:
+    """A NumPy bool (a config array's element) is taken as the bool, as
+    reprop.ooo's options take it: the gradients applied in backward are
+    kept or freed as with True or False."""
+    kept = []
+    for value in (flag, np.bool_(flag)):
+        model = _mlp()
+        handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), keep_grads=value)
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        kept.append([p.grad is not None for p in model.parameters()])
+        handle.remove()
+    assert kept == [[flag] * 6] * 2
 
 
 def test_bad_mode_raises() -> None:

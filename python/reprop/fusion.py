@@ -230,8 +230,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
-            step() was called since). Refused in forward mode, which frees
-            no gradient itself.
+            step() was called since). True or False (a NumPy bool too).
+            Refused in forward mode, which frees no gradient itself.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -241,6 +241,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode not in _MODES:
         raise ValueError(f"mode: expected 'backward' or 'forward', got {mode!r}")
     accumulation_steps = _tensors.check_count(accumulation_steps, "accumulation_steps", 1)
+    keep_grads = _tensors.check_flag(keep_grads, "keep_grads")
     if clip_grad_norm is not None:
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
