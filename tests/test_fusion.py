@@ -1191,7 +1191,8 @@ def _copy_of(obj, how: str):
 def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
     """A copy of a fused model (a teacher, an EMA, a fine-tuned clone) taken
     right after step() (forward mode: the update still pending) carries the
-    fusion's hooks, but is a plain model with the values of that moment:
+    fusion's hooks, but is a plain model with the values eager training has
+    then (forward mode: the copy applies the pending updates first):
     backward fills its .grad and updates nothing (it updated itself with a
     hidden clone of the optimizer, or its first forward raised), an eager
     optimizer trains it as any model, and the original's training goes on
@@ -1213,7 +1214,7 @@ def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
                 continue
             twin, plain = _copy_of(model, how), _mlp()
             with torch.no_grad():
-                for a, b in zip(plain.parameters(), model.parameters()):
+                for a, b in zip(plain.parameters(), ref.parameters()):
                     a.copy_(b)
             opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
             for j in range(3):
@@ -2203,11 +2204,15 @@ def test_clip_grad_norm_in_backward_mode_raises() -> None:
     (dict(mode="backward", accumulation_steps=0), "^accumulation_steps: expected an int >= 1"),
     (dict(mode="forward", accumulation_steps=2), "^accumulation_steps: in forward mode"),
     (dict(mode="forward", keep_grads=True), "^keep_grads: forward mode"),
+    (dict(mode="backward", keep_grads="no"), "^keep_grads: expected True or False, got 'no'$"),
+    (dict(mode="backward", keep_grads=1), "^keep_grads: expected True or False, got 1$"),
+    (dict(mode="forward", keep_grads=None), "^keep_grads: expected True or False, got None$"),
 ])
 def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
     """As reprop's other counts: a bool is not a count; and forward mode
     refuses the backward-mode keep_grads as backward mode refuses
-    clip_grad_norm, instead of ignoring it."""
+    clip_grad_norm, instead of ignoring it. keep_grads is True or False,
+    as reprop.ooo's options: keep_grads="no" kept the gradients."""
     _refused(ValueError, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kw)
 
 
@@ -2269,6 +2274,22 @@ def test_numpy_int_accumulation_steps_is_a_count() -> None:
         handle.remove()
         runs[type(steps).__name__] = (model, opt)
     _assert_same_training(runs["int64"], runs["int"])
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_numpy_bool_keep_grads_is_the_bool(flag: bool) -> None:
+    """A NumPy bool (a config array's element) is taken as the bool, as
+    reprop.ooo's options take it: the gradients applied in backward are
+    kept or freed as with True or False."""
+    kept = []
+    for value in (flag, np.bool_(flag)):
+        model = _mlp()
+        handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), keep_grads=value)
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        kept.append([p.grad is not None for p in model.parameters()])
+        handle.remove()
+    assert kept == [[flag] * 6] * 2
 
 
 def test_bad_mode_raises() -> None:
@@ -3175,6 +3196,81 @@ def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl
     _assert_same_training(runs["forward"], runs[None])
 
 
+def _resume_from_copy(how: str, what: str, saved: list) -> Callable:
+    """Copies the model, or the model and the optimizer as one object (in
+    the order `what` names them), and trains the copy on eagerly for two
+    steps, as one resumes from an in-memory snapshot; `saved` gets the copy
+    (model, optimizer)."""
+    def take(model: nn.Module, opt) -> None:
+        if what == "model":
+            twin = _copy_of(model, how)
+            twin_opt = rp.SGD(twin.parameters(), lr=0.1, momentum=0.9)
+        else:
+            both = {"model": model, "opt": opt}
+            copied = _copy_of({k: both[k] for k in what.split(" then ")}, how)
+            twin, twin_opt = copied["model"], copied["opt"]
+        for j in range(2):
+            x, y = _mlp_batch(100 + j)
+            F.mse_loss(twin(x), y).backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+        saved.append((twin, twin_opt))
+    return take
+
+
+@pytest.mark.parametrize("what", ["model then opt", "opt then model", "model"])
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_forward_mode_copy_of_the_model_after_step_is_current(how: str, what: str) -> None:
+    """copy.deepcopy or torch.save of the model, alone or with the optimizer
+    in one object (a checkpoint dict), right after step(), while the updates
+    are pending: the copy holds the updated values eager's copy holds, and
+    training it on from there trains as eager. The model copied first held
+    the values before the update, with the optimizer state after it (that
+    copy applied them): resumed, one update was lost."""
+    runs, copies = {}, {}
+    for mode in ("forward", None):
+        copies[mode] = []
+        after_step = dict.fromkeys((1, 3), _resume_from_copy(how, what, copies[mode]))
+        runs[mode] = _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 6,
+                               after_step=after_step)
+    for got, ref in _paired(copies["forward"], copies[None]):
+        _assert_same_training(got, ref)
+    _assert_same_training(runs["forward"], runs[None])
+
+
+def _first_weight_doubled(model: nn.Module, opt=None) -> nn.Module:
+    torch.nn.utils.parametrize.register_parametrization(model[0], "weight", _Doubled())
+    return model
+
+
+@pytest.mark.parametrize("when", ["before fuse", "after fuse"])
+def test_forward_mode_deepcopy_of_a_parametrized_layer_after_step_is_current(when: str) -> None:
+    """A parametrized module's class has its own __deepcopy__, which copies
+    its parameters (the bias) before its parametrizations: a deepcopy of
+    the layer with the optimizer right after step() holds the updated
+    values too, the parametrization registered before fuse() or after (its
+    class replaced then)."""
+    copies = {}
+    for mode in ("forward", None):
+        copies[mode] = []
+
+        def take(model: nn.Module, opt, saved=copies[mode]) -> None:
+            twin = copy.deepcopy({"layer": model[0], "opt": opt})
+            saved.append([(p.detach().clone(), twin["opt"].state[p])
+                          for p in twin["layer"].parameters()])
+
+        if when == "before fuse":
+            make_model, events = (lambda: _first_weight_doubled(_mlp())), None
+        else:
+            make_model, events = _mlp, {0: _first_weight_doubled}
+        _mlp_loop(mode, lambda m: rp.Adam(m.parameters(), lr=0.01), 4, events=events,
+                  after_step=dict.fromkeys((1, 2), take), make_model=make_model)
+    for i, (got, ref) in enumerate(_paired(copies["forward"], copies[None])):
+        for j, ((p, state), (r, ref_state)) in enumerate(_paired(got, ref)):
+            assert torch.equal(p, r), f"copy #{i}, param {j}: {_diff(p, r)}"
+            _assert_tensor_dicts(state, ref_state, f"copy #{i}, state of param {j}", None)
+
+
 # ---------------------------------------------------------------------------
 # 13. Optimizer step hooks
 # ---------------------------------------------------------------------------
@@ -3395,6 +3491,11 @@ PARAMETRIZE = {
         m[0], "weight", leave_parametrized=False)),
     "remove_leaving_parametrized": (_parametrized_mlp, lambda m, o: (
         torch.nn.utils.parametrize.remove_parametrizations(m[0], "weight", leave_parametrized=True))),
+    # (the doubling baked in at once: remove_parametrizations read the weight through
+    # the new parametrizations, which had no hooks yet, one update behind)
+    "register_then_remove_leaving_parametrized": (_mlp, lambda m, o: (
+        torch.nn.utils.parametrize.register_parametrization(m[0], "weight", _Doubled()),
+        torch.nn.utils.parametrize.remove_parametrizations(m[0], "weight", leave_parametrized=True))),
 }
 
 
@@ -3441,6 +3542,65 @@ def test_forward_mode_parameter_moved_to_another_module(change: str, called: str
         return model, opt
 
     _assert_same_training(run("forward"), run(None))
+
+
+# Parametrizations with a right_inverse, which reads the weight when registered:
+# (the layer of _mlp() they go on, how)
+READING_PARAMETRIZATIONS = {
+    "weight_norm": (4, torch.nn.utils.parametrizations.weight_norm),
+    "spectral_norm": (0, torch.nn.utils.parametrizations.spectral_norm),
+}
+
+
+@pytest.mark.parametrize("then", ["model", "layers", "flush"])
+@pytest.mark.parametrize("kind", list(READING_PARAMETRIZATIONS))
+def test_forward_mode_parametrization_reading_a_pending_weight_is_refused(kind: str, then: str) -> None:
+    """A parametrization with a right_inverse registered right after step(),
+    while the weight's update is pending, reads the weight one update
+    behind eager (spectral_norm trained 5e-5 off eager, silently), and
+    weight_norm's new weight shares the old one's memory, into which the
+    update was written after the forward had saved it (autograd's in-place
+    error in backward). The next forward (of the model, or of a layer
+    called one by one) or flush() raises naming handle.flush() and drops
+    that update, leaving the others to apply; handle.flush() before
+    registering trains as eager."""
+    index, register = READING_PARAMETRIZATIONS[kind]
+
+    def run(mode, flush_first: bool, stop: bool = False):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        call = model if then != "layers" else _LayerByLayer(model)
+        for i in range(5):
+            x, y = _mlp_batch(i)
+            F.mse_loss(call(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 2:
+                if flush_first:
+                    handle.flush()
+                torch.manual_seed(7)  # (spectral_norm's power iteration starts at random)
+                register(model[index])
+                if mode and not flush_first:
+                    with pytest.raises(RuntimeError, match=(
+                            rf"^reprop.fuse\(mode='forward'\): a parametrization with a right_inverse "
+                            rf".* registered on '{index}.weight' .* Call handle.flush\(\) before")):
+                        handle.flush() if then == "flush" else call(x)
+                    stop = True
+                if stop:
+                    break
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    (refused, refused_opt), (ref, ref_opt) = run("forward", False), run(None, False, stop=True)
+    others = [(n, p, q) for (n, p), q in zip(refused.named_parameters(), ref.parameters())
+              if not n.startswith(f"{index}.")]
+    assert len(others) == 4
+    for n, p, q in others:
+        assert torch.equal(p, q), f"{n}: {_diff(p, q)}"
+        _assert_tensor_dicts(refused_opt.state[p], ref_opt.state[q], f"state of {n}", None)
+    _assert_same_training(run("forward", flush_first=True), run(None, flush_first=False))
 
 
 def _qat_conv_bn() -> nn.Module:

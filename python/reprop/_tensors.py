@@ -334,3 +334,12 @@ def check_positive_real(value, name: str) -> float:
     if not as_float > 0:
         raise ValueError(f"{name}: expected a number > 0, got {value!r}")
     return as_float
+
+
+def check_flag(value, name: str) -> bool:
+    """`value` as a Python bool if it is True or False (a NumPy bool too, as
+    reprop.ooo's options take one); else a ValueError naming `name`: a
+    string such as "no", or a number, would pass for one by its truth."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name}: expected True or False, got {value!r}")
+    return bool(value)

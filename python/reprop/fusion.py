@@ -39,16 +39,21 @@ an unmodified ``nn.Module``; the training loop keeps calling
   update. Clipping (``clip_grad_norm=`` or
   ``torch.nn.utils.clip_grad_norm_`` before ``step()``) and
   ``torch.amp.GradScaler`` work as in eager training. ``state_dict()``,
-  ``load_state_dict()`` and ``to()`` (any ``Module._apply``) of the model or
-  of any submodule holding fused parameters (``ddp.module``, a backbone),
-  and ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and
-  pickling the optimizer (``torch.save(optimizer)``,
-  ``copy.deepcopy(optimizer)``) apply pending updates first, so checkpoints
-  are exact. Code that reads or writes a parameter directly between
-  ``step()`` and the next forward (``p.clamp_()``, an EMA of the weights),
-  or the optimizer's state tensors, sees the value before the update and
-  must call ``handle.flush()`` first; a reset of the optimizer's state
-  (``opt.state.clear()``) is seen. ``step()`` refuses what eager ``step()``
+  ``load_state_dict()``, ``to()`` (any ``Module._apply``) and copying
+  (``copy.deepcopy``, ``torch.save``) of the model or of any submodule
+  holding fused parameters (``ddp.module``, a backbone), and
+  ``optimizer.state_dict()``, ``optimizer.load_state_dict()`` and copying
+  the optimizer (``torch.save(optimizer)``, ``copy.deepcopy(optimizer)``)
+  apply pending updates first, so checkpoints and copies are exact, the
+  model and the optimizer copied together in either order. Code that reads
+  or writes a parameter directly between ``step()`` and the next forward
+  (``p.clamp_()``, an EMA of the weights, a copy of the parameters
+  themselves), or the optimizer's state tensors, sees the value before the
+  update and must call ``handle.flush()`` first; a reset of the optimizer's
+  state (``opt.state.clear()``) is seen. So must registering a
+  parametrization with a right_inverse (weight_norm, spectral_norm), which
+  reads the weight: the next forward refuses one registered on a weight
+  whose update is pending, and drops that update. ``step()`` refuses what eager ``step()``
   refuses, before marking anything pending.
 
 Optimizer step hooks run at ``step()`` in torch's order. Forward mode: pre-hooks
@@ -64,7 +69,8 @@ applied elsewhere. In backward mode, flush(), step() and remove() on another
 thread leave a running backward's gradients to it.
 
 A copy of the fused model (copy.deepcopy, or torch.save and torch.load) is a
-plain model: the hooks it copies belong to an inert copy of the handle.
+plain model with the updated values: the hooks it copies belong to an inert
+copy of the handle.
 
 The fusion lives as long as the model or the optimizer (their hooks and patched
 step() hold the handle; the parameters' hooks, which torch keeps out of the
@@ -94,6 +100,7 @@ from typing import Iterable
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _pytree
 
@@ -143,10 +150,15 @@ def _flushing(name: str):
     the module's fusions, installed as an instance method on each module
     holding fused parameters (a copy of the module has no fusion): _apply
     (what .to(), .half(), .cuda() call: the values converted must be the
-    updated ones) and zero_grad (model.zero_grad() in place of the
+    updated ones), zero_grad (model.zero_grad() in place of the
     optimizer's, between step() and the next forward: with
     set_to_none=False it zeroes in place the gradients the pending updates
-    hold). A nested call finds nothing pending."""
+    hold), and __getstate__ and __deepcopy__, which copy.deepcopy,
+    copy.copy and pickling (torch.save) look up on the instance: a copy
+    holds the updated values an eager copy holds, also when copied before
+    the optimizer, whose copy applies them too (the module's parameters
+    would be copied first, one update behind the copied optimizer state).
+    A nested call finds nothing pending."""
     def method(module: nn.Module, *args, **kwargs):
         for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
             handle.flush()
@@ -157,16 +169,21 @@ def _flushing(name: str):
     return method
 
 
-_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad")}
+_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad", "__getstate__",
+                                                "__deepcopy__")}
 
 
 def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
-    if module not in _FLUSH_BEFORE:
-        _FLUSH_BEFORE[module] = ({name: module.__dict__.get(name, _MISSING) for name in _FLUSHING},
-                                 weakref.WeakSet())
-        for name, method in _FLUSHING.items():
+    """Installs _FLUSHING's methods that `module`'s class has and that are
+    not installed yet: __deepcopy__ only where the class defines one (a
+    parametrized module's, whose class register_parametrization replaces,
+    maybe after fuse()); other modules are deep-copied through __getstate__."""
+    saved, handles = _FLUSH_BEFORE.setdefault(module, ({}, weakref.WeakSet()))
+    for name, method in _FLUSHING.items():
+        if name not in saved and hasattr(type(module), name):
+            saved[name] = module.__dict__.get(name, _MISSING)
             setattr(module, name, types.MethodType(method, module))
-    _FLUSH_BEFORE[module][1].add(handle)
+    handles.add(handle)
 
 
 def _stop_flushing_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
@@ -213,8 +230,8 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         keep_grads: backward mode: keep gradients after their update until the
             next training forward, instead of freeing them at once (remove()
             does to them what a zero_grad() since did, and frees them if no
-            step() was called since). Refused in forward mode, which frees
-            no gradient itself.
+            step() was called since). True or False (a NumPy bool too).
+            Refused in forward mode, which frees no gradient itself.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -224,6 +241,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode not in _MODES:
         raise ValueError(f"mode: expected 'backward' or 'forward', got {mode!r}")
     accumulation_steps = _tensors.check_count(accumulation_steps, "accumulation_steps", 1)
+    keep_grads = _tensors.check_flag(keep_grads, "keep_grads")
     if clip_grad_norm is not None:
         if mode == "backward":
             raise ValueError("clip_grad_norm: the global gradient norm is not known before "
@@ -419,6 +437,41 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
     if not module._modules:  # (children() and parameters() build generators, at every forward)
         return module._parameters.values()  # (None for a parameter slot left empty)
     return module.parameters()
+
+
+def _places_of(owners: list, wanted: dict) -> dict:
+    """id(param) -> the (module, name) pairs under which each of `wanted`
+    (id -> param) is registered in the modules of `owners` ((module, its
+    own parameters) pairs): a tied one has several."""
+    places = collections.defaultdict(list)
+    for module, _ in owners:
+        for name, p in module._parameters.items():
+            if p is not None and id(p) in wanted:
+                places[id(p)].append((module, name))
+    return places
+
+
+def _through_right_inverse(module: nn.Module) -> bool:
+    """Whether `module` is a ParametrizationList holding a parametrization
+    with a right_inverse: register_parametrization called it on the tensor
+    it replaces (assumed the identity otherwise)."""
+    return isinstance(module, parametrize.ParametrizationList) and any(
+        hasattr(q, "right_inverse") for q in module)
+
+
+def _parametrized_with_inverse(place: tuple) -> bool:
+    """Whether module.name (`place`, a (module, name) pair) is parametrized
+    through a right_inverse (_through_right_inverse)."""
+    module, name = place
+    return (parametrize.is_parametrized(module, name)
+            and _through_right_inverse(module.parametrizations[name]))
+
+
+def _place_name(model: nn.Module, place: tuple) -> str:
+    """module.name (`place`) as `model` names it ("2.weight")."""
+    module, name = place
+    prefix = next((n for n, m in model.named_modules(remove_duplicate=False) if m is module), "")
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _as_if_updated_in_place(params: list) -> None:
@@ -1477,6 +1530,9 @@ class _ForwardFusion(FusionHandle):
         self._ran: dict = {}
         self._stamp = object()
         self._owners: list = []  # (module, its own parameters) for each owner
+        # id(param) -> the (module, name) places of each in the owners, as of
+        # the last look (see _refuse_parametrized_while_pending)
+        self._places: dict = {}
         # (module, its own parameters) for the owners not seen running forward
         # since the owners were last followed: empty once all have run
         self._unseen: list = []
@@ -1555,6 +1611,7 @@ class _ForwardFusion(FusionHandle):
                   if (own := _direct_params(m, self._params))]
         self._owners = self._unseen = owners
         owned = {id(p) for _, own in owners for p in own}
+        self._places = _places_of(owners, self._params)
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_module_forward,
                                                                 prepend=True))
@@ -1563,13 +1620,15 @@ class _ForwardFusion(FusionHandle):
             self._ran.pop(id(module), None)
         # state_dict() of any module holding fused parameters (the root, ddp.module,
         # a backbone), its load_state_dict(), its .to()/.half()/.cuda()
-        # (Module._apply) and its zero_grad(): pending updates first, as eager
-        # applied them at step(), so that they are saved, not loaded or
-        # converted values updated after, and made from the gradients.
-        # Each hook of a nested call finds nothing pending: a check per module.
+        # (Module._apply), its zero_grad() and a copy of it: pending updates
+        # first, as eager applied them at step(), so that they are saved or
+        # copied, not loaded or converted values updated after, and made from
+        # the gradients. Each hook of a nested call finds nothing pending: a
+        # check per module.
         for module in self._covering_to_hook():
             self._hooks.append(module.register_state_dict_pre_hook(self._on_state_dict))
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+        for module in list(self._covered):  # (all: a class parametrized since has a __deepcopy__)
             _flush_before_module_calls(module, self)
         # Parameters of the optimizer that no module of the model owns (a learned
         # prompt or temperature used before or outside the model): no forward
@@ -1577,16 +1636,66 @@ class _ForwardFusion(FusionHandle):
         self._foreign = {i for i in self._params if i not in owned}
 
     def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
-        if param is not None and id(param) in self._params and not self._hooks_on(module):
+        if param is None:
+            return
+        if id(param) in self._params and not self._hooks_on(module):
             self._owners_moved = True
+            if id(param) in self._pending and not _through_right_inverse(module):
+                self._apply_moved(param)
+        elif isinstance(module, parametrize.ParametrizationList):
+            # the new tensors a parametrization's right_inverse made (weight_norm's)
+            # replace a fused parameter, which leaves its module unseen (see
+            # _refuse_parametrized_while_pending), and its module's class
+            # changed (see _flush_before_module_calls)
+            self._owners_moved = True
+
+    def _apply_moved(self, p: torch.Tensor) -> None:
+        """Applies the pending update of `p`, registered in a module without
+        this fusion's hooks (a weight tied, a parametrization without a
+        right_inverse, which takes the parameter as it is): eager step() had
+        applied it, and until the owners are followed nothing applies it
+        before a read through its new module (remove_parametrizations reads
+        the weight through its parametrizations)."""
+        with self._lock:
+            if id(p) in self._pending and not self._removed:
+                self._apply([p])
 
     def _follow_owners(self) -> None:
         """Hooks the new owners of fused parameters registered in other modules
         since the last look (under the lock). Without their hooks a pending
         update waited for a module that no longer owns the parameter, and the
-        forward used it one update behind, in every step from then on."""
+        forward used it one update behind, in every step from then on. What
+        a parametrization read one update behind is refused first (and the
+        owners followed at the next call)."""
         if self._owners_moved:
+            self._refuse_parametrized_while_pending()
             self._hook_owners()
+
+    def _refuse_parametrized_while_pending(self) -> None:
+        """Raises if a parametrization with a right_inverse (weight_norm,
+        spectral_norm, orthogonal) took the place of a parameter whose update
+        is pending, since the owners were last followed (a parametrization
+        registers parameters, which marks them moved): register_parametrization
+        read the value through right_inverse (and spectral_norm's setup read
+        it too) one update behind eager, whose step() had applied it, and a
+        tensor it made may share the parameter's memory (weight_norm's), which
+        the update would then change under a forward that saved it. Those
+        updates are dropped first (each would be refused again), the others
+        stay pending. Without a right_inverse the parameter itself moves,
+        unread: its update is applied before its new module's forward."""
+        hit = {id(p): (p, place) for i, p in self._pending.items()
+               for place in self._places.get(i, ()) if _parametrized_with_inverse(place)}
+        if not hit:
+            return
+        self._settle([p for p, _ in hit.values()])
+        self._forget_step_if_over()
+        names = ", ".join(repr(_place_name(self.model, place)) for _, place in hit.values())
+        raise RuntimeError(
+            f"reprop.fuse(mode='forward'): a parametrization with a right_inverse (weight_norm, "
+            f"spectral_norm, orthogonal, ...) was registered on {names} while its update was "
+            "pending since optimizer.step(): it read the value before that update, which eager "
+            "step() had applied; that update is dropped. Call handle.flush() before registering "
+            "a parametrization between optimizer.step() and the next forward")
 
     def _sync(self) -> list:
         new = super()._sync()
@@ -1629,6 +1738,8 @@ class _ForwardFusion(FusionHandle):
             return
         with self._lock:
             if self._pending:
+                if self._owners_moved:  # (a parametrization since step() is refused, not applied)
+                    self._refuse_parametrized_while_pending()
                 self._apply(list(self._pending.values()))
 
     def _before_regroup(self) -> None:
@@ -1662,9 +1773,12 @@ class _ForwardFusion(FusionHandle):
                     engine.state = users
                     self._keep_state_created(of_step)
         finally:
-            if not self._pending:  # the step is over
-                self._settings = {}
-                self._step_state = None
+            self._forget_step_if_over()
+
+    def _forget_step_if_over(self) -> None:
+        if not self._pending:  # (every update of the last step() applied or dropped)
+            self._settings = {}
+            self._step_state = None
 
     def _apply_by_group(self, params: list, grads: dict) -> None:
         """The updates of `params`, group by group (each group's in one call,
