@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
-from ._tensors import (check_count as _count, hook_owner, is_count as _is_count,
+from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
                        non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, weak_hook,
                        without_grad)
@@ -1725,12 +1725,6 @@ def _number(value, name: str, expected: str, ok: Callable[[float], bool]) -> flo
 
 def _is_time(v: float) -> bool:
     return 0.0 <= v < math.inf
-
-
-def _flag(value, name: str) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
-    return bool(value)
 
 
 # ---------------------------------------------------------------------------
