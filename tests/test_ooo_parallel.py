@@ -613,10 +613,49 @@ def _dp_after_failed_backward(rank: int, world: int) -> None:
     dp.remove()
 
 
+def _dp_after_failed_held_dw(rank: int, world: int, steps: int = 3) -> None:
+    """A check on a held layer's parameter (a post-accumulate-grad hook on
+    layers[0].weight, k = 2) raises on every rank after autograd finished,
+    when the other layers' buckets (one per parameter) have been launched:
+    the next backward is averaged, step after step. The buckets were not
+    waited for: their all-reduces still wrote into the flat buffers while
+    the next backward filled them (wrong averages, the same on every rank;
+    with this many buckets, 5 runs in 5)."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)
+    armed = [False]
+
+    def failing_check(p):
+        if armed[0]:
+            raise ValueError("gradient check failed")
+
+    model.layers[0].weight.register_post_accumulate_grad_hook(failing_check)
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        armed[0] = True
+        with pytest.raises(ValueError, match="gradient check failed"):
+            F.mse_loss(model(x), t).backward()
+        armed[0] = False
+        for net in (ref, model):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _average(ref, world)
+        _assert_same(model, ref, "grad")
+    dp.remove()
+
+
+def _dp_failed_backwards(rank: int, world: int) -> None:
+    _dp_after_failed_backward(rank, world)
+    _dp_after_failed_held_dw(rank, world)
+
+
 def test_data_parallel_after_failed_backward():
     """The failed backward's end never ran; it left the handle in backward,
-    and later gradients were not averaged at all."""
-    _spawn(_dp_after_failed_backward, 2)
+    and later gradients were not averaged at all. A backward whose end
+    raised left its buckets' all-reduces running into the next one's."""
+    _spawn(_dp_failed_backwards, 2)
 
 
 class _Policy(nn.Module):

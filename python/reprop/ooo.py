@@ -2205,8 +2205,10 @@ class DataParallel(_PassTracking, Joinable):
     the model returned (the usual ``loss.backward()``); another backward
     runs in autograd's order, still averaged. ``create_graph=True`` is not
     supported. A backward that raises (on every rank, as a failing check
-    does) is dropped at the next forward: the gradients it had not averaged
-    stay local, and the next step is averaged.
+    does) is dropped at the next forward, or as it raises where that is
+    after autograd (a hook on a held layer's parameter; the buckets it
+    launched are waited for first): the gradients it had not averaged stay
+    local, and the next step is averaged.
     ``reprop.fuse`` works in forward mode; backward mode (updates from the
     local gradients) is refused while this handle is live, either order.
 
@@ -2576,32 +2578,44 @@ class DataParallel(_PassTracking, Joinable):
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
         try:
-            held = self._release_held()
-            self._used.update(p for t in held for p in t.targets)
-            for b in self._buckets:
-                if b.layer is None:  # autograd's part is final now
-                    b.pending.clear()
-            self._launch_ready()
-            by_layer: dict = {}
-            for t in held:
-                by_layer.setdefault(self._position[t.site], []).append(t)
-            for layer in self._order:
-                self.handle.run(by_layer.pop(layer, ()))
-                for b in self._layer_buckets[layer]:
-                    b.pending.clear()
-                self._launch_ready()
-            for tasks in by_layer.values():  # none: only layers < k are held
-                self.handle.run(tasks)
-            for b in self._buckets:  # backward that did not start at the output
+            self._reduce()
+        except BaseException:
+            # a held dW raised (a hook on its parameter: a failing check, on
+            # every rank) after buckets were launched: their all-reduces still
+            # write into the flat buffers the next backward fills, so they are
+            # waited for here, the backward's state dropped as at a raise in
+            # autograd, before the error goes on to the caller
+            self._abandon_backward()
+            raise
+        self._used.clear()
+        self._in_backward = False
+        self._after_reduction()
+
+    def _reduce(self) -> None:
+        """The held first-k layers' dW, each followed by its buckets' launch;
+        then every bucket waited for, its average written back."""
+        held = self._release_held()
+        self._used.update(p for t in held for p in t.targets)
+        for b in self._buckets:
+            if b.layer is None:  # autograd's part is final now
+                b.pending.clear()
+        self._launch_ready()
+        by_layer: dict = {}
+        for t in held:
+            by_layer.setdefault(self._position[t.site], []).append(t)
+        for layer in self._order:
+            self.handle.run(by_layer.pop(layer, ()))
+            for b in self._layer_buckets[layer]:
                 b.pending.clear()
             self._launch_ready()
-            for b in self._buckets:
-                b.work.wait()
-                self._write_back(b, self.gradient_as_bucket_view)
-        finally:
-            self._used.clear()
-            self._in_backward = False
-        self._after_reduction()
+        for tasks in by_layer.values():  # none: only layers < k are held
+            self.handle.run(tasks)
+        for b in self._buckets:  # backward that did not start at the output
+            b.pending.clear()
+        self._launch_ready()
+        for b in self._buckets:
+            b.work.wait()
+            self._write_back(b, self.gradient_as_bucket_view)
 
     def _after_reduction(self) -> None:
         """The search for k, and the split layers from the next forward on."""
