@@ -24,6 +24,7 @@ import io
 import itertools
 import math
 import tempfile
+import warnings
 import weakref
 
 import numpy as np
@@ -805,8 +806,38 @@ def _compare_buffers_skipping_broadcasts(rank: int, world: int) -> None:
     dp.remove()
 
 
+def _compare_local_buffers(rank: int, world: int, steps: int = 3) -> None:
+    """broadcast_buffers=False: each rank's buffers are its own from the
+    start, as DDP's (whose init broadcast then skips them too), the
+    parameters rank 0's: a BatchNorm's running statistics equal DDP's on
+    every rank after every step, and so do the gradients. Construction
+    overwrote them with rank 0's."""
+    torch.manual_seed(rank)  # replicas differ until both broadcast rank 0's parameters
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                          nn.Linear(WIDTH, WIDTH))
+    with torch.no_grad():
+        model[1].running_mean.fill_(float(rank))
+        model[1].num_batches_tracked.fill_(rank)
+    with warnings.catch_warnings():  # torch 2.13 deprecates the name, not what it does
+        warnings.simplefilter("ignore", FutureWarning)
+        ref = DistributedDataParallel(copy.deepcopy(model), broadcast_buffers=False)
+    dp = data_parallel(model, k=1, broadcast_buffers=False)
+    assert model[1].running_mean.eq(rank).all(), "a rank's own buffers were overwritten"
+    _assert_same(model, ref.module, "parameter")
+    for step in range(steps):
+        x, t = _batch(rank, step)
+        for net in (ref, model):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        for (name, a), b in zip(model.named_buffers(), ref.module.buffers()):
+            assert torch.equal(a, b), f"rank {rank}, step {step}: {name} differs from DDP's"
+        _assert_same(model, ref.module, "grad", world == 2)
+    dp.remove()
+
+
 def _dp_edge_cases(rank: int, world: int) -> None:
     _compare_buffers_skipping_broadcasts(rank, world)
+    _compare_local_buffers(rank, world)
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
     _check_broadcast_buffers_agree(rank, world)
@@ -1333,7 +1364,7 @@ def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
     Parameters; models that differ between the ranks; broadcast_buffers
-    that differs between the ranks; a parameter frozen on one rank only; a group of two
+    that differs between the ranks, and False (rank-local buffers); a parameter frozen on one rank only; a group of two
     and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage;

@@ -2194,8 +2194,9 @@ class DataParallel(_PassTracking, Joinable):
     Construction checks, as DDP, that every rank's model has as many
     parameters and buffers as rank 0's, of the same shapes, and that every
     rank passed the same `broadcast_buffers` where there are buffers (a
-    ValueError on every rank otherwise), then broadcasts the parameters and
-    buffers from rank 0 of the group.
+    ValueError on every rank otherwise), then broadcasts the parameters from
+    rank 0 of the group, and the buffers only with `broadcast_buffers`, as
+    DDP (without it a rank's buffers are its own, from the start).
     With `broadcast_buffers` (DDP's default) buffers are broadcast again
     before a forward that follows a grad-mode forward outside ``no_sync()``,
     as DDP does (not after a ``no_sync()`` or ``no_grad`` one: a BatchNorm's
@@ -2245,7 +2246,8 @@ class DataParallel(_PassTracking, Joinable):
                              "mode='forward' (or remove() the fusion first)")
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; DataParallel has no gradient to average")
-        # what the broadcast below sends
+        # the buffers too, broadcast or not: the check of broadcast_buffers
+        # below counts on every rank having buffers if one has
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
         broadcast_buffers = bool(broadcast_buffers)
         # unlike k and the bucket sizes, which only schedule the same sums
@@ -2322,7 +2324,7 @@ class DataParallel(_PassTracking, Joinable):
             and any(True for _ in model.buffers())
         self._removed = False
         with torch.no_grad():
-            self._broadcast(list(model.parameters()) + list(model.buffers()))
+            self._broadcast(self._synced_states())
         self._hooks = [model.register_forward_pre_hook(self._before_forward),
                        model.register_forward_hook(self._watch_output)]
         self._hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._grad_accumulated))
@@ -2692,6 +2694,15 @@ class DataParallel(_PassTracking, Joinable):
     def _comm_device(self) -> torch.device:
         return self._params[0].device if self._params else torch.device("cpu")
 
+    def _synced_states(self) -> list:
+        """What a broadcast of the whole model sends (DDP's
+        ``_sync_module_states``): the parameters, and the buffers only with
+        `broadcast_buffers`; without it a rank's buffers are its own."""
+        states = list(self.model.parameters())
+        if self._sync_buffers:
+            states += list(self.model.buffers())
+        return states
+
     def _broadcast(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Broadcasts `tensors` from group rank `src`."""
         # coalesced into few flat broadcasts, as DDP syncs its buffers: one
@@ -2772,11 +2783,8 @@ class DataParallel(_PassTracking, Joinable):
         last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1],
                             dtype=torch.int64, device=self._comm_device())
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
-        states = list(self.model.parameters())
-        if self._sync_buffers:
-            states += list(self.model.buffers())
         with torch.no_grad():
-            self._broadcast(states, int(last.item()))
+            self._broadcast(self._synced_states(), int(last.item()))
 
 
 class _JoinHook(JoinHook):
@@ -2820,8 +2828,9 @@ def data_parallel(model: nn.Module, *, process_group=None, k: int | str = "auto"
         bucket_cap_mb: size of the buckets of the other gradients, in MiB
             (None: 25, the first bucket 1 MiB, as DDP's default); rank 0's
             is used on every rank, as DDP's buckets are rank 0's.
-        broadcast_buffers: broadcast buffers from rank 0 before each forward
-            that follows a grad-mode forward outside ``no_sync()``, as DDP.
+        broadcast_buffers: broadcast buffers from rank 0 at construction and
+            before each forward that follows a grad-mode forward outside
+            ``no_sync()``, as DDP; False: each rank's buffers are its own.
             The same on every rank of a model with buffers (a ValueError on
             every rank otherwise: it is no scheduling choice to take from rank 0).
         gradient_as_bucket_view: leave each averaged ``.grad`` as a view into
