@@ -1862,6 +1862,57 @@ def test_state_without_a_step_count_raises_torchs_key_error(name: str) -> None:
         assert torch.equal(p.detach(), before)
 
 
+def _step_with_a_shared_step_tensor(cls: type, name: str, init: list, grads: list,
+                                    step: torch.Tensor) -> list:
+    """Steps once, puts `step` into every param's state, steps on; returns the params."""
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = cls(params, **RICH[name])
+    for k, gs in enumerate(grads):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        if k == 0:
+            for p in params:
+                opt.state[p]["step"] = step
+    assert all(opt.state[p]["step"] is opt.state[params[0]]["step"] for p in params)
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", ["Adam", "Adagrad"])
+def test_step_tensor_shared_by_params_counts_once_per_param_in_turn(name: str,
+                                                                    dtype: torch.dtype) -> None:
+    """One step tensor in several params' state (made by hand) is advanced by
+    torch's loop once per param, each update's bias correction (lr decay) at
+    its own count: 11, 12, 13 at the first step, 14, 15, 16 at the next.
+    reprop computed every row's from the count before any increment (11 for
+    all). A float64 one, which reprop converts to float32, stays shared."""
+    shapes = [(5,), (3, 2), (4,)]
+    init, grads = make_params(shapes, seed=41), grad_sequence(shapes, 3)
+    got, ref = (_step_with_a_shared_step_tensor(cls, name, init, grads, torch.tensor(10.0, dtype=dtype))
+                for cls in (reprop_cls(name), torch_cls(name)))
+    for i, (a, e) in enumerate(zip(got, ref)):
+        assert_tensor_close(a, e, STEP_TOL, f"params[{i}]", scale=1.0)
+
+
+def test_step_tensor_shared_across_dtypes_is_refused_before_any_change() -> None:
+    """Params of two dtypes in one group are updated by two calls, each
+    counting its own rows, so a step tensor they share cannot be counted in
+    torch's order: refused, naming the key, with nothing changed."""
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+    opt = rp.Adam(params, lr=0.1)
+    step = torch.tensor(10.0)
+    for p in params:
+        opt.state[p] = {"step": step, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"^Adam: param_groups\[0\]: step: several parameters "
+                                         r"share one step tensor"):
+        opt.step()
+    assert step.item() == 10.0
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+    assert all(not opt.state[p]["exp_avg"].any() for p in params)
+
+
 # Hyper-parameters set after construction (the constructors refuse them) for
 # which torch's update raises, at step `at` of three: (optimizer, group 1's
 # values, at, reprop's message), and ones for which it steps on (at None).
@@ -2682,3 +2733,20 @@ def test_gpu_capturable_in_cuda_graph(name: str) -> None:
     ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1_overrides(name, options))
     assert_runs_close(captured, ref, OPEN_LOOP_TOL)
     assert opt.state[params[0]]["step"].item() == warmup + replays
+
+
+@pytest.mark.gpu
+def test_gpu_capturable_step_tensor_shared_by_params_is_refused() -> None:
+    """A capturable update increments its device step counters in one launch,
+    which cannot count a shared one once per param in turn, as torch does:
+    refused before anything changes."""
+    params = [nn.Parameter(torch.ones(3, device="cuda")) for _ in range(2)]
+    opt = rp.Adam(params, lr=0.1, capturable=True)
+    step = torch.tensor(10.0, device="cuda")
+    for p in params:
+        opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"step: several parameters share one step tensor"):
+        opt.step()
+    assert step.item() == 10.0
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)

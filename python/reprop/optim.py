@@ -135,6 +135,7 @@ class _Plan:
         # and address), so that a tensor the user put in their place, or one whose
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
+        converted_steps: dict = {}  # shared by _step_tensor's calls: see there
         for row, (p, st, key) in enumerate(zip(params, self.state_dicts, self.param_keys)):
             watched = []
             if key is None:  # no memory to point at: its gradient takes the Python path,
@@ -155,7 +156,7 @@ class _Plan:
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
-                step = _step_tensor(st, p, self.capturable)
+                step = _step_tensor(st, p, self.capturable, converted_steps)
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
@@ -490,16 +491,43 @@ def _usable_step(step, p: torch.Tensor, capturable: bool) -> bool:
             and not step.is_neg())
 
 
-def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
+def _step_tensor(st: dict, p: torch.Tensor, capturable: bool, converted: dict) -> torch.Tensor:
     """state["step"] as the float32 0-dim tensor the core counts in; a new
-    tensor when st has none or one of another kind."""
+    tensor when st has none or one of another kind. A tensor of another kind
+    that several params share (state made by hand) stays shared: it is
+    converted once, into converted[id(tensor)], which the params of one plan
+    share (so torch's count of it once per param, in turn, holds)."""
     device = _step_device(p, capturable)
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
-        step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif not _usable_step(step, p, capturable):
-        step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
-    return step
+        return torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
+    if _usable_step(step, p, capturable):
+        return step
+    if id(step) not in converted:
+        converted[id(step)] = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
+    return converted[id(step)]
+
+
+def _check_shared_steps(state, runs: list, capturable: bool) -> None:
+    """Refuses a step tensor shared by several params (only state made by
+    hand shares one) where the update cannot count it once per param in
+    turn, each update seeing its own count, as torch's loop does (the core
+    does so within one run's call): across runs, whose calls each count
+    their own params, in another order than the group's; nor in a capturable
+    run, whose device counters one launch increments at once."""
+    owner: dict = {}  # id(step tensor) -> the index of the run of its first param
+    for i, run in enumerate(runs):
+        for p in run:
+            step = state.get(p, {}).get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            if id(step) in owner and (owner[id(step)] != i or capturable):
+                raise ValueError(
+                    "step: several parameters share one step tensor (state made by hand); "
+                    "torch counts it once per parameter in turn, which the fused update "
+                    "matches only for parameters of one device and dtype and without "
+                    "capturable=True: give each parameter a step tensor of its own")
+            owner[id(step)] = i
 
 
 def _usable_state(t, work: torch.Tensor) -> bool:
@@ -841,9 +869,11 @@ class _FusedOptimizer:
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
+        runs = [run for ps in buckets.values() for run in _ordered_runs(ps)]
+        if self._kind != _SGD:
+            _check_shared_steps(self.state, runs, bool(group.get("capturable", False)))
         active_ids = set(map(id, active))
-        plans = [_Plan(self, group, run, slots, active_ids)
-                 for ps in buckets.values() for run in _ordered_runs(ps)]
+        plans = [_Plan(self, group, run, slots, active_ids) for run in runs]
         for plan in plans:
             if not plan.idle:
                 plan.check(self, hparams)
