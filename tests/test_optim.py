@@ -2583,6 +2583,54 @@ def test_replaced_params_are_freed(name: str, how: str) -> None:
     assert alive == [1, 1]
 
 
+@pytest.mark.parametrize("how", ["removed", "emptied"])
+@pytest.mark.parametrize("name", NAMES)
+def test_params_of_a_removed_or_emptied_group_are_freed(name: str, how: str) -> None:
+    """A group removed from param_groups (or its params list emptied), with
+    its params' state popped, must not stay alive with its .grad and state
+    in reprop's cached pointer tables while the other groups step on: no
+    plan is rebuilt then (theirs are cached, an empty group builds none), so
+    the departed ones were only dropped at some later rebuild."""
+    alive = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4, 3))
+        opt = cls([keep], **RICH[name])
+        opt.add_param_group({"params": [head]})
+        keep.grad, head.grad = torch.ones(3), torch.ones(4, 3)
+        opt.step()
+        if how == "removed":
+            opt.param_groups.pop()
+        else:
+            opt.param_groups[1]["params"] = []
+        state = weakref.ref(next(t for t in opt.state.pop(head).values() if t.dim()))
+        refs = (weakref.ref(head), weakref.ref(head.grad), state)
+        del head
+        for _ in range(2):
+            keep.grad = torch.ones(3)
+            opt.step()
+        gc.collect()
+        alive.append([r() is not None for r in refs])
+    assert alive == [[False] * 3] * 2
+
+
+def test_step_params_follows_removed_and_replaced_groups() -> None:
+    """step_params looks params up in the groups as they are now: a param
+    whose group was replaced by a new dict steps with the new dict's lr, and
+    one whose group was removed is refused, as torch's step() leaves it
+    alone; both were updated in the old group."""
+    keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    opt = rp.SGD([{"params": [keep]}, {"params": [head]}], lr=0.1)
+    opt.step_params([head])  # (the lookup is built)
+    opt.param_groups[1] = {**opt.param_groups[1], "lr": 1.0}
+    head.grad = torch.ones(2)
+    opt.step_params([head])
+    assert torch.equal(head.detach(), torch.full((2,), -1.0))
+    opt.param_groups.pop()
+    with pytest.raises(ValueError, match=r"params\[0\]: not a parameter of this optimizer"):
+        opt.step_params([head])
+    assert torch.equal(head.detach(), torch.full((2,), -1.0))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
     """The update runs without the GIL, so another thread may drop a .grad

@@ -642,8 +642,9 @@ class _FusedOptimizer:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
         self._plans = _PlanCache()
-        # What _drop_plans_of_departed_params last saw: (id, len) of each
-        # group's params list, and the ids of all params in groups.
+        # What _follow_param_groups last saw: (ids of the group and
+        # its params list, len of the list) of each group, and the ids of all
+        # params in groups.
         self._groups_seen: list | None = None
         self._members: set = set()
         self._group_of: dict | None = None
@@ -717,6 +718,7 @@ class _FusedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_param_groups()
         for group in self.param_groups:
             self._update(group, group["params"])
         return loss
@@ -736,6 +738,7 @@ class _FusedOptimizer:
         parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
         params = list(params)
         _check_distinct(params)
+        self._follow_param_groups(params)
         given = None
         if grads is not None:
             grads = list(grads)
@@ -865,7 +868,7 @@ class _FusedOptimizer:
 
     def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(params)
+        self._follow_param_groups(params)
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
@@ -882,20 +885,23 @@ class _FusedOptimizer:
         self._plans.put(key, plans)
         return plans
 
-    def _drop_plans_of_departed_params(self, params: list) -> None:
+    def _follow_param_groups(self, params: Iterable = ()) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
         not be reused), so when params have left the param_groups (a group's
-        params replaced, a group removed), the plans of those that left every
-        group are dropped: they and their .grad are freed as torch frees them.
-        Checked when a plan is built (for `params`), which a change of params
-        brings about, never in the steady state; a change shows as a group's
-        params list replaced, resized, added or removed, or as a plan built
-        for a param not seen in any group, so the check costs
-        O(groups + len(params)) and the full scan runs only on a change."""
-        groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+        params replaced, a group removed or emptied), the plans of those that
+        left every group are dropped: they, their .grad and the state the
+        plans point at are freed as torch frees them. A change shows as a
+        group (or its params list) replaced, resized, added or removed, which
+        step() and step_params() check (O(groups): the other groups' plans
+        stay cached, so no plan is built to notice that one left), or as a
+        plan built, or step_params called, for a param not seen in any group
+        (a list edited in place), so the full scan runs only on a change. The
+        groups that step_params looks params up in follow too."""
+        groups = [(id(g), id(g["params"]), len(g["params"])) for g in self.param_groups]
         if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
         self._groups_seen = groups
+        self._group_of = None
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
         self._plans.retain(lambda plans: self._members.issuperset(
             id(p) for plan in plans for p in plan.params))
