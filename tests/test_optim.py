@@ -898,6 +898,50 @@ def test_low_precision_state_dict_keeps_fp32_state(name: str) -> None:
     assert_runs_equal(Run(params, opt), straight)
 
 
+def _floating_state(st: dict) -> dict:
+    """The state tensors torch casts to the param's dtype on load (all but "step")."""
+    return {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_precision_load_state_dict_keeps_what_its_hooks_do(name: str) -> None:
+    """torch's load_state_dict loads the dict its pre-hooks return, and its
+    post-hooks see and may change the loaded state. For low-precision params
+    reprop re-read their state from the dict it was given after the
+    post-hooks: a pre-hook's change was dropped, a post-hook's undone, and
+    Adagrad's post-hooks saw `sum` reset to its initial value."""
+    shapes = [(6, 5), (7,)]
+    init = make_params(shapes, seed=8, dtype=torch.bfloat16)
+    first = run_open_loop(factory(reprop_cls(name), **RICH[name]), init,
+                          grad_sequence(shapes, 2, dtype=torch.bfloat16))
+    saved = first.opt.state_dict()
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+
+    def doubled(_, state_dict: dict) -> dict:
+        state = {i: {**st, **{k: 2 * v for k, v in _floating_state(st).items()}}
+                 for i, st in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    seen = []
+
+    def record_then_zero_first_key(o: torch.optim.Optimizer) -> None:
+        seen.extend({k: v.clone() for k, v in _floating_state(o.state[p]).items()} for p in params)
+        for p in params:
+            next(iter(_floating_state(o.state[p]).values())).zero_()
+
+    opt.register_load_state_dict_pre_hook(doubled)
+    opt.register_load_state_dict_post_hook(record_then_zero_first_key)
+    opt.load_state_dict(saved)
+    for i, p in enumerate(params):
+        expected = {k: 2 * v for k, v in _floating_state(saved["state"][i]).items()}
+        assert all(v.dtype == torch.float32 for v in expected.values())
+        torch.testing.assert_close(seen[i], expected, rtol=0, atol=0)
+        first_key = next(iter(expected))
+        expected[first_key] = torch.zeros_like(expected[first_key])
+        torch.testing.assert_close(_floating_state(opt.state[p]), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_dtypes_in_one_group(name: str) -> None:
     """A group holding fp32, bf16 and fp16 params updates each exactly as when

@@ -423,6 +423,23 @@ def _ordered_runs(params: list) -> list[list]:
     return runs
 
 
+def _keep_float32_state(state: dict, loaded: dict) -> None:
+    """Puts the floating state (but "step") of low-precision params, which
+    torch's load_state_dict cast to their dtype, into `state` (what it hands
+    to __setstate__) as float32 copies of their values in `loaded`, the
+    state dict it loaded: reprop keeps their state in float32."""
+    saved_ids = (i for g in loaded["param_groups"] for i in g["params"])
+    params = (p for g in state["param_groups"] for p in g["params"])
+    for pid, p in zip(saved_ids, params):
+        saved = loaded["state"].get(pid)
+        if not saved or p.dtype == torch.float32:
+            continue
+        st = state["state"][p]
+        for key, value in saved.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                st[key] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+
+
 def _check_grad_types(grads: list) -> None:
     """Refuses a given gradient that is not a tensor (or None: skip its param)."""
     for i, g in enumerate(grads):
@@ -656,8 +673,14 @@ class _FusedOptimizer:
         keeps only defaults, state and param_groups; set up the rest again.
         torch's load_state_dict ends here too, with the loaded groups and
         state: a group we refuse is refused before either replaces ours, so
-        the optimizer stays as it was."""
+        the optimizer stays as it was; the state of low-precision params is
+        taken in float32 from the dict loaded (see load_state_dict), before
+        Adagrad's setup would reset a `sum` in their dtype and before the
+        post-hooks see it."""
         self._check_groups(state["param_groups"])
+        loading = self.__dict__.get("_loading")
+        if loading is not None:
+            _keep_float32_state(state, loading)
         super().__setstate__(state)
         self._setup_fused()
 
@@ -694,18 +717,21 @@ class _FusedOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping state float32 for low-precision
-        params (torch casts it to the param's dtype, which would lose bits)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved or p.dtype == torch.float32:
-                continue
-            st = self.state[p]
-            for key, value in saved.items():
-                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    st[key] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        params (torch casts it to the param's dtype, which would lose bits).
+        A pre-hook that runs after the user's notes the dict they leave (the
+        one torch loads), from which __setstate__, where torch's load ends
+        before its post-hooks, takes that state in float32: the pre-hooks'
+        changes are kept, and the post-hooks see, and may change, the state
+        the optimizer keeps, as with torch."""
+        handle = self.register_load_state_dict_pre_hook(_FusedOptimizer._note_loading)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+            self._loading = None
+
+    def _note_loading(self, state_dict: dict) -> None:
+        self._loading = state_dict
 
     def _forget_plans(self) -> None:
         self._plans.clear()
