@@ -1847,6 +1847,87 @@ def test_parameter_and_torch_function_subclasses_step_as_torch(name: str) -> Non
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+INFERENCE_ERROR = "(?i)inplace update to inference tensor outside InferenceMode is not allowed"
+
+
+def _inference_step_raises(opt: torch.optim.Optimizer) -> bool:
+    """Whether opt.step() raises torch's refusal to update inference tensors."""
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert re.search(INFERENCE_ERROR, str(e)), e
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inference_params_are_refused_outside_inference_mode(name: str) -> None:
+    """torch's in-place update of a param made inside inference_mode raises
+    outside it (after writing the first param: the check follows the op),
+    and steps inside it; reprop's kernels wrote every param through its raw
+    pointer. Refused before anything changes, no state created."""
+    raised = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        with torch.inference_mode():
+            params = [torch.ones(3), torch.ones(2, 2)]
+        opt = cls(params, **RICH[name])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = _state_snapshot(opt, params)  # Adagrad's is made by __init__
+        raised.append(_inference_step_raises(opt))
+    assert raised == [True, True]
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+    assert _state_snapshot(opt, params) == before
+    with torch.inference_mode():
+        opt.step()
+    assert all((p != 1).all() for p in params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_made_inside_inference_mode_is_refused_outside_as_torch(name: str) -> None:
+    """A first step inside inference_mode makes the state inference tensors
+    (but Adagrad's, made by __init__); torch's next step outside it raises,
+    where reprop's cached plan wrote into them. Refused before anything
+    changes; inside inference_mode the update goes on."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=33), grad_sequence(shapes, 3)
+    runs, raised = [], []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            if k != 1:
+                with torch.inference_mode():
+                    opt.step()
+                continue
+            before = [p.tolist() for p in params], _state_snapshot(opt, params)
+            raised.append(_inference_step_raises(opt))
+            kept = before == ([p.tolist() for p in params], _state_snapshot(opt, params))
+        runs.append(Run(params, opt))
+    if name == "Adagrad":
+        assert raised == [False, False]
+        assert_runs_close(*runs, OPEN_LOOP_TOL)
+    else:
+        assert raised == [True, True]
+        assert kept  # (reprop's; torch's raising step wrote its first state tensor)
+
+
+def test_param_with_gaps_first_stepped_inside_inference_mode_steps_outside() -> None:
+    """The contiguous copy that a param with gaps is updated through is made
+    when its plan is built: inside inference_mode, an inference tensor, which
+    the next step outside it could not write, where torch's steps."""
+    for cls in (torch.optim.SGD, rp.SGD):
+        p = nn.Parameter(torch.ones(4, 4)[:, :2])
+        opt = cls([p], lr=0.5)
+        p.grad = torch.ones_like(p)
+        with torch.inference_mode():
+            opt.step()
+        opt.step()
+        assert torch.equal(p.detach(), torch.zeros(4, 2))
+
+
 # State that torch's update cannot read as its (7, 3) parameter's, as loaded
 # from another model or set by hand: (optimizer, key, the state).
 BAD_STATE = {

@@ -160,6 +160,11 @@ class _Plan:
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
+        # Whether a row writes an inference tensor (a param, state made inside
+        # inference_mode), which torch's in-place update refuses outside
+        # inference_mode: then check() looks at the mode each step.
+        self.inference = any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
+                             for p, watched in zip(params, self.watched) if watched is not None)
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
 
@@ -194,9 +199,24 @@ class _Plan:
         return not self.step_params
 
     def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
-        """Raises the ValueError with which run() would refuse this update
-        (hyper-parameters torch refuses at this step), changing nothing."""
+        """Raises what torch's update would raise for this update, changing
+        nothing: the ValueError with which run() would refuse it
+        (hyper-parameters torch refuses at this step), or _check_writable's
+        RuntimeError."""
+        self._check_writable()
         _C.optim_check(opt._kind, self.dtype_code, self.step_table, hp, self.capturable)
+
+    def _check_writable(self) -> None:
+        """Refuses, as torch's in-place ops do, to write an inference tensor of
+        a row taking part outside inference_mode: the kernels' raw pointers
+        would slip past torch's own check."""
+        if not self.inference or torch.is_inference_mode_enabled():
+            return
+        for row in range(len(self.params)) if self.rows is None else self.rows:
+            shape = tuple(self.params[row].shape)
+            _tensors.check_writable(self.params[row], f"params: a parameter of shape {shape}")
+            for key, t, _ in self.watched[row]:
+                _tensors.check_writable(t, f"state[{key!r}] of a parameter of shape {shape}")
 
     def commit_state(self) -> None:
         """Puts the state tensors the rows of this step point at into the
@@ -308,10 +328,13 @@ def _stand_in(p: torch.Tensor) -> torch.Tensor:
     and writes back (copy_ both ways): contiguous for a param with gaps,
     resolved in p's layout for one with torch's lazy negative bit (x.conj().imag,
     whose memory holds -p). The bit is looked at when the plan is built: a
-    param only gains it by a .data swap to a negative view of its own memory."""
-    if not _tensors.is_dense(p):
-        return p.contiguous()  # a copy, which resolves the bit
-    return p.resolve_neg()  # p itself where the bit is not set
+    param only gains it by a .data swap to a negative view of its own memory.
+    A copy is a normal tensor also when the plan is built inside
+    inference_mode: Plan.run writes it at every step, in any mode."""
+    with torch.inference_mode(False):
+        if not _tensors.is_dense(p):
+            return p.contiguous()  # a copy, which resolves the bit
+        return p.resolve_neg()  # p itself where the bit is not set
 
 
 def _check_param(p: torch.Tensor, capturable: bool) -> None:
@@ -841,7 +864,9 @@ class _FusedOptimizer:
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
             running = [plan for plan in plans if not plan.idle]
-            if len(running) > 1:  # each call checks its own: let none run if one refuses
+            # each call checks its own: let none run if one refuses (one that may
+            # write inference tensors is checked alone too: run() does not)
+            if len(running) > 1 or any(plan.inference for plan in running):
                 for plan in running:
                     plan.check(self, hparams)
             for plan in running:
