@@ -191,41 +191,75 @@ static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scal
     return RP_OK;
 }
 
+/* Advances the entries' step counters in table order, each entry's scalars
+ * from its own new count, as torch's loop over a group's params does: a
+ * counter shared by several entries (only state made or converted by hand
+ * shares one) counts once per entry, so they see t, t + 1, ... in turn.
+ * before[i] keeps the counter as entry i found it. Returns the number of
+ * entries advanced: n, or fewer when one was refused (its code in *rc). */
+static int64_t rp_count_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                              rp_step_scalars *scalars, float *before, int *rc, rp_error *err)
+{
+    int64_t i;
+    *rc = RP_OK;
+    for (i = 0; i < n; i++) {
+        /* torch: step_t += 1 on a float32 tensor, then step_t.item() */
+        float *step = entries[i].step;
+        double t;
+        scalars[i].a = 0.0f;
+        scalars[i].b = 1.0f;
+        if (!rp_needs_step(hp->kind) || step == NULL)
+            continue;
+        before[i] = *step;
+        t = (double)(before[i] + 1.0f);
+        if (hp->kind == RP_ADAM)
+            *rc = rp_adam_scalars(hp, t, &scalars[i], err);
+        else if (hp->kind == RP_ADAGRAD)
+            *rc = rp_adagrad_scalars(hp, t, &scalars[i], err);
+        if (*rc != RP_OK)
+            return i;
+        *step = before[i] + 1.0f;
+    }
+    return n;
+}
+
+/* Puts back the counters of the first `count` entries, the last first, so
+ * that a shared counter ends as the first of its entries found it. */
+static void rp_restore_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries,
+                             int64_t count, const float *before)
+{
+    while (count-- > 0)
+        if (rp_needs_step(hp->kind) && entries[count].step != NULL)
+            *entries[count].step = before[count];
+}
+
+/* rp_count_steps, keeping the advanced counters unless `keep` is 0 or an
+ * entry was refused: a refused step leaves every counter as it was. */
+static int rp_run_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                        rp_step_scalars *scalars, int keep, rp_error *err)
+{
+    int rc;
+    int64_t counted;
+    float *before = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof *before);
+    if (before == NULL)
+        return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld step counts", (long long)n);
+    counted = rp_count_steps(hp, entries, n, scalars, before, &rc, err);
+    if (rc != RP_OK || !keep)
+        rp_restore_steps(hp, entries, counted, before);
+    free(before);
+    return rc;
+}
+
 int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                           rp_step_scalars *scalars, rp_error *err)
 {
-    int64_t i;
-    for (i = 0; i < n; i++) {
-        /* torch: step_t += 1 on a float32 tensor, then step_t.item() */
-        double t;
-        int rc = RP_OK;
-        scalars[i].a = 0.0f;
-        scalars[i].b = 1.0f;
-        if (!rp_needs_step(hp->kind) || entries[i].step == NULL)
-            continue;
-        t = (double)(*entries[i].step + 1.0f);
-        if (hp->kind == RP_ADAM)
-            rc = rp_adam_scalars(hp, t, &scalars[i], err);
-        else if (hp->kind == RP_ADAGRAD)
-            rc = rp_adagrad_scalars(hp, t, &scalars[i], err);
-        if (rc != RP_OK)
-            return rc;
-    }
-    return RP_OK;
+    return rp_run_steps(hp, entries, n, scalars, 0, err);
 }
 
 int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_step_scalars *scalars, rp_error *err)
 {
-    int64_t i;
-    /* every entry's scalars first: a refused step leaves all counters as they were */
-    int rc = rp_optim_step_scalars(hp, entries, n, scalars, err);
-    if (rc != RP_OK)
-        return rc;
-    for (i = 0; i < n; i++)
-        if (rp_needs_step(hp->kind) && entries[i].step != NULL)
-            *entries[i].step = *entries[i].step + 1.0f;
-    return RP_OK;
+    return rp_run_steps(hp, entries, n, scalars, 1, err);
 }
 
 rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err)

@@ -898,6 +898,50 @@ def test_low_precision_state_dict_keeps_fp32_state(name: str) -> None:
     assert_runs_equal(Run(params, opt), straight)
 
 
+def _floating_state(st: dict) -> dict:
+    """The state tensors torch casts to the param's dtype on load (all but "step")."""
+    return {k: v for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_low_precision_load_state_dict_keeps_what_its_hooks_do(name: str) -> None:
+    """torch's load_state_dict loads the dict its pre-hooks return, and its
+    post-hooks see and may change the loaded state. For low-precision params
+    reprop re-read their state from the dict it was given after the
+    post-hooks: a pre-hook's change was dropped, a post-hook's undone, and
+    Adagrad's post-hooks saw `sum` reset to its initial value."""
+    shapes = [(6, 5), (7,)]
+    init = make_params(shapes, seed=8, dtype=torch.bfloat16)
+    first = run_open_loop(factory(reprop_cls(name), **RICH[name]), init,
+                          grad_sequence(shapes, 2, dtype=torch.bfloat16))
+    saved = first.opt.state_dict()
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+
+    def doubled(_, state_dict: dict) -> dict:
+        state = {i: {**st, **{k: 2 * v for k, v in _floating_state(st).items()}}
+                 for i, st in state_dict["state"].items()}
+        return {**state_dict, "state": state}
+
+    seen = []
+
+    def record_then_zero_first_key(o: torch.optim.Optimizer) -> None:
+        seen.extend({k: v.clone() for k, v in _floating_state(o.state[p]).items()} for p in params)
+        for p in params:
+            next(iter(_floating_state(o.state[p]).values())).zero_()
+
+    opt.register_load_state_dict_pre_hook(doubled)
+    opt.register_load_state_dict_post_hook(record_then_zero_first_key)
+    opt.load_state_dict(saved)
+    for i, p in enumerate(params):
+        expected = {k: 2 * v for k, v in _floating_state(saved["state"][i]).items()}
+        assert all(v.dtype == torch.float32 for v in expected.values())
+        torch.testing.assert_close(seen[i], expected, rtol=0, atol=0)
+        first_key = next(iter(expected))
+        expected[first_key] = torch.zeros_like(expected[first_key])
+        torch.testing.assert_close(_floating_state(opt.state[p]), expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_mixed_dtypes_in_one_group(name: str) -> None:
     """A group holding fp32, bf16 and fp16 params updates each exactly as when
@@ -1803,6 +1847,87 @@ def test_parameter_and_torch_function_subclasses_step_as_torch(name: str) -> Non
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+INFERENCE_ERROR = "(?i)inplace update to inference tensor outside InferenceMode is not allowed"
+
+
+def _inference_step_raises(opt: torch.optim.Optimizer) -> bool:
+    """Whether opt.step() raises torch's refusal to update inference tensors."""
+    try:
+        opt.step()
+    except RuntimeError as e:
+        assert re.search(INFERENCE_ERROR, str(e)), e
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inference_params_are_refused_outside_inference_mode(name: str) -> None:
+    """torch's in-place update of a param made inside inference_mode raises
+    outside it (after writing the first param: the check follows the op),
+    and steps inside it; reprop's kernels wrote every param through its raw
+    pointer. Refused before anything changes, no state created."""
+    raised = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        with torch.inference_mode():
+            params = [torch.ones(3), torch.ones(2, 2)]
+        opt = cls(params, **RICH[name])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = _state_snapshot(opt, params)  # Adagrad's is made by __init__
+        raised.append(_inference_step_raises(opt))
+    assert raised == [True, True]
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params)
+    assert _state_snapshot(opt, params) == before
+    with torch.inference_mode():
+        opt.step()
+    assert all((p != 1).all() for p in params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_made_inside_inference_mode_is_refused_outside_as_torch(name: str) -> None:
+    """A first step inside inference_mode makes the state inference tensors
+    (but Adagrad's, made by __init__); torch's next step outside it raises,
+    where reprop's cached plan wrote into them. Refused before anything
+    changes; inside inference_mode the update goes on."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=33), grad_sequence(shapes, 3)
+    runs, raised = [], []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            if k != 1:
+                with torch.inference_mode():
+                    opt.step()
+                continue
+            before = [p.tolist() for p in params], _state_snapshot(opt, params)
+            raised.append(_inference_step_raises(opt))
+            kept = before == ([p.tolist() for p in params], _state_snapshot(opt, params))
+        runs.append(Run(params, opt))
+    if name == "Adagrad":
+        assert raised == [False, False]
+        assert_runs_close(*runs, OPEN_LOOP_TOL)
+    else:
+        assert raised == [True, True]
+        assert kept  # (reprop's; torch's raising step wrote its first state tensor)
+
+
+def test_param_with_gaps_first_stepped_inside_inference_mode_steps_outside() -> None:
+    """The contiguous copy that a param with gaps is updated through is made
+    when its plan is built: inside inference_mode, an inference tensor, which
+    the next step outside it could not write, where torch's steps."""
+    for cls in (torch.optim.SGD, rp.SGD):
+        p = nn.Parameter(torch.ones(4, 4)[:, :2])
+        opt = cls([p], lr=0.5)
+        p.grad = torch.ones_like(p)
+        with torch.inference_mode():
+            opt.step()
+        opt.step()
+        assert torch.equal(p.detach(), torch.zeros(4, 2))
+
+
 # State that torch's update cannot read as its (7, 3) parameter's, as loaded
 # from another model or set by hand: (optimizer, key, the state).
 BAD_STATE = {
@@ -1860,6 +1985,57 @@ def test_state_without_a_step_count_raises_torchs_key_error(name: str) -> None:
         with pytest.raises(KeyError, match="step"):
             opt.step()
         assert torch.equal(p.detach(), before)
+
+
+def _step_with_a_shared_step_tensor(cls: type, name: str, init: list, grads: list,
+                                    step: torch.Tensor) -> list:
+    """Steps once, puts `step` into every param's state, steps on; returns the params."""
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = cls(params, **RICH[name])
+    for k, gs in enumerate(grads):
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+        if k == 0:
+            for p in params:
+                opt.state[p]["step"] = step
+    assert all(opt.state[p]["step"] is opt.state[params[0]]["step"] for p in params)
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name", ["Adam", "Adagrad"])
+def test_step_tensor_shared_by_params_counts_once_per_param_in_turn(name: str,
+                                                                    dtype: torch.dtype) -> None:
+    """One step tensor in several params' state (made by hand) is advanced by
+    torch's loop once per param, each update's bias correction (lr decay) at
+    its own count: 11, 12, 13 at the first step, 14, 15, 16 at the next.
+    reprop computed every row's from the count before any increment (11 for
+    all). A float64 one, which reprop converts to float32, stays shared."""
+    shapes = [(5,), (3, 2), (4,)]
+    init, grads = make_params(shapes, seed=41), grad_sequence(shapes, 3)
+    got, ref = (_step_with_a_shared_step_tensor(cls, name, init, grads, torch.tensor(10.0, dtype=dtype))
+                for cls in (reprop_cls(name), torch_cls(name)))
+    for i, (a, e) in enumerate(zip(got, ref)):
+        assert_tensor_close(a, e, STEP_TOL, f"params[{i}]", scale=1.0)
+
+
+def test_step_tensor_shared_across_dtypes_is_refused_before_any_change() -> None:
+    """Params of two dtypes in one group are updated by two calls, each
+    counting its own rows, so a step tensor they share cannot be counted in
+    torch's order: refused, naming the key, with nothing changed."""
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3, dtype=torch.bfloat16))]
+    opt = rp.Adam(params, lr=0.1)
+    step = torch.tensor(10.0)
+    for p in params:
+        opt.state[p] = {"step": step, "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"^Adam: param_groups\[0\]: step: several parameters "
+                                         r"share one step tensor"):
+        opt.step()
+    assert step.item() == 10.0
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+    assert all(not opt.state[p]["exp_avg"].any() for p in params)
 
 
 # Hyper-parameters set after construction (the constructors refuse them) for
@@ -2532,6 +2708,54 @@ def test_replaced_params_are_freed(name: str, how: str) -> None:
     assert alive == [1, 1]
 
 
+@pytest.mark.parametrize("how", ["removed", "emptied"])
+@pytest.mark.parametrize("name", NAMES)
+def test_params_of_a_removed_or_emptied_group_are_freed(name: str, how: str) -> None:
+    """A group removed from param_groups (or its params list emptied), with
+    its params' state popped, must not stay alive with its .grad and state
+    in reprop's cached pointer tables while the other groups step on: no
+    plan is rebuilt then (theirs are cached, an empty group builds none), so
+    the departed ones were only dropped at some later rebuild."""
+    alive = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4, 3))
+        opt = cls([keep], **RICH[name])
+        opt.add_param_group({"params": [head]})
+        keep.grad, head.grad = torch.ones(3), torch.ones(4, 3)
+        opt.step()
+        if how == "removed":
+            opt.param_groups.pop()
+        else:
+            opt.param_groups[1]["params"] = []
+        state = weakref.ref(next(t for t in opt.state.pop(head).values() if t.dim()))
+        refs = (weakref.ref(head), weakref.ref(head.grad), state)
+        del head
+        for _ in range(2):
+            keep.grad = torch.ones(3)
+            opt.step()
+        gc.collect()
+        alive.append([r() is not None for r in refs])
+    assert alive == [[False] * 3] * 2
+
+
+def test_step_params_follows_removed_and_replaced_groups() -> None:
+    """step_params looks params up in the groups as they are now: a param
+    whose group was replaced by a new dict steps with the new dict's lr, and
+    one whose group was removed is refused, as torch's step() leaves it
+    alone; both were updated in the old group."""
+    keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(2))
+    opt = rp.SGD([{"params": [keep]}, {"params": [head]}], lr=0.1)
+    opt.step_params([head])  # (the lookup is built)
+    opt.param_groups[1] = {**opt.param_groups[1], "lr": 1.0}
+    head.grad = torch.ones(2)
+    opt.step_params([head])
+    assert torch.equal(head.detach(), torch.full((2,), -1.0))
+    opt.param_groups.pop()
+    with pytest.raises(ValueError, match=r"params\[0\]: not a parameter of this optimizer"):
+        opt.step_params([head])
+    assert torch.equal(head.detach(), torch.full((2,), -1.0))
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
     """The update runs without the GIL, so another thread may drop a .grad
@@ -2682,3 +2906,20 @@ def test_gpu_capturable_in_cuda_graph(name: str) -> None:
     ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1_overrides(name, options))
     assert_runs_close(captured, ref, OPEN_LOOP_TOL)
     assert opt.state[params[0]]["step"].item() == warmup + replays
+
+
+@pytest.mark.gpu
+def test_gpu_capturable_step_tensor_shared_by_params_is_refused() -> None:
+    """A capturable update increments its device step counters in one launch,
+    which cannot count a shared one once per param in turn, as torch does:
+    refused before anything changes."""
+    params = [nn.Parameter(torch.ones(3, device="cuda")) for _ in range(2)]
+    opt = rp.Adam(params, lr=0.1, capturable=True)
+    step = torch.tensor(10.0, device="cuda")
+    for p in params:
+        opt.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"step: several parameters share one step tensor"):
+        opt.step()
+    assert step.item() == 10.0
+    assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)

@@ -135,6 +135,7 @@ class _Plan:
         # and address), so that a tensor the user put in their place, or one whose
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
+        converted_steps: dict = {}  # shared by _step_tensor's calls: see there
         for row, (p, st, key) in enumerate(zip(params, self.state_dicts, self.param_keys)):
             watched = []
             if key is None:  # no memory to point at: its gradient takes the Python path,
@@ -155,10 +156,15 @@ class _Plan:
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
             if opt._kind != _SGD:
-                step = _step_tensor(st, p, self.capturable)
+                step = _step_tensor(st, p, self.capturable, converted_steps)
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
+        # Whether a row writes an inference tensor (a param, state made inside
+        # inference_mode), which torch's in-place update refuses outside
+        # inference_mode: then check() looks at the mode each step.
+        self.inference = any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
+                             for p, watched in zip(params, self.watched) if watched is not None)
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
 
@@ -193,9 +199,24 @@ class _Plan:
         return not self.step_params
 
     def check(self, opt: "_FusedOptimizer", hp: tuple) -> None:
-        """Raises the ValueError with which run() would refuse this update
-        (hyper-parameters torch refuses at this step), changing nothing."""
+        """Raises what torch's update would raise for this update, changing
+        nothing: the ValueError with which run() would refuse it
+        (hyper-parameters torch refuses at this step), or _check_writable's
+        RuntimeError."""
+        self._check_writable()
         _C.optim_check(opt._kind, self.dtype_code, self.step_table, hp, self.capturable)
+
+    def _check_writable(self) -> None:
+        """Refuses, as torch's in-place ops do, to write an inference tensor of
+        a row taking part outside inference_mode: the kernels' raw pointers
+        would slip past torch's own check."""
+        if not self.inference or torch.is_inference_mode_enabled():
+            return
+        for row in range(len(self.params)) if self.rows is None else self.rows:
+            shape = tuple(self.params[row].shape)
+            _tensors.check_writable(self.params[row], f"params: a parameter of shape {shape}")
+            for key, t, _ in self.watched[row]:
+                _tensors.check_writable(t, f"state[{key!r}] of a parameter of shape {shape}")
 
     def commit_state(self) -> None:
         """Puts the state tensors the rows of this step point at into the
@@ -307,10 +328,13 @@ def _stand_in(p: torch.Tensor) -> torch.Tensor:
     and writes back (copy_ both ways): contiguous for a param with gaps,
     resolved in p's layout for one with torch's lazy negative bit (x.conj().imag,
     whose memory holds -p). The bit is looked at when the plan is built: a
-    param only gains it by a .data swap to a negative view of its own memory."""
-    if not _tensors.is_dense(p):
-        return p.contiguous()  # a copy, which resolves the bit
-    return p.resolve_neg()  # p itself where the bit is not set
+    param only gains it by a .data swap to a negative view of its own memory.
+    A copy is a normal tensor also when the plan is built inside
+    inference_mode: Plan.run writes it at every step, in any mode."""
+    with torch.inference_mode(False):
+        if not _tensors.is_dense(p):
+            return p.contiguous()  # a copy, which resolves the bit
+        return p.resolve_neg()  # p itself where the bit is not set
 
 
 def _check_param(p: torch.Tensor, capturable: bool) -> None:
@@ -422,6 +446,23 @@ def _ordered_runs(params: list) -> list[list]:
     return runs
 
 
+def _keep_float32_state(state: dict, loaded: dict) -> None:
+    """Puts the floating state (but "step") of low-precision params, which
+    torch's load_state_dict cast to their dtype, into `state` (what it hands
+    to __setstate__) as float32 copies of their values in `loaded`, the
+    state dict it loaded: reprop keeps their state in float32."""
+    saved_ids = (i for g in loaded["param_groups"] for i in g["params"])
+    params = (p for g in state["param_groups"] for p in g["params"])
+    for pid, p in zip(saved_ids, params):
+        saved = loaded["state"].get(pid)
+        if not saved or p.dtype == torch.float32:
+            continue
+        st = state["state"][p]
+        for key, value in saved.items():
+            if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                st[key] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+
+
 def _check_grad_types(grads: list) -> None:
     """Refuses a given gradient that is not a tensor (or None: skip its param)."""
     for i, g in enumerate(grads):
@@ -490,16 +531,43 @@ def _usable_step(step, p: torch.Tensor, capturable: bool) -> bool:
             and not step.is_neg())
 
 
-def _step_tensor(st: dict, p: torch.Tensor, capturable: bool) -> torch.Tensor:
+def _step_tensor(st: dict, p: torch.Tensor, capturable: bool, converted: dict) -> torch.Tensor:
     """state["step"] as the float32 0-dim tensor the core counts in; a new
-    tensor when st has none or one of another kind."""
+    tensor when st has none or one of another kind. A tensor of another kind
+    that several params share (state made by hand) stays shared: it is
+    converted once, into converted[id(tensor)], which the params of one plan
+    share (so torch's count of it once per param, in turn, holds)."""
     device = _step_device(p, capturable)
     step = st.get("step")
     if not isinstance(step, torch.Tensor):
-        step = torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
-    elif not _usable_step(step, p, capturable):
-        step = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
-    return step
+        return torch.tensor(float(step or 0.0), dtype=torch.float32, device=device)
+    if _usable_step(step, p, capturable):
+        return step
+    if id(step) not in converted:
+        converted[id(step)] = step.detach().to(device=device, dtype=torch.float32).reshape(()).clone()
+    return converted[id(step)]
+
+
+def _check_shared_steps(state, runs: list, capturable: bool) -> None:
+    """Refuses a step tensor shared by several params (only state made by
+    hand shares one) where the update cannot count it once per param in
+    turn, each update seeing its own count, as torch's loop does (the core
+    does so within one run's call): across runs, whose calls each count
+    their own params, in another order than the group's; nor in a capturable
+    run, whose device counters one launch increments at once."""
+    owner: dict = {}  # id(step tensor) -> the index of the run of its first param
+    for i, run in enumerate(runs):
+        for p in run:
+            step = state.get(p, {}).get("step")
+            if not isinstance(step, torch.Tensor):
+                continue
+            if id(step) in owner and (owner[id(step)] != i or capturable):
+                raise ValueError(
+                    "step: several parameters share one step tensor (state made by hand); "
+                    "torch counts it once per parameter in turn, which the fused update "
+                    "matches only for parameters of one device and dtype and without "
+                    "capturable=True: give each parameter a step tensor of its own")
+            owner[id(step)] = i
 
 
 def _usable_state(t, work: torch.Tensor) -> bool:
@@ -614,8 +682,9 @@ class _FusedOptimizer:
         # GradScaler must unscale before step(): our step takes no grad_scale.
         self._step_supports_amp_scaling = False
         self._plans = _PlanCache()
-        # What _drop_plans_of_departed_params last saw: (id, len) of each
-        # group's params list, and the ids of all params in groups.
+        # What _follow_param_groups last saw: (ids of the group and
+        # its params list, len of the list) of each group, and the ids of all
+        # params in groups.
         self._groups_seen: list | None = None
         self._members: set = set()
         self._group_of: dict | None = None
@@ -627,8 +696,14 @@ class _FusedOptimizer:
         keeps only defaults, state and param_groups; set up the rest again.
         torch's load_state_dict ends here too, with the loaded groups and
         state: a group we refuse is refused before either replaces ours, so
-        the optimizer stays as it was."""
+        the optimizer stays as it was; the state of low-precision params is
+        taken in float32 from the dict loaded (see load_state_dict), before
+        Adagrad's setup would reset a `sum` in their dtype and before the
+        post-hooks see it."""
         self._check_groups(state["param_groups"])
+        loading = self.__dict__.get("_loading")
+        if loading is not None:
+            _keep_float32_state(state, loading)
         super().__setstate__(state)
         self._setup_fused()
 
@@ -665,18 +740,21 @@ class _FusedOptimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping state float32 for low-precision
-        params (torch casts it to the param's dtype, which would lose bits)."""
-        super().load_state_dict(state_dict)
-        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for pid, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(pid)
-            if not saved or p.dtype == torch.float32:
-                continue
-            st = self.state[p]
-            for key, value in saved.items():
-                if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    st[key] = value.detach().to(device=p.device, dtype=torch.float32, copy=True)
+        params (torch casts it to the param's dtype, which would lose bits).
+        A pre-hook that runs after the user's notes the dict they leave (the
+        one torch loads), from which __setstate__, where torch's load ends
+        before its post-hooks, takes that state in float32: the pre-hooks'
+        changes are kept, and the post-hooks see, and may change, the state
+        the optimizer keeps, as with torch."""
+        handle = self.register_load_state_dict_pre_hook(_FusedOptimizer._note_loading)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+            self._loading = None
+
+    def _note_loading(self, state_dict: dict) -> None:
+        self._loading = state_dict
 
     def _forget_plans(self) -> None:
         self._plans.clear()
@@ -689,6 +767,7 @@ class _FusedOptimizer:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_param_groups()
         for group in self.param_groups:
             self._update(group, group["params"])
         return loss
@@ -708,6 +787,7 @@ class _FusedOptimizer:
         parameter's .grad (e.g. a DDP bucket's all-reduced gradients)."""
         params = list(params)
         _check_distinct(params)
+        self._follow_param_groups(params)
         given = None
         if grads is not None:
             grads = list(grads)
@@ -784,7 +864,9 @@ class _FusedOptimizer:
                 plans = self._make_plans(hp, params, active, key, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
             running = [plan for plan in plans if not plan.idle]
-            if len(running) > 1:  # each call checks its own: let none run if one refuses
+            # each call checks its own: let none run if one refuses (one that may
+            # write inference tensors is checked alone too: run() does not)
+            if len(running) > 1 or any(plan.inference for plan in running):
                 for plan in running:
                     plan.check(self, hparams)
             for plan in running:
@@ -837,13 +919,15 @@ class _FusedOptimizer:
 
     def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
                     hparams: tuple) -> list:
-        self._drop_plans_of_departed_params(params)
+        self._follow_param_groups(params)
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
+        runs = [run for ps in buckets.values() for run in _ordered_runs(ps)]
+        if self._kind != _SGD:
+            _check_shared_steps(self.state, runs, bool(group.get("capturable", False)))
         active_ids = set(map(id, active))
-        plans = [_Plan(self, group, run, slots, active_ids)
-                 for ps in buckets.values() for run in _ordered_runs(ps)]
+        plans = [_Plan(self, group, run, slots, active_ids) for run in runs]
         for plan in plans:
             if not plan.idle:
                 plan.check(self, hparams)
@@ -852,20 +936,23 @@ class _FusedOptimizer:
         self._plans.put(key, plans)
         return plans
 
-    def _drop_plans_of_departed_params(self, params: list) -> None:
+    def _follow_param_groups(self, params: Iterable = ()) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
         not be reused), so when params have left the param_groups (a group's
-        params replaced, a group removed), the plans of those that left every
-        group are dropped: they and their .grad are freed as torch frees them.
-        Checked when a plan is built (for `params`), which a change of params
-        brings about, never in the steady state; a change shows as a group's
-        params list replaced, resized, added or removed, or as a plan built
-        for a param not seen in any group, so the check costs
-        O(groups + len(params)) and the full scan runs only on a change."""
-        groups = [(id(g["params"]), len(g["params"])) for g in self.param_groups]
+        params replaced, a group removed or emptied), the plans of those that
+        left every group are dropped: they, their .grad and the state the
+        plans point at are freed as torch frees them. A change shows as a
+        group (or its params list) replaced, resized, added or removed, which
+        step() and step_params() check (O(groups): the other groups' plans
+        stay cached, so no plan is built to notice that one left), or as a
+        plan built, or step_params called, for a param not seen in any group
+        (a list edited in place), so the full scan runs only on a change. The
+        groups that step_params looks params up in follow too."""
+        groups = [(id(g), id(g["params"]), len(g["params"])) for g in self.param_groups]
         if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
         self._groups_seen = groups
+        self._group_of = None
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
         self._plans.retain(lambda plans: self._members.issuperset(
             id(p) for plan in plans for p in plan.params))
