@@ -841,6 +841,18 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 #define RP_CSR_PLAN_CAPSULE "reprop.csr_plan"
 
+/* The items of the sequence obj as a new tuple (TypeError `msg` when obj is
+ * not iterable), which holds them however the caller's sequence changes. */
+static PyObject *rp_py_tuple_of(PyObject *obj, const char *msg)
+{
+    PyObject *fast = PySequence_Fast(obj, msg), *tuple;
+    if (fast == NULL)
+        return NULL;
+    tuple = PySequence_Tuple(fast);
+    Py_DECREF(fast);
+    return tuple;
+}
+
 static void rp_py_plan_destructor(PyObject *capsule)
 {
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
@@ -873,18 +885,22 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], "levels", &levels) < 0 ||
         rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
-    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared, "
-                                   "value_map, values)");
+    /* a tuple of its own, never the caller's list (which PySequence_Fast
+     * hands back): the leaves borrow the arrays of its leaf tuples while
+     * Python code runs (a `shared` with __bool__) and while the plan is built
+     * without the GIL, when another thread may empty that list */
+    seq = rp_py_tuple_of(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, "
+                                  "shared, value_map, values)");
     if (seq == NULL)
         return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
+    n = PyTuple_GET_SIZE(seq);
     leaves = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *leaves);
     if (leaves == NULL) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
     for (int64_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices, *value_map;
+        PyObject *item = PyTuple_GET_ITEM(seq, i), *indptr, *indices, *value_map;
         long long rows, cols, values;
         int shared;
         char name[48];

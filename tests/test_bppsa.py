@@ -13,6 +13,10 @@ or level schedule gives errors of order 1e-1.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -2069,3 +2073,59 @@ def test_negative_bit_operands_and_gradients_match_resolved_ones():
                                      retain_graph=True)
         (want_x,) = torch.autograd.grad((out, h), x, (g_out, g_h))
         torch.testing.assert_close(got, want_x, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# The private bindings (reprop._native._C) called directly: they must never
+# crash the interpreter, and a bad argument raises an exception naming it
+# ---------------------------------------------------------------------------
+
+def _run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter with this reprop, so that a crash
+    fails the test instead of killing pytest."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(reprop.__file__)), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_csr_plan_holds_the_leaves_while_python_code_empties_the_list():
+    """csr_plan borrowed the leaf tuples (and their arrays) from the caller's
+    list: a `shared` whose __bool__ emptied the list freed them mid-parse
+    (SystemError or a plan of freed memory), and another thread emptying it
+    while the plan was built without the GIL, a segfault."""
+    proc = _run_isolated("""
+        import threading
+        import numpy as np
+        from reprop._native import _C
+
+        def leaf(i, o, shared=False):
+            ip, ix, wm = _C.jacobian("linear", (i, o))
+            return (i, o, ip, ix, shared, wm, i * o)
+
+        def plan_info(leaves):
+            return _C.csr_plan_info(_C.csr_plan(leaves, 1, 0, 1.0, 1.0, 1.0))
+
+        want = plan_info([leaf(300, 400), leaf(400, 300)])
+
+        class EmptiesTheList:
+            def __bool__(self):
+                leaves.clear()
+                [np.full(300 * 400, 7, np.int32) for _ in range(4)]  # reuse the freed memory
+                return False
+
+        leaves = [leaf(300, 400), leaf(400, 300, EmptiesTheList())]
+        assert plan_info(leaves) == want
+
+        class StartsAThreadEmptyingTheList:
+            def __bool__(self):  # the thread runs once csr_plan releases the GIL
+                emptier.start()
+                return False
+
+        leaves = [leaf(1500, 1500), leaf(1500, 1500, StartsAThreadEmptyingTheList())]
+        emptier = threading.Thread(target=leaves.clear)
+        assert plan_info(leaves) == plan_info([leaf(1500, 1500), leaf(1500, 1500)])
+        emptier.join()
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
