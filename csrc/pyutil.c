@@ -341,6 +341,35 @@ static int rp_py_take_part(const rp_py_step_rows *step, Py_ssize_t i, Py_ssize_t
     return rc;
 }
 
+/* The arguments of optim_grad_pointers with an item per row: params,
+ * param_keys, state_dicts, watched, grad_contiguous. */
+static const int rp_py_row_lists[] = {0, 1, 3, 4, 5};
+#define RP_PY_ROW_ITEMS ((int)(sizeof rp_py_row_lists / sizeof rp_py_row_lists[0]))
+
+static void rp_py_release_row(PyObject **item, int count)
+{
+    while (count-- > 0)
+        Py_DECREF(item[count]);
+}
+
+/* Row i's items of those lists, new references in item: the Python code a
+ * row runs (a .grad property, __torch_function__, __eq__) may shrink the
+ * lists or drop the items the row still reads. 0 when a list has no row i
+ * any more. */
+static int rp_py_hold_row(PyObject *const *args, Py_ssize_t i, PyObject **item)
+{
+    for (int k = 0; k < RP_PY_ROW_ITEMS; k++) {
+        PyObject *list = args[rp_py_row_lists[k]];
+        if (i >= PyList_GET_SIZE(list)) {
+            rp_py_release_row(item, k);
+            return 0;
+        }
+        item[k] = PyList_GET_ITEM(list, i);
+        Py_INCREF(item[k]);
+    }
+    return 1;
+}
+
 /* Fills the table's gradient column from the rows of params[i] with one;
  * RP_ROW_HOLDS with the gradients read appended to `held` and, in *rows,
  * NULL when the rows taking part are the previous step's, else their list;
@@ -352,11 +381,13 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
     Py_ssize_t n = PyList_GET_SIZE(args[0]), i, k = 0;
     for (i = 0; i < n; i++) {
         int64_t *row = (int64_t *)PyArray_GETPTR1(table, i);
-        PyObject *g = NULL;
-        int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
-                                PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                                PyList_GET_ITEM(args[5], i), args[6], args[11], args[8], names,
-                                row, &g);
+        PyObject *item[RP_PY_ROW_ITEMS], *g = NULL;
+        int ok;
+        if (!rp_py_hold_row(args, i, item))
+            return RP_ROW_STALE; /* the lists shrank under the call */
+        ok = rp_py_grad_row(item[0], item[1], args[2], item[2], item[3], item[4], args[6], args[11],
+                            args[8], names, row, &g);
+        rp_py_release_row(item, RP_PY_ROW_ITEMS);
         if (ok == RP_ROW_NO_GRAD)
             continue;
         if (ok != RP_ROW_HOLDS)

@@ -2129,3 +2129,42 @@ def test_csr_plan_holds_the_leaves_while_python_code_empties_the_list():
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
+def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists():
+    """The optimizer's fast path read row i of its lists with the length it
+    found on entry, and borrowed the items across the Python code a row runs
+    (.grad, data_ptr(), __torch_function__): a .grad property emptying the
+    params list made it read past the list's end, one dropping the param from
+    it made the param's data_ptr() run on freed memory (segfaults). A list
+    that changes under the call leaves the step to the Python path (None)."""
+    proc = _run_isolated("""
+        import numpy as np
+        import torch
+        from reprop._native import _C
+
+        class EmptiesTheList:
+            @property
+            def grad(self):
+                params.clear()
+                return None  # this row sits the step out: on to row 1
+
+        class DropsItself:
+            @property
+            def grad(self):
+                params[0] = None  # the list held the only reference to this param
+                [DropsItself() for _ in range(100)]  # reuse its memory
+                return torch.zeros(1)
+
+            def data_ptr(self):
+                return 1  # not the key's 0: a stale row
+
+        for cls in (EmptiesTheList, DropsItself):
+            params = [cls(), cls()]
+            table = np.zeros((2, 8), np.int64)
+            assert _C.optim_grad_pointers(
+                params, [(0, None, None, True, -1)] * 2, {}, [None] * 2, [()] * 2, [True] * 2,
+                torch.strided, table, None, table, None, torch.Tensor) is None
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
