@@ -35,6 +35,34 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err)
     Py_RETURN_NONE;
 }
 
+/* Re-raises a pending TypeError or ValueError with "fname: name: " (fname
+ * NULL: "name: ") in front of its message, so that a bad argument or spec
+ * entry names itself. */
+static void rp_py_prefix_error(const char *fname, const char *name)
+{
+    PyObject *type, *value, *tb, *msg, *kind;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)    ? PyExc_TypeError
+           : PyErr_GivenExceptionMatches(type, PyExc_ValueError) ? PyExc_ValueError
+                                                                 : NULL;
+    msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
+    if (msg == NULL) {
+        if (kind != NULL) /* PyObject_Str failed: keep the original */
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    if (fname != NULL)
+        PyErr_Format(kind, "%s: %s: %U", fname, name, msg);
+    else
+        PyErr_Format(kind, "%s: %U", name, msg);
+    Py_DECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
 static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
 {
     PyArrayObject *arr;
@@ -529,6 +557,18 @@ int rp_py_int_arg(PyObject *obj, const char *name, int *out)
     return -1;
 }
 
+/* A float argument, converted before the next (PyFloat_AsDouble of an
+ * object with __float__ must not run with an exception already set). */
+static int rp_py_double_arg(PyObject *obj, const char *name, double *out)
+{
+    *out = PyFloat_AsDouble(obj);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
+        return -1;
+    }
+    return 0;
+}
+
 static int rp_py_float_arg(PyObject *obj, float *out)
 {
     double v = PyFloat_AsDouble(obj);
@@ -693,12 +733,14 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return rp_py_none_or_raise(rc, &err);
 }
 
+/* The cost model's machine (workers, level_cost, step_cost) from args[0 .. 2]. */
 static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)
 {
-    m->workers = PyFloat_AsDouble(args[0]);
-    m->level_cost = PyFloat_AsDouble(args[1]);
-    m->step_cost = PyFloat_AsDouble(args[2]);
-    return PyErr_Occurred() ? -1 : 0;
+    return rp_py_double_arg(args[0], "workers", &m->workers) < 0 ||
+                   rp_py_double_arg(args[1], "level_cost", &m->level_cost) < 0 ||
+                   rp_py_double_arg(args[2], "step_cost", &m->step_cost) < 0
+               ? -1
+               : 0;
 }
 
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1128,30 +1170,6 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 /* ---- out-of-order backprop scheduling ---- */
-
-/* Re-raises a pending TypeError or ValueError with "fname: name: " in front
- * of its message, so that a bad spec entry or array names itself. */
-static void rp_py_prefix_error(const char *fname, const char *name)
-{
-    PyObject *type, *value, *tb, *msg, *kind;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)    ? PyExc_TypeError
-           : PyErr_GivenExceptionMatches(type, PyExc_ValueError) ? PyExc_ValueError
-                                                                 : NULL;
-    msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
-    if (msg == NULL) {
-        if (kind != NULL) /* PyObject_Str failed: keep the original */
-            PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-        return;
-    }
-    PyErr_Format(kind, "%s: %s: %U", fname, name, msg);
-    Py_DECREF(msg);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-}
 
 /* spec[key], borrowed; NULL with a TypeError naming the key when absent. */
 static PyObject *rp_py_spec_item(PyObject *spec, const char *key, const char *fname)

@@ -2168,3 +2168,21 @@ def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists(
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
+def test_cost_model_arguments_are_converted_one_at_a_time():
+    """The machine (workers, level_cost, step_cost) was converted all three
+    before the error check: a bad one followed by an object with __float__
+    raised SystemError ("returned a result with an exception set")."""
+
+    class Float:
+        def __float__(self):
+            return 1.0
+
+    with pytest.raises(TypeError, match="^workers: must be real number, not str$"):
+        _C.scan_plan(64, 2, 4, 0, "bad", Float(), 1.0)
+    with pytest.raises(TypeError, match="^level_cost: must be real number, not str$"):
+        _C.scan_cost(64, 2, 4, 0, 2, Float(), "bad", Float())
+    with pytest.raises(TypeError, match="^step_cost: must be real number, not NoneType$"):
+        _C.csr_plan([], 1, 0, Float(), Float(), None)
+    assert _C.scan_plan(64, 2, 4, 0, Float(), Float(), Float()) == _C.scan_plan(64, 2, 4, 0, 1.0, 1.0, 1.0)
