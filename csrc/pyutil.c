@@ -63,6 +63,16 @@ static void rp_py_prefix_error(const char *fname, const char *name)
     Py_XDECREF(tb);
 }
 
+/* Whether the core can read arr's memory as a C array of its dtype: native
+ * byte order (PyArray_TYPE says NPY_INT64 for '>i8' too, whose bytes the core
+ * would read swapped: pointers and sizes from another number), aligned and
+ * C-contiguous. The one check of every array argument the core reads in
+ * place. */
+static int rp_py_is_c_data(PyArrayObject *arr)
+{
+    return PyArray_ISNOTSWAPPED(arr) && PyArray_ISALIGNED(arr) && PyArray_IS_C_CONTIGUOUS(arr);
+}
+
 static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
 {
     PyArrayObject *arr;
@@ -77,9 +87,10 @@ static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
         PyErr_SetString(PyExc_ValueError, "table: expected an int64 array of shape (n, 8)");
         return -1;
     }
-    if (!PyArray_IS_C_CONTIGUOUS(arr) || !PyArray_ISWRITEABLE(arr) || !PyArray_ISALIGNED(arr)) {
+    if (!rp_py_is_c_data(arr) || !PyArray_ISWRITEABLE(arr)) {
         PyErr_SetString(PyExc_ValueError,
-                        "table: expected a C-contiguous, aligned, writeable array");
+                        "table: expected a C-contiguous, aligned, writeable array in native byte "
+                        "order");
         return -1;
     }
     *out = arr;
@@ -446,16 +457,15 @@ static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_s
             return 0;
     } else if (PyArray_Check(args[10])) {
         at = (PyArrayObject *)args[10];
-        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 &&
-            PyArray_IS_C_CONTIGUOUS(at) && PyArray_ISALIGNED(at) &&
+        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 && rp_py_is_c_data(at) &&
             PyArray_DIM(at, 0) == (npy_intp)step->m && step->m <= n) {
             step->at = (const int64_t *)PyArray_DATA(at);
             return 0;
         }
     }
     PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: step_rows must be None with the "
-                                      "table as step_table, or the int64 row indices of "
-                                      "step_table's rows");
+                                      "table as step_table, or the row indices of step_table's "
+                                      "rows as a C-contiguous int64 array in native byte order");
     return -1;
 }
 
@@ -931,14 +941,15 @@ static void rp_py_plan_destructor(PyObject *capsule)
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
 }
 
-/* An int32, C-contiguous 1-D array of at least `len` elements, borrowed. */
+/* An int32 1-D array of `len` elements the core reads in place, borrowed. */
 static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
 {
     PyArrayObject *arr = (PyArrayObject *)obj;
     if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
-        !PyArray_IS_C_CONTIGUOUS(arr) || PyArray_DIM(arr, 0) != (npy_intp)len) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous int32 array of %lld elements", name,
-                     (long long)len);
+        !rp_py_is_c_data(arr) || PyArray_DIM(arr, 0) != (npy_intp)len) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: expected a C-contiguous, aligned int32 array of %lld elements in native "
+                     "byte order", name, (long long)len);
         return -1;
     }
     *out = (const int32_t *)PyArray_DATA(arr);

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -2186,3 +2187,50 @@ def test_cost_model_arguments_are_converted_one_at_a_time():
     with pytest.raises(TypeError, match="^step_cost: must be real number, not NoneType$"):
         _C.csr_plan([], 1, 0, Float(), Float(), None)
     assert _C.scan_plan(64, 2, 4, 0, Float(), Float(), Float()) == _C.scan_plan(64, 2, 4, 0, 1.0, 1.0, 1.0)
+
+
+def _unaligned(values, dtype) -> np.ndarray:
+    """A C-contiguous array of `values` one byte off its dtype's alignment."""
+    raw = np.zeros(len(values) * np.dtype(dtype).itemsize + 1, np.uint8)
+    arr = raw[1:].view(dtype)
+    arr[:] = values
+    assert not arr.flags.aligned
+    return arr
+
+
+def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
+    """PyArray_TYPE is NPY_INT64 for a big-endian '>i8' array too: optim_step
+    read its bytes swapped as pointers and sizes (numel 4 << 56 here),
+    optim_grad_pointers swapped step rows, csr_plan swapped indptr and
+    indices, which it also took unaligned. The arrays the scheduling bindings
+    convert are cast to native order instead."""
+    p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    table = np.zeros((1, 8), np.int64)
+    table[0, 0], table[0, 1], table[0, 6] = p.ctypes.data, g.ctypes.data, 4  # param, grad, numel
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5  # SGD, lr 0.1
+    native_order = "^table: expected a C-contiguous, aligned, writeable array in native byte order$"
+    with pytest.raises(ValueError, match=native_order):
+        _C.optim_step(0, 0, table.astype(">i8"), hparams, 1)
+    with pytest.raises(ValueError, match=native_order):
+        _C.optim_check(0, 0, table.astype(">i8"), hparams, False)
+    assert (p == 1).all()
+    _C.optim_step(0, 0, table, hparams, 1)
+    np.testing.assert_allclose(p, 0.95, rtol=1e-7)
+
+    no_grad = [types.SimpleNamespace(grad=None)]
+    for step_rows in (np.zeros(1, ">i8"), _unaligned([0], np.int64)):
+        with pytest.raises(ValueError, match="step_rows must be None .* in native byte order$"):
+            _C.optim_grad_pointers(no_grad, [None], {}, [None], [None], [True], torch.strided, table,
+                                   None, table.copy(), step_rows, torch.Tensor)
+
+    indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
+    for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):
+        with pytest.raises(ValueError, match="^indptr: expected a C-contiguous, aligned int32 array of 3 "
+                                             "elements in native byte order$"):
+            _C.csr_plan([(2, 2, bad, indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned int32 array"):
+        _C.csr_plan([(2, 2, indptr, indices.astype(">i4"), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+
+    want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
+    got = _C.reverse_first_k(8, 3, np.arange(8).astype(">i8"), _unaligned(range(8), np.int64), 5, 100)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
