@@ -2,8 +2,14 @@
  * module.c: the CPython binding of the CPU core, reprop._C.
  *
  * Multi-phase initialisation, no global state. Every function validates its
- * arguments, releases the GIL around the numeric work, and turns a core
- * status into ValueError or RuntimeError.
+ * arguments and turns a core status into ValueError or RuntimeError. The
+ * work that grows with the data runs without the GIL (the core never touches
+ * Python objects): updates, activations, scans, Jacobians, csr plans and
+ * runs, task graphs, simulations and schedules. The rest keeps it: the
+ * optimizer's fast path and plan key (optim_grad_pointers, optim_call_key,
+ * which read Python objects), the checks and small sums (optim_check,
+ * fad_codebook, scan_plan, scan_cost, scan_workspace, ksearch_next,
+ * csr_plan_info), and the copies out of a plan (csr_program, csr_schedule).
  */
 #include "pyutil.h"
 

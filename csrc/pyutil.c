@@ -1519,7 +1519,9 @@ PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t n
     out = rp_py_new_array((npy_intp)layers, NPY_INT32);
     if (out == NULL)
         return NULL;
+    Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_stages(layers, stages, group, PyArray_DATA((PyArrayObject *)out), &err);
+    Py_END_ALLOW_THREADS
     if (rc != RP_OK) {
         Py_DECREF(out);
         return rp_py_raise(rc, &err);
@@ -1562,10 +1564,12 @@ PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_
     layer = rp_py_new_array((npy_intp)(2 * layers), NPY_INT32);
     if (kind == NULL || layer == NULL)
         goto done;
+    Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_reverse_first_k(layers, k, og != NULL ? PyArray_DATA(og) : NULL,
                                   wg != NULL ? PyArray_DATA(wg) : NULL, mem_forward, mem_cap,
                                   PyArray_DATA((PyArrayObject *)kind),
                                   PyArray_DATA((PyArrayObject *)layer), &k_used, &err);
+    Py_END_ALLOW_THREADS
     if (rc != RP_OK)
         rp_py_raise(rc, &err);
     else

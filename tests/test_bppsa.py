@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import types
 
 import numpy as np
@@ -2234,3 +2235,32 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
     want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
     got = _C.reverse_first_k(8, 3, np.arange(8).astype(">i8"), _unaligned(range(8), np.int64), 5, 100)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def _lets_another_thread_run(call) -> bool:
+    """Whether call() releases the GIL: with a switch interval far longer than
+    the test, a thread waiting for the GIL alone gets it only while the caller
+    has released it. A few tries, should the thread be slow to wake."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        for _ in range(10):
+            go, ran = threading.Event(), []
+            waiter = threading.Thread(target=lambda: (go.wait(), ran.append(True)))
+            waiter.start()
+            go.set()  # the waiter now waits for the GIL
+            call()
+            during = bool(ran)
+            waiter.join()
+            if during:
+                return True
+        return False
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_scheduling_bindings_release_the_gil_around_their_work():
+    """sched_stages and reverse_first_k held the GIL for O(layers) work (1.1 s
+    at 1e8 layers) while module.c says each binding releases it."""
+    assert _lets_another_thread_run(lambda: _C.sched_stages(2 * 10**7, 4, 0))
+    assert _lets_another_thread_run(lambda: _C.reverse_first_k(5 * 10**6, 10**6, None, None, 0, 0))
