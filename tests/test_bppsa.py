@@ -2264,3 +2264,16 @@ def test_scheduling_bindings_release_the_gil_around_their_work():
     at 1e8 layers) while module.c says each binding releases it."""
     assert _lets_another_thread_run(lambda: _C.sched_stages(2 * 10**7, 4, 0))
     assert _lets_another_thread_run(lambda: _C.reverse_first_k(5 * 10**6, 10**6, None, None, 0, 0))
+
+
+def test_optim_check_refuses_an_unknown_kind_as_optim_step_does():
+    """optim_check(99, ...) returned None (the pre-update check never looked
+    at the kind) where optim_step refuses it."""
+    table = np.zeros((1, 8), np.int64)
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    with pytest.raises(ValueError, match="^unknown optimizer kind 99$"):
+        _C.optim_step(99, 0, table, hparams, 1)
+    for capturable in (False, True):
+        with pytest.raises(ValueError, match="^unknown optimizer kind 99$"):
+            _C.optim_check(99, 0, table, hparams, capturable)
+    assert _C.optim_check(0, 0, table, hparams, False) is None
