@@ -35,17 +35,18 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err)
     Py_RETURN_NONE;
 }
 
-/* Re-raises a pending TypeError or ValueError with "fname: name: " (fname
- * NULL: "name: ") in front of its message, so that a bad argument or spec
- * entry names itself. */
+/* Re-raises a pending TypeError, ValueError or OverflowError with
+ * "fname: name: " (fname NULL: "name: ") in front of its message, so that a
+ * bad argument or spec entry names itself. */
 static void rp_py_prefix_error(const char *fname, const char *name)
 {
     PyObject *type, *value, *tb, *msg, *kind;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
-    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)    ? PyExc_TypeError
-           : PyErr_GivenExceptionMatches(type, PyExc_ValueError) ? PyExc_ValueError
-                                                                 : NULL;
+    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)       ? PyExc_TypeError
+           : PyErr_GivenExceptionMatches(type, PyExc_ValueError)    ? PyExc_ValueError
+           : PyErr_GivenExceptionMatches(type, PyExc_OverflowError) ? PyExc_OverflowError
+                                                                    : NULL;
     msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
     if (msg == NULL) {
         if (kind != NULL) /* PyObject_Str failed: keep the original */
@@ -555,8 +556,10 @@ int rp_py_int_arg(PyObject *obj, const char *name, int *out)
     /* range-checked, never truncated: 2**32 must not become kind 0 */
     long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            rp_py_prefix_error(NULL, name);
             return -1;
+        }
         PyErr_Clear();
     } else if (v >= INT_MIN && v <= INT_MAX) {
         *out = (int)v;
@@ -579,29 +582,35 @@ static int rp_py_double_arg(PyObject *obj, const char *name, double *out)
     return 0;
 }
 
-static int rp_py_float_arg(PyObject *obj, float *out)
+static int rp_py_float_arg(PyObject *obj, const char *name, float *out)
 {
-    double v = PyFloat_AsDouble(obj);
-    if (v == -1.0 && PyErr_Occurred())
+    double v;
+    if (rp_py_double_arg(obj, name, &v) < 0)
         return -1;
     *out = (float)v;
     return 0;
 }
 
-static int rp_py_pointer_arg(PyObject *obj, void **out)
+/* A data pointer as an int (0 for NULL); errors name the argument. */
+static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
         return -1;
+    }
     *out = (void *)(uintptr_t)v;
     return 0;
 }
 
-static int rp_py_size_arg(PyObject *obj, int64_t *out)
+/* An int64 argument; errors (OverflowError past int64) name it. */
+static int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
 {
     long long v = PyLong_AsLongLong(obj);
-    if (v == -1 && PyErr_Occurred())
+    if (v == -1 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
         return -1;
+    }
     *out = (int64_t)v;
     return 0;
 }
@@ -617,7 +626,11 @@ int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname)
 int rp_py_stream_arg(PyObject *obj, void **stream)
 {
     *stream = PyLong_AsVoidPtr(obj);
-    return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
+    if (*stream == NULL && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, "stream");
+        return -1;
+    }
+    return 0;
 }
 
 /* The last argument of a binding both extensions have: a thread count, or
@@ -647,10 +660,10 @@ PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
     rp_py_where where;
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 10, "fad_forward") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
-        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0 ||
-        rp_py_int_arg(args[3], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
-        rp_py_pointer_arg(args[5], &y) < 0 || rp_py_int_arg(args[6], "d_store", &d_store) < 0 ||
-        rp_py_pointer_arg(args[7], &d) < 0 || rp_py_size_arg(args[8], &n) < 0 ||
+        rp_py_float_arg(args[1], "p0", &p0) < 0 || rp_py_float_arg(args[2], "p1", &p1) < 0 ||
+        rp_py_int_arg(args[3], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[4], "x", &x) < 0 ||
+        rp_py_pointer_arg(args[5], "y", &y) < 0 || rp_py_int_arg(args[6], "d_store", &d_store) < 0 ||
+        rp_py_pointer_arg(args[7], "d", &d) < 0 || rp_py_size_arg(args[8], "n", &n) < 0 ||
         rp_py_where_arg(args[9], cuda, &where) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -682,9 +695,9 @@ PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssi
     rp_py_where where;
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 7, "fad_backward_code8") < 0 ||
-        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], &grad_y) < 0 ||
-        rp_py_pointer_arg(args[2], &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
-        rp_py_pointer_arg(args[4], &grad_x) < 0 || rp_py_size_arg(args[5], &n) < 0 ||
+        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], "grad_y", &grad_y) < 0 ||
+        rp_py_pointer_arg(args[2], "codes", &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
+        rp_py_pointer_arg(args[4], "grad_x", &grad_x) < 0 || rp_py_size_arg(args[5], "n", &n) < 0 ||
         rp_py_where_arg(args[6], cuda, &where) < 0)
         return NULL;
     /* cb points into the bytes argument, which the caller holds until we return. */
@@ -706,7 +719,7 @@ PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t n
     float p0, p1;
     (void)self;
     if (rp_py_check_nargs(nargs, 3, "fad_codebook") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
-        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0)
+        rp_py_float_arg(args[1], "p0", &p0) < 0 || rp_py_float_arg(args[2], "p1", &p1) < 0)
         return NULL;
     rc = rp_fad_codebook_init(kind, p0, p1, &cb, &err);
     if (rc != RP_OK)
@@ -722,15 +735,15 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int levels, rc;
     rp_py_where where;
     rp_error err = {{0}};
-    if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
-        rp_py_size_arg(args[1], &j.batch) < 0 || rp_py_size_arg(args[2], &j.dim) < 0 ||
-        rp_py_int_arg(args[3], "gates", &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
-        rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
-        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_int_arg(args[8], "act", &j.act) < 0 ||
-        rp_py_pointer_arg(args[9], &y) < 0 ||
+    if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], "n", &j.n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &j.batch) < 0 || rp_py_size_arg(args[2], "dim", &j.dim) < 0 ||
+        rp_py_int_arg(args[3], "gates", &j.gates) < 0 || rp_py_pointer_arg(args[4], "w", &w) < 0 ||
+        rp_py_pointer_arg(args[5], "u", &u) < 0 || rp_py_pointer_arg(args[6], "v", &v) < 0 ||
+        rp_py_pointer_arg(args[7], "jt", &jt) < 0 || rp_py_int_arg(args[8], "act", &j.act) < 0 ||
+        rp_py_pointer_arg(args[9], "y", &y) < 0 ||
         rp_py_int_arg(args[10], "pre_activation", &j.pre_activation) < 0 ||
-        rp_py_pointer_arg(args[11], &c) < 0 || rp_py_pointer_arg(args[12], &g) < 0 ||
-        rp_py_int_arg(args[13], "levels", &levels) < 0 || rp_py_pointer_arg(args[14], &work) < 0 ||
+        rp_py_pointer_arg(args[11], "c", &c) < 0 || rp_py_pointer_arg(args[12], "g", &g) < 0 ||
+        rp_py_int_arg(args[13], "levels", &levels) < 0 || rp_py_pointer_arg(args[14], "work", &work) < 0 ||
         rp_py_where_arg(args[15], cuda, &where) < 0)
         return NULL;
     j.w = w, j.u = u, j.v = v, j.jt = jt, j.y = y;
@@ -760,8 +773,8 @@ PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t narg
     rp_scan_machine m;
     rp_error err = {{0}};
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
         return NULL;
     rc = rp_scan_check_sizes(n, batch, dim, gates, 0, &err);
@@ -777,8 +790,8 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
     int levels, rc;
     rp_error err = {{0}};
     (void)self;
-    if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "levels", &levels) < 0)
         return NULL;
     /* gates 0: the workspace is the same for every kind of leaves */
@@ -796,8 +809,8 @@ PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t narg
     rp_error err = {{0}};
     double cost;
     (void)self;
-    if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_int_arg(args[4], "levels", &levels) < 0 ||
         rp_py_machine_args(args + 5, &m) < 0)
         return NULL;
@@ -855,9 +868,12 @@ static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
                         "sh, sw, ph, pw, dh, dw, groups)");
         return -1;
     }
-    for (int i = 0; i < 15; i++)
-        if (rp_py_size_arg(PyTuple_GET_ITEM(obj, i), &f[i]) < 0)
+    for (int i = 0; i < 15; i++) {
+        char name[16];
+        PyOS_snprintf(name, sizeof name, "geometry[%d]", i);
+        if (rp_py_size_arg(PyTuple_GET_ITEM(obj, i), name, &f[i]) < 0)
             return -1;
+    }
     *g = (rp_conv2d_geom){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
                           f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
     return 0;
@@ -941,15 +957,32 @@ static void rp_py_plan_destructor(PyObject *capsule)
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
 }
 
-/* An int32 1-D array of `len` elements the core reads in place, borrowed. */
+/* The plan of a csr_plan capsule; NULL with a TypeError naming `plan` (the
+ * capsule API's ValueError names neither the argument nor what it takes). */
+static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+{
+    rp_csr_plan *plan = PyCapsule_GetPointer(obj, RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "plan: expected the capsule csr_plan() returns, got %s",
+                     Py_TYPE(obj)->tp_name);
+    }
+    return plan;
+}
+
+/* An int32 1-D array of `len` elements (len < 0: any) the core reads in
+ * place, borrowed. */
 static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
 {
     PyArrayObject *arr = (PyArrayObject *)obj;
     if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
-        !rp_py_is_c_data(arr) || PyArray_DIM(arr, 0) != (npy_intp)len) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: expected a C-contiguous, aligned int32 array of %lld elements in native "
-                     "byte order", name, (long long)len);
+        !rp_py_is_c_data(arr) || (len >= 0 && PyArray_DIM(arr, 0) != (npy_intp)len)) {
+        if (len >= 0)
+            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned int32 array of "
+                         "%lld elements in native byte order", name, (long long)len);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned 1-D int32 array "
+                         "in native byte order", name);
         return -1;
     }
     *out = (const int32_t *)PyArray_DATA(arr);
@@ -967,7 +1000,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *seq;
     (void)self;
     if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], "levels", &levels) < 0 ||
-        rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
+        rp_py_size_arg(args[2], "max_pairs", &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
     /* a tuple of its own, never the caller's list (which PySequence_Fast
      * hands back): the leaves borrow the arrays of its leaf tuples while
@@ -994,8 +1027,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                                     "value_map, values)",
                               &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
             rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
-            rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
-                            "indices", &leaves[i].indices) < 0 ||
+            rp_py_int32_arg(indices, -1, "indices", &leaves[i].indices) < 0 ||
             (value_map != Py_None &&
              rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), "value_map",
                              &leaves[i].value_map) < 0)) {
@@ -1028,7 +1060,7 @@ PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_plan_info") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     rp_csr_plan_describe(plan, &info);
@@ -1057,7 +1089,7 @@ PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t na
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_program") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     g = rp_csr_plan_program(plan);
@@ -1093,7 +1125,7 @@ PyObject *rp_py_csr_schedule(PyObject *self, PyObject *const *args, Py_ssize_t n
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_schedule") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     rc = rp_csr_plan_schedule(plan, &sched, &err);
@@ -1119,11 +1151,11 @@ PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int rc;
     if (rp_py_check_nargs(nargs, 9, "csr_run") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
-        rp_py_pointer_arg(args[3], &shared) < 0 || rp_py_pointer_arg(args[4], &dst) < 0 ||
-        rp_py_pointer_arg(args[5], &term_ptr) < 0 || rp_py_pointer_arg(args[6], &tx) < 0 ||
-        rp_py_pointer_arg(args[7], &ty) < 0 || rp_py_where_arg(args[8], cuda, &where) < 0)
+    plan = rp_py_plan_arg(args[0]);
+    if (plan == NULL || rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_pointer_arg(args[2], "seq", &seq) < 0 ||
+        rp_py_pointer_arg(args[3], "shared", &shared) < 0 || rp_py_pointer_arg(args[4], "dst", &dst) < 0 ||
+        rp_py_pointer_arg(args[5], "term_ptr", &term_ptr) < 0 || rp_py_pointer_arg(args[6], "tx", &tx) < 0 ||
+        rp_py_pointer_arg(args[7], "ty", &ty) < 0 || rp_py_where_arg(args[8], cuda, &where) < 0)
         return NULL;
     rows = (rp_csr_device_rows){dst, term_ptr, tx, ty};
     Py_BEGIN_ALLOW_THREADS
@@ -1147,8 +1179,8 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     if (rp_py_check_nargs(nargs, 5, "csr_gradients") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
+    plan = rp_py_plan_arg(args[0]);
+    if (plan == NULL || rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_pointer_arg(args[2], "seq", &seq) < 0 ||
         rp_py_int_arg(args[4], "num_threads", &num_threads) < 0)
         return NULL;
     ptrs = PySequence_Fast(args[3], "out: expected a sequence of data pointers");
@@ -1166,8 +1198,13 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_DECREF(ptrs);
         return PyErr_NoMemory();
     }
-    while (parsed < n && rp_py_pointer_arg(PySequence_Fast_GET_ITEM(ptrs, parsed), &ptr) == 0)
-        out[parsed++] = ptr;
+    for (; parsed < n; parsed++) {
+        char name[32];
+        PyOS_snprintf(name, sizeof name, "out[%lld]", (long long)parsed);
+        if (rp_py_pointer_arg(PySequence_Fast_GET_ITEM(ptrs, parsed), name, &ptr) < 0)
+            break;
+        out[parsed] = ptr;
+    }
     if (parsed == n) {
         Py_BEGIN_ALLOW_THREADS
         rc = rp_csr_gradients_cpu(plan, batch, seq, out, num_threads, &finite, &err);
@@ -1375,7 +1412,12 @@ static int rp_py_parse_spec(PyObject *spec, rp_iter_spec *s, PyArrayObject **a)
                      (long long)s->layers);
         return -1;
     }
-    s->order = order < INT32_MIN || order > INT32_MAX ? -1 : (int)order;
+    if (order < INT32_MIN || order > INT32_MAX) { /* the core's int cannot hold it */
+        PyErr_Format(PyExc_ValueError, "%s: order %lld is not an rp_order", fname,
+                     (long long)order);
+        return -1;
+    }
+    s->order = (int)order;
     if (rp_py_spec_array(spec, "fwd", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[0]) < 0 ||
         rp_py_spec_array(spec, "out_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[1]) < 0 ||
         rp_py_spec_array(spec, "weight_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[2]) <
@@ -1511,8 +1553,8 @@ PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *out;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 3, "sched_stages") < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
-        rp_py_size_arg(args[1], &stages) < 0 || rp_py_size_arg(args[2], &group) < 0)
+    if (rp_py_check_nargs(nargs, 3, "sched_stages") < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0 ||
+        rp_py_size_arg(args[1], "stages", &stages) < 0 || rp_py_size_arg(args[2], "group", &group) < 0)
         return NULL;
     if (layers < 1 || layers > INT32_MAX) /* the core's message, before allocating */
         return rp_py_raise(rp_sched_stages(layers, stages, group, NULL, &err), &err);
@@ -1549,9 +1591,9 @@ PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *kind = NULL, *layer = NULL, *result = NULL;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 6, fname) < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
-        rp_py_size_arg(args[1], &k) < 0 || rp_py_size_arg(args[4], &mem_forward) < 0 ||
-        rp_py_size_arg(args[5], &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 6, fname) < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0 ||
+        rp_py_size_arg(args[1], "k", &k) < 0 || rp_py_size_arg(args[4], "mem_forward", &mem_forward) < 0 ||
+        rp_py_size_arg(args[5], "mem_cap", &mem_cap) < 0)
         return NULL;
     if (layers < 1 || layers > INT32_MAX / 2) /* the core's message, before allocating */
         return rp_py_raise(rp_sched_reverse_first_k(layers, k, NULL, NULL, 0, 0, NULL, NULL, NULL,
@@ -1590,7 +1632,7 @@ PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t n
     npy_intp len;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 2, "ksearch_next") < 0 || rp_py_size_arg(args[0], &layers) < 0)
+    if (rp_py_check_nargs(nargs, 2, "ksearch_next") < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0)
         return NULL;
     if (layers < 1 || layers > (int64_t)1 << 40)
         return rp_py_raise(rp_ksearch_next(layers, NULL, &next, &best, &err), &err);
@@ -1616,7 +1658,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     int64_t mem_cap, pre = 0, peak = 0;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
         return NULL;
     a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, fname, "t_main");
     if (a[0] == NULL)

@@ -2229,7 +2229,8 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
         with pytest.raises(ValueError, match="^indptr: expected a C-contiguous, aligned int32 array of 3 "
                                              "elements in native byte order$"):
             _C.csr_plan([(2, 2, bad, indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned int32 array"):
+    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned 1-D int32 array in "
+                                         "native byte order$"):
         _C.csr_plan([(2, 2, indptr, indices.astype(">i4"), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
 
     want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
@@ -2277,3 +2278,44 @@ def test_optim_check_refuses_an_unknown_kind_as_optim_step_does():
         with pytest.raises(ValueError, match="^unknown optimizer kind 99$"):
             _C.optim_check(99, 0, table, hparams, capturable)
     assert _C.optim_check(0, 0, table, hparams, False) is None
+
+
+_SPEC = dict(layers=4, micro=2, stages=2, iterations=2, order=0, k=1, transfer=0.1, sync_by_layer=False,
+             sub_stream=False, input_grad=False, fwd=[1.0] * 4, out_grad=[1.0] * 4, weight_grad=[1.0] * 4,
+             sync=None, stage=None)
+
+
+def test_binding_argument_errors_name_the_argument():
+    """Size, pointer and float arguments never named themselves (an int past
+    int64 gave a bare "int too big to convert", a str a bare TypeError), nor
+    did an OverflowError of a spec entry, each pointer of csr_gradients' out,
+    a wrong plan or the TypeError of an int argument; sched_graph called
+    order 2**40 "order -1"."""
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    too_big = "int too big to convert$"
+    cases = [
+        (OverflowError, "^sched_graph: micro: " + too_big, lambda: _C.sched_graph({**_SPEC, "micro": 2**70})),
+        (ValueError, "^sched_graph: order 1099511627776 is not an rp_order$",
+         lambda: _C.sched_graph({**_SPEC, "order": 2**40})),
+        (OverflowError, "^layers: " + too_big, lambda: _C.sched_stages(2**70, 1, 1)),
+        (OverflowError, "^layers: " + too_big, lambda: _C.reverse_first_k(2**70, 1, None, None, 0, 0)),
+        (TypeError, "^layers: 'str' object cannot be interpreted as an integer$",
+         lambda: _C.ksearch_next("4", [0.0] * 5)),
+        (OverflowError, "^mem_cap: " + too_big,
+         lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, 2**64)),
+        (TypeError, r"^out\[1\]: an integer is required$", lambda: _C.csr_gradients(plan, 1, 0, [0, "x"], 1)),
+        (OverflowError, "^seq: can't convert negative int to unsigned$",
+         lambda: _C.csr_run(plan, 1, -1, 0, 0, 0, 0, 0, 1)),
+        (TypeError, r"^plan: expected the capsule csr_plan\(\) returns, got int$", lambda: _C.csr_plan_info(5)),
+        (OverflowError, r"^geometry\[14\]: " + too_big, lambda: _C.jacobian("conv2d", (1,) * 14 + (2**64,))),
+        (OverflowError, "^max_pairs: " + too_big, lambda: _C.csr_plan([leaf], 0, 2**64, 1.0, 1.0, 1.0)),
+        (TypeError, "^p1: must be real number, not str$", lambda: _C.fad_codebook(0, 0.0, "x")),
+        (TypeError, "^n: 'NoneType' object cannot be interpreted as an integer$",
+         lambda: _C.scan_workspace(None, 1, 1, 0)),
+        (TypeError, "^kind: 'str' object cannot be interpreted as an integer$",
+         lambda: _C.optim_step("0", 0, np.zeros((0, 8), np.int64), (0.1,) + (0.0,) * 9 + (False,) * 5, 1)),
+    ]
+    for exc, message, call in cases:
+        with pytest.raises(exc, match=message):
+            call()
