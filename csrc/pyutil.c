@@ -879,57 +879,84 @@ static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
     return 0;
 }
 
+/* The layers jacobian() knows, and how many int32 arrays each pattern has
+ * (indptr, indices, then its maps). */
+enum { RP_PY_CONV2D, RP_PY_MAXPOOL2D, RP_PY_LINEAR, RP_PY_DIAGONAL, RP_PY_JAC_KINDS };
+static const char *const rp_py_jac_names[RP_PY_JAC_KINDS] = {"conv2d", "maxpool2d", "linear",
+                                                             "diagonal"};
+static const int rp_py_jac_arrays[RP_PY_JAC_KINDS] = {3, 4, 3, 2};
+
+/* The layer kind the str obj names, all of it: C's strcmp would stop at an
+ * embedded NUL and take "linear\0x" for "linear". */
+static int rp_py_jac_kind_arg(PyObject *obj, int *kind)
+{
+    Py_ssize_t len;
+    const char *s;
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "kind: expected a str, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if ((s = PyUnicode_AsUTF8AndSize(obj, &len)) == NULL)
+        return -1;
+    for (*kind = 0; *kind < RP_PY_JAC_KINDS; (*kind)++)
+        if (strlen(rp_py_jac_names[*kind]) == (size_t)len && !memcmp(s, rp_py_jac_names[*kind], len))
+            return 0;
+    PyErr_Format(PyExc_ValueError, "jacobian: unknown layer kind %R", obj);
+    return -1;
+}
+
+/* The geometry of a layer kind: g for conv2d and maxpool2d, else (a, b). */
+static int rp_py_jac_geometry_arg(PyObject *obj, int kind, rp_conv2d_geom *g, int64_t *a, int64_t *b)
+{
+    if (kind == RP_PY_CONV2D || kind == RP_PY_MAXPOOL2D)
+        return rp_py_geom_arg(obj, g);
+    if (rp_py_tuple_arg(obj, "geometry") < 0 ||
+        !PyArg_ParseTuple(obj,
+                          kind == RP_PY_LINEAR ? "LL;geometry: expected (in_features, out_features), 2 ints"
+                                               : "LL;geometry: expected (size, 0), 2 ints",
+                          a, b))
+        return -1;
+    return 0;
+}
+
+/* The core's pattern of a layer: its nnz, and its arrays into p where they
+ * are not NULL. */
+static int rp_py_jac_run(int kind, const rp_conv2d_geom *g, int64_t a, int64_t b, int64_t *nnz,
+                         int32_t *const *p, rp_error *err)
+{
+    switch (kind) {
+    case RP_PY_CONV2D:
+        return rp_jac_conv2d(g, nnz, p[0], p[1], p[2], err);
+    case RP_PY_MAXPOOL2D:
+        return rp_jac_maxpool2d(g, nnz, p[0], p[1], p[2], p[3], err);
+    case RP_PY_LINEAR:
+        return rp_jac_linear(a, b, nnz, p[0], p[1], p[2], err);
+    default:
+        return rp_jac_diagonal(a, nnz, p[0], p[1], err);
+    }
+}
+
 PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     rp_error err = {{0}};
     rp_conv2d_geom g;
     int64_t nnz = 0, rows, a = 0, b = 0;
     int32_t *p[4] = {NULL, NULL, NULL, NULL};
-    const char *kind;
     PyObject *out;
-    int rc, count;
+    int kind, rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 2, "jacobian") < 0)
+    if (rp_py_check_nargs(nargs, 2, "jacobian") < 0 || rp_py_jac_kind_arg(args[0], &kind) < 0 ||
+        rp_py_jac_geometry_arg(args[1], kind, &g, &a, &b) < 0)
         return NULL;
-    kind = PyUnicode_AsUTF8(args[0]);
-    if (kind == NULL)
-        return NULL;
-    if (!strcmp(kind, "conv2d") || !strcmp(kind, "maxpool2d")) {
-        if (rp_py_geom_arg(args[1], &g) < 0)
-            return NULL;
-        rows = g.c_in * g.h_in * g.w_in;
-        count = kind[0] == 'c' ? 3 : 4;
-        rc = count == 3 ? rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err)
-                        : rp_jac_maxpool2d(&g, &nnz, NULL, NULL, NULL, NULL, &err);
-    } else if (!strcmp(kind, "linear") || !strcmp(kind, "diagonal")) {
-        if (rp_py_tuple_arg(args[1], "geometry") < 0 ||
-            !PyArg_ParseTuple(args[1],
-                              kind[0] == 'l' ? "LL;geometry: expected (in_features, out_features), 2 ints"
-                                             : "LL;geometry: expected (size, 0), 2 ints",
-                              &a, &b))
-            return NULL;
-        rows = a;
-        count = kind[0] == 'l' ? 3 : 2;
-        rc = count == 3 ? rp_jac_linear(a, b, &nnz, NULL, NULL, NULL, &err)
-                        : rp_jac_diagonal(a, &nnz, NULL, NULL, &err);
-    } else {
-        PyErr_Format(PyExc_ValueError, "jacobian: unknown layer kind '%s'", kind);
-        return NULL;
-    }
+    rc = rp_py_jac_run(kind, &g, a, b, &nnz, p, &err); /* p all NULL: the sizes, checked */
     if (rc != RP_OK)
         return rp_py_raise(rc, &err);
-    out = rp_py_pattern_tuple(rows, nnz, count, p);
+    rows = kind == RP_PY_CONV2D || kind == RP_PY_MAXPOOL2D ? g.c_in * g.h_in * g.w_in : a;
+    out = rp_py_pattern_tuple(rows, nnz, rp_py_jac_arrays[kind], p);
     if (out == NULL)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (!strcmp(kind, "conv2d"))
-        rc = rp_jac_conv2d(&g, &nnz, p[0], p[1], p[2], &err);
-    else if (!strcmp(kind, "maxpool2d"))
-        rc = rp_jac_maxpool2d(&g, &nnz, p[0], p[1], p[2], p[3], &err);
-    else if (count == 3)
-        rc = rp_jac_linear(a, b, &nnz, p[0], p[1], p[2], &err);
-    else
-        rc = rp_jac_diagonal(a, &nnz, p[0], p[1], &err);
+    rc = rp_py_jac_run(kind, &g, a, b, &nnz, p, &err);
     Py_END_ALLOW_THREADS
     if (rc != RP_OK) {
         Py_DECREF(out);

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -2319,3 +2320,19 @@ def test_binding_argument_errors_name_the_argument():
     for exc, message, call in cases:
         with pytest.raises(exc, match=message):
             call()
+
+
+def test_jacobian_kind_is_the_whole_str():
+    """The kind was compared with C's strcmp, which stops at an embedded NUL:
+    "linear\\0x" was taken for "linear"; a non-str gave Python's bare "bad
+    argument type for built-in operation"."""
+    for kind in ("linear\0x", "linear\0", "lin"):
+        with pytest.raises(ValueError, match=f"^jacobian: unknown layer kind {re.escape(repr(kind))}$"):
+            _C.jacobian(kind, (3, 4))
+    with pytest.raises(TypeError, match="^kind: expected a str, got bytes$"):
+        _C.jacobian(b"linear", (3, 4))
+    indptr, indices, wmap = _C.jacobian("linear", (3, 4))
+    assert indptr.tolist() == [0, 4, 8, 12] and wmap.tolist() == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]
+    assert [len(_C.jacobian(kind, geometry)) for kind, geometry in [
+        ("diagonal", (3, 0)), ("conv2d", (1, 4, 4, 2, 4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1)),
+        ("maxpool2d", (1, 4, 4, 1, 2, 2, 2, 2, 2, 2, 0, 0, 1, 1, 1))]] == [2, 3, 4]
