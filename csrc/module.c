@@ -66,9 +66,11 @@ PyDoc_STRVAR(fad_backward_code8_doc,
              "grad_x = grad_y * codebook.value[codes] on the CPU (rp_fad_backward_code8_cpu).");
 
 PyDoc_STRVAR(scan_doc,
-             "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, num_threads)\n--\n\n"
+             "scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels, work,\n"
+             "     num_threads)\n--\n\n"
              "The BPPSA recurrence g[t] = c[t] + J[t+1]^T g[t+1] on the CPU (rp_scan_cpu in\n"
-             "csrc/reprop.h); pointers as ints, 0 for NULL.");
+             "csrc/reprop.h; act, y and pre_activation as in rp_scan_jacobians); pointers as\n"
+             "ints, 0 for NULL.");
 
 PyDoc_STRVAR(sched_graph_doc,
              "sched_graph(spec)\n--\n\n"
@@ -125,6 +127,8 @@ static PyMethodDef rp_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_optim_step_py, METH_FASTCALL, optim_step_doc},
     {"optim_check", (PyCFunction)(void (*)(void))rp_optim_check_py, METH_FASTCALL, optim_check_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
+     "optim_grad_pointers(params, param_keys, state, state_dicts, watched, grad_contiguous,\n"
+     "                    strided, table, given, step_table, step_rows, tensor_type)\n--\n\n"
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
     {"optim_call_key", (PyCFunction)(void (*)(void))rp_py_optim_call_key, METH_FASTCALL,
      "optim_call_key(params) -> bytes: the ids of params, reprop.optim's plan cache key."},

@@ -2336,3 +2336,25 @@ def test_jacobian_kind_is_the_whole_str():
     assert [len(_C.jacobian(kind, geometry)) for kind, geometry in [
         ("diagonal", (3, 0)), ("conv2d", (1, 4, 4, 2, 4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1)),
         ("maxpool2d", (1, 4, 4, 1, 2, 2, 2, 2, 2, 2, 0, 0, 1, 1, 1))]] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("module", ["_C", "_cuda"])
+def test_binding_docstrings_list_the_arguments_the_binding_takes(module):
+    """scan's docstring (both extensions) listed 13 parameters where the
+    binding takes 16, _cuda.optim_step's 6 where it takes 7 (lr_ptr)."""
+    ext = getattr(reprop._native, module)
+    if ext is None:
+        pytest.skip(f"reprop.{module} not built")
+    checked = 0
+    for name in dir(ext):
+        func = getattr(ext, name)
+        # a "name(...)\n--" docstring becomes __text_signature__, else it starts with name(...)
+        listed = re.match(r"\(([^)]*)\)", getattr(func, "__text_signature__", None) or "") or \
+            re.match(rf"{name}\(([^)]*)\)", getattr(func, "__doc__", None) or "")
+        if listed is None:  # build_info and the module's own attributes
+            continue
+        params = [p.strip() for p in listed.group(1).split(",")]
+        with pytest.raises(TypeError, match=rf"^{name}\(\) takes {len(params)} arguments "):
+            func(*[None] * (len(params) + 1))
+        checked += 1
+    assert checked >= (24 if module == "_C" else 7)
