@@ -2,8 +2,14 @@
  * module.c: the CPython binding of the CPU core, reprop._C.
  *
  * Multi-phase initialisation, no global state. Every function validates its
- * arguments, releases the GIL around the numeric work, and turns a core
- * status into ValueError or RuntimeError.
+ * arguments and turns a core status into ValueError or RuntimeError. The
+ * work that grows with the data runs without the GIL (the core never touches
+ * Python objects): updates, activations, scans, Jacobians, csr plans and
+ * runs, task graphs, simulations and schedules. The rest keeps it: the
+ * optimizer's fast path and plan key (optim_grad_pointers, optim_call_key,
+ * which read Python objects), the checks and small sums (optim_check,
+ * fad_codebook, scan_plan, scan_cost, scan_workspace, ksearch_next,
+ * csr_plan_info), and the copies out of a plan (csr_program, csr_schedule).
  */
 #include "pyutil.h"
 
@@ -60,9 +66,11 @@ PyDoc_STRVAR(fad_backward_code8_doc,
              "grad_x = grad_y * codebook.value[codes] on the CPU (rp_fad_backward_code8_cpu).");
 
 PyDoc_STRVAR(scan_doc,
-             "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, num_threads)\n--\n\n"
+             "scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels, work,\n"
+             "     num_threads)\n--\n\n"
              "The BPPSA recurrence g[t] = c[t] + J[t+1]^T g[t+1] on the CPU (rp_scan_cpu in\n"
-             "csrc/reprop.h); pointers as ints, 0 for NULL.");
+             "csrc/reprop.h; act, y and pre_activation as in rp_scan_jacobians); pointers as\n"
+             "ints, 0 for NULL.");
 
 PyDoc_STRVAR(sched_graph_doc,
              "sched_graph(spec)\n--\n\n"
@@ -119,6 +127,8 @@ static PyMethodDef rp_methods[] = {
     {"optim_step", (PyCFunction)(void (*)(void))rp_optim_step_py, METH_FASTCALL, optim_step_doc},
     {"optim_check", (PyCFunction)(void (*)(void))rp_optim_check_py, METH_FASTCALL, optim_check_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
+     "optim_grad_pointers(params, param_keys, state, state_dicts, watched, grad_contiguous,\n"
+     "                    strided, table, given, step_table, step_rows, tensor_type)\n--\n\n"
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
     {"optim_call_key", (PyCFunction)(void (*)(void))rp_py_optim_call_key, METH_FASTCALL,
      "optim_call_key(params) -> bytes: the ids of params, reprop.optim's plan cache key."},

@@ -11,7 +11,7 @@
 #include <string.h>
 
 PyDoc_STRVAR(optim_step_doc,
-             "optim_step(kind, dtype, table, hparams, capturable, stream)\n--\n\n"
+             "optim_step(kind, dtype, table, hparams, capturable, stream, lr_ptr)\n--\n\n"
              "Fused multi-tensor optimizer step on CUDA, enqueued on `stream` (an\n"
              "integer cudaStream_t). Non-capturable: step counters are host float32\n"
              "and advanced here. Capturable: step counters are device float32 and\n"
@@ -173,9 +173,10 @@ PyDoc_STRVAR(fad_backward_code8_doc,
              "grad_x = grad_y * codebook.value[codes] on `stream` (rp_cuda_fad_backward_code8).");
 
 PyDoc_STRVAR(scan_doc,
-             "scan(n, batch, dim, gates, w, u, v, jt, c, g, levels, work, stream)\n--\n\n"
-             "The BPPSA recurrence on `stream` (rp_cuda_scan in csrc/reprop.h); device\n"
-             "pointers as ints, 0 for NULL.");
+             "scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels, work,\n"
+             "     stream)\n--\n\n"
+             "The BPPSA recurrence on `stream` (rp_cuda_scan in csrc/reprop.h; act, y and\n"
+             "pre_activation as in rp_scan_jacobians); device pointers as ints, 0 for NULL.");
 
 PyDoc_STRVAR(csr_run_doc,
              "csr_run(plan, batch, seq, shared, dst, term_ptr, tx, ty, stream)\n--\n\n"

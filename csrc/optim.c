@@ -99,14 +99,21 @@ int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *ent
     return RP_OK;
 }
 
+static int rp_optim_check_kind(const rp_optim_hparams *hp, rp_error *err)
+{
+    if (hp->kind < RP_SGD || hp->kind > RP_ADADELTA)
+        return rp_set_error(err, RP_EINVAL, "unknown optimizer kind %d", hp->kind);
+    return RP_OK;
+}
+
 int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                    rp_error *err)
 {
     unsigned need;
     int64_t i;
     int s;
-    if (hp->kind < RP_SGD || hp->kind > RP_ADADELTA)
-        return rp_set_error(err, RP_EINVAL, "unknown optimizer kind %d", hp->kind);
+    if (rp_optim_check_kind(hp, err) != RP_OK)
+        return RP_EINVAL;
     if (n < 0 || (n > 0 && entries == NULL))
         return rp_set_error(err, RP_EINVAL, "invalid entry table (n=%lld)", (long long)n);
     need = rp_optim_state_slots(hp);
@@ -274,7 +281,9 @@ int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entr
                           int capturable, rp_error *err)
 {
     rp_step_scalars *scalars;
-    int rc = rp_optim_check_hparams(hp, entries, n, err);
+    int rc = rp_optim_check_kind(hp, err);
+    if (rc == RP_OK)
+        rc = rp_optim_check_hparams(hp, entries, n, err);
     if (rc != RP_OK || capturable || n == 0)
         return rc;
     scalars = rp_optim_scalars_alloc(n, err);

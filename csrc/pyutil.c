@@ -35,6 +35,45 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err)
     Py_RETURN_NONE;
 }
 
+/* Re-raises a pending TypeError, ValueError or OverflowError with
+ * "fname: name: " (fname NULL: "name: ") in front of its message, so that a
+ * bad argument or spec entry names itself. */
+static void rp_py_prefix_error(const char *fname, const char *name)
+{
+    PyObject *type, *value, *tb, *msg, *kind;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)       ? PyExc_TypeError
+           : PyErr_GivenExceptionMatches(type, PyExc_ValueError)    ? PyExc_ValueError
+           : PyErr_GivenExceptionMatches(type, PyExc_OverflowError) ? PyExc_OverflowError
+                                                                    : NULL;
+    msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
+    if (msg == NULL) {
+        if (kind != NULL) /* PyObject_Str failed: keep the original */
+            PyErr_Clear();
+        PyErr_Restore(type, value, tb);
+        return;
+    }
+    if (fname != NULL)
+        PyErr_Format(kind, "%s: %s: %U", fname, name, msg);
+    else
+        PyErr_Format(kind, "%s: %U", name, msg);
+    Py_DECREF(msg);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* Whether the core can read arr's memory as a C array of its dtype: native
+ * byte order (PyArray_TYPE says NPY_INT64 for '>i8' too, whose bytes the core
+ * would read swapped: pointers and sizes from another number), aligned and
+ * C-contiguous. The one check of every array argument the core reads in
+ * place. */
+static int rp_py_is_c_data(PyArrayObject *arr)
+{
+    return PyArray_ISNOTSWAPPED(arr) && PyArray_ISALIGNED(arr) && PyArray_IS_C_CONTIGUOUS(arr);
+}
+
 static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
 {
     PyArrayObject *arr;
@@ -49,9 +88,10 @@ static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
         PyErr_SetString(PyExc_ValueError, "table: expected an int64 array of shape (n, 8)");
         return -1;
     }
-    if (!PyArray_IS_C_CONTIGUOUS(arr) || !PyArray_ISWRITEABLE(arr) || !PyArray_ISALIGNED(arr)) {
+    if (!rp_py_is_c_data(arr) || !PyArray_ISWRITEABLE(arr)) {
         PyErr_SetString(PyExc_ValueError,
-                        "table: expected a C-contiguous, aligned, writeable array");
+                        "table: expected a C-contiguous, aligned, writeable array in native byte "
+                        "order");
         return -1;
     }
     *out = arr;
@@ -341,6 +381,35 @@ static int rp_py_take_part(const rp_py_step_rows *step, Py_ssize_t i, Py_ssize_t
     return rc;
 }
 
+/* The arguments of optim_grad_pointers with an item per row: params,
+ * param_keys, state_dicts, watched, grad_contiguous. */
+static const int rp_py_row_lists[] = {0, 1, 3, 4, 5};
+#define RP_PY_ROW_ITEMS ((int)(sizeof rp_py_row_lists / sizeof rp_py_row_lists[0]))
+
+static void rp_py_release_row(PyObject **item, int count)
+{
+    while (count-- > 0)
+        Py_DECREF(item[count]);
+}
+
+/* Row i's items of those lists, new references in item: the Python code a
+ * row runs (a .grad property, __torch_function__, __eq__) may shrink the
+ * lists or drop the items the row still reads. 0 when a list has no row i
+ * any more. */
+static int rp_py_hold_row(PyObject *const *args, Py_ssize_t i, PyObject **item)
+{
+    for (int k = 0; k < RP_PY_ROW_ITEMS; k++) {
+        PyObject *list = args[rp_py_row_lists[k]];
+        if (i >= PyList_GET_SIZE(list)) {
+            rp_py_release_row(item, k);
+            return 0;
+        }
+        item[k] = PyList_GET_ITEM(list, i);
+        Py_INCREF(item[k]);
+    }
+    return 1;
+}
+
 /* Fills the table's gradient column from the rows of params[i] with one;
  * RP_ROW_HOLDS with the gradients read appended to `held` and, in *rows,
  * NULL when the rows taking part are the previous step's, else their list;
@@ -352,11 +421,13 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
     Py_ssize_t n = PyList_GET_SIZE(args[0]), i, k = 0;
     for (i = 0; i < n; i++) {
         int64_t *row = (int64_t *)PyArray_GETPTR1(table, i);
-        PyObject *g = NULL;
-        int ok = rp_py_grad_row(PyList_GET_ITEM(args[0], i), PyList_GET_ITEM(args[1], i), args[2],
-                                PyList_GET_ITEM(args[3], i), PyList_GET_ITEM(args[4], i),
-                                PyList_GET_ITEM(args[5], i), args[6], args[11], args[8], names,
-                                row, &g);
+        PyObject *item[RP_PY_ROW_ITEMS], *g = NULL;
+        int ok;
+        if (!rp_py_hold_row(args, i, item))
+            return RP_ROW_STALE; /* the lists shrank under the call */
+        ok = rp_py_grad_row(item[0], item[1], args[2], item[2], item[3], item[4], args[6], args[11],
+                            args[8], names, row, &g);
+        rp_py_release_row(item, RP_PY_ROW_ITEMS);
         if (ok == RP_ROW_NO_GRAD)
             continue;
         if (ok != RP_ROW_HOLDS)
@@ -387,16 +458,15 @@ static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_s
             return 0;
     } else if (PyArray_Check(args[10])) {
         at = (PyArrayObject *)args[10];
-        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 &&
-            PyArray_IS_C_CONTIGUOUS(at) && PyArray_ISALIGNED(at) &&
+        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 && rp_py_is_c_data(at) &&
             PyArray_DIM(at, 0) == (npy_intp)step->m && step->m <= n) {
             step->at = (const int64_t *)PyArray_DATA(at);
             return 0;
         }
     }
     PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: step_rows must be None with the "
-                                      "table as step_table, or the int64 row indices of "
-                                      "step_table's rows");
+                                      "table as step_table, or the row indices of step_table's "
+                                      "rows as a C-contiguous int64 array in native byte order");
     return -1;
 }
 
@@ -486,8 +556,10 @@ int rp_py_int_arg(PyObject *obj, const char *name, int *out)
     /* range-checked, never truncated: 2**32 must not become kind 0 */
     long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            rp_py_prefix_error(NULL, name);
             return -1;
+        }
         PyErr_Clear();
     } else if (v >= INT_MIN && v <= INT_MAX) {
         *out = (int)v;
@@ -498,29 +570,47 @@ int rp_py_int_arg(PyObject *obj, const char *name, int *out)
     return -1;
 }
 
-static int rp_py_float_arg(PyObject *obj, float *out)
+/* A float argument, converted before the next (PyFloat_AsDouble of an
+ * object with __float__ must not run with an exception already set). */
+static int rp_py_double_arg(PyObject *obj, const char *name, double *out)
 {
-    double v = PyFloat_AsDouble(obj);
-    if (v == -1.0 && PyErr_Occurred())
+    *out = PyFloat_AsDouble(obj);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
+        return -1;
+    }
+    return 0;
+}
+
+static int rp_py_float_arg(PyObject *obj, const char *name, float *out)
+{
+    double v;
+    if (rp_py_double_arg(obj, name, &v) < 0)
         return -1;
     *out = (float)v;
     return 0;
 }
 
-static int rp_py_pointer_arg(PyObject *obj, void **out)
+/* A data pointer as an int (0 for NULL); errors name the argument. */
+static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
-    if (v == (unsigned long long)-1 && PyErr_Occurred())
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
         return -1;
+    }
     *out = (void *)(uintptr_t)v;
     return 0;
 }
 
-static int rp_py_size_arg(PyObject *obj, int64_t *out)
+/* An int64 argument; errors (OverflowError past int64) name it. */
+static int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
 {
     long long v = PyLong_AsLongLong(obj);
-    if (v == -1 && PyErr_Occurred())
+    if (v == -1 && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, name);
         return -1;
+    }
     *out = (int64_t)v;
     return 0;
 }
@@ -536,7 +626,11 @@ int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname)
 int rp_py_stream_arg(PyObject *obj, void **stream)
 {
     *stream = PyLong_AsVoidPtr(obj);
-    return (*stream == NULL && PyErr_Occurred()) ? -1 : 0;
+    if (*stream == NULL && PyErr_Occurred()) {
+        rp_py_prefix_error(NULL, "stream");
+        return -1;
+    }
+    return 0;
 }
 
 /* The last argument of a binding both extensions have: a thread count, or
@@ -566,10 +660,10 @@ PyObject *rp_py_fad_forward(PyObject *self, PyObject *const *args, Py_ssize_t na
     rp_py_where where;
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 10, "fad_forward") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
-        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0 ||
-        rp_py_int_arg(args[3], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[4], &x) < 0 ||
-        rp_py_pointer_arg(args[5], &y) < 0 || rp_py_int_arg(args[6], "d_store", &d_store) < 0 ||
-        rp_py_pointer_arg(args[7], &d) < 0 || rp_py_size_arg(args[8], &n) < 0 ||
+        rp_py_float_arg(args[1], "p0", &p0) < 0 || rp_py_float_arg(args[2], "p1", &p1) < 0 ||
+        rp_py_int_arg(args[3], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[4], "x", &x) < 0 ||
+        rp_py_pointer_arg(args[5], "y", &y) < 0 || rp_py_int_arg(args[6], "d_store", &d_store) < 0 ||
+        rp_py_pointer_arg(args[7], "d", &d) < 0 || rp_py_size_arg(args[8], "n", &n) < 0 ||
         rp_py_where_arg(args[9], cuda, &where) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -601,9 +695,9 @@ PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssi
     rp_py_where where;
     rp_error err = {{0}};
     if (rp_py_check_nargs(nargs, 7, "fad_backward_code8") < 0 ||
-        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], &grad_y) < 0 ||
-        rp_py_pointer_arg(args[2], &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
-        rp_py_pointer_arg(args[4], &grad_x) < 0 || rp_py_size_arg(args[5], &n) < 0 ||
+        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], "grad_y", &grad_y) < 0 ||
+        rp_py_pointer_arg(args[2], "codes", &codes) < 0 || rp_py_codebook_arg(args[3], &cb) < 0 ||
+        rp_py_pointer_arg(args[4], "grad_x", &grad_x) < 0 || rp_py_size_arg(args[5], "n", &n) < 0 ||
         rp_py_where_arg(args[6], cuda, &where) < 0)
         return NULL;
     /* cb points into the bytes argument, which the caller holds until we return. */
@@ -625,7 +719,7 @@ PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t n
     float p0, p1;
     (void)self;
     if (rp_py_check_nargs(nargs, 3, "fad_codebook") < 0 || rp_py_int_arg(args[0], "kind", &kind) < 0 ||
-        rp_py_float_arg(args[1], &p0) < 0 || rp_py_float_arg(args[2], &p1) < 0)
+        rp_py_float_arg(args[1], "p0", &p0) < 0 || rp_py_float_arg(args[2], "p1", &p1) < 0)
         return NULL;
     rc = rp_fad_codebook_init(kind, p0, p1, &cb, &err);
     if (rc != RP_OK)
@@ -641,15 +735,15 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int levels, rc;
     rp_py_where where;
     rp_error err = {{0}};
-    if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], &j.n) < 0 ||
-        rp_py_size_arg(args[1], &j.batch) < 0 || rp_py_size_arg(args[2], &j.dim) < 0 ||
-        rp_py_int_arg(args[3], "gates", &j.gates) < 0 || rp_py_pointer_arg(args[4], &w) < 0 ||
-        rp_py_pointer_arg(args[5], &u) < 0 || rp_py_pointer_arg(args[6], &v) < 0 ||
-        rp_py_pointer_arg(args[7], &jt) < 0 || rp_py_int_arg(args[8], "act", &j.act) < 0 ||
-        rp_py_pointer_arg(args[9], &y) < 0 ||
+    if (rp_py_check_nargs(nargs, 16, "scan") < 0 || rp_py_size_arg(args[0], "n", &j.n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &j.batch) < 0 || rp_py_size_arg(args[2], "dim", &j.dim) < 0 ||
+        rp_py_int_arg(args[3], "gates", &j.gates) < 0 || rp_py_pointer_arg(args[4], "w", &w) < 0 ||
+        rp_py_pointer_arg(args[5], "u", &u) < 0 || rp_py_pointer_arg(args[6], "v", &v) < 0 ||
+        rp_py_pointer_arg(args[7], "jt", &jt) < 0 || rp_py_int_arg(args[8], "act", &j.act) < 0 ||
+        rp_py_pointer_arg(args[9], "y", &y) < 0 ||
         rp_py_int_arg(args[10], "pre_activation", &j.pre_activation) < 0 ||
-        rp_py_pointer_arg(args[11], &c) < 0 || rp_py_pointer_arg(args[12], &g) < 0 ||
-        rp_py_int_arg(args[13], "levels", &levels) < 0 || rp_py_pointer_arg(args[14], &work) < 0 ||
+        rp_py_pointer_arg(args[11], "c", &c) < 0 || rp_py_pointer_arg(args[12], "g", &g) < 0 ||
+        rp_py_int_arg(args[13], "levels", &levels) < 0 || rp_py_pointer_arg(args[14], "work", &work) < 0 ||
         rp_py_where_arg(args[15], cuda, &where) < 0)
         return NULL;
     j.w = w, j.u = u, j.v = v, j.jt = jt, j.y = y;
@@ -662,12 +756,14 @@ PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     return rp_py_none_or_raise(rc, &err);
 }
 
+/* The cost model's machine (workers, level_cost, step_cost) from args[0 .. 2]. */
 static int rp_py_machine_args(PyObject *const *args, rp_scan_machine *m)
 {
-    m->workers = PyFloat_AsDouble(args[0]);
-    m->level_cost = PyFloat_AsDouble(args[1]);
-    m->step_cost = PyFloat_AsDouble(args[2]);
-    return PyErr_Occurred() ? -1 : 0;
+    return rp_py_double_arg(args[0], "workers", &m->workers) < 0 ||
+                   rp_py_double_arg(args[1], "level_cost", &m->level_cost) < 0 ||
+                   rp_py_double_arg(args[2], "step_cost", &m->step_cost) < 0
+               ? -1
+               : 0;
 }
 
 PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -677,8 +773,8 @@ PyObject *rp_py_scan_plan(PyObject *self, PyObject *const *args, Py_ssize_t narg
     rp_scan_machine m;
     rp_error err = {{0}};
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 7, "scan_plan") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_machine_args(args + 4, &m) < 0)
         return NULL;
     rc = rp_scan_check_sizes(n, batch, dim, gates, 0, &err);
@@ -694,8 +790,8 @@ PyObject *rp_py_scan_workspace(PyObject *self, PyObject *const *args, Py_ssize_t
     int levels, rc;
     rp_error err = {{0}};
     (void)self;
-    if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 4, "scan_workspace") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "levels", &levels) < 0)
         return NULL;
     /* gates 0: the workspace is the same for every kind of leaves */
@@ -713,8 +809,8 @@ PyObject *rp_py_scan_cost(PyObject *self, PyObject *const *args, Py_ssize_t narg
     rp_error err = {{0}};
     double cost;
     (void)self;
-    if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], &n) < 0 ||
-        rp_py_size_arg(args[1], &batch) < 0 || rp_py_size_arg(args[2], &dim) < 0 ||
+    if (rp_py_check_nargs(nargs, 8, "scan_cost") < 0 || rp_py_size_arg(args[0], "n", &n) < 0 ||
+        rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_size_arg(args[2], "dim", &dim) < 0 ||
         rp_py_int_arg(args[3], "gates", &gates) < 0 || rp_py_int_arg(args[4], "levels", &levels) < 0 ||
         rp_py_machine_args(args + 5, &m) < 0)
         return NULL;
@@ -772,12 +868,72 @@ static int rp_py_geom_arg(PyObject *obj, rp_conv2d_geom *g)
                         "sh, sw, ph, pw, dh, dw, groups)");
         return -1;
     }
-    for (int i = 0; i < 15; i++)
-        if (rp_py_size_arg(PyTuple_GET_ITEM(obj, i), &f[i]) < 0)
+    for (int i = 0; i < 15; i++) {
+        char name[16];
+        PyOS_snprintf(name, sizeof name, "geometry[%d]", i);
+        if (rp_py_size_arg(PyTuple_GET_ITEM(obj, i), name, &f[i]) < 0)
             return -1;
+    }
     *g = (rp_conv2d_geom){f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
                           f[8], f[9], f[10], f[11], f[12], f[13], f[14]};
     return 0;
+}
+
+/* The layers jacobian() knows, and how many int32 arrays each pattern has
+ * (indptr, indices, then its maps). */
+enum { RP_PY_CONV2D, RP_PY_MAXPOOL2D, RP_PY_LINEAR, RP_PY_DIAGONAL, RP_PY_JAC_KINDS };
+static const char *const rp_py_jac_names[RP_PY_JAC_KINDS] = {"conv2d", "maxpool2d", "linear",
+                                                             "diagonal"};
+static const int rp_py_jac_arrays[RP_PY_JAC_KINDS] = {3, 4, 3, 2};
+
+/* The layer kind the str obj names, all of it: C's strcmp would stop at an
+ * embedded NUL and take "linear\0x" for "linear". */
+static int rp_py_jac_kind_arg(PyObject *obj, int *kind)
+{
+    Py_ssize_t len;
+    const char *s;
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "kind: expected a str, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    if ((s = PyUnicode_AsUTF8AndSize(obj, &len)) == NULL)
+        return -1;
+    for (*kind = 0; *kind < RP_PY_JAC_KINDS; (*kind)++)
+        if (strlen(rp_py_jac_names[*kind]) == (size_t)len && !memcmp(s, rp_py_jac_names[*kind], len))
+            return 0;
+    PyErr_Format(PyExc_ValueError, "jacobian: unknown layer kind %R", obj);
+    return -1;
+}
+
+/* The geometry of a layer kind: g for conv2d and maxpool2d, else (a, b). */
+static int rp_py_jac_geometry_arg(PyObject *obj, int kind, rp_conv2d_geom *g, int64_t *a, int64_t *b)
+{
+    if (kind == RP_PY_CONV2D || kind == RP_PY_MAXPOOL2D)
+        return rp_py_geom_arg(obj, g);
+    if (rp_py_tuple_arg(obj, "geometry") < 0 ||
+        !PyArg_ParseTuple(obj,
+                          kind == RP_PY_LINEAR ? "LL;geometry: expected (in_features, out_features), 2 ints"
+                                               : "LL;geometry: expected (size, 0), 2 ints",
+                          a, b))
+        return -1;
+    return 0;
+}
+
+/* The core's pattern of a layer: its nnz, and its arrays into p where they
+ * are not NULL. */
+static int rp_py_jac_run(int kind, const rp_conv2d_geom *g, int64_t a, int64_t b, int64_t *nnz,
+                         int32_t *const *p, rp_error *err)
+{
+    switch (kind) {
+    case RP_PY_CONV2D:
+        return rp_jac_conv2d(g, nnz, p[0], p[1], p[2], err);
+    case RP_PY_MAXPOOL2D:
+        return rp_jac_maxpool2d(g, nnz, p[0], p[1], p[2], p[3], err);
+    case RP_PY_LINEAR:
+        return rp_jac_linear(a, b, nnz, p[0], p[1], p[2], err);
+    default:
+        return rp_jac_diagonal(a, nnz, p[0], p[1], err);
+    }
 }
 
 PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -786,51 +942,21 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     rp_conv2d_geom g;
     int64_t nnz = 0, rows, a = 0, b = 0;
     int32_t *p[4] = {NULL, NULL, NULL, NULL};
-    const char *kind;
     PyObject *out;
-    int rc, count;
+    int kind, rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 2, "jacobian") < 0)
+    if (rp_py_check_nargs(nargs, 2, "jacobian") < 0 || rp_py_jac_kind_arg(args[0], &kind) < 0 ||
+        rp_py_jac_geometry_arg(args[1], kind, &g, &a, &b) < 0)
         return NULL;
-    kind = PyUnicode_AsUTF8(args[0]);
-    if (kind == NULL)
-        return NULL;
-    if (!strcmp(kind, "conv2d") || !strcmp(kind, "maxpool2d")) {
-        if (rp_py_geom_arg(args[1], &g) < 0)
-            return NULL;
-        rows = g.c_in * g.h_in * g.w_in;
-        count = kind[0] == 'c' ? 3 : 4;
-        rc = count == 3 ? rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err)
-                        : rp_jac_maxpool2d(&g, &nnz, NULL, NULL, NULL, NULL, &err);
-    } else if (!strcmp(kind, "linear") || !strcmp(kind, "diagonal")) {
-        if (rp_py_tuple_arg(args[1], "geometry") < 0 ||
-            !PyArg_ParseTuple(args[1],
-                              kind[0] == 'l' ? "LL;geometry: expected (in_features, out_features), 2 ints"
-                                             : "LL;geometry: expected (size, 0), 2 ints",
-                              &a, &b))
-            return NULL;
-        rows = a;
-        count = kind[0] == 'l' ? 3 : 2;
-        rc = count == 3 ? rp_jac_linear(a, b, &nnz, NULL, NULL, NULL, &err)
-                        : rp_jac_diagonal(a, &nnz, NULL, NULL, &err);
-    } else {
-        PyErr_Format(PyExc_ValueError, "jacobian: unknown layer kind '%s'", kind);
-        return NULL;
-    }
+    rc = rp_py_jac_run(kind, &g, a, b, &nnz, p, &err); /* p all NULL: the sizes, checked */
     if (rc != RP_OK)
         return rp_py_raise(rc, &err);
-    out = rp_py_pattern_tuple(rows, nnz, count, p);
+    rows = kind == RP_PY_CONV2D || kind == RP_PY_MAXPOOL2D ? g.c_in * g.h_in * g.w_in : a;
+    out = rp_py_pattern_tuple(rows, nnz, rp_py_jac_arrays[kind], p);
     if (out == NULL)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
-    if (!strcmp(kind, "conv2d"))
-        rc = rp_jac_conv2d(&g, &nnz, p[0], p[1], p[2], &err);
-    else if (!strcmp(kind, "maxpool2d"))
-        rc = rp_jac_maxpool2d(&g, &nnz, p[0], p[1], p[2], p[3], &err);
-    else if (count == 3)
-        rc = rp_jac_linear(a, b, &nnz, p[0], p[1], p[2], &err);
-    else
-        rc = rp_jac_diagonal(a, &nnz, p[0], p[1], &err);
+    rc = rp_py_jac_run(kind, &g, a, b, &nnz, p, &err);
     Py_END_ALLOW_THREADS
     if (rc != RP_OK) {
         Py_DECREF(out);
@@ -841,19 +967,49 @@ PyObject *rp_py_jacobian(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 #define RP_CSR_PLAN_CAPSULE "reprop.csr_plan"
 
+/* The items of the sequence obj as a new tuple (TypeError `msg` when obj is
+ * not iterable), which holds them however the caller's sequence changes. */
+static PyObject *rp_py_tuple_of(PyObject *obj, const char *msg)
+{
+    PyObject *fast = PySequence_Fast(obj, msg), *tuple;
+    if (fast == NULL)
+        return NULL;
+    tuple = PySequence_Tuple(fast);
+    Py_DECREF(fast);
+    return tuple;
+}
+
 static void rp_py_plan_destructor(PyObject *capsule)
 {
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
 }
 
-/* An int32, C-contiguous 1-D array of at least `len` elements, borrowed. */
+/* The plan of a csr_plan capsule; NULL with a TypeError naming `plan` (the
+ * capsule API's ValueError names neither the argument nor what it takes). */
+static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+{
+    rp_csr_plan *plan = PyCapsule_GetPointer(obj, RP_CSR_PLAN_CAPSULE);
+    if (plan == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError, "plan: expected the capsule csr_plan() returns, got %s",
+                     Py_TYPE(obj)->tp_name);
+    }
+    return plan;
+}
+
+/* An int32 1-D array of `len` elements (len < 0: any) the core reads in
+ * place, borrowed. */
 static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
 {
     PyArrayObject *arr = (PyArrayObject *)obj;
     if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
-        !PyArray_IS_C_CONTIGUOUS(arr) || PyArray_DIM(arr, 0) != (npy_intp)len) {
-        PyErr_Format(PyExc_ValueError, "%s: expected a contiguous int32 array of %lld elements", name,
-                     (long long)len);
+        !rp_py_is_c_data(arr) || (len >= 0 && PyArray_DIM(arr, 0) != (npy_intp)len)) {
+        if (len >= 0)
+            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned int32 array of "
+                         "%lld elements in native byte order", name, (long long)len);
+        else
+            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned 1-D int32 array "
+                         "in native byte order", name);
         return -1;
     }
     *out = (const int32_t *)PyArray_DATA(arr);
@@ -871,20 +1027,24 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     PyObject *seq;
     (void)self;
     if (rp_py_check_nargs(nargs, 6, "csr_plan") < 0 || rp_py_int_arg(args[1], "levels", &levels) < 0 ||
-        rp_py_size_arg(args[2], &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
+        rp_py_size_arg(args[2], "max_pairs", &max_pairs) < 0 || rp_py_machine_args(args + 3, &m) < 0)
         return NULL;
-    seq = PySequence_Fast(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, shared, "
-                                   "value_map, values)");
+    /* a tuple of its own, never the caller's list (which PySequence_Fast
+     * hands back): the leaves borrow the arrays of its leaf tuples while
+     * Python code runs (a `shared` with __bool__) and while the plan is built
+     * without the GIL, when another thread may empty that list */
+    seq = rp_py_tuple_of(args[0], "leaves: expected a sequence of (rows, cols, indptr, indices, "
+                                  "shared, value_map, values)");
     if (seq == NULL)
         return NULL;
-    n = PySequence_Fast_GET_SIZE(seq);
+    n = PyTuple_GET_SIZE(seq);
     leaves = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof *leaves);
     if (leaves == NULL) {
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
     for (int64_t i = 0; i < n; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *indptr, *indices, *value_map;
+        PyObject *item = PyTuple_GET_ITEM(seq, i), *indptr, *indices, *value_map;
         long long rows, cols, values;
         int shared;
         char name[48];
@@ -894,8 +1054,7 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                                     "value_map, values)",
                               &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
             rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
-            rp_py_int32_arg(indices, PyArray_Check(indices) ? PyArray_DIM((PyArrayObject *)indices, 0) : -1,
-                            "indices", &leaves[i].indices) < 0 ||
+            rp_py_int32_arg(indices, -1, "indices", &leaves[i].indices) < 0 ||
             (value_map != Py_None &&
              rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), "value_map",
                              &leaves[i].value_map) < 0)) {
@@ -928,7 +1087,7 @@ PyObject *rp_py_csr_plan_info(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_plan_info") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     rp_csr_plan_describe(plan, &info);
@@ -957,7 +1116,7 @@ PyObject *rp_py_csr_program(PyObject *self, PyObject *const *args, Py_ssize_t na
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_program") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     g = rp_csr_plan_program(plan);
@@ -993,7 +1152,7 @@ PyObject *rp_py_csr_schedule(PyObject *self, PyObject *const *args, Py_ssize_t n
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "csr_schedule") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
+    plan = rp_py_plan_arg(args[0]);
     if (plan == NULL)
         return NULL;
     rc = rp_csr_plan_schedule(plan, &sched, &err);
@@ -1019,11 +1178,11 @@ PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     int rc;
     if (rp_py_check_nargs(nargs, 9, "csr_run") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
-        rp_py_pointer_arg(args[3], &shared) < 0 || rp_py_pointer_arg(args[4], &dst) < 0 ||
-        rp_py_pointer_arg(args[5], &term_ptr) < 0 || rp_py_pointer_arg(args[6], &tx) < 0 ||
-        rp_py_pointer_arg(args[7], &ty) < 0 || rp_py_where_arg(args[8], cuda, &where) < 0)
+    plan = rp_py_plan_arg(args[0]);
+    if (plan == NULL || rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_pointer_arg(args[2], "seq", &seq) < 0 ||
+        rp_py_pointer_arg(args[3], "shared", &shared) < 0 || rp_py_pointer_arg(args[4], "dst", &dst) < 0 ||
+        rp_py_pointer_arg(args[5], "term_ptr", &term_ptr) < 0 || rp_py_pointer_arg(args[6], "tx", &tx) < 0 ||
+        rp_py_pointer_arg(args[7], "ty", &ty) < 0 || rp_py_where_arg(args[8], cuda, &where) < 0)
         return NULL;
     rows = (rp_csr_device_rows){dst, term_ptr, tx, ty};
     Py_BEGIN_ALLOW_THREADS
@@ -1047,8 +1206,8 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     if (rp_py_check_nargs(nargs, 5, "csr_gradients") < 0)
         return NULL;
-    plan = PyCapsule_GetPointer(args[0], RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL || rp_py_size_arg(args[1], &batch) < 0 || rp_py_pointer_arg(args[2], &seq) < 0 ||
+    plan = rp_py_plan_arg(args[0]);
+    if (plan == NULL || rp_py_size_arg(args[1], "batch", &batch) < 0 || rp_py_pointer_arg(args[2], "seq", &seq) < 0 ||
         rp_py_int_arg(args[4], "num_threads", &num_threads) < 0)
         return NULL;
     ptrs = PySequence_Fast(args[3], "out: expected a sequence of data pointers");
@@ -1066,8 +1225,13 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_DECREF(ptrs);
         return PyErr_NoMemory();
     }
-    while (parsed < n && rp_py_pointer_arg(PySequence_Fast_GET_ITEM(ptrs, parsed), &ptr) == 0)
-        out[parsed++] = ptr;
+    for (; parsed < n; parsed++) {
+        char name[32];
+        PyOS_snprintf(name, sizeof name, "out[%lld]", (long long)parsed);
+        if (rp_py_pointer_arg(PySequence_Fast_GET_ITEM(ptrs, parsed), name, &ptr) < 0)
+            break;
+        out[parsed] = ptr;
+    }
     if (parsed == n) {
         Py_BEGIN_ALLOW_THREADS
         rc = rp_csr_gradients_cpu(plan, batch, seq, out, num_threads, &finite, &err);
@@ -1081,30 +1245,6 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 /* ---- out-of-order backprop scheduling ---- */
-
-/* Re-raises a pending TypeError or ValueError with "fname: name: " in front
- * of its message, so that a bad spec entry or array names itself. */
-static void rp_py_prefix_error(const char *fname, const char *name)
-{
-    PyObject *type, *value, *tb, *msg, *kind;
-    PyErr_Fetch(&type, &value, &tb);
-    PyErr_NormalizeException(&type, &value, &tb);
-    kind = PyErr_GivenExceptionMatches(type, PyExc_TypeError)    ? PyExc_TypeError
-           : PyErr_GivenExceptionMatches(type, PyExc_ValueError) ? PyExc_ValueError
-                                                                 : NULL;
-    msg = kind != NULL && value != NULL ? PyObject_Str(value) : NULL;
-    if (msg == NULL) {
-        if (kind != NULL) /* PyObject_Str failed: keep the original */
-            PyErr_Clear();
-        PyErr_Restore(type, value, tb);
-        return;
-    }
-    PyErr_Format(kind, "%s: %s: %U", fname, name, msg);
-    Py_DECREF(msg);
-    Py_XDECREF(type);
-    Py_XDECREF(value);
-    Py_XDECREF(tb);
-}
 
 /* spec[key], borrowed; NULL with a TypeError naming the key when absent. */
 static PyObject *rp_py_spec_item(PyObject *spec, const char *key, const char *fname)
@@ -1299,7 +1439,12 @@ static int rp_py_parse_spec(PyObject *spec, rp_iter_spec *s, PyArrayObject **a)
                      (long long)s->layers);
         return -1;
     }
-    s->order = order < INT32_MIN || order > INT32_MAX ? -1 : (int)order;
+    if (order < INT32_MIN || order > INT32_MAX) { /* the core's int cannot hold it */
+        PyErr_Format(PyExc_ValueError, "%s: order %lld is not an rp_order", fname,
+                     (long long)order);
+        return -1;
+    }
+    s->order = (int)order;
     if (rp_py_spec_array(spec, "fwd", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[0]) < 0 ||
         rp_py_spec_array(spec, "out_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[1]) < 0 ||
         rp_py_spec_array(spec, "weight_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[2]) <
@@ -1435,15 +1580,17 @@ PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *out;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 3, "sched_stages") < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
-        rp_py_size_arg(args[1], &stages) < 0 || rp_py_size_arg(args[2], &group) < 0)
+    if (rp_py_check_nargs(nargs, 3, "sched_stages") < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0 ||
+        rp_py_size_arg(args[1], "stages", &stages) < 0 || rp_py_size_arg(args[2], "group", &group) < 0)
         return NULL;
     if (layers < 1 || layers > INT32_MAX) /* the core's message, before allocating */
         return rp_py_raise(rp_sched_stages(layers, stages, group, NULL, &err), &err);
     out = rp_py_new_array((npy_intp)layers, NPY_INT32);
     if (out == NULL)
         return NULL;
+    Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_stages(layers, stages, group, PyArray_DATA((PyArrayObject *)out), &err);
+    Py_END_ALLOW_THREADS
     if (rc != RP_OK) {
         Py_DECREF(out);
         return rp_py_raise(rc, &err);
@@ -1471,9 +1618,9 @@ PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_
     PyObject *kind = NULL, *layer = NULL, *result = NULL;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 6, fname) < 0 || rp_py_size_arg(args[0], &layers) < 0 ||
-        rp_py_size_arg(args[1], &k) < 0 || rp_py_size_arg(args[4], &mem_forward) < 0 ||
-        rp_py_size_arg(args[5], &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 6, fname) < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0 ||
+        rp_py_size_arg(args[1], "k", &k) < 0 || rp_py_size_arg(args[4], "mem_forward", &mem_forward) < 0 ||
+        rp_py_size_arg(args[5], "mem_cap", &mem_cap) < 0)
         return NULL;
     if (layers < 1 || layers > INT32_MAX / 2) /* the core's message, before allocating */
         return rp_py_raise(rp_sched_reverse_first_k(layers, k, NULL, NULL, 0, 0, NULL, NULL, NULL,
@@ -1486,10 +1633,12 @@ PyObject *rp_py_reverse_first_k(PyObject *self, PyObject *const *args, Py_ssize_
     layer = rp_py_new_array((npy_intp)(2 * layers), NPY_INT32);
     if (kind == NULL || layer == NULL)
         goto done;
+    Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_reverse_first_k(layers, k, og != NULL ? PyArray_DATA(og) : NULL,
                                   wg != NULL ? PyArray_DATA(wg) : NULL, mem_forward, mem_cap,
                                   PyArray_DATA((PyArrayObject *)kind),
                                   PyArray_DATA((PyArrayObject *)layer), &k_used, &err);
+    Py_END_ALLOW_THREADS
     if (rc != RP_OK)
         rp_py_raise(rc, &err);
     else
@@ -1510,7 +1659,7 @@ PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t n
     npy_intp len;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 2, "ksearch_next") < 0 || rp_py_size_arg(args[0], &layers) < 0)
+    if (rp_py_check_nargs(nargs, 2, "ksearch_next") < 0 || rp_py_size_arg(args[0], "layers", &layers) < 0)
         return NULL;
     if (layers < 1 || layers > (int64_t)1 << 40)
         return rp_py_raise(rp_ksearch_next(layers, NULL, &next, &best, &err), &err);
@@ -1536,7 +1685,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     int64_t mem_cap, pre = 0, peak = 0;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
         return NULL;
     a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, fname, "t_main");
     if (a[0] == NULL)

@@ -118,9 +118,11 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err);
 
 /* Arguments of the bindings' own calls: 0, or -1 with a Python exception set. */
 int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname);
-/* An int argument; OverflowError naming it (`name`) when out of int's range. */
+/* An int argument; its errors name it (`name`), OverflowError when out of
+ * int's range. */
 int rp_py_int_arg(PyObject *obj, const char *name, int *out);
-int rp_py_stream_arg(PyObject *obj, void **stream); /* torch.cuda.Stream.cuda_stream, an int */
+/* torch.cuda.Stream.cuda_stream, an int; its errors name "stream". */
+int rp_py_stream_arg(PyObject *obj, void **stream);
 
 /* Device-independent scan facts for reprop.bppsa (defined in pyutil.c):
  *   scan_plan(n, batch, dim, gates, workers, level_cost, step_cost)

@@ -129,7 +129,8 @@ int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *ent
  * RP_ERUNTIME set in err when memory runs out. */
 rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err);
 
-/* What rp_optim_advance_steps would refuse, changing nothing:
+/* What rp_optim_check and rp_optim_advance_steps would refuse of the
+ * hyper-parameters, changing nothing: an unknown kind,
  * rp_optim_check_hparams and, unless capturable (step counters on the
  * device, which the host cannot read), rp_optim_step_scalars. Reads the
  * entries' flags and step pointers only, so that an update split over

@@ -274,6 +274,9 @@ static void test_errors(void)
     CHECK(rp_optim_step_cpu(&hp, 7, &e, 1, 1, &err) == RP_EINVAL, "bad dtype");
     hp.kind = 42;
     CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "bad kind");
+    CHECK(rp_optim_check_update(&hp, &e, 1, 0, &err) == RP_EINVAL &&
+              strstr(err.msg, "unknown optimizer kind 42") != NULL,
+          "the pre-update check passed kind 42");
     hp.kind = RP_SGD;
     e.numel = -1;
     CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "negative numel");
