@@ -112,8 +112,10 @@ int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, in
 int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_error *err);
 
-/* Fills scalars[i] for each entry's next step (its host-side counter + 1)
- * and changes nothing. RP_EINVAL, naming the hyper-parameter, where torch.optim
+/* Fills scalars[i] for each entry's next step (its host-side counter + 1,
+ * a counter shared by several entries advancing once per entry in table
+ * order, as torch's loop counts) and leaves every counter as it found it (it
+ * advances them in place and restores them before returning). RP_EINVAL, naming the hyper-parameter, where torch.optim
  * refuses the step: a bias correction or lr decay of 0 (a division by zero),
  * a power that is not a finite real number, a step size beyond float32. */
 int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
@@ -132,8 +134,8 @@ rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err);
 /* What rp_optim_check and rp_optim_advance_steps would refuse of the
  * hyper-parameters, changing nothing: an unknown kind,
  * rp_optim_check_hparams and, unless capturable (step counters on the
- * device, which the host cannot read), rp_optim_step_scalars. Reads the
- * entries' flags and step pointers only, so that an update split over
+ * device, which the host cannot read), rp_optim_step_scalars. Writes nothing
+ * it does not restore (rp_optim_step_scalars), so that an update split over
  * several calls is refused before any of them runs. */
 int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                           int capturable, rp_error *err);

@@ -751,7 +751,7 @@ class _FusedOptimizer:
             super().load_state_dict(state_dict)
         finally:
             handle.remove()
-            self._loading = None
+            self.__dict__.pop("_loading", None)
 
     def _note_loading(self, state_dict: dict) -> None:
         self._loading = state_dict
