@@ -3271,6 +3271,48 @@ def test_forward_mode_deepcopy_of_a_parametrized_layer_after_step_is_current(whe
             _assert_tensor_dicts(state, ref_state, f"copy #{i}, state of param {j}", None)
 
 
+_FLUSHING_NAMES = ("_apply", "zero_grad", "__getstate__", "__deepcopy__")
+
+
+def _stepped_forward_fused_mlp() -> tuple[nn.Module, object]:
+    """A parametrized MLP fused in forward mode, with updates pending."""
+    model = _first_weight_doubled(_mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    return model, handle
+
+
+@pytest.mark.parametrize("which", ["original", "deep copy"])
+def test_forward_mode_copies_carry_no_method_of_the_original(which: str) -> None:
+    """A module's copies (shallow, deep, of a copy) are plain modules: before,
+    a shallow copy kept the original's flushing methods, so deep-copying it
+    copied the original's attributes and .to() returned the original; a
+    deep copy of a parametrized module kept them rebound, and once
+    un-parametrized it (or the original, after remove_parametrizations)
+    could not be deep-copied (AttributeError: no __deepcopy__). (One of
+    the two is un-parametrized per case: torch's copies share the
+    parametrized class, from which remove_parametrizations deletes the
+    property.)"""
+    model, handle = _stepped_forward_fused_mlp()
+    shallow = copy.copy(model[2])
+    shallow.training, shallow.extra = False, 1
+    twin = copy.deepcopy(shallow)
+    assert (twin.training, twin.extra) == (False, 1)
+    assert shallow.to(torch.float32) is shallow  # (the original's _apply returned the original)
+    deep = copy.deepcopy(model)
+    for m in (shallow, twin, *deep.modules()):
+        assert not set(_FLUSHING_NAMES) & set(vars(m)), type(m).__name__
+    m = model if which == "original" else deep
+    torch.nn.utils.parametrize.remove_parametrizations(m[0], "weight")
+    x = _mlp_batch(1)[0]
+    torch.testing.assert_close(copy.deepcopy(m)(x), m(x), rtol=0, atol=0)
+    handle.remove()
+    assert not any(set(_FLUSHING_NAMES) & set(vars(m)) for m in model.modules())
+
+
 # ---------------------------------------------------------------------------
 # 13. Optimizer step hooks
 # ---------------------------------------------------------------------------

@@ -88,6 +88,7 @@ exactly what the eager loop computes.
 from __future__ import annotations
 
 import collections
+import copy
 import functools
 import inspect
 import operator
@@ -150,18 +151,12 @@ def _flushing(name: str):
     the module's fusions, installed as an instance method on each module
     holding fused parameters (a copy of the module has no fusion): _apply
     (what .to(), .half(), .cuda() call: the values converted must be the
-    updated ones), zero_grad (model.zero_grad() in place of the
+    updated ones) and zero_grad (model.zero_grad() in place of the
     optimizer's, between step() and the next forward: with
     set_to_none=False it zeroes in place the gradients the pending updates
-    hold), and __getstate__ and __deepcopy__, which copy.deepcopy,
-    copy.copy and pickling (torch.save) look up on the instance: a copy
-    holds the updated values an eager copy holds, also when copied before
-    the optimizer, whose copy applies them too (the module's parameters
-    would be copied first, one update behind the copied optimizer state).
-    A nested call finds nothing pending."""
+    hold). A nested call finds nothing pending."""
     def method(module: nn.Module, *args, **kwargs):
-        for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
-            handle.flush()
+        _flush_pending(module)
         return getattr(type(module), name)(module, *args, **kwargs)
 
     # Pickling the bound method stores getattr(module, __name__): the class's.
@@ -169,8 +164,51 @@ def _flushing(name: str):
     return method
 
 
-_FLUSHING = {name: _flushing(name) for name in ("_apply", "zero_grad", "__getstate__",
-                                                "__deepcopy__")}
+def _flushing_getstate(module: nn.Module):
+    """__getstate__, which copy.deepcopy, copy.copy and pickling (torch.save)
+    look up on the instance: a copy holds the updated values an eager copy
+    holds, also when copied before the optimizer, whose copy applies them
+    too (the module's parameters would be copied first, one update behind
+    the copied optimizer state); and not the methods installed here."""
+    _flush_pending(module)
+    state = type(module).__getstate__(module)
+    return _without_flushing(module, state) if isinstance(state, dict) else state
+
+
+def _flushing_deepcopy(module: nn.Module, memo: dict):
+    """__deepcopy__ where the class has one (a parametrized module's, which
+    copies its own parameters before its parametrizations), as
+    _flushing_getstate; once the class has none again (remove_parametrizations
+    restored the class), the module is copied as others are."""
+    _flush_pending(module)
+    if not hasattr(type(module), "__deepcopy__"):
+        _uninstall_flushing(module, "__deepcopy__")
+        return copy.deepcopy(module, memo)
+    replica = type(module).__deepcopy__(module, memo)
+    replica.__dict__ = _without_flushing(module, replica.__dict__)
+    return replica
+
+
+def _flush_pending(module: nn.Module) -> None:
+    for handle in list(_FLUSH_BEFORE.get(module, (None, ()))[1]):
+        handle.flush()
+
+
+def _without_flushing(module: nn.Module, state: dict) -> dict:
+    """`state`, the __dict__ a copy of `module` gets, without the methods
+    _FLUSHING installed on `module` (bound to it, or rebound to the copy by
+    a deepcopy), and with what they replaced: a copy has no fusion, and
+    such a method bound to the original would copy, convert or flush the
+    original in the copy's place."""
+    saved = _FLUSH_BEFORE.get(module, ({}, None))[0]
+    state = {k: v for k, v in state.items()
+             if not (isinstance(v, types.MethodType) and v.__func__ is _FLUSHING.get(k))}
+    state.update((name, own) for name, own in saved.items() if own is not _MISSING)
+    return state
+
+
+_FLUSHING = {"_apply": _flushing("_apply"), "zero_grad": _flushing("zero_grad"),
+             "__getstate__": _flushing_getstate, "__deepcopy__": _flushing_deepcopy}
 
 
 def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
@@ -191,12 +229,18 @@ def _stop_flushing_before_module_calls(module: nn.Module, handle: "_ForwardFusio
     handles.discard(handle)
     if handles or module not in _FLUSH_BEFORE:
         return
+    for name in list(saved):
+        _uninstall_flushing(module, name)
     del _FLUSH_BEFORE[module]
-    for name, own in saved.items():
-        if own is _MISSING:
-            module.__dict__.pop(name, None)
-        else:
-            setattr(module, name, own)
+
+
+def _uninstall_flushing(module: nn.Module, name: str) -> None:
+    """Puts back what _flush_before_module_calls replaced of module.`name`."""
+    own = _FLUSH_BEFORE[module][0].pop(name)
+    if own is _MISSING:
+        module.__dict__.pop(name, None)
+    else:
+        setattr(module, name, own)
 
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
