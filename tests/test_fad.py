@@ -1872,6 +1872,30 @@ def test_compose_under_functorch_transforms_runs_torch_ops():
                        want.expand(2, 3))
 
 
+def test_activations_under_functorch_transforms_run_torch_ops():
+    """An activation on a tensor a torch.func transform does not wrap (a
+    closure's tensor that requires grad) raised the transforms' refusal of
+    an autograd.Function without setup_context: rerouted by enabled(), the
+    fad functions and a patched module run torch's ops there, as chain
+    steps do."""
+    w, v = torch.randn(3, requires_grad=True), torch.randn(3)
+
+    def loss(v, mode):
+        with mode:
+            return (F.gelu(w) * torch.tanh(v)).sum()
+
+    want = torch.func.grad(loss)(v, contextlib.nullcontext())
+    for compose in (False, True):
+        assert torch.equal(torch.func.grad(loss)(v, fad.enabled(compose=compose)), want)
+    assert torch.equal(torch.func.grad(lambda v: (fad.gelu(w) * torch.tanh(v)).sum())(v), want)
+    rows = torch.randn(2, 3)
+    want_rows = torch.vmap(lambda r: F.silu(w) * r)(rows)
+    assert torch.equal(torch.vmap(lambda r: fad.SiLU()(w) * r)(rows), want_rows)
+    patched = nn.Sequential(nn.SiLU())
+    fad.patch(patched)
+    assert torch.equal(torch.vmap(lambda r: patched(w) * r)(rows), want_rows)
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_tracing_and_export_run_torch_ops():
     """torch.jit.trace cannot see a kernel writing through a pointer (under

@@ -1124,9 +1124,14 @@ def _plain_type(t) -> bool:
 
 
 def _torch_runs(x: torch.Tensor) -> bool:
-    """_tensors.torch_only, or a lazily negated view (is_neg: its memory
-    holds -x, which a kernel reading the pointer would take for x)."""
-    return _tensors.torch_only(x) or x.is_neg()
+    """Whether torch's own op must run on x, not the kernels or a reprop
+    autograd.Function (the entry of every activation, patched module and
+    chain step): _tensors.torch_only, a lazily negated view (is_neg: its
+    memory holds -x, which a kernel reading the pointer would take for x),
+    or any x while a torch.func transform is active: one it does not wrap
+    (a closure's tensor that requires grad) would meet its refusal of an
+    autograd.Function without setup_context, where torch's ops work."""
+    return torch._C._are_functorch_transforms_active() or _tensors.torch_only(x) or x.is_neg()
 
 
 def _kernel_input(x) -> bool:
@@ -1306,11 +1311,7 @@ class enabled(TorchFunctionMode):
 
     def _chain_step(self, func, args, kwargs):
         """The op's output as a chain tensor, or None when the op is not a chain step
-        (under functorch's transforms none is: a step on a root they do not
-        wrap, a closure's tensor, meets their refusal of an autograd.Function
-        without setup_context, where torch's ops work)."""
-        if torch._C._are_functorch_transforms_active():
-            return None
+        (none is on a tensor _torch_runs gives to torch: _operands)."""
         parsed = self._parse(func, args, kwargs)
         if parsed is None:
             return None
