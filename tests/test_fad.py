@@ -1104,6 +1104,39 @@ def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
 
 
+# pow by an exponent of 0, where torch's backward gives +0 (zeros for a
+# number, a select where a tensor exponent is 0) whatever the gradient.
+ZERO_EXPONENT = {
+    "number": lambda x: torch.pow(x, 0),
+    "float_number_operator": lambda x: torch.exp(x) ** 0.0,
+    "number_then_a_step": lambda x: torch.pow(x * 2.0, 0) * 3.0,
+    "tensor": lambda x: torch.pow(x, torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0])),
+    "zero_d_tensor": lambda x: torch.exp(x) ** torch.tensor(0.0),
+    "tensor_then_a_step": lambda x: torch.pow(x, torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0])) * 2.0,
+    "tensor_after_an_infinite_derivative":
+        lambda x: torch.sqrt(x.abs()) ** torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_EXPONENT))
+def test_compose_pow_by_zero_exponent_with_infinite_gradient(name):
+    """An exponent of 0 turned an infinite gradient from later steps into NaN
+    (grad * 0) where torch gives 0: a number 0 is no chain step, a tensor's
+    zeros select as relu's do."""
+    fn = ZERO_EXPONENT[name]
+    x = torch.tensor([0.0, 0.25, -4.0, 9.0, -1.0, 1.0])
+    for grad in (torch.ones(6), torch.tensor([math.inf, -math.inf, 2.0, -1.0, math.inf, 1.0])):
+        def run(mode):
+            leaf = x.clone().requires_grad_()
+            with mode:
+                y = fn(leaf)
+            (g,) = torch.autograd.grad(y, leaf, grad)
+            return y.detach(), g
+
+        for ours, ref in zip(run(fad.enabled(compose=True)), run(contextlib.nullcontext())):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+
+
 # A select after steps whose derivative is infinite or negative: autograd's
 # select gives +0, which the steps before it multiply (inf * 0 = NaN, and a
 # negative derivative's sign), whatever the gradient from later steps.
