@@ -1104,6 +1104,39 @@ def test_enabled_matches_autograd_at_zeros_and_infinities(name, compose):
         torch.testing.assert_close(ours, ref, rtol=1e-6, atol=0, equal_nan=True)
 
 
+# pow by an exponent of 0, where torch's backward gives +0 (zeros for a
+# number, a select where a tensor exponent is 0) whatever the gradient.
+ZERO_EXPONENT = {
+    "number": lambda x: torch.pow(x, 0),
+    "float_number_operator": lambda x: torch.exp(x) ** 0.0,
+    "number_then_a_step": lambda x: torch.pow(x * 2.0, 0) * 3.0,
+    "tensor": lambda x: torch.pow(x, torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0])),
+    "zero_d_tensor": lambda x: torch.exp(x) ** torch.tensor(0.0),
+    "tensor_then_a_step": lambda x: torch.pow(x, torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0])) * 2.0,
+    "tensor_after_an_infinite_derivative":
+        lambda x: torch.sqrt(x.abs()) ** torch.tensor([0.0, 2.0, 0.0, 3.0, 0.0, 1.0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ZERO_EXPONENT))
+def test_compose_pow_by_zero_exponent_with_infinite_gradient(name):
+    """An exponent of 0 turned an infinite gradient from later steps into NaN
+    (grad * 0) where torch gives 0: a number 0 is no chain step, a tensor's
+    zeros select as relu's do."""
+    fn = ZERO_EXPONENT[name]
+    x = torch.tensor([0.0, 0.25, -4.0, 9.0, -1.0, 1.0])
+    for grad in (torch.ones(6), torch.tensor([math.inf, -math.inf, 2.0, -1.0, math.inf, 1.0])):
+        def run(mode):
+            leaf = x.clone().requires_grad_()
+            with mode:
+                y = fn(leaf)
+            (g,) = torch.autograd.grad(y, leaf, grad)
+            return y.detach(), g
+
+        for ours, ref in zip(run(fad.enabled(compose=True)), run(contextlib.nullcontext())):
+            torch.testing.assert_close(ours, ref, rtol=0, atol=0, equal_nan=True)
+
+
 # A select after steps whose derivative is infinite or negative: autograd's
 # select gives +0, which the steps before it multiply (inf * 0 = NaN, and a
 # negative derivative's sign), whatever the gradient from later steps.
@@ -1870,6 +1903,30 @@ def test_compose_under_functorch_transforms_runs_torch_ops():
     assert torch.equal(torch.func.grad(loss)(v, True), want)
     assert torch.equal(torch.vmap(lambda r: torch.func.grad(loss)(r, True))(v.expand(2, 3)),
                        want.expand(2, 3))
+
+
+def test_activations_under_functorch_transforms_run_torch_ops():
+    """An activation on a tensor a torch.func transform does not wrap (a
+    closure's tensor that requires grad) raised the transforms' refusal of
+    an autograd.Function without setup_context: rerouted by enabled(), the
+    fad functions and a patched module run torch's ops there, as chain
+    steps do."""
+    w, v = torch.randn(3, requires_grad=True), torch.randn(3)
+
+    def loss(v, mode):
+        with mode:
+            return (F.gelu(w) * torch.tanh(v)).sum()
+
+    want = torch.func.grad(loss)(v, contextlib.nullcontext())
+    for compose in (False, True):
+        assert torch.equal(torch.func.grad(loss)(v, fad.enabled(compose=compose)), want)
+    assert torch.equal(torch.func.grad(lambda v: (fad.gelu(w) * torch.tanh(v)).sum())(v), want)
+    rows = torch.randn(2, 3)
+    want_rows = torch.vmap(lambda r: F.silu(w) * r)(rows)
+    assert torch.equal(torch.vmap(lambda r: fad.SiLU()(w) * r)(rows), want_rows)
+    patched = nn.Sequential(nn.SiLU())
+    fad.patch(patched)
+    assert torch.equal(torch.vmap(lambda r: patched(w) * r)(rows), want_rows)
 
 
 @pytest.mark.filterwarnings("ignore")

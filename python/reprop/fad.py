@@ -1088,9 +1088,18 @@ def _d_pow(a, b, v, alpha):  # a ** b, where only one of them depends on the roo
         base = torch.as_tensor(a.value, dtype=v.dtype, device=v.device)
         return _total((v * torch.log(base)).masked_fill((base == 0) & (b.value >= 0), 0), b)
     p = b.value
-    if _number(p):
-        return 0 if p == 0 else _total(p * a.value ** (p - 1), a)
-    return _total((p * a.value ** (p - 1)).masked_fill(p == 0, 0), a)  # torch's: 0 where p == 0
+    if _number(p):  # (not 0: _parse_binary)
+        return _total(p * a.value ** (p - 1), a)
+    return _total((p * a.value ** (p - 1)).masked_fill(p == 0, 0), a)  # +0 where p == 0: selected
+
+
+def _pow_selected(rule, b: _Operand, device: torch.device):
+    """Where the backward of a ** b through a gives +0 whatever the gradient,
+    for a constant tensor exponent b: where b == 0, as torch's pow_backward
+    selects (_blocked's `own`); None for every other pow."""
+    if rule is _d_pow and _is_zero(b.deriv) and isinstance(b.value, torch.Tensor):
+        return (b.value == 0).to(device)  # (a 0-d CPU exponent may meet a CUDA chain)
+    return None
 
 
 def _d_rpow(a, b, v, alpha):  # b ** a, b a number
@@ -1124,9 +1133,14 @@ def _plain_type(t) -> bool:
 
 
 def _torch_runs(x: torch.Tensor) -> bool:
-    """_tensors.torch_only, or a lazily negated view (is_neg: its memory
-    holds -x, which a kernel reading the pointer would take for x)."""
-    return _tensors.torch_only(x) or x.is_neg()
+    """Whether torch's own op must run on x, not the kernels or a reprop
+    autograd.Function (the entry of every activation, patched module and
+    chain step): _tensors.torch_only, a lazily negated view (is_neg: its
+    memory holds -x, which a kernel reading the pointer would take for x),
+    or any x while a torch.func transform is active: one it does not wrap
+    (a closure's tensor that requires grad) would meet its refusal of an
+    autograd.Function without setup_context, where torch's ops work."""
+    return torch._C._are_functorch_transforms_active() or _tensors.torch_only(x) or x.is_neg()
 
 
 def _kernel_input(x) -> bool:
@@ -1306,11 +1320,7 @@ class enabled(TorchFunctionMode):
 
     def _chain_step(self, func, args, kwargs):
         """The op's output as a chain tensor, or None when the op is not a chain step
-        (under functorch's transforms none is: a step on a root they do not
-        wrap, a closure's tensor, meets their refusal of an autograd.Function
-        without setup_context, where torch's ops work)."""
-        if torch._C._are_functorch_transforms_active():
-            return None
+        (none is on a tensor _torch_runs gives to torch: _operands)."""
         parsed = self._parse(func, args, kwargs)
         if parsed is None:
             return None
@@ -1425,11 +1435,15 @@ class enabled(TorchFunctionMode):
             return None  # x ** x: both sides on the chain, not handled
         if rule is _d_rpow and not _number(b.value):
             return None
+        if rule is _d_pow and _is_zero(b.value):
+            # a ** 0 is constant: torch's backward gives zeros whatever the
+            # gradient (an inf too), and no carried derivative holds that
+            return None
         alpha = kwargs.get("alpha", 1)
 
         def compute():
             v = func(a.value, b.value, **kwargs)
-            return v, rule(a, b, v, alpha), _blocked([a, b])
+            return v, rule(a, b, v, alpha), _blocked([a, b], _pow_selected(rule, b, v.device))
 
         return root, [a, b], compute
 
