@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -770,24 +771,45 @@ class GRU(_ScanRNNBase, nn.GRU):
 _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
 
 
+def _own_class(module: nn.Module) -> type:
+    """module's class, seen through the subclass torch.nn.utils.parametrize
+    swaps in (it only computes the parametrized tensors when they are read)."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
+def _parametrized_over(cls: type, target: type) -> type:
+    """The subclass parametrize made for one module, `cls` (its dict holds the
+    properties that compute the parametrized tensors), over target instead
+    of its base: the module's parametrizations, originals and all, stay as
+    they are, and removing the last one leaves a `target`."""
+    return type(cls.__name__, (target,), dict(vars(cls)))
+
+
 def convert(model: nn.Module, scan="auto") -> list[str]:
     """Turns every torch.nn.RNN and torch.nn.GRU in `model` (the model itself
-    included) into its BPPSA version in place, keeping parameters, buffers
-    and hooks; returns the qualified names of the modules converted. BPPSA
-    modules already there are not listed but take `scan`. Exact classes
-    only: subclasses may override forward and are left alone."""
+    included) into its BPPSA version in place, keeping parameters, buffers,
+    hooks and parametrizations; returns the qualified names of the modules
+    converted. BPPSA modules already there are not listed but take `scan`.
+    Exact classes only: subclasses may override forward and are left alone.
+    An LSTM is left as it is, with a UserWarning naming it (not supported)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
     changed = []
     for name, module in model.named_modules():
-        target = _CONVERSIONS.get(type(module))
+        own = _own_class(module)
+        target = _CONVERSIONS.get(own)
         if target is not None:
-            module.__class__ = target
+            module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif type(module) in _CONVERSIONS.values():  # converted before: the scan asked for now
+        elif own in _CONVERSIONS.values():  # converted before: the scan asked for now
             module.scan = scan
+        elif isinstance(module, nn.LSTM):
+            where = repr(name) if name else "the model itself"
+            warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: LSTM is "
+                          "not supported (only nn.RNN and nn.GRU)", UserWarning, stacklevel=2)
     return changed
 
 
@@ -836,11 +858,9 @@ _WEIGHT_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
 
 def _chain_class(layer: nn.Module) -> type:
     """layer's class, seen through the subclass torch.nn.utils.parametrize
-    swaps in (it only computes the parametrized tensors when they are read)."""
+    swaps in (_own_class)."""
     cls = type(layer)
-    if cls in _CHAIN_CLASSES or not parametrize.is_parametrized(layer):  # the first test is the cheap one
-        return cls
-    return cls.__bases__[0]
+    return cls if cls in _CHAIN_CLASSES else _own_class(layer)  # the first test is the cheap one
 
 
 def _fusion_hook(hook) -> bool:
