@@ -746,6 +746,66 @@ def test_what_the_scan_cannot_carry_runs_torch_own(kind):
     assert out.is_meta and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
 
 
+class _Doubled(nn.Module):
+    """A parametrization: the weight read is twice the stored original."""
+
+    def forward(self, w):
+        return w * 2
+
+
+def _reparametrize(module, how: str):
+    """module with weight_hh_l0 computed on read: a parametrization, or the
+    hook-based weight_norm (a pre-hook sets it before forward)."""
+    if how == "parametrize":
+        nn.utils.parametrize.register_parametrization(module, "weight_hh_l0", _Doubled())
+    else:
+        nn.utils.weight_norm(module, "weight_hh_l0")
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm. is deprecated")
+@pytest.mark.parametrize("how", ["parametrize", "weight_norm"])
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_reparametrized_weights_under_torch_func_run_torch_own(kind, how):
+    """A weight computed on read (no entry in _parameters) from what
+    functional_call swapped in is a transform's tensor: the check looked at
+    _parameters, called it plain, and the scan's Function raised (functorch
+    needs setup_context). Now torch's own recurrence, with nn's results;
+    outside a transform the scan, as before."""
+    torch.manual_seed(0)
+    ref, ours = (_reparametrize(m, how) for m in make_pair(kind, 3, 4))
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 2, 3)
+    # only what weight_hh_l0 is computed from: every other weight stays the module's own
+    params = {k: v.detach() for k, v in ref.named_parameters() if k.startswith(("param", "weight_hh"))}
+    assert len(params) == (1 if how == "parametrize" else 2)
+    grads = [torch.func.grad(lambda p: (torch.func.functional_call(m, p, (x,))[0] ** 2).sum())(params)
+             for m in (ours, ref)]
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    weight_out = torch.randn(5, 2, 4)
+    assert_close_lists(run(ours, x, None, weight_out), run(ref, x, None, weight_out))
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_parametrized_weight_of_a_dual_runs_torch_own(kind):
+    """Forward AD through a parametrized weight whose original is a dual
+    (torch's hook-based weight_norm has no forward AD of its own): the scan's
+    Function raised for want of a jvp; now torch's own recurrence, with nn's
+    tangent."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    ref, ours = (_reparametrize(m, "parametrize") for m in make_pair(kind, 3, 4))
+    ours.load_state_dict(ref.state_dict())
+    x, key = torch.randn(5, 2, 3), "parametrizations.weight_hh_l0.original"
+    original = ref.get_parameter(key).detach()
+    tangents = []
+    for m in (ours, ref):
+        with fwAD.dual_level():
+            dual = {key: fwAD.make_dual(original, torch.ones_like(original))}
+            tangents.append(fwAD.unpack_dual(torch.func.functional_call(m, dual, (x,))[0]).tangent)
+    torch.testing.assert_close(tangents[0], tangents[1], rtol=0, atol=0)
+
+
 def test_scan_choice_is_checked_when_set():
     """module.scan set after construction is checked there (a bad one failed
     only in backward, with int()'s error), as the constructor checks it."""
@@ -845,6 +905,7 @@ class Tagger(nn.Module):
         return self.head(y)
 
 
+@pytest.mark.filterwarnings("ignore:bppsa.convert. left 'lstm'")
 def test_convert_swaps_in_place_and_keeps_training_identical():
     torch.manual_seed(6)
     ref = Tagger()
@@ -871,6 +932,47 @@ def test_convert_swaps_in_place_and_keeps_training_identical():
         assert rel_err(b, a) <= 1e-5, name
     assert bppsa.convert(ours) == []  # nothing left to convert, but the scan asked for is taken
     assert ours.gru.scan == "auto" and bppsa.convert(ours, scan="linear") == [] and ours.gru.scan == "linear"
+
+
+def _parametrized_rnn_and_gru():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.RNN(3, 4), nn.GRU(4, 4, num_layers=2))
+    nn.utils.parametrizations.orthogonal(model[0], "weight_hh_l0")
+    nn.utils.parametrizations.weight_norm(model[1], "weight_hh_l1")
+    nn.utils.parametrizations.weight_norm(model[1], "weight_ih_l0")
+    return model
+
+
+def test_convert_takes_parametrized_modules():
+    """parametrize swaps in a subclass (ParametrizedRNN), which convert's
+    exact-class lookup skipped without a word. Now converted with its
+    parametrizations as they are (originals, state_dict), training as nn's;
+    removing the last parametrization leaves the BPPSA class."""
+    ref, ours = _parametrized_rnn_and_gru(), _parametrized_rnn_and_gru()
+    originals = list(ours.parameters())
+    assert bppsa.convert(ours, scan="blelloch") == ["0", "1"]
+    assert isinstance(ours[0], bppsa.RNN) and isinstance(ours[1], bppsa.GRU) and ours[1].scan == "blelloch"
+    assert list(ours.parameters()) == originals and ours.state_dict().keys() == ref.state_dict().keys()
+    x = torch.randn(5, 2, 3)
+    for model in (ref, ours):
+        (model[1](model[0](x)[0])[0] ** 2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert rel_err(b.grad, a.grad) <= TOL, name
+    assert bppsa.convert(ours, scan="linear") == [] and ours[0].scan == "linear"
+    nn.utils.parametrize.remove_parametrizations(ours[0], "weight_hh_l0")
+    assert type(ours[0]) is bppsa.RNN
+
+
+def test_convert_warns_for_what_it_leaves():
+    """An LSTM (README: not supported) was left silently; now a UserWarning
+    names it, parametrized or the model itself too."""
+    model = Tagger()
+    with pytest.warns(UserWarning, match=r"^bppsa.convert: left 'lstm' \(LSTM\) as it is: LSTM is not supported"):
+        assert bppsa.convert(model) == ["rnn", "gru"]
+    lstm = nn.LSTM(3, 4)
+    nn.utils.parametrizations.orthogonal(lstm, "weight_hh_l0")
+    with pytest.warns(UserWarning, match=r"left the model itself \(ParametrizedLSTM\) as it is"):
+        assert bppsa.convert(lstm) == []
 
 
 def test_autocast_hidden_state_fed_back_as_hx():
@@ -2051,6 +2153,28 @@ def test_chain_refuses_what_only_torch_carries():
                    for name, p in _ChainModule(layers).named_parameters()}
         with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
             torch.func.functional_call(_ChainModule(layers), weights, (x,))
+
+
+def test_chain_refuses_a_parametrized_weight_only_torch_carries():
+    """A parametrized weight (no entry in _parameters) computed from an
+    original that functional_call swapped in is a dual or a transform's
+    tensor: refused by name, as a plain weight is (before: forward AD's
+    'not implemented' for _foreach_copy_, or a refusal naming grad_output)."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(10)
+    layers = [nn.Tanh(), nn.Linear(4, 3, bias=False)]
+    nn.utils.parametrize.register_parametrization(layers[1], "weight", _Doubled())
+    model, x = _ChainModule(layers), torch.randn(2, 4)
+    key = "layers.1.parametrizations.weight.original"
+    original = model.get_parameter(key).detach()
+    refused = r"layers\[1\]\.weight: a tensor of a torch.func transform"
+    with fwAD.dual_level():
+        with pytest.raises(RuntimeError, match=refused):
+            torch.func.functional_call(model, {key: fwAD.make_dual(original, torch.ones_like(original))}, (x,))
+    with pytest.raises(RuntimeError, match=refused):
+        torch.func.grad(lambda w: torch.func.functional_call(model, {key: w}, (x,)).sum())(original)
+    for a, b in zip(bppsa.chain_backward(layers, x), autograd_layer_input_grads(layers, x, torch.ones(2, 3))):
+        assert rel_err(a, b) <= 1e-6
 
 
 def test_negative_bit_operands_and_gradients_match_resolved_ones():

@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -587,14 +588,23 @@ class _ScanRNNBase:
                            f"{type(self).__name__} with the same state_dict, or use "
                            "torch.jit.trace (which records torch's own recurrence)")
 
-    def _layer_weights(self, layer: int, suffix: str):
-        names = [f"weight_ih_l{layer}{suffix}", f"weight_hh_l{layer}{suffix}"]
-        if self.bias:
-            names += [f"bias_ih_l{layer}{suffix}", f"bias_hh_l{layer}{suffix}"]
-            return [getattr(self, n) for n in names]
-        return [getattr(self, n) for n in names] + [None, None]
+    def _weights_now(self) -> list:
+        """Every weight in _flat_weights_names' order (layer by layer, direction
+        by direction), as this forward reads it: getattr, which computes a
+        parametrized weight (and finds what weight_norm's hook set) and sees
+        what functional_call swapped in. Read once per forward, for the
+        torch-only check and the layers alike (a parametrization recomputes
+        at each read)."""
+        return [getattr(self, name) for name in self._flat_weights_names]
 
-    def _check_input(self, input, hx):
+    def _direction_weights(self, weights: list, index: int) -> list:
+        """(w_ih, w_hh, b_ih, b_hh) of layer * dirs + direction `index` out of
+        _weights_now(); the biases None without bias."""
+        per = 4 if self.bias else 2
+        own = weights[index * per:(index + 1) * per]
+        return own if self.bias else own + [None, None]
+
+    def _check_input(self, input, hx, weight_ih_l0: torch.Tensor):
         if getattr(self, "proj_size", 0):
             raise ValueError(f"{type(self).__name__}: proj_size is not supported")
         _check_real_dense(input, "input")
@@ -603,9 +613,8 @@ class _ScanRNNBase:
         if input.dtype == torch.float64:
             raise TypeError(f"input: {type(self).__name__} runs its scan in float32; got float64 "
                             "(use torch.nn for double precision)")
-        weight = self.weight_ih_l0
-        if weight.dtype != input.dtype and not autocast_enabled(input.device.type):
-            raise ValueError(f"input: expected {weight.dtype} like the weights (weight_ih_l0), got "
+        if weight_ih_l0.dtype != input.dtype and not autocast_enabled(input.device.type):
+            raise ValueError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), got "
                              f"{input.dtype}; convert the input or the module")
         if input.shape[-1] != self.input_size:
             raise ValueError(f"input: expected {self.input_size} features (input_size) in the last "
@@ -627,23 +636,25 @@ class _ScanRNNBase:
             raise ValueError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
-    def _needs_torch_own(self, input, hx) -> bool:
+    def _needs_torch_own(self, input, hx, weights: list) -> bool:
         """Whether a tensor of the call is one the scan cannot carry (functorch
         transforms, forward-AD duals, meta, subclasses such as FakeTensor,
-        jit.trace): torch's own recurrence, which differentiates them all."""
+        jit.trace): torch's own recurrence, which differentiates them all.
+        `weights` are those the layers would use (_weights_now): a
+        parametrized weight is computed from what functional_call swapped
+        in, and is a transform's tensor or a dual when that is."""
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
             return True
-        # _parameters is what getattr reads (functional_call swaps there, not
-        # in nn.RNNBase's _flat_weights)
-        return any(map(torch_only_weight, map(self._parameters.get, self._flat_weights_names)))
+        return any(map(torch_only_weight, weights))
 
     def forward(self, input, hx=None):
-        if self._needs_torch_own(input, hx):
+        weights = self._weights_now()
+        if self._needs_torch_own(input, hx, weights):
             return super().forward(input, hx)
         if isinstance(input, nn.utils.rnn.PackedSequence):
-            return self._forward_packed(input, hx)
-        self._check_input(input, hx)
+            return self._forward_packed(input, hx, weights)
+        self._check_input(input, hx, weights[0])
         batched = input.dim() == 3
         if hx is not None and hx.dim() != input.dim():
             raise ValueError(f"hx: expected a {input.dim()}-D tensor with "
@@ -658,12 +669,12 @@ class _ScanRNNBase:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
             raise ValueError("input: expected a sequence of at least one step")
-        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), None)
+        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, None)
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
 
-    def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx):
+    def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx, weights: list):
         """A PackedSequence as torch's modules take it (batch_first has no say,
         hx and h_n in the caller's batch order): scanned as a padded batch
         sorted by length. Padded steps get no gradient, so every sequence's
@@ -671,7 +682,7 @@ class _ScanRNNBase:
         data, batch_sizes, sorted_indices, unsorted_indices = input
         if hx is not None and hx.dim() != 3:
             raise ValueError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
-        self._check_input(data, hx)
+        self._check_input(data, hx, weights[0])
         T, B = len(batch_sizes), int(batch_sizes[0])
         hx = self._initial_states(data, hx, B)
         if sorted_indices is not None:
@@ -681,17 +692,18 @@ class _ScanRNNBase:
         rows = (torch.arange(len(data)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
                                                                   batch_sizes)).to(data.device)
         padded = data.new_zeros(T, B, data.shape[-1]).index_put((steps, rows), data)
-        output, h_n = self._layers(padded, hx, lengths.to(data.device), (steps, rows))
+        output, h_n = self._layers(padded, hx, weights, lengths.to(data.device), (steps, rows))
         if unsorted_indices is not None:
             h_n = h_n.index_select(1, unsorted_indices.to(h_n.device))
         return type(input)(output[steps, rows], batch_sizes, sorted_indices, unsorted_indices), h_n
 
-    def _layers(self, input: torch.Tensor, hx: torch.Tensor, lengths: torch.Tensor | None,
+    def _layers(self, input: torch.Tensor, hx: torch.Tensor, weights: list, lengths: torch.Tensor | None,
                 packed: tuple | None = None):
-        """All layers and directions over input (T, B, I); `lengths` (B,), if
-        given, the valid steps of each sample (the rest is padding, left 0 in
-        every layer's output), and `packed` the (steps, samples) index of a
-        PackedSequence's rows. Returns the output (T, B, dirs*H) and h_n."""
+        """All layers and directions over input (T, B, I) with `weights`
+        (_weights_now()); `lengths` (B,), if given, the valid steps of each
+        sample (the rest is padding, left 0 in every layer's output), and
+        `packed` the (steps, samples) index of a PackedSequence's rows.
+        Returns the output (T, B, dirs*H) and h_n."""
         dirs = 2 if self.bidirectional else 1
         T, B = input.shape[:2]
         pad = last = reverse = None
@@ -706,8 +718,9 @@ class _ScanRNNBase:
             outs = []
             for d in range(dirs):
                 x = layer_in if d == 0 else _reversed(layer_in, reverse)
-                out, h = _Layer.apply(self.mode, self.scan, pad, last, x, hx[layer * dirs + d],
-                                      *self._layer_weights(layer, "_reverse" if d else ""))
+                index = layer * dirs + d
+                out, h = _Layer.apply(self.mode, self.scan, pad, last, x, hx[index],
+                                      *self._direction_weights(weights, index))
                 h_n.append(h)
                 outs.append(out if d == 0 else _reversed(out, reverse))
             layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
@@ -758,24 +771,45 @@ class GRU(_ScanRNNBase, nn.GRU):
 _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
 
 
+def _own_class(module: nn.Module) -> type:
+    """module's class, seen through the subclass torch.nn.utils.parametrize
+    swaps in (it only computes the parametrized tensors when they are read)."""
+    cls = type(module)
+    return cls.__bases__[0] if parametrize.is_parametrized(module) else cls
+
+
+def _parametrized_over(cls: type, target: type) -> type:
+    """The subclass parametrize made for one module, `cls` (its dict holds the
+    properties that compute the parametrized tensors), over target instead
+    of its base: the module's parametrizations, originals and all, stay as
+    they are, and removing the last one leaves a `target`."""
+    return type(cls.__name__, (target,), dict(vars(cls)))
+
+
 def convert(model: nn.Module, scan="auto") -> list[str]:
     """Turns every torch.nn.RNN and torch.nn.GRU in `model` (the model itself
-    included) into its BPPSA version in place, keeping parameters, buffers
-    and hooks; returns the qualified names of the modules converted. BPPSA
-    modules already there are not listed but take `scan`. Exact classes
-    only: subclasses may override forward and are left alone."""
+    included) into its BPPSA version in place, keeping parameters, buffers,
+    hooks and parametrizations; returns the qualified names of the modules
+    converted. BPPSA modules already there are not listed but take `scan`.
+    Exact classes only: subclasses may override forward and are left alone.
+    An LSTM is left as it is, with a UserWarning naming it (not supported)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
     changed = []
     for name, module in model.named_modules():
-        target = _CONVERSIONS.get(type(module))
+        own = _own_class(module)
+        target = _CONVERSIONS.get(own)
         if target is not None:
-            module.__class__ = target
+            module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif type(module) in _CONVERSIONS.values():  # converted before: the scan asked for now
+        elif own in _CONVERSIONS.values():  # converted before: the scan asked for now
             module.scan = scan
+        elif isinstance(module, nn.LSTM):
+            where = repr(name) if name else "the model itself"
+            warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: LSTM is "
+                          "not supported (only nn.RNN and nn.GRU)", UserWarning, stacklevel=2)
     return changed
 
 
@@ -813,6 +847,9 @@ _ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.ELU, nn.CELU, nn.SELU, nn.GE
 # Linear) may override.
 _CHAIN_CLASSES = (nn.Conv2d, nn.MaxPool2d, nn.Linear, nn.Flatten, *_ELEMENTWISE)
 
+# The chain classes with a weight, whose Jacobian values it is.
+_WEIGHTED = (nn.Conv2d, nn.Linear)
+
 # Forward pre-hooks of torch's weight reparametrizations (pruning masks, the
 # hook-based weight_norm and spectral_norm): they only set `weight` before
 # forward, and the Jacobian reads the weight they set.
@@ -821,11 +858,9 @@ _WEIGHT_PRE_HOOKS = (BasePruningMethod, WeightNorm, SpectralNorm)
 
 def _chain_class(layer: nn.Module) -> type:
     """layer's class, seen through the subclass torch.nn.utils.parametrize
-    swaps in (it only computes the parametrized tensors when they are read)."""
+    swaps in (_own_class)."""
     cls = type(layer)
-    if cls in _CHAIN_CLASSES or not parametrize.is_parametrized(layer):  # the first test is the cheap one
-        return cls
-    return cls.__bases__[0]
+    return cls if cls in _CHAIN_CLASSES else _own_class(layer)  # the first test is the cheap one
 
 
 def _fusion_hook(hook) -> bool:
@@ -938,7 +973,11 @@ def _refuse_torch_only(name: str) -> None:
                        "outside the transform, or use autograd")
 
 
-def _check_chain_layer(layer: nn.Module, name: str) -> None:
+def _check_chain_layer(layer: nn.Module, name: str) -> torch.Tensor | None:
+    """Refuses a layer the chain cannot take; returns its weight as its
+    forward reads it now (None for a layer without one), for the caller to
+    use rather than read it again: a parametrization computes it at each
+    read."""
     kind = _chain_class(layer)
     if kind not in _CHAIN_CLASSES:
         base = next((base for base in _CHAIN_CLASSES if issubclass(kind, base)), None)
@@ -948,8 +987,11 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
     _check_hooks(layer, name)
-    # _parameters: where torch.func.functional_call swaps its tensors in
-    if torch_only_weight(layer._parameters.get("weight")):
+    # the weight as read, not _parameters' entry: a parametrized one (none
+    # there) computed from what functional_call swapped in is a transform's
+    # tensor or a dual as well
+    weight = layer.weight if kind in _WEIGHTED else None
+    if torch_only_weight(weight):
         _refuse_torch_only(f"{name}.weight")
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
@@ -957,6 +999,7 @@ def _check_chain_layer(layer: nn.Module, name: str) -> None:
         raise ValueError(f"{name}: only Flatten(start_dim=1, end_dim=-1) is supported (each "
                          f"sample to one vector); got start_dim={layer.start_dim}, "
                          f"end_dim={layer.end_dim}")
+    return weight
 
 
 def _settings(layer: nn.Module, kind: type, name: str) -> tuple:
@@ -1040,7 +1083,7 @@ class _Leaf:
             self.out_shape = in_shape
             self.indptr, self.indices = _C.jacobian("diagonal", (size, 0))
         self.rows, self.cols = size, math.prod(self.out_shape)
-        self.shared = kind in (nn.Conv2d, nn.Linear)  # weights: one set for the batch
+        self.shared = kind in _WEIGHTED  # weights: one set for the batch
         self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
         if pruned is not False and hasattr(self, "wmap"):
             self._drop_zero_weights(self._zero_now() if pruned is True else pruned)
@@ -1153,13 +1196,14 @@ class _SharedWeights:
         self.zero_weights = np.concatenate(zeros) if zeros else np.empty(0, np.int64)
         self._maps = {}
 
-    def write(self, shared: torch.Tensor) -> None:
-        """The weights as they are now into shared; ValueError if one the
+    def write(self, shared: torch.Tensor, now: dict) -> None:
+        """The weights as they are now, `now` (each leaf's, as
+        _check_chain_layer read it), into shared; ValueError if one the
         patterns dropped as zero is not zero any more. Under torch.no_grad,
         as _Leaf.write_values."""
         if not self.order:
             return
-        weights = [leaf.layer.weight for leaf in self.order]
+        weights = [now[leaf] for leaf in self.order]
         for leaf, w in zip(self.order, weights):
             if w.shape != leaf.weight_shape:
                 raise ValueError(f"{leaf.name}: {leaf.kind.__name__}'s weight has shape "
@@ -1282,10 +1326,12 @@ class _CusparsePeer:
                                                sched["steps"], self.vectors.data_ptr(), B, sched["vectors"],
                                                self.width, torch.cuda.current_stream(device).cuda_stream)
 
-    def load(self, plan: "ChainPlan", inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> None:
-        """This step's values and g_n into the buffers the chain reads. Under
-        torch.no_grad, as _Leaf.write_values."""
-        plan._weights.write(self.raw)  # and the check that pruned weights stayed zero
+    def load(self, plan: "ChainPlan", inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
+             weights: dict) -> None:
+        """This step's values (`weights` as _SharedWeights.write takes them)
+        and g_n into the buffers the chain reads. Under torch.no_grad, as
+        _Leaf.write_values."""
+        plan._weights.write(self.raw, weights)  # and the check that pruned weights stayed zero
         torch.index_select(self.raw, 0, self.gather, out=self.shared_values)
         for i, leaf, dst in self.per_sequence:
             leaf.write_values(inputs[i], dst)
@@ -1426,17 +1472,14 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
-        for i, (layer, leaf) in enumerate(self.steps):  # hooks or a subclass swapped in since the plan
-            _check_chain_layer(layer, f"layers[{i}]")
-            if leaf is not None:
-                leaf.check_unchanged()
+        weights = self._check_layers()
         if self.product == "cusparse" and device.type != "cuda":
             raise ValueError(f"grad_output: product='cusparse' runs on CUDA tensors only, got {device}; "
                              "use product='reprop' there")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
         if self.product == "cusparse":
-            grads = self._peer_gradients(B, inputs, grad_output)
+            grads = self._peer_gradients(B, inputs, grad_output, weights)
             return self._torch_backward(inputs, grad_output) if grads is None else grads
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
@@ -1445,7 +1488,7 @@ class ChainPlan:
         shared = torch.empty(self.info["shared_floats"], dtype=torch.float32, device=device)
         shared[0] = 1.0
         with torch.no_grad():
-            self._weights.write(shared)
+            self._weights.write(shared, weights)
             for i, leaf, start, stop in self._sequence_leaves:
                 leaf.write_values(inputs[i], seq[start:stop].T)
         out = prog["g_out_addr"]
@@ -1457,6 +1500,18 @@ class ChainPlan:
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
         # where torch selects (0 * inf = NaN, torch's 0).
         return self._torch_backward(inputs, grad_output) if grads is None else grads
+
+    def _check_layers(self) -> dict:
+        """Every layer checked again (hooks or a subclass swapped in since the
+        plan, settings changed); returns each leaf's weight as the check read
+        it, for _SharedWeights.write."""
+        weights = {}
+        for i, (layer, leaf) in enumerate(self.steps):
+            weight = _check_chain_layer(layer, f"layers[{i}]")
+            if leaf is not None:
+                leaf.check_unchanged()
+                weights[leaf] = weight
+        return weights
 
     def _gradients(self, B: int, seq: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """Every layer input's gradient out of the scan's buffer, each
@@ -1472,17 +1527,18 @@ class ChainPlan:
         return _owned_gradients([seq[a:a + leaf.rows].T for leaf, a in
                                  zip(self.leaves, self._program["g_addr"].tolist())], inputs)
 
-    def _peer_gradients(self, B: int, inputs: Sequence[torch.Tensor],
-                        grad_output: torch.Tensor) -> list[torch.Tensor] | None:
-        """backward()'s gradients by the cuSPARSE peer (CUDA), None if one is
-        not finite. Its buffers and cuSPARSE's plans are made at the first
-        backward of each batch size on each device, then reused."""
+    def _peer_gradients(self, B: int, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
+                        weights: dict) -> list[torch.Tensor] | None:
+        """backward()'s gradients by the cuSPARSE peer (CUDA), with the
+        weights _check_layers read, None if one is not finite. Its buffers
+        and cuSPARSE's plans are made at the first backward of each batch
+        size on each device, then reused."""
         device = grad_output.device
         if (B, device) not in self._peers:
             self._peers[B, device] = _CusparsePeer(self, B, device)
         peer = self._peers[B, device]
         with torch.no_grad():
-            peer.load(self, inputs, grad_output)
+            peer.load(self, inputs, grad_output, weights)
         peer.run(device)
         return _owned_gradients(peer.grads, inputs)
 
