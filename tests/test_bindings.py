@@ -1,0 +1,299 @@
+"""The private C bindings (reprop._native._C, and _cuda where built) called
+directly, as a user could: they must never crash the interpreter (a crash
+is run in a subprocess, so that it fails the test instead of killing
+pytest), hold what they read while Python code or another thread runs,
+release the GIL around long work, and raise an exception naming a bad
+argument."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import threading
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import reprop
+from reprop._native import _C
+
+
+def _run_isolated(code: str) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter with this reprop, so that a crash
+    fails the test instead of killing pytest."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(reprop.__file__)), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_csr_plan_holds_the_leaves_while_python_code_empties_the_list():
+    """csr_plan borrowed the leaf tuples (and their arrays) from the caller's
+    list: a `shared` whose __bool__ emptied the list freed them mid-parse
+    (SystemError or a plan of freed memory), and another thread emptying it
+    while the plan was built without the GIL, a segfault."""
+    proc = _run_isolated("""
+        import threading
+        import numpy as np
+        from reprop._native import _C
+
+        def leaf(i, o, shared=False):
+            ip, ix, wm = _C.jacobian("linear", (i, o))
+            return (i, o, ip, ix, shared, wm, i * o)
+
+        def plan_info(leaves):
+            return _C.csr_plan_info(_C.csr_plan(leaves, 1, 0, 1.0, 1.0, 1.0))
+
+        want = plan_info([leaf(300, 400), leaf(400, 300)])
+
+        class EmptiesTheList:
+            def __bool__(self):
+                leaves.clear()
+                [np.full(300 * 400, 7, np.int32) for _ in range(4)]  # reuse the freed memory
+                return False
+
+        leaves = [leaf(300, 400), leaf(400, 300, EmptiesTheList())]
+        assert plan_info(leaves) == want
+
+        class StartsAThreadEmptyingTheList:
+            def __bool__(self):  # the thread runs once csr_plan releases the GIL
+                emptier.start()
+                return False
+
+        leaves = [leaf(1500, 1500), leaf(1500, 1500, StartsAThreadEmptyingTheList())]
+        emptier = threading.Thread(target=leaves.clear)
+        assert plan_info(leaves) == plan_info([leaf(1500, 1500), leaf(1500, 1500)])
+        emptier.join()
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
+def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists():
+    """The optimizer's fast path read row i of its lists with the length it
+    found on entry, and borrowed the items across the Python code a row runs
+    (.grad, data_ptr(), __torch_function__): a .grad property emptying the
+    params list made it read past the list's end, one dropping the param from
+    it made the param's data_ptr() run on freed memory (segfaults). A list
+    that changes under the call leaves the step to the Python path (None)."""
+    proc = _run_isolated("""
+        import numpy as np
+        import torch
+        from reprop._native import _C
+
+        class EmptiesTheList:
+            @property
+            def grad(self):
+                params.clear()
+                return None  # this row sits the step out: on to row 1
+
+        class DropsItself:
+            @property
+            def grad(self):
+                params[0] = None  # the list held the only reference to this param
+                [DropsItself() for _ in range(100)]  # reuse its memory
+                return torch.zeros(1)
+
+            def data_ptr(self):
+                return 1  # not the key's 0: a stale row
+
+        for cls in (EmptiesTheList, DropsItself):
+            params = [cls(), cls()]
+            table = np.zeros((2, 8), np.int64)
+            assert _C.optim_grad_pointers(
+                params, [(0, None, None, True, -1)] * 2, {}, [None] * 2, [()] * 2, [True] * 2,
+                torch.strided, table, None, table, None, torch.Tensor) is None
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
+def test_cost_model_arguments_are_converted_one_at_a_time():
+    """The machine (workers, level_cost, step_cost) was converted all three
+    before the error check: a bad one followed by an object with __float__
+    raised SystemError ("returned a result with an exception set")."""
+
+    class Float:
+        def __float__(self):
+            return 1.0
+
+    with pytest.raises(TypeError, match="^workers: must be real number, not str$"):
+        _C.scan_plan(64, 2, 4, 0, "bad", Float(), 1.0)
+    with pytest.raises(TypeError, match="^level_cost: must be real number, not str$"):
+        _C.scan_cost(64, 2, 4, 0, 2, Float(), "bad", Float())
+    with pytest.raises(TypeError, match="^step_cost: must be real number, not NoneType$"):
+        _C.csr_plan([], 1, 0, Float(), Float(), None)
+    assert _C.scan_plan(64, 2, 4, 0, Float(), Float(), Float()) == _C.scan_plan(64, 2, 4, 0, 1.0, 1.0, 1.0)
+
+
+def _unaligned(values, dtype) -> np.ndarray:
+    """A C-contiguous array of `values` one byte off its dtype's alignment."""
+    raw = np.zeros(len(values) * np.dtype(dtype).itemsize + 1, np.uint8)
+    arr = raw[1:].view(dtype)
+    arr[:] = values
+    assert not arr.flags.aligned
+    return arr
+
+
+def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
+    """PyArray_TYPE is NPY_INT64 for a big-endian '>i8' array too: optim_step
+    read its bytes swapped as pointers and sizes (numel 4 << 56 here),
+    optim_grad_pointers swapped step rows, csr_plan swapped indptr and
+    indices, which it also took unaligned. The arrays the scheduling bindings
+    convert are cast to native order instead."""
+    p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    table = np.zeros((1, 8), np.int64)
+    table[0, 0], table[0, 1], table[0, 6] = p.ctypes.data, g.ctypes.data, 4  # param, grad, numel
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5  # SGD, lr 0.1
+    native_order = "^table: expected a C-contiguous, aligned, writeable array in native byte order$"
+    with pytest.raises(ValueError, match=native_order):
+        _C.optim_step(0, 0, table.astype(">i8"), hparams, 1)
+    with pytest.raises(ValueError, match=native_order):
+        _C.optim_check(0, 0, table.astype(">i8"), hparams, False)
+    assert (p == 1).all()
+    _C.optim_step(0, 0, table, hparams, 1)
+    np.testing.assert_allclose(p, 0.95, rtol=1e-7)
+
+    no_grad = [types.SimpleNamespace(grad=None)]
+    for step_rows in (np.zeros(1, ">i8"), _unaligned([0], np.int64)):
+        with pytest.raises(ValueError, match="step_rows must be None .* in native byte order$"):
+            _C.optim_grad_pointers(no_grad, [None], {}, [None], [None], [True], torch.strided, table,
+                                   None, table.copy(), step_rows, torch.Tensor)
+
+    indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
+    for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):
+        with pytest.raises(ValueError, match="^indptr: expected a C-contiguous, aligned int32 array of 3 "
+                                             "elements in native byte order$"):
+            _C.csr_plan([(2, 2, bad, indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned 1-D int32 array in "
+                                         "native byte order$"):
+        _C.csr_plan([(2, 2, indptr, indices.astype(">i4"), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+
+    want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
+    got = _C.reverse_first_k(8, 3, np.arange(8).astype(">i8"), _unaligned(range(8), np.int64), 5, 100)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def _lets_another_thread_run(call) -> bool:
+    """Whether call() releases the GIL: with a switch interval far longer than
+    the test, a thread waiting for the GIL alone gets it only while the caller
+    has released it. A few tries, should the thread be slow to wake."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        for _ in range(10):
+            go, ran = threading.Event(), []
+            waiter = threading.Thread(target=lambda: (go.wait(), ran.append(True)))
+            waiter.start()
+            go.set()  # the waiter now waits for the GIL
+            call()
+            during = bool(ran)
+            waiter.join()
+            if during:
+                return True
+        return False
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_scheduling_bindings_release_the_gil_around_their_work():
+    """sched_stages and reverse_first_k held the GIL for O(layers) work (1.1 s
+    at 1e8 layers) while module.c says each binding releases it."""
+    assert _lets_another_thread_run(lambda: _C.sched_stages(2 * 10**7, 4, 0))
+    assert _lets_another_thread_run(lambda: _C.reverse_first_k(5 * 10**6, 10**6, None, None, 0, 0))
+
+
+def test_optim_check_refuses_an_unknown_kind_as_optim_step_does():
+    """optim_check(99, ...) returned None (the pre-update check never looked
+    at the kind) where optim_step refuses it."""
+    table = np.zeros((1, 8), np.int64)
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    with pytest.raises(ValueError, match="^unknown optimizer kind 99$"):
+        _C.optim_step(99, 0, table, hparams, 1)
+    for capturable in (False, True):
+        with pytest.raises(ValueError, match="^unknown optimizer kind 99$"):
+            _C.optim_check(99, 0, table, hparams, capturable)
+    assert _C.optim_check(0, 0, table, hparams, False) is None
+
+
+_SPEC = dict(layers=4, micro=2, stages=2, iterations=2, order=0, k=1, transfer=0.1, sync_by_layer=False,
+             sub_stream=False, input_grad=False, fwd=[1.0] * 4, out_grad=[1.0] * 4, weight_grad=[1.0] * 4,
+             sync=None, stage=None)
+
+
+def test_binding_argument_errors_name_the_argument():
+    """Size, pointer and float arguments never named themselves (an int past
+    int64 gave a bare "int too big to convert", a str a bare TypeError), nor
+    did an OverflowError of a spec entry, each pointer of csr_gradients' out,
+    a wrong plan or the TypeError of an int argument; sched_graph called
+    order 2**40 "order -1"."""
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    too_big = "int too big to convert$"
+    cases = [
+        (OverflowError, "^sched_graph: micro: " + too_big, lambda: _C.sched_graph({**_SPEC, "micro": 2**70})),
+        (ValueError, "^sched_graph: order 1099511627776 is not an rp_order$",
+         lambda: _C.sched_graph({**_SPEC, "order": 2**40})),
+        (OverflowError, "^layers: " + too_big, lambda: _C.sched_stages(2**70, 1, 1)),
+        (OverflowError, "^layers: " + too_big, lambda: _C.reverse_first_k(2**70, 1, None, None, 0, 0)),
+        (TypeError, "^layers: 'str' object cannot be interpreted as an integer$",
+         lambda: _C.ksearch_next("4", [0.0] * 5)),
+        (OverflowError, "^mem_cap: " + too_big,
+         lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, 2**64)),
+        (TypeError, r"^out\[1\]: an integer is required$", lambda: _C.csr_gradients(plan, 1, 0, [0, "x"], 1)),
+        (OverflowError, "^seq: can't convert negative int to unsigned$",
+         lambda: _C.csr_run(plan, 1, -1, 0, 0, 0, 0, 0, 1)),
+        (TypeError, r"^plan: expected the capsule csr_plan\(\) returns, got int$", lambda: _C.csr_plan_info(5)),
+        (OverflowError, r"^geometry\[14\]: " + too_big, lambda: _C.jacobian("conv2d", (1,) * 14 + (2**64,))),
+        (OverflowError, "^max_pairs: " + too_big, lambda: _C.csr_plan([leaf], 0, 2**64, 1.0, 1.0, 1.0)),
+        (TypeError, "^p1: must be real number, not str$", lambda: _C.fad_codebook(0, 0.0, "x")),
+        (TypeError, "^n: 'NoneType' object cannot be interpreted as an integer$",
+         lambda: _C.scan_workspace(None, 1, 1, 0)),
+        (TypeError, "^kind: 'str' object cannot be interpreted as an integer$",
+         lambda: _C.optim_step("0", 0, np.zeros((0, 8), np.int64), (0.1,) + (0.0,) * 9 + (False,) * 5, 1)),
+    ]
+    for exc, message, call in cases:
+        with pytest.raises(exc, match=message):
+            call()
+
+
+def test_jacobian_kind_is_the_whole_str():
+    """The kind was compared with C's strcmp, which stops at an embedded NUL:
+    "linear\\0x" was taken for "linear"; a non-str gave Python's bare "bad
+    argument type for built-in operation"."""
+    for kind in ("linear\0x", "linear\0", "lin"):
+        with pytest.raises(ValueError, match=f"^jacobian: unknown layer kind {re.escape(repr(kind))}$"):
+            _C.jacobian(kind, (3, 4))
+    with pytest.raises(TypeError, match="^kind: expected a str, got bytes$"):
+        _C.jacobian(b"linear", (3, 4))
+    indptr, indices, wmap = _C.jacobian("linear", (3, 4))
+    assert indptr.tolist() == [0, 4, 8, 12] and wmap.tolist() == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]
+    assert [len(_C.jacobian(kind, geometry)) for kind, geometry in [
+        ("diagonal", (3, 0)), ("conv2d", (1, 4, 4, 2, 4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1)),
+        ("maxpool2d", (1, 4, 4, 1, 2, 2, 2, 2, 2, 2, 0, 0, 1, 1, 1))]] == [2, 3, 4]
+
+
+@pytest.mark.parametrize("module", ["_C", "_cuda"])
+def test_binding_docstrings_list_the_arguments_the_binding_takes(module):
+    """scan's docstring (both extensions) listed 13 parameters where the
+    binding takes 16, _cuda.optim_step's 6 where it takes 7 (lr_ptr)."""
+    ext = getattr(reprop._native, module)
+    if ext is None:
+        pytest.skip(f"reprop.{module} not built")
+    checked = 0
+    for name in dir(ext):
+        func = getattr(ext, name)
+        # a "name(...)\n--" docstring becomes __text_signature__, else it starts with name(...)
+        listed = re.match(r"\(([^)]*)\)", getattr(func, "__text_signature__", None) or "") or \
+            re.match(rf"{name}\(([^)]*)\)", getattr(func, "__doc__", None) or "")
+        if listed is None:  # build_info and the module's own attributes
+            continue
+        params = [p.strip() for p in listed.group(1).split(",")]
+        with pytest.raises(TypeError, match=rf"^{name}\(\) takes {len(params)} arguments "):
+            func(*[None] * (len(params) + 1))
+        checked += 1
+    assert checked >= (24 if module == "_C" else 7)
