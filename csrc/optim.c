@@ -10,7 +10,9 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "optim_math.h"
 #include "reprop.h"
@@ -27,6 +29,39 @@ typedef struct {
     int64_t start;
     int64_t len;
 } rp_chunk;
+
+/* ---- the rounding of multiply-adds: torch's on this CPU ---- */
+
+/* torch's kernels for AVX2 and AVX-512 fuse add(alpha=), addcmul and lerp;
+ * it picks them where the CPU has AVX2 and FMA (ATen's DispatchStub), and its
+ * baseline kernels, which round the products apart, elsewhere. A test hook,
+ * not an option: REPROP_TEST_UNFUSED_MADD=1 in the environment at the first
+ * step rounds apart on any CPU, to check that path against torch run with
+ * ATEN_CPU_CAPABILITY=default. */
+static int rp_detect_fused_madd(void)
+{
+    const char *hook = getenv("REPROP_TEST_UNFUSED_MADD");
+    if (hook != NULL && strcmp(hook, "1") == 0)
+        return 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    return 1; /* aarch64 and the others fuse in hardware, as torch's kernels there */
+#endif
+}
+
+int rp_optim_cpu_fused_madd(void)
+{
+    /* detected once: the answer never changes, and steps may run on many threads */
+    static atomic_int fused = -1;
+    int f = atomic_load_explicit(&fused, memory_order_relaxed);
+    if (f < 0) {
+        f = rp_detect_fused_madd();
+        atomic_store_explicit(&fused, f, memory_order_relaxed);
+    }
+    return f;
+}
 
 /* ---- state-slot requirements and validation ---- */
 
@@ -308,12 +343,16 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
  * are copied into a local whose optional-state flags are set to literals (and
  * SGD's `fresh` is passed as one), so that GCC sees every flag as
  * loop-invariant (a local cannot alias the float arrays), drops the dead
- * branches and vectorizes the loop. */
+ * branches and vectorizes the loop. The rounding of the multiply-adds is a
+ * literal too, FUSED, one set of loops each: fused (one instruction in the
+ * AVX2 and AVX-512 clones) and plain (packed multiplies and adds in the
+ * baseline clone too, where a fused one is a libm call). Separate functions,
+ * not both in one, which would pass GCC's limits for vectorizing some. */
 #define RP_LOOP(SUFFIX, LOAD, STORE, CALL)                                                        \
     for (i = 0; i < len; i++)                                                                      \
         STORE(p, i, CALL);
 
-#define RP_DEFINE_LOOPS(SUFFIX, LOAD, STORE)                                                       \
+#define RP_DEFINE_LOOPS(SUFFIX, LOAD, STORE, FUSED)                                                \
     RP_TARGET_CLONES static void rp_sgd_loop_##SUFFIX(                                             \
         const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict buf,   \
         int fresh, int64_t len)                                                                    \
@@ -321,6 +360,7 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         rp_optim_consts c = cv;                                                                    \
         float unused = 0.0f;                                                                       \
         int64_t i;                                                                                 \
+        c.fused_madd = FUSED;                                                                      \
         if (buf == NULL) {                                                                         \
             c.has_momentum = 0;                                                                    \
             RP_LOOP(SUFFIX, LOAD, STORE, rp_sgd_elem(&c, LOAD(p, i), LOAD(g, i), &unused, 0))      \
@@ -339,6 +379,7 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         rp_optim_consts c = cv;                                                                    \
         float unused = 0.0f;                                                                       \
         int64_t i;                                                                                 \
+        c.fused_madd = FUSED;                                                                      \
         if (vmax == NULL) {                                                                        \
             c.amsgrad = 0;                                                                         \
             RP_LOOP(SUFFIX, LOAD, STORE,                                                           \
@@ -355,8 +396,9 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict sum,   \
         float neg_clr, int64_t len)                                                                \
     {                                                                                              \
-        const rp_optim_consts c = cv;                                                              \
+        rp_optim_consts c = cv;                                                                    \
         int64_t i;                                                                                 \
+        c.fused_madd = FUSED;                                                                      \
         RP_LOOP(SUFFIX, LOAD, STORE, rp_adagrad_elem(&c, LOAD(p, i), LOAD(g, i), &sum[i], neg_clr)) \
     }                                                                                              \
     RP_TARGET_CLONES static void rp_rmsprop_loop_##SUFFIX(                                         \
@@ -366,6 +408,7 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         rp_optim_consts c = cv;                                                                    \
         float unused_buf = 0.0f, unused_ga = 0.0f;                                                 \
         int64_t i;                                                                                 \
+        c.fused_madd = FUSED;                                                                      \
         if (buf == NULL && ga == NULL) {                                                           \
             c.has_momentum = 0;                                                                    \
             c.centered = 0;                                                                        \
@@ -392,8 +435,9 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         const rp_optim_consts cv, void *restrict p, const void *restrict g, float *restrict sq,    \
         float *restrict acc, int64_t len)                                                          \
     {                                                                                              \
-        const rp_optim_consts c = cv;                                                              \
+        rp_optim_consts c = cv;                                                                    \
         int64_t i;                                                                                 \
+        c.fused_madd = FUSED;                                                                      \
         RP_LOOP(SUFFIX, LOAD, STORE, rp_adadelta_elem(&c, LOAD(p, i), LOAD(g, i), &sq[i], &acc[i])) \
     }                                                                                              \
     static void rp_chunk_##SUFFIX(const rp_optim_hparams *hp, const rp_optim_consts *c,            \
@@ -425,9 +469,12 @@ void rp_optim_entries_done(rp_optim_entry *entries, int64_t n)
         }                                                                                           \
     }
 
-RP_DEFINE_LOOPS(f32, RP_LOAD_F32, RP_STORE_F32)
-RP_DEFINE_LOOPS(bf16, RP_LOAD_BF16, RP_STORE_BF16)
-RP_DEFINE_LOOPS(f16, RP_LOAD_F16, RP_STORE_F16)
+RP_DEFINE_LOOPS(f32_fused, RP_LOAD_F32, RP_STORE_F32, 1)
+RP_DEFINE_LOOPS(f32_plain, RP_LOAD_F32, RP_STORE_F32, 0)
+RP_DEFINE_LOOPS(bf16_fused, RP_LOAD_BF16, RP_STORE_BF16, 1)
+RP_DEFINE_LOOPS(bf16_plain, RP_LOAD_BF16, RP_STORE_BF16, 0)
+RP_DEFINE_LOOPS(f16_fused, RP_LOAD_F16, RP_STORE_F16, 1)
+RP_DEFINE_LOOPS(f16_plain, RP_LOAD_F16, RP_STORE_F16, 0)
 
 typedef void (*rp_chunk_fn)(const rp_optim_hparams *, const rp_optim_consts *,
                             const rp_optim_entry *, const rp_step_scalars *, int64_t, int64_t,
@@ -475,17 +522,18 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
     int rc = rp_optim_check(hp, entries, n, err);
     if (rc != RP_OK)
         return rc;
+    rp_optim_make_consts(hp, hp->lr, &c);
     switch (dtype) {
     case RP_F32:
-        fn = rp_chunk_f32;
+        fn = c.fused_madd ? rp_chunk_f32_fused : rp_chunk_f32_plain;
         esize = 4;
         break;
     case RP_BF16:
-        fn = rp_chunk_bf16;
+        fn = c.fused_madd ? rp_chunk_bf16_fused : rp_chunk_bf16_plain;
         esize = 2;
         break;
     case RP_F16:
-        fn = rp_chunk_f16;
+        fn = c.fused_madd ? rp_chunk_f16_fused : rp_chunk_f16_plain;
         esize = 2;
         break;
     default:
@@ -507,7 +555,6 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
         free(scalars);
         return rc;
     }
-    rp_optim_make_consts(hp, hp->lr, &c);
     if (num_threads <= 0)
         num_threads = rp_omp_max_threads();
 

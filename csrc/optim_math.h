@@ -20,10 +20,13 @@
  * these three ops, and the single rounding decides more than the last bit:
  * a product that overflows on its own (RMSprop's centered square_avg minus
  * grad_avg^2 once square_avg is inf, SGD's lr * grad against a large param)
- * or underflows to a zero of the wrong sign. Only torch's baseline x86 kernels
- * (CPUs without AVX2, ATEN_CPU_CAPABILITY=default) round the product apart.
+ * or underflows to a zero of the wrong sign. torch's baseline x86 kernels
+ * (CPUs without AVX2 and FMA, ATEN_CPU_CAPABILITY=default) round the product
+ * apart, and so do the CPU loops on such CPUs (rp_optim_consts.fused_madd),
+ * where a fused multiply-add would be a software fmaf call per element.
  * Every other multiply-add rounds term by term (the build disables
- * contraction), so the CPU loops and the CUDA kernels agree bit for bit.
+ * contraction), so the CPU loops and the CUDA kernels agree bit for bit
+ * wherever both fuse.
  *
  * Arithmetic is float32 whatever the parameter dtype; state is float32.
  */
@@ -45,9 +48,29 @@
 #include <math.h>
 #define RP_SQRTF(x) sqrtf(x)
 /* one instruction in the AVX2 and AVX-512 clones of the CPU loops; a libm call
- * in the baseline x86-64 one */
+ * in the baseline x86-64 one (and in a build without target_clones), which
+ * fuses only on CPUs with AVX2 and FMA: in that clone the few without the rest
+ * of x86-64-v3 */
 #define RP_FMAF(a, b, c) fmaf(a, b, c)
 #define RP_ISNAN(x) ((x) != (x))
+#endif
+
+/* The element math below is inlined into every CPU loop, or the loop does
+ * not vectorize: forced, since optim.c's loops (a fused and a plain set of
+ * each, in three clones) take GCC past its unit growth limit for inline. */
+#if defined(__CUDACC__) || !defined(__GNUC__)
+#define RP_OPTIM_INLINE RP_HOSTDEV
+#else
+#define RP_OPTIM_INLINE static inline __attribute__((always_inline))
+#endif
+
+#if defined(__CUDACC__)
+/* torch's CUDA kernels fuse, and every CUDA device has the instruction */
+#define RP_FUSED_MADD() 1
+#else
+/* Whether torch's CPU kernels fuse on this CPU (optim.c). */
+int rp_optim_cpu_fused_madd(void);
+#define RP_FUSED_MADD() rp_optim_cpu_fused_madd()
 #endif
 
 /* Hyper-parameters rounded to float32 once per call, in the form each
@@ -66,6 +89,7 @@ typedef struct {
     float alpha, one_minus_alpha; /* RMSprop */
     int centered;
     float rho, one_minus_rho;     /* Adadelta */
+    int fused_madd;               /* round add(alpha=), addcmul and lerp once (rp_madd) */
 } rp_optim_consts;
 
 /* Whether the update keeps a momentum buffer: torch's SGD tests momentum != 0,
@@ -107,6 +131,7 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
         w1 = 1.0 - hp->alpha;
     c->w1 = (float)w1;
     c->one_minus_w1 = 1.0f - c->w1;
+    c->fused_madd = RP_FUSED_MADD();
 }
 
 /* The state slots these hyper-parameters use: bit i set for entry.state[i]. */
@@ -128,10 +153,25 @@ RP_HOSTDEV unsigned rp_optim_state_slots(const rp_optim_hparams *hp)
     }
 }
 
-/* torch's self.add(other, alpha=alpha). */
-RP_HOSTDEV float rp_add_alpha(float self, float other, float alpha)
+/* a * b + c as torch computes it on this device: rounded once where its
+ * kernels fuse (`fused`), else the product and the sum each rounded. The CPU
+ * loops pass a literal, so the choice folds away and each copy vectorizes;
+ * on a CUDA device `fused` is always 1 (RP_FUSED_MADD) and not read, so that
+ * no kernel selects per element. */
+RP_OPTIM_INLINE float rp_madd(int fused, float a, float b, float c)
 {
-    return RP_FMAF(alpha, other, self);
+#if defined(__CUDA_ARCH__)
+    (void)fused;
+    return RP_FMAF(a, b, c);
+#else
+    return fused ? RP_FMAF(a, b, c) : a * b + c;
+#endif
+}
+
+/* torch's self.add(other, alpha=alpha). */
+RP_OPTIM_INLINE float rp_add_alpha(int fused, float self, float other, float alpha)
+{
+    return rp_madd(fused, alpha, other, self);
 }
 
 /* Conditions in the element math pick operands (values at hand or constants),
@@ -139,43 +179,44 @@ RP_HOSTDEV float rp_add_alpha(float self, float other, float alpha)
  * only by turning it into a select, which it refuses where a branch calls fmaf
  * or does floating-point arithmetic (that might trap), unless it unswitches
  * the loop, which it does for small ones only. The two below rest on
- * x + -0.0 == x for every float x, -0.0 and NaN included. */
+ * x + -0.0 == x for every float x, -0.0 and NaN included, and on 0 * -0.0
+ * and 1 * x being exact. */
 
 /* cond ? self.add(other, alpha=alpha) : self */
-RP_HOSTDEV float rp_add_alpha_if(int cond, float self, float other, float alpha)
+RP_OPTIM_INLINE float rp_add_alpha_if(int fused, int cond, float self, float other, float alpha)
 {
-    return RP_FMAF(cond ? alpha : 0.0f, cond ? other : -0.0f, self);
+    return rp_madd(fused, cond ? alpha : 0.0f, cond ? other : -0.0f, self);
 }
 
 /* cond ? self.add(other, alpha=alpha) : other */
-RP_HOSTDEV float rp_add_alpha_or_other(int cond, float self, float other, float alpha)
+RP_OPTIM_INLINE float rp_add_alpha_or_other(int fused, int cond, float self, float other, float alpha)
 {
-    return RP_FMAF(cond ? alpha : 1.0f, other, cond ? self : -0.0f);
+    return rp_madd(fused, cond ? alpha : 1.0f, other, cond ? self : -0.0f);
 }
 
 /* torch's self.addcmul(t1, t2, value=value). */
-RP_HOSTDEV float rp_addcmul(float self, float t1, float t2, float value)
+RP_OPTIM_INLINE float rp_addcmul(int fused, float self, float t1, float t2, float value)
 {
-    return RP_FMAF(value * t1, t2, self);
+    return rp_madd(fused, value * t1, t2, self);
 }
 
 /* torch's self.addcdiv(t1, t2, value=value): a division, so nothing to fuse. */
-RP_HOSTDEV float rp_addcdiv(float self, float t1, float t2, float value)
+RP_OPTIM_INLINE float rp_addcdiv(float self, float t1, float t2, float value)
 {
     return self + value * t1 / t2;
 }
 
 /* torch.lerp(self, end, w): self + w * (end - self) for |w| < 0.5, else
- * end - (1 - w) * (end - self); one fused multiply-add of picked operands, as
- * in ATen's vectorized lerp. */
-RP_HOSTDEV float rp_lerp(float self, float end, float w, float one_minus_w)
+ * end - (1 - w) * (end - self); one multiply-add of picked operands, as in
+ * ATen's vectorized lerp. */
+RP_OPTIM_INLINE float rp_lerp(int fused, float self, float end, float w, float one_minus_w)
 {
     int small_w = fabsf(w) < 0.5f;
-    return RP_FMAF(small_w ? w : -one_minus_w, end - self, small_w ? self : end);
+    return rp_madd(fused, small_w ? w : -one_minus_w, end - self, small_w ? self : end);
 }
 
 /* torch.maximum: NaN in either operand wins. */
-RP_HOSTDEV float rp_maximum(float a, float b)
+RP_OPTIM_INLINE float rp_maximum(float a, float b)
 {
     /* one expression of selects, so that CPU loops stay branch-free */
     float m = a > b ? a : b;
@@ -184,33 +225,35 @@ RP_HOSTDEV float rp_maximum(float a, float b)
 }
 
 /* Gradient after maximize and coupled weight decay. */
-RP_HOSTDEV float rp_effective_grad(const rp_optim_consts *c, float g, float p)
+RP_OPTIM_INLINE float rp_effective_grad(const rp_optim_consts *c, float g, float p)
 {
-    return rp_add_alpha_if(c->has_wd, c->sign * g, p, c->wd);
+    return rp_add_alpha_if(c->fused_madd, c->has_wd, c->sign * g, p, c->wd);
 }
 
 /* SGD. buf: momentum_buffer (unused without momentum); fresh: buffer just
  * created (a literal in the CPU loops, where this branch must fold away). */
-RP_HOSTDEV float rp_sgd_elem(const rp_optim_consts *c, float p, float g, float *buf, int fresh)
+RP_OPTIM_INLINE float rp_sgd_elem(const rp_optim_consts *c, float p, float g, float *buf, int fresh)
 {
     g = rp_effective_grad(c, g, p);
     if (c->has_momentum) {
-        float b = fresh ? g : rp_add_alpha(*buf * c->momentum, g, c->one_minus_dampening);
+        float b = fresh ? g
+                        : rp_add_alpha(c->fused_madd, *buf * c->momentum, g,
+                                       c->one_minus_dampening);
         *buf = b;
-        g = rp_add_alpha_or_other(c->nesterov, g, b, c->momentum);
+        g = rp_add_alpha_or_other(c->fused_madd, c->nesterov, g, b, c->momentum);
     }
-    return rp_add_alpha(p, g, c->neg_lr);
+    return rp_add_alpha(c->fused_madd, p, g, c->neg_lr);
 }
 
 /* Adam / AdamW. neg_step_size = -lr / (1 - beta1^t), bc2_sqrt = sqrt(1 - beta2^t). */
-RP_HOSTDEV float rp_adam_elem(const rp_optim_consts *c, float p, float g, float *m, float *v,
+RP_OPTIM_INLINE float rp_adam_elem(const rp_optim_consts *c, float p, float g, float *m, float *v,
                               float *vmax, float neg_step_size, float bc2_sqrt)
 {
     float mm, vv, denom;
     p = p * c->decay_factor;
     g = rp_effective_grad(c, g, p);
-    mm = rp_lerp(*m, g, c->w1, c->one_minus_w1);
-    vv = rp_addcmul(*v * c->beta2, g, g, c->one_minus_beta2);
+    mm = rp_lerp(c->fused_madd, *m, g, c->w1, c->one_minus_w1);
+    vv = rp_addcmul(c->fused_madd, *v * c->beta2, g, g, c->one_minus_beta2);
     *m = mm;
     *v = vv;
     if (c->amsgrad) {
@@ -222,28 +265,28 @@ RP_HOSTDEV float rp_adam_elem(const rp_optim_consts *c, float p, float g, float 
 }
 
 /* Adagrad. neg_clr = -lr / (1 + (t - 1) * lr_decay). */
-RP_HOSTDEV float rp_adagrad_elem(const rp_optim_consts *c, float p, float g, float *sum,
+RP_OPTIM_INLINE float rp_adagrad_elem(const rp_optim_consts *c, float p, float g, float *sum,
                                  float neg_clr)
 {
     float s;
     g = rp_effective_grad(c, g, p);
-    s = rp_addcmul(*sum, g, g, 1.0f);
+    s = rp_addcmul(c->fused_madd, *sum, g, g, 1.0f);
     *sum = s;
     return rp_addcdiv(p, g, RP_SQRTF(s) + c->eps, neg_clr);
 }
 
 /* RMSprop. sq: square_avg, buf: momentum_buffer, ga: grad_avg (centered). */
-RP_HOSTDEV float rp_rmsprop_elem(const rp_optim_consts *c, float p, float g, float *sq,
+RP_OPTIM_INLINE float rp_rmsprop_elem(const rp_optim_consts *c, float p, float g, float *sq,
                                  float *buf, float *ga)
 {
     float s, avg;
     g = rp_effective_grad(c, g, p);
-    s = rp_addcmul(*sq * c->alpha, g, g, c->one_minus_alpha);
+    s = rp_addcmul(c->fused_madd, *sq * c->alpha, g, g, c->one_minus_alpha);
     *sq = s;
     if (c->centered) {
-        float a = rp_lerp(*ga, g, c->w1, c->one_minus_w1);
+        float a = rp_lerp(c->fused_madd, *ga, g, c->w1, c->one_minus_w1);
         *ga = a;
-        avg = RP_SQRTF(rp_addcmul(s, a, a, -1.0f));
+        avg = RP_SQRTF(rp_addcmul(c->fused_madd, s, a, a, -1.0f));
     } else {
         avg = RP_SQRTF(s);
     }
@@ -251,26 +294,26 @@ RP_HOSTDEV float rp_rmsprop_elem(const rp_optim_consts *c, float p, float g, flo
     if (c->has_momentum) {
         float b = rp_addcdiv(*buf * c->momentum, g, avg, 1.0f);
         *buf = b;
-        return rp_add_alpha(p, b, c->neg_lr);
+        return rp_add_alpha(c->fused_madd, p, b, c->neg_lr);
     }
     return rp_addcdiv(p, g, avg, c->neg_lr);
 }
 
 /* Adadelta. sq: square_avg, acc: acc_delta. */
-RP_HOSTDEV float rp_adadelta_elem(const rp_optim_consts *c, float p, float g, float *sq,
+RP_OPTIM_INLINE float rp_adadelta_elem(const rp_optim_consts *c, float p, float g, float *sq,
                                   float *acc)
 {
     float s, std, delta, a;
     g = rp_effective_grad(c, g, p);
-    s = rp_addcmul(*sq * c->rho, g, g, c->one_minus_rho);
+    s = rp_addcmul(c->fused_madd, *sq * c->rho, g, g, c->one_minus_rho);
     *sq = s;
     std = RP_SQRTF(s + c->eps);
     delta = RP_SQRTF(*acc + c->eps);
     delta = delta / std;
     delta = delta * g;
-    a = rp_addcmul(*acc * c->rho, delta, delta, c->one_minus_rho);
+    a = rp_addcmul(c->fused_madd, *acc * c->rho, delta, delta, c->one_minus_rho);
     *acc = a;
-    return rp_add_alpha(p, delta, c->neg_lr);
+    return rp_add_alpha(c->fused_madd, p, delta, c->neg_lr);
 }
 
 #endif /* REPROP_OPTIM_MATH_H */

@@ -23,7 +23,11 @@ import gc
 import inspect
 import io
 import itertools
+import os
+import platform
 import re
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -567,29 +571,78 @@ def test_add_alpha_and_lerp_results_are_torchs_bitwise(name: str, options: dict,
             assert torch.equal(a, e), f"{name} {key} of {tuple(pr.shape)} differs from torch's"
 
 
+LONE_PRODUCTS = ["SGD 0 - 0.1 * 1e-45", "SGD 3e38 - 1.5 * 3e38", "Adam exp_avg"]
+
+
+def lone_product_results(classes: dict[str, type[torch.optim.Optimizer]]) -> list[torch.Tensor]:
+    """LONE_PRODUCTS: one step of each whose product underflows or overflows
+    on its own."""
+    sgd = [nn.Parameter(torch.tensor([0.0])), nn.Parameter(torch.tensor([3e38]))]
+    sgd[0].grad, sgd[1].grad = torch.tensor([1e-45]), torch.tensor([3e38])
+    classes["SGD"]([{"params": sgd[:1], "lr": 0.1}, {"params": sgd[1:], "lr": 1.5}]).step()
+    adam = nn.Parameter(torch.tensor([0.0]))
+    adam.grad = torch.tensor([-1e-45])
+    opt = classes["Adam"]([adam])
+    opt.step()
+    return [*sgd, opt.state[adam]["exp_avg"]]
+
+
+def assert_lone_products_are_torchs(ref: list[torch.Tensor]) -> None:
+    got = lone_product_results({"SGD": rp.SGD, "Adam": rp.Adam})
+    for what, a, e in zip(LONE_PRODUCTS, got, ref):
+        assert torch.equal(a.detach().view(torch.int32), e.detach().view(torch.int32)), (
+            f"{what}: {a.item()!r} (bits {a.detach().view(torch.int32).item():#x}), torch's {e.item()!r}")
+
+
 @pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
 def test_a_product_rounded_once_keeps_torchs_sign_and_range() -> None:
     """add(alpha=) and lerp round the product once, as torch's do: one that
     underflows keeps its sign in the sum (0 - 0.1 * 1e-45 is -0.0, not +0.0;
     so is Adam's exp_avg lerped from 0 towards -1e-45), and one that overflows
     on its own does not make the sum inf (3e38 - 1.5 * 3e38 is -1.5e38)."""
-    def runs(classes: dict[str, type[torch.optim.Optimizer]]) -> list[torch.Tensor]:
-        sgd = [nn.Parameter(torch.tensor([0.0])), nn.Parameter(torch.tensor([3e38]))]
-        sgd[0].grad, sgd[1].grad = torch.tensor([1e-45]), torch.tensor([3e38])
-        classes["SGD"]([{"params": sgd[:1], "lr": 0.1}, {"params": sgd[1:], "lr": 1.5}]).step()
-        adam = nn.Parameter(torch.tensor([0.0]))
-        adam.grad = torch.tensor([-1e-45])
-        opt = classes["Adam"]([adam])
-        opt.step()
-        return [*sgd, opt.state[adam]["exp_avg"]]
-
-    got = runs({"SGD": rp.SGD, "Adam": rp.Adam})
-    ref = runs({"SGD": torch.optim.SGD, "Adam": torch.optim.Adam})
+    ref = lone_product_results({"SGD": torch.optim.SGD, "Adam": torch.optim.Adam})
     assert ref[0].signbit().item() and ref[1].isfinite().item() and ref[2].signbit().item(), (
         f"torch's results {[r.item() for r in ref]} are not the -0.0, finite, -0.0 this test is about")
-    for what, a, e in zip(["SGD 0 - 0.1 * 1e-45", "SGD 3e38 - 1.5 * 3e38", "Adam exp_avg"], got, ref):
-        assert torch.equal(a.detach().view(torch.int32), e.detach().view(torch.int32)), (
-            f"{what}: {a.item()!r} (bits {a.detach().view(torch.int32).item():#x}), torch's {e.item()!r}")
+    assert_lone_products_are_torchs(ref)
+
+
+# On x86 CPUs without AVX2 and FMA, torch's baseline kernels round the product
+# of add(alpha=), addcmul and lerp on its own, and so does reprop there, where
+# a fused multiply-add would be a software fmaf call per element. torch's are
+# forced by ATEN_CPU_CAPABILITY=default, reprop's by its test hook
+# REPROP_TEST_UNFUSED_MADD=1; both are read once, so the checks run in a fresh
+# interpreter, through this module's functions.
+PLAIN_ROUNDING_ENV = {"ATEN_CPU_CAPABILITY": "default", "REPROP_TEST_UNFUSED_MADD": "1"}
+X86_ONLY = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                              reason="torch's baseline kernels fuse multiply-adds off x86")
+
+
+def run_with_plain_rounding(statements: str) -> None:
+    script = "\n".join([
+        "import sys, torch",
+        "assert torch.backends.cpu.get_cpu_capability() == 'DEFAULT'",
+        f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})",
+        "import test_optim as t",
+        statements,
+    ])
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, **PLAIN_ROUNDING_ENV},
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@X86_ONLY
+def test_plain_rounding_is_torchs_baseline_bitwise() -> None:
+    """With the products rounded apart, what torch computes with add(alpha=),
+    lerp, mul and addcmul alone is its baseline kernels' bit for bit, as the
+    fused rounding is its AVX2 kernels' (the tests above, in this process)."""
+    run_with_plain_rounding("\n".join([
+        "for name in t.MUL_ADDCMUL_STATE:",
+        "    t.test_mul_addcmul_state_is_torchs_bitwise(name)",
+        "for case in t.ADD_LERP_RESULTS:",
+        "    t.test_add_alpha_and_lerp_results_are_torchs_bitwise(*case)",
+        "t.assert_lone_products_are_torchs(",
+        "    t.lone_product_results({'SGD': torch.optim.SGD, 'Adam': torch.optim.Adam}))",
+    ]))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -1586,24 +1639,49 @@ def test_nonfinite_gradients_propagate_like_torch(name: str, options: str) -> No
     assert_runs_close(got, ref, OPEN_LOOP_TOL)
 
 
-@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
-@pytest.mark.parametrize("torch_foreach", [False, True], ids=["torch_for_loop", "torch_foreach"])
-@pytest.mark.parametrize("options", [{}, {"momentum": 0.9}, {"eps": 0.0}], ids=["plain", "momentum", "eps0"])
-def test_rmsprop_centered_stays_finite_where_square_avg_overflows(options: dict,
-                                                                   torch_foreach: bool) -> None:
-    """Gradients beyond ~1.8e21 overflow square_avg to inf. torch's
-    square_avg - grad_avg^2 (one addcmul) is then inf, its square root inf and
-    the update 0; grad_avg^2 rounded on its own overflows too, and inf - inf
-    would make the parameter and the momentum buffer NaN."""
+RMSPROP_OVERFLOW_OPTIONS = {"plain": {}, "momentum": {"momentum": 0.9}, "eps0": {"eps": 0.0}}
+
+
+def rmsprop_centered_overflow_runs(options: dict, torch_foreach: bool) -> tuple[Run, Run]:
+    """reprop's and torch's centered RMSprop where gradients beyond ~1.8e21
+    overflow square_avg to inf (vector body and scalar tail)."""
     shapes = [(37,)]
     init, grads = make_params(shapes, seed=16), grad_sequence(shapes, 3)
-    for step in grads[:2]:  # vector body and scalar tail; finite gradients after
+    for step in grads[:2]:  # finite gradients after
         step[0][[0, 20, 33, 36]] = torch.tensor([1e22, -1e22, 3e21, -1e30])
     opts = {"lr": 1e-2, "centered": True, **options}
     got = run_open_loop(factory(rp.RMSprop, **opts), init, grads)
     ref = run_open_loop(factory(torch.optim.RMSprop, foreach=torch_foreach, **opts), init, grads)
+    return got, ref
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+@pytest.mark.parametrize("torch_foreach", [False, True], ids=["torch_for_loop", "torch_foreach"])
+@pytest.mark.parametrize("options", list(RMSPROP_OVERFLOW_OPTIONS))
+def test_rmsprop_centered_stays_finite_where_square_avg_overflows(options: str,
+                                                                   torch_foreach: bool) -> None:
+    """Once square_avg is inf, torch's square_avg - grad_avg^2 (one addcmul)
+    is inf, its square root inf and the update 0; grad_avg^2 rounded on its
+    own overflows too, and inf - inf would make the parameter and the momentum
+    buffer NaN."""
+    got, ref = rmsprop_centered_overflow_runs(RMSPROP_OVERFLOW_OPTIONS[options], torch_foreach)
     assert ref.params[0].isfinite().all(), "torch keeps these parameters finite"
     assert_runs_close(got, ref, STEP_TOL)
+
+
+def assert_rmsprop_centered_overflow_is_nan_as_torchs() -> None:
+    for options, torch_foreach in itertools.product(RMSPROP_OVERFLOW_OPTIONS.values(), [False, True]):
+        got, ref = rmsprop_centered_overflow_runs(options, torch_foreach)
+        assert ref.params[0].isnan().any(), f"torch's baseline kernels give no NaN with {options}"
+        assert_runs_close(got, ref, STEP_TOL)
+
+
+@X86_ONLY
+def test_plain_rounding_gives_centered_rmsprop_torchs_baseline_nan() -> None:
+    """With the products rounded apart, as in torch's baseline kernels,
+    grad_avg^2 overflows on its own once square_avg is inf: inf - inf makes
+    the parameters NaN in both."""
+    run_with_plain_rounding("t.assert_rmsprop_centered_overflow_is_nan_as_torchs()")
 
 
 # ---------------------------------------------------------------------------
