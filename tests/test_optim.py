@@ -531,14 +531,20 @@ MUL_ADDCMUL_STATE = {
 def test_mul_addcmul_state_is_torchs_bitwise(name: str) -> None:
     """The same ops on the same inputs give the same bits: addcmul rounds once."""
     options, keys = MUL_ADDCMUL_STATE[name]
+    assert_keys_are_torchs_bitwise(name, options, keys, seed=4)
+
+
+def assert_keys_are_torchs_bitwise(name: str, options: dict, keys: list, seed: int) -> None:
+    """3 steps of reprop's and torch's `name` over sizes 1 to 40: each of
+    `keys` (a state key, or "param") equal bit for bit."""
     shapes = [(n,) for n in range(1, 41)]
-    init, grads = make_params(shapes, seed=4), grad_sequence(shapes, 3)
+    init, grads = make_params(shapes, seed=seed), grad_sequence(shapes, 3)
     got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
     ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
     for pg, pr in zip(got.params, ref.params):
         for key in keys:
-            assert torch.equal(got.opt.state[pg][key], ref.opt.state[pr][key]), (
-                f"{name} state[{key!r}] of {tuple(pr.shape)} differs from torch's")
+            a, e = (pg, pr) if key == "param" else (got.opt.state[pg][key], ref.opt.state[pr][key])
+            assert torch.equal(a, e), f"{name} {key} of {tuple(pr.shape)} differs from torch's"
 
 
 # What torch computes with add(alpha=), lerp, mul and addcmul alone: SGD's
@@ -561,14 +567,7 @@ ADD_LERP_RESULTS = [
 def test_add_alpha_and_lerp_results_are_torchs_bitwise(name: str, options: dict, keys: list) -> None:
     """The same ops on the same inputs give the same bits: add(alpha=) and
     lerp round once."""
-    shapes = [(n,) for n in range(1, 41)]
-    init, grads = make_params(shapes, seed=5), grad_sequence(shapes, 3)
-    got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
-    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
-    for pg, pr in zip(got.params, ref.params):
-        for key in keys:
-            a, e = (pg, pr) if key == "param" else (got.opt.state[pg][key], ref.opt.state[pr][key])
-            assert torch.equal(a, e), f"{name} {key} of {tuple(pr.shape)} differs from torch's"
+    assert_keys_are_torchs_bitwise(name, options, keys, seed=5)
 
 
 LONE_PRODUCTS = ["SGD 0 - 0.1 * 1e-45", "SGD 3e38 - 1.5 * 3e38", "Adam exp_avg"]
