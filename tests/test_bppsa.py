@@ -739,6 +739,22 @@ def test_what_the_scan_cannot_carry_runs_torch_own(kind):
     assert out.is_meta and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
 
 
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_modules_a_transform_closes_over_run_torch_own(kind):
+    """torch.func.grad or vmap of a function calling a module (and input) it
+    closes over, so wraps none of its tensors: torch's recurrence runs, as
+    nn's module gives (before: the scan's autograd.Function met functorch's
+    refusal, no setup_context)."""
+    torch.manual_seed(0)
+    ref = nn.GRU(3, 4) if kind == "gru" else nn.RNN(3, 4)
+    ours = (bppsa.GRU if kind == "gru" else bppsa.RNN)(3, 4)
+    ours.load_state_dict(ref.state_dict())
+    x, v, r = torch.randn(5, 2, 3), torch.randn(5, 2, 4), torch.randn(3)
+    for transform in (lambda m: torch.func.grad(lambda v: (m(x)[0] * v).sum())(v),
+                      lambda m: torch.vmap(lambda r: m(x)[0].sum() * r)(r)):
+        torch.testing.assert_close(transform(ours), transform(ref), rtol=0, atol=0)
+
+
 class _Doubled(nn.Module):
     """A parametrization: the weight read is twice the stored original."""
 

@@ -156,6 +156,10 @@ def torch_only_weight(p) -> bool:
     return p is not None and type(p) is not torch.nn.Parameter and torch_only(p)
 
 
+# Whether a torch.func transform (grad, vmap, jvp, ...) is active: then even a
+# tensor it does not wrap (a closure's) must not meet a custom autograd.Function
+# without setup_context, which functorch refuses where torch's ops run
+transform_active = torch._C._are_functorch_transforms_active
 _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 # the gradients autograd.grad(is_grads_batched=True) hands a backward (no storage)
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor

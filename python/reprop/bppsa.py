@@ -41,7 +41,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._native import _C, _cuda
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
                        dispatch_mode_active, hook_owner, is_count, show_coming_writes,
-                       torch_only, torch_only_weight)
+                       torch_only, torch_only_weight, transform_active)
 from .fusion import FusionHandle
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -639,10 +639,14 @@ class _ScanRNNBase:
     def _needs_torch_own(self, input, hx, weights: list) -> bool:
         """Whether a tensor of the call is one the scan cannot carry (functorch
         transforms, forward-AD duals, meta, subclasses such as FakeTensor,
-        jit.trace): torch's own recurrence, which differentiates them all.
-        `weights` are those the layers would use (_weights_now): a
-        parametrized weight is computed from what functional_call swapped
-        in, and is a transform's tensor or a dual when that is."""
+        jit.trace), or any while a torch.func transform is active (a module
+        or input it closes over, which it does not wrap): torch's own
+        recurrence, which differentiates them all. `weights` are those the
+        layers would use (_weights_now): a parametrized weight is computed
+        from what functional_call swapped in, and is a transform's tensor or
+        a dual when that is."""
+        if transform_active():
+            return True
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
             return True

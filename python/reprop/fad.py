@@ -1140,7 +1140,7 @@ def _torch_runs(x: torch.Tensor) -> bool:
     or any x while a torch.func transform is active: one it does not wrap
     (a closure's tensor that requires grad) would meet its refusal of an
     autograd.Function without setup_context, where torch's ops work."""
-    return torch._C._are_functorch_transforms_active() or _tensors.torch_only(x) or x.is_neg()
+    return _tensors.transform_active() or _tensors.torch_only(x) or x.is_neg()
 
 
 def _kernel_input(x) -> bool:

@@ -55,7 +55,7 @@ from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
                        non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
-                       suggest_memory_format, torch_only, torch_only_weight, weak_hook,
+                       suggest_memory_format, torch_only, torch_only_weight, transform_active, weak_hook,
                        without_grad)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
@@ -1471,7 +1471,7 @@ def _make_forward(site: _Site):
             site.index = handle._next_index
             handle._next_index += 1
         x = kind.prepare(module, x)
-        if torch._C._are_functorch_transforms_active():
+        if transform_active():
             return _Split.apply(site, x, *params)
         return _apply_split(site, x, *params)
 
