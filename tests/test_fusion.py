@@ -38,6 +38,7 @@ import math
 import subprocess
 import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -3311,6 +3312,33 @@ def test_forward_mode_copies_carry_no_method_of_the_original(which: str) -> None
     torch.testing.assert_close(copy.deepcopy(m)(x), m(x), rtol=0, atol=0)
     handle.remove()
     assert not any(set(_FLUSHING_NAMES) & set(vars(m)) for m in model.modules())
+
+
+def test_forward_mode_deepcopy_keeps_a_modules_own_override_its_own() -> None:
+    """A parametrized module with a zero_grad of its own (an instance
+    method, set before fuse()): its deep copy gets that override bound to
+    the copy, as eager's deepcopy gives it (before: bound to the original,
+    so the copy's zero_grad() cleared the original's gradients)."""
+    model, handle = _stepped_forward_fused_mlp()
+
+    def own_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        nn.Module.zero_grad(module, set_to_none)
+
+    handle.remove()
+    model[0].zero_grad = types.MethodType(own_zero_grad, model[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    twin = copy.deepcopy(model)
+    assert twin[0].zero_grad.__self__ is twin[0]
+    original = model[0].parametrizations.weight.original
+    original.grad = torch.ones_like(original)
+    twin[0].zero_grad()
+    assert original.grad is not None
+    handle.remove()
+    assert model[0].zero_grad.__func__ is own_zero_grad
 
 
 # ---------------------------------------------------------------------------

@@ -185,7 +185,7 @@ def _flushing_deepcopy(module: nn.Module, memo: dict):
         _uninstall_flushing(module, "__deepcopy__")
         return copy.deepcopy(module, memo)
     replica = type(module).__deepcopy__(module, memo)
-    replica.__dict__ = _without_flushing(module, replica.__dict__)
+    replica.__dict__ = _without_flushing(module, replica.__dict__, memo)
     return replica
 
 
@@ -194,16 +194,20 @@ def _flush_pending(module: nn.Module) -> None:
         handle.flush()
 
 
-def _without_flushing(module: nn.Module, state: dict) -> dict:
+def _without_flushing(module: nn.Module, state: dict, memo: dict | None = None) -> dict:
     """`state`, the __dict__ a copy of `module` gets, without the methods
     _FLUSHING installed on `module` (bound to it, or rebound to the copy by
     a deepcopy), and with what they replaced: a copy has no fusion, and
     such a method bound to the original would copy, convert or flush the
-    original in the copy's place."""
+    original in the copy's place. With a deepcopy's `memo` (state copied
+    already), what they replaced is deep-copied too, as the copy of
+    `module`'s own state would have it (a method of its own bound to it
+    rebound to the copy); without, the caller copies `state` next."""
     saved = _FLUSH_BEFORE.get(module, ({}, None))[0]
     state = {k: v for k, v in state.items()
              if not (isinstance(v, types.MethodType) and v.__func__ is _FLUSHING.get(k))}
-    state.update((name, own) for name, own in saved.items() if own is not _MISSING)
+    state.update((name, own if memo is None else copy.deepcopy(own, memo))
+                 for name, own in saved.items() if own is not _MISSING)
     return state
 
 
