@@ -189,7 +189,8 @@ def _decode_table(act: _Act, device: torch.device) -> torch.Tensor:
 
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
-    if _torch_runs(grad):  # batched by vmap (is_grads_batched, jacobian(vectorize=True))
+    # batched by vmap (is_grads_batched, jacobian(vectorize=True)), or any while a transform is active
+    if _torch_runs(grad):
         decoded = _decode_table(act, grad.device)[codes.long()]
         return (grad.float() * decoded).to(grad.dtype)
     if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
