@@ -2242,16 +2242,8 @@ def test_clip_grad_norm_as_numpy_scalar_or_tensor_trains_as_the_float() -> None:
     tensor train as the float (1e-3: below every step's gradient norm)."""
     runs = {}
     for max_norm in (1e-3, np.float64(1e-3), np.array(1e-3), torch.tensor([1e-3], dtype=torch.float64)):
-        model = _mlp()
-        opt = rp.SGD(model.parameters(), lr=0.1)
-        handle = reprop.fuse(model, opt, mode="forward", clip_grad_norm=max_norm)
-        for i in range(3):
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        handle.remove()
-        runs[type(max_norm).__name__] = (model, opt)
+        runs[type(max_norm).__name__] = _mlp_loop("forward", lambda m: rp.SGD(m.parameters(), lr=0.1), 3,
+                                                  fuse_options={"clip_grad_norm": max_norm})
     for kind in ("float64", "ndarray", "Tensor"):
         _assert_same_training(runs[kind], runs["float"])
 
@@ -2388,15 +2380,15 @@ def _mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | None = None,
               after_step: dict | None = None, before_step: dict | None = None,
-              set_to_none: bool = True,
-              make_model: Callable[[], nn.Module] = _mlp) -> tuple[nn.Module, torch.optim.Optimizer]:
+              set_to_none: bool = True, make_model: Callable[[], nn.Module] = _mlp,
+              fuse_options: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
-    None) or fused; events[i] (model, opt) runs before step i's forward,
+    None) or fused (with fuse_options); events[i] (model, opt) runs before step i's forward,
     before_step[i] between its backward and step(), after_step[i] right after
     its step() (forward mode: with the updates pending)."""
     model = make_model()
     opt = make_opt(model)
-    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    handle = reprop.fuse(model, opt, mode=mode, **(fuse_options or {})) if mode else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(steps):
