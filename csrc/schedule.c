@@ -710,8 +710,9 @@ static void rp_iter_sizes(const rp_iter_builder *b, int64_t *n_tasks, int64_t *n
     const int64_t I = b->s->iterations, LM = rp_sched_mul(b->L, b->M);
     /* per iteration: F(l > 0) one each; every dO and dW one; S(l) M */
     int64_t per = rp_sched_mul(b->M, (b->L - 1) + (b->B - b->L) + b->L + (b->sync ? b->L : 0));
-    /* from the second iteration: F(l, m) waits on S(l), or on every dW(l, .) */
-    int64_t upd = b->sync ? LM : rp_sched_mul(LM, b->M);
+    /* from the second iteration: F(l, m) waits on S(l), or on every dW(l, .);
+       none with one iteration, where L M^2 may be past the cap but unused */
+    int64_t upd = I < 2 ? 0 : b->sync ? LM : rp_sched_mul(LM, b->M);
     int64_t deps = -1, a = rp_sched_mul(I, per), c = rp_sched_mul(I - 1, upd);
     if (a >= 0 && c >= 0 && a + c <= RP_SCHED_MAX_ITEMS)
         deps = a + c;

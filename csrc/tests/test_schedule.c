@@ -1099,6 +1099,13 @@ static void test_builder_errors(void)
         s = ok, s.layers = 1 << 20, s.micro = 1 << 20, s.iterations = 2;
         s.fwd = s.out_grad = s.weight_grad = big;
         expect(rp_iter_graph_size(&s, &nt, &nd, &nr, &err), err.msg, "too large", "too large");
+        /* one iteration has no cross-iteration deps, whose L M^2 (here 2^40 + ...)
+           is past the cap: 2 M + 2 tasks, M deps */
+        s = ok, s.layers = 1, s.micro = (1 << 20) + 1, s.iterations = 1, s.sync = NULL;
+        s.fwd = s.out_grad = s.weight_grad = big, s.stage = NULL, s.stages = 1;
+        CHECK(rp_iter_graph_size(&s, &nt, &nd, &nr, &err) == RP_OK, "%s", err.msg);
+        CHECK(nt == 2 * s.micro && nd == s.micro, "one iteration: %lld tasks, %lld deps",
+              (long long)nt, (long long)nd);
         free(big);
     }
     /* build into a graph of the wrong size, or with a NULL array */

@@ -1902,8 +1902,9 @@ def _check_simulated_k(k, layers: int, order: str) -> None:
 
 @dataclass
 class SimResult:
-    """What ``simulate`` found. ``order[d]`` lists device d's tasks as run:
-    (kind, layer, micro-batch, iteration) with kind in F, dO, dW, S."""
+    """What ``simulate`` found. ``order[d]`` lists device d's computed tasks
+    as run: (kind, layer, micro-batch, iteration) with kind in F, dO, dW (the
+    all-reduces, S, run on the link and are not listed)."""
 
     makespan: float
     period: float | None  # time per iteration in steady state (iterations >= 2)
