@@ -31,6 +31,7 @@
 #pragma GCC optimize("no-trapping-math", "no-tree-pre")
 #endif
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,6 +57,9 @@
 /* Smallest grid step, so that inv_step stays finite for degenerate ranges
  * (e.g. ELU with alpha ~ 1e-40); the decoding error is then below 2^-103. */
 #define RP_FAD_MIN_STEP 0x1p-102
+/* A two-valued derivative {0, v} has step |v| whenever 1 / |v| is a float:
+ * every normal v; a subnormal v decodes to 0 or this step, the nearer. */
+#define RP_FAD_MIN_TWO_VALUED_STEP FLT_MIN
 
 /* Range [lo, hi] of f' over all x, in double. The extremes of the smooth
  * parameter-free activations were found once offline with mpmath (at
@@ -136,13 +140,17 @@ static float rp_fad_exact_value(int kind)
     }
 }
 
-/* Rounds a positive step up to 16 significant bits, so that every grid value
- * (c - zero_code) * step (an 8-bit integer times it) is exact in float. */
-static double rp_fad_round_step(double step)
+/* Rounds a positive step to 16 significant bits, so that every grid value
+ * (c - zero_code) * step (an 8-bit integer times it) is exact in float: up,
+ * unless that takes the step past `limit` (a grid end near FLT_MAX, ELU's
+ * |alpha| ~ 3.4e38, would decode as inf); down then, which moves the far end
+ * by under 2^-16 of it, far less than half a step. */
+static double rp_fad_round_step(double step, double limit)
 {
     int e;
     double m = frexp(step, &e); /* step = m 2^e, m in [0.5, 1) */
-    return ldexp(ceil(ldexp(m, 16)), e - 16);
+    double up = ldexp(ceil(ldexp(m, 16)), e - 16);
+    return up <= limit ? up : ldexp(floor(ldexp(m, 16)), e - 16);
 }
 
 /* Grid of GRID points over [lo, hi] (lo <= 0 <= hi) with 0 on a point. */
@@ -153,9 +161,9 @@ static void rp_fad_grid(double lo, double hi, int *zero_code, double *step)
     int z;
     double s;
     if (lo < 0.0)
-        lo -= RP_FAD_MARGIN * span;
+        lo = fmax(lo - RP_FAD_MARGIN * span, -FLT_MAX);
     if (hi > 0.0)
-        hi += RP_FAD_MARGIN * span;
+        hi = fmin(hi + RP_FAD_MARGIN * span, FLT_MAX);
     /* the range holds 0; when it is only 0 (ELU with alpha = 0), -lo / (hi - lo)
      * is 0 / 0, and converting its NaN to int is undefined behaviour */
     z = hi > lo ? (int)floor(-lo / (hi - lo) * n + 0.5) : 0;
@@ -168,7 +176,7 @@ static void rp_fad_grid(double lo, double hi, int *zero_code, double *step)
         s = hi / (n - z);
     s = s < RP_FAD_MIN_STEP ? RP_FAD_MIN_STEP : s;
     *zero_code = z;
-    *step = rp_fad_round_step(s);
+    *step = rp_fad_round_step(s, FLT_MAX / (z > n - z ? z : n - z));
 }
 
 int rp_fad_codebook_init(int kind, float p0, float p1, rp_fad_codebook *cb, rp_error *err)
@@ -185,7 +193,7 @@ int rp_fad_codebook_init(int kind, float p0, float p1, rp_fad_codebook *cb, rp_e
         lo = v < 0.0f ? (double)v : 0.0;
         hi = v > 0.0f ? (double)v : 0.0;
         zero_code = v < 0.0f ? 1 : 0;
-        fstep = fabsf(v) < (float)RP_FAD_MIN_STEP ? (float)RP_FAD_MIN_STEP : fabsf(v);
+        fstep = fabsf(v) < RP_FAD_MIN_TWO_VALUED_STEP ? RP_FAD_MIN_TWO_VALUED_STEP : fabsf(v);
     } else {
         rp_fad_deriv_range(kind, p0, &lo, &hi);
         rp_fad_grid(lo, hi, &zero_code, &step);

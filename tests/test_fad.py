@@ -438,11 +438,13 @@ def test_codebook_defaults_are_the_functions():
 
 
 @pytest.mark.parametrize("name,params", [("leaky_relu", ()), ("leaky_relu", (-0.3,)),
-                                         ("leaky_relu", (1e-35,)), ("hardsigmoid", ())])
+                                         ("leaky_relu", (1e-31,)), ("leaky_relu", (-1e-35,)),
+                                         ("leaky_relu", (1e-40,)), ("hardsigmoid", ())])
 def test_codebook_two_valued_max_error(name, params):
     """LeakyReLU and Hardsigmoid store their two derivative values exactly
-    (max_error 0) unless the slope is below the smallest grid step, and
-    max_error is then the error the gradients show."""
+    (max_error 0) unless the slope is subnormal, and max_error is then the
+    error the gradients show. A slope below 2^-102 (1e-31, 1e-35) decoded
+    to 2^-102 or 0."""
     x = torch.cat([torch.linspace(-6, 6, 2001), torch.tensor([0.0, -0.0, 3.0, -3.0])])
     cb = fad.codebook(name, *params)
     leaf, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -450,7 +452,22 @@ def test_codebook_two_valued_max_error(name, params):
     getattr(F, name)(ref, *params).sum().backward()
     err = (leaf.grad.double() - ref.grad.double()).abs().max().item()
     assert err == pytest.approx(cb.max_error, rel=1e-6, abs=0)
-    assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-30 else pytest.approx(1e-35))
+    assert cb.max_error == (0.0 if not params or abs(params[0]) > 1e-38 else pytest.approx(1e-40))
+
+
+@pytest.mark.parametrize("alpha", [3.4e38, -3.4e38, 3.4028234e38])
+def test_codebook_of_an_alpha_near_float_max(alpha):
+    """ELU's derivative reaches alpha at x = -0: with |alpha| near FLT_MAX the
+    widened, rounded-up grid ended past it and decoded inf (torch: alpha).
+    The grid now stays finite, and the gradients within max_error."""
+    cb = fad.codebook("elu", alpha)
+    assert np.isfinite(cb.values[:254]).all() and np.isfinite(cb.step)
+    assert cb.max_error == cb.step / 2
+    x = torch.tensor([-0.0, -1e-7, -1.0, -30.0])
+    leaf, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+    fad.elu(leaf, alpha, saved_dtype=torch.uint8).sum().backward()
+    F.elu(ref, alpha).sum().backward()
+    assert (leaf.grad.double() - ref.grad.double()).abs().max() <= cb.max_error
 
 
 @pytest.mark.parametrize("alpha", [-0.5, -2.0])

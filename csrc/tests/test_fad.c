@@ -10,6 +10,7 @@
  * bound, exact zero and exact codes), in-place calls, error statuses, and
  * OpenMP results equal to a single thread's bit for bit.
  */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -430,6 +431,53 @@ static void test_codebook(void)
     free(codes);
 }
 
+/* Parameters at float32's ends: a LeakyReLU slope down to FLT_MIN still
+ * decodes exactly (its step was 2^-102 below that), and an ELU alpha near
+ * FLT_MAX keeps every grid value finite (the widened, rounded-up grid ended
+ * past it, and d = alpha at x = -0 decoded as inf). */
+static void test_codebook_extremes(void)
+{
+    static const kind_case cases[] = {
+        {RP_FAD_LEAKY_RELU, 1e-31f, 0}, {RP_FAD_LEAKY_RELU, -1e-31f, 0},
+        {RP_FAD_LEAKY_RELU, FLT_MIN, 0}, {RP_FAD_LEAKY_RELU, 3e38f, 0},
+        {RP_FAD_ELU, 3.4e38f, 0},        {RP_FAD_ELU, -3.4e38f, 0},
+        {RP_FAD_ELU, FLT_MAX, 0},        {RP_FAD_ELU, -FLT_MAX, 0},
+    };
+    const float xs[] = {-0.0f, -1e-7f, -1.0f, -30.0f};
+    rp_fad_codebook cb;
+    rp_error err;
+    size_t c, i;
+    int code;
+    for (c = 0; c < sizeof cases / sizeof *cases; c++) {
+        const kind_case *k = &cases[c];
+        float step;
+        CHECK(rp_fad_codebook_init(k->kind, k->p0, k->p1, &cb, &err) == RP_OK, "%s", err.msg);
+        /* read beside zero_code on the grid's side (code 254 is the exact slope) */
+        step = cb.zero_code > 0 ? cb.value[cb.zero_code] - cb.value[cb.zero_code - 1]
+                                : cb.value[1] - cb.value[0];
+        /* a two-valued grid produces only the codes zero_code, zero_code +- 1 */
+        for (code = 0; code < RP_FAD_CODE_GRID && k->kind != RP_FAD_LEAKY_RELU; code++)
+            CHECK(isfinite(cb.value[code]), "kind %d p0 %g: code %d decodes to %g", k->kind,
+                  (double)k->p0, code, (double)cb.value[code]);
+        /* the ends of +-FLT_MAX are just off the grid (its step has 16 bits) */
+        CHECK(cb.value[0] - cb.lo <= 0.5f * step &&
+                  cb.hi - cb.value[RP_FAD_CODE_GRID - 1] <= 0.5f * step,
+              "kind %d p0 %g: grid misses [%g, %g]", k->kind, (double)k->p0, (double)cb.lo,
+              (double)cb.hi);
+        for (i = 0; i < sizeof xs / sizeof *xs; i++) {
+            float y, d, v;
+            rp_fad_eval(k->kind, k->p0, k->p1, xs[i], &y, &d);
+            v = cb.value[rp_fad_encode(k->kind, k->p0, k->p1, xs[i], d, cb.inv_step,
+                                       cb.zero_code)];
+            if (k->kind == RP_FAD_LEAKY_RELU)
+                CHECK(v == d, "slope %g: %g decodes to %g", (double)k->p0, (double)d, (double)v);
+            else
+                CHECK(fabsf(v - d) <= 0.5f * step, "alpha %g: %g decodes to %g (step %g)",
+                      (double)k->p0, (double)d, (double)v, (double)step);
+        }
+    }
+}
+
 static void test_backward_code8(void)
 {
     const int64_t n = 3 * 16384 + 77;
@@ -527,6 +575,7 @@ int main(void)
     test_forward_in_place();
     test_forward_threads();
     test_codebook();
+    test_codebook_extremes();
     test_backward_code8();
     test_errors();
     if (failures) {
