@@ -1004,7 +1004,8 @@ static int rp_csr_plan_products(rp_csr_plan *p, int want, int64_t max_pairs, con
         best = rp_csr_cost(p, 0, 1, m, NULL);
     for (int d = 0; d < upto; d++) {
         const double room = (best - below - 2 * m->level_cost) * W;
-        const int64_t budget = want >= 0 ? -1 : room < 1.0 ? 0 : room > 9e18 ? INT64_MAX : (int64_t)room;
+        /* a NaN room (a NaN or inf - inf machine cost) is no room, never a cast */
+        const int64_t budget = want >= 0 ? -1 : !(room >= 1.0) ? 0 : room > 9e18 ? INT64_MAX : (int64_t)room;
         if (rp_csr_plan_level(p, d, max_pairs, budget) != 0) {
             rp_csr_drop_levels(p, d);
             break;
@@ -1334,12 +1335,24 @@ static void rp_program_phase(void *ctx, int mark)
         rp_emit_phase_end(e);
 }
 
+/* Takes n floats of an address space; 0 past the 2^31 a program addresses,
+ * tested before the add: layers of 2^62 columns or values would wrap int64. */
+static int rp_csr_take(int64_t *space, int64_t n)
+{
+    const int64_t cap = (int64_t)~RP_CSR_SHARED;
+    if (n > cap - *space)
+        return 0;
+    *space += n;
+    return 1;
+}
+
 /* Addresses: shared = [1, shared leaves, shared products]; per sequence =
  * [per-sequence leaves, a vector per slot, two spare vectors, per-sequence
  * products]. Products of levels not run get none. */
 static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
 {
     int64_t seq = 0, shared = 1;
+    int fits = 1;
     p->max_vec = 1;
     for (int64_t s = 1; s <= p->nslots; s++)
         p->max_vec = rp_csr_prefix_len_of(p, s) > p->max_vec ? rp_csr_prefix_len_of(p, s) : p->max_vec;
@@ -1348,15 +1361,16 @@ static int rp_csr_layout(rp_csr_plan *p, rp_error *err)
         if (m->level >= 0)
             m->shared = p->mats[m->a].shared && p->mats[m->b].shared, m->nvalues = m->nnz;
         if (m->shared) /* past 2^31 the addresses wrap, but the plan is refused below */
-            m->addr = (uint32_t)shared | RP_CSR_SHARED, shared += m->nvalues;
+            m->addr = (uint32_t)shared | RP_CSR_SHARED, fits &= rp_csr_take(&shared, m->nvalues);
         else
-            m->addr = (uint32_t)seq, seq += m->nvalues;
+            m->addr = (uint32_t)seq, fits &= rp_csr_take(&seq, m->nvalues);
         if (i == p->n - 1) { /* the vectors go between the leaves and the products */
             p->vec0 = (uint32_t)seq;
-            seq += (p->nslots + 3) * p->max_vec;
+            fits &= p->max_vec <= (int64_t)~RP_CSR_SHARED / (p->nslots + 3) &&
+                    rp_csr_take(&seq, (p->nslots + 3) * p->max_vec);
         }
     }
-    if (seq > (int64_t)~RP_CSR_SHARED || shared > (int64_t)~RP_CSR_SHARED)
+    if (!fits)
         return rp_set_error(err, RP_EINVAL,
                             "csr plan: the scan needs more than the 2^31 floats a program addresses "
                             "(per sequence or shared); plan fewer levels or set max_pairs");

@@ -602,7 +602,26 @@ static void test_csr_errors(void)
     rp_csr_pattern e = {2, 4, 2, back, four, 0, NULL, 0};
     CHECK(rp_csr_plan_create(1, &e, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "indptr"),
           "decreasing indptr: %s", err.msg);
+    /* address spaces past 2^31 floats are refused, also where the sizes would
+     * wrap int64 first (2^62 columns; shared leaves of 2^62 values each) */
+    int32_t none[2] = {0, 0}, one[2] = {0, 1}, zero[1] = {0};
+    const int64_t huge = (int64_t)1 << 62;
+    rp_csr_pattern wide[2] = {{1, 1, 0, none, NULL, 0, NULL, 0}, {1, huge, 0, none, NULL, 0, NULL, 0}};
+    rp_csr_pattern big = {1, 1, 1, one, zero, 1, zero, huge}, bigs[4] = {big, big, big, big};
+    CHECK(rp_csr_plan_create(2, wide, 0, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "2^31"),
+          "2^62 columns: %s", err.msg);
+    for (int k = 2; k <= 4; k++)
+        CHECK(rp_csr_plan_create(k, bigs, 0, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "2^31"),
+              "%d leaves of 2^62 shared values: %s", k, err.msg);
     CHECK(plan == NULL, "no plan on error");
+    /* a NaN machine cost plans (the budget was a NaN cast to int64: UBSan) */
+    rp_csr_pattern units[3] = {big, big, big};
+    for (int k = 0; k < 3; k++)
+        units[k].values = 1;
+    const rp_scan_machine nan_cost = {4, NAN, 0};
+    CHECK(rp_csr_plan_create(3, units, -1, 0, &nan_cost, &plan, &err) == RP_OK, "NaN cost: %s", err.msg);
+    rp_csr_plan_free(plan);
+    plan = NULL;
     CHECK(rp_csr_plan_create(1, &a, -1, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
     float seq[64], shared[64];
     CHECK(rp_csr_run_cpu(rp_csr_plan_program(plan), -1, seq, shared, 1, &err) == RP_EINVAL &&
