@@ -155,9 +155,10 @@ int rp_omp_max_threads(void);
 /* CUDA update of n entries of one dtype on `stream` (a cudaStream_t), as few
  * launches as the kernel-argument tables allow. When `capturable` is 0,
  * `scalars` holds the per-entry host-computed values (see
- * rp_optim_advance_steps) and entry.step is host memory that the caller has
- * already advanced; when 1, `scalars` is NULL, entry.step is device memory
- * incremented on the stream, and hp->lr_ptr may point to a device lr.
+ * rp_optim_step_scalars) and entry.step is host memory, which the kernels do
+ * not read and the caller advances once the update is issued; when 1,
+ * `scalars` is NULL, entry.step is device memory incremented on the stream,
+ * and hp->lr_ptr may point to a device lr.
  * Defined in kernels/optim.cu; returns RP_ERUNTIME with the CUDA error text. */
 int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype, const rp_optim_entry *entries,
                        const rp_step_scalars *scalars, int64_t n, int capturable,

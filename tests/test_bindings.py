@@ -278,6 +278,37 @@ def test_jacobian_kind_is_the_whole_str():
 
 
 @pytest.mark.parametrize("module", ["_C", "_cuda"])
+@pytest.mark.parametrize("dtype", [7, 0])
+def test_a_refused_update_leaves_step_counters_and_fresh_flags(module, dtype):
+    """_cuda.optim_step advanced Adam's host step counter and cleared SGD's
+    fresh-buffer flag before the update was refused (an unknown dtype code)
+    or failed to launch (float32 with no device here): a retried step counted
+    twice, and SGD accumulated into a momentum buffer it never initialised.
+    The CPU binding refuses first; its float32 update runs and changes both."""
+    ext = getattr(reprop._native, module)
+    if ext is None or (module == "_cuda" and dtype == 0 and reprop._native.cuda_available()):
+        pytest.skip(f"reprop.{module} not built, or a device would run the update")
+    p, g, m, v, step = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4), torch.zeros(())
+    rows = {"adam": (1, [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0, step.data_ptr(), 4, 0],
+                     (0.1, 0.0, 1e-8, 0.9, 0.999) + (0.0,) * 5 + (False,) * 5),
+            "sgd": (0, [p.data_ptr(), g.data_ptr(), m.data_ptr(), 0, 0, 0, 4, 1],  # flags: fresh buffer
+                    (0.1, 0.0, 0.0, 0.0, 0.0, 0.9, 0.5, 0.0, 0.0, 0.0) + (False,) * 5)}
+    tables = {}
+    for name, (kind, row, hparams) in rows.items():
+        tables[name] = np.array([row], np.int64)
+        args = (kind, dtype, tables[name], hparams) + ((1,) if module == "_C" else (False, 0, 0))
+        if module == "_C" and dtype == 0:
+            ext.optim_step(*args)
+        else:
+            with pytest.raises((ValueError, RuntimeError)):
+                ext.optim_step(*args)
+    ran = module == "_C" and dtype == 0
+    assert step.item() == (1 if ran else 0)
+    assert tables["sgd"][0, 7] == (0 if ran else 1)
+    assert (p != 1).all() if ran else (p == 1).all()
+
+
+@pytest.mark.parametrize("module", ["_C", "_cuda"])
 def test_binding_docstrings_list_the_arguments_the_binding_takes(module):
     """scan's docstring (both extensions) listed 13 parameters where the
     binding takes 16, _cuda.optim_step's 6 where it takes 7 (lr_ptr)."""
