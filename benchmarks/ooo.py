@@ -442,19 +442,6 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def check_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float,
-                atol: float) -> str | None:
-    """None when every tensor of `got` is close to `want`'s, else why not."""
-    if set(got) != set(want):
-        return f"different tensors: {sorted(set(got) ^ set(want))[:5]}"
-    try:
-        for n in want:
-            torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
-    except AssertionError as exc:
-        return str(exc)
-    return None
-
-
 class DPCandidate:
     """One data-parallel candidate on this rank: a copy of the model, SGD with
     momentum, one full iteration on this rank's fixed batch. k None: torch's
@@ -523,7 +510,7 @@ def dp_job(rank: int, world: int, reps: int, warmup: int, search_iters: int) -> 
     stats = harness.measure_alternated({n: c.step for n, c in cands.items()}, torch.device("cpu"),
                                        warmup=warmup, reps=reps)
     ref = cands["DDP"].params()
-    equal = {n: check_close(c.params(), ref, PARAM_RTOL, PARAM_ATOL)
+    equal = {n: harness.check_close(c.params(), ref, PARAM_RTOL, PARAM_ATOL)
              for n, c in cands.items() if n != "DDP"}
     return {"model": DP_MODEL, "image": DP_IMAGE, "batch_per_rank": DP_BATCH, "ranks": world,
             "bucket_cap_mb": BUCKET_MB, "layers": layers, "k": {n: c.dp.k for n, c in cands.items()
@@ -622,9 +609,9 @@ def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
     ref = single_process_grads(x, t)
     return {"ranks": world, "cpus": os.cpu_count(), "layers": PIPE_LAYERS, "width": PIPE_WIDTH,
             "batch": PIPE_BATCH, "micro_batches": PIPE_MICRO,
-            "grad_mismatch_single": {n: check_close(gr, ref, GRAD_RTOL, GRAD_ATOL)
+            "grad_mismatch_single": {n: harness.check_close(gr, ref, GRAD_RTOL, GRAD_ATOL)
                                      for n, gr in grads.items()},
-            "grad_mismatch_gpipe": {n: check_close(gr, grads[baseline], GRAD_RTOL, GRAD_ATOL)
+            "grad_mismatch_gpipe": {n: harness.check_close(gr, grads[baseline], GRAD_RTOL, GRAD_ATOL)
                                     for n, gr in grads.items() if n != baseline},
             "max_abs_grad": max(float(v.abs().max()) for v in ref.values()),
             "simulated_speedup": simulated_pipeline_speedups(world),
