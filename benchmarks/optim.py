@@ -194,31 +194,43 @@ def make_candidate(factory: Callable[[list], torch.optim.Optimizer], init: list[
 
 
 def trained(factory: Callable[[list], torch.optim.Optimizer], init: list[torch.Tensor],
-            grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The parameters after CHECK_STEPS steps of ``factory``'s optimizer from copies of ``init``, by index."""
+            grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters after CHECK_STEPS steps of ``factory``'s optimizer from copies of ``init``."""
     params = copy_params(init, grads)
     opt = factory(params)
     for _ in range(CHECK_STEPS):
         opt.step()
-    return {f"param {i}": p.detach() for i, p in enumerate(params)}
+    return [p.detach() for p in params]
+
+
+def compare_updates(spec: OptimSpec, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                    init: dict[str, torch.Tensor], device: torch.device) -> str | None:
+    """None when the parameters ``got`` equal ``want`` (both stepped alike from ``init``; by name), else why not.
+
+    Bitwise where reprop is torch's bit for bit (spec.bitwise, on the CPU; on
+    CUDA torch's kernels are other code), else within CHECK_ULPS rounding
+    steps (see CHECK_ULPS). fusion.py checks its candidates by this rule too.
+    """
+    if spec.bitwise and device.type == "cpu":
+        return harness.check_close(got, want, rtol=0.0, atol=0.0)
+    step = CHECK_ULPS * torch.finfo(torch.float32).eps
+    atol = {n: step * float((w - init[n].to(w.device)).abs().max()) for n, w in want.items()}
+    return harness.check_close(got, want, rtol=step, atol=atol)
 
 
 def check_agreement(spec: OptimSpec, init: list[torch.Tensor], grads: list[torch.Tensor],
                     device: torch.device) -> str | None:
     """None when reprop's parameters equal torch foreach's after CHECK_STEPS steps at CHECK_LR, else why not.
 
-    A wrong or skipped update would also be "fast". Bitwise where reprop is
-    torch's bit for bit (spec.bitwise, on the CPU; on CUDA torch's kernels
-    are other code), else within CHECK_ULPS rounding steps (see CHECK_ULPS).
+    A wrong or skipped update would also be "fast".
     """
     factories = optimizer_factories(spec, with_reprop=True, lr=CHECK_LR)
-    want = trained(factories[FOREACH], init, grads)
-    got = trained(factories[REPROP], init, grads)
-    if spec.bitwise and device.type == "cpu":
-        return harness.check_close(got, want, rtol=0.0, atol=0.0)
-    step = CHECK_ULPS * torch.finfo(torch.float32).eps
-    atol = {n: step * float((w - i).abs().max()) for (n, w), i in zip(want.items(), init)}
-    return harness.check_close(got, want, rtol=step, atol=atol)
+
+    def by_name(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"param {i}": t for i, t in enumerate(tensors)}
+
+    return compare_updates(spec, by_name(trained(factories[REPROP], init, grads)),
+                           by_name(trained(factories[FOREACH], init, grads)), by_name(init), device)
 
 
 # ---------------------------------------------------------------------------
