@@ -132,3 +132,70 @@ def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
 def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
     report = fusion_report(optimizer, machine, capsys, monkeypatch)
     assert "bit for bit after 3 steps: ok" in report
+
+
+# ---------------------------------------------------------------------------
+# fad.py
+# ---------------------------------------------------------------------------
+
+import fad as fad_bench  # noqa: E402
+
+
+class NegatedDerivative(torch.autograd.Function):
+    """Wrong: f's value, -f'(x) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.save_for_backward(x)
+        ctx.module = module
+        return module(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (dx,) = torch.autograd.grad(ctx.module(x), x, g)
+        return -dx, None
+
+
+def negated(act: str):
+    """An activation factory: ``act``'s native module with a sign-flipped derivative."""
+    native = fad_bench.models.activation(act, "native")
+
+    class Negated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = native()
+
+        def forward(self, x):
+            return NegatedDerivative.apply(x, self.f)
+
+    return Negated
+
+
+def fad_report(model: str, act: str, names: list[str], machine: dict, capsys, monkeypatch) -> str:
+    """fad.py's printed report of the saved-bytes run (which takes the first steps) of a small case."""
+    activation = fad_bench.models.activation
+    monkeypatch.setattr(fad_bench.models, "activation",
+                        lambda a, variant: negated(a) if variant == "negated" else activation(a, variant))
+    monkeypatch.setitem(fad_bench.CANDIDATES, "negated", fad_bench.Candidate("negated", "negated"))
+    args = SimpleNamespace(device="cpu", batch=2, image_size=32, bert_layers=1, seq_len=16, amp=False,
+                           bytes_only=True, reps=1, warmup=0, mem_cap_gib=0)
+    result = fad_bench.run_case(fad_bench.Case(model, act), names, CPU, args)
+    capsys.readouterr()
+    fad_bench.print_report([result], [], [], names, machine, args)
+    return capsys.readouterr().out
+
+
+def test_fad_flags_a_sign_flipped_derivative(machine, capsys, monkeypatch):
+    # The old check compared the loss and the global gradient norm within 5%, which a negated
+    # derivative keeps here (the loss is the same).
+    report = fad_report("bert_base", "gelu_tanh", [fad_bench.NATIVE, "negated"], machine, capsys, monkeypatch)
+    assert "WARNING: bert_base gelu_tanh negated: first step" in report
+
+
+def test_fad_accepts_reprop(machine, capsys, monkeypatch):
+    names = [fad_bench.NATIVE, fad_bench.PATCH, fad_bench.PATCH_U8, fad_bench.COMPOSE_BF16]
+    report = fad_report("bert_base", "gelu_tanh", names, machine, capsys, monkeypatch)
+    assert "for bf16 and u8" in report and report.rstrip().endswith(": ok")
