@@ -78,8 +78,9 @@ least: native forward reads x and writes y (2 elements), its backward reads g
 and x and writes dx (3); reprop's forward reads x and writes y and d (3, d in
 its storage dtype), its backward reads g and d and writes dx (3). A copy probe
 of reprop's forward + backward traffic runs in the same alternation; "% copy" is
-a candidate's GB/s over the probe's. "grad err" is max |dx - dx_native| /
-max |dx_native|.
+a candidate's GB/s over the probe's. "x native" is torch native's ms over the
+candidate's, for the forward-only rows torch native fwd's. "grad err" is
+max |dx - dx_native| / max |dx_native|.
 
 Targets (printed PASS/FAIL, not asserted; timing targets are for CUDA, on CPU
 for information):
@@ -664,7 +665,10 @@ MICRO_CANDIDATES = (
     MicroCandidate("torch native fwd", False, lambda a: models.activation(a, "native")(), lambda es: 2 * es),
     MicroCandidate("reprop fwd", False, reprop_function, lambda es: 3 * es),
 )
-MICRO_REFERENCE = "torch native"
+# The "x native" reference of a micro row, by MicroCandidate.backward: forward + backward rows (and
+# the probe of reprop's forward + backward traffic) against native's forward + backward, forward-only
+# rows against native's forward alone.
+MICRO_REFERENCE = {True: "torch native", False: "torch native fwd"}
 PROBE = "copy"
 
 
@@ -844,14 +848,15 @@ def format_steps(rows: list[dict], cuda: bool) -> str:
 def micro_rows(r: MicroResult) -> list[dict]:
     """One row per micro candidate (and the probe) of one activation and dtype."""
     probe = r.gbps(PROBE)
+    backward = {c.name: c.backward for c in MICRO_CANDIDATES} | {PROBE: True}
     rows = []
-    for name in [c.name for c in MICRO_CANDIDATES] + [PROBE]:
+    for name in backward:
         s = r.stats.get(name)
+        reference = r.stats.get(MICRO_REFERENCE[backward[name]])
         rows.append({
             "act": r.act, "dtype": r.dtype, "numel": r.numel, "candidate": name,
             "ms": s.median if s else None, "iqr": s.iqr / s.median if s else None,
-            "x_native": ratio(r.stats[MICRO_REFERENCE].median, s.median)
-            if s and MICRO_REFERENCE in r.stats else None,
+            "x_native": ratio(reference.median, s.median) if s and reference else None,
             "gbps": r.gbps(name), "pct_copy": ratio(r.gbps(name), probe),
             "grad_err": r.grad_err.get(name),
         })
@@ -900,8 +905,9 @@ def print_report(results: list[CaseResult], micro: list[MicroResult], checks: li
                   + (f"; patch() swapped {max(r.patched.values())} modules" if r.patched else ""))
     if micro:
         print(f"\nmicro: one tensor of 2^{args.micro_log2} elements per activation, forward + backward unless "
-              f"'fwd'; {args.micro_reps} rounds; "
-              "GB/s over the bytes the candidate must move; % copy = over a copy of reprop's fwd+bwd traffic\n")
+              f"'fwd'; {args.micro_reps} rounds; x native = torch native ms (of 'fwd' rows: torch native fwd) / "
+              "the candidate's; GB/s over the bytes the candidate must move; % copy = over a copy of reprop's "
+              "fwd+bwd traffic\n")
         print(format_micro([row for r in micro for row in micro_rows(r)]))
     for why, where in unavailable_by_reason(results, micro).items():
         print(f"n/a: {why}: {', '.join(where)}")

@@ -199,3 +199,14 @@ def test_fad_accepts_reprop(machine, capsys, monkeypatch):
     names = [fad_bench.NATIVE, fad_bench.PATCH, fad_bench.PATCH_U8, fad_bench.COMPOSE_BF16]
     report = fad_report("bert_base", "gelu_tanh", names, machine, capsys, monkeypatch)
     assert "for bf16 and u8" in report and report.rstrip().endswith(": ok")
+
+
+def test_fad_micro_forward_rows_against_native_forward():
+    # "x native" divided native's forward + backward time by a forward-only time (2.5 here).
+    r = fad_bench.MicroResult("mish", "fp32", 2**10)
+    times = {"torch native": 10.0, "reprop": 8.0, "torch native fwd": 4.0, "reprop fwd": 5.0, fad_bench.PROBE: 2.0}
+    r.stats = {n: harness.Stats.from_samples([ms]) for n, ms in times.items()}
+    x = {row["candidate"]: row["x_native"] for row in fad_bench.micro_rows(r)}
+    assert x == {"torch native": 1.0, "torch composed": None, "checkpointed": None, "reprop": 1.25,
+                 "reprop u8": None, "reprop compose": None, "torch native fwd": 1.0, "reprop fwd": 0.8,
+                 fad_bench.PROBE: 5.0}
