@@ -11,7 +11,9 @@ Parts (--parts, default all that run on the device):
               ooo+graph     the same, captured in one CUDA graph (CUDA only)
             throughput (images/s) and peak memory per candidate, and the gain
             of each part as the paper's Figure 7 (graph over eager, ooo+graph
-            over graph). Models after the paper: DenseNet-121 (growth 12, 24,
+            over graph). Every candidate takes the same steps from identical
+            copies, the RNG seeded alike; then each one's parameters and
+            gradients must equal eager's (bitwise on the CPU). Models after the paper: DenseNet-121 (growth 12, 24,
             32), MobileNetV3-Large (width 0.25 to 1.0), ResNet-50; batch 32, 64.
   split     the Python cost of the split itself: a training step (forward and
             backward, no optimizer) of chains of 200 small layers, Linear(16, 16)
@@ -43,8 +45,8 @@ Parts (--parts, default all that run on the device):
               reprop.ooo.Pipeline GPipe contiguous against fast-forwarding
               contiguous and fast-forwarding modulo; the gradients after one
               step must equal single-process training's and GPipe's.
-            iteration / step time, ratio to DDP / GPipe; a correctness
-            failure makes the script exit with status 1.
+            iteration / step time, ratio to DDP / GPipe.
+  A correctness failure (single or dist) makes the script exit with status 1.
 
     python benchmarks/ooo.py --quick                   # CPU: small single part, simulate, dist
     python benchmarks/ooo.py --parts dist --json out.json   # the measured distributed part alone
@@ -97,6 +99,7 @@ class Trainer:
         self.handle = ooo.enable(self.model) if use_ooo else None
         self.x, self.y = x.clone(), y.clone()  # static inputs: a CUDA graph reads these
         self.graph = None
+        self.steps = 0  # training steps run, so that every candidate can be brought to the same count
         if graph:
             self._capture()
 
@@ -110,19 +113,62 @@ class Trainer:
         # too, so the captured step is the fixed schedule), then capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        warmup = max(3, self.handle._profile_passes() + 1 if self.handle else 3)
         with torch.cuda.stream(side):
-            for _ in range(max(3, self.handle._profile_passes() + 1 if self.handle else 3)):
+            for i in range(warmup):
+                torch.manual_seed(i)  # as seeded_step: the same dropout masks as the other candidates
                 self._eager_step()
+        self.steps = warmup  # the capture below records a step without running it
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._eager_step()
 
     def step(self) -> None:
+        self.steps += 1
         if self.graph is not None:
             self.graph.replay()
         else:
             self._eager_step()
+
+    def seeded_step(self) -> None:
+        """step() with the RNG seeded by the step's number: every candidate's n-th step draws the same
+        dropout masks (MobileNetV3's classifier), so that their results can be compared."""
+        torch.manual_seed(self.steps)
+        self.step()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Parameters and their gradients (as "<name>.grad"), by name."""
+        named = dict(self.model.named_parameters())
+        return {**{n: p.detach() for n, p in named.items()},
+                **{f"{n}.grad": p.grad for n, p in named.items() if p.grad is not None}}
+
+
+def settle(trainers: dict[str, Trainer]) -> None:
+    """Steps every trainer past the ooo profile (the fixed schedule is what is timed), then the
+    others up to the same count: then all have taken the same seeded steps from identical copies."""
+    for t in trainers.values():
+        for _ in range(4):
+            t.seeded_step()
+        while t.handle is not None and t.handle.schedule is None:
+            t.seeded_step()
+    steps = max(t.steps for t in trainers.values())
+    for t in trainers.values():
+        while t.steps < steps:
+            t.seeded_step()
+
+
+def single_mismatch(trainers: dict[str, Trainer], device: torch.device) -> dict[str, str | None]:
+    """Each candidate's check_close of its parameters and gradients against eager's, after the same steps.
+
+    Bitwise on the CPU (README: the split calls autograd's own kernels, bitwise
+    where a weight is used once per backward, as in these models); on CUDA
+    within GRAD_RTOL, GRAD_ATOL (cuDNN's backward algorithms may sum in any order).
+    """
+    rtol, atol = (0.0, 0.0) if device.type == "cpu" else (GRAD_RTOL, GRAD_ATOL)
+    want = trainers["eager"].state()
+    return {label: harness.check_close(t.state(), want, rtol, atol)
+            for label, t in trainers.items() if label != "eager"}
 
 
 def run_single(args, device: torch.device) -> list[dict]:
@@ -144,11 +190,8 @@ def run_single(args, device: torch.device) -> list[dict]:
                     trainers[label] = Trainer(base, x, y, use_ooo, graph)
                 except Exception as exc:  # report, do not hide: e.g. what capture refused
                     errors[label] = f"{type(exc).__name__}: {exc}"[:120]
-            for t in trainers.values():  # past the ooo profile: the fixed schedule is timed
-                for _ in range(4):
-                    t.step()
-                while t.handle is not None and t.handle.schedule is None:
-                    t.step()
+            settle(trainers)
+            steps, mismatch = trainers["eager"].steps, single_mismatch(trainers, device)
             stats = harness.measure_alternated({k: t.step for k, t in trainers.items()}, device,
                                                warmup=args.warmup, reps=args.reps)
             peaks = {}
@@ -158,7 +201,8 @@ def run_single(args, device: torch.device) -> list[dict]:
                    "ms": {k: s.median for k, s in stats.items()},
                    "images_per_s": {k: batch / (s.median / 1e3) for k, s in stats.items()},
                    "peak_bytes": peaks,
-                   "schedule": trainers["ooo"].handle.schedule if "ooo" in trainers else None}
+                   "schedule": trainers["ooo"].handle.schedule if "ooo" in trainers else None,
+                   "steps": steps, "cpu": not cuda, "mismatch": mismatch}
             rows.append(row)
             del trainers
             if cuda:
@@ -232,6 +276,9 @@ def print_single(rows: list[dict]) -> None:
     for r in rows:
         for label, err in r["errors"].items():
             print(f"  {r['model']} b{r['batch']} {label}: {err}")
+        print(f"{r['model']} b{r['batch']}: parameters and gradients equal to eager's after the same "
+              f"{r['steps']} seeded steps ({'bitwise' if r['cpu'] else f'rtol {GRAD_RTOL:g}, atol {GRAD_ATOL:g}'}): "
+              f"{yes_or_why(r['mismatch'])}")
 
 
 # ---------------------------------------------------------------------------
@@ -654,8 +701,10 @@ def run_dist(args) -> dict:
     return out
 
 
-def dist_failed(out: dict) -> bool:
-    """A rank failed or a result differs from its reference."""
+def check_failed(out: dict) -> bool:
+    """A single-device candidate differs from eager's, a rank failed or a result differs from its reference."""
+    if any(m is not None for r in out.get("single", []) for m in r["mismatch"].values()):
+        return True
     for res in out.get("dist_dp", []) + out.get("dist_pipeline", []):
         mismatches = {**res.get("param_mismatch", {}), **res.get("grad_mismatch_single", {}),
                       **res.get("grad_mismatch_gpipe", {})}
@@ -755,7 +804,7 @@ def main() -> None:
         out.update(run_dist(args))
         print_dist(out)
     harness.write_json(args.json, out)
-    if dist_failed(out):
+    if check_failed(out):
         raise SystemExit(1)
 
 

@@ -210,3 +210,40 @@ def test_fad_micro_forward_rows_against_native_forward():
     assert x == {"torch native": 1.0, "torch composed": None, "checkpointed": None, "reprop": 1.25,
                  "reprop u8": None, "reprop compose": None, "torch native fwd": 1.0, "reprop fwd": 0.8,
                  fad_bench.PROBE: 5.0}
+
+
+# ---------------------------------------------------------------------------
+# ooo.py
+# ---------------------------------------------------------------------------
+
+import ooo as ooo_bench  # noqa: E402
+
+
+def ooo_single_report(capsys, monkeypatch, wrong: bool) -> str:
+    """ooo.py's printed single-device table on small_net (ooo dropping the first layer's dW if ``wrong``)."""
+    enable = ooo_bench.ooo.enable
+
+    def maybe_wrong(model, *args, **kwargs):
+        handle = enable(model, *args, **kwargs)
+        if wrong:
+            model[0].weight.requires_grad_(False)
+        return handle
+
+    monkeypatch.setattr(ooo_bench.ooo, "enable", maybe_wrong)
+    monkeypatch.setattr(ooo_bench.models, "build", lambda name: small_net())
+    args = SimpleNamespace(quick=True, models=[], batches=[8], warmup=1, reps=2)
+    rows = ooo_bench.run_single(args, CPU)
+    capsys.readouterr()
+    ooo_bench.print_single(rows)
+    return capsys.readouterr().out
+
+
+def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
+    # The single-device part compared nothing (and ooo took more steps than eager).
+    report = ooo_single_report(capsys, monkeypatch, wrong=True)
+    assert "parameters and gradients equal to eager's" in report and "NO: ooo:" in report
+
+
+def test_ooo_single_accepts_ooo(capsys, monkeypatch):
+    report = ooo_single_report(capsys, monkeypatch, wrong=False)
+    assert "seeded steps (bitwise): yes" in report
