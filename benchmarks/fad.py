@@ -929,10 +929,12 @@ def print_probe_check(results: list[CaseResult], amp: bool) -> None:
               "PROBE_TOLERANCE)")
         return
     worst: dict[float, float] = {}  # tolerance -> the largest error of the candidates it applies to
+    bad = False
     for r, name, error in errors:
         tolerance = PROBE_TOLERANCE[CANDIDATES[name].saved_dtype]
         worst[tolerance] = max(worst.get(tolerance, 0.0), error)
-        if error > tolerance:
+        if not error <= tolerance:  # NaN too
+            bad = True
             p, ref = r.probes[name], r.probes[NATIVE]
             print(f"WARNING: {r.case.label} {name}: first step loss {p.loss:.6g} (native {ref.loss:.6g}), "
                   f"gradient error {p.grad_error:.3g}, tolerance {tolerance:g}: wrong values or gradients?")
@@ -940,7 +942,7 @@ def print_probe_check(results: list[CaseResult], amp: bool) -> None:
     print(f"first step against native's (same weights, batch, dropout masks): loss and gradients (max |g - "
           f"g_native| / max |g_native| per parameter) within {PROBE_TOLERANCE[None]:g} for f' stored in fp32 "
           f"(largest {worst.get(PROBE_TOLERANCE[None], 0.0):.2g}), {low:g} for bf16 and u8 (largest "
-          f"{worst.get(low, 0.0):.2g}): {'ok' if all(e <= t for t, e in worst.items()) else 'WARNING, see above'}")
+          f"{worst.get(low, 0.0):.2g}): {'WARNING, see above' if bad else 'ok'}")
 
 
 def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: list[dict], names: list[str],

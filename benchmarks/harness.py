@@ -27,6 +27,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -291,9 +292,11 @@ def check_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor
 def relative_error(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> float:
     """max |got - want| / ``scale`` (default max |want|): the largest error in units of the reference's size.
 
-    0 when equal, inf when the scale is 0 but they differ.
+    0 when equal, inf when the scale is 0 but they differ or a NaN is met (max() would drop it).
     """
     diff = float((got.float() - want.float()).abs().max())
+    if math.isnan(diff):
+        return float("inf")
     if scale is None:
         scale = float(want.float().abs().max())
     return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
