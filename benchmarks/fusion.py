@@ -38,6 +38,13 @@ events (torch keeps no CPU counter). "grads MiB" (4 bytes per parameter) is for
 reference: backward-fusion frees each gradient right after its update, eager
 keeps all of them until zero_grad().
 
+Correctness check, after the timing, from identical copies at a realistic lr
+(optim.py's CHECK_LR) with the same dropout masks (the RNG seeded before each
+step): the eager baselines after one step against torch foreach, element by
+element by optim.py's rule (compare_updates); the fusion modes after
+CHECK_STEPS steps against reprop eager, bit for bit. A mismatch prints a
+WARNING.
+
     python benchmarks/fusion.py --quick                       # CI-sized, CPU (~25 s on 2 idle cores)
     python benchmarks/fusion.py --device cuda --json out.json
     python benchmarks/fusion.py --device cuda --sweeps batches --batches 32,64
@@ -71,6 +78,7 @@ EAGER, FORWARD, BACKWARD, FLOOR = "reprop eager", "reprop forward", "reprop back
 TORCH_BASELINES = (FOREACH, FUSED)
 BASELINES = (FOREACH, FUSED, EAGER)  # every candidate's speedup is reported against each of these
 FUSION_MODES = {FORWARD: "forward", BACKWARD: "backward"}
+CHECK_REFERENCE = {FUSED: FOREACH, EAGER: FOREACH, FORWARD: EAGER, BACKWARD: EAGER}  # see check_candidates
 
 SEQ_LEN = 128
 MIB = 2**20
@@ -86,8 +94,14 @@ SWEEP_MODEL, SWEEP_OPTIM = "mobilenet_v2", "adamw"  # fixed in the sweeps that v
 # optimizer state, the second leaves whatever a mode keeps between steps.
 MEMORY_WARMUP = 2
 
-# Sanity range of a candidate's total parameter movement relative to torch foreach's.
-UPDATE_RANGE = (0.8, 1.25)
+# Correctness check (check_candidates). The fusion modes must compute exactly what reprop eager
+# computes (README: bit for bit), over several steps, so that forward mode's updates applied before
+# the next forward are checked too. The eager baselines are compared with torch foreach after one
+# step only: from the second on, the gradients see the first update's rounding differences, and
+# Adam's update of a gradient that is rounding noise is +-lr either way (measured: AdamW on
+# MobileNetV2, 1.8 rounding steps after one step, half a parameter after two).
+CHECK_STEPS = 3
+CHECK_SEED = 1
 
 # Targets (CUDA; printed as PASS/MISS, never asserted).
 TARGET_SPEEDUP = 1.25        # backward-fusion over torch foreach, MobileNetV2 AdamW at --batch
@@ -138,7 +152,7 @@ class CaseResult:
     stats: dict[str, harness.Stats] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
     peak_bytes: dict[str, int | None] = field(default_factory=dict)
-    update_l1: dict[str, float] = field(default_factory=dict)  # sum |final - initial| over all parameters
+    mismatch: dict[str, str | None] = field(default_factory=dict)  # check_candidates: None or why not equal
 
     @property
     def grad_bytes(self) -> int:
@@ -190,13 +204,14 @@ def candidate_names(baselines_only: bool) -> list[str]:
     return [*BASELINES, *fused, FLOOR]
 
 
-def optimizer_factories(optimizer: str) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
+def optimizer_factories(optimizer: str, **overrides) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
     """Optimizer constructor of every candidate that has one, by candidate name.
 
     The fusion modes fuse a reprop.optim optimizer (the same update kernels as
-    "reprop eager"), so fused vs eager isolates the reordering.
+    "reprop eager"), so fused vs eager isolates the reordering. ``overrides``
+    replace the optimizer's hyper-parameters (the check's lr).
     """
-    base = optim_bench.optimizer_factories(OPTIMIZERS[optimizer], with_reprop=True)
+    base = optim_bench.optimizer_factories(OPTIMIZERS[optimizer], with_reprop=True, **overrides)
     return {FOREACH: base[FOREACH], FUSED: base[FUSED], EAGER: base[optim_bench.REPROP],
             **{name: base[optim_bench.REPROP] for name in FUSION_MODES}}
 
@@ -248,18 +263,45 @@ def try_trainer(name: str, template: nn.Module, factory, batch, device: torch.de
     return trainer
 
 
-def update_l1(model: nn.Module, template: nn.Module) -> float:
-    """sum |p - p0| over every parameter element: how far training moved the model.
+def checked_params(name: str, template: nn.Module, factory, batch, device: torch.device,
+                   steps: int) -> dict[str, torch.Tensor]:
+    """A fresh ``name`` trainer's parameters after ``steps`` steps, the RNG seeded alike before each.
 
-    All candidates take the same number of steps with the same hyper-parameters,
-    so a fusion mode that skips updates shows a clearly smaller total than the
-    eager baselines (dropout draws differ between candidates, so totals differ
-    a little; per-tensor equality is no test: with lr 1e-6, some SGD updates
-    round away entirely in fp32, in every candidate alike).
+    The same seeds give every candidate the same dropout masks; close()
+    applies forward mode's pending updates.
     """
-    with torch.no_grad():
-        return sum(float((p - p0.to(p.device)).abs().sum(dtype=torch.float64))
-                   for p, p0 in zip(model.parameters(), template.parameters()))
+    trainer = make_trainer(name, template, factory, batch, device)
+    for i in range(steps):
+        torch.manual_seed(CHECK_SEED + i)
+        trainer.step()
+    trainer.close()
+    return {n: p.detach() for n, p in trainer.model.named_parameters()}
+
+
+def check_candidates(result: CaseResult, template: nn.Module, batch, device: torch.device) -> None:
+    """Record in result.mismatch whether each timed candidate computes what its reference does.
+
+    See CHECK_STEPS: the eager baselines after one step against torch foreach
+    (optim.py's rule: bitwise for SGD on the CPU, else a few rounding steps),
+    the fusion modes after CHECK_STEPS steps against reprop eager, bitwise.
+    """
+    spec = OPTIMIZERS[result.case.optimizer]
+    factories = optimizer_factories(result.case.optimizer, lr=optim_bench.CHECK_LR)
+    init = {n: p.detach() for n, p in template.named_parameters()}
+
+    def run(name: str, steps: int) -> dict[str, torch.Tensor]:
+        return checked_params(name, template, factories[name], batch, device, steps)
+
+    for ref, steps in ((FOREACH, 1), (EAGER, CHECK_STEPS)):
+        names = [n for n, r in CHECK_REFERENCE.items() if r == ref and n in result.stats]
+        if ref not in result.stats or not names:
+            continue
+        want = run(ref, steps)
+        for name in names:
+            got = run(name, steps)
+            result.mismatch[name] = (harness.check_close(got, want, rtol=0.0, atol=0.0) if ref == EAGER
+                                     else optim_bench.compare_updates(spec, got, want, init, device))
+    release(device)
 
 
 def release(device: torch.device) -> None:
@@ -275,7 +317,7 @@ def release(device: torch.device) -> None:
 
 def time_candidates(result: CaseResult, template: nn.Module, batch, factories: dict,
                     names: list[str], device: torch.device, args) -> None:
-    """Build every candidate, time them alternated, check each optimizer really updated."""
+    """Build every candidate and time them alternated."""
     trainers: dict[str, Trainer] = {}
     for name in names:
         got = try_trainer(name, template, factories.get(name), batch, device)
@@ -285,10 +327,8 @@ def time_candidates(result: CaseResult, template: nn.Module, batch, factories: d
             trainers[name] = got
     result.stats = harness.measure_alternated({n: t.step for n, t in trainers.items()}, device,
                                               args.warmup, args.reps)
-    for name, trainer in trainers.items():
-        trainer.close()  # forward mode: applies the last step's pending updates
-        if name != FLOOR:
-            result.update_l1[name] = update_l1(trainer.model, template)
+    for trainer in trainers.values():
+        trainer.close()
     trainers.clear()
     release(device)
 
@@ -311,7 +351,7 @@ def measure_peaks(result: CaseResult, template: nn.Module, batch, factories: dic
 
 
 def run_case(case: Case, sweeps: list[str], device: torch.device, args) -> CaseResult:
-    """Time all candidates of one case, then measure their peak memory."""
+    """Time all candidates of one case, check what they compute, then measure their peak memory."""
     torch.manual_seed(0)
     template = models.build(case.model)  # on the CPU; every candidate copies it to the device
     batch = models.make_batch(case.model, case.batch, device, args.image_size, SEQ_LEN)
@@ -319,6 +359,7 @@ def run_case(case: Case, sweeps: list[str], device: torch.device, args) -> CaseR
     factories = optimizer_factories(case.optimizer)
     names = candidate_names(args.baselines_only)
     time_candidates(result, template, batch, factories, names, device, args)
+    check_candidates(result, template, batch, device)
     measure_peaks(result, template, batch, factories, device)
     return result
 
@@ -411,12 +452,6 @@ def format_summary(rows: list[dict]) -> str:
     return harness.format_table(headers, out)
 
 
-def relative_updates(result: CaseResult) -> dict[str, float]:
-    """Each candidate's update_l1 relative to torch foreach's (nothing when foreach is missing)."""
-    ref = result.update_l1.get(FOREACH)
-    return {n: v / ref for n, v in result.update_l1.items() if ref} if ref else {}
-
-
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -478,10 +513,18 @@ def print_report(results: list[CaseResult], names: list[str], checks: list[dict]
     for res in results:
         for name, why in res.unavailable.items():
             print(f"n/a: {res.case.label} {name}: {why}")
-        for name, rel in relative_updates(res).items():
-            if not UPDATE_RANGE[0] <= rel <= UPDATE_RANGE[1]:
-                print(f"WARNING: {res.case.label} {name}: moved the parameters {rel:.2f}x as far as "
-                      f"torch foreach in the same steps: updates missing or wrong?")
+        for name, why in res.mismatch.items():
+            if why is not None:
+                print(f"WARNING: {res.case.label} {name}: not the parameters {CHECK_REFERENCE[name]} has "
+                      f"after the same steps: {why}")
+    checked = [why for res in results for why in res.mismatch.values()]
+    if checked:
+        bitwise = ", ".join(s.cls for s in OPTIMIZERS.values() if s.bitwise)
+        print(f"\nparameters from the same start, lr {optim_bench.CHECK_LR:g}, the same dropout masks: "
+              f"torch fused and reprop eager = torch foreach's after 1 step (bitwise: {bitwise}, on the CPU; the others "
+              f"within {optim_bench.CHECK_ULPS} x eps x (|p| + largest update)), reprop forward and backward = "
+              f"reprop eager's bit for bit after {CHECK_STEPS} steps: "
+              f"{'ok' if all(why is None for why in checked) else 'WARNING: see above'}")
     if checks:
         print(f"\ntargets{'' if args.device == 'cuda' else ' (goals for CUDA; on CPU for information)'}:")
         for c in checks:
@@ -494,8 +537,9 @@ def json_payload(results: list[CaseResult], names: list[str], checks: list[dict]
     return {
         "benchmark": "fusion",
         "machine": info,
-        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"lr": optim_bench.LR,
-                                                                           "seq_len": SEQ_LEN},
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {
+            "lr": optim_bench.LR, "seq_len": SEQ_LEN,
+            "check": {"lr": optim_bench.CHECK_LR, "steps": CHECK_STEPS, "ulps": optim_bench.CHECK_ULPS}},
         "cases": [{
             "model": r.case.model, "batch": r.case.batch, "optimizer": r.case.optimizer,
             "sweeps": r.sweeps, "tensors": r.num_tensors, "params": r.num_params,
@@ -503,7 +547,7 @@ def json_payload(results: list[CaseResult], names: list[str], checks: list[dict]
             "stats_ms": {n: s.to_dict() for n, s in r.stats.items()},
             "peak_bytes": r.peak_bytes,
             "unavailable": r.unavailable,
-            "update_l1": r.update_l1,
+            "mismatch": r.mismatch,
         } for r in results],
         "rows": [row for res in results for row in detail_rows(res, names)],
         "summary": [summary_row(res) for res in results],

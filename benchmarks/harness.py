@@ -27,6 +27,7 @@ import argparse
 import datetime
 import importlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -261,6 +262,44 @@ def make_bandwidth_probe(bytes_moved: int, device: torch.device, kind: str = "co
         b = torch.rand_like(a)
         return lambda: a.add_(b)
     raise ValueError(f"kind must be one of {PROBES}, got {kind!r}")
+
+
+# ---------------------------------------------------------------------------
+# Correctness checks: a wrong candidate is also "fast", so every benchmark compares results
+# ---------------------------------------------------------------------------
+
+
+def check_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor], rtol: float,
+                atol: float | Mapping[str, float]) -> str | None:
+    """None when every tensor of ``got`` is close to ``want``'s, else why not.
+
+    Element-wise, torch.testing.assert_close's rule |got - want| <= atol + rtol |want|
+    (rtol = atol = 0: bitwise). ``atol`` may be given per tensor name, for
+    tolerances in units of each tensor's own scale.
+    """
+    if set(got) != set(want):
+        return f"different tensors: {sorted(set(got) ^ set(want))[:5]}"
+    try:
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=rtol,
+                                       atol=atol[n] if isinstance(atol, Mapping) else atol,
+                                       msg=lambda m, n=n: f"{n}: {m}")
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> float:
+    """max |got - want| / ``scale`` (default max |want|): the largest error in units of the reference's size.
+
+    0 when equal, inf when the scale is 0 but they differ or a NaN is met (max() would drop it).
+    """
+    diff = float((got.float() - want.float()).abs().max())
+    if math.isnan(diff):
+        return float("inf")
+    if scale is None:
+        scale = float(want.float().abs().max())
+    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
 
 
 # ---------------------------------------------------------------------------

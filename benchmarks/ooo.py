@@ -11,7 +11,9 @@ Parts (--parts, default all that run on the device):
               ooo+graph     the same, captured in one CUDA graph (CUDA only)
             throughput (images/s) and peak memory per candidate, and the gain
             of each part as the paper's Figure 7 (graph over eager, ooo+graph
-            over graph). Models after the paper: DenseNet-121 (growth 12, 24,
+            over graph). Every candidate takes the same steps from identical
+            copies, the RNG seeded alike; then each one's parameters and
+            gradients must equal eager's (bitwise on the CPU). Models after the paper: DenseNet-121 (growth 12, 24,
             32), MobileNetV3-Large (width 0.25 to 1.0), ResNet-50; batch 32, 64.
   split     the Python cost of the split itself: a training step (forward and
             backward, no optimizer) of chains of 200 small layers, Linear(16, 16)
@@ -43,8 +45,8 @@ Parts (--parts, default all that run on the device):
               reprop.ooo.Pipeline GPipe contiguous against fast-forwarding
               contiguous and fast-forwarding modulo; the gradients after one
               step must equal single-process training's and GPipe's.
-            iteration / step time, ratio to DDP / GPipe; a correctness
-            failure makes the script exit with status 1.
+            iteration / step time, ratio to DDP / GPipe.
+  A correctness failure (single or dist) makes the script exit with status 1.
 
     python benchmarks/ooo.py --quick                   # CPU: small single part, simulate, dist
     python benchmarks/ooo.py --parts dist --json out.json   # the measured distributed part alone
@@ -97,6 +99,7 @@ class Trainer:
         self.handle = ooo.enable(self.model) if use_ooo else None
         self.x, self.y = x.clone(), y.clone()  # static inputs: a CUDA graph reads these
         self.graph = None
+        self.steps = 0  # training steps run, so that every candidate can be brought to the same count
         if graph:
             self._capture()
 
@@ -110,19 +113,62 @@ class Trainer:
         # too, so the captured step is the fixed schedule), then capture.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        warmup = max(3, self.handle._profile_passes() + 1 if self.handle else 3)
         with torch.cuda.stream(side):
-            for _ in range(max(3, self.handle._profile_passes() + 1 if self.handle else 3)):
+            for i in range(warmup):
+                torch.manual_seed(i)  # as seeded_step: the same dropout masks as the other candidates
                 self._eager_step()
+        self.steps = warmup  # the capture below records a step without running it
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self._eager_step()
 
     def step(self) -> None:
+        self.steps += 1
         if self.graph is not None:
             self.graph.replay()
         else:
             self._eager_step()
+
+    def seeded_step(self) -> None:
+        """step() with the RNG seeded by the step's number: every candidate's n-th step draws the same
+        dropout masks (MobileNetV3's classifier), so that their results can be compared."""
+        torch.manual_seed(self.steps)
+        self.step()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Parameters and their gradients (as "<name>.grad"), by name."""
+        named = dict(self.model.named_parameters())
+        return {**{n: p.detach() for n, p in named.items()},
+                **{f"{n}.grad": p.grad for n, p in named.items() if p.grad is not None}}
+
+
+def settle(trainers: dict[str, Trainer]) -> None:
+    """Steps every trainer past the ooo profile (the fixed schedule is what is timed), then the
+    others up to the same count: then all have taken the same seeded steps from identical copies."""
+    for t in trainers.values():
+        for _ in range(4):
+            t.seeded_step()
+        while t.handle is not None and t.handle.schedule is None:
+            t.seeded_step()
+    steps = max(t.steps for t in trainers.values())
+    for t in trainers.values():
+        while t.steps < steps:
+            t.seeded_step()
+
+
+def single_mismatch(trainers: dict[str, Trainer], device: torch.device) -> dict[str, str | None]:
+    """Each candidate's check_close of its parameters and gradients against eager's, after the same steps.
+
+    Bitwise on the CPU (README: the split calls autograd's own kernels, bitwise
+    where a weight is used once per backward, as in these models); on CUDA
+    within GRAD_RTOL, GRAD_ATOL (cuDNN's backward algorithms may sum in any order).
+    """
+    rtol, atol = (0.0, 0.0) if device.type == "cpu" else (GRAD_RTOL, GRAD_ATOL)
+    want = trainers["eager"].state()
+    return {label: harness.check_close(t.state(), want, rtol, atol)
+            for label, t in trainers.items() if label != "eager"}
 
 
 def run_single(args, device: torch.device) -> list[dict]:
@@ -144,11 +190,8 @@ def run_single(args, device: torch.device) -> list[dict]:
                     trainers[label] = Trainer(base, x, y, use_ooo, graph)
                 except Exception as exc:  # report, do not hide: e.g. what capture refused
                     errors[label] = f"{type(exc).__name__}: {exc}"[:120]
-            for t in trainers.values():  # past the ooo profile: the fixed schedule is timed
-                for _ in range(4):
-                    t.step()
-                while t.handle is not None and t.handle.schedule is None:
-                    t.step()
+            settle(trainers)
+            steps, mismatch = trainers["eager"].steps, single_mismatch(trainers, device)
             stats = harness.measure_alternated({k: t.step for k, t in trainers.items()}, device,
                                                warmup=args.warmup, reps=args.reps)
             peaks = {}
@@ -158,7 +201,8 @@ def run_single(args, device: torch.device) -> list[dict]:
                    "ms": {k: s.median for k, s in stats.items()},
                    "images_per_s": {k: batch / (s.median / 1e3) for k, s in stats.items()},
                    "peak_bytes": peaks,
-                   "schedule": trainers["ooo"].handle.schedule if "ooo" in trainers else None}
+                   "schedule": trainers["ooo"].handle.schedule if "ooo" in trainers else None,
+                   "steps": steps, "cpu": not cuda, "mismatch": mismatch}
             rows.append(row)
             del trainers
             if cuda:
@@ -232,6 +276,9 @@ def print_single(rows: list[dict]) -> None:
     for r in rows:
         for label, err in r["errors"].items():
             print(f"  {r['model']} b{r['batch']} {label}: {err}")
+        print(f"{r['model']} b{r['batch']}: parameters and gradients equal to eager's after the same "
+              f"{r['steps']} seeded steps ({'bitwise' if r['cpu'] else f'rtol {GRAD_RTOL:g}, atol {GRAD_ATOL:g}'}): "
+              f"{yes_or_why(r['mismatch'])}")
 
 
 # ---------------------------------------------------------------------------
@@ -442,19 +489,6 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[n] - b[n]).abs().max()) for n in a)
 
 
-def check_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], rtol: float,
-                atol: float) -> str | None:
-    """None when every tensor of `got` is close to `want`'s, else why not."""
-    if set(got) != set(want):
-        return f"different tensors: {sorted(set(got) ^ set(want))[:5]}"
-    try:
-        for n in want:
-            torch.testing.assert_close(got[n], want[n], rtol=rtol, atol=atol, msg=lambda m: f"{n}: {m}")
-    except AssertionError as exc:
-        return str(exc)
-    return None
-
-
 class DPCandidate:
     """One data-parallel candidate on this rank: a copy of the model, SGD with
     momentum, one full iteration on this rank's fixed batch. k None: torch's
@@ -523,7 +557,7 @@ def dp_job(rank: int, world: int, reps: int, warmup: int, search_iters: int) -> 
     stats = harness.measure_alternated({n: c.step for n, c in cands.items()}, torch.device("cpu"),
                                        warmup=warmup, reps=reps)
     ref = cands["DDP"].params()
-    equal = {n: check_close(c.params(), ref, PARAM_RTOL, PARAM_ATOL)
+    equal = {n: harness.check_close(c.params(), ref, PARAM_RTOL, PARAM_ATOL)
              for n, c in cands.items() if n != "DDP"}
     return {"model": DP_MODEL, "image": DP_IMAGE, "batch_per_rank": DP_BATCH, "ranks": world,
             "bucket_cap_mb": BUCKET_MB, "layers": layers, "k": {n: c.dp.k for n, c in cands.items()
@@ -622,9 +656,9 @@ def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
     ref = single_process_grads(x, t)
     return {"ranks": world, "cpus": os.cpu_count(), "layers": PIPE_LAYERS, "width": PIPE_WIDTH,
             "batch": PIPE_BATCH, "micro_batches": PIPE_MICRO,
-            "grad_mismatch_single": {n: check_close(gr, ref, GRAD_RTOL, GRAD_ATOL)
+            "grad_mismatch_single": {n: harness.check_close(gr, ref, GRAD_RTOL, GRAD_ATOL)
                                      for n, gr in grads.items()},
-            "grad_mismatch_gpipe": {n: check_close(gr, grads[baseline], GRAD_RTOL, GRAD_ATOL)
+            "grad_mismatch_gpipe": {n: harness.check_close(gr, grads[baseline], GRAD_RTOL, GRAD_ATOL)
                                     for n, gr in grads.items() if n != baseline},
             "max_abs_grad": max(float(v.abs().max()) for v in ref.values()),
             "simulated_speedup": simulated_pipeline_speedups(world),
@@ -667,8 +701,10 @@ def run_dist(args) -> dict:
     return out
 
 
-def dist_failed(out: dict) -> bool:
-    """A rank failed or a result differs from its reference."""
+def check_failed(out: dict) -> bool:
+    """A single-device candidate differs from eager's, a rank failed or a result differs from its reference."""
+    if any(m is not None for r in out.get("single", []) for m in r["mismatch"].values()):
+        return True
     for res in out.get("dist_dp", []) + out.get("dist_pipeline", []):
         mismatches = {**res.get("param_mismatch", {}), **res.get("grad_mismatch_single", {}),
                       **res.get("grad_mismatch_gpipe", {})}
@@ -768,7 +804,7 @@ def main() -> None:
         out.update(run_dist(args))
         print_dist(out)
     harness.write_json(args.json, out)
-    if dist_failed(out):
+    if check_failed(out):
         raise SystemExit(1)
 
 

@@ -17,6 +17,13 @@ Gradients are synthetic random tensors set once on p.grad; every candidate
 steps its own copy of the same parameters and gradients. lr is 1e-6 so that
 hundreds of steps leave the values in range.
 
+Agreement check, separate from the timing: reprop and torch foreach take
+CHECK_STEPS steps from identical copies at a realistic lr (CHECK_LR; AdamW's
+weight decay 0.01 as timed), and every parameter element must match: bitwise
+for SGD on the CPU, within CHECK_ULPS fp32 rounding steps elsewhere. At the
+timed lr it could not be seen: 1 - lr * weight_decay rounds to 1.0 in fp32,
+and rounding differences are as large as a whole update.
+
     python benchmarks/optim.py --quick                     # CI-sized, CPU
     python benchmarks/optim.py --device cuda --json out.json
     python benchmarks/optim.py --only adamw --peers-only   # torch only (no reprop needed)
@@ -48,11 +55,13 @@ class OptimSpec:
     kwargs: dict
     bytes_per_param: int  # fp32 bytes read + written per parameter per step
     traffic: str          # how bytes_per_param is counted, printed with the results
+    bitwise: bool = False  # reprop's fp32 result is torch's bit for bit on the CPU (README: SGD)
 
 
 OPTIMIZERS: dict[str, OptimSpec] = {
-    "adamw": OptimSpec("AdamW", {"lr": LR}, 28, "read p,g,m,v + write p,m,v = 7 x 4 B"),
-    "sgd": OptimSpec("SGD", {"lr": LR, "momentum": 0.9}, 20, "read p,g,buf + write p,buf = 5 x 4 B"),
+    "adamw": OptimSpec("AdamW", {"lr": LR, "weight_decay": 0.01}, 28, "read p,g,m,v + write p,m,v = 7 x 4 B"),
+    "sgd": OptimSpec("SGD", {"lr": LR, "momentum": 0.9}, 20, "read p,g,buf + write p,buf = 5 x 4 B",
+                     bitwise=True),
     "adagrad": OptimSpec("Adagrad", {"lr": LR}, 20, "read p,g,sum + write p,sum = 5 x 4 B"),
     # Not in the default set; available with --only.
     "adam": OptimSpec("Adam", {"lr": LR}, 28, "read p,g,m,v + write p,m,v = 7 x 4 B"),
@@ -75,10 +84,15 @@ TARGETS = {
 }
 
 
-# Agreement check: after the same steps, reprop's and torch foreach's parameters may differ by
-# rounding, a few fp32 ulps of the parameter; relative to the total update that measured <= 2e-3
-# here (a parameter's ulp is ~1e-7 against 1e-6 updates). A skipped or wrong update gives ~1.
-MAX_DEVIATION = 0.05
+# Agreement check (check_agreement): CHECK_STEPS steps at CHECK_LR from identical copies. An
+# element may differ from torch foreach's by rounding: of the parameter's value (the final
+# p - update) and of its update (terms summed in another order, torch's CPU sqrt not correctly
+# rounded), so within CHECK_ULPS x eps x (|p| + that tensor's largest update); measured <= 1.9
+# (AdamW, Adam, RMSprop; 1.0 Adagrad, 1.2 Adadelta) on both parameter sets. A missing AdamW weight
+# decay is off by lr x wd x |p| = 1e-5 |p| (20x the bound), a skipped step by a whole update.
+CHECK_LR = 1e-3
+CHECK_STEPS = 3
+CHECK_ULPS = 4
 
 
 @dataclass
@@ -113,7 +127,8 @@ class CaseResult:
     inner: int
     stats: dict[str, harness.Stats] = field(default_factory=dict)
     unavailable: dict[str, str] = field(default_factory=dict)
-    max_deviation: float | None = None  # reprop vs torch foreach, relative to the update size
+    mismatch: str | None = None  # why reprop's parameters differ from torch foreach's (check_agreement)
+    checked: bool = False        # whether check_agreement ran (reprop and torch foreach available)
 
 
 # ---------------------------------------------------------------------------
@@ -138,17 +153,27 @@ def make_inputs(pset: ParamSet, device: torch.device) -> tuple[list[torch.Tensor
     return params, grads
 
 
-def optimizer_factories(spec: OptimSpec, with_reprop: bool) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
-    """Constructors of the stepped candidates, by candidate name."""
+def optimizer_factories(spec: OptimSpec, with_reprop: bool,
+                        **overrides) -> dict[str, Callable[[list], torch.optim.Optimizer]]:
+    """Constructors of the stepped candidates, by candidate name (``overrides`` replace spec.kwargs')."""
     torch_cls = getattr(torch.optim, spec.cls)
+    kwargs = spec.kwargs | overrides
     factories = {
-        FOREACH: lambda ps: torch_cls(ps, foreach=True, **spec.kwargs),
-        FUSED: lambda ps: torch_cls(ps, fused=True, **spec.kwargs),
+        FOREACH: lambda ps: torch_cls(ps, foreach=True, **kwargs),
+        FUSED: lambda ps: torch_cls(ps, fused=True, **kwargs),
     }
     if with_reprop:
         import reprop.optim
-        factories[REPROP] = lambda ps: getattr(reprop.optim, spec.cls)(ps, **spec.kwargs)
+        factories[REPROP] = lambda ps: getattr(reprop.optim, spec.cls)(ps, **kwargs)
     return factories
+
+
+def copy_params(init: list[torch.Tensor], grads: list[torch.Tensor]) -> list[torch.nn.Parameter]:
+    """Own copies of the initial parameters, each with its own copy of its gradient."""
+    params = [torch.nn.Parameter(p.clone()) for p in init]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    return params
 
 
 def make_candidate(factory: Callable[[list], torch.optim.Optimizer], init: list[torch.Tensor],
@@ -159,9 +184,7 @@ def make_candidate(factory: Callable[[list], torch.optim.Optimizer], init: list[
     combination (some only at step time), and it creates the optimizer state.
     Every candidate takes it, so all end with the same number of steps.
     """
-    params = [torch.nn.Parameter(p.clone()) for p in init]
-    for p, g in zip(params, grads):
-        p.grad = g.clone()
+    params = copy_params(init, grads)
     try:
         opt = factory(params)
         opt.step()
@@ -170,16 +193,44 @@ def make_candidate(factory: Callable[[list], torch.optim.Optimizer], init: list[
     return Candidate(step=opt.step, params=params)
 
 
-def max_deviation(ours: list[torch.Tensor], ref: list[torch.Tensor], init: list[torch.Tensor]) -> float:
-    """max |ours - ref| / max |ref - init|: disagreement relative to the total update.
+def trained(factory: Callable[[list], torch.optim.Optimizer], init: list[torch.Tensor],
+            grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters after CHECK_STEPS steps of ``factory``'s optimizer from copies of ``init``."""
+    params = copy_params(init, grads)
+    opt = factory(params)
+    for _ in range(CHECK_STEPS):
+        opt.step()
+    return [p.detach() for p in params]
 
-    A sanity check that the timed reprop step does the same work as torch's
-    (a no-op or wrong update would also be "fast"); see MAX_DEVIATION.
+
+def compare_updates(spec: OptimSpec, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                    init: dict[str, torch.Tensor], device: torch.device) -> str | None:
+    """None when the parameters ``got`` equal ``want`` (both stepped alike from ``init``; by name), else why not.
+
+    Bitwise where reprop is torch's bit for bit (spec.bitwise, on the CPU; on
+    CUDA torch's kernels are other code), else within CHECK_ULPS rounding
+    steps (see CHECK_ULPS). fusion.py checks its candidates by this rule too.
     """
-    with torch.no_grad():
-        diff = max(float((o - r).abs().max()) for o, r in zip(ours, ref))
-        update = max(float((r - i).abs().max()) for r, i in zip(ref, init))
-    return diff / update if update > 0 else float("inf")
+    if spec.bitwise and device.type == "cpu":
+        return harness.check_close(got, want, rtol=0.0, atol=0.0)
+    step = CHECK_ULPS * torch.finfo(torch.float32).eps
+    atol = {n: step * float((w - init[n].to(w.device)).abs().max()) for n, w in want.items()}
+    return harness.check_close(got, want, rtol=step, atol=atol)
+
+
+def check_agreement(spec: OptimSpec, init: list[torch.Tensor], grads: list[torch.Tensor],
+                    device: torch.device) -> str | None:
+    """None when reprop's parameters equal torch foreach's after CHECK_STEPS steps at CHECK_LR, else why not.
+
+    A wrong or skipped update would also be "fast".
+    """
+    factories = optimizer_factories(spec, with_reprop=True, lr=CHECK_LR)
+
+    def by_name(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"param {i}": t for i, t in enumerate(tensors)}
+
+    return compare_updates(spec, by_name(trained(factories[REPROP], init, grads)),
+                           by_name(trained(factories[FOREACH], init, grads)), by_name(init), device)
 
 
 # ---------------------------------------------------------------------------
@@ -204,10 +255,11 @@ def run_case(name: str, spec: OptimSpec, pset: ParamSet, device: torch.device, a
     result.stats = harness.measure_alternated(timed, device, args.warmup, args.reps, inner)
     result.unavailable = {n: c.unavailable for n, c in cands.items() if c.unavailable}
 
-    if REPROP in timed and FOREACH in timed:
-        harness.synchronize(device)
-        result.max_deviation = max_deviation(cands[REPROP].params, cands[FOREACH].params, init)
-    del cands, timed  # free the buffers before the next case
+    checked = REPROP in timed and FOREACH in timed
+    del cands, timed  # free the timed buffers before the check's copies
+    if checked:
+        result.checked = True
+        result.mismatch = check_agreement(spec, init, grads, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -341,11 +393,16 @@ def print_report(results: list[CaseResult], specs: dict[str, OptimSpec], checks:
     for res in results:
         if REPROP in res.unavailable:
             print(f"n/a: {res.optimizer} / {res.params.label} reprop: {res.unavailable[REPROP]}")
-    deviations = [r.max_deviation for r in results if r.max_deviation is not None]
-    if deviations:
-        worst = max(deviations)
-        print(f"reprop vs torch foreach after the same steps: max |difference| = {worst:.2g} x max |update| "
-              f"({'ok' if worst <= MAX_DEVIATION else 'WARNING: not the same update, check reprop'})")
+    checked = [r for r in results if r.checked]
+    if checked:
+        bitwise = ", ".join(s.cls for s in specs.values() if s.bitwise) or "none"
+        ok = all(r.mismatch is None for r in checked)
+        print(f"reprop vs torch foreach after {CHECK_STEPS} steps at lr {CHECK_LR:g} from the same parameters, "
+              f"element by element (bitwise: {bitwise}, on the CPU; the others within {CHECK_ULPS} x eps x "
+              f"(|p| + largest update)): {'ok' if ok else 'WARNING: not the same update, check reprop'}")
+    for r in checked:
+        if r.mismatch is not None:
+            print(f"WARNING: {r.optimizer} / {r.params.label}: {r.mismatch}")
     if checks:
         print("\ntargets:")
         for c in checks:
@@ -358,7 +415,8 @@ def json_payload(results: list[CaseResult], checks: list[dict], info: dict, args
     return {
         "benchmark": "optim",
         "machine": info,
-        "config": {k: v for k, v in vars(args).items() if k != "json"} | {"lr": LR},
+        "config": {k: v for k, v in vars(args).items() if k != "json"} | {
+            "lr": LR, "check": {"lr": CHECK_LR, "steps": CHECK_STEPS, "ulps": CHECK_ULPS}},
         "cases": [{
             "optimizer": r.optimizer,
             "case": r.params.label,
@@ -368,7 +426,7 @@ def json_payload(results: list[CaseResult], checks: list[dict], info: dict, args
             "calls_per_sample": r.inner,
             "stats_ms": {n: s.to_dict() for n, s in r.stats.items()},
             "unavailable": r.unavailable,
-            "reprop_max_deviation": r.max_deviation,
+            "reprop_mismatch": r.mismatch if r.checked else "not checked",
         } for r in results],
         "rows": [row for res in results for row in table_rows(res)],
         "targets": checks,

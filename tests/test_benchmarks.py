@@ -1,0 +1,249 @@
+"""The benchmarks' correctness checks flag deliberately wrong candidates.
+
+A wrong candidate is also "fast", so every benchmark compares what its
+candidates compute with torch's; these tests hand each check a candidate that
+is wrong in a way a weak check misses (a dropped weight decay, a skipped step,
+negated gradients, a sign-flipped derivative, ...) and read the report the
+benchmark prints, as a user would, on small inputs.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import harness  # noqa: E402
+import optim as optim_bench  # noqa: E402
+
+import reprop.optim  # noqa: E402
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def machine() -> dict:
+    return harness.machine_info(CPU)
+
+
+# ---------------------------------------------------------------------------
+# optim.py
+# ---------------------------------------------------------------------------
+
+# A model-like set of small tensors; 25 timed rounds after 3 warm-ups (the full CPU run's), so a
+# candidate skipping one step in a run skips one of 29.
+OPTIM_SHAPES = [torch.Size([16, 3, 3, 3]), torch.Size([16]), torch.Size([10, 16])]
+OPTIM_ARGS = SimpleNamespace(device="cpu", reps=25, warmup=3, min_sample_ms=0.0)
+
+
+class AdamWWithoutWeightDecay(reprop.optim.AdamW):
+    """Wrong: AdamW that ignores its weight_decay (Adam's update)."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "weight_decay": 0.0})
+
+
+class SGDSkippingSecondStep(reprop.optim.SGD):
+    """Wrong: SGD whose second step() does nothing."""
+
+    def step(self, closure=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        return None if self.calls == 2 else super().step(closure)
+
+
+def optim_report(name: str, machine: dict, capsys) -> str:
+    """optim.py's printed report of one small case of optimizer ``name``."""
+    spec = optim_bench.OPTIMIZERS[name]
+    pset = optim_bench.ParamSet("model", "small", OPTIM_SHAPES)
+    result = optim_bench.run_case(name, spec, pset, CPU, OPTIM_ARGS, with_reprop=True)
+    capsys.readouterr()
+    optim_bench.print_report([result], {name: spec}, [], machine, OPTIM_ARGS)
+    return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, wrong", [("adamw", AdamWWithoutWeightDecay), ("sgd", SGDSkippingSecondStep)])
+def test_optim_flags_a_wrong_update(name, wrong, machine, capsys, monkeypatch):
+    # At the timed lr 1e-6, 1 - lr * weight_decay is 1.0 in fp32 and one step of 29 moved the
+    # parameters 3% of the run's total: both passed the old check (5% of the total movement).
+    monkeypatch.setattr(reprop.optim, optim_bench.OPTIMIZERS[name].cls, wrong)
+    report = optim_report(name, machine, capsys)
+    assert "WARNING: not the same update" in report
+
+
+@pytest.mark.parametrize("name", list(optim_bench.OPTIMIZERS))
+def test_optim_accepts_reprop(name, machine, capsys):
+    report = optim_report(name, machine, capsys)
+    assert "(|p| + largest update)): ok" in report
+
+
+# ---------------------------------------------------------------------------
+# fusion.py
+# ---------------------------------------------------------------------------
+
+import fusion as fusion_bench  # noqa: E402
+
+
+def small_net() -> torch.nn.Module:
+    """Conv, BatchNorm, Dropout and Linear: the kinds of MobileNetV2's layers, small."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(8, 1000))  # make_batch draws ImageNet labels
+
+
+def fusion_report(optimizer: str, machine: dict, capsys, monkeypatch, wrong: str | None = None) -> str:
+    """fusion.py's printed report of one case on small_net, candidate ``wrong`` training on -gradients."""
+    make_trainer = fusion_bench.make_trainer
+
+    def maybe_wrong(name, *args, **kwargs):
+        trainer = make_trainer(name, *args, **kwargs)
+        if name == wrong:
+            for p in trainer.model.parameters():
+                p.register_hook(torch.neg)
+        return trainer
+
+    monkeypatch.setattr(fusion_bench, "make_trainer", maybe_wrong)
+    monkeypatch.setattr(fusion_bench.models, "build", lambda name: small_net())
+    monkeypatch.setattr(fusion_bench, "measure_peaks", lambda *args: None)  # not what is tested here
+    args = SimpleNamespace(device="cpu", reps=3, warmup=1, image_size=16, baselines_only=False, batch=4)
+    case = fusion_bench.Case("mobilenet_v2", 4, optimizer)
+    result = fusion_bench.run_case(case, ["optims"], CPU, args)
+    capsys.readouterr()
+    names = fusion_bench.candidate_names(False)
+    fusion_bench.print_report([result], names, [], machine, args)
+    return capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+@pytest.mark.parametrize("wrong", [fusion_bench.BACKWARD, fusion_bench.EAGER])
+def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
+    # The old check compared the total movement sum |p - p0| with torch foreach's: training on
+    # negated gradients moves the parameters as far (0.997x on MobileNetV2), and passed.
+    report = fusion_report("adamw", machine, capsys, monkeypatch, wrong=wrong)
+    assert f"WARNING: mobilenet_v2 b4 AdamW {wrong}: not the parameters" in report
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
+    report = fusion_report(optimizer, machine, capsys, monkeypatch)
+    assert "bit for bit after 3 steps: ok" in report
+
+
+# ---------------------------------------------------------------------------
+# fad.py
+# ---------------------------------------------------------------------------
+
+import fad as fad_bench  # noqa: E402
+
+
+class NegatedDerivative(torch.autograd.Function):
+    """Wrong: f's value, -f'(x) in backward."""
+
+    @staticmethod
+    def forward(ctx, x, module):
+        ctx.save_for_backward(x)
+        ctx.module = module
+        return module(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            (dx,) = torch.autograd.grad(ctx.module(x), x, g)
+        return -dx, None
+
+
+def negated(act: str):
+    """An activation factory: ``act``'s native module with a sign-flipped derivative."""
+    native = fad_bench.models.activation(act, "native")
+
+    class Negated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.f = native()
+
+        def forward(self, x):
+            return NegatedDerivative.apply(x, self.f)
+
+    return Negated
+
+
+def fad_report(model: str, act: str, names: list[str], machine: dict, capsys, monkeypatch) -> str:
+    """fad.py's printed report of the saved-bytes run (which takes the first steps) of a small case."""
+    activation = fad_bench.models.activation
+    monkeypatch.setattr(fad_bench.models, "activation",
+                        lambda a, variant: negated(a) if variant == "negated" else activation(a, variant))
+    monkeypatch.setitem(fad_bench.CANDIDATES, "negated", fad_bench.Candidate("negated", "negated"))
+    args = SimpleNamespace(device="cpu", batch=2, image_size=32, bert_layers=1, seq_len=16, amp=False,
+                           bytes_only=True, reps=1, warmup=0, mem_cap_gib=0)
+    result = fad_bench.run_case(fad_bench.Case(model, act), names, CPU, args)
+    capsys.readouterr()
+    fad_bench.print_report([result], [], [], names, machine, args)
+    return capsys.readouterr().out
+
+
+def test_fad_flags_a_sign_flipped_derivative(machine, capsys, monkeypatch):
+    # The old check compared the loss and the global gradient norm within 5%, which a negated
+    # derivative keeps here (the loss is the same).
+    report = fad_report("bert_base", "gelu_tanh", [fad_bench.NATIVE, "negated"], machine, capsys, monkeypatch)
+    assert "WARNING: bert_base gelu_tanh negated: first step" in report
+
+
+def test_fad_accepts_reprop(machine, capsys, monkeypatch):
+    names = [fad_bench.NATIVE, fad_bench.PATCH, fad_bench.PATCH_U8, fad_bench.COMPOSE_BF16]
+    report = fad_report("bert_base", "gelu_tanh", names, machine, capsys, monkeypatch)
+    assert "for bf16 and u8" in report and report.rstrip().endswith(": ok")
+
+
+def test_fad_micro_forward_rows_against_native_forward():
+    # "x native" divided native's forward + backward time by a forward-only time (2.5 here).
+    r = fad_bench.MicroResult("mish", "fp32", 2**10)
+    times = {"torch native": 10.0, "reprop": 8.0, "torch native fwd": 4.0, "reprop fwd": 5.0, fad_bench.PROBE: 2.0}
+    r.stats = {n: harness.Stats.from_samples([ms]) for n, ms in times.items()}
+    x = {row["candidate"]: row["x_native"] for row in fad_bench.micro_rows(r)}
+    assert x == {"torch native": 1.0, "torch composed": None, "checkpointed": None, "reprop": 1.25,
+                 "reprop u8": None, "reprop compose": None, "torch native fwd": 1.0, "reprop fwd": 0.8,
+                 fad_bench.PROBE: 5.0}
+
+
+# ---------------------------------------------------------------------------
+# ooo.py
+# ---------------------------------------------------------------------------
+
+import ooo as ooo_bench  # noqa: E402
+
+
+def ooo_single_report(capsys, monkeypatch, wrong: bool) -> str:
+    """ooo.py's printed single-device table on small_net (ooo dropping the first layer's dW if ``wrong``)."""
+    enable = ooo_bench.ooo.enable
+
+    def maybe_wrong(model, *args, **kwargs):
+        handle = enable(model, *args, **kwargs)
+        if wrong:
+            model[0].weight.requires_grad_(False)
+        return handle
+
+    monkeypatch.setattr(ooo_bench.ooo, "enable", maybe_wrong)
+    monkeypatch.setattr(ooo_bench.models, "build", lambda name: small_net())
+    args = SimpleNamespace(quick=True, models=[], batches=[8], warmup=1, reps=2)
+    rows = ooo_bench.run_single(args, CPU)
+    capsys.readouterr()
+    ooo_bench.print_single(rows)
+    return capsys.readouterr().out
+
+
+def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
+    # The single-device part compared nothing (and ooo took more steps than eager).
+    report = ooo_single_report(capsys, monkeypatch, wrong=True)
+    assert "parameters and gradients equal to eager's" in report and "NO: ooo:" in report
+
+
+def test_ooo_single_accepts_ooo(capsys, monkeypatch):
+    report = ooo_single_report(capsys, monkeypatch, wrong=False)
+    assert "seeded steps (bitwise): yes" in report
