@@ -1004,6 +1004,86 @@ def test_autocast_hidden_state_fed_back_as_hx():
             assert a.dtype == b.dtype and rel_err(b.float(), a.float()) <= 1e-2, cls
 
 
+# float16 autocast: torch's backward runs its gates in float16, so its
+# gradients differ from float32's by float16 rounding (measured below 7e-3
+# relative between torch's and BPPSA's, README)
+FP16_TOL = 1e-2
+FP16_MODELS = [("tanh", {}), ("relu", {}), ("gru", {}), ("gru", {"num_layers": 2}),
+               ("tanh", {"bidirectional": True}), ("gru", {"bidirectional": True, "batch_first": True})]
+
+
+def float16_pair(kind: str, kw: dict, seed: int):
+    """A torch module and its BPPSA twin, W_hh scaled by 1 + seed (a larger
+    one, larger gradients), input (T = 20) and the output's weights."""
+    torch.manual_seed(seed)
+    ref, ours = make_pair(kind, 5, 16, **kw)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.startswith("weight_hh"):
+                p.mul_(1 + seed)
+    ours.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 20, 5) if kw.get("batch_first") else torch.randn(20, 3, 5)
+    return ref, ours, 2 * x, torch.randn(*x.shape[:2], 1)
+
+
+def float16_autocast_loss(module, x, weight_out):
+    """A loss of every step and h_n, a quarter of it: float16_pair's models
+    overflow between loss scales 2^11 and 2^16 (the first at 2^12 to 2^15)."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        out, h_n = module(x)
+    return ((out.float() * weight_out).sum() + h_n.float().sum()) / 4
+
+
+@pytest.mark.parametrize("kind,kw", FP16_MODELS)
+def test_float16_autocast_gradients_overflow_where_torch_does(kind, kw):
+    """Under float16 autocast torch's backward holds the gate gradients (and
+    the state gradient entering them, and the weights' sums) in float16:
+    past 65504 they are inf. BPPSA's float32 scan gave finite gradients
+    there, so a GradScaler stepped where torch skips. At every loss scale
+    the gradients are all finite exactly when torch's are, and then within
+    float16 rounding of torch's."""
+    finite_seen = set()
+    for seed in range(2):
+        ref, ours, x, weight_out = float16_pair(kind, kw, seed)
+        for e in range(11, 17):
+            grads = []
+            for model in (ref, ours):
+                model.zero_grad()
+                (2.0 ** e * float16_autocast_loss(model, x, weight_out)).backward()
+                grads.append([p.grad for p in model.parameters()])
+            finite = [all(torch.isfinite(g).all() for g in gs) for gs in grads]
+            assert finite[1] == finite[0], (seed, e, finite)
+            finite_seen.add(finite[0])
+            if finite[0]:
+                for a, b in zip(*grads):
+                    assert rel_err(b, a) <= FP16_TOL, (seed, e, rel_err(b, a))
+    assert finite_seen == {True, False}  # the scales cross the overflow
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_float16_autocast_grad_scaler_skips_torchs_steps(kind):
+    """A GradScaler training loop (the scale doubling every other step, so
+    that it overflows again and again) skips the steps torch skips: the
+    same scale sequence, and updates within float16 rounding of torch's."""
+    ref, ours, x, weight_out = float16_pair(kind, {}, 1)
+    start = [p.detach().clone() for p in ref.parameters()]
+    scales = []
+    for model in (ref, ours):
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=2)
+        sequence = []
+        for _ in range(10):
+            opt.zero_grad()
+            scaler.scale(float16_autocast_loss(model, x, weight_out)).backward()
+            scaler.step(opt)
+            scaler.update()
+            sequence.append(scaler.get_scale())
+        scales.append(sequence)
+    assert scales[1] == scales[0]
+    assert len(set(scales[0])) > 2 and any(b < a for a, b in zip(scales[0], scales[0][1:]))
+    for a, b, p in zip(ref.parameters(), ours.parameters(), start):
+        assert rel_err(b - p, a - p) <= FP16_TOL
+
 # ---------------------------------------------------------------------------
 # Convergence on the paper's bitstream task (Eq. 8)
 # ---------------------------------------------------------------------------

@@ -400,16 +400,38 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice) -> tuple:
+def _hold(t: torch.Tensor, held: torch.dtype | None) -> torch.Tensor:
+    """t rounded in place through `held`, the dtype torch's own backward keeps
+    this value in (None: t as it is). A value past float16's range becomes
+    inf, as torch's does, and its products inf or NaN, as torch's are."""
+    return t if held is None else t.copy_(t.to(held))
+
+
+def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Tensor, choice,
+                  held: torch.dtype | None) -> tuple:
     """The RNN's pre-activation gradients d = f'(out) * g (T, B, H), written by
     the scan itself, which reads f'(out) off out (1 - out^2, relu's select) and
-    keeps g to itself: d is backward's one (T, B, H) buffer. Returns ([d], d,
-    grad h0): d_gi's blocks, d_gh."""
+    keeps g to itself: d is backward's one (T, B, H) buffer. With `held`
+    (float16 autocast, see _Layer) g is taken out of the scan and rounded
+    through it first, as torch's recurrence holds g (its output's gradient)
+    in float16: an overflowing g is inf there even where f'(out) g is not.
+    Returns ([d], d, grad h0): d_gi's blocks, d_gh."""
     T, B, H = out.shape
     activation = "tanh" if mode == "RNN_TANH" else "relu"
-    d = scan(c, w=w_hh, activation=activation, y=out, pre_activation=True,
-             levels=_resolve_levels(choice, T, B, H, 1, c.device))
-    return [d], d, d[0] @ w_hh
+    levels = _resolve_levels(choice, T, B, H, 1, c.device)
+    if held is None:
+        d = scan(c, w=w_hh, activation=activation, y=out, pre_activation=True, levels=levels)
+    else:
+        g = _hold(scan(c, w=w_hh, activation=activation, y=out, levels=levels), held)
+        d = _hold(_activation_backward(activation, g, out), held)
+    return [d], d, _hold(d[0] @ w_hh, held)
+
+
+def _activation_backward(activation: str, g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """f'(y) * g as the scan's pre_activation forms it (torch's own kernels)."""
+    if activation == "tanh":
+        return torch.ops.aten.tanh_backward(g, y)
+    return torch.ops.aten.threshold_backward(g, y, 0)
 
 
 def _gate_planes(x2: torch.Tensor, w_ih: torch.Tensor, b_ih: torch.Tensor | None, shape: tuple) -> torch.Tensor:
@@ -443,15 +465,18 @@ def _previous_states_into(dst: torch.Tensor, h0: torch.Tensor, out: torch.Tensor
     return dst
 
 
-def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice) -> tuple:
+def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice, held) -> tuple:
     """The GRU's pre-activation gradients in two buffers: the input gates' planes
     gi (3, T, B, H) and the hidden gates gh (T, B, 3H). The gates r, z, n are
     recomputed into gi; the scan's v = [dn M r (1 - r), (h_prev - n) z (1 - z), dn r]
     (dn = (1 - z)(1 - n^2)) replaces gh = [h_r, h_z, M], dn replaces n, blocks
     already consumed serve as scratch; the scan writes g over r, then
     d_gh = v * g replaces v and dn * g replaces dn. Every element gets the
-    operations of the plain expressions, in their order. Returns (d_gi as
-    column blocks, d_gh, grad h0)."""
+    operations of the plain expressions, in their order. With `held` (float16
+    autocast, see _Layer) g is rounded through it where it enters the gates
+    (torch's float16 gate ops cast it), and d_gh, dn and h0's W_hh product
+    are rounded as torch's float16 ops leave them. Returns (d_gi as column
+    blocks, d_gh, grad h0)."""
     T, B, H = out.shape
     gi = _gate_planes(x2, w_ih, b_ih, (T, B, H))
     gh = _hidden_gates(h0, out, w_hh, b_hh)
@@ -467,10 +492,10 @@ def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice) -> tuple:
     h_r.mul_(_one_minus_into(M, r))  # v_r = dn M r (1 - r)
     torch.mul(dn, r, out=M)  # v_n
     levels = _resolve_levels(choice, T, B, H, 3, c.device)
-    g = scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r)  # r is spent
-    gh.view(T, B, 3, H).mul_(g.unsqueeze(2))  # d_gh = v * [g, g, g]
-    dn.mul_(g)  # W_in sees n's input before r: its gradient is dn * g
-    return [gh[..., :2 * H], dn], gh, z[0] * g[0] + gh[0] @ w_hh
+    g = _hold(scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r), held)  # r is spent
+    _hold(gh.view(T, B, 3, H).mul_(g.unsqueeze(2)), held)  # d_gh = v * [g, g, g]
+    _hold(dn.mul_(g), held)  # W_in sees n's input before r: its gradient is dn * g
+    return [gh[..., :2 * H], dn], gh, z[0] * g[0] + _hold(gh[0] @ w_hh, held)
 
 
 def _last_states(out: torch.Tensor, last: tuple | None) -> torch.Tensor:
@@ -500,6 +525,14 @@ def _step_gradients(grad_out: torch.Tensor | None, grad_h: torch.Tensor | None, 
     return c
 
 
+def _autocast_float16(device_type: str) -> torch.dtype | None:
+    """torch.float16 while float16 autocast is on for the device (torch's
+    recurrence then computes its gates, and their gradients, in float16),
+    else None."""
+    on = autocast_enabled(device_type) and torch.get_autocast_dtype(device_type) == torch.float16
+    return torch.float16 if on else None
+
+
 class _Layer(torch.autograd.Function):
     """(out, h) = layer(x, h0) with PyTorch's forward; backward through the
     scan. h (B, H), each sample's last state, is an output of its own, as
@@ -511,7 +544,15 @@ class _Layer(torch.autograd.Function):
     buffers: one for the RNN (d, out of the scan), six for the GRU (its
     gates' pre-activations, everything later in place over them), plus c
     when both outputs get a gradient (grad_out with grad_h added: the sum
-    autograd made when h was a view of out)."""
+    autograd made when h was a view of out).
+
+    Under float16 autocast torch's backward holds the gates' gradients, the
+    state gradient where it enters them and the weights' gradients in
+    float16, so past 65504 they are inf and a GradScaler skips the step. The
+    scan still runs in float32, but those values are rounded through
+    float16 (ctx.held) so that they overflow where torch's do; the RNN then
+    keeps g in a buffer of its own. bfloat16 has float32's range: nothing
+    to overflow, and its rounding is left out (README)."""
 
     @staticmethod
     def forward(ctx, mode, levels, pad, last, x, h0, w_ih, w_hh, b_ih, b_hh):
@@ -520,6 +561,7 @@ class _Layer(torch.autograd.Function):
         if pad is not None:  # padded steps: 0, whatever the recurrence made of them (inf times 0 would be NaN)
             out.masked_fill_(pad, 0)
         ctx.mode, ctx.levels, ctx.last = mode, levels, last
+        ctx.held = _autocast_float16(x.device.type)
         ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
         # an unused output's gradient stays None, not a (T, B, H) of zeros
         ctx.set_materialize_grads(False)
@@ -545,15 +587,19 @@ class _Layer(torch.autograd.Function):
         grad_out, grad_h = (g if g is None else g.resolve_neg() for g in (grad_out, grad_h))
         x2, c = x.reshape(-1, x.shape[-1]), _step_gradients(grad_out, grad_h, out, ctx.last)
         if ctx.mode == "GRU":
-            d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels)
+            d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels, ctx.held)
         else:
-            d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels)
+            d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels, ctx.held)
         need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[4:]
-        grads = [_blocks_matmul(d_gi, w_ih) if need_x else None, grad_h0,
-                 _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
-                 _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
-                 _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
-                 _sum_rows(d_gh) if need_b_hh else None]
+        # torch's products for x and the weights are float16 GEMMs (and sums)
+        # under float16 autocast: rounded as they leave them (h0's was, above)
+        products = [_blocks_matmul(d_gi, w_ih) if need_x else None,
+                    _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
+                    _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
+                    _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
+                    _sum_rows(d_gh) if need_b_hh else None]
+        grads = [None if gr is None else _hold(gr, ctx.held) for gr in products]
+        grads.insert(1, grad_h0)
         grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
         return (None, None, None, None, *grads)
 
