@@ -1246,12 +1246,20 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* ---- out-of-order backprop scheduling ---- */
 
-/* spec[key], borrowed; NULL with a TypeError naming the key when absent. */
+/* spec[key], a new reference the caller releases: the entry's own Python
+ * code (__len__, __float__, __index__, __bool__) may delete it from the dict,
+ * which then no longer keeps it alive. NULL with a TypeError naming the key
+ * when absent, or the lookup's own error (a key's __eq__ raising). */
 static PyObject *rp_py_spec_item(PyObject *spec, const char *key, const char *fname)
 {
-    PyObject *v = PyDict_GetItemString(spec, key);
+    PyObject *k = PyUnicode_FromString(key), *v;
+    if (k == NULL)
+        return NULL;
+    v = PyDict_GetItemWithError(spec, k);
+    Py_DECREF(k);
     if (v == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "%s: the dict has no '%s'", fname, key);
+    Py_XINCREF(v);
     return v;
 }
 
@@ -1262,6 +1270,7 @@ static int rp_py_spec_int(PyObject *spec, const char *key, const char *fname, in
     if (v == NULL)
         return -1;
     index = PyNumber_Index(v); /* ints and NumPy integers, not floats */
+    Py_DECREF(v);
     x = index != NULL ? PyLong_AsLongLong(index) : -1;
     Py_XDECREF(index);
     if (x == -1 && PyErr_Occurred()) {
@@ -1278,6 +1287,7 @@ static int rp_py_spec_float(PyObject *spec, const char *key, const char *fname, 
     if (v == NULL)
         return -1;
     *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
     if (*out == -1.0 && PyErr_Occurred()) {
         rp_py_prefix_error(fname, key);
         return -1;
@@ -1294,9 +1304,11 @@ static int rp_py_spec_flag(PyObject *spec, const char *key, const char *fname, i
     if (!PyLong_Check(v) && !PyArray_IsScalar(v, Bool) && !PyArray_IsScalar(v, Integer)) {
         PyErr_Format(PyExc_TypeError, "%s: %s must be a bool (got %s)", fname, key,
                      Py_TYPE(v)->tp_name);
+        Py_DECREF(v);
         return -1;
     }
     *out = PyObject_IsTrue(v);
+    Py_DECREF(v);
     return *out < 0 ? -1 : 0;
 }
 
@@ -1368,9 +1380,12 @@ static int rp_py_spec_array(PyObject *spec, const char *key, const char *fname, 
     *out = NULL;
     if (v == NULL)
         return -1;
-    if (none_ok && v == Py_None)
+    if (none_ok && v == Py_None) {
+        Py_DECREF(v);
         return 0;
+    }
     *out = rp_py_array(v, typenum, 1, &len, fname, key);
+    Py_DECREF(v);
     return *out == NULL ? -1 : 0;
 }
 

@@ -130,6 +130,69 @@ def test_cost_model_arguments_are_converted_one_at_a_time():
     assert _C.scan_plan(64, 2, 4, 0, Float(), Float(), Float()) == _C.scan_plan(64, 2, 4, 0, 1.0, 1.0, 1.0)
 
 
+def test_sched_graph_and_simulate_hold_each_entry_while_its_python_code_runs():
+    """The spec and graph entries were borrowed from the dict while their own
+    Python code ran (NumPy's __len__, __float__, __index__, __bool__): an
+    entry deleting itself from the dict, which held its only reference, was
+    read after it was freed (segfaults)."""
+    proc = _run_isolated("""
+        import numpy as np
+        from reprop._native import _C
+
+        spec = dict(layers=2, micro=1, stages=1, iterations=1, transfer=0.5, order=0, k=0,
+                    sync_by_layer=False, sub_stream=True, input_grad=False, fwd=[1.0, 1.0],
+                    out_grad=[1.0, 1.0], weight_grad=[1.0, 1.0], sync=None, stage=None)
+        want = _C.sched_graph(spec)
+
+        def drops(d, key, method, result):  # an entry whose `method` deletes it from d
+            def run(self):
+                d.pop(key, None)  # NumPy may call it more than once
+                [object() for _ in range(100)]  # reuse its memory
+                return result
+            return type("Drops", (), {"__slots__": (), method: run, "__getitem__": seq_item})()
+
+        def seq_item(self, i):
+            if i < 2:
+                return 1.0
+            raise IndexError
+
+        for key, method, result in [("fwd", "__len__", 2), ("transfer", "__float__", 0.5),
+                                    ("k", "__index__", 0)]:
+            s = dict(spec)
+            s[key] = drops(s, key, method, result)
+            got = _C.sched_graph(s)
+            assert all(np.array_equal(got[f], want[f]) for f in want), key
+
+        class TrueInt(int):  # a flag whose truth deletes it
+            def __bool__(self):
+                s.pop("sub_stream", None)
+                return True
+        s = dict(spec, sub_stream=TrueInt(1))
+        got = _C.sched_graph(s)
+        assert all(np.array_equal(got[f], want[f]) for f in want)
+
+        graph = dict(want)
+        makespan = _C.simulate(graph, 1.0)[3]
+        cost = graph["cost"].tolist()
+        n = len(cost)
+
+        class Cost:
+            __slots__ = ()
+            def __len__(self):
+                graph.pop("cost", None)
+                [object() for _ in range(100)]
+                return n
+            def __getitem__(self, i):
+                if i < n:
+                    return cost[i]
+                raise IndexError
+        graph["cost"] = Cost()
+        assert _C.simulate(graph, 1.0)[3] == makespan
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
 def _unaligned(values, dtype) -> np.ndarray:
     """A C-contiguous array of `values` one byte off its dtype's alignment."""
     raw = np.zeros(len(values) * np.dtype(dtype).itemsize + 1, np.uint8)
