@@ -998,21 +998,55 @@ static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
 }
 
 /* An int32 1-D array of `len` elements (len < 0: any) the core reads in
- * place, borrowed. */
-static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
+ * place, borrowed; errors name it ("leaves[i]: name: "). */
+static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *leaf, const char *name,
+                           const int32_t **out)
 {
     PyArrayObject *arr = (PyArrayObject *)obj;
     if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
         !rp_py_is_c_data(arr) || (len >= 0 && PyArray_DIM(arr, 0) != (npy_intp)len)) {
         if (len >= 0)
-            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned int32 array of "
-                         "%lld elements in native byte order", name, (long long)len);
+            PyErr_Format(PyExc_ValueError, "%s: %s: expected a C-contiguous, aligned int32 array of "
+                         "%lld elements in native byte order", leaf, name, (long long)len);
         else
-            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned 1-D int32 array "
-                         "in native byte order", name);
+            PyErr_Format(PyExc_ValueError, "%s: %s: expected a C-contiguous, aligned 1-D int32 array "
+                         "in native byte order", leaf, name);
         return -1;
     }
     *out = (const int32_t *)PyArray_DATA(arr);
+    return 0;
+}
+
+/* Leaf i of csr_plan's leaves into *leaf, which borrows the arrays of the
+ * tuple `item`; errors name the leaf. */
+static int rp_py_leaf_arg(PyObject *item, int64_t i, rp_csr_pattern *leaf)
+{
+    PyObject *indptr, *indices, *value_map;
+    long long rows, cols, values;
+    int shared;
+    char name[48];
+    PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
+    if (rp_py_tuple_arg(item, name) < 0 ||
+        !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
+                                "value_map, values)",
+                          &rows, &cols, &indptr, &indices, &shared, &value_map, &values))
+        return -1;
+    /* a program addresses 2^31 floats, so no vector of a larger layer fits;
+     * refused before rows + 1, which 2^63 - 1 would wrap to a negative
+     * length, that is "any length", letting the core read past indptr */
+    if (rows < 1 || rows > INT32_MAX || cols < 1 || cols > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: rows and cols must be in [1, 2^31), the floats a program "
+                     "addresses (got %lld, %lld)", name, rows, cols);
+        return -1;
+    }
+    if (rp_py_int32_arg(indptr, rows + 1, name, "indptr", &leaf->indptr) < 0 ||
+        rp_py_int32_arg(indices, -1, name, "indices", &leaf->indices) < 0 ||
+        (value_map != Py_None &&
+         rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), name, "value_map",
+                         &leaf->value_map) < 0))
+        return -1;
+    leaf->rows = rows, leaf->cols = cols, leaf->shared = shared, leaf->values = values;
+    leaf->nnz = PyArray_DIM((PyArrayObject *)indices, 0);
     return 0;
 }
 
@@ -1043,30 +1077,12 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
-    for (int64_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(seq, i), *indptr, *indices, *value_map;
-        long long rows, cols, values;
-        int shared;
-        char name[48];
-        PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
-        if (rp_py_tuple_arg(item, name) < 0 ||
-            !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
-                                    "value_map, values)",
-                              &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
-            rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
-            rp_py_int32_arg(indices, -1, "indices", &leaves[i].indices) < 0 ||
-            (value_map != Py_None &&
-             rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), "value_map",
-                             &leaves[i].value_map) < 0)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "leaves: rows must be >= 1");
+    for (int64_t i = 0; i < n; i++)
+        if (rp_py_leaf_arg(PyTuple_GET_ITEM(seq, i), i, &leaves[i]) < 0) {
             PyMem_Free(leaves);
             Py_DECREF(seq);
             return NULL;
         }
-        leaves[i].rows = rows, leaves[i].cols = cols, leaves[i].shared = shared, leaves[i].values = values;
-        leaves[i].nnz = PyArray_DIM((PyArrayObject *)indices, 0);
-    }
     Py_BEGIN_ALLOW_THREADS
     rc = rp_csr_plan_create(n, leaves, levels, max_pairs, &m, &plan, &err);
     Py_END_ALLOW_THREADS

@@ -229,16 +229,35 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
 
     indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
     for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):
-        with pytest.raises(ValueError, match="^indptr: expected a C-contiguous, aligned int32 array of 3 "
-                                             "elements in native byte order$"):
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indptr: expected a C-contiguous, aligned int32 "
+                                             "array of 3 elements in native byte order$"):
             _C.csr_plan([(2, 2, bad, indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned 1-D int32 array in "
-                                         "native byte order$"):
+    with pytest.raises(ValueError, match=r"^leaves\[0\]: indices: expected a C-contiguous, aligned 1-D int32 "
+                                         "array in native byte order$"):
         _C.csr_plan([(2, 2, indptr, indices.astype(">i4"), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
 
     want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
     got = _C.reverse_first_k(8, 3, np.arange(8).astype(">i8"), _unaligned(range(8), np.int64), 5, 100)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_csr_plan_refuses_layers_past_what_a_program_addresses():
+    """rows = 2**63 - 1 wrapped rows + 1, the length indptr must have, to a
+    negative one, which meant "any length": the core read indptr far past
+    its two elements (ASan: heap-buffer-overflow). Rows and cols are refused
+    past 2^31, which no program can address, naming the leaf, as are the
+    arrays of a leaf."""
+    indptr, indices = np.array([0, 1], np.int32), np.array([0], np.int32)
+    leaf = (1, 1, indptr, indices, False, None, 1)
+    past = "rows and cols must be in \\[1, 2\\^31\\), the floats a program addresses"
+    for rows, cols in [(2**63 - 1, 1), (2**31, 1), (0, 1), (1, 2**63 - 1), (1, 2**31), (1, 0)]:
+        with pytest.raises(ValueError, match=rf"^leaves\[0\]: {past} \(got {rows}, {cols}\)$"):
+            _C.csr_plan([(rows, cols, indptr, indices, False, None, 1)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^leaves\[1\]: indptr: expected .* int32 array of 3 elements"):
+        _C.csr_plan([leaf, (2, 1, indptr, indices, False, None, 1)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^leaves\[1\]: value_map: expected .* int32 array of 1 elements"):
+        _C.csr_plan([leaf, (1, 1, indptr, indices, False, indptr, 1)], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
 
 
 def _lets_another_thread_run(call) -> bool:
