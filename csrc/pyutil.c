@@ -554,19 +554,25 @@ PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t
 int rp_py_int_arg(PyObject *obj, const char *name, int *out)
 {
     /* range-checked, never truncated: 2**32 must not become kind 0 */
-    long long v = PyLong_AsLongLong(obj);
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    char got[24];
     if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            rp_py_prefix_error(NULL, name);
-            return -1;
-        }
-        PyErr_Clear();
-    } else if (v >= INT_MIN && v <= INT_MAX) {
+        rp_py_prefix_error(NULL, name);
+        return -1;
+    }
+    if (overflow == 0 && v >= INT_MIN && v <= INT_MAX) {
         *out = (int)v;
         return 0;
     }
-    PyErr_Format(PyExc_OverflowError, "%s: expected an int in [%d, %d], got %R", name, INT_MIN, INT_MAX,
-                 obj);
+    /* the value, never its repr: Python refuses to write an int of over
+     * 4300 digits as text, which would replace this error with its own */
+    if (overflow == 0)
+        PyOS_snprintf(got, sizeof got, "%lld", v);
+    else
+        PyOS_snprintf(got, sizeof got, "%s", overflow > 0 ? "an int >= 2^63" : "an int < -2^63");
+    PyErr_Format(PyExc_OverflowError, "%s: expected an int in [%d, %d], got %s", name, INT_MIN, INT_MAX,
+                 got);
     return -1;
 }
 

@@ -343,6 +343,30 @@ def test_binding_argument_errors_name_the_argument():
             call()
 
 
+def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
+    """The int arguments' OverflowError wrote the value with %R, which Python
+    refuses for an int of over 4300 digits: its ValueError "Exceeds the limit
+    (4300 digits) for integer string conversion" replaced the error naming
+    the argument. Each kind of int argument, with such an int."""
+    huge = 10**5000
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    int_range = r"expected an int in \[-2147483648, 2147483647\], got "
+    cases = [
+        ("^kind: " + int_range + r"an int >= 2\^63$", lambda: _C.fad_codebook(huge, 0.0, 0.0)),
+        ("^num_threads: " + int_range + r"an int < -2\^63$",
+         lambda: _C.optim_step(0, 0, np.zeros((0, 8), np.int64), hparams, -huge)),
+        ("^levels: " + int_range + "1099511627776$", lambda: _C.scan_workspace(1, 1, 1, 2**40)),
+        ("^n: int too big to convert$", lambda: _C.scan_workspace(huge, 1, 1, 0)),
+        ("^seq: int too big to convert$", lambda: _C.csr_run(plan, 1, huge, 0, 0, 0, 0, 0, 1)),
+        ("^sched_graph: micro: int too big to convert$", lambda: _C.sched_graph({**_SPEC, "micro": huge})),
+    ]
+    for message, call in cases:
+        with pytest.raises(OverflowError, match=message):
+            call()
+
+
 def test_jacobian_kind_is_the_whole_str():
     """The kind was compared with C's strcmp, which stops at an embedded NUL:
     "linear\\0x" was taken for "linear"; a non-str gave Python's bare "bad
