@@ -35,10 +35,7 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err)
     Py_RETURN_NONE;
 }
 
-/* Re-raises a pending TypeError, ValueError or OverflowError with
- * "fname: name: " (fname NULL: "name: ") in front of its message, so that a
- * bad argument or spec entry names itself. */
-static void rp_py_prefix_error(const char *fname, const char *name)
+void rp_py_prefix_error(const char *fname, const char *name)
 {
     PyObject *type, *value, *tb, *msg, *kind;
     PyErr_Fetch(&type, &value, &tb);
@@ -597,8 +594,7 @@ static int rp_py_float_arg(PyObject *obj, const char *name, float *out)
     return 0;
 }
 
-/* A data pointer as an int (0 for NULL); errors name the argument. */
-static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
+int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -609,8 +605,7 @@ static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
     return 0;
 }
 
-/* An int64 argument; errors (OverflowError past int64) name it. */
-static int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
+int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
 {
     long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) {
@@ -990,17 +985,21 @@ static void rp_py_plan_destructor(PyObject *capsule)
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
 }
 
-/* The plan of a csr_plan capsule; NULL with a TypeError naming `plan` (the
- * capsule API's ValueError names neither the argument nor what it takes). */
-static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+void *rp_py_capsule_arg(PyObject *obj, const char *capsule, const char *maker, const char *name)
 {
-    rp_csr_plan *plan = PyCapsule_GetPointer(obj, RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "plan: expected the capsule csr_plan() returns, got %s",
+    void *ptr = PyCapsule_GetPointer(obj, capsule);
+    if (ptr == NULL) {
+        PyErr_Clear(); /* the capsule API's ValueError names neither the argument nor what it takes */
+        PyErr_Format(PyExc_TypeError, "%s: expected the capsule %s() returns, got %s", name, maker,
                      Py_TYPE(obj)->tp_name);
     }
-    return plan;
+    return ptr;
+}
+
+/* The plan of a csr_plan capsule. */
+static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+{
+    return rp_py_capsule_arg(obj, RP_CSR_PLAN_CAPSULE, "csr_plan", "plan");
 }
 
 /* An int32 1-D array of `len` elements (len < 0: any) the core reads in

@@ -343,6 +343,47 @@ def test_binding_argument_errors_name_the_argument():
             call()
 
 
+def test_cuda_binding_argument_errors_name_the_argument():
+    """_cuda's own bindings converted some arguments with the bare C API:
+    optim_step's lr_ptr ("can't convert negative int to unsigned"),
+    cusparse_create's library ("bad argument type for built-in operation")
+    and ints, and cusparse_run's chain (the capsule API's ValueError), none
+    naming the argument. Runs wherever _cuda is built (CI builds it without a
+    device): each error comes before anything is launched."""
+    cuda = reprop._native._cuda
+    if cuda is None:
+        pytest.skip("reprop._cuda not built")
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    table, mats, ops = np.zeros((0, 8), np.int64), np.zeros((0, 10), np.int64), np.zeros((0, 5), np.int64)
+    plan = _C.csr_plan([(1, 1, np.array([0, 1], np.int32), np.array([0], np.int32), False, None, 1)],
+                       0, 0, 1.0, 1.0, 1.0)
+
+    def create(library="", vectors=0, batch=1, nvectors=1, stride=1):
+        return cuda.cusparse_create(library, mats, ops, vectors, batch, nvectors, stride, 0)
+
+    unsigned = "can't convert negative int to unsigned$"
+    cases = [
+        (OverflowError, "^lr_ptr: " + unsigned, lambda: cuda.optim_step(0, 0, table, hparams, False, 0, -1)),
+        (TypeError, "^lr_ptr: an integer is required$", lambda: cuda.optim_step(0, 0, table, hparams, False, 0, "x")),
+        (TypeError, "^library: expected a str, got int$", lambda: create(library=5)),
+        (ValueError, "^library: embedded null character$", lambda: create(library="libcusparse.so\0x")),
+        (ValueError, "^library: 'utf-8' codec can't encode", lambda: create(library="\ud800")),
+        (OverflowError, "^vectors: " + unsigned, lambda: create(vectors=-1)),
+        (OverflowError, "^batch: int too big to convert$", lambda: create(batch=2**70)),
+        (TypeError, "^nvectors: 'str' object cannot be interpreted as an integer$", lambda: create(nvectors="1")),
+        (OverflowError, "^stride: int too big to convert$", lambda: create(stride=10**5000)),
+        (TypeError, r"^chain: expected the capsule cusparse_create\(\) returns, got int$",
+         lambda: cuda.cusparse_run(5, 0)),
+        (TypeError, r"^chain: expected the capsule cusparse_create\(\) returns, got PyCapsule$",
+         lambda: cuda.cusparse_run(plan, 0)),
+        (OverflowError, "^kind: expected an int in .*, got an int >= 2\\^63$",
+         lambda: cuda.fad_forward(10**5000, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0)),
+    ]
+    for exc, message, call in cases:
+        with pytest.raises(exc, match=message):
+            call()
+
+
 def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
     """The int arguments' OverflowError wrote the value with %R, which Python
     refuses for an int of over 4300 digits: its ValueError "Exceeds the limit
