@@ -917,6 +917,11 @@ static int rp_py_jac_geometry_arg(PyObject *obj, int kind, rp_conv2d_geom *g, in
                                                : "LL;geometry: expected (size, 0), 2 ints",
                           a, b))
         return -1;
+    if (kind == RP_PY_DIAGONAL && *b != 0) { /* the core takes the size alone: refused, not ignored */
+        PyErr_Format(PyExc_ValueError, "geometry: expected (size, 0) for a diagonal, got (%lld, %lld)",
+                     (long long)*a, (long long)*b);
+        return -1;
+    }
     return 0;
 }
 

@@ -411,12 +411,16 @@ def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
 def test_jacobian_kind_is_the_whole_str():
     """The kind was compared with C's strcmp, which stops at an embedded NUL:
     "linear\\0x" was taken for "linear"; a non-str gave Python's bare "bad
-    argument type for built-in operation"."""
+    argument type for built-in operation". A diagonal's geometry is (size,
+    0): the second entry was ignored, so (3, 7) gave the pattern of (3, 0)."""
     for kind in ("linear\0x", "linear\0", "lin"):
         with pytest.raises(ValueError, match=f"^jacobian: unknown layer kind {re.escape(repr(kind))}$"):
             _C.jacobian(kind, (3, 4))
     with pytest.raises(TypeError, match="^kind: expected a str, got bytes$"):
         _C.jacobian(b"linear", (3, 4))
+    for b in (7, -1):
+        with pytest.raises(ValueError, match=rf"^geometry: expected \(size, 0\) for a diagonal, got \(3, {b}\)$"):
+            _C.jacobian("diagonal", (3, b))
     indptr, indices, wmap = _C.jacobian("linear", (3, 4))
     assert indptr.tolist() == [0, 4, 8, 12] and wmap.tolist() == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]
     assert [len(_C.jacobian(kind, geometry)) for kind, geometry in [
