@@ -22,8 +22,7 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     rp_py_optim_call call;
     rp_step_scalars *scalars = NULL;
     rp_error err = {{0}};
-    void *stream;
-    unsigned long long lr_ptr;
+    void *stream, *lr_ptr;
     int capturable, rc;
     (void)self;
     if (rp_py_check_nargs(nargs, 7, "optim_step") < 0)
@@ -31,14 +30,11 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
     capturable = PyObject_IsTrue(args[4]);
     if (capturable < 0)
         return NULL;
-    if (rp_py_stream_arg(args[5], &stream) < 0)
-        return NULL;
-    lr_ptr = PyLong_AsUnsignedLongLong(args[6]);
-    if (lr_ptr == (unsigned long long)-1 && PyErr_Occurred())
+    if (rp_py_stream_arg(args[5], &stream) < 0 || rp_py_pointer_arg(args[6], "lr_ptr", &lr_ptr) < 0)
         return NULL;
     if (rp_py_parse_optim_call(args[0], args[1], args[2], args[3], &call) < 0)
         return NULL;
-    call.hp.lr_ptr = (const float *)(uintptr_t)lr_ptr;
+    call.hp.lr_ptr = lr_ptr;
     rc = rp_optim_check(&call.hp, call.entries, call.n, &err);
     /* the host counters and one-shot flags change only once the update is
        issued: a refused dtype or a failed launch leaves them as they were,
@@ -90,6 +86,28 @@ static int rp_cuda_table_arg(PyObject *obj, Py_ssize_t cols, const char *name, P
     return -1;
 }
 
+/* The path `library` (a str, "" for none) as UTF-8 for the loader; 0, or -1
+ * with an exception naming it. A NUL inside would end the path there for C,
+ * so that another file than the one named would be loaded. */
+static int rp_cuda_library_arg(PyObject *obj, const char **out)
+{
+    Py_ssize_t len;
+    if (!PyUnicode_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "library: expected a str, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    *out = PyUnicode_AsUTF8AndSize(obj, &len);
+    if (*out == NULL) { /* a lone surrogate: UnicodeEncodeError, a ValueError */
+        rp_py_prefix_error(NULL, "library");
+        return -1;
+    }
+    if (strlen(*out) != (size_t)len) {
+        PyErr_SetString(PyExc_ValueError, "library: embedded null character");
+        return -1;
+    }
+    return 0;
+}
+
 static void rp_cuda_cusparse_destructor(PyObject *capsule)
 {
     rp_cuda_cusparse_free(PyCapsule_GetPointer(capsule, RP_CUSPARSE_CAPSULE));
@@ -108,18 +126,13 @@ static PyObject *rp_cuda_cusparse_create_py(PyObject *self, PyObject *const *arg
     rp_cusparse_chain *chain = NULL;
     rp_error err = {{0}};
     const char *library;
-    unsigned long long vectors;
-    long long batch, nvectors, stride;
-    void *stream;
+    int64_t batch, nvectors, stride;
+    void *vectors, *stream;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 8, "cusparse_create") < 0)
-        return NULL;
-    if ((library = PyUnicode_AsUTF8(args[0])) == NULL ||
-        ((vectors = PyLong_AsUnsignedLongLong(args[3])) == (unsigned long long)-1 && PyErr_Occurred()) ||
-        ((batch = PyLong_AsLongLong(args[4])) == -1 && PyErr_Occurred()) ||
-        ((nvectors = PyLong_AsLongLong(args[5])) == -1 && PyErr_Occurred()) ||
-        ((stride = PyLong_AsLongLong(args[6])) == -1 && PyErr_Occurred()) ||
+    if (rp_py_check_nargs(nargs, 8, "cusparse_create") < 0 || rp_cuda_library_arg(args[0], &library) < 0 ||
+        rp_py_pointer_arg(args[3], "vectors", &vectors) < 0 || rp_py_size_arg(args[4], "batch", &batch) < 0 ||
+        rp_py_size_arg(args[5], "nvectors", &nvectors) < 0 || rp_py_size_arg(args[6], "stride", &stride) < 0 ||
         rp_py_stream_arg(args[7], &stream) < 0)
         return NULL;
     if (rp_cuda_table_arg(args[1], RP_CUSPARSE_MAT_COLS, "mats", &mats) < 0)
@@ -130,7 +143,7 @@ static PyObject *rp_cuda_cusparse_create_py(PyObject *self, PyObject *const *arg
     }
     /* with the GIL: the first call loads and resolves the library once */
     rc = rp_cuda_cusparse_create(library, mats.shape[0], mats.buf, ops.shape[0], ops.buf,
-                                 (float *)(uintptr_t)vectors, batch, nvectors, stride, stream, &chain,
+                                 (float *)vectors, batch, nvectors, stride, stream, &chain,
                                  &err);
     PyBuffer_Release(&mats);
     PyBuffer_Release(&ops);
@@ -156,7 +169,7 @@ static PyObject *rp_cuda_cusparse_run_py(PyObject *self, PyObject *const *args, 
     (void)self;
     if (rp_py_check_nargs(nargs, 2, "cusparse_run") < 0)
         return NULL;
-    chain = PyCapsule_GetPointer(args[0], RP_CUSPARSE_CAPSULE);
+    chain = rp_py_capsule_arg(args[0], RP_CUSPARSE_CAPSULE, "cusparse_create", "chain");
     if (chain == NULL || rp_py_stream_arg(args[1], &stream) < 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS

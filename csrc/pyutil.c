@@ -35,10 +35,7 @@ PyObject *rp_py_none_or_raise(int code, const rp_error *err)
     Py_RETURN_NONE;
 }
 
-/* Re-raises a pending TypeError, ValueError or OverflowError with
- * "fname: name: " (fname NULL: "name: ") in front of its message, so that a
- * bad argument or spec entry names itself. */
-static void rp_py_prefix_error(const char *fname, const char *name)
+void rp_py_prefix_error(const char *fname, const char *name)
 {
     PyObject *type, *value, *tb, *msg, *kind;
     PyErr_Fetch(&type, &value, &tb);
@@ -554,19 +551,25 @@ PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t
 int rp_py_int_arg(PyObject *obj, const char *name, int *out)
 {
     /* range-checked, never truncated: 2**32 must not become kind 0 */
-    long long v = PyLong_AsLongLong(obj);
+    int overflow;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    char got[24];
     if (v == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
-            rp_py_prefix_error(NULL, name);
-            return -1;
-        }
-        PyErr_Clear();
-    } else if (v >= INT_MIN && v <= INT_MAX) {
+        rp_py_prefix_error(NULL, name);
+        return -1;
+    }
+    if (overflow == 0 && v >= INT_MIN && v <= INT_MAX) {
         *out = (int)v;
         return 0;
     }
-    PyErr_Format(PyExc_OverflowError, "%s: expected an int in [%d, %d], got %R", name, INT_MIN, INT_MAX,
-                 obj);
+    /* the value, never its repr: Python refuses to write an int of over
+     * 4300 digits as text, which would replace this error with its own */
+    if (overflow == 0)
+        PyOS_snprintf(got, sizeof got, "%lld", v);
+    else
+        PyOS_snprintf(got, sizeof got, "%s", overflow > 0 ? "an int >= 2^63" : "an int < -2^63");
+    PyErr_Format(PyExc_OverflowError, "%s: expected an int in [%d, %d], got %s", name, INT_MIN, INT_MAX,
+                 got);
     return -1;
 }
 
@@ -591,8 +594,7 @@ static int rp_py_float_arg(PyObject *obj, const char *name, float *out)
     return 0;
 }
 
-/* A data pointer as an int (0 for NULL); errors name the argument. */
-static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
+int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
 {
     unsigned long long v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -603,8 +605,7 @@ static int rp_py_pointer_arg(PyObject *obj, const char *name, void **out)
     return 0;
 }
 
-/* An int64 argument; errors (OverflowError past int64) name it. */
-static int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
+int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out)
 {
     long long v = PyLong_AsLongLong(obj);
     if (v == -1 && PyErr_Occurred()) {
@@ -916,6 +917,11 @@ static int rp_py_jac_geometry_arg(PyObject *obj, int kind, rp_conv2d_geom *g, in
                                                : "LL;geometry: expected (size, 0), 2 ints",
                           a, b))
         return -1;
+    if (kind == RP_PY_DIAGONAL && *b != 0) { /* the core takes the size alone: refused, not ignored */
+        PyErr_Format(PyExc_ValueError, "geometry: expected (size, 0) for a diagonal, got (%lld, %lld)",
+                     (long long)*a, (long long)*b);
+        return -1;
+    }
     return 0;
 }
 
@@ -984,35 +990,73 @@ static void rp_py_plan_destructor(PyObject *capsule)
     rp_csr_plan_free(PyCapsule_GetPointer(capsule, RP_CSR_PLAN_CAPSULE));
 }
 
-/* The plan of a csr_plan capsule; NULL with a TypeError naming `plan` (the
- * capsule API's ValueError names neither the argument nor what it takes). */
-static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+void *rp_py_capsule_arg(PyObject *obj, const char *capsule, const char *maker, const char *name)
 {
-    rp_csr_plan *plan = PyCapsule_GetPointer(obj, RP_CSR_PLAN_CAPSULE);
-    if (plan == NULL) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError, "plan: expected the capsule csr_plan() returns, got %s",
+    void *ptr = PyCapsule_GetPointer(obj, capsule);
+    if (ptr == NULL) {
+        PyErr_Clear(); /* the capsule API's ValueError names neither the argument nor what it takes */
+        PyErr_Format(PyExc_TypeError, "%s: expected the capsule %s() returns, got %s", name, maker,
                      Py_TYPE(obj)->tp_name);
     }
-    return plan;
+    return ptr;
+}
+
+/* The plan of a csr_plan capsule. */
+static rp_csr_plan *rp_py_plan_arg(PyObject *obj)
+{
+    return rp_py_capsule_arg(obj, RP_CSR_PLAN_CAPSULE, "csr_plan", "plan");
 }
 
 /* An int32 1-D array of `len` elements (len < 0: any) the core reads in
- * place, borrowed. */
-static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *name, const int32_t **out)
+ * place, borrowed; errors name it ("leaves[i]: name: "). */
+static int rp_py_int32_arg(PyObject *obj, int64_t len, const char *leaf, const char *name,
+                           const int32_t **out)
 {
     PyArrayObject *arr = (PyArrayObject *)obj;
     if (!PyArray_Check(obj) || PyArray_TYPE(arr) != NPY_INT32 || PyArray_NDIM(arr) != 1 ||
         !rp_py_is_c_data(arr) || (len >= 0 && PyArray_DIM(arr, 0) != (npy_intp)len)) {
         if (len >= 0)
-            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned int32 array of "
-                         "%lld elements in native byte order", name, (long long)len);
+            PyErr_Format(PyExc_ValueError, "%s: %s: expected a C-contiguous, aligned int32 array of "
+                         "%lld elements in native byte order", leaf, name, (long long)len);
         else
-            PyErr_Format(PyExc_ValueError, "%s: expected a C-contiguous, aligned 1-D int32 array "
-                         "in native byte order", name);
+            PyErr_Format(PyExc_ValueError, "%s: %s: expected a C-contiguous, aligned 1-D int32 array "
+                         "in native byte order", leaf, name);
         return -1;
     }
     *out = (const int32_t *)PyArray_DATA(arr);
+    return 0;
+}
+
+/* Leaf i of csr_plan's leaves into *leaf, which borrows the arrays of the
+ * tuple `item`; errors name the leaf. */
+static int rp_py_leaf_arg(PyObject *item, int64_t i, rp_csr_pattern *leaf)
+{
+    PyObject *indptr, *indices, *value_map;
+    long long rows, cols, values;
+    int shared;
+    char name[48];
+    PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
+    if (rp_py_tuple_arg(item, name) < 0 ||
+        !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
+                                "value_map, values)",
+                          &rows, &cols, &indptr, &indices, &shared, &value_map, &values))
+        return -1;
+    /* a program addresses 2^31 floats, so no vector of a larger layer fits;
+     * refused before rows + 1, which 2^63 - 1 would wrap to a negative
+     * length, that is "any length", letting the core read past indptr */
+    if (rows < 1 || rows > INT32_MAX || cols < 1 || cols > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s: rows and cols must be in [1, 2^31), the floats a program "
+                     "addresses (got %lld, %lld)", name, rows, cols);
+        return -1;
+    }
+    if (rp_py_int32_arg(indptr, rows + 1, name, "indptr", &leaf->indptr) < 0 ||
+        rp_py_int32_arg(indices, -1, name, "indices", &leaf->indices) < 0 ||
+        (value_map != Py_None &&
+         rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), name, "value_map",
+                         &leaf->value_map) < 0))
+        return -1;
+    leaf->rows = rows, leaf->cols = cols, leaf->shared = shared, leaf->values = values;
+    leaf->nnz = PyArray_DIM((PyArrayObject *)indices, 0);
     return 0;
 }
 
@@ -1043,30 +1087,12 @@ PyObject *rp_py_csr_plan(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(seq);
         return PyErr_NoMemory();
     }
-    for (int64_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(seq, i), *indptr, *indices, *value_map;
-        long long rows, cols, values;
-        int shared;
-        char name[48];
-        PyOS_snprintf(name, sizeof name, "leaves[%lld]", (long long)i);
-        if (rp_py_tuple_arg(item, name) < 0 ||
-            !PyArg_ParseTuple(item, "LLOOpOL;leaves: expected tuples (rows, cols, indptr, indices, shared, "
-                                    "value_map, values)",
-                              &rows, &cols, &indptr, &indices, &shared, &value_map, &values) ||
-            rows < 1 || rp_py_int32_arg(indptr, rows + 1, "indptr", &leaves[i].indptr) < 0 ||
-            rp_py_int32_arg(indices, -1, "indices", &leaves[i].indices) < 0 ||
-            (value_map != Py_None &&
-             rp_py_int32_arg(value_map, PyArray_DIM((PyArrayObject *)indices, 0), "value_map",
-                             &leaves[i].value_map) < 0)) {
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_ValueError, "leaves: rows must be >= 1");
+    for (int64_t i = 0; i < n; i++)
+        if (rp_py_leaf_arg(PyTuple_GET_ITEM(seq, i), i, &leaves[i]) < 0) {
             PyMem_Free(leaves);
             Py_DECREF(seq);
             return NULL;
         }
-        leaves[i].rows = rows, leaves[i].cols = cols, leaves[i].shared = shared, leaves[i].values = values;
-        leaves[i].nnz = PyArray_DIM((PyArrayObject *)indices, 0);
-    }
     Py_BEGIN_ALLOW_THREADS
     rc = rp_csr_plan_create(n, leaves, levels, max_pairs, &m, &plan, &err);
     Py_END_ALLOW_THREADS
@@ -1246,12 +1272,20 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* ---- out-of-order backprop scheduling ---- */
 
-/* spec[key], borrowed; NULL with a TypeError naming the key when absent. */
+/* spec[key], a new reference the caller releases: the entry's own Python
+ * code (__len__, __float__, __index__, __bool__) may delete it from the dict,
+ * which then no longer keeps it alive. NULL with a TypeError naming the key
+ * when absent, or the lookup's own error (a key's __eq__ raising). */
 static PyObject *rp_py_spec_item(PyObject *spec, const char *key, const char *fname)
 {
-    PyObject *v = PyDict_GetItemString(spec, key);
+    PyObject *k = PyUnicode_FromString(key), *v;
+    if (k == NULL)
+        return NULL;
+    v = PyDict_GetItemWithError(spec, k);
+    Py_DECREF(k);
     if (v == NULL && !PyErr_Occurred())
         PyErr_Format(PyExc_TypeError, "%s: the dict has no '%s'", fname, key);
+    Py_XINCREF(v);
     return v;
 }
 
@@ -1262,6 +1296,7 @@ static int rp_py_spec_int(PyObject *spec, const char *key, const char *fname, in
     if (v == NULL)
         return -1;
     index = PyNumber_Index(v); /* ints and NumPy integers, not floats */
+    Py_DECREF(v);
     x = index != NULL ? PyLong_AsLongLong(index) : -1;
     Py_XDECREF(index);
     if (x == -1 && PyErr_Occurred()) {
@@ -1278,6 +1313,7 @@ static int rp_py_spec_float(PyObject *spec, const char *key, const char *fname, 
     if (v == NULL)
         return -1;
     *out = PyFloat_AsDouble(v);
+    Py_DECREF(v);
     if (*out == -1.0 && PyErr_Occurred()) {
         rp_py_prefix_error(fname, key);
         return -1;
@@ -1294,9 +1330,11 @@ static int rp_py_spec_flag(PyObject *spec, const char *key, const char *fname, i
     if (!PyLong_Check(v) && !PyArray_IsScalar(v, Bool) && !PyArray_IsScalar(v, Integer)) {
         PyErr_Format(PyExc_TypeError, "%s: %s must be a bool (got %s)", fname, key,
                      Py_TYPE(v)->tp_name);
+        Py_DECREF(v);
         return -1;
     }
     *out = PyObject_IsTrue(v);
+    Py_DECREF(v);
     return *out < 0 ? -1 : 0;
 }
 
@@ -1368,9 +1406,12 @@ static int rp_py_spec_array(PyObject *spec, const char *key, const char *fname, 
     *out = NULL;
     if (v == NULL)
         return -1;
-    if (none_ok && v == Py_None)
+    if (none_ok && v == Py_None) {
+        Py_DECREF(v);
         return 0;
+    }
     *out = rp_py_array(v, typenum, 1, &len, fname, key);
+    Py_DECREF(v);
     return *out == NULL ? -1 : 0;
 }
 

@@ -116,13 +116,25 @@ PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 /* None when a core call returned RP_OK, else its error raised (NULL). */
 PyObject *rp_py_none_or_raise(int code, const rp_error *err);
 
+/* Re-raises a pending TypeError, ValueError or OverflowError with
+ * "fname: name: " (fname NULL: "name: ") in front of its message, so that a
+ * bad argument or spec entry names itself; any other error stays as it is. */
+void rp_py_prefix_error(const char *fname, const char *name);
+
 /* Arguments of the bindings' own calls: 0, or -1 with a Python exception set. */
 int rp_py_check_nargs(Py_ssize_t nargs, Py_ssize_t want, const char *fname);
 /* An int argument; its errors name it (`name`), OverflowError when out of
  * int's range. */
 int rp_py_int_arg(PyObject *obj, const char *name, int *out);
+/* An int64 argument; its errors (OverflowError past int64) name it. */
+int rp_py_size_arg(PyObject *obj, const char *name, int64_t *out);
+/* A data pointer as an int (0 for NULL); its errors name it. */
+int rp_py_pointer_arg(PyObject *obj, const char *name, void **out);
 /* torch.cuda.Stream.cuda_stream, an int; its errors name "stream". */
 int rp_py_stream_arg(PyObject *obj, void **stream);
+/* The pointer of the capsule named `capsule` that the binding `maker`
+ * returns; NULL with a TypeError naming the argument `name`. */
+void *rp_py_capsule_arg(PyObject *obj, const char *capsule, const char *maker, const char *name);
 
 /* Device-independent scan facts for reprop.bppsa (defined in pyutil.c):
  *   scan_plan(n, batch, dim, gates, workers, level_cost, step_cost)

@@ -916,6 +916,12 @@ static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error
         return rp_set_error(err, RP_EINVAL, "csr plan: need at least one layer");
     for (int64_t i = 0; i < n; i++) {
         const rp_csr_pattern *m = &leaves[i];
+        /* no vector of a larger layer fits the 2^31 floats a program
+         * addresses; checked before indptr's rows + 1 entries are walked */
+        if (m->rows > INT32_MAX || m->cols > INT32_MAX)
+            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: %lld rows, %lld cols: past the "
+                                "2^31 floats a program addresses", (long long)i, (long long)m->rows,
+                                (long long)m->cols);
         if (m->rows < 1 || m->cols < 1 || m->nnz < 0 || !m->indptr || (m->nnz > 0 && !m->indices))
             return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: bad CSR sizes or NULL arrays",
                                 (long long)i);

@@ -130,6 +130,69 @@ def test_cost_model_arguments_are_converted_one_at_a_time():
     assert _C.scan_plan(64, 2, 4, 0, Float(), Float(), Float()) == _C.scan_plan(64, 2, 4, 0, 1.0, 1.0, 1.0)
 
 
+def test_sched_graph_and_simulate_hold_each_entry_while_its_python_code_runs():
+    """The spec and graph entries were borrowed from the dict while their own
+    Python code ran (NumPy's __len__, __float__, __index__, __bool__): an
+    entry deleting itself from the dict, which held its only reference, was
+    read after it was freed (segfaults)."""
+    proc = _run_isolated("""
+        import numpy as np
+        from reprop._native import _C
+
+        spec = dict(layers=2, micro=1, stages=1, iterations=1, transfer=0.5, order=0, k=0,
+                    sync_by_layer=False, sub_stream=True, input_grad=False, fwd=[1.0, 1.0],
+                    out_grad=[1.0, 1.0], weight_grad=[1.0, 1.0], sync=None, stage=None)
+        want = _C.sched_graph(spec)
+
+        def drops(d, key, method, result):  # an entry whose `method` deletes it from d
+            def run(self):
+                d.pop(key, None)  # NumPy may call it more than once
+                [object() for _ in range(100)]  # reuse its memory
+                return result
+            return type("Drops", (), {"__slots__": (), method: run, "__getitem__": seq_item})()
+
+        def seq_item(self, i):
+            if i < 2:
+                return 1.0
+            raise IndexError
+
+        for key, method, result in [("fwd", "__len__", 2), ("transfer", "__float__", 0.5),
+                                    ("k", "__index__", 0)]:
+            s = dict(spec)
+            s[key] = drops(s, key, method, result)
+            got = _C.sched_graph(s)
+            assert all(np.array_equal(got[f], want[f]) for f in want), key
+
+        class TrueInt(int):  # a flag whose truth deletes it
+            def __bool__(self):
+                s.pop("sub_stream", None)
+                return True
+        s = dict(spec, sub_stream=TrueInt(1))
+        got = _C.sched_graph(s)
+        assert all(np.array_equal(got[f], want[f]) for f in want)
+
+        graph = dict(want)
+        makespan = _C.simulate(graph, 1.0)[3]
+        cost = graph["cost"].tolist()
+        n = len(cost)
+
+        class Cost:
+            __slots__ = ()
+            def __len__(self):
+                graph.pop("cost", None)
+                [object() for _ in range(100)]
+                return n
+            def __getitem__(self, i):
+                if i < n:
+                    return cost[i]
+                raise IndexError
+        graph["cost"] = Cost()
+        assert _C.simulate(graph, 1.0)[3] == makespan
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
 def _unaligned(values, dtype) -> np.ndarray:
     """A C-contiguous array of `values` one byte off its dtype's alignment."""
     raw = np.zeros(len(values) * np.dtype(dtype).itemsize + 1, np.uint8)
@@ -166,16 +229,35 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
 
     indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
     for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):
-        with pytest.raises(ValueError, match="^indptr: expected a C-contiguous, aligned int32 array of 3 "
-                                             "elements in native byte order$"):
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indptr: expected a C-contiguous, aligned int32 "
+                                             "array of 3 elements in native byte order$"):
             _C.csr_plan([(2, 2, bad, indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
-    with pytest.raises(ValueError, match="^indices: expected a C-contiguous, aligned 1-D int32 array in "
-                                         "native byte order$"):
+    with pytest.raises(ValueError, match=r"^leaves\[0\]: indices: expected a C-contiguous, aligned 1-D int32 "
+                                         "array in native byte order$"):
         _C.csr_plan([(2, 2, indptr, indices.astype(">i4"), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
 
     want = _C.reverse_first_k(8, 3, np.arange(8), np.arange(8), 5, 100)
     got = _C.reverse_first_k(8, 3, np.arange(8).astype(">i8"), _unaligned(range(8), np.int64), 5, 100)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_csr_plan_refuses_layers_past_what_a_program_addresses():
+    """rows = 2**63 - 1 wrapped rows + 1, the length indptr must have, to a
+    negative one, which meant "any length": the core read indptr far past
+    its two elements (ASan: heap-buffer-overflow). Rows and cols are refused
+    past 2^31, which no program can address, naming the leaf, as are the
+    arrays of a leaf."""
+    indptr, indices = np.array([0, 1], np.int32), np.array([0], np.int32)
+    leaf = (1, 1, indptr, indices, False, None, 1)
+    past = "rows and cols must be in \\[1, 2\\^31\\), the floats a program addresses"
+    for rows, cols in [(2**63 - 1, 1), (2**31, 1), (0, 1), (1, 2**63 - 1), (1, 2**31), (1, 0)]:
+        with pytest.raises(ValueError, match=rf"^leaves\[0\]: {past} \(got {rows}, {cols}\)$"):
+            _C.csr_plan([(rows, cols, indptr, indices, False, None, 1)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^leaves\[1\]: indptr: expected .* int32 array of 3 elements"):
+        _C.csr_plan([leaf, (2, 1, indptr, indices, False, None, 1)], 0, 0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match=r"^leaves\[1\]: value_map: expected .* int32 array of 1 elements"):
+        _C.csr_plan([leaf, (1, 1, indptr, indices, False, indptr, 1)], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
 
 
 def _lets_another_thread_run(call) -> bool:
@@ -261,15 +343,84 @@ def test_binding_argument_errors_name_the_argument():
             call()
 
 
+def test_cuda_binding_argument_errors_name_the_argument():
+    """_cuda's own bindings converted some arguments with the bare C API:
+    optim_step's lr_ptr ("can't convert negative int to unsigned"),
+    cusparse_create's library ("bad argument type for built-in operation")
+    and ints, and cusparse_run's chain (the capsule API's ValueError), none
+    naming the argument. Runs wherever _cuda is built (CI builds it without a
+    device): each error comes before anything is launched."""
+    cuda = reprop._native._cuda
+    if cuda is None:
+        pytest.skip("reprop._cuda not built")
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    table, mats, ops = np.zeros((0, 8), np.int64), np.zeros((0, 10), np.int64), np.zeros((0, 5), np.int64)
+    plan = _C.csr_plan([(1, 1, np.array([0, 1], np.int32), np.array([0], np.int32), False, None, 1)],
+                       0, 0, 1.0, 1.0, 1.0)
+
+    def create(library="", vectors=0, batch=1, nvectors=1, stride=1):
+        return cuda.cusparse_create(library, mats, ops, vectors, batch, nvectors, stride, 0)
+
+    unsigned = "can't convert negative int to unsigned$"
+    cases = [
+        (OverflowError, "^lr_ptr: " + unsigned, lambda: cuda.optim_step(0, 0, table, hparams, False, 0, -1)),
+        (TypeError, "^lr_ptr: an integer is required$", lambda: cuda.optim_step(0, 0, table, hparams, False, 0, "x")),
+        (TypeError, "^library: expected a str, got int$", lambda: create(library=5)),
+        (ValueError, "^library: embedded null character$", lambda: create(library="libcusparse.so\0x")),
+        (ValueError, "^library: 'utf-8' codec can't encode", lambda: create(library="\ud800")),
+        (OverflowError, "^vectors: " + unsigned, lambda: create(vectors=-1)),
+        (OverflowError, "^batch: int too big to convert$", lambda: create(batch=2**70)),
+        (TypeError, "^nvectors: 'str' object cannot be interpreted as an integer$", lambda: create(nvectors="1")),
+        (OverflowError, "^stride: int too big to convert$", lambda: create(stride=10**5000)),
+        (TypeError, r"^chain: expected the capsule cusparse_create\(\) returns, got int$",
+         lambda: cuda.cusparse_run(5, 0)),
+        (TypeError, r"^chain: expected the capsule cusparse_create\(\) returns, got PyCapsule$",
+         lambda: cuda.cusparse_run(plan, 0)),
+        (OverflowError, "^kind: expected an int in .*, got an int >= 2\\^63$",
+         lambda: cuda.fad_forward(10**5000, 0.0, 0.0, 0, 0, 0, 0, 0, 0, 0)),
+    ]
+    for exc, message, call in cases:
+        with pytest.raises(exc, match=message):
+            call()
+
+
+def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
+    """The int arguments' OverflowError wrote the value with %R, which Python
+    refuses for an int of over 4300 digits: its ValueError "Exceeds the limit
+    (4300 digits) for integer string conversion" replaced the error naming
+    the argument. Each kind of int argument, with such an int."""
+    huge = 10**5000
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5
+    int_range = r"expected an int in \[-2147483648, 2147483647\], got "
+    cases = [
+        ("^kind: " + int_range + r"an int >= 2\^63$", lambda: _C.fad_codebook(huge, 0.0, 0.0)),
+        ("^num_threads: " + int_range + r"an int < -2\^63$",
+         lambda: _C.optim_step(0, 0, np.zeros((0, 8), np.int64), hparams, -huge)),
+        ("^levels: " + int_range + "1099511627776$", lambda: _C.scan_workspace(1, 1, 1, 2**40)),
+        ("^n: int too big to convert$", lambda: _C.scan_workspace(huge, 1, 1, 0)),
+        ("^seq: int too big to convert$", lambda: _C.csr_run(plan, 1, huge, 0, 0, 0, 0, 0, 1)),
+        ("^sched_graph: micro: int too big to convert$", lambda: _C.sched_graph({**_SPEC, "micro": huge})),
+    ]
+    for message, call in cases:
+        with pytest.raises(OverflowError, match=message):
+            call()
+
+
 def test_jacobian_kind_is_the_whole_str():
     """The kind was compared with C's strcmp, which stops at an embedded NUL:
     "linear\\0x" was taken for "linear"; a non-str gave Python's bare "bad
-    argument type for built-in operation"."""
+    argument type for built-in operation". A diagonal's geometry is (size,
+    0): the second entry was ignored, so (3, 7) gave the pattern of (3, 0)."""
     for kind in ("linear\0x", "linear\0", "lin"):
         with pytest.raises(ValueError, match=f"^jacobian: unknown layer kind {re.escape(repr(kind))}$"):
             _C.jacobian(kind, (3, 4))
     with pytest.raises(TypeError, match="^kind: expected a str, got bytes$"):
         _C.jacobian(b"linear", (3, 4))
+    for b in (7, -1):
+        with pytest.raises(ValueError, match=rf"^geometry: expected \(size, 0\) for a diagonal, got \(3, {b}\)$"):
+            _C.jacobian("diagonal", (3, b))
     indptr, indices, wmap = _C.jacobian("linear", (3, 4))
     assert indptr.tolist() == [0, 4, 8, 12] and wmap.tolist() == [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]
     assert [len(_C.jacobian(kind, geometry)) for kind, geometry in [
