@@ -480,6 +480,14 @@ typedef void (*rp_chunk_fn)(const rp_optim_hparams *, const rp_optim_consts *,
                             const rp_optim_entry *, const rp_step_scalars *, int64_t, int64_t,
                             size_t);
 
+/* Updates chunk `ch` of its entry. */
+static void rp_run_chunk(rp_chunk_fn fn, const rp_optim_hparams *hp, const rp_optim_consts *c,
+                         const rp_optim_entry *entries, const rp_step_scalars *scalars,
+                         const rp_chunk *ch, size_t esize)
+{
+    fn(hp, c, &entries[ch->entry], &scalars[ch->entry], ch->start, ch->len, esize);
+}
+
 /* Cuts every entry into chunks; returns the number of chunks, or -1 when out of memory. */
 static int64_t rp_make_chunks(const rp_optim_entry *entries, int64_t n, rp_chunk **out,
                               int64_t *total, rp_error *err)
@@ -558,10 +566,16 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
     if (num_threads <= 0)
         num_threads = rp_omp_max_threads();
 
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (total >= RP_PARALLEL_MIN)
-    for (k = 0; k < nchunks; k++) {
-        const rp_chunk *ch = &chunks[k];
-        fn(hp, &c, &entries[ch->entry], &scalars[ch->entry], ch->start, ch->len, esize);
+    if (total < RP_PARALLEL_MIN || num_threads == 1) {
+        /* the same chunks on this thread, without the OpenMP region that an
+         * if(0) clause still sets up: about a tenth of the time of a call
+         * updating one small layer (fused backward, per module) */
+        for (k = 0; k < nchunks; k++)
+            rp_run_chunk(fn, hp, &c, entries, scalars, &chunks[k], esize);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+        for (k = 0; k < nchunks; k++)
+            rp_run_chunk(fn, hp, &c, entries, scalars, &chunks[k], esize);
     }
 
     rp_optim_entries_done(entries, n);

@@ -156,9 +156,36 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
     return eq;
 }
 
-/* Attribute names the fast path looks up, interned once per call. */
+/* Attribute names the fast path looks up. */
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
        RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
+
+/* The names, interned at the first call and kept for the process:
+ * interning them at each call cost about 7k instructions, a quarter of the
+ * call for a fused module's two params. A static, as torch, on whose tensors
+ * they are looked up, runs in the main interpreter only. NULL with an
+ * exception set on failure (nothing kept: the next call tries again). */
+static PyObject *const *rp_py_attr_names(void)
+{
+    static const char *const text[RP_N_NAMES] = {
+        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
+        "is_neg"};
+    static PyObject *names[RP_N_NAMES];
+    PyObject *made[RP_N_NAMES];
+    int k;
+    if (names[RP_N_NAMES - 1] != NULL)
+        return names;
+    for (k = 0; k < RP_N_NAMES; k++) {
+        made[k] = PyUnicode_InternFromString(text[k]);
+        if (made[k] == NULL) {
+            while (k-- > 0)
+                Py_DECREF(made[k]);
+            return NULL;
+        }
+    }
+    memcpy(names, made, sizeof names);
+    return names;
+}
 
 /* Whether param p still has the memory a row of the table was built for:
  * key is (data_ptr, dtype, shape, layout, device index) as the plan recorded
@@ -469,15 +496,12 @@ static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_s
 
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    static const char *const attr_names[RP_N_NAMES] = {
-        "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
-        "is_neg"};
-    PyObject *names[RP_N_NAMES] = {NULL};
+    PyObject *const *names;
     PyObject *result = NULL, *held = NULL, *rows = NULL;
     PyArrayObject *table;
     rp_py_step_rows step;
     Py_ssize_t n;
-    int k, ok;
+    int ok;
     (void)self;
     if (rp_py_check_nargs(nargs, 12, "optim_grad_pointers") < 0)
         return NULL;
@@ -497,13 +521,8 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: lists and table differ in length");
         return NULL;
     }
-    if (rp_py_step_rows_arg(args, table, n, &step) < 0)
+    if (rp_py_step_rows_arg(args, table, n, &step) < 0 || (names = rp_py_attr_names()) == NULL)
         return NULL;
-    for (k = 0; k < RP_N_NAMES; k++) {
-        names[k] = PyUnicode_InternFromString(attr_names[k]);
-        if (names[k] == NULL)
-            goto done;
-    }
     /* the gradients the table points at, for the caller to hold until the
      * update has run: the update releases the GIL, and another thread may
      * drop a .grad (zero_grad) meanwhile */
@@ -520,8 +539,6 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
 done:
     Py_XDECREF(held);
     Py_XDECREF(rows);
-    for (k = 0; k < RP_N_NAMES; k++)
-        Py_XDECREF(names[k]);
     return result;
 }
 

@@ -1187,6 +1187,28 @@ def test_params_without_grad_are_skipped(name: str) -> None:
     assert torch.equal(got.params[2], init[2])
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_without_gradients_reads_no_hyper_parameter(name: str) -> None:
+    """A step in which no param has a gradient changes nothing and, as
+    torch's, reads no hyper-parameter (a str lr, which both refuse once a
+    param has a gradient), also with the plan cached by an earlier step,
+    whose gradients the C fast path reads before any setting is looked at."""
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]
+        opt = cls(params, **RICH[name])
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.zero_grad()
+        before = [p.tolist() for p in params], _state_snapshot(opt, params)
+        opt.param_groups[0]["lr"] = "0.1"
+        opt.step()
+        assert before == ([p.tolist() for p in params], _state_snapshot(opt, params))
+        params[1].grad = torch.ones_like(params[1])
+        with pytest.raises(TypeError):
+            opt.step()
+
+
 class _PlanSpy:
     """Counts the pointer tables (_Plan) built from now on, and the table rows
     of those still alive (held by an optimizer's cache)."""
