@@ -338,6 +338,10 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
         ok = rp_py_usable_grad(g, key, strided, tensor_type, names);
     if (ok == 1)
         ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
+    /* no memory behind a non-empty gradient: a meta tensor, whose get_device()
+     * is a CPU param's -1; the Python path names the mismatch */
+    if (ok == 1 && ptr == 0 && ((const rp_optim_entry *)row)->numel > 0)
+        ok = 0;
     if (ok != 1) {
         Py_DECREF(g);
         return ok;

@@ -1612,6 +1612,23 @@ def test_step_params_bad_arguments_name_the_argument(name: str) -> None:
     assert not torch.equal(p.detach(), before)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_a_cached_plan_refuses_a_meta_gradient_as_the_first_call_does(name: str) -> None:
+    """A meta gradient for a CPU param: the first call names the mismatch,
+    but once the plan was cached the C fast path took it (get_device() is -1
+    for both) and the core refused its null pointer ("entry 0: null param or
+    grad pointer"). It now leaves the row to the Python path, whose message
+    is the first call's; nothing changes."""
+    opt, params = _fresh_open_loop(name, [(4,)])
+    p = params[0]
+    opt.step_params([p], grads=[torch.randn(4)])  # builds the plan
+    before, state = p.detach().clone(), _state_snapshot(opt, [p])
+    with pytest.raises(ValueError, match=r"grads: a gradient of shape \(4,\), torch.float32 on meta does "
+                                         r"not match its parameter"):
+        opt.step_params([p], grads=[torch.empty(4, device="meta")])
+    assert torch.equal(p.detach(), before) and _state_snapshot(opt, [p]) == state
+
+
 def _state_snapshot(opt: torch.optim.Optimizer, params: list) -> list:
     """Each param's state as comparable values: {key: list of floats}."""
     return [{k: torch.as_tensor(v).tolist() for k, v in opt.state.get(p, {}).items()}
