@@ -80,7 +80,8 @@ static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
         return -1;
     }
     arr = (PyArrayObject *)obj;
-    if (PyArray_TYPE(arr) != NPY_INT64 || PyArray_NDIM(arr) != 2 ||
+    /* equivalent: np.longlong is int64 too where long is (LP64) */
+    if (!PyArray_EquivTypenums(PyArray_TYPE(arr), NPY_INT64) || PyArray_NDIM(arr) != 2 ||
         PyArray_DIM(arr, 1) != (npy_intp)(sizeof(rp_optim_entry) / sizeof(int64_t))) {
         PyErr_SetString(PyExc_ValueError, "table: expected an int64 array of shape (n, 8)");
         return -1;
@@ -486,7 +487,8 @@ static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_s
             return 0;
     } else if (PyArray_Check(args[10])) {
         at = (PyArrayObject *)args[10];
-        if (PyArray_TYPE(at) == NPY_INT64 && PyArray_NDIM(at) == 1 && rp_py_is_c_data(at) &&
+        if (PyArray_EquivTypenums(PyArray_TYPE(at), NPY_INT64) && PyArray_NDIM(at) == 1 &&
+            rp_py_is_c_data(at) &&
             PyArray_DIM(at, 0) == (npy_intp)step->m && step->m <= n) {
             step->at = (const int64_t *)PyArray_DATA(at);
             return 0;

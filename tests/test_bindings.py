@@ -220,6 +220,9 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
     assert (p == 1).all()
     _C.optim_step(0, 0, table, hparams, 1)
     np.testing.assert_allclose(p, 0.95, rtol=1e-7)
+    # np.longlong is another type number for the same int64 (LP64): taken
+    _C.optim_step(0, 0, table.astype(np.longlong), hparams, 1)
+    np.testing.assert_allclose(p, 0.9, rtol=1e-7)
 
     no_grad = [types.SimpleNamespace(grad=None)]
     for step_rows in (np.zeros(1, ">i8"), _unaligned([0], np.int64)):
