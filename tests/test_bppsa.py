@@ -2289,3 +2289,48 @@ def test_negative_bit_operands_and_gradients_match_resolved_ones():
                                      retain_graph=True)
         (want_x,) = torch.autograd.grad((out, h), x, (g_out, g_h))
         torch.testing.assert_close(got, want_x, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# Mutation-testing survivors (see the commit message): each test below fails
+# on one mutant of bppsa.py that the rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_unsorted_packed_sequences_with_h0_match_torch(kind, bidirectional):
+    """An unsorted PackedSequence (enforce_sorted=False) with an h0: h0 is in
+    the caller's batch order, which torch permutes into the sorted order
+    (and h_n back): each sample must start from its own h0. Kills dropping
+    the sorted_indices permutation of hx in _forward_packed."""
+    torch.manual_seed(8)
+    ref, ours = make_pair(kind, 3, 5, num_layers=2, bidirectional=bidirectional)
+    x = torch.randn(9, 5, 3)
+    h0 = torch.randn(2 * (1 + bidirectional), 5, 5)
+    (ref_res, ref_out), (our_res, our_out) = (run_packed(m, x, [7, 3, 9, 1, 5], h0, False)
+                                              for m in (ref, ours))
+    assert torch.equal(our_out.sorted_indices, ref_out.sorted_indices)
+    assert_close_lists(our_res, ref_res)
+
+
+def test_packed_padding_right_after_the_last_step_that_overflows_is_masked():
+    """The first padded step of a short sequence (t = its length) must be
+    zeroed like the later ones: there a ReLU recurrence from a large last
+    state overflows to inf, which a longer sequence's next step would meet
+    as inf * 0 = NaN in W_hh's gradient; torch never computes that step.
+    Kills `steps > lengths` for the padding mask in _layers."""
+    ref, ours = make_pair("relu", 1, 1)
+    with torch.no_grad():
+        for m in (ref, ours):
+            m.weight_ih_l0.fill_(1.0)
+            m.weight_hh_l0.fill_(2.0)
+            m.bias_ih_l0.zero_()
+            m.bias_hh_l0.zero_()
+    x = torch.full((3, 2, 1), 0.5)
+    x[0, 1] = 3e38  # sample 1 (one step) ends at 3e38; its padded step 1 would be 6e38 = inf
+    ref_res, _ = run_packed(ref, x, [3, 1], None, True)
+    our_res, _ = run_packed(ours, x, [3, 1], None, True)
+    assert all(torch.isfinite(g).all() for g in ref_res[2:])
+    assert all(torch.isfinite(g).all() for g in our_res[2:])
+    assert_close_lists(our_res, ref_res)

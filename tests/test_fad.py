@@ -2117,3 +2117,79 @@ def test_cuda_runs_on_current_stream_and_misaligned():
     torch.testing.assert_close(y, F.gelu(x), rtol=4e-6, atol=1e-7)
     _, g_ref = values_and_grads(F.gelu, x.detach(), torch.ones_like(x))
     torch.testing.assert_close(base.grad[1:], g_ref, rtol=4e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------
+# Mutation-testing survivors (see the commit message): each test below fails
+# on one mutant of fad.py that the rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+def test_unpatch_leaves_the_torch_modules_attributes_as_before_patch():
+    """unpatch() restores a torch module exactly: its class and its instance
+    attributes, with no saved_dtype left behind (a plain nn.GELU has none,
+    and a copy or pickle of the unpatched model must not carry reprop's).
+    Kills dropping the pop of saved_dtype in unpatch."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.ELU(alpha=0.5))
+    before = [set(vars(m)) for m in model]
+    fad.patch(model, saved_dtype=torch.bfloat16)
+    assert all(m.saved_dtype is torch.bfloat16 for m in model[1:])
+    assert sorted(fad.unpatch(model)) == ["1", "2"]
+    assert [set(vars(m)) for m in model] == before
+    assert not any(hasattr(m, "saved_dtype") for m in model)
+    assert type(model[1]) is nn.GELU and type(model[2]) is nn.ELU and model[2].alpha == 0.5
+
+
+def _compose_grad(compose: bool, edit):
+    """d/dx of 3 * exp(h) with h = x.clone(), `edit` run after the exp."""
+    x = torch.linspace(-1.0, 1.0, 7, requires_grad=True)
+    with fad.enabled(compose=True) if compose else contextlib.nullcontext():
+        h = x.clone()
+        y = h.exp()
+        edit(h, y)
+        z = y * 3.0
+    z.sum().backward()
+    return x.grad
+
+
+def test_compose_root_changed_in_place_after_a_step_ends_the_chain():
+    """The chain's root changed in place (with grad: autograd records the op
+    on it) after a step: a next step must not lead past that step straight to
+    the root, whose node is now the in-place op's (its gradient would be
+    doubled here). Equal to plain autograd. Kills dropping the root's version
+    check in enabled._root_of."""
+    def edit(h, y):
+        h.mul_(2.0)
+    assert torch.equal(_compose_grad(True, edit), _compose_grad(False, edit))
+
+
+def test_compose_chain_tensor_changed_in_place_under_no_grad_raises_as_autograd():
+    """A chain tensor changed in place under no_grad (its node unchanged, its
+    version bumped) and used by a next step: autograd's check of the output
+    exp saved raises, as in plain autograd; chaining past it would use the
+    new value as the derivative, silently wrong. Kills dropping the chain
+    tensor's version check in enabled._root_of."""
+    def edit(h, y):
+        with torch.no_grad():
+            y.add_(1.0)
+    for compose in (False, True):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            _compose_grad(compose, edit)
+
+
+def test_compose_zero_dim_float32_factor_of_a_half_chain_keeps_its_precision():
+    """x * c for a float16 chain and a 0-d float32 CPU constant c: torch's
+    kernels read c as a scalar at its own precision, in the forward and in
+    MulBackward (2047 * 1.0003 rounds to 2048 in float16, 2047 * half(c) =
+    2047 does not), so the chain node keeps c as it is. Kills rounding a 0-d
+    derivative to the chain's dtype in enabled._stored."""
+    c = torch.tensor(1.0003)
+    grads = []
+    for compose in (False, True):
+        x = torch.full((4,), 3.0, dtype=torch.float16, requires_grad=True)
+        with fad.enabled(compose=compose):
+            y = x * c
+        y.backward(torch.full_like(y, 2047.0))
+        grads.append(x.grad)
+    assert grads[0].dtype is torch.float16 and torch.equal(grads[0], torch.full_like(grads[0], 2048.0))
+    assert torch.equal(grads[1], grads[0])

@@ -4461,3 +4461,87 @@ def test_forward_mode_direct_read_inside_a_reentrant_checkpoint_is_refused(own) 
     with pytest.raises(RuntimeError, match="'pos.weight'.*without calling the module"):
         torch.tanh(model(x, True)).sum().backward()
     handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# Mutation-testing survivors (see the commit message): each test below fails
+# on one mutant of fusion.py that the rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+def test_accumulation_with_forwards_bypassing_hooks_steps_at_step_only() -> None:
+    """accumulation_steps=2 with a model whose forward is called directly
+    (module.forward(x), which runs no hook): no backward counts as the end of
+    a window (no micro-batch was counted), so the gradients accumulate and
+    step() applies their sum, as eager does; an update in the first backward
+    would make the second raise. Kills `_micro_batches >= 0` in _updating."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    model = copy.deepcopy(ref)
+    ref_opt = rp.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() notes
+        for i in range(4):
+            for m, o in ((ref, ref_opt), (model, opt)):
+                m.forward(_LOOP_X[i]).square().sum().backward()
+                if i % 2:
+                    o.step()
+                    o.zero_grad()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    handle.remove()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_grad_keep_of_a_gradient_with_a_graph_matches_torch(mode: str) -> None:
+    """zero_grad(set_to_none=False) of gradients that carry a graph
+    (backward(create_graph=True)) and that no update holds: detached, then
+    zeroed, as torch's zero_grad does (requires_grad_(False) on such a
+    gradient, a non-leaf, raises). Kills `if False:` for the detach_()
+    branch of _zero_grad_of."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    model = copy.deepcopy(ref)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = {"accumulation_steps": 2} if mode == "backward" else {}
+    handle = reprop.fuse(model, opt, mode=mode, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m(_LOOP_X[0]).square().sum().backward(create_graph=True)
+            assert all(p.grad.grad_fn is not None for p in m.parameters())
+            o.zero_grad(set_to_none=False)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a.grad, b.grad) and not b.grad.requires_grad
+        assert b.grad.grad_fn is None and torch.equal(a, b)
+    handle.remove()
+
+
+def test_forward_mode_two_steps_before_a_forward_apply_both_updates() -> None:
+    """Two step() calls with no forward between them (a loop that steps
+    twice on the same gradients, or a warm-up step): eager moves every
+    parameter twice, so the second step() must apply the first one's pending
+    updates before marking its own. Kills dropping the flush at the start
+    of forward mode's step()."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    model = copy.deepcopy(ref)
+    ref_opt = rp.Adam(ref.parameters(), lr=0.01)
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    for i in range(3):
+        outs = []
+        for m, o in ((ref, ref_opt), (model, opt)):
+            outs.append(m(_LOOP_X[i]))
+            outs[-1].square().sum().backward()
+            o.step()
+            o.step()  # the same gradients once more
+            o.zero_grad()
+        assert torch.equal(outs[0], outs[1])
+    handle.flush()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    handle.remove()

@@ -2014,3 +2014,54 @@ def test_capture_refuses_a_step_that_synchronizes():
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         ooo.capture(step, torch.randn(2, 4, device="cuda"), handle=handle)
 
+
+
+# ---------------------------------------------------------------------------
+# Mutation-testing survivors (see the commit message): each test below fails
+# on one mutant of ooo.py that the rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", ["conventional", "ooo"])
+def test_same_padding_with_dilation_matches_autograd(order):
+    """padding='same' with a dilation: torch pads dilation * (kernel - 1) / 2
+    on each side, so the split conv's output, dX and dW equal autograd's
+    (bitwise: the same native kernels). Kills dropping the dilation from
+    _ConvKind._padding."""
+    torch.manual_seed(0)
+    for conv, x in ((nn.Conv2d(3, 4, 3, padding="same", dilation=2), torch.randn(2, 3, 9, 9)),
+                    (nn.Conv1d(3, 4, 5, padding="same", dilation=3), torch.randn(2, 3, 16))):
+        ref = copy.deepcopy(conv)
+        handle = ooo.enable(conv, order=order)
+        outs = []
+        for net in (ref, conv):
+            xi = x.clone().requires_grad_()
+            y = net(xi)
+            y.pow(2).sum().backward()
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+        for a, b in zip(ref.parameters(), conv.parameters()):
+            assert torch.equal(b.grad, a.grad)
+        handle.remove()
+
+
+@pytest.mark.parametrize("order", ["conventional", "ooo"])
+def test_first_gradient_of_a_column_major_weight_has_the_weights_layout(order):
+    """A weight stored transposed (a Parameter made from w.t(), column-major):
+    autograd's AccumulateGrad gives its first .grad the parameter's strides
+    (torch's gradient layout contract), and so must the deferred dW, bitwise
+    equal. Kills storing the dW as .grad without that copy in _accumulate."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    ref[0].weight = nn.Parameter(ref[0].weight.detach().t().contiguous().t())
+    ref[2].weight = nn.Parameter(ref[2].weight.detach().t().contiguous().t())
+    model = copy.deepcopy(ref)
+    assert model[0].weight.stride() == (1, 6)
+    handle = ooo.enable(model, order=order)
+    x = torch.randn(4, 5)
+    for net in (ref, model):
+        net(x).pow(2).sum().backward()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert b.grad.stride() == a.grad.stride() == b.stride()
+        assert torch.equal(b.grad, a.grad)
+    handle.remove()
