@@ -268,6 +268,27 @@ static void test_eval_special_values(void)
     CHECK(y != y && d == 0.0f, "hardsigmoid(nan)");
     rp_fad_eval(RP_FAD_TANHSHRINK, 0, 0, -inf, &y, &d);
     CHECK(y == -inf && d == 1.0f, "tanhshrink(-inf)");
+    /* torch's hardsigmoid_backward is 1/6 strictly inside (-3, 3) only (measured) */
+    rp_fad_eval(RP_FAD_HARDSIGMOID, 0, 0, -3.0f, &y, &d);
+    CHECK(y == 0.0f && d == 0.0f, "hardsigmoid'(-3) = %g, torch 0", (double)d);
+    rp_fad_eval(RP_FAD_HARDSIGMOID, 0, 0, 3.0f, &y, &d);
+    CHECK(y == 1.0f && d == 0.0f, "hardsigmoid'(3) = %g, torch 0", (double)d);
+    /* softplus is linear only where x * beta > threshold, strictly: at
+     * x * beta == threshold torch's slope is z / (z + 1), not 1, and the code
+     * must be a grid code, not the exact slope */
+    {
+        rp_fad_codebook cb;
+        rp_error err;
+        uint8_t code;
+        rp_fad_eval(RP_FAD_SOFTPLUS, 1.0f, 1.0f, 1.0f, &y, &d);
+        CHECK(fabsf(d - 0.7310586f) < 1e-6f, "softplus'(1) at threshold 1: %g", (double)d);
+        CHECK(!rp_fad_on_exact_piece(RP_FAD_SOFTPLUS, 1.0f, 1.0f, 1.0f),
+              "softplus at x * beta == threshold is not the linear piece");
+        CHECK(rp_fad_codebook_init(RP_FAD_SOFTPLUS, 1.0f, 1.0f, &cb, &err) == RP_OK, "%s", err.msg);
+        code = rp_fad_encode(RP_FAD_SOFTPLUS, 1.0f, 1.0f, 1.0f, d, cb.inv_step, cb.zero_code);
+        CHECK(code < RP_FAD_CODE_GRID && fabsf(cb.value[code] - d) < 0.01f,
+              "softplus'(1) at threshold 1 coded %d (decodes to %g)", code, (double)cb.value[code]);
+    }
 }
 
 /* ---- forward through the public entry point ---- */

@@ -12,6 +12,7 @@
  * and its step table (rp_csr_plan_schedule) against the plan's products and
  * evaluated densely; and the error statuses.
  */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -277,6 +278,63 @@ static void test_activation(int64_t n, int64_t B, int64_t H, int gates, int act,
         }
     }
     free(w), free(u), free(y), free(v), free(c), free(want), free(got), free(scaled), free(work);
+}
+
+/* Dense H = 1 leaves whose up-sweep product J[1] J[2] = 1e60 overflows to
+ * +inf while every step of the recurrence stays finite (g[2] = 1e-40 is a
+ * subnormal, g[1] = 1e-10, g[0] = 1e20): the scan's product then reaches a
+ * result as inf, not NaN, and the finiteness check must see it as well and
+ * run the linear scan, whose result is finite and exact here. */
+static void test_overflow_to_inf_falls_back(void)
+{
+    const float jt[4] = {0.0f, 1e30f, 1e30f, 1.0f}, c[4] = {0.0f, 0.0f, 1e-40f, 0.0f};
+    float work[64], g[4], lin[4];
+    rp_scan_jacobians j = {4, 1, 1, 0, NULL, NULL, NULL, jt, RP_SCAN_ACT_NONE, NULL, 0};
+    rp_error err = {{0}};
+    CHECK(rp_scan_workspace_floats(4, 1, 1, 2) <= 64, "workspace");
+    CHECK(rp_scan_cpu(&j, c, lin, 0, NULL, 1, &err) == RP_OK, "linear: %s", err.msg);
+    CHECK(isfinite(lin[0]) && lin[0] > 9.9e19f && lin[0] < 1.01e20f, "linear g[0] = %g", (double)lin[0]);
+    for (int L = 1; L <= 2; L++) {
+        CHECK(rp_scan_cpu(&j, c, g, L, work, 1, &err) == RP_OK, "L=%d: %s", L, err.msg);
+        CHECK(same_bits(g, lin, 4), "L=%d: overflowed product gave g = %g %g %g %g, the linear scan %g %g %g %g",
+              L, (double)g[0], (double)g[1], (double)g[2], (double)g[3], (double)lin[0], (double)lin[1],
+              (double)lin[2], (double)lin[3]);
+    }
+}
+
+/* Where two level counts cost the same, the fewer levels win (the linear
+ * scan needs no workspace), in the dense/structured model as in the sparse
+ * planner, whose auto choice check_auto_levels holds to the first cheapest.
+ * Dense: n = 3, H = G = 1, W = 100, level cost = step cost = 5: the linear
+ * scan's two steps (2 + 5 each) and one level (2 + 5 up, 2 + 5 down) both
+ * cost 14. Sparse: two 1 x 1 leaves, W = 1, level cost = step cost = 5:
+ * two middle steps (1 + 5) or one level (2 madds + 2 * 5), 12 either way. */
+static void test_cost_ties_choose_fewer_levels(void)
+{
+    const rp_scan_machine dense_m = {100, 5, 5}, sparse_m = {1, 5, 5};
+    double c0 = -1.0, c1 = -2.0;
+    rp_error err = {{0}};
+    CHECK(rp_scan_cost(3, 1, 1, 1, 0, &dense_m, &c0, &err) == RP_OK &&
+              rp_scan_cost(3, 1, 1, 1, 1, &dense_m, &c1, &err) == RP_OK && c0 == c1,
+          "dense tie: costs %g and %g", c0, c1);
+    CHECK(rp_scan_choose_levels(3, 1, 1, 1, &dense_m) == 0, "dense tie chose %d levels, not 0",
+          rp_scan_choose_levels(3, 1, 1, 1, &dense_m));
+    int32_t ptr[2] = {0, 1}, idx[1] = {0};
+    const rp_csr_pattern unit = {1, 1, 1, ptr, idx, 0, NULL, 0}, leaves[2] = {unit, unit};
+    rp_csr_plan *plan = NULL;
+    rp_csr_plan_info info;
+    double cost[2];
+    for (int L = 0; L < 2; L++) {
+        CHECK(rp_csr_plan_create(2, leaves, L, 0, &sparse_m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+        rp_csr_plan_describe(plan, &info);
+        cost[L] = info.cost;
+        rp_csr_plan_free(plan);
+    }
+    CHECK(cost[0] == cost[1], "sparse tie: costs %g and %g", cost[0], cost[1]);
+    CHECK(rp_csr_plan_create(2, leaves, -1, 0, &sparse_m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 0, "sparse tie chose %d levels, not 0", info.levels);
+    rp_csr_plan_free(plan);
 }
 
 /* ---- the sparse chain ---- */
@@ -596,6 +654,14 @@ static void test_csr_errors(void)
           "column out of range: %s", err.msg);
     CHECK(rp_csr_plan_create(1, &d, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "value_map[0] = 1"),
           "value map out of range: %s", err.msg);
+    /* a column twice in one row: refused, not summed twice */
+    int32_t twice[2] = {1, 1}, row0[3] = {0, 2, 2};
+    rp_csr_pattern dup = {2, 2, 2, row0, twice, 0, NULL, 0};
+    CHECK(rp_csr_plan_create(1, &dup, -1, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "unique"),
+          "a repeated column: %s", err.msg);
+    CHECK(plan == NULL, "no plan for a repeated column");
+    rp_csr_plan_free(plan);
+    plan = NULL;
     /* row 0 claims [0, 3) of 2 entries, row 1 steps back to 2 = nnz: refused
      * before any row is read (ASan: indices[2] is past the array) */
     int32_t back[3] = {0, 3, 2}, four[2] = {0, 1};
@@ -644,6 +710,10 @@ static void test_csr_errors(void)
     for (int64_t b = 0; b < B; b++)
         for (int64_t r = 0; r < 2; r++)
             CHECK(out0[b * 2 + r] == (float)(r * B + b), "out[%lld][%lld]", (long long)b, (long long)r);
+    /* the largest finite floats are finite */
+    buf[at] = FLT_MAX, buf[at + 1] = -FLT_MAX;
+    CHECK(rp_csr_gradients_cpu(plan, B, buf, out, 1, &finite, &err) == RP_OK && finite == 1,
+          "+-FLT_MAX reported as not finite");
     const float bad_values[2] = {INFINITY, NAN};
     for (int k = 0; k < 2; k++) {
         buf[at + 2 * B - 1] = bad_values[k];
@@ -663,6 +733,8 @@ int main(void)
         test_csr_chain(n, 2, 2);
     test_csr_chain(70, 3, 3);
     test_levels();
+    test_cost_ties_choose_fewer_levels();
+    test_overflow_to_inf_falls_back();
     test_size_limits();
     test_errors();
     for (int64_t n = 1; n <= 70; n++)

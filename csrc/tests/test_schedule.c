@@ -333,6 +333,28 @@ static void test_policies(void)
     CHECK(start[1] == 2.5 && makespan == 3.5, "delay: X at %g", start[1]);
 }
 
+/* A task waits for its latest predecessor finish plus that edge's delay,
+ * the maximum over its predecessors, not for the last one to finish: C
+ * needs A (finishes at 1, delay 5: 6) and B (finishes at 2, delay 0: 2). */
+static void test_ready_is_the_latest_arrival(void)
+{
+    int32_t res[3] = {0, 1, 2}, policy[3] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER, RP_RES_IN_ORDER};
+    int32_t group[3] = {-1, -1, -1};
+    double cost[3] = {1, 2, 1}, prio[3] = {0, 0, 0}, delay[2] = {5, 0};
+    int64_t ptr[4] = {0, 0, 0, 2}, idx[2] = {0, 1};
+    double start[3], finish[3], busy[3], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(3, 3, res, cost, prio, ptr, idx, delay, policy, group);
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    CHECK(start[2] == 6 && makespan == 7, "C started at %g, A's result arrives at 6", start[2]);
+    /* the same with the early finisher's edge listed last */
+    int64_t idx2[2] = {1, 0};
+    double delay2[2] = {0, 5};
+    g.dep_idx = idx2, g.dep_delay = delay2;
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    CHECK(start[2] == 6 && makespan == 7, "edges swapped: C started at %g", start[2]);
+}
+
 static void test_zero_cost_and_empty(void)
 {
     /* a chain of zero-cost tasks on two resources, then a unit one */
@@ -1201,6 +1223,7 @@ int main(void)
     test_builder_matches_rfk();
     test_builder_structure();
     test_policies();
+    test_ready_is_the_latest_arrival();
     test_zero_cost_and_empty();
     test_corun();
     test_tolerance();
