@@ -203,7 +203,7 @@ typedef enum {
  * value[c] = (c - zero_code) * step covering f's derivative range, with 0
  * exactly on the grid (so saturated regions give exactly zero gradient);
  * code RP_FAD_CODE_EXACT stands for the activation's exact constant slope
- * where it has one (x > 0 for ELU/CELU/SELU/LeakyReLU, x > 3 for Hardswish,
+ * where it has one (x > 0 for ELU/CELU/SELU/LeakyReLU, x >= 3 for Hardswish,
  * the linear region of Softplus past its threshold); RP_FAD_CODE_NAN for a
  * NaN derivative. Encoding rounds to the nearest grid value, so the error of
  * a decoded derivative is at most step / 2 (exactly 0 on constant pieces). */
