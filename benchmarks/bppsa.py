@@ -325,15 +325,11 @@ def same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 
 def gradient_error(base: dict[str, torch.Tensor], ours: dict[str, torch.Tensor]) -> float:
-    """max over parameters of max |g_ours - g_base| / max |g_base| (inf for a gradient ours lacks)."""
-    worst = 0.0
-    for name, g in base.items():
-        if name not in ours:
-            return float("inf")
-        diff = float((ours[name].float() - g.float()).abs().max())
-        scale = float(g.float().abs().max())
-        worst = max(worst, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
-    return worst
+    """max over parameters of max |g_ours - g_base| / max |g_base| (inf for a gradient ours lacks
+    or a NaN, which max() would drop)."""
+    if any(name not in ours for name in base):
+        return float("inf")
+    return max((harness.relative_error(ours[name], g) for name, g in base.items()), default=0.0)
 
 
 # ---------------------------------------------------------------------------
@@ -786,12 +782,6 @@ def nonzero_values(plan, x: torch.Tensor) -> int:
     return sum(int(torch.count_nonzero(leaf.entry_values(inp))) for leaf, inp in zip(plan.leaves, inputs))
 
 
-def relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    diff = float((got.float() - ref.float()).abs().max())
-    scale = float(ref.float().abs().max())
-    return diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
-
-
 @dataclass
 class VggResult:
     """The VGG part: per-layer patterns, then per sparsity the plans' counts, times and errors."""
@@ -870,12 +860,12 @@ def run_vgg(args, device: torch.device) -> VggResult:
                 if kind == "masked" and p is plans[levels]:
                     errors[name] = errors[vgg_chain_name("chain", levels)]
                     continue
-                errors[name] = relative_error(bppsa.chain_backward(layers, x, grad_out, plan=p)[0], ref)
+                errors[name] = harness.relative_error(bppsa.chain_backward(layers, x, grad_out, plan=p)[0], ref)
                 candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out, plan=p)
             if levels in peers:  # its first call plans cuSPARSE's products, before the timing
                 name = vgg_chain_name("cusparse", levels)
-                errors[name] = relative_error(bppsa.chain_backward(layers, x, grad_out, plan=peers[levels])[0],
-                                              ref)
+                got = bppsa.chain_backward(layers, x, grad_out, plan=peers[levels])[0]
+                errors[name] = harness.relative_error(got, ref)
                 candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out,
                                                      plan=peers[levels])
         stats = harness.measure_alternated(candidates, device, args.warmup, args.reps)

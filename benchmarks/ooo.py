@@ -13,8 +13,9 @@ Parts (--parts, default all that run on the device):
             of each part as the paper's Figure 7 (graph over eager, ooo+graph
             over graph). Every candidate takes the same steps from identical
             copies, the RNG seeded alike; then each one's parameters and
-            gradients must equal eager's (bitwise on the CPU). Models after the paper: DenseNet-121 (growth 12, 24,
-            32), MobileNetV3-Large (width 0.25 to 1.0), ResNet-50; batch 32, 64.
+            gradients must equal eager's (bitwise on the CPU). Models after
+            the paper: DenseNet-121 (growth 12, 24, 32), MobileNetV3-Large
+            (width 0.25 to 1.0), ResNet-50; batch 32, 64.
   split     the Python cost of the split itself: a training step (forward and
             backward, no optimizer) of chains of 200 small layers, Linear(16, 16)
             and Conv2d(4, 4, 3) + BatchNorm2d(4), plain autograd against every

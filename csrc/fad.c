@@ -57,8 +57,9 @@
 /* Smallest grid step, so that inv_step stays finite for degenerate ranges
  * (e.g. ELU with alpha ~ 1e-40); the decoding error is then below 2^-103. */
 #define RP_FAD_MIN_STEP 0x1p-102
-/* A two-valued derivative {0, v} has step |v| whenever 1 / |v| is a float:
- * every normal v; a subnormal v decodes to 0 or this step, the nearer. */
+/* A two-valued derivative {0, v} has step |v| for every normal v, whose
+ * encoding v * (1 / |v|) rounds to +-1; a subnormal v (where 1 / |v| may be
+ * inf, and is inexact) decodes to 0 or this step, the nearer. */
 #define RP_FAD_MIN_TWO_VALUED_STEP FLT_MIN
 
 /* Range [lo, hi] of f' over all x, in double. The extremes of the smooth
@@ -144,7 +145,9 @@ static float rp_fad_exact_value(int kind)
  * (c - zero_code) * step (an 8-bit integer times it) is exact in float: up,
  * unless that takes the step past `limit` (a grid end near FLT_MAX, ELU's
  * |alpha| ~ 3.4e38, would decode as inf); down then, which moves the far end
- * by under 2^-16 of it, far less than half a step. */
+ * by under 2^-16 of it, far less than half a step. That keeps the grid
+ * finite where the unrounded step is within `limit`, as it is for the
+ * one-sided ranges of every kind with a parameter. */
 static double rp_fad_round_step(double step, double limit)
 {
     int e;

@@ -143,7 +143,8 @@ int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entr
 /* Clears the one-shot entry flags once an update has been issued. */
 void rp_optim_entries_done(rp_optim_entry *entries, int64_t n);
 
-/* CPU update of n entries of one dtype in one OpenMP parallel region.
+/* CPU update of n entries of one dtype: in one OpenMP parallel region, or
+ * on the calling thread below 2^17 elements in all or with one thread.
  * Calls rp_optim_advance_steps itself. Vectorized with AVX2/AVX-512 chosen at
  * run time. num_threads <= 0 means OpenMP's default. */
 int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *entries,

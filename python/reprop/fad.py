@@ -683,7 +683,7 @@ def codebook(activation: str, *params: float) -> Codebook:
     if activation in _TWO_VALUED:
         # f' on the grid is 0 or v, the range's other end (LeakyReLU's 1 has
         # the exact code); the grid's step is |v| unless v is subnormal
-        # (1 / v is no float), so v decodes to its nearest grid value.
+        # (its step is then FLT_MIN), so v decodes to its nearest grid value.
         v = lo if lo < 0 else hi
         max_error = abs(values[zero + int(np.rint(v / step))] - v)
     return Codebook(values, float(lo), float(hi), float(step), float(max_error))
