@@ -555,8 +555,17 @@ ADD_LERP_RESULTS = [
     ("SGD", RICH["SGD"], ["param", "momentum_buffer"]),
     ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.01, "maximize": True},
      ["param", "momentum_buffer"]),
+    # 1 - dampening in double, then rounded to float32: 0.1f, where
+    # 1f - 0.9f is 0.100000024 (one rounding more than torch's Python float)
+    ("SGD", {"lr": 0.05, "momentum": 0.9, "dampening": 0.9}, ["param", "momentum_buffer"]),
     ("Adam", {"lr": 1e-2}, ["exp_avg"]),
     ("Adam", {"lr": 1e-2, "betas": (0.3, 0.999)}, ["exp_avg"]),
+    # lerp weight 0.9f: torch's 1 - weight is 1f - 0.9f = 0.100000024, not
+    # 0.1 (beta1) rounded to float32
+    ("Adam", {"lr": 1e-2, "betas": (0.1, 0.999)}, ["exp_avg"]),
+    # lerp weight exactly 0.5: torch's lerp takes the self + w * (end - self)
+    # form only for |w| < 0.5
+    ("Adam", {"lr": 1e-2, "betas": (0.5, 0.999)}, ["exp_avg"]),
     ("RMSprop", {"lr": 1e-3, "centered": True}, ["grad_avg"]),
 ]
 
@@ -568,6 +577,152 @@ def test_add_alpha_and_lerp_results_are_torchs_bitwise(name: str, options: dict,
     """The same ops on the same inputs give the same bits: add(alpha=) and
     lerp round once."""
     assert_keys_are_torchs_bitwise(name, options, keys, seed=5)
+
+
+@pytest.mark.parametrize("name, options", [
+    ("AdamW", {"lr": 0.3, "weight_decay": 0.3}),
+    ("Adam", {"lr": 0.3, "weight_decay": 0.3, "decoupled_weight_decay": True}),
+])
+def test_decoupled_decay_factor_is_torchs_bitwise(name: str, options: dict) -> None:
+    """Decoupled weight decay multiplies the param by 1 - lr * weight_decay,
+    which torch computes as a Python float and rounds to float32 once (0.91f
+    here; 1f - 0.3f * 0.3f, rounded in float32, is one ulp below). With zero
+    gradients the rest of Adam's update adds -0.0, so the params after 3
+    steps are param * factor**3, torch's bit for bit."""
+    shapes = [(n,) for n in range(1, 41)]
+    init = make_params(shapes, seed=6)
+    zeros = [[torch.zeros(s) for s in shapes]] * 3
+    got = run_open_loop(factory(reprop_cls(name), **options), init, zeros)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, zeros)
+    for pg, pr in zip(got.params, ref.params):
+        assert torch.equal(pg, pr), f"{name}: the decayed param of {tuple(pr.shape)} is not torch's"
+    assert not all(torch.equal(p, q) for p, q in zip(got.params, init)), "nothing was decayed"
+
+
+def test_adam_denominator_is_torchs_bitwise_where_the_square_root_is_exact() -> None:
+    """Adam's denominator is exp_avg_sq.sqrt() / sqrt(1 - beta2 ** step) +
+    eps, a division as torch's (not a multiplication by the reciprocal,
+    which rounds once more). With beta2 = 0.25, zero gradients and
+    exp_avg_sq = 4 k^2, the second moment is k^2 and its square root k
+    exact, so torch's inexact CPU sqrt plays no part and the params are
+    torch's bit for bit (for 59 of these k, k / b and k * (1 / b) differ)."""
+    k = torch.arange(1, 257, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(8)
+    exp_avg = torch.rand(256, generator=gen) - 0.5
+    results = []
+    for cls in (rp.Adam, torch.optim.Adam):
+        p = nn.Parameter(torch.zeros(256))  # (a param of 0 takes the update's bits as they are)
+        opt = cls([p], lr=0.1, betas=(0.9, 0.25))
+        p.grad = torch.zeros(256)
+        opt.step()
+        st = opt.state[p]
+        st["exp_avg_sq"].copy_(4 * k * k)
+        st["exp_avg"].copy_(exp_avg)
+        opt.step()  # step 2: bias correction sqrt(0.9375)
+        results.append(p.detach().clone())
+    assert torch.equal(*results), f"{(results[0] != results[1]).sum()} params differ from torch's"
+
+
+def test_adadelta_delta_is_torchs_bitwise_where_the_square_roots_are_exact() -> None:
+    """Adadelta's delta is sqrt(acc_delta + eps).div_(std).mul_(grad), as
+    torch's: divided, then multiplied (delta * grad / std rounds apart).
+    With eps = 0, rho = 0.25, grad 3 and square_avg = 4 k^2 - 27 before the
+    step, square_avg is k^2 after it, and acc_delta = j^2: both square roots
+    are exact, so torch's inexact CPU sqrt plays no part; with lr = 1 and
+    params of 0 the params are -delta, torch's bit for bit."""
+    n = 256
+    k = torch.arange(3, 3 + n, dtype=torch.float32)
+    j = torch.randint(1, 100, (n,), generator=torch.Generator().manual_seed(9)).float()
+    results = []
+    for cls in (rp.Adadelta, torch.optim.Adadelta):
+        p = nn.Parameter(torch.zeros(n))
+        opt = cls([p], lr=1.0, rho=0.25, eps=0.0)
+        p.grad = torch.zeros(n)
+        opt.step()
+        with torch.no_grad():
+            p.zero_()  # (0 / 0 at that first step, with eps = 0)
+        opt.state[p]["square_avg"].copy_(4 * k * k - 27)
+        opt.state[p]["acc_delta"].copy_(j * j)
+        p.grad = torch.full((n,), 3.0)
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(*results), f"{(results[0] != results[1]).sum()} params differ from torch's"
+
+
+def test_adam_beta2_of_one_set_after_construction_runs_as_torch() -> None:
+    """beta2 = 1 (which the constructor refuses, set on the group after it):
+    1 - beta2 ** step is 0, not negative, so torch divides by its square
+    root 0.0 and goes on (NaN where 0 / 0) rather than raising; reprop too."""
+    results = []
+    for cls in (rp.Adam, torch.optim.Adam):
+        p = nn.Parameter(torch.ones(5))
+        opt = cls([p], lr=0.1)
+        opt.param_groups[0]["betas"] = (0.9, 1.0)
+        p.grad = torch.full((5,), 0.5)
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(results[0].isnan(), results[1].isnan())
+    assert torch.allclose(*results, equal_nan=True)
+
+
+def test_adam_bias_correction2_is_rounded_once() -> None:
+    """sqrt(1 - beta2 ** step) is a Python float in torch, rounded to float32
+    once: at beta2 = 0.999, step 1 that is 0.031622775, where the square root
+    of 0.001 rounded to float32 first is 0.03162278. Made exact as in the
+    test above: zero gradients and exp_avg_sq values whose product with
+    0.999f is k^2, so the denominators are k / b + eps and the params of 0
+    take the update's bits; the step count is put back to 0 for step 1."""
+    k = torch.arange(1, 1025, dtype=torch.float32)
+    v0 = k * k / 0.999
+    k, v0 = k[v0 * 0.999 == k * k], v0[v0 * 0.999 == k * k]
+    assert len(k) > 100
+    exp_avg = torch.rand(len(k), generator=torch.Generator().manual_seed(10)) - 0.5
+    results = []
+    for cls in (rp.Adam, torch.optim.Adam):
+        p = nn.Parameter(torch.zeros(len(k)))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.zeros(len(k))
+        opt.step()
+        st = opt.state[p]
+        st["step"].zero_()
+        st["exp_avg_sq"].copy_(v0)
+        st["exp_avg"].copy_(exp_avg)
+        opt.step()
+        results.append(p.detach().clone())
+    assert torch.equal(*results), f"{(results[0] != results[1]).sum()} params differ from torch's"
+
+
+SIGNED_ZEROS = [
+    ("SGD", {"lr": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+    ("Adam", {"lr": 0.1}),
+    ("AdamW", {"lr": 0.1}),
+    ("Adagrad", {"lr": 0.1}),
+    ("RMSprop", {"lr": 0.1, "momentum": 0.9, "centered": True}),
+    ("Adadelta", {"lr": 0.1}),
+]
+
+
+@pytest.mark.parametrize("name, options", SIGNED_ZEROS,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(SIGNED_ZEROS)])
+def test_signed_zeros_are_torchs(name: str, options: dict) -> None:
+    """A -0.0 param with a -0.0 gradient ends as torch's zero, sign included,
+    state too: the terms an option leaves out (weight decay, nesterov's
+    momentum term) must add -0.0, the one float that changes no sum; +0.0
+    would turn -0.0 + -0.0 into +0.0. Products of zeros round alike fused or
+    not, and the square roots of zeros are exact."""
+    init = [torch.full((3,), -0.0)]
+    grads = [[torch.full((3,), -0.0)]] * 2
+    got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    bits = lambda t: t.detach().view(torch.int32)
+    assert torch.equal(bits(got.params[0]), bits(ref.params[0])), (
+        f"{name}: param {got.params[0].tolist()}, torch's {ref.params[0].tolist()}")
+    for key, e in ref.opt.state[ref.params[0]].items():
+        if key != "step":
+            a = got.opt.state[got.params[0]][key]
+            assert torch.equal(bits(a), bits(e)), f"{name}: {key} {a.tolist()}, torch's {e.tolist()}"
 
 
 LONE_PRODUCTS = ["SGD 0 - 0.1 * 1e-45", "SGD 3e38 - 1.5 * 3e38", "Adam exp_avg"]
@@ -2626,6 +2781,24 @@ def test_param_data_replaced_at_the_same_address(change: str) -> None:
         assert (raw[outside] == 0x55).all(), f"{cls.__module__}: wrote outside the parameter"
         results.append(p.detach().clone())
     assert torch.equal(*results)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_param_reinterpreted_keeping_its_gradient_is_refused(name: str) -> None:
+    """p.data replaced by its own memory read as another dtype of the same
+    size (float16 as bfloat16: same address, shape and layout), its float16
+    gradient kept: the cached row (float16 loops) must not be reused, which
+    would update bfloat16 bits as float16 ones; the gradient no longer
+    matches the param, which reprop refuses naming it, leaving p as it was."""
+    p = nn.Parameter(torch.ones(4, dtype=torch.float16))
+    p.grad = torch.full((4,), 0.5, dtype=torch.float16)
+    opt = reprop_cls(name)([p], lr=0.1)
+    opt.step()
+    p.data = p.data.view(torch.bfloat16)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"grads: .*torch\.float16.* does not match its parameter"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
 
 
 RESHAPED = {

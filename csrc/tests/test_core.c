@@ -277,6 +277,22 @@ static void test_errors(void)
     CHECK(rp_optim_check_update(&hp, &e, 1, 0, &err) == RP_EINVAL &&
               strstr(err.msg, "unknown optimizer kind 42") != NULL,
           "the pre-update check passed kind 42");
+    /* every slot the hyper-parameters need, the third too, and the step counter */
+    {
+        float v = 0.0f;
+        rp_optim_entry ams = scalar_entry(&p, &g, &m, &v, &step);
+        hp.kind = RP_ADAM;
+        hp.amsgrad = 1;
+        CHECK(rp_optim_step_cpu(&hp, RP_F32, &ams, 1, 1, &err) == RP_EINVAL &&
+                  strstr(err.msg, "state slot 2 is required") != NULL,
+              "amsgrad without max_exp_avg_sq ran");
+        hp.amsgrad = 0;
+        ams.step = NULL;
+        CHECK(rp_optim_step_cpu(&hp, RP_F32, &ams, 1, 1, &err) == RP_EINVAL &&
+                  strstr(err.msg, "step pointer is required") != NULL,
+              "Adam without a step counter ran");
+        CHECK(p == 0.0f && m == 0.0f && v == 0.0f, "a refused call changed state");
+    }
     hp.kind = RP_SGD;
     e.numel = -1;
     CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "negative numel");
@@ -334,6 +350,63 @@ static void test_refused_hparams(void)
     }
 }
 
+/* More of what torch.optim refuses, each from a step count of its own:
+ * beta1 ** step beyond double's range (Python's OverflowError), 1 - beta2
+ * and nesterov's momentum (an alpha) beyond float32's. */
+static void test_refused_hparams_more(void)
+{
+    static const struct {
+        int kind, nesterov;
+        double beta1, beta2, momentum;
+        float step;
+        const char *message;
+    } cases[] = {
+        {RP_ADAM, 0, 1e30, 0.999, 0.0, 10.0f, "betas: beta1 ** step is not a finite real number"},
+        {RP_ADAM, 0, 0.9, -1e39, 0.0, 0.0f, "betas: 1 - beta2 = "},
+        {RP_SGD, 1, 0.9, 0.999, 1e39, 0.0f, "momentum: momentum = "},
+    };
+    size_t k;
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        rp_optim_hparams hp = base_hparams(cases[k].kind);
+        float p = 1.0f, g = 0.5f, s0 = 0.0f, s1 = 0.0f, step = cases[k].step;
+        rp_optim_entry e = scalar_entry(&p, &g, &s0, &s1, cases[k].kind == RP_SGD ? NULL : &step);
+        rp_error err;
+        hp.nesterov = cases[k].nesterov;
+        hp.beta1 = cases[k].beta1;
+        hp.beta2 = cases[k].beta2;
+        hp.momentum = cases[k].momentum;
+        CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "case %zu ran", k);
+        CHECK(strstr(err.msg, cases[k].message) != NULL, "case %zu: %s", k, err.msg);
+        CHECK(p == 1.0f && step == cases[k].step && s0 == 0.0f && s1 == 0.0f,
+              "case %zu changed state", k);
+    }
+}
+
+/* A step refused at a later entry leaves every counter as it was, a counter
+ * shared by several entries (state made by hand) included: the core puts
+ * them back, the last first, so that the shared one ends as the first of
+ * its entries found it. Adagrad with lr_decay = -0.5 refuses t = 3
+ * (1 + 2 * lr_decay is 0) and takes t = 1 and 2. */
+static void test_refused_step_restores_counters(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_ADAGRAD);
+    float p[3] = {1.0f, 1.0f, 1.0f}, g[3] = {0.5f, 0.5f, 0.5f}, sum[3] = {0.0f, 0.0f, 0.0f};
+    float shared = 0.0f, own = 2.0f;
+    rp_optim_entry e[3];
+    rp_error err;
+    int k;
+    hp.lr_decay = -0.5;
+    for (k = 0; k < 3; k++)
+        e[k] = scalar_entry(&p[k], &g[k], &sum[k], NULL, k < 2 ? &shared : &own);
+    CHECK(rp_optim_step_cpu(&hp, RP_F32, e, 3, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "lr_decay") != NULL,
+          "t = 3 with lr_decay -0.5 ran");
+    CHECK(shared == 0.0f && own == 2.0f, "counters after a refused step: shared %g, own %g",
+          shared, own);
+    for (k = 0; k < 3; k++)
+        CHECK(p[k] == 1.0f && sum[k] == 0.0f, "entry %d changed by a refused step", k);
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -343,6 +416,8 @@ int main(void)
     test_errors();
     test_rmsprop_momentum_not_positive();
     test_refused_hparams();
+    test_refused_hparams_more();
+    test_refused_step_restores_counters();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
