@@ -315,65 +315,42 @@ static void test_rmsprop_momentum_not_positive(void)
 }
 
 /* Hyper-parameters torch.optim refuses at a step (a division by zero, a
- * complex bias correction, a constant beyond float32) are refused before
- * anything changes. */
+ * complex bias correction, a constant beyond float32, beta1 ** step beyond
+ * double's range: Python's OverflowError) are refused before anything
+ * changes, each from the step count given. */
 static void test_refused_hparams(void)
 {
     static const struct {
-        int kind;
-        double lr, beta1, beta2, lr_decay, weight_decay;
-        const char *message;
-    } cases[] = {
-        {RP_ADAM, 1e-3, 1.0, 0.999, 0.0, 0.0, "betas: 1 - beta1 ** step is 0"},
-        {RP_ADAM, 1e-3, 0.9, 1.5, 0.0, 0.0, "betas: 1 - beta2 ** step"},
-        {RP_ADAM, 1e-3, 1e300, 0.999, 0.0, 0.0, "betas: 1 - beta1 = "},
-        {RP_ADAM, 1e38, 0.9, 0.999, 0.0, 0.0, "lr: the step size"},
-        {RP_ADAGRAD, 1e-3, 0.0, 0.0, -1.0, 0.0, "lr_decay: 1 + (step - 1) * lr_decay is 0"},
-        {RP_ADAGRAD, 1e300, 0.0, 0.0, 0.0, 0.0, "lr: lr / (1 + (step - 1) * lr_decay)"},
-        {RP_SGD, 1e300, 0.0, 0.0, 0.0, 0.0, "lr: -lr = "},
-        {RP_ADADELTA, 1e-3, 0.0, 0.0, 0.0, -1e39, "weight_decay: weight_decay = "},
-    };
-    size_t k;
-    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
-        rp_optim_hparams hp = base_hparams(cases[k].kind);
-        float p = 1.0f, g = 0.5f, s0 = 0.0f, s1 = 0.0f, step = 1.0f;
-        rp_optim_entry e = scalar_entry(&p, &g, &s0, &s1, &step);
-        rp_error err;
-        hp.lr = cases[k].lr;
-        hp.beta1 = cases[k].beta1;
-        hp.beta2 = cases[k].beta2;
-        hp.lr_decay = cases[k].lr_decay;
-        hp.weight_decay = cases[k].weight_decay;
-        CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "case %zu ran", k);
-        CHECK(strstr(err.msg, cases[k].message) != NULL, "case %zu: %s", k, err.msg);
-        CHECK(p == 1.0f && step == 1.0f && s0 == 0.0f && s1 == 0.0f, "case %zu changed state", k);
-    }
-}
-
-/* More of what torch.optim refuses, each from a step count of its own:
- * beta1 ** step beyond double's range (Python's OverflowError), 1 - beta2
- * and nesterov's momentum (an alpha) beyond float32's. */
-static void test_refused_hparams_more(void)
-{
-    static const struct {
         int kind, nesterov;
-        double beta1, beta2, momentum;
+        double lr, beta1, beta2, lr_decay, weight_decay, momentum;
         float step;
         const char *message;
     } cases[] = {
-        {RP_ADAM, 0, 1e30, 0.999, 0.0, 10.0f, "betas: beta1 ** step is not a finite real number"},
-        {RP_ADAM, 0, 0.9, -1e39, 0.0, 0.0f, "betas: 1 - beta2 = "},
-        {RP_SGD, 1, 0.9, 0.999, 1e39, 0.0f, "momentum: momentum = "},
+        {RP_ADAM, 0, 1e-3, 1.0, 0.999, 0.0, 0.0, 0.0, 1.0f, "betas: 1 - beta1 ** step is 0"},
+        {RP_ADAM, 0, 1e-3, 0.9, 1.5, 0.0, 0.0, 0.0, 1.0f, "betas: 1 - beta2 ** step"},
+        {RP_ADAM, 0, 1e-3, 1e300, 0.999, 0.0, 0.0, 0.0, 1.0f, "betas: 1 - beta1 = "},
+        {RP_ADAM, 0, 1e38, 0.9, 0.999, 0.0, 0.0, 0.0, 1.0f, "lr: the step size"},
+        {RP_ADAM, 0, 1e-3, 1e30, 0.999, 0.0, 0.0, 0.0, 10.0f,
+         "betas: beta1 ** step is not a finite real number"},
+        {RP_ADAM, 0, 1e-3, 0.9, -1e39, 0.0, 0.0, 0.0, 0.0f, "betas: 1 - beta2 = "},
+        {RP_ADAGRAD, 0, 1e-3, 0.0, 0.0, -1.0, 0.0, 0.0, 1.0f, "lr_decay: 1 + (step - 1) * lr_decay is 0"},
+        {RP_ADAGRAD, 0, 1e300, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0f, "lr: lr / (1 + (step - 1) * lr_decay)"},
+        {RP_SGD, 0, 1e300, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0f, "lr: -lr = "},
+        {RP_SGD, 1, 1e-3, 0.0, 0.0, 0.0, 0.0, 1e39, 0.0f, "momentum: momentum = "},
+        {RP_ADADELTA, 0, 1e-3, 0.0, 0.0, 0.0, -1e39, 0.0, 1.0f, "weight_decay: weight_decay = "},
     };
     size_t k;
     for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         rp_optim_hparams hp = base_hparams(cases[k].kind);
         float p = 1.0f, g = 0.5f, s0 = 0.0f, s1 = 0.0f, step = cases[k].step;
-        rp_optim_entry e = scalar_entry(&p, &g, &s0, &s1, cases[k].kind == RP_SGD ? NULL : &step);
+        rp_optim_entry e = scalar_entry(&p, &g, &s0, &s1, &step);
         rp_error err;
         hp.nesterov = cases[k].nesterov;
+        hp.lr = cases[k].lr;
         hp.beta1 = cases[k].beta1;
         hp.beta2 = cases[k].beta2;
+        hp.lr_decay = cases[k].lr_decay;
+        hp.weight_decay = cases[k].weight_decay;
         hp.momentum = cases[k].momentum;
         CHECK(rp_optim_step_cpu(&hp, RP_F32, &e, 1, 1, &err) == RP_EINVAL, "case %zu ran", k);
         CHECK(strstr(err.msg, cases[k].message) != NULL, "case %zu: %s", k, err.msg);
@@ -416,7 +393,6 @@ int main(void)
     test_errors();
     test_rmsprop_momentum_not_positive();
     test_refused_hparams();
-    test_refused_hparams_more();
     test_refused_step_restores_counters();
     test_optimizers();
     if (failures) {
