@@ -2381,21 +2381,24 @@ def _mlp_batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | None = None,
               after_step: dict | None = None, before_step: dict | None = None,
               set_to_none: bool = True, make_model: Callable[[], nn.Module] = _mlp,
-              fuse_options: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+              fuse_options: dict | None = None,
+              layer_by_layer: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
     None) or fused (with fuse_options); events[i] (model, opt) runs before step i's forward,
     before_step[i] between its backward and step(), after_step[i] right after
-    its step() (forward mode: with the updates pending)."""
+    its step() (forward mode: with the updates pending). layer_by_layer calls
+    the layers one by one (_LayerByLayer), never the model's own forward."""
     model = make_model()
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode=mode, **(fuse_options or {})) if mode else None
+    call = _LayerByLayer(model) if layer_by_layer else model
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for i in range(steps):
             if events and i in events:
                 events[i](model, opt)
             x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
+            F.mse_loss(call(x), y).backward()
             if before_step and i in before_step:
                 before_step[i](model, opt)
             opt.step()
@@ -3588,20 +3591,10 @@ def test_forward_mode_parameter_moved_to_another_module(change: str, called: str
     make_model, change_at_2 = PARAMETRIZE[change]
 
     def run(mode):
-        model = make_model()
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        call = model if called == "model" else _LayerByLayer(model)
-        for i in range(5):
-            x, y = _mlp_batch(i)
-            F.mse_loss(call(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if i == 2:
-                change_at_2(model, opt)
-        if handle is not None:
-            handle.remove()
-        return model, opt
+        # the change runs after step 2's zero_grad(), before step 3's forward
+        return _mlp_loop(mode, lambda model: rp.SGD(model.parameters(), lr=0.1, momentum=0.9), 5,
+                         events={3: change_at_2}, make_model=make_model,
+                         layer_by_layer=called == "layers")
 
     _assert_same_training(run("forward"), run(None))
 
