@@ -202,6 +202,44 @@ PyDoc_STRVAR(csr_run_doc,
              "A reprop._C.csr_plan's program on `stream` (rp_cuda_csr_run): seq, shared\n"
              "and the device copies of its rows dst, term_ptr, tx, ty as device pointers.");
 
+PyDoc_STRVAR(scan_shared_bytes_doc,
+             "scan_shared_bytes(dim, levels)\n--\n\n"
+             "Shared memory (bytes) one block of scan() needs at the least for hidden size\n"
+             "`dim` (rp_cuda_scan_shared_bytes): the same for every levels > 0.");
+
+static PyObject *rp_cuda_scan_shared_bytes_py(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int64_t dim;
+    int levels;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 2, "scan_shared_bytes") < 0 || rp_py_size_arg(args[0], "dim", &dim) < 0 ||
+        rp_py_int_arg(args[1], "levels", &levels) < 0)
+        return NULL;
+    if (dim < 1 || levels < 0) {
+        PyErr_Format(PyExc_ValueError, "scan_shared_bytes: expected dim >= 1 and levels >= 0, got %lld and %d",
+                     (long long)dim, levels);
+        return NULL;
+    }
+    return PyLong_FromSize_t(rp_cuda_scan_shared_bytes(dim, levels));
+}
+
+PyDoc_STRVAR(shared_memory_per_block_doc,
+             "shared_memory_per_block(device)\n--\n\n"
+             "The most shared memory (bytes) one block may use on CUDA device `device`:\n"
+             "its opt-in maximum, at least the default 48 KB.");
+
+static PyObject *rp_cuda_shared_memory_per_block_py(PyObject *self, PyObject *arg)
+{
+    rp_error err = {{0}};
+    size_t bytes = 0;
+    int device, rc;
+    (void)self;
+    if (rp_py_int_arg(arg, "device", &device) < 0)
+        return NULL;
+    rc = rp_cuda_shared_memory_per_block(device, &bytes, &err);
+    return rc == RP_OK ? PyLong_FromSize_t(bytes) : rp_py_raise(rc, &err);
+}
+
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
@@ -223,6 +261,9 @@ static PyMethodDef rp_cuda_methods[] = {
      cusparse_create_doc},
     {"cusparse_run", (PyCFunction)(void (*)(void))rp_cuda_cusparse_run_py, METH_FASTCALL,
      cusparse_run_doc},
+    {"scan_shared_bytes", (PyCFunction)(void (*)(void))rp_cuda_scan_shared_bytes_py, METH_FASTCALL,
+     scan_shared_bytes_doc},
+    {"shared_memory_per_block", rp_cuda_shared_memory_per_block_py, METH_O, shared_memory_per_block_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };

@@ -369,6 +369,15 @@ int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels
 int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
                  void *stream, rp_error *err);
 
+/* Shared memory (bytes) one block of rp_cuda_scan needs at the least for
+ * hidden size dim: the linear scan's vectors, and with levels > 0 one task
+ * of the up- and of the down-sweep (the same for any number of levels);
+ * SIZE_MAX past any device. A scan needing more than the device's
+ * rp_cuda_shared_memory_per_block (the opt-in maximum, at least the default
+ * 48 KB) is refused. */
+size_t rp_cuda_scan_shared_bytes(int64_t dim, int levels);
+int rp_cuda_shared_memory_per_block(int device, size_t *bytes, rp_error *err);
+
 /* ---------------------------------------------------------------------------
  * Sparse BPPSA over a chain of layers (csrc/scan.c, csrc/jacobian.c)
  *

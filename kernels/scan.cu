@@ -1016,6 +1016,31 @@ static void rp_scan_plan_mid(const rp_scan_args *base, int levels, int mode,
     L->units = L->a.nunits;
 }
 
+extern "C" size_t rp_cuda_scan_shared_bytes(int64_t H, int levels)
+{
+    size_t need;
+    if (H > ((int64_t)1 << 28)) /* a GiB of floats: past any device, and past rp_scan_pad4's int */
+        return SIZE_MAX;
+    need = (size_t)2 * rp_scan_pad4(H) * 4 + 16;
+    if (levels > 0) {
+        const size_t up = H <= RP_SCAN_SMALL_H ? rp_scan_small_bytes(H, 1) : rp_scan_large_bytes(H, 1);
+        const size_t down = rp_scan_down_bytes(H, 1);
+        need = up > need ? up : need;
+        need = down > need ? down : need;
+    }
+    return need;
+}
+
+extern "C" int rp_cuda_shared_memory_per_block(int device, size_t *bytes, rp_error *err)
+{
+    int optin = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+    if (e != cudaSuccess)
+        return rp_cuda_error(e, "rp_cuda_shared_memory_per_block", err);
+    *bytes = (size_t)optin > (size_t)RP_SCAN_SMEM_DEFAULT ? (size_t)optin : (size_t)RP_SCAN_SMEM_DEFAULT;
+    return RP_OK;
+}
+
 extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels,
                             float *work, void *stream_, rp_error *err)
 {
@@ -1061,25 +1086,16 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     /* Shared memory: the default 48 KB, or the device's opt-in maximum when
      * a one-task block does not fit in it (H in the thousands). */
     {
-        const int64_t H = base.H;
-        size_t small = (size_t)2 * rp_scan_pad4(H) * 4 + 16;
-        if (levels > 0) {
-            size_t up = H <= RP_SCAN_SMALL_H ? rp_scan_small_bytes(H, 1) : rp_scan_large_bytes(H, 1);
-            size_t down = rp_scan_down_bytes(H, 1);
-            small = up > small ? up : small;
-            small = down > small ? down : small;
-        }
+        const size_t small = rp_cuda_scan_shared_bytes(base.H, levels);
         if (small > limit) {
-            int optin = 0;
-            cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, guard.dev);
-            if (e != cudaSuccess)
-                return rp_cuda_error(e, "rp_cuda_scan", err);
-            if ((size_t)optin < small)
+            rc = rp_cuda_shared_memory_per_block(guard.dev, &limit, err);
+            if (rc != RP_OK)
+                return rc;
+            if (limit < small)
                 return rp_set_error(err, RP_EINVAL,
                                     "rp_cuda_scan: dim %lld needs %zu bytes of shared memory per "
-                                    "block, the device allows %d",
-                                    (long long)H, small, optin);
-            limit = (size_t)optin;
+                                    "block, the device allows %zu",
+                                    (long long)base.H, small, limit);
         }
     }
 

@@ -387,6 +387,34 @@ def test_cuda_binding_argument_errors_name_the_argument():
             call()
 
 
+def test_cuda_scan_shared_bytes():
+    """The shared memory the CUDA scan's smallest blocks need, which decides
+    whether scan="auto" scans a hidden size on a device (README: about
+    29,000 on an H100/H200's 227 KiB, a thousand fewer with levels). Runs
+    wherever _cuda is built; the device's own room needs a device."""
+    cuda = reprop._native._cuda
+    if cuda is None:
+        pytest.skip("reprop._cuda not built")
+    need = cuda.scan_shared_bytes
+    assert need(20, 0) == 2 * 20 * 4 + 16  # the linear scan: two vectors, padded to float4s
+    assert need(21, 0) == need(24, 0) == 2 * 24 * 4 + 16
+    # levels: one up-sweep task (an H x H product for H <= 64), whatever their number
+    assert need(20, 1) == need(20, 9) == 16 + (2 * 20 * 20 + 2 * 20) * 4
+    room = 227 * 1024
+    assert need(28000, 0) < need(28000, 1) <= room < need(28100, 1)
+    assert need(29052, 0) <= room < need(29053, 0)
+    assert need(2**40, 0) == need(2**62, 3) == 2**64 - 1  # past any device
+    for exc, message, call in [(ValueError, "expected dim >= 1 and levels >= 0, got 0 and 0", lambda: need(0, 0)),
+                               (ValueError, "got 5 and -1", lambda: need(5, -1)),
+                               (TypeError, "^dim: ", lambda: need("5", 0)),
+                               (OverflowError, "^levels: ", lambda: need(5, 2**40))]:
+        with pytest.raises(exc, match=message):
+            call()
+    if not reprop._native.cuda_available():
+        with pytest.raises(RuntimeError, match="rp_cuda_shared_memory_per_block"):
+            cuda.shared_memory_per_block(0)
+
+
 def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
     """The int arguments' OverflowError wrote the value with %R, which Python
     refuses for an int of over 4300 digits: its ValueError "Exceeds the limit

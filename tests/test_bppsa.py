@@ -830,6 +830,45 @@ def test_scan_choice_is_checked_when_set():
     assert rnn.scan == "linear"
 
 
+def test_scan_auto_picks_the_linear_scan_where_levels_do_not_fit(monkeypatch):
+    """Where the blocks of Blelloch levels would not fit in the device's
+    shared memory (the CUDA scan, hidden sizes near 28,000), the cost model
+    picks the linear scan. _scan_fits plays such a device here."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(64)  # Blelloch levels pay (test above)
+        assert bppsa.scan_levels(5000, 512, 1, 1) > 0
+        monkeypatch.setattr(bppsa, "_scan_fits", lambda device, hidden, levels: levels == 0)
+        assert bppsa.scan_levels(5000, 512, 1, 1) == 0
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_no_scan_fits_runs_torch_recurrence(monkeypatch, kind):
+    """Where no scan fits the hidden size (the CUDA scan's shared memory past
+    about 29,000), scan="auto" runs torch's own recurrence instead of
+    raising at backward: torch's results bit for bit, packed input too. A
+    forced choice still scans. _scan_fits plays such a device here."""
+    scans = []
+    layer_apply = bppsa._Layer.apply
+    monkeypatch.setattr(bppsa._Layer, "apply", lambda *args: scans.append(1) or layer_apply(*args))
+    monkeypatch.setattr(bppsa, "_scan_fits", lambda device, hidden, levels: hidden < 16)
+    torch.manual_seed(3)
+    ref, ours = make_pair(kind, 3, 20, num_layers=2)
+    x, h0, w_out = torch.randn(9, 4, 3), torch.randn(2, 4, 20), torch.randn(9, 4, 20)
+    for a, b in zip(run(ours, x, h0, w_out), run(ref, x, h0, w_out)):
+        assert torch.equal(a, b)
+    packed = nn.utils.rnn.pack_padded_sequence(x, [9, 7, 7, 2], enforce_sorted=False)
+    assert torch.equal(ours(packed)[0].data, ref(packed)[0].data)
+    assert scans == []
+    ours.scan = "linear"
+    ours(x)
+    _, small = make_pair(kind, 3, 8)
+    small(x)
+    assert len(scans) == 2 + 1
+
+
 def test_scan_auto_follows_the_thread_count():
     """The CPU cost model counts the threads torch uses now (it kept the
     count of its first call)."""
@@ -1194,6 +1233,24 @@ def test_cuda_gradients_equal_cudnn(kind, T):
     # cuDNN's own float32 math (TF32 off by default for RNNs) differs from
     # CPU by rounding; the same bound holds.
     assert_close_lists(run(ours, x, None, w_out), ref_res, tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_hidden_size_past_shared_memory():
+    """Past the shared memory of a block no CUDA scan fits: scan="auto" runs
+    cuDNN's recurrence, a forced scan is refused at backward."""
+    cuda = reprop._native._cuda
+    room = cuda.shared_memory_per_block(torch.cuda.current_device())
+    H = room // 8 + 4  # the linear scan's two vectors alone pass it
+    assert cuda.scan_shared_bytes(H, 0) > room >= cuda.scan_shared_bytes(20, 5)
+    torch.manual_seed(4)
+    ref, ours = make_pair("tanh", 2, H)
+    ref.cuda(), ours.cuda()
+    x, w_out = torch.randn(3, 2, 2, device="cuda"), torch.randn(3, 2, H, device="cuda")
+    assert_close_lists(run(ours, x, None, w_out), run(ref, x, None, w_out), tol=1e-6)
+    ours.scan = "linear"
+    with pytest.raises(ValueError, match="shared memory"):
+        ours(x)[0].sum().backward()
 
 
 @pytest.mark.gpu

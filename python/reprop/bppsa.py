@@ -103,8 +103,27 @@ def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.devic
 
 
 def _planned_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
-    """scan_levels for sizes taken from checked tensors (every backward asks)."""
-    return _C.scan_plan(n, batch, hidden, gates, *_machine(_device_key(device)))[0]
+    """scan_levels for sizes taken from checked tensors (every backward asks):
+    the cost model's pick, or the linear scan where the blocks of Blelloch
+    levels would not fit in the device's shared memory."""
+    levels = _C.scan_plan(n, batch, hidden, gates, *_machine(_device_key(device)))[0]
+    return levels if levels == 0 or _scan_fits(device, hidden, levels) else 0
+
+
+def _scan_fits(device: torch.device, hidden: int, levels: int) -> bool:
+    """Whether a scan with `levels` over `hidden` can run on `device`: the
+    CUDA scan keeps vectors of the hidden size in shared memory (past about
+    29,000 they do not fit, about 28,000 with levels); the CPU scan has no
+    such bound. Without the
+    CUDA extension, scan() says so itself."""
+    if device.type != "cuda" or _cuda is None:
+        return True
+    return _cuda.scan_shared_bytes(hidden, levels) <= _shared_memory_per_block(_device_key(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory_per_block(device: torch.device) -> int:
+    return _cuda.shared_memory_per_block(device.index)
 
 
 def _check_count(value, name: str, least: int) -> int:
@@ -698,9 +717,17 @@ class _ScanRNNBase:
             return True
         return any(map(torch_only_weight, weights))
 
+    def _no_scan_fits(self, input) -> bool:
+        """Whether scan="auto" finds no scan that runs over this hidden size on
+        input's device (the CUDA scan's shared memory): torch's recurrence
+        then, with the same gradients. A forced choice is refused at backward."""
+        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        return (self.scan == "auto" and isinstance(data, torch.Tensor)
+                and not _scan_fits(data.device, self.hidden_size, 0))
+
     def forward(self, input, hx=None):
         weights = self._weights_now()
-        if self._needs_torch_own(input, hx, weights):
+        if self._needs_torch_own(input, hx, weights) or self._no_scan_fits(input):
             return super().forward(input, hx)
         if isinstance(input, nn.utils.rnn.PackedSequence):
             return self._forward_packed(input, hx, weights)
