@@ -31,6 +31,8 @@ import sys
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
 from types import SimpleNamespace
 
 import numpy as np
@@ -2419,22 +2421,41 @@ def _set_hparam(group: dict, key: str, make: Callable) -> None:
         group[key] = make(group[key])
 
 
+# Values of a numeric hyper-parameter that are no real number: (make from
+# the key's value, whether torch's update raises TypeError for it at every key;
+# the others vary: at some keys torch steps on, at others it raises another
+# error, such as RuntimeError for a bool tensor it negates).
+NOT_REAL = {
+    "str": (str, True),
+    "None": (lambda v: None, True),
+    "complex": (complex, False),
+    "tensor2": (lambda v: torch.tensor([v, v]), False),
+    "bool_tensor": (lambda v: torch.tensor(True), False),
+    "array1": (lambda v: np.array([v]), True),
+    "fraction": (Fraction, False),
+    "decimal": (Decimal, False),
+}
+
+
 @pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
 def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> None:
-    """A string, None, a complex number or a tensor of several elements set
-    into a group raises TypeError naming the group and the key, as torch's
-    update raises TypeError, before anything changes. float() parsed a string
-    and stepped with it; None and a 2-element tensor gave float()'s message."""
-    bad = {"str": str, "None": lambda v: None, "complex": complex,
-           "tensor2": lambda v: torch.tensor([v, v])}
-    for what, make in bad.items():
+    """A string, None, a complex number, a tensor of several elements, a bool
+    tensor, a one-element NumPy array of one dimension, a Fraction or a
+    Decimal set into a group raises TypeError naming the group and the key,
+    as torch's update raises for it (at every key for a string, None and
+    such an array), before anything changes. float() parsed a string and
+    stepped with it; None and a 2-element tensor gave float()'s message; a
+    bool tensor and a Fraction trained (as 1 and as the fraction's value),
+    also where torch raises (SGD's lr), and np.array([0.05]) gave NumPy's
+    message without the key."""
+    for what, (make, torch_refuses) in NOT_REAL.items():
         p = nn.Parameter(torch.ones(3))
         torch_opt = torch_cls(name)([nn.Parameter(torch.ones(3))], **RICH[name])
         _set_hparam(torch_opt.param_groups[0], key, make)
         opt = reprop_cls(name)([p], **RICH[name])
         _set_hparam(opt.param_groups[0], key, make)
         p.grad = torch_opt.param_groups[0]["params"][0].grad = torch.ones(3)
-        if what in ("str", "None"):  # torch: the others vary (some step on, some RuntimeError)
+        if torch_refuses:
             with pytest.raises(TypeError):  # (SGD reads momentum from its second step)
                 torch_opt.step()
                 torch_opt.step()

@@ -22,7 +22,6 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Callable, Iterable
 
 import numpy as np
@@ -69,24 +68,35 @@ _PLAIN_NUMBERS = frozenset({float, int})
 
 
 def _scalar(value, name: str) -> float:
-    """A hyper-parameter as a Python float: a real number (bools, NumPy
-    scalars and one-element arrays too, which torch's ops take) or a one-element real tensor on the
-    CPU (a CUDA one would need a sync). Anything else raises TypeError, as
-    torch's update does: float() alone would parse a string ("0.1") and step."""
-    if isinstance(value, (numbers.Real, np.bool_)):
+    """A hyper-parameter as a Python float: a real number as torch's ops take
+    one (_tensors._is_real_scalar: a Python or NumPy number, a 0-d NumPy
+    array, a one-element real tensor, on the CPU: a CUDA one would need a
+    sync), or a Python or NumPy bool, which torch's arithmetic takes as 0 or
+    1. Anything else raises TypeError naming `name`, as torch's update raises
+    for it: a string (float() alone would parse "0.1" and step), None, a
+    complex number, a bool tensor (torch refuses its negation and
+    subtraction), a NumPy array of one or more dimensions (NumPy 2 refuses
+    float() of one, torch's ops refuse it as a Number) or a Fraction (not a
+    Number to torch's ops)."""
+    if isinstance(value, (bool, np.bool_)):
         return float(value)
-    if isinstance(value, np.ndarray) and value.size == 1 and value.dtype.kind in "biuf":
-        return float(value)  # np.array(0.1): torch's ops take it as a number
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
-        if value.device.type != "cpu":
-            raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
-                             f"update, got a tensor on {value.device}")
-        return float(value)
+    if not _tensors._is_real_scalar(value):
+        raise TypeError(f"{name}: expected a real number or a one-element real tensor (not a "
+                        f"bool one; a NumPy array only 0-d), got {_described(value)}")
+    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+        raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
+                         f"update, got a tensor on {value.device}")
+    return float(value)
+
+
+def _described(value) -> str:
+    """`value` for an error message: the dtype and shape of a tensor or
+    array (its repr could be long), else the repr and type."""
     if isinstance(value, torch.Tensor):
-        value = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    else:
-        value = f"{value!r} ({type(value).__name__})"
-    raise TypeError(f"{name}: expected a real number or a one-element real tensor, got {value}")
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"a {value.dtype} NumPy array of shape {value.shape}"
+    return f"{value!r} ({type(value).__name__})"
 
 
 class _Plan:
