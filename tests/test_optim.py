@@ -2467,6 +2467,65 @@ def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> No
         assert _state_snapshot(opt, [p]) == state, what
 
 
+# Ints past 64 bits, with an optimizer whose update torch refuses them at:
+# torch passes the int (SGD's weight_decay), or -int (SGD's lr), to a tensor op
+# as a signed or unsigned 64-bit integer, and raises OverflowError.
+BEYOND_64_BITS = {"2**64": (2**64, "SGD", "weight_decay"), "-2**64": (-2**64, "SGD", "lr"),
+                  "2**63+1": (2**63 + 1, "RMSprop", "lr"),
+                  "np.uint64": (np.uint64(2**64 - 1), "Adadelta", "weight_decay")}
+
+
+@pytest.mark.parametrize("value", list(BEYOND_64_BITS))
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_int_hyperparameter_beyond_64_bits_raises_overflow_error(name: str, key: str,
+                                                                 value: str) -> None:
+    """An int hyper-parameter beyond +-2**63 raises torch's OverflowError,
+    naming the group and the key, before anything changes (at every key:
+    where torch's own arithmetic first makes a float of it, as Adam's lr, it
+    steps on). reprop took it as a double and trained with it (a
+    np.uint64 that torch's SGD negates to 1, too); +-2**63 steps as torch."""
+    v, torch_name, torch_key = BEYOND_64_BITS[value]
+    if (name, key) == (torch_name, torch_key):
+        torch_opt = torch_cls(name)([nn.Parameter(torch.ones(3))], **RICH[name])
+        _set_hparam(torch_opt.param_groups[0], key, lambda _: v)
+        torch_opt.param_groups[0]["params"][0].grad = torch.ones(3)
+        with pytest.raises((OverflowError, TypeError)):  # (TypeError for a NumPy int)
+            torch_opt.step()
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    _set_hparam(opt.param_groups[0], key, lambda _: v)
+    p.grad = torch.ones(3)
+    state = _state_snapshot(opt, [p])
+    with pytest.raises(OverflowError, match=rf"^{name}: param_groups\[0\]: {re.escape(key)}: "
+                                            rf"the int {v} is beyond \+-2\*\*63"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert _state_snapshot(opt, [p]) == state
+
+
+@pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
+def test_int_hyperparameters_of_64_bits_step_like_torch(name: str, key: str) -> None:
+    """+-2**63, the ints torch takes at every key, step as torch (to inf and
+    NaN, or raising the same way)."""
+    for v in (2**63, -2**63):
+        outcomes = []
+        for cls in (torch_cls(name), reprop_cls(name)):
+            p = nn.Parameter(torch.linspace(-1, 1, 5))
+            opt = cls([p], **RICH[name])
+            _set_hparam(opt.param_groups[0], key, lambda _: v)
+            try:
+                for k in range(2):
+                    p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
+                    opt.step()
+                outcomes.append(p.detach())
+            except (RuntimeError, ValueError):  # reprop: ValueError for torch's RuntimeError
+                outcomes.append(k)
+        if isinstance(outcomes[0], int):
+            assert outcomes[1] == outcomes[0], (v, outcomes)
+        else:
+            torch.testing.assert_close(outcomes[1], outcomes[0], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
 @pytest.mark.parametrize("make", [np.float32, np.array], ids=["float32", "array"])
 @pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
 def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str, make) -> None:

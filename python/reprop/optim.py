@@ -22,6 +22,7 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Iterable
 
 import numpy as np
@@ -60,11 +61,16 @@ def _layout_key(p: torch.Tensor) -> tuple:
 
 
 # The numeric entries of the hparams tuple, in its order, and the types that
-# go into it as they are (the core parses them as doubles); any other type is
-# converted or refused by _scalar.
+# go into it as they are (the core parses them as doubles; ints only within
+# _INT_BOUND, see _numbers); any other type is converted or refused by _scalar.
 _NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "momentum", "dampening",
                     "alpha", "rho", "lr_decay")
 _PLAIN_NUMBERS = frozenset({float, int})
+_ALL_FLOATS = (float,) * len(_NUMERIC_HPARAMS)
+# torch passes an int hyper-parameter (or -int, 1 - int) to its tensor ops as a
+# 64-bit integer, signed or unsigned, and raises OverflowError for one that
+# does not fit (SGD's lr=2**64); every form of an int within +-2**63 fits.
+_INT_BOUND = 2**63
 
 
 def _scalar(value, name: str) -> float:
@@ -83,10 +89,28 @@ def _scalar(value, name: str) -> float:
     if not _tensors._is_real_scalar(value):
         raise TypeError(f"{name}: expected a real number or a one-element real tensor (not a "
                         f"bool one; a NumPy array only 0-d), got {_described(value)}")
+    if isinstance(value, (int, np.integer)) and not -_INT_BOUND <= value <= _INT_BOUND:
+        raise OverflowError(f"{name}: the int {value} is beyond +-2**63, which torch's update "
+                            "cannot pass to its tensor ops (it raises OverflowError); use a float")
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
                          f"update, got a tensor on {value.device}")
     return float(value)
+
+
+def _numbers(numeric: tuple, kinds: tuple) -> tuple:
+    """The numeric hyper-parameters (of types `kinds`) as the core takes them:
+    as they are if all are floats and ints within +-2**63, else each through
+    _scalar. hypot() is at least the largest magnitude, so the quick test
+    sends only a value near or beyond the bound (or NaN, or an int beyond
+    float's range, whose conversion raises) to _scalar, which passes a float."""
+    if _PLAIN_NUMBERS.issuperset(kinds):
+        try:
+            if math.hypot(*numeric) < _INT_BOUND:
+                return numeric
+        except OverflowError:
+            pass
+    return tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
 
 
 def _described(value) -> str:
@@ -892,8 +916,8 @@ class _FusedOptimizer:
                     plan.check(self, hparams)
             for plan in running:
                 plan.run(self, hp, hparams)
-        except (TypeError, ValueError) as e:  # a refused hyper-parameter, gradient: say which group
-            refusal = TypeError if isinstance(e, TypeError) else ValueError
+        except (TypeError, ValueError, OverflowError) as e:  # a refused setting: name the group
+            refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
 
@@ -1015,8 +1039,9 @@ class _FusedOptimizer:
         numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
                    group.get("momentum", 0.0), group.get("dampening", 0.0),
                    group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-        if not _PLAIN_NUMBERS.issuperset(map(type, numeric)):  # one check for the common case
-            numeric = tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
+        kinds = tuple(map(type, numeric))
+        if kinds != _ALL_FLOATS:  # one check for the common case
+            numeric = _numbers(numeric, kinds)
         return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
                           bool(group.get("amsgrad", False)),
                           bool(group.get("decoupled_weight_decay", False)),
