@@ -2574,6 +2574,29 @@ def test_duplicate_params_in_a_group_raise(name: str) -> None:
     assert len(opt.param_groups) == 1
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "eps", "betas[0]", "betas[1]"])
+def test_tensor_hyperparameter_off_the_cpu_is_refused_saying_what_is_taken(key: str,
+                                                                           capturable: bool) -> None:
+    """The kernels take every hyper-parameter as a host float but the lr of a
+    capturable group, which they read on the device: a tensor one on another
+    device (meta standing in for CUDA) is refused with a ValueError saying
+    so. With capturable=True the message said "expected a float or a CPU
+    tensor for a non-capturable update", which does not say why (or what
+    would do) for betas; such an lr is not refused here, but by the step
+    (_cuda_lr_pointer: it must be float32 on the params' device)."""
+    opt = rp.Adam([nn.Parameter(torch.ones(3))], lr=0.1)
+    group = dict(opt.param_groups[0], capturable=capturable)
+    _set_hparam(group, key, lambda v: torch.tensor(float(v), device="meta"))
+    if key == "lr" and capturable:
+        assert opt._hparams(group)[0] == 0.0
+        return
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: only lr may be a tensor off the "
+                                         r"CPU, a CUDA one with capturable=True; got a tensor on "
+                                         r"meta$"):
+        opt._hparams(group)
+
+
 @pytest.mark.parametrize("name", CAPTURABLE_NAMES)
 def test_capturable_with_cpu_params_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3))

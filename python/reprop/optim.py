@@ -76,14 +76,15 @@ _INT_BOUND = 2**63
 def _scalar(value, name: str) -> float:
     """A hyper-parameter as a Python float: a real number as torch's ops take
     one (_tensors._is_real_scalar: a Python or NumPy number, a 0-d NumPy
-    array, a one-element real tensor, on the CPU: a CUDA one would need a
-    sync), or a Python or NumPy bool, which torch's arithmetic takes as 0 or
-    1. Anything else raises TypeError naming `name`, as torch's update raises
-    for it: a string (float() alone would parse "0.1" and step), None, a
-    complex number, a bool tensor (torch refuses its negation and
-    subtraction), a NumPy array of one or more dimensions (NumPy 2 refuses
-    float() of one, torch's ops refuse it as a Number) or a Fraction (not a
-    Number to torch's ops)."""
+    array, a one-element real tensor, which must be on the CPU: the kernels
+    cannot read a CUDA one, and float() of it would sync), or a Python or
+    NumPy bool, which torch's arithmetic takes as 0 or 1. Anything else
+    raises TypeError naming `name`, as torch's update raises for it: a
+    string (float() alone would parse "0.1" and step), None, a complex
+    number, a bool tensor (torch refuses its negation and subtraction), a
+    NumPy array of one or more dimensions (NumPy 2 refuses float() of one,
+    torch's ops refuse it as a Number) or a Fraction (not a Number to
+    torch's ops). An int beyond _INT_BOUND raises OverflowError."""
     if isinstance(value, (bool, np.bool_)):
         return float(value)
     if not _tensors._is_real_scalar(value):
@@ -93,8 +94,10 @@ def _scalar(value, name: str) -> float:
         raise OverflowError(f"{name}: the int {value} is beyond +-2**63, which torch's update "
                             "cannot pass to its tensor ops (it raises OverflowError); use a float")
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        raise ValueError(f"{name}: expected a float or a CPU tensor for a non-capturable "
-                         f"update, got a tensor on {value.device}")
+        # the kernels take every hyper-parameter as a host float, but a capturable
+        # group's lr, which they read on the device (_hparams does not come here)
+        raise ValueError(f"{name}: only lr may be a tensor off the CPU, a CUDA one with "
+                         f"capturable=True; got a tensor on {value.device}")
     return float(value)
 
 
