@@ -3178,6 +3178,67 @@ def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
 # 11. CUDA
 # ---------------------------------------------------------------------------
 
+class _FakeCuda:
+    """Stands in for reprop._cuda on a CPU-only machine: records the
+    arguments of each optim_step call (a copy of the table, which the real
+    binding updates in place) and launches nothing."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def optim_step(self, kind, dtype, table, hparams, capturable, stream, lr_ptr) -> None:
+        self.calls.append((kind, dtype, table.copy(), hparams, capturable, stream, lr_ptr))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_non_capturable_update_in_a_cuda_graph_capture_is_refused_but_sgds(name: str,
+                                                                            monkeypatch) -> None:
+    """Plans taking their CUDA branch (on CPU params, with _cuda faked) while
+    a capture seems under way: SGD, which has no step count to go stale at
+    replay and no capturable option (torch's SGD is captured with its floats
+    baked in), issues the very call a step outside the capture issues, from
+    its first step (a new momentum buffer filled from the gradient, as
+    torch's first step clones it), where reprop raised "capturable=False but
+    a CUDA graph is being captured", advising an option SGD does not have;
+    the others still raise that: their host step counts would not advance
+    at replay."""
+    fake, capturing = _FakeCuda(), [False]
+    monkeypatch.setattr(rp, "_cuda", fake)
+    monkeypatch.setattr(rp._tensors, "current_stream_handle", lambda device: 1234)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    init = rp._Plan.__init__
+
+    def on_cuda(plan, *args) -> None:
+        init(plan, *args)
+        plan.on_cpu = False
+
+    monkeypatch.setattr(rp._Plan, "__init__", on_cuda)
+    for first_step_captured in (False, True):
+        params = [nn.Parameter(torch.ones(4, 3)), nn.Parameter(torch.ones(5))]
+        opt = reprop_cls(name)(params, **RICH[name])
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        calls = []
+        for capturing[0] in (first_step_captured, True, False):
+            if name != "SGD" and capturing[0]:
+                with pytest.raises(RuntimeError, match=rf"^{name}: capturable=False but a CUDA "
+                                                       r"graph is being captured"):
+                    opt.step()
+                continue
+            opt.step()
+            calls.append(fake.calls.pop())
+        assert not fake.calls
+        if name != "SGD":
+            continue
+        # no update ran (the fake clears no fresh-buffer flag): each call is the first step's
+        assert calls[0][2][:, rp._COL_FLAGS].tolist() == [rp._FRESH_BUFFER] * 2
+        for call in calls[1:]:
+            assert call[:2] + call[3:] == calls[0][:2] + calls[0][3:]
+            assert np.array_equal(call[2], calls[0][2])
+        assert calls[0][4:] == (False, 1234, 0)
+
+
+GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)
 GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)
 
 
@@ -3298,6 +3359,57 @@ def test_gpu_capturable_in_cuda_graph(name: str) -> None:
     ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1_overrides(name, options))
     assert_runs_close(captured, ref, OPEN_LOOP_TOL)
     assert opt.state[params[0]]["step"].item() == warmup + replays
+
+
+def _sgd_graph_replays(cls: type, init: list, grads: list, warmup: int) -> Run:
+    """cls (an SGD class, with RICH's momentum, nesterov and weight decay)
+    stepped eagerly on a side stream for the first `warmup` gradients, then
+    one step() captured in a CUDAGraph and replayed for each other gradient,
+    copied into the static .grad tensors."""
+    params = [nn.Parameter(t.clone()) for t in init]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = cls(params, **RICH["SGD"])
+
+    def load(k: int) -> None:
+        for p, g in zip(params, grads[k]):
+            p.grad.copy_(g)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for k in range(warmup):
+            load(k)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for k in range(warmup, len(grads)):
+        load(k)
+        graph.replay()
+    torch.cuda.synchronize()
+    return Run(params, opt)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("warmup", [3, 0], ids=["after_warmup", "at_the_first_step"])
+def test_gpu_sgd_in_cuda_graph_replays_as_torchs(warmup: int) -> None:
+    """reprop's SGD, which has no capturable option (as torch's), captured
+    in a CUDAGraph and replayed gives torch's SGD captured the same way (was
+    refused: "capturable=False but a CUDA graph is being captured"); after a
+    warm-up, eager training too (reprop's bitwise). Captured at the first
+    step, both fill the momentum buffer from the gradient at every replay."""
+    shapes = [(64, 33), (1000,), (16,), (1,)]
+    init = make_params(shapes, seed=20, device="cuda")
+    grads = grad_sequence(shapes, warmup + 5, device="cuda")
+    captured = _sgd_graph_replays(rp.SGD, init, grads, warmup)
+    assert_runs_close(captured, _sgd_graph_replays(torch.optim.SGD, init, grads, warmup),
+                      OPEN_LOOP_TOL)
+    if warmup:
+        assert_runs_equal(captured, run_open_loop(factory(rp.SGD, **RICH["SGD"]), init, grads))
+        assert_runs_close(captured, run_open_loop(factory(torch.optim.SGD, **RICH["SGD"]), init,
+                                                  grads), OPEN_LOOP_TOL)
 
 
 @pytest.mark.gpu

@@ -346,7 +346,13 @@ class _Plan:
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
     """The address of a capturable group's tensor lr on `device` (0: the lr
     is in the hparams tuple); refuses a tensor lr the kernels cannot read and
-    a non-capturable update inside a CUDA graph capture."""
+    a non-capturable update inside a CUDA graph capture, but SGD's: it has
+    no step count to go stale on the host at replay, and its hyper-parameters
+    are host floats baked into the launch, as torch's SGD (which has no
+    capturable option) bakes its Python floats into the ops it captures. A
+    momentum buffer new at the captured step is filled from the gradient at
+    every replay (the launch's fresh-buffer flag), as torch's SGD captured at
+    its first step clones the gradient into its buffer at every replay."""
     capturable = bool(group.get("capturable", False))
     if capturable and isinstance(group["lr"], torch.Tensor):
         lr = group["lr"]
@@ -354,7 +360,7 @@ def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
             raise ValueError(f"lr: a tensor lr with capturable=True must be float32 on "
                              f"{device}, got {lr.dtype} on {lr.device}")
         return lr.data_ptr()
-    if not capturable and torch.cuda.is_current_stream_capturing():
+    if not capturable and opt._kind != _SGD and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
                            "being captured; construct the optimizer with capturable=True")
     return 0
