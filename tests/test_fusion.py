@@ -2382,13 +2382,15 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
               after_step: dict | None = None, before_step: dict | None = None,
               set_to_none: bool = True, make_model: Callable[[], nn.Module] = _mlp,
               fuse_options: dict | None = None,
-              layer_by_layer: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+              layer_by_layer: bool = False,
+              device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
     None) or fused (with fuse_options); events[i] (model, opt) runs before step i's forward,
     before_step[i] between its backward and step(), after_step[i] right after
     its step() (forward mode: with the updates pending). layer_by_layer calls
-    the layers one by one (_LayerByLayer), never the model's own forward."""
-    model = make_model()
+    the layers one by one (_LayerByLayer), never the model's own forward.
+    The model and the batches are moved to `device`."""
+    model = make_model().to(device)
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode=mode, **(fuse_options or {})) if mode else None
     call = _LayerByLayer(model) if layer_by_layer else model
@@ -2397,7 +2399,7 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
         for i in range(steps):
             if events and i in events:
                 events[i](model, opt)
-            x, y = _mlp_batch(i)
+            x, y = (t.to(device) for t in _mlp_batch(i))
             F.mse_loss(call(x), y).backward()
             if before_step and i in before_step:
                 before_step[i](model, opt)
@@ -4538,3 +4540,51 @@ def test_forward_mode_two_steps_before_a_forward_apply_both_updates() -> None:
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# 15. CUDA: backward mode's side stream
+# ---------------------------------------------------------------------------
+
+
+def _params_after_each_step(mode: str | None, name: str, steps: int, **fuse_options) -> tuple:
+    """_mlp_loop on CUDA with reprop's `name` (RICH options): the parameters
+    after each step(), and the trained (model, optimizer)."""
+    after: list = []
+
+    def record(model: nn.Module, opt) -> None:
+        after.append([p.detach().clone() for p in model.parameters()])
+
+    trained = _mlp_loop(mode, lambda m: getattr(rp, name)(m.parameters(), **RICH[name]), steps,
+                        after_step=dict.fromkeys(range(steps), record), device="cuda",
+                        fuse_options=fuse_options)
+    return after, trained
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_gpu_backward_mode_on_a_side_stream_matches_eager_step_by_step(name: str, keep_grads: bool,
+                                                                       monkeypatch) -> None:
+    """On CUDA, backward mode updates each layer on a side stream, ordered
+    after its gradient and joined to the main stream at the end of backward
+    (fusion's only CUDA branch, which no test ran): after every step() each
+    parameter equals eager training's bitwise (the same kernels), and so does
+    the optimizer state at the end; the updates did run on the side stream."""
+    on_side = reprop.fusion._BackwardFusion._update_on_side_stream
+    side_updates: list = []
+
+    def noting(self, params: list, settings) -> None:
+        side_updates.append(len(params))
+        on_side(self, params, settings)
+
+    monkeypatch.setattr(reprop.fusion._BackwardFusion, "_update_on_side_stream", noting)
+    steps = 6
+    got, fused_run = _params_after_each_step("backward", name, steps, keep_grads=keep_grads)
+    assert sum(side_updates) == steps * len(list(_mlp().parameters()))
+    ref, eager_run = _params_after_each_step(None, name, steps)
+    assert len(got) == len(ref) == steps
+    for k, (params, ref_params) in enumerate(zip(got, ref)):
+        for i, (p, r) in enumerate(zip(params, ref_params)):
+            assert torch.equal(p, r), f"step {k}, parameter {i}: {_diff(p, r)}"
+    _assert_same_training(fused_run, eager_run)
