@@ -12,8 +12,9 @@ an unmodified ``nn.Module``; the training loop keeps calling
   module together in one fused call when their gradients complete together.
   Gradients are freed right after the update unless ``keep_grads=True``, so
   the peak memory of a step drops by up to the size of all gradients. On CUDA
-  the updates run on a low-priority side stream, overlapping the rest of
-  backward, and are joined to the main stream when backward ends.
+  the updates run on a side stream (at the default stream's priority, CUDA's
+  lowest), overlapping the rest of backward, and are joined to the main
+  stream when backward ends.
   ``optimizer.step()`` applies only gradients no backward applied (a window
   shorter than ``accumulation_steps``, gradients set by hand), and
   ``zero_grad()`` clears only those (they warn once). A backward that raises
@@ -1400,9 +1401,11 @@ class _BackwardFusion(FusionHandle):
             self._ever_updated[id(p)] = p
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
-        """CUDA: the update runs on a low-priority side stream, ordered after the
-        gradients by the stream wait, so it overlaps the rest of backward; the
-        end of backward makes the main stream wait for it again."""
+        """CUDA: the update runs on a side stream, ordered after the gradients
+        by the stream wait, so it overlaps the rest of backward; the end of
+        backward makes the main stream wait for it again. The stream has
+        priority 0, CUDA's lowest and the default stream's own: the updates
+        share the GPU with backward's kernels rather than yield to them."""
         device = params[0].device
         side = self._side_streams.get(device)
         if side is None:
