@@ -89,6 +89,27 @@ def _scalar(value, name: str) -> float:
     raise TypeError(f"{name}: expected a real number or a one-element real tensor, got {value}")
 
 
+def _hparams_of(group: dict) -> tuple:
+    """The hparams tuple of csrc/pyutil.h of a param group (or settings
+    dict): what _C.optim_hparams builds, for the groups it leaves to Python
+    (it returns None): a tensor lr, NumPy scalars, bools and values to refuse
+    (with _scalar's error), betas of another type, a dict subclass, no "lr"
+    (KeyError)."""
+    lr = group["lr"]
+    if group.get("capturable", False) and isinstance(lr, torch.Tensor):
+        lr = 0.0  # the kernels read it on the device
+    betas = group.get("betas", (0.0, 0.0))
+    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+               group.get("momentum", 0.0), group.get("dampening", 0.0),
+               group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
+    if not _PLAIN_NUMBERS.issuperset(map(type, numeric)):  # one check for the common case
+        numeric = tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
+    return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
+                      bool(group.get("amsgrad", False)),
+                      bool(group.get("decoupled_weight_decay", False)),
+                      bool(group.get("centered", False)))
+
+
 class _Plan:
     """The pointer table of one call: one group's parameters of one device and
     dtype, with their state, one row each. Built once and reused while the
@@ -862,7 +883,8 @@ class _FusedOptimizer:
             running = None if keep is None else _running(plans)
             if not (_with_grad(params, given) if keep is None else running):
                 return  # no param of the call has a gradient
-            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
+            # a bad lr refuses the step before any state exists (self._hparams, inlined)
+            hparams = _C.optim_hparams(hp) or _hparams_of(hp)
             # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
             slots = self._state_slots(hp)
             # first use, a first gradient, a storage or state tensor replaced, other
@@ -997,20 +1019,10 @@ class _FusedOptimizer:
         return torch.zeros_like(p, dtype=torch.float32)
 
     def _hparams(self, group: dict) -> tuple:
-        """The hparams tuple of csrc/pyutil.h."""
-        lr = group["lr"]
-        if group.get("capturable", False) and isinstance(lr, torch.Tensor):
-            lr = 0.0  # the kernels read it on the device
-        betas = group.get("betas", (0.0, 0.0))
-        numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
-                   group.get("momentum", 0.0), group.get("dampening", 0.0),
-                   group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-        if not _PLAIN_NUMBERS.issuperset(map(type, numeric)):  # one check for the common case
-            numeric = tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
-        return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
-                          bool(group.get("amsgrad", False)),
-                          bool(group.get("decoupled_weight_decay", False)),
-                          bool(group.get("centered", False)))
+        """The hparams tuple of csrc/pyutil.h: built in C when the group's
+        values go into it as they are (floats, ints, bool flags), else by
+        _hparams_of, which converts or refuses them."""
+        return _C.optim_hparams(group) or _hparams_of(group)
 
     def _state_slots(self, group: dict) -> tuple:
         """Names of the state tensors in the core's slots 0..2 (None: unused)."""
