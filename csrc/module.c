@@ -6,10 +6,11 @@
  * work that grows with the data runs without the GIL (the core never touches
  * Python objects): updates, activations, scans, Jacobians, csr plans and
  * runs, task graphs, simulations and schedules. The rest keeps it: the
- * optimizer's fast path and plan key (optim_grad_pointers, optim_call_key,
- * which read Python objects), the checks and small sums (optim_check,
- * fad_codebook, scan_plan, scan_cost, scan_workspace, ksearch_next,
- * csr_plan_info), and the copies out of a plan (csr_program, csr_schedule).
+ * optimizer's fast path, plan key and hyper-parameters (optim_grad_pointers,
+ * optim_call_key, optim_hparams, which read Python objects), the checks and
+ * small sums (optim_check, fad_codebook, scan_plan, scan_cost,
+ * scan_workspace, ksearch_next, csr_plan_info), and the copies out of a plan
+ * (csr_program, csr_schedule).
  */
 #include "pyutil.h"
 
@@ -130,6 +131,8 @@ static PyMethodDef rp_methods[] = {
      "optim_grad_pointers(params, param_keys, state, state_dicts, watched, grad_contiguous,\n"
      "                    strided, table, given, step_table, step_rows, tensor_type)\n--\n\n"
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
+    {"optim_hparams", (PyCFunction)(void (*)(void))rp_py_optim_hparams, METH_FASTCALL,
+     "optim_hparams(group) -> tuple or None: a param group's hparams tuple (csrc/pyutil.h)."},
     {"optim_call_key", (PyCFunction)(void (*)(void))rp_py_optim_call_key, METH_FASTCALL,
      "optim_call_key(params) -> bytes: the ids of params, reprop.optim's plan cache key."},
     {"fad_forward", (PyCFunction)(void (*)(void))rp_py_fad_forward, METH_FASTCALL, fad_forward_doc},

@@ -571,6 +571,183 @@ PyObject *rp_py_optim_call_key(PyObject *self, PyObject *const *args, Py_ssize_t
     return key;
 }
 
+/* The group keys optim_hparams reads, in the order optim.py's _hparams_of reads
+ * them: "lr", "capturable", "betas", then the other numeric entries of the
+ * hparams tuple after lr (beta1 and beta2 come from "betas"), then the flags. */
+enum { RP_HK_LR, RP_HK_CAPTURABLE, RP_HK_BETAS, RP_HK_WEIGHT_DECAY, RP_HK_EPS, RP_HK_MOMENTUM,
+       RP_HK_DAMPENING, RP_HK_ALPHA, RP_HK_RHO, RP_HK_LR_DECAY, RP_HK_NESTEROV, RP_HK_MAXIMIZE,
+       RP_HK_AMSGRAD, RP_HK_DECOUPLED_WEIGHT_DECAY, RP_HK_CENTERED, RP_HK_NAMES };
+
+/* The keys, interned at the first call and kept for the process, as
+ * rp_py_attr_names. NULL with an exception set on failure. */
+static PyObject *const *rp_py_hparam_keys(void)
+{
+    static const char *const text[RP_HK_NAMES] = {
+        "lr", "capturable", "betas", "weight_decay", "eps", "momentum", "dampening", "alpha",
+        "rho", "lr_decay", "nesterov", "maximize", "amsgrad", "decoupled_weight_decay",
+        "centered"};
+    static PyObject *names[RP_HK_NAMES];
+    PyObject *made[RP_HK_NAMES];
+    int k;
+    if (names[RP_HK_NAMES - 1] != NULL)
+        return names;
+    for (k = 0; k < RP_HK_NAMES; k++) {
+        made[k] = PyUnicode_InternFromString(text[k]);
+        if (made[k] == NULL) {
+            while (k-- > 0)
+                Py_DECREF(made[k]);
+            return NULL;
+        }
+    }
+    memcpy(names, made, sizeof names);
+    return names;
+}
+
+/* What rp_py_plain_truth finds of a value: bool(value) is 0 or 1, or the
+ * value is of a type whose bool() may run Python code or raise (a tensor, an
+ * array), which optim.py's _hparams_of converts itself. */
+enum { RP_TRUTH_OTHER = -1 };
+
+/* bool(v) for the types whose truth runs no Python code and cannot fail:
+ * bool, None, int and float (exact types); RP_TRUTH_OTHER for any other. */
+static int rp_py_plain_truth(PyObject *v)
+{
+    if (v == Py_True)
+        return 1;
+    if (v == Py_False || v == Py_None)
+        return 0;
+    if (PyLong_CheckExact(v) || PyFloat_CheckExact(v))
+        return PyObject_IsTrue(v); /* no Python code runs, cannot fail */
+    return RP_TRUTH_OTHER;
+}
+
+/* Whether v goes into the tuple as it is: a float, or an int of 64 bits,
+ * exact types (optim.py's _numbers: bools, NumPy scalars, tensors and ints
+ * torch cannot pass on are converted or refused by its _scalar). */
+static int rp_py_plain_number(PyObject *v)
+{
+    int overflow = 0;
+    if (PyFloat_CheckExact(v))
+        return 1;
+    if (!PyLong_CheckExact(v))
+        return 0;
+    (void)PyLong_AsLongLongAndOverflow(v, &overflow); /* cannot fail on an exact int */
+    return overflow == 0;
+}
+
+/* group.get(key) as a new reference, *out NULL when absent. 0, or -1 with an
+ * exception set. */
+static int rp_py_hparam_get(PyObject *group, PyObject *key, PyObject **out)
+{
+    *out = PyDict_GetItemWithError(group, key);
+    if (*out == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(*out);
+    return 0;
+}
+
+/* betas[i] of an exact tuple or list of at least two items, a new reference;
+ * 0 when betas is anything else (Python indexes it). */
+static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
+{
+    if (PyTuple_CheckExact(betas) && PyTuple_GET_SIZE(betas) >= 2)
+        *out = PyTuple_GET_ITEM(betas, i);
+    else if (PyList_CheckExact(betas) && PyList_GET_SIZE(betas) >= 2)
+        *out = PyList_GET_ITEM(betas, i);
+    else
+        return 0;
+    Py_INCREF(*out);
+    return 1;
+}
+
+/* The 15 entries of the hparams tuple into item (new references; NULL: a
+ * numeric entry absent, 0.0), read in the order optim.py's _hparams_of reads
+ * them: 1 done, 0 when the group holds a value that only _hparams_of takes, -1
+ * with an exception set. *betas holds group["betas"] (a new reference or
+ * NULL) for the caller to release. */
+static int rp_py_hparam_items(PyObject *group, PyObject *const *keys, PyObject **item,
+                              PyObject **betas)
+{
+    static const int after_betas[] = {RP_HK_MOMENTUM, RP_HK_DAMPENING, RP_HK_ALPHA, RP_HK_RHO,
+                                      RP_HK_LR_DECAY};
+    PyObject *capturable;
+    int k, truth;
+    /* group["lr"]: when absent, Python raises its KeyError */
+    if (rp_py_hparam_get(group, keys[RP_HK_LR], &item[0]) < 0)
+        return -1;
+    if (item[0] == NULL)
+        return 0;
+    /* Python takes bool() of capturable first (it matters for a tensor lr) */
+    if (rp_py_hparam_get(group, keys[RP_HK_CAPTURABLE], &capturable) < 0)
+        return -1;
+    truth = capturable == NULL ? 0 : rp_py_plain_truth(capturable);
+    Py_XDECREF(capturable);
+    if (truth == RP_TRUTH_OTHER)
+        return 0;
+    if (rp_py_hparam_get(group, keys[RP_HK_BETAS], betas) < 0 ||
+        rp_py_hparam_get(group, keys[RP_HK_WEIGHT_DECAY], &item[1]) < 0 ||
+        rp_py_hparam_get(group, keys[RP_HK_EPS], &item[2]) < 0)
+        return -1;
+    /* absent betas: the default (0.0, 0.0) */
+    if (*betas != NULL && (!rp_py_beta(*betas, 0, &item[3]) || !rp_py_beta(*betas, 1, &item[4])))
+        return 0;
+    for (k = 0; k < 5; k++)
+        if (rp_py_hparam_get(group, keys[after_betas[k]], &item[5 + k]) < 0)
+            return -1;
+    /* a tensor lr (also a capturable one), a bool, a NumPy scalar: Python's
+     * _scalar converts them (or refuses them, with its message) */
+    for (k = 0; k < 10; k++)
+        if (item[k] != NULL && !rp_py_plain_number(item[k]))
+            return 0;
+    for (k = 0; k < 5; k++) {
+        PyObject *v;
+        if (rp_py_hparam_get(group, keys[RP_HK_NESTEROV + k], &v) < 0)
+            return -1;
+        truth = v == NULL ? 0 : rp_py_plain_truth(v);
+        Py_XDECREF(v);
+        if (truth == RP_TRUTH_OTHER)
+            return 0;
+        item[10 + k] = truth ? Py_True : Py_False;
+        Py_INCREF(item[10 + k]);
+    }
+    return 1;
+}
+
+PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *const *keys;
+    PyObject *item[15] = {NULL}, *betas = NULL, *zero = NULL, *result = NULL;
+    int k, ok;
+    (void)self;
+    if (rp_py_check_nargs(nargs, 1, "optim_hparams") < 0)
+        return NULL;
+    /* a dict subclass may look its keys up in Python code (get, __missing__) */
+    if (!PyDict_CheckExact(args[0]))
+        Py_RETURN_NONE;
+    if ((keys = rp_py_hparam_keys()) == NULL)
+        return NULL;
+    ok = rp_py_hparam_items(args[0], keys, item, &betas);
+    if (ok == 1 && (zero = PyFloat_FromDouble(0.0)) != NULL &&
+        (result = PyTuple_New(15)) != NULL) {
+        for (k = 0; k < 15; k++) {
+            if (item[k] == NULL) {
+                Py_INCREF(zero);
+                item[k] = zero;
+            }
+            PyTuple_SET_ITEM(result, k, item[k]); /* steals it */
+            item[k] = NULL;
+        }
+    } else if (ok == 0) {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+    for (k = 0; k < 15; k++)
+        Py_XDECREF(item[k]);
+    Py_XDECREF(betas);
+    Py_XDECREF(zero);
+    return result;
+}
+
 int rp_py_int_arg(PyObject *obj, const char *name, int *out)
 {
     /* range-checked, never truncated: 2**32 must not become kind 0 */

@@ -32,6 +32,18 @@ typedef struct {
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call);
 
+/* optim_hparams(group) -> tuple or None: the hparams tuple above of a param
+ * group (a dict), as reprop.optim's _hparams_of builds it, when
+ * every entry it reads is of a type that goes in as it is: group an exact
+ * dict with "lr", the numeric entries (absent: 0.0; beta1 and beta2 the
+ * first two items of an exact tuple or list "betas", absent: 0.0) exact
+ * floats or ints, "capturable" and the flags (absent: False) bools, None,
+ * exact ints or floats, whose truth is the flag. None otherwise (a tensor lr,
+ * a NumPy scalar, a bool where a number goes, a value refused, no "lr"), for
+ * _hparams to convert or refuse the group's values itself. Defined in
+ * pyutil.c. */
+PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
  *                     grad_contiguous, strided, table, given, step_table,
  *                     step_rows, tensor_type) -> (held, rows) or None

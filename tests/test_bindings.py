@@ -112,6 +112,36 @@ def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists(
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
 
 
+def test_optim_hparams_holds_each_value_while_python_code_changes_the_group():
+    """optim_hparams reads a group's values with dict lookups, which run a
+    key's __eq__ where its hash collides with the key looked up: one that
+    takes lr out of the group (which held the only reference to its value)
+    must not leave the tuple pointing at freed memory. The values read are
+    held until the tuple holds them: it has the lr read, as Python's
+    group["lr"] would."""
+    proc = _run_isolated("""
+        from reprop._native import _C
+
+        class Collides:
+            def __hash__(self):
+                return hash("weight_decay")
+
+            def __eq__(self, other):
+                group.pop("lr", None)  # the group held the only reference to the lr
+                [float(i) + 0.5 for i in range(1000)]  # reuse its memory
+                return False
+
+        lr = float("0.1") * 3
+        group = {"lr": lr, Collides(): 1.0}
+        del lr
+        made = _C.optim_hparams(group)
+        assert made is not None and made[0] == float("0.1") * 3, made
+        assert made[1:] == (0.0,) * 9 + (False,) * 5, made
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
+
+
 def test_cost_model_arguments_are_converted_one_at_a_time():
     """The machine (workers, level_cost, step_cost) was converted all three
     before the error check: a bad one followed by an object with __float__

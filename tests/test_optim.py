@@ -2544,6 +2544,163 @@ def test_numeric_hyperparameter_kinds_step_like_torch(name: str, key: str, make)
     torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7)
 
 
+def _hparam_groups() -> dict:
+    """Groups (and settings dicts) that optim_hparams builds the tuple of in
+    C: each optimizer's torch-made group, and plain values of every kind it
+    takes where a torch group may hold them."""
+    p = nn.Parameter(torch.ones(2))
+    groups = {name: reprop_cls(name)([p], **RICH[name]).param_groups[0] for name in NAMES}
+    groups.update({f"{name}-defaults": reprop_cls(name)([p]).param_groups[0]
+                   for name in ("Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")})
+    adam = groups["Adam"]
+    groups.update({
+        "int-lr-and-decay": {**adam, "lr": 1, "weight_decay": 0},
+        "betas-list": {**adam, "betas": [0.5, 0.75]},
+        "betas-of-three": {**adam, "betas": (0.5, 0.75, 2)},  # _hparams reads [0], [1]
+        "betas-of-ints": {**adam, "betas": (0, 1)},
+        "capturable-float-lr": {**adam, "capturable": True},
+        "capturable-none": {**adam, "capturable": None},
+        "flags-as-ints": {**groups["SGD"], "nesterov": 1, "maximize": 0},
+        "flags-as-floats-and-none": {**groups["RMSprop"], "centered": 2.5, "maximize": None},
+        "flags-all-set": {**adam, "nesterov": True, "maximize": True, "amsgrad": True,
+                          "decoupled_weight_decay": True, "centered": True},
+        "lr-only": {"lr": 0.25},
+        "int-lr-of-64-bits": {"lr": -2**63, "eps": 2**63 - 1},
+        "float-extremes": {"lr": float("inf"), "eps": float("nan"), "momentum": -0.0},
+    })
+    return groups
+
+
+def _any_optimizer() -> torch.optim.Optimizer:
+    return rp.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+
+
+@pytest.mark.parametrize("key", list(_hparam_groups()))
+def test_hparams_tuple_built_in_c_is_pythons(key: str) -> None:
+    """_C.optim_hparams builds _update's hparams tuple in C for a group of
+    plain values: the same entries, of the same types (an int stays an int,
+    a flag is a bool), in the same order, as _hparams_of, the Python code
+    that built every tuple before; _hparams returns it."""
+    group = _hparam_groups()[key]
+    made = _C.optim_hparams(group)
+    assert made is not None
+    want = [(type(v), repr(v)) for v in rp._hparams_of(group)]  # repr: nan, -0.0
+    assert [(type(v), repr(v)) for v in made] == want
+    assert [(type(v), repr(v)) for v in _any_optimizer()._hparams(group)] == want
+
+
+class _GroupDict(dict):
+    """A param group kept in a dict subclass, whose lookups run its own code."""
+
+    def get(self, key, default=None):
+        return super().get(key, 0.5 if key == "momentum" else default)
+
+
+class _Real(float):
+    """A float subclass: Python's _scalar takes its float() (__float__)."""
+
+    def __float__(self):
+        return 0.125
+
+
+def _python_hparam_groups() -> dict:
+    """Groups optim_hparams leaves to Python (None): a value it would have
+    to convert, one to refuse, or a lookup that runs Python code."""
+    p = nn.Parameter(torch.ones(2))
+    adam = reprop_cls("Adam")([p], **RICH["Adam"]).param_groups[0]
+    return {
+        "tensor-lr": {**adam, "lr": torch.tensor(0.5)},
+        "capturable-tensor-lr": {**adam, "lr": torch.tensor(0.5), "capturable": True},
+        "numpy-lr": {**adam, "lr": np.float32(0.1)},
+        "numpy-f64-lr": {**adam, "lr": np.float64(0.1)},  # a float subclass
+        "array-eps": {**adam, "eps": np.array(1e-3)},
+        "float-subclass": {**adam, "weight_decay": _Real(0.5)},
+        "bool-lr": {**adam, "lr": True},
+        "bool-beta": {**adam, "betas": (True, 0.5)},
+        "str-lr": {**adam, "lr": "0.1"},
+        "none-momentum": {**adam, "momentum": None},
+        "tensor-betas": {**adam, "betas": torch.tensor([0.5, 0.75])},
+        "short-betas": {**adam, "betas": (0.5,)},
+        "tuple-subclass-betas": {**adam, "betas": torch.Size([0, 1])},
+        "no-lr": {k: v for k, v in adam.items() if k != "lr"},
+        "tensor-flag": {**adam, "amsgrad": torch.tensor([True, False])},
+        "numpy-flag": {**adam, "maximize": np.bool_(True)},
+        "tensor-capturable": {**adam, "capturable": torch.tensor([True, True])},
+        "dict-subclass": _GroupDict(adam),
+        "int-beyond-64-bits": {**adam, "lr": 2**63},  # taken, as torch takes it
+        "huge-int-lr": {"lr": 10**400},  # _scalar's OverflowError
+    }
+
+
+@pytest.mark.parametrize("key", list(_python_hparam_groups()))
+def test_hparams_tuple_left_to_python_converts_or_refuses_as_before(key: str) -> None:
+    """A group with a value optim_hparams does not take as it is gets None
+    from it, and _hparams (and so _update) then returns or raises what
+    _hparams_of, the Python code, does: its conversion (a tensor lr, NumPy
+    scalars, bools, a float subclass's __float__), its refusal, with its
+    message, or the lookups of a dict subclass."""
+    group = _python_hparam_groups()[key]
+    assert _C.optim_hparams(group) is None
+
+    def outcome(build):
+        try:
+            return repr(build(group))
+        except Exception as e:  # noqa: BLE001 (compared, type and message)
+            return f"{type(e).__name__}: {e}"
+
+    want = outcome(rp._hparams_of)
+    assert outcome(_any_optimizer()._hparams) == want
+    expected = {"short-betas": "IndexError",
+                "str-lr": "TypeError", "none-momentum": "TypeError", "no-lr": "KeyError",
+                "tensor-flag": "RuntimeError", "tensor-capturable": "RuntimeError",
+                "huge-int-lr": "OverflowError"}
+    assert want.startswith(expected.get(key, "(")), want
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "RMSprop"])
+def test_hyperparameters_edited_in_place_between_steps_take_effect(name: str) -> None:
+    """Each update reads the group's values as they are now, also those
+    edited without replacing them: a betas (or any) list changed in place, a
+    flag switched, an lr written by a scheduler. Against the same run with
+    each value replaced by a new object, bitwise; and against a run without
+    the edits, which must differ (the edits matter)."""
+    options = {"SGD": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+               "Adam": {"lr": 1e-2, "weight_decay": 0.01},
+               "RMSprop": {"lr": 1e-3, "momentum": 0.9, "weight_decay": 0.01}}[name]
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=5), grad_sequence(shapes, 6)
+
+    def run(edit: str) -> list:
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = reprop_cls(name)(params, **options)
+        group = opt.param_groups[0]
+        if "betas" in group:  # (torch makes a tuple of the constructor's)
+            group["betas"] = list(group["betas"])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            if edit == "none":
+                continue
+            # one edit at a time: nothing else changes in the group meanwhile
+            if k == 0:  # a scheduler's write
+                group["lr"] = group["lr"] * 0.5 if edit == "in_place" else float(
+                    repr(group["lr"] * 0.5))
+            elif k == 1:
+                group["maximize"] = not group["maximize"]
+            elif k == 2 and "betas" in group:
+                if edit == "in_place":
+                    group["betas"][0] -= 0.25
+                else:
+                    group["betas"] = [group["betas"][0] - 0.25, group["betas"][1]]
+        return [p.detach() for p in params]
+
+    edited, replaced, unedited = run("in_place"), run("replaced"), run("none")
+    for a, b, c in zip(edited, replaced, unedited):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, c)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_complex_param_raises(name: str) -> None:
     p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))

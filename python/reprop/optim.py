@@ -22,7 +22,6 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable, Iterable
 
 import numpy as np
@@ -60,13 +59,11 @@ def _layout_key(p: torch.Tensor) -> tuple:
             p.get_device())
 
 
-# The numeric entries of the hparams tuple, in its order, and the types that
-# go into it as they are (the core parses them as doubles; ints only within
-# _INT_BOUND, see _numbers); any other type is converted or refused by _scalar.
+# The numeric entries of the hparams tuple, in its order. Floats and ints
+# within _INT_BOUND go into it as they are (the core parses them as doubles;
+# see _numbers); any other value is converted or refused by _scalar.
 _NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "momentum", "dampening",
                     "alpha", "rho", "lr_decay")
-_PLAIN_NUMBERS = frozenset({float, int})
-_ALL_FLOATS = (float,) * len(_NUMERIC_HPARAMS)
 # torch passes an int hyper-parameter (or -int, 1 - int) to its tensor ops as a
 # 64-bit integer, signed or unsigned, and raises OverflowError for one that
 # does not fit (SGD's lr=2**64); every form of an int within +-2**63 fits.
@@ -101,18 +98,12 @@ def _scalar(value, name: str) -> float:
     return float(value)
 
 
-def _numbers(numeric: tuple, kinds: tuple) -> tuple:
-    """The numeric hyper-parameters (of types `kinds`) as the core takes them:
-    as they are if all are floats and ints within +-2**63, else each through
-    _scalar. hypot() is at least the largest magnitude, so the quick test
-    sends only a value near or beyond the bound (or NaN, or an int beyond
-    float's range, whose conversion raises) to _scalar, which passes a float."""
-    if _PLAIN_NUMBERS.issuperset(kinds):
-        try:
-            if math.hypot(*numeric) < _INT_BOUND:
-                return numeric
-        except OverflowError:
-            pass
+def _numbers(numeric: tuple) -> tuple:
+    """The numeric hyper-parameters as the core takes them: as they are if
+    all are floats or ints within +-2**63 (what _C.optim_hparams passes
+    too), else each through _scalar."""
+    if all(type(v) is float or (type(v) is int and -_INT_BOUND <= v <= _INT_BOUND) for v in numeric):
+        return numeric
     return tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
 
 
@@ -124,6 +115,25 @@ def _described(value) -> str:
     if isinstance(value, np.ndarray):
         return f"a {value.dtype} NumPy array of shape {value.shape}"
     return f"{value!r} ({type(value).__name__})"
+
+
+def _hparams_of(group: dict) -> tuple:
+    """The hparams tuple of csrc/pyutil.h of a param group (or settings
+    dict): what _C.optim_hparams builds, for the groups it leaves to Python
+    (it returns None): a tensor lr, NumPy scalars, bools and values to refuse
+    (with _scalar's error), betas of another type, a dict subclass, no "lr"
+    (KeyError)."""
+    lr = group["lr"]
+    if group.get("capturable", False) and isinstance(lr, torch.Tensor):
+        lr = 0.0  # the kernels read it on the device
+    betas = group.get("betas", (0.0, 0.0))
+    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+               group.get("momentum", 0.0), group.get("dampening", 0.0),
+               group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
+    return _numbers(numeric) + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
+                      bool(group.get("amsgrad", False)),
+                      bool(group.get("decoupled_weight_decay", False)),
+                      bool(group.get("centered", False)))
 
 
 class _Plan:
@@ -905,7 +915,8 @@ class _FusedOptimizer:
             running = None if keep is None else _running(plans)
             if not (_with_grad(params, given) if keep is None else running):
                 return  # no param of the call has a gradient
-            hparams = self._hparams(hp)  # a bad lr refuses the step before any state exists
+            # a bad lr refuses the step before any state exists (self._hparams, inlined)
+            hparams = _C.optim_hparams(hp) or _hparams_of(hp)
             # Hyper-parameters decide which state exists (SGD momentum, amsgrad, ...)
             slots = self._state_slots(hp)
             # first use, a first gradient, a storage or state tensor replaced, other
@@ -1040,21 +1051,10 @@ class _FusedOptimizer:
         return torch.zeros_like(p, dtype=torch.float32)
 
     def _hparams(self, group: dict) -> tuple:
-        """The hparams tuple of csrc/pyutil.h."""
-        lr = group["lr"]
-        if group.get("capturable", False) and isinstance(lr, torch.Tensor):
-            lr = 0.0  # the kernels read it on the device
-        betas = group.get("betas", (0.0, 0.0))
-        numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
-                   group.get("momentum", 0.0), group.get("dampening", 0.0),
-                   group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-        kinds = tuple(map(type, numeric))
-        if kinds != _ALL_FLOATS:  # one check for the common case
-            numeric = _numbers(numeric, kinds)
-        return numeric + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
-                          bool(group.get("amsgrad", False)),
-                          bool(group.get("decoupled_weight_decay", False)),
-                          bool(group.get("centered", False)))
+        """The hparams tuple of csrc/pyutil.h: built in C when the group's
+        values go into it as they are (floats, ints, bool flags), else by
+        _hparams_of, which converts or refuses them."""
+        return _C.optim_hparams(group) or _hparams_of(group)
 
     def _state_slots(self, group: dict) -> tuple:
         """Names of the state tensors in the core's slots 0..2 (None: unused)."""
