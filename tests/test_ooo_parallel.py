@@ -996,6 +996,37 @@ def test_data_parallel_backward_that_raised_leaves_no_parameter_used(solo_group)
     dp.remove()
 
 
+def test_data_parallel_held_layers_reduce_right_after_their_dw_with_an_unused_parameter(solo_group):
+    """Reverse first-k with k = 2 in a step that leaves `extra` unused (its
+    buckets never complete in autograd): each held layer's all-reduce is
+    still launched right after its dW (layer 0's before layer 1's dW), not
+    all after the last dW; gradients those of plain autograd."""
+    torch.manual_seed(0)
+    model = _OptionalHead()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
+    name = {p: n for n, p in model.named_parameters()}
+    layer = {m: f"layers.{i}" for i, m in enumerate(model.layers)}
+    events = []
+    run = dp.handle.run
+    dp.handle.run = lambda tasks: (events.extend(
+        ("dW", layer[t.site.module]) for t in tasks if dp._held is None), run(tasks))
+    launch = dp._launch
+    dp._launch = lambda b: (events.append(("sync", name[b.params[0]])), launch(b))
+    for step in range(2):
+        events.clear()
+        x, t = _batch(0, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x, extra=False), t).backward()
+        _assert_same(model, ref, "grad")
+        dw = [i for i, e in enumerate(events) if e[0] == "dW"]
+        assert [events[i] for i in dw] == [("dW", "layers.0"), ("dW", "layers.1")], events
+        assert events[dw[0] + 1:dw[1]] == [("sync", "layers.0.weight")], events
+        assert events[dw[1] + 1:] == [("sync", "layers.1.weight")], events
+    dp.remove()
+
+
 class _NoGradientFor(torch.autograd.Function):
     """x * s, whose backward gives s no gradient (None)."""
 
