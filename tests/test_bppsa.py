@@ -2053,6 +2053,11 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.chain_backward(own, torch.randn(3, 4, device="meta"), plan=plan)
     with pytest.raises(ValueError, match="layers: not the layers `plan` was built for"):
         bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4), plan=plan)
+    # the plan's layers and more, or none: not its chain either (the extra
+    # layer was left out of the gradients without a word)
+    for layers in (own + [nn.ReLU()], []):
+        with pytest.raises(ValueError, match="layers: not the layers `plan` was built for"):
+            bppsa.chain_backward(layers, torch.randn(3, 4), plan=plan)
     # an empty batch has empty gradients
     (gx,) = bppsa.chain_backward(own, torch.randn(0, 4), torch.randn(0, 2), plan=plan)
     assert gx.shape == (0, 4)

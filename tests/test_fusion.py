@@ -2908,6 +2908,27 @@ def test_forward_mode_grads_after_zero_grad_are_eagers(set_to_none: bool) -> Non
     _assert_same_training((model, opt), (ref_model, ref_opt))
 
 
+def test_forward_mode_zero_grad_keeping_zeros_zeroes_a_hand_set_gradient_in_place() -> None:
+    """zero_grad(set_to_none=False) after step() zeroes a gradient set by
+    hand since step() in place, as eager's does: the tensor the user set
+    is still .grad, now zeros. Only a gradient a pending update holds gets
+    a new zero tensor instead (it was given one too)."""
+    runs = {}
+    for mode in (None, "forward"):
+        model, opt, handle, x = _mlp_after_one_backward(mode)
+        opt.step()
+        mine = torch.full_like(model[2].weight, 5.0)
+        model[2].weight.grad = mine
+        opt.zero_grad(set_to_none=False)
+        assert model[2].weight.grad is mine, f"mode {mode}: a new .grad, not the one set"
+        assert not mine.any(), f"mode {mode}: the gradient set by hand is not zeroed"
+        model(x)
+        runs[mode] = (model, opt)
+        if handle is not None:
+            handle.remove()
+    _assert_same_training(runs["forward"], runs[None])
+
+
 IN_PLACE_EDITS = {"zero_": lambda g: g.zero_(), "mul_": lambda g: g.mul_(0),
                   "set_data": lambda g: setattr(g, "data", torch.zeros_like(g))}
 
@@ -4398,6 +4419,46 @@ def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> N
 
     for a, b in zip(train("forward"), train(None)):
         assert torch.equal(a, b)
+
+
+def _penalty_after_an_eval_pass_skipping_a_layer(mode: str | None) -> tuple:
+    """Two training steps, the first followed by an evaluation pass (no_grad)
+    that skips the layer b, which that step ran (b's update is applied at
+    the pass's end, with no graph to watch); then a penalty on head's
+    weight backpropagated before the next forward: forward mode refuses it
+    (head's update is pending), then flush() and the penalty again."""
+    model = _SkipsALayer()
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        for evaluate in (True, False):
+            x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 1, generator=gen)
+            F.mse_loss(model(x, skip=False), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if evaluate:
+                with torch.no_grad():
+                    model(x, skip=True)
+        if handle is not None:  # (pending: the first step(), creating the state, was applied)
+            with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
+                model.head.weight.square().sum().backward()
+            handle.flush()
+        model.head.weight.square().sum().backward()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_forward_mode_refuses_a_stale_use_after_an_eval_pass_that_applied_late_updates() -> None:
+    """An evaluation forward whose end applied an update it found pending (a
+    layer skipped in it) builds no graph to watch; the safety net for a
+    parameter used while its update is pending still covers the updates of
+    the steps after it (it covered only that pass's late updates until the
+    next forward with a graph: the penalty read head's weight one update
+    behind, silently). Training then matches eager's."""
+    _assert_same_training(_penalty_after_an_eval_pass_skipping_a_layer("forward"),
+                          _penalty_after_an_eval_pass_skipping_a_layer(None))
 
 
 class CheckpointFunction(torch.autograd.Function):

@@ -878,6 +878,199 @@ def test_data_parallel_solo(solo_group):
         dp.remove()
 
 
+class _CalledBackwards(nn.Module):
+    """4 Linear + tanh layers that forward calls last-registered first: the
+    forward order is the reverse of the module order."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x):
+        for lin in reversed(self.layers):
+            x = torch.tanh(lin(x))
+        return x
+
+
+def test_data_parallel_numbers_layers_in_forward_order_not_module_order(solo_group):
+    """Reverse first-k holds the k layers forward calls first, whatever the
+    module order: with k = 1 and layers called in reverse of their
+    registration, the layer held (its dW after backward, the only one still
+    split from the second forward on) is layers[3], the first called;
+    gradients those of plain autograd."""
+    torch.manual_seed(0)
+    model = _CalledBackwards()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=1)
+    first = model.layers[3]
+    after_backward = []
+    run = dp.handle.run
+    dp.handle.run = lambda tasks: (after_backward.extend(
+        t.site.module for t in tasks if dp._held is None), run(tasks))
+    for step in range(2):
+        after_backward.clear()
+        x, t = _batch(0, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _assert_same(model, ref, "grad")
+        index = {m: f"layers[{i}]" for i, m in enumerate(model.layers)}
+        assert dp._held_modules == {first}, \
+            f"step {step}: held {sorted(map(index.get, dp._held_modules))}, not layers[3]"
+        assert after_backward == [first], \
+            f"step {step}: dW after backward of {list(map(index.get, after_backward))}"
+        split = [index[s.module] for s in dp.handle.sites if s.split]
+        assert split == ["layers[3]"], f"step {step}: split {split}"
+    dp.remove()
+
+
+@pytest.mark.parametrize("search_iters", [1, 2])
+def test_data_parallel_search_times_each_k_search_iters_times(solo_group, search_iters):
+    """k = "auto" times `search_iters` iterations at each k it measures
+    (backward end to backward end: the first backward starts the clock), so
+    the search ends after 1 + search_iters * (the k measured) iterations,
+    with plain autograd's gradients throughout."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k="auto", search_iters=search_iters)
+    iterations = 0
+    while dp.searching:
+        assert iterations < 200, "the search for k did not end"
+        x, t = _batch(0, iterations)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _assert_same(model, ref, "grad")
+        iterations += 1
+    measured = int(np.isfinite(dp.scores).sum())
+    assert measured >= 2 and iterations == 1 + search_iters * measured, (iterations, measured)
+    dp.remove()
+
+
+class _OptionalHead(nn.Module):
+    """3 Linear + tanh layers, then a Linear `extra` only where forward is told to."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.extra = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x, extra: bool):
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return self.extra(x) if extra else x
+
+
+def test_data_parallel_backward_that_raised_leaves_no_parameter_used(solo_group):
+    """A backward that raises (a check at layers[0]'s output) after `extra`
+    got its gradient; zero_grad(); then a step that does not use `extra`:
+    its .grad stays None, as plain autograd (and DDP with
+    find_unused_parameters) leave it. The failed pass's uses were kept,
+    and `extra` got an averaged zero gradient (momentum and weight decay
+    then move it)."""
+    torch.manual_seed(0)
+    model = _OptionalHead()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=0)
+
+    def failing_check(grad):
+        raise ValueError("gradient check failed")
+
+    def add_check(module, args, out):
+        out.register_hook(failing_check)
+
+    x, t = _batch(0, 0)
+    for net in (model, ref):
+        check = net.layers[0].register_forward_hook(add_check)
+        out = net(x, extra=True)
+        check.remove()
+        with pytest.raises(ValueError, match="gradient check failed"):
+            F.mse_loss(out, t).backward()
+        assert net.extra.weight.grad is not None, "extra got no gradient before the raise"
+        net.zero_grad()
+        F.mse_loss(net(x, extra=False), t).backward()
+    assert model.extra.weight.grad is None and model.extra.bias.grad is None, \
+        "a parameter used only by the backward that raised got a gradient"
+    _assert_same(model, ref, "grad")
+    dp.remove()
+
+
+def test_data_parallel_held_layers_reduce_right_after_their_dw_with_an_unused_parameter(solo_group):
+    """Reverse first-k with k = 2 in a step that leaves `extra` unused (its
+    buckets never complete in autograd): each held layer's all-reduce is
+    still launched right after its dW (layer 0's before layer 1's dW), not
+    all after the last dW; gradients those of plain autograd."""
+    torch.manual_seed(0)
+    model = _OptionalHead()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
+    name = {p: n for n, p in model.named_parameters()}
+    layer = {m: f"layers.{i}" for i, m in enumerate(model.layers)}
+    events = []
+    run = dp.handle.run
+    dp.handle.run = lambda tasks: (events.extend(
+        ("dW", layer[t.site.module]) for t in tasks if dp._held is None), run(tasks))
+    launch = dp._launch
+    dp._launch = lambda b: (events.append(("sync", name[b.params[0]])), launch(b))
+    for step in range(2):
+        events.clear()
+        x, t = _batch(0, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x, extra=False), t).backward()
+        _assert_same(model, ref, "grad")
+        dw = [i for i, e in enumerate(events) if e[0] == "dW"]
+        assert [events[i] for i in dw] == [("dW", "layers.0"), ("dW", "layers.1")], events
+        assert events[dw[0] + 1:dw[1]] == [("sync", "layers.0.weight")], events
+        assert events[dw[1] + 1:] == [("sync", "layers.1.weight")], events
+    dp.remove()
+
+
+class _NoGradientFor(torch.autograd.Function):
+    """x * s, whose backward gives s no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        return x * s.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScaledWithoutGradient(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.s = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x):
+        return _NoGradientFor.apply(torch.tanh(self.lin(x)), self.s)
+
+
+def test_data_parallel_parameter_whose_node_gives_no_gradient_keeps_none(solo_group):
+    """A parameter in the graph whose node returns no gradient for it: its
+    AccumulateGrad still runs, with none; it counts as unused, and its
+    .grad stays None, as under DDP(find_unused_parameters=True) (and plain
+    autograd); it got zeros."""
+    torch.manual_seed(0)
+    model = _ScaledWithoutGradient()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = DataParallel(model, k=1)
+    for step in range(2):
+        x, t = _batch(0, step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DDP: "did not find any unused parameters"
+            for net in (model, ref):
+                net.zero_grad()
+                F.mse_loss(net(x), t).backward()
+        assert ref.module.s.grad is None
+        assert model.s.grad is None, f"step {step}: {model.s.grad}"
+        _assert_same(model, ref.module, "grad")
+    dp.remove()
+
+
 def test_data_parallel_model_converted_after_planning(solo_group):
     """model.double() after the buckets were planned in float32: the float64
     gradients were averaged in the float32 buckets (3.6e-8 off on one rank).
