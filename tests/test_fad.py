@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from reprop import fad
+from reprop import _tensors, fad
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", *CUDA]
@@ -612,6 +612,62 @@ def test_float64_runs_torch_ops():
     assert torch.equal(fad.softplus(t, -2.0, 3.0), F.softplus(t, -2.0, 3.0))
 
 
+# Non-strided input: torch computes mkldnn GELU and sparse Tanhshrink, and
+# refuses the others with its own errors.
+NON_STRIDED = {
+    "gelu_mkldnn": (F.gelu, nn.GELU, torch.Tensor.to_mkldnn),
+    "tanhshrink_sparse": (F.tanhshrink, nn.Tanhshrink, torch.Tensor.to_sparse),
+    "silu_sparse": (F.silu, nn.SiLU, torch.Tensor.to_sparse),
+    "softplus_mkldnn": (F.softplus, nn.Softplus, torch.Tensor.to_mkldnn),
+    "elu_csr": (F.elu, nn.ELU, torch.Tensor.to_sparse_csr),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("how", ["function", "patched", "enabled"])
+@pytest.mark.parametrize("case", sorted(NON_STRIDED))
+def test_non_strided_layouts_run_torch(case, how):
+    """Sparse and mkldnn input, which torch's op takes or refuses itself (and
+    enabled() hands it on), was refused by the functions and patched
+    modules as "sparse tensors are not supported" (mkldnn included): they
+    run torch's op, as for float64."""
+    native, module, convert = NON_STRIDED[case]
+    act = native if how == "enabled" else getattr(fad, native.__name__)
+    if how == "patched":
+        act = nn.Sequential(module())
+        fad.patch(act)
+        assert type(act[0]).__module__ == "reprop.fad"
+    mode = fad.enabled() if how == "enabled" else contextlib.nullcontext()
+
+    def outcome(act, mode):
+        """(layout, dense value) of act(x), or (exception type, message)."""
+        x = convert(torch.linspace(-3.0, 3.0, 32).reshape(4, 8))
+        try:
+            with mode:
+                y = act(x)
+        except Exception as e:  # noqa: BLE001 - compared with torch's
+            return type(e), str(e)
+        return y.layout, y.to_dense()
+
+    got, ref = outcome(act, mode), outcome(native, contextlib.nullcontext())
+    assert got[0] == ref[0]
+    assert got[1] == ref[1] if isinstance(ref[0], type) else torch.equal(got[1], ref[1])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_refusal_of_a_non_strided_layout_calls_only_sparse_ones_sparse():
+    """_tensors.check_strided (what refused fad's mkldnn input, and still
+    refuses one in bppsa and the optimizers) called mkldnn tensors sparse."""
+    x = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match=r"^x: non-strided tensors are not supported "
+                                           r"\(got layout torch._mkldnn\)$"):
+        _tensors.check_strided(x.to_mkldnn(), "x")
+    for sparse in (x.to_sparse(), x.to_sparse_csr()):
+        with pytest.raises(RuntimeError, match=r"^x: sparse tensors are not supported "
+                                               rf"\(got layout {sparse.layout}\)$"):
+            _tensors.check_strided(sparse, "x")
+
+
 def test_inplace_on_inference_tensor_is_refused_as_torch():
     with torch.inference_mode():
         t = torch.randn(3)
@@ -764,8 +820,6 @@ def test_bad_input_raises_clearly():
         fad.silu(torch.arange(3))
     with pytest.raises(NotImplementedError, match="ComplexFloat"):  # torch's own refusal
         fad.mish(torch.randn(3, dtype=torch.complex64))
-    with pytest.raises(RuntimeError, match="sparse"):
-        fad.tanh(torch.randn(3, 3).to_sparse())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         fad.sigmoid([1.0, 2.0])
     with pytest.raises(ValueError, match="saved_dtype"):

@@ -52,9 +52,15 @@ def dtype_code(t: torch.Tensor, name: str) -> int:
 
 
 def check_strided(t: torch.Tensor, name: str) -> None:
-    """Rejects sparse and other non-strided layouts with a clear error."""
+    """Rejects sparse and other non-strided layouts (mkldnn) with a clear
+    error, which calls the tensor sparse only where it is."""
     if t.layout is not torch.strided:
-        raise RuntimeError(f"{name}: sparse tensors are not supported (got layout {t.layout})")
+        what = "sparse tensors" if t.layout in _SPARSE_LAYOUTS else "non-strided tensors"
+        raise RuntimeError(f"{name}: {what} are not supported (got layout {t.layout})")
+
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                   torch.sparse_bsc)
 
 
 def check_writable(x: torch.Tensor, name: str) -> None:

@@ -92,7 +92,6 @@ class _Act(NamedTuple):
 def _check_input(x, fname: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
-    _tensors.check_strided(x, f"{fname}: input")
     _tensors.dtype_code(x, f"{fname}: input")
     if x.is_cuda:  # (is_cuda, is_cpu: a fifth of a microsecond less than device.type)
         if _cuda is None:
@@ -271,16 +270,12 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
 def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     """y = f(x) through the kernels, or through torch's `native` for what they
-    cannot take: act None (parameters, _kernel_act), float64, complex,
-    integer or bool x (torch's result, promoted, or torch's own refusal),
-    batched x.
+    cannot take: act None (parameters, _kernel_act), and x _for_torch picks.
     While _capture is on: (y, f'(x)), or None where torch's op would run."""
     _check_saved_dtype(saved_dtype, fname)
     if act is not None:
         _check_codable(act, saved_dtype, fname)
-    if act is None or (isinstance(x, torch.Tensor)
-                       and (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
-                            or _torch_runs(x))):
+    if act is None or _for_torch(x):
         if getattr(_capture, "on", False):
             return None
         return native(x, inplace=True) if inplace else native(x)
@@ -298,6 +293,18 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
     if inplace and _may_be_refused_in_place(x):
         return native(x, inplace=True)  # torch refuses before writing, or runs it
     return _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
+
+
+def _for_torch(x) -> bool:
+    """Whether an activation hands x to torch's op: float64, complex,
+    integer or bool x (torch's result, promoted, or torch's own refusal),
+    a non-strided layout (sparse, mkldnn: torch has kernels for some, ours
+    walk dense memory; torch's refusal for the rest), and what _torch_runs
+    gives torch (batched x, ...). Anything else must be a tensor the
+    kernels take (_check_input)."""
+    return isinstance(x, torch.Tensor) and (
+        x.dtype in _TORCH_DTYPES or not x.is_floating_point() or x.layout is not torch.strided
+        or _torch_runs(x))
 
 
 def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
@@ -359,8 +366,9 @@ _SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype, 
     float32 for float16 x where the parameters let f' pass 65504; or
     torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
     x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
-    result has x's dtype, shape and (dense) layout. float64 x runs torch's own
-    op (the kernels compute in float32), saving what it saves."""
+    result has x's dtype, shape and (dense) layout. float64 x (the kernels
+    compute in float32) and sparse or mkldnn x run torch's own op, saving
+    what it saves."""
 
 
 def _doc(fn):
