@@ -1959,6 +1959,37 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
     assert meta.device.type == "meta" and meta.shape == (2, 3)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("how", ["function", "patched", "enabled", "compose"])
+def test_nested_tensors_run_torch_ops(how):
+    """A nested tensor (strided layout, so no layout check caught it) reached
+    the kernels and raised torch's "Internal error: NestedTensorImpl doesn't
+    support sizes" where torch's ops compute and backpropagate."""
+    act, mode = F.gelu, contextlib.nullcontext()
+    if how == "function":
+        act = fad.gelu
+    elif how == "patched":
+        act = nn.Sequential(nn.GELU())
+        fad.patch(act)
+    elif how == "enabled":
+        mode = fad.enabled()
+    else:
+        act, mode = (lambda t: F.gelu(t * 2.0 + t)), fad.enabled(compose=True)
+
+    def run(act, mode):
+        x = torch.nested.nested_tensor([torch.linspace(-2.0, 2.0, 3), torch.linspace(-1.0, 3.0, 5)],
+                                       requires_grad=True)
+        with mode:
+            y = act(x)
+        y.backward(torch.nested.nested_tensor([torch.full((3,), 0.5), torch.full((5,), -2.0)]))
+        return [*y.detach().unbind(), *x.grad.unbind()]
+
+    ref = run(lambda t: F.gelu(t * 2.0 + t) if how == "compose" else F.gelu(t),
+              contextlib.nullcontext())
+    got = run(act, mode)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
 def test_compose_under_functorch_transforms_runs_torch_ops():
     """Under torch.func's transforms no op is a chain step: one on a root
     they do not wrap (a closure's tensor that requires grad) raised their
