@@ -994,6 +994,33 @@ def test_patch_leaves_subclasses_and_reroutes_function_attributes():
     assert model[0].activation is F.gelu
 
 
+def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
+    """patch() again and unpatch() took the function an earlier patch()
+    rerouted over what the attribute held now: a ReLU the user set after
+    patch() became FAD GELU again (outputs 0.125 apart), or torch's GELU
+    after unpatch(). The user's own value is theirs: rerouted afresh if it
+    is a torch activation (and unpatch() then restores that one), else
+    left alone by both."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
+    ref = copy.deepcopy(layer)
+    ref.activation = F.relu
+    x = torch.randn(2, 3, 8)
+    fad.patch(layer)
+    layer.activation = F.relu
+    assert fad.patch(layer, saved_dtype=torch.bfloat16) == {} and layer.activation is F.relu
+    assert torch.equal(layer(x), ref(x))
+    assert fad.unpatch(layer) == [] and layer.activation is F.relu
+    fad.patch(layer)
+    layer.activation = F.relu
+    assert fad.unpatch(layer) == [] and layer.activation is F.relu
+    fad.patch(layer)
+    layer.activation = F.silu
+    assert fad.patch(layer) == {"activation": "silu -> reprop.fad.silu"}
+    assert layer.activation.func is fad.silu
+    assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
+
+
 # ---------------------------------------------------------------------------
 # enabled(): rerouting and composed chains
 # ---------------------------------------------------------------------------

@@ -566,7 +566,17 @@ _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
 # ---------------------------------------------------------------------------
 
 _PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
-_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: original function}
+_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted}
+
+
+class _Rerouted(NamedTuple):
+    """A function attribute patch() rerouted: the function it found there
+    and the partial it put in its place. The attribute is still patch()'s
+    only while it holds that very partial; anything else is the user's,
+    set since."""
+
+    original: Callable
+    installed: functools.partial
 
 
 def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
@@ -582,7 +592,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     nn.Tanh stay torch's: they save their output, which the next layer
     usually saves too, so f'(x) would add a tensor. Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
-    updates saved_dtype. Returns {qualified name: what changed}.
+    updates saved_dtype; a function attribute the user set since the last
+    patch is theirs: rerouted if it is a torch activation, else left (and
+    unpatch leaves it too). Returns {qualified name: what changed}.
     """
     _check_saved_dtype(saved_dtype, "patch")
     changed = {}
@@ -600,19 +612,29 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
     changed = {}
-    originals = module.__dict__.get(_PATCHED_FNS, {})
+    earlier = module.__dict__.pop(_PATCHED_FNS, {})
+    rerouted = {}
     for attr, value in list(vars(module).items()):
-        original = originals.get(attr, value)
+        original = _function_in(earlier.get(attr), value)
         ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
-        module.__dict__[attr] = functools.partial(ours, saved_dtype=saved_dtype)
-        originals[attr] = original
+        installed = functools.partial(ours, saved_dtype=saved_dtype)
+        module.__dict__[attr] = installed
+        rerouted[attr] = _Rerouted(original, installed)
         changed[f"{name}.{attr}" if name else attr] = (
             f"{getattr(original, '__name__', original)} -> reprop.fad.{ours.__name__}")
-    if originals:
-        module.__dict__[_PATCHED_FNS] = originals
+    if rerouted:  # earlier entries not rerouted again are stale: dropped
+        module.__dict__[_PATCHED_FNS] = rerouted
     return changed
+
+
+def _function_in(earlier: _Rerouted | None, value):
+    """The function an attribute holding `value` stands for: the one an
+    earlier patch() rerouted, while the attribute still holds its partial;
+    else value itself, which the user set since (a torch activation is
+    rerouted afresh, anything else left as it is)."""
+    return earlier.original if earlier is not None and value is earlier.installed else value
 
 
 def _hashable(value) -> bool:
@@ -624,7 +646,9 @@ def _hashable(value) -> bool:
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Undo patch(model): restore the torch classes and functions. Returns the names restored."""
+    """Undo patch(model): restore the torch classes, and the functions of
+    attributes that still hold patch()'s partial (one the user set since is
+    left). Returns the names restored."""
     restored = []
     for name, module in model.named_modules():
         original = module.__dict__.pop(_PATCHED, None)
@@ -632,9 +656,10 @@ def unpatch(model: nn.Module) -> list[str]:
             module.__class__ = original
             module.__dict__.pop("saved_dtype", None)
             restored.append(name)
-        for attr, fn in module.__dict__.pop(_PATCHED_FNS, {}).items():
-            module.__dict__[attr] = fn
-            restored.append(f"{name}.{attr}" if name else attr)
+        for attr, rerouted in module.__dict__.pop(_PATCHED_FNS, {}).items():
+            if module.__dict__.get(attr) is rerouted.installed:  # else the user's: left
+                module.__dict__[attr] = rerouted.original
+                restored.append(f"{name}.{attr}" if name else attr)
     return restored
 
 
