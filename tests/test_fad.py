@@ -2075,6 +2075,36 @@ def test_tracing_and_export_run_torch_ops():
     torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
 
 
+class _ActivationAttribute(nn.Module):
+    """A layer calling a function attribute, as nn.TransformerEncoderLayer
+    does (which torch.fx.symbolic_trace cannot trace itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.activation = F.gelu
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+def test_fx_symbolic_trace_of_a_patched_model_records_torch_ops():
+    """symbolic_trace traces into a patched module (its class is reprop's, so
+    no leaf) and a rerouted function attribute with an FX Proxy, which the
+    functions refused (TypeError: input must be a torch.Tensor): torch's
+    op records itself, and the GraphModule computes torch's activations."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU(inplace=True),
+                        _ActivationAttribute())
+    model = copy.deepcopy(ref)
+    assert sorted(fad.patch(model)) == ["1", "3", "4.activation"]
+    traced = torch.fx.symbolic_trace(model)
+    called = {n.target for n in traced.graph.nodes if n.op == "call_function"}
+    assert called == {F.gelu, F.silu}
+    x = torch.randn(5, 4)
+    assert torch.equal(traced(x), ref(x))
+
+
 def test_script_of_a_patched_model_says_what_to_do():
     model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
     fad.patch(model)

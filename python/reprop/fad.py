@@ -299,12 +299,15 @@ def _for_torch(x) -> bool:
     """Whether an activation hands x to torch's op: float64, complex,
     integer or bool x (torch's result, promoted, or torch's own refusal),
     a non-strided layout (sparse, mkldnn: torch has kernels for some, ours
-    walk dense memory; torch's refusal for the rest), and what _torch_runs
-    gives torch (batched x, ...). Anything else must be a tensor the
-    kernels take (_check_input)."""
-    return isinstance(x, torch.Tensor) and (
-        x.dtype in _TORCH_DTYPES or not x.is_floating_point() or x.layout is not torch.strided
-        or _torch_runs(x))
+    walk dense memory; torch's refusal for the rest), what _torch_runs
+    gives torch (batched x, ...), and a tensor-like that is no tensor (an
+    FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
+    whose class is not torch's, so torch's op records itself in the
+    graph). Anything else must be a tensor the kernels take (_check_input)."""
+    if not isinstance(x, torch.Tensor):
+        return torch.overrides.is_tensor_like(x)
+    return (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
+            or x.layout is not torch.strided or _torch_runs(x))
 
 
 def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
