@@ -1575,6 +1575,23 @@ def test_compose_chains_only_root_shaped_outputs(name):
     torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("op", [lambda h, c: torch.exp(h) * c, lambda h, c: h + c,
+                                lambda h, c: c / torch.sigmoid(h)], ids=["mul", "add", "div"])
+def test_compose_shapes_that_do_not_broadcast_raise_torchs_error(op):
+    """A step whose operands do not broadcast raised torch.broadcast_shapes'
+    "Attempting to broadcast a dimension of length 3 at -1!" (from the check
+    of its output's shape) before the op ran, where torch's op raises its
+    own ("The size of tensor a (5) must match the size of tensor b (3) ...")."""
+    h, c = torch.randn(4, 5, requires_grad=True), torch.randn(3)
+
+    def error(mode):
+        with pytest.raises(RuntimeError) as caught, mode:
+            op(h, c)
+        return str(caught.value)
+
+    assert error(fad.enabled(compose=True)) == error(contextlib.nullcontext())
+
+
 def test_compose_float64_runs_plain_autograd():
     """float64 results run plain torch (as documented), so their gradients
     are torch's float64 ones, even through a float32 constant divisor."""

@@ -1488,10 +1488,14 @@ class enabled(TorchFunctionMode):
 def _root_shaped(tensors, shape: torch.Size) -> bool:
     """Whether the op's output, broadcast from `tensors`, has the root's shape.
     Operands of that shape already (most chain steps) skip torch.broadcast_shapes,
-    whose Python took about a fifth of a chain step."""
+    whose Python took about a fifth of a chain step. Shapes that do not
+    broadcast make no chain step: torch's op runs and raises its own error."""
     if all(t.shape == shape for t in tensors):
         return True
-    return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
+    try:
+        return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
+    except RuntimeError:
+        return False
 
 
 class _Passed:
