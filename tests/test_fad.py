@@ -2269,6 +2269,7 @@ def test_cuda_runs_on_current_stream_and_misaligned():
     base = torch.randn((1 << 20) + 1, device="cuda", requires_grad=True)
     x = base[1:]  # misaligned for vector loads
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # base is written on the default stream
     with torch.cuda.stream(s):
         y = fad.gelu(x)
         y.sum().backward()
