@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from reprop import fad
+from reprop import _tensors, fad
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", *CUDA]
@@ -612,6 +612,62 @@ def test_float64_runs_torch_ops():
     assert torch.equal(fad.softplus(t, -2.0, 3.0), F.softplus(t, -2.0, 3.0))
 
 
+# Non-strided input: torch computes mkldnn GELU and sparse Tanhshrink, and
+# refuses the others with its own errors.
+NON_STRIDED = {
+    "gelu_mkldnn": (F.gelu, nn.GELU, torch.Tensor.to_mkldnn),
+    "tanhshrink_sparse": (F.tanhshrink, nn.Tanhshrink, torch.Tensor.to_sparse),
+    "silu_sparse": (F.silu, nn.SiLU, torch.Tensor.to_sparse),
+    "softplus_mkldnn": (F.softplus, nn.Softplus, torch.Tensor.to_mkldnn),
+    "elu_csr": (F.elu, nn.ELU, torch.Tensor.to_sparse_csr),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("how", ["function", "patched", "enabled"])
+@pytest.mark.parametrize("case", sorted(NON_STRIDED))
+def test_non_strided_layouts_run_torch(case, how):
+    """Sparse and mkldnn input, which torch's op takes or refuses itself (and
+    enabled() hands it on), was refused by the functions and patched
+    modules as "sparse tensors are not supported" (mkldnn included): they
+    run torch's op, as for float64."""
+    native, module, convert = NON_STRIDED[case]
+    act = native if how == "enabled" else getattr(fad, native.__name__)
+    if how == "patched":
+        act = nn.Sequential(module())
+        fad.patch(act)
+        assert type(act[0]).__module__ == "reprop.fad"
+    mode = fad.enabled() if how == "enabled" else contextlib.nullcontext()
+
+    def outcome(act, mode):
+        """(layout, dense value) of act(x), or (exception type, message)."""
+        x = convert(torch.linspace(-3.0, 3.0, 32).reshape(4, 8))
+        try:
+            with mode:
+                y = act(x)
+        except Exception as e:  # noqa: BLE001 - compared with torch's
+            return type(e), str(e)
+        return y.layout, y.to_dense()
+
+    got, ref = outcome(act, mode), outcome(native, contextlib.nullcontext())
+    assert got[0] == ref[0]
+    assert got[1] == ref[1] if isinstance(ref[0], type) else torch.equal(got[1], ref[1])
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_refusal_of_a_non_strided_layout_calls_only_sparse_ones_sparse():
+    """_tensors.check_strided (what refused fad's mkldnn input, and still
+    refuses one in bppsa and the optimizers) called mkldnn tensors sparse."""
+    x = torch.randn(2, 3)
+    with pytest.raises(RuntimeError, match=r"^x: non-strided tensors are not supported "
+                                           r"\(got layout torch._mkldnn\)$"):
+        _tensors.check_strided(x.to_mkldnn(), "x")
+    for sparse in (x.to_sparse(), x.to_sparse_csr()):
+        with pytest.raises(RuntimeError, match=r"^x: sparse tensors are not supported "
+                                               rf"\(got layout {sparse.layout}\)$"):
+            _tensors.check_strided(sparse, "x")
+
+
 def test_inplace_on_inference_tensor_is_refused_as_torch():
     with torch.inference_mode():
         t = torch.randn(3)
@@ -764,8 +820,6 @@ def test_bad_input_raises_clearly():
         fad.silu(torch.arange(3))
     with pytest.raises(NotImplementedError, match="ComplexFloat"):  # torch's own refusal
         fad.mish(torch.randn(3, dtype=torch.complex64))
-    with pytest.raises(RuntimeError, match="sparse"):
-        fad.tanh(torch.randn(3, 3).to_sparse())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         fad.sigmoid([1.0, 2.0])
     with pytest.raises(ValueError, match="saved_dtype"):
@@ -938,6 +992,33 @@ def test_patch_leaves_subclasses_and_reroutes_function_attributes():
     torch.testing.assert_close(model(x), ref(x), rtol=1e-5, atol=1e-6)
     fad.unpatch(model)
     assert model[0].activation is F.gelu
+
+
+def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
+    """patch() again and unpatch() took the function an earlier patch()
+    rerouted over what the attribute held now: a ReLU the user set after
+    patch() became FAD GELU again (outputs 0.125 apart), or torch's GELU
+    after unpatch(). The user's own value is theirs: rerouted afresh if it
+    is a torch activation (and unpatch() then restores that one), else
+    left alone by both."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
+    ref = copy.deepcopy(layer)
+    ref.activation = F.relu
+    x = torch.randn(2, 3, 8)
+    fad.patch(layer)
+    layer.activation = F.relu
+    assert fad.patch(layer, saved_dtype=torch.bfloat16) == {} and layer.activation is F.relu
+    assert torch.equal(layer(x), ref(x))
+    assert fad.unpatch(layer) == [] and layer.activation is F.relu
+    fad.patch(layer)
+    layer.activation = F.relu
+    assert fad.unpatch(layer) == [] and layer.activation is F.relu
+    fad.patch(layer)
+    layer.activation = F.silu
+    assert fad.patch(layer) == {"activation": "silu -> reprop.fad.silu"}
+    assert layer.activation.func is fad.silu
+    assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
 
 
 # ---------------------------------------------------------------------------
@@ -1494,6 +1575,23 @@ def test_compose_chains_only_root_shaped_outputs(name):
     torch.testing.assert_close(got, want, rtol=4e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("op", [lambda h, c: torch.exp(h) * c, lambda h, c: h + c,
+                                lambda h, c: c / torch.sigmoid(h)], ids=["mul", "add", "div"])
+def test_compose_shapes_that_do_not_broadcast_raise_torchs_error(op):
+    """A step whose operands do not broadcast raised torch.broadcast_shapes'
+    "Attempting to broadcast a dimension of length 3 at -1!" (from the check
+    of its output's shape) before the op ran, where torch's op raises its
+    own ("The size of tensor a (5) must match the size of tensor b (3) ...")."""
+    h, c = torch.randn(4, 5, requires_grad=True), torch.randn(3)
+
+    def error(mode):
+        with pytest.raises(RuntimeError) as caught, mode:
+            op(h, c)
+        return str(caught.value)
+
+    assert error(fad.enabled(compose=True)) == error(contextlib.nullcontext())
+
+
 def test_compose_float64_runs_plain_autograd():
     """float64 results run plain torch (as documented), so their gradients
     are torch's float64 ones, even through a float32 constant divisor."""
@@ -1905,6 +2003,37 @@ def test_forward_ad_functorch_and_meta_run_torch_ops():
     assert meta.device.type == "meta" and meta.shape == (2, 3)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+@pytest.mark.parametrize("how", ["function", "patched", "enabled", "compose"])
+def test_nested_tensors_run_torch_ops(how):
+    """A nested tensor (strided layout, so no layout check caught it) reached
+    the kernels and raised torch's "Internal error: NestedTensorImpl doesn't
+    support sizes" where torch's ops compute and backpropagate."""
+    act, mode = F.gelu, contextlib.nullcontext()
+    if how == "function":
+        act = fad.gelu
+    elif how == "patched":
+        act = nn.Sequential(nn.GELU())
+        fad.patch(act)
+    elif how == "enabled":
+        mode = fad.enabled()
+    else:
+        act, mode = (lambda t: F.gelu(t * 2.0 + t)), fad.enabled(compose=True)
+
+    def run(act, mode):
+        x = torch.nested.nested_tensor([torch.linspace(-2.0, 2.0, 3), torch.linspace(-1.0, 3.0, 5)],
+                                       requires_grad=True)
+        with mode:
+            y = act(x)
+        y.backward(torch.nested.nested_tensor([torch.full((3,), 0.5), torch.full((5,), -2.0)]))
+        return [*y.detach().unbind(), *x.grad.unbind()]
+
+    ref = run(lambda t: F.gelu(t * 2.0 + t) if how == "compose" else F.gelu(t),
+              contextlib.nullcontext())
+    got = run(act, mode)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+
+
 def test_compose_under_functorch_transforms_runs_torch_ops():
     """Under torch.func's transforms no op is a chain step: one on a root
     they do not wrap (a closure's tensor that requires grad) raised their
@@ -1961,6 +2090,36 @@ def test_tracing_and_export_run_torch_ops():
     torch.testing.assert_close(traced(x2), ref(x2), rtol=1e-6, atol=1e-7)
     exported = torch.export.export(model, (x,))
     torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
+
+
+class _ActivationAttribute(nn.Module):
+    """A layer calling a function attribute, as nn.TransformerEncoderLayer
+    does (which torch.fx.symbolic_trace cannot trace itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.activation = F.gelu
+
+    def forward(self, x):
+        return self.activation(self.linear(x))
+
+
+def test_fx_symbolic_trace_of_a_patched_model_records_torch_ops():
+    """symbolic_trace traces into a patched module (its class is reprop's, so
+    no leaf) and a rerouted function attribute with an FX Proxy, which the
+    functions refused (TypeError: input must be a torch.Tensor): torch's
+    op records itself, and the GraphModule computes torch's activations."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU(inplace=True),
+                        _ActivationAttribute())
+    model = copy.deepcopy(ref)
+    assert sorted(fad.patch(model)) == ["1", "3", "4.activation"]
+    traced = torch.fx.symbolic_trace(model)
+    called = {n.target for n in traced.graph.nodes if n.op == "call_function"}
+    assert called == {F.gelu, F.silu}
+    x = torch.randn(5, 4)
+    assert torch.equal(traced(x), ref(x))
 
 
 def test_script_of_a_patched_model_says_what_to_do():
@@ -2110,6 +2269,7 @@ def test_cuda_runs_on_current_stream_and_misaligned():
     base = torch.randn((1 << 20) + 1, device="cuda", requires_grad=True)
     x = base[1:]  # misaligned for vector loads
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # base is written on the default stream
     with torch.cuda.stream(s):
         y = fad.gelu(x)
         y.sum().backward()

@@ -52,9 +52,15 @@ def dtype_code(t: torch.Tensor, name: str) -> int:
 
 
 def check_strided(t: torch.Tensor, name: str) -> None:
-    """Rejects sparse and other non-strided layouts with a clear error."""
+    """Rejects sparse and other non-strided layouts (mkldnn) with a clear
+    error, which calls the tensor sparse only where it is."""
     if t.layout is not torch.strided:
-        raise RuntimeError(f"{name}: sparse tensors are not supported (got layout {t.layout})")
+        what = "sparse tensors" if t.layout in _SPARSE_LAYOUTS else "non-strided tensors"
+        raise RuntimeError(f"{name}: {what} are not supported (got layout {t.layout})")
+
+
+_SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                   torch.sparse_bsc)
 
 
 def check_writable(x: torch.Tensor, name: str) -> None:
@@ -134,12 +140,14 @@ def torch_only(x: torch.Tensor) -> bool:
     """Tensors whose meaning raw kernels and custom autograd Functions would
     lose: functorch's wrappers (vmap, grad, jvp) and the batched gradients
     of autograd.grad(is_grads_batched=True), forward-AD duals (their
-    tangent), meta tensors (no data), tensor subclasses (FakeTensor under
-    torch.export and compile, DTensor, ...), and any tensor while
-    torch.jit.trace records (it cannot see a kernel that writes through a
-    pointer). They go through torch's own ops."""
+    tangent), meta tensors (no data), nested tensors (one strided buffer
+    of differently shaped parts, without the sizes and strides a kernel
+    walks; the jagged layout's are subclasses), tensor subclasses
+    (FakeTensor under torch.export and compile, DTensor, ...), and any
+    tensor while torch.jit.trace records (it cannot see a kernel that
+    writes through a pointer). They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
-    if (x.is_meta or type(x) not in _PLAIN_TYPES or torch._C._is_tracing()
+    if (x.is_meta or x.is_nested or type(x) not in _PLAIN_TYPES or torch._C._is_tracing()
             or _is_functorch_wrapped(x) or _is_legacy_batched(x)):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None

@@ -92,7 +92,6 @@ class _Act(NamedTuple):
 def _check_input(x, fname: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fname}: input must be a torch.Tensor, got {type(x).__name__}")
-    _tensors.check_strided(x, f"{fname}: input")
     _tensors.dtype_code(x, f"{fname}: input")
     if x.is_cuda:  # (is_cuda, is_cpu: a fifth of a microsecond less than device.type)
         if _cuda is None:
@@ -271,16 +270,12 @@ def _autocast_target(native: Callable, x: torch.Tensor) -> torch.dtype:
 def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype, inplace: bool,
                 fname: str) -> torch.Tensor:
     """y = f(x) through the kernels, or through torch's `native` for what they
-    cannot take: act None (parameters, _kernel_act), float64, complex,
-    integer or bool x (torch's result, promoted, or torch's own refusal),
-    batched x.
+    cannot take: act None (parameters, _kernel_act), and x _for_torch picks.
     While _capture is on: (y, f'(x)), or None where torch's op would run."""
     _check_saved_dtype(saved_dtype, fname)
     if act is not None:
         _check_codable(act, saved_dtype, fname)
-    if act is None or (isinstance(x, torch.Tensor)
-                       and (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
-                            or _torch_runs(x))):
+    if act is None or _for_torch(x):
         if getattr(_capture, "on", False):
             return None
         return native(x, inplace=True) if inplace else native(x)
@@ -298,6 +293,21 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
     if inplace and _may_be_refused_in_place(x):
         return native(x, inplace=True)  # torch refuses before writing, or runs it
     return _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
+
+
+def _for_torch(x) -> bool:
+    """Whether an activation hands x to torch's op: float64, complex,
+    integer or bool x (torch's result, promoted, or torch's own refusal),
+    a non-strided layout (sparse, mkldnn: torch has kernels for some, ours
+    walk dense memory; torch's refusal for the rest), what _torch_runs
+    gives torch (batched x, ...), and a tensor-like that is no tensor (an
+    FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
+    whose class is not torch's, so torch's op records itself in the
+    graph). Anything else must be a tensor the kernels take (_check_input)."""
+    if not isinstance(x, torch.Tensor):
+        return torch.overrides.is_tensor_like(x)
+    return (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
+            or x.layout is not torch.strided or _torch_runs(x))
 
 
 def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
@@ -359,8 +369,9 @@ _SAVES = """Saves only f'(x) for backward, in ``saved_dtype`` (None: x's dtype, 
     float32 for float16 x where the parameters let f' pass 65504; or
     torch.float32, torch.bfloat16, torch.float16, or torch.uint8 for 8-bit codes).
     x: float32, float16 or bfloat16, on cpu or cuda, any shape and layout; the
-    result has x's dtype, shape and (dense) layout. float64 x runs torch's own
-    op (the kernels compute in float32), saving what it saves."""
+    result has x's dtype, shape and (dense) layout. float64 x (the kernels
+    compute in float32) and sparse or mkldnn x run torch's own op, saving
+    what it saves."""
 
 
 def _doc(fn):
@@ -558,7 +569,17 @@ _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
 # ---------------------------------------------------------------------------
 
 _PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
-_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: original function}
+_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted}
+
+
+class _Rerouted(NamedTuple):
+    """A function attribute patch() rerouted: the function it found there
+    and the partial it put in its place. The attribute is still patch()'s
+    only while it holds that very partial; anything else is the user's,
+    set since."""
+
+    original: Callable
+    installed: functools.partial
 
 
 def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
@@ -574,7 +595,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     nn.Tanh stay torch's: they save their output, which the next layer
     usually saves too, so f'(x) would add a tensor. Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
-    updates saved_dtype. Returns {qualified name: what changed}.
+    updates saved_dtype; a function attribute the user set since the last
+    patch is theirs: rerouted if it is a torch activation, else left (and
+    unpatch leaves it too). Returns {qualified name: what changed}.
     """
     _check_saved_dtype(saved_dtype, "patch")
     changed = {}
@@ -592,19 +615,29 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
     changed = {}
-    originals = module.__dict__.get(_PATCHED_FNS, {})
+    earlier = module.__dict__.pop(_PATCHED_FNS, {})
+    rerouted = {}
     for attr, value in list(vars(module).items()):
-        original = originals.get(attr, value)
+        original = _function_in(earlier.get(attr), value)
         ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
-        module.__dict__[attr] = functools.partial(ours, saved_dtype=saved_dtype)
-        originals[attr] = original
+        installed = functools.partial(ours, saved_dtype=saved_dtype)
+        module.__dict__[attr] = installed
+        rerouted[attr] = _Rerouted(original, installed)
         changed[f"{name}.{attr}" if name else attr] = (
             f"{getattr(original, '__name__', original)} -> reprop.fad.{ours.__name__}")
-    if originals:
-        module.__dict__[_PATCHED_FNS] = originals
+    if rerouted:  # earlier entries not rerouted again are stale: dropped
+        module.__dict__[_PATCHED_FNS] = rerouted
     return changed
+
+
+def _function_in(earlier: _Rerouted | None, value):
+    """The function an attribute holding `value` stands for: the one an
+    earlier patch() rerouted, while the attribute still holds its partial;
+    else value itself, which the user set since (a torch activation is
+    rerouted afresh, anything else left as it is)."""
+    return earlier.original if earlier is not None and value is earlier.installed else value
 
 
 def _hashable(value) -> bool:
@@ -616,7 +649,9 @@ def _hashable(value) -> bool:
 
 
 def unpatch(model: nn.Module) -> list[str]:
-    """Undo patch(model): restore the torch classes and functions. Returns the names restored."""
+    """Undo patch(model): restore the torch classes, and the functions of
+    attributes that still hold patch()'s partial (one the user set since is
+    left). Returns the names restored."""
     restored = []
     for name, module in model.named_modules():
         original = module.__dict__.pop(_PATCHED, None)
@@ -624,9 +659,10 @@ def unpatch(model: nn.Module) -> list[str]:
             module.__class__ = original
             module.__dict__.pop("saved_dtype", None)
             restored.append(name)
-        for attr, fn in module.__dict__.pop(_PATCHED_FNS, {}).items():
-            module.__dict__[attr] = fn
-            restored.append(f"{name}.{attr}" if name else attr)
+        for attr, rerouted in module.__dict__.pop(_PATCHED_FNS, {}).items():
+            if module.__dict__.get(attr) is rerouted.installed:  # else the user's: left
+                module.__dict__[attr] = rerouted.original
+                restored.append(f"{name}.{attr}" if name else attr)
     return restored
 
 
@@ -1452,10 +1488,14 @@ class enabled(TorchFunctionMode):
 def _root_shaped(tensors, shape: torch.Size) -> bool:
     """Whether the op's output, broadcast from `tensors`, has the root's shape.
     Operands of that shape already (most chain steps) skip torch.broadcast_shapes,
-    whose Python took about a fifth of a chain step."""
+    whose Python took about a fifth of a chain step. Shapes that do not
+    broadcast make no chain step: torch's op runs and raises its own error."""
     if all(t.shape == shape for t in tensors):
         return True
-    return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
+    try:
+        return torch.broadcast_shapes(*(t.shape for t in tensors)) == shape
+    except RuntimeError:
+        return False
 
 
 class _Passed:
