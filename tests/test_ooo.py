@@ -1757,6 +1757,21 @@ def test_search_k_finds_the_maximum_of_every_concave_score():
             assert len(calls) == len(set(calls))
 
 
+@pytest.mark.parametrize("value", ["1.5", True, np.bool_(True), torch.tensor(1.5), np.array(1.5)],
+                         ids=["str", "bool", "numpy_bool", "tensor", "numpy_0d"])
+def test_search_k_scores_and_speedups_take_the_same_numbers(value):
+    """One type test for a score and a speedup: search_k put each through
+    float(), so a string, a comparison's bool (measure = k == 2 picked 2 with
+    scores 0.0 and 1.0) or a tensor passed where enable() refused them."""
+    with pytest.raises(TypeError, match=r"^measure: expected a number for k=0 .*not a bool"):
+        ooo.search_k(4, lambda k: value)
+    with pytest.raises(TypeError, match=r"^speedup: speedup\(0, 0\) returned .*; expected a number"):
+        ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: value)
+    # NumPy's numbers pass both, as Python's
+    assert ooo.search_k(4, lambda k: np.float32(-abs(k - 2))) == (2, {k: -abs(k - 2.0) for k in range(5)})
+    ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: np.float32(1.5)).remove()
+
+
 def test_allreduce_time_is_the_ring_formula():
     assert ooo.allreduce_time(1e9, 1, 1e9) == 0.0
     assert math.isclose(ooo.allreduce_time(1e9, 4, 1e10, 1e-5), 2 * 3 / 4 * 0.1 + 6e-5)

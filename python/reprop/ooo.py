@@ -1487,8 +1487,9 @@ def _speedup_value(speedup: Callable, r: int, i: int) -> float:
     except TypeError as exc:
         raise TypeError(f"speedup: speedup({r}, {i}) raised TypeError ({exc}); expected a "
                         "function (region of the dW, region it runs in) -> speedup") from exc
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number")
+    if not _is_number(value):
+        raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number "
+                        f"({_NUMBER})")
     as_float = _to_float(value)
     if not (math.isfinite(as_float) and as_float > 0):
         raise ValueError(f"speedup: speedup({r}, {i}) = {value!r}; expected a finite number > 0")
@@ -1702,7 +1703,14 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+    """A real number: Python's or NumPy's int or float (numbers.Real), never a
+    bool (True is no time or score of 1), nor a string or a tensor, which
+    float() would take: the one test every number argument and every value
+    a user's function returns (a speedup, a score) passes."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+_NUMBER = "an int or a float, not a bool, a string or a tensor: take a tensor's .item()"
 
 
 def _to_float(value) -> float:
@@ -1823,9 +1831,10 @@ def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
     steps of L/10 (k = L included), then steps halved (rounded up) around
     the best down to 1, which finds the maximum of a concave score.
-    `measure(k)` returns a finite score, higher is better (a throughput, or
-    a negated time); each k is measured at most once. Returns the best k and
-    every measurement. `layers` is at most 2^20."""
+    `measure(k)` returns a finite score, an int or a float (never a bool, a
+    string or a tensor, as enable()'s speedup), higher is better (a
+    throughput, or a negated time); each k is measured at most once. Returns
+    the best k and every measurement. `layers` is at most 2^20."""
     layers = _count(layers, "layers", 1, _MAX_SEARCH_LAYERS)
     score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
     while True:
@@ -1837,13 +1846,13 @@ def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
 
 def _score(measure: Callable[[int], float], k: int) -> float:
     """measure(k), checked: a NaN would read as "not measured" and be asked
-    for again forever, an infinity would outrank every measurement."""
+    for again forever, an infinity would outrank every measurement, and
+    float() would make a score of a string, a comparison's bool or a tensor."""
     result = measure(k)
-    try:
-        value = _to_float(result)
-    except (TypeError, ValueError):
-        raise TypeError(f"measure: expected a number for k={k}, got "
-                        f"{type(result).__name__}") from None
+    if not _is_number(result):
+        raise TypeError(f"measure: expected a number for k={k} ({_NUMBER}), got "
+                        f"{type(result).__name__}")
+    value = _to_float(result)
     if not np.isfinite(value):
         raise ValueError(f"measure: expected a finite score for k={k}, got {result!r}")
     return value
