@@ -283,6 +283,23 @@ def test_scan_activation_rejects_bad_arguments():
         bppsa.scan(c, jt=torch.randn(6, 2, 3, 3), pre_activation=True)
 
 
+def test_scan_checks_types_before_reading_them():
+    """A NumPy operand or a list activation gets an error naming it, as jt
+    always did; before: an AttributeError ('numpy.ndarray' object has no
+    attribute 'dim') for w and c, a TypeError (unhashable type: 'list') for
+    the activation. A w without a row block took the dense path and got the
+    core's "scan: dense leaves need jt"."""
+    w, y, v, c = activation_case("tanh", 6, 2, 3, 1, seed=0)
+    for name, kwargs in [("w", dict(c=c, w=w.numpy(), v=v)), ("c", dict(c=c.numpy(), w=w, v=v)),
+                         ("jt", dict(c=c, jt=torch.randn(6, 2, 3, 3).numpy()))]:
+        with pytest.raises(TypeError, match=f"^{name}: expected a tensor, got ndarray$"):
+            bppsa.scan(kwargs.pop("c"), **kwargs)
+    with pytest.raises(ValueError, match=r"^activation: expected 'tanh' or 'relu', got \['tanh'\]$"):
+        bppsa.scan(c, w=w, activation=["tanh"], y=y)
+    with pytest.raises(ValueError, match=r"^w: expected a \(G\*3, 3\) tensor, G >= 1$"):
+        bppsa.scan(c, w=torch.randn(0, 3), v=torch.randn(6, 2, 0))
+
+
 def test_scan_out_rejects_overlap_and_bad_layout():
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
     with pytest.raises(ValueError, match="out: overlaps v"):

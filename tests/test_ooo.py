@@ -1578,6 +1578,9 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=1), ValueError, "profile_iters"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=-1), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup="measure"), ValueError, "speedup"),
+    # before: numpy's "truth value of an array ... is ambiguous" from speedup == "profile"
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=np.array([1.0, 2.0])), ValueError,
+     r"^speedup: expected 'profile', .* got array\(\[1\., 2\.\]\)"),
     (lambda: ooo.enable(nn.Linear(2, 2), regions=True), ValueError, "regions"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=True), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: float("nan")), ValueError,

@@ -1540,7 +1540,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not _is_count(profile_iters) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
-    if not (speedup is None or speedup == "profile" or callable(speedup)):
+    # the type first: an array's == "profile" is an array, whose truth numpy refuses
+    if not (speedup is None or callable(speedup) or (isinstance(speedup, str) and speedup == "profile")):
         raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
