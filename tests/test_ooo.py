@@ -1811,6 +1811,13 @@ def test_allreduce_time_is_the_ring_formula():
     (lambda: ooo.stages(8, 2, "modulo", True), "group"),
     (lambda: ooo.reverse_first_k(4, True), "k"),
     (lambda: ooo.allreduce_time(1e6, True, 1e9), "workers"),
+    # nor sizes or times, not even one among numbers, which np.asarray made 1
+    (lambda: ooo.reverse_first_k(2, 1, mem_out_grad=[True, 5], mem_weight_grad=[1, 1]), "mem_out_grad"),
+    (lambda: ooo.reverse_first_k(2, 1, [1, 1], np.array([1, np.True_], dtype=object)), "mem_weight_grad"),
+    (lambda: ooo.simulate(2, fwd=[True, 2.0]), "fwd"),
+    (lambda: ooo.simulate(2, out_grad=(1.0, np.True_)), "out_grad"),
+    (lambda: ooo.simulate(2, weight_grad=[torch.tensor(True), 1.0]), "weight_grad"),
+    (lambda: ooo.simulate(2, sync=np.array([1.0, False], dtype=object)), "sync"),
 ])
 def test_planning_bad_arguments(bad, name):
     with pytest.raises(ValueError, match=f"^{name}: "):

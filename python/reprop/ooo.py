@@ -31,6 +31,7 @@ the scheduler core for planning runs on machines one does not have.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import hashlib
@@ -1748,10 +1749,28 @@ _INT32_MAX = 2 ** 31 - 1
 _MAX_SIM_STAGES = _INT32_MAX // 3
 
 
+def _holds_bool(value) -> bool:
+    """Whether `value` is a bool or holds one (Python's or NumPy's, in a
+    sequence or an object array, or a bool tensor): np.asarray would turn a
+    list mixing bools with numbers into numbers, True into 1, so it is
+    asked before converting."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    if isinstance(value, np.ndarray):
+        return value.dtype == np.bool_ or (value.dtype == object and any(map(_holds_bool, value.flat)))
+    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes)):
+        return any(map(_holds_bool, value))
+    return False
+
+
 def _per_layer(value, layers: int, name: str) -> np.ndarray:
     """A per-layer float64 array from a number or a sequence of `layers`
     numbers (never bools or strings)."""
     try:
+        if _holds_bool(value):
+            raise TypeError(f"never bools, got {value!r}")
         raw = np.asarray(value)
         if raw.dtype.kind not in "iuf":
             raise TypeError(f"got {value!r}")
@@ -1805,6 +1824,8 @@ def _byte_counts(value, layers: int, name: str) -> np.ndarray | None:
     have been truncated."""
     if value is None:
         return None
+    if _holds_bool(value):
+        raise ValueError(f"{name}: expected whole numbers of bytes >= 0, never bools, got {value!r}")
     arr = np.asarray(value)
     if arr.shape != (layers,):
         raise ValueError(f"{name}: expected {layers} sizes (one per layer), got shape {arr.shape}")
