@@ -300,6 +300,16 @@ def test_scan_checks_types_before_reading_them():
         bppsa.scan(c, w=torch.randn(0, 3), v=torch.randn(6, 2, 0))
 
 
+def test_scan_levels_refuses_a_gpu_the_machine_lacks(monkeypatch):
+    """cuda:7 on a machine with one GPU: an error naming device, before the
+    cost model reads the device's properties (torch's "Invalid device id")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("cuda:7", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match=r"^device: expected a CUDA device index below 1 .*, got cuda:"):
+            bppsa.scan_levels(10, 4, 3, 1, device)
+
+
 def test_scan_out_rejects_overlap_and_bad_layout():
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
     with pytest.raises(ValueError, match="out: overlaps v"):

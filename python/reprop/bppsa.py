@@ -89,17 +89,30 @@ def _device_key(device: torch.device) -> torch.device:
 
 def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device | str = "cpu") -> int:
     """The number of Blelloch levels the cost model picks for this problem on
-    `device` (0 is the linear scan, max_levels(n) the full Blelloch scan):
-    n steps, batch sequences, hidden size, gates diagonal Jacobians per step
-    (1 for an RNN, 3 for a GRU, 0 for dense ones)."""
+    `device`, the CPU or one of this machine's GPUs (0 is the linear scan,
+    max_levels(n) the full Blelloch scan): n steps, batch sequences, hidden
+    size, gates diagonal Jacobians per step (1 for an RNN, 3 for a GRU, 0 for
+    dense ones)."""
     n, batch, hidden, gates = (_check_count(value, name, least) for name, value, least in (
         ("n", n, 1), ("batch", batch, 0), ("hidden", hidden, 1), ("gates", gates, 0)))
+    return _planned_levels(n, batch, hidden, gates, _check_plan_device(device))
+
+
+def _check_plan_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device the cost model can ask about: the CPU, or
+    a CUDA device this machine has (the model reads its properties, which
+    for an index past the last GPU raise torch's "Invalid device id")."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: CUDA is not available")
-    return _planned_levels(n, batch, hidden, gates, device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: CUDA is not available")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device: expected a CUDA device index below {count} (the GPUs "
+                             f"this machine has), got {device}")
+    return device
 
 
 def _planned_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
