@@ -8,8 +8,10 @@ waits for) and the weight gradient dW (which only the update waits for).
 BatchNorm, LayerNorm and GroupNorm: backward computes dO at once and turns dW
 into a deferred task, which the handle runs in the order its schedule says:
 
-* on CUDA on a low-priority sub-stream, ordered after the main stream by
-  events, so dW kernels co-run with the main stream's dO kernels;
+* on CUDA on a sub-stream, ordered after the main stream by events, so dW
+  kernels co-run with the main stream's dO kernels; the sub-stream has
+  CUDA's lowest priority, which is also the default stream's, so dW yields
+  to forward and dO only where the step runs on a higher-priority stream;
 * on the CPU in the same order, inline, so every schedule is testable.
 
 The schedule is the paper's multi-region joint scheduling (Algorithm 1, in
@@ -1272,8 +1274,10 @@ class OOOHandle(_PassTracking):
     def _sub_stream(self, device: torch.device) -> "torch.cuda.Stream":
         sub = self._sub_streams.get(device)
         if sub is None:
-            low = torch.cuda.Stream.priority_range()[0] if hasattr(torch.cuda.Stream, "priority_range") else 0
-            sub = self._sub_streams[device] = torch.cuda.Stream(device, priority=max(low, 0))
+            # 0 is CUDA's lowest priority, and the default stream's own: the
+            # main stream is the caller's current one, so dW yields to it only
+            # where the caller made that stream with a higher (negative) priority
+            sub = self._sub_streams[device] = torch.cuda.Stream(device, priority=0)
         return sub
 
     # -- the schedule ------------------------------------------------------------
@@ -1509,7 +1513,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             do calls on complex, meta or empty tensors, and layers whose weight is
             not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
-            CUDA on a low-priority sub-stream) or
+            CUDA on a sub-stream of the lowest priority, the default
+            stream's own: see README for a higher-priority main stream) or
             "conventional" (dW right after dO on the main stream: the split
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
