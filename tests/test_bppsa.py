@@ -1285,6 +1285,7 @@ def test_cuda_runs_on_current_stream():
     ours = bppsa.GRU(3, 20).cuda()
     x = torch.randn(300, 8, 3, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x and the parameters are made on the default stream
     with torch.cuda.stream(s):
         out, _ = ours(x)
         out.sum().backward()
