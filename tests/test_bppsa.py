@@ -283,6 +283,33 @@ def test_scan_activation_rejects_bad_arguments():
         bppsa.scan(c, jt=torch.randn(6, 2, 3, 3), pre_activation=True)
 
 
+def test_scan_checks_types_before_reading_them():
+    """A NumPy operand or a list activation gets an error naming it, as jt
+    always did; before: an AttributeError ('numpy.ndarray' object has no
+    attribute 'dim') for w and c, a TypeError (unhashable type: 'list') for
+    the activation. A w without a row block took the dense path and got the
+    core's "scan: dense leaves need jt"."""
+    w, y, v, c = activation_case("tanh", 6, 2, 3, 1, seed=0)
+    for name, kwargs in [("w", dict(c=c, w=w.numpy(), v=v)), ("c", dict(c=c.numpy(), w=w, v=v)),
+                         ("jt", dict(c=c, jt=torch.randn(6, 2, 3, 3).numpy()))]:
+        with pytest.raises(TypeError, match=f"^{name}: expected a tensor, got ndarray$"):
+            bppsa.scan(kwargs.pop("c"), **kwargs)
+    with pytest.raises(ValueError, match=r"^activation: expected 'tanh' or 'relu', got \['tanh'\]$"):
+        bppsa.scan(c, w=w, activation=["tanh"], y=y)
+    with pytest.raises(ValueError, match=r"^w: expected a \(G\*3, 3\) tensor, G >= 1$"):
+        bppsa.scan(c, w=torch.randn(0, 3), v=torch.randn(6, 2, 0))
+
+
+def test_scan_levels_refuses_a_gpu_the_machine_lacks(monkeypatch):
+    """cuda:7 on a machine with one GPU: an error naming device, before the
+    cost model reads the device's properties (torch's "Invalid device id")."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for device in ("cuda:7", torch.device("cuda", 1)):
+        with pytest.raises(ValueError, match=r"^device: expected a CUDA device index below 1 .*, got cuda:"):
+            bppsa.scan_levels(10, 4, 3, 1, device)
+
+
 def test_scan_out_rejects_overlap_and_bad_layout():
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
     with pytest.raises(ValueError, match="out: overlaps v"):
@@ -1258,6 +1285,7 @@ def test_cuda_runs_on_current_stream():
     ours = bppsa.GRU(3, 20).cuda()
     x = torch.randn(300, 8, 3, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x and the parameters are made on the default stream
     with torch.cuda.stream(s):
         out, _ = ours(x)
         out.sum().backward()

@@ -1,10 +1,15 @@
-"""The supported PyTorch floor: refused at import below it, declared the same
-in pyproject.toml."""
+"""What `import reprop` needs, and what it says without it: the supported
+PyTorch floor (refused at import below it, declared the same in
+pyproject.toml), and the native extensions (_C not built for this Python,
+a built _cuda that does not load)."""
 import os
 import pathlib
+import platform
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 
@@ -38,3 +43,51 @@ def test_import_reprop_on_older_torch_raises_import_error():
 def test_pyproject_declares_the_floor():
     declared = re.search(r'"torch>=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
     assert declared and tuple(map(int, declared.groups())) == _tensors.MIN_TORCH
+
+
+def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A copy of this reprop's package under tmp_path without its CUDA
+    extension, for breaking its native files."""
+    pkg = tmp_path / "reprop"
+    shutil.copytree(pathlib.Path(reprop.__file__).parent, pkg,
+                    ignore=shutil.ignore_patterns("__pycache__", "_cuda.*"))
+    return pkg
+
+
+def _run_scratch(tmp_path: pathlib.Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTHONWARNINGS="default")
+    return subprocess.run([sys.executable, *args], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_a_cuda_extension_that_does_not_load_is_named(tmp_path):
+    """A reprop._cuda that is there but does not load (a corrupt file here;
+    another NumPy's ABI, a missing symbol) passed for "built without CUDA":
+    info said cuda_built False, and CUDA errors advised reinstalling with
+    nvcc. Now import warns naming the error, info prints it, and the CPU
+    paths still work."""
+    pkg = _scratch_reprop(tmp_path)
+    (pkg / f"_cuda{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"not a shared object")
+    run = _run_scratch(tmp_path, "-m", "reprop", "info")
+    assert run.returncode == 0, run.stderr
+    assert re.search(r"^cuda_built +False$", run.stdout, re.M)
+    assert re.search(r"^cuda_error +ImportError: .*_cuda", run.stdout, re.M), run.stdout
+    assert "RuntimeWarning: reprop: its CUDA extension reprop._cuda is built but does not load " \
+           "(ImportError: " in run.stderr
+
+
+def test_a_missing_c_extension_says_how_to_build_it(tmp_path):
+    """Without a _C for this Python (a checkout never built, or one built for
+    another Python) import said "cannot import name '_C' from partially
+    initialized module 'reprop' (most likely due to a circular import)"."""
+    pkg = _scratch_reprop(tmp_path)
+    for built in pkg.glob("_C.*"):
+        built.unlink()
+    (pkg / "_C.cpython-39-x86_64-linux-gnu.so").write_bytes(b"")  # another Python's build
+    run = _run_scratch(tmp_path, "-c", "import reprop")
+    assert run.returncode != 0
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    assert (f"ImportError: reprop's C extension reprop._C is not built for this Python "
+            f"({platform.python_implementation()} {platform.python_version()}, which loads "
+            f"_C{suffix}) in {pkg}; found only _C.cpython-39-x86_64-linux-gnu.so, built for "
+            f"another Python; build it with: pip install .") in run.stderr, run.stderr

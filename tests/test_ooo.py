@@ -1578,6 +1578,9 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=1), ValueError, "profile_iters"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=-1), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup="measure"), ValueError, "speedup"),
+    # before: numpy's "truth value of an array ... is ambiguous" from speedup == "profile"
+    (lambda: ooo.enable(nn.Linear(2, 2), speedup=np.array([1.0, 2.0])), ValueError,
+     r"^speedup: expected 'profile', .* got array\(\[1\., 2\.\]\)"),
     (lambda: ooo.enable(nn.Linear(2, 2), regions=True), ValueError, "regions"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=True), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: float("nan")), ValueError,
@@ -1757,6 +1760,21 @@ def test_search_k_finds_the_maximum_of_every_concave_score():
             assert len(calls) == len(set(calls))
 
 
+@pytest.mark.parametrize("value", ["1.5", True, np.bool_(True), torch.tensor(1.5), np.array(1.5)],
+                         ids=["str", "bool", "numpy_bool", "tensor", "numpy_0d"])
+def test_search_k_scores_and_speedups_take_the_same_numbers(value):
+    """One type test for a score and a speedup: search_k put each through
+    float(), so a string, a comparison's bool (measure = k == 2 picked 2 with
+    scores 0.0 and 1.0) or a tensor passed where enable() refused them."""
+    with pytest.raises(TypeError, match=r"^measure: expected a number for k=0 .*not a bool"):
+        ooo.search_k(4, lambda k: value)
+    with pytest.raises(TypeError, match=r"^speedup: speedup\(0, 0\) returned .*; expected a number"):
+        ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: value)
+    # NumPy's numbers pass both, as Python's
+    assert ooo.search_k(4, lambda k: np.float32(-abs(k - 2))) == (2, {k: -abs(k - 2.0) for k in range(5)})
+    ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: np.float32(1.5)).remove()
+
+
 def test_allreduce_time_is_the_ring_formula():
     assert ooo.allreduce_time(1e9, 1, 1e9) == 0.0
     assert math.isclose(ooo.allreduce_time(1e9, 4, 1e10, 1e-5), 2 * 3 / 4 * 0.1 + 6e-5)
@@ -1793,6 +1811,13 @@ def test_allreduce_time_is_the_ring_formula():
     (lambda: ooo.stages(8, 2, "modulo", True), "group"),
     (lambda: ooo.reverse_first_k(4, True), "k"),
     (lambda: ooo.allreduce_time(1e6, True, 1e9), "workers"),
+    # nor sizes or times, not even one among numbers, which np.asarray made 1
+    (lambda: ooo.reverse_first_k(2, 1, mem_out_grad=[True, 5], mem_weight_grad=[1, 1]), "mem_out_grad"),
+    (lambda: ooo.reverse_first_k(2, 1, [1, 1], np.array([1, np.True_], dtype=object)), "mem_weight_grad"),
+    (lambda: ooo.simulate(2, fwd=[True, 2.0]), "fwd"),
+    (lambda: ooo.simulate(2, out_grad=(1.0, np.True_)), "out_grad"),
+    (lambda: ooo.simulate(2, weight_grad=[torch.tensor(True), 1.0]), "weight_grad"),
+    (lambda: ooo.simulate(2, sync=np.array([1.0, False], dtype=object)), "sync"),
 ])
 def test_planning_bad_arguments(bad, name):
     with pytest.raises(ValueError, match=f"^{name}: "):

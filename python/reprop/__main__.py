@@ -7,7 +7,7 @@ import platform
 import torch
 
 from . import __version__
-from ._native import _C, cuda_archs, cuda_available, cuda_built
+from ._native import _C, cuda_archs, cuda_available, cuda_built, cuda_error
 
 
 def build_info() -> dict:
@@ -21,6 +21,7 @@ def build_info() -> dict:
         "omp_max_threads": core["omp_max_threads"],
         "torch_threads": torch.get_num_threads(),
         "cuda_built": cuda_built(),
+        "cuda_error": cuda_error(),  # why a built reprop._cuda did not load
         "cuda_archs": cuda_archs(),
         "cuda_available": cuda_available(),
         "cuda_device": torch.cuda.get_device_name() if cuda_available() and torch.cuda.is_available() else None,

@@ -89,17 +89,30 @@ def _device_key(device: torch.device) -> torch.device:
 
 def scan_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device | str = "cpu") -> int:
     """The number of Blelloch levels the cost model picks for this problem on
-    `device` (0 is the linear scan, max_levels(n) the full Blelloch scan):
-    n steps, batch sequences, hidden size, gates diagonal Jacobians per step
-    (1 for an RNN, 3 for a GRU, 0 for dense ones)."""
+    `device`, the CPU or one of this machine's GPUs (0 is the linear scan,
+    max_levels(n) the full Blelloch scan): n steps, batch sequences, hidden
+    size, gates diagonal Jacobians per step (1 for an RNN, 3 for a GRU, 0 for
+    dense ones)."""
     n, batch, hidden, gates = (_check_count(value, name, least) for name, value, least in (
         ("n", n, 1), ("batch", batch, 0), ("hidden", hidden, 1), ("gates", gates, 0)))
+    return _planned_levels(n, batch, hidden, gates, _check_plan_device(device))
+
+
+def _check_plan_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device the cost model can ask about: the CPU, or
+    a CUDA device this machine has (the model reads its properties, which
+    for an index past the last GPU raise torch's "Invalid device id")."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: expected a CPU or CUDA device, got {device}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("device: CUDA is not available")
-    return _planned_levels(n, batch, hidden, gates, device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: CUDA is not available")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"device: expected a CUDA device index below {count} (the GPUs "
+                             f"this machine has), got {device}")
+    return device
 
 
 def _planned_levels(n: int, batch: int, hidden: int, gates: int, device: torch.device) -> int:
@@ -151,10 +164,16 @@ def _check_scan_choice(scan, name: str = "scan") -> object:
     return check_count(scan, name, 0)
 
 
-def _check_real_dense(t, name: str) -> None:
-    """A strided real floating-point tensor on the CPU or a CUDA device."""
+def _check_tensor(t, name: str) -> None:
+    """A tensor, before anything reads its shape (an ndarray has none of
+    Tensor's methods)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+
+
+def _check_real_dense(t, name: str) -> None:
+    """A strided real floating-point tensor on the CPU or a CUDA device."""
+    _check_tensor(t, name)
     check_strided(t, name)
     if t.is_complex() or not t.is_floating_point():
         raise TypeError(f"{name}: expected a real floating-point tensor, got {t.dtype}")
@@ -168,8 +187,7 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         if optional:
             return
         raise ValueError(f"{name}: required")
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
+    _check_tensor(t, name)
     check_strided(t, name)
     if t.dtype != torch.float32:
         raise TypeError(f"{name}: expected float32, got {t.dtype}")
@@ -251,7 +269,7 @@ def _check_activation(activation, y, v, jt) -> int:
         if y is not None:
             raise ValueError("y: only with activation='tanh' or 'relu' (v = f'(y)); else give v")
         return 0
-    if activation not in _ACTIVATIONS:
+    if not isinstance(activation, str) or activation not in _ACTIVATIONS:  # a list is unhashable
         raise ValueError(f"activation: expected 'tanh' or 'relu', got {activation!r}")
     if jt is not None:
         raise ValueError("activation: structured leaves only, not with dense jt")
@@ -293,7 +311,8 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
-    if not isinstance(c, torch.Tensor) or c.dim() != 3:
+    _check_tensor(c, "c")
+    if c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
     T, B, H = c.shape
     device = c.device
@@ -311,9 +330,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         _check_operand(jt, "jt", (T, B, H, H), device)
         gates = 0
     else:
-        if w is None or w.dim() != 2 or w.shape[1] != H or w.shape[0] % H:
-            raise ValueError(f"w: expected a (G*{H}, {H}) tensor")
-        gates = w.shape[0] // H
+        gates = _gates(w, H)
         _check_operand(w, "w", (gates * H, H), device)
         _check_operand(u, "u", (T, B, H), device, optional=True)
         _check_operand(y if act else v, "y" if act else "v", (T, B, gates * H), device)
@@ -349,6 +366,16 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     if out is not None:  # written through a raw pointer: autograd must see the change
         bump_versions([out])
     return g
+
+
+def _gates(w: torch.Tensor | None, H: int) -> int:
+    """The number G >= 1 of row blocks of w, a (G*H, H) tensor (none: the
+    leaves would be dense, which only jt gives)."""
+    if w is not None:
+        _check_tensor(w, "w")
+    if w is None or w.dim() != 2 or w.shape[1] != H or w.shape[0] % H or w.shape[0] < H:
+        raise ValueError(f"w: expected a (G*{H}, {H}) tensor, G >= 1")
+    return w.shape[0] // H
 
 
 def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> None:

@@ -8,8 +8,10 @@ waits for) and the weight gradient dW (which only the update waits for).
 BatchNorm, LayerNorm and GroupNorm: backward computes dO at once and turns dW
 into a deferred task, which the handle runs in the order its schedule says:
 
-* on CUDA on a low-priority sub-stream, ordered after the main stream by
-  events, so dW kernels co-run with the main stream's dO kernels;
+* on CUDA on a sub-stream, ordered after the main stream by events, so dW
+  kernels co-run with the main stream's dO kernels; the sub-stream has
+  CUDA's lowest priority, which is also the default stream's, so dW yields
+  to forward and dO only where the step runs on a higher-priority stream;
 * on the CPU in the same order, inline, so every schedule is testable.
 
 The schedule is the paper's multi-region joint scheduling (Algorithm 1, in
@@ -31,6 +33,7 @@ the scheduler core for planning runs on machines one does not have.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import hashlib
@@ -1271,8 +1274,10 @@ class OOOHandle(_PassTracking):
     def _sub_stream(self, device: torch.device) -> "torch.cuda.Stream":
         sub = self._sub_streams.get(device)
         if sub is None:
-            low = torch.cuda.Stream.priority_range()[0] if hasattr(torch.cuda.Stream, "priority_range") else 0
-            sub = self._sub_streams[device] = torch.cuda.Stream(device, priority=max(low, 0))
+            # 0 is CUDA's lowest priority, and the default stream's own: the
+            # main stream is the caller's current one, so dW yields to it only
+            # where the caller made that stream with a higher (negative) priority
+            sub = self._sub_streams[device] = torch.cuda.Stream(device, priority=0)
         return sub
 
     # -- the schedule ------------------------------------------------------------
@@ -1487,8 +1492,9 @@ def _speedup_value(speedup: Callable, r: int, i: int) -> float:
     except TypeError as exc:
         raise TypeError(f"speedup: speedup({r}, {i}) raised TypeError ({exc}); expected a "
                         "function (region of the dW, region it runs in) -> speedup") from exc
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number")
+    if not _is_number(value):
+        raise TypeError(f"speedup: speedup({r}, {i}) returned {value!r}; expected a number "
+                        f"({_NUMBER})")
     as_float = _to_float(value)
     if not (math.isfinite(as_float) and as_float > 0):
         raise ValueError(f"speedup: speedup({r}, {i}) = {value!r}; expected a finite number > 0")
@@ -1507,7 +1513,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             do calls on complex, meta or empty tensors, and layers whose weight is
             not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
-            CUDA on a low-priority sub-stream) or
+            CUDA on a sub-stream of the lowest priority, the default
+            stream's own: see README for a higher-priority main stream) or
             "conventional" (dW right after dO on the main stream: the split
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
@@ -1539,7 +1546,8 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not _is_count(profile_iters) or profile_iters < 2:
         raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
                          f"got {profile_iters!r}")
-    if not (speedup is None or speedup == "profile" or callable(speedup)):
+    # the type first: an array's == "profile" is an array, whose truth numpy refuses
+    if not (speedup is None or callable(speedup) or (isinstance(speedup, str) and speedup == "profile")):
         raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
@@ -1702,7 +1710,14 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+    """A real number: Python's or NumPy's int or float (numbers.Real), never a
+    bool (True is no time or score of 1), nor a string or a tensor, which
+    float() would take: the one test every number argument and every value
+    a user's function returns (a speedup, a score) passes."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+_NUMBER = "an int or a float, not a bool, a string or a tensor: take a tensor's .item()"
 
 
 def _to_float(value) -> float:
@@ -1739,10 +1754,28 @@ _INT32_MAX = 2 ** 31 - 1
 _MAX_SIM_STAGES = _INT32_MAX // 3
 
 
+def _holds_bool(value) -> bool:
+    """Whether `value` is a bool or holds one (Python's or NumPy's, in a
+    sequence or an object array, or a bool tensor): np.asarray would turn a
+    list mixing bools with numbers into numbers, True into 1, so it is
+    asked before converting."""
+    if isinstance(value, (bool, np.bool_)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dtype == torch.bool
+    if isinstance(value, np.ndarray):
+        return value.dtype == np.bool_ or (value.dtype == object and any(map(_holds_bool, value.flat)))
+    if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes)):
+        return any(map(_holds_bool, value))
+    return False
+
+
 def _per_layer(value, layers: int, name: str) -> np.ndarray:
     """A per-layer float64 array from a number or a sequence of `layers`
     numbers (never bools or strings)."""
     try:
+        if _holds_bool(value):
+            raise TypeError(f"never bools, got {value!r}")
         raw = np.asarray(value)
         if raw.dtype.kind not in "iuf":
             raise TypeError(f"got {value!r}")
@@ -1796,6 +1829,8 @@ def _byte_counts(value, layers: int, name: str) -> np.ndarray | None:
     have been truncated."""
     if value is None:
         return None
+    if _holds_bool(value):
+        raise ValueError(f"{name}: expected whole numbers of bytes >= 0, never bools, got {value!r}")
     arr = np.asarray(value)
     if arr.shape != (layers,):
         raise ValueError(f"{name}: expected {layers} sizes (one per layer), got shape {arr.shape}")
@@ -1823,9 +1858,10 @@ def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
     steps of L/10 (k = L included), then steps halved (rounded up) around
     the best down to 1, which finds the maximum of a concave score.
-    `measure(k)` returns a finite score, higher is better (a throughput, or
-    a negated time); each k is measured at most once. Returns the best k and
-    every measurement. `layers` is at most 2^20."""
+    `measure(k)` returns a finite score, an int or a float (never a bool, a
+    string or a tensor, as enable()'s speedup), higher is better (a
+    throughput, or a negated time); each k is measured at most once. Returns
+    the best k and every measurement. `layers` is at most 2^20."""
     layers = _count(layers, "layers", 1, _MAX_SEARCH_LAYERS)
     score = np.full(layers + 1, np.nan)  # NaN: not measured yet, to the core
     while True:
@@ -1837,13 +1873,13 @@ def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
 
 def _score(measure: Callable[[int], float], k: int) -> float:
     """measure(k), checked: a NaN would read as "not measured" and be asked
-    for again forever, an infinity would outrank every measurement."""
+    for again forever, an infinity would outrank every measurement, and
+    float() would make a score of a string, a comparison's bool or a tensor."""
     result = measure(k)
-    try:
-        value = _to_float(result)
-    except (TypeError, ValueError):
-        raise TypeError(f"measure: expected a number for k={k}, got "
-                        f"{type(result).__name__}") from None
+    if not _is_number(result):
+        raise TypeError(f"measure: expected a number for k={k} ({_NUMBER}), got "
+                        f"{type(result).__name__}")
+    value = _to_float(result)
     if not np.isfinite(value):
         raise ValueError(f"measure: expected a finite score for k={k}, got {result!r}")
     return value
