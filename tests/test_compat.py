@@ -64,8 +64,8 @@ def test_a_cuda_extension_that_does_not_load_is_named(tmp_path):
     """A reprop._cuda that is there but does not load (a corrupt file here;
     another NumPy's ABI, a missing symbol) passed for "built without CUDA":
     info said cuda_built False, and CUDA errors advised reinstalling with
-    nvcc. Now import warns naming the error, info prints it, and the CPU
-    paths still work."""
+    nvcc. Now import warns naming the error, info and the errors of CUDA
+    work print it, and the CPU paths still work."""
     pkg = _scratch_reprop(tmp_path)
     (pkg / f"_cuda{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"not a shared object")
     run = _run_scratch(tmp_path, "-m", "reprop", "info")
@@ -74,6 +74,12 @@ def test_a_cuda_extension_that_does_not_load_is_named(tmp_path):
     assert re.search(r"^cuda_error +ImportError: .*_cuda", run.stdout, re.M), run.stdout
     assert "RuntimeWarning: reprop: its CUDA extension reprop._cuda is built but does not load " \
            "(ImportError: " in run.stderr
+    # what CUDA work meets says so too, not "built without" (bppsa's cuSPARSE peer: no device needed)
+    run = _run_scratch(tmp_path, "-W", "ignore", "-c", "import torch, reprop.bppsa as b\ntry:\n"
+                       "    b.ChainPlan([torch.nn.ReLU()], (4,), product='cusparse')\n"
+                       "except RuntimeError as e:\n    print(e)")
+    assert run.stdout.startswith("product: 'cusparse' is not available: reprop's CUDA extension is "
+                                 "built but does not load (ImportError: "), run.stdout + run.stderr
 
 
 def test_a_missing_c_extension_says_how_to_build_it(tmp_path):

@@ -67,7 +67,7 @@ def _load_cuda():
 _C = _load_core()
 _cuda, _cuda_error = _load_cuda()
 
-__all__ = ["_C", "_cuda", "cuda_built", "cuda_available", "cuda_archs", "cuda_error"]
+__all__ = ["_C", "_cuda", "cuda_built", "cuda_available", "cuda_archs", "cuda_error", "cuda_missing"]
 
 
 def cuda_built() -> bool:
@@ -80,6 +80,14 @@ def cuda_error() -> str | None:
     """Why reprop._cuda, though built, did not load; None when it loaded or
     was not built."""
     return _cuda_error
+
+
+def cuda_missing() -> str:
+    """Why reprop's CUDA kernels cannot run, for the errors of CUDA input
+    when _cuda is None: not built, or built but not loading (cuda_error)."""
+    if _cuda_error is not None:
+        return f"reprop's CUDA extension is built but does not load ({_cuda_error})"
+    return "reprop was built without its CUDA kernels (reinstall with nvcc on PATH, or REPROP_CUDA=1)"
 
 
 @functools.lru_cache(maxsize=None)

@@ -38,7 +38,7 @@ from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
-from ._native import _C, _cuda
+from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
                        dispatch_mode_active, hook_owner, is_count, show_coming_writes,
                        torch_only, torch_only_weight, transform_active)
@@ -354,7 +354,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         _run_scan(leaves, c, g, L)
     elif device.type == "cuda":
         if _cuda is None:
-            raise RuntimeError("scan: CUDA tensors, but reprop was built without its CUDA kernels")
+            raise RuntimeError(f"scan: CUDA tensors, but {cuda_missing()}")
         kept = c.clone() if L and c.data_ptr() == g.data_ptr() else c  # in place: c for the fallback
         _run_scan(leaves, c, g, L)
         # as the CPU scan does: overflowing up-sweep products (inf * 0 = NaN) are
@@ -1350,7 +1350,7 @@ def _check_product(product) -> str:
 def _cusparse_missing() -> str | None:
     """Why this build cannot run the cuSPARSE peer, or None."""
     if _cuda is None:
-        return "reprop was built without its CUDA kernels (no nvcc, or REPROP_CUDA=0)"
+        return cuda_missing()
     if not _cuda.build_info()["cusparse"]:
         return ("reprop's CUDA kernels were built without cuSPARSE's header, cusparse.h; "
                 "pip install nvidia-cusparse (or set REPROP_CUSPARSE_INCLUDE to the folder "
@@ -1551,7 +1551,7 @@ class ChainPlan:
         device = seq.device
         if device.type == "cuda":
             if _cuda is None:
-                raise RuntimeError("grad_output: CUDA tensors, but reprop was built without its CUDA kernels")
+                raise RuntimeError(f"grad_output: CUDA tensors, but {cuda_missing()}")
             with torch.cuda.device(device):
                 _cuda.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), *self._rows_on(device),
                               torch.cuda.current_stream(device).cuda_stream)

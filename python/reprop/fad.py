@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from . import _tensors
-from ._native import _C, _cuda
+from ._native import _C, _cuda, cuda_missing
 
 __all__ = [
     "gelu", "silu", "mish", "softplus", "sigmoid", "tanh", "elu", "celu", "selu", "leaky_relu",
@@ -95,8 +95,7 @@ def _check_input(x, fname: str) -> None:
     _tensors.dtype_code(x, f"{fname}: input")
     if x.is_cuda:  # (is_cuda, is_cpu: a fifth of a microsecond less than device.type)
         if _cuda is None:
-            raise RuntimeError(f"{fname}: input is on {x.device} but reprop was built without "
-                               "CUDA (reinstall with nvcc on PATH, or REPROP_CUDA=1)")
+            raise RuntimeError(f"{fname}: input is on {x.device}, but {cuda_missing()}")
     elif not x.is_cpu:
         raise ValueError(f"{fname}: input must be on cpu or cuda, got {x.device}")
 

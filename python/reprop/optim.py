@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from . import _tensors
-from ._native import _C, _cuda
+from ._native import _C, _cuda, cuda_missing
 
 __all__ = ["SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta"]
 
@@ -404,7 +404,7 @@ def _check_param(p: torch.Tensor, capturable: bool) -> None:
         # capturable by editing param_groups is refused too (by _check_step)
         raise ValueError(f"capturable=True needs CUDA parameters, got a parameter on {p.device}")
     if p.device.type == "cuda" and _cuda is None:
-        raise RuntimeError("reprop was built without CUDA, so it cannot update CUDA parameters")
+        raise RuntimeError(f"cannot update CUDA parameters: {cuda_missing()}")
     if p.device.type not in ("cpu", "cuda"):
         raise ValueError(f"parameters must be on cpu or cuda, got {p.device}")
 
