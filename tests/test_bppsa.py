@@ -13,6 +13,7 @@ or level schedule gives errors of order 1e-1.
 from __future__ import annotations
 
 import copy
+import re
 
 import numpy as np
 import pytest
@@ -2332,6 +2333,21 @@ def test_chain_refuses_what_only_torch_carries():
                    for name, p in _ChainModule(layers).named_parameters()}
         with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
             torch.func.functional_call(_ChainModule(layers), weights, (x,))
+
+
+def test_nested_tensors_get_torchs_behaviour_or_a_refusal_naming_them():
+    """A nested tensor (torch_only) makes RNN/GRU run torch's recurrence,
+    which raises torch's own error for it, and the chain refuse it by name
+    (before: torch's internal 'NestedTensorImpl doesn't support sizes')."""
+    x = torch.nested.nested_tensor([torch.randn(4, 3), torch.randn(2, 3)])
+    for kind in ("tanh", "gru"):
+        ref, ours = make_pair(kind, 3, 5)
+        with pytest.raises(RuntimeError) as theirs:
+            ref(x)
+        with pytest.raises(RuntimeError, match=f"^{re.escape(str(theirs.value))}$"):
+            ours(x)
+    with pytest.raises(RuntimeError, match="^x: .*a nested tensor"):
+        bppsa.chain_backward([nn.ReLU()], torch.nested.nested_tensor([torch.randn(4), torch.randn(4)]))
 
 
 def test_chain_refuses_a_parametrized_weight_only_torch_carries():

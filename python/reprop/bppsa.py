@@ -1072,7 +1072,8 @@ def _refuse_torch_only(name: str) -> None:
     """The chain has no torch fallback, unlike the RNN modules: what only
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
-                       "forward-AD dual, a tensor subclass or one under torch.jit.trace; the chain's "
+                       "forward-AD dual, a nested tensor, a tensor subclass or one under "
+                       "torch.jit.trace; the chain's "
                        "scan reads raw memory and records no graph for them. Call chain_backward "
                        "outside the transform, or use autograd")
 
