@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import copy
+import io
 import gc
 import math
 import weakref
@@ -1019,6 +1020,32 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     assert fad.patch(layer) == {"activation": "silu -> reprop.fad.silu"}
     assert layer.activation.func is fad.silu
     assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
+
+
+def test_a_model_patched_before_reroutes_were_recorded_unpatches():
+    """A model patched and saved by reprop before patch() recorded the
+    partial it installed (its record held the bare original function) met
+    AttributeError in unpatch() and patch(), which had already dropped the
+    record: the FAD partial stayed for good. Its partial is recognised by
+    the reroute it wraps."""
+    def saved_by_the_old_code():
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu")
+        fad.patch(layer)
+        layer.__dict__["_reprop_fad_functions"] = {"activation": F.gelu}  # the old record
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=False)
+
+    layer = saved_by_the_old_code()
+    assert fad.unpatch(layer) == ["activation"] and layer.activation is F.gelu
+    layer = saved_by_the_old_code()
+    assert fad.patch(layer, saved_dtype=torch.bfloat16) == {"activation": "gelu -> reprop.fad.gelu"}
+    assert layer.activation.keywords == {"saved_dtype": torch.bfloat16}
+    assert fad.unpatch(layer) == ["activation"] and layer.activation is F.gelu
+    layer = saved_by_the_old_code()
+    layer.activation = F.relu  # the user's since: left by both
+    assert fad.patch(layer) == {} and fad.unpatch(layer) == [] and layer.activation is F.relu
 
 
 # ---------------------------------------------------------------------------

@@ -568,7 +568,7 @@ _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
 # ---------------------------------------------------------------------------
 
 _PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
-_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted}
+_PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted} (before: the original)
 
 
 class _Rerouted(NamedTuple):
@@ -617,7 +617,7 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
     earlier = module.__dict__.pop(_PATCHED_FNS, {})
     rerouted = {}
     for attr, value in list(vars(module).items()):
-        original = _function_in(earlier.get(attr), value)
+        original = _function_in(_record(earlier.get(attr), value), value)
         ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
@@ -629,6 +629,19 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
     if rerouted:  # earlier entries not rerouted again are stale: dropped
         module.__dict__[_PATCHED_FNS] = rerouted
     return changed
+
+
+def _record(entry, value) -> _Rerouted | None:
+    """An earlier patch()'s record of an attribute now holding `value`. A
+    model patched (and saved) by reprop before _Rerouted kept the bare
+    original function: its partial is the one that wraps that function's
+    reroute (None: the record is stale)."""
+    if entry is None or isinstance(entry, _Rerouted):
+        return entry
+    ours = _REROUTED.get(entry) if _hashable(entry) else None
+    if ours is not None and isinstance(value, functools.partial) and value.func is ours:
+        return _Rerouted(entry, value)
+    return None
 
 
 def _function_in(earlier: _Rerouted | None, value):
@@ -658,8 +671,9 @@ def unpatch(model: nn.Module) -> list[str]:
             module.__class__ = original
             module.__dict__.pop("saved_dtype", None)
             restored.append(name)
-        for attr, rerouted in module.__dict__.pop(_PATCHED_FNS, {}).items():
-            if module.__dict__.get(attr) is rerouted.installed:  # else the user's: left
+        for attr, entry in module.__dict__.pop(_PATCHED_FNS, {}).items():
+            rerouted = _record(entry, module.__dict__.get(attr))
+            if rerouted is not None and module.__dict__.get(attr) is rerouted.installed:  # else the user's
                 module.__dict__[attr] = rerouted.original
                 restored.append(f"{name}.{attr}" if name else attr)
     return restored
