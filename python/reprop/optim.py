@@ -99,12 +99,11 @@ def _scalar(value, name: str) -> float:
 
 
 def _numbers(numeric: tuple) -> tuple:
-    """The numeric hyper-parameters as the core takes them: as they are if
-    all are floats or ints within +-2**63 (what _C.optim_hparams passes
-    too), else each through _scalar."""
-    if all(type(v) is float or (type(v) is int and -_INT_BOUND <= v <= _INT_BOUND) for v in numeric):
-        return numeric
-    return tuple(map(_scalar, numeric, _NUMERIC_HPARAMS))
+    """The numeric hyper-parameters as the core takes them: floats and ints
+    within +-2**63 as they are (what _C.optim_hparams passes too), each
+    other one through _scalar."""
+    return tuple(v if type(v) is float or (type(v) is int and -_INT_BOUND <= v <= _INT_BOUND)
+                 else _scalar(v, name) for v, name in zip(numeric, _NUMERIC_HPARAMS))
 
 
 def _described(value) -> str:
