@@ -7,7 +7,7 @@ Parts (--parts, default all that run on the device):
               eager         plain PyTorch
               graph         the whole step captured in one CUDA graph (CUDA only)
               ooo           reprop.ooo.enable(model): dW deferred, on CUDA on a
-                            low-priority sub-stream, placed by Algorithm 1
+                            sub-stream (the lowest priority), placed by Algorithm 1
               ooo+graph     the same, captured in one CUDA graph (CUDA only)
             throughput (images/s) and peak memory per candidate, and the gain
             of each part as the paper's Figure 7 (graph over eager, ooo+graph

@@ -37,7 +37,7 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * every entry it reads is of a type that goes in as it is: group an exact
  * dict with "lr", the numeric entries (absent: 0.0; beta1 and beta2 the
  * first two items of an exact tuple or list "betas", absent: 0.0) exact
- * floats or ints, "capturable" and the flags (absent: False) bools, None,
+ * floats or ints of 64 bits, "capturable" and the flags (absent: False) bools, None,
  * exact ints or floats, whose truth is the flag. None otherwise (a tensor lr,
  * a NumPy scalar, a bool where a number goes, a value refused, no "lr"), for
  * _hparams to convert or refuse the group's values itself. Defined in

@@ -1710,14 +1710,14 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 
 
 def _is_number(v) -> bool:
-    """A real number: Python's or NumPy's int or float (numbers.Real), never a
-    bool (True is no time or score of 1), nor a string or a tensor, which
-    float() would take: the one test every number argument and every value
-    a user's function returns (a speedup, a score) passes."""
+    """A real number (numbers.Real: Python's or NumPy's ints and floats, a
+    Fraction), never a bool (True is no time or score of 1), nor a string or
+    a tensor, which float() would take: the one test every number argument
+    and every value a user's function returns (a speedup, a score) passes."""
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-_NUMBER = "an int or a float, not a bool, a string or a tensor: take a tensor's .item()"
+_NUMBER = "a real number (an int, a float), not a bool, a string or a tensor: take a tensor's .item()"
 
 
 def _to_float(value) -> float:
@@ -1754,6 +1754,9 @@ _INT32_MAX = 2 ** 31 - 1
 _MAX_SIM_STAGES = _INT32_MAX // 3
 
 
+_PLAIN = (int, float)  # exact types: bool is a subclass of int
+
+
 def _holds_bool(value) -> bool:
     """Whether `value` is a bool or holds one (Python's or NumPy's, in a
     sequence or an object array, or a bool tensor): np.asarray would turn a
@@ -1766,7 +1769,8 @@ def _holds_bool(value) -> bool:
     if isinstance(value, np.ndarray):
         return value.dtype == np.bool_ or (value.dtype == object and any(map(_holds_bool, value.flat)))
     if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes)):
-        return any(map(_holds_bool, value))
+        # a list of plain numbers, the common case, without a call per item
+        return any(type(v) not in _PLAIN and _holds_bool(v) for v in value)
     return False
 
 
