@@ -228,13 +228,15 @@ PyDoc_STRVAR(shared_memory_per_block_doc,
              "The most shared memory (bytes) one block may use on CUDA device `device`:\n"
              "its opt-in maximum, at least the default 48 KB.");
 
-static PyObject *rp_cuda_shared_memory_per_block_py(PyObject *self, PyObject *arg)
+static PyObject *rp_cuda_shared_memory_per_block_py(PyObject *self, PyObject *const *args,
+                                                    Py_ssize_t nargs)
 {
     rp_error err = {{0}};
     size_t bytes = 0;
     int device, rc;
     (void)self;
-    if (rp_py_int_arg(arg, "device", &device) < 0)
+    if (rp_py_check_nargs(nargs, 1, "shared_memory_per_block") < 0 ||
+        rp_py_int_arg(args[0], "device", &device) < 0)
         return NULL;
     rc = rp_cuda_shared_memory_per_block(device, &bytes, &err);
     return rc == RP_OK ? PyLong_FromSize_t(bytes) : rp_py_raise(rc, &err);
@@ -263,7 +265,8 @@ static PyMethodDef rp_cuda_methods[] = {
      cusparse_run_doc},
     {"scan_shared_bytes", (PyCFunction)(void (*)(void))rp_cuda_scan_shared_bytes_py, METH_FASTCALL,
      scan_shared_bytes_doc},
-    {"shared_memory_per_block", rp_cuda_shared_memory_per_block_py, METH_O, shared_memory_per_block_doc},
+    {"shared_memory_per_block", (PyCFunction)(void (*)(void))rp_cuda_shared_memory_per_block_py,
+     METH_FASTCALL, shared_memory_per_block_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
     {NULL, NULL, 0, NULL},
 };
