@@ -3017,6 +3017,62 @@ def test_forward_mode_reading_optimizer_state_after_step_changes_nothing(impl: s
     _assert_same_training(got, ref)
 
 
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+def test_forward_mode_unfrozen_layers_state_is_there_right_after_step(impl: str) -> None:
+    """A layer unfrozen at step 3: that step() runs the optimizer's full
+    check (parameters with a gradient changed) while opt.state holds as many
+    entries as after the step before. The layer's first update, which
+    creates its state, is applied by step() itself, as for the first step:
+    right after it the layer's state is eager's (a logging read of
+    opt.state[p]["step"] finds it), and every step leaves state for the
+    parameters eager's does. Taken for a step that creates no state, the
+    update waited for the forward, and the entries were missing till then."""
+    seen = {}
+
+    def record(mode):
+        def after(model, opt):
+            seen.setdefault(mode, []).append(
+                [n for n, p in model.named_parameters() if p in opt.state])
+            if len(seen[mode]) == 4:
+                st = opt.state.get(model[0].weight, {})
+                seen[mode].append({k: v.clone() for k, v in st.items()})
+        return after
+
+    runs = []
+    for mode, cls in (("forward", rp.Adam if impl == "reprop" else torch.optim.Adam),
+                      (None, rp.Adam)):
+        runs.append(_mlp_loop(mode, lambda model: cls(_freeze_first_layer(model).parameters(), lr=0.01),
+                              6, events={3: _unfreeze_first_layer_at_3},
+                              after_step=dict.fromkeys(range(6), record(mode))))
+    got, ref = seen["forward"], seen[None]
+    assert got[:4] + got[5:] == ref[:4] + ref[5:], "parameters with optimizer state after each step()"
+    _assert_tensor_dicts(got[4], ref[4], "state of 0.weight right after its first step()", None)
+    _assert_same_training(*runs)
+
+
+def test_forward_mode_state_set_by_hand_after_a_step_that_creates_it_is_kept() -> None:
+    """The state cleared, a step() with no gradient (it updates nothing),
+    then a step() that creates every parameter's state again, after which a
+    layer's state is set by hand (re-initialised to zeros): eager step()
+    created it first and the user's entry replaced it, so the updates, which
+    run on the state of step() as the state was edited, keep the user's
+    entry, not the one they create."""
+    def reinit(model, opt):
+        w = model[0].weight
+        opt.state[w] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(w),
+                        "exp_avg_sq": torch.zeros_like(w)}
+
+    def clear_and_step(model, opt):
+        opt.state.clear()
+        opt.step()
+
+    kw = dict(events={3: clear_and_step}, after_step={3: reinit})
+    make_opt = lambda model: rp.Adam(model.parameters(), lr=0.01)  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 6, **kw)
+    ref = _mlp_loop(None, make_opt, 6, **kw)
+    _assert_same_training(got, ref)
+
+
 def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> None:
     """torch.distributed.checkpoint's get_optimizer_state_dict() right after
     the first step(): it runs a step of its own (zero gradients, lr 0) when
@@ -4293,6 +4349,54 @@ def test_forward_mode_new_module_on_a_freed_modules_id_is_updated_in_time(reuse_
     outs, params = _retried(lambda: train(True))
     for a, b in zip(outs, ref_outs):
         assert torch.equal(a, b)
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("reuse_id", [False, True])
+def test_forward_mode_holder_on_the_id_of_a_layer_that_ran_in_the_last_forward(reuse_id) -> None:
+    """The tutorial loop's order (forward, zero_grad(), backward, step()),
+    and between forward and backward a layer is dropped and its bias handed
+    to a new holder its parent reads without calling it. zero_grad() follows
+    the owners (the bias was registered elsewhere), letting go of the layer;
+    the holder, made then, lands on the layer's id, and step() follows the
+    owners again. The holder never ran: the root's next forward (an
+    evaluation under no_grad) applies the bias's pending update first. Had
+    the holder inherited the layer's "ran in the last forward" record, the
+    fusion took it for an owner that ran and is called again, and that
+    evaluation read the bias one update behind, silently."""
+    def train(fused):
+        torch.manual_seed(0)
+        model, x = _StagedRoot(), torch.randn(8, 4)
+        opt = reprop.optim.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, "forward") if fused else None
+        outs = []
+        for i in range(4):
+            loss = model(x).pow(2).mean()
+            if i == 1:
+                bias, old = model.a.bias, id(model.a)
+                nn.Module().register_parameter("t", bias)  # (the owners moved)
+                model.a = None
+            opt.zero_grad()
+            if i == 1:
+                gc.collect()
+                off = _offset_at(old) if fused and reuse_id else _Offset()
+                if off is None:
+                    return None
+                off.t = bias
+                model.extra["off"] = off
+            loss.backward()
+            opt.step()
+            with torch.no_grad():
+                outs.append(model(x))
+        if handle is not None:
+            handle.remove()
+        return outs, [p.detach().clone() for p in model.parameters()]
+
+    ref_outs, ref_params = train(False)
+    outs, params = _retried(lambda: train(True))
+    for i, (a, b) in enumerate(zip(outs, ref_outs)):
+        assert torch.equal(a, b), f"evaluation after step {i}: {_diff(a, b)}"
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
 

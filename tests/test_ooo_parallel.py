@@ -1027,6 +1027,42 @@ def test_data_parallel_held_layers_reduce_right_after_their_dw_with_an_unused_pa
     dp.remove()
 
 
+def test_data_parallel_backward_not_from_the_outputs_holds_no_layer(solo_group):
+    """An auxiliary loss on a hidden activation (layer 3's output), backward
+    on its own: autograd never reaches the model's outputs, so the backward
+    begins at a parameter's gradient, when layers' backward already ran, and
+    reverse first-k (k = 2) holds nothing in it: every split layer's dW runs
+    inside autograd, before the buckets (all launched at its end: layers 4 ..
+    7 get no gradient) are reduced. Gradients those of plain autograd."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
+    name = {p: n for n, p in model.named_parameters()}
+    events = []
+    run = dp.handle.run
+    dp.handle.run = lambda tasks: (events.extend(
+        ("dW", t.site.index, dp._held is not None) for t in tasks), run(tasks))
+    launch = dp._launch
+    dp._launch = lambda b: (events.append(("sync", name[b.params[0]])), launch(b))
+    for step in range(2):
+        events.clear()
+        x, _ = _batch(0, step)
+        for net in (model, ref):
+            net.zero_grad()
+            hidden = []
+            hook = net.layers[3].register_forward_hook(lambda m, args, out: hidden.append(out))
+            net(x)
+            hook.remove()
+            hidden[0].pow(2).mean().backward()
+        _assert_same(model, ref, "grad")
+        dw = [e for e in events if e[0] == "dW"]
+        # (the first forward splits every layer; later only those below k)
+        assert dw == [("dW", l, False) for l in (range(3, -1, -1) if step == 0 else (1, 0))], events
+        assert events[:len(dw)] == dw, events
+    dp.remove()
+
+
 class _NoGradientFor(torch.autograd.Function):
     """x * s, whose backward gives s no gradient (None)."""
 
