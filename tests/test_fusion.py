@@ -3073,6 +3073,88 @@ def test_forward_mode_state_set_by_hand_after_a_step_that_creates_it_is_kept() -
     _assert_same_training(got, ref)
 
 
+# (the optimizers that keep state, each with the options that make it keep some)
+STATEFUL = {"SGD": {"momentum": 0.9}, "Adam": {}, "AdamW": {}, "Adagrad": {}, "RMSprop": {},
+            "Adadelta": {}}
+
+
+def _flushed_params_and_state(record: list) -> Callable:
+    """Notes the parameters and the optimizer state as the next forward sees
+    them (a fused model's pending updates applied first)."""
+    def note(model: nn.Module, opt) -> None:
+        reprop.fusion.flush_fusions_of(model)
+        record.append([(p.detach().clone(), {k: v.clone() for k, v in opt.state.get(p, {}).items()})
+                       for p in model.parameters()])
+    return note
+
+
+def _in_turn(*calls: Callable | None) -> Callable:
+    def run(model: nn.Module, opt) -> None:
+        for call in filter(None, calls):
+            call(model, opt)
+    return run
+
+
+def _clear_state_then_step_without_gradients(model: nn.Module, opt) -> None:
+    opt.state.clear()
+    opt.step()  # (zero_grad(set_to_none=True) ran: it updates nothing)
+
+
+def _freeze_first_group_and_clear_state(model: nn.Module, opt) -> None:
+    model[0].requires_grad_(False)
+    opt.state.clear()
+
+
+def _forget_first_layers_weight_state(model: nn.Module, opt) -> None:
+    del opt.state[model[0].weight]
+
+
+# How the state changes before a step() in which a group holds no update:
+# (events, after_step) of _mlp_loop, and whether the first layer is its own group
+STATE_CHANGED_WHILE_A_GROUP_IDLES = {
+    # opt.state.clear(), a step() with no gradient, a step, opt.state.clear() again
+    "empty_step": ({2: _clear_state_then_step_without_gradients}, {2: _clear_optimizer_state}, False),
+    # the first layer's group frozen while the state is cleared and one step runs,
+    # unfrozen, stepped, its weight's state deleted
+    "idle_group": ({2: _freeze_first_group_and_clear_state, 3: _unfreeze_first_layer_at_3},
+                   {3: _forget_first_layers_weight_state}, True),
+}
+
+
+@pytest.mark.parametrize("sequence", sorted(STATE_CHANGED_WHILE_A_GROUP_IDLES))
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_forward_mode_state_reset_after_a_step_a_group_sat_out(name: str, sequence: str) -> None:
+    """The optimizer state changed (cleared) before a step() in which a group
+    held no update (a step() without gradients; a frozen group), and again
+    right after the group's next step(). That step() took the group's cached
+    check for the state being there, and left its updates pending without
+    state; the snapshot it took of the state lacked their entries, so the
+    second reset, the same state then as at step(), went unseen, and the
+    pending updates created the state eager's reset had removed (Adam's step
+    count one ahead from there; SGD's momentum kept). Every step leaves the
+    parameters and the state eager's does, bitwise."""
+    events, after_step, own_group = STATE_CHANGED_WHILE_A_GROUP_IDLES[sequence]
+
+    def make_opt(model: nn.Module):
+        first = list(model[0].parameters())
+        rest = [p for p in model.parameters() if all(p is not q for q in first)]
+        groups = [{"params": first}, {"params": rest}] if own_group else [{"params": first + rest}]
+        return getattr(rp, name)(groups, **STATEFUL[name])
+
+    runs, records = [], []
+    for mode in ("forward", None):
+        record: list = []
+        note = _flushed_params_and_state(record)
+        steps = {i: _in_turn(note, events.get(i)) for i in range(1, 6)}
+        runs.append(_mlp_loop(mode, make_opt, 6, events=steps, after_step=after_step))
+        records.append(record)
+    for i, (got, ref) in enumerate(zip(*records), start=1):
+        for j, ((p, st), (r, ref_st)) in enumerate(zip(got, ref)):
+            assert torch.equal(p, r), f"before step {i}, parameter {j}: {_diff(p, r)}"
+            _assert_tensor_dicts(st, ref_st, f"before step {i}, state of parameter {j}", None)
+    _assert_same_training(*runs)
+
+
 def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> None:
     """torch.distributed.checkpoint's get_optimizer_state_dict() right after
     the first step(): it runs a step of its own (zero gradients, lr 0) when

@@ -1572,8 +1572,9 @@ class _ForwardFusion(FusionHandle):
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
         # (id, len) of optimizer.state after the last step(), when every update it
-        # decided had state; and whether this step() ran a group's full check (its
-        # params with a gradient or state slots changed): see _may_lack_state
+        # decided had state (_checked holds only checks made against that state);
+        # and whether this step() ran a group's full check (its params with a
+        # gradient or state slots changed, or the state): see _may_lack_state
         self._state_seen: tuple = (None, 0)
         self._rechecked = False
         # id(module) -> the stamp of the root forward it last ran in or after
@@ -2021,6 +2022,7 @@ class _ForwardFusion(FusionHandle):
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
         self._rechecked = False
+        self._forget_checks_if_state_changed()
         held: list = []
         try:
             for group, params in by_group:
@@ -2059,7 +2061,7 @@ class _ForwardFusion(FusionHandle):
         What waits gets eager's in-place update done to it now
         (_as_if_updated_in_place); what is applied now gets it from its update."""
         state = self.optimizer.state
-        stateless = self._may_lack_state(state)
+        stateless = self._may_lack_state()
         now = []
         if self._foreign or stateless:  # (the steady state of most models: neither)
             now = [p for p in held if id(p) in self._foreign or stateless and p not in state]
@@ -2076,15 +2078,29 @@ class _ForwardFusion(FusionHandle):
         if self._pending:
             self._step_state = (state, dict(state))
 
-    def _may_lack_state(self, state: dict) -> bool:
+    def _forget_checks_if_state_changed(self) -> None:
+        """Drops every group's cached check when the optimizer's state changed
+        since the last step(): another dict, or entries added or removed (by
+        id: holding the old dict would keep a state the user dropped alive).
+        The full check reads the state; and a group's cache also vouches that
+        its params have state, which holds for the state it was made against
+        only: a group that held no update in the step that noticed the change
+        (a step() without gradients after opt.state.clear(), a frozen group)
+        would otherwise pass its next update, with no state, as checked. Two
+        looks per step in the steady state."""
+        state = self.optimizer.state
+        if self._state_seen != (id(state), len(state)):
+            self._checked.clear()
+
+    def _may_lack_state(self) -> bool:
         """Whether a parameter whose update this step() decided may have no
-        entry in the optimizer's `state`: only when the step's params with a
-        gradient or state slots changed (_check_update ran a full check), or
-        the state did since the last step(): another dict, or entries added or
-        removed. (By id: holding the old dict would keep a state the user
-        dropped alive.) Two looks per step in the steady state, instead of a
-        lookup per parameter."""
-        return self._rechecked or self._state_seen != (id(state), len(state))
+        entry in the optimizer's state: only when _check_update ran a full
+        check (the step's params with a gradient or state slots changed since
+        the group's last check, or the state did:
+        _forget_checks_if_state_changed). Otherwise each of them was updated by
+        a step since which the state has not changed. One look per step in the
+        steady state, instead of a lookup per parameter."""
+        return self._rechecked
 
     def _check_update(self, group: dict, params: list) -> None:
         """Raises what eager step() raises for the update of these params of one
