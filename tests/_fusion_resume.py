@@ -45,6 +45,7 @@ import dataclasses
 import functools
 import gc
 import itertools
+import os
 import sys
 import warnings
 import weakref
@@ -221,8 +222,17 @@ def ddp_twice(rank: int, world: int, init_file: str, out: str) -> None:
         error = str(exc)
     handle.remove()
     torch.save({"error": error}, out)
+    # The backward that raised left DDP's reducer mid-iteration: torch's own
+    # teardown of it, at exit after the process group is gone, aborted one
+    # rank now and then under load ("terminate called without an active
+    # exception", twice in CI). It is freed while both ranks are still in the
+    # group, and the process ends without the interpreter's teardown.
+    del handle, model, out_, e
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
