@@ -161,6 +161,26 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
        RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
 
+/* names[0 .. n) as the interned strings of text[], made at the first call
+ * and kept for the process (names is the caller's static array; its last
+ * entry, set last, says it is filled). NULL with an exception set on
+ * failure, nothing kept: the next call tries again. */
+static PyObject *const *rp_py_interned(const char *const *text, PyObject **names, int n)
+{
+    int k;
+    if (names[n - 1] != NULL)
+        return names;
+    for (k = 0; k < n; k++) {
+        names[k] = PyUnicode_InternFromString(text[k]);
+        if (names[k] == NULL) {
+            while (k-- > 0)
+                Py_CLEAR(names[k]);
+            return NULL;
+        }
+    }
+    return names;
+}
+
 /* The names, interned at the first call and kept for the process:
  * interning them at each call cost about 7k instructions, a quarter of the
  * call for a fused module's two params. A static, as torch, on whose tensors
@@ -172,20 +192,7 @@ static PyObject *const *rp_py_attr_names(void)
         "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
         "is_neg"};
     static PyObject *names[RP_N_NAMES];
-    PyObject *made[RP_N_NAMES];
-    int k;
-    if (names[RP_N_NAMES - 1] != NULL)
-        return names;
-    for (k = 0; k < RP_N_NAMES; k++) {
-        made[k] = PyUnicode_InternFromString(text[k]);
-        if (made[k] == NULL) {
-            while (k-- > 0)
-                Py_DECREF(made[k]);
-            return NULL;
-        }
-    }
-    memcpy(names, made, sizeof names);
-    return names;
+    return rp_py_interned(text, names, RP_N_NAMES);
 }
 
 /* Whether param p still has the memory a row of the table was built for:
@@ -587,20 +594,7 @@ static PyObject *const *rp_py_hparam_keys(void)
         "rho", "lr_decay", "nesterov", "maximize", "amsgrad", "decoupled_weight_decay",
         "centered"};
     static PyObject *names[RP_HK_NAMES];
-    PyObject *made[RP_HK_NAMES];
-    int k;
-    if (names[RP_HK_NAMES - 1] != NULL)
-        return names;
-    for (k = 0; k < RP_HK_NAMES; k++) {
-        made[k] = PyUnicode_InternFromString(text[k]);
-        if (made[k] == NULL) {
-            while (k-- > 0)
-                Py_DECREF(made[k]);
-            return NULL;
-        }
-    }
-    memcpy(names, made, sizeof names);
-    return names;
+    return rp_py_interned(text, names, RP_HK_NAMES);
 }
 
 /* What rp_py_plain_truth finds of a value: bool(value) is 0 or 1, or the
