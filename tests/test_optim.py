@@ -3485,48 +3485,24 @@ def test_gpu_capturable_in_cuda_graph(name: str) -> None:
     grads = grad_sequence(shapes, warmup + replays, device="cuda")
     options = {**RICH[name], "capturable": True}
 
-    params = [nn.Parameter(t.clone()) for t in init]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    opt = reprop_cls(name)(split_groups(params, group1_overrides(name, options)), **options)
-
-    def load(k: int) -> None:
-        for p, g in zip(params, grads[k]):
-            p.grad.copy_(g)
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for k in range(warmup):
-            load(k)
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    for k in range(warmup, warmup + replays):
-        load(k)
-        graph.replay()
-    torch.cuda.synchronize()
-    captured = Run(params, opt)
-
+    captured = _graph_replays(factory(reprop_cls(name), **options), init, grads, warmup,
+                              group1=group1_overrides(name, options))
     eager = run_open_loop(factory(reprop_cls(name), **options), init, grads, group1=group1_overrides(name, options))
     assert_runs_equal(captured, eager)
     ref = run_open_loop(factory(torch_cls(name), **options), init, grads, group1=group1_overrides(name, options))
     assert_runs_close(captured, ref, OPEN_LOOP_TOL)
-    assert opt.state[params[0]]["step"].item() == warmup + replays
+    assert captured.opt.state[captured.params[0]]["step"].item() == warmup + replays
 
 
-def _sgd_graph_replays(cls: type, init: list, grads: list, warmup: int) -> Run:
-    """cls (an SGD class, with RICH's momentum, nesterov and weight decay)
-    stepped eagerly on a side stream for the first `warmup` gradients, then
-    one step() captured in a CUDAGraph and replayed for each other gradient,
-    copied into the static .grad tensors."""
+def _graph_replays(make_opt: OptFactory, init: list, grads: list, warmup: int, *,
+                   group1: dict | None = None) -> Run:
+    """As run_open_loop, but stepped eagerly on a side stream for the first
+    `warmup` gradients only, then one step() captured in a CUDAGraph and
+    replayed for each other gradient, copied into the static .grad tensors."""
     params = [nn.Parameter(t.clone()) for t in init]
     for p in params:
         p.grad = torch.zeros_like(p)
-    opt = cls(params, **RICH["SGD"])
+    opt = make_opt(split_groups(params, group1))
 
     def load(k: int) -> None:
         for p, g in zip(params, grads[k]):
@@ -3560,9 +3536,9 @@ def test_gpu_sgd_in_cuda_graph_replays_as_torchs(warmup: int) -> None:
     shapes = [(64, 33), (1000,), (16,), (1,)]
     init = make_params(shapes, seed=20, device="cuda")
     grads = grad_sequence(shapes, warmup + 5, device="cuda")
-    captured = _sgd_graph_replays(rp.SGD, init, grads, warmup)
-    assert_runs_close(captured, _sgd_graph_replays(torch.optim.SGD, init, grads, warmup),
-                      OPEN_LOOP_TOL)
+    captured = _graph_replays(factory(rp.SGD, **RICH["SGD"]), init, grads, warmup)
+    theirs = _graph_replays(factory(torch.optim.SGD, **RICH["SGD"]), init, grads, warmup)
+    assert_runs_close(captured, theirs, OPEN_LOOP_TOL)
     if warmup:
         assert_runs_equal(captured, run_open_loop(factory(rp.SGD, **RICH["SGD"]), init, grads))
         assert_runs_close(captured, run_open_loop(factory(torch.optim.SGD, **RICH["SGD"]), init,
