@@ -130,9 +130,9 @@ def _hparams_of(group: dict) -> tuple:
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
     return _numbers(numeric) + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
-                      bool(group.get("amsgrad", False)),
-                      bool(group.get("decoupled_weight_decay", False)),
-                      bool(group.get("centered", False)))
+                                bool(group.get("amsgrad", False)),
+                                bool(group.get("decoupled_weight_decay", False)),
+                                bool(group.get("centered", False)))
 
 
 class _Plan:
