@@ -2472,14 +2472,16 @@ def test_non_numeric_hyperparameter_raises_type_error(name: str, key: str) -> No
 # as a signed or unsigned 64-bit integer, and raises OverflowError.
 BEYOND_64_BITS = {"2**64": (2**64, "SGD", "weight_decay"), "-2**64": (-2**64, "SGD", "lr"),
                   "2**63+1": (2**63 + 1, "RMSprop", "lr"),
-                  "np.uint64": (np.uint64(2**64 - 1), "Adadelta", "weight_decay")}
+                  "np.uint64": (np.uint64(2**64 - 1), "Adadelta", "weight_decay"),
+                  # torch takes a NumPy int as an int64: 2**63 fits a Python int only
+                  "np.uint64(2**63)": (np.uint64(2**63), "SGD", "weight_decay")}
 
 
 @pytest.mark.parametrize("value", list(BEYOND_64_BITS))
 @pytest.mark.parametrize("name, key", NUMERIC_HPARAM_CASES)
 def test_int_hyperparameter_beyond_64_bits_raises_overflow_error(name: str, key: str,
                                                                  value: str) -> None:
-    """An int hyper-parameter beyond +-2**63 raises torch's OverflowError,
+    """An int hyper-parameter beyond +-2**63 (a NumPy int at 2**63 too) raises torch's OverflowError,
     naming the group and the key, before anything changes (at every key:
     where torch's own arithmetic first makes a float of it, as Adam's lr, it
     steps on). reprop took it as a double and trained with it (a
@@ -2497,7 +2499,7 @@ def test_int_hyperparameter_beyond_64_bits_raises_overflow_error(name: str, key:
     p.grad = torch.ones(3)
     state = _state_snapshot(opt, [p])
     with pytest.raises(OverflowError, match=rf"^{name}: param_groups\[0\]: {re.escape(key)}: "
-                                            rf"the int {v} is beyond \+-2\*\*63"):
+                                            rf"the int {v} is beyond the 64-bit ints"):
         opt.step()
     assert torch.equal(p.detach(), torch.ones(3))
     assert _state_snapshot(opt, [p]) == state

@@ -87,9 +87,11 @@ def _scalar(value, name: str) -> float:
     if not _tensors._is_real_scalar(value):
         raise TypeError(f"{name}: expected a real number or a one-element real tensor (not a "
                         f"bool one; a NumPy array only 0-d), got {_described(value)}")
-    if isinstance(value, (int, np.integer)) and not -_INT_BOUND <= value <= _INT_BOUND:
-        raise OverflowError(f"{name}: the int {value} is beyond +-2**63, which torch's update "
-                            "cannot pass to its tensor ops (it raises OverflowError); use a float")
+    # torch passes a NumPy int to its ops as an int64: 2**63 fits only a Python int (as uint64)
+    top = _INT_BOUND if isinstance(value, int) else _INT_BOUND - 1
+    if isinstance(value, (int, np.integer)) and not -_INT_BOUND <= value <= top:
+        raise OverflowError(f"{name}: the int {value} is beyond the 64-bit ints torch's update "
+                            "can pass to its tensor ops (it raises); use a float")
     if isinstance(value, torch.Tensor) and value.device.type != "cpu":
         # the kernels take every hyper-parameter as a host float, but a capturable
         # group's lr, which they read on the device (_hparams does not come here)
