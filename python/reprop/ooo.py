@@ -1850,6 +1850,7 @@ def _whole_bytes(arr: np.ndarray) -> bool:
         return bool(np.all(arr >= 0) and (arr.dtype.kind == "i" or np.all(arr < 2 ** 63)))
     if arr.dtype.kind != "f" or not np.all(np.isfinite(arr)):
         return False
+    arr = arr.astype(np.float64, copy=False)  # 2^63 in float16 would overflow to inf (a warning)
     return bool(np.all(arr == np.floor(arr)) and np.all(arr >= 0) and np.all(arr < 2.0 ** 63))
 
 
