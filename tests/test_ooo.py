@@ -1780,6 +1780,16 @@ def test_allreduce_time_is_the_ring_formula():
     assert math.isclose(ooo.allreduce_time(1e9, 4, 1e10, 1e-5), 2 * 3 / 4 * 0.1 + 6e-5)
 
 
+def test_reverse_first_k_takes_float16_sizes_without_a_warning():
+    """Memory sizes in float16 were compared with 2**63 in float16 (inf):
+    numpy's 'overflow encountered in cast' warning, an error under -W error."""
+    sizes = dict(mem_out_grad=np.full(4, 2, np.float16), mem_weight_grad=np.ones(4, np.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = ooo.reverse_first_k(4, 2, **sizes)
+    assert got == ooo.reverse_first_k(4, 2, **{k: v.astype(np.float64) for k, v in sizes.items()})
+
+
 @pytest.mark.parametrize("bad, name", [
     (lambda: ooo.simulate(4, order="gpipe"), "order"),
     (lambda: ooo.simulate(4, fwd=[1, 2]), "fwd"),
