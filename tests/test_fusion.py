@@ -31,6 +31,8 @@ import collections
 import contextlib
 import copy
 import dataclasses
+import decimal
+import fractions
 import functools
 import gc
 import io
@@ -2239,12 +2241,14 @@ def test_bad_clip_grad_norm_raises_naming_it(bad, exc: type, match: str) -> None
 def test_clip_grad_norm_as_numpy_scalar_or_tensor_trains_as_the_float() -> None:
     """What torch's clip_grad_norm_ takes as its max_norm (float() of it) is
     taken too, read once at fuse(): a NumPy scalar, a 0-d array, a one-element
-    tensor train as the float (1e-3: below every step's gradient norm)."""
+    tensor, a Fraction and a Decimal (refused before) train as the float
+    (1e-3: below every step's gradient norm)."""
     runs = {}
-    for max_norm in (1e-3, np.float64(1e-3), np.array(1e-3), torch.tensor([1e-3], dtype=torch.float64)):
+    for max_norm in (1e-3, np.float64(1e-3), np.array(1e-3), torch.tensor([1e-3], dtype=torch.float64),
+                     fractions.Fraction(1, 1000), decimal.Decimal("0.001")):
         runs[type(max_norm).__name__] = _mlp_loop("forward", lambda m: rp.SGD(m.parameters(), lr=0.1), 3,
                                                   fuse_options={"clip_grad_norm": max_norm})
-    for kind in ("float64", "ndarray", "Tensor"):
+    for kind in ("float64", "ndarray", "Tensor", "Fraction", "Decimal"):
         _assert_same_training(runs[kind], runs["float"])
 
 

@@ -5,8 +5,10 @@ with errors that name the argument and say what was expected.
 """
 from __future__ import annotations
 
+import decimal
 import functools
 import inspect
+import numbers
 import re
 import weakref
 from typing import Callable
@@ -334,10 +336,12 @@ def _is_real_scalar(value) -> bool:
 
 
 def check_positive_real(value, name: str) -> float:
-    """`value` as a Python float if it is a real scalar (_is_real_scalar) > 0,
-    inf included; else a TypeError (not a real scalar) or a ValueError (0, a
-    negative number, NaN) naming `name`."""
-    if not _is_real_scalar(value):
+    """`value` as a Python float if it is a real scalar (_is_real_scalar, or
+    another number float() takes, as clip_grad_norm_'s float(max_norm) does:
+    a Fraction, a Decimal) > 0, inf included; else a TypeError (not a real
+    scalar) or a ValueError (0, a negative number, NaN) naming `name`."""
+    if not (_is_real_scalar(value) or isinstance(value, (numbers.Real, decimal.Decimal))
+            and not isinstance(value, bool)):
         what = (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
                 if isinstance(value, torch.Tensor) else f"{value!r} ({type(value).__name__})")
         raise TypeError(f"{name}: expected a real number (an int, a float or a one-element real "
