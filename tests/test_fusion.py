@@ -4391,6 +4391,18 @@ def _retried(run):
     pytest.skip("CPython did not reuse the freed module's memory")
 
 
+def _assert_fused_equals_eager(train) -> None:
+    """train(fused) returns (the evaluations, the final parameters), or None
+    where the allocator did not put the new module on the freed id: fused
+    training's equal eager's bit for bit."""
+    ref_outs, ref_params = train(False)
+    outs, params = _retried(lambda: train(True))
+    for i, (a, b) in enumerate(zip(outs, ref_outs)):
+        assert torch.equal(a, b), f"evaluation after step {i}: {_diff(a, b)}"
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("reuse_id", [False, True])
 def test_forward_mode_new_module_on_a_freed_modules_id_is_updated_in_time(reuse_id) -> None:
     """A fine-tuning stage drops a layer and adds a parameter holder that its
@@ -4431,12 +4443,7 @@ def test_forward_mode_new_module_on_a_freed_modules_id_is_updated_in_time(reuse_
             handle.remove()
         return outs, [p.detach().clone() for p in model.parameters()]
 
-    ref_outs, ref_params = train(False)
-    outs, params = _retried(lambda: train(True))
-    for a, b in zip(outs, ref_outs):
-        assert torch.equal(a, b)
-    for a, b in zip(params, ref_params):
-        assert torch.equal(a, b)
+    _assert_fused_equals_eager(train)
 
 
 @pytest.mark.parametrize("reuse_id", [False, True])
@@ -4479,12 +4486,7 @@ def test_forward_mode_holder_on_the_id_of_a_layer_that_ran_in_the_last_forward(r
             handle.remove()
         return outs, [p.detach().clone() for p in model.parameters()]
 
-    ref_outs, ref_params = train(False)
-    outs, params = _retried(lambda: train(True))
-    for i, (a, b) in enumerate(zip(outs, ref_outs)):
-        assert torch.equal(a, b), f"evaluation after step {i}: {_diff(a, b)}"
-    for a, b in zip(params, ref_params):
-        assert torch.equal(a, b)
+    _assert_fused_equals_eager(train)
 
 
 class _ReadsPositionsDirectly(nn.Module):
