@@ -26,6 +26,7 @@ import math
 import tempfile
 import warnings
 import weakref
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -398,6 +399,28 @@ def _dp_cases(rank: int, world: int) -> None:
     _dp_uneven(rank, world)
 
 
+def _recorded(dp: DataParallel, dw_event: Callable, sync_event: Callable | None = None) -> list:
+    """A list that records, in order, dw_event(task) for each dW task of dp
+    as it is issued (every one, held or not, runs through handle.run; None:
+    not recorded) and, with sync_event, sync_event(bucket) for each bucket
+    all-reduce dp launches."""
+    events = []
+    run, launch = dp.handle.run, dp._launch
+
+    def run_recording(tasks):
+        events.extend(e for e in map(dw_event, tasks) if e is not None)
+        return run(tasks)
+
+    def launch_recording(bucket):
+        events.append(sync_event(bucket))
+        return launch(bucket)
+
+    dp.handle.run = run_recording
+    if sync_event is not None:
+        dp._launch = launch_recording
+    return events
+
+
 def _dp_order(rank: int, world: int) -> None:
     """Reverse first-k, k = 2: layers 7 .. 2's dW in backward (split in the
     first iteration, plain autograd from the second), each bucket launched
@@ -406,12 +429,8 @@ def _dp_order(rank: int, world: int) -> None:
     model = _Net()
     dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
     name = {p: n for n, p in model.named_parameters()}
-    events = []
-    run = dp.handle.run  # every dW task, held or not, runs through it
-    dp.handle.run = lambda tasks: (events.extend(("dW", t.site.index) for t in tasks), run(tasks))
-    launch = dp._launch
-    dp._launch = lambda b: (events.append(("sync", [name[p] for p in b.params],
-                                           dp._held is None)), launch(b))
+    events = _recorded(dp, lambda t: ("dW", t.site.index),
+                       lambda b: ("sync", [name[p] for p in b.params], dp._held is None))
     for step in range(2):
         events.clear()
         _train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), *_batch(rank, step))
@@ -903,10 +922,7 @@ def test_data_parallel_numbers_layers_in_forward_order_not_module_order(solo_gro
     ref = copy.deepcopy(model)
     dp = DataParallel(model, k=1)
     first = model.layers[3]
-    after_backward = []
-    run = dp.handle.run
-    dp.handle.run = lambda tasks: (after_backward.extend(
-        t.site.module for t in tasks if dp._held is None), run(tasks))
+    after_backward = _recorded(dp, lambda t: t.site.module if dp._held is None else None)
     for step in range(2):
         after_backward.clear()
         x, t = _batch(0, step)
@@ -1007,12 +1023,8 @@ def test_data_parallel_held_layers_reduce_right_after_their_dw_with_an_unused_pa
     dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
     name = {p: n for n, p in model.named_parameters()}
     layer = {m: f"layers.{i}" for i, m in enumerate(model.layers)}
-    events = []
-    run = dp.handle.run
-    dp.handle.run = lambda tasks: (events.extend(
-        ("dW", layer[t.site.module]) for t in tasks if dp._held is None), run(tasks))
-    launch = dp._launch
-    dp._launch = lambda b: (events.append(("sync", name[b.params[0]])), launch(b))
+    events = _recorded(dp, lambda t: ("dW", layer[t.site.module]) if dp._held is None else None,
+                       lambda b: ("sync", name[b.params[0]]))
     for step in range(2):
         events.clear()
         x, t = _batch(0, step)
@@ -1039,12 +1051,8 @@ def test_data_parallel_backward_not_from_the_outputs_holds_no_layer(solo_group):
     ref = copy.deepcopy(model)
     dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
     name = {p: n for n, p in model.named_parameters()}
-    events = []
-    run = dp.handle.run
-    dp.handle.run = lambda tasks: (events.extend(
-        ("dW", t.site.index, dp._held is not None) for t in tasks), run(tasks))
-    launch = dp._launch
-    dp._launch = lambda b: (events.append(("sync", name[b.params[0]])), launch(b))
+    events = _recorded(dp, lambda t: ("dW", t.site.index, dp._held is not None),
+                       lambda b: ("sync", name[b.params[0]]))
     for step in range(2):
         events.clear()
         x, _ = _batch(0, step)
