@@ -127,8 +127,7 @@ def _scan_fits(device: torch.device, hidden: int, levels: int) -> bool:
     """Whether a scan with `levels` over `hidden` can run on `device`: the
     CUDA scan keeps vectors of the hidden size in shared memory (past about
     29,000 they do not fit, about 28,000 with levels); the CPU scan has no
-    such bound. Without the
-    CUDA extension, scan() says so itself."""
+    such bound. Without the CUDA extension, scan() says so itself."""
     if device.type != "cuda" or _cuda is None:
         return True
     return _cuda.scan_shared_bytes(hidden, levels) <= _shared_memory_per_block(_device_key(device))
