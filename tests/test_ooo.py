@@ -10,6 +10,7 @@ several sites whose per-site gradients a moved schedule adds in another order
 from __future__ import annotations
 
 import copy
+import fractions
 import io
 import math
 import warnings
@@ -1828,10 +1829,26 @@ def test_reverse_first_k_takes_float16_sizes_without_a_warning():
     (lambda: ooo.simulate(2, out_grad=(1.0, np.True_)), "out_grad"),
     (lambda: ooo.simulate(2, weight_grad=[torch.tensor(True), 1.0]), "weight_grad"),
     (lambda: ooo.simulate(2, sync=np.array([1.0, False], dtype=object)), "sync"),
+    # per-layer times pass the test every other number passes (transfer, a
+    # speedup, a score): a tensor or a 0-d array was taken here alone
+    (lambda: ooo.simulate(2, fwd=torch.tensor([1.0, 2.0])), "fwd"),
+    (lambda: ooo.simulate(2, fwd=torch.tensor(1.0)), "fwd"),
+    (lambda: ooo.simulate(2, out_grad=np.array(1.0)), "out_grad"),
+    (lambda: ooo.simulate(2, weight_grad=[torch.tensor(1.0), 1.0]), "weight_grad"),
+    (lambda: ooo.reverse_first_k(2, 1, torch.tensor([1, 1]), [1, 1]), "mem_out_grad"),
 ])
 def test_planning_bad_arguments(bad, name):
     with pytest.raises(ValueError, match=f"^{name}: "):
         bad()
+
+
+def test_per_layer_times_take_what_every_number_argument_takes():
+    """A Fraction is a number to transfer and the speedups; the per-layer
+    times refused one (np.asarray made an object array of it)."""
+    half = fractions.Fraction(1, 2)
+    r = ooo.simulate(3, fwd=[half, 1, np.float32(2)], out_grad=half, num_stages=2, transfer=half)
+    assert r.makespan == ooo.simulate(3, fwd=[0.5, 1.0, 2.0], out_grad=0.5, num_stages=2,
+                                      transfer=0.5).makespan
 
 
 def test_planning_takes_numpy_ints_and_large_numbers():

@@ -40,6 +40,7 @@ import hashlib
 import inspect
 import math
 import numbers
+import reprlib
 import time
 import types
 import weakref
@@ -1755,38 +1756,35 @@ _MAX_SIM_STAGES = _INT32_MAX // 3
 
 
 _PLAIN = (int, float)  # exact types: bool is a subclass of int
+_NUMBERS = ("ints or floats, not bools, strings or tensors: take a tensor's .tolist(); "
+            "a 1-d NumPy array of them")
 
 
-def _holds_bool(value) -> bool:
-    """Whether `value` is a bool or holds one (Python's or NumPy's, in a
-    sequence or an object array, or a bool tensor): np.asarray would turn a
-    list mixing bools with numbers into numbers, True into 1, so it is
-    asked before converting."""
-    if isinstance(value, (bool, np.bool_)):
-        return True
-    if isinstance(value, torch.Tensor):
-        return value.dtype == torch.bool
+def _all_numbers(value) -> bool:
+    """Whether `value` is a sequence of numbers that _is_number takes, each one
+    (np.asarray would make True 1 in a list mixing bools with numbers), or a
+    1-d real NumPy array: the per-layer form of every number argument."""
     if isinstance(value, np.ndarray):
-        return value.dtype == np.bool_ or (value.dtype == object and any(map(_holds_bool, value.flat)))
+        return value.ndim == 1 and value.dtype.kind in "iuf"
     if isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes)):
         # a list of plain numbers, the common case, without a call per item
-        return any(type(v) not in _PLAIN and _holds_bool(v) for v in value)
+        return all(type(v) in _PLAIN or _is_number(v) for v in value)
     return False
 
 
 def _per_layer(value, layers: int, name: str) -> np.ndarray:
     """A per-layer float64 array from a number or a sequence of `layers`
-    numbers (never bools or strings)."""
-    try:
-        if _holds_bool(value):
-            raise TypeError(f"never bools, got {value!r}")
-        raw = np.asarray(value)
-        if raw.dtype.kind not in "iuf":
-            raise TypeError(f"got {value!r}")
-        arr = np.full(layers, raw, dtype=np.float64) if raw.ndim == 0 else raw.astype(np.float64)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"{name}: expected a number or {layers} per-layer times "
-                         f"({exc})") from None
+    numbers, each as _is_number takes it (a time's own test)."""
+    if _is_number(value):
+        arr = np.full(layers, _to_float(value))
+    elif _all_numbers(value):
+        try:
+            arr = np.asarray(value, dtype=np.float64)
+        except OverflowError:  # an int past float's range, refused below as infinite
+            arr = np.array([_to_float(v) for v in value])
+    else:
+        raise ValueError(f"{name}: expected a number or {layers} per-layer times ({_NUMBERS}), "
+                         f"got {reprlib.repr(value)}")
     if arr.shape != (layers,):
         raise ValueError(f"{name}: expected a number or {layers} per-layer values, "
                          f"got shape {arr.shape}")
@@ -1833,8 +1831,9 @@ def _byte_counts(value, layers: int, name: str) -> np.ndarray | None:
     have been truncated."""
     if value is None:
         return None
-    if _holds_bool(value):
-        raise ValueError(f"{name}: expected whole numbers of bytes >= 0, never bools, got {value!r}")
+    if not _all_numbers(value):
+        raise ValueError(f"{name}: expected {layers} whole numbers of bytes >= 0 ({_NUMBERS}), "
+                         f"got {reprlib.repr(value)}")
     arr = np.asarray(value)
     if arr.shape != (layers,):
         raise ValueError(f"{name}: expected {layers} sizes (one per layer), got shape {arr.shape}")
