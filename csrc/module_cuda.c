@@ -36,24 +36,24 @@ static PyObject *rp_cuda_optim_step_py(PyObject *self, PyObject *const *args, Py
         return NULL;
     call.hp.lr_ptr = lr_ptr;
     rc = rp_optim_check(&call.hp, call.entries, call.n, &err);
-    /* the host counters and one-shot flags change only once the update is
-       issued: a refused dtype or a failed launch leaves them as they were,
-       as the CPU path does (the kernels read the scalars, not the counters) */
+    /* the host counters advance with the scalars, computed once; a refused
+       dtype or a failed launch puts them back, as the CPU path leaves them
+       (the kernels read the scalars, not the counters) */
     if (rc == RP_OK && !capturable && call.n > 0) {
         scalars = rp_optim_scalars_alloc(call.n, &err);
         if (scalars == NULL)
             rc = RP_ERUNTIME;
         else
-            rc = rp_optim_step_scalars(&call.hp, call.entries, call.n, scalars, &err);
+            rc = rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars, &err);
     }
     if (rc == RP_OK) {
         Py_BEGIN_ALLOW_THREADS
         rc = rp_cuda_optim_step(&call.hp, call.dtype, call.entries, scalars, call.n, capturable,
                                 stream, &err);
         Py_END_ALLOW_THREADS
+        if (rc != RP_OK && scalars != NULL)
+            rp_optim_undo_steps(&call.hp, call.entries, call.n, scalars);
     }
-    if (rc == RP_OK && scalars != NULL)
-        rc = rp_optim_advance_steps(&call.hp, call.entries, call.n, scalars, &err);
     if (rc == RP_OK)
         rp_optim_entries_done(call.entries, call.n);
     free(scalars);

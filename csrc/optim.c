@@ -237,10 +237,10 @@ static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scal
  * from its own new count, as torch's loop over a group's params does: a
  * counter shared by several entries (only state made or converted by hand
  * shares one) counts once per entry, so they see t, t + 1, ... in turn.
- * before[i] keeps the counter as entry i found it. Returns the number of
- * entries advanced: n, or fewer when one was refused (its code in *rc). */
+ * scalars[i].before keeps the counter as entry i found it. Returns the number
+ * of entries advanced: n, or fewer when one was refused (its code in *rc). */
 static int64_t rp_count_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
-                              rp_step_scalars *scalars, float *before, int *rc, rp_error *err)
+                              rp_step_scalars *scalars, int *rc, rp_error *err)
 {
     int64_t i;
     *rc = RP_OK;
@@ -252,15 +252,15 @@ static int64_t rp_count_steps(const rp_optim_hparams *hp, const rp_optim_entry *
         scalars[i].b = 1.0f;
         if (!rp_needs_step(hp->kind) || step == NULL)
             continue;
-        before[i] = *step;
-        t = (double)(before[i] + 1.0f);
+        scalars[i].before = *step;
+        t = (double)(scalars[i].before + 1.0f);
         if (hp->kind == RP_ADAM)
             *rc = rp_adam_scalars(hp, t, &scalars[i], err);
         else if (hp->kind == RP_ADAGRAD)
             *rc = rp_adagrad_scalars(hp, t, &scalars[i], err);
         if (*rc != RP_OK)
             return i;
-        *step = before[i] + 1.0f;
+        *step = scalars[i].before + 1.0f;
     }
     return n;
 }
@@ -268,11 +268,11 @@ static int64_t rp_count_steps(const rp_optim_hparams *hp, const rp_optim_entry *
 /* Puts back the counters of the first `count` entries, the last first, so
  * that a shared counter ends as the first of its entries found it. */
 static void rp_restore_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries,
-                             int64_t count, const float *before)
+                             int64_t count, const rp_step_scalars *scalars)
 {
     while (count-- > 0)
         if (rp_needs_step(hp->kind) && entries[count].step != NULL)
-            *entries[count].step = before[count];
+            *entries[count].step = scalars[count].before;
 }
 
 /* rp_count_steps, keeping the advanced counters unless `keep` is 0 or an
@@ -281,27 +281,22 @@ static int rp_run_steps(const rp_optim_hparams *hp, const rp_optim_entry *entrie
                         rp_step_scalars *scalars, int keep, rp_error *err)
 {
     int rc;
-    int64_t counted;
-    float *before = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof *before);
-    if (before == NULL)
-        return rp_set_error(err, RP_ERUNTIME, "out of memory for %lld step counts", (long long)n);
-    counted = rp_count_steps(hp, entries, n, scalars, before, &rc, err);
+    int64_t counted = rp_count_steps(hp, entries, n, scalars, &rc, err);
     if (rc != RP_OK || !keep)
-        rp_restore_steps(hp, entries, counted, before);
-    free(before);
+        rp_restore_steps(hp, entries, counted, scalars);
     return rc;
-}
-
-int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
-                          rp_step_scalars *scalars, rp_error *err)
-{
-    return rp_run_steps(hp, entries, n, scalars, 0, err);
 }
 
 int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_step_scalars *scalars, rp_error *err)
 {
     return rp_run_steps(hp, entries, n, scalars, 1, err);
+}
+
+void rp_optim_undo_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                         const rp_step_scalars *scalars)
+{
+    rp_restore_steps(hp, entries, n, scalars);
 }
 
 rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err)
@@ -324,7 +319,7 @@ int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entr
     scalars = rp_optim_scalars_alloc(n, err);
     if (scalars == NULL)
         return RP_ERUNTIME;
-    rc = rp_optim_step_scalars(hp, entries, n, scalars, err);
+    rc = rp_run_steps(hp, entries, n, scalars, 0, err); /* the scalars' refusals only */
     free(scalars);
     return rc;
 }

@@ -99,6 +99,7 @@ typedef struct {
  *   others:  unused. */
 typedef struct {
     float a, b;
+    float before; /* the host counter as the entry found it (rp_optim_undo_steps) */
 } rp_step_scalars;
 
 /* Validates the hyper-parameters and entries (NULL pointers, negative sizes,
@@ -114,18 +115,19 @@ int rp_optim_check_hparams(const rp_optim_hparams *hp, const rp_optim_entry *ent
 
 /* Fills scalars[i] for each entry's next step (its host-side counter + 1,
  * a counter shared by several entries advancing once per entry in table
- * order, as torch's loop counts) and leaves every counter as it found it (it
- * advances them in place and restores them before returning). RP_EINVAL, naming the hyper-parameter, where torch.optim
- * refuses the step: a bias correction or lr decay of 0 (a division by zero),
- * a power that is not a finite real number, a step size beyond float32. */
-int rp_optim_step_scalars(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
-                          rp_step_scalars *scalars, rp_error *err);
-
-/* rp_optim_step_scalars, then advances the host-side step counters of all
- * entries by one; a refused step changes no counter. For non-capturable
- * updates on any device. */
+ * order, as torch's loop counts) and advances the counters by one. RP_EINVAL,
+ * naming the hyper-parameter, where torch.optim refuses the step (and no
+ * counter changes): a bias correction or lr decay of 0 (a division by zero),
+ * a power that is not a finite real number, a step size beyond float32. For
+ * non-capturable updates on any device. */
 int rp_optim_advance_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                            rp_step_scalars *scalars, rp_error *err);
+
+/* Puts back the counters rp_optim_advance_steps advanced with these
+ * `scalars`: an update that could not be issued after all (a refused dtype,
+ * a failed launch) leaves them as it found them. */
+void rp_optim_undo_steps(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
+                         const rp_step_scalars *scalars);
 
 /* malloc'd room for n entries' step scalars (the caller frees it); NULL with
  * RP_ERUNTIME set in err when memory runs out. */
@@ -134,9 +136,9 @@ rp_step_scalars *rp_optim_scalars_alloc(int64_t n, rp_error *err);
 /* What rp_optim_check and rp_optim_advance_steps would refuse of the
  * hyper-parameters, changing nothing: an unknown kind,
  * rp_optim_check_hparams and, unless capturable (step counters on the
- * device, which the host cannot read), rp_optim_step_scalars. Writes nothing
- * it does not restore (rp_optim_step_scalars), so that an update split over
- * several calls is refused before any of them runs. */
+ * device, which the host cannot read), the step scalars'. Leaves every step
+ * counter as it found it, so that an update split over several calls is
+ * refused before any of them runs. */
 int rp_optim_check_update(const rp_optim_hparams *hp, const rp_optim_entry *entries, int64_t n,
                           int capturable, rp_error *err);
 
@@ -156,8 +158,8 @@ int rp_omp_max_threads(void);
 /* CUDA update of n entries of one dtype on `stream` (a cudaStream_t), as few
  * launches as the kernel-argument tables allow. When `capturable` is 0,
  * `scalars` holds the per-entry host-computed values (see
- * rp_optim_step_scalars) and entry.step is host memory, which the kernels do
- * not read and the caller advances once the update is issued; when 1,
+ * rp_optim_advance_steps) and entry.step is host memory, which the kernels do
+ * not read (the caller advances it, and undoes that if the update fails); when 1,
  * `scalars` is NULL, entry.step is device memory incremented on the stream,
  * and hp->lr_ptr may point to a device lr.
  * Defined in kernels/optim.cu; returns RP_ERUNTIME with the CUDA error text. */

@@ -133,7 +133,7 @@ static void free_case(tensor_case *t)
 static void reference_step(const rp_optim_hparams *hp, int dtype, tensor_case *t, int fresh)
 {
     rp_optim_consts c;
-    rp_step_scalars sc = {0.0f, 1.0f};
+    rp_step_scalars sc = {0.0f, 1.0f, 0.0f};
     rp_optim_entry e;
     rp_error err;
     int64_t i;
@@ -384,6 +384,27 @@ static void test_refused_step_restores_counters(void)
         CHECK(p[k] == 1.0f && sum[k] == 0.0f, "entry %d changed by a refused step", k);
 }
 
+/* The CUDA binding advances the counters before its launch and undoes that
+ * if the launch fails: every counter back, a shared one too, whose entries
+ * saw 2 and 3 and which ends as the first of them found it. */
+static void test_undo_restores_advanced_counters(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_ADAM);
+    float p[3] = {1.0f, 1.0f, 1.0f}, g[3] = {0.5f, 0.5f, 0.5f}, m[3] = {0}, v[3] = {0};
+    float shared = 1.0f, own = 5.0f;
+    rp_step_scalars sc[3];
+    rp_optim_entry e[3];
+    rp_error err;
+    int k;
+    for (k = 0; k < 3; k++)
+        e[k] = scalar_entry(&p[k], &g[k], &m[k], &v[k], k < 2 ? &shared : &own);
+    CHECK(rp_optim_advance_steps(&hp, e, 3, sc, &err) == RP_OK, "%s", err.msg);
+    CHECK(shared == 3.0f && own == 6.0f, "advanced: shared %g, own %g", shared, own);
+    CHECK(sc[0].b != sc[1].b, "a shared counter's entries saw one step");
+    rp_optim_undo_steps(&hp, e, 3, sc);
+    CHECK(shared == 1.0f && own == 5.0f, "undone: shared %g, own %g", shared, own);
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -394,6 +415,7 @@ int main(void)
     test_rmsprop_momentum_not_positive();
     test_refused_hparams();
     test_refused_step_restores_counters();
+    test_undo_restores_advanced_counters();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
