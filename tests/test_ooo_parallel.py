@@ -1327,6 +1327,15 @@ def _in_place(seed: int = 0) -> list:
             for l in range(DEPTH)]
 
 
+def _in_place_first(seed: int = 0) -> list:
+    """8 layers: ReLU(inplace=True), Linear, ...: layer 0 changes the input
+    in place, each micro-batch of it (views of one tensor, sharing its
+    version counter: each made the one before void in backward)."""
+    torch.manual_seed(seed)
+    return [nn.ReLU(inplace=True) if l % 2 == 0 else nn.Linear(WIDTH, WIDTH)
+            for l in range(DEPTH)]
+
+
 _ALLOCATIONS = [("contiguous", 1), ("modulo", 1), ("modulo", 2)]
 
 
@@ -1339,6 +1348,9 @@ def _pipeline_cases(world: int) -> list[dict]:
                    input_grad=True) for s, m in (("gpipe", 2), ("fast_forward", 4))]
     cases += [dict(schedule=s, allocation=a, group=1, micro_batches=2, layers=_in_place,
                    input_grad=True) for s, a in (("gpipe", "contiguous"), ("fast_forward", "modulo"))]
+    # (a leaf input that needs a gradient may not change in place, as in one process)
+    cases += [dict(schedule="gpipe", allocation="contiguous", group=1, micro_batches=2,
+                   layers=_in_place_first, input_grad=False)]
     # measured-looking times: another order of the same tasks
     costs = dict(fwd=[1.0 + 0.1 * l for l in range(DEPTH)], out_grad=2.0,
                  weight_grad=[0.5 + 0.2 * (l % 3) for l in range(DEPTH)], transfer=0.3)
@@ -1418,6 +1430,33 @@ def test_pipeline_solo(solo_group):
     for schedule, layers in itertools.product(("gpipe", "fast_forward"), (_blocks, _in_place)):
         _check_pipeline(0, dict(schedule=schedule, allocation="contiguous", group=1,
                                 micro_batches=4, layers=layers, input_grad=True))
+    for schedule, m in itertools.product(("gpipe", "fast_forward"), (1, 4)):
+        _check_pipeline(0, dict(schedule=schedule, allocation="contiguous", group=1,
+                                micro_batches=m, layers=_in_place_first, input_grad=False))
+
+
+@pytest.mark.parametrize("first", [nn.ReLU, lambda inplace: nn.Sequential(
+    nn.Identity(), nn.ReLU(inplace=inplace))], ids=["relu", "identity_relu"])
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_pipeline_in_place_first_layer_on_a_computed_input(solo_group, first, micro_batches):
+    """Layer 0 working in place on an input computed upstream (a non-leaf
+    that needs a gradient): one process computes it; the Pipeline raised
+    that a view made in no-grad mode was changed in place, and with several
+    micro-batches that one's change voided another's saved output."""
+    torch.manual_seed(0)
+    enc = nn.Linear(WIDTH, WIDTH)
+    layers = [first(inplace=True), nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    x, t = _batch(0, 0)
+    F.mse_loss(nn.Sequential(*layers)(enc(x)), t).backward()
+    want = [p.grad.clone() for p in itertools.chain(enc.parameters(), layers[1].parameters())]
+    for p in itertools.chain(enc.parameters(), layers[1].parameters()):
+        p.grad = None
+    pipe = Pipeline(layers, micro_batches=micro_batches)
+    pipe.step(enc(x), t, F.mse_loss)
+    got = [p.grad for p in itertools.chain(enc.parameters(), layers[1].parameters())]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    pipe.remove()
 
 
 class _DetachAbove(nn.Module):

@@ -3253,9 +3253,10 @@ class Pipeline:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
         with torch.set_grad_enabled(st.train):
-            # past layer 0 the input stands for the previous layer's output, a
-            # non-leaf the layer may change in place (nn.ReLU(inplace=True))
-            y = self.layers[l](x if l == 0 else _Alias.apply(x))
+            # the input stands for the previous layer's output (past layer 0)
+            # or the caller's input, a non-leaf or a tensor without a
+            # gradient, which the layer may change in place (nn.ReLU(inplace=True))
+            y = self.layers[l](_Alias.apply(x))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -3270,9 +3271,12 @@ class Pipeline:
     def _layer_input(self, st: _Step, l: int, m: int) -> torch.Tensor:
         """Layer l's input for micro-batch m: a leaf, so that backward stops at
         it and leaves its gradient in ``.grad`` for dO to hand on (the layer
-        gets an alias of it past layer 0)."""
+        gets an alias of it)."""
         if l == 0:
-            return st.inputs[m].requires_grad_(st.input_grad)
+            # a copy: the micro-batches, views of the caller's input, share its
+            # version counter, so a layer 0 working in place on one would void
+            # what another saved for backward (and change the caller's leaf)
+            return st.inputs[m].clone().requires_grad_(st.input_grad)
         if self._owner(l - 1) == self.rank:
             # forwards alone: nothing else reads it (backward would)
             _, y = st.acts[(l - 1, m)] if st.train else st.acts.pop((l - 1, m))
