@@ -1,9 +1,10 @@
 /*
  * emu_check.h: failure reporting of the host emulations of the CUDA
- * launchers (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu), and
- * their canary-fenced buffers. Each failed CHECK is printed with the case
- * being run (g_context), up to 30; a crash of an emulated kernel still names
- * its case. CHECKs stand in this directory's
+ * launchers (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu,
+ * fad_emulation.cu), their canary-fenced buffers (float ones, and byte ones
+ * at any misalignment) and the random numbers they draw. Each failed CHECK
+ * is printed with the case being run (g_context), up to 30; a crash of an
+ * emulated kernel still names its case. CHECKs stand in this directory's
  * headers too, hence the file in each report.
  */
 #ifndef REPROP_EMU_CHECK_H
@@ -98,5 +99,65 @@ struct fenced {
         return n == o.n && memcmp(mem.data(), o.mem.data(), mem.size() * sizeof(float)) == 0;
     }
 };
+
+/* Buffers of any element size between canary bytes, at a chosen misalignment:
+ * `size` payload bytes starting `misalign` bytes after a 64-byte boundary. */
+#define EMU_GUARD_BYTES 64 /* canary bytes on each side */
+#define EMU_GUARD_FILL 0xA5
+
+typedef struct {
+    std::vector<unsigned char> storage;
+    size_t offset, size;
+} guarded_buffer;
+
+static void buffer_allocate(guarded_buffer *buf, size_t size, size_t misalign)
+{
+    buf->storage.assign(64 + EMU_GUARD_BYTES + misalign + size + EMU_GUARD_BYTES, EMU_GUARD_FILL);
+    buf->offset = (64 - (uintptr_t)buf->storage.data() % 64) % 64 + EMU_GUARD_BYTES + misalign;
+    buf->size = size;
+}
+
+static void *buffer_data(guarded_buffer *buf) { return buf->storage.data() + buf->offset; }
+
+static bool buffer_guards_intact(const guarded_buffer *buf)
+{
+    for (size_t k = 0; k < buf->offset; k++)
+        if (buf->storage[k] != EMU_GUARD_FILL)
+            return false;
+    for (size_t k = buf->offset + buf->size; k < buf->storage.size(); k++)
+        if (buf->storage[k] != EMU_GUARD_FILL)
+            return false;
+    return true;
+}
+
+/* The first element where two buffers of `esize`-byte elements differ, or -1. */
+static int64_t first_difference(guarded_buffer *a, guarded_buffer *b, size_t esize)
+{
+    if (a->size != b->size)
+        return 0;
+    if (a->size == 0)
+        return -1;
+    if (memcmp(buffer_data(a), buffer_data(b), a->size) == 0)
+        return -1;
+    const unsigned char *pa = (const unsigned char *)buffer_data(a);
+    const unsigned char *pb = (const unsigned char *)buffer_data(b);
+    size_t k = 0;
+    while (pa[k] == pb[k])
+        k++;
+    return (int64_t)(k / esize);
+}
+
+/* splitmix64: fast, and the same sequence everywhere. */
+typedef struct {
+    uint64_t state;
+} rng64;
+
+static uint64_t rng_next(rng64 *r)
+{
+    uint64_t z = (r->state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
 
 #endif /* REPROP_EMU_CHECK_H */

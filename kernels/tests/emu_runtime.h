@@ -1,9 +1,12 @@
 /*
  * emu_runtime.h: the CUDA runtime as the host emulations of the launchers
- * (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu) present it to the
- * .cu under test.
+ * (optim_emulation.cu, scan_emulation.cu, csr_emulation.cu,
+ * fad_emulation.cu) present it to the .cu under test.
  *
- * The launchers' runtime calls are renamed to host mocks. Those about
+ * The launchers' runtime calls are renamed to host mocks (a <<<>>> launch
+ * calls the runtime from code nvcc generates after preprocessing, out of a
+ * rename's reach: fad_emulation.cu wraps those entry points at link time and
+ * hands them to its launch mock). Those about
  * devices, streams and the last error behave the same for every launcher and
  * are defined here; the launch and attribute mocks are what each emulation
  * checks, so each defines its own (declared here, for the renames). Calls a

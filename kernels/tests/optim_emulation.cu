@@ -380,48 +380,6 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
  * Test data: guarded buffers, tensors, cases
  * ------------------------------------------------------------------------- */
 
-#define GUARD 64 /* canary bytes on each side of every buffer */
-#define CANARY 0xA5
-
-/* `size` payload bytes starting `misalign` bytes after a 64-byte boundary. */
-typedef struct {
-    std::vector<unsigned char> storage;
-    size_t offset, size;
-} guarded_buffer;
-
-static void buffer_allocate(guarded_buffer *buf, size_t size, size_t misalign)
-{
-    buf->storage.assign(64 + GUARD + misalign + size + GUARD, CANARY);
-    buf->offset = (64 - (uintptr_t)buf->storage.data() % 64) % 64 + GUARD + misalign;
-    buf->size = size;
-}
-
-static void *buffer_data(guarded_buffer *buf) { return buf->storage.data() + buf->offset; }
-
-static bool buffer_guards_intact(const guarded_buffer *buf)
-{
-    for (size_t k = 0; k < buf->offset; k++)
-        if (buf->storage[k] != CANARY)
-            return false;
-    for (size_t k = buf->offset + buf->size; k < buf->storage.size(); k++)
-        if (buf->storage[k] != CANARY)
-            return false;
-    return true;
-}
-
-/* splitmix64: fast, and the same sequence everywhere. */
-typedef struct {
-    uint64_t state;
-} rng64;
-
-static uint64_t rng_next(rng64 *r)
-{
-    uint64_t z = (r->state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
 static float rng_uniform(rng64 *r, float lo, float hi) /* in [lo, hi) */
 {
     return lo + (hi - lo) * ((float)(rng_next(r) >> 40) * (1.0f / 16777216.0f));
@@ -621,23 +579,6 @@ static void build_case(case_data *cd, const rp_optim_hparams &hp, int dtype,
     cd->expect_vec.assign(n, 0);
     for (size_t i = 0; i < n; i++)
         build_tensor(cd, i, hp, dtype, sizes[i], m, from ? &from->tensors[i] : NULL, &r);
-}
-
-/* The first element where two buffers of `esize`-byte elements differ, or -1. */
-static int64_t first_difference(guarded_buffer *a, guarded_buffer *b, size_t esize)
-{
-    if (a->size != b->size)
-        return 0;
-    if (a->size == 0)
-        return -1;
-    if (memcmp(buffer_data(a), buffer_data(b), a->size) == 0)
-        return -1;
-    const unsigned char *pa = (const unsigned char *)buffer_data(a);
-    const unsigned char *pb = (const unsigned char *)buffer_data(b);
-    size_t k = 0;
-    while (pa[k] == pb[k])
-        k++;
-    return (int64_t)(k / esize);
 }
 
 static bool compare_buffer(guarded_buffer *want, guarded_buffer *got, size_t esize,
