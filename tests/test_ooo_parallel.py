@@ -1241,6 +1241,47 @@ def test_split_layers_refuse_to_run_under_ddp(solo_group):
         assert torch.equal(a.grad, b.grad)
 
 
+def _fsdp_blocks() -> nn.Sequential:
+    """Two Linear-tanh-Linear blocks and a Linear head (seed 0)."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+                           for _ in range(2)], nn.Linear(4, 2))
+
+
+def test_split_layers_refuse_to_run_under_fsdp(solo_group):
+    """FSDP2 reduce-scatters a module's gradients when its backward ends; the
+    deferred weight gradients came after: lost from the backward that moved
+    them, and added into the next one's (0.6 off in the head's weight).
+    Refused whichever is made first, the blocks or only the root sharded."""
+    from torch.distributed.fsdp import fully_shard
+    for shard_blocks in (True, False):
+        model = _fsdp_blocks()
+        if shard_blocks:
+            for block in model[:2]:
+                fully_shard(block)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="^model: is or holds a module of torch.distributed.fsdp"):
+            enable(model)
+        with pytest.raises(ValueError, match="^model: is or holds a module of torch.distributed.fsdp"):
+            enable(model[0] if shard_blocks else model)
+        with pytest.raises(ValueError, match="^model: holds DTensor parameters"):
+            enable(model[-1])  # the root shards it: its forward sees gathered ones
+    # sharded after enable(): the root (its class changes), or the root of a part enabled
+    model = _fsdp_blocks()
+    handle = enable(model)
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"^reprop.ooo.enable: the model \(sharded after enable"):
+        model(torch.randn(3, 4))
+    handle.remove()
+    model(torch.randn(3, 4)).sum().backward()  # FSDP's own training, unsplit
+    model = _fsdp_blocks()
+    handle = enable(model[-1])
+    fully_shard(model)
+    with pytest.raises(ValueError, match=r"^reprop.ooo.enable: the model \(sharded after enable"):
+        model(torch.randn(3, 4)).sum().backward()  # the first pass moves no dW: complete
+    handle.remove()
+
+
 class _WithAux(nn.Module):
     """A model whose forward calls another model DDP does not hold."""
 

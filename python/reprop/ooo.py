@@ -41,6 +41,7 @@ import inspect
 import math
 import numbers
 import reprlib
+import sys
 import time
 import types
 import weakref
@@ -755,6 +756,7 @@ class OOOHandle(_PassTracking):
     def __init__(self, model: nn.Module, order: str, regions: int, max_extra_memory: float,
                  profile_iters: int, speedup: "Callable[[int, int], float] | str | None"):
         self.model = model
+        self._model_type = type(model)  # fully_shard(model) later swaps its class
         self.order = order
         self.regions = regions
         self.max_extra_memory = max_extra_memory
@@ -902,6 +904,13 @@ class OOOHandle(_PassTracking):
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def _check_not_sharded_since(self) -> None:
+        """The model's class changed since enable(): refused if FSDP's
+        fully_shard changed it, as enable() refuses a sharded model; noted
+        otherwise, so that the next call compares one type again."""
+        _refuse_fsdp(self.model, "reprop.ooo.enable: the model (sharded after enable())")
+        self._model_type = type(self.model)
+
     # -- called from backward --------------------------------------------------
 
     def _begin_backward(self) -> None:
@@ -947,6 +956,8 @@ class OOOHandle(_PassTracking):
         self._in_backward = False
         if profiling:
             self._record_profile()
+        if self._profiling_left():  # before any dW moves: sharded since enable()?
+            _refuse_fsdp(self.model, "reprop.ooo.enable: the model (sharded after enable())")
         self._iteration += 1
         if self.order != "ooo" or self.schedule is not None:
             return
@@ -1412,6 +1423,31 @@ _UNDER_DDP = (
     "backprop use reprop.ooo.data_parallel(model) instead of DDP")
 
 
+_UNDER_FSDP = (
+    "torch.distributed.fsdp (fully_shard or FullyShardedDataParallel), which reduce-scatters "
+    "a module's gradients as soon as its backward ends, before the deferred weight gradients "
+    "are added (they would be lost, and added into the next step's); out-of-order backprop "
+    "does not shard: for data parallelism use reprop.ooo.data_parallel(model)")
+
+
+def _refuse_fsdp(model: nn.Module, name: str) -> None:
+    """ValueError naming `name` if `model` is or holds a module torch's FSDP
+    manages, or a DTensor parameter (a part of a model fully_shard shards
+    as a whole, whose forward sees the gathered plain parameters).
+    torch.distributed.fsdp is looked up, not imported (half a second): no
+    model is sharded before it is imported."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    managed = (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
+    if any(isinstance(m, managed) for m in model.modules()):
+        raise ValueError(f"{name}: is or holds a module of {_UNDER_FSDP}")
+    dtensor = sys.modules["torch.distributed.tensor"].DTensor  # (fsdp imports it)
+    if any(isinstance(p, dtensor) for p in model.parameters()):
+        raise ValueError(f"{name}: holds DTensor parameters, as a part of a model sharded by "
+                         f"{_UNDER_FSDP}")
+
+
 # DDP model -> ids of the parameters its reducer all-reduces (it holds them)
 _DDP_REDUCED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -1469,6 +1505,8 @@ def _make_forward(site: _Site):
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
         _check_not_under_ddp(params)
+        if type(handle.model) is not handle._model_type:
+            handle._check_not_sharded_since()
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
         if handle._backward_raised():
@@ -1555,6 +1593,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
     if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
         raise ValueError(f"model: is or holds a {_UNDER_DDP}")
+    _refuse_fsdp(model, "model")
     handle = OOOHandle(model, order, regions, max_extra_memory, int(profile_iters),
                        speedup)
     if not handle.sites:
