@@ -2032,6 +2032,37 @@ def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: b
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_dispatch_subclass_state_is_refused_naming_its_key(name: str) -> None:
+    """State that is a tensor subclass with __torch_dispatch__ (a DTensor
+    from a sharded model's state dict) met the core as a null pointer: "entry
+    0: state slot 0 is required", naming neither the key nor the type. Each
+    key now raises the RuntimeError other unreadable state raises, naming
+    it, and leaves parameters and state as they were."""
+    for key in _state_keys(name):
+        p = nn.Parameter(torch.linspace(-1, 1, 6).reshape(2, 3))
+        opt = reprop_cls(name)([p], **RICH[name])
+        p.grad = torch.ones(2, 3)
+        opt.step()
+        opt.state[p][key] = two_tensor(opt.state[p][key])
+        before = copy.deepcopy(opt.state_dict()["state"])
+        value = p.detach().clone()
+        with pytest.raises(RuntimeError, match=rf"^{key}: the state of a parameter of shape "
+                                               rf"\(2, 3\) .*not a TwoTensor"):
+            opt.step()
+        assert torch.equal(p.detach(), value)
+        torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+
+
+def _state_keys(name: str) -> list[str]:
+    """The tensor state keys `name` with RICH's options makes at a first step."""
+    p = nn.Parameter(torch.ones(2))
+    opt = reprop_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(2)
+    opt.step()
+    return sorted(k for k, v in opt.state[p].items() if isinstance(v, torch.Tensor))
+
+
 class _DispatchWithMemory(torch.Tensor):
     """A __torch_dispatch__ subclass that keeps its own memory (unlike
     TwoTensor or DTensor): a data pointer the C fast path could read."""

@@ -410,15 +410,20 @@ def _check_param(p: torch.Tensor, capturable: bool) -> None:
         raise ValueError(f"parameters must be on cpu or cuda, got {p.device}")
 
 
-def _check_plain(t: torch.Tensor, name: str, what: str) -> None:
-    """Refuses a tensor subclass with __torch_dispatch__ (DTensor, FSDP2's
+def _dispatches(t: torch.Tensor) -> bool:
+    """Whether t is a tensor subclass with __torch_dispatch__ (DTensor, FSDP2's
     sharded parameters, TwoTensor): its ops run in Python on the tensors it
     wraps, mostly with no memory of its own (a null data pointer) for the
     kernels to read or update, and writing whatever memory it has would
     bypass it. torch routes a tensor's ops to Python by this same test of its
     type; subclasses with __torch_function__ only (nn.Parameter's) keep plain
     tensors' memory and pass."""
-    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+    return type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__
+
+
+def _check_plain(t: torch.Tensor, name: str, what: str) -> None:
+    """Refuses a parameter or gradient that _dispatches."""
+    if _dispatches(t):
         raise TypeError(f"{name}: {what} is a {type(t).__name__}, a tensor subclass with "
                         f"__torch_dispatch__; reprop's fused kernels need plain strided tensors "
                         f"(for DTensor and FSDP2 use torch.optim)")
@@ -453,6 +458,18 @@ def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
             or t.device != p.device or t.layout is not torch.strided):
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
                                  "its device")
+    _refuse_dispatching_state(key, t, p)
+
+
+def _refuse_dispatching_state(key: str, t: torch.Tensor, p: torch.Tensor) -> None:
+    """State the kernels cannot point at (_dispatches: a DTensor loaded from a
+    sharded model's state dict), refused naming the key as other state is,
+    not met as a null pointer by the core."""
+    if _dispatches(t):
+        _refuse_state(key, t, p, f"a plain tensor, not a {type(t).__name__} (a tensor subclass "
+                                 "with __torch_dispatch__: reprop's fused kernels need plain "
+                                 "strided tensors; convert it, .full_tensor() for a DTensor, or "
+                                 "use torch.optim)")
 
 
 def _check_step_count(step, p: torch.Tensor) -> None:
@@ -460,6 +477,7 @@ def _check_step_count(step, p: torch.Tensor) -> None:
     Adagrad read it with .item(), which raises for any other tensor)."""
     if isinstance(step, torch.Tensor):
         if step.numel() == 1 and not step.is_complex():
+            _refuse_dispatching_state("step", step, p)
             return
     elif isinstance(step, (int, float)):
         return
