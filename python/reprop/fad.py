@@ -693,7 +693,8 @@ class Codebook:
     covers; step: grid spacing; max_error: the largest error of a decoded
     derivative (half a step; 0 on the exact pieces, and 0 for LeakyReLU and
     Hardsigmoid, whose two values sit on their grid, unless LeakyReLU's
-    slope is below the smallest step, 2^-102)."""
+    slope is subnormal, below 2^-126, float32's smallest normal number: it
+    decodes to 0 or 2^-126)."""
 
     values: np.ndarray
     lo: float

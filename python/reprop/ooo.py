@@ -3057,8 +3057,10 @@ class Pipeline:
     ``_C.sched_stages`` puts l on stage r: contiguous blocks, or modulo
     allocation of groups of `group` consecutive layers ((l // group) mod
     stages). Each layer maps one tensor to one tensor.
-    Layers on different stages must not share a parameter or buffer (a
-    ValueError names them); on one stage they may.
+    Layers on different stages must not share a trainable parameter or a
+    norm layer's running statistics (a ValueError names them; ``step()``
+    checks again for one unfrozen since); frozen parameters and fixed
+    buffers may be shared, and on one stage anything may.
 
     ``step(inputs, targets, loss_fn)`` splits the batch (dim 0) into
     `micro_batches` equal micro-batches and runs this rank's tasks F(l, m),
