@@ -993,6 +993,53 @@ def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, kee
         assert torch.equal(a, b), _diff(a, b)
 
 
+def _accumulation_loop(fused: bool, name: str, ops: str) -> list:
+    """accumulation_steps=2 (SGD with momentum, or Adam), the loop doing
+    `ops` in order: "b" a micro-batch (forward, backward), "f" a forward
+    whose backward is the next "k", "s" step() then zero_grad(), "z"
+    zero_grad() alone. Returns the parameters after each step()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \
+        rp.Adam(model.parameters(), lr=0.01)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+    stepped, loss = [], None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
+        for i, op in enumerate(ops):
+            if op in "bf":
+                loss = model(torch.randn(4, 3, generator=_gen(i))).square().mean()
+            if op in "bk":
+                loss.backward()
+            if op == "s":
+                opt.step()
+            if op in "sz":
+                opt.zero_grad()
+            if op == "s":
+                stepped.append([p.detach().clone() for p in model.parameters()])
+    return stepped
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+@pytest.mark.parametrize("ops", [
+    "zbbsb" * 3,  # 3 micro-batches an epoch, the leftover dropped at the next epoch's start
+    "fzkbsb" * 3,  # the same, dropped after the epoch's first forward (before its backward)
+    "bbsbzbbsbbs",  # one dropped mid-window (its loss found NaN), the loop counting on
+])
+def test_backward_accumulation_zero_grad_restarts_the_window(name: str, ops: str) -> None:
+    """zero_grad() discarding a window's gradients restarts the window, as
+    step() does: eager's next step() applies only what comes after it. The
+    micro-batches were counted on across it, so backward updated from the
+    new window's first micro-batch alone and step() applied the rest in a
+    second update (3 updates in 3 steps of 2 epochs where eager makes 2)."""
+    got, want = _accumulation_loop(True, name, ops), _accumulation_loop(False, name, ops)
+    assert len(got) == len(want) == ops.count("s")
+    for step, (ps, refs) in enumerate(zip(got, want)):
+        for p, ref in zip(ps, refs):
+            assert torch.equal(p, ref), f"after step() {step}: {_diff(p, ref)}"
+
+
 # ---------------------------------------------------------------------------
 # 3. Forward mode: clipping and GradScaler
 # ---------------------------------------------------------------------------

@@ -1329,9 +1329,15 @@ class _BackwardFusion(FusionHandle):
             self._moved_before_step = set() if stepping else self._updated
             self._updated = set()
             if stepping:
-                # a micro-batch whose forward ran already belongs to the next window
-                self._micro_batches = 0 if self._backward_since_forward else 1
+                self._restart_window()
                 self._kept_unstepped = False
+
+    def _restart_window(self) -> None:
+        """A step() or zero_grad() ends the window, its gradients applied or
+        discarded: eager's next step() applies only what comes after, so the
+        micro-batches are counted from here (a micro-batch whose forward ran
+        already belongs to the next window)."""
+        self._micro_batches = 0 if self._backward_since_forward else 1
 
     def _apply_unapplied(self, settings: dict | None) -> None:
         """Updates, with `settings` (None: the groups' own), what eager step()
@@ -1547,6 +1553,7 @@ class _BackwardFusion(FusionHandle):
             if p.grad is not None and id(p) not in self._kept:
                 _zero_grad_of(p, set_to_none)
                 self._ready.pop(id(p), None)
+        self._restart_window()
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
                                      "as backward() applies them; optimizer.zero_grad() clears "
                                      "only those not applied yet", stacklevel=2)
