@@ -993,18 +993,18 @@ def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, kee
         assert torch.equal(a, b), _diff(a, b)
 
 
-def _accumulation_loop(fused: bool, name: str, ops: str) -> list:
+def _accumulation_loop(fused: bool, name: str, ops: str):
     """accumulation_steps=2 (SGD with momentum, or Adam), the loop doing
     `ops` in order: "b" a micro-batch (forward, backward), "f" a forward
     whose backward is the next "k", "s" step() then zero_grad(), "z"
-    zero_grad() alone. Returns the parameters after each step()."""
+    zero_grad() alone. Yields the parameters after each step()."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \
         rp.Adam(model.parameters(), lr=0.01)
     if fused:
         reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
-    stepped, loss = [], None
+    loss = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
         for i, op in enumerate(ops):
@@ -1017,8 +1017,7 @@ def _accumulation_loop(fused: bool, name: str, ops: str) -> list:
             if op in "sz":
                 opt.zero_grad()
             if op == "s":
-                stepped.append([p.detach().clone() for p in model.parameters()])
-    return stepped
+                yield [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
@@ -1033,11 +1032,65 @@ def test_backward_accumulation_zero_grad_restarts_the_window(name: str, ops: str
     micro-batches were counted on across it, so backward updated from the
     new window's first micro-batch alone and step() applied the rest in a
     second update (3 updates in 3 steps of 2 epochs where eager makes 2)."""
-    got, want = _accumulation_loop(True, name, ops), _accumulation_loop(False, name, ops)
+    got, want = list(_accumulation_loop(True, name, ops)), list(_accumulation_loop(False, name, ops))
     assert len(got) == len(want) == ops.count("s")
     for step, (ps, refs) in enumerate(zip(got, want)):
         for p, ref in zip(ps, refs):
             assert torch.equal(p, ref), f"after step() {step}: {_diff(p, ref)}"
+
+
+_LATE_GRADIENT = (r"^reprop.fuse\(mode='backward', accumulation_steps=2\): optimizer.step\(\) after "
+                  r"a micro-batch gave a gradient to parameter '.*' \(of shape .*\), which "
+                  r"backward\(\) updated since the last step\(\) or zero_grad\(\)")
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+@pytest.mark.parametrize("ops", [
+    "bbsb" + "bbs",  # 3 micro-batches an epoch, stepping after the 2nd: the leftover not zeroed
+    "bbbbs",  # stepping every 4 where accumulation_steps=2
+])
+def test_backward_accumulation_step_refuses_a_window_longer_than_counted(name: str, ops: str) -> None:
+    """The loop's window is longer than the fusion counted: an epoch's
+    leftover neither stepped nor zeroed (eager's next step() applies it
+    with the next epoch's 2 micro-batches, where backward updated after the
+    leftover and the epoch's 1st, before the loop stepped, which no count
+    could foresee), or a loop stepping every 4 micro-batches. The step()
+    after a micro-batch that gave a gradient to a parameter updated since
+    the last step() is refused, where it applied what was left in an update
+    of its own (3 updates where eager makes 2, or 2 for 1, silently); the
+    steps before are eager's, bit for bit."""
+    want = list(_accumulation_loop(False, name, ops))
+    got = _accumulation_loop(True, name, ops)
+    for refs, ps in zip(want[:-1], got):
+        for p, ref in zip(ps, refs):
+            assert torch.equal(p, ref), _diff(p, ref)
+    with pytest.raises(RuntimeError, match=_LATE_GRADIENT):
+        next(got)
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+def test_backward_accumulation_late_gradient_refused_until_zero_grad() -> None:
+    """The step() after a late micro-batch is refused again at a retry;
+    zero_grad() discards the late gradient and restarts the window, whose
+    2nd backward then updates, and its step() is not refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+
+    def micro_batch(i: int) -> bool:
+        before = model.weight.detach().clone()
+        model(torch.randn(4, 3, generator=_gen(i))).square().mean().backward()
+        return not torch.equal(model.weight, before)
+
+    assert [micro_batch(i) for i in range(3)] == [False, True, False]  # the 3rd is late
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=_LATE_GRADIENT):
+            opt.step()
+    opt.zero_grad()
+    assert model.weight.grad is None
+    assert [micro_batch(i) for i in range(3, 5)] == [False, True]
+    opt.step()
 
 
 # ---------------------------------------------------------------------------

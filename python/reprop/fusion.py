@@ -1037,6 +1037,12 @@ class _BackwardFusion(FusionHandle):
         # these no more. Cleared by that step() and by the next gradient,
         # which belongs to the next window.
         self._moved_before_step: set = set()
+        # ids of the params moved since the last step() or zero_grad(): eager's
+        # step() moves each once, from the gradients since the last zero_grad();
+        # and one of them given a gradient since by an accumulating micro-batch
+        # (see _refuse_late_gradients).
+        self._moved_in_step: set = set()
+        self._late: torch.Tensor | None = None
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
@@ -1204,8 +1210,11 @@ class _BackwardFusion(FusionHandle):
             if self._removed:  # by another thread during this backward: p.grad is eager's now
                 return
             self._mark_backward(p)
-            if id(p) not in self._params or not self._updating():
-                return  # no longer in the optimizer, or accumulating: eager would not step now
+            if not self._updating():  # accumulating: eager would not step now
+                self._note_if_late(p)
+                return
+            if id(p) not in self._params:
+                return  # no longer in the optimizer
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
             # Parameters whose module-mates got no gradient this time are updated at the
@@ -1252,6 +1261,16 @@ class _BackwardFusion(FusionHandle):
             self._mark_backward(p)
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
+            if not self._updating():
+                self._note_if_late(p)
+
+    def _note_if_late(self, p: torch.Tensor) -> None:
+        """Notes p if this accumulating micro-batch's gradient reached it after
+        an update since the last step() or zero_grad() (see
+        _refuse_late_gradients). A lookup per gradient of an accumulating
+        micro-batch only; step() then checks nothing per parameter."""
+        if id(p) in self._moved_in_step:
+            self._late = p
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
@@ -1338,6 +1357,8 @@ class _BackwardFusion(FusionHandle):
         micro-batches are counted from here (a micro-batch whose forward ran
         already belongs to the next window)."""
         self._micro_batches = 0 if self._backward_since_forward else 1
+        self._moved_in_step = set()
+        self._late = None
 
     def _apply_unapplied(self, settings: dict | None) -> None:
         """Updates, with `settings` (None: the groups' own), what eager step()
@@ -1397,13 +1418,15 @@ class _BackwardFusion(FusionHandle):
 
     def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
         """Notes `params` as updated in this window (a second gradient for one
-        is refused, step() does not move it again) and as having had a
+        is refused, step() does not move it again), in this step (see
+        _note_if_late) and as having had a
         gradient (after zero_grad(set_to_none=False), eager's step() moves it
         from zeros in every later step that gives it none). Every path that
         updates notes here: _update, and under DDP the bucket hook and the
         end of backward."""
         for p in params:
             self._updated.add(id(p))
+            self._moved_in_step.add(id(p))
             self._ever_updated[id(p)] = p
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
@@ -1538,7 +1561,30 @@ class _BackwardFusion(FusionHandle):
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
+        self._refuse_late_gradients()
         self._finish_step(stepping=True)
+
+    def _refuse_late_gradients(self) -> None:
+        """Refuses a step() after an accumulating micro-batch gave a gradient
+        to a parameter backward moved since the last step() or zero_grad():
+        eager's step() makes one update from the gradients since zero_grad(),
+        where backward made one already. The loop steps later than the
+        fusion counted: micro-batches left over and neither stepped nor
+        zeroed (an epoch's shorter last window, with the loop counting again
+        from each epoch's start) made the next window's update come early,
+        which no count could foresee, since it depends on when the loop will
+        step; or the loop's windows are longer than accumulation_steps."""
+        if self._late is not None:
+            raise RuntimeError(
+                f"reprop.fuse(mode='backward', accumulation_steps={self._every}): "
+                "optimizer.step() after a micro-batch gave a gradient to "
+                f"{_param_name(self.model, self._late)}, which backward() updated since the last "
+                "step() or zero_grad(): "
+                "eager's step() makes a single update where backward() made one already. The "
+                f"loop steps later than every {self._every} micro-batches: call step() or "
+                "zero_grad() after an epoch's shorter last window too (micro-batches left over "
+                "make the next window's update come early), or give fuse() the loop's "
+                "accumulation_steps. optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
