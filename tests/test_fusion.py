@@ -1448,6 +1448,48 @@ def test_backward_mode_kept_gradients_clipped_after_backward_are_refused(clip: s
 
 
 @pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("retries", [0, 2])
+@pytest.mark.parametrize("refused_at", ["step", "forward", "forward_after_zero_grad"])
+def test_backward_mode_kept_gradients_refused_until_zero_grad(refused_at: str, retries: int) -> None:
+    """keep_grads=True, the kept gradients clipped (clip_grad_norm_) after
+    backward() applied them: refused at step(), or at the next training
+    forward of a loop that calls no step(), also one zeroing first. That
+    forward had counted its micro-batch before refusing, so a retry skipped
+    the check and its backward added to the clipped gradients and applied
+    them again. Nothing changes before the check now: each retry is refused
+    too, until a zero_grad() after the refusal discards them, as eager's;
+    training goes on as eager's from the update backward made (unclipped)."""
+    xs = [torch.randn(8, 4, generator=_gen(i)) for i in range(3)]
+
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, keep_grads=True)
+        model(xs[0]).square().mean().backward()
+        if fused:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            if refused_at == "forward_after_zero_grad":
+                opt.zero_grad()
+            for _ in range(1 + retries):
+                with pytest.raises(RuntimeError, match=r"^reprop.fuse\(mode='backward', keep_grads="
+                                                       r"True\): the gradient of parameter 'weight'"):
+                    opt.step() if refused_at == "step" else model(xs[1])
+        else:
+            opt.step()
+        opt.zero_grad()
+        for x in xs[1:]:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("mode", MODES)
 def test_fusion_of_finds_the_fusion_of_a_dropped_optimizer(mode: str) -> None:
     """The model keeps its fusion, and the fusion its optimizer: once the

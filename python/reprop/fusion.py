@@ -1025,6 +1025,9 @@ class _BackwardFusion(FusionHandle):
         # holds them unapplied, so an eager step() after remove() would apply them
         # again; remove() frees them.
         self._kept_unstepped = False
+        # The kept gradients were refused as changed in place since their update
+        # (_refuse_kept_grads_edited), and stay refused until a zero_grad() after it.
+        self._kept_edit_refused = False
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         # _on_backward_end is queued for a backward that has not ended: when its
         # weak reference is dead too, that backward raised (see _drop_failed_pass).
@@ -1131,10 +1134,7 @@ class _BackwardFusion(FusionHandle):
         # an eager step() before it (none called since their update) would
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
-            set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
-            for p, _ in self._kept.values():
-                _zero_grad_of(p, set_to_none)
-            self._kept.clear()
+            self._discard_kept(True if self._kept_zeroed is None else self._kept_zeroed)
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1173,13 +1173,21 @@ class _BackwardFusion(FusionHandle):
         starts inside backward, at a recompute that no gradient of this pass
         came before (so none of its gradients is among them)."""
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+            if self._kept_unstepped:  # (step() checked them; later edits change no step)
+                # before anything changes: refused, no micro-batch has started, so a
+                # retry is checked (and refused) again; counted, it would skip the
+                # check, and its backward would add to the kept gradients and apply them
+                self._refuse_kept_grads_edited()
             self._backward_since_forward = False
             self._micro_batches += 1
-            if self._kept_unstepped:  # (step() checked them; later edits change no step)
-                self._refuse_kept_grads_edited()
-            for p, _ in self._kept.values():
-                p.grad = None
-            self._kept.clear()
+            self._discard_kept(set_to_none=True)
+
+    def _discard_kept(self, set_to_none: bool) -> None:
+        """Does to the kept gradients what eager's zero_grad() did to them."""
+        for p, _ in self._kept.values():
+            _zero_grad_of(p, set_to_none)
+        self._kept.clear()
+        self._kept_edit_refused = False
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         self._moved_before_step.clear()  # (a gradient opens the next window)
@@ -1500,16 +1508,19 @@ class _BackwardFusion(FusionHandle):
         apply them as changed, but they were applied already, as backward
         gave them (scaled, unclipped), and the change would be silently
         lost. Checked at step() and at the next micro-batch (a loop that
-        calls no step() in backward mode)."""
+        calls no step() in backward mode, maybe zeroing first: a zero_grad()
+        before the refusal does not excuse it). Refused at every check until
+        a zero_grad() after the refusal discards them, as eager's does."""
         for p, mark in self._kept.values():
             if p.grad is not None and _grad_mark(p.grad) != mark:
+                self._kept_edit_refused = True
                 raise RuntimeError(
                     f"reprop.fuse(mode='backward', keep_grads=True): the gradient of "
                     f"{_param_name(self.model, p)} was changed in place after backward() had "
                     "applied it (clip_grad_norm_ or clip_grad_value_ after backward()?): the "
                     "update used it as backward gave it. Use mode='forward', whose step() sees "
                     "every gradient as the loop left it (or fuse(clip_grad_norm=...) there), or "
-                    "leave the gradients as they are")
+                    "leave the gradients as they are; optimizer.zero_grad() now discards them")
 
     def _ddp_bucket_hook(self, process_group, bucket):
         """DDP communication hook: DDP's own all-reduce (mean), then the update
@@ -1588,7 +1599,9 @@ class _BackwardFusion(FusionHandle):
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
-        if self._kept:  # applied already: freed by the next micro-batch or remove()
+        if self._kept_edit_refused:  # (the user was told: eager's zero_grad() discards them)
+            self._discard_kept(set_to_none)
+        elif self._kept:  # applied already: freed by the next micro-batch or remove()
             self._kept_zeroed = set_to_none
         self._drop_failed_pass()
         # What eager zero_grad() discards: gradients not applied yet (of earlier
