@@ -1906,6 +1906,71 @@ def test_backward_mode_param_group_removed_and_added_again_updates_once() -> Non
     for a, b in zip(train(True), train(False)):
         assert torch.equal(a, b), _diff(a, b)
 
+
+def _edit_groups(opt, model: nn.Module, edit: str) -> None:
+    """Between a forward and its backward: "pop" the second group, "move"
+    the second layer's bias to the first group (now at lr 1.0), or "swap"
+    the two layers' biases between the groups in place (lists of the same
+    lengths)."""
+    first, second = opt.param_groups
+    if edit == "pop":
+        opt.param_groups.pop()
+    elif edit == "move":
+        second["params"] = [model[1].weight]
+        first["params"].append(model[1].bias)
+        first["lr"] = 1.0
+    else:
+        first["params"][1], second["params"][1] = second["params"][1], first["params"][1]
+
+
+@contextlib.contextmanager
+def _one_rank_process_group():
+    """A gloo process group of one rank, this process: DDP without workers."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo, not yet initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize("warm", [0, 1])
+@pytest.mark.parametrize("edit", ["pop", "move", "swap"])
+def test_backward_mode_groups_edited_between_forward_and_backward(edit: str, warm: int,
+                                                                  ddp: bool) -> None:
+    """The optimizer's groups changed after the forward, before backward:
+    backward's updates, which are eager's step() after it, follow them. The
+    fusion looked groups up in a map made before (warm: a step taken
+    first): a removed group's parameters were updated anyway, a moved one
+    with its old group's lr; without a step before, the removed group's
+    parameters raised a ValueError inside backward. Under DDP (one rank) the
+    bucket hook's updates too."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+        root = nn.parallel.DistributedDataParallel(model) if ddp else model
+        opt = rp.SGD([{"params": list(model[0].parameters())},
+                      {"params": list(model[1].parameters()), "lr": 0.5}], lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(root, opt, mode="backward")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
+            for i in range(warm + 2):
+                loss = root(torch.randn(2, 3, generator=_gen(i))).square().sum()
+                if i == warm:
+                    _edit_groups(opt, model, edit)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    with _one_rank_process_group() if ddp else contextlib.nullcontext():
+        for a, b in zip(train(True), train(False)):
+            assert torch.equal(a, b), _diff(a, b)
+
 # ---------------------------------------------------------------------------
 # 8. Forward mode: lazy, per-module application
 # ---------------------------------------------------------------------------

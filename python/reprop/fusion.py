@@ -1012,6 +1012,7 @@ class _BackwardFusion(FusionHandle):
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
+        self._groups_followed_in: int | None = None  # see _follow_groups
         # id(param) -> (param, _grad_mark of its .grad) whose .grad (keep_grads=True)
         # holds a gradient applied already, kept for the user until the next
         # micro-batch. Every other .grad of a fused param is one not applied yet:
@@ -1221,6 +1222,9 @@ class _BackwardFusion(FusionHandle):
             if not self._updating():  # accumulating: eager would not step now
                 self._note_if_late(p)
                 return
+            first_of_pass = self._end_ref() is None  # (no update of this pass yet)
+            if first_of_pass:
+                self._follow_groups()
             if id(p) not in self._params:
                 return  # no longer in the optimizer
             if id(p) in self._updated:
@@ -1228,7 +1232,7 @@ class _BackwardFusion(FusionHandle):
             # Parameters whose module-mates got no gradient this time are updated at the
             # end of backward; outside one (reprop.ooo's run() of held weight gradients
             # fires the hook), what is left waits for _finish_step.
-            if self._end_ref() is None and not _tensors.outside_backward():
+            if first_of_pass and not _tensors.outside_backward():
                 self._drop_failed_pass()  # (a retry of a backward that raised)
                 self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
                 self._pass_open = True
@@ -1241,6 +1245,18 @@ class _BackwardFusion(FusionHandle):
                     self._hooked_behind[id(p)] = p
                 else:
                     self._update(batch)
+
+    def _follow_groups(self) -> None:
+        """Follows the optimizer's groups as they are at this backward, whose
+        updates are eager's step() after it: a group removed, or a parameter
+        moved to another group, between the forward (_sync followed them
+        there) and the backward. One comparison of the groups per backward
+        pass (its graph task), at its first update, and outside backward
+        (reprop.ooo's run() of held gradients) one after each pass."""
+        task = torch._C._current_graph_task_id()
+        if task != self._groups_followed_in:
+            self._sync()
+            self._groups_followed_in = task
 
     def _hooks_after_ours(self, p: torch.Tensor) -> bool:
         """Whether p has post-accumulate-grad hooks registered after this
@@ -1538,6 +1554,7 @@ class _BackwardFusion(FusionHandle):
             self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
             if self._removed or not self._updating():
                 return reduced
+            self._follow_groups()
             pairs, unused_here = _split_by_local_use(
                 (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if id(p) in self._params)
