@@ -993,6 +993,106 @@ def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, kee
         assert torch.equal(a, b), _diff(a, b)
 
 
+def _accumulation_loop(fused: bool, name: str, ops: str):
+    """accumulation_steps=2 (SGD with momentum, or Adam), the loop doing
+    `ops` in order: "b" a micro-batch (forward, backward), "f" a forward
+    whose backward is the next "k", "s" step() then zero_grad(), "z"
+    zero_grad() alone. Yields the parameters after each step()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \
+        rp.Adam(model.parameters(), lr=0.01)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+    loss = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
+        for i, op in enumerate(ops):
+            if op in "bf":
+                loss = model(torch.randn(4, 3, generator=_gen(i))).square().mean()
+            if op in "bk":
+                loss.backward()
+            if op == "s":
+                opt.step()
+            if op in "sz":
+                opt.zero_grad()
+            if op == "s":
+                yield [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+@pytest.mark.parametrize("ops", [
+    "zbbsb" * 3,  # 3 micro-batches an epoch, the leftover dropped at the next epoch's start
+    "fzkbsb" * 3,  # the same, dropped after the epoch's first forward (before its backward)
+    "bbsbzbbsbbs",  # one dropped mid-window (its loss found NaN), the loop counting on
+])
+def test_backward_accumulation_zero_grad_restarts_the_window(name: str, ops: str) -> None:
+    """zero_grad() discarding a window's gradients restarts the window, as
+    step() does: eager's next step() applies only what comes after it. The
+    micro-batches were counted on across it, so backward updated from the
+    new window's first micro-batch alone and step() applied the rest in a
+    second update (3 updates in 3 steps of 2 epochs where eager makes 2)."""
+    got, want = list(_accumulation_loop(True, name, ops)), list(_accumulation_loop(False, name, ops))
+    assert len(got) == len(want) == ops.count("s")
+    for step, (ps, refs) in enumerate(zip(got, want)):
+        for p, ref in zip(ps, refs):
+            assert torch.equal(p, ref), f"after step() {step}: {_diff(p, ref)}"
+
+
+_LATE_GRADIENT = (r"^reprop.fuse\(mode='backward', accumulation_steps=2\): optimizer.step\(\) after "
+                  r"a micro-batch gave a gradient to parameter '.*' \(of shape .*\), which "
+                  r"backward\(\) updated since the last step\(\) or zero_grad\(\)")
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+@pytest.mark.parametrize("ops", [
+    "bbsb" + "bbs",  # 3 micro-batches an epoch, stepping after the 2nd: the leftover not zeroed
+    "bbbbs",  # stepping every 4 where accumulation_steps=2
+])
+def test_backward_accumulation_step_refuses_a_window_longer_than_counted(name: str, ops: str) -> None:
+    """The loop's window is longer than the fusion counted: an epoch's
+    leftover neither stepped nor zeroed (eager's next step() applies it
+    with the next epoch's 2 micro-batches, where backward updated after the
+    leftover and the epoch's 1st, before the loop stepped, which no count
+    could foresee), or a loop stepping every 4 micro-batches. The step()
+    after a micro-batch that gave a gradient to a parameter updated since
+    the last step() is refused, where it applied what was left in an update
+    of its own (3 updates where eager makes 2, or 2 for 1, silently); the
+    steps before are eager's, bit for bit."""
+    want = list(_accumulation_loop(False, name, ops))
+    got = _accumulation_loop(True, name, ops)
+    for refs, ps in zip(want[:-1], got):
+        for p, ref in zip(ps, refs):
+            assert torch.equal(p, ref), _diff(p, ref)
+    with pytest.raises(RuntimeError, match=_LATE_GRADIENT):
+        next(got)
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+def test_backward_accumulation_late_gradient_refused_until_zero_grad() -> None:
+    """The step() after a late micro-batch is refused again at a retry;
+    zero_grad() discards the late gradient and restarts the window, whose
+    2nd backward then updates, and its step() is not refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+
+    def micro_batch(i: int) -> bool:
+        before = model.weight.detach().clone()
+        model(torch.randn(4, 3, generator=_gen(i))).square().mean().backward()
+        return not torch.equal(model.weight, before)
+
+    assert [micro_batch(i) for i in range(3)] == [False, True, False]  # the 3rd is late
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=_LATE_GRADIENT):
+            opt.step()
+    opt.zero_grad()
+    assert model.weight.grad is None
+    assert [micro_batch(i) for i in range(3, 5)] == [False, True]
+    opt.step()
+
+
 # ---------------------------------------------------------------------------
 # 3. Forward mode: clipping and GradScaler
 # ---------------------------------------------------------------------------
@@ -1345,6 +1445,48 @@ def test_backward_mode_kept_gradients_clipped_after_backward_are_refused(clip: s
                                                    r"changed in place"):
                 edge()
     h.remove()
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("retries", [0, 2])
+@pytest.mark.parametrize("refused_at", ["step", "forward", "forward_after_zero_grad"])
+def test_backward_mode_kept_gradients_refused_until_zero_grad(refused_at: str, retries: int) -> None:
+    """keep_grads=True, the kept gradients clipped (clip_grad_norm_) after
+    backward() applied them: refused at step(), or at the next training
+    forward of a loop that calls no step(), also one zeroing first. That
+    forward had counted its micro-batch before refusing, so a retry skipped
+    the check and its backward added to the clipped gradients and applied
+    them again. Nothing changes before the check now: each retry is refused
+    too, until a zero_grad() after the refusal discards them, as eager's;
+    training goes on as eager's from the update backward made (unclipped)."""
+    xs = [torch.randn(8, 4, generator=_gen(i)) for i in range(3)]
+
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, keep_grads=True)
+        model(xs[0]).square().mean().backward()
+        if fused:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+            if refused_at == "forward_after_zero_grad":
+                opt.zero_grad()
+            for _ in range(1 + retries):
+                with pytest.raises(RuntimeError, match=r"^reprop.fuse\(mode='backward', keep_grads="
+                                                       r"True\): the gradient of parameter 'weight'"):
+                    opt.step() if refused_at == "step" else model(xs[1])
+        else:
+            opt.step()
+        opt.zero_grad()
+        for x in xs[1:]:
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
 
 
 @pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
@@ -1763,6 +1905,71 @@ def test_backward_mode_param_group_removed_and_added_again_updates_once() -> Non
 
     for a, b in zip(train(True), train(False)):
         assert torch.equal(a, b), _diff(a, b)
+
+
+def _edit_groups(opt, model: nn.Module, edit: str) -> None:
+    """Between a forward and its backward: "pop" the second group, "move"
+    the second layer's bias to the first group (now at lr 1.0), or "swap"
+    the two layers' biases between the groups in place (lists of the same
+    lengths)."""
+    first, second = opt.param_groups
+    if edit == "pop":
+        opt.param_groups.pop()
+    elif edit == "move":
+        second["params"] = [model[1].weight]
+        first["params"].append(model[1].bias)
+        first["lr"] = 1.0
+    else:
+        first["params"][1], second["params"][1] = second["params"][1], first["params"][1]
+
+
+@contextlib.contextmanager
+def _one_rank_process_group():
+    """A gloo process group of one rank, this process: DDP without workers."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed with gloo, not yet initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ddp", [False, True])
+@pytest.mark.parametrize("warm", [0, 1])
+@pytest.mark.parametrize("edit", ["pop", "move", "swap"])
+def test_backward_mode_groups_edited_between_forward_and_backward(edit: str, warm: int,
+                                                                  ddp: bool) -> None:
+    """The optimizer's groups changed after the forward, before backward:
+    backward's updates, which are eager's step() after it, follow them. The
+    fusion looked groups up in a map made before (warm: a step taken
+    first): a removed group's parameters were updated anyway, a moved one
+    with its old group's lr; without a step before, the removed group's
+    parameters raised a ValueError inside backward. Under DDP (one rank) the
+    bucket hook's updates too."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+        root = nn.parallel.DistributedDataParallel(model) if ddp else model
+        opt = rp.SGD([{"params": list(model[0].parameters())},
+                      {"params": list(model[1].parameters()), "lr": 0.5}], lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(root, opt, mode="backward")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
+            for i in range(warm + 2):
+                loss = root(torch.randn(2, 3, generator=_gen(i))).square().sum()
+                if i == warm:
+                    _edit_groups(opt, model, edit)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return [p.detach() for p in model.parameters()]
+
+    with _one_rank_process_group() if ddp else contextlib.nullcontext():
+        for a, b in zip(train(True), train(False)):
+            assert torch.equal(a, b), _diff(a, b)
 
 # ---------------------------------------------------------------------------
 # 8. Forward mode: lazy, per-module application

@@ -1012,6 +1012,7 @@ class _BackwardFusion(FusionHandle):
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
+        self._groups_followed_in: int | None = None  # see _follow_groups
         # id(param) -> (param, _grad_mark of its .grad) whose .grad (keep_grads=True)
         # holds a gradient applied already, kept for the user until the next
         # micro-batch. Every other .grad of a fused param is one not applied yet:
@@ -1025,6 +1026,9 @@ class _BackwardFusion(FusionHandle):
         # holds them unapplied, so an eager step() after remove() would apply them
         # again; remove() frees them.
         self._kept_unstepped = False
+        # The kept gradients were refused as changed in place since their update
+        # (_refuse_kept_grads_edited), and stay refused until a zero_grad() after it.
+        self._kept_edit_refused = False
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         # _on_backward_end is queued for a backward that has not ended: when its
         # weak reference is dead too, that backward raised (see _drop_failed_pass).
@@ -1037,6 +1041,12 @@ class _BackwardFusion(FusionHandle):
         # these no more. Cleared by that step() and by the next gradient,
         # which belongs to the next window.
         self._moved_before_step: set = set()
+        # ids of the params moved since the last step() or zero_grad(): eager's
+        # step() moves each once, from the gradients since the last zero_grad();
+        # and one of them given a gradient since by an accumulating micro-batch
+        # (see _refuse_late_gradients).
+        self._moved_in_step: set = set()
+        self._late: torch.Tensor | None = None
         # The hyper-parameters of the window's updating backward, while the
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
@@ -1125,10 +1135,7 @@ class _BackwardFusion(FusionHandle):
         # an eager step() before it (none called since their update) would
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
-            set_to_none = True if self._kept_zeroed is None else self._kept_zeroed
-            for p, _ in self._kept.values():
-                _zero_grad_of(p, set_to_none)
-            self._kept.clear()
+            self._discard_kept(True if self._kept_zeroed is None else self._kept_zeroed)
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1167,13 +1174,21 @@ class _BackwardFusion(FusionHandle):
         starts inside backward, at a recompute that no gradient of this pass
         came before (so none of its gradients is among them)."""
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+            if self._kept_unstepped:  # (step() checked them; later edits change no step)
+                # before anything changes: refused, no micro-batch has started, so a
+                # retry is checked (and refused) again; counted, it would skip the
+                # check, and its backward would add to the kept gradients and apply them
+                self._refuse_kept_grads_edited()
             self._backward_since_forward = False
             self._micro_batches += 1
-            if self._kept_unstepped:  # (step() checked them; later edits change no step)
-                self._refuse_kept_grads_edited()
-            for p, _ in self._kept.values():
-                p.grad = None
-            self._kept.clear()
+            self._discard_kept(set_to_none=True)
+
+    def _discard_kept(self, set_to_none: bool) -> None:
+        """Does to the kept gradients what eager's zero_grad() did to them."""
+        for p, _ in self._kept.values():
+            _zero_grad_of(p, set_to_none)
+        self._kept.clear()
+        self._kept_edit_refused = False
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         self._moved_before_step.clear()  # (a gradient opens the next window)
@@ -1204,14 +1219,20 @@ class _BackwardFusion(FusionHandle):
             if self._removed:  # by another thread during this backward: p.grad is eager's now
                 return
             self._mark_backward(p)
-            if id(p) not in self._params or not self._updating():
-                return  # no longer in the optimizer, or accumulating: eager would not step now
+            if not self._updating():  # accumulating: eager would not step now
+                self._note_if_late(p)
+                return
+            first_of_pass = self._end_ref() is None  # (no update of this pass yet)
+            if first_of_pass:
+                self._follow_groups()
+            if id(p) not in self._params:
+                return  # no longer in the optimizer
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
             # Parameters whose module-mates got no gradient this time are updated at the
             # end of backward; outside one (reprop.ooo's run() of held weight gradients
             # fires the hook), what is left waits for _finish_step.
-            if self._end_ref() is None and not _tensors.outside_backward():
+            if first_of_pass and not _tensors.outside_backward():
                 self._drop_failed_pass()  # (a retry of a backward that raised)
                 self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
                 self._pass_open = True
@@ -1224,6 +1245,18 @@ class _BackwardFusion(FusionHandle):
                     self._hooked_behind[id(p)] = p
                 else:
                     self._update(batch)
+
+    def _follow_groups(self) -> None:
+        """Follows the optimizer's groups as they are at this backward, whose
+        updates are eager's step() after it: a group removed, or a parameter
+        moved to another group, between the forward (_sync followed them
+        there) and the backward. One comparison of the groups per backward
+        pass (its graph task), at its first update, and outside backward
+        (reprop.ooo's run() of held gradients) one after each pass."""
+        task = torch._C._current_graph_task_id()
+        if task != self._groups_followed_in:
+            self._sync()
+            self._groups_followed_in = task
 
     def _hooks_after_ours(self, p: torch.Tensor) -> bool:
         """Whether p has post-accumulate-grad hooks registered after this
@@ -1252,6 +1285,16 @@ class _BackwardFusion(FusionHandle):
             self._mark_backward(p)
             if id(p) in self._updated:
                 self._refuse_second_gradient(p)
+            if not self._updating():
+                self._note_if_late(p)
+
+    def _note_if_late(self, p: torch.Tensor) -> None:
+        """Notes p if this accumulating micro-batch's gradient reached it after
+        an update since the last step() or zero_grad() (see
+        _refuse_late_gradients). A lookup per gradient of an accumulating
+        micro-batch only; step() then checks nothing per parameter."""
+        if id(p) in self._moved_in_step:
+            self._late = p
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
         """A gradient for a parameter already updated since the last step() or
@@ -1329,9 +1372,17 @@ class _BackwardFusion(FusionHandle):
             self._moved_before_step = set() if stepping else self._updated
             self._updated = set()
             if stepping:
-                # a micro-batch whose forward ran already belongs to the next window
-                self._micro_batches = 0 if self._backward_since_forward else 1
+                self._restart_window()
                 self._kept_unstepped = False
+
+    def _restart_window(self) -> None:
+        """A step() or zero_grad() ends the window, its gradients applied or
+        discarded: eager's next step() applies only what comes after, so the
+        micro-batches are counted from here (a micro-batch whose forward ran
+        already belongs to the next window)."""
+        self._micro_batches = 0 if self._backward_since_forward else 1
+        self._moved_in_step = set()
+        self._late = None
 
     def _apply_unapplied(self, settings: dict | None) -> None:
         """Updates, with `settings` (None: the groups' own), what eager step()
@@ -1391,13 +1442,15 @@ class _BackwardFusion(FusionHandle):
 
     def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
         """Notes `params` as updated in this window (a second gradient for one
-        is refused, step() does not move it again) and as having had a
+        is refused, step() does not move it again), in this step (see
+        _note_if_late) and as having had a
         gradient (after zero_grad(set_to_none=False), eager's step() moves it
         from zeros in every later step that gives it none). Every path that
         updates notes here: _update, and under DDP the bucket hook and the
         end of backward."""
         for p in params:
             self._updated.add(id(p))
+            self._moved_in_step.add(id(p))
             self._ever_updated[id(p)] = p
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
@@ -1471,16 +1524,19 @@ class _BackwardFusion(FusionHandle):
         apply them as changed, but they were applied already, as backward
         gave them (scaled, unclipped), and the change would be silently
         lost. Checked at step() and at the next micro-batch (a loop that
-        calls no step() in backward mode)."""
+        calls no step() in backward mode, maybe zeroing first: a zero_grad()
+        before the refusal does not excuse it). Refused at every check until
+        a zero_grad() after the refusal discards them, as eager's does."""
         for p, mark in self._kept.values():
             if p.grad is not None and _grad_mark(p.grad) != mark:
+                self._kept_edit_refused = True
                 raise RuntimeError(
                     f"reprop.fuse(mode='backward', keep_grads=True): the gradient of "
                     f"{_param_name(self.model, p)} was changed in place after backward() had "
                     "applied it (clip_grad_norm_ or clip_grad_value_ after backward()?): the "
                     "update used it as backward gave it. Use mode='forward', whose step() sees "
                     "every gradient as the loop left it (or fuse(clip_grad_norm=...) there), or "
-                    "leave the gradients as they are")
+                    "leave the gradients as they are; optimizer.zero_grad() now discards them")
 
     def _ddp_bucket_hook(self, process_group, bucket):
         """DDP communication hook: DDP's own all-reduce (mean), then the update
@@ -1498,6 +1554,7 @@ class _BackwardFusion(FusionHandle):
             self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
             if self._removed or not self._updating():
                 return reduced
+            self._follow_groups()
             pairs, unused_here = _split_by_local_use(
                 (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if id(p) in self._params)
@@ -1532,11 +1589,36 @@ class _BackwardFusion(FusionHandle):
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
+        self._refuse_late_gradients()
         self._finish_step(stepping=True)
+
+    def _refuse_late_gradients(self) -> None:
+        """Refuses a step() after an accumulating micro-batch gave a gradient
+        to a parameter backward moved since the last step() or zero_grad():
+        eager's step() makes one update from the gradients since zero_grad(),
+        where backward made one already. The loop steps later than the
+        fusion counted: micro-batches left over and neither stepped nor
+        zeroed (an epoch's shorter last window, with the loop counting again
+        from each epoch's start) made the next window's update come early,
+        which no count could foresee, since it depends on when the loop will
+        step; or the loop's windows are longer than accumulation_steps."""
+        if self._late is not None:
+            raise RuntimeError(
+                f"reprop.fuse(mode='backward', accumulation_steps={self._every}): "
+                "optimizer.step() after a micro-batch gave a gradient to "
+                f"{_param_name(self.model, self._late)}, which backward() updated since the last "
+                "step() or zero_grad(): "
+                "eager's step() makes a single update where backward() made one already. The "
+                f"loop steps later than every {self._every} micro-batches: call step() or "
+                "zero_grad() after an epoch's shorter last window too (micro-batches left over "
+                "make the next window's update come early), or give fuse() the loop's "
+                "accumulation_steps. optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
-        if self._kept:  # applied already: freed by the next micro-batch or remove()
+        if self._kept_edit_refused:  # (the user was told: eager's zero_grad() discards them)
+            self._discard_kept(set_to_none)
+        elif self._kept:  # applied already: freed by the next micro-batch or remove()
             self._kept_zeroed = set_to_none
         self._drop_failed_pass()
         # What eager zero_grad() discards: gradients not applied yet (of earlier
@@ -1547,6 +1629,7 @@ class _BackwardFusion(FusionHandle):
             if p.grad is not None and id(p) not in self._kept:
                 _zero_grad_of(p, set_to_none)
                 self._ready.pop(id(p), None)
+        self._restart_window()
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
                                      "as backward() applies them; optimizer.zero_grad() clears "
                                      "only those not applied yet", stacklevel=2)
