@@ -31,6 +31,13 @@
         one forward (the second reaching only an Embedding's weight, which
         autograd does not save); torch.save {"error": its message or None}.
 
+    python _fusion_resume.py ddp_comm_hook RANK WORLD INIT_FILE OUT
+        DDP with a communication hook (fp16 compression, PowerSGD, one whose
+        result is a new tensor): registered with DDP and eager step(), and
+        passed to reprop.fuse(mode="backward", comm_hook=...); then fuse()
+        of a DDP model with a hook registered already (Python's, built-in);
+        torch.save {(hook, fused): final parameters, "refusals": ...} to OUT.
+
     python _fusion_resume.py ddp_join RANK WORLD INIT_FILE OUT
         Uneven inputs under torch's Join([ddp]) (rank r trains 2 + r steps):
         eager step(), reprop.fuse(mode="backward") and mode="forward";
@@ -264,7 +271,73 @@ def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _mean_into_copy_hook(state, bucket):
+    """A DDP comm hook whose result is a new tensor, not the bucket's buffer
+    (DDP copies it there once backward ends)."""
+    mean = bucket.buffer().div(dist.get_world_size())
+    return dist.all_reduce(mean, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _comm_hooks() -> dict:
+    """name -> a function making (hook, state), a new state per run."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    def powersgd():  # compressing from the third step on, error feedback
+        return powerSGD_hook.powerSGD_hook, powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+            min_compression_rate=0.5)
+    return {"fp16": lambda: (default_hooks.fp16_compress_hook, None),
+            "copy": lambda: (_mean_into_copy_hook, None), "powersgd": powersgd}
+
+
+def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for name, make in _comm_hooks().items():
+        for fused in (False, True):
+            torch.manual_seed(0)
+            model = DDP(tf._mlp())
+            opt = reprop.optim.Adam(model.parameters(), lr=0.01)
+            hook, state = make()
+            if fused:
+                handle = reprop.fuse(model, opt, mode="backward", comm_hook=hook, comm_state=state)
+            else:
+                model.register_comm_hook(state, hook)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for i in range(5):
+                    x, y = tf._mlp_batch(10 * rank + i)
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+            if fused:
+                handle.remove()
+            results[(name, fused)] = [p.detach().clone() for p in model.parameters()]
+    # a hook registered with DDP first, Python's or a built-in: refused, DDP as it was
+    refusals = {}
+    for name in ("python", "builtin"):
+        model = DDP(tf._mlp())
+        if name == "python":
+            model.register_comm_hook(None, _mean_into_copy_hook)
+        else:
+            model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        hooks = list(model._comm_hooks)
+        try:
+            reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+            refusals[name] = None
+        except ValueError as exc:
+            refusals[name] = (str(exc), model._comm_hooks == hooks)
+    results["refusals"] = refusals
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 DDP_COMMANDS = {
+    "ddp_comm_hook": ddp_comm_hook,
     "ddp": ddp,
     "ddp_unused": ddp_unused,
     "ddp_unused_zeroed": functools.partial(ddp_unused, set_to_none=False),

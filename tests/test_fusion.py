@@ -4159,6 +4159,38 @@ def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_comm_hook_passed_to_fuse_matches_eager_ddp_with_it(tmp_path: Path) -> None:
+    """A DDP communication hook (fp16 compression, PowerSGD with its error
+    feedback, one returning a new tensor) given to fuse(comm_hook=...) runs
+    in place of the all-reduce: the fused updates equal eager DDP's with the
+    hook registered, bitwise, on each rank. One registered with DDP before
+    fuse() made DDP raise "can only be called once" (and kept the fusion's
+    hook in DDP's list); refused now, naming it, DDP as it was."""
+    for r in _run_ddp_workers("ddp_comm_hook", tmp_path):
+        for name in ("fp16", "copy", "powersgd"):
+            for i, (a, b) in enumerate(zip(r[(name, True)], r[(name, False)])):
+                assert torch.equal(a, b), f"{name}: parameter {i} differs from eager DDP's"
+        message, unchanged = r["refusals"]["python"]
+        assert message.startswith("model: DDP has a communication hook already "
+                                  "(_mean_into_copy_hook)") and "comm_hook=" in message
+        assert unchanged
+        message, unchanged = r["refusals"]["builtin"]
+        assert message.startswith("model: DDP has a communication hook already (a built-in")
+        assert unchanged
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(comm_hook="fp16"), TypeError, "^comm_hook: expected a DDP communication hook"),
+    (dict(comm_hook=lambda state, bucket: None), ValueError,
+     "^comm_hook: a DDP communication hook needs a DistributedDataParallel model"),
+    (dict(comm_hook=lambda state, bucket: None, mode="forward"), ValueError,
+     r"^comm_hook: forward mode registers no hook of its own"),
+])
+def test_bad_comm_hook_raises_naming_it(kwargs: dict, exc: type, match: str) -> None:
+    _refused(exc, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kwargs)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_join_with_uneven_inputs_matches_eager(tmp_path: Path) -> None:
     """torch's Join([ddp]) with uneven inputs (rank r trains 2 + r steps).
     Backward mode: the joined rank's DDP join hook runs the comm hook outside

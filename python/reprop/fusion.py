@@ -97,7 +97,7 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -250,7 +250,8 @@ def _uninstall_flushing(module: nn.Module, name: str) -> None:
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
          accumulation_steps: int = 1, clip_grad_norm: float | None = None,
-         keep_grads: bool = False) -> "FusionHandle":
+         keep_grads: bool = False, comm_hook: Callable | None = None,
+         comm_state: object = None) -> "FusionHandle":
     """Fuses `optimizer`'s updates into `model`'s backward or next forward.
 
     Args:
@@ -281,6 +282,14 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             does to them what a zero_grad() since did, and frees them if no
             step() was called since). True or False (a NumPy bool too).
             Refused in forward mode, which frees no gradient itself.
+        comm_hook, comm_state: backward mode under DistributedDataParallel:
+            a DDP communication hook (``fp16_compress_hook``, PowerSGD's
+            ``powerSGD_hook``, ...) and its state, as
+            ``register_comm_hook(comm_state, comm_hook)`` takes them, run in
+            place of DDP's all-reduce; each bucket is updated from what it
+            returns. DDP takes one hook, which backward fusion registers: pass
+            yours here, not to DDP (one registered there is refused). In
+            forward mode register it with DDP as usual.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
     also usable as a context manager that removes the fusion on exit.
@@ -303,13 +312,16 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
     if mode == "forward" and keep_grads:
         raise ValueError("keep_grads: forward mode frees no gradient (zero_grad() and the "
                          "training loop do, as in eager training); leave keep_grads False")
+    if comm_hook is not None:
+        _check_comm_hook(comm_hook, model, mode)
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
     _check_no_instance_override(optimizer)
     if mode == "backward":
         _check_not_data_parallel(engine)
         _check_not_micro_batch_pipelined(engine)
-        handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads)
+        handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads,
+                                 comm_hook, comm_state)
     else:
         handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
     # the optimizer changes last: a handle that failed to build leaves it as it was
@@ -405,6 +417,54 @@ def _unclaim(ids: Iterable[int], claimed: set, ref: weakref.ref) -> None:
         if _FUSION_OF_PARAM.get(i) is ref:
             del _FUSION_OF_PARAM[i]
         claimed.discard(i)
+
+
+def _check_comm_hook(comm_hook, model: nn.Module, mode: str) -> None:
+    """fuse()'s comm_hook: a function, for backward mode under DDP."""
+    if not callable(comm_hook):
+        raise TypeError(f"comm_hook: expected a DDP communication hook, a function "
+                        f"(state, bucket) -> Future, got {type(comm_hook).__name__}")
+    if mode != "backward":
+        raise ValueError("comm_hook: forward mode registers no hook of its own; register "
+                         "yours with model.register_comm_hook(state, hook)")
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError(f"comm_hook: a DDP communication hook needs a DistributedDataParallel "
+                         f"model, got {type(model).__name__}")
+
+
+def _register_bucket_hook(model: nn.parallel.DistributedDataParallel, hook: Callable,
+                          state: object, otherwise: Callable) -> None:
+    """model.register_comm_hook(state, hook), refused with a ValueError naming
+    `model` when DDP has a hook already (DDP takes one: the user's own, a
+    Python one or a built-in, which backward fusion cannot run inside its
+    own); a refusal leaves DDP as it was."""
+    def refuse(what: str):
+        return ValueError(f"model: DDP has a communication hook already ({what}); backward "
+                          "fusion registers its own, DDP takes one: pass yours as "
+                          "reprop.fuse(..., comm_hook=hook, comm_state=state) instead, or use "
+                          "mode='forward'")
+
+    if model._comm_hooks:
+        raise refuse(getattr(model._comm_hooks[0][0], "__qualname__", "a function"))
+    try:
+        model.register_comm_hook(state, _tensors.weak_hook(hook, otherwise=otherwise))
+    except RuntimeError as exc:
+        if not model._comm_hooks:  # refused before DDP took it: not for a hook there
+            raise
+        # a built-in one, of which DDP keeps no record in Python; it appended ours first
+        model._comm_hooks.clear()
+        raise refuse("a built-in one") from exc
+
+
+def _into_bucket(reduced, buffer: torch.Tensor) -> None:
+    """What a comm hook's future holds (a tensor, or a list of one) written
+    into the bucket's buffer, which its gradients view, where the hook left
+    it elsewhere (torch's all-reduce and fp16 hooks reduce into the buffer;
+    a hook may return a new tensor, which DDP copies there only once backward
+    ends, after the update)."""
+    tensor = reduced[0] if isinstance(reduced, list) else reduced
+    if tensor.data_ptr() != buffer.data_ptr():
+        buffer.copy_(tensor)
 
 
 def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
@@ -999,7 +1059,8 @@ class _BackwardFusion(FusionHandle):
 
     mode = "backward"
 
-    def __init__(self, model, optimizer, engine, accumulation_steps: int, keep_grads: bool):
+    def __init__(self, model, optimizer, engine, accumulation_steps: int, keep_grads: bool,
+                 comm_hook: Callable | None = None, comm_state: object = None):
         super().__init__(model, optimizer, engine)
         self._every = accumulation_steps
         self._keep_grads = keep_grads
@@ -1074,11 +1135,12 @@ class _BackwardFusion(FusionHandle):
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
             # Local gradients are not final under DDP: update after each bucket's
-            # all-reduce. DDP's C++ Reducer keeps the hook out of the garbage
-            # collector's sight (see _register_grad_ready); DDP cannot unregister
-            # it, so once the handle is gone (removed and dropped) it is DDP's own.
-            model.register_comm_hook(None, _tensors.weak_hook(self._ddp_bucket_hook,
-                                                              otherwise=allreduce_hook))
+            # all-reduce (or the user's hook). DDP's C++ Reducer keeps the hook out
+            # of the garbage collector's sight (see _register_grad_ready); DDP cannot
+            # unregister it, so once the handle is gone (removed and dropped) it is
+            # the user's hook, or DDP's own all-reduce.
+            self._comm_hook = comm_hook or allreduce_hook
+            _register_bucket_hook(model, self._ddp_bucket_hook, comm_state, self._comm_hook)
         self._track(list(self._params.values()))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
 
@@ -1538,13 +1600,12 @@ class _BackwardFusion(FusionHandle):
                     "every gradient as the loop left it (or fuse(clip_grad_norm=...) there), or "
                     "leave the gradients as they are; optimizer.zero_grad() now discards them")
 
-    def _ddp_bucket_hook(self, process_group, bucket):
-        """DDP communication hook: DDP's own all-reduce (mean), then the update
-        of the bucket's parameters from the reduced gradients. DDP offers no way
-        to unregister a hook, so after remove() it is the plain all-reduce."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        reduced = allreduce_hook(process_group, bucket)
+    def _ddp_bucket_hook(self, state, bucket):
+        """DDP communication hook: DDP's own all-reduce (mean) or the user's
+        comm_hook with its `state`, then the update of the bucket's parameters
+        from the reduced gradients. DDP offers no way to unregister a hook, so
+        after remove() it is the user's hook, or the plain all-reduce."""
+        reduced = self._comm_hook(state, bucket)
         if _tensors.outside_backward():
             # DDP's join hook (Join([ddp]) with uneven inputs) running it on a joined
             # rank to match another rank's all-reduce, of zeros: no backward, no update
@@ -1567,11 +1628,14 @@ class _BackwardFusion(FusionHandle):
         # (a strong one kept the dropped model alive until then)
         handle = weakref.ref(self)
 
+        buffer = bucket.buffer()
+
         def update(fut):
             # on the process group's threads, maybe several buckets at once:
             # under the lock, as every update of the optimizer's plans
             fusion = handle()
             if pairs and fusion is not None:
+                _into_bucket(fut.value(), buffer)
                 with fusion._lock:
                     fusion.optimizer.step_params([p for p, _ in pairs],
                                                  grads=[g for _, g in pairs])
