@@ -681,10 +681,12 @@ static void error_cases(void)
 
     /* bad arguments: RP_EINVAL, nothing launched */
     {
-        rp_csr_program bad_order = s.g, null_phases = s.g, negative = s.g;
-        std::vector<int64_t> ps = s.phase_shared;
+        rp_csr_program bad_order = s.g, null_phases = s.g, negative = s.g, below = s.g;
+        std::vector<int64_t> ps = s.phase_shared, pp = s.phase_ptr;
         ps[1] = s.phase_ptr[2] + 1;
         bad_order.phase_shared = ps.data();
+        pp[0] = -1; /* phase 0 from row -1: ordered, but before the rows */
+        below.phase_ptr = pp.data();
         null_phases.phase_ptr = NULL;
         negative.nterms = -1;
         rp_csr_device_rows no_dst = rows.r, no_tx = rows.r;
@@ -706,6 +708,7 @@ static void error_cases(void)
             {"NULL device tx", &s.g, &no_tx, B, seq.p(), shared.p()},
             {"phases out of order", &bad_order, &rows.r, B, seq.p(), shared.p()},
             {"NULL phase_ptr", &null_phases, &rows.r, B, seq.p(), shared.p()},
+            {"phase starting at row -1", &below, &rows.r, B, seq.p(), shared.p()},
             {"negative nterms", &negative, &rows.r, B, seq.p(), shared.p()},
             {"batch overflowing", &s.g, &rows.r, INT64_MAX / 4, seq.p(), shared.p()},
         };

@@ -18,6 +18,8 @@
  * What it proves, for every optimizer and its options, float32, float16 and
  * bfloat16, aligned, misaligned and 8-byte-aligned tensors, non-capturable and
  * capturable updates (with and without a device lr), and 1 to 132 SMs:
+ *   - the kernel of each launch: the instantiation for the call's optimizer,
+ *     dtype and capture mode;
  *   - the launch tables: each table tensor points into its entry at a chunk
  *     boundary with the right numel, state slots, step scalars or step pointer,
  *     and every element of every entry is updated exactly once;
@@ -34,7 +36,9 @@
  *     small below, which optim.cu allows, so small inputs spill);
  *   - the stream's device is current during the launches and restored after;
  *   - error statuses: bad arguments give RP_EINVAL with nothing launched or
- *     written, CUDA errors give RP_ERUNTIME with CUDA's text, and
+ *     written, CUDA errors (a refused launch, or one cudaGetLastError reports,
+ *     of the step increments or of an update) give RP_ERUNTIME with CUDA's
+ *     text (no update after failed increments), and
  *     rp_cuda_device_count() is 0 when the runtime finds no driver.
  *
  * What it cannot prove: anything only the device does: real 128-bit and 64-bit
@@ -90,6 +94,7 @@ typedef enum {
     FAULT_STEP_LAUNCH,   /* the step-increment launch is refused */
     FAULT_UPDATE_LAUNCH, /* an update launch is refused */
     FAULT_LAST_ERROR,    /* an update launch "succeeds" but cudaGetLastError reports an error */
+    FAULT_STEP_LAST_ERROR, /* likewise the step-increment launch */
 } emu_fault;
 
 static emu_fault g_fault;
@@ -183,14 +188,29 @@ static void emulate_grid(const rp_optim_launch &L, int nblocks)
 
 typedef void (*emulate_fn)(const rp_optim_launch &, int);
 
-template <int KIND, int DT>
-static emulate_fn emulator_capt(bool capturable)
+/* The emulation of rp_optim_kernel<KIND, DT, CAPT> and that kernel, the one
+ * a launch must name: picked here from the call's kind, dtype and capture
+ * mode, not through optim.cu's rp_update_kernel_for, so that a launcher
+ * picking another instantiation (float16 for bfloat16, the non-capturable
+ * kernel for a capturable call) shows. */
+typedef struct {
+    emulate_fn run;
+    const void *kernel;
+} emulator;
+
+template <int KIND, int DT, bool CAPT> static emulator emulator_of(void)
 {
-    return capturable ? emulate_grid<KIND, DT, true> : emulate_grid<KIND, DT, false>;
+    return {emulate_grid<KIND, DT, CAPT>, (const void *)rp_optim_kernel<KIND, DT, CAPT>};
+}
+
+template <int KIND, int DT>
+static emulator emulator_capt(bool capturable)
+{
+    return capturable ? emulator_of<KIND, DT, true>() : emulator_of<KIND, DT, false>();
 }
 
 template <int KIND>
-static emulate_fn emulator_dtype(int dtype, bool capturable)
+static emulator emulator_dtype(int dtype, bool capturable)
 {
     switch (dtype) {
     case RP_F32:
@@ -202,7 +222,7 @@ static emulate_fn emulator_dtype(int dtype, bool capturable)
     }
 }
 
-static emulate_fn emulator_for(int kind, int dtype, bool capturable)
+static emulator emulator_for(int kind, int dtype, bool capturable)
 {
     switch (kind) {
     case RP_SGD:
@@ -337,9 +357,9 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
 static void emulate_update(const void *fn, const rp_optim_launch &L, dim3 grid, dim3 block)
 {
     const bool step_kind = g_call.kind != RP_SGD;
-    CHECK(fn == (const void *)rp_update_kernel_for(g_call.kind, g_call.dtype, g_call.capturable),
-          "wrong kernel for kind %d, dtype %d, capturable %d", g_call.kind, g_call.dtype,
-          (int)g_call.capturable);
+    const emulator em = emulator_for(g_call.kind, g_call.dtype, g_call.capturable);
+    CHECK(fn == em.kernel, "wrong kernel for kind %d, dtype %d, capturable %d", g_call.kind,
+          g_call.dtype, (int)g_call.capturable);
     CHECK(block.x == RP_THREADS, "%u threads per block", block.x);
     CHECK(grid.x >= 1 && grid.x <= RP_TAB_BLOCKS, "%u blocks", grid.x);
     CHECK(!(g_call.capturable && step_kind) || g_call.step_launches > 0,
@@ -348,7 +368,7 @@ static void emulate_update(const void *fn, const rp_optim_launch &L, dim3 grid, 
     g_stats.update_launches++;
     if (grid.x < 1 || grid.x > RP_TAB_BLOCKS || !check_table(L, (int)grid.x))
         return;
-    emulator_for(g_call.kind, g_call.dtype, g_call.capturable)(L, (int)grid.x);
+    em.run(L, (int)grid.x);
 }
 
 static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
@@ -360,6 +380,10 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
         if (g_fault == FAULT_STEP_LAUNCH) {
             g_emu.pending = cudaErrorLaunchOutOfResources;
             return cudaErrorLaunchOutOfResources;
+        }
+        if (g_fault == FAULT_STEP_LAST_ERROR) {
+            g_emu.pending = cudaErrorLaunchFailure;
+            return cudaSuccess;
         }
         emulate_step_increment(*(const rp_step_launch *)args[0], grid, block);
         return cudaSuccess;
@@ -652,6 +676,9 @@ static std::vector<hparam_config> hparam_configs(void)
     v.push_back({"adam amsgrad maximize", h});
     h.beta1 = 0.3; /* lerp weight >= 0.5: ATen's other formula */
     v.push_back({"adam amsgrad maximize beta1=0.3", h});
+    h = base_hparams(RP_ADAM);
+    h.beta1 = 0.5; /* lerp weight exactly 0.5: still the other formula (|w| < 0.5 is not) */
+    v.push_back({"adam beta1=0.5", h});
 
     h = base_hparams(RP_ADAGRAD);
     v.push_back({"adagrad", h});
@@ -951,12 +978,16 @@ static void expect_runtime_error(const char *what, emu_fault fault, int capturab
     CHECK(rp_optim_advance_steps(&adam, cd.entries.data(), 2, scalars.data(), &err) == RP_OK,
           "%s", err.msg);
     expect_call(adam, RP_F32, capturable != 0, &cd, capturable ? NULL : scalars.data(), lc);
+    snprintf(g_context, sizeof g_context, "status: %s", what);
     g_fault = fault;
     const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(),
                                       capturable ? NULL : scalars.data(), 2, capturable,
                                       (void *)lc.stream, &err);
     g_fault = FAULT_NONE;
     check_status(what, rc, RP_ERUNTIME, err, cudaGetErrorString(error));
+    if (fault == FAULT_STEP_LAUNCH || fault == FAULT_STEP_LAST_ERROR)
+        CHECK(g_call.update_launches == 0, "%d update launches after the failed increments",
+              g_call.update_launches);
     CHECK(g_emu.pending == cudaSuccess, "the CUDA error was left pending");
     CHECK(g_emu.current_device == lc.current_device, "device %d left current",
           g_emu.current_device);
@@ -970,6 +1001,8 @@ static void test_runtime_errors(void)
     expect_runtime_error("update launch fails", FAULT_UPDATE_LAUNCH, 0,
                          cudaErrorInvalidConfiguration);
     expect_runtime_error("launch error reported later", FAULT_LAST_ERROR, 1,
+                         cudaErrorLaunchFailure);
+    expect_runtime_error("step increment error reported later", FAULT_STEP_LAST_ERROR, 1,
                          cudaErrorLaunchFailure);
 }
 

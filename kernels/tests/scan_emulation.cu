@@ -34,6 +34,9 @@
  * and g start as NaN (a read of anything not yet written shows), every
  * buffer is fenced by canaries (the workspace is exactly
  * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
+ * On the first run of each levels c and the leaves are read-only copies that
+ * end at an inaccessible page: a read past the end of an input (a leaf or a
+ * c the scan does not have, say) crashes there.
  * Where v is f'(y), the first run of each levels passes v = f'(y) (1 - y*y or
  * relu's slope, formed on the host) and every other run y with the
  * activation: the results must be bitwise the same (relu with pre_activation:
@@ -47,7 +50,9 @@
  * beforehand; rp_scan_check's failures returned with nothing launched; batch
  * 0 launches nothing; a refused launch, an error reported by
  * cudaGetLastError and a device without enough opt-in shared memory give
- * RP_ERUNTIME / RP_EINVAL with a message.
+ * RP_ERUNTIME / RP_EINVAL with a message, as do a failing opt-in query or
+ * opt-in, and an up-sweep block (not the linear scan's) needing more than the
+ * device's opt-in at levels = 1.
  *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
@@ -73,6 +78,9 @@
 #include <string.h>
 #include <functional>
 #include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
 
 static int g_smem_default = 49152; /* the budget scan.cu plans with */
 #define RP_SCAN_SMEM_DEFAULT ((size_t)g_smem_default)
@@ -149,6 +157,7 @@ static struct {
     bool reverse_blocks;  /* run each grid's blocks last to first */
     bool reverse_threads; /* run unsynchronized phases' threads last to first */
     std::vector<std::pair<const void *, int>> attr; /* opt-ins set */
+    int attr_fault; /* 1: cudaDeviceGetAttribute fails, 2: cudaFuncSetAttribute fails */
 } g_rt;
 
 static struct {
@@ -162,6 +171,10 @@ static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, in
     CHECK(attr == cudaDevAttrMaxSharedMemoryPerBlockOptin, "unexpected attribute %d", (int)attr);
     CHECK(dev == g_emu.stream_device, "attribute of device %d, the stream's is %d", dev,
           g_emu.stream_device);
+    if (g_rt.attr_fault == 1) {
+        g_emu.pending = cudaErrorInvalidDevice;
+        return cudaErrorInvalidDevice;
+    }
     *value = g_rt.optin;
     return cudaSuccess;
 }
@@ -173,6 +186,10 @@ static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute att
           value, g_smem_default, g_rt.optin);
     CHECK(g_emu.current_device == g_emu.stream_device, "opt-in on device %d, stream on %d",
           g_emu.current_device, g_emu.stream_device);
+    if (g_rt.attr_fault == 2) {
+        g_emu.pending = cudaErrorInvalidValue;
+        return cudaErrorInvalidValue;
+    }
     g_rt.attr.push_back(std::make_pair(fn, value));
     g_stats.optins++;
     return cudaSuccess;
@@ -476,6 +493,40 @@ static void reference(emu_data &D, std::vector<double> &g)
             g[(size_t)e] *= D.v.p()[e];
 }
 
+/* A read-only copy of n floats that ends where an inaccessible page begins:
+ * a kernel reading past the end of an input crashes (the canaries of
+ * `fenced` catch writes only), as does a write to it. p is NULL for a NULL
+ * source. */
+struct tail_guarded {
+    char *map = NULL;
+    size_t len = 0;
+    float *p = NULL;
+    tail_guarded(const float *src, int64_t n)
+    {
+        if (src == NULL)
+            return;
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE), bytes = (size_t)n * sizeof(float);
+        const size_t data = (bytes + page - 1) / page * page;
+        len = data + page;
+        void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        CHECK(m != MAP_FAILED, "mmap of %zu bytes", len);
+        if (m == MAP_FAILED)
+            return;
+        map = (char *)m;
+        p = (float *)(map + data - bytes);
+        memcpy(p, src, bytes);
+        CHECK(mprotect(map, data, PROT_READ) == 0 && mprotect(map + data, page, PROT_NONE) == 0,
+              "mprotect");
+    }
+    ~tail_guarded()
+    {
+        if (map != NULL)
+            munmap(map, len);
+    }
+    tail_guarded(const tail_guarded &) = delete;
+    tail_guarded &operator=(const tail_guarded &) = delete;
+};
+
 static bool same_bits(const float *a, const float *b, int64_t n)
 {
     return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
@@ -542,6 +593,15 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             gsep.init(total, nanv);
             cin = D.c; /* the call's c (and g when in place) */
             float *g = inplace ? cin.p() : gsep.p();
+            /* variant 0: c and the leaves read-only, each ending at an
+             * inaccessible page, so that a read past the end of one crashes */
+            const bool guarded = variant == 0;
+            tail_guarded gw(guarded ? j.w : NULL, D.w.n), gu(guarded ? j.u : NULL, D.u.n),
+                gv(guarded ? j.v : NULL, D.v.n), gjt(guarded ? j.jt : NULL, D.jt.n),
+                gy(guarded ? j.y : NULL, D.y.n), gc(guarded ? D.c.p() : NULL, total);
+            if (guarded) {
+                j.w = gw.p, j.u = gu.p, j.v = gv.p, j.jt = gjt.p, j.y = gy.p;
+            }
             snprintf(g_context, sizeof g_context,
                      "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s smem=%d",
                      (long long)n, (long long)B, (long long)H, pr.G, (int)pr.has_u, pr.act,
@@ -557,7 +617,8 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             g_expect.levels = L;
             g_expect.mode = pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
             g_expect.next = 0;
-            const int rc = rp_cuda_scan(&j, cin.p(), g, L, work.p(), (void *)g_emu.stream, &err);
+            const int rc = rp_cuda_scan(&j, guarded ? gc.p : cin.p(), g, L, work.p(),
+                                        (void *)g_emu.stream, &err);
             g_stats.cases++;
             CHECK(rc == RP_OK, "status %d: %s", rc, err.msg);
             CHECK(g_rt.launches == 2 * L + 1, "%d launches for %d levels", g_rt.launches, L);
@@ -705,6 +766,51 @@ static void error_cases(void)
         CHECK(rc == RP_EINVAL && strstr(err.msg, "shared memory") != NULL, "status %d: %s", rc,
               err.msg);
         CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+        g_rt.optin = save;
+        g_smem_default = save_default;
+    }
+    /* H = 64, levels = 1 under a 12 KB default: the linear scan fits, the
+     * one-task up-sweep block (33296 bytes) needs the opt-in. A device
+     * allowing 20 KB: RP_EINVAL, nothing set or launched. A device whose
+     * attribute query or opt-in fails: RP_ERUNTIME, the error cleared. */
+    {
+        const int save = g_rt.optin, save_default = g_smem_default;
+        emu_problem p3 = {4, 1, 64, 0, false};
+        emu_data D3;
+        make_data(p3, D3);
+        rp_scan_jacobians j3 = jacobians_of(D3);
+        fenced w3, g3;
+        w3.init(rp_scan_workspace_floats(4, 1, 64, 1), 0.0f);
+        g3.init(4 * 64, 0.0f);
+        g_smem_default = 12288;
+        const struct {
+            const char *what;
+            int optin, fault, status;
+            const char *text;
+        } opt[] = {{"up-sweep past the opt-in", 20480, 0, RP_EINVAL, "shared memory"},
+                   {"opt-in query fails", 232448, 1, RP_ERUNTIME,
+                    "CUDA error in rp_cuda_shared_memory_per_block"},
+                   {"opt-in refused", 232448, 2, RP_ERUNTIME, "CUDA error in rp_cuda_scan"}};
+        for (const auto &o : opt) {
+            snprintf(g_context, sizeof g_context, "error: H=64 levels=1, %s", o.what);
+            g_rt.optin = o.optin;
+            g_rt.attr_fault = o.fault;
+            g_rt.attr.clear();
+            g_rt.launches = 0;
+            g_expect.levels = 1;
+            g_expect.mode = RP_SCAN_DENSE;
+            g_expect.next = 0;
+            g_emu.current_device = 0;
+            g_emu.pending = cudaSuccess;
+            err.msg[0] = '\0';
+            const int rc = rp_cuda_scan(&j3, D3.c.p(), g3.p(), 1, w3.p(), g_emu.stream, &err);
+            CHECK(rc == o.status && strstr(err.msg, o.text) != NULL, "status %d: %s", rc, err.msg);
+            CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
+            CHECK(g_rt.attr.empty(), "%zu opt-ins set", g_rt.attr.size());
+            CHECK(g_emu.pending == cudaSuccess, "error left pending");
+            CHECK(g_emu.current_device == 0, "device %d not restored", g_emu.current_device);
+        }
+        g_rt.attr_fault = 0;
         g_rt.optin = save;
         g_smem_default = save_default;
     }
