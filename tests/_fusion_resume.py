@@ -316,8 +316,33 @@ def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
             if fused:
                 handle.remove()
             results[(name, fused)] = [p.detach().clone() for p in model.parameters()]
+    # DDP on a group of its own rank: the all-reduce is DDP's group's, not WORLD's
+    # (also the fallback once the handle is removed and dropped)
+    own = [dist.new_group([r]) for r in range(world)][rank]
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = DDP(tf._mlp(), process_group=own)
+        opt = reprop.optim.SGD(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode="backward") if fused else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for i in range(4):
+                if i == 2 and handle is not None:
+                    handle.remove()
+                    handle = None
+                    gc.collect()
+                x, y = tf._mlp_batch(10 * rank + i)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        results[("own group", fused)] = [p.detach().clone() for p in model.parameters()]
     # a hook registered with DDP first, Python's or a built-in: refused, DDP as it was
     refusals = {}
+    model = DDP(tf._mlp())
+    try:  # DDP's own check of a hook's signature: it sees only the fusion's
+        reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), comm_hook=lambda b: b)
+    except ValueError as exc:
+        refusals["signature"] = str(exc)
     for name in ("python", "builtin"):
         model = DDP(tf._mlp())
         if name == "python":

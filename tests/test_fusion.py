@@ -4163,13 +4163,17 @@ def test_ddp_comm_hook_passed_to_fuse_matches_eager_ddp_with_it(tmp_path: Path) 
     """A DDP communication hook (fp16 compression, PowerSGD with its error
     feedback, one returning a new tensor) given to fuse(comm_hook=...) runs
     in place of the all-reduce: the fused updates equal eager DDP's with the
-    hook registered, bitwise, on each rank. One registered with DDP before
+    hook registered, bitwise, on each rank; without one, DDP's all-reduce
+    over DDP's process group (it was over WORLD's). One registered with DDP before
     fuse() made DDP raise "can only be called once" (and kept the fusion's
     hook in DDP's list); refused now, naming it, DDP as it was."""
     for r in _run_ddp_workers("ddp_comm_hook", tmp_path):
-        for name in ("fp16", "copy", "powersgd"):
+        # "own group": DDP on each rank's group of one; the fusion's all-reduce was
+        # over WORLD (the ranks' mean), before and after remove()
+        for name in ("fp16", "copy", "powersgd", "own group"):
             for i, (a, b) in enumerate(zip(r[(name, True)], r[(name, False)])):
                 assert torch.equal(a, b), f"{name}: parameter {i} differs from eager DDP's"
+        assert r["refusals"]["signature"].startswith("comm_hook: DDP refuses it (KeyError")
         message, unchanged = r["refusals"]["python"]
         assert message.startswith("model: DDP has a communication hook already "
                                   "(_mean_into_copy_hook)") and "comm_hook=" in message
@@ -4185,6 +4189,9 @@ def test_ddp_comm_hook_passed_to_fuse_matches_eager_ddp_with_it(tmp_path: Path) 
      "^comm_hook: a DDP communication hook needs a DistributedDataParallel model"),
     (dict(comm_hook=lambda state, bucket: None, mode="forward"), ValueError,
      r"^comm_hook: forward mode registers no hook of its own"),
+    # (it was the all-reduce's process group)
+    (dict(comm_state=object()), ValueError, "^comm_state: the state of a comm_hook, given "
+                                            "without one"),
 ])
 def test_bad_comm_hook_raises_naming_it(kwargs: dict, exc: type, match: str) -> None:
     _refused(exc, match, lambda m: rp.SGD(m.parameters(), lr=0.1), **kwargs)

@@ -314,6 +314,9 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
                          "training loop do, as in eager training); leave keep_grads False")
     if comm_hook is not None:
         _check_comm_hook(comm_hook, model, mode)
+    elif comm_state is not None:
+        raise ValueError(f"comm_state: the state of a comm_hook, given without one (got "
+                         f"{type(comm_state).__name__}); pass comm_hook too, or leave it None")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _check_not_fused(optimizer)
     _check_no_instance_override(optimizer)
@@ -430,6 +433,12 @@ def _check_comm_hook(comm_hook, model: nn.Module, mode: str) -> None:
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError(f"comm_hook: a DDP communication hook needs a DistributedDataParallel "
                          f"model, got {type(model).__name__}")
+    try:  # what register_comm_hook checks, which sees the fusion's hook, not this one
+        model._check_comm_hook(comm_hook)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"comm_hook: DDP refuses it ({type(exc).__name__}: {exc}); expected "
+                         "a function (state, bucket: dist.GradBucket) -> "
+                         "torch.futures.Future[torch.Tensor]") from None
 
 
 def _register_bucket_hook(model: nn.parallel.DistributedDataParallel, hook: Callable,
@@ -1140,7 +1149,9 @@ class _BackwardFusion(FusionHandle):
             # unregister it, so once the handle is gone (removed and dropped) it is
             # the user's hook, or DDP's own all-reduce.
             self._comm_hook = comm_hook or allreduce_hook
-            _register_bucket_hook(model, self._ddp_bucket_hook, comm_state, self._comm_hook)
+            # allreduce_hook's state is its group: DDP's own (None would be WORLD's)
+            state = comm_state if comm_hook is not None else model.process_group
+            _register_bucket_hook(model, self._ddp_bucket_hook, state, self._comm_hook)
         self._track(list(self._params.values()))
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
 
