@@ -1687,7 +1687,8 @@ class _BackwardFusion(FusionHandle):
                 f"loop steps later than every {self._every} micro-batches: call step() or "
                 "zero_grad() after an epoch's shorter last window too (micro-batches left over "
                 "make the next window's update come early), or give fuse() the loop's "
-                "accumulation_steps. optimizer.zero_grad() discards the late gradients")
+                "accumulation_steps, counted in forward-backward pairs (two a micro-batch: "
+                "2n). optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
