@@ -2,15 +2,27 @@
  * optim_emulation.cu: the CUDA optimizer launcher and kernels of kernels/optim.cu,
  * run on the host, must agree bit for bit with the CPU core (csrc/optim.c).
  *
- * CI has nvcc but no GPU. This test includes optim.cu with the CUDA runtime calls
- * it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice, cudaSetDevice,
- * cudaDeviceGetAttribute, cudaGetLastError) renamed to host mocks (emu_runtime.h;
- * the launch and attribute mocks below); every other runtime call
- * (cudaGetDeviceCount, cudaGetErrorString) is the real static runtime. The
- * launch mock checks the launch table it is handed, then runs every block of
- * the grid on the host through the kernels' __host__ __device__ parts
- * (rp_block_consts, rp_capturable_scalars, rp_update_chunk for each of the
- * RP_THREADS threads); the step-increment kernel is one line and is re-stated.
+ * CI has nvcc but no GPU. optim.cu is included twice:
+ *
+ *   - as it is, for its launcher (rp_cuda_optim_step), with the CUDA runtime
+ *     calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice,
+ *     cudaSetDevice, cudaDeviceGetAttribute, cudaGetLastError) renamed to host
+ *     mocks (emu_runtime.h; the launch and attribute mocks below); every other
+ *     runtime call (cudaGetDeviceCount, cudaGetErrorString) is the real static
+ *     runtime;
+ *   - in namespace emu_dev, as host code (emu_host_begin.h: __global__ and
+ *     __device__ read as __host__, __shared__ as static, the built-in indices
+ *     and __syncthreads as emu_exec.h's executor's), its extern "C" entry
+ *     points and the functions both copies would make ambiguous renamed; that
+ *     copy's launchers are dead code.
+ *
+ * The launch mock checks the launch (kernel instantiation, grid, table), then
+ * runs the very kernel bodies of optim.cu's host copy, rp_optim_kernel and
+ * rp_step_increment_kernel, every thread of every block of the launch's grid
+ * (emu_exec.h: threads as fibers, so that the capturable kernels'
+ * __syncthreads waits for every thread of the block; shared memory NaN at
+ * the start of each block; alternate blocks run their threads last to first,
+ * so that a missing barrier reads the NaN).
  * Each case runs two steps through rp_cuda_optim_step and through
  * rp_optim_step_cpu on identical inputs and compares params, grads, every state
  * buffer and step counter byte for byte, with canary bytes around every buffer.
@@ -23,14 +35,15 @@
  *   - the launch tables: each table tensor points into its entry at a chunk
  *     boundary with the right numel, state slots, step scalars or step pointer,
  *     and every element of every entry is updated exactly once;
- *   - the block -> (tensor, chunk) mapping and the thread loops, on the vector
- *     and the scalar path, tails included;
+ *   - the kernel bodies themselves, as compiled from optim.cu: each block's
+ *     tensor, chunk and step scalars, the thread loops on the vector and the
+ *     scalar path, tails included, and the step-increment kernel over its grid;
  *   - the vector-path decision: all used pointers 16-byte aligned (8 bytes for
  *     16-bit params and grads);
  *   - capturable updates: every step counter (zero-numel entries too) is
  *     incremented once, in as many increment launches as RP_STEP_TAB needs,
- *     before any update launch; consts and step scalars derived per block,
- *     from the device lr when given;
+ *     before any update launch; consts and step scalars derived per block
+ *     (by thread 0, shared past the barrier), from the device lr when given;
  *   - tables that fill up: several launches per call and a tensor continued in
  *     the next table (RP_TAB_TENSORS, RP_TAB_BLOCKS and RP_STEP_TAB are made
  *     small below, which optim.cu allows, so small inputs spill);
@@ -42,10 +55,11 @@
  *     rp_cuda_device_count() is 0 when the runtime finds no driver.
  *
  * What it cannot prove: anything only the device does: real 128-bit and 64-bit
- * loads and stores, the shared memory and barrier of capturable updates, CUDA's
+ * loads and stores, shared memory banks, threads of a block running
+ * concurrently (the executor's interleaving is one legal order), CUDA's
  * double pow and sqrt (the emulation uses the host's, as the CPU core does),
- * blocks running concurrently, and the device code nvcc generates.
- * emulate_block() below re-states the body of rp_optim_kernel: keep them in step.
+ * blocks running concurrently, and the device code nvcc generates (the
+ * emulation runs the host compilation of the same source).
  *
  * Build (.ci/run does this): the CPU reference with setup.py's flags, then this
  * file with nvcc (optim.cu is CUDA C++), against the static CUDA runtime. Only
@@ -76,6 +90,31 @@
 #define EMU_DEVICES 4
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "optim.cu"
+
+/* optim.cu again, as host code: the kernels the launch mock runs (see the top) */
+#include "emu_exec.h"
+#include "emu_host_begin.h"
+#define rp_cuda_optim_step emu_dead_optim_step
+#define rp_cuda_device_count emu_dead_device_count
+#define rp_cuda_archs emu_dead_archs
+/* Functions of both copies whose arguments are all of global types: argument-
+ * dependent lookup finds the first copy's too, which nvcc finds ambiguous. */
+#define rp_cuda_step_increment emu_dead_step_increment
+#define rp_update_elem emu_host_update_elem
+#define rp_capturable_scalars emu_host_capturable_scalars
+namespace emu_dev {
+#include "optim.cu"
+} // namespace emu_dev
+#undef rp_capturable_scalars
+#undef rp_update_elem
+#undef rp_cuda_step_increment
+#undef rp_cuda_archs
+#undef rp_cuda_device_count
+#undef rp_cuda_optim_step
+#include "emu_host_end.h"
+
+static_assert(sizeof(emu_dev::rp_optim_launch) == sizeof(rp_optim_launch), "update table");
+static_assert(sizeof(emu_dev::rp_step_launch) == sizeof(rp_step_launch), "step table");
 
 #include "../../csrc/tests/optim_shared.h" /* base_hparams, elem_store: as test_core.c's */
 
@@ -142,51 +181,41 @@ static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, in
  * The emulated kernels
  * ------------------------------------------------------------------------- */
 
-/* rp_step_increment_kernel: thread i < n increments step i. */
-static void emulate_step_increment(const rp_step_launch &S, dim3 grid, dim3 block)
+/* rp_step_increment_kernel, its host copy, for one thread. */
+static void step_increment_thread(void *arg)
+{
+    emu_dev::rp_step_increment_kernel(*(const emu_dev::rp_step_launch *)arg);
+}
+
+static void step_increment_launch(const rp_step_launch &S, dim3 grid, dim3 block)
 {
     CHECK(g_call.capturable && g_call.kind != RP_SGD, "step increment launched needlessly");
     CHECK(g_call.update_launches == 0, "step increment launched after an update launch");
     CHECK(S.n >= 1 && S.n <= RP_STEP_TAB, "step table of %d counters", S.n);
     CHECK((int64_t)grid.x * block.x >= S.n && (int64_t)(grid.x - 1) * block.x < S.n,
           "%u x %u threads for %d counters", grid.x, block.x, S.n);
-    for (int i = 0; i < S.n && i < RP_STEP_TAB; i++)
-        *S.step[i] = *S.step[i] + 1.0f;
+    emu_dev::rp_step_launch copy;
+    memcpy(&copy, &S, sizeof copy);
+    emu_run_grid(grid.x, block.x, step_increment_thread, &copy);
     g_call.step_launches++;
     g_stats.step_launches++;
 }
 
-/* rp_optim_kernel for block `block`: the same steps, its threads one after the
- * other (they touch disjoint elements). */
-template <int KIND, int DT, bool CAPT>
-static void emulate_block(const rp_optim_launch &L, int block)
+/* rp_optim_kernel<KIND, DT, CAPT>, its host copy, for one thread. */
+template <int KIND, int DT, bool CAPT> static void update_thread(void *arg)
 {
-    const int t = L.block_tensor[block];
-    rp_optim_consts c;
-    float a = 0.0f, b = 1.0f;
-    rp_block_consts<CAPT>(L, &c);
-    if constexpr (KIND == RP_ADAM || KIND == RP_ADAGRAD) {
-        if constexpr (CAPT) {
-            const float2 scal = rp_capturable_scalars<KIND>(&L.hp, L.u.step[t]);
-            a = scal.x;
-            b = scal.y;
-        } else {
-            a = L.u.sc.a[t];
-            b = L.u.sc.b[t];
-        }
-    }
-    for (int tid = 0; tid < RP_THREADS; tid++)
-        rp_update_chunk<KIND, DT>(L, block, tid, &c, a, b);
+    emu_dev::rp_optim_kernel<KIND, DT, CAPT>(*(const emu_dev::rp_optim_launch *)arg);
 }
 
 template <int KIND, int DT, bool CAPT>
-static void emulate_grid(const rp_optim_launch &L, int nblocks)
+static void emulate_grid(const rp_optim_launch &L, int nblocks, int nthreads)
 {
-    for (int block = 0; block < nblocks; block++)
-        emulate_block<KIND, DT, CAPT>(L, block);
+    emu_dev::rp_optim_launch copy;
+    memcpy(&copy, &L, sizeof copy);
+    emu_run_grid((unsigned)nblocks, (unsigned)nthreads, update_thread<KIND, DT, CAPT>, &copy);
 }
 
-typedef void (*emulate_fn)(const rp_optim_launch &, int);
+typedef void (*emulate_fn)(const rp_optim_launch &, int, int);
 
 /* The emulation of rp_optim_kernel<KIND, DT, CAPT> and that kernel, the one
  * a launch must name: picked here from the call's kind, dtype and capture
@@ -368,7 +397,7 @@ static void emulate_update(const void *fn, const rp_optim_launch &L, dim3 grid, 
     g_stats.update_launches++;
     if (grid.x < 1 || grid.x > RP_TAB_BLOCKS || !check_table(L, (int)grid.x))
         return;
-    em.run(L, (int)grid.x);
+    em.run(L, (int)grid.x, (int)block.x);
 }
 
 static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
@@ -385,7 +414,7 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
             g_emu.pending = cudaErrorLaunchFailure;
             return cudaSuccess;
         }
-        emulate_step_increment(*(const rp_step_launch *)args[0], grid, block);
+        step_increment_launch(*(const rp_step_launch *)args[0], grid, block);
         return cudaSuccess;
     }
     if (g_fault == FAULT_UPDATE_LAUNCH) {
@@ -1035,6 +1064,7 @@ static void check_coverage(void)
     CHECK(g_stats.chunks.size() >= 6, "only %zu chunk sizes", g_stats.chunks.size());
     CHECK(g_stats.capped_chunks > 0, "chunks never reached RP_HUGE_STEPS block steps");
     CHECK(g_stats.device_switches > 0, "no call on another device's stream");
+    CHECK(g_exec.barriers > 0, "no emulated thread reached a barrier");
 }
 
 /* Sampled sets run one (dtype, misalignment, capture mode) combination per
@@ -1083,10 +1113,12 @@ int main(void)
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("optim_emulation: %s: %ld cases, %ld calls, %ld update + %ld increment launches "
            "(%ld vector / %ld scalar blocks, %ld multi-launch calls, %ld continued tensors, "
-           "%zu chunk sizes), %d CUDA devices, %.1f s\n",
+           "%zu chunk sizes; %ld blocks, %ld threads, %ld barriers emulated), %d CUDA devices, "
+           "%.1f s\n",
            g_failures ? "FAILED" : "ok", g_stats.cases, g_stats.calls, g_stats.update_launches,
            g_stats.step_launches, g_stats.vector_blocks, g_stats.scalar_blocks,
-           g_stats.multi_launch_calls, g_stats.continued_tensors, g_stats.chunks.size(), devices,
+           g_stats.multi_launch_calls, g_stats.continued_tensors, g_stats.chunks.size(),
+           g_exec.blocks, g_exec.threads, g_exec.barriers, devices,
            (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
     return g_failures != 0;
 }
