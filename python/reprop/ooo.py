@@ -905,9 +905,11 @@ class OOOHandle(_PassTracking):
         self.remove()
 
     def _check_not_sharded_since(self) -> None:
-        """The model's class changed since enable(): refused if FSDP's
-        fully_shard changed it, as enable() refuses a sharded model; noted
-        otherwise, so that the next call compares one type again."""
+        """Refuses a model FSDP sharded since enable(), as enable() refuses a
+        sharded one: looked at when the model's class changed (fully_shard of
+        the root swaps it in; any other change is noted, so that the next
+        call compares one type again), and at the end of each profiling
+        backward (a part of a model whose root was sharded)."""
         _refuse_fsdp(self.model, "reprop.ooo.enable: the model (sharded after enable())")
         self._model_type = type(self.model)
 
@@ -956,8 +958,8 @@ class OOOHandle(_PassTracking):
         self._in_backward = False
         if profiling:
             self._record_profile()
-        if self._profiling_left():  # before any dW moves: sharded since enable()?
-            _refuse_fsdp(self.model, "reprop.ooo.enable: the model (sharded after enable())")
+        if self._profiling_left():  # before any dW moves
+            self._check_not_sharded_since()
         self._iteration += 1
         if self.order != "ooo" or self.schedule is not None:
             return
