@@ -12,8 +12,9 @@
  * __syncthreads or ends, and once every thread of the block waits at the
  * barrier, each is resumed in turn; alternate blocks run their threads in
  * reverse order, so that a missing barrier shows whichever thread writes
- * first. A barrier that some threads of a block reach and the others never do
- * is a CHECK failure.
+ * first (emu_run_grid_order also runs the blocks last to first, if asked).
+ * A barrier that some threads of a block reach and the others never do is a
+ * CHECK failure.
  *
  * The fibers are made once and kept (one per thread of the largest block);
  * on x86-64 they switch with the few instructions below (callee-saved
@@ -235,8 +236,12 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
 }
 
 /* Every block of a 1-D grid of nblocks x nthreads threads, each thread
- * running body(arg); odd blocks run their threads last to first. */
-static void emu_run_grid(unsigned nblocks, unsigned nthreads, void (*body)(void *), void *arg)
+ * running body(arg): blocks 0 to nblocks - 1, or with blocks_reversed last
+ * to first (an emulation that alternates it between launches shows a kernel
+ * whose blocks depend on running in index order); every second block run
+ * (the second, fourth, ...) runs its threads last to first. */
+static void emu_run_grid_order(unsigned nblocks, unsigned nthreads, void (*body)(void *),
+                               void *arg, bool blocks_reversed)
 {
     CHECK(nthreads >= 1 && nthreads <= EMU_MAX_THREADS, "%u threads per block", nthreads);
     if (nthreads < 1 || nthreads > EMU_MAX_THREADS)
@@ -244,8 +249,15 @@ static void emu_run_grid(unsigned nblocks, unsigned nthreads, void (*body)(void 
     emu_make_fibers((int)nthreads);
     g_exec.body = body;
     g_exec.arg = arg;
-    for (unsigned b = 0; b < nblocks; b++)
-        emu_run_block(b, nblocks, (int)nthreads, (b & 1u) != 0);
+    for (unsigned i = 0; i < nblocks; i++)
+        emu_run_block(blocks_reversed ? nblocks - 1 - i : i, nblocks, (int)nthreads,
+                      (i & 1u) != 0);
+}
+
+/* The same, blocks in index order: odd blocks run their threads last to first. */
+static void emu_run_grid(unsigned nblocks, unsigned nthreads, void (*body)(void *), void *arg)
+{
+    emu_run_grid_order(nblocks, nthreads, body, arg, false);
 }
 
 #endif /* REPROP_EMU_EXEC_H */

@@ -14,21 +14,22 @@
  *     wrappers below hand each launch to the launch mock, the kernel's host
  *     stub as the kernel (the call configuration itself stays the real
  *     runtime's, which needs no driver);
- *   - in namespace emu_dev, as host code: __global__ and __device__ read as
- *     __host__, __shared__ as static (in section emu_shared, which the
- *     emulation fills with NaN before each block), __launch_bounds__ as nothing, the
- *     built-in indices and __syncthreads as the host executor's below. So the
- *     launch mock runs the very kernel bodies of fad.cu (rp_fad_forward_kernel
- *     and what it calls, rp_fad_backward_kernel: renamed there
- *     rp_fad_backward_body by a function-like macro, which leaves the
- *     launcher's rp_fad_backward_kernel<DT><<<...>>> naming a dummy kernel;
- *     that copy of the launchers is dead code), every block of the grid, in
- *     forward or reverse block order. Forward threads run one after another
- *     (its kernel has no barrier); backward ones as fibers (ucontext), so
- *     that __syncthreads waits for every thread of the block to reach it
- *     (all stage their table entry before any reads the table; a missing or
- *     misplaced barrier reads the shared table before it is staged, and the
- *     table starts NaN-filled for every block).
+ *   - in namespace emu_dev, as host code (emu_host_begin.h: __global__ and
+ *     __device__ read as __host__, __shared__ as static in section
+ *     emu_shared, __launch_bounds__ as nothing, the built-in indices and
+ *     __syncthreads as emu_exec.h's executor's), its extern "C" launchers
+ *     and rp_fad_launch_status renamed (that copy of the launchers is dead
+ *     code). So the launch mock runs the very kernel bodies of fad.cu
+ *     (rp_fad_forward_kernel and what it calls, rp_fad_backward_kernel:
+ *     renamed there rp_fad_backward_body by a function-like macro, which
+ *     leaves the dead launcher's rp_fad_backward_kernel<DT><<<...>>> naming
+ *     a dummy kernel), every thread of every block of the grid, through
+ *     emu_exec.h's executor: threads as fibers, so that __syncthreads waits
+ *     for every thread of the block to reach it (all stage their table entry
+ *     before any reads the table); shared memory NaN at the start of each
+ *     block, so a missing or misplaced barrier reads the table before it is
+ *     staged; blocks in forward or reverse order, alternating between cases,
+ *     and every second block run with its threads last to first.
  *
  * Each case runs the same call through rp_cuda_fad_forward (or
  * rp_cuda_fad_backward_code8) and rp_fad_forward_cpu
@@ -93,7 +94,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <ucontext.h>
 #include <algorithm>
 #include <vector>
 
@@ -103,39 +103,17 @@
 #include "emu_faults.h" /* after reprop.h: rp_error */
 
 /* ---------------------------------------------------------------------------
- * fad.cu again, as host code: the kernels the launch mock runs
+ * fad.cu again, as host code: the kernels the launch mock runs (see the top)
  * ------------------------------------------------------------------------- */
 
+#include "emu_exec.h"
+
 namespace emu_dev {
-
-/* The indices of the emulated thread. */
-static uint3 emu_threadIdx, emu_blockIdx;
-static dim3 emu_blockDim, emu_gridDim;
-
-static void emu_syncthreads(void);
-
 /* What the dead copy of the backward launcher launches (see the top). */
 template <int DT, class... A> __global__ void rp_fad_backward_kernel(A...) {}
-
 } // namespace emu_dev
 
-#pragma push_macro("__global__")
-#pragma push_macro("__device__")
-#pragma push_macro("__shared__")
-#pragma push_macro("__launch_bounds__")
-#undef __global__
-#undef __device__
-#undef __shared__
-#undef __launch_bounds__
-#define __global__ __host__
-#define __device__ __host__
-#define __shared__ static __attribute__((section("emu_shared"), used))
-#define __launch_bounds__(...)
-#define __syncthreads emu_syncthreads
-#define threadIdx emu_threadIdx
-#define blockIdx emu_blockIdx
-#define blockDim emu_blockDim
-#define gridDim emu_gridDim
+#include "emu_host_begin.h"
 #define rp_fad_backward_kernel(...) rp_fad_backward_body(__VA_ARGS__)
 #define rp_cuda_fad_forward emu_dead_fad_forward
 #define rp_cuda_fad_backward_code8 emu_dead_fad_backward_code8
@@ -147,99 +125,10 @@ namespace emu_dev {
 #undef rp_cuda_fad_backward_code8
 #undef rp_cuda_fad_forward
 #undef rp_fad_backward_kernel
-#undef gridDim
-#undef blockDim
-#undef blockIdx
-#undef threadIdx
-#undef __syncthreads
-#pragma pop_macro("__launch_bounds__")
-#pragma pop_macro("__shared__")
-#pragma pop_macro("__device__")
-#pragma pop_macro("__global__")
+#include "emu_host_end.h"
 
 static_assert(sizeof(emu_dev::rp_fad_fwd_args) == sizeof(rp_fad_fwd_args), "forward arguments");
 static_assert(sizeof(emu_dev::rp_fad_table) == sizeof(rp_fad_table), "backward table");
-
-/* ---------------------------------------------------------------------------
- * The host executor
- * ------------------------------------------------------------------------- */
-
-/* Threads of one block as fibers: each runs until it reaches __syncthreads
- * (or ends); once all have, each is resumed in turn. */
-#define FIBER_STACK (64 * 1024)
-
-static struct {
-    ucontext_t sched, ctx[RP_FAD_THREADS];
-    std::vector<char> stacks;
-    int state[RP_FAD_THREADS]; /* 0 running, 1 at a barrier, 2 done */
-    int current;               /* the fiber running, -1 outside */
-    void (*body)(void);        /* the block's thread body */
-    long barriers;
-} g_fib;
-
-static void set_thread(unsigned block, unsigned thread, unsigned nblocks)
-{
-    emu_dev::emu_blockIdx = make_uint3(block, 0, 0);
-    emu_dev::emu_threadIdx = make_uint3(thread, 0, 0);
-    emu_dev::emu_blockDim = dim3(RP_FAD_THREADS);
-    emu_dev::emu_gridDim = dim3(nblocks);
-}
-
-static void emu_dev::emu_syncthreads(void)
-{
-    const int t = g_fib.current;
-    CHECK(t >= 0, "__syncthreads outside a fiber block");
-    if (t < 0)
-        return;
-    g_fib.state[t] = 1;
-    g_fib.barriers++;
-    swapcontext(&g_fib.ctx[t], &g_fib.sched);
-}
-
-static void fiber_entry(void)
-{
-    g_fib.body();
-    g_fib.state[g_fib.current] = 2; /* uc_link returns to the scheduler */
-}
-
-/* Block `block` of `nblocks`, its threads as fibers, in `reverse` order or not. */
-static void run_fiber_block(unsigned block, unsigned nblocks, bool reverse, void (*body)(void))
-{
-    if (g_fib.stacks.empty())
-        g_fib.stacks.resize((size_t)RP_FAD_THREADS * FIBER_STACK);
-    g_fib.body = body;
-    for (int i = 0; i < RP_FAD_THREADS; i++) {
-        const int t = reverse ? RP_FAD_THREADS - 1 - i : i;
-        getcontext(&g_fib.ctx[t]);
-        g_fib.ctx[t].uc_stack.ss_sp = g_fib.stacks.data() + (size_t)t * FIBER_STACK;
-        g_fib.ctx[t].uc_stack.ss_size = FIBER_STACK;
-        g_fib.ctx[t].uc_link = &g_fib.sched;
-        makecontext(&g_fib.ctx[t], fiber_entry, 0);
-        g_fib.state[t] = 0;
-    }
-    /* rounds: every live thread runs to its next barrier or its end */
-    for (int round = 0;; round++) {
-        int live = 0, waiting = 0;
-        for (int i = 0; i < RP_FAD_THREADS; i++) {
-            const int t = reverse ? RP_FAD_THREADS - 1 - i : i;
-            if (g_fib.state[t] == 2)
-                continue;
-            g_fib.state[t] = 0;
-            g_fib.current = t;
-            set_thread(block, (unsigned)t, nblocks);
-            swapcontext(&g_fib.sched, &g_fib.ctx[t]);
-        }
-        g_fib.current = -1;
-        for (int t = 0; t < RP_FAD_THREADS; t++) {
-            live += g_fib.state[t] != 2;
-            waiting += g_fib.state[t] == 1;
-        }
-        CHECK(waiting == 0 || waiting == RP_FAD_THREADS,
-              "block %u: %d threads wait at a barrier the others never reach", block, waiting);
-        if (live == 0 || waiting != RP_FAD_THREADS || round > 8)
-            break;
-    }
-}
 
 /* ---------------------------------------------------------------------------
  * The emulated launches
@@ -291,16 +180,16 @@ static bool same_bits(float a, float b) { return memcmp(&a, &b, 4) == 0; }
 
 typedef void (*fwd_emulator)(const emu_dev::rp_fad_fwd_args &, unsigned);
 
+template <int DT, int DS> static void forward_thread(void *arg)
+{
+    emu_dev::rp_fad_forward_kernel<DT, DS>(*(const emu_dev::rp_fad_fwd_args *)arg);
+}
+
 template <int DT, int DS>
 static void emulate_forward(const emu_dev::rp_fad_fwd_args &a, unsigned nblocks)
 {
-    for (unsigned i = 0; i < nblocks; i++) {
-        const unsigned b = g_call.reverse ? nblocks - 1 - i : i;
-        for (unsigned t = 0; t < RP_FAD_THREADS; t++) {
-            set_thread(b, t, nblocks);
-            emu_dev::rp_fad_forward_kernel<DT, DS>(a);
-        }
-    }
+    emu_dev::rp_fad_fwd_args copy = a;
+    emu_run_grid_order(nblocks, RP_FAD_THREADS, forward_thread<DT, DS>, &copy, g_call.reverse);
 }
 
 static const int k_dtypes[3] = {RP_F32, RP_F16, RP_BF16};
@@ -374,34 +263,19 @@ static struct {
     int64_t n;
     int vec;
     emu_dev::rp_fad_table table;
-    void (*body)(void);
 } g_bwd;
 
-template <int DT> static void backward_thread(void)
+template <int DT> static void backward_thread(void *)
 {
     emu_dev::rp_fad_backward_body<DT>(g_bwd.grad_y, g_bwd.codes, g_bwd.grad_x, g_bwd.n, g_bwd.vec,
                                       g_bwd.table);
 }
 
-/* The kernels' __shared__ arrays (section emu_shared, see the top) start
- * each block as NaN: a read of the table before it is staged shows. */
-extern "C" char __start_emu_shared[] __attribute__((weak));
-extern "C" char __stop_emu_shared[] __attribute__((weak));
-
-static void poison_shared(void)
-{
-    const float nan = from_bits(0x7fc0beef);
-    for (char *p = __start_emu_shared; p + sizeof nan <= __stop_emu_shared; p += sizeof nan)
-        memcpy(p, &nan, sizeof nan);
-}
-
+/* The staged table (__shared__) starts each block as NaN (emu_exec.h): a
+ * read of it before it is staged shows. */
 template <int DT> static void emulate_backward(unsigned nblocks)
 {
-    for (unsigned i = 0; i < nblocks; i++) {
-        const unsigned b = g_call.reverse ? nblocks - 1 - i : i;
-        poison_shared();
-        run_fiber_block(b, nblocks, (i & 1) != 0, backward_thread<DT>);
-    }
+    emu_run_grid_order(nblocks, RP_FAD_THREADS, backward_thread<DT>, NULL, g_call.reverse);
 }
 
 static void check_backward_launch(const void *fn, void **args, unsigned nblocks)
@@ -1154,7 +1028,10 @@ static void check_coverage(void)
     CHECK(g_stats.vector_launches > 0 && g_stats.scalar_launches > 0, "vector or scalar path unused");
     CHECK(g_stats.capped_grids >= 5, "only %ld grids capped at RP_FAD_MAX_BLOCKS", g_stats.capped_grids);
     CHECK(g_stats.inplace_cases > 0 && g_stats.backward_launches > 0, "in place or backward unused");
-    CHECK(g_fib.barriers > 0, "no barrier emulated");
+    CHECK(g_exec.barriers > 0, "no barrier emulated");
+    CHECK(g_exec.blocks == g_stats.blocks && g_exec.threads == g_stats.threads,
+          "%ld blocks, %ld threads run; %ld, %ld launched", g_exec.blocks, g_exec.threads,
+          g_stats.blocks, g_stats.threads);
 }
 
 int main(void)
@@ -1177,7 +1054,7 @@ int main(void)
            "%ld capped grids), %ld blocks, %ld threads, %ld barriers, %.1f s\n",
            g_failures ? "FAILED" : "ok", g_stats.cases, g_stats.launches, g_stats.vector_launches,
            g_stats.scalar_launches, g_stats.backward_launches, g_stats.capped_grids, g_stats.blocks,
-           g_stats.threads, g_fib.barriers,
+           g_stats.threads, g_exec.barriers,
            (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
     return g_failures != 0;
 }
