@@ -343,12 +343,14 @@ def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
         reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), comm_hook=lambda b: b)
     except ValueError as exc:
         refusals["signature"] = str(exc)
-    for name in ("python", "builtin"):
+    for name in ("python", "builtin", "refused"):
         model = DDP(tf._mlp())
         if name == "python":
             model.register_comm_hook(None, _mean_into_copy_hook)
-        else:
+        elif name == "builtin":
             model._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+        else:  # an earlier fusion's, removed: DDP cannot unregister it
+            reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1)).remove()
         hooks = list(model._comm_hooks)
         try:
             reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")

@@ -1936,6 +1936,42 @@ def _one_rank_process_group():
         dist.destroy_process_group()
 
 
+def test_backward_mode_groups_edited_before_gradients_run_outside_backward() -> None:
+    """reprop.ooo's hold()/run() hands every weight gradient to the fusion
+    outside backward, where the graph task id is always -1: the groups were
+    compared at the first such run only, so a group popped between a later
+    forward and backward was still updated (0.18 off eager). Compared once
+    per micro-batch there."""
+    from reprop import ooo
+
+    def train(fused: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 2, bias=False))
+        x = torch.randn(3, 4, generator=_gen(0))
+        opt = rp.SGD([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1)
+        if fused:
+            handle = ooo.enable(model, profile_iters=2)
+            fusion = reprop.fuse(model, opt, mode="backward")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(4):
+                with handle.hold() if fused else contextlib.nullcontext() as tasks:
+                    out = model(x).sum()
+                    if step == 3:
+                        opt.param_groups.pop()
+                    out.backward()
+                if fused:
+                    handle.run(tasks)
+                opt.step()
+                opt.zero_grad()
+        if fused:
+            fusion.remove()
+            handle.remove()
+        return model[2].weight.detach()
+
+    assert torch.equal(train(True), train(False))
+
+
 @pytest.mark.parametrize("ddp", [False, True])
 @pytest.mark.parametrize("warm", [0, 1])
 @pytest.mark.parametrize("edit", ["pop", "move", "swap"])
@@ -4180,6 +4216,11 @@ def test_ddp_comm_hook_passed_to_fuse_matches_eager_ddp_with_it(tmp_path: Path) 
         assert unchanged
         message, unchanged = r["refusals"]["builtin"]
         assert message.startswith("model: DDP has a communication hook already (a built-in")
+        assert unchanged
+        # fused again after remove(): the advice to pass a comm_hook was wrong there
+        message, unchanged = r["refusals"]["refused"]
+        assert message.startswith("model: DDP holds the communication hook of an earlier "
+                                  "reprop.fuse") and "new DistributedDataParallel" in message
         assert unchanged
 
 

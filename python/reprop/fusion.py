@@ -454,7 +454,14 @@ def _register_bucket_hook(model: nn.parallel.DistributedDataParallel, hook: Call
                           "mode='forward'")
 
     if model._comm_hooks:
-        raise refuse(getattr(model._comm_hooks[0][0], "__qualname__", "a function"))
+        there = model._comm_hooks[0][0]
+        if hasattr(there, "owner"):  # a weak_hook: an earlier fusion's, removed or not
+            raise ValueError("model: DDP holds the communication hook of an earlier "
+                             "reprop.fuse(mode='backward') of it, which DDP cannot unregister "
+                             "(after remove() it is the plain all-reduce, or that fusion's "
+                             "comm_hook): wrap the module in a new DistributedDataParallel to "
+                             "fuse it in backward mode again, or use mode='forward'")
+        raise refuse(getattr(there, "__qualname__", "a function"))
     try:
         model.register_comm_hook(state, _tensors.weak_hook(hook, otherwise=otherwise))
     except RuntimeError as exc:
@@ -1254,6 +1261,7 @@ class _BackwardFusion(FusionHandle):
                 self._refuse_kept_grads_edited()
             self._backward_since_forward = False
             self._micro_batches += 1
+            self._groups_followed_in = None  # (gradients run outside backward: see there)
             self._discard_kept(set_to_none=True)
 
     def _discard_kept(self, set_to_none: bool) -> None:
@@ -1324,8 +1332,9 @@ class _BackwardFusion(FusionHandle):
         updates are eager's step() after it: a group removed, or a parameter
         moved to another group, between the forward (_sync followed them
         there) and the backward. One comparison of the groups per backward
-        pass (its graph task), at its first update, and outside backward
-        (reprop.ooo's run() of held gradients) one after each pass."""
+        pass (its graph task), at its first update; outside backward
+        (reprop.ooo's run() of held gradients, whose task id is always -1)
+        one per micro-batch (each one's forward forgets the last)."""
         task = torch._C._current_graph_task_id()
         if task != self._groups_followed_in:
             self._sync()
@@ -1516,9 +1525,9 @@ class _BackwardFusion(FusionHandle):
     def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
         """Notes `params` as updated in this window (a second gradient for one
         is refused, step() does not move it again), in this step (see
-        _note_if_late) and as having had a
-        gradient (after zero_grad(set_to_none=False), eager's step() moves it
-        from zeros in every later step that gives it none). Every path that
+        _note_if_late) and as having had a gradient (after
+        zero_grad(set_to_none=False), eager's step() moves it from zeros in
+        every later step that gives it none). Every path that
         updates notes here: _update, and under DDP the bucket hook and the
         end of backward."""
         for p in params:

@@ -1444,8 +1444,8 @@ def _refuse_fsdp(model: nn.Module, name: str) -> None:
     managed = (fsdp.FSDPModule, fsdp.FullyShardedDataParallel)
     if any(isinstance(m, managed) for m in model.modules()):
         raise ValueError(f"{name}: is or holds a module of {_UNDER_FSDP}")
-    dtensor = sys.modules["torch.distributed.tensor"].DTensor  # (fsdp imports it)
-    if any(isinstance(p, dtensor) for p in model.parameters()):
+    tensor = sys.modules.get("torch.distributed.tensor")  # (fsdp imports it)
+    if tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters()):
         raise ValueError(f"{name}: holds DTensor parameters, as a part of a model sharded by "
                          f"{_UNDER_FSDP}")
 
