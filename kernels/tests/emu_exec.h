@@ -185,6 +185,25 @@ static void emu_make_fibers(int n)
     g_exec.fibers = n;
 }
 
+/* Resumes every thread of the block not done yet, each until it reaches a
+ * barrier or ends, in `reverse` order or not; returns how many are not done. */
+static int emu_resume_threads(unsigned block, unsigned nblocks, int nthreads, bool reverse)
+{
+    int live = 0;
+    for (int i = 0; i < nthreads; i++) {
+        const int t = reverse ? nthreads - 1 - i : i;
+        if (g_exec.state[t] == EMU_DONE)
+            continue;
+        g_exec.state[t] = EMU_RUNNING;
+        g_exec.current = t;
+        emu_set_thread(block, (unsigned)t, nblocks, (unsigned)nthreads);
+        emu_switch(&g_exec.sched, &g_exec.ctx[t]);
+        live += g_exec.state[t] != EMU_DONE;
+    }
+    g_exec.current = -1;
+    return live;
+}
+
 /* Block `block` of `nblocks`, `nthreads` threads, in `reverse` order or not. */
 static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool reverse)
 {
@@ -192,21 +211,10 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
     for (int t = 0; t < nthreads; t++)
         g_exec.state[t] = EMU_RUNNING;
     for (int round = 0;; round++) {
-        int live = 0, waiting = 0;
-        for (int i = 0; i < nthreads; i++) {
-            const int t = reverse ? nthreads - 1 - i : i;
-            if (g_exec.state[t] == EMU_DONE)
-                continue;
-            g_exec.state[t] = EMU_RUNNING;
-            g_exec.current = t;
-            emu_set_thread(block, (unsigned)t, nblocks, (unsigned)nthreads);
-            emu_switch(&g_exec.sched, &g_exec.ctx[t]);
-        }
-        g_exec.current = -1;
-        for (int t = 0; t < nthreads; t++) {
-            live += g_exec.state[t] != EMU_DONE;
+        int waiting = 0;
+        const int live = emu_resume_threads(block, nblocks, nthreads, reverse);
+        for (int t = 0; t < nthreads; t++)
             waiting += g_exec.state[t] == EMU_AT_BARRIER;
-        }
         if (live == 0)
             break;
         CHECK(waiting == nthreads, "block %u: %d threads wait at a barrier the others never reach",
@@ -214,20 +222,10 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
         if (waiting != nthreads || round > 64) {
             /* Threads left at a barrier stay suspended: let them finish, as if
              * released, so that every fiber is at its loop's end again. */
-            for (int guard = 0; live > 0 && guard < 64; guard++) {
-                live = 0;
-                for (int t = 0; t < nthreads; t++) {
-                    if (g_exec.state[t] == EMU_DONE)
-                        continue;
-                    g_exec.state[t] = EMU_RUNNING;
-                    g_exec.current = t;
-                    emu_set_thread(block, (unsigned)t, nblocks, (unsigned)nthreads);
-                    emu_switch(&g_exec.sched, &g_exec.ctx[t]);
-                    live += g_exec.state[t] != EMU_DONE;
-                }
-            }
-            g_exec.current = -1;
-            CHECK(live == 0, "block %u: threads never end", block);
+            int left = live;
+            for (int guard = 0; left > 0 && guard < 64; guard++)
+                left = emu_resume_threads(block, nblocks, nthreads, false);
+            CHECK(left == 0, "block %u: threads never end", block);
             break;
         }
     }
