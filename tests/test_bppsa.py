@@ -1848,7 +1848,8 @@ def run_peer_schedule(plan, sched, inputs, grad_output):
         leaf = plan.leaves[n - k]
         dense = torch.zeros(B, leaf.rows, leaf.cols, dtype=torch.float64)
         rows = torch.from_numpy(np.repeat(np.arange(leaf.rows), np.diff(leaf.indptr)))
-        dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k]).double()
+        weight = leaf.layer.weight if leaf.shared else None
+        dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k], weight).double()
         mats.append(dense)
     products = sched["products"].tolist()
     mats += [None] * len(products)
@@ -2440,3 +2441,32 @@ def test_packed_padding_right_after_the_last_step_that_overflows_is_masked():
     assert all(torch.isfinite(g).all() for g in ref_res[2:])
     assert all(torch.isfinite(g).all() for g in our_res[2:])
     assert_close_lists(our_res, ref_res)
+
+
+def _spectral_chain():
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    return nn.Sequential(spectral_norm(nn.Conv2d(2, 3, 3, padding=1)), nn.ReLU(), nn.Flatten(),
+                         spectral_norm(nn.Linear(48, 5)))
+
+
+@pytest.mark.parametrize("how", ["no plan", "plan", "forward_inputs"])
+def test_chain_reads_a_parametrized_weight_once_per_step(how):
+    """spectral_norm (parametrizations, training mode) runs a power iteration
+    at each read of the weight: the chain's backward uses the weight its
+    forward read, and the state advances once per step, as in torch."""
+    layers = _spectral_chain()
+    plan = bppsa.ChainPlan(layers, (2, 4, 4)) if how != "no plan" else None
+    ref = copy.deepcopy(layers)  # after the plan, whose build reads each weight once
+    u = lambda m: [m[i].parametrizations.weight[0]._u for i in (0, 3)]
+    for _ in range(3):
+        x, g = torch.randn(2, 2, 4, 4), torch.randn(2, 5)
+        xr = x.clone().requires_grad_()
+        ref(xr).backward(g)
+        if how == "forward_inputs":
+            inputs, _ = plan.forward_inputs(x)
+            got = plan.backward(inputs, g)[0]
+        else:
+            got = bppsa.chain_backward(list(layers), x, g, plan=plan)[0]
+        assert rel_err(got, xr.grad) <= 1e-6
+        assert all(torch.equal(a, b) for a, b in zip(u(layers), u(ref)))
