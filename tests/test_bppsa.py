@@ -2470,3 +2470,31 @@ def test_chain_reads_a_parametrized_weight_once_per_step(how):
             got = bppsa.chain_backward(list(layers), x, g, plan=plan)[0]
         assert rel_err(got, xr.grad) <= 1e-6
         assert all(torch.equal(a, b) for a, b in zip(u(layers), u(ref)))
+
+
+@pytest.mark.parametrize("register", ["register_module_forward_pre_hook", "register_module_forward_hook",
+                                      "register_module_full_backward_pre_hook",
+                                      "register_module_full_backward_hook"])
+def test_chain_refuses_global_module_hooks(register, monkeypatch):
+    """torch's global module hooks run at the chain's layers' calls (a forward
+    hook may change their output, a backward hook is never called by the
+    scan): refused as a layer's own, naming the hook's kind; without them the
+    chain is autograd's again."""
+    # a full backward hook marks the global hooks as full for the session
+    monkeypatch.setattr(nn.modules.module, "_global_is_full_backward_hook", None)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.ReLU()]
+    x, g = torch.randn(2, 4), torch.randn(2, 3)
+    plan = bppsa.ChainPlan(layers, (4,))
+    handle = getattr(nn.modules.module, register)(lambda *args: None)
+    try:
+        for call in (lambda: bppsa.ChainPlan(layers, (4,)), lambda: bppsa.chain_backward(layers, x, g),
+                     lambda: bppsa.chain_backward(layers, x, g, plan=plan)):
+            with pytest.raises(ValueError, match=f"^layers: a global module .*{register}"):
+                call()
+        with pytest.raises(ValueError, match=f"^layer: a global module .*{register}"):
+            bppsa.transposed_jacobian(layers[0], x[0])
+    finally:
+        handle.remove()
+    got = bppsa.chain_backward(layers, x, g, plan=plan)[0]
+    assert rel_err(got, autograd_layer_input_grads(nn.Sequential(*layers), x, g)[0]) <= 1e-6

@@ -973,19 +973,51 @@ def _fusion_hook(hook) -> bool:
     return isinstance(hook_owner(hook), FusionHandle)
 
 
+def _may_change_output(hooks) -> bool:
+    """Whether one of these forward hooks or pre-hooks may change what a layer
+    computes: all but the weight reparametrizations' and reprop.fuse's."""
+    return any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in hooks)
+
+
 def _check_hooks(layer: nn.Module, name: str) -> None:
     """Hooks the chain would silently skip: forward hooks and pre-hooks may
     change the layer's input or output, backward hooks its gradients, and
     the scan runs neither through autograd."""
     kind = type(layer).__name__
-    if any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in
-           (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())):
+    if _may_change_output((*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())):
         raise ValueError(f"{name}: {kind} has forward hooks or pre-hooks, which may change what it "
                          "computes; chain Jacobians are those of the plain layer (remove the hooks "
                          "or use autograd)")
     if layer._backward_hooks or layer._backward_pre_hooks:
         raise ValueError(f"{name}: {kind} has backward hooks, which the chain's scan never calls "
                          "(remove them or use autograd)")
+
+
+# torch's global module hooks, which every module's call runs (the chain's
+# layers' too): (the function registering them, the name of their dict in
+# torch.nn.modules.module)
+_GLOBAL_FORWARD_HOOKS = (("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
+                         ("register_module_forward_hook", "_global_forward_hooks"))
+_GLOBAL_BACKWARD_HOOKS = (("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
+                          ("register_module_full_backward_hook (or register_module_backward_hook)",
+                           "_global_backward_hooks"))
+
+
+def _check_global_hooks(name: str) -> None:
+    """torch's global module hooks, refused as _check_hooks refuses a
+    layer's own (with its exemptions); `name` is the layers' argument."""
+    module = nn.modules.module
+    for register, dict_name in _GLOBAL_FORWARD_HOOKS:
+        hooks = getattr(module, dict_name)
+        if hooks and _may_change_output(hooks.values()):  # empty: no generator per backward
+            raise ValueError(f"{name}: a global module hook (torch.nn.modules.module.{register}) is "
+                             "registered, which may change what the layers compute; chain Jacobians "
+                             "are those of the plain layers (remove it or use autograd)")
+    for register, dict_name in _GLOBAL_BACKWARD_HOOKS:
+        if getattr(module, dict_name):
+            raise ValueError(f"{name}: a global module backward hook (torch.nn.modules.module."
+                             f"{register}) is registered, which the chain's scan never calls "
+                             "(remove it or use autograd)")
 
 
 def _pair(value, name: str) -> tuple[int, int]:
@@ -1506,6 +1538,7 @@ class ChainPlan:
         the cost model's choice), pruned[i] layer i's mask as _Leaf takes it."""
         self.product, self._max_pairs = product, max_pairs
         shape, self.leaves, self.steps = input_shape, [], []
+        _check_global_hooks("layers")
         for i, layer in enumerate(layers):
             weight = _check_chain_layer(layer, f"layers[{i}]")  # the build's one read of it
             if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
@@ -1649,10 +1682,11 @@ class ChainPlan:
         return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
 
     def _check_layers(self, kept: dict) -> dict:
-        """Every layer checked again (hooks or a subclass swapped in since the
-        plan, settings changed); returns each leaf's weight, the forward's
+        """Every layer checked again (hooks, torch's global ones too, or a
+        subclass swapped in since the plan, settings changed); returns each leaf's weight, the forward's
         (`kept`, see _forward_weights) or else as the check read it, for
         _SharedWeights.write."""
+        _check_global_hooks("layers")
         weights = {}
         for i, (layer, leaf) in enumerate(self.steps):
             weight = _check_chain_layer(layer, f"layers[{i}]", kept.get(leaf))
@@ -1777,6 +1811,7 @@ def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tenso
 def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
+    _check_global_hooks("layer")
     weight = _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
     leaf = _Leaf(layer, tuple(x.shape), "layer", weight)
