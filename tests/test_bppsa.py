@@ -2498,3 +2498,20 @@ def test_chain_refuses_global_module_hooks(register, monkeypatch):
         handle.remove()
     got = bppsa.chain_backward(layers, x, g, plan=plan)[0]
     assert rel_err(got, autograd_layer_input_grads(nn.Sequential(*layers), x, g)[0]) <= 1e-6
+
+
+def test_chain_pool_window_in_the_padding_is_torch_backward():
+    """MaxPool2d(2, stride=3, padding=1, dilation=2) over W = 1: both W taps
+    of every window are padding. torch outputs -inf there and sends the
+    gradient to an input outside the window; the chain runs torch's own
+    backward for such a plan (transposed_jacobian has no pattern for it)."""
+    torch.manual_seed(0)
+    pool = nn.MaxPool2d(2, stride=3, padding=1, dilation=2)
+    layers = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(4, 3))
+    x, g = torch.randn(2, 1, 5, 1), torch.randn(2, 3)
+    for plan in (None, bppsa.ChainPlan(layers, (1, 5, 1), levels="blelloch")):
+        got = bppsa.chain_backward(list(layers), x, g, plan=plan)
+        for a, b in zip(got, autograd_layer_input_grads(layers, x, g)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="^layer: MaxPool2d has a window lying entirely in the padding"):
+        bppsa.transposed_jacobian(pool, torch.randn(2, 5, 1))

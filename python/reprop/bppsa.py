@@ -1080,6 +1080,17 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
 
+def _padding_windows(geom: tuple) -> bool:
+    """Whether a pooling window of the geometry (_pool_geometry's) lies
+    entirely in the padding (possible with dilation > 1): torch outputs -inf
+    there and sends its gradient to an input its kernel picks outside the
+    window, which no Jacobian pattern of the window holds."""
+    _, h, w, _, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, _ = geom
+    return any(all(not 0 <= o * s - p + t * d < size for t in range(k))
+               for size, out, k, s, p, d in ((h, ho, kh, sh, ph, dh), (w, wo, kw, sw, pw, dw))
+               for o in range(out))
+
+
 def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
     """One sample's shape as a tuple of Python ints >= 1 (numpy's ints too):
     a float or a bare int reached the layers' geometry as Python's own error."""
@@ -1219,6 +1230,7 @@ class _Leaf:
         self.layer, self.in_shape, self.name = layer, in_shape, name
         self.kind = kind = _chain_class(layer)
         self.settings = _settings(layer, kind, name)
+        self.torch_only = False  # whether only its torch backward gives torch's gradient
         size = math.prod(in_shape)
         if kind is nn.Conv2d:
             geom, self.out_shape = _conv_geometry(layer, in_shape, name)
@@ -1226,6 +1238,7 @@ class _Leaf:
         elif kind is nn.MaxPool2d:
             geom, self.out_shape = _pool_geometry(layer, in_shape, name)
             self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
+            self.torch_only = _padding_windows(geom)
         elif kind is nn.Linear:
             if in_shape != (layer.in_features,):
                 raise ValueError(f"{name}: Linear: expected an input of shape ({layer.in_features},) per "
@@ -1561,6 +1574,8 @@ class ChainPlan:
         self._sequence_leaves = [(i, leaf, addr, addr + leaf.indices.size)
                                  for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
         self._peer_schedule = _C.csr_schedule(self._plan) if product == "cusparse" else None
+        # a pool window in the padding: every backward is torch's, layer by layer
+        self._torch_only = any(leaf.torch_only for leaf in self.leaves)
         self._peers = {}  # (B, device): _CusparsePeer
         self._forward = None  # forward_inputs' last ([weakrefs to its inputs], {leaf: weight})
 
@@ -1638,7 +1653,8 @@ class ChainPlan:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() and the gradient of the chain's output.
         Where one is not finite, all are those of each layer's own torch
-        backward (autograd's infs and NaNs, see README)."""
+        backward (autograd's infs and NaNs, see README), as they always are
+        with a MaxPool2d window in the padding (_padding_windows)."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_chain_tensor(grad_output, "grad_output")
@@ -1658,6 +1674,8 @@ class ChainPlan:
                              "use product='reprop' there")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
+        if self._torch_only:
+            return self._torch_backward(inputs, grad_output, weights)
         if self.product == "cusparse":
             grads = self._peer_gradients(B, inputs, grad_output, weights)
             return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
@@ -1815,6 +1833,9 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     weight = _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
     leaf = _Leaf(layer, tuple(x.shape), "layer", weight)
+    if leaf.torch_only:
+        raise ValueError("layer: MaxPool2d has a window lying entirely in the padding, whose gradient "
+                         "torch sends outside the window: it has no CSR transposed Jacobian here")
     vals = leaf.entry_values(x.unsqueeze(0), weight)[0]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
