@@ -2515,3 +2515,20 @@ def test_chain_pool_window_in_the_padding_is_torch_backward():
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="^layer: MaxPool2d has a window lying entirely in the padding"):
         bppsa.transposed_jacobian(pool, torch.randn(2, 5, 1))
+
+
+@pytest.mark.parametrize("layers, shape, error, message", [
+    ([nn.Conv2d(1, 1, 5)], (1, 3, 3), ValueError, r"^layers\[0\]: Conv2d: an input of \(H, W\) = \(3, 3\)"),
+    ([nn.ReLU(), nn.MaxPool2d(4)], (1, 3, 3), ValueError, r"^layers\[1\]: MaxPool2d: .*Output size is too small"),
+    ([nn.MaxPool2d(2, padding=2)], (1, 3, 3), ValueError, r"^layers\[0\]: MaxPool2d: pad should be"),
+    ([nn.Flatten()], (3,), ValueError, r"^layers: expected a layer other than Flatten"),
+    (None, (3,), TypeError, r"^layers: expected a sequence of modules, got NoneType"),
+    (nn.Linear(3, 3), (3,), TypeError, r"^layers: expected a sequence of modules, got torch.nn.modules.linear.Linear"),
+])
+def test_chain_plan_errors_name_the_argument(layers, shape, error, message):
+    """Shapes a layer cannot take and a `layers` that is no chain raise
+    naming layers[i] or layers, not the C core's or torch's bare message."""
+    with pytest.raises(error, match=message):
+        bppsa.ChainPlan(layers, shape)
+    with pytest.raises(error, match=message):
+        bppsa.chain_backward(layers, torch.randn(2, *shape))

@@ -1043,6 +1043,9 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple, name: str) -> tuple[tuple, tu
     (ph, th), (pw, tw) = _conv_padding(layer, name)
     ho = (h + th - dh * (kh - 1) - 1) // sh + 1
     wo = (w + tw - dw * (kw - 1) - 1) // sw + 1
+    if ho < 1 or wo < 1:  # as torch's conv2d refuses it (csrc/jacobian.c would, unnamed)
+        raise ValueError(f"{name}: Conv2d: an input of (H, W) = ({h}, {w}) per sample, padded, is "
+                         f"smaller than the dilated kernel; the output would be ({ho}, {wo})")
     # the Jacobian's pattern takes the padding before; the output size says what is after
     geom = (c, h, w, layer.out_channels, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, layer.groups)
     return geom, (layer.out_channels, ho, wo)
@@ -1074,8 +1077,11 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
         raise ValueError(f"{name}: MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
     c, h, w = shape
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_args(layer, name)
-    out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
-                                         (ph, pw), (dh, dw), layer.ceil_mode)
+    try:  # torch's own checks of the arguments and output size, on no data
+        out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
+                                             (ph, pw), (dh, dw), layer.ceil_mode)
+    except RuntimeError as e:
+        raise ValueError(f"{name}: MaxPool2d: {e}") from None
     ho, wo = out.shape[-2:]
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
@@ -1089,6 +1095,15 @@ def _padding_windows(geom: tuple) -> bool:
     return any(all(not 0 <= o * s - p + t * d < size for t in range(k))
                for size, out, k, s, p, d in ((h, ho, kh, sh, ph, dh), (w, wo, kw, sw, pw, dw))
                for o in range(out))
+
+
+def _layer_list(layers) -> list:
+    """The `layers` argument as a list; TypeError naming it if it is not
+    iterable (a bare module, None): its elements are checked as layers[i]."""
+    try:
+        return list(layers)
+    except TypeError:
+        raise TypeError(f"layers: expected a sequence of modules, got {_type_name(layers)}") from None
 
 
 def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
@@ -1537,7 +1552,7 @@ class ChainPlan:
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
-        layers = list(layers)
+        layers = _layer_list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
         # an int past the chain's depth is the full scan, as in scan()
@@ -1562,6 +1577,9 @@ class ChainPlan:
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
+        if not self.leaves:
+            raise ValueError("layers: expected a layer other than Flatten, which has no Jacobian (the "
+                             "chain's gradients are those of its other layers' inputs)")
         self.input_shape, self.output_shape = input_shape, shape
         self._plan = _C.csr_plan([leaf.pattern() for leaf in self.leaves], want, max_pairs,
                                  *_machine(torch.device("cpu")))
@@ -1783,7 +1801,7 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
-    a = list(a)
+    a = _layer_list(a)
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
