@@ -994,27 +994,28 @@ def _check_hooks(layer: nn.Module, name: str) -> None:
 
 
 # torch's global module hooks, which every module's call runs (the chain's
-# layers' too): (the function registering them, the name of their dict in
-# torch.nn.modules.module)
-_GLOBAL_FORWARD_HOOKS = (("register_module_forward_pre_hook", "_global_forward_pre_hooks"),
-                         ("register_module_forward_hook", "_global_forward_hooks"))
-_GLOBAL_BACKWARD_HOOKS = (("register_module_full_backward_pre_hook", "_global_backward_pre_hooks"),
+# layers' too): (the function registering them, their dict in
+# torch.nn.modules.module, which torch fills and empties in place)
+_GLOBAL_FORWARD_HOOKS = (("register_module_forward_pre_hook", nn.modules.module._global_forward_pre_hooks),
+                         ("register_module_forward_hook", nn.modules.module._global_forward_hooks))
+_GLOBAL_BACKWARD_HOOKS = (("register_module_full_backward_pre_hook", nn.modules.module._global_backward_pre_hooks),
                           ("register_module_full_backward_hook (or register_module_backward_hook)",
-                           "_global_backward_hooks"))
+                           nn.modules.module._global_backward_hooks))
+_GLOBAL_HOOKS = tuple(hooks for _, hooks in (*_GLOBAL_FORWARD_HOOKS, *_GLOBAL_BACKWARD_HOOKS))
 
 
 def _check_global_hooks(name: str) -> None:
     """torch's global module hooks, refused as _check_hooks refuses a
     layer's own (with its exemptions); `name` is the layers' argument."""
-    module = nn.modules.module
-    for register, dict_name in _GLOBAL_FORWARD_HOOKS:
-        hooks = getattr(module, dict_name)
-        if hooks and _may_change_output(hooks.values()):  # empty: no generator per backward
+    if not any(_GLOBAL_HOOKS):  # the usual case, once per backward: one cheap test
+        return
+    for register, hooks in _GLOBAL_FORWARD_HOOKS:
+        if _may_change_output(hooks.values()):
             raise ValueError(f"{name}: a global module hook (torch.nn.modules.module.{register}) is "
                              "registered, which may change what the layers compute; chain Jacobians "
                              "are those of the plain layers (remove it or use autograd)")
-    for register, dict_name in _GLOBAL_BACKWARD_HOOKS:
-        if getattr(module, dict_name):
+    for register, hooks in _GLOBAL_BACKWARD_HOOKS:
+        if hooks:
             raise ValueError(f"{name}: a global module backward hook (torch.nn.modules.module."
                              f"{register}) is registered, which the chain's scan never calls "
                              "(remove it or use autograd)")
@@ -1619,7 +1620,7 @@ class ChainPlan:
         layer's forward and the read that keeps it are one computation)."""
         # parametrize swaps in a subclass: the exact class is a plain layer,
         # whose weight reads the same at backward (and costs no cache here)
-        computed = [leaf for leaf in self.leaves if leaf.shared and type(leaf.layer) is not leaf.kind]
+        computed = [leaf for leaf in self._weights.order if type(leaf.layer) is not leaf.kind]
         if not computed:
             self._forward = None
             return self._run_layers(x)
