@@ -1848,7 +1848,8 @@ def run_peer_schedule(plan, sched, inputs, grad_output):
         leaf = plan.leaves[n - k]
         dense = torch.zeros(B, leaf.rows, leaf.cols, dtype=torch.float64)
         rows = torch.from_numpy(np.repeat(np.arange(leaf.rows), np.diff(leaf.indptr)))
-        dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k]).double()
+        weight = leaf.layer.weight if leaf.shared else None
+        dense[:, rows, torch.from_numpy(leaf.indices).long()] = leaf.entry_values(inputs[n - k], weight).double()
         mats.append(dense)
     products = sched["products"].tolist()
     mats += [None] * len(products)
@@ -2440,3 +2441,94 @@ def test_packed_padding_right_after_the_last_step_that_overflows_is_masked():
     assert all(torch.isfinite(g).all() for g in ref_res[2:])
     assert all(torch.isfinite(g).all() for g in our_res[2:])
     assert_close_lists(our_res, ref_res)
+
+
+def _spectral_chain():
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    return nn.Sequential(spectral_norm(nn.Conv2d(2, 3, 3, padding=1)), nn.ReLU(), nn.Flatten(),
+                         spectral_norm(nn.Linear(48, 5)))
+
+
+@pytest.mark.parametrize("how", ["no plan", "plan", "forward_inputs"])
+def test_chain_reads_a_parametrized_weight_once_per_step(how):
+    """spectral_norm (parametrizations, training mode) runs a power iteration
+    at each read of the weight: the chain's backward uses the weight its
+    forward read, and the state advances once per step, as in torch."""
+    layers = _spectral_chain()
+    plan = bppsa.ChainPlan(layers, (2, 4, 4)) if how != "no plan" else None
+    ref = copy.deepcopy(layers)  # after the plan, whose build reads each weight once
+    u = lambda m: [m[i].parametrizations.weight[0]._u for i in (0, 3)]
+    for _ in range(3):
+        x, g = torch.randn(2, 2, 4, 4), torch.randn(2, 5)
+        xr = x.clone().requires_grad_()
+        ref(xr).backward(g)
+        if how == "forward_inputs":
+            inputs, _ = plan.forward_inputs(x)
+            got = plan.backward(inputs, g)[0]
+        else:
+            got = bppsa.chain_backward(list(layers), x, g, plan=plan)[0]
+        assert rel_err(got, xr.grad) <= 1e-6
+        assert all(torch.equal(a, b) for a, b in zip(u(layers), u(ref)))
+
+
+@pytest.mark.parametrize("register", ["register_module_forward_pre_hook", "register_module_forward_hook",
+                                      "register_module_full_backward_pre_hook",
+                                      "register_module_full_backward_hook"])
+def test_chain_refuses_global_module_hooks(register, monkeypatch):
+    """torch's global module hooks run at the chain's layers' calls (a forward
+    hook may change their output, a backward hook is never called by the
+    scan): refused as a layer's own, naming the hook's kind; without them the
+    chain is autograd's again."""
+    # a full backward hook marks the global hooks as full for the session
+    monkeypatch.setattr(nn.modules.module, "_global_is_full_backward_hook", None)
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.ReLU()]
+    x, g = torch.randn(2, 4), torch.randn(2, 3)
+    plan = bppsa.ChainPlan(layers, (4,))
+    handle = getattr(nn.modules.module, register)(lambda *args: None)
+    try:
+        for call in (lambda: bppsa.ChainPlan(layers, (4,)), lambda: bppsa.chain_backward(layers, x, g),
+                     lambda: bppsa.chain_backward(layers, x, g, plan=plan)):
+            with pytest.raises(ValueError, match=f"^layers: a global module .*{register}"):
+                call()
+        with pytest.raises(ValueError, match=f"^layer: a global module .*{register}"):
+            bppsa.transposed_jacobian(layers[0], x[0])
+    finally:
+        handle.remove()
+    got = bppsa.chain_backward(layers, x, g, plan=plan)[0]
+    assert rel_err(got, autograd_layer_input_grads(nn.Sequential(*layers), x, g)[0]) <= 1e-6
+
+
+def test_chain_pool_window_in_the_padding_is_torch_backward():
+    """MaxPool2d(2, stride=3, padding=1, dilation=2) over W = 1: both W taps
+    of every window are padding. torch outputs -inf there and sends the
+    gradient to an input outside the window; the chain runs torch's own
+    backward for such a plan (transposed_jacobian has no pattern for it)."""
+    torch.manual_seed(0)
+    pool = nn.MaxPool2d(2, stride=3, padding=1, dilation=2)
+    layers = nn.Sequential(nn.Conv2d(1, 2, 1), nn.ReLU(), pool, nn.Flatten(), nn.Linear(4, 3))
+    x, g = torch.randn(2, 1, 5, 1), torch.randn(2, 3)
+    for plan in (None, bppsa.ChainPlan(layers, (1, 5, 1), levels="blelloch")):
+        got = bppsa.chain_backward(list(layers), x, g, plan=plan)
+        for a, b in zip(got, autograd_layer_input_grads(layers, x, g)):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="^layer: MaxPool2d has a window lying entirely in the padding"):
+        bppsa.transposed_jacobian(pool, torch.randn(2, 5, 1))
+
+
+@pytest.mark.parametrize("layers, shape, error, message", [
+    ([nn.Conv2d(1, 1, 5)], (1, 3, 3), ValueError, r"^layers\[0\]: Conv2d: an input of \(H, W\) = \(3, 3\)"),
+    ([nn.ReLU(), nn.MaxPool2d(4)], (1, 3, 3), ValueError, r"^layers\[1\]: MaxPool2d: .*Output size is too small"),
+    ([nn.MaxPool2d(2, padding=2)], (1, 3, 3), ValueError, r"^layers\[0\]: MaxPool2d: pad should be"),
+    ([nn.Flatten()], (3,), ValueError, r"^layers: expected a layer other than Flatten"),
+    (None, (3,), TypeError, r"^layers: expected a sequence of modules, got NoneType"),
+    (nn.Linear(3, 3), (3,), TypeError, r"^layers: expected a sequence of modules, got torch.nn.modules.linear.Linear"),
+])
+def test_chain_plan_errors_name_the_argument(layers, shape, error, message):
+    """Shapes a layer cannot take and a `layers` that is no chain raise
+    naming layers[i] or layers, not the C core's or torch's bare message."""
+    with pytest.raises(error, match=message):
+        bppsa.ChainPlan(layers, shape)
+    with pytest.raises(error, match=message):
+        bppsa.chain_backward(layers, torch.randn(2, *shape))

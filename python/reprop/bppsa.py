@@ -28,6 +28,7 @@ import functools
 import math
 import os
 import warnings
+import weakref
 from typing import Sequence
 
 import numpy as np
@@ -972,19 +973,52 @@ def _fusion_hook(hook) -> bool:
     return isinstance(hook_owner(hook), FusionHandle)
 
 
+def _may_change_output(hooks) -> bool:
+    """Whether one of these forward hooks or pre-hooks may change what a layer
+    computes: all but the weight reparametrizations' and reprop.fuse's."""
+    return any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in hooks)
+
+
 def _check_hooks(layer: nn.Module, name: str) -> None:
     """Hooks the chain would silently skip: forward hooks and pre-hooks may
     change the layer's input or output, backward hooks its gradients, and
     the scan runs neither through autograd."""
     kind = type(layer).__name__
-    if any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in
-           (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())):
+    if _may_change_output((*layer._forward_pre_hooks.values(), *layer._forward_hooks.values())):
         raise ValueError(f"{name}: {kind} has forward hooks or pre-hooks, which may change what it "
                          "computes; chain Jacobians are those of the plain layer (remove the hooks "
                          "or use autograd)")
     if layer._backward_hooks or layer._backward_pre_hooks:
         raise ValueError(f"{name}: {kind} has backward hooks, which the chain's scan never calls "
                          "(remove them or use autograd)")
+
+
+# torch's global module hooks, which every module's call runs (the chain's
+# layers' too): (the function registering them, their dict in
+# torch.nn.modules.module, which torch fills and empties in place)
+_GLOBAL_FORWARD_HOOKS = (("register_module_forward_pre_hook", nn.modules.module._global_forward_pre_hooks),
+                         ("register_module_forward_hook", nn.modules.module._global_forward_hooks))
+_GLOBAL_BACKWARD_HOOKS = (("register_module_full_backward_pre_hook", nn.modules.module._global_backward_pre_hooks),
+                          ("register_module_full_backward_hook (or register_module_backward_hook)",
+                           nn.modules.module._global_backward_hooks))
+_GLOBAL_HOOKS = tuple(hooks for _, hooks in (*_GLOBAL_FORWARD_HOOKS, *_GLOBAL_BACKWARD_HOOKS))
+
+
+def _check_global_hooks(name: str) -> None:
+    """torch's global module hooks, refused as _check_hooks refuses a
+    layer's own (with its exemptions); `name` is the layers' argument."""
+    if not any(_GLOBAL_HOOKS):  # the usual case, once per backward: one cheap test
+        return
+    for register, hooks in _GLOBAL_FORWARD_HOOKS:
+        if _may_change_output(hooks.values()):
+            raise ValueError(f"{name}: a global module hook (torch.nn.modules.module.{register}) is "
+                             "registered, which may change what the layers compute; chain Jacobians "
+                             "are those of the plain layers (remove it or use autograd)")
+    for register, hooks in _GLOBAL_BACKWARD_HOOKS:
+        if hooks:
+            raise ValueError(f"{name}: a global module backward hook (torch.nn.modules.module."
+                             f"{register}) is registered, which the chain's scan never calls "
+                             "(remove it or use autograd)")
 
 
 def _pair(value, name: str) -> tuple[int, int]:
@@ -1010,6 +1044,9 @@ def _conv_geometry(layer: nn.Conv2d, shape: tuple, name: str) -> tuple[tuple, tu
     (ph, th), (pw, tw) = _conv_padding(layer, name)
     ho = (h + th - dh * (kh - 1) - 1) // sh + 1
     wo = (w + tw - dw * (kw - 1) - 1) // sw + 1
+    if ho < 1 or wo < 1:  # as torch's conv2d refuses it (csrc/jacobian.c would, unnamed)
+        raise ValueError(f"{name}: Conv2d: an input of (H, W) = ({h}, {w}) per sample, padded, is "
+                         f"smaller than the dilated kernel; the output would be ({ho}, {wo})")
     # the Jacobian's pattern takes the padding before; the output size says what is after
     geom = (c, h, w, layer.out_channels, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, layer.groups)
     return geom, (layer.out_channels, ho, wo)
@@ -1041,10 +1078,33 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
         raise ValueError(f"{name}: MaxPool2d: expected an input of shape (C, H, W) per sample, got {shape}")
     c, h, w = shape
     (kh, kw), (sh, sw), (ph, pw), (dh, dw) = _pool_args(layer, name)
-    out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
-                                         (ph, pw), (dh, dw), layer.ceil_mode)
+    try:  # torch's own checks of the arguments and output size, on no data
+        out = torch.nn.functional.max_pool2d(torch.empty(1, c, h, w, device="meta"), (kh, kw), (sh, sw),
+                                             (ph, pw), (dh, dw), layer.ceil_mode)
+    except RuntimeError as e:
+        raise ValueError(f"{name}: MaxPool2d: {e}") from None
     ho, wo = out.shape[-2:]
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
+
+
+def _padding_windows(geom: tuple) -> bool:
+    """Whether a pooling window of the geometry (_pool_geometry's) lies
+    entirely in the padding (possible with dilation > 1): torch outputs -inf
+    there and sends its gradient to an input its kernel picks outside the
+    window, which no Jacobian pattern of the window holds."""
+    _, h, w, _, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, _ = geom
+    return any(all(not 0 <= o * s - p + t * d < size for t in range(k))
+               for size, out, k, s, p, d in ((h, ho, kh, sh, ph, dh), (w, wo, kw, sw, pw, dw))
+               for o in range(out))
+
+
+def _layer_list(layers) -> list:
+    """The `layers` argument as a list; TypeError naming it if it is not
+    iterable (a bare module, None): its elements are checked as layers[i]."""
+    try:
+        return list(layers)
+    except TypeError:
+        raise TypeError(f"layers: expected a sequence of modules, got {_type_name(layers)}") from None
 
 
 def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
@@ -1077,11 +1137,13 @@ def _refuse_torch_only(name: str) -> None:
                        "outside the transform, or use autograd")
 
 
-def _check_chain_layer(layer: nn.Module, name: str) -> torch.Tensor | None:
+def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """Refuses a layer the chain cannot take; returns its weight as its
     forward reads it now (None for a layer without one), for the caller to
     use rather than read it again: a parametrization computes it at each
-    read."""
+    read (spectral_norm's in training mode runs a power iteration, which
+    advances its state). `weight`: the one the layer's forward read, kept
+    by ChainPlan.forward_inputs, checked instead of reading it again."""
     kind = _chain_class(layer)
     if kind not in _CHAIN_CLASSES:
         base = next((base for base in _CHAIN_CLASSES if issubclass(kind, base)), None)
@@ -1094,7 +1156,8 @@ def _check_chain_layer(layer: nn.Module, name: str) -> torch.Tensor | None:
     # the weight as read, not _parameters' entry: a parametrized one (none
     # there) computed from what functional_call swapped in is a transform's
     # tensor or a dual as well
-    weight = layer.weight if kind in _WEIGHTED else None
+    if kind in _WEIGHTED and weight is None:
+        weight = layer.weight
     if torch_only_weight(weight):
         _refuse_torch_only(f"{name}.weight")
     if kind is nn.MaxPool2d and layer.return_indices:
@@ -1127,7 +1190,7 @@ def _unless_overwritten(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _input_grad(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor | None,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, weight: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of layer's input x (taken as `dtype`) for the gradient
     `grad` of its output (any shape of the output's size; None: ones), by
     the layer's own torch backward, selects included (ReLU's and MaxPool2d's
@@ -1135,13 +1198,25 @@ def _input_grad(layer: nn.Module, x: torch.Tensor, grad: torch.Tensor | None,
     inference mode, where autograd records nothing, on a copy of an inference
     tensor (one made in that mode), which autograd cannot take, and through
     forward(), not the module call: its hooks (reprop.fuse's count
-    micro-batches) ran when the chain ran forward."""
+    micro-batches) ran when the chain ran forward. A Conv2d or Linear takes
+    `weight`, the one the chain's forward read (_forward_with)."""
     with torch.inference_mode(False), torch.enable_grad():
         xr = x.detach().to(dtype, copy=x.is_inference()).requires_grad_()
-        out = layer.forward(_unless_overwritten(layer, xr))
+        out = _forward_with(layer, weight)(_unless_overwritten(layer, xr))
         grad = torch.ones_like(out) if grad is None else grad.reshape(out.shape).to(out.dtype)
         (d,) = torch.autograd.grad(out, xr, grad)
     return d
+
+
+def _forward_with(layer: nn.Module, weight: torch.Tensor | None):
+    """layer's forward; a Conv2d's or Linear's with `weight` rather than
+    reading layer.weight again (a parametrization would compute it again).
+    Without the bias, which no input gradient depends on."""
+    if weight is None:
+        return layer.forward
+    if _chain_class(layer) is nn.Linear:
+        return functools.partial(torch.nn.functional.linear, weight=weight)
+    return functools.partial(layer._conv_forward, weight=weight, bias=None)
 
 
 def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -1163,12 +1238,15 @@ class _Leaf:
     entries whose weight is zero now are left out of the pattern. `name`
     says which layer it is in errors; the layer passed _check_chain_layer.
     `pruned` may also be the flat indices of the weights to take as zero:
-    the mask of the plan being copied (ChainPlan.__reduce__)."""
+    the mask of the plan being copied (ChainPlan.__reduce__). `weight` is
+    the layer's as _check_chain_layer read it (None without one)."""
 
-    def __init__(self, layer: nn.Module, in_shape: tuple, name: str, pruned: bool | np.ndarray = False):
+    def __init__(self, layer: nn.Module, in_shape: tuple, name: str, weight: torch.Tensor | None,
+                 pruned: bool | np.ndarray = False):
         self.layer, self.in_shape, self.name = layer, in_shape, name
         self.kind = kind = _chain_class(layer)
         self.settings = _settings(layer, kind, name)
+        self.torch_only = False  # whether only its torch backward gives torch's gradient
         size = math.prod(in_shape)
         if kind is nn.Conv2d:
             geom, self.out_shape = _conv_geometry(layer, in_shape, name)
@@ -1176,6 +1254,7 @@ class _Leaf:
         elif kind is nn.MaxPool2d:
             geom, self.out_shape = _pool_geometry(layer, in_shape, name)
             self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
+            self.torch_only = _padding_windows(geom)
         elif kind is nn.Linear:
             if in_shape != (layer.in_features,):
                 raise ValueError(f"{name}: Linear: expected an input of shape ({layer.in_features},) per "
@@ -1189,9 +1268,10 @@ class _Leaf:
         self.rows, self.cols = size, math.prod(self.out_shape)
         self.shared = kind in _WEIGHTED  # weights: one set for the batch
         self.zero_weights = None  # flat indices of the weights the pattern assumes are zero
+        self.weight_shape = weight.shape if self.shared else None
+        self.weight_numel = weight.numel() if self.shared else 0
         if pruned is not False and hasattr(self, "wmap"):
-            self._drop_zero_weights(self._zero_now() if pruned is True else pruned)
-        self.weight_shape = layer.weight.shape if self.shared else None
+            self._drop_zero_weights(_zero_weights(weight) if pruned is True else pruned)
         self._maps = {}
 
     def check_unchanged(self) -> None:
@@ -1202,15 +1282,11 @@ class _Leaf:
                              f"ChainPlan was built (was {self.settings}, now {now}); build a new "
                              "ChainPlan")
 
-    def _zero_now(self) -> np.ndarray:
-        """Flat indices of the layer's weights that are zero now."""
-        return np.flatnonzero((self.layer.weight.detach().reshape(-1).cpu() == 0).numpy())
-
     def _drop_zero_weights(self, zero_weights: np.ndarray) -> None:
         """The pattern without the entries of the zero weights (flat indices):
         a fixed pruning mask's guaranteed zeros, which would otherwise fill
         in the products."""
-        zero = np.zeros(self.layer.weight.numel(), dtype=bool)
+        zero = np.zeros(self.weight_numel, dtype=bool)
         zero[zero_weights] = True
         keep = ~zero[self.wmap]
         rows = np.repeat(np.arange(self.rows), np.diff(self.indptr))
@@ -1233,35 +1309,30 @@ class _Leaf:
         """csr_plan's leaf: a shared leaf's values are its layer's weights as
         they are, placed by the plan through wmap (never gathered per step)."""
         if self.shared:
-            return (self.rows, self.cols, self.indptr, self.indices, True, self.wmap, self.layer.weight.numel())
+            return (self.rows, self.cols, self.indptr, self.indices, True, self.wmap, self.weight_numel)
         return (self.rows, self.cols, self.indptr, self.indices, False, None, 0)
 
-    def entry_values(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, nnz): the value of every stored entry, for inspection (a shared
-        leaf's weights gathered through wmap, which the scan never does)."""
-        vals = self.values(x)
+    def entry_values(self, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """(B, nnz): the value of every stored entry for the batch of inputs x,
+        for inspection; a shared leaf's are its `weight` (the layer's, as
+        _check_chain_layer read it) gathered through wmap, which the scan
+        never does (the plan places the weights, _SharedWeights)."""
         if self.shared:
-            vals = vals[self._map("wmap", x.device)].expand(x.shape[0], -1)
-        return vals
-
-    def values(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 values of J^T for the batch of inputs x: the flat weights for
-        a shared leaf (value q is weight[wmap[q]]), else (B, nnz)."""
-        shape = (self.layer.weight.numel(),) if self.shared else (x.shape[0], self.indices.size)
-        dst = torch.empty(shape, dtype=torch.float32, device=x.device)
+            flat = weight.detach().reshape(-1).to(torch.float32)
+            return flat[self._map("wmap", x.device)].expand(x.shape[0], -1)
+        dst = torch.empty(x.shape[0], self.indices.size, dtype=torch.float32, device=x.device)
         with torch.no_grad():
             self.write_values(x, dst)
         return dst
 
     def write_values(self, x: torch.Tensor, dst: torch.Tensor) -> None:
-        """values(x) written straight into dst (float32, any strides: the
+        """The (B, nnz) values of a leaf that is not shared, for the batch of
+        inputs x, written straight into dst (float32, any strides: the
         scan's batch-minor buffer seen as (B, nnz)), with no temporary copy.
         Under torch.no_grad, the caller's (once per backward, not per
-        layer): x and the weights may require grad, which out= refuses."""
+        layer): x may require grad, which out= refuses."""
         layer, B = self.layer, x.shape[0]
-        if self.shared:
-            dst.copy_(layer.weight.reshape(-1))
-        elif self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
+        if self.kind is nn.ReLU:  # autograd's threshold_backward: 0 where x <= 0, else 1
             torch.logical_not(x.reshape(B, -1) <= 0, out=dst)
         elif self.kind is nn.MaxPool2d:
             _, idx = torch.nn.functional.max_pool2d(
@@ -1272,6 +1343,11 @@ class _Leaf:
             torch.eq(picked, self._map("pmap", x.device), out=dst)
         else:
             dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
+
+
+def _zero_weights(weight: torch.Tensor) -> np.ndarray:
+    """Flat indices of the weights that are zero in `weight`."""
+    return np.flatnonzero((weight.detach().reshape(-1).cpu() == 0).numpy())
 
 
 class _SharedWeights:
@@ -1292,10 +1368,10 @@ class _SharedWeights:
             if addr != self.stop:  # what write() relies on: checked under python -O too
                 raise RuntimeError("ChainPlan: the plan's shared leaves are not back to back "
                                    "(rp_csr_layout changed); this is a bug in reprop")
-            self.stop += leaf.layer.weight.numel()
+            self.stop += leaf.weight_numel
             spans[leaf] = (addr - self.start, self.stop - self.start)
         self.spans = [(leaf, *spans[leaf]) for leaf in leaves if leaf in spans]  # the chain's order
-        self.sizes = [leaf.layer.weight.numel() for leaf in self.order]
+        self.sizes = [leaf.weight_numel for leaf in self.order]
         zeros = [leaf.zero_weights + spans[leaf][0] for leaf in self.order if leaf.zero_weights is not None]
         self.zero_weights = np.concatenate(zeros) if zeros else np.empty(0, np.int64)
         self._maps = {}
@@ -1477,7 +1553,7 @@ class ChainPlan:
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
-        layers = list(layers)
+        layers = _layer_list(layers)
         if not layers:
             raise ValueError("layers: expected at least one layer")
         # an int past the chain's depth is the full scan, as in scan()
@@ -1491,16 +1567,20 @@ class ChainPlan:
         the cost model's choice), pruned[i] layer i's mask as _Leaf takes it."""
         self.product, self._max_pairs = product, max_pairs
         shape, self.leaves, self.steps = input_shape, [], []
+        _check_global_hooks("layers")
         for i, layer in enumerate(layers):
-            _check_chain_layer(layer, f"layers[{i}]")
+            weight = _check_chain_layer(layer, f"layers[{i}]")  # the build's one read of it
             if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
                 self.steps.append((layer, None))
                 shape = (math.prod(shape),)
                 continue
-            leaf = _Leaf(layer, shape, f"layers[{i}]", pruned[i])
+            leaf = _Leaf(layer, shape, f"layers[{i}]", weight, pruned[i])
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
+        if not self.leaves:
+            raise ValueError("layers: expected a layer other than Flatten, which has no Jacobian (the "
+                             "chain's gradients are those of its other layers' inputs)")
         self.input_shape, self.output_shape = input_shape, shape
         self._plan = _C.csr_plan([leaf.pattern() for leaf in self.leaves], want, max_pairs,
                                  *_machine(torch.device("cpu")))
@@ -1513,7 +1593,10 @@ class ChainPlan:
         self._sequence_leaves = [(i, leaf, addr, addr + leaf.indices.size)
                                  for i, (leaf, addr) in enumerate(zip(self.leaves, addrs)) if not addr & _SHARED]
         self._peer_schedule = _C.csr_schedule(self._plan) if product == "cusparse" else None
+        # a pool window in the padding: every backward is torch's, layer by layer
+        self._torch_only = any(leaf.torch_only for leaf in self.leaves)
         self._peers = {}  # (B, device): _CusparsePeer
+        self._forward = None  # forward_inputs' last ([weakrefs to its inputs], {leaf: weight})
 
     def __reduce__(self):
         """copy.deepcopy and pickle rebuild the plan from its layers (the C
@@ -1530,7 +1613,25 @@ class ChainPlan:
                                self._max_pairs, masks, self.product)
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Runs the chain, keeping each Jacobian layer's input; returns them and the output."""
+        """Runs the chain, keeping each Jacobian layer's input; returns them and
+        the output. A parametrized Conv2d or Linear weight the layers read is
+        kept for the backward of these inputs, as autograd saves it: read
+        again, it would be computed again (under `parametrize.cached`, the
+        layer's forward and the read that keeps it are one computation)."""
+        # parametrize swaps in a subclass: the exact class is a plain layer,
+        # whose weight reads the same at backward (and costs no cache here)
+        computed = [leaf for leaf in self._weights.order if type(leaf.layer) is not leaf.kind]
+        if not computed:
+            self._forward = None
+            return self._run_layers(x)
+        with parametrize.cached():
+            inputs, out = self._run_layers(x)
+            weights = {leaf: leaf.layer.weight for leaf in computed}
+        self._forward = ([weakref.ref(t) for t in inputs], weights)
+        return inputs, out
+
+    def _run_layers(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """forward_inputs' run of the layers."""
         inputs = []
         for layer, leaf in self.steps:
             if leaf is not None:
@@ -1538,6 +1639,15 @@ class ChainPlan:
                 x = _unless_overwritten(layer, x)
             x = layer(x)
         return inputs, x
+
+    def _forward_weights(self, inputs: Sequence[torch.Tensor]) -> dict:
+        """The weights forward_inputs kept, if `inputs` are the ones it returned
+        last; else none (backward reads them)."""
+        if self._forward is None:
+            return {}
+        refs, weights = self._forward
+        same = len(refs) == len(inputs) and all(r() is t for r, t in zip(refs, inputs))
+        return weights if same else {}
 
     def _rows_on(self, device: torch.device) -> tuple[int, int, int, int]:
         """Pointers to the program's rows copied to `device` once (CUDA)."""
@@ -1562,7 +1672,8 @@ class ChainPlan:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() and the gradient of the chain's output.
         Where one is not finite, all are those of each layer's own torch
-        backward (autograd's infs and NaNs, see README)."""
+        backward (autograd's infs and NaNs, see README), as they always are
+        with a MaxPool2d window in the padding (_padding_windows)."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_chain_tensor(grad_output, "grad_output")
@@ -1576,15 +1687,17 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
-        weights = self._check_layers()
+        weights = self._check_layers(self._forward_weights(inputs))
         if self.product == "cusparse" and device.type != "cuda":
             raise ValueError(f"grad_output: product='cusparse' runs on CUDA tensors only, got {device}; "
                              "use product='reprop' there")
         if B == 0:
             return [torch.zeros_like(x) for x in inputs]
+        if self._torch_only:
+            return self._torch_backward(inputs, grad_output, weights)
         if self.product == "cusparse":
             grads = self._peer_gradients(B, inputs, grad_output, weights)
-            return self._torch_backward(inputs, grad_output) if grads is None else grads
+            return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
         prog = self._program
         # batch-minor buffers (reprop.h): per-sequence offset o of sample b at o * B + b
         # float32 whatever the default dtype: the program reads them as float32
@@ -1603,15 +1716,17 @@ class ChainPlan:
         # it: the program's up-sweep products may overflow (inf * 0 = NaN),
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
         # where torch selects (0 * inf = NaN, torch's 0).
-        return self._torch_backward(inputs, grad_output) if grads is None else grads
+        return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
 
-    def _check_layers(self) -> dict:
-        """Every layer checked again (hooks or a subclass swapped in since the
-        plan, settings changed); returns each leaf's weight as the check read
-        it, for _SharedWeights.write."""
+    def _check_layers(self, kept: dict) -> dict:
+        """Every layer checked again (hooks, torch's global ones too, or a
+        subclass swapped in since the plan, settings changed); returns each leaf's weight, the forward's
+        (`kept`, see _forward_weights) or else as the check read it, for
+        _SharedWeights.write."""
+        _check_global_hooks("layers")
         weights = {}
         for i, (layer, leaf) in enumerate(self.steps):
-            weight = _check_chain_layer(layer, f"layers[{i}]")
+            weight = _check_chain_layer(layer, f"layers[{i}]", kept.get(leaf))
             if leaf is not None:
                 leaf.check_unchanged()
                 weights[leaf] = weight
@@ -1646,12 +1761,14 @@ class ChainPlan:
         peer.run(device)
         return _owned_gradients(peer.grads, inputs)
 
-    def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+    def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
+                        weights: dict) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
-        its input, last layer first (the linear scan, as autograd runs it)."""
+        its input, with the weights _check_layers gave, last layer first (the
+        linear scan, as autograd runs it)."""
         grads, grad = [], grad_output.detach()
         for leaf, x in zip(reversed(self.leaves), reversed(inputs)):
-            grad = _input_grad(leaf.layer, x, grad, x.dtype)
+            grad = _input_grad(leaf.layer, x, grad, x.dtype, weights.get(leaf))
             grads.append(grad)
         return grads[::-1]
 
@@ -1685,7 +1802,7 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
-    a = list(a)
+    a = _layer_list(a)
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
@@ -1702,13 +1819,22 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     if plan is not None and not isinstance(plan, ChainPlan):
         raise TypeError(f"plan: expected a ChainPlan or None, got {_type_name(plan)}")
     if plan is None:
-        plan = ChainPlan(layers, x.shape[1:], levels=levels)
-    elif not _same_modules(layers, [layer for layer, _ in plan.steps]):
+        # the plan's read of each weight and the forward's are one (a
+        # parametrization's state advances once per step, as in torch)
+        with parametrize.cached():
+            plan = ChainPlan(layers, x.shape[1:], levels=levels)
+            return _forward_backward(plan, x, grad_output)
+    if not _same_modules(layers, [layer for layer, _ in plan.steps]):
         raise ValueError("layers: not the layers `plan` was built for; pass the plan's own "
                          "layers or build a ChainPlan for these")
     elif tuple(x.shape[1:]) != plan.input_shape:
         raise ValueError(f"x: expected samples of shape {plan.input_shape} (the plan's), "
                          f"got {tuple(x.shape[1:])}")
+    return _forward_backward(plan, x, grad_output)
+
+
+def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tensor | None) -> list[torch.Tensor]:
+    """chain_backward's run of its checked plan over x."""
     with torch.no_grad():
         inputs, out = plan.forward_inputs(x)
     if grad_output is None:
@@ -1722,9 +1848,13 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
 def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
-    _check_chain_layer(layer, "layer")
+    _check_global_hooks("layer")
+    weight = _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
-    leaf = _Leaf(layer, tuple(x.shape), "layer")
-    vals = leaf.entry_values(x.unsqueeze(0))[0]
+    leaf = _Leaf(layer, tuple(x.shape), "layer", weight)
+    if leaf.torch_only:
+        raise ValueError("layer: MaxPool2d has a window lying entirely in the padding, whose gradient "
+                         "torch sends outside the window: it has no CSR transposed Jacobian here")
+    vals = leaf.entry_values(x.unsqueeze(0), weight)[0]
     return torch.sparse_csr_tensor(torch.from_numpy(leaf.indptr).long(), torch.from_numpy(leaf.indices).long(),
                                    vals, (leaf.rows, leaf.cols), check_invariants=True)
