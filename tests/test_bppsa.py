@@ -2500,6 +2500,24 @@ def test_chain_refuses_global_module_hooks(register, monkeypatch):
     assert rel_err(got, autograd_layer_input_grads(nn.Sequential(*layers), x, g)[0]) <= 1e-6
 
 
+def test_chain_takes_torch_module_trackers_global_hooks():
+    """FlopCounterMode (torch's ModuleTracker) registers global forward hooks
+    that only record which module runs: refused since the global hooks were,
+    where the chain ran before with autograd's gradients."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from torch.utils.module_tracker import ModuleTracker
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+    x, g = torch.randn(2, 4), torch.randn(2, 2)
+    plan = bppsa.ChainPlan(layers, (4,))
+    want = bppsa.chain_backward(layers, x, g, plan=plan)[0]
+    with FlopCounterMode(display=False):
+        assert torch.equal(bppsa.chain_backward(layers, x, g, plan=plan)[0], want)
+    with ModuleTracker():
+        assert torch.equal(bppsa.chain_backward(layers, x, g)[0], want)
+
+
 def test_chain_pool_window_in_the_padding_is_torch_backward():
     """MaxPool2d(2, stride=3, padding=1, dilation=2) over W = 1: both W taps
     of every window are padding. torch outputs -inf there and sends the

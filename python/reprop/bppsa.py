@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Sequence
@@ -973,10 +974,27 @@ def _fusion_hook(hook) -> bool:
     return isinstance(hook_owner(hook), FusionHandle)
 
 
+# torch's module trackers, whose global hooks record which module runs and
+# return None: (module, class), looked up in sys.modules, not imported (no
+# tracker exists before its module is imported)
+_TRACKERS = (("torch.utils.module_tracker", "ModuleTracker"),  # FlopCounterMode's
+             ("torch.distributed._tools.mod_tracker", "ModTracker"))
+
+
+def _tracker_hook(hook) -> bool:
+    """Whether `hook` is a method of one of torch's module trackers."""
+    owner = getattr(hook, "__self__", None)
+    return owner is not None and any(
+        isinstance(owner, getattr(sys.modules.get(module), name, ()))
+        for module, name in _TRACKERS)
+
+
 def _may_change_output(hooks) -> bool:
     """Whether one of these forward hooks or pre-hooks may change what a layer
-    computes: all but the weight reparametrizations' and reprop.fuse's."""
-    return any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook) for hook in hooks)
+    computes: all but the weight reparametrizations', reprop.fuse's and
+    torch's module trackers' (FlopCounterMode's)."""
+    return any(not isinstance(hook, _WEIGHT_PRE_HOOKS) and not _fusion_hook(hook)
+               and not _tracker_hook(hook) for hook in hooks)
 
 
 def _check_hooks(layer: nn.Module, name: str) -> None:
