@@ -2500,6 +2500,61 @@ def test_chain_refuses_global_module_hooks(register, monkeypatch):
     assert rel_err(got, autograd_layer_input_grads(nn.Sequential(*layers), x, g)[0]) <= 1e-6
 
 
+class _CountingScale(nn.Module):
+    """A stateful parametrization: the weight times the number of reads in
+    training mode (as spectral_norm's state advances at each read)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("reads", torch.zeros(()))
+
+    def forward(self, w):
+        if self.training:
+            self.reads += 1
+        return w * self.reads.clone()
+
+
+@pytest.mark.parametrize("kind", ["parametrization", "hook_spectral_norm"])
+def test_chain_backward_of_an_earlier_forward_uses_its_weights(kind):
+    """Two forward_inputs, then the backward of the first's inputs: only the
+    last forward's weights were kept, so the first's backward read the
+    weight again (another weight, one more read of the state), or, with the
+    hook-based nn.utils.spectral_norm, whose weight its pre-hook sets, took
+    the second forward's (0.16 off autograd). Each forward's are kept while
+    its inputs live, as autograd's graph keeps them."""
+    def make():
+        torch.manual_seed(0)
+        first = nn.Linear(8, 6)
+        if kind == "parametrization":
+            nn.utils.parametrize.register_parametrization(first, "weight", _CountingScale())
+        else:
+            first = nn.utils.spectral_norm(first)
+        return [first, nn.Tanh(), nn.Linear(6, 4)]
+
+    def run(layers, x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    torch.manual_seed(1)
+    x1, x2, g = torch.randn(3, 8) * 3, torch.randn(3, 8), torch.randn(3, 4)
+    layers, ref = make(), make()
+    plan = bppsa.ChainPlan(layers, (8,))
+    if kind == "parametrization":
+        _ = ref[0].weight  # the plan's build read it once
+    with torch.no_grad():
+        first, _ = plan.forward_inputs(x1)
+        plan.forward_inputs(x2)
+    got = plan.backward(first, g)[0]
+    xr = x1.clone().requires_grad_()
+    out = run(ref, xr)
+    run(ref, x2)
+    out.backward(g)
+    assert rel_err(got, xr.grad) <= 1e-6
+    if kind == "parametrization":
+        assert layers[0].parametrizations.weight[0].reads.item() == ref[0].parametrizations.weight[0].reads.item()
+
+
 def test_chain_takes_torch_module_trackers_global_hooks():
     """FlopCounterMode (torch's ModuleTracker) registers global forward hooks
     that only record which module runs: refused since the global hooks were,

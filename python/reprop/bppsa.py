@@ -1363,6 +1363,14 @@ class _Leaf:
             dst.copy_(_elementwise_derivative(layer, x).reshape(B, -1))
 
 
+def _computed_weight(layer: nn.Module, kind: type) -> bool:
+    """Whether layer's weight is computed at each forward: parametrize swaps
+    in a subclass (the exact class is a plain layer, whose weight reads the
+    same at backward and costs no cache), a weight pre-hook sets it."""
+    return type(layer) is not kind or any(isinstance(hook, _WEIGHT_PRE_HOOKS)
+                                          for hook in layer._forward_pre_hooks.values())
+
+
 def _zero_weights(weight: torch.Tensor) -> np.ndarray:
     """Flat indices of the weights that are zero in `weight`."""
     return np.flatnonzero((weight.detach().reshape(-1).cpu() == 0).numpy())
@@ -1614,7 +1622,8 @@ class ChainPlan:
         # a pool window in the padding: every backward is torch's, layer by layer
         self._torch_only = any(leaf.torch_only for leaf in self.leaves)
         self._peers = {}  # (B, device): _CusparsePeer
-        self._forward = None  # forward_inputs' last ([weakrefs to its inputs], {leaf: weight})
+        # ids of a forward_inputs' inputs -> ([weakrefs to them], {leaf: weight}), while they live
+        self._forwards: dict = {}
 
     def __reduce__(self):
         """copy.deepcopy and pickle rebuild the plan from its layers (the C
@@ -1632,21 +1641,29 @@ class ChainPlan:
 
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and
-        the output. A parametrized Conv2d or Linear weight the layers read is
-        kept for the backward of these inputs, as autograd saves it: read
-        again, it would be computed again (under `parametrize.cached`, the
-        layer's forward and the read that keeps it are one computation)."""
-        # parametrize swaps in a subclass: the exact class is a plain layer,
-        # whose weight reads the same at backward (and costs no cache here)
-        computed = [leaf for leaf in self._weights.order if type(leaf.layer) is not leaf.kind]
+        the output. A Conv2d or Linear weight computed at each forward (a
+        parametrization's, or set by a weight pre-hook: spectral_norm) is
+        kept for the backward of these inputs while they live, as autograd
+        saves it: read again, it would be computed again, or be a later
+        forward's (under `parametrize.cached`, the layer's forward and the
+        read that keeps it are one computation)."""
+        computed = [leaf for leaf in self._weights.order if _computed_weight(leaf.layer, leaf.kind)]
         if not computed:
-            self._forward = None
             return self._run_layers(x)
         with parametrize.cached():
             inputs, out = self._run_layers(x)
             weights = {leaf: leaf.layer.weight for leaf in computed}
-        self._forward = ([weakref.ref(t) for t in inputs], weights)
+        self._keep_weights(inputs, weights)
         return inputs, out
+
+    def _keep_weights(self, inputs: list, weights: dict) -> None:
+        """Keeps a forward's `weights` for the backward of its `inputs`, dropped
+        when one of them is freed (the callback holds the dict, not the plan)."""
+        key, forwards = tuple(map(id, inputs)), self._forwards
+
+        def drop(_ref):
+            forwards.pop(key, None)
+        forwards[key] = ([weakref.ref(t, drop) for t in inputs], weights)
 
     def _run_layers(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """forward_inputs' run of the layers."""
@@ -1659,13 +1676,13 @@ class ChainPlan:
         return inputs, x
 
     def _forward_weights(self, inputs: Sequence[torch.Tensor]) -> dict:
-        """The weights forward_inputs kept, if `inputs` are the ones it returned
-        last; else none (backward reads them)."""
-        if self._forward is None:
+        """The weights forward_inputs kept for these `inputs`; none for inputs
+        it did not return (backward reads them)."""
+        kept = self._forwards.get(tuple(map(id, inputs)))
+        if kept is None:
             return {}
-        refs, weights = self._forward
-        same = len(refs) == len(inputs) and all(r() is t for r, t in zip(refs, inputs))
-        return weights if same else {}
+        refs, weights = kept
+        return weights if all(r() is t for r, t in zip(refs, inputs)) else {}
 
     def _rows_on(self, device: torch.device) -> tuple[int, int, int, int]:
         """Pointers to the program's rows copied to `device` once (CUDA)."""
