@@ -290,6 +290,20 @@ def _comm_hooks() -> dict:
             "copy": lambda: (_mean_into_copy_hook, None), "powersgd": powersgd}
 
 
+def _mlp_steps(model, opt, rank: int, steps: int, before=None) -> None:
+    """`steps` steps of the eager loop on rank's own batches of tf._mlp's
+    data (warnings off: backward mode's step() warns); before(i) first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(steps):
+            if before is not None:
+                before(i)
+            x, y = tf._mlp_batch(10 * rank + i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
 def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
     import reprop
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -306,13 +320,7 @@ def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
                 handle = reprop.fuse(model, opt, mode="backward", comm_hook=hook, comm_state=state)
             else:
                 model.register_comm_hook(state, hook)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                for i in range(5):
-                    x, y = tf._mlp_batch(10 * rank + i)
-                    F.mse_loss(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
+            _mlp_steps(model, opt, rank, 5)
             if fused:
                 handle.remove()
             results[(name, fused)] = [p.detach().clone() for p in model.parameters()]
@@ -323,18 +331,13 @@ def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:
         torch.manual_seed(0)
         model = DDP(tf._mlp(), process_group=own)
         opt = reprop.optim.SGD(model.parameters(), lr=0.1)
-        handle = reprop.fuse(model, opt, mode="backward") if fused else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(4):
-                if i == 2 and handle is not None:
-                    handle.remove()
-                    handle = None
-                    gc.collect()
-                x, y = tf._mlp_batch(10 * rank + i)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+        handles = [reprop.fuse(model, opt, mode="backward")] if fused else []
+
+        def drop_at_third_step(i):
+            if i == 2 and handles:
+                handles.pop().remove()
+                gc.collect()
+        _mlp_steps(model, opt, rank, 4, drop_at_third_step)
         results[("own group", fused)] = [p.detach().clone() for p in model.parameters()]
     # a hook registered with DDP first, Python's or a built-in: refused, DDP as it was
     refusals = {}
