@@ -2532,6 +2532,40 @@ def test_numpy_bool_keep_grads_is_the_bool(flag: bool) -> None:
     assert kept == [[flag] * 6] * 2
 
 
+@pytest.mark.parametrize("edits", [False, True])
+def test_forward_mode_second_step_pre_hook_sees_the_first_step_made(edits: bool) -> None:
+    """A step pre-hook of a second step() before any forward saw the first
+    step's updates still pending (a logged weight one step behind), and one
+    clipping the gradients in place made that step() raise, losing both
+    updates; eager's pre-hooks see the first step made. Bitwise against
+    eager, the values the hook saw too."""
+    def run(fused: bool):
+        model = _mlp()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        seen = []
+
+        def pre_hook(optimizer, args, kwargs):
+            seen.append(model[0].weight.detach().clone())
+            if edits:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.register_step_pre_hook(pre_hook)
+        handle = reprop.fuse(model, opt, mode="forward") if fused else None
+        for i in range(2):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.step()  # no forward between: the same gradients again
+            opt.zero_grad()
+        model(_mlp_batch(0)[0])
+        if handle is not None:
+            handle.remove()
+        return [p.detach() for p in model.parameters()], seen
+
+    (got, got_seen), (want, want_seen) = run(True), run(False)
+    for a, b in zip(got + got_seen, want + want_seen):
+        assert torch.equal(a, b)
+
+
 def test_bad_mode_raises() -> None:
     _refused(ValueError, "mode", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="sideways")
 

@@ -1021,6 +1021,10 @@ class FusionHandle:
             raise RuntimeError(f"reprop.fuse(mode='backward'): the optimizer has {kind}, but "
                                "backward mode applied the updates inside backward(), before step() "
                                "could run it; use mode='forward', or remove the hook")
+        if (own_pre or global_pre) and self._pending:
+            # forward mode, a second step() before any forward: eager's pre-hooks
+            # see the first step's updates made (and may change the gradients)
+            self.flush()
         for hook in [*global_pre.values(), *own_pre.values()]:
             result = hook(opt, args, kwargs)
             if result is not None:
