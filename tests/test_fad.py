@@ -2364,6 +2364,28 @@ def test_compose_chain_tensor_changed_in_place_under_no_grad_raises_as_autograd(
             _compose_grad(compose, edit)
 
 
+@pytest.mark.parametrize("op", ["exp", "relu"])
+def test_compose_data_swapped_on_a_chain_tensor_keeps_its_recorded_derivative(op):
+    """`y.data = ...` on a chain tensor whose derivative is its own value (exp
+    of the root) or is found from it (relu of the root) swaps its data
+    without bumping its version. The next step y * y must take the new data
+    as its value and the derivative from the data y had, as autograd does
+    (exp's and relu's nodes keep the output they saved): reading y's data
+    when the step comes gave 2 * 100 * 100 for exp, and the new data's signs
+    for relu, silently. Kills taking the derivative from the tensor's
+    current data in _carried."""
+    grads = []
+    for compose in (False, True):
+        x = torch.linspace(-1.0, 1.0, 7, requires_grad=True)
+        with fad.enabled(compose=True) if compose else contextlib.nullcontext():
+            y = getattr(torch, op)(x)
+            y.data = torch.linspace(100.0, -100.0, 7)  # the opposite signs of x
+            z = y * y
+        z.sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[1], grads[0])
+
+
 def test_compose_zero_dim_float32_factor_of_a_half_chain_keeps_its_precision():
     """x * c for a float16 chain and a 0-d float32 CPU constant c: torch's
     kernels read c as a scalar at its own precision, in the forward and in

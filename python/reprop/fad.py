@@ -895,15 +895,14 @@ class _Record:
     does (None: nowhere). There the root's gradient is that +0 times the
     steps before the select, which the derivative holds in place of one:
     NaN after an infinite step (sqrt at 0), else a 0 with their sign. The
-    mode keeps records in a dictionary weakly keyed by the chain tensor, so
-    a derivative that is the tensor itself (exp of the root) is kept as
-    _SELF: a value holding its key would never let it go; relu of the root
-    keeps _RELU_OF_SELF, its derivative and blocked positions found from
-    the tensor when a next step needs them. A derivative may be a constant
-    operand itself (x * c): its version too, so that c changed in place ends
-    the chain there, and autograd's version check on the node's saved c
-    raises as it would. `blocked` may be a _WhereZero, found from the
-    derivative when needed."""
+    mode keeps records in a dictionary weakly keyed by the chain tensor; a
+    derivative that is the tensor itself (exp of the root), or is found
+    from it (relu of the root: _ReluOutput), is kept as an alias made at
+    record time (_as_recorded). A derivative may be a constant operand
+    itself (x * c): its version too, so that c changed in place ends the
+    chain there, and autograd's version check on the node's saved c raises
+    as it would. `blocked` may be a _WhereZero, found from the derivative
+    when needed."""
 
     __slots__ = ("source", "source_version", "version", "deriv", "deriv_version", "kept",
                  "blocked")
@@ -913,17 +912,38 @@ class _Record:
         self.source_version = source._version
         self.version = out._version
         self.deriv_version = deriv._version if isinstance(deriv, torch.Tensor) else None
-        self.deriv = _SELF if deriv is out else deriv
-        self.kept = _SELF if kept is out else kept
+        self.deriv = _as_recorded(deriv, out)
+        self.kept = self.deriv if kept is deriv else kept
         self.blocked = blocked
 
 
-_SELF = object()
 # The derivative of relu of the root: the node saves relu's output, as torch's
 # does (a derivative would be one tensor more than plain autograd when the
 # next op saves that output, as a Linear does), and a next step finds the
 # derivative from it (_relu_local).
 _RELU_OF_SELF = object()
+
+
+class _ReluOutput(NamedTuple):
+    """A record's derivative of relu of the root: its output as recorded
+    (_as_recorded), from which a next step finds the derivative and the
+    blocked positions (_relu_local)."""
+
+    out: torch.Tensor
+
+
+def _as_recorded(deriv, out: torch.Tensor):
+    """The derivative a record keeps for the chain tensor `out`: one that is
+    out itself, or found from it, as out.detach(), an alias of the data out
+    has now. Not out: the record is the value of a dictionary weakly keyed
+    by out, which would never let it go. Not out's data when a next step
+    comes: `out.data = ...` swaps that without bumping out's version, while
+    the node keeps the output it saved, as torch's exp and relu nodes do."""
+    if deriv is out:
+        return out.detach()
+    if deriv is _RELU_OF_SELF:
+        return _ReluOutput(out.detach())
+    return deriv
 
 
 def _relu_local(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1427,11 +1447,10 @@ class enabled(TorchFunctionMode):
         if rec is not None and rec.version == t._version \
                 and getattr(t.grad_fn, "hooked", True) is False \
                 and t._backward_hooks is None and not t.retains_grad \
-                and (rec.deriv_version is None or rec.deriv is _SELF
-                     or rec.deriv._version == rec.deriv_version):
+                and (rec.deriv_version is None or rec.deriv._version == rec.deriv_version):
             src = rec.source()
             if src is not None and src._version == rec.source_version:
-                return (src, *_carried(rec, t.detach()))
+                return (src, *_carried(rec))
         return (t, None, None) if t.requires_grad else (None, None, None)
 
     def _parse(self, func, args, kwargs):
@@ -1540,12 +1559,10 @@ def _lead_past(operands) -> None:
             o.chain.grad_fn.led_past = True
 
 
-def _carried(rec: _Record, t: torch.Tensor) -> tuple[object, torch.Tensor | None]:
-    """(d t / d root, blocked) of the chain tensor t (detached) from its record."""
-    if rec.deriv is _SELF:
-        return t, rec.blocked
-    if rec.deriv is _RELU_OF_SELF:
-        return _relu_local(t)
+def _carried(rec: _Record) -> tuple[object, torch.Tensor | None]:
+    """(d t / d root, blocked) of a chain tensor t from its record."""
+    if isinstance(rec.deriv, _ReluOutput):
+        return _relu_local(rec.deriv.out)
     if isinstance(rec.blocked, _WhereZero):
         return rec.blocked.carried(rec.deriv)
     return rec.deriv, rec.blocked
