@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -2553,6 +2554,82 @@ def test_chain_backward_of_an_earlier_forward_uses_its_weights(kind):
     assert rel_err(got, xr.grad) <= 1e-6
     if kind == "parametrization":
         assert layers[0].parametrizations.weight[0].reads.item() == ref[0].parametrizations.weight[0].reads.item()
+
+
+class _PauseOnce(nn.Module):
+    """An identity parametrization that pauses the read of the weight in
+    `thread` (once) until `release` is set, having set `inside`."""
+
+    def __init__(self):
+        super().__init__()
+        self.thread, self.inside, self.release = None, threading.Event(), threading.Event()
+
+    def forward(self, w):
+        if threading.current_thread() is self.thread:
+            self.thread = None
+            self.inside.set()
+            self.release.wait(timeout=60)
+        return w
+
+
+def test_chain_forward_leaves_another_threads_parametrized_weights_alone():
+    """The chain ran its forward under torch's parametrize.cached(), whose
+    cache is process-wide: a plain training step of the same model in
+    another thread meanwhile took the chain's weights, computed under
+    no_grad, and gave the originals no gradient (or backward raised on a
+    graph already freed). The chain's thread is held inside its forward
+    while the main thread trains."""
+    from torch.nn.utils.parametrizations import orthogonal
+
+    def make():
+        torch.manual_seed(0)
+        model = nn.Sequential(orthogonal(nn.Linear(16, 16)), nn.Tanh(), nn.Linear(16, 8))
+        nn.utils.parametrize.register_parametrization(model[2], "weight", _PauseOnce())
+        return model
+
+    model, ref = make(), make()
+    plan = bppsa.ChainPlan(list(model), (16,))
+    xa, xb = torch.randn(4, 16), torch.randn(4, 16)
+    got = []
+    chain = threading.Thread(target=lambda: got.append(bppsa.chain_backward(list(model), xa, plan=plan)))
+    pause = model[2].parametrizations.weight[0]
+    pause.thread = chain
+    chain.start()
+    try:
+        assert pause.inside.wait(timeout=60)
+        model(xb).sum().backward()
+    finally:
+        pause.release.set()
+        chain.join(timeout=60)
+    assert not chain.is_alive() and got
+    ref(xb).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad), name
+    for a, b in zip(got[0], autograd_layer_input_grads(ref, xa, torch.ones(4, 8))):
+        assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("how", ["no plan", "plan"])
+def test_chain_reads_a_parametrized_layer_used_twice_at_each_use(how):
+    """A parametrized layer used twice in a chain: torch's forward reads
+    (computes) its weight at each use; under parametrize.cached() the chain
+    read it once, so with a stateful parametrization the second use took
+    the first's weight (0.2 to 0.33 off autograd) and the state advanced once less."""
+    def make():
+        torch.manual_seed(0)
+        layer = nn.Linear(5, 5)
+        nn.utils.parametrize.register_parametrization(layer, "weight", _CountingScale())
+        return [layer, nn.Tanh(), layer]
+
+    layers, ref = make(), make()
+    plan = bppsa.ChainPlan(layers, (5,)) if how == "plan" else None
+    if how == "plan":
+        _ = ref[0].weight, ref[2].weight  # the plan's build read it at each use
+    x, g = torch.randn(3, 5), torch.randn(3, 5)
+    got = bppsa.chain_backward(layers, x, g, plan=plan)
+    for a, b in zip(got, autograd_layer_input_grads(ref, x, g)):
+        assert rel_err(a, b) <= 1e-6
+    assert layers[0].parametrizations.weight[0].reads.item() == ref[0].parametrizations.weight[0].reads.item()
 
 
 def test_chain_takes_torch_module_trackers_global_hooks():

@@ -35,6 +35,8 @@ from typing import Sequence
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.modules.module import (_global_forward_hooks, _global_forward_hooks_always_called,
+                                     _global_forward_hooks_with_kwargs, _global_forward_pre_hooks)
 from torch.nn.utils import parametrize
 from torch.nn.utils.prune import BasePruningMethod
 from torch.nn.utils.spectral_norm import SpectralNorm
@@ -1232,9 +1234,12 @@ def _forward_with(layer: nn.Module, weight: torch.Tensor | None):
     Without the bias, which no input gradient depends on."""
     if weight is None:
         return layer.forward
-    if _chain_class(layer) is nn.Linear:
-        return functools.partial(torch.nn.functional.linear, weight=weight)
-    return functools.partial(layer._conv_forward, weight=weight, bias=None)
+    return functools.partial(_functional(layer), weight=weight, bias=None)
+
+
+def _functional(layer: nn.Module):
+    """A Conv2d's or Linear's forward as a function of (input, weight, bias)."""
+    return torch.nn.functional.linear if _chain_class(layer) is nn.Linear else layer._conv_forward
 
 
 def _elementwise_derivative(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -1369,6 +1374,51 @@ def _computed_weight(layer: nn.Module, kind: type) -> bool:
     same at backward and costs no cache), a weight pre-hook sets it."""
     return type(layer) is not kind or any(isinstance(hook, _WEIGHT_PRE_HOOKS)
                                           for hook in layer._forward_pre_hooks.values())
+
+
+def _run_computed(leaf: _Leaf, x: torch.Tensor, weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """leaf's layer (a Conv2d or Linear whose weight is computed at each
+    forward: _computed_weight) on x as its module call runs it, and the
+    weight it computed with, kept for the backward: its forward pre-hooks
+    (a weight pre-hook sets the weight: spectral_norm's), its forward with
+    the weight and bias read once (or with `weight`, a parametrized weight
+    read for this forward already: chain_backward's plan build), its
+    forward hooks. Not the module call under torch's parametrize.cached(),
+    which would make its read and a second one keeping it the same: that
+    cache is process-wide, and another thread's forward of the model took
+    the chain's weights (computed under no_grad: no gradient reached the
+    originals) or one whose graph was freed. The hooks run here are only
+    those the chain takes (the others refused first, as backward refuses
+    them), which change no input or output."""
+    layer = leaf.layer
+    _check_hooks(layer, leaf.name)
+    args = (x,)
+    post = (*_global_forward_hooks.items(), *layer._forward_hooks.items())
+    with_kwargs = layer._forward_hooks_with_kwargs.keys() | _global_forward_hooks_with_kwargs.keys()
+    try:
+        _call_hooks(layer, (*_global_forward_pre_hooks.items(), *layer._forward_pre_hooks.items()),
+                    layer._forward_pre_hooks_with_kwargs, args)
+        if weight is None:
+            weight = layer.weight
+        out = _functional(layer)(x, weight, layer.bias)
+    except Exception:  # as torch, the hooks registered with always_call=True still run
+        always = layer._forward_hooks_always_called.keys() | _global_forward_hooks_always_called.keys()
+        _call_hooks(layer, [(key, hook) for key, hook in post if key in always], with_kwargs, args, None)
+        raise
+    _call_hooks(layer, post, with_kwargs, args, out)
+    return out, weight
+
+
+def _call_hooks(layer: nn.Module, hooks, with_kwargs, args: tuple, *out) -> None:
+    """Calls each (key, hook) of `hooks` as torch's Module.__call__ does
+    (with the keyword arguments too where its key is in `with_kwargs`; `out`:
+    a forward hook's output argument). What they return is not used: the
+    hooks the chain takes change no input or output (_may_change_output)."""
+    for key, hook in hooks:
+        if key in with_kwargs:
+            hook(layer, args, {}, *out)
+        else:
+            hook(layer, args, *out)
 
 
 def _zero_weights(weight: torch.Tensor) -> np.ndarray:
@@ -1575,6 +1625,11 @@ class ChainPlan:
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
                  max_pairs: int = 0, pruned: bool = False, product: str = "reprop"):
+        self._checked_build(layers, input_shape, levels, max_pairs, pruned, product)
+
+    def _checked_build(self, layers, input_shape, levels, max_pairs, pruned, product) -> dict:
+        """__init__ of its arguments as given; returns its build's reads of
+        the parametrized weights (_build)."""
         product = _check_product(product)
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
@@ -1585,14 +1640,17 @@ class ChainPlan:
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
-        self._build(layers, input_shape, want, max_pairs, [bool(pruned)] * len(layers), product)
+        return self._build(layers, input_shape, want, max_pairs, [bool(pruned)] * len(layers), product)
 
     def _build(self, layers: list[nn.Module], input_shape: tuple[int, ...], want: int, max_pairs: int,
-               pruned: list, product: str) -> None:
+               pruned: list, product: str) -> dict:
         """The plan of checked arguments: `want` is csr_plan's levels (-1:
-        the cost model's choice), pruned[i] layer i's mask as _Leaf takes it."""
+        the cost model's choice), pruned[i] layer i's mask as _Leaf takes it.
+        Returns its reads of the parametrized weights ({leaf: weight}), each
+        one computation of the weight, which chain_backward's forward takes
+        rather than computing it again."""
         self.product, self._max_pairs = product, max_pairs
-        shape, self.leaves, self.steps = input_shape, [], []
+        shape, self.leaves, self.steps, reads = input_shape, [], [], {}
         _check_global_hooks("layers")
         for i, layer in enumerate(layers):
             weight = _check_chain_layer(layer, f"layers[{i}]")  # the build's one read of it
@@ -1601,6 +1659,8 @@ class ChainPlan:
                 shape = (math.prod(shape),)
                 continue
             leaf = _Leaf(layer, shape, f"layers[{i}]", weight, pruned[i])
+            if parametrize.is_parametrized(layer, "weight"):  # not one a pre-hook sets at the forward
+                reads[leaf] = weight
             self.leaves.append(leaf)
             self.steps.append((layer, leaf))
             shape = leaf.out_shape
@@ -1624,6 +1684,7 @@ class ChainPlan:
         self._peers = {}  # (B, device): _CusparsePeer
         # ids of a forward_inputs' inputs -> ([weakrefs to them], {leaf: weight}), while they live
         self._forwards: dict = {}
+        return reads
 
     def __reduce__(self):
         """copy.deepcopy and pickle rebuild the plan from its layers (the C
@@ -1645,14 +1706,19 @@ class ChainPlan:
         parametrization's, or set by a weight pre-hook: spectral_norm) is
         kept for the backward of these inputs while they live, as autograd
         saves it: read again, it would be computed again, or be a later
-        forward's (under `parametrize.cached`, the layer's forward and the
-        read that keeps it are one computation)."""
+        forward's. Such a layer's forward reads it once and computes with
+        that read (_run_computed)."""
+        return self._forward_inputs(x, {})
+
+    def _forward_inputs(self, x: torch.Tensor, weights: dict) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """forward_inputs, computing with `weights` ({leaf: weight}), the
+        parametrized weights read for this forward already (chain_backward's
+        plan build), rather than reading them again."""
         computed = [leaf for leaf in self._weights.order if _computed_weight(leaf.layer, leaf.kind)]
         if not computed:
             return self._run_layers(x)
-        with parametrize.cached():
-            inputs, out = self._run_layers(x)
-            weights = {leaf: leaf.layer.weight for leaf in computed}
+        _check_global_hooks("layers")  # their layers' hooks are run by the chain (_run_computed)
+        inputs, out = self._run_layers(x, computed, weights)
         self._keep_weights(inputs, weights)
         return inputs, out
 
@@ -1665,14 +1731,20 @@ class ChainPlan:
             forwards.pop(key, None)
         forwards[key] = ([weakref.ref(t, drop) for t in inputs], weights)
 
-    def _run_layers(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """forward_inputs' run of the layers."""
+    def _run_layers(self, x: torch.Tensor, computed: Sequence[_Leaf] = (),
+                    weights: dict | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """forward_inputs' run of the layers; those of the `computed` leaves
+        with their weights read once (_run_computed) into `weights`, or taken
+        from there (read for this forward already)."""
         inputs = []
         for layer, leaf in self.steps:
             if leaf is not None:
                 inputs.append(x)
                 x = _unless_overwritten(layer, x)
-            x = layer(x)
+            if leaf in computed:
+                x, weights[leaf] = _run_computed(leaf, x, weights.get(leaf))
+            else:
+                x = layer(x)
         return inputs, x
 
     def _forward_weights(self, inputs: Sequence[torch.Tensor]) -> dict:
@@ -1854,24 +1926,26 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     if plan is not None and not isinstance(plan, ChainPlan):
         raise TypeError(f"plan: expected a ChainPlan or None, got {_type_name(plan)}")
     if plan is None:
-        # the plan's read of each weight and the forward's are one (a
+        # the build's read of each parametrized weight is the forward's (a
         # parametrization's state advances once per step, as in torch)
-        with parametrize.cached():
-            plan = ChainPlan(layers, x.shape[1:], levels=levels)
-            return _forward_backward(plan, x, grad_output)
+        plan = ChainPlan.__new__(ChainPlan)
+        reads = plan._checked_build(layers, x.shape[1:], levels, max_pairs=0, pruned=False, product="reprop")
+        return _forward_backward(plan, x, grad_output, reads)
     if not _same_modules(layers, [layer for layer, _ in plan.steps]):
         raise ValueError("layers: not the layers `plan` was built for; pass the plan's own "
                          "layers or build a ChainPlan for these")
     elif tuple(x.shape[1:]) != plan.input_shape:
         raise ValueError(f"x: expected samples of shape {plan.input_shape} (the plan's), "
                          f"got {tuple(x.shape[1:])}")
-    return _forward_backward(plan, x, grad_output)
+    return _forward_backward(plan, x, grad_output, {})
 
 
-def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tensor | None) -> list[torch.Tensor]:
-    """chain_backward's run of its checked plan over x."""
+def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tensor | None,
+                      reads: dict) -> list[torch.Tensor]:
+    """chain_backward's run of its checked plan over x; `reads`: the
+    parametrized weights read for this forward already (see _build)."""
     with torch.no_grad():
-        inputs, out = plan.forward_inputs(x)
+        inputs, out = plan._forward_inputs(x, reads)
     if grad_output is None:
         grad_output = torch.ones_like(out)
     elif isinstance(grad_output, torch.Tensor) and grad_output.shape[:1] != x.shape[:1]:
