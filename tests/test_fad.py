@@ -1847,6 +1847,66 @@ def test_compose_hook_after_the_next_op_is_refused(late, inside):
             _LATE_HOOKS[late](a)
 
 
+@pytest.mark.parametrize("mode", ["all", "any"])
+@pytest.mark.parametrize("inside", [True, False])
+def test_compose_refused_multi_grad_hook_leaves_no_hook(mode, inside):
+    """register_multi_grad_hook on tensors of which one a next step led past
+    is refused before anything is registered, naming what was called: torch
+    registers on each tensor in turn, so the refusal of the led-past one left
+    a live hook on the tensors before it (mode="any" ran the function in
+    backward), under a message naming register_hook()."""
+    x = torch.randn(4, 6, requires_grad=True)
+    fired = []
+
+    def register(tensors):
+        with pytest.raises(RuntimeError) as refused:
+            torch.autograd.graph.register_multi_grad_hook(tensors, fired.append, mode=mode)
+        return tensors, str(refused.value)
+
+    with fad.enabled(compose=True):
+        a = x * 1.5
+        b = torch.tanh(F.softplus(a))  # led past a, not b
+        if inside:
+            tensors, message = register((b, a))
+        out = a * b  # led past b too
+    if not inside:
+        tensors, message = register((out, a))
+    assert [t._backward_hooks for t in tensors] == [None, None]
+    out.sum().backward()
+    assert fired == []
+    assert "register_multi_grad_hook() (tensors[1]) on a chain tensor" in message
+
+
+@pytest.mark.parametrize("mode", ["all", "any"])
+def test_compose_multi_grad_hook_takes_an_iterator_as_torch(mode):
+    """The refusal's look at register_multi_grad_hook's tensors leaves a
+    one-shot iterator to torch whole: mode="any" registers on each (the
+    function fires once), mode="all" raises torch's TypeError (no len)."""
+    x = torch.randn(4, 6)
+
+    def run(compose):
+        leaf, fired = x.clone().requires_grad_(), []
+        with fad.enabled(compose=compose):
+            a = torch.sigmoid(leaf)
+            b = torch.exp(leaf)
+            try:
+                torch.autograd.graph.register_multi_grad_hook(
+                    (t for t in (a, b)), lambda g: fired.append(g.clone()), mode=mode)
+            except TypeError as e:
+                return str(e)
+            out = a * b
+        out.sum().backward()
+        return fired, leaf.grad
+
+    got, want = run(True), run(False)
+    if mode == "all":
+        assert got == want
+        return
+    assert len(got[0]) == len(want[0]) == 1
+    for g, w in zip((got[0][0], got[1]), (want[0][0], want[1])):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=0)
+
+
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():
     """retain_grad() after the mode on a chain tensor that a next step led
     past is refused only if that step's node runs: where only the tensor's

@@ -32,9 +32,11 @@ which is not kept: it raises a RuntimeError.
 """
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import functools
 import inspect
+import itertools
 import math
 import numbers
 import threading
@@ -837,10 +839,37 @@ def _refusing_led_past(register_dict):
     return checked
 
 
+def _refusing_led_past_multi(register_multi):
+    """torch.autograd.graph.register_multi_grad_hook, refused before it
+    registers anything when one of its tensors is a chain tensor a next step
+    led past (_led_past_error): torch registers on each tensor in turn
+    (Tensor.register_hook), so the refusal of one left the hooks already made
+    on the tensors before it, live (mode="any" ran the function)."""
+
+    @functools.wraps(register_multi)
+    def checked(tensors, *args, **kwargs):
+        if isinstance(tensors, collections.abc.Iterator):
+            # a one-shot iterator (mode="any" takes one): torch gets a copy of what the check read
+            tensors, seen = itertools.tee(tensors)
+        else:
+            seen = tensors
+        for i, t in enumerate(seen):
+            if isinstance(t, torch.Tensor) and getattr(t.grad_fn, "led_past", False):
+                raise _led_past_error(f"register_multi_grad_hook() (tensors[{i}])")
+        return register_multi(tensors, *args, **kwargs)
+
+    return checked
+
+
 # a hook or pre-hook on a chain node must run: a next step must then reach the
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
+# for good, not only while a mode is on, as the node's own refusal above: a node
+# stays led past after the mode exits; calls on other tensors, in any thread,
+# pass straight through to torch's
+torch.autograd.graph.register_multi_grad_hook = _refusing_led_past_multi(
+    torch.autograd.graph.register_multi_grad_hook)
 _AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
