@@ -1512,7 +1512,9 @@ class _BackwardFusion(FusionHandle):
             self._ddp_updated = []
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
-        params = list(params)
+        params = self._with_grad(params)
+        if not params:
+            return
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
         if params[0].is_cuda and not _tensors.outside_backward():
@@ -1525,6 +1527,22 @@ class _BackwardFusion(FusionHandle):
             self._ready.pop(id(p), None)
         self._record_updated(params)
         self._release_grads(params)
+
+    def _with_grad(self, params: Iterable[torch.Tensor]) -> list:
+        """Those of `params` with a gradient; the others are dropped from
+        _ready, done with: a post-accumulate-grad hook of the user's set their
+        .grad to None after it accumulated, and eager's step() skips such a
+        parameter. So it is not updated, nor released (its .grad is not kept,
+        nor recorded on a side stream), nor noted as updated: a later
+        gradient is not a second one, and after zero_grad(set_to_none=False)
+        eager's step() has no zeros to move it with."""
+        with_grad = []
+        for p in params:
+            if p.grad is not None:
+                with_grad.append(p)
+            else:
+                self._ready.pop(id(p), None)
+        return with_grad
 
     def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
         """Notes `params` as updated in this window (a second gradient for one
