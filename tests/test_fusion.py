@@ -3925,6 +3925,65 @@ def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
     assert log == []
 
 
+def _train_with_a_one_shot_step_hook(mode: str | None, kind: str, scope: str) -> tuple:
+    """Two steps of SGD with momentum under two step hooks of one `kind`
+    ("pre" or "post") and `scope` ("own" or "global"): the first removes
+    itself when it runs (a one-shot hook), the second does nothing. Returns
+    the parameters, after a forward that applies what forward mode left
+    pending, and the message of each RuntimeError step() raised."""
+    from torch.optim import optimizer as torch_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    register = {("pre", "own"): opt.register_step_pre_hook,
+                ("post", "own"): opt.register_step_post_hook,
+                ("pre", "global"): torch_optimizer.register_optimizer_step_pre_hook,
+                ("post", "global"): torch_optimizer.register_optimizer_step_post_hook}[kind, scope]
+    hooks = {}
+
+    def once(*args):
+        hooks["once"].remove()
+
+    hooks["once"] = register(once)
+    hooks["other"] = register(lambda *args: None)
+    errors = []
+    try:
+        if mode is not None:
+            reprop.fuse(model, opt, mode=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # backward mode's step()/zero_grad() warnings
+            for i in range(2):
+                model(torch.randn(6, 4, generator=_gen(i))).square().sum().backward()
+                try:
+                    opt.step()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+                opt.zero_grad()
+        model(torch.randn(6, 4, generator=_gen(2)))
+    finally:
+        for hook in hooks.values():
+            hook.remove()
+    return [p.detach() for p in model.parameters()], errors
+
+
+@pytest.mark.parametrize("scope", ["own", "global"])
+@pytest.mark.parametrize("mode, kind", [("forward", "pre"), ("forward", "post"),
+                                        ("backward", "post")])
+def test_step_hook_removing_itself_gets_torchs_error(mode: str, kind: str, scope: str) -> None:
+    """A step hook that removes itself while torch iterates the hook dicts:
+    torch raises 'OrderedDict mutated during iteration' (a pre-hook's
+    before the update, which is skipped). Fusion ran the hooks from a copy
+    of the dicts: step() passed, and with a pre-hook forward mode made the
+    update eager skipped. Backward mode refuses pre-hooks (see above)."""
+    ref, ref_errors = _train_with_a_one_shot_step_hook(None, kind, scope)
+    got, errors = _train_with_a_one_shot_step_hook(mode, kind, scope)
+    assert ref_errors == ["OrderedDict mutated during iteration"]
+    assert errors == ref_errors
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
+
+
 @pytest.mark.parametrize("mode", ["backward", "forward"])
 @pytest.mark.parametrize("method", ["step", "zero_grad"])
 def test_reprop_subclass_overriding_what_fusion_replaces_raises(method: str, mode: str) -> None:

@@ -92,6 +92,7 @@ import collections
 import copy
 import functools
 import inspect
+import itertools
 import operator
 import threading
 import types
@@ -1005,11 +1006,15 @@ class FusionHandle:
         """The mode's step() inside the optimizer's step hooks, in the order of
         torch's Optimizer.profile_hook_step, which the step() fusion installs
         on the instance bypasses: global pre-hooks, own pre-hooks (either may
-        return new (args, kwargs)), step, own post-hooks, global post-hooks.
-        Post-hooks see the step finished, as after an eager step(): pending
-        updates applied, side streams joined. A step() captured while fused
-        and called after remove() is the optimizer's step() of now (its own,
-        or a later fusion's)."""
+        return new (args, kwargs)), step, own post-hooks, global post-hooks,
+        each read from the live hook dicts as torch reads them: a hook that
+        registers or removes one of its kind (a one-shot hook removing
+        itself) gets torch's 'mutated during iteration' error, and a
+        pre-hook's skips the step, as in eager training. Post-hooks see the
+        step finished, as after an eager step(): pending updates applied,
+        side streams joined. A step() captured while fused and called after
+        remove() is the optimizer's step() of now (its own, or a later
+        fusion's)."""
         opt = self._user_optimizer
         if self._removed:
             return opt.step(*args, **kwargs)
@@ -1025,7 +1030,7 @@ class FusionHandle:
             # forward mode, a second step() before any forward: eager's pre-hooks
             # see the first step's updates made (and may change the gradients)
             self.flush()
-        for hook in [*global_pre.values(), *own_pre.values()]:
+        for hook in itertools.chain(global_pre.values(), own_pre.values()):
             result = hook(opt, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -1033,11 +1038,11 @@ class FusionHandle:
                                        f"tuple (new_args, new_kwargs), got {result!r}")
                 args, kwargs = result
         out = self._step(*args[1:], **kwargs)
-        post = [*opt._optimizer_step_post_hooks.values(),
-                *torch_optimizer._global_optimizer_post_hooks.values()]
-        if post:
+        own_post, global_post = (opt._optimizer_step_post_hooks,
+                                 torch_optimizer._global_optimizer_post_hooks)
+        if own_post or global_post:
             self.flush()
-            for hook in post:
+            for hook in itertools.chain(own_post.values(), global_post.values()):
                 hook(opt, args, kwargs)
         return out
 
