@@ -1880,6 +1880,61 @@ def test_backward_mode_grad_hooks_registered_after_fuse_see_the_gradient(name: s
     assert updated_inside == [False, True, True, True], updated_inside
 
 
+def _train_with_bias_grad_set_to_none(fused: bool, keep_grads: bool, hook_after_fuse: bool,
+                                      accumulation_steps: int) -> list:
+    """Two Linears summed, the first used in the first step only; a
+    post-accumulate-grad hook on its bias sets the bias's .grad to None (a
+    parameter held still for a while), registered before or after fuse().
+    Steps every `accumulation_steps` micro-batches, zeroing with
+    zero_grad(set_to_none=False). Returns the parameters."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 2), nn.Linear(4, 2)
+    model = nn.ModuleList([a, b])
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+
+    def drop_grad(p):
+        p.grad = None
+
+    if not hook_after_fuse:
+        a.bias.register_post_accumulate_grad_hook(drop_grad)
+    if fused:
+        reprop.fuse(model, opt, mode="backward", keep_grads=keep_grads,
+                    accumulation_steps=accumulation_steps)
+    if hook_after_fuse:
+        a.bias.register_post_accumulate_grad_hook(drop_grad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
+        for i in range(3 * accumulation_steps):
+            x = torch.randn(5, 4, generator=_gen(i))
+            out = b(x) + a(x) if i < accumulation_steps else b(x)
+            out.square().sum().backward()
+            assert a.bias.grad is None
+            if (i + 1) % accumulation_steps == 0:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+@pytest.mark.parametrize("hook_after_fuse", [False, True])
+@pytest.mark.parametrize("keep_grads", [False, True])
+def test_backward_mode_grad_set_to_none_by_a_grad_hook_is_skipped(
+        keep_grads: bool, hook_after_fuse: bool, accumulation_steps: int) -> None:
+    """A post-accumulate-grad hook setting p.grad = None: eager's step()
+    skips p, and so does the fused update, which before counted p as
+    updated: with keep_grads=True every backward raised AttributeError
+    (the kept gradient's version read from None), and after
+    zero_grad(set_to_none=False) a step whose backward did not reach p
+    moved it from zeros (momentum, weight decay), where eager's, whose
+    .grad is None, leaves it."""
+    ref = _train_with_bias_grad_set_to_none(False, keep_grads, hook_after_fuse,
+                                            accumulation_steps)
+    got = _train_with_bias_grad_set_to_none(True, keep_grads, hook_after_fuse,
+                                            accumulation_steps)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
+
+
 
 def test_backward_mode_param_group_removed_and_added_again_updates_once() -> None:
     """A param group popped and added again after fuse(): its parameters got
@@ -3868,6 +3923,65 @@ def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
             with pytest.raises(RuntimeError, match=f"{kind}.*mode='forward'"):
                 opt.step()
     assert log == []
+
+
+def _train_with_a_one_shot_step_hook(mode: str | None, kind: str, scope: str) -> tuple:
+    """Two steps of SGD with momentum under two step hooks of one `kind`
+    ("pre" or "post") and `scope` ("own" or "global"): the first removes
+    itself when it runs (a one-shot hook), the second does nothing. Returns
+    the parameters, after a forward that applies what forward mode left
+    pending, and the message of each RuntimeError step() raised."""
+    from torch.optim import optimizer as torch_optimizer
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    register = {("pre", "own"): opt.register_step_pre_hook,
+                ("post", "own"): opt.register_step_post_hook,
+                ("pre", "global"): torch_optimizer.register_optimizer_step_pre_hook,
+                ("post", "global"): torch_optimizer.register_optimizer_step_post_hook}[kind, scope]
+    hooks = {}
+
+    def once(*args):
+        hooks["once"].remove()
+
+    hooks["once"] = register(once)
+    hooks["other"] = register(lambda *args: None)
+    errors = []
+    try:
+        if mode is not None:
+            reprop.fuse(model, opt, mode=mode)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # backward mode's step()/zero_grad() warnings
+            for i in range(2):
+                model(torch.randn(6, 4, generator=_gen(i))).square().sum().backward()
+                try:
+                    opt.step()
+                except RuntimeError as exc:
+                    errors.append(str(exc))
+                opt.zero_grad()
+        model(torch.randn(6, 4, generator=_gen(2)))
+    finally:
+        for hook in hooks.values():
+            hook.remove()
+    return [p.detach() for p in model.parameters()], errors
+
+
+@pytest.mark.parametrize("scope", ["own", "global"])
+@pytest.mark.parametrize("mode, kind", [("forward", "pre"), ("forward", "post"),
+                                        ("backward", "post")])
+def test_step_hook_removing_itself_gets_torchs_error(mode: str, kind: str, scope: str) -> None:
+    """A step hook that removes itself while torch iterates the hook dicts:
+    torch raises 'OrderedDict mutated during iteration' (a pre-hook's
+    before the update, which is skipped). Fusion ran the hooks from a copy
+    of the dicts: step() passed, and with a pre-hook forward mode made the
+    update eager skipped. Backward mode refuses pre-hooks (see above)."""
+    ref, ref_errors = _train_with_a_one_shot_step_hook(None, kind, scope)
+    got, errors = _train_with_a_one_shot_step_hook(mode, kind, scope)
+    assert ref_errors == ["OrderedDict mutated during iteration"]
+    assert errors == ref_errors
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
 
 
 @pytest.mark.parametrize("mode", ["backward", "forward"])

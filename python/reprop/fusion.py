@@ -92,6 +92,7 @@ import collections
 import copy
 import functools
 import inspect
+import itertools
 import operator
 import threading
 import types
@@ -1005,11 +1006,15 @@ class FusionHandle:
         """The mode's step() inside the optimizer's step hooks, in the order of
         torch's Optimizer.profile_hook_step, which the step() fusion installs
         on the instance bypasses: global pre-hooks, own pre-hooks (either may
-        return new (args, kwargs)), step, own post-hooks, global post-hooks.
-        Post-hooks see the step finished, as after an eager step(): pending
-        updates applied, side streams joined. A step() captured while fused
-        and called after remove() is the optimizer's step() of now (its own,
-        or a later fusion's)."""
+        return new (args, kwargs)), step, own post-hooks, global post-hooks,
+        each read from the live hook dicts as torch reads them: a hook that
+        registers or removes one of its kind (a one-shot hook removing
+        itself) gets torch's 'mutated during iteration' error, and a
+        pre-hook's skips the step, as in eager training. Post-hooks see the
+        step finished, as after an eager step(): pending updates applied,
+        side streams joined. A step() captured while fused and called after
+        remove() is the optimizer's step() of now (its own, or a later
+        fusion's)."""
         opt = self._user_optimizer
         if self._removed:
             return opt.step(*args, **kwargs)
@@ -1025,7 +1030,7 @@ class FusionHandle:
             # forward mode, a second step() before any forward: eager's pre-hooks
             # see the first step's updates made (and may change the gradients)
             self.flush()
-        for hook in [*global_pre.values(), *own_pre.values()]:
+        for hook in itertools.chain(global_pre.values(), own_pre.values()):
             result = hook(opt, args, kwargs)
             if result is not None:
                 if not (isinstance(result, tuple) and len(result) == 2):
@@ -1033,11 +1038,11 @@ class FusionHandle:
                                        f"tuple (new_args, new_kwargs), got {result!r}")
                 args, kwargs = result
         out = self._step(*args[1:], **kwargs)
-        post = [*opt._optimizer_step_post_hooks.values(),
-                *torch_optimizer._global_optimizer_post_hooks.values()]
-        if post:
+        own_post, global_post = (opt._optimizer_step_post_hooks,
+                                 torch_optimizer._global_optimizer_post_hooks)
+        if own_post or global_post:
             self.flush()
-            for hook in post:
+            for hook in itertools.chain(own_post.values(), global_post.values()):
                 hook(opt, args, kwargs)
         return out
 
@@ -1512,7 +1517,9 @@ class _BackwardFusion(FusionHandle):
             self._ddp_updated = []
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
-        params = list(params)
+        params = self._with_grad(params)
+        if not params:
+            return
         # outside backward (what step() finishes) nothing is left to overlap with,
         # and no end-of-backward callback could join a side stream
         if params[0].is_cuda and not _tensors.outside_backward():
@@ -1525,6 +1532,22 @@ class _BackwardFusion(FusionHandle):
             self._ready.pop(id(p), None)
         self._record_updated(params)
         self._release_grads(params)
+
+    def _with_grad(self, params: Iterable[torch.Tensor]) -> list:
+        """Those of `params` with a gradient; the others are dropped from
+        _ready, done with: a post-accumulate-grad hook of the user's set their
+        .grad to None after it accumulated, and eager's step() skips such a
+        parameter. So it is not updated, nor released (its .grad is not kept,
+        nor recorded on a side stream), nor noted as updated: a later
+        gradient is not a second one, and after zero_grad(set_to_none=False)
+        eager's step() has no zeros to move it with."""
+        with_grad = []
+        for p in params:
+            if p.grad is not None:
+                with_grad.append(p)
+            else:
+                self._ready.pop(id(p), None)
+        return with_grad
 
     def _record_updated(self, params: Iterable[torch.Tensor]) -> None:
         """Notes `params` as updated in this window (a second gradient for one
