@@ -5276,3 +5276,26 @@ def test_gpu_backward_mode_on_a_side_stream_matches_eager_step_by_step(name: str
         for i, (p, r) in enumerate(zip(params, ref_params)):
             assert torch.equal(p, r), f"step {k}, parameter {i}: {_diff(p, r)}"
     _assert_same_training(fused_run, eager_run)
+
+
+def test_a_stop_button_as_grad_mode_is_switched_off_leaves_it_on(monkeypatch) -> None:
+    """A KeyboardInterrupt (a notebook's stop button) delivered as the update's
+    no-grad switch returns: grad mode is on again after it, as after torch's
+    no_grad(), not off for the rest of the session (every later backward
+    then fails with 'does not require grad')."""
+    from reprop import _tensors
+    switch, armed = torch._C._set_grad_enabled, [True]
+
+    def interrupted_switch(mode: bool) -> None:
+        switch(mode)
+        if armed[0] and not mode:
+            armed[0] = False
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch._C, "_set_grad_enabled", interrupted_switch)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _tensors.without_grad(lambda: None)
+        assert torch.is_grad_enabled()
+    finally:
+        switch(True)

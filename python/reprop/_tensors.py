@@ -178,12 +178,14 @@ _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 def without_grad(fn: Callable, *args) -> None:
     """fn(*args) under torch.no_grad(): for per-module work in hooks, which
     inside backward finds grad mode off already, and where the context
-    manager object costs about a microsecond per call."""
+    manager object costs about a microsecond per call. Switched off inside
+    the try: a KeyboardInterrupt (a notebook's stop button) arriving as the
+    switch returns would otherwise leave grad mode off for the session."""
     if not torch.is_grad_enabled():
         fn(*args)
         return
-    torch._C._set_grad_enabled(False)
     try:
+        torch._C._set_grad_enabled(False)
         fn(*args)
     finally:
         torch._C._set_grad_enabled(True)
