@@ -834,6 +834,78 @@ def test_backward_fusion_updates_after_the_deferred_dw():
         torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_a_post_accumulate_grad_hook_removed_while_its_dw_waits_stays_removed():
+    """The hooks of layer 2's weight wait for its dW, moved to the last
+    region; layer 4's hook, fired as layer 2's backward starts, removes one
+    of them meanwhile. Under plain autograd it is removed before it would
+    fire, and it never fires again; the split gave it back (restoring the
+    hooks put back what they were when the dW was deferred) and it fired in
+    this backward and every later one."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, regions=3, max_extra_memory=float("inf"),
+                        speedup=lambda own, at: 2.0 if at > own else 1.0)
+    x = torch.randn(4, 8)
+    for _ in range(handle.profile_iters):
+        model(x).sum().backward()
+    assert handle.schedule["moved"] == 2
+    for net in (ref, model):
+        fired, handles, waiting = [], {}, []
+
+        def remove_first(p, net=net):
+            fired.append("last")
+            waiting.append(net[2].weight in handle._hooked)  # its hooks wait for its dW now
+            handles["first"].remove()
+
+        handles["first"] = net[2].weight.register_post_accumulate_grad_hook(
+            lambda p: fired.append("first"))
+        net[4].weight.register_post_accumulate_grad_hook(remove_first)
+        for _ in range(2):
+            fired.clear()
+            net.zero_grad()
+            net(x).sum().backward()
+            assert fired == ["last"]
+        assert waiting[0] == (net is model)  # the first backward is the one in the window
+        for p in net.parameters():
+            assert len(p._post_accumulate_grad_hooks or ()) == (p is net[4].weight)
+
+
+def test_a_post_accumulate_grad_hook_registered_while_hooks_wait_keeps_its_place():
+    """A tied weight's first site in backward defers its dW (run at once in
+    this pass), so the weight's hook waits until autograd reaches the weight;
+    a hook registered meanwhile (from a tensor hook between the two sites)
+    fires after it with the whole gradient, and in every later backward
+    too, as under plain autograd. The split put the waiting hooks back after
+    the new one, which then fired first from the next backward on."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref[2].weight = ref[0].weight
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    x = torch.randn(3, 4)
+    seen: dict = {}
+    for net in (ref, model):
+        log = seen[net] = []
+        w = net[0].weight
+        w.register_post_accumulate_grad_hook(lambda p, log=log: log.append(("old", p.grad.clone())))
+        waiting = []
+
+        def register(g, w=w, log=log, waiting=waiting):
+            waiting.append(w in handle._hooked)
+            w.register_post_accumulate_grad_hook(lambda p: log.append(("new", p.grad.clone())))
+
+        h = net[0](x)
+        h.register_hook(register)  # runs between the two sites' backward
+        net[2](net[1](h)).sum().backward()
+        assert waiting == [net is model]
+        for _ in range(2):
+            net(x).sum().backward()
+    assert [name for name, _ in seen[model]] == [name for name, _ in seen[ref]] == ["old", "new"] * 3
+    for (_, a), (_, b) in zip(seen[ref], seen[model]):  # (the sites' sums round apart)
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
 def test_remove_restores_plain_modules():
     model = EveryKind()
     handle = ooo.enable(model)

@@ -587,15 +587,41 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
 _STAND_IN = object()  # key of the internal post-accumulate-grad hook
 
 
+def _held_back(p: torch.Tensor) -> None:
+    """What AccumulateGrad finds in place of a hook that waits for a deferred dW."""
+
+
 @dataclass(eq=False)
 class _HookState:
     """A parameter's own post-accumulate-grad hooks, held back until its
-    deferred dW tasks have run and autograd is done with it."""
+    deferred dW tasks have run and autograd is done with it. They stay in
+    the parameter's dict, each under its key with its function set aside:
+    a handle's remove() meanwhile removes it for good, and one registered
+    meanwhile comes after them, as it would."""
 
     param: torch.Tensor
-    hooks: dict
+    hooks: dict = field(default_factory=dict)  # key -> the function set aside
     outstanding: int = 1
     autograd_done: bool = False
+
+    def hold_back(self, stand_in: Callable) -> None:
+        """Sets the functions aside; `stand_in` runs when autograd is done."""
+        hooks = self.param._post_accumulate_grad_hooks
+        for key, hook in hooks.items():  # (values replaced in place: the dict iterates on)
+            self.hooks[key] = hook
+            hooks[key] = _held_back
+        hooks[_STAND_IN] = stand_in
+
+    def give_back(self) -> list:
+        """Puts the functions back where their keys still are; returns those, in order."""
+        hooks = self.param._post_accumulate_grad_hooks
+        hooks.pop(_STAND_IN, None)
+        back = []
+        for key, hook in self.hooks.items():
+            if key in hooks:  # not removed meanwhile
+                hooks[key] = hook
+                back.append(hook)
+        return back
 
 
 class _Task:
@@ -1167,11 +1193,8 @@ class OOOHandle(_PassTracking):
             if state is not None:
                 state.outstanding += 1
             elif p._post_accumulate_grad_hooks:
-                state = _HookState(p, dict(p._post_accumulate_grad_hooks))
-                p._post_accumulate_grad_hooks.clear()
-                p._post_accumulate_grad_hooks[_STAND_IN] = lambda _p, st=state: self._hook_event(
-                    st, autograd_done=True)
-                self._hooked[p] = state
+                state = self._hooked[p] = _HookState(p)
+                state.hold_back(lambda _p, st=state: self._hook_event(st, autograd_done=True))
 
     def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
         """A deferred dW of the parameter ran, or autograd is done with it:
@@ -1181,8 +1204,7 @@ class OOOHandle(_PassTracking):
         else:
             state.outstanding -= 1
         if state.outstanding == 0 and state.autograd_done:
-            self._restore_post_hooks(state)
-            for hook in state.hooks.values():
+            for hook in self._restore_post_hooks(state):
                 hook(state.param)
 
     def _restore_post_hooks_not_held(self) -> None:
@@ -1205,11 +1227,10 @@ class OOOHandle(_PassTracking):
         for state in list(self._hooked.values()):
             self._restore_post_hooks(state)
 
-    def _restore_post_hooks(self, state: "_HookState") -> None:
-        hooks = state.param._post_accumulate_grad_hooks
-        hooks.pop(_STAND_IN, None)
-        hooks.update(state.hooks)
+    def _restore_post_hooks(self, state: "_HookState") -> list:
+        """The parameter's hooks back (those it still has, which it returns)."""
         self._hooked.pop(state.param, None)
+        return state.give_back()
 
     def _enter_region(self, region: int) -> None:
         """The main stream reached `region`: issue the tasks placed there."""
