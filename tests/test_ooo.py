@@ -1122,6 +1122,44 @@ def test_activation_checkpointing_matches_autograd(order, reentrant):
     assert order == "conventional" or handle.schedule is not None
 
 
+def _checkpointed_head_steps(reentrant: bool, steps: int) -> tuple[list, list, int]:
+    """Steps of a body and a checkpointed head (first in backward), split
+    with a schedule that moves dW: the handle's pass count and whether the
+    schedule was fixed after each step, the profiled backward order, and
+    how many dW the schedule moved. Gradients are checked against autograd's."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    head = nn.Linear(16, 4)
+    ref = nn.ModuleDict({"body": body, "head": head})
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, regions=3, max_extra_memory=float("inf"),
+                        speedup=lambda own, at: 2.0 if at > own else 1.0)
+    passes = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for net in (ref, model):
+            net.zero_grad()
+            checkpoint(net["head"], net["body"](x), use_reentrant=reentrant).pow(2).mean().backward()
+        assert handle.pending() == 0
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+        passes.append((handle._iteration, handle.schedule is not None))
+    return passes, handle._profile.order, handle.schedule["moved"]
+
+
+def test_a_reentrant_checkpoint_first_in_backward_is_one_step_with_the_rest():
+    """A reentrant checkpoint's backward is a nested backward pass; around
+    the last layer it is the first to reach a split layer. Each step is one
+    pass of the handle, profiled in backward order and scheduled as under
+    a non-reentrant checkpoint. The pass began in the nested backward and
+    ended with it: each step counted twice, the head was profiled in a pass
+    of its own, and the schedule was fixed after two steps of three."""
+    plain = _checkpointed_head_steps(reentrant=False, steps=5)
+    assert plain[0] == [(1, False), (2, False), (3, True), (4, True), (5, True)]
+    assert plain[1] == [(2, 0), (1, 0), (0, 0)] and plain[2] > 0
+    assert _checkpointed_head_steps(reentrant=True, steps=5) == plain
+
+
 @pytest.mark.filterwarnings("ignore:Complex modules")
 def test_complex_and_meta_calls_run_plain_autograd():
     """The split's formulas are the real ones (autograd conjugates for complex

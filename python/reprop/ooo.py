@@ -59,9 +59,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
-                       suggest_memory_format, torch_only, torch_only_weight, transform_active, weak_hook,
-                       without_grad)
+                       non_reentrant_checkpointing, note_node_hooks, outside_backward,
+                       queue_end_of_backward, suggest_memory_format, torch_only, torch_only_weight,
+                       transform_active, weak_hook, without_grad)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -950,6 +950,18 @@ class OOOHandle(_PassTracking):
         self._marks = []
         self._end_ref = queue_end_of_backward(self._end_backward)
 
+    def _before_split_forward(self) -> None:
+        """A backward that raised is dropped. A forward inside a running
+        backward (a reentrant checkpoint recomputing its layers, before the
+        nested backward over them) begins this handle's pass there if none
+        runs: its end is queued on that backward, the one the step waits
+        for. Begun by a dW in the nested backward, the pass would end, and
+        count, where the nested backward ends, halfway through the step."""
+        if self._backward_raised():
+            self._abandon_backward()
+        if not self._in_backward and not outside_backward():
+            self._begin_backward()
+
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
         ran: its deferred dW are dropped with it (as are the gradients
@@ -1532,8 +1544,7 @@ def _make_forward(site: _Site):
             handle._check_not_sharded_since()
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
-        if handle._backward_raised():
-            handle._abandon_backward()
+        handle._before_split_forward()
         if site.index < 0:
             site.index = handle._next_index
             handle._next_index += 1
