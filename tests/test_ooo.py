@@ -1160,6 +1160,34 @@ def test_a_reentrant_checkpoint_first_in_backward_is_one_step_with_the_rest():
     assert _checkpointed_head_steps(reentrant=True, steps=5) == plain
 
 
+def test_torch_compile_traces_the_layers_own_forward():
+    """torch.compile traces an enabled model as the plain one: the layers'
+    own forwards, with no graph break, so fullgraph=True compiles it, and
+    the compiled steps' gradients are autograd's; called eagerly the layers
+    split as before. The split's checks (autograd's tracing state, the
+    checkpoint hooks) broke the graph at every split layer, and fullgraph=True
+    raised a Dynamo error that did not say why."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                        nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for _ in range(2):
+            for net in (ref, compiled):
+                net.zero_grad()
+                net(x).sum().backward()
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                assert torch.equal(b.grad, a.grad), name
+    finally:
+        torch._dynamo.reset()
+    assert handle._iteration == 0  # no split call, no pass
+    assert "_Split" in type(model(x).grad_fn).__name__
+
+
 @pytest.mark.filterwarnings("ignore:Complex modules")
 def test_complex_and_meta_calls_run_plain_autograd():
     """The split's formulas are the real ones (autograd conjugates for complex

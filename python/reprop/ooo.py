@@ -1523,12 +1523,17 @@ def _make_forward(site: _Site):
         x = _input_alone(args, kwargs, input_name)
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
         # model): the closure's site is the original's, so the copy runs plain
+        # torch.compile (dynamo) traces torch's own layer, as in the plain
+        # model: the split's dW leaves autograd's graph, which is what dynamo
+        # compiles, and the checks below read state it cannot trace (each
+        # broke the graph, and fullgraph=True raised)
         # a layer the schedule runs plain is split again inside hold(), whose
         # caller takes every dW task it asks for, and under a non-reentrant
         # checkpoint, whose recompute in backward may run in another hold()
         # state than the recorded forward and must save what that saved
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
+                or torch.compiler.is_dynamo_compiling() \
                 or not (site.split or handle._hold_list(module) is not None
                         or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
