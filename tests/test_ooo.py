@@ -834,6 +834,78 @@ def test_backward_fusion_updates_after_the_deferred_dw():
         torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_a_post_accumulate_grad_hook_removed_while_its_dw_waits_stays_removed():
+    """The hooks of layer 2's weight wait for its dW, moved to the last
+    region; layer 4's hook, fired as layer 2's backward starts, removes one
+    of them meanwhile. Under plain autograd it is removed before it would
+    fire, and it never fires again; the split gave it back (restoring the
+    hooks put back what they were when the dW was deferred) and it fired in
+    this backward and every later one."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, regions=3, max_extra_memory=float("inf"),
+                        speedup=lambda own, at: 2.0 if at > own else 1.0)
+    x = torch.randn(4, 8)
+    for _ in range(handle.profile_iters):
+        model(x).sum().backward()
+    assert handle.schedule["moved"] == 2
+    for net in (ref, model):
+        fired, handles, waiting = [], {}, []
+
+        def remove_first(p, net=net):
+            fired.append("last")
+            waiting.append(net[2].weight in handle._hooked)  # its hooks wait for its dW now
+            handles["first"].remove()
+
+        handles["first"] = net[2].weight.register_post_accumulate_grad_hook(
+            lambda p: fired.append("first"))
+        net[4].weight.register_post_accumulate_grad_hook(remove_first)
+        for _ in range(2):
+            fired.clear()
+            net.zero_grad()
+            net(x).sum().backward()
+            assert fired == ["last"]
+        assert waiting[0] == (net is model)  # the first backward is the one in the window
+        for p in net.parameters():
+            assert len(p._post_accumulate_grad_hooks or ()) == (p is net[4].weight)
+
+
+def test_a_post_accumulate_grad_hook_registered_while_hooks_wait_keeps_its_place():
+    """A tied weight's first site in backward defers its dW (run at once in
+    this pass), so the weight's hook waits until autograd reaches the weight;
+    a hook registered meanwhile (from a tensor hook between the two sites)
+    fires after it with the whole gradient, and in every later backward
+    too, as under plain autograd. The split put the waiting hooks back after
+    the new one, which then fired first from the next backward on."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    ref[2].weight = ref[0].weight
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    x = torch.randn(3, 4)
+    seen: dict = {}
+    for net in (ref, model):
+        log = seen[net] = []
+        w = net[0].weight
+        w.register_post_accumulate_grad_hook(lambda p, log=log: log.append(("old", p.grad.clone())))
+        waiting = []
+
+        def register(g, w=w, log=log, waiting=waiting):
+            waiting.append(w in handle._hooked)
+            w.register_post_accumulate_grad_hook(lambda p: log.append(("new", p.grad.clone())))
+
+        h = net[0](x)
+        h.register_hook(register)  # runs between the two sites' backward
+        net[2](net[1](h)).sum().backward()
+        assert waiting == [net is model]
+        for _ in range(2):
+            net(x).sum().backward()
+    assert [name for name, _ in seen[model]] == [name for name, _ in seen[ref]] == ["old", "new"] * 3
+    for (_, a), (_, b) in zip(seen[ref], seen[model]):  # (the sites' sums round apart)
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
 def test_remove_restores_plain_modules():
     model = EveryKind()
     handle = ooo.enable(model)
@@ -1048,6 +1120,72 @@ def test_activation_checkpointing_matches_autograd(order, reentrant):
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
     assert order == "conventional" or handle.schedule is not None
+
+
+def _checkpointed_head_steps(reentrant: bool, steps: int) -> tuple[list, list, int]:
+    """Steps of a body and a checkpointed head (first in backward), split
+    with a schedule that moves dW: the handle's pass count and whether the
+    schedule was fixed after each step, the profiled backward order, and
+    how many dW the schedule moved. Gradients are checked against autograd's."""
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+    head = nn.Linear(16, 4)
+    ref = nn.ModuleDict({"body": body, "head": head})
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, regions=3, max_extra_memory=float("inf"),
+                        speedup=lambda own, at: 2.0 if at > own else 1.0)
+    passes = []
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for net in (ref, model):
+            net.zero_grad()
+            checkpoint(net["head"], net["body"](x), use_reentrant=reentrant).pow(2).mean().backward()
+        assert handle.pending() == 0
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+        passes.append((handle._iteration, handle.schedule is not None))
+    return passes, handle._profile.order, handle.schedule["moved"]
+
+
+def test_a_reentrant_checkpoint_first_in_backward_is_one_step_with_the_rest():
+    """A reentrant checkpoint's backward is a nested backward pass; around
+    the last layer it is the first to reach a split layer. Each step is one
+    pass of the handle, profiled in backward order and scheduled as under
+    a non-reentrant checkpoint. The pass began in the nested backward and
+    ended with it: each step counted twice, the head was profiled in a pass
+    of its own, and the schedule was fixed after two steps of three."""
+    plain = _checkpointed_head_steps(reentrant=False, steps=5)
+    assert plain[0] == [(1, False), (2, False), (3, True), (4, True), (5, True)]
+    assert plain[1] == [(2, 0), (1, 0), (0, 0)] and plain[2] > 0
+    assert _checkpointed_head_steps(reentrant=True, steps=5) == plain
+
+
+def test_torch_compile_traces_the_layers_own_forward():
+    """torch.compile traces an enabled model as the plain one: the layers'
+    own forwards, with no graph break, so fullgraph=True compiles it, and
+    the compiled steps' gradients are autograd's; called eagerly the layers
+    split as before. The split's checks (autograd's tracing state, the
+    checkpoint hooks) broke the graph at every split layer, and fullgraph=True
+    raised a Dynamo error that did not say why."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                        nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="eager", fullgraph=True)
+        for _ in range(2):
+            for net in (ref, compiled):
+                net.zero_grad()
+                net(x).sum().backward()
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                assert torch.equal(b.grad, a.grad), name
+    finally:
+        torch._dynamo.reset()
+    assert handle._iteration == 0  # no split call, no pass
+    assert "_Split" in type(model(x).grad_fn).__name__
 
 
 @pytest.mark.filterwarnings("ignore:Complex modules")

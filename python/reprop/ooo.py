@@ -59,9 +59,9 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, note_node_hooks, queue_end_of_backward,
-                       suggest_memory_format, torch_only, torch_only_weight, transform_active, weak_hook,
-                       without_grad)
+                       non_reentrant_checkpointing, note_node_hooks, outside_backward,
+                       queue_end_of_backward, suggest_memory_format, torch_only, torch_only_weight,
+                       transform_active, weak_hook, without_grad)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -587,15 +587,41 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
 _STAND_IN = object()  # key of the internal post-accumulate-grad hook
 
 
+def _held_back(p: torch.Tensor) -> None:
+    """What AccumulateGrad finds in place of a hook that waits for a deferred dW."""
+
+
 @dataclass(eq=False)
 class _HookState:
     """A parameter's own post-accumulate-grad hooks, held back until its
-    deferred dW tasks have run and autograd is done with it."""
+    deferred dW tasks have run and autograd is done with it. They stay in
+    the parameter's dict, each under its key with its function set aside:
+    a handle's remove() meanwhile removes it for good, and one registered
+    meanwhile comes after them, as it would."""
 
     param: torch.Tensor
-    hooks: dict
+    hooks: dict = field(default_factory=dict)  # key -> the function set aside
     outstanding: int = 1
     autograd_done: bool = False
+
+    def hold_back(self, stand_in: Callable) -> None:
+        """Sets the functions aside; `stand_in` runs when autograd is done."""
+        hooks = self.param._post_accumulate_grad_hooks
+        for key, hook in hooks.items():  # (values replaced in place: the dict iterates on)
+            self.hooks[key] = hook
+            hooks[key] = _held_back
+        hooks[_STAND_IN] = stand_in
+
+    def give_back(self) -> list:
+        """Puts the functions back where their keys still are; returns those, in order."""
+        hooks = self.param._post_accumulate_grad_hooks
+        hooks.pop(_STAND_IN, None)
+        back = []
+        for key, hook in self.hooks.items():
+            if key in hooks:  # not removed meanwhile
+                hooks[key] = hook
+                back.append(hook)
+        return back
 
 
 class _Task:
@@ -924,6 +950,18 @@ class OOOHandle(_PassTracking):
         self._marks = []
         self._end_ref = queue_end_of_backward(self._end_backward)
 
+    def _before_split_forward(self) -> None:
+        """A backward that raised is dropped. A forward inside a running
+        backward (a reentrant checkpoint recomputing its layers, before the
+        nested backward over them) begins this handle's pass there if none
+        runs: its end is queued on that backward, the one the step waits
+        for. Begun by a dW in the nested backward, the pass would end, and
+        count, where the nested backward ends, halfway through the step."""
+        if self._backward_raised():
+            self._abandon_backward()
+        if not self._in_backward and not outside_backward():
+            self._begin_backward()
+
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
         ran: its deferred dW are dropped with it (as are the gradients
@@ -1167,11 +1205,8 @@ class OOOHandle(_PassTracking):
             if state is not None:
                 state.outstanding += 1
             elif p._post_accumulate_grad_hooks:
-                state = _HookState(p, dict(p._post_accumulate_grad_hooks))
-                p._post_accumulate_grad_hooks.clear()
-                p._post_accumulate_grad_hooks[_STAND_IN] = lambda _p, st=state: self._hook_event(
-                    st, autograd_done=True)
-                self._hooked[p] = state
+                state = self._hooked[p] = _HookState(p)
+                state.hold_back(lambda _p, st=state: self._hook_event(st, autograd_done=True))
 
     def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
         """A deferred dW of the parameter ran, or autograd is done with it:
@@ -1181,8 +1216,7 @@ class OOOHandle(_PassTracking):
         else:
             state.outstanding -= 1
         if state.outstanding == 0 and state.autograd_done:
-            self._restore_post_hooks(state)
-            for hook in state.hooks.values():
+            for hook in self._restore_post_hooks(state):
                 hook(state.param)
 
     def _restore_post_hooks_not_held(self) -> None:
@@ -1205,11 +1239,10 @@ class OOOHandle(_PassTracking):
         for state in list(self._hooked.values()):
             self._restore_post_hooks(state)
 
-    def _restore_post_hooks(self, state: "_HookState") -> None:
-        hooks = state.param._post_accumulate_grad_hooks
-        hooks.pop(_STAND_IN, None)
-        hooks.update(state.hooks)
+    def _restore_post_hooks(self, state: "_HookState") -> list:
+        """The parameter's hooks back (those it still has, which it returns)."""
         self._hooked.pop(state.param, None)
+        return state.give_back()
 
     def _enter_region(self, region: int) -> None:
         """The main stream reached `region`: issue the tasks placed there."""
@@ -1490,12 +1523,17 @@ def _make_forward(site: _Site):
         x = _input_alone(args, kwargs, input_name)
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
         # model): the closure's site is the original's, so the copy runs plain
+        # torch.compile (dynamo) traces torch's own layer, as in the plain
+        # model: the split's dW leaves autograd's graph, which is what dynamo
+        # compiles, and the checks below read state it cannot trace (each
+        # broke the graph, and fullgraph=True raised)
         # a layer the schedule runs plain is split again inside hold(), whose
         # caller takes every dW task it asks for, and under a non-reentrant
         # checkpoint, whose recompute in backward may run in another hold()
         # state than the recorded forward and must save what that saved
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
+                or torch.compiler.is_dynamo_compiling() \
                 or not (site.split or handle._hold_list(module) is not None
                         or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
@@ -1511,8 +1549,7 @@ def _make_forward(site: _Site):
             handle._check_not_sharded_since()
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
-        if handle._backward_raised():
-            handle._abandon_backward()
+        handle._before_split_forward()
         if site.index < 0:
             site.index = handle._next_index
             handle._next_index += 1
