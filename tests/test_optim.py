@@ -2948,6 +2948,62 @@ def test_params_overlapping_in_memory_are_updated_in_turn(name: str, case: str) 
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+# A parameter and a gradient sharing its memory, made from one (96,) tensor:
+# views of it with some of its other elements around them.
+SHARED_GRADS = {
+    "same": lambda t: (t[8:75], t[8:75]),  # p.grad = p.data
+    "grad_before": lambda t: (t[8:75], t[4:71]),
+    "grad_after": lambda t: (t[8:75], t[12:79]),
+    "transposed": lambda t: (t[:80].view(8, 10), t[:80].view(10, 8).t()),
+    "param_with_gaps": lambda t: (t[:80].view(8, 10)[:, :7], t[:80].view(8, 10)[:, 2:9]),
+    "negative": lambda t: (t[8:75], t[8:75]._neg_view()),
+}
+# Options under which torch takes no inexact square root (its CPU sqrt is not
+# correctly rounded): beta2 = 0 and alpha = 0 make the second moment g * g,
+# whose square root is |g| in both libraries.
+SHARED_GRAD_OPTIONS = [
+    ("AdamW", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5}),
+    ("AdamW", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5, "amsgrad": True,
+               "maximize": True}),
+    ("Adam", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("Adam", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    ("RMSprop", {"lr": 0.1, "alpha": 0.0, "momentum": 0.5}),
+]
+
+
+@pytest.mark.parametrize("case", list(SHARED_GRADS))
+@pytest.mark.parametrize("name, options", SHARED_GRAD_OPTIONS,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(SHARED_GRAD_OPTIONS)])
+def test_gradient_sharing_its_params_memory_is_read_as_torchs_update_reads_it(
+        name: str, options: dict, case: str) -> None:
+    """A gradient that shares its parameter's memory (p.grad = p.data, a view
+    overlapping it) is read as torch's update reads it: AdamW's decoupled
+    decay multiplies the param in place first, so it reads the decayed values
+    there (the kernels read the undecayed ones: exp_avg twice torch's for
+    p.grad = p.data with lr * weight_decay = 0.5), and every other element is
+    read before the update writes any (the kernels read an element after
+    writing the one it overlaps when the gradient starts below the param).
+    Five steps, the first building the plan and the others through the cached
+    one: the whole tensor and the state are torch's bit for bit, its
+    single-tensor update's and its foreach one's."""
+    runs = []
+    for cls, extra in ((reprop_cls(name), {}), (torch_cls(name), {"foreach": False}),
+                       (torch_cls(name), {"foreach": True})):
+        (t,) = make_params([(96,)], seed=47)
+        param, grad = SHARED_GRADS[case](t)
+        p = nn.Parameter(param)
+        opt = cls([p], **options, **extra)
+        for _ in range(5):
+            p.grad = grad
+            opt.step()
+        runs.append((t, Run([p], opt)))
+    (got_t, got), *refs = runs
+    for ref_t, ref in refs:
+        assert torch.equal(got_t, ref_t), f"{(got_t != ref_t).sum()} elements differ from torch's"
+        assert_runs_equal(got, ref)
+
+
 # ---------------------------------------------------------------------------
 # 10. What the cached pointer tables assume, changed between steps
 # ---------------------------------------------------------------------------
