@@ -663,13 +663,14 @@ static int rp_py_hparam_get(PyObject *group, PyObject *key, PyObject **out)
     return 0;
 }
 
-/* betas[i] of an exact tuple or list of at least two items, a new reference;
- * 0 when betas is anything else (Python indexes it). */
+/* betas[i] of an exact tuple or list of two items, a new reference; 0 when
+ * betas is anything else (Python unpacks it, and refuses another number of
+ * items, as torch's update does). */
 static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
 {
-    if (PyTuple_CheckExact(betas) && PyTuple_GET_SIZE(betas) >= 2)
+    if (PyTuple_CheckExact(betas) && PyTuple_GET_SIZE(betas) == 2)
         *out = PyTuple_GET_ITEM(betas, i);
-    else if (PyList_CheckExact(betas) && PyList_GET_SIZE(betas) >= 2)
+    else if (PyList_CheckExact(betas) && PyList_GET_SIZE(betas) == 2)
         *out = PyList_GET_ITEM(betas, i);
     else
         return 0;

@@ -2361,6 +2361,15 @@ REFUSED_AT_A_STEP = {
     "RMSprop-alpha": ("RMSprop", {"alpha": -1e39}, 0, r"alpha: 1 - alpha = 1e\+39"),
     "Adadelta-rho": ("Adadelta", {"rho": 1e39}, 0, r"rho: 1 - rho = -1e\+39"),
     "Adadelta-weight_decay": ("Adadelta", {"weight_decay": 1e39}, 0, r"weight_decay: weight_decay = 1e\+39"),
+    # torch's update unpacks betas into two values (its constructor reads [0] and [1])
+    "Adam-betas-of-three": ("Adam", {"betas": (0.9, 0.999, 0.5)}, 0,
+                            r"betas: too many values to unpack \(expected 2"),
+    "AdamW-betas-list-of-three": ("AdamW", {"betas": [0.9, 0.999, 0.5]}, 0,
+                                  r"betas: too many values to unpack \(expected 2"),
+    "Adam-betas-of-one": ("Adam", {"betas": (0.9,)}, 0,
+                          r"betas: not enough values to unpack \(expected 2, got 1\)"),
+    "AdamW-betas-list-of-one": ("AdamW", {"betas": [0.9]}, 0,
+                                r"betas: not enough values to unpack \(expected 2, got 1\)"),
     "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
     "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
     "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
@@ -2370,10 +2379,12 @@ REFUSED_AT_A_STEP = {
 @pytest.mark.parametrize("case", list(REFUSED_AT_A_STEP))
 def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) -> None:
     """Where torch raises (ZeroDivisionError, a complex bias correction, a
-    constant beyond float32 passed to a tensor op), reprop raises ValueError
-    naming the group and hyper-parameter at the same step, before anything of
-    that group changes (torch has updated part of it by then); where torch
-    steps on, so does reprop. reprop stepped on with NaN or inf."""
+    constant beyond float32 passed to a tensor op, betas that do not unpack
+    into two values), reprop raises ValueError naming the group and
+    hyper-parameter at the same step, before anything of that group changes
+    (torch has updated part of it by then); where torch steps on, so does
+    reprop. reprop stepped on with NaN or inf, and with the first two of
+    three betas, and raised a bare IndexError for one."""
     name, change, at, message = REFUSED_AT_A_STEP[case]
     shapes = [(4, 3), (5,), (6,)]
     init, grads = make_params(shapes, seed=32), grad_sequence(shapes, 3)
@@ -2589,7 +2600,6 @@ def _hparam_groups() -> dict:
     groups.update({
         "int-lr-and-decay": {**adam, "lr": 1, "weight_decay": 0},
         "betas-list": {**adam, "betas": [0.5, 0.75]},
-        "betas-of-three": {**adam, "betas": (0.5, 0.75, 2)},  # _hparams reads [0], [1]
         "betas-of-ints": {**adam, "betas": (0, 1)},
         "capturable-float-lr": {**adam, "capturable": True},
         "capturable-none": {**adam, "capturable": None},
@@ -2654,6 +2664,9 @@ def _python_hparam_groups() -> dict:
         "none-momentum": {**adam, "momentum": None},
         "tensor-betas": {**adam, "betas": torch.tensor([0.5, 0.75])},
         "short-betas": {**adam, "betas": (0.5,)},
+        "betas-of-three": {**adam, "betas": (0.5, 0.75, 2)},
+        "betas-list-of-three": {**adam, "betas": [0.5, 0.75, 2]},
+        "float-betas": {**adam, "betas": 0.5},
         "tuple-subclass-betas": {**adam, "betas": torch.Size([0, 1])},
         "no-lr": {k: v for k, v in adam.items() if k != "lr"},
         "tensor-flag": {**adam, "amsgrad": torch.tensor([True, False])},
@@ -2683,7 +2696,10 @@ def test_hparams_tuple_left_to_python_converts_or_refuses_as_before(key: str) ->
 
     want = outcome(rp._hparams_of)
     assert outcome(_any_optimizer()._hparams) == want
-    expected = {"short-betas": "IndexError",
+    expected = {"short-betas": "ValueError: betas: not enough values to unpack",
+                "betas-of-three": "ValueError: betas: too many values to unpack",
+                "betas-list-of-three": "ValueError: betas: too many values to unpack",
+                "float-betas": "TypeError: betas: cannot unpack",
                 "str-lr": "TypeError", "none-momentum": "TypeError", "no-lr": "KeyError",
                 "tensor-flag": "RuntimeError", "tensor-capturable": "RuntimeError",
                 "huge-int-lr": "OverflowError"}

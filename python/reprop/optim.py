@@ -152,11 +152,23 @@ def _hparams_of(group: dict) -> tuple:
     lr = group["lr"]
     if group.get("capturable", False) and isinstance(lr, torch.Tensor):
         lr = 0.0  # the kernels read it on the device
-    betas = group.get("betas", (0.0, 0.0))
-    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+    beta1, beta2 = _betas(group)
+    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), beta1, beta2,
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
     return _numbers(numeric) + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
+
+
+def _betas(group: dict) -> tuple:
+    """group["betas"] (absent: (0.0, 0.0)) unpacked into two values, as
+    torch's update unpacks it: another number of values raises ValueError
+    (one that is not iterable TypeError) naming the key, where indexing
+    would step on three betas and raise a bare IndexError for one."""
+    try:
+        beta1, beta2 = group.get("betas", (0.0, 0.0))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"betas: {e}") from None
+    return beta1, beta2
 
 
 class _Plan:
