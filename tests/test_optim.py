@@ -368,9 +368,10 @@ def clone_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_runs_close(got: Run, ref: Run, tol: Tol, *, state_tol: Tol | None = None) -> None:
-    """Parameters close; per parameter exactly torch's state keys; state tensors
-    float32 with the reference's shape and device and close values; step
-    counters exactly equal float32 0-dim tensors on the reference's device."""
+    """Parameters close; per parameter exactly torch's state keys, in its
+    order; state tensors float32 with the reference's shape and device and
+    close values; step counters exactly equal float32 0-dim tensors on the
+    reference's device."""
     state_tol = state_tol or tol
     assert len(got.params) == len(ref.params)
     ref_states = [ref.opt.state.get(p, {}) for p in ref.params]
@@ -383,7 +384,7 @@ def assert_runs_close(got: Run, ref: Run, tol: Tol, *, state_tol: Tol | None = N
         assert pg.dtype == pr.dtype and pg.device == pr.device, f"param {i}: dtype/device changed"
         assert_tensor_close(pg, pr, tol, f"param {i} {tuple(pr.shape)}", scale=scales[None])
         sg = got.opt.state.get(pg, {})
-        assert sorted(sg) == sorted(sr), f"param {i}: state keys {sorted(sg)} != torch's {sorted(sr)}"
+        assert list(sg) == list(sr), f"param {i}: state keys {list(sg)} != torch's {list(sr)}"
         for key, vr in sr.items():
             vg, what = sg[key], f"param {i} {tuple(pr.shape)} state[{key!r}]"
             if vr is None:
@@ -886,7 +887,7 @@ def test_state_dict_layout_matches_torch(name: str, batches) -> None:
     assert sg["param_groups"] == sr["param_groups"]
     assert sg["state"].keys() == sr["state"].keys()  # e.g. no entries at all for SGD without momentum
     for i, s in sr["state"].items():
-        assert sorted(sg["state"][i]) == sorted(s)
+        assert list(sg["state"][i]) == list(s), i  # in torch's order too, "step" first
         for k, v in s.items():
             assert type(sg["state"][i][k]) is type(v)
             if isinstance(v, torch.Tensor):

@@ -233,15 +233,17 @@ class _Plan:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
             self.table[row, _COL_NUMEL] = p.numel()
+            # step first: commit_state adds new state to the dict in this
+            # order, which is torch's (its state dicts list "step" first)
+            if opt._kind != _SGD:
+                step = _step_tensor(st, p, self.capturable, converted_steps)
+                self.table[row, _COL_STEP] = step.data_ptr()
+                watched.append(("step", step, _COL_STEP))
             for slot, key in enumerate(slots):
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
-            if opt._kind != _SGD:
-                step = _step_tensor(st, p, self.capturable, converted_steps)
-                self.table[row, _COL_STEP] = step.data_ptr()
-                watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
         # Whether a row writes an inference tensor (a param, state made inside
         # inference_mode), which torch's in-place update refuses outside
