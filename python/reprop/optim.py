@@ -542,8 +542,11 @@ def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
 def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
     """Refuses a state tensor that torch's update of p refuses too (its
     in-place ops raise RuntimeError): one of another shape, also one that
-    broadcasts, on another device, not floating-point, or sparse. Another
-    floating-point dtype (float64: torch accepts it) is converted to float32."""
+    broadcasts, on another device, not floating-point, or sparse. One of
+    another floating-point dtype (float64) is converted to float32
+    (_state_tensor) and stepped on: torch's update takes one that it
+    updates with mul_, add_ or addcmul_, in that dtype, and raises for one it
+    lerps into (Adam's exp_avg, centered RMSprop's grad_avg)."""
     if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != p.shape
             or t.device != p.device or t.layout is not torch.strided):
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
