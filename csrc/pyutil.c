@@ -196,15 +196,16 @@ static PyObject *const *rp_py_attr_names(void)
 }
 
 /* Whether param p still has the memory a row of the table was built for:
- * key is (data_ptr, dtype, shape, layout, device index) as the plan recorded
- * them (optim.py's _layout_key), layout True for a contiguous param, else its
- * strides. The kernels walk numel elements of the dtype from the data
- * pointer, so a param whose .data was replaced by another tensor at the same
- * address (a view of its own storage, or a reused allocation) of another
- * shape, dtype or layout must not pass: one of the same numel reshaped
- * (p.data = p.data.reshape(3, 2)) no longer matches its gradient, which
- * torch refuses. Equal addresses are on the same device (CUDA's unified
- * addressing). 1 / 0 / -1 with an exception set. */
+ * key is (data_ptr, dtype, shape, layout, device index, span) as the plan
+ * recorded them (optim.py's _layout_key), layout True for a contiguous param,
+ * else its strides, and span the bytes its elements lie in from data_ptr,
+ * which follows from the others. The kernels walk numel elements of the
+ * dtype from the data pointer, so a param whose .data was replaced by
+ * another tensor at the same address (a view of its own storage, or a reused
+ * allocation) of another shape, dtype or layout must not pass: one of the
+ * same numel reshaped (p.data = p.data.reshape(3, 2)) no longer matches its
+ * gradient, which torch refuses. Equal addresses are on the same device
+ * (CUDA's unified addressing). 1 / 0 / -1 with an exception set. */
 static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
 {
     unsigned long long ptr, want;
@@ -270,7 +271,7 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
     Py_ssize_t k;
     int ok;
     if (contiguous != Py_True || !PyTuple_Check(watched) || !PyTuple_Check(key) ||
-        PyTuple_GET_SIZE(key) != 5)
+        PyTuple_GET_SIZE(key) != 6)
         return 0;
     ok = rp_py_same_param(p, key, names);
     if (ok != 1)
@@ -325,6 +326,24 @@ static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *na
     return g;
 }
 
+/* Whether a contiguous gradient at address g may share memory with the
+ * param of `key` (a row's current one), whose elements lie in the key[5]
+ * bytes from key[0]: the gradient's, as many elements of the same dtype, lie
+ * in no more, as a param's elements are distinct in memory (the update
+ * refuses one whose elements share memory, as torch's in-place ops do). The
+ * kernels would read such a gradient while they write the param, where
+ * torch reads all of it first, or after its decoupled weight decay has
+ * multiplied the param in place: the Python path reads it through a copy,
+ * filled as torch reads it. 1 / 0 / -1 with an exception set. */
+static int rp_py_shares_param_memory(unsigned long long g, PyObject *key)
+{
+    unsigned long long p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 0));
+    unsigned long long span = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 5));
+    if ((p == (unsigned long long)-1 || span == (unsigned long long)-1) && PyErr_Occurred())
+        return -1;
+    return span != 0 && g < p + span && p < g + span;
+}
+
 /* One row of the fast path; RP_ROW_HOLDS with the gradient the row now
  * points at, a new reference, in *held. */
 static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
@@ -350,6 +369,10 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
      * is a CPU param's -1; the Python path names the mismatch */
     if (ok == 1 && ptr == 0 && ((const rp_optim_entry *)row)->numel > 0)
         ok = 0;
+    if (ok == 1) {
+        int shares = rp_py_shares_param_memory(ptr, key);
+        ok = shares < 0 ? -1 : !shares;
+    }
     if (ok != 1) {
         Py_DECREF(g);
         return ok;
@@ -640,13 +663,14 @@ static int rp_py_hparam_get(PyObject *group, PyObject *key, PyObject **out)
     return 0;
 }
 
-/* betas[i] of an exact tuple or list of at least two items, a new reference;
- * 0 when betas is anything else (Python indexes it). */
+/* betas[i] of an exact tuple or list of two items, a new reference; 0 when
+ * betas is anything else (Python unpacks it, and refuses another number of
+ * items, as torch's update does). */
 static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
 {
-    if (PyTuple_CheckExact(betas) && PyTuple_GET_SIZE(betas) >= 2)
+    if (PyTuple_CheckExact(betas) && PyTuple_GET_SIZE(betas) == 2)
         *out = PyTuple_GET_ITEM(betas, i);
-    else if (PyList_CheckExact(betas) && PyList_GET_SIZE(betas) >= 2)
+    else if (PyList_CheckExact(betas) && PyList_GET_SIZE(betas) == 2)
         *out = PyList_GET_ITEM(betas, i);
     else
         return 0;

@@ -368,9 +368,10 @@ def clone_exact(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_runs_close(got: Run, ref: Run, tol: Tol, *, state_tol: Tol | None = None) -> None:
-    """Parameters close; per parameter exactly torch's state keys; state tensors
-    float32 with the reference's shape and device and close values; step
-    counters exactly equal float32 0-dim tensors on the reference's device."""
+    """Parameters close; per parameter exactly torch's state keys, in its
+    order; state tensors float32 with the reference's shape and device and
+    close values; step counters exactly equal float32 0-dim tensors on the
+    reference's device."""
     state_tol = state_tol or tol
     assert len(got.params) == len(ref.params)
     ref_states = [ref.opt.state.get(p, {}) for p in ref.params]
@@ -383,7 +384,7 @@ def assert_runs_close(got: Run, ref: Run, tol: Tol, *, state_tol: Tol | None = N
         assert pg.dtype == pr.dtype and pg.device == pr.device, f"param {i}: dtype/device changed"
         assert_tensor_close(pg, pr, tol, f"param {i} {tuple(pr.shape)}", scale=scales[None])
         sg = got.opt.state.get(pg, {})
-        assert sorted(sg) == sorted(sr), f"param {i}: state keys {sorted(sg)} != torch's {sorted(sr)}"
+        assert list(sg) == list(sr), f"param {i}: state keys {list(sg)} != torch's {list(sr)}"
         for key, vr in sr.items():
             vg, what = sg[key], f"param {i} {tuple(pr.shape)} state[{key!r}]"
             if vr is None:
@@ -886,7 +887,7 @@ def test_state_dict_layout_matches_torch(name: str, batches) -> None:
     assert sg["param_groups"] == sr["param_groups"]
     assert sg["state"].keys() == sr["state"].keys()  # e.g. no entries at all for SGD without momentum
     for i, s in sr["state"].items():
-        assert sorted(sg["state"][i]) == sorted(s)
+        assert list(sg["state"][i]) == list(s), i  # in torch's order too, "step" first
         for k, v in s.items():
             assert type(sg["state"][i][k]) is type(v)
             if isinstance(v, torch.Tensor):
@@ -2361,6 +2362,15 @@ REFUSED_AT_A_STEP = {
     "RMSprop-alpha": ("RMSprop", {"alpha": -1e39}, 0, r"alpha: 1 - alpha = 1e\+39"),
     "Adadelta-rho": ("Adadelta", {"rho": 1e39}, 0, r"rho: 1 - rho = -1e\+39"),
     "Adadelta-weight_decay": ("Adadelta", {"weight_decay": 1e39}, 0, r"weight_decay: weight_decay = 1e\+39"),
+    # torch's update unpacks betas into two values (its constructor reads [0] and [1])
+    "Adam-betas-of-three": ("Adam", {"betas": (0.9, 0.999, 0.5)}, 0,
+                            r"betas: too many values to unpack \(expected 2"),
+    "AdamW-betas-list-of-three": ("AdamW", {"betas": [0.9, 0.999, 0.5]}, 0,
+                                  r"betas: too many values to unpack \(expected 2"),
+    "Adam-betas-of-one": ("Adam", {"betas": (0.9,)}, 0,
+                          r"betas: not enough values to unpack \(expected 2, got 1\)"),
+    "AdamW-betas-list-of-one": ("AdamW", {"betas": [0.9]}, 0,
+                                r"betas: not enough values to unpack \(expected 2, got 1\)"),
     "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
     "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
     "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
@@ -2370,10 +2380,12 @@ REFUSED_AT_A_STEP = {
 @pytest.mark.parametrize("case", list(REFUSED_AT_A_STEP))
 def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) -> None:
     """Where torch raises (ZeroDivisionError, a complex bias correction, a
-    constant beyond float32 passed to a tensor op), reprop raises ValueError
-    naming the group and hyper-parameter at the same step, before anything of
-    that group changes (torch has updated part of it by then); where torch
-    steps on, so does reprop. reprop stepped on with NaN or inf."""
+    constant beyond float32 passed to a tensor op, betas that do not unpack
+    into two values), reprop raises ValueError naming the group and
+    hyper-parameter at the same step, before anything of that group changes
+    (torch has updated part of it by then); where torch steps on, so does
+    reprop. reprop stepped on with NaN or inf, and with the first two of
+    three betas, and raised a bare IndexError for one."""
     name, change, at, message = REFUSED_AT_A_STEP[case]
     shapes = [(4, 3), (5,), (6,)]
     init, grads = make_params(shapes, seed=32), grad_sequence(shapes, 3)
@@ -2589,7 +2601,6 @@ def _hparam_groups() -> dict:
     groups.update({
         "int-lr-and-decay": {**adam, "lr": 1, "weight_decay": 0},
         "betas-list": {**adam, "betas": [0.5, 0.75]},
-        "betas-of-three": {**adam, "betas": (0.5, 0.75, 2)},  # _hparams reads [0], [1]
         "betas-of-ints": {**adam, "betas": (0, 1)},
         "capturable-float-lr": {**adam, "capturable": True},
         "capturable-none": {**adam, "capturable": None},
@@ -2654,6 +2665,9 @@ def _python_hparam_groups() -> dict:
         "none-momentum": {**adam, "momentum": None},
         "tensor-betas": {**adam, "betas": torch.tensor([0.5, 0.75])},
         "short-betas": {**adam, "betas": (0.5,)},
+        "betas-of-three": {**adam, "betas": (0.5, 0.75, 2)},
+        "betas-list-of-three": {**adam, "betas": [0.5, 0.75, 2]},
+        "float-betas": {**adam, "betas": 0.5},
         "tuple-subclass-betas": {**adam, "betas": torch.Size([0, 1])},
         "no-lr": {k: v for k, v in adam.items() if k != "lr"},
         "tensor-flag": {**adam, "amsgrad": torch.tensor([True, False])},
@@ -2683,7 +2697,10 @@ def test_hparams_tuple_left_to_python_converts_or_refuses_as_before(key: str) ->
 
     want = outcome(rp._hparams_of)
     assert outcome(_any_optimizer()._hparams) == want
-    expected = {"short-betas": "IndexError",
+    expected = {"short-betas": "ValueError: betas: not enough values to unpack",
+                "betas-of-three": "ValueError: betas: too many values to unpack",
+                "betas-list-of-three": "ValueError: betas: too many values to unpack",
+                "float-betas": "TypeError: betas: cannot unpack",
                 "str-lr": "TypeError", "none-momentum": "TypeError", "no-lr": "KeyError",
                 "tensor-flag": "RuntimeError", "tensor-capturable": "RuntimeError",
                 "huge-int-lr": "OverflowError"}
@@ -2946,6 +2963,62 @@ def test_params_overlapping_in_memory_are_updated_in_turn(name: str, case: str) 
             opt.step()
         runs.append(Run(params, opt))
     assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+# A parameter and a gradient sharing its memory, made from one (96,) tensor:
+# views of it with some of its other elements around them.
+SHARED_GRADS = {
+    "same": lambda t: (t[8:75], t[8:75]),  # p.grad = p.data
+    "grad_before": lambda t: (t[8:75], t[4:71]),
+    "grad_after": lambda t: (t[8:75], t[12:79]),
+    "transposed": lambda t: (t[:80].view(8, 10), t[:80].view(10, 8).t()),
+    "param_with_gaps": lambda t: (t[:80].view(8, 10)[:, :7], t[:80].view(8, 10)[:, 2:9]),
+    "negative": lambda t: (t[8:75], t[8:75]._neg_view()),
+}
+# Options under which torch takes no inexact square root (its CPU sqrt is not
+# correctly rounded): beta2 = 0 and alpha = 0 make the second moment g * g,
+# whose square root is |g| in both libraries.
+SHARED_GRAD_OPTIONS = [
+    ("AdamW", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5}),
+    ("AdamW", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5, "amsgrad": True,
+               "maximize": True}),
+    ("Adam", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5, "decoupled_weight_decay": True}),
+    ("Adam", {"lr": 0.1, "betas": (0.9, 0.0), "weight_decay": 0.5}),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}),
+    ("RMSprop", {"lr": 0.1, "alpha": 0.0, "momentum": 0.5}),
+]
+
+
+@pytest.mark.parametrize("case", list(SHARED_GRADS))
+@pytest.mark.parametrize("name, options", SHARED_GRAD_OPTIONS,
+                         ids=[f"{n}-{i}" for i, (n, _) in enumerate(SHARED_GRAD_OPTIONS)])
+def test_gradient_sharing_its_params_memory_is_read_as_torchs_update_reads_it(
+        name: str, options: dict, case: str) -> None:
+    """A gradient that shares its parameter's memory (p.grad = p.data, a view
+    overlapping it) is read as torch's update reads it: AdamW's decoupled
+    decay multiplies the param in place first, so it reads the decayed values
+    there (the kernels read the undecayed ones: exp_avg twice torch's for
+    p.grad = p.data with lr * weight_decay = 0.5), and every other element is
+    read before the update writes any (the kernels read an element after
+    writing the one it overlaps when the gradient starts below the param).
+    Five steps, the first building the plan and the others through the cached
+    one: the whole tensor and the state are torch's bit for bit, its
+    single-tensor update's and its foreach one's."""
+    runs = []
+    for cls, extra in ((reprop_cls(name), {}), (torch_cls(name), {"foreach": False}),
+                       (torch_cls(name), {"foreach": True})):
+        (t,) = make_params([(96,)], seed=47)
+        param, grad = SHARED_GRADS[case](t)
+        p = nn.Parameter(param)
+        opt = cls([p], **options, **extra)
+        for _ in range(5):
+            p.grad = grad
+            opt.step()
+        runs.append((t, Run([p], opt)))
+    (got_t, got), *refs = runs
+    for ref_t, ref in refs:
+        assert torch.equal(got_t, ref_t), f"{(got_t != ref_t).sum()} elements differ from torch's"
+        assert_runs_equal(got, ref)
 
 
 # ---------------------------------------------------------------------------

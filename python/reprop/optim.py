@@ -50,13 +50,32 @@ def _layout_key(p: torch.Tensor) -> tuple:
     (True: contiguous, else the strides), so a param whose .data was replaced
     (by a view of its own storage at the same address, or by a tensor that
     reuses a freed allocation) must not match; nor one reshaped (the same
-    numel), whose gradient no longer matches it, which torch refuses. The
-    fast path in C (optim_grad_pointers) checks the same tuple. None for a
-    param with no strided memory (a sparse one): its row stays dormant."""
+    numel), whose gradient no longer matches it, which torch refuses. Last
+    the bytes its elements span from that address, which follow from the
+    rest, kept for the check of gradients sharing its memory
+    (_shares_memory). The fast path in C (optim_grad_pointers) checks the
+    same tuple. None for a param with no strided memory (a sparse one): its
+    row stays dormant."""
     if p.layout is not torch.strided:
         return None
-    return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(),
-            p.get_device())
+    start, end = _span(p)
+    return (start, p.dtype, p.shape, True if p.is_contiguous() else p.stride(), p.get_device(),
+            end - start)
+
+
+def _shares_memory(g: torch.Tensor, key: tuple) -> bool:
+    """Whether gradient g may share memory with the param whose _layout_key
+    is `key`: their spans intersect (so a view interleaved with the param,
+    sharing no element, counts too; its copy is harmless). The kernels would
+    read such a gradient while they write the param, where torch's update
+    reads all of it first, or after its decoupled weight decay has multiplied
+    the param in place (AdamW): Plan.run fills a copy as torch reads it."""
+    start, length = key[0], key[5]
+    g_start = g.data_ptr()
+    if not length or g_start >= start + length:
+        return False
+    # (g has p's shape: not empty, so one that starts at or above p's start overlaps it)
+    return g_start >= start or _span(g)[1] > start
 
 
 # The numeric entries of the hparams tuple, in its order. Floats and ints
@@ -64,6 +83,12 @@ def _layout_key(p: torch.Tensor) -> tuple:
 # see _numbers); any other value is converted or refused by _scalar.
 _NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "momentum", "dampening",
                     "alpha", "rho", "lr_decay")
+# The flags that follow them, as bools.
+_FLAG_HPARAMS = ("nesterov", "maximize", "amsgrad", "decoupled_weight_decay", "centered")
+# The entries of the tuple that Plan.run reads.
+_HP_LR, _HP_WEIGHT_DECAY = _NUMERIC_HPARAMS.index("lr"), _NUMERIC_HPARAMS.index("weight_decay")
+_HP_MAXIMIZE = len(_NUMERIC_HPARAMS) + _FLAG_HPARAMS.index("maximize")
+_HP_DECOUPLED = len(_NUMERIC_HPARAMS) + _FLAG_HPARAMS.index("decoupled_weight_decay")
 # torch passes an int hyper-parameter (or -int, 1 - int) to its tensor ops as a
 # 64-bit integer, signed or unsigned, and raises OverflowError for one that
 # does not fit (SGD's lr=2**64); every form of an int within +-2**63 fits.
@@ -127,14 +152,23 @@ def _hparams_of(group: dict) -> tuple:
     lr = group["lr"]
     if group.get("capturable", False) and isinstance(lr, torch.Tensor):
         lr = 0.0  # the kernels read it on the device
-    betas = group.get("betas", (0.0, 0.0))
-    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), betas[0], betas[1],
+    beta1, beta2 = _betas(group)
+    numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), beta1, beta2,
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-    return _numbers(numeric) + (bool(group.get("nesterov", False)), bool(group.get("maximize", False)),
-                                bool(group.get("amsgrad", False)),
-                                bool(group.get("decoupled_weight_decay", False)),
-                                bool(group.get("centered", False)))
+    return _numbers(numeric) + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
+
+
+def _betas(group: dict) -> tuple:
+    """group["betas"] (absent: (0.0, 0.0)) unpacked into two values, as
+    torch's update unpacks it: another number of values raises ValueError
+    (one that is not iterable TypeError) naming the key, where indexing
+    would step on three betas and raise a bare IndexError for one."""
+    try:
+        beta1, beta2 = group.get("betas", (0.0, 0.0))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"betas: {e}") from None
+    return beta1, beta2
 
 
 class _Plan:
@@ -199,15 +233,17 @@ class _Plan:
                 self.staged.append((row, p, work))
             self.table[row, _COL_PARAM] = work.data_ptr()
             self.table[row, _COL_NUMEL] = p.numel()
+            # step first: commit_state adds new state to the dict in this
+            # order, which is torch's (its state dicts list "step" first)
+            if opt._kind != _SGD:
+                step = _step_tensor(st, p, self.capturable, converted_steps)
+                self.table[row, _COL_STEP] = step.data_ptr()
+                watched.append(("step", step, _COL_STEP))
             for slot, key in enumerate(slots):
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     watched.append((key, t, _COL_STATE + slot))
-            if opt._kind != _SGD:
-                step = _step_tensor(st, p, self.capturable, converted_steps)
-                self.table[row, _COL_STEP] = step.data_ptr()
-                watched.append(("step", step, _COL_STEP))
             self.watched.append(tuple(watched))
         # Whether a row writes an inference tensor (a param, state made inside
         # inference_mode), which torch's in-place update refuses outside
@@ -216,6 +252,7 @@ class _Plan:
                              for p, watched in zip(params, self.watched) if watched is not None)
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
+        self.aliased = ()  # set by each prepare_grads
 
     def _take_part(self, rows: list | None) -> None:
         """Sets the rows of this step's update (None: all): `step_table`, the
@@ -284,7 +321,9 @@ class _Plan:
         and state, contiguous strided gradients, given or not) is checked in
         C, which also writes the pointers into the step table and says
         whether other rows than last step's take part; anything else comes
-        here."""
+        here, also a gradient sharing its param's memory, which the row reads
+        through a copy that run() fills (`aliased`: (param, gradient, copy))."""
+        self.aliased = ()
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
             self.grad_contiguous, torch.strided, self.table, given, self.step_table,
@@ -294,26 +333,32 @@ class _Plan:
             if rows is not None:  # other rows than last step's
                 self._take_part(rows)
             return held
-        rows, ptrs, keep = [], [], []
-        for row, (p, st, key, contig, watched) in enumerate(zip(
+        rows, ptrs, keep, aliased = [], [], [], []
+        for row, (p, st, layout, contig, watched) in enumerate(zip(
                 self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
             g = p.grad if given is None else given[id(p)]
             if g is None:
                 continue
-            if watched is None or _layout_key(p) != key or state.get(p) is not st:
+            if watched is None or _layout_key(p) != layout or state.get(p) is not st:
                 return None
             for key, t, col in watched:
                 if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
                     return None
             _check_grad(p, g)
-            g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
-            if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
-                g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
+            if _shares_memory(g, layout):  # (g as it is: a negative view reads p's memory too)
+                read = _grad_buffer(p, contig)
+                aliased.append((p, g, read))
+                g = read
+            else:
+                g = g.resolve_neg()  # (a copy where torch's negative bit is set: memory holds -g)
+                if not (g.is_contiguous() if contig else _tensors.same_layout(g, p)):
+                    g = g.contiguous() if contig else torch.empty_like(p).copy_(g)
             keep.append(g)
             ptrs.append(g.data_ptr())
             rows.append(row)
         self.table[rows, _COL_GRAD] = ptrs
         self._take_part(rows)
+        self.aliased = aliased
         return keep
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
@@ -326,6 +371,8 @@ class _Plan:
         saves optimizer state, and bumping it too would cost microseconds a
         step). A param that sits the step out is neither written nor bumped,
         as torch leaves it."""
+        if self.aliased:
+            self._fill_aliased(opt, group, hp)
         staged = self.step_staged
         for _, p, work in staged:
             work.copy_(p)
@@ -340,6 +387,24 @@ class _Plan:
         for _, p, work in staged:
             p.copy_(work)
         _tensors.bump_versions(written)
+
+    def _fill_aliased(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
+        """Fills the copies through which rows read gradients that share their
+        param's memory with what torch's update reads: the gradient as it is
+        now (after the updates of earlier calls, as torch's loop reads it), or
+        where the update first multiplies the param in place by its decoupled
+        weight decay, as it is after that; the param is then put back, for the
+        kernels to decay it themselves."""
+        factor = _decoupled_decay_factor(opt, group, hp)
+        for p, g, read in self.aliased:
+            if factor is None:
+                read.copy_(g)
+                continue
+            undecayed = p.clone()
+            p.mul_(factor)
+            read.copy_(g)
+            p.copy_(undecayed)
+        self.aliased = ()
 
     def _written(self) -> list:
         """Everything the kernels write this step: the params (a staged one is
@@ -375,6 +440,31 @@ def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
         raise RuntimeError(f"{type(opt).__name__}: capturable=False but a CUDA graph is "
                            "being captured; construct the optimizer with capturable=True")
     return 0
+
+
+def _decoupled_decay_factor(opt, group: dict, hp: tuple):
+    """The factor by which the update multiplies the params in place before
+    it reads their gradients (AdamW, Adam with decoupled_weight_decay), as
+    the kernels compute it: 1 - lr * weight_decay in double, rounded to
+    float32 once (as mul_ rounds a Python float for a float32 tensor), from
+    a capturable group's tensor lr as they read it on the device. None where
+    the update reads the gradients first: without decoupled decay, and with
+    maximize, for which torch negates them into new tensors first."""
+    if (opt._kind != _ADAM or not hp[_HP_DECOUPLED] or hp[_HP_MAXIMIZE]
+            or hp[_HP_WEIGHT_DECAY] == 0):
+        return None
+    weight_decay = float(hp[_HP_WEIGHT_DECAY])
+    lr = group["lr"]
+    if group.get("capturable", False) and isinstance(lr, torch.Tensor):
+        return (1.0 - lr.double() * weight_decay).float()
+    return 1.0 - float(hp[_HP_LR]) * weight_decay
+
+
+def _grad_buffer(p: torch.Tensor, contiguous: bool) -> torch.Tensor:
+    """Memory for a gradient of p laid out as p's row reads one: contiguous,
+    or (contiguous False) in p's layout, which is then dense."""
+    return torch.empty_like(p, memory_format=torch.contiguous_format if contiguous
+                            else torch.preserve_format)
 
 
 def _stand_in(p: torch.Tensor) -> torch.Tensor:
@@ -452,8 +542,11 @@ def _refuse_state(key: str, value, p: torch.Tensor, expected: str) -> None:
 def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
     """Refuses a state tensor that torch's update of p refuses too (its
     in-place ops raise RuntimeError): one of another shape, also one that
-    broadcasts, on another device, not floating-point, or sparse. Another
-    floating-point dtype (float64: torch accepts it) is converted to float32."""
+    broadcasts, on another device, not floating-point, or sparse. One of
+    another floating-point dtype (float64) is converted to float32
+    (_state_tensor) and stepped on: torch's update takes one that it
+    updates with mul_, add_ or addcmul_, in that dtype, and raises for one it
+    lerps into (Adam's exp_avg, centered RMSprop's grad_avg)."""
     if (not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.shape != p.shape
             or t.device != p.device or t.layout is not torch.strided):
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
@@ -486,9 +579,12 @@ def _check_step_count(step, p: torch.Tensor) -> None:
 
 def _span(p: torch.Tensor) -> tuple[int, int]:
     """The addresses [first, end) that p's elements lie in (torch strides are
-    never negative)."""
+    never negative); empty for an empty p, which torch deems contiguous."""
+    start = p.data_ptr()
+    if p.is_contiguous():  # (no loop over the dims: the Python path spans a row's at each step)
+        return start, start + p.numel() * p.element_size()
     last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
-    return p.data_ptr(), p.data_ptr() + (last + 1) * p.element_size()
+    return start, start + (last + 1) * p.element_size()
 
 
 def _ordered_runs(params: list) -> list[list]:
