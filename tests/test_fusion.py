@@ -36,6 +36,7 @@ import fractions
 import functools
 import gc
 import io
+import linecache
 import math
 import subprocess
 import sys
@@ -2719,11 +2720,13 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
               set_to_none: bool = True, make_model: Callable[[], nn.Module] = _mlp,
               fuse_options: dict | None = None,
               layer_by_layer: bool = False,
-              device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
+              device: str = "cpu",
+              instead_of_step: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
     None) or fused (with fuse_options); events[i] (model, opt) runs before step i's forward,
-    before_step[i] between its backward and step(), after_step[i] right after
-    its step() (forward mode: with the updates pending). layer_by_layer calls
+    before_step[i] between its backward and step(), instead_of_step[i] in place
+    of its step(), after_step[i] right after (forward mode: with the updates
+    pending). layer_by_layer calls
     the layers one by one (_LayerByLayer), never the model's own forward.
     The model and the batches are moved to `device`."""
     model = make_model().to(device)
@@ -2739,7 +2742,10 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
             F.mse_loss(call(x), y).backward()
             if before_step and i in before_step:
                 before_step[i](model, opt)
-            opt.step()
+            if instead_of_step and i in instead_of_step:
+                instead_of_step[i](model, opt)
+            else:
+                opt.step()
             if after_step and i in after_step:
                 after_step[i](model, opt)
             opt.zero_grad(set_to_none=set_to_none)
@@ -5299,3 +5305,178 @@ def test_a_stop_button_as_grad_mode_is_switched_off_leaves_it_on(monkeypatch) ->
         assert torch.is_grad_enabled()
     finally:
         switch(True)
+
+
+# ---------------------------------------------------------------------------
+# 16. The stop button: a KeyboardInterrupt, then training goes on
+# ---------------------------------------------------------------------------
+#
+# A notebook's stop button raises KeyboardInterrupt between any two bytecodes
+# of whatever runs. The tests raise it deterministically: at the n-th call of
+# a helper (patched to raise), or right before a chosen line (sys.settrace: a
+# trace function that raises does so in the traced frame). The user then runs
+# the cell again: an interrupted forward is run again, an interrupted step()
+# is not (the next zero_grad() discards its gradients). The reference is eager
+# training stopped at the same point: a forward stopped did nothing, and a
+# step() stopped before its update did nothing, after it did it all.
+
+
+@contextlib.contextmanager
+def _stop_at_call(owner, name: str, n: int = 1, after: bool = False):
+    """owner.`name` raises KeyboardInterrupt at its n-th call in the block:
+    before it runs, or (after=True) once it has run, as if the interrupt came
+    as it returned."""
+    real, calls = getattr(owner, name), [0]
+
+    def stopping(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n and not after:
+            raise KeyboardInterrupt
+        out = real(*args, **kwargs)
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return out
+
+    setattr(owner, name, stopping)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def _stopping_at(is_the_line: Callable) -> Callable:
+    """A sys.settrace function raising KeyboardInterrupt right before the
+    first line of reprop/fusion.py's frames for which is_the_line(frame) is
+    true (the trace then stops, as after any error in a trace function)."""
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != reprop.fusion.__file__:
+            return None
+        if event == "line" and is_the_line(frame):
+            raise KeyboardInterrupt
+        return trace
+    return trace
+
+
+@contextlib.contextmanager
+def _traced(trace: Callable):
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def _stop_at_line(function: Callable, text: str, n: int = 1):
+    """KeyboardInterrupt right before the n-th run, in the block, of a line
+    of `function` (its own frame) that starts with `text`: the stop button
+    pressed between the statements before that line and it."""
+    code, seen = function.__code__, [0]
+
+    def is_the_line(frame) -> bool:
+        if frame.f_code is code and linecache.getline(
+                code.co_filename, frame.f_lineno).strip().startswith(text):
+            seen[0] += 1
+        return seen[0] == n
+
+    return _traced(_stopping_at(is_the_line))
+
+
+def _skipped(model: nn.Module, opt) -> None:
+    """Eager's step() stopped before it updated anything."""
+
+
+def _stopped(stop: Callable, then: Callable) -> Callable:
+    """An _mlp_loop event that runs then(model, opt), expecting `stop()`'s
+    KeyboardInterrupt from it."""
+    def run(model: nn.Module, opt) -> None:
+        with pytest.raises(KeyboardInterrupt), stop():
+            then(model, opt)
+    return run
+
+
+def _step(model: nn.Module, opt) -> None:
+    opt.step()
+
+
+def _adam(model: nn.Module) -> rp.Adam:
+    return rp.Adam(model.parameters(), lr=0.01)
+
+
+def test_forward_mode_step_stopped_while_holding_the_gradients_is_not_taken() -> None:
+    """The stop button in step() while it marks the updates pending (here
+    the second gradient's mark is being taken): some params were pending
+    without a held gradient, and every later forward raised a bare KeyError,
+    for good. Now nothing of that step() is pending, and training goes on as
+    eager's whose step() was stopped before its update (bitwise; torch's
+    Adam, fused, against reprop's, eager)."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_grad_mark", 2), _step)
+    got = _mlp_loop("forward", lambda m: torch.optim.Adam(m.parameters(), lr=0.01), 5,
+                    instead_of_step={2: stopped})
+    _assert_same_training(got, _mlp_loop(None, _adam, 5, instead_of_step={2: _skipped}))
+
+
+def _trained_alike(got: tuple, ref: tuple) -> bool:
+    return all(torch.equal(p, r) for p, r in zip(got[0].parameters(), ref[0].parameters()))
+
+
+def test_forward_mode_step_stopped_anywhere_takes_effect_whole_or_not_at_all() -> None:
+    """The stop button right before each line that forward mode's step()
+    runs in reprop/fusion.py, one run per line (a step with one group and
+    nothing to apply at once, whose update is one call): training goes on as
+    eager's with that step() done whole or not at all, bitwise, never
+    neither nor with an error; and the zero_grad(set_to_none=False) that
+    follows zeroes the gradients in place, as eager's, when the step() was
+    not taken (when it was, the pending updates keep theirs: new zeros)."""
+    steps, at = 4, 2
+    taken = _mlp_loop(None, _adam, steps, set_to_none=False)
+    not_taken = _mlp_loop(None, _adam, steps, set_to_none=False, instead_of_step={at: _skipped})
+    outcomes: collections.Counter = collections.Counter()
+    n = 0
+    while True:
+        n += 1
+        lines, zeroed_in_place = [0], []
+
+        def is_the_line(frame) -> bool:
+            lines[0] += 1
+            return lines[0] == n
+
+        def stopped_step(model: nn.Module, opt) -> None:
+            grads = [p.grad for p in model.parameters()]
+            with contextlib.suppress(KeyboardInterrupt), _traced(_stopping_at(is_the_line)):
+                opt.step()
+            opt.zero_grad(set_to_none=False)
+            zeroed_in_place.append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
+
+        got = _mlp_loop("forward", _adam, steps, set_to_none=False,
+                        instead_of_step={at: stopped_step})
+        if lines[0] < n:  # (the step ran to its end: every line was stopped before)
+            break
+        outcome = "taken" if _trained_alike(got, taken) else "not taken"
+        _assert_same_training(got, taken if outcome == "taken" else not_taken)
+        assert zeroed_in_place == [outcome == "not taken"], f"line event {n}"
+        outcomes[outcome] += 1
+    assert n > 50 and outcomes["taken"] and outcomes["not taken"], (n, outcomes)
+
+
+def test_forward_mode_step_stopped_with_gradients_held_keeps_none_alive() -> None:
+    """The stop button in step() after it held the gradients, before it
+    marked their updates pending: the step() is not taken, and those
+    gradients are not kept alive by the fusion once the next step() has run
+    (here the first layer is frozen meanwhile: no new gradient of its takes
+    the old one's place)."""
+    model = _mlp()
+    opt = _adam(model)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    old = weakref.ref(model[0].weight.grad)
+    with pytest.raises(KeyboardInterrupt), _stop_at_line(
+            reprop.fusion._ForwardFusion._hold, "self._pending.update"):
+        opt.step()
+    opt.zero_grad()
+    model[0].requires_grad_(False)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert old() is None
+    handle.remove()

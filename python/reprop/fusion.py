@@ -2208,6 +2208,9 @@ class _ForwardFusion(FusionHandle):
     def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
+        # nothing is pending: drop the gradients an interrupted _hold or _settle
+        # left held (they would be kept alive until their param's next update)
+        self._grads.clear()
         self._forget_late()
         self._sync()
         by_group = [(g, [p for p in g["params"] if p.grad is not None])
@@ -2237,12 +2240,17 @@ class _ForwardFusion(FusionHandle):
         has now (the tensor, not a copy), as eager's step() applies it now,
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
         gradient set by hand); its _grad_mark tells an edit in place
-        (_held_grads)."""
+        (_held_grads). A KeyboardInterrupt (a notebook's stop button) may
+        arrive between any two statements, so each prefix is consistent:
+        the entries are made whole first, and a pending update always finds
+        its held gradient, so _grads is filled before _pending (one held
+        but not pending is ignored: see _fused_zero_grad, _fused_step)."""
         ids = list(map(id, params))
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
+        held = list(zip(grads, map(_grad_mark, grads)))
+        self._grads.update(zip(ids, held))
         self._pending.update(zip(ids, params))
-        self._grads.update(zip(ids, zip(grads, map(_grad_mark, grads))))
 
     def _decided(self, held: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
@@ -2326,8 +2334,10 @@ class _ForwardFusion(FusionHandle):
             for p in self._params.values():
                 p.grad = None
             return
+        pending = self._pending
         for p in self._params.values():
-            held = self._grads.get(id(p))
+            # (a gradient held with no update pending, after an interrupted step(), is eager's)
+            held = self._grads.get(id(p)) if id(p) in pending else None
             if held is not None and p.grad is held[0]:
                 p.grad = torch.zeros_like(held[0])
             else:
