@@ -5480,3 +5480,47 @@ def test_forward_mode_step_stopped_with_gradients_held_keeps_none_alive() -> Non
     opt.step()
     assert old() is None
     handle.remove()
+
+
+def _trained_with_a_learned_input_scale(mode: str | None, stopped_at: int, steps: int = 4) -> tuple:
+    """_mlp() trained with reprop's Adam on its inputs times a learned scale
+    that no module owns (read before the model: forward mode applies its
+    update at step()). Fused, step `stopped_at`'s step() is stopped right as
+    it has marked the updates pending (as _hold returns). Returns the
+    trained (model, optimizer), the scale registered in the model as
+    `scale`, and len(opt.state) after each step()."""
+    model = _mlp()
+    scale = nn.Parameter(torch.ones(()))
+    opt = rp.Adam([*model.parameters(), scale], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    states = []
+    for i in range(steps):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x * scale), y).backward()
+        if mode and i == stopped_at:
+            with pytest.raises(KeyboardInterrupt), _stop_at_call(
+                    reprop.fusion._ForwardFusion, "_hold", after=True):
+                opt.step()
+        else:
+            opt.step()
+        states.append(len(opt.state))
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    model.scale = scale  # (registered after training: compared with the model's own)
+    return (model, opt), states
+
+
+@pytest.mark.parametrize("stopped_at", [0, 2])
+def test_forward_mode_step_stopped_once_its_updates_are_pending_is_taken_whole(stopped_at: int) -> None:
+    """The stop button in step() once the updates are marked pending: the
+    step() is taken whole, including what forward mode applies at step():
+    the update of a parameter no module owns, read before the model's
+    forward, and the state eager step() creates at a first step. Before, an
+    interrupt between marking a group pending and noting it for that left
+    both undone: opt.state empty after a first step(), and the next forward
+    refused with a RuntimeError for reading the learned scale pending."""
+    got, got_states = _trained_with_a_learned_input_scale("forward", stopped_at)
+    ref, ref_states = _trained_with_a_learned_input_scale(None, stopped_at)
+    assert got_states == ref_states
+    _assert_same_training(got, ref)

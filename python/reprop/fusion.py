@@ -2221,15 +2221,15 @@ class _ForwardFusion(FusionHandle):
         self._settings = _settings_snapshot(self.optimizer)
         self._rechecked = False
         self._forget_checks_if_state_changed()
-        held: list = []
         try:
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
                     self._hold(params)
-                    held += params
         finally:  # a refused group: eager step() has updated the groups before it
-            self._decided(held)
+            # (what is pending now, not a list kept beside it, which an interrupt
+            # between the two would leave short: nothing was pending before the loop)
+            self._decided(list(self._pending.values()))
         if self._ddp and self.model._join_config.enable:
             # under a Join made before fuse() (it took DDP's own join hook, not
             # _ddp_join_hook) nothing may wait: this rank may have run out
