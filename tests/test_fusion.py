@@ -5524,3 +5524,31 @@ def test_forward_mode_step_stopped_once_its_updates_are_pending_is_taken_whole(s
     ref, ref_states = _trained_with_a_learned_input_scale(None, stopped_at)
     assert got_states == ref_states
     _assert_same_training(got, ref)
+
+
+def test_forward_mode_step_stopped_as_its_check_is_cached_creates_state_next_time() -> None:
+    """The stop button in step() between the optimizer's full check of a
+    group (run because a layer was unfrozen, whose params have no state
+    yet) and noting that it ran: the step() is not taken, and the next one
+    creates those params' state at once, as eager step() (forward mode
+    applies the updates of params without state at step()). Before, the
+    cached check let the next step() skip it, and opt.state lacked their
+    entries until the next forward."""
+    def make_opt(model: nn.Module) -> rp.Adam:
+        return _adam(_freeze_first_layer(model))
+
+    def stop():
+        return _stop_at_line(reprop.fusion._ForwardFusion._check_update, "self._rechecked = True")
+
+    def run(mode: str | None) -> tuple:
+        """The training, and len(opt.state) after each step()."""
+        counts: list = []
+        trained = _mlp_loop(mode, make_opt, 6, events={3: _unfreeze_first_layer_at_3},
+                            instead_of_step={3: _stopped(stop, _step) if mode else _skipped},
+                            after_step=dict.fromkeys(range(6), lambda model, opt: counts.append(
+                                len(opt.state))))
+        return trained, counts
+
+    (got, got_counts), (ref, ref_counts) = run("forward"), run(None)
+    assert got_counts == ref_counts
+    _assert_same_training(got, ref)

@@ -2321,8 +2321,10 @@ class _ForwardFusion(FusionHandle):
         checked = (slots, tuple(map(id, params)))
         if self._checked.get(id(group)) != checked:
             engine._check_step(settings, params, None, slots)
-            self._checked[id(group)] = checked
+            # (in this order: a check cached must have set _rechecked, even if
+            # a KeyboardInterrupt stops the step between the two)
             self._rechecked = True
+            self._checked[id(group)] = checked
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         """What eager's zero_grad() does, now (the pending updates hold their
