@@ -5552,3 +5552,28 @@ def test_forward_mode_step_stopped_as_its_check_is_cached_creates_state_next_tim
     (got, got_counts), (ref, ref_counts) = run("forward"), run(None)
     assert got_counts == ref_counts
     _assert_same_training(got, ref)
+
+
+def _forward_of(i: int, layer_by_layer: bool = False) -> Callable:
+    """The forward of step i's batch (what an interrupted cell ran)."""
+    def run(model: nn.Module, opt) -> None:
+        (_LayerByLayer(model) if layer_by_layer else model)(_mlp_batch(i)[0])
+    return run
+
+
+def _reset_first_weights_state(model: nn.Module, opt) -> None:
+    """A warm restart of one parameter: its optimizer state dropped."""
+    del opt.state[model[0].weight]
+
+
+def test_forward_mode_forward_stopped_as_it_swaps_the_optimizer_state_keeps_the_users() -> None:
+    """The stop button in the forward that applies updates left pending when
+    the user reset a parameter's optimizer state after step() (the updates
+    run on the state of step(), swapped in for them), right after the swap:
+    the user's state is back, and training goes on as eager's. Before, the
+    swapped-in copy stayed the optimizer's state, the reset undone."""
+    stop = lambda: _stop_at_line(reprop.fusion._ForwardFusion._apply, "try:", 2)  # noqa: E731
+    got = _mlp_loop("forward", _adam, 6, after_step={2: _reset_first_weights_state},
+                    events={3: _stopped(stop, _forward_of(3))})
+    ref = _mlp_loop(None, _adam, 6, after_step={2: _reset_first_weights_state})
+    _assert_same_training(got, ref)

@@ -2004,9 +2004,10 @@ class _ForwardFusion(FusionHandle):
         try:
             grads = self._held_grads(params)
             users = engine.state
-            if of_step is not None:
-                engine.state = of_step
             try:
+                # (inside the try: an interrupt right after the swap must undo it)
+                if of_step is not None:
+                    engine.state = of_step
                 if torch.is_inference_mode_enabled():
                     # (a forward under the user's inference_mode): the state the update
                     # creates must be normal tensors, as eager step()'s, which the next
