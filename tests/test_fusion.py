@@ -5577,3 +5577,47 @@ def test_forward_mode_forward_stopped_as_it_swaps_the_optimizer_state_keeps_the_
                     events={3: _stopped(stop, _forward_of(3))})
     ref = _mlp_loop(None, _adam, 6, after_step={2: _reset_first_weights_state})
     _assert_same_training(got, ref)
+
+
+def _add_first_layer_then(stopped: Callable) -> Callable:
+    def run(model: nn.Module, opt) -> None:
+        _add_first_layer_at_3(model, opt)
+        stopped(model, opt)
+    return run
+
+
+@pytest.mark.parametrize("mode, helper", [("forward", "_register_grad_coming"),
+                                          ("forward", "_places_of"),
+                                          ("backward", "_direct_params")])
+def test_forward_stopped_while_following_a_param_group_added_follows_it_next_time(
+        mode: str, helper: str) -> None:
+    """The stop button in the first forward after add_param_group(), while
+    the fusion follows the new group (at the given helper): the next forward
+    follows it again, whole, and training goes on as eager's. Before, the
+    group counted as followed: forward mode refused every later forward with
+    'not a parameter of this optimizer', backward mode raised a KeyError."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, helper), _forward_of(3))
+    make_opt = lambda model: _adam(model[2:])  # noqa: E731
+    got = _mlp_loop(mode, make_opt, 6, events={3: _add_first_layer_then(stopped)})
+    _assert_same_training(got, _mlp_loop(None, make_opt, 6, events={3: _add_first_layer_at_3}))
+
+
+def test_forward_mode_param_group_followed_after_a_stop_guards_its_params() -> None:
+    """After the stop button interrupted the following of a new group where
+    the fusion installs its guard on the new params (the refusal of a
+    gradient reaching a parameter whose update is pending: its old value was
+    read), the group followed again has them guarded too."""
+    model = _mlp()
+    opt = _adam(model[2:])
+    handle = reprop.fuse(model, opt, mode="forward")
+    _add_first_layer_at_3(model, opt)
+    x, y = _mlp_batch(0)
+    with pytest.raises(KeyboardInterrupt), _stop_at_call(reprop.fusion, "_register_grad_coming"):
+        model(x)
+    for _ in range(2):  # (the first step() creates the new params' state: applied at once)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="while its update was still pending"):
+        (x @ model[0].weight.T).sum().backward()  # read outside its layer's forward
+    handle.remove()

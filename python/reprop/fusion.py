@@ -902,11 +902,17 @@ class FusionHandle:
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
-        self._membership = _membership(engine)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
-        self._params = params
-        self._claim(new)
-        self._track(new)
+        followed, self._params = self._params, params
+        try:
+            self._claim(new)
+            self._track(new)
+        except BaseException:  # (a KeyboardInterrupt): the next call follows again, `new` too
+            self._params = followed
+            raise
+        # last: a sync stopped half-way (a KeyboardInterrupt, a notebook's stop
+        # button) must not count as followed, or `new` would never be tracked
+        self._membership = _membership(engine)
         return new
 
     def _claim(self, params: Iterable[torch.Tensor]) -> None:
