@@ -5621,3 +5621,33 @@ def test_forward_mode_param_group_followed_after_a_stop_guards_its_params() -> N
     with pytest.raises(RuntimeError, match="while its update was still pending"):
         (x @ model[0].weight.T).sum().backward()  # read outside its layer's forward
     handle.remove()
+
+
+@pytest.mark.parametrize("hook", ["register_forward_pre_hook", "register_state_dict_pre_hook"])
+def test_forward_mode_step_stopped_while_hooking_a_new_owner_hooks_it_next_time(hook: str) -> None:
+    """The stop button in the step() (layers called one by one: step()
+    follows the optimizer) that hooks the owner of a group added, as its
+    first hook of that kind is registered: the next step() hooks it. Before,
+    the module counted as hooked without hooks, for good: its forwards read
+    its pending updates (refused in backward), or its state_dict() left them
+    out."""
+    stopped = _stopped(lambda: _stop_at_call(nn.Module, hook), _step)
+    saving = hook == "register_state_dict_pre_hook"  # (a state_dict() applies what is pending)
+
+    def run(mode: str | None) -> tuple:
+        """The training, and the first layer's state_dict() after each step()."""
+        saved: list = []
+        # (step 4 creates the new layer's state, applying its update at once)
+        trained = _mlp_loop(mode, lambda model: _adam(model[2:]), 7,
+                            events={3: _add_first_layer_at_3}, layer_by_layer=True,
+                            instead_of_step={3: stopped if mode else _skipped},
+                            after_step=dict.fromkeys(range(7 if saving else 0), lambda model, opt:
+                                                     saved.append(copy.deepcopy(
+                                                         model[0].state_dict()))))
+        return trained, saved
+
+    (got, got_saved), (ref, ref_saved) = run("forward"), run(None)
+    for i, (a, b) in enumerate(zip(got_saved, ref_saved)):
+        _assert_tensor_dicts(a, b, f"state_dict() after step {i}", None)
+    _assert_same_training(got, ref)
+

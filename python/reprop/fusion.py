@@ -98,7 +98,7 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -928,13 +928,18 @@ class FusionHandle:
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
 
-    def _owners_to_hook(self) -> list:
+    def _owners_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model that own fused parameters and have no forward
-        hooks of this fusion yet (from now on they count as hooked)."""
+        hooks of this fusion yet. Each counts as hooked once the caller's
+        loop has hooked it: a KeyboardInterrupt (a notebook's stop button)
+        in between leaves it to the next call, where counting it first would
+        leave it unhooked for good (hooked twice, the second run of its hooks
+        finds nothing to do)."""
         fresh = [m for m in self.model.modules()
                  if not self._hooks_on(m) and _direct_params(m, self._params)]
-        self._hooked_modules.update((id(m), m) for m in fresh)
-        return fresh
+        for m in fresh:
+            yield m
+            self._hooked_modules[id(m)] = m
 
     def _hooks_on(self, module: nn.Module) -> bool:
         """Whether `module` has this fusion's forward hooks."""
@@ -1955,14 +1960,16 @@ class _ForwardFusion(FusionHandle):
         self._follow_owners()
         return new
 
-    def _covering_to_hook(self) -> list:
+    def _covering_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model with a fused parameter at or below them (the
         owners and all their ancestors) that have no checkpoint hooks of this
-        fusion yet (from now on they count as hooked)."""
+        fusion yet, each counted as hooked once the caller's loop has hooked
+        it (as _owners_to_hook)."""
         fresh = [m for m in self.model.modules() if m not in self._covered
                  and any(id(p) in self._params for p in m.parameters())]
-        self._covered.update(fresh)
-        return fresh
+        for m in fresh:
+            yield m
+            self._covered.add(m)
 
     def _take_over_optimizer(self) -> None:
         super()._take_over_optimizer()
