@@ -5651,3 +5651,29 @@ def test_forward_mode_step_stopped_while_hooking_a_new_owner_hooks_it_next_time(
         _assert_tensor_dicts(a, b, f"state_dict() after step {i}", None)
     _assert_same_training(got, ref)
 
+
+
+def _replace_third_layer_keeping_its_params(model: nn.Module, opt) -> None:
+    """model[2] replaced by a new Linear that takes over its Parameters (a
+    layer swapped for a patched one): their owner has none of the fusion's hooks."""
+    layer = nn.Linear(8, 6)
+    layer.weight, layer.bias = model[2].weight, model[2].bias
+    model[2] = layer
+
+
+def test_forward_mode_forward_stopped_while_following_moved_params_follows_them_next_time() -> None:
+    """The stop button in the forward (layers called one by one) that
+    follows fused params registered in a new module: the next forward
+    follows them again, whole. Before, they counted as followed, their
+    updates kept waiting for the old module, and every later step's backward
+    refused them as read while pending."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_places_of"), _forward_of(3, True))
+
+    def event(model: nn.Module, opt) -> None:
+        _replace_third_layer_keeping_its_params(model, opt)
+        stopped(model, opt)
+
+    got = _mlp_loop("forward", _adam, 6, events={3: event}, layer_by_layer=True)
+    ref = _mlp_loop(None, _adam, 6, events={3: _replace_third_layer_keeping_its_params},
+                    layer_by_layer=True)
+    _assert_same_training(got, ref)

@@ -1864,7 +1864,6 @@ class _ForwardFusion(FusionHandle):
     def _hook_owners(self) -> None:
         """Follows which modules own the fused parameters: a pending update is
         applied before its owner's forward, so each owner needs the hooks."""
-        self._owners_moved = False
         owners = [(m, own) for m in self.model.modules()
                   if (own := _direct_params(m, self._params))]
         self._owners = self._unseen = owners
@@ -1892,6 +1891,8 @@ class _ForwardFusion(FusionHandle):
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
         self._foreign = {i for i in self._params if i not in owned}
+        # last: owners followed only in part (a KeyboardInterrupt) are followed again
+        self._owners_moved = False
 
     def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
         if param is None:
