@@ -36,6 +36,7 @@ import fractions
 import functools
 import gc
 import io
+import linecache
 import math
 import subprocess
 import sys
@@ -2719,11 +2720,13 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
               set_to_none: bool = True, make_model: Callable[[], nn.Module] = _mlp,
               fuse_options: dict | None = None,
               layer_by_layer: bool = False,
-              device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
+              device: str = "cpu",
+              instead_of_step: dict | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Trains make_model() (_mlp() by default) for `steps` steps, eager (mode
     None) or fused (with fuse_options); events[i] (model, opt) runs before step i's forward,
-    before_step[i] between its backward and step(), after_step[i] right after
-    its step() (forward mode: with the updates pending). layer_by_layer calls
+    before_step[i] between its backward and step(), instead_of_step[i] in place
+    of its step(), after_step[i] right after (forward mode: with the updates
+    pending). layer_by_layer calls
     the layers one by one (_LayerByLayer), never the model's own forward.
     The model and the batches are moved to `device`."""
     model = make_model().to(device)
@@ -2739,7 +2742,10 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
             F.mse_loss(call(x), y).backward()
             if before_step and i in before_step:
                 before_step[i](model, opt)
-            opt.step()
+            if instead_of_step and i in instead_of_step:
+                instead_of_step[i](model, opt)
+            else:
+                opt.step()
             if after_step and i in after_step:
                 after_step[i](model, opt)
             opt.zero_grad(set_to_none=set_to_none)
@@ -5299,3 +5305,375 @@ def test_a_stop_button_as_grad_mode_is_switched_off_leaves_it_on(monkeypatch) ->
         assert torch.is_grad_enabled()
     finally:
         switch(True)
+
+
+# ---------------------------------------------------------------------------
+# 16. The stop button: a KeyboardInterrupt, then training goes on
+# ---------------------------------------------------------------------------
+#
+# A notebook's stop button raises KeyboardInterrupt between any two bytecodes
+# of whatever runs. The tests raise it deterministically: at the n-th call of
+# a helper (patched to raise), or right before a chosen line (sys.settrace: a
+# trace function that raises does so in the traced frame). The user then runs
+# the cell again: an interrupted forward is run again, an interrupted step()
+# is not (the next zero_grad() discards its gradients). The reference is eager
+# training stopped at the same point: a forward stopped did nothing, and a
+# step() stopped before its update did nothing, after it did it all.
+
+
+@contextlib.contextmanager
+def _stop_at_call(owner, name: str, n: int = 1, after: bool = False):
+    """owner.`name` raises KeyboardInterrupt at its n-th call in the block:
+    before it runs, or (after=True) once it has run, as if the interrupt came
+    as it returned."""
+    real, calls = getattr(owner, name), [0]
+
+    def stopping(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n and not after:
+            raise KeyboardInterrupt
+        out = real(*args, **kwargs)
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return out
+
+    setattr(owner, name, stopping)
+    try:
+        yield
+    finally:
+        setattr(owner, name, real)
+
+
+def _stopping_at(is_the_line: Callable) -> Callable:
+    """A sys.settrace function raising KeyboardInterrupt right before the
+    first line of reprop/fusion.py's frames for which is_the_line(frame) is
+    true (the trace then stops, as after any error in a trace function)."""
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != reprop.fusion.__file__:
+            return None
+        if event == "line" and is_the_line(frame):
+            raise KeyboardInterrupt
+        return trace
+    return trace
+
+
+@contextlib.contextmanager
+def _traced(trace: Callable):
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
+def _stop_at_line(function: Callable, text: str, n: int = 1):
+    """KeyboardInterrupt right before the n-th run, in the block, of a line
+    of `function` (its own frame) that starts with `text`: the stop button
+    pressed between the statements before that line and it."""
+    code, seen = function.__code__, [0]
+
+    def is_the_line(frame) -> bool:
+        if frame.f_code is code and linecache.getline(
+                code.co_filename, frame.f_lineno).strip().startswith(text):
+            seen[0] += 1
+        return seen[0] == n
+
+    return _traced(_stopping_at(is_the_line))
+
+
+def _skipped(model: nn.Module, opt) -> None:
+    """Eager's step() stopped before it updated anything."""
+
+
+def _stopped(stop: Callable, then: Callable) -> Callable:
+    """An _mlp_loop event that runs then(model, opt), expecting `stop()`'s
+    KeyboardInterrupt from it."""
+    def run(model: nn.Module, opt) -> None:
+        with pytest.raises(KeyboardInterrupt), stop():
+            then(model, opt)
+    return run
+
+
+def _step(model: nn.Module, opt) -> None:
+    opt.step()
+
+
+def _adam(model: nn.Module) -> rp.Adam:
+    return rp.Adam(model.parameters(), lr=0.01)
+
+
+def test_forward_mode_step_stopped_while_holding_the_gradients_is_not_taken() -> None:
+    """The stop button in step() while it marks the updates pending (here
+    the second gradient's mark is being taken): some params were pending
+    without a held gradient, and every later forward raised a bare KeyError,
+    for good. Now nothing of that step() is pending, and training goes on as
+    eager's whose step() was stopped before its update (bitwise; torch's
+    Adam, fused, against reprop's, eager)."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_grad_mark", 2), _step)
+    got = _mlp_loop("forward", lambda m: torch.optim.Adam(m.parameters(), lr=0.01), 5,
+                    instead_of_step={2: stopped})
+    _assert_same_training(got, _mlp_loop(None, _adam, 5, instead_of_step={2: _skipped}))
+
+
+def _trained_alike(got: tuple, ref: tuple) -> bool:
+    return all(torch.equal(p, r) for p, r in zip(got[0].parameters(), ref[0].parameters()))
+
+
+def test_forward_mode_step_stopped_anywhere_takes_effect_whole_or_not_at_all() -> None:
+    """The stop button right before each line that forward mode's step()
+    runs in reprop/fusion.py, one run per line (a step with one group and
+    nothing to apply at once, whose update is one call): training goes on as
+    eager's with that step() done whole or not at all, bitwise, never
+    neither nor with an error; and the zero_grad(set_to_none=False) that
+    follows zeroes the gradients in place, as eager's, when the step() was
+    not taken (when it was, the pending updates keep theirs: new zeros)."""
+    steps, at = 4, 2
+    taken = _mlp_loop(None, _adam, steps, set_to_none=False)
+    not_taken = _mlp_loop(None, _adam, steps, set_to_none=False, instead_of_step={at: _skipped})
+    outcomes: collections.Counter = collections.Counter()
+    n = 0
+    while True:
+        n += 1
+        lines, zeroed_in_place = [0], []
+
+        def is_the_line(frame) -> bool:
+            lines[0] += 1
+            return lines[0] == n
+
+        def stopped_step(model: nn.Module, opt) -> None:
+            grads = [p.grad for p in model.parameters()]
+            with contextlib.suppress(KeyboardInterrupt), _traced(_stopping_at(is_the_line)):
+                opt.step()
+            opt.zero_grad(set_to_none=False)
+            zeroed_in_place.append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
+
+        got = _mlp_loop("forward", _adam, steps, set_to_none=False,
+                        instead_of_step={at: stopped_step})
+        if lines[0] < n:  # (the step ran to its end: every line was stopped before)
+            break
+        outcome = "taken" if _trained_alike(got, taken) else "not taken"
+        _assert_same_training(got, taken if outcome == "taken" else not_taken)
+        assert zeroed_in_place == [outcome == "not taken"], f"line event {n}"
+        outcomes[outcome] += 1
+    assert n > 50 and outcomes["taken"] and outcomes["not taken"], (n, outcomes)
+
+
+def test_forward_mode_step_stopped_with_gradients_held_keeps_none_alive() -> None:
+    """The stop button in step() after it held the gradients, before it
+    marked their updates pending: the step() is not taken, and those
+    gradients are not kept alive by the fusion once the next step() has run
+    (here the first layer is frozen meanwhile: no new gradient of its takes
+    the old one's place)."""
+    model = _mlp()
+    opt = _adam(model)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    old = weakref.ref(model[0].weight.grad)
+    with pytest.raises(KeyboardInterrupt), _stop_at_line(
+            reprop.fusion._ForwardFusion._hold, "self._pending.update"):
+        opt.step()
+    opt.zero_grad()
+    model[0].requires_grad_(False)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert old() is None
+    handle.remove()
+
+
+def _trained_with_a_learned_input_scale(mode: str | None, stopped_at: int, steps: int = 4) -> tuple:
+    """_mlp() trained with reprop's Adam on its inputs times a learned scale
+    that no module owns (read before the model: forward mode applies its
+    update at step()). Fused, step `stopped_at`'s step() is stopped right as
+    it has marked the updates pending (as _hold returns). Returns the
+    trained (model, optimizer), the scale registered in the model as
+    `scale`, and len(opt.state) after each step()."""
+    model = _mlp()
+    scale = nn.Parameter(torch.ones(()))
+    opt = rp.Adam([*model.parameters(), scale], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    states = []
+    for i in range(steps):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x * scale), y).backward()
+        if mode and i == stopped_at:
+            with pytest.raises(KeyboardInterrupt), _stop_at_call(
+                    reprop.fusion._ForwardFusion, "_hold", after=True):
+                opt.step()
+        else:
+            opt.step()
+        states.append(len(opt.state))
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    model.scale = scale  # (registered after training: compared with the model's own)
+    return (model, opt), states
+
+
+@pytest.mark.parametrize("stopped_at", [0, 2])
+def test_forward_mode_step_stopped_once_its_updates_are_pending_is_taken_whole(stopped_at: int) -> None:
+    """The stop button in step() once the updates are marked pending: the
+    step() is taken whole, including what forward mode applies at step():
+    the update of a parameter no module owns, read before the model's
+    forward, and the state eager step() creates at a first step. Before, an
+    interrupt between marking a group pending and noting it for that left
+    both undone: opt.state empty after a first step(), and the next forward
+    refused with a RuntimeError for reading the learned scale pending."""
+    got, got_states = _trained_with_a_learned_input_scale("forward", stopped_at)
+    ref, ref_states = _trained_with_a_learned_input_scale(None, stopped_at)
+    assert got_states == ref_states
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_step_stopped_as_its_check_is_cached_creates_state_next_time() -> None:
+    """The stop button in step() between the optimizer's full check of a
+    group (run because a layer was unfrozen, whose params have no state
+    yet) and noting that it ran: the step() is not taken, and the next one
+    creates those params' state at once, as eager step() (forward mode
+    applies the updates of params without state at step()). Before, the
+    cached check let the next step() skip it, and opt.state lacked their
+    entries until the next forward."""
+    def make_opt(model: nn.Module) -> rp.Adam:
+        return _adam(_freeze_first_layer(model))
+
+    def stop():
+        return _stop_at_line(reprop.fusion._ForwardFusion._check_update, "self._rechecked = True")
+
+    def run(mode: str | None) -> tuple:
+        """The training, and len(opt.state) after each step()."""
+        counts: list = []
+        trained = _mlp_loop(mode, make_opt, 6, events={3: _unfreeze_first_layer_at_3},
+                            instead_of_step={3: _stopped(stop, _step) if mode else _skipped},
+                            after_step=dict.fromkeys(range(6), lambda model, opt: counts.append(
+                                len(opt.state))))
+        return trained, counts
+
+    (got, got_counts), (ref, ref_counts) = run("forward"), run(None)
+    assert got_counts == ref_counts
+    _assert_same_training(got, ref)
+
+
+def _forward_of(i: int, layer_by_layer: bool = False) -> Callable:
+    """The forward of step i's batch (what an interrupted cell ran)."""
+    def run(model: nn.Module, opt) -> None:
+        (_LayerByLayer(model) if layer_by_layer else model)(_mlp_batch(i)[0])
+    return run
+
+
+def _reset_first_weights_state(model: nn.Module, opt) -> None:
+    """A warm restart of one parameter: its optimizer state dropped."""
+    del opt.state[model[0].weight]
+
+
+def test_forward_mode_forward_stopped_as_it_swaps_the_optimizer_state_keeps_the_users() -> None:
+    """The stop button in the forward that applies updates left pending when
+    the user reset a parameter's optimizer state after step() (the updates
+    run on the state of step(), swapped in for them), right after the swap:
+    the user's state is back, and training goes on as eager's. Before, the
+    swapped-in copy stayed the optimizer's state, the reset undone."""
+    stop = lambda: _stop_at_line(reprop.fusion._ForwardFusion._apply, "try:", 2)  # noqa: E731
+    got = _mlp_loop("forward", _adam, 6, after_step={2: _reset_first_weights_state},
+                    events={3: _stopped(stop, _forward_of(3))})
+    ref = _mlp_loop(None, _adam, 6, after_step={2: _reset_first_weights_state})
+    _assert_same_training(got, ref)
+
+
+def _add_first_layer_then(stopped: Callable) -> Callable:
+    def run(model: nn.Module, opt) -> None:
+        _add_first_layer_at_3(model, opt)
+        stopped(model, opt)
+    return run
+
+
+@pytest.mark.parametrize("mode, helper", [("forward", "_register_grad_coming"),
+                                          ("forward", "_places_of"),
+                                          ("backward", "_direct_params")])
+def test_forward_stopped_while_following_a_param_group_added_follows_it_next_time(
+        mode: str, helper: str) -> None:
+    """The stop button in the first forward after add_param_group(), while
+    the fusion follows the new group (at the given helper): the next forward
+    follows it again, whole, and training goes on as eager's. Before, the
+    group counted as followed: forward mode refused every later forward with
+    'not a parameter of this optimizer', backward mode raised a KeyError."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, helper), _forward_of(3))
+    make_opt = lambda model: _adam(model[2:])  # noqa: E731
+    got = _mlp_loop(mode, make_opt, 6, events={3: _add_first_layer_then(stopped)})
+    _assert_same_training(got, _mlp_loop(None, make_opt, 6, events={3: _add_first_layer_at_3}))
+
+
+def test_forward_mode_param_group_followed_after_a_stop_guards_its_params() -> None:
+    """After the stop button interrupted the following of a new group where
+    the fusion installs its guard on the new params (the refusal of a
+    gradient reaching a parameter whose update is pending: its old value was
+    read), the group followed again has them guarded too."""
+    model = _mlp()
+    opt = _adam(model[2:])
+    handle = reprop.fuse(model, opt, mode="forward")
+    _add_first_layer_at_3(model, opt)
+    x, y = _mlp_batch(0)
+    with pytest.raises(KeyboardInterrupt), _stop_at_call(reprop.fusion, "_register_grad_coming"):
+        model(x)
+    for _ in range(2):  # (the first step() creates the new params' state: applied at once)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="while its update was still pending"):
+        (x @ model[0].weight.T).sum().backward()  # read outside its layer's forward
+    handle.remove()
+
+
+@pytest.mark.parametrize("hook", ["register_forward_pre_hook", "register_state_dict_pre_hook"])
+def test_forward_mode_step_stopped_while_hooking_a_new_owner_hooks_it_next_time(hook: str) -> None:
+    """The stop button in the step() (layers called one by one: step()
+    follows the optimizer) that hooks the owner of a group added, as its
+    first hook of that kind is registered: the next step() hooks it. Before,
+    the module counted as hooked without hooks, for good: its forwards read
+    its pending updates (refused in backward), or its state_dict() left them
+    out."""
+    stopped = _stopped(lambda: _stop_at_call(nn.Module, hook), _step)
+    saving = hook == "register_state_dict_pre_hook"  # (a state_dict() applies what is pending)
+
+    def run(mode: str | None) -> tuple:
+        """The training, and the first layer's state_dict() after each step()."""
+        saved: list = []
+        # (step 4 creates the new layer's state, applying its update at once)
+        trained = _mlp_loop(mode, lambda model: _adam(model[2:]), 7,
+                            events={3: _add_first_layer_at_3}, layer_by_layer=True,
+                            instead_of_step={3: stopped if mode else _skipped},
+                            after_step=dict.fromkeys(range(7 if saving else 0), lambda model, opt:
+                                                     saved.append(copy.deepcopy(
+                                                         model[0].state_dict()))))
+        return trained, saved
+
+    (got, got_saved), (ref, ref_saved) = run("forward"), run(None)
+    for i, (a, b) in enumerate(zip(got_saved, ref_saved)):
+        _assert_tensor_dicts(a, b, f"state_dict() after step {i}", None)
+    _assert_same_training(got, ref)
+
+
+
+def _replace_third_layer_keeping_its_params(model: nn.Module, opt) -> None:
+    """model[2] replaced by a new Linear that takes over its Parameters (a
+    layer swapped for a patched one): their owner has none of the fusion's hooks."""
+    layer = nn.Linear(8, 6)
+    layer.weight, layer.bias = model[2].weight, model[2].bias
+    model[2] = layer
+
+
+def test_forward_mode_forward_stopped_while_following_moved_params_follows_them_next_time() -> None:
+    """The stop button in the forward (layers called one by one) that
+    follows fused params registered in a new module: the next forward
+    follows them again, whole. Before, they counted as followed, their
+    updates kept waiting for the old module, and every later step's backward
+    refused them as read while pending."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_places_of"), _forward_of(3, True))
+
+    def event(model: nn.Module, opt) -> None:
+        _replace_third_layer_keeping_its_params(model, opt)
+        stopped(model, opt)
+
+    got = _mlp_loop("forward", _adam, 6, events={3: event}, layer_by_layer=True)
+    ref = _mlp_loop(None, _adam, 6, events={3: _replace_third_layer_keeping_its_params},
+                    layer_by_layer=True)
+    _assert_same_training(got, ref)

@@ -98,7 +98,7 @@ import threading
 import types
 import warnings
 import weakref
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -902,11 +902,17 @@ class FusionHandle:
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
-        self._membership = _membership(engine)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
-        self._params = params
-        self._claim(new)
-        self._track(new)
+        followed, self._params = self._params, params
+        try:
+            self._claim(new)
+            self._track(new)
+        except BaseException:  # (a KeyboardInterrupt): the next call follows again, `new` too
+            self._params = followed
+            raise
+        # last: a sync stopped half-way (a KeyboardInterrupt, a notebook's stop
+        # button) must not count as followed, or `new` would never be tracked
+        self._membership = _membership(engine)
         return new
 
     def _claim(self, params: Iterable[torch.Tensor]) -> None:
@@ -922,13 +928,18 @@ class FusionHandle:
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
 
-    def _owners_to_hook(self) -> list:
+    def _owners_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model that own fused parameters and have no forward
-        hooks of this fusion yet (from now on they count as hooked)."""
+        hooks of this fusion yet. Each counts as hooked once the caller's
+        loop has hooked it: a KeyboardInterrupt (a notebook's stop button)
+        in between leaves it to the next call, where counting it first would
+        leave it unhooked for good (hooked twice, the second run of its hooks
+        finds nothing to do)."""
         fresh = [m for m in self.model.modules()
                  if not self._hooks_on(m) and _direct_params(m, self._params)]
-        self._hooked_modules.update((id(m), m) for m in fresh)
-        return fresh
+        for m in fresh:
+            yield m
+            self._hooked_modules[id(m)] = m
 
     def _hooks_on(self, module: nn.Module) -> bool:
         """Whether `module` has this fusion's forward hooks."""
@@ -1853,7 +1864,6 @@ class _ForwardFusion(FusionHandle):
     def _hook_owners(self) -> None:
         """Follows which modules own the fused parameters: a pending update is
         applied before its owner's forward, so each owner needs the hooks."""
-        self._owners_moved = False
         owners = [(m, own) for m in self.model.modules()
                   if (own := _direct_params(m, self._params))]
         self._owners = self._unseen = owners
@@ -1881,6 +1891,8 @@ class _ForwardFusion(FusionHandle):
         # prompt or temperature used before or outside the model): no forward
         # announces their next use, so step() applies them at once, as eager.
         self._foreign = {i for i in self._params if i not in owned}
+        # last: owners followed only in part (a KeyboardInterrupt) are followed again
+        self._owners_moved = False
 
     def _on_param_registered(self, module: nn.Module, name: str, param) -> None:
         if param is None:
@@ -1949,14 +1961,16 @@ class _ForwardFusion(FusionHandle):
         self._follow_owners()
         return new
 
-    def _covering_to_hook(self) -> list:
+    def _covering_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model with a fused parameter at or below them (the
         owners and all their ancestors) that have no checkpoint hooks of this
-        fusion yet (from now on they count as hooked)."""
+        fusion yet, each counted as hooked once the caller's loop has hooked
+        it (as _owners_to_hook)."""
         fresh = [m for m in self.model.modules() if m not in self._covered
                  and any(id(p) in self._params for p in m.parameters())]
-        self._covered.update(fresh)
-        return fresh
+        for m in fresh:
+            yield m
+            self._covered.add(m)
 
     def _take_over_optimizer(self) -> None:
         super()._take_over_optimizer()
@@ -2004,9 +2018,10 @@ class _ForwardFusion(FusionHandle):
         try:
             grads = self._held_grads(params)
             users = engine.state
-            if of_step is not None:
-                engine.state = of_step
             try:
+                # (inside the try: an interrupt right after the swap must undo it)
+                if of_step is not None:
+                    engine.state = of_step
                 if torch.is_inference_mode_enabled():
                     # (a forward under the user's inference_mode): the state the update
                     # creates must be normal tensors, as eager step()'s, which the next
@@ -2208,6 +2223,9 @@ class _ForwardFusion(FusionHandle):
     def _fused_step(self) -> None:
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
+        # nothing is pending: drop the gradients an interrupted _hold or _settle
+        # left held (they would be kept alive until their param's next update)
+        self._grads.clear()
         self._forget_late()
         self._sync()
         by_group = [(g, [p for p in g["params"] if p.grad is not None])
@@ -2218,15 +2236,15 @@ class _ForwardFusion(FusionHandle):
         self._settings = _settings_snapshot(self.optimizer)
         self._rechecked = False
         self._forget_checks_if_state_changed()
-        held: list = []
         try:
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
                     self._hold(params)
-                    held += params
         finally:  # a refused group: eager step() has updated the groups before it
-            self._decided(held)
+            # (what is pending now, not a list kept beside it, which an interrupt
+            # between the two would leave short: nothing was pending before the loop)
+            self._decided(list(self._pending.values()))
         if self._ddp and self.model._join_config.enable:
             # under a Join made before fuse() (it took DDP's own join hook, not
             # _ddp_join_hook) nothing may wait: this rank may have run out
@@ -2237,12 +2255,17 @@ class _ForwardFusion(FusionHandle):
         has now (the tensor, not a copy), as eager's step() applies it now,
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
         gradient set by hand); its _grad_mark tells an edit in place
-        (_held_grads)."""
+        (_held_grads). A KeyboardInterrupt (a notebook's stop button) may
+        arrive between any two statements, so each prefix is consistent:
+        the entries are made whole first, and a pending update always finds
+        its held gradient, so _grads is filled before _pending (one held
+        but not pending is ignored: see _fused_zero_grad, _fused_step)."""
         ids = list(map(id, params))
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
+        held = list(zip(grads, map(_grad_mark, grads)))
+        self._grads.update(zip(ids, held))
         self._pending.update(zip(ids, params))
-        self._grads.update(zip(ids, zip(grads, map(_grad_mark, grads))))
 
     def _decided(self, held: list) -> None:
         """Once step() has marked its updates pending: those of parameters no
@@ -2313,8 +2336,10 @@ class _ForwardFusion(FusionHandle):
         checked = (slots, tuple(map(id, params)))
         if self._checked.get(id(group)) != checked:
             engine._check_step(settings, params, None, slots)
-            self._checked[id(group)] = checked
+            # (in this order: a check cached must have set _rechecked, even if
+            # a KeyboardInterrupt stops the step between the two)
             self._rechecked = True
+            self._checked[id(group)] = checked
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         """What eager's zero_grad() does, now (the pending updates hold their
@@ -2326,8 +2351,10 @@ class _ForwardFusion(FusionHandle):
             for p in self._params.values():
                 p.grad = None
             return
+        pending = self._pending
         for p in self._params.values():
-            held = self._grads.get(id(p))
+            # (a gradient held with no update pending, after an interrupted step(), is eager's)
+            held = self._grads.get(id(p)) if id(p) in pending else None
             if held is not None and p.grad is held[0]:
                 p.grad = torch.zeros_like(held[0])
             else:
