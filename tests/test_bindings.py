@@ -405,6 +405,24 @@ def test_scheduling_bindings_use_the_values_they_checked_while_another_thread_wr
     assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr[-2000:])
 
 
+def test_csr_plan_uses_the_patterns_it_checked_while_another_thread_writes():
+    """csr_plan's core checked the caller's index arrays and then copied them,
+    both without the GIL: another thread writing one in between had the plan
+    built from a column index past its layer's (here a read 4 GiB past a row
+    pointer array: segfaults within a second or two). The core now checks
+    its own copy."""
+    proc = _run_isolated(_CHANGED_WHILE_RUNNING + """
+    n = 10**5
+    leaves = [(n, n, *_C.jacobian("diagonal", (n, 0)), False, None, n) for _ in range(9)]
+    # leaf 0: checked first, copied last, then the left operand of a level-0 product
+    indices = leaves[0][3]
+    plan = lambda: _C.csr_program(_C.csr_plan(leaves, 1, 0, 1.0, 1.0, 1.0)).values()
+    changed_while_running(plan, indices, n - 1, 1 << 30)
+    print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr[-2000:])
+
+
 def test_optim_check_refuses_an_unknown_kind_as_optim_step_does():
     """optim_check(99, ...) returned None (the pre-update check never looked
     at the kind) where optim_step refuses it."""
