@@ -1562,9 +1562,17 @@ static int rp_py_spec_flag(PyObject *spec, const char *key, const char *fname, i
  * rule, so floats (arrays or lists) are never truncated into an integer
  * array (an empty one casts freely: [] reads as float64). int32 is reached
  * through int64 with a range check, so that int64 arrays (NumPy's default
- * integer) are accepted when their values fit. */
+ * integer) are accepted when their values fit.
+ *
+ * own: a private copy even when obj already fits, which NumPy would hand
+ * back itself (or a view of its buffer). For the arrays whose values the
+ * core checks and then uses as indices, sizes or sums without the GIL:
+ * another thread writing the caller's array in between would pass the check
+ * with one value and have the core use another (a task id past the end, a
+ * sum past int64). Not for the float data, where that race only gives wrong
+ * numbers, as it does in NumPy itself. */
 static PyArrayObject *rp_py_array(PyObject *obj, int typenum, int ndim, const npy_intp *dims,
-                                  const char *fname, const char *name)
+                                  int own, const char *fname, const char *name)
 {
     const int via = typenum == NPY_INT32 && !(PyArray_Check(obj) &&
                                               PyArray_TYPE((PyArrayObject *)obj) == NPY_INT32)
@@ -1577,7 +1585,8 @@ static PyArrayObject *rp_py_array(PyObject *obj, int typenum, int ndim, const np
     }
     arr = (PyArrayObject *)PyArray_FROM_OTF(
         (PyObject *)src, via,
-        NPY_ARRAY_IN_ARRAY | (PyArray_SIZE(src) == 0 ? NPY_ARRAY_FORCECAST : 0));
+        NPY_ARRAY_IN_ARRAY | (PyArray_SIZE(src) == 0 ? NPY_ARRAY_FORCECAST : 0) |
+            (own ? NPY_ARRAY_ENSURECOPY : 0));
     Py_DECREF(src);
     if (arr == NULL) {
         rp_py_prefix_error(fname, name);
@@ -1615,10 +1624,10 @@ fail:
     return NULL;
 }
 
-/* spec[key] as a 1-D array of `len` elements of typenum; *out NULL when the
- * entry is None and none_ok. */
+/* spec[key] as a 1-D array of `len` elements of typenum (own: a private
+ * copy, see rp_py_array); *out NULL when the entry is None and none_ok. */
 static int rp_py_spec_array(PyObject *spec, const char *key, const char *fname, int typenum,
-                            npy_intp len, int none_ok, PyArrayObject **out)
+                            npy_intp len, int none_ok, int own, PyArrayObject **out)
 {
     PyObject *v = rp_py_spec_item(spec, key, fname);
     *out = NULL;
@@ -1628,27 +1637,30 @@ static int rp_py_spec_array(PyObject *spec, const char *key, const char *fname, 
         Py_DECREF(v);
         return 0;
     }
-    *out = rp_py_array(v, typenum, 1, &len, fname, key);
+    *out = rp_py_array(v, typenum, 1, &len, own, fname, key);
     Py_DECREF(v);
     return *out == NULL ? -1 : 0;
 }
 
 /* The arrays of an rp_task_graph, as the dicts of sched_graph and simulate
  * hold them. The extent of each: 0 tasks, 1 tasks + 1, 2 deps, 3 resources;
- * the first array of each extent sets it. */
+ * the first array of each extent sets it. simulate owns (rp_py_array) the
+ * ones its check bounds and it then indexes or branches on: kind (a name),
+ * resource, dep_ptr and dep_idx (task and resource ids), policy and group. */
 typedef struct {
     const char *key;
     int typenum;
     int extent;
+    int own;
 } rp_py_graph_field;
 
 #define RP_PY_GRAPH_FIELDS 12
 
 static const rp_py_graph_field rp_py_graph_fields[RP_PY_GRAPH_FIELDS] = {
-    {"kind", NPY_INT32, 0},      {"layer", NPY_INT32, 0},     {"micro", NPY_INT32, 0},
-    {"iteration", NPY_INT32, 0}, {"resource", NPY_INT32, 0},  {"cost", NPY_FLOAT64, 0},
-    {"priority", NPY_FLOAT64, 0}, {"dep_ptr", NPY_INT64, 1},  {"dep_idx", NPY_INT64, 2},
-    {"dep_delay", NPY_FLOAT64, 2}, {"policy", NPY_INT32, 3}, {"group", NPY_INT32, 3},
+    {"kind", NPY_INT32, 0, 1},       {"layer", NPY_INT32, 0, 0},    {"micro", NPY_INT32, 0, 0},
+    {"iteration", NPY_INT32, 0, 0},  {"resource", NPY_INT32, 0, 1}, {"cost", NPY_FLOAT64, 0, 0},
+    {"priority", NPY_FLOAT64, 0, 0}, {"dep_ptr", NPY_INT64, 1, 1},  {"dep_idx", NPY_INT64, 2, 1},
+    {"dep_delay", NPY_FLOAT64, 2, 0}, {"policy", NPY_INT32, 3, 1},  {"group", NPY_INT32, 3, 1},
 };
 
 static void rp_py_graph_bind(PyArrayObject *const *a, rp_task_graph *g)
@@ -1704,12 +1716,14 @@ static int rp_py_parse_spec(PyObject *spec, rp_iter_spec *s, PyArrayObject **a)
         return -1;
     }
     s->order = (int)order;
-    if (rp_py_spec_array(spec, "fwd", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[0]) < 0 ||
-        rp_py_spec_array(spec, "out_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[1]) < 0 ||
-        rp_py_spec_array(spec, "weight_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, &a[2]) <
+    /* stage owned: the builder checks it, then makes resource ids of it */
+    if (rp_py_spec_array(spec, "fwd", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, 0, &a[0]) < 0 ||
+        rp_py_spec_array(spec, "out_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, 0, &a[1]) <
             0 ||
-        rp_py_spec_array(spec, "sync", fname, NPY_FLOAT64, (npy_intp)s->layers, 1, &a[3]) < 0 ||
-        rp_py_spec_array(spec, "stage", fname, NPY_INT32, (npy_intp)s->layers, 1, &a[4]) < 0)
+        rp_py_spec_array(spec, "weight_grad", fname, NPY_FLOAT64, (npy_intp)s->layers, 0, 0,
+                         &a[2]) < 0 ||
+        rp_py_spec_array(spec, "sync", fname, NPY_FLOAT64, (npy_intp)s->layers, 1, 0, &a[3]) < 0 ||
+        rp_py_spec_array(spec, "stage", fname, NPY_INT32, (npy_intp)s->layers, 1, 1, &a[4]) < 0)
         return -1;
     s->fwd = PyArray_DATA(a[0]), s->out_grad = PyArray_DATA(a[1]);
     s->weight_grad = PyArray_DATA(a[2]);
@@ -1781,7 +1795,8 @@ static int rp_py_parse_graph(PyObject *graph, PyArrayObject **a)
     }
     for (int i = 0; i < RP_PY_GRAPH_FIELDS; i++) {
         const rp_py_graph_field *f = &rp_py_graph_fields[i];
-        if (rp_py_spec_array(graph, f->key, fname, f->typenum, extent[f->extent], 0, &a[i]) < 0)
+        if (rp_py_spec_array(graph, f->key, fname, f->typenum, extent[f->extent], 0, f->own,
+                             &a[i]) < 0)
             return -1;
         if (extent[f->extent] < 0)
             extent[f->extent] = PyArray_DIM(a[i], 0);
@@ -1857,14 +1872,16 @@ PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t n
     return out;
 }
 
-/* An optional int64 array of `len` elements (None: *out stays NULL). */
+/* An optional int64 array of memory sizes, `len` elements (None: *out
+ * stays NULL), owned: the core checks that their sum fits in int64, then
+ * sums them. */
 static int rp_py_optional_int64(PyObject *obj, npy_intp len, const char *fname, const char *name,
                                 PyArrayObject **out)
 {
     *out = NULL;
     if (obj == Py_None)
         return 0;
-    *out = rp_py_array(obj, NPY_INT64, 1, &len, fname, name);
+    *out = rp_py_array(obj, NPY_INT64, 1, &len, 1, fname, name);
     return *out == NULL ? -1 : 0;
 }
 
@@ -1923,7 +1940,7 @@ PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (layers < 1 || layers > (int64_t)1 << 40)
         return rp_py_raise(rp_ksearch_next(layers, NULL, &next, &best, &err), &err);
     len = (npy_intp)(layers + 1);
-    score = rp_py_array(args[1], NPY_FLOAT64, 1, &len, "ksearch_next", "score");
+    score = rp_py_array(args[1], NPY_FLOAT64, 1, &len, 0, "ksearch_next", "score");
     if (score == NULL)
         return NULL;
     rc = rp_ksearch_next(layers, PyArray_DATA(score), &next, &best, &err);
@@ -1946,17 +1963,18 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     (void)self;
     if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
         return NULL;
-    a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, fname, "t_main");
+    a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, 0, fname, "t_main");
     if (a[0] == NULL)
         goto done;
-    a[1] = rp_py_array(args[1], NPY_FLOAT64, 1, &any, fname, "ready");
+    a[1] = rp_py_array(args[1], NPY_FLOAT64, 1, &any, 0, fname, "ready");
     if (a[1] == NULL)
         goto done;
     n = PyArray_DIM(a[0], 0), tasks = PyArray_DIM(a[1], 0);
     shape[0] = tasks, shape[1] = n;
-    if ((a[2] = rp_py_array(args[2], NPY_INT64, 1, &tasks, fname, "deadline")) == NULL ||
-        (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, fname, "t_sub")) == NULL ||
-        (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, fname, "speedup")) == NULL ||
+    /* deadline owned: checked within [1, n], then a region index */
+    if ((a[2] = rp_py_array(args[2], NPY_INT64, 1, &tasks, 1, fname, "deadline")) == NULL ||
+        (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, 0, fname, "t_sub")) == NULL ||
+        (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, 0, fname, "speedup")) == NULL ||
         rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0)
         goto done;
     region = rp_py_new_array(tasks, NPY_INT64);

@@ -900,7 +900,7 @@ static int rp_csr_copy_leaf(const rp_csr_pattern *src, rp_csr_mat *dst)
 /* 0 = indptr[0] <= indptr[1] <= ... <= indptr[rows] = nnz: every row's
  * range lies inside indices[0, nnz), checked before any row is read (a
  * decreasing step would let an earlier row run past nnz). */
-static int rp_csr_indptr_valid(const rp_csr_pattern *m)
+static int rp_csr_indptr_valid(const rp_csr_mat *m)
 {
     if (m->indptr[0] != 0 || m->indptr[m->rows] != m->nnz)
         return 0;
@@ -910,14 +910,15 @@ static int rp_csr_indptr_valid(const rp_csr_pattern *m)
     return 1;
 }
 
-static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error *err)
+/* The sizes of the leaves: what their copies allocate and read. */
+static int rp_csr_check_shapes(int64_t n, const rp_csr_pattern *leaves, rp_error *err)
 {
     if (n < 1 || leaves == NULL)
         return rp_set_error(err, RP_EINVAL, "csr plan: need at least one layer");
     for (int64_t i = 0; i < n; i++) {
         const rp_csr_pattern *m = &leaves[i];
         /* no vector of a larger layer fits the 2^31 floats a program
-         * addresses; checked before indptr's rows + 1 entries are walked */
+         * addresses; checked before indptr's rows + 1 entries are copied */
         if (m->rows > INT32_MAX || m->cols > INT32_MAX)
             return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: %lld rows, %lld cols: past the "
                                 "2^31 floats a program addresses", (long long)i, (long long)m->rows,
@@ -930,21 +931,48 @@ static int rp_csr_check_leaves(int64_t n, const rp_csr_pattern *leaves, rp_error
                                 "csr plan: layer %lld has %lld outputs but layer %lld has %lld inputs",
                                 (long long)i, (long long)m->cols, (long long)i + 1,
                                 (long long)leaves[i + 1].rows);
-        for (int64_t q = 0; m->value_map != NULL && q < m->nnz; q++)
-            if (m->value_map[q] < 0 || m->value_map[q] >= m->values)
-                return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: value_map[%lld] = %d is "
-                                    "outside its %lld values", (long long)i, (long long)q,
-                                    (int)m->value_map[q], (long long)m->values);
-        if (!rp_csr_indptr_valid(m))
-            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz "
-                                "without decreasing", (long long)i);
-        for (int64_t r = 0; r < m->rows; r++)
-            for (int64_t q = m->indptr[r]; q < m->indptr[r + 1]; q++)
-                if (m->indices[q] < 0 || m->indices[q] >= m->cols ||
-                    (q > m->indptr[r] && m->indices[q] <= m->indices[q - 1]))
-                    return rp_set_error(err, RP_EINVAL,
-                                        "csr plan: layer %lld: row %lld is not sorted, unique and in range",
-                                        (long long)i, (long long)r);
+    }
+    return RP_OK;
+}
+
+/* The arrays of layer i's copy m: the plan's, which no one else writes, so
+ * that what passes here is what the plan indexes with. Checked in the
+ * caller's arrays instead, another thread (csr_plan runs without the GIL)
+ * could write one between the check and the copy. */
+static int rp_csr_check_pattern(int64_t i, const rp_csr_mat *m, rp_error *err)
+{
+    for (int64_t q = 0; m->vmap != NULL && q < m->nnz; q++)
+        if (m->vmap[q] < 0 || m->vmap[q] >= m->nvalues)
+            return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: value_map[%lld] = %d is "
+                                "outside its %lld values", (long long)i, (long long)q,
+                                (int)m->vmap[q], (long long)m->nvalues);
+    if (!rp_csr_indptr_valid(m))
+        return rp_set_error(err, RP_EINVAL, "csr plan: layer %lld: indptr must run from 0 to nnz "
+                            "without decreasing", (long long)i);
+    for (int64_t r = 0; r < m->rows; r++)
+        for (int64_t q = m->indptr[r]; q < m->indptr[r + 1]; q++)
+            if (m->indices[q] < 0 || m->indices[q] >= m->cols ||
+                (q > m->indptr[r] && m->indices[q] <= m->indices[q - 1]))
+                return rp_set_error(err, RP_EINVAL,
+                                    "csr plan: layer %lld: row %lld is not sorted, unique and in range",
+                                    (long long)i, (long long)r);
+    return RP_OK;
+}
+
+/* The plan's leaves: slot k holds a copy of leaf k - 1 = J_{n-k}^T, each
+ * checked once copied. */
+static int rp_csr_copy_leaves(rp_csr_plan *p, const rp_csr_pattern *leaves, rp_error *err)
+{
+    const int64_t n = p->n;
+    for (int64_t k = 1; k <= n; k++) {
+        p->nmats++; /* freed with the plan, however far it was copied */
+        if (rp_csr_copy_leaf(&leaves[n - k], &p->mats[k - 1]) != 0)
+            return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const int rc = rp_csr_check_pattern(i, &p->mats[n - 1 - i], err);
+        if (rc != RP_OK)
+            return rc;
     }
     return RP_OK;
 }
@@ -1419,7 +1447,7 @@ static int rp_csr_compile(rp_csr_plan *p, rp_error *err)
 int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int64_t max_pairs,
                        const rp_scan_machine *m, rp_csr_plan **out, rp_error *err)
 {
-    int rc = rp_csr_check_leaves(n, leaves, err);
+    int rc = rp_csr_check_shapes(n, leaves, err);
     rp_csr_plan *p;
     if (rc != RP_OK)
         return rc;
@@ -1435,13 +1463,11 @@ int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int6
         rp_csr_plan_free(p);
         return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
     }
-    /* slot k holds leaf k - 1 = J_{n-k}^T */
-    for (int64_t k = 1; k <= n; k++, p->nmats++)
-        if (rp_csr_copy_leaf(&leaves[n - k], &p->mats[k - 1]) != 0) {
-            p->nmats++;
-            rp_csr_plan_free(p);
-            return rp_set_error(err, RP_ERUNTIME, "csr plan: out of memory");
-        }
+    rc = rp_csr_copy_leaves(p, leaves, err);
+    if (rc != RP_OK) {
+        rp_csr_plan_free(p);
+        return rc;
+    }
     rc = rp_csr_plan_products(p, levels, max_pairs, m);
     if (rc == RP_OK)
         rc = rp_csr_compile(p, err);

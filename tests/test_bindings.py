@@ -322,6 +322,107 @@ def test_scheduling_bindings_release_the_gil_around_their_work():
     assert _lets_another_thread_run(lambda: _C.reverse_first_k(5 * 10**6, 10**6, None, None, 0, 0))
 
 
+# The child's helper for the tests below: the caller's array written by
+# another thread while the binding runs.
+_CHANGED_WHILE_RUNNING = """
+    import threading, time
+    import numpy as np
+    from reprop._native import _C
+
+    def changed_while_running(call, arr, i, bad, seconds=0.75):
+        \"\"\"Calls call() for `seconds`, another thread setting arr[i] = bad,
+        which the binding refuses, once a call, 0.2 ms after the binding has
+        released the GIL (which lands it in the middle of the core's work more
+        often than writing at once): each call must return what it returns
+        with arr[i] as it was, or raise ValueError, whichever value its check
+        saw.\"\"\"
+        good, want = arr[i], call()
+        armed, written, stop = threading.Event(), threading.Event(), []
+        def writer():
+            while armed.wait() and not stop:
+                armed.clear()
+                begin = time.perf_counter()
+                while time.perf_counter() - begin < 2e-4:
+                    pass
+                arr[i] = bad
+                written.set()
+        thread = threading.Thread(target=writer)
+        thread.start()
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < seconds:
+                arr[i] = good
+                written.clear()
+                armed.set()  # the writer now waits for the GIL
+                try:
+                    got = call()
+                except ValueError:
+                    continue
+                finally:
+                    written.wait()
+                assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+        finally:
+            stop.append(True)
+            armed.set()
+            thread.join()
+"""
+
+
+def test_scheduling_bindings_use_the_values_they_checked_while_another_thread_writes():
+    """simulate, sched_regions, sched_graph and reverse_first_k handed the core
+    the caller's own arrays (NumPy returns an array that already fits), which
+    the core checked and then used without the GIL: another thread writing
+    one in between had it use a value it refuses. A dependency past the last
+    task and a deadline past the last region were indices (segfaults within a
+    second), a stage a resource id past the graph's resources, a negative
+    memory size a silently different k. They now own a copy of each array the
+    core checks and then uses as indices, sizes or sums."""
+    proc = _run_isolated(_CHANGED_WHILE_RUNNING + """
+    def spec(layers, micro, iterations, stage=None):
+        return dict(layers=layers, micro=micro, stages=2, iterations=iterations, order=0, k=1,
+                    transfer=0.1, sync_by_layer=False, sub_stream=False, input_grad=False,
+                    fwd=[1.0] * layers, out_grad=[1.0] * layers, weight_grad=[1.0] * layers,
+                    sync=None, stage=stage)
+
+    graph = _C.sched_graph(spec(500, 4, 2))
+    dep_idx = graph["dep_idx"]
+    changed_while_running(lambda: _C.simulate(graph, 1.0), dep_idx, 0, 1 << 40)
+
+    ready = np.zeros(400)
+    ready[0] = 200  # past every region's reach: task 0 falls back to region deadline[0] - 1
+    deadline = np.full(400, 200, np.int64)
+    regions = lambda: _C.sched_regions(np.ones(200), ready, deadline, np.ones((400, 200)),
+                                       np.ones((400, 200)), np.ones(400, np.int64), 2)
+    changed_while_running(regions, deadline, 0, 1 << 40)
+
+    stage = np.zeros(100, np.int32)  # read for each of the 48000 tasks the builder writes
+    changed_while_running(lambda: _C.sched_graph(spec(100, 8, 20, stage)).values(), stage, 99, 1 << 20)
+
+    sizes = np.ones(10**6, np.int64)  # k = 500000 under the cap
+    changed_while_running(lambda: _C.reverse_first_k(10**6, 10**6, sizes, sizes, 0, 1), sizes, 0, -(1 << 62))
+    print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr[-2000:])
+
+
+def test_csr_plan_uses_the_patterns_it_checked_while_another_thread_writes():
+    """csr_plan's core checked the caller's index arrays and then copied them,
+    both without the GIL: another thread writing one in between had the plan
+    built from a column index past its layer's (here a read 4 GiB past a row
+    pointer array: segfaults within a second or two). The core now checks
+    its own copy."""
+    proc = _run_isolated(_CHANGED_WHILE_RUNNING + """
+    n = 10**5
+    leaves = [(n, n, *_C.jacobian("diagonal", (n, 0)), False, None, n) for _ in range(9)]
+    # leaf 0: checked first, copied last, then the left operand of a level-0 product
+    indices = leaves[0][3]
+    plan = lambda: _C.csr_program(_C.csr_plan(leaves, 1, 0, 1.0, 1.0, 1.0)).values()
+    changed_while_running(plan, indices, n - 1, 1 << 30)
+    print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", (proc.returncode, proc.stderr[-2000:])
+
+
 def test_optim_check_refuses_an_unknown_kind_as_optim_step_does():
     """optim_check(99, ...) returned None (the pre-update check never looked
     at the kind) where optim_step refuses it."""
