@@ -2462,3 +2462,53 @@ def test_compose_zero_dim_float32_factor_of_a_half_chain_keeps_its_precision():
         grads.append(x.grad)
     assert grads[0].dtype is torch.float16 and torch.equal(grads[0], torch.full_like(grads[0], 2048.0))
     assert torch.equal(grads[1], grads[0])
+
+
+# ---------------------------------------------------------------------------
+# A KeyboardInterrupt (a notebook's stop button) midway through reprop's own
+# bookkeeping: injected deterministically, then the state must be torch's
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def function_mode_stack():
+    """Pops what a failing test left on torch's function-mode stack, so that
+    the rest of the session does not run under a stray enabled()."""
+    depth = torch._C._len_torch_function_stack()
+    yield
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
+def _assert_no_mode_and_enabled_trains_as_torch():
+    """The stack is empty (later code runs plain torch), and enabled() still
+    enters, exits and gives autograd's gradients."""
+    assert torch._C._len_torch_function_stack() == 0
+    z = torch.randn(5, requires_grad=True)
+    assert type((z * torch.tanh(F.softplus(z))).grad_fn).__name__ == "MulBackward0"
+    _, g, _ = run_chain(mish_composed, z.detach(), torch.ones(5), compose=True)
+    assert torch._C._len_torch_function_stack() == 0
+    (g_ref,) = torch.autograd.grad(mish_composed(z).sum(), z)
+    torch.testing.assert_close(g, g_ref, rtol=4e-6, atol=1e-7)
+
+
+def test_enabled_interrupted_in_its_exit_leaves_the_stack(monkeypatch, function_mode_stack):
+    """An interrupt in __exit__'s reset of the chain records (a Python-level
+    constructor), before the pop, left the mode on torch's function-mode
+    stack for the session: every later expression was chained, and each new
+    enabled() left the stack at one. The pop now runs in a finally."""
+
+    class Stop:
+        def __init__(self):
+            monkeypatch.undo()
+            raise KeyboardInterrupt
+
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        with fad.enabled(compose=True):
+            y = mish_composed(x)
+            monkeypatch.setattr(fad, "WeakTensorKeyDictionary", Stop)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (g_ref,) = torch.autograd.grad(mish_composed(x).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=4e-6, atol=1e-7)
+    _assert_no_mode_and_enabled_trains_as_torch()

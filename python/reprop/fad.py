@@ -1359,9 +1359,14 @@ class enabled(TorchFunctionMode):
         self._copies = False
 
     def __exit__(self, *exc):
-        self._records = WeakTensorKeyDictionary()  # chain tensors leave as plain autograd tensors
-        self._copies = False
-        return super().__exit__(*exc)
+        try:  # chain tensors leave as plain autograd tensors
+            self._records = WeakTensorKeyDictionary()
+            self._copies = False
+        finally:
+            # the mode leaves the stack however the reset ends: an interrupt in
+            # its Python-level constructor (a notebook's stop button) left it
+            # there for the session, chaining every later expression
+            super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
