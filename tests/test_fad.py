@@ -2512,3 +2512,23 @@ def test_enabled_interrupted_in_its_exit_leaves_the_stack(monkeypatch, function_
     (g_ref,) = torch.autograd.grad(mish_composed(x).sum(), x)
     torch.testing.assert_close(g, g_ref, rtol=4e-6, atol=1e-7)
     _assert_no_mode_and_enabled_trains_as_torch()
+
+
+def test_enabled_interrupted_as_it_enters_leaves_the_stack(monkeypatch, function_mode_stack):
+    """An interrupt delivered as torch's push of the mode returned (a signal
+    arriving during a C call is raised in its caller as the call returns)
+    left the mode on the stack: `with` runs no __exit__ for an __enter__
+    that raised. __enter__ now pops what it pushed before re-raising."""
+
+    def push_then_stop(mode):
+        monkeypatch.undo()
+        torch._C._push_on_torch_function_stack(mode)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.overrides, "_push_mode", push_then_stop)
+    body_ran = False
+    with pytest.raises(KeyboardInterrupt):
+        with fad.enabled(compose=True):
+            body_ran = True
+    assert not body_ran
+    _assert_no_mode_and_enabled_trains_as_torch()

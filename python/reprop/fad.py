@@ -1358,6 +1358,18 @@ class enabled(TorchFunctionMode):
         # its record carries: then chain tensors leaving (YN) drop the carried one
         self._copies = False
 
+    def __enter__(self):
+        depth = torch._C._len_torch_function_stack()
+        try:
+            return super().__enter__()
+        except BaseException:
+            # an interrupt delivered as the push returned: `with` runs no
+            # __exit__ for an __enter__ that raised, so the mode would stay on
+            # the stack for the session
+            if torch._C._len_torch_function_stack() > depth:
+                super().__exit__(None, None, None)
+            raise
+
     def __exit__(self, *exc):
         try:  # chain tensors leave as plain autograd tensors
             self._records = WeakTensorKeyDictionary()
