@@ -19,7 +19,9 @@ import functools
 import copy
 import io
 import gc
+import itertools
 import math
+import sys
 import weakref
 
 import numpy as np
@@ -2532,3 +2534,104 @@ def test_enabled_interrupted_as_it_enters_leaves_the_stack(monkeypatch, function
             body_ran = True
     assert not body_ran
     _assert_no_mode_and_enabled_trains_as_torch()
+
+
+def _interrupted_at_line(k: int, call) -> bool:
+    """Runs call() with a KeyboardInterrupt raised before the k-th line fad.py
+    executes in it (as a notebook's stop button may land between any two
+    statements); whether it was raised."""
+    lines = 0
+
+    def in_fad(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == k:
+                raise KeyboardInterrupt  # CPython then stops tracing
+        return in_fad
+
+    def each_call(frame, event, arg):
+        return in_fad if frame.f_code.co_filename == fad.__file__ else None
+
+    tracer = sys.gettrace()  # a coverage tool's, given back after
+    sys.settrace(each_call)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(tracer)
+    return False
+
+
+def _assert_as_torchs(model: nn.Module, ref: nn.Module, x: torch.Tensor):
+    """model is torch's again: its modules' classes and attributes (the very
+    functions) as ref's, an untouched copy, and its forward and gradient
+    bitwise ref's."""
+    for m, r in zip(model.modules(), ref.modules(), strict=True):
+        assert type(m) is type(r) and set(vars(m)) == set(vars(r))
+        for attr, value in vars(r).items():
+            if callable(value) and not isinstance(value, nn.Module):
+                assert vars(m)[attr] is value, attr
+    out, out_ref = model(x), ref(x)
+    assert torch.equal(out, out_ref)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    grads_ref = torch.autograd.grad(out_ref.sum(), list(ref.parameters()))
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
+
+
+def _assert_patched(model: nn.Module, ref: nn.Module, saved_dtype):
+    """Every activation patch() takes is reprop's, saving saved_dtype."""
+    for m, r in zip(model.modules(), ref.modules(), strict=True):
+        if type(r) in (nn.GELU, nn.ELU):
+            assert type(m) is getattr(fad, type(r).__name__) and m.saved_dtype is saved_dtype
+        for attr, value in vars(r).items():
+            if value is F.silu or value is torch.celu:
+                assert vars(m)[attr].func is getattr(fad, value.__name__), attr
+                assert vars(m)[attr].keywords == {"saved_dtype": saved_dtype}, attr
+
+
+class _Activations(nn.Module):
+    """A weight, torch's GELU and ELU modules, and (attributes) torch's
+    functional activations held as attributes: torch.celu, as F.celu,
+    goes to reprop.fad.celu, so the partial alone does not say which."""
+
+    def __init__(self, attributes: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-2.0, 2.0, 4))
+        self.gelu, self.elu = nn.GELU(), nn.ELU(alpha=0.5)
+        if attributes:
+            self.fn, self.g, self.other = F.silu, torch.celu, F.relu
+
+    def forward(self, x):
+        x = self.elu(self.gelu(x * self.weight))
+        return self.other(self.g(self.fn(x))) if hasattr(self, "fn") else x
+
+
+@pytest.mark.parametrize("attributes", [False], ids=["modules"])
+@pytest.mark.parametrize("interrupted", ["patch", "patch_again", "unpatch"])
+def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attributes):
+    """A KeyboardInterrupt before any line of patch() or unpatch() leaves a
+    model that patch() and unpatch() run again complete: saved_dtype as
+    asked, then torch's classes, attributes and training. patch() swapped a
+    module's class before recording it (a re-run saw a reprop class it does
+    not patch: saved_dtype stayed, and unpatch had no record to restore),
+    and unpatch() dropped the record before restoring the class (for good)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ref = _Activations(attributes)
+    for k in itertools.count(1):
+        model = _Activations(attributes)
+        if interrupted != "patch":
+            fad.patch(model, saved_dtype=None if interrupted == "patch_again" else torch.float16)
+        call = (functools.partial(fad.unpatch, model) if interrupted == "unpatch"
+                else functools.partial(fad.patch, model, saved_dtype=torch.bfloat16))
+        if not _interrupted_at_line(k, call):
+            break
+        if interrupted == "unpatch":
+            fad.unpatch(model)
+            _assert_as_torchs(model, ref, x)
+        fad.patch(model, saved_dtype=torch.bfloat16)
+        _assert_patched(model, ref, torch.bfloat16)
+        fad.unpatch(model)
+        _assert_as_torchs(model, ref, x)
+    assert k > 20  # it did stop them midway

@@ -606,8 +606,11 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         original = getattr(module, _PATCHED, type(module))
         if original in _PATCHED_MODULES:
             if type(module) is original:
-                module.__class__ = _PATCHED_MODULES[original]
+                # recorded before the swap: a re-run after an interrupt between
+                # the two finds the class to restore (swapped first, it saw a
+                # reprop class it does not patch, and unpatch had no record)
                 module.__dict__[_PATCHED] = original
+                module.__class__ = _PATCHED_MODULES[original]
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
@@ -668,10 +671,12 @@ def unpatch(model: nn.Module) -> list[str]:
     left). Returns the names restored."""
     restored = []
     for name, module in model.named_modules():
-        original = module.__dict__.pop(_PATCHED, None)
+        original = module.__dict__.get(_PATCHED)
         if original is not None:
             module.__class__ = original
             module.__dict__.pop("saved_dtype", None)
+            # the record goes last: a re-run after an interrupt finds what is left to restore
+            del module.__dict__[_PATCHED]
             restored.append(name)
         for attr, entry in module.__dict__.pop(_PATCHED_FNS, {}).items():
             rerouted = _record(entry, module.__dict__.get(attr))
