@@ -2536,22 +2536,23 @@ def test_enabled_interrupted_as_it_enters_leaves_the_stack(monkeypatch, function
     _assert_no_mode_and_enabled_trains_as_torch()
 
 
-def _interrupted_at_line(k: int, call) -> bool:
-    """Runs call() with a KeyboardInterrupt raised before the k-th line fad.py
-    executes in it (as a notebook's stop button may land between any two
-    statements); whether it was raised."""
+def _interrupted_at_line(k: int, call, functions) -> bool:
+    """Runs call() with a KeyboardInterrupt raised before the k-th line it
+    executes in `functions` (as a notebook's stop button may land between
+    any two statements); whether it was raised."""
+    codes = {f.__code__ for f in functions}
     lines = 0
 
-    def in_fad(frame, event, arg):
+    def in_function(frame, event, arg):
         nonlocal lines
         if event == "line":
             lines += 1
             if lines == k:
                 raise KeyboardInterrupt  # CPython then stops tracing
-        return in_fad
+        return in_function
 
     def each_call(frame, event, arg):
-        return in_fad if frame.f_code.co_filename == fad.__file__ else None
+        return in_function if frame.f_code in codes else None
 
     tracer = sys.gettrace()  # a coverage tool's, given back after
     sys.settrace(each_call)
@@ -2608,15 +2609,25 @@ class _Activations(nn.Module):
         return self.other(self.g(self.fn(x))) if hasattr(self, "fn") else x
 
 
-@pytest.mark.parametrize("attributes", [False], ids=["modules"])
+# what patch() and unpatch() run that changes a model: the rest of fad.py they
+# call reads it, so an interrupt there is one before the line calling it
+_WRITING_THE_MODEL = (fad.patch, fad.unpatch, fad._patch_function_attributes)
+
+
+@pytest.mark.parametrize("attributes", [False, True], ids=["modules", "function_attributes"])
 @pytest.mark.parametrize("interrupted", ["patch", "patch_again", "unpatch"])
 def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attributes):
-    """A KeyboardInterrupt before any line of patch() or unpatch() leaves a
+    """A KeyboardInterrupt before any line patch() or unpatch() runs leaves a
     model that patch() and unpatch() run again complete: saved_dtype as
     asked, then torch's classes, attributes and training. patch() swapped a
     module's class before recording it (a re-run saw a reprop class it does
     not patch: saved_dtype stayed, and unpatch had no record to restore),
-    and unpatch() dropped the record before restoring the class (for good)."""
+    and unpatch() dropped the record before restoring the class (for good).
+    Function attributes: patch() dropped the earlier records before
+    rerouting and stored the new ones after, and unpatch() dropped them
+    before restoring: an attribute left holding reprop's partial without
+    its record was the user's to both, and stayed reprop's (with the old
+    saved_dtype when the interrupted call changed it)."""
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
     ref = _Activations(attributes)
     for k in itertools.count(1):
@@ -2625,7 +2636,7 @@ def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attribute
             fad.patch(model, saved_dtype=None if interrupted == "patch_again" else torch.float16)
         call = (functools.partial(fad.unpatch, model) if interrupted == "unpatch"
                 else functools.partial(fad.patch, model, saved_dtype=torch.bfloat16))
-        if not _interrupted_at_line(k, call):
+        if not _interrupted_at_line(k, call, _WRITING_THE_MODEL):
             break
         if interrupted == "unpatch":
             fad.unpatch(model)

@@ -619,7 +619,7 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
     changed = {}
-    earlier = module.__dict__.pop(_PATCHED_FNS, {})
+    earlier = module.__dict__.get(_PATCHED_FNS, {})
     rerouted = {}
     for attr, value in list(vars(module).items()):
         original = _function_in(_record(earlier.get(attr), value), value)
@@ -627,12 +627,18 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
         if ours is None:
             continue
         installed = functools.partial(ours, saved_dtype=saved_dtype)
-        module.__dict__[attr] = installed
         rerouted[attr] = _Rerouted(original, installed)
+        # the partial and its record in one dict update, which no interrupt
+        # splits: an attribute holding a partial its record does not name is
+        # the user's to patch() and unpatch(), so either one alone left it
+        # unrestorable (a new partial, or the earlier one over a new record)
+        module.__dict__.update({attr: installed, _PATCHED_FNS: {**earlier, **rerouted}})
         changed[f"{name}.{attr}" if name else attr] = (
             f"{getattr(original, '__name__', original)} -> reprop.fad.{ours.__name__}")
     if rerouted:  # earlier entries not rerouted again are stale: dropped
         module.__dict__[_PATCHED_FNS] = rerouted
+    else:
+        module.__dict__.pop(_PATCHED_FNS, None)
     return changed
 
 
@@ -678,11 +684,13 @@ def unpatch(model: nn.Module) -> list[str]:
             # the record goes last: a re-run after an interrupt finds what is left to restore
             del module.__dict__[_PATCHED]
             restored.append(name)
-        for attr, entry in module.__dict__.pop(_PATCHED_FNS, {}).items():
+        for attr, entry in module.__dict__.get(_PATCHED_FNS, {}).items():
             rerouted = _record(entry, module.__dict__.get(attr))
             if rerouted is not None and module.__dict__.get(attr) is rerouted.installed:  # else the user's
                 module.__dict__[attr] = rerouted.original
                 restored.append(f"{name}.{attr}" if name else attr)
+        # the records go last: a re-run after an interrupt restores the rest
+        module.__dict__.pop(_PATCHED_FNS, None)
     return restored
 
 
