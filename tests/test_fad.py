@@ -19,7 +19,9 @@ import functools
 import copy
 import io
 import gc
+import itertools
 import math
+import sys
 import weakref
 
 import numpy as np
@@ -2462,3 +2464,185 @@ def test_compose_zero_dim_float32_factor_of_a_half_chain_keeps_its_precision():
         grads.append(x.grad)
     assert grads[0].dtype is torch.float16 and torch.equal(grads[0], torch.full_like(grads[0], 2048.0))
     assert torch.equal(grads[1], grads[0])
+
+
+# ---------------------------------------------------------------------------
+# A KeyboardInterrupt (a notebook's stop button) midway through reprop's own
+# bookkeeping: injected deterministically, then the state must be torch's
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def function_mode_stack():
+    """Pops what a failing test left on torch's function-mode stack, so that
+    the rest of the session does not run under a stray enabled()."""
+    depth = torch._C._len_torch_function_stack()
+    yield
+    while torch._C._len_torch_function_stack() > depth:
+        torch._C._pop_torch_function_stack()
+
+
+def _assert_no_mode_and_enabled_trains_as_torch():
+    """The stack is empty (later code runs plain torch), and enabled() still
+    enters, exits and gives autograd's gradients."""
+    assert torch._C._len_torch_function_stack() == 0
+    z = torch.randn(5, requires_grad=True)
+    assert type((z * torch.tanh(F.softplus(z))).grad_fn).__name__ == "MulBackward0"
+    _, g, _ = run_chain(mish_composed, z.detach(), torch.ones(5), compose=True)
+    assert torch._C._len_torch_function_stack() == 0
+    (g_ref,) = torch.autograd.grad(mish_composed(z).sum(), z)
+    torch.testing.assert_close(g, g_ref, rtol=4e-6, atol=1e-7)
+
+
+def test_enabled_interrupted_in_its_exit_leaves_the_stack(monkeypatch, function_mode_stack):
+    """An interrupt in __exit__'s reset of the chain records (a Python-level
+    constructor), before the pop, left the mode on torch's function-mode
+    stack for the session: every later expression was chained, and each new
+    enabled() left the stack at one. The pop now runs in a finally."""
+
+    class Stop:
+        def __init__(self):
+            monkeypatch.undo()
+            raise KeyboardInterrupt
+
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(KeyboardInterrupt):
+        with fad.enabled(compose=True):
+            y = mish_composed(x)
+            monkeypatch.setattr(fad, "WeakTensorKeyDictionary", Stop)
+    (g,) = torch.autograd.grad(y.sum(), x)
+    (g_ref,) = torch.autograd.grad(mish_composed(x).sum(), x)
+    torch.testing.assert_close(g, g_ref, rtol=4e-6, atol=1e-7)
+    _assert_no_mode_and_enabled_trains_as_torch()
+
+
+def test_enabled_interrupted_as_it_enters_leaves_the_stack(monkeypatch, function_mode_stack):
+    """An interrupt delivered as torch's push of the mode returned (a signal
+    arriving during a C call is raised in its caller as the call returns)
+    left the mode on the stack: `with` runs no __exit__ for an __enter__
+    that raised. __enter__ now pops what it pushed before re-raising."""
+
+    def push_then_stop(mode):
+        monkeypatch.undo()
+        torch._C._push_on_torch_function_stack(mode)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch.overrides, "_push_mode", push_then_stop)
+    body_ran = False
+    with pytest.raises(KeyboardInterrupt):
+        with fad.enabled(compose=True):
+            body_ran = True
+    assert not body_ran
+    _assert_no_mode_and_enabled_trains_as_torch()
+
+
+def _interrupted_at_line(k: int, call, functions) -> bool:
+    """Runs call() with a KeyboardInterrupt raised before the k-th line it
+    executes in `functions` (as a notebook's stop button may land between
+    any two statements); whether it was raised."""
+    codes = {f.__code__ for f in functions}
+    lines = 0
+
+    def in_function(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == k:
+                raise KeyboardInterrupt  # CPython then stops tracing
+        return in_function
+
+    def each_call(frame, event, arg):
+        return in_function if frame.f_code in codes else None
+
+    tracer = sys.gettrace()  # a coverage tool's, given back after
+    sys.settrace(each_call)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(tracer)
+    return False
+
+
+def _assert_as_torchs(model: nn.Module, ref: nn.Module, x: torch.Tensor):
+    """model is torch's again: its modules' classes and attributes (the very
+    functions) as ref's, an untouched copy, and its forward and gradient
+    bitwise ref's."""
+    for m, r in zip(model.modules(), ref.modules(), strict=True):
+        assert type(m) is type(r) and set(vars(m)) == set(vars(r))
+        for attr, value in vars(r).items():
+            if callable(value) and not isinstance(value, nn.Module):
+                assert vars(m)[attr] is value, attr
+    out, out_ref = model(x), ref(x)
+    assert torch.equal(out, out_ref)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    grads_ref = torch.autograd.grad(out_ref.sum(), list(ref.parameters()))
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
+
+
+def _assert_patched(model: nn.Module, ref: nn.Module, saved_dtype):
+    """Every activation patch() takes is reprop's, saving saved_dtype."""
+    for m, r in zip(model.modules(), ref.modules(), strict=True):
+        if type(r) in (nn.GELU, nn.ELU):
+            assert type(m) is getattr(fad, type(r).__name__) and m.saved_dtype is saved_dtype
+        for attr, value in vars(r).items():
+            if value is F.silu or value is torch.celu:
+                assert vars(m)[attr].func is getattr(fad, value.__name__), attr
+                assert vars(m)[attr].keywords == {"saved_dtype": saved_dtype}, attr
+
+
+class _Activations(nn.Module):
+    """A weight, torch's GELU and ELU modules, and (attributes) torch's
+    functional activations held as attributes: torch.celu, as F.celu,
+    goes to reprop.fad.celu, so the partial alone does not say which."""
+
+    def __init__(self, attributes: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(-2.0, 2.0, 4))
+        self.gelu, self.elu = nn.GELU(), nn.ELU(alpha=0.5)
+        if attributes:
+            self.fn, self.g, self.other = F.silu, torch.celu, F.relu
+
+    def forward(self, x):
+        x = self.elu(self.gelu(x * self.weight))
+        return self.other(self.g(self.fn(x))) if hasattr(self, "fn") else x
+
+
+# what patch() and unpatch() run that changes a model: the rest of fad.py they
+# call reads it, so an interrupt there is one before the line calling it
+_WRITING_THE_MODEL = (fad.patch, fad.unpatch, fad._patch_function_attributes)
+
+
+@pytest.mark.parametrize("attributes", [False, True], ids=["modules", "function_attributes"])
+@pytest.mark.parametrize("interrupted", ["patch", "patch_again", "unpatch"])
+def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attributes):
+    """A KeyboardInterrupt before any line patch() or unpatch() runs leaves a
+    model that patch() and unpatch() run again complete: saved_dtype as
+    asked, then torch's classes, attributes and training. patch() swapped a
+    module's class before recording it (a re-run saw a reprop class it does
+    not patch: saved_dtype stayed, and unpatch had no record to restore),
+    and unpatch() dropped the record before restoring the class (for good).
+    Function attributes: patch() dropped the earlier records before
+    rerouting and stored the new ones after, and unpatch() dropped them
+    before restoring: an attribute left holding reprop's partial without
+    its record was the user's to both, and stayed reprop's (with the old
+    saved_dtype when the interrupted call changed it)."""
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    ref = _Activations(attributes)
+    for k in itertools.count(1):
+        model = _Activations(attributes)
+        if interrupted != "patch":
+            fad.patch(model, saved_dtype=None if interrupted == "patch_again" else torch.float16)
+        call = (functools.partial(fad.unpatch, model) if interrupted == "unpatch"
+                else functools.partial(fad.patch, model, saved_dtype=torch.bfloat16))
+        if not _interrupted_at_line(k, call, _WRITING_THE_MODEL):
+            break
+        if interrupted == "unpatch":
+            fad.unpatch(model)
+            _assert_as_torchs(model, ref, x)
+        fad.patch(model, saved_dtype=torch.bfloat16)
+        _assert_patched(model, ref, torch.bfloat16)
+        fad.unpatch(model)
+        _assert_as_torchs(model, ref, x)
+    assert k > 20  # it did stop them midway

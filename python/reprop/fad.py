@@ -606,8 +606,11 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         original = getattr(module, _PATCHED, type(module))
         if original in _PATCHED_MODULES:
             if type(module) is original:
-                module.__class__ = _PATCHED_MODULES[original]
+                # recorded before the swap: a re-run after an interrupt between
+                # the two finds the class to restore (swapped first, it saw a
+                # reprop class it does not patch, and unpatch had no record)
                 module.__dict__[_PATCHED] = original
+                module.__class__ = _PATCHED_MODULES[original]
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
@@ -616,7 +619,7 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
     changed = {}
-    earlier = module.__dict__.pop(_PATCHED_FNS, {})
+    earlier = module.__dict__.get(_PATCHED_FNS, {})
     rerouted = {}
     for attr, value in list(vars(module).items()):
         original = _function_in(_record(earlier.get(attr), value), value)
@@ -624,12 +627,18 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
         if ours is None:
             continue
         installed = functools.partial(ours, saved_dtype=saved_dtype)
-        module.__dict__[attr] = installed
         rerouted[attr] = _Rerouted(original, installed)
+        # the partial and its record in one dict update, which no interrupt
+        # splits: an attribute holding a partial its record does not name is
+        # the user's to patch() and unpatch(), so either one alone left it
+        # unrestorable (a new partial, or the earlier one over a new record)
+        module.__dict__.update({attr: installed, _PATCHED_FNS: {**earlier, **rerouted}})
         changed[f"{name}.{attr}" if name else attr] = (
             f"{getattr(original, '__name__', original)} -> reprop.fad.{ours.__name__}")
     if rerouted:  # earlier entries not rerouted again are stale: dropped
         module.__dict__[_PATCHED_FNS] = rerouted
+    else:
+        module.__dict__.pop(_PATCHED_FNS, None)
     return changed
 
 
@@ -668,16 +677,20 @@ def unpatch(model: nn.Module) -> list[str]:
     left). Returns the names restored."""
     restored = []
     for name, module in model.named_modules():
-        original = module.__dict__.pop(_PATCHED, None)
+        original = module.__dict__.get(_PATCHED)
         if original is not None:
             module.__class__ = original
             module.__dict__.pop("saved_dtype", None)
+            # the record goes last: a re-run after an interrupt finds what is left to restore
+            del module.__dict__[_PATCHED]
             restored.append(name)
-        for attr, entry in module.__dict__.pop(_PATCHED_FNS, {}).items():
+        for attr, entry in module.__dict__.get(_PATCHED_FNS, {}).items():
             rerouted = _record(entry, module.__dict__.get(attr))
             if rerouted is not None and module.__dict__.get(attr) is rerouted.installed:  # else the user's
                 module.__dict__[attr] = rerouted.original
                 restored.append(f"{name}.{attr}" if name else attr)
+        # the records go last: a re-run after an interrupt restores the rest
+        module.__dict__.pop(_PATCHED_FNS, None)
     return restored
 
 
@@ -1358,10 +1371,27 @@ class enabled(TorchFunctionMode):
         # its record carries: then chain tensors leaving (YN) drop the carried one
         self._copies = False
 
+    def __enter__(self):
+        depth = torch._C._len_torch_function_stack()
+        try:
+            return super().__enter__()
+        except BaseException:
+            # an interrupt delivered as the push returned: `with` runs no
+            # __exit__ for an __enter__ that raised, so the mode would stay on
+            # the stack for the session
+            if torch._C._len_torch_function_stack() > depth:
+                super().__exit__(None, None, None)
+            raise
+
     def __exit__(self, *exc):
-        self._records = WeakTensorKeyDictionary()  # chain tensors leave as plain autograd tensors
-        self._copies = False
-        return super().__exit__(*exc)
+        try:  # chain tensors leave as plain autograd tensors
+            self._records = WeakTensorKeyDictionary()
+            self._copies = False
+        finally:
+            # the mode leaves the stack however the reset ends: an interrupt in
+            # its Python-level constructor (a notebook's stop button) left it
+            # there for the session, chaining every later expression
+            super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
