@@ -777,7 +777,8 @@ class _PassTracking:
 
 
 class OOOHandle(_PassTracking):
-    """What ``enable`` returns; ``remove()`` restores the modules' own forward."""
+    """What ``enable`` returns; ``remove()`` restores the modules' own forward.
+    Made, it has found the layers to split; ``_install()`` splits them."""
 
     def __init__(self, model: nn.Module, order: str, regions: int, max_extra_memory: float,
                  profile_iters: int, speedup: "Callable[[int, int], float] | str | None"):
@@ -845,8 +846,6 @@ class OOOHandle(_PassTracking):
                 # (the message names the layer's type: the model itself adds no name)
                 raise ValueError(f"model: {name}: {exc}" if name else f"model: {exc}") from None
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
-        for site in self.sites:
-            site.module.forward = types.MethodType(_make_forward(site), site.module)
 
     # -- public ----------------------------------------------------------------
 
@@ -920,8 +919,7 @@ class OOOHandle(_PassTracking):
             return
         self.flush()
         self._restore_all_post_hooks()
-        for site in self.sites:
-            site.module.__dict__.pop("forward", None)
+        self._restore_forwards()
         self._removed = True
 
     def __enter__(self) -> "OOOHandle":
@@ -929,6 +927,28 @@ class OOOHandle(_PassTracking):
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+    def _install(self) -> "OOOHandle":
+        """Swaps the split forward into every site's module, all or none: on
+        any exception midway (a KeyboardInterrupt: a notebook's stop button
+        lands between any two statements) those swapped in go again, so that
+        the model is as it was and enable() runs again (a layer left split
+        had it refuse the model, naming a handle the caller never got).
+        Returns the handle, for enable() to return in the statement that
+        installs: one after it could be interrupted too."""
+        try:
+            for site in self.sites:
+                site.module.forward = types.MethodType(_make_forward(site), site.module)
+            return self  # (inside: an interrupt before it is one midway)
+        except BaseException:
+            self._restore_forwards()
+            raise
+
+    def _restore_forwards(self) -> None:
+        """Each site's module calls its class's forward again (no site's
+        module had one of its own: _splittable)."""
+        for site in self.sites:
+            site.module.__dict__.pop("forward", None)
 
     def _check_not_sharded_since(self) -> None:
         """Refuses a model FSDP sharded since enable(), as enable() refuses a
@@ -1640,7 +1660,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          "or GroupNorm with trainable parameters to split (exact types whose "
                          "weight and bias are registered Parameters: subclasses, lazy modules "
                          "and parametrized weights run plain autograd)")
-    return handle
+    return handle._install()
 
 
 # ---------------------------------------------------------------------------
@@ -2394,7 +2414,7 @@ class DataParallel(_PassTracking, Joinable):
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
         # schedule's arguments do not apply to the conventional order
         self.handle = OOOHandle(model, "conventional", regions=1, max_extra_memory=0.0,
-                                profile_iters=2, speedup=None)
+                                profile_iters=2, speedup=None)._install()
         layers = len(self.handle.sites)
         if k != "auto" and not 0 <= k <= layers:
             self.handle.remove()
