@@ -40,8 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse
-from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
-                        allreduce_time, data_parallel, enable, reverse_first_k, search_k, simulate)
+from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
+                        _stage_programs, allreduce_time, data_parallel, enable, reverse_first_k,
+                        search_k, simulate)
+from test_ooo import assert_as_built, interrupted_in_ooo
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -1987,3 +1989,40 @@ def test_pipeline_of_micro_batches_refuses_backward_fusion(solo_group):
     pipe.remove()
     for got, want in zip(nn.Sequential(*layers).parameters(), ref.parameters()):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------
+# A KeyboardInterrupt (a notebook's stop button) midway through a constructor:
+# injected before each line of ooo.py it runs (see test_ooo.py), then the cell
+# runs again
+# ---------------------------------------------------------------------------
+
+
+def test_data_parallel_interrupted_anywhere_in_construction_runs_again(solo_group):
+    """DataParallel(model) split the layers first, then broadcast, hooked the
+    model and counted itself live: interrupted after the split it left
+    layers split by a handle the caller never got (DataParallel(model)
+    again refused them), and after a hook, a model hooked by an object
+    nobody held; interrupted as the broadcast's `with torch.no_grad()`
+    body ended, grad mode off for the session. Now all of it goes in last,
+    all or none, and grad mode is restored in a finally: the model is as
+    it was, and DataParallel again gives autograd's gradients (one rank)
+    until remove() leaves it as it was."""
+    torch.manual_seed(0)
+    built = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    for k in itertools.count(1):
+        model, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_in_ooo(k, lambda: DataParallel(model, k=1)):
+            break
+        assert_as_built(model, built)
+        assert not _averaged_by_data_parallel(model.parameters())
+        dp = DataParallel(model, k=1)
+        for step in range(2):
+            x, t = _batch(0, step)
+            for net in (model, ref):
+                net.zero_grad()
+                F.mse_loss(net(x), t).backward()
+            _assert_same(model, ref, "grad")
+        dp.remove()
+        assert_as_built(model, built)
+    assert k > 100  # it did stop the constructor midway

@@ -2412,12 +2412,12 @@ class DataParallel(_PassTracking, Joinable):
         if k != "auto" and not _is_count(k):
             raise ValueError(f"k: expected an int or 'auto', got {k!r}")
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
-        # schedule's arguments do not apply to the conventional order
+        # schedule's arguments do not apply to the conventional order. Split
+        # last, with the hooks (_install)
         self.handle = OOOHandle(model, "conventional", regions=1, max_extra_memory=0.0,
-                                profile_iters=2, speedup=None)._install()
+                                profile_iters=2, speedup=None)
         layers = len(self.handle.sites)
         if k != "auto" and not 0 <= k <= layers:
-            self.handle.remove()
             raise ValueError(f"k: expected 0 <= k <= {layers} (the split layers of the model), "
                              f"got {k}")
         self.model = model
@@ -2462,14 +2462,34 @@ class DataParallel(_PassTracking, Joinable):
         self._sync_buffers = broadcast_buffers and self.world > 1 \
             and any(True for _ in model.buffers())
         self._removed = False
-        with torch.no_grad():
-            self._broadcast(self._synced_states())
-        self._hooks = [model.register_forward_pre_hook(self._before_forward),
-                       model.register_forward_hook(self._watch_output)]
-        self._hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._grad_accumulated))
-                        for p in self._params]
+        self._hooks: list = []
         self._all_params = list(model.parameters())
-        _LIVE_DATA_PARALLEL.add(self)
+        # (not `with torch.no_grad()`: an interrupt as its body ends, before
+        # its exit runs, left grad mode off for the session)
+        without_grad(self._broadcast, self._synced_states())
+        self._install()
+
+    def _install(self) -> None:
+        """Splits the model's layers, hooks it and counts it live, all or
+        nothing: on any exception midway (a KeyboardInterrupt: a notebook's
+        stop button lands between any two statements) remove() takes out
+        what was installed, so that the model is as it was and the cell runs
+        again (a model left split, then hooked, by an object the caller never
+        got was refused by DataParallel(model) again). Each hook joins
+        self._hooks in the statement that registers it, one line (a
+        statement spanning lines is interrupted between them too), for
+        remove() to find."""
+        accumulated = weak_hook(self._grad_accumulated)
+        try:
+            self.handle._install()
+            self._hooks.append(self.model.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(self.model.register_forward_hook(self._watch_output))
+            for p in self._params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+            _LIVE_DATA_PARALLEL.add(self)
+        except BaseException:
+            self.remove()
+            raise
 
     # -- public ----------------------------------------------------------------
 
