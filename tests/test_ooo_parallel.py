@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse
 from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
-                        _stage_programs, allreduce_time, data_parallel, enable, reverse_first_k,
-                        search_k, simulate)
+                        _pipelined_in_micro_batches, _stage_programs, allreduce_time,
+                        data_parallel, enable, reverse_first_k, search_k, simulate)
 from test_ooo import assert_as_built, interrupted_in_ooo
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
@@ -2026,3 +2026,42 @@ def test_data_parallel_interrupted_anywhere_in_construction_runs_again(solo_grou
         dp.remove()
         assert_as_built(model, built)
     assert k > 100  # it did stop the constructor midway
+
+
+def test_pipeline_interrupted_anywhere_in_construction_runs_again(solo_group):
+    """Pipeline(layers, micro_batches=2) counted itself among the pipelines
+    that refuse backward fusion, then split its layers, then set up its
+    messages: interrupted after the split it left layers split by a handle
+    nobody got (a new Pipeline refused them). Now the count and the split
+    go in last, all or none: the layers are as they were, counted nowhere,
+    and a new Pipeline trains as the whole batch at once (up to the
+    rounding of the micro-batches' sums) until remove()."""
+    built = nn.Sequential(*_blocks()[:3])
+    for k in itertools.count(1):
+        layers, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_in_ooo(k, lambda: Pipeline(layers, micro_batches=2)):
+            break
+        assert_as_built(layers, built)
+        assert not _pipelined_in_micro_batches(layers.parameters())
+        pipe = Pipeline(layers, micro_batches=2)
+        x, t = _batch(0, 0)
+        pipe.step(x, t, F.mse_loss)
+        F.mse_loss(ref(x), t).backward()
+        _assert_same(layers, ref, "grad", exact=False)
+        pipe.remove()
+        assert_as_built(layers, built)
+    assert k > 100  # it did stop the constructor midway
+
+
+def test_pipeline_whose_layer_enable_refuses_counts_nowhere(solo_group):
+    """A Pipeline of micro-batches counted itself among those refusing
+    backward fusion before enable() refused one of its layers (a sparse
+    Embedding): while the traceback kept the half-built object (a
+    notebook's last error keeps it), backward fusion of the other layer was
+    refused, naming a Pipeline that never was. The count now comes with
+    the split, which is undone, count included, on any exception."""
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Embedding(10, WIDTH, sparse=True)]
+    with pytest.raises(ValueError, match="^model: 1: Embedding\\(sparse=True\\)") as refused:
+        Pipeline(layers, micro_batches=2)
+    assert refused.traceback  # (its frames hold the half-built pipeline)
+    fuse(layers[0], torch.optim.SGD(layers[0].parameters(), lr=0.1), mode="backward").remove()

@@ -3217,17 +3217,13 @@ class Pipeline:
         # a shared parameter frozen now may be unfrozen later: step() checks
         # again; weak, as layers of other stages are not this rank's to keep
         self._sharing = [(l, weakref.ref(layer)) for l, layer in sharing]
-        if self.micro_batches > 1:
-            if _backward_fused(local):
-                raise ValueError(
-                    f"micro_batches: a step() of {self.micro_batches} micro-batches interleaves "
-                    "their forwards and backwards, but reprop.fuse(mode='backward') updates this "
-                    "rank's parameters inside each micro-batch's backward (the later forwards "
-                    "would see the update, and each gradient would be applied on its own); fuse "
-                    "with mode='forward' (or remove() the fusion first)")
-            _MICRO_BATCH_PIPELINES.add(self)
-        self.handle: OOOHandle | None = (enable(local, order="conventional")
-                                         if _splits_any(local) else None)
+        if self.micro_batches > 1 and _backward_fused(local):
+            raise ValueError(
+                f"micro_batches: a step() of {self.micro_batches} micro-batches interleaves "
+                "their forwards and backwards, but reprop.fuse(mode='backward') updates this "
+                "rank's parameters inside each micro-batch's backward (the later forwards "
+                "would see the update, and each gradient would be applied on its own); fuse "
+                "with mode='forward' (or remove() the fusion first)")
         self._schedules: dict = {}  # (input_grad, train) -> (this rank's program, its inbox)
         # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
         self._headers: dict = {}
@@ -3235,6 +3231,26 @@ class Pipeline:
         # whether a gradient follows (see _send_gradient); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
                        for has in (False, True)}
+        self.handle: OOOHandle | None = None
+        self._install(local)
+
+    def _install(self, local: nn.Module) -> None:
+        """Splits this rank's layers and, with several micro-batches, counts
+        the pipeline among those refusing backward fusion, all or nothing:
+        on any exception midway (a KeyboardInterrupt: a notebook's stop
+        button lands between any two statements; enable()'s refusal of a
+        layer) remove() takes out what was installed, so that the layers
+        are as they were and the cell runs again. Layers left split by a
+        handle the caller never got were refused by the next Pipeline, and
+        a count left behind refused backward fusion of the layers while
+        the half-built pipeline lived (a notebook's last traceback holds it)."""
+        try:
+            if self.micro_batches > 1:
+                _MICRO_BATCH_PIPELINES.add(self)
+            self.handle = enable(local, order="conventional") if _splits_any(local) else None
+        except BaseException:
+            self.remove()
+            raise
 
     # -- public ----------------------------------------------------------------
 
