@@ -1331,9 +1331,14 @@ class OOOHandle(_PassTracking):
             self._restore_post_hooks(state)
 
     def _restore_post_hooks(self, state: "_HookState") -> list:
-        """The parameter's hooks back (those it still has, which it returns)."""
+        """The parameter's hooks back (those it still has, which it returns).
+        Given back before the state is dropped: cut short in between (a
+        KeyboardInterrupt), the state stays to be given back again (which
+        repeats harmlessly) where the pass is dropped or the next begins;
+        dropped first, it took the set-aside hooks with it for good."""
+        back = state.give_back()
         self._hooked.pop(state.param, None)
-        return state.give_back()
+        return back
 
     def _enter_region(self, region: int) -> None:
         """The main stream reached `region`: issue the tasks placed there."""
