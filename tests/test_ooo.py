@@ -713,6 +713,21 @@ def test_an_interrupt_as_held_hooks_come_back_loses_none(monkeypatch):
     assert interrupted and fixed[-1]
 
 
+def test_an_interrupt_as_the_first_backward_begins_is_dropped(monkeypatch):
+    """A KeyboardInterrupt in the first backward, after it was marked as
+    running but before its end was queued: the next forward drops it, as
+    any backward that raised (every later forward raised TypeError: the
+    handle called its reference to that end, still None), and the schedule
+    is fixed after the passes that ran to the end."""
+    model = _three_layers()
+    handle = ooo.enable(model, profile_iters=2, regions=2)
+    interrupted, fixed = _train_through_an_interrupt(
+        model, handle, 0, _interrupt_once(monkeypatch, ooo, "queue_end_of_backward"), steps=8)
+    assert interrupted
+    assert fixed.index(True) == handle._profile_passes()
+    _assert_made_from_the_profile(handle)
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_norms_with_batch_statistics_make_dw_with_do(training):
     """BatchNorm with batch statistics and GroupNorm need dbias and dweight's

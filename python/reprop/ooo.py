@@ -60,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, note_node_hooks, outside_backward,
+                       non_reentrant_checkpointing, not_queued, note_node_hooks, outside_backward,
                        queue_end_of_backward, suggest_memory_format, torch_only, torch_only_weight,
                        transform_active, weak_hook, without_grad)
 
@@ -851,7 +851,9 @@ class OOOHandle(_PassTracking):
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
-        self._end_ref = None  # weakly, the end-of-backward callback of the pass running
+        # weakly, the end-of-backward callback of the pass running; one that
+        # raised before queueing its callback is dropped as any that raised
+        self._end_ref = not_queued
         self._profile = _Profile()
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
