@@ -728,6 +728,34 @@ def test_an_interrupt_as_the_first_backward_begins_is_dropped(monkeypatch):
     _assert_made_from_the_profile(handle)
 
 
+def test_held_tasks_run_again_after_an_interrupt_add_nothing_twice(monkeypatch):
+    """A KeyboardInterrupt in run() after a held task added its weight's
+    gradient, before its bias's: running the tasks again raises for that
+    task (it ran again, adding the weight's gradient twice)."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    x = torch.randn(3, 4)
+    with handle.hold(keep=lambda m: m is model[3]) as tasks:
+        model(x).sum().backward()
+    real, calls = ooo._accumulate, []
+
+    def accumulate(p, d):
+        calls.append(p)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(p, d)
+
+    monkeypatch.setattr(ooo, "_accumulate", accumulate)
+    with pytest.raises(KeyboardInterrupt):
+        handle.run(tasks)
+    assert calls == [model[3].weight, model[3].bias]
+    with pytest.raises(RuntimeError, match=r"task of 3 \(call 0\) has run already"):
+        handle.run(tasks)
+    ref(x).sum().backward()
+    torch.testing.assert_close(model[3].weight.grad, ref[3].weight.grad, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_norms_with_batch_statistics_make_dw_with_do(training):
     """BatchNorm with batch statistics and GroupNorm need dbias and dweight's

@@ -669,10 +669,13 @@ class _Task:
             grads = self.site.kind.weight_grads(self.saved, self.grad, self.mask)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             self._check_nan(grads)
+        # the memory a deferred task holds goes now, and it has run from here
+        # on: cut short while accumulating (a KeyboardInterrupt), a second
+        # run() raises rather than adds a gradient twice
+        self.saved = self.grad = self.done = None
         for p, d, want in zip(self.params, grads, self.mask):
             if want:
                 _accumulate(p, d)
-        self.saved = self.grad = self.done = None  # the memory a deferred task holds goes now
 
     def _check_nan(self, grads: tuple) -> None:
         """Anomaly mode's check of each backward function's outputs, which a
