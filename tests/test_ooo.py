@@ -756,6 +756,34 @@ def test_held_tasks_run_again_after_an_interrupt_add_nothing_twice(monkeypatch):
     torch.testing.assert_close(model[3].weight.grad, ref[3].weight.grad, rtol=0, atol=0)
 
 
+def test_hooks_wait_for_no_held_task_that_ran(monkeypatch):
+    """A KeyboardInterrupt in run() right after a held task ran: its
+    parameter's post-accumulate-grad hooks wait for it no longer, and fire
+    once in each later backward (they waited for good while the task list
+    lived: a backward-fused update of that parameter never ran again)."""
+    model = _three_layers()
+    handle = ooo.enable(model, order="conventional")
+    fired: list = []
+    model[0].weight.register_post_accumulate_grad_hook(fired.append)
+    x = torch.randn(3, 4)
+    with handle.hold(keep=lambda m: m is model[0]) as tasks:
+        model(x).sum().backward()
+    real = ooo._Task.run
+
+    def run_then_stop(task):
+        monkeypatch.setattr(ooo._Task, "run", real)
+        real(task)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ooo._Task, "run", run_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        handle.run(tasks)
+    for step in range(3):
+        before = len(fired)
+        model(x).sum().backward()
+        assert len(fired) - before == 1, f"step {step}: times the hook fired"
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_norms_with_batch_statistics_make_dw_with_do(training):
     """BatchNorm with batch statistics and GroupNorm need dbias and dweight's

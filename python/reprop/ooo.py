@@ -1321,6 +1321,8 @@ class OOOHandle(_PassTracking):
         the last of them, autograd being done with the parameter."""
         waiting: dict = {}
         for t in self._unrun_held:
+            if t.has_run:  # its run() cut short (a KeyboardInterrupt) before it left the set
+                continue
             for p in t.targets:
                 waiting[p] = waiting.get(p, 0) + 1
         for state in list(self._hooked.values()):
