@@ -2515,7 +2515,9 @@ class DataParallel(_PassTracking, Joinable):
         self._held_modules: set = set()
         self._used: set = set()        # params that got a gradient since the last reduction
         self._in_backward = False
-        self._end_ref = None           # weakly, the end-of-backward callback of the pass running
+        # weakly, the end-of-backward callback of the pass running; one that
+        # raised before queueing its callback is dropped as any that raised
+        self._end_ref = not_queued
         self._held: list | None = None
         self._stack: contextlib.ExitStack | None = None
         self._next = 0                 # the next bucket to launch in this backward
