@@ -9,6 +9,7 @@ several sites whose per-site gradients a moved schedule adds in another order
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import fractions
 import io
@@ -152,7 +153,7 @@ def test_corun_profile_latin_square():
                 corun.groups.append((r, clock, clock + sub[r]))
                 clock += sub[r]
         assert not corun.done()
-        corun.record()
+        corun = corun.recorded()
     assert corun.done()
     got = corun.speedup()
     for r in range(n):
@@ -548,6 +549,239 @@ def test_a_schedule_that_cannot_be_made_raises_once():
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
     assert raised == 1
     assert handle.schedule["moved"] == 0 and handle.pending() == 0
+
+
+def _interrupt_once(monkeypatch, owner, name: str):
+    """owner.name raises KeyboardInterrupt (a notebook's stop button) at its
+    first call inside the context returned."""
+    real = getattr(owner, name)
+    armed = [False]
+
+    def stop(*args):
+        if armed[0]:
+            armed[0] = False
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(owner, name, stop)
+
+    @contextlib.contextmanager
+    def interrupt():
+        armed[0] = True
+        try:
+            yield
+        finally:
+            armed[0] = False
+
+    return interrupt
+
+
+def _train_through_an_interrupt(model, handle, at: int, interrupt, steps: int,
+                                fired: list | None = None) -> tuple[bool, list]:
+    """Backward passes of `model` (a _three_layers()) beside its plain twin,
+    pass `at` of the model's run inside the context `interrupt()`. After each
+    complete pass gradients equal autograd's bitwise, and the hook that
+    appends to `fired` fired once. Returns whether pass `at` raised
+    KeyboardInterrupt and, per pass, whether the schedule was fixed after it."""
+    ref = _three_layers()
+    fixed, interrupted = [], False
+    for step in range(steps):
+        x = torch.randn(3, 4)
+        for net in (ref, model):
+            net.zero_grad()
+        ref(x).sum().backward()
+        before = len(fired or ())
+        try:
+            with interrupt() if step == at else contextlib.nullcontext():
+                model(x).sum().backward()
+        except KeyboardInterrupt:
+            interrupted = True
+        else:
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0,
+                                           msg=f"step {step} {name}")
+            if fired is not None:
+                assert len(fired) - before == 1, f"step {step}: times the hook fired"
+        fixed.append(handle.schedule is not None)
+    return interrupted, fixed
+
+
+def _assert_made_from_the_profile(handle) -> None:
+    """The schedule is the profile's (not given up: every dW left in place
+    for good), and off CUDA exactly the layers whose dW it moved run split."""
+    assert handle.schedule["region_time"] and handle.schedule["speedup"], handle.schedule
+    moved = _moved_sites(handle)
+    assert all(s.split == (s.index in moved) for s in handle.sites)
+
+
+@pytest.mark.parametrize("owner, name, at, counted", [
+    # the FSDP check at the end of a co-run pass, after its stamps were taken (a probe's point)
+    (ooo.OOOHandle, "_profiling_left", 2, False),
+    # the co-run profile taking in that pass's stamps
+    (ooo, "_elapsed", 2, False),
+    # the layers the fixed schedule leaves in place turning plain, the schedule stored
+    (ooo.OOOHandle, "_split_moved", 4, True),
+])
+def test_an_interrupted_end_of_backward_counts_whole_or_not_at_all(monkeypatch, owner, name, at,
+                                                                    counted):
+    """A KeyboardInterrupt at the end of a backward before the schedule is
+    fixed: the pass is dropped whole (its stamps stayed in the co-run
+    profile, where the next pass read past the arrays: an IndexError, after
+    which every dW stayed in place for good), or, once what it changes is
+    being stored, stored whole by the next forward (the fixed schedule had
+    left every layer split for good)."""
+    model = _three_layers()
+    handle = ooo.enable(model, profile_iters=2, regions=2)  # 2 profile, 3 co-run passes
+    interrupted, fixed = _train_through_an_interrupt(
+        model, handle, at, _interrupt_once(monkeypatch, owner, name), steps=8)
+    assert interrupted
+    assert fixed.index(True) == handle._profile_passes() - counted, fixed
+    _assert_made_from_the_profile(handle)
+
+
+def _interrupt_at_line(k: int):
+    """A context in which the k-th line that runs in reprop.ooo within a
+    handle's end of backward (its callback and what that calls) raises
+    KeyboardInterrupt (settrace)."""
+    seen = [0]
+
+    def ending(frame) -> bool:
+        while frame is not None:
+            if frame.f_code is ooo.OOOHandle._end_backward.__code__:
+                return True
+            frame = frame.f_back
+        return False
+
+    def line(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == k + 1:
+                raise KeyboardInterrupt  # (a trace function that raises is unset)
+        return line
+
+    def call(frame, event, arg):
+        return line if frame.f_code.co_filename == ooo.__file__ and ending(frame) else None
+
+    @contextlib.contextmanager
+    def interrupt():
+        before = sys.gettrace()
+        sys.settrace(call)
+        try:
+            yield
+        finally:
+            sys.settrace(before)
+
+    return interrupt
+
+
+@pytest.mark.parametrize("speedup, at", [
+    (None, 1),       # the pass that times the profile, cuts the regions and fixes the schedule
+    ("profile", 4),  # the last co-run pass: each dW group alone, then the schedule fixed
+])
+def test_an_interrupt_at_any_line_of_the_end_of_backward_loses_no_schedule(speedup, at):
+    """The same at each line the end of such a backward runs (its pass's
+    dW, hooks, stamps, and what the pass changes): the pass counts whole or
+    not at all, and a post-accumulate-grad hook held for a deferred dW fires
+    once in each complete pass."""
+    passes = 2 + (3 if speedup else 0)  # profile passes, co-run passes
+    for k in itertools.count():
+        model = _three_layers()
+        handle = ooo.enable(model, profile_iters=2, regions=2, speedup=speedup)
+        fired: list = []
+        model[3].weight.register_post_accumulate_grad_hook(fired.append)
+        interrupted, fixed = _train_through_an_interrupt(
+            model, handle, at, _interrupt_at_line(k), steps=passes + 2, fired=fired)
+        if not interrupted:  # past the last line
+            break
+        assert fixed.index(True) in (passes - 1, passes), (k, fixed)
+        _assert_made_from_the_profile(handle)
+    assert k > 100
+
+
+def test_an_interrupt_as_held_hooks_come_back_loses_none(monkeypatch):
+    """A KeyboardInterrupt as a parameter's post-accumulate-grad hooks, set
+    aside while its dW was deferred, are given back: they fire once in each
+    later backward (the handle had dropped them with their state first, and
+    the parameter kept the stand-ins for good: the hook never fired again)."""
+    model = _three_layers()
+    handle = ooo.enable(model, profile_iters=2, regions=2)
+    fired: list = []
+    model[3].weight.register_post_accumulate_grad_hook(fired.append)
+    interrupted, fixed = _train_through_an_interrupt(
+        model, handle, 1, _interrupt_once(monkeypatch, ooo._HookState, "give_back"), steps=8,
+        fired=fired)
+    assert interrupted and fixed[-1]
+
+
+def test_an_interrupt_as_the_first_backward_begins_is_dropped(monkeypatch):
+    """A KeyboardInterrupt in the first backward, after it was marked as
+    running but before its end was queued: the next forward drops it, as
+    any backward that raised (every later forward raised TypeError: the
+    handle called its reference to that end, still None), and the schedule
+    is fixed after the passes that ran to the end."""
+    model = _three_layers()
+    handle = ooo.enable(model, profile_iters=2, regions=2)
+    interrupted, fixed = _train_through_an_interrupt(
+        model, handle, 0, _interrupt_once(monkeypatch, ooo, "queue_end_of_backward"), steps=8)
+    assert interrupted
+    assert fixed.index(True) == handle._profile_passes()
+    _assert_made_from_the_profile(handle)
+
+
+def test_held_tasks_run_again_after_an_interrupt_add_nothing_twice(monkeypatch):
+    """A KeyboardInterrupt in run() after a held task added its weight's
+    gradient, before its bias's: running the tasks again raises for that
+    task (it ran again, adding the weight's gradient twice)."""
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    x = torch.randn(3, 4)
+    with handle.hold(keep=lambda m: m is model[3]) as tasks:
+        model(x).sum().backward()
+    real, calls = ooo._accumulate, []
+
+    def accumulate(p, d):
+        calls.append(p)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(p, d)
+
+    monkeypatch.setattr(ooo, "_accumulate", accumulate)
+    with pytest.raises(KeyboardInterrupt):
+        handle.run(tasks)
+    assert calls == [model[3].weight, model[3].bias]
+    with pytest.raises(RuntimeError, match=r"task of 3 \(call 0\) has run already"):
+        handle.run(tasks)
+    ref(x).sum().backward()
+    torch.testing.assert_close(model[3].weight.grad, ref[3].weight.grad, rtol=0, atol=0)
+
+
+def test_hooks_wait_for_no_held_task_that_ran(monkeypatch):
+    """A KeyboardInterrupt in run() right after a held task ran: its
+    parameter's post-accumulate-grad hooks wait for it no longer, and fire
+    once in each later backward (they waited for good while the task list
+    lived: a backward-fused update of that parameter never ran again)."""
+    model = _three_layers()
+    handle = ooo.enable(model, order="conventional")
+    fired: list = []
+    model[0].weight.register_post_accumulate_grad_hook(fired.append)
+    x = torch.randn(3, 4)
+    with handle.hold(keep=lambda m: m is model[0]) as tasks:
+        model(x).sum().backward()
+    real = ooo._Task.run
+
+    def run_then_stop(task):
+        monkeypatch.setattr(ooo._Task, "run", real)
+        real(task)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ooo._Task, "run", run_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        handle.run(tasks)
+    for step in range(3):
+        before = len(fired)
+        model(x).sum().backward()
+        assert len(fired) - before == 1, f"step {step}: times the hook fired"
 
 
 @pytest.mark.parametrize("training", [True, False])

@@ -1991,6 +1991,37 @@ def test_pipeline_of_micro_batches_refuses_backward_fusion(solo_group):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_data_parallel_first_backward_stopped_before_its_end_is_queued(solo_group, monkeypatch):
+    """A KeyboardInterrupt (a notebook's stop button) in the first backward,
+    after it is marked as running and before its end-of-backward callback
+    is queued: that backward is dropped at the next, which trains as
+    autograd does (every later forward raised a TypeError)."""
+    import reprop.ooo as ooo_module
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2)
+    queue = ooo_module.queue_end_of_backward
+
+    def stopped_once(fn):
+        if getattr(fn, "__self__", None) is dp:
+            monkeypatch.setattr(ooo_module, "queue_end_of_backward", queue)
+            raise KeyboardInterrupt
+        return queue(fn)
+
+    monkeypatch.setattr(ooo_module, "queue_end_of_backward", stopped_once)
+    x, t = _batch(0, 0)
+    with pytest.raises(KeyboardInterrupt):
+        F.mse_loss(model(x), t).backward()
+    for step in range(2):
+        x, t = _batch(0, step + 1)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _assert_same(model, ref, "grad")
+    dp.remove()
+
+
 # ---------------------------------------------------------------------------
 # A KeyboardInterrupt (a notebook's stop button) midway through a constructor:
 # injected before each line of ooo.py it runs (see test_ooo.py), then the cell

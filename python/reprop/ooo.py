@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections.abc
 import contextlib
+import copy
 import functools
 import hashlib
 import inspect
@@ -59,7 +60,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
 from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, note_node_hooks, outside_backward,
+                       non_reentrant_checkpointing, not_queued, note_node_hooks, outside_backward,
                        queue_end_of_backward, suggest_memory_format, torch_only, torch_only_weight,
                        transform_active, weak_hook, without_grad)
 
@@ -668,10 +669,13 @@ class _Task:
             grads = self.site.kind.weight_grads(self.saved, self.grad, self.mask)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             self._check_nan(grads)
+        # the memory a deferred task holds goes now, and it has run from here
+        # on: cut short while accumulating (a KeyboardInterrupt), a second
+        # run() raises rather than adds a gradient twice
+        self.saved = self.grad = self.done = None
         for p, d, want in zip(self.params, grads, self.mask):
             if want:
                 _accumulate(p, d)
-        self.saved = self.grad = self.done = None  # the memory a deferred task holds goes now
 
     def _check_nan(self, grads: tuple) -> None:
         """Anomaly mode's check of each backward function's outputs, which a
@@ -702,6 +706,41 @@ class _Profile:
     def order(self) -> list:
         """Keys in backward order (main's keys, in the order first timed)."""
         return list(self.main)
+
+    def with_times(self, marks: list) -> "_Profile":
+        """This profile and one more pass's main-stream times, from its
+        stamps (task key, stamp; the last closes the pass): a new profile,
+        which the handle stores if that pass counts (_commit)."""
+        main = dict(self.main)
+        for (key, a), (_, b) in zip(marks, marks[1:]):
+            main[key] = [*main.get(key, ()), _elapsed(a, b)]
+        return _Profile(main, self.sub, self.nbytes)
+
+
+@dataclass(frozen=True, eq=False)
+class _Cut:
+    """The profiled backward cut into regions of near-equal main-stream time."""
+
+    keys: list          # task keys in backward order
+    main: np.ndarray    # their median main-stream times (s)
+    bounds: list        # region r: keys[bounds[r]:bounds[r + 1]]
+    region_of: dict     # task key -> the region its dO runs in
+
+    @property
+    def n(self) -> int:
+        return len(self.bounds) - 1
+
+
+def _cut_regions(prof: _Profile, regions: int) -> _Cut | None:
+    """At most `regions` regions of near-equal main-stream time (None when
+    the profile saw no split layer)."""
+    keys = prof.order
+    if not keys:
+        return None
+    main = np.array([np.median(prof.main[k]) for k in keys], dtype=np.float64)
+    n = max(1, min(regions, len(keys)))
+    bounds = _balanced_cuts(main, n)
+    return _Cut(keys, main, bounds, {k: r for r in range(n) for k in keys[bounds[r]:bounds[r + 1]]})
 
 
 class _CoRun:
@@ -741,16 +780,24 @@ class _CoRun:
             out[k] = to
         return out
 
-    def record(self) -> None:
+    def recorded(self) -> "_CoRun":
+        """The profile with the stamps of the pass that ends (its entries and
+        groups) measured in, and the next pass to come: a new object, which
+        the handle stores if that pass counts (_commit); this one stays as
+        it is."""
+        out = copy.copy(self)
+        out.pair, out.main_alone, out.sub_alone = (a.copy() for a in (
+            self.pair, self.main_alone, self.sub_alone))
         for (i, a), (_, b) in zip(self.entries, self.entries[1:]):
             if self.pass_ == self.n:
-                self.main_alone[i] = _elapsed(a, b)
+                out.main_alone[i] = _elapsed(a, b)
             elif i >= self.pass_:
-                self.pair[i - self.pass_, i] = _elapsed(a, b)
+                out.pair[i - self.pass_, i] = _elapsed(a, b)
         for r, a, b in self.groups:
-            self.sub_alone[r] = _elapsed(a, b)
-        self.entries, self.groups = [], []
-        self.pass_ += 1
+            out.sub_alone[r] = _elapsed(a, b)
+        out.entries, out.groups = [], []
+        out.pass_ = self.pass_ + 1
+        return out
 
     def done(self) -> bool:
         return self.pass_ > self.n
@@ -802,10 +849,15 @@ class OOOHandle(_PassTracking):
         self._written: dict = {}     # param -> event after its last dW on the sub-stream
         self._main_writes: set = set()  # params autograd added a gradient to on the main stream
         self.schedule_regions = 0    # regions of the schedule, once cut
+        self._cut: _Cut | None = None  # the regions, once cut
+        # what the pass that ends changes (attribute -> value) while _commit stores it
+        self._counted: dict | None = None
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
-        self._end_ref = None  # weakly, the end-of-backward callback of the pass running
+        # weakly, the end-of-backward callback of the pass running; one that
+        # raised before queueing its callback is dropped as any that raised
+        self._end_ref = not_queued
         self._profile = _Profile()
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
@@ -984,9 +1036,15 @@ class OOOHandle(_PassTracking):
 
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
-        ran: its deferred dW are dropped with it (as are the gradients
+        ran, or did not run to its end (a KeyboardInterrupt, the FSDP
+        refusal): its deferred dW are dropped with it (as are the gradients
         autograd had not accumulated yet), hooks held for them come back, and
-        its timings are discarded; the next backward starts clean."""
+        its stamps are discarded: the pass does not count, and the next
+        backward starts clean. One cut short while its change was being
+        stored counts: the change is stored whole now."""
+        if self._counted is not None:
+            self._commit(self._counted)
+            return
         self._join_sub_streams()
         self._end_stream_order()
         self._pending = []
@@ -998,6 +1056,12 @@ class OOOHandle(_PassTracking):
         self._in_backward = False
 
     def _end_backward(self) -> None:
+        """The pass's deferred dW run, then the pass counts (_count_pass),
+        which ends it. Until then it is marked as running: an exception
+        raised before (a KeyboardInterrupt, which may come between any two
+        statements, or the FSDP refusal) leaves it for the next forward or
+        backward to drop, as a backward that raised, so that a pass counts
+        whole or not at all."""
         profiling = self._profiling()
         if profiling and self._marks:
             self._marks.append((None, self._stamp(self._marks[-1][1])))
@@ -1013,45 +1077,77 @@ class OOOHandle(_PassTracking):
             # the others wait for held tasks, which run() runs
         self._unrun_held.update(t for t in self._held_in_pass if not t.has_run)
         self._held_in_pass = []
-        self._in_backward = False
-        if profiling:
-            self._record_profile()
         if self._profiling_left():  # before any dW moves
             self._check_not_sharded_since()
-        self._iteration += 1
-        if self.order != "ooo" or self.schedule is not None:
-            return
-        try:
-            self._advance_schedule(corun)
-        except Exception:
-            # raised once, from the backward that tried (its gradients are
-            # complete); the backward passes after it run autograd's order
-            self._keep_in_place()
-            raise
+        self._count_pass(profiling, corun)
 
-    def _advance_schedule(self, corun: "_CoRun | None") -> None:
+    def _count_pass(self, profiling: bool, corun: "_CoRun | None") -> None:
+        """The pass counts: what that changes (the pass count, its times in
+        the profile, what the schedule makes of them) is made first, into a
+        dict of the handle's attributes, and stored whole by _commit."""
+        change: dict = {"_iteration": self._iteration + 1}
+        if profiling:
+            change["_profile"] = self._profile.with_times(self._marks)
+        if self.order == "ooo" and self.schedule is None:
+            try:
+                self._advance_schedule(corun, change)
+            except Exception:
+                # (a speedup function's value refused, or any other error) raised
+                # once, from the backward that tried (its gradients are complete),
+                # and the backward passes after it run autograd's order; made from
+                # whole passes only, the schedule is never given up for a pass
+                # cut short
+                change.update(self._in_place(change.get("schedule_regions",
+                                                        self.schedule_regions)))
+                self._commit(change)
+                raise
+        self._commit(change)
+
+    def _commit(self, change: dict) -> None:
+        """Stores what the pass that ends changes, and ends it. The change
+        is noted first, in one statement: cut short after that (a
+        KeyboardInterrupt between two stores), the pass is left marked as
+        running with its callback gone, and the next forward or backward
+        stores the change again (_abandon_backward), each store of a value
+        made already repeating harmlessly."""
+        self._counted = change
+        for name, value in change.items():
+            setattr(self, name, value)
+        if "schedule" in change:
+            region_main = self._region_of_main
+            self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+        self._counted = None  # first: a pass that ended is not stored again
+        self._in_backward = False
+
+    def _advance_schedule(self, corun: "_CoRun | None", change: dict) -> None:
         """After a profiling pass: cuts the regions, moves the co-run
-        profile on, or fixes the schedule, as far as the profile allows."""
+        profile on, or fixes the schedule, as far as the profile allows;
+        into `change`, the handle left as it is."""
         if corun is not None:
-            corun.record()
+            corun = corun.recorded()
             if corun.done():
-                self._corun = None
-                self._place(corun.speedup())
+                change.update(self._placement(corun.speedup(), self._profile, self._cut))
             else:
-                self._region_of = corun.regions()
-        elif self._iteration >= self.profile_iters and self._fix_regions():
-            if self._speedup == "profile":
-                nbytes = self._profile.nbytes
-                self._corun = _CoRun(self._region_of_main, self.schedule_regions, nbytes,
-                                     self._cap_bytes(sum(nbytes.values())))
-                self._region_of = self._corun.regions()
-            elif self._speedup is None:
-                self._place(np.ones((self.schedule_regions,) * 2))
-            else:
-                # a dW runs in its own region or a later one: Algorithm 1 reads no other pair
-                n = self.schedule_regions
-                self._place(np.array([[_speedup_value(self._speedup, r, i) if i >= r else 1.0
-                                       for i in range(n)] for r in range(n)]))
+                change.update(_corun=corun, _region_of=corun.regions())
+            return
+        prof = change.get("_profile", self._profile)
+        cut = _cut_regions(prof, self.regions) \
+            if change["_iteration"] >= self.profile_iters else None
+        if cut is None:
+            return
+        n = cut.n
+        change.update(_cut=cut, _region_of_main=cut.region_of, schedule_regions=n)
+        if self._speedup == "profile":
+            corun = _CoRun(cut.region_of, n, prof.nbytes,
+                           self._cap_bytes(sum(prof.nbytes.values())))
+            change.update(_corun=corun, _region_of=corun.regions())
+        elif self._speedup is None:
+            change.update(self._placement(np.ones((n, n)), prof, cut))
+        else:
+            # a dW runs in its own region or a later one: Algorithm 1 reads no other pair
+            change.update(self._placement(
+                np.array([[_speedup_value(self._speedup, r, i) if i >= r else 1.0
+                           for i in range(n)] for r in range(n)]), prof, cut))
 
     def _profiling(self) -> bool:
         """Backward passes after the warm-up that time the sequential profile
@@ -1245,6 +1341,8 @@ class OOOHandle(_PassTracking):
         the last of them, autograd being done with the parameter."""
         waiting: dict = {}
         for t in self._unrun_held:
+            if t.has_run:  # its run() cut short (a KeyboardInterrupt) before it left the set
+                continue
             for p in t.targets:
                 waiting[p] = waiting.get(p, 0) + 1
         for state in list(self._hooked.values()):
@@ -1260,9 +1358,14 @@ class OOOHandle(_PassTracking):
             self._restore_post_hooks(state)
 
     def _restore_post_hooks(self, state: "_HookState") -> list:
-        """The parameter's hooks back (those it still has, which it returns)."""
+        """The parameter's hooks back (those it still has, which it returns).
+        Given back before the state is dropped: cut short in between (a
+        KeyboardInterrupt), the state stays to be given back again (which
+        repeats harmlessly) where the pass is dropped or the next begins;
+        dropped first, it took the set-aside hooks with it for good."""
+        back = state.give_back()
         self._hooked.pop(state.param, None)
-        return state.give_back()
+        return back
 
     def _enter_region(self, region: int) -> None:
         """The main stream reached `region`: issue the tasks placed there."""
@@ -1331,13 +1434,6 @@ class OOOHandle(_PassTracking):
             if p.grad is not None:
                 p.grad.record_stream(main)
 
-    def _record_profile(self) -> None:
-        """Turns this pass's stamps into per-call main-stream times."""
-        prof = self._profile
-        for (key, a), (_, b) in zip(self._marks, self._marks[1:]):
-            prof.main.setdefault(key, []).append(_elapsed(a, b))
-        self._marks = []
-
     def _sub_stream(self, device: torch.device) -> "torch.cuda.Stream":
         sub = self._sub_streams.get(device)
         if sub is None:
@@ -1349,26 +1445,11 @@ class OOOHandle(_PassTracking):
 
     # -- the schedule ------------------------------------------------------------
 
-    def _fix_regions(self) -> bool:
-        """Cuts the profiled backward into regions of near-equal main-stream
-        time (False when the profile saw no split layer)."""
-        prof = self._profile
-        keys = prof.order
-        if not keys:
-            return False
-        main = np.array([np.median(prof.main[k]) for k in keys], dtype=np.float64)
-        n = max(1, min(self.regions, len(keys)))
-        bounds = _balanced_cuts(main, n)              # region r: keys[bounds[r]:bounds[r+1]]
-        self._region_of_main = {k: r for r in range(n) for k in keys[bounds[r]:bounds[r + 1]]}
-        self._main_times, self._bounds = main, bounds
-        self.schedule_regions = n
-        return True
-
-    def _place(self, speedup: np.ndarray) -> None:
+    def _placement(self, speedup: np.ndarray, prof: _Profile, cut: _Cut) -> dict:
         """Algorithm 1 with speedup[r, i] (dW of region r beside region i),
-        then the memory cap: where each dW runs from now on."""
-        prof, main, bounds = self._profile, self._main_times, self._bounds
-        keys, n, region_main = prof.order, self.schedule_regions, self._region_of_main
+        then the memory cap: where each dW runs from now on (the attributes
+        of the fixed schedule, for _commit)."""
+        keys, main, bounds, n, region_main = cut.keys, cut.main, cut.bounds, cut.n, cut.region_of
         sub = {k: float(np.median([_elapsed(*v) if isinstance(v, tuple) else v for v in vs]))
                for k, vs in prof.sub.items()}
         t_main = np.array([main[bounds[r]:bounds[r + 1]].sum() for r in range(n)])
@@ -1389,26 +1470,25 @@ class OOOHandle(_PassTracking):
         mem = np.array([prof.nbytes.get(k, 0) for k in tasks], dtype=np.int64)
         region, order, pre, peak = _C.sched_regions(t_main, ready, deadline, t_sub, per_task, mem,
                                                     self._cap_bytes(int(mem.sum())))
-        self._region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
-        self.schedule = {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
-                         "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
-                         "moved": int(sum(1 for k in tasks if self._region_of[k] != region_main[k]))}
-        self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+        region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
+        return {"_corun": None, "_region_of": region_of,
+                "schedule": {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
+                             "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
+                             "moved": int(sum(1 for k in tasks if region_of[k] != region_main[k]))}}
 
     def _cap_bytes(self, total: int) -> int:
         """max_extra_memory in bytes of the deferred tasks' `total` (a
         fraction of 1 or more, inf: no cap, holds everything)."""
         return int(min(self.max_extra_memory, 1.0) * max(1, total))
 
-    def _keep_in_place(self) -> None:
+    @staticmethod
+    def _in_place(n: int) -> dict:
         """The schedule that leaves every dW beside its dO (autograd's order),
-        for a profile that could not be turned into one."""
-        self._corun = None
-        self._region_of = {}
-        n = self.schedule_regions
-        self.schedule = {"regions": n, "region_time": [], "prescheduled": n,
-                         "peak_extra_bytes": 0, "speedup": [], "moved": 0}
-        self._split_moved(set())
+        for a profile that could not be turned into one (its attributes, for
+        _commit)."""
+        return {"_corun": None, "_region_of": {},
+                "schedule": {"regions": n, "region_time": [], "prescheduled": n,
+                             "peak_extra_bytes": 0, "speedup": [], "moved": 0}}
 
     def _split_moved(self, moved: set) -> None:
         """Off CUDA, only the layers of site index in `moved` stay split:
@@ -2455,7 +2535,9 @@ class DataParallel(_PassTracking, Joinable):
         self._held_modules: set = set()
         self._used: set = set()        # params that got a gradient since the last reduction
         self._in_backward = False
-        self._end_ref = None           # weakly, the end-of-backward callback of the pass running
+        # weakly, the end-of-backward callback of the pass running; one that
+        # raised before queueing its callback is dropped as any that raised
+        self._end_ref = not_queued
         self._held: list | None = None
         self._stack: contextlib.ExitStack | None = None
         self._next = 0                 # the next bucket to launch in this backward
