@@ -2491,3 +2491,80 @@ def test_first_gradient_of_a_column_major_weight_has_the_weights_layout(order):
         assert b.grad.stride() == a.grad.stride() == b.stride()
         assert torch.equal(b.grad, a.grad)
     handle.remove()
+
+
+# ---------------------------------------------------------------------------
+# A KeyboardInterrupt (a notebook's stop button) midway through installing:
+# injected before each line of ooo.py the call runs, then the cell runs again
+# ---------------------------------------------------------------------------
+
+
+def interrupted_in_ooo(k: int, call) -> bool:
+    """Runs call() with a KeyboardInterrupt raised before the k-th line of
+    reprop/ooo.py it executes (the stop button may land between any two
+    statements); whether it was raised (False: call() ran fewer lines)."""
+    lines = 0
+
+    def in_ooo(frame, event, arg):
+        nonlocal lines
+        if event == "line":
+            lines += 1
+            if lines == k:
+                raise KeyboardInterrupt  # CPython then stops tracing
+        return in_ooo
+
+    def each_call(frame, event, arg):
+        return in_ooo if frame.f_code.co_filename == ooo.__file__ else None
+
+    tracer = sys.gettrace()  # a coverage tool's, given back after
+    sys.settrace(each_call)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(tracer)
+    return False
+
+
+def assert_as_built(model: nn.Module, built: nn.Module) -> None:
+    """model holds what built, an untouched copy, holds: no module has a
+    forward of its own or any other attribute built's lacks, and neither a
+    module nor a parameter has a hook."""
+    for m, b in zip(model.modules(), built.modules(), strict=True):
+        assert set(vars(m)) == set(vars(b))
+        assert not (m._forward_pre_hooks or m._forward_hooks or m._backward_hooks)
+    for p in model.parameters():
+        assert not (p._post_accumulate_grad_hooks or p._backward_hooks)
+
+
+def test_enable_interrupted_anywhere_runs_again():
+    """enable() swapped the split forwards in layer by layer and returned
+    the handle after: interrupted between two layers, or after the last,
+    it left layers split by a handle the caller never got, and running the
+    cell again raised 'split by another reprop.ooo.enable() handle; call
+    remove() on it first'. Now the forwards go in all or none, in the
+    statement that returns the handle: whatever line the interrupt comes
+    before, the model is as it was, and enable() again trains as autograd
+    (bitwise: the same kernels, no weight used twice) until remove()
+    leaves it as it was."""
+    torch.manual_seed(0)
+    built = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    for k in itertools.count(1):
+        model, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_in_ooo(k, lambda: ooo.enable(model)):
+            break
+        assert_as_built(model, built)
+        handle = ooo.enable(model)
+        opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in (model, ref)]
+        for step in range(3):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+            for net, opt in zip((model, ref), opts):
+                opt.zero_grad()
+                net(x).pow(2).sum().backward()
+                opt.step()
+            for a, b in zip(model.parameters(), ref.parameters(), strict=True):
+                assert torch.equal(a.grad, b.grad) and torch.equal(a, b)
+        handle.remove()
+        assert_as_built(model, built)
+    assert k > 100  # it did stop enable() midway

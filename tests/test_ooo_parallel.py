@@ -40,8 +40,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse
-from reprop.ooo import (DataParallel, Pipeline, _check_costs, _inbox, _stage_programs,
-                        allreduce_time, data_parallel, enable, reverse_first_k, search_k, simulate)
+from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
+                        _pipelined_in_micro_batches, _stage_programs, allreduce_time,
+                        data_parallel, enable, reverse_first_k, search_k, simulate)
+from test_ooo import assert_as_built, interrupted_in_ooo
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -2018,3 +2020,79 @@ def test_data_parallel_first_backward_stopped_before_its_end_is_queued(solo_grou
             F.mse_loss(net(x), t).backward()
         _assert_same(model, ref, "grad")
     dp.remove()
+
+
+# ---------------------------------------------------------------------------
+# A KeyboardInterrupt (a notebook's stop button) midway through a constructor:
+# injected before each line of ooo.py it runs (see test_ooo.py), then the cell
+# runs again
+# ---------------------------------------------------------------------------
+
+
+def test_data_parallel_interrupted_anywhere_in_construction_runs_again(solo_group):
+    """DataParallel(model) split the layers first, then broadcast, hooked the
+    model and counted itself live: interrupted after the split it left
+    layers split by a handle the caller never got (DataParallel(model)
+    again refused them), and after a hook, a model hooked by an object
+    nobody held; interrupted as the broadcast's `with torch.no_grad()`
+    body ended, grad mode off for the session. Now all of it goes in last,
+    all or none, and grad mode is restored in a finally: the model is as
+    it was, and DataParallel again gives autograd's gradients (one rank)
+    until remove() leaves it as it was."""
+    torch.manual_seed(0)
+    built = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    for k in itertools.count(1):
+        model, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_in_ooo(k, lambda: DataParallel(model, k=1)):
+            break
+        assert_as_built(model, built)
+        assert not _averaged_by_data_parallel(model.parameters())
+        dp = DataParallel(model, k=1)
+        for step in range(2):
+            x, t = _batch(0, step)
+            for net in (model, ref):
+                net.zero_grad()
+                F.mse_loss(net(x), t).backward()
+            _assert_same(model, ref, "grad")
+        dp.remove()
+        assert_as_built(model, built)
+    assert k > 100  # it did stop the constructor midway
+
+
+def test_pipeline_interrupted_anywhere_in_construction_runs_again(solo_group):
+    """Pipeline(layers, micro_batches=2) counted itself among the pipelines
+    that refuse backward fusion, then split its layers, then set up its
+    messages: interrupted after the split it left layers split by a handle
+    nobody got (a new Pipeline refused them). Now the count and the split
+    go in last, all or none: the layers are as they were, counted nowhere,
+    and a new Pipeline trains as the whole batch at once (up to the
+    rounding of the micro-batches' sums) until remove()."""
+    built = nn.Sequential(*_blocks()[:3])
+    for k in itertools.count(1):
+        layers, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_in_ooo(k, lambda: Pipeline(layers, micro_batches=2)):
+            break
+        assert_as_built(layers, built)
+        assert not _pipelined_in_micro_batches(layers.parameters())
+        pipe = Pipeline(layers, micro_batches=2)
+        x, t = _batch(0, 0)
+        pipe.step(x, t, F.mse_loss)
+        F.mse_loss(ref(x), t).backward()
+        _assert_same(layers, ref, "grad", exact=False)
+        pipe.remove()
+        assert_as_built(layers, built)
+    assert k > 100  # it did stop the constructor midway
+
+
+def test_pipeline_whose_layer_enable_refuses_counts_nowhere(solo_group):
+    """A Pipeline of micro-batches counted itself among those refusing
+    backward fusion before enable() refused one of its layers (a sparse
+    Embedding): while the traceback kept the half-built object (a
+    notebook's last error keeps it), backward fusion of the other layer was
+    refused, naming a Pipeline that never was. The count now comes with
+    the split, which is undone, count included, on any exception."""
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Embedding(10, WIDTH, sparse=True)]
+    with pytest.raises(ValueError, match="^model: 1: Embedding\\(sparse=True\\)") as refused:
+        Pipeline(layers, micro_batches=2)
+    assert refused.traceback  # (its frames hold the half-built pipeline)
+    fuse(layers[0], torch.optim.SGD(layers[0].parameters(), lr=0.1), mode="backward").remove()

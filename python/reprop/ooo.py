@@ -824,7 +824,8 @@ class _PassTracking:
 
 
 class OOOHandle(_PassTracking):
-    """What ``enable`` returns; ``remove()`` restores the modules' own forward."""
+    """What ``enable`` returns; ``remove()`` restores the modules' own forward.
+    Made, it has found the layers to split; ``_install()`` splits them."""
 
     def __init__(self, model: nn.Module, order: str, regions: int, max_extra_memory: float,
                  profile_iters: int, speedup: "Callable[[int, int], float] | str | None"):
@@ -897,8 +898,6 @@ class OOOHandle(_PassTracking):
                 # (the message names the layer's type: the model itself adds no name)
                 raise ValueError(f"model: {name}: {exc}" if name else f"model: {exc}") from None
             self.sites.append(_Site(m, kind, self, name or type(m).__name__, params=params))
-        for site in self.sites:
-            site.module.forward = types.MethodType(_make_forward(site), site.module)
 
     # -- public ----------------------------------------------------------------
 
@@ -972,8 +971,7 @@ class OOOHandle(_PassTracking):
             return
         self.flush()
         self._restore_all_post_hooks()
-        for site in self.sites:
-            site.module.__dict__.pop("forward", None)
+        self._restore_forwards()
         self._removed = True
 
     def __enter__(self) -> "OOOHandle":
@@ -981,6 +979,28 @@ class OOOHandle(_PassTracking):
 
     def __exit__(self, *exc) -> None:
         self.remove()
+
+    def _install(self) -> "OOOHandle":
+        """Swaps the split forward into every site's module, all or none: on
+        any exception midway (a KeyboardInterrupt: a notebook's stop button
+        lands between any two statements) those swapped in go again, so that
+        the model is as it was and enable() runs again (a layer left split
+        had it refuse the model, naming a handle the caller never got).
+        Returns the handle, for enable() to return in the statement that
+        installs: one after it could be interrupted too."""
+        try:
+            for site in self.sites:
+                site.module.forward = types.MethodType(_make_forward(site), site.module)
+            return self  # (inside: an interrupt before it is one midway)
+        except BaseException:
+            self._restore_forwards()
+            raise
+
+    def _restore_forwards(self) -> None:
+        """Each site's module calls its class's forward again (no site's
+        module had one of its own: _splittable)."""
+        for site in self.sites:
+            site.module.__dict__.pop("forward", None)
 
     def _check_not_sharded_since(self) -> None:
         """Refuses a model FSDP sharded since enable(), as enable() refuses a
@@ -1720,7 +1740,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          "or GroupNorm with trainable parameters to split (exact types whose "
                          "weight and bias are registered Parameters: subclasses, lazy modules "
                          "and parametrized weights run plain autograd)")
-    return handle
+    return handle._install()
 
 
 # ---------------------------------------------------------------------------
@@ -2472,12 +2492,12 @@ class DataParallel(_PassTracking, Joinable):
         if k != "auto" and not _is_count(k):
             raise ValueError(f"k: expected an int or 'auto', got {k!r}")
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
-        # schedule's arguments do not apply to the conventional order
+        # schedule's arguments do not apply to the conventional order. Split
+        # last, with the hooks (_install)
         self.handle = OOOHandle(model, "conventional", regions=1, max_extra_memory=0.0,
                                 profile_iters=2, speedup=None)
         layers = len(self.handle.sites)
         if k != "auto" and not 0 <= k <= layers:
-            self.handle.remove()
             raise ValueError(f"k: expected 0 <= k <= {layers} (the split layers of the model), "
                              f"got {k}")
         self.model = model
@@ -2524,14 +2544,34 @@ class DataParallel(_PassTracking, Joinable):
         self._sync_buffers = broadcast_buffers and self.world > 1 \
             and any(True for _ in model.buffers())
         self._removed = False
-        with torch.no_grad():
-            self._broadcast(self._synced_states())
-        self._hooks = [model.register_forward_pre_hook(self._before_forward),
-                       model.register_forward_hook(self._watch_output)]
-        self._hooks += [p.register_post_accumulate_grad_hook(weak_hook(self._grad_accumulated))
-                        for p in self._params]
+        self._hooks: list = []
         self._all_params = list(model.parameters())
-        _LIVE_DATA_PARALLEL.add(self)
+        # (not `with torch.no_grad()`: an interrupt as its body ends, before
+        # its exit runs, left grad mode off for the session)
+        without_grad(self._broadcast, self._synced_states())
+        self._install()
+
+    def _install(self) -> None:
+        """Splits the model's layers, hooks it and counts it live, all or
+        nothing: on any exception midway (a KeyboardInterrupt: a notebook's
+        stop button lands between any two statements) remove() takes out
+        what was installed, so that the model is as it was and the cell runs
+        again (a model left split, then hooked, by an object the caller never
+        got was refused by DataParallel(model) again). Each hook joins
+        self._hooks in the statement that registers it, one line (a
+        statement spanning lines is interrupted between them too), for
+        remove() to find."""
+        accumulated = weak_hook(self._grad_accumulated)
+        try:
+            self.handle._install()
+            self._hooks.append(self.model.register_forward_pre_hook(self._before_forward))
+            self._hooks.append(self.model.register_forward_hook(self._watch_output))
+            for p in self._params:
+                self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+            _LIVE_DATA_PARALLEL.add(self)
+        except BaseException:
+            self.remove()
+            raise
 
     # -- public ----------------------------------------------------------------
 
@@ -3259,17 +3299,13 @@ class Pipeline:
         # a shared parameter frozen now may be unfrozen later: step() checks
         # again; weak, as layers of other stages are not this rank's to keep
         self._sharing = [(l, weakref.ref(layer)) for l, layer in sharing]
-        if self.micro_batches > 1:
-            if _backward_fused(local):
-                raise ValueError(
-                    f"micro_batches: a step() of {self.micro_batches} micro-batches interleaves "
-                    "their forwards and backwards, but reprop.fuse(mode='backward') updates this "
-                    "rank's parameters inside each micro-batch's backward (the later forwards "
-                    "would see the update, and each gradient would be applied on its own); fuse "
-                    "with mode='forward' (or remove() the fusion first)")
-            _MICRO_BATCH_PIPELINES.add(self)
-        self.handle: OOOHandle | None = (enable(local, order="conventional")
-                                         if _splits_any(local) else None)
+        if self.micro_batches > 1 and _backward_fused(local):
+            raise ValueError(
+                f"micro_batches: a step() of {self.micro_batches} micro-batches interleaves "
+                "their forwards and backwards, but reprop.fuse(mode='backward') updates this "
+                "rank's parameters inside each micro-batch's backward (the later forwards "
+                "would see the update, and each gradient would be applied on its own); fuse "
+                "with mode='forward' (or remove() the fusion first)")
         self._schedules: dict = {}  # (input_grad, train) -> (this rank's program, its inbox)
         # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
         self._headers: dict = {}
@@ -3277,6 +3313,26 @@ class Pipeline:
         # whether a gradient follows (see _send_gradient); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
                        for has in (False, True)}
+        self.handle: OOOHandle | None = None
+        self._install(local)
+
+    def _install(self, local: nn.Module) -> None:
+        """Splits this rank's layers and, with several micro-batches, counts
+        the pipeline among those refusing backward fusion, all or nothing:
+        on any exception midway (a KeyboardInterrupt: a notebook's stop
+        button lands between any two statements; enable()'s refusal of a
+        layer) remove() takes out what was installed, so that the layers
+        are as they were and the cell runs again. Layers left split by a
+        handle the caller never got were refused by the next Pipeline, and
+        a count left behind refused backward fusion of the layers while
+        the half-built pipeline lived (a notebook's last traceback holds it)."""
+        try:
+            if self.micro_batches > 1:
+                _MICRO_BATCH_PIPELINES.add(self)
+            self.handle = enable(local, order="conventional") if _splits_any(local) else None
+        except BaseException:
+            self.remove()
+            raise
 
     # -- public ----------------------------------------------------------------
 
