@@ -3438,7 +3438,82 @@ def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 11. CUDA
+# 11. A step interrupted (a notebook's stop button: KeyboardInterrupt)
+# ---------------------------------------------------------------------------
+
+def interrupt_call(monkeypatch, owner, name: str, n: int) -> list:
+    """Patches owner.name to raise KeyboardInterrupt as its n-th call starts,
+    deterministically where a stop button lands at random; returns the
+    count of calls, for the test to see that it was reached."""
+    original, calls = getattr(owner, name), [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return calls
+
+
+def set_grads(params: list, grads: list) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def assert_resumes_as_torch(name: str, options: dict, got: Run, grads: list, tol: Tol) -> None:
+    """Training on from the state an interrupted step left gives what
+    torch.optim gives from that state (its params and state_dict()): the
+    optimizer keeps nothing of the interrupted step that its state lacks."""
+    params = [nn.Parameter(p.detach().clone()) for p in got.params]
+    ref = Run(params, torch_cls(name)(params, **options))
+    ref.opt.load_state_dict(copy.deepcopy(got.opt.state_dict()))
+    for step_grads in grads:
+        for run in (got, ref):
+            set_grads(run.params, step_grads)
+            run.opt.step()
+    assert_runs_close(got, ref, tol)
+
+
+SGD_MOMENTA = [{"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+               {"lr": 0.1, "momentum": 0.9, "nesterov": True}]
+# Where the first step is stopped: the call of a helper that it makes.
+FIRST_STEP_STOPS = [("_prepare_grads", 2), ("_Plan.run", 1), ("_PlanCache.put", 1)]
+
+
+@pytest.mark.parametrize("options", SGD_MOMENTA, ids=["dampening", "nesterov"])
+@pytest.mark.parametrize("stop", FIRST_STEP_STOPS, ids=lambda s: s[0])
+def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
+        options: dict, stop: tuple, monkeypatch) -> None:
+    """SGD makes a param's momentum buffer empty, for its first update to
+    fill from the gradient. It was put into the state before that update
+    ran, so a first step stopped in between left uninitialized memory as
+    the buffer: saved by state_dict(), and read as a buffer by the next
+    step once the plan was rebuilt from the state (stopped as the plan was
+    cached: params off by 1e19, silently). A buffer goes into the state once
+    filled, as torch stores the one its first update makes: each param is
+    left as before the step or as after it, and training on is torch's."""
+    shapes = [(3, 4), (3,), (2, 3)]
+    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 5)
+    got = run_open_loop(factory(rp.SGD, **options), init, [])
+    after = run_open_loop(factory(torch.optim.SGD, **options), init, grads[:1])
+    owner, name = stop[0].rpartition(".")[::2] if "." in stop[0] else ("", stop[0])
+    calls = interrupt_call(monkeypatch, getattr(rp, owner) if owner else rp, name, stop[1])
+    set_grads(got.params, grads[0])
+    with pytest.raises(KeyboardInterrupt):
+        got.opt.step()
+    assert calls[0] == stop[1]
+    monkeypatch.undo()
+    for p, a, i in zip(got.params, after.params, init):
+        assert torch.equal(p, i) or torch.equal(p, a)
+        buf = got.opt.state[p].get("momentum_buffer")
+        assert buf is None or torch.equal(buf, after.opt.state[a]["momentum_buffer"])
+    assert_resumes_as_torch("SGD", options, got, grads[1:], Tol(0.0, 0.0))
+
+
+# ---------------------------------------------------------------------------
+# 12. CUDA
 # ---------------------------------------------------------------------------
 
 class _FakeCuda:

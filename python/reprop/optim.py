@@ -186,9 +186,11 @@ class _Plan:
     (opt._state_slots(group)), `active` the ids of the params with a gradient.
     The state tensors a new plan creates (or converts to float32) go into
     opt.state only at commit_state(), once check() has passed: a refused step
-    leaves no state behind (an SGD momentum buffer is created empty and
-    filled by its first update, so one left behind would later be read as a
-    buffer)."""
+    leaves no state behind. A new SGD momentum buffer, created empty for its
+    first update to fill (`fresh`), goes in only once that update has run
+    (publish_fresh), as torch stores the buffer its first update makes: one
+    in the state before, left by a step interrupted in between (a notebook's
+    stop button), would be read as a buffer by the next plan, or saved."""
 
     def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple,
                  active: set):
@@ -218,6 +220,8 @@ class _Plan:
         # and address), so that a tensor the user put in their place, or one whose
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
+        # (row, watched entry) of the new SGD buffers, watched once published
+        self.fresh = []
         converted_steps: dict = {}  # shared by _step_tensor's calls: see there
         for row, (p, st, key) in enumerate(zip(params, self.state_dicts, self.param_keys)):
             watched = []
@@ -243,13 +247,19 @@ class _Plan:
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
-                    watched.append((key, t, _COL_STATE + slot))
+                    entry = (key, t, _COL_STATE + slot)
+                    if self.table[row, _COL_FLAGS] & _FRESH_BUFFER:  # (SGD: its only slot)
+                        self.fresh.append((row, entry))
+                    else:
+                        watched.append(entry)
             self.watched.append(tuple(watched))
         # Whether a row writes an inference tensor (a param, state made inside
         # inference_mode), which torch's in-place update refuses outside
         # inference_mode: then check() looks at the mode each step.
-        self.inference = any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
-                             for p, watched in zip(params, self.watched) if watched is not None)
+        self.inference = (any(t.is_inference() for _, (_, t, _) in self.fresh)
+                          or any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
+                                 for p, watched in zip(params, self.watched)
+                                 if watched is not None))
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
         self.aliased = ()  # set by each prepare_grads
@@ -306,10 +316,26 @@ class _Plan:
 
     def commit_state(self) -> None:
         """Puts the state tensors the rows of this step point at into the
-        state dicts (the other rows' are there already)."""
+        state dicts (the other rows' are there already), but new SGD buffers
+        (publish_fresh)."""
         for row in range(len(self.params)) if self.rows is None else self.rows:
             for key, t, _ in self.watched[row]:
                 self.state_dicts[row][key] = t
+
+    def publish_fresh(self) -> None:
+        """Puts the new SGD buffers that this step's update has filled into
+        the state dicts, watched from now on; those of rows that sat the step
+        out (a gradient dropped since the plan was built) stay fresh."""
+        taking_part = None if self.rows is None else set(self.rows)
+        unfilled = []
+        for row, entry in self.fresh:
+            if taking_part is not None and row not in taking_part:
+                unfilled.append((row, entry))
+                continue
+            key, t, _ = entry
+            self.state_dicts[row][key] = t
+            self.watched[row] += (entry,)
+        self.fresh = unfilled
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
@@ -1037,11 +1063,12 @@ class _FusedOptimizer:
             # first use, a first gradient, a storage or state tensor replaced, other
             # state, capturable switched (step counts on another device; a CPU group
             # is refused, as torch's update refuses it)
-            if (keep is None or plans[0].slots != slots
-                    or plans[0].capturable != bool(hp.get("capturable", False))):
+            new_plans = (keep is None or plans[0].slots != slots
+                         or plans[0].capturable != bool(hp.get("capturable", False)))
+            if new_plans:
                 active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
-                plans = self._make_plans(hp, params, active, key, slots, hparams)
+                plans = self._make_plans(hp, params, active, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
                 running = _running(plans)
             # each call checks its own: let none run if one refuses (one that may
@@ -1051,6 +1078,8 @@ class _FusedOptimizer:
                     plan.check(self, hparams)
             for plan in running:
                 plan.run(self, hp, hparams)
+            if new_plans:
+                self._cache_plans(key, plans)
         except (TypeError, ValueError, OverflowError) as e:  # a refused setting: name the group
             refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
@@ -1097,7 +1126,7 @@ class _FusedOptimizer:
                                f"{self._torch_class.__name__} raises this KeyError too")
             _check_step_count(st["step"], p)
 
-    def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
+    def _make_plans(self, group: dict, params: list, active: list, slots: tuple,
                     hparams: tuple) -> list:
         self._follow_param_groups(params)
         buckets: dict = {}
@@ -1113,8 +1142,20 @@ class _FusedOptimizer:
                 plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
-        self._plans.put(key, plans)
         return plans
+
+    def _cache_plans(self, key: tuple, plans: list) -> None:
+        """Caches the plans just built for the call of `key` once their first
+        update has run and the new SGD buffers it filled are in the state
+        (publish_fresh): a cached plan holds no state that the state dicts
+        lack, so a step interrupted before (a notebook's stop button) leaves
+        no plan cached, and the next step builds one from the state, as
+        torch's next step starts from its state. Plans with a buffer left
+        fresh are not cached: the next step builds them again."""
+        for plan in plans:
+            plan.publish_fresh()
+        if not any(plan.fresh for plan in plans):
+            self._plans.put(key, plans)
 
     def _follow_param_groups(self, params: Iterable = ()) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
@@ -1187,7 +1228,9 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         return ("momentum_buffer" if group["momentum"] != 0 else None, None, None)
 
     def _initial_state(self, key, p, group):
-        return torch.empty_like(p, dtype=torch.float32)  # filled from the first gradient
+        # filled from the first gradient by the first update, and only then
+        # put into the state (_Plan.publish_fresh)
+        return torch.empty_like(p, dtype=torch.float32)
 
 
 class Adam(_FusedOptimizer, torch.optim.Adam):
