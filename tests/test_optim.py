@@ -3512,6 +3512,81 @@ def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
     assert_resumes_as_torch("SGD", options, got, grads[1:], Tol(0.0, 0.0))
 
 
+class LineStop:
+    """Raises KeyboardInterrupt as the n-th line runs in the frames of `code`
+    (a function's __code__): a stop button at every point of a function, in
+    turn. `count` is the number of lines run there (n=0: stop at none)."""
+
+    def __init__(self, code, n: int) -> None:
+        self.code, self.n, self.count = code, n, 0
+
+    def __enter__(self) -> LineStop:
+        self.saved = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.saved)
+
+    def _call(self, frame, event: str, arg):
+        return self._line if frame.f_code is self.code else None
+
+    def _line(self, frame, event: str, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt
+        return self._line
+
+
+# Which of 4 params have a gradient at each step: the second step has a
+# subset, the rows of the cached plan taking part change at each step after.
+SUBSET_MASKS = [[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 1, 1], [1, 1, 0, 1]]
+
+
+def subset_steps(name: str, stop: LineStop) -> tuple[Run, list]:
+    """Steps SUBSET_MASKS's first step, then its second under `stop`;
+    returns the run and the gradients of the steps to take from there: the
+    second step's again when it was stopped."""
+    shapes = [(3, 4), (3,), (2, 3), (2,)]
+    init, full = make_params(shapes, seed=33), grad_sequence(shapes, len(SUBSET_MASKS))
+    grads = [[g if m else None for g, m in zip(step, mask)] for step, mask in zip(full, SUBSET_MASKS)]
+    run = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:1])
+    set_grads(run.params, grads[1])
+    try:
+        with stop:
+            run.opt.step()
+    except KeyboardInterrupt:
+        return run, grads[1:]
+    return run, grads[2:]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_interrupted_as_its_rows_change_steps_on(name: str) -> None:
+    """A step whose params with a gradient are another subset than the last
+    step's (a frozen layer, LayerDrop) resets the rows of the cached plan
+    that take part (_Plan._take_part). Stopped between two of its
+    assignments, it left the rows of one subset with the step table of
+    another, and every later step raised an internal ValueError (a shape
+    mismatch, or "step_rows must be None with the table as step_table")
+    until load_state_dict. Stopped at any line there, the step leaves the
+    params and state as they were, and training on gives what training
+    uninterrupted gives (bitwise), and torch's from that state."""
+    code = rp._Plan._take_part.__code__
+    straight = LineStop(code, 0)
+    expected, rest = subset_steps(name, straight)
+    for step_grads in rest:
+        set_grads(expected.params, step_grads)
+        expected.opt.step()
+    assert straight.count > 3
+    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
+    for n in range(1, straight.count + 1):
+        run, grads = subset_steps(name, LineStop(code, n))
+        assert len(grads) == len(rest) + 1, f"line {n}: not stopped"
+        assert_resumes_as_torch(name, RICH[name], run, grads, tol)
+        assert_runs_equal(run, expected)
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------

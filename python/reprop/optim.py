@@ -271,23 +271,28 @@ class _Plan:
         `step_params` their params and `step_staged` their staged entries.
         Kept while the same rows take part: the fast path writes the gradient
         pointers into the copy, so that the steady state of a model with
-        frozen params copies no rows and builds no lists of them."""
+        frozen params copies no rows and builds no lists of them. `rows` and
+        these four are set in one statement: the plan stays cached when a
+        KeyboardInterrupt (a notebook's stop button) lands here, and every
+        later step raised for the rows of one subset with the step table of
+        another."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
         if self.rows is not None:
             # the flags the core cleared in the copy (a new SGD buffer is filled
             # once) go back to the table that the next copy is taken from
             self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
-        self.rows = rows
         if rows is None:
-            self.step_rows, self.step_table = None, self.table
-            self.step_params, self.step_staged = self.params, self.staged
-            return
-        self.step_rows = np.array(rows, dtype=np.int64)
-        self.step_table = self.table[self.step_rows]
-        self.step_params = [self.params[r] for r in rows]
-        taking_part = set(rows)
-        self.step_staged = [s for s in self.staged if s[0] in taking_part]
+            step_rows, step_table = None, self.table
+            step_params, step_staged = self.params, self.staged
+        else:
+            step_rows = np.array(rows, dtype=np.int64)
+            step_table = self.table[step_rows]
+            step_params = [self.params[r] for r in rows]
+            taking_part = set(rows)
+            step_staged = [s for s in self.staged if s[0] in taking_part]
+        self.rows, self.step_rows, self.step_table, self.step_params, self.step_staged = (
+            rows, step_rows, step_table, step_params, step_staged)
 
     @property
     def idle(self) -> bool:
