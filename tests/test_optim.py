@@ -3544,21 +3544,45 @@ class LineStop:
 SUBSET_MASKS = [[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 1, 1], [1, 1, 0, 1]]
 
 
-def subset_steps(name: str, stop: LineStop) -> tuple[Run, list]:
-    """Steps SUBSET_MASKS's first step, then its second under `stop`;
-    returns the run and the gradients of the steps to take from there: the
-    second step's again when it was stopped."""
+def subset_grads() -> list:
     shapes = [(3, 4), (3,), (2, 3), (2,)]
-    init, full = make_params(shapes, seed=33), grad_sequence(shapes, len(SUBSET_MASKS))
-    grads = [[g if m else None for g, m in zip(step, mask)] for step, mask in zip(full, SUBSET_MASKS)]
-    run = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:1])
-    set_grads(run.params, grads[1])
+    full = grad_sequence(shapes, len(SUBSET_MASKS))
+    return [[g if m else None for g, m in zip(step, mask)] for step, mask in zip(full, SUBSET_MASKS)]
+
+
+def stopped_run(name: str, grads: list, at: int, stop: LineStop) -> tuple[Run, list]:
+    """Steps with grads[:at], then with grads[at] under `stop`; returns the
+    run and the gradients of the steps to take from there: grads[at] again
+    when it was stopped."""
+    init = make_params([tuple(g.shape) for g in grads[0]], seed=33)
+    run = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:at])
+    set_grads(run.params, grads[at])
     try:
         with stop:
             run.opt.step()
     except KeyboardInterrupt:
-        return run, grads[1:]
-    return run, grads[2:]
+        return run, grads[at:]
+    return run, grads[at + 1:]
+
+
+def assert_every_stop_steps_on(name: str, function, grads: list, at: int,
+                               check: Callable[[Run], None] = lambda run: None) -> None:
+    """Stops the step with grads[at] at each line of `function` in turn
+    (`check` sees what it leaves), then trains on: as training uninterrupted
+    (bitwise), and as torch from the state left."""
+    straight = LineStop(function.__code__, 0)
+    expected, rest = stopped_run(name, grads, at, straight)
+    for step_grads in rest:
+        set_grads(expected.params, step_grads)
+        expected.opt.step()
+    assert straight.count > 3
+    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
+    for n in range(1, straight.count + 1):
+        run, left = stopped_run(name, grads, at, LineStop(function.__code__, n))
+        assert len(left) == len(rest) + 1, f"line {n}: not stopped"
+        check(run)
+        assert_resumes_as_torch(name, RICH[name], run, left, tol)
+        assert_runs_equal(run, expected)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -3572,19 +3596,33 @@ def test_a_step_interrupted_as_its_rows_change_steps_on(name: str) -> None:
     until load_state_dict. Stopped at any line there, the step leaves the
     params and state as they were, and training on gives what training
     uninterrupted gives (bitwise), and torch's from that state."""
-    code = rp._Plan._take_part.__code__
-    straight = LineStop(code, 0)
-    expected, rest = subset_steps(name, straight)
-    for step_grads in rest:
-        set_grads(expected.params, step_grads)
-        expected.opt.step()
-    assert straight.count > 3
-    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
-    for n in range(1, straight.count + 1):
-        run, grads = subset_steps(name, LineStop(code, n))
-        assert len(grads) == len(rest) + 1, f"line {n}: not stopped"
-        assert_resumes_as_torch(name, RICH[name], run, grads, tol)
-        assert_runs_equal(run, expected)
+    assert_every_stop_steps_on(name, rp._Plan._take_part, subset_grads(), 1)
+
+
+def torch_state_keys(name: str) -> list:
+    """The keys of the state torch's first step gives a param, in order."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(2)
+    opt.step()
+    return list(opt.state[p])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_first_step_interrupted_as_it_creates_state_steps_on(name: str) -> None:
+    """A first step puts the state it creates into each param's state dict
+    (_Plan.commit_state). Stopped between two keys of a param, it left a
+    step count without exp_avg (square_avg, ...), which every later step
+    refused with a KeyError ("an option that needs it was switched on after
+    the first step"). Stopped at any line there, each param has all its
+    initial state or none, and training on gives what training
+    uninterrupted gives (bitwise), and torch's from that state."""
+    keys = torch_state_keys(name)
+
+    def check(run: Run) -> None:
+        assert all(list(st) in ([], keys) for st in run.opt.state.values())
+
+    assert_every_stop_steps_on(name, rp._Plan.commit_state, subset_grads(), 0, check)
 
 
 # ---------------------------------------------------------------------------

@@ -322,10 +322,13 @@ class _Plan:
     def commit_state(self) -> None:
         """Puts the state tensors the rows of this step point at into the
         state dicts (the other rows' are there already), but new SGD buffers
-        (publish_fresh)."""
+        (publish_fresh). A param's go in with one dict.update, which a
+        KeyboardInterrupt (a notebook's stop button) cannot split: stopped
+        between two keys, a first step left a step count without exp_avg,
+        state that every later step refused with a KeyError."""
         for row in range(len(self.params)) if self.rows is None else self.rows:
-            for key, t, _ in self.watched[row]:
-                self.state_dicts[row][key] = t
+            if self.watched[row]:  # (none for SGD without momentum, which keeps no state)
+                self.state_dicts[row].update([(key, t) for key, t, _ in self.watched[row]])
 
     def publish_fresh(self) -> None:
         """Puts the new SGD buffers that this step's update has filled into
