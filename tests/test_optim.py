@@ -3625,6 +3625,39 @@ def test_a_first_step_interrupted_as_it_creates_state_steps_on(name: str) -> Non
     assert_every_stop_steps_on(name, rp._Plan.commit_state, subset_grads(), 0, check)
 
 
+def test_a_stop_as_adamw_decays_a_param_its_gradient_shares_leaves_it_as_it_was() -> None:
+    """A gradient sharing its param's memory is read, with decoupled weight
+    decay, as torch reads it: after the decay, which the update applies to
+    the param in place and undoes once it has read the gradient. A
+    KeyboardInterrupt (a notebook's stop button) as the decay returned left
+    the param decayed, with its state as before the step. Now it is put
+    back, and training on is torch's from the state left."""
+    options = {"lr": 0.1, "weight_decay": 0.1}
+    p = nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+    opt = rp.AdamW([p], **options)
+    decay = p.mul_
+
+    def decay_then_stop(factor):
+        decay(factor)
+        raise KeyboardInterrupt
+
+    p.mul_ = decay_then_stop  # (an attribute of this tensor: no other is touched)
+    p.grad = p.detach()
+    before = p.detach().clone()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del p.mul_
+    assert torch.equal(p, before)
+    ref = nn.Parameter(p.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], **options)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for param, o in ((p, opt), (ref, ref_opt)):
+        for _ in range(3):
+            param.grad = param.detach()
+            o.step()
+    assert_runs_close(Run([p], opt), Run([ref], ref_opt), STEP_TOL)
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------

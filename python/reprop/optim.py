@@ -428,16 +428,20 @@ class _Plan:
         now (after the updates of earlier calls, as torch's loop reads it), or
         where the update first multiplies the param in place by its decoupled
         weight decay, as it is after that; the param is then put back, for the
-        kernels to decay it themselves."""
+        kernels to decay it themselves, also when a KeyboardInterrupt (a
+        notebook's stop button) lands in between: the step stopped there left
+        it decayed, with its state as before."""
         factor = _decoupled_decay_factor(opt, group, hp)
         for p, g, read in self.aliased:
             if factor is None:
                 read.copy_(g)
                 continue
             undecayed = p.clone()
-            p.mul_(factor)
-            read.copy_(g)
-            p.copy_(undecayed)
+            try:
+                p.mul_(factor)
+                read.copy_(g)
+            finally:
+                p.copy_(undecayed)
         self.aliased = ()
 
     def _written(self) -> list:
