@@ -3658,20 +3658,67 @@ def test_a_stop_as_adamw_decays_a_param_its_gradient_shares_leaves_it_as_it_was(
     assert_runs_close(Run([p], opt), Run([ref], ref_opt), STEP_TOL)
 
 
+class _KernelsThenStop:
+    """Stands in for reprop._C: its optim_step runs the real one, then raises
+    KeyboardInterrupt, as Python raises one pressed while the kernels run
+    (they release the GIL) as their call returns."""
+
+    def __getattr__(self, name: str):
+        return getattr(_C, name)
+
+    @staticmethod
+    def optim_step(*args) -> None:
+        _C.optim_step(*args)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
+                                                                    monkeypatch) -> None:
+    """A KeyboardInterrupt (a notebook's stop button) pressed while the
+    kernels update is raised as their call returns. That left a param with
+    gaps in memory, updated through a contiguous stand-in, without the update
+    that its state had had (each later step starting from the stand-in's
+    old values), and no param's version bumped: a graph that saved a param
+    before the step ran its backward with the updated value. Now the step is
+    done, torch's, and a backward through such a graph raises torch's
+    in-place-modification error, as after torch's step."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=35), grad_sequence(shapes, 3)
+    with_gaps = lambda t: torch.zeros(t.shape[0], 2 * t.shape[1])[:, ::2].copy_(t) if t.dim() == 2 else t
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, [], make_param=with_gaps)
+    after = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads[:1], make_param=with_gaps)
+    assert not got.params[0].is_contiguous()
+    x = torch.ones(5, requires_grad=True)
+    saved = (got.params[1] * x).sum()  # saves the param for x's gradient
+    set_grads(got.params, grads[0])
+    monkeypatch.setattr(rp, "_C", _KernelsThenStop())
+    with pytest.raises(KeyboardInterrupt):
+        got.opt.step()
+    monkeypatch.undo()
+    assert_runs_close(got, after, STEP_TOL if name != "SGD" else Tol(0.0, 0.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    assert_resumes_as_torch(name, RICH[name], got, grads[1:],
+                            OPEN_LOOP_TOL if name != "SGD" else Tol(0.0, 0.0))
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------
 
 class _FakeCuda:
     """Stands in for reprop._cuda on a CPU-only machine: records the
-    arguments of each optim_step call (a copy of the table, which the real
-    binding updates in place) and launches nothing."""
+    arguments of each optim_step call (a copy of the table as it came) and
+    launches nothing, then clears the table's fresh-buffer flags, as the real
+    binding does once it has launched (a new SGD buffer is filled once)."""
 
     def __init__(self) -> None:
         self.calls: list = []
 
     def optim_step(self, kind, dtype, table, hparams, capturable, stream, lr_ptr) -> None:
         self.calls.append((kind, dtype, table.copy(), hparams, capturable, stream, lr_ptr))
+        table[:, rp._COL_FLAGS] &= ~rp._FRESH_BUFFER
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -3714,11 +3761,13 @@ def test_non_capturable_update_in_a_cuda_graph_capture_is_refused_but_sgds(name:
         assert not fake.calls
         if name != "SGD":
             continue
-        # no update ran (the fake clears no fresh-buffer flag): each call is the first step's
+        # the first call fills the new momentum buffers, the later ones add to them
         assert calls[0][2][:, rp._COL_FLAGS].tolist() == [rp._FRESH_BUFFER] * 2
+        filled = calls[0][2].copy()
+        filled[:, rp._COL_FLAGS] = 0
         for call in calls[1:]:
             assert call[:2] + call[3:] == calls[0][:2] + calls[0][3:]
-            assert np.array_equal(call[2], calls[0][2])
+            assert np.array_equal(call[2], filled)
         assert calls[0][4:] == (False, 1234, 0)
 
 

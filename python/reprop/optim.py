@@ -278,10 +278,7 @@ class _Plan:
         another."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
-        if self.rows is not None:
-            # the flags the core cleared in the copy (a new SGD buffer is filled
-            # once) go back to the table that the next copy is taken from
-            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
+        self._sync_flags()
         if rows is None:
             step_rows, step_table = None, self.table
             step_params, step_staged = self.params, self.staged
@@ -293,6 +290,13 @@ class _Plan:
             step_staged = [s for s in self.staged if s[0] in taking_part]
         self.rows, self.step_rows, self.step_table, self.step_params, self.step_staged = (
             rows, step_rows, step_table, step_params, step_staged)
+
+    def _sync_flags(self) -> None:
+        """Copies the flags the core cleared in the step table, where it is a
+        copy of the rows taking part (a new SGD buffer is filled once), back
+        to the table, which the next copy is taken from."""
+        if self.rows is not None:
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
 
     @property
     def idle(self) -> bool:
@@ -331,13 +335,14 @@ class _Plan:
                 self.state_dicts[row].update([(key, t) for key, t, _ in self.watched[row]])
 
     def publish_fresh(self) -> None:
-        """Puts the new SGD buffers that this step's update has filled into
-        the state dicts, watched from now on; those of rows that sat the step
-        out (a gradient dropped since the plan was built) stay fresh."""
-        taking_part = None if self.rows is None else set(self.rows)
+        """Puts the new SGD buffers that the kernels have filled (they clear
+        the row's fresh flag) into the state dicts, watched from now on; the
+        others (a row that sat the step out, a step stopped before the
+        kernels ran) stay fresh."""
+        self._sync_flags()
         unfilled = []
         for row, entry in self.fresh:
-            if taking_part is not None and row not in taking_part:
+            if self.table[row, _COL_FLAGS] & _FRESH_BUFFER:
                 unfilled.append((row, entry))
                 continue
             key, t, _ = entry
@@ -414,13 +419,26 @@ class _Plan:
         if _tensors.dispatch_mode_active():
             written = self._written()
             _tensors.show_coming_writes(written)
-        if self.on_cpu:
-            _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
-        else:
-            self._run_cuda(opt, group, hp)
-        for _, p, work in staged:
-            p.copy_(work)
-        _tensors.bump_versions(written)
+        try:
+            if self.on_cpu:
+                _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
+                              torch.get_num_threads())
+            else:
+                self._run_cuda(opt, group, hp)
+        except Exception:
+            staged = written = ()  # refused (a hyper-parameter) before the kernels wrote
+            raise
+        finally:
+            # also when a KeyboardInterrupt (a notebook's stop button) lands,
+            # most likely as the kernels return: the staged params get the
+            # update their state has had, new SGD buffers filled go into the
+            # state, and autograd sees the write (a graph saved before then
+            # raises at backward, not reads the new values)
+            for _, p, work in staged:
+                p.copy_(work)
+            if self.fresh:
+                self.publish_fresh()
+            _tensors.bump_versions(written)
 
     def _fill_aliased(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
         """Fills the copies through which rows read gradients that share their
@@ -1163,9 +1181,8 @@ class _FusedOptimizer:
         lack, so a step interrupted before (a notebook's stop button) leaves
         no plan cached, and the next step builds one from the state, as
         torch's next step starts from its state. Plans with a buffer left
-        fresh are not cached: the next step builds them again."""
-        for plan in plans:
-            plan.publish_fresh()
+        fresh (a gradient dropped since they were built) are not cached:
+        the next step builds them again."""
         if not any(plan.fresh for plan in plans):
             self._plans.put(key, plans)
 
