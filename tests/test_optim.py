@@ -3703,6 +3703,36 @@ def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
                             OPEN_LOOP_TOL if name != "SGD" else Tol(0.0, 0.0))
 
 
+def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:
+    """The first step after a group left param_groups drops the plans of its
+    params (_follow_param_groups), which torch then frees. It noted the
+    groups as seen first: stopped (a notebook's stop button) before the
+    plans were dropped, it never dropped them, and the params, their .grad
+    and state stayed alive for good. Stopped at any line there, the next
+    step drops them."""
+    code, n = rp._FusedOptimizer._follow_param_groups.__code__, 0
+    while True:
+        n += 1
+        keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4, 3))
+        opt = rp.Adam([keep], lr=0.1)
+        opt.add_param_group({"params": [head]})
+        keep.grad, head.grad = torch.ones(3), torch.ones(4, 3)
+        opt.step()
+        opt.param_groups.pop()
+        opt.state.pop(head)
+        head = weakref.ref(head)
+        keep.grad = torch.ones(3)
+        try:
+            with LineStop(code, n):
+                opt.step()
+        except KeyboardInterrupt:
+            opt.step()
+        else:
+            break  # (past the last line)
+        assert head() is None, f"line {n}"
+    assert n > 4
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------

@@ -1197,16 +1197,19 @@ class _FusedOptimizer:
         stay cached, so no plan is built to notice that one left), or as a
         plan built, or step_params called, for a param not seen in any group
         (a list edited in place), so the full scan runs only on a change. The
-        groups that step_params looks params up in follow too."""
+        groups that step_params looks params up in follow too. The groups
+        are noted as seen last: a KeyboardInterrupt (a notebook's stop
+        button) before then leaves the change to be followed at the next
+        call, where the plans of a removed group stayed cached for good."""
         groups = [(id(g), id(g["params"]), len(g["params"])) for g in self.param_groups]
         if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
-        self._groups_seen = groups
         self._group_of = None
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
         self._plans.retain(lambda plans: self._members.issuperset(
             id(p) for plan in plans for p in plan.params))
         self._plans.set_budget(len(self._members))
+        self._groups_seen = groups
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
