@@ -3733,6 +3733,40 @@ def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:
     assert n > 4
 
 
+@pytest.mark.parametrize("method", ["put", "_evict"])
+def test_a_stop_as_plans_are_cached_or_evicted_keeps_the_count_of_rows(method: str,
+                                                                       monkeypatch) -> None:
+    """The plan cache counts the table rows it holds, which bound it
+    (_PlanCache.rows). A step stopped (a notebook's stop button) between an
+    entry's change and the count's left the count off for good: too low,
+    the cache outgrew its budget; too high, it evicted plans early. Stopped
+    at any line of put or _evict, over step_params calls on changing subsets
+    (a budget of 16 rows, so that some evict), the count is right after the
+    stop and after the calls that follow."""
+    monkeypatch.setattr(rp, "_MIN_PLAN_ROWS", 4)
+    subsets = [*itertools.combinations(range(4), 2), *itertools.combinations(range(4), 3)]
+    code, n, stopped = getattr(rp._PlanCache, method).__code__, 0, True
+    while stopped:
+        n += 1
+        params = [nn.Parameter(torch.zeros(1)) for _ in range(4)]
+        opt, stopped = rp.SGD(params, lr=0.1), False
+        cache = opt._plans
+        with LineStop(code, n):
+            for subset in subsets:
+                for p in params:
+                    p.grad = torch.ones(1)
+                try:
+                    opt.step_params([params[i] for i in subset])
+                except KeyboardInterrupt:
+                    stopped = True
+                    held = sum(len(plan.params) for entry in cache._entries.values()
+                               for plan in entry[0])
+                    assert cache.rows == held, f"line {n}"
+        held = sum(len(plan.params) for entry in cache._entries.values() for plan in entry[0])
+        assert cache.rows == held, f"line {n}"
+    assert n > 4
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------

@@ -828,6 +828,10 @@ class _PlanCache:
 
     def __init__(self):
         self._entries: dict = {}  # key -> [plans, rows, last use]
+        # The rows of all the entries (see rows); None while they change: a
+        # KeyboardInterrupt (a notebook's stop button) between an entry's
+        # change and the count's left the count off for good (too low, the
+        # cache outgrew its budget; too high, it evicted early)
         self._rows = 0
         self._clock = 0
         self._budget = _MIN_PLAN_ROWS
@@ -846,13 +850,13 @@ class _PlanCache:
         """Caches `plans` (replacing a stale entry of the key), then evicts
         others while over budget."""
         self._clock += 1
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._rows -= old[1]
         rows = sum(len(plan.params) for plan in plans)
+        old = self._entries.get(key)
+        total = self.rows + rows - (0 if old is None else old[1])
+        self._rows = None
         self._entries[key] = [plans, rows, self._clock]
-        self._rows += rows
-        if self._rows > self._budget:
+        self._rows = total
+        if total > self._budget:
             self._evict(keep=key)
 
     def _evict(self, keep: tuple) -> None:
@@ -860,29 +864,36 @@ class _PlanCache:
         the budget: in batches, so that a stream of new keys costs one sort
         per batch, not one scan per key."""
         target = self._budget * 3 // 4
+        total = self.rows
+        self._rows = None
         for key, entry in sorted(self._entries.items(), key=lambda item: item[1][2]):
-            if self._rows <= target:
+            if total <= target:
                 break
             if key is not keep:
                 del self._entries[key]
-                self._rows -= entry[1]
+                total -= entry[1]
+        self._rows = total
 
     def set_budget(self, params: int) -> None:
         """Bounds the rows held for an optimizer of `params` parameters."""
         self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
 
     def retain(self, keep: Callable[[list], bool]) -> None:
-        """Drops the entries whose plans fail `keep`."""
+        """Drops the entries whose plans fail `keep` (counted again at the next use)."""
+        self._rows = None
         for key in [k for k, entry in self._entries.items() if not keep(entry[0])]:
-            self._rows -= self._entries.pop(key)[1]
+            del self._entries[key]
 
     def clear(self) -> None:
+        self._rows = None
         self._entries.clear()
         self._rows = 0
 
     @property
     def rows(self) -> int:
         """The table rows of all the plans held."""
+        if self._rows is None:
+            self._rows = sum(entry[1] for entry in self._entries.values())
         return self._rows
 
     def __len__(self) -> int:
