@@ -3767,6 +3767,34 @@ def test_a_stop_as_plans_are_cached_or_evicted_keeps_the_count_of_rows(method: s
     assert n > 4
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_a_stop_as_torch_adds_a_param_group_keeps_no_unchecked_group(monkeypatch) -> None:
+    """add_param_group checks the group after torch's has added it (as torch
+    normalized it), and takes a refused one out again. A KeyboardInterrupt
+    (a notebook's stop button) as torch's returned kept the group unchecked:
+    one listing a parameter twice, which reprop refuses (one fused call
+    would update it twice at once), then stepped it silently. Now such a
+    group is not kept, as a refused one, and steps are torch's."""
+    add = torch.optim.Optimizer.add_param_group
+
+    def add_then_stop(opt, group) -> None:
+        add(opt, group)
+        raise KeyboardInterrupt
+
+    got, ref = (nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))), nn.Parameter(torch.ones(3))
+    opt, torch_opt = rp.SGD([got[0]], lr=0.1), torch.optim.SGD([ref], lr=0.1)
+    monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", add_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        opt.add_param_group({"params": [got[1], got[1]]})
+    monkeypatch.undo()
+    assert [g["params"] for g in opt.param_groups] == [[got[0]]]
+    for p in (*got, ref):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    torch_opt.step()
+    assert torch.equal(got[0], ref) and torch.equal(got[1], torch.ones(2))
+
+
 # ---------------------------------------------------------------------------
 # 12. CUDA
 # ---------------------------------------------------------------------------

@@ -974,15 +974,19 @@ class _FusedOptimizer:
             raise type(e)(f"{type(self).__name__}: {e}") from None
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
-            try:
-                self._check_group(self.param_groups[-1])
-            except BaseException:
-                # torch normalizes the group, so check it after; a refused group is not kept
-                self.param_groups.pop()
-                raise
-            self._forget_plans()
+        if not hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
+            super().add_param_group(param_group)
+            return
+        groups = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            self._check_group(self.param_groups[-1])  # as torch normalized it
+        except BaseException:
+            # a refused group is not kept, nor one torch added unchecked when a
+            # KeyboardInterrupt (a notebook's stop button) landed in between
+            del self.param_groups[groups:]
+            raise
+        self._forget_plans()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping state float32 for low-precision
