@@ -3478,12 +3478,14 @@ def assert_resumes_as_torch(name: str, options: dict, got: Run, grads: list, tol
 
 SGD_MOMENTA = [{"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
                {"lr": 0.1, "momentum": 0.9, "nesterov": True}]
-# Where the first step is stopped: the call of a helper that it makes.
-FIRST_STEP_STOPS = [("_prepare_grads", 2), ("_Plan.run", 1), ("_PlanCache.put", 1)]
+# Where a first step is stopped: as the n-th call of a helper it makes starts,
+# (owner, name, n): once its plan is built, before the kernels run, and after
+# them, as its plan is cached.
+FIRST_STEP_STOPS = [(rp, "_prepare_grads", 2), (rp._Plan, "run", 1), (rp._PlanCache, "put", 1)]
 
 
 @pytest.mark.parametrize("options", SGD_MOMENTA, ids=["dampening", "nesterov"])
-@pytest.mark.parametrize("stop", FIRST_STEP_STOPS, ids=lambda s: s[0])
+@pytest.mark.parametrize("stop", FIRST_STEP_STOPS, ids=["prepare_grads", "run", "put"])
 def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
         options: dict, stop: tuple, monkeypatch) -> None:
     """SGD makes a param's momentum buffer empty, for its first update to
@@ -3498,12 +3500,11 @@ def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
     init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 5)
     got = run_open_loop(factory(rp.SGD, **options), init, [])
     after = run_open_loop(factory(torch.optim.SGD, **options), init, grads[:1])
-    owner, name = stop[0].rpartition(".")[::2] if "." in stop[0] else ("", stop[0])
-    calls = interrupt_call(monkeypatch, getattr(rp, owner) if owner else rp, name, stop[1])
+    calls = interrupt_call(monkeypatch, *stop)
     set_grads(got.params, grads[0])
     with pytest.raises(KeyboardInterrupt):
         got.opt.step()
-    assert calls[0] == stop[1]
+    assert calls[0] == stop[2]
     monkeypatch.undo()
     for p, a, i in zip(got.params, after.params, init):
         assert torch.equal(p, i) or torch.equal(p, a)
