@@ -3438,19 +3438,380 @@ def test_step_holds_the_gradients_it_reads(layout: str, monkeypatch) -> None:
 
 
 # ---------------------------------------------------------------------------
-# 11. CUDA
+# 11. A step interrupted (a notebook's stop button: KeyboardInterrupt)
+# ---------------------------------------------------------------------------
+
+def interrupt_call(monkeypatch, owner, name: str, n: int) -> list:
+    """Patches owner.name to raise KeyboardInterrupt as its n-th call starts,
+    deterministically where a stop button lands at random; returns the
+    count of calls, for the test to see that it was reached."""
+    original, calls = getattr(owner, name), [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == n:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return calls
+
+
+def set_grads(params: list, grads: list) -> None:
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+
+
+def assert_resumes_as_torch(name: str, options: dict, got: Run, grads: list, tol: Tol) -> None:
+    """Training on from the state an interrupted step left gives what
+    torch.optim gives from that state (its params and state_dict()): the
+    optimizer keeps nothing of the interrupted step that its state lacks."""
+    params = [nn.Parameter(p.detach().clone()) for p in got.params]
+    ref = Run(params, torch_cls(name)(params, **options))
+    ref.opt.load_state_dict(copy.deepcopy(got.opt.state_dict()))
+    for step_grads in grads:
+        for run in (got, ref):
+            set_grads(run.params, step_grads)
+            run.opt.step()
+    assert_runs_close(got, ref, tol)
+
+
+SGD_MOMENTA = [{"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+               {"lr": 0.1, "momentum": 0.9, "nesterov": True}]
+# Where a first step is stopped: as the n-th call of a helper it makes starts,
+# (owner, name, n): once its plan is built, before the kernels run, and after
+# them, as its plan is cached.
+FIRST_STEP_STOPS = [(rp, "_prepare_grads", 2), (rp._Plan, "run", 1), (rp._PlanCache, "put", 1)]
+
+
+@pytest.mark.parametrize("options", SGD_MOMENTA, ids=["dampening", "nesterov"])
+@pytest.mark.parametrize("stop", FIRST_STEP_STOPS, ids=["prepare_grads", "run", "put"])
+def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
+        options: dict, stop: tuple, monkeypatch) -> None:
+    """SGD makes a param's momentum buffer empty, for its first update to
+    fill from the gradient. It was put into the state before that update
+    ran, so a first step stopped in between left uninitialized memory as
+    the buffer: saved by state_dict(), and read as a buffer by the next
+    step once the plan was rebuilt from the state (stopped as the plan was
+    cached: params off by 1e19, silently). A buffer goes into the state once
+    filled, as torch stores the one its first update makes: each param is
+    left as before the step or as after it, and training on is torch's."""
+    shapes = [(3, 4), (3,), (2, 3)]
+    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 5)
+    got = run_open_loop(factory(rp.SGD, **options), init, [])
+    after = run_open_loop(factory(torch.optim.SGD, **options), init, grads[:1])
+    calls = interrupt_call(monkeypatch, *stop)
+    set_grads(got.params, grads[0])
+    with pytest.raises(KeyboardInterrupt):
+        got.opt.step()
+    assert calls[0] == stop[2]
+    monkeypatch.undo()
+    for p, a, i in zip(got.params, after.params, init):
+        assert torch.equal(p, i) or torch.equal(p, a)
+        buf = got.opt.state[p].get("momentum_buffer")
+        assert buf is None or torch.equal(buf, after.opt.state[a]["momentum_buffer"])
+    assert_resumes_as_torch("SGD", options, got, grads[1:], Tol(0.0, 0.0))
+
+
+class LineStop:
+    """Raises KeyboardInterrupt as the n-th line runs in the frames of `code`
+    (a function's __code__): a stop button at every point of a function, in
+    turn. `count` is the number of lines run there (n=0: stop at none)."""
+
+    def __init__(self, code, n: int) -> None:
+        self.code, self.n, self.count = code, n, 0
+
+    def __enter__(self) -> LineStop:
+        self.saved = sys.gettrace()
+        sys.settrace(self._call)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.settrace(self.saved)
+
+    def _call(self, frame, event: str, arg):
+        return self._line if frame.f_code is self.code else None
+
+    def _line(self, frame, event: str, arg):
+        if event == "line":
+            self.count += 1
+            if self.count == self.n:
+                raise KeyboardInterrupt
+        return self._line
+
+
+# Which of 4 params have a gradient at each step: the second step has a
+# subset, the rows of the cached plan taking part change at each step after.
+SUBSET_MASKS = [[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 1, 1], [1, 1, 0, 1]]
+
+
+def subset_grads() -> list:
+    shapes = [(3, 4), (3,), (2, 3), (2,)]
+    full = grad_sequence(shapes, len(SUBSET_MASKS))
+    return [[g if m else None for g, m in zip(step, mask)] for step, mask in zip(full, SUBSET_MASKS)]
+
+
+def stopped_run(name: str, grads: list, at: int, stop: LineStop) -> tuple[Run, list]:
+    """Steps with grads[:at], then with grads[at] under `stop`; returns the
+    run and the gradients of the steps to take from there: grads[at] again
+    when it was stopped."""
+    init = make_params([tuple(g.shape) for g in grads[0]], seed=33)
+    run = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:at])
+    set_grads(run.params, grads[at])
+    try:
+        with stop:
+            run.opt.step()
+    except KeyboardInterrupt:
+        return run, grads[at:]
+    return run, grads[at + 1:]
+
+
+def assert_every_stop_steps_on(name: str, function, grads: list, at: int,
+                               check: Callable[[Run], None] = lambda run: None) -> None:
+    """Stops the step with grads[at] at each line of `function` in turn
+    (`check` sees what it leaves), then trains on: as training uninterrupted
+    (bitwise), and as torch from the state left."""
+    straight = LineStop(function.__code__, 0)
+    expected, rest = stopped_run(name, grads, at, straight)
+    for step_grads in rest:
+        set_grads(expected.params, step_grads)
+        expected.opt.step()
+    assert straight.count > 3
+    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
+    for n in range(1, straight.count + 1):
+        run, left = stopped_run(name, grads, at, LineStop(function.__code__, n))
+        assert len(left) == len(rest) + 1, f"line {n}: not stopped"
+        check(run)
+        assert_resumes_as_torch(name, RICH[name], run, left, tol)
+        assert_runs_equal(run, expected)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_step_interrupted_as_its_rows_change_steps_on(name: str) -> None:
+    """A step whose params with a gradient are another subset than the last
+    step's (a frozen layer, LayerDrop) resets the rows of the cached plan
+    that take part (_Plan._take_part). Stopped between two of its
+    assignments, it left the rows of one subset with the step table of
+    another, and every later step raised an internal ValueError (a shape
+    mismatch, or "step_rows must be None with the table as step_table")
+    until load_state_dict. Stopped at any line there, the step leaves the
+    params and state as they were, and training on gives what training
+    uninterrupted gives (bitwise), and torch's from that state."""
+    assert_every_stop_steps_on(name, rp._Plan._take_part, subset_grads(), 1)
+
+
+def torch_state_keys(name: str) -> list:
+    """The keys of the state torch's first step gives a param, in order."""
+    p = nn.Parameter(torch.ones(2))
+    opt = torch_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(2)
+    opt.step()
+    return list(opt.state[p])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_first_step_interrupted_as_it_creates_state_steps_on(name: str) -> None:
+    """A first step puts the state it creates into each param's state dict
+    (_Plan.commit_state). Stopped between two keys of a param, it left a
+    step count without exp_avg (square_avg, ...), which every later step
+    refused with a KeyError ("an option that needs it was switched on after
+    the first step"). Stopped at any line there, each param has all its
+    initial state or none, and training on gives what training
+    uninterrupted gives (bitwise), and torch's from that state."""
+    keys = torch_state_keys(name)
+
+    def check(run: Run) -> None:
+        assert all(list(st) in ([], keys) for st in run.opt.state.values())
+
+    assert_every_stop_steps_on(name, rp._Plan.commit_state, subset_grads(), 0, check)
+
+
+def test_a_stop_as_adamw_decays_a_param_its_gradient_shares_leaves_it_as_it_was() -> None:
+    """A gradient sharing its param's memory is read, with decoupled weight
+    decay, as torch reads it: after the decay, which the update applies to
+    the param in place and undoes once it has read the gradient. A
+    KeyboardInterrupt (a notebook's stop button) as the decay returned left
+    the param decayed, with its state as before the step. Now it is put
+    back, and training on is torch's from the state left."""
+    options = {"lr": 0.1, "weight_decay": 0.1}
+    p = nn.Parameter(torch.linspace(-1.0, 1.0, 8))
+    opt = rp.AdamW([p], **options)
+    decay = p.mul_
+
+    def decay_then_stop(factor):
+        decay(factor)
+        raise KeyboardInterrupt
+
+    p.mul_ = decay_then_stop  # (an attribute of this tensor: no other is touched)
+    p.grad = p.detach()
+    before = p.detach().clone()
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    del p.mul_
+    assert torch.equal(p, before)
+    ref = nn.Parameter(p.detach().clone())
+    ref_opt = torch.optim.AdamW([ref], **options)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for param, o in ((p, opt), (ref, ref_opt)):
+        for _ in range(3):
+            param.grad = param.detach()
+            o.step()
+    assert_runs_close(Run([p], opt), Run([ref], ref_opt), STEP_TOL)
+
+
+class _KernelsThenStop:
+    """Stands in for reprop._C: its optim_step runs the real one, then raises
+    KeyboardInterrupt, as Python raises one pressed while the kernels run
+    (they release the GIL) as their call returns."""
+
+    def __getattr__(self, name: str):
+        return getattr(_C, name)
+
+    @staticmethod
+    def optim_step(*args) -> None:
+        _C.optim_step(*args)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
+                                                                    monkeypatch) -> None:
+    """A KeyboardInterrupt (a notebook's stop button) pressed while the
+    kernels update is raised as their call returns. That left a param with
+    gaps in memory, updated through a contiguous stand-in, without the update
+    that its state had had (each later step starting from the stand-in's
+    old values), and no param's version bumped: a graph that saved a param
+    before the step ran its backward with the updated value. Now the step is
+    done, torch's, and a backward through such a graph raises torch's
+    in-place-modification error, as after torch's step."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=35), grad_sequence(shapes, 3)
+    with_gaps = lambda t: torch.zeros(t.shape[0], 2 * t.shape[1])[:, ::2].copy_(t) if t.dim() == 2 else t
+    got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, [], make_param=with_gaps)
+    after = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads[:1], make_param=with_gaps)
+    assert not got.params[0].is_contiguous()
+    x = torch.ones(5, requires_grad=True)
+    saved = (got.params[1] * x).sum()  # saves the param for x's gradient
+    set_grads(got.params, grads[0])
+    monkeypatch.setattr(rp, "_C", _KernelsThenStop())
+    with pytest.raises(KeyboardInterrupt):
+        got.opt.step()
+    monkeypatch.undo()
+    assert_runs_close(got, after, STEP_TOL if name != "SGD" else Tol(0.0, 0.0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.backward()
+    assert_resumes_as_torch(name, RICH[name], got, grads[1:],
+                            OPEN_LOOP_TOL if name != "SGD" else Tol(0.0, 0.0))
+
+
+def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:
+    """The first step after a group left param_groups drops the plans of its
+    params (_follow_param_groups), which torch then frees. It noted the
+    groups as seen first: stopped (a notebook's stop button) before the
+    plans were dropped, it never dropped them, and the params, their .grad
+    and state stayed alive for good. Stopped at any line there, the next
+    step drops them."""
+    code, n = rp._FusedOptimizer._follow_param_groups.__code__, 0
+    while True:
+        n += 1
+        keep, head = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(4, 3))
+        opt = rp.Adam([keep], lr=0.1)
+        opt.add_param_group({"params": [head]})
+        keep.grad, head.grad = torch.ones(3), torch.ones(4, 3)
+        opt.step()
+        opt.param_groups.pop()
+        opt.state.pop(head)
+        head = weakref.ref(head)
+        keep.grad = torch.ones(3)
+        try:
+            with LineStop(code, n):
+                opt.step()
+        except KeyboardInterrupt:
+            opt.step()
+        else:
+            break  # (past the last line)
+        assert head() is None, f"line {n}"
+    assert n > 4
+
+
+@pytest.mark.parametrize("method", ["put", "_evict"])
+def test_a_stop_as_plans_are_cached_or_evicted_keeps_the_count_of_rows(method: str,
+                                                                       monkeypatch) -> None:
+    """The plan cache counts the table rows it holds, which bound it
+    (_PlanCache.rows). A step stopped (a notebook's stop button) between an
+    entry's change and the count's left the count off for good: too low,
+    the cache outgrew its budget; too high, it evicted plans early. Stopped
+    at any line of put or _evict, over step_params calls on changing subsets
+    (a budget of 16 rows, so that some evict), the count is right after the
+    stop and after the calls that follow."""
+    monkeypatch.setattr(rp, "_MIN_PLAN_ROWS", 4)
+    subsets = [*itertools.combinations(range(4), 2), *itertools.combinations(range(4), 3)]
+    code, n, stopped = getattr(rp._PlanCache, method).__code__, 0, True
+    while stopped:
+        n += 1
+        params = [nn.Parameter(torch.zeros(1)) for _ in range(4)]
+        opt, stopped = rp.SGD(params, lr=0.1), False
+        cache = opt._plans
+        with LineStop(code, n):
+            for subset in subsets:
+                for p in params:
+                    p.grad = torch.ones(1)
+                try:
+                    opt.step_params([params[i] for i in subset])
+                except KeyboardInterrupt:
+                    stopped = True
+                    held = sum(len(plan.params) for entry in cache._entries.values()
+                               for plan in entry[0])
+                    assert cache.rows == held, f"line {n}"
+        held = sum(len(plan.params) for entry in cache._entries.values() for plan in entry[0])
+        assert cache.rows == held, f"line {n}"
+    assert n > 4
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+def test_a_stop_as_torch_adds_a_param_group_keeps_no_unchecked_group(monkeypatch) -> None:
+    """add_param_group checks the group after torch's has added it (as torch
+    normalized it), and takes a refused one out again. A KeyboardInterrupt
+    (a notebook's stop button) as torch's returned kept the group unchecked:
+    one listing a parameter twice, which reprop refuses (one fused call
+    would update it twice at once), then stepped it silently. Now such a
+    group is not kept, as a refused one, and steps are torch's."""
+    add = torch.optim.Optimizer.add_param_group
+
+    def add_then_stop(opt, group) -> None:
+        add(opt, group)
+        raise KeyboardInterrupt
+
+    got, ref = (nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))), nn.Parameter(torch.ones(3))
+    opt, torch_opt = rp.SGD([got[0]], lr=0.1), torch.optim.SGD([ref], lr=0.1)
+    monkeypatch.setattr(torch.optim.Optimizer, "add_param_group", add_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        opt.add_param_group({"params": [got[1], got[1]]})
+    monkeypatch.undo()
+    assert [g["params"] for g in opt.param_groups] == [[got[0]]]
+    for p in (*got, ref):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    torch_opt.step()
+    assert torch.equal(got[0], ref) and torch.equal(got[1], torch.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# 12. CUDA
 # ---------------------------------------------------------------------------
 
 class _FakeCuda:
     """Stands in for reprop._cuda on a CPU-only machine: records the
-    arguments of each optim_step call (a copy of the table, which the real
-    binding updates in place) and launches nothing."""
+    arguments of each optim_step call (a copy of the table as it came) and
+    launches nothing, then clears the table's fresh-buffer flags, as the real
+    binding does once it has launched (a new SGD buffer is filled once)."""
 
     def __init__(self) -> None:
         self.calls: list = []
 
     def optim_step(self, kind, dtype, table, hparams, capturable, stream, lr_ptr) -> None:
         self.calls.append((kind, dtype, table.copy(), hparams, capturable, stream, lr_ptr))
+        table[:, rp._COL_FLAGS] &= ~rp._FRESH_BUFFER
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -3493,11 +3854,13 @@ def test_non_capturable_update_in_a_cuda_graph_capture_is_refused_but_sgds(name:
         assert not fake.calls
         if name != "SGD":
             continue
-        # no update ran (the fake clears no fresh-buffer flag): each call is the first step's
+        # the first call fills the new momentum buffers, the later ones add to them
         assert calls[0][2][:, rp._COL_FLAGS].tolist() == [rp._FRESH_BUFFER] * 2
+        filled = calls[0][2].copy()
+        filled[:, rp._COL_FLAGS] = 0
         for call in calls[1:]:
             assert call[:2] + call[3:] == calls[0][:2] + calls[0][3:]
-            assert np.array_equal(call[2], calls[0][2])
+            assert np.array_equal(call[2], filled)
         assert calls[0][4:] == (False, 1234, 0)
 
 

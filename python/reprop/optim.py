@@ -186,9 +186,11 @@ class _Plan:
     (opt._state_slots(group)), `active` the ids of the params with a gradient.
     The state tensors a new plan creates (or converts to float32) go into
     opt.state only at commit_state(), once check() has passed: a refused step
-    leaves no state behind (an SGD momentum buffer is created empty and
-    filled by its first update, so one left behind would later be read as a
-    buffer)."""
+    leaves no state behind. A new SGD momentum buffer, created empty for its
+    first update to fill (`fresh`), goes in only once that update has run
+    (publish_fresh), as torch stores the buffer its first update makes: one
+    in the state before, left by a step interrupted in between (a notebook's
+    stop button), would be read as a buffer by the next plan, or saved."""
 
     def __init__(self, opt: "_FusedOptimizer", group: dict, params: list, slots: tuple,
                  active: set):
@@ -218,6 +220,8 @@ class _Plan:
         # and address), so that a tensor the user put in their place, or one whose
         # .data was replaced (state offloaded by hand), is picked up.
         self.watched = []
+        # (row, watched entry) of the new SGD buffers, watched once published
+        self.fresh = []
         converted_steps: dict = {}  # shared by _step_tensor's calls: see there
         for row, (p, st, key) in enumerate(zip(params, self.state_dicts, self.param_keys)):
             watched = []
@@ -243,13 +247,19 @@ class _Plan:
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
-                    watched.append((key, t, _COL_STATE + slot))
+                    entry = (key, t, _COL_STATE + slot)
+                    if self.table[row, _COL_FLAGS] & _FRESH_BUFFER:  # (SGD: its only slot)
+                        self.fresh.append((row, entry))
+                    else:
+                        watched.append(entry)
             self.watched.append(tuple(watched))
         # Whether a row writes an inference tensor (a param, state made inside
         # inference_mode), which torch's in-place update refuses outside
         # inference_mode: then check() looks at the mode each step.
-        self.inference = any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
-                             for p, watched in zip(params, self.watched) if watched is not None)
+        self.inference = (any(t.is_inference() for _, (_, t, _) in self.fresh)
+                          or any(p.is_inference() or any(t.is_inference() for _, t, _ in watched)
+                                 for p, watched in zip(params, self.watched)
+                                 if watched is not None))
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
         self.aliased = ()  # set by each prepare_grads
@@ -261,23 +271,32 @@ class _Plan:
         `step_params` their params and `step_staged` their staged entries.
         Kept while the same rows take part: the fast path writes the gradient
         pointers into the copy, so that the steady state of a model with
-        frozen params copies no rows and builds no lists of them."""
+        frozen params copies no rows and builds no lists of them. `rows` and
+        these four are set in one statement: the plan stays cached when a
+        KeyboardInterrupt (a notebook's stop button) lands here, and every
+        later step raised for the rows of one subset with the step table of
+        another."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
-        if self.rows is not None:
-            # the flags the core cleared in the copy (a new SGD buffer is filled
-            # once) go back to the table that the next copy is taken from
-            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
-        self.rows = rows
+        self._sync_flags()
         if rows is None:
-            self.step_rows, self.step_table = None, self.table
-            self.step_params, self.step_staged = self.params, self.staged
-            return
-        self.step_rows = np.array(rows, dtype=np.int64)
-        self.step_table = self.table[self.step_rows]
-        self.step_params = [self.params[r] for r in rows]
-        taking_part = set(rows)
-        self.step_staged = [s for s in self.staged if s[0] in taking_part]
+            step_rows, step_table = None, self.table
+            step_params, step_staged = self.params, self.staged
+        else:
+            step_rows = np.array(rows, dtype=np.int64)
+            step_table = self.table[step_rows]
+            step_params = [self.params[r] for r in rows]
+            taking_part = set(rows)
+            step_staged = [s for s in self.staged if s[0] in taking_part]
+        self.rows, self.step_rows, self.step_table, self.step_params, self.step_staged = (
+            rows, step_rows, step_table, step_params, step_staged)
+
+    def _sync_flags(self) -> None:
+        """Copies the flags the core cleared in the step table, where it is a
+        copy of the rows taking part (a new SGD buffer is filled once), back
+        to the table, which the next copy is taken from."""
+        if self.rows is not None:
+            self.table[self.rows, _COL_FLAGS] = self.step_table[:, _COL_FLAGS]
 
     @property
     def idle(self) -> bool:
@@ -306,10 +325,30 @@ class _Plan:
 
     def commit_state(self) -> None:
         """Puts the state tensors the rows of this step point at into the
-        state dicts (the other rows' are there already)."""
+        state dicts (the other rows' are there already), but new SGD buffers
+        (publish_fresh). A param's go in with one dict.update, which a
+        KeyboardInterrupt (a notebook's stop button) cannot split: stopped
+        between two keys, a first step left a step count without exp_avg,
+        state that every later step refused with a KeyError."""
         for row in range(len(self.params)) if self.rows is None else self.rows:
-            for key, t, _ in self.watched[row]:
-                self.state_dicts[row][key] = t
+            if self.watched[row]:  # (none for SGD without momentum, which keeps no state)
+                self.state_dicts[row].update([(key, t) for key, t, _ in self.watched[row]])
+
+    def publish_fresh(self) -> None:
+        """Puts the new SGD buffers that the kernels have filled (they clear
+        the row's fresh flag) into the state dicts, watched from now on; the
+        others (a row that sat the step out, a step stopped before the
+        kernels ran) stay fresh."""
+        self._sync_flags()
+        unfilled = []
+        for row, entry in self.fresh:
+            if self.table[row, _COL_FLAGS] & _FRESH_BUFFER:
+                unfilled.append((row, entry))
+                continue
+            key, t, _ = entry
+            self.state_dicts[row][key] = t
+            self.watched[row] += (entry,)
+        self.fresh = unfilled
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
         """Writes this step's gradient pointers into the table: each param's
@@ -380,13 +419,26 @@ class _Plan:
         if _tensors.dispatch_mode_active():
             written = self._written()
             _tensors.show_coming_writes(written)
-        if self.on_cpu:
-            _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp, torch.get_num_threads())
-        else:
-            self._run_cuda(opt, group, hp)
-        for _, p, work in staged:
-            p.copy_(work)
-        _tensors.bump_versions(written)
+        try:
+            if self.on_cpu:
+                _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
+                              torch.get_num_threads())
+            else:
+                self._run_cuda(opt, group, hp)
+        except Exception:
+            staged = written = ()  # refused (a hyper-parameter) before the kernels wrote
+            raise
+        finally:
+            # also when a KeyboardInterrupt (a notebook's stop button) lands,
+            # most likely as the kernels return: the staged params get the
+            # update their state has had, new SGD buffers filled go into the
+            # state, and autograd sees the write (a graph saved before then
+            # raises at backward, not reads the new values)
+            for _, p, work in staged:
+                p.copy_(work)
+            if self.fresh:
+                self.publish_fresh()
+            _tensors.bump_versions(written)
 
     def _fill_aliased(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
         """Fills the copies through which rows read gradients that share their
@@ -394,16 +446,20 @@ class _Plan:
         now (after the updates of earlier calls, as torch's loop reads it), or
         where the update first multiplies the param in place by its decoupled
         weight decay, as it is after that; the param is then put back, for the
-        kernels to decay it themselves."""
+        kernels to decay it themselves, also when a KeyboardInterrupt (a
+        notebook's stop button) lands in between: the step stopped there left
+        it decayed, with its state as before."""
         factor = _decoupled_decay_factor(opt, group, hp)
         for p, g, read in self.aliased:
             if factor is None:
                 read.copy_(g)
                 continue
             undecayed = p.clone()
-            p.mul_(factor)
-            read.copy_(g)
-            p.copy_(undecayed)
+            try:
+                p.mul_(factor)
+                read.copy_(g)
+            finally:
+                p.copy_(undecayed)
         self.aliased = ()
 
     def _written(self) -> list:
@@ -772,6 +828,10 @@ class _PlanCache:
 
     def __init__(self):
         self._entries: dict = {}  # key -> [plans, rows, last use]
+        # The rows of all the entries (see rows); None while they change: a
+        # KeyboardInterrupt (a notebook's stop button) between an entry's
+        # change and the count's left the count off for good (too low, the
+        # cache outgrew its budget; too high, it evicted early)
         self._rows = 0
         self._clock = 0
         self._budget = _MIN_PLAN_ROWS
@@ -790,13 +850,13 @@ class _PlanCache:
         """Caches `plans` (replacing a stale entry of the key), then evicts
         others while over budget."""
         self._clock += 1
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self._rows -= old[1]
         rows = sum(len(plan.params) for plan in plans)
+        old = self._entries.get(key)
+        total = self.rows + rows - (0 if old is None else old[1])
+        self._rows = None
         self._entries[key] = [plans, rows, self._clock]
-        self._rows += rows
-        if self._rows > self._budget:
+        self._rows = total
+        if total > self._budget:
             self._evict(keep=key)
 
     def _evict(self, keep: tuple) -> None:
@@ -804,29 +864,36 @@ class _PlanCache:
         the budget: in batches, so that a stream of new keys costs one sort
         per batch, not one scan per key."""
         target = self._budget * 3 // 4
+        total = self.rows
+        self._rows = None
         for key, entry in sorted(self._entries.items(), key=lambda item: item[1][2]):
-            if self._rows <= target:
+            if total <= target:
                 break
             if key is not keep:
                 del self._entries[key]
-                self._rows -= entry[1]
+                total -= entry[1]
+        self._rows = total
 
     def set_budget(self, params: int) -> None:
         """Bounds the rows held for an optimizer of `params` parameters."""
         self._budget = max(_MIN_PLAN_ROWS, _PLAN_ROWS_PER_PARAM * params)
 
     def retain(self, keep: Callable[[list], bool]) -> None:
-        """Drops the entries whose plans fail `keep`."""
+        """Drops the entries whose plans fail `keep` (counted again at the next use)."""
+        self._rows = None
         for key in [k for k, entry in self._entries.items() if not keep(entry[0])]:
-            self._rows -= self._entries.pop(key)[1]
+            del self._entries[key]
 
     def clear(self) -> None:
+        self._rows = None
         self._entries.clear()
         self._rows = 0
 
     @property
     def rows(self) -> int:
         """The table rows of all the plans held."""
+        if self._rows is None:
+            self._rows = sum(entry[1] for entry in self._entries.values())
         return self._rows
 
     def __len__(self) -> int:
@@ -907,15 +974,19 @@ class _FusedOptimizer:
             raise type(e)(f"{type(self).__name__}: {e}") from None
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        if hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
-            try:
-                self._check_group(self.param_groups[-1])
-            except BaseException:
-                # torch normalizes the group, so check it after; a refused group is not kept
-                self.param_groups.pop()
-                raise
-            self._forget_plans()
+        if not hasattr(self, "_plans"):  # torch's __init__ calls this before _setup_fused
+            super().add_param_group(param_group)
+            return
+        groups = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            self._check_group(self.param_groups[-1])  # as torch normalized it
+        except BaseException:
+            # a refused group is not kept, nor one torch added unchecked when a
+            # KeyboardInterrupt (a notebook's stop button) landed in between
+            del self.param_groups[groups:]
+            raise
+        self._forget_plans()
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load_state_dict, keeping state float32 for low-precision
@@ -1037,11 +1108,12 @@ class _FusedOptimizer:
             # first use, a first gradient, a storage or state tensor replaced, other
             # state, capturable switched (step counts on another device; a CPU group
             # is refused, as torch's update refuses it)
-            if (keep is None or plans[0].slots != slots
-                    or plans[0].capturable != bool(hp.get("capturable", False))):
+            new_plans = (keep is None or plans[0].slots != slots
+                         or plans[0].capturable != bool(hp.get("capturable", False)))
+            if new_plans:
                 active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
-                plans = self._make_plans(hp, params, active, key, slots, hparams)
+                plans = self._make_plans(hp, params, active, slots, hparams)
                 keep = _prepare_grads(plans, self.state, given)
                 running = _running(plans)
             # each call checks its own: let none run if one refuses (one that may
@@ -1051,6 +1123,8 @@ class _FusedOptimizer:
                     plan.check(self, hparams)
             for plan in running:
                 plan.run(self, hp, hparams)
+            if new_plans:
+                self._cache_plans(key, plans)
         except (TypeError, ValueError, OverflowError) as e:  # a refused setting: name the group
             refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
@@ -1097,7 +1171,7 @@ class _FusedOptimizer:
                                f"{self._torch_class.__name__} raises this KeyError too")
             _check_step_count(st["step"], p)
 
-    def _make_plans(self, group: dict, params: list, active: list, key: tuple, slots: tuple,
+    def _make_plans(self, group: dict, params: list, active: list, slots: tuple,
                     hparams: tuple) -> list:
         self._follow_param_groups(params)
         buckets: dict = {}
@@ -1113,8 +1187,19 @@ class _FusedOptimizer:
                 plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
-        self._plans.put(key, plans)
         return plans
+
+    def _cache_plans(self, key: tuple, plans: list) -> None:
+        """Caches the plans just built for the call of `key` once their first
+        update has run and the new SGD buffers it filled are in the state
+        (publish_fresh): a cached plan holds no state that the state dicts
+        lack, so a step interrupted before (a notebook's stop button) leaves
+        no plan cached, and the next step builds one from the state, as
+        torch's next step starts from its state. Plans with a buffer left
+        fresh (a gradient dropped since they were built) are not cached:
+        the next step builds them again."""
+        if not any(plan.fresh for plan in plans):
+            self._plans.put(key, plans)
 
     def _follow_param_groups(self, params: Iterable = ()) -> None:
         """Plans hold their params (the cache is keyed by their ids, which must
@@ -1127,16 +1212,19 @@ class _FusedOptimizer:
         stay cached, so no plan is built to notice that one left), or as a
         plan built, or step_params called, for a param not seen in any group
         (a list edited in place), so the full scan runs only on a change. The
-        groups that step_params looks params up in follow too."""
+        groups that step_params looks params up in follow too. The groups
+        are noted as seen last: a KeyboardInterrupt (a notebook's stop
+        button) before then leaves the change to be followed at the next
+        call, where the plans of a removed group stayed cached for good."""
         groups = [(id(g), id(g["params"]), len(g["params"])) for g in self.param_groups]
         if groups == self._groups_seen and self._members.issuperset(map(id, params)):
             return
-        self._groups_seen = groups
         self._group_of = None
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
         self._plans.retain(lambda plans: self._members.issuperset(
             id(p) for plan in plans for p in plan.params))
         self._plans.set_budget(len(self._members))
+        self._groups_seen = groups
 
     def _state_tensor(self, st: dict, key: str, p: torch.Tensor, group: dict,
                       row) -> torch.Tensor:
@@ -1187,7 +1275,9 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
         return ("momentum_buffer" if group["momentum"] != 0 else None, None, None)
 
     def _initial_state(self, key, p, group):
-        return torch.empty_like(p, dtype=torch.float32)  # filled from the first gradient
+        # filled from the first gradient by the first update, and only then
+        # put into the state (_Plan.publish_fresh)
+        return torch.empty_like(p, dtype=torch.float32)
 
 
 class Adam(_FusedOptimizer, torch.optim.Adam):
