@@ -56,11 +56,20 @@ def _layout_key(p: torch.Tensor) -> tuple:
     (_shares_memory). The fast path in C (optim_grad_pointers) checks the
     same tuple. None for a param with no strided memory (a sparse one): its
     row stays dormant."""
-    if p.layout is not torch.strided:
+    layout = _layout(p)
+    if layout is None:
         return None
     start, end = _span(p)
-    return (start, p.dtype, p.shape, True if p.is_contiguous() else p.stride(), p.get_device(),
-            end - start)
+    return (*layout, end - start)
+
+
+def _layout(p: torch.Tensor) -> tuple | None:
+    """p's _layout_key but the span, which follows from the rest: what the
+    Python path compares at each step (the span of a param with gaps, a
+    channels_last one, is a loop over its dimensions)."""
+    if p.layout is not torch.strided:
+        return None
+    return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(), p.get_device())
 
 
 def _shares_memory(g: torch.Tensor, key: tuple) -> bool:
@@ -378,7 +387,7 @@ class _Plan:
             g = p.grad if given is None else given[id(p)]
             if g is None:
                 continue
-            if watched is None or _layout_key(p) != layout or state.get(p) is not st:
+            if watched is None or _layout(p) != layout[:5] or state.get(p) is not st:
                 return None
             for key, t, col in watched:
                 if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
