@@ -39,11 +39,12 @@ from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from reprop import _C, fuse
+from reprop import _C, fuse, ooo
 from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
                         _pipelined_in_micro_batches, _stage_programs, allreduce_time,
                         data_parallel, enable, reverse_first_k, search_k, simulate)
-from test_ooo import assert_as_built, interrupted_in_ooo
+from _interrupts import interrupted_at_line
+from test_ooo import assert_as_built
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
 
@@ -2029,6 +2030,26 @@ def test_data_parallel_first_backward_stopped_before_its_end_is_queued(solo_grou
 # ---------------------------------------------------------------------------
 
 
+def _assert_interrupted_anywhere_runs_again(built: nn.Module, construct: Callable,
+                                            counted: Callable, train: Callable) -> None:
+    """construct(model) (DataParallel or Pipeline) stopped before each line
+    of reprop/ooo.py it runs, in turn, on a copy of `built`: the model is as
+    built and `counted(its params)` false; construct(model) again then
+    trains as `train(model, ref, handle)` checks (ref: another copy), and
+    remove() leaves the model as built."""
+    for k in itertools.count(1):
+        model, ref = copy.deepcopy(built), copy.deepcopy(built)
+        if not interrupted_at_line(k, lambda: construct(model), ooo.__file__):
+            break
+        assert_as_built(model, built)
+        assert not counted(model.parameters())
+        handle = construct(model)
+        train(model, ref, handle)
+        handle.remove()
+        assert_as_built(model, built)
+    assert k > 100  # it did stop the constructor midway
+
+
 def test_data_parallel_interrupted_anywhere_in_construction_runs_again(solo_group):
     """DataParallel(model) split the layers first, then broadcast, hooked the
     model and counted itself live: interrupted after the split it left
@@ -2041,22 +2062,17 @@ def test_data_parallel_interrupted_anywhere_in_construction_runs_again(solo_grou
     until remove() leaves it as it was."""
     torch.manual_seed(0)
     built = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
-    for k in itertools.count(1):
-        model, ref = copy.deepcopy(built), copy.deepcopy(built)
-        if not interrupted_in_ooo(k, lambda: DataParallel(model, k=1)):
-            break
-        assert_as_built(model, built)
-        assert not _averaged_by_data_parallel(model.parameters())
-        dp = DataParallel(model, k=1)
+
+    def train(model: nn.Module, ref: nn.Module, dp: DataParallel) -> None:
         for step in range(2):
             x, t = _batch(0, step)
             for net in (model, ref):
                 net.zero_grad()
                 F.mse_loss(net(x), t).backward()
             _assert_same(model, ref, "grad")
-        dp.remove()
-        assert_as_built(model, built)
-    assert k > 100  # it did stop the constructor midway
+
+    _assert_interrupted_anywhere_runs_again(
+        built, lambda model: DataParallel(model, k=1), _averaged_by_data_parallel, train)
 
 
 def test_pipeline_interrupted_anywhere_in_construction_runs_again(solo_group):
@@ -2067,21 +2083,15 @@ def test_pipeline_interrupted_anywhere_in_construction_runs_again(solo_group):
     go in last, all or none: the layers are as they were, counted nowhere,
     and a new Pipeline trains as the whole batch at once (up to the
     rounding of the micro-batches' sums) until remove()."""
-    built = nn.Sequential(*_blocks()[:3])
-    for k in itertools.count(1):
-        layers, ref = copy.deepcopy(built), copy.deepcopy(built)
-        if not interrupted_in_ooo(k, lambda: Pipeline(layers, micro_batches=2)):
-            break
-        assert_as_built(layers, built)
-        assert not _pipelined_in_micro_batches(layers.parameters())
-        pipe = Pipeline(layers, micro_batches=2)
+    def train(layers: nn.Module, ref: nn.Module, pipe: Pipeline) -> None:
         x, t = _batch(0, 0)
         pipe.step(x, t, F.mse_loss)
         F.mse_loss(ref(x), t).backward()
         _assert_same(layers, ref, "grad", exact=False)
-        pipe.remove()
-        assert_as_built(layers, built)
-    assert k > 100  # it did stop the constructor midway
+
+    _assert_interrupted_anywhere_runs_again(
+        nn.Sequential(*_blocks()[:3]), lambda layers: Pipeline(layers, micro_batches=2),
+        _pipelined_in_micro_batches, train)
 
 
 def test_pipeline_whose_layer_enable_refuses_counts_nowhere(solo_group):
@@ -2096,3 +2106,21 @@ def test_pipeline_whose_layer_enable_refuses_counts_nowhere(solo_group):
         Pipeline(layers, micro_batches=2)
     assert refused.traceback  # (its frames hold the half-built pipeline)
     fuse(layers[0], torch.optim.SGD(layers[0].parameters(), lr=0.1), mode="backward").remove()
+
+
+def test_data_parallel_removed_ignores_its_gradient_hooks(solo_group, monkeypatch) -> None:
+    """A post-accumulate-grad hook of a removed DataParallel that is still
+    registered (a KeyboardInterrupt inside torch's registration, after the
+    hook went into the dict and before its handle came back, leaves one that
+    remove() cannot see) does nothing: it launched buckets, an all-reduce on
+    this rank alone."""
+    model = _Net()
+    dp = DataParallel(model, k=2)
+    p = next(model.parameters())
+    hook = next(iter(p._post_accumulate_grad_hooks.values()))
+    dp.remove()
+    reduced = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: reduced.append(a))
+    p.grad = torch.ones_like(p)
+    hook(p)
+    assert not dp._used and not reduced

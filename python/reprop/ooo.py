@@ -2754,6 +2754,8 @@ class DataParallel(_PassTracking, Joinable):
         # It also runs, with no gradient, for a held layer's parameter (the
         # split returns none) and for a parameter whose node returned none:
         # a use is a gradient, as DDP counts it, under no_sync() too.
+        if self._removed:  # a hook left by a construction stopped inside torch's registration
+            return
         if p.grad is not None:
             self._used.add(p)
         if not self._sync_backward:
