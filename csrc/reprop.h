@@ -410,8 +410,9 @@ typedef struct {
 
 typedef struct rp_csr_plan rp_csr_plan;
 
-/* Plans the scan of n leaves (leaves[i] = pattern of J_i^T, copied, then checked: the caller may write its arrays meanwhile). levels
- * < 0 lets the cost model choose from the exact product sizes; products
+/* Plans the scan of n leaves (leaves[i] = pattern of J_i^T, copied, then
+ * checked: the caller may write its arrays meanwhile). levels < 0 lets the
+ * cost model choose from the exact product sizes; products
  * whose pair lists would pass max_pairs (0: no cap) are not planned, which
  * caps the levels. *out is freed with rp_csr_plan_free. */
 int rp_csr_plan_create(int64_t n, const rp_csr_pattern *leaves, int levels, int64_t max_pairs,

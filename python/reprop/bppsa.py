@@ -1627,9 +1627,10 @@ class ChainPlan:
                  max_pairs: int = 0, pruned: bool = False, product: str = "reprop"):
         self._checked_build(layers, input_shape, levels, max_pairs, pruned, product)
 
-    def _checked_build(self, layers, input_shape, levels, max_pairs, pruned, product) -> dict:
-        """__init__ of its arguments as given; returns its build's reads of
-        the parametrized weights (_build)."""
+    def _checked_build(self, layers, input_shape, levels="auto", max_pairs=0, pruned=False,
+                       product="reprop") -> dict:
+        """__init__ (the same defaults); returns its build's reads of the
+        parametrized weights (_build)."""
         product = _check_product(product)
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
@@ -1929,7 +1930,7 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
         # the build's read of each parametrized weight is the forward's (a
         # parametrization's state advances once per step, as in torch)
         plan = ChainPlan.__new__(ChainPlan)
-        reads = plan._checked_build(layers, x.shape[1:], levels, max_pairs=0, pruned=False, product="reprop")
+        reads = plan._checked_build(layers, x.shape[1:], levels)
         return _forward_backward(plan, x, grad_output, reads)
     if not _same_modules(layers, [layer for layer, _ in plan.steps]):
         raise ValueError("layers: not the layers `plan` was built for; pass the plan's own "
