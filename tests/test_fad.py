@@ -21,7 +21,6 @@ import io
 import gc
 import itertools
 import math
-import sys
 import weakref
 
 import numpy as np
@@ -33,6 +32,8 @@ import torch.utils.checkpoint
 from torch import nn
 
 from reprop import _tensors, fad
+
+from _interrupts import interrupted_at_line
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", *CUDA]
@@ -2536,35 +2537,6 @@ def test_enabled_interrupted_as_it_enters_leaves_the_stack(monkeypatch, function
     _assert_no_mode_and_enabled_trains_as_torch()
 
 
-def _interrupted_at_line(k: int, call, functions) -> bool:
-    """Runs call() with a KeyboardInterrupt raised before the k-th line it
-    executes in `functions` (as a notebook's stop button may land between
-    any two statements); whether it was raised."""
-    codes = {f.__code__ for f in functions}
-    lines = 0
-
-    def in_function(frame, event, arg):
-        nonlocal lines
-        if event == "line":
-            lines += 1
-            if lines == k:
-                raise KeyboardInterrupt  # CPython then stops tracing
-        return in_function
-
-    def each_call(frame, event, arg):
-        return in_function if frame.f_code in codes else None
-
-    tracer = sys.gettrace()  # a coverage tool's, given back after
-    sys.settrace(each_call)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(tracer)
-    return False
-
-
 def _assert_as_torchs(model: nn.Module, ref: nn.Module, x: torch.Tensor):
     """model is torch's again: its modules' classes and attributes (the very
     functions) as ref's, an untouched copy, and its forward and gradient
@@ -2636,7 +2608,7 @@ def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attribute
             fad.patch(model, saved_dtype=None if interrupted == "patch_again" else torch.float16)
         call = (functools.partial(fad.unpatch, model) if interrupted == "unpatch"
                 else functools.partial(fad.patch, model, saved_dtype=torch.bfloat16))
-        if not _interrupted_at_line(k, call, _WRITING_THE_MODEL):
+        if not interrupted_at_line(k, call, _WRITING_THE_MODEL):
             break
         if interrupted == "unpatch":
             fad.unpatch(model)

@@ -36,7 +36,6 @@ import fractions
 import functools
 import gc
 import io
-import linecache
 import math
 import subprocess
 import sys
@@ -59,6 +58,7 @@ from torch.utils.checkpoint import checkpoint
 import reprop
 import reprop.optim as rp
 
+from _interrupts import LineStop
 from _optim_options import RICH
 
 MODES = ("backward", "forward")
@@ -5313,12 +5313,13 @@ def test_a_stop_button_as_grad_mode_is_switched_off_leaves_it_on(monkeypatch) ->
 #
 # A notebook's stop button raises KeyboardInterrupt between any two bytecodes
 # of whatever runs. The tests raise it deterministically: at the n-th call of
-# a helper (patched to raise), or right before a chosen line (sys.settrace: a
-# trace function that raises does so in the traced frame). The user then runs
-# the cell again: an interrupted forward is run again, an interrupted step()
-# is not (the next zero_grad() discards its gradients). The reference is eager
-# training stopped at the same point: a forward stopped did nothing, and a
-# step() stopped before its update did nothing, after it did it all.
+# a helper (patched to raise), or right before a chosen line (LineStop, from
+# tests/_interrupts.py: sys.settrace, whose trace function raises in the
+# traced frame). The user then runs the cell again: an interrupted forward is
+# run again, an interrupted step() is not (the next zero_grad() discards its
+# gradients). The reference is eager training stopped at the same point: a
+# forward stopped did nothing, and a step() stopped before its update did
+# nothing, after it did it all.
 
 
 @contextlib.contextmanager
@@ -5344,42 +5345,11 @@ def _stop_at_call(owner, name: str, n: int = 1, after: bool = False):
         setattr(owner, name, real)
 
 
-def _stopping_at(is_the_line: Callable) -> Callable:
-    """A sys.settrace function raising KeyboardInterrupt right before the
-    first line of reprop/fusion.py's frames for which is_the_line(frame) is
-    true (the trace then stops, as after any error in a trace function)."""
-    def trace(frame, event, arg):
-        if frame.f_code.co_filename != reprop.fusion.__file__:
-            return None
-        if event == "line" and is_the_line(frame):
-            raise KeyboardInterrupt
-        return trace
-    return trace
-
-
-@contextlib.contextmanager
-def _traced(trace: Callable):
-    previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        yield
-    finally:
-        sys.settrace(previous)
-
-
-def _stop_at_line(function: Callable, text: str, n: int = 1):
+def _stop_at_line(function: Callable, text: str, n: int = 1) -> LineStop:
     """KeyboardInterrupt right before the n-th run, in the block, of a line
     of `function` (its own frame) that starts with `text`: the stop button
     pressed between the statements before that line and it."""
-    code, seen = function.__code__, [0]
-
-    def is_the_line(frame) -> bool:
-        if frame.f_code is code and linecache.getline(
-                code.co_filename, frame.f_lineno).strip().startswith(text):
-            seen[0] += 1
-        return seen[0] == n
-
-    return _traced(_stopping_at(is_the_line))
+    return LineStop(function, n, starting=text)
 
 
 def _skipped(model: nn.Module, opt) -> None:
@@ -5435,22 +5405,18 @@ def test_forward_mode_step_stopped_anywhere_takes_effect_whole_or_not_at_all() -
     n = 0
     while True:
         n += 1
-        lines, zeroed_in_place = [0], []
-
-        def is_the_line(frame) -> bool:
-            lines[0] += 1
-            return lines[0] == n
+        stop, zeroed_in_place = LineStop(reprop.fusion.__file__, n), []
 
         def stopped_step(model: nn.Module, opt) -> None:
             grads = [p.grad for p in model.parameters()]
-            with contextlib.suppress(KeyboardInterrupt), _traced(_stopping_at(is_the_line)):
+            with contextlib.suppress(KeyboardInterrupt), stop:
                 opt.step()
             opt.zero_grad(set_to_none=False)
             zeroed_in_place.append(all(p.grad is g for p, g in zip(model.parameters(), grads)))
 
         got = _mlp_loop("forward", _adam, steps, set_to_none=False,
                         instead_of_step={at: stopped_step})
-        if lines[0] < n:  # (the step ran to its end: every line was stopped before)
+        if not stop.stopped:  # (the step ran to its end: every line was stopped before)
             break
         outcome = "taken" if _trained_alike(got, taken) else "not taken"
         _assert_same_training(got, taken if outcome == "taken" else not_taken)

@@ -15,7 +15,6 @@ import fractions
 import io
 import itertools
 import math
-import sys
 import warnings
 
 import numpy as np
@@ -25,6 +24,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from reprop import ooo
+
+from _interrupts import LineStop, interrupted_at_line
 
 RTOL, ATOL = 1e-6, 1e-7
 
@@ -639,41 +640,6 @@ def test_an_interrupted_end_of_backward_counts_whole_or_not_at_all(monkeypatch, 
     _assert_made_from_the_profile(handle)
 
 
-def _interrupt_at_line(k: int):
-    """A context in which the k-th line that runs in reprop.ooo within a
-    handle's end of backward (its callback and what that calls) raises
-    KeyboardInterrupt (settrace)."""
-    seen = [0]
-
-    def ending(frame) -> bool:
-        while frame is not None:
-            if frame.f_code is ooo.OOOHandle._end_backward.__code__:
-                return True
-            frame = frame.f_back
-        return False
-
-    def line(frame, event, arg):
-        if event == "line":
-            seen[0] += 1
-            if seen[0] == k + 1:
-                raise KeyboardInterrupt  # (a trace function that raises is unset)
-        return line
-
-    def call(frame, event, arg):
-        return line if frame.f_code.co_filename == ooo.__file__ and ending(frame) else None
-
-    @contextlib.contextmanager
-    def interrupt():
-        before = sys.gettrace()
-        sys.settrace(call)
-        try:
-            yield
-        finally:
-            sys.settrace(before)
-
-    return interrupt
-
-
 @pytest.mark.parametrize("speedup, at", [
     (None, 1),       # the pass that times the profile, cuts the regions and fixes the schedule
     ("profile", 4),  # the last co-run pass: each dW group alone, then the schedule fixed
@@ -690,7 +656,9 @@ def test_an_interrupt_at_any_line_of_the_end_of_backward_loses_no_schedule(speed
         fired: list = []
         model[3].weight.register_post_accumulate_grad_hook(fired.append)
         interrupted, fixed = _train_through_an_interrupt(
-            model, handle, at, _interrupt_at_line(k), steps=passes + 2, fired=fired)
+            model, handle, at,
+            lambda: LineStop(ooo.__file__, k + 1, under=ooo.OOOHandle._end_backward),
+            steps=passes + 2, fired=fired)
         if not interrupted:  # past the last line
             break
         assert fixed.index(True) in (passes - 1, passes), (k, fixed)
@@ -2499,34 +2467,6 @@ def test_first_gradient_of_a_column_major_weight_has_the_weights_layout(order):
 # ---------------------------------------------------------------------------
 
 
-def interrupted_in_ooo(k: int, call) -> bool:
-    """Runs call() with a KeyboardInterrupt raised before the k-th line of
-    reprop/ooo.py it executes (the stop button may land between any two
-    statements); whether it was raised (False: call() ran fewer lines)."""
-    lines = 0
-
-    def in_ooo(frame, event, arg):
-        nonlocal lines
-        if event == "line":
-            lines += 1
-            if lines == k:
-                raise KeyboardInterrupt  # CPython then stops tracing
-        return in_ooo
-
-    def each_call(frame, event, arg):
-        return in_ooo if frame.f_code.co_filename == ooo.__file__ else None
-
-    tracer = sys.gettrace()  # a coverage tool's, given back after
-    sys.settrace(each_call)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(tracer)
-    return False
-
-
 def assert_as_built(model: nn.Module, built: nn.Module) -> None:
     """model holds what built, an untouched copy, holds: no module has a
     forward of its own or any other attribute built's lacks, and neither a
@@ -2552,7 +2492,7 @@ def test_enable_interrupted_anywhere_runs_again():
     built = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
     for k in itertools.count(1):
         model, ref = copy.deepcopy(built), copy.deepcopy(built)
-        if not interrupted_in_ooo(k, lambda: ooo.enable(model)):
+        if not interrupted_at_line(k, lambda: ooo.enable(model), ooo.__file__):
             break
         assert_as_built(model, built)
         handle = ooo.enable(model)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import reprop.optim as rp
 from reprop._native import _C
 
+from _interrupts import LineStop
 from _optim_options import RICH
 
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
@@ -3511,33 +3512,6 @@ def test_an_interrupted_first_sgd_step_leaves_no_unfilled_momentum_buffer(
         buf = got.opt.state[p].get("momentum_buffer")
         assert buf is None or torch.equal(buf, after.opt.state[a]["momentum_buffer"])
     assert_resumes_as_torch("SGD", options, got, grads[1:], Tol(0.0, 0.0))
-
-
-class LineStop:
-    """Raises KeyboardInterrupt as the n-th line runs in the frames of `code`
-    (a function's __code__): a stop button at every point of a function, in
-    turn. `count` is the number of lines run there (n=0: stop at none)."""
-
-    def __init__(self, code, n: int) -> None:
-        self.code, self.n, self.count = code, n, 0
-
-    def __enter__(self) -> LineStop:
-        self.saved = sys.gettrace()
-        sys.settrace(self._call)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        sys.settrace(self.saved)
-
-    def _call(self, frame, event: str, arg):
-        return self._line if frame.f_code is self.code else None
-
-    def _line(self, frame, event: str, arg):
-        if event == "line":
-            self.count += 1
-            if self.count == self.n:
-                raise KeyboardInterrupt
-        return self._line
 
 
 # Which of 4 params have a gradient at each step: the second step has a
