@@ -818,6 +818,10 @@ class _PassTracking:
     """For objects that mark a backward as running (_in_backward) and hold its
     end-of-backward callback weakly (_end_ref, from queue_end_of_backward)."""
 
+    # until a pass queues its callback: a first backward stopped before it
+    # did (a KeyboardInterrupt) is dropped as any backward that raised
+    _end_ref = staticmethod(not_queued)
+
     def _backward_raised(self) -> bool:
         """The backward marked as running raised: its end never ran."""
         return self._in_backward and self._end_ref() is None
@@ -855,9 +859,6 @@ class OOOHandle(_PassTracking):
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
-        # weakly, the end-of-backward callback of the pass running; one that
-        # raised before queueing its callback is dropped as any that raised
-        self._end_ref = not_queued
         self._profile = _Profile()
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
@@ -2535,9 +2536,6 @@ class DataParallel(_PassTracking, Joinable):
         self._held_modules: set = set()
         self._used: set = set()        # params that got a gradient since the last reduction
         self._in_backward = False
-        # weakly, the end-of-backward callback of the pass running; one that
-        # raised before queueing its callback is dropped as any that raised
-        self._end_ref = not_queued
         self._held: list | None = None
         self._stack: contextlib.ExitStack | None = None
         self._next = 0                 # the next bucket to launch in this backward
