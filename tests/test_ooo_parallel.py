@@ -1285,6 +1285,24 @@ def test_split_layers_refuse_to_run_under_fsdp(solo_group):
     handle.remove()
 
 
+def test_data_parallel_refuses_models_torch_reduces(solo_group):
+    """DataParallel over a DDP model reduced the gradients in DDP's reducer
+    too, before the deferred ones existed; over an FSDP model it failed
+    inside torch's DTensor dispatch (broadcast_ has no sharding strategy).
+    Refused as enable() refuses them, before any collective or split: the
+    model inside DDP is free for DataParallel afterwards."""
+    from torch.distributed.fsdp import fully_shard
+    ddp = DistributedDataParallel(_fsdp_blocks())
+    with pytest.raises(ValueError, match="^model: is or holds a torch.nn.parallel.Distributed"):
+        DataParallel(ddp)
+    DataParallel(ddp.module).remove()
+    for whole in (True, False):
+        model = _fsdp_blocks()
+        fully_shard(model if whole else model[0])
+        with pytest.raises(ValueError, match="^model: is or holds a module of torch.distributed.fsdp"):
+            DataParallel(model)
+
+
 class _WithAux(nn.Module):
     """A model whose forward calls another model DDP does not hold."""
 

@@ -1584,6 +1584,15 @@ def _refuse_fsdp(model: nn.Module, name: str) -> None:
                          f"{_UNDER_FSDP}")
 
 
+def _refuse_torch_data_parallel(model: nn.Module) -> None:
+    """ValueError naming `model` if it is or holds a DDP or FSDP module (or
+    FSDP's DTensor parameters): both reduce a gradient as soon as autograd
+    completes it, before the deferred weight gradients exist."""
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise ValueError(f"model: is or holds a {_UNDER_DDP}")
+    _refuse_fsdp(model, "model")
+
+
 # DDP model -> ids of the parameters its reducer all-reduces (it holds them)
 _DDP_REDUCED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -1731,9 +1740,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
                          f"-> speedup, or None; got {speedup!r}")
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
-    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
-        raise ValueError(f"model: is or holds a {_UNDER_DDP}")
-    _refuse_fsdp(model, "model")
+    _refuse_torch_data_parallel(model)
     handle = OOOHandle(model, order, regions, max_extra_memory, int(profile_iters),
                        speedup)
     if not handle.sites:
@@ -2466,6 +2473,7 @@ class DataParallel(_PassTracking, Joinable):
                              "mode='forward' (or remove() the fusion first)")
         if not any(True for _ in model.parameters()):
             raise ValueError("model: has no parameters; DataParallel has no gradient to average")
+        _refuse_torch_data_parallel(model)  # before any collective: every rank refuses alike
         # the buffers too, broadcast or not: the check of broadcast_buffers
         # below counts on every rank having buffers if one has
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
