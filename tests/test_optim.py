@@ -876,6 +876,222 @@ def test_foreach_and_fused_are_accepted_and_ignored(name: str, flag: str) -> Non
     assert_runs_equal(flagged, plain)
 
 
+# torch's fused optimizers' AMP protocol: step() divides the gradients in place
+# by optimizer.grad_scale and, where optimizer.found_inf is non-zero, updates
+# nothing. The scales 3 and 7 make the division round.
+AMP_SCALES = (65536.0, 3.0, 1024.0, 0.5, 7.0, 65536.0, 3.0)
+AMP_FOUND_INF = (0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0)
+AMP_SHAPES = [(3, 4), (17,), (1,)]
+
+
+def _transposed_layout(g: torch.Tensor) -> torch.Tensor:
+    """g with its matrix dims' strides swapped (not contiguous), which the
+    update reads through a contiguous copy: one made before the gradient was
+    divided would be read scaled."""
+    return g.t().contiguous().t() if g.dim() == 2 else g
+
+
+def run_amp_protocol(make_opt: OptFactory, init, grads, *, amp: bool,
+                     dtype: torch.dtype = torch.float32,
+                     layout: Callable[[torch.Tensor], torch.Tensor] = lambda g: g
+                     ) -> tuple[Run, list]:
+    """Open loop over AMP_SCALES and AMP_FOUND_INF. With `amp`, each step's
+    gradients are the given ones times the scale (laid out by `layout`), with
+    optimizer.grad_scale and found_inf set; without, they are those products
+    divided by the scale (what torch's fused kernels update from) and a step
+    with found_inf is not taken. Returns the run and every parameter's .grad
+    after each step."""
+    params = [nn.Parameter(t.clone().to(dtype)) for t in init]
+    opt = make_opt(params)
+    grads_after = []
+    for step_grads, scale, found_inf in zip(grads, AMP_SCALES, AMP_FOUND_INF):
+        scale_t = torch.tensor(scale)
+        for p, g in zip(params, step_grads):
+            scaled = layout(g.to(dtype) * scale)
+            p.grad = scaled if amp else scaled / scale_t
+        if amp:
+            opt.grad_scale, opt.found_inf = scale_t, torch.tensor(found_inf)
+            opt.step()
+        elif not found_inf:
+            opt.step()
+        grads_after.append([clone_exact(p.grad) for p in params])
+    return Run(params, opt), grads_after
+
+
+def assert_grads_equal(got: list, ref: list) -> None:
+    for k, (step_got, step_ref) in enumerate(zip(got, ref)):
+        for i, (g, r) in enumerate(zip(step_got, step_ref)):
+            assert g.dtype == r.dtype and torch.equal(g, r), f"step {k}: the .grad of param {i}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_protocol_divides_gradients_and_skips_as_torchs_fused_step(name: str,
+                                                                       dtype: torch.dtype) -> None:
+    """The gradients after each step are torch fused's bit for bit (divided,
+    or left scaled where found_inf skips); the update is reprop's own from
+    them (bitwise), and for float32 close to torch fused's, whose state has
+    the same step counts. (torch keeps a bf16 parameter's state in bf16.)"""
+    init, grads = make_params(AMP_SHAPES, seed=5), grad_sequence(AMP_SHAPES, len(AMP_SCALES))
+    got, got_grads = run_amp_protocol(factory(reprop_cls(name), **RICH[name]), init, grads,
+                                      amp=True, dtype=dtype)
+    plain, _ = run_amp_protocol(factory(reprop_cls(name), **RICH[name]), init, grads,
+                                amp=False, dtype=dtype)
+    ref, ref_grads = run_amp_protocol(factory(torch_cls(name), **RICH[name], fused=True), init,
+                                      grads, amp=True, dtype=dtype)
+    assert_grads_equal(got_grads, ref_grads)
+    assert_runs_equal(got, plain)
+    if dtype == torch.float32:
+        assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_protocol_divides_gradients_read_through_a_copy(name: str) -> None:
+    """A gradient laid out unlike its param is read through a copy, made
+    from the divided gradient. (torch's CPU fused kernels update such a
+    parameter wrongly, as if the gradient were laid out like it: not a
+    reference here.)"""
+    init, grads = make_params(AMP_SHAPES, seed=5), grad_sequence(AMP_SHAPES, len(AMP_SCALES))
+    make = factory(reprop_cls(name), **RICH[name])
+    got, got_grads = run_amp_protocol(make, init, grads, amp=True, layout=_transposed_layout)
+    plain, plain_grads = run_amp_protocol(make, init, grads, amp=False, layout=_transposed_layout)
+    assert_runs_equal(got, plain)
+    taken = [k for k, found_inf in enumerate(AMP_FOUND_INF) if not found_inf]
+    assert_grads_equal([got_grads[k] for k in taken], [plain_grads[k] for k in taken])
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
+def test_a_skipped_first_step_leaves_torchs_initial_state(name: str) -> None:
+    """torch's fused step makes a param's state before its kernel skips:
+    zero moments (Adagrad's sum from the constructor), at step 0."""
+    runs = []
+    for make in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t) for t in make_params(AMP_SHAPES, seed=6)]
+        opt = make(params, **RICH[name])
+        for p, g in zip(params, grad_sequence(AMP_SHAPES, 1)[0]):
+            p.grad = g * 1024
+        opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], Tol(0.0, 0.0))
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)  # left scaled
+
+
+def test_sgd_skipped_first_step_leaves_no_momentum_buffer() -> None:
+    """torch's fused SGD stores the momentum buffer it made with empty_like
+    for its skipped kernel to fill (uninitialized memory, which its next
+    step reads); reprop stores none, so its next step is a first step."""
+    init, grads = make_params(AMP_SHAPES, seed=6), grad_sequence(AMP_SHAPES, 1)[0]
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = rp.SGD(params, **RICH["SGD"])
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    opt.found_inf = torch.tensor(1.0)
+    opt.step()
+    assert not any(opt.state[p] for p in params)
+    assert all(torch.equal(p, t) for p, t in zip(params, init))
+    del opt.found_inf
+    opt.step()
+    assert_runs_equal(Run(params, opt), run_open_loop(factory(rp.SGD, **RICH["SGD"]), init, [grads]))
+
+
+@pytest.mark.parametrize("found_inf", [2.0, 0.5, float("nan")])
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_any_non_zero_found_inf_skips(name: str, found_inf: float) -> None:
+    """As GradScaler skips where its devices' found_inf sum to non-zero (2.0:
+    infs on two); torch's kernels skip only at 1.0 and take found_inf off
+    the step count (a count of -1, 0.5 or NaN)."""
+    init, grads = make_params(AMP_SHAPES, seed=8), grad_sequence(AMP_SHAPES, 2)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    opt.step()
+    before = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:1])
+    for p, g in zip(params, grads[1]):
+        p.grad = g.clone()
+    opt.found_inf = torch.tensor(found_inf)
+    opt.step()
+    assert_runs_equal(Run(params, opt), before)
+
+
+@pytest.mark.parametrize("attr", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("value, error", [
+    (2.0, TypeError),  # torch: AttributeError, a float has no .device
+    (torch.tensor(2.0, dtype=torch.float64), TypeError),  # torch: "expected scalar type Float"
+    (torch.tensor(1), TypeError),
+    (torch.tensor(True), TypeError),
+    (torch.tensor([2.0, 4.0]), ValueError),  # torch's grad_scale: the first element, silently
+    (torch.tensor([]), ValueError),  # torch's grad_scale: none, silently
+], ids=["float", "float64", "int", "bool", "two-elements", "empty"])
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_bad_amp_attributes_are_refused_naming_them(name: str, attr: str, value,
+                                                     error: type) -> None:
+    init, grads = make_params(AMP_SHAPES, seed=9), grad_sequence(AMP_SHAPES, 1)[0]
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    initial_state = copy.deepcopy(opt.state_dict()["state"])  # (Adagrad's sum exists already)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    setattr(opt, attr, value)
+    with pytest.raises(error, match=rf"^{name}: {attr}: "):
+        opt.step()
+    assert all(torch.equal(p, t) and torch.equal(p.grad, g)
+               for p, t, g in zip(params, init, grads))
+    assert_state_dict_equal(opt.state_dict()["state"], initial_state)
+
+
+def assert_state_dict_equal(got: dict, ref: dict) -> None:
+    assert got.keys() == ref.keys()
+    for i, st in ref.items():
+        assert list(got[i]) == list(st) and all(torch.equal(got[i][k], v) for k, v in st.items())
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "Adadelta"])
+def test_amp_attributes_are_ignored_where_torch_has_no_fused_step(name: str) -> None:
+    """torch's RMSprop and Adadelta, which have no fused implementation, do
+    not read grad_scale and found_inf: they step on the gradients as given."""
+    init, grads = make_params(AMP_SHAPES, seed=10), grad_sequence(AMP_SHAPES, 3)
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_grad_scaler_unscales_and_skips_for_step(name: str) -> None:
+    """GradScaler treats reprop's optimizers as torch's non-fused ones
+    (_step_supports_amp_scaling is false): it unscales the gradients itself
+    and calls step() only without infs, setting no grad_scale for it."""
+    init, grads = make_params(AMP_SHAPES, seed=12), grad_sequence(AMP_SHAPES, 4)
+    grads[1][1][3] = float("inf")  # the second step is skipped
+    runs, grads_after = [], []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        for step_grads in grads:
+            opt.zero_grad()
+            # the scaled loss's gradients: each g times the scale
+            scaler.scale(sum((p * g).sum() for p, g in zip(params, step_grads))).backward()
+            scaler.step(opt)
+            scaler.update()
+            assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+            grads_after.append([clone_exact(p.grad) for p in params])
+        runs.append(Run(params, opt))
+    half = len(grads_after) // 2
+    assert_grads_equal(grads_after[:half], grads_after[half:])
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+
+
 # ---------------------------------------------------------------------------
 # 2. state_dict interchange with torch
 # ---------------------------------------------------------------------------

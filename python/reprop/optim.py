@@ -16,13 +16,18 @@ Differences from torch, all deliberate:
   so state dicts stay interchangeable.
 * ``foreach`` and ``fused`` are accepted for compatibility and ignored: reprop
   always fuses. ``differentiable=True`` is refused.
+* ``step()`` of SGD, Adam, AdamW and Adagrad follows torch's fused
+  optimizers' AMP protocol whatever their ``fused`` flag: ``grad_scale`` set
+  on the optimizer divides the gradients in place, ``found_inf`` non-zero
+  skips the update (torch's non-fused paths raise for them; RMSprop and
+  Adadelta, fused nowhere in torch, ignore them as torch's do).
 * ``step_params(params)`` updates just the given parameters now; the optimizer
   fusion hooks call it from inside backward.
 """
 from __future__ import annotations
 
 import functools
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -178,6 +183,41 @@ def _betas(group: dict) -> tuple:
     except (TypeError, ValueError) as e:
         raise type(e)(f"betas: {e}") from None
     return beta1, beta2
+
+
+class _Scaling(NamedTuple):
+    """What torch's fused-optimizer AMP protocol asks of one step()
+    (_FusedOptimizer._grad_scaling): skip the update, or else divide the
+    gradients by `scale` (None: as they are)."""
+
+    skip: bool
+    scale: torch.Tensor | None
+
+
+def _amp_tensor(value, name: str) -> torch.Tensor | None:
+    """An AMP attribute (grad_scale, found_inf; `name` says which, of which
+    optimizer) as torch's fused kernels take it: None, or a one-element
+    float32 tensor on any device (they move it to the params'); anything else
+    raises naming it, where torch's kernels raise for another dtype, read the
+    first of several elements (grad_scale) or fail on a float's missing
+    .device."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+        raise TypeError(f"{name}: expected a float32 tensor (as torch.amp.GradScaler sets), got "
+                        f"{_described(value)}")
+    if value.numel() != 1:
+        raise ValueError(f"{name}: expected a one-element tensor, got one of shape "
+                         f"{tuple(value.shape)}")
+    return value
+
+
+def _unscale_grads(running: list, scale: torch.Tensor) -> None:
+    """Divides the gradients of the rows taking part by `scale` in place,
+    as torch's fused kernels do: they update from g / scale and write it back
+    into .grad."""
+    for plan in running:
+        torch._foreach_div_([p.grad for p in plan.step_params], scale.to(plan.device))
 
 
 class _Plan:
@@ -914,6 +954,9 @@ class _FusedOptimizer:
 
     _kind: int
     _torch_class: type
+    # Whether step() follows torch's fused-optimizer AMP protocol (see
+    # _grad_scaling): torch's classes with a fused implementation do.
+    _reads_grad_scale = False
 
     def __init_subclass__(cls, **kwargs):
         """Gives each reprop class (one that names its _torch_class) torch's
@@ -934,7 +977,9 @@ class _FusedOptimizer:
         cls.__init__ = __init__
 
     def _setup_fused(self) -> None:
-        # GradScaler must unscale before step(): our step takes no grad_scale.
+        # GradScaler unscales the gradients and skips step() itself, as for
+        # torch's non-fused optimizers (the flow reprop.fuse builds on), rather
+        # than hand step() its grad_scale and found_inf (_grad_scaling)
         self._step_supports_amp_scaling = False
         self._plans = _PlanCache()
         # What _follow_param_groups last saw: (ids of the group and
@@ -1027,9 +1072,37 @@ class _FusedOptimizer:
             with torch.enable_grad():
                 loss = closure()
         self._follow_param_groups()
+        scaling = self._grad_scaling()
         for group in self.param_groups:
-            self._update(group, group["params"])
+            self._update(group, group["params"], scaling=scaling)
         return loss
+
+    def _grad_scaling(self) -> _Scaling | None:
+        """What the `grad_scale` and `found_inf` attributes ask of this step(),
+        as torch's fused step() reads them: GradScaler.step() sets them on an
+        optimizer whose _step_supports_amp_scaling is true (ours is not:
+        GradScaler unscales and skips for it), a user may set them by hand.
+        None when neither is set: the gradients are taken as they are.
+        found_inf is read on the host (a sync where it is on a GPU), so the
+        step cannot be captured in a CUDA graph, whose replays would all
+        repeat the capture's decision."""
+        if not self._reads_grad_scale:
+            return None
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if grad_scale is None and found_inf is None:
+            return None
+        name = type(self).__name__
+        grad_scale = _amp_tensor(grad_scale, f"{name}: grad_scale")
+        found_inf = _amp_tensor(found_inf, f"{name}: found_inf")
+        if found_inf is None:
+            return _Scaling(False, grad_scale)
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{name}: found_inf is set, but reprop reads it on the host, which "
+                               "a CUDA graph capture cannot: use torch.optim's fused optimizer")
+        # Any non-zero value skips, as GradScaler skips a step where the found_inf
+        # of its devices sum to non-zero; torch's kernels skip only at 1.0
+        return _Scaling(found_inf.item() != 0, grad_scale)
 
     @torch.no_grad()
     def step_params(self, params: Iterable[torch.Tensor], settings: dict | None = None,
@@ -1097,7 +1170,10 @@ class _FusedOptimizer:
         return hp
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
-                given: dict | None = None) -> None:
+                given: dict | None = None, scaling: _Scaling | None = None) -> None:
+        """Updates `params` of `group` with its hyper-parameters (or those in
+        `settings`), from their gradients (or those `given`), as `scaling`
+        says (step(): torch's fused AMP protocol)."""
         hp = group if settings is None else settings
         # Keyed by all the params of the call, not those with a gradient: a plan
         # per subset would be built (O(params)) and kept for every new subset
@@ -1130,6 +1206,17 @@ class _FusedOptimizer:
             if len(running) > 1 or (running and running[0].inference):
                 for plan in running:
                     plan.check(self, hparams)
+            if scaling is not None:
+                if scaling.skip:
+                    # as torch's fused kernels skip: state a new plan made (Adam's
+                    # zeros, at step 0) stays, as torch's _init_group made it; a new
+                    # SGD buffer, never filled, is not published
+                    running = []
+                elif scaling.scale is not None:
+                    _unscale_grads(running, scaling.scale)
+                    # again: gradient copies (another layout, memory shared with the
+                    # param) were made from the scaled ones
+                    keep = _prepare_grads(plans, self.state, given)
             for plan in running:
                 plan.run(self, hp, hparams)
             if new_plans:
@@ -1279,6 +1366,7 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
     _kind = _SGD
     _torch_class = torch.optim.SGD
+    _reads_grad_scale = True
 
     def _state_slots(self, group):
         return ("momentum_buffer" if group["momentum"] != 0 else None, None, None)
@@ -1294,6 +1382,7 @@ class Adam(_FusedOptimizer, torch.optim.Adam):
 
     _kind = _ADAM
     _torch_class = torch.optim.Adam
+    _reads_grad_scale = True
 
     def _state_slots(self, group):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq" if group["amsgrad"] else None)
@@ -1312,6 +1401,7 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
 
     _kind = _ADAGRAD
     _torch_class = torch.optim.Adagrad
+    _reads_grad_scale = True
 
     def _state_slots(self, group):
         return ("sum", None, None)
