@@ -662,6 +662,31 @@ def test_h_n_is_not_part_of_the_output(kind, num_layers, layout, with_h0):
     assert_close_lists(results[1], results[0])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_changed_in_place_before_backward(kind):
+    """A step on the biases between forward and backward (an optimizer or EMA
+    step under no_grad) is no error, as in nn.RNN/nn.GRU, whose backward
+    reads no bias (the GRU's keeps its gates): the gradients are those of
+    the forward's biases, torch's after the same change (before, the layers
+    saved the biases and backward raised autograd's in-place version error).
+    A change that reached the GRU's gate recomputation would move every
+    gradient by far more than the tolerance."""
+    torch.manual_seed(12)
+    ref, ours = make_pair(kind, 4, 6, num_layers=2, bidirectional=True)
+    x, h0, w_out = torch.randn(7, 3, 4), torch.randn(4, 3, 6), torch.randn(7, 3, 12)
+    results = []
+    for module in (ref, ours):
+        leaf = x.clone().requires_grad_()
+        out, h_n = module(leaf, h0)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.startswith("bias"):
+                    p.add_(0.5)
+        ((out * w_out).sum() + h_n.sin().sum()).backward()
+        results.append([leaf.grad] + [p.grad for p in module.parameters()])
+    assert_close_lists(results[1], results[0])
+
+
 def test_saves_only_what_torch_saves():
     """The scan recomputes the Jacobians in backward: the layer keeps x, h0,
     the weights and the output sequence, nothing of size T*B*H*H."""

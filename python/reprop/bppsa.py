@@ -582,13 +582,26 @@ def _autocast_float16(device_type: str) -> torch.dtype | None:
     return torch.float16 if on else None
 
 
+def _biases_for_backward(mode: str, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> tuple:
+    """What backward reads of the biases, as torch's backward reads none of
+    them: the RNN's Jacobians and gradients do not depend on them (None, None);
+    the GRU recomputes its gates from them (torch saves the gates), so it
+    keeps copies (3H values each) of the biases this forward read. A bias
+    changed in place before backward (an optimizer or EMA step under no_grad)
+    is then no version error, and the gradients are the forward's, as torch's."""
+    if mode != "GRU" or b_ih is None:
+        return None, None
+    return b_ih.clone(), b_hh.clone()
+
+
 class _Layer(torch.autograd.Function):
     """(out, h) = layer(x, h0) with PyTorch's forward; backward through the
     scan. h (B, H), each sample's last state, is an output of its own, as
     nn.RNN's h_n is: hooks on the output see only the output's gradient.
 
-    Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
-    the GRU's gates are recomputed in backward in one parallel pass. Beyond
+    Saves x, h0, W_ih, W_hh and out (what nn.RNN's own backward keeps), and
+    for the GRU copies of its biases (_biases_for_backward): its gates are
+    recomputed in backward in one parallel pass. Beyond
     grad_out and the gradients it returns, backward holds (T, B, H) float32
     buffers: one for the RNN (d, out of the scan), six for the GRU (its
     gates' pre-activations, everything later in place over them), plus c
@@ -611,7 +624,8 @@ class _Layer(torch.autograd.Function):
             out.masked_fill_(pad, 0)
         ctx.mode, ctx.levels, ctx.last = mode, levels, last
         ctx.held = _autocast_float16(x.device.type)
-        ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
+        ctx.dtypes = [t if t is None else t.dtype for t in (x, h0, w_ih, w_hh, b_ih, b_hh)]
+        ctx.save_for_backward(x, h0, w_ih, w_hh, *_biases_for_backward(mode, b_ih, b_hh), out)
         # an unused output's gradient stays None, not a (T, B, H) of zeros
         ctx.set_materialize_grads(False)
         return out, _last_states(out, last)
@@ -649,7 +663,7 @@ class _Layer(torch.autograd.Function):
                     _sum_rows(d_gh) if need_b_hh else None]
         grads = [None if gr is None else _hold(gr, ctx.held) for gr in products]
         grads.insert(1, grad_h0)
-        grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
+        grads = [gr.to(dtype) if gr is not None else None for gr, dtype in zip(grads, ctx.dtypes)]
         return (None, None, None, None, *grads)
 
 
