@@ -972,6 +972,51 @@ def test_module_rejects_bad_input():
         bppsa.convert("rnn")
 
 
+def _packed(data: torch.Tensor) -> nn.utils.rnn.PackedSequence:
+    return nn.utils.rnn.pack_padded_sequence(data, [5, 4, 2])
+
+
+# (the call's arguments for a module RNN(4, 6) / GRU(4, 6), the class the
+# modules raised before, the start of their message)
+BAD_MODULE_CALLS = {
+    "hx batch size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 2, 6)), ValueError, "hx: expected shape"),
+    "hx hidden size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 7)), ValueError, "hx: expected shape"),
+    "2-D hx, 3-D input": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    "3-D hx, 2-D input": (lambda: (torch.randn(5, 4), torch.randn(1, 1, 6)), ValueError, "hx: expected a 2-D"),
+    "2-D hx, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    "hx batch size, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 2, 6)), ValueError,
+                              "hx: expected shape"),
+    "input size": (lambda: (torch.randn(5, 3, 5),), ValueError, "input: expected 4 features"),
+    "no step": (lambda: (torch.randn(0, 3, 4),), ValueError, "input: expected a sequence"),
+    "no step, unbatched": (lambda: (torch.randn(0, 4),), ValueError, "input: expected a sequence"),
+    "float64 hx": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 6, dtype=torch.float64)), TypeError,
+                   "hx: expected torch.float32"),
+    "integer hx": (lambda: (torch.randn(5, 3, 4), torch.zeros(1, 3, 6, dtype=torch.int64)), TypeError,
+                   "hx: expected a real"),
+    "integer input": (lambda: (torch.zeros(5, 3, 4, dtype=torch.int64),), TypeError, "input: expected a real"),
+    "complex input": (lambda: (torch.randn(5, 3, 4, dtype=torch.complex64),), TypeError, "input: expected a real"),
+    "integer packed": (lambda: (_packed(torch.zeros(5, 3, 4, dtype=torch.int64)),), TypeError,
+                       "input: expected a real"),
+}
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("case", list(BAD_MODULE_CALLS))
+def test_module_errors_are_instances_of_torchs(kind, case):
+    """Each argument error is an instance of the class nn.RNN/nn.GRU raise for
+    the same call (RuntimeError for hx and sizes, ValueError for an input
+    dtype), so that code written against nn catches it after convert(), and
+    still of the class the modules raised before, with their message (before:
+    ValueError or TypeError alone)."""
+    make_args, before, message = BAD_MODULE_CALLS[case]
+    ref, ours = make_pair(kind, 4, 6)
+    with pytest.raises(Exception) as torchs:
+        ref(*make_args())
+    with pytest.raises(before, match=f"^{re.escape(message)}") as raised:
+        ours(*make_args())
+    assert isinstance(raised.value, torchs.type), (torchs.type, type(raised.value).__mro__)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 def test_module_empty_batch_is_torch_own(batch_first):
     """No sequence to scan: outputs and gradients (zeros) as nn.RNN gives them."""

@@ -174,12 +174,13 @@ def _check_tensor(t, name: str) -> None:
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
 
 
-def _check_real_dense(t, name: str) -> None:
-    """A strided real floating-point tensor on the CPU or a CUDA device."""
+def _check_real_dense(t, name: str, dtype_error: type = TypeError) -> None:
+    """A strided real floating-point tensor on the CPU or a CUDA device
+    (another dtype raises `dtype_error`)."""
     _check_tensor(t, name)
     check_strided(t, name)
     if t.is_complex() or not t.is_floating_point():
-        raise TypeError(f"{name}: expected a real floating-point tensor, got {t.dtype}")
+        raise dtype_error(f"{name}: expected a real floating-point tensor, got {t.dtype}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
 
@@ -671,6 +672,22 @@ class _Layer(torch.autograd.Function):
 # The modules
 # ---------------------------------------------------------------------------
 
+# nn.RNN/nn.GRU raise RuntimeError for a bad hx or input size (ValueError for
+# an input dtype other than the weights'), where the modules' clearer checks
+# raised ValueError and TypeError: each error below is an instance of both,
+# so that code written against either catches it.
+class _ArgError(ValueError, RuntimeError):
+    """A wrong shape or size of hx or input."""
+
+
+class _HxTypeError(TypeError, RuntimeError):
+    """hx of a dtype or device other than input's."""
+
+
+class _InputTypeError(TypeError, ValueError):
+    """input that is not real floating-point."""
+
+
 class _ScanRNNBase:
     """forward() of nn.RNN / nn.GRU, layer by layer and direction by direction,
     each through _Layer; mixed into subclasses of the torch modules so that
@@ -716,7 +733,7 @@ class _ScanRNNBase:
     def _check_input(self, input, hx, weight_ih_l0: torch.Tensor):
         if getattr(self, "proj_size", 0):
             raise ValueError(f"{type(self).__name__}: proj_size is not supported")
-        _check_real_dense(input, "input")
+        _check_real_dense(input, "input", _InputTypeError)
         if input.dim() not in (2, 3):
             raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
         if input.dtype == torch.float64:
@@ -726,23 +743,23 @@ class _ScanRNNBase:
             raise ValueError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), got "
                              f"{input.dtype}; convert the input or the module")
         if input.shape[-1] != self.input_size:
-            raise ValueError(f"input: expected {self.input_size} features (input_size) in the last "
-                             f"dimension, got {input.shape[-1]}")
+            raise _ArgError(f"input: expected {self.input_size} features (input_size) in the last "
+                            f"dimension, got {input.shape[-1]}")
         if hx is not None:
-            _check_real_dense(hx, "hx")
+            _check_real_dense(hx, "hx", _HxTypeError)
             # Under autocast torch's kernels cast both (h_n of an autocast step is
             # bf16/fp16 and goes back in as hx with float32 input), as nn.RNN does.
             same_dtype = hx.dtype == input.dtype or autocast_enabled(input.device.type)
             if not same_dtype or hx.device != input.device:
-                raise TypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
-                                f"{hx.dtype} on {hx.device}")
+                raise _HxTypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
+                                   f"{hx.dtype} on {hx.device}")
 
     def _initial_states(self, input: torch.Tensor, hx, B: int) -> torch.Tensor:
         shape = (self.num_layers * (2 if self.bidirectional else 1), B, self.hidden_size)
         if hx is None:
             return input.new_zeros(shape)
         if hx.shape != shape:
-            raise ValueError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
+            raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
     def _needs_torch_own(self, input, hx, weights: list) -> bool:
@@ -778,9 +795,9 @@ class _ScanRNNBase:
         self._check_input(input, hx, weights[0])
         batched = input.dim() == 3
         if hx is not None and hx.dim() != input.dim():
-            raise ValueError(f"hx: expected a {input.dim()}-D tensor with "
-                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
-                             f"got {hx.dim()}-D")
+            raise _ArgError(f"hx: expected a {input.dim()}-D tensor with "
+                            f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
+                            f"got {hx.dim()}-D")
         if batched and input.shape[0 if self.batch_first else 1] == 0:
             return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
@@ -789,7 +806,7 @@ class _ScanRNNBase:
         elif self.batch_first:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
-            raise ValueError("input: expected a sequence of at least one step")
+            raise _ArgError("input: expected a sequence of at least one step")
         output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, None)
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
@@ -802,7 +819,7 @@ class _ScanRNNBase:
         gradients are those of its own length."""
         data, batch_sizes, sorted_indices, unsorted_indices = input
         if hx is not None and hx.dim() != 3:
-            raise ValueError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
+            raise _ArgError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
         self._check_input(data, hx, weights[0])
         T, B = len(batch_sizes), int(batch_sizes[0])
         hx = self._initial_states(data, hx, B)
