@@ -609,6 +609,37 @@ def test_packed_sequences_match_torch(kind, bidirectional, device):
         assert_close_lists(our_res, ref_res)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "unbatched", "bidirectional",
+                                    "packed", "packed_bidirectional"])
+@pytest.mark.parametrize("train", [False, True])
+def test_outputs_are_torchs_bit_for_bit(kind, layout, train):
+    """Each layer's forward is the kernel call nn's makes for it (both
+    directions in one call, a PackedSequence's rows with their batch
+    sizes), so the output and h_n are nn's bit for bit, over two layers,
+    with dropout between them in training (before: each direction ran a
+    unidirectional kernel, the reverse one over flipped input, and packed
+    input ran as a zero-padded batch, up to about 1e-7 off; H = 7 and a
+    batch of 3 are sizes where both differed)."""
+    torch.manual_seed(13)
+    bidirectional, packed = "bidirectional" in layout, layout.startswith("packed")
+    ref, ours = make_pair(kind, 5, 7, num_layers=2, dropout=0.3, bidirectional=bidirectional,
+                          batch_first=layout == "batch_first")
+    ref.train(train), ours.train(train)
+    batch = () if layout == "unbatched" else (3,)
+    x = torch.randn(3, 9, 5) if layout == "batch_first" else torch.randn(9, *batch, 5)
+    h0 = torch.randn(2 * (1 + bidirectional), *batch, 7)
+    results = []
+    for module in (ref, ours):
+        torch.manual_seed(2)
+        out, h_n = module(nn.utils.rnn.pack_padded_sequence(x, [6, 9, 2], enforce_sorted=False)
+                          if packed else x, h0)
+        results.append((out.data if packed else out, h_n))
+    (ref_out, ref_h_n), (out, h_n) = results
+    assert torch.equal(out, ref_out), (out - ref_out).abs().max()
+    assert torch.equal(h_n, ref_h_n), (h_n - ref_h_n).abs().max()
+
+
 def test_packed_padding_that_overflows_leaves_gradients_finite():
     """The recurrence of a short sequence's padding can overflow (ReLU, a
     growing W_hh): what it computed there must not reach any gradient as
