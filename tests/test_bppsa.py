@@ -609,6 +609,37 @@ def test_packed_sequences_match_torch(kind, bidirectional, device):
         assert_close_lists(our_res, ref_res)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["seq_first", "batch_first", "unbatched", "bidirectional",
+                                    "packed", "packed_bidirectional"])
+@pytest.mark.parametrize("train", [False, True])
+def test_outputs_are_torchs_bit_for_bit(kind, layout, train):
+    """Each layer's forward is the kernel call nn's makes for it (both
+    directions in one call, a PackedSequence's rows with their batch
+    sizes), so the output and h_n are nn's bit for bit, over two layers,
+    with dropout between them in training (before: each direction ran a
+    unidirectional kernel, the reverse one over flipped input, and packed
+    input ran as a zero-padded batch, up to about 1e-7 off; H = 7 and a
+    batch of 3 are sizes where both differed)."""
+    torch.manual_seed(13)
+    bidirectional, packed = "bidirectional" in layout, layout.startswith("packed")
+    ref, ours = make_pair(kind, 5, 7, num_layers=2, dropout=0.3, bidirectional=bidirectional,
+                          batch_first=layout == "batch_first")
+    ref.train(train), ours.train(train)
+    batch = () if layout == "unbatched" else (3,)
+    x = torch.randn(3, 9, 5) if layout == "batch_first" else torch.randn(9, *batch, 5)
+    h0 = torch.randn(2 * (1 + bidirectional), *batch, 7)
+    results = []
+    for module in (ref, ours):
+        torch.manual_seed(2)
+        out, h_n = module(nn.utils.rnn.pack_padded_sequence(x, [6, 9, 2], enforce_sorted=False)
+                          if packed else x, h0)
+        results.append((out.data if packed else out, h_n))
+    (ref_out, ref_h_n), (out, h_n) = results
+    assert torch.equal(out, ref_out), (out - ref_out).abs().max()
+    assert torch.equal(h_n, ref_h_n), (h_n - ref_h_n).abs().max()
+
+
 def test_packed_padding_that_overflows_leaves_gradients_finite():
     """The recurrence of a short sequence's padding can overflow (ReLU, a
     growing W_hh): what it computed there must not reach any gradient as
@@ -659,6 +690,31 @@ def test_h_n_is_not_part_of_the_output(kind, num_layers, layout, with_h0):
         out.register_hook(lambda g: g * 3)
         (out.pow(2).sum() + h_n.sin().sum()).backward()
         results.append([out.grad, grad_x_from_h_n] + [p.grad for p in module.parameters()])
+    assert_close_lists(results[1], results[0])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bias_changed_in_place_before_backward(kind):
+    """A step on the biases between forward and backward (an optimizer or EMA
+    step under no_grad) is no error, as in nn.RNN/nn.GRU, whose backward
+    reads no bias (the GRU's keeps its gates): the gradients are those of
+    the forward's biases, torch's after the same change (before, the layers
+    saved the biases and backward raised autograd's in-place version error).
+    A change that reached the GRU's gate recomputation would move every
+    gradient by far more than the tolerance."""
+    torch.manual_seed(12)
+    ref, ours = make_pair(kind, 4, 6, num_layers=2, bidirectional=True)
+    x, h0, w_out = torch.randn(7, 3, 4), torch.randn(4, 3, 6), torch.randn(7, 3, 12)
+    results = []
+    for module in (ref, ours):
+        leaf = x.clone().requires_grad_()
+        out, h_n = module(leaf, h0)
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                if name.startswith("bias"):
+                    p.add_(0.5)
+        ((out * w_out).sum() + h_n.sin().sum()).backward()
+        results.append([leaf.grad] + [p.grad for p in module.parameters()])
     assert_close_lists(results[1], results[0])
 
 
@@ -945,6 +1001,51 @@ def test_module_rejects_bad_input():
         rnn(torch.randn(4, 1, 2), torch.randn(1, 3))
     with pytest.raises(TypeError, match="model: expected a torch.nn.Module"):
         bppsa.convert("rnn")
+
+
+def _packed(data: torch.Tensor) -> nn.utils.rnn.PackedSequence:
+    return nn.utils.rnn.pack_padded_sequence(data, [5, 4, 2])
+
+
+# (the call's arguments for a module RNN(4, 6) / GRU(4, 6), the class the
+# modules raised before, the start of their message)
+BAD_MODULE_CALLS = {
+    "hx batch size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 2, 6)), ValueError, "hx: expected shape"),
+    "hx hidden size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 7)), ValueError, "hx: expected shape"),
+    "2-D hx, 3-D input": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    "3-D hx, 2-D input": (lambda: (torch.randn(5, 4), torch.randn(1, 1, 6)), ValueError, "hx: expected a 2-D"),
+    "2-D hx, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    "hx batch size, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 2, 6)), ValueError,
+                              "hx: expected shape"),
+    "input size": (lambda: (torch.randn(5, 3, 5),), ValueError, "input: expected 4 features"),
+    "no step": (lambda: (torch.randn(0, 3, 4),), ValueError, "input: expected a sequence"),
+    "no step, unbatched": (lambda: (torch.randn(0, 4),), ValueError, "input: expected a sequence"),
+    "float64 hx": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 6, dtype=torch.float64)), TypeError,
+                   "hx: expected torch.float32"),
+    "integer hx": (lambda: (torch.randn(5, 3, 4), torch.zeros(1, 3, 6, dtype=torch.int64)), TypeError,
+                   "hx: expected a real"),
+    "integer input": (lambda: (torch.zeros(5, 3, 4, dtype=torch.int64),), TypeError, "input: expected a real"),
+    "complex input": (lambda: (torch.randn(5, 3, 4, dtype=torch.complex64),), TypeError, "input: expected a real"),
+    "integer packed": (lambda: (_packed(torch.zeros(5, 3, 4, dtype=torch.int64)),), TypeError,
+                       "input: expected a real"),
+}
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("case", list(BAD_MODULE_CALLS))
+def test_module_errors_are_instances_of_torchs(kind, case):
+    """Each argument error is an instance of the class nn.RNN/nn.GRU raise for
+    the same call (RuntimeError for hx and sizes, ValueError for an input
+    dtype), so that code written against nn catches it after convert(), and
+    still of the class the modules raised before, with their message (before:
+    ValueError or TypeError alone)."""
+    make_args, before, message = BAD_MODULE_CALLS[case]
+    ref, ours = make_pair(kind, 4, 6)
+    with pytest.raises(Exception) as torchs:
+        ref(*make_args())
+    with pytest.raises(before, match=f"^{re.escape(message)}") as raised:
+        ours(*make_args())
+    assert isinstance(raised.value, torchs.type), (torchs.type, type(raised.value).__mro__)
 
 
 @pytest.mark.parametrize("batch_first", [False, True])

@@ -9,9 +9,11 @@ arithmetic is reordered, nothing is approximated.
 - :class:`RNN` and :class:`GRU` are drop-in ``torch.nn.RNN``/``torch.nn.GRU``
   (same arguments, parameters and state_dict) whose backward runs the scan
   inside an ordinary ``autograd.Function``: ``loss.backward()`` is unchanged.
-  The forward is PyTorch's own (cuDNN on the GPU), one layer and direction at
-  a time. The transposed Jacobians are never materialized: W_hh is shared by
-  every step and sequence and the activation derivatives stay vectors.
+  The forward is PyTorch's own (cuDNN on the GPU), one layer at a time with
+  the kernel call nn's makes for it (both directions, packed rows), so on
+  the CPU its outputs are nn's, bit for bit. The transposed Jacobians are
+  never materialized: W_hh is shared by every step and sequence and the
+  activation derivatives stay vectors.
 - :func:`convert` swaps the RNNs and GRUs of an unmodified model in place.
 - :func:`scan` is the recurrence itself, for custom recurrences.
 - :class:`ChainPlan` and :func:`chain_backward`: the sparse side, for chains
@@ -174,12 +176,13 @@ def _check_tensor(t, name: str) -> None:
         raise TypeError(f"{name}: expected a tensor, got {type(t).__name__}")
 
 
-def _check_real_dense(t, name: str) -> None:
-    """A strided real floating-point tensor on the CPU or a CUDA device."""
+def _check_real_dense(t, name: str, dtype_error: type = TypeError) -> None:
+    """A strided real floating-point tensor on the CPU or a CUDA device
+    (another dtype raises `dtype_error`)."""
     _check_tensor(t, name)
     check_strided(t, name)
     if t.is_complex() or not t.is_floating_point():
-        raise TypeError(f"{name}: expected a real floating-point tensor, got {t.dtype}")
+        raise dtype_error(f"{name}: expected a real floating-point tensor, got {t.dtype}")
     if t.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{name}: expected a CPU or CUDA tensor, got device {t.device}")
 
@@ -395,14 +398,27 @@ def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> N
 
 
 # ---------------------------------------------------------------------------
-# One layer, one direction, as an autograd Function
+# One layer, both directions, as an autograd Function
 # ---------------------------------------------------------------------------
 
-def _forward_layer(mode: str, x: torch.Tensor, h0: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
-    """PyTorch's own single-layer forward (cuDNN on the GPU); x (T, B, I), h0 (B, H)."""
-    fn = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru}[mode]
-    out, _ = fn(x, h0.unsqueeze(0), weights, len(weights) == 4, 1, 0.0, False, False, False)
-    return out
+_KERNELS = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru}
+
+
+def _forward_layer(mode: str, x: torch.Tensor, hx: torch.Tensor, weights: Sequence[torch.Tensor | None],
+                   batch_sizes: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch's own forward of one layer, both directions where hx (dirs, B, H)
+    has two (cuDNN on the GPU): the call nn.RNN's forward makes, for this
+    layer, so that out and h_n are its bits (a bidirectional CPU kernel runs
+    its reverse direction otherwise than a unidirectional one over flipped
+    input; a packed one each step over its own batch). x (T, B, I), or a
+    PackedSequence's rows with their batch_sizes; weights (w_ih, w_hh, b_ih,
+    b_hh) for each direction, the biases None without bias. Returns out
+    ((T, B, dirs*H) or the packed rows) and h_n (dirs, B, H)."""
+    given = [w for w in weights if w is not None]
+    bias, bidirectional = weights[2] is not None, hx.shape[0] == 2
+    if batch_sizes is None:
+        return _KERNELS[mode](x, hx, given, bias, 1, 0.0, False, bidirectional, False)
+    return _KERNELS[mode](x, batch_sizes, hx, given, bias, 1, 0.0, False, bidirectional)
 
 
 def _sum_rows(t: torch.Tensor) -> torch.Tensor:
@@ -547,30 +563,23 @@ def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice, held) -> tuple
     return [gh[..., :2 * H], dn], gh, z[0] * g[0] + _hold(gh[0] @ w_hh, held)
 
 
-def _last_states(out: torch.Tensor, last: tuple | None) -> torch.Tensor:
-    """(B, H): each sample's state at its last valid step, out[-1] when `last`
-    (the (steps, samples) index of padded input's last steps) is None. A copy,
-    never a view of out: h_n's gradient must not pass through the output's."""
-    return out[-1].clone() if last is None else out[last]
-
-
 def _step_gradients(grad_out: torch.Tensor | None, grad_h: torch.Tensor | None, out: torch.Tensor,
-                    last: tuple | None) -> torch.Tensor:
-    """The scan's c (T, B, H) float32: the output's gradient plus the final
-    states' at each sample's last step (None: that output got no gradient).
-    grad_out is copied only to add grad_h."""
-    if grad_h is None and grad_out is not None:
-        return grad_out.float()
+                    steps: _Steps, direction: int) -> torch.Tensor:
+    """The scan's c (T, B, H) float32 for one direction, whose output is out
+    (in the scan's layout): the output's gradient (the direction's part of
+    the layer's) plus the final states' at each sample's last step (None:
+    that output got no gradient). grad_out is copied only to add grad_h, or
+    to lay it out for the scan."""
     if grad_out is None:
         c = out.new_zeros(out.shape, dtype=torch.float32)
-    else:  # contiguous: the layout the scan reads c in
-        c = grad_out.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    else:
+        c = steps.padded(grad_out.float(), direction, copy=grad_h is not None)
     if grad_h is None:
         return c
-    if last is None:
+    if steps.last is None:
         c[-1].add_(grad_h)
     else:
-        c.index_put_(last, grad_h.float(), accumulate=True)
+        c.index_put_(steps.last, grad_h.float(), accumulate=True)
     return c
 
 
@@ -582,18 +591,84 @@ def _autocast_float16(device_type: str) -> torch.dtype | None:
     return torch.float16 if on else None
 
 
-class _Layer(torch.autograd.Function):
-    """(out, h) = layer(x, h0) with PyTorch's forward; backward through the
-    scan. h (B, H), each sample's last state, is an output of its own, as
-    nn.RNN's h_n is: hooks on the output see only the output's gradient.
+def _biases_for_backward(mode: str, b_ih: torch.Tensor | None, b_hh: torch.Tensor | None) -> tuple:
+    """What backward reads of the biases, as torch's backward reads none of
+    them: the RNN's Jacobians and gradients do not depend on them (None, None);
+    the GRU recomputes its gates from them (torch saves the gates), so it
+    keeps copies (3H values each) of the biases this forward read. A bias
+    changed in place before backward (an optimizer or EMA step under no_grad)
+    is then no version error, and the gradients are the forward's, as torch's."""
+    if mode != "GRU" or b_ih is None:
+        return None, None
+    return b_ih.clone(), b_hh.clone()
 
-    Saves x, h0, the weights and out (what nn.RNN's own backward keeps);
-    the GRU's gates are recomputed in backward in one parallel pass. Beyond
-    grad_out and the gradients it returns, backward holds (T, B, H) float32
+
+class _Steps:
+    """Where a layer's steps lie, and the layout its scans run in. A layer's
+    tensors (its input, output and their gradients) are (T, B, F), or a
+    PackedSequence's rows (N, F), as torch's kernels take and give them;
+    each direction's scan takes (T, B, F) with every sample's steps in the
+    order that direction runs them, the padding 0 (so that padded steps get
+    no gradient: each sequence's gradients are those of its own length)."""
+
+    def __init__(self, batch_sizes: torch.Tensor | None = None, device: torch.device | None = None):
+        self.batch_sizes = batch_sizes
+        # None: (T, B, F) tensors, every step valid, the reverse direction's the flipped steps
+        self.last = self._places = None
+        if batch_sizes is None:
+            return
+        self.T, self.B = len(batch_sizes), int(batch_sizes[0])
+        lengths = (batch_sizes.unsqueeze(1) > torch.arange(self.B)).sum(0)
+        steps = torch.repeat_interleave(torch.arange(self.T), batch_sizes)
+        rows = torch.arange(len(steps)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
+                                                                  batch_sizes)
+        # each packed row's (step, sample) place for the forward direction and
+        # for the reverse one, which reads a sample backwards from its own last step
+        places = [(steps, rows), (lengths[rows] - 1 - steps, rows)]
+        self._places = [tuple(index.to(device) for index in place) for place in places]
+        self.last = ((lengths - 1).to(device), torch.arange(self.B, device=device))
+
+    def padded(self, t: torch.Tensor, direction: int, copy: bool = False) -> torch.Tensor:
+        """t, in the layer's layout, in `direction`'s scan layout, contiguous:
+        t itself where it already is, unless `copy`."""
+        if self._places is None and direction == 0:
+            return t.clone(memory_format=torch.contiguous_format) if copy else t.contiguous()
+        if self._places is None:
+            return t.flip(0).contiguous()
+        return t.new_zeros(self.T, self.B, t.shape[-1]).index_put_(self._places[direction], t)
+
+    def unpadded(self, t: torch.Tensor, direction: int) -> torch.Tensor:
+        """padded's inverse (padded steps left out)."""
+        if self._places is None:
+            return t if direction == 0 else t.flip(0)
+        return t[self._places[direction]]
+
+
+def _layer_weights_for_backward(mode: str, weights: Sequence[torch.Tensor | None]) -> list:
+    """weights (w_ih, w_hh, b_ih, b_hh for each direction) as backward keeps them."""
+    kept = []
+    for w_ih, w_hh, b_ih, b_hh in zip(*[iter(weights)] * 4):
+        kept += [w_ih, w_hh, *_biases_for_backward(mode, b_ih, b_hh)]
+    return kept
+
+
+class _Layer(torch.autograd.Function):
+    """(out, h_n) = one layer (both directions where hx has two) of x with
+    PyTorch's forward (_forward_layer); backward through one scan per
+    direction. h_n (dirs, B, H), each sample's last states, is an output of
+    its own, as nn.RNN's is: hooks on the output see only the output's
+    gradient. x, out and their gradients are in `steps`' layout (_Steps).
+
+    Saves x, hx, W_ih, W_hh and out (what nn.RNN's own backward keeps), and
+    for the GRU copies of its biases (_biases_for_backward): its gates are
+    recomputed in backward in one parallel pass. Beyond grad_out and the
+    gradients it returns, backward holds per direction (T, B, H) float32
     buffers: one for the RNN (d, out of the scan), six for the GRU (its
     gates' pre-activations, everything later in place over them), plus c
     when both outputs get a gradient (grad_out with grad_h added: the sum
-    autograd made when h was a view of out).
+    autograd made when h was a view of out). A direction whose steps lie
+    otherwise in the layer's tensors (the reverse one, a bidirectional
+    layer's halves, packed rows) takes its x, out and grad_out in copies.
 
     Under float16 autocast torch's backward holds the gates' gradients, the
     state gradient where it enters them and the weights' gradients in
@@ -604,17 +679,15 @@ class _Layer(torch.autograd.Function):
     to overflow, and its rounding is left out (README)."""
 
     @staticmethod
-    def forward(ctx, mode, levels, pad, last, x, h0, w_ih, w_hh, b_ih, b_hh):
-        weights = [w_ih, w_hh] + ([b_ih, b_hh] if b_ih is not None else [])
-        out = _forward_layer(mode, x, h0, weights)
-        if pad is not None:  # padded steps: 0, whatever the recurrence made of them (inf times 0 would be NaN)
-            out.masked_fill_(pad, 0)
-        ctx.mode, ctx.levels, ctx.last = mode, levels, last
+    def forward(ctx, mode, levels, steps, x, hx, *weights):
+        out, h_n = _forward_layer(mode, x, hx, weights, steps.batch_sizes)
+        ctx.mode, ctx.levels, ctx.steps = mode, levels, steps
         ctx.held = _autocast_float16(x.device.type)
-        ctx.save_for_backward(x, h0, w_ih, w_hh, b_ih, b_hh, out)
+        ctx.dtypes = [t if t is None else t.dtype for t in (x, hx, *weights)]
+        ctx.save_for_backward(x, hx, *_layer_weights_for_backward(mode, weights), out)
         # an unused output's gradient stays None, not a (T, B, H) of zeros
         ctx.set_materialize_grads(False)
-        return out, _last_states(out, last)
+        return out, h_n
 
     @staticmethod
     def backward(ctx, grad_out, grad_h):
@@ -630,35 +703,77 @@ class _Layer(torch.autograd.Function):
                                "True), jacobian(vectorize=True), gradcheck's batched check) have "
                                "no storage for the scan; use vectorize=False / "
                                "check_batched_grad=False, or torch.nn.RNN/GRU")
-        saved = ctx.saved_tensors
-        x, h0, w_ih, w_hh, b_ih, b_hh, out = [t.float() if t is not None else None for t in saved]
+        x, hx, *weights, out = [t.float() if t is not None else None for t in ctx.saved_tensors]
         # the scan reads c's memory: a lazily negated gradient holds -g there
         grad_out, grad_h = (g if g is None else g.resolve_neg() for g in (grad_out, grad_h))
-        x2, c = x.reshape(-1, x.shape[-1]), _step_gradients(grad_out, grad_h, out, ctx.last)
-        if ctx.mode == "GRU":
-            d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, ctx.levels, ctx.held)
-        else:
-            d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out, ctx.levels, ctx.held)
-        need_x, _, need_w_ih, need_w_hh, need_b_ih, need_b_hh = ctx.needs_input_grad[4:]
-        # torch's products for x and the weights are float16 GEMMs (and sums)
-        # under float16 autocast: rounded as they leave them (h0's was, above)
-        products = [_blocks_matmul(d_gi, w_ih) if need_x else None,
-                    _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
-                    _matmul_tn_prev(d_gh, h0, out) if need_w_hh else None,
-                    _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
-                    _sum_rows(d_gh) if need_b_hh else None]
-        grads = [None if gr is None else _hold(gr, ctx.held) for gr in products]
-        grads.insert(1, grad_h0)
-        grads = [gr.to(o.dtype) if gr is not None else None for gr, o in zip(grads, saved)]
-        return (None, None, None, None, *grads)
+        need_x, _, *need_weights = ctx.needs_input_grad[3:]
+        grad_x, grad_hx, grad_weights = None, [], []
+        for d in range(len(hx)):
+            own = slice(4 * d, 4 * d + 4)
+            products, grad_h0 = _direction_backward(ctx, d, x, hx[d], weights[own], out, grad_out, grad_h,
+                                                    [need_x, *need_weights[own]])
+            grad_x = products[0] if grad_x is None else grad_x.add_(products[0])
+            grad_hx.append(grad_h0)
+            grad_weights += products[1:]
+        grads = [grad_x, torch.stack(grad_hx), *grad_weights]
+        grads = [gr.to(dtype) if gr is not None else None for gr, dtype in zip(grads, ctx.dtypes)]
+        return (None, None, None, *grads)
+
+
+def _direction_backward(ctx, d: int, x: torch.Tensor, h0: torch.Tensor, weights: list, out: torch.Tensor,
+                        grad_out: torch.Tensor | None, grad_h: torch.Tensor | None, needs: list) -> tuple:
+    """_Layer.backward's scan and products for direction d, whose h0 is (B, H)
+    and weights (w_ih, w_hh, b_ih, b_hh) (float32; the biases None without
+    bias, or for the RNN, which does not read them); `needs` tells which of
+    x and the four weights need a gradient. Returns ([grad x in the layer's
+    layout, grads of the weights], grad h0), None where not needed."""
+    steps, H = ctx.steps, h0.shape[-1]
+    own = slice(d * H, (d + 1) * H)
+    x_d, out_d = steps.padded(x, d), steps.padded(out[..., own], d)
+    x2 = x_d.reshape(-1, x_d.shape[-1])
+    c = _step_gradients(None if grad_out is None else grad_out[..., own], None if grad_h is None else grad_h[d],
+                        out_d, steps, d)
+    w_ih, w_hh, b_ih, b_hh = weights
+    if ctx.mode == "GRU":
+        d_gi, d_gh, grad_h0 = _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out_d, ctx.levels, ctx.held)
+    else:
+        d_gi, d_gh, grad_h0 = _rnn_backward(ctx.mode, c, w_hh, out_d, ctx.levels, ctx.held)
+    need_x, need_w_ih, need_w_hh, need_b_ih, need_b_hh = needs
+    # torch's products for x and the weights are float16 GEMMs (and sums)
+    # under float16 autocast: rounded as they leave them (h0's was, above)
+    products = [_blocks_matmul(d_gi, w_ih) if need_x else None,
+                _stacked([_matmul_tn(block, x2) for block in d_gi]) if need_w_ih else None,
+                _matmul_tn_prev(d_gh, h0, out_d) if need_w_hh else None,
+                _stacked([_sum_rows(block) for block in d_gi]) if need_b_ih else None,
+                _sum_rows(d_gh) if need_b_hh else None]
+    products = [None if gr is None else _hold(gr, ctx.held) for gr in products]
+    if need_x:
+        products[0] = steps.unpadded(products[0], d)
+    return products, grad_h0
 
 
 # ---------------------------------------------------------------------------
 # The modules
 # ---------------------------------------------------------------------------
 
+# nn.RNN/nn.GRU raise RuntimeError for a bad hx or input size (ValueError for
+# an input dtype other than the weights'), where the modules' clearer checks
+# raised ValueError and TypeError: each error below is an instance of both,
+# so that code written against either catches it.
+class _ArgError(ValueError, RuntimeError):
+    """A wrong shape or size of hx or input."""
+
+
+class _HxTypeError(TypeError, RuntimeError):
+    """hx of a dtype or device other than input's."""
+
+
+class _InputTypeError(TypeError, ValueError):
+    """input that is not real floating-point."""
+
+
 class _ScanRNNBase:
-    """forward() of nn.RNN / nn.GRU, layer by layer and direction by direction,
+    """forward() of nn.RNN / nn.GRU, layer by layer (both directions at once),
     each through _Layer; mixed into subclasses of the torch modules so that
     parameters, state_dict, flatten_parameters and repr stay theirs."""
 
@@ -702,7 +817,7 @@ class _ScanRNNBase:
     def _check_input(self, input, hx, weight_ih_l0: torch.Tensor):
         if getattr(self, "proj_size", 0):
             raise ValueError(f"{type(self).__name__}: proj_size is not supported")
-        _check_real_dense(input, "input")
+        _check_real_dense(input, "input", _InputTypeError)
         if input.dim() not in (2, 3):
             raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
         if input.dtype == torch.float64:
@@ -712,23 +827,23 @@ class _ScanRNNBase:
             raise ValueError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), got "
                              f"{input.dtype}; convert the input or the module")
         if input.shape[-1] != self.input_size:
-            raise ValueError(f"input: expected {self.input_size} features (input_size) in the last "
-                             f"dimension, got {input.shape[-1]}")
+            raise _ArgError(f"input: expected {self.input_size} features (input_size) in the last "
+                            f"dimension, got {input.shape[-1]}")
         if hx is not None:
-            _check_real_dense(hx, "hx")
+            _check_real_dense(hx, "hx", _HxTypeError)
             # Under autocast torch's kernels cast both (h_n of an autocast step is
             # bf16/fp16 and goes back in as hx with float32 input), as nn.RNN does.
             same_dtype = hx.dtype == input.dtype or autocast_enabled(input.device.type)
             if not same_dtype or hx.device != input.device:
-                raise TypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
-                                f"{hx.dtype} on {hx.device}")
+                raise _HxTypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
+                                   f"{hx.dtype} on {hx.device}")
 
     def _initial_states(self, input: torch.Tensor, hx, B: int) -> torch.Tensor:
         shape = (self.num_layers * (2 if self.bidirectional else 1), B, self.hidden_size)
         if hx is None:
             return input.new_zeros(shape)
         if hx.shape != shape:
-            raise ValueError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
+            raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
     def _needs_torch_own(self, input, hx, weights: list) -> bool:
@@ -764,9 +879,9 @@ class _ScanRNNBase:
         self._check_input(input, hx, weights[0])
         batched = input.dim() == 3
         if hx is not None and hx.dim() != input.dim():
-            raise ValueError(f"hx: expected a {input.dim()}-D tensor with "
-                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
-                             f"got {hx.dim()}-D")
+            raise _ArgError(f"hx: expected a {input.dim()}-D tensor with "
+                            f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
+                            f"got {hx.dim()}-D")
         if batched and input.shape[0 if self.batch_first else 1] == 0:
             return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
@@ -775,79 +890,46 @@ class _ScanRNNBase:
         elif self.batch_first:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
-            raise ValueError("input: expected a sequence of at least one step")
-        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, None)
+            raise _ArgError("input: expected a sequence of at least one step")
+        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, _Steps())
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
 
     def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx, weights: list):
         """A PackedSequence as torch's modules take it (batch_first has no say,
-        hx and h_n in the caller's batch order): scanned as a padded batch
-        sorted by length. Padded steps get no gradient, so every sequence's
-        gradients are those of its own length."""
+        hx and h_n in the caller's batch order), each layer's forward over its
+        rows as torch's; scanned as a padded batch sorted by length (_Steps)."""
         data, batch_sizes, sorted_indices, unsorted_indices = input
         if hx is not None and hx.dim() != 3:
-            raise ValueError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
+            raise _ArgError(f"hx: expected a 3-D tensor with a PackedSequence, got {hx.dim()}-D")
         self._check_input(data, hx, weights[0])
-        T, B = len(batch_sizes), int(batch_sizes[0])
-        hx = self._initial_states(data, hx, B)
+        hx = self._initial_states(data, hx, int(batch_sizes[0]))
         if sorted_indices is not None:
             hx = hx.index_select(1, sorted_indices.to(hx.device))
-        lengths = (batch_sizes.unsqueeze(1) > torch.arange(B)).sum(0)
-        steps = torch.repeat_interleave(torch.arange(T), batch_sizes).to(data.device)
-        rows = (torch.arange(len(data)) - torch.repeat_interleave(torch.cumsum(batch_sizes, 0) - batch_sizes,
-                                                                  batch_sizes)).to(data.device)
-        padded = data.new_zeros(T, B, data.shape[-1]).index_put((steps, rows), data)
-        output, h_n = self._layers(padded, hx, weights, lengths.to(data.device), (steps, rows))
+        output, h_n = self._layers(data, hx, weights, _Steps(batch_sizes, data.device))
         if unsorted_indices is not None:
             h_n = h_n.index_select(1, unsorted_indices.to(h_n.device))
-        return type(input)(output[steps, rows], batch_sizes, sorted_indices, unsorted_indices), h_n
+        return type(input)(output, batch_sizes, sorted_indices, unsorted_indices), h_n
 
-    def _layers(self, input: torch.Tensor, hx: torch.Tensor, weights: list, lengths: torch.Tensor | None,
-                packed: tuple | None = None):
-        """All layers and directions over input (T, B, I) with `weights`
-        (_weights_now()); `lengths` (B,), if given, the valid steps of each
-        sample (the rest is padding, left 0 in every layer's output), and
-        `packed` the (steps, samples) index of a PackedSequence's rows.
-        Returns the output (T, B, dirs*H) and h_n."""
+    def _layers(self, input: torch.Tensor, hx: torch.Tensor, weights: list, steps: _Steps):
+        """All layers over input, (T, B, I) or a PackedSequence's rows as
+        `steps` says, with `weights` (_weights_now()); each layer, both
+        directions, is one _Layer. Dropout between layers is drawn as torch
+        draws it, over the layer's output as it lies (a PackedSequence's
+        rows, in their order), so that a seed gives nn's masks and leaves
+        the generator where nn does. Returns the output, laid out as input,
+        and h_n."""
         dirs = 2 if self.bidirectional else 1
-        T, B = input.shape[:2]
-        pad = last = reverse = None
-        if lengths is not None:
-            steps = torch.arange(T, device=input.device).unsqueeze(1)
-            pad = (steps >= lengths).unsqueeze(-1)
-            last = (lengths - 1, torch.arange(B, device=input.device))
-            # reverse[t, b]: the step that sample b reads at t when its valid steps run backwards
-            reverse = (torch.where(steps < lengths, lengths - 1 - steps, steps), last[1])
         layer_in, h_n = input, []
         for layer in range(self.num_layers):
-            outs = []
-            for d in range(dirs):
-                x = layer_in if d == 0 else _reversed(layer_in, reverse)
-                index = layer * dirs + d
-                out, h = _Layer.apply(self.mode, self.scan, pad, last, x, hx[index],
-                                      *self._direction_weights(weights, index))
-                h_n.append(h)
-                outs.append(out if d == 0 else _reversed(out, reverse))
-            layer_in = outs[0] if dirs == 1 else torch.cat(outs, -1)
+            first = layer * dirs
+            own = [w for index in range(first, first + dirs) for w in self._direction_weights(weights, index)]
+            layer_in, h = _Layer.apply(self.mode, self.scan, steps, layer_in, hx[first:first + dirs], *own)
+            h_n.append(h)
             if self.dropout and self.training and layer + 1 < self.num_layers:
-                layer_in = self._dropout(layer_in, packed)
-        return layer_in, torch.stack(h_n)
-
-    def _dropout(self, x: torch.Tensor, packed: tuple | None) -> torch.Tensor:
-        """Dropout between layers, drawn as torch draws it: over the (T, B, F)
-        output, or over a PackedSequence's rows (the packed data, in its order),
-        so that a seed gives nn's masks and leaves the generator where nn does."""
-        if packed is None:
-            return nn.functional.dropout(x, self.dropout, True)
-        return x.index_put(packed, nn.functional.dropout(x[packed], self.dropout, True))
-
-
-def _reversed(x: torch.Tensor, index: tuple | None) -> torch.Tensor:
-    """x (T, B, F) with each sample's valid steps in reverse order (all T
-    steps when index is None); its own inverse."""
-    return x.flip(0) if index is None else x[index]
+                layer_in = nn.functional.dropout(layer_in, self.dropout, True)
+        return layer_in, _stacked(h_n)
 
 
 class RNN(_ScanRNNBase, nn.RNN):
