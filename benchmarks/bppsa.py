@@ -479,18 +479,40 @@ def run_config(cfg: Config, device: torch.device, args) -> Result:
     return res
 
 
-def run_all(sweeps: list[tuple[str, list[Config]]], device: torch.device, args) -> dict[Config, Result]:
-    """Every distinct configuration of the sweeps, measured once."""
+def run_sweep(part: str, configs: list[Config], results: dict[Config, Result], device: torch.device,
+              args) -> None:
+    """Measures the sweep's configurations into ``results``, those an earlier sweep measured excepted."""
+    for cfg in configs:
+        if cfg in results:
+            continue
+        print(f"... {part} {cfg.label}", file=sys.stderr, flush=True)
+        results[cfg] = run_config(cfg, device, args)
+        if results[cfg].skipped:
+            print(f"skip {part} {cfg.label}: {results[cfg].skipped}", flush=True)
+
+
+def run_sweeps(sweeps: list[tuple[str, list[Config]]], info: dict, device: torch.device, args) -> dict:
+    """Runs the sweeps in turn, each configuration once; returns the JSON payload.
+
+    Each sweep's table is printed, and the JSON so far written, as soon as the
+    sweep ends: a later part that fails (an exception, a killed run) loses
+    none of the tables before it. Then the notes and the summary.
+    """
+    print_settings(device, args)
     results: dict[Config, Result] = {}
+    table: list[tuple[str, list[tuple[dict, str]]]] = []
     for part, configs in sweeps:
-        for cfg in configs:
-            if cfg in results:
-                continue
-            print(f"... {part} {cfg.label}", file=sys.stderr, flush=True)
-            results[cfg] = run_config(cfg, device, args)
-            if results[cfg].skipped:
-                print(f"skip {part} {cfg.label}: {results[cfg].skipped}", flush=True)
-    return results
+        run_sweep(part, configs, results, device, args)
+        rows = [(result_row(part, results[cfg]), cfg.label) for cfg in configs]
+        table.append((part, rows))
+        print(f"\n{part}\n" + format_sweep(rows), flush=True)
+        harness.write_json(args.json, json_payload(table, results, [], info, args))
+    checks = summary_checks(results, device)
+    print_notes(results)
+    print_checks(checks, device)
+    payload = json_payload(table, results, checks, info, args)
+    harness.write_json(args.json, payload)
+    return payload
 
 
 # ---------------------------------------------------------------------------
@@ -551,11 +573,6 @@ def table_cells(row: dict, label: str) -> list[str]:
 
 def format_sweep(rows: list[tuple[dict, str]]) -> str:
     return harness.format_table(TABLE_HEADERS, [table_cells(row, label) for row, label in rows])
-
-
-def sweep_rows(sweeps, results: dict[Config, Result]) -> list[tuple[str, list[tuple[dict, str]]]]:
-    """(part, [(row, config label)]) for every sweep, in plan order."""
-    return [(part, [(result_row(part, results[cfg]), cfg.label) for cfg in configs]) for part, configs in sweeps]
 
 
 def check(target: str, where: str, value: float | None, goal: float, judged: bool, missing: str) -> dict:
@@ -627,22 +644,15 @@ def print_notes(results: dict[Config, Result]) -> None:
             print(f"WARNING: {res.cfg.label}: gradient error {res.grad_err:.2g} vs the baseline (wrong gradients?)")
 
 
-def print_report(table: list, results: dict[Config, Result], checks: list[dict], info: dict,
-                 device: torch.device, args) -> None:
-    """Machine, settings, one table per sweep, notes, summary."""
-    print(harness.describe_machine(info))
-    if not table:  # the vgg part alone
-        return
+def print_settings(device: torch.device, args) -> None:
+    """What the sweeps' tables show and how they were measured."""
     print(f"scan={args.scan}; {args.reps} rounds ({args.warmup} warm-ups, {args.min_sample_ms:g} ms min sample), "
           "medians in ms per training iteration (forward + loss [+ backward + Adam step]); "
           "bwd x = (base - fwd) / (bppsa - min(fwd, fwd ours)), bwd x ex = (base - fwd) / (bppsa - fwd ours), e2e x = base / bppsa; "
           "V100 = the paper's Tables 4-6; MiB = peak of one iteration "
           f"({'CUDA counters' if device.type == 'cuda' else 'CPU: profiler allocation events'}); "
-          "grad err = max over parameters of max|g_ours - g_base| / max|g_base|; levels = chosen / max")
-    for part, rows in table:
-        print(f"\n{part}\n" + format_sweep(rows))
-    print_notes(results)
-    print_checks(checks, device)
+          "grad err = max over parameters of max|g_ours - g_base| / max|g_base|; levels = chosen / max",
+          flush=True)
 
 
 def json_payload(table: list, results: dict[Config, Result], checks: list[dict], info: dict, args) -> dict:
@@ -779,7 +789,10 @@ def nonzero_values(plan, x: torch.Tensor) -> int:
     ReLU's inactive units and the pools' unpicked window positions are zeros)."""
     with torch.no_grad():
         inputs, _ = plan.forward_inputs(x[:1])
-    return sum(int(torch.count_nonzero(leaf.entry_values(inp))) for leaf, inp in zip(plan.leaves, inputs))
+    # A Conv2d/Linear leaf's values are its layer's weight as the plan reads it: the chain's layers
+    # are plain modules (no parametrization), so .weight is that read; the other leaves take none.
+    return sum(int(torch.count_nonzero(leaf.entry_values(inp, getattr(leaf.layer, "weight", None))))
+               for leaf, inp in zip(plan.leaves, inputs))
 
 
 @dataclass
@@ -1047,22 +1060,16 @@ def main(argv: list[str] | None = None) -> None:
     device = harness.setup_device(args)
     check_reprop()
     info = harness.machine_info(device)
+    print(harness.describe_machine(info), flush=True)
     sweeps = plan(args)
-    results = run_all(sweeps, device, args)
-    vgg = None
+    payload = run_sweeps(sweeps, info, device, args) if sweeps else json_payload([], {}, [], info, args)
     if "vgg" in args.part:
         vgg = run_vgg(args, device)
-    table = sweep_rows(sweeps, results)
-    checks = summary_checks(results, device) if sweeps else []
-    print_report(table, results, checks, info, device, args)
-    if vgg is not None:
-        print("\n" + format_vgg(vgg))
-    payload = json_payload(table, results, checks, info, args)
-    if vgg is not None:
+        print("\n" + format_vgg(vgg), flush=True)
         payload["vgg"] = {"setting": vgg.setting, "layers": vgg.layers, "rows": vgg.rows,
                           "stats_ms": {str(p): {n: st.to_dict() for n, st in st_.items()}
                                        for p, st_ in vgg.stats.items()}}
-    harness.write_json(args.json, payload)
+        harness.write_json(args.json, payload)
 
 
 if __name__ == "__main__":

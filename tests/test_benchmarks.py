@@ -247,3 +247,44 @@ def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     report = ooo_single_report(capsys, monkeypatch, wrong=False)
     assert "seeded steps (bitwise): yes" in report
+
+
+# ---------------------------------------------------------------------------
+# bppsa.py
+# ---------------------------------------------------------------------------
+
+import json  # noqa: E402
+
+import bppsa as bppsa_bench  # noqa: E402
+
+# The vgg part at 1/32 width (2 to 16 channels), unpruned and 90% pruned, the linear scan and one
+# up-sweep level, one round: a few seconds.
+VGG_TINY = ["--part", "vgg", "--vgg-width-div", "32", "--vgg-sparsities", "0,0.9", "--vgg-levels", "0,1",
+            "--reps", "1", "--warmup", "0"]
+RNN_TINY = ["--part", "rnn-t", "--seq-lens", "10", "--batch", "2", "--hidden", "4", "--reps", "1", "--warmup", "0"]
+
+
+def test_bppsa_vgg_part_runs(capsys, tmp_path):
+    # It raised a TypeError from nonzero_values since reprop.bppsa's _Leaf.entry_values takes the
+    # layer's weight (commit b5dbfe6).
+    bppsa_bench.main(VGG_TINY + ["--json", str(tmp_path / "vgg.json")])
+    assert "per sparsity and schedule" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["rows"]
+    assert [(r["sparsity"], r["levels"]) for r in rows] == [(0.0, 0), (0.0, 1), (0.9, 0), (0.9, 1)]
+    # Inactive ReLUs and unpicked pool entries are zeros at any sparsity; pruning zeroes weights.
+    dense, pruned = rows[0]["nonzero_values"], rows[2]["nonzero_values"]
+    assert 0 < pruned < dense < rows[0]["nnz"]
+
+
+def test_bppsa_keeps_a_part_measured_before_a_later_part_fails(capsys, monkeypatch, tmp_path):
+    # main() printed and saved nothing until every part had run: the vgg part's crash lost the
+    # RNN tables measured before it.
+    def broken(args, device):
+        raise RuntimeError("the vgg part broke")
+
+    monkeypatch.setattr(bppsa_bench, "run_vgg", broken)
+    with pytest.raises(RuntimeError, match="the vgg part broke"):
+        bppsa_bench.main(RNN_TINY + ["--part", "vgg", "--json", str(tmp_path / "out.json")])
+    assert "\nrnn-t\n" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [(r["part"], r["seq_len"], r["batch"], r["hidden"]) for r in rows] == [("rnn-t", 10, 2, 4)]
