@@ -55,6 +55,20 @@ class SGDSkippingSecondStep(reprop.optim.SGD):
         return None if self.calls == 2 else super().step(closure)
 
 
+class AdamWWithWrongBeta1(reprop.optim.AdamW):
+    """Wrong: AdamW with beta1 0.8 for the 0.9 asked."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "betas": (0.8, 0.999)})
+
+
+class AdamWithWrongBeta2(reprop.optim.Adam):
+    """Wrong: Adam with beta2 0.99 for the 0.999 asked."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "betas": (0.9, 0.99)})
+
+
 def optim_report(name: str, machine: dict, capsys) -> str:
     """optim.py's printed report of one small case of optimizer ``name``."""
     spec = optim_bench.OPTIMIZERS[name]
@@ -69,6 +83,15 @@ def optim_report(name: str, machine: dict, capsys) -> str:
 def test_optim_flags_a_wrong_update(name, wrong, machine, capsys, monkeypatch):
     # At the timed lr 1e-6, 1 - lr * weight_decay is 1.0 in fp32 and one step of 29 moved the
     # parameters 3% of the run's total: both passed the old check (5% of the total movement).
+    monkeypatch.setattr(reprop.optim, optim_bench.OPTIMIZERS[name].cls, wrong)
+    report = optim_report(name, machine, capsys)
+    assert "WARNING: not the same update" in report
+
+
+@pytest.mark.parametrize("name, wrong", [("adamw", AdamWWithWrongBeta1), ("adam", AdamWithWrongBeta2)])
+def test_optim_flags_wrong_betas(name, wrong, machine, capsys, monkeypatch):
+    # The check stepped on one gradient throughout, with which Adam's bias-corrected moments are g
+    # and g^2 whatever the betas: both passed.
     monkeypatch.setattr(reprop.optim, optim_bench.OPTIMIZERS[name].cls, wrong)
     report = optim_report(name, machine, capsys)
     assert "WARNING: not the same update" in report
