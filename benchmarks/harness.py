@@ -289,6 +289,19 @@ def check_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor
     return None
 
 
+def reproducible():
+    """A context for a correctness check's computations: on CUDA, cuDNN's deterministic algorithms
+    and no TF32 (the CPU is not affected).
+
+    cuDNN may sum in any order (atomics), run to run, and by default rounds the
+    inputs of its fp32 convolutions and RNNs to TF32's 10 bits: either puts a
+    gradient far beyond fp32 rounding from the same computation elsewhere (a
+    reference, a candidate stepped alike). CUDA ops outside cuDNN that use
+    atomics (torch.use_deterministic_algorithms' list) are not covered.
+    """
+    return torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, deterministic=True, allow_tf32=False)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> float:
     """max |got - want| / ``scale`` (default max |want|): the largest error in units of the reference's size.
 

@@ -150,6 +150,24 @@ def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
     assert f"WARNING: mobilenet_v2 b4 AdamW {wrong}: not the parameters" in report
 
 
+class SGDWithoutMomentum(reprop.optim.SGD):
+    """Wrong: SGD that ignores its momentum."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "momentum": 0.0})
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+@pytest.mark.parametrize("optimizer, wrong", [("adamw", AdamWWithWrongBeta1), ("sgd", SGDWithoutMomentum)])
+def test_fusion_flags_wrong_betas_or_momentum(optimizer, wrong, machine, capsys, monkeypatch):
+    # reprop eager was compared with torch foreach after one step, which is the same with any betas
+    # or momentum: both passed.
+    monkeypatch.setattr(reprop.optim, fusion_bench.OPTIMIZERS[optimizer].cls, wrong)
+    report = fusion_report(optimizer, machine, capsys, monkeypatch)
+    label = f"mobilenet_v2 b4 {fusion_bench.OPTIMIZERS[optimizer].cls}"
+    assert f"WARNING: {label} {fusion_bench.EAGER}: not the parameters" in report
+
+
 @pytest.mark.filterwarnings("ignore:reprop.fuse")
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
