@@ -8,6 +8,7 @@ Every benchmark script (benchmarks/<technique>.py) follows the same recipe:
     ratio = speedup(stats["torch"].median, stats["reprop"].median)   # > 1: reprop faster
     peak = peak_memory(step, device, setup=build)   # bytes held at the peak of step() (CUDA or CPU)
     print(format_table(headers, rows)); write_json(args.json, {..., "machine": machine_info(device)})
+    exit_if_failed(failed)   # last: status 1 when a correctness check (a WARNING line) failed
 
 Timing rules, and why:
   * CPU samples use time.perf_counter; CUDA samples use a pair of CUDA events
@@ -287,6 +288,29 @@ def check_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor
     except AssertionError as exc:
         return str(exc)
     return None
+
+
+def within(error: float | None, tolerance: float) -> bool:
+    """Whether a measured error passes its tolerance; None (not measured: a candidate n/a) passes, NaN fails."""
+    return error is None or error <= tolerance
+
+
+def print_check(what: str, problems: Sequence[str]) -> None:
+    """A correctness check's report: a WARNING line per problem, then ``what`` and ok (or not)."""
+    for problem in problems:
+        print(f"WARNING: {problem}")
+    print(f"{what}: {'WARNING, see above' if problems else 'ok'}", flush=True)
+
+
+def exit_if_failed(failed: bool) -> None:
+    """End the run with exit status 1 when one of its correctness checks failed.
+
+    Called last, once the report (each failure a WARNING line) is printed and
+    the JSON written: the figures stay, and a script or CI sees the failure
+    as a reader of the WARNING does. A wrong candidate is also "fast".
+    """
+    if failed:
+        raise SystemExit(1)
 
 
 def reproducible():

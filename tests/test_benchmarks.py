@@ -252,6 +252,33 @@ def test_fad_micro_forward_rows_against_native_forward():
                  "reprop u8": None, "reprop compose": None, "torch native fwd": 1.0, "reprop fwd": 0.8,
                  fad_bench.PROBE: 5.0}
 
+MICRO_ARGS = SimpleNamespace(device="cpu", amp=False, warmup=0, micro_reps=1, micro_log2=12)
+
+
+def micro_report(act: str, dtype: str, machine: dict, capsys) -> tuple[str, list]:
+    """fad.py's printed micro report of one activation and dtype on 2^12 elements, and its results."""
+    micro = [fad_bench.run_micro(act, dtype, 2**MICRO_ARGS.micro_log2, CPU, MICRO_ARGS)]
+    capsys.readouterr()
+    fad_bench.print_report([], micro, [], [], machine, MICRO_ARGS)
+    return capsys.readouterr().out, micro
+
+
+def test_fad_micro_flags_a_sign_flipped_derivative(machine, capsys, monkeypatch):
+    # The micro grad err column was printed and never checked.
+    monkeypatch.setattr(fad_bench, "MICRO_CANDIDATES", (*fad_bench.MICRO_CANDIDATES,
+                                                        fad_bench.MicroCandidate("negated", True,
+                                                                                 lambda a: negated(a)())))
+    out, micro = micro_report("gelu_tanh", "fp32", machine, capsys)
+    assert "WARNING: micro gelu_tanh fp32 negated: grad err 2" in out
+    assert fad_bench.check_failed([], micro, amp=False)
+
+
+@pytest.mark.parametrize("act, dtype", [("mish", "fp32"), ("gelu_tanh", "bf16"), ("swish", "bf16")])
+def test_fad_micro_accepts_reprop(act, dtype, machine, capsys):
+    out, micro = micro_report(act, dtype, machine, capsys)
+    assert "max |dx_native|: ok" in out and not fad_bench.check_failed([], micro, amp=False)
+    assert {"reprop", "reprop u8", "reprop compose"} <= set(micro[0].grad_err)
+
 
 # ---------------------------------------------------------------------------
 # ooo.py
@@ -309,7 +336,8 @@ def test_bppsa_vgg_part_runs(capsys, tmp_path):
     # It raised a TypeError from nonzero_values since reprop.bppsa's _Leaf.entry_values takes the
     # layer's weight (commit b5dbfe6).
     bppsa_bench.main(VGG_TINY + ["--json", str(tmp_path / "vgg.json")])
-    assert "per sparsity and schedule" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "per sparsity and schedule" in out and "of autograd's (err, masked err, cusparse err): ok" in out
     rows = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["rows"]
     assert [(r["sparsity"], r["levels"]) for r in rows] == [(0.0, 0), (0.0, 1), (0.9, 0), (0.9, 1)]
     # Inactive ReLUs and unpicked pool entries are zeros at any sparsity; pruning zeroes weights.
@@ -329,3 +357,39 @@ def test_bppsa_keeps_a_part_measured_before_a_later_part_fails(capsys, monkeypat
     assert "\nrnn-t\n" in capsys.readouterr().out
     rows = json.loads((tmp_path / "out.json").read_text())["rows"]
     assert [(r["part"], r["seq_len"], r["batch"], r["hidden"]) for r in rows] == [("rnn-t", 10, 2, 4)]
+
+
+def test_bppsa_vgg_flags_a_negated_input_gradient(capsys, monkeypatch):
+    # The err columns were printed and never checked: a negated dx (err 2) ran through, exit status 0.
+    chain_backward = bppsa_bench.reprop_bppsa().chain_backward
+
+    def negated(*args, **kwargs):
+        dx, *rest = chain_backward(*args, **kwargs)
+        return (-dx, *rest)
+
+    monkeypatch.setattr(bppsa_bench.reprop_bppsa(), "chain_backward", negated)
+    with pytest.raises(SystemExit) as exit_:
+        bppsa_bench.main(VGG_TINY)
+    assert exit_.value.code == 1
+    out = capsys.readouterr().out
+    assert "WARNING: vgg sparsity 0 chain L0: input gradient error 2" in out
+    assert "of autograd's (err, masked err, cusparse err): WARNING, see above" in out
+
+
+def test_bppsa_flags_a_gradient_off_by_a_thousandth(capsys, monkeypatch):
+    # The RNN/GRU grad err was flagged above 1e-2 only, where fp32 gives ~3e-7, and never failed the run.
+    make_trainer = bppsa_bench.make_trainer
+
+    def off(cfg, device, scan=None):
+        trainer = make_trainer(cfg, device, scan)
+        if scan is not None:
+            for p in trainer.model.parameters():
+                p.register_hook(lambda g: g * (1 + 1e-3))
+        return trainer
+
+    monkeypatch.setattr(bppsa_bench, "make_trainer", off)
+    with pytest.raises(SystemExit) as exit_:
+        bppsa_bench.main(RNN_TINY)
+    assert exit_.value.code == 1
+    assert "WARNING: T=10 B=2 d=4: gradient error 0.001 vs the baseline" in capsys.readouterr().out
+
