@@ -241,8 +241,14 @@ def make_bandwidth_probe(bytes_moved: int, device: torch.device, kind: str = "co
 
     It is the practical memory-bandwidth limit for a kernel of the same
     traffic: time it alongside the kernel (in the same alternation) and compare
-    ``gbps(bytes_moved, ...)``. Buffers are float32 and together as large as
-    the traffic, so whether the working set fits in a cache matches the kernel's.
+    ``gbps(bytes_moved, ...)``. Buffers are float32: the copy probe's together
+    are as large as the traffic, the inplace probe's 2/3 of it. A kernel that
+    reads and writes the same arrays touches less than its traffic (AdamW's
+    p, g, m, v: 16 B per parameter for 28 B of traffic, 4/7; SGD's p, g, buf:
+    12 B for 20 B, 3/5), so the probes' working sets are larger than the
+    kernel's (for AdamW 1.75x and 1.17x): only when both are far beyond the
+    last-level cache (or both well inside it) do they meet the same memory
+    level. Size the kernel's case for that.
 
     kind "copy":    ``dst.copy_(src)``, read src + write dst (8 B per element).
                     The classic probe. On CPUs a store to a line not in cache
