@@ -44,7 +44,8 @@ step), over CHECK_STEPS steps: the eager baselines against torch foreach,
 element by element by optim.py's rule (compare_updates), each step taken from
 foreach's parameters before it (teacher forcing: the optimizer's state
 carries over, rounding differences in the parameters do not); the fusion
-modes against reprop eager, bit for bit. A mismatch prints a WARNING.
+modes against reprop eager, bit for bit. A mismatch prints a WARNING, and the
+run exits with status 1 once the report is printed and the JSON written.
 
     python benchmarks/fusion.py --quick                       # CI-sized, CPU (~25 s on 2 idle cores)
     python benchmarks/fusion.py --device cuda --json out.json
@@ -676,6 +677,7 @@ def main() -> None:
     checks = evaluate_targets(results, args)
     print_report(results, names, checks, info, args)
     harness.write_json(args.json, json_payload(results, names, checks, info, args))
+    harness.exit_if_failed(any(why is not None for res in results for why in res.mismatch.values()))
 
 
 if __name__ == "__main__":

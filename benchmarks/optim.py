@@ -25,7 +25,8 @@ on the CPU, within CHECK_ULPS fp32 rounding steps elsewhere. At the timed lr
 it could not be seen: 1 - lr * weight_decay rounds to 1.0 in fp32, and
 rounding differences are as large as a whole update. With the same gradient
 at every step it could not be seen either: Adam's bias-corrected moments are
-then g and g^2 whatever its betas.
+then g and g^2 whatever its betas. A mismatch prints a WARNING, and the run
+exits with status 1 once the report is printed and the JSON written.
 
     python benchmarks/optim.py --quick                     # CI-sized, CPU
     python benchmarks/optim.py --device cuda --json out.json
@@ -521,6 +522,7 @@ def main() -> None:
     checks = evaluate_targets(results, device)
     print_report(results, specs, checks, info, args)
     harness.write_json(args.json, json_payload(results, checks, info, args))
+    harness.exit_if_failed(any(r.mismatch is not None for r in results))
 
 
 if __name__ == "__main__":

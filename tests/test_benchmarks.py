@@ -168,6 +168,28 @@ def test_fusion_flags_wrong_betas_or_momentum(optimizer, wrong, machine, capsys,
     assert f"WARNING: {label} {fusion_bench.EAGER}: not the parameters" in report
 
 
+def test_optim_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
+    # It printed the WARNING and exited with status 0.
+    monkeypatch.setattr(reprop.optim, "SGD", SGDWithoutMomentum)
+    monkeypatch.setattr(sys, "argv", ["optim.py", "--only", "sgd", "--numel", "1000", "--reps", "1", "--warmup", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        optim_bench.main()
+    assert exit_.value.code == 1 and "WARNING: sgd / 1x0.001M" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+def test_fusion_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
+    # It printed the WARNING and exited with status 0.
+    monkeypatch.setattr(reprop.optim, "SGD", SGDWithoutMomentum)
+    monkeypatch.setattr(fusion_bench.models, "build", lambda name: small_net())
+    monkeypatch.setattr(fusion_bench, "measure_peaks", lambda *args: None)
+    monkeypatch.setattr(sys, "argv", ["fusion.py", "--sweeps", "optims", "--optims", "sgd", "--batch", "4",
+                                      "--image-size", "16", "--reps", "1", "--warmup", "1"])
+    with pytest.raises(SystemExit) as exit_:
+        fusion_bench.main()
+    assert exit_.value.code == 1 and f"{fusion_bench.EAGER}: not the parameters" in capsys.readouterr().out
+
+
 @pytest.mark.filterwarnings("ignore:reprop.fuse")
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
