@@ -80,7 +80,11 @@ its storage dtype), its backward reads g and d and writes dx (3). A copy probe
 of reprop's forward + backward traffic runs in the same alternation; "% copy" is
 a candidate's GB/s over the probe's. "x native" is torch native's ms over the
 candidate's, for the forward-only rows torch native fwd's. "grad err" is
-max |dx - dx_native| / max |dx_native|.
+max |dx - dx_native| / max |dx_native|; beyond its tolerance (MICRO_TOLERANCE for
+the tensor's dtype, plus 8-bit storage's codebook bound) a WARNING.
+
+A WARNING of either check makes the run exit with status 1, once the report is
+printed and the JSON written.
 
 Targets (printed PASS/FAIL, not asserted; timing targets are for CUDA, on CPU
 for information):
@@ -139,6 +143,15 @@ PROBE_SEED = 1
 # in Mish's place 0.93. Not compared under --amp: the bf16 forward puts torch's own composed Mish
 # 0.97 from native on that ResNet-50, as far as a wrong derivative.
 PROBE_TOLERANCE = {None: 1e-3, torch.bfloat16: 0.1, torch.uint8: 0.1}
+# The micro part's grad err (max |dx - dx_native| / max |dx_native|) may be at most this, by the
+# tensor's dtype: every candidate computes the same derivative, rounded otherwise. Measured over
+# swish, mish, gelu and gelu_tanh at 2^20 and 2^22 elements (x ~ N(0, 9), g ~ N(0, 1)): at most
+# 7.4e-7 in fp32 (tanh-GELU, torch's own composed formula as much as reprop), 1.1e-2 in bf16, where
+# each op rounds to 8 bits (2^-8 = 3.9e-3; torch's composed Swish 1.1e-2, reprop 6.4e-3). 8-bit
+# storage adds its codebook's error: f' off by at most max_error (half a grid step, 0.0024-0.0025
+# here), so dx by max_error |g| (MicroCandidate.storage_error; measured 2.1e-3 to 2.3e-3 in all).
+# A wrong derivative is off by O(1): a negated one by 2, Swish's in Mish's place by 0.93.
+MICRO_TOLERANCE = {"fp32": 1e-5, "bf16": 3e-2}
 # A gradient below GRAD_FLOOR x the model's largest is measured in units of that floor: one that
 # cancels to rounding noise has no relative accuracy (BERT's attention key bias: softmax ignores a
 # shift shared by all keys, so its exact gradient is 0; native's is 1e-10 of the largest).
@@ -290,8 +303,7 @@ class Trainer:
         any order, either of which the net grows far beyond PROBE_TOLERANCE.
         """
         torch.manual_seed(PROBE_SEED)
-        with torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, deterministic=True,
-                                        allow_tf32=False):
+        with harness.reproducible():
             loss = self.loss(x, y)
             loss.backward()
         grads = {n: p.grad for n, p in self.model.named_parameters() if p.grad is not None}
@@ -626,6 +638,8 @@ def steady_peak(candidate: Candidate, case: Case, batch, device: torch.device, a
 # reprop.fad's functional for each activation, with its keyword arguments.
 REPROP_FUNCTIONAL = {"swish": ("silu", {}), "mish": ("mish", {}), "gelu": ("gelu", {}),
                      "gelu_tanh": ("gelu", {"approximate": "tanh"})}
+# reprop.fad.codebook's name for each activation (it names GELU's tanh form apart).
+CODEBOOK = {"swish": "silu", "mish": "mish", "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -636,6 +650,8 @@ class MicroCandidate:
     backward: bool
     build: Callable[[str], Callable[[torch.Tensor], torch.Tensor]]  # act name -> y = f(x)
     elements_moved: Callable[[int], float] | None = None  # element size of x -> bytes per element
+    # act name -> the largest error of f' as the candidate stores it (8-bit codes); None: in x's dtype
+    storage_error: Callable[[str], float] | None = None
 
 
 def reprop_function(act: str, saved_dtype=None) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -643,6 +659,11 @@ def reprop_function(act: str, saved_dtype=None) -> Callable[[torch.Tensor], torc
     name, kwargs = REPROP_FUNCTIONAL[act]
     fn = getattr(reprop_fad(), name)
     return lambda x: fn(x, saved_dtype=saved_dtype, **kwargs)
+
+
+def codebook_error(act: str) -> float:
+    """The largest error of f' in reprop.fad's 8-bit storage of ``act``: its codebook's max_error."""
+    return reprop_fad().codebook(CODEBOOK[act]).max_error
 
 
 def composed_under_compose(act: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -660,7 +681,8 @@ MICRO_CANDIDATES = (
     MicroCandidate("torch composed", True, lambda a: models.activation(a, "composed")()),
     MicroCandidate("checkpointed", True, lambda a: models.activation(a, "checkpointed")()),
     MicroCandidate("reprop", True, reprop_function, lambda es: 6 * es),
-    MicroCandidate("reprop u8", True, lambda a: reprop_function(a, torch.uint8), lambda es: 4 * es + 2),
+    MicroCandidate("reprop u8", True, lambda a: reprop_function(a, torch.uint8), lambda es: 4 * es + 2,
+                   codebook_error),
     MicroCandidate("reprop compose", True, composed_under_compose, lambda es: 6 * es),
     MicroCandidate("torch native fwd", False, lambda a: models.activation(a, "native")(), lambda es: 2 * es),
     MicroCandidate("reprop fwd", False, reprop_function, lambda es: 3 * es),
@@ -682,6 +704,7 @@ class MicroResult:
     stats: dict[str, harness.Stats] = field(default_factory=dict)
     nbytes: dict[str, float] = field(default_factory=dict)
     grad_err: dict[str, float] = field(default_factory=dict)
+    grad_tolerance: dict[str, float] = field(default_factory=dict)  # micro_tolerance
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def gbps(self, name: str) -> float | None:
@@ -695,6 +718,15 @@ def micro_call(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: t
     if backward:
         return lambda: torch.autograd.grad(fn(x), x, g)
     return lambda: fn(x)
+
+
+def micro_tolerance(c: MicroCandidate, act: str, dtype_name: str, g: torch.Tensor, reference: torch.Tensor) -> float:
+    """The grad err ``c`` may have: MICRO_TOLERANCE, plus its storage's error (f' off by e puts
+    dx off by e |g|) in units of max |dx_native|."""
+    tolerance = MICRO_TOLERANCE[dtype_name]
+    if c.storage_error is not None:
+        tolerance += c.storage_error(act) * float(g.abs().max()) / float(reference.abs().max())
+    return tolerance
 
 
 def run_micro(act: str, dtype_name: str, numel: int, device: torch.device, args) -> MicroResult:
@@ -719,6 +751,7 @@ def run_micro(act: str, dtype_name: str, numel: int, device: torch.device, args)
             result.nbytes[c.name] = numel * c.elements_moved(es)
         if c.backward:
             result.grad_err[c.name] = harness.relative_error(out[0], reference)
+            result.grad_tolerance[c.name] = micro_tolerance(c, act, dtype_name, g, reference)
     result.nbytes[PROBE] = 6 * numel * es
     calls[PROBE] = harness.make_bandwidth_probe(int(result.nbytes[PROBE]), device, PROBE)
     result.stats = harness.measure_alternated(calls, device, args.warmup, args.micro_reps)
@@ -909,6 +942,9 @@ def print_report(results: list[CaseResult], micro: list[MicroResult], checks: li
               "the candidate's; GB/s over the bytes the candidate must move; % copy = over a copy of reprop's "
               "fwd+bwd traffic\n")
         print(format_micro([row for r in micro for row in micro_rows(r)]))
+        harness.print_check(f"micro: dx against torch native's (grad err) within {MICRO_TOLERANCE['fp32']:g} "
+                            f"in fp32, {MICRO_TOLERANCE['bf16']:g} in bf16, with 8-bit storage also its codebook's "
+                            "max error x max |g| / max |dx_native|", micro_problems(micro))
     for why, where in unavailable_by_reason(results, micro).items():
         print(f"n/a: {why}: {', '.join(where)}")
     print_probe_check(results, args.amp)
@@ -918,31 +954,52 @@ def print_report(results: list[CaseResult], micro: list[MicroResult], checks: li
             print(f"  {'PASS' if c['pass'] else 'FAIL'}  {c['case']}: {c['target']} ({c['value']})")
 
 
+def micro_problems(micro: list[MicroResult]) -> list[str]:
+    """A line per micro candidate whose grad err is beyond its tolerance (micro_tolerance)."""
+    return [f"micro {r.act} {r.dtype} {name}: grad err {error:.2g} vs torch native's, beyond "
+            f"{r.grad_tolerance[name]:.2g} (wrong derivative?)"
+            for r in micro for name, error in r.grad_err.items() if not harness.within(error, r.grad_tolerance[name])]
+
+
+def probe_problems(results: list[CaseResult], amp: bool) -> list[str]:
+    """A line per candidate whose first step is beyond its PROBE_TOLERANCE from native's (none under
+    --amp, where they are not compared)."""
+    problems = []
+    for r in results:
+        for name, error in ({} if amp else r.probe_errors()).items():
+            tolerance = PROBE_TOLERANCE[CANDIDATES[name].saved_dtype]
+            if not harness.within(error, tolerance):  # NaN too
+                p, ref = r.probes[name], r.probes[NATIVE]
+                problems.append(f"{r.case.label} {name}: first step loss {p.loss:.6g} (native {ref.loss:.6g}), "
+                                f"gradient error {p.grad_error:.3g}, tolerance {tolerance:g}: wrong values or "
+                                "gradients?")
+    return problems
+
+
+def check_failed(results: list[CaseResult], micro: list[MicroResult], amp: bool) -> bool:
+    """Whether a first step (probe_problems) or a micro gradient (micro_problems) is wrong."""
+    return bool(probe_problems(results, amp) or micro_problems(micro))
+
+
 def print_probe_check(results: list[CaseResult], amp: bool) -> None:
     """A WARNING per candidate whose first step is beyond its PROBE_TOLERANCE from native's, then a summary."""
-    errors = [(r, name, error) for r in results for name, error in r.probe_errors().items()]
+    errors = [(name, error) for r in results for name, error in r.probe_errors().items()]
     if not errors:
         return
     if amp:
-        largest = max(e for _, _, e in errors)
+        largest = max(e for _, e in errors)
         print(f"first step against native's: not compared under --amp (largest error {largest:.2g}; see "
               "PROBE_TOLERANCE)")
         return
     worst: dict[float, float] = {}  # tolerance -> the largest error of the candidates it applies to
-    bad = False
-    for r, name, error in errors:
+    for name, error in errors:
         tolerance = PROBE_TOLERANCE[CANDIDATES[name].saved_dtype]
         worst[tolerance] = max(worst.get(tolerance, 0.0), error)
-        if not error <= tolerance:  # NaN too
-            bad = True
-            p, ref = r.probes[name], r.probes[NATIVE]
-            print(f"WARNING: {r.case.label} {name}: first step loss {p.loss:.6g} (native {ref.loss:.6g}), "
-                  f"gradient error {p.grad_error:.3g}, tolerance {tolerance:g}: wrong values or gradients?")
     low = PROBE_TOLERANCE[torch.uint8]
-    print(f"first step against native's (same weights, batch, dropout masks): loss and gradients (max |g - "
-          f"g_native| / max |g_native| per parameter) within {PROBE_TOLERANCE[None]:g} for f' stored in fp32 "
-          f"(largest {worst.get(PROBE_TOLERANCE[None], 0.0):.2g}), {low:g} for bf16 and u8 (largest "
-          f"{worst.get(low, 0.0):.2g}): {'WARNING, see above' if bad else 'ok'}")
+    harness.print_check(f"first step against native's (same weights, batch, dropout masks): loss and gradients "
+                        f"(max |g - g_native| / max |g_native| per parameter) within {PROBE_TOLERANCE[None]:g} for "
+                        f"f' stored in fp32 (largest {worst.get(PROBE_TOLERANCE[None], 0.0):.2g}), {low:g} for bf16 "
+                        f"and u8 (largest {worst.get(low, 0.0):.2g})", probe_problems(results, amp))
 
 
 def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: list[dict], names: list[str],
@@ -951,7 +1008,8 @@ def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: li
         "benchmark": "fad",
         "machine": info,
         "config": {k: v for k, v in vars(args).items() if k != "json"} | {
-            "lr": LR, "probe_tolerance": {str(k): v for k, v in PROBE_TOLERANCE.items()}, "grad_floor": GRAD_FLOOR},
+            "lr": LR, "probe_tolerance": {str(k): v for k, v in PROBE_TOLERANCE.items()}, "grad_floor": GRAD_FLOOR,
+            "micro_tolerance": MICRO_TOLERANCE},
         "cases": [{
             "model": r.case.model, "act": r.case.act, "batch": r.batch,
             "activation_calls": r.calls.calls, "activation_input_bytes": r.calls.input_bytes,
@@ -965,7 +1023,8 @@ def json_payload(results: list[CaseResult], micro: list[MicroResult], checks: li
         "rows": [row for r in results for row in step_rows(r, names)],
         "micro": [{"act": r.act, "dtype": r.dtype, "numel": r.numel,
                    "stats_ms": {n: s.to_dict() for n, s in r.stats.items()}, "bytes": r.nbytes,
-                   "grad_err": r.grad_err, "unavailable": r.unavailable} for r in micro],
+                   "grad_err": r.grad_err, "grad_tolerance": r.grad_tolerance, "unavailable": r.unavailable}
+                  for r in micro],
         "micro_rows": [row for r in micro for row in micro_rows(r)],
         "targets": checks,
     }
@@ -1062,6 +1121,7 @@ def main() -> None:
     checks = [c for r in results for c in step_targets(r, args.amp)] + [c for r in micro for c in micro_targets(r)]
     print_report(results, micro, checks, args.candidates, info, args)
     harness.write_json(args.json, json_payload(results, micro, checks, args.candidates, info, args))
+    harness.exit_if_failed(check_failed(results, micro, args.amp))
 
 
 if __name__ == "__main__":

@@ -40,10 +40,12 @@ keeps all of them until zero_grad().
 
 Correctness check, after the timing, from identical copies at a realistic lr
 (optim.py's CHECK_LR) with the same dropout masks (the RNG seeded before each
-step): the eager baselines after one step against torch foreach, element by
-element by optim.py's rule (compare_updates); the fusion modes after
-CHECK_STEPS steps against reprop eager, bit for bit. A mismatch prints a
-WARNING.
+step), over CHECK_STEPS steps: the eager baselines against torch foreach,
+element by element by optim.py's rule (compare_updates), each step taken from
+foreach's parameters before it (teacher forcing: the optimizer's state
+carries over, rounding differences in the parameters do not); the fusion
+modes against reprop eager, bit for bit. A mismatch prints a WARNING, and the
+run exits with status 1 once the report is printed and the JSON written.
 
     python benchmarks/fusion.py --quick                       # CI-sized, CPU (~25 s on 2 idle cores)
     python benchmarks/fusion.py --device cuda --json out.json
@@ -94,12 +96,17 @@ SWEEP_MODEL, SWEEP_OPTIM = "mobilenet_v2", "adamw"  # fixed in the sweeps that v
 # optimizer state, the second leaves whatever a mode keeps between steps.
 MEMORY_WARMUP = 2
 
-# Correctness check (check_candidates). The fusion modes must compute exactly what reprop eager
-# computes (README: bit for bit), over several steps, so that forward mode's updates applied before
-# the next forward are checked too. The eager baselines are compared with torch foreach after one
-# step only: from the second on, the gradients see the first update's rounding differences, and
-# Adam's update of a gradient that is rounding noise is +-lr either way (measured: AdamW on
-# MobileNetV2, 1.8 rounding steps after one step, half a parameter after two).
+# Correctness check (check_candidates), over CHECK_STEPS steps: one step cannot tell momentum or
+# betas (SGD's first step is the same with any momentum, Adam's with any betas). The fusion modes
+# must compute exactly what reprop eager computes (README: bit for bit), so that forward mode's
+# updates applied before the next forward are checked too. The eager baselines are compared with
+# torch foreach by teacher forcing (teacher_forced_mismatch): left to train freely, from the second
+# step on their gradients would see the first update's rounding differences, and Adam's update of a
+# gradient that is rounding noise is +-lr either way (measured: AdamW on MobileNetV2, 1.8 rounding
+# steps after one step, half a parameter after two). Each step starts from foreach's parameters
+# instead, so the gradients are foreach's bit for bit and only the optimizer's own rounding
+# differs: measured per step on MobileNetV2 <= 1.95 rounding steps of compare_updates' 4 (AdamW,
+# Adam; Adadelta 1.9, RMSprop 1.7, Adagrad 1.0; SGD bitwise), torch fused and reprop eager alike.
 CHECK_STEPS = 3
 CHECK_SEED = 1
 
@@ -263,44 +270,84 @@ def try_trainer(name: str, template: nn.Module, factory, batch, device: torch.de
     return trainer
 
 
-def checked_params(name: str, template: nn.Module, factory, batch, device: torch.device,
-                   steps: int) -> dict[str, torch.Tensor]:
-    """A fresh ``name`` trainer's parameters after ``steps`` steps, the RNG seeded alike before each.
+def checked_step(trainer: Trainer, i: int) -> None:
+    """The check's step ``i``, the RNG seeded alike in every candidate: the same dropout masks."""
+    torch.manual_seed(CHECK_SEED + i)
+    trainer.step()
 
-    The same seeds give every candidate the same dropout masks; close()
-    applies forward mode's pending updates.
+
+def params_of(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """A copy of the trainer's parameters, by name."""
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def checked_params(name: str, template: nn.Module, factory, batch, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fresh ``name`` trainer's parameters after CHECK_STEPS checked steps; close() applies
+    forward mode's pending updates."""
+    trainer = make_trainer(name, template, factory, batch, device)
+    for i in range(CHECK_STEPS):
+        checked_step(trainer, i)
+    trainer.close()
+    return params_of(trainer)
+
+
+def reference_steps(template: nn.Module, factory, batch, device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """torch foreach's parameters before the first checked step and after each of CHECK_STEPS."""
+    trainer = make_trainer(FOREACH, template, factory, batch, device)
+    snapshots = [params_of(trainer)]
+    for i in range(CHECK_STEPS):
+        checked_step(trainer, i)
+        snapshots.append(params_of(trainer))
+    return snapshots
+
+
+def teacher_forced_mismatch(name: str, spec: optim_bench.OptimSpec, snapshots: list[dict[str, torch.Tensor]],
+                            template: nn.Module, factory, batch, device: torch.device) -> str | None:
+    """None when each checked step of a fresh ``name`` trainer, from torch foreach's parameters
+    before it (``snapshots``, reference_steps), gives foreach's after it, else why not.
+
+    The trainer's optimizer state carries over from step to step, as in
+    training, so momentum and betas are compared; its parameters are set to
+    foreach's at each step, so their gradients are foreach's and each step's
+    update is compared by optim.py's rule (compare_updates) on its own.
     """
     trainer = make_trainer(name, template, factory, batch, device)
-    for i in range(steps):
-        torch.manual_seed(CHECK_SEED + i)
-        trainer.step()
-    trainer.close()
-    return {n: p.detach() for n, p in trainer.model.named_parameters()}
+    params = dict(trainer.model.named_parameters())
+    for i, (before, after) in enumerate(zip(snapshots, snapshots[1:])):
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(before[n])
+        checked_step(trainer, i)
+        why = optim_bench.compare_updates(spec, {n: p.detach() for n, p in params.items()}, after, before, device)
+        if why is not None:
+            return f"step {i + 1} of {CHECK_STEPS}: {why}"
+    return None
 
 
 def check_candidates(result: CaseResult, template: nn.Module, batch, device: torch.device) -> None:
     """Record in result.mismatch whether each timed candidate computes what its reference does.
 
-    See CHECK_STEPS: the eager baselines after one step against torch foreach
+    See CHECK_STEPS: the eager baselines against torch foreach, teacher forced
     (optim.py's rule: bitwise for SGD on the CPU, else a few rounding steps),
-    the fusion modes after CHECK_STEPS steps against reprop eager, bitwise.
+    the fusion modes against reprop eager, bitwise.
     """
     spec = OPTIMIZERS[result.case.optimizer]
     factories = optimizer_factories(result.case.optimizer, lr=optim_bench.CHECK_LR)
-    init = {n: p.detach() for n, p in template.named_parameters()}
 
-    def run(name: str, steps: int) -> dict[str, torch.Tensor]:
-        return checked_params(name, template, factories[name], batch, device, steps)
+    def checked(ref: str) -> list[str]:
+        return [n for n, r in CHECK_REFERENCE.items() if r == ref and n in result.stats] if ref in result.stats else []
 
-    for ref, steps in ((FOREACH, 1), (EAGER, CHECK_STEPS)):
-        names = [n for n, r in CHECK_REFERENCE.items() if r == ref and n in result.stats]
-        if ref not in result.stats or not names:
-            continue
-        want = run(ref, steps)
-        for name in names:
-            got = run(name, steps)
-            result.mismatch[name] = (harness.check_close(got, want, rtol=0.0, atol=0.0) if ref == EAGER
-                                     else optim_bench.compare_updates(spec, got, want, init, device))
+    with harness.reproducible():  # the same gradients from the same parameters, on CUDA too
+        if checked(FOREACH):
+            snapshots = reference_steps(template, factories[FOREACH], batch, device)
+            for name in checked(FOREACH):
+                result.mismatch[name] = teacher_forced_mismatch(name, spec, snapshots, template, factories[name],
+                                                                batch, device)
+        if checked(EAGER):
+            want = checked_params(EAGER, template, factories[EAGER], batch, device)
+            for name in checked(EAGER):
+                got = checked_params(name, template, factories[name], batch, device)
+                result.mismatch[name] = harness.check_close(got, want, rtol=0.0, atol=0.0)
     release(device)
 
 
@@ -521,8 +568,9 @@ def print_report(results: list[CaseResult], names: list[str], checks: list[dict]
     if checked:
         bitwise = ", ".join(s.cls for s in OPTIMIZERS.values() if s.bitwise)
         print(f"\nparameters from the same start, lr {optim_bench.CHECK_LR:g}, the same dropout masks: "
-              f"torch fused and reprop eager = torch foreach's after 1 step (bitwise: {bitwise}, on the CPU; the others "
-              f"within {optim_bench.CHECK_ULPS} x eps x (|p| + largest update)), reprop forward and backward = "
+              f"torch fused and reprop eager = torch foreach's at each of {CHECK_STEPS} steps, each from foreach's "
+              f"parameters before it (bitwise: {bitwise}, on the CPU; the others within {optim_bench.CHECK_ULPS} x "
+              f"eps x (|p| + that step's largest update)), reprop forward and backward = "
               f"reprop eager's bit for bit after {CHECK_STEPS} steps: "
               f"{'ok' if all(why is None for why in checked) else 'WARNING: see above'}")
     if checks:
@@ -629,6 +677,7 @@ def main() -> None:
     checks = evaluate_targets(results, args)
     print_report(results, names, checks, info, args)
     harness.write_json(args.json, json_payload(results, names, checks, info, args))
+    harness.exit_if_failed(any(why is not None for res in results for why in res.mismatch.values()))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ Every benchmark script (benchmarks/<technique>.py) follows the same recipe:
     ratio = speedup(stats["torch"].median, stats["reprop"].median)   # > 1: reprop faster
     peak = peak_memory(step, device, setup=build)   # bytes held at the peak of step() (CUDA or CPU)
     print(format_table(headers, rows)); write_json(args.json, {..., "machine": machine_info(device)})
+    exit_if_failed(failed)   # last: status 1 when a correctness check (a WARNING line) failed
 
 Timing rules, and why:
   * CPU samples use time.perf_counter; CUDA samples use a pair of CUDA events
@@ -240,8 +241,14 @@ def make_bandwidth_probe(bytes_moved: int, device: torch.device, kind: str = "co
 
     It is the practical memory-bandwidth limit for a kernel of the same
     traffic: time it alongside the kernel (in the same alternation) and compare
-    ``gbps(bytes_moved, ...)``. Buffers are float32 and together as large as
-    the traffic, so whether the working set fits in a cache matches the kernel's.
+    ``gbps(bytes_moved, ...)``. Buffers are float32: the copy probe's together
+    are as large as the traffic, the inplace probe's 2/3 of it. A kernel that
+    reads and writes the same arrays touches less than its traffic (AdamW's
+    p, g, m, v: 16 B per parameter for 28 B of traffic, 4/7; SGD's p, g, buf:
+    12 B for 20 B, 3/5), so the probes' working sets are larger than the
+    kernel's (for AdamW 1.75x and 1.17x): only when both are far beyond the
+    last-level cache (or both well inside it) do they meet the same memory
+    level. Size the kernel's case for that.
 
     kind "copy":    ``dst.copy_(src)``, read src + write dst (8 B per element).
                     The classic probe. On CPUs a store to a line not in cache
@@ -287,6 +294,42 @@ def check_close(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor
     except AssertionError as exc:
         return str(exc)
     return None
+
+
+def within(error: float | None, tolerance: float) -> bool:
+    """Whether a measured error passes its tolerance; None (not measured: a candidate n/a) passes, NaN fails."""
+    return error is None or error <= tolerance
+
+
+def print_check(what: str, problems: Sequence[str]) -> None:
+    """A correctness check's report: a WARNING line per problem, then ``what`` and ok (or not)."""
+    for problem in problems:
+        print(f"WARNING: {problem}")
+    print(f"{what}: {'WARNING, see above' if problems else 'ok'}", flush=True)
+
+
+def exit_if_failed(failed: bool) -> None:
+    """End the run with exit status 1 when one of its correctness checks failed.
+
+    Called last, once the report (each failure a WARNING line) is printed and
+    the JSON written: the figures stay, and a script or CI sees the failure
+    as a reader of the WARNING does. A wrong candidate is also "fast".
+    """
+    if failed:
+        raise SystemExit(1)
+
+
+def reproducible():
+    """A context for a correctness check's computations: on CUDA, cuDNN's deterministic algorithms
+    and no TF32 (the CPU is not affected).
+
+    cuDNN may sum in any order (atomics), run to run, and by default rounds the
+    inputs of its fp32 convolutions and RNNs to TF32's 10 bits: either puts a
+    gradient far beyond fp32 rounding from the same computation elsewhere (a
+    reference, a candidate stepped alike). CUDA ops outside cuDNN that use
+    atomics (torch.use_deterministic_algorithms' list) are not covered.
+    """
+    return torch.backends.cudnn.flags(enabled=torch.backends.cudnn.enabled, deterministic=True, allow_tf32=False)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor, scale: float | None = None) -> float:

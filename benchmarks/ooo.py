@@ -805,8 +805,7 @@ def main() -> None:
         out.update(run_dist(args))
         print_dist(out)
     harness.write_json(args.json, out)
-    if check_failed(out):
-        raise SystemExit(1)
+    harness.exit_if_failed(check_failed(out))
 
 
 if __name__ == "__main__":

@@ -19,10 +19,14 @@ hundreds of steps leave the values in range.
 
 Agreement check, separate from the timing: reprop and torch foreach take
 CHECK_STEPS steps from identical copies at a realistic lr (CHECK_LR; AdamW's
-weight decay 0.01 as timed), and every parameter element must match: bitwise
-for SGD on the CPU, within CHECK_ULPS fp32 rounding steps elsewhere. At the
-timed lr it could not be seen: 1 - lr * weight_decay rounds to 1.0 in fp32,
-and rounding differences are as large as a whole update.
+weight decay 0.01 as timed), each step on its own seeded random gradients,
+set alike on both, and every parameter element must match: bitwise for SGD
+on the CPU, within CHECK_ULPS fp32 rounding steps elsewhere. At the timed lr
+it could not be seen: 1 - lr * weight_decay rounds to 1.0 in fp32, and
+rounding differences are as large as a whole update. With the same gradient
+at every step it could not be seen either: Adam's bias-corrected moments are
+then g and g^2 whatever its betas. A mismatch prints a WARNING, and the run
+exits with status 1 once the report is printed and the JSON written.
 
     python benchmarks/optim.py --quick                     # CI-sized, CPU
     python benchmarks/optim.py --device cuda --json out.json
@@ -84,15 +88,19 @@ TARGETS = {
 }
 
 
-# Agreement check (check_agreement): CHECK_STEPS steps at CHECK_LR from identical copies. An
-# element may differ from torch foreach's by rounding: of the parameter's value (the final
-# p - update) and of its update (terms summed in another order, torch's CPU sqrt not correctly
-# rounded), so within CHECK_ULPS x eps x (|p| + that tensor's largest update); measured <= 1.9
-# (AdamW, Adam, RMSprop; 1.0 Adagrad, 1.2 Adadelta) on both parameter sets. A missing AdamW weight
-# decay is off by lr x wd x |p| = 1e-5 |p| (20x the bound), a skipped step by a whole update.
+# Agreement check (check_agreement): CHECK_STEPS steps at CHECK_LR from identical copies, each on
+# its own random gradients (check_gradients). An element may differ from torch foreach's by
+# rounding: of the parameter's value (the final p - update) and of its update (terms summed in
+# another order, torch's CPU sqrt not correctly rounded), so within CHECK_ULPS x eps x (|p| + that
+# tensor's largest update); measured <= 1.8 (RMSprop; AdamW, Adam and Adagrad 1.6, Adadelta
+# 1.0) on both parameter sets. A missing AdamW weight decay is off by lr x wd x |p| =
+# 1e-5 |p| (20x the bound), a skipped step by a whole update; Adam's beta1 0.8 for 0.9 by 7% of
+# lr (the median element; the largest 14%), beta2 0.99 for 0.999 by 0.15% (the largest 0.5%, 10x
+# the bound).
 CHECK_LR = 1e-3
 CHECK_STEPS = 3
 CHECK_ULPS = 4
+CHECK_SEED = 1  # of the check's gradients (make_inputs' are seed 0's)
 
 
 @dataclass
@@ -193,12 +201,26 @@ def make_candidate(factory: Callable[[list], torch.optim.Optimizer], init: list[
     return Candidate(step=opt.step, params=params)
 
 
+def check_gradients(init: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """CHECK_STEPS lists of seeded random gradients for ``init``'s tensors, one list per step.
+
+    The gradient changes from step to step, as in training: with one gradient
+    for every step, Adam's bias-corrected moments are g and g^2 whatever its
+    betas, so wrong betas passed.
+    """
+    torch.manual_seed(CHECK_SEED)
+    return [[torch.randn_like(p) for p in init] for _ in range(CHECK_STEPS)]
+
+
 def trained(factory: Callable[[list], torch.optim.Optimizer], init: list[torch.Tensor],
-            grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The parameters after CHECK_STEPS steps of ``factory``'s optimizer from copies of ``init``."""
-    params = copy_params(init, grads)
+            step_grads: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The parameters after one step of ``factory``'s optimizer per list of ``step_grads`` (that step's
+    gradients, copied onto the parameters before it), from copies of ``init``."""
+    params = [torch.nn.Parameter(p.clone()) for p in init]
     opt = factory(params)
-    for _ in range(CHECK_STEPS):
+    for grads in step_grads:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
         opt.step()
     return [p.detach() for p in params]
 
@@ -218,19 +240,20 @@ def compare_updates(spec: OptimSpec, got: dict[str, torch.Tensor], want: dict[st
     return harness.check_close(got, want, rtol=step, atol=atol)
 
 
-def check_agreement(spec: OptimSpec, init: list[torch.Tensor], grads: list[torch.Tensor],
-                    device: torch.device) -> str | None:
-    """None when reprop's parameters equal torch foreach's after CHECK_STEPS steps at CHECK_LR, else why not.
+def check_agreement(spec: OptimSpec, init: list[torch.Tensor], device: torch.device) -> str | None:
+    """None when reprop's parameters equal torch foreach's after CHECK_STEPS steps at CHECK_LR on
+    check_gradients, else why not.
 
     A wrong or skipped update would also be "fast".
     """
     factories = optimizer_factories(spec, with_reprop=True, lr=CHECK_LR)
+    step_grads = check_gradients(init)
 
     def by_name(tensors: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         return {f"param {i}": t for i, t in enumerate(tensors)}
 
-    return compare_updates(spec, by_name(trained(factories[REPROP], init, grads)),
-                           by_name(trained(factories[FOREACH], init, grads)), by_name(init), device)
+    return compare_updates(spec, by_name(trained(factories[REPROP], init, step_grads)),
+                           by_name(trained(factories[FOREACH], init, step_grads)), by_name(init), device)
 
 
 # ---------------------------------------------------------------------------
@@ -259,7 +282,7 @@ def run_case(name: str, spec: OptimSpec, pset: ParamSet, device: torch.device, a
     del cands, timed  # free the timed buffers before the check's copies
     if checked:
         result.checked = True
-        result.mismatch = check_agreement(spec, init, grads, device)
+        result.mismatch = check_agreement(spec, init, device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
@@ -398,6 +421,7 @@ def print_report(results: list[CaseResult], specs: dict[str, OptimSpec], checks:
         bitwise = ", ".join(s.cls for s in specs.values() if s.bitwise) or "none"
         ok = all(r.mismatch is None for r in checked)
         print(f"reprop vs torch foreach after {CHECK_STEPS} steps at lr {CHECK_LR:g} from the same parameters, "
+              "each step on its own random gradients, "
               f"element by element (bitwise: {bitwise}, on the CPU; the others within {CHECK_ULPS} x eps x "
               f"(|p| + largest update)): {'ok' if ok else 'WARNING: not the same update, check reprop'}")
     for r in checked:
@@ -498,6 +522,7 @@ def main() -> None:
     checks = evaluate_targets(results, device)
     print_report(results, specs, checks, info, args)
     harness.write_json(args.json, json_payload(results, checks, info, args))
+    harness.exit_if_failed(any(r.mismatch is not None for r in results))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,20 @@ class SGDSkippingSecondStep(reprop.optim.SGD):
         return None if self.calls == 2 else super().step(closure)
 
 
+class AdamWWithWrongBeta1(reprop.optim.AdamW):
+    """Wrong: AdamW with beta1 0.8 for the 0.9 asked."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "betas": (0.8, 0.999)})
+
+
+class AdamWithWrongBeta2(reprop.optim.Adam):
+    """Wrong: Adam with beta2 0.99 for the 0.999 asked."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "betas": (0.9, 0.99)})
+
+
 def optim_report(name: str, machine: dict, capsys) -> str:
     """optim.py's printed report of one small case of optimizer ``name``."""
     spec = optim_bench.OPTIMIZERS[name]
@@ -69,6 +83,15 @@ def optim_report(name: str, machine: dict, capsys) -> str:
 def test_optim_flags_a_wrong_update(name, wrong, machine, capsys, monkeypatch):
     # At the timed lr 1e-6, 1 - lr * weight_decay is 1.0 in fp32 and one step of 29 moved the
     # parameters 3% of the run's total: both passed the old check (5% of the total movement).
+    monkeypatch.setattr(reprop.optim, optim_bench.OPTIMIZERS[name].cls, wrong)
+    report = optim_report(name, machine, capsys)
+    assert "WARNING: not the same update" in report
+
+
+@pytest.mark.parametrize("name, wrong", [("adamw", AdamWWithWrongBeta1), ("adam", AdamWithWrongBeta2)])
+def test_optim_flags_wrong_betas(name, wrong, machine, capsys, monkeypatch):
+    # The check stepped on one gradient throughout, with which Adam's bias-corrected moments are g
+    # and g^2 whatever the betas: both passed.
     monkeypatch.setattr(reprop.optim, optim_bench.OPTIMIZERS[name].cls, wrong)
     report = optim_report(name, machine, capsys)
     assert "WARNING: not the same update" in report
@@ -125,6 +148,46 @@ def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
     # negated gradients moves the parameters as far (0.997x on MobileNetV2), and passed.
     report = fusion_report("adamw", machine, capsys, monkeypatch, wrong=wrong)
     assert f"WARNING: mobilenet_v2 b4 AdamW {wrong}: not the parameters" in report
+
+
+class SGDWithoutMomentum(reprop.optim.SGD):
+    """Wrong: SGD that ignores its momentum."""
+
+    def __init__(self, params, **kwargs):
+        super().__init__(params, **{**kwargs, "momentum": 0.0})
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+@pytest.mark.parametrize("optimizer, wrong", [("adamw", AdamWWithWrongBeta1), ("sgd", SGDWithoutMomentum)])
+def test_fusion_flags_wrong_betas_or_momentum(optimizer, wrong, machine, capsys, monkeypatch):
+    # reprop eager was compared with torch foreach after one step, which is the same with any betas
+    # or momentum: both passed.
+    monkeypatch.setattr(reprop.optim, fusion_bench.OPTIMIZERS[optimizer].cls, wrong)
+    report = fusion_report(optimizer, machine, capsys, monkeypatch)
+    label = f"mobilenet_v2 b4 {fusion_bench.OPTIMIZERS[optimizer].cls}"
+    assert f"WARNING: {label} {fusion_bench.EAGER}: not the parameters" in report
+
+
+def test_optim_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
+    # It printed the WARNING and exited with status 0.
+    monkeypatch.setattr(reprop.optim, "SGD", SGDWithoutMomentum)
+    monkeypatch.setattr(sys, "argv", ["optim.py", "--only", "sgd", "--numel", "1000", "--reps", "1", "--warmup", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        optim_bench.main()
+    assert exit_.value.code == 1 and "WARNING: sgd / 1x0.001M" in capsys.readouterr().out
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse")
+def test_fusion_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
+    # It printed the WARNING and exited with status 0.
+    monkeypatch.setattr(reprop.optim, "SGD", SGDWithoutMomentum)
+    monkeypatch.setattr(fusion_bench.models, "build", lambda name: small_net())
+    monkeypatch.setattr(fusion_bench, "measure_peaks", lambda *args: None)
+    monkeypatch.setattr(sys, "argv", ["fusion.py", "--sweeps", "optims", "--optims", "sgd", "--batch", "4",
+                                      "--image-size", "16", "--reps", "1", "--warmup", "1"])
+    with pytest.raises(SystemExit) as exit_:
+        fusion_bench.main()
+    assert exit_.value.code == 1 and f"{fusion_bench.EAGER}: not the parameters" in capsys.readouterr().out
 
 
 @pytest.mark.filterwarnings("ignore:reprop.fuse")
@@ -211,6 +274,33 @@ def test_fad_micro_forward_rows_against_native_forward():
                  "reprop u8": None, "reprop compose": None, "torch native fwd": 1.0, "reprop fwd": 0.8,
                  fad_bench.PROBE: 5.0}
 
+MICRO_ARGS = SimpleNamespace(device="cpu", amp=False, warmup=0, micro_reps=1, micro_log2=12)
+
+
+def micro_report(act: str, dtype: str, machine: dict, capsys) -> tuple[str, list]:
+    """fad.py's printed micro report of one activation and dtype on 2^12 elements, and its results."""
+    micro = [fad_bench.run_micro(act, dtype, 2**MICRO_ARGS.micro_log2, CPU, MICRO_ARGS)]
+    capsys.readouterr()
+    fad_bench.print_report([], micro, [], [], machine, MICRO_ARGS)
+    return capsys.readouterr().out, micro
+
+
+def test_fad_micro_flags_a_sign_flipped_derivative(machine, capsys, monkeypatch):
+    # The micro grad err column was printed and never checked.
+    monkeypatch.setattr(fad_bench, "MICRO_CANDIDATES", (*fad_bench.MICRO_CANDIDATES,
+                                                        fad_bench.MicroCandidate("negated", True,
+                                                                                 lambda a: negated(a)())))
+    out, micro = micro_report("gelu_tanh", "fp32", machine, capsys)
+    assert "WARNING: micro gelu_tanh fp32 negated: grad err 2" in out
+    assert fad_bench.check_failed([], micro, amp=False)
+
+
+@pytest.mark.parametrize("act, dtype", [("mish", "fp32"), ("gelu_tanh", "bf16"), ("swish", "bf16")])
+def test_fad_micro_accepts_reprop(act, dtype, machine, capsys):
+    out, micro = micro_report(act, dtype, machine, capsys)
+    assert "max |dx_native|: ok" in out and not fad_bench.check_failed([], micro, amp=False)
+    assert {"reprop", "reprop u8", "reprop compose"} <= set(micro[0].grad_err)
+
 
 # ---------------------------------------------------------------------------
 # ooo.py
@@ -247,3 +337,81 @@ def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     report = ooo_single_report(capsys, monkeypatch, wrong=False)
     assert "seeded steps (bitwise): yes" in report
+
+
+# ---------------------------------------------------------------------------
+# bppsa.py
+# ---------------------------------------------------------------------------
+
+import json  # noqa: E402
+
+import bppsa as bppsa_bench  # noqa: E402
+
+# The vgg part at 1/32 width (2 to 16 channels), unpruned and 90% pruned, the linear scan and one
+# up-sweep level, one round: a few seconds.
+VGG_TINY = ["--part", "vgg", "--vgg-width-div", "32", "--vgg-sparsities", "0,0.9", "--vgg-levels", "0,1",
+            "--reps", "1", "--warmup", "0"]
+RNN_TINY = ["--part", "rnn-t", "--seq-lens", "10", "--batch", "2", "--hidden", "4", "--reps", "1", "--warmup", "0"]
+
+
+def test_bppsa_vgg_part_runs(capsys, tmp_path):
+    # It raised a TypeError from nonzero_values since reprop.bppsa's _Leaf.entry_values takes the
+    # layer's weight (commit b5dbfe6).
+    bppsa_bench.main(VGG_TINY + ["--json", str(tmp_path / "vgg.json")])
+    out = capsys.readouterr().out
+    assert "per sparsity and schedule" in out and "of autograd's (err, masked err, cusparse err): ok" in out
+    rows = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["rows"]
+    assert [(r["sparsity"], r["levels"]) for r in rows] == [(0.0, 0), (0.0, 1), (0.9, 0), (0.9, 1)]
+    # Inactive ReLUs and unpicked pool entries are zeros at any sparsity; pruning zeroes weights.
+    dense, pruned = rows[0]["nonzero_values"], rows[2]["nonzero_values"]
+    assert 0 < pruned < dense < rows[0]["nnz"]
+
+
+def test_bppsa_keeps_a_part_measured_before_a_later_part_fails(capsys, monkeypatch, tmp_path):
+    # main() printed and saved nothing until every part had run: the vgg part's crash lost the
+    # RNN tables measured before it.
+    def broken(args, device):
+        raise RuntimeError("the vgg part broke")
+
+    monkeypatch.setattr(bppsa_bench, "run_vgg", broken)
+    with pytest.raises(RuntimeError, match="the vgg part broke"):
+        bppsa_bench.main(RNN_TINY + ["--part", "vgg", "--json", str(tmp_path / "out.json")])
+    assert "\nrnn-t\n" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert [(r["part"], r["seq_len"], r["batch"], r["hidden"]) for r in rows] == [("rnn-t", 10, 2, 4)]
+
+
+def test_bppsa_vgg_flags_a_negated_input_gradient(capsys, monkeypatch):
+    # The err columns were printed and never checked: a negated dx (err 2) ran through, exit status 0.
+    chain_backward = bppsa_bench.reprop_bppsa().chain_backward
+
+    def negated(*args, **kwargs):
+        dx, *rest = chain_backward(*args, **kwargs)
+        return (-dx, *rest)
+
+    monkeypatch.setattr(bppsa_bench.reprop_bppsa(), "chain_backward", negated)
+    with pytest.raises(SystemExit) as exit_:
+        bppsa_bench.main(VGG_TINY)
+    assert exit_.value.code == 1
+    out = capsys.readouterr().out
+    assert "WARNING: vgg sparsity 0 chain L0: input gradient error 2" in out
+    assert "of autograd's (err, masked err, cusparse err): WARNING, see above" in out
+
+
+def test_bppsa_flags_a_gradient_off_by_a_thousandth(capsys, monkeypatch):
+    # The RNN/GRU grad err was flagged above 1e-2 only, where fp32 gives ~3e-7, and never failed the run.
+    make_trainer = bppsa_bench.make_trainer
+
+    def off(cfg, device, scan=None):
+        trainer = make_trainer(cfg, device, scan)
+        if scan is not None:
+            for p in trainer.model.parameters():
+                p.register_hook(lambda g: g * (1 + 1e-3))
+        return trainer
+
+    monkeypatch.setattr(bppsa_bench, "make_trainer", off)
+    with pytest.raises(SystemExit) as exit_:
+        bppsa_bench.main(RNN_TINY)
+    assert exit_.value.code == 1
+    assert "WARNING: T=10 B=2 d=4: gradient error 0.001 vs the baseline" in capsys.readouterr().out
+
