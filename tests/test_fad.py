@@ -183,6 +183,33 @@ def check_accuracy(got, ref, exact, cancelling=None, units=2):
                            f"torch {ref[bad][:4].tolist()}, exact {exact[bad][:4].tolist()}")
 
 
+# torch composes these of several ops (F.softsign is x / (|x| + 1),
+# F.tanhshrink x - tanh(x)), each rounding to a 16-bit input's dtype, where
+# reprop rounds its float32 result once: their 16-bit values differ by design.
+TORCH_COMPOSITE = {"softsign", "tanhshrink"}
+
+
+def _ulp_ordered(t):
+    """A 16-bit float's bits as an integer counting ulps through zero (+-0: 0)."""
+    bits = t.view(torch.int16).int()
+    return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+
+def check_rounded_like_torch(got, ref, where):
+    """16-bit values: torch and reprop round float32 results a few float32 ulps
+    apart once, so where no terms cancel (`where`) got has torch's bits except
+    where the two straddle a rounding boundary, and is one unit away there.
+    Measured on sample(): all equal but one of Mish's 5126 in float16, so 99%
+    is required; a result truncated rather than rounded matches 40 to 80%."""
+    got, ref, where = got.cpu(), ref.cpu(), where.cpu()
+    keep = where & ~(got.isnan() | ref.isnan())  # NaN positions: check_accuracy
+    got, ref = got[keep], ref[keep]
+    same = got.view(torch.int16) == ref.view(torch.int16)
+    assert same.double().mean() >= 0.99, f"{same.double().mean().item():.4f} of values are torch's"
+    apart = (_ulp_ordered(got) - _ulp_ordered(ref)).abs()
+    assert (apart <= 1).all(), f"values {apart.max().item()} units from torch's"
+
+
 def values_and_grads(fn, x, grad, **kwargs):
     x = x.detach().clone().requires_grad_()
     y = fn(x, **kwargs)
@@ -198,7 +225,10 @@ def check_against_torch(name, x, grad, units=2):
     y_ref, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
     y_64, d_64 = values_and_grads(lambda t: ref(t, **kw), x.double(), torch.ones_like(x, dtype=torch.float64))
     assert y.dtype == x.dtype and gx.dtype == x.dtype and y.shape == x.shape == gx.shape
-    check_accuracy(y, y_ref, y_64, cancelling_terms(CANCELLING_VALUE, name, x), units)
+    value_terms = cancelling_terms(CANCELLING_VALUE, name, x)
+    check_accuracy(y, y_ref, y_64, value_terms, units)
+    if x.element_size() == 2 and name not in TORCH_COMPOSITE:
+        check_rounded_like_torch(y, y_ref, value_terms == 0)
     g64 = grad.double()
     check_accuracy(gx, gx_ref, g64 * d_64,
                    g64.abs() * cancelling_terms(CANCELLING_DERIVATIVE, name, x), units)
