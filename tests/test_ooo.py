@@ -1542,6 +1542,26 @@ def test_embedding_padding_index_set_after_construction_as_f_embedding_takes_it(
     assert torch.equal(model.weight, ref.weight)
 
 
+@pytest.mark.parametrize("padding_idx, max_norm", [(None, None), (2, None), (2, 0.5)],
+                         ids=["repeated", "with_padding", "with_padding_and_max_norm"])
+def test_embedding_scale_grad_by_freq_gradients_are_autograds(padding_idx, max_norm):
+    """scale_grad_by_freq divides each row's gradient by how often its index
+    occurs in the batch: the split's deferred weight gradient does too, with a
+    padding row among the repeated indices and after max_norm renormalises
+    the table, bitwise equal to autograd's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(10, 4, padding_idx=padding_idx, max_norm=max_norm,
+                                     scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 2))
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    idx = torch.tensor([[1, 1, 2], [1, 2, 3]])  # 1 three times, 2 twice, 3 once
+    for net in (ref, model):
+        net(idx).pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+    assert torch.equal(model[0].weight, ref[0].weight)
+
+
 @pytest.mark.parametrize("shape", [(4,), (), (1, 4), (1, 4, 1)],
                          ids=["1d", "0d", "one_value_per_group", "one_value_per_group_3d"])
 def test_group_norm_refuses_what_f_group_norm_refuses(shape):
