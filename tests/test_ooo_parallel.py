@@ -1872,11 +1872,13 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x, t, F.mse_loss)
     with pytest.raises(ValueError, match=r"^inputs: expected a batch of at least 3 .*\(0, 16\)"):
         pipe.step(x[:0], t[:0], F.mse_loss)
+    pipe.remove()  # (the layers are split by it: a second live Pipeline refuses them)
+    pipe = Pipeline(layers, micro_batches=2)
     with pytest.raises(ValueError, match="^targets: "):
-        Pipeline(layers, micro_batches=2).step(x, t[:4], F.mse_loss)
+        pipe.step(x, t[:4], F.mse_loss)
     # a 0-d dummy for a loss that reads no targets: it raised len()'s TypeError
     with pytest.raises(ValueError, match=r"^targets: expected 8 targets .*got shape \(\)"):
-        Pipeline(layers, micro_batches=2).step(x, torch.tensor(0.0), lambda o, t: o.pow(2).mean())
+        pipe.step(x, torch.tensor(0.0), lambda o, t: o.pow(2).mean())
     with pytest.raises(TypeError, match="^inputs: expected a tensor, got list"):
         pipe.step(x.tolist(), t, F.mse_loss)
     with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):
@@ -2124,6 +2126,40 @@ def test_pipeline_whose_layer_enable_refuses_counts_nowhere(solo_group):
         Pipeline(layers, micro_batches=2)
     assert refused.traceback  # (its frames hold the half-built pipeline)
     fuse(layers[0], torch.optim.SGD(layers[0].parameters(), lr=0.1), mode="backward").remove()
+
+
+def test_pipeline_refuses_layers_split_by_a_live_handle(solo_group):
+    """A Pipeline over layers that a live enable() or another Pipeline had
+    split found nothing of its own to split and ran without a handle: its
+    dW tasks ran inside dO, so fast_forward was planned but not done.
+    Refused as enable() refuses them; once the other handle is removed the
+    layers pipeline again."""
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)]
+    handle = enable(nn.Sequential(*layers))
+    with pytest.raises(ValueError, match="is split by another reprop.ooo.enable"):
+        Pipeline(layers, micro_batches=2)
+    handle.remove()
+    first = Pipeline(layers, micro_batches=2)
+    with pytest.raises(ValueError, match="is split by another reprop.ooo.enable"):
+        Pipeline(layers, micro_batches=2)
+    first.remove()
+    assert Pipeline(layers, micro_batches=2).handle is not None
+
+
+def _check_pipeline_refused_on_one_rank(rank: int, world: int) -> None:
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Embedding(10, WIDTH, sparse=True)]
+    match = "^model: 0: Embedding\\(sparse=True\\)" if rank == 1 else "^layers: rank 1 could not"
+    with pytest.raises(ValueError, match=match):
+        Pipeline(layers)
+    assert all("forward" not in m.__dict__ for m in layers), "split left behind"
+
+
+def test_pipeline_refused_on_one_rank_raises_on_every_rank():
+    """enable() refusing one rank's layers (a sparse Embedding) raised on
+    that rank alone, after the arguments were agreed: the others built
+    their Pipeline and waited in the first step() for its messages until
+    the timeout. Every rank raises now, the others naming the rank."""
+    _spawn(_check_pipeline_refused_on_one_rank, 2, timeout=20)
 
 
 def test_data_parallel_removed_ignores_its_gradient_hooks(solo_group, monkeypatch) -> None:

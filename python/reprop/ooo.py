@@ -441,6 +441,12 @@ def _autocast_cast(t, dtype: torch.dtype):
     return t
 
 
+def _own_forward_site(m: nn.Module) -> "_Site | None":
+    """The site of a split forward set on `m` itself: a live handle's split of
+    m (site.module is m), or a deepcopy's or a pickle's copy of another's."""
+    return getattr(getattr(m.__dict__.get("forward"), "__func__", None), "ooo_site", None)
+
+
 def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     """(kind, trainable params) when enable() splits `m`: a known exact type,
     its own forward not replaced, some registered parameter trainable."""
@@ -879,7 +885,7 @@ class OOOHandle(_PassTracking):
         self._removed = False
         for name, m in model.named_modules():
             own = m.__dict__.get("forward")
-            site = getattr(getattr(own, "__func__", None), "ooo_site", None)
+            site = _own_forward_site(m)
             if site is not None and site.module is m:
                 raise ValueError(f"model: {name or type(m).__name__} is split by another "
                                  "reprop.ooo.enable() handle; call remove() on it first")
@@ -3188,8 +3194,25 @@ class _Alias(torch.autograd.Function):
 
 
 def _splits_any(module: nn.Module) -> bool:
-    """Whether ``enable(module)`` finds a layer to split (it raises otherwise)."""
-    return any(_splittable(m) is not None for m in module.modules())
+    """Whether ``enable(module)`` finds a layer to split (it raises otherwise),
+    or one a live handle split (it refuses that: call remove() first)."""
+    return any(_splittable(m) is not None
+               or getattr(_own_forward_site(m), "module", None) is m for m in module.modules())
+
+
+def _every_rank_installed(installed: bool, group, device: torch.device) -> None:
+    """Raises on every rank of `group` that installed its layers when
+    another did not (its own error says why), so that no rank builds a
+    Pipeline whose first step() waits for a stage that does not exist. One
+    all_gather."""
+    mine = torch.tensor([int(installed)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    refused = [rank for rank, flag in enumerate(every) if not flag.item()]
+    if installed and refused:
+        raise ValueError(f"layers: rank {', '.join(map(str, refused))} could not split its "
+                         "layers (its own error says why); every rank raises, so that none "
+                         "waits in step() for a stage that is not there")
 
 
 @dataclass
@@ -3333,11 +3356,18 @@ class Pipeline:
         are as they were and the cell runs again. Layers left split by a
         handle the caller never got were refused by the next Pipeline, and
         a count left behind refused backward fusion of the layers while
-        the half-built pipeline lived (a notebook's last traceback holds it)."""
+        the half-built pipeline lived (a notebook's last traceback holds it).
+        A rank whose layers enable() refuses makes every rank raise: the
+        others' first step() waited for its messages until the timeout."""
         try:
-            if self.micro_batches > 1:
-                _MICRO_BATCH_PIPELINES.add(self)
-            self.handle = enable(local, order="conventional") if _splits_any(local) else None
+            try:
+                if self.micro_batches > 1:
+                    _MICRO_BATCH_PIPELINES.add(self)
+                self.handle = enable(local, order="conventional") if _splits_any(local) else None
+            except Exception:
+                _every_rank_installed(False, self.group, self.device)
+                raise
+            _every_rank_installed(True, self.group, self.device)
         except BaseException:
             self.remove()
             raise
