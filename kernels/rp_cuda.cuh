@@ -20,7 +20,9 @@ static int rp_cuda_error(cudaError_t e, const char *fn, rp_error *err)
 }
 
 /* Makes the device of `stream` current for the lifetime of the guard
- * (kernels launch on the current device), restoring the caller's after. */
+ * (kernels launch on the current device), restoring the caller's after.
+ * A stream that names no device (NULL, legacy, per-thread), or a driver too
+ * old to say, leaves the current one. */
 struct rp_device_guard {
     int dev = 0; /* the device the call runs on */
     int prev = -1;
@@ -35,6 +37,14 @@ struct rp_device_guard {
         if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
             int sdev = dev;
             e = cudaStreamGetDevice(stream, &sdev);
+            if (e == cudaErrorCallRequiresNewerDriver) {
+                /* a 12.8+ build on an older driver (minor-version
+                 * compatibility) cannot ask: run on the current device, which
+                 * the Python callers make the tensors' (_tensors.on_device,
+                 * bppsa's torch.cuda.device) */
+                (void)cudaGetLastError();
+                return cudaSuccess;
+            }
             if (e != cudaSuccess)
                 return e;
             if (sdev != dev) {

@@ -1048,7 +1048,7 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     rp_device_guard guard;
     rp_scan_launch_plan *plans = NULL;
     rp_scan_args base;
-    size_t limit = RP_SCAN_SMEM_DEFAULT, need = 0;
+    size_t limit = RP_SCAN_SMEM_DEFAULT;
     int nplans = 0, mode, k, rc;
 
     rc = rp_scan_check(j, c, g, levels, work, err);
@@ -1108,11 +1108,15 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     for (k = levels - 1; k >= 0; k--)
         rp_scan_plan_down(&base, k, k == 0 ? mode : RP_SCAN_PROD, limit, &plans[nplans++]);
 
+    /* A plan past the default fits `limit`, which is then the device's opt-in
+     * maximum; the cap is set to that, not to the plan's own need: the cap
+     * belongs to the kernel on the device, which scans of other dims share,
+     * and one of them on another thread (the GIL released) lowering it to its
+     * need between this call's setting and launch would fail the launch. */
     for (k = 0; k < nplans; k++) {
-        need = plans[k].smem;
-        if (need > RP_SCAN_SMEM_DEFAULT) {
+        if (plans[k].smem > RP_SCAN_SMEM_DEFAULT) {
             cudaError_t e = cudaFuncSetAttribute(plans[k].fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)need);
+                                                 (int)limit);
             if (e != cudaSuccess) {
                 free(plans);
                 return rp_cuda_error(e, "rp_cuda_scan", err);

@@ -4054,6 +4054,70 @@ def test_non_capturable_update_in_a_cuda_graph_capture_is_refused_but_sgds(name:
         assert calls[0][4:] == (False, 1234, 0)
 
 
+class _FakeCurrentDevice:
+    """Stands in for torch.cuda's current device on a CPU-only machine:
+    torch.cuda.device(d) as a context that makes d current (counting how
+    often one is entered) and torch.cuda.current_device()."""
+
+    def __init__(self, monkeypatch, index: int) -> None:
+        self.index, self.switches = index, 0
+        fake = self
+
+        class Device:
+            def __init__(self, device) -> None:
+                self.target = torch.device(device).index
+
+            def __enter__(self) -> None:
+                fake.switches += 1
+                self.previous, fake.index = fake.index, self.target
+
+            def __exit__(self, *exc) -> None:
+                fake.index = self.previous
+
+        monkeypatch.setattr(torch.cuda, "device", Device)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: fake.index)
+
+
+@pytest.mark.parametrize("current", [0, 1])
+def test_cuda_update_launches_with_the_params_device_current(current: int, monkeypatch) -> None:
+    """The device contract of the CUDA launch, checked on the host (nothing
+    runs on a GPU here): plans of params on cuda:1 taking their CUDA branch
+    (CPU params, _cuda faked) call the binding with cuda:1 current, also
+    where cuda:0 is, and on PyTorch's default stream (handle 0), which tells
+    the launcher no device: its kernels run on the current device, so
+    launched with cuda:0 current they updated cuda:1's memory from cuda:0
+    (an illegal address, or, with peer access, racing cuda:1's stream).
+    Afterwards the caller's device is current again; no switch where cuda:1
+    was current already."""
+    fake, launched_on = _FakeCuda(), []
+    devices = _FakeCurrentDevice(monkeypatch, current)
+
+    def optim_step(*args) -> None:
+        launched_on.append(devices.index)
+        _FakeCuda.optim_step(fake, *args)
+
+    monkeypatch.setattr(rp, "_cuda", SimpleNamespace(optim_step=optim_step))
+    monkeypatch.setattr(rp._tensors, "current_stream_handle", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    init = rp._Plan.__init__
+
+    def on_cuda1(plan, *args) -> None:
+        init(plan, *args)
+        plan.on_cpu, plan.device = False, torch.device("cuda", 1)
+
+    monkeypatch.setattr(rp._Plan, "__init__", on_cuda1)
+    params = [nn.Parameter(torch.ones(4, 3)), nn.Parameter(torch.ones(5))]
+    opt = rp.Adam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    opt.step()
+    assert launched_on == [1, 1]
+    assert [call[5] for call in fake.calls] == [0, 0]
+    assert devices.index == current
+    assert devices.switches == (2 if current == 0 else 0)
+
+
 GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)
 GPU_SHAPES = [(300, 1000), (70_003,), (16,), (16,), (), (0,)] + _many_small_shapes(400, seed=17)
 

@@ -5,6 +5,7 @@ with errors that name the argument and say what was expected.
 """
 from __future__ import annotations
 
+import contextlib
 import decimal
 import functools
 import inspect
@@ -319,6 +320,16 @@ def new_table(rows: int) -> np.ndarray:
 def current_stream_handle(device: torch.device) -> int:
     """The cudaStream_t of PyTorch's current stream on `device`, as an integer."""
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def on_device(device: torch.device):
+    """A context in which CUDA `device` is current, for a launch on it: the
+    kernels run on the current device, and PyTorch's default stream, handle
+    0, carries none for the launchers to switch to (rp_device_guard). No
+    switch where `device` is current already (always, on one GPU)."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def _is_real_scalar(value) -> bool:

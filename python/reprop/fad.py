@@ -33,7 +33,6 @@ which is not kept: it raises a RuntimeError.
 from __future__ import annotations
 
 import collections.abc
-import contextlib
 import functools
 import inspect
 import itertools
@@ -136,16 +135,9 @@ def _launch_forward(act: _Act, x: torch.Tensor, y: torch.Tensor, d: torch.Tensor
         _C.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store, d_ptr,
                        n, torch.get_num_threads())
     else:
-        with _on_device(x.device):
+        with _tensors.on_device(x.device):
             _cuda.fad_forward(act.code, act.p0, act.p1, dtype, x.data_ptr(), y.data_ptr(), d_store,
                               d_ptr, n, _tensors.current_stream_handle(x.device))
-
-
-def _on_device(device: torch.device):
-    """Makes `device` current for a launch; the kernels use the current device."""
-    if device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
 
 
 def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace: bool
@@ -205,7 +197,7 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
         _C.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(), n,
                               torch.get_num_threads())
     else:
-        with _on_device(grad.device):
+        with _tensors.on_device(grad.device):
             _cuda.fad_backward_code8(dtype, grad.data_ptr(), codes.data_ptr(), cb, out.data_ptr(),
                                      n, _tensors.current_stream_handle(grad.device))
     return out

@@ -520,8 +520,9 @@ class _Plan:
     def _run_cuda(self, opt, group, hp) -> None:
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
-        _cuda.optim_step(opt._kind, self.dtype_code, self.step_table, hp, self.capturable, stream,
-                         lr_ptr)
+        with _tensors.on_device(self.device):
+            _cuda.optim_step(opt._kind, self.dtype_code, self.step_table, hp, self.capturable,
+                             stream, lr_ptr)
 
 
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
