@@ -1189,15 +1189,46 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
 
+def _window_starts(out: int, s: int, p: int, d: int) -> list[int]:
+    """Where torch's max_pool2d starts each of the `out` windows along one
+    axis (its CPU and CUDA kernels alike): at the window's first tap at or
+    past 0, stepping by the dilation from o * s - p (Python's % takes that
+    step from a negative start). torch refuses a padding past half the
+    dilated kernel, so the start is always one of the window's taps."""
+    return [o * s - p if o * s >= p else (o * s - p) % d for o in range(out)]
+
+
+def _pool_starts(geom: tuple) -> tuple[tuple[int, list[int]], tuple[int, list[int]]]:
+    """(input size, window starts) of the rows and of the columns of a
+    pooling geometry (_pool_geometry's)."""
+    _, h, w, _, ho, wo, _, _, sh, sw, ph, pw, dh, dw, _ = geom
+    return (h, _window_starts(ho, sh, ph, dh)), (w, _window_starts(wo, sw, pw, dw))
+
+
 def _padding_windows(geom: tuple) -> bool:
-    """Whether a pooling window of the geometry (_pool_geometry's) lies
-    entirely in the padding (possible with dilation > 1): torch outputs -inf
-    there and sends its gradient to an input its kernel picks outside the
-    window, which no Jacobian pattern of the window holds."""
-    _, h, w, _, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, _ = geom
-    return any(all(not 0 <= o * s - p + t * d < size for t in range(k))
-               for size, out, k, s, p, d in ((h, ho, kh, sh, ph, dh), (w, wo, kw, sw, pw, dw))
-               for o in range(out))
+    """Whether a pooling window of the geometry lies entirely in the padding
+    (possible with dilation > 1), its start past the input along an axis:
+    torch outputs -inf there and records the index of its start (start_h * W
+    + start_w), outside the window, where its backward sends the window's
+    gradient and no Jacobian pattern of the window has an entry."""
+    return any(max(starts) >= size for size, starts in _pool_starts(geom))
+
+
+def _check_pool_indices(geom: tuple, name: str) -> None:
+    """ValueError if torch's max_pool2d records, for a window lying in the
+    padding, an index past the input plane (start_h * W + start_w; a window
+    with an input records its maximum's, in the plane): torch's own CPU
+    backward adds the window's gradient there, into another channel's input
+    or past the tensor's memory (heap corruption), so no backward of the
+    chain, torch's layer by layer included, can take the layer."""
+    (h, rows), (w, cols) = _pool_starts(geom)
+    index = max(rows) * w + max(cols)  # the largest index any window records
+    if index >= h * w:
+        raise ValueError(f"{name}: MaxPool2d has a window lying entirely in the padding, for which "
+                         f"torch's max_pool2d records input index {index}, past the {h}x{w} input "
+                         "plane: torch's own backward (on the CPU) adds that window's gradient "
+                         "there, into another channel's input or past the tensor's memory. Change "
+                         "the padding, dilation or input size")
 
 
 def _layer_list(layers) -> list:
@@ -1358,6 +1389,7 @@ class _Leaf:
             self.indptr, self.indices, self.wmap = _C.jacobian("conv2d", geom)
         elif kind is nn.MaxPool2d:
             geom, self.out_shape = _pool_geometry(layer, in_shape, name)
+            _check_pool_indices(geom, name)  # before any backward can run torch's
             self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
             self.torch_only = _padding_windows(geom)
         elif kind is nn.Linear:
