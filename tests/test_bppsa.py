@@ -1554,6 +1554,30 @@ def test_chain_plan_refuses_layers_changed_since_the_plan(change):
     assert "build a new ChainPlan" in str(info.value)
 
 
+@pytest.mark.parametrize("change", ["pool return_indices", "pool return_indices, Linear after",
+                                    "conv padding"])
+def test_chain_backward_checks_layers_changed_since_the_plan_before_its_forward(change):
+    """chain_backward with a plan checks the layers before its forward runs
+    them, raising what the plan's check says: the old code ran the changed
+    layers first, into torch's errors (ones_like or Flatten of MaxPool2d's
+    (output, indices) tuple) or grad_output's shape, an argument never
+    passed."""
+    torch.manual_seed(3)
+    pool, conv = nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1)
+    layers = {"pool return_indices": [pool],
+              "pool return_indices, Linear after": [pool, nn.Flatten(), nn.Linear(8, 3)],
+              "conv padding": [conv]}[change]
+    plan = bppsa.ChainPlan(layers, (2, 4, 4))
+    if change == "conv padding":
+        conv.padding = (0, 0)
+        message = r"^layers\[0\]: Conv2d's settings changed since the ChainPlan was built"
+    else:
+        pool.return_indices = True
+        message = r"^layers\[0\]: MaxPool2d\(return_indices=True\) is not supported in a chain"
+    with pytest.raises(ValueError, match=message):
+        bppsa.chain_backward(layers, torch.randn(2, 2, 4, 4), plan=plan)
+
+
 def test_chain_plan_takes_settings_rewritten_in_an_equivalent_form():
     """An int written where the plan saw a pair (or a pair for an int, an
     empty pooling stride for the kernel size) is the same setting: the
