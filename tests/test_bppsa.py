@@ -1554,6 +1554,30 @@ def test_chain_plan_refuses_layers_changed_since_the_plan(change):
     assert "build a new ChainPlan" in str(info.value)
 
 
+@pytest.mark.parametrize("change", ["pool return_indices", "pool return_indices, Linear after",
+                                    "conv padding"])
+def test_chain_backward_checks_layers_changed_since_the_plan_before_its_forward(change):
+    """chain_backward with a plan checks the layers before its forward runs
+    them, raising what the plan's check says: the old code ran the changed
+    layers first, into torch's errors (ones_like or Flatten of MaxPool2d's
+    (output, indices) tuple) or grad_output's shape, an argument never
+    passed."""
+    torch.manual_seed(3)
+    pool, conv = nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1)
+    layers = {"pool return_indices": [pool],
+              "pool return_indices, Linear after": [pool, nn.Flatten(), nn.Linear(8, 3)],
+              "conv padding": [conv]}[change]
+    plan = bppsa.ChainPlan(layers, (2, 4, 4))
+    if change == "conv padding":
+        conv.padding = (0, 0)
+        message = r"^layers\[0\]: Conv2d's settings changed since the ChainPlan was built"
+    else:
+        pool.return_indices = True
+        message = r"^layers\[0\]: MaxPool2d\(return_indices=True\) is not supported in a chain"
+    with pytest.raises(ValueError, match=message):
+        bppsa.chain_backward(layers, torch.randn(2, 2, 4, 4), plan=plan)
+
+
 def test_chain_plan_takes_settings_rewritten_in_an_equivalent_form():
     """An int written where the plan saw a pair (or a pair for an int, an
     empty pooling stride for the kernel size) is the same setting: the
@@ -2766,6 +2790,35 @@ def test_chain_pool_window_in_the_padding_is_torch_backward():
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="^layer: MaxPool2d has a window lying entirely in the padding"):
         bppsa.transposed_jacobian(pool, torch.randn(2, 5, 1))
+
+
+@pytest.mark.parametrize("pool, shape, index", [
+    (nn.MaxPool2d(2, stride=1, padding=1, dilation=3), (1, 2, 2), 6),  # its one window: start (2, 2)
+    # rows in the plane, columns all padding: the last row's window records 2 * 2 + 2
+    (nn.MaxPool2d((1, 2), stride=1, padding=(0, 1), dilation=(1, 3)), (3, 3, 2), 6),
+], ids=["both axes", "columns"])
+def test_chain_refuses_pool_whose_padding_window_index_leaves_the_plane(pool, shape, index):
+    """A MaxPool2d window lying entirely in the padding for which torch's
+    max_pool2d records an index past the input plane (its start, start_h * W
+    + start_w): torch's own CPU backward writes that window's gradient
+    outside the input (heap corruption), so the chain's torch backward for
+    padding windows cannot take it. Refused when the plan is built, before
+    any backward runs, naming the layer; the old code built the plan and
+    its chain_backward aborted the process."""
+    torch.manual_seed(0)
+    x = torch.randn(2, *shape)
+    _, idx = nn.functional.max_pool2d(x, pool.kernel_size, pool.stride, pool.padding, pool.dilation,
+                                      return_indices=True)
+    assert idx.max().item() == index  # the index the error reports: torch's own
+    message = rf"^layers\[1\]: MaxPool2d has a window lying entirely in the padding, for which " \
+              rf"torch's max_pool2d records input index {index}, past the {shape[1]}x{shape[2]} input plane"
+    layers = [nn.Tanh(), pool]
+    with pytest.raises(ValueError, match=message):
+        bppsa.ChainPlan(layers, shape)
+    with pytest.raises(ValueError, match=message):
+        bppsa.chain_backward(layers, x)
+    with pytest.raises(ValueError, match="^layer: MaxPool2d has a window lying entirely in the padding"):
+        bppsa.transposed_jacobian(pool, x[0])
 
 
 @pytest.mark.parametrize("layers, shape, error, message", [

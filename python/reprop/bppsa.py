@@ -1189,15 +1189,46 @@ def _pool_geometry(layer: nn.MaxPool2d, shape: tuple, name: str) -> tuple[tuple,
     return (c, h, w, c, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, 1), (c, ho, wo)
 
 
+def _window_starts(out: int, s: int, p: int, d: int) -> list[int]:
+    """Where torch's max_pool2d starts each of the `out` windows along one
+    axis (its CPU and CUDA kernels alike): at the window's first tap at or
+    past 0, stepping by the dilation from o * s - p (Python's % takes that
+    step from a negative start). torch refuses a padding past half the
+    dilated kernel, so the start is always one of the window's taps."""
+    return [o * s - p if o * s >= p else (o * s - p) % d for o in range(out)]
+
+
+def _pool_starts(geom: tuple) -> tuple[tuple[int, list[int]], tuple[int, list[int]]]:
+    """(input size, window starts) of the rows and of the columns of a
+    pooling geometry (_pool_geometry's)."""
+    _, h, w, _, ho, wo, _, _, sh, sw, ph, pw, dh, dw, _ = geom
+    return (h, _window_starts(ho, sh, ph, dh)), (w, _window_starts(wo, sw, pw, dw))
+
+
 def _padding_windows(geom: tuple) -> bool:
-    """Whether a pooling window of the geometry (_pool_geometry's) lies
-    entirely in the padding (possible with dilation > 1): torch outputs -inf
-    there and sends its gradient to an input its kernel picks outside the
-    window, which no Jacobian pattern of the window holds."""
-    _, h, w, _, ho, wo, kh, kw, sh, sw, ph, pw, dh, dw, _ = geom
-    return any(all(not 0 <= o * s - p + t * d < size for t in range(k))
-               for size, out, k, s, p, d in ((h, ho, kh, sh, ph, dh), (w, wo, kw, sw, pw, dw))
-               for o in range(out))
+    """Whether a pooling window of the geometry lies entirely in the padding
+    (possible with dilation > 1), its start past the input along an axis:
+    torch outputs -inf there and records the index of its start (start_h * W
+    + start_w), outside the window, where its backward sends the window's
+    gradient and no Jacobian pattern of the window has an entry."""
+    return any(max(starts) >= size for size, starts in _pool_starts(geom))
+
+
+def _check_pool_indices(geom: tuple, name: str) -> None:
+    """ValueError if torch's max_pool2d records, for a window lying in the
+    padding, an index past the input plane (start_h * W + start_w; a window
+    with an input records its maximum's, in the plane): torch's own CPU
+    backward adds the window's gradient there, into another channel's input
+    or past the tensor's memory (heap corruption), so no backward of the
+    chain, torch's layer by layer included, can take the layer."""
+    (h, rows), (w, cols) = _pool_starts(geom)
+    index = max(rows) * w + max(cols)  # the largest index any window records
+    if index >= h * w:
+        raise ValueError(f"{name}: MaxPool2d has a window lying entirely in the padding, for which "
+                         f"torch's max_pool2d records input index {index}, past the {h}x{w} input "
+                         "plane: torch's own backward (on the CPU) adds that window's gradient "
+                         "there, into another channel's input or past the tensor's memory. Change "
+                         "the padding, dilation or input size")
 
 
 def _layer_list(layers) -> list:
@@ -1246,6 +1277,12 @@ def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None 
     read (spectral_norm's in training mode runs a power iteration, which
     advances its state). `weight`: the one the layer's forward read, kept
     by ChainPlan.forward_inputs, checked instead of reading it again."""
+    return _chain_weight(layer, _check_chain_module(layer, name), name, weight)
+
+
+def _check_chain_module(layer: nn.Module, name: str) -> type:
+    """_check_chain_layer's checks but the weight's, which read nothing a
+    forward computes; returns the layer's chain class."""
     kind = _chain_class(layer)
     if kind not in _CHAIN_CLASSES:
         base = next((base for base in _CHAIN_CLASSES if issubclass(kind, base)), None)
@@ -1255,6 +1292,19 @@ def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None 
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
     _check_hooks(layer, name)
+    if kind is nn.MaxPool2d and layer.return_indices:
+        raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
+    if kind is nn.Flatten and (layer.start_dim, layer.end_dim) != (1, -1):
+        raise ValueError(f"{name}: only Flatten(start_dim=1, end_dim=-1) is supported (each "
+                         f"sample to one vector); got start_dim={layer.start_dim}, "
+                         f"end_dim={layer.end_dim}")
+    return kind
+
+
+def _chain_weight(layer: nn.Module, kind: type, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The weight of a layer of chain class `kind` as _check_chain_layer
+    returns it (`weight` if given, else read now), refused if the chain
+    cannot take it."""
     # the weight as read, not _parameters' entry: a parametrized one (none
     # there) computed from what functional_call swapped in is a transform's
     # tensor or a dual as well
@@ -1262,12 +1312,6 @@ def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None 
         weight = layer.weight
     if torch_only_weight(weight):
         _refuse_torch_only(f"{name}.weight")
-    if kind is nn.MaxPool2d and layer.return_indices:
-        raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
-    if kind is nn.Flatten and (layer.start_dim, layer.end_dim) != (1, -1):
-        raise ValueError(f"{name}: only Flatten(start_dim=1, end_dim=-1) is supported (each "
-                         f"sample to one vector); got start_dim={layer.start_dim}, "
-                         f"end_dim={layer.end_dim}")
     return weight
 
 
@@ -1358,6 +1402,7 @@ class _Leaf:
             self.indptr, self.indices, self.wmap = _C.jacobian("conv2d", geom)
         elif kind is nn.MaxPool2d:
             geom, self.out_shape = _pool_geometry(layer, in_shape, name)
+            _check_pool_indices(geom, name)  # before any backward can run torch's
             self.indptr, self.indices, self.omap, self.pmap = _C.jacobian("maxpool2d", geom)
             self.torch_only = _padding_windows(geom)
         elif kind is nn.Linear:
@@ -1536,7 +1581,7 @@ class _SharedWeights:
 
     def write(self, shared: torch.Tensor, now: dict) -> None:
         """The weights as they are now, `now` (each leaf's, as
-        _check_chain_layer read it), into shared; ValueError if one the
+        ChainPlan._checked_weights read it), into shared; ValueError if one the
         patterns dropped as zero is not zero any more. Under torch.no_grad,
         as _Leaf.write_values."""
         if not self.order:
@@ -1864,6 +1909,13 @@ class ChainPlan:
         Where one is not finite, all are those of each layer's own torch
         backward (autograd's infs and NaNs, see README), as they always are
         with a MaxPool2d window in the padding (_padding_windows)."""
+        self._check_modules()
+        return self._backward(inputs, grad_output)
+
+    def _backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+        """backward of layers checked already: by backward, or by
+        chain_backward before its forward (the plan's build or
+        _check_modules), so once a call."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
         _check_chain_tensor(grad_output, "grad_output")
@@ -1877,7 +1929,7 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
-        weights = self._check_layers(self._forward_weights(inputs))
+        weights = self._checked_weights(self._forward_weights(inputs))
         if self.product == "cusparse" and device.type != "cuda":
             raise ValueError(f"grad_output: product='cusparse' runs on CUDA tensors only, got {device}; "
                              "use product='reprop' there")
@@ -1908,19 +1960,22 @@ class ChainPlan:
         # where torch selects (0 * inf = NaN, torch's 0).
         return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
 
-    def _check_layers(self, kept: dict) -> dict:
-        """Every layer checked again (hooks, torch's global ones too, or a
-        subclass swapped in since the plan, settings changed); returns each leaf's weight, the forward's
-        (`kept`, see _forward_weights) or else as the check read it, for
-        _SharedWeights.write."""
+    def _check_modules(self) -> None:
+        """Every layer checked again but for its weight (hooks, torch's global
+        ones too, or a subclass swapped in since the plan, settings changed),
+        before anything runs them: a forward of a changed layer gives
+        torch's errors or a wrong shape, not the reason."""
         _check_global_hooks("layers")
-        weights = {}
         for i, (layer, leaf) in enumerate(self.steps):
-            weight = _check_chain_layer(layer, f"layers[{i}]", kept.get(leaf))
+            _check_chain_module(layer, f"layers[{i}]")
             if leaf is not None:
                 leaf.check_unchanged()
-                weights[leaf] = weight
-        return weights
+
+    def _checked_weights(self, kept: dict) -> dict:
+        """Each leaf's weight, the forward's (`kept`, see _forward_weights) or
+        else read now, checked, for _SharedWeights.write."""
+        return {leaf: _chain_weight(leaf.layer, leaf.kind, leaf.name, kept.get(leaf))
+                for leaf in self.leaves}
 
     def _gradients(self, B: int, seq: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
         """Every layer input's gradient out of the scan's buffer, each
@@ -1939,7 +1994,7 @@ class ChainPlan:
     def _peer_gradients(self, B: int, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
                         weights: dict) -> list[torch.Tensor] | None:
         """backward()'s gradients by the cuSPARSE peer (CUDA), with the
-        weights _check_layers read, None if one is not finite. Its buffers
+        weights _checked_weights read, None if one is not finite. Its buffers
         and cuSPARSE's plans are made at the first backward of each batch
         size on each device, then reused."""
         device = grad_output.device
@@ -1954,7 +2009,7 @@ class ChainPlan:
     def _torch_backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
                         weights: dict) -> list[torch.Tensor]:
         """backward()'s result by each Jacobian layer's own torch backward at
-        its input, with the weights _check_layers gave, last layer first (the
+        its input, with the weights _checked_weights gave, last layer first (the
         linear scan, as autograd runs it)."""
         grads, grad = [], grad_output.detach()
         for leaf, x in zip(reversed(self.leaves), reversed(inputs)):
@@ -2020,13 +2075,15 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     elif tuple(x.shape[1:]) != plan.input_shape:
         raise ValueError(f"x: expected samples of shape {plan.input_shape} (the plan's), "
                          f"got {tuple(x.shape[1:])}")
+    plan._check_modules()  # what changed since the plan, before the forward runs it
     return _forward_backward(plan, x, grad_output, {})
 
 
 def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tensor | None,
                       reads: dict) -> list[torch.Tensor]:
-    """chain_backward's run of its checked plan over x; `reads`: the
-    parametrized weights read for this forward already (see _build)."""
+    """chain_backward's run of its checked plan over x, whose layers passed
+    its build or _check_modules; `reads`: the parametrized weights read for
+    this forward already (see _build)."""
     with torch.no_grad():
         inputs, out = plan._forward_inputs(x, reads)
     if grad_output is None:
@@ -2034,7 +2091,7 @@ def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tenso
     elif isinstance(grad_output, torch.Tensor) and grad_output.shape[:1] != x.shape[:1]:
         raise ValueError(f"grad_output: expected {x.shape[0]} samples like x, got shape "
                          f"{tuple(grad_output.shape)}")
-    return plan.backward(inputs, grad_output)
+    return plan._backward(inputs, grad_output)
 
 
 def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
