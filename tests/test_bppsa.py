@@ -1555,22 +1555,30 @@ def test_chain_plan_refuses_layers_changed_since_the_plan(change):
 
 
 @pytest.mark.parametrize("change", ["pool return_indices", "pool return_indices, Linear after",
-                                    "conv padding"])
+                                    "conv padding", "linear weight", "conv weight"])
 def test_chain_backward_checks_layers_changed_since_the_plan_before_its_forward(change):
-    """chain_backward with a plan checks the layers before its forward runs
-    them, raising what the plan's check says: the old code ran the changed
-    layers first, into torch's errors (ones_like or Flatten of MaxPool2d's
-    (output, indices) tuple) or grad_output's shape, an argument never
-    passed."""
+    """chain_backward with a plan checks the layers, and the shape of a
+    weight read as it lies, before its forward runs them, raising what the
+    plan's check says: the old code ran the changed layers first, into
+    torch's errors (ones_like or Flatten of MaxPool2d's (output, indices)
+    tuple, a conv weight of another kernel shape: mat1 and mat2 shapes) or
+    grad_output's shape, an argument never passed."""
     torch.manual_seed(3)
-    pool, conv = nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1)
+    pool, conv, lin = nn.MaxPool2d(2), nn.Conv2d(2, 2, 3, padding=1), nn.Linear(32, 6)
     layers = {"pool return_indices": [pool],
               "pool return_indices, Linear after": [pool, nn.Flatten(), nn.Linear(8, 3)],
-              "conv padding": [conv]}[change]
+              "conv padding": [conv], "conv weight": [conv],
+              "linear weight": [nn.Flatten(), lin, nn.Tanh()]}[change]
     plan = bppsa.ChainPlan(layers, (2, 4, 4))
     if change == "conv padding":
         conv.padding = (0, 0)
         message = r"^layers\[0\]: Conv2d's settings changed since the ChainPlan was built"
+    elif change == "conv weight":  # as many weights, another kernel shape
+        conv.weight = nn.Parameter(conv.weight.detach().reshape(2, 2, 9, 1))
+        message = r"^layers\[0\]: Conv2d's weight has shape \(2, 2, 9, 1\), the ChainPlan"
+    elif change == "linear weight":
+        lin.weight, lin.bias = nn.Parameter(torch.randn(3, 32)), nn.Parameter(torch.randn(3))
+        message = r"^layers\[1\]: Linear's weight has shape \(3, 32\), the ChainPlan"
     else:
         pool.return_indices = True
         message = r"^layers\[0\]: MaxPool2d\(return_indices=True\) is not supported in a chain"

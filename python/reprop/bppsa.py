@@ -1425,12 +1425,24 @@ class _Leaf:
         self._maps = {}
 
     def check_unchanged(self) -> None:
-        """ValueError if the layer's settings changed since the plan."""
+        """ValueError if the layer's settings, or the shape of a weight read
+        as it lies (not computed at its forward, which reading now would
+        run again: _SharedWeights.write checks that one), changed since the
+        plan."""
         now = _settings(self.layer, self.kind, self.name)
         if now != self.settings:
             raise ValueError(f"{self.name}: {self.kind.__name__}'s settings changed since the "
                              f"ChainPlan was built (was {self.settings}, now {now}); build a new "
                              "ChainPlan")
+        if self.shared and not _computed_weight(self.layer, self.kind):
+            self.check_weight_shape(self.layer.weight)
+
+    def check_weight_shape(self, weight: torch.Tensor) -> None:
+        """ValueError if `weight` (this shared leaf's) is not of the plan's shape."""
+        if weight.shape != self.weight_shape:
+            raise ValueError(f"{self.name}: {self.kind.__name__}'s weight has shape "
+                             f"{tuple(weight.shape)}, the ChainPlan was built for "
+                             f"{tuple(self.weight_shape)}; build a new ChainPlan")
 
     def _drop_zero_weights(self, zero_weights: np.ndarray) -> None:
         """The pattern without the entries of the zero weights (flat indices):
@@ -1588,10 +1600,7 @@ class _SharedWeights:
             return
         weights = [now[leaf] for leaf in self.order]
         for leaf, w in zip(self.order, weights):
-            if w.shape != leaf.weight_shape:
-                raise ValueError(f"{leaf.name}: {leaf.kind.__name__}'s weight has shape "
-                                 f"{tuple(w.shape)}, the ChainPlan was built for "
-                                 f"{tuple(leaf.weight_shape)}; build a new ChainPlan")
+            leaf.check_weight_shape(w)
         weights = [w.reshape(-1) for w in weights]
         flat = shared[self.start:self.stop]
         if all(w.dtype == flat.dtype for w in weights):
