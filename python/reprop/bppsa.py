@@ -46,8 +46,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       dispatch_mode_active, hook_owner, is_count, show_coming_writes,
-                       torch_only, torch_only_weight, transform_active)
+                       current_stream_handle, dispatch_mode_active, hook_owner, is_count,
+                       on_device, show_coming_writes, torch_only, torch_only_weight,
+                       transform_active)
 from .fusion import FusionHandle
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -391,8 +392,8 @@ def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> N
     work = torch.empty(floats, device=c.device) if floats else None
     args = (*leaves, c.data_ptr(), g.data_ptr(), levels, _pointer(work))
     if c.device.type == "cuda":
-        with torch.cuda.device(c.device):
-            _cuda.scan(*args, torch.cuda.current_stream(c.device).cuda_stream)
+        with on_device(c.device):
+            _cuda.scan(*args, current_stream_handle(c.device))
     else:
         _C.scan(*args, torch.get_num_threads())
 
@@ -1713,10 +1714,10 @@ class _CusparsePeer:
                          indices.data_ptr(), values[i].data_ptr(), strides[i]))
         mats += [(rows, cols, 0, a, b, shared, 0, 0, 0, 0)
                  for a, b, rows, cols, shared in sched["products"].tolist()]
-        with torch.cuda.device(device):
+        with on_device(device):
             self.chain = _cuda.cusparse_create(_cusparse_library(), np.array(mats, dtype=np.int64),
                                                sched["steps"], self.vectors.data_ptr(), B, sched["vectors"],
-                                               self.width, torch.cuda.current_stream(device).cuda_stream)
+                                               self.width, current_stream_handle(device))
 
     def load(self, plan: "ChainPlan", inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
              weights: dict) -> None:
@@ -1733,8 +1734,8 @@ class _CusparsePeer:
         self.g_out.copy_(grad_output.detach().reshape(grad_output.shape[0], -1))
 
     def run(self, device: torch.device) -> None:
-        with torch.cuda.device(device):
-            _cuda.cusparse_run(self.chain, torch.cuda.current_stream(device).cuda_stream)
+        with on_device(device):
+            _cuda.cusparse_run(self.chain, current_stream_handle(device))
 
 
 class ChainPlan:
@@ -1906,9 +1907,9 @@ class ChainPlan:
         if device.type == "cuda":
             if _cuda is None:
                 raise RuntimeError(f"grad_output: CUDA tensors, but {cuda_missing()}")
-            with torch.cuda.device(device):
+            with on_device(device):
                 _cuda.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), *self._rows_on(device),
-                              torch.cuda.current_stream(device).cuda_stream)
+                              current_stream_handle(device))
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
