@@ -1016,6 +1016,27 @@ def test_any_non_zero_found_inf_skips(name: str, found_inf: float) -> None:
     assert_runs_equal(Run(params, opt), before)
 
 
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_attributes_of_one_element_any_shape(name: str, shape: tuple) -> None:
+    """A grad_scale and found_inf of one element in any shape, as torch's
+    fused kernels take them: grad_scale of shape (1,) raised torch's
+    "scalar tensor expected to be 0 dim" from _foreach_div_."""
+    init, grads = make_params(AMP_SHAPES, seed=10), grad_sequence(AMP_SHAPES, 1)[0]
+    runs = []
+    for scale in (torch.tensor(4.0).reshape(shape), torch.tensor(4.0)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = reprop_cls(name)(params, **RICH[name])
+        for p, g in zip(params, grads):
+            p.grad = g * 4
+        opt.grad_scale, opt.found_inf = scale, torch.zeros(shape)
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_equal(runs[0], runs[1])
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
 @pytest.mark.parametrize("attr", ["grad_scale", "found_inf"])
 @pytest.mark.parametrize("value, error", [
     (2.0, TypeError),  # torch: AttributeError, a float has no .device

@@ -209,7 +209,7 @@ def _amp_tensor(value, name: str) -> torch.Tensor | None:
     if value.numel() != 1:
         raise ValueError(f"{name}: expected a one-element tensor, got one of shape "
                          f"{tuple(value.shape)}")
-    return value
+    return value.reshape(())  # (torch's fused kernels take shape (1,) too; _foreach_div_ 0-d only)
 
 
 def _unscale_grads(running: list, scale: torch.Tensor) -> None:
