@@ -1025,6 +1025,8 @@ BAD_MODULE_CALLS = {
     "integer hx": (lambda: (torch.randn(5, 3, 4), torch.zeros(1, 3, 6, dtype=torch.int64)), TypeError,
                    "hx: expected a real"),
     "integer input": (lambda: (torch.zeros(5, 3, 4, dtype=torch.int64),), TypeError, "input: expected a real"),
+    "float64 input": (lambda: (torch.randn(5, 3, 4, dtype=torch.float64),), TypeError,
+                      "input: the scan runs in float32; got float64"),
     "complex input": (lambda: (torch.randn(5, 3, 4, dtype=torch.complex64),), TypeError, "input: expected a real"),
     "integer packed": (lambda: (_packed(torch.zeros(5, 3, 4, dtype=torch.int64)),), TypeError,
                        "input: expected a real"),

@@ -770,7 +770,8 @@ class _HxTypeError(TypeError, RuntimeError):
 
 
 class _InputTypeError(TypeError, ValueError):
-    """input that is not real floating-point."""
+    """input of a dtype the module does not run: not real floating-point,
+    or float64 (nn raises ValueError for a dtype not its weights')."""
 
 
 class _ScanRNNBase:
@@ -822,8 +823,8 @@ class _ScanRNNBase:
         if input.dim() not in (2, 3):
             raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
         if input.dtype == torch.float64:
-            raise TypeError(f"input: {type(self).__name__} runs its scan in float32; got float64 "
-                            "(use torch.nn for double precision)")
+            raise _InputTypeError("input: the scan runs in float32; got float64 (use torch.nn for "
+                                  "double precision)")
         if weight_ih_l0.dtype != input.dtype and not autocast_enabled(input.device.type):
             raise ValueError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), got "
                              f"{input.dtype}; convert the input or the module")
