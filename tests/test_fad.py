@@ -961,6 +961,10 @@ def test_bad_input_raises_clearly():
         fad.GELU(saved_dtype="8bit")
     with pytest.raises(ValueError, match="uint8"):
         fad.enabled(compose=True, saved_dtype=torch.uint8)
+    for compose in ("False", 2, None):  # by their truth "False" and 2 turned chains on
+        with pytest.raises(ValueError, match="^compose: expected True or False"):
+            fad.enabled(compose=compose)
+    assert fad.enabled(compose=np.bool_(True)).compose is True
 
 
 # Parameters the kernels cannot take: torch computes with inf and NaN, and

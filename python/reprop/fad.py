@@ -1351,6 +1351,7 @@ class enabled(TorchFunctionMode):
 
     def __init__(self, compose: bool = False, saved_dtype=None):
         super().__init__()
+        compose = _tensors.check_flag(compose, "compose")  # "False" would turn chains on
         _check_saved_dtype(saved_dtype, "enabled")
         if compose and saved_dtype is torch.uint8:
             raise ValueError("enabled: saved_dtype=torch.uint8 (8-bit codes) needs an activation "
