@@ -14,7 +14,7 @@ reprop._cuda  kernels/*.cu compiled by nvcc (sm_80, sm_90, PTX) and linked with
               wheel's (nvidia/cu13, nvidia/cu12, nvidia/cusparse).
 
 Nothing links libtorch: torch is used from Python only, so one build serves
-every PyTorch >= 2.1.
+every PyTorch >= 2.8 (the oldest `import reprop` accepts).
 """
 import importlib.util
 import os

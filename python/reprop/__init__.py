@@ -3,10 +3,11 @@
 Importing reprop needs no GPU, driver or CUDA toolkit; CUDA code paths are
 chosen at run time by the tensors' device.
 """
-from ._native import cuda_available, cuda_built
+from ._native import cuda_available, cuda_built, cuda_error
 from . import bppsa, fad, fusion, ooo, optim
 from .fusion import fuse
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "bppsa", "cuda_available", "cuda_built", "fad", "fuse", "fusion", "ooo", "optim"]
+__all__ = ["__version__", "bppsa", "cuda_available", "cuda_built", "cuda_error", "fad", "fuse", "fusion",
+           "ooo", "optim"]
