@@ -1936,6 +1936,65 @@ def test_backward_mode_grad_set_to_none_by_a_grad_hook_is_skipped(
         assert torch.equal(a, b), _diff(a, b)
 
 
+_IDLE_X = [torch.randn(4, 3, generator=_gen(500 + i)) for i in range(6)]
+_MOMENTUM_OR_MOMENTS = {
+    "SGD": lambda params: rp.SGD(params, lr=0.1, momentum=0.9),
+    "Adam": lambda params: rp.Adam(params, lr=0.1),
+}
+
+
+def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Callable[[int], bool],
+                       remove_at: tuple[int, str] | None = None) -> tuple:
+    """Six steps of zero_grad(set_to_none=set_to_none(i)); forward; backward;
+    step() of two Linears, the second used in steps 0 and 3 only (no
+    gradient in the others: eager's step() moves it from zeros after
+    zero_grad(set_to_none=False), and not at all after set_to_none=True).
+    Eager (fuse_options None) or fused with them, and then removed at
+    `remove_at`: (step, "before_zero_grad" | "after_zero_grad" |
+    "after_forward" | "after_backward" | "after_step")."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 1)])
+    opt = _MOMENTUM_OR_MOMENTS[opt_name](model.parameters())
+    handle = None if fuse_options is None else reprop.fuse(model, opt, **fuse_options)
+
+    def remove_if_at(i: int, place: str) -> None:
+        if handle is not None and remove_at == (i, place):
+            handle.remove()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
+        for i, x in enumerate(_IDLE_X):
+            remove_if_at(i, "before_zero_grad")
+            opt.zero_grad(set_to_none=set_to_none(i))
+            remove_if_at(i, "after_zero_grad")
+            out = model[0](x)
+            if i in (0, 3):
+                out = model[1](out)
+            remove_if_at(i, "after_forward")
+            out.square().mean().backward()
+            remove_if_at(i, "after_backward")
+            opt.step()
+            remove_if_at(i, "after_step")
+    return model, opt
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_zero_grad_to_none_forgets_the_grads_it_freed(opt_name: str,
+                                                                    keep_grads: bool) -> None:
+    """zero_grad(set_to_none=True) in step 1, set_to_none=False in the
+    others: eager's .grad of the second layer is None from step 1 until its
+    next use in step 3, so its steps 1 and 2 leave it. Fusion counted it
+    among the params holding a gradient since their first update, and moved
+    it from zeros there (momentum, Adam's moments and step count)."""
+    def set_to_none(i: int) -> bool:
+        return i == 1
+
+    fused = {"mode": "backward", "keep_grads": keep_grads}
+    _assert_same_training(_second_layer_idle(opt_name, fused, set_to_none),
+                          _second_layer_idle(opt_name, None, set_to_none))
+
+
 
 def test_backward_mode_param_group_removed_and_added_again_updates_once() -> None:
     """A param group popped and added again after fuse(): its parameters got

@@ -1148,9 +1148,11 @@ class _BackwardFusion(FusionHandle):
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
         # After zero_grad(set_to_none=False) eager keeps a zero .grad for every param
-        # that ever had one, and step() moves it (momentum, weight decay): those params.
+        # that had one since its last zero_grad(set_to_none=True), and step() moves
+        # it (momentum, weight decay): those params (id -> param), updated by this
+        # fusion, which freed their gradients then (unless keep_grads).
         self._zeroed_not_freed = False
-        self._ever_updated: dict = {}
+        self._updated_since_freed: dict = {}
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
         # params of this backward's DDP buckets this rank gave no gradient: updated
         # at its end if another rank did
@@ -1194,7 +1196,8 @@ class _BackwardFusion(FusionHandle):
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
         # parameters removed from the optimizer are not held any more
-        self._ever_updated = {i: p for i, p in self._ever_updated.items() if i in self._params}
+        self._updated_since_freed = {i: p for i, p in self._updated_since_freed.items()
+                                     if i in self._params}
         # under DDP the bucket hook updates; a no_sync() backward calls no bucket
         # hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
@@ -1491,15 +1494,16 @@ class _BackwardFusion(FusionHandle):
         would from the gradients no update of this fusion applied yet: every
         fused param with an unapplied .grad (from earlier micro-batches of
         the window, set by hand, from before fuse()), and after
-        zero_grad(set_to_none=False) every param that ever had a gradient,
-        from the zeros eager would hold. Not those this window's step moved
-        already (updated since its last step, or before a forward or flush()
-        that finished it): eager's step() moves each once."""
+        zero_grad(set_to_none=False) every param that had a gradient since
+        the last zero_grad(set_to_none=True), from the zeros eager would
+        hold. Not those this window's step moved already (updated since its
+        last step, or before a forward or flush() that finished it): eager's
+        step() moves each once."""
         moved = self._updated | self._moved_before_step
         left = [p for i, p in self._params.items()
                 if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
-            zeroed = [p for i, p in self._ever_updated.items()
+            zeroed = [p for i, p in self._updated_since_freed.items()
                       if i not in moved and p.grad is None and i in self._params]
             for p in zeroed:
                 p.grad = torch.zeros_like(p)
@@ -1565,13 +1569,13 @@ class _BackwardFusion(FusionHandle):
         is refused, step() does not move it again), in this step (see
         _note_if_late) and as having had a gradient (after
         zero_grad(set_to_none=False), eager's step() moves it from zeros in
-        every later step that gives it none). Every path that
-        updates notes here: _update, and under DDP the bucket hook and the
-        end of backward."""
+        every later step that gives it none, until a
+        zero_grad(set_to_none=True)). Every path that updates notes here:
+        _update, and under DDP the bucket hook and the end of backward."""
         for p in params:
             self._updated.add(id(p))
             self._moved_in_step.add(id(p))
-            self._ever_updated[id(p)] = p
+            self._updated_since_freed[id(p)] = p
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
         """CUDA: the update runs on a side stream, ordered after the gradients
@@ -1739,6 +1743,8 @@ class _BackwardFusion(FusionHandle):
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
+        if set_to_none:  # eager holds no .grad now: no later zero_grad() leaves zeros
+            self._updated_since_freed.clear()
         if self._kept_edit_refused:  # (the user was told: eager's zero_grad() discards them)
             self._discard_kept(set_to_none)
         elif self._kept:  # applied already: freed by the next micro-batch or remove()
