@@ -1944,13 +1944,14 @@ _MOMENTUM_OR_MOMENTS = {
 
 
 def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Callable[[int], bool],
-                       remove_at: tuple[int, str] | None = None) -> tuple:
-    """Six steps of zero_grad(set_to_none=set_to_none(i)); forward; backward;
-    step() of two Linears, the second used in steps 0 and 3 only (no
-    gradient in the others: eager's step() moves it from zeros after
-    zero_grad(set_to_none=False), and not at all after set_to_none=True).
-    Eager (fuse_options None) or fused with them, and then removed at
-    `remove_at`: (step, "before_zero_grad" | "after_zero_grad" |
+                       remove_at: tuple[int, str] | None = None, every: int = 1) -> tuple:
+    """Six micro-batches of two Linears, the second used in micro-batches 0
+    and 3 only (no gradient in the others: eager's step() moves it from
+    zeros after zero_grad(set_to_none=False), and not at all after
+    set_to_none=True), stepping every `every`: zero_grad(set_to_none=
+    set_to_none(i)) at the start of a window, step() at its end. Eager
+    (fuse_options None) or fused with them, and then removed at
+    `remove_at`: (micro-batch, "before_zero_grad" | "after_zero_grad" |
     "after_forward" | "after_backward" | "after_step")."""
     torch.manual_seed(0)
     model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 1)])
@@ -1965,7 +1966,8 @@ def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Ca
         warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
         for i, x in enumerate(_IDLE_X):
             remove_if_at(i, "before_zero_grad")
-            opt.zero_grad(set_to_none=set_to_none(i))
+            if i % every == 0:
+                opt.zero_grad(set_to_none=set_to_none(i))
             remove_if_at(i, "after_zero_grad")
             out = model[0](x)
             if i in (0, 3):
@@ -1973,7 +1975,8 @@ def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Ca
             remove_if_at(i, "after_forward")
             out.square().mean().backward()
             remove_if_at(i, "after_backward")
-            opt.step()
+            if (i + 1) % every == 0:
+                opt.step()
             remove_if_at(i, "after_step")
     return model, opt
 
@@ -1993,6 +1996,82 @@ def test_backward_mode_zero_grad_to_none_forgets_the_grads_it_freed(opt_name: st
     fused = {"mode": "backward", "keep_grads": keep_grads}
     _assert_same_training(_second_layer_idle(opt_name, fused, set_to_none),
                           _second_layer_idle(opt_name, None, set_to_none))
+
+
+def _assert_same_grads(model: nn.Module, ref_model: nn.Module) -> None:
+    """The same .grad as eager's: None or not, values and layout."""
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        assert (p.grad is None) == (r.grad is None), f"{n}: .grad {p.grad} where eager's is {r.grad}"
+        if r.grad is not None:
+            assert torch.equal(p.grad, r.grad) and p.grad.stride() == r.grad.stride(), n
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("place", ["before_zero_grad", "after_zero_grad", "after_forward",
+                                   "after_backward", "after_step"])
+# micro-batch 2 of windows of one (the step after it gives the second layer
+# a gradient), micro-batch 4 of windows of two (the first of the last window)
+@pytest.mark.parametrize("every, at", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_remove_gives_back_the_zero_grads_eager_keeps(
+        opt_name: str, every: int, at: int, place: str, set_to_none: bool,
+        keep_grads: bool) -> None:
+    """remove() in the middle of training with zero_grad(set_to_none=False):
+    eager holds a zero .grad for the second layer in the steps that give it
+    no gradient, and moves it from there (momentum, Adam's moments and step
+    count). Backward mode freed it after its update (kept with keep_grads,
+    until the next training forward) and gave the zeros back in its own
+    steps only: after remove() its .grad was None, so the eager steps
+    skipped it. Parameters, state and gradients bitwise as eager's."""
+    def zeroing(i: int) -> bool:
+        return set_to_none
+
+    fused = {"mode": "backward", "keep_grads": keep_grads, "accumulation_steps": every}
+    got = _second_layer_idle(opt_name, fused, zeroing, (at, place), every)
+    ref = _second_layer_idle(opt_name, None, zeroing, every=every)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
+class _GappedChannelsLast(nn.Module):
+    """x * w, w a Parameter with gaps in memory whose strides look
+    channels_last: autograd lays its gradient out contiguous (its gradient
+    layout contract), where torch.zeros_like(w) would follow w's strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(2, 3, 4, 8).contiguous(memory_format=torch.channels_last)
+        self.w = nn.Parameter(base[..., ::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@pytest.mark.parametrize("given_by", ["step", "remove"])
+def test_backward_mode_zero_grads_laid_out_as_autograds(given_by: str) -> None:
+    """The zero gradient fusion gives a parameter no backward reached after
+    zero_grad(set_to_none=False), in its step() (kept, with keep_grads) or
+    at remove(), has the layout eager's zero_grad() keeps: autograd's,
+    contiguous for a parameter with gaps, not zeros_like's channels_last."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), _GappedChannelsLast()])
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=given_by == "step")
+    x = torch.randn(2, 3, 4, 4)
+    model[1](x).square().sum().backward()
+    eager_layout = torch.empty_like(x, memory_format=torch.contiguous_format).stride()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if given_by == "remove":
+            handle.remove()
+        model[0](torch.randn(4, 3)).sum().backward()
+        opt.step()
+    w = model[1].w
+    assert w.grad is not None and not w.grad.any() and w.grad.stride() == eager_layout
+    handle.remove()
 
 
 

@@ -630,6 +630,17 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         p.grad.zero_()
 
 
+def _zero_grad_for(p: torch.Tensor) -> torch.Tensor:
+    """The zero .grad eager holds for p after zero_grad(set_to_none=False),
+    where this fusion freed the gradient autograd made: zero_grad() zeroes
+    that one in place, keeping autograd's layout (its gradient layout
+    contract: p's strides where p is dense, else contiguous; zeros_like
+    alone would follow a channels_last-like p with gaps)."""
+    dense = _tensors.is_dense(p)
+    return torch.zeros_like(p, memory_format=torch.preserve_format if dense
+                            else torch.contiguous_format)
+
+
 def _complete(batch: tuple, ready: dict) -> list:
     """The params of `batch` (one module's) with a gradient this backward
     (their ids in `ready`) once every one of them that requires grad has
@@ -1239,6 +1250,24 @@ class _BackwardFusion(FusionHandle):
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
             self._discard_kept(True if self._kept_zeroed is None else self._kept_zeroed)
+        self._give_back_zeroed_grads()
+
+    def _give_back_zeroed_grads(self) -> None:
+        """After zero_grad(set_to_none=False) eager holds a zero .grad for
+        every param updated since the last zero_grad(set_to_none=True), and
+        each later eager step() moves it from those zeros when no backward
+        reaches it (momentum, weight decay, Adam's step); this fusion freed
+        them after their update, and only its own steps gave the zeros back
+        (_apply_unapplied): remove() gives them back for the steps after it.
+        Not to the params the window's step moved before its step() was
+        called (remove() between backward() and step()): that eager step()
+        would move them a second time."""
+        if not self._zeroed_not_freed:
+            return
+        moved = self._moved_by_window_step()
+        for i, p in self._updated_since_freed.items():
+            if p.grad is None and i not in moved:
+                p.grad = _zero_grad_for(p)
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1496,20 +1525,25 @@ class _BackwardFusion(FusionHandle):
         the window, set by hand, from before fuse()), and after
         zero_grad(set_to_none=False) every param that had a gradient since
         the last zero_grad(set_to_none=True), from the zeros eager would
-        hold. Not those this window's step moved already (updated since its
-        last step, or before a forward or flush() that finished it): eager's
-        step() moves each once."""
-        moved = self._updated | self._moved_before_step
+        hold. Not those this window's step moved already: eager's step()
+        moves each once."""
+        moved = self._moved_by_window_step()
         left = [p for i, p in self._params.items()
                 if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
             zeroed = [p for i, p in self._updated_since_freed.items()
                       if i not in moved and p.grad is None and i in self._params]
             for p in zeroed:
-                p.grad = torch.zeros_like(p)
+                p.grad = _zero_grad_for(p)
             left += zeroed
         if left:
             self._update(left, settings)
+
+    def _moved_by_window_step(self) -> set:
+        """Ids of the params the window's step moved already (updated since
+        its last step(), or before a forward or flush() that finished it),
+        which its step(), eager's too, must not move again."""
+        return self._updated | self._moved_before_step
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
