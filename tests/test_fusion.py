@@ -2634,6 +2634,32 @@ def test_non_optimizer_raises_type_error_naming_it(not_an_optimizer, mode: str) 
         reprop.fuse(SmallCNN(), not_an_optimizer, mode=mode)
 
 
+def _differentiable(name: str, where: str) -> Callable:
+    """torch.optim.`name` with differentiable=True in its defaults, or in
+    the first of two param groups."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, name)
+        if where == "defaults":
+            return cls(model.parameters(), lr=0.1, differentiable=True)
+        first, *rest = model.parameters()
+        return cls([{"params": [first], "differentiable": True}, {"params": rest}], lr=0.1)
+    return make
+
+
+@pytest.mark.parametrize("where", ["defaults", "one group"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_differentiable_torch_optimizer_refused_naming_the_argument(name: str, mode: str,
+                                                                    where: str) -> None:
+    """A torch optimizer with differentiable=True cannot be fused. The
+    refusal came from the reprop counterpart's group check, which names
+    neither fuse()'s `optimizer` nor fusion, and told the user to use the
+    very torch.optim class they passed."""
+    info = _refused(ValueError, f"^optimizer: torch.optim.{name} with differentiable=True "
+                                "cannot be fused", _differentiable(name, where), mode=mode)
+    assert "use torch.optim" not in str(info.value)
+
+
 def test_clip_grad_norm_in_backward_mode_raises() -> None:
     _refused(ValueError, "forward", lambda m: rp.SGD(m.parameters(), lr=0.1), mode="backward", clip_grad_norm=1.0)
 

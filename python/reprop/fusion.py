@@ -531,6 +531,7 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in _CONVERTIBLE)
         raise TypeError(f"optimizer: {type(optimizer).__name__} is not supported; use a "
                         f"reprop.optim optimizer or one of {names}")
+    _refuse_differentiable(optimizer)
     accepted = inspect.signature(ours._torch_class.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     for flag in ("foreach", "fused"):  # torch's own fast paths play no part
@@ -543,6 +544,18 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     for group in engine.param_groups:
         engine._check_group(group)
     return engine
+
+
+def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:
+    """differentiable=True (in any group) asks for steps autograd can go
+    through, which no fused update is. Refused here, naming the argument:
+    the reprop counterpart's own refusal would send the user to the very
+    torch.optim class they pass."""
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        raise ValueError(
+            f"optimizer: torch.optim.{type(optimizer).__name__} with differentiable=True cannot "
+            "be fused: its steps must be differentiable, and reprop's fused updates are not; "
+            "train it unfused, without reprop.fuse")
 
 
 def _direct_params(module: nn.Module, wanted: dict) -> list:
