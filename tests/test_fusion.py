@@ -1119,6 +1119,54 @@ def test_forward_mode_clip_grad_norm(name: str, clip: str, case: str) -> None:
     assert_results_equal(got, ref)
 
 
+def _two_optimizers_clipped(clip: str) -> tuple:
+    """An MLP whose first layer SGD steps and whose last two Adam steps, 6
+    steps clipped to 0.05 (below the gradient norms): `clip` "eager per
+    optimizer" and "eager global" are eager loops calling clip_grad_norm_
+    on each optimizer's parameters or on the model's; "fuse arg" fuses both
+    in forward mode with clip_grad_norm=0.05, "fuse user global" without,
+    calling clip_grad_norm_ on the model's parameters before the steps."""
+    model = _mlp()
+    opts = [rp.SGD(model[0].parameters(), lr=0.1, momentum=0.9),
+            rp.Adam(model[2:].parameters(), lr=0.01)]
+    if clip.startswith("fuse"):
+        handles = [reprop.fuse(model, o, mode="forward",
+                               clip_grad_norm=0.05 if clip == "fuse arg" else None) for o in opts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            for o in opts:
+                o.zero_grad()
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if clip == "eager per optimizer":
+                for o in opts:
+                    torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.05)
+            elif clip != "fuse arg":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            for o in opts:
+                o.step()
+    if clip.startswith("fuse"):
+        for h in handles:
+            h.remove()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_forward_mode_clip_grad_norm_of_two_optimizers_as_readme_says() -> None:
+    """What README says fuse(clip_grad_norm=) computes: the norm of its own
+    optimizer's gradients, so two optimizers fused over one model each clip
+    by their own (not the model's global norm: 0.006 apart here), and the
+    user's clip_grad_norm_ over the model's parameters before the steps is
+    the global clip."""
+    per_optimizer, global_ = (_two_optimizers_clipped(c) for c in ("eager per optimizer",
+                                                                   "eager global"))
+    assert any(not torch.equal(a, b) for a, b in zip(per_optimizer, global_))
+    for got, want in ((_two_optimizers_clipped("fuse arg"), per_optimizer),
+                      (_two_optimizers_clipped("fuse user global"), global_)):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), _diff(a, b)
+
+
 @pytest.mark.parametrize("case", ["cnn", "branchy"])
 @pytest.mark.parametrize("clip", [False, True], ids=["plain", "unscale-clip"])
 @pytest.mark.parametrize("name", OPT_NAMES)

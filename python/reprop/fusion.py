@@ -273,9 +273,13 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             do not count. A count (an int or a NumPy int, not a bool). In
             forward mode the user loop decides when to call step(): refused
             there unless 1.
-        clip_grad_norm: forward mode: clip the global gradient norm to this
-            value when step() is called, as clip_grad_norm_ before step()
-            (but after the optimizer's step pre-hooks, inside step()). A real
+        clip_grad_norm: forward mode: clip the norm of `optimizer`'s
+            gradients to this value when step() is called, as
+            clip_grad_norm_ of its parameters before step() (but after the
+            optimizer's step pre-hooks, inside step()): the model's global
+            norm only when `optimizer` holds all its parameters (with
+            several fused optimizers, call clip_grad_norm_ of the model's
+            parameters before their first step() instead). A real
             number > 0 (inf: no clipping), not a bool; a NumPy scalar or a
             one-element tensor is read once, here, as a float.
         keep_grads: backward mode: keep gradients after their update until the
