@@ -1119,6 +1119,54 @@ def test_forward_mode_clip_grad_norm(name: str, clip: str, case: str) -> None:
     assert_results_equal(got, ref)
 
 
+def _two_optimizers_clipped(clip: str) -> tuple:
+    """An MLP whose first layer SGD steps and whose last two Adam steps, 6
+    steps clipped to 0.05 (below the gradient norms): `clip` "eager per
+    optimizer" and "eager global" are eager loops calling clip_grad_norm_
+    on each optimizer's parameters or on the model's; "fuse arg" fuses both
+    in forward mode with clip_grad_norm=0.05, "fuse user global" without,
+    calling clip_grad_norm_ on the model's parameters before the steps."""
+    model = _mlp()
+    opts = [rp.SGD(model[0].parameters(), lr=0.1, momentum=0.9),
+            rp.Adam(model[2:].parameters(), lr=0.01)]
+    if clip.startswith("fuse"):
+        handles = [reprop.fuse(model, o, mode="forward",
+                               clip_grad_norm=0.05 if clip == "fuse arg" else None) for o in opts]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i in range(6):
+            for o in opts:
+                o.zero_grad()
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if clip == "eager per optimizer":
+                for o in opts:
+                    torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.05)
+            elif clip != "fuse arg":
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            for o in opts:
+                o.step()
+    if clip.startswith("fuse"):
+        for h in handles:
+            h.remove()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_forward_mode_clip_grad_norm_of_two_optimizers_as_readme_says() -> None:
+    """What README says fuse(clip_grad_norm=) computes: the norm of its own
+    optimizer's gradients, so two optimizers fused over one model each clip
+    by their own (not the model's global norm: 0.006 apart here), and the
+    user's clip_grad_norm_ over the model's parameters before the steps is
+    the global clip."""
+    per_optimizer, global_ = (_two_optimizers_clipped(c) for c in ("eager per optimizer",
+                                                                   "eager global"))
+    assert any(not torch.equal(a, b) for a, b in zip(per_optimizer, global_))
+    for got, want in ((_two_optimizers_clipped("fuse arg"), per_optimizer),
+                      (_two_optimizers_clipped("fuse user global"), global_)):
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), _diff(a, b)
+
+
 @pytest.mark.parametrize("case", ["cnn", "branchy"])
 @pytest.mark.parametrize("clip", [False, True], ids=["plain", "unscale-clip"])
 @pytest.mark.parametrize("name", OPT_NAMES)
@@ -1936,6 +1984,144 @@ def test_backward_mode_grad_set_to_none_by_a_grad_hook_is_skipped(
         assert torch.equal(a, b), _diff(a, b)
 
 
+_IDLE_X = [torch.randn(4, 3, generator=_gen(500 + i)) for i in range(6)]
+_MOMENTUM_OR_MOMENTS = {
+    "SGD": lambda params: rp.SGD(params, lr=0.1, momentum=0.9),
+    "Adam": lambda params: rp.Adam(params, lr=0.1),
+}
+
+
+def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Callable[[int], bool],
+                       remove_at: tuple[int, str] | None = None, every: int = 1) -> tuple:
+    """Six micro-batches of two Linears, the second used in micro-batches 0
+    and 3 only (no gradient in the others: eager's step() moves it from
+    zeros after zero_grad(set_to_none=False), and not at all after
+    set_to_none=True), stepping every `every`: zero_grad(set_to_none=
+    set_to_none(i)) at the start of a window, step() at its end. Eager
+    (fuse_options None) or fused with them, and then removed at
+    `remove_at`: (micro-batch, "before_zero_grad" | "after_zero_grad" |
+    "after_forward" | "after_backward" | "after_step")."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 1)])
+    opt = _MOMENTUM_OR_MOMENTS[opt_name](model.parameters())
+    handle = None if fuse_options is None else reprop.fuse(model, opt, **fuse_options)
+
+    def remove_if_at(i: int, place: str) -> None:
+        if handle is not None and remove_at == (i, place):
+            handle.remove()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
+        for i, x in enumerate(_IDLE_X):
+            remove_if_at(i, "before_zero_grad")
+            if i % every == 0:
+                opt.zero_grad(set_to_none=set_to_none(i))
+            remove_if_at(i, "after_zero_grad")
+            out = model[0](x)
+            if i in (0, 3):
+                out = model[1](out)
+            remove_if_at(i, "after_forward")
+            out.square().mean().backward()
+            remove_if_at(i, "after_backward")
+            if (i + 1) % every == 0:
+                opt.step()
+            remove_if_at(i, "after_step")
+    return model, opt
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_zero_grad_to_none_forgets_the_grads_it_freed(opt_name: str,
+                                                                    keep_grads: bool) -> None:
+    """zero_grad(set_to_none=True) in step 1, set_to_none=False in the
+    others: eager's .grad of the second layer is None from step 1 until its
+    next use in step 3, so its steps 1 and 2 leave it. Fusion counted it
+    among the params holding a gradient since their first update, and moved
+    it from zeros there (momentum, Adam's moments and step count)."""
+    def set_to_none(i: int) -> bool:
+        return i == 1
+
+    fused = {"mode": "backward", "keep_grads": keep_grads}
+    _assert_same_training(_second_layer_idle(opt_name, fused, set_to_none),
+                          _second_layer_idle(opt_name, None, set_to_none))
+
+
+def _assert_same_grads(model: nn.Module, ref_model: nn.Module) -> None:
+    """The same .grad as eager's: None or not, values and layout."""
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        assert (p.grad is None) == (r.grad is None), f"{n}: .grad {p.grad} where eager's is {r.grad}"
+        if r.grad is not None:
+            assert torch.equal(p.grad, r.grad) and p.grad.stride() == r.grad.stride(), n
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("place", ["before_zero_grad", "after_zero_grad", "after_forward",
+                                   "after_backward", "after_step"])
+# micro-batch 2 of windows of one (the step after it gives the second layer
+# a gradient), micro-batch 4 of windows of two (the first of the last window)
+@pytest.mark.parametrize("every, at", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_remove_gives_back_the_zero_grads_eager_keeps(
+        opt_name: str, every: int, at: int, place: str, set_to_none: bool,
+        keep_grads: bool) -> None:
+    """remove() in the middle of training with zero_grad(set_to_none=False):
+    eager holds a zero .grad for the second layer in the steps that give it
+    no gradient, and moves it from there (momentum, Adam's moments and step
+    count). Backward mode freed it after its update (kept with keep_grads,
+    until the next training forward) and gave the zeros back in its own
+    steps only: after remove() its .grad was None, so the eager steps
+    skipped it. Parameters, state and gradients bitwise as eager's."""
+    def zeroing(i: int) -> bool:
+        return set_to_none
+
+    fused = {"mode": "backward", "keep_grads": keep_grads, "accumulation_steps": every}
+    got = _second_layer_idle(opt_name, fused, zeroing, (at, place), every)
+    ref = _second_layer_idle(opt_name, None, zeroing, every=every)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
+class _GappedChannelsLast(nn.Module):
+    """x * w, w a Parameter with gaps in memory whose strides look
+    channels_last: autograd lays its gradient out contiguous (its gradient
+    layout contract), where torch.zeros_like(w) would follow w's strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        base = torch.randn(2, 3, 4, 8).contiguous(memory_format=torch.channels_last)
+        self.w = nn.Parameter(base[..., ::2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.w
+
+
+@pytest.mark.parametrize("given_by", ["step", "remove"])
+def test_backward_mode_zero_grads_laid_out_as_autograds(given_by: str) -> None:
+    """The zero gradient fusion gives a parameter no backward reached after
+    zero_grad(set_to_none=False), in its step() (kept, with keep_grads) or
+    at remove(), has the layout eager's zero_grad() keeps: autograd's,
+    contiguous for a parameter with gaps, not zeros_like's channels_last."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), _GappedChannelsLast()])
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=given_by == "step")
+    x = torch.randn(2, 3, 4, 4)
+    model[1](x).square().sum().backward()
+    eager_layout = torch.empty_like(x, memory_format=torch.contiguous_format).stride()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if given_by == "remove":
+            handle.remove()
+        model[0](torch.randn(4, 3)).sum().backward()
+        opt.step()
+    w = model[1].w
+    assert w.grad is not None and not w.grad.any() and w.grad.stride() == eager_layout
+    handle.remove()
+
+
 
 def test_backward_mode_param_group_removed_and_added_again_updates_once() -> None:
     """A param group popped and added again after fuse(): its parameters got
@@ -2494,6 +2680,32 @@ def test_non_optimizer_raises_type_error_naming_it(not_an_optimizer, mode: str) 
     reference to it, which TypeError'd on None and str)."""
     with pytest.raises(TypeError, match=f"^optimizer: {type(not_an_optimizer).__name__} is not supported"):
         reprop.fuse(SmallCNN(), not_an_optimizer, mode=mode)
+
+
+def _differentiable(name: str, where: str) -> Callable:
+    """torch.optim.`name` with differentiable=True in its defaults, or in
+    the first of two param groups."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        cls = getattr(torch.optim, name)
+        if where == "defaults":
+            return cls(model.parameters(), lr=0.1, differentiable=True)
+        first, *rest = model.parameters()
+        return cls([{"params": [first], "differentiable": True}, {"params": rest}], lr=0.1)
+    return make
+
+
+@pytest.mark.parametrize("where", ["defaults", "one group"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_differentiable_torch_optimizer_refused_naming_the_argument(name: str, mode: str,
+                                                                    where: str) -> None:
+    """A torch optimizer with differentiable=True cannot be fused. The
+    refusal came from the reprop counterpart's group check, which names
+    neither fuse()'s `optimizer` nor fusion, and told the user to use the
+    very torch.optim class they passed."""
+    info = _refused(ValueError, f"^optimizer: torch.optim.{name} with differentiable=True "
+                                "cannot be fused", _differentiable(name, where), mode=mode)
+    assert "use torch.optim" not in str(info.value)
 
 
 def test_clip_grad_norm_in_backward_mode_raises() -> None:

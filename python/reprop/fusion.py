@@ -273,9 +273,13 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             do not count. A count (an int or a NumPy int, not a bool). In
             forward mode the user loop decides when to call step(): refused
             there unless 1.
-        clip_grad_norm: forward mode: clip the global gradient norm to this
-            value when step() is called, as clip_grad_norm_ before step()
-            (but after the optimizer's step pre-hooks, inside step()). A real
+        clip_grad_norm: forward mode: clip the norm of `optimizer`'s
+            gradients to this value when step() is called, as
+            clip_grad_norm_ of its parameters before step() (but after the
+            optimizer's step pre-hooks, inside step()): the model's global
+            norm only when `optimizer` holds all its parameters (with
+            several fused optimizers, call clip_grad_norm_ of the model's
+            parameters before their first step() instead). A real
             number > 0 (inf: no clipping), not a bool; a NumPy scalar or a
             one-element tensor is read once, here, as a float.
         keep_grads: backward mode: keep gradients after their update until the
@@ -531,6 +535,7 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in _CONVERTIBLE)
         raise TypeError(f"optimizer: {type(optimizer).__name__} is not supported; use a "
                         f"reprop.optim optimizer or one of {names}")
+    _refuse_differentiable(optimizer)
     accepted = inspect.signature(ours._torch_class.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     for flag in ("foreach", "fused"):  # torch's own fast paths play no part
@@ -543,6 +548,18 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     for group in engine.param_groups:
         engine._check_group(group)
     return engine
+
+
+def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:
+    """differentiable=True (in any group) asks for steps autograd can go
+    through, which no fused update is. Refused here, naming the argument:
+    the reprop counterpart's own refusal would send the user to the very
+    torch.optim class they pass."""
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        raise ValueError(
+            f"optimizer: torch.optim.{type(optimizer).__name__} with differentiable=True cannot "
+            "be fused: its steps must be differentiable, and reprop's fused updates are not; "
+            "train it unfused, without reprop.fuse")
 
 
 def _direct_params(module: nn.Module, wanted: dict) -> list:
@@ -628,6 +645,17 @@ def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
         else:
             p.grad.requires_grad_(False)
         p.grad.zero_()
+
+
+def _zero_grad_for(p: torch.Tensor) -> torch.Tensor:
+    """The zero .grad eager holds for p after zero_grad(set_to_none=False),
+    where this fusion freed the gradient autograd made: zero_grad() zeroes
+    that one in place, keeping autograd's layout (its gradient layout
+    contract: p's strides where p is dense, else contiguous; zeros_like
+    alone would follow a channels_last-like p with gaps)."""
+    dense = _tensors.is_dense(p)
+    return torch.zeros_like(p, memory_format=torch.preserve_format if dense
+                            else torch.contiguous_format)
 
 
 def _complete(batch: tuple, ready: dict) -> list:
@@ -1148,9 +1176,11 @@ class _BackwardFusion(FusionHandle):
         # updates its step() makes without a gradient there are still due.
         self._step_settings: dict | None = None
         # After zero_grad(set_to_none=False) eager keeps a zero .grad for every param
-        # that ever had one, and step() moves it (momentum, weight decay): those params.
+        # that had one since its last zero_grad(set_to_none=True), and step() moves
+        # it (momentum, weight decay): those params (id -> param), updated by this
+        # fusion, which freed their gradients then (unless keep_grads).
         self._zeroed_not_freed = False
-        self._ever_updated: dict = {}
+        self._updated_since_freed: dict = {}
         self._ddp_updated: list = []  # params updated from all-reduced DDP buckets this backward
         # params of this backward's DDP buckets this rank gave no gradient: updated
         # at its end if another rank did
@@ -1194,7 +1224,8 @@ class _BackwardFusion(FusionHandle):
         for p in self._params.values():
             self._batch_of.setdefault(id(p), (p,))
         # parameters removed from the optimizer are not held any more
-        self._ever_updated = {i: p for i, p in self._ever_updated.items() if i in self._params}
+        self._updated_since_freed = {i: p for i, p in self._updated_since_freed.items()
+                                     if i in self._params}
         # under DDP the bucket hook updates; a no_sync() backward calls no bucket
         # hook, yet ends a micro-batch
         on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
@@ -1236,6 +1267,24 @@ class _BackwardFusion(FusionHandle):
         # apply them a second time.
         if self._kept_zeroed is not None or self._kept_unstepped:
             self._discard_kept(True if self._kept_zeroed is None else self._kept_zeroed)
+        self._give_back_zeroed_grads()
+
+    def _give_back_zeroed_grads(self) -> None:
+        """After zero_grad(set_to_none=False) eager holds a zero .grad for
+        every param updated since the last zero_grad(set_to_none=True), and
+        each later eager step() moves it from those zeros when no backward
+        reaches it (momentum, weight decay, Adam's step); this fusion freed
+        them after their update, and only its own steps gave the zeros back
+        (_apply_unapplied): remove() gives them back for the steps after it.
+        Not to the params the window's step moved before its step() was
+        called (remove() between backward() and step()): that eager step()
+        would move them a second time."""
+        if not self._zeroed_not_freed:
+            return
+        moved = self._moved_by_window_step()
+        for i, p in self._updated_since_freed.items():
+            if p.grad is None and i not in moved:
+                p.grad = _zero_grad_for(p)
 
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
@@ -1491,21 +1540,27 @@ class _BackwardFusion(FusionHandle):
         would from the gradients no update of this fusion applied yet: every
         fused param with an unapplied .grad (from earlier micro-batches of
         the window, set by hand, from before fuse()), and after
-        zero_grad(set_to_none=False) every param that ever had a gradient,
-        from the zeros eager would hold. Not those this window's step moved
-        already (updated since its last step, or before a forward or flush()
-        that finished it): eager's step() moves each once."""
-        moved = self._updated | self._moved_before_step
+        zero_grad(set_to_none=False) every param that had a gradient since
+        the last zero_grad(set_to_none=True), from the zeros eager would
+        hold. Not those this window's step moved already: eager's step()
+        moves each once."""
+        moved = self._moved_by_window_step()
         left = [p for i, p in self._params.items()
                 if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
-            zeroed = [p for i, p in self._ever_updated.items()
+            zeroed = [p for i, p in self._updated_since_freed.items()
                       if i not in moved and p.grad is None and i in self._params]
             for p in zeroed:
-                p.grad = torch.zeros_like(p)
+                p.grad = _zero_grad_for(p)
             left += zeroed
         if left:
             self._update(left, settings)
+
+    def _moved_by_window_step(self) -> set:
+        """Ids of the params the window's step moved already (updated since
+        its last step(), or before a forward or flush() that finished it),
+        which its step(), eager's too, must not move again."""
+        return self._updated | self._moved_before_step
 
     def _after_ddp_backward(self) -> None:
         # DDP's own end-of-backward callback, queued after our first one, waits
@@ -1565,13 +1620,13 @@ class _BackwardFusion(FusionHandle):
         is refused, step() does not move it again), in this step (see
         _note_if_late) and as having had a gradient (after
         zero_grad(set_to_none=False), eager's step() moves it from zeros in
-        every later step that gives it none). Every path that
-        updates notes here: _update, and under DDP the bucket hook and the
-        end of backward."""
+        every later step that gives it none, until a
+        zero_grad(set_to_none=True)). Every path that updates notes here:
+        _update, and under DDP the bucket hook and the end of backward."""
         for p in params:
             self._updated.add(id(p))
             self._moved_in_step.add(id(p))
-            self._ever_updated[id(p)] = p
+            self._updated_since_freed[id(p)] = p
 
     def _update_on_side_stream(self, params: list, settings: dict | None) -> None:
         """CUDA: the update runs on a side stream, ordered after the gradients
@@ -1739,6 +1794,8 @@ class _BackwardFusion(FusionHandle):
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
+        if set_to_none:  # eager holds no .grad now: no later zero_grad() leaves zeros
+            self._updated_since_freed.clear()
         if self._kept_edit_refused:  # (the user was told: eager's zero_grad() discards them)
             self._discard_kept(set_to_none)
         elif self._kept:  # applied already: freed by the next micro-batch or remove()
