@@ -25,7 +25,9 @@ derivative is off by at most half a grid step (``codebook(...).max_error``).
 Native torch activations (F.gelu, F.silu, F.mish, F.softplus, F.elu, ...)
 already save one input-sized tensor, so for them the default storage saves the
 same bytes; the gains are in fewer bits and in composed activations, which
-save 2 to 4 tensors under plain autograd.
+save 2 to 4 tensors under plain autograd. Those that save their output (Sigmoid,
+Tanh, and in place ELU, CELU, SELU and LeakyReLU), which the next layer
+saves anyway, patch() and enabled() leave to torch.
 
 Double backward (``create_graph=True`` through an activation) needs f''(x),
 which is not kept: it raises a RuntimeError.
@@ -492,9 +494,10 @@ class _SavedDtypeMixin:
         return f"{base}, saved_dtype={self.saved_dtype}" if base else f"saved_dtype={self.saved_dtype}"
 
 
-def _module(torch_cls, call: Callable, doc: str):
+def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
-    same attributes, forward through `call(module, input)`."""
+    same attributes, forward through fn(input, *those attributes named in params),
+    or, on a module patch() swapped, torch's own forward where _left_to_torch."""
 
     def __init__(self, *args, saved_dtype=None, **kwargs):
         torch_cls.__init__(self, *args, **kwargs)
@@ -502,36 +505,32 @@ def _module(torch_cls, call: Callable, doc: str):
         self.saved_dtype = saved_dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return call(self, input)
+        args = (input, *(getattr(self, name) for name in params))
+        if _PATCHED in self.__dict__ and _left_to_torch(fn, args, {}):
+            return torch_cls.forward(self, input)
+        return fn(*args, saved_dtype=self.saved_dtype)
 
-    return type(torch_cls.__name__, (_SavedDtypeMixin, torch_cls),
+    name = torch_cls.__name__
+    return type(name, (_SavedDtypeMixin, torch_cls),
                 {"__init__": __init__, "forward": forward, "__module__": __name__,
-                 "__doc__": f"{doc} (torch.nn.{torch_cls.__name__} saving only f'(x); "
-                            "see reprop.fad)"})
+                 "__doc__": f"{name} (torch.nn.{name} saving only f'(x); see reprop.fad)"})
 
 
-GELU = _module(nn.GELU, lambda m, x: gelu(x, m.approximate, saved_dtype=m.saved_dtype), "GELU")
-SiLU = _module(nn.SiLU, lambda m, x: silu(x, m.inplace, saved_dtype=m.saved_dtype), "SiLU")
-Mish = _module(nn.Mish, lambda m, x: mish(x, m.inplace, saved_dtype=m.saved_dtype), "Mish")
-Softplus = _module(nn.Softplus, lambda m, x: softplus(x, m.beta, m.threshold,
-                                                      saved_dtype=m.saved_dtype), "Softplus")
-Sigmoid = _module(nn.Sigmoid, lambda m, x: sigmoid(x, saved_dtype=m.saved_dtype), "Sigmoid")
-Tanh = _module(nn.Tanh, lambda m, x: tanh(x, saved_dtype=m.saved_dtype), "Tanh")
-ELU = _module(nn.ELU, lambda m, x: elu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "ELU")
-CELU = _module(nn.CELU, lambda m, x: celu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "CELU")
-SELU = _module(nn.SELU, lambda m, x: selu(x, m.inplace, saved_dtype=m.saved_dtype), "SELU")
-LeakyReLU = _module(nn.LeakyReLU, lambda m, x: leaky_relu(x, m.negative_slope, m.inplace,
-                                                          saved_dtype=m.saved_dtype), "LeakyReLU")
-Hardswish = _module(nn.Hardswish, lambda m, x: hardswish(x, m.inplace, saved_dtype=m.saved_dtype),
-                    "Hardswish")
-Hardsigmoid = _module(nn.Hardsigmoid,
-                      lambda m, x: hardsigmoid(x, m.inplace, saved_dtype=m.saved_dtype),
-                      "Hardsigmoid")
-LogSigmoid = _module(nn.LogSigmoid, lambda m, x: logsigmoid(x, saved_dtype=m.saved_dtype),
-                     "LogSigmoid")
-Softsign = _module(nn.Softsign, lambda m, x: softsign(x, saved_dtype=m.saved_dtype), "Softsign")
-Tanhshrink = _module(nn.Tanhshrink, lambda m, x: tanhshrink(x, saved_dtype=m.saved_dtype),
-                     "Tanhshrink")
+GELU = _module(nn.GELU, gelu, ("approximate",))
+SiLU = _module(nn.SiLU, silu, ("inplace",))
+Mish = _module(nn.Mish, mish, ("inplace",))
+Softplus = _module(nn.Softplus, softplus, ("beta", "threshold"))
+Sigmoid = _module(nn.Sigmoid, sigmoid, ())
+Tanh = _module(nn.Tanh, tanh, ())
+ELU = _module(nn.ELU, elu, ("alpha", "inplace"))
+CELU = _module(nn.CELU, celu, ("alpha", "inplace"))
+SELU = _module(nn.SELU, selu, ("inplace",))
+LeakyReLU = _module(nn.LeakyReLU, leaky_relu, ("negative_slope", "inplace"))
+Hardswish = _module(nn.Hardswish, hardswish, ("inplace",))
+Hardsigmoid = _module(nn.Hardsigmoid, hardsigmoid, ("inplace",))
+LogSigmoid = _module(nn.LogSigmoid, logsigmoid, ())
+Softsign = _module(nn.Softsign, softsign, ())
+Tanhshrink = _module(nn.Tanhshrink, tanhshrink, ())
 
 _MODULES = {cls.__mro__[2]: cls for cls in (GELU, SiLU, Mish, Softplus, Sigmoid, Tanh, ELU, CELU,
                                              SELU, LeakyReLU, Hardswish, Hardsigmoid, LogSigmoid,
@@ -555,6 +554,40 @@ _OUTPUT_SAVED = (sigmoid, tanh)
 _REROUTED = {f: ours for f, ours in _FUNCTIONS.items() if ours not in _OUTPUT_SAVED}
 _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
                     if native not in (nn.Sigmoid, nn.Tanh)}
+# Likewise torch's in-place ELU, CELU, SELU and LeakyReLU (elu_, leaky_relu_)
+# save only their output, the storage the next layer saves: f'(x) would add
+# a tensor (16.9 MB against 32.9 for a Conv-ELU-Conv), so patch() and
+# enabled()'s rerouting hand such calls to torch. Not with a negative alpha
+# or slope, whose in-place backward torch refuses (it recovers f' from the
+# output, ambiguous then): FAD's, from x, trains there. Each with the
+# parameter that decides it (None: SELU's, fixed and positive).
+_OUTPUT_SAVED_IN_PLACE = {elu: "alpha", celu: "alpha", selu: None, leaky_relu: "negative_slope"}
+
+
+def _left_to_torch(ours, args, kwargs) -> bool:
+    """Whether a rerouted call ours(*args, **kwargs) (a patched module or
+    function attribute, enabled()) runs torch's op instead: an in-place one
+    of _OUTPUT_SAVED_IN_PLACE with a parameter torch takes in place."""
+    if ours not in _OUTPUT_SAVED_IN_PLACE:
+        return False
+    try:
+        bound = _signature(ours).bind(*args, **kwargs)
+    except TypeError:
+        return False  # ours raises its own error for the call
+    bound.apply_defaults()
+    param = _OUTPUT_SAVED_IN_PLACE[ours]
+    value = None if param is None else bound.arguments[param]
+    return bool(bound.arguments["inplace"]) and (
+        param is None or isinstance(value, numbers.Real) and value >= 0)
+
+
+def _reroute(ours, native, /, *args, saved_dtype=None, **kwargs):
+    """A call of torch's activation `native` rerouted to `ours` (patch()'s
+    function attributes, enabled()): ours, saving f'(x) as saved_dtype, or
+    native where _left_to_torch."""
+    if _left_to_torch(ours, args, kwargs):
+        return native(*args, **kwargs)
+    return ours(*args, **kwargs, saved_dtype=saved_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -586,7 +619,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     nn.TransformerEncoderLayer.activation = F.gelu) are rerouted. Each then
     saves only f'(x) for backward, stored as `saved_dtype`. nn.Sigmoid and
     nn.Tanh stay torch's: they save their output, which the next layer
-    usually saves too, so f'(x) would add a tensor. Subclasses of those
+    usually saves too, so f'(x) would add a tensor; so do in-place calls of
+    ELU, CELU, SELU and LeakyReLU (their in-place ops save only the output)
+    unless a negative alpha or slope makes torch refuse them (_left_to_torch). Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
     updates saved_dtype; a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
@@ -618,7 +653,7 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
         ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
-        installed = functools.partial(ours, saved_dtype=saved_dtype)
+        installed = functools.partial(_reroute, ours, original, saved_dtype=saved_dtype)
         rerouted[attr] = _Rerouted(original, installed)
         # the partial and its record in one dict update, which no interrupt
         # splits: an attribute holding a partial its record does not name is
@@ -1413,7 +1448,7 @@ class enabled(TorchFunctionMode):
                 self._leave_chains(args, kwargs)
         ours = _REROUTED.get(func)
         if ours is not None and args and _kernel_input(args[0]):
-            return ours(*args, **kwargs, saved_dtype=self.saved_dtype)
+            return _reroute(ours, func, *args, saved_dtype=self.saved_dtype, **kwargs)
         return func(*args, **kwargs)
 
     # ---- YN -----------------------------------------------------------------
