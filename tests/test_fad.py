@@ -1324,6 +1324,45 @@ def test_compose_reroutes_native_activations_and_modules():
         torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-3)
 
 
+KEYWORD_INPUT_CALLS = {
+    "gelu": (lambda h: F.gelu(input=h), lambda h: F.gelu(h)),
+    "softplus": (lambda h: F.softplus(input=h, beta=2.0), lambda h: F.softplus(h, beta=2.0)),
+    "logsigmoid": (lambda h: F.logsigmoid(input=h), lambda h: F.logsigmoid(h)),
+    "selu": (lambda h: torch.selu(input=h), lambda h: torch.selu(h)),
+    "celu": (lambda h: torch.celu(input=h, alpha=0.5), lambda h: torch.celu(h, alpha=0.5)),
+}
+
+
+@pytest.mark.parametrize("compose", [False, True], ids=["reroute", "compose"])
+@pytest.mark.parametrize("name", sorted(KEYWORD_INPUT_CALLS))
+def test_enabled_takes_an_input_passed_as_a_keyword(name, compose):
+    """F.gelu(input=h) is F.gelu(h): enabled() reroutes it (and compose=True
+    chains it) as it does the positional call. It ran torch's op, saving
+    h at float32, as neither looked for a keyword input."""
+    keyword, positional = KEYWORD_INPUT_CALLS[name]
+    x = torch.linspace(-4, 4, 60).reshape(6, 10)
+    grad = torch.linspace(-1, 1, 60).reshape(6, 10)
+
+    def run(call):
+        leaf = x.clone().requires_grad_()
+        h = leaf * 1.5
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                fad.enabled(compose=compose, saved_dtype=torch.bfloat16):
+            y = call(h)
+        return y, torch.autograd.grad(y, leaf, grad)[0], saved
+
+    y, g, saved = run(keyword)
+    y_ref, g_ref, saved_ref = run(positional)
+    assert saved == saved_ref and (torch.bfloat16, (6, 10)) in saved
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+
+
 BROKEN = {
     # two different sources
     "two_sources": lambda x, w: x * torch.sigmoid(w),

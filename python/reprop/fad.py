@@ -1440,6 +1440,7 @@ class enabled(TorchFunctionMode):
             # recompute runs outside enabled(), saving what torch's ops save,
             # so the recorded forward must be torch's ops too
             return func(*args, **kwargs)
+        args, kwargs = _input_first(args, kwargs)
         if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
@@ -1659,6 +1660,16 @@ def _result_dtype(operands) -> torch.dtype:
     """The dtype of the op's output, by torch's promotion (one operand: its own)."""
     values = [o.value for o in operands]
     return values[0].dtype if len(values) == 1 else torch.result_type(*values)
+
+
+def _input_first(args, kwargs):
+    """(args, kwargs) of a call with its input passed as a keyword
+    (F.gelu(input=h), torch.selu(input=h)) made its first argument, where
+    the rerouting and the chains look for it: the same call to torch."""
+    if args or "input" not in kwargs:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    return (kwargs.pop("input"),), kwargs
 
 
 def _tensors_in(args, kwargs):
