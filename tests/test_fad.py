@@ -1807,6 +1807,31 @@ def test_compiled_code_inside_enabled_equals_eager(compose, backend):
     assert inner(torch.ones(3)).tolist() == [5.0] * 3
 
 
+def test_compiled_patched_model_is_one_graph_of_torch_ops():
+    """Code torch.compile traces runs torch's ops in a patched model too, as
+    in enabled(): one graph, as for the unpatched model, computing torch's
+    values and gradients. Dynamo broke the graph in every activation (7
+    graphs, 6 breaks for Linear-GELU-Linear-SiLU-Linear), at the kernels'
+    checks and calls."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(),
+                        nn.Linear(16, 2))
+    model = copy.deepcopy(ref)
+    assert fad.patch(model, saved_dtype=torch.uint8)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="eager")(x)
+    out_ref = ref(x)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    grads_ref = torch.autograd.grad(out_ref.sum(), list(ref.parameters()))
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
+    torch._dynamo.reset()
+
+
 # Operands broadcast up to the root's shape continue a chain; an output
 # broadcast past it ends the chain (both ways _root_shaped decides).
 ROOT_SHAPED = {

@@ -291,7 +291,9 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
 
 
 def _for_torch(x) -> bool:
-    """Whether an activation hands x to torch's op: float64, complex,
+    """Whether an activation hands x to torch's op: any x in code that
+    torch.compile traces (dynamo cannot trace the kernels, and broke the
+    graph at each activation, as enabled() runs torch's ops there), float64, complex,
     integer or bool x (torch's result, promoted, or torch's own refusal),
     a non-strided layout (sparse, mkldnn: torch has kernels for some, ours
     walk dense memory; torch's refusal for the rest), what _torch_runs
@@ -299,6 +301,8 @@ def _for_torch(x) -> bool:
     FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
     whose class is not torch's, so torch's op records itself in the
     graph). Anything else must be a tensor the kernels take (_check_input)."""
+    if torch.compiler.is_compiling():
+        return True
     if not isinstance(x, torch.Tensor):
         return torch.overrides.is_tensor_like(x)
     return (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
