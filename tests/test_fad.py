@@ -1150,6 +1150,29 @@ def test_in_place_output_saving_activations_save_no_more_than_torch(name, saved_
     assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
 
 
+def _forward_set_on_instance(module: nn.Module) -> nn.Module:
+    """module with a forward set on the instance, as accelerate's
+    add_hook_to_module sets one (device_map="auto", offloading)."""
+    module._old_forward = module.forward
+    module.forward = functools.update_wrapper(
+        functools.partial(lambda mod, *a, **k: mod._old_forward(*a, **k), module), module._old_forward)
+    return module
+
+
+def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
+    """A forward set on the instance runs in place of the class's, so a swap
+    of the class changes nothing: patch() reported 'torch.nn.GELU ->
+    reprop.fad.GELU' while torch's GELU ran. It leaves such modules (one
+    warning naming them) and swaps the others."""
+    model = nn.Sequential(nn.Linear(4, 4), _forward_set_on_instance(nn.GELU()), nn.Linear(4, 4),
+                          _forward_set_on_instance(nn.SiLU()), nn.GELU())
+    with pytest.warns(UserWarning, match="forward set on the instance") as caught:
+        assert fad.patch(model, saved_dtype=torch.uint8) == {"4": "torch.nn.GELU -> reprop.fad.GELU"}
+    assert len(caught) == 1 and "'1', '3'" in str(caught[0].message)
+    assert type(model[1]) is nn.GELU and type(model[3]) is nn.SiLU and type(model[4]) is fad.GELU
+    assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
+
+
 def test_patch_keeps_hooks_and_updates_saved_dtype():
     act = nn.GELU()
     seen = []

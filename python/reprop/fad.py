@@ -41,6 +41,7 @@ import itertools
 import math
 import numbers
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -629,13 +630,18 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     classes are left alone: their forward may do more. Calling patch again
     updates saved_dtype; a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
-    unpatch leaves it too). Returns {qualified name: what changed}.
+    unpatch leaves it too). A torch activation module whose forward is
+    set on the instance (accelerate's hooks) is left, with a warning: that
+    forward runs in place of the class's. Returns {qualified name: what
+    changed}.
     """
     _check_saved_dtype(saved_dtype, "patch")
-    changed = {}
+    changed, forward_set = {}, []
     for name, module in model.named_modules():
         original = getattr(module, _PATCHED, type(module))
-        if original in _PATCHED_MODULES:
+        if original in _PATCHED_MODULES and _forward_on_instance(module, original):
+            forward_set.append(name)
+        elif original in _PATCHED_MODULES:
             if type(module) is original:
                 # recorded before the swap: a re-run after an interrupt between
                 # the two finds the class to restore (swapped first, it saw a
@@ -645,7 +651,21 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
+    if forward_set:
+        warnings.warn("reprop.fad.patch left these activation modules as torch's: "
+                      f"{', '.join(map(repr, forward_set))}: each has a forward set on the "
+                      "instance (as accelerate's add_hook_to_module sets one, calling torch's "
+                      "forward), which runs in place of the class's, so swapping the class "
+                      "would change nothing", stacklevel=2)
     return changed
+
+
+def _forward_on_instance(module: nn.Module, original: type) -> bool:
+    """Whether a torch activation module, not swapped yet, runs a forward set
+    on the instance: calls find it before the class's, so a swap of the
+    class would not change what runs (and patch() would report a swap that
+    did nothing)."""
+    return type(module) is original and "forward" in module.__dict__
 
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
