@@ -2497,6 +2497,17 @@ def test_script_of_a_patched_model_says_what_to_do():
     torch.jit.script(model)
 
 
+def test_script_of_a_model_built_with_reprop_modules_says_what_to_do():
+    """A model built with reprop.fad.GELU (not patched): unpatch() does
+    nothing for it, so the error says to use torch's module, not to unpatch."""
+    model = nn.Sequential(nn.Linear(4, 4), fad.GELU())
+    with pytest.raises(RuntimeError, match="reprop.fad.GELU .*cannot be scripted; use "
+                                           r"torch.nn.GELU in its place") as raised:
+        torch.jit.script(model)
+    assert "unpatch" not in str(raised.value)
+    assert fad.unpatch(model) == []
+
+
 def test_compose_leaves_tensor_subclasses_alone():
     p = nn.Parameter(torch.randn(8))
     with fad.enabled(compose=True):

@@ -487,10 +487,13 @@ class _SavedDtypeMixin:
         # torch.jit.script calls this first; without it, it fails compiling our
         # forward with "Expected a single top-level function". Swapping in
         # torch's class here would unpatch the caller's model in place.
-        raise RuntimeError(f"torch.jit.script: reprop.fad.{type(self).__name__} runs reprop's "
-                           "kernels from Python and cannot be scripted; call "
-                           "reprop.fad.unpatch(model) first, or use torch.jit.trace (which "
-                           "records torch's own ops)")
+        name = type(self).__name__
+        # unpatch() restores only the modules patch() swapped (their record)
+        instead = ("call reprop.fad.unpatch(model) first" if _PATCHED in self.__dict__
+                   else f"use torch.nn.{name} in its place")
+        raise RuntimeError(f"torch.jit.script: reprop.fad.{name} runs reprop's kernels from "
+                           f"Python and cannot be scripted; {instead}, or use torch.jit.trace "
+                           "(which records torch's own ops)")
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
