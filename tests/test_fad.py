@@ -1173,6 +1173,13 @@ def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
     assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
 
 
+@pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])
+def test_patch_of_what_is_no_module_raises_a_type_error_naming_model(fn):
+    """fad.patch(F.gelu) raised AttributeError: 'function' object has no attribute 'named_modules'."""
+    with pytest.raises(TypeError, match=rf"{fn.__name__}: model must be a torch.nn.Module, got builtin"):
+        fn(F.gelu)
+
+
 def test_patch_keeps_hooks_and_updates_saved_dtype():
     act = nn.GELU()
     seen = []

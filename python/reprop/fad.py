@@ -638,6 +638,7 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     forward runs in place of the class's. Returns {qualified name: what
     changed}.
     """
+    _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
     changed, forward_set = {}, []
     for name, module in model.named_modules():
@@ -661,6 +662,12 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
                       "forward), which runs in place of the class's, so swapping the class "
                       "would change nothing", stacklevel=2)
     return changed
+
+
+def _check_model(model, fname: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fname}: model must be a torch.nn.Module, got {type(model).__name__} "
+                        "(for a function, call reprop.fad's, e.g. fad.gelu, or use fad.enabled())")
 
 
 def _forward_on_instance(module: nn.Module, original: type) -> bool:
@@ -729,6 +736,7 @@ def unpatch(model: nn.Module) -> list[str]:
     """Undo patch(model): restore the torch classes, and the functions of
     attributes that still hold patch()'s partial (one the user set since is
     left). Returns the names restored."""
+    _check_model(model, "unpatch")
     restored = []
     for name, module in model.named_modules():
         original = module.__dict__.get(_PATCHED)
