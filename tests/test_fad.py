@@ -554,6 +554,24 @@ def test_codebook_rejects_unknown():
         fad.codebook("elu", 1.0, 2.0)
 
 
+@pytest.mark.parametrize("name,params,message", [
+    ("leaky_relu", (1e300,), "leaky_relu's negative_slope .* got 1e\\+300"),
+    ("elu", (float("nan"),), "elu's alpha .* got nan"),
+    ("softplus", (1.0, float("inf")), "softplus's threshold .* got inf"),
+    ("celu", (1e-45,), "celu's alpha .*1 / alpha.* got 1e-45"),
+    ("celu", (0.0,), "celu's alpha .*1 / alpha.* got 0.0"),
+])
+def test_codebook_refuses_parameters_the_functions_give_torch(name, params, message):
+    """Parameters reprop.fad's functions hand to torch's op (_kernel_act) have
+    no codebook: refused with the parameter's name and value as given. A
+    leaky_relu slope of 1e300 said "got inf" (float32's rounding), a NaN
+    alpha lacked "codebook:" and the name, and CELU's alpha 1e-45 (whose
+    1 / alpha float32 cannot hold) gave a codebook fad.celu never uses."""
+    with pytest.raises(ValueError, match="codebook: " + message):
+        fad.codebook(name, *params)
+    assert fad._kernel_act(name, *params) is None  # the functions run torch's op for them
+
+
 def test_codebook_defaults_are_the_functions():
     """codebook(name) describes what fad.<name>(x, saved_dtype=torch.uint8)
     stores at its default parameters (not at parameters of 0), and its

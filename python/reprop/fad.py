@@ -784,6 +784,8 @@ class Codebook:
 # Kinds whose derivative takes two values, 0 and v (csrc/fad.c, rp_fad_two_valued).
 _TWO_VALUED = ("leaky_relu", "hardsigmoid")
 _DEFAULT_PARAMS = {"softplus": (1.0, 20.0), "elu": (1.0,), "celu": (1.0,), "leaky_relu": (0.01,)}
+_PARAM_NAMES = {"softplus": ("beta", "threshold"), "elu": ("alpha",), "celu": ("alpha",),
+                "leaky_relu": ("negative_slope",)}
 
 
 def codebook(activation: str, *params: float) -> Codebook:
@@ -796,8 +798,7 @@ def codebook(activation: str, *params: float) -> Codebook:
     defaults = _DEFAULT_PARAMS.get(activation, ())
     if len(params) > len(defaults):
         raise ValueError(f"codebook: {activation} takes at most {len(defaults)} parameters, got {len(params)}")
-    params = tuple(map(float, params)) + defaults[len(params):]
-    act = _Act(activation, *params)
+    act = _codebook_act(activation, params + defaults[len(params):])
     _check_codable(act, torch.uint8, "codebook")
     raw = _codebook_bytes(act)
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
@@ -814,6 +815,19 @@ def codebook(activation: str, *params: float) -> Codebook:
         v = lo if lo < 0 else hi
         max_error = abs(values[zero + int(np.rint(v / step))] - v)
     return Codebook(values, float(lo), float(hi), float(step), float(max_error))
+
+
+def _codebook_act(activation: str, params: tuple) -> _Act:
+    """The _Act of `activation` with `params`, refusing, by the parameter's
+    name and value as given, those the functions hand to torch's op
+    (_kernel_act): they have no codebook (the kernels' own check saw the
+    float32-rounded value, without the name)."""
+    for name, p in zip(_PARAM_NAMES.get(activation, ()), params):
+        if _kernel_act(activation, p) is None:
+            extra = ", with 1 / alpha in it too (so not 0)" if activation == "celu" else ""
+            raise ValueError(f"codebook: {activation}'s {name} must be a finite number in "
+                             f"float32's range{extra}, got {p!r}")
+    return _kernel_act(activation, *params)
 
 
 # ---------------------------------------------------------------------------
