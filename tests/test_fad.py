@@ -554,6 +554,24 @@ def test_codebook_rejects_unknown():
         fad.codebook("elu", 1.0, 2.0)
 
 
+@pytest.mark.parametrize("name,params,message", [
+    ("leaky_relu", (1e300,), "leaky_relu's negative_slope .* got 1e\\+300"),
+    ("elu", (float("nan"),), "elu's alpha .* got nan"),
+    ("softplus", (1.0, float("inf")), "softplus's threshold .* got inf"),
+    ("celu", (1e-45,), "celu's alpha .*1 / alpha.* got 1e-45"),
+    ("celu", (0.0,), "celu's alpha .*1 / alpha.* got 0.0"),
+])
+def test_codebook_refuses_parameters_the_functions_give_torch(name, params, message):
+    """Parameters reprop.fad's functions hand to torch's op (_kernel_act) have
+    no codebook: refused with the parameter's name and value as given. A
+    leaky_relu slope of 1e300 said "got inf" (float32's rounding), a NaN
+    alpha lacked "codebook:" and the name, and CELU's alpha 1e-45 (whose
+    1 / alpha float32 cannot hold) gave a codebook fad.celu never uses."""
+    with pytest.raises(ValueError, match="codebook: " + message):
+        fad.codebook(name, *params)
+    assert fad._kernel_act(name, *params) is None  # the functions run torch's op for them
+
+
 def test_codebook_defaults_are_the_functions():
     """codebook(name) describes what fad.<name>(x, saved_dtype=torch.uint8)
     stores at its default parameters (not at parameters of 0), and its
@@ -1096,6 +1114,90 @@ def test_output_saving_activations_stay_torch_under_patch_and_enabled(native, ou
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
 
 
+class _ConvActConv(nn.Module):
+    """Conv, an in-place activation (a module, or a function attribute called
+    as fn(h, *params, inplace=True)), Conv."""
+
+    def __init__(self, act, *params):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1, self.conv2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.act, self.params = act, params
+
+    def forward(self, x):
+        h = self.conv1(x)
+        h = self.act(h) if isinstance(self.act, nn.Module) else self.act(h, *self.params, inplace=True)
+        return self.conv2(h)
+
+
+OUTPUT_SAVED_IN_PLACE = {
+    "ELU": (lambda: nn.ELU(0.5, inplace=True), (F.elu, 0.5)),
+    "CELU": (lambda: nn.CELU(0.5, inplace=True), (F.celu, 0.5)),
+    "SELU": (lambda: nn.SELU(inplace=True), (F.selu,)),
+    "LeakyReLU": (lambda: nn.LeakyReLU(0.2, inplace=True), (F.leaky_relu, 0.2)),
+}
+
+
+@pytest.mark.parametrize("how", ["patched", "attribute", "enabled"])
+@pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=["default", "uint8"])
+@pytest.mark.parametrize("name", sorted(OUTPUT_SAVED_IN_PLACE))
+def test_in_place_output_saving_activations_save_no_more_than_torch(name, saved_dtype, how):
+    """torch's in-place ELU, CELU, SELU and LeakyReLU save only their output,
+    the storage the next Conv saves anyway; FAD's f'(x) was a tensor more
+    (a Conv-ELU-Conv saved twice torch's bytes by default, 1.25 times as 8-bit
+    codes). patch() and enabled() leave those calls to torch: the same bytes,
+    the same gradients."""
+    make_module, (fn, *params) = OUTPUT_SAVED_IN_PLACE[name]
+    if how == "attribute":
+        ref, model = _ConvActConv(fn, *params), _ConvActConv(fn, *params)
+    else:
+        ref, model = _ConvActConv(make_module()), _ConvActConv(make_module())
+    mode = fad.enabled(saved_dtype=saved_dtype) if how == "enabled" else contextlib.nullcontext()
+    if how != "enabled":
+        assert fad.patch(model, saved_dtype=saved_dtype)
+    x = torch.randn(2, 3, 8, 8)
+
+    def run(m, mode=contextlib.nullcontext()):
+        with mode:
+            out = m(x)
+        return out, torch.autograd.grad(out.square().sum(), list(m.parameters()))
+
+    assert _saved_bytes(lambda: run(model, mode)) <= _saved_bytes(lambda: run(ref))
+    (out, grads), (out_ref, grads_ref) = run(model, mode), run(ref)
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
+
+
+def _forward_set_on_instance(module: nn.Module) -> nn.Module:
+    """module with a forward set on the instance, as accelerate's
+    add_hook_to_module sets one (device_map="auto", offloading)."""
+    module._old_forward = module.forward
+    module.forward = functools.update_wrapper(
+        functools.partial(lambda mod, *a, **k: mod._old_forward(*a, **k), module), module._old_forward)
+    return module
+
+
+def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
+    """A forward set on the instance runs in place of the class's, so a swap
+    of the class changes nothing: patch() reported 'torch.nn.GELU ->
+    reprop.fad.GELU' while torch's GELU ran. It leaves such modules (one
+    warning naming them) and swaps the others."""
+    model = nn.Sequential(nn.Linear(4, 4), _forward_set_on_instance(nn.GELU()), nn.Linear(4, 4),
+                          _forward_set_on_instance(nn.SiLU()), nn.GELU())
+    with pytest.warns(UserWarning, match="forward set on the instance") as caught:
+        assert fad.patch(model, saved_dtype=torch.uint8) == {"4": "torch.nn.GELU -> reprop.fad.GELU"}
+    assert len(caught) == 1 and "'1', '3'" in str(caught[0].message)
+    assert type(model[1]) is nn.GELU and type(model[3]) is nn.SiLU and type(model[4]) is fad.GELU
+    assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
+
+
+@pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])
+def test_patch_of_what_is_no_module_raises_a_type_error_naming_model(fn):
+    """fad.patch(F.gelu) raised AttributeError: 'function' object has no attribute 'named_modules'."""
+    with pytest.raises(TypeError, match=rf"{fn.__name__}: model must be a torch.nn.Module, got builtin"):
+        fn(F.gelu)
+
+
 def test_patch_keeps_hooks_and_updates_saved_dtype():
     act = nn.GELU()
     seen = []
@@ -1154,7 +1256,7 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     fad.patch(layer)
     layer.activation = F.silu
     assert fad.patch(layer) == {"activation": "silu -> reprop.fad.silu"}
-    assert layer.activation.func is fad.silu
+    assert layer.activation.args == (fad.silu, F.silu)
     assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
 
 
@@ -1166,8 +1268,9 @@ def test_a_model_patched_before_reroutes_were_recorded_unpatches():
     the reroute it wraps."""
     def saved_by_the_old_code():
         layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu")
-        fad.patch(layer)
-        layer.__dict__["_reprop_fad_functions"] = {"activation": F.gelu}  # the old record
+        # what the old code installed: its partial, and the bare original as the record
+        layer.activation = functools.partial(fad.gelu, saved_dtype=None)
+        layer.__dict__["_reprop_fad_functions"] = {"activation": F.gelu}
         buffer = io.BytesIO()
         torch.save(layer, buffer)
         buffer.seek(0)
@@ -1267,6 +1370,45 @@ def test_compose_reroutes_native_activations_and_modules():
         leaf_ref = x.clone().requires_grad_()
         (g_ref,) = torch.autograd.grad(model(leaf_ref), leaf_ref, grad)
         torch.testing.assert_close(g, g_ref, rtol=2e-2, atol=2e-3)
+
+
+KEYWORD_INPUT_CALLS = {
+    "gelu": (lambda h: F.gelu(input=h), lambda h: F.gelu(h)),
+    "softplus": (lambda h: F.softplus(input=h, beta=2.0), lambda h: F.softplus(h, beta=2.0)),
+    "logsigmoid": (lambda h: F.logsigmoid(input=h), lambda h: F.logsigmoid(h)),
+    "selu": (lambda h: torch.selu(input=h), lambda h: torch.selu(h)),
+    "celu": (lambda h: torch.celu(input=h, alpha=0.5), lambda h: torch.celu(h, alpha=0.5)),
+}
+
+
+@pytest.mark.parametrize("compose", [False, True], ids=["reroute", "compose"])
+@pytest.mark.parametrize("name", sorted(KEYWORD_INPUT_CALLS))
+def test_enabled_takes_an_input_passed_as_a_keyword(name, compose):
+    """F.gelu(input=h) is F.gelu(h): enabled() reroutes it (and compose=True
+    chains it) as it does the positional call. It ran torch's op, saving
+    h at float32, as neither looked for a keyword input."""
+    keyword, positional = KEYWORD_INPUT_CALLS[name]
+    x = torch.linspace(-4, 4, 60).reshape(6, 10)
+    grad = torch.linspace(-1, 1, 60).reshape(6, 10)
+
+    def run(call):
+        leaf = x.clone().requires_grad_()
+        h = leaf * 1.5
+        saved = []
+
+        def pack(t):
+            saved.append((t.dtype, tuple(t.shape)))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                fad.enabled(compose=compose, saved_dtype=torch.bfloat16):
+            y = call(h)
+        return y, torch.autograd.grad(y, leaf, grad)[0], saved
+
+    y, g, saved = run(keyword)
+    y_ref, g_ref, saved_ref = run(positional)
+    assert saved == saved_ref and (torch.bfloat16, (6, 10)) in saved
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
 
 
 BROKEN = {
@@ -1711,6 +1853,31 @@ def test_compiled_code_inside_enabled_equals_eager(compose, backend):
     torch._dynamo.reset()
     inner = torch.compile(plus_one_doubled_plus_one_inside_enabled, backend=backend)
     assert inner(torch.ones(3)).tolist() == [5.0] * 3
+
+
+def test_compiled_patched_model_is_one_graph_of_torch_ops():
+    """Code torch.compile traces runs torch's ops in a patched model too, as
+    in enabled(): one graph, as for the unpatched model, computing torch's
+    values and gradients. Dynamo broke the graph in every activation (7
+    graphs, 6 breaks for Linear-GELU-Linear-SiLU-Linear), at the kernels'
+    checks and calls."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.SiLU(),
+                        nn.Linear(16, 2))
+    model = copy.deepcopy(ref)
+    assert fad.patch(model, saved_dtype=torch.uint8)
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="eager")(x)
+    out_ref = ref(x)
+    grads = torch.autograd.grad(out.sum(), list(model.parameters()))
+    grads_ref = torch.autograd.grad(out_ref.sum(), list(ref.parameters()))
+    assert torch.equal(out, out_ref)
+    assert all(torch.equal(g, g_ref) for g, g_ref in zip(grads, grads_ref, strict=True))
+    torch._dynamo.reset()
 
 
 # Operands broadcast up to the root's shape continue a chain; an output
@@ -2355,6 +2522,17 @@ def test_script_of_a_patched_model_says_what_to_do():
     torch.jit.script(model)
 
 
+def test_script_of_a_model_built_with_reprop_modules_says_what_to_do():
+    """A model built with reprop.fad.GELU (not patched): unpatch() does
+    nothing for it, so the error says to use torch's module, not to unpatch."""
+    model = nn.Sequential(nn.Linear(4, 4), fad.GELU())
+    with pytest.raises(RuntimeError, match="reprop.fad.GELU .*cannot be scripted; use "
+                                           r"torch.nn.GELU in its place") as raised:
+        torch.jit.script(model)
+    assert "unpatch" not in str(raised.value)
+    assert fad.unpatch(model) == []
+
+
 def test_compose_leaves_tensor_subclasses_alone():
     p = nn.Parameter(torch.randn(8))
     with fad.enabled(compose=True):
@@ -2693,7 +2871,7 @@ def _assert_patched(model: nn.Module, ref: nn.Module, saved_dtype):
             assert type(m) is getattr(fad, type(r).__name__) and m.saved_dtype is saved_dtype
         for attr, value in vars(r).items():
             if value is F.silu or value is torch.celu:
-                assert vars(m)[attr].func is getattr(fad, value.__name__), attr
+                assert vars(m)[attr].args == (getattr(fad, value.__name__), value), attr
                 assert vars(m)[attr].keywords == {"saved_dtype": saved_dtype}, attr
 
 

@@ -25,7 +25,9 @@ derivative is off by at most half a grid step (``codebook(...).max_error``).
 Native torch activations (F.gelu, F.silu, F.mish, F.softplus, F.elu, ...)
 already save one input-sized tensor, so for them the default storage saves the
 same bytes; the gains are in fewer bits and in composed activations, which
-save 2 to 4 tensors under plain autograd.
+save 2 to 4 tensors under plain autograd. Those that save their output (Sigmoid,
+Tanh, and in place ELU, CELU, SELU and LeakyReLU), which the next layer
+saves anyway, patch() and enabled() leave to torch.
 
 Double backward (``create_graph=True`` through an activation) needs f''(x),
 which is not kept: it raises a RuntimeError.
@@ -39,6 +41,7 @@ import itertools
 import math
 import numbers
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -289,7 +292,9 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
 
 
 def _for_torch(x) -> bool:
-    """Whether an activation hands x to torch's op: float64, complex,
+    """Whether an activation hands x to torch's op: any x in code that
+    torch.compile traces (dynamo cannot trace the kernels, and broke the
+    graph at each activation, as enabled() runs torch's ops there), float64, complex,
     integer or bool x (torch's result, promoted, or torch's own refusal),
     a non-strided layout (sparse, mkldnn: torch has kernels for some, ours
     walk dense memory; torch's refusal for the rest), what _torch_runs
@@ -297,6 +302,8 @@ def _for_torch(x) -> bool:
     FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
     whose class is not torch's, so torch's op records itself in the
     graph). Anything else must be a tensor the kernels take (_check_input)."""
+    if torch.compiler.is_compiling():
+        return True
     if not isinstance(x, torch.Tensor):
         return torch.overrides.is_tensor_like(x)
     return (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
@@ -480,10 +487,13 @@ class _SavedDtypeMixin:
         # torch.jit.script calls this first; without it, it fails compiling our
         # forward with "Expected a single top-level function". Swapping in
         # torch's class here would unpatch the caller's model in place.
-        raise RuntimeError(f"torch.jit.script: reprop.fad.{type(self).__name__} runs reprop's "
-                           "kernels from Python and cannot be scripted; call "
-                           "reprop.fad.unpatch(model) first, or use torch.jit.trace (which "
-                           "records torch's own ops)")
+        name = type(self).__name__
+        # unpatch() restores only the modules patch() swapped (their record)
+        instead = ("call reprop.fad.unpatch(model) first" if _PATCHED in self.__dict__
+                   else f"use torch.nn.{name} in its place")
+        raise RuntimeError(f"torch.jit.script: reprop.fad.{name} runs reprop's kernels from "
+                           f"Python and cannot be scripted; {instead}, or use torch.jit.trace "
+                           "(which records torch's own ops)")
 
     def extra_repr(self) -> str:
         base = super().extra_repr()
@@ -492,9 +502,10 @@ class _SavedDtypeMixin:
         return f"{base}, saved_dtype={self.saved_dtype}" if base else f"saved_dtype={self.saved_dtype}"
 
 
-def _module(torch_cls, call: Callable, doc: str):
+def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
-    same attributes, forward through `call(module, input)`."""
+    same attributes, forward through fn(input, *those attributes named in params),
+    or, on a module patch() swapped, torch's own forward where _left_to_torch."""
 
     def __init__(self, *args, saved_dtype=None, **kwargs):
         torch_cls.__init__(self, *args, **kwargs)
@@ -502,36 +513,32 @@ def _module(torch_cls, call: Callable, doc: str):
         self.saved_dtype = saved_dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return call(self, input)
+        args = (input, *(getattr(self, name) for name in params))
+        if _PATCHED in self.__dict__ and _left_to_torch(fn, args, {}):
+            return torch_cls.forward(self, input)
+        return fn(*args, saved_dtype=self.saved_dtype)
 
-    return type(torch_cls.__name__, (_SavedDtypeMixin, torch_cls),
+    name = torch_cls.__name__
+    return type(name, (_SavedDtypeMixin, torch_cls),
                 {"__init__": __init__, "forward": forward, "__module__": __name__,
-                 "__doc__": f"{doc} (torch.nn.{torch_cls.__name__} saving only f'(x); "
-                            "see reprop.fad)"})
+                 "__doc__": f"{name} (torch.nn.{name} saving only f'(x); see reprop.fad)"})
 
 
-GELU = _module(nn.GELU, lambda m, x: gelu(x, m.approximate, saved_dtype=m.saved_dtype), "GELU")
-SiLU = _module(nn.SiLU, lambda m, x: silu(x, m.inplace, saved_dtype=m.saved_dtype), "SiLU")
-Mish = _module(nn.Mish, lambda m, x: mish(x, m.inplace, saved_dtype=m.saved_dtype), "Mish")
-Softplus = _module(nn.Softplus, lambda m, x: softplus(x, m.beta, m.threshold,
-                                                      saved_dtype=m.saved_dtype), "Softplus")
-Sigmoid = _module(nn.Sigmoid, lambda m, x: sigmoid(x, saved_dtype=m.saved_dtype), "Sigmoid")
-Tanh = _module(nn.Tanh, lambda m, x: tanh(x, saved_dtype=m.saved_dtype), "Tanh")
-ELU = _module(nn.ELU, lambda m, x: elu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "ELU")
-CELU = _module(nn.CELU, lambda m, x: celu(x, m.alpha, m.inplace, saved_dtype=m.saved_dtype), "CELU")
-SELU = _module(nn.SELU, lambda m, x: selu(x, m.inplace, saved_dtype=m.saved_dtype), "SELU")
-LeakyReLU = _module(nn.LeakyReLU, lambda m, x: leaky_relu(x, m.negative_slope, m.inplace,
-                                                          saved_dtype=m.saved_dtype), "LeakyReLU")
-Hardswish = _module(nn.Hardswish, lambda m, x: hardswish(x, m.inplace, saved_dtype=m.saved_dtype),
-                    "Hardswish")
-Hardsigmoid = _module(nn.Hardsigmoid,
-                      lambda m, x: hardsigmoid(x, m.inplace, saved_dtype=m.saved_dtype),
-                      "Hardsigmoid")
-LogSigmoid = _module(nn.LogSigmoid, lambda m, x: logsigmoid(x, saved_dtype=m.saved_dtype),
-                     "LogSigmoid")
-Softsign = _module(nn.Softsign, lambda m, x: softsign(x, saved_dtype=m.saved_dtype), "Softsign")
-Tanhshrink = _module(nn.Tanhshrink, lambda m, x: tanhshrink(x, saved_dtype=m.saved_dtype),
-                     "Tanhshrink")
+GELU = _module(nn.GELU, gelu, ("approximate",))
+SiLU = _module(nn.SiLU, silu, ("inplace",))
+Mish = _module(nn.Mish, mish, ("inplace",))
+Softplus = _module(nn.Softplus, softplus, ("beta", "threshold"))
+Sigmoid = _module(nn.Sigmoid, sigmoid, ())
+Tanh = _module(nn.Tanh, tanh, ())
+ELU = _module(nn.ELU, elu, ("alpha", "inplace"))
+CELU = _module(nn.CELU, celu, ("alpha", "inplace"))
+SELU = _module(nn.SELU, selu, ("inplace",))
+LeakyReLU = _module(nn.LeakyReLU, leaky_relu, ("negative_slope", "inplace"))
+Hardswish = _module(nn.Hardswish, hardswish, ("inplace",))
+Hardsigmoid = _module(nn.Hardsigmoid, hardsigmoid, ("inplace",))
+LogSigmoid = _module(nn.LogSigmoid, logsigmoid, ())
+Softsign = _module(nn.Softsign, softsign, ())
+Tanhshrink = _module(nn.Tanhshrink, tanhshrink, ())
 
 _MODULES = {cls.__mro__[2]: cls for cls in (GELU, SiLU, Mish, Softplus, Sigmoid, Tanh, ELU, CELU,
                                              SELU, LeakyReLU, Hardswish, Hardsigmoid, LogSigmoid,
@@ -555,6 +562,40 @@ _OUTPUT_SAVED = (sigmoid, tanh)
 _REROUTED = {f: ours for f, ours in _FUNCTIONS.items() if ours not in _OUTPUT_SAVED}
 _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
                     if native not in (nn.Sigmoid, nn.Tanh)}
+# Likewise torch's in-place ELU, CELU, SELU and LeakyReLU (elu_, leaky_relu_)
+# save only their output, the storage the next layer saves: f'(x) would add
+# a tensor (16.9 MB against 32.9 for a Conv-ELU-Conv), so patch() and
+# enabled()'s rerouting hand such calls to torch. Not with a negative alpha
+# or slope, whose in-place backward torch refuses (it recovers f' from the
+# output, ambiguous then): FAD's, from x, trains there. Each with the
+# parameter that decides it (None: SELU's, fixed and positive).
+_OUTPUT_SAVED_IN_PLACE = {elu: "alpha", celu: "alpha", selu: None, leaky_relu: "negative_slope"}
+
+
+def _left_to_torch(ours, args, kwargs) -> bool:
+    """Whether a rerouted call ours(*args, **kwargs) (a patched module or
+    function attribute, enabled()) runs torch's op instead: an in-place one
+    of _OUTPUT_SAVED_IN_PLACE with a parameter torch takes in place."""
+    if ours not in _OUTPUT_SAVED_IN_PLACE:
+        return False
+    try:
+        bound = _signature(ours).bind(*args, **kwargs)
+    except TypeError:
+        return False  # ours raises its own error for the call
+    bound.apply_defaults()
+    param = _OUTPUT_SAVED_IN_PLACE[ours]
+    value = None if param is None else bound.arguments[param]
+    return bool(bound.arguments["inplace"]) and (
+        param is None or isinstance(value, numbers.Real) and value >= 0)
+
+
+def _reroute(ours, native, /, *args, saved_dtype=None, **kwargs):
+    """A call of torch's activation `native` rerouted to `ours` (patch()'s
+    function attributes, enabled()): ours, saving f'(x) as saved_dtype, or
+    native where _left_to_torch."""
+    if _left_to_torch(ours, args, kwargs):
+        return native(*args, **kwargs)
+    return ours(*args, **kwargs, saved_dtype=saved_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -586,17 +627,25 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     nn.TransformerEncoderLayer.activation = F.gelu) are rerouted. Each then
     saves only f'(x) for backward, stored as `saved_dtype`. nn.Sigmoid and
     nn.Tanh stay torch's: they save their output, which the next layer
-    usually saves too, so f'(x) would add a tensor. Subclasses of those
+    usually saves too, so f'(x) would add a tensor; so do in-place calls of
+    ELU, CELU, SELU and LeakyReLU (their in-place ops save only the output)
+    unless a negative alpha or slope makes torch refuse them (_left_to_torch). Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
     updates saved_dtype; a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
-    unpatch leaves it too). Returns {qualified name: what changed}.
+    unpatch leaves it too). A torch activation module whose forward is
+    set on the instance (accelerate's hooks) is left, with a warning: that
+    forward runs in place of the class's. Returns {qualified name: what
+    changed}.
     """
+    _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
-    changed = {}
+    changed, forward_set = {}, []
     for name, module in model.named_modules():
         original = getattr(module, _PATCHED, type(module))
-        if original in _PATCHED_MODULES:
+        if original in _PATCHED_MODULES and _forward_on_instance(module, original):
+            forward_set.append(name)
+        elif original in _PATCHED_MODULES:
             if type(module) is original:
                 # recorded before the swap: a re-run after an interrupt between
                 # the two finds the class to restore (swapped first, it saw a
@@ -606,7 +655,27 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
+    if forward_set:
+        warnings.warn("reprop.fad.patch left these activation modules as torch's: "
+                      f"{', '.join(map(repr, forward_set))}: each has a forward set on the "
+                      "instance (as accelerate's add_hook_to_module sets one, calling torch's "
+                      "forward), which runs in place of the class's, so swapping the class "
+                      "would change nothing", stacklevel=2)
     return changed
+
+
+def _check_model(model, fname: str) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fname}: model must be a torch.nn.Module, got {type(model).__name__} "
+                        "(for a function, call reprop.fad's, e.g. fad.gelu, or use fad.enabled())")
+
+
+def _forward_on_instance(module: nn.Module, original: type) -> bool:
+    """Whether a torch activation module, not swapped yet, runs a forward set
+    on the instance: calls find it before the class's, so a swap of the
+    class would not change what runs (and patch() would report a swap that
+    did nothing)."""
+    return type(module) is original and "forward" in module.__dict__
 
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
@@ -618,7 +687,7 @@ def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dic
         ours = _REROUTED.get(original) if _hashable(original) else None
         if ours is None:
             continue
-        installed = functools.partial(ours, saved_dtype=saved_dtype)
+        installed = functools.partial(_reroute, ours, original, saved_dtype=saved_dtype)
         rerouted[attr] = _Rerouted(original, installed)
         # the partial and its record in one dict update, which no interrupt
         # splits: an attribute holding a partial its record does not name is
@@ -667,6 +736,7 @@ def unpatch(model: nn.Module) -> list[str]:
     """Undo patch(model): restore the torch classes, and the functions of
     attributes that still hold patch()'s partial (one the user set since is
     left). Returns the names restored."""
+    _check_model(model, "unpatch")
     restored = []
     for name, module in model.named_modules():
         original = module.__dict__.get(_PATCHED)
@@ -714,6 +784,8 @@ class Codebook:
 # Kinds whose derivative takes two values, 0 and v (csrc/fad.c, rp_fad_two_valued).
 _TWO_VALUED = ("leaky_relu", "hardsigmoid")
 _DEFAULT_PARAMS = {"softplus": (1.0, 20.0), "elu": (1.0,), "celu": (1.0,), "leaky_relu": (0.01,)}
+_PARAM_NAMES = {"softplus": ("beta", "threshold"), "elu": ("alpha",), "celu": ("alpha",),
+                "leaky_relu": ("negative_slope",)}
 
 
 def codebook(activation: str, *params: float) -> Codebook:
@@ -726,8 +798,7 @@ def codebook(activation: str, *params: float) -> Codebook:
     defaults = _DEFAULT_PARAMS.get(activation, ())
     if len(params) > len(defaults):
         raise ValueError(f"codebook: {activation} takes at most {len(defaults)} parameters, got {len(params)}")
-    params = tuple(map(float, params)) + defaults[len(params):]
-    act = _Act(activation, *params)
+    act = _codebook_act(activation, params + defaults[len(params):])
     _check_codable(act, torch.uint8, "codebook")
     raw = _codebook_bytes(act)
     values = np.frombuffer(raw, dtype=np.float32, count=256).copy()
@@ -744,6 +815,19 @@ def codebook(activation: str, *params: float) -> Codebook:
         v = lo if lo < 0 else hi
         max_error = abs(values[zero + int(np.rint(v / step))] - v)
     return Codebook(values, float(lo), float(hi), float(step), float(max_error))
+
+
+def _codebook_act(activation: str, params: tuple) -> _Act:
+    """The _Act of `activation` with `params`, refusing, by the parameter's
+    name and value as given, those the functions hand to torch's op
+    (_kernel_act): they have no codebook (the kernels' own check saw the
+    float32-rounded value, without the name)."""
+    for name, p in zip(_PARAM_NAMES.get(activation, ()), params):
+        if _kernel_act(activation, p) is None:
+            extra = ", with 1 / alpha in it too (so not 0)" if activation == "celu" else ""
+            raise ValueError(f"codebook: {activation}'s {name} must be a finite number in "
+                             f"float32's range{extra}, got {p!r}")
+    return _kernel_act(activation, *params)
 
 
 # ---------------------------------------------------------------------------
@@ -1405,6 +1489,7 @@ class enabled(TorchFunctionMode):
             # recompute runs outside enabled(), saving what torch's ops save,
             # so the recorded forward must be torch's ops too
             return func(*args, **kwargs)
+        args, kwargs = _input_first(args, kwargs)
         if self.compose and torch.is_grad_enabled():
             out = self._chain_step(func, args, kwargs)
             if out is not None:
@@ -1413,7 +1498,7 @@ class enabled(TorchFunctionMode):
                 self._leave_chains(args, kwargs)
         ours = _REROUTED.get(func)
         if ours is not None and args and _kernel_input(args[0]):
-            return ours(*args, **kwargs, saved_dtype=self.saved_dtype)
+            return _reroute(ours, func, *args, saved_dtype=self.saved_dtype, **kwargs)
         return func(*args, **kwargs)
 
     # ---- YN -----------------------------------------------------------------
@@ -1624,6 +1709,16 @@ def _result_dtype(operands) -> torch.dtype:
     """The dtype of the op's output, by torch's promotion (one operand: its own)."""
     values = [o.value for o in operands]
     return values[0].dtype if len(values) == 1 else torch.result_type(*values)
+
+
+def _input_first(args, kwargs):
+    """(args, kwargs) of a call with its input passed as a keyword
+    (F.gelu(input=h), torch.selu(input=h)) made its first argument, where
+    the rerouting and the chains look for it: the same call to torch."""
+    if args or "input" not in kwargs:
+        return args, kwargs
+    kwargs = dict(kwargs)
+    return (kwargs.pop("input"),), kwargs
 
 
 def _tensors_in(args, kwargs):
