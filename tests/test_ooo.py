@@ -297,6 +297,64 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     handle.remove()
 
 
+def _four_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())))
+
+
+@pytest.mark.parametrize("warm_up, kwargs, plain", [
+    (0, {}, []),  # profiling: every Linear split
+    (4, {"speedup": None, "profile_iters": 2}, [0, 1, 2, 3]),  # fixed, nothing moved
+    # fixed, the middle Linears' dW moved: the plain last one, nearest the
+    # loss, accumulates before any split layer runs
+    (8, {"regions": 4, "profile_iters": 2, "max_extra_memory": float("inf"),
+         "speedup": lambda r, i: 10.0 if 1 <= r < i else 1.0}, [0, 3]),
+])
+def test_held_tasks_dropped_unrun_give_the_hooks_back_where_no_split_layer_runs_first(
+        warm_up, kwargs, plain):
+    """Tasks held and dropped unrun: their parameters' hooks come back at the
+    next backward and fire there as autograd's, also where that backward
+    reaches a parameter before any split layer, or reaches none (the fixed
+    CPU schedule runs the layers plain). The hooks waited for good, and a
+    reprop.fuse(mode="backward") model stopped training."""
+    import gc
+    import reprop
+    ref = _four_layers()
+    model = copy.deepcopy(ref)
+    ref_opt = reprop.optim.SGD(ref.parameters(), lr=0.1)
+    fused = reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    handle = ooo.enable(model, **kwargs)
+    fired = {net: [] for net in (ref, model)}
+    for net in (ref, model):
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, net=net: fired[net].append(p))
+    x = torch.randn(3, 6)
+
+    def step(net):
+        if net is ref:
+            ref_opt.zero_grad()
+        net(x).pow(2).sum().backward()
+        if net is ref:
+            ref_opt.step()
+
+    for _ in range(warm_up):
+        step(ref), step(model)
+    assert [i for i, s in enumerate(handle.sites) if not s.split] == plain
+    with handle.hold() as tasks:
+        model(x).pow(2).sum().backward()  # a step the caller drops
+    del tasks
+    gc.collect()
+    for n in range(3):
+        for net in (ref, model):
+            fired[net].clear()
+            step(net)
+        assert len(fired[model]) == len(fired[ref]) == 8, f"step {n}"
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {n} {name}")
+    handle.remove()
+    fused.remove()
+
+
 def test_hold_of_one_of_two_layers_sharing_a_weight():
     """A tied weight whose first layer in backward is held and whose second
     runs its dW inline: the hooks wait for run(), not for the inline dW."""

@@ -1329,7 +1329,23 @@ class OOOHandle(_PassTracking):
                 state.outstanding += 1
             elif p._post_accumulate_grad_hooks:
                 state = self._hooked[p] = _HookState(p)
-                state.hold_back(lambda _p, st=state: self._hook_event(st, autograd_done=True))
+                state.hold_back(lambda _p, st=state: self._accumulated(st))
+
+    def _accumulated(self, state: "_HookState") -> None:
+        """The stand-in: autograd accumulated the parameter's gradient. In a
+        pass of this handle that is one thing its hooks wait for. Outside
+        one, this backward has not reached a split layer yet (a plain one
+        nearer the loss), or never will (the fixed CPU schedule runs every
+        layer plain): the state is an ended pass's, waiting for held tasks.
+        The hooks of those dropped unrun since come back here, as they would
+        where a pass begins, and fire now, where autograd fires its own."""
+        if self._in_backward and not self._backward_raised():
+            self._hook_event(state, autograd_done=True)
+            return
+        self._restore_post_hooks_not_held()
+        if self._hooked.get(state.param) is not state:  # given back (give_back() repeats)
+            for hook in state.give_back():
+                hook(state.param)
 
     def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
         """A deferred dW of the parameter ran, or autograd is done with it:
