@@ -355,6 +355,46 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_where_no_split_layer_runs_
     fused.remove()
 
 
+def test_a_backward_of_another_thread_while_one_runs_is_refused():
+    """Two threads' backward passes through one enabled model at once: the
+    second raises at its first split layer, touching no gradient, and the
+    first one's gradients are autograd's (they shared the handle's pass,
+    losing or misplacing weight gradients silently)."""
+    import threading
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model)
+    x, other = torch.randn(3, 4), torch.randn(3, 4)
+    inside, release, failures = threading.Event(), threading.Event(), []
+
+    def first():
+        try:
+            h = model[2](model[1](model[0](x)))
+            h.register_hook(lambda g: (inside.set(), release.wait(30)) and None)
+            model[3](h).sum().backward()  # the last layer's split backward began the pass
+        except BaseException as exc:
+            failures.append(exc)
+            inside.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match="another thread's backward .* not supported"):
+            model(other).sum().backward()
+    finally:
+        release.set()
+        thread.join(30)
+    assert not failures and not thread.is_alive()
+    ref(x).sum().backward()
+    for step in range(2):  # and the handle trains on
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=f"{step} {name}")
+        for net in (ref, model):
+            net(other).sum().backward()
+    handle.remove()
+
+
 def test_hold_of_one_of_two_layers_sharing_a_weight():
     """A tied weight whose first layer in backward is held and whose second
     runs its dW inline: the hooks wait for run(), not for the inline dW."""
