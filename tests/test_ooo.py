@@ -2069,6 +2069,25 @@ def test_bad_arguments(bad, error, match):
         bad()
 
 
+@pytest.mark.parametrize("value", ["0.1", True, np.True_, torch.tensor(0.1), None],
+                         ids=["str", "bool", "numpy_bool", "tensor", "none"])
+def test_a_number_argument_given_no_number_raises_type_error(value):
+    """What is no number raises TypeError, as a speedup of the wrong type
+    does (and stays a ValueError, which it was); one out of range raises
+    ValueError only. max_extra_memory='0.1', True or a tensor raised
+    ValueError 'expected a fraction >= 0'."""
+    with pytest.raises(TypeError, match=r"^max_extra_memory: expected a fraction >= 0 "
+                                        r"\(a real number .*not a bool, a string or a tensor"):
+        ooo.enable(nn.Linear(2, 2), max_extra_memory=value)
+    with pytest.raises(ValueError, match="^bandwidth: "):
+        ooo.allreduce_time(1e6, 4, value)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="^max_extra_memory: expected a fraction >= 0, got") \
+                as info:
+            ooo.enable(nn.Linear(2, 2), max_extra_memory=bad)
+        assert not isinstance(info.value, TypeError)
+
+
 def test_run_of_one_task_names_the_argument():
     """A single held task where the list goes (an easy slip) gets an error
     naming `tasks`, not Python's '_Task object is not iterable'."""

@@ -1980,11 +1980,19 @@ def _to_float(value) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+class _NotANumberError(TypeError, ValueError):
+    """A number argument given something else (a string, a bool, a tensor): a
+    TypeError, as for a speedup or a `keep` of the wrong type, and a
+    ValueError, which it was before (callers catching that still do)."""
+
+
 def _number(value, name: str, expected: str, ok: Callable[[float], bool]) -> float:
     """`value` as a float if it is a number (never a bool) for which ok(value)
-    holds (ok sees NaN for anything else); else a ValueError naming `name`
-    and what it `expected`."""
-    as_float = _to_float(value) if _is_number(value) else math.nan
+    holds; else an error naming `name` and what it `expected`: a TypeError
+    (_NotANumberError) for no number, a ValueError for one out of range."""
+    if not _is_number(value):
+        raise _NotANumberError(f"{name}: expected {expected} ({_NUMBER}), got {value!r}")
+    as_float = _to_float(value)
     if not ok(as_float):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return as_float
