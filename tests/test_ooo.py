@@ -297,6 +297,104 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     handle.remove()
 
 
+def _four_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())))
+
+
+@pytest.mark.parametrize("warm_up, kwargs, plain", [
+    (0, {}, []),  # profiling: every Linear split
+    (4, {"speedup": None, "profile_iters": 2}, [0, 1, 2, 3]),  # fixed, nothing moved
+    # fixed, the middle Linears' dW moved: the plain last one, nearest the
+    # loss, accumulates before any split layer runs
+    (8, {"regions": 4, "profile_iters": 2, "max_extra_memory": float("inf"),
+         "speedup": lambda r, i: 10.0 if 1 <= r < i else 1.0}, [0, 3]),
+])
+def test_held_tasks_dropped_unrun_give_the_hooks_back_where_no_split_layer_runs_first(
+        warm_up, kwargs, plain):
+    """Tasks held and dropped unrun: their parameters' hooks come back at the
+    next backward and fire there as autograd's, also where that backward
+    reaches a parameter before any split layer, or reaches none (the fixed
+    CPU schedule runs the layers plain). The hooks waited for good, and a
+    reprop.fuse(mode="backward") model stopped training."""
+    import gc
+    import reprop
+    ref = _four_layers()
+    model = copy.deepcopy(ref)
+    ref_opt = reprop.optim.SGD(ref.parameters(), lr=0.1)
+    fused = reprop.fuse(model, reprop.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    handle = ooo.enable(model, **kwargs)
+    fired = {net: [] for net in (ref, model)}
+    for net in (ref, model):
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, net=net: fired[net].append(p))
+    x = torch.randn(3, 6)
+
+    def step(net):
+        if net is ref:
+            ref_opt.zero_grad()
+        net(x).pow(2).sum().backward()
+        if net is ref:
+            ref_opt.step()
+
+    for _ in range(warm_up):
+        step(ref), step(model)
+    assert [i for i, s in enumerate(handle.sites) if not s.split] == plain
+    with handle.hold() as tasks:
+        model(x).pow(2).sum().backward()  # a step the caller drops
+    del tasks
+    gc.collect()
+    for n in range(3):
+        for net in (ref, model):
+            fired[net].clear()
+            step(net)
+        assert len(fired[model]) == len(fired[ref]) == 8, f"step {n}"
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {n} {name}")
+    handle.remove()
+    fused.remove()
+
+
+def test_a_backward_of_another_thread_while_one_runs_is_refused():
+    """Two threads' backward passes through one enabled model at once: the
+    second raises at its first split layer, touching no gradient, and the
+    first one's gradients are autograd's (they shared the handle's pass,
+    losing or misplacing weight gradients silently)."""
+    import threading
+    ref = _three_layers()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model)
+    x, other = torch.randn(3, 4), torch.randn(3, 4)
+    inside, release, failures = threading.Event(), threading.Event(), []
+
+    def first():
+        try:
+            h = model[2](model[1](model[0](x)))
+            h.register_hook(lambda g: (inside.set(), release.wait(30)) and None)
+            model[3](h).sum().backward()  # the last layer's split backward began the pass
+        except BaseException as exc:
+            failures.append(exc)
+            inside.set()
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match="another thread's backward .* not supported"):
+            model(other).sum().backward()
+    finally:
+        release.set()
+        thread.join(30)
+    assert not failures and not thread.is_alive()
+    ref(x).sum().backward()
+    for step in range(2):  # and the handle trains on
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=f"{step} {name}")
+        for net in (ref, model):
+            net(other).sum().backward()
+    handle.remove()
+
+
 def test_hold_of_one_of_two_layers_sharing_a_weight():
     """A tied weight whose first layer in backward is held and whose second
     runs its dW inline: the hooks wait for run(), not for the inline dW."""
@@ -1969,6 +2067,25 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
 def test_bad_arguments(bad, error, match):
     with pytest.raises(error, match=match):
         bad()
+
+
+@pytest.mark.parametrize("value", ["0.1", True, np.True_, torch.tensor(0.1), None],
+                         ids=["str", "bool", "numpy_bool", "tensor", "none"])
+def test_a_number_argument_given_no_number_raises_type_error(value):
+    """What is no number raises TypeError, as a speedup of the wrong type
+    does (and stays a ValueError, which it was); one out of range raises
+    ValueError only. max_extra_memory='0.1', True or a tensor raised
+    ValueError 'expected a fraction >= 0'."""
+    with pytest.raises(TypeError, match=r"^max_extra_memory: expected a fraction >= 0 "
+                                        r"\(a real number .*not a bool, a string or a tensor"):
+        ooo.enable(nn.Linear(2, 2), max_extra_memory=value)
+    with pytest.raises(ValueError, match="^bandwidth: "):
+        ooo.allreduce_time(1e6, 4, value)
+    for bad in (-0.5, float("nan")):
+        with pytest.raises(ValueError, match="^max_extra_memory: expected a fraction >= 0, got") \
+                as info:
+            ooo.enable(nn.Linear(2, 2), max_extra_memory=bad)
+        assert not isinstance(info.value, TypeError)
 
 
 def test_run_of_one_task_names_the_argument():

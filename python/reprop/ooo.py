@@ -43,6 +43,7 @@ import math
 import numbers
 import reprlib
 import sys
+import threading
 import time
 import types
 import weakref
@@ -865,6 +866,9 @@ class OOOHandle(_PassTracking):
         self._device: torch.device | None = None  # of this backward's gradients
         self._current_region = -1
         self._in_backward = False
+        # the running pass's backward: (autograd graph task, thread that began it)
+        self._owner: tuple = (-1, None)
+        self._pass_lock = threading.Lock()  # two threads' backward passes begin one at a time
         self._profile = _Profile()
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
@@ -1023,11 +1027,51 @@ class OOOHandle(_PassTracking):
     def _begin_backward(self) -> None:
         if self._hooked:  # held tasks dropped unrun since: their parameters' hooks come back
             self._restore_post_hooks_not_held()
-        self._in_backward = True
+        self._owner = (torch._C._current_graph_task_id(), threading.get_ident())
         self._calls = {}
         self._current_region = -1
         self._marks = []
         self._end_ref = queue_end_of_backward(self._end_backward)
+        # marked running last, its end queued: another thread's forward never
+        # sees it as a backward that raised (running, its end gone) and drops it
+        self._in_backward = True
+
+    def _in_own_pass(self) -> bool:
+        """Whether the backward running is the one this handle's running pass
+        began in (the check on the path of every split call)."""
+        return self._in_backward and self._owner[0] == torch._C._current_graph_task_id()
+
+    def _enter_pass(self) -> None:
+        """From inside a backward not known to be the pass's own: the pass of
+        this handle it is part of, begun here if none runs (a backward that
+        raised is dropped). The look and the begin are one step under a
+        lock: two threads' backward passes each beginning one would share it."""
+        with self._pass_lock:
+            if self._backward_raised():
+                self._abandon_backward()
+            if self._in_backward:
+                self._check_same_backward()
+            else:
+                self._begin_backward()
+
+    def _check_same_backward(self) -> None:
+        """Refuses a backward of another thread while this handle's pass runs,
+        before it touches any gradient: a pass's state (its pending tasks,
+        call counts, region, end) is one per handle, and two passes sharing
+        it lost or misplaced weight gradients. The same backward runs in the
+        same autograd graph task (a model on the CPU and CUDA runs its nodes
+        on two threads) or on the thread that began the pass (a reentrant checkpoint's nested
+        backward, a task of its own). On the CPU each backward's nodes run on
+        the thread that called it, so two threads' backward passes differ in
+        both; on CUDA the engine runs every backward's GPU nodes on one
+        device thread, so theirs are not told apart (README: not supported)."""
+        task, thread = self._owner
+        if torch._C._current_graph_task_id() != task and threading.get_ident() != thread:
+            raise RuntimeError(
+                "reprop.ooo: a backward through the enabled model started while another "
+                "thread's backward through it runs; several threads training one enabled "
+                "model at once are not supported: run their backward passes one at a time, or "
+                "give each thread its own copy of the model (copy.deepcopy, then enable() it)")
 
     def _before_split_forward(self) -> None:
         """A backward that raised is dropped. A forward inside a running
@@ -1039,7 +1083,7 @@ class OOOHandle(_PassTracking):
         if self._backward_raised():
             self._abandon_backward()
         if not self._in_backward and not outside_backward():
-            self._begin_backward()
+            self._enter_pass()
 
     def _abandon_backward(self) -> None:
         """The last backward raised, so its end-of-backward callback never
@@ -1212,10 +1256,8 @@ class OOOHandle(_PassTracking):
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
                            params: tuple, mask: list, nodes: list) -> _Task:
-        if self._backward_raised():  # and is retried (retain_graph), with no forward since
-            self._abandon_backward()
-        if not self._in_backward:
-            self._begin_backward()
+        if not self._in_own_pass():  # (a backward that raised and is retried, with
+            self._enter_pass()       # retain_graph and no forward since, is dropped there)
         self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
@@ -1329,7 +1371,24 @@ class OOOHandle(_PassTracking):
                 state.outstanding += 1
             elif p._post_accumulate_grad_hooks:
                 state = self._hooked[p] = _HookState(p)
-                state.hold_back(lambda _p, st=state: self._hook_event(st, autograd_done=True))
+                state.hold_back(lambda _p, st=state: self._accumulated(st))
+
+    def _accumulated(self, state: "_HookState") -> None:
+        """The stand-in: autograd accumulated the parameter's gradient. In a
+        pass of this handle that is one thing its hooks wait for. Outside
+        one, this backward has not reached a split layer yet (a plain one
+        nearer the loss), or never will (the fixed CPU schedule runs every
+        layer plain): the state is an ended pass's, waiting for held tasks.
+        The hooks of those dropped unrun since come back here, as they would
+        where a pass begins, and fire now, where autograd fires its own."""
+        if self._in_backward and not self._backward_raised():
+            self._check_same_backward()
+            self._hook_event(state, autograd_done=True)
+            return
+        self._restore_post_hooks_not_held()
+        if self._hooked.get(state.param) is not state:  # given back (give_back() repeats)
+            for hook in state.give_back():
+                hook(state.param)
 
     def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
         """A deferred dW of the parameter ran, or autograd is done with it:
@@ -1921,11 +1980,19 @@ def _to_float(value) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+class _NotANumberError(TypeError, ValueError):
+    """A number argument given something else (a string, a bool, a tensor): a
+    TypeError, as for a speedup or a `keep` of the wrong type, and a
+    ValueError, which it was before (callers catching that still do)."""
+
+
 def _number(value, name: str, expected: str, ok: Callable[[float], bool]) -> float:
     """`value` as a float if it is a number (never a bool) for which ok(value)
-    holds (ok sees NaN for anything else); else a ValueError naming `name`
-    and what it `expected`."""
-    as_float = _to_float(value) if _is_number(value) else math.nan
+    holds; else an error naming `name` and what it `expected`: a TypeError
+    (_NotANumberError) for no number, a ValueError for one out of range."""
+    if not _is_number(value):
+        raise _NotANumberError(f"{name}: expected {expected} ({_NUMBER}), got {value!r}")
+    as_float = _to_float(value)
     if not ok(as_float):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
     return as_float
