@@ -21,6 +21,7 @@ import functools
 import copy
 import io
 import gc
+import inspect
 import itertools
 import math
 import weakref
@@ -1136,6 +1137,19 @@ OUTPUT_SAVED_IN_PLACE = {
     "SELU": (lambda: nn.SELU(inplace=True), (F.selu,)),
     "LeakyReLU": (lambda: nn.LeakyReLU(0.2, inplace=True), (F.leaky_relu, 0.2)),
 }
+
+
+def test_in_place_decision_reads_the_signatures_positions():
+    """_left_to_torch reads inplace and the parameter off their positions (a
+    bound signature cost 10 us a call): they are those of the functions."""
+    for fn, (param, at, inplace_at) in fad._OUTPUT_SAVED_IN_PLACE.items():
+        names = list(inspect.signature(fn).parameters)
+        assert names.index("inplace") == inplace_at and (param is None or names.index(param) == at)
+    x = torch.randn(4)
+    assert fad._left_to_torch(fad.elu, (x,), {"inplace": True})
+    assert not fad._left_to_torch(fad.elu, (x, -1.0, True), {})
+    assert not fad._left_to_torch(fad.leaky_relu, (x,), {"negative_slope": -0.5, "inplace": True})
+    assert fad._left_to_torch(fad.selu, (x, True), {}) and not fad._left_to_torch(fad.selu, (x,), {})
 
 
 @pytest.mark.parametrize("how", ["patched", "attribute", "enabled"])
