@@ -573,6 +573,16 @@ def test_codebook_refuses_parameters_the_functions_give_torch(name, params, mess
     assert fad._kernel_act(name, *params) is None  # the functions run torch's op for them
 
 
+@pytest.mark.parametrize("param", ["0.1", torch.tensor(0.1), None], ids=["str", "tensor", "none"])
+def test_codebook_refuses_what_is_no_number_as_torch_does(param):
+    """A parameter that is no number raises a TypeError, as torch's ops do
+    (F.leaky_relu(x, "0.1")), and still the ValueError it raised before."""
+    with pytest.raises(TypeError, match="^codebook: leaky_relu's negative_slope must be a number"):
+        fad.codebook("leaky_relu", param)
+    with pytest.raises(ValueError):
+        fad.codebook("leaky_relu", param)
+
+
 def test_codebook_defaults_are_the_functions():
     """codebook(name) describes what fad.<name>(x, saved_dtype=torch.uint8)
     stores at its default parameters (not at parameters of 0), and its

@@ -332,6 +332,13 @@ def on_device(device: torch.device):
     return torch.cuda.device(device)
 
 
+class NotANumberError(TypeError, ValueError):
+    """A number argument given something else (a string, a bool, a tensor
+    where a Python number is taken): a TypeError, as torch raises for one,
+    and a ValueError, which reprop raised before (callers catching that
+    still do)."""
+
+
 def _is_real_scalar(value) -> bool:
     """A real number as torch's float() takes one where it expects a scalar
     (clip_grad_norm_'s max_norm): an int, a float, a NumPy real scalar or 0-d

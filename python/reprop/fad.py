@@ -839,6 +839,9 @@ def _codebook_act(activation: str, params: tuple) -> _Act:
     (_kernel_act): they have no codebook (the kernels' own check saw the
     float32-rounded value, without the name)."""
     for name, p in zip(_PARAM_NAMES.get(activation, ()), params):
+        if not isinstance(p, numbers.Real):  # a TypeError, as torch's ops raise for one
+            raise _tensors.NotANumberError(f"codebook: {activation}'s {name} must be a number, "
+                                           f"got {p!r}")
         if _kernel_act(activation, p) is None:
             extra = ", with 1 / alpha in it too (so not 0)" if activation == "celu" else ""
             raise ValueError(f"codebook: {activation}'s {name} must be a finite number in "

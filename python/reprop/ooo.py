@@ -60,10 +60,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
-from ._tensors import (check_count as _count, check_flag as _flag, hook_owner, is_count as _is_count,
-                       non_reentrant_checkpointing, not_queued, note_node_hooks, outside_backward,
-                       queue_end_of_backward, suggest_memory_format, torch_only, torch_only_weight,
-                       transform_active, weak_hook, without_grad)
+from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag, hook_owner,
+                       is_count as _is_count, non_reentrant_checkpointing, not_queued,
+                       note_node_hooks, outside_backward, queue_end_of_backward,
+                       suggest_memory_format, torch_only, torch_only_weight, transform_active,
+                       weak_hook, without_grad)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -1980,18 +1981,12 @@ def _to_float(value) -> float:
         return math.inf if value > 0 else -math.inf
 
 
-class _NotANumberError(TypeError, ValueError):
-    """A number argument given something else (a string, a bool, a tensor): a
-    TypeError, as for a speedup or a `keep` of the wrong type, and a
-    ValueError, which it was before (callers catching that still do)."""
-
-
 def _number(value, name: str, expected: str, ok: Callable[[float], bool]) -> float:
     """`value` as a float if it is a number (never a bool) for which ok(value)
     holds; else an error naming `name` and what it `expected`: a TypeError
-    (_NotANumberError) for no number, a ValueError for one out of range."""
+    (NotANumberError) for no number, a ValueError for one out of range."""
     if not _is_number(value):
-        raise _NotANumberError(f"{name}: expected {expected} ({_NUMBER}), got {value!r}")
+        raise NotANumberError(f"{name}: expected {expected} ({_NUMBER}), got {value!r}")
     as_float = _to_float(value)
     if not ok(as_float):
         raise ValueError(f"{name}: expected {expected}, got {value!r}")
