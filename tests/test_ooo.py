@@ -12,10 +12,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import fractions
+import gc
 import io
 import itertools
 import math
 import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -295,6 +297,41 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
         torch.testing.assert_close(seen[(model, name)][0], seen[(ref, name)][0], rtol=0, atol=0,
                                    msg=name)
     handle.remove()
+
+
+def _drop_enabled_after(case: str) -> "weakref.ref":
+    """A model with post-accumulate-grad hooks, enabled, left after a backward
+    that raised or held tasks dropped unrun; everything dropped but a weak
+    reference to the model."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    handle = ooo.enable(model, speedup=None)
+    if case == "raised":
+        y = model(torch.randn(2, 4))
+        model[0].weight.register_hook(lambda g: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            y.sum().backward()
+        del y
+    else:
+        with handle.hold() as held:
+            model(torch.randn(2, 4)).sum().backward()
+        del held
+    ref = weakref.ref(model)
+    del model, handle
+    return ref
+
+
+@pytest.mark.parametrize("case", ["raised", "held dropped"])
+def test_model_dropped_after_hooks_wait_is_collected(case):
+    """The stand-in hook a parameter kept after a pass that raised, or whose
+    held tasks were dropped unrun, held the handle strongly: the parameter
+    keeps its hooks where the garbage collector cannot see them, so the
+    handle, the model and its optimizer stayed alive for good (a notebook
+    cell that raised in backward, run again, kept a model each time)."""
+    ref = _drop_enabled_after(case)
+    gc.collect()
+    assert ref() is None
 
 
 def _four_layers() -> nn.Module:

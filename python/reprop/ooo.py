@@ -1372,9 +1372,12 @@ class OOOHandle(_PassTracking):
                 state.outstanding += 1
             elif p._post_accumulate_grad_hooks:
                 state = self._hooked[p] = _HookState(p)
-                state.hold_back(lambda _p, st=state: self._accumulated(st))
+                # weakly: the stand-in outlives a pass that raised or held tasks
+                # dropped unrun, and the parameter keeps it where the garbage
+                # collector cannot see it (it kept the handle and model alive)
+                state.hold_back(weak_hook(self._accumulated))
 
-    def _accumulated(self, state: "_HookState") -> None:
+    def _accumulated(self, param: torch.Tensor) -> None:
         """The stand-in: autograd accumulated the parameter's gradient. In a
         pass of this handle that is one thing its hooks wait for. Outside
         one, this backward has not reached a split layer yet (a plain one
@@ -1382,14 +1385,17 @@ class OOOHandle(_PassTracking):
         layer plain): the state is an ended pass's, waiting for held tasks.
         The hooks of those dropped unrun since come back here, as they would
         where a pass begins, and fire now, where autograd fires its own."""
+        state = self._hooked.get(param)
+        if state is None:  # given back already
+            return
         if self._in_backward and not self._backward_raised():
             self._check_same_backward()
             self._hook_event(state, autograd_done=True)
             return
         self._restore_post_hooks_not_held()
-        if self._hooked.get(state.param) is not state:  # given back (give_back() repeats)
+        if self._hooked.get(param) is not state:
             for hook in state.give_back():
-                hook(state.param)
+                hook(param)
 
     def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
         """A deferred dW of the parameter ran, or autograd is done with it:
