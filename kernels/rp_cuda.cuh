@@ -40,8 +40,7 @@ struct rp_device_guard {
             if (e == cudaErrorCallRequiresNewerDriver) {
                 /* a 12.8+ build on an older driver (minor-version
                  * compatibility) cannot ask: run on the current device, which
-                 * the Python callers make the tensors' (_tensors.on_device,
-                 * bppsa's torch.cuda.device) */
+                 * the Python callers make the tensors' (_tensors.on_device) */
                 (void)cudaGetLastError();
                 return cudaSuccess;
             }
