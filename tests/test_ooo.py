@@ -2125,6 +2125,18 @@ def test_a_number_argument_given_no_number_raises_type_error(value):
         assert not isinstance(info.value, TypeError)
 
 
+@pytest.mark.parametrize("value", [True, 2.0, "3"], ids=["bool", "float", "str"])
+def test_a_count_argument_given_no_int_raises_type_error(value):
+    """A count given no int raises TypeError too (still a ValueError, which
+    it was); one out of range ValueError only. regions=True raised
+    ValueError alone (the shared _tensors.check_count)."""
+    with pytest.raises(TypeError, match="^regions: expected an int"):
+        ooo.enable(nn.Linear(2, 2), regions=value)
+    with pytest.raises(ValueError, match="^regions: expected an int") as info:
+        ooo.enable(nn.Linear(2, 2), regions=0)
+    assert not isinstance(info.value, TypeError)
+
+
 def test_run_of_one_task_names_the_argument():
     """A single held task where the list goes (an easy slip) gets an error
     naming `tasks`, not Python's '_Task object is not iterable'."""

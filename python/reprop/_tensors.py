@@ -81,9 +81,13 @@ def is_count(value) -> bool:
 
 def check_count(value, name: str, low: int, high: int | None = None) -> int:
     """`value` as a Python int if it is a count (is_count) in [low, high]
-    (high None: no bound); else a ValueError naming `name`."""
-    if not is_count(value) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    (high None: no bound); else an error naming `name`: NotANumberError (a
+    TypeError and a ValueError) for no int (a bool, a float, a string), a
+    ValueError for one out of range."""
+    bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if not is_count(value):
+        raise NotANumberError(f"{name}: expected an int {bound}, got {value!r}")
+    if value < low or (high is not None and value > high):
         raise ValueError(f"{name}: expected an int {bound}, got {value!r}")
     return int(value)
 
