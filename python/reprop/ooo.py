@@ -3268,15 +3268,22 @@ def _splits_any(module: nn.Module) -> bool:
                or getattr(_own_forward_site(m), "module", None) is m for m in module.modules())
 
 
+def _gather_ints(mine: list, group, device: torch.device) -> list:
+    """Every rank's list of ints (as long as this rank's `mine`), by rank:
+    one all_gather of an int64 tensor on `device`."""
+    row = torch.tensor(mine, dtype=torch.int64, device=device)
+    every = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, row, group=group)
+    return [t.tolist() for t in every]
+
+
 def _every_rank_installed(installed: bool, group, device: torch.device) -> None:
     """Raises on every rank of `group` that installed its layers when
     another did not (its own error says why), so that no rank builds a
     Pipeline whose first step() waits for a stage that does not exist. One
     all_gather."""
-    mine = torch.tensor([int(installed)], dtype=torch.int64, device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    refused = [rank for rank, flag in enumerate(every) if not flag.item()]
+    refused = [rank for rank, (flag,) in enumerate(_gather_ints([int(installed)], group, device))
+               if not flag]
     if installed and refused:
         raise ValueError(f"layers: rank {', '.join(map(str, refused))} could not split its "
                          "layers (its own error says why); every rank raises, so that none "
@@ -3772,11 +3779,7 @@ def _check_same_on_every_rank(arguments: dict, group, device: torch.device,
     for a message never sent. `arguments`: name -> (an int standing for
     this rank's value, a function writing a value from it, or None where it
     cannot). One all_gather."""
-    mine = torch.tensor([code for code, _ in arguments.values()], dtype=torch.int64,
-                        device=device)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, mine, group=group)
-    rows = [t.tolist() for t in every]
+    rows = _gather_ints([code for code, _ in arguments.values()], group, device)
     for i, (name, (_, show)) in enumerate(arguments.items()):
         ranks_of: dict = {}  # value -> the ranks that passed it
         for rank, row in enumerate(rows):
