@@ -602,7 +602,7 @@ def _argument(fn, args, kwargs, name: str, at: int):
 
 @functools.cache
 def _default(fn, name: str):
-    return inspect.signature(fn).parameters[name].default
+    return _signature(fn).parameters[name].default
 
 
 def _reroute(ours, native, /, *args, saved_dtype=None, **kwargs):
