@@ -2074,6 +2074,9 @@ def test_enable_refuses_a_split_model_and_leaves_a_refused_one_as_it_was():
     (lambda: ooo.enable(nn.Linear(2, 2), order="fast"), ValueError, "order"),
     (lambda: ooo.enable(nn.Linear(2, 2), regions=0), ValueError, "regions"),
     (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=1), ValueError, "profile_iters"),
+    # no int: a TypeError too (it was a ValueError alone), as every other count
+    (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=True), TypeError, "^profile_iters"),
+    (lambda: ooo.enable(nn.Linear(2, 2), profile_iters=2.5), TypeError, "^profile_iters"),
     (lambda: ooo.enable(nn.Linear(2, 2), max_extra_memory=-1), ValueError, "max_extra_memory"),
     (lambda: ooo.enable(nn.Linear(2, 2), speedup="measure"), ValueError, "speedup"),
     # before: numpy's "truth value of an array ... is ambiguous" from speedup == "profile"

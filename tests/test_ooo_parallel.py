@@ -1177,9 +1177,12 @@ def test_data_parallel_first_bucket_is_small_by_default(solo_group):
 
 def test_data_parallel_bad_arguments(solo_group):
     model = _Net()
-    for k in (-1, DEPTH + 1, "best", 1.5, True):
-        with pytest.raises(ValueError, match=r"^k: "):
+    # no int is a TypeError as well, as torch raises for a count given a float
+    for k, error in ((-1, ValueError), (DEPTH + 1, ValueError), ("best", TypeError),
+                     (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match=r"^k: ") as raised:
             DataParallel(model, k=k)
+        assert isinstance(raised.value, ValueError)
         assert all("forward" not in lin.__dict__ for lin in model.layers), "split left behind"
     for cap in (0, -1.0, "25"):
         with pytest.raises(ValueError, match="bucket_cap_mb"):

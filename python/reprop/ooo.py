@@ -1803,9 +1803,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     regions = _count(regions, "regions", 1)
     max_extra_memory = _number(max_extra_memory, "max_extra_memory", "a fraction >= 0",
                                lambda v: v >= 0)  # inf (or an int past float's range): no cap
-    if not _is_count(profile_iters) or profile_iters < 2:
-        raise ValueError(f"profile_iters: expected an int >= 2 (a warm-up and a timed pass), "
-                         f"got {profile_iters!r}")
+    profile_iters = _count(profile_iters, "profile_iters (a warm-up and a timed pass)", 2)
     # the type first: an array's == "profile" is an array, whose truth numpy refuses
     if not (speedup is None or callable(speedup) or (isinstance(speedup, str) and speedup == "profile")):
         raise ValueError(f"speedup: expected 'profile', a function (region of the dW, region) "
@@ -1813,8 +1811,7 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if callable(speedup):
         _speedup_value(speedup, 0, 0)  # now, not from a backward at the end of the profile
     _refuse_torch_data_parallel(model)
-    handle = OOOHandle(model, order, regions, max_extra_memory, int(profile_iters),
-                       speedup)
+    handle = OOOHandle(model, order, regions, max_extra_memory, profile_iters, speedup)
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
                          "or GroupNorm with trainable parameters to split (exact types whose "
@@ -2572,8 +2569,8 @@ class DataParallel(_PassTracking, Joinable):
             bucket_cap_mb = _DEFAULT_BUCKET_MB
         bucket_cap_mb = _number(bucket_cap_mb, "bucket_cap_mb", "a number > 0", lambda v: v > 0)
         search_iters = _count(search_iters, "search_iters", 1)
-        if k != "auto" and not _is_count(k):
-            raise ValueError(f"k: expected an int or 'auto', got {k!r}")
+        if not (isinstance(k, str) and k == "auto" or _is_count(k)):
+            raise NotANumberError(f"k: expected an int or 'auto', got {k!r}")
         # no split layer at all is fine here (L = 0: DDP's buckets alone); the
         # schedule's arguments do not apply to the conventional order. Split
         # last, with the hooks (_install)
