@@ -267,6 +267,17 @@ def _bound_signature(function: Callable) -> inspect.Signature:
     return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
+def forward_is_torchs(cls: type) -> bool:
+    """Whether cls.forward is still one torch.nn defines. A library may set
+    another on the class itself (nn.Linear.forward = ...): every layer of
+    that exact class then computes what it says, which reprop's own forward
+    for the class would silently replace. A wrapper made with functools.wraps
+    carries torch's names, so its __wrapped__ counts too."""
+    forward = getattr(cls, "forward", None)
+    return (getattr(forward, "__module__", None) or "").startswith("torch.nn.") \
+        and not hasattr(forward, "__wrapped__")
+
+
 def hook_owner(hook: Callable) -> object | None:
     """The object whose method `hook` calls: a bound method's, or a weak_hook's
     while it is alive; None for any other hook."""
