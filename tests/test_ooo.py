@@ -1547,6 +1547,29 @@ def test_complex_and_meta_calls_run_plain_autograd():
     assert out.is_meta and "_Split" not in type(out.grad_fn).__name__
 
 
+def test_a_forward_a_library_set_on_the_class_runs(monkeypatch):
+    """A library that replaces nn.Linear.forward on the class: enable() split
+    those exact-type layers with its own F.linear, dropping the class's
+    forward (outputs 2x off here). Such layers run plain autograd."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    model = copy.deepcopy(ref)
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(nn.Linear, "forward",
+                        lambda self, input: 2.0 * linear(input, self.weight, self.bias))
+    model.append(nn.LayerNorm(2))
+    ref.append(copy.deepcopy(model[-1]))
+    handle = ooo.enable(model, order="conventional")
+    assert [site.name for site in handle.sites] == ["3"]  # the LayerNorm alone
+    x = torch.randn(5, 4)
+    for net in (ref, model):
+        net(x).pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(ValueError, match="a forward set on the class"):
+        ooo.enable(nn.Linear(2, 2))
+
+
 def test_a_deep_copy_is_an_independent_plain_model():
     """copy.deepcopy of an enabled model (an EMA or teacher copy) must use its
     own parameters and fill its own gradients, as a copy of a plain model."""

@@ -60,7 +60,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
-from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag, hook_owner,
+from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
+                       forward_is_torchs, hook_owner,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -451,9 +452,10 @@ def _own_forward_site(m: nn.Module) -> "_Site | None":
 
 def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     """(kind, trainable params) when enable() splits `m`: a known exact type,
-    its own forward not replaced, some registered parameter trainable."""
+    its forward torch's (neither set on m nor on the class), some registered
+    parameter trainable."""
     kind = _kind_of(m)
-    if kind is None or "forward" in m.__dict__:
+    if kind is None or "forward" in m.__dict__ or not forward_is_torchs(type(m)):
         return None
     params = [p for p in kind.params(m) or () if p is not None and p.requires_grad]
     return (kind, params) if params else None
@@ -1815,8 +1817,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     if not handle.sites:
         raise ValueError("model: no Linear, Conv1d/2d/3d, Embedding, BatchNorm, LayerNorm "
                          "or GroupNorm with trainable parameters to split (exact types whose "
-                         "weight and bias are registered Parameters: subclasses, lazy modules "
-                         "and parametrized weights run plain autograd)")
+                         "weight and bias are registered Parameters and whose forward is "
+                         "torch's: subclasses, lazy modules, parametrized weights and a forward "
+                         "set on the class run plain autograd)")
     return handle._install()
 
 
