@@ -2515,6 +2515,38 @@ def test_a_captured_step_takes_only_the_values_of_its_inputs():
     assert features.weight.grad is None
 
 
+def test_a_captured_step_on_cpu_overwrites_its_outputs_as_a_replay_does():
+    """A replay returns the captured outputs, overwritten: a list of the
+    returned losses holds the last one on CUDA. On the CPU each call returned
+    fresh tensors, so a script that kept them without .clone() passed here
+    and was silently wrong on CUDA."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    step = _sgd_step(model)
+
+    def with_stats(x, y):
+        loss = step(x, y)
+        return loss, {"mean": model.weight.detach().mean().reshape(1), "steps": 1}
+
+    captured = ooo.capture(with_stats, torch.randn(8, 4), torch.randint(2, (8,)), warmup=1)
+    kept, values = [], []
+    for s in range(3):
+        x, y = torch.randn(8, 4), torch.randint(2, (8,))
+        loss, stats = captured(x, y)
+        kept.append(loss)
+        values.append(loss.item())
+        assert stats is captured.outputs[1] and torch.equal(
+            stats["mean"], model.weight.detach().mean().reshape(1))
+    assert all(loss is kept[0] for loss in kept) and len(set(values)) == 3
+    assert kept[0].item() == values[-1]
+    shapes = iter([(8, 4), (8, 4), (2,)])  # the warm-up's, the first call's, the second's
+    changing = ooo.capture(lambda x: x.new_zeros(next(shapes)), torch.zeros(8, 4), warmup=1)
+    changing(torch.zeros(8, 4))
+    with pytest.raises(RuntimeError, match=r"^step: output 0 was \(8, 4\) torch.float32 on cpu "
+                       r"at its first call, now \(2,\) torch.float32 on cpu"):
+        changing(torch.zeros(8, 4))
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: ooo.capture("step", torch.zeros(2)), TypeError, "step"),
     (lambda: ooo.capture(print), TypeError, "inputs"),

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils import _pytree
 
 from ._native import _C
 from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
@@ -1837,9 +1838,11 @@ class CapturedStep:
     Call it with tensors of the captured shapes, dtypes and devices: their
     values are copied into the static input buffers (no gradient flows back
     to them) and the graph is replayed; it returns
-    the step's own outputs, static tensors that the next call overwrites.
-    ``graph`` is the ``torch.cuda.CUDAGraph``, None on the CPU (where the step
-    runs eagerly on the static buffers, so a script runs unchanged).
+    the step's own outputs, static tensors that the next call overwrites
+    (keep a value with ``.clone()`` or ``.item()``).
+    ``graph`` is the ``torch.cuda.CUDAGraph``, None on the CPU, where the step
+    runs eagerly on the static buffers and returns the first call's outputs
+    overwritten with its own, so a script runs alike on both devices.
     ``warmup_steps`` is how many eager steps the warm-up ran: training steps
     on the example batch, which the model has taken.
     """
@@ -1848,6 +1851,7 @@ class CapturedStep:
                  warmup_steps: int):
         self.step, self.static_inputs, self.graph, self.outputs = step, inputs, graph, outputs
         self.warmup_steps = warmup_steps
+        self._stepped = graph is not None  # whether outputs holds the step's outputs
 
     def __call__(self, *inputs: torch.Tensor):
         _check_replay_inputs(inputs, self.static_inputs)
@@ -1858,9 +1862,41 @@ class CapturedStep:
                 if new is not static:
                     static.copy_(new)
         if self.graph is None:
-            return self.step(*self.static_inputs)
+            return self._as_static_outputs(self.step(*self.static_inputs))
         self.graph.replay()
         return self.outputs
+
+    def _as_static_outputs(self, results):
+        """The CPU's replay: the first call's outputs are kept, later calls
+        copy their tensors' values into them and keep their other values,
+        as a graph's replay does (a list of returned losses holds the last
+        loss on CUDA: it must on the CPU too, where such a script is tested)."""
+        if not self._stepped:
+            self.outputs, self._stepped = results, True
+            return results
+        new, layout = _pytree.tree_flatten(results)
+        static, static_layout = _pytree.tree_flatten(self.outputs)
+        if layout != static_layout:
+            raise RuntimeError(f"step: returned {layout} where its first call returned "
+                               f"{static_layout}; a captured step's outputs are fixed")
+        with torch.no_grad():
+            for i, (old, value) in enumerate(zip(static, new)):
+                if isinstance(old, torch.Tensor) and value is not old:
+                    _check_same_output(old, value, i)
+                    old.copy_(value)
+        return self.outputs
+
+
+def _check_same_output(static: torch.Tensor, value, i: int) -> None:
+    """A CPU step's output i against its first call's: what a graph's replay
+    would have written in place."""
+    if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != \
+            (static.shape, static.dtype, static.device):
+        got = (f"{tuple(value.shape)} {value.dtype} on {value.device}"
+               if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise RuntimeError(f"step: output {i} was {tuple(static.shape)} {static.dtype} on "
+                           f"{static.device} at its first call, now {got}; a captured step's "
+                           "outputs are fixed")
 
 
 def _check_dense_input(t: object, i: int) -> None:
@@ -1928,7 +1964,8 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
 
     Returns a ``CapturedStep``. On the CPU nothing is captured: after the
     same warm-up the step runs eagerly on the static inputs, with the same
-    input checks, so a script behaves alike on both devices.
+    input checks, and its outputs are the first call's tensors overwritten
+    by each call, so a script behaves alike on both devices.
     """
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
