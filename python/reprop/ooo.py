@@ -702,7 +702,7 @@ class _Task:
 # The handle: profiling, the region schedule, issue of the deferred tasks
 # ---------------------------------------------------------------------------
 
-ORDERS = ("ooo", "conventional")
+ORDERS = ("ooo", "conventional")  # enable()'s; simulate() takes its own (see its docstring)
 
 
 @dataclass
@@ -2239,9 +2239,18 @@ def _check_simulated_k(k, layers: int, order: str) -> None:
 
 @dataclass
 class SimResult:
-    """What ``simulate`` found. ``order[d]`` lists device d's computed tasks
-    as run: (kind, layer, micro-batch, iteration) with kind in F, dO, dW (the
-    all-reduces, S, run on the link and are not listed)."""
+    """What ``simulate`` found, in the unit of the times it was given.
+
+    ``makespan``: when the last task of the last iteration ends. ``period``:
+    the steady-state time per iteration, between the ends of the first and
+    the last iteration's forwards over iterations - 1 (None for one
+    iteration). ``busy[d]``: the time device d's main stream computed;
+    ``idle[d]``: makespan - busy[d]. ``order[d]`` lists device d's computed
+    tasks as run: (kind, layer, micro-batch, iteration) with kind in F, dO,
+    dW (the all-reduces, S, run on the link and are not listed). ``graph``
+    (the core's task graph: arrays "kind", "layer", "micro", "iteration",
+    "resource", ... by task id), ``start`` and ``finish`` (per task id) are
+    the raw simulation, for plots."""
 
     makespan: float
     period: float | None  # time per iteration in steady state (iterations >= 2)
@@ -2261,16 +2270,23 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
     """Plays `iterations` training iterations of a layered model on the
     scheduler core's discrete-event simulator.
 
-    Times are per layer and micro-batch (a number for all layers or a
-    sequence of `layers`), in any unit: 1 reproduces the paper's unit-time
-    figures, profiled seconds plan a real run. ``sync`` is each layer's
-    all-reduce time (data parallelism; see ``allreduce_time``), None for
-    none; ``transfer`` the delay of an activation between devices. Orders:
-    "conventional" (autograd's; GPipe with micro-batches), "fast_forward"
-    (gradient fast-forwarding), "reverse_first_k" (Algorithm 2 with `k`, in
-    [0, layers]; the other orders take no k).
-    ``sub_stream`` runs dW on a second stream of its device, both streams
-    advancing at `corun_rate` while they overlap.
+    Times (``fwd``, ``out_grad`` for dO, ``weight_grad`` for dW) are per
+    layer and micro-batch (a number for all layers or a sequence of
+    `layers`), in any unit: 1 reproduces the paper's unit-time figures,
+    profiled seconds plan a real run. ``sync`` is each layer's all-reduce
+    time (data parallelism; see ``allreduce_time``), None for none; the link
+    sends the ready all-reduces lowest layer first when ``sync_by_layer``
+    (the priority reverse first-k gives the first layers), else first come
+    first served. ``transfer`` is the delay of an activation or a gradient
+    between devices. ``micro_batches`` per iteration run over
+    ``num_stages`` devices, the layers placed by ``stages(layers,
+    num_stages, allocation, group)``. Orders: "conventional" (autograd's;
+    GPipe with micro-batches), "fast_forward" (gradient fast-forwarding),
+    "reverse_first_k" (Algorithm 2 with `k`, in [0, layers]; the other
+    orders take no k). ``sub_stream`` runs dW on a second stream of its
+    device, both streams advancing at `corun_rate` while they overlap.
+    ``input_grad`` adds the first layer's dO (the gradient of the model's
+    input, which training does not need) to each micro-batch.
     """
     if order not in _ORDER_CODES:
         raise ValueError(f"order: expected one of {tuple(_ORDER_CODES)}, got {order!r}")
@@ -3387,7 +3403,8 @@ class Pipeline:
     Activations and gradients go between stages with ``isend`` (waited on at
     the end of the step) and blocking ``recv``, in the order each sender
     sends (see ``_receive``), so NCCL's in-order matching is met as well as
-    gloo's.
+    gloo's. They are received on `device`: by default this rank's first
+    layer parameter's device, the CPU when its layers have none.
     """
 
     def __init__(self, layers: Sequence[nn.Module], *, micro_batches: int = 1,
