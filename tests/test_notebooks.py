@@ -182,3 +182,31 @@ def test_notebook_runs_its_benchmark_with_accepted_arguments(path, cuda, monkeyp
     out = namespace.get("out")
     assert out is not None and Path(args.json) == Path(out), \
         f"{path.name}: writes --json {args.json} but reads {out!r} (the notebook's `out`)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_shows_its_benchmarks_report(path, monkeypatch):
+    """The report (the tables) is the benchmark's stdout: the run captures it as text, in a variable
+    a code cell prints, so that the results cell shows it above the lines it reads from the JSON.
+    Left to the subprocess, it goes wherever the kernel process's own stdout goes (the run cell's
+    output or the Jupyter server's terminal, by kernel), mixed with the progress lines on stderr."""
+    _, kwargs, namespace = notebook_command(path, False, monkeypatch)
+    assert kwargs.get("stdout") == subprocess.PIPE and kwargs.get("text") is True, \
+        f"{path.name}: subprocess.run does not capture the report (stdout=subprocess.PIPE, text=True)"
+    kept = [name for name, value in namespace.items() if isinstance(value, subprocess.CompletedProcess)]
+    assert kept, f"{path.name}: subprocess.run's result (the captured report) is not kept in a variable"
+    shown = re.compile(rf"\bprint\(\s*({'|'.join(kept)})\.stdout\b")
+    assert any(shown.search(src) for src in code_cells(load(path))), \
+        f"{path.name}: no code cell prints the captured report ({' or '.join(kept)}.stdout)"
+
+
+# An instruction to set DEVICE by hand; the code sets it from reprop.cuda_available() (checked above)
+SET_DEVICE_BY_HAND = re.compile(r"\bset\s+`?DEVICE\b", re.IGNORECASE)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_markdown_does_not_ask_to_set_device_by_hand(path):
+    for i, cell in enumerate(load(path)["cells"]):
+        if cell["cell_type"] == "markdown":
+            assert not SET_DEVICE_BY_HAND.search(source(cell)), \
+                f"{path.name} cell {i}: tells the user to set DEVICE, which the code sets from reprop.cuda_available()"
