@@ -3021,6 +3021,85 @@ def test_params_unfrozen_or_added_after_fuse_are_trained(mode: str, later: str, 
     _assert_same_training(got, ref)
 
 
+def _lazy_mlp() -> nn.Module:
+    """_mlp's batches through a LazyConv2d and a LazyLinear, uninitialized
+    until the first forward materializes them (in place, from the global
+    random stream)."""
+    return nn.Sequential(nn.Unflatten(1, (1, 2, 2)), nn.LazyConv2d(2, 3, padding=1), nn.Tanh(),
+                         nn.Flatten(), nn.LazyLinear(3))
+
+
+def _lazy_optimizer(cls: type, name: str) -> Callable:
+    """make_opt for _mlp_loop: cls over the model's parameters, uninitialized
+    ones too. torch's Adagrad constructor fills `sum` from each parameter,
+    refusing lazy ones; add_param_group takes them."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        if name != "Adagrad":
+            return cls(model.parameters(), **RICH[name])
+        opt = cls([{"params": []}], **RICH[name])
+        opt.add_param_group({"params": list(model.parameters())})
+        return opt
+    return make
+
+
+def _dry_run(model: nn.Module, opt=None) -> None:
+    with torch.no_grad():
+        model(_mlp_batch(0)[0])
+
+
+def _grads_freed(model: nn.Module, opt) -> None:
+    """Backward mode updated every parameter inside backward, lazy ones too."""
+    assert all(p.grad is None for p in model.parameters()), "a gradient backward did not apply"
+
+
+def _read_while_pending_is_refused(model: nn.Module, opt) -> None:
+    """Forward mode's safety net is on the lazy parameters too: a gradient
+    reaching one whose update is pending is refused (before it reaches .grad)."""
+    with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
+        model[4].weight.sum().backward()
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_lazy_modules_fused_before_their_first_forward_match_eager(name: str, mode: str, impl: str,
+                                                                   dry_run: bool) -> None:
+    """A model of lazy modules fused, with its optimizer, before the forward
+    that materializes their parameters (a no-grad dry run, or the first
+    training forward): trained bitwise as eager reprop built after that
+    forward. Backward mode hooks them at their module's first forward
+    (updated inside backward: no gradient left for step()), forward mode at
+    its first step() after it. Before, fuse() (and reprop's constructor)
+    read the shape of an UninitializedParameter and raised RuntimeError."""
+    cls = getattr(rp if impl == "reprop" else torch.optim, name)
+    checks = {"backward": {"before_step": dict.fromkeys(range(4), _grads_freed)},
+              "forward": {"after_step": {3: _read_while_pending_is_refused}}}[mode]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        got = _mlp_loop(mode, _lazy_optimizer(cls, name), 4, make_model=_lazy_mlp,
+                        events={0: _dry_run} if dry_run else None, **checks)
+        torch.manual_seed(0)
+
+        def after_dry_run(model: nn.Module) -> torch.optim.Optimizer:
+            _dry_run(model)
+            return _lazy_optimizer(getattr(rp, name), name)(model)
+
+        ref = _mlp_loop(None, after_dry_run, 4, make_model=_lazy_mlp)
+    assert not torch.nn.parameter.is_lazy(got[0][4].weight)
+    _assert_same_training(got, ref)
+
+
+def test_fuse_names_a_lazy_parameter_another_fusion_holds() -> None:
+    """Two fusions cannot share a parameter; one still uninitialized is named
+    as such (its shape raised RuntimeError while building the message)."""
+    model = nn.Sequential(nn.LazyLinear(2))
+    with reprop.fuse(model, torch.optim.SGD(model.parameters(), lr=0.1)):
+        with pytest.raises(ValueError, match=r"optimizer: an uninitialized parameter of a lazy "
+                                             r"module is also in the optimizer of a live"):
+            reprop.fuse(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def _pop_first_group(model: nn.Module, opt) -> None:
     """Stops training the first layer: its group leaves the optimizer."""
     for p in opt.param_groups.pop(0)["params"]:

@@ -2051,6 +2051,111 @@ def test_step_params_rejects_repeated_param(name: str) -> None:
     assert not torch.equal(params[0], before[0])
 
 
+def make_lazy_model() -> nn.Module:
+    """(B, 3, 6, 6) -> (B, 3) through a LazyConv2d and a LazyLinear, whose
+    parameters are uninitialized until the first forward materializes them
+    (from the global random stream: each test fixes it before)."""
+    return nn.Sequential(nn.LazyConv2d(4, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.LazyLinear(3))
+
+
+def make_lazy_optimizer(cls: type[torch.optim.Optimizer], name: str,
+                        params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    """cls over `params`, which may be uninitialized. Adagrad's constructor
+    fills its `sum` state from each parameter, and torch's refuses lazy ones
+    there (reprop's as torch's); add_param_group takes them, its state is
+    made at the first step."""
+    if name != "Adagrad":
+        return cls(params, **RICH[name])
+    opt = cls([{"params": []}], **RICH[name])
+    opt.add_param_group({"params": list(params)})
+    return opt
+
+
+def _lazy_run(cls: type[torch.optim.Optimizer], name: str, batches, *,
+              optimizer_first: bool) -> Run:
+    """A lazy model materialized by a no-grad dry run, its optimizer built
+    before the dry run or after it, then trained on `batches`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = make_lazy_model()
+        opt = make_lazy_optimizer(cls, name, model.parameters()) if optimizer_first else None
+        with torch.no_grad():
+            model(batches[0][0])
+    if opt is None:
+        opt = make_lazy_optimizer(cls, name, model.parameters())
+    return train_model(None, batches, model=model, opt=opt)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lazy_parameters_train_as_once_materialized(name: str, batches) -> None:
+    """An optimizer built over a lazy model's parameters before the dry run
+    that materializes them (in place: the same Parameter objects), as
+    torch.optim takes them, trains as one built after it, bitwise, and as
+    torch.optim built before it (TRAIN_TOL). Before, the constructor read the
+    shape of an UninitializedParameter and raised RuntimeError."""
+    got = _lazy_run(reprop_cls(name), name, batches[:10], optimizer_first=True)
+    assert_runs_equal(got, _lazy_run(reprop_cls(name), name, batches[:10], optimizer_first=False))
+    assert_runs_close(got, _lazy_run(torch_cls(name), name, batches[:10], optimizer_first=True),
+                      TRAIN_TOL[name])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_lazy_parameters_state_dict_round_trips(name: str, batches) -> None:
+    """state_dict() of an optimizer of uninitialized parameters loads into
+    another such optimizer, which then trains as the first (bitwise); and a
+    trained optimizer's state (through torch.save) loads into the optimizer of
+    a fresh lazy model, materialized by the model's load_state_dict, which
+    then steps on as the trained one."""
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = make_lazy_model()
+        return model, make_lazy_optimizer(reprop_cls(name), name, model.parameters())
+
+    with torch.random.fork_rng(devices=[]):
+        model, opt = fresh()
+        twin, twin_opt = fresh()
+        twin_opt.load_state_dict(opt.state_dict())
+        torch.manual_seed(1)  # the same materialization for both
+        trained = train_model(None, batches[:3], model=model, opt=opt)
+        torch.manual_seed(1)
+        assert_runs_equal(train_model(None, batches[:3], model=twin, opt=twin_opt), trained)
+        saved = io.BytesIO()
+        torch.save(opt.state_dict(), saved)
+        resumed, resumed_opt = fresh()
+    saved.seek(0)
+    resumed_opt.load_state_dict(torch.load(saved))
+    resumed.load_state_dict(model.state_dict())
+    assert_runs_equal(train_model(None, batches[3:5], model=resumed, opt=resumed_opt),
+                      train_model(None, batches[3:5], model=model, opt=opt))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_uninitialized_parameter_is_skipped_or_refused_as_torch_does(name: str) -> None:
+    """A lazy module's parameter never materialized sits steps out while it
+    has no gradient, as in torch; given one by hand (of its size, 0), it is
+    refused with a ValueError naming params before anything of its group
+    changes, where torch's update raises ValueError. step_params() of one not
+    in the optimizer names it without reading its shape."""
+    for cls in (reprop_cls(name), torch_cls(name)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3))
+        opt = make_lazy_optimizer(cls, name, model.parameters())
+        model[0](torch.ones(1, 2)).sum().backward()
+        before = model[0].weight.detach().clone()
+        opt.step()
+        assert not torch.equal(model[0].weight, before)
+        model[1].weight.grad = torch.empty(0)
+        before = model[0].weight.detach().clone()
+        with pytest.raises(ValueError, match=None if cls is torch_cls(name) else
+                           r"params: an uninitialized parameter of a lazy module has a gradient"):
+            opt.step()
+        if cls is reprop_cls(name):
+            assert torch.equal(model[0].weight, before), "a refused step changes nothing"
+            with pytest.raises(ValueError, match=r"params\[0\]: not a parameter of this "
+                                                 r"optimizer \(an uninitialized parameter"):
+                opt.step_params([nn.LazyLinear(1).weight])
+
+
 # ---------------------------------------------------------------------------
 # 7. NaN and inf in gradients propagate as in torch
 # ---------------------------------------------------------------------------

@@ -80,7 +80,9 @@ three dropped without remove() are freed.
 
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
-the next forward of the root module or ``optimizer.step()``.
+the next forward of the root module or ``optimizer.step()``. A lazy module's
+parameters are fused from the forward that materializes them (their gradient
+hooks wait for it: torch refuses them on an UninitializedParameter).
 
 Each update is the same fused kernel as ``reprop.optim``'s ``step()``, with
 the hyper-parameters of the moment it was decided, so fused training computes
@@ -403,7 +405,7 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
         other = _fusion_holding(p)
         if other is not None and other is not handle:
             raise ValueError(
-                f"optimizer: a parameter of shape {tuple(p.shape)} is also in the optimizer of "
+                f"optimizer: {optim._described_param(p)} is also in the optimizer of "
                 f"a live reprop.fuse handle (mode={other.mode!r}); two fused optimizers cannot "
                 "share a parameter. Call remove() on that handle first (reprop.fusion.fusion_of("
                 "model) finds it), or fuse optimizers with disjoint parameters")
@@ -541,7 +543,11 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     for flag in ("foreach", "fused"):  # torch's own fast paths play no part
         if flag in accepted:  # RMSprop and Adadelta have no `fused`
             defaults[flag] = None
-    engine = ours([{"params": list(g["params"])} for g in optimizer.param_groups], **defaults)
+    # Built without parameters, its groups and state then bound to the
+    # optimizer's: torch's constructor would only make state that the binding
+    # drops (Adagrad's `sum` of each parameter), and raise for a lazy module's
+    # parameter not yet materialized, which torch's add_param_group takes.
+    engine = ours([{"params": []}], **defaults)
     # Share, not copy: schedulers change the user's groups, checkpoints read the user's state.
     engine.param_groups = optimizer.param_groups
     engine.state = optimizer.state
@@ -844,6 +850,9 @@ class FusionHandle:
         self._warned: set = set()
         self._removed = False
         self._params = _all_params(engine)
+        # id -> fused parameter of a lazy module not yet materialized, whose
+        # gradient hook waits for its first forward (_hook_materialized)
+        self._lazy: dict = {}
         _check_params_not_fused(self._params.values(), self)
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
@@ -955,6 +964,36 @@ class FusionHandle:
 
     def _track(self, new: list) -> None:
         """Installs what the mode needs for parameters added to the optimizer."""
+
+    def _hook_params(self, params: Iterable[torch.Tensor]) -> None:
+        """Registers the mode's gradient hook on each of `params`, but on a
+        lazy module's parameter not yet materialized, which torch refuses to
+        hook (an UninitializedParameter): that one waits in _lazy until its
+        module's first forward materializes it, in place (_hook_materialized)."""
+        for p in params:
+            if torch.nn.parameter.is_lazy(p):
+                self._lazy[id(p)] = p
+            else:
+                self._lazy.pop(id(p), None)
+                self._hook_param(p)
+
+    def _hook_param(self, p: torch.Tensor) -> None:
+        """Registers the mode's gradient hook on `p`."""
+        raise NotImplementedError
+
+    def _hook_materialized(self) -> None:
+        """Registers the gradient hook of each parameter of _lazy materialized
+        since and still fused. The modes call it where no gradient can have
+        reached one yet: backward mode at each forward (its module's first
+        materializes it), forward mode at step(), before it has an update
+        pending."""
+        done = [p for p in self._lazy.values() if not torch.nn.parameter.is_lazy(p)]
+        for p in done:
+            if self._params.get(id(p)) is p:  # (not one the optimizer has let go since)
+                self._hook_param(p)
+            # hooked first: a KeyboardInterrupt (a notebook's stop button) in
+            # between leaves it to the next call, not unhooked for good
+            del self._lazy[id(p)]
 
     def _owners_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model that own fused parameters and have no forward
@@ -1226,20 +1265,22 @@ class _BackwardFusion(FusionHandle):
         # parameters removed from the optimizer are not held any more
         self._updated_since_freed = {i: p for i, p in self._updated_since_freed.items()
                                      if i in self._params}
-        # under DDP the bucket hook updates; a no_sync() backward calls no bucket
-        # hook, yet ends a micro-batch
-        on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
-        for p in new:
-            # (a param removed from the optimizer and added again has the hook already)
-            old = self._grad_hooks.pop(id(p), None)
-            if old is not None:
-                old.remove()
-            self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
+        self._hook_params(new)
         # a micro-batch starts, and the last step ends (what a gradient then reaching
         # an updated parameter is not a second one of), at the first forward of any
         # module with fused parameters: the root's may not run (layers called one by one)
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+
+    def _hook_param(self, p: torch.Tensor) -> None:
+        # under DDP the bucket hook updates; a no_sync() backward calls no bucket
+        # hook, yet ends a micro-batch
+        on_grad = self._on_grad_ready if not self._ddp else self._on_ddp_grad_ready
+        # (a param removed from the optimizer and added again has the hook already)
+        old = self._grad_hooks.pop(id(p), None)
+        if old is not None:
+            old.remove()
+        self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
 
     def flush(self) -> None:
         """Updates are applied inside backward, and what the last step() makes
@@ -1303,6 +1344,13 @@ class _BackwardFusion(FusionHandle):
         the first forward after a backward starts a micro-batch."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
+        if self._lazy:
+            # a lazy module's own pre-hook, registered at its construction and so
+            # run before this one, has materialized its parameters by now: hooked
+            # before its backward (one missed, materialized without a forward,
+            # has its gradient applied by step(), as one set by hand)
+            with self._lock:
+                self._hook_materialized()
         if not _tensors.outside_backward():  # a forward that checkpointing recomputes
             # counts only when it is the micro-batch's first grad-mode forward (a
             # reentrant checkpoint of the whole model runs the first under no_grad),
@@ -1908,15 +1956,19 @@ class _ForwardFusion(FusionHandle):
 
     def _track(self, new: list) -> None:
         self._hook_owners()
+        self._hook_params(new)
+        # Each param's group as of this sync, which every step() makes: the group
+        # its pending update was decided in (_before_regroup keeps it so).
+        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _hook_param(self, p: torch.Tensor) -> None:
         # Safety net: a gradient arriving for a still-pending parameter means its
         # stale value was used in forward (read outside its module's forward).
         # Refused before it reaches .grad: the gradient the pending update holds
         # may still be .grad, and flush() then the forward again trains as eager.
-        for p in new:
-            self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
-        # Each param's group as of this sync, which every step() makes: the group
-        # its pending update was decided in (_before_regroup keeps it so).
-        self._group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
+        # Needed once an update may be pending: a lazy parameter's is hooked at
+        # the first step() after its materialization (_fused_step).
+        self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
 
     def _hook_owners(self) -> None:
         """Follows which modules own the fused parameters: a pending update is
@@ -2285,6 +2337,7 @@ class _ForwardFusion(FusionHandle):
         self._grads.clear()
         self._forget_late()
         self._sync()
+        self._hook_materialized()
         by_group = [(g, [p for p in g["params"] if p.grad is not None])
                     for g in self.optimizer.param_groups]
         with_grad = [p for _, params in by_group for p in params]

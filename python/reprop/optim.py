@@ -59,8 +59,8 @@ def _layout_key(p: torch.Tensor) -> tuple:
     the bytes its elements span from that address, which follow from the
     rest, kept for the check of gradients sharing its memory
     (_shares_memory). The fast path in C (optim_grad_pointers) checks the
-    same tuple. None for a param with no strided memory (a sparse one): its
-    row stays dormant."""
+    same tuple. None for a param with no strided memory (a sparse one, or
+    a lazy module's not yet materialized): its row stays dormant."""
     layout = _layout(p)
     if layout is None:
         return None
@@ -72,9 +72,19 @@ def _layout(p: torch.Tensor) -> tuple | None:
     """p's _layout_key but the span, which follows from the rest: what the
     Python path compares at each step (the span of a param with gaps, a
     channels_last one, is a loop over its dimensions)."""
-    if p.layout is not torch.strided:
+    if not _has_memory(p):
         return None
     return (p.data_ptr(), p.dtype, p.shape, True if p.is_contiguous() else p.stride(), p.get_device())
+
+
+def _has_memory(p: torch.Tensor) -> bool:
+    """Whether p has strided memory that a row can point at: not sparse, nor
+    a lazy module's parameter not yet materialized (an UninitializedParameter
+    has no shape or memory until the module's first forward; torch.optim
+    takes one and updates it from then on, its materialization keeping the
+    object, so the row of a plan built before stays dormant and the
+    parameter's first gradient makes the plan stale)."""
+    return p.layout is torch.strided and not torch.nn.parameter.is_lazy(p)
 
 
 def _shares_memory(g: torch.Tensor, key: tuple) -> bool:
@@ -588,9 +598,22 @@ def _stand_in(p: torch.Tensor) -> torch.Tensor:
         return p.resolve_neg()  # p itself where the bit is not set
 
 
+def _described_param(p: torch.Tensor) -> str:
+    """Parameter p for an error message: by its shape, which a lazy module's
+    parameter not yet materialized has none of (reading it raises)."""
+    if torch.nn.parameter.is_lazy(p):
+        return "an uninitialized parameter of a lazy module"
+    return f"a parameter of shape {tuple(p.shape)}"
+
+
 def _check_param(p: torch.Tensor, capturable: bool) -> None:
     """Refuses a parameter the fused update cannot take, in a group with this
     `capturable` setting; the caller names the optimizer and group."""
+    if torch.nn.parameter.is_lazy(p):
+        # only a gradient set by hand gets here (_check_group skips lazy
+        # params); torch's update raises ValueError for it too
+        raise ValueError("params: an uninitialized parameter of a lazy module has a gradient; "
+                         "run a forward pass to materialize it before updating it")
     _check_plain(p, "params", f"a parameter of shape {tuple(p.shape)}")
     if p.is_complex():
         raise TypeError(f"complex parameters are not supported "
@@ -707,7 +730,7 @@ def _ordered_runs(params: list) -> list[list]:
     overlapped_by = [[] for _ in params]  # the earlier params each one overlaps
     open_spans: list = []  # (end, index) of the spans the next one may overlap
     for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params)
-                                  if p.numel() and p.layout is torch.strided):
+                                  if _has_memory(p) and p.numel()):
         open_spans = [(e, j) for e, j in open_spans if e > start]
         for _, j in open_spans:
             overlapped_by[max(i, j)].append(min(i, j))
@@ -791,7 +814,7 @@ def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
                 raise TypeError(f"params[{i}]: expected a parameter of this optimizer, "
                                 f"got {type(p).__name__}")
             raise ValueError(f"params[{i}]: not a parameter of this optimizer "
-                             f"(shape {tuple(p.shape)})")
+                             f"({_described_param(p)})")
         groups.setdefault(id(group), (group, []))[1].append(p)
     return groups.values()
 
@@ -1023,8 +1046,11 @@ class _FusedOptimizer:
                              "in a group")
         capturable = bool(group.get("capturable", False))
         try:
+            # a lazy module's parameter, as torch.optim takes it before the first
+            # forward, is checked once materialized, at its first update (_check_step)
             for p in group["params"]:
-                _check_param(p, capturable)
+                if not torch.nn.parameter.is_lazy(p):
+                    _check_param(p, capturable)
         except (TypeError, ValueError, RuntimeError) as e:
             raise type(e)(f"{type(self).__name__}: {e}") from None
 
