@@ -23,6 +23,10 @@ Differences from torch, all deliberate:
   Adadelta, fused nowhere in torch, ignore them as torch's do).
 * ``step_params(params)`` updates just the given parameters now; the optimizer
   fusion hooks call it from inside backward.
+* Parameters other than float32, float16 and bfloat16 (float64, complex) are
+  refused at construction with a TypeError naming ``params``; torch takes them.
+* ``capturable=True`` with CPU parameters is refused at construction with a
+  ValueError, where torch raises an AssertionError at ``step()``.
 """
 from __future__ import annotations
 
