@@ -384,6 +384,42 @@ def test_scan_follows_autograd_and_inference_mode_rules():
     assert torch.equal(inference, want)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_scan_refuses_what_only_torch_carries():
+    """scan's kernels read raw memory and record no graph: a forward-AD dual
+    operand lost its tangent without a word (the result had none), a
+    functorch-wrapped one raised torch's 'Cannot access data pointer' and a
+    nested c torch's internal 'NestedTensorImpl doesn't support sizes',
+    naming no operand. Now each is refused by name, as the chain refuses
+    them; a plain call under a dual level is unchanged."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    T, B, H = 4, 2, 3
+    c, w = torch.randn(T, B, H), torch.randn(H, H)
+    calls = [({"c": c, "w": w, "u": torch.rand(T, B, H), "v": torch.rand(T, B, H), "out": torch.empty(T, B, H)}, {}),
+             ({"c": c, "w": w, "y": torch.rand(T, B, H)}, {"activation": "tanh"}),
+             ({"c": c, "jt": torch.randn(T, B, H, H)}, {})]
+    refused = "a tensor of a torch.func transform .*Call scan outside the transform, or use autograd"
+    for operands, options in calls:
+        want = bppsa.scan(**operands, **options).clone()
+        with fwAD.dual_level():
+            assert torch.equal(bppsa.scan(**operands, **options), want)
+            for name, t in operands.items():
+                dual = dict(operands, **{name: fwAD.make_dual(t, torch.ones_like(t))})
+                with pytest.raises(RuntimeError, match=f"^{name}: {refused}"):
+                    bppsa.scan(**dual, **options)
+    v = torch.rand(T, B, H)
+    with pytest.raises(RuntimeError, match=f"^c: {refused}"):
+        torch.vmap(lambda c: bppsa.scan(c, w=w, v=v))(torch.randn(3, T, B, H))
+    with pytest.raises(RuntimeError, match=f"^w: {refused}"):
+        torch.vmap(lambda w: bppsa.scan(c, w=w, v=v))(torch.randn(3, H, H))
+    with pytest.raises(RuntimeError, match=f"^v: {refused}"):
+        torch.func.grad(lambda v: bppsa.scan(c, w=w, v=v).sum())(v)
+    nested = torch.nested.nested_tensor([torch.randn(B, H), torch.randn(B + 1, H)])
+    with pytest.raises(RuntimeError, match=f"^c: {refused}"):
+        bppsa.scan(nested, w=w, v=v)
+
+
 def test_linear_scan_needs_no_workspace():
     assert _C.scan_workspace(1000, 16, 20, 0) == 0
     assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20

@@ -314,11 +314,15 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     differentiable: under grad mode, an operand (or out) that requires grad
     raises RuntimeError, as torch's out= functions do; call it under
     torch.no_grad(). An inference tensor as out raises outside
-    torch.inference_mode, as torch's in-place writes do. The linear
+    torch.inference_mode, as torch's in-place writes do. What only torch's
+    ops carry (a torch.func transform's tensor, a forward-AD dual, a nested
+    tensor, a subclass, any under jit.trace) raises RuntimeError naming the
+    operand: the kernels read raw memory. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
-    _check_tensor(c, "c")
+    operands = {"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}
+    _check_raw_readable(operands)
     if c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
     T, B, H = c.shape
@@ -345,7 +349,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
-    _check_no_graph({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}, out)
+    _check_no_graph(operands, out)
     levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     # the kernels read memory: a lazily negated view holds -t there
@@ -375,11 +379,21 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     return g
 
 
+def _check_raw_readable(operands: dict) -> None:
+    """Each given operand of scan a tensor its kernels can read: not one only
+    torch's ops carry (torch_only: a forward-AD dual's tangent would be
+    dropped, a functorch wrapper has no storage, a nested tensor no sizes),
+    refused by name before anything reads its shape."""
+    for name, t in operands.items():
+        if t is not None:
+            _check_tensor(t, name)
+            if torch_only(t):
+                _refuse_torch_only(name, "scan")
+
+
 def _gates(w: torch.Tensor | None, H: int) -> int:
     """The number G >= 1 of row blocks of w, a (G*H, H) tensor (none: the
-    leaves would be dense, which only jt gives)."""
-    if w is not None:
-        _check_tensor(w, "w")
+    leaves would be dense, which only jt gives); w checked a tensor already."""
     if w is None or w.dim() != 2 or w.shape[1] != H or w.shape[0] % H or w.shape[0] < H:
         raise ValueError(f"w: expected a (G*{H}, {H}) tensor, G >= 1")
     return w.shape[0] // H
@@ -1262,14 +1276,14 @@ def _check_chain_tensor(t, name: str) -> None:
         _refuse_torch_only(name)
 
 
-def _refuse_torch_only(name: str) -> None:
-    """The chain has no torch fallback, unlike the RNN modules: what only
+def _refuse_torch_only(name: str, call: str = "chain_backward") -> None:
+    """The chain and scan (`call`, the function to call outside the
+    transform) have no torch fallback, unlike the RNN modules: what only
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
                        "forward-AD dual, a nested tensor, a tensor subclass or one under "
-                       "torch.jit.trace; the chain's "
-                       "scan reads raw memory and records no graph for them. Call chain_backward "
-                       "outside the transform, or use autograd")
+                       f"torch.jit.trace; {call} reads raw memory and records no graph for them. "
+                       f"Call {call} outside the transform, or use autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
