@@ -2297,6 +2297,20 @@ def test_argument_errors_name_the_argument():
         bppsa.scan(c, w=w, v=v, pre_activation=np.bool_(True))
 
 
+def test_chain_plan_pruned_takes_a_bool_only():
+    """pruned="False" (or 1, or a numpy bool) was taken by its truth: the
+    string turned pruning on. Now a TypeError naming pruned, as scan's
+    pre_activation raises; True and False as before."""
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight[0, 0] = 0
+    for bad, kind in (("False", "str"), (1, "int"), (np.bool_(False), r"numpy\.bool"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"^pruned: expected a bool, got {kind}"):
+            bppsa.ChainPlan([layer], (3,), pruned=bad)
+    assert bppsa.ChainPlan([layer], (3,), pruned=False).leaves[0].zero_weights is None
+    assert bppsa.ChainPlan([layer], (3,), pruned=True).leaves[0].zero_weights.tolist() == [0]
+
+
 class _StandardizedConv2d(nn.Conv2d):
     """A Conv2d whose forward standardizes its weight (timm's StdConv2d)."""
 

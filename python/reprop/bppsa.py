@@ -204,6 +204,14 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+def _check_bool(value, name: str) -> None:
+    """TypeError unless value is a bool: a string such as "False" would pass
+    for True by its truth; a numpy.bool is refused too, as torch's bool
+    arguments refuse it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {_type_name(value)}")
+
+
 def _type_name(value) -> str:
     """value's type as errors name it: qualified outside the builtins, so that
     numpy.bool does not read as bool."""
@@ -333,8 +341,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     if H < 1:
         raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
-    if not isinstance(pre_activation, bool):  # numpy.bool too, as torch's bool arguments refuse it
-        raise TypeError(f"pre_activation: expected a bool, got {_type_name(pre_activation)}")
+    _check_bool(pre_activation, "pre_activation")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -1762,7 +1769,7 @@ class ChainPlan:
     `input_shape` is one sample's (C, H, W) or (features,). `levels`: "auto"
     (the cost model, from the exact product sizes), "linear", "blelloch" or
     an int; `max_pairs` caps a level's planned products (0: no cap).
-    `pruned`: the Conv2d and Linear weights that are zero now are a fixed
+    `pruned` (a bool): the Conv2d and Linear weights that are zero now are a fixed
     pruning mask (Section 4.3): their entries are left out of the patterns,
     so the products stay as sparse as the pruned network; backward raises
     ValueError if any of them has become non-zero.
@@ -1784,6 +1791,7 @@ class ChainPlan:
         """__init__ (the same defaults); returns its build's reads of the
         parametrized weights (_build)."""
         product = _check_product(product)
+        _check_bool(pruned, "pruned")
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
@@ -1793,7 +1801,7 @@ class ChainPlan:
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
-        return self._build(layers, input_shape, want, max_pairs, [bool(pruned)] * len(layers), product)
+        return self._build(layers, input_shape, want, max_pairs, [pruned] * len(layers), product)
 
     def _build(self, layers: list[nn.Module], input_shape: tuple[int, ...], want: int, max_pairs: int,
                pruned: list, product: str) -> dict:
