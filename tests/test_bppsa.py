@@ -2311,6 +2311,30 @@ def test_chain_plan_pruned_takes_a_bool_only():
     assert bppsa.ChainPlan([layer], (3,), pruned=True).leaves[0].zero_weights.tolist() == [0]
 
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_arguments_named_for_an_empty_sample_and_iterable_inputs():
+    """transposed_jacobian of an empty sample raised the C core's 'diagonal:
+    size must be >= 1', naming an internal: now x's shape is checked first,
+    as a plan's input_shape is. ChainPlan.backward given its inputs as a
+    generator raised "object of type 'generator' has no len()": it takes
+    any iterable, as autograd.grad takes its inputs, and names `inputs`
+    when it is none."""
+    for layer, x in ((nn.Tanh(), torch.randn(0)), (nn.Linear(3, 2), torch.randn(0)),
+                     (nn.Conv2d(1, 1, 1), torch.randn(1, 0, 2))):
+        with pytest.raises(ValueError, match=r"^x\.shape: expected an int in \[1, 2147483647\], got 0"):
+            bppsa.transposed_jacobian(layer, x)
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)]
+    plan, x = bppsa.ChainPlan(layers, (3,)), torch.randn(5, 3)
+    inputs, out = plan.forward_inputs(x)
+    g = torch.randn_like(out)
+    want = plan.backward(inputs, g)
+    for got in (plan.backward((t for t in inputs), g), plan.backward(tuple(inputs), g)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(TypeError, match="^inputs: expected a sequence of tensors, got NoneType"):
+        plan.backward(None, g)
+
+
 class _StandardizedConv2d(nn.Conv2d):
     """A Conv2d whose forward standardizes its weight (timm's StdConv2d)."""
 

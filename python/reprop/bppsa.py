@@ -32,7 +32,7 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -1254,13 +1254,14 @@ def _check_pool_indices(geom: tuple, name: str) -> None:
                          "the padding, dilation or input size")
 
 
-def _layer_list(layers) -> list:
-    """The `layers` argument as a list; TypeError naming it if it is not
-    iterable (a bare module, None): its elements are checked as layers[i]."""
+def _listed(items, name: str, what: str) -> list:
+    """The argument `name`, any iterable (a generator too), as a list; a
+    TypeError naming it if it is not iterable (a bare module, None), saying
+    it expected a sequence of `what`: its elements are checked as name[i]."""
     try:
-        return list(layers)
+        return list(items)
     except TypeError:
-        raise TypeError(f"layers: expected a sequence of modules, got {_type_name(layers)}") from None
+        raise TypeError(f"{name}: expected a sequence of {what}, got {_type_name(items)}") from None
 
 
 def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
@@ -1795,7 +1796,7 @@ class ChainPlan:
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
-        layers = _layer_list(layers)
+        layers = _listed(layers, "layers", "modules")
         if not layers:
             raise ValueError("layers: expected at least one layer")
         # an int past the chain's depth is the full scan, as in scan()
@@ -1936,14 +1937,15 @@ class ChainPlan:
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
-    def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: Iterable[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
-        layer inputs of forward_inputs() and the gradient of the chain's output.
+        layer inputs of forward_inputs() (any iterable of them, as autograd.grad
+        takes its inputs) and the gradient of the chain's output.
         Where one is not finite, all are those of each layer's own torch
         backward (autograd's infs and NaNs, see README), as they always are
         with a MaxPool2d window in the padding (_padding_windows)."""
         self._check_modules()
-        return self._backward(inputs, grad_output)
+        return self._backward(_listed(inputs, "inputs", "tensors"), grad_output)
 
     def _backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward of layers checked already: by backward, or by
@@ -2080,7 +2082,7 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
-    a = _layer_list(a)
+    a = _listed(a, "layers", "modules")
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
@@ -2133,7 +2135,9 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     _check_global_hooks("layer")
     weight = _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
-    leaf = _Leaf(layer, tuple(x.shape), "layer", weight)
+    # before the layer's geometry reads it: an empty dim is no sample
+    shape = _check_sample_shape(x.shape, "x.shape")
+    leaf = _Leaf(layer, shape, "layer", weight)
     if leaf.torch_only:
         raise ValueError("layer: MaxPool2d has a window lying entirely in the padding, whose gradient "
                          "torch sends outside the window: it has no CSR transposed Jacobian here")
