@@ -1121,6 +1121,42 @@ class Tagger(nn.Module):
         return self.head(y)
 
 
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirectional):
+    """spectral_norm's power iteration runs at each read of its weight. nn's
+    forward reads the weights several times (_update_flat_weights: four
+    computations of the first parametrized weight, two of the others), the
+    BPPSA modules read each once: their _u and _v drifted from nn's and
+    their gradients differed (1.5e-4 relative). Now they read them as nn
+    does: the same computations, states and outputs bit for bit, gradients
+    within rounding; for an empty batch (torch's own recurrence) and a
+    PackedSequence too."""
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    names = ["weight_hh_l0", f"weight_ih_l{layers - 1}" + ("_reverse" if bidirectional else "")]
+    models, calls = make_pair(kind, 3, 4, num_layers=layers, bidirectional=bidirectional), ([], [])
+    for m, called in zip(models, calls):
+        for name in names:
+            torch.manual_seed(1)  # the same first u and v for both
+            spectral_norm(m, name)
+            m.parametrizations[name][0].register_forward_hook(lambda *_, name=name, called=called: called.append(name))
+    x = torch.randn(5, 2, 3)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
+    for inputs in (x, torch.randn(5, 0, 3), packed, x):
+        (out_ref, h_ref), (out, h_n) = (m(inputs) for m in models)
+        if isinstance(out, nn.utils.rnn.PackedSequence):
+            out_ref, out = out_ref.data, out.data
+        torch.testing.assert_close((out, h_n), (out_ref, h_ref), rtol=0, atol=0)
+        for y, h in ((out_ref, h_ref), (out, h_n)):
+            (y.pow(2).sum() + h.pow(2).sum()).backward()
+    assert calls[1] == calls[0] and len(calls[0]) == 4 * (4 + 2)  # four forwards
+    for a, b in zip(models[0].buffers(), models[1].buffers(), strict=True):  # each _u and _v
+        assert torch.equal(b, a)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert rel_err(b.grad, a.grad) <= TOL, name
+
+
 @pytest.mark.filterwarnings("ignore:bppsa.convert. left 'lstm'")
 def test_convert_swaps_in_place_and_keeps_training_identical():
     torch.manual_seed(6)

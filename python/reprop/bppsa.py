@@ -27,6 +27,7 @@ arithmetic is reordered, nothing is approximated.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import sys
@@ -823,12 +824,19 @@ class _ScanRNNBase:
 
     def _weights_now(self) -> list:
         """Every weight in _flat_weights_names' order (layer by layer, direction
-        by direction), as this forward reads it: getattr, which computes a
-        parametrized weight (and finds what weight_norm's hook set) and sees
-        what functional_call swapped in. Read once per forward, for the
-        torch-only check and the layers alike (a parametrization recomputes
-        at each read)."""
-        return [getattr(self, name) for name in self._flat_weights_names]
+        by direction), as this forward reads it: getattr, which finds what
+        weight_norm's hook set and what functional_call swapped in. A
+        parametrized weight is computed at each read, so a parametrized
+        module reads them as nn's forward does, by its _update_flat_weights
+        (hasattr and getattr of each weight until one changed, then of every
+        one, into _flat_weights): computed as often as under nn
+        (spectral_norm's power iteration advances at each), the last
+        computation used, as there. Any other read changes nothing: one each,
+        half the cost."""
+        if "parametrizations" not in self._modules:
+            return [getattr(self, name) for name in self._flat_weights_names]
+        self._update_flat_weights()
+        return self._flat_weights
 
     def _direction_weights(self, weights: list, index: int) -> list:
         """(w_ih, w_hh, b_ih, b_hh) of layer * dirs + direction `index` out of
@@ -869,21 +877,33 @@ class _ScanRNNBase:
             raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
-    def _needs_torch_own(self, input, hx, weights: list) -> bool:
+    def _torch_runs(self, input, hx) -> bool:
+        """Whether torch's own recurrence runs this call, decided before
+        _weights_now reads the weights: torch's forward reads them itself, and
+        a parametrized weight read twice as often would be computed twice as
+        often. A weight that is itself one the scan cannot carry (one
+        functional_call swapped in, one weight_norm's hook set) is found by
+        forward after the read: reading it again computes nothing (but for a
+        parametrization that would make one out of plain tensors alone)."""
+        return self._needs_torch_own(input, hx) or self._no_scan_fits(input) or self._no_sequence(input)
+
+    def _needs_torch_own(self, input, hx) -> bool:
         """Whether a tensor of the call is one the scan cannot carry (functorch
         transforms, forward-AD duals, meta, subclasses such as FakeTensor,
         jit.trace), or any while a torch.func transform is active (a module
         or input it closes over, which it does not wrap): torch's own
-        recurrence, which differentiates them all. `weights` are those the
-        layers would use (_weights_now): a parametrized weight is computed
-        from what functional_call swapped in, and is a transform's tensor or
-        a dual when that is."""
+        recurrence, which differentiates them all. A parametrized weight is
+        one when a tensor it is computed from is (an original functional_call
+        swapped in, a parametrization's parameter or buffer), which is seen
+        without computing it."""
         if transform_active():
             return True
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
             return True
-        return any(map(torch_only_weight, weights))
+        parametrizations = self._modules.get("parametrizations")
+        return parametrizations is not None and any(
+            map(torch_only_weight, itertools.chain(parametrizations.parameters(), parametrizations.buffers())))
 
     def _no_scan_fits(self, input) -> bool:
         """Whether scan="auto" finds no scan that runs over this hidden size on
@@ -893,9 +913,17 @@ class _ScanRNNBase:
         return (self.scan == "auto" and isinstance(data, torch.Tensor)
                 and not _scan_fits(data.device, self.hidden_size, 0))
 
+    def _no_sequence(self, input) -> bool:
+        """Whether input is a batch of no sequence: nothing to scan, torch's
+        own empty result."""
+        return isinstance(input, torch.Tensor) and input.dim() == 3 and \
+            input.shape[0 if self.batch_first else 1] == 0
+
     def forward(self, input, hx=None):
+        if self._torch_runs(input, hx):
+            return super().forward(input, hx)
         weights = self._weights_now()
-        if self._needs_torch_own(input, hx, weights) or self._no_scan_fits(input):
+        if any(map(torch_only_weight, weights)):  # one swapped in, or one a weight_norm hook set
             return super().forward(input, hx)
         if isinstance(input, nn.utils.rnn.PackedSequence):
             return self._forward_packed(input, hx, weights)
@@ -905,8 +933,6 @@ class _ScanRNNBase:
             raise _ArgError(f"hx: expected a {input.dim()}-D tensor with "
                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
                             f"got {hx.dim()}-D")
-        if batched and input.shape[0 if self.batch_first else 1] == 0:
-            return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
             input = input.unsqueeze(1)
             hx = hx.unsqueeze(1) if hx is not None else None
