@@ -1227,6 +1227,42 @@ def test_convert_warns_for_what_it_leaves():
         assert bppsa.convert(lstm) == []
 
 
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
+    """A library that set its own forward on nn.GRU (or nn.RNN) itself:
+    convert swapped in BPPSA's forward, silently dropping what the
+    replacement computed (here an output twice torch's). Now the module is
+    left as it is with a UserWarning naming it, parametrized or not, and
+    whether the replacement is a plain function or a functools.wraps
+    wrapper; with torch's forward back, converted as before."""
+    import functools
+    cls = nn.GRU if kind == "gru" else nn.RNN
+    torchs = cls.forward
+
+    def doubled(self, input, hx=None):
+        out, h_n = torchs(self, input, hx)
+        return 2 * out, h_n
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([cls(3, 4), cls(3, 2)])
+    nn.utils.parametrizations.orthogonal(model[1], "weight_hh_l0")
+    x = torch.randn(5, 2, 3)
+    for replacement in (doubled, functools.wraps(torchs)(doubled)):
+        monkeypatch.setattr(cls, "forward", replacement)
+        want = [m(x) for m in model]
+        with pytest.warns(UserWarning) as caught:
+            assert bppsa.convert(model) == []
+        assert [str(w.message) for w in caught] == [
+            f"bppsa.convert: left {name!r} ({kind_name}) as it is: torch.nn.{cls.__name__}.forward is "
+            "not torch's own (it was replaced on the class), and BPPSA's forward would drop what it "
+            "computes" for name, kind_name in (("0", cls.__name__), ("1", f"Parametrized{cls.__name__}"))]
+        assert caught[0].filename == __file__  # convert's caller
+        assert type(model[0]) is cls and isinstance(model[1], cls) and not isinstance(model[1], bppsa.RNN | bppsa.GRU)
+        torch.testing.assert_close([m(x) for m in model], want, rtol=0, atol=0)
+    monkeypatch.undo()
+    assert bppsa.convert(model) == ["0", "1"]
+
+
 def test_autocast_hidden_state_fed_back_as_hx():
     """Under autocast h_n is bf16; fed back as hx with float32 input (truncated
     BPTT), nn.RNN casts both, and so must the BPPSA modules."""

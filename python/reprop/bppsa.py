@@ -47,8 +47,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       current_stream_handle, dispatch_mode_active, hook_owner, is_count,
-                       on_device, show_coming_writes, torch_only, torch_only_weight,
+                       current_stream_handle, dispatch_mode_active, forward_is_torchs, hook_owner,
+                       is_count, on_device, show_coming_writes, torch_only, torch_only_weight,
                        transform_active)
 from .fusion import FusionHandle
 
@@ -1030,7 +1030,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     hooks and parametrizations; returns the qualified names of the modules
     converted. BPPSA modules already there are not listed but take `scan`.
     Exact classes only: subclasses may override forward and are left alone.
-    An LSTM is left as it is, with a UserWarning naming it (not supported)."""
+    An LSTM is left as it is, with a UserWarning naming it (not supported),
+    and so is an RNN or GRU whose class had its forward replaced (by a
+    library: nn.GRU.forward = ...), which BPPSA's would silently drop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
@@ -1038,17 +1040,27 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     for name, module in model.named_modules():
         own = _own_class(module)
         target = _CONVERSIONS.get(own)
-        if target is not None:
+        if target is not None and not forward_is_torchs(own):
+            _warn_left(name, module, f"torch.nn.{own.__name__}.forward is not torch's own (it "
+                                     "was replaced on the class), and BPPSA's forward would drop what "
+                                     "it computes")
+        elif target is not None:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
         elif own in _CONVERSIONS.values():  # converted before: the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
-            where = repr(name) if name else "the model itself"
-            warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: LSTM is "
-                          "not supported (only nn.RNN and nn.GRU)", UserWarning, stacklevel=2)
+            _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
     return changed
+
+
+def _warn_left(name: str, module: nn.Module, why: str) -> None:
+    """convert's UserWarning for a module (qualified `name`) it leaves as it
+    is, pointing at convert's caller."""
+    where = repr(name) if name else "the model itself"
+    warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}", UserWarning,
+                  stacklevel=3)
 
 
 # ---------------------------------------------------------------------------
