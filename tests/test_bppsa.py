@@ -384,6 +384,42 @@ def test_scan_follows_autograd_and_inference_mode_rules():
     assert torch.equal(inference, want)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_scan_refuses_what_only_torch_carries():
+    """scan's kernels read raw memory and record no graph: a forward-AD dual
+    operand lost its tangent without a word (the result had none), a
+    functorch-wrapped one raised torch's 'Cannot access data pointer' and a
+    nested c torch's internal 'NestedTensorImpl doesn't support sizes',
+    naming no operand. Now each is refused by name, as the chain refuses
+    them; a plain call under a dual level is unchanged."""
+    import torch.autograd.forward_ad as fwAD
+    torch.manual_seed(0)
+    T, B, H = 4, 2, 3
+    c, w = torch.randn(T, B, H), torch.randn(H, H)
+    calls = [({"c": c, "w": w, "u": torch.rand(T, B, H), "v": torch.rand(T, B, H), "out": torch.empty(T, B, H)}, {}),
+             ({"c": c, "w": w, "y": torch.rand(T, B, H)}, {"activation": "tanh"}),
+             ({"c": c, "jt": torch.randn(T, B, H, H)}, {})]
+    refused = "a tensor of a torch.func transform .*Call scan outside the transform, or use autograd"
+    for operands, options in calls:
+        want = bppsa.scan(**operands, **options).clone()
+        with fwAD.dual_level():
+            assert torch.equal(bppsa.scan(**operands, **options), want)
+            for name, t in operands.items():
+                dual = dict(operands, **{name: fwAD.make_dual(t, torch.ones_like(t))})
+                with pytest.raises(RuntimeError, match=f"^{name}: {refused}"):
+                    bppsa.scan(**dual, **options)
+    v = torch.rand(T, B, H)
+    with pytest.raises(RuntimeError, match=f"^c: {refused}"):
+        torch.vmap(lambda c: bppsa.scan(c, w=w, v=v))(torch.randn(3, T, B, H))
+    with pytest.raises(RuntimeError, match=f"^w: {refused}"):
+        torch.vmap(lambda w: bppsa.scan(c, w=w, v=v))(torch.randn(3, H, H))
+    with pytest.raises(RuntimeError, match=f"^v: {refused}"):
+        torch.func.grad(lambda v: bppsa.scan(c, w=w, v=v).sum())(v)
+    nested = torch.nested.nested_tensor([torch.randn(B, H), torch.randn(B + 1, H)])
+    with pytest.raises(RuntimeError, match=f"^c: {refused}"):
+        bppsa.scan(nested, w=w, v=v)
+
+
 def test_linear_scan_needs_no_workspace():
     assert _C.scan_workspace(1000, 16, 20, 0) == 0
     assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20
@@ -1085,6 +1121,42 @@ class Tagger(nn.Module):
         return self.head(y)
 
 
+@pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirectional):
+    """spectral_norm's power iteration runs at each read of its weight. nn's
+    forward reads the weights several times (_update_flat_weights: four
+    computations of the first parametrized weight, two of the others), the
+    BPPSA modules read each once: their _u and _v drifted from nn's and
+    their gradients differed (1.5e-4 relative). Now they read them as nn
+    does: the same computations, states and outputs bit for bit, gradients
+    within rounding; for an empty batch (torch's own recurrence) and a
+    PackedSequence too."""
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    names = ["weight_hh_l0", f"weight_ih_l{layers - 1}" + ("_reverse" if bidirectional else "")]
+    models, calls = make_pair(kind, 3, 4, num_layers=layers, bidirectional=bidirectional), ([], [])
+    for m, called in zip(models, calls):
+        for name in names:
+            torch.manual_seed(1)  # the same first u and v for both
+            spectral_norm(m, name)
+            m.parametrizations[name][0].register_forward_hook(lambda *_, name=name, called=called: called.append(name))
+    x = torch.randn(5, 2, 3)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
+    for inputs in (x, torch.randn(5, 0, 3), packed, x):
+        (out_ref, h_ref), (out, h_n) = (m(inputs) for m in models)
+        if isinstance(out, nn.utils.rnn.PackedSequence):
+            out_ref, out = out_ref.data, out.data
+        torch.testing.assert_close((out, h_n), (out_ref, h_ref), rtol=0, atol=0)
+        for y, h in ((out_ref, h_ref), (out, h_n)):
+            (y.pow(2).sum() + h.pow(2).sum()).backward()
+    assert calls[1] == calls[0] and len(calls[0]) == 4 * (4 + 2)  # four forwards
+    for a, b in zip(models[0].buffers(), models[1].buffers(), strict=True):  # each _u and _v
+        assert torch.equal(b, a)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
+        assert rel_err(b.grad, a.grad) <= TOL, name
+
+
 @pytest.mark.filterwarnings("ignore:bppsa.convert. left 'lstm'")
 def test_convert_swaps_in_place_and_keeps_training_identical():
     torch.manual_seed(6)
@@ -1153,6 +1225,42 @@ def test_convert_warns_for_what_it_leaves():
     nn.utils.parametrizations.orthogonal(lstm, "weight_hh_l0")
     with pytest.warns(UserWarning, match=r"left the model itself \(ParametrizedLSTM\) as it is"):
         assert bppsa.convert(lstm) == []
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
+    """A library that set its own forward on nn.GRU (or nn.RNN) itself:
+    convert swapped in BPPSA's forward, silently dropping what the
+    replacement computed (here an output twice torch's). Now the module is
+    left as it is with a UserWarning naming it, parametrized or not, and
+    whether the replacement is a plain function or a functools.wraps
+    wrapper; with torch's forward back, converted as before."""
+    import functools
+    cls = nn.GRU if kind == "gru" else nn.RNN
+    torchs = cls.forward
+
+    def doubled(self, input, hx=None):
+        out, h_n = torchs(self, input, hx)
+        return 2 * out, h_n
+
+    torch.manual_seed(0)
+    model = nn.ModuleList([cls(3, 4), cls(3, 2)])
+    nn.utils.parametrizations.orthogonal(model[1], "weight_hh_l0")
+    x = torch.randn(5, 2, 3)
+    for replacement in (doubled, functools.wraps(torchs)(doubled)):
+        monkeypatch.setattr(cls, "forward", replacement)
+        want = [m(x) for m in model]
+        with pytest.warns(UserWarning) as caught:
+            assert bppsa.convert(model) == []
+        assert [str(w.message) for w in caught] == [
+            f"bppsa.convert: left {name!r} ({kind_name}) as it is: torch.nn.{cls.__name__}.forward is "
+            "not torch's own (it was replaced on the class), and BPPSA's forward would drop what it "
+            "computes" for name, kind_name in (("0", cls.__name__), ("1", f"Parametrized{cls.__name__}"))]
+        assert caught[0].filename == __file__  # convert's caller
+        assert type(model[0]) is cls and isinstance(model[1], cls) and not isinstance(model[1], bppsa.RNN | bppsa.GRU)
+        torch.testing.assert_close([m(x) for m in model], want, rtol=0, atol=0)
+    monkeypatch.undo()
+    assert bppsa.convert(model) == ["0", "1"]
 
 
 def test_autocast_hidden_state_fed_back_as_hx():
@@ -2259,6 +2367,44 @@ def test_argument_errors_name_the_argument():
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
     with pytest.raises(TypeError, match=r"^pre_activation: expected a bool, got numpy\.bool"):
         bppsa.scan(c, w=w, v=v, pre_activation=np.bool_(True))
+
+
+def test_chain_plan_pruned_takes_a_bool_only():
+    """pruned="False" (or 1, or a numpy bool) was taken by its truth: the
+    string turned pruning on. Now a TypeError naming pruned, as scan's
+    pre_activation raises; True and False as before."""
+    layer = nn.Linear(3, 2)
+    with torch.no_grad():
+        layer.weight[0, 0] = 0
+    for bad, kind in (("False", "str"), (1, "int"), (np.bool_(False), r"numpy\.bool"), (None, "NoneType")):
+        with pytest.raises(TypeError, match=f"^pruned: expected a bool, got {kind}"):
+            bppsa.ChainPlan([layer], (3,), pruned=bad)
+    assert bppsa.ChainPlan([layer], (3,), pruned=False).leaves[0].zero_weights is None
+    assert bppsa.ChainPlan([layer], (3,), pruned=True).leaves[0].zero_weights.tolist() == [0]
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_chain_arguments_named_for_an_empty_sample_and_iterable_inputs():
+    """transposed_jacobian of an empty sample raised the C core's 'diagonal:
+    size must be >= 1', naming an internal: now x's shape is checked first,
+    as a plan's input_shape is. ChainPlan.backward given its inputs as a
+    generator raised "object of type 'generator' has no len()": it takes
+    any iterable, as autograd.grad takes its inputs, and names `inputs`
+    when it is none."""
+    for layer, x in ((nn.Tanh(), torch.randn(0)), (nn.Linear(3, 2), torch.randn(0)),
+                     (nn.Conv2d(1, 1, 1), torch.randn(1, 0, 2))):
+        with pytest.raises(ValueError, match=r"^x\.shape: expected an int in \[1, 2147483647\], got 0"):
+            bppsa.transposed_jacobian(layer, x)
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)]
+    plan, x = bppsa.ChainPlan(layers, (3,)), torch.randn(5, 3)
+    inputs, out = plan.forward_inputs(x)
+    g = torch.randn_like(out)
+    want = plan.backward(inputs, g)
+    for got in (plan.backward((t for t in inputs), g), plan.backward(tuple(inputs), g)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(TypeError, match="^inputs: expected a sequence of tensors, got NoneType"):
+        plan.backward(None, g)
 
 
 class _StandardizedConv2d(nn.Conv2d):

@@ -27,12 +27,13 @@ arithmetic is reordered, nothing is approximated.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 import sys
 import warnings
 import weakref
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -46,8 +47,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       current_stream_handle, dispatch_mode_active, hook_owner, is_count,
-                       on_device, show_coming_writes, torch_only, torch_only_weight,
+                       current_stream_handle, dispatch_mode_active, forward_is_torchs, hook_owner,
+                       is_count, on_device, show_coming_writes, torch_only, torch_only_weight,
                        transform_active)
 from .fusion import FusionHandle
 
@@ -204,6 +205,14 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+def _check_bool(value, name: str) -> None:
+    """TypeError unless value is a bool: a string such as "False" would pass
+    for True by its truth; a numpy.bool is refused too, as torch's bool
+    arguments refuse it."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool, got {_type_name(value)}")
+
+
 def _type_name(value) -> str:
     """value's type as errors name it: qualified outside the builtins, so that
     numpy.bool does not read as bool."""
@@ -314,11 +323,15 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     differentiable: under grad mode, an operand (or out) that requires grad
     raises RuntimeError, as torch's out= functions do; call it under
     torch.no_grad(). An inference tensor as out raises outside
-    torch.inference_mode, as torch's in-place writes do. The linear
+    torch.inference_mode, as torch's in-place writes do. What only torch's
+    ops carry (a torch.func transform's tensor, a forward-AD dual, a nested
+    tensor, a subclass, any under jit.trace) raises RuntimeError naming the
+    operand: the kernels read raw memory. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
-    _check_tensor(c, "c")
+    operands = {"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}
+    _check_raw_readable(operands)
     if c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
     T, B, H = c.shape
@@ -329,8 +342,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     if H < 1:
         raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
-    if not isinstance(pre_activation, bool):  # numpy.bool too, as torch's bool arguments refuse it
-        raise TypeError(f"pre_activation: expected a bool, got {_type_name(pre_activation)}")
+    _check_bool(pre_activation, "pre_activation")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -345,7 +357,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
         raise ValueError(f"pre_activation: needs one gate, w of shape ({H}, {H}); got {gates} gates")
     if out is not None:
         _check_out(out, c, {"w": w, "u": u, "v": v, "y": y, "jt": jt})
-    _check_no_graph({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}, out)
+    _check_no_graph(operands, out)
     levels = _check_scan_choice(levels, "levels")
     L = _resolve_levels(levels, T, B, H, gates, device)
     # the kernels read memory: a lazily negated view holds -t there
@@ -375,11 +387,21 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     return g
 
 
+def _check_raw_readable(operands: dict) -> None:
+    """Each given operand of scan a tensor its kernels can read: not one only
+    torch's ops carry (torch_only: a forward-AD dual's tangent would be
+    dropped, a functorch wrapper has no storage, a nested tensor no sizes),
+    refused by name before anything reads its shape."""
+    for name, t in operands.items():
+        if t is not None:
+            _check_tensor(t, name)
+            if torch_only(t):
+                _refuse_torch_only(name, "scan")
+
+
 def _gates(w: torch.Tensor | None, H: int) -> int:
     """The number G >= 1 of row blocks of w, a (G*H, H) tensor (none: the
-    leaves would be dense, which only jt gives)."""
-    if w is not None:
-        _check_tensor(w, "w")
+    leaves would be dense, which only jt gives); w checked a tensor already."""
     if w is None or w.dim() != 2 or w.shape[1] != H or w.shape[0] % H or w.shape[0] < H:
         raise ValueError(f"w: expected a (G*{H}, {H}) tensor, G >= 1")
     return w.shape[0] // H
@@ -802,12 +824,19 @@ class _ScanRNNBase:
 
     def _weights_now(self) -> list:
         """Every weight in _flat_weights_names' order (layer by layer, direction
-        by direction), as this forward reads it: getattr, which computes a
-        parametrized weight (and finds what weight_norm's hook set) and sees
-        what functional_call swapped in. Read once per forward, for the
-        torch-only check and the layers alike (a parametrization recomputes
-        at each read)."""
-        return [getattr(self, name) for name in self._flat_weights_names]
+        by direction), as this forward reads it: getattr, which finds what
+        weight_norm's hook set and what functional_call swapped in. A
+        parametrized weight is computed at each read, so a parametrized
+        module reads them as nn's forward does, by its _update_flat_weights
+        (hasattr and getattr of each weight until one changed, then of every
+        one, into _flat_weights): computed as often as under nn
+        (spectral_norm's power iteration advances at each), the last
+        computation used, as there. Any other read changes nothing: one each,
+        half the cost."""
+        if "parametrizations" not in self._modules:
+            return [getattr(self, name) for name in self._flat_weights_names]
+        self._update_flat_weights()
+        return self._flat_weights
 
     def _direction_weights(self, weights: list, index: int) -> list:
         """(w_ih, w_hh, b_ih, b_hh) of layer * dirs + direction `index` out of
@@ -848,21 +877,33 @@ class _ScanRNNBase:
             raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
-    def _needs_torch_own(self, input, hx, weights: list) -> bool:
+    def _torch_runs(self, input, hx) -> bool:
+        """Whether torch's own recurrence runs this call, decided before
+        _weights_now reads the weights: torch's forward reads them itself, and
+        a parametrized weight read twice as often would be computed twice as
+        often. A weight that is itself one the scan cannot carry (one
+        functional_call swapped in, one weight_norm's hook set) is found by
+        forward after the read: reading it again computes nothing (but for a
+        parametrization that would make one out of plain tensors alone)."""
+        return self._needs_torch_own(input, hx) or self._no_scan_fits(input) or self._no_sequence(input)
+
+    def _needs_torch_own(self, input, hx) -> bool:
         """Whether a tensor of the call is one the scan cannot carry (functorch
         transforms, forward-AD duals, meta, subclasses such as FakeTensor,
         jit.trace), or any while a torch.func transform is active (a module
         or input it closes over, which it does not wrap): torch's own
-        recurrence, which differentiates them all. `weights` are those the
-        layers would use (_weights_now): a parametrized weight is computed
-        from what functional_call swapped in, and is a transform's tensor or
-        a dual when that is."""
+        recurrence, which differentiates them all. A parametrized weight is
+        one when a tensor it is computed from is (an original functional_call
+        swapped in, a parametrization's parameter or buffer), which is seen
+        without computing it."""
         if transform_active():
             return True
         data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
         if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
             return True
-        return any(map(torch_only_weight, weights))
+        parametrizations = self._modules.get("parametrizations")
+        return parametrizations is not None and any(
+            map(torch_only_weight, itertools.chain(parametrizations.parameters(), parametrizations.buffers())))
 
     def _no_scan_fits(self, input) -> bool:
         """Whether scan="auto" finds no scan that runs over this hidden size on
@@ -872,9 +913,17 @@ class _ScanRNNBase:
         return (self.scan == "auto" and isinstance(data, torch.Tensor)
                 and not _scan_fits(data.device, self.hidden_size, 0))
 
+    def _no_sequence(self, input) -> bool:
+        """Whether input is a batch of no sequence: nothing to scan, torch's
+        own empty result."""
+        return isinstance(input, torch.Tensor) and input.dim() == 3 and \
+            input.shape[0 if self.batch_first else 1] == 0
+
     def forward(self, input, hx=None):
+        if self._torch_runs(input, hx):
+            return super().forward(input, hx)
         weights = self._weights_now()
-        if self._needs_torch_own(input, hx, weights) or self._no_scan_fits(input):
+        if any(map(torch_only_weight, weights)):  # one swapped in, or one a weight_norm hook set
             return super().forward(input, hx)
         if isinstance(input, nn.utils.rnn.PackedSequence):
             return self._forward_packed(input, hx, weights)
@@ -884,8 +933,6 @@ class _ScanRNNBase:
             raise _ArgError(f"hx: expected a {input.dim()}-D tensor with "
                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
                             f"got {hx.dim()}-D")
-        if batched and input.shape[0 if self.batch_first else 1] == 0:
-            return super().forward(input, hx)  # no sequence to scan: torch's own empty result
         if not batched:
             input = input.unsqueeze(1)
             hx = hx.unsqueeze(1) if hx is not None else None
@@ -983,7 +1030,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     hooks and parametrizations; returns the qualified names of the modules
     converted. BPPSA modules already there are not listed but take `scan`.
     Exact classes only: subclasses may override forward and are left alone.
-    An LSTM is left as it is, with a UserWarning naming it (not supported)."""
+    An LSTM is left as it is, with a UserWarning naming it (not supported),
+    and so is an RNN or GRU whose class had its forward replaced (by a
+    library: nn.GRU.forward = ...), which BPPSA's would silently drop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
@@ -991,17 +1040,27 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     for name, module in model.named_modules():
         own = _own_class(module)
         target = _CONVERSIONS.get(own)
-        if target is not None:
+        if target is not None and not forward_is_torchs(own):
+            _warn_left(name, module, f"torch.nn.{own.__name__}.forward is not torch's own (it "
+                                     "was replaced on the class), and BPPSA's forward would drop what "
+                                     "it computes")
+        elif target is not None:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
         elif own in _CONVERSIONS.values():  # converted before: the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
-            where = repr(name) if name else "the model itself"
-            warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: LSTM is "
-                          "not supported (only nn.RNN and nn.GRU)", UserWarning, stacklevel=2)
+            _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
     return changed
+
+
+def _warn_left(name: str, module: nn.Module, why: str) -> None:
+    """convert's UserWarning for a module (qualified `name`) it leaves as it
+    is, pointing at convert's caller."""
+    where = repr(name) if name else "the model itself"
+    warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}", UserWarning,
+                  stacklevel=3)
 
 
 # ---------------------------------------------------------------------------
@@ -1233,13 +1292,14 @@ def _check_pool_indices(geom: tuple, name: str) -> None:
                          "the padding, dilation or input size")
 
 
-def _layer_list(layers) -> list:
-    """The `layers` argument as a list; TypeError naming it if it is not
-    iterable (a bare module, None): its elements are checked as layers[i]."""
+def _listed(items, name: str, what: str) -> list:
+    """The argument `name`, any iterable (a generator too), as a list; a
+    TypeError naming it if it is not iterable (a bare module, None), saying
+    it expected a sequence of `what`: its elements are checked as name[i]."""
     try:
-        return list(layers)
+        return list(items)
     except TypeError:
-        raise TypeError(f"layers: expected a sequence of modules, got {_type_name(layers)}") from None
+        raise TypeError(f"{name}: expected a sequence of {what}, got {_type_name(items)}") from None
 
 
 def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
@@ -1262,14 +1322,14 @@ def _check_chain_tensor(t, name: str) -> None:
         _refuse_torch_only(name)
 
 
-def _refuse_torch_only(name: str) -> None:
-    """The chain has no torch fallback, unlike the RNN modules: what only
+def _refuse_torch_only(name: str, call: str = "chain_backward") -> None:
+    """The chain and scan (`call`, the function to call outside the
+    transform) have no torch fallback, unlike the RNN modules: what only
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
                        "forward-AD dual, a nested tensor, a tensor subclass or one under "
-                       "torch.jit.trace; the chain's "
-                       "scan reads raw memory and records no graph for them. Call chain_backward "
-                       "outside the transform, or use autograd")
+                       f"torch.jit.trace; {call} reads raw memory and records no graph for them. "
+                       f"Call {call} outside the transform, or use autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -1748,7 +1808,7 @@ class ChainPlan:
     `input_shape` is one sample's (C, H, W) or (features,). `levels`: "auto"
     (the cost model, from the exact product sizes), "linear", "blelloch" or
     an int; `max_pairs` caps a level's planned products (0: no cap).
-    `pruned`: the Conv2d and Linear weights that are zero now are a fixed
+    `pruned` (a bool): the Conv2d and Linear weights that are zero now are a fixed
     pruning mask (Section 4.3): their entries are left out of the patterns,
     so the products stay as sparse as the pruned network; backward raises
     ValueError if any of them has become non-zero.
@@ -1770,16 +1830,17 @@ class ChainPlan:
         """__init__ (the same defaults); returns its build's reads of the
         parametrized weights (_build)."""
         product = _check_product(product)
+        _check_bool(pruned, "pruned")
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
-        layers = _layer_list(layers)
+        layers = _listed(layers, "layers", "modules")
         if not layers:
             raise ValueError("layers: expected at least one layer")
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
-        return self._build(layers, input_shape, want, max_pairs, [bool(pruned)] * len(layers), product)
+        return self._build(layers, input_shape, want, max_pairs, [pruned] * len(layers), product)
 
     def _build(self, layers: list[nn.Module], input_shape: tuple[int, ...], want: int, max_pairs: int,
                pruned: list, product: str) -> dict:
@@ -1914,14 +1975,15 @@ class ChainPlan:
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
-    def backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+    def backward(self, inputs: Iterable[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
-        layer inputs of forward_inputs() and the gradient of the chain's output.
+        layer inputs of forward_inputs() (any iterable of them, as autograd.grad
+        takes its inputs) and the gradient of the chain's output.
         Where one is not finite, all are those of each layer's own torch
         backward (autograd's infs and NaNs, see README), as they always are
         with a MaxPool2d window in the padding (_padding_windows)."""
         self._check_modules()
-        return self._backward(inputs, grad_output)
+        return self._backward(_listed(inputs, "inputs", "tensors"), grad_output)
 
     def _backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """backward of layers checked already: by backward, or by
@@ -2058,7 +2120,7 @@ def _sums_finite(tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
-    a = _layer_list(a)
+    a = _listed(a, "layers", "modules")
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
@@ -2111,7 +2173,9 @@ def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     _check_global_hooks("layer")
     weight = _check_chain_layer(layer, "layer")
     _check_chain_tensor(x, "x")
-    leaf = _Leaf(layer, tuple(x.shape), "layer", weight)
+    # before the layer's geometry reads it: an empty dim is no sample
+    shape = _check_sample_shape(x.shape, "x.shape")
+    leaf = _Leaf(layer, shape, "layer", weight)
     if leaf.torch_only:
         raise ValueError("layer: MaxPool2d has a window lying entirely in the padding, whose gradient "
                          "torch sends outside the window: it has no CSR transposed Jacobian here")
