@@ -2327,6 +2327,11 @@ def test_chain_rejects_bad_layers_and_shapes():
         bppsa.chain_backward(own, torch.randn(3, 4, device="meta"), plan=plan)
     with pytest.raises(ValueError, match="layers: not the layers `plan` was built for"):
         bppsa.chain_backward([nn.Linear(4, 2)], torch.randn(3, 4), plan=plan)
+    # levels with a plan were ignored, a bad value too: the plan's levels apply
+    for levels, match in (("bogus", "^levels: expected one of"), (-3, "^levels: expected an int"),
+                          ("blelloch", "^levels: a plan scans with the levels it was built with")):
+        with pytest.raises(ValueError, match=match):
+            bppsa.chain_backward(own, torch.randn(3, 4), plan=plan, levels=levels)
     # the plan's layers and more, or none: not its chain either (the extra
     # layer was left out of the gradients without a word)
     for layers in (own + [nn.ReLU()], []):

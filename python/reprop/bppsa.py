@@ -2130,7 +2130,14 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     of `layers` (Flatten layers have none) for inputs x (B, ...) and the
     gradient of the chain's output (ones when None), through the CSR
     transposed Jacobians. Pass a :class:`ChainPlan` to reuse its planned
-    patterns across steps; else one is built for x's sample shape."""
+    patterns across steps; else one is built for x's sample shape, with
+    `levels` as ChainPlan takes it. A plan has its levels: `levels` then
+    stays "auto" (another value is refused, not silently ignored)."""
+    levels = _check_scan_choice(levels, "levels")
+    if plan is not None and not (isinstance(levels, str) and levels == "auto"):
+        raise ValueError(f"levels: a plan scans with the levels it was built with; got "
+                         f"levels={levels!r} with plan: leave levels='auto', or build a "
+                         "ChainPlan with these levels")
     _check_chain_tensor(x, "x")
     if x.dim() < 2 or 0 in x.shape[1:]:
         raise ValueError(f"x: expected a batch (B, ...) of non-empty samples, got shape {tuple(x.shape)}")
