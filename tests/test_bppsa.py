@@ -2285,6 +2285,22 @@ def test_cuda_cusparse_peer_refuses_regrown_pruned_weights():
         bppsa.chain_backward(layers, x, g, plan=plan)
 
 
+def test_chain_refuses_a_layer_class_whose_forward_was_replaced(monkeypatch):
+    """nn.Linear.forward replaced on the class: the chain used torch's
+    Linear Jacobian, silently skipping what the replacement computes."""
+    layers = [nn.Linear(4, 3), nn.Tanh()]
+    plan = bppsa.ChainPlan(layers, (4,))
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(nn.Linear, "forward",
+                        lambda self, input: 2.0 * linear(input, self.weight, self.bias))
+    for call in (lambda: bppsa.ChainPlan(layers, (4,)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(2, 4)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(2, 4), plan=plan)):
+        with pytest.raises(TypeError, match=r"^layers\[0\]: torch.nn.Linear.forward is not "
+                                            "torch's own"):
+            call()
+
+
 def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))

@@ -1353,6 +1353,10 @@ def _check_chain_module(layer: nn.Module, name: str) -> type:
         raise TypeError(f"{name}: {what} is not supported; expected Conv2d, MaxPool2d, Linear, "
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
+    if not forward_is_torchs(kind):
+        raise TypeError(f"{name}: torch.nn.{kind.__name__}.forward is not torch's own (it was "
+                        "replaced on the class); the chain's Jacobians are those of torch's "
+                        "layer and would skip what it computes")
     _check_hooks(layer, name)
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
