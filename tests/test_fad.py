@@ -1215,6 +1215,23 @@ def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
     assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
 
 
+def test_patch_leaves_a_module_whose_class_forward_a_library_replaced(monkeypatch):
+    """A forward a library set on a torch activation class (nn.GELU.forward
+    = ...) is what every module of the class computes: patch() swapped in
+    reprop's forward, computing torch's GELU, so the model's output changed
+    silently (half of 2 * gelu). It leaves such modules, with a warning
+    naming them, and swaps those of untouched classes."""
+    monkeypatch.setattr(nn.GELU, "forward", lambda self, input: 2.0 * F.gelu(input))
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU())
+    x = torch.randn(3, 4)
+    want = model(x)
+    with pytest.warns(UserWarning, match="forward of their class is no longer torch.nn's") as caught:
+        assert fad.patch(model) == {"3": "torch.nn.SiLU -> reprop.fad.SiLU"}
+    assert len(caught) == 1 and "'1':" in str(caught[0].message)
+    assert type(model[1]) is nn.GELU and type(model[3]) is fad.SiLU
+    torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])
 def test_patch_of_what_is_no_module_raises_a_type_error_naming_model(fn):
     """fad.patch(F.gelu) raised AttributeError: 'function' object has no attribute 'named_modules'."""

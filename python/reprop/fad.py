@@ -650,17 +650,19 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     updates saved_dtype; a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
     unpatch leaves it too). A torch activation module whose forward is
-    set on the instance (accelerate's hooks) is left, with a warning: that
-    forward runs in place of the class's. Returns {qualified name: what
+    set on the instance (accelerate's hooks), or whose class's forward a
+    library replaced (nn.GELU.forward = ...), is left, with a warning: that
+    forward runs in place of torch's. Returns {qualified name: what
     changed}.
     """
     _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
-    changed, forward_set = {}, []
+    changed, left = {}, {}
     for name, module in model.named_modules():
         original = getattr(module, _PATCHED, type(module))
-        if original in _PATCHED_MODULES and _forward_on_instance(module, original):
-            forward_set.append(name)
+        kept = _kept_forward(module, original) if original in _PATCHED_MODULES else None
+        if kept is not None:
+            left.setdefault(kept, []).append(name)
         elif original in _PATCHED_MODULES:
             if type(module) is original:
                 # recorded before the swap: a re-run after an interrupt between
@@ -671,12 +673,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
-    if forward_set:
-        warnings.warn("reprop.fad.patch left these activation modules as torch's: "
-                      f"{', '.join(map(repr, forward_set))}: each has a forward set on the "
-                      "instance (as accelerate's add_hook_to_module sets one, calling torch's "
-                      "forward), which runs in place of the class's, so swapping the class "
-                      "would change nothing", stacklevel=2)
+    for why, names in left.items():
+        warnings.warn(f"reprop.fad.patch left these activation modules as torch's: "
+                      f"{', '.join(map(repr, names))}: {why}", stacklevel=2)
     return changed
 
 
@@ -686,12 +685,26 @@ def _check_model(model, fname: str) -> None:
                         "(for a function, call reprop.fad's, e.g. fad.gelu, or use fad.enabled())")
 
 
-def _forward_on_instance(module: nn.Module, original: type) -> bool:
-    """Whether a torch activation module, not swapped yet, runs a forward set
-    on the instance: calls find it before the class's, so a swap of the
-    class would not change what runs (and patch() would report a swap that
-    did nothing)."""
-    return type(module) is original and "forward" in module.__dict__
+_FORWARD_ON_INSTANCE = ("each has a forward set on the instance (as accelerate's "
+                        "add_hook_to_module sets one, calling torch's forward), which runs in "
+                        "place of the class's, so swapping the class would change nothing")
+_FORWARD_ON_CLASS = ("the forward of their class is no longer torch.nn's (a library set "
+                     "another on the class), and reprop's, computing torch's activation, "
+                     "would silently run in its place")
+
+
+def _kept_forward(module: nn.Module, original: type) -> str | None:
+    """Why a torch activation module, not swapped yet, keeps the forward it
+    runs (patch()'s warning), or None. A forward set on the instance: calls
+    find it before the class's, so a swap would change nothing (and patch()
+    would report a swap that did nothing). A forward a library set on the
+    torch class: the swap would replace what it computes (2 * gelu) with
+    torch's activation."""
+    if type(module) is not original:
+        return None
+    if "forward" in module.__dict__:
+        return _FORWARD_ON_INSTANCE
+    return None if _tensors.forward_is_torchs(original) else _FORWARD_ON_CLASS
 
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
