@@ -2221,6 +2221,65 @@ def test_compose_refused_multi_grad_hook_leaves_no_hook(mode, inside):
     assert "register_multi_grad_hook() (tensors[1]) on a chain tensor" in message
 
 
+_LED_PAST_INPUTS = {
+    "grad, materialize_grads": lambda y, x, h: torch.autograd.grad(
+        y, [x, h], materialize_grads=True),
+    "grad, allow_unused": lambda y, x, h: torch.autograd.grad(y, [x, h], allow_unused=True),
+    "grad, a dict": lambda y, x, h: torch.autograd.grad(y, {"x": x, "h": h}, allow_unused=True),
+    "grad, a GradientEdge": lambda y, x, h: torch.autograd.grad(
+        y, torch.autograd.graph.get_gradient_edge(h), allow_unused=True),
+    "Tensor.backward": lambda y, x, h: y.backward(inputs=[h]),
+    "autograd.backward, an iterator in place": lambda y, x, h: torch.autograd.backward(
+        [y], None, None, False, None, iter([x, h])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_LED_PAST_INPUTS))
+@pytest.mark.parametrize("inside", [True, False])
+def test_compose_gradient_of_a_tensor_a_step_chained_past_is_refused(call, inside):
+    """Asking autograd for the gradient of a chain tensor that a next step
+    led past (inputs= of torch.autograd.grad, torch.autograd.backward,
+    Tensor.backward): that step's node leads straight to the root, so the
+    tensor's node gets nothing through it, and torch gave zeros
+    (materialize_grads), None (allow_unused) or left .grad None, where its
+    gradient is exp(3x). Refused before backward runs, inside the mode and
+    after it, naming the input."""
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    with fad.enabled(compose=True):
+        h = x * 3
+        y = torch.exp(h).sum()
+        if inside:
+            with pytest.raises(RuntimeError, match="chained past it") as refused:
+                _LED_PAST_INPUTS[call](y, x, h)
+    if not inside:
+        with pytest.raises(RuntimeError, match="chained past it") as refused:
+            _LED_PAST_INPUTS[call](y, x, h)
+    label = {"grad, a dict": "inputs['h']", "grad, a GradientEdge": "inputs",
+             "Tensor.backward": "inputs[0]"}.get(call, "inputs[1]")
+    assert f"() ({label}) on a chain tensor" in str(refused.value)
+    assert x.grad is None  # refused before backward ran
+
+
+def test_compose_gradient_of_a_root_or_the_chain_is_torchs():
+    """What no step led past stays torch's to answer: the root, and a chain
+    tensor given retain_grad() before its next op (a root of what follows);
+    inputs given as a one-shot iterator reach torch whole after the check."""
+    x = torch.tensor([0.5, -1.0, 2.0])
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            h = leaf * 3
+            h.retain_grad()
+            y = torch.exp(h * 0.5).sum()
+        grads = torch.autograd.grad(y, iter([leaf, h]), retain_graph=True)
+        torch.autograd.backward([y], None, None, False, None, iter([leaf]))
+        return (*grads, leaf.grad)
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize("mode", ["all", "any"])
 def test_compose_multi_grad_hook_takes_an_iterator_as_torch(mode):
     """The refusal's look at register_multi_grad_hook's tensors leaves a

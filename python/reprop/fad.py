@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -975,11 +976,62 @@ def _refusing_led_past_multi(register_multi):
         else:
             seen = tensors
         for i, t in enumerate(seen):
-            if isinstance(t, torch.Tensor) and getattr(t.grad_fn, "led_past", False):
+            if _on_a_led_past_node(t):
                 raise _led_past_error(f"register_multi_grad_hook() (tensors[{i}])")
         return register_multi(tensors, *args, **kwargs)
 
     return checked
+
+
+def _refusing_led_past_inputs(run):
+    """torch.autograd.grad or torch.autograd.backward (and so Tensor.backward,
+    which calls the latter), refused when its `inputs` holds a chain tensor
+    a next step led past (_led_past_error): that step's node leads straight
+    to the root, so the tensor's node gets none of the gradient through it,
+    and torch gave None (allow_unused), zeros (materialize_grads) or left
+    .grad None (backward(inputs=)). A call without inputs (a plain
+    backward()) goes straight to torch's, one Python call later."""
+    at = list(inspect.signature(run).parameters).index("inputs")
+
+    @functools.wraps(run)
+    def checked(*args, **kwargs):
+        positional = len(args) > at
+        inputs = args[at] if positional else kwargs.get("inputs")
+        if inputs is None:
+            return run(*args, **kwargs)
+        if isinstance(inputs, collections.abc.Iterator):
+            # a one-shot iterator: torch gets the tuple it makes of it, which the check read
+            inputs = tuple(inputs)
+            if positional:
+                args = (*args[:at], inputs, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, "inputs": inputs}
+        for label, t in _inputs_labelled(inputs):
+            if _on_a_led_past_node(t):
+                raise _led_past_error(f"{run.__name__}() ({label})")
+        return run(*args, **kwargs)
+
+    return checked
+
+
+def _on_a_led_past_node(t) -> bool:
+    """Whether t, a tensor or a GradientEdge, stands for the output of a chain
+    node a next step led past (_lead_past); False for anything else."""
+    node = t.node if isinstance(t, GradientEdge) else getattr(t, "grad_fn", None)
+    return getattr(node, "led_past", False)
+
+
+def _inputs_labelled(inputs) -> list:
+    """(label, element) of an autograd call's `inputs`, as torch reads them (a
+    tensor or GradientEdge, a dict's values, or a sequence); none for what
+    torch refuses with its own error (another Mapping, what is no iterable)."""
+    if isinstance(inputs, (torch.Tensor, GradientEdge)):
+        return [("inputs", inputs)]
+    if type(inputs) is dict:
+        return [(f"inputs[{key!r}]", t) for key, t in inputs.items()]
+    if isinstance(inputs, collections.abc.Iterable) and not isinstance(inputs, collections.abc.Mapping):
+        return [(f"inputs[{i}]", t) for i, t in enumerate(inputs)]
+    return []
 
 
 # a hook or pre-hook on a chain node must run: a next step must then reach the
@@ -988,24 +1040,27 @@ _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
 # for good, not only while a mode is on, as the node's own refusal above: a node
 # stays led past after the mode exits; calls on other tensors, in any thread,
-# pass straight through to torch's
+# pass straight through to torch's (as do autograd calls without inputs=)
 torch.autograd.graph.register_multi_grad_hook = _refusing_led_past_multi(
     torch.autograd.graph.register_multi_grad_hook)
+torch.autograd.grad = _refusing_led_past_inputs(torch.autograd.grad)
+torch.autograd.backward = _refusing_led_past_inputs(torch.autograd.backward)
 _AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
 def _led_past_error(what: str) -> RuntimeError:
-    """A hook or retain_grad() on a chain tensor that a next step led past:
-    that step's node goes straight to the root, so the gradient through it
-    never reaches the tensor's node (a hook would not fire and .grad would
-    stay None, or both would see only the gradient of the tensor's other
-    uses)."""
+    """A hook, retain_grad() or autograd's inputs= on a chain tensor that a
+    next step led past: that step's node goes straight to the root, so the
+    gradient through it never reaches the tensor's node (a hook would not
+    fire, .grad would stay None and a gradient asked for would be None or
+    zeros, or all would see only the gradient of the tensor's other uses)."""
     return RuntimeError(
         f"reprop.fad: {what} on a chain tensor of enabled(compose=True) after a later "
         "element-wise op chained past it: that op's node leads straight to the chain's root, "
         "so this tensor's node does not get the gradient that flows through it (a hook would "
-        "not fire, .grad would stay None or partial). Register the hook or call retain_grad() "
-        "before the tensor's next op (it then starts a new chain), or leave compose off")
+        "not fire, .grad would stay None or partial, its gradient would be None, zeros or "
+        "partial). Register the hook or call retain_grad() before the tensor's next op (it then "
+        "starts a new chain, which autograd reaches, inputs= too), or leave compose off")
 
 
 def _refuse_retained_past(passed: _Passed) -> None:
