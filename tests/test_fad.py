@@ -733,11 +733,21 @@ def test_autocast_follows_torch(name):
     assert (g - g_ref).norm() <= 0.01 * g_ref.norm()  # bf16 roundings in different places
 
 
-def test_double_backward_is_refused():
+@pytest.mark.parametrize("how", ["function", "enabled"])
+def test_double_backward_is_refused(how):
+    """f''(x) is not kept. The advice names torch's own activation (and where
+    it runs): under enabled() the code already calls torch.nn.functional's,
+    which the old advice told the user to call."""
     x = torch.randn(10, requires_grad=True)
-    y = fad.gelu(x)
-    with pytest.raises(RuntimeError, match="differentiated twice"):
+    if how == "function":
+        y = fad.gelu(x)
+    else:
+        with fad.enabled():
+            y = F.gelu(x)
+    with pytest.raises(RuntimeError, match="differentiated twice") as refused:
         torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert "use torch's own activation" in str(refused.value)
+    assert "outside reprop.fad.enabled()" in str(refused.value)
 
 
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
@@ -1931,6 +1941,71 @@ ROOT_SHAPED = {
     "past_the_root": (lambda x: torch.tanh(x) * torch.ones(2, 4, 3), False),
     "past_a_size_one_root_dim": (lambda x: torch.tanh(x[:, :1] * 1.0) * torch.ones(4, 3), False),
 }
+
+
+def _gradient_penalty_grads(chain, compose):
+    """The gradients of a WGAN-GP penalty, ((|d D(x) / dx| - 1)^2).mean(),
+    with D = Linear, chain, Linear, through torch.autograd.grad(create_graph=True)
+    (torch's alone if compose is None); None for a parameter it does not reach."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(5, 16), nn.Linear(16, 1)
+    x = torch.randn(8, 5, requires_grad=True)
+    with fad.enabled(compose=True) if compose else contextlib.nullcontext():
+        out = last(chain(first(x))).sum()
+    (g,) = torch.autograd.grad(out, x, create_graph=True)
+    penalty = ((g.norm(dim=1) - 1) ** 2).mean()
+    return torch.autograd.grad(penalty, [first.weight, first.bias, last.weight], allow_unused=True)
+
+
+_C16 = torch.linspace(0.5, 2.0, 16)
+_TWICE_DIFFERENTIABLE_CHAINS = {
+    "relu": torch.relu,
+    "nn.ReLU": nn.ReLU(),
+    "affine": lambda h: -(h / _C16) * 3 + h - 1,
+    "1 - h": lambda h: 1 - h,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TWICE_DIFFERENTIABLE_CHAINS))
+def test_compose_gradient_penalty_through_a_chain_whose_backward_is_autograds(name):
+    """create_graph=True through a chain whose backward is autograd's own
+    graph: relu of the root (torch's relu backward on the saved output: the
+    same gradients bit for bit, a zero one linked to the parameter as
+    torch's is) and chains of constant derivative. Every chain refused it,
+    so a WGAN-GP critic with nn.ReLU failed under compose=True."""
+    chain = _TWICE_DIFFERENTIABLE_CHAINS[name]
+    got, want = _gradient_penalty_grads(chain, True), _gradient_penalty_grads(chain, None)
+    for g, w in zip(got, want, strict=True):
+        if w is None or g is None:  # (the bias's, under affine chains: unlinked in torch too)
+            assert g is w
+        elif name in ("relu", "nn.ReLU"):
+            assert torch.equal(g, w)
+        else:  # (grad * -3 / c + grad: one rounding apart from the chain's d)
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+_ONCE_DIFFERENTIABLE_CHAINS = {
+    "exp": torch.exp,
+    "x * x": lambda h: h * h,
+    "relu, then a step": lambda h: torch.relu(h) * 2,
+    "abs": torch.abs,
+    "leaky_relu": lambda h: F.leaky_relu(h, 0.2),
+    "F.gelu": F.gelu,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ONCE_DIFFERENTIABLE_CHAINS))
+def test_compose_double_backward_through_another_chain_says_what_to_do(name):
+    """Any other chain keeps no second derivative (a select past the first
+    step has a 0 one, but autograd links its mask to the parameters: torch
+    gives zeros where the chain would give None), and refuses create_graph
+    with advice that fits: the old one said to use the torch.nn.functional
+    activation, which the code already called (torch.relu, torch.exp)."""
+    with pytest.raises(RuntimeError, match="differentiated twice") as refused:
+        _gradient_penalty_grads(_ONCE_DIFFERENTIABLE_CHAINS[name], True)
+    message = str(refused.value)
+    assert "chain of element-wise ops (enabled(compose=True))" in message
+    assert "outside reprop.fad.enabled()" in message and "compose=False" in message
 
 
 @pytest.mark.parametrize("name", sorted(ROOT_SHAPED))
