@@ -733,11 +733,21 @@ def test_autocast_follows_torch(name):
     assert (g - g_ref).norm() <= 0.01 * g_ref.norm()  # bf16 roundings in different places
 
 
-def test_double_backward_is_refused():
+@pytest.mark.parametrize("how", ["function", "enabled"])
+def test_double_backward_is_refused(how):
+    """f''(x) is not kept. The advice names torch's own activation (and where
+    it runs): under enabled() the code already calls torch.nn.functional's,
+    which the old advice told the user to call."""
     x = torch.randn(10, requires_grad=True)
-    y = fad.gelu(x)
-    with pytest.raises(RuntimeError, match="differentiated twice"):
+    if how == "function":
+        y = fad.gelu(x)
+    else:
+        with fad.enabled():
+            y = F.gelu(x)
+    with pytest.raises(RuntimeError, match="differentiated twice") as refused:
         torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert "use torch's own activation" in str(refused.value)
+    assert "outside reprop.fad.enabled()" in str(refused.value)
 
 
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
@@ -1213,6 +1223,23 @@ def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
     assert len(caught) == 1 and "'1', '3'" in str(caught[0].message)
     assert type(model[1]) is nn.GELU and type(model[3]) is nn.SiLU and type(model[4]) is fad.GELU
     assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
+
+
+def test_patch_leaves_a_module_whose_class_forward_a_library_replaced(monkeypatch):
+    """A forward a library set on a torch activation class (nn.GELU.forward
+    = ...) is what every module of the class computes: patch() swapped in
+    reprop's forward, computing torch's GELU, so the model's output changed
+    silently (half of 2 * gelu). It leaves such modules, with a warning
+    naming them, and swaps those of untouched classes."""
+    monkeypatch.setattr(nn.GELU, "forward", lambda self, input: 2.0 * F.gelu(input))
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU())
+    x = torch.randn(3, 4)
+    want = model(x)
+    with pytest.warns(UserWarning, match="forward of their class is no longer torch.nn's") as caught:
+        assert fad.patch(model) == {"3": "torch.nn.SiLU -> reprop.fad.SiLU"}
+    assert len(caught) == 1 and "'1':" in str(caught[0].message)
+    assert type(model[1]) is nn.GELU and type(model[3]) is fad.SiLU
+    torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])
@@ -1916,6 +1943,71 @@ ROOT_SHAPED = {
 }
 
 
+def _gradient_penalty_grads(chain, compose):
+    """The gradients of a WGAN-GP penalty, ((|d D(x) / dx| - 1)^2).mean(),
+    with D = Linear, chain, Linear, through torch.autograd.grad(create_graph=True)
+    (torch's alone if compose is None); None for a parameter it does not reach."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(5, 16), nn.Linear(16, 1)
+    x = torch.randn(8, 5, requires_grad=True)
+    with fad.enabled(compose=True) if compose else contextlib.nullcontext():
+        out = last(chain(first(x))).sum()
+    (g,) = torch.autograd.grad(out, x, create_graph=True)
+    penalty = ((g.norm(dim=1) - 1) ** 2).mean()
+    return torch.autograd.grad(penalty, [first.weight, first.bias, last.weight], allow_unused=True)
+
+
+_C16 = torch.linspace(0.5, 2.0, 16)
+_TWICE_DIFFERENTIABLE_CHAINS = {
+    "relu": torch.relu,
+    "nn.ReLU": nn.ReLU(),
+    "affine": lambda h: -(h / _C16) * 3 + h - 1,
+    "1 - h": lambda h: 1 - h,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_TWICE_DIFFERENTIABLE_CHAINS))
+def test_compose_gradient_penalty_through_a_chain_whose_backward_is_autograds(name):
+    """create_graph=True through a chain whose backward is autograd's own
+    graph: relu of the root (torch's relu backward on the saved output: the
+    same gradients bit for bit, a zero one linked to the parameter as
+    torch's is) and chains of constant derivative. Every chain refused it,
+    so a WGAN-GP critic with nn.ReLU failed under compose=True."""
+    chain = _TWICE_DIFFERENTIABLE_CHAINS[name]
+    got, want = _gradient_penalty_grads(chain, True), _gradient_penalty_grads(chain, None)
+    for g, w in zip(got, want, strict=True):
+        if w is None or g is None:  # (the bias's, under affine chains: unlinked in torch too)
+            assert g is w
+        elif name in ("relu", "nn.ReLU"):
+            assert torch.equal(g, w)
+        else:  # (grad * -3 / c + grad: one rounding apart from the chain's d)
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+_ONCE_DIFFERENTIABLE_CHAINS = {
+    "exp": torch.exp,
+    "x * x": lambda h: h * h,
+    "relu, then a step": lambda h: torch.relu(h) * 2,
+    "abs": torch.abs,
+    "leaky_relu": lambda h: F.leaky_relu(h, 0.2),
+    "F.gelu": F.gelu,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ONCE_DIFFERENTIABLE_CHAINS))
+def test_compose_double_backward_through_another_chain_says_what_to_do(name):
+    """Any other chain keeps no second derivative (a select past the first
+    step has a 0 one, but autograd links its mask to the parameters: torch
+    gives zeros where the chain would give None), and refuses create_graph
+    with advice that fits: the old one said to use the torch.nn.functional
+    activation, which the code already called (torch.relu, torch.exp)."""
+    with pytest.raises(RuntimeError, match="differentiated twice") as refused:
+        _gradient_penalty_grads(_ONCE_DIFFERENTIABLE_CHAINS[name], True)
+    message = str(refused.value)
+    assert "chain of element-wise ops (enabled(compose=True))" in message
+    assert "outside reprop.fad.enabled()" in message and "compose=False" in message
+
+
 @pytest.mark.parametrize("name", sorted(ROOT_SHAPED))
 def test_compose_chains_only_root_shaped_outputs(name):
     fn, chained = ROOT_SHAPED[name]
@@ -2202,6 +2294,65 @@ def test_compose_refused_multi_grad_hook_leaves_no_hook(mode, inside):
     out.sum().backward()
     assert fired == []
     assert "register_multi_grad_hook() (tensors[1]) on a chain tensor" in message
+
+
+_LED_PAST_INPUTS = {
+    "grad, materialize_grads": lambda y, x, h: torch.autograd.grad(
+        y, [x, h], materialize_grads=True),
+    "grad, allow_unused": lambda y, x, h: torch.autograd.grad(y, [x, h], allow_unused=True),
+    "grad, a dict": lambda y, x, h: torch.autograd.grad(y, {"x": x, "h": h}, allow_unused=True),
+    "grad, a GradientEdge": lambda y, x, h: torch.autograd.grad(
+        y, torch.autograd.graph.get_gradient_edge(h), allow_unused=True),
+    "Tensor.backward": lambda y, x, h: y.backward(inputs=[h]),
+    "autograd.backward, an iterator in place": lambda y, x, h: torch.autograd.backward(
+        [y], None, None, False, None, iter([x, h])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_LED_PAST_INPUTS))
+@pytest.mark.parametrize("inside", [True, False])
+def test_compose_gradient_of_a_tensor_a_step_chained_past_is_refused(call, inside):
+    """Asking autograd for the gradient of a chain tensor that a next step
+    led past (inputs= of torch.autograd.grad, torch.autograd.backward,
+    Tensor.backward): that step's node leads straight to the root, so the
+    tensor's node gets nothing through it, and torch gave zeros
+    (materialize_grads), None (allow_unused) or left .grad None, where its
+    gradient is exp(3x). Refused before backward runs, inside the mode and
+    after it, naming the input."""
+    x = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    with fad.enabled(compose=True):
+        h = x * 3
+        y = torch.exp(h).sum()
+        if inside:
+            with pytest.raises(RuntimeError, match="chained past it") as refused:
+                _LED_PAST_INPUTS[call](y, x, h)
+    if not inside:
+        with pytest.raises(RuntimeError, match="chained past it") as refused:
+            _LED_PAST_INPUTS[call](y, x, h)
+    label = {"grad, a dict": "inputs['h']", "grad, a GradientEdge": "inputs",
+             "Tensor.backward": "inputs[0]"}.get(call, "inputs[1]")
+    assert f"() ({label}) on a chain tensor" in str(refused.value)
+    assert x.grad is None  # refused before backward ran
+
+
+def test_compose_gradient_of_a_root_or_the_chain_is_torchs():
+    """What no step led past stays torch's to answer: the root, and a chain
+    tensor given retain_grad() before its next op (a root of what follows);
+    inputs given as a one-shot iterator reach torch whole after the check."""
+    x = torch.tensor([0.5, -1.0, 2.0])
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            h = leaf * 3
+            h.retain_grad()
+            y = torch.exp(h * 0.5).sum()
+        grads = torch.autograd.grad(y, iter([leaf, h]), retain_graph=True)
+        torch.autograd.backward([y], None, None, False, None, iter([leaf]))
+        return (*grads, leaf.grad)
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("mode", ["all", "any"])

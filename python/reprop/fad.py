@@ -30,7 +30,9 @@ Tanh, and in place ELU, CELU, SELU and LeakyReLU), which the next layer
 saves anyway, patch() and enabled() leave to torch.
 
 Double backward (``create_graph=True`` through an activation) needs f''(x),
-which is not kept: it raises a RuntimeError.
+which is not kept: it raises a RuntimeError, and so does a composed chain
+unless its backward is autograd's own graph (one relu of its root, or
+additions and products with constants: _Chain).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import GradientEdge
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
@@ -206,13 +209,18 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
     return out
 
 
-def _refuse_double_backward(what: str) -> None:
+def _refuse_double_backward(what: str, instead: str) -> None:
     # create_graph=True runs backward with grad mode on; grad * d would then
     # silently miss the d(f'(x))/dx term, as f''(x) is not kept.
     if torch.is_grad_enabled():
-        raise RuntimeError(f"{what} saves only f'(x) for backward, so it cannot be "
-                           "differentiated twice (create_graph=True); use the torch.nn.functional "
-                           "activation where higher-order gradients are needed")
+        raise RuntimeError(f"{what} saves only its first derivative for backward, so it cannot "
+                           f"be differentiated twice (create_graph=True): {instead}")
+
+
+# reprop.fad's functions and modules, patched modules and enabled()'s rerouting
+_ACTIVATION_INSTEAD = ("where higher-order gradients are needed, use torch's own activation "
+                       "(torch.nn.functional's, or torch.nn's module: reprop.fad.unpatch() the "
+                       "model, or run it outside reprop.fad.enabled())")
 
 
 class _Activation(torch.autograd.Function):
@@ -229,7 +237,7 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _refuse_double_backward(f"reprop.fad.{ctx.act.kind}")
+        _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
         (d,) = ctx.saved_tensors
         coded = d.dtype == torch.uint8
         grad_x = _backward_code8(ctx.act, grad, d) if coded else (grad * d).to(grad.dtype)
@@ -650,17 +658,19 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     updates saved_dtype; a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
     unpatch leaves it too). A torch activation module whose forward is
-    set on the instance (accelerate's hooks) is left, with a warning: that
-    forward runs in place of the class's. Returns {qualified name: what
+    set on the instance (accelerate's hooks), or whose class's forward a
+    library replaced (nn.GELU.forward = ...), is left, with a warning: that
+    forward runs in place of torch's. Returns {qualified name: what
     changed}.
     """
     _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
-    changed, forward_set = {}, []
+    changed, left = {}, {}
     for name, module in model.named_modules():
         original = getattr(module, _PATCHED, type(module))
-        if original in _PATCHED_MODULES and _forward_on_instance(module, original):
-            forward_set.append(name)
+        kept = _kept_forward(module, original) if original in _PATCHED_MODULES else None
+        if kept is not None:
+            left.setdefault(kept, []).append(name)
         elif original in _PATCHED_MODULES:
             if type(module) is original:
                 # recorded before the swap: a re-run after an interrupt between
@@ -671,12 +681,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
-    if forward_set:
-        warnings.warn("reprop.fad.patch left these activation modules as torch's: "
-                      f"{', '.join(map(repr, forward_set))}: each has a forward set on the "
-                      "instance (as accelerate's add_hook_to_module sets one, calling torch's "
-                      "forward), which runs in place of the class's, so swapping the class "
-                      "would change nothing", stacklevel=2)
+    for why, names in left.items():
+        warnings.warn(f"reprop.fad.patch left these activation modules as torch's: "
+                      f"{', '.join(map(repr, names))}: {why}", stacklevel=2)
     return changed
 
 
@@ -686,12 +693,26 @@ def _check_model(model, fname: str) -> None:
                         "(for a function, call reprop.fad's, e.g. fad.gelu, or use fad.enabled())")
 
 
-def _forward_on_instance(module: nn.Module, original: type) -> bool:
-    """Whether a torch activation module, not swapped yet, runs a forward set
-    on the instance: calls find it before the class's, so a swap of the
-    class would not change what runs (and patch() would report a swap that
-    did nothing)."""
-    return type(module) is original and "forward" in module.__dict__
+_FORWARD_ON_INSTANCE = ("each has a forward set on the instance (as accelerate's "
+                        "add_hook_to_module sets one, calling torch's forward), which runs in "
+                        "place of the class's, so swapping the class would change nothing")
+_FORWARD_ON_CLASS = ("the forward of their class is no longer torch.nn's (a library set "
+                     "another on the class), and reprop's, computing torch's activation, "
+                     "would silently run in its place")
+
+
+def _kept_forward(module: nn.Module, original: type) -> str | None:
+    """Why a torch activation module, not swapped yet, keeps the forward it
+    runs (patch()'s warning), or None. A forward set on the instance: calls
+    find it before the class's, so a swap would change nothing (and patch()
+    would report a swap that did nothing). A forward a library set on the
+    torch class: the swap would replace what it computes (2 * gelu) with
+    torch's activation."""
+    if type(module) is not original:
+        return None
+    if "forward" in module.__dict__:
+        return _FORWARD_ON_INSTANCE
+    return None if _tensors.forward_is_torchs(original) else _FORWARD_ON_CLASS
 
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:
@@ -874,12 +895,30 @@ def _codebook_act(activation: str, params: tuple) -> _Act:
 # (what each step's node led past, for the hook refusals).
 
 
+_VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)) whose "
+                  "derivative varies with its root (through exp, sigmoid, GELU, a power, a "
+                  "product of two chain tensors, or a select such as relu, leaky_relu or abs "
+                  "past the chain's first step, ...)")
+_CHAIN_INSTEAD = ("where higher-order gradients are needed, run that forward with compose=False "
+                  "(which still reroutes F.gelu, F.silu, ... to reprop's, refusing it too) or "
+                  "outside reprop.fad.enabled(). A chain of one relu (nn.ReLU between two "
+                  "layers), or of additions, subtractions and products with or divisions by "
+                  "constants, can be")
+
+
 class _Chain(torch.autograd.Function):
     """A chain tensor: value v of an element-wise function of `source`, whose
     backward is grad * dv/dsource (a saved tensor, or a number), except
     where a select blocks the path (_Record), where dv/dsource is the
     gradient itself; relu of the root runs torch's relu backward on its
-    saved output."""
+    saved output. Under create_graph=True, relu of the root (torch's own
+    backward) and a chain whose dv/dsource is a constant (step.constant:
+    grad * dv/dsource is then autograd's graph) are differentiated as
+    autograd's; any other refuses it, having kept no second derivative.
+    That takes in a select past the first step (torch.relu(h) * 2): its
+    second derivative is 0, but autograd links its mask to the source,
+    so torch's gradient of a parameter reached only through it is zeros
+    where the chain's would be None."""
 
     @staticmethod
     def forward(ctx, source, step):
@@ -888,6 +927,7 @@ class _Chain(torch.autograd.Function):
         ctx.hooked = False  # (_tensors.note_node_hooks)
         ctx.led_past = False  # (_lead_past)
         ctx.passed = step.passed
+        ctx.constant = step.constant
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
@@ -908,7 +948,8 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        _refuse_double_backward("a reprop.fad chain of element-wise ops")
+        if not (ctx.relu or ctx.constant):
+            _refuse_double_backward(_VARYING_CHAIN, _CHAIN_INSTEAD)
         _refuse_retained_past(ctx.passed)
         if ctx.relu:
             (out,) = ctx.saved_tensors
@@ -962,11 +1003,62 @@ def _refusing_led_past_multi(register_multi):
         else:
             seen = tensors
         for i, t in enumerate(seen):
-            if isinstance(t, torch.Tensor) and getattr(t.grad_fn, "led_past", False):
+            if _on_a_led_past_node(t):
                 raise _led_past_error(f"register_multi_grad_hook() (tensors[{i}])")
         return register_multi(tensors, *args, **kwargs)
 
     return checked
+
+
+def _refusing_led_past_inputs(run):
+    """torch.autograd.grad or torch.autograd.backward (and so Tensor.backward,
+    which calls the latter), refused when its `inputs` holds a chain tensor
+    a next step led past (_led_past_error): that step's node leads straight
+    to the root, so the tensor's node gets none of the gradient through it,
+    and torch gave None (allow_unused), zeros (materialize_grads) or left
+    .grad None (backward(inputs=)). A call without inputs (a plain
+    backward()) goes straight to torch's, one Python call later."""
+    at = list(inspect.signature(run).parameters).index("inputs")
+
+    @functools.wraps(run)
+    def checked(*args, **kwargs):
+        positional = len(args) > at
+        inputs = args[at] if positional else kwargs.get("inputs")
+        if inputs is None:
+            return run(*args, **kwargs)
+        if isinstance(inputs, collections.abc.Iterator):
+            # a one-shot iterator: torch gets the tuple it makes of it, which the check read
+            inputs = tuple(inputs)
+            if positional:
+                args = (*args[:at], inputs, *args[at + 1:])
+            else:
+                kwargs = {**kwargs, "inputs": inputs}
+        for label, t in _inputs_labelled(inputs):
+            if _on_a_led_past_node(t):
+                raise _led_past_error(f"{run.__name__}() ({label})")
+        return run(*args, **kwargs)
+
+    return checked
+
+
+def _on_a_led_past_node(t) -> bool:
+    """Whether t, a tensor or a GradientEdge, stands for the output of a chain
+    node a next step led past (_lead_past); False for anything else."""
+    node = t.node if isinstance(t, GradientEdge) else getattr(t, "grad_fn", None)
+    return getattr(node, "led_past", False)
+
+
+def _inputs_labelled(inputs) -> list:
+    """(label, element) of an autograd call's `inputs`, as torch reads them (a
+    tensor or GradientEdge, a dict's values, or a sequence); none for what
+    torch refuses with its own error (another Mapping, what is no iterable)."""
+    if isinstance(inputs, (torch.Tensor, GradientEdge)):
+        return [("inputs", inputs)]
+    if type(inputs) is dict:
+        return [(f"inputs[{key!r}]", t) for key, t in inputs.items()]
+    if isinstance(inputs, collections.abc.Iterable) and not isinstance(inputs, collections.abc.Mapping):
+        return [(f"inputs[{i}]", t) for i, t in enumerate(inputs)]
+    return []
 
 
 # a hook or pre-hook on a chain node must run: a next step must then reach the
@@ -975,24 +1067,27 @@ _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
 # for good, not only while a mode is on, as the node's own refusal above: a node
 # stays led past after the mode exits; calls on other tensors, in any thread,
-# pass straight through to torch's
+# pass straight through to torch's (as do autograd calls without inputs=)
 torch.autograd.graph.register_multi_grad_hook = _refusing_led_past_multi(
     torch.autograd.graph.register_multi_grad_hook)
+torch.autograd.grad = _refusing_led_past_inputs(torch.autograd.grad)
+torch.autograd.backward = _refusing_led_past_inputs(torch.autograd.backward)
 _AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
 def _led_past_error(what: str) -> RuntimeError:
-    """A hook or retain_grad() on a chain tensor that a next step led past:
-    that step's node goes straight to the root, so the gradient through it
-    never reaches the tensor's node (a hook would not fire and .grad would
-    stay None, or both would see only the gradient of the tensor's other
-    uses)."""
+    """A hook, retain_grad() or autograd's inputs= on a chain tensor that a
+    next step led past: that step's node goes straight to the root, so the
+    gradient through it never reaches the tensor's node (a hook would not
+    fire, .grad would stay None and a gradient asked for would be None or
+    zeros, or all would see only the gradient of the tensor's other uses)."""
     return RuntimeError(
         f"reprop.fad: {what} on a chain tensor of enabled(compose=True) after a later "
         "element-wise op chained past it: that op's node leads straight to the chain's root, "
         "so this tensor's node does not get the gradient that flows through it (a hook would "
-        "not fire, .grad would stay None or partial). Register the hook or call retain_grad() "
-        "before the tensor's next op (it then starts a new chain), or leave compose off")
+        "not fire, .grad would stay None or partial, its gradient would be None, zeros or "
+        "partial). Register the hook or call retain_grad() before the tensor's next op (it then "
+        "starts a new chain, which autograd reaches, inputs= too), or leave compose off")
 
 
 def _refuse_retained_past(passed: _Passed) -> None:
@@ -1015,12 +1110,14 @@ def _refuse_retained_past(passed: _Passed) -> None:
 
 class _Step:
     """One element-wise op on a chain: compute() gives (value, d value / d root,
-    blocked: see _Record); passed: what its node leads past (_passed)."""
+    blocked: see _Record); passed: what its node leads past (_passed);
+    constant: whether d value / d root is a constant (_CONSTANT_UNARY)."""
 
-    __slots__ = ("mode", "compute", "passed", "result")
+    __slots__ = ("mode", "compute", "passed", "constant", "result")
 
-    def __init__(self, mode, compute, passed):
-        self.mode, self.compute, self.passed, self.result = mode, compute, passed, None
+    def __init__(self, mode, compute, passed, constant):
+        self.mode, self.compute, self.passed, self.constant = mode, compute, passed, constant
+        self.result = None
 
 
 class _Record:
@@ -1039,19 +1136,19 @@ class _Record:
     itself (x * c): its version too, so that c changed in place ends the
     chain there, and autograd's version check on the node's saved c raises
     as it would. `blocked` may be a _WhereZero, found from the derivative
-    when needed."""
+    when needed. `constant`: the derivative is a constant (_Step)."""
 
     __slots__ = ("source", "source_version", "version", "deriv", "deriv_version", "kept",
-                 "blocked")
+                 "blocked", "constant")
 
-    def __init__(self, source, out, deriv, kept, blocked):
+    def __init__(self, source, out, deriv, kept, blocked, constant):
         self.source = weakref.ref(source)
         self.source_version = source._version
         self.version = out._version
         self.deriv_version = deriv._version if isinstance(deriv, torch.Tensor) else None
         self.deriv = _as_recorded(deriv, out)
         self.kept = self.deriv if kept is deriv else kept
-        self.blocked = blocked
+        self.blocked, self.constant = blocked, constant
 
 
 # The derivative of relu of the root: the node saves relu's output, as torch's
@@ -1118,13 +1215,15 @@ def _plus_zero(d: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 class _Operand(NamedTuple):
     """An operand as the chain sees it: its value (tensors detached), its
     derivative with respect to the chain's root (None for the root itself, 0
-    for a constant), where that is blocked (_Record) and, for a chain
-    tensor, the tensor itself (not detached), which the step leads past."""
+    for a constant), where that is blocked (_Record), for a chain
+    tensor, the tensor itself (not detached), which the step leads past,
+    and whether that derivative is a constant (_Step)."""
 
     value: object
     deriv: object
     blocked: torch.Tensor | None = None
     chain: torch.Tensor | None = None
+    constant: bool = True
 
 
 def _is_zero(d) -> bool:
@@ -1256,6 +1355,11 @@ _SELECTS = {
     "hardsigmoid": lambda a: ~((a > -3) & (a < 3)),
     "hardswish": lambda a: a <= -3,  # torch 2.13 (as csrc/fad_math.h)
 }
+# Unary ops whose local derivative is a constant: chains of these and
+# _constant_binary's ops carry a derivative that holds no function of the
+# root (_Chain). Not the selects (relu, abs, leaky_relu, ...), whose
+# derivative, 0 wherever it has one, autograd still links to their input.
+_CONSTANT_UNARY = ("neg",)
 _UNARY_FUNCS = {getattr(owner, name): name for name in _UNARY for owner in (torch, torch.Tensor)
                 if hasattr(owner, name)}
 _UNARY_FUNCS.update({F.relu: "relu", torch.special.erf: "erf", torch.special.expm1: "expm1"})
@@ -1312,6 +1416,19 @@ def _pow_selected(rule, b: _Operand, device: torch.device):
 
 def _d_rpow(a, b, v, alpha):  # b ** a, b a number
     return _d_pow(b, a, v, alpha)
+
+
+def _constant_binary(rule, a: _Operand, b: _Operand) -> bool:
+    """Whether a binary op's local derivative is a constant: a sum or
+    difference, a product with a constant, a quotient by one (not a power,
+    nor a product or quotient of two chain tensors)."""
+    if rule in (_d_add, _d_sub, _d_rsub):
+        return True
+    if rule is _d_mul:
+        return _is_zero(a.deriv) or _is_zero(b.deriv)
+    if rule is _d_div:  # a / b
+        return _is_zero(b.deriv)
+    return rule is _d_rdiv and _is_zero(a.deriv)  # b / a
 
 
 _BINARY = {"add": _d_add, "sub": _d_sub, "rsub": _d_rsub, "mul": _d_mul, "div": _d_div,
@@ -1444,6 +1561,10 @@ class enabled(TorchFunctionMode):
     float32's range (log or 1 / x at subnormal x) is inf where autograd,
     multiplying the gradient one step at a time, can stay finite.
 
+    create_graph=True goes through a chain of one relu of its root and
+    through chains of additions and products with constants (their backward
+    is autograd's graph); any other chain refuses it (RuntimeError).
+
     A chain tensor given a hook (its own or its grad_fn's) or retain_grad()
     before its next op starts a new chain, which reaches it through autograd;
     after a next op chained past it they are refused (RuntimeError): that
@@ -1551,7 +1672,7 @@ class enabled(TorchFunctionMode):
         parsed = self._parse(func, args, kwargs)
         if parsed is None:
             return None
-        root, operands, compute = parsed
+        root, operands, compute, constant = parsed
         if not root.is_floating_point() or _result_dtype(operands) in _TORCH_DTYPES:
             return None  # float64 results keep torch's float64 backward formulas
         tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
@@ -1559,14 +1680,15 @@ class enabled(TorchFunctionMode):
             return None  # autograd conjugates what a complex op's backward multiplies by
         if not _root_shaped(tensors, root.shape):
             return None
-        step = _Step(self, compute, _passed(operands))
+        constant = constant and all([o.constant for o in operands])  # (a list: 1 or 2, faster)
+        step = _Step(self, compute, _passed(operands), constant)
         # autograd's own apply: Function.apply's Python steps have nothing to
         # do here (_Chain has no setup_context, and no functorch transform is
         # active); they cost a chain step about a microsecond
         out = _AUTOGRAD_APPLY(root, step)
         _lead_past(operands)
         deriv, kept, blocked = step.result
-        self._records[out] = _Record(root, out, deriv, kept, blocked)
+        self._records[out] = _Record(root, out, deriv, kept, blocked, constant)
         self._copies = self._copies or kept is not deriv
         return out
 
@@ -1580,25 +1702,26 @@ class enabled(TorchFunctionMode):
                 continue
             if not isinstance(x, torch.Tensor) or _torch_runs(x):
                 return None
-            src, deriv, blocked = self._root_of(x)
+            src, deriv, blocked, constant = self._root_of(x)
             if src is None:
                 operands.append(_Operand(x, 0))
                 continue
             if root is not None and src is not root:
                 return None
             root = src
-            operands.append(_Operand(x.detach(), deriv, blocked, None if src is x else x))
+            operands.append(_Operand(x.detach(), deriv, blocked, None if src is x else x, constant))
         return (root, operands) if root is not None else None
 
     def _root_of(self, t: torch.Tensor):
-        """(root, d t / d root, blocked) of t; (t, None, None) for a root, and
-        (None, None, None) for a constant. A chain tensor with hooks (its own
-        or its node's) or retain_grad() is a root: a next step must reach it
-        through autograd (a hook dict left empty by a removed hook counts:
-        Tensor.register_hook adds a next hook to it without asking the node,
-        which refuses hooks once led past). Its node must still be a chain
-        node: detach_(), and requires_grad_() after it, leave the version as
-        it was, and make the tensor a constant or a leaf (a root)."""
+        """(root, d t / d root, blocked, constant: see _Record) of t; (t, None,
+        None, True) for a root, and (None, None, None, True) for a constant.
+        A chain tensor with hooks (its own or its node's) or retain_grad() is
+        a root: a next step must reach it through autograd (a hook dict left
+        empty by a removed hook counts: Tensor.register_hook adds a next hook
+        to it without asking the node, which refuses hooks once led past).
+        Its node must still be a chain node: detach_(), and requires_grad_()
+        after it, leave the version as it was, and make the tensor a constant
+        or a leaf (a root)."""
         rec = self._records.get(t)
         if rec is not None and rec.version == t._version \
                 and getattr(t.grad_fn, "hooked", True) is False \
@@ -1606,11 +1729,13 @@ class enabled(TorchFunctionMode):
                 and (rec.deriv_version is None or rec.deriv._version == rec.deriv_version):
             src = rec.source()
             if src is not None and src._version == rec.source_version:
-                return (src, *_carried(rec))
-        return (t, None, None) if t.requires_grad else (None, None, None)
+                return (src, *_carried(rec), rec.constant)
+        return (t, None, None, True) if t.requires_grad else (None, None, None, True)
 
     def _parse(self, func, args, kwargs):
-        """(root, operands, compute) for an element-wise op of the tables, else None."""
+        """(root, operands, compute, constant) for an element-wise op of the
+        tables, else None; constant: whether the op's local derivative is a
+        constant (_CONSTANT_UNARY, _constant_binary; no activation's is)."""
         ours = _FUNCTIONS.get(func)
         if ours is not None:
             return self._parse_activation(ours, args, kwargs)
@@ -1635,7 +1760,7 @@ class enabled(TorchFunctionMode):
         if captured is None:
             return None  # parameters only torch's op takes (_kernel_act): it runs, NN
         v, local = captured
-        return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a))
+        return root, [a], lambda: (v, *_unary_step(ours.__name__, local, a)), False
 
     def _parse_unary(self, func, name, args, kwargs):
         found = self._operands(args)
@@ -1650,7 +1775,7 @@ class enabled(TorchFunctionMode):
                 return v, _RELU_OF_SELF, None
             return (v, *_unary_step(name, rule(a.value, v), a))
 
-        return root, [a], compute
+        return root, [a], compute, name in _CONSTANT_UNARY
 
     def _parse_binary(self, func, rule, args, kwargs):
         found = self._operands(args)
@@ -1671,7 +1796,7 @@ class enabled(TorchFunctionMode):
             v = func(a.value, b.value, **kwargs)
             return v, rule(a, b, v, alpha), _blocked([a, b], _pow_selected(rule, b, v.device))
 
-        return root, [a, b], compute
+        return root, [a, b], compute, _constant_binary(rule, a, b)
 
 
 def _root_shaped(tensors, shape: torch.Size) -> bool:
