@@ -13,7 +13,10 @@ or level schedule gives errors of order 1e-1.
 from __future__ import annotations
 
 import copy
+import os
 import re
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -1213,6 +1216,27 @@ def test_convert_takes_parametrized_modules():
     assert bppsa.convert(ours, scan="linear") == [] and ours[0].scan == "linear"
     nn.utils.parametrize.remove_parametrizations(ours[0], "weight_hh_l0")
     assert type(ours[0]) is bppsa.RNN
+
+
+_RELOADED_CONVERT = """
+import importlib, torch
+import reprop.bppsa as bppsa
+rnn, gru = torch.nn.RNN(3, 4), torch.nn.GRU(3, 4)
+bppsa.convert(rnn, scan="blelloch"), bppsa.convert(gru, scan="blelloch")
+bppsa = importlib.reload(bppsa)
+print(bppsa.convert(torch.nn.Sequential(rnn, gru), scan="linear"), rnn.scan, gru.scan)
+"""
+
+
+def test_convert_takes_modules_converted_before_a_reload():
+    """importlib.reload(reprop.bppsa) (IPython's autoreload) makes new BPPSA
+    classes: convert() told a module converted before it apart by identity,
+    so scan= was silently not applied to it ([] blelloch blelloch)."""
+    root = os.path.dirname(os.path.dirname(reprop.__file__))
+    proc = subprocess.run([sys.executable, "-c", _RELOADED_CONVERT], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[]", "linear", "linear"]
 
 
 def test_convert_warns_for_what_it_leaves():

@@ -1007,6 +1007,9 @@ class GRU(_ScanRNNBase, nn.GRU):
 
 
 _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
+# BPPSA classes by name, not identity: a module converted before an
+# importlib.reload of this module (IPython's autoreload) has the old class
+_CONVERTED = {(cls.__module__, cls.__qualname__) for cls in _CONVERSIONS.values()}
 
 
 def _own_class(module: nn.Module) -> type:
@@ -1048,7 +1051,7 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif own in _CONVERSIONS.values():  # converted before: the scan asked for now
+        elif (own.__module__, own.__qualname__) in _CONVERTED:  # converted before: the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
             _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
