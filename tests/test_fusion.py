@@ -6005,3 +6005,30 @@ def test_fusion_made_before_a_reload_of_the_module_keeps_working(mode: str,
     got[1].zero_grad()
     _assert_same_training(got, train(None))
 
+
+@pytest.mark.usefixtures("fusion_namespace_restored")
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_model_fused_before_a_reload_of_the_module_can_be_saved(mode: str,
+                                                                namespace_cleared: bool) -> None:
+    """torch.save(model) of a model fused before reprop.fusion is reloaded
+    (forward mode: an update pending) saves the updated model with an inert
+    handle, as without the reload. Before, pickle refused the handle's
+    class, which the reload had replaced: 'not the same object'."""
+    model = _mlp()
+    opt = _adam(model)
+    handle = reprop.fuse(model, opt, mode=mode)
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    _reload_fusion(namespace_cleared)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copied = torch.load(buffer, weights_only=False)
+    handle.flush()
+    for (n, p), q in zip(model.named_parameters(), copied.parameters()):
+        assert torch.equal(p, q), f"{n}: {_diff(q, p)}"
+    assert reprop.fusion.fusion_of(copied) is None
+    handle.remove()

@@ -1078,8 +1078,12 @@ class FusionHandle:
         them the handle: the copy (a teacher, an EMA, a fine-tuned clone) is
         a plain model of its own, so what it gets is an inert, removed handle
         whose hooks do nothing, not a clone of the optimizer that would
-        update it. (Parameters' own hooks are not copied by torch.)"""
-        return _inert_handle, (type(self),)
+        update it. (Parameters' own hooks are not copied by torch.) Its class
+        is the one its module names now: a handle made before a reload of
+        the module has the class the reload replaced, which pickle refuses
+        as not the same object."""
+        cls = type(self)
+        return _inert_handle, (getattr(sys.modules[cls.__module__], cls.__qualname__, cls),)
 
     def __enter__(self) -> "FusionHandle":
         return self
