@@ -35,6 +35,7 @@ import decimal
 import fractions
 import functools
 import gc
+import importlib
 import io
 import math
 import subprocess
@@ -5934,3 +5935,100 @@ def test_forward_mode_forward_stopped_while_following_moved_params_follows_them_
     ref = _mlp_loop(None, _adam, 6, events={3: _replace_third_layer_keeping_its_params},
                     layer_by_layer=True)
     _assert_same_training(got, ref)
+
+
+# ---------------------------------------------------------------------------
+# 17. A reload of reprop.fusion (importlib.reload, IPython's %autoreload)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fusion_namespace_restored():
+    """reprop.fusion's namespace put back after a test reloads the module:
+    the classes and functions other modules (and this one) imported from it
+    are the module's again for the tests that follow."""
+    namespace = dict(vars(reprop.fusion))
+    yield
+    vars(reprop.fusion).clear()
+    vars(reprop.fusion).update(namespace)
+
+
+def _reload_fusion(namespace_cleared: bool) -> None:
+    """importlib.reload(reprop.fusion), which re-runs the module in its
+    namespace; namespace_cleared: as IPython's %autoreload does, which
+    clears it first."""
+    if namespace_cleared:
+        kept = {k: vars(reprop.fusion)[k] for k in ("__name__", "__loader__")}
+        vars(reprop.fusion).clear()
+        vars(reprop.fusion).update(kept)
+    importlib.reload(reprop.fusion)
+
+
+@pytest.mark.usefixtures("fusion_namespace_restored")
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_fusion_made_before_a_reload_of_the_module_keeps_working(mode: str,
+                                                                 namespace_cleared: bool) -> None:
+    """A fusion made before reprop.fusion is reloaded trains as eager after
+    it, with an update pending across it (forward mode), model.zero_grad()
+    applying that update first, and the reloaded module sees the fusion:
+    fusion_of() finds it, a second fuse() of its optimizer is refused, a
+    copy of the model has none of its methods, and remove() restores the
+    optimizer. Before, the reload made new, empty registries and a new
+    sentinel: fusion_of() gave None, model.zero_grad() zeroed the pending
+    update's gradient (the next forward raised), and remove() set the old
+    sentinel as the optimizer's step and zero_grad."""
+    def train(mode: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        opt = _adam(model)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(4):
+            if handle is not None and i == 2:
+                _reload_fusion(namespace_cleared)
+                assert reprop.fusion.fusion_of(model) is handle
+                with pytest.raises(ValueError, match="optimizer: already fused"):
+                    reprop.fuse(model, opt, mode=mode)
+                assert not vars(copy.deepcopy(model)).keys() & {"_apply", "zero_grad",
+                                                                "__getstate__"}
+            model.zero_grad(set_to_none=False)
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        if handle is not None:
+            handle.remove()
+            assert reprop.fusion.fusion_of(model) is None
+        return model, opt
+
+    got = train(mode)
+    assert_plain_optimizer(got[1])
+    got[1].zero_grad()
+    _assert_same_training(got, train(None))
+
+
+@pytest.mark.usefixtures("fusion_namespace_restored")
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_model_fused_before_a_reload_of_the_module_can_be_saved(mode: str,
+                                                                namespace_cleared: bool) -> None:
+    """torch.save(model) of a model fused before reprop.fusion is reloaded
+    (forward mode: an update pending) saves the updated model with an inert
+    handle, as without the reload. Before, pickle refused the handle's
+    class, which the reload had replaced: 'not the same object'."""
+    model = _mlp()
+    opt = _adam(model)
+    handle = reprop.fuse(model, opt, mode=mode)
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    _reload_fusion(namespace_cleared)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copied = torch.load(buffer, weights_only=False)
+    handle.flush()
+    for (n, p), q in zip(model.named_parameters(), copied.parameters()):
+        assert torch.equal(p, q), f"{n}: {_diff(q, p)}"
+    assert reprop.fusion.fusion_of(copied) is None
+    handle.remove()

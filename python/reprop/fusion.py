@@ -96,6 +96,7 @@ import functools
 import inspect
 import itertools
 import operator
+import sys
 import threading
 import types
 import warnings
@@ -124,21 +125,32 @@ _CONVERTIBLE = {
     torch.optim.Adadelta: optim.Adadelta,
 }
 _MODES = ("backward", "forward")
+
+
+def _kept(name: str, value):
+    """`value`, or the object this module held as `name` before a reload of it
+    (importlib.reload re-runs this file in its namespace, IPython's
+    %autoreload clears that namespace first): fusions made before hold the
+    sentinel, registries and methods below, which the reloaded functions must
+    share. Kept on the package, which a reload of this module leaves alone."""
+    return vars(sys.modules[__package__]).setdefault("_fusion_kept", {}).setdefault(name, value)
+
+
 # The optimizer's attributes fusion sets on the instance (forward mode also
 # __getstate__), restored by remove().
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
-_MISSING = object()
+_MISSING = _kept("_MISSING", object())
 # Module -> (its own instance methods of _FLUSHING's names, or _MISSING, a
 # WeakSet of the forward-mode fusions of parameters at or below it: one per
 # optimizer), for _flushing. Weak: a value referring to its key would never
 # be freed, and the root's forward hooks keep each fusion alive while it is
 # installed.
-_FLUSH_BEFORE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FLUSH_BEFORE: "weakref.WeakKeyDictionary" = _kept("_FLUSH_BEFORE", weakref.WeakKeyDictionary())
 # Optimizer (the user's, and the reprop engine of a converted torch one) ->
 # weak reference to the live handle fusing it: a second fusion of it would
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
-_FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FUSED_BY: "weakref.WeakKeyDictionary" = _kept("_FUSED_BY", weakref.WeakKeyDictionary())
 # id(param) -> weak reference to the live handle whose optimizer holds it, so
 # that fuse() checks each parameter in O(1), however many fusions are live.
 # Keyed by id, not weakly by the parameter: torch.utils.swap_tensors (what
@@ -147,7 +159,7 @@ _FUSED_BY: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # alive, not removed and holds that very parameter (an id is reused once its
 # tensor is freed); entries are dropped by remove(), by _sync when the
 # optimizer lets a parameter go, and when the handle is freed.
-_FUSION_OF_PARAM: dict = {}
+_FUSION_OF_PARAM: dict = _kept("_FUSION_OF_PARAM", {})
 
 
 def _flushing(name: str):
@@ -215,8 +227,10 @@ def _without_flushing(module: nn.Module, state: dict, memo: dict | None = None) 
     return state
 
 
-_FLUSHING = {"_apply": _flushing("_apply"), "zero_grad": _flushing("zero_grad"),
-             "__getstate__": _flushing_getstate, "__deepcopy__": _flushing_deepcopy}
+# (kept: _without_flushing knows the methods installed on a module by their functions)
+_FLUSHING = _kept("_FLUSHING", {"_apply": _flushing("_apply"), "zero_grad": _flushing("zero_grad"),
+                                "__getstate__": _flushing_getstate,
+                                "__deepcopy__": _flushing_deepcopy})
 
 
 def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
@@ -1064,8 +1078,12 @@ class FusionHandle:
         them the handle: the copy (a teacher, an EMA, a fine-tuned clone) is
         a plain model of its own, so what it gets is an inert, removed handle
         whose hooks do nothing, not a clone of the optimizer that would
-        update it. (Parameters' own hooks are not copied by torch.)"""
-        return _inert_handle, (type(self),)
+        update it. (Parameters' own hooks are not copied by torch.) Its class
+        is the one its module names now: a handle made before a reload of
+        the module has the class the reload replaced, which pickle refuses
+        as not the same object."""
+        cls = type(self)
+        return _inert_handle, (getattr(sys.modules[cls.__module__], cls.__qualname__, cls),)
 
     def __enter__(self) -> "FusionHandle":
         return self
