@@ -24,6 +24,10 @@ import gc
 import inspect
 import itertools
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import numpy as np
@@ -2383,6 +2387,67 @@ def test_compose_multi_grad_hook_takes_an_iterator_as_torch(mode):
     assert len(got[0]) == len(want[0]) == 1
     for g, w in zip((got[0][0], got[1]), (want[0][0], want[1])):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=0)
+
+
+def _run_fresh(code: str) -> list[str]:
+    """The lines `code` prints in a fresh interpreter importing this reprop:
+    what it does to torch's autograd functions, or to reprop.fad itself (a
+    reload), stays out of this test process."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fad.__file__))}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+_TORCHS_AUTOGRAD = """
+    import torch
+    torch.set_num_threads(1)
+    AUTOGRAD = [(torch.autograd, "grad"), (torch.autograd, "backward"),
+                (torch.autograd.graph, "register_multi_grad_hook")]
+    TORCHS = [getattr(owner, name) for owner, name in AUTOGRAD]
+
+    def report(stage):  # which functions are torch's own, and how deep each wrapper is
+        def depth(f):
+            return 0 if not hasattr(f, "__wrapped__") else 1 + depth(f.__wrapped__)
+        now = [getattr(owner, name) for owner, name in AUTOGRAD]
+        print(stage, *(f"{n}:{'torchs' if f is t else depth(f)}"
+                       for (_, n), f, t in zip(AUTOGRAD, now, TORCHS)))
+"""
+
+
+def test_importing_reprop_leaves_torchs_autograd_functions():
+    """Importing reprop replaced torch.autograd.grad, torch.autograd.backward
+    and register_multi_grad_hook for the whole process, for a user of its
+    optimizers as much as of composed chains. They stay torch's own through
+    the optimizers, fusion, patch() and enabled() (compose=True with a chain
+    of one step too: nothing is led past), and are checked from the first
+    step that leads past a chain tensor on, for good, as the refusals need."""
+    out = _run_fresh(_TORCHS_AUTOGRAD + """
+    import reprop
+    from reprop import fad
+    report("import")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    reprop.fuse(model, reprop.optim.AdamW(model.parameters()))
+    fad.patch(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with fad.enabled():
+        model(x).sum().backward()
+    with fad.enabled(compose=True):
+        h = torch.exp(x)
+    report("one-step")
+    with fad.enabled(compose=True):
+        h2 = h * 2
+        y = torch.exp(h2)
+    report("led-past")
+    try:
+        torch.autograd.grad(y.sum(), [h2])
+    except RuntimeError as e:
+        print("refused" if "chained past it" in str(e) else e)
+    """)
+    untouched = ["grad:torchs", "backward:torchs", "register_multi_grad_hook:torchs"]
+    checked = ["grad:1", "backward:1", "register_multi_grad_hook:1"]
+    assert out == ["import", *untouched, "one-step", *untouched, "led-past", *checked, "refused"]
 
 
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():

@@ -1041,6 +1041,28 @@ def _refusing_led_past_inputs(run):
     return checked
 
 
+# torch's functions that take hooks or inputs= on any tensor, each with the
+# check it gets once a node is led past (_install_led_past_refusals)
+_LED_PAST_REFUSALS = ((torch.autograd.graph, "register_multi_grad_hook", _refusing_led_past_multi),
+                      (torch.autograd, "grad", _refusing_led_past_inputs),
+                      (torch.autograd, "backward", _refusing_led_past_inputs))
+_refusals_installed = False
+
+
+def _install_led_past_refusals() -> None:
+    """Replaces torch's functions of _LED_PAST_REFUSALS with their checks, for
+    good, not only while a mode is on (a node stays led past after the mode
+    exits); calls on other tensors, in any thread, pass straight through to
+    torch's (as do autograd calls without inputs=). Done when the first node
+    is led past (_lead_past), not at import: until a composed chain exists
+    there is nothing to refuse, and importing reprop for its optimizers
+    must leave torch's autograd functions as they are."""
+    global _refusals_installed
+    for owner, name, refusing in _LED_PAST_REFUSALS:
+        setattr(owner, name, refusing(getattr(owner, name)))
+    _refusals_installed = True
+
+
 def _on_a_led_past_node(t) -> bool:
     """Whether t, a tensor or a GradientEdge, stands for the output of a chain
     node a next step led past (_lead_past); False for anything else."""
@@ -1065,13 +1087,6 @@ def _inputs_labelled(inputs) -> list:
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
-# for good, not only while a mode is on, as the node's own refusal above: a node
-# stays led past after the mode exits; calls on other tensors, in any thread,
-# pass straight through to torch's (as do autograd calls without inputs=)
-torch.autograd.graph.register_multi_grad_hook = _refusing_led_past_multi(
-    torch.autograd.graph.register_multi_grad_hook)
-torch.autograd.grad = _refusing_led_past_inputs(torch.autograd.grad)
-torch.autograd.backward = _refusing_led_past_inputs(torch.autograd.backward)
 _AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
@@ -1837,6 +1852,8 @@ def _lead_past(operands) -> None:
     run (_led_past_error)."""
     for o in operands:
         if o.chain is not None:
+            if not _refusals_installed:
+                _install_led_past_refusals()
             o.chain.grad_fn.led_past = True
 
 
