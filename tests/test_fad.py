@@ -2450,6 +2450,40 @@ def test_importing_reprop_leaves_torchs_autograd_functions():
     assert out == ["import", *untouched, "one-step", *untouched, "led-past", *checked, "refused"]
 
 
+def test_reloading_fad_wraps_torchs_autograd_functions_once():
+    """importlib.reload(reprop.fad) (what IPython's %autoreload 2 does) wrapped
+    torch's autograd functions once more at each reload (register_multi_grad_hook
+    four deep after three). They are wrapped once, before a reload or after
+    it, and the refusal still holds."""
+    out = _run_fresh(_TORCHS_AUTOGRAD + """
+    import importlib
+    import reprop.fad as fad
+
+    def chained():
+        x = torch.randn(3, requires_grad=True)
+        with fad.enabled(compose=True):
+            h = x * 2
+            y = torch.exp(h)  # leads past h
+        return y, h
+
+    fad = importlib.reload(fad)
+    report("reloaded")
+    chained()
+    report("chained")
+    for _ in range(3):
+        fad = importlib.reload(fad)
+        y, h = chained()
+    report("reloaded-thrice")
+    try:
+        torch.autograd.grad(y.sum(), [h])
+    except RuntimeError as e:
+        print("refused" if "chained past it" in str(e) else e)
+    """)
+    untouched = ["grad:torchs", "backward:torchs", "register_multi_grad_hook:torchs"]
+    once = ["grad:1", "backward:1", "register_multi_grad_hook:1"]
+    assert out == ["reloaded", *untouched, "chained", *once, "reloaded-thrice", *once, "refused"]
+
+
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():
     """retain_grad() after the mode on a chain tensor that a next step led
     past is refused only if that step's node runs: where only the tensor's

@@ -1047,6 +1047,7 @@ _LED_PAST_REFUSALS = ((torch.autograd.graph, "register_multi_grad_hook", _refusi
                       (torch.autograd, "grad", _refusing_led_past_inputs),
                       (torch.autograd, "backward", _refusing_led_past_inputs))
 _refusals_installed = False
+_REFUSES_LED_PAST = "_reprop_fad_refuses_led_past"  # marks a check (_install_led_past_refusals)
 
 
 def _install_led_past_refusals() -> None:
@@ -1059,7 +1060,15 @@ def _install_led_past_refusals() -> None:
     must leave torch's autograd functions as they are."""
     global _refusals_installed
     for owner, name, refusing in _LED_PAST_REFUSALS:
-        setattr(owner, name, refusing(getattr(owner, name)))
+        current = getattr(owner, name)
+        # importlib.reload (IPython's %autoreload 2) runs this module again,
+        # _refusals_installed False, over torch's functions checked already:
+        # the mark (which functools.wraps copies to a wrapper around a check)
+        # keeps them from being wrapped once more at each reload
+        if not getattr(current, _REFUSES_LED_PAST, False):
+            checked = refusing(current)
+            setattr(checked, _REFUSES_LED_PAST, True)
+            setattr(owner, name, checked)
     _refusals_installed = True
 
 
