@@ -1315,6 +1315,25 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
 
 
+def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
+    """After importlib.reload(reprop.fad) (IPython's %autoreload 2), patch()
+    and unpatch() took the record an earlier patch() left on a function
+    attribute for the user's own value (it was an instance of the class the
+    reload replaced): patch() silently left the old partial, its saved_dtype
+    unapplied, and unpatch() never restored torch's function."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    import reprop.fad as fad
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, activation=F.gelu)
+    fad.patch(layer)
+    fad = importlib.reload(fad)
+    print("patched", list(fad.patch(layer, saved_dtype=torch.bfloat16)),
+          layer.activation.keywords["saved_dtype"])
+    print("restored", fad.unpatch(layer), layer.activation is F.gelu)
+    """)
+    assert out == ["patched", "['activation']", "torch.bfloat16", "restored", "['activation']", "True"]
+
+
 def test_a_model_patched_before_reroutes_were_recorded_unpatches():
     """A model patched and saved by reprop before patch() recorded the
     partial it installed (its record held the bare original function) met

@@ -79,6 +79,16 @@ _SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 _TORCH_DTYPES = (torch.float64,)
 
 
+def _kept_across_reloads(cls: type) -> type:
+    """cls, or the class of its name as a run of this module before
+    importlib.reload (IPython's %autoreload 2) made it: a reload runs the
+    module again in the same namespace, where objects made before it (the
+    records patch() leaves on a model) are instances of that class, which
+    isinstance must still recognise. For classes of records only: their own
+    methods are not reloaded."""
+    return globals().get(cls.__name__, cls)
+
+
 class _Act(NamedTuple):
     """One activation with its parameters, as the kernels take it."""
 
@@ -630,6 +640,7 @@ _PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
 _PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted} (before: the original)
 
 
+@_kept_across_reloads
 class _Rerouted(NamedTuple):
     """A function attribute patch() rerouted: the function it found there
     and the partial it put in its place. The attribute is still patch()'s
