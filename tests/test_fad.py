@@ -2503,6 +2503,39 @@ def test_reloading_fad_wraps_torchs_autograd_functions_once():
     assert out == ["reloaded", *untouched, "chained", *once, "reloaded-thrice", *once, "refused"]
 
 
+def test_compose_chain_continues_across_a_reload():
+    """A mode entered before importlib.reload(reprop.fad) (by hand, in one
+    notebook cell, with %autoreload 2 before the next) keeps its chain
+    records: a record of relu or Hardswish of the root holds an instance of a
+    class the reload replaced, which the next step took for a derivative
+    tensor (a TypeError). The chain now goes on as without the reload."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    x = torch.randn(6)
+
+    def grad(first, reload):
+        global fad
+        leaf = x.clone().requires_grad_()
+        mode = fad.enabled(compose=True)
+        mode.__enter__()
+        try:
+            a = first(leaf)
+            if reload:
+                fad = importlib.reload(fad)
+            y = torch.exp(a * 2)
+        finally:
+            mode.__exit__(None, None, None)
+        y.sum().backward()
+        return leaf.grad
+
+    for first in (torch.relu, F.hardswish):
+        print(first.__name__, torch.equal(grad(first, True), grad(first, False)))
+    """)
+    assert out == ["relu", "True", "hardswish", "True"]
+
+
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():
     """retain_grad() after the mode on a chain tensor that a next step led
     past is refused only if that step's node runs: where only the tensor's

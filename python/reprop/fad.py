@@ -83,9 +83,9 @@ def _kept_across_reloads(cls: type) -> type:
     """cls, or the class of its name as a run of this module before
     importlib.reload (IPython's %autoreload 2) made it: a reload runs the
     module again in the same namespace, where objects made before it (the
-    records patch() leaves on a model) are instances of that class, which
-    isinstance must still recognise. For classes of records only: their own
-    methods are not reloaded."""
+    records patch() leaves on a model, a live enabled()'s chain records) are
+    instances of that class, which isinstance must still recognise. For
+    classes of records only: their own methods are not reloaded."""
     return globals().get(cls.__name__, cls)
 
 
@@ -1193,6 +1193,7 @@ class _Record:
 _RELU_OF_SELF = object()
 
 
+@_kept_across_reloads
 class _ReluOutput(NamedTuple):
     """A record's derivative of relu of the root: its output as recorded
     (_as_recorded), from which a next step finds the derivative and the
@@ -1222,6 +1223,7 @@ def _relu_local(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (~blocked).to(out.dtype), blocked
 
 
+@_kept_across_reloads
 class _WhereZero(NamedTuple):
     """Blocked positions found from a derivative when needed: those of
     Hardsigmoid or Hardswish on the root itself, where its derivative is
