@@ -1166,8 +1166,8 @@ OUTPUT_SAVED_IN_PLACE = {
 def test_in_place_decision_reads_the_signatures_positions():
     """_left_to_torch reads inplace and the parameter off their positions (a
     bound signature cost 10 us a call): they are those of the functions."""
-    for fn, (param, at, inplace_at) in fad._OUTPUT_SAVED_IN_PLACE.items():
-        names = list(inspect.signature(fn).parameters)
+    for name, (param, at, inplace_at) in fad._OUTPUT_SAVED_IN_PLACE.items():
+        names = list(inspect.signature(getattr(fad, name)).parameters)
         assert names.index("inplace") == inplace_at and (param is None or names.index(param) == at)
     x = torch.randn(4)
     assert fad._left_to_torch(fad.elu, (x,), {"inplace": True})
@@ -1332,6 +1332,33 @@ def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
     print("restored", fad.unpatch(layer), layer.activation is F.gelu)
     """)
     assert out == ["patched", "['activation']", "torch.bfloat16", "restored", "['activation']", "True"]
+
+
+def test_in_place_calls_patched_before_a_reload_stay_torchs():
+    """In-place ELU, CELU, SELU and LeakyReLU with a non-negative parameter
+    are left to torch (they save only their output). A module swapped, or a
+    function attribute rerouted, before importlib.reload(reprop.fad) calls
+    the functions of before it, which the reload's table did not know: they
+    ran reprop's kernels, saving f'(x) besides (_ActivationBackward)."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    lin, elu, holder = torch.nn.Linear(4, 4), torch.nn.ELU(inplace=True), torch.nn.Module()
+    holder.act = F.leaky_relu
+    fad.patch(torch.nn.ModuleList([elu, holder]))
+    x = torch.randn(2, 4)
+
+    def report(stage):
+        print(stage, type(elu(lin(x)).grad_fn).__name__,
+              type(holder.act(lin(x), 0.1, True).grad_fn).__name__)
+
+    report("patched")
+    fad = importlib.reload(fad)
+    report("reloaded")
+    """)
+    assert out == ["patched", "EluBackward1", "LeakyReluBackward1",
+                   "reloaded", "EluBackward1", "LeakyReluBackward1"]
 
 
 def test_a_model_patched_before_reroutes_were_recorded_unpatches():

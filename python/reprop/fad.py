@@ -587,9 +587,12 @@ _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
 # or slope, whose in-place backward torch refuses (it recovers f' from the
 # output, ambiguous then): FAD's, from x, trains there. Each with the
 # parameter that decides it and its position, and inplace's position (the
-# parameter None: SELU's, fixed and positive).
-_OUTPUT_SAVED_IN_PLACE = {elu: ("alpha", 1, 2), celu: ("alpha", 1, 2), selu: (None, None, 1),
-                          leaky_relu: ("negative_slope", 1, 2)}
+# parameter None: SELU's, fixed and positive). Keyed by the function's name:
+# one from before importlib.reload (IPython's %autoreload 2), which a
+# swapped module's class or the partial on a function attribute still
+# calls, must find its entry.
+_OUTPUT_SAVED_IN_PLACE = {"elu": ("alpha", 1, 2), "celu": ("alpha", 1, 2), "selu": (None, None, 1),
+                          "leaky_relu": ("negative_slope", 1, 2)}
 
 
 def _left_to_torch(ours, args, kwargs) -> bool:
@@ -598,7 +601,7 @@ def _left_to_torch(ours, args, kwargs) -> bool:
     of _OUTPUT_SAVED_IN_PLACE with a parameter torch takes in place. Read
     off the arguments' positions, not a bound signature: this runs at every
     call of these activations (binding one cost 10 us)."""
-    spec = _OUTPUT_SAVED_IN_PLACE.get(ours)
+    spec = _OUTPUT_SAVED_IN_PLACE.get(ours.__name__)
     if spec is None:
         return False
     param, at, inplace_at = spec
