@@ -1361,6 +1361,33 @@ def test_in_place_calls_patched_before_a_reload_stay_torchs():
                    "reloaded", "EluBackward1", "LeakyReluBackward1"]
 
 
+def test_patch_again_after_a_reload_makes_the_model_picklable():
+    """A model patched before importlib.reload(reprop.fad) holds classes and
+    functions of before it, which pickling, going by name, refuses
+    (torch.save(model): "not the same object as reprop.fad.GELU"), and patch()
+    again left its swapped modules in their old class. It now moves them to
+    the reloaded classes, as it reroutes the function attributes afresh, so
+    the model saves and loads, computing what it did."""
+    out = _run_fresh("""
+    import importlib, io, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Module())
+    model[2].act = F.silu
+    fad.patch(model)
+    fad = importlib.reload(fad)
+    fad.patch(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 4)
+    print(type(loaded[1]) is fad.GELU, torch.equal(loaded[1](x), model[1](x)),
+          torch.equal(loaded[2].act(x), model[2].act(x)))
+    """)
+    assert out == ["True", "True", "True"]
+
+
 def test_a_model_patched_before_reroutes_were_recorded_unpatches():
     """A model patched and saved by reprop before patch() recorded the
     partial it installed (its record held the bare original function) met

@@ -669,7 +669,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     ELU, CELU, SELU and LeakyReLU (their in-place ops save only the output)
     unless a negative alpha or slope makes torch refuse them (_left_to_torch). Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
-    updates saved_dtype; a function attribute the user set since the last
+    updates saved_dtype (and moves a model patched before
+    importlib.reload(reprop.fad) to the reloaded classes and functions,
+    which pickling finds by name); a function attribute the user set since the last
     patch is theirs: rerouted if it is a torch activation, else left (and
     unpatch leaves it too). A torch activation module whose forward is
     set on the instance (accelerate's hooks), or whose class's forward a
@@ -686,12 +688,13 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         if kept is not None:
             left.setdefault(kept, []).append(name)
         elif original in _PATCHED_MODULES:
-            if type(module) is original:
+            ours = _PATCHED_MODULES[original]
+            if type(module) is original or _made_before_a_reload(type(module), ours):
                 # recorded before the swap: a re-run after an interrupt between
                 # the two finds the class to restore (swapped first, it saw a
                 # reprop class it does not patch, and unpatch had no record)
                 module.__dict__[_PATCHED] = original
-                module.__class__ = _PATCHED_MODULES[original]
+                module.__class__ = ours
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
@@ -699,6 +702,15 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         warnings.warn(f"reprop.fad.patch left these activation modules as torch's: "
                       f"{', '.join(map(repr, names))}: {why}", stacklevel=2)
     return changed
+
+
+def _made_before_a_reload(cls: type, current: type) -> bool:
+    """Whether cls is reprop's class `current` as a run of this module before
+    importlib.reload (IPython's %autoreload 2) made it: the same module and
+    name, another object. patch() moves a module of it to the current one:
+    pickling finds a class by its name, so torch.save(model) refused it."""
+    return cls is not current and (cls.__module__, cls.__qualname__) == (
+        current.__module__, current.__qualname__)
 
 
 def _check_model(model, fname: str) -> None:
