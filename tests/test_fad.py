@@ -1331,7 +1331,8 @@ def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
           layer.activation.keywords["saved_dtype"])
     print("restored", fad.unpatch(layer), layer.activation is F.gelu)
     """)
-    assert out == ["patched", "['activation']", "torch.bfloat16", "restored", "['activation']", "True"]
+    assert out == ["patched", "['activation']", "torch.bfloat16",
+                   "restored", "['activation']", "True"]
 
 
 def test_in_place_calls_patched_before_a_reload_stay_torchs():

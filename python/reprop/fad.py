@@ -671,9 +671,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     classes are left alone: their forward may do more. Calling patch again
     updates saved_dtype (and moves a model patched before
     importlib.reload(reprop.fad) to the reloaded classes and functions,
-    which pickling finds by name); a function attribute the user set since the last
-    patch is theirs: rerouted if it is a torch activation, else left (and
-    unpatch leaves it too). A torch activation module whose forward is
+    which pickling finds by name); a function attribute the user set since
+    the last patch is theirs: rerouted if it is a torch activation, else
+    left (and unpatch leaves it too). A torch activation module whose forward is
     set on the instance (accelerate's hooks), or whose class's forward a
     library replaced (nn.GELU.forward = ...), is left, with a warning: that
     forward runs in place of torch's. Returns {qualified name: what
