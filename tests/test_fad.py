@@ -24,6 +24,10 @@ import gc
 import inspect
 import itertools
 import math
+import os
+import subprocess
+import sys
+import textwrap
 import weakref
 
 import numpy as np
@@ -1162,8 +1166,8 @@ OUTPUT_SAVED_IN_PLACE = {
 def test_in_place_decision_reads_the_signatures_positions():
     """_left_to_torch reads inplace and the parameter off their positions (a
     bound signature cost 10 us a call): they are those of the functions."""
-    for fn, (param, at, inplace_at) in fad._OUTPUT_SAVED_IN_PLACE.items():
-        names = list(inspect.signature(fn).parameters)
+    for name, (param, at, inplace_at) in fad._OUTPUT_SAVED_IN_PLACE.items():
+        names = list(inspect.signature(getattr(fad, name)).parameters)
         assert names.index("inplace") == inplace_at and (param is None or names.index(param) == at)
     x = torch.randn(4)
     assert fad._left_to_torch(fad.elu, (x,), {"inplace": True})
@@ -1309,6 +1313,80 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     assert fad.patch(layer) == {"activation": "silu -> reprop.fad.silu"}
     assert layer.activation.args == (fad.silu, F.silu)
     assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
+
+
+def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
+    """After importlib.reload(reprop.fad) (IPython's %autoreload 2), patch()
+    and unpatch() took the record an earlier patch() left on a function
+    attribute for the user's own value (it was an instance of the class the
+    reload replaced): patch() silently left the old partial, its saved_dtype
+    unapplied, and unpatch() never restored torch's function."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    import reprop.fad as fad
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, activation=F.gelu)
+    fad.patch(layer)
+    fad = importlib.reload(fad)
+    print("patched", list(fad.patch(layer, saved_dtype=torch.bfloat16)),
+          layer.activation.keywords["saved_dtype"])
+    print("restored", fad.unpatch(layer), layer.activation is F.gelu)
+    """)
+    assert out == ["patched", "['activation']", "torch.bfloat16",
+                   "restored", "['activation']", "True"]
+
+
+def test_in_place_calls_patched_before_a_reload_stay_torchs():
+    """In-place ELU, CELU, SELU and LeakyReLU with a non-negative parameter
+    are left to torch (they save only their output). A module swapped, or a
+    function attribute rerouted, before importlib.reload(reprop.fad) calls
+    the functions of before it, which the reload's table did not know: they
+    ran reprop's kernels, saving f'(x) besides (_ActivationBackward)."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    lin, elu, holder = torch.nn.Linear(4, 4), torch.nn.ELU(inplace=True), torch.nn.Module()
+    holder.act = F.leaky_relu
+    fad.patch(torch.nn.ModuleList([elu, holder]))
+    x = torch.randn(2, 4)
+
+    def report(stage):
+        print(stage, type(elu(lin(x)).grad_fn).__name__,
+              type(holder.act(lin(x), 0.1, True).grad_fn).__name__)
+
+    report("patched")
+    fad = importlib.reload(fad)
+    report("reloaded")
+    """)
+    assert out == ["patched", "EluBackward1", "LeakyReluBackward1",
+                   "reloaded", "EluBackward1", "LeakyReluBackward1"]
+
+
+def test_patch_again_after_a_reload_makes_the_model_picklable():
+    """A model patched before importlib.reload(reprop.fad) holds classes and
+    functions of before it, which pickling, going by name, refuses
+    (torch.save(model): "not the same object as reprop.fad.GELU"), and patch()
+    again left its swapped modules in their old class. It now moves them to
+    the reloaded classes, as it reroutes the function attributes afresh, so
+    the model saves and loads, computing what it did."""
+    out = _run_fresh("""
+    import importlib, io, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Module())
+    model[2].act = F.silu
+    fad.patch(model)
+    fad = importlib.reload(fad)
+    fad.patch(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(2, 4)
+    print(type(loaded[1]) is fad.GELU, torch.equal(loaded[1](x), model[1](x)),
+          torch.equal(loaded[2].act(x), model[2].act(x)))
+    """)
+    assert out == ["True", "True", "True"]
 
 
 def test_a_model_patched_before_reroutes_were_recorded_unpatches():
@@ -2383,6 +2461,134 @@ def test_compose_multi_grad_hook_takes_an_iterator_as_torch(mode):
     assert len(got[0]) == len(want[0]) == 1
     for g, w in zip((got[0][0], got[1]), (want[0][0], want[1])):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=0)
+
+
+def _run_fresh(code: str) -> list[str]:
+    """The lines `code` prints in a fresh interpreter importing this reprop:
+    what it does to torch's autograd functions, or to reprop.fad itself (a
+    reload), stays out of this test process."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(fad.__file__))}
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.split()
+
+
+_TORCHS_AUTOGRAD = """
+    import torch
+    torch.set_num_threads(1)
+    AUTOGRAD = [(torch.autograd, "grad"), (torch.autograd, "backward"),
+                (torch.autograd.graph, "register_multi_grad_hook")]
+    TORCHS = [getattr(owner, name) for owner, name in AUTOGRAD]
+
+    def report(stage):  # which functions are torch's own, and how deep each wrapper is
+        def depth(f):
+            return 0 if not hasattr(f, "__wrapped__") else 1 + depth(f.__wrapped__)
+        now = [getattr(owner, name) for owner, name in AUTOGRAD]
+        print(stage, *(f"{n}:{'torchs' if f is t else depth(f)}"
+                       for (_, n), f, t in zip(AUTOGRAD, now, TORCHS)))
+"""
+
+
+def test_importing_reprop_leaves_torchs_autograd_functions():
+    """Importing reprop replaced torch.autograd.grad, torch.autograd.backward
+    and register_multi_grad_hook for the whole process, for a user of its
+    optimizers as much as of composed chains. They stay torch's own through
+    the optimizers, fusion, patch() and enabled() (compose=True with a chain
+    of one step too: nothing is led past), and are checked from the first
+    step that leads past a chain tensor on, for good, as the refusals need."""
+    out = _run_fresh(_TORCHS_AUTOGRAD + """
+    import reprop
+    from reprop import fad
+    report("import")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    reprop.fuse(model, reprop.optim.AdamW(model.parameters()))
+    fad.patch(model)
+    x = torch.randn(2, 4, requires_grad=True)
+    with fad.enabled():
+        model(x).sum().backward()
+    with fad.enabled(compose=True):
+        h = torch.exp(x)
+    report("one-step")
+    with fad.enabled(compose=True):
+        h2 = h * 2
+        y = torch.exp(h2)
+    report("led-past")
+    try:
+        torch.autograd.grad(y.sum(), [h2])
+    except RuntimeError as e:
+        print("refused" if "chained past it" in str(e) else e)
+    """)
+    untouched = ["grad:torchs", "backward:torchs", "register_multi_grad_hook:torchs"]
+    checked = ["grad:1", "backward:1", "register_multi_grad_hook:1"]
+    assert out == ["import", *untouched, "one-step", *untouched, "led-past", *checked, "refused"]
+
+
+def test_reloading_fad_wraps_torchs_autograd_functions_once():
+    """importlib.reload(reprop.fad) (what IPython's %autoreload 2 does) wrapped
+    torch's autograd functions once more at each reload (register_multi_grad_hook
+    four deep after three). They are wrapped once, before a reload or after
+    it, and the refusal still holds."""
+    out = _run_fresh(_TORCHS_AUTOGRAD + """
+    import importlib
+    import reprop.fad as fad
+
+    def chained():
+        x = torch.randn(3, requires_grad=True)
+        with fad.enabled(compose=True):
+            h = x * 2
+            y = torch.exp(h)  # leads past h
+        return y, h
+
+    fad = importlib.reload(fad)
+    report("reloaded")
+    chained()
+    report("chained")
+    for _ in range(3):
+        fad = importlib.reload(fad)
+        y, h = chained()
+    report("reloaded-thrice")
+    try:
+        torch.autograd.grad(y.sum(), [h])
+    except RuntimeError as e:
+        print("refused" if "chained past it" in str(e) else e)
+    """)
+    untouched = ["grad:torchs", "backward:torchs", "register_multi_grad_hook:torchs"]
+    once = ["grad:1", "backward:1", "register_multi_grad_hook:1"]
+    assert out == ["reloaded", *untouched, "chained", *once, "reloaded-thrice", *once, "refused"]
+
+
+def test_compose_chain_continues_across_a_reload():
+    """A mode entered before importlib.reload(reprop.fad) (by hand, in one
+    notebook cell, with %autoreload 2 before the next) keeps its chain
+    records: a record of relu or Hardswish of the root holds an instance of a
+    class the reload replaced, which the next step took for a derivative
+    tensor (a TypeError). The chain now goes on as without the reload."""
+    out = _run_fresh("""
+    import importlib, torch, torch.nn.functional as F
+    torch.set_num_threads(1)
+    import reprop.fad as fad
+    x = torch.randn(6)
+
+    def grad(first, reload):
+        global fad
+        leaf = x.clone().requires_grad_()
+        mode = fad.enabled(compose=True)
+        mode.__enter__()
+        try:
+            a = first(leaf)
+            if reload:
+                fad = importlib.reload(fad)
+            y = torch.exp(a * 2)
+        finally:
+            mode.__exit__(None, None, None)
+        y.sum().backward()
+        return leaf.grad
+
+    for first in (torch.relu, F.hardswish):
+        print(first.__name__, torch.equal(grad(first, True), grad(first, False)))
+    """)
+    assert out == ["relu", "True", "hardswish", "True"]
 
 
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():

@@ -79,6 +79,16 @@ _SAVED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8)
 _TORCH_DTYPES = (torch.float64,)
 
 
+def _kept_across_reloads(cls: type) -> type:
+    """cls, or the class of its name as a run of this module before
+    importlib.reload (IPython's %autoreload 2) made it: a reload runs the
+    module again in the same namespace, where objects made before it (the
+    records patch() leaves on a model, a live enabled()'s chain records) are
+    instances of that class, which isinstance must still recognise. For
+    classes of records only: their own methods are not reloaded."""
+    return globals().get(cls.__name__, cls)
+
+
 class _Act(NamedTuple):
     """One activation with its parameters, as the kernels take it."""
 
@@ -577,9 +587,12 @@ _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
 # or slope, whose in-place backward torch refuses (it recovers f' from the
 # output, ambiguous then): FAD's, from x, trains there. Each with the
 # parameter that decides it and its position, and inplace's position (the
-# parameter None: SELU's, fixed and positive).
-_OUTPUT_SAVED_IN_PLACE = {elu: ("alpha", 1, 2), celu: ("alpha", 1, 2), selu: (None, None, 1),
-                          leaky_relu: ("negative_slope", 1, 2)}
+# parameter None: SELU's, fixed and positive). Keyed by the function's name:
+# one from before importlib.reload (IPython's %autoreload 2), which a
+# swapped module's class or the partial on a function attribute still
+# calls, must find its entry.
+_OUTPUT_SAVED_IN_PLACE = {"elu": ("alpha", 1, 2), "celu": ("alpha", 1, 2), "selu": (None, None, 1),
+                          "leaky_relu": ("negative_slope", 1, 2)}
 
 
 def _left_to_torch(ours, args, kwargs) -> bool:
@@ -588,7 +601,7 @@ def _left_to_torch(ours, args, kwargs) -> bool:
     of _OUTPUT_SAVED_IN_PLACE with a parameter torch takes in place. Read
     off the arguments' positions, not a bound signature: this runs at every
     call of these activations (binding one cost 10 us)."""
-    spec = _OUTPUT_SAVED_IN_PLACE.get(ours)
+    spec = _OUTPUT_SAVED_IN_PLACE.get(ours.__name__)
     if spec is None:
         return False
     param, at, inplace_at = spec
@@ -630,6 +643,7 @@ _PATCHED = "_reprop_fad_patched"  # on a swapped module: its original class
 _PATCHED_FNS = "_reprop_fad_functions"  # on a module: {attribute: _Rerouted} (before: the original)
 
 
+@_kept_across_reloads
 class _Rerouted(NamedTuple):
     """A function attribute patch() rerouted: the function it found there
     and the partial it put in its place. The attribute is still patch()'s
@@ -655,9 +669,11 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     ELU, CELU, SELU and LeakyReLU (their in-place ops save only the output)
     unless a negative alpha or slope makes torch refuse them (_left_to_torch). Subclasses of those
     classes are left alone: their forward may do more. Calling patch again
-    updates saved_dtype; a function attribute the user set since the last
-    patch is theirs: rerouted if it is a torch activation, else left (and
-    unpatch leaves it too). A torch activation module whose forward is
+    updates saved_dtype (and moves a model patched before
+    importlib.reload(reprop.fad) to the reloaded classes and functions,
+    which pickling finds by name); a function attribute the user set since
+    the last patch is theirs: rerouted if it is a torch activation, else
+    left (and unpatch leaves it too). A torch activation module whose forward is
     set on the instance (accelerate's hooks), or whose class's forward a
     library replaced (nn.GELU.forward = ...), is left, with a warning: that
     forward runs in place of torch's. Returns {qualified name: what
@@ -672,12 +688,13 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         if kept is not None:
             left.setdefault(kept, []).append(name)
         elif original in _PATCHED_MODULES:
-            if type(module) is original:
+            ours = _PATCHED_MODULES[original]
+            if type(module) is original or _made_before_a_reload(type(module), ours):
                 # recorded before the swap: a re-run after an interrupt between
                 # the two finds the class to restore (swapped first, it saw a
                 # reprop class it does not patch, and unpatch had no record)
                 module.__dict__[_PATCHED] = original
-                module.__class__ = _PATCHED_MODULES[original]
+                module.__class__ = ours
             module.saved_dtype = saved_dtype
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
@@ -685,6 +702,15 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
         warnings.warn(f"reprop.fad.patch left these activation modules as torch's: "
                       f"{', '.join(map(repr, names))}: {why}", stacklevel=2)
     return changed
+
+
+def _made_before_a_reload(cls: type, current: type) -> bool:
+    """Whether cls is reprop's class `current` as a run of this module before
+    importlib.reload (IPython's %autoreload 2) made it: the same module and
+    name, another object. patch() moves a module of it to the current one:
+    pickling finds a class by its name, so torch.save(model) refused it."""
+    return cls is not current and (cls.__module__, cls.__qualname__) == (
+        current.__module__, current.__qualname__)
 
 
 def _check_model(model, fname: str) -> None:
@@ -1041,6 +1067,37 @@ def _refusing_led_past_inputs(run):
     return checked
 
 
+# torch's functions that take hooks or inputs= on any tensor, each with the
+# check it gets once a node is led past (_install_led_past_refusals)
+_LED_PAST_REFUSALS = ((torch.autograd.graph, "register_multi_grad_hook", _refusing_led_past_multi),
+                      (torch.autograd, "grad", _refusing_led_past_inputs),
+                      (torch.autograd, "backward", _refusing_led_past_inputs))
+_refusals_installed = False
+_REFUSES_LED_PAST = "_reprop_fad_refuses_led_past"  # marks a check (_install_led_past_refusals)
+
+
+def _install_led_past_refusals() -> None:
+    """Replaces torch's functions of _LED_PAST_REFUSALS with their checks, for
+    good, not only while a mode is on (a node stays led past after the mode
+    exits); calls on other tensors, in any thread, pass straight through to
+    torch's (as do autograd calls without inputs=). Done when the first node
+    is led past (_lead_past), not at import: until a composed chain exists
+    there is nothing to refuse, and importing reprop for its optimizers
+    must leave torch's autograd functions as they are."""
+    global _refusals_installed
+    for owner, name, refusing in _LED_PAST_REFUSALS:
+        current = getattr(owner, name)
+        # importlib.reload (IPython's %autoreload 2) runs this module again,
+        # _refusals_installed False, over torch's functions checked already:
+        # the mark (which functools.wraps copies to a wrapper around a check)
+        # keeps them from being wrapped once more at each reload
+        if not getattr(current, _REFUSES_LED_PAST, False):
+            checked = refusing(current)
+            setattr(checked, _REFUSES_LED_PAST, True)
+            setattr(owner, name, checked)
+    _refusals_installed = True
+
+
 def _on_a_led_past_node(t) -> bool:
     """Whether t, a tensor or a GradientEdge, stands for the output of a chain
     node a next step led past (_lead_past); False for anything else."""
@@ -1065,13 +1122,6 @@ def _inputs_labelled(inputs) -> list:
 # node through autograd (_root_of), not lead past it to the root
 _tensors.note_node_hooks(_Chain, check=_refuse_led_past)
 _Chain._backward_cls._register_hook_dict = _refusing_led_past(_Chain._backward_cls._register_hook_dict)
-# for good, not only while a mode is on, as the node's own refusal above: a node
-# stays led past after the mode exits; calls on other tensors, in any thread,
-# pass straight through to torch's (as do autograd calls without inputs=)
-torch.autograd.graph.register_multi_grad_hook = _refusing_led_past_multi(
-    torch.autograd.graph.register_multi_grad_hook)
-torch.autograd.grad = _refusing_led_past_inputs(torch.autograd.grad)
-torch.autograd.backward = _refusing_led_past_inputs(torch.autograd.backward)
 _AUTOGRAD_APPLY = super(torch.autograd.Function, _Chain).apply  # (_chain_step)
 
 
@@ -1158,6 +1208,7 @@ class _Record:
 _RELU_OF_SELF = object()
 
 
+@_kept_across_reloads
 class _ReluOutput(NamedTuple):
     """A record's derivative of relu of the root: its output as recorded
     (_as_recorded), from which a next step finds the derivative and the
@@ -1187,6 +1238,7 @@ def _relu_local(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (~blocked).to(out.dtype), blocked
 
 
+@_kept_across_reloads
 class _WhereZero(NamedTuple):
     """Blocked positions found from a derivative when needed: those of
     Hardsigmoid or Hardswish on the root itself, where its derivative is
@@ -1837,6 +1889,8 @@ def _lead_past(operands) -> None:
     run (_led_past_error)."""
     for o in operands:
         if o.chain is not None:
+            if not _refusals_installed:
+                _install_led_past_refusals()
             o.chain.grad_fn.led_past = True
 
 
