@@ -11,6 +11,7 @@ import functools
 import inspect
 import numbers
 import re
+import sys
 import weakref
 from typing import Callable
 
@@ -276,6 +277,18 @@ def forward_is_torchs(cls: type) -> bool:
     forward = getattr(cls, "forward", None)
     return (getattr(forward, "__module__", None) or "").startswith("torch.nn.") \
         and not hasattr(forward, "__wrapped__")
+
+
+def kept_across_reloads(module: str, name: str, value):
+    """`value`, or what `module` (a reprop module's __name__) kept as `name`
+    before a reload of it: importlib.reload re-runs a module in its namespace
+    and IPython's %autoreload clears that namespace first, while objects made
+    before (a live fusion, a patched model's records) still refer to the
+    sentinels, registries and classes they were made with. Kept on the
+    package, which a reload of one of its modules leaves alone. A kept class
+    keeps its methods as first imported."""
+    kept = vars(sys.modules[__package__]).setdefault("_kept_across_reloads", {})
+    return kept.setdefault((module, name), value)
 
 
 def hook_owner(hook: Callable) -> object | None:

@@ -80,13 +80,11 @@ _TORCH_DTYPES = (torch.float64,)
 
 
 def _kept_across_reloads(cls: type) -> type:
-    """cls, or the class of its name as a run of this module before
-    importlib.reload (IPython's %autoreload 2) made it: a reload runs the
-    module again in the same namespace, where objects made before it (the
-    records patch() leaves on a model, a live enabled()'s chain records) are
-    instances of that class, which isinstance must still recognise. For
-    classes of records only: their own methods are not reloaded."""
-    return globals().get(cls.__name__, cls)
+    """cls as first imported (_tensors.kept_across_reloads): the records
+    patch() leaves on a model and a live enabled()'s chain records made
+    before a reload are its instances, which isinstance must still tell.
+    For classes of records only: their own methods are not reloaded."""
+    return _tensors.kept_across_reloads(__name__, cls.__qualname__, cls)
 
 
 class _Act(NamedTuple):

@@ -128,12 +128,10 @@ _MODES = ("backward", "forward")
 
 
 def _kept(name: str, value):
-    """`value`, or the object this module held as `name` before a reload of it
-    (importlib.reload re-runs this file in its namespace, IPython's
-    %autoreload clears that namespace first): fusions made before hold the
-    sentinel, registries and methods below, which the reloaded functions must
-    share. Kept on the package, which a reload of this module leaves alone."""
-    return vars(sys.modules[__package__]).setdefault("_fusion_kept", {}).setdefault(name, value)
+    """`value` as first imported (_tensors.kept_across_reloads): fusions made
+    before a reload hold the sentinel, registries and methods below, which
+    the reloaded functions must share."""
+    return _tensors.kept_across_reloads(__name__, name, value)
 
 
 # The optimizer's attributes fusion sets on the instance (forward mode also
