@@ -16,6 +16,9 @@ import gc
 import io
 import itertools
 import math
+import os
+import subprocess
+import sys
 import warnings
 import weakref
 
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import reprop
 from reprop import ooo
 
 from _interrupts import LineStop, interrupted_at_line
@@ -1568,6 +1572,31 @@ def test_a_forward_a_library_set_on_the_class_runs(monkeypatch):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
     with pytest.raises(ValueError, match="a forward set on the class"):
         ooo.enable(nn.Linear(2, 2))
+
+
+_FUSED_ACROSS_A_RELOAD = """
+import importlib, torch
+import reprop, reprop.fusion
+from reprop import ooo
+before = torch.nn.Linear(2, 2)
+reprop.fuse(before, torch.optim.SGD(before.parameters(), lr=0.1), mode="backward")
+importlib.reload(reprop.fusion)
+after = torch.nn.Linear(2, 2)
+reprop.fuse(after, torch.optim.SGD(after.parameters(), lr=0.1), mode="backward")
+print(ooo._backward_fused(before), ooo._backward_fused(after))
+"""
+
+
+def test_backward_fusion_is_seen_across_a_reload_of_fusion():
+    """ooo refuses a backward-fused model where its schedule would break
+    (DataParallel, micro-batched Pipeline), by the fusion's class, which it
+    imported once: after importlib.reload(reprop.fusion) a fusion made then
+    was not seen (False), and the refusal was silently off."""
+    root = os.path.dirname(os.path.dirname(reprop.__file__))
+    proc = subprocess.run([sys.executable, "-c", _FUSED_ACROSS_A_RELOAD], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "True"]
 
 
 def test_a_deep_copy_is_an_independent_plain_model():

@@ -291,6 +291,15 @@ def kept_across_reloads(module: str, name: str, value):
     return kept.setdefault((module, name), value)
 
 
+def is_instance_by_name(obj, cls: type) -> bool:
+    """isinstance(obj, cls) that holds across an importlib.reload of cls's
+    module, which makes a new class of that name: an object made before the
+    reload has the old one, and a module that imported cls before has the
+    old one too. By module and qualified name along obj's class's MRO."""
+    key = (cls.__module__, cls.__qualname__)
+    return any((c.__module__, c.__qualname__) == key for c in type(obj).__mro__)
+
+
 def hook_owner(hook: Callable) -> object | None:
     """The object whose method `hook` calls: a bound method's, or a weak_hook's
     while it is alive; None for any other hook."""

@@ -48,9 +48,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
                        current_stream_handle, dispatch_mode_active, forward_is_torchs, hook_owner,
-                       is_count, on_device, show_coming_writes, torch_only, torch_only_weight,
-                       transform_active)
-from .fusion import FusionHandle
+                       is_count, is_instance_by_name, on_device, show_coming_writes, torch_only,
+                       torch_only_weight, transform_active)
+from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -1119,7 +1119,7 @@ def _chain_class(layer: nn.Module) -> type:
 def _fusion_hook(hook) -> bool:
     """reprop.fuse's module hooks only apply pending updates to the weights
     (which the chain reads) and count micro-batches."""
-    return isinstance(hook_owner(hook), FusionHandle)
+    return is_instance_by_name(hook_owner(hook), fusion.FusionHandle)
 
 
 # torch's module trackers, whose global hooks record which module runs and

@@ -60,9 +60,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree
 
 from ._native import _C
-from .fusion import _BackwardFusion, _inert_handle, flush_fusions_of
+from . import fusion
 from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
-                       forward_is_torchs, hook_owner,
+                       forward_is_torchs, hook_owner, is_instance_by_name,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -2494,7 +2494,7 @@ def _backward_fused(model: nn.Module) -> bool:
     `model`: its post-accumulate-grad hook on the parameter, whatever module
     the fusion was given (remove() takes the hooks away; those of a fusion
     dropped without it call nobody)."""
-    return any(isinstance(hook_owner(hook), _BackwardFusion)
+    return any(is_instance_by_name(hook_owner(hook), fusion._BackwardFusion)
                for p in model.parameters()
                for hook in (p._post_accumulate_grad_hooks or {}).values())
 
@@ -2771,7 +2771,7 @@ class DataParallel(_PassTracking, Joinable):
         whose hooks do nothing (a copy that averaged would wait in
         collectives its peers never join). Pickling the live object failed
         on its weak references."""
-        return _inert_handle, (type(self),)
+        return fusion._inert_handle, (type(self),)
 
     # -- the plan: which parameters go in which bucket ----------------------------
 
@@ -3177,12 +3177,12 @@ class _JoinHook(JoinHook):
         if not self.flushed:  # (this rank steps no more: once is enough)
             # a forward fusion's updates pending since this rank's last step()
             # first, as eager step() applied them (and as reprop.fuse does for DDP)
-            flush_fusions_of(self.dp.model)
+            fusion.flush_fusions_of(self.dp.model)
             self.flushed = True
         self.dp._shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        flush_fusions_of(self.dp.model)  # the last joiner's broadcast is of the updated model
+        fusion.flush_fusions_of(self.dp.model)  # the last joiner's broadcast is of the updated model
         self.dp._sync_final_model(is_last_joiner)
 
 
