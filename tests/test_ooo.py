@@ -2555,7 +2555,10 @@ def test_a_captured_step_on_cpu_overwrites_its_outputs_as_a_replay_does():
 
     def with_stats(x, y):
         loss = step(x, y)
-        return loss, {"mean": model.weight.detach().mean().reshape(1), "steps": 1}
+        with torch.inference_mode():  # an inference tensor, written in place on each call
+            accuracy = (model(x).argmax(1) == y).float().mean()
+        return loss, {"mean": model.weight.detach().mean().reshape(1), "steps": 1,
+                      "accuracy": accuracy}
 
     captured = ooo.capture(with_stats, torch.randn(8, 4), torch.randint(2, (8,)), warmup=1)
     kept, values = [], []
@@ -2566,6 +2569,7 @@ def test_a_captured_step_on_cpu_overwrites_its_outputs_as_a_replay_does():
         values.append(loss.item())
         assert stats is captured.outputs[1] and torch.equal(
             stats["mean"], model.weight.detach().mean().reshape(1))
+        assert stats["accuracy"].item() == (model(x).argmax(1) == y).float().mean().item()
     assert all(loss is kept[0] for loss in kept) and len(set(values)) == 3
     assert kept[0].item() == values[-1]
     shapes = iter([(8, 4), (8, 4), (2,)])  # the warm-up's, the first call's, the second's

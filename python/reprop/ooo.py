@@ -1883,7 +1883,9 @@ class CapturedStep:
             for i, (old, value) in enumerate(zip(static, new)):
                 if isinstance(old, torch.Tensor) and value is not old:
                     _check_same_output(old, value, i)
-                    old.copy_(value)
+                    # an inference tensor (an eval metric) is written in inference mode only
+                    with torch.inference_mode(old.is_inference()):
+                        old.copy_(value)
         return self.outputs
 
 
