@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import decimal
 import functools
+import importlib
 import inspect
 import numbers
 import re
@@ -284,10 +285,11 @@ def kept_across_reloads(module: str, name: str, value):
     before a reload of it: importlib.reload re-runs a module in its namespace
     and IPython's %autoreload clears that namespace first, while objects made
     before (a live fusion, a patched model's records) still refer to the
-    sentinels, registries and classes they were made with. Kept on the
-    package, which a reload of one of its modules leaves alone. A kept class
-    keeps its methods as first imported."""
-    kept = vars(sys.modules[__package__]).setdefault("_kept_across_reloads", {})
+    sentinels, registries and classes they were made with. Kept on the C
+    extension, which no reload re-runs (%autoreload reloads the package's
+    __init__ too when it changes). A kept class keeps its methods as first
+    imported."""
+    kept = vars(importlib.import_module(f"{__package__}._C")).setdefault("_kept_across_reloads", {})
     return kept.setdefault((module, name), value)
 
 
