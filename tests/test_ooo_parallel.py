@@ -23,6 +23,9 @@ import gc
 import io
 import itertools
 import math
+import os
+import subprocess
+import sys
 import tempfile
 import warnings
 import weakref
@@ -1191,6 +1194,33 @@ def test_data_parallel_bad_arguments(solo_group):
         DataParallel(model, search_iters=0)
     with pytest.raises(TypeError, match="^process_group: .*got str"):
         DataParallel(model, process_group="world")
+
+
+_SAVED_AFTER_A_RELOAD = """
+import importlib, io, sys, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+import reprop.ooo as ooo
+model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+dp = ooo.DataParallel(model, k=1)
+importlib.reload(ooo)
+buf = io.BytesIO()
+torch.save(model, buf)
+buf.seek(0)
+print(type(torch.load(buf, weights_only=False)).__name__)
+dist.destroy_process_group()
+"""
+
+
+def test_a_data_parallel_model_saves_after_a_reload_of_ooo(tmp_path):
+    """torch.save(model) pickles DataParallel's hooks as an inert copy by its
+    class: after importlib.reload(reprop.ooo) (IPython's autoreload) pickle
+    refused the class the reload replaced ('not the same object')."""
+    root = os.path.dirname(os.path.dirname(ooo.__file__))
+    proc = subprocess.run([sys.executable, "-c", _SAVED_AFTER_A_RELOAD, str(tmp_path / "rdzv")],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["Sequential"]
 
 
 def test_a_deepcopy_of_a_data_parallel_model_is_a_model_of_its_own(solo_group, monkeypatch):

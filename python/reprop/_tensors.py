@@ -293,6 +293,13 @@ def kept_across_reloads(module: str, name: str, value):
     return kept.setdefault((module, name), value)
 
 
+def current_class(cls: type) -> type:
+    """The class cls's module names cls's name now: after a reload of the
+    module, a new one, which pickle requires of an object made before it
+    (an old class is 'not the same object' as its module's)."""
+    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, cls)
+
+
 def is_instance_by_name(obj, cls: type) -> bool:
     """isinstance(obj, cls) that holds across an importlib.reload of cls's
     module, which makes a new class of that name: an object made before the

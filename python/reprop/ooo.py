@@ -62,7 +62,7 @@ from torch.utils import _pytree
 from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
-                       forward_is_torchs, hook_owner, is_instance_by_name,
+                       current_class, forward_is_torchs, hook_owner, is_instance_by_name,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -2772,8 +2772,9 @@ class DataParallel(_PassTracking, Joinable):
         model of its own, so what it gets is an inert, removed DataParallel
         whose hooks do nothing (a copy that averaged would wait in
         collectives its peers never join). Pickling the live object failed
-        on its weak references."""
-        return fusion._inert_handle, (type(self),)
+        on its weak references. (The class as its module names it now: see
+        current_class.)"""
+        return fusion._inert_handle, (current_class(type(self)),)
 
     # -- the plan: which parameters go in which bucket ----------------------------
 
