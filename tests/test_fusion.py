@@ -3091,6 +3091,39 @@ def test_lazy_modules_fused_before_their_first_forward_match_eager(name: str, mo
     _assert_same_training(got, ref)
 
 
+def _with_lazy_head() -> nn.Module:
+    """Two Linears and a LazyLinear head that the forward never calls (an
+    optional head), left uninitialized."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model.head = nn.LazyLinear(3)
+    return model
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lazy_parameter_the_optimizer_drops_before_materializing_is_let_go(mode: str) -> None:
+    """A lazy parameter the optimizer lets go before any forward
+    materialized it is not held by the fusion any more once it follows the
+    optimizer (at the next forward, or step()). Before, it stayed among the
+    lazy parameters waiting to be hooked for the fusion's whole life (only
+    materialized ones left), holding it alive and, in backward mode, every
+    owner's forward looking for it."""
+    model = _with_lazy_head()
+    opt = torch.optim.SGD([{"params": [*model[0].parameters(), *model[1].parameters()]},
+                           {"params": model.head.parameters()}], lr=0.1)
+    with reprop.fuse(model, opt, mode=mode):
+        head = weakref.ref(model.head.weight)
+        opt.param_groups.pop()
+        del model.head
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        gc.collect()
+        assert head() is None, "the fusion still holds the dropped lazy parameter"
+
+
 def test_fuse_names_a_lazy_parameter_another_fusion_holds() -> None:
     """Two fusions cannot share a parameter; one still uninitialized is named
     as such (its shape raised RuntimeError while building the message)."""

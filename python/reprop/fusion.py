@@ -952,6 +952,7 @@ class FusionHandle:
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
+        self._forget_dropped_lazy(params)
         followed, self._params = self._params, params
         try:
             self._claim(new)
@@ -988,6 +989,12 @@ class FusionHandle:
             else:
                 self._lazy.pop(id(p), None)
                 self._hook_param(p)
+
+    def _forget_dropped_lazy(self, params: dict) -> None:
+        """Drops from _lazy the parameters not among `params`, the ones the
+        optimizer holds now: one it let go before its materialization would
+        otherwise stay there for good, and backward mode's forwards look for it."""
+        self._lazy = {i: p for i, p in self._lazy.items() if params.get(i) is p}
 
     def _hook_param(self, p: torch.Tensor) -> None:
         """Registers the mode's gradient hook on `p`."""
