@@ -3091,6 +3091,74 @@ def test_lazy_modules_fused_before_their_first_forward_match_eager(name: str, mo
     _assert_same_training(got, ref)
 
 
+class _WithLazyHead(nn.Module):
+    """Two Linears and a LazyLinear head that forward does not call (an
+    optional head, called by hand), left uninitialized."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        self.head = nn.LazyLinear(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("mode", MODES)
+def test_a_lazy_parameter_the_optimizer_drops_before_materializing_is_let_go(mode: str) -> None:
+    """A lazy parameter the optimizer lets go before any forward
+    materialized it is not held by the fusion any more once it follows the
+    optimizer (at the next forward, or step()). Before, it stayed among the
+    lazy parameters waiting to be hooked for the fusion's whole life (only
+    materialized ones left), holding it alive and, in backward mode, every
+    owner's forward looking for it."""
+    model = _WithLazyHead()
+    opt = torch.optim.SGD([{"params": model.body.parameters()},
+                           {"params": model.head.parameters()}], lr=0.1)
+    with reprop.fuse(model, opt, mode=mode):
+        head = weakref.ref(model.head.weight)
+        opt.param_groups.pop()
+        del model.head
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        gc.collect()
+        assert head() is None, "the fusion still holds the dropped lazy parameter"
+
+
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+def test_backward_mode_looks_for_materialized_lazy_parameters_only_in_their_owners_forward(
+        monkeypatch) -> None:
+    """Backward mode hooks a lazy parameter at its module's first forward,
+    and only that module's forwards look for one materialized (under the
+    lock, scanning the lazy ones): before, while an optional lazy head was
+    never called, every forward of every module owning fused parameters
+    did, for the fusion's whole life (+8% forward on 30 Linears)."""
+    calls = collections.Counter()
+    looks = reprop.fusion.FusionHandle._hook_materialized
+
+    def counted(handle) -> None:
+        calls["looks"] += 1
+        looks(handle)
+
+    monkeypatch.setattr(reprop.fusion.FusionHandle, "_hook_materialized", counted)
+    model = _WithLazyHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with reprop.fuse(model, opt, mode="backward"):
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        assert calls["looks"] == 0
+        model.head(model(torch.ones(2, 4))).sum().backward()
+        assert calls["looks"] == 1
+        assert model.head.weight.grad is None, "the head's gradient was not applied in backward"
+        opt.step()
+        model.head(model(torch.ones(2, 4))).sum().backward()
+        assert calls["looks"] == 1
+
+
 def test_fuse_names_a_lazy_parameter_another_fusion_holds() -> None:
     """Two fusions cannot share a parameter; one still uninitialized is named
     as such (its shape raised RuntimeError while building the message)."""

@@ -865,6 +865,8 @@ class FusionHandle:
         # id -> fused parameter of a lazy module not yet materialized, whose
         # gradient hook waits for its first forward (_hook_materialized)
         self._lazy: dict = {}
+        # ids of the modules owning a parameter of _lazy (_find_lazy_owners)
+        self._lazy_owners: frozenset = frozenset()
         _check_params_not_fused(self._params.values(), self)
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
@@ -952,6 +954,7 @@ class FusionHandle:
         new = [p for i, p in params.items() if i not in self._params]
         _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
+        self._forget_dropped_lazy(params)
         followed, self._params = self._params, params
         try:
             self._claim(new)
@@ -988,6 +991,23 @@ class FusionHandle:
             else:
                 self._lazy.pop(id(p), None)
                 self._hook_param(p)
+        self._find_lazy_owners()
+
+    def _forget_dropped_lazy(self, params: dict) -> None:
+        """Drops from _lazy the parameters not among `params`, the ones the
+        optimizer holds now: one it let go before its materialization would
+        otherwise stay there for good, its owner's forwards looking for it."""
+        self._lazy = {i: p for i, p in self._lazy.items() if params.get(i) is p}
+        self._find_lazy_owners()
+
+    def _find_lazy_owners(self) -> None:
+        """Records which modules own a parameter of _lazy: only their
+        forwards materialize one (in a lazy module's own pre-hook), so only
+        theirs need look for it (_on_training_forward), not every forward
+        of the model while an optional lazy head is never called."""
+        self._lazy_owners = frozenset(
+            id(m) for m in self.model.modules() if _direct_params(m, self._lazy)
+        ) if self._lazy else frozenset()
 
     def _hook_param(self, p: torch.Tensor) -> None:
         """Registers the mode's gradient hook on `p`."""
@@ -996,9 +1016,9 @@ class FusionHandle:
     def _hook_materialized(self) -> None:
         """Registers the gradient hook of each parameter of _lazy materialized
         since and still fused. The modes call it where no gradient can have
-        reached one yet: backward mode at each forward (its module's first
-        materializes it), forward mode at step(), before it has an update
-        pending."""
+        reached one yet: backward mode at each forward of a module owning
+        one (its first materializes it), forward mode at step(), before it
+        has an update pending."""
         done = [p for p in self._lazy.values() if not torch.nn.parameter.is_lazy(p)]
         for p in done:
             if self._params.get(id(p)) is p:  # (not one the optimizer has let go since)
@@ -1006,6 +1026,8 @@ class FusionHandle:
             # hooked first: a KeyboardInterrupt (a notebook's stop button) in
             # between leaves it to the next call, not unhooked for good
             del self._lazy[id(p)]
+        if done:
+            self._find_lazy_owners()
 
     def _owners_to_hook(self) -> Iterator[nn.Module]:
         """Modules of the model that own fused parameters and have no forward
@@ -1360,11 +1382,11 @@ class _BackwardFusion(FusionHandle):
         the first forward after a backward starts a micro-batch."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        if self._lazy:
+        if id(module) in self._lazy_owners:
             # a lazy module's own pre-hook, registered at its construction and so
             # run before this one, has materialized its parameters by now: hooked
-            # before its backward (one missed, materialized without a forward,
-            # has its gradient applied by step(), as one set by hand)
+            # before its backward (one missed, materialized without a forward of
+            # its module, has its gradient applied by step(), as one set by hand)
             with self._lock:
                 self._hook_materialized()
         if not _tensors.outside_backward():  # a forward that checkpointing recomputes
