@@ -96,7 +96,6 @@ import functools
 import inspect
 import itertools
 import operator
-import sys
 import threading
 import types
 import warnings
@@ -1102,8 +1101,7 @@ class FusionHandle:
         is the one its module names now: a handle made before a reload of
         the module has the class the reload replaced, which pickle refuses
         as not the same object."""
-        cls = type(self)
-        return _inert_handle, (getattr(sys.modules[cls.__module__], cls.__qualname__, cls),)
+        return _inert_handle, (_tensors.current_class(type(self)),)
 
     def __enter__(self) -> "FusionHandle":
         return self
