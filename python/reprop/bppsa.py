@@ -330,8 +330,21 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
+    _check_raw_readable({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out})
+    return _scan(c, w=w, u=u, v=v, jt=jt, activation=activation, y=y, pre_activation=pre_activation,
+                 levels=levels, out=out)
+
+
+def _scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
+          v: torch.Tensor | None = None, jt: torch.Tensor | None = None, activation: str | None = None,
+          y: torch.Tensor | None = None, pre_activation: bool = False, levels="auto",
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """scan() of operands known to be tensors its kernels can read: the RNN
+    and GRU backward's own, which their forward ran the scan for only when
+    no tensor of the call was torch_only (and backward refuses a torch_only
+    gradient), so scan's torch_only check of each operand, a cost on every
+    layer and direction, is left to the public entry point."""
     operands = {"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}
-    _check_raw_readable(operands)
     if c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
     T, B, H = c.shape
@@ -508,9 +521,9 @@ def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Ten
     activation = "tanh" if mode == "RNN_TANH" else "relu"
     levels = _resolve_levels(choice, T, B, H, 1, c.device)
     if held is None:
-        d = scan(c, w=w_hh, activation=activation, y=out, pre_activation=True, levels=levels)
+        d = _scan(c, w=w_hh, activation=activation, y=out, pre_activation=True, levels=levels)
     else:
-        g = _hold(scan(c, w=w_hh, activation=activation, y=out, levels=levels), held)
+        g = _hold(_scan(c, w=w_hh, activation=activation, y=out, levels=levels), held)
         d = _hold(_activation_backward(activation, g, out), held)
     return [d], d, _hold(d[0] @ w_hh, held)
 
@@ -580,7 +593,7 @@ def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice, held) -> tuple
     h_r.mul_(_one_minus_into(M, r))  # v_r = dn M r (1 - r)
     torch.mul(dn, r, out=M)  # v_n
     levels = _resolve_levels(choice, T, B, H, 3, c.device)
-    g = _hold(scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r), held)  # r is spent
+    g = _hold(_scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r), held)  # r is spent
     _hold(gh.view(T, B, 3, H).mul_(g.unsqueeze(2)), held)  # d_gh = v * [g, g, g]
     _hold(dn.mul_(g), held)  # W_in sees n's input before r: its gradient is dn * g
     return [gh[..., :2 * H], dn], gh, z[0] * g[0] + _hold(gh[0] @ w_hh, held)
