@@ -1287,6 +1287,28 @@ def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
     assert bppsa.convert(model) == ["0", "1"]
 
 
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_convert_leaves_a_module_whose_forward_was_set_on_the_instance(kind):
+    """A forward set on the instance (accelerate's hooks: one calling the
+    forward bound before) is found before the class's: convert reported the
+    module converted while torch's recurrence still ran. Now it is left as
+    it is with a UserWarning naming it; without it, converted as before."""
+    cls = nn.GRU if kind == "gru" else nn.RNN
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(3, 4))
+    torchs = model[0].forward
+    model[0].forward = lambda input, hx=None: torchs(input, hx)
+    with pytest.warns(UserWarning) as caught:
+        assert bppsa.convert(model) == []
+    assert [str(w.message) for w in caught] == [
+        f"bppsa.convert: left '0' ({cls.__name__}) as it is: its forward was set on the instance, and "
+        "BPPSA's forward would drop what it computes"]
+    assert caught[0].filename == __file__  # convert's caller
+    assert type(model[0]) is cls
+    del model[0].forward
+    assert bppsa.convert(model) == ["0"]
+
+
 def test_autocast_hidden_state_fed_back_as_hx():
     """Under autocast h_n is bf16; fed back as hx with float32 input (truncated
     BPTT), nn.RNN casts both, and so must the BPPSA modules."""
@@ -2322,6 +2344,23 @@ def test_chain_refuses_a_layer_class_whose_forward_was_replaced(monkeypatch):
                  lambda: bppsa.chain_backward(layers, torch.randn(2, 4), plan=plan)):
         with pytest.raises(TypeError, match=r"^layers\[0\]: torch.nn.Linear.forward is not "
                                             "torch's own"):
+            call()
+
+
+def test_chain_refuses_a_layer_whose_forward_was_set_on_the_instance():
+    """A forward set on the instance (as accelerate's hooks set one) runs in
+    the chain's forward, but the chain's Jacobians are torch's layer's: the
+    gradients were silently those of the layer without it (0.15 off)."""
+    layers = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)]
+    plan = bppsa.ChainPlan(layers, (4,))
+    torchs = layers[0].forward
+    layers[0].forward = lambda x: 2 * torchs(x)
+    for call in (lambda: bppsa.ChainPlan(layers, (4,)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(3, 4)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(3, 4), plan=plan),
+                 lambda: bppsa.transposed_jacobian(layers[0], torch.randn(4))):
+        with pytest.raises(TypeError, match=r"^layers?(\[0\])?: its forward was set on the instance; "
+                                            "the chain's Jacobians are those of torch's layer"):
             call()
 
 

@@ -1047,8 +1047,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     converted. BPPSA modules already there are not listed but take `scan`.
     Exact classes only: subclasses may override forward and are left alone.
     An LSTM is left as it is, with a UserWarning naming it (not supported),
-    and so is an RNN or GRU whose class had its forward replaced (by a
-    library: nn.GRU.forward = ...), which BPPSA's would silently drop."""
+    and so is an RNN or GRU whose forward is not torch's, set on the
+    instance (accelerate's hooks) or on its class (nn.GRU.forward = ...),
+    which BPPSA's would silently drop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
@@ -1056,10 +1057,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     for name, module in model.named_modules():
         own = _own_class(module)
         target = _CONVERSIONS.get(own)
-        if target is not None and not forward_is_torchs(own):
-            _warn_left(name, module, f"torch.nn.{own.__name__}.forward is not torch's own (it "
-                                     "was replaced on the class), and BPPSA's forward would drop what "
-                                     "it computes")
+        replaced = None if target is None else _replaced_forward(module, own)
+        if replaced is not None:
+            _warn_left(name, module, f"{replaced}, and BPPSA's forward would drop what it computes")
         elif target is not None:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
@@ -1069,6 +1069,20 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
         elif isinstance(module, nn.LSTM):
             _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
     return changed
+
+
+def _replaced_forward(module: nn.Module, cls: type) -> str | None:
+    """How `module`, of torch class `cls`, runs a forward other than torch's
+    own, or None. Calls find a forward set on the instance (accelerate's
+    hooks set one, calling the forward bound before) ahead of the class's,
+    so neither BPPSA's class nor the chain's torch Jacobians would see what
+    it computes; a forward a library set on the class (forward_is_torchs)
+    is replaced by BPPSA's and skipped by the chain's Jacobians."""
+    if "forward" in module.__dict__:
+        return "its forward was set on the instance"
+    if not forward_is_torchs(cls):
+        return f"torch.nn.{cls.__name__}.forward is not torch's own (it was replaced on the class)"
+    return None
 
 
 def _warn_left(name: str, module: nn.Module, why: str) -> None:
@@ -1369,10 +1383,10 @@ def _check_chain_module(layer: nn.Module, name: str) -> type:
         raise TypeError(f"{name}: {what} is not supported; expected Conv2d, MaxPool2d, Linear, "
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
-    if not forward_is_torchs(kind):
-        raise TypeError(f"{name}: torch.nn.{kind.__name__}.forward is not torch's own (it was "
-                        "replaced on the class); the chain's Jacobians are those of torch's "
-                        "layer and would skip what it computes")
+    replaced = _replaced_forward(layer, kind)
+    if replaced is not None:
+        raise TypeError(f"{name}: {replaced}; the chain's Jacobians are those of torch's layer and "
+                        "would skip what it computes")
     _check_hooks(layer, name)
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
