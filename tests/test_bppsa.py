@@ -2662,13 +2662,16 @@ def test_chain_backward_under_inference_mode():
 
 
 class _ChainModule(nn.Module):
-    """chain_backward inside a module's forward, as functional_call runs it."""
+    """chain_backward (or with build_only, the ChainPlan it builds) inside a
+    module's forward, as functional_call runs it."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, build_only=False):
         super().__init__()
-        self.layers = nn.ModuleList(layers)
+        self.layers, self.build_only = nn.ModuleList(layers), build_only
 
     def forward(self, x):
+        if self.build_only:
+            return bppsa.ChainPlan(self.layers, x.shape[1:])
         return bppsa.chain_backward(self.layers, x)[0]
 
 
@@ -2677,7 +2680,9 @@ def test_chain_refuses_what_only_torch_carries():
     """The chain reads raw memory and records no graph: torch.func transforms'
     tensors and forward-AD duals (inputs or weights swapped in by
     functional_call) get an error naming them (before: 'Cannot access data
-    pointer', 'Batching rule not implemented', or a silently dropped tangent)."""
+    pointer', 'Batching rule not implemented', or a silently dropped tangent).
+    The error names the call made, to make outside the transform (before:
+    chain_backward for ChainPlan, its backward and transposed_jacobian too)."""
     import torch.autograd.forward_ad as fwAD
     torch.manual_seed(10)
     layers = small_cnn()
@@ -2687,19 +2692,23 @@ def test_chain_refuses_what_only_torch_carries():
         torch.func.vmap(lambda xi, gi: bppsa.chain_backward(layers, xi[None], gi[None])[0])(x, g)
     with pytest.raises(RuntimeError, match="x: " + refused):
         torch.func.grad(lambda x: bppsa.chain_backward(layers, x, g)[0].sum())(x)
-    with pytest.raises(RuntimeError, match="x: " + refused):
+    with pytest.raises(RuntimeError, match="x: " + refused.replace("chain_backward", "transposed_jacobian")):
         torch.func.vmap(lambda xi: bppsa.transposed_jacobian(nn.Tanh(), xi).values())(x)
     plan = bppsa.ChainPlan(layers, (2, 6, 6))
     inputs, _ = plan.forward_inputs(x)
     with fwAD.dual_level():
         with pytest.raises(RuntimeError, match="x: " + refused):
             bppsa.chain_backward(layers, fwAD.make_dual(x, torch.ones_like(x)))
-        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused):
+        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused.replace("chain_backward",
+                                                                                "ChainPlan.backward")):
             plan.backward([inputs[0], fwAD.make_dual(inputs[1], inputs[1]), *inputs[2:]], g)
         weights = {name: fwAD.make_dual(p.detach(), torch.ones_like(p))
                    for name, p in _ChainModule(layers).named_parameters()}
         with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
             torch.func.functional_call(_ChainModule(layers), weights, (x,))
+        with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused.replace("chain_backward",
+                                                                                         "ChainPlan")):
+            torch.func.functional_call(_ChainModule(layers, build_only=True), weights, (x,))
 
 
 def test_nested_tensors_get_torchs_behaviour_or_a_refusal_naming_them():
