@@ -896,8 +896,10 @@ class _ScanRNNBase:
         a parametrized weight read twice as often would be computed twice as
         often. A weight that is itself one the scan cannot carry (one
         functional_call swapped in, one weight_norm's hook set) is found by
-        forward after the read: reading it again computes nothing (but for a
-        parametrization that would make one out of plain tensors alone)."""
+        forward after the read, and reading it again in torch's forward
+        computes nothing. The one exception: a parametrization that produces
+        a torch_only weight from plain originals is computed twice on that
+        call (once by the read, once by torch's forward)."""
         return self._needs_torch_own(input, hx) or self._no_scan_fits(input) or self._no_sequence(input)
 
     def _needs_torch_own(self, input, hx) -> bool:
