@@ -1287,6 +1287,28 @@ def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
     assert bppsa.convert(model) == ["0", "1"]
 
 
+@pytest.mark.parametrize("kind", ["rnn", "gru"])
+def test_convert_leaves_a_module_whose_forward_was_set_on_the_instance(kind):
+    """A forward set on the instance (accelerate's hooks: one calling the
+    forward bound before) is found before the class's: convert reported the
+    module converted while torch's recurrence still ran. Now it is left as
+    it is with a UserWarning naming it; without it, converted as before."""
+    cls = nn.GRU if kind == "gru" else nn.RNN
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(3, 4))
+    torchs = model[0].forward
+    model[0].forward = lambda input, hx=None: torchs(input, hx)
+    with pytest.warns(UserWarning) as caught:
+        assert bppsa.convert(model) == []
+    assert [str(w.message) for w in caught] == [
+        f"bppsa.convert: left '0' ({cls.__name__}) as it is: its forward was set on the instance, and "
+        "BPPSA's forward would drop what it computes"]
+    assert caught[0].filename == __file__  # convert's caller
+    assert type(model[0]) is cls
+    del model[0].forward
+    assert bppsa.convert(model) == ["0"]
+
+
 def test_autocast_hidden_state_fed_back_as_hx():
     """Under autocast h_n is bf16; fed back as hx with float32 input (truncated
     BPTT), nn.RNN casts both, and so must the BPPSA modules."""
@@ -2325,6 +2347,23 @@ def test_chain_refuses_a_layer_class_whose_forward_was_replaced(monkeypatch):
             call()
 
 
+def test_chain_refuses_a_layer_whose_forward_was_set_on_the_instance():
+    """A forward set on the instance (as accelerate's hooks set one) runs in
+    the chain's forward, but the chain's Jacobians are torch's layer's: the
+    gradients were silently those of the layer without it (0.15 off)."""
+    layers = [nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)]
+    plan = bppsa.ChainPlan(layers, (4,))
+    torchs = layers[0].forward
+    layers[0].forward = lambda x: 2 * torchs(x)
+    for call in (lambda: bppsa.ChainPlan(layers, (4,)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(3, 4)),
+                 lambda: bppsa.chain_backward(layers, torch.randn(3, 4), plan=plan),
+                 lambda: bppsa.transposed_jacobian(layers[0], torch.randn(4))):
+        with pytest.raises(TypeError, match=r"^layers?(\[0\])?: its forward was set on the instance; "
+                                            "the chain's Jacobians are those of torch's layer"):
+            call()
+
+
 def test_chain_rejects_bad_layers_and_shapes():
     with pytest.raises(TypeError, match=r"layers\[1\]: BatchNorm2d is not supported"):
         bppsa.ChainPlan([nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)], (1, 5, 5))
@@ -2623,13 +2662,16 @@ def test_chain_backward_under_inference_mode():
 
 
 class _ChainModule(nn.Module):
-    """chain_backward inside a module's forward, as functional_call runs it."""
+    """chain_backward (or with build_only, the ChainPlan it builds) inside a
+    module's forward, as functional_call runs it."""
 
-    def __init__(self, layers):
+    def __init__(self, layers, build_only=False):
         super().__init__()
-        self.layers = nn.ModuleList(layers)
+        self.layers, self.build_only = nn.ModuleList(layers), build_only
 
     def forward(self, x):
+        if self.build_only:
+            return bppsa.ChainPlan(self.layers, x.shape[1:])
         return bppsa.chain_backward(self.layers, x)[0]
 
 
@@ -2638,7 +2680,9 @@ def test_chain_refuses_what_only_torch_carries():
     """The chain reads raw memory and records no graph: torch.func transforms'
     tensors and forward-AD duals (inputs or weights swapped in by
     functional_call) get an error naming them (before: 'Cannot access data
-    pointer', 'Batching rule not implemented', or a silently dropped tangent)."""
+    pointer', 'Batching rule not implemented', or a silently dropped tangent).
+    The error names the call made, to make outside the transform (before:
+    chain_backward for ChainPlan, its backward and transposed_jacobian too)."""
     import torch.autograd.forward_ad as fwAD
     torch.manual_seed(10)
     layers = small_cnn()
@@ -2648,19 +2692,23 @@ def test_chain_refuses_what_only_torch_carries():
         torch.func.vmap(lambda xi, gi: bppsa.chain_backward(layers, xi[None], gi[None])[0])(x, g)
     with pytest.raises(RuntimeError, match="x: " + refused):
         torch.func.grad(lambda x: bppsa.chain_backward(layers, x, g)[0].sum())(x)
-    with pytest.raises(RuntimeError, match="x: " + refused):
+    with pytest.raises(RuntimeError, match="x: " + refused.replace("chain_backward", "transposed_jacobian")):
         torch.func.vmap(lambda xi: bppsa.transposed_jacobian(nn.Tanh(), xi).values())(x)
     plan = bppsa.ChainPlan(layers, (2, 6, 6))
     inputs, _ = plan.forward_inputs(x)
     with fwAD.dual_level():
         with pytest.raises(RuntimeError, match="x: " + refused):
             bppsa.chain_backward(layers, fwAD.make_dual(x, torch.ones_like(x)))
-        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused):
+        with pytest.raises(RuntimeError, match=r"inputs\[1\]: " + refused.replace("chain_backward",
+                                                                                "ChainPlan.backward")):
             plan.backward([inputs[0], fwAD.make_dual(inputs[1], inputs[1]), *inputs[2:]], g)
         weights = {name: fwAD.make_dual(p.detach(), torch.ones_like(p))
                    for name, p in _ChainModule(layers).named_parameters()}
         with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused):
             torch.func.functional_call(_ChainModule(layers), weights, (x,))
+        with pytest.raises(RuntimeError, match=r"layers\[0\]\.weight: " + refused.replace("chain_backward",
+                                                                                         "ChainPlan")):
+            torch.func.functional_call(_ChainModule(layers, build_only=True), weights, (x,))
 
 
 def test_nested_tensors_get_torchs_behaviour_or_a_refusal_naming_them():

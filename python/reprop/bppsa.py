@@ -330,8 +330,21 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
     workspace of (T + 1) B H + (T / 2) B H H floats.
     """
+    _check_raw_readable({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out})
+    return _scan(c, w=w, u=u, v=v, jt=jt, activation=activation, y=y, pre_activation=pre_activation,
+                 levels=levels, out=out)
+
+
+def _scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
+          v: torch.Tensor | None = None, jt: torch.Tensor | None = None, activation: str | None = None,
+          y: torch.Tensor | None = None, pre_activation: bool = False, levels="auto",
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """scan() of operands known to be tensors its kernels can read: the RNN
+    and GRU backward's own, which their forward ran the scan for only when
+    no tensor of the call was torch_only (and backward refuses a torch_only
+    gradient), so scan's torch_only check of each operand, a cost on every
+    layer and direction, is left to the public entry point."""
     operands = {"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out}
-    _check_raw_readable(operands)
     if c.dim() != 3:
         raise ValueError("c: expected a (T, B, H) tensor")
     T, B, H = c.shape
@@ -508,9 +521,9 @@ def _rnn_backward(mode: str, c: torch.Tensor, w_hh: torch.Tensor, out: torch.Ten
     activation = "tanh" if mode == "RNN_TANH" else "relu"
     levels = _resolve_levels(choice, T, B, H, 1, c.device)
     if held is None:
-        d = scan(c, w=w_hh, activation=activation, y=out, pre_activation=True, levels=levels)
+        d = _scan(c, w=w_hh, activation=activation, y=out, pre_activation=True, levels=levels)
     else:
-        g = _hold(scan(c, w=w_hh, activation=activation, y=out, levels=levels), held)
+        g = _hold(_scan(c, w=w_hh, activation=activation, y=out, levels=levels), held)
         d = _hold(_activation_backward(activation, g, out), held)
     return [d], d, _hold(d[0] @ w_hh, held)
 
@@ -580,7 +593,7 @@ def _gru_backward(c, x2, h0, w_ih, w_hh, b_ih, b_hh, out, choice, held) -> tuple
     h_r.mul_(_one_minus_into(M, r))  # v_r = dn M r (1 - r)
     torch.mul(dn, r, out=M)  # v_n
     levels = _resolve_levels(choice, T, B, H, 3, c.device)
-    g = _hold(scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r), held)  # r is spent
+    g = _hold(_scan(c, w=w_hh, u=z, v=gh, levels=levels, out=r), held)  # r is spent
     _hold(gh.view(T, B, 3, H).mul_(g.unsqueeze(2)), held)  # d_gh = v * [g, g, g]
     _hold(dn.mul_(g), held)  # W_in sees n's input before r: its gradient is dn * g
     return [gh[..., :2 * H], dn], gh, z[0] * g[0] + _hold(gh[0] @ w_hh, held)
@@ -883,8 +896,10 @@ class _ScanRNNBase:
         a parametrized weight read twice as often would be computed twice as
         often. A weight that is itself one the scan cannot carry (one
         functional_call swapped in, one weight_norm's hook set) is found by
-        forward after the read: reading it again computes nothing (but for a
-        parametrization that would make one out of plain tensors alone)."""
+        forward after the read, and reading it again in torch's forward
+        computes nothing. The one exception: a parametrization that produces
+        a torch_only weight from plain originals is computed twice on that
+        call (once by the read, once by torch's forward)."""
         return self._needs_torch_own(input, hx) or self._no_scan_fits(input) or self._no_sequence(input)
 
     def _needs_torch_own(self, input, hx) -> bool:
@@ -1034,8 +1049,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     converted. BPPSA modules already there are not listed but take `scan`.
     Exact classes only: subclasses may override forward and are left alone.
     An LSTM is left as it is, with a UserWarning naming it (not supported),
-    and so is an RNN or GRU whose class had its forward replaced (by a
-    library: nn.GRU.forward = ...), which BPPSA's would silently drop."""
+    and so is an RNN or GRU whose forward is not torch's, set on the
+    instance (accelerate's hooks) or on its class (nn.GRU.forward = ...),
+    which BPPSA's would silently drop."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
@@ -1043,10 +1059,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     for name, module in model.named_modules():
         own = _own_class(module)
         target = _CONVERSIONS.get(own)
-        if target is not None and not forward_is_torchs(own):
-            _warn_left(name, module, f"torch.nn.{own.__name__}.forward is not torch's own (it "
-                                     "was replaced on the class), and BPPSA's forward would drop what "
-                                     "it computes")
+        replaced = None if target is None else _replaced_forward(module, own)
+        if replaced is not None:
+            _warn_left(name, module, f"{replaced}, and BPPSA's forward would drop what it computes")
         elif target is not None:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
@@ -1056,6 +1071,20 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
         elif isinstance(module, nn.LSTM):
             _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
     return changed
+
+
+def _replaced_forward(module: nn.Module, cls: type) -> str | None:
+    """How `module`, of torch class `cls`, runs a forward other than torch's
+    own, or None. Calls find a forward set on the instance (accelerate's
+    hooks set one, calling the forward bound before) ahead of the class's,
+    so neither BPPSA's class nor the chain's torch Jacobians would see what
+    it computes; a forward a library set on the class (forward_is_torchs)
+    is replaced by BPPSA's and skipped by the chain's Jacobians."""
+    if "forward" in module.__dict__:
+        return "its forward was set on the instance"
+    if not forward_is_torchs(cls):
+        return f"torch.nn.{cls.__name__}.forward is not torch's own (it was replaced on the class)"
+    return None
 
 
 def _warn_left(name: str, module: nn.Module, why: str) -> None:
@@ -1314,20 +1343,21 @@ def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
     return tuple(check_count(d, name, 1, 2 ** 31 - 1) for d in dims)
 
 
-def _check_chain_tensor(t, name: str) -> None:
+def _check_chain_tensor(t, name: str, call: str) -> None:
     """What a chain's float32 Jacobian values can take: float64 would come
-    back float32-accurate, so it is refused as the RNN modules refuse it."""
+    back float32-accurate, so it is refused as the RNN modules refuse it.
+    `call`: the public function checking it, for _refuse_torch_only."""
     _check_real_dense(t, name)
     if t.dtype == torch.float64:
         raise TypeError(f"{name}: chain Jacobians are float32; got float64 (use autograd for "
                         "double precision)")
     if torch_only(t):
-        _refuse_torch_only(name)
+        _refuse_torch_only(name, call)
 
 
-def _refuse_torch_only(name: str, call: str = "chain_backward") -> None:
-    """The chain and scan (`call`, the function to call outside the
-    transform) have no torch fallback, unlike the RNN modules: what only
+def _refuse_torch_only(name: str, call: str) -> None:
+    """The chain and scan (`call`, the public function the user called, to
+    call outside the transform) have no torch fallback, unlike the RNN modules: what only
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
                        "forward-AD dual, a nested tensor, a tensor subclass or one under "
@@ -1335,14 +1365,16 @@ def _refuse_torch_only(name: str, call: str = "chain_backward") -> None:
                        f"Call {call} outside the transform, or use autograd")
 
 
-def _check_chain_layer(layer: nn.Module, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+def _check_chain_layer(layer: nn.Module, name: str, call: str,
+                       weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """Refuses a layer the chain cannot take; returns its weight as its
     forward reads it now (None for a layer without one), for the caller to
     use rather than read it again: a parametrization computes it at each
     read (spectral_norm's in training mode runs a power iteration, which
     advances its state). `weight`: the one the layer's forward read, kept
-    by ChainPlan.forward_inputs, checked instead of reading it again."""
-    return _chain_weight(layer, _check_chain_module(layer, name), name, weight)
+    by ChainPlan.forward_inputs, checked instead of reading it again.
+    `call`: the public function checking it, for _refuse_torch_only."""
+    return _chain_weight(layer, _check_chain_module(layer, name), name, call, weight)
 
 
 def _check_chain_module(layer: nn.Module, name: str) -> type:
@@ -1356,10 +1388,10 @@ def _check_chain_module(layer: nn.Module, name: str) -> type:
         raise TypeError(f"{name}: {what} is not supported; expected Conv2d, MaxPool2d, Linear, "
                         "Flatten, ReLU or an element-wise activation of torch.nn (those classes "
                         "themselves: a subclass may override forward)")
-    if not forward_is_torchs(kind):
-        raise TypeError(f"{name}: torch.nn.{kind.__name__}.forward is not torch's own (it was "
-                        "replaced on the class); the chain's Jacobians are those of torch's "
-                        "layer and would skip what it computes")
+    replaced = _replaced_forward(layer, kind)
+    if replaced is not None:
+        raise TypeError(f"{name}: {replaced}; the chain's Jacobians are those of torch's layer and "
+                        "would skip what it computes")
     _check_hooks(layer, name)
     if kind is nn.MaxPool2d and layer.return_indices:
         raise ValueError(f"{name}: MaxPool2d(return_indices=True) is not supported in a chain")
@@ -1370,7 +1402,8 @@ def _check_chain_module(layer: nn.Module, name: str) -> type:
     return kind
 
 
-def _chain_weight(layer: nn.Module, kind: type, name: str, weight: torch.Tensor | None = None) -> torch.Tensor | None:
+def _chain_weight(layer: nn.Module, kind: type, name: str, call: str,
+                  weight: torch.Tensor | None = None) -> torch.Tensor | None:
     """The weight of a layer of chain class `kind` as _check_chain_layer
     returns it (`weight` if given, else read now), refused if the chain
     cannot take it."""
@@ -1380,7 +1413,7 @@ def _chain_weight(layer: nn.Module, kind: type, name: str, weight: torch.Tensor 
     if kind in _WEIGHTED and weight is None:
         weight = layer.weight
     if torch_only_weight(weight):
-        _refuse_torch_only(f"{name}.weight")
+        _refuse_torch_only(f"{name}.weight", call)
     return weight
 
 
@@ -1830,11 +1863,12 @@ class ChainPlan:
 
     def __init__(self, layers: Sequence[nn.Module], input_shape: Sequence[int], *, levels="auto",
                  max_pairs: int = 0, pruned: bool = False, product: str = "reprop"):
-        self._checked_build(layers, input_shape, levels, max_pairs, pruned, product)
+        self._checked_build("ChainPlan", layers, input_shape, levels, max_pairs, pruned, product)
 
-    def _checked_build(self, layers, input_shape, levels="auto", max_pairs=0, pruned=False,
+    def _checked_build(self, call: str, layers, input_shape, levels="auto", max_pairs=0, pruned=False,
                        product="reprop") -> dict:
-        """__init__ (the same defaults); returns its build's reads of the
+        """__init__ (the same defaults) for the public `call` (ChainPlan or
+        chain_backward, named in a refusal); returns its build's reads of the
         parametrized weights (_build)."""
         product = _check_product(product)
         _check_bool(pruned, "pruned")
@@ -1847,10 +1881,10 @@ class ChainPlan:
         # an int past the chain's depth is the full scan, as in scan()
         want = {"auto": -1, "linear": 0, "blelloch": 64}[levels] if isinstance(levels, str) \
             else min(levels, 64)
-        return self._build(layers, input_shape, want, max_pairs, [pruned] * len(layers), product)
+        return self._build(layers, input_shape, want, max_pairs, [pruned] * len(layers), product, call)
 
     def _build(self, layers: list[nn.Module], input_shape: tuple[int, ...], want: int, max_pairs: int,
-               pruned: list, product: str) -> dict:
+               pruned: list, product: str, call: str) -> dict:
         """The plan of checked arguments: `want` is csr_plan's levels (-1:
         the cost model's choice), pruned[i] layer i's mask as _Leaf takes it.
         Returns its reads of the parametrized weights ({leaf: weight}), each
@@ -1860,7 +1894,7 @@ class ChainPlan:
         shape, self.leaves, self.steps, reads = input_shape, [], [], {}
         _check_global_hooks("layers")
         for i, layer in enumerate(layers):
-            weight = _check_chain_layer(layer, f"layers[{i}]")  # the build's one read of it
+            weight = _check_chain_layer(layer, f"layers[{i}]", call)  # the build's one read of it
             if _chain_class(layer) is nn.Flatten:  # already flat here: no Jacobian
                 self.steps.append((layer, None))
                 shape = (math.prod(shape),)
@@ -1990,17 +2024,19 @@ class ChainPlan:
         backward (autograd's infs and NaNs, see README), as they always are
         with a MaxPool2d window in the padding (_padding_windows)."""
         self._check_modules()
-        return self._backward(_listed(inputs, "inputs", "tensors"), grad_output)
+        return self._backward(_listed(inputs, "inputs", "tensors"), grad_output, "ChainPlan.backward")
 
-    def _backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
+    def _backward(self, inputs: Sequence[torch.Tensor], grad_output: torch.Tensor,
+                  call: str) -> list[torch.Tensor]:
         """backward of layers checked already: by backward, or by
         chain_backward before its forward (the plan's build or
-        _check_modules), so once a call."""
+        _check_modules), so once a call; `call`, which of the two, is
+        named in a refusal."""
         if len(inputs) != len(self.leaves):
             raise ValueError(f"inputs: expected {len(self.leaves)} layer inputs, got {len(inputs)}")
-        _check_chain_tensor(grad_output, "grad_output")
+        _check_chain_tensor(grad_output, "grad_output", call)
         for i, x in enumerate(inputs):
-            _check_chain_tensor(x, f"inputs[{i}]")
+            _check_chain_tensor(x, f"inputs[{i}]", call)
         B, device = inputs[0].shape[0] if inputs[0].dim() else 0, grad_output.device
         if grad_output.shape != (B, *self.output_shape):  # as autograd: no reshaping
             raise ValueError(f"grad_output: expected shape {(B, *self.output_shape)} (the chain's "
@@ -2009,7 +2045,7 @@ class ChainPlan:
             if x.device != device or x.shape != (B, *leaf.in_shape):
                 raise ValueError(f"inputs[{i}]: expected shape {(B, *leaf.in_shape)} on {device}, "
                                  f"got {tuple(x.shape)} on {x.device}")
-        weights = self._checked_weights(self._forward_weights(inputs))
+        weights = self._checked_weights(self._forward_weights(inputs), call)
         if self.product == "cusparse" and device.type != "cuda":
             raise ValueError(f"grad_output: product='cusparse' runs on CUDA tensors only, got {device}; "
                              "use product='reprop' there")
@@ -2051,10 +2087,10 @@ class ChainPlan:
             if leaf is not None:
                 leaf.check_unchanged()
 
-    def _checked_weights(self, kept: dict) -> dict:
+    def _checked_weights(self, kept: dict, call: str) -> dict:
         """Each leaf's weight, the forward's (`kept`, see _forward_weights) or
-        else read now, checked, for _SharedWeights.write."""
-        return {leaf: _chain_weight(leaf.layer, leaf.kind, leaf.name, kept.get(leaf))
+        else read now, checked (for the public `call`), for _SharedWeights.write."""
+        return {leaf: _chain_weight(leaf.layer, leaf.kind, leaf.name, call, kept.get(leaf))
                 for leaf in self.leaves}
 
     def _gradients(self, B: int, seq: torch.Tensor, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
@@ -2104,7 +2140,7 @@ def _rebuilt_plan(layers: list[nn.Module], input_shape: tuple[int, ...], levels:
     a checkpoint loaded where the cuSPARSE peer is missing raises as the
     constructor does there."""
     plan = ChainPlan.__new__(ChainPlan)
-    plan._build(layers, input_shape, levels, max_pairs, pruned, _check_product(product))
+    plan._build(layers, input_shape, levels, max_pairs, pruned, _check_product(product), "ChainPlan")
     return plan
 
 
@@ -2145,7 +2181,7 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
         raise ValueError(f"levels: a plan scans with the levels it was built with; got "
                          f"levels={levels!r} with plan: leave levels='auto', or build a "
                          "ChainPlan with these levels")
-    _check_chain_tensor(x, "x")
+    _check_chain_tensor(x, "x", "chain_backward")
     if x.dim() < 2 or 0 in x.shape[1:]:
         raise ValueError(f"x: expected a batch (B, ...) of non-empty samples, got shape {tuple(x.shape)}")
     if plan is not None and not isinstance(plan, ChainPlan):
@@ -2154,7 +2190,7 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
         # the build's read of each parametrized weight is the forward's (a
         # parametrization's state advances once per step, as in torch)
         plan = ChainPlan.__new__(ChainPlan)
-        reads = plan._checked_build(layers, x.shape[1:], levels)
+        reads = plan._checked_build("chain_backward", layers, x.shape[1:], levels)
         return _forward_backward(plan, x, grad_output, reads)
     if not _same_modules(layers, [layer for layer, _ in plan.steps]):
         raise ValueError("layers: not the layers `plan` was built for; pass the plan's own "
@@ -2178,15 +2214,15 @@ def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tenso
     elif isinstance(grad_output, torch.Tensor) and grad_output.shape[:1] != x.shape[:1]:
         raise ValueError(f"grad_output: expected {x.shape[0]} samples like x, got shape "
                          f"{tuple(grad_output.shape)}")
-    return plan._backward(inputs, grad_output)
+    return plan._backward(inputs, grad_output, "chain_backward")
 
 
 def transposed_jacobian(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The CSR transposed Jacobian of `layer` at one sample x (no batch dim),
     as a torch sparse CSR tensor (rows: inputs, columns: outputs)."""
     _check_global_hooks("layer")
-    weight = _check_chain_layer(layer, "layer")
-    _check_chain_tensor(x, "x")
+    weight = _check_chain_layer(layer, "layer", "transposed_jacobian")
+    _check_chain_tensor(x, "x", "transposed_jacobian")
     # before the layer's geometry reads it: an empty dim is no sample
     shape = _check_sample_shape(x.shape, "x.shape")
     leaf = _Leaf(layer, shape, "layer", weight)
