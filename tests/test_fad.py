@@ -2526,6 +2526,42 @@ def test_importing_reprop_leaves_torchs_autograd_functions():
                    "refused"]
 
 
+def test_led_past_refusals_over_another_librarys_plain_wrappers():
+    """torch.autograd.grad and backward wrapped by another library before
+    reprop is imported, as def wrapper(*args, **kwargs) with no
+    functools.wraps: the first step that led past a chain tensor raised
+    ValueError ('inputs' is not in list) out of the user's forward, reading
+    where the wrapper takes `inputs`. The forward runs, and inputs= of a
+    led-past tensor is still refused, by keyword or at torch's positions."""
+    out = _run_fresh("""
+    import torch
+    torch.set_num_threads(1)
+
+    def plain(run):
+        def wrapper(*args, **kwargs):
+            return run(*args, **kwargs)
+        return wrapper
+
+    torch.autograd.grad = plain(torch.autograd.grad)
+    torch.autograd.backward = plain(torch.autograd.backward)
+    import reprop.fad as fad
+    x = torch.randn(3, requires_grad=True)
+    with fad.enabled(compose=True):
+        h = x * 2
+        y = torch.exp(h)  # leads past h
+    print("forward")
+    for call in (lambda: torch.autograd.grad(y.sum(), inputs=[h]),
+                 lambda: torch.autograd.grad(y.sum(), [h]),
+                 lambda: y.sum().backward(inputs=[h]),
+                 lambda: torch.autograd.backward(y.sum(), None, None, False, None, [h])):
+        try:
+            call()
+        except RuntimeError as e:
+            print("refused" if "chained past it" in str(e) else e)
+    """)
+    assert out == ["forward", "refused", "refused", "refused", "refused"]
+
+
 def test_reloading_fad_wraps_torchs_autograd_functions_once():
     """importlib.reload(reprop.fad) (what IPython's %autoreload 2 does) wrapped
     torch's autograd functions once more at each reload (register_multi_grad_hook
