@@ -2027,12 +2027,17 @@ ROOT_SHAPED = {
 def _gradient_penalty_grads(chain, compose):
     """The gradients of a WGAN-GP penalty, ((|d D(x) / dx| - 1)^2).mean(),
     with D = Linear, chain, Linear, through torch.autograd.grad(create_graph=True)
-    (torch's alone if compose is None); None for a parameter it does not reach."""
+    (torch's alone if compose is None); None for a parameter it does not reach.
+    Under compose, the chain is checked to be one: autograd's graph in its
+    place would give torch's gradients too."""
     torch.manual_seed(0)
     first, last = nn.Linear(5, 16), nn.Linear(16, 1)
     x = torch.randn(8, 5, requires_grad=True)
     with fad.enabled(compose=True) if compose else contextlib.nullcontext():
-        out = last(chain(first(x))).sum()
+        hidden = chain(first(x))
+        out = last(hidden).sum()
+    if compose:
+        assert type(hidden.grad_fn).__name__ == "_ChainBackward"
     (g,) = torch.autograd.grad(out, x, create_graph=True)
     penalty = ((g.norm(dim=1) - 1) ** 2).mean()
     return torch.autograd.grad(penalty, [first.weight, first.bias, last.weight], allow_unused=True)
