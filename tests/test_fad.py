@@ -1315,18 +1315,19 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     assert fad.unpatch(layer) == ["activation"] and layer.activation is F.silu
 
 
-def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload(namespace_cleared: bool):
     """After importlib.reload(reprop.fad) (IPython's %autoreload 2), patch()
     and unpatch() took the record an earlier patch() left on a function
     attribute for the user's own value (it was an instance of the class the
     reload replaced): patch() silently left the old partial, its saved_dtype
     unapplied, and unpatch() never restored torch's function."""
-    out = _run_fresh("""
-    import importlib, torch, torch.nn.functional as F
+    out = _run_fresh(_reloading(namespace_cleared) + """
+    import torch, torch.nn.functional as F
     import reprop.fad as fad
     layer = torch.nn.TransformerEncoderLayer(8, 2, 16, activation=F.gelu)
     fad.patch(layer)
-    fad = importlib.reload(fad)
+    fad = reload(fad)
     print("patched", list(fad.patch(layer, saved_dtype=torch.bfloat16)),
           layer.activation.keywords["saved_dtype"])
     print("restored", fad.unpatch(layer), layer.activation is F.gelu)
@@ -1335,14 +1336,15 @@ def test_patch_and_unpatch_take_function_attributes_patched_before_a_reload():
                    "restored", "['activation']", "True"]
 
 
-def test_in_place_calls_patched_before_a_reload_stay_torchs():
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_in_place_calls_patched_before_a_reload_stay_torchs(namespace_cleared: bool):
     """In-place ELU, CELU, SELU and LeakyReLU with a non-negative parameter
     are left to torch (they save only their output). A module swapped, or a
     function attribute rerouted, before importlib.reload(reprop.fad) calls
     the functions of before it, which the reload's table did not know: they
     ran reprop's kernels, saving f'(x) besides (_ActivationBackward)."""
-    out = _run_fresh("""
-    import importlib, torch, torch.nn.functional as F
+    out = _run_fresh(_reloading(namespace_cleared) + """
+    import torch, torch.nn.functional as F
     torch.set_num_threads(1)
     import reprop.fad as fad
     lin, elu, holder = torch.nn.Linear(4, 4), torch.nn.ELU(inplace=True), torch.nn.Module()
@@ -1355,28 +1357,29 @@ def test_in_place_calls_patched_before_a_reload_stay_torchs():
               type(holder.act(lin(x), 0.1, True).grad_fn).__name__)
 
     report("patched")
-    fad = importlib.reload(fad)
+    fad = reload(fad)
     report("reloaded")
     """)
     assert out == ["patched", "EluBackward1", "LeakyReluBackward1",
                    "reloaded", "EluBackward1", "LeakyReluBackward1"]
 
 
-def test_patch_again_after_a_reload_makes_the_model_picklable():
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_patch_again_after_a_reload_makes_the_model_picklable(namespace_cleared: bool):
     """A model patched before importlib.reload(reprop.fad) holds classes and
     functions of before it, which pickling, going by name, refuses
     (torch.save(model): "not the same object as reprop.fad.GELU"), and patch()
     again left its swapped modules in their old class. It now moves them to
     the reloaded classes, as it reroutes the function attributes afresh, so
     the model saves and loads, computing what it did."""
-    out = _run_fresh("""
-    import importlib, io, torch, torch.nn.functional as F
+    out = _run_fresh(_reloading(namespace_cleared) + """
+    import io, torch, torch.nn.functional as F
     torch.set_num_threads(1)
     import reprop.fad as fad
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Module())
     model[2].act = F.silu
     fad.patch(model)
-    fad = importlib.reload(fad)
+    fad = reload(fad)
     fad.patch(model)
     buffer = io.BytesIO()
     torch.save(model, buffer)
@@ -2024,12 +2027,17 @@ ROOT_SHAPED = {
 def _gradient_penalty_grads(chain, compose):
     """The gradients of a WGAN-GP penalty, ((|d D(x) / dx| - 1)^2).mean(),
     with D = Linear, chain, Linear, through torch.autograd.grad(create_graph=True)
-    (torch's alone if compose is None); None for a parameter it does not reach."""
+    (torch's alone if compose is None); None for a parameter it does not reach.
+    Under compose, the chain is checked to be one: autograd's graph in its
+    place would give torch's gradients too."""
     torch.manual_seed(0)
     first, last = nn.Linear(5, 16), nn.Linear(16, 1)
     x = torch.randn(8, 5, requires_grad=True)
     with fad.enabled(compose=True) if compose else contextlib.nullcontext():
-        out = last(chain(first(x))).sum()
+        hidden = chain(first(x))
+        out = last(hidden).sum()
+    if compose:
+        assert type(hidden.grad_fn).__name__ == "_ChainBackward"
     (g,) = torch.autograd.grad(out, x, create_graph=True)
     penalty = ((g.norm(dim=1) - 1) ** 2).mean()
     return torch.autograd.grad(penalty, [first.weight, first.bias, last.weight], allow_unused=True)
@@ -2474,6 +2482,23 @@ def _run_fresh(code: str) -> list[str]:
     return proc.stdout.split()
 
 
+def _reloading(namespace_cleared: bool) -> str:
+    """Code for _run_fresh defining reload(module): importlib.reload, which
+    re-runs the module in its namespace, or, namespace_cleared, as IPython's
+    %autoreload does, which clears that namespace (but __name__ and
+    __loader__) first, so nothing is found in the module's globals."""
+    return f"""
+    import importlib
+
+    def reload(module):
+        if {namespace_cleared}:
+            kept = {{k: vars(module)[k] for k in ("__name__", "__loader__")}}
+            vars(module).clear()
+            vars(module).update(kept)
+        return importlib.reload(module)
+    """
+
+
 _TORCHS_AUTOGRAD = """
     import torch
     torch.set_num_threads(1)
@@ -2526,13 +2551,49 @@ def test_importing_reprop_leaves_torchs_autograd_functions():
                    "refused"]
 
 
-def test_reloading_fad_wraps_torchs_autograd_functions_once():
+def test_led_past_refusals_over_another_librarys_plain_wrappers():
+    """torch.autograd.grad and backward wrapped by another library before
+    reprop is imported, as def wrapper(*args, **kwargs) with no
+    functools.wraps: the first step that led past a chain tensor raised
+    ValueError ('inputs' is not in list) out of the user's forward, reading
+    where the wrapper takes `inputs`. The forward runs, and inputs= of a
+    led-past tensor is still refused, by keyword or at torch's positions."""
+    out = _run_fresh("""
+    import torch
+    torch.set_num_threads(1)
+
+    def plain(run):
+        def wrapper(*args, **kwargs):
+            return run(*args, **kwargs)
+        return wrapper
+
+    torch.autograd.grad = plain(torch.autograd.grad)
+    torch.autograd.backward = plain(torch.autograd.backward)
+    import reprop.fad as fad
+    x = torch.randn(3, requires_grad=True)
+    with fad.enabled(compose=True):
+        h = x * 2
+        y = torch.exp(h)  # leads past h
+    print("forward")
+    for call in (lambda: torch.autograd.grad(y.sum(), inputs=[h]),
+                 lambda: torch.autograd.grad(y.sum(), [h]),
+                 lambda: y.sum().backward(inputs=[h]),
+                 lambda: torch.autograd.backward(y.sum(), None, None, False, None, [h])):
+        try:
+            call()
+        except RuntimeError as e:
+            print("refused" if "chained past it" in str(e) else e)
+    """)
+    assert out == ["forward", "refused", "refused", "refused", "refused"]
+
+
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_reloading_fad_wraps_torchs_autograd_functions_once(namespace_cleared: bool):
     """importlib.reload(reprop.fad) (what IPython's %autoreload 2 does) wrapped
     torch's autograd functions once more at each reload (register_multi_grad_hook
     four deep after three). They are wrapped once, before a reload or after
     it, and the refusal still holds."""
-    out = _run_fresh(_TORCHS_AUTOGRAD + """
-    import importlib
+    out = _run_fresh(_TORCHS_AUTOGRAD + _reloading(namespace_cleared) + """
     import reprop.fad as fad
 
     def chained():
@@ -2542,12 +2603,12 @@ def test_reloading_fad_wraps_torchs_autograd_functions_once():
             y = torch.exp(h)  # leads past h
         return y, h
 
-    fad = importlib.reload(fad)
+    fad = reload(fad)
     report("reloaded")
     chained()
     report("chained")
     for _ in range(3):
-        fad = importlib.reload(fad)
+        fad = reload(fad)
         y, h = chained()
     report("reloaded-thrice")
     try:
@@ -2559,27 +2620,28 @@ def test_reloading_fad_wraps_torchs_autograd_functions_once():
                    *_WRAPPED_ONCE, "refused"]
 
 
-def test_compose_chain_continues_across_a_reload():
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_compose_chain_continues_across_a_reload(namespace_cleared: bool):
     """A mode entered before importlib.reload(reprop.fad) (by hand, in one
     notebook cell, with %autoreload 2 before the next) keeps its chain
     records: a record of relu or Hardswish of the root holds an instance of a
     class the reload replaced, which the next step took for a derivative
     tensor (a TypeError). The chain now goes on as without the reload."""
-    out = _run_fresh("""
-    import importlib, torch, torch.nn.functional as F
+    out = _run_fresh(_reloading(namespace_cleared) + """
+    import torch, torch.nn.functional as F
     torch.set_num_threads(1)
     import reprop.fad as fad
     x = torch.randn(6)
 
-    def grad(first, reload):
+    def grad(first, reloaded):
         global fad
         leaf = x.clone().requires_grad_()
         mode = fad.enabled(compose=True)
         mode.__enter__()
         try:
             a = first(leaf)
-            if reload:
-                fad = importlib.reload(fad)
+            if reloaded:
+                fad = reload(fad)
             y = torch.exp(a * 2)
         finally:
             mode.__exit__(None, None, None)

@@ -1034,15 +1034,31 @@ def _refusing_led_past_multi(register_multi):
     return checked
 
 
-def _refusing_led_past_inputs(run):
-    """torch.autograd.grad or torch.autograd.backward (and so Tensor.backward,
-    which calls the latter), refused when its `inputs` holds a chain tensor
-    a next step led past (_led_past_error): that step's node leads straight
-    to the root, so the tensor's node gets none of the gradient through it,
-    and torch gave None (allow_unused), zeros (materialize_grads) or left
-    .grad None (backward(inputs=)). A call without inputs (a plain
-    backward()) goes straight to torch's, one Python call later."""
-    at = list(inspect.signature(run).parameters).index("inputs")
+def _inputs_at(run, torchs_at: int) -> int:
+    """Where a call of run, torch's autograd function or another library's
+    wrapper of it, takes `inputs` positionally: as run's signature names it,
+    or else at torchs_at, torch's own position, which a wrapper passing its
+    arguments through (*args, **kwargs, without functools.wraps) keeps.
+    Never raises: it is read inside the user's forward (_lead_past)."""
+    try:
+        params = inspect.signature(run).parameters.values()
+    except (TypeError, ValueError):  # a callable with no signature to read
+        return torchs_at
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return positional.index("inputs") if "inputs" in positional else torchs_at
+
+
+def _refusing_led_past_inputs(run, name: str, torchs_at: int):
+    """run, torch.autograd's function `name` (grad or backward, and so
+    Tensor.backward, which calls the latter) or a wrapper of it, torch's
+    taking `inputs` at position torchs_at (_inputs_at), refused when its
+    `inputs` holds a chain tensor a next step led past (_led_past_error):
+    that step's node leads straight to the root, so the tensor's node gets
+    none of the gradient through it, and torch gave None (allow_unused),
+    zeros (materialize_grads) or left .grad None (backward(inputs=)). A call
+    without inputs (a plain backward()) goes straight to torch's, one Python
+    call later."""
+    at = _inputs_at(run, torchs_at)
 
     @functools.wraps(run)
     def checked(*args, **kwargs):
@@ -1059,7 +1075,7 @@ def _refusing_led_past_inputs(run):
                 kwargs = {**kwargs, "inputs": inputs}
         for label, t in _inputs_labelled(inputs):
             if _on_a_led_past_node(t):
-                raise _led_past_error(f"{run.__name__}() ({label})")
+                raise _led_past_error(f"{name}() ({label})")
         return run(*args, **kwargs)
 
     return checked
@@ -1068,8 +1084,10 @@ def _refusing_led_past_inputs(run):
 # torch's functions that take hooks or inputs= on any tensor, each with the
 # check it gets once a node is led past (_install_led_past_refusals)
 _LED_PAST_REFUSALS = ((torch.autograd.graph, "register_multi_grad_hook", _refusing_led_past_multi),
-                      (torch.autograd, "grad", _refusing_led_past_inputs),
-                      (torch.autograd, "backward", _refusing_led_past_inputs))
+                      (torch.autograd, "grad",
+                       functools.partial(_refusing_led_past_inputs, name="grad", torchs_at=1)),
+                      (torch.autograd, "backward",
+                       functools.partial(_refusing_led_past_inputs, name="backward", torchs_at=5)))
 _refusals_installed = False
 _REFUSES_LED_PAST = "_reprop_fad_refuses_led_past"  # marks a check (_install_led_past_refusals)
 
