@@ -280,6 +280,18 @@ def forward_is_torchs(cls: type) -> bool:
         and not hasattr(forward, "__wrapped__")
 
 
+def replaced_forward(module, cls: type) -> str | None:
+    """Where `module`, of torch class `cls`, has a forward other than torch's
+    own: "instance" (set on it: calls find that one before the class's, as
+    accelerate's add_hook_to_module sets one, calling the forward bound
+    before), "class" (a library set cls.forward: forward_is_torchs), or None.
+    Either way, a forward reprop puts in the class's place would not run, or
+    would drop what that one computes."""
+    if "forward" in module.__dict__:
+        return "instance"
+    return None if forward_is_torchs(cls) else "class"
+
+
 def kept_across_reloads(module: str, name: str, value):
     """`value`, or what `module` (a reprop module's __name__) kept as `name`
     before a reload of it: importlib.reload re-runs a module in its namespace

@@ -47,9 +47,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       current_stream_handle, dispatch_mode_active, forward_is_torchs, hook_owner,
-                       is_count, is_instance_by_name, on_device, show_coming_writes, torch_only,
-                       torch_only_weight, transform_active)
+                       current_stream_handle, dispatch_mode_active, hook_owner, is_count,
+                       is_instance_by_name, on_device, replaced_forward, show_coming_writes,
+                       torch_only, torch_only_weight, transform_active)
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -1074,15 +1074,13 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
 
 
 def _replaced_forward(module: nn.Module, cls: type) -> str | None:
-    """How `module`, of torch class `cls`, runs a forward other than torch's
-    own, or None. Calls find a forward set on the instance (accelerate's
-    hooks set one, calling the forward bound before) ahead of the class's,
-    so neither BPPSA's class nor the chain's torch Jacobians would see what
-    it computes; a forward a library set on the class (forward_is_torchs)
-    is replaced by BPPSA's and skipped by the chain's Jacobians."""
-    if "forward" in module.__dict__:
+    """For messages, how `module`, of torch class `cls`, runs a forward other
+    than torch's own (_tensors.replaced_forward), or None: neither BPPSA's
+    class nor the chain's torch Jacobians would see what it computes."""
+    where = replaced_forward(module, cls)
+    if where == "instance":
         return "its forward was set on the instance"
-    if not forward_is_torchs(cls):
+    if where == "class":
         return f"torch.nn.{cls.__name__}.forward is not torch's own (it was replaced on the class)"
     return None
 

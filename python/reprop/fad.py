@@ -734,9 +734,8 @@ def _kept_forward(module: nn.Module, original: type) -> str | None:
     torch's activation."""
     if type(module) is not original:
         return None
-    if "forward" in module.__dict__:
-        return _FORWARD_ON_INSTANCE
-    return None if _tensors.forward_is_torchs(original) else _FORWARD_ON_CLASS
+    return {"instance": _FORWARD_ON_INSTANCE, "class": _FORWARD_ON_CLASS}.get(
+        _tensors.replaced_forward(module, original))
 
 
 def _patch_function_attributes(name: str, module: nn.Module, saved_dtype) -> dict[str, str]:

@@ -62,7 +62,7 @@ from torch.utils import _pytree
 from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
-                       current_class, forward_is_torchs, hook_owner, is_instance_by_name,
+                       current_class, hook_owner, is_instance_by_name, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -456,7 +456,7 @@ def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     its forward torch's (neither set on m nor on the class), some registered
     parameter trainable."""
     kind = _kind_of(m)
-    if kind is None or "forward" in m.__dict__ or not forward_is_torchs(type(m)):
+    if kind is None or replaced_forward(m, type(m)):
         return None
     params = [p for p in kind.params(m) or () if p is not None and p.requires_grad]
     return (kind, params) if params else None
