@@ -312,13 +312,19 @@ def current_class(cls: type) -> type:
     return getattr(sys.modules.get(cls.__module__), cls.__qualname__, cls)
 
 
+def class_key(cls: type) -> tuple[str, str]:
+    """cls as a reload of its module leaves it: its module and qualified name
+    (the reload makes a new class object of that name)."""
+    return cls.__module__, cls.__qualname__
+
+
 def is_instance_by_name(obj, cls: type) -> bool:
     """isinstance(obj, cls) that holds across an importlib.reload of cls's
-    module, which makes a new class of that name: an object made before the
-    reload has the old one, and a module that imported cls before has the
-    old one too. By module and qualified name along obj's class's MRO."""
-    key = (cls.__module__, cls.__qualname__)
-    return any((c.__module__, c.__qualname__) == key for c in type(obj).__mro__)
+    module: an object made before the reload has the old class, and a module
+    that imported cls before has the old one too. By class_key along obj's
+    class's MRO."""
+    key = class_key(cls)
+    return any(class_key(c) == key for c in type(obj).__mro__)
 
 
 def hook_owner(hook: Callable) -> object | None:

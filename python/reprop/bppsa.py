@@ -47,7 +47,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       current_stream_handle, dispatch_mode_active, hook_owner, is_count,
+                       class_key, current_stream_handle, dispatch_mode_active, hook_owner, is_count,
                        is_instance_by_name, on_device, replaced_forward, show_coming_writes,
                        torch_only, torch_only_weight, transform_active)
 from . import fusion
@@ -1024,7 +1024,7 @@ class GRU(_ScanRNNBase, nn.GRU):
 _CONVERSIONS = {nn.RNN: RNN, nn.GRU: GRU}
 # BPPSA classes by name, not identity: a module converted before an
 # importlib.reload of this module (IPython's autoreload) has the old class
-_CONVERTED = {(cls.__module__, cls.__qualname__) for cls in _CONVERSIONS.values()}
+_CONVERTED = {class_key(cls) for cls in _CONVERSIONS.values()}
 
 
 def _own_class(module: nn.Module) -> type:
@@ -1066,7 +1066,7 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif (own.__module__, own.__qualname__) in _CONVERTED:  # converted before: the scan asked for now
+        elif class_key(own) in _CONVERTED:  # converted before: the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
             _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")

@@ -707,8 +707,7 @@ def _made_before_a_reload(cls: type, current: type) -> bool:
     importlib.reload (IPython's %autoreload 2) made it: the same module and
     name, another object. patch() moves a module of it to the current one:
     pickling finds a class by its name, so torch.save(model) refused it."""
-    return cls is not current and (cls.__module__, cls.__qualname__) == (
-        current.__module__, current.__qualname__)
+    return cls is not current and _tensors.class_key(cls) == _tensors.class_key(current)
 
 
 def _check_model(model, fname: str) -> None:
