@@ -280,7 +280,7 @@ def test_scan_activation_rejects_bad_arguments():
         bppsa.scan(c, w=w, activation="tanh", y=y.double())
     with pytest.raises(ValueError, match="out: overlaps y"):
         bppsa.scan(c, w=w, activation="tanh", y=y, out=y)
-    with pytest.raises(TypeError, match="pre_activation: expected a bool"):
+    with pytest.raises(TypeError, match="^pre_activation: expected True or False, got 1$"):
         bppsa.scan(c, w=w, v=v, pre_activation=1)
     with pytest.raises(ValueError, match="pre_activation: needs one gate"):
         bppsa.scan(c, w=torch.randn(9, 3), v=torch.rand(6, 2, 9), pre_activation=True)
@@ -2449,22 +2449,47 @@ def test_argument_errors_name_the_argument():
     plan = bppsa.ChainPlan([nn.Flatten(), nn.Linear(12, 2)], [np.int64(3), 4])  # numpy ints as torch takes them
     assert plan.input_shape == (3, 4) and all(type(d) is int for d in plan.input_shape)
     c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
-    with pytest.raises(TypeError, match=r"^pre_activation: expected a bool, got numpy\.bool"):
-        bppsa.scan(c, w=w, v=v, pre_activation=np.bool_(True))
+    with pytest.raises(TypeError, match="^pre_activation: expected True or False, got 'True'$"):
+        bppsa.scan(c, w=w, v=v, pre_activation="True")
 
 
 def test_chain_plan_pruned_takes_a_bool_only():
-    """pruned="False" (or 1, or a numpy bool) was taken by its truth: the
-    string turned pruning on. Now a TypeError naming pruned, as scan's
-    pre_activation raises; True and False as before."""
+    """pruned="False" (or 1) was taken by its truth: the string turned
+    pruning on. Now a TypeError naming pruned, as every flag of reprop
+    raises (_tensors.check_flag); True and False as before, and NumPy's
+    bools as those, as the other flags and torch's module flags take them
+    (a numpy.bool was refused here alone)."""
     layer = nn.Linear(3, 2)
     with torch.no_grad():
         layer.weight[0, 0] = 0
-    for bad, kind in (("False", "str"), (1, "int"), (np.bool_(False), r"numpy\.bool"), (None, "NoneType")):
-        with pytest.raises(TypeError, match=f"^pruned: expected a bool, got {kind}"):
+    for bad in ("False", 1, None):
+        with pytest.raises(TypeError, match=f"^pruned: expected True or False, got {bad!r}$"):
             bppsa.ChainPlan([layer], (3,), pruned=bad)
-    assert bppsa.ChainPlan([layer], (3,), pruned=False).leaves[0].zero_weights is None
-    assert bppsa.ChainPlan([layer], (3,), pruned=True).leaves[0].zero_weights.tolist() == [0]
+    for off, on in ((False, True), (np.bool_(False), np.bool_(True))):
+        assert bppsa.ChainPlan([layer], (3,), pruned=off).leaves[0].zero_weights is None
+        assert bppsa.ChainPlan([layer], (3,), pruned=on).leaves[0].zero_weights.tolist() == [0]
+
+
+@pytest.mark.parametrize("call", ["fad.enabled(compose=)", "fuse(keep_grads=)", "ooo.simulate(sub_stream=)",
+                                  "scan(pre_activation=)"])
+def test_every_flag_refuses_a_non_bool_alike(call):
+    """One library, one answer: fad, fusion and ooo refused a flag such as
+    "no" with a ValueError while bppsa raised TypeError for it. Now each
+    raises _tensors.NotAFlagError, a TypeError (as torch raises for a wrong
+    type) that is still a ValueError for callers that caught one."""
+    from reprop import fad, fuse, ooo
+    c, w, v = torch.randn(6, 2, 3), torch.randn(3, 3), torch.rand(6, 2, 3)
+    model = nn.Linear(3, 2)
+    calls = {"fad.enabled(compose=)": (lambda: fad.enabled(compose="no"), "compose"),
+             "fuse(keep_grads=)": (lambda: fuse(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 keep_grads="no"), "keep_grads"),
+             "ooo.simulate(sub_stream=)": (lambda: ooo.simulate(2, sub_stream="no"), "sub_stream"),
+             "scan(pre_activation=)": (lambda: bppsa.scan(c, w=w, v=v, pre_activation="no"),
+                                       "pre_activation")}
+    run, name = calls[call]
+    with pytest.raises(TypeError, match=f"^{name}: expected True or False, got 'no'$") as caught:
+        run()
+    assert isinstance(caught.value, ValueError)
 
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")

@@ -436,10 +436,19 @@ def check_positive_real(value, name: str) -> float:
     return as_float
 
 
+class NotAFlagError(TypeError, ValueError):
+    """A flag argument given something other than True or False: a
+    TypeError, as torch raises for a wrong type, and a ValueError, which
+    reprop's fad, fusion and ooo raised before (callers catching that still
+    do)."""
+
+
 def check_flag(value, name: str) -> bool:
     """`value` as a Python bool if it is True or False (a NumPy bool too, as
-    reprop.ooo's options take one); else a ValueError naming `name`: a
-    string such as "no", or a number, would pass for one by its truth."""
+    torch's module flags such as nn.RNN's bias take one); else a
+    NotAFlagError naming `name`: a string such as "no", or a number, would
+    pass for one by its truth. Every flag of reprop's public calls comes
+    here, so that each refuses the same values the same way."""
     if not isinstance(value, (bool, np.bool_)):
-        raise ValueError(f"{name}: expected True or False, got {value!r}")
+        raise NotAFlagError(f"{name}: expected True or False, got {value!r}")
     return bool(value)

@@ -46,10 +46,10 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
-from ._tensors import (autocast_enabled, bump_versions, check_count, check_strided, check_writable,
-                       class_key, current_stream_handle, dispatch_mode_active, hook_owner, is_count,
-                       is_instance_by_name, on_device, replaced_forward, show_coming_writes,
-                       torch_only, torch_only_weight, transform_active)
+from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag, check_strided,
+                       check_writable, class_key, current_stream_handle, dispatch_mode_active,
+                       hook_owner, is_count, is_instance_by_name, on_device, replaced_forward,
+                       show_coming_writes, torch_only, torch_only_weight, transform_active)
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -205,14 +205,6 @@ def _check_operand(t: torch.Tensor | None, name: str, shape: tuple, device: torc
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-def _check_bool(value, name: str) -> None:
-    """TypeError unless value is a bool: a string such as "False" would pass
-    for True by its truth; a numpy.bool is refused too, as torch's bool
-    arguments refuse it."""
-    if not isinstance(value, bool):
-        raise TypeError(f"{name}: expected a bool, got {_type_name(value)}")
-
-
 def _type_name(value) -> str:
     """value's type as errors name it: qualified outside the builtins, so that
     numpy.bool does not read as bool."""
@@ -355,7 +347,7 @@ def _scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | N
     if H < 1:
         raise ValueError("c: expected a hidden size H of at least 1, got 0")
     act = _check_activation(activation, y, v, jt)
-    _check_bool(pre_activation, "pre_activation")
+    pre_activation = check_flag(pre_activation, "pre_activation")
     if jt is not None:
         if w is not None or u is not None or v is not None:
             raise ValueError("jt: give either dense jt or the structured w, u, v, not both")
@@ -1869,7 +1861,7 @@ class ChainPlan:
         chain_backward, named in a refusal); returns its build's reads of the
         parametrized weights (_build)."""
         product = _check_product(product)
-        _check_bool(pruned, "pruned")
+        pruned = check_flag(pruned, "pruned")
         levels = _check_scan_choice(levels, "levels")
         max_pairs = _check_count(max_pairs, "max_pairs", 0)
         input_shape = _check_sample_shape(input_shape, "input_shape")
