@@ -2618,6 +2618,22 @@ def test_a_captured_step_on_cpu_overwrites_tensors_held_by_a_record():
         changing(torch.zeros(2))
 
 
+@pytest.mark.parametrize("read", [lambda loss: loss.item(), lambda loss: {"losses": loss.tolist()},
+                                  lambda loss: _StepResult(loss, {"value": loss.item()})])
+def test_a_captured_step_on_cpu_refuses_a_number_that_changes(read):
+    """A number read off a tensor (.item(), .tolist()) cannot be captured on
+    CUDA; the CPU returned the first call's number at every call, a silent
+    stale loss. Like a changed tensor shape, it is refused; a constant is not."""
+    captured = ooo.capture(lambda x: (read(x.sum(0)), "tag", 1, float("nan")), torch.zeros(2, 1),
+                           warmup=1)
+    captured(torch.zeros(2, 1))
+    captured(torch.zeros(2, 1))
+    with pytest.raises(RuntimeError, match=r"^step: output 0.* was 0.0 at its first call, now "
+                       r"2.0; a captured step's outputs are fixed \(a replay returns the "
+                       r"captured value: return a tensor, not its .item\(\)\)"):
+        captured(torch.ones(2, 1))
+
+
 @pytest.mark.parametrize("bad, error, match", [
     (lambda: ooo.capture("step", torch.zeros(2)), TypeError, "step"),
     (lambda: ooo.capture(print), TypeError, "inputs"),

@@ -1893,8 +1893,10 @@ def _write_outputs(static, results, path: str) -> None:
     """Writes a CPU step's outputs into its first call's, as a graph's replay
     writes every tensor the capture made: also those held by a record built
     anew at each call (a dataclass), whose first call's tensors were returned
-    unchanged while CUDA's are overwritten. Other values are kept, as a
-    replay returns them as captured."""
+    unchanged while CUDA's are overwritten. A replay returns every other
+    value as captured, so one that changed is refused (a number read off a
+    tensor with .item(), which CUDA cannot capture; a step counter, which a
+    replay leaves at its captured value)."""
     new, layout = _pytree.tree_flatten_with_path(results)
     old_values, static_layout = _pytree.tree_flatten(static)
     if layout != static_layout:
@@ -1911,6 +1913,20 @@ def _write_outputs(static, results, path: str) -> None:
                 old.copy_(value)
         elif type(value) is type(old) and (record := _record_fields(old)) is not None:
             _write_outputs(record, _record_fields(value), where)
+        else:
+            _check_same_value(old, value, where)
+
+
+def _check_same_value(static, value, where: str) -> None:
+    """A CPU step's output that is neither a tensor nor a record against its
+    first call's: a replay returns the captured value."""
+    if type(value) is type(static) and (
+            not isinstance(static, (numbers.Number, str, bytes))
+            or value == static or (value != value and static != static)):  # NaN: unchanged
+        return
+    raise RuntimeError(f"step: output {where} was {reprlib.repr(static)} at its first call, "
+                       f"now {reprlib.repr(value)}; a captured step's outputs are fixed (a "
+                       "replay returns the captured value: return a tensor, not its .item())")
 
 
 def _check_same_output(static: torch.Tensor, value, where: str) -> None:
@@ -1991,7 +2007,9 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
     Returns a ``CapturedStep``. On the CPU nothing is captured: after the
     same warm-up the step runs eagerly on the static inputs, with the same
     input checks, and its outputs are the first call's tensors overwritten
-    by each call, so a script behaves alike on both devices.
+    by each call (also inside a dataclass), so a script behaves alike on both
+    devices; a returned number that changes between calls (``.item()``,
+    which CUDA cannot capture) raises a RuntimeError.
     """
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
