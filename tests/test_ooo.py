@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import fractions
 import gc
 import io
@@ -19,6 +20,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 import warnings
 import weakref
 
@@ -2578,6 +2580,58 @@ def test_a_captured_step_on_cpu_overwrites_its_outputs_as_a_replay_does():
     with pytest.raises(RuntimeError, match=r"^step: output 0 was \(8, 4\) torch.float32 on cpu "
                        r"at its first call, now \(2,\) torch.float32 on cpu"):
         changing(torch.zeros(8, 4))
+
+
+@dataclasses.dataclass
+class _StepResult:
+    loss: torch.Tensor
+    parts: dict
+
+
+def test_a_captured_step_on_cpu_overwrites_tensors_held_by_a_record():
+    """A step that returns a new dataclass (or namespace) at each call: a
+    pytree takes it as one leaf, and the CPU returned the first call's
+    record with the first call's loss every time, where a replay on CUDA
+    overwrites the tensors it holds (the capture's)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    step = _sgd_step(model)
+
+    def as_records(x, y):
+        loss = step(x, y)
+        return _StepResult(loss, {"twice": loss * 2}), types.SimpleNamespace(w=model.weight * 1)
+
+    captured = ooo.capture(as_records, torch.randn(8, 4), torch.randint(2, (8,)), warmup=1)
+    for _ in range(3):
+        x, y = torch.randn(8, 4), torch.randint(2, (8,))
+        expected = nn.functional.cross_entropy(model(x), y).detach()
+        result, weights = captured(x, y)
+        assert result is captured.outputs[0] and weights is captured.outputs[1]
+        assert torch.equal(result.loss, expected) and torch.equal(result.parts["twice"], expected * 2)
+        assert torch.equal(weights.w, model.weight)
+    shapes = iter([(), (), (1,)])  # the warm-up's, the first call's, the second's
+    changing = ooo.capture(lambda x: _StepResult(x.new_zeros(next(shapes)), {}), torch.zeros(2),
+                           warmup=1)
+    changing(torch.zeros(2))
+    with pytest.raises(RuntimeError, match=r"^step: output 0\['loss'\] was \(\) torch.float32 "
+                       r"on cpu at its first call, now \(1,\)"):
+        changing(torch.zeros(2))
+
+
+@pytest.mark.parametrize("read", [lambda loss: loss.item(), lambda loss: {"losses": loss.tolist()},
+                                  lambda loss: _StepResult(loss, {"value": loss.item()})])
+def test_a_captured_step_on_cpu_refuses_a_number_that_changes(read):
+    """A number read off a tensor (.item(), .tolist()) cannot be captured on
+    CUDA; the CPU returned the first call's number at every call, a silent
+    stale loss. Like a changed tensor shape, it is refused; a constant is not."""
+    captured = ooo.capture(lambda x: (read(x.sum(0)), "tag", 1, float("nan")), torch.zeros(2, 1),
+                           warmup=1)
+    captured(torch.zeros(2, 1))
+    captured(torch.zeros(2, 1))
+    with pytest.raises(RuntimeError, match=r"^step: output 0.* was 0.0 at its first call, now "
+                       r"2.0; a captured step's outputs are fixed \(a replay returns the "
+                       r"captured value: return a tensor, not its .item\(\)\)"):
+        captured(torch.ones(2, 1))
 
 
 @pytest.mark.parametrize("bad, error, match", [

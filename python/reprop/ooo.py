@@ -47,7 +47,7 @@ import threading
 import time
 import types
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -1874,29 +1874,69 @@ class CapturedStep:
         if not self._stepped:
             self.outputs, self._stepped = results, True
             return results
-        new, layout = _pytree.tree_flatten(results)
-        static, static_layout = _pytree.tree_flatten(self.outputs)
-        if layout != static_layout:
-            raise RuntimeError(f"step: returned {layout} where its first call returned "
-                               f"{static_layout}; a captured step's outputs are fixed")
         with torch.no_grad():
-            for i, (old, value) in enumerate(zip(static, new)):
-                if isinstance(old, torch.Tensor) and value is not old:
-                    _check_same_output(old, value, i)
-                    # an inference tensor (an eval metric) is written in inference mode only
-                    with torch.inference_mode(old.is_inference()):
-                        old.copy_(value)
+            _write_outputs(self.outputs, results, "")
         return self.outputs
 
 
-def _check_same_output(static: torch.Tensor, value, i: int) -> None:
-    """A CPU step's output i against its first call's: what a graph's replay
-    would have written in place."""
+def _record_fields(obj) -> dict | None:
+    """The fields of a record among a step's outputs (a dataclass, an
+    object's attributes), which a pytree takes as one leaf; None for a value
+    without fields (a number, a string)."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    attributes = getattr(obj, "__dict__", None)
+    return attributes if isinstance(attributes, dict) else None
+
+
+def _write_outputs(static, results, path: str) -> None:
+    """Writes a CPU step's outputs into its first call's, as a graph's replay
+    writes every tensor the capture made: also those held by a record built
+    anew at each call (a dataclass), whose first call's tensors were returned
+    unchanged while CUDA's are overwritten. A replay returns every other
+    value as captured, so one that changed is refused (a number read off a
+    tensor with .item(), which CUDA cannot capture; a step counter, which a
+    replay leaves at its captured value)."""
+    new, layout = _pytree.tree_flatten_with_path(results)
+    old_values, static_layout = _pytree.tree_flatten(static)
+    if layout != static_layout:
+        raise RuntimeError(f"step: returned {layout} where its first call returned "
+                           f"{static_layout}; a captured step's outputs are fixed")
+    for i, ((key, value), old) in enumerate(zip(new, old_values)):
+        where = path + _pytree.keystr(key) if path else str(i)
+        if value is old:
+            continue
+        if isinstance(old, torch.Tensor):
+            _check_same_output(old, value, where)
+            # an inference tensor (an eval metric) is written in inference mode only
+            with torch.inference_mode(old.is_inference()):
+                old.copy_(value)
+        elif type(value) is type(old) and (record := _record_fields(old)) is not None:
+            _write_outputs(record, _record_fields(value), where)
+        else:
+            _check_same_value(old, value, where)
+
+
+def _check_same_value(static, value, where: str) -> None:
+    """A CPU step's output that is neither a tensor nor a record against its
+    first call's: a replay returns the captured value."""
+    if type(value) is type(static) and (
+            not isinstance(static, (numbers.Number, str, bytes))
+            or value == static or (value != value and static != static)):  # NaN: unchanged
+        return
+    raise RuntimeError(f"step: output {where} was {reprlib.repr(static)} at its first call, "
+                       f"now {reprlib.repr(value)}; a captured step's outputs are fixed (a "
+                       "replay returns the captured value: return a tensor, not its .item())")
+
+
+def _check_same_output(static: torch.Tensor, value, where: str) -> None:
+    """A CPU step's output `where` against its first call's: what a graph's
+    replay would have written in place."""
     if not isinstance(value, torch.Tensor) or (value.shape, value.dtype, value.device) != \
             (static.shape, static.dtype, static.device):
         got = (f"{tuple(value.shape)} {value.dtype} on {value.device}"
                if isinstance(value, torch.Tensor) else type(value).__name__)
-        raise RuntimeError(f"step: output {i} was {tuple(static.shape)} {static.dtype} on "
+        raise RuntimeError(f"step: output {where} was {tuple(static.shape)} {static.dtype} on "
                            f"{static.device} at its first call, now {got}; a captured step's "
                            "outputs are fixed")
 
@@ -1967,7 +2007,9 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
     Returns a ``CapturedStep``. On the CPU nothing is captured: after the
     same warm-up the step runs eagerly on the static inputs, with the same
     input checks, and its outputs are the first call's tensors overwritten
-    by each call, so a script behaves alike on both devices.
+    by each call (also inside a dataclass), so a script behaves alike on both
+    devices; a returned number that changes between calls (``.item()``,
+    which CUDA cannot capture) raises a RuntimeError.
     """
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
