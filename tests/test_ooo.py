@@ -320,9 +320,8 @@ def _drop_enabled_after(case: str) -> "weakref.ref":
             y.sum().backward()
         del y
     else:
-        with handle.hold() as held:
+        with handle.hold():  # the tasks held and never run
             model(torch.randn(2, 4)).sum().backward()
-        del held
     ref = weakref.ref(model)
     del model, handle
     return ref
