@@ -1300,6 +1300,23 @@ def test_patch_leaves_a_module_whose_class_forward_a_library_replaced(monkeypatc
     torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-7)
 
 
+def test_a_patched_module_runs_the_forward_a_library_set_on_its_class_since(monkeypatch):
+    """A forward a library sets on a torch activation class after patch()
+    (nn.GELU.forward = ...) is what torch's modules of the class compute
+    from then on: a patched one kept running reprop's forward, torch's GELU
+    where the library's doubled it. It runs the library's now, and FAD
+    again once torch's forward is back; modules of other classes keep FAD."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU())
+    assert len(fad.patch(model)) == 2
+    h = torch.randn(3, 4, requires_grad=True)
+    monkeypatch.setattr(nn.GELU, "forward", lambda self, input: 2.0 * F.gelu(input))
+    assert torch.equal(model[1](h), 2.0 * F.gelu(h))
+    assert type(model[3](h).grad_fn).__name__ == "_ActivationBackward"
+    monkeypatch.undo()
+    assert type(model[1](h).grad_fn).__name__ == "_ActivationBackward"
+    assert fad.unpatch(model) == ["1", "3"]
+
+
 @pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])
 def test_patch_of_what_is_no_module_raises_a_type_error_naming_model(fn):
     """fad.patch(F.gelu) raised AttributeError: 'function' object has no attribute 'named_modules'."""

@@ -546,7 +546,9 @@ class _SavedDtypeMixin:
 def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
     same attributes, forward through fn(input, *those attributes named in params),
-    or, on a module patch() swapped, torch's own forward where _left_to_torch."""
+    or, on a module patch() swapped, torch_cls's forward where _left_to_torch
+    or where a library has replaced that forward since (_forward_replaced)."""
+    torchs = torch_cls.forward if _tensors.forward_is_torchs(torch_cls) else None
 
     def __init__(self, *args, saved_dtype=None, **kwargs):
         torch_cls.__init__(self, *args, **kwargs)
@@ -555,7 +557,8 @@ def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, *(getattr(self, name) for name in params))
-        if _PATCHED in self.__dict__ and _left_to_torch(fn, args, {}):
+        if _PATCHED in self.__dict__ and (_forward_replaced(torch_cls, torchs)
+                                          or _left_to_torch(fn, args, {})):
             return torch_cls.forward(self, input)
         return fn(*args, saved_dtype=self.saved_dtype)
 
@@ -563,6 +566,17 @@ def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     return type(name, (_SavedDtypeMixin, torch_cls),
                 {"__init__": __init__, "forward": forward, "__module__": __name__,
                  "__doc__": f"{name} (torch.nn.{name} saving only f'(x); see reprop.fad)"})
+
+
+def _forward_replaced(torch_cls: type, torchs) -> bool:
+    """Whether a library has replaced torch_cls.forward (nn.GELU.forward =
+    ...) since `torchs`, torch's own as reprop's class for it was made (None:
+    it was not torch's then). Every torch module of the class then computes
+    what the new forward says, so a module patch() swapped before it must
+    too: reprop's forward computed torch's activation in its place (patch()
+    leaves the modules of a class already replaced: _kept_forward). The
+    identity check first: this runs at every call of a patched module."""
+    return torch_cls.forward is not torchs and not _tensors.forward_is_torchs(torch_cls)
 
 
 GELU = _module(nn.GELU, gelu, ("approximate",))
@@ -699,8 +713,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     left (and unpatch leaves it too). A torch activation module whose forward is
     set on the instance (accelerate's hooks), or whose class's forward a
     library replaced (nn.GELU.forward = ...), is left, with a warning: that
-    forward runs in place of torch's. Returns {qualified name: what
-    changed}.
+    forward runs in place of torch's (and a module patched before the
+    library replaced it runs the replacement: _forward_replaced). Returns
+    {qualified name: what changed}.
     """
     _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
