@@ -337,7 +337,8 @@ class LiveSaved:
         self.refs = []
 
     def pack(self, t):
-        self.refs.append(weakref.ref(t))
+        if t.numel():  # (LeakyReLU's and Hardsigmoid's empty anchor: fad._twice_differentiable)
+            self.refs.append(weakref.ref(t))
         return t
 
     def __enter__(self):
@@ -752,6 +753,59 @@ def test_double_backward_is_refused(how):
         torch.autograd.grad(y.sum(), x, create_graph=True)
     assert "use torch's own activation" in str(refused.value)
     assert "outside reprop.fad.enabled()" in str(refused.value)
+
+
+# Kinds whose f' is piecewise constant, with a torch reference that autograd
+# differentiates twice (torch's hardsigmoid refuses it: relu6 is its formula).
+_PIECEWISE_CONSTANT = {
+    "leaky_relu": (lambda: nn.LeakyReLU(0.2), lambda: nn.LeakyReLU(0.2)),
+    "leaky_relu_negative": (lambda: nn.LeakyReLU(-0.3), lambda: nn.LeakyReLU(-0.3)),
+    "hardsigmoid": (nn.Hardsigmoid, lambda: _Relu6Hardsigmoid()),
+}
+
+
+class _Relu6Hardsigmoid(nn.Module):
+    def forward(self, x):
+        return F.relu6(x + 3) / 6
+
+
+def _penalty_grads_of(model, x, params, mode=contextlib.nullcontext()):
+    """The gradients of a WGAN-GP penalty of model at x, for params and x."""
+    with mode:
+        out = model(x).sum()
+    (g,) = torch.autograd.grad(out, x, create_graph=True)
+    penalty = ((g.norm(dim=1) - 1) ** 2).mean()
+    return torch.autograd.grad(penalty, [*params, x], allow_unused=True)
+
+
+@pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=str)
+@pytest.mark.parametrize("how", ["patch", "enabled"])
+@pytest.mark.parametrize("name", sorted(_PIECEWISE_CONSTANT))
+def test_double_backward_through_a_piecewise_constant_derivative(name, how, saved_dtype):
+    """LeakyReLU and Hardsigmoid (f' piecewise constant, f'' 0) refused
+    create_graph=True, so a WGAN-GP critic with LeakyReLU failed once
+    patched. Now torch's gradients, the first layer's bias (reached only
+    through the activations' masks) getting zeros, as in torch, not None."""
+    ours_cls, ref_cls = _PIECEWISE_CONSTANT[name]
+
+    def critic(act):
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(5, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 1))
+
+    model, ref = critic(ours_cls), critic(ref_cls)
+    mode = contextlib.nullcontext()
+    if how == "patch":
+        assert fad.patch(model, saved_dtype=saved_dtype)
+    else:
+        mode = fad.enabled(saved_dtype=saved_dtype)
+    x = torch.randn(64, 5) * 4
+    got = _penalty_grads_of(model, x.clone().requires_grad_(), list(model.parameters()), mode)
+    want = _penalty_grads_of(ref, x.clone().requires_grad_(), list(ref.parameters()))
+    assert not got[1].any()  # the first bias's: zeros, linked as torch's are
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
@@ -1244,6 +1298,23 @@ def test_patch_leaves_a_module_whose_class_forward_a_library_replaced(monkeypatc
     assert len(caught) == 1 and "'1':" in str(caught[0].message)
     assert type(model[1]) is nn.GELU and type(model[3]) is fad.SiLU
     torch.testing.assert_close(model(x), want, rtol=1e-6, atol=1e-7)
+
+
+def test_a_patched_module_runs_the_forward_a_library_set_on_its_class_since(monkeypatch):
+    """A forward a library sets on a torch activation class after patch()
+    (nn.GELU.forward = ...) is what torch's modules of the class compute
+    from then on: a patched one kept running reprop's forward, torch's GELU
+    where the library's doubled it. It runs the library's now, and FAD
+    again once torch's forward is back; modules of other classes keep FAD."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU(), nn.Linear(4, 4), nn.SiLU())
+    assert len(fad.patch(model)) == 2
+    h = torch.randn(3, 4, requires_grad=True)
+    monkeypatch.setattr(nn.GELU, "forward", lambda self, input: 2.0 * F.gelu(input))
+    assert torch.equal(model[1](h), 2.0 * F.gelu(h))
+    assert type(model[3](h).grad_fn).__name__ == "_ActivationBackward"
+    monkeypatch.undo()
+    assert type(model[1](h).grad_fn).__name__ == "_ActivationBackward"
+    assert fad.unpatch(model) == ["1", "3"]
 
 
 @pytest.mark.parametrize("fn", [fad.patch, fad.unpatch], ids=["patch", "unpatch"])

@@ -30,9 +30,10 @@ Tanh, and in place ELU, CELU, SELU and LeakyReLU), which the next layer
 saves anyway, patch() and enabled() leave to torch.
 
 Double backward (``create_graph=True`` through an activation) needs f''(x),
-which is not kept: it raises a RuntimeError, and so does a composed chain
-unless its backward is autograd's own graph (one relu of its root, or
-additions and products with constants: _Chain).
+which is not kept: it raises a RuntimeError (but for LeakyReLU and
+Hardsigmoid, whose f' is piecewise constant: f'' is 0 wherever it exists),
+and so does a composed chain unless its backward is autograd's own graph
+(one relu of its root, or additions and products with constants: _Chain).
 """
 from __future__ import annotations
 
@@ -195,8 +196,9 @@ def _decode_table(act: _Act, device: torch.device) -> torch.Tensor:
 
 def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """grad * decode(codes), in grad's dtype, through the 8-bit kernels."""
-    # batched by vmap (is_grads_batched, jacobian(vectorize=True)), or any while a transform is active
-    if _torch_runs(grad):
+    # batched by vmap (is_grads_batched, jacobian(vectorize=True)), or any while a transform is
+    # active; and under create_graph=True (_TWO_VALUED kinds), where autograd must see the product
+    if _torch_runs(grad) or torch.is_grad_enabled():
         decoded = _decode_table(act, grad.device)[codes.long()]
         return (grad.float() * decoded).to(grad.dtype)
     if not _tensors.same_layout(grad, codes) or not _tensors.is_dense(grad):
@@ -232,26 +234,48 @@ _ACTIVATION_INSTEAD = ("where higher-order gradients are needed, use torch's own
 
 
 class _Activation(torch.autograd.Function):
-    """y = f(x), saving only d = f'(x) (in `saved` dtype) for backward."""
+    """y = f(x), saving only d = f'(x) (in `saved` dtype) for backward. For
+    the _TWO_VALUED kinds, (y, anchor): see _twice_differentiable."""
 
     @staticmethod
     def forward(ctx, x, act, saved, inplace):
         y, d = _run_forward(act, x, saved, inplace)
         if inplace:
             ctx.mark_dirty(x)
-        ctx.save_for_backward(d)
         ctx.act = act
-        return y
+        if act.kind not in _TWO_VALUED:
+            ctx.save_for_backward(d)
+            return y
+        anchor = y.new_empty(0)
+        ctx.save_for_backward(d, anchor)
+        return y, anchor
 
     @staticmethod
-    def backward(ctx, grad):
-        _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
-        (d,) = ctx.saved_tensors
+    def backward(ctx, grad, *anchor_grad):
+        if ctx.act.kind not in _TWO_VALUED:
+            _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
+        d, *anchor = ctx.saved_tensors
         coded = d.dtype == torch.uint8
         grad_x = _backward_code8(ctx.act, grad, d) if coded else (grad * d).to(grad.dtype)
         if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
             grad_x = grad_x.masked_fill_(_selected(ctx.act, d, coded), 0)
+        if anchor and torch.is_grad_enabled():
+            grad_x = _twice_differentiable(grad_x, anchor[0])
         return grad_x, None, None, None
+
+
+def _twice_differentiable(grad_x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+    """grad_x under create_graph=True for a kind whose f' is piecewise
+    constant (_TWO_VALUED): grad * f'(x) is then the whole backward, and its
+    derivative with respect to x is 0. torch's leaky_relu double backward
+    links that 0 to x, so a parameter reached only through the activation's
+    mask (the bias before it, in a gradient penalty) gets a zero gradient,
+    not None (.grad left None: an optimizer then skips its momentum and
+    weight decay). The anchor, an empty output of the activation's node
+    saved for backward, makes that link without keeping x: subtracting its
+    sum (+0, which leaves every value and zero sign as it is) leads the
+    second backward through the node to x."""
+    return grad_x - anchor.sum()
 
 
 def _selected(act: _Act, d: torch.Tensor, coded: bool) -> torch.Tensor:
@@ -304,7 +328,8 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
         return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
     if inplace and _may_be_refused_in_place(x):
         return native(x, inplace=True)  # torch refuses before writing, or runs it
-    return _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
+    y = _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
+    return y[0] if act.kind in _TWO_VALUED else y  # (y, its anchor)
 
 
 def _for_torch(x) -> bool:
@@ -521,7 +546,9 @@ class _SavedDtypeMixin:
 def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
     same attributes, forward through fn(input, *those attributes named in params),
-    or, on a module patch() swapped, torch's own forward where _left_to_torch."""
+    or, on a module patch() swapped, torch_cls's forward where _left_to_torch
+    or where a library has replaced that forward since (_forward_replaced)."""
+    torchs = torch_cls.forward if _tensors.forward_is_torchs(torch_cls) else None
 
     def __init__(self, *args, saved_dtype=None, **kwargs):
         torch_cls.__init__(self, *args, **kwargs)
@@ -530,7 +557,8 @@ def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         args = (input, *(getattr(self, name) for name in params))
-        if _PATCHED in self.__dict__ and _left_to_torch(fn, args, {}):
+        if _PATCHED in self.__dict__ and (_forward_replaced(torch_cls, torchs)
+                                          or _left_to_torch(fn, args, {})):
             return torch_cls.forward(self, input)
         return fn(*args, saved_dtype=self.saved_dtype)
 
@@ -538,6 +566,17 @@ def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     return type(name, (_SavedDtypeMixin, torch_cls),
                 {"__init__": __init__, "forward": forward, "__module__": __name__,
                  "__doc__": f"{name} (torch.nn.{name} saving only f'(x); see reprop.fad)"})
+
+
+def _forward_replaced(torch_cls: type, torchs) -> bool:
+    """Whether a library has replaced torch_cls.forward (nn.GELU.forward =
+    ...) since `torchs`, torch's own as reprop's class for it was made (None:
+    it was not torch's then). Every torch module of the class then computes
+    what the new forward says, so a module patch() swapped before it must
+    too: reprop's forward computed torch's activation in its place (patch()
+    leaves the modules of a class already replaced: _kept_forward). The
+    identity check first: this runs at every call of a patched module."""
+    return torch_cls.forward is not torchs and not _tensors.forward_is_torchs(torch_cls)
 
 
 GELU = _module(nn.GELU, gelu, ("approximate",))
@@ -674,8 +713,9 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
     left (and unpatch leaves it too). A torch activation module whose forward is
     set on the instance (accelerate's hooks), or whose class's forward a
     library replaced (nn.GELU.forward = ...), is left, with a warning: that
-    forward runs in place of torch's. Returns {qualified name: what
-    changed}.
+    forward runs in place of torch's (and a module patched before the
+    library replaced it runs the replacement: _forward_replaced). Returns
+    {qualified name: what changed}.
     """
     _check_model(model, "patch")
     _check_saved_dtype(saved_dtype, "patch")
@@ -840,7 +880,8 @@ class Codebook:
 
 
 # The parameters of reprop.fad's functions, in signature order, at their defaults.
-# Kinds whose derivative takes two values, 0 and v (csrc/fad.c, rp_fad_two_valued).
+# Kinds whose derivative takes two values, 0 and v (csrc/fad.c, rp_fad_two_valued);
+# being piecewise constant, they can be differentiated twice (_Activation).
 _TWO_VALUED = ("leaky_relu", "hardsigmoid")
 _DEFAULT_PARAMS = {"softplus": (1.0, 20.0), "elu": (1.0,), "celu": (1.0,), "leaky_relu": (0.01,)}
 _PARAM_NAMES = {"softplus": ("beta", "threshold"), "elu": ("alpha",), "celu": ("alpha",),
@@ -922,7 +963,8 @@ _VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)
                   "product of two chain tensors, or a select such as relu, leaky_relu or abs "
                   "past the chain's first step, ...)")
 _CHAIN_INSTEAD = ("where higher-order gradients are needed, run that forward with compose=False "
-                  "(which still reroutes F.gelu, F.silu, ... to reprop's, refusing it too) or "
+                  "(which still reroutes F.gelu, F.silu, ... to reprop's, refusing it too, but "
+                  "for leaky_relu and hardsigmoid) or "
                   "outside reprop.fad.enabled(). A chain of one relu (nn.ReLU between two "
                   "layers), or of additions, subtractions and products with or divisions by "
                   "constants, can be")
