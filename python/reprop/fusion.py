@@ -76,7 +76,11 @@ copy of the handle.
 The fusion lives as long as the model or the optimizer (their hooks and patched
 step() hold the handle; the parameters' hooks, which torch keeps out of the
 garbage collector's sight, only weakly): the handle need not be kept, and all
-three dropped without remove() are freed.
+three dropped without remove() are freed. The handle holds the optimizer, so
+a model kept alone keeps both: with the optimizer and the handle dropped,
+backward mode still updates the model in every backward() (a loop that never
+calls step() keeps only the model too), until remove(); fusion_of(model)
+finds the handle.
 
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
@@ -310,7 +314,11 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             forward mode register it with DDP as usual.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
-    also usable as a context manager that removes the fusion on exit.
+    also usable as a context manager that removes the fusion on exit. The
+    handle owns `optimizer`, and `model`'s hooks own the handle: dropping
+    the optimizer, the handle or both does not end the fusion (backward mode
+    goes on updating `model` in every backward()); only remove() does
+    (``reprop.fusion.fusion_of(model)`` returns a handle not kept).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
