@@ -1697,6 +1697,37 @@ def test_training_goes_on_when_the_user_drops_the_handle(kind: str) -> None:
     t.handle.remove()
 
 
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_dropped_from_a_fused_model_is_freed(mode: str) -> None:
+    """A notebook swaps a fused model's head, its parameters left in the
+    optimizer (still fused, as eager's optimizer still holds them): the old
+    head is freed, as in eager training. Forward mode's record of the
+    modules owning fused parameters held it (and its places, for the
+    parametrization check) until the optimizer's groups changed, which may
+    never happen. Training goes on as eager's, bit for bit."""
+    def train(fused):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)), torch.randn(8, 4)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode) if fused else None
+        for i in range(6):
+            if i == 3:
+                old = weakref.ref(model[2])
+                model[2] = nn.Linear(8, 2)
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        gc.collect()
+        assert old() is None, "the dropped head is alive"
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
+
+
 # ---------------------------------------------------------------------------
 # 7. Backward mode: gradients, step()/zero_grad(), update timing
 # ---------------------------------------------------------------------------

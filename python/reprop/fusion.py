@@ -76,7 +76,11 @@ copy of the handle.
 The fusion lives as long as the model or the optimizer (their hooks and patched
 step() hold the handle; the parameters' hooks, which torch keeps out of the
 garbage collector's sight, only weakly): the handle need not be kept, and all
-three dropped without remove() are freed.
+three dropped without remove() are freed. The handle holds the optimizer, so
+a model kept alone keeps both: with the optimizer and the handle dropped,
+backward mode still updates the model in every backward() (a loop that never
+calls step() keeps only the model too), until remove(); fusion_of(model)
+finds the handle.
 
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
@@ -310,7 +314,11 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             forward mode register it with DDP as usual.
 
     Returns a handle with ``mode``, ``optimizer``, ``flush()`` and ``remove()``,
-    also usable as a context manager that removes the fusion on exit.
+    also usable as a context manager that removes the fusion on exit. The
+    handle owns `optimizer`, and `model`'s hooks own the handle: dropping
+    the optimizer, the handle or both does not end the fusion (backward mode
+    goes on updating `model` in every backward()); only remove() does
+    (``reprop.fusion.fusion_of(model)`` returns a handle not kept).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -600,14 +608,15 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
 
 
 def _places_of(owners: list, wanted: dict) -> dict:
-    """id(param) -> the (module, name) pairs under which each of `wanted`
-    (id -> param) is registered in the modules of `owners` ((module, its
-    own parameters) pairs): a tied one has several."""
+    """id(param) -> the (weak reference to the module, name) pairs under
+    which each of `wanted` (id -> param) is registered in the modules of
+    `owners` ((module, its own parameters) pairs): a tied one has several.
+    Weakly: a layer dropped from the model must not live on here."""
     places = collections.defaultdict(list)
     for module, _ in owners:
         for name, p in module._parameters.items():
             if p is not None and id(p) in wanted:
-                places[id(p)].append((module, name))
+                places[id(p)].append((weakref.ref(module), name))
     return places
 
 
@@ -1928,12 +1937,17 @@ class _ForwardFusion(FusionHandle):
         # (the keys: the modules seen running forward); a new stamp per root forward
         self._ran: dict = {}
         self._stamp = object()
-        self._owners: list = []  # (module, its own parameters) for each owner
-        # id(param) -> the (module, name) places of each in the owners, as of
-        # the last look (see _refuse_parametrized_while_pending)
+        # (id(module), its own parameters) for each owner: by id, so that a layer
+        # dropped from the model (a head replaced, its parameters left in the
+        # optimizer) is not kept alive until the owners are next followed. No
+        # other module takes a dropped owner's id in _ran meanwhile: only
+        # modules hooked here write there, and hooking one follows the owners.
+        self._owners: list = []
+        # id(param) -> the (weakref(module), name) places of each in the owners,
+        # as of the last look (see _refuse_parametrized_while_pending)
         self._places: dict = {}
-        # (module, its own parameters) for the owners not seen running forward
-        # since the owners were last followed: empty once all have run
+        # (id(module), its own parameters) for the owners not seen running
+        # forward since the owners were last followed: empty once all have run
         self._unseen: list = []
         # What a gradient may not reach (_on_grad_coming): the pending updates;
         # from the end of a forward that applied some late until the next
@@ -2011,7 +2025,7 @@ class _ForwardFusion(FusionHandle):
         applied before its owner's forward, so each owner needs the hooks."""
         owners = [(m, own) for m in self.model.modules()
                   if (own := _direct_params(m, self._params))]
-        self._owners = self._unseen = owners
+        self._owners = self._unseen = [(id(m), own) for m, own in owners]
         owned = {id(p) for _, own in owners for p in own}
         self._places = _places_of(owners, self._params)
         for module in self._owners_to_hook():
@@ -2088,7 +2102,7 @@ class _ForwardFusion(FusionHandle):
         stay pending. Without a right_inverse the parameter itself moves,
         unread: its update is applied before its new module's forward."""
         hit = {id(p): (p, place) for i, p in self._pending.items()
-               for place in self._places.get(i, ()) if _parametrized_with_inverse(place)}
+               for place in self._live_places(i) if _parametrized_with_inverse(place)}
         if not hit:
             return
         self._settle([p for p, _ in hit.values()])
@@ -2100,6 +2114,11 @@ class _ForwardFusion(FusionHandle):
             "pending since optimizer.step(): it read the value before that update, which eager "
             "step() had applied; that update is dropped. Call handle.flush() before registering "
             "a parametrization between optimizer.step() and the next forward")
+
+    def _live_places(self, i: int) -> list:
+        """The (module, name) places of the parameter of id `i` in the owners
+        as of the last look (_places), but in modules freed since."""
+        return [(m, name) for ref, name in self._places.get(i, ()) if (m := ref()) is not None]
 
     def _sync(self) -> list:
         new = super()._sync()
@@ -2292,7 +2311,7 @@ class _ForwardFusion(FusionHandle):
             # Parameters of modules never seen running are read some other way: now.
             # (a module seen leaves _unseen for good, so the steady state looks at
             # no module here)
-            self._unseen = [(m, own) for m, own in self._unseen if id(m) not in self._ran]
+            self._unseen = [(i, own) for i, own in self._unseen if i not in self._ran]
             orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
             if self._pending:
                 orphans += self._of_idle_owners(previous)
@@ -2311,7 +2330,7 @@ class _ForwardFusion(FusionHandle):
         if operator.countOf(self._ran.values(), previous) >= len(self._owners) - len(self._unseen):
             return []
         pending, ran = self._pending, self._ran
-        return [p for m, own in self._owners if ran.get(id(m), previous) is not previous
+        return [p for i, own in self._owners if ran.get(i, previous) is not previous
                 for p in own if id(p) in pending]
 
     def _on_root_forward_end(self, module, args, output) -> None:
