@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 
 import pytest
 import torch
@@ -96,6 +97,35 @@ def test_fused_training_under_torch_compile_equals_eager(fresh_dynamo, mode, com
             torch.testing.assert_close(step(net, opt, x), _train_step(ref, ref_opt, x))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("compiled", ["training step", "opt.step"])
+def test_compiled_step_runs_the_fused_optimizer_eagerly(fresh_dynamo, compiled):
+    """Dynamo traced reprop's step(): each C call broke the graph, with its
+    warning to wrap reprop._C.optim_call_key as a custom operator or file a
+    PyTorch issue, and the Python in between was compiled and recompiled
+    per parameter until dynamo's recompile limit. step() is now one graph
+    break, run eagerly, and trains as torch.optim's."""
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = _small_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model = _small_mlp()
+    opt = reprop.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    torch._dynamo.utils.counters.clear()
+    if compiled == "opt.step":
+        opt.step = torch.compile(opt.step, backend="eager")
+        step = _train_step
+    else:
+        step = torch.compile(_train_step, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            torch.testing.assert_close(step(model, opt, x), _train_step(ref, ref_opt, x))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    breaks = list(torch._dynamo.utils.counters["graph_break"])
+    assert not [w for w in caught if "reprop._C" in str(w.message)]
+    assert not [reason for reason in breaks if "reprop._C" in reason], breaks
 
 
 def test_fusion_warnings_name_the_users_line():
