@@ -1,7 +1,8 @@
 """What `import reprop` needs, and what it says without it: the supported
 PyTorch floor (refused at import below it, declared the same in
 pyproject.toml), and the native extensions (_C not built for this Python,
-a built _cuda that does not load)."""
+a built _cuda that does not load); and how the techniques meet
+torch.compile."""
 import os
 import pathlib
 import platform
@@ -10,10 +11,13 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import warnings
 
 import pytest
+import torch
 
 import reprop
+import reprop.optim
 from reprop import _tensors
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -43,6 +47,99 @@ def test_import_reprop_on_older_torch_raises_import_error():
 def test_pyproject_declares_the_floor():
     declared = re.search(r'"torch>=(\d+)\.(\d+)"', (ROOT / "pyproject.toml").read_text())
     assert declared and tuple(map(int, declared.groups())) == _tensors.MIN_TORCH
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled frames and their guards neither come from nor outlive the test."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _small_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _train_step(model: torch.nn.Module, opt, x: torch.Tensor) -> torch.Tensor:
+    loss = model(x).pow(2).sum()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+@pytest.mark.parametrize("compiled", ["model", "training step", "compiled autograd"])
+def test_fused_training_under_torch_compile_equals_eager(fresh_dynamo, mode, compiled):
+    """Dynamo traced the fusion's hooks and the step() it installs, and
+    compiled the functions they call at each graph break in them: a
+    forward-fused model compiled after fuse() raised InternalTorchDynamoError
+    (tracing _settle) at its second forward, a compiled training step of
+    either one raised it too, or an AssertionError (tracing _decided), and
+    backward mode under compiled autograd raised its queue_callback
+    AssertionError. They now run eagerly, a graph break each."""
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(5)]
+    ref = _small_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model = _small_mlp()
+    opt = reprop.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    with reprop.fuse(model, opt, mode=mode), \
+            torch._dynamo.config.patch(compiled_autograd=compiled == "compiled autograd"):
+        if compiled == "model":
+            net = torch.compile(model, backend="eager")
+            step = _train_step
+        else:
+            net = model
+            step = torch.compile(_train_step, backend="eager")
+        for x in xs:
+            torch.testing.assert_close(step(net, opt, x), _train_step(ref, ref_opt, x))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("compiled", ["training step", "opt.step"])
+def test_compiled_step_runs_the_fused_optimizer_eagerly(fresh_dynamo, compiled):
+    """Dynamo traced reprop's step(): each C call broke the graph, with its
+    warning to wrap reprop._C.optim_call_key as a custom operator or file a
+    PyTorch issue, and the Python in between was compiled and recompiled
+    per parameter until dynamo's recompile limit. step() is now one graph
+    break, run eagerly, and trains as torch.optim's."""
+    xs = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    ref = _small_mlp()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    model = _small_mlp()
+    opt = reprop.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    torch._dynamo.utils.counters.clear()
+    if compiled == "opt.step":
+        opt.step = torch.compile(opt.step, backend="eager")
+        step = _train_step
+    else:
+        step = torch.compile(_train_step, backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in xs:
+            torch.testing.assert_close(step(model, opt, x), _train_step(ref, ref_opt, x))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    breaks = list(torch._dynamo.utils.counters["graph_break"])
+    assert not [w for w in caught if "reprop._C" in str(w.message)]
+    assert not [reason for reason in breaks if "reprop._C" in reason], breaks
+
+
+def test_fusion_warnings_name_the_users_line():
+    """The step() and zero_grad() fusion installs run inside
+    torch.compiler.disable's wrapper: backward mode's warnings still point
+    at the user's call."""
+    model = _small_mlp()
+    opt = reprop.optim.SGD(model.parameters(), lr=0.1)
+    with reprop.fuse(model, opt), pytest.warns(UserWarning) as caught:
+        model(torch.ones(1, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert [(w.filename, "step()" in str(w.message)) for w in caught] == \
+        [(__file__, True), (__file__, False)]
 
 
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:

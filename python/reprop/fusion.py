@@ -1125,6 +1125,15 @@ class FusionHandle:
             self._warned.add(what)
             warnings.warn(message, UserWarning, stacklevel=stacklevel + 2)
 
+    # Under torch.compile, dynamo must neither trace what torch calls of a
+    # fusion (its module and gradient hooks, the step() and zero_grad() it
+    # installs) nor compile the functions they call, which it otherwise does
+    # at each graph break in them (locks, C calls): it raised inside them
+    # (forward mode: InternalTorchDynamoError at the first compiled forward
+    # or step(); backward mode under compiled autograd: its queue_callback
+    # AssertionError) and guarded compiled code on the bookkeeping. Each such
+    # method is torch.compiler.disable'd: one graph break, run eagerly.
+    @torch.compiler.disable
     def _hooked_step(self, args: tuple, kwargs: dict):
         """The mode's step() inside the optimizer's step hooks, in the order of
         torch's Optimizer.profile_hook_step, which the step() fusion installs
@@ -1191,6 +1200,7 @@ class FusionHandle:
     # if they are finite.
     _step_sees_grad_scaler = False
 
+    @torch.compiler.disable
     def _zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
             if self._removed:  # by another thread since this call began: eager's
@@ -1372,6 +1382,7 @@ class _BackwardFusion(FusionHandle):
             if p.grad is None and i not in moved:
                 p.grad = _zero_grad_for(p)
 
+    @torch.compiler.disable
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -1381,6 +1392,7 @@ class _BackwardFusion(FusionHandle):
             self._sync()
         self._on_training_forward(module, args)
 
+    @torch.compiler.disable
     def _on_training_forward(self, module, args) -> None:
         """A forward of the model or of a module owning fused parameters: the
         step of a window whose last backward is over is finished first (eval
@@ -1457,6 +1469,7 @@ class _BackwardFusion(FusionHandle):
         return self._every == 1 or (self._micro_batches > 0
                                     and self._micro_batches % self._every == 0)
 
+    @torch.compiler.disable
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         with self._lock:
             if self._removed:  # by another thread during this backward: p.grad is eager's now
@@ -1520,6 +1533,7 @@ class _BackwardFusion(FusionHandle):
             self._grad_hooks[i] = _register_grad_ready(p, self._on_grad_ready)
         self._hooked_behind.clear()
 
+    @torch.compiler.disable
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
         # local gradient would stay in .grad for the next step's all-reduce)
@@ -1851,11 +1865,12 @@ class _BackwardFusion(FusionHandle):
         return reduced.then(update)
 
     def _fused_step(self) -> None:
-        # (called by _step, _hooked_step and the step() fusion installs)
+        # (called by _step, _hooked_step, torch.compiler.disable's wrapper of it
+        # and the step() fusion installs)
         self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
                                 "backward(); optimizer.step() applies only what no backward did "
                                 "(a window shorter than accumulation_steps, gradients set by "
-                                "hand)", stacklevel=4)
+                                "hand)", stacklevel=5)
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
@@ -1905,7 +1920,8 @@ class _BackwardFusion(FusionHandle):
         self._restart_window()
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
                                      "as backward() applies them; optimizer.zero_grad() clears "
-                                     "only those not applied yet", stacklevel=2)
+                                     "only those not applied yet",
+                        stacklevel=3)  # (_zero_grad, its torch.compiler.disable wrapper)
 
 
 class _ForwardFusion(FusionHandle):
@@ -2285,6 +2301,7 @@ class _ForwardFusion(FusionHandle):
                 if p not in entries and not now.get(p):  # (an empty entry: a read's)
                     now[p] = st
 
+    @torch.compiler.disable
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -2299,6 +2316,7 @@ class _ForwardFusion(FusionHandle):
                 if mine:
                     self._apply(list(mine.values()))
 
+    @torch.compiler.disable
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -2333,6 +2351,7 @@ class _ForwardFusion(FusionHandle):
         return [p for i, own in self._owners if ran.get(i, previous) is not previous
                 for p in own if id(p) in pending]
 
+    @torch.compiler.disable
     def _on_root_forward_end(self, module, args, output) -> None:
         # What is still pending was not used by this forward through its module,
         # so gets no gradient from its backward unless the forward read it some
@@ -2363,6 +2382,7 @@ class _ForwardFusion(FusionHandle):
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
+    @torch.compiler.disable
     def _on_grad_coming(self, pid: int, grad: torch.Tensor) -> None:
         p = self._guarded.get(pid)  # (the steady state: the pending updates' dict)
         if p is None:

@@ -1095,6 +1095,11 @@ class _FusedOptimizer:
         self._plans.clear()
         self._group_of = None
 
+    # Under torch.compile, one graph break that runs the step eagerly: traced,
+    # each C call broke the graph with dynamo's warning to wrap reprop._C as a
+    # custom operator or file a PyTorch issue, and the Python between them
+    # was compiled and recompiled per parameter up to dynamo's recompile limit.
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a gradient."""
