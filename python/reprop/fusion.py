@@ -1132,8 +1132,8 @@ class FusionHandle:
     # (forward mode: InternalTorchDynamoError at the first compiled forward
     # or step(); backward mode under compiled autograd: its queue_callback
     # AssertionError) and guarded compiled code on the bookkeeping. Each such
-    # method is torch.compiler.disable'd: one graph break, run eagerly.
-    @torch.compiler.disable
+    # method runs eagerly there: one graph break (_tensors.eager_under_compile).
+    @_tensors.eager_under_compile
     def _hooked_step(self, args: tuple, kwargs: dict):
         """The mode's step() inside the optimizer's step hooks, in the order of
         torch's Optimizer.profile_hook_step, which the step() fusion installs
@@ -1200,7 +1200,7 @@ class FusionHandle:
     # if they are finite.
     _step_sees_grad_scaler = False
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
             if self._removed:  # by another thread since this call began: eager's
@@ -1382,7 +1382,7 @@ class _BackwardFusion(FusionHandle):
             if p.grad is None and i not in moved:
                 p.grad = _zero_grad_for(p)
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -1392,7 +1392,7 @@ class _BackwardFusion(FusionHandle):
             self._sync()
         self._on_training_forward(module, args)
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_training_forward(self, module, args) -> None:
         """A forward of the model or of a module owning fused parameters: the
         step of a window whose last backward is over is finished first (eval
@@ -1469,7 +1469,7 @@ class _BackwardFusion(FusionHandle):
         return self._every == 1 or (self._micro_batches > 0
                                     and self._micro_batches % self._every == 0)
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         with self._lock:
             if self._removed:  # by another thread during this backward: p.grad is eager's now
@@ -1533,7 +1533,7 @@ class _BackwardFusion(FusionHandle):
             self._grad_hooks[i] = _register_grad_ready(p, self._on_grad_ready)
         self._hooked_behind.clear()
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
         # local gradient would stay in .grad for the next step's all-reduce)
@@ -1865,8 +1865,8 @@ class _BackwardFusion(FusionHandle):
         return reduced.then(update)
 
     def _fused_step(self) -> None:
-        # (called by _step, _hooked_step, torch.compiler.disable's wrapper of it
-        # and the step() fusion installs)
+        # (called by _step, _hooked_step, its eager_under_compile wrapper and
+        # the step() fusion installs)
         self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
                                 "backward(); optimizer.step() applies only what no backward did "
                                 "(a window shorter than accumulation_steps, gradients set by "
@@ -1921,7 +1921,7 @@ class _BackwardFusion(FusionHandle):
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
                                      "as backward() applies them; optimizer.zero_grad() clears "
                                      "only those not applied yet",
-                        stacklevel=3)  # (_zero_grad, its torch.compiler.disable wrapper)
+                        stacklevel=3)  # (_zero_grad, its eager_under_compile wrapper)
 
 
 class _ForwardFusion(FusionHandle):
@@ -2301,7 +2301,7 @@ class _ForwardFusion(FusionHandle):
                 if p not in entries and not now.get(p):  # (an empty entry: a read's)
                     now[p] = st
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_module_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -2316,7 +2316,7 @@ class _ForwardFusion(FusionHandle):
                 if mine:
                     self._apply(list(mine.values()))
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
@@ -2351,7 +2351,7 @@ class _ForwardFusion(FusionHandle):
         return [p for i, own in self._owners if ran.get(i, previous) is not previous
                 for p in own if id(p) in pending]
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_root_forward_end(self, module, args, output) -> None:
         # What is still pending was not used by this forward through its module,
         # so gets no gradient from its backward unless the forward read it some
@@ -2382,7 +2382,7 @@ class _ForwardFusion(FusionHandle):
     def _on_state_dict(self, *args) -> None:
         self.flush()
 
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     def _on_grad_coming(self, pid: int, grad: torch.Tensor) -> None:
         p = self._guarded.get(pid)  # (the steady state: the pending updates' dict)
         if p is None:

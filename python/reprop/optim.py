@@ -1099,7 +1099,7 @@ class _FusedOptimizer:
     # each C call broke the graph with dynamo's warning to wrap reprop._C as a
     # custom operator or file a PyTorch issue, and the Python between them
     # was compiled and recompiled per parameter up to dynamo's recompile limit.
-    @torch.compiler.disable
+    @_tensors.eager_under_compile
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
         """One fused update of every parameter that has a gradient."""
