@@ -582,6 +582,8 @@ def hook_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     snap["optimizer"] = {a: _keys(getattr(opt, a, None)) for a in _OPT_HOOK_DICTS}
     snap["optimizer patched"] = sorted(k for k, v in vars(opt).items() if callable(v))
     snap["global"] = {a: _keys(getattr(module_mod, a, None)) for a in _GLOBAL_HOOK_DICTS}
+    # (forward fusions' own, called by reprop's one hook in torch's registry)
+    snap["reprop's parameter registration hooks"] = _keys(reprop.fusion._PARAM_REGISTERED)
     return snap
 
 
@@ -5056,6 +5058,34 @@ def test_forward_mode_updates_applied_on_another_thread_during_a_forward(how: st
     _assert_same_training((model, opt), (ref_model, ref_opt))
     with torch.no_grad():
         assert torch.equal(out, ref_model(x)), _diff(out, ref_model(x))
+
+
+def test_forward_fusions_made_and_removed_on_another_thread_leave_model_building_be() -> None:
+    """A hyper-parameter search in threads: a model built on one thread while
+    forward fusions are made and removed on others. torch runs its global
+    parameter registration hooks at each register_parameter (nn.Linear()
+    makes two); each fuse(mode="forward") added one and remove() took it out,
+    so the building thread's loop over them raised "OrderedDict mutated
+    during iteration". Forced: the other thread's fuse() and remove() run
+    while the building thread's registration is inside that loop."""
+    live, other = _mlp(), _mlp(1)
+    other_opt = rp.SGD(other.parameters(), lr=0.1)
+    building = threading.current_thread()
+
+    def fuse_and_remove_on_another_thread(module, name, param) -> None:
+        if threading.current_thread() is building:
+            _in_thread(lambda: reprop.fuse(other, other_opt, mode="forward").remove())()
+
+    # before the fusion: torch's loop went on past it, to the hook fuse() put there
+    meanwhile = nn.modules.module.register_module_parameter_registration_hook(
+        fuse_and_remove_on_another_thread)
+    handle = reprop.fuse(live, rp.SGD(live.parameters(), lr=0.1), mode="forward")
+    try:
+        built = nn.Linear(3, 2)
+    finally:
+        meanwhile.remove()
+        handle.remove()
+    assert [name for name, _ in built.named_parameters()] == ["weight", "bias"]
 
 
 @pytest.mark.parametrize("call", ["flush", "step", "remove"])

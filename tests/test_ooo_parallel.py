@@ -27,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -1395,6 +1396,30 @@ def test_data_parallel_refuses_backward_fusion(solo_group):
     DataParallel(model, k=2).remove()
     with pytest.raises(ValueError, match="^model: has no parameters"):
         DataParallel(nn.ReLU())
+
+
+def test_backward_fusion_while_another_thread_makes_a_data_parallel(solo_group, monkeypatch):
+    """fuse(mode="backward") reads the live DataParallels' parameters (to
+    refuse one of them) while another thread makes a DataParallel of its own
+    model (a search over models in threads): the registry changed as fuse()
+    iterated it, which raised "Set changed size during iteration". Forced:
+    the other thread makes its DataParallel, start to end, while fuse() reads
+    a live one's parameters."""
+    live, theirs, model = _Net(), _Net(), _Net()
+    dp = DataParallel(live, k=1)
+    made = []
+
+    def another_thread_makes_one(params: list):
+        thread = threading.Thread(target=lambda: made.append(DataParallel(theirs, k=1)))
+        thread.start()
+        thread.join()
+        yield from params
+
+    monkeypatch.setattr(dp, "_all_params", another_thread_makes_one(dp._all_params))
+    fuse(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="backward").remove()
+    assert len(made) == 1, "the other thread's DataParallel failed"
+    made[0].remove()
+    dp.remove()
 
 
 # ---------------------------------------------------------------------------

@@ -161,6 +161,36 @@ _FUSED_BY: "weakref.WeakKeyDictionary" = _kept("_FUSED_BY", weakref.WeakKeyDicti
 # tensor is freed); entries are dropped by remove(), by _sync when the
 # optimizer lets a parameter go, and when the handle is freed.
 _FUSION_OF_PARAM: dict = _kept("_FUSION_OF_PARAM", {})
+# Forward-mode fusions' parameter registration hooks (handle id -> hook), all
+# called by one hook in torch's global registry (_on_param_registered), put
+# there at import and left for good: torch iterates that registry at each
+# register_parameter (nn.Linear() makes two), so a fuse() or remove() adding
+# or removing its own hook there, in one thread, broke a model being built in
+# another ("OrderedDict mutated during iteration"). At import, not at the
+# first fusion: that would need a lock, which a stop button at the end of a
+# `with` block leaves held. An OrderedDict: torch's RemovableHandle refers to
+# it weakly.
+_PARAM_REGISTERED: "collections.OrderedDict" = _kept("_PARAM_REGISTERED", collections.OrderedDict())
+
+
+def _on_param_registered(module: nn.Module, name: str, param) -> None:
+    # a snapshot (one C call, no thread switch): other threads' fusions add and remove theirs
+    for hook in tuple(_PARAM_REGISTERED.values()):
+        hook(module, name, param)
+
+
+# (kept: a reload must not add another to torch's registry)
+_ON_PARAM_REGISTERED = _kept("_ON_PARAM_REGISTERED", _on_param_registered)
+if _ON_PARAM_REGISTERED is _on_param_registered:  # the first import
+    nn.modules.module.register_module_parameter_registration_hook(_ON_PARAM_REGISTERED)
+
+
+def _register_param_registration_hook(hook: Callable) -> "torch.utils.hooks.RemovableHandle":
+    """register_module_parameter_registration_hook(hook) for a forward
+    fusion, in _PARAM_REGISTERED: torch's global registry stays as it is."""
+    handle = torch.utils.hooks.RemovableHandle(_PARAM_REGISTERED)
+    _PARAM_REGISTERED[handle.id] = hook
+    return handle
 
 
 def _flushing(name: str):
@@ -1980,8 +2010,7 @@ class _ForwardFusion(FusionHandle):
         # per forward. Weakly held: it is global. A handle dropped without
         # remove() has it removed when freed.
         self._owners_moved = False
-        registered = nn.modules.module.register_module_parameter_registration_hook(
-            _tensors.weak_hook(self._on_param_registered))
+        registered = _register_param_registration_hook(_tensors.weak_hook(self._on_param_registered))
         self._hooks.append(registered)
         weakref.finalize(self, registered.remove)
         self._track(list(self._params.values()))

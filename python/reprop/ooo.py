@@ -2516,6 +2516,18 @@ _LIVE_DATA_PARALLEL: "weakref.WeakSet" = weakref.WeakSet()
 _MICRO_BATCH_PIPELINES: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def _live(registry: weakref.WeakSet) -> list:
+    """The members of _LIVE_DATA_PARALLEL or _MICRO_BATCH_PIPELINES now, for
+    backward fusion on one thread while another may make or remove a
+    DataParallel or Pipeline: read from a copy of the set of weak references
+    beneath (one C call, which no thread switch interrupts), not through the
+    WeakSet's own iteration, Python code during which the other thread's
+    add() made fuse() raise "Set changed size during iteration". (No lock:
+    a stop button at a `with` block's end skips its exit, leaving it held.)"""
+    alive = (ref() for ref in tuple(registry.data))
+    return [obj for obj in alive if obj is not None]
+
+
 def _any_held(held: Iterable[torch.Tensor], params: Iterable[torch.Tensor]) -> bool:
     """Whether one of `params` is one of `held` (by identity: a deepcopy of a
     model, an EMA, is a model of its own)."""
@@ -2525,12 +2537,12 @@ def _any_held(held: Iterable[torch.Tensor], params: Iterable[torch.Tensor]) -> b
 
 def _averaged_by_data_parallel(params: Iterable[torch.Tensor]) -> bool:
     """Whether a live DataParallel averages the gradient of one of `params`."""
-    return _any_held((p for dp in _LIVE_DATA_PARALLEL for p in dp._all_params), params)
+    return _any_held((p for dp in _live(_LIVE_DATA_PARALLEL) for p in dp._all_params), params)
 
 
 def _pipelined_in_micro_batches(params: Iterable[torch.Tensor]) -> bool:
     """Whether a Pipeline of several micro-batches holds one of `params`."""
-    return _any_held((p for pipe in _MICRO_BATCH_PIPELINES for p in pipe.parameters()), params)
+    return _any_held((p for pipe in _live(_MICRO_BATCH_PIPELINES) for p in pipe.parameters()), params)
 
 
 def _backward_fused(model: nn.Module) -> bool:
