@@ -2617,6 +2617,61 @@ def test_a_captured_step_on_cpu_overwrites_tensors_held_by_a_record():
         changing(torch.zeros(2))
 
 
+class _Slotted:
+    __slots__ = ("loss", "unset")
+
+    def __init__(self, loss):
+        self.loss = loss
+
+
+@dataclasses.dataclass
+class _Linked:
+    loss: torch.Tensor
+    later: object = dataclasses.field(init=False)
+
+
+def test_a_captured_step_on_cpu_overwrites_records_of_every_shape():
+    """Records the first version of the overwrite broke: an object with
+    __slots__ (no __dict__: its loss stayed the first call's, silently), a
+    distribution whose probs were read and cached on it (a key added to its
+    __dict__: "returned TreeSpec(dict, ...)"), a record referring to itself
+    (RecursionError), a dataclass field with init=False never set
+    (AttributeError). Each loss is this call's, as a replay's."""
+    def records(x):
+        loss = x.sum()
+        linked = _Linked(loss)
+        linked.me = linked
+        return (_Slotted(loss), torch.distributions.Categorical(logits=x.detach()), linked,
+                _Linked(loss * 2))
+
+    captured = ooo.capture(records, torch.zeros(3), warmup=1)
+    first = captured(torch.zeros(3))
+    first[1].probs  # a lazy property: cached on the first call's distribution
+    for value in (1.0, 2.0):
+        slotted, dist, linked, unset = captured(torch.full((3,), value))
+        assert slotted is first[0] and slotted.loss.item() == 3 * value
+        assert torch.equal(dist.logits, first[1].logits) and dist.logits[0].item() == \
+            pytest.approx(-math.log(3))  # (normalized: equal logits)
+        assert linked.me is linked and linked.loss.item() == 3 * value
+        assert unset.loss.item() == 6 * value
+
+
+def test_a_captured_step_on_cpu_does_not_chain_its_calls_graphs():
+    """The CPU's overwrite of an output with a graph (a loss without its
+    backward) ran under inference_mode(False), which turns grad mode back on
+    inside the caller's no_grad: each copy_ was recorded, chaining every
+    call's graph to the outputs (memory grew by each call's graph; after 40
+    calls 120 nodes hung off the loss). A replay records nothing."""
+    model = nn.Linear(4, 2)
+    captured = ooo.capture(lambda x: model(x).sum(), torch.randn(3, 4), warmup=1)
+    loss = captured(torch.randn(3, 4))
+    node = loss.grad_fn
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        assert captured(x) is loss and torch.allclose(loss, model(x).sum().detach())
+    assert loss.grad_fn is node and loss._version == 3
+
+
 @pytest.mark.parametrize("read", [lambda loss: loss.item(), lambda loss: {"losses": loss.tolist()},
                                   lambda loss: _StepResult(loss, {"value": loss.item()})])
 def test_a_captured_step_on_cpu_refuses_a_number_that_changes(read):

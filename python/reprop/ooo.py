@@ -1875,27 +1875,47 @@ class CapturedStep:
             self.outputs, self._stepped = results, True
             return results
         with torch.no_grad():
-            _write_outputs(self.outputs, results, "")
+            _write_outputs(self.outputs, results, "", set())
         return self.outputs
+
+
+_MISSING = object()
 
 
 def _record_fields(obj) -> dict | None:
     """The fields of a record among a step's outputs (a dataclass, an
-    object's attributes), which a pytree takes as one leaf; None for a value
-    without fields (a number, a string)."""
+    object's attributes and slots), which a pytree takes as one leaf; None
+    for a value without fields (a number, a string). A field not set (a
+    dataclass's init=False one, an empty slot) is left out."""
     if is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: getattr(obj, f.name) for f in fields(obj)}
-    attributes = getattr(obj, "__dict__", None)
-    return attributes if isinstance(attributes, dict) else None
+        names = [f.name for f in fields(obj)]
+    else:
+        names = [*(getattr(obj, "__dict__", None) or ()),
+                 *(name for cls in type(obj).__mro__
+                   for name in _slot_names(cls) if name not in ("__dict__", "__weakref__"))]
+        if not names and not hasattr(obj, "__dict__"):
+            return None
+    found = {name: getattr(obj, name, _MISSING) for name in names}
+    return {name: value for name, value in found.items() if value is not _MISSING}
 
 
-def _write_outputs(static, results, path: str) -> None:
+def _slot_names(cls: type) -> tuple:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _write_outputs(static, results, path: str, seen: set) -> None:
     """Writes a CPU step's outputs into its first call's, as a graph's replay
     writes every tensor the capture made: also those held by a record built
-    anew at each call (a dataclass), whose first call's tensors were returned
-    unchanged while CUDA's are overwritten. A replay returns every other
-    value as captured, so one that changed is refused (a number read off a
-    tensor with .item(), which CUDA cannot capture; a step counter, which a
+    anew at each call (a dataclass, an object), whose first call's tensors
+    were returned unchanged while CUDA's are overwritten. A record's fields
+    that the first call's object has and this call's too are written: one
+    cached on it since (a distribution's probs, a cached_property) stays as
+    it is, as on CUDA, where it was computed once from the static outputs.
+    `seen` holds the records written, once each (a record referring to
+    itself, a parent link). A replay returns every other value as
+    captured, so one that changed is refused (a number read off a tensor
+    with .item(), which CUDA cannot capture; a step counter, which a
     replay leaves at its captured value)."""
     new, layout = _pytree.tree_flatten_with_path(results)
     old_values, static_layout = _pytree.tree_flatten(static)
@@ -1908,11 +1928,18 @@ def _write_outputs(static, results, path: str) -> None:
             continue
         if isinstance(old, torch.Tensor):
             _check_same_output(old, value, where)
-            # an inference tensor (an eval metric) is written in inference mode only
-            with torch.inference_mode(old.is_inference()):
+            # an inference tensor (an eval metric) is written in inference mode only; any
+            # other under the caller's no_grad: inference_mode(False) would turn grad mode
+            # back on and record each copy_, chaining every call's graph to the outputs
+            with torch.inference_mode() if old.is_inference() else contextlib.nullcontext():
                 old.copy_(value)
         elif type(value) is type(old) and (record := _record_fields(old)) is not None:
-            _write_outputs(record, _record_fields(value), where)
+            if id(old) not in seen:
+                seen.add(id(old))
+                fresh = _record_fields(value)
+                shared = [name for name in record if name in fresh]
+                _write_outputs({name: record[name] for name in shared},
+                               {name: fresh[name] for name in shared}, where, seen)
         else:
             _check_same_value(old, value, where)
 
