@@ -128,18 +128,36 @@ def test_compiled_step_runs_the_fused_optimizer_eagerly(fresh_dynamo, compiled):
     assert not [reason for reason in breaks if "reprop._C" in reason], breaks
 
 
-def test_fusion_warnings_name_the_users_line():
-    """The step() and zero_grad() fusion installs run inside
-    torch.compiler.disable's wrapper: backward mode's warnings still point
-    at the user's call."""
+def _step_and_zero(model, opt):
+    model(torch.ones(1, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fusion_warnings_name_the_users_line(fresh_dynamo, compiled):
+    """The step() and zero_grad() fusion installs run inside a wrapper
+    (_tensors.eager_under_compile; under torch.compile, also dynamo's):
+    backward mode's warnings still point at the user's call. Compiled, a
+    fixed stacklevel pointed into fusion.py and _tensors.py."""
     model = _small_mlp()
     opt = reprop.optim.SGD(model.parameters(), lr=0.1)
+    step = torch.compile(_step_and_zero, backend="eager") if compiled else _step_and_zero
     with reprop.fuse(model, opt), pytest.warns(UserWarning) as caught:
-        model(torch.ones(1, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step(model, opt)
     assert [(w.filename, "step()" in str(w.message)) for w in caught] == \
         [(__file__, True), (__file__, False)]
+
+
+def test_fullgraph_names_reprop_eager_step(fresh_dynamo):
+    """fullgraph=True refuses the graph break of a fused optimizer's step()
+    (run eagerly): dynamo's error said only "reason: None" and hinted to
+    remove a torch.compiler.disable the user cannot see."""
+    model = _small_mlp()
+    opt = reprop.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(Exception, match="compile without fullgraph=True"):
+        torch.compile(opt.step, backend="eager", fullgraph=True)()
 
 
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -102,7 +102,6 @@ import itertools
 import operator
 import threading
 import types
-import warnings
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -1148,12 +1147,11 @@ class FusionHandle:
     def __exit__(self, *exc) -> None:
         self.remove()
 
-    def _warn_once(self, what: str, message: str, stacklevel: int) -> None:
-        """Warns once per `what`, at the user's call `stacklevel` frames up
-        from the caller."""
+    def _warn_once(self, what: str, message: str) -> None:
+        """Warns once per `what`, at the user's call."""
         if what not in self._warned:
             self._warned.add(what)
-            warnings.warn(message, UserWarning, stacklevel=stacklevel + 2)
+            _tensors.warn_at_users_line(message)
 
     # Under torch.compile, dynamo must neither trace what torch calls of a
     # fusion (its module and gradient hooks, the step() and zero_grad() it
@@ -1895,12 +1893,11 @@ class _BackwardFusion(FusionHandle):
         return reduced.then(update)
 
     def _fused_step(self) -> None:
-        # (called by _step, _hooked_step, its eager_under_compile wrapper and
-        # the step() fusion installs)
+        # (called by _step, _hooked_step and the step() fusion installs)
         self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
                                 "backward(); optimizer.step() applies only what no backward did "
                                 "(a window shorter than accumulation_steps, gradients set by "
-                                "hand)", stacklevel=5)
+                                "hand)")
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
@@ -1950,8 +1947,7 @@ class _BackwardFusion(FusionHandle):
         self._restart_window()
         self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
                                      "as backward() applies them; optimizer.zero_grad() clears "
-                                     "only those not applied yet",
-                        stacklevel=3)  # (_zero_grad, its eager_under_compile wrapper)
+                                     "only those not applied yet")
 
 
 class _ForwardFusion(FusionHandle):
