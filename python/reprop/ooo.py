@@ -1271,6 +1271,7 @@ class OOOHandle(_PassTracking):
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
+        if self.order == "ooo" and (g.is_cuda or torch.are_deterministic_algorithms_enabled()):
             self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
         return task
 
@@ -1279,7 +1280,8 @@ class OOOHandle(_PassTracking):
         parameter's AccumulateGrad (adding a use outside split layers, then
         firing the post-accumulate-grad hooks held for the dW) runs on the
         main stream: a hook ahead of it orders the two, once per parameter
-        and backward."""
+        and backward. Under torch.use_deterministic_algorithms (any device)
+        the hook also runs the dW the schedule moved past it first."""
         for p, node in zip(targets, nodes):
             if p not in self._guards:
                 self._guards[p] = node.register_prehook(
@@ -1289,7 +1291,14 @@ class OOOHandle(_PassTracking):
         """p's AccumulateGrad is about to run on the current (main) stream.
         A gradient it adds, or p's held hooks it fires, must come after the
         dW of p already issued on the sub-stream; a dW issued later must come
-        after that addition (_issue)."""
+        after that addition (_issue).
+        Under torch.use_deterministic_algorithms the pending dW of p go
+        first, as where nothing moved (AccumulateGrad waits for every split
+        call of p, whose dW then ran in their nodes): whether the timed
+        schedule moved one past this point differs from run to run, and the
+        sum of a weight also used outside split layers (tied) with it."""
+        if grads[0] is not None and torch.are_deterministic_algorithms_enabled():
+            self._issue_due(lambda t: any(q is p for q in t.targets))
         if grads[0] is not None:
             self._main_writes.add(p)
         if grads[0] is not None or p in self._hooked:
