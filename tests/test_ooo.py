@@ -1864,6 +1864,93 @@ def test_deterministic_algorithms_sum_shared_weight_in_backward_order():
         torch.use_deterministic_algorithms(was)
 
 
+def test_deterministic_algorithms_accumulate_shared_weight_alike_every_schedule():
+    """Under torch.use_deterministic_algorithms, gradient accumulation (a
+    .grad holding g before the backward) gives the same bits whatever the
+    timed schedule moved: on the CPU a layer it left in place ran plain
+    autograd, adding a shared weight's dW as one sum (g + (s1 + s2)), and one
+    it moved ran split, adding them one by one ((g + s1) + s2), so the bits
+    changed with the timings from run to run. Every schedule now gives
+    order="conventional"'s (the split in backward order)."""
+    class Unrolled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.l = nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.pre(x)
+            for _ in range(4):
+                h = torch.tanh(self.l(h))
+            return h
+
+    def grads(**kwargs):
+        torch.manual_seed(0)
+        m = Unrolled()
+        ooo.enable(m, regions=4, profile_iters=2, **kwargs)
+        out = []
+        for _ in range(6):
+            m.zero_grad()
+            for _ in range(2):  # accumulated: the second backward adds to .grad
+                m(torch.randn(32, 16)).pow(2).sum().backward()
+            out.append(m.l.weight.grad.clone())
+        return out
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = grads(order="conventional")
+        for kwargs in (dict(speedup=None, max_extra_memory=0.0),  # nothing moved
+                       dict(speedup=lambda r, i: 2.0 if i > r else 1.0, max_extra_memory=1.0),
+                       dict(speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0, max_extra_memory=1.0)):
+            for got, want in zip(grads(**kwargs), ref):
+                assert torch.equal(got, want)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_deterministic_algorithms_add_a_tied_use_alike_every_schedule():
+    """Under torch.use_deterministic_algorithms a weight read by split layers
+    and outside them (tied, by nn.functional.linear) gets the same bits whatever the timed
+    schedule moved: autograd's AccumulateGrad, adding the outside use once
+    every split call of the weight has run its backward, came before a dW
+    the schedule moved past it and after one it did not. The moved dW now
+    go first, as order="conventional" adds them."""
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre, self.l, self.post = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = torch.tanh(self.pre(x))
+            for _ in range(3):
+                h = torch.tanh(self.l(h))
+            h = torch.tanh(nn.functional.linear(h, self.l.weight))  # outside split layers
+            return self.post(h)
+
+    def grads(**kwargs):
+        torch.manual_seed(0)
+        m = Tied()
+        ooo.enable(m, regions=4, profile_iters=2, **kwargs)
+        out = []
+        for _ in range(6):
+            m.zero_grad()
+            m(torch.randn(32, 16)).pow(2).sum().backward()
+            out.append(m.l.weight.grad.clone())
+        return out
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref = grads(order="conventional")
+        for kwargs in (dict(speedup=None, max_extra_memory=0.0),  # nothing moved
+                       dict(speedup=lambda r, i: 2.0 if i > r else 1.0, max_extra_memory=1.0),
+                       dict(speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0, max_extra_memory=1.0)):
+            for got, want in zip(grads(**kwargs), ref):
+                assert torch.equal(got, want)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_dense_gradient_onto_a_sparse_grad():
     """A dense dW added to a sparse .grad (a sparse phase before, or one set by
     hand) turns .grad dense, as AccumulateGrad does; sparse.add_(dense) raised."""

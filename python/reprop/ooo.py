@@ -580,6 +580,7 @@ class _Site:
     index: int = -1  # order of first forward call in the iteration being profiled
     params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
+    in_order: bool = False  # made plain by the CPU schedule (_split_moved; see _split_now)
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1270,6 +1271,7 @@ class OOOHandle(_PassTracking):
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
+        if self.order == "ooo" and (g.is_cuda or torch.are_deterministic_algorithms_enabled()):
             self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
         return task
 
@@ -1278,7 +1280,8 @@ class OOOHandle(_PassTracking):
         parameter's AccumulateGrad (adding a use outside split layers, then
         firing the post-accumulate-grad hooks held for the dW) runs on the
         main stream: a hook ahead of it orders the two, once per parameter
-        and backward."""
+        and backward. Under torch.use_deterministic_algorithms (any device)
+        the hook also runs the dW the schedule moved past it first."""
         for p, node in zip(targets, nodes):
             if p not in self._guards:
                 self._guards[p] = node.register_prehook(
@@ -1288,7 +1291,14 @@ class OOOHandle(_PassTracking):
         """p's AccumulateGrad is about to run on the current (main) stream.
         A gradient it adds, or p's held hooks it fires, must come after the
         dW of p already issued on the sub-stream; a dW issued later must come
-        after that addition (_issue)."""
+        after that addition (_issue).
+        Under torch.use_deterministic_algorithms the pending dW of p go
+        first, as where nothing moved (AccumulateGrad waits for every split
+        call of p, whose dW then ran in their nodes): whether the timed
+        schedule moved one past this point differs from run to run, and the
+        sum of a weight also used outside split layers (tied) with it."""
+        if grads[0] is not None and torch.are_deterministic_algorithms_enabled():
+            self._issue_due(lambda t: any(q is p for q in t.targets))
         if grads[0] is not None:
             self._main_writes.add(p)
         if grads[0] is not None or p in self._hooked:
@@ -1572,6 +1582,8 @@ class OOOHandle(_PassTracking):
         that dO, which is autograd's own order."""
         if self._device is None or self._device.type != "cuda":
             self._split_only(lambda site: site.index in moved)
+            for site in self.sites:
+                site.in_order = not site.split
 
     def _split_only(self, keep: Callable[[_Site], bool]) -> None:
         """From the next forward on, only the called layers `keep` accepts
@@ -1699,6 +1711,17 @@ def _input_alone(args: tuple, kwargs: dict, name: str):
     return None
 
 
+def _split_now(site: _Site) -> bool:
+    """Whether the site's calls run split now. A layer the CPU schedule left
+    in autograd's order runs plain, but not under
+    torch.use_deterministic_algorithms: split, a weight's dW from several
+    calls are added to .grad one by one in backward order ((g + s1) + s2),
+    plain autograd adds their sum (g + (s1 + s2)), and which layers the timed
+    schedule moves differs from run to run, so under gradient accumulation a
+    shared weight got other bits each run."""
+    return site.split or (site.in_order and torch.are_deterministic_algorithms_enabled())
+
+
 def _make_forward(site: _Site):
     kind, module, handle = site.kind, site.module, site.handle
     own = type(module).forward
@@ -1719,7 +1742,7 @@ def _make_forward(site: _Site):
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
                 or torch.compiler.is_dynamo_compiling() \
-                or not (site.split or handle._hold_list(module) is not None
+                or not (_split_now(site) or handle._hold_list(module) is not None
                         or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
@@ -1797,7 +1820,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
     Returns an ``OOOHandle`` (also a context manager). Gradients after each
     backward equal plain autograd's; create_graph=True is not supported.
     Off CUDA, once the schedule is fixed, a layer whose dW it leaves beside
-    its dO runs plain autograd (the same order, without the split's cost).
+    its dO runs plain autograd (the same order, without the split's cost),
+    but under torch.use_deterministic_algorithms it stays split, so that a
+    shared weight's gradients are summed alike whatever the timings moved.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
