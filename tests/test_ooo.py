@@ -1824,41 +1824,62 @@ def test_data_replaced_between_forward_and_backward(make, shape):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+class _Unrolled(nn.Module):
+    """One Linear called four times (an unrolled recurrence): a shared weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.l = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.pre(x)
+        for _ in range(4):
+            h = torch.tanh(self.l(h))
+        return h
+
+
 def test_deterministic_algorithms_sum_shared_weight_in_backward_order():
     """Under torch.use_deterministic_algorithms the schedule (cut from timings,
     so different from run to run) may move a shared weight's dW, but they are
     added in backward order: the bits of plain autograd, every run."""
-    class Unrolled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre, self.l = nn.Linear(16, 16), nn.Linear(16, 16)
+    _same_bits_every_schedule(_Unrolled, 1, None, [
+        dict(speedup=speedup, max_extra_memory=1.0)
+        for speedup in (lambda r, i: 2.0 if i > r else 1.0,
+                        lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0,
+                        lambda r, i: 2.0 if (r, i) == (1, 2) else 1.0)])
 
-        def forward(self, x):
-            h = self.pre(x)
-            for _ in range(4):
-                h = torch.tanh(self.l(h))
-            return h
 
-    def grads(speedup):
+# Schedules that move nothing, every region the profile lets move, one region only.
+_SCHEDULES = [dict(speedup=None, max_extra_memory=0.0),
+              dict(speedup=lambda r, i: 2.0 if i > r else 1.0, max_extra_memory=1.0),
+              dict(speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0, max_extra_memory=1.0)]
+
+
+def _same_bits_every_schedule(make, backwards: int, reference: dict | None = None,
+                              schedules: list = _SCHEDULES) -> None:
+    """Under torch.use_deterministic_algorithms, the gradients of the shared
+    weight `l` of make() over 6 steps of `backwards` backwards each, enabled
+    with each of `schedules` (ooo.enable's options), equal those of
+    `reference`'s options (None: plain autograd) bit for bit."""
+    def grads(options):
         torch.manual_seed(0)
-        m = Unrolled()
-        if speedup is not None:
-            ooo.enable(m, regions=4, speedup=speedup, profile_iters=2, max_extra_memory=1.0)
+        m = make()
+        if options is not None:
+            ooo.enable(m, regions=4, profile_iters=2, **options)
         out = []
         for _ in range(6):
             m.zero_grad()
-            m(torch.randn(32, 16)).pow(2).sum().backward()
+            for _ in range(backwards):
+                m(torch.randn(32, 16)).pow(2).sum().backward()
             out.append(m.l.weight.grad.clone())
         return out
 
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        ref = grads(None)
-        for speedup in (lambda r, i: 2.0 if i > r else 1.0,
-                        lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0,
-                        lambda r, i: 2.0 if (r, i) == (1, 2) else 1.0):
-            for got, want in zip(grads(speedup), ref):
+        ref = grads(reference)
+        for options in schedules:
+            for got, want in zip(grads(options), ref):
                 assert torch.equal(got, want)
     finally:
         torch.use_deterministic_algorithms(was)
@@ -1872,40 +1893,7 @@ def test_deterministic_algorithms_accumulate_shared_weight_alike_every_schedule(
     it moved ran split, adding them one by one ((g + s1) + s2), so the bits
     changed with the timings from run to run. Every schedule now gives
     order="conventional"'s (the split in backward order)."""
-    class Unrolled(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.pre, self.l = nn.Linear(16, 16), nn.Linear(16, 16)
-
-        def forward(self, x):
-            h = self.pre(x)
-            for _ in range(4):
-                h = torch.tanh(self.l(h))
-            return h
-
-    def grads(**kwargs):
-        torch.manual_seed(0)
-        m = Unrolled()
-        ooo.enable(m, regions=4, profile_iters=2, **kwargs)
-        out = []
-        for _ in range(6):
-            m.zero_grad()
-            for _ in range(2):  # accumulated: the second backward adds to .grad
-                m(torch.randn(32, 16)).pow(2).sum().backward()
-            out.append(m.l.weight.grad.clone())
-        return out
-
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        ref = grads(order="conventional")
-        for kwargs in (dict(speedup=None, max_extra_memory=0.0),  # nothing moved
-                       dict(speedup=lambda r, i: 2.0 if i > r else 1.0, max_extra_memory=1.0),
-                       dict(speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0, max_extra_memory=1.0)):
-            for got, want in zip(grads(**kwargs), ref):
-                assert torch.equal(got, want)
-    finally:
-        torch.use_deterministic_algorithms(was)
+    _same_bits_every_schedule(_Unrolled, 2, dict(order="conventional"))  # the 2nd adds to .grad
 
 
 def test_deterministic_algorithms_add_a_tied_use_alike_every_schedule():
@@ -1927,28 +1915,7 @@ def test_deterministic_algorithms_add_a_tied_use_alike_every_schedule():
             h = torch.tanh(nn.functional.linear(h, self.l.weight))  # outside split layers
             return self.post(h)
 
-    def grads(**kwargs):
-        torch.manual_seed(0)
-        m = Tied()
-        ooo.enable(m, regions=4, profile_iters=2, **kwargs)
-        out = []
-        for _ in range(6):
-            m.zero_grad()
-            m(torch.randn(32, 16)).pow(2).sum().backward()
-            out.append(m.l.weight.grad.clone())
-        return out
-
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        ref = grads(order="conventional")
-        for kwargs in (dict(speedup=None, max_extra_memory=0.0),  # nothing moved
-                       dict(speedup=lambda r, i: 2.0 if i > r else 1.0, max_extra_memory=1.0),
-                       dict(speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0, max_extra_memory=1.0)):
-            for got, want in zip(grads(**kwargs), ref):
-                assert torch.equal(got, want)
-    finally:
-        torch.use_deterministic_algorithms(was)
+    _same_bits_every_schedule(Tied, 1, dict(order="conventional"))
 
 
 def test_dense_gradient_onto_a_sparse_grad():
