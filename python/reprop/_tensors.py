@@ -194,9 +194,9 @@ _NOT_USERS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__
 
 def warn_at_users_line(message: str, category: type = UserWarning) -> None:
     """warnings.warn at the first frame outside reprop and torch: the user's
-    call, however many frames of theirs lie between (an optimizer's step
-    wrappers, autograd's backward, torch.compile's eval-frame wrappers,
-    which a fixed stacklevel counts only in eager mode)."""
+    call, however many of reprop's and torch's frames lie between (an
+    optimizer's step wrappers, autograd's backward, and under torch.compile
+    dynamo's eval-frame wrappers, which a fixed stacklevel cannot count)."""
     frame, level = sys._getframe(1), 1
     while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
         frame, level = frame.f_back, level + 1

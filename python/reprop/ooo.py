@@ -1295,8 +1295,9 @@ class OOOHandle(_PassTracking):
         Under torch.use_deterministic_algorithms the pending dW of p go
         first, as where nothing moved (AccumulateGrad waits for every split
         call of p, whose dW then ran in their nodes): whether the timed
-        schedule moved one past this point differs from run to run, and the
-        sum of a weight also used outside split layers (tied) with it."""
+        schedule moved one past this point differs from run to run, and with
+        it the order in which a weight also used outside split layers (tied)
+        sums its gradients."""
         if grads[0] is not None and torch.are_deterministic_algorithms_enabled():
             self._issue_due(lambda t: any(q is p for q in t.targets))
         if grads[0] is not None:
