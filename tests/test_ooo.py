@@ -2710,6 +2710,20 @@ def test_a_captured_step_on_cpu_overwrites_records_of_every_shape():
         assert unset.loss.item() == 6 * value
 
 
+def test_a_captured_step_on_cpu_overwrites_a_broadcast_output():
+    """An output that is a broadcast view (loss.expand(3): a stride of 0)
+    raised torch's "more than one element of the written-to tensor refers
+    to a single memory location" at the second call, where a replay
+    rewrites the view's base."""
+    model = nn.Linear(4, 1)
+    captured = ooo.capture(lambda x: model(x).detach().sum().expand(3), torch.randn(2, 4), warmup=1)
+    first = captured(torch.randn(2, 4))
+    for _ in range(2):
+        x = torch.randn(2, 4)
+        assert captured(x) is first
+        torch.testing.assert_close(first, model(x).detach().sum().expand(3), rtol=0, atol=0)
+
+
 def test_a_captured_step_on_cpu_does_not_chain_its_calls_graphs():
     """The CPU's overwrite of an output with a graph (a loss without its
     backward) ran under inference_mode(False), which turns grad mode back on

@@ -1958,7 +1958,7 @@ def _write_outputs(static, results, path: str, seen: set) -> None:
             # other under the caller's no_grad: inference_mode(False) would turn grad mode
             # back on and record each copy_, chaining every call's graph to the outputs
             with torch.inference_mode() if old.is_inference() else contextlib.nullcontext():
-                old.copy_(value)
+                _overwrite(old, value)
         elif type(value) is type(old) and (record := _record_fields(old)) is not None:
             if id(old) not in seen:
                 seen.add(id(old))
@@ -1968,6 +1968,17 @@ def _write_outputs(static, results, path: str, seen: set) -> None:
                                {name: fresh[name] for name in shared}, where, seen)
         else:
             _check_same_value(old, value, where)
+
+
+def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
+    """static.copy_(value), also where static is a broadcast view (expand():
+    a stride of 0), which copy_ refuses as overlapping memory: one element
+    along each such dimension is written, as a replay rewrites the view's
+    base (the graph that made it made value alike)."""
+    for dim, (size, stride) in enumerate(zip(static.shape, static.stride())):
+        if stride == 0 and size > 1:
+            static, value = static.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
+    static.copy_(value)
 
 
 def _check_same_value(static, value, where: str) -> None:
