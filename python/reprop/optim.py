@@ -618,7 +618,7 @@ def _check_param(p: torch.Tensor, capturable: bool) -> None:
         # params); torch's update raises ValueError for it too
         raise ValueError("params: an uninitialized parameter of a lazy module has a gradient; "
                          "run a forward pass to materialize it before updating it")
-    _check_plain(p, "params", f"a parameter of shape {tuple(p.shape)}")
+    _check_plain(p, "params", _described_param(p))
     if p.is_complex():
         raise TypeError(f"complex parameters are not supported "
                         f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
