@@ -1417,6 +1417,78 @@ def test_fusing_an_optimizer_again_while_fused_is_refused(mode: str, impl: str) 
     t.handle.remove()
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_two_threads_fusing_one_optimizer_at_once_make_one_fusion(monkeypatch, mode: str) -> None:
+    """fuse() of one optimizer on two threads at the same moment: both
+    passed the 'already fused' check (the first handle is registered only
+    as it takes the optimizer over) and stacked two fusions. Here each
+    thread, having built its fusion, waits at the take-over until the other
+    has built its own or has been refused: one fusion is made, the other
+    thread gets a ValueError, and after remove() the optimizer is plain."""
+    model = nn.Linear(4, 2)
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    before = hook_snapshot(model, opt)
+    settled, arrivals = threading.Condition(), [0]
+
+    def arrive(wait: bool) -> None:
+        with settled:
+            arrivals[0] += 1
+            settled.notify_all()
+            if wait:
+                settled.wait_for(lambda: arrivals[0] >= 2, timeout=30)
+
+    take_over = reprop.fusion.FusionHandle._take_over_optimizer
+
+    def meeting_the_other(handle) -> None:
+        arrive(wait=True)
+        take_over(handle)
+
+    monkeypatch.setattr(reprop.fusion.FusionHandle, "_take_over_optimizer", meeting_the_other)
+    results = []
+
+    def fuse() -> None:
+        try:
+            results.append(reprop.fuse(model, opt, mode=mode))
+        except ValueError as e:
+            results.append(e)
+        finally:
+            arrive(wait=False)
+
+    for join in [_in_thread(fuse) for _ in range(2)]:
+        join()
+    handles = [r for r in results if isinstance(r, reprop.fusion.FusionHandle)]
+    refused = [str(r) for r in results if isinstance(r, ValueError)]
+    assert len(handles) == 1 and len(refused) == 1, results
+    assert refused[0].startswith("optimizer: another thread is fusing it at this moment")
+    handles[0].remove()
+    assert_no_fusion_left(model, opt, before)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_stopped_anywhere_lets_the_optimizer_be_fused_again(mode: str) -> None:
+    """The stop button right before each line that fuse() runs in its own
+    frame and in _claim_fusing, one run per line: running the cell again
+    fuses the optimizer (after remove() of a fusion the stopped call made
+    whole), never refused by the claim the stopped call left; and the last
+    fuse() leaves no claim behind."""
+    model = nn.Linear(4, 2)
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    n = 0
+    while True:
+        n += 1
+        stop = LineStop((reprop.fuse, reprop.fusion._claim_fusing), n)
+        with contextlib.suppress(KeyboardInterrupt), stop:
+            reprop.fuse(model, opt, mode=mode)
+        made = reprop.fusion.fusion_of(model)
+        if made is not None:
+            made.remove()
+        if not stop.stopped:
+            break
+        reprop.fuse(model, opt, mode=mode).remove()
+        assert_plain_optimizer(opt)
+    assert n > 10 and not reprop.fusion._FUSING
+
+
 @pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("second", MODES)
 @pytest.mark.parametrize("first", MODES)

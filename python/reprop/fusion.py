@@ -154,6 +154,13 @@ _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = _kept("_FLUSH_BEFORE", weakref.Weak
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = _kept("_FUSED_BY", weakref.WeakKeyDictionary())
+# id(optimizer) -> (weak reference to it, ident of the thread) of each fuse()
+# call building a fusion of it: two threads fusing one optimizer at once both
+# passed _check_not_fused, the handle being registered in _FUSED_BY only at
+# the end, and stacked two fusions. One dict.setdefault claims it (atomic,
+# where a lock left held by a KeyboardInterrupt, a notebook's stop button,
+# would have refused every later fuse() of it for good: see _claim_fusing).
+_FUSING: dict = _kept("_FUSING", {})
 # id(param) -> weak reference to the live handle whose optimizer holds it, so
 # that fuse() checks each parameter in O(1), however many fusions are live.
 # Keyed by id, not weakly by the parameter: torch.utils.swap_tensors (what
@@ -376,18 +383,42 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         raise ValueError(f"comm_state: the state of a comm_hook, given without one (got "
                          f"{type(comm_state).__name__}); pass comm_hook too, or leave it None")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
-    _check_not_fused(optimizer)
-    _check_no_instance_override(optimizer)
-    if mode == "backward":
-        _check_not_data_parallel(engine)
-        _check_not_micro_batch_pipelined(engine)
-        handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads,
-                                 comm_hook, comm_state)
-    else:
-        handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
-    # the optimizer changes last: a handle that failed to build leaves it as it was
-    handle._take_over_optimizer()
+    _claim_fusing(optimizer)
+    try:
+        _check_not_fused(optimizer)
+        _check_no_instance_override(optimizer)
+        if mode == "backward":
+            _check_not_data_parallel(engine)
+            _check_not_micro_batch_pipelined(engine)
+            handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads,
+                                     comm_hook, comm_state)
+        else:
+            handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+        # the optimizer changes last: a handle that failed to build leaves it as it was
+        handle._take_over_optimizer()
+    finally:  # (the claim is still this call's: no other call replaces a live one)
+        _FUSING.pop(id(optimizer), None)
     return handle
+
+
+def _claim_fusing(optimizer) -> None:
+    """Claims `optimizer` for this fuse() call in _FUSING, refusing it while
+    another thread's fuse() builds a fusion of it (that one's handle is not
+    registered yet: _check_not_fused cannot see it). A claim left by a
+    KeyboardInterrupt in this thread (fuse() stopped before it let go of
+    it), or made for an optimizer since freed whose id this one reuses, is
+    no other call's: replaced. (One left by the stop button, which stops the
+    main thread, is seen as live by other threads, which are refused until
+    the main thread fuses that optimizer again.)"""
+    claim = (weakref.ref(optimizer), threading.get_ident())
+    held = _FUSING.setdefault(id(optimizer), claim)
+    if held is not claim:
+        if held[0]() is optimizer and held[1] != claim[1]:
+            raise ValueError(
+                "optimizer: another thread is fusing it at this moment (reprop.fuse of the same "
+                "optimizer on two threads at once); a second fusion would stack its hooks on "
+                "the first. Fuse it once, on one thread")
+        _FUSING[id(optimizer)] = claim
 
 
 def _fusions_holding(model: nn.Module) -> list:
