@@ -80,7 +80,8 @@ three dropped without remove() are freed. The handle holds the optimizer, so
 a model kept alone keeps both: with the optimizer and the handle dropped,
 backward mode still updates the model in every backward() (a loop that never
 calls step() keeps only the model too), until remove(); fusion_of(model)
-finds the handle.
+finds the handle. A removed handle refers to the model and the optimizer
+weakly, so one kept (a notebook variable) keeps neither alive.
 
 Every parameter of the optimizer's groups is fused, frozen ones included (they
 are updated once unfrozen), and groups added after ``fuse()`` are picked up at
@@ -140,6 +141,8 @@ def _kept(name: str, value):
 # __getstate__), restored by remove().
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
 _MISSING = _kept("_MISSING", object())
+# A handle's references that remove() makes weak (FusionHandle._let_go).
+_HELD_UNTIL_REMOVED = ("model", "optimizer", "_user_optimizer")
 # Module -> (its own instance methods of _FLUSHING's names, or _MISSING, a
 # WeakSet of the forward-mode fusions of parameters at or below it: one per
 # optimizer), for _flushing. Weak: a value referring to its key would never
@@ -151,6 +154,13 @@ _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = _kept("_FLUSH_BEFORE", weakref.Weak
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
 # keeps its handle alive while it is fused.
 _FUSED_BY: "weakref.WeakKeyDictionary" = _kept("_FUSED_BY", weakref.WeakKeyDictionary())
+# id(optimizer) -> (weak reference to it, ident of the thread) of each fuse()
+# call building a fusion of it: two threads fusing one optimizer at once both
+# passed _check_not_fused, the handle being registered in _FUSED_BY only at
+# the end, and stacked two fusions. One dict.setdefault claims it (atomic,
+# where a lock left held by a KeyboardInterrupt, a notebook's stop button,
+# would have refused every later fuse() of it for good: see _claim_fusing).
+_FUSING: dict = _kept("_FUSING", {})
 # id(param) -> weak reference to the live handle whose optimizer holds it, so
 # that fuse() checks each parameter in O(1), however many fusions are live.
 # Keyed by id, not weakly by the parameter: torch.utils.swap_tensors (what
@@ -373,18 +383,42 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
         raise ValueError(f"comm_state: the state of a comm_hook, given without one (got "
                          f"{type(comm_state).__name__}); pass comm_hook too, or leave it None")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
-    _check_not_fused(optimizer)
-    _check_no_instance_override(optimizer)
-    if mode == "backward":
-        _check_not_data_parallel(engine)
-        _check_not_micro_batch_pipelined(engine)
-        handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads,
-                                 comm_hook, comm_state)
-    else:
-        handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
-    # the optimizer changes last: a handle that failed to build leaves it as it was
-    handle._take_over_optimizer()
+    _claim_fusing(optimizer)
+    try:
+        _check_not_fused(optimizer)
+        _check_no_instance_override(optimizer)
+        if mode == "backward":
+            _check_not_data_parallel(engine)
+            _check_not_micro_batch_pipelined(engine)
+            handle = _BackwardFusion(model, optimizer, engine, accumulation_steps, keep_grads,
+                                     comm_hook, comm_state)
+        else:
+            handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+        # the optimizer changes last: a handle that failed to build leaves it as it was
+        handle._take_over_optimizer()
+    finally:  # (the claim is still this call's: no other call replaces a live one)
+        _FUSING.pop(id(optimizer), None)
     return handle
+
+
+def _claim_fusing(optimizer) -> None:
+    """Claims `optimizer` for this fuse() call in _FUSING, refusing it while
+    another thread's fuse() builds a fusion of it (that one's handle is not
+    registered yet: _check_not_fused cannot see it). A claim left by a
+    KeyboardInterrupt in this thread (fuse() stopped before it let go of
+    it), or made for an optimizer since freed whose id this one reuses, is
+    no other call's: replaced. (One left by the stop button, which stops the
+    main thread, is seen as live by other threads, which are refused until
+    the main thread fuses that optimizer again.)"""
+    claim = (weakref.ref(optimizer), threading.get_ident())
+    held = _FUSING.setdefault(id(optimizer), claim)
+    if held is not claim:
+        if held[0]() is optimizer and held[1] != claim[1]:
+            raise ValueError(
+                "optimizer: another thread is fusing it at this moment (reprop.fuse of the same "
+                "optimizer on two threads at once); a second fusion would stack its hooks on "
+                "the first. Fuse it once, on one thread")
+        _FUSING[id(optimizer)] = claim
 
 
 def _fusions_holding(model: nn.Module) -> list:
@@ -1086,13 +1120,41 @@ class FusionHandle:
     def remove(self) -> None:
         """Applies pending updates, removes every hook and restores the
         optimizer's own step() and zero_grad(): plain eager training again.
-        Safe to call from another thread than training's."""
+        Safe to call from another thread than training's. The handle then
+        holds the model and the optimizer weakly: ``handle.model`` and
+        ``handle.optimizer`` are None once nothing else holds them (the
+        reprop counterpart of a torch optimizer, which only the fusion held,
+        at once); flush() and remove() do nothing."""
         with self._lock:
             if not self._removed:
                 try:
                     self._undo()
                 finally:
                     self._removed = True
+                    self._let_go()
+
+    def _let_go(self) -> None:
+        """Once removed: a handle the user keeps (a notebook variable, a
+        `with` target) must not keep the model, the optimizer or their
+        parameters alive, as it did for as long as it lived. What runs on a
+        removed handle (the hooks torch cannot unregister, a step() or
+        zero_grad() that another thread's remove() overtook) reads the
+        model and the optimizers through weak references (__getattr__), and
+        the records of the parameters are emptied. The weak references come
+        first: a KeyboardInterrupt in between leaves each name readable."""
+        self._weakly = {name: weakref.ref(getattr(self, name)) for name in _HELD_UNTIL_REMOVED}
+        for name in _HELD_UNTIL_REMOVED:
+            del self.__dict__[name]
+        self._params, self._lazy = {}, {}
+
+    def __getattr__(self, name: str):
+        """model, optimizer and _user_optimizer of a removed handle
+        (_let_go): the object, or None once freed. Called only for names
+        not found as usual, so a live handle's reads cost nothing more."""
+        weakly = self.__dict__.get("_weakly", {})  # (none on a live or an inert handle)
+        if name not in weakly:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return weakly[name]()
 
     def _undo(self) -> None:
         """What remove() does, under the lock, while the fusion is still on.
@@ -1124,8 +1186,12 @@ class FusionHandle:
         pre-hooks and closure, before its update): it is eager training's
         step() after remove(), so it updates every parameter with a gradient
         now, with the kernel fusion uses (the optimizer's own step() would
-        run the step pre-hooks again)."""
-        optim._FusedOptimizer.step(self.optimizer)
+        run the step pre-hooks again). remove() let go of the engine, which
+        only the fusion held for a torch optimizer: the same one is made again."""
+        engine = self.optimizer
+        if engine is None:
+            engine = _engine_for(self._user_optimizer)
+        optim._FusedOptimizer.step(engine)
         if self._user_optimizer is not self.optimizer:
             _low_precision_state_as_torch_keeps_it(self._user_optimizer)
 
@@ -1232,7 +1298,9 @@ class FusionHandle:
     def _zero_grad(self, set_to_none: bool = True) -> None:
         with self._lock:
             if self._removed:  # by another thread since this call began: eager's
-                self._user_optimizer.zero_grad(set_to_none)
+                opt = self._user_optimizer  # (None: freed after remove(), nothing left to zero)
+                if opt is not None:
+                    opt.zero_grad(set_to_none)
             else:
                 self._fused_zero_grad(set_to_none)
 
@@ -1392,6 +1460,10 @@ class _BackwardFusion(FusionHandle):
         if self._kept_zeroed is not None or self._kept_unstepped:
             self._discard_kept(True if self._kept_zeroed is None else self._kept_zeroed)
         self._give_back_zeroed_grads()
+
+    def _let_go(self) -> None:
+        super()._let_go()
+        self._batch_of, self._updated_since_freed, self._kept = {}, {}, {}
 
     def _give_back_zeroed_grads(self) -> None:
         """After zero_grad(set_to_none=False) eager holds a zero .grad for
@@ -2198,6 +2270,15 @@ class _ForwardFusion(FusionHandle):
             self.model.join_hook = self._own_join_hook
         elif isinstance(self.model, nn.parallel.DistributedDataParallel):
             self.model.__dict__.pop("join_hook", None)
+
+    def _let_go(self) -> None:
+        super()._let_go()
+        # (what a refused update left pending, and the graph of a late forward, hold parameters)
+        self._pending.clear()
+        self._grads.clear()
+        self._forget_late()
+        self._owners = self._unseen = []
+        self._group_of, self._step_state = {}, None
 
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
