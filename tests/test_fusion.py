@@ -997,8 +997,8 @@ def test_backward_accumulation_step_ends_a_shorter_window(set_to_none: bool, kee
         assert torch.equal(a, b), _diff(a, b)
 
 
-def _accumulation_loop(fused: bool, name: str, ops: str):
-    """accumulation_steps=2 (SGD with momentum, or Adam), the loop doing
+def _accumulation_loop(fused: bool, name: str, ops: str, every: int = 2):
+    """accumulation_steps=every (SGD with momentum, or Adam), the loop doing
     `ops` in order: "b" a micro-batch (forward, backward), "f" a forward
     whose backward is the next "k", "s" step() then zero_grad(), "z"
     zero_grad() alone. Yields the parameters after each step()."""
@@ -1007,7 +1007,7 @@ def _accumulation_loop(fused: bool, name: str, ops: str):
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9) if name == "SGD" else \
         rp.Adam(model.parameters(), lr=0.01)
     if fused:
-        reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+        reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
     loss = None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
@@ -1043,28 +1043,33 @@ def test_backward_accumulation_zero_grad_restarts_the_window(name: str, ops: str
             assert torch.equal(p, ref), f"after step() {step}: {_diff(p, ref)}"
 
 
-_LATE_GRADIENT = (r"^reprop.fuse\(mode='backward', accumulation_steps=2\): optimizer.step\(\) after "
+_LATE_GRADIENT = (r"^reprop.fuse\(mode='backward', accumulation_steps=\d\): optimizer.step\(\) after "
                   r"a micro-batch gave a gradient to parameter '.*' \(of shape .*\), which "
                   r"backward\(\) updated since the last step\(\) or zero_grad\(\)")
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
-@pytest.mark.parametrize("ops", [
-    "bbsb" + "bbs",  # 3 micro-batches an epoch, stepping after the 2nd: the leftover not zeroed
-    "bbbbs",  # stepping every 4 where accumulation_steps=2
+@pytest.mark.parametrize("ops, every", [
+    ("bbsb" + "bbs", 2),  # 3 micro-batches an epoch, stepping after the 2nd: the leftover not zeroed
+    ("bbbbs", 2),  # stepping every 4 where accumulation_steps=2
+    ("bsbbs", 1),  # an accumulating loop given no accumulation_steps: each backward updated
+    ("bsbbbs", 1),
 ])
-def test_backward_accumulation_step_refuses_a_window_longer_than_counted(name: str, ops: str) -> None:
+def test_backward_accumulation_step_refuses_a_window_longer_than_counted(name: str, ops: str,
+                                                                          every: int) -> None:
     """The loop's window is longer than the fusion counted: an epoch's
     leftover neither stepped nor zeroed (eager's next step() applies it
     with the next epoch's 2 micro-batches, where backward updated after the
     leftover and the epoch's 1st, before the loop stepped, which no count
-    could foresee), or a loop stepping every 4 micro-batches. The step()
-    after a micro-batch that gave a gradient to a parameter updated since
-    the last step() is refused, where it applied what was left in an update
-    of its own (3 updates where eager makes 2, or 2 for 1, silently); the
-    steps before are eager's, bit for bit."""
-    want = list(_accumulation_loop(False, name, ops))
-    got = _accumulation_loop(True, name, ops)
+    could foresee), or a loop stepping every 4 micro-batches, or every 2 or
+    3 with the default accumulation_steps=1, where each backward updated.
+    The step() after a micro-batch that gave a gradient to a parameter
+    updated since the last step() is refused, where it applied what was
+    left in an update of its own (3 updates where eager makes 2, or 2 for
+    1), or passed silently after the extra updates; the steps before are
+    eager's, bit for bit."""
+    want = list(_accumulation_loop(False, name, ops, every))
+    got = _accumulation_loop(True, name, ops, every)
     for refs, ps in zip(want[:-1], got):
         for p, ref in zip(ps, refs):
             assert torch.equal(p, ref), _diff(p, ref)

@@ -1578,6 +1578,7 @@ class _BackwardFusion(FusionHandle):
             if not self._updating():  # accumulating: eager would not step now
                 self._note_if_late(p)
                 return
+            self._note_if_moved_again(p)
             first_of_pass = self._end_ref() is None  # (no update of this pass yet)
             if first_of_pass:
                 self._follow_groups()
@@ -1645,6 +1646,8 @@ class _BackwardFusion(FusionHandle):
                 self._refuse_second_gradient(p)
             if not self._updating():
                 self._note_if_late(p)
+            else:
+                self._note_if_moved_again(p)
 
     def _note_if_late(self, p: torch.Tensor) -> None:
         """Notes p if this accumulating micro-batch's gradient reached it after
@@ -1652,6 +1655,17 @@ class _BackwardFusion(FusionHandle):
         _refuse_late_gradients). A lookup per gradient of an accumulating
         micro-batch only; step() then checks nothing per parameter."""
         if id(p) in self._moved_in_step:
+            self._late = p
+
+    def _note_if_moved_again(self, p: torch.Tensor) -> None:
+        """Notes p if an updating backward's gradient reached it after an
+        update of an earlier window since the last step() or zero_grad(): a
+        loop that accumulates over more backward passes than
+        accumulation_steps (the default 1 included), where eager's step()
+        makes one update from their sum. backward() must update now (a loop
+        that never calls step() is served by it), so step() refuses it (see
+        _refuse_late_gradients). A lookup per updated gradient."""
+        if id(p) in self._moved_in_step and id(p) not in self._updated:
             self._late = p
 
     def _refuse_second_gradient(self, p: torch.Tensor) -> None:
@@ -1977,10 +1991,10 @@ class _BackwardFusion(FusionHandle):
         self._finish_step(stepping=True)
 
     def _refuse_late_gradients(self) -> None:
-        """Refuses a step() after an accumulating micro-batch gave a gradient
-        to a parameter backward moved since the last step() or zero_grad():
-        eager's step() makes one update from the gradients since zero_grad(),
-        where backward made one already. The loop steps later than the
+        """Refuses a step() after a micro-batch (accumulating, or updating
+        again) gave a gradient to a parameter backward moved since the last
+        step() or zero_grad(): eager's step() makes one update from the
+        gradients since zero_grad(), where backward made one already. The loop steps later than the
         fusion counted: micro-batches left over and neither stepped nor
         zeroed (an epoch's shorter last window, with the loop counting again
         from each epoch's start) made the next window's update come early,
