@@ -164,15 +164,16 @@ def _compare_with_ddp(rank: int, world: int, k, shared: bool, steps: int,
     return dp
 
 
-def _compare_accumulation(rank: int, world: int, as_view: bool, micro: int = 3) -> None:
+def _compare_accumulation(rank: int, world: int, as_view: bool, micro: int = 3, k: int = 2,
+                          shared: bool = False) -> None:
     """Gradient accumulation under no_sync(), DDP's way: `micro` - 1 local
     backward passes inside, the last outside; with gradient_as_bucket_view
     on both sides, and zero_grad(set_to_none=False) so the views persist."""
     exact = world == 2
     torch.manual_seed(rank)
-    model = _Net()
+    model = _Net(shared)
     ref = DistributedDataParallel(copy.deepcopy(model), gradient_as_bucket_view=as_view)
-    dp = data_parallel(model, k=2, gradient_as_bucket_view=as_view)
+    dp = data_parallel(model, k=k, gradient_as_bucket_view=as_view)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     for step in range(3):
@@ -406,6 +407,12 @@ def _dp_cases(rank: int, world: int) -> None:
     _dp_uneven(rank, world)
 
 
+def _dp_deterministic_tied_accumulation(rank: int, world: int) -> None:
+    torch.use_deterministic_algorithms(True)
+    for k in (0, 2, DEPTH):
+        _compare_accumulation(rank, world, False, k=k, shared=True)
+
+
 def _recorded(dp: DataParallel, dw_event: Callable, sync_event: Callable | None = None) -> list:
     """A list that records, in order, dw_event(task) for each dW task of dp
     as it is issued (every one, held or not, runs through handle.run; None:
@@ -477,6 +484,16 @@ def test_data_parallel_matches_ddp(world):
     was no Joinable: Join([dp]) raised, and without it the ranks still
     training waited until the timeout."""
     _spawn(_dp_cases, world)
+
+
+def test_data_parallel_deterministic_tied_weight_accumulates_as_ddp():
+    """Under torch.use_deterministic_algorithms, a weight tied between layers
+    0 and 7, accumulated under no_sync(): DDP's parameters bitwise for every
+    k, so k="auto" (picked from measured times) gives the same bits each
+    run. The held layers' dW were added to .grad one by one after the
+    others' ((g + s7) + s0, DDP's g + (s7 + s0)): 3e-8 off DDP, other bits
+    for each k."""
+    _spawn(_dp_deterministic_tied_accumulation, 2)
 
 
 def test_data_parallel_order():

@@ -543,6 +543,9 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
     no dW: their .grad must not change."""
     deferred, returned, nodes = [False, False], [False, False], [None, None]
     hooked = getattr(ctx, "hooked", False)  # a post-hook on the node (note_node_hooks)
+    summed = ctx.site.handle._summed_by_autograd
+    if summed and not torch.are_deterministic_algorithms_enabled():
+        summed = ()
     edges = iter(ctx.next_functions[1:])  # one per tensor input after x
     for i, p in enumerate(ctx.params):
         if p is None:
@@ -562,7 +565,9 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # A weight computed from others (torch.func.functional_call with a
         # non-leaf) has no .grad to defer into: autograd carries it on. A
         # post-hook on the node must see (and may replace) dW and db.
-        if p._backward_hooks or not p.is_leaf or hooked:
+        # DataParallel's weights shared by several layers go to autograd
+        # under deterministic algorithms (_shared_by_sites).
+        if p._backward_hooks or not p.is_leaf or hooked or p in summed:
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
@@ -885,6 +890,9 @@ class OOOHandle(_PassTracking):
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._held_in_pass: list = []
         self._sub_streams: dict = {}
+        # parameters whose dW every split call returns to autograd under
+        # torch.use_deterministic_algorithms (DataParallel's: _shared_by_sites)
+        self._summed_by_autograd: frozenset = frozenset()
         # id(parameter) -> (the parameter, (its version, data pointer, dtype),
         # weakly its cast copy): _cast_param. Not a weak map keyed by the
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
@@ -2487,6 +2495,20 @@ def _verify_same_shapes(tensors: list, group) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _shared_by_sites(sites: Sequence[_Site]) -> frozenset:
+    """The parameters several split layers share (a tied embedding). Under
+    torch.use_deterministic_algorithms DataParallel has autograd sum them, as
+    DDP's: each split call returns its dW to autograd. Deferred, a held
+    layer's dW was added to .grad after the others' sum, so under no_sync()
+    accumulation ((g + s7) + s0, DDP's g + (s7 + s0)) the bits depended on
+    k, which k="auto" picks from measured times."""
+    seen, shared = set(), set()
+    for s in sites:
+        for p in s.params:
+            (shared if p in seen else seen).add(p)
+    return frozenset(shared)
+
+
 def _first_k_order(layers: int, k: int) -> list[int]:
     """The layers whose dW Algorithm 2 moves after the last dO, in the order
     it runs them (layer 0 first): the tail of the core's schedule D."""
@@ -2657,7 +2679,12 @@ class DataParallel(_PassTracking, Joinable):
     shared by several layers is reduced once, after the last task that adds
     to it; one that has no gradient on a rank counts as zeros there, and one
     that got no gradient on any rank keeps its ``.grad`` (None after
-    ``zero_grad()``), as under DDP(find_unused_parameters=True).
+    ``zero_grad()``), as under DDP(find_unused_parameters=True). Under
+    ``torch.use_deterministic_algorithms(True)`` a parameter several split
+    layers share is never deferred: autograd sums its sites as under DDP, so
+    its bits, accumulated under ``no_sync()`` too, do not depend on k (a
+    held layer called twice in a forward, or whose weight is also used
+    outside split layers, still adds its dW to ``.grad`` after the rest).
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
@@ -2753,6 +2780,7 @@ class DataParallel(_PassTracking, Joinable):
         self.handle = OOOHandle(model, "conventional", regions=1, max_extra_memory=0.0,
                                 profile_iters=2, speedup=None)
         layers = len(self.handle.sites)
+        self.handle._summed_by_autograd = _shared_by_sites(self.handle.sites)
         if k != "auto" and not 0 <= k <= layers:
             raise ValueError(f"k: expected 0 <= k <= {layers} (the split layers of the model), "
                              f"got {k}")
