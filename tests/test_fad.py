@@ -390,6 +390,26 @@ def test_native_baseline_saves_input():
         del y
 
 
+@pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=str)
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_an_expanded_input_saves_no_more_than_torch(name, saved_dtype):
+    """An input that repeats its elements without memory of its own (a bias
+    expanded over batch and positions) is what torch's op saves, its few
+    bytes; FAD saved one f' per element (32 times torch's bytes here). It
+    saves the distinct elements' f', expanded: the output and gradients of
+    the same input made dense."""
+    ours, _, kw = ACTIVATIONS[name]
+    bias = torch.randn(16, 1, requires_grad=True)
+    with LiveSaved() as saved:
+        y = ours(bias.expand(4, 16, 8), saved_dtype=saved_dtype, **kw)
+    assert saved.live_bytes() <= bias.numel() * bias.element_size(), saved.live_bytes()
+    dense = ours(bias.expand(4, 16, 8).contiguous(), saved_dtype=saved_dtype, **kw)
+    assert torch.equal(y, dense) and y.stride() == dense.stride()
+    g = torch.randn(4, 16, 8)
+    (grad,), (grad_dense,) = torch.autograd.grad(y, bias, g), torch.autograd.grad(dense, bias, g)
+    torch.testing.assert_close(grad, grad_dense, rtol=1e-6, atol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Derivative storage
 # ---------------------------------------------------------------------------

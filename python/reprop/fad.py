@@ -174,6 +174,24 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
     return y, d
 
 
+def _repeated_dims(x: torch.Tensor) -> list[int]:
+    """The dims along which x repeats its elements without memory of its own
+    (stride 0, size > 1: expand, broadcast_to)."""
+    return [i for i, (size, stride) in enumerate(zip(x.shape, x.stride())) if stride == 0 and size > 1]
+
+
+def _run_forward_repeated(act: _Act, x: torch.Tensor, saved: torch.dtype, repeated: list[int]
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_run_forward of an x with _repeated_dims `repeated`: f and f' of each distinct
+    element once, y as full as torch's output, d an expanded view of the
+    distinct f'(x), so that backward keeps the bytes of x's own memory, as
+    torch's op (which saves x) does, not one f' per element: a GELU of a
+    bias expanded over a batch of 64 saved 64 times torch's bytes."""
+    distinct = x[tuple(slice(0, 1) if i in repeated else slice(None) for i in range(x.dim()))]
+    y, d = _run_forward(act, distinct, saved, False)
+    return y.expand(x.shape).contiguous(), d.expand(x.shape)
+
+
 # Bounded: a parameter annealed every step (a leaky_relu slope) makes a new
 # _Act each time, and each entry holds ~1.3 KB (the decode tables, tensors).
 @functools.lru_cache(maxsize=256)
@@ -239,7 +257,11 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, act, saved, inplace):
-        y, d = _run_forward(act, x, saved, inplace)
+        repeated = _repeated_dims(x) if not inplace and 0 in x.stride() else None
+        if repeated:
+            y, d = _run_forward_repeated(act, x, saved, repeated)
+        else:
+            y, d = _run_forward(act, x, saved, inplace)
         if inplace:
             ctx.mark_dirty(x)
         ctx.act = act
