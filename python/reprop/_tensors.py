@@ -156,15 +156,33 @@ def torch_only(x: torch.Tensor) -> bool:
     walks; the jagged layout's are subclasses), tensor subclasses
     (FakeTensor under torch.export and compile, DTensor, ...), and any
     tensor while torch.jit.trace records (it cannot see a kernel that
-    writes through a pointer). They go through torch's own ops."""
+    writes through a pointer) or a FakeTensorMode is active (fake_mode_active:
+    a real tensor too, whose results would be FakeTensors without data).
+    They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
     if (x.is_meta or x.is_nested or type(x) not in _PLAIN_TYPES or torch._C._is_tracing()
-            or _is_functorch_wrapped(x) or _is_legacy_batched(x)):
+            or _is_functorch_wrapped(x) or _is_legacy_batched(x) or fake_mode_active()):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is active (torch's dry runs that estimate
+    memory or shapes; export and compile tracing): every tensor an op makes
+    is then a FakeTensor, which has no data, also from real inputs
+    (allow_non_fake_inputs=True), so a kernel given such an output would
+    get a null pointer, and one writing a real tensor would change what the
+    dry run leaves alone. The stack length first: it costs less than the
+    look-up when no mode is active."""
+    return _dispatch_modes() > 0 and _dispatch_mode(_FAKE_MODE_KEY) is not None
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
 
 def eager_under_compile(fn: Callable) -> Callable:

@@ -1351,8 +1351,9 @@ def _refuse_torch_only(name: str, call: str) -> None:
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
                        "forward-AD dual, a nested tensor, a tensor subclass or one under "
-                       f"torch.jit.trace; {call} reads raw memory and records no graph for them. "
-                       f"Call {call} outside the transform, or use autograd")
+                       f"torch.jit.trace or a FakeTensorMode; {call} reads raw memory and records "
+                       f"no graph for them. Call {call} outside the transform or mode, or use "
+                       "autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str, call: str,
