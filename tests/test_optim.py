@@ -2376,6 +2376,50 @@ def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: b
     assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["first_step", "cached_plan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_step_under_fake_tensor_mode_is_refused_before_any_state(name: str, cached: bool) -> None:
+    """step() of real parameters under a FakeTensorMode (a memory dry run,
+    allow_non_fake_inputs=True): at a first step the state was created as
+    FakeTensors, whose null pointers the core refused ("state slot 0 is
+    required"), and kept, so every later real step raised; with state in
+    place (Adagrad's from __init__, a cached plan) the kernels updated the
+    real parameters and state, which torch's step() there leaves as they
+    are. Refused with a RuntimeError, by step() and step_params(), leaving
+    parameters and state as they were; later real steps match torch's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=37), grad_sequence(shapes, 3)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    steps = grads
+    if cached:
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        opt.step()
+        steps = grads[1:]
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    for p, g in zip(params, steps[0]):
+        p.grad = g.clone()
+    refused = rf"^{name}: an update under a FakeTensorMode: .*torch.optim.{name}$"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step()
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step_params(params)
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    for step_grads in steps:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_dispatch_subclass_state_is_refused_naming_its_key(name: str) -> None:
     """State that is a tensor subclass with __torch_dispatch__ (a DTensor
