@@ -3074,6 +3074,22 @@ def test_chain_takes_torch_module_trackers_global_hooks():
         assert torch.equal(bppsa.chain_backward(layers, x, g)[0], want)
 
 
+def test_scans_have_a_profiler_range():
+    """The C scans read raw pointers, which no aten op shows: in
+    torch.profiler an RNN's scan was the self time of its backward node, and
+    a chain's scan, called outside autograd, had no row at all. Each now
+    shows as a range of its own (entered only while a profiler runs)."""
+    torch.manual_seed(0)
+    rnn, x = bppsa.RNN(3, 4), torch.randn(5, 2, 3)
+    layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+    plan = bppsa.ChainPlan(layers, (4,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rnn(x)[0].sum().backward()
+        bppsa.chain_backward(layers, torch.randn(2, 4), torch.randn(2, 2), plan=plan)
+    names = [e.name for e in prof.events()]
+    assert names.count("reprop.bppsa.scan") == 1 and names.count("reprop.bppsa.ChainPlan.scan") == 1
+
+
 def test_chain_pool_window_in_the_padding_is_torch_backward():
     """MaxPool2d(2, stride=3, padding=1, dilation=2) over W = 1: both W taps
     of every window are padding. torch outputs -inf there and sends the

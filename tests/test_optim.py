@@ -1870,6 +1870,27 @@ def test_step_params_equals_step(name: str) -> None:
     assert_runs_equal(Run(params_b, parts), Run(params_a, whole))
 
 
+def test_updates_have_a_profiler_range_only_while_profiling(monkeypatch) -> None:
+    """The kernels' update shows in torch.profiler as a range of its own,
+    from step() and from step_params() (what reprop.fuse calls: its updates
+    were the self time of autograd's AccumulateGrad, or no row at all); with
+    no profiler running no record_function is entered (about 8 us a call;
+    step_params, which torch's step() wrapper, entering its own, does not wrap)."""
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    opt = reprop_cls("AdamW")(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for update in (opt.step, lambda: opt.step_params(params[1:])):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            update()
+        assert [e.name for e in prof.events()].count("reprop.optim.update") == 1
+
+    def refused(name):
+        raise AssertionError(f"record_function({name!r}) entered without a profiler")
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", refused)
+    opt.step_params(params)
+
+
 class _FastPathSpy:
     """reprop._C, noting whether each call of the per-step fast path
     (optim_grad_pointers) could read every gradient (True) or left the step

@@ -483,11 +483,12 @@ class _Plan:
             written = self._written()
             _tensors.show_coming_writes(written)
         try:
-            if self.on_cpu:
-                _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
-                              torch.get_num_threads())
-            else:
-                self._run_cuda(opt, group, hp)
+            with _tensors.profiler_range("reprop.optim.update"):
+                if self.on_cpu:
+                    _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
+                                  torch.get_num_threads())
+                else:
+                    self._run_cuda(opt, group, hp)
         except Exception:
             staged = written = ()  # refused (a hyper-parameter) before the kernels wrote
             raise
