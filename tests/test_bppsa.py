@@ -402,7 +402,7 @@ def test_scan_refuses_what_only_torch_carries():
     calls = [({"c": c, "w": w, "u": torch.rand(T, B, H), "v": torch.rand(T, B, H), "out": torch.empty(T, B, H)}, {}),
              ({"c": c, "w": w, "y": torch.rand(T, B, H)}, {"activation": "tanh"}),
              ({"c": c, "jt": torch.randn(T, B, H, H)}, {})]
-    refused = "a tensor of a torch.func transform .*Call scan outside the transform, or use autograd"
+    refused = "a tensor of a torch.func transform .*Call scan outside the transform or mode, or use autograd"
     for operands, options in calls:
         want = bppsa.scan(**operands, **options).clone()
         with fwAD.dual_level():
@@ -421,6 +421,11 @@ def test_scan_refuses_what_only_torch_carries():
     nested = torch.nested.nested_tensor([torch.randn(B, H), torch.randn(B + 1, H)])
     with pytest.raises(RuntimeError, match=f"^c: {refused}"):
         bppsa.scan(nested, w=w, v=v)
+    # real operands under a FakeTensorMode (a dry run): its output was fake, and
+    # the C core refused its null pointer ('scan: NULL jacobians, c or g')
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match=f"^c: {refused}"):
+        bppsa.scan(c, w=w, v=v)
 
 
 def test_linear_scan_needs_no_workspace():
@@ -861,6 +866,26 @@ def test_what_the_scan_cannot_carry_runs_torch_own(kind):
     meta = copy.deepcopy(ours).to("meta")
     out, h_n = meta(torch.empty(5, 2, 3, device="meta"))
     assert out.is_meta and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_fake_tensor_mode_over_a_real_module_runs_torch_own(kind):
+    """A memory dry run of a real model (FakeTensorMode with
+    allow_non_fake_inputs=True) on a real batch: the scan's Function took
+    the real input and its backward got fake gradients (GRU: a RuntimeError
+    about batched gradients). Now nn's recurrence runs, as for a FakeTensor:
+    its shapes, and FakeTensor gradients in the real weights' .grad, as nn's."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    ref, ours = make_pair(kind, 3, 4)
+    x = torch.randn(5, 2, 3)
+    for m in (ref, ours):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out, h_n = m(x)
+            (out.sum() + h_n.sum()).backward()
+        assert isinstance(out, FakeTensor) and out.shape == (5, 2, 4) and h_n.shape == (1, 2, 4)
+        assert all(isinstance(p.grad, FakeTensor) for p in m.parameters())
 
 
 @pytest.mark.parametrize("kind", ["gru", "tanh"])
@@ -3047,6 +3072,22 @@ def test_chain_takes_torch_module_trackers_global_hooks():
         assert torch.equal(bppsa.chain_backward(layers, x, g, plan=plan)[0], want)
     with ModuleTracker():
         assert torch.equal(bppsa.chain_backward(layers, x, g)[0], want)
+
+
+def test_scans_have_a_profiler_range():
+    """The C scans read raw pointers, which no aten op shows: in
+    torch.profiler an RNN's scan was the self time of its backward node, and
+    a chain's scan, called outside autograd, had no row at all. Each now
+    shows as a range of its own (entered only while a profiler runs)."""
+    torch.manual_seed(0)
+    rnn, x = bppsa.RNN(3, 4), torch.randn(5, 2, 3)
+    layers = [nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)]
+    plan = bppsa.ChainPlan(layers, (4,))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        rnn(x)[0].sum().backward()
+        bppsa.chain_backward(layers, torch.randn(2, 4), torch.randn(2, 2), plan=plan)
+    names = [e.name for e in prof.events()]
+    assert names.count("reprop.bppsa.scan") == 1 and names.count("reprop.bppsa.ChainPlan.scan") == 1
 
 
 def test_chain_pool_window_in_the_padding_is_torch_backward():

@@ -3017,6 +3017,28 @@ def test_tracing_and_export_run_torch_ops():
     torch.testing.assert_close(exported.module()(x), ref(x), rtol=1e-6, atol=1e-7)
 
 
+def test_fake_tensor_mode_over_real_tensors_runs_torch_ops():
+    """A memory dry run of a real model (FakeTensorMode with
+    allow_non_fake_inputs=True) hands an activation a real tensor whose
+    output torch makes fake: the kernels got its null pointer (ValueError
+    'NULL data pointer'), in the functions, patched modules and chains.
+    Now torch's ops run, as for a FakeTensor, with torch's shapes."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    x = torch.randn(3, 4, requires_grad=True)
+    patched = nn.Sequential(nn.GELU(), nn.Linear(4, 2))
+    fad.patch(patched, saved_dtype=torch.uint8)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        for y, shape in ((fad.gelu(x), (3, 4)), (fad.silu(x, saved_dtype=torch.uint8), (3, 4)),
+                         (fad.elu(x * 1, inplace=True), (3, 4)), (patched(x), (3, 2))):
+            assert isinstance(y, FakeTensor) and y.shape == shape
+            y.sum().backward()
+        with fad.enabled(compose=True):
+            chain = x * torch.tanh(F.softplus(x))
+        assert isinstance(chain, FakeTensor) and chain.shape == x.shape
+        chain.sum().backward()
+
+
 class _ActivationAttribute(nn.Module):
     """A layer calling a function attribute, as nn.TransformerEncoderLayer
     does (which torch.fx.symbolic_trace cannot trace itself)."""

@@ -1552,6 +1552,26 @@ def test_complex_and_meta_calls_run_plain_autograd():
     assert out.is_meta and "_Split" not in type(out.grad_fn).__name__
 
 
+def test_a_fake_tensor_dry_run_over_real_input_is_no_profiling_pass():
+    """A memory dry run of the real model (FakeTensorMode with
+    allow_non_fake_inputs=True) on a real batch: its first split layer took
+    the real input, so the fake passes were timed as profiling passes and
+    fixed the schedule from them. Now they run plain autograd, as passes on
+    FakeTensors do, and the real passes after them are the profile."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    handle = ooo.enable(model, speedup=None, profile_iters=2)
+    x = torch.randn(5, 8)
+    for _ in range(3):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            out = model(x)
+            out.sum().backward()
+        assert isinstance(out, FakeTensor) and "_Split" not in type(out.grad_fn).__name__
+    assert handle._iteration == 0 and handle.schedule is None
+
+
 def test_a_forward_a_library_set_on_the_class_runs(monkeypatch):
     """A library that replaces nn.Linear.forward on the class: enable() split
     those exact-type layers with its own F.linear, dropping the class's

@@ -1870,6 +1870,27 @@ def test_step_params_equals_step(name: str) -> None:
     assert_runs_equal(Run(params_b, parts), Run(params_a, whole))
 
 
+def test_updates_have_a_profiler_range_only_while_profiling(monkeypatch) -> None:
+    """The kernels' update shows in torch.profiler as a range of its own,
+    from step() and from step_params() (what reprop.fuse calls: its updates
+    were the self time of autograd's AccumulateGrad, or no row at all); with
+    no profiler running no record_function is entered (about 8 us a call;
+    step_params, which torch's step() wrapper, entering its own, does not wrap)."""
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    opt = reprop_cls("AdamW")(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for update in (opt.step, lambda: opt.step_params(params[1:])):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            update()
+        assert [e.name for e in prof.events()].count("reprop.optim.update") == 1
+
+    def refused(name):
+        raise AssertionError(f"record_function({name!r}) entered without a profiler")
+    monkeypatch.setattr(torch.autograd.profiler, "record_function", refused)
+    opt.step_params(params)
+
+
 class _FastPathSpy:
     """reprop._C, noting whether each call of the per-step fast path
     (optim_grad_pointers) could read every gradient (True) or left the step
@@ -2365,6 +2386,50 @@ def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: b
         opt.step()
     with pytest.raises(TypeError, match=refused):
         opt.step_params(params, grads=[steps[0][0], two_tensor(steps[0][1])])
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    for step_grads in steps:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["first_step", "cached_plan"])
+@pytest.mark.parametrize("name", NAMES)
+def test_step_under_fake_tensor_mode_is_refused_before_any_state(name: str, cached: bool) -> None:
+    """step() of real parameters under a FakeTensorMode (a memory dry run,
+    allow_non_fake_inputs=True): at a first step the state was created as
+    FakeTensors, whose null pointers the core refused ("state slot 0 is
+    required"), and kept, so every later real step raised; with state in
+    place (Adagrad's from __init__, a cached plan) the kernels updated the
+    real parameters and state, which torch's step() there leaves as they
+    are. Refused with a RuntimeError, by step() and step_params(), leaving
+    parameters and state as they were; later real steps match torch's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=37), grad_sequence(shapes, 3)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    steps = grads
+    if cached:
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        opt.step()
+        steps = grads[1:]
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    for p, g in zip(params, steps[0]):
+        p.grad = g.clone()
+    refused = rf"^{name}: an update under a FakeTensorMode: .*torch.optim.{name}$"
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step()
+        with pytest.raises(RuntimeError, match=refused):
+            opt.step_params(params)
     torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
     for p, v in zip(params, values):
         assert torch.equal(p.detach(), v)

@@ -156,15 +156,48 @@ def torch_only(x: torch.Tensor) -> bool:
     walks; the jagged layout's are subclasses), tensor subclasses
     (FakeTensor under torch.export and compile, DTensor, ...), and any
     tensor while torch.jit.trace records (it cannot see a kernel that
-    writes through a pointer). They go through torch's own ops."""
+    writes through a pointer) or a FakeTensorMode is active (fake_mode_active:
+    a real tensor too, whose results would be FakeTensors without data).
+    They go through torch's own ops."""
     # is_meta, not device.type: building the device object costs 1 us a call
     if (x.is_meta or x.is_nested or type(x) not in _PLAIN_TYPES or torch._C._is_tracing()
-            or _is_functorch_wrapped(x) or _is_legacy_batched(x)):
+            or _is_functorch_wrapped(x) or _is_legacy_batched(x) or fake_mode_active()):
         return True
     return fwAD._current_level >= 0 and fwAD.unpack_dual(x).tangent is not None
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def fake_mode_active() -> bool:
+    """Whether a FakeTensorMode is active (torch's dry runs that estimate
+    memory or shapes; export and compile tracing): every tensor an op makes
+    is then a FakeTensor, which has no data, also from real inputs
+    (allow_non_fake_inputs=True), so a kernel given such an output would
+    get a null pointer, and one writing a real tensor would change what the
+    dry run leaves alone. The stack length first: it costs less than the
+    look-up when no mode is active."""
+    return _dispatch_modes() > 0 and _dispatch_mode(_FAKE_MODE_KEY) is not None
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_dispatch_mode = torch._C._get_dispatch_mode
+_FAKE_MODE_KEY = torch._C._TorchDispatchModeKey.FAKE
+
+
+def profiler_range(name: str):
+    """torch.profiler's record_function(name) while a profiler records, so
+    that a kernel reprop calls through raw pointers, which no aten op shows,
+    has a row of its own (a fusion's update was the self time of autograd's
+    AccumulateGrad, a chain's scan no row at all); else a context that does
+    nothing: record_function costs about 8 us a call without a profiler,
+    this check and the empty context about 0.2 us (a fused update's Python
+    alone costs over 10 us)."""
+    return torch.autograd.profiler.record_function(name) if _profiling() else _NOT_PROFILED
+
+
+_profiling = torch._C._autograd._profiler_enabled
+_NOT_PROFILED = contextlib.nullcontext()  # (reusable: it holds nothing)
 
 
 def eager_under_compile(fn: Callable) -> Callable:

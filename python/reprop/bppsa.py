@@ -48,8 +48,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag, check_strided,
                        check_writable, class_key, current_stream_handle, dispatch_mode_active,
-                       hook_owner, is_count, is_instance_by_name, on_device, replaced_forward,
-                       show_coming_writes, torch_only, torch_only_weight, transform_active)
+                       hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
+                       replaced_forward, show_coming_writes, torch_only, torch_only_weight,
+                       transform_active)
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -418,11 +419,12 @@ def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> N
     floats = _C.scan_workspace(T, B, H, levels)
     work = torch.empty(floats, device=c.device) if floats else None
     args = (*leaves, c.data_ptr(), g.data_ptr(), levels, _pointer(work))
-    if c.device.type == "cuda":
-        with on_device(c.device):
-            _cuda.scan(*args, current_stream_handle(c.device))
-    else:
-        _C.scan(*args, torch.get_num_threads())
+    with profiler_range("reprop.bppsa.scan"):
+        if c.device.type == "cuda":
+            with on_device(c.device):
+                _cuda.scan(*args, current_stream_handle(c.device))
+        else:
+            _C.scan(*args, torch.get_num_threads())
 
 
 # ---------------------------------------------------------------------------
@@ -1351,8 +1353,9 @@ def _refuse_torch_only(name: str, call: str) -> None:
     torch's ops can carry (torch_only) is refused, not silently stripped."""
     raise RuntimeError(f"{name}: a tensor of a torch.func transform (vmap, grad, jacrev, ...), a "
                        "forward-AD dual, a nested tensor, a tensor subclass or one under "
-                       f"torch.jit.trace; {call} reads raw memory and records no graph for them. "
-                       f"Call {call} outside the transform, or use autograd")
+                       f"torch.jit.trace or a FakeTensorMode; {call} reads raw memory and records "
+                       f"no graph for them. Call {call} outside the transform or mode, or use "
+                       "autograd")
 
 
 def _check_chain_layer(layer: nn.Module, name: str, call: str,
@@ -2058,8 +2061,9 @@ class ChainPlan:
                 leaf.write_values(inputs[i], seq[start:stop].T)
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
-        self._run(B, seq, shared)
-        grads = self._gradients(B, seq, inputs)
+        with profiler_range("reprop.bppsa.ChainPlan.scan"):
+            self._run(B, seq, shared)
+            grads = self._gradients(B, seq, inputs)
         # A result that is not finite is redone layer by layer as torch does
         # it: the program's up-sweep products may overflow (inf * 0 = NaN),
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values

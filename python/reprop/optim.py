@@ -483,11 +483,12 @@ class _Plan:
             written = self._written()
             _tensors.show_coming_writes(written)
         try:
-            if self.on_cpu:
-                _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
-                              torch.get_num_threads())
-            else:
-                self._run_cuda(opt, group, hp)
+            with _tensors.profiler_range("reprop.optim.update"):
+                if self.on_cpu:
+                    _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
+                                  torch.get_num_threads())
+                else:
+                    self._run_cuda(opt, group, hp)
         except Exception:
             staged = written = ()  # refused (a hyper-parameter) before the kernels wrote
             raise
@@ -1210,6 +1211,8 @@ class _FusedOptimizer:
         """Updates `params` of `group` with its hyper-parameters (or those in
         `settings`), from their gradients (or those `given`), as `scaling`
         says (step(): torch's fused AMP protocol)."""
+        if _tensors.fake_mode_active():
+            self._refuse_fake_mode()
         hp = group if settings is None else settings
         # Keyed by all the params of the call, not those with a gradient: a plan
         # per subset would be built (O(params)) and kept for every new subset
@@ -1261,6 +1264,18 @@ class _FusedOptimizer:
             refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
+
+    def _refuse_fake_mode(self) -> None:
+        """Under a FakeTensorMode (a memory or shape dry run over real
+        parameters) the state a first update creates would be FakeTensors,
+        whose null pointers the kernels refuse (and every later step then
+        refused the state), and a later update would write the real
+        parameters and state, which torch's step() under the mode leaves as
+        they are: refused before anything is created or written."""
+        name = type(self).__name__
+        raise RuntimeError(f"{name}: an update under a FakeTensorMode: reprop's kernels write the real "
+                           "parameters and state in place, which torch.optim leaves unchanged there; "
+                           f"step outside the mode, or dry-run with torch.optim.{self._torch_class.__name__}")
 
     def _group_name(self, group: dict) -> str:
         index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
