@@ -1668,7 +1668,8 @@ class enabled(TorchFunctionMode):
     float16 chain) is dropped. Intermediates die with the Python temporaries
     that hold them, so a finished chain keeps one tensor (and that mask).
     NN: anything else (two roots, in-place ops, views, broadcasting past the
-    root's shape, reductions, matmuls, no_grad, float64 results) runs as
+    root's shape, a root that repeats its elements, as an expanded bias does,
+    reductions, matmuls, no_grad, float64 results) runs as
     plain torch and plain autograd, which stays correct because every chain
     tensor's node is.
 
@@ -1805,6 +1806,13 @@ class enabled(TorchFunctionMode):
         root, operands, compute, constant = parsed
         if not root.is_floating_point() or _result_dtype(operands) in _TORCH_DTYPES:
             return None  # float64 results keep torch's float64 backward formulas
+        if 0 in root.stride() and _repeated_dims(root):
+            # A root that repeats its elements (a bias expanded over a batch):
+            # a chain carries one derivative per element, where torch's ops
+            # save the root's few bytes (gelu of a 256-element bias over 64
+            # rows saved 64 KiB against 1 KiB). Torch's op, or an activation
+            # that saves the distinct elements' f' (_run_forward_repeated).
+            return None
         tensors = [o.value for o in operands if isinstance(o.value, torch.Tensor)]
         if any(t.is_complex() for t in tensors):
             return None  # autograd conjugates what a complex op's backward multiplies by
