@@ -1157,6 +1157,29 @@ def test_data_parallel_model_converted_after_planning(solo_group):
     dp.remove()
 
 
+def test_data_parallel_bucket_views_outlive_what_the_caller_does_to_grad(solo_group):
+    """gradient_as_bucket_view: after each backward every .grad is a view
+    into a bucket (zero_grad() drops them between steps), and a .grad the
+    caller pointed elsewhere in place (set_) takes none of the bucket with
+    it: the slices each launch writes into are made once per plan, and
+    the .grad handed out are views of their own."""
+    torch.manual_seed(0)
+    model = _Net()
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2, gradient_as_bucket_view=True)
+    for step in range(3):
+        x, t = _batch(0, step)
+        for net in (model, ref):
+            net.zero_grad(set_to_none=step < 2)
+            F.mse_loss(net(x), t).backward()
+        _assert_same(model, ref, "grad")
+        flats = {b.flat.untyped_storage().data_ptr() for b in dp._buckets}
+        assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
+        for p in model.parameters():
+            p.grad.set_(torch.zeros_like(p))
+    dp.remove()
+
+
 def test_a_data_parallel_model_dropped_without_remove_is_freed(solo_group):
     """Dropping model, optimizer and handle without remove() frees them, as
     with DDP: the parameters' post-accumulate-grad hooks, which torch keeps

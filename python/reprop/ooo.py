@@ -2546,18 +2546,18 @@ class _Bucket:
         p = self.params[0]
         self.flat = torch.empty(sum(q.numel() for q in self.params) + len(self.params),
                                 dtype=p.dtype, device=p.device)
-
-    @property
-    def flags(self) -> torch.Tensor:
-        """(len(params),) the usage flags after the gradients."""
-        return self.flat[self.flat.numel() - len(self.params):]
+        # the slices, made once with the buffer: slicing and reshaping each
+        # parameter's at every launch and write-back was most of the host
+        # time of a bucket of many small parameters
+        self._slices, offset = [], 0
+        for q in self.params:
+            self._slices.append(self.flat[offset:offset + q.numel()].view_as(q))
+            offset += q.numel()
+        self.flags = self.flat[offset:]  # (len(params),) the usage flags after the gradients
 
     def views(self):
         """(parameter, its slice of the flat buffer, shaped like it)."""
-        offset = 0
-        for p in self.params:
-            yield p, self.flat[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        return zip(self.params, self._slices)
 
 
 def _pack(params: Sequence[torch.Tensor], cap_bytes: float,
@@ -3180,16 +3180,19 @@ class DataParallel(_PassTracking, Joinable):
         # no rank used it (all flags 0): its .grad stays as it is, as DDP's;
         # read only where this rank saw an idle parameter (a device sync)
         flags = b.flags.tolist() if b.idle_here else [1] * len(b.params)
-        for (p, avg), used in zip(b.views(), flags):
-            if not used:
-                continue
-            if as_view:
+        used = [pv for pv, u in zip(b.views(), flags) if u]
+        if as_view:
+            for p, avg in used:
                 if p.grad is None or p.grad.data_ptr() != avg.data_ptr():
-                    p.grad = avg
-            elif p.grad is None:
-                p.grad = torch.empty_like(p).copy_(avg)
-            else:
-                p.grad.copy_(avg)
+                    # a view of its own: what the caller does to .grad's
+                    # metadata (resize_, set_) leaves the bucket's slice alone
+                    p.grad = avg.view_as(avg)
+        elif used:
+            grads = [p.grad if p.grad is not None else torch.empty_like(p) for p, _ in used]
+            torch._foreach_copy_(grads, [avg for _, avg in used])  # one call, not one per parameter
+            for (p, _), g in zip(used, grads):
+                if p.grad is None:
+                    p.grad = g
         b.work = None
 
     # -- the search for k (Section 5.1) ---------------------------------------------
