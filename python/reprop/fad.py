@@ -177,7 +177,8 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
 def _repeated_dims(x: torch.Tensor) -> list[int]:
     """The dims along which x repeats its elements without memory of its own
     (stride 0, size > 1: expand, broadcast_to)."""
-    return [i for i, (size, stride) in enumerate(zip(x.shape, x.stride())) if stride == 0 and size > 1]
+    return [i for i, (size, stride) in enumerate(zip(x.shape, x.stride()))
+            if stride == 0 and size > 1]
 
 
 def _run_forward_repeated(act: _Act, x: torch.Tensor, saved: torch.dtype, repeated: list[int]

@@ -1273,9 +1273,10 @@ class _FusedOptimizer:
         parameters and state, which torch's step() under the mode leaves as
         they are: refused before anything is created or written."""
         name = type(self).__name__
-        raise RuntimeError(f"{name}: an update under a FakeTensorMode: reprop's kernels write the real "
-                           "parameters and state in place, which torch.optim leaves unchanged there; "
-                           f"step outside the mode, or dry-run with torch.optim.{self._torch_class.__name__}")
+        peer = self._torch_class.__name__
+        raise RuntimeError(f"{name}: an update under a FakeTensorMode: reprop's kernels write the "
+                           "real parameters and state in place, which torch.optim leaves unchanged "
+                           f"there; step outside the mode, or dry-run with torch.optim.{peer}")
 
     def _group_name(self, group: dict) -> str:
         index = next((i for i, g in enumerate(self.param_groups) if g is group), None)
