@@ -1102,6 +1102,70 @@ def test_backward_accumulation_late_gradient_refused_until_zero_grad() -> None:
     opt.step()
 
 
+@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
+def test_backward_gan_loop_clearing_with_module_zero_grad_is_refused_with_its_cause() -> None:
+    """A GAN loop whose generator loss reaches the fused discriminator after
+    its step() (backward applies that gradient too) and clears gradients
+    with the module's zero_grad(), which the fusion does not see: the
+    discriminator's next backward updates it again, and its step() is
+    refused, naming that cause and not only accumulation_steps (which would
+    fold the generator's loss into the discriminator's update)."""
+    torch.manual_seed(0)
+    gen, disc = nn.Linear(2, 3), nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    opt_d = rp.Adam(disc.parameters(), lr=1e-3)
+    opt_g = rp.Adam(gen.parameters(), lr=1e-3)
+    reprop.fuse(disc, opt_d, mode="backward")
+    real = torch.randn(8, 3)
+
+    def iteration() -> None:
+        disc.zero_grad()
+        (disc(gen(torch.randn(8, 2)).detach()).mean() - disc(real).mean()).backward()
+        opt_d.step()
+        gen.zero_grad()
+        (-disc(gen(torch.randn(8, 2))).mean()).backward()
+        opt_g.step()
+
+    iteration()
+    with pytest.raises(RuntimeError, match=_LATE_GRADIENT.replace("=2", "=1")) as info:
+        iteration()
+    assert "a GAN's generator loss through the discriminator" in str(info.value)
+
+
+def test_backward_mode_dry_run_under_fake_tensor_mode_updates_nothing() -> None:
+    """A memory dry run of a backward-fused model's training step under a
+    FakeTensorMode over its real parameters (allow_non_fake_inputs): eager's
+    backward there makes fake gradients and updates nothing, so the fusion's
+    hooks do nothing either, where the update raised the optimizer's
+    fake-mode refusal from inside backward(), which the user never called
+    step() for. After the dry run (zero_grad() drops the fake gradients)
+    training is eager's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ref = _mlp()
+    ref_opt = rp.Adam(ref.parameters(), lr=1e-2)
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=1e-2)
+    handle = reprop.fuse(model, opt, mode="backward")
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = _mlp_batch(0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        F.mse_loss(model(x), y).backward()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # step() and zero_grad() in backward mode
+        opt.zero_grad()
+        for i in range(3):
+            x, y = _mlp_batch(1 + i)
+            for m, o in ((ref, ref_opt), (model, opt)):
+                F.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b), _diff(b, a)
+
+
 # ---------------------------------------------------------------------------
 # 3. Forward mode: clipping and GradScaler
 # ---------------------------------------------------------------------------
@@ -1390,6 +1454,26 @@ def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
     handle.remove()
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(b, a), f"{n}: the original after the copy's training"
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "torch.save"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_copied_handle_is_removed_and_its_remove_does_nothing(mode: str, how: str) -> None:
+    """A copy of a handle (copy.copy, deepcopy, torch.save) is an inert,
+    removed handle: its remove() and `with` do nothing, as remove()'s
+    docstring says, where they raised AttributeError (no lock); the
+    original's fusion goes on."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode=mode)
+    twin = copy.copy(handle) if how == "copy" else _copy_of(handle, how)
+    twin.remove()
+    with twin:
+        pass
+    twin.flush()
+    assert reprop.fusion.fusion_of(model) is handle
+    handle.remove()
+    assert_plain_optimizer(opt)
 
 
 @pytest.mark.parametrize("impl", ["reprop", "torch"])

@@ -1124,9 +1124,12 @@ class FusionHandle:
         holds the model and the optimizer weakly: ``handle.model`` and
         ``handle.optimizer`` are None once nothing else holds them (the
         reprop counterpart of a torch optimizer, which only the fusion held,
-        at once); flush() and remove() do nothing."""
+        at once); flush() and remove() do nothing, as on a copy's inert
+        handle (_inert_handle, which has no lock)."""
+        if self._removed:
+            return
         with self._lock:
-            if not self._removed:
+            if not self._removed:  # (another thread's remove() since)
                 try:
                     self._undo()
                 finally:
@@ -1571,6 +1574,8 @@ class _BackwardFusion(FusionHandle):
 
     @_tensors.eager_under_compile
     def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if _tensors.fake_mode_active():
+            return  # a dry run's backward (fake gradients): eager's updates nothing either
         with self._lock:
             if self._removed:  # by another thread during this backward: p.grad is eager's now
                 return
@@ -1638,6 +1643,8 @@ class _BackwardFusion(FusionHandle):
     def _on_ddp_grad_ready(self, p: torch.Tensor) -> None:
         # (a second backward of one forward: DDP's reducer ignores it, and the
         # local gradient would stay in .grad for the next step's all-reduce)
+        if _tensors.fake_mode_active():
+            return  # (see _on_grad_ready)
         with self._lock:
             if self._removed:
                 return
@@ -1994,12 +2001,16 @@ class _BackwardFusion(FusionHandle):
         """Refuses a step() after a micro-batch (accumulating, or updating
         again) gave a gradient to a parameter backward moved since the last
         step() or zero_grad(): eager's step() makes one update from the
-        gradients since zero_grad(), where backward made one already. The loop steps later than the
-        fusion counted: micro-batches left over and neither stepped nor
-        zeroed (an epoch's shorter last window, with the loop counting again
-        from each epoch's start) made the next window's update come early,
-        which no count could foresee, since it depends on when the loop will
-        step; or the loop's windows are longer than accumulation_steps."""
+        gradients since zero_grad(), where backward made one already. The
+        loop steps later than the fusion counted: micro-batches left over
+        and neither stepped nor zeroed (an epoch's shorter last window, with
+        the loop counting again from each epoch's start) made the next
+        window's update come early, which no count could foresee, since it
+        depends on when the loop will step; or the loop's windows are longer
+        than accumulation_steps; or another loss's backward reached the
+        parameters after step() (a GAN's generator loss through the
+        discriminator) and a module's zero_grad(), which this fusion does
+        not see, cleared them."""
         if self._late is not None:
             raise RuntimeError(
                 f"reprop.fuse(mode='backward', accumulation_steps={self._every}): "
@@ -2011,7 +2022,11 @@ class _BackwardFusion(FusionHandle):
                 "zero_grad() after an epoch's shorter last window too (micro-batches left over "
                 "make the next window's update come early), or give fuse() the loop's "
                 "accumulation_steps, counted in forward-backward pairs (two a micro-batch: "
-                "2n). optimizer.zero_grad() discards the late gradients")
+                "2n). Or another loss's backward reached it after step() (a GAN's generator "
+                "loss through the discriminator), which backward() applied too, and a "
+                "module's zero_grad() cleared it unseen: keep that backward off these "
+                "parameters (requires_grad_(False) during it, or detach). "
+                "optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         self._zeroed_not_freed = not set_to_none
