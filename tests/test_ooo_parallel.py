@@ -1180,6 +1180,29 @@ def test_data_parallel_bucket_views_outlive_what_the_caller_does_to_grad(solo_gr
     dp.remove()
 
 
+@pytest.mark.parametrize("as_view", [True, False])
+def test_data_parallel_gradients_keep_a_channels_last_parameters_layout(solo_group, as_view):
+    """A channels_last Conv's .grad has the parameter's strides, as DDP's
+    (its bucket views follow each parameter's layout), where
+    gradient_as_bucket_view handed out contiguous views of the bucket; the
+    values stay autograd's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(
+        memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), gradient_as_bucket_view=as_view)
+    dp = DataParallel(model, k=1, gradient_as_bucket_view=as_view)
+    x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    for step in range(2):
+        for net in (model, ref, ddp):
+            net.zero_grad()
+            net(x).square().mean().backward()
+        _assert_same(model, ref, "grad")
+        for (name, p), q in zip(model.named_parameters(), ddp.module.parameters()):
+            assert p.grad.stride() == q.grad.stride() == p.stride(), name
+    dp.remove()
+
+
 def test_a_data_parallel_model_dropped_without_remove_is_freed(solo_group):
     """Dropping model, optimizer and handle without remove() frees them, as
     with DDP: the parameters' post-accumulate-grad hooks, which torch keeps

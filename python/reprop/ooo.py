@@ -62,7 +62,7 @@ from torch.utils import _pytree
 from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
-                       current_class, hook_owner, is_instance_by_name, replaced_forward,
+                       current_class, hook_owner, is_dense, is_instance_by_name, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -2551,13 +2551,24 @@ class _Bucket:
         # time of a bucket of many small parameters
         self._slices, offset = [], 0
         for q in self.params:
-            self._slices.append(self.flat[offset:offset + q.numel()].view_as(q))
+            self._slices.append(_shaped_like(self.flat[offset:offset + q.numel()], q))
             offset += q.numel()
         self.flags = self.flat[offset:]  # (len(params),) the usage flags after the gradients
 
     def views(self):
         """(parameter, its slice of the flat buffer, shaped like it)."""
         return zip(self.params, self._slices)
+
+
+def _shaped_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A bucket's flat piece as p's gradient: with p's strides where p is
+    dense (channels_last, a transpose), as DDP's reducer lays its bucket
+    views out, so that gradient_as_bucket_view hands out .grad in the
+    parameter's layout (a contiguous one for a channels_last Conv); the
+    ranks' strides agree (_verify_same_shapes)."""
+    if p.is_contiguous() or not is_dense(p):
+        return piece.view_as(p)
+    return piece.as_strided(p.shape, p.stride())
 
 
 def _pack(params: Sequence[torch.Tensor], cap_bytes: float,
