@@ -1558,10 +1558,13 @@ def test_fuse_stopped_anywhere_lets_the_optimizer_be_fused_again(mode: str) -> N
     """The stop button right before each line that fuse() runs in its own
     frame and in _claim_fusing, one run per line: running the cell again
     fuses the optimizer (after remove() of a fusion the stopped call made
-    whole), never refused by the claim the stopped call left; and the last
-    fuse() leaves no claim behind."""
+    whole), never refused by the claim the stopped call left; a stopped
+    call leaves none of its hooks on the model (a handle built but stopped
+    before it took the optimizer over left them, which fusion_of() cannot
+    find to remove); and the last fuse() leaves no claim behind."""
     model = nn.Linear(4, 2)
     opt = rp.SGD(model.parameters(), lr=0.1)
+    before = hook_snapshot(model, opt)
     n = 0
     while True:
         n += 1
@@ -1571,6 +1574,7 @@ def test_fuse_stopped_anywhere_lets_the_optimizer_be_fused_again(mode: str) -> N
         made = reprop.fusion.fusion_of(model)
         if made is not None:
             made.remove()
+        assert hook_snapshot(model, opt) == before, f"stopped before line {n}"
         if not stop.stopped:
             break
         reprop.fuse(model, opt, mode=mode).remove()

@@ -384,6 +384,7 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
                          f"{type(comm_state).__name__}); pass comm_hook too, or leave it None")
     engine = _engine_for(optimizer)  # first: it names an `optimizer` of another type
     _claim_fusing(optimizer)
+    handle = None
     try:
         _check_not_fused(optimizer)
         _check_no_instance_override(optimizer)
@@ -396,6 +397,13 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
             handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
         # the optimizer changes last: a handle that failed to build leaves it as it was
         handle._take_over_optimizer()
+    except BaseException:
+        # stopped (a notebook's stop button) between the build and the end of
+        # the take-over: its hooks stayed on the model, and fusion_of() could
+        # not find the handle to remove them
+        if handle is not None:
+            handle._unhook()
+        raise
     finally:  # (the claim is still this call's: no other call replaces a live one)
         _FUSING.pop(id(optimizer), None)
     return handle
@@ -907,6 +915,10 @@ def _inert_handle(cls: type):
     return handle
 
 
+def _nothing() -> None:
+    """A handle's _unclaim_all until its take-over claims the parameters."""
+
+
 def _low_precision_state_as_torch_keeps_it(optimizer: torch.optim.Optimizer) -> None:
     """A torch optimizer keeps its state in the parameter's dtype (its
     load_state_dict casts it so): the reprop engine's float32 state of
@@ -930,6 +942,10 @@ class FusionHandle:
         self.optimizer = engine
         self._user_optimizer = optimizer
         self._hooks: list = []
+        # what _take_over_optimizer saves and claims, for _unhook (nothing
+        # before it: fuse() unhooks a handle stopped before its take-over)
+        self._saved: dict = {}
+        self._unclaim_all: Callable[[], None] = _nothing
         self._warned: set = set()
         self._removed = False
         self._params = _all_params(engine)
