@@ -135,18 +135,21 @@ def _step_and_zero(model, opt):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_fusion_warnings_name_the_users_line(fresh_dynamo, compiled):
-    """The step() and zero_grad() fusion installs run inside a wrapper
-    (_tensors.eager_under_compile; under torch.compile, also dynamo's):
-    backward mode's warnings still point at the user's call. Compiled, a
-    fixed stacklevel pointed into fusion.py and _tensors.py."""
+def test_fused_step_warns_nothing_compiled_or_not(fresh_dynamo, compiled):
+    """The step() and zero_grad() backward fusion installs run inside a
+    wrapper (_tensors.eager_under_compile; under torch.compile, also
+    dynamo's). They warned, once, that they apply or clear only what no
+    backward did: on README's own loop, an error under -W error. Compiled or
+    not, reprop warns nothing there now. (Recorded, not raised: under -W
+    error torch 2.13's dynamo fails on its own warnings while tracing, the
+    plain torch.optim loop too.)"""
     model = _small_mlp()
     opt = reprop.optim.SGD(model.parameters(), lr=0.1)
     step = torch.compile(_step_and_zero, backend="eager") if compiled else _step_and_zero
-    with reprop.fuse(model, opt), pytest.warns(UserWarning) as caught:
+    with reprop.fuse(model, opt), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         step(model, opt)
-    assert [(w.filename, "step()" in str(w.message)) for w in caught] == \
-        [(__file__, True), (__file__, False)]
+    assert not [str(w.message) for w in caught if "reprop" in str(w.message)]
 
 
 def test_fullgraph_names_reprop_eager_step(fresh_dynamo):
