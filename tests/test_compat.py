@@ -200,6 +200,22 @@ def test_a_cuda_extension_that_does_not_load_is_named(tmp_path):
                                  "built but does not load (ImportError: "), run.stdout + run.stderr
 
 
+def test_the_cuda_load_warning_is_a_reprop_warning_at_the_users_import(tmp_path):
+    """The warning of a reprop._cuda that does not load pointed into
+    reprop/_native.py, and was a bare RuntimeWarning. It points at the
+    user's `import reprop` (past importlib's frames) and is a
+    reprop.ReproPWarning that is still a RuntimeWarning."""
+    pkg = _scratch_reprop(tmp_path)
+    (pkg / f"_cuda{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"not a shared object")
+    script = tmp_path / "train.py"
+    script.write_text("import os\nimport reprop\n")
+    run = _run_scratch(tmp_path, str(script))
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.startswith(f"{script}:2: ReproPRuntimeWarning: reprop: its CUDA extension"), run.stderr
+    assert issubclass(_tensors.ReproPRuntimeWarning, reprop.ReproPWarning)
+    assert issubclass(_tensors.ReproPRuntimeWarning, RuntimeWarning)
+
+
 def test_a_missing_c_extension_says_how_to_build_it(tmp_path):
     """Without a _C for this Python (a checkout never built, or one built for
     another Python) import said "cannot import name '_C' from partially
