@@ -1276,6 +1276,20 @@ def test_convert_warns_for_what_it_leaves():
         assert bppsa.convert(lstm) == []
 
 
+def _convert_in_users_helper(model: nn.Module) -> list:
+    return bppsa.convert(model)
+
+
+def test_convert_warning_is_a_reprop_warning_at_the_users_line():
+    """convert's warning was a bare UserWarning: a suite run with warnings as
+    errors could filter it only by its text. It is a reprop.ReproPWarning
+    (still a UserWarning), pointing at the user's call."""
+    with pytest.warns(reprop.ReproPWarning, match="LSTM is not supported") as caught:
+        _convert_in_users_helper(nn.LSTM(3, 4))
+    assert [(w.category, w.filename) for w in caught] == [(reprop.ReproPWarning, __file__)]
+    assert issubclass(reprop.ReproPWarning, UserWarning)
+
+
 @pytest.mark.parametrize("kind", ["gru", "tanh"])
 def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
     """A library that set its own forward on nn.GRU (or nn.RNN) itself:

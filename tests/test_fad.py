@@ -1303,6 +1303,16 @@ def test_patch_leaves_a_module_whose_forward_is_set_on_the_instance():
     assert fad.unpatch(model) == ["4"] and type(model[4]) is nn.GELU
 
 
+def test_patch_warning_is_a_reprop_warning_at_the_users_line():
+    """patch()'s warning was a bare UserWarning: a suite run with warnings as
+    errors could filter it only by its text. It is a reprop.ReproPWarning
+    (still a UserWarning), at the user's call."""
+    model = nn.Sequential(_forward_set_on_instance(nn.GELU()))
+    with pytest.warns(_tensors.ReproPWarning, match="forward set on the instance") as caught:
+        fad.patch(model)
+    assert [(w.category, w.filename) for w in caught] == [(_tensors.ReproPWarning, __file__)]
+
+
 def test_patch_leaves_a_module_whose_class_forward_a_library_replaced(monkeypatch):
     """A forward a library set on a torch activation class (nn.GELU.forward
     = ...) is what every module of the class computes: patch() swapped in

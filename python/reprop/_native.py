@@ -6,7 +6,6 @@ import importlib
 import os
 import platform
 import sysconfig
-import warnings
 
 # README's install command, and the in-place build of a checkout
 _BUILD = "pip install . (in a source checkout: python setup.py build_ext --inplace)"
@@ -58,9 +57,10 @@ def _load_cuda():
         if _not_there(exc, "_cuda"):
             return None, None
         error = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"reprop: its CUDA extension reprop._cuda is built but does not load ({error}); "
-                      f"reprop runs as if built without CUDA. Rebuild it with: {_BUILD}",
-                      RuntimeWarning, stacklevel=2)
+        from ._tensors import ReproPRuntimeWarning, warn_at_users_line  # here: _tensors imports torch
+        warn_at_users_line(f"reprop: its CUDA extension reprop._cuda is built but does not load ({error}); "
+                           f"reprop runs as if built without CUDA. Rebuild it with: {_BUILD}",
+                           ReproPRuntimeWarning)
         return None, error
 
 

@@ -222,17 +222,40 @@ def eager_under_compile(fn: Callable) -> Callable:
     return gated
 
 
+class ReproPWarning(UserWarning):
+    """The category of every warning reprop gives (reprop.ReproPWarning), so
+    that a suite run with warnings as errors can filter reprop's by class.
+    One that was of another category is that one too (ReproPRuntimeWarning):
+    filters by the old category still apply."""
+
+
+class ReproPRuntimeWarning(ReproPWarning, RuntimeWarning):
+    """reprop's RuntimeWarning: its CUDA extension is built but does not load."""
+
+
 _NOT_USERS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
 
 
-def warn_at_users_line(message: str, category: type = UserWarning) -> None:
-    """warnings.warn at the first frame outside reprop and torch: the user's
-    call, however many of reprop's and torch's frames lie between (an
-    optimizer's step wrappers, autograd's backward, and under torch.compile
-    dynamo's eval-frame wrappers, which a fixed stacklevel cannot count)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_NOT_USERS):
-        frame, level = frame.f_back, level + 1
+def _import_machinery(filename: str) -> bool:
+    """Whether a frame is importlib's bootstrap, which warnings skips without
+    counting it in stacklevel (CPython's _is_internal_frame)."""
+    return "importlib" in filename and "_bootstrap" in filename
+
+
+def warn_at_users_line(message: str, category: type = ReproPWarning) -> None:
+    """warnings.warn at the first frame outside reprop, torch and importlib:
+    the user's call, however many of reprop's and torch's frames lie between
+    (an optimizer's step wrappers, autograd's backward, under torch.compile
+    dynamo's eval-frame wrappers, and at `import reprop` the import system's,
+    which a fixed stacklevel cannot count)."""
+    frame, level = sys._getframe(1), 0
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _import_machinery(filename):
+            level += 1
+            if not filename.startswith(_NOT_USERS):
+                break
+        frame = frame.f_back
     warnings.warn(message, category, stacklevel=level + 1)
 
 

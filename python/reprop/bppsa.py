@@ -31,7 +31,6 @@ import itertools
 import math
 import os
 import sys
-import warnings
 import weakref
 from typing import Iterable, Sequence
 
@@ -52,6 +51,7 @@ from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active)
 from . import fusion
+from ._tensors import warn_at_users_line
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
            "ChainPlan", "chain_backward", "transposed_jacobian"]
@@ -1080,11 +1080,10 @@ def _replaced_forward(module: nn.Module, cls: type) -> str | None:
 
 
 def _warn_left(name: str, module: nn.Module, why: str) -> None:
-    """convert's UserWarning for a module (qualified `name`) it leaves as it
-    is, pointing at convert's caller."""
+    """convert's ReproPWarning (a UserWarning) for a module (qualified `name`)
+    it leaves as it is, pointing at convert's caller."""
     where = repr(name) if name else "the model itself"
-    warnings.warn(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}", UserWarning,
-                  stacklevel=3)
+    warn_at_users_line(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}")
 
 
 # ---------------------------------------------------------------------------

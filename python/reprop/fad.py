@@ -44,7 +44,6 @@ import itertools
 import math
 import numbers
 import threading
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
@@ -760,8 +759,8 @@ def patch(model: nn.Module, saved_dtype=None) -> dict[str, str]:
             changed[name] = f"torch.nn.{original.__name__} -> reprop.fad.{original.__name__}"
         changed.update(_patch_function_attributes(name, module, saved_dtype))
     for why, names in left.items():
-        warnings.warn(f"reprop.fad.patch left these activation modules as torch's: "
-                      f"{', '.join(map(repr, names))}: {why}", stacklevel=2)
+        _tensors.warn_at_users_line(f"reprop.fad.patch left these activation modules as torch's: "
+                                    f"{', '.join(map(repr, names))}: {why}")
     return changed
 
 

@@ -17,7 +17,8 @@ an unmodified ``nn.Module``; the training loop keeps calling
   stream when backward ends.
   ``optimizer.step()`` applies only gradients no backward applied (a window
   shorter than ``accumulation_steps``, gradients set by hand), and
-  ``zero_grad()`` clears only those (they warn once). A backward that raises
+  ``zero_grad()`` clears only those, without a warning (this is the loop
+  README recommends). A backward that raises
   has updated every layer it reached; what it left unapplied is eager's.
   Global information (gradient clipping, GradScaler) is not known before the
   updates in this mode: use ``mode="forward"`` for those; nor can the
@@ -946,7 +947,6 @@ class FusionHandle:
         # before it: fuse() unhooks a handle stopped before its take-over)
         self._saved: dict = {}
         self._unclaim_all: Callable[[], None] = _nothing
-        self._warned: set = set()
         self._removed = False
         self._params = _all_params(engine)
         # id -> fused parameter of a lazy module not yet materialized, whose
@@ -1231,12 +1231,6 @@ class FusionHandle:
 
     def __exit__(self, *exc) -> None:
         self.remove()
-
-    def _warn_once(self, what: str, message: str) -> None:
-        """Warns once per `what`, at the user's call."""
-        if what not in self._warned:
-            self._warned.add(what)
-            _tensors.warn_at_users_line(message)
 
     # Under torch.compile, dynamo must neither trace what torch calls of a
     # fusion (its module and gradient hooks, the step() and zero_grad() it
@@ -2002,11 +1996,10 @@ class _BackwardFusion(FusionHandle):
         return reduced.then(update)
 
     def _fused_step(self) -> None:
-        # (called by _step, _hooked_step and the step() fusion installs)
-        self._warn_once("step", "reprop.fuse(mode='backward'): each parameter is updated inside "
-                                "backward(); optimizer.step() applies only what no backward did "
-                                "(a window shorter than accumulation_steps, gradients set by "
-                                "hand)")
+        # (called by _step, _hooked_step and the step() fusion installs).
+        # No warning that it applies only what no backward did: step() is
+        # README's loop, and a note there made suites run with warnings as
+        # errors fail on correct code.
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
@@ -2062,9 +2055,6 @@ class _BackwardFusion(FusionHandle):
                 _zero_grad_of(p, set_to_none)
                 self._ready.pop(id(p), None)
         self._restart_window()
-        self._warn_once("zero_grad", "reprop.fuse(mode='backward'): gradients are freed as soon "
-                                     "as backward() applies them; optimizer.zero_grad() clears "
-                                     "only those not applied yet")
 
 
 class _ForwardFusion(FusionHandle):
