@@ -15,6 +15,7 @@ import warnings
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import reprop
 import reprop.optim
@@ -161,6 +162,28 @@ def test_fullgraph_names_reprop_eager_step(fresh_dynamo):
     model(torch.ones(1, 8)).sum().backward()
     with pytest.raises(Exception, match="compile without fullgraph=True"):
         torch.compile(opt.step, backend="eager", fullgraph=True)()
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_gate_is_torchs_is_compiling(fresh_dynamo, monkeypatch, backend):
+    """_tensors.compiling(), reprop's cheaper torch.compiler.is_compiling()
+    on its hooks and activations: True in code dynamo traces, in one graph
+    compiled once (the flag it reads eager, if read there, is guarded as a
+    constant that is False when the graph runs: a recompile every call),
+    and eager the flag that torch.export (and torch 2.13's compile session)
+    sets, as is_compiling()."""
+    def plus_one_if_compiling(x):
+        return x + 1 if _tensors.compiling() else x - 1
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend(backend)
+    compiled = torch.compile(plus_one_if_compiling, backend=counter, fullgraph=True)
+    for _ in range(3):
+        assert torch.equal(compiled(torch.zeros(2)), torch.ones(2))
+    assert counter.frame_count == 1
+    assert torch.equal(plus_one_if_compiling(torch.zeros(2)), -torch.ones(2))
+    for flag in (True, False):
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", flag)
+        assert _tensors.compiling() is torch.compiler.is_compiling() is flag
 
 
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:

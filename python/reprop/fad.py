@@ -365,7 +365,7 @@ def _for_torch(x) -> bool:
     FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
     whose class is not torch's, so torch's op records itself in the
     graph). Anything else must be a tensor the kernels take (_check_input)."""
-    if torch.compiler.is_compiling():
+    if _tensors.compiling():
         return True
     if not isinstance(x, torch.Tensor):
         return torch.overrides.is_tensor_like(x)
@@ -1750,7 +1750,7 @@ class enabled(TorchFunctionMode):
         # derivative carried from op to op) into its graphs, and a graph break
         # in here (at the checkpoint hook query) made it drop a number on
         # the left of the op that broke: 1.0 + (2.0 * (t + 1.0)) gave 4.0.
-        if torch.compiler.is_compiling():
+        if _tensors.compiling():
             return func(*args, **kwargs)
         if func is torch.Tensor.retain_grad and getattr(args[0].grad_fn, "led_past", False):
             raise _led_past_error("retain_grad()")
