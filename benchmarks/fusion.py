@@ -58,7 +58,6 @@ from __future__ import annotations
 import copy
 import os
 import sys
-import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -113,10 +112,6 @@ CHECK_SEED = 1
 # Targets (CUDA; printed as PASS/MISS, never asserted).
 TARGET_SPEEDUP = 1.25        # backward-fusion over torch foreach, MobileNetV2 AdamW at --batch
 TARGET_GRAD_SAVING = 0.5     # backward-fusion's peak below reprop eager's, as a fraction of the grads
-
-# reprop.fuse's backward mode makes step() and zero_grad() no-ops and says so once per handle;
-# the benchmark's loop calls them on purpose (the user's loop, unchanged).
-warnings.filterwarnings("ignore", message=r"reprop\.fuse", category=UserWarning)
 
 
 @dataclass(frozen=True)

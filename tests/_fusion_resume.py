@@ -54,7 +54,6 @@ import gc
 import itertools
 import os
 import sys
-import warnings
 import weakref
 
 import torch
@@ -91,16 +90,14 @@ def ddp(rank: int, world: int, init_file: str, out: str) -> None:
         handle = None
         if kind.startswith("fused"):
             handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # backward mode: step()/zero_grad() are no-ops that warn
-            for i in range(DDP_STEPS):
-                x, y = case.batch(1000 * rank + i)
-                last = (i + 1) % every == 0
-                with contextlib.nullcontext() if last else model.no_sync():
-                    (F.mse_loss(model(x), y) / every).backward()
-                if last:
-                    opt.step()
-                    opt.zero_grad()
+        for i in range(DDP_STEPS):
+            x, y = case.batch(1000 * rank + i)
+            last = (i + 1) % every == 0
+            with contextlib.nullcontext() if last else model.no_sync():
+                (F.mse_loss(model(x), y) / every).backward()
+            if last:
+                opt.step()
+                opt.zero_grad()
         if handle is not None:
             handle.flush()
         r = tf.Result(
@@ -132,13 +129,11 @@ def ddp_lifetimes(rank: int) -> dict:
         model = DDP(case.make_model())
         opt = tf.make_optimizer(model, "AdamW")
         handle = reprop.fuse(model, opt, mode="backward")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(3):
-                x, y = case.batch(1000 * rank + i)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
+        for i in range(3):
+            x, y = case.batch(1000 * rank + i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
         return model, opt, handle
 
     model, opt, handle = fused_ddp()
@@ -179,18 +174,16 @@ def ddp_unused(rank: int, world: int, init_file: str, out: str, set_to_none: boo
                     gradient_as_bucket_view=as_view)
         opt = reprop.optim.Adam(model.parameters(), lr=0.01)
         handle = reprop.fuse(model, opt, mode="backward") if kind == "fused" else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(4):
-                x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
-                # step 0: every rank uses aux; step 2: rank 0 alone; else none
-                use_aux = i == 0 or (i == 2 and rank == 0)
-                model(x, use_aux).square().mean().backward()
-                if evaluate:
-                    with torch.no_grad():
-                        model(x, True)
-                opt.step()
-                opt.zero_grad(set_to_none=set_to_none)
+        for i in range(4):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            # step 0: every rank uses aux; step 2: rank 0 alone; else none
+            use_aux = i == 0 or (i == 2 and rank == 0)
+            model(x, use_aux).square().mean().backward()
+            if evaluate:
+                with torch.no_grad():
+                    model(x, True)
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
         if handle is not None:
             handle.remove()
         r = tf.Result(params={n: p.detach().clone() for n, p in model.named_parameters()},
@@ -255,14 +248,12 @@ def ddp_join(rank: int, world: int, init_file: str, out: str) -> None:
         first = mode == "forward, Join first"  # the Join then holds DDP's own join hook
         join = Join([model]) if first else None
         handle = reprop.fuse(model, opt, mode="forward" if first else mode) if mode else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            with join or Join([model]):
-                for i in range(2 + rank):
-                    x, y = tf._mlp_batch(10 * rank + i)
-                    F.mse_loss(model(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
+        with join or Join([model]):
+            for i in range(2 + rank):
+                x, y = tf._mlp_batch(10 * rank + i)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
         if handle is not None:
             handle.remove()
         results[str(mode)] = [p.detach().clone() for p in model.parameters()]
@@ -292,16 +283,14 @@ def _comm_hooks() -> dict:
 
 def _mlp_steps(model, opt, rank: int, steps: int, before=None) -> None:
     """`steps` steps of the eager loop on rank's own batches of tf._mlp's
-    data (warnings off: backward mode's step() warns); before(i) first."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(steps):
-            if before is not None:
-                before(i)
-            x, y = tf._mlp_batch(10 * rank + i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    data; before(i) first."""
+    for i in range(steps):
+        if before is not None:
+            before(i)
+        x, y = tf._mlp_batch(10 * rank + i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
 
 
 def ddp_comm_hook(rank: int, world: int, init_file: str, out: str) -> None:

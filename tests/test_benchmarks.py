@@ -141,7 +141,6 @@ def fusion_report(optimizer: str, machine: dict, capsys, monkeypatch, wrong: str
     return capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse")
 @pytest.mark.parametrize("wrong", [fusion_bench.BACKWARD, fusion_bench.EAGER])
 def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
     # The old check compared the total movement sum |p - p0| with torch foreach's: training on
@@ -157,7 +156,6 @@ class SGDWithoutMomentum(reprop.optim.SGD):
         super().__init__(params, **{**kwargs, "momentum": 0.0})
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse")
 @pytest.mark.parametrize("optimizer, wrong", [("adamw", AdamWWithWrongBeta1), ("sgd", SGDWithoutMomentum)])
 def test_fusion_flags_wrong_betas_or_momentum(optimizer, wrong, machine, capsys, monkeypatch):
     # reprop eager was compared with torch foreach after one step, which is the same with any betas
@@ -177,7 +175,6 @@ def test_optim_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
     assert exit_.value.code == 1 and "WARNING: sgd / 1x0.001M" in capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse")
 def test_fusion_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
     # It printed the WARNING and exited with status 0.
     monkeypatch.setattr(reprop.optim, "SGD", SGDWithoutMomentum)
@@ -190,7 +187,6 @@ def test_fusion_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
     assert exit_.value.code == 1 and f"{fusion_bench.EAGER}: not the parameters" in capsys.readouterr().out
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse")
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
     report = fusion_report(optimizer, machine, capsys, monkeypatch)

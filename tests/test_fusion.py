@@ -327,7 +327,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def _catch(self):
-        """Records every warning (fusion's own no-op warnings, torch's)."""
+        """Records every warning (torch's, such as its scheduler notes, and any of reprop's)."""
         with warnings.catch_warnings(record=True) as log:
             warnings.simplefilter("always")
             try:
@@ -815,14 +815,12 @@ def test_backward_accumulation_counts_micro_batches(how: str, every: int, set_to
     opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
     batches = [torch.randn(4, 5) for _ in range(4 * every)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
-        for i, x in enumerate(batches):
-            for m, o in ((ref_model, ref_opt), (model, opt)):
-                (_micro_batch_loss(m, x, how) / every).backward()
-                if (i + 1) % every == 0:
-                    o.step()
-                    o.zero_grad(set_to_none=set_to_none)
+    for i, x in enumerate(batches):
+        for m, o in ((ref_model, ref_opt), (model, opt)):
+            (_micro_batch_loss(m, x, how) / every).backward()
+            if (i + 1) % every == 0:
+                o.step()
+                o.zero_grad(set_to_none=set_to_none)
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     handle.remove()
@@ -931,9 +929,7 @@ def test_backward_mode_finishes_what_eager_step_does(case: str) -> None:
     window's earlier gradients, kept zeros, the hyper-parameters of that
     backward), and counting a micro-batch whose only grad-mode forward is
     a reentrant checkpoint's recompute, in loops that skip step()."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got, want = STEP_CASES[case](True), STEP_CASES[case](False)
+    got, want = STEP_CASES[case](True), STEP_CASES[case](False)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -972,15 +968,13 @@ def _epochs_with_a_shorter_last_window(fused: bool, set_to_none: bool, keep_grad
     opt = rp.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     if fused:
         reprop.fuse(model, opt, mode="backward", accumulation_steps=4, keep_grads=keep_grads)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(2):
-            for i in range(10):
-                x = torch.randn(3, 4, generator=_gen(i))
-                (model(x).square().mean() / 4).backward()
-                if (i + 1) % 4 == 0 or i + 1 == 10:
-                    opt.step()
-                    opt.zero_grad(set_to_none=set_to_none)
+    for _ in range(2):
+        for i in range(10):
+            x = torch.randn(3, 4, generator=_gen(i))
+            (model(x).square().mean() / 4).backward()
+            if (i + 1) % 4 == 0 or i + 1 == 10:
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
     return [p.detach() for p in model.parameters()]
 
 
@@ -1009,19 +1003,17 @@ def _accumulation_loop(fused: bool, name: str, ops: str, every: int = 2):
     if fused:
         reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
     loss = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
-        for i, op in enumerate(ops):
-            if op in "bf":
-                loss = model(torch.randn(4, 3, generator=_gen(i))).square().mean()
-            if op in "bk":
-                loss.backward()
-            if op == "s":
-                opt.step()
-            if op in "sz":
-                opt.zero_grad()
-            if op == "s":
-                yield [p.detach().clone() for p in model.parameters()]
+    for i, op in enumerate(ops):
+        if op in "bf":
+            loss = model(torch.randn(4, 3, generator=_gen(i))).square().mean()
+        if op in "bk":
+            loss.backward()
+        if op == "s":
+            opt.step()
+        if op in "sz":
+            opt.zero_grad()
+        if op == "s":
+            yield [p.detach().clone() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam"])
@@ -1077,7 +1069,6 @@ def test_backward_accumulation_step_refuses_a_window_longer_than_counted(name: s
         next(got)
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 def test_backward_accumulation_late_gradient_refused_until_zero_grad() -> None:
     """The step() after a late micro-batch is refused again at a retry;
     zero_grad() discards the late gradient and restarts the window, whose
@@ -1102,7 +1093,6 @@ def test_backward_accumulation_late_gradient_refused_until_zero_grad() -> None:
     opt.step()
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 def test_backward_gan_loop_clearing_with_module_zero_grad_is_refused_with_its_cause() -> None:
     """A GAN loop whose generator loss reaches the fused discriminator after
     its step() (backward applies that gradient too) and clears gradients
@@ -1152,15 +1142,13 @@ def test_backward_mode_dry_run_under_fake_tensor_mode_updates_nothing() -> None:
         F.mse_loss(model(x), y).backward()
     for p, b in zip(model.parameters(), before):
         assert torch.equal(p, b)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # step() and zero_grad() in backward mode
-        opt.zero_grad()
-        for i in range(3):
-            x, y = _mlp_batch(1 + i)
-            for m, o in ((ref, ref_opt), (model, opt)):
-                F.mse_loss(m(x), y).backward()
-                o.step()
-                o.zero_grad()
+    opt.zero_grad()
+    for i in range(3):
+        x, y = _mlp_batch(1 + i)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
     handle.remove()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b), _diff(b, a)
@@ -1204,20 +1192,18 @@ def _two_optimizers_clipped(clip: str) -> tuple:
     if clip.startswith("fuse"):
         handles = [reprop.fuse(model, o, mode="forward",
                                clip_grad_norm=0.05 if clip == "fuse arg" else None) for o in opts]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(6):
+    for i in range(6):
+        for o in opts:
+            o.zero_grad()
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        if clip == "eager per optimizer":
             for o in opts:
-                o.zero_grad()
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
-            if clip == "eager per optimizer":
-                for o in opts:
-                    torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.05)
-            elif clip != "fuse arg":
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            for o in opts:
-                o.step()
+                torch.nn.utils.clip_grad_norm_(o.param_groups[0]["params"], 0.05)
+        elif clip != "fuse arg":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        for o in opts:
+            o.step()
     if clip.startswith("fuse"):
         for h in handles:
             h.remove()
@@ -1426,31 +1412,29 @@ def test_a_copy_of_a_fused_model_is_a_plain_model(mode: str, how: str) -> None:
     model = _mlp()
     opt = rp.Adam(model.parameters(), lr=1e-2)
     handle = reprop.fuse(model, opt, mode=mode)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(6):
-            x, y = _mlp_batch(i)
-            for m, o in ((ref, ref_opt), (model, opt)):
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        if i != 2:
+            continue
+        twin, plain = _copy_of(model, how), _mlp()
+        with torch.no_grad():
+            for a, b in zip(plain.parameters(), ref.parameters()):
+                a.copy_(b)
+        opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
+        for j in range(3):
+            x, y = _mlp_batch(100 + j)
+            for m, o in zip((plain, twin), opts):
                 F.mse_loss(m(x), y).backward()
+            for (n, a), b in zip(plain.named_parameters(), twin.parameters()):
+                assert b.grad is not None and torch.equal(b.grad, a.grad), f"{n}: copy's grad"
+                assert torch.equal(b, a), f"{n}: the copy changed in backward"
+            for o in opts:
                 o.step()
                 o.zero_grad()
-            if i != 2:
-                continue
-            twin, plain = _copy_of(model, how), _mlp()
-            with torch.no_grad():
-                for a, b in zip(plain.parameters(), ref.parameters()):
-                    a.copy_(b)
-            opts = [rp.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (plain, twin)]
-            for j in range(3):
-                x, y = _mlp_batch(100 + j)
-                for m, o in zip((plain, twin), opts):
-                    F.mse_loss(m(x), y).backward()
-                for (n, a), b in zip(plain.named_parameters(), twin.parameters()):
-                    assert b.grad is not None and torch.equal(b.grad, a.grad), f"{n}: copy's grad"
-                    assert torch.equal(b, a), f"{n}: the copy changed in backward"
-                for o in opts:
-                    o.step()
-                    o.zero_grad()
     handle.remove()
     for (n, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(b, a), f"{n}: the original after the copy's training"
@@ -1582,7 +1566,6 @@ def test_fuse_stopped_anywhere_lets_the_optimizer_be_fused_again(mode: str) -> N
     assert n > 10 and not reprop.fusion._FUSING
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("second", MODES)
 @pytest.mark.parametrize("first", MODES)
 def test_two_fused_optimizers_sharing_a_parameter_are_refused(first: str, second: str) -> None:
@@ -1612,7 +1595,6 @@ def test_two_fused_optimizers_sharing_a_parameter_are_refused(first: str, second
     reprop.fuse(model, o2, mode=second).remove()
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("keep_grads", [False, True])
 def test_backward_mode_grad_scaler_step_is_refused(keep_grads: bool) -> None:
     """backward() applies the updates from the scaled gradients before a
@@ -1636,7 +1618,6 @@ def test_backward_mode_grad_scaler_step_is_refused(keep_grads: bool) -> None:
     assert not getattr(opt, "_step_supports_amp_scaling", False)  # torch's own again
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("clip", ["norm", "value", "none"])
 def test_backward_mode_kept_gradients_clipped_after_backward_are_refused(clip: str) -> None:
     """keep_grads=True: a kept gradient clipped in place after backward()
@@ -1664,7 +1645,6 @@ def test_backward_mode_kept_gradients_clipped_after_backward_are_refused(clip: s
     h.remove()
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("retries", [0, 2])
 @pytest.mark.parametrize("refused_at", ["step", "forward", "forward_after_zero_grad"])
 def test_backward_mode_kept_gradients_refused_until_zero_grad(refused_at: str, retries: int) -> None:
@@ -1706,7 +1686,6 @@ def test_backward_mode_kept_gradients_refused_until_zero_grad(refused_at: str, r
         assert torch.equal(a, b), _diff(a, b)
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("mode", MODES)
 def test_fusion_of_finds_the_fusion_of_a_dropped_optimizer(mode: str) -> None:
     """The model keeps its fusion, and the fusion its optimizer: once the
@@ -1891,7 +1870,6 @@ def test_training_goes_on_when_the_user_drops_the_handle(kind: str) -> None:
     t.handle.remove()
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("mode", MODES)
 def test_a_layer_dropped_from_a_fused_model_is_freed(mode: str) -> None:
     """A notebook swaps a fused model's head, its parameters left in the
@@ -1970,15 +1948,13 @@ def _remove_between_backward_and_step(fused: bool, every: int, keep_grads: bool)
     is removed between the backward and the step() of micro-batch 5, the
     last of a window, so eager step() runs there."""
     m, o, h = _two_layers(fused, every, keep_grads)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(8):
-            m(_LOOP_X[i]).square().sum().backward()
-            if i == 5 and h is not None:
-                h.remove()
-            if (i + 1) % every == 0:
-                o.step()
-                o.zero_grad()
+    for i in range(8):
+        m(_LOOP_X[i]).square().sum().backward()
+        if i == 5 and h is not None:
+            h.remove()
+        if (i + 1) % every == 0:
+            o.step()
+            o.zero_grad()
     return [p.detach() for p in m.parameters()]
 
 
@@ -2001,15 +1977,13 @@ def _grads_set_by_hand(fused: bool) -> tuple:
     opt = rp.Adam(model.parameters(), lr=0.1)
     if fused:
         reprop.fuse(model, opt, mode="backward")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(3):
-            opt.zero_grad()
-            params = list(model.parameters())
-            grads = torch.autograd.grad(model(torch.randn(3, 4, generator=_gen(i))).square().sum(), params)
-            for p, g in zip(params, grads):
-                p.grad = g
-            opt.step()
+    for i in range(3):
+        opt.zero_grad()
+        params = list(model.parameters())
+        grads = torch.autograd.grad(model(torch.randn(3, 4, generator=_gen(i))).square().sum(), params)
+        for p, g in zip(params, grads):
+            p.grad = g
+        opt.step()
     return model, opt
 
 
@@ -2032,17 +2006,15 @@ def test_fusing_in_the_middle_of_eager_training(mode: str, at: str) -> None:
         model = _mlp()
         opt = rp.SGD(model.parameters(), lr=0.1)
         handle = None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(6):
-                if i == fuse_at and at == "before_zero_grad":
-                    handle = reprop.fuse(model, opt, mode=mode)
-                opt.zero_grad()
-                x, y = _mlp_batch(i)
-                F.mse_loss(model(x), y).backward()
-                if i == fuse_at and at == "before_step":
-                    handle = reprop.fuse(model, opt, mode=mode)
-                opt.step()
+        for i in range(6):
+            if i == fuse_at and at == "before_zero_grad":
+                handle = reprop.fuse(model, opt, mode=mode)
+            opt.zero_grad()
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if i == fuse_at and at == "before_step":
+                handle = reprop.fuse(model, opt, mode=mode)
+            opt.step()
         if handle is not None:
             handle.remove()
         return model, opt
@@ -2128,15 +2100,13 @@ def _train_with_grad_hooks_after_fuse(make_opt: Callable, fused: bool) -> tuple:
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(log)
         p.register_post_accumulate_grad_hook(halve)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(4):
-            before = model[4].weight.detach().clone()
-            h = model[0](torch.randn(7, 4, generator=_gen(i)))
-            h.register_hook(lambda g: updated_inside.append(not torch.equal(model[4].weight, before)))
-            model[1:](h).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    for i in range(4):
+        before = model[4].weight.detach().clone()
+        h = model[0](torch.randn(7, 4, generator=_gen(i)))
+        h.register_hook(lambda g: updated_inside.append(not torch.equal(model[4].weight, before)))
+        model[1:](h).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
     if handle is not None:
         handle.remove()
     return [p.detach() for p in model.parameters()], seen, updated_inside
@@ -2182,16 +2152,14 @@ def _train_with_bias_grad_set_to_none(fused: bool, keep_grads: bool, hook_after_
                     accumulation_steps=accumulation_steps)
     if hook_after_fuse:
         a.bias.register_post_accumulate_grad_hook(drop_grad)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
-        for i in range(3 * accumulation_steps):
-            x = torch.randn(5, 4, generator=_gen(i))
-            out = b(x) + a(x) if i < accumulation_steps else b(x)
-            out.square().sum().backward()
-            assert a.bias.grad is None
-            if (i + 1) % accumulation_steps == 0:
-                opt.step()
-                opt.zero_grad(set_to_none=False)
+    for i in range(3 * accumulation_steps):
+        x = torch.randn(5, 4, generator=_gen(i))
+        out = b(x) + a(x) if i < accumulation_steps else b(x)
+        out.square().sum().backward()
+        assert a.bias.grad is None
+        if (i + 1) % accumulation_steps == 0:
+            opt.step()
+            opt.zero_grad(set_to_none=False)
     return [p.detach() for p in model.parameters()]
 
 
@@ -2241,22 +2209,20 @@ def _second_layer_idle(opt_name: str, fuse_options: dict | None, set_to_none: Ca
         if handle is not None and remove_at == (i, place):
             handle.remove()
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
-        for i, x in enumerate(_IDLE_X):
-            remove_if_at(i, "before_zero_grad")
-            if i % every == 0:
-                opt.zero_grad(set_to_none=set_to_none(i))
-            remove_if_at(i, "after_zero_grad")
-            out = model[0](x)
-            if i in (0, 3):
-                out = model[1](out)
-            remove_if_at(i, "after_forward")
-            out.square().mean().backward()
-            remove_if_at(i, "after_backward")
-            if (i + 1) % every == 0:
-                opt.step()
-            remove_if_at(i, "after_step")
+    for i, x in enumerate(_IDLE_X):
+        remove_if_at(i, "before_zero_grad")
+        if i % every == 0:
+            opt.zero_grad(set_to_none=set_to_none(i))
+        remove_if_at(i, "after_zero_grad")
+        out = model[0](x)
+        if i in (0, 3):
+            out = model[1](out)
+        remove_if_at(i, "after_forward")
+        out.square().mean().backward()
+        remove_if_at(i, "after_backward")
+        if (i + 1) % every == 0:
+            opt.step()
+        remove_if_at(i, "after_step")
     return model, opt
 
 
@@ -2340,14 +2306,12 @@ def test_backward_mode_zero_grads_laid_out_as_autograds(given_by: str) -> None:
     x = torch.randn(2, 3, 4, 4)
     model[1](x).square().sum().backward()
     eager_layout = torch.empty_like(x, memory_format=torch.contiguous_format).stride()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() warnings
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        if given_by == "remove":
-            handle.remove()
-        model[0](torch.randn(4, 3)).sum().backward()
-        opt.step()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    if given_by == "remove":
+        handle.remove()
+    model[0](torch.randn(4, 3)).sum().backward()
+    opt.step()
     w = model[1].w
     assert w.grad is not None and not w.grad.any() and w.grad.stride() == eager_layout
     handle.remove()
@@ -2364,14 +2328,12 @@ def test_backward_mode_param_group_removed_and_added_again_updates_once() -> Non
         opt = rp.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
         handle = reprop.fuse(model, opt, mode="backward") if fused else None
         group = opt.param_groups.pop()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(3):
-                model(torch.randn(4, 3, generator=_gen(i))).sum().backward()
-                opt.step()
-                opt.zero_grad()
-                if i == 0:
-                    opt.add_param_group(group)
+        for i in range(3):
+            model(torch.randn(4, 3, generator=_gen(i))).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                opt.add_param_group(group)
         if handle is not None:
             handle.remove()
         return [p.detach() for p in model.parameters()]
@@ -2425,18 +2387,16 @@ def test_backward_mode_groups_edited_before_gradients_run_outside_backward() -> 
         if fused:
             handle = ooo.enable(model, profile_iters=2)
             fusion = reprop.fuse(model, opt, mode="backward")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for step in range(4):
-                with handle.hold() if fused else contextlib.nullcontext() as tasks:
-                    out = model(x).sum()
-                    if step == 3:
-                        opt.param_groups.pop()
-                    out.backward()
-                if fused:
-                    handle.run(tasks)
-                opt.step()
-                opt.zero_grad()
+        for step in range(4):
+            with handle.hold() if fused else contextlib.nullcontext() as tasks:
+                out = model(x).sum()
+                if step == 3:
+                    opt.param_groups.pop()
+                out.backward()
+            if fused:
+                handle.run(tasks)
+            opt.step()
+            opt.zero_grad()
         if fused:
             fusion.remove()
             handle.remove()
@@ -2465,15 +2425,13 @@ def test_backward_mode_groups_edited_between_forward_and_backward(edit: str, war
                       {"params": list(model[1].parameters()), "lr": 0.5}], lr=0.1, momentum=0.9)
         if fused:
             reprop.fuse(root, opt, mode="backward")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # fusion's no-op step()/zero_grad() warnings
-            for i in range(warm + 2):
-                loss = root(torch.randn(2, 3, generator=_gen(i))).square().sum()
-                if i == warm:
-                    _edit_groups(opt, model, edit)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
+        for i in range(warm + 2):
+            loss = root(torch.randn(2, 3, generator=_gen(i))).square().sum()
+            if i == warm:
+                _edit_groups(opt, model, edit)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
         return [p.detach() for p in model.parameters()]
 
     with _one_rank_process_group() if ddp else contextlib.nullcontext():
@@ -2598,12 +2556,10 @@ def _train_two_use(detach: bool, make_opt, mode: str | None, steps: int):
     model = TwoUse(detach=detach)
     opt = make_opt(model.parameters())
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(steps):
-            model(torch.randn(5, 4, generator=_gen(i))).backward()
-            opt.step()
-            opt.zero_grad()
+    for i in range(steps):
+        model(torch.randn(5, 4, generator=_gen(i))).backward()
+        opt.step()
+        opt.zero_grad()
     if handle is not None:
         handle.remove()
     return model, opt
@@ -2751,8 +2707,7 @@ def test_update_under_allow_mutation_on_saved_tensors_matches_eager(name: str, m
         model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
         opt = getattr(rp, name)(model.parameters(), **RICH[name])
         handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        with warnings.catch_warnings(), torch.autograd.graph.allow_mutation_on_saved_tensors():
-            warnings.simplefilter("ignore")
+        with torch.autograd.graph.allow_mutation_on_saved_tensors():
             for i in range(3):
                 x = torch.randn(5, 4, generator=_gen(i), requires_grad=True)
                 loss = model(x).square().mean()
@@ -2800,17 +2755,15 @@ def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -
     opt = rp.Adam(model.parameters(), lr=0.1)
     handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
     tokens = torch.arange(10)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for _ in range(every - 1):  # the loop steps after the window's last micro-batch
-            a, b = model(tokens)
-            a.square().mean().backward(retain_graph=True)
-            b.square().mean().backward()
+    for _ in range(every - 1):  # the loop steps after the window's last micro-batch
         a, b = model(tokens)
         a.square().mean().backward(retain_graph=True)
-        with pytest.raises(RuntimeError, match=r"mode='backward'.* second gradient .*Add the "
-                                               r"losses and call backward\(\) once"):
-            b.square().mean().backward()
+        b.square().mean().backward()
+    a, b = model(tokens)
+    a.square().mean().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"mode='backward'.* second gradient .*Add the "
+                                           r"losses and call backward\(\) once"):
+        b.square().mean().backward()
     assert all(float(opt.state[p]["step"]) <= 1 for p in model.parameters())
     handle.remove()
 
@@ -2823,21 +2776,19 @@ def _one_gradient_per_step(how: str, fused: bool) -> list:
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if fused:
         reprop.fuse(model, opt, mode="backward", accumulation_steps=2 if how == "two_forwards" else 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(4):
-            x = torch.randn(5, 4, generator=_gen(i))
-            out = model(x)
-            if how == "autograd_grad":  # a gradient penalty, a logged norm: accumulates nothing
-                torch.autograd.grad(out.square().sum(), list(model.parameters()), retain_graph=True)
-            out.sum().backward()
-            if how == "two_forwards":  # a forward per loss: two micro-batches
-                model(x.flip(0)).square().mean().backward()
-            with torch.no_grad():  # an eval forward in between
-                model(x)
-            if not (fused and how == "no_step"):  # the next forward ends the step
-                opt.step()
-                opt.zero_grad()
+    for i in range(4):
+        x = torch.randn(5, 4, generator=_gen(i))
+        out = model(x)
+        if how == "autograd_grad":  # a gradient penalty, a logged norm: accumulates nothing
+            torch.autograd.grad(out.square().sum(), list(model.parameters()), retain_graph=True)
+        out.sum().backward()
+        if how == "two_forwards":  # a forward per loss: two micro-batches
+            model(x.flip(0)).square().mean().backward()
+        with torch.no_grad():  # an eval forward in between
+            model(x)
+        if not (fused and how == "no_step"):  # the next forward ends the step
+            opt.step()
+            opt.zero_grad()
     return [p.detach() for p in model.parameters()]
 
 
@@ -2859,14 +2810,12 @@ def _train_shared_and_checkpointed(fused: bool, reentrant: bool) -> list:
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if fused:
         reprop.fuse(model, opt, mode="backward")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(3):
-            h = model[0](torch.randn(5, 4, generator=_gen(i)))
-            h = checkpoint(lambda t: model[1](model[0](t)), h, use_reentrant=reentrant)
-            model[2](h).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+    for i in range(3):
+        h = model[0](torch.randn(5, 4, generator=_gen(i)))
+        h = checkpoint(lambda t: model[1](model[0](t)), h, use_reentrant=reentrant)
+        model[2](h).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
     return [p.detach() for p in model.parameters()]
 
 
@@ -3002,14 +2951,12 @@ def test_numpy_int_accumulation_steps_is_a_count() -> None:
         model = _mlp()
         opt = rp.SGD(model.parameters(), lr=0.1)
         handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=steps)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for i in range(4):
-                x, y = _mlp_batch(i)
-                F.mse_loss(model(x), y).backward()
-                if i % 2 == 1:
-                    opt.step()
-                    opt.zero_grad()
+        for i in range(4):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
         handle.remove()
         runs[type(steps).__name__] = (model, opt)
     _assert_same_training(runs["int64"], runs["int"])
@@ -3135,11 +3082,9 @@ def test_backward_mode_updates_after_a_forward_that_bypasses_root_hooks() -> Non
     model = nn.Sequential(nn.Linear(2, 2))
     opt = rp.SGD(model.parameters(), lr=0.1)
     before = model[0].weight.detach().clone()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with reprop.fuse(model, opt, mode="backward"):
-            model.forward(torch.ones(1, 2)).sum().backward()
-            assert model[0].weight.grad is None
+    with reprop.fuse(model, opt, mode="backward"):
+        model.forward(torch.ones(1, 2)).sum().backward()
+        assert model[0].weight.grad is None
     assert not torch.equal(model[0].weight.detach(), before)
 
 
@@ -3176,22 +3121,20 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode=mode, **(fuse_options or {})) if mode else None
     call = _LayerByLayer(model) if layer_by_layer else model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(steps):
-            if events and i in events:
-                events[i](model, opt)
-            x, y = (t.to(device) for t in _mlp_batch(i))
-            F.mse_loss(call(x), y).backward()
-            if before_step and i in before_step:
-                before_step[i](model, opt)
-            if instead_of_step and i in instead_of_step:
-                instead_of_step[i](model, opt)
-            else:
-                opt.step()
-            if after_step and i in after_step:
-                after_step[i](model, opt)
-            opt.zero_grad(set_to_none=set_to_none)
+    for i in range(steps):
+        if events and i in events:
+            events[i](model, opt)
+        x, y = (t.to(device) for t in _mlp_batch(i))
+        F.mse_loss(call(x), y).backward()
+        if before_step and i in before_step:
+            before_step[i](model, opt)
+        if instead_of_step and i in instead_of_step:
+            instead_of_step[i](model, opt)
+        else:
+            opt.step()
+        if after_step and i in after_step:
+            after_step[i](model, opt)
+        opt.zero_grad(set_to_none=set_to_none)
     if handle is not None:
         handle.remove()
     return model, opt
@@ -3334,7 +3277,6 @@ class _WithLazyHead(nn.Module):
         return self.body(x)
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("mode", MODES)
 def test_a_lazy_parameter_the_optimizer_drops_before_materializing_is_let_go(mode: str) -> None:
     """A lazy parameter the optimizer lets go before any forward
@@ -3358,7 +3300,6 @@ def test_a_lazy_parameter_the_optimizer_drops_before_materializing_is_let_go(mod
         assert head() is None, "the fusion still holds the dropped lazy parameter"
 
 
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 def test_backward_mode_looks_for_materialized_lazy_parameters_only_in_their_owners_forward(
         monkeypatch) -> None:
     """Backward mode hooks a lazy parameter at its module's first forward,
@@ -3642,13 +3583,11 @@ def test_torch_optimizer_load_state_dict_after_fuse(mode: str) -> None:
     handle = reprop.fuse(model, opt, mode=mode)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(copy.deepcopy(ckpt["opt"]))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(4, 8):
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+    for i in range(4, 8):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
     sd = opt.state_dict()
     handle.remove()
     assert sd["param_groups"][0]["lr"] == 0.01
@@ -3665,13 +3604,11 @@ def test_remove_gives_torch_optimizer_state_in_param_dtype(mode: str, dtype: tor
     model = _mlp().to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     handle = reprop.fuse(model, opt, mode=mode)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(3):
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x.to(dtype)).float(), y).backward()
-            opt.step()
-            opt.zero_grad()
+    for i in range(3):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x.to(dtype)).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
     fp32_state = copy.deepcopy(opt.state_dict())
     handle.remove()
     ref = torch.optim.AdamW(_mlp().to(dtype).parameters(), lr=0.01)
@@ -4097,9 +4034,7 @@ def test_forward_mode_distributed_checkpoint_state_dict_after_first_step() -> No
     saved = []
 
     def save(model: nn.Module, opt) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            saved.append(get_optimizer_state_dict(model, opt))
+        saved.append(get_optimizer_state_dict(model, opt))
 
     kw = dict(events={1: save})  # (after the first step's zero_grad(): it steps on none)
     got = _mlp_loop("forward", lambda model: rp.Adam(model.parameters(), lr=0.01), 3, **kw)
@@ -4256,10 +4191,8 @@ def test_refused_optimizer_load_leaves_a_fused_optimizer_as_it_was(mode: str, im
     assert opt.param_groups is groups and groups[0]["lr"] == 0.1
     assert not groups[0].get("differentiable", False)
     before = model.weight.detach().clone()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model(torch.randn(4, 3)).sum().backward()
-        opt.step()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
     handle.flush()
     assert not torch.equal(model.weight, before)  # it still trains
     handle.remove()
@@ -4510,8 +4443,7 @@ def test_backward_mode_step_pre_hook_raises(scope: str) -> None:
     log = []
     model = _mlp()
     opt = _hooked_sgd(log, pre=scope == "own")(model)
-    with _global_step_hooks(log, pre=scope == "global"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with _global_step_hooks(log, pre=scope == "global"):
         with reprop.fuse(model, opt, mode="backward"):
             x, y = _mlp_batch(0)
             F.mse_loss(model(x), y).backward()
@@ -4547,15 +4479,13 @@ def _train_with_a_one_shot_step_hook(mode: str | None, kind: str, scope: str) ->
     try:
         if mode is not None:
             reprop.fuse(model, opt, mode=mode)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # backward mode's step()/zero_grad() warnings
-            for i in range(2):
-                model(torch.randn(6, 4, generator=_gen(i))).square().sum().backward()
-                try:
-                    opt.step()
-                except RuntimeError as exc:
-                    errors.append(str(exc))
-                opt.zero_grad()
+        for i in range(2):
+            model(torch.randn(6, 4, generator=_gen(i))).square().sum().backward()
+            try:
+                opt.step()
+            except RuntimeError as exc:
+                errors.append(str(exc))
+            opt.zero_grad()
         model(torch.randn(6, 4, generator=_gen(2)))
     finally:
         for hook in hooks.values():
@@ -4815,7 +4745,7 @@ def _qat_conv_bn() -> nn.Module:
     whose forward divides bn.weight by the running std before calling bn."""
     import torch.ao.quantization as tq
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation and observer notes
         model = tq.fuse_modules_qat(nn.Sequential(nn.Conv2d(1, 2, 1), nn.BatchNorm2d(2)).train(),
                                     [["0", "1"]])
         model.qconfig = tq.get_default_qat_qconfig("fbgemm")
@@ -4864,15 +4794,13 @@ def test_forward_mode_module_reading_its_submodules_parameters(case: str) -> Non
         model = make_model()
         opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
         handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (torch's nested-tensor and observer notes)
-            for i in range(3):
-                call(model, torch.randn(shape, generator=_gen(i))).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-            model.eval()
-            with torch.no_grad():
-                out = call(model, torch.randn(shape, generator=_gen(10)))
+        for i in range(3):
+            call(model, torch.randn(shape, generator=_gen(i))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            out = call(model, torch.randn(shape, generator=_gen(10)))
         if handle is not None:
             handle.remove()
         return (model, opt), out
@@ -5115,21 +5043,19 @@ def _through_a_failed_backward(fused: bool, how: str, then: str) -> tuple:
     model = nn.Sequential(nn.Linear(4, 4), _TwoDepths())
     opt = rp.Adam(model.parameters(), lr=0.1)
     handle = reprop.fuse(model, opt, mode="backward") if fused else None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(4):
-            x = torch.randn(8, 4, generator=_gen(i))
-            if i == 1:
-                _failed_backward(model, opt, x, how, fused)
-                if then == "step":
-                    opt.step()
-                opt.zero_grad()
-                if then == "remove" and handle is not None:
-                    handle.remove()
-                continue
-            model(x).square().sum().backward()
-            opt.step()
+    for i in range(4):
+        x = torch.randn(8, 4, generator=_gen(i))
+        if i == 1:
+            _failed_backward(model, opt, x, how, fused)
+            if then == "step":
+                opt.step()
             opt.zero_grad()
+            if then == "remove" and handle is not None:
+                handle.remove()
+            continue
+        model(x).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
     return model, opt
 
 
@@ -5327,18 +5253,16 @@ def test_backward_mode_calls_on_another_thread_leave_a_running_backward_be(call:
         update(*args, **kwargs)
 
     monkeypatch.setattr(opt, "_update", held_until_backward_is_over)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for i in range(4):
-            at_step[:] = [i]
-            x, y = _mlp_batch(i)
-            backward_over.clear()
-            try:
-                F.mse_loss(model(x), y).backward()
-            finally:
-                backward_over.set()
-            opt.step()
-            opt.zero_grad()
+    for i in range(4):
+        at_step[:] = [i]
+        x, y = _mlp_batch(i)
+        backward_over.clear()
+        try:
+            F.mse_loss(model(x), y).backward()
+        finally:
+            backward_over.set()
+        opt.step()
+        opt.zero_grad()
     for join in joins:
         join()
     handle.remove()
@@ -5792,14 +5716,12 @@ def test_accumulation_with_forwards_bypassing_hooks_steps_at_step_only() -> None
     ref_opt = rp.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
     handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # fusion's step()/zero_grad() notes
-        for i in range(4):
-            for m, o in ((ref, ref_opt), (model, opt)):
-                m.forward(_LOOP_X[i]).square().sum().backward()
-                if i % 2:
-                    o.step()
-                    o.zero_grad()
+    for i in range(4):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            m.forward(_LOOP_X[i]).square().sum().backward()
+            if i % 2:
+                o.step()
+                o.zero_grad()
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
     handle.remove()
@@ -5820,7 +5742,7 @@ def test_zero_grad_keep_of_a_gradient_with_a_graph_matches_torch(mode: str) -> N
     kw = {"accumulation_steps": 2} if mode == "backward" else {}
     handle = reprop.fuse(model, opt, mode=mode, **kw)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # torch's note that backward(create_graph=True) makes a reference cycle
         for m, o in ((ref, ref_opt), (model, opt)):
             m(_LOOP_X[0]).square().sum().backward(create_graph=True)
             assert all(p.grad.grad_fn is not None for p in m.parameters())
@@ -6295,7 +6217,6 @@ def _reload_fusion(namespace_cleared: bool) -> None:
 
 
 @pytest.mark.usefixtures("fusion_namespace_restored")
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
 @pytest.mark.parametrize("mode", MODES)
 def test_fusion_made_before_a_reload_of_the_module_keeps_working(mode: str,
@@ -6337,7 +6258,6 @@ def test_fusion_made_before_a_reload_of_the_module_keeps_working(mode: str,
 
 
 @pytest.mark.usefixtures("fusion_namespace_restored")
-@pytest.mark.filterwarnings("ignore:reprop.fuse\\(mode='backward'\\)")  # step() in backward mode
 @pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
 @pytest.mark.parametrize("mode", MODES)
 def test_model_fused_before_a_reload_of_the_module_can_be_saved(mode: str,
