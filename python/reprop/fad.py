@@ -278,12 +278,18 @@ class _Activation(torch.autograd.Function):
             _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
         d, *anchor = ctx.saved_tensors
         coded = d.dtype == torch.uint8
-        grad_x = _backward_code8(ctx.act, grad, d) if coded else (grad * d).to(grad.dtype)
+        grad_x = _backward_code8(ctx.act, grad, d) if coded else _in_dtype(grad * d, grad.dtype)
         if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
             grad_x = grad_x.masked_fill_(_selected(ctx.act, d, coded), 0)
         if anchor and torch.is_grad_enabled():
             grad_x = _twice_differentiable(grad_x, anchor[0])
         return grad_x, None, None, None
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t.to(dtype), without the call where t has that dtype: .to returns t
+    itself then, after about 1.3 us of argument parsing."""
+    return t if t.dtype is dtype else t.to(dtype)
 
 
 def _twice_differentiable(grad_x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
@@ -330,21 +336,22 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
     """y = f(x) through the kernels, or through torch's `native` for what they
     cannot take: act None (parameters, _kernel_act), and x _for_torch picks.
     While _capture is on: (y, f'(x)), or None where torch's op would run."""
-    _check_saved_dtype(saved_dtype, fname)
-    if act is not None:
-        _check_codable(act, saved_dtype, fname)
+    if saved_dtype is not None:  # (None, the default, passes both checks)
+        _check_saved_dtype(saved_dtype, fname)
+        if act is not None:
+            _check_codable(act, saved_dtype, fname)
     if act is None or _for_torch(x):
-        if getattr(_capture, "on", False):
+        if _capture.on:
             return None
         return native(x, inplace=True) if inplace else native(x)
     _check_input(x, fname)
-    if _tensors.autocast_enabled(x.device.type):
+    if _any_autocast() and _tensors.autocast_enabled(x.device.type):
         target = _autocast_target(native, x)
         if target != x.dtype:
             x, inplace = x.to(target), False
     if inplace:
         _tensors.check_writable(x, fname)
-    if getattr(_capture, "on", False):
+    if _capture.on:
         return _run_forward(act, x, _default_saved(act, x.dtype), False)
     if not (torch.is_grad_enabled() and x.requires_grad):
         return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
@@ -352,6 +359,11 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
         return native(x, inplace=True)  # torch refuses before writing, or runs it
     y = _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
     return y[0] if act.kind in _TWO_VALUED else y  # (y, its anchor)
+
+
+# Whether autocast is on for any device: one call, where x.device (for one
+# device's check) costs 0.3 us
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def _for_torch(x) -> bool:
@@ -365,12 +377,19 @@ def _for_torch(x) -> bool:
     FX Proxy: torch.fx.symbolic_trace traces into the patched modules,
     whose class is not torch's, so torch's op records itself in the
     graph). Anything else must be a tensor the kernels take (_check_input)."""
-    if _tensors.compiling():
+    if _compiling():
         return True
     if not isinstance(x, torch.Tensor):
         return torch.overrides.is_tensor_like(x)
-    return (x.dtype in _TORCH_DTYPES or not x.is_floating_point()
+    dtype = x.dtype  # (one read for both: each costs 50 ns on the tensor)
+    return (dtype in _TORCH_DTYPES or not dtype.is_floating_point
             or x.layout is not torch.strided or _torch_runs(x))
+
+
+# Bound once: _for_torch and _torch_runs run at every activation call and chain step
+_compiling = _tensors.compiling
+_transform_active = _tensors.transform_active
+_torch_only = _tensors.torch_only
 
 
 def _default_saved(act: _Act, dtype: torch.dtype) -> torch.dtype:
@@ -565,12 +584,44 @@ class _SavedDtypeMixin:
         return f"{base}, saved_dtype={self.saved_dtype}" if base else f"saved_dtype={self.saved_dtype}"
 
 
+# Like torch's Sigmoid and Tanh (_OUTPUT_SAVED below), torch's in-place ELU,
+# CELU, SELU and LeakyReLU (elu_, leaky_relu_) save only their output, the
+# storage the next layer saves: f'(x) would add a tensor (16.9 MB against 32.9
+# for a Conv-ELU-Conv), so patch() and enabled()'s rerouting hand such calls
+# to torch. Not with a negative alpha or slope, whose in-place backward torch
+# refuses (it recovers f' from the output, ambiguous then): FAD's, from x,
+# trains there. Each with the parameter that decides it and its position, and
+# inplace's position (the parameter None: SELU's, fixed and positive). Keyed
+# by the function's name: one from before importlib.reload (IPython's
+# %autoreload 2), which a swapped module's class or the partial on a function
+# attribute still calls, must find its entry.
+_OUTPUT_SAVED_IN_PLACE = {"elu": ("alpha", 1, 2), "celu": ("alpha", 1, 2), "selu": (None, None, 1),
+                          "leaky_relu": ("negative_slope", 1, 2)}
+
+
+def _attribute_tuple(names: tuple[str, ...]) -> Callable:
+    """obj -> the tuple of obj's attributes `names` (no activation module
+    has more than two), without the generator of getattr that cost each
+    call of a patched module 0.4 us; plain getattr, which dynamo traces
+    (it breaks the graph at operator.attrgetter's)."""
+    if not names:
+        return lambda obj: ()
+    if len(names) == 1:
+        (first,) = names
+        return lambda obj: (getattr(obj, first),)
+    first, second = names
+    return lambda obj: (getattr(obj, first), getattr(obj, second))
+
+
 def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
     """reprop's version of torch_cls: same constructor (plus a keyword saved_dtype),
     same attributes, forward through fn(input, *those attributes named in params),
     or, on a module patch() swapped, torch_cls's forward where _left_to_torch
     or where a library has replaced that forward since (_forward_replaced)."""
     torchs = torch_cls.forward if _tensors.forward_is_torchs(torch_cls) else None
+    attributes = _attribute_tuple(params)
+    # whether _left_to_torch can hand a call to torch: fn is keyed there (by its name, fixed)
+    may_be_left = fn.__name__ in _OUTPUT_SAVED_IN_PLACE
 
     def __init__(self, *args, saved_dtype=None, **kwargs):
         torch_cls.__init__(self, *args, **kwargs)
@@ -578,9 +629,9 @@ def _module(torch_cls, fn: Callable, params: tuple[str, ...]):
         self.saved_dtype = saved_dtype
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        args = (input, *(getattr(self, name) for name in params))
-        if _PATCHED in self.__dict__ and (_forward_replaced(torch_cls, torchs)
-                                          or _left_to_torch(fn, args, {})):
+        args = (input, *attributes(self))
+        if _PATCHED in self.__dict__ and (_forward_replaced(torch_cls, torchs) or (
+                may_be_left and _left_to_torch(fn, args, {}))):
             return torch_cls.forward(self, input)
         return fn(*args, saved_dtype=self.saved_dtype)
 
@@ -639,19 +690,6 @@ _OUTPUT_SAVED = (sigmoid, tanh)
 _REROUTED = {f: ours for f, ours in _FUNCTIONS.items() if ours not in _OUTPUT_SAVED}
 _PATCHED_MODULES = {native: ours for native, ours in _MODULES.items()
                     if native not in (nn.Sigmoid, nn.Tanh)}
-# Likewise torch's in-place ELU, CELU, SELU and LeakyReLU (elu_, leaky_relu_)
-# save only their output, the storage the next layer saves: f'(x) would add
-# a tensor (16.9 MB against 32.9 for a Conv-ELU-Conv), so patch() and
-# enabled()'s rerouting hand such calls to torch. Not with a negative alpha
-# or slope, whose in-place backward torch refuses (it recovers f' from the
-# output, ambiguous then): FAD's, from x, trains there. Each with the
-# parameter that decides it and its position, and inplace's position (the
-# parameter None: SELU's, fixed and positive). Keyed by the function's name:
-# one from before importlib.reload (IPython's %autoreload 2), which a
-# swapped module's class or the partial on a function attribute still
-# calls, must find its entry.
-_OUTPUT_SAVED_IN_PLACE = {"elu": ("alpha", 1, 2), "celu": ("alpha", 1, 2), "selu": (None, None, 1),
-                          "leaky_relu": ("negative_slope", 1, 2)}
 
 
 def _left_to_torch(ours, args, kwargs) -> bool:
@@ -1595,7 +1633,7 @@ def _torch_runs(x: torch.Tensor) -> bool:
     or any x while a torch.func transform is active: one it does not wrap
     (a closure's tensor that requires grad) would meet its refusal of an
     autograd.Function without setup_context, where torch's ops work."""
-    return _tensors.transform_active() or _tensors.torch_only(x) or x.is_neg()
+    return _transform_active() or _torch_only(x) or x.is_neg()
 
 
 def _kernel_input(x) -> bool:
@@ -1611,7 +1649,16 @@ def _kernel_input(x) -> bool:
 # derivative into a chain's node, reusing each function's argument handling.
 # They return None where torch's op would run (parameters the kernels cannot
 # take): the call is then no chain step.
-_capture = threading.local()
+class _Capture(threading.local):
+    """_capture's per-thread state. `on` defaults on the class, False in
+    every thread: getattr(local, "on", False) in a thread that never set
+    it raises and catches an AttributeError, about 0.4 us at every
+    activation call."""
+
+    on = False
+
+
+_capture = _Capture()
 
 
 def _captured(ours, args, kwargs):
