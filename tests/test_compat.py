@@ -186,6 +186,21 @@ def test_compile_gate_is_torchs_is_compiling(fresh_dynamo, monkeypatch, backend)
         assert _tensors.compiling() is torch.compiler.is_compiling() is flag
 
 
+def test_compile_gate_falls_back_to_torchs_call_without_the_private_flag():
+    """The cheaper gate on this torch, and torch.compiler.is_compiling
+    itself where torch.compiler has no _is_compiling_flag (a private name:
+    read at every hook, its absence would raise in each)."""
+    assert _tensors.compiling is _tensors._compiling
+    code = ("import torch.compiler\n"
+            "del torch.compiler._is_compiling_flag\n"
+            "from reprop import _tensors\n"
+            "assert _tensors.compiling is torch.compiler.is_compiling\n")
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(reprop.__file__).parents[1]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+
+
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:
     """A copy of this reprop's package under tmp_path without its CUDA
     extension, for breaking its native files."""
@@ -223,15 +238,17 @@ def test_a_cuda_extension_that_does_not_load_is_named(tmp_path):
                                  "built but does not load (ImportError: "), run.stdout + run.stderr
 
 
-def test_the_cuda_load_warning_is_a_reprop_warning_at_the_users_import(tmp_path):
+@pytest.mark.parametrize("statement", ["import reprop", "importlib.import_module('reprop')"])
+def test_the_cuda_load_warning_is_a_reprop_warning_at_the_users_import(tmp_path, statement):
     """The warning of a reprop._cuda that does not load pointed into
     reprop/_native.py, and was a bare RuntimeWarning. It points at the
-    user's `import reprop` (past importlib's frames) and is a
-    reprop.ReproPWarning that is still a RuntimeWarning."""
+    user's `import reprop` (past importlib's frames, a lazy or plugin
+    loader's importlib.import_module's too) and is a reprop.ReproPWarning
+    that is still a RuntimeWarning."""
     pkg = _scratch_reprop(tmp_path)
     (pkg / f"_cuda{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"not a shared object")
     script = tmp_path / "train.py"
-    script.write_text("import os\nimport reprop\n")
+    script.write_text(f"import importlib\n{statement}\n")
     run = _run_scratch(tmp_path, str(script))
     assert run.returncode == 0, run.stderr
     assert run.stderr.startswith(f"{script}:2: ReproPRuntimeWarning: reprop: its CUDA extension"), run.stderr

@@ -252,11 +252,16 @@ class ReproPWarning(UserWarning):
     filters by the old category still apply."""
 
 
+ReproPWarning.__module__ = "reprop"  # (its public name, in tracebacks and pytest's output)
+
+
 class ReproPRuntimeWarning(ReproPWarning, RuntimeWarning):
     """reprop's RuntimeWarning: its CUDA extension is built but does not load."""
 
 
-_NOT_USERS = (os.path.dirname(__file__) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+# reprop's, torch's and importlib's own frames (importlib.import_module, a
+# lazy or plugin loader's `import reprop`)
+_NOT_USERS = tuple(os.path.dirname(f) + os.sep for f in (__file__, torch.__file__, importlib.__file__))
 
 
 def _import_machinery(filename: str) -> bool:
