@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -1268,7 +1269,7 @@ def test_convert_warns_for_what_it_leaves():
     """An LSTM (README: not supported) was left silently; now a UserWarning
     names it, parametrized or the model itself too."""
     model = Tagger()
-    with pytest.warns(UserWarning, match=r"^bppsa.convert: left 'lstm' \(LSTM\) as it is: LSTM is not supported"):
+    with pytest.warns(UserWarning, match=r"^reprop.bppsa.convert: left 'lstm' \(LSTM\) as it is: LSTM is not supported"):
         assert bppsa.convert(model) == ["rnn", "gru"]
     lstm = nn.LSTM(3, 4)
     nn.utils.parametrizations.orthogonal(lstm, "weight_hh_l0")
@@ -1288,6 +1289,20 @@ def test_convert_warning_is_a_reprop_warning_at_the_users_line():
         _convert_in_users_helper(nn.LSTM(3, 4))
     assert [(w.category, w.filename) for w in caught] == [(reprop.ReproPWarning, __file__)]
     assert issubclass(reprop.ReproPWarning, UserWarning)
+
+
+def test_convert_under_warnings_as_errors_converts_before_it_warns():
+    """Under warnings as errors an LSTM met before a GRU raised its warning
+    inside the loop: the GRU stayed nn's and the list of converted modules
+    was lost, where in the other order it was converted. Every module is
+    converted first; the warnings come after, each message beginning with
+    "reprop" (a `-W ignore:reprop` filter needs no import)."""
+    model = nn.ModuleDict({"a": nn.LSTM(3, 4), "b": nn.GRU(3, 4)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(reprop.ReproPWarning, match="^reprop.bppsa.convert: left 'a'"):
+            bppsa.convert(model)
+    assert isinstance(model["b"], bppsa.GRU)
 
 
 @pytest.mark.parametrize("kind", ["gru", "tanh"])
@@ -1316,7 +1331,7 @@ def test_convert_leaves_a_class_whose_forward_was_replaced(kind, monkeypatch):
         with pytest.warns(UserWarning) as caught:
             assert bppsa.convert(model) == []
         assert [str(w.message) for w in caught] == [
-            f"bppsa.convert: left {name!r} ({kind_name}) as it is: torch.nn.{cls.__name__}.forward is "
+            f"reprop.bppsa.convert: left {name!r} ({kind_name}) as it is: torch.nn.{cls.__name__}.forward is "
             "not torch's own (it was replaced on the class), and BPPSA's forward would drop what it "
             "computes" for name, kind_name in (("0", cls.__name__), ("1", f"Parametrized{cls.__name__}"))]
         assert caught[0].filename == __file__  # convert's caller
@@ -1340,7 +1355,7 @@ def test_convert_leaves_a_module_whose_forward_was_set_on_the_instance(kind):
     with pytest.warns(UserWarning) as caught:
         assert bppsa.convert(model) == []
     assert [str(w.message) for w in caught] == [
-        f"bppsa.convert: left '0' ({cls.__name__}) as it is: its forward was set on the instance, and "
+        f"reprop.bppsa.convert: left '0' ({cls.__name__}) as it is: its forward was set on the instance, and "
         "BPPSA's forward would drop what it computes"]
     assert caught[0].filename == __file__  # convert's caller
     assert type(model[0]) is cls

@@ -1048,13 +1048,13 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     _check_scan_choice(scan)
-    changed = []
+    changed, left = [], []
     for name, module in model.named_modules():
         own = _own_class(module)
         target = _CONVERSIONS.get(own)
         replaced = None if target is None else _replaced_forward(module, own)
         if replaced is not None:
-            _warn_left(name, module, f"{replaced}, and BPPSA's forward would drop what it computes")
+            left.append((name, module, f"{replaced}, and BPPSA's forward would drop what it computes"))
         elif target is not None:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
@@ -1062,7 +1062,10 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
         elif class_key(own) in _CONVERTED:  # converted before: the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
-            _warn_left(name, module, "LSTM is not supported (only nn.RNN and nn.GRU)")
+            left.append((name, module, "LSTM is not supported (only nn.RNN and nn.GRU)"))
+    # after the loop: a warning raised as an error (-W error) stopped it half-way
+    for name, module, why in left:
+        _warn_left(name, module, why)
     return changed
 
 
@@ -1082,7 +1085,7 @@ def _warn_left(name: str, module: nn.Module, why: str) -> None:
     """convert's ReproPWarning (a UserWarning) for a module (qualified `name`)
     it leaves as it is, pointing at convert's caller."""
     where = repr(name) if name else "the model itself"
-    warn_at_users_line(f"bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}")
+    warn_at_users_line(f"reprop.bppsa.convert: left {where} ({type(module).__name__}) as it is: {why}")
 
 
 # ---------------------------------------------------------------------------
