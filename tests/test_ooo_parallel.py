@@ -1184,10 +1184,11 @@ def test_data_parallel_bucket_views_outlive_what_the_caller_does_to_grad(solo_gr
 def test_data_parallel_gradients_keep_a_channels_last_parameters_layout(solo_group, as_view):
     """A channels_last Conv's .grad has the parameter's strides, as DDP's
     (its bucket views follow each parameter's layout), where
-    gradient_as_bucket_view handed out contiguous views of the bucket; the
+    gradient_as_bucket_view handed out contiguous views of the bucket; a
+    1x1 Conv's too, whose size-1 dims keep channels_last's strides; the
     values stay autograd's."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).to(
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3), nn.Conv2d(2, 2, 1)).to(
         memory_format=torch.channels_last)
     ref = copy.deepcopy(model)
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model), gradient_as_bucket_view=as_view)

@@ -2562,13 +2562,11 @@ class _Bucket:
 
 def _shaped_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A bucket's flat piece as p's gradient: with p's strides where p is
-    dense (channels_last, a transpose), as DDP's reducer lays its bucket
-    views out, so that gradient_as_bucket_view hands out .grad in the
-    parameter's layout (a contiguous one for a channels_last Conv); the
-    ranks' strides agree (_verify_same_shapes)."""
-    if p.is_contiguous() or not is_dense(p):
-        return piece.view_as(p)
-    return piece.as_strided(p.shape, p.stride())
+    dense (channels_last, a transpose, size-1 dims with any stride), as
+    DDP's reducer lays its bucket views out, so that gradient_as_bucket_view
+    hands out .grad in the parameter's layout (a contiguous one for a
+    channels_last Conv); the ranks' strides agree (_verify_same_shapes)."""
+    return piece.as_strided(p.shape, p.stride()) if is_dense(p) else piece.view_as(p)
 
 
 def _pack(params: Sequence[torch.Tensor], cap_bytes: float,
