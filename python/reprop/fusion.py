@@ -943,9 +943,8 @@ class FusionHandle:
         self.optimizer = engine
         self._user_optimizer = optimizer
         self._hooks: list = []
-        # what _take_over_optimizer saves and claims, for _unhook (nothing
-        # before it: fuse() unhooks a handle stopped before its take-over)
-        self._saved: dict = {}
+        # what _take_over_optimizer claims, for _unhook (nothing before it:
+        # fuse() unhooks a handle stopped before its take-over)
         self._unclaim_all: Callable[[], None] = _nothing
         self._removed = False
         self._params = _all_params(engine)
