@@ -2355,6 +2355,36 @@ def test_dispatch_subclass_param_is_refused_before_any_state(name: str) -> None:
     torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
 
 
+def _refused_leaves_all_and_trains_on(name: str, cached: bool, seed: int, refuse: Callable) -> None:
+    """Two parameters of optimizer `name` (after one plain step if `cached`:
+    a cached plan, whose C fast path reads pointers without looking at
+    types); refuse(params, opt, first_grads) makes calls that must be
+    refused. Parameters and state are then as they were, and the steps
+    after, with plain gradients, match torch's."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=seed), grad_sequence(shapes, 3)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    steps = grads
+    if cached:
+        for p, g in zip(params, grads[0]):
+            p.grad = g.clone()
+        opt.step()
+        steps = grads[1:]
+    before = copy.deepcopy(opt.state_dict()["state"])
+    values = [p.detach().clone() for p in params]
+    refuse(params, opt, steps[0])
+    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
+    for p, v in zip(params, values):
+        assert torch.equal(p.detach(), v)
+    for step_grads in steps:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.step()
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+
+
 @pytest.mark.parametrize("cached", [False, True], ids=["first_step", "cached_plan"])
 @pytest.mark.parametrize("name", NAMES)
 def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: bool) -> None:
@@ -2367,34 +2397,16 @@ def test_dispatch_subclass_grad_is_refused_before_any_state(name: str, cached: b
     state as they were: at a first step, and through a cached plan, whose
     fast path in C reads the gradient's pointer without looking at its type.
     Later steps with plain gradients match torch's."""
-    shapes = [(4, 3), (5,)]
-    init, grads = make_params(shapes, seed=31), grad_sequence(shapes, 3)
-    params = [nn.Parameter(t.clone()) for t in init]
-    opt = reprop_cls(name)(params, **RICH[name])
-    steps = grads
-    if cached:
-        for p, g in zip(params, grads[0]):
-            p.grad = g.clone()
-        opt.step()
-        steps = grads[1:]
-    before = copy.deepcopy(opt.state_dict()["state"])
-    values = [p.detach().clone() for p in params]
-    refused = rf"^{name}: param_groups\[0\]: grads: the gradient of a parameter of shape " \
-              rf"\(5,\) {DISPATCH_SUBCLASS}"
-    params[0].grad, params[1].grad = steps[0][0].clone(), two_tensor(steps[0][1])
-    with pytest.raises(TypeError, match=refused):
-        opt.step()
-    with pytest.raises(TypeError, match=refused):
-        opt.step_params(params, grads=[steps[0][0], two_tensor(steps[0][1])])
-    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v)
-    for step_grads in steps:
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
-        opt.step()
-    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
-    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+    def refuse(params, opt, first):
+        refused = rf"^{name}: param_groups\[0\]: grads: the gradient of a parameter of shape " \
+                  rf"\(5,\) {DISPATCH_SUBCLASS}"
+        params[0].grad, params[1].grad = first[0].clone(), two_tensor(first[1])
+        with pytest.raises(TypeError, match=refused):
+            opt.step()
+        with pytest.raises(TypeError, match=refused):
+            opt.step_params(params, grads=[first[0], two_tensor(first[1])])
+
+    _refused_leaves_all_and_trains_on(name, cached, 31, refuse)
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["first_step", "cached_plan"])
@@ -2410,35 +2422,17 @@ def test_step_under_fake_tensor_mode_is_refused_before_any_state(name: str, cach
     parameters and state as they were; later real steps match torch's."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    shapes = [(4, 3), (5,)]
-    init, grads = make_params(shapes, seed=37), grad_sequence(shapes, 3)
-    params = [nn.Parameter(t.clone()) for t in init]
-    opt = reprop_cls(name)(params, **RICH[name])
-    steps = grads
-    if cached:
-        for p, g in zip(params, grads[0]):
+    def refuse(params, opt, first):
+        for p, g in zip(params, first):
             p.grad = g.clone()
-        opt.step()
-        steps = grads[1:]
-    before = copy.deepcopy(opt.state_dict()["state"])
-    values = [p.detach().clone() for p in params]
-    for p, g in zip(params, steps[0]):
-        p.grad = g.clone()
-    refused = rf"^{name}: an update under a FakeTensorMode: .*torch.optim.{name}$"
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        with pytest.raises(RuntimeError, match=refused):
-            opt.step()
-        with pytest.raises(RuntimeError, match=refused):
-            opt.step_params(params)
-    torch.testing.assert_close(opt.state_dict()["state"], before, rtol=0, atol=0)
-    for p, v in zip(params, values):
-        assert torch.equal(p.detach(), v)
-    for step_grads in steps:
-        for p, g in zip(params, step_grads):
-            p.grad = g.clone()
-        opt.step()
-    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
-    assert_runs_close(Run(params, opt), ref, OPEN_LOOP_TOL)
+        refused = rf"^{name}: an update under a FakeTensorMode: .*torch.optim.{name}$"
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            with pytest.raises(RuntimeError, match=refused):
+                opt.step()
+            with pytest.raises(RuntimeError, match=refused):
+                opt.step_params(params)
+
+    _refused_leaves_all_and_trains_on(name, cached, 37, refuse)
 
 
 @pytest.mark.parametrize("name", NAMES)
