@@ -261,7 +261,8 @@ class ReproPRuntimeWarning(ReproPWarning, RuntimeWarning):
 
 # reprop's, torch's and importlib's own frames (importlib.import_module, a
 # lazy or plugin loader's `import reprop`)
-_NOT_USERS = tuple(os.path.dirname(f) + os.sep for f in (__file__, torch.__file__, importlib.__file__))
+_NOT_USERS = tuple(os.path.dirname(f) + os.sep
+                   for f in (__file__, torch.__file__, importlib.__file__))
 
 
 def _import_machinery(filename: str) -> bool:

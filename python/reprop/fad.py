@@ -586,7 +586,7 @@ class _SavedDtypeMixin:
 
 # Like torch's Sigmoid and Tanh (_OUTPUT_SAVED below), torch's in-place ELU,
 # CELU, SELU and LeakyReLU (elu_, leaky_relu_) save only their output, the
-# storage the next layer saves: f'(x) would add a tensor (16.9 MB against 32.9
+# storage the next layer saves: f'(x) would add a tensor (16.9 MiB against 32.9
 # for a Conv-ELU-Conv), so patch() and enabled()'s rerouting hand such calls
 # to torch. Not with a negative alpha or slope, whose in-place backward torch
 # refuses (it recovers f' from the output, ambiguous then): FAD's, from x,

@@ -2311,7 +2311,7 @@ class _ForwardFusion(FusionHandle):
         self._pending.clear()
         self._grads.clear()
         self._forget_late()
-        self._owners = self._unseen = []
+        self._owners, self._unseen = [], []
         self._group_of, self._step_state = {}, None
 
     def flush(self) -> None:

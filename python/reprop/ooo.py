@@ -2564,8 +2564,8 @@ def _shaped_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A bucket's flat piece as p's gradient: with p's strides where p is
     dense (channels_last, a transpose, size-1 dims with any stride), as
     DDP's reducer lays its bucket views out, so that gradient_as_bucket_view
-    hands out .grad in the parameter's layout (a contiguous one for a
-    channels_last Conv); the ranks' strides agree (_verify_same_shapes)."""
+    hands out .grad in the parameter's layout (it handed a channels_last
+    Conv a contiguous one); the ranks' strides agree (_verify_same_shapes)."""
     return piece.as_strided(p.shape, p.stride()) if is_dense(p) else piece.view_as(p)
 
 
