@@ -169,6 +169,13 @@ def torch_only(x: torch.Tensor) -> bool:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def repeated_dims(t: torch.Tensor) -> list[int]:
+    """The dims along which t repeats its elements without memory of its own
+    (stride 0, size > 1: expand, broadcast_to)."""
+    return [i for i, (size, stride) in enumerate(zip(t.shape, t.stride()))
+            if stride == 0 and size > 1]
 _is_tracing = torch._C._is_tracing  # (bound once: torch_only runs at every activation call)
 
 

@@ -173,17 +173,10 @@ def _run_forward(act: _Act, x: torch.Tensor, saved: torch.dtype | None, inplace:
     return y, d
 
 
-def _repeated_dims(x: torch.Tensor) -> list[int]:
-    """The dims along which x repeats its elements without memory of its own
-    (stride 0, size > 1: expand, broadcast_to)."""
-    return [i for i, (size, stride) in enumerate(zip(x.shape, x.stride()))
-            if stride == 0 and size > 1]
-
-
 def _run_forward_repeated(act: _Act, x: torch.Tensor, saved: torch.dtype, repeated: list[int]
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """_run_forward of an x with _repeated_dims `repeated`: f and f' of each distinct
-    element once, y as full as torch's output, d an expanded view of the
+    """_run_forward of an x with repeated_dims `repeated`: f and f' of each
+    distinct element once, y as full as torch's output, d an expanded view of the
     distinct f'(x), so that backward keeps the bytes of x's own memory, as
     torch's op (which saves x) does, not one f' per element: a GELU of a
     bias expanded over a batch of 64 saved 64 times torch's bytes."""
@@ -257,7 +250,7 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, act, saved, inplace):
-        repeated = _repeated_dims(x) if not inplace and 0 in x.stride() else None
+        repeated = _tensors.repeated_dims(x) if not inplace and 0 in x.stride() else None
         if repeated:
             y, d = _run_forward_repeated(act, x, saved, repeated)
         else:
@@ -1853,7 +1846,7 @@ class enabled(TorchFunctionMode):
         root, operands, compute, constant = parsed
         if not root.is_floating_point() or _result_dtype(operands) in _TORCH_DTYPES:
             return None  # float64 results keep torch's float64 backward formulas
-        if 0 in root.stride() and _repeated_dims(root):
+        if 0 in root.stride() and _tensors.repeated_dims(root):
             # A root that repeats its elements (a bias expanded over a batch):
             # a chain carries one derivative per element, where torch's ops
             # save the root's few bytes (gelu of a 256-element bias over 64

@@ -64,7 +64,7 @@ from . import fusion
 from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
                        current_class, hook_owner, is_dense, is_instance_by_name, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
-                       note_node_hooks, outside_backward, queue_end_of_backward,
+                       note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
                        weak_hook, without_grad)
 
@@ -1983,9 +1983,8 @@ def _overwrite(static: torch.Tensor, value: torch.Tensor) -> None:
     a stride of 0), which copy_ refuses as overlapping memory: one element
     along each such dimension is written, as a replay rewrites the view's
     base (the graph that made it made value alike)."""
-    for dim, (size, stride) in enumerate(zip(static.shape, static.stride())):
-        if stride == 0 and size > 1:
-            static, value = static.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
+    for dim in repeated_dims(static):
+        static, value = static.narrow(dim, 0, 1), value.narrow(dim, 0, 1)
     static.copy_(value)
 
 
