@@ -3367,6 +3367,98 @@ def test_params_overlapping_in_memory_are_updated_in_turn(name: str, case: str) 
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+# The first state slot of each optimizer.
+FIRST_SLOT = {"SGD": "momentum_buffer", "Adam": "exp_avg", "AdamW": "exp_avg", "Adagrad": "sum",
+              "RMSprop": "square_avg", "Adadelta": "square_avg"}
+
+
+def _one_tensor_for_all(base: torch.Tensor) -> tuple[list, Callable]:
+    """Params of one core chunk each, updated in parallel on two threads
+    (CUDA: blocks at once), given one state tensor for all."""
+    def share(opt, params, key):
+        for p in params[1:]:
+            opt.state[p][key] = opt.state[params[0]][key]
+    return [base[:32768].clone() for _ in range(8)], share
+
+
+def _state_over_a_params_memory_with_gaps(base: torch.Tensor) -> tuple[list, Callable]:
+    """The state of param 1 is contiguous memory that param 0, a view with
+    gaps (updated through a copy taken before the call, written back after
+    it), has every other element of."""
+    def share(opt, params, key):
+        opt.state[params[1]][key] = base[:16].detach()
+    return [base[:32:2], base[32:48].clone()], share
+
+
+# State made by hand after the first step, from a tensor of values in [0.5, 1.5)
+# (the first slot of Adagrad, RMSprop and Adadelta, what is shared, stays positive):
+# (params, share(opt, params, key)).
+SHARED_STATE = {
+    "one_tensor_for_all": _one_tensor_for_all,
+    "over_a_params_memory_with_gaps": _state_over_a_params_memory_with_gaps,
+}
+
+
+@pytest.mark.parametrize("case", list(SHARED_STATE))
+@pytest.mark.parametrize("name", NAMES)
+def test_state_shared_by_params_is_updated_in_turn(name: str, case: str) -> None:
+    """State tensors that share memory with other params or their state
+    (made by hand: one momentum buffer put in for all) are read and written
+    by torch's update of each param in turn. reprop updated all in one
+    call: its threads raced on a shared tensor, and a param with gaps was
+    written back over the state of a later one."""
+    runs = []
+    torch.set_num_threads(2)
+    try:
+        for cls in (reprop_cls(name), torch_cls(name)):
+            base = make_params([(32768,)], seed=32)[0].abs() + 0.5
+            init, share = SHARED_STATE[case](base)
+            params = [nn.Parameter(t) for t in init]
+            opt = cls(params, **RICH[name])
+            for k, step_grads in enumerate(grad_sequence([p.shape for p in params], 4)):
+                for p, g in zip(params, step_grads):
+                    p.grad = g
+                opt.step()
+                if k == 0:
+                    share(opt, params, FIRST_SLOT[name])
+            runs.append(Run(params, opt))
+    finally:
+        torch.set_num_threads(1)
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+# (optimizer, the key set to its param's memory or to its first state tensor)
+OWN_SHARED_STATE = ([(name, "param") for name in NAMES]
+                    + [(name, "state") for name in ("Adam", "AdamW", "RMSprop", "Adadelta")])
+
+
+@pytest.mark.parametrize("name, other", OWN_SHARED_STATE)
+def test_state_sharing_its_params_or_its_other_states_memory_is_refused(name: str,
+                                                                       other: str) -> None:
+    """A param's state tensor that is the param's memory or another of its
+    state tensors (made by hand) is written by torch's ops one after another;
+    the kernels read all of an element's values at once, through pointers
+    they take to be apart (C's restrict): Adam gave NaN. Refused naming the
+    key, with nothing changed."""
+    p = nn.Parameter(torch.rand(6, 4, generator=torch.Generator().manual_seed(3)) + 0.5)
+    opt = reprop_cls(name)([p], **RICH[name])
+    p.grad = torch.full_like(p, 0.1)
+    opt.step()
+    first = FIRST_SLOT[name]
+    key = first if other == "param" else next(k for k in opt.state[p] if k not in ("step", first))
+    opt.state[p][key] = p.detach() if other == "param" else opt.state[p][first]
+    before = copy.deepcopy(opt.state[p]), p.detach().clone()
+    shared = "the parameter" if other == "param" else f"its {first}"
+    with pytest.raises(ValueError, match=rf"^{name}: param_groups\[0\]: {key}: the state of a "
+                                         rf"parameter of shape \(6, 4\) shares memory with "
+                                         rf"{shared} \(state made by hand\)"):
+        opt.step()
+    assert torch.equal(p.detach(), before[1])
+    assert list(opt.state[p]) == list(before[0])
+    for k, v in before[0].items():
+        assert torch.equal(opt.state[p][k], v), k
+
+
 # A parameter and a gradient sharing its memory, made from one (96,) tensor:
 # views of it with some of its other elements around them.
 SHARED_GRADS = {

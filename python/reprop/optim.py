@@ -306,15 +306,18 @@ class _Plan:
                 step = _step_tensor(st, p, self.capturable, converted_steps)
                 self.table[row, _COL_STEP] = step.data_ptr()
                 watched.append(("step", step, _COL_STEP))
+            row_state = []
             for slot, key in enumerate(slots):
                 if key is not None:
                     t = opt._state_tensor(st, key, work, group, self.table[row])
+                    row_state.append((key, t))
                     self.table[row, _COL_STATE + slot] = t.data_ptr()
                     entry = (key, t, _COL_STATE + slot)
                     if self.table[row, _COL_FLAGS] & _FRESH_BUFFER:  # (SGD: its only slot)
                         self.fresh.append((row, entry))
                     else:
                         watched.append(entry)
+            _refuse_shared_state(p, row_state)
             self.watched.append(tuple(watched))
         # Whether a row writes an inference tensor (a param, state made inside
         # inference_mode), which torch's in-place update refuses outside
@@ -721,7 +724,7 @@ def _span(p: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * p.element_size()
 
 
-def _ordered_runs(params: list) -> list[list]:
+def _ordered_runs(params: list, state, slots: tuple) -> list[list]:
     """`params` (of one device and dtype) as runs to update one after another.
     torch updates a group's params in turn, so where two overlap in memory
     (tied weights, one a transposed or column view of the other) the later
@@ -731,14 +734,18 @@ def _ordered_runs(params: list) -> list[list]:
     param goes into the run after the latest run of an earlier param it
     overlaps; params that overlap nothing all stay in the first, which is the
     common case: one run, no cost per step. Spans are compared, so
-    interleaved views that share no element are ordered too, harmlessly."""
+    interleaved views that share no element are ordered too, harmlessly.
+    A param's memory includes its state tensors of `slots` in `state`: one
+    tensor put in as several params' state (made by hand: one momentum
+    buffer for all) is read and written by each update in turn in torch,
+    while one call's rows raced on it (its threads, CUDA's blocks)."""
     overlapped_by = [[] for _ in params]  # the earlier params each one overlaps
     open_spans: list = []  # (end, index) of the spans the next one may overlap
-    for (start, end), i in sorted((_span(p), i) for i, p in enumerate(params)
-                                  if _has_memory(p) and p.numel()):
+    for (start, end), i in sorted(_memory_spans(params, state, slots)):
         open_spans = [(e, j) for e, j in open_spans if e > start]
         for _, j in open_spans:
-            overlapped_by[max(i, j)].append(min(i, j))
+            if j != i:  # (a param's own state: _refuse_shared_state)
+                overlapped_by[max(i, j)].append(min(i, j))
         open_spans.append((end, i))
     run_of: list = []
     for earlier in overlapped_by:
@@ -747,6 +754,37 @@ def _ordered_runs(params: list) -> list[list]:
     for p, r in zip(params, run_of):
         runs[r].append(p)
     return runs
+
+
+def _memory_spans(params: list, state, slots: tuple) -> Iterable[tuple]:
+    """(span, i) for the memory of params[i] and of each of its state tensors
+    of `slots` that has some on its device: what its update writes."""
+    for i, p in enumerate(params):
+        if not _has_memory(p):
+            continue
+        st = state.get(p) or {}
+        for t in (p, *(st.get(key) for key in slots if key is not None)):
+            if (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel()
+                    and t.device == p.device and not _dispatches(t)):
+                yield _span(t), i
+
+
+def _refuse_shared_state(p: torch.Tensor, row_state: list) -> None:
+    """Refuses a row whose state tensors (key, tensor) share memory with each
+    other or with param p (state made by hand: exp_avg_sq = exp_avg, or
+    p.detach()): torch's ops write them one after another, each reading what
+    the one before wrote, where the kernels read all of an element's values
+    before writing any (Adam gave NaN). Other params' state: _ordered_runs."""
+    spans = [(_span(t), key) for key, t in [(None, p), *row_state] if t.numel()]
+    for k, ((start, end), key) in enumerate(spans):
+        for (other_start, other_end), other in spans[:k]:  # (key is a state's: p is first)
+            if start < other_end and other_start < end:
+                other = "the parameter" if other is None else f"its {other}"
+                raise ValueError(f"{key}: the state of a parameter of shape {tuple(p.shape)} "
+                                 f"shares memory with {other} (state made by hand); the fused "
+                                 f"update reads an element's state all at once where torch's "
+                                 f"ops write one tensor after another: give each state tensor "
+                                 f"memory of its own")
 
 
 def _keep_float32_state(state: dict, loaded: dict) -> None:
@@ -878,8 +916,9 @@ def _check_shared_steps(state, runs: list, capturable: bool) -> None:
                 raise ValueError(
                     "step: several parameters share one step tensor (state made by hand); "
                     "torch counts it once per parameter in turn, which the fused update "
-                    "matches only for parameters of one device and dtype and without "
-                    "capturable=True: give each parameter a step tensor of its own")
+                    "matches only for parameters of one device and dtype whose memory and "
+                    "other state do not overlap, and without capturable=True: give each "
+                    "parameter a step tensor of its own")
             owner[id(step)] = i
 
 
@@ -1325,7 +1364,7 @@ class _FusedOptimizer:
         buckets: dict = {}
         for p in params:
             buckets.setdefault((p.device, p.dtype), []).append(p)
-        runs = [run for ps in buckets.values() for run in _ordered_runs(ps)]
+        runs = [run for ps in buckets.values() for run in _ordered_runs(ps, self.state, slots)]
         if self._kind != _SGD:
             _check_shared_steps(self.state, runs, bool(group.get("capturable", False)))
         active_ids = set(map(id, active))
