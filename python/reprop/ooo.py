@@ -102,11 +102,12 @@ class _Kind:
         in all where one is not a registered Parameter (the weight that
         torch.nn.utils.weight_norm computes before each forward): autograd
         must then reach what it is computed from, so the layer is not split."""
-        own = m._parameters
-        out = [own.get(n, _UNREGISTERED) for n in self.names]
-        if any(p is _UNREGISTERED for p in out):
+        own = m._parameters  # (at every call of a split layer: no list, no generator)
+        weight = own.get(self.names[0], _UNREGISTERED)
+        bias = own.get(self.names[1], _UNREGISTERED) if len(self.names) > 1 else None
+        if weight is _UNREGISTERED or bias is _UNREGISTERED:
             return None
-        return (*out, None) if len(out) == 1 else tuple(out)
+        return weight, bias
 
     def check(self, m: nn.Module) -> None:
         """ValueError for a configuration the split cannot reproduce exactly."""
@@ -544,8 +545,8 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
     deferred, returned, nodes = [False, False], [False, False], [None, None]
     hooked = getattr(ctx, "hooked", False)  # a post-hook on the node (note_node_hooks)
     summed = ctx.site.handle._summed_by_autograd
-    if summed and not torch.are_deterministic_algorithms_enabled():
-        summed = ()
+    if not summed or not torch.are_deterministic_algorithms_enabled():
+        summed = ()  # (an empty tuple: a set, even empty, hashes each parameter it is asked for)
     edges = iter(ctx.next_functions[1:])  # one per tensor input after x
     for i, p in enumerate(ctx.params):
         if p is None:
@@ -1344,6 +1345,8 @@ class OOOHandle(_PassTracking):
 
     def _hold_list(self, module: nn.Module) -> list | None:
         """Inside hold(): the list that collects the dW tasks of `module`."""
+        if not self._holding:  # (every call of every layer asks: no iterator then)
+            return None
         for held, keep in reversed(self._holding):
             if keep is None or keep(module):
                 return held
@@ -1358,7 +1361,11 @@ class OOOHandle(_PassTracking):
             self._held_in_pass.append(task)
             return
         if self.order == "conventional" or self._holding:
-            self.run([task])
+            # run() less its checks of a caller's list, which a task made in
+            # this backward and held nowhere passes (grad mode is off in
+            # backward, and its hooks do not wait for it): they cost about as
+            # much as a small layer's dW
+            task.run()
             return
         self._defer_post_hooks(task)
         main_region = self._region_of_main.get(task.key)
