@@ -1539,20 +1539,23 @@ def test_two_threads_fusing_one_optimizer_at_once_make_one_fusion(monkeypatch, m
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fuse_stopped_anywhere_lets_the_optimizer_be_fused_again(mode: str) -> None:
-    """The stop button right before each line that fuse() runs in its own
-    frame and in _claim_fusing, one run per line: running the cell again
+    """The stop button right before each line that fuse() runs in
+    reprop/fusion.py (its own frame, _claim_fusing, the handle's constructor
+    and the hooks it installs), one run per line: running the cell again
     fuses the optimizer (after remove() of a fusion the stopped call made
     whole), never refused by the claim the stopped call left; a stopped
     call leaves none of its hooks on the model (a handle built but stopped
     before it took the optimizer over left them, which fusion_of() cannot
-    find to remove); and the last fuse() leaves no claim behind."""
-    model = nn.Linear(4, 2)
+    find to remove, and so did a constructor stopped midway, in about 100
+    of 350 lines in backward mode, 180 of 440 in forward mode); and the
+    last fuse() leaves no claim behind."""
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     opt = rp.SGD(model.parameters(), lr=0.1)
     before = hook_snapshot(model, opt)
     n = 0
     while True:
         n += 1
-        stop = LineStop((reprop.fuse, reprop.fusion._claim_fusing), n)
+        stop = LineStop(reprop.fusion.__file__, n)
         with contextlib.suppress(KeyboardInterrupt), stop:
             reprop.fuse(model, opt, mode=mode)
         made = reprop.fusion.fusion_of(model)

@@ -801,6 +801,43 @@ def _check_requires_grad_agrees(rank: int, world: int) -> None:
     data_parallel(net, k=0).remove()
 
 
+class _Expanded(nn.Module):
+    """A Linear plus a (3, WIDTH) Parameter and buffer made by expand()
+    (stride 0 along dim 0) or by clone() of that."""
+
+    def __init__(self, expanded: bool):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        made = (lambda t: t) if expanded else torch.clone
+        self.shift = nn.Parameter(made(torch.zeros(WIDTH).expand(3, WIDTH)))
+        self.register_buffer("offset", made(torch.ones(WIDTH).expand(3, WIDTH)))
+
+    def forward(self, x):
+        return self.lin(x) + self.shift.sum(0) + self.offset.sum(0)
+
+
+def _check_repeated_tensors_refused(rank: int, world: int) -> None:
+    """A Parameter made by expand(): the broadcast from rank 0 failed inside
+    torch ("more than one element of the written-to tensor refers to a
+    single memory location", naming no tensor), as DDP's does. Now a
+    ValueError naming it on every rank, before anything is installed; so is
+    such a buffer where buffers are broadcast; without broadcast_buffers
+    (rank-local buffers) that buffer is fine, and so are clones."""
+    with pytest.raises(RuntimeError, match="single memory location"):
+        DistributedDataParallel(_Expanded(True))  # DDP refuses it too
+    model = _Expanded(True)
+    with pytest.raises(ValueError, match=r"^model\.shift: a parameter that repeats its "
+                                         r"elements \(stride 0 along dim\(s\) \[0\]"):
+        data_parallel(model, k=1)
+    assert all("forward" not in m.__dict__ for m in model.modules()), "split left behind"
+    model.shift = nn.Parameter(model.shift.clone())
+    with pytest.raises(ValueError, match=r"^model\.offset: a buffer broadcast "
+                                         r"\(broadcast_buffers=True\) that repeats"):
+        data_parallel(model, k=1)
+    data_parallel(model, k=1, broadcast_buffers=False).remove()
+    data_parallel(_Expanded(False), k=1).remove()
+
+
 def _check_non_member(rank: int, world: int) -> None:
     """A group of ranks 0 and 1: its members average over it as DDP does;
     the rank left out gets a ValueError naming process_group from both
@@ -885,6 +922,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _check_different_models(rank, world)
     _check_broadcast_buffers_agree(rank, world)
     _check_requires_grad_agrees(rank, world)
+    _check_repeated_tensors_refused(rank, world)
     _check_non_member(rank, world)
 
 
@@ -1824,7 +1862,8 @@ def test_parallel_edge_cases():
     """On 3 ranks, in one group of processes. Data parallelism: buffers after
     no_sync() and no_grad forwards; a model that returns one of its
     Parameters; models that differ between the ranks; broadcast_buffers
-    that differs between the ranks, and False (rank-local buffers); a parameter frozen on one rank only; a group of two
+    that differs between the ranks, and False (rank-local buffers); a parameter frozen on one
+    rank only; a parameter or broadcast buffer made by expand(); a group of two
     and the rank it leaves out. Pipeline: gradients that stop
     at a layer in some or all micro-batches (a one-byte flag tells the stage
     before); a layer shared by two stages, and by layers of one stage;

@@ -960,6 +960,54 @@ def test_amp_protocol_divides_gradients_read_through_a_copy(name: str) -> None:
     assert_grads_equal([got_grads[k] for k in taken], [plain_grads[k] for k in taken])
 
 
+def _amp_step_under(name: str, stop: LineStop) -> tuple[Run, bool]:
+    """A second step of the AMP protocol (grad_scale 1024, no inf) under
+    `stop`, retried with the same grad_scale when it was stopped before it
+    moved a parameter, as GradScaler.step() is retried (its stage still
+    READY); returns the run and whether it was retried."""
+    init, grads = make_params(AMP_SHAPES, seed=5), grad_sequence(AMP_SHAPES, 2)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    set_grads(params, grads[0])
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    set_grads(params, [g * 1024 for g in grads[1]])
+    opt.grad_scale = torch.tensor(1024.0)
+    try:
+        with stop:
+            opt.step()
+    except KeyboardInterrupt:
+        pass
+    retried = stop.stopped and all(torch.equal(p, b) for p, b in zip(params, before))
+    if retried:
+        opt.step()
+    return Run(params, opt), retried
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_stopped_before_its_update_divides_the_gradients_once(name: str) -> None:
+    """The stop button at each line of the update: step() divided the
+    gradients by grad_scale in place before the update ran, so a step
+    stopped in between left them divided with the params as they were, and
+    the retried step divided them again (SGD's params off by 0.07 from a
+    gradient 1024 times too small). Now the retried step does not divide
+    them again: a step stopped before its update, retried, gives the step
+    uninterrupted (params, state and .grad, bitwise); one stopped after it
+    has moved the params as that step."""
+    whole, _ = _amp_step_under(name, LineStop(rp._FusedOptimizer._update, 0))
+    lines = LineStop(rp._FusedOptimizer._update, 0)
+    _amp_step_under(name, lines)
+    retries = 0
+    for n in range(1, lines.count + 1):
+        got, retried = _amp_step_under(name, LineStop(rp._FusedOptimizer._update, n))
+        assert all(torch.equal(p, w) for p, w in zip(got.params, whole.params)), f"line {n}"
+        assert_runs_equal(got, whole)
+        if retried:
+            assert all(torch.equal(p.grad, w.grad) for p, w in zip(got.params, whole.params))
+            retries += 1
+    assert lines.count > 10 and 0 < retries < lines.count
+
+
 @pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
 def test_a_skipped_first_step_leaves_torchs_initial_state(name: str) -> None:
     """torch's fused step makes a param's state before its kernel skips:

@@ -195,12 +195,14 @@ if _ON_PARAM_REGISTERED is _on_param_registered:  # the first import
     nn.modules.module.register_module_parameter_registration_hook(_ON_PARAM_REGISTERED)
 
 
-def _register_param_registration_hook(hook: Callable) -> "torch.utils.hooks.RemovableHandle":
+def _register_param_registration_hook(hook: Callable, hooks: list) -> None:
     """register_module_parameter_registration_hook(hook) for a forward
-    fusion, in _PARAM_REGISTERED: torch's global registry stays as it is."""
-    handle = torch.utils.hooks.RemovableHandle(_PARAM_REGISTERED)
-    _PARAM_REGISTERED[handle.id] = hook
-    return handle
+    fusion, in _PARAM_REGISTERED: torch's global registry stays as it is.
+    Its removable handle joins `hooks` before the hook is stored: a stop
+    button after the store, before a returned handle was appended, left the
+    hook there with nothing to remove it."""
+    hooks.append(torch.utils.hooks.RemovableHandle(_PARAM_REGISTERED))
+    _PARAM_REGISTERED[hooks[-1].id] = hook
 
 
 def _flushing(name: str):
@@ -396,13 +398,20 @@ def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backwa
                                      comm_hook, comm_state)
         else:
             handle = _ForwardFusion(model, optimizer, engine, clip_grad_norm)
+        # hooks only once the handle is here to take them out: a constructor
+        # stopped midway (a notebook's stop button) left those it had
+        # installed on the model, calling a handle nobody could remove
+        handle._install()
         # the optimizer changes last: a handle that failed to build leaves it as it was
         handle._take_over_optimizer()
     except BaseException:
-        # stopped (a notebook's stop button) between the build and the end of
-        # the take-over: its hooks stayed on the model, and fusion_of() could
-        # not find the handle to remove them
+        # stopped between the build and the end of the take-over: its hooks
+        # stayed on the model, and fusion_of() could not find the handle to
+        # remove them. Removed first: DDP cannot unregister its comm hook,
+        # which must then only reduce, not update, while the handle lives on
+        # (in the traceback a notebook keeps)
         if handle is not None:
+            handle._removed = True
             handle._unhook()
         raise
     finally:  # (the claim is still this call's: no other call replaces a live one)
@@ -969,6 +978,11 @@ class FusionHandle:
         # inside step(), remove() and the hooks.
         self._lock = threading.RLock()
 
+    def _install(self) -> None:
+        """Installs the mode's hooks on the model (fuse() calls it once the
+        constructor, which sets state only, has returned the handle)."""
+        raise NotImplementedError
+
     def _take_over_optimizer(self) -> None:
         """Routes the optimizer's step(), zero_grad() and load_state_dict() to
         this fusion, saving what it overrides for remove()."""
@@ -1409,10 +1423,14 @@ class _BackwardFusion(FusionHandle):
             # the user's hook, or DDP's own all-reduce.
             self._comm_hook = comm_hook or allreduce_hook
             # allreduce_hook's state is its group: DDP's own (None would be WORLD's)
-            state = comm_state if comm_hook is not None else model.process_group
-            _register_bucket_hook(model, self._ddp_bucket_hook, state, self._comm_hook)
+            self._comm_state = comm_state if comm_hook is not None else model.process_group
+
+    def _install(self) -> None:
+        if self._ddp:
+            _register_bucket_hook(self.model, self._ddp_bucket_hook, self._comm_state,
+                                  self._comm_hook)
         self._track(list(self._params.values()))
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward))
+        self._hooks.append(self.model.register_forward_pre_hook(self._on_root_forward))
 
     def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
@@ -2112,23 +2130,27 @@ class _ForwardFusion(FusionHandle):
         # per forward. Weakly held: it is global. A handle dropped without
         # remove() has it removed when freed.
         self._owners_moved = False
-        registered = _register_param_registration_hook(_tensors.weak_hook(self._on_param_registered))
-        self._hooks.append(registered)
-        weakref.finalize(self, registered.remove)
-        self._track(list(self._params.values()))
-        # prepended: pre-hooks registered before fuse() that compute a weight from
-        # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
-        # must see them updated
-        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
-        self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
-        # prepended: the optimizer's state-dict pre-hooks registered before fuse()
-        # must see the state updated, as after an eager step()
-        self._hooks.append(optimizer.register_state_dict_pre_hook(self._on_state_dict,
-                                                                  prepend=True))
         self._own_join_hook = _MISSING
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         if self._ddp:
             self._own_join_hook = model.__dict__.get("join_hook", _MISSING)
+
+    def _install(self) -> None:
+        _register_param_registration_hook(_tensors.weak_hook(self._on_param_registered),
+                                          self._hooks)
+        weakref.finalize(self, self._hooks[-1].remove)
+        self._track(list(self._params.values()))
+        # prepended: pre-hooks registered before fuse() that compute a weight from
+        # the parameters (nn.utils.prune, the old weight_norm/spectral_norm)
+        # must see them updated
+        model = self.model
+        self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
+        self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
+        # prepended: the optimizer's state-dict pre-hooks registered before fuse()
+        # must see the state updated, as after an eager step()
+        self._hooks.append(self._user_optimizer.register_state_dict_pre_hook(
+            self._on_state_dict, prepend=True))
+        if self._ddp:
             model.join_hook = self._ddp_join_hook
 
     def _ddp_join_hook(self, **kwargs):

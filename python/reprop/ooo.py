@@ -2465,6 +2465,21 @@ def _check_group(group) -> None:
                          "member of the group; only its members may use it")
 
 
+def _refuse_repeated(named: Iterable[tuple[str, torch.Tensor]], what: str) -> None:
+    """ValueError naming the first of `named` (model.<name>) that repeats its
+    elements (stride 0 along a dim of size > 1: expand, broadcast_to): the
+    broadcast from rank 0 writes into it, which torch refuses with an error
+    naming no tensor (DDP's own broadcast fails alike, so DDP accepts none)."""
+    for name, t in named:
+        dims = repeated_dims(t)
+        if dims:
+            raise ValueError(
+                f"model.{name}: a {what} that repeats its elements (stride 0 along dim(s) "
+                f"{dims} of shape {tuple(t.shape)}, as expand() makes), which the broadcast "
+                f"from rank 0 cannot write, as under DistributedDataParallel; expected a "
+                f"tensor with memory of its own: make it from t.expand(...).clone()")
+
+
 def _pg(group):
     """The process group object of `group` (None: the default group)."""
     return dist.group.WORLD if group is None else group
@@ -2782,6 +2797,11 @@ class DataParallel(_PassTracking, Joinable):
             "the parameters requiring grad are bucketed and all-reduced alike on every rank "
             "(gloo aborted on buckets of other sizes), and broadcast_buffers decides whether "
             "the buffers are broadcast before a forward, a collective every rank must join")
+        # what the broadcasts write (_synced_states); after the checks above,
+        # whose strides and broadcast_buffers agree, so every rank refuses alike
+        _refuse_repeated(model.named_parameters(), "parameter")
+        if broadcast_buffers and dist.get_world_size(process_group) > 1:
+            _refuse_repeated(model.named_buffers(), "buffer broadcast (broadcast_buffers=True)")
         default_cap = bucket_cap_mb is None
         if default_cap:
             bucket_cap_mb = _DEFAULT_BUCKET_MB

@@ -31,6 +31,7 @@ Differences from torch, all deliberate:
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Callable, Iterable, NamedTuple
 
 import numpy as np
@@ -226,12 +227,30 @@ def _amp_tensor(value, name: str) -> torch.Tensor | None:
     return value.reshape(())  # (torch's fused kernels take shape (1,) too; _foreach_div_ 0-d only)
 
 
-def _unscale_grads(running: list, scale: torch.Tensor) -> None:
+def _unscale_grads(running: list, scale: torch.Tensor, divided: dict) -> None:
     """Divides the gradients of the rows taking part by `scale` in place,
     as torch's fused kernels do: they update from g / scale and write it back
-    into .grad."""
+    into .grad. Torch does both in one call; here a step stopped between the
+    division and the update (a notebook's stop button) left them divided,
+    and a retried step (GradScaler's, its stage unchanged) divided them
+    twice. `divided`: id(gradient) -> (a weak reference to it, its version
+    once divided), noted before each division (one in-place call bumps it
+    once) and emptied by the caller once the update has run: a gradient
+    still there at that version is one a stopped step divided, which is
+    not divided again."""
     for plan in running:
-        torch._foreach_div_([p.grad for p in plan.step_params], scale.to(plan.device))
+        grads = [g for g in (p.grad for p in plan.step_params)
+                 if _noted(divided, g) != g._version]
+        divided.update((id(g), (weakref.ref(g), g._version + 1)) for g in grads)
+        if grads:
+            torch._foreach_div_(grads, scale.to(plan.device))
+
+
+def _noted(divided: dict, g: torch.Tensor) -> int | None:
+    """The version _unscale_grads noted for gradient `g` (not for another
+    tensor since given its id), or None."""
+    ref, version = divided.get(id(g), (None, None))
+    return version if ref is not None and ref() is g else None
 
 
 class _Plan:
@@ -1050,6 +1069,7 @@ class _FusedOptimizer:
         # than hand step() its grad_scale and found_inf (_grad_scaling)
         self._step_supports_amp_scaling = False
         self._plans = _PlanCache()
+        self._divided_not_stepped: dict = {}  # see _unscale_grads
         # What _follow_param_groups last saw: (ids of the group and
         # its params list, len of the list) of each group, and the ids of all
         # params in groups.
@@ -1291,12 +1311,13 @@ class _FusedOptimizer:
                     # SGD buffer, never filled, is not published
                     running = []
                 elif scaling.scale is not None:
-                    _unscale_grads(running, scaling.scale)
+                    _unscale_grads(running, scaling.scale, self._divided_not_stepped)
                     # again: gradient copies (another layout, memory shared with the
                     # param) were made from the scaled ones
                     keep = _prepare_grads(plans, self.state, given)
             for plan in running:
                 plan.run(self, hp, hparams)
+            self._divided_not_stepped.clear()
             if new_plans:
                 self._cache_plans(key, plans)
         except (TypeError, ValueError, OverflowError) as e:  # a refused setting: name the group
