@@ -4811,6 +4811,59 @@ def test_forward_mode_module_reading_its_submodules_parameters(case: str) -> Non
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
+def _torch_func_read(model: nn.Module, how: str, x: torch.Tensor) -> dict:
+    """What a torch.func computation between optimizer.step() and the next
+    forward reads of `model`'s parameters: torch.func.grad over a
+    functional_call of the parameters themselves, or the per-sample
+    gradients of torch's recipe (vmap of grad over their detached aliases)."""
+    if how == "grad":
+        def loss(params):
+            return torch.func.functional_call(model, params, (x,)).square().sum()
+        return torch.func.grad(loss)(dict(model.named_parameters()))
+
+    def sample_loss(params, sample):
+        return torch.func.functional_call(model, params, (sample[None],)).square().sum()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0))(params, x)
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+@pytest.mark.parametrize("how", ["grad", "per_sample"])
+def test_forward_mode_torch_func_functional_call_reads_the_updated_parameters(
+        how: str, parametrized: bool) -> None:
+    """torch.func.functional_call swaps the tensors it is given into the
+    modules' parameter slots for the call, and under a torch.func transform
+    those are the transform's wrappers (of the parameters, or of their
+    detached aliases in the per-sample-gradient recipe), not the fused
+    parameters: a module's forward found none of its updates pending, so
+    they waited for the end of the forward, which read every weight one
+    update behind eager (the gradients torch.func returned were those of the
+    old weights). Each owner's pending updates are now found by the
+    parameters it registers, whatever its slots hold during the call."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        if parametrized:
+            nn.utils.parametrizations.weight_norm(model[0])
+        opt = rp.Adam(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        reads = []
+        for i in range(3):
+            model(torch.randn(3, 4, generator=_gen(i))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            reads.append(_torch_func_read(model, how, torch.randn(3, 4, generator=_gen(10 + i))))
+        if handle is not None:
+            handle.remove()
+        return (model, opt), reads
+
+    (got, reads), (ref, ref_reads) = run("forward"), run(None)
+    _assert_same_training(got, ref)
+    for read, ref_read in zip(reads, ref_reads):
+        for name in ref_read:
+            assert torch.equal(read[name], ref_read[name]), f"{name}: {_diff(read[name], ref_read[name])}"
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step
