@@ -5653,6 +5653,74 @@ def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> N
         assert torch.equal(a, b)
 
 
+class _TiedReadDirectly(nn.Module):
+    """Input embedding and output head tied, both read by the parent without
+    calling either module (F.embedding, F.linear of their weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(F.embedding(idx, self.wte.weight)))
+        return F.linear(h, self.head.weight)
+
+
+def _tied_parametrized_forward_twice_under_cached() -> nn.Module:
+    """Two layers sharing one parametrized weight's original, the model run
+    twice per step inside parametrize.cached(): the second forward reads the
+    cache, so neither ParametrizationList runs in it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for layer in (model[0], model[2]):
+        nn.utils.parametrize.register_parametrization(layer, "weight", nn.Tanh())
+    model[2].parametrizations.weight.original = model[0].parametrizations.weight.original
+    return model
+
+
+def _twice_under_cached(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with nn.utils.parametrize.cached():
+        return model(x).square().mean() + model(2 * x).square().mean()
+
+
+TIED_OWNERS_IDLE = {
+    # (the model, one step's loss)
+    "read_directly": (_TiedReadDirectly, lambda m, g: m(torch.randint(0, 10, (3, 5), generator=g))
+                      .logsumexp(-1).mean()),
+    "parametrized_cached": (_tied_parametrized_forward_twice_under_cached,
+                            lambda m, g: _twice_under_cached(m, torch.randn(3, 4, generator=g))),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_OWNERS_IDLE))
+def test_forward_mode_weight_tied_between_owners_that_did_not_run(case: str) -> None:
+    """A weight tied between two owners, neither of which ran in the forward
+    before (never called: read directly; or skipped, as a second forward
+    under parametrize.cached() skips the parametrizations), was among the
+    pending updates of each: the next forward passed it to the update twice,
+    which the optimizer refused (a ValueError blaming a step tensor shared
+    "by hand"), and then raised KeyError from the fusion's bookkeeping.
+    Applied once, as eager."""
+    make_model, loss_of = TIED_OWNERS_IDLE[case]
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = rp.AdamW(model.parameters(), lr=0.05)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(4):
+            loss_of(model, _gen(i)).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    _assert_same_training(run("forward"), run(None))
+
+
 def _penalty_after_an_eval_pass_skipping_a_layer(mode: str | None) -> tuple:
     """Two training steps, the first followed by an evaluation pass (no_grad)
     that skips the layer b, which that step ran (b's update is applied at

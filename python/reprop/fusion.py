@@ -2496,7 +2496,8 @@ class _ForwardFusion(FusionHandle):
             if self._pending:
                 orphans += self._of_idle_owners(previous)
             if orphans:
-                self._apply(orphans)
+                # (a weight tied between owners is among each one's: applied once)
+                self._apply(list({id(p): p for p in orphans}.values()))
 
     def _of_idle_owners(self, previous: object) -> list:
         """The pending parameters of the owners seen running before but not
