@@ -4814,6 +4814,59 @@ def test_forward_mode_module_reading_its_submodules_parameters(case: str) -> Non
     torch.testing.assert_close(out, ref_out, rtol=1e-6, atol=1e-6)
 
 
+def _torch_func_read(model: nn.Module, how: str, x: torch.Tensor) -> dict:
+    """What a torch.func computation between optimizer.step() and the next
+    forward reads of `model`'s parameters: torch.func.grad over a
+    functional_call of the parameters themselves, or the per-sample
+    gradients of torch's recipe (vmap of grad over their detached aliases)."""
+    if how == "grad":
+        def loss(params):
+            return torch.func.functional_call(model, params, (x,)).square().sum()
+        return torch.func.grad(loss)(dict(model.named_parameters()))
+
+    def sample_loss(params, sample):
+        return torch.func.functional_call(model, params, (sample[None],)).square().sum()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    return torch.func.vmap(torch.func.grad(sample_loss), in_dims=(None, 0))(params, x)
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+@pytest.mark.parametrize("how", ["grad", "per_sample"])
+def test_forward_mode_torch_func_functional_call_reads_the_updated_parameters(
+        how: str, parametrized: bool) -> None:
+    """torch.func.functional_call swaps the tensors it is given into the
+    modules' parameter slots for the call, and under a torch.func transform
+    those are the transform's wrappers (of the parameters, or of their
+    detached aliases in the per-sample-gradient recipe), not the fused
+    parameters: a module's forward found none of its updates pending, so
+    they waited for the end of the forward, which read every weight one
+    update behind eager (the gradients torch.func returned were those of the
+    old weights). Each owner's pending updates are now found by the
+    parameters it registers, whatever its slots hold during the call."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+        if parametrized:
+            nn.utils.parametrizations.weight_norm(model[0])
+        opt = rp.Adam(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        reads = []
+        for i in range(3):
+            model(torch.randn(3, 4, generator=_gen(i))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            reads.append(_torch_func_read(model, how, torch.randn(3, 4, generator=_gen(10 + i))))
+        if handle is not None:
+            handle.remove()
+        return (model, opt), reads
+
+    (got, reads), (ref, ref_reads) = run("forward"), run(None)
+    _assert_same_training(got, ref)
+    for read, ref_read in zip(reads, ref_reads):
+        for name in ref_read:
+            assert torch.equal(read[name], ref_read[name]), f"{name}: {_diff(read[name], ref_read[name])}"
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step
@@ -5601,6 +5654,74 @@ def test_forward_mode_skipped_layer_read_after_the_forward_is_not_refused() -> N
 
     for a, b in zip(train("forward"), train(None)):
         assert torch.equal(a, b)
+
+
+class _TiedReadDirectly(nn.Module):
+    """Input embedding and output head tied, both read by the parent without
+    calling either module (F.embedding, F.linear of their weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(10, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        h = torch.tanh(self.mid(F.embedding(idx, self.wte.weight)))
+        return F.linear(h, self.head.weight)
+
+
+def _tied_parametrized_forward_twice_under_cached() -> nn.Module:
+    """Two layers sharing one parametrized weight's original, the model run
+    twice per step inside parametrize.cached(): the second forward reads the
+    cache, so neither ParametrizationList runs in it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    for layer in (model[0], model[2]):
+        nn.utils.parametrize.register_parametrization(layer, "weight", nn.Tanh())
+    model[2].parametrizations.weight.original = model[0].parametrizations.weight.original
+    return model
+
+
+def _twice_under_cached(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with nn.utils.parametrize.cached():
+        return model(x).square().mean() + model(2 * x).square().mean()
+
+
+TIED_OWNERS_IDLE = {
+    # (the model, one step's loss)
+    "read_directly": (_TiedReadDirectly, lambda m, g: m(torch.randint(0, 10, (3, 5), generator=g))
+                      .logsumexp(-1).mean()),
+    "parametrized_cached": (_tied_parametrized_forward_twice_under_cached,
+                            lambda m, g: _twice_under_cached(m, torch.randn(3, 4, generator=g))),
+}
+
+
+@pytest.mark.parametrize("case", list(TIED_OWNERS_IDLE))
+def test_forward_mode_weight_tied_between_owners_that_did_not_run(case: str) -> None:
+    """A weight tied between two owners, neither of which ran in the forward
+    before (never called: read directly; or skipped, as a second forward
+    under parametrize.cached() skips the parametrizations), was among the
+    pending updates of each: the next forward passed it to the update twice,
+    which the optimizer refused (a ValueError blaming a step tensor shared
+    "by hand"), and then raised KeyError from the fusion's bookkeeping.
+    Applied once, as eager."""
+    make_model, loss_of = TIED_OWNERS_IDLE[case]
+
+    def run(mode):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = rp.AdamW(model.parameters(), lr=0.05)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(4):
+            loss_of(model, _gen(i)).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return model, opt
+
+    _assert_same_training(run("forward"), run(None))
 
 
 def _penalty_after_an_eval_pass_skipping_a_layer(mode: str | None) -> tuple:

@@ -673,7 +673,7 @@ def _direct_params(module: nn.Module, wanted: dict) -> list:
     return [p for p in module.parameters(recurse=False) if id(p) in wanted]
 
 
-def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
+def _params_read_by(module: nn.Module, own_of: dict) -> Iterable[torch.Tensor]:
     """The parameters whose pending updates the forward of `module`, an owner
     of fused parameters, needs first: its own, and when it has submodules
     too, theirs. Such a module combines its parameters with its submodules'
@@ -682,10 +682,31 @@ def _params_read_by(module: nn.Module) -> Iterable[torch.Tensor]:
     ConvBn2d divides bn.weight before calling bn). Modules without parameters
     of their own (containers, transformer layers, most models) have no
     forward hooks: each submodule announces its own next use, so the updates
-    still wait for the layer that uses them."""
-    if not module._modules:  # (children() and parameters() build generators, at every forward)
-        return module._parameters.values()  # (None for a parameter slot left empty)
-    return module.parameters()
+    still wait for the layer that uses them.
+    Taken from `own_of` (id(owner) -> the fused parameters it registers),
+    not from the parameter slots: torch.func.functional_call (and
+    nn.utils.stateless) swap the tensors it is given into the slots for the
+    call, under a torch.func transform the transform's wrappers (of the
+    parameters, or of their detached aliases in the per-sample-gradient
+    recipe), where the updates were not found and waited for the forward's
+    end, after it had read every weight one update behind eager."""
+    if not module._modules:  # (modules() builds a generator, at every forward)
+        return own_of.get(id(module), ())
+    return [p for m in module.modules() for p in own_of.get(id(m), ())]
+
+
+def _outside_torch_func(fn: Callable, *args) -> None:
+    """fn(*args), with torch.func's transforms switched off while one is
+    active: a forward under grad or vmap (of a functional_call) applies
+    pending updates, and the transform would wrap the tensors an update
+    makes (a plan's stand-in, new state), which have no memory for the
+    kernels ("Cannot access data pointer"). The look costs about 0.05 us,
+    the switch 1 us."""
+    if not _tensors.transform_active():
+        fn(*args)
+        return
+    with torch._C._DisableFuncTorch():
+        fn(*args)
 
 
 def _places_of(owners: list, wanted: dict) -> dict:
@@ -2109,6 +2130,7 @@ class _ForwardFusion(FusionHandle):
         # other module takes a dropped owner's id in _ran meanwhile: only
         # modules hooked here write there, and hooking one follows the owners.
         self._owners: list = []
+        self._own_of: dict = {}  # the same, as id(module) -> its own parameters
         # id(param) -> the (weakref(module), name) places of each in the owners,
         # as of the last look (see _refuse_parametrized_while_pending)
         self._places: dict = {}
@@ -2195,6 +2217,7 @@ class _ForwardFusion(FusionHandle):
         owners = [(m, own) for m in self.model.modules()
                   if (own := _direct_params(m, self._params))]
         self._owners = self._unseen = [(id(m), own) for m, own in owners]
+        self._own_of = dict(self._owners)
         owned = {id(p) for _, own in owners for p in own}
         self._places = _places_of(owners, self._params)
         for module in self._owners_to_hook():
@@ -2333,7 +2356,7 @@ class _ForwardFusion(FusionHandle):
         self._pending.clear()
         self._grads.clear()
         self._forget_late()
-        self._owners, self._unseen = [], []
+        self._owners, self._unseen, self._own_of = [], [], {}
         self._group_of, self._step_state = {}, None
 
     def flush(self) -> None:
@@ -2397,8 +2420,8 @@ class _ForwardFusion(FusionHandle):
         # (each in the group its update was decided in)
         for group, group_params in optim._by_group(params, self._group_of):
             try:
-                _tensors.without_grad(self.optimizer._update, group, group_params,
-                                      self._settings.get(id(group)), grads)
+                _outside_torch_func(_tensors.without_grad, self.optimizer._update, group,
+                                    group_params, self._settings.get(id(group)), grads)
             finally:
                 self._settle(group_params)
 
@@ -2473,8 +2496,7 @@ class _ForwardFusion(FusionHandle):
                 self._follow_owners()  # (layers called one by one: no root forward)
                 pending = self._pending
                 # (a parameter registered under two names is applied once)
-                mine = {id(p): p for p in _params_read_by(module)
-                        if p is not None and id(p) in pending}
+                mine = {id(p): p for p in _params_read_by(module, self._own_of) if id(p) in pending}
                 if mine:
                     self._apply(list(mine.values()))
 
@@ -2496,7 +2518,8 @@ class _ForwardFusion(FusionHandle):
             if self._pending:
                 orphans += self._of_idle_owners(previous)
             if orphans:
-                self._apply(orphans)
+                # (a weight tied between owners is among each one's: applied once)
+                self._apply(list({id(p): p for p in orphans}.values()))
 
     def _of_idle_owners(self, previous: object) -> list:
         """The pending parameters of the owners seen running before but not
