@@ -227,30 +227,46 @@ def _amp_tensor(value, name: str) -> torch.Tensor | None:
     return value.reshape(())  # (torch's fused kernels take shape (1,) too; _foreach_div_ 0-d only)
 
 
-def _unscale_grads(running: list, scale: torch.Tensor, divided: dict) -> None:
+def _unscale_grads(running: list, scale: torch.Tensor, stopped: dict, divided: list) -> None:
     """Divides the gradients of the rows taking part by `scale` in place,
     as torch's fused kernels do: they update from g / scale and write it back
-    into .grad. Torch does both in one call; here a step stopped between the
-    division and the update (a notebook's stop button) left them divided,
-    and a retried step (GradScaler's, its stage unchanged) divided them
-    twice. `divided`: id(gradient) -> (a weak reference to it, its version
-    once divided), noted before each division (one in-place call bumps it
-    once) and emptied by the caller once the update has run: a gradient
-    still there at that version is one a stopped step divided, which is
-    not divided again."""
+    into .grad. Torch does both in one call; here a step stopped in between
+    (a notebook's stop button) leaves them divided, and its retry
+    (GradScaler's, its stage unchanged) must not divide them again: `stopped`
+    holds the notes such a step left (_stopped_notes), and `divided` gets
+    (gradients, their versions once divided) of each plan before its
+    division, for the caller to note if the step does not finish."""
     for plan in running:
-        grads = [g for g in (p.grad for p in plan.step_params)
-                 if _noted(divided, g) != g._version]
-        divided.update((id(g), (weakref.ref(g), g._version + 1)) for g in grads)
+        grads = [p.grad for p in plan.step_params]
+        if stopped:
+            grads = [g for g in grads if not _divided_by_stopped_step(stopped, g)]
+        try:
+            versions = [g._version + 1 for g in grads]  # (one in-place call bumps it once)
+        except RuntimeError:  # inference tensors keep no version: theirs go unnoted
+            versions = None
+        divided.append((grads, versions))
         if grads:
             torch._foreach_div_(grads, scale.to(plan.device))
 
 
-def _noted(divided: dict, g: torch.Tensor) -> int | None:
-    """The version _unscale_grads noted for gradient `g` (not for another
-    tensor since given its id), or None."""
-    ref, version = divided.get(id(g), (None, None))
-    return version if ref is not None and ref() is g else None
+def _stopped_notes(stopped: dict, divided: list) -> dict:
+    """id(gradient) -> (a weak reference to it, its version and data pointer
+    once divided), for the gradients a stopped step may have divided; with
+    the notes of the stopped step it retried. Made only when a step did not
+    finish, so a finished step pays for one version read a gradient."""
+    notes = dict(stopped)
+    for grads, versions in divided:
+        if versions is not None:
+            notes.update((id(g), (weakref.ref(g), v, g.data_ptr())) for g, v in zip(grads, versions))
+    return notes
+
+
+def _divided_by_stopped_step(stopped: dict, g: torch.Tensor) -> bool:
+    """Whether gradient `g` is still as a stopped step left it after its
+    division: the same tensor (not another since given its id), neither
+    written in place since nor given other memory through .data."""
+    ref, version, ptr = stopped.get(id(g), (None, None, None))
+    return ref is not None and ref() is g and g._version == version and g.data_ptr() == ptr
 
 
 class _Plan:
@@ -1069,7 +1085,7 @@ class _FusedOptimizer:
         # than hand step() its grad_scale and found_inf (_grad_scaling)
         self._step_supports_amp_scaling = False
         self._plans = _PlanCache()
-        self._divided_not_stepped: dict = {}  # see _unscale_grads
+        self._divided_not_stepped: dict = {}  # call key -> _stopped_notes
         # What _follow_param_groups last saw: (ids of the group and
         # its params list, len of the list) of each group, and the ids of all
         # params in groups.
@@ -1278,6 +1294,7 @@ class _FusedOptimizer:
         # with gradients; its rows without one sit the step out. A cached plan
         # reads each gradient once, in C, also to find that none has one.
         key = (id(group), _C.optim_call_key(params))
+        stopped, divided = {}, []  # see _unscale_grads
         try:
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
@@ -1311,16 +1328,21 @@ class _FusedOptimizer:
                     # SGD buffer, never filled, is not published
                     running = []
                 elif scaling.scale is not None:
-                    _unscale_grads(running, scaling.scale, self._divided_not_stepped)
+                    stopped = self._divided_not_stepped.pop(key, {})
+                    _unscale_grads(running, scaling.scale, stopped, divided)
                     # again: gradient copies (another layout, memory shared with the
                     # param) were made from the scaled ones
                     keep = _prepare_grads(plans, self.state, given)
             for plan in running:
                 plan.run(self, hp, hparams)
-            self._divided_not_stepped.clear()
+            divided = []
             if new_plans:
                 self._cache_plans(key, plans)
-        except (TypeError, ValueError, OverflowError) as e:  # a refused setting: name the group
+        except BaseException as e:
+            if divided or stopped:  # gradients divided, the update not finished (see _unscale_grads)
+                self._divided_not_stepped[key] = _stopped_notes(stopped, divided)
+            if not isinstance(e, (TypeError, ValueError, OverflowError)):
+                raise
             refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
             raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
         del keep  # the gradients read (and copies): only now may they be freed
