@@ -4107,6 +4107,33 @@ def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_
     assert seen == {None: 2.0, "forward": 2.0}, seen
 
 
+def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_updates() -> None:
+    """The model's state_dict and load_state_dict pre-hooks registered before
+    fuse() ran before the fusion's, which apply the pending updates: on the
+    root (the checkpointed module) they saw the weights of before step().
+    They see eager's."""
+    seen: dict = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        weight = lambda mode=mode, model=model: seen.setdefault(mode, []).append(  # noqa: E731
+            model[0].weight.detach().clone())
+        model.register_state_dict_pre_hook(lambda *args: weight())
+        model._register_load_state_dict_pre_hook(lambda *args: weight())
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        state = model.state_dict()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        model.load_state_dict(state)
+        if handle is not None:
+            handle.remove()
+    for got, ref in zip(seen["forward"], seen[None], strict=True):
+        assert torch.equal(got, ref)
+
+
 def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
     """An lr held as a NumPy array and changed in place after step() (a
     hand-written schedule): the pending update shared the array and used the

@@ -1261,6 +1261,27 @@ def test_remove_restores_plain_modules():
     assert "_Split" not in type(out.grad_fn).__name__
 
 
+def test_remove_keeps_a_forward_set_on_a_layer_since():
+    """accelerate's add_hook_to_module, called after enable(), sets a forward
+    on the layer wrapping the split one: remove() dropped it with the split's,
+    so the library's hook (device placement, offloading) silently stopped
+    running. It stays, and the split it wraps runs plain autograd."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    handle = ooo.enable(model, order="conventional")
+    calls = []
+    split = model[0].forward
+
+    def hooked_forward(*args, **kwargs):  # as accelerate's new_forward
+        calls.append(1)
+        return split(*args, **kwargs)
+
+    model[0].forward = hooked_forward
+    handle.remove()
+    assert model[0].forward is hooked_forward and "forward" not in model[1].__dict__
+    out = model[0](torch.randn(3, 4, requires_grad=True))
+    assert calls == [1] and "_Split" not in type(out.grad_fn).__name__
+
+
 def test_inplace_change_of_a_saved_input_is_caught():
     lin = nn.Linear(4, 4)
     ooo.enable(lin)

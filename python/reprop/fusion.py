@@ -276,6 +276,15 @@ _FLUSHING = _kept("_FLUSHING", {"_apply": _flushing("_apply"), "zero_grad": _flu
                                 "__deepcopy__": _flushing_deepcopy})
 
 
+def _first(hooks: dict, handle: "torch.utils.hooks.RemovableHandle") -> None:
+    """Moves `handle`'s hook to the front of `hooks`, the module's ordered dict
+    of that kind of hook, whose register method takes no prepend=: a
+    state_dict or load_state_dict pre-hook registered before fuse() (one
+    reading a weight) must find the pending updates applied, as after an
+    eager step()."""
+    hooks.move_to_end(handle.id, last=False)
+
+
 def _flush_before_module_calls(module: nn.Module, handle: "_ForwardFusion") -> None:
     """Installs _FLUSHING's methods that `module`'s class has and that are
     not installed yet: __deepcopy__ only where the class defines one (a
@@ -2234,8 +2243,12 @@ class _ForwardFusion(FusionHandle):
         # the gradients. Each hook of a nested call finds nothing pending: a
         # check per module.
         for module in self._covering_to_hook():
+            # (each appended in the statement registering it: an interrupt
+            # between the two would leave a hook that remove() misses)
             self._hooks.append(module.register_state_dict_pre_hook(self._on_state_dict))
+            _first(module._state_dict_pre_hooks, self._hooks[-1])
             self._hooks.append(module._register_load_state_dict_pre_hook(self._before_load))
+            _first(module._load_state_dict_pre_hooks, self._hooks[-1])
         for module in list(self._covered):  # (all: a class parametrized since has a __deepcopy__)
             _flush_before_module_calls(module, self)
         # Parameters of the optimizer that no module of the model owns (a learned

@@ -1023,9 +1023,13 @@ class OOOHandle(_PassTracking):
 
     def _restore_forwards(self) -> None:
         """Each site's module calls its class's forward again (no site's
-        module had one of its own: _splittable)."""
+        module had one of its own: _splittable). A forward set on the module
+        since is the user's and stays: accelerate's add_hook_to_module wraps
+        the split one (which runs plain once the handle is removed), and
+        dropping the wrapper silently dropped its hook."""
         for site in self.sites:
-            site.module.__dict__.pop("forward", None)
+            if _own_forward_site(site.module) is site:
+                del site.module.__dict__["forward"]
 
     def _check_not_sharded_since(self) -> None:
         """Refuses a model FSDP sharded since enable(), as enable() refuses a
