@@ -4894,6 +4894,35 @@ def test_forward_mode_torch_func_functional_call_reads_the_updated_parameters(
             assert torch.equal(read[name], ref_read[name]), f"{name}: {_diff(read[name], ref_read[name])}"
 
 
+def test_forward_mode_weights_swapped_straight_into_slots_are_updated_before_use() -> None:
+    """Two layers' weights exchanged through their parameter slots between
+    steps (no registration hook fires): each layer's forward must apply the
+    pending update of the weight its slot holds now. Finding a module's
+    updates only by the parameters it registered at the last look-up had
+    the first layer read the second's old weight one update behind eager."""
+    def run(mode):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        opt = rp.Adam(model.parameters(), lr=0.1)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        outs = []
+        for i in range(4):
+            outs.append(model(torch.randn(3, 4, generator=_gen(i))))
+            outs[-1].square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            first, second = model[0]._parameters, model[2]._parameters
+            first["weight"], second["weight"] = second["weight"], first["weight"]
+        if handle is not None:
+            handle.remove()
+        return (model, opt), outs
+
+    (got, outs), (ref, ref_outs) = run("forward"), run(None)
+    _assert_same_training(got, ref)
+    for out, ref_out in zip(outs, ref_outs):
+        assert torch.equal(out, ref_out), _diff(out, ref_out)
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_find_unused_parameters_steps_only_what_a_rank_used(tmp_path: Path) -> None:
     """DDP(find_unused_parameters=True): a parameter no rank used in a step

@@ -691,17 +691,23 @@ def _params_read_by(module: nn.Module, own_of: dict) -> Iterable[torch.Tensor]:
     ConvBn2d divides bn.weight before calling bn). Modules without parameters
     of their own (containers, transformer layers, most models) have no
     forward hooks: each submodule announces its own next use, so the updates
-    still wait for the layer that uses them.
-    Taken from `own_of` (id(owner) -> the fused parameters it registers),
-    not from the parameter slots: torch.func.functional_call (and
-    nn.utils.stateless) swap the tensors it is given into the slots for the
-    call, under a torch.func transform the transform's wrappers (of the
-    parameters, or of their detached aliases in the per-sample-gradient
-    recipe), where the updates were not found and waited for the forward's
-    end, after it had read every weight one update behind eager."""
+    still wait for the layer that uses them."""
     if not module._modules:  # (modules() builds a generator, at every forward)
-        return own_of.get(id(module), ())
-    return [p for m in module.modules() for p in own_of.get(id(m), ())]
+        return _params_of_one(module, own_of)
+    return [p for m in module.modules() for p in _params_of_one(m, own_of)]
+
+
+def _params_of_one(module: nn.Module, own_of: dict) -> tuple:
+    """The fused parameters `module` registers (own_of: id(owner) -> them)
+    and what its parameter slots hold now (None for an empty one). The
+    registered ones because torch.func.functional_call (and
+    nn.utils.stateless) swap the tensors it is given into the slots for the
+    call, under a torch.func transform the transform's wrappers, where the
+    updates were not found and waited for the forward's end (it read every
+    weight one update behind eager); the slots because a parameter put
+    straight into one (module._parameters[name] = p) fires no registration
+    hook, so own_of does not know it yet."""
+    return (*own_of.get(id(module), ()), *module._parameters.values())
 
 
 def _outside_torch_func(fn: Callable, *args) -> None:
