@@ -415,11 +415,11 @@ def _dp_deterministic_tied_accumulation(rank: int, world: int) -> None:
 
 def _recorded(dp: DataParallel, dw_event: Callable, sync_event: Callable | None = None) -> list:
     """A list that records, in order, dw_event(task) for each dW task of dp
-    as it is issued (every one, held or not, runs through handle.run; None:
-    not recorded) and, with sync_event, sync_event(bucket) for each bucket
-    all-reduce dp launches."""
+    as it is issued (every one, held or not, runs through handle._run_each;
+    None: not recorded) and, with sync_event, sync_event(bucket) for each
+    bucket all-reduce dp launches."""
     events = []
-    run, launch = dp.handle.run, dp._launch
+    run, launch = dp.handle._run_each, dp._launch
 
     def run_recording(tasks):
         events.extend(e for e in map(dw_event, tasks) if e is not None)
@@ -429,7 +429,7 @@ def _recorded(dp: DataParallel, dw_event: Callable, sync_event: Callable | None 
         events.append(sync_event(bucket))
         return launch(bucket)
 
-    dp.handle.run = run_recording
+    dp.handle._run_each = run_recording
     if sync_event is not None:
         dp._launch = launch_recording
     return events

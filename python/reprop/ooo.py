@@ -1367,9 +1367,8 @@ class OOOHandle(_PassTracking):
         if self.order == "conventional" or self._holding:
             # run() less its checks of a caller's list, which a task made in
             # this backward and held nowhere passes (grad mode is off in
-            # backward, and its hooks do not wait for it): they cost about as
-            # much as a small layer's dW
-            task.run()
+            # backward): they cost about as much as a small layer's dW
+            self._run_each((task,))
             return
         self._defer_post_hooks(task)
         main_region = self._region_of_main.get(task.key)
