@@ -822,7 +822,8 @@ def _check_repeated_tensors_refused(rank: int, world: int) -> None:
     single memory location", naming no tensor), as DDP's does. Now a
     ValueError naming it on every rank, before anything is installed; so is
     such a buffer where buffers are broadcast; without broadcast_buffers
-    (rank-local buffers) that buffer is fine, and so are clones."""
+    (rank-local buffers) that buffer is fine, and so are clones, a stride-0
+    dim of size 1 and an empty expanded Parameter (nothing repeats)."""
     with pytest.raises(RuntimeError, match="single memory location"):
         DistributedDataParallel(_Expanded(True))  # DDP refuses it too
     model = _Expanded(True)
@@ -835,7 +836,11 @@ def _check_repeated_tensors_refused(rank: int, world: int) -> None:
                                          r"\(broadcast_buffers=True\) that repeats"):
         data_parallel(model, k=1)
     data_parallel(model, k=1, broadcast_buffers=False).remove()
-    data_parallel(_Expanded(False), k=1).remove()
+    model = _Expanded(False)
+    model.row = nn.Parameter(torch.zeros(WIDTH).as_strided((1, WIDTH), (0, 1)))
+    model.empty = nn.Parameter(torch.zeros(0).expand(3, 0))
+    DistributedDataParallel(copy.deepcopy(model))  # as DDP accepts them
+    data_parallel(model, k=1).remove()
 
 
 def _check_non_member(rank: int, world: int) -> None:

@@ -961,18 +961,19 @@ class OOOHandle(_PassTracking):
         wrong = next((t for t in tasks if not isinstance(t, _Task)), None)
         if wrong is not None:
             raise TypeError(f"tasks: expected the tasks a hold() block collected, got {wrong!r}")
-        # (a graph made before remove() still runs its dW inline through here)
         if self._removed and any(t in self._unrun_held for t in tasks):
             raise RuntimeError("reprop.ooo: run() of held tasks after remove(): remove() gave "
                                "the parameters their hooks back and dropped what held tasks were "
                                "waiting for; run held tasks before remove()")
         # (outside backward the caller may be in grad mode: a dW made from a
         # saved input that requires grad must not record a graph into .grad;
-        # in backward, where the tasks run that no hold() keeps, grad mode is
-        # off already, and no_grad's Python context costs more than the rest of run())
+        # the tasks no hold() keeps run in backward, where grad mode is off,
+        # through _run_each alone)
         without_grad(self._run_each, tasks)
 
     def _run_each(self, tasks) -> None:
+        """Runs dW tasks now: held ones from run(), and inline in backward
+        those no hold() keeps (a graph made before remove() too)."""
         for t in tasks:
             t.run()
             self._unrun_held.discard(t)
@@ -2472,10 +2473,11 @@ def _refuse_repeated(named: Iterable[tuple[str, torch.Tensor]], what: str) -> No
     """ValueError naming the first of `named` (model.<name>) that repeats its
     elements (stride 0 along a dim of size > 1: expand, broadcast_to): the
     broadcast from rank 0 writes into it, which torch refuses with an error
-    naming no tensor (DDP's own broadcast fails alike, so DDP accepts none)."""
+    naming no tensor (DDP's own broadcast fails alike, so DDP accepts none).
+    An empty one is written nowhere, and accepted as DDP accepts it."""
     for name, t in named:
         dims = repeated_dims(t)
-        if dims:
+        if dims and t.numel():
             raise ValueError(
                 f"model.{name}: a {what} that repeats its elements (stride 0 along dim(s) "
                 f"{dims} of shape {tuple(t.shape)}, as expand() makes), which the broadcast "
