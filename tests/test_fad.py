@@ -2278,8 +2278,29 @@ def test_compose_double_backward_through_another_chain_says_what_to_do(name):
     with pytest.raises(RuntimeError, match="differentiated twice") as refused:
         _gradient_penalty_grads(_ONCE_DIFFERENTIABLE_CHAINS[name], True)
     message = str(refused.value)
-    assert "chain of element-wise ops (enabled(compose=True))" in message
+    assert "chain of element-wise ops (enabled(compose=True)) other than one relu of its root" \
+        in message
     assert "outside reprop.fad.enabled()" in message and "compose=False" in message
+
+
+@pytest.mark.parametrize("chain", [torch.abs, F.leaky_relu], ids=["abs", "leaky_relu"])
+def test_compose_double_backward_refusal_of_a_lone_select_says_what_is_refused(chain):
+    """The refusal said a chain "whose derivative varies with its root ...
+    or a select ... past the chain's first step", neither true of a lone
+    abs or leaky_relu of the root, and ended in the middle of a sentence
+    ("... can be"). It names what is refused, as the README states it:
+    every chain but one relu of its root or one of constant derivative."""
+    with pytest.raises(RuntimeError) as refused:
+        _gradient_penalty_grads(chain, True)
+    message = str(refused.value)
+    assert "varies with its root" not in message and "past the chain's first step" not in message
+    assert "other than one relu of its root (nn.ReLU between two layers) or a chain of " \
+           "additions, subtractions, negations and products with or divisions by constants" \
+           in message
+    assert "a select (abs, leaky_relu, hardsigmoid, hardswish, or relu with another step" in message
+    assert message.endswith("run that forward with compose=False (which still reroutes F.gelu, "
+                            "F.silu, ... to reprop's, refusing it too, but for leaky_relu and "
+                            "hardsigmoid) or outside reprop.fad.enabled()")
 
 
 @pytest.mark.parametrize("name", sorted(ROOT_SHAPED))

@@ -1011,16 +1011,18 @@ def _codebook_act(activation: str, params: tuple) -> _Act:
 # (what each step's node led past, for the hook refusals).
 
 
-_VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)) whose "
-                  "derivative varies with its root (through exp, sigmoid, GELU, a power, a "
-                  "product of two chain tensors, or a select such as relu, leaky_relu or abs "
-                  "past the chain's first step, ...)")
+# What _Chain refuses double backward for, as the README's fad section states
+# it: a lone abs or leaky_relu has a derivative that does not vary, and is
+# refused all the same (autograd links a select's mask to the root)
+_VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)) other than one "
+                  "relu of its root (nn.ReLU between two layers) or a chain of additions, "
+                  "subtractions, negations and products with or divisions by constants, "
+                  "such as one through exp, sigmoid, GELU, a power, a product of two chain "
+                  "tensors, or a select (abs, leaky_relu, hardsigmoid, hardswish, or relu with "
+                  "another step: autograd links a select's mask to the root, the chain does not),")
 _CHAIN_INSTEAD = ("where higher-order gradients are needed, run that forward with compose=False "
                   "(which still reroutes F.gelu, F.silu, ... to reprop's, refusing it too, but "
-                  "for leaky_relu and hardsigmoid) or "
-                  "outside reprop.fad.enabled(). A chain of one relu (nn.ReLU between two "
-                  "layers), or of additions, subtractions and products with or divisions by "
-                  "constants, can be")
+                  "for leaky_relu and hardsigmoid) or outside reprop.fad.enabled()")
 
 
 class _Chain(torch.autograd.Function):
