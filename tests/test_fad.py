@@ -2035,6 +2035,54 @@ def test_enabled_under_a_pack_hook_of_any_callable(compose, pack):
                                rtol=1e-5, atol=1e-6)
 
 
+_OWN_OUTPUT_FIRST_CHAINS = {
+    "relu * 2": lambda h: torch.relu(h) * 2,
+    "relu ** 2": lambda h: torch.relu(h) ** 2,
+    "relu + h": lambda h: torch.relu(h) + h,
+    "exp * 2": lambda h: torch.exp(h) * 2,
+    "log1p(exp)": lambda h: torch.log1p(torch.exp(h)),
+}
+_PACKS = {  # (pack, unpack), each with the tensor it keeps
+    "as_is": (lambda t: t, lambda p: p),
+    "handle": (lambda t: (t.device, t), lambda p: p[1]),  # save_on_cpu's, for a CPU tensor
+    "copy": (lambda t: t.clone(), lambda p: p),
+}
+
+
+@pytest.mark.parametrize("pack", sorted(_PACKS))
+@pytest.mark.parametrize("name", sorted(_OWN_OUTPUT_FIRST_CHAINS))
+def test_compose_under_a_pack_hook_keeps_nothing_after_backward(name, pack):
+    """A chain whose first node saves its own output (relu or exp of the
+    root), under a pack hook whose result holds that output
+    (torch.autograd.graph.save_on_cpu() on the CPU returns it as it is):
+    the output held its node, a cycle gc cannot see, and the next step,
+    leading past the node, kept it from the backward that breaks it: one
+    output leaked per training step. Gradients stay torch's."""
+    chain = _OWN_OUTPUT_FIRST_CHAINS[name]
+    pack_hook, unpack_hook = _PACKS[pack]
+    lin = nn.Linear(16, 16)
+    packed = []
+
+    def keep(t):
+        p = pack_hook(t)
+        packed.append(weakref.ref(unpack_hook(p)))
+        return p
+
+    def grads(mode):
+        lin.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(keep, unpack_hook), mode:
+            y = chain(lin(torch.linspace(-2, 2, 128).reshape(8, 16)))
+        y.sum().backward()
+        return [p.grad.clone() for p in lin.parameters()]
+
+    for _ in range(3):
+        got = grads(fad.enabled(compose=True))
+    gc.collect()
+    assert [r for r in packed if r() is not None] == []
+    for g, w in zip(got, grads(contextlib.nullcontext()), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
 def test_codebook_caches_are_bounded():
     """A parameter annealed every step makes a new codebook each time: the
     caches keep the recent ones only."""
@@ -2197,6 +2245,19 @@ def test_compose_gradient_penalty_through_a_chain_whose_backward_is_autograds(na
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
+def test_compose_relu_under_a_pack_hook_is_twice_differentiable_as_torchs():
+    """Under a saved-tensor hook a step after relu of the root starts a new
+    chain at relu's output (so relu's node runs in backward, releasing what
+    it saved): torch.relu(h) * 2 is then relu's node and a chain of
+    constant derivative, whose gradient penalty is torch's bit for bit."""
+    def penalty_grads(mode):
+        with torch.autograd.graph.save_on_cpu():
+            return _gradient_penalty_grads(lambda h: torch.relu(h) * 2, mode)
+
+    for g, w in zip(penalty_grads(True), penalty_grads(None), strict=True):
+        assert torch.equal(g, w)
+
+
 _ONCE_DIFFERENTIABLE_CHAINS = {
     "exp": torch.exp,
     "x * x": lambda h: h * h,
@@ -2217,8 +2278,29 @@ def test_compose_double_backward_through_another_chain_says_what_to_do(name):
     with pytest.raises(RuntimeError, match="differentiated twice") as refused:
         _gradient_penalty_grads(_ONCE_DIFFERENTIABLE_CHAINS[name], True)
     message = str(refused.value)
-    assert "chain of element-wise ops (enabled(compose=True))" in message
+    assert "chain of element-wise ops (enabled(compose=True)) other than one relu of its root" \
+        in message
     assert "outside reprop.fad.enabled()" in message and "compose=False" in message
+
+
+@pytest.mark.parametrize("chain", [torch.abs, F.leaky_relu], ids=["abs", "leaky_relu"])
+def test_compose_double_backward_refusal_of_a_lone_select_says_what_is_refused(chain):
+    """The refusal said a chain "whose derivative varies with its root ...
+    or a select ... past the chain's first step", neither true of a lone
+    abs or leaky_relu of the root, and ended in the middle of a sentence
+    ("... can be"). It names what is refused, as the README states it:
+    every chain but one relu of its root or one of constant derivative."""
+    with pytest.raises(RuntimeError) as refused:
+        _gradient_penalty_grads(chain, True)
+    message = str(refused.value)
+    assert "varies with its root" not in message and "past the chain's first step" not in message
+    assert "other than one relu of its root (nn.ReLU between two layers) or a chain of " \
+           "additions, subtractions, negations and products with or divisions by constants" \
+           in message
+    assert "a select (abs, leaky_relu, hardsigmoid, hardswish, or relu with another step" in message
+    assert message.endswith("run that forward with compose=False (which still reroutes F.gelu, "
+                            "F.silu, ... to reprop's, refusing it too, but for leaky_relu and "
+                            "hardsigmoid) or outside reprop.fad.enabled()")
 
 
 @pytest.mark.parametrize("name", sorted(ROOT_SHAPED))

@@ -1011,16 +1011,18 @@ def _codebook_act(activation: str, params: tuple) -> _Act:
 # (what each step's node led past, for the hook refusals).
 
 
-_VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)) whose "
-                  "derivative varies with its root (through exp, sigmoid, GELU, a power, a "
-                  "product of two chain tensors, or a select such as relu, leaky_relu or abs "
-                  "past the chain's first step, ...)")
+# What _Chain refuses double backward for, as the README's fad section states
+# it: a lone abs or leaky_relu has a derivative that does not vary, and is
+# refused all the same (autograd links a select's mask to the root)
+_VARYING_CHAIN = ("a reprop.fad chain of element-wise ops (enabled(compose=True)) other than one "
+                  "relu of its root (nn.ReLU between two layers) or a chain of additions, "
+                  "subtractions, negations and products with or divisions by constants, "
+                  "such as one through exp, sigmoid, GELU, a power, a product of two chain "
+                  "tensors, or a select (abs, leaky_relu, hardsigmoid, hardswish, or relu with "
+                  "another step: autograd links a select's mask to the root, the chain does not),")
 _CHAIN_INSTEAD = ("where higher-order gradients are needed, run that forward with compose=False "
                   "(which still reroutes F.gelu, F.silu, ... to reprop's, refusing it too, but "
-                  "for leaky_relu and hardsigmoid) or "
-                  "outside reprop.fad.enabled(). A chain of one relu (nn.ReLU between two "
-                  "layers), or of additions, subtractions and products with or divisions by "
-                  "constants, can be")
+                  "for leaky_relu and hardsigmoid) or outside reprop.fad.enabled()")
 
 
 class _Chain(torch.autograd.Function):
@@ -1048,14 +1050,15 @@ class _Chain(torch.autograd.Function):
         ctx.relu = deriv is _RELU_OF_SELF
         if ctx.relu:  # torch's relu node: saves the output, which the next op usually saves too
             ctx.save_for_backward(value)
-            step.result = (deriv, deriv, blocked)
+            # (None: no record, so a next step takes value for a root, _chain_step)
+            step.result = (None if _saved_tensor_hooks_active() else deriv, deriv, blocked)
             return value
         kept = step.mode._stored(deriv, value.dtype)
         # a _WhereZero mask is found again from kept in backward, not saved
         ctx.where_zero = blocked if isinstance(blocked, _WhereZero) else None
         mask = None if ctx.where_zero is not None else blocked
         if isinstance(kept, torch.Tensor):
-            ctx.save_for_backward(kept, mask)
+            ctx.save_for_backward(_unlinked(kept, value), mask)
             ctx.number = None
         else:
             ctx.save_for_backward(mask)
@@ -1079,6 +1082,28 @@ class _Chain(torch.autograd.Function):
         if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
             grad_source.masked_fill_(ctx.where_zero.of(d), 0)
         return grad_source.to(ctx.source_dtype), None
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether a saved_tensors_hooks context (save_on_cpu among them) packs
+    what a node saves now. What its pack returns may hold the tensor itself
+    (save_on_cpu's pack on a CPU tensor: (device, tensor.cpu()), the same
+    tensor), and for a node's own output that holds the node (the output's
+    grad_fn): a cycle through autograd's C++ that gc cannot see, broken only
+    when the node's backward releases what it saved. A chain node a next
+    step leads past never runs backward, so it kept its output alive for
+    good: one relu output per training step (torch.relu(h) * 2)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _unlinked(kept: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The tensor a chain node saves for its derivative `kept`: where that
+    is the node's output `value` (exp of the root) under a saved-tensor hook,
+    a detached alias of it, which holds no node (_saved_tensor_hooks_active);
+    its double backward is refused anyway, so no link to the node is lost."""
+    if kept is value and _saved_tensor_hooks_active():
+        return value.detach()
+    return kept
 
 
 def _refuse_led_past(node, register: str) -> None:
@@ -1866,8 +1891,14 @@ class enabled(TorchFunctionMode):
         out = _AUTOGRAD_APPLY(root, step)
         _lead_past(operands)
         deriv, kept, blocked = step.result
-        self._records[out] = _Record(root, out, deriv, kept, blocked, constant)
-        self._copies = self._copies or kept is not deriv
+        if deriv is not None:
+            self._records[out] = _Record(root, out, deriv, kept, blocked, constant)
+            self._copies = self._copies or kept is not deriv
+        # else relu of the root saved its own output under a saved-tensor hook
+        # (_saved_tensor_hooks_active): unrecorded, out is a root to a next
+        # step, which reaches its node through autograd, so that the node's
+        # backward runs and releases the output; its double backward, as
+        # torch's relu, needs the output's link to the node, not a detached alias
         return out
 
     def _operands(self, values) -> tuple[torch.Tensor, list[_Operand]] | None:
