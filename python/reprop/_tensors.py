@@ -169,6 +169,7 @@ def torch_only(x: torch.Tensor) -> bool:
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_is_tracing = torch._C._is_tracing  # (bound once: torch_only runs at every activation call)
 
 
 def repeated_dims(t: torch.Tensor) -> list[int]:
@@ -176,7 +177,6 @@ def repeated_dims(t: torch.Tensor) -> list[int]:
     (stride 0, size > 1: expand, broadcast_to)."""
     return [i for i, (size, stride) in enumerate(zip(t.shape, t.stride()))
             if stride == 0 and size > 1]
-_is_tracing = torch._C._is_tracing  # (bound once: torch_only runs at every activation call)
 
 
 def fake_mode_active() -> bool:
