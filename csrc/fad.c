@@ -434,8 +434,7 @@ int rp_fad_forward_cpu(int kind, float p0, float p1, int dtype, const void *x, v
         f.inv_step = cb.inv_step;
         f.zero_code = cb.zero_code;
     }
-    if (num_threads <= 0)
-        num_threads = rp_omp_max_threads();
+    num_threads = rp_omp_threads(num_threads);
     nchunks = (n + RP_FAD_CHUNK - 1) / RP_FAD_CHUNK;
 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= RP_FAD_PARALLEL_MIN)
@@ -510,8 +509,7 @@ int rp_fad_backward_code8_cpu(int dtype, const void *grad_y, const uint8_t *code
     rc = rp_fad_check_buffers(n, grad_y, codes, grad_x, err);
     if (rc != RP_OK)
         return rc;
-    if (num_threads <= 0)
-        num_threads = rp_omp_max_threads();
+    num_threads = rp_omp_threads(num_threads);
     nchunks = (n + RP_FAD_CHUNK - 1) / RP_FAD_CHUNK;
 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= RP_FAD_PARALLEL_MIN)

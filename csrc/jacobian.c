@@ -51,6 +51,8 @@
 #define RP_JAC_I32_MAX ((int64_t)INT32_MAX)
 /* Below this many non-zeros one thread beats a fork/join. */
 #define RP_JAC_PARALLEL_MIN ((int64_t)1 << 16)
+/* Every region names its threads, rp_omp_threads(0), OpenMP's default but
+ * one in a forked child, where libgomp's inherited pool would hang (common.c). */
 
 /* ---------------------------------------------------------------------------
  * Validation helpers
@@ -317,7 +319,7 @@ static void rp_jac_conv2d_fill(const rp_conv2d_geom *g, const rp_jac_taps *th,
     const int64_t h_in = g->h_in, w_in = g->w_in;
     int64_t r;
 
-#pragma omp parallel for schedule(static) if (nnz >= RP_JAC_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(rp_omp_threads(0)) if (nnz >= RP_JAC_PARALLEL_MIN)
     for (r = 0; r < g->c_in * h_in; r++) {
         const int64_t ci = r / h_in, ih = r % h_in;
         const int64_t grp = ci / cpg_in;
@@ -389,7 +391,7 @@ static void rp_jac_maxpool2d_fill(const rp_conv2d_geom *g, const rp_jac_taps *th
     const int64_t h_in = g->h_in, w_in = g->w_in;
     int64_t r;
 
-#pragma omp parallel for schedule(static) if (nnz >= RP_JAC_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(rp_omp_threads(0)) if (nnz >= RP_JAC_PARALLEL_MIN)
     for (r = 0; r < g->c_in * h_in; r++) {
         const int64_t c = r / h_in, ih = r % h_in;
         const int64_t h0 = th->start[ih], h1 = th->start[ih + 1];
@@ -506,7 +508,7 @@ int rp_jac_linear(int64_t in_features, int64_t out_features, int64_t *nnz, int32
         return RP_OK;
 
     /* Row p is column p of the (out, in) weight: element q * in + p. */
-#pragma omp parallel for schedule(static) if (count >= RP_JAC_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(rp_omp_threads(0)) if (count >= RP_JAC_PARALLEL_MIN)
     for (p = 0; p < in_features; p++) {
         int64_t q, k = p * out_features;
         indptr[p] = (int32_t)k;
@@ -539,7 +541,7 @@ int rp_jac_diagonal(int64_t size, int64_t *nnz, int32_t *indptr, int32_t *indice
     if (!fill)
         return RP_OK;
 
-#pragma omp parallel for schedule(static) if (size >= RP_JAC_PARALLEL_MIN)
+#pragma omp parallel for schedule(static) num_threads(rp_omp_threads(0)) if (size >= RP_JAC_PARALLEL_MIN)
     for (i = 0; i < size; i++) {
         indptr[i] = (int32_t)i;
         indices[i] = (int32_t)i;

@@ -558,8 +558,7 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
         free(scalars);
         return rc;
     }
-    if (num_threads <= 0)
-        num_threads = rp_omp_max_threads();
+    num_threads = rp_omp_threads(num_threads);
 
     if (total < RP_PARALLEL_MIN || num_threads == 1) {
         /* the same chunks on this thread, without the OpenMP region that an

@@ -155,6 +155,12 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
 /* Number of OpenMP threads the core would use by default (1 without OpenMP). */
 int rp_omp_max_threads(void);
 
+/* The threads a parallel region of the core runs on: num_threads, or
+ * OpenMP's default where num_threads <= 0; always 1 in a process forked from
+ * the one that loaded the core (GNU libgomp's pool does not survive fork:
+ * see common.c). */
+int rp_omp_threads(int num_threads);
+
 /* CUDA update of n entries of one dtype on `stream` (a cudaStream_t), as few
  * launches as the kernel-argument tables allow. When `capturable` is 0,
  * `scalars` holds the per-entry host-computed values (see

@@ -81,7 +81,7 @@ static void rp_copy(float *restrict dst, const float *restrict src, int64_t len)
 
 static int rp_threads(int num_threads)
 {
-    return num_threads > 0 ? num_threads : rp_omp_max_threads();
+    return rp_omp_threads(num_threads);
 }
 
 static int64_t rp_thread_num(void)

@@ -641,3 +641,60 @@ def test_binding_docstrings_list_the_arguments_the_binding_takes(module):
             func(*[None] * (len(params) + 1))
         checked += 1
     assert checked >= (24 if module == "_C" else 7)
+
+
+def test_kernels_run_in_a_child_forked_after_a_parallel_region():
+    """GNU libgomp keeps the pool of worker threads a parallel region started,
+    and a forked child (os.fork, multiprocessing's fork start method) inherits
+    it without its threads: every kernel of the core that opened a parallel
+    region in such a child (fad, the CPU optimizer step, the scan, the
+    Jacobian patterns) waited forever for them. The child now runs them on one
+    thread, with the parent's results bit for bit. The child calls only
+    reprop's kernels on tensors made before the fork: torch's own parallel
+    kernels hang there too (DataLoader's workers call torch.set_num_threads(1))."""
+    proc = _run_isolated("""
+        import os, signal, time
+        import numpy as np
+        import torch
+        import reprop.fad as fad, reprop.optim as ro, reprop.bppsa as bppsa
+        from reprop._native import _C
+
+        torch.set_num_threads(2)  # a pool of two threads even on one core
+        torch.manual_seed(0)
+        x = torch.randn(1 << 18)
+        p = torch.nn.Parameter(torch.randn(1 << 18))
+        p.grad = torch.randn(1 << 18)
+        opt = ro.AdamW([p], lr=1e-2)
+        opt.step()  # the state, made here: torch's zeros_like of it would hang in the child
+        T, B, H = 64, 8, 32
+        c, w, v = torch.randn(T, B, H), torch.randn(H, H) / H, torch.rand(T, B, H)
+
+        def kernels():
+            opt.step()
+            return [fad.gelu(x).numpy(), fad.mish(x, saved_dtype=torch.uint8).numpy(),
+                    p.detach().numpy().copy(), _C.jacobian("diagonal", (1 << 17, 0))[0],
+                    bppsa.scan(c, w=w, v=v, levels="auto").numpy()]
+
+        saved = [p.detach().clone(), {k: t.clone() for k, t in opt.state[p].items()}]
+        want = kernels()  # parallel regions in this, the forking, thread
+        with torch.no_grad():
+            p.copy_(saved[0])
+            for k, t in saved[1].items():
+                opt.state[p][k].copy_(t)
+        pid = os.fork()
+        if pid == 0:
+            got = kernels()
+            os._exit(0 if all(np.array_equal(a, b) for a, b in zip(got, want)) else 3)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                print("child exit", os.waitstatus_to_exitcode(status))
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            print("child hung")
+    """)
+    assert proc.returncode == 0 and proc.stdout == "child exit 0\n", (proc.stdout, proc.stderr[-2000:])

@@ -1074,6 +1074,26 @@ def test_sgd_skipped_first_step_leaves_no_momentum_buffer() -> None:
     assert_runs_equal(Run(params, opt), run_open_loop(factory(rp.SGD, **RICH["SGD"]), init, [grads]))
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad"])
+def test_a_cpu_step_with_found_inf_leaves_cuda_uninitialized(name: str, monkeypatch) -> None:
+    """A CPU step with found_inf set asked torch.cuda.is_available() whether
+    to check for a CUDA graph capture: on a CUDA build of torch that
+    initializes the CUDA driver (cudaGetDeviceCount), after which the process
+    can no longer fork children that use CUDA. A capture needs CUDA
+    initialized, so the step asks torch.cuda.is_initialized(), which does not."""
+    def initializes_cuda():
+        raise AssertionError("torch.cuda.is_available() initializes the CUDA driver")
+    monkeypatch.setattr(torch.cuda, "is_available", initializes_cuda)
+    init, grads = make_params(AMP_SHAPES, seed=8), grad_sequence(AMP_SHAPES, 1)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    assert_runs_equal(Run(params, opt), run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads))
+
+
 @pytest.mark.parametrize("found_inf", [2.0, 0.5, float("nan")])
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
 def test_any_non_zero_found_inf_skips(name: str, found_inf: float) -> None:

@@ -1209,7 +1209,10 @@ class _FusedOptimizer:
         found_inf = _amp_tensor(found_inf, f"{name}: found_inf")
         if found_inf is None:
             return _Scaling(False, grad_scale)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # is_initialized, not is_available: a capture needs CUDA initialized, and
+        # is_available() initializes the driver (cudaGetDeviceCount) on a CUDA
+        # build, so a CPU step would leave the process unable to fork CUDA users
+        if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(f"{name}: found_inf is set, but reprop reads it on the host, which "
                                "a CUDA graph capture cannot: use torch.optim's fused optimizer")
         # Any non-zero value skips, as GradScaler skips a step where the found_inf
