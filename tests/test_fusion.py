@@ -4392,6 +4392,102 @@ def test_forward_mode_deepcopy_keeps_a_modules_own_override_its_own() -> None:
     assert model[0].zero_grad.__func__ is own_zero_grad
 
 
+def _wrapped_on(module: nn.Module, name: str, log: list):
+    """module.`name` wrapped on the instance (as accelerate or a user wraps
+    a method), each call logged."""
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        log.append((module, name))
+        return inner(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+    return wrapper
+
+
+def test_forward_mode_remove_keeps_a_wrapper_of_apply_and_zero_grad_set_after_fuse() -> None:
+    """_apply and zero_grad wrapped on the model and on a layer after fuse():
+    remove() kept the wrappers (before, it put back the methods fuse()
+    replaced, and the wrappers were silently gone), which apply the pending
+    updates while fused and act as eager's once removed, also after a
+    second fuse() and remove()."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    log: list = []
+    wrappers = {(m, name): _wrapped_on(m, name, log)
+                for m in (model, model[2]) for name in ("_apply", "zero_grad")}
+    for step in range(3):
+        x, y = _mlp_batch(step)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            m.zero_grad(set_to_none=False)  # (applies the pending updates, then zeroes)
+        if step == 0:
+            handle.remove()
+            for (m, name), wrapper in wrappers.items():
+                assert m.__dict__[name] is wrapper, (name, m)
+        if step == 1:
+            handle = reprop.fuse(model, opt, mode="forward")
+    handle.remove()
+    for (m, name), wrapper in wrappers.items():
+        assert m.__dict__[name] is wrapper, (name, m)
+    model[2].double()
+    ref[2].double()
+    assert [name for _, name in log] == ["zero_grad"] * 3 + ["_apply"]
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+        assert torch.equal(p.grad, r.grad), n
+
+
+def test_forward_mode_calls_a_modules_own_zero_grad_while_fused() -> None:
+    """A zero_grad of the module's own (set on the instance before fuse())
+    runs while fused, after the pending updates are applied (before, the
+    fusion called the class's zero_grad in its place)."""
+    model = _mlp()
+    log: list = []
+
+    def own_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        log.append(module.__dict__["zero_grad"].__func__)
+        nn.Module.zero_grad(module, set_to_none)
+
+    model.zero_grad = types.MethodType(own_zero_grad, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with reprop.fuse(model, opt, mode="forward") as handle:
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        model.zero_grad()
+        assert len(log) == 1 and log[0] is not own_zero_grad  # (through the fusion's)
+        assert not handle._pending and all(p.grad is None for p in model.parameters())
+    model.zero_grad()
+    assert log[1:] == [own_zero_grad]
+
+
+def test_forward_mode_remove_under_a_wrapper_keeps_no_module_alive() -> None:
+    """A module with a zero_grad of its own, wrapped after fuse(): what the
+    fusion's method (left in the wrapper's chain by remove()) passes through
+    to is kept without a reference to the module, which is freed with its
+    last reference."""
+    model = _mlp()
+
+    def own_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        nn.Module.zero_grad(module, set_to_none)
+
+    model.zero_grad = types.MethodType(own_zero_grad, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _wrapped_on(model, "zero_grad", [])
+    handle.remove()
+    model.zero_grad()
+    gone = weakref.ref(model)
+    del model, opt, handle
+    gc.collect()
+    assert gone() is None
+
+
 # ---------------------------------------------------------------------------
 # 13. Optimizer step hooks
 # ---------------------------------------------------------------------------
