@@ -645,6 +645,43 @@ def test_frozen_and_intermittently_unused_params_match_eager(name: str, mode: st
     assert_results_equal(got, ref)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_interrupted_while_hooking_a_frozen_param_leaves_it_frozen(mode: str) -> None:
+    """A KeyboardInterrupt at the first point after fuse() unfreezes a frozen
+    parameter to hook it (torch refuses hooks on a tensor that does not
+    require grad), as the interpreter would raise one there (its check after
+    a call returns): the parameter is frozen again (before, it was left
+    requiring grad, and trained). Simulated with an opcode trace."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    code = reprop.fusion._registered_even_if_frozen.__code__
+    raised = []
+
+    def per_opcode(frame, event, arg):
+        if event == "opcode" and not raised and model[0].weight.requires_grad:
+            raised.append(frame.f_lineno)
+            raise KeyboardInterrupt
+        return per_opcode
+
+    def per_call(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return per_opcode
+        return None
+
+    sys.settrace(per_call)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reprop.fuse(model, opt, mode=mode)
+    finally:
+        sys.settrace(None)
+    assert raised
+    assert [p.requires_grad for p in model.parameters()] == [False, False] + [True] * 4
+    with reprop.fuse(model, opt, mode=mode):  # (and the model fuses again)
+        pass
+
+
 def _scheduler_warnings(result: Result) -> list[str]:
     """torch's "optimizer.step() has been overridden after learning rate
     scheduler initialization" and "lr_scheduler.step() before optimizer.step()"."""

@@ -1001,11 +1001,13 @@ def _register_grad_coming(p: torch.Tensor, method) -> "torch.utils.hooks.Removab
 def _registered_even_if_frozen(p: torch.Tensor, register, hook):
     """register(hook) for one of p's hook registries, also when p is frozen:
     torch refuses to register on a tensor that does not require grad, and
-    the hook then fires once p is unfrozen."""
+    the hook then fires once p is unfrozen. The unfreezing inside the try:
+    a KeyboardInterrupt lands where the interpreter checks for one, as
+    right after that call returns, which before the try left p unfrozen."""
     if p.requires_grad:
         return register(hook)
-    p.requires_grad_(True)
     try:
+        p.requires_grad_(True)
         return register(hook)
     finally:
         p.requires_grad_(False)
