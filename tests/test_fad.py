@@ -2160,6 +2160,39 @@ def test_compose_under_a_pack_hook_keeps_nothing_after_backward(name, pack):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("chain, per_step", [(lambda h: torch.sigmoid(h) * 2, 1),
+                                              (lambda h: F.gelu(h) * 2 + 1, 2)])
+def test_compose_under_a_pack_hook_keyed_until_unpack_keeps_the_led_past_nodes(chain, per_step):
+    """What the README states of a pack hook that keeps tensors by key until
+    unpack pops them: the nodes a next step leads past are freed without an
+    unpack (as torch's of a graph dropped without backward), one entry per
+    such node and step; compose=False leaves none. Gradients stay torch's."""
+    lin = nn.Linear(16, 16)
+
+    def run(mode, steps=3):
+        store, keys = {}, itertools.count()
+
+        def pack(t):
+            key = next(keys)
+            store[key] = t
+            return key
+
+        for _ in range(steps):
+            lin.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(pack, store.pop), mode:
+                y = chain(lin(torch.linspace(-2, 2, 128).reshape(8, 16)))
+            y.sum().backward()
+        return len(store), [p.grad.clone() for p in lin.parameters()]
+
+    left, got = run(fad.enabled(compose=True))
+    assert left == 3 * per_step
+    assert run(fad.enabled(compose=False))[0] == 0
+    left, want = run(contextlib.nullcontext())
+    assert left == 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_codebook_caches_are_bounded():
     """A parameter annealed every step makes a new codebook each time: the
     caches keep the recent ones only."""
