@@ -828,6 +828,83 @@ def test_double_backward_through_a_piecewise_constant_derivative(name, how, save
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["function", "patch", "enabled"])
+@pytest.mark.parametrize("name", sorted(_PIECEWISE_CONSTANT))
+def test_double_backward_through_a_piecewise_constant_derivative_under_a_pack_hook(name, how):
+    """As above under save_on_cpu (on the CPU its pack returns the tensor as
+    it is), where the anchor is not the activation's output
+    (fad._anchor_link): torch's gradients, the first bias's zeros."""
+    ours_cls, ref_cls = _PIECEWISE_CONSTANT[name]
+
+    def critic(act):
+        torch.manual_seed(1)
+        return nn.Sequential(nn.Linear(5, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 1))
+
+    model, ref = critic(ours_cls), critic(ref_cls)
+    mode = contextlib.nullcontext()
+    if how == "function":
+        kw = {"negative_slope": model[1].negative_slope} if name.startswith("leaky") else {}
+        function = getattr(fad, name.removesuffix("_negative"))
+        model = nn.Sequential(model[0], _Lambda(lambda h: function(h, **kw)), model[2],
+                              _Lambda(lambda h: function(h, **kw)), model[4])
+    elif how == "patch":
+        assert fad.patch(model)
+    else:
+        mode = fad.enabled()
+    x = torch.randn(64, 5) * 4
+    with torch.autograd.graph.save_on_cpu():
+        got = _penalty_grads_of(model, x.clone().requires_grad_(), list(model.parameters()), mode)
+        want = _penalty_grads_of(ref, x.clone().requires_grad_(), list(ref.parameters()))
+    assert not got[1].any()  # the first bias's: zeros, linked as torch's are
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+class _Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("pack", ["as_is", "handle", "copy"])
+@pytest.mark.parametrize("how", ["function", "module", "enabled", "in place"])
+@pytest.mark.parametrize("name", ["leaky_relu", "hardsigmoid"])
+def test_piecewise_constant_graph_dropped_under_a_pack_hook_keeps_nothing(name, how, pack):
+    """fad.leaky_relu and fad.hardsigmoid under a pack hook whose result
+    holds what it packs (save_on_cpu's on the CPU), the graph dropped
+    without backward (an evaluation in grad mode): before, the empty anchor
+    saved for double backward was the node's own output, which held the
+    node, a cycle gc cannot see, and each step kept the derivative (x's
+    size) for good (4 of 4 after gc.collect()). Now freed with the graph."""
+    pack_hook, unpack_hook = _PACKS[pack]
+    lin = nn.Linear(16, 16)
+    function = getattr(fad, name)
+    call = {"function": function,
+            "module": fad.LeakyReLU(0.1) if name == "leaky_relu" else fad.Hardsigmoid(),
+            "enabled": getattr(F, name),
+            "in place": lambda h: function(h, inplace=True)}[how]
+    packed = []
+
+    def keep(t):
+        p = pack_hook(t)
+        packed.append(weakref.ref(unpack_hook(p)))
+        return p
+
+    for _ in range(4):
+        with torch.autograd.graph.saved_tensors_hooks(keep, unpack_hook), \
+                (fad.enabled() if how == "enabled" else contextlib.nullcontext()):
+            loss = call(lin(torch.linspace(-2, 2, 128).reshape(8, 16)) * 1).sum()
+        del loss
+    assert len(packed) >= 8
+    gc.collect()
+    assert [tuple(r().shape) for r in packed if r() is not None] == []
+
+
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
 def test_gradcheck_in_float32():
     """Finite differences as an independent check of f' (float32: loose tolerances)."""
@@ -2081,6 +2158,39 @@ def test_compose_under_a_pack_hook_keeps_nothing_after_backward(name, pack):
     assert [r for r in packed if r() is not None] == []
     for g, w in zip(got, grads(contextlib.nullcontext()), strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("chain, per_step", [(lambda h: torch.sigmoid(h) * 2, 1),
+                                              (lambda h: F.gelu(h) * 2 + 1, 2)])
+def test_compose_under_a_pack_hook_keyed_until_unpack_keeps_the_led_past_nodes(chain, per_step):
+    """What the README states of a pack hook that keeps tensors by key until
+    unpack pops them: the nodes a next step leads past are freed without an
+    unpack (as torch's of a graph dropped without backward), one entry per
+    such node and step; compose=False leaves none. Gradients stay torch's."""
+    lin = nn.Linear(16, 16)
+
+    def run(mode, steps=3):
+        store, keys = {}, itertools.count()
+
+        def pack(t):
+            key = next(keys)
+            store[key] = t
+            return key
+
+        for _ in range(steps):
+            lin.zero_grad()
+            with torch.autograd.graph.saved_tensors_hooks(pack, store.pop), mode:
+                y = chain(lin(torch.linspace(-2, 2, 128).reshape(8, 16)))
+            y.sum().backward()
+        return len(store), [p.grad.clone() for p in lin.parameters()]
+
+    left, got = run(fad.enabled(compose=True))
+    assert left == 3 * per_step
+    assert run(fad.enabled(compose=False))[0] == 0
+    left, want = run(contextlib.nullcontext())
+    assert left == 0
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_codebook_caches_are_bounded():

@@ -645,6 +645,43 @@ def test_frozen_and_intermittently_unused_params_match_eager(name: str, mode: st
     assert_results_equal(got, ref)
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_interrupted_while_hooking_a_frozen_param_leaves_it_frozen(mode: str) -> None:
+    """A KeyboardInterrupt at the first point after fuse() unfreezes a frozen
+    parameter to hook it (torch refuses hooks on a tensor that does not
+    require grad), as the interpreter would raise one there (its check after
+    a call returns): the parameter is frozen again (before, it was left
+    requiring grad, and trained). Simulated with an opcode trace."""
+    model = _mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    code = reprop.fusion._registered_even_if_frozen.__code__
+    raised = []
+
+    def per_opcode(frame, event, arg):
+        if event == "opcode" and not raised and model[0].weight.requires_grad:
+            raised.append(frame.f_lineno)
+            raise KeyboardInterrupt
+        return per_opcode
+
+    def per_call(frame, event, arg):
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return per_opcode
+        return None
+
+    sys.settrace(per_call)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reprop.fuse(model, opt, mode=mode)
+    finally:
+        sys.settrace(None)
+    assert raised
+    assert [p.requires_grad for p in model.parameters()] == [False, False] + [True] * 4
+    with reprop.fuse(model, opt, mode=mode):  # (and the model fuses again)
+        pass
+
+
 def _scheduler_warnings(result: Result) -> list[str]:
     """torch's "optimizer.step() has been overridden after learning rate
     scheduler initialization" and "lr_scheduler.step() before optimizer.step()"."""
@@ -4390,6 +4427,102 @@ def test_forward_mode_deepcopy_keeps_a_modules_own_override_its_own() -> None:
     assert original.grad is not None
     handle.remove()
     assert model[0].zero_grad.__func__ is own_zero_grad
+
+
+def _wrapped_on(module: nn.Module, name: str, log: list):
+    """module.`name` wrapped on the instance (as accelerate or a user wraps
+    a method), each call logged."""
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        log.append((module, name))
+        return inner(*args, **kwargs)
+
+    setattr(module, name, wrapper)
+    return wrapper
+
+
+def test_forward_mode_remove_keeps_a_wrapper_of_apply_and_zero_grad_set_after_fuse() -> None:
+    """_apply and zero_grad wrapped on the model and on a layer after fuse():
+    remove() kept the wrappers (before, it put back the methods fuse()
+    replaced, and the wrappers were silently gone), which apply the pending
+    updates while fused and act as eager's once removed, also after a
+    second fuse() and remove()."""
+    model = _mlp()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    log: list = []
+    wrappers = {(m, name): _wrapped_on(m, name, log)
+                for m in (model, model[2]) for name in ("_apply", "zero_grad")}
+    for step in range(3):
+        x, y = _mlp_batch(step)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            m.zero_grad(set_to_none=False)  # (applies the pending updates, then zeroes)
+        if step == 0:
+            handle.remove()
+            for (m, name), wrapper in wrappers.items():
+                assert m.__dict__[name] is wrapper, (name, m)
+        if step == 1:
+            handle = reprop.fuse(model, opt, mode="forward")
+    handle.remove()
+    for (m, name), wrapper in wrappers.items():
+        assert m.__dict__[name] is wrapper, (name, m)
+    model[2].double()
+    ref[2].double()
+    assert [name for _, name in log] == ["zero_grad"] * 3 + ["_apply"]
+    for (n, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+        assert torch.equal(p.grad, r.grad), n
+
+
+def test_forward_mode_calls_a_modules_own_zero_grad_while_fused() -> None:
+    """A zero_grad of the module's own (set on the instance before fuse())
+    runs while fused, after the pending updates are applied (before, the
+    fusion called the class's zero_grad in its place)."""
+    model = _mlp()
+    log: list = []
+
+    def own_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        log.append(module.__dict__["zero_grad"].__func__)
+        nn.Module.zero_grad(module, set_to_none)
+
+    model.zero_grad = types.MethodType(own_zero_grad, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with reprop.fuse(model, opt, mode="forward") as handle:
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        model.zero_grad()
+        assert len(log) == 1 and log[0] is not own_zero_grad  # (through the fusion's)
+        assert not handle._pending and all(p.grad is None for p in model.parameters())
+    model.zero_grad()
+    assert log[1:] == [own_zero_grad]
+
+
+def test_forward_mode_remove_under_a_wrapper_keeps_no_module_alive() -> None:
+    """A module with a zero_grad of its own, wrapped after fuse(): what the
+    fusion's method (left in the wrapper's chain by remove()) passes through
+    to is kept without a reference to the module, which is freed with its
+    last reference."""
+    model = _mlp()
+
+    def own_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        nn.Module.zero_grad(module, set_to_none)
+
+    model.zero_grad = types.MethodType(own_zero_grad, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _wrapped_on(model, "zero_grad", [])
+    handle.remove()
+    model.zero_grad()
+    gone = weakref.ref(model)
+    del model, opt, handle
+    gc.collect()
+    assert gone() is None
 
 
 # ---------------------------------------------------------------------------

@@ -249,7 +249,7 @@ class _Activation(torch.autograd.Function):
     the _TWO_VALUED kinds, (y, anchor): see _twice_differentiable."""
 
     @staticmethod
-    def forward(ctx, x, act, saved, inplace):
+    def forward(ctx, x, act, saved, inplace, link=None):
         repeated = _tensors.repeated_dims(x) if not inplace and 0 in x.stride() else None
         if repeated:
             y, d = _run_forward_repeated(act, x, saved, repeated)
@@ -262,7 +262,7 @@ class _Activation(torch.autograd.Function):
             ctx.save_for_backward(d)
             return y
         anchor = y.new_empty(0)
-        ctx.save_for_backward(d, anchor)
+        ctx.save_for_backward(d, anchor if link is None else link)
         return y, anchor
 
     @staticmethod
@@ -276,7 +276,7 @@ class _Activation(torch.autograd.Function):
             grad_x = grad_x.masked_fill_(_selected(ctx.act, d, coded), 0)
         if anchor and torch.is_grad_enabled():
             grad_x = _twice_differentiable(grad_x, anchor[0])
-        return grad_x, None, None, None
+        return grad_x, None, None, None, None
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -295,8 +295,27 @@ def _twice_differentiable(grad_x: torch.Tensor, anchor: torch.Tensor) -> torch.T
     weight decay). The anchor, an empty output of the activation's node
     saved for backward, makes that link without keeping x: subtracting its
     sum (+0, which leaves every value and zero sign as it is) leads the
-    second backward through the node to x."""
+    second backward through the node to x. Under a saved-tensor hook the
+    anchor is _anchor_link's instead."""
     return grad_x - anchor.sum()
+
+
+def _anchor_link(x: torch.Tensor) -> torch.Tensor | None:
+    """What an _Activation of a _TWO_VALUED kind saves in place of its anchor
+    under a saved-tensor hook (_saved_tensor_hooks_active): an empty tensor
+    computed from x, whose graph (a clone of an empty view: neither node
+    keeps x's data) links the second backward to x as the anchor does. The
+    anchor, the node's own output, packed by a hook that returns it as it
+    is (save_on_cpu's on the CPU), held the node: a cycle through
+    autograd's C++ that gc cannot see, broken only by the node's backward,
+    so a graph dropped without one kept its derivative (x's size) for
+    good. (Not _unlinked's detached alias: that loses the link, and a
+    parameter reached only through the mask got None in a gradient
+    penalty, where torch gives zeros.) None without a hook: the anchor
+    costs nothing there."""
+    if not _saved_tensor_hooks_active():
+        return None
+    return x.as_strided((0,), (1,)).clone()
 
 
 def _selected(act: _Act, d: torch.Tensor, coded: bool) -> torch.Tensor:
@@ -350,8 +369,10 @@ def _activation(act: _Act | None, native: Callable, x: torch.Tensor, saved_dtype
         return _run_forward(act, x, None, inplace)[0]  # nothing to save: no derivative at all
     if inplace and _may_be_refused_in_place(x):
         return native(x, inplace=True)  # torch refuses before writing, or runs it
-    y = _Activation.apply(x, act, saved_dtype or _default_saved(act, x.dtype), inplace)
-    return y[0] if act.kind in _TWO_VALUED else y  # (y, its anchor)
+    saved = saved_dtype or _default_saved(act, x.dtype)
+    if act.kind not in _TWO_VALUED:
+        return _Activation.apply(x, act, saved, inplace)
+    return _Activation.apply(x, act, saved, inplace, _anchor_link(x))[0]  # (y, its anchor)
 
 
 # Whether autocast is on for any device: one call, where x.device (for one

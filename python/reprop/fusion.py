@@ -150,6 +150,7 @@ _HELD_UNTIL_REMOVED = ("model", "optimizer", "_user_optimizer")
 # be freed, and the root's forward hooks keep each fusion alive while it is
 # installed.
 _FLUSH_BEFORE: "weakref.WeakKeyDictionary" = _kept("_FLUSH_BEFORE", weakref.WeakKeyDictionary())
+_NONE_SAVED = ({}, ())  # (what _FLUSH_BEFORE.get gives a module it does not hold)
 # Optimizer (the user's, and the reprop engine of a converted torch one) ->
 # weak reference to the live handle fusing it: a second fusion of it would
 # stack hooks and update twice. Weak both ways: the optimizer's patched step()
@@ -213,10 +214,19 @@ def _flushing(name: str):
     updated ones) and zero_grad (model.zero_grad() in place of the
     optimizer's, between step() and the next forward: with
     set_to_none=False it zeroes in place the gradients the pending updates
-    hold). A nested call finds nothing pending."""
+    hold). A nested call finds nothing pending. Then what it replaced:
+    the module's own method of that name (an override set on the instance
+    before fuse(): calling the class's skipped it while fused), else the
+    class's; so too once no fusion covers the module, where a wrapper set
+    on the module after fuse() still calls it (_uninstall_flushing)."""
     def method(module: nn.Module, *args, **kwargs):
-        _flush_pending(module)
-        return getattr(type(module), name)(module, *args, **kwargs)
+        saved, handles = _FLUSH_BEFORE.get(module, _NONE_SAVED)  # (one look-up: per call)
+        for handle in list(handles):  # (_flush_pending)
+            handle.flush()
+        own = saved.get(name, _MISSING)
+        if own is _MISSING:
+            return getattr(type(module), name)(module, *args, **kwargs)
+        return _rebound(own, module)(*args, **kwargs)
 
     # Pickling the bound method stores getattr(module, __name__): the class's.
     method.__name__ = name
@@ -241,7 +251,8 @@ def _flushing_deepcopy(module: nn.Module, memo: dict):
     restored the class), the module is copied as others are."""
     _flush_pending(module)
     if not hasattr(type(module), "__deepcopy__"):
-        _uninstall_flushing(module, "__deepcopy__")
+        # (a wrapper of ours set since goes too: left, it would call this again)
+        _uninstall_flushing(module, "__deepcopy__", even_under_a_wrapper=True)
         return copy.deepcopy(module, memo)
     replica = type(module).__deepcopy__(module, memo)
     replica.__dict__ = _without_flushing(module, replica.__dict__, memo)
@@ -262,11 +273,15 @@ def _without_flushing(module: nn.Module, state: dict, memo: dict | None = None) 
     already), what they replaced is deep-copied too, as the copy of
     `module`'s own state would have it (a method of its own bound to it
     rebound to the copy); without, the caller copies `state` next."""
-    saved = _FLUSH_BEFORE.get(module, ({}, None))[0]
-    state = {k: v for k, v in state.items()
-             if not (isinstance(v, types.MethodType) and v.__func__ is _FLUSHING.get(k))}
+    saved = _FLUSH_BEFORE.get(module, _NONE_SAVED)[0]
+    ours = {k for k, v in state.items()
+            if isinstance(v, types.MethodType) and v.__func__ is _FLUSHING.get(k)}
+    state = {k: v for k, v in state.items() if k not in ours}
+    # (only in place of one of ours: a wrapper set on the module after fuse()
+    # is what the copy holds, as eager's copy holds it)
     state.update((name, own if memo is None else copy.deepcopy(own, memo))
-                 for name, own in saved.items() if own is not _MISSING)
+                 for name, own in ((n, _rebound(saved[n], module)) for n in ours if n in saved)
+                 if own is not _MISSING)
     return state
 
 
@@ -305,16 +320,59 @@ def _stop_flushing_before_module_calls(module: nn.Module, handle: "_ForwardFusio
         return
     for name in list(saved):
         _uninstall_flushing(module, name)
-    del _FLUSH_BEFORE[module]
+    if not saved:  # (else the pass-throughs a wrapper still calls read it)
+        del _FLUSH_BEFORE[module]
 
 
-def _uninstall_flushing(module: nn.Module, name: str) -> None:
-    """Puts back what _flush_before_module_calls replaced of module.`name`."""
-    own = _FLUSH_BEFORE[module][0].pop(name)
+def _uninstall_flushing(module: nn.Module, name: str, even_under_a_wrapper: bool = False) -> None:
+    """Puts back what _flush_before_module_calls replaced of module.`name`
+    if that is still the method installed there. One set on the module
+    since (a user's wrapper, a library's such as accelerate's, calling ours)
+    stays: putting back what ours replaced dropped it, silently. Ours stays
+    in that chain as a pass-through to what it replaced (nothing to flush
+    once no fusion covers the module), which a later fuse() uses again;
+    kept without a strong reference to the module (_held_weakly): the
+    registry would keep it alive."""
+    saved = _FLUSH_BEFORE[module][0]
+    if not (even_under_a_wrapper or _installed_on(module, name)):
+        saved[name] = _held_weakly(saved[name], module)
+        return
+    own = _rebound(saved.pop(name), module)
     if own is _MISSING:
         module.__dict__.pop(name, None)
     else:
         setattr(module, name, own)
+
+
+def _installed_on(module: nn.Module, name: str) -> bool:
+    """Whether module.`name`, set on the instance, is _FLUSHING's method of
+    that name bound to `module` (not one a copy carries, nor a wrapper)."""
+    method = module.__dict__.get(name)
+    return (isinstance(method, types.MethodType) and method.__func__ is _FLUSHING.get(name)
+            and method.__self__ is module)
+
+
+class _BoundToModule:
+    """A method of a module's own (bound to it) that _FLUSH_BEFORE keeps for
+    a pass-through after remove(): its function only (_rebound binds it)."""
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable) -> None:
+        self.function = function
+
+
+# (kept: a pass-through made before a reload holds one)
+_BoundToModule = _kept("_BoundToModule", _BoundToModule)
+
+
+def _held_weakly(own, module: nn.Module):
+    if isinstance(own, types.MethodType) and own.__self__ is module:
+        return _BoundToModule(own.__func__)
+    return own
+
+
+def _rebound(own, module: nn.Module):
+    return types.MethodType(own.function, module) if isinstance(own, _BoundToModule) else own
 
 
 def fuse(model: nn.Module, optimizer: torch.optim.Optimizer, mode: str = "backward", *,
@@ -943,11 +1001,13 @@ def _register_grad_coming(p: torch.Tensor, method) -> "torch.utils.hooks.Removab
 def _registered_even_if_frozen(p: torch.Tensor, register, hook):
     """register(hook) for one of p's hook registries, also when p is frozen:
     torch refuses to register on a tensor that does not require grad, and
-    the hook then fires once p is unfrozen."""
+    the hook then fires once p is unfrozen. The unfreezing inside the try:
+    a KeyboardInterrupt lands where the interpreter checks for one, as
+    right after that call returns, which before the try left p unfrozen."""
     if p.requires_grad:
         return register(hook)
-    p.requires_grad_(True)
     try:
+        p.requires_grad_(True)
         return register(hook)
     finally:
         p.requires_grad_(False)
