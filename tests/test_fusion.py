@@ -4746,6 +4746,99 @@ def test_step_captured_while_fused_and_called_after_remove_is_eager_step(mode: s
         assert torch.equal(p, q)
 
 
+def _optimizer_wrapped(opt, name: str, log: list, keep_metadata: bool = False):
+    """opt.`name` wrapped on the instance (as accelerate's patch_optimizer_step
+    or a user wraps it), each call logged."""
+    inner = getattr(opt, name)
+
+    def wrapper(*args, **kwargs):
+        log.append(name)
+        return inner(*args, **kwargs)
+
+    if keep_metadata:  # (functools.wraps: copies an LR scheduler's mark too)
+        wrapper = functools.wraps(inner)(wrapper)
+    setattr(opt, name, wrapper)
+    return wrapper
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_remove_keeps_a_wrapper_of_the_optimizers_step_and_zero_grad_set_after_fuse(
+        mode: str) -> None:
+    """step() and zero_grad() wrapped on the optimizer after fuse() (the way
+    the refusal of a wrapper set before fuse() points to): remove() keeps
+    both wrappers, which go on being called and train as eager's wrappers
+    do, fusion's methods left in their chains passing through to the
+    optimizer's own (before, remove() put the optimizer's own back and the
+    wrappers were silently gone: 1 call each where eager made 4)."""
+    def train(fused: bool) -> tuple:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if fused else None
+        log: list = []
+        wrappers = {name: _optimizer_wrapped(opt, name, log) for name in ("step", "zero_grad")}
+        for step in range(4):
+            if step == 1 and handle is not None:
+                handle.remove()
+            x, y = _mlp_batch(step)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert {name: opt.__dict__.get(name) for name in wrappers} == wrappers
+        return log, [p.detach().clone() for p in model.parameters()], opt.state_dict()
+
+    (log, params, state), (eager_log, eager_params, eager_state) = train(True), train(False)
+    assert log == eager_log == ["step", "zero_grad"] * 4
+    for p, q in zip(params, eager_params):
+        assert torch.equal(p, q), _diff(p, q)
+    for i, s in eager_state["state"].items():
+        assert torch.equal(state["state"][i]["momentum_buffer"], s["momentum_buffer"])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("made", ["before_fuse", "while_fused", "while_fused_then_wrapped"])
+def test_lr_scheduler_and_remove_before_its_first_step_match_eager(mode: str, made: str) -> None:
+    """An LR scheduler made before fuse() or while fused (then maybe a
+    wrapper of step() set over its), remove() before the first step, then
+    eager training and (unwrapped) a second fuse() and remove(): the parameters, the
+    learning rates, the scheduler's counter and its warnings are eager's.
+    Before, a scheduler made while fused found step() marked as its own
+    wrapper and did not wrap it, so after remove() its first step() warned
+    that optimizer.step() "has been overridden after learning rate scheduler
+    initialization", where eager warns nothing."""
+    def train(fused: bool) -> tuple:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        log: list = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if made == "before_fuse":
+                scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+            handle = reprop.fuse(model, opt, mode=mode) if fused else None
+            if made != "before_fuse":
+                scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+            if made == "while_fused_then_wrapped":
+                _optimizer_wrapped(opt, "step", log, keep_metadata=True)
+            for step in range(6):
+                if handle is not None and step in (0, 4):
+                    handle.remove()
+                if fused and step == 2 and not log:  # (a wrapper would not run while fused)
+                    handle = reprop.fuse(model, opt, mode=mode)
+                x, y = _mlp_batch(step)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                scheduler.step()
+        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+                  or "learning rate scheduler" in str(w.message)]
+        return (warned, log, scheduler._step_count, scheduler.get_last_lr(),
+                [p.detach().clone() for p in model.parameters()])
+
+    got, eager = train(True), train(False)
+    assert got[:4] == eager[:4]
+    for p, q in zip(got[4], eager[4]):
+        assert torch.equal(p, q), _diff(p, q)
+
+
 @pytest.mark.parametrize("rewrite", ["prune", "weight_norm", "spectral_norm"])
 def test_forward_mode_updates_before_weight_rewriting_pre_hooks(rewrite):
     """nn.utils.prune and the old weight_norm / spectral_norm compute the

@@ -142,6 +142,7 @@ def _kept(name: str, value):
 # __getstate__), restored by remove().
 _OVERRIDDEN = ("step", "zero_grad", "_step_supports_amp_scaling", "__getstate__")
 _MISSING = _kept("_MISSING", object())
+_NOT_PASSING = object()  # (_after_removal: a name remove() put back, as usual)
 # A handle's references that remove() makes weak (FusionHandle._let_go).
 _HELD_UNTIL_REMOVED = ("model", "optimizer", "_user_optimizer")
 # Module -> (its own instance methods of _FLUSHING's names, or _MISSING, a
@@ -1064,6 +1065,9 @@ class FusionHandle:
         # freed may be a new owner's, the next ParametrizationList's)
         self._hooked_modules: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         self._saved: dict = {}  # the optimizer's instance attributes fusion overrides
+        self._installed: dict = {}  # what it sets there of those (_take_over_optimizer)
+        # what remove() left ours of under a wrapper passes through to (_after_removal)
+        self._passing_through: dict = {}
         # Held while the fusion's bookkeeping changes and while it updates:
         # other threads call in too (an async checkpoint's state_dict()
         # flushing forward mode's pending updates while training runs a
@@ -1091,16 +1095,30 @@ class FusionHandle:
         self._unclaim_all = weakref.finalize(self, _unclaim, self._claimed, self._claimed, ref)
         self._claim(self._params.values())
 
-        def step(*args, **kwargs):
-            optimizer._opt_called = True  # what an LR scheduler's step wrapper records
+        # The optimizer's step() while fused: bound to it, as its own is, so
+        # that an LR scheduler made while fused wraps it as it wraps eager's
+        # (its wrapper calls step.__func__ bound to the optimizer) and keeps
+        # wrapping it after remove(). One made before fuse() wrapped the
+        # optimizer's own, which this one replaces: only then does this one
+        # carry the scheduler's mark and record its calls as that wrapper
+        # would, so the scheduler neither warns that step() was overridden
+        # nor that it was not called. (Marked always, a scheduler made while
+        # fused did not wrap it: after remove() its first step() warned that
+        # optimizer.step() had been overridden, where eager warns nothing.)
+        scheduled = getattr(self._saved["step"], "_wrapped_by_lr_sched", False)
+
+        def step(optimizer, *args, **kwargs):
+            if scheduled and not self._removed:
+                optimizer._opt_called = True  # what the replaced scheduler's wrapper records
             return self._hooked_step(args, kwargs)
 
-        # Calls are tracked as an LR scheduler's own wrapper would, so a scheduler
-        # made before fuse() neither warns that step() was overridden nor that
-        # it was not called.
-        step._wrapped_by_lr_sched = True
-        optimizer.step = step
-        optimizer.zero_grad = self._zero_grad
+        if scheduled:
+            step._wrapped_by_lr_sched = True
+        self._installed = {}  # name -> what is set, for _unhook (which may find a wrapper of it)
+        for name, value in (("step", types.MethodType(step, optimizer)),
+                            ("zero_grad", self._zero_grad)):
+            setattr(optimizer, name, value)
+            self._installed[name] = value
         optimizer._step_supports_amp_scaling = self._step_sees_grad_scaler
         # optimizer.load_state_dict: pending updates first; then torch's replaces
         # param_groups and state with new objects, which the engine must share.
@@ -1299,15 +1317,37 @@ class FusionHandle:
         self._hooks.clear()
         opt = self._user_optimizer
         for name, value in self._saved.items():
-            if value is _MISSING:
+            installed = self._installed.get(name, _MISSING)
+            if installed is not _MISSING and opt.__dict__.get(name) is not installed:
+                # A wrapper set on the optimizer since (a user's, accelerate's,
+                # an LR scheduler's made while fused), calling ours: putting
+                # back what ours replaced dropped it, silently. It stays, and
+                # ours passes through to what it replaced (_after_removal);
+                # held without a reference to the optimizer (_held_weakly).
+                self._passing_through[name] = _held_weakly(value, opt)
+            elif value is _MISSING:
                 opt.__dict__.pop(name, None)
             else:
                 setattr(opt, name, value)
+        self._installed = {}
         if opt is not self.optimizer:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
         self._unclaim_all()
+
+    def _after_removal(self, opt, name: str) -> Callable:
+        """What a call of this fusion's `name` (step, zero_grad,
+        __getstate__) made after remove() runs: the optimizer's method of
+        now (its own, or a later fusion's: a method captured while fused),
+        but where remove() left ours under a wrapper set since, which calls
+        ours: there what ours replaced (the optimizer's of now is that
+        wrapper, which would call ours again, without end)."""
+        own = self._passing_through.get(name, _NOT_PASSING)
+        if own is _NOT_PASSING:
+            return getattr(opt, name)
+        own = _rebound(own, opt)
+        return getattr(type(opt), name).__get__(opt) if own is _MISSING else own
 
     def _step_after_removal(self) -> None:
         """A step() that another thread's remove() overtook (after its
@@ -1365,7 +1405,7 @@ class FusionHandle:
         fusion's)."""
         opt = self._user_optimizer
         if self._removed:
-            return opt.step(*args, **kwargs)
+            return self._after_removal(opt, "step")(*args, **kwargs)
         args = (opt, *args)  # torch's hooks get the optimizer as args[0]
         own_pre, global_pre = opt._optimizer_step_pre_hooks, torch_optimizer._global_optimizer_pre_hooks
         if self.mode == "backward" and (own_pre or global_pre):
@@ -1422,7 +1462,7 @@ class FusionHandle:
             if self._removed:  # by another thread since this call began: eager's
                 opt = self._user_optimizer  # (None: freed after remove(), nothing left to zero)
                 if opt is not None:
-                    opt.zero_grad(set_to_none)
+                    self._after_removal(opt, "zero_grad")(set_to_none)
             else:
                 self._fused_zero_grad(set_to_none)
 
@@ -2413,11 +2453,14 @@ class _ForwardFusion(FusionHandle):
         # Optimizer.__getstate__ returns, not the pending gradients; pickle looks
         # __getstate__ up on the instance, so this one optimizer's applies the
         # pending updates first, as its state_dict() does (a copy gets torch's).
-        self._user_optimizer.__getstate__ = self._optimizer_getstate
+        self._user_optimizer.__getstate__ = getstate = self._optimizer_getstate
+        self._installed["__getstate__"] = getstate
 
     def _optimizer_getstate(self) -> dict:
-        self.flush()
         opt = self._user_optimizer
+        if self._removed:  # (captured, or left under a wrapper by remove())
+            return self._after_removal(opt, "__getstate__")()
+        self.flush()
         return type(opt).__getstate__(opt)
 
     def _unhook(self) -> None:
