@@ -775,6 +775,34 @@ def test_double_backward_is_refused(how):
     assert "outside reprop.fad.enabled()" in str(refused.value)
 
 
+@pytest.mark.parametrize("call", ["jvp", "hessian"])
+@pytest.mark.parametrize("how", ["patch", "compose"])
+def test_old_functional_api_refusal_names_it_and_what_works(how, call):
+    """torch.autograd.functional's jvp, hvp, vhp and hessian backpropagate
+    twice (create_graph=True) without the user writing it, so the refusal's
+    "(create_graph=True)" left them unexplained. It names them now and what
+    works here, torch.func's and forward AD, which give torch's values."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref)
+    mode = contextlib.nullcontext()
+    if how == "patch":
+        assert fad.patch(model)
+    else:
+        mode = fad.enabled(compose=True)
+    x = torch.randn(3, 4)
+    f = (lambda t: model(t)) if call == "jvp" else (lambda t: model(t)[:, 0].exp().sum())
+    with mode, pytest.raises(RuntimeError, match=r"differentiated twice .*torch\.autograd\.functional's "
+                                                 r"jvp, hvp, vhp and hessian .*torch\.func\.jvp"):
+        if call == "jvp":
+            torch.autograd.functional.jvp(f, x, torch.ones_like(x))
+        else:
+            torch.autograd.functional.hessian(f, x[:1])
+    with mode:
+        got = torch.func.jvp(model, (x,), (torch.ones_like(x),))[1]
+    torch.testing.assert_close(got, torch.func.jvp(ref, (x,), (torch.ones_like(x),))[1])
+
+
 # Kinds whose f' is piecewise constant, with a torch reference that autograd
 # differentiates twice (torch's hardsigmoid refuses it: relu6 is its formula).
 _PIECEWISE_CONSTANT = {

@@ -235,7 +235,8 @@ def _refuse_double_backward(what: str, instead: str) -> None:
     # silently miss the d(f'(x))/dx term, as f''(x) is not kept.
     if torch.is_grad_enabled():
         raise RuntimeError(f"{what} saves only its first derivative for backward, so it cannot "
-                           f"be differentiated twice (create_graph=True): {instead}")
+                           f"be differentiated twice (create_graph=True; "
+                           f"{_tensors.DOUBLE_BACKWARD_CALLERS}): {instead}")
 
 
 # reprop.fad's functions and modules, patched modules and enabled()'s rerouting
