@@ -856,6 +856,48 @@ def test_double_backward_through_a_piecewise_constant_derivative(name, how, save
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("how", ["patch", "enabled"])
+@pytest.mark.parametrize("name", sorted(_PIECEWISE_CONSTANT))
+def test_node_hooks_of_a_piecewise_constant_kind_see_one_output_as_torchs(name, how):
+    """The node of LeakyReLU and Hardsigmoid has a second, empty output (the
+    anchor of _twice_differentiable), so hooks on y.grad_fn got two
+    grad_outputs where torch's node gives one: a pre-hook returning its
+    replacement as torch's takes it, (g * 3,), raised "incorrect number of
+    values (got 1, but expected 2)", and a post-hook saw (g, None). They see
+    and return torch's one gradient now, and a wrong count is refused as
+    torch refuses it."""
+    torch_cls = _PIECEWISE_CONSTANT[name][0]  # torch's module, patched or rerouted below
+    x = torch.randn(64) * 4
+
+    def run(act, mode=contextlib.nullcontext()):
+        t = x.clone().requires_grad_()
+        with mode:
+            y = act(t)
+        seen = []
+        y.grad_fn.register_prehook(lambda go: seen.append(len(go)) or (go[0] * 3,))
+        y.grad_fn.register_hook(lambda gi, go: seen.append((len(gi), len(go), torch.equal(go[0], 3 * x.sign()))))
+        y.backward(x.sign())
+        return t.grad, seen
+
+    model = nn.Sequential(torch_cls())
+    mode = contextlib.nullcontext()
+    if how == "patch":
+        assert fad.patch(model)
+    else:
+        mode = fad.enabled()
+    got, seen = run(model, mode)
+    want, want_seen = run(torch_cls())
+    assert seen == want_seen == [1, (1, 1, True)]
+    torch.testing.assert_close(got, want)
+    t = x.clone().requires_grad_()
+    with mode:
+        y = model(t)
+    assert type(y.grad_fn).__name__ == "_ActivationBackward"
+    y.grad_fn.register_prehook(lambda go: (go[0], go[0]))
+    with pytest.raises(RuntimeError, match=r"incorrect number of values \(got 2, but expected 1\)"):
+        y.sum().backward()
+
+
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")
 def test_gradcheck_in_float32():
     """Finite differences as an independent check of f' (float32: loose tolerances)."""
