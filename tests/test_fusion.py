@@ -2771,6 +2771,25 @@ def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -
     handle.remove()
 
 
+def test_two_backwards_through_a_saved_weight_raise_autograds_error_before_a_second_update() -> None:
+    """Where autograd saved the updated weight for backward (a Linear whose
+    input needs a gradient), the second backward of one forward meets that
+    node before the weight's gradient, so autograd's in-place error comes
+    first, not reprop's named one (README says so): either way before any
+    parameter is updated twice."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward")
+    loss = model(torch.randn(3, 4, requires_grad=True)).square().sum()
+    loss.backward(retain_graph=True)
+    once = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), once))
+    handle.remove()
+
+
 def _one_gradient_per_step(how: str, fused: bool) -> list:
     """4 steps of a loop whose parameters get one gradient per step in
     backward mode, `how` says in what way; eager always steps."""
