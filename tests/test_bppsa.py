@@ -819,6 +819,28 @@ def test_double_backward_is_refused(loss):
         torch.autograd.grad(score, x, create_graph=True)
 
 
+@pytest.mark.parametrize("call", ["jvp", "hessian"])
+def test_old_functional_api_refusal_names_it_and_what_works(call):
+    """torch.autograd.functional's jvp, hvp, vhp and hessian backpropagate
+    twice (create_graph=True) without the user writing it: the refusal said
+    only "double backward (create_graph=True ...)". It names them now and
+    what works here, torch.func's and forward AD, which do give nn's values."""
+    torch.manual_seed(0)
+    ours, ref = bppsa.GRU(2, 3), nn.GRU(2, 3)
+    ref.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 1, 2)
+    if call == "jvp":
+        run = lambda: torch.autograd.functional.jvp(lambda t: ours(t)[0], x, torch.ones_like(x))
+    else:
+        run = lambda: torch.autograd.functional.hessian(lambda t: ours(t)[0].sum(), x)
+    with pytest.raises(RuntimeError, match=r"double backward .*torch\.autograd\.functional's jvp, hvp, "
+                                           r"vhp and hessian .*torch\.func\.jvp"):
+        run()
+    got = torch.func.jvp(lambda t: ours(t)[0], (x,), (torch.ones_like(x),))[1]
+    want = torch.func.jvp(lambda t: ref(t)[0], (x,), (torch.ones_like(x),))[1]
+    torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("make", [lambda: bppsa.GRU(2, 3), lambda: bppsa.RNN(2, 3)],
                          ids=["gru", "rnn"])
 def test_batched_gradients_are_refused_clearly(make):

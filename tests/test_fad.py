@@ -775,6 +775,34 @@ def test_double_backward_is_refused(how):
     assert "outside reprop.fad.enabled()" in str(refused.value)
 
 
+@pytest.mark.parametrize("call", ["jvp", "hessian"])
+@pytest.mark.parametrize("how", ["patch", "compose"])
+def test_old_functional_api_refusal_names_it_and_what_works(how, call):
+    """torch.autograd.functional's jvp, hvp, vhp and hessian backpropagate
+    twice (create_graph=True) without the user writing it, so the refusal's
+    "(create_graph=True)" left them unexplained. It names them now and what
+    works here, torch.func's and forward AD, which give torch's values."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 2))
+    model = copy.deepcopy(ref)
+    mode = contextlib.nullcontext()
+    if how == "patch":
+        assert fad.patch(model)
+    else:
+        mode = fad.enabled(compose=True)
+    x = torch.randn(3, 4)
+    f = (lambda t: model(t)) if call == "jvp" else (lambda t: model(t)[:, 0].exp().sum())
+    with mode, pytest.raises(RuntimeError, match=r"differentiated twice .*torch\.autograd\.functional's "
+                                                 r"jvp, hvp, vhp and hessian .*torch\.func\.jvp"):
+        if call == "jvp":
+            torch.autograd.functional.jvp(f, x, torch.ones_like(x))
+        else:
+            torch.autograd.functional.hessian(f, x[:1])
+    with mode:
+        got = torch.func.jvp(model, (x,), (torch.ones_like(x),))[1]
+    torch.testing.assert_close(got, torch.func.jvp(ref, (x,), (torch.ones_like(x),))[1])
+
+
 # Kinds whose f' is piecewise constant, with a torch reference that autograd
 # differentiates twice (torch's hardsigmoid refuses it: relu6 is its formula).
 _PIECEWISE_CONSTANT = {
@@ -903,6 +931,48 @@ def test_piecewise_constant_graph_dropped_under_a_pack_hook_keeps_nothing(name, 
     assert len(packed) >= 8
     gc.collect()
     assert [tuple(r().shape) for r in packed if r() is not None] == []
+
+
+@pytest.mark.parametrize("how", ["patch", "enabled"])
+@pytest.mark.parametrize("name", sorted(_PIECEWISE_CONSTANT))
+def test_node_hooks_of_a_piecewise_constant_kind_see_one_output_as_torchs(name, how):
+    """The node of LeakyReLU and Hardsigmoid has a second, empty output (the
+    anchor of _twice_differentiable), so hooks on y.grad_fn got two
+    grad_outputs where torch's node gives one: a pre-hook returning its
+    replacement as torch's takes it, (g * 3,), raised "incorrect number of
+    values (got 1, but expected 2)", and a post-hook saw (g, None). They see
+    and return torch's one gradient now, and a wrong count is refused as
+    torch refuses it."""
+    torch_cls = _PIECEWISE_CONSTANT[name][0]  # torch's module, patched or rerouted below
+    x = torch.randn(64) * 4
+
+    def run(act, mode=contextlib.nullcontext()):
+        t = x.clone().requires_grad_()
+        with mode:
+            y = act(t)
+        seen = []
+        y.grad_fn.register_prehook(lambda go: seen.append(len(go)) or (go[0] * 3,))
+        y.grad_fn.register_hook(lambda gi, go: seen.append((len(gi), len(go), torch.equal(go[0], 3 * x.sign()))))
+        y.backward(x.sign())
+        return t.grad, seen
+
+    model = nn.Sequential(torch_cls())
+    mode = contextlib.nullcontext()
+    if how == "patch":
+        assert fad.patch(model)
+    else:
+        mode = fad.enabled()
+    got, seen = run(model, mode)
+    want, want_seen = run(torch_cls())
+    assert seen == want_seen == [1, (1, 1, True)]
+    torch.testing.assert_close(got, want)
+    t = x.clone().requires_grad_()
+    with mode:
+        y = model(t)
+    assert type(y.grad_fn).__name__ == "_ActivationBackward"
+    y.grad_fn.register_prehook(lambda go: (go[0], go[0]))
+    with pytest.raises(RuntimeError, match=r"incorrect number of values \(got 2, but expected 1\)"):
+        y.sum().backward()
 
 
 @pytest.mark.filterwarnings("ignore:Input #0 requires gradient and is not a double")

@@ -2808,6 +2808,27 @@ def test_two_backwards_of_one_forward_raise_before_a_second_update(every: int) -
     handle.remove()
 
 
+@pytest.mark.parametrize("second", ["all", "other_params"])
+def test_two_backwards_through_a_saved_weight_raise_autograds_error_before_a_second_update(second: str) -> None:
+    """Where autograd saved the updated weight for backward (a Linear whose
+    input needs a gradient), the second backward of one forward meets that
+    node before the weight's gradient, so autograd's in-place error comes
+    first, not reprop's named one (README says so): either way before any
+    parameter is updated twice. So does a second backward whose inputs= asks
+    only for parameters the first did not reach, through the updated layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward")
+    loss = model(torch.randn(3, 4, requires_grad=True)).square().sum()
+    loss.backward(retain_graph=True, inputs=list(model[2].parameters()) if second == "other_params" else None)
+    once = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(inputs=list(model[0].parameters()) if second == "other_params" else None)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), once))
+    handle.remove()
+
+
 def _one_gradient_per_step(how: str, fused: bool) -> list:
     """4 steps of a loop whose parameters get one gradient per step in
     backward mode, `how` says in what way; eager always steps."""

@@ -1339,6 +1339,29 @@ def test_double_backward_is_refused():
         torch.autograd.grad(lin(x).sum(), x, create_graph=True)
 
 
+@pytest.mark.parametrize("call", ["jvp", "hvp"])
+def test_old_functional_api_refusal_names_it_and_what_works(call):
+    """torch.autograd.functional's jvp, hvp, vhp and hessian backpropagate
+    twice (create_graph=True) without the user writing it: the refusal said
+    "backward with create_graph=True ... is not supported", though the user
+    called no backward. It names them now and what works here (torch.func's,
+    forward AD), which give plain autograd's values."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x, v = torch.randn(3, 4), torch.ones(3, 4)
+    if call == "jvp":
+        run = lambda: torch.autograd.functional.jvp(model, x, v)
+    else:
+        run = lambda: torch.autograd.functional.hvp(lambda t: model(t).square().sum(), x, v)
+    with pytest.raises(RuntimeError, match=r"create_graph=True .*torch\.autograd\.functional's jvp, hvp, "
+                                           r"vhp and hessian .*torch\.func\.jvp"):
+        run()
+    got = torch.func.jvp(model, (x,), (v,))[1]
+    torch.testing.assert_close(got, torch.func.jvp(ref, (x,), (v,))[1], rtol=0, atol=0)
+
+
 def test_no_grad_and_frozen_layers_run_unsplit():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)

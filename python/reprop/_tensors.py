@@ -328,6 +328,15 @@ def without_grad(fn: Callable, *args) -> None:
         torch._C._set_grad_enabled(True)
 
 
+# Part of each refusal of double backward (fad, bppsa, ooo): the calls
+# that run one without the user writing create_graph=True, which the refusal
+# alone left unexplained (torch.autograd.functional.jvp raising "create_graph=True
+# ... not supported"), and what computes those products here instead
+DOUBLE_BACKWARD_CALLERS = ("torch.autograd.functional's jvp, hvp, vhp and hessian backpropagate twice "
+                           "too: torch.func.jvp, torch.func.hessian and torch.autograd.forward_ad "
+                           "work here")
+
+
 def outside_backward() -> bool:
     """Whether no backward pass is running on this thread (checkpointing's
     recomputing forwards run inside one): a forward here that finds a

@@ -50,6 +50,7 @@ from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag,
                        hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active, warn_at_users_line)
+from ._tensors import DOUBLE_BACKWARD_CALLERS
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -726,7 +727,7 @@ class _Layer(torch.autograd.Function):
             # lose the penalty's second-order terms
             raise RuntimeError("reprop.bppsa: double backward (create_graph=True, as a gradient "
                                "penalty through the recurrence needs) is not supported; use "
-                               "torch.nn.RNN/GRU for it")
+                               f"torch.nn.RNN/GRU for it ({DOUBLE_BACKWARD_CALLERS})")
         if any(g is not None and torch_only(g) for g in (grad_out, grad_h)):
             raise RuntimeError("reprop.bppsa: batched gradients (autograd.grad(is_grads_batched="
                                "True), jacobian(vectorize=True), gradcheck's batched check) have "

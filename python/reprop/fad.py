@@ -235,7 +235,8 @@ def _refuse_double_backward(what: str, instead: str) -> None:
     # silently miss the d(f'(x))/dx term, as f''(x) is not kept.
     if torch.is_grad_enabled():
         raise RuntimeError(f"{what} saves only its first derivative for backward, so it cannot "
-                           f"be differentiated twice (create_graph=True): {instead}")
+                           f"be differentiated twice (create_graph=True; "
+                           f"{_tensors.DOUBLE_BACKWARD_CALLERS}): {instead}")
 
 
 # reprop.fad's functions and modules, patched modules and enabled()'s rerouting
@@ -277,6 +278,52 @@ class _Activation(torch.autograd.Function):
         if anchor and torch.is_grad_enabled():
             grad_x = _twice_differentiable(grad_x, anchor[0])
         return grad_x, None, None, None, None
+
+
+def _hook_of_one_output(hook: Callable, pre: bool) -> Callable:
+    """`hook`, a pre-hook (pre) or post-hook on the node of a _TWO_VALUED
+    kind, as it runs on torch's node, which has one output: it sees
+    grad_outputs without the anchor's (None), and a pre-hook's replacement
+    of the one gradient gets the anchor's appended, its count checked as
+    torch checks it (the node's two outputs would take two)."""
+
+    @functools.wraps(hook)
+    def of_one_output(*args):
+        if not pre:
+            grad_inputs, grad_outputs = args
+            return hook(grad_inputs, grad_outputs[:1])
+        (grad_outputs,) = args
+        replaced = hook(grad_outputs[:1])
+        if isinstance(replaced, (tuple, list)):
+            if len(replaced) != 1:
+                raise RuntimeError(f"hook '{getattr(hook, '__name__', hook)}' has returned an incorrect "
+                                   f"number of values (got {len(replaced)}, but expected 1)")
+            return (*replaced, *grad_outputs[1:])
+        return replaced  # None, or what torch refuses itself
+
+    return of_one_output
+
+
+def _registering_one_output(register: Callable, pre: bool) -> Callable:
+    """_Activation's node's register_prehook / register_hook: a _TWO_VALUED
+    kind's node has a second, empty output (the anchor), so without this a
+    hook on y.grad_fn saw two grad_outputs where torch's LeakyReLU node has
+    one, and a pre-hook returning its replacement as torch's takes it,
+    `(g * 3,)`, raised "incorrect number of values (got 1, but expected 2)"."""
+
+    @functools.wraps(register)
+    def registered(node, hook):
+        if node.act.kind in _TWO_VALUED:
+            hook = _hook_of_one_output(hook, pre)
+        return register(node, hook)
+
+    return registered
+
+
+for _name, _pre in (("register_prehook", True), ("register_hook", False)):
+    setattr(_Activation._backward_cls, _name,
+            _registering_one_output(getattr(_Activation._backward_cls, _name), _pre))
+del _name, _pre
 
 
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

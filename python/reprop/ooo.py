@@ -67,6 +67,7 @@ from ._tensors import (NotANumberError, check_count as _count, check_flag as _fl
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
                        weak_hook, without_grad)
+from ._tensors import DOUBLE_BACKWARD_CALLERS
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -497,7 +498,8 @@ class _Split(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise RuntimeError("reprop.ooo: backward with create_graph=True through a split "
                                f"{type(ctx.site.module).__name__} is not supported; call "
-                               "remove() on the handle of reprop.ooo.enable() first")
+                               "remove() on the handle of reprop.ooo.enable() first "
+                               f"({DOUBLE_BACKWARD_CALLERS})")
         site = ctx.site
         kind = site.kind
         saved = ctx.saved_tensors + ctx.extra
