@@ -401,8 +401,8 @@ class SwapWatch:
     TensorImpl, and autograd runs the hooks registered on the impl, so every
     hook on the tensor stopped firing, silently (torch drops the user's
     too). A swap also swaps the object's __dict__, which is what check()
-    compares (one identity per tensor, in one C loop: a tenth of the cost
-    of reading each .grad); a tensor swapped since gets its hook dicts
+    compares (one identity per tensor, in one C loop: measured about 0.2 us
+    a tensor, less than reading each .grad); a tensor swapped since gets its hook dicts
     registered with its new impl, the user's hooks included, as they were
     before the swap."""
 
