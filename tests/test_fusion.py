@@ -3749,6 +3749,76 @@ def test_forward_mode_state_changes_after_step_apply_pending_updates_first(chang
     _assert_same_training(got, ref)
 
 
+@contextlib.contextmanager
+def _swapping_conversions():
+    """torch.__future__.set_swap_module_params_on_conversion(True) for the block
+    only, as a library converting a model with it may set it."""
+    was = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(was)
+
+
+def _swap_converted(convert: Callable[[nn.Module], object]) -> Callable:
+    def change(model: nn.Module, opt) -> None:
+        with _swapping_conversions():
+            convert(model)
+    return change
+
+
+# Conversions that torch.utils.swap_tensors each parameter with a new one
+# under the flag: the Parameter objects stay, their TensorImpls do not.
+SWAPPING_CONVERSIONS = {
+    "cpu": lambda m: m.cpu(),  # (a no-op otherwise: swapped all the same)
+    "half_then_float": lambda m: m.half().float(),
+    "load_state_dict": lambda m: m.load_state_dict({k: v.clone() for k, v in
+                                                    m.state_dict().items()}),
+}
+
+
+def _assert_grads_freed(model: nn.Module, opt) -> None:
+    for n, p in model.named_parameters():
+        assert p.grad is None, f"{n}: backward left its gradient for step() (not updated there)"
+
+
+@pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
+def test_backward_mode_updates_in_backward_after_a_swapping_conversion(conversion: str) -> None:
+    """A conversion under torch.__future__.set_swap_module_params_on_conversion
+    (True) keeps each Parameter object but moves it to a new TensorImpl, and
+    autograd runs the hooks registered on the old one: fusion's
+    post-accumulate-grad hooks stopped firing, so every backward after the
+    conversion left its gradients for step() (eager's values, nothing freed
+    or updated in backward, silently). The next forward registers them again."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    convert = {2: _swap_converted(SWAPPING_CONVERSIONS[conversion])}
+    got = _mlp_loop("backward", make_opt, 5, events=convert,
+                    before_step=dict.fromkeys(range(5), _assert_grads_freed))
+    ref = _mlp_loop(None, make_opt, 5, events=convert)
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
+def test_forward_mode_safety_net_survives_a_swapping_conversion(conversion: str) -> None:
+    """Forward mode's refusal of a parameter used while its update is pending
+    is a tensor hook, which a conversion swapping the parameters' TensorImpls
+    (see above) left behind: the stale use then went through silently. The
+    next step() registers it again."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
+    _swap_converted(SWAPPING_CONVERSIONS[conversion])(model, opt)
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match="used in forward while its update was still pending"):
+        model[0].weight.square().sum().backward()
+    handle.remove()
+
+
 def _free_grads_by_hand(model: nn.Module, opt) -> None:
     for p in model.parameters():
         p.grad = None

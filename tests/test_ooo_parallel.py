@@ -1200,6 +1200,50 @@ def test_data_parallel_model_converted_after_planning(solo_group):
     dp.remove()
 
 
+def _dp_swap_converted(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    # the reference: plain autograd, its gradients averaged by hand (DDP's
+    # Reducer refuses the swap, and after an in-place .half().float() its own
+    # gradients are off the average)
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2)
+    for step in range(4):
+        if step == 2:
+            ref.half().float()  # (in place: the same values)
+            was = torch.__future__.get_swap_module_params_on_conversion()
+            torch.__future__.set_swap_module_params_on_conversion(True)
+            try:
+                model.half().float()
+            finally:
+                torch.__future__.set_swap_module_params_on_conversion(was)
+        x, t = _batch(rank, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        _assert_same(model, ref, "grad")
+        with torch.no_grad():
+            for p, r in zip(model.parameters(), ref.parameters()):
+                p.sub_(0.1 * p.grad)
+                r.sub_(0.1 * r.grad)
+    dp.remove()
+
+
+def test_data_parallel_averages_after_a_swapping_conversion():
+    """model.half().float() (any .to(), .cpu(), load_state_dict) under
+    torch.__future__.set_swap_module_params_on_conversion(True) keeps each
+    Parameter object but moves it to a new TensorImpl, and autograd runs the
+    hooks of the old one: DataParallel's post-accumulate-grad hooks stopped
+    firing, no parameter counted as used, and every bucket kept each rank's
+    own gradients, unaveraged: the replicas drifted apart, silently (DDP's
+    Reducer refuses the swap). The average of the ranks' gradients, bitwise
+    on 2 ranks."""
+    _spawn(_dp_swap_converted, 2)
+
+
 def test_data_parallel_bucket_views_outlive_what_the_caller_does_to_grad(solo_group):
     """gradient_as_bucket_view: after each backward every .grad is a view
     into a bucket (zero_grad() drops them between steps), and a .grad the

@@ -1059,6 +1059,9 @@ class FusionHandle:
         self._lazy: dict = {}
         # ids of the modules owning a parameter of _lazy (_find_lazy_owners)
         self._lazy_owners: frozenset = frozenset()
+        # the hooked parameters, whose tensor hooks a swapping conversion drops
+        # (see _tensors.SwapWatch): checked once per step by the modes
+        self._swap_watch = _tensors.SwapWatch()
         _check_params_not_fused(self._params.values(), self)
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
@@ -1170,6 +1173,7 @@ class FusionHandle:
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
         self._forget_dropped_lazy(params)
         followed, self._params = self._params, params
+        self._swap_watch.retain(params)
         try:
             self._claim(new)
             self._track(new)
@@ -1335,6 +1339,7 @@ class FusionHandle:
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
         self._unclaim_all()
+        self._swap_watch = _tensors.SwapWatch()  # (lets go of the parameters)
 
     def _after_removal(self, opt, name: str) -> Callable:
         """What a call of this fusion's `name` (step, zero_grad,
@@ -1598,6 +1603,7 @@ class _BackwardFusion(FusionHandle):
         if old is not None:
             old.remove()
         self._grad_hooks[id(p)] = _register_grad_ready(p, on_grad)
+        self._swap_watch.add(p)
 
     def flush(self) -> None:
         """Updates are applied inside backward, and what the last step() makes
@@ -1694,6 +1700,10 @@ class _BackwardFusion(FusionHandle):
         starts inside backward, at a recompute that no gradient of this pass
         came before (so none of its gradients is among them)."""
         with self._lock:  # (remove() on another thread zeroes the kept gradients too)
+            # before its backward: a conversion since that swapped the parameters
+            # (torch.__future__.set_swap_module_params_on_conversion) dropped the
+            # update hooks, and every backward after it left its gradients to step()
+            self._swap_watch.check()
             if self._kept_unstepped:  # (step() checked them; later edits change no step)
                 # before anything changes: refused, no micro-batch has started, so a
                 # retry is checked (and refused) again; counted, it would skip the
@@ -2325,6 +2335,7 @@ class _ForwardFusion(FusionHandle):
         # Needed once an update may be pending: a lazy parameter's is hooked at
         # the first step() after its materialization (_fused_step).
         self._hooks.append(_register_grad_coming(p, self._on_grad_coming))
+        self._swap_watch.add(p)
 
     def _hook_owners(self) -> None:
         """Follows which modules own the fused parameters: a pending update is
@@ -2720,6 +2731,9 @@ class _ForwardFusion(FusionHandle):
         self._forget_late()
         self._sync()
         self._hook_materialized()
+        # before updates are pending: a conversion since that swapped the
+        # parameters (see _tensors.SwapWatch) dropped the safety net's hooks
+        self._swap_watch.check()
         by_group = [(g, [p for p in g["params"] if p.grad is not None])
                     for g in self.optimizer.param_groups]
         with_grad = [p for _, params in by_group for p in params]

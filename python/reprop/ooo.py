@@ -61,7 +61,7 @@ from torch.utils import _pytree
 
 from ._native import _C
 from . import fusion
-from ._tensors import (NotANumberError, check_count as _count, check_flag as _flag,
+from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_flag as _flag,
                        current_class, hook_owner, is_dense, is_instance_by_name, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
@@ -2885,12 +2885,16 @@ class DataParallel(_PassTracking, Joinable):
         statement spanning lines is interrupted between them too), for
         remove() to find."""
         accumulated = weak_hook(self._grad_accumulated)
+        # a conversion swapping the parameters (torch's swap flag: .to(), .cpu(),
+        # load_state_dict) drops these hooks; seen at each grad-mode forward
+        self._swap_watch = SwapWatch()
         try:
             self.handle._install()
             self._hooks.append(self.model.register_forward_pre_hook(self._before_forward))
             self._hooks.append(self.model.register_forward_hook(self._watch_output))
             for p in self._params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+                self._swap_watch.add(p)
             _LIVE_DATA_PARALLEL.add(self)
         except BaseException:
             self.remove()
@@ -3051,6 +3055,10 @@ class DataParallel(_PassTracking, Joinable):
         if not torch.is_grad_enabled():
             self._sync_next_forward = False
             return
+        # Before its backward: hooks a swapping conversion since dropped (see
+        # SwapWatch) counted no parameter as used, and every bucket was left
+        # unaveraged, each rank stepping on its own gradients, silently
+        self._swap_watch.check()
         self._sync_backward = self._require_sync
         self._sync_next_forward = self._sync_backward
         if not self._sync_backward:
