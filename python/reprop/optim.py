@@ -141,7 +141,8 @@ class _CallMemory:
         self.bounds = np.array([x for span in zip(self.union_starts, self.union_ends)
                                 for x in span], dtype=np.int64)
 
-    def check_grad(self, p: torch.Tensor, g: torch.Tensor, grad_of: Callable) -> bool:
+    def check_grad(self, p: torch.Tensor, g: torch.Tensor, grad_of: Callable,
+                   layout: tuple | None = None) -> bool:
         """Refuses gradient g of param p where it shares memory with p's state,
         or with another param of the call (or its state) that has a gradient
         (grad_of(param), None without) and so is written this step; returns
@@ -150,11 +151,21 @@ class _CallMemory:
         negative view reads p's memory too; spans are compared, so a view
         interleaved with p's elements counts, harmlessly). A param without a
         gradient this step is not written: its memory is read as torch reads
-        it."""
-        start, end = _span(g)
+        it. `layout`: p's _layout_key, given at each step by the Python path,
+        where a gradient in p's layout (autograd's) spans as many bytes as p:
+        its span then costs one look at its strides, not _span's loop over
+        its dims (about 1 us a param)."""
+        if layout is not None and (g.is_contiguous() if layout[3] is True
+                                   else g.stride() == layout[3]):
+            start = g.data_ptr()
+            end = start + layout[5]
+        else:
+            start, end = _span(g)
         if start == end:
             return False
         i = bisect.bisect_left(self.union_starts, end) - 1
+        if i < 0 or self.union_ends[i] <= start:  # (the common case: it meets nothing)
+            return False
         owners = []
         while i >= 0 and self.union_ends[i] > start:
             owners.append(self.union_owners[i])
@@ -582,7 +593,7 @@ class _Plan:
                 if col != _COL_STEP and t.stride() != strides and t.numel() > 1:
                     return None
             _check_grad(p, g)
-            if self.memory.check_grad(p, g, grad_of):
+            if self.memory.check_grad(p, g, grad_of, layout):
                 read = _grad_buffer(p, contig)
                 aliased.append((p, g, read))
                 g = read
