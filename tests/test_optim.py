@@ -3687,6 +3687,28 @@ def test_gradient_sharing_another_updated_params_memory_is_refused(name: str, ot
     assert_runs_close(runs[0], runs[2], OPEN_LOOP_TOL)
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_of_its_own_params_memory_beside_an_interleaved_param_is_read(name: str) -> None:
+    """Two params that are columns of one matrix (their spans meet, their
+    elements do not), one given its own memory as gradient (p.grad =
+    p.detach()) while the other is updated too: the refusal of a gradient
+    meeting another updated param's span refused it, comparing spans, where
+    main read it through a copy as its own memory, as torch's update reads
+    it. Read so again."""
+    init = torch.rand(6, 2, generator=torch.Generator().manual_seed(54)) + 0.5
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        w = init.clone()
+        params = [nn.Parameter(w[:, 0]), nn.Parameter(w[:, 1])]
+        opt = cls(params, **RICH[name])
+        for k in range(3):
+            params[0].grad = params[0].detach()
+            params[1].grad = torch.full((6,), 0.1 * (k + 1))
+            opt.step()
+        runs.append(w)
+    torch.testing.assert_close(runs[0], runs[1], rtol=OPEN_LOOP_TOL.rtol, atol=OPEN_LOOP_TOL.atol)
+
+
 # A tensor's layout changed in place, keeping the object and its address: a
 # transpose of a square tensor's memory, as torch's ops then read it.
 RELAID = {

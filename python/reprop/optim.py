@@ -173,6 +173,10 @@ class _CallMemory:
         if all(owner is p for owner in owners):  # (none, or p's own memory alone)
             return bool(owners)
         own = False
+        # g laid out as p from p's address holds p's elements only: another
+        # param whose span it meets interleaves with p (columns of one matrix),
+        # spans being compared, and g is read through a copy as p's own memory
+        mine = start == p.data_ptr() and g.stride() == p.stride()
         low = bisect.bisect_left(self.starts, start - self.longest)
         for other_start, other_end, q, name in self.entries[low:bisect.bisect_left(self.starts, end)]:
             if other_end <= start:
@@ -186,7 +190,7 @@ class _CallMemory:
                     f"of the gradient (its for-loop, foreach and fused implementations each "
                     f"at another point), where the fused update reads the gradient once: give "
                     f"the gradient memory of its own (.clone())")
-            elif grad_of(q) is not None:
+            elif grad_of(q) is not None and not (name is None and mine):
                 what = "another parameter" if name is None else f"the {name} of another parameter"
                 raise ValueError(
                     f"grads: the gradient of {_described_param(p)} shares memory with {what} "
