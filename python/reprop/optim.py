@@ -117,12 +117,12 @@ class _CallMemory:
                 if key is None:
                     continue
                 if key[5]:
-                    entries.append((key[0], key[0] + key[5], p, None))
-                for name, _, col in (watched or ()) + tuple(fresh.get(row, ())):
+                    entries.append((key[0], key[0] + key[5], p, None, p))
+                for name, t, col in (watched or ()) + tuple(fresh.get(row, ())):
                     # the state a row points at is float32 in its work tensor's dense layout
                     size = 4 if col == _COL_STEP else 4 * columns[_COL_NUMEL]
                     if size:
-                        entries.append((columns[col], columns[col] + size, p, name))
+                        entries.append((columns[col], columns[col] + size, p, name, t))
         entries.sort(key=_first)
         self.entries = entries
         self.starts = [e[0] for e in entries]
@@ -130,7 +130,7 @@ class _CallMemory:
         # the union: disjoint spans, each with the param whose memory alone it is
         # (None: state, or more than one tensor)
         self.union_starts, self.union_ends, self.union_owners = [], [], []
-        for start, end, p, name in entries:
+        for start, end, p, name, _ in entries:
             if self.union_ends and start < self.union_ends[-1]:
                 self.union_ends[-1] = max(self.union_ends[-1], end)
                 self.union_owners[-1] = None
@@ -178,7 +178,8 @@ class _CallMemory:
         # spans being compared, and g is read through a copy as p's own memory
         mine = start == p.data_ptr() and g.stride() == p.stride()
         low = bisect.bisect_left(self.starts, start - self.longest)
-        for other_start, other_end, q, name in self.entries[low:bisect.bisect_left(self.starts, end)]:
+        for other_start, other_end, q, name, t in self.entries[
+                low:bisect.bisect_left(self.starts, end)]:
             if other_end <= start:
                 continue
             if q is p and name is None:
@@ -190,7 +191,11 @@ class _CallMemory:
                     f"of the gradient (its for-loop, foreach and fused implementations each "
                     f"at another point), where the fused update reads the gradient once: give "
                     f"the gradient memory of its own (.clone())")
-            elif grad_of(q) is not None and not (name is None and mine):
+            elif (grad_of(q) is not None and not (name is None and mine)
+                  and _meets(t, start, end)):
+                # (the spans are the plans' as built: another row's param or state
+                # moved since (.to(), .data replaced) makes its plan stale, and its
+                # old memory, freed, may hold this gradient now)
                 what = "another parameter" if name is None else f"the {name} of another parameter"
                 raise ValueError(
                     f"grads: the gradient of {_described_param(p)} shares memory with {what} "
@@ -199,6 +204,12 @@ class _CallMemory:
                     f"foreach update before, and the fused update's threads would race on it: "
                     f"give the gradient memory of its own (.clone())")
         return own
+
+
+def _meets(t: torch.Tensor, start: int, end: int) -> bool:
+    """Whether t's memory now meets the addresses [start, end)."""
+    t_start, t_end = _span(t)
+    return t_start < end and start < t_end
 
 
 def _first(entry: tuple):
