@@ -3,6 +3,7 @@
 #include "pyutil.h"
 
 #include <numpy/arrayobject.h>
+#include <stddef.h>
 
 static int rp_py_import_numpy(void)
 {
@@ -157,6 +158,9 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
     return eq;
 }
 
+/* The table column of a row's step count (optim.py's _COL_STEP). */
+#define RP_PY_STEP_COLUMN ((long)(offsetof(rp_optim_entry, step) / sizeof(int64_t)))
+
 /* Attribute names the fast path looks up. */
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
        RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
@@ -260,8 +264,12 @@ static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided,
  * param memory and layout, the same state dict, and each state tensor
  * watched[i] lists, (key, tensor, column), still the tensor at that key, at
  * the address in that column (the same tensor object with other memory,
- * .data replaced, is stale too). A dormant row (watched None: its param had
- * no state when the table was built) never is. 1 / 0 / -1. */
+ * .data replaced, is stale too) and, but the step count, still contiguous,
+ * as the state of the rows this path takes is: one relaid in place (t_(),
+ * as_strided_(), set_() with other strides, .data swapped for a transposed
+ * view of itself) keeps its identity and address, and torch's update reads
+ * it in its new layout. A dormant row (watched None: its param had no state
+ * when the table was built) never is. 1 / 0 / -1. */
 static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                              PyObject *watched, PyObject *contiguous, PyObject *const *names,
                              const int64_t *row)
@@ -296,6 +304,11 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
             return -1;
         if ((int64_t)ptr != row[col])
             return 0;
+        if (col != RP_PY_STEP_COLUMN) {
+            ok = rp_py_attr_equals(v, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+            if (ok != 1)
+                return ok;
+        }
     }
     return 1;
 }
@@ -326,22 +339,41 @@ static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *na
     return g;
 }
 
-/* Whether a contiguous gradient at address g may share memory with the
- * param of `key` (a row's current one), whose elements lie in the key[5]
- * bytes from key[0]: the gradient's, as many elements of the same dtype, lie
- * in no more, as a param's elements are distinct in memory (the update
- * refuses one whose elements share memory, as torch's in-place ops do). The
- * kernels would read such a gradient while they write the param, where
- * torch reads all of it first, or after its decoupled weight decay has
- * multiplied the param in place: the Python path reads it through a copy,
- * filled as torch reads it. 1 / 0 / -1 with an exception set. */
-static int rp_py_shares_param_memory(unsigned long long g, PyObject *key)
+/* The memory the call writes (optim.py's _CallMemory.bounds): n disjoint
+ * [start, end) spans sorted by address, as pairs. */
+typedef struct {
+    const int64_t *span;
+    Py_ssize_t n;
+} rp_py_call_memory;
+
+/* Whether a contiguous gradient at address g may share memory that the call
+ * writes: a param's (its own too) or a state tensor's. Its elements lie in
+ * the key[5] bytes from g, the span of its param of the same shape and
+ * dtype (contiguous where this path takes it). The kernels would read such
+ * a gradient while they write that memory, where torch reads all of it
+ * first, or after an in-place op has written it (the state, decoupled
+ * weight decay): the Python path reads one sharing its own param's memory
+ * through a copy, filled as torch reads it, and refuses the others. A
+ * bisection over the spans. 1 / 0 / -1 with an exception set. */
+static int rp_py_meets_call_memory(unsigned long long g, PyObject *key,
+                                   const rp_py_call_memory *memory)
 {
-    unsigned long long p = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 0));
     unsigned long long span = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 5));
-    if ((p == (unsigned long long)-1 || span == (unsigned long long)-1) && PyErr_Occurred())
+    Py_ssize_t lo = 0, hi = memory->n; /* spans [lo, hi) may start below the gradient's end */
+    if (span == (unsigned long long)-1 && PyErr_Occurred())
         return -1;
-    return span != 0 && g < p + span && p < g + span;
+    if (span == 0)
+        return 0;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if ((unsigned long long)memory->span[2 * mid] < g + span)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    /* lo - 1: the last span starting below the gradient's end; the spans are
+     * disjoint, so only it may reach past the gradient's start */
+    return lo > 0 && (unsigned long long)memory->span[2 * lo - 1] > g;
 }
 
 /* One row of the fast path; RP_ROW_HOLDS with the gradient the row now
@@ -349,7 +381,7 @@ static int rp_py_shares_param_memory(unsigned long long g, PyObject *key)
 static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                           PyObject *watched, PyObject *contiguous, PyObject *strided,
                           PyObject *tensor_type, PyObject *given, PyObject *const *names,
-                          int64_t *row, PyObject **held)
+                          const rp_py_call_memory *memory, int64_t *row, PyObject **held)
 {
     unsigned long long ptr;
     PyObject *g = rp_py_grad_of(p, given, names);
@@ -370,8 +402,8 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     if (ok == 1 && ptr == 0 && ((const rp_optim_entry *)row)->numel > 0)
         ok = 0;
     if (ok == 1) {
-        int shares = rp_py_shares_param_memory(ptr, key);
-        ok = shares < 0 ? -1 : !shares;
+        int meets = rp_py_meets_call_memory(ptr, key, memory);
+        ok = meets < 0 ? -1 : !meets;
     }
     if (ok != 1) {
         Py_DECREF(g);
@@ -474,8 +506,8 @@ static int rp_py_hold_row(PyObject *const *args, Py_ssize_t i, PyObject **item)
  * NULL when the rows taking part are the previous step's, else their list;
  * or RP_ROW_STALE or RP_ROW_ERROR. */
 static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
-                           const rp_py_step_rows *step, PyObject *const *names, PyObject *held,
-                           PyObject **rows)
+                           const rp_py_step_rows *step, const rp_py_call_memory *memory,
+                           PyObject *const *names, PyObject *held, PyObject **rows)
 {
     Py_ssize_t n = PyList_GET_SIZE(args[0]), i, k = 0;
     for (i = 0; i < n; i++) {
@@ -485,7 +517,7 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
         if (!rp_py_hold_row(args, i, item))
             return RP_ROW_STALE; /* the lists shrank under the call */
         ok = rp_py_grad_row(item[0], item[1], args[2], item[2], item[3], item[4], args[6], args[11],
-                            args[8], names, row, &g);
+                            args[8], names, memory, row, &g);
         rp_py_release_row(item, RP_PY_ROW_ITEMS);
         if (ok == RP_ROW_NO_GRAD)
             continue;
@@ -530,16 +562,34 @@ static int rp_py_step_rows_arg(PyObject *const *args, PyArrayObject *table, Py_s
     return -1;
 }
 
+/* The memory argument (args[12]) of the fast path: a C-contiguous 1-D int64
+ * array of pairs, in native byte order. 0, or -1 with an exception set. */
+static int rp_py_call_memory_arg(PyObject *arg, rp_py_call_memory *memory)
+{
+    PyArrayObject *arr = (PyArrayObject *)arg;
+    if (!PyArray_Check(arg) || !PyArray_EquivTypenums(PyArray_TYPE(arr), NPY_INT64) ||
+        PyArray_NDIM(arr) != 1 || PyArray_DIM(arr, 0) % 2 != 0 || !rp_py_is_c_data(arr)) {
+        PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: memory must be a C-contiguous "
+                                          "1-D int64 array of [start, end) pairs in native byte "
+                                          "order");
+        return -1;
+    }
+    memory->span = (const int64_t *)PyArray_DATA(arr);
+    memory->n = (Py_ssize_t)(PyArray_DIM(arr, 0) / 2);
+    return 0;
+}
+
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *const *names;
     PyObject *result = NULL, *held = NULL, *rows = NULL;
     PyArrayObject *table;
     rp_py_step_rows step;
+    rp_py_call_memory memory;
     Py_ssize_t n;
     int ok;
     (void)self;
-    if (rp_py_check_nargs(nargs, 12, "optim_grad_pointers") < 0)
+    if (rp_py_check_nargs(nargs, 13, "optim_grad_pointers") < 0)
         return NULL;
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
         !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
@@ -557,7 +607,8 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "optim_grad_pointers: lists and table differ in length");
         return NULL;
     }
-    if (rp_py_step_rows_arg(args, table, n, &step) < 0 || (names = rp_py_attr_names()) == NULL)
+    if (rp_py_step_rows_arg(args, table, n, &step) < 0 ||
+        rp_py_call_memory_arg(args[12], &memory) < 0 || (names = rp_py_attr_names()) == NULL)
         return NULL;
     /* the gradients the table points at, for the caller to hold until the
      * update has run: the update releases the GIL, and another thread may
@@ -565,7 +616,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     held = PyList_New(0);
     if (held == NULL)
         goto done;
-    ok = rp_py_grad_rows(args, table, &step, names, held, &rows);
+    ok = rp_py_grad_rows(args, table, &step, &memory, names, held, &rows);
     if (ok == RP_ROW_HOLDS) {
         result = PyTuple_Pack(2, held, rows != NULL ? rows : Py_None);
     } else if (ok == RP_ROW_STALE) {

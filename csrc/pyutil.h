@@ -46,7 +46,7 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
  *                     grad_contiguous, strided, table, given, step_table,
- *                     step_rows, tensor_type) -> (held, rows) or None
+ *                     step_rows, tensor_type, memory) -> (held, rows) or None
  * The per-step fast path of reprop.optim's cached pointer tables. A param's
  * gradient is its .grad, or given[id(param)] where `given` (else None) is a
  * dict of them. A row whose param has no gradient sits the step out; of
@@ -55,10 +55,12 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
  * tuple (data_ptr, dtype, shape, True if contiguous else strides, device
  * index) the table was built for), its state (the same dict, and each
  * watched[i] entry (key, tensor, column) still the tensor at that key, at
- * the address in that column; watched[i] None: a dormant row, built without
- * state) and a contiguous strided gradient of type tensor_type (torch.Tensor)
- * and the param's dtype, shape and device without torch's negative bit, and
- * writes the gradient pointer into
+ * the address in that column, and contiguous but the step count; watched[i]
+ * None: a dormant row, built without state) and a contiguous strided
+ * gradient of type tensor_type (torch.Tensor) and the param's dtype, shape
+ * and device without torch's negative bit, sharing none of the memory the
+ * call writes (`memory`: a 1-D int64 array of disjoint [start, end) address
+ * pairs, sorted), and writes the gradient pointer into
  * column 1 of `table`. `step_table` is the table the previous step's update
  * ran on: `table` itself with step_rows None (all rows took part), else a
  * copy of the rows whose int64 indices step_rows holds, ascending. While the

@@ -106,7 +106,7 @@ def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists(
             table = np.zeros((2, 8), np.int64)
             assert _C.optim_grad_pointers(
                 params, [(0, None, None, True, -1)] * 2, {}, [None] * 2, [()] * 2, [True] * 2,
-                torch.strided, table, None, table, None, torch.Tensor) is None
+                torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64)) is None
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
@@ -258,7 +258,8 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
     for step_rows in (np.zeros(1, ">i8"), _unaligned([0], np.int64)):
         with pytest.raises(ValueError, match="step_rows must be None .* in native byte order$"):
             _C.optim_grad_pointers(no_grad, [None], {}, [None], [None], [True], torch.strided, table,
-                                   None, table.copy(), step_rows, torch.Tensor)
+                                   None, table.copy(), step_rows, torch.Tensor,
+                                   np.zeros(0, np.int64))
 
     indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
     for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):

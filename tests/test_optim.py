@@ -3613,6 +3613,204 @@ def test_gradient_sharing_its_params_memory_is_read_as_torchs_update_reads_it(
         assert_runs_equal(got, ref)
 
 
+# Every tensor of each optimizer's state under RICH's options.
+STATE_KEYS = {
+    "SGD": ("momentum_buffer",),
+    "Adam": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "Adagrad": ("step", "sum"),
+    "RMSprop": ("step", "square_avg", "momentum_buffer", "grad_avg"),
+    "Adadelta": ("step", "square_avg", "acc_delta"),
+}
+
+
+@pytest.mark.parametrize("when", ["cached", "new_plan"])
+@pytest.mark.parametrize("name, key", [(n, k) for n in NAMES for k in STATE_KEYS[n]])
+def test_gradient_sharing_its_own_states_memory_is_refused(name: str, key: str, when: str) -> None:
+    """A gradient that is one of its param's state tensors (p.grad =
+    opt.state[p]["momentum_buffer"]) is read by torch's update after its
+    in-place ops have written that tensor, each of its implementations at
+    another point (SGD with nesterov: for-loop, foreach and fused give three
+    results), while the kernels, whose pointers C's restrict takes to be
+    apart, read it once: SGD and Adagrad were silently off against torch's
+    for-loop (0.2 and 6.9 after three steps). Refused naming grads and the
+    key, with the param and state as they were and no state made for the
+    other param, whether the plan is cached or built by this step (the
+    other param's first gradient: a one-element param for the step count,
+    which is the only one a step tensor can be the gradient of)."""
+    shape = () if key == "step" else (6, 4)
+    p = nn.Parameter(torch.rand(shape, generator=torch.Generator().manual_seed(5)) + 0.5)
+    q = nn.Parameter(torch.rand(3))
+    opt = reprop_cls(name)([p, q], **RICH[name])
+    for _ in range(2):
+        p.grad = torch.full_like(p, 0.1)
+        opt.step()
+    if when == "new_plan":
+        q.grad = torch.full_like(q, 0.1)
+    p.grad = opt.state[p][key]
+    before = copy.deepcopy(opt.state[p]), p.detach().clone(), _state_snapshot(opt, [q])
+    with pytest.raises(ValueError, match=rf"^{name}: param_groups\[0\]: grads: the gradient of a "
+                                         rf"parameter of shape {re.escape(str(shape))} shares "
+                                         rf"memory with its {key}; "):
+        opt.step()
+    assert torch.equal(p.detach(), before[1])
+    assert list(opt.state[p]) == list(before[0])
+    for k, v in before[0].items():
+        assert torch.equal(opt.state[p][k], v), k
+    assert _state_snapshot(opt, [q]) == before[2]  # (Adagrad's constructor makes its state)
+
+
+@pytest.mark.parametrize("when", ["cached", "new_plan"])
+@pytest.mark.parametrize("other", ["param", "state"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_sharing_another_updated_params_memory_is_refused(name: str, other: str,
+                                                                  when: str) -> None:
+    """A gradient that is another param's memory, or one of its state
+    tensors, while that param is updated in the same step: torch's for-loop
+    reads it after or before that param's update by their order in the
+    group, its foreach update before (SGD: 0.2 apart after three steps), and
+    the fused update's threads (CUDA's blocks) raced on it. Refused naming
+    grads and what it shares; with that param sitting the step out (no
+    gradient), nothing writes the memory, and the update is torch's, its
+    for-loop's and its foreach one's."""
+    key = FIRST_SLOT[name]
+    shapes = [(6, 4), (6, 4), (3,)]
+    init, grads = make_params(shapes, seed=52), grad_sequence(shapes, 4)
+    runs = []
+    for cls, extra in ((reprop_cls(name), {}), (torch_cls(name), {"foreach": False}),
+                       (torch_cls(name), {"foreach": True})):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name], **extra)
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            if k < 2 or when == "cached":
+                params[2].grad = None  # its first gradient at step 2 makes a new plan
+            if k >= 2:
+                shared = params[0].detach() if other == "param" else opt.state[params[0]][key]
+                params[1].grad = shared
+            if k == 2 and cls is reprop_cls(name):
+                before = _state_snapshot(opt, params), [p.detach().clone() for p in params]
+                what = "another parameter" if other == "param" else f"the {key} of another parameter"
+                with pytest.raises(ValueError, match=rf"^{name}: param_groups\[0\]: grads: the "
+                                                     rf"gradient of a parameter of shape \(6, 4\) "
+                                                     rf"shares memory with {what} of shape "
+                                                     rf"\(6, 4\) that this step updates; "):
+                    opt.step()
+                assert _state_snapshot(opt, params) == before[0]
+                assert all(torch.equal(p.detach(), b) for p, b in zip(params, before[1]))
+            if k >= 2:
+                params[0].grad = None  # sits the step out: its memory is read as it is
+            opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    assert_runs_close(runs[0], runs[2], OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_of_its_own_params_memory_beside_an_interleaved_param_is_read(name: str) -> None:
+    """Two params that are columns of one matrix (their spans meet, their
+    elements do not), one given its own memory as gradient (p.grad =
+    p.detach()) while the other is updated too: the refusal of a gradient
+    meeting another updated param's span refused it, comparing spans, where
+    main read it through a copy as its own memory, as torch's update reads
+    it. Read so again."""
+    init = torch.rand(6, 2, generator=torch.Generator().manual_seed(54)) + 0.5
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        w = init.clone()
+        params = [nn.Parameter(w[:, 0]), nn.Parameter(w[:, 1])]
+        opt = cls(params, **RICH[name])
+        for k in range(3):
+            params[0].grad = params[0].detach()
+            params[1].grad = torch.full((6,), 0.1 * (k + 1))
+            opt.step()
+        runs.append(w)
+    torch.testing.assert_close(runs[0], runs[1], rtol=OPEN_LOOP_TOL.rtol, atol=OPEN_LOOP_TOL.atol)
+
+
+# A tensor's layout changed in place, keeping the object and its address: a
+# transpose of a square tensor's memory, as torch's ops then read it.
+RELAID = {
+    "t_": lambda t: t.t_(),
+    "as_strided_": lambda t: t.as_strided_(t.shape, t.stride()[::-1]),
+    "set_": lambda t: t.set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride()[::-1]),
+    "data_view": lambda t: setattr(t, "data", t.data.t()),
+}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("change", list(RELAID))
+@pytest.mark.parametrize("what", ["state", "param", "grad"])
+@pytest.mark.parametrize("name", NAMES)
+def test_tensor_relaid_in_place_between_steps_is_read_in_its_new_layout(
+        name: str, what: str, change: str, layout: str) -> None:
+    """A state tensor whose layout changes in place after the plan was built
+    (exp_avg.t_(), as_strided_, set_ with other strides, .data swapped for a
+    transposed view of itself) keeps its identity and address, all that the
+    cached plan checked of state: the kernels went on reading it in its old
+    layout, the transpose of what torch's update reads (SGD 0.2, Adam 0.5
+    off after three steps). The plan is rebuilt, and the state read in its
+    new layout, as torch reads it; so are a param and a gradient changed so
+    (their layouts were checked at every step already). A contiguous param
+    (the C fast path) and a transposed one (the Python path), square so that
+    a transpose keeps the shape torch's update needs."""
+    shapes = [(8, 8), (5,)]
+    init, grads = make_params(shapes, seed=53), grad_sequence(shapes, 4)
+    if layout == "transposed":
+        init[0] = init[0].t().contiguous().t()
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(clone_exact(t)) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = clone_exact(g) if layout == "contiguous" else g.t().contiguous().t()
+            if k == 2 and what == "grad":
+                params[0].grad = params[0].grad.t().contiguous()  # its values, transposed below
+                RELAID[change](params[0].grad)
+            opt.step()
+            if k == 0 and what == "state":
+                RELAID[change](opt.state[params[0]][FIRST_SLOT[name]])
+            if k == 0 and what == "param":
+                RELAID[change](params[0].data if change != "data_view" else params[0])
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("how", ["expand", "as_strided_"])
+@pytest.mark.parametrize("name", NAMES)
+def test_expanded_state_is_refused_as_torch_refuses_it(name: str, how: str) -> None:
+    """A state tensor that repeats its elements along a dim (stride 0: set
+    to an expanded tensor, or made so in place by as_strided_), which torch's
+    in-place update refuses ("more than one element of the written-to tensor
+    refers to a single memory location"): reprop trained on a contiguous copy
+    that it put in the state in its place, silently. Refused naming the key
+    with torch's RuntimeError, the param and state as they were."""
+    key = FIRST_SLOT[name]
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.rand(8, 8, generator=torch.Generator().manual_seed(6)) + 0.5)
+        opt = cls([p], **RICH[name])
+        for _ in range(2):
+            p.grad = torch.full_like(p, 0.1)
+            opt.step()
+        t = opt.state[p][key]
+        if how == "expand":
+            opt.state[p][key] = t[:1].expand(8, 8)
+        else:
+            t.as_strided_((8, 8), (0, 1))
+        p.grad = torch.full_like(p, 0.1)
+        before = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises(RuntimeError, match="more than one element of the written-to tensor "
+                                               "refers to a single memory location"):
+            opt.step()
+    assert torch.equal(p.detach(), before[0])
+    assert _state_snapshot(opt, [p]) == before[1]
+    with pytest.raises(RuntimeError, match=rf"^{key}: the state of a parameter of shape \(8, 8\) "
+                                           rf"on cpu is expanded \(stride 0 along dims \[0\]\)"):
+        opt.step()
+
+
 # ---------------------------------------------------------------------------
 # 10. What the cached pointer tables assume, changed between steps
 # ---------------------------------------------------------------------------

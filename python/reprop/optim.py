@@ -30,6 +30,7 @@ Differences from torch, all deliberate:
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from typing import Callable, Iterable, NamedTuple
@@ -62,9 +63,9 @@ def _layout_key(p: torch.Tensor) -> tuple:
     reuses a freed allocation) must not match; nor one reshaped (the same
     numel), whose gradient no longer matches it, which torch refuses. Last
     the bytes its elements span from that address, which follow from the
-    rest, kept for the check of gradients sharing its memory
-    (_shares_memory). The fast path in C (optim_grad_pointers) checks the
-    same tuple. None for a param with no strided memory (a sparse one, or
+    rest, kept for the check of gradients sharing its memory (_CallMemory).
+    The fast path in C (optim_grad_pointers) checks the same tuple. None for
+    a param with no strided memory (a sparse one, or
     a lazy module's not yet materialized): its row stays dormant."""
     layout = _layout(p)
     if layout is None:
@@ -92,19 +93,127 @@ def _has_memory(p: torch.Tensor) -> bool:
     return p.layout is torch.strided and not torch.nn.parameter.is_lazy(p)
 
 
-def _shares_memory(g: torch.Tensor, key: tuple) -> bool:
-    """Whether gradient g may share memory with the param whose _layout_key
-    is `key`: their spans intersect (so a view interleaved with the param,
-    sharing no element, counts too; its copy is harmless). The kernels would
-    read such a gradient while they write the param, where torch's update
-    reads all of it first, or after its decoupled weight decay has multiplied
-    the param in place (AdamW): Plan.run fills a copy as torch reads it."""
-    start, length = key[0], key[5]
-    g_start = g.data_ptr()
-    if not length or g_start >= start + length:
-        return False
-    # (g has p's shape: not empty, so one that starts at or above p's start overlaps it)
-    return g_start >= start or _span(g)[1] > start
+class _CallMemory:
+    """The memory an update call writes, for the check of the gradients it
+    reads (check_grad): each row's param and the state tensors (step counts
+    included) that its row points at, in all the plans of the call. The
+    kernels read a gradient while they write that memory, one that shares
+    some of it (made by hand: p.grad = p.data, or = a state tensor) at
+    another point than torch's update reads it. `bounds`, the union of those
+    spans as disjoint [start, end) pairs by address in a flat int64 array,
+    is what the C fast path searches at each step (a bisection a gradient):
+    a gradient meeting none is read as it is (autograd's never meet live
+    tensors), any other goes to the Python path, which tells them apart.
+    Built with the plans, from their tables: no tensor is asked."""
+
+    def __init__(self, plans: list):
+        entries = []  # (start, end, param, state key or None for the param itself)
+        for plan in plans:
+            fresh: dict = {}
+            for row, entry in plan.fresh:
+                fresh.setdefault(row, []).append(entry)
+            for row, (p, key, watched, columns) in enumerate(zip(
+                    plan.params, plan.param_keys, plan.watched, plan.table.tolist())):
+                if key is None:
+                    continue
+                if key[5]:
+                    entries.append((key[0], key[0] + key[5], p, None, p))
+                for name, t, col in (watched or ()) + tuple(fresh.get(row, ())):
+                    # the state a row points at is float32 in its work tensor's dense layout
+                    size = 4 if col == _COL_STEP else 4 * columns[_COL_NUMEL]
+                    if size:
+                        entries.append((columns[col], columns[col] + size, p, name, t))
+        entries.sort(key=_first)
+        self.entries = entries
+        self.starts = [e[0] for e in entries]
+        self.longest = max((e[1] - e[0] for e in entries), default=0)
+        # the union: disjoint spans, each with the param whose memory alone it is
+        # (None: state, or more than one tensor)
+        self.union_starts, self.union_ends, self.union_owners = [], [], []
+        for start, end, p, name, _ in entries:
+            if self.union_ends and start < self.union_ends[-1]:
+                self.union_ends[-1] = max(self.union_ends[-1], end)
+                self.union_owners[-1] = None
+            else:
+                self.union_starts.append(start)
+                self.union_ends.append(end)
+                self.union_owners.append(p if name is None else None)
+        self.bounds = np.array([x for span in zip(self.union_starts, self.union_ends)
+                                for x in span], dtype=np.int64)
+
+    def check_grad(self, p: torch.Tensor, g: torch.Tensor, grad_of: Callable,
+                   layout: tuple | None = None) -> bool:
+        """Refuses gradient g of param p where it shares memory with p's state,
+        or with another param of the call (or its state) that has a gradient
+        (grad_of(param), None without) and so is written this step; returns
+        whether g shares memory with p itself, which the row then reads
+        through a copy that Plan.run fills as torch reads it (g as it is: a
+        negative view reads p's memory too; spans are compared, so a view
+        interleaved with p's elements counts, harmlessly). A param without a
+        gradient this step is not written: its memory is read as torch reads
+        it. `layout`: p's _layout_key, given at each step by the Python path,
+        where a gradient in p's layout (autograd's) spans as many bytes as p:
+        its span then costs one look at its strides, not _span's loop over
+        its dims (about 1 us a param)."""
+        if layout is not None and (g.is_contiguous() if layout[3] is True
+                                   else g.stride() == layout[3]):
+            start = g.data_ptr()
+            end = start + layout[5]
+        else:
+            start, end = _span(g)
+        if start == end:
+            return False
+        i = bisect.bisect_left(self.union_starts, end) - 1
+        if i < 0 or self.union_ends[i] <= start:  # (the common case: it meets nothing)
+            return False
+        owners = []
+        while i >= 0 and self.union_ends[i] > start:
+            owners.append(self.union_owners[i])
+            i -= 1
+        if all(owner is p for owner in owners):  # (none, or p's own memory alone)
+            return bool(owners)
+        own = False
+        # g laid out as p from p's address holds p's elements only: another
+        # param whose span it meets interleaves with p (columns of one matrix),
+        # spans being compared, and g is read through a copy as p's own memory
+        mine = start == p.data_ptr() and g.stride() == p.stride()
+        low = bisect.bisect_left(self.starts, start - self.longest)
+        for other_start, other_end, q, name, t in self.entries[
+                low:bisect.bisect_left(self.starts, end)]:
+            if other_end <= start:
+                continue
+            if q is p and name is None:
+                own = True
+            elif q is p:
+                raise ValueError(
+                    f"grads: the gradient of {_described_param(p)} shares memory with its "
+                    f"{name}; torch's update writes its {name} in place before it has read all "
+                    f"of the gradient (its for-loop, foreach and fused implementations each "
+                    f"at another point), where the fused update reads the gradient once: give "
+                    f"the gradient memory of its own (.clone())")
+            elif (grad_of(q) is not None and not (name is None and mine)
+                  and _meets(t, start, end)):
+                # (the spans are the plans' as built: another row's param or state
+                # moved since (.to(), .data replaced) makes its plan stale, and its
+                # old memory, freed, may hold this gradient now)
+                what = "another parameter" if name is None else f"the {name} of another parameter"
+                raise ValueError(
+                    f"grads: the gradient of {_described_param(p)} shares memory with {what} "
+                    f"of shape {tuple(q.shape)} that this step updates; torch's for-loop update "
+                    f"reads it before or after that update by their order in the group, its "
+                    f"foreach update before, and the fused update's threads would race on it: "
+                    f"give the gradient memory of its own (.clone())")
+        return own
+
+
+def _meets(t: torch.Tensor, start: int, end: int) -> bool:
+    """Whether t's memory now meets the addresses [start, end)."""
+    t_start, t_end = _span(t)
+    return t_start < end and start < t_end
+
+
+def _first(entry: tuple):
+    return entry[0]
 
 
 # The numeric entries of the hparams tuple, in its order. Floats and ints
@@ -311,6 +420,10 @@ class _Plan:
         self.grad_contiguous = [key is not None and (p.is_contiguous() or not _tensors.is_dense(p))
                                 for p, key in zip(params, self.param_keys)]
         self.staged = []  # (row, param, contiguous stand-in) for params with gaps in memory
+        # The strides of each row's state tensors (those of what the kernels update
+        # in the param's place), which the Python path checks at each step
+        self.state_strides = [None] * len(params)
+        self.memory = None  # the _CallMemory of the call, set by _make_plans
         self.table = _tensors.new_table(len(params))
         self.capturable = bool(group.get("capturable", False))
         # The state tensors each row points at, with their column: held, so that
@@ -333,6 +446,7 @@ class _Plan:
                 continue
             if work is not p:
                 self.staged.append((row, p, work))
+            self.state_strides[row] = work.stride()
             self.table[row, _COL_PARAM] = work.data_ptr()
             self.table[row, _COL_NUMEL] = p.numel()
             # step first: commit_state adds new state to the dict in this
@@ -461,21 +575,24 @@ class _Plan:
         and state, contiguous strided gradients, given or not) is checked in
         C, which also writes the pointers into the step table and says
         whether other rows than last step's take part; anything else comes
-        here, also a gradient sharing its param's memory, which the row reads
-        through a copy that run() fills (`aliased`: (param, gradient, copy))."""
+        here, also a gradient sharing memory that the call writes: its param's,
+        which the row reads through a copy that run() fills (`aliased`:
+        (param, gradient, copy)), or other memory, refused (_CallMemory)."""
         self.aliased = ()
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
             self.grad_contiguous, torch.strided, self.table, given, self.step_table,
-            self.step_rows, torch.Tensor)
+            self.step_rows, torch.Tensor, self.memory.bounds)
         if read is not None:
             held, rows = read
             if rows is not None:  # other rows than last step's
                 self._take_part(rows)
             return held
         rows, ptrs, keep, aliased = [], [], [], []
-        for row, (p, st, layout, contig, watched) in enumerate(zip(
-                self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched)):
+        grad_of = _grad_getter(given)
+        for row, (p, st, layout, contig, watched, strides) in enumerate(zip(
+                self.params, self.state_dicts, self.param_keys, self.grad_contiguous, self.watched,
+                self.state_strides)):
             g = p.grad if given is None else given[id(p)]
             if g is None:
                 continue
@@ -484,8 +601,14 @@ class _Plan:
             for key, t, col in watched:
                 if st.get(key) is not t or t.data_ptr() != self.table[row, col]:
                     return None
+                # a state tensor relaid in place (t_(), as_strided_(), set_(), .data
+                # swapped for a view of itself) keeps its identity and address: its
+                # elements are no longer where the row reads them (one element has
+                # no layout to speak of)
+                if col != _COL_STEP and t.stride() != strides and t.numel() > 1:
+                    return None
             _check_grad(p, g)
-            if _shares_memory(g, layout):  # (g as it is: a negative view reads p's memory too)
+            if self.memory.check_grad(p, g, grad_of, layout):
                 read = _grad_buffer(p, contig)
                 aliased.append((p, g, read))
                 g = read
@@ -724,6 +847,23 @@ def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
                                  "its device")
     _refuse_dispatching_state(key, t, p)
+    if 0 in t.stride():
+        _refuse_expanded_state(key, t, p)
+
+
+def _refuse_expanded_state(key: str, t: torch.Tensor, p: torch.Tensor) -> None:
+    """Refuses a state tensor that repeats its elements along a dim (stride
+    0: expanded, broadcast_to, or as_strided_ in place), which torch's
+    in-place update refuses with this RuntimeError; reprop would train a
+    copy in the param's layout that it put in the state in place of the
+    user's tensor."""
+    dims = _tensors.repeated_dims(t)
+    if dims:
+        raise RuntimeError(f"{key}: the state of a parameter of shape {tuple(p.shape)} on "
+                           f"{p.device} is expanded (stride 0 along dims {dims}): more than one "
+                           f"element of the written-to tensor refers to a single memory location, "
+                           f"which torch's in-place update refuses with this RuntimeError; give "
+                           f"it memory of its own (.clone())")
 
 
 def _refuse_dispatching_state(key: str, t: torch.Tensor, p: torch.Tensor) -> None:
@@ -895,6 +1035,14 @@ def _by_group(params: list, group_of: dict) -> Iterable[tuple]:
                              f"({_described_param(p)})")
         groups.setdefault(id(group), (group, []))[1].append(p)
     return groups.values()
+
+
+def _grad_getter(given: dict | None) -> Callable:
+    """param -> its gradient this step: .grad, or given[id(param)] (None
+    for a param given none)."""
+    if given is None:
+        return lambda p: p.grad
+    return lambda p: given.get(id(p))
 
 
 def _with_grad(params: list, given: dict | None) -> list:
@@ -1316,7 +1464,7 @@ class _FusedOptimizer:
             if new_plans:
                 active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
-                plans = self._make_plans(hp, params, active, slots, hparams)
+                plans = self._make_plans(hp, params, active, slots, hparams, given)
                 keep = _prepare_grads(plans, self.state, given)
                 running = _running(plans)
             # each call checks its own: let none run if one refuses (one that may
@@ -1405,7 +1553,7 @@ class _FusedOptimizer:
             _check_step_count(st["step"], p)
 
     def _make_plans(self, group: dict, params: list, active: list, slots: tuple,
-                    hparams: tuple) -> list:
+                    hparams: tuple, given: dict | None) -> list:
         self._follow_param_groups(params)
         buckets: dict = {}
         for p in params:
@@ -1415,6 +1563,12 @@ class _FusedOptimizer:
             _check_shared_steps(self.state, runs, bool(group.get("capturable", False)))
         active_ids = set(map(id, active))
         plans = [_Plan(self, group, run, slots, active_ids) for run in runs]
+        memory = _CallMemory(plans)
+        grad_of = _grad_getter(given)
+        for plan in plans:
+            plan.memory = memory
+        for p in active:  # refused here, before the state the plans made is committed
+            memory.check_grad(p, grad_of(p), grad_of)
         for plan in plans:
             if not plan.idle:
                 plan.check(self, hparams)
