@@ -259,6 +259,11 @@ class _Activation(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         ctx.act = act
+        # an undefined incoming gradient (a node pre-hook's (None,), a next
+        # node's None) stays None, as torch's node leaves it: materialized,
+        # it gave x.grad zeros where torch leaves None (an optimizer then
+        # stepped momentum and weight decay where eager skips the parameter)
+        ctx.materialize_grads = False
         if act.kind not in _TWO_VALUED:
             ctx.save_for_backward(d)
             return y
@@ -268,6 +273,13 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *anchor_grad):
+        if grad is None:  # (materialize_grads off)
+            if anchor_grad and anchor_grad[0] is not None:
+                # the anchor's alone, in double backward: torch's double backward
+                # gives x zeros there (_twice_differentiable), from its dtype and device
+                d, anchor = ctx.saved_tensors
+                return anchor.new_zeros(d.shape), None, None, None, None
+            return None, None, None, None, None
         if ctx.act.kind not in _TWO_VALUED:
             _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
         d, *anchor = ctx.saved_tensors
@@ -1130,6 +1142,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
+        ctx.materialize_grads = False  # None stays None, as on torch's nodes (_Activation.forward)
         ctx.hooked = False  # (_tensors.note_node_hooks)
         ctx.led_past = False  # (_lead_past)
         ctx.passed = step.passed
@@ -1155,6 +1168,8 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:  # (materialize_grads off): torch's nodes give None
+            return None, None
         if not (ctx.relu or ctx.constant):
             _refuse_double_backward(_VARYING_CHAIN, _CHAIN_INSTEAD)
         _refuse_retained_past(ctx.passed)
