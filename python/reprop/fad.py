@@ -259,6 +259,11 @@ class _Activation(torch.autograd.Function):
         if inplace:
             ctx.mark_dirty(x)
         ctx.act = act
+        # an undefined incoming gradient (a node pre-hook's (None,), a next
+        # node's None) stays None, as torch's node leaves it: materialized,
+        # it gave x.grad zeros where torch leaves None (an optimizer then
+        # stepped momentum and weight decay where eager skips the parameter)
+        ctx.materialize_grads = False
         if act.kind not in _TWO_VALUED:
             ctx.save_for_backward(d)
             return y
@@ -268,6 +273,13 @@ class _Activation(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad, *anchor_grad):
+        if grad is None:  # (materialize_grads off)
+            if anchor_grad and anchor_grad[0] is not None:
+                # the anchor's alone, in double backward: torch's double backward
+                # gives x zeros there (_twice_differentiable), from its dtype and device
+                d, anchor = ctx.saved_tensors
+                return anchor.new_zeros(d.shape), None, None, None, None
+            return None, None, None, None, None
         if ctx.act.kind not in _TWO_VALUED:
             _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
         d, *anchor = ctx.saved_tensors
@@ -282,26 +294,45 @@ class _Activation(torch.autograd.Function):
 
 def _hook_of_one_output(hook: Callable, pre: bool) -> Callable:
     """`hook`, a pre-hook (pre) or post-hook on the node of a _TWO_VALUED
-    kind, as it runs on torch's node, which has one output: it sees
-    grad_outputs without the anchor's (None), and a pre-hook's replacement
-    of the one gradient gets the anchor's appended, its count checked as
-    torch checks it (the node's two outputs would take two)."""
+    kind, as it runs on torch's node, which has one output and one input: it
+    sees grad_outputs without the anchor's (None), and grad_inputs without
+    the None of _anchor_link's input, and its replacement of the one
+    gradient gets those appended, its count checked as torch checks it
+    (the node's two would take two). Not called where the node runs for
+    the anchor's gradient alone (double backward, _twice_differentiable):
+    torch's node does not run there."""
 
-    @functools.wraps(hook)
     def of_one_output(*args):
-        if not pre:
-            grad_inputs, grad_outputs = args
-            return hook(grad_inputs, grad_outputs[:1])
-        (grad_outputs,) = args
-        replaced = hook(grad_outputs[:1])
-        if isinstance(replaced, (tuple, list)):
-            if len(replaced) != 1:
-                raise RuntimeError(f"hook '{getattr(hook, '__name__', hook)}' has returned an incorrect "
-                                   f"number of values (got {len(replaced)}, but expected 1)")
-            return (*replaced, *grad_outputs[1:])
-        return replaced  # None, or what torch refuses itself
+        grad_outputs = args[-1] if pre else args[1]
+        if grad_outputs[0] is None and grad_outputs[1] is not None:
+            # the anchor's alone: torch's node, which has no anchor, does not
+            # run in that backward, so its hooks do not fire; a pre-hook
+            # (g * 3,) got (None,) and raised TypeError where torch trains
+            return None
+        if pre:
+            return _one_replaced(hook, hook(grad_outputs[:1]), grad_outputs)
+        grad_inputs = args[0]
+        return _one_replaced(hook, hook(grad_inputs[:1], grad_outputs[:1]), grad_inputs)
 
-    return of_one_output
+    if hasattr(hook, "__name__"):
+        return functools.wraps(hook)(of_one_output)
+    # torch names a hook by its __name__, and one without (a functools.partial,
+    # a callable object) '<unknown>' in its errors: so does a partial
+    return functools.partial(of_one_output)
+
+
+def _one_replaced(hook: Callable, replaced, grads: tuple):
+    """A hook's replacement `replaced` of the first of the node's `grads`,
+    the rest (the anchor's, _anchor_link's) appended, its count checked
+    with torch's message. Anything but a tuple (None, a list) goes to torch
+    as it is: torch takes None, and refuses the rest with its own error
+    ("expected tuple, but hook returned 'list'"), as on its own node."""
+    if not isinstance(replaced, tuple):
+        return replaced
+    if len(replaced) != 1:
+        raise RuntimeError(f"hook '{getattr(hook, '__name__', '<unknown>')}' has returned an "
+                           f"incorrect number of values (got {len(replaced)}, but expected 1)")
+    return (*replaced, *grads[1:])
 
 
 def _registering_one_output(register: Callable, pre: bool) -> Callable:
@@ -1111,6 +1142,7 @@ class _Chain(torch.autograd.Function):
     def forward(ctx, source, step):
         value, deriv, blocked = step.compute()
         ctx.source_dtype = source.dtype
+        ctx.materialize_grads = False  # None stays None, as on torch's nodes (_Activation.forward)
         ctx.hooked = False  # (_tensors.note_node_hooks)
         ctx.led_past = False  # (_lead_past)
         ctx.passed = step.passed
@@ -1136,6 +1168,8 @@ class _Chain(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if grad is None:  # (materialize_grads off): torch's nodes give None
+            return None, None
         if not (ctx.relu or ctx.constant):
             _refuse_double_backward(_VARYING_CHAIN, _CHAIN_INSTEAD)
         _refuse_retained_past(ctx.passed)
