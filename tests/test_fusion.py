@@ -3799,6 +3799,51 @@ def test_backward_mode_updates_in_backward_after_a_swapping_conversion(conversio
     _assert_same_training(got, ref)
 
 
+def _grad_mode_forwards_then_swap_converted(conversion: str, forwards: int,
+                                            layer_by_layer: bool = False) -> Callable:
+    """`forwards` forwards of the model in grad mode with no backward (an
+    evaluation left in grad mode), then a swapping conversion."""
+    def change(model: nn.Module, opt) -> None:
+        call = _LayerByLayer(model) if layer_by_layer else model
+        for i in range(forwards):
+            call(_mlp_batch(100 + i)[0])
+        _swap_converted(SWAPPING_CONVERSIONS[conversion])(model, opt)
+    return change
+
+
+@pytest.mark.parametrize("forwards", [1, 2])
+@pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
+def test_backward_mode_updates_in_backward_after_grad_mode_forwards_and_a_swapping_conversion(
+        conversion: str, forwards: int) -> None:
+    """A grad-mode forward with no backward (an evaluation without no_grad())
+    before the swapping conversion had started the next micro-batch, and its
+    check, already: the training forward after it started none (no backward
+    seen since), so nothing checked, the dropped hooks saw no backward, and
+    none started again: every later backward left its gradients to step(),
+    for good. Each forward of the model now checks."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    events = {3: _grad_mode_forwards_then_swap_converted(conversion, forwards)}
+    got = _mlp_loop("backward", make_opt, 7, events=events,
+                    before_step=dict.fromkeys(range(7), _assert_grads_freed))
+    ref = _mlp_loop(None, make_opt, 7, events=events)
+    _assert_same_training(got, ref)
+
+
+def test_backward_mode_layer_by_layer_updates_in_backward_again_after_a_step() -> None:
+    """As above with the layers called one by one (the model's own forward,
+    which checks at each call, never runs): the first forward after step()
+    or zero_grad() checks, so the step of the conversion leaves its
+    gradients to step() (eager's values) and the next ones update in
+    backward again (before, none did from then on)."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    events = {3: _grad_mode_forwards_then_swap_converted("load_state_dict", 2,
+                                                         layer_by_layer=True)}
+    got = _mlp_loop("backward", make_opt, 7, events=events, layer_by_layer=True,
+                    before_step={i: _assert_grads_freed for i in (0, 1, 2, 4, 5, 6)})
+    ref = _mlp_loop(None, make_opt, 7, events=events, layer_by_layer=True)
+    _assert_same_training(got, ref)
+
+
 @pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
 def test_forward_mode_safety_net_survives_a_swapping_conversion(conversion: str) -> None:
     """Forward mode's refusal of a parameter used while its update is pending

@@ -1491,6 +1491,10 @@ class _BackwardFusion(FusionHandle):
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
+        # A SwapWatch check is due at the next grad-mode training forward that
+        # starts no micro-batch (see _on_training_forward): set by each forward
+        # of the model, step() and zero_grad(), cleared by each check
+        self._swap_check_due = True
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
@@ -1662,6 +1666,7 @@ class _BackwardFusion(FusionHandle):
             if self._removed:  # by another thread since
                 return
             self._sync()
+        self._swap_check_due = True  # (each forward of the model checks: see there)
         self._on_training_forward(module, args)
 
     @_tensors.eager_under_compile
@@ -1691,8 +1696,21 @@ class _BackwardFusion(FusionHandle):
                 self._start_micro_batch()
             return
         self._finish_step()
-        if torch.is_grad_enabled() and self._backward_since_forward:
+        if not torch.is_grad_enabled():
+            return
+        if self._backward_since_forward:
             self._start_micro_batch()
+        elif self._swap_check_due:
+            # A grad-mode forward with no backward seen since the last one (an
+            # evaluation forward left in grad mode, a model called twice per
+            # micro-batch): a swapping conversion since dropped the hooks that
+            # would see the next backward, so no micro-batch would ever start
+            # again to check (every update was left to step(), for good).
+            # Once per forward of the model, or after step() or zero_grad() where
+            # its layers are called one by one (not once per owner module).
+            with self._lock:
+                self._swap_check_due = False
+                self._swap_watch.check()
 
     def _start_micro_batch(self) -> None:
         """Counts a micro-batch, and frees the gradients kept since the last
@@ -1703,6 +1721,7 @@ class _BackwardFusion(FusionHandle):
             # before its backward: a conversion since that swapped the parameters
             # (torch.__future__.set_swap_module_params_on_conversion) dropped the
             # update hooks, and every backward after it left its gradients to step()
+            self._swap_check_due = False
             self._swap_watch.check()
             if self._kept_unstepped:  # (step() checked them; later edits change no step)
                 # before anything changes: refused, no micro-batch has started, so a
@@ -2163,6 +2182,7 @@ class _BackwardFusion(FusionHandle):
         # No warning that it applies only what no backward did: step() is
         # README's loop, and a note there made suites run with warnings as
         # errors fail on correct code.
+        self._swap_check_due = True  # (layers called one by one: see _on_training_forward)
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
@@ -2201,6 +2221,7 @@ class _BackwardFusion(FusionHandle):
                 "optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
+        self._swap_check_due = True  # (layers called one by one: see _on_training_forward)
         self._zeroed_not_freed = not set_to_none
         if set_to_none:  # eager holds no .grad now: no later zero_grad() leaves zeros
             self._updated_since_freed.clear()
