@@ -559,10 +559,61 @@ def _check_no_instance_override(optimizer) -> None:
     wrapper is the exception: fusion's step() records the calls it would."""
     for name in ("step", "zero_grad"):
         own = optimizer.__dict__.get(name)
-        if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
-            raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}, "
-                            "which fusion replaces, so it would never run; fuse first and wrap "
-                            f"the optimizer's {name}() after, or drop the wrapper")
+        if own is None or (name == "step" and (_is_lr_scheduler_wrapper(own, optimizer)
+                                               or _is_fusions_step(own))):
+            continue
+        # (a wrapper set on a fused optimizer stays through remove(): a fuse()
+        # after finds it, marked as the scheduler's where functools.wraps
+        # copied the mark of fusion's step)
+        copied = (" (it carries torch's LR-scheduler mark _wrapped_by_lr_sched, as "
+                  "functools.wraps copies it, but is not the scheduler's wrapper of the "
+                  "optimizer's step())" if getattr(own, "_wrapped_by_lr_sched", False) else "")
+        raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}"
+                        f"{copied}, which fusion replaces, so it would never run; fuse first and "
+                        f"wrap the optimizer's {name}() after, or drop the wrapper (one set while "
+                        "an earlier fusion of it was live stays through that fusion's remove(): "
+                        f"put back the {name}() it wraps, or `del optimizer.{name}`, before "
+                        "fusing again, and wrap again after)")
+
+
+def _is_lr_scheduler_wrapper(step: Callable, optimizer) -> bool:
+    """Whether `step`, set on the optimizer instance, is the wrapper an LR
+    scheduler set there (LRScheduler.__init__) around the optimizer's own
+    step() or a removed fusion's, which fusion's step() may replace (it
+    records the calls as the wrapper would). Told by its code, not by its
+    `_wrapped_by_lr_sched` mark: functools.wraps copies that onto any wrapper
+    of a marked step (fusion's, where a scheduler came before fuse()), and a
+    user's wrapper so marked was taken for the scheduler's, replaced, and
+    silently skipped while fused. Nor around a method set on the instance
+    before the scheduler was made: that one would be skipped too."""
+    if getattr(step, "__code__", None) is not _lr_scheduler_wrapper_code():
+        return False
+    wrapped = getattr(step, "__wrapped__", None)  # (the function it calls: functools.wraps)
+    return wrapped is getattr(type(optimizer), "step", None) or _is_fusions_step(wrapped)
+
+
+def _is_fusions_step(step: Callable) -> bool:
+    """Whether `step` is the step() a fusion set on the optimizer (bound or
+    not): a removed fusion's, left under a wrapper by remove() and passing
+    through to what it replaced, which a later fusion may replace."""
+    return getattr(step, "__code__", None) is _fused_step_code()
+
+
+@functools.lru_cache(maxsize=None)
+def _lr_scheduler_wrapper_code() -> types.CodeType:
+    """The code of the step() wrapper torch's LR schedulers set on their
+    optimizer, read off one made (once) on a throwaway optimizer."""
+    throwaway = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    torch.optim.lr_scheduler.LambdaLR(throwaway, lambda epoch: 1.0)
+    return throwaway.step.__code__
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_step_code() -> types.CodeType:
+    """The code of the step() function fusion sets on the optimizer
+    (FusionHandle._take_over_optimizer), which a scheduler made while fused wraps."""
+    return next(c for c in FusionHandle._take_over_optimizer.__code__.co_consts
+                if isinstance(c, types.CodeType) and c.co_name == "step")
 
 
 def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandle") -> None:
