@@ -3799,6 +3799,51 @@ def test_backward_mode_updates_in_backward_after_a_swapping_conversion(conversio
     _assert_same_training(got, ref)
 
 
+def _grad_mode_forwards_then_swap_converted(conversion: str, forwards: int,
+                                            layer_by_layer: bool = False) -> Callable:
+    """`forwards` forwards of the model in grad mode with no backward (an
+    evaluation left in grad mode), then a swapping conversion."""
+    def change(model: nn.Module, opt) -> None:
+        call = _LayerByLayer(model) if layer_by_layer else model
+        for i in range(forwards):
+            call(_mlp_batch(100 + i)[0])
+        _swap_converted(SWAPPING_CONVERSIONS[conversion])(model, opt)
+    return change
+
+
+@pytest.mark.parametrize("forwards", [1, 2])
+@pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
+def test_backward_mode_updates_in_backward_after_grad_mode_forwards_and_a_swapping_conversion(
+        conversion: str, forwards: int) -> None:
+    """A grad-mode forward with no backward (an evaluation without no_grad())
+    before the swapping conversion had started the next micro-batch, and its
+    check, already: the training forward after it started none (no backward
+    seen since), so nothing checked, the dropped hooks saw no backward, and
+    none started again: every later backward left its gradients to step(),
+    for good. Each forward of the model now checks."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    events = {3: _grad_mode_forwards_then_swap_converted(conversion, forwards)}
+    got = _mlp_loop("backward", make_opt, 7, events=events,
+                    before_step=dict.fromkeys(range(7), _assert_grads_freed))
+    ref = _mlp_loop(None, make_opt, 7, events=events)
+    _assert_same_training(got, ref)
+
+
+def test_backward_mode_layer_by_layer_updates_in_backward_again_after_a_step() -> None:
+    """As above with the layers called one by one (the model's own forward,
+    which checks at each call, never runs): the first forward after step()
+    or zero_grad() checks, so the step of the conversion leaves its
+    gradients to step() (eager's values) and the next ones update in
+    backward again (before, none did from then on)."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    events = {3: _grad_mode_forwards_then_swap_converted("load_state_dict", 2,
+                                                         layer_by_layer=True)}
+    got = _mlp_loop("backward", make_opt, 7, events=events, layer_by_layer=True,
+                    before_step={i: _assert_grads_freed for i in (0, 1, 2, 4, 5, 6)})
+    ref = _mlp_loop(None, make_opt, 7, events=events, layer_by_layer=True)
+    _assert_same_training(got, ref)
+
+
 @pytest.mark.parametrize("conversion", list(SWAPPING_CONVERSIONS))
 def test_forward_mode_safety_net_survives_a_swapping_conversion(conversion: str) -> None:
     """Forward mode's refusal of a parameter used while its update is pending
@@ -4807,6 +4852,104 @@ def test_wrapper_set_on_the_optimizer_instance_before_fuse_is_refused(method: st
     scheduled = rp.SGD(model.parameters(), lr=0.1)
     torch.optim.lr_scheduler.StepLR(scheduled, 1)  # wraps scheduled.step on the instance
     reprop.fuse(model, scheduled, mode=mode).remove()
+
+
+def _wrapped_by_hand_over_schedulers(model: nn.Module, opt, calls: list) -> None:
+    """functools.wraps over the LR scheduler's wrapper: it copies its mark."""
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    inner = opt.step
+    opt.step = functools.wraps(inner)(lambda *a, **k: calls.append(1) or inner(*a, **k))
+
+
+def _wrapped_while_fused_kept_through_remove(model: nn.Module, opt, calls: list) -> None:
+    """A scheduler before fuse() (fusion's step carries its mark), a user's
+    functools.wraps wrapper of fusion's step, then remove(), which keeps it."""
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+    handle = reprop.fuse(model, opt)
+    inner = opt.step
+    opt.step = functools.wraps(inner)(lambda *a, **k: calls.append(1) or inner(*a, **k))
+    handle.remove()
+
+
+def _method_set_before_the_scheduler(model: nn.Module, opt, calls: list) -> None:
+    """A method of the user's set on the instance, then a scheduler, whose
+    wrapper calls it."""
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return type(self).step(self, *args, **kwargs)
+    opt.step = types.MethodType(counted, opt)
+    torch.optim.lr_scheduler.StepLR(opt, 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("wrap", [_wrapped_by_hand_over_schedulers,
+                                  _wrapped_while_fused_kept_through_remove,
+                                  _method_set_before_the_scheduler])
+def test_a_step_wrapper_taken_for_the_lr_schedulers_is_refused(wrap: Callable, mode: str) -> None:
+    """fuse() took any step() on the instance carrying torch's LR-scheduler
+    mark (which functools.wraps copies) for the scheduler's wrapper, and
+    any scheduler wrapper for one around the optimizer's own step(), and
+    replaced it: the user's wrapper (or method) under it never ran while
+    fused, silently (4 calls where eager made 6 in a loop that fused again
+    after remove()). Refused as any wrapper set before fuse(), installing
+    nothing; the message says what to do."""
+    model = _mlp()
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    calls: list = []
+    wrap(model, opt, calls)
+    before = hook_snapshot(model, opt)
+    with pytest.raises(TypeError, match=r"^optimizer: its step\(\) is replaced on the instance "
+                                        r"by .*put back the step\(\) it wraps, or `del "
+                                        r"optimizer.step`, before fusing again"):
+        reprop.fuse(model, opt, mode=mode)
+    assert hook_snapshot(model, opt) == before
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fuse_again_after_unwrapping_a_wrapper_kept_through_remove_trains_as_eager(
+        mode: str) -> None:
+    """What the refusal above says to do: a wrapper of step() set while
+    fused (an LR scheduler made before fuse()) stays through remove(); put
+    back what it wraps, fuse again, and wrap again after: the wrappers run
+    at every step, and the parameters, learning rates and the scheduler's
+    warnings are eager's."""
+    def wrap(opt, calls: list) -> None:
+        inner = opt.step
+        opt.step = functools.wraps(inner)(lambda *a, **k: calls.append(1) or inner(*a, **k))
+
+    def train(fused: bool) -> tuple:
+        model = _mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        calls: list = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+            handle = reprop.fuse(model, opt, mode=mode) if fused else None
+            wrap(opt, calls)
+            for step in range(6):
+                if step == 2 and handle is not None:
+                    handle.remove()
+                if step == 3:
+                    opt.step = opt.step.__wrapped__
+                    handle = reprop.fuse(model, opt, mode=mode) if fused else None
+                    wrap(opt, calls)
+                if step == 5 and handle is not None:
+                    handle.remove()
+                x, y = _mlp_batch(step)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                scheduler.step()
+        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
+                  or "learning rate scheduler" in str(w.message)]
+        return (warned, len(calls), scheduler.get_last_lr(),
+                [p.detach().clone() for p in model.parameters()])
+
+    got, eager = train(True), train(False)
+    assert got[:3] == eager[:3]
+    assert got[1] == 6
+    for p, q in zip(got[3], eager[3]):
+        assert torch.equal(p, q), _diff(p, q)
 
 
 @pytest.mark.parametrize("mode", MODES)

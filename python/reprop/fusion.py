@@ -559,10 +559,61 @@ def _check_no_instance_override(optimizer) -> None:
     wrapper is the exception: fusion's step() records the calls it would."""
     for name in ("step", "zero_grad"):
         own = optimizer.__dict__.get(name)
-        if own is not None and not getattr(own, "_wrapped_by_lr_sched", False):
-            raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}, "
-                            "which fusion replaces, so it would never run; fuse first and wrap "
-                            f"the optimizer's {name}() after, or drop the wrapper")
+        if own is None or (name == "step" and (_is_lr_scheduler_wrapper(own, optimizer)
+                                               or _is_fusions_step(own))):
+            continue
+        # (a wrapper set on a fused optimizer stays through remove(): a fuse()
+        # after finds it, marked as the scheduler's where functools.wraps
+        # copied the mark of fusion's step)
+        copied = (" (it carries torch's LR-scheduler mark _wrapped_by_lr_sched, as "
+                  "functools.wraps copies it, but is not the scheduler's wrapper of the "
+                  "optimizer's step())" if getattr(own, "_wrapped_by_lr_sched", False) else "")
+        raise TypeError(f"optimizer: its {name}() is replaced on the instance by {own!r}"
+                        f"{copied}, which fusion replaces, so it would never run; fuse first and "
+                        f"wrap the optimizer's {name}() after, or drop the wrapper (one set while "
+                        "an earlier fusion of it was live stays through that fusion's remove(): "
+                        f"put back the {name}() it wraps, or `del optimizer.{name}`, before "
+                        "fusing again, and wrap again after)")
+
+
+def _is_lr_scheduler_wrapper(step: Callable, optimizer) -> bool:
+    """Whether `step`, set on the optimizer instance, is the wrapper an LR
+    scheduler set there (LRScheduler.__init__) around the optimizer's own
+    step() or a removed fusion's, which fusion's step() may replace (it
+    records the calls as the wrapper would). Told by its code, not by its
+    `_wrapped_by_lr_sched` mark: functools.wraps copies that onto any wrapper
+    of a marked step (fusion's, where a scheduler came before fuse()), and a
+    user's wrapper so marked was taken for the scheduler's, replaced, and
+    silently skipped while fused. Nor around a method set on the instance
+    before the scheduler was made: that one would be skipped too."""
+    if getattr(step, "__code__", None) is not _lr_scheduler_wrapper_code():
+        return False
+    wrapped = getattr(step, "__wrapped__", None)  # (the function it calls: functools.wraps)
+    return wrapped is getattr(type(optimizer), "step", None) or _is_fusions_step(wrapped)
+
+
+def _is_fusions_step(step: Callable) -> bool:
+    """Whether `step` is the step() a fusion set on the optimizer (bound or
+    not): a removed fusion's, left under a wrapper by remove() and passing
+    through to what it replaced, which a later fusion may replace."""
+    return getattr(step, "__code__", None) is _fused_step_code()
+
+
+@functools.lru_cache(maxsize=None)
+def _lr_scheduler_wrapper_code() -> types.CodeType:
+    """The code of the step() wrapper torch's LR schedulers set on their
+    optimizer, read off one made (once) on a throwaway optimizer."""
+    throwaway = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    torch.optim.lr_scheduler.LambdaLR(throwaway, lambda epoch: 1.0)
+    return throwaway.step.__code__
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_step_code() -> types.CodeType:
+    """The code of the step() function fusion sets on the optimizer
+    (FusionHandle._take_over_optimizer), which a scheduler made while fused wraps."""
+    return next(c for c in FusionHandle._take_over_optimizer.__code__.co_consts
+                if isinstance(c, types.CodeType) and c.co_name == "step")
 
 
 def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandle") -> None:
@@ -1491,6 +1542,10 @@ class _BackwardFusion(FusionHandle):
         # checkpointing inside backward, is one micro-batch, as in the eager loop).
         self._micro_batches = 0
         self._backward_since_forward = True
+        # A SwapWatch check is due at the next grad-mode training forward that
+        # starts no micro-batch (see _on_training_forward): set by each forward
+        # of the model, step() and zero_grad(), cleared by each check
+        self._swap_check_due = True
         # _backward_pass() of the backward that set it (None: set outside one)
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
@@ -1662,6 +1717,7 @@ class _BackwardFusion(FusionHandle):
             if self._removed:  # by another thread since
                 return
             self._sync()
+        self._swap_check_due = True  # (each forward of the model checks: see there)
         self._on_training_forward(module, args)
 
     @_tensors.eager_under_compile
@@ -1691,8 +1747,21 @@ class _BackwardFusion(FusionHandle):
                 self._start_micro_batch()
             return
         self._finish_step()
-        if torch.is_grad_enabled() and self._backward_since_forward:
+        if not torch.is_grad_enabled():
+            return
+        if self._backward_since_forward:
             self._start_micro_batch()
+        elif self._swap_check_due:
+            # A grad-mode forward with no backward seen since the last one (an
+            # evaluation forward left in grad mode, a model called twice per
+            # micro-batch): a swapping conversion since dropped the hooks that
+            # would see the next backward, so no micro-batch would ever start
+            # again to check (every update was left to step(), for good).
+            # Once per forward of the model, or after step() or zero_grad() where
+            # its layers are called one by one (not once per owner module).
+            with self._lock:
+                self._swap_check_due = False
+                self._swap_watch.check()
 
     def _start_micro_batch(self) -> None:
         """Counts a micro-batch, and frees the gradients kept since the last
@@ -1703,6 +1772,7 @@ class _BackwardFusion(FusionHandle):
             # before its backward: a conversion since that swapped the parameters
             # (torch.__future__.set_swap_module_params_on_conversion) dropped the
             # update hooks, and every backward after it left its gradients to step()
+            self._swap_check_due = False
             self._swap_watch.check()
             if self._kept_unstepped:  # (step() checked them; later edits change no step)
                 # before anything changes: refused, no micro-batch has started, so a
@@ -2163,6 +2233,7 @@ class _BackwardFusion(FusionHandle):
         # No warning that it applies only what no backward did: step() is
         # README's loop, and a note there made suites run with warnings as
         # errors fail on correct code.
+        self._swap_check_due = True  # (layers called one by one: see _on_training_forward)
         self._refuse_grad_scaler()
         self._refuse_kept_grads_edited()
         self._sync()  # parameters added since the last forward: their gradients too
@@ -2201,6 +2272,7 @@ class _BackwardFusion(FusionHandle):
                 "optimizer.zero_grad() discards the late gradients")
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
+        self._swap_check_due = True  # (layers called one by one: see _on_training_forward)
         self._zeroed_not_freed = not set_to_none
         if set_to_none:  # eager holds no .grad now: no later zero_grad() leaves zeros
             self._updated_since_freed.clear()
