@@ -817,6 +817,22 @@ class _Relu6Hardsigmoid(nn.Module):
         return F.relu6(x + 3) / 6
 
 
+def _critic(act):
+    """A WGAN-GP critic with activation `act`, seeded: the same weights per act."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(5, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 1))
+
+
+def _assert_same_penalty_grads(got, want):
+    """fad's penalty gradients against torch's, the first bias's zeros (reached
+    only through the activations' masks: linked as torch's are, not None)."""
+    assert not got[1].any()
+    for g, w in zip(got, want, strict=True):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
 def _penalty_grads_of(model, x, params, mode=contextlib.nullcontext()):
     """The gradients of a WGAN-GP penalty of model at x, for params and x."""
     with mode:
@@ -836,11 +852,7 @@ def test_double_backward_through_a_piecewise_constant_derivative(name, how, save
     through the activations' masks) getting zeros, as in torch, not None."""
     ours_cls, ref_cls = _PIECEWISE_CONSTANT[name]
 
-    def critic(act):
-        torch.manual_seed(1)
-        return nn.Sequential(nn.Linear(5, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 1))
-
-    model, ref = critic(ours_cls), critic(ref_cls)
+    model, ref = _critic(ours_cls), _critic(ref_cls)
     mode = contextlib.nullcontext()
     if how == "patch":
         assert fad.patch(model, saved_dtype=saved_dtype)
@@ -849,11 +861,7 @@ def test_double_backward_through_a_piecewise_constant_derivative(name, how, save
     x = torch.randn(64, 5) * 4
     got = _penalty_grads_of(model, x.clone().requires_grad_(), list(model.parameters()), mode)
     want = _penalty_grads_of(ref, x.clone().requires_grad_(), list(ref.parameters()))
-    assert not got[1].any()  # the first bias's: zeros, linked as torch's are
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _assert_same_penalty_grads(got, want)
 
 
 @pytest.mark.parametrize("how", ["function", "patch", "enabled"])
@@ -864,11 +872,7 @@ def test_double_backward_through_a_piecewise_constant_derivative_under_a_pack_ho
     (fad._anchor_link): torch's gradients, the first bias's zeros."""
     ours_cls, ref_cls = _PIECEWISE_CONSTANT[name]
 
-    def critic(act):
-        torch.manual_seed(1)
-        return nn.Sequential(nn.Linear(5, 16), act(), nn.Linear(16, 16), act(), nn.Linear(16, 1))
-
-    model, ref = critic(ours_cls), critic(ref_cls)
+    model, ref = _critic(ours_cls), _critic(ref_cls)
     mode = contextlib.nullcontext()
     if how == "function":
         kw = {"negative_slope": model[1].negative_slope} if name.startswith("leaky") else {}
@@ -883,11 +887,7 @@ def test_double_backward_through_a_piecewise_constant_derivative_under_a_pack_ho
     with torch.autograd.graph.save_on_cpu():
         got = _penalty_grads_of(model, x.clone().requires_grad_(), list(model.parameters()), mode)
         want = _penalty_grads_of(ref, x.clone().requires_grad_(), list(ref.parameters()))
-    assert not got[1].any()  # the first bias's: zeros, linked as torch's are
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _assert_same_penalty_grads(got, want)
 
 
 class _Lambda(nn.Module):
@@ -1009,11 +1009,7 @@ def test_node_hooks_of_a_piecewise_constant_kind_do_not_fire_for_the_anchor(name
     seen, got = penalty_grads(ours_cls, True)
     want_seen, want = penalty_grads(ref_cls, False)
     assert seen == want_seen == [("pre", False), ("post", False, False)]
-    assert not got[1].any()  # the first bias's: zeros, linked as torch's are
-    for g, w in zip(got, want, strict=True):
-        assert (g is None) == (w is None)
-        if w is not None:
-            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    _assert_same_penalty_grads(got, want)
 
 
 def _unknown_named_hook(go, count):

@@ -682,10 +682,20 @@ def test_fuse_interrupted_while_hooking_a_frozen_param_leaves_it_frozen(mode: st
         pass
 
 
-def _scheduler_warnings(result: Result) -> list[str]:
+def _scheduled_step(model: nn.Module, opt, scheduler, step: int) -> None:
+    """One step of README's loop on _mlp_batch(step), the scheduler's step after."""
+    x, y = _mlp_batch(step)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    scheduler.step()
+
+
+def _scheduler_warnings(messages) -> list[str]:
     """torch's "optimizer.step() has been overridden after learning rate
-    scheduler initialization" and "lr_scheduler.step() before optimizer.step()"."""
-    return [w for w in result.warnings if "learning rate scheduler" in w or "lr_scheduler.step()" in w]
+    scheduler initialization" and "lr_scheduler.step() before optimizer.step()"
+    among `messages`."""
+    return [w for w in messages if "learning rate scheduler" in w or "lr_scheduler.step()" in w]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -701,7 +711,7 @@ def test_param_groups_and_scheduler_match_eager(name: str, mode: str) -> None:
     assert_results_equal(got, ref)
     # fuse() after the scheduler was made: the scheduler must not be told that
     # optimizer.step() was overridden, nor that it was not called.
-    assert not _scheduler_warnings(got), got.warnings
+    assert not _scheduler_warnings(got.warnings), got.warnings
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -709,7 +719,7 @@ def test_scheduler_created_after_fuse(mode: str) -> None:
     loop = Loop(scheduler=True, sched_after_fuse=True)
     got, ref = fused("cnn", "SGD", mode, loop, steps=30), eager("cnn", "SGD", loop, steps=30)
     assert_results_equal(got, ref)
-    assert not _scheduler_warnings(got), got.warnings
+    assert not _scheduler_warnings(got.warnings), got.warnings
 
 
 def test_dropout_is_active_and_reseeded() -> None:
@@ -4935,13 +4945,8 @@ def test_fuse_again_after_unwrapping_a_wrapper_kept_through_remove_trains_as_eag
                     wrap(opt, calls)
                 if step == 5 and handle is not None:
                     handle.remove()
-                x, y = _mlp_batch(step)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                scheduler.step()
-        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
-                  or "learning rate scheduler" in str(w.message)]
+                _scheduled_step(model, opt, scheduler, step)
+        warned = _scheduler_warnings(str(w.message) for w in caught)
         return (warned, len(calls), scheduler.get_last_lr(),
                 [p.detach().clone() for p in model.parameters()])
 
@@ -5057,13 +5062,8 @@ def test_lr_scheduler_and_remove_before_its_first_step_match_eager(mode: str, ma
                     handle.remove()
                 if fused and step == 2 and not log:  # (a wrapper would not run while fused)
                     handle = reprop.fuse(model, opt, mode=mode)
-                x, y = _mlp_batch(step)
-                F.mse_loss(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-                scheduler.step()
-        warned = [str(w.message) for w in caught if "lr_scheduler" in str(w.message)
-                  or "learning rate scheduler" in str(w.message)]
+                _scheduled_step(model, opt, scheduler, step)
+        warned = _scheduler_warnings(str(w.message) for w in caught)
         return (warned, log, scheduler._step_count, scheduler.get_last_lr(),
                 [p.detach().clone() for p in model.parameters()])
 

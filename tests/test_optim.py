@@ -2144,6 +2144,16 @@ def test_a_cached_plan_refuses_a_meta_gradient_as_the_first_call_does(name: str)
     assert torch.equal(p.detach(), before) and _state_snapshot(opt, [p]) == state
 
 
+def _assert_untouched(opt: torch.optim.Optimizer, p: torch.Tensor, state: dict,
+                      param: torch.Tensor) -> None:
+    """p and its state are as `state` and `param` (copies taken before a
+    refused step) hold them: the same keys, in order, and values."""
+    assert torch.equal(p.detach(), param)
+    assert list(opt.state[p]) == list(state)
+    for k, v in state.items():
+        assert torch.equal(opt.state[p][k], v), k
+
+
 def _state_snapshot(opt: torch.optim.Optimizer, params: list) -> list:
     """Each param's state as comparable values: {key: list of floats}."""
     return [{k: torch.as_tensor(v).tolist() for k, v in opt.state.get(p, {}).items()}
@@ -3551,10 +3561,7 @@ def test_state_sharing_its_params_or_its_other_states_memory_is_refused(name: st
                                          rf"parameter of shape \(6, 4\) shares memory with "
                                          rf"{shared} \(state made by hand\)"):
         opt.step()
-    assert torch.equal(p.detach(), before[1])
-    assert list(opt.state[p]) == list(before[0])
-    for k, v in before[0].items():
-        assert torch.equal(opt.state[p][k], v), k
+    _assert_untouched(opt, p, *before[:2])
 
 
 # A parameter and a gradient sharing its memory, made from one (96,) tensor:
@@ -3653,10 +3660,7 @@ def test_gradient_sharing_its_own_states_memory_is_refused(name: str, key: str, 
                                          rf"parameter of shape {re.escape(str(shape))} shares "
                                          rf"memory with its {key}; "):
         opt.step()
-    assert torch.equal(p.detach(), before[1])
-    assert list(opt.state[p]) == list(before[0])
-    for k, v in before[0].items():
-        assert torch.equal(opt.state[p][k], v), k
+    _assert_untouched(opt, p, *before[:2])
     assert _state_snapshot(opt, [q]) == before[2]  # (Adagrad's constructor makes its state)
 
 
