@@ -3733,6 +3733,34 @@ def test_gradient_of_its_own_params_memory_beside_an_interleaved_param_is_read(n
     torch.testing.assert_close(runs[0], runs[1], rtol=OPEN_LOOP_TOL.rtol, atol=OPEN_LOOP_TOL.atol)
 
 
+@pytest.mark.parametrize("case", ["other_columns", "own_transposed"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gradient_interleaved_with_another_updated_param_is_read(name: str, case: str) -> None:
+    """A gradient whose span meets another updated param's while it shares no
+    element with it: q the even columns of a matrix B, and p's gradient B's
+    odd columns (p of its own memory), or p the odd columns and its gradient
+    p's own elements transposed. Spans were compared, and both refused as
+    sharing q's memory, where torch's update (and main) steps. Read, as
+    torch reads them; the second through a copy, as its own memory."""
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        b = torch.rand(4, 8, generator=torch.Generator().manual_seed(57)) + 0.5
+        own = torch.rand(4, 4, generator=torch.Generator().manual_seed(58)) + 0.5
+        q = nn.Parameter(b[:, 0::2])
+        p = nn.Parameter(own if case == "other_columns" else b[:, 1::2])
+        opt = cls([p, q], **RICH[name])
+        for k in range(3):
+            q.grad = torch.full((4, 4), 0.1 * (k + 1))
+            if case == "other_columns":
+                b[:, 1::2] = 0.05 * (k + 1)
+                p.grad = b[:, 1::2]
+            else:
+                p.grad = p.detach().t()
+            opt.step()
+        runs.append(Run([p, q], opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_gradient_of_a_param_with_gaps_beside_another_param_takes_the_fast_path(
         name: str, monkeypatch) -> None:
