@@ -3873,6 +3873,25 @@ def test_expanded_state_is_refused_as_torch_refuses_it(name: str, how: str) -> N
         opt.step()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_zero_element_state_with_stride_0_steps_as_torch(name: str) -> None:
+    """A zero-element param expanded from (1, 0) (strides (0, 1)): its state,
+    made by zeros_like or clone, keeps stride 0 without repeating anything,
+    and was refused as expanded after load_state_dict(state_dict()) (reprop's
+    own exp_avg), where torch steps. Stepped, as torch."""
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        p = nn.Parameter(torch.zeros(1, 0).expand(3, 0))
+        w = nn.Parameter(torch.rand(4, generator=torch.Generator().manual_seed(59)) + 0.5)
+        opt = cls([p, w], **RICH[name])
+        for k in range(3):
+            p.grad, w.grad = torch.zeros(3, 0), torch.full((4,), 0.1 * (k + 1))
+            opt.step()
+            opt.load_state_dict(opt.state_dict())
+        runs.append(Run([p, w], opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 # ---------------------------------------------------------------------------
 # 10. What the cached pointer tables assume, changed between steps
 # ---------------------------------------------------------------------------

@@ -851,7 +851,10 @@ def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
                                  "its device")
     _refuse_dispatching_state(key, t, p)
-    if 0 in t.stride():
+    # (with one element or none nothing is repeated: zeros_like or clone of a
+    # zero-element expanded param keeps its stride 0, as torch's own state
+    # does, and torch steps it)
+    if 0 in t.stride() and t.numel() > 1:
         _refuse_expanded_state(key, t, p)
 
 
