@@ -163,7 +163,7 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
 
 /* Attribute names the fast path looks up. */
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
-       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_NAMES };
+       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_ITEMSIZE, RP_N_NAMES };
 
 /* names[0 .. n) as the interned strings of text[], made at the first call
  * and kept for the process (names is the caller's static array; its last
@@ -194,7 +194,7 @@ static PyObject *const *rp_py_attr_names(void)
 {
     static const char *const text[RP_N_NAMES] = {
         "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
-        "is_neg"};
+        "is_neg", "itemsize"};
     static PyObject *names[RP_N_NAMES];
     return rp_py_interned(text, names, RP_N_NAMES);
 }
@@ -347,21 +347,37 @@ typedef struct {
 } rp_py_call_memory;
 
 /* Whether a contiguous gradient at address g may share memory that the call
- * writes: a param's (its own too) or a state tensor's. Its elements lie in
- * the key[5] bytes from g, the span of its param of the same shape and
- * dtype (contiguous where this path takes it). The kernels would read such
- * a gradient while they write that memory, where torch reads all of it
- * first, or after an in-place op has written it (the state, decoupled
+ * writes: a param's (its own too) or a state tensor's. Its numel elements of
+ * the param's dtype lie in numel x itemsize bytes from g: key[5], the span
+ * of a contiguous param (key[3] True), or, for a param with gaps in memory
+ * (a column slice, whose span key[5] is the whole matrix's rows: taken as
+ * the gradient's, it met other tensors and sent every step to the Python
+ * path, twice as slow), counted from the dtype's itemsize. The kernels would
+ * read such a gradient while they write that memory, where torch reads all
+ * of it first, or after an in-place op has written it (the state, decoupled
  * weight decay): the Python path reads one sharing its own param's memory
  * through a copy, filled as torch reads it, and refuses the others. A
  * bisection over the spans. 1 / 0 / -1 with an exception set. */
-static int rp_py_meets_call_memory(unsigned long long g, PyObject *key,
-                                   const rp_py_call_memory *memory)
+static int rp_py_meets_call_memory(unsigned long long g, PyObject *key, int64_t numel,
+                                   PyObject *const *names, const rp_py_call_memory *memory)
 {
-    unsigned long long span = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 5));
+    unsigned long long span;
     Py_ssize_t lo = 0, hi = memory->n; /* spans [lo, hi) may start below the gradient's end */
-    if (span == (unsigned long long)-1 && PyErr_Occurred())
-        return -1;
+    if (PyTuple_GET_ITEM(key, 3) == Py_True) {
+        span = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(key, 5));
+        if (span == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+    } else {
+        PyObject *size = PyObject_GetAttr(PyTuple_GET_ITEM(key, 1), names[RP_N_ITEMSIZE]);
+        long long itemsize;
+        if (size == NULL)
+            return -1;
+        itemsize = PyLong_AsLongLong(size);
+        Py_DECREF(size);
+        if (itemsize == -1 && PyErr_Occurred())
+            return -1;
+        span = (unsigned long long)numel * (unsigned long long)itemsize;
+    }
     if (span == 0)
         return 0;
     while (lo < hi) {
@@ -402,7 +418,8 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
     if (ok == 1 && ptr == 0 && ((const rp_optim_entry *)row)->numel > 0)
         ok = 0;
     if (ok == 1) {
-        int meets = rp_py_meets_call_memory(ptr, key, memory);
+        int meets = rp_py_meets_call_memory(ptr, key, ((const rp_optim_entry *)row)->numel,
+                                            names, memory);
         ok = meets < 0 ? -1 : !meets;
     }
     if (ok != 1) {

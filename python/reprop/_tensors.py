@@ -113,6 +113,43 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether an element of a and one of b share a byte of memory. Dense
+    tensors share one where their spans meet; a tensor with gaps (a column
+    slice, a strided view) may interleave with the other, its span meeting
+    the other's while no element does (the even and odd columns of one
+    matrix): its elements' addresses are then compared, O(numel) in memory
+    and time, for callers that reach it only where spans meet."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if not (a0 < b1 and b0 < a1):
+        return False
+    if is_dense(a) and is_dense(b):
+        return True
+    starts_a, starts_b = _element_addresses(a), _element_addresses(b)
+    # elements of one tensor share a size, so sorted by start they are sorted
+    # by end too: the last element of a starting before each of b's ends
+    # tells whether any of a's meets it
+    last = np.searchsorted(starts_a, starts_b + b.element_size(), side="left") - 1
+    hit = last >= 0
+    return bool(np.any(starts_a[last[hit]] + a.element_size() > starts_b[hit]))
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, end) that non-empty t's elements lie in."""
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _element_addresses(t: torch.Tensor) -> np.ndarray:
+    """The sorted distinct start addresses of t's elements (int64)."""
+    offsets = np.zeros((), dtype=np.int64)
+    for size, stride in zip(t.shape, t.stride()):
+        offsets = np.add.outer(offsets, np.arange(size, dtype=np.int64) * stride)
+    return np.unique(offsets.ravel()) * t.element_size() + t.data_ptr()
+
+
 def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a and b can be walked in lockstep as flat arrays."""
     return a.shape == b.shape and (a.stride() == b.stride() or a.numel() <= 1)

@@ -143,8 +143,9 @@ class _CallMemory:
 
     def check_grad(self, p: torch.Tensor, g: torch.Tensor, grad_of: Callable,
                    layout: tuple | None = None) -> bool:
-        """Refuses gradient g of param p where it shares memory with p's state,
-        or with another param of the call (or its state) that has a gradient
+        """Refuses gradient g of param p where it shares memory (an element:
+        spans that meet are tested element by element where one has gaps)
+        with p's state, or with another param of the call (or its state) that has a gradient
         (grad_of(param), None without) and so is written this step; returns
         whether g shares memory with p itself, which the row then reads
         through a copy that Plan.run fills as torch reads it (g as it is: a
@@ -184,15 +185,18 @@ class _CallMemory:
                 continue
             if q is p and name is None:
                 own = True
-            elif q is p:
+            elif q is p and _tensors.shares_elements(g, t):
                 raise ValueError(
                     f"grads: the gradient of {_described_param(p)} shares memory with its "
                     f"{name}; torch's update writes its {name} in place before it has read all "
                     f"of the gradient (its for-loop, foreach and fused implementations each "
                     f"at another point), where the fused update reads the gradient once: give "
                     f"the gradient memory of its own (.clone())")
-            elif (grad_of(q) is not None and not (name is None and mine)
-                  and _meets(t, start, end)):
+            elif (q is not p and grad_of(q) is not None and not (name is None and mine)
+                  and _meets(t, start, end) and _tensors.shares_elements(g, t)):
+                # (spans meeting without an element in common: one of them has gaps,
+                # interleaving with the other, e.g. the odd and even columns of one
+                # matrix; torch's update reads such a gradient as any other)
                 # (the spans are the plans' as built: another row's param or state
                 # moved since (.to(), .data replaced) makes its plan stale, and its
                 # old memory, freed, may hold this gradient now)
@@ -847,7 +851,10 @@ def _check_state_tensor(key: str, t, p: torch.Tensor) -> None:
         _refuse_state(key, t, p, "a dense floating-point tensor of the parameter's shape on "
                                  "its device")
     _refuse_dispatching_state(key, t, p)
-    if 0 in t.stride():
+    # (with one element or none nothing is repeated: zeros_like or clone of a
+    # zero-element expanded param keeps its stride 0, as torch's own state
+    # does, and torch steps it)
+    if 0 in t.stride() and t.numel() > 1:
         _refuse_expanded_state(key, t, p)
 
 
