@@ -122,7 +122,7 @@ def shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     and time, for callers that reach it only where spans meet."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
     if not (a0 < b1 and b0 < a1):
         return False
     if is_dense(a) and is_dense(b):
@@ -136,10 +136,14 @@ def shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(np.any(starts_a[last[hit]] + a.element_size() > starts_b[hit]))
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """The addresses [first, end) that non-empty t's elements lie in."""
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The addresses [first, end) that t's elements lie in (torch strides are
+    never negative); empty for an empty t, which torch deems contiguous."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # (no loop over the dims: optim's Python path spans a row's at each step)
+        return start, start + t.numel() * t.element_size()
     last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    return start, start + (last + 1) * t.element_size()
 
 
 def _element_addresses(t: torch.Tensor) -> np.ndarray:

@@ -50,7 +50,7 @@ from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag,
                        hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active, warn_at_users_line)
-from ._tensors import DOUBLE_BACKWARD_CALLERS
+from ._tensors import DOUBLE_BACKWARD_CALLERS, byte_span
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -217,18 +217,10 @@ def _pointer(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _byte_span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) bytes of memory that t's elements can touch."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
 def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.device != b.device or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
-    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    (a0, a1), (b0, b1) = byte_span(a), byte_span(b)
     return a0 < b1 and b0 < a1
 
 

@@ -70,7 +70,7 @@ def _layout_key(p: torch.Tensor) -> tuple:
     layout = _layout(p)
     if layout is None:
         return None
-    start, end = _span(p)
+    start, end = _tensors.byte_span(p)
     return (*layout, end - start)
 
 
@@ -154,14 +154,14 @@ class _CallMemory:
         gradient this step is not written: its memory is read as torch reads
         it. `layout`: p's _layout_key, given at each step by the Python path,
         where a gradient in p's layout (autograd's) spans as many bytes as p:
-        its span then costs one look at its strides, not _span's loop over
+        its span then costs one look at its strides, not byte_span's loop over
         its dims (about 1 us a param)."""
         if layout is not None and (g.is_contiguous() if layout[3] is True
                                    else g.stride() == layout[3]):
             start = g.data_ptr()
             end = start + layout[5]
         else:
-            start, end = _span(g)
+            start, end = _tensors.byte_span(g)
         if start == end:
             return False
         i = bisect.bisect_left(self.union_starts, end) - 1
@@ -212,7 +212,7 @@ class _CallMemory:
 
 def _meets(t: torch.Tensor, start: int, end: int) -> bool:
     """Whether t's memory now meets the addresses [start, end)."""
-    t_start, t_end = _span(t)
+    t_start, t_end = _tensors.byte_span(t)
     return t_start < end and start < t_end
 
 
@@ -896,16 +896,6 @@ def _check_step_count(step, p: torch.Tensor) -> None:
     _refuse_state("step", step, p, "a number or a one-element tensor")
 
 
-def _span(p: torch.Tensor) -> tuple[int, int]:
-    """The addresses [first, end) that p's elements lie in (torch strides are
-    never negative); empty for an empty p, which torch deems contiguous."""
-    start = p.data_ptr()
-    if p.is_contiguous():  # (no loop over the dims: the Python path spans a row's at each step)
-        return start, start + p.numel() * p.element_size()
-    last = sum((size - 1) * stride for size, stride in zip(p.shape, p.stride()))
-    return start, start + (last + 1) * p.element_size()
-
-
 def _ordered_runs(params: list, state, slots: tuple) -> list[list]:
     """`params` (of one device and dtype) as runs to update one after another.
     torch updates a group's params in turn, so where two overlap in memory
@@ -948,7 +938,7 @@ def _memory_spans(params: list, state, slots: tuple) -> Iterable[tuple]:
         for t in (p, *(st.get(key) for key in slots if key is not None)):
             if (isinstance(t, torch.Tensor) and t.layout is torch.strided and t.numel()
                     and t.device == p.device and not _dispatches(t)):
-                yield _span(t), i
+                yield _tensors.byte_span(t), i
 
 
 def _refuse_shared_state(p: torch.Tensor, row_state: list) -> None:
@@ -957,7 +947,7 @@ def _refuse_shared_state(p: torch.Tensor, row_state: list) -> None:
     p.detach()): torch's ops write them one after another, each reading what
     the one before wrote, where the kernels read all of an element's values
     before writing any (Adam gave NaN). Other params' state: _ordered_runs."""
-    spans = [(_span(t), key) for key, t in [(None, p), *row_state] if t.numel()]
+    spans = [(_tensors.byte_span(t), key) for key, t in [(None, p), *row_state] if t.numel()]
     for k, ((start, end), key) in enumerate(spans):
         for (other_start, other_end), other in spans[:k]:  # (key is a state's: p is first)
             if start < other_end and other_start < end:
