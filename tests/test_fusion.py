@@ -3874,6 +3874,62 @@ def test_forward_mode_safety_net_survives_a_swapping_conversion(conversion: str)
     handle.remove()
 
 
+def _swap_first_weight_by_hand(model: nn.Module, opt) -> None:
+    """torch.utils.swap_tensors of a fused parameter by hand, not through a
+    module conversion (whose _apply or load_state_dict applies the pending
+    updates first): the Parameter object stays, its contents are new."""
+    p = model[0].weight
+    torch.utils.swap_tensors(p, nn.Parameter(torch.full_like(p, 0.01)))
+
+
+def test_forward_mode_parameter_swapped_by_hand_while_its_update_is_pending_is_refused() -> None:
+    """torch.utils.swap_tensors(p, new) by hand between step() and the next
+    forward: eager's step() had updated p's old contents, which the swap
+    moved into `new`, leaving p with `new`'s values as they were. The
+    pending update was applied on top of those (0.0088 off eager after six
+    steps of Adam, silently). It is refused where it would be applied,
+    naming the parameter and handle.flush(), and dropped; the others stay
+    pending and apply as eager's did."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)  # (the first step() applies at once: no state yet)
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    _swap_first_weight_by_hand(model, opt)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped.*handle\.flush\(\)"):
+        model(x)
+    handle.flush()  # (the others, the swapped one's module-mate too: the refusal came first)
+    assert torch.all(model[0].weight == 0.01)  # the swapped-in values, as eager's
+    ref_model, _ = _mlp_loop(None, lambda m: rp.Adam(m.parameters(), lr=0.01), 2)
+    for (n, p), r in zip(model.named_parameters(), ref_model.parameters()):
+        if n != "0.weight":
+            assert torch.equal(p, r), f"{n}: {_diff(p, r)}"
+    handle.remove()
+
+
+def _flush_then_swap_first_weight(model: nn.Module, opt) -> None:
+    reprop.fusion.fusion_of(model).flush()
+    _swap_first_weight_by_hand(model, opt)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_swapped_by_hand_after_step_trains_as_eager(mode: str) -> None:
+    """The swap that the refusal above asks for: after handle.flush() in
+    forward mode (the update applied, as eager's step() applied it), and
+    any time between step() and the next forward in backward mode, whose
+    hooks the next forward registers again on the new contents."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    swap = _flush_then_swap_first_weight if mode == "forward" else _swap_first_weight_by_hand
+    got = _mlp_loop(mode, make_opt, 6, after_step={2: swap},
+                    before_step=dict.fromkeys(range(6), _assert_grads_freed)
+                    if mode == "backward" else None)
+    ref = _mlp_loop(None, make_opt, 6, after_step={2: _swap_first_weight_by_hand})
+    _assert_same_training(got, ref)
+
+
 def _free_grads_by_hand(model: nn.Module, opt) -> None:
     for p in model.parameters():
         p.grad = None

@@ -489,6 +489,10 @@ class SwapWatch:
 
 
 _DICT_OF = operator.attrgetter("__dict__")
+# What tells a tensor swapped since (torch.utils.swap_tensors by hand, not
+# through a conversion): its __dict__, which the swap exchanges with the other
+# tensor's; compared with `is` (empty dicts are equal). One C call a tensor.
+swap_mark = _DICT_OF
 
 
 def rearm_tensor_hooks(t: torch.Tensor) -> None:

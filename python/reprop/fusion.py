@@ -2303,7 +2303,8 @@ class _ForwardFusion(FusionHandle):
         self._clip = clip_grad_norm
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
-        # step(), held, not copied; that tensor's _grad_mark then)
+        # step(), held, not copied; that tensor's _grad_mark then; the param's
+        # _tensors.swap_mark then, which a swap_tensors by hand changes)
         self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
         # id(group) -> (state slots, ids of the params with a gradient) of the
@@ -2634,26 +2635,46 @@ class _ForwardFusion(FusionHandle):
         """id(param) -> the gradient step() held for each pending update of
         `params`. One changed in place since (p.grad.zero_() or mul_() after
         step(), where eager's step() had applied it already) can neither give
-        eager's update nor be applied edited: those updates are dropped and
-        a RuntimeError names them, before any of `params` is applied (the
-        others stay pending)."""
-        grads, edited = {}, []
+        eager's update nor be applied edited; nor can the update of a param
+        swapped since (torch.utils.swap_tensors(p, new) by hand, which a
+        conversion's flush does not precede): eager's step() updated the
+        contents the swap moved into `new`, and p holds `new`'s values as
+        they were, which applying it changed, silently. Those updates are
+        dropped and a RuntimeError names them, before any of `params` is
+        applied (the others stay pending)."""
+        grads, edited, swapped, held = {}, [], [], self._grads
         for p in params:
-            grad, mark = self._grads[id(p)]
-            grads[id(p)] = grad
+            grad, mark, contents = held[i := id(p)]  # (locals: the check below costs none)
+            grads[i] = grad
             if _grad_mark(grad) != mark:
                 edited.append(p)
-        if edited:
-            self._settle(edited)
-            names = ", ".join(_param_name(self.model, p) for p in edited)
-            raise RuntimeError(
-                f"reprop.fuse(mode='forward'): the gradient of {names} was changed in place "
+            elif p.__dict__ is not contents:  # (a swap exchanges the objects' __dict__)
+                swapped.append(p)
+        if edited or swapped:
+            self._settle(edited + swapped)
+            raise RuntimeError(". ".join(
+                ([self._edited_message(edited)] if edited else [])
+                + ([self._swapped_message(swapped)] if swapped else [])))
+        return grads
+
+    def _edited_message(self, edited: list) -> str:
+        names = ", ".join(_param_name(self.model, p) for p in edited)
+        return (f"reprop.fuse(mode='forward'): the gradient of {names} was changed in place "
                 "after optimizer.step() (p.grad.zero_(), p.grad.data = ..., or the zero_grad() "
                 "of a module that contains the fused model, which zeroes .grad in place), "
                 "before its pending update was applied; that update is dropped. Set "
                 "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
                 "instead, or call handle.flush() before editing .grad")
-        return grads
+
+    def _swapped_message(self, swapped: list) -> str:
+        names = ", ".join(_param_name(self.model, p) for p in swapped)
+        return (f"reprop.fuse(mode='forward'): {names} was swapped (torch.utils.swap_tensors) "
+                "after optimizer.step(), before its pending update was applied: eager's step() "
+                "had updated the contents the swap moved out, and the update cannot apply to "
+                "the ones swapped in; that update is dropped. Call handle.flush() before "
+                "swapping a fused parameter between optimizer.step() and the next forward "
+                "(a module's .to() or load_state_dict() under "
+                "torch.__future__.set_swap_module_params_on_conversion does so itself)")
 
     def _settle(self, params: list) -> None:
         """These updates are no longer pending (applied, or dropped)."""
@@ -2832,16 +2853,17 @@ class _ForwardFusion(FusionHandle):
         """Marks these updates pending, each to apply the gradient its param
         has now (the tensor, not a copy), as eager's step() applies it now,
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
-        gradient set by hand); its _grad_mark tells an edit in place
-        (_held_grads). A KeyboardInterrupt (a notebook's stop button) may
-        arrive between any two statements, so each prefix is consistent:
+        gradient set by hand); its _grad_mark tells an edit in place, and the
+        param's swap mark a torch.utils.swap_tensors of it (_held_grads). A
+        KeyboardInterrupt (a notebook's stop button) may arrive between any
+        two statements, so each prefix is consistent:
         the entries are made whole first, and a pending update always finds
         its held gradient, so _grads is filled before _pending (one held
         but not pending is ignored: see _fused_zero_grad, _fused_step)."""
         ids = list(map(id, params))
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
-        held = list(zip(grads, map(_grad_mark, grads)))
+        held = list(zip(grads, map(_grad_mark, grads), map(_tensors.swap_mark, params)))
         self._grads.update(zip(ids, held))
         self._pending.update(zip(ids, params))
 
