@@ -3002,8 +3002,15 @@ class DataParallel(_PassTracking, Joinable):
         buckets = [_Bucket(run) for run in _pack(rest, self._cap, self._first_cap)]
         self._bucket_of = {p: b for b in buckets for p in b.params}
         self._layer_buckets = {}
+        # each held layer's parameters in the model's order, in one pass: a
+        # pass over every parameter per held layer made this k x params
+        # (17.6 s for 3000 Linear layers held, at each k the search tries)
+        held_params: dict = {}
+        for p in self._params:
+            if p in held_layer:
+                held_params.setdefault(held_layer[p], []).append(p)
         for layer in self._order:
-            mine = [p for p in self._params if held_layer.get(p) == layer]
+            mine = held_params.get(layer, [])
             self._layer_buckets[layer] = [_Bucket(run, layer) for run in _pack(mine, float("inf"))]
             buckets += self._layer_buckets[layer]
         self._buckets = buckets
