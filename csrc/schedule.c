@@ -153,6 +153,14 @@ typedef struct {
     double *rem;         /* (n_resources) work left of the running task */
     int64_t *group_id;   /* (n_resources) first resource of its co-run group, or -1 */
     int64_t *group_busy; /* (n_resources) running resources per group_id */
+    /* Only the resources an event touched are visited: a pass over every
+     * resource per event made a pipeline of S stages cost events x S (10^4
+     * stages: seconds where 10^4 layers on one stage take milliseconds). */
+    int64_t *active;     /* (n_resources) the running resources, n_active of them */
+    int64_t n_active;
+    int64_t *touched;    /* (n_resources) idle resources that may start a task, n_touched */
+    int64_t n_touched;
+    unsigned char *is_touched; /* (n_resources) r is in touched */
 } rp_sim;
 
 /* Times within this of t are t: some thousand rounding errors of t, the
@@ -250,6 +258,7 @@ static void rp_sim_free(rp_sim *s)
     free(s->succ_delay), free(s->waiting), free(s->ready), free(s->avail);
     free(s->released.items), free(s->queue), free(s->queue_items), free(s->next);
     free(s->running), free(s->rem), free(s->group_id), free(s->group_busy);
+    free(s->active), free(s->touched), free(s->is_touched);
 }
 
 static int rp_sim_alloc(rp_sim *s)
@@ -272,9 +281,13 @@ static int rp_sim_alloc(rp_sim *s)
     s->rem = rp_sched_alloc(r, sizeof *s->rem);
     s->group_id = rp_sched_alloc(r, sizeof *s->group_id);
     s->group_busy = rp_sched_alloc(r, sizeof *s->group_busy);
+    s->active = rp_sched_alloc(r, sizeof *s->active);
+    s->touched = rp_sched_alloc(r, sizeof *s->touched);
+    s->is_touched = rp_sched_alloc(r, sizeof *s->is_touched);
     return s->order && s->res_start && s->rank && s->succ_ptr && s->succ && s->succ_delay &&
            s->waiting && s->ready && s->avail && s->released.items && s->queue &&
-           s->queue_items && s->next && s->running && s->rem && s->group_id && s->group_busy;
+           s->queue_items && s->next && s->running && s->rem && s->group_id && s->group_busy &&
+           s->active && s->touched && s->is_touched;
 }
 
 /* qsort has no context: tasks (or resources) are sorted as (key, id)
@@ -354,6 +367,22 @@ static void rp_sim_init(rp_sim *s)
         s->next[r] = s->res_start[r];
         s->running[r] = -1;
         s->rem[r] = 0.0;
+        s->group_busy[r] = 0;
+        s->touched[r] = r; /* every resource is looked at once */
+        s->is_touched[r] = 1;
+    }
+    s->n_active = 0;
+    s->n_touched = g->n_resources;
+}
+
+/* r may start a task at the next dispatch: one of its tasks became
+ * available, or it became idle. An idle resource that no event touched has
+ * nothing to start (the last dispatch found nothing for it). */
+static void rp_sim_touch(rp_sim *s, int64_t r)
+{
+    if (!s->is_touched[r]) {
+        s->is_touched[r] = 1;
+        s->touched[s->n_touched++] = r;
     }
 }
 
@@ -387,6 +416,7 @@ static void rp_sim_release(rp_sim *s, double now)
         int64_t t = rp_heap_pop(&s->released).task;
         int32_t r = g->resource[t];
         s->avail[t] = 1;
+        rp_sim_touch(s, r);
         /* FIFO: earliest ready first; both policies break ties by (priority, id) */
         if (g->policy[r] != RP_RES_IN_ORDER)
             rp_heap_push(&s->queue[r],
@@ -395,12 +425,16 @@ static void rp_sim_release(rp_sim *s, double now)
     }
 }
 
-/* Starts a task on every idle resource that has one it may run. */
+/* Starts a task on every idle resource that has one it may run: those
+ * touched since the last dispatch (resources do not interact here, so the
+ * order they are visited in does not matter). */
 static void rp_sim_dispatch(rp_sim *s, double now, double *start)
 {
     const rp_task_graph *g = s->g;
-    for (int64_t r = 0; r < g->n_resources; r++) {
+    for (int64_t i = 0; i < s->n_touched; i++) {
+        const int64_t r = s->touched[i];
         int64_t t = -1;
+        s->is_touched[r] = 0;
         if (s->running[r] >= 0)
             continue;
         if (g->policy[r] == RP_RES_IN_ORDER) {
@@ -415,8 +449,12 @@ static void rp_sim_dispatch(rp_sim *s, double now, double *start)
             s->running[r] = t;
             s->rem[r] = g->cost[t];
             start[t] = now;
+            s->active[s->n_active++] = r;
+            if (s->group_id[r] >= 0)
+                s->group_busy[s->group_id[r]]++;
         }
     }
+    s->n_touched = 0;
 }
 
 /* The task on r is done at `now`: its successors may be released. */
@@ -425,6 +463,7 @@ static void rp_sim_finish(rp_sim *s, int64_t r, double now, double *finish)
     const int64_t t = s->running[r];
     finish[t] = now;
     s->running[r] = -1;
+    rp_sim_touch(s, r);
     for (int64_t e = s->succ_ptr[t]; e < s->succ_ptr[t + 1]; e++) {
         int64_t u = s->succ[e];
         s->ready[u] = fmax(s->ready[u], now + s->succ_delay[e]);
@@ -452,37 +491,41 @@ enum { RP_SIM_DEADLOCK = -1, RP_SIM_OVERFLOW = -2 };
 static int64_t rp_sim_step(rp_sim *s, double corun_rate, double *now, double *finish,
                            double *busy)
 {
-    const rp_task_graph *g = s->g;
     double next = INFINITY;
-    int64_t finished = 0, pending = s->released.size;
-    memset(s->group_busy, 0, (size_t)g->n_resources * sizeof *s->group_busy);
-    for (int64_t r = 0; r < g->n_resources; r++)
-        if (s->running[r] >= 0 && s->group_id[r] >= 0)
-            s->group_busy[s->group_id[r]]++;
-    for (int64_t r = 0; r < g->n_resources; r++)
-        if (s->running[r] >= 0) {
-            next = fmin(next, *now + s->rem[r] / rp_sim_rate(s, r, corun_rate));
-            pending++;
-        }
+    int64_t finished = 0, kept = 0, pending = s->released.size + s->n_active;
+    /* group_busy counts the running resources per group (dispatch adds,
+     * the end of this step removes), the rates of a step all from its start */
+    for (int64_t i = 0; i < s->n_active; i++) {
+        const int64_t r = s->active[i];
+        next = fmin(next, *now + s->rem[r] / rp_sim_rate(s, r, corun_rate));
+    }
     if (s->released.size > 0)
         next = fmin(next, s->released.items[0].key);
     if (pending == 0)
         return RP_SIM_DEADLOCK;
     if (isinf(next))
         return RP_SIM_OVERFLOW;
-    for (int64_t r = 0; r < g->n_resources; r++) {
+    for (int64_t i = 0; i < s->n_active; i++) {
+        const int64_t r = s->active[i];
         const double rate = rp_sim_rate(s, r, corun_rate);
-        if (s->running[r] < 0)
-            continue;
         busy[r] += next - *now;
         /* within the tolerance of its own finish (next, if it finishes now) */
         if (*now + s->rem[r] / rate <= next + rp_sim_tol(next)) {
             rp_sim_finish(s, r, next, finish);
             finished++;
+            s->active[i] = -1 - r; /* its group is counted down below */
         } else {
             s->rem[r] = fmax(0.0, s->rem[r] - rate * (next - *now));
         }
     }
+    for (int64_t i = 0; i < s->n_active; i++) {
+        const int64_t r = s->active[i];
+        if (r >= 0)
+            s->active[kept++] = r;
+        else if (s->group_id[-1 - r] >= 0)
+            s->group_busy[s->group_id[-1 - r]]--;
+    }
+    s->n_active = kept;
     *now = next;
     return finished;
 }

@@ -2411,6 +2411,53 @@ def test_a_huge_cost_leaves_the_other_tasks_times_alone():
         np.testing.assert_allclose(got[task], times, rtol=1e-15, atol=1e-15, err_msg=str(task))
 
 
+def test_simulate_reads_its_results_a_fixed_number_of_times(monkeypatch):
+    """simulate() masked the simulated times once per device (the order
+    lists) and once per iteration (the period): devices x tasks and
+    iterations x tasks, seconds for 10^4 stages and minutes for 10^4
+    iterations. Counted here as the reads of the core's start and finish
+    arrays, which must not grow with the stages or the iterations."""
+    class Counted(np.ndarray):
+        reads = 0
+
+        def __getitem__(self, key):
+            Counted.reads += 1
+            return np.asarray(self)[key]
+
+    core = ooo._C
+
+    class Core:
+        def __getattr__(self, name):
+            return getattr(core, name)
+
+        @staticmethod
+        def simulate(graph, corun_rate):
+            start, finish, *rest = core.simulate(graph, corun_rate)
+            return (start.view(Counted), finish.view(Counted), *rest)
+
+    reads, results = {}, {}
+    for n in (2, 24):
+        kwargs = dict(layers=n, num_stages=n, iterations=n, micro_batches=2, sub_stream=True,
+                      order="fast_forward", sync=0.5)
+        results[n] = ooo.simulate(**kwargs)
+        with monkeypatch.context() as m:
+            m.setattr(ooo, "_C", Core())
+            Counted.reads = 0
+            counted = ooo.simulate(**kwargs)
+        reads[n] = Counted.reads
+        assert (counted.order, counted.period, counted.makespan) == \
+            (results[n].order, results[n].period, results[n].makespan)
+    assert reads[24] == reads[2]
+    # each device's tasks by start, ties by id; the links' all-reduces left out
+    r = results[24]
+    for d, tasks in enumerate(r.order):
+        on_d = [t for t in range(len(r.start)) if r.graph["resource"][t] in (d, 24 + d)]
+        on_d.sort(key=lambda t: (r.start[t], t))
+        g = r.graph
+        assert tasks == [(ooo._TASK_NAMES[g["kind"][t]], int(g["layer"][t]), int(g["micro"][t]),
+                          int(g["iteration"][t])) for t in on_d]
+
+
 @pytest.mark.parametrize("kwargs, task", [
     (dict(fwd=1e308), r"F\(layer 1, .* would finish"),  # 1e308 + 1e308
     (dict(sub_stream=True, corun_rate=5e-324, order="fast_forward"), "would finish"),  # 1 / 5e-324
