@@ -149,6 +149,15 @@ def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
     assert f"WARNING: mobilenet_v2 b4 AdamW {wrong}: not the parameters" in report
 
 
+def test_fusion_times_and_checks_torchs_optimizer_in_backward(machine, capsys, monkeypatch):
+    # Backward-fusion was compared with eager torch steps only: torch's own optimizer-in-backward
+    # (per-parameter optimizers stepped in post-accumulate-grad hooks) was not a candidate.
+    report = fusion_report("adamw", machine, capsys, monkeypatch, wrong=fusion_bench.TORCH_BACKWARD)
+    assert "x torch bwd" in report and "BF x torch bwd" in report
+    assert (f"WARNING: mobilenet_v2 b4 AdamW {fusion_bench.TORCH_BACKWARD}: not the parameters "
+            f"{fusion_bench.FOREACH} has") in report
+
+
 class SGDWithoutMomentum(reprop.optim.SGD):
     """Wrong: SGD that ignores its momentum."""
 
