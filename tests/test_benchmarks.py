@@ -339,6 +339,23 @@ def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
     assert "parameters and gradients equal to eager's" in report and "NO: ooo:" in report
 
 
+def test_ooo_single_peaks_leave_captured_steps_out(capsys):
+    # A CUDA graph's replay calls no allocator: peak_memory read 0 bytes for graph and ooo+graph,
+    # recorded as their peaks, and "extra peak" fell back to ooo over eager unannounced.
+    def alloc():
+        return torch.empty(1 << 16)
+
+    trainers = {"eager": SimpleNamespace(graph=None, step=alloc), "graph": SimpleNamespace(graph=object(), step=alloc)}
+    peaks = ooo_bench.step_peaks(trainers, CPU)
+    assert peaks["graph"] is None and peaks["eager"] >= 4 << 16
+    row = {"model": "m", "batch": 8, "errors": {}, "steps": 5, "cpu": False, "mismatch": {},
+           "images_per_s": {"eager": 1.0, "ooo": 1.0, "graph": 2.0, "ooo+graph": 2.0},
+           "peak_bytes": {"eager": 100, "ooo": 110, "graph": None, "ooo+graph": None}}
+    ooo_bench.print_single([row])
+    out = capsys.readouterr().out
+    assert "extra peak (ooo/eager)" in out and "+10.0%" in out
+
+
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     report = ooo_single_report(capsys, monkeypatch, wrong=False)
     assert "seeded steps (bitwise): yes" in report
