@@ -356,6 +356,17 @@ def test_ooo_single_peaks_leave_captured_steps_out(capsys):
     assert "extra peak (ooo/eager)" in out and "+10.0%" in out
 
 
+def test_ooo_pipeline_times_and_checks_torchs_gpipe(capsys):
+    # The pipeline schedules were compared with reprop's own GPipe alone: torch's
+    # torch.distributed.pipelining ScheduleGPipe, the peer in torch, was not run.
+    (r,) = ooo_bench.spawn_ranks(2, [(ooo_bench.pipe_job, dict(reps=1, warmup=0))])
+    assert ooo_bench.TORCH_GPIPE in r["ms"] and r["grad_mismatch_single"][ooo_bench.TORCH_GPIPE] is None
+    ooo_bench.print_dist_pipeline(r)
+    out = capsys.readouterr().out
+    assert "x torch GPipe" in out and "equal to single-process training's (rtol 1e-05, largest" in out
+    assert "): yes; to GPipe's: yes" in out
+
+
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     report = ooo_single_report(capsys, monkeypatch, wrong=False)
     assert "seeded steps (bitwise): yes" in report
