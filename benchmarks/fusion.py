@@ -10,6 +10,9 @@ the same run, alternated (harness.measure_alternated), medians:
 
     torch foreach    torch.optim.X(foreach=True), eager
     torch fused      torch.optim.X(fused=True), eager (n/a where torch has no fused X there)
+    torch backward   torch's own optimizer-in-backward recipe: one torch.optim.X per parameter
+                     (fused where torch has it, else foreach), stepped and its gradient freed in
+                     the parameter's post-accumulate-grad hook: backward-fusion's torch peer
     reprop eager     reprop.optim.X, eager
     reprop forward   reprop.fuse(model, reprop.optim.X(...), mode="forward"): each update is
                      applied right before its module's next forward (Algorithm 2)
@@ -50,7 +53,7 @@ run exits with status 1 once the report is printed and the JSON written.
     python benchmarks/fusion.py --quick                       # CI-sized, CPU (~25 s on 2 idle cores)
     python benchmarks/fusion.py --device cuda --json out.json
     python benchmarks/fusion.py --device cuda --sweeps batches --batches 32,64
-    python benchmarks/fusion.py --quick --baselines-only      # eager baselines only, no reprop.fuse
+    python benchmarks/fusion.py --quick --baselines-only      # baselines only (torch's, reprop eager), no reprop.fuse
 """
 
 from __future__ import annotations
@@ -76,10 +79,17 @@ OPTIMIZERS = optim_bench.OPTIMIZERS
 # Candidate names, in table order.
 FOREACH, FUSED = optim_bench.FOREACH, optim_bench.FUSED
 EAGER, FORWARD, BACKWARD, FLOOR = "reprop eager", "reprop forward", "reprop backward", "no optimizer"
-TORCH_BASELINES = (FOREACH, FUSED)
-BASELINES = (FOREACH, FUSED, EAGER)  # every candidate's speedup is reported against each of these
+# torch's own optimizer-in-backward (per-parameter optimizers stepped in post-accumulate-grad hooks,
+# torch's tutorial "How to save memory by fusing the optimizer step into the backward pass"): the
+# torch path that does what backward-fusion does. Without it, backward-fusion was compared with
+# eager torch steps only.
+TORCH_BACKWARD = "torch backward"
+TORCH_BASELINES = (FOREACH, FUSED, TORCH_BACKWARD)
+BASELINES = (FOREACH, FUSED, TORCH_BACKWARD, EAGER)  # every candidate's speedup is reported against each of these
+BASELINE_LABELS = {FOREACH: "foreach", FUSED: "fused", TORCH_BACKWARD: "torch bwd", EAGER: "reprop"}
 FUSION_MODES = {FORWARD: "forward", BACKWARD: "backward"}
-CHECK_REFERENCE = {FUSED: FOREACH, EAGER: FOREACH, FORWARD: EAGER, BACKWARD: EAGER}  # see check_candidates
+CHECK_REFERENCE = {FUSED: FOREACH, TORCH_BACKWARD: FOREACH, EAGER: FOREACH, FORWARD: EAGER,
+                   BACKWARD: EAGER}  # see check_candidates
 
 SEQ_LEN = 128
 MIB = 2**20
@@ -166,7 +176,7 @@ class CaseResult:
         return s.median if s else None
 
     def best_torch(self) -> float | None:
-        """The faster of torch's two eager baselines (ms)."""
+        """The fastest of torch's baselines (ms): foreach, fused, optimizer-in-backward."""
         times = [t for t in map(self.median, TORCH_BASELINES) if t is not None]
         return min(times) if times else None
 
@@ -214,17 +224,53 @@ def optimizer_factories(optimizer: str, **overrides) -> dict[str, Callable[[list
     replace the optimizer's hyper-parameters (the check's lr).
     """
     base = optim_bench.optimizer_factories(OPTIMIZERS[optimizer], with_reprop=True, **overrides)
-    return {FOREACH: base[FOREACH], FUSED: base[FUSED], EAGER: base[optim_bench.REPROP],
-            **{name: base[optim_bench.REPROP] for name in FUSION_MODES}}
+    return {FOREACH: base[FOREACH], FUSED: base[FUSED], TORCH_BACKWARD: in_backward_factory(base),
+            EAGER: base[optim_bench.REPROP], **{name: base[optim_bench.REPROP] for name in FUSION_MODES}}
 
 
-def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+class InBackward:
+    """torch's optimizer-in-backward: one optimizer per parameter, stepped in the parameter's
+    post-accumulate-grad hook, which then frees the gradient (torch's recipe). Not an Optimizer:
+    the candidate's step() is forward + backward alone (training_step with in_backward)."""
+
+    def __init__(self, params: list, make: Callable[[list], torch.optim.Optimizer]):
+        self.optimizers = {p: make([p]) for p in params}
+        self.hooks = [p.register_post_accumulate_grad_hook(self._step) for p in params]
+
+    def _step(self, p: torch.Tensor) -> None:
+        opt = self.optimizers[p]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks = []
+
+
+def in_backward_factory(base: dict) -> Callable[[list], InBackward]:
+    """InBackward over per-parameter torch optimizers: fused where torch builds one for the
+    parameter (construction is where it refuses a device), else foreach."""
+    def per_param(ps: list) -> torch.optim.Optimizer:
+        try:
+            return base[FUSED](ps)
+        except (RuntimeError, TypeError, ValueError):
+            return base[FOREACH](ps)
+    return lambda params: InBackward(params, per_param)
+
+
+def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | InBackward | None,
                   x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """The user's training step; without an optimizer, forward + backward + zero_grad only.
+    """The user's training step; without an optimizer, forward + backward + zero_grad only;
+    with torch's optimizer-in-backward, forward + backward (its hooks step and free the gradients).
 
     ``optimizer.step`` is looked up at every call: reprop.fuse replaces it on
     the instance.
     """
+    def in_backward() -> None:
+        loss = models.cross_entropy(model(x), y)
+        loss.backward()
+
     def step() -> None:
         loss = models.cross_entropy(model(x), y)
         loss.backward()
@@ -236,6 +282,8 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         loss.backward()
         model.zero_grad()
 
+    if isinstance(optimizer, InBackward):
+        return in_backward
     return floor if optimizer is None else step
 
 
@@ -244,7 +292,7 @@ def make_trainer(name: str, template: nn.Module, factory, batch: tuple[torch.Ten
     """A fresh copy of ``template`` on ``device``, the candidate's optimizer and fusion, its step()."""
     model = copy.deepcopy(template).to(device).train()
     optimizer = factory(list(model.parameters())) if factory is not None else None
-    handle = None
+    handle = optimizer if isinstance(optimizer, InBackward) else None  # close() removes its hooks
     if name in FUSION_MODES:
         import reprop
         handle = reprop.fuse(model, optimizer, mode=FUSION_MODES[name])
@@ -460,6 +508,7 @@ def summary_row(result: CaseResult) -> dict:
         row[f"{tag}_x_foreach"] = ratio(foreach, ms)
         row[f"{tag}_x_best_torch"] = ratio(best, ms)
         row[f"{tag}_saved_ms"] = foreach - ms if foreach and ms else None  # Figure 4
+    row["bf_x_torch_backward"] = ratio(result.median(TORCH_BACKWARD), result.median(BACKWARD))
     eager_peak, bf_peak = result.peak_bytes.get(EAGER), result.peak_bytes.get(BACKWARD)
     row["bf_peak_saving_of_grads"] = ((eager_peak - bf_peak) / result.grad_bytes
                                       if eager_peak is not None and bf_peak is not None else None)
@@ -468,7 +517,7 @@ def summary_row(result: CaseResult) -> dict:
 
 def format_details(rows: list[dict]) -> str:
     """The per-candidate table: n/a where a candidate is unavailable, - where not measured."""
-    headers = ["case", "candidate", "ms", "IQR", "x foreach", "x fused", "x reprop", "peak MiB",
+    headers = ["case", "candidate", "ms", "IQR", *(f"x {BASELINE_LABELS[b]}" for b in BASELINES), "peak MiB",
                "vs eager MiB"]
     out = []
     for r in rows:
@@ -484,12 +533,13 @@ def format_details(rows: list[dict]) -> str:
 def format_summary(rows: list[dict]) -> str:
     """The per-case table of the paper's quantities (FF forward-, BF backward-fusion)."""
     headers = ["case", "sweeps", "tensors", "params/tensor", "grads MiB", "opt share", "FF x foreach",
-               "BF x foreach", "FF x best torch", "BF x best torch", "FF saved ms", "BF saved ms",
-               "BF peak saving / grads"]
+               "BF x foreach", "BF x torch bwd", "FF x best torch", "BF x best torch", "FF saved ms",
+               "BF saved ms", "BF peak saving / grads"]
     out = [[r["case"], r["sweeps"], r["tensors"], f"{r['params_per_tensor']:,.0f}",
             harness.fmt(r["grads_mib"], ".1f"), pct(r["opt_share_foreach"]),
-            *(harness.fmt(r[k], ".2f") for k in ("ff_x_foreach", "bf_x_foreach", "ff_x_best_torch",
-                                                  "bf_x_best_torch", "ff_saved_ms", "bf_saved_ms")),
+            *(harness.fmt(r[k], ".2f") for k in ("ff_x_foreach", "bf_x_foreach", "bf_x_torch_backward",
+                                                  "ff_x_best_torch", "bf_x_best_torch", "ff_saved_ms",
+                                                  "bf_saved_ms")),
             pct(r["bf_peak_saving_of_grads"])] for r in rows]
     return harness.format_table(headers, out)
 
@@ -503,7 +553,8 @@ def evaluate_targets(results: list[CaseResult], args) -> list[dict]:
 
     1. MobileNetV2, AdamW, batch --batch: backward-fusion >= TARGET_SPEEDUP x torch foreach.
     2. Every batch of the batch sweep: both fusion modes at least as fast as
-       the faster torch baseline (speedup >= 1; the IQR says how close a tie is).
+       the fastest torch baseline (foreach, fused or optimizer-in-backward; speedup >= 1;
+       the IQR says how close a tie is).
     3. Every case: backward-fusion's peak memory below reprop eager's by at
        least TARGET_GRAD_SAVING of the gradients' size. Not all of it: eager's
        peak is often early in backward, when the activations are still alive
@@ -550,7 +601,8 @@ def print_report(results: list[CaseResult], names: list[str], checks: list[dict]
     print(format_details([row for res in results for row in detail_rows(res, names)]))
     if any(res.median(FORWARD) or res.median(BACKWARD) for res in results):
         print("\nopt share = (torch foreach - no optimizer) / torch foreach; FF/BF = forward-/backward-"
-              "fusion; saved ms = torch foreach - fusion\n")
+              "fusion; torch bwd = torch's optimizer-in-backward; best torch = the fastest of torch foreach, "
+              "fused and bwd; saved ms = torch foreach - fusion\n")
         print(format_summary([summary_row(res) for res in results]))
     for res in results:
         for name, why in res.unavailable.items():
@@ -563,7 +615,8 @@ def print_report(results: list[CaseResult], names: list[str], checks: list[dict]
     if checked:
         bitwise = ", ".join(s.cls for s in OPTIMIZERS.values() if s.bitwise)
         print(f"\nparameters from the same start, lr {optim_bench.CHECK_LR:g}, the same dropout masks: "
-              f"torch fused and reprop eager = torch foreach's at each of {CHECK_STEPS} steps, each from foreach's "
+              f"torch fused, torch backward and reprop eager = torch foreach's at each of {CHECK_STEPS} steps, each "
+              "from foreach's "
               f"parameters before it (bitwise: {bitwise}, on the CPU; the others within {optim_bench.CHECK_ULPS} x "
               f"eps x (|p| + that step's largest update)), reprop forward and backward = "
               f"reprop eager's bit for bit after {CHECK_STEPS} steps: "
@@ -624,7 +677,7 @@ def parse_args():
     p.add_argument("--image-size", type=int, default=None,
                    help=f"image height and width (default {FULL['image_size']}; quick {QUICK['image_size']})")
     p.add_argument("--baselines-only", action="store_true",
-                   help="time the eager baselines and the floor only (no reprop.fuse needed)")
+                   help="time the baselines (torch's and reprop eager) and the floor only (no reprop.fuse needed)")
     args = p.parse_args()
     defaults = QUICK if args.quick else FULL
     for key in ("models", "batches", "optims", "batch", "image_size"):

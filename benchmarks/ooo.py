@@ -9,7 +9,9 @@ Parts (--parts, default all that run on the device):
               ooo           reprop.ooo.enable(model): dW deferred, on CUDA on a
                             sub-stream (the lowest priority), placed by Algorithm 1
               ooo+graph     the same, captured in one CUDA graph (CUDA only)
-            throughput (images/s) and peak memory per candidate, and the gain
+            throughput (images/s) and peak memory of a step (eager and ooo:
+            a CUDA graph's replay allocates nothing, its memory is taken at
+            capture; "extra peak" = ooo's over eager's), and the gain
             of each part as the paper's Figure 7 (graph over eager, ooo+graph
             over graph). Every candidate takes the same steps from identical
             copies, the RNG seeded alike; then each one's parameters and
@@ -44,9 +46,11 @@ Parts (--parts, default all that run on the device):
               iteration; then the parameters must equal DDP's.
               pipeline, 2 and 4 ranks (--quick: 2), 16 Linear+GELU blocks:
               reprop.ooo.Pipeline GPipe contiguous against fast-forwarding
-              contiguous and fast-forwarding modulo; the gradients after one
-              step must equal single-process training's and GPipe's.
-            iteration / step time, ratio to DDP / GPipe.
+              contiguous and fast-forwarding modulo, and torch's own
+              torch.distributed.pipelining ScheduleGPipe on the same stages;
+              the gradients after one step must equal single-process
+              training's and GPipe's.
+            iteration / step time, ratio to DDP / GPipe (and torch's GPipe).
   A correctness failure (single or dist) makes the script exit with status 1.
 
     python benchmarks/ooo.py --quick                   # CPU: small single part, simulate, dist
@@ -172,6 +176,18 @@ def single_mismatch(trainers: dict[str, Trainer], device: torch.device) -> dict[
             for label, t in trainers.items() if label != "eager"}
 
 
+def step_peaks(trainers: dict[str, Trainer], device: torch.device) -> dict[str, int | None]:
+    """harness.peak_memory of one step of each eager candidate; None for the captured ones.
+
+    A CUDA graph's replay calls no allocator: its step's memory is the graph's
+    pool, taken at capture, so peak_memory read 0 bytes for graph and ooo+graph
+    (and the table's extra peak fell back to ooo over eager unannounced). The
+    eager step of the same model is what the capture allocated.
+    """
+    return {label: None if t.graph is not None else harness.peak_memory(t.step, device)
+            for label, t in trainers.items()}
+
+
 def run_single(args, device: torch.device) -> list[dict]:
     names = QUICK_MODELS if args.quick else args.models
     batches = [8] if args.quick and device.type == "cpu" else args.batches
@@ -195,9 +211,7 @@ def run_single(args, device: torch.device) -> list[dict]:
             steps, mismatch = trainers["eager"].steps, single_mismatch(trainers, device)
             stats = harness.measure_alternated({k: t.step for k, t in trainers.items()}, device,
                                                warmup=args.warmup, reps=args.reps)
-            peaks = {}
-            for label, t in trainers.items():
-                peaks[label] = harness.peak_memory(t.step, device)
+            peaks = step_peaks(trainers, device)
             row = {"model": name, "batch": batch, "errors": errors,
                    "ms": {k: s.median for k, s in stats.items()},
                    "images_per_s": {k: batch / (s.median / 1e3) for k, s in stats.items()},
@@ -254,7 +268,7 @@ def print_split(rows: list[dict]) -> None:
 def print_single(rows: list[dict]) -> None:
     labels = ["eager", "graph", "ooo", "ooo+graph"]
     headers = ["model", "batch"] + [f"{l} img/s" for l in labels] + \
-              ["graph/eager", "ooo/eager", "ooo+graph/graph", "ooo+graph/eager", "extra peak"]
+              ["graph/eager", "ooo/eager", "ooo+graph/graph", "ooo+graph/eager", "extra peak (ooo/eager)"]
     table = []
     for r in rows:
         ips = r["images_per_s"]
@@ -262,12 +276,8 @@ def print_single(rows: list[dict]) -> None:
         def ratio(a, b):
             return ips[a] / ips[b] if a in ips and b in ips else None
 
-        peak = r["peak_bytes"]
-        extra = None
-        if peak.get("ooo+graph") and peak.get("graph"):
-            extra = peak["ooo+graph"] / peak["graph"] - 1
-        elif peak.get("ooo") and peak.get("eager"):
-            extra = peak["ooo"] / peak["eager"] - 1
+        peak = r["peak_bytes"]  # eager steps only (step_peaks): ooo's extra is ooo+graph's too
+        extra = peak["ooo"] / peak["eager"] - 1 if peak.get("ooo") and peak.get("eager") else None
         table.append([r["model"], r["batch"]] + [harness.fmt(ips.get(l), ".1f") for l in labels] +
                      [harness.fmt(ratio("graph", "eager"), ".3f"), harness.fmt(ratio("ooo", "eager"), ".3f"),
                       harness.fmt(ratio("ooo+graph", "graph"), ".3f"),
@@ -447,6 +457,9 @@ SEARCH_LIMIT = 300  # iterations the k="auto" search may take before the run fai
 PIPE_LAYERS, PIPE_WIDTH, PIPE_BATCH, PIPE_MICRO = 16, 512, 64, 4
 PIPE_CANDIDATES = [("gpipe", "contiguous"), ("fast_forward", "contiguous"),
                    ("fast_forward", "modulo")]  # the first is the baseline
+# torch's own pipeline (torch.distributed.pipelining.ScheduleGPipe over the same contiguous
+# stages): the peer in torch. Before, the schedules were compared with reprop's GPipe alone.
+TORCH_GPIPE = "torch GPipe"
 GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-7  # micro-batches' dW summed in another order
 PARAM_RTOL, PARAM_ATOL = 1e-6, 1e-7  # data parallel: lockstep on the same data
 
@@ -605,6 +618,41 @@ class PipeCandidate:
                 for n, p in layer.named_parameters()}
 
 
+class TorchPipeCandidate:
+    """torch.distributed.pipelining's GPipe on this rank: the rank's contiguous stage of a fresh
+    copy of the layers (PIPE_LAYERS / world each, as Pipeline's "contiguous"), SGD with momentum,
+    loss_fn / M per micro-batch (torch's default scale_grads=True, Pipeline's convention)."""
+
+    def __init__(self, rank: int, world: int, x: torch.Tensor, t: torch.Tensor):
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        per = PIPE_LAYERS // world
+        self.first, self.rank, self.world = rank * per, rank, world
+        self.stage_layers = nn.Sequential(*pipe_layers()[self.first:self.first + per])
+        stage = PipelineStage(self.stage_layers, rank, world, torch.device("cpu"))
+        self.schedule = ScheduleGPipe(stage, n_microbatches=PIPE_MICRO, loss_fn=F.mse_loss)
+        self.opt = torch.optim.SGD(self.stage_layers.parameters(), lr=1e-3, momentum=0.9)
+        self.x, self.t = x, t
+
+    def _pipe_step(self) -> None:
+        if self.rank == 0:
+            self.schedule.step(self.x)
+        elif self.rank == self.world - 1:
+            self.schedule.step(target=self.t)
+        else:
+            self.schedule.step()
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self._pipe_step()
+        self.opt.step()
+        dist.barrier()  # as PipeCandidate.step: a sample spans every stage's whole step
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """This rank's gradients, named as in the whole list of layers."""
+        return {f"{self.first + i}.{n}": p.grad.clone() for i, layer in enumerate(self.stage_layers)
+                for n, p in layer.named_parameters()}
+
+
 def single_process_grads(x: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Tensor]:
     """The reference: the whole stack on the whole batch in one process."""
     net = nn.Sequential(*pipe_layers())
@@ -615,7 +663,10 @@ def single_process_grads(x: torch.Tensor, t: torch.Tensor) -> dict[str, torch.Te
 def gather_grads(c: PipeCandidate, rank: int, world: int) -> dict[str, torch.Tensor] | None:
     """After one step from identical layers: every stage's gradients, on rank 0."""
     c.opt.zero_grad()
-    c.pipe.step(c.x, c.t, F.mse_loss)
+    if isinstance(c, TorchPipeCandidate):
+        c._pipe_step()
+    else:
+        c.pipe.step(c.x, c.t, F.mse_loss)
     parts = [None] * world if rank == 0 else None
     dist.gather_object(c.grads(), parts, dst=0)
     return {n: g for part in parts for n, g in part.items()} if rank == 0 else None
@@ -640,17 +691,19 @@ def round_trip_ms(rank: int, shape: tuple[int, ...], reps: int = 20) -> float:
 
 
 def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
-    """GPipe contiguous against fast-forwarding contiguous and modulo: the
-    gradients of one step first, then the step time, alternated."""
+    """GPipe contiguous against fast-forwarding contiguous and modulo, and
+    torch's ScheduleGPipe: the gradients of one step first, then the step
+    time, alternated."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(PIPE_BATCH, PIPE_WIDTH, generator=g)  # the same batch on every rank
     t = torch.randn(PIPE_BATCH, PIPE_WIDTH, generator=g)
     cands = {f"{s} {a}": PipeCandidate(s, a, x, t) for s, a in PIPE_CANDIDATES}
+    cands[TORCH_GPIPE] = TorchPipeCandidate(rank, world, x, t)
     grads = {n: gather_grads(c, rank, world) for n, c in cands.items()}
     stats = harness.measure_alternated({n: c.step for n, c in cands.items()}, torch.device("cpu"),
                                        warmup=warmup, reps=reps)
     round_trip = round_trip_ms(rank, (PIPE_BATCH // PIPE_MICRO, PIPE_WIDTH))
-    messages = {n: c.messages() for n, c in cands.items()}
+    messages = {n: c.messages() for n, c in cands.items() if isinstance(c, PipeCandidate)}
     if rank != 0:
         return {}
     baseline = next(iter(cands))
@@ -665,6 +718,8 @@ def pipe_job(rank: int, world: int, reps: int, warmup: int) -> dict:
             "simulated_speedup": simulated_pipeline_speedups(world),
             "messages_per_step": messages,
             "round_trip_ms": round_trip,
+            "speedup_torch": {n: harness.speedup(stats[TORCH_GPIPE].median, s.median)
+                              for n, s in stats.items() if n != TORCH_GPIPE},
             **stats_summary(stats, baseline)}
 
 
@@ -760,14 +815,20 @@ def print_dist_pipeline(r: dict) -> None:
           f"(zero_grad, step, optimizer step, barrier), median of "
           f"{len(next(iter(r['stats'].values()))['samples'])}, rank 0{over}")
     base = next(n for n in r["ms"] if n not in r["speedup"])
+    torch_x = r.get("speedup_torch", {})
     print(harness.format_table(
-        ["candidate", "GPipe ms", "ours ms", "x GPipe", "simulated x", "messages", "GPipe messages"],
+        ["candidate", "GPipe ms", "ours ms", "x GPipe", "x torch GPipe", "simulated x", "messages",
+         "GPipe messages"],
         [[n, harness.fmt(r["ms"][base], ".1f"), harness.fmt(r["ms"][n], ".1f"),
-          harness.fmt(r["speedup"][n], ".3f"), harness.fmt(r["simulated_speedup"][n], ".3f"),
-          r["messages_per_step"][n], r["messages_per_step"][base]] for n in r["speedup"]]))
+          harness.fmt(r["speedup"][n], ".3f"), harness.fmt(torch_x.get(n), ".3f"),
+          harness.fmt(r["simulated_speedup"].get(n), ".3f"),
+          harness.fmt(r["messages_per_step"].get(n)), r["messages_per_step"][base]] for n in r["speedup"]]))
+    print(f"GPipe = reprop's Pipeline(schedule=\"gpipe\"), the rows' baseline; {TORCH_GPIPE} = "
+          "torch.distributed.pipelining.ScheduleGPipe on the same contiguous stages, torch's peer "
+          f"(its row's x GPipe = GPipe ms / its ms; x torch GPipe = {TORCH_GPIPE} ms / the row's)")
     print(f"simulated x: unit task times, no transfer time (the paper's NVLink regime); messages: "
-          f"point-to-point per step; a round trip of one micro-batch's activation between two "
-          f"ranks takes {r['round_trip_ms']:.2f} ms here")
+          f"point-to-point per step (reprop's Pipeline counts them); a round trip of one micro-batch's "
+          f"activation between two ranks takes {r['round_trip_ms']:.2f} ms here")
     print(f"gradients after one step equal to single-process training's (rtol {GRAD_RTOL:g}, largest "
           f"|grad| {r['max_abs_grad']:.2g}): {yes_or_why(r['grad_mismatch_single'])}; "
           f"to GPipe's: {yes_or_why(r['grad_mismatch_gpipe'])}")

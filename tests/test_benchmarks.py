@@ -149,6 +149,15 @@ def test_fusion_flags_negated_gradients(wrong, machine, capsys, monkeypatch):
     assert f"WARNING: mobilenet_v2 b4 AdamW {wrong}: not the parameters" in report
 
 
+def test_fusion_times_and_checks_torchs_optimizer_in_backward(machine, capsys, monkeypatch):
+    # Backward-fusion was compared with eager torch steps only: torch's own optimizer-in-backward
+    # (per-parameter optimizers stepped in post-accumulate-grad hooks) was not a candidate.
+    report = fusion_report("adamw", machine, capsys, monkeypatch, wrong=fusion_bench.TORCH_BACKWARD)
+    assert "x torch bwd" in report and "BF x torch bwd" in report
+    assert (f"WARNING: mobilenet_v2 b4 AdamW {fusion_bench.TORCH_BACKWARD}: not the parameters "
+            f"{fusion_bench.FOREACH} has") in report
+
+
 class SGDWithoutMomentum(reprop.optim.SGD):
     """Wrong: SGD that ignores its momentum."""
 
@@ -328,6 +337,34 @@ def test_ooo_single_flags_a_missing_weight_gradient(capsys, monkeypatch):
     # The single-device part compared nothing (and ooo took more steps than eager).
     report = ooo_single_report(capsys, monkeypatch, wrong=True)
     assert "parameters and gradients equal to eager's" in report and "NO: ooo:" in report
+
+
+def test_ooo_single_peaks_leave_captured_steps_out(capsys):
+    # A CUDA graph's replay calls no allocator: peak_memory read 0 bytes for graph and ooo+graph,
+    # recorded as their peaks, and "extra peak" fell back to ooo over eager unannounced.
+    def alloc():
+        return torch.empty(1 << 16)
+
+    trainers = {"eager": SimpleNamespace(graph=None, step=alloc), "graph": SimpleNamespace(graph=object(), step=alloc)}
+    peaks = ooo_bench.step_peaks(trainers, CPU)
+    assert peaks["graph"] is None and peaks["eager"] >= 4 << 16
+    row = {"model": "m", "batch": 8, "errors": {}, "steps": 5, "cpu": False, "mismatch": {},
+           "images_per_s": {"eager": 1.0, "ooo": 1.0, "graph": 2.0, "ooo+graph": 2.0},
+           "peak_bytes": {"eager": 100, "ooo": 110, "graph": None, "ooo+graph": None}}
+    ooo_bench.print_single([row])
+    out = capsys.readouterr().out
+    assert "extra peak (ooo/eager)" in out and "+10.0%" in out
+
+
+def test_ooo_pipeline_times_and_checks_torchs_gpipe(capsys):
+    # The pipeline schedules were compared with reprop's own GPipe alone: torch's
+    # torch.distributed.pipelining ScheduleGPipe, the peer in torch, was not run.
+    (r,) = ooo_bench.spawn_ranks(2, [(ooo_bench.pipe_job, dict(reps=1, warmup=0))])
+    assert ooo_bench.TORCH_GPIPE in r["ms"] and r["grad_mismatch_single"][ooo_bench.TORCH_GPIPE] is None
+    ooo_bench.print_dist_pipeline(r)
+    out = capsys.readouterr().out
+    assert "x torch GPipe" in out and "equal to single-process training's (rtol 1e-05, largest" in out
+    assert "): yes; to GPipe's: yes" in out
 
 
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
