@@ -3840,6 +3840,59 @@ def test_tensor_relaid_in_place_between_steps_is_read_in_its_new_layout(
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+# A (4, 6) param's state tensor given another shape in place, keeping the
+# object and its address: as many elements in another shape, or fewer (the
+# last, onto a storage that ends before the param's numel floats do).
+STATE_RESHAPED = {
+    "as_strided_": lambda t: t.as_strided_((6, 4), (4, 1)),
+    "as_strided_fewer": lambda t: t.as_strided_((3, 6), (6, 1)),
+    "resize_": lambda t: t.resize_(3, 6),
+    "set_": lambda t: t.set_(t.untyped_storage()[:72], 0, (3, 6), (6, 1)),
+}
+
+
+@pytest.mark.parametrize("path", ["fast", "python"])
+@pytest.mark.parametrize("change", list(STATE_RESHAPED))
+@pytest.mark.parametrize("name", NAMES)
+def test_state_reshaped_in_place_between_steps_is_refused_as_torch_refuses_it(
+        name: str, change: str, path: str) -> None:
+    """A state tensor reshaped in place after the plan was built keeps its
+    identity and address, and the C fast path looked only at its contiguity:
+    the kernels stepped on (6, 4) or (3, 6) state of a (4, 6) param, reading
+    and writing 24 floats from its address, past its 18 elements (set_ onto a
+    72-byte storage: past the storage's end); the Python path (a gradient
+    transposed in memory) compared strides, the same for (3, 6). torch's
+    update refuses such state (its for-loop and foreach ops: the sizes must
+    match). Refused on both paths with the RuntimeError a state tensor of
+    another shape set by hand gets, naming the key and both shapes, the
+    param and state as they were."""
+    key = FIRST_SLOT[name]
+    shape = (6, 4) if change == "as_strided_" else (3, 6)
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.rand(4, 6, generator=torch.Generator().manual_seed(60)) + 0.5)
+        opt = cls([p], **RICH[name])
+        for k in range(3):
+            p.grad = (torch.full((4, 6), 0.1 * (k + 1)) if path == "fast"
+                      else torch.full((6, 4), 0.1 * (k + 1)).t())
+            if k < 2:
+                opt.step()
+        t = opt.state[p][key]
+        storage = t.untyped_storage()  # (set_: the memory the smaller storage is part of)
+        STATE_RESHAPED[change](t)
+        assert tuple(t.shape) == shape and t.untyped_storage().data_ptr() == storage.data_ptr()
+        before = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises(RuntimeError, match="must match the size of tensor|"
+                                               + re.escape(f"{key}: the state of a parameter "
+                                                           f"of shape (4, 6) on cpu is a tensor "
+                                                           f"of shape {shape}, torch.float32")):
+            opt.step()
+    assert torch.equal(p.detach(), before[0])  # (reprop's: torch's ops wrote some before)
+    assert _state_snapshot(opt, [p]) == before[1]
+    with pytest.raises(RuntimeError, match=rf"^{key}: .* expected a dense floating-point tensor "
+                                           rf"of the parameter's shape on its device$"):
+        opt.step()  # (the plan stays stale: refused again)
+
+
 @pytest.mark.parametrize("how", ["expand", "as_strided_"])
 @pytest.mark.parametrize("name", NAMES)
 def test_expanded_state_is_refused_as_torch_refuses_it(name: str, how: str) -> None:

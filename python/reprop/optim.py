@@ -608,8 +608,12 @@ class _Plan:
                 # a state tensor relaid in place (t_(), as_strided_(), set_(), .data
                 # swapped for a view of itself) keeps its identity and address: its
                 # elements are no longer where the row reads them (one element has
-                # no layout to speak of)
-                if col != _COL_STEP and t.stride() != strides and t.numel() > 1:
+                # no layout to speak of); nor where it is reshaped or given fewer
+                # elements (as_strided_, resize_, set_() onto less memory: the
+                # kernels read and wrote numel floats past them), which the new
+                # plan's checks refuse as torch's update refuses it
+                if col != _COL_STEP and (t.shape != layout[2]
+                                         or t.stride() != strides and t.numel() > 1):
                     return None
             _check_grad(p, g)
             if self.memory.check_grad(p, g, grad_of, layout):
