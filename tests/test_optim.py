@@ -1019,6 +1019,73 @@ def test_amp_step_stopped_before_its_update_divides_the_gradients_once(name: str
     assert lines.count > 10 and 0 < retries < lines.count
 
 
+def _stop_after_division(opt: torch.optim.Optimizer) -> None:
+    """opt.step() (one group, one plan) stopped between its division of the
+    gradients by grad_scale and its update."""
+    with pytest.raises(KeyboardInterrupt):
+        with LineStop(rp._FusedOptimizer._update, 1, starting="for plan in running"):
+            opt.step()
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name: str) -> None:
+    """A step stopped after dividing the gradients notes them as divided,
+    for its retry not to divide them again; the note outlived an update that
+    stepped on them (one without grad_scale), and a later step with
+    grad_scale and the same gradients skipped the division torch's fused
+    step makes (SGD: the params moved by 2x the gradient). That update
+    drops the note: the later step divides, as torch's."""
+    init, grads = make_params(AMP_SHAPES, seed=7), grad_sequence(AMP_SHAPES, 2)
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        set_grads(params, grads[0])
+        opt.step()
+        if cls is reprop_cls(name):
+            set_grads(params, [g * 1024 for g in grads[1]])
+            opt.grad_scale = torch.tensor(1024.0)
+            _stop_after_division(opt)
+        else:
+            set_grads(params, grads[1])  # (as the stopped step left them)
+        opt.grad_scale = None
+        opt.step()
+        opt.grad_scale = torch.tensor(2.0)
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_retried_divides_gradients_sharing_one_buffer_once(name: str) -> None:
+    """Gradients that are views of one flat buffer share its version
+    counter, which dividing them bumped once per view: the notes of a step
+    stopped after the division forecast one bump each, so the retry took
+    them for gradients written since and divided them again (SGD's params
+    moved by half their step). The versions are noted as read after the
+    division: the retry gives torch's fused step, uninterrupted."""
+    init, grads = make_params(AMP_SHAPES, seed=8), grad_sequence(AMP_SHAPES, 1)[0]
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        flat = torch.cat([g.flatten() for g in grads]) * 1024
+        views = flat.split([g.numel() for g in grads])
+        for p, v in zip(params, views):
+            p.grad = v.view(p.shape)
+        opt.grad_scale = torch.tensor(1024.0)
+        if cls is reprop_cls(name):
+            _stop_after_division(opt)
+            assert all(torch.equal(p, t) for p, t in zip(params, init))
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
 def test_amp_step_of_inference_tensors_as_torchs_fused(name: str) -> None:
     """Inference tensors keep no version counter, which the notes of a
