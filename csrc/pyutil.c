@@ -260,15 +260,33 @@ static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided,
     return ok;
 }
 
+/* Whether state tensor v (not a step count), at the address its row points
+ * at, is still what the row reads there: contiguous, as the state of the
+ * rows this path takes is, and of the param's shape (`shape`). A tensor
+ * changed in place keeps its identity and address: relaid (t_(),
+ * as_strided_(), set_() with other strides, .data swapped for a transposed
+ * view of itself), torch's update reads it in its new layout; reshaped or
+ * given fewer elements (as_strided_((6, 4), (4, 1)), as_strided_((3, 6),
+ * (6, 1)) or resize_(3, 6) of a (4, 6) param's, set_() onto less memory),
+ * torch's update refuses it, where the kernels read and wrote the param's
+ * numel floats from its address, past its elements. The Python path then
+ * reads or refuses it. (A step count changed in place needs no look: one of
+ * no elements has address 0, and one element is all the kernels read.)
+ * 1 / 0 / -1. */
+static int rp_py_state_current(PyObject *v, PyObject *shape, PyObject *const *names)
+{
+    int ok = rp_py_attr_equals(v, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+    if (ok == 1)
+        ok = rp_py_attr_equals(v, names[RP_N_SHAPE], 0, shape, 0);
+    return ok;
+}
+
 /* Whether a row still points where the table was built for: the same
  * param memory and layout, the same state dict, and each state tensor
  * watched[i] lists, (key, tensor, column), still the tensor at that key, at
  * the address in that column (the same tensor object with other memory,
- * .data replaced, is stale too) and, but the step count, still contiguous,
- * as the state of the rows this path takes is: one relaid in place (t_(),
- * as_strided_(), set_() with other strides, .data swapped for a transposed
- * view of itself) keeps its identity and address, and torch's update reads
- * it in its new layout. A dormant row (watched None: its param had no state
+ * .data replaced, is stale too) and as the row reads it there
+ * (rp_py_state_current). A dormant row (watched None: its param had no state
  * when the table was built) never is. 1 / 0 / -1. */
 static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
                              PyObject *watched, PyObject *contiguous, PyObject *const *names,
@@ -305,7 +323,7 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
         if ((int64_t)ptr != row[col])
             return 0;
         if (col != RP_PY_STEP_COLUMN) {
-            ok = rp_py_attr_equals(v, names[RP_N_IS_CONTIGUOUS], 1, Py_True, 1);
+            ok = rp_py_state_current(v, PyTuple_GET_ITEM(key, 2), names);
             if (ok != 1)
                 return ok;
         }

@@ -1019,6 +1019,73 @@ def test_amp_step_stopped_before_its_update_divides_the_gradients_once(name: str
     assert lines.count > 10 and 0 < retries < lines.count
 
 
+def _stop_after_division(opt: torch.optim.Optimizer) -> None:
+    """opt.step() (one group, one plan) stopped between its division of the
+    gradients by grad_scale and its update."""
+    with pytest.raises(KeyboardInterrupt):
+        with LineStop(rp._FusedOptimizer._update, 1, starting="for plan in running"):
+            opt.step()
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name: str) -> None:
+    """A step stopped after dividing the gradients notes them as divided,
+    for its retry not to divide them again; the note outlived an update that
+    stepped on them (one without grad_scale), and a later step with
+    grad_scale and the same gradients skipped the division torch's fused
+    step makes (SGD: the params moved by 2x the gradient). That update
+    drops the note: the later step divides, as torch's."""
+    init, grads = make_params(AMP_SHAPES, seed=7), grad_sequence(AMP_SHAPES, 2)
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        set_grads(params, grads[0])
+        opt.step()
+        if cls is reprop_cls(name):
+            set_grads(params, [g * 1024 for g in grads[1]])
+            opt.grad_scale = torch.tensor(1024.0)
+            _stop_after_division(opt)
+        else:
+            set_grads(params, grads[1])  # (as the stopped step left them)
+        opt.grad_scale = None
+        opt.step()
+        opt.grad_scale = torch.tensor(2.0)
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_retried_divides_gradients_sharing_one_buffer_once(name: str) -> None:
+    """Gradients that are views of one flat buffer share its version
+    counter, which dividing them bumped once per view: the notes of a step
+    stopped after the division forecast one bump each, so the retry took
+    them for gradients written since and divided them again (SGD's params
+    moved by half their step). The versions are noted as read after the
+    division: the retry gives torch's fused step, uninterrupted."""
+    init, grads = make_params(AMP_SHAPES, seed=8), grad_sequence(AMP_SHAPES, 1)[0]
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        flat = torch.cat([g.flatten() for g in grads]) * 1024
+        views = flat.split([g.numel() for g in grads])
+        for p, v in zip(params, views):
+            p.grad = v.view(p.shape)
+        opt.grad_scale = torch.tensor(1024.0)
+        if cls is reprop_cls(name):
+            _stop_after_division(opt)
+            assert all(torch.equal(p, t) for p, t in zip(params, init))
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
 def test_amp_step_of_inference_tensors_as_torchs_fused(name: str) -> None:
     """Inference tensors keep no version counter, which the notes of a
@@ -3838,6 +3905,59 @@ def test_tensor_relaid_in_place_between_steps_is_read_in_its_new_layout(
                 RELAID[change](params[0].data if change != "data_view" else params[0])
         runs.append(Run(params, opt))
     assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+# A (4, 6) param's state tensor given another shape in place, keeping the
+# object and its address: as many elements in another shape, or fewer (the
+# last, onto a storage that ends before the param's numel floats do).
+STATE_RESHAPED = {
+    "as_strided_": lambda t: t.as_strided_((6, 4), (4, 1)),
+    "as_strided_fewer": lambda t: t.as_strided_((3, 6), (6, 1)),
+    "resize_": lambda t: t.resize_(3, 6),
+    "set_": lambda t: t.set_(t.untyped_storage()[:72], 0, (3, 6), (6, 1)),
+}
+
+
+@pytest.mark.parametrize("path", ["fast", "python"])
+@pytest.mark.parametrize("change", list(STATE_RESHAPED))
+@pytest.mark.parametrize("name", NAMES)
+def test_state_reshaped_in_place_between_steps_is_refused_as_torch_refuses_it(
+        name: str, change: str, path: str) -> None:
+    """A state tensor reshaped in place after the plan was built keeps its
+    identity and address, and the C fast path looked only at its contiguity:
+    the kernels stepped on (6, 4) or (3, 6) state of a (4, 6) param, reading
+    and writing 24 floats from its address, past its 18 elements (set_ onto a
+    72-byte storage: past the storage's end); the Python path (a gradient
+    transposed in memory) compared strides, the same for (3, 6). torch's
+    update refuses such state (its for-loop and foreach ops: the sizes must
+    match). Refused on both paths with the RuntimeError a state tensor of
+    another shape set by hand gets, naming the key and both shapes, the
+    param and state as they were."""
+    key = FIRST_SLOT[name]
+    shape = (6, 4) if change == "as_strided_" else (3, 6)
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.rand(4, 6, generator=torch.Generator().manual_seed(60)) + 0.5)
+        opt = cls([p], **RICH[name])
+        for k in range(3):
+            p.grad = (torch.full((4, 6), 0.1 * (k + 1)) if path == "fast"
+                      else torch.full((6, 4), 0.1 * (k + 1)).t())
+            if k < 2:
+                opt.step()
+        t = opt.state[p][key]
+        storage = t.untyped_storage()  # (set_: the memory the smaller storage is part of)
+        STATE_RESHAPED[change](t)
+        assert tuple(t.shape) == shape and t.untyped_storage().data_ptr() == storage.data_ptr()
+        before = p.detach().clone(), _state_snapshot(opt, [p])
+        with pytest.raises(RuntimeError, match="must match the size of tensor|"
+                                               + re.escape(f"{key}: the state of a parameter "
+                                                           f"of shape (4, 6) on cpu is a tensor "
+                                                           f"of shape {shape}, torch.float32")):
+            opt.step()
+    assert torch.equal(p.detach(), before[0])  # (reprop's: torch's ops wrote some before)
+    assert _state_snapshot(opt, [p]) == before[1]
+    with pytest.raises(RuntimeError, match=rf"^{key}: .* expected a dense floating-point tensor "
+                                           rf"of the parameter's shape on its device$"):
+        opt.step()  # (the plan stays stale: refused again)
 
 
 @pytest.mark.parametrize("how", ["expand", "as_strided_"])

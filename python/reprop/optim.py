@@ -360,6 +360,14 @@ def _unscale_grads(running: list, scale: torch.Tensor, stopped: dict, divided: l
         divided.append((grads, versions))
         if grads:
             torch._foreach_div_(grads, scale.to(plan.device))
+    # The versions as read once all are divided: gradients sharing a version
+    # counter (views of one flat buffer) are bumped once per view, beyond the
+    # forecast, which the retry then took for a write since and divided them
+    # again. Each list is replaced in one store; a stop landing before it
+    # leaves the forecast, right but for such views.
+    for grads, versions in divided:
+        if versions is not None:
+            versions[:] = [g._version for g in grads]
 
 
 def _stopped_notes(stopped: dict, divided: list) -> dict:
@@ -372,6 +380,23 @@ def _stopped_notes(stopped: dict, divided: list) -> dict:
         if versions is not None:
             notes.update((id(g), (weakref.ref(g), v, g.data_ptr())) for g, v in zip(grads, versions))
     return notes
+
+
+def _forget_read(notes: dict, running: list, given: dict | None) -> None:
+    """Drops from `notes` (call key -> _stopped_notes) the gradients that the
+    rows of `running` have just updated from: a note says a gradient is
+    divided but not yet stepped on, which an update without grad_scale, or
+    one of another call over the same param, makes stale, and a later scaled
+    step of the noted call skipped its division (stepping on g where torch's
+    fused step steps on g / scale)."""
+    grad_of = _grad_getter(given)
+    read = {id(grad_of(p)) for plan in running for p in plan.step_params}
+    for key in list(notes):
+        kept = {i: note for i, note in notes[key].items() if i not in read}
+        if kept:
+            notes[key] = kept
+        else:
+            del notes[key]
 
 
 def _divided_by_stopped_step(stopped: dict, g: torch.Tensor) -> bool:
@@ -608,8 +633,12 @@ class _Plan:
                 # a state tensor relaid in place (t_(), as_strided_(), set_(), .data
                 # swapped for a view of itself) keeps its identity and address: its
                 # elements are no longer where the row reads them (one element has
-                # no layout to speak of)
-                if col != _COL_STEP and t.stride() != strides and t.numel() > 1:
+                # no layout to speak of); nor where it is reshaped or given fewer
+                # elements (as_strided_, resize_, set_() onto less memory: the
+                # kernels read and wrote numel floats past them), which the new
+                # plan's checks refuse as torch's update refuses it
+                if col != _COL_STEP and (t.shape != layout[2]
+                                         or t.stride() != strides and t.numel() > 1):
                     return None
             _check_grad(p, g)
             if self.memory.check_grad(p, g, grad_of, layout):
@@ -1484,6 +1513,8 @@ class _FusedOptimizer:
             for plan in running:
                 plan.run(self, hp, hparams)
             divided = []
+            if self._divided_not_stepped and running:  # (only after a stopped scaled step)
+                _forget_read(self._divided_not_stepped, running, given)
             if new_plans:
                 self._cache_plans(key, plans)
         except BaseException as e:
