@@ -4346,6 +4346,39 @@ def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_
     assert seen == {None: 2.0, "forward": 2.0}, seen
 
 
+@pytest.mark.parametrize("optimizer", ["reprop", "torch"])
+def test_forward_mode_optimizer_load_state_dict_pre_hook_registered_before_fuse_sees_updates(
+        optimizer: str) -> None:
+    """An optimizer load_state_dict pre-hook registered before fuse() ran
+    before the fusion's, which applies the pending updates: it saw the
+    weight and state of before step() (exp_avg one update behind, the step
+    count 2 after the third step). It sees eager's, as its state-dict
+    counterpart does."""
+    seen: dict = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        w = model[0].weight
+        make = rp.Adam if optimizer == "reprop" else torch.optim.Adam
+        opt = make(model.parameters(), lr=0.01)
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd, mode=mode, w=w: seen.setdefault(mode, []).extend(
+                [w.detach().clone(), o.state[w]["exp_avg"].clone(), float(o.state[w]["step"])]))
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                saved = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(saved)
+        if handle is not None:
+            handle.remove()
+    assert seen["forward"][2] == seen[None][2] == 3.0
+    for got, ref in zip(seen["forward"][:2], seen[None][:2], strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
 def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_updates() -> None:
     """The model's state_dict and load_state_dict pre-hooks registered before
     fuse() ran before the fusion's, which apply the pending updates: on the

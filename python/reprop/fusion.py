@@ -1174,8 +1174,14 @@ class FusionHandle:
             setattr(optimizer, name, value)
             self._installed[name] = value
         optimizer._step_supports_amp_scaling = self._step_sees_grad_scaler
-        # optimizer.load_state_dict: pending updates first; then torch's replaces
-        # param_groups and state with new objects, which the engine must share.
+        # optimizer.load_state_dict: pending updates first, prepended so that
+        # pre-hooks registered before fuse() see them applied, as after an eager
+        # step() (appended, such a hook saw forward mode's parameters and state
+        # of before step()); the loaded groups are checked after every pre-hook,
+        # as they leave the dict. Then torch's replaces param_groups and state
+        # with new objects, which the engine must share.
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(
+            self._before_load, prepend=True))
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
             self._before_optimizer_load))
         self._hooks.append(optimizer.register_load_state_dict_post_hook(self._after_load))
@@ -1187,12 +1193,12 @@ class FusionHandle:
         self.flush()
 
     def _before_optimizer_load(self, optimizer, state_dict: dict) -> None:
-        """Pending updates first; and a loaded group the engine would refuse
-        (differentiable=True, capturable=True on the CPU) is refused now,
-        before torch replaces the groups and state (a refusal in _sync would
-        leave the optimizer holding it). The saved groups name their
-        parameters by index, in the order of the optimizer's groups."""
-        self.flush()
+        """A loaded group the engine would refuse (differentiable=True,
+        capturable=True on the CPU) is refused now, before torch replaces
+        the groups and state (a refusal in _sync would leave the optimizer
+        holding it); the pending updates were applied by _before_load, the
+        first pre-hook. The saved groups name their parameters by index, in
+        the order of the optimizer's groups."""
         for saved, group in zip(state_dict.get("param_groups", ()), optimizer.param_groups):
             self.optimizer._check_group({**saved, "params": group["params"]})
 
