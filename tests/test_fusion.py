@@ -1821,6 +1821,59 @@ def test_fuse_looks_at_other_live_fusions_only_for_a_shared_parameter(mode: str,
     assert all(ref() is not None for ref in reprop.fusion._FUSION_OF_PARAM.values())
 
 
+def _mlp_with_first_layer_optimized_in_backward() -> nn.Module:
+    """_mlp() whose first Linear has an SGD(lr=0.01) of its own from torch's
+    optimizer in backward (torch.distributed.optim._apply_optimizer_in_backward)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    model = _mlp()
+    _apply_optimizer_in_backward(torch.optim.SGD, model[0].parameters(), {"lr": 0.01})
+    return model
+
+
+def test_backward_mode_refuses_parameters_under_torchs_optimizer_in_backward() -> None:
+    """torch's _apply_optimizer_in_backward gives a parameter an optimizer of
+    its own, which steps when the gradient is accumulated and frees it (the
+    eager optimizer's step() then skips it). Backward fusion's hook ran
+    before torch's: it updated the parameter with the fused optimizer
+    (lr=0.1: ten times eager's change, made with torch's lr=0.01) and left
+    torch's optimizer no gradient, silently. Refused, naming both, at fuse()
+    and for such a parameter added to the optimizer later."""
+    model = _mlp_with_first_layer_optimized_in_backward()
+    refusal = (r"^optimizer: a parameter of shape \(8, 4\) has an optimizer of its own from "
+               r"torch\.distributed\.optim\._apply_optimizer_in_backward.*mode='forward'")
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=refusal):
+        reprop.fuse(model, opt, mode="backward")
+    assert "step" not in vars(opt)  # (the refused fusion left the optimizer as it was)
+    opt = rp.SGD(model[2:].parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward")
+    opt.add_param_group({"params": list(model[0].parameters())})
+    x, _ = _mlp_batch(0)
+    with pytest.raises(ValueError, match=refusal):
+        model(x)  # (the forward picks the new group up)
+    handle.remove()
+
+
+def test_forward_mode_with_torchs_optimizer_in_backward_trains_as_eager() -> None:
+    """Forward mode updates at step(), where it finds, as eager step() does,
+    no gradient left by torch's optimizer in backward: accepted, and the same
+    training as eager's."""
+    trained = {}
+    for mode in (None, "forward"):
+        model = _mlp_with_first_layer_optimized_in_backward()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        trained[mode] = model, opt
+    _assert_same_training(trained["forward"], trained[None])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second

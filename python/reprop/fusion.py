@@ -630,6 +630,28 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
                 "model) finds it), or fuse optimizers with disjoint parameters")
 
 
+def _check_not_optimized_in_backward(params: Iterable[torch.Tensor]) -> None:
+    """Backward mode: refuses a parameter given an optimizer of its own by
+    torch.distributed.optim._apply_optimizer_in_backward (torch's optimizer
+    in backward, which marks it with `_in_backward_optimizers`). In eager
+    training that optimizer steps when the gradient is accumulated and frees
+    it, so the eager optimizer's step() skips the parameter; the fusion's
+    post-accumulate-grad hook runs before torch's, so it would update the
+    parameter with the fused optimizer's settings and leave torch's optimizer
+    no gradient: silently another update (another lr, other state). Forward
+    mode updates at step(), where, as eager's, it finds no gradient there.
+    A look per parameter when the fusion picks parameters up (fuse(), a
+    group added), none per step: one marked later is not seen."""
+    for p in params:
+        if getattr(p, "_in_backward_optimizers", None):
+            raise ValueError(
+                f"optimizer: {optim._described_param(p)} has an optimizer of its own from "
+                "torch.distributed.optim._apply_optimizer_in_backward, which steps it inside "
+                "backward; mode='backward' would update it first with this optimizer instead. "
+                "Leave it out of the fused optimizer, or use mode='forward' (whose step(), as "
+                "eager's, finds no gradient left there)")
+
+
 def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
     """The live fusion whose optimizer holds `p`, if any (see _FUSION_OF_PARAM)."""
     ref = _FUSION_OF_PARAM.get(id(p))
@@ -1113,7 +1135,7 @@ class FusionHandle:
         # the hooked parameters, whose tensor hooks a swapping conversion drops
         # (see _tensors.SwapWatch): checked once per step by the modes
         self._swap_watch = _tensors.SwapWatch()
-        _check_params_not_fused(self._params.values(), self)
+        self._check_new(self._params.values())
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
         # freed may be a new owner's, the next ParametrizationList's)
@@ -1226,7 +1248,7 @@ class FusionHandle:
         engine._forget_plans()
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
-        _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
+        self._check_new(new)  # (before it counts as followed: raised again)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
         self._forget_dropped_lazy(params)
         followed, self._params = self._params, params
@@ -1241,6 +1263,11 @@ class FusionHandle:
         # button) must not count as followed, or `new` would never be tracked
         self._membership = _membership(engine)
         return new
+
+    def _check_new(self, params: Iterable[torch.Tensor]) -> None:
+        """Refuses what the mode cannot fuse among `params`, the parameters it
+        picks up (at fuse(), before any hook is installed, and in _sync)."""
+        _check_params_not_fused(params, self)
 
     def _claim(self, params: Iterable[torch.Tensor]) -> None:
         """Records this fusion in _FUSION_OF_PARAM as the holder of `params`."""
@@ -1633,6 +1660,11 @@ class _BackwardFusion(FusionHandle):
                                   self._comm_hook)
         self._track(list(self._params.values()))
         self._hooks.append(self.model.register_forward_pre_hook(self._on_root_forward))
+
+    def _check_new(self, params: Iterable[torch.Tensor]) -> None:
+        params = list(params)
+        super()._check_new(params)
+        _check_not_optimized_in_backward(params)
 
     def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
