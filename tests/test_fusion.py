@@ -4459,6 +4459,49 @@ def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_upda
         assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("read", ["flush", "post_hook"])
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_forward_mode_averaged_model_as_readme_says(read: str, use_buffers: bool) -> None:
+    """torch.optim.swa_utils: AveragedModel.update_parameters(model) reads
+    model.parameters(), which forward mode leaves one update behind until
+    the next forward (README: call handle.flush() first, or read in a step
+    post-hook); AveragedModel(model) made between step() and the forward (a
+    deep copy) and update_bn then give eager's EMA, bitwise for SGD."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    def make_model() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+    averaged = {}
+    for mode in (None, "forward"):
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        ema = None
+        if read == "post_hook":
+            opt.register_step_post_hook(lambda *args: ema and ema.update_parameters(model))
+        for i in range(4):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if ema is None:  # (made with the first update pending)
+                ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9),
+                                    use_buffers=use_buffers)
+            elif read == "flush":
+                if handle is not None:
+                    handle.flush()
+                ema.update_parameters(model)
+        update_bn([_mlp_batch(i)[0] for i in range(3)], ema)
+        if handle is not None:
+            handle.remove()
+        averaged[mode] = ema.state_dict()
+    for key, ref in averaged[None].items():
+        assert torch.equal(averaged["forward"][key], ref), key
+
+
 def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:
     """An lr held as a NumPy array and changed in place after step() (a
     hand-written schedule): the pending update shared the array and used the
