@@ -102,6 +102,7 @@ import functools
 import inspect
 import itertools
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -741,6 +742,25 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
         raise ValueError("mode: 'backward' updates parameters from local gradients before "
                          "reprop.ooo.data_parallel averages them over the ranks (the replicas "
                          "would drift apart); use mode='forward', which steps on the averages")
+
+
+def _stepped_by_zero_redundancy(optimizer) -> bool:
+    """Whether this step() of `optimizer` runs inside the step() of a
+    torch.distributed.optim.ZeroRedundancyOptimizer whose local optimizer
+    (its `optim`) it is: a frame of that step() on the stack, looked for
+    only where its module was imported (else no such optimizer exists)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None:
+        return False
+    # (torch's Optimizer wraps step() per class: the frame runs the function wrapped)
+    code = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and getattr(frame.f_locals.get("self"), "optim",
+                                            None) is optimizer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_not_micro_batch_pipelined(engine: optim._FusedOptimizer) -> None:
@@ -2339,6 +2359,9 @@ class _ForwardFusion(FusionHandle):
     def __init__(self, model, optimizer, engine, clip_grad_norm: float | None):
         super().__init__(model, optimizer, engine)
         self._clip = clip_grad_norm
+        # whether the first step() was found not to be a ZeroRedundancyOptimizer's
+        # local step (_refuse_zero_redundancy_caller)
+        self._caller_checked = False
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
         # step(), held, not copied; that tensor's _grad_mark then; the param's
@@ -2853,7 +2876,27 @@ class _ForwardFusion(FusionHandle):
                 "was applied after the read, so the forward used its old value. Call the "
                 "module, or handle.flush() before such a forward, or use mode='backward'")
 
+    def _refuse_zero_redundancy_caller(self) -> None:
+        """A ZeroRedundancyOptimizer's step() steps its local optimizer (the
+        one fused here, `zero.optim`: fuse() refuses the ZeroRedundancyOptimizer
+        itself) and then broadcasts each parameter from the rank that owns
+        it. Forward mode's updates were still pending then: each rank got
+        the owners' values of before the step, and the owner alone applied
+        its update at its next forward, so the ranks drifted apart, silently
+        (0.05 off eager after 6 Adam steps on 2 ranks). Backward mode
+        applies them inside backward, before that broadcast."""
+        if _stepped_by_zero_redundancy(self._user_optimizer):
+            raise RuntimeError(
+                "reprop.fuse(mode='forward'): step() was called by the ZeroRedundancyOptimizer "
+                "whose local optimizer this is, which broadcasts each parameter from its owner "
+                "rank right after it, while forward mode leaves the updates pending until the "
+                "next forward (the ranks would train different parameters); use "
+                "mode='backward', or remove() the fusion")
+
     def _fused_step(self) -> None:
+        if not self._caller_checked:  # (one look, at the first step(): a flag per step)
+            self._refuse_zero_redundancy_caller()
+            self._caller_checked = True
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
         # nothing is pending: drop the gradients an interrupted _hold or _settle
