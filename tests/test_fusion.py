@@ -1821,6 +1821,59 @@ def test_fuse_looks_at_other_live_fusions_only_for_a_shared_parameter(mode: str,
     assert all(ref() is not None for ref in reprop.fusion._FUSION_OF_PARAM.values())
 
 
+def _mlp_with_first_layer_optimized_in_backward() -> nn.Module:
+    """_mlp() whose first Linear has an SGD(lr=0.01) of its own from torch's
+    optimizer in backward (torch.distributed.optim._apply_optimizer_in_backward)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    model = _mlp()
+    _apply_optimizer_in_backward(torch.optim.SGD, model[0].parameters(), {"lr": 0.01})
+    return model
+
+
+def test_backward_mode_refuses_parameters_under_torchs_optimizer_in_backward() -> None:
+    """torch's _apply_optimizer_in_backward gives a parameter an optimizer of
+    its own, which steps when the gradient is accumulated and frees it (the
+    eager optimizer's step() then skips it). Backward fusion's hook ran
+    before torch's: it updated the parameter with the fused optimizer
+    (lr=0.1: ten times eager's change, made with torch's lr=0.01) and left
+    torch's optimizer no gradient, silently. Refused, naming both, at fuse()
+    and for such a parameter added to the optimizer later."""
+    model = _mlp_with_first_layer_optimized_in_backward()
+    refusal = (r"^optimizer: a parameter of shape \(8, 4\) has an optimizer of its own from "
+               r"torch\.distributed\.optim\._apply_optimizer_in_backward.*mode='forward'")
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=refusal):
+        reprop.fuse(model, opt, mode="backward")
+    assert "step" not in vars(opt)  # (the refused fusion left the optimizer as it was)
+    opt = rp.SGD(model[2:].parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward")
+    opt.add_param_group({"params": list(model[0].parameters())})
+    x, _ = _mlp_batch(0)
+    with pytest.raises(ValueError, match=refusal):
+        model(x)  # (the forward picks the new group up)
+    handle.remove()
+
+
+def test_forward_mode_with_torchs_optimizer_in_backward_trains_as_eager() -> None:
+    """Forward mode updates at step(), where it finds, as eager step() does,
+    no gradient left by torch's optimizer in backward: accepted, and the same
+    training as eager's."""
+    trained = {}
+    for mode in (None, "forward"):
+        model = _mlp_with_first_layer_optimized_in_backward()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        trained[mode] = model, opt
+    _assert_same_training(trained["forward"], trained[None])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second
@@ -2419,6 +2472,43 @@ def _one_rank_process_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_redundancy_optimizers_local_optimizer(mode: str) -> None:
+    """ZeroRedundancyOptimizer(optimizer_class=reprop.optim.SGD): its local
+    optimizer fused in forward mode left ZeRO's step() broadcasting each
+    parameter from its owner rank before the pending update (on 2 ranks the
+    non-owners trained stale values, 0.04 off eager after 6 SGD steps,
+    silently). Forward mode's first step() so called raises, naming
+    ZeRO and mode='backward', and so does a retry; backward mode trains as
+    eager ZeRO."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    with _one_rank_process_group():
+        trained = []
+        for fused in (False, True):
+            model = _mlp()
+            zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=rp.SGD, lr=0.1,
+                                           momentum=0.9)
+            handle = reprop.fuse(model, zero.optim, mode=mode) if fused else None
+            for i in range(3):
+                x, y = _mlp_batch(i)
+                F.mse_loss(model(x), y).backward()
+                if fused and mode == "forward":
+                    for _ in range(2):
+                        with pytest.raises(RuntimeError, match=r"^reprop\.fuse\(mode='forward'\): "
+                                           r"step\(\) was called by the ZeroRedundancyOptimizer.*"
+                                           r"mode='backward'"):
+                            zero.step()
+                    handle.remove()
+                    return
+                zero.step()
+                zero.zero_grad()
+            if handle is not None:
+                handle.remove()
+            trained.append((model, zero.optim))
+        _assert_same_training(trained[1], trained[0])
 
 
 def test_backward_mode_groups_edited_before_gradients_run_outside_backward() -> None:
@@ -4346,6 +4436,39 @@ def test_forward_mode_optimizer_state_dict_pre_hook_registered_before_fuse_sees_
     assert seen == {None: 2.0, "forward": 2.0}, seen
 
 
+@pytest.mark.parametrize("optimizer", ["reprop", "torch"])
+def test_forward_mode_optimizer_load_state_dict_pre_hook_registered_before_fuse_sees_updates(
+        optimizer: str) -> None:
+    """An optimizer load_state_dict pre-hook registered before fuse() ran
+    before the fusion's, which applies the pending updates: it saw the
+    weight and state of before step() (exp_avg one update behind, the step
+    count 2 after the third step). It sees eager's, as its state-dict
+    counterpart does."""
+    seen: dict = {}
+    for mode in (None, "forward"):
+        model = _mlp()
+        w = model[0].weight
+        make = rp.Adam if optimizer == "reprop" else torch.optim.Adam
+        opt = make(model.parameters(), lr=0.01)
+        opt.register_load_state_dict_pre_hook(
+            lambda o, sd, mode=mode, w=w: seen.setdefault(mode, []).extend(
+                [w.detach().clone(), o.state[w]["exp_avg"].clone(), float(o.state[w]["step"])]))
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                saved = copy.deepcopy(opt.state_dict())
+        opt.load_state_dict(saved)
+        if handle is not None:
+            handle.remove()
+    assert seen["forward"][2] == seen[None][2] == 3.0
+    for got, ref in zip(seen["forward"][:2], seen[None][:2], strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
 def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_updates() -> None:
     """The model's state_dict and load_state_dict pre-hooks registered before
     fuse() ran before the fusion's, which apply the pending updates: on the
@@ -4371,6 +4494,49 @@ def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_upda
             handle.remove()
     for got, ref in zip(seen["forward"], seen[None], strict=True):
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("read", ["flush", "post_hook"])
+@pytest.mark.parametrize("use_buffers", [False, True])
+def test_forward_mode_averaged_model_as_readme_says(read: str, use_buffers: bool) -> None:
+    """torch.optim.swa_utils: AveragedModel.update_parameters(model) reads
+    model.parameters(), which forward mode leaves one update behind until
+    the next forward (README: call handle.flush() first, or read in a step
+    post-hook); AveragedModel(model) made between step() and the forward (a
+    deep copy) and update_bn then give eager's EMA, bitwise for SGD."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, update_bn
+
+    def make_model() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+
+    averaged = {}
+    for mode in (None, "forward"):
+        model = make_model()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        ema = None
+        if read == "post_hook":
+            opt.register_step_post_hook(lambda *args: ema and ema.update_parameters(model))
+        for i in range(4):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if ema is None:  # (made with the first update pending)
+                ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9),
+                                    use_buffers=use_buffers)
+            elif read == "flush":
+                if handle is not None:
+                    handle.flush()
+                ema.update_parameters(model)
+        update_bn([_mlp_batch(i)[0] for i in range(3)], ema)
+        if handle is not None:
+            handle.remove()
+        averaged[mode] = ema.state_dict()
+    for key, ref in averaged[None].items():
+        assert torch.equal(averaged["forward"][key], ref), key
 
 
 def test_forward_mode_numpy_lr_edited_in_place_after_step() -> None:

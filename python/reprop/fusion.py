@@ -102,6 +102,7 @@ import functools
 import inspect
 import itertools
 import operator
+import sys
 import threading
 import types
 import weakref
@@ -630,6 +631,28 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
                 "model) finds it), or fuse optimizers with disjoint parameters")
 
 
+def _check_not_optimized_in_backward(params: Iterable[torch.Tensor]) -> None:
+    """Backward mode: refuses a parameter given an optimizer of its own by
+    torch.distributed.optim._apply_optimizer_in_backward (torch's optimizer
+    in backward, which marks it with `_in_backward_optimizers`). In eager
+    training that optimizer steps when the gradient is accumulated and frees
+    it, so the eager optimizer's step() skips the parameter; the fusion's
+    post-accumulate-grad hook runs before torch's, so it would update the
+    parameter with the fused optimizer's settings and leave torch's optimizer
+    no gradient: silently another update (another lr, other state). Forward
+    mode updates at step(), where, as eager's, it finds no gradient there.
+    A look per parameter when the fusion picks parameters up (fuse(), a
+    group added), none per step: one marked later is not seen."""
+    for p in params:
+        if getattr(p, "_in_backward_optimizers", None):
+            raise ValueError(
+                f"optimizer: {optim._described_param(p)} has an optimizer of its own from "
+                "torch.distributed.optim._apply_optimizer_in_backward, which steps it inside "
+                "backward; mode='backward' would update it first with this optimizer instead. "
+                "Leave it out of the fused optimizer, or use mode='forward' (whose step(), as "
+                "eager's, finds no gradient left there)")
+
+
 def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
     """The live fusion whose optimizer holds `p`, if any (see _FUSION_OF_PARAM)."""
     ref = _FUSION_OF_PARAM.get(id(p))
@@ -719,6 +742,25 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
         raise ValueError("mode: 'backward' updates parameters from local gradients before "
                          "reprop.ooo.data_parallel averages them over the ranks (the replicas "
                          "would drift apart); use mode='forward', which steps on the averages")
+
+
+def _stepped_by_zero_redundancy(optimizer) -> bool:
+    """Whether this step() of `optimizer` runs inside the step() of a
+    torch.distributed.optim.ZeroRedundancyOptimizer whose local optimizer
+    (its `optim`) it is: a frame of that step() on the stack, looked for
+    only where its module was imported (else no such optimizer exists)."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if zero is None:
+        return False
+    # (torch's Optimizer wraps step() per class: the frame runs the function wrapped)
+    code = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code and getattr(frame.f_locals.get("self"), "optim",
+                                            None) is optimizer:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_not_micro_batch_pipelined(engine: optim._FusedOptimizer) -> None:
@@ -1113,7 +1155,7 @@ class FusionHandle:
         # the hooked parameters, whose tensor hooks a swapping conversion drops
         # (see _tensors.SwapWatch): checked once per step by the modes
         self._swap_watch = _tensors.SwapWatch()
-        _check_params_not_fused(self._params.values(), self)
+        self._check_new(self._params.values())
         self._membership = _membership(engine)
         # id -> module given this fusion's forward hooks (weakly: the id of one
         # freed may be a new owner's, the next ParametrizationList's)
@@ -1174,8 +1216,14 @@ class FusionHandle:
             setattr(optimizer, name, value)
             self._installed[name] = value
         optimizer._step_supports_amp_scaling = self._step_sees_grad_scaler
-        # optimizer.load_state_dict: pending updates first; then torch's replaces
-        # param_groups and state with new objects, which the engine must share.
+        # optimizer.load_state_dict: pending updates first, prepended so that
+        # pre-hooks registered before fuse() see them applied, as after an eager
+        # step() (appended, such a hook saw forward mode's parameters and state
+        # of before step()); the loaded groups are checked after every pre-hook,
+        # as they leave the dict. Then torch's replaces param_groups and state
+        # with new objects, which the engine must share.
+        self._hooks.append(optimizer.register_load_state_dict_pre_hook(
+            self._before_load, prepend=True))
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
             self._before_optimizer_load))
         self._hooks.append(optimizer.register_load_state_dict_post_hook(self._after_load))
@@ -1187,12 +1235,12 @@ class FusionHandle:
         self.flush()
 
     def _before_optimizer_load(self, optimizer, state_dict: dict) -> None:
-        """Pending updates first; and a loaded group the engine would refuse
-        (differentiable=True, capturable=True on the CPU) is refused now,
-        before torch replaces the groups and state (a refusal in _sync would
-        leave the optimizer holding it). The saved groups name their
-        parameters by index, in the order of the optimizer's groups."""
-        self.flush()
+        """A loaded group the engine would refuse (differentiable=True,
+        capturable=True on the CPU) is refused now, before torch replaces
+        the groups and state (a refusal in _sync would leave the optimizer
+        holding it); the pending updates were applied by _before_load, the
+        first pre-hook. The saved groups name their parameters by index, in
+        the order of the optimizer's groups."""
         for saved, group in zip(state_dict.get("param_groups", ()), optimizer.param_groups):
             self.optimizer._check_group({**saved, "params": group["params"]})
 
@@ -1220,7 +1268,7 @@ class FusionHandle:
         engine._forget_plans()
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
-        _check_params_not_fused(new, self)  # (before it counts as followed: raised again)
+        self._check_new(new)  # (before it counts as followed: raised again)
         _unclaim(self._params.keys() - params.keys(), self._claimed, weakref.ref(self))
         self._forget_dropped_lazy(params)
         followed, self._params = self._params, params
@@ -1235,6 +1283,11 @@ class FusionHandle:
         # button) must not count as followed, or `new` would never be tracked
         self._membership = _membership(engine)
         return new
+
+    def _check_new(self, params: Iterable[torch.Tensor]) -> None:
+        """Refuses what the mode cannot fuse among `params`, the parameters it
+        picks up (at fuse(), before any hook is installed, and in _sync)."""
+        _check_params_not_fused(params, self)
 
     def _claim(self, params: Iterable[torch.Tensor]) -> None:
         """Records this fusion in _FUSION_OF_PARAM as the holder of `params`."""
@@ -1627,6 +1680,11 @@ class _BackwardFusion(FusionHandle):
                                   self._comm_hook)
         self._track(list(self._params.values()))
         self._hooks.append(self.model.register_forward_pre_hook(self._on_root_forward))
+
+    def _check_new(self, params: Iterable[torch.Tensor]) -> None:
+        params = list(params)
+        super()._check_new(params)
+        _check_not_optimized_in_backward(params)
 
     def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
@@ -2301,6 +2359,9 @@ class _ForwardFusion(FusionHandle):
     def __init__(self, model, optimizer, engine, clip_grad_norm: float | None):
         super().__init__(model, optimizer, engine)
         self._clip = clip_grad_norm
+        # whether the first step() was found not to be a ZeroRedundancyOptimizer's
+        # local step (_refuse_zero_redundancy_caller)
+        self._caller_checked = False
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
         # step(), held, not copied; that tensor's _grad_mark then; the param's
@@ -2815,7 +2876,27 @@ class _ForwardFusion(FusionHandle):
                 "was applied after the read, so the forward used its old value. Call the "
                 "module, or handle.flush() before such a forward, or use mode='backward'")
 
+    def _refuse_zero_redundancy_caller(self) -> None:
+        """A ZeroRedundancyOptimizer's step() steps its local optimizer (the
+        one fused here, `zero.optim`: fuse() refuses the ZeroRedundancyOptimizer
+        itself) and then broadcasts each parameter from the rank that owns
+        it. Forward mode's updates were still pending then: each rank got
+        the owners' values of before the step, and the owner alone applied
+        its update at its next forward, so the ranks drifted apart, silently
+        (0.05 off eager after 6 Adam steps on 2 ranks). Backward mode
+        applies them inside backward, before that broadcast."""
+        if _stepped_by_zero_redundancy(self._user_optimizer):
+            raise RuntimeError(
+                "reprop.fuse(mode='forward'): step() was called by the ZeroRedundancyOptimizer "
+                "whose local optimizer this is, which broadcasts each parameter from its owner "
+                "rank right after it, while forward mode leaves the updates pending until the "
+                "next forward (the ranks would train different parameters); use "
+                "mode='backward', or remove() the fusion")
+
     def _fused_step(self) -> None:
+        if not self._caller_checked:  # (one look, at the first step(): a flag per step)
+            self._refuse_zero_redundancy_caller()
+            self._caller_checked = True
         if self._pending:  # a second step() before any forward: eager applied the first
             self.flush()
         # nothing is pending: drop the gradients an interrupted _hold or _settle
