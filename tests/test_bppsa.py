@@ -1054,6 +1054,44 @@ def test_scan_auto_follows_the_thread_count():
         torch.set_num_threads(before)
 
 
+
+def _at_thread_counts(fn, counts=(1, 2, 3)) -> list:
+    """fn() at each of torch's thread counts in turn."""
+    threads = torch.get_num_threads()
+    try:
+        out = []
+        for count in counts:
+            torch.set_num_threads(count)
+            out.append(fn())
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("levels", ["linear", 2, "blelloch"])
+def test_forced_levels_give_the_same_bits_at_every_thread_count(levels):
+    """README (Reproducibility): with the levels forced, the scan and a
+    chain plan's backward give the same bits at 1, 2 and 3 threads: the
+    threads take whole sequences, products and rows, each summed alone in a
+    fixed order (only "auto", whose pick counts the threads, can change with
+    them). The RNN modules' GEMMs are torch's, whose bits follow the thread
+    count for nn.GRU too."""
+    gen = torch.Generator().manual_seed(21)
+    n, B, H = 45, 5, 6
+    w, v = torch.randn(3 * H, H, generator=gen) / H, torch.rand(n, B, 3 * H, generator=gen)
+    u, c = torch.rand(n, B, H, generator=gen) * 0.5, torch.randn(n, B, H, generator=gen)
+    scans = _at_thread_counts(lambda: [bppsa.scan(c, w=w, u=u, v=v, levels=levels)])
+    torch.manual_seed(1)
+    plan = bppsa.ChainPlan(small_cnn(), (2, 6, 6), levels=levels)
+    inputs, _ = plan.forward_inputs(torch.randn(7, 2, 6, 6, generator=gen))
+    g = torch.randn(7, 4, generator=gen)
+    for runs in (scans, _at_thread_counts(lambda: plan.backward(inputs, g))):
+        for run in runs[1:]:
+            assert len(run) == len(runs[0])
+            for a, b in zip(run, runs[0]):
+                assert torch.equal(bits(a), bits(b))
+
+
 def test_module_rejects_bad_input():
     rnn = bppsa.RNN(2, 3)
     with pytest.raises(TypeError, match="float64"):

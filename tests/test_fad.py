@@ -3653,6 +3653,30 @@ def test_training_equivalence_composed():
     torch.testing.assert_close(losses, losses_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("saved_dtype", [None, torch.uint8], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_thread_count_does_not_change_a_bit(dtype, saved_dtype):
+    """README (Reproducibility): the CPU kernels split their work over
+    torch.get_num_threads() threads in fixed chunks, each element computed
+    alone, so 1, 2 and 3 threads give the same bits, forward and backward,
+    past the size where they go parallel (an odd size: a scalar tail)."""
+    x = sample("cpu", dtype, n=(1 << 15) + 37)  # past RP_FAD_PARALLEL_MIN (csrc/fad.c)
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    runs, threads = [], torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            runs.append([values_and_grads(lambda t: ours(t, saved_dtype=saved_dtype, **kw), x, grad)
+                         for ours, _, kw in ACTIVATIONS.values()])
+    finally:
+        torch.set_num_threads(threads)
+    for run in runs[1:]:
+        for name, (y, gx), (y1, gx1) in zip(ACTIVATIONS, run, runs[0]):
+            assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               y1.view(torch.int16 if dtype != torch.float32 else torch.int32)), name
+            torch.testing.assert_close(gx, gx1, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 # ---------------------------------------------------------------------------
 # CUDA: the same kernels' math as the CPU, bit for bit
 # ---------------------------------------------------------------------------
