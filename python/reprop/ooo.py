@@ -3683,6 +3683,7 @@ class Pipeline:
         # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
         self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
+        self._plain: frozenset = frozenset()  # this rank's layers running plain autograd now
         # whether a gradient follows (see _send_gradient); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
                        for has in (False, True)}
@@ -3706,6 +3707,14 @@ class Pipeline:
                 if self.micro_batches > 1:
                     _MICRO_BATCH_PIPELINES.add(self)
                 self.handle = enable(local, order="conventional") if _splits_any(local) else None
+                # each split module that may run plain -> the layers of this rank
+                # that hold it (see _run_plain)
+                self._site_layers = {}
+                for site in (self.handle.sites if self.handle is not None else ()):
+                    holders = frozenset(l for l, layer in self.layers.items()
+                                        if any(m is site.module for m in layer.modules()))
+                    if not any(_reached_twice(self.layers[l], site.module) for l in holders):
+                        self._site_layers[site] = holders
             except Exception:
                 _every_rank_installed(False, self.group, self.device)
                 raise
@@ -3791,7 +3800,9 @@ class Pipeline:
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
         input_grad = train and inputs.requires_grad
-        program, inbox = self._schedule(input_grad, train)
+        program, inbox, plain = self._schedule(input_grad, train)
+        if plain is not None and plain != self._plain:
+            self._run_plain(plain)
         st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
                    key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
@@ -3830,8 +3841,10 @@ class Pipeline:
 
     # -- the schedule --------------------------------------------------------------
 
-    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict]:
-        """This rank's program and inbox; without `train`, the forwards alone
+    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict, frozenset | None]:
+        """This rank's program, inbox and the layers that run plain in it
+        (see _one_piece_backward; None without `train`: grad mode is off and
+        every layer runs plain); without `train`, the forwards alone
         in the training order: what remains of a topological order of the
         graph is one of the forwards' graph, so blocking receives still
         cannot deadlock (see _stage_programs)."""
@@ -3841,9 +3854,33 @@ class Pipeline:
                                        self.costs, SCHEDULES[self.schedule], input_grad)
             if not train:
                 programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
+            program = programs[self.rank]
             cached = self._schedules[(input_grad, train)] = (
-                programs[self.rank], _inbox(programs, self.stage_of, self.rank))
+                program, _inbox(programs, self.stage_of, self.rank),
+                _one_piece_backward(program) if train else None)
         return cached
+
+    def _run_plain(self, plain: frozenset) -> None:
+        """From this step's forwards on, the split layers of the layers in
+        `plain` run plain autograd, the others split. The split exists to
+        run a layer's dW at another time than its dO; where the program
+        runs dW(l, m) right before dO(l, m) (GPipe's order, every layer),
+        the split only added a Python backward, a held task and a pass of
+        the handle per layer and micro-batch: a GPipe step on 2 ranks of 8
+        Linear + GELU layers each took 1.3x the CPU time of torch's
+        ScheduleGPipe. The gradients are the same: the split computes them
+        with autograd's own kernels, accumulated at the same point. A
+        module in several of this rank's layers runs plain only where all
+        of them do; one that a layer holds twice, or whose parameter it
+        holds twice (tied), stays split: plain autograd would sum its uses
+        before adding them to .grad, other bits than the split's one by one."""
+        if self.handle is not None:
+            for site, layers in self._site_layers.items():
+                # in_order: split again under torch.use_deterministic_algorithms, as
+                # the handle's own plain layers (_split_now)
+                site.in_order = layers <= plain
+                site.split = not site.in_order
+        self._plain = plain
 
     # -- the tasks ----------------------------------------------------------------------
 
@@ -4123,6 +4160,32 @@ def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
             elif kind == _OUTPUT_GRAD and l > 0 and stage_of[l - 1] == rank != src:
                 inbox.setdefault(src, []).append((_GRADIENT, l - 1, m))
     return inbox
+
+
+def _reached_twice(layer: nn.Module, module: nn.Module) -> bool:
+    """Whether `layer` holds `module`, or one of its own parameters, more
+    than once (a module repeated in a Sequential, a tied weight)."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    return sum(id(p) in own for _, p in layer.named_parameters(remove_duplicate=False)) > len(own)
+
+
+def _one_piece_backward(program: list) -> frozenset:
+    """The layers of `program` (a training program of one stage) whose
+    backward runs in one piece in every micro-batch: dW(l, m) right before
+    dO(l, m), or without dO(l, m) (layer 0 when the input needs no
+    gradient). Pipeline._backward computes both at the first of the two
+    tasks, so splitting them moves nothing there (see Pipeline._run_plain).
+    A dO right before its dW is not one piece: split, its gradient is sent
+    before the dW runs."""
+    ones: dict = {}  # layer -> whether every micro-batch's backward was one piece so far
+    out_grads = {(l, m) for kind, l, m in program if kind == _OUTPUT_GRAD}
+    for i, (kind, l, m) in enumerate(program):
+        if kind == _FORWARD or kind == _OUTPUT_GRAD:
+            continue
+        one = (l, m) not in out_grads or (i + 1 < len(program)
+                                          and program[i + 1] == (_OUTPUT_GRAD, l, m))
+        ones[l] = ones.get(l, True) and one
+    return frozenset(l for l, one in ones.items() if one)
 
 
 def _stage_programs(stage_of: np.ndarray, micro: int, stages: int, costs: dict, order: int,
