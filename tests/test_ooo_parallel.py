@@ -1707,6 +1707,12 @@ def _check_pipeline(rank: int, case: dict, steps: int = 3) -> None:
     activations = case["micro_batches"] * sum(stage[l] == rank != stage[l + 1] for l in range(DEPTH - 1))
     # per step: its activations and gradients, plus a header per activation in a shape's first step
     assert messages[0] == messages[1] + activations and messages[2] == messages[0], (case, rank, messages)
+    if make is _blocks:
+        # every activation gets its gradient back, one message each: its flag
+        # (whether it has one) travels in it, not in a message of its own
+        gradients = case["micro_batches"] * sum(stage[l] == rank != stage[l - 1]
+                                                for l in range(1, DEPTH))
+        assert messages[1] == activations + gradients, (case, rank, messages)
     pipe.remove()
 
 

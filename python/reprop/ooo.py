@@ -3446,10 +3446,13 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Messages between stages: an activation travels as a header, then its data
 # (the receiver learns shape, dtype and whether it needs a gradient); a
 # gradient needs no header: it has the shape of the activation it is for.
-# It travels as a one-element flag, then its data if the flag is 1: a layer
+# It travels as one message, its data and one more element after it, a
+# flag: 1, or 0 where there is none (its data zeros, unread): a layer
 # that ignores or detaches its input gives it no gradient, and the layers
 # before it must then get none either (plain autograd leaves their .grad
-# alone), not zeros.
+# alone), not zeros. (The flag was a message of its own, before the data:
+# two blocking receives per gradient, the first of them a host wake-up for
+# one byte; a copy of the gradient into the message costs less.)
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad) and autocast state: both ends keep them per (input,
 # layer, micro-batch), as a layer's output is described by its input's
@@ -3684,9 +3687,10 @@ class Pipeline:
         self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
         self._plain: frozenset = frozenset()  # this rank's layers running plain autograd now
-        # whether a gradient follows (see _send_gradient); sent, never written
+        # whether an activation requires grad (see _send_activation); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
                        for has in (False, True)}
+        self._ones: dict = {}  # dtype -> (1,) tensor of 1 on device: a gradient's flag
         self.handle: OOOHandle | None = None
         self._install(local)
 
@@ -3960,7 +3964,7 @@ class Pipeline:
         elif self._owner(l - 1) == self.rank:
             st.out_grads[(l - 1, m)] = g
         else:
-            self._send_gradient(st, g, self._owner(l - 1))
+            self._send_gradient(st, g, l - 1, m, self._owner(l - 1))
 
     def _weight_grad(self, st: _Step, l: int, m: int) -> None:
         """dW(l, m): the held weight gradients of layer l for micro-batch m."""
@@ -3979,10 +3983,22 @@ class Pipeline:
         st.sends.append((dist.isend(t, self._ranks[stage], group=self.group), t))
         self.messages += 1
 
-    def _send_gradient(self, st: _Step, g: torch.Tensor | None, stage: int) -> None:
-        self._send(st, self._flags[g is not None], stage)
-        if g is not None:
-            self._send(st, g.contiguous(), stage)
+    def _send_gradient(self, st: _Step, g: torch.Tensor | None, l: int, m: int,
+                       stage: int) -> None:
+        """The gradient `g` of layer l's output for micro-batch m (None: it
+        has none) to `stage`, as one message: its data then a flag (see the
+        note on messages); without a gradient, zeros of the size the
+        header of that output gives."""
+        if g is None:
+            (_, dtype, *shape), _ = self._headers[(st.key, l, m)]
+            message = torch.zeros(math.prod(shape) + 1, dtype=_WIRE_DTYPES[dtype],
+                                  device=self.device)
+        else:
+            one = self._ones.get(g.dtype)
+            if one is None:
+                one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
+            message = torch.cat((g.reshape(-1), one))
+        self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
         """Layer l's output `y` for micro-batch m to the next stage: its header
@@ -4052,12 +4068,13 @@ class Pipeline:
         return x.requires_grad_(requires_grad)
 
     def _recv_gradient(self, y: torch.Tensor, src: int) -> torch.Tensor | None:
-        """The gradient of output `y`, None when the sender has none for it."""
-        if not self._recv_flag(src):
+        """The gradient of output `y`, None when the sender has none for it
+        (its flag, the message's last element, 0)."""
+        message = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)
+        self._recv(message, src)
+        if not message[-1]:
             return None
-        g = torch.empty_like(y, memory_format=torch.contiguous_format)
-        self._recv(g, src)
-        return g
+        return message[:-1].view(y.shape)
 
     def _recv_flag(self, src: int) -> bool:
         flag = torch.empty_like(self._flags[True])
