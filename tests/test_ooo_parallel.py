@@ -2112,6 +2112,35 @@ def test_pipeline_splits_only_layers_whose_dw_moves(solo_group, input_grad):
     pipe.remove()
 
 
+def test_pipeline_backward_once_per_run_of_local_layers(solo_group, monkeypatch):
+    """GPipe on one stage ran a backward call per layer and micro-batch,
+    each layer's input a leaf detached from the previous layer's output and
+    aliased by an identity Function: the engine's setup and a Python
+    backward per layer, where torch's GPipe runs one backward per stage and
+    micro-batch. Consecutive layers of a stage whose backward runs in one
+    piece, one after the other, now make one graph: one backward per
+    micro-batch, the same gradients as single-process training (bit for
+    bit with one micro-batch). Layers sharing a parameter start a new run
+    (autograd would sum its two gradients first: other bits), and
+    fast-forwarding, which moves dW, keeps a backward per layer."""
+    calls = []
+    backward = torch.autograd.backward
+    monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (calls.append(1),
+                                                                     backward(*a, **k))[1])
+    x, t = _batch(0, 0)
+    for schedule, make, micro, runs in (("gpipe", _blocks, 4, 1), ("gpipe", _blocks, 1, 1),
+                                        ("gpipe", _tied, 1, 2), ("fast_forward", _blocks, 4, DEPTH)):
+        ref_layers, layers = make(), make()
+        ref = nn.Sequential(*ref_layers)
+        F.mse_loss(ref(x), t).backward()
+        pipe = Pipeline(layers, micro_batches=micro, schedule=schedule)
+        calls.clear()
+        pipe.step(x, t, F.mse_loss)
+        assert len(calls) == runs * micro, (schedule, make.__name__, micro, len(calls))
+        _assert_pipeline_grads(pipe, ref_layers, f"{schedule} {make.__name__}", exact=micro == 1)
+        pipe.remove()
+
+
 def _needed(program: list, stage_of, rank: int) -> dict:
     """The messages `rank` receives, per sender, in the order its program needs them."""
     need, seen = {}, set()

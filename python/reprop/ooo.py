@@ -2454,7 +2454,7 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
 # ---------------------------------------------------------------------------
 
 # rp_task_kind of csrc/reprop.h: the kinds in the graphs of _C.sched_graph
-_FORWARD, _OUTPUT_GRAD = 0, 1
+_FORWARD, _OUTPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2
 
 
 def _global_rank(group, rank: int) -> int:
@@ -3580,6 +3580,7 @@ class _Step:
     key: tuple = ()                                 # the input's description and autocast
                                                     # state, for the headers
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
+    chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
 
 
 class Pipeline:
@@ -3804,13 +3805,13 @@ class Pipeline:
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
         input_grad = train and inputs.requires_grad
-        program, inbox, plain = self._schedule(input_grad, train)
+        program, inbox, plain, chained = self._schedule(input_grad, train)
         if plain is not None and plain != self._plain:
             self._run_plain(plain)
         st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
                    key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
-                        _autocast_state(self.device)))
+                        _autocast_state(self.device)), chained=chained)
         self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
@@ -3845,10 +3846,11 @@ class Pipeline:
 
     # -- the schedule --------------------------------------------------------------
 
-    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict, frozenset | None]:
-        """This rank's program, inbox and the layers that run plain in it
+    def _schedule(self, input_grad: bool, train: bool = True) -> tuple:
+        """This rank's program, inbox, the layers that run plain in it
         (see _one_piece_backward; None without `train`: grad mode is off and
-        every layer runs plain); without `train`, the forwards alone
+        every layer runs plain) and those chained to the layer before (see
+        _chained_layers; none without `train`); without `train`, the forwards alone
         in the training order: what remains of a topological order of the
         graph is one of the forwards' graph, so blocking receives still
         cannot deadlock (see _stage_programs)."""
@@ -3859,9 +3861,11 @@ class Pipeline:
             if not train:
                 programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
             program = programs[self.rank]
+            plain = _one_piece_backward(program) if train else None
+            chained = _chained_layers(program, plain, self.layers, self.micro_batches) \
+                if train else frozenset()
             cached = self._schedules[(input_grad, train)] = (
-                program, _inbox(programs, self.stage_of, self.rank),
-                _one_piece_backward(program) if train else None)
+                program, _inbox(programs, self.stage_of, self.rank), plain, chained)
         return cached
 
     def _run_plain(self, plain: frozenset) -> None:
@@ -3895,7 +3899,9 @@ class Pipeline:
             # the input stands for the previous layer's output (past layer 0)
             # or the caller's input, a non-leaf or a tensor without a
             # gradient, which the layer may change in place (nn.ReLU(inplace=True))
-            y = self.layers[l](_Alias.apply(x))
+            # (a chained layer's input is the previous layer's output itself, as
+            # in one process: it may change it in place as it would there)
+            y = self.layers[l](x if l in st.chained else _Alias.apply(x))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -3919,6 +3925,8 @@ class Pipeline:
         if self._owner(l - 1) == self.rank:
             # forwards alone: nothing else reads it (backward would)
             _, y = st.acts[(l - 1, m)] if st.train else st.acts.pop((l - 1, m))
+            if l in st.chained:  # one graph with layer l - 1's (see _chained_layers)
+                return y
             return y.detach().requires_grad_(y.requires_grad)
         return self._receive(st, _ACTIVATION, l - 1, m)
 
@@ -3938,6 +3946,10 @@ class Pipeline:
                 torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
+        while l in st.chained:  # the layers below in its graph: their backward ran in this one
+            l -= 1
+            x, _ = st.acts.pop((l, m))
+            st.held[(l, m)] = []
         if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
             st.in_grads[(l, m)] = x.grad
 
@@ -4184,6 +4196,33 @@ def _reached_twice(layer: nn.Module, module: nn.Module) -> bool:
     than once (a module repeated in a Sequential, a tied weight)."""
     own = {id(p) for p in module.parameters(recurse=False)}
     return sum(id(p) in own for _, p in layer.named_parameters(remove_duplicate=False)) > len(own)
+
+
+def _chained_layers(program: list, plain: frozenset, layers: dict, micro: int) -> frozenset:
+    """The layers l of `program` (a training program of one stage) that
+    take layer l - 1's output itself as input, in one autograd graph,
+    instead of a leaf detached from it: both run plain (`plain`), and in
+    every micro-batch m dW(l - 1, m) comes right after dO(l, m), so that the
+    backward of a run of chained layers is one backward call, at the top
+    layer's first task, where their separate calls would have run one after
+    the other. A leaf and a backward call per layer and micro-batch cost
+    torch's engine setup and an identity Function (_Alias) each: torch's
+    GPipe runs one backward per stage and micro-batch. Layers of one run
+    share no parameter (`layers`: this rank's, by index): autograd would sum
+    a shared one's gradients before adding them to .grad, other bits than
+    one call after the other."""
+    at = {task: i for i, task in enumerate(program)}
+    chained, shared = set(), set()  # the run so far: ids of its parameters
+    for l in sorted(plain):
+        params = {id(p) for p in layers[l].parameters()}
+        if l - 1 in plain and not params & shared and all(
+                at.get((_WEIGHT_GRAD, l - 1, m)) == at.get((_OUTPUT_GRAD, l, m), -2) + 1
+                for m in range(micro)):
+            chained.add(l)
+            shared |= params
+        else:
+            shared = params
+    return frozenset(chained)
 
 
 def _one_piece_backward(program: list) -> frozenset:
