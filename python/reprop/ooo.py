@@ -2454,7 +2454,7 @@ def simulate(layers: int, *, fwd=1.0, out_grad=1.0, weight_grad=1.0, micro_batch
 # ---------------------------------------------------------------------------
 
 # rp_task_kind of csrc/reprop.h: the kinds in the graphs of _C.sched_graph
-_FORWARD, _OUTPUT_GRAD = 0, 1
+_FORWARD, _OUTPUT_GRAD, _WEIGHT_GRAD = 0, 1, 2
 
 
 def _global_rank(group, rank: int) -> int:
@@ -3446,10 +3446,13 @@ ALLOCATIONS = ("contiguous", "modulo")
 # Messages between stages: an activation travels as a header, then its data
 # (the receiver learns shape, dtype and whether it needs a gradient); a
 # gradient needs no header: it has the shape of the activation it is for.
-# It travels as a one-element flag, then its data if the flag is 1: a layer
+# It travels as one message, its data and one more element after it, a
+# flag: 1, or 0 where there is none (its data zeros, unread): a layer
 # that ignores or detaches its input gives it no gradient, and the layers
 # before it must then get none either (plain autograd leaves their .grad
-# alone), not zeros.
+# alone), not zeros. (The flag was a message of its own, before the data:
+# two blocking receives per gradient, the first of them a host wake-up for
+# one byte; a copy of the gradient into the message costs less.)
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad) and autocast state: both ends keep them per (input,
 # layer, micro-batch), as a layer's output is described by its input's
@@ -3577,6 +3580,7 @@ class _Step:
     key: tuple = ()                                 # the input's description and autocast
                                                     # state, for the headers
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
+    chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
 
 
 class Pipeline:
@@ -3683,9 +3687,11 @@ class Pipeline:
         # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
         self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
-        # whether a gradient follows (see _send_gradient); sent, never written
+        self._plain: frozenset = frozenset()  # this rank's layers running plain autograd now
+        # whether an activation requires grad (see _send_activation); sent, never written
         self._flags = {has: torch.tensor([has], dtype=torch.uint8, device=self.device)
                        for has in (False, True)}
+        self._ones: dict = {}  # dtype -> (1,) tensor of 1 on device: a gradient's flag
         self.handle: OOOHandle | None = None
         self._install(local)
 
@@ -3706,6 +3712,14 @@ class Pipeline:
                 if self.micro_batches > 1:
                     _MICRO_BATCH_PIPELINES.add(self)
                 self.handle = enable(local, order="conventional") if _splits_any(local) else None
+                # each split module that may run plain -> the layers of this rank
+                # that hold it (see _run_plain)
+                self._site_layers = {}
+                for site in (self.handle.sites if self.handle is not None else ()):
+                    holders = frozenset(l for l, layer in self.layers.items()
+                                        if any(m is site.module for m in layer.modules()))
+                    if not any(_reached_twice(self.layers[l], site.module) for l in holders):
+                        self._site_layers[site] = holders
             except Exception:
                 _every_rank_installed(False, self.group, self.device)
                 raise
@@ -3791,11 +3805,13 @@ class Pipeline:
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
         input_grad = train and inputs.requires_grad
-        program, inbox = self._schedule(input_grad, train)
+        program, inbox, plain, chained = self._schedule(input_grad, train)
+        if plain is not None and plain != self._plain:
+            self._run_plain(plain)
         st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
                    key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
-                        _autocast_state(self.device)))
+                        _autocast_state(self.device)), chained=chained)
         self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
@@ -3830,8 +3846,11 @@ class Pipeline:
 
     # -- the schedule --------------------------------------------------------------
 
-    def _schedule(self, input_grad: bool, train: bool = True) -> tuple[list, dict]:
-        """This rank's program and inbox; without `train`, the forwards alone
+    def _schedule(self, input_grad: bool, train: bool = True) -> tuple:
+        """This rank's program, inbox, the layers that run plain in it
+        (see _one_piece_backward; None without `train`: grad mode is off and
+        every layer runs plain) and those chained to the layer before (see
+        _chained_layers; none without `train`); without `train`, the forwards alone
         in the training order: what remains of a topological order of the
         graph is one of the forwards' graph, so blocking receives still
         cannot deadlock (see _stage_programs)."""
@@ -3841,9 +3860,35 @@ class Pipeline:
                                        self.costs, SCHEDULES[self.schedule], input_grad)
             if not train:
                 programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
+            program = programs[self.rank]
+            plain = _one_piece_backward(program) if train else None
+            chained = _chained_layers(program, plain, self.layers, self.micro_batches) \
+                if train else frozenset()
             cached = self._schedules[(input_grad, train)] = (
-                programs[self.rank], _inbox(programs, self.stage_of, self.rank))
+                program, _inbox(programs, self.stage_of, self.rank), plain, chained)
         return cached
+
+    def _run_plain(self, plain: frozenset) -> None:
+        """From this step's forwards on, the split layers of the layers in
+        `plain` run plain autograd, the others split. The split exists to
+        run a layer's dW at another time than its dO; where the program
+        runs dW(l, m) right before dO(l, m) (GPipe's order, every layer),
+        the split only added a Python backward, a held task and a pass of
+        the handle per layer and micro-batch: a GPipe step on 2 ranks of 8
+        Linear + GELU layers each took 1.3x the CPU time of torch's
+        ScheduleGPipe. The gradients are the same: the split computes them
+        with autograd's own kernels, accumulated at the same point. A
+        module in several of this rank's layers runs plain only where all
+        of them do; one that a layer holds twice, or whose parameter it
+        holds twice (tied), stays split: plain autograd would sum its uses
+        before adding them to .grad, other bits than the split's one by one."""
+        if self.handle is not None:
+            for site, layers in self._site_layers.items():
+                # in_order: split again under torch.use_deterministic_algorithms, as
+                # the handle's own plain layers (_split_now)
+                site.in_order = layers <= plain
+                site.split = not site.in_order
+        self._plain = plain
 
     # -- the tasks ----------------------------------------------------------------------
 
@@ -3854,7 +3899,9 @@ class Pipeline:
             # the input stands for the previous layer's output (past layer 0)
             # or the caller's input, a non-leaf or a tensor without a
             # gradient, which the layer may change in place (nn.ReLU(inplace=True))
-            y = self.layers[l](_Alias.apply(x))
+            # (a chained layer's input is the previous layer's output itself, as
+            # in one process: it may change it in place as it would there)
+            y = self.layers[l](x if l in st.chained else _Alias.apply(x))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -3878,6 +3925,8 @@ class Pipeline:
         if self._owner(l - 1) == self.rank:
             # forwards alone: nothing else reads it (backward would)
             _, y = st.acts[(l - 1, m)] if st.train else st.acts.pop((l - 1, m))
+            if l in st.chained:  # one graph with layer l - 1's (see _chained_layers)
+                return y
             return y.detach().requires_grad_(y.requires_grad)
         return self._receive(st, _ACTIVATION, l - 1, m)
 
@@ -3897,6 +3946,10 @@ class Pipeline:
                 torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
+        while l in st.chained:  # the layers below in its graph: their backward ran in this one
+            l -= 1
+            x, _ = st.acts.pop((l, m))
+            st.held[(l, m)] = []
         if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
             st.in_grads[(l, m)] = x.grad
 
@@ -3923,7 +3976,7 @@ class Pipeline:
         elif self._owner(l - 1) == self.rank:
             st.out_grads[(l - 1, m)] = g
         else:
-            self._send_gradient(st, g, self._owner(l - 1))
+            self._send_gradient(st, g, l - 1, m, self._owner(l - 1))
 
     def _weight_grad(self, st: _Step, l: int, m: int) -> None:
         """dW(l, m): the held weight gradients of layer l for micro-batch m."""
@@ -3942,10 +3995,22 @@ class Pipeline:
         st.sends.append((dist.isend(t, self._ranks[stage], group=self.group), t))
         self.messages += 1
 
-    def _send_gradient(self, st: _Step, g: torch.Tensor | None, stage: int) -> None:
-        self._send(st, self._flags[g is not None], stage)
-        if g is not None:
-            self._send(st, g.contiguous(), stage)
+    def _send_gradient(self, st: _Step, g: torch.Tensor | None, l: int, m: int,
+                       stage: int) -> None:
+        """The gradient `g` of layer l's output for micro-batch m (None: it
+        has none) to `stage`, as one message: its data then a flag (see the
+        note on messages); without a gradient, zeros of the size the
+        header of that output gives."""
+        if g is None:
+            (_, dtype, *shape), _ = self._headers[(st.key, l, m)]
+            message = torch.zeros(math.prod(shape) + 1, dtype=_WIRE_DTYPES[dtype],
+                                  device=self.device)
+        else:
+            one = self._ones.get(g.dtype)
+            if one is None:
+                one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
+            message = torch.cat((g.reshape(-1), one))
+        self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
         """Layer l's output `y` for micro-batch m to the next stage: its header
@@ -4015,12 +4080,13 @@ class Pipeline:
         return x.requires_grad_(requires_grad)
 
     def _recv_gradient(self, y: torch.Tensor, src: int) -> torch.Tensor | None:
-        """The gradient of output `y`, None when the sender has none for it."""
-        if not self._recv_flag(src):
+        """The gradient of output `y`, None when the sender has none for it
+        (its flag, the message's last element, 0)."""
+        message = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)
+        self._recv(message, src)
+        if not message[-1]:
             return None
-        g = torch.empty_like(y, memory_format=torch.contiguous_format)
-        self._recv(g, src)
-        return g
+        return message[:-1].view(y.shape)
 
     def _recv_flag(self, src: int) -> bool:
         flag = torch.empty_like(self._flags[True])
@@ -4123,6 +4189,59 @@ def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
             elif kind == _OUTPUT_GRAD and l > 0 and stage_of[l - 1] == rank != src:
                 inbox.setdefault(src, []).append((_GRADIENT, l - 1, m))
     return inbox
+
+
+def _reached_twice(layer: nn.Module, module: nn.Module) -> bool:
+    """Whether `layer` holds `module`, or one of its own parameters, more
+    than once (a module repeated in a Sequential, a tied weight)."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    return sum(id(p) in own for _, p in layer.named_parameters(remove_duplicate=False)) > len(own)
+
+
+def _chained_layers(program: list, plain: frozenset, layers: dict, micro: int) -> frozenset:
+    """The layers l of `program` (a training program of one stage) that
+    take layer l - 1's output itself as input, in one autograd graph,
+    instead of a leaf detached from it: both run plain (`plain`), and in
+    every micro-batch m dW(l - 1, m) comes right after dO(l, m), so that the
+    backward of a run of chained layers is one backward call, at the top
+    layer's first task, where their separate calls would have run one after
+    the other. A leaf and a backward call per layer and micro-batch cost
+    torch's engine setup and an identity Function (_Alias) each: torch's
+    GPipe runs one backward per stage and micro-batch. Layers of one run
+    share no parameter (`layers`: this rank's, by index): autograd would sum
+    a shared one's gradients before adding them to .grad, other bits than
+    one call after the other."""
+    at = {task: i for i, task in enumerate(program)}
+    chained, shared = set(), set()  # the run so far: ids of its parameters
+    for l in sorted(plain):
+        params = {id(p) for p in layers[l].parameters()}
+        if l - 1 in plain and not params & shared and all(
+                at.get((_WEIGHT_GRAD, l - 1, m)) == at.get((_OUTPUT_GRAD, l, m), -2) + 1
+                for m in range(micro)):
+            chained.add(l)
+            shared |= params
+        else:
+            shared = params
+    return frozenset(chained)
+
+
+def _one_piece_backward(program: list) -> frozenset:
+    """The layers of `program` (a training program of one stage) whose
+    backward runs in one piece in every micro-batch: dW(l, m) right before
+    dO(l, m), or without dO(l, m) (layer 0 when the input needs no
+    gradient). Pipeline._backward computes both at the first of the two
+    tasks, so splitting them moves nothing there (see Pipeline._run_plain).
+    A dO right before its dW is not one piece: split, its gradient is sent
+    before the dW runs."""
+    ones: dict = {}  # layer -> whether every micro-batch's backward was one piece so far
+    out_grads = {(l, m) for kind, l, m in program if kind == _OUTPUT_GRAD}
+    for i, (kind, l, m) in enumerate(program):
+        if kind == _FORWARD or kind == _OUTPUT_GRAD:
+            continue
+        one = (l, m) not in out_grads or (i + 1 < len(program)
+                                          and program[i + 1] == (_OUTPUT_GRAD, l, m))
+        ones[l] = ones.get(l, True) and one
+    return frozenset(l for l, one in ones.items() if one)
 
 
 def _stage_programs(stage_of: np.ndarray, micro: int, stages: int, costs: dict, order: int,
