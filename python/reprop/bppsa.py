@@ -49,8 +49,7 @@ from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag,
                        check_writable, class_key, current_stream_handle, dispatch_mode_active,
                        hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
-                       transform_active, warn_at_users_line)
-from ._tensors import DOUBLE_BACKWARD_CALLERS, byte_span
+                       transform_active, warn_at_users_line, DOUBLE_BACKWARD_CALLERS, byte_span)
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",

@@ -66,8 +66,7 @@ from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
-                       weak_hook, without_grad)
-from ._tensors import DOUBLE_BACKWARD_CALLERS
+                       weak_hook, without_grad, DOUBLE_BACKWARD_CALLERS)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
