@@ -1874,6 +1874,84 @@ def test_forward_mode_with_torchs_optimizer_in_backward_trains_as_eager() -> Non
     _assert_same_training(trained["forward"], trained[None])
 
 
+_IN_BACKWARD_REFUSAL = (r"^optimizer: a parameter of shape \(8, 4\) has an optimizer of its own "
+                        r"from torch\.distributed\.optim\._apply_optimizer_in_backward.*"
+                        r"mode='forward'")
+
+
+@pytest.mark.parametrize("unhooked", ["register_hook=False", "hooks removed"])
+def test_backward_mode_takes_parameters_whose_optimizer_in_backward_never_runs(
+        unhooked: str) -> None:
+    """torch leaves a parameter's `_in_backward_optimizers` where their hook
+    is never registered (register_hook=False) or was removed (through
+    param_to_optim_hook_handle_map): nothing steps them then, and eager
+    step() trains the parameter (0.03 moved after one SGD step). Backward
+    mode refused it on the mark alone; it takes it now and trains as eager."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map)
+
+    trained = {}
+    for mode in (None, "backward"):
+        model = _mlp()
+        _apply_optimizer_in_backward(torch.optim.SGD, model[0].parameters(), {"lr": 0.01},
+                                     register_hook=unhooked != "register_hook=False")
+        if unhooked == "hooks removed":
+            for p in model[0].parameters():
+                for hook in param_to_optim_hook_handle_map[p]:
+                    hook.remove()
+        first = model[0].weight.detach().clone()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        assert not torch.equal(model[0].weight, first)  # (trained by opt, as eager trains it)
+        trained[mode] = model, opt
+    _assert_same_training(trained["backward"], trained[None])
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "DDP after its first forward",
+                                     "FSDP, register_hook=False"])
+def test_backward_mode_refuses_parameters_whose_optimizer_in_backward_a_wrapper_runs(
+        wrapper: str) -> None:
+    """DDP removes torch's in-backward hooks of the parameters it manages at
+    its first forward and steps their optimizers from its comm hook instead;
+    FSDP steps them in its post-backward, hooked or not: such a parameter is
+    refused still (with its hooks gone, not taken for one whose optimizer
+    never runs; DDP's refusal of a second comm hook named neither)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map)
+
+    with _one_rank_process_group():
+        if wrapper.startswith("DDP"):
+            model = nn.parallel.DistributedDataParallel(
+                _mlp_with_first_layer_optimized_in_backward())
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            inner = _mlp()
+            _apply_optimizer_in_backward(torch.optim.SGD, inner[0].parameters(), {"lr": 0.01},
+                                         register_hook=False)
+            with warnings.catch_warnings():  # (FSDP: NO_SHARD on one rank)
+                warnings.simplefilter("ignore", UserWarning)
+                model = FullyShardedDataParallel(inner, use_orig_params=True,
+                                                 device_id=torch.device("cpu"))
+        if wrapper == "DDP after its first forward":
+            model(_mlp_batch(0)[0])
+            weight = model.module[0].weight
+            assert not any(hook.id in hook.hooks_dict_ref()
+                           for hook in param_to_optim_hook_handle_map[weight])
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=_IN_BACKWARD_REFUSAL):
+            reprop.fuse(model, opt, mode="backward")
+        assert "step" not in vars(opt)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second

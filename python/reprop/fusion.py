@@ -631,26 +631,63 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
                 "model) finds it), or fuse optimizers with disjoint parameters")
 
 
-def _check_not_optimized_in_backward(params: Iterable[torch.Tensor]) -> None:
+def _check_not_optimized_in_backward(params: Iterable[torch.Tensor], model: nn.Module) -> None:
     """Backward mode: refuses a parameter given an optimizer of its own by
     torch.distributed.optim._apply_optimizer_in_backward (torch's optimizer
-    in backward, which marks it with `_in_backward_optimizers`). In eager
-    training that optimizer steps when the gradient is accumulated and frees
-    it, so the eager optimizer's step() skips the parameter; the fusion's
-    post-accumulate-grad hook runs before torch's, so it would update the
-    parameter with the fused optimizer's settings and leave torch's optimizer
-    no gradient: silently another update (another lr, other state). Forward
-    mode updates at step(), where, as eager's, it finds no gradient there.
-    A look per parameter when the fusion picks parameters up (fuse(), a
-    group added), none per step: one marked later is not seen."""
-    for p in params:
-        if getattr(p, "_in_backward_optimizers", None):
+    in backward, which marks it with `_in_backward_optimizers`) where that
+    optimizer runs: in eager training it steps when the gradient is
+    accumulated and frees it, so the eager optimizer's step() skips the
+    parameter; the fusion's post-accumulate-grad hook runs before torch's,
+    so it would update the parameter with the fused optimizer's settings and
+    leave torch's optimizer no gradient: silently another update (another
+    lr, other state). Forward mode updates at step(), where, as eager's, it
+    finds no gradient there. A look per parameter when the fusion picks
+    parameters up (fuse(), a group added), none per step: one marked later
+    is not seen.
+    torch leaves the mark where its optimizer never runs (register_hook=False,
+    or its hooks removed through param_to_optim_hook_handle_map): there eager
+    step() trains the parameter, and so does the fusion (refused on the mark
+    alone, such a parameter was refused falsely). A DDP (the model) or an
+    FSDP (in it) runs the marked parameters' optimizers itself, from its
+    comm hook or its post-backward, hooks or not: refused there still."""
+    marked = [p for p in params if getattr(p, "_in_backward_optimizers", None)]
+    if not marked:  # (the common case: one getattr per parameter, as before)
+        return
+    for p in marked:
+        if _in_backward_hook_live(p) or _runs_in_backward_optimizers(model, p):
             raise ValueError(
                 f"optimizer: {optim._described_param(p)} has an optimizer of its own from "
                 "torch.distributed.optim._apply_optimizer_in_backward, which steps it inside "
                 "backward; mode='backward' would update it first with this optimizer instead. "
                 "Leave it out of the fused optimizer, or use mode='forward' (whose step(), as "
                 "eager's, finds no gradient left there)")
+
+
+def _in_backward_hook_live(p: torch.Tensor) -> bool:
+    """Whether a hook of torch's _apply_optimizer_in_backward that steps
+    `p`'s optimizers is still registered on its AccumulateGrad node (torch
+    keeps their handles in param_to_optim_hook_handle_map, weakly keyed by
+    the parameter; a handle's removal deletes its id from the node's dict).
+    A mark without torch's module imported was set by other code: taken as
+    live."""
+    torchs = sys.modules.get("torch.distributed.optim.apply_optimizer_in_backward")
+    if torchs is None:
+        return True
+    return any(h.id in (h.hooks_dict_ref() or ())
+               for h in torchs.param_to_optim_hook_handle_map.get(p, ()))
+
+
+def _runs_in_backward_optimizers(model: nn.Module, p: torch.Tensor) -> bool:
+    """Whether a wrapper of `model` steps `p`'s in-backward optimizers
+    without torch's hook: DDP removes those hooks of the parameters it
+    manages (at its first forward) and steps their optimizers from its comm
+    hook; FSDP steps them in its post-backward."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        if any(q is p for q in getattr(model, "_module_parameters", ())):
+            return True
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel)
+                                    for m in model.modules())
 
 
 def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
@@ -1684,7 +1721,7 @@ class _BackwardFusion(FusionHandle):
     def _check_new(self, params: Iterable[torch.Tensor]) -> None:
         params = list(params)
         super()._check_new(params)
-        _check_not_optimized_in_backward(params)
+        _check_not_optimized_in_backward(params, self.model)
 
     def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
