@@ -2589,6 +2589,33 @@ def test_zero_redundancy_optimizers_local_optimizer(mode: str) -> None:
         _assert_same_training(trained[1], trained[0])
 
 
+def test_forward_mode_refuses_a_zero_redundancy_subclass_reimplementing_step() -> None:
+    """A ZeroRedundancyOptimizer subclass whose own step() calls
+    self._local_step() then self._sync_params() (as ZeRO's does) has no
+    frame of ZeRO's step() on the stack: forward mode took its local
+    optimizer's step() as a plain one, and the broadcast after it went out
+    before the pending updates. _local_step(), which calls the local
+    step(), is looked for too: refused as ZeRO's own step() is."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class SyncingZero(ZeroRedundancyOptimizer):
+        def step(self, closure=None, **kwargs):
+            loss = self._local_step(closure=closure, **kwargs)
+            self._sync_params()
+            return loss
+
+    with _one_rank_process_group():
+        model = _mlp()
+        zero = SyncingZero(model.parameters(), optimizer_class=rp.SGD, lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, zero.optim, mode="forward")
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"^reprop\.fuse\(mode='forward'\): step\(\) was "
+                           r"called by the ZeroRedundancyOptimizer.*mode='backward'"):
+            zero.step()
+        handle.remove()
+
+
 def test_backward_mode_groups_edited_before_gradients_run_outside_backward() -> None:
     """reprop.ooo's hold()/run() hands every weight gradient to the fusion
     outside backward, where the graph task id is always -1: the groups were

@@ -784,17 +784,21 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
 def _stepped_by_zero_redundancy(optimizer) -> bool:
     """Whether this step() of `optimizer` runs inside the step() of a
     torch.distributed.optim.ZeroRedundancyOptimizer whose local optimizer
-    (its `optim`) it is: a frame of that step() on the stack, looked for
-    only where its module was imported (else no such optimizer exists)."""
+    (its `optim`) it is: a frame of that step() or of its _local_step() (the
+    one calling `self.optim.step`, which a subclass reimplementing step()
+    calls, then `self._sync_params()`: matched on step() alone, such a
+    subclass was missed) on the stack, looked for only where its module was
+    imported (else no such optimizer exists)."""
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero is None:
         return False
     # (torch's Optimizer wraps step() per class: the frame runs the function wrapped)
-    code = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    step = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    local_step = inspect.unwrap(zero.ZeroRedundancyOptimizer._local_step).__code__
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code and getattr(frame.f_locals.get("self"), "optim",
-                                            None) is optimizer:
+        if ((frame.f_code is step or frame.f_code is local_step)
+                and getattr(frame.f_locals.get("self"), "optim", None) is optimizer):
             return True
         frame = frame.f_back
     return False
