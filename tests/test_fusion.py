@@ -4739,6 +4739,40 @@ def test_refused_optimizer_load_leaves_a_fused_optimizer_as_it_was(mode: str, im
 
 
 @pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizer_load_refused_after_a_later_pre_hook_leaves_the_optimizer_as_it_was(
+        mode: str, impl: str) -> None:
+    """A load_state_dict pre-hook registered after fuse() runs after the
+    fusion's check of the loaded groups; one returning groups the engine
+    refuses (differentiable=True) was refused only after torch installed
+    them: a fused torch optimizer kept them (lr 0.5, differentiable) and
+    every later step() raised. Refused with its groups and state of before
+    the load put back; it trains on."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = (rp if impl == "reprop" else torch.optim).Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode=mode)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {
+        **sd, "param_groups": [{**g, "differentiable": True, "lr": 0.5}
+                               for g in sd["param_groups"]]})
+    groups, state = opt.param_groups, opt.state
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups is groups and opt.state is state and groups[0]["lr"] == 0.1
+    assert not groups[0].get("differentiable", False)
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    handle.flush()
+    assert not torch.equal(model.weight, before)  # it still trains
+    assert float(opt.state[model.weight]["step"]) == 2.0
+    handle.remove()
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_forward_mode_copy_of_the_optimizer_after_step_is_current(how: str, impl: str) -> None:
     """copy.deepcopy(opt) or torch.save(opt) (the whole optimizer, not its

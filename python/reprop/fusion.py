@@ -1260,9 +1260,12 @@ class FusionHandle:
         # optimizer.load_state_dict: pending updates first, prepended so that
         # pre-hooks registered before fuse() see them applied, as after an eager
         # step() (appended, such a hook saw forward mode's parameters and state
-        # of before step()); the loaded groups are checked after every pre-hook,
-        # as they leave the dict. Then torch's replaces param_groups and state
-        # with new objects, which the engine must share.
+        # of before step(); one registered after fuse() with prepend=True still
+        # runs before it); the loaded groups are checked after the pre-hooks
+        # registered before fuse(), as they leave the dict, and again in the
+        # post-hook, for those registered after. Then torch's replaces
+        # param_groups and state with new objects, which the engine must share.
+        self._loaded_over = None  # (see _before_optimizer_load)
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
             self._before_load, prepend=True))
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
@@ -1281,14 +1284,39 @@ class FusionHandle:
         the groups and state (a refusal in _sync would leave the optimizer
         holding it); the pending updates were applied by _before_load, the
         first pre-hook. The saved groups name their parameters by index, in
-        the order of the optimizer's groups."""
+        the order of the optimizer's groups. A pre-hook registered after
+        fuse() runs after this one and may return another dict: the groups
+        and state the optimizer holds now are noted for _after_load, which
+        checks what torch installed and puts these back if it refuses."""
         for saved, group in zip(state_dict.get("param_groups", ()), optimizer.param_groups):
             self.optimizer._check_group({**saved, "params": group["params"]})
+        self._loaded_over = optimizer.param_groups, optimizer.state
 
-    def _after_load(self, *args) -> None:
+    def _after_load(self, optimizer) -> None:
+        over, self._loaded_over = self._loaded_over, None
         with self._lock:
-            if not self._removed:
-                self._sync()
+            if self._removed:
+                return
+            if over is not None and optimizer.param_groups is not over[0]:
+                self._refuse_loaded_groups(optimizer, over)
+            self._sync()
+
+    def _refuse_loaded_groups(self, optimizer, over: tuple) -> None:
+        """The groups torch's load_state_dict installed, checked as
+        _before_optimizer_load checks the dict: a pre-hook registered after
+        fuse() (run after that check) may have returned groups the engine
+        refuses (differentiable=True). The refusal then came from _sync,
+        after torch installed them: the optimizer kept them and every later
+        step() raised. It is raised here, with the optimizer's groups and
+        state of before the load put back, as when the check refuses first
+        (a torch optimizer's only: reprop's refuse in __setstate__, before
+        installing anything)."""
+        try:
+            for group in optimizer.param_groups:
+                self.optimizer._check_group(group)
+        except BaseException:
+            optimizer.param_groups, optimizer.state = over
+            raise
 
     def _sync(self) -> list:
         """Follows the optimizer's groups: a torch optimizer's param_groups and
