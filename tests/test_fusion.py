@@ -4574,6 +4574,38 @@ def test_forward_mode_optimizer_load_state_dict_pre_hook_registered_before_fuse_
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("which", ["state_dict", "load_state_dict"])
+def test_forward_mode_optimizer_pre_hook_prepended_after_fuse_as_readme_says(which: str) -> None:
+    """An optimizer state_dict or load_state_dict pre-hook registered after
+    fuse() with prepend=True runs before the fusion's flush: it reads the
+    state one update behind (Adam's step 1.0 where eager's is 2.0), as
+    README says; handle.flush() in it (README's way) gives eager's."""
+    seen: dict = {}
+    for mode, flush_first in ((None, False), ("forward", False), ("forward", True)):
+        model = _mlp()
+        w = model[0].weight
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+
+        def hook(o, *args, key=(mode, flush_first), handle=handle, w=w):
+            if key[1]:
+                handle.flush()
+            seen[key] = float(o.state[w]["step"])
+
+        for i in range(2):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                saved = copy.deepcopy(opt.state_dict())
+                getattr(opt, f"register_{which}_pre_hook")(hook, prepend=True)
+        opt.state_dict() if which == "state_dict" else opt.load_state_dict(saved)
+        if handle is not None:
+            handle.remove()
+    assert seen == {(None, False): 2.0, ("forward", False): 1.0, ("forward", True): 2.0}, seen
+
+
 def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_updates() -> None:
     """The model's state_dict and load_state_dict pre-hooks registered before
     fuse() ran before the fusion's, which apply the pending updates: on the

@@ -2497,7 +2497,8 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         # prepended: the optimizer's state-dict pre-hooks registered before fuse()
-        # must see the state updated, as after an eager step()
+        # must see the state updated, as after an eager step() (one registered
+        # after fuse() with prepend=True runs before it: README says so)
         self._hooks.append(self._user_optimizer.register_state_dict_pre_hook(
             self._on_state_dict, prepend=True))
         if self._ddp:
