@@ -1874,6 +1874,84 @@ def test_forward_mode_with_torchs_optimizer_in_backward_trains_as_eager() -> Non
     _assert_same_training(trained["forward"], trained[None])
 
 
+_IN_BACKWARD_REFUSAL = (r"^optimizer: a parameter of shape \(8, 4\) has an optimizer of its own "
+                        r"from torch\.distributed\.optim\._apply_optimizer_in_backward.*"
+                        r"mode='forward'")
+
+
+@pytest.mark.parametrize("unhooked", ["register_hook=False", "hooks removed"])
+def test_backward_mode_takes_parameters_whose_optimizer_in_backward_never_runs(
+        unhooked: str) -> None:
+    """torch leaves a parameter's `_in_backward_optimizers` where their hook
+    is never registered (register_hook=False) or was removed (through
+    param_to_optim_hook_handle_map): nothing steps them then, and eager
+    step() trains the parameter (0.03 moved after one SGD step). Backward
+    mode refused it on the mark alone; it takes it now and trains as eager."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map)
+
+    trained = {}
+    for mode in (None, "backward"):
+        model = _mlp()
+        _apply_optimizer_in_backward(torch.optim.SGD, model[0].parameters(), {"lr": 0.01},
+                                     register_hook=unhooked != "register_hook=False")
+        if unhooked == "hooks removed":
+            for p in model[0].parameters():
+                for hook in param_to_optim_hook_handle_map[p]:
+                    hook.remove()
+        first = model[0].weight.detach().clone()
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+        for i in range(3):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        assert not torch.equal(model[0].weight, first)  # (trained by opt, as eager trains it)
+        trained[mode] = model, opt
+    _assert_same_training(trained["backward"], trained[None])
+
+
+@pytest.mark.parametrize("wrapper", ["DDP", "DDP after its first forward",
+                                     "FSDP, register_hook=False"])
+def test_backward_mode_refuses_parameters_whose_optimizer_in_backward_a_wrapper_runs(
+        wrapper: str) -> None:
+    """DDP removes torch's in-backward hooks of the parameters it manages at
+    its first forward and steps their optimizers from its comm hook instead;
+    FSDP steps them in its post-backward, hooked or not: such a parameter is
+    refused still (with its hooks gone, not taken for one whose optimizer
+    never runs; DDP's refusal of a second comm hook named neither)."""
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map)
+
+    with _one_rank_process_group():
+        if wrapper.startswith("DDP"):
+            model = nn.parallel.DistributedDataParallel(
+                _mlp_with_first_layer_optimized_in_backward())
+        else:
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            inner = _mlp()
+            _apply_optimizer_in_backward(torch.optim.SGD, inner[0].parameters(), {"lr": 0.01},
+                                         register_hook=False)
+            with warnings.catch_warnings():  # (FSDP: NO_SHARD on one rank)
+                warnings.simplefilter("ignore", UserWarning)
+                model = FullyShardedDataParallel(inner, use_orig_params=True,
+                                                 device_id=torch.device("cpu"))
+        if wrapper == "DDP after its first forward":
+            model(_mlp_batch(0)[0])
+            weight = model.module[0].weight
+            assert not any(hook.id in hook.hooks_dict_ref()
+                           for hook in param_to_optim_hook_handle_map[weight])
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=_IN_BACKWARD_REFUSAL):
+            reprop.fuse(model, opt, mode="backward")
+        assert "step" not in vars(opt)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_fusion_that_fails_to_build_leaves_the_optimizer_as_it_was(mode: str, monkeypatch) -> None:
     """A fuse() that raises while building its handle (DDP refusing a second
@@ -2509,6 +2587,33 @@ def test_zero_redundancy_optimizers_local_optimizer(mode: str) -> None:
                 handle.remove()
             trained.append((model, zero.optim))
         _assert_same_training(trained[1], trained[0])
+
+
+def test_forward_mode_refuses_a_zero_redundancy_subclass_reimplementing_step() -> None:
+    """A ZeroRedundancyOptimizer subclass whose own step() calls
+    self._local_step() then self._sync_params() (as ZeRO's does) has no
+    frame of ZeRO's step() on the stack: forward mode took its local
+    optimizer's step() as a plain one, and the broadcast after it went out
+    before the pending updates. _local_step(), which calls the local
+    step(), is looked for too: refused as ZeRO's own step() is."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    class SyncingZero(ZeroRedundancyOptimizer):
+        def step(self, closure=None, **kwargs):
+            loss = self._local_step(closure=closure, **kwargs)
+            self._sync_params()
+            return loss
+
+    with _one_rank_process_group():
+        model = _mlp()
+        zero = SyncingZero(model.parameters(), optimizer_class=rp.SGD, lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, zero.optim, mode="forward")
+        x, y = _mlp_batch(0)
+        F.mse_loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"^reprop\.fuse\(mode='forward'\): step\(\) was "
+                           r"called by the ZeroRedundancyOptimizer.*mode='backward'"):
+            zero.step()
+        handle.remove()
 
 
 def test_backward_mode_groups_edited_before_gradients_run_outside_backward() -> None:
@@ -4469,6 +4574,38 @@ def test_forward_mode_optimizer_load_state_dict_pre_hook_registered_before_fuse_
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("which", ["state_dict", "load_state_dict"])
+def test_forward_mode_optimizer_pre_hook_prepended_after_fuse_as_readme_says(which: str) -> None:
+    """An optimizer state_dict or load_state_dict pre-hook registered after
+    fuse() with prepend=True runs before the fusion's flush: it reads the
+    state one update behind (Adam's step 1.0 where eager's is 2.0), as
+    README says; handle.flush() in it (README's way) gives eager's."""
+    seen: dict = {}
+    for mode, flush_first in ((None, False), ("forward", False), ("forward", True)):
+        model = _mlp()
+        w = model[0].weight
+        opt = rp.Adam(model.parameters(), lr=0.01)
+        handle = reprop.fuse(model, opt, mode=mode) if mode else None
+
+        def hook(o, *args, key=(mode, flush_first), handle=handle, w=w):
+            if key[1]:
+                handle.flush()
+            seen[key] = float(o.state[w]["step"])
+
+        for i in range(2):
+            x, y = _mlp_batch(i)
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:
+                saved = copy.deepcopy(opt.state_dict())
+                getattr(opt, f"register_{which}_pre_hook")(hook, prepend=True)
+        opt.state_dict() if which == "state_dict" else opt.load_state_dict(saved)
+        if handle is not None:
+            handle.remove()
+    assert seen == {(None, False): 2.0, ("forward", False): 1.0, ("forward", True): 2.0}, seen
+
+
 def test_forward_mode_model_state_dict_pre_hooks_registered_before_fuse_see_updates() -> None:
     """The model's state_dict and load_state_dict pre-hooks registered before
     fuse() ran before the fusion's, which apply the pending updates: on the
@@ -4630,6 +4767,40 @@ def test_refused_optimizer_load_leaves_a_fused_optimizer_as_it_was(mode: str, im
     opt.step()
     handle.flush()
     assert not torch.equal(model.weight, before)  # it still trains
+    handle.remove()
+
+
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_optimizer_load_refused_after_a_later_pre_hook_leaves_the_optimizer_as_it_was(
+        mode: str, impl: str) -> None:
+    """A load_state_dict pre-hook registered after fuse() runs after the
+    fusion's check of the loaded groups; one returning groups the engine
+    refuses (differentiable=True) was refused only after torch installed
+    them: a fused torch optimizer kept them (lr 0.5, differentiable) and
+    every later step() raised. Refused with its groups and state of before
+    the load put back; it trains on."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = (rp if impl == "reprop" else torch.optim).Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode=mode)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.register_load_state_dict_pre_hook(lambda o, sd: {
+        **sd, "param_groups": [{**g, "differentiable": True, "lr": 0.5}
+                               for g in sd["param_groups"]]})
+    groups, state = opt.param_groups, opt.state
+    with pytest.raises(ValueError, match="differentiable=True is not supported"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups is groups and opt.state is state and groups[0]["lr"] == 0.1
+    assert not groups[0].get("differentiable", False)
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    handle.flush()
+    assert not torch.equal(model.weight, before)  # it still trains
+    assert float(opt.state[model.weight]["step"]) == 2.0
     handle.remove()
 
 

@@ -631,26 +631,63 @@ def _check_params_not_fused(params: Iterable[torch.Tensor], handle: "FusionHandl
                 "model) finds it), or fuse optimizers with disjoint parameters")
 
 
-def _check_not_optimized_in_backward(params: Iterable[torch.Tensor]) -> None:
+def _check_not_optimized_in_backward(params: Iterable[torch.Tensor], model: nn.Module) -> None:
     """Backward mode: refuses a parameter given an optimizer of its own by
     torch.distributed.optim._apply_optimizer_in_backward (torch's optimizer
-    in backward, which marks it with `_in_backward_optimizers`). In eager
-    training that optimizer steps when the gradient is accumulated and frees
-    it, so the eager optimizer's step() skips the parameter; the fusion's
-    post-accumulate-grad hook runs before torch's, so it would update the
-    parameter with the fused optimizer's settings and leave torch's optimizer
-    no gradient: silently another update (another lr, other state). Forward
-    mode updates at step(), where, as eager's, it finds no gradient there.
-    A look per parameter when the fusion picks parameters up (fuse(), a
-    group added), none per step: one marked later is not seen."""
-    for p in params:
-        if getattr(p, "_in_backward_optimizers", None):
+    in backward, which marks it with `_in_backward_optimizers`) where that
+    optimizer runs: in eager training it steps when the gradient is
+    accumulated and frees it, so the eager optimizer's step() skips the
+    parameter; the fusion's post-accumulate-grad hook runs before torch's,
+    so it would update the parameter with the fused optimizer's settings and
+    leave torch's optimizer no gradient: silently another update (another
+    lr, other state). Forward mode updates at step(), where, as eager's, it
+    finds no gradient there. A look per parameter when the fusion picks
+    parameters up (fuse(), a group added), none per step: one marked later
+    is not seen.
+    torch leaves the mark where its optimizer never runs (register_hook=False,
+    or its hooks removed through param_to_optim_hook_handle_map): there eager
+    step() trains the parameter, and so does the fusion (refused on the mark
+    alone, such a parameter was refused falsely). A DDP (the model) or an
+    FSDP (in it) runs the marked parameters' optimizers itself, from its
+    comm hook or its post-backward, hooks or not: refused there still."""
+    marked = [p for p in params if getattr(p, "_in_backward_optimizers", None)]
+    if not marked:  # (the common case: one getattr per parameter, as before)
+        return
+    for p in marked:
+        if _in_backward_hook_live(p) or _runs_in_backward_optimizers(model, p):
             raise ValueError(
                 f"optimizer: {optim._described_param(p)} has an optimizer of its own from "
                 "torch.distributed.optim._apply_optimizer_in_backward, which steps it inside "
                 "backward; mode='backward' would update it first with this optimizer instead. "
                 "Leave it out of the fused optimizer, or use mode='forward' (whose step(), as "
                 "eager's, finds no gradient left there)")
+
+
+def _in_backward_hook_live(p: torch.Tensor) -> bool:
+    """Whether a hook of torch's _apply_optimizer_in_backward that steps
+    `p`'s optimizers is still registered on its AccumulateGrad node (torch
+    keeps their handles in param_to_optim_hook_handle_map, weakly keyed by
+    the parameter; a handle's removal deletes its id from the node's dict).
+    A mark without torch's module imported was set by other code: taken as
+    live."""
+    torchs = sys.modules.get("torch.distributed.optim.apply_optimizer_in_backward")
+    if torchs is None:
+        return True
+    return any(h.id in (h.hooks_dict_ref() or ())
+               for h in torchs.param_to_optim_hook_handle_map.get(p, ()))
+
+
+def _runs_in_backward_optimizers(model: nn.Module, p: torch.Tensor) -> bool:
+    """Whether a wrapper of `model` steps `p`'s in-backward optimizers
+    without torch's hook: DDP removes those hooks of the parameters it
+    manages (at its first forward) and steps their optimizers from its comm
+    hook; FSDP steps them in its post-backward."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        if any(q is p for q in getattr(model, "_module_parameters", ())):
+            return True
+    fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    return fsdp is not None and any(isinstance(m, fsdp.FullyShardedDataParallel)
+                                    for m in model.modules())
 
 
 def _fusion_holding(p: torch.Tensor) -> "FusionHandle | None":
@@ -747,17 +784,21 @@ def _check_not_data_parallel(engine: optim._FusedOptimizer) -> None:
 def _stepped_by_zero_redundancy(optimizer) -> bool:
     """Whether this step() of `optimizer` runs inside the step() of a
     torch.distributed.optim.ZeroRedundancyOptimizer whose local optimizer
-    (its `optim`) it is: a frame of that step() on the stack, looked for
-    only where its module was imported (else no such optimizer exists)."""
+    (its `optim`) it is: a frame of that step() or of its _local_step() (the
+    one calling `self.optim.step`, which a subclass reimplementing step()
+    calls, then `self._sync_params()`: matched on step() alone, such a
+    subclass was missed) on the stack, looked for only where its module was
+    imported (else no such optimizer exists)."""
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     if zero is None:
         return False
     # (torch's Optimizer wraps step() per class: the frame runs the function wrapped)
-    code = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    step = inspect.unwrap(zero.ZeroRedundancyOptimizer.step).__code__
+    local_step = inspect.unwrap(zero.ZeroRedundancyOptimizer._local_step).__code__
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code is code and getattr(frame.f_locals.get("self"), "optim",
-                                            None) is optimizer:
+        if ((frame.f_code is step or frame.f_code is local_step)
+                and getattr(frame.f_locals.get("self"), "optim", None) is optimizer):
             return True
         frame = frame.f_back
     return False
@@ -1219,9 +1260,12 @@ class FusionHandle:
         # optimizer.load_state_dict: pending updates first, prepended so that
         # pre-hooks registered before fuse() see them applied, as after an eager
         # step() (appended, such a hook saw forward mode's parameters and state
-        # of before step()); the loaded groups are checked after every pre-hook,
-        # as they leave the dict. Then torch's replaces param_groups and state
-        # with new objects, which the engine must share.
+        # of before step(); one registered after fuse() with prepend=True still
+        # runs before it); the loaded groups are checked after the pre-hooks
+        # registered before fuse(), as they leave the dict, and again in the
+        # post-hook, for those registered after. Then torch's replaces
+        # param_groups and state with new objects, which the engine must share.
+        self._loaded_over = None  # (see _before_optimizer_load)
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
             self._before_load, prepend=True))
         self._hooks.append(optimizer.register_load_state_dict_pre_hook(
@@ -1240,14 +1284,39 @@ class FusionHandle:
         the groups and state (a refusal in _sync would leave the optimizer
         holding it); the pending updates were applied by _before_load, the
         first pre-hook. The saved groups name their parameters by index, in
-        the order of the optimizer's groups."""
+        the order of the optimizer's groups. A pre-hook registered after
+        fuse() runs after this one and may return another dict: the groups
+        and state the optimizer holds now are noted for _after_load, which
+        checks what torch installed and puts these back if it refuses."""
         for saved, group in zip(state_dict.get("param_groups", ()), optimizer.param_groups):
             self.optimizer._check_group({**saved, "params": group["params"]})
+        self._loaded_over = optimizer.param_groups, optimizer.state
 
-    def _after_load(self, *args) -> None:
+    def _after_load(self, optimizer) -> None:
+        over, self._loaded_over = self._loaded_over, None
         with self._lock:
-            if not self._removed:
-                self._sync()
+            if self._removed:
+                return
+            if over is not None and optimizer.param_groups is not over[0]:
+                self._refuse_loaded_groups(optimizer, over)
+            self._sync()
+
+    def _refuse_loaded_groups(self, optimizer, over: tuple) -> None:
+        """The groups torch's load_state_dict installed, checked as
+        _before_optimizer_load checks the dict: a pre-hook registered after
+        fuse() (run after that check) may have returned groups the engine
+        refuses (differentiable=True). The refusal then came from _sync,
+        after torch installed them: the optimizer kept them and every later
+        step() raised. It is raised here, with the optimizer's groups and
+        state of before the load put back, as when the check refuses first
+        (a torch optimizer's only: reprop's refuse in __setstate__, before
+        installing anything)."""
+        try:
+            for group in optimizer.param_groups:
+                self.optimizer._check_group(group)
+        except BaseException:
+            optimizer.param_groups, optimizer.state = over
+            raise
 
     def _sync(self) -> list:
         """Follows the optimizer's groups: a torch optimizer's param_groups and
@@ -1684,7 +1753,7 @@ class _BackwardFusion(FusionHandle):
     def _check_new(self, params: Iterable[torch.Tensor]) -> None:
         params = list(params)
         super()._check_new(params)
-        _check_not_optimized_in_backward(params)
+        _check_not_optimized_in_backward(params, self.model)
 
     def _track(self, new: list) -> None:
         # Parameters of one module complete together (one backward node): one call for
@@ -2428,7 +2497,8 @@ class _ForwardFusion(FusionHandle):
         self._hooks.append(model.register_forward_pre_hook(self._on_root_forward, prepend=True))
         self._hooks.append(model.register_forward_hook(self._on_root_forward_end))
         # prepended: the optimizer's state-dict pre-hooks registered before fuse()
-        # must see the state updated, as after an eager step()
+        # must see the state updated, as after an eager step() (one registered
+        # after fuse() with prepend=True runs before it: README says so)
         self._hooks.append(self._user_optimizer.register_state_dict_pre_hook(
             self._on_state_dict, prepend=True))
         if self._ddp:
