@@ -4125,6 +4125,156 @@ def test_parameter_swapped_by_hand_after_step_trains_as_eager(mode: str) -> None
     _assert_same_training(got, ref)
 
 
+def _swap_first_weight_impl_by_hand(model: nn.Module, opt) -> None:
+    """torch._C._swap_tensor_impl by hand (what swap_tensors calls, without
+    exchanging the objects' __dict__, class and slots)."""
+    torch._C._swap_tensor_impl(model[0].weight, nn.Parameter(torch.full_like(model[0].weight, 0.01)))
+
+
+def test_forward_mode_tensor_impl_swapped_by_hand_while_its_update_is_pending_is_refused() -> None:
+    """The swap check compared the param's __dict__, which
+    torch._C._swap_tensor_impl leaves: the pending update was applied on
+    top of the values swapped in (Adam: 0.0097 off eager after six steps,
+    silently). It compares the TensorImpl's address: refused, as
+    swap_tensors is."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    _swap_first_weight_impl_by_hand(model, opt)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped.*handle\.flush\(\)"):
+        model(x)
+    assert torch.all(model[0].weight == 0.01)
+    handle.remove()
+
+
+def _replace_first_weight_dict(model: nn.Module, opt) -> None:
+    p = model[0].weight
+    p.__dict__ = dict(p.__dict__)  # (no swap: the same TensorImpl)
+
+
+def test_forward_mode_parameter_dict_replaced_after_step_trains_as_eager() -> None:
+    """A param's __dict__ replaced between step() and the next forward
+    (`p.__dict__ = dict(p.__dict__)`, no swap) was taken for a swap: the
+    pending update was refused and dropped. Not a swap: it applies."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    got = _mlp_loop("forward", make_opt, 6, after_step={2: _replace_first_weight_dict})
+    ref = _mlp_loop(None, make_opt, 6, after_step={2: _replace_first_weight_dict})
+    _assert_same_training(got, ref)
+
+
+# Optimizers whose update feeds no param values into their state (no weight
+# decay, or AdamW's decoupled one), for which the state part of a dropped
+# update is eager's exactly
+STATE_EXACT_OPTIMIZERS = {
+    "SGD": lambda m: rp.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True),
+    "Adam": lambda m: rp.Adam(m.parameters(), lr=0.01),
+    "Adam amsgrad": lambda m: rp.Adam(m.parameters(), lr=0.01, amsgrad=True),
+    "AdamW": lambda m: rp.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+    "Adagrad": lambda m: rp.Adagrad(m.parameters(), lr=0.05, lr_decay=0.01),
+    "RMSprop": lambda m: rp.RMSprop(m.parameters(), lr=0.01, momentum=0.5, centered=True),
+    "Adadelta": lambda m: rp.Adadelta(m.parameters(), lr=0.5),
+    "torch Adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+}
+
+
+def _flush_refused(model: nn.Module, opt) -> None:
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped"):
+        reprop.fusion.fusion_of(model).flush()
+
+
+@pytest.mark.parametrize("name", list(STATE_EXACT_OPTIMIZERS))
+def test_forward_mode_swap_by_hand_refused_advances_the_state_as_eager(name: str) -> None:
+    """The update of a param swapped by hand while pending is dropped, but
+    eager's step() had advanced its optimizer state (step count, moments)
+    with it: the state stayed a step behind, and training drifted from
+    eager's (Adam: 0.0145 off after six steps, step 5 against 6). The state
+    part runs (the param keeps the values swapped in): six steps train as
+    eager's, params and state."""
+    make_opt = STATE_EXACT_OPTIMIZERS[name]
+    got = _mlp_loop("forward", make_opt, 6, after_step={2: _swap_first_weight_by_hand},
+                    events={3: _flush_refused})
+    # (a torch optimizer is fused with its reprop counterpart's kernels)
+    make_ref = STATE_EXACT_OPTIMIZERS["Adam" if name == "torch Adam" else name]
+    ref = _mlp_loop(None, make_ref, 6, after_step={2: _swap_first_weight_by_hand})
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_differs() -> None:
+    """With a weight decay that is not decoupled the update feeds the param
+    into the state: eager's took the values swapped out, which the fusion
+    no longer holds. The state still gets the step (its count and the
+    gradient's part) and the error says what differs."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    _swap_first_weight_by_hand(model, opt)
+    with pytest.raises(RuntimeError, match=r"keeps the values swapped in, as eager's, and its "
+                                           r"optimizer state .* is advanced by that update as "
+                                           r"eager's step\(\) advanced it, but for the weight "
+                                           r"decay term"):
+        handle.flush()
+    assert opt.state[model[0].weight]["step"].item() == 2
+    assert torch.all(model[0].weight == 0.01)
+    handle.remove()
+
+
+# The calls that apply pending updates, each of which may meet a refused one
+FLUSHING_CALLS = {
+    "remove": lambda model, opt, handle, x: handle.remove(),
+    "flush": lambda model, opt, handle, x: handle.flush(),
+    "optimizer.state_dict": lambda model, opt, handle, x: opt.state_dict(),
+    "model.state_dict": lambda model, opt, handle, x: model.state_dict(),
+    "step": lambda model, opt, handle, x: opt.step(),
+    "forward": lambda model, opt, handle, x: model(x),
+}
+
+
+def _refuse_first_weights_update(how: str, model: nn.Module, held: torch.Tensor) -> None:
+    if how == "edit":
+        held.mul_(2)
+    else:
+        _swap_first_weight_by_hand(model, None)
+
+
+@pytest.mark.parametrize("how", ["edit", "swap"])
+@pytest.mark.parametrize("call", list(FLUSHING_CALLS))
+def test_forward_mode_refused_update_leaves_the_others_applied(call: str, how: str) -> None:
+    """An update refused where pending updates are applied (its held
+    gradient edited in place, its param swapped by hand) raised before any
+    other was applied; remove() then let go of what was pending, so every
+    other param stayed at eager's one-step values (0.04-0.1 off its two).
+    Each call applies the others first, then raises: right after it they
+    hold eager's values (a forward: the refused one's module-mates, the
+    others at their modules' forwards, or remove())."""
+    model, opt, handle, x = _mlp_after_one_backward("forward")
+    held = model[0].weight.grad
+    opt.step()
+    opt.zero_grad()
+    _refuse_first_weights_update(how, model, held)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*(changed in place|swapped).*the other "
+                                           r"pending updates apply as usual"):
+        FLUSHING_CALLS[call](model, opt, handle, x)
+    ref_model, _ = _mlp_loop(None, lambda m: rp.SGD(m.parameters(), lr=0.1, momentum=0.9), 2)
+    names = ["0.bias"] if call == "forward" else ["0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    refs = dict(ref_model.named_parameters())
+    for n, p in model.named_parameters():
+        if n in names:
+            assert torch.equal(p, refs[n]), f"{n}: {_diff(p, refs[n])}"
+    handle.remove()
+    for n, p in model.named_parameters():
+        if n != "0.weight":
+            assert torch.equal(p, refs[n]), f"{n} after remove(): {_diff(p, refs[n])}"
+
+
 def _free_grads_by_hand(model: nn.Module, opt) -> None:
     for p in model.parameters():
         p.grad = None
@@ -5572,7 +5722,7 @@ READING_PARAMETRIZATIONS = {
 }
 
 
-@pytest.mark.parametrize("then", ["model", "layers", "flush"])
+@pytest.mark.parametrize("then", ["model", "layers", "flush", "remove"])
 @pytest.mark.parametrize("kind", list(READING_PARAMETRIZATIONS))
 def test_forward_mode_parametrization_reading_a_pending_weight_is_refused(kind: str, then: str) -> None:
     """A parametrization with a right_inverse registered right after step(),
@@ -5582,8 +5732,9 @@ def test_forward_mode_parametrization_reading_a_pending_weight_is_refused(kind: 
     update was written after the forward had saved it (autograd's in-place
     error in backward). The next forward (of the model, or of a layer
     called one by one) or flush() raises naming handle.flush() and drops
-    that update, leaving the others to apply; handle.flush() before
-    registering trains as eager."""
+    that update, leaving the others to apply (remove() applies them before
+    it raises: it lost them); handle.flush() before registering trains as
+    eager."""
     index, register = READING_PARAMETRIZATIONS[kind]
 
     def run(mode, flush_first: bool, stop: bool = False):
@@ -5605,7 +5756,7 @@ def test_forward_mode_parametrization_reading_a_pending_weight_is_refused(kind: 
                     with pytest.raises(RuntimeError, match=(
                             rf"^reprop.fuse\(mode='forward'\): a parametrization with a right_inverse "
                             rf".* registered on '{index}.weight' .* Call handle.flush\(\) before")):
-                        handle.flush() if then == "flush" else call(x)
+                        {"flush": handle.flush, "remove": handle.remove}.get(then, lambda: call(x))()
                     stop = True
                 if stop:
                     break
@@ -6952,12 +7103,12 @@ def _adam(model: nn.Module) -> rp.Adam:
 
 def test_forward_mode_step_stopped_while_holding_the_gradients_is_not_taken() -> None:
     """The stop button in step() while it marks the updates pending (here
-    the second gradient's mark is being taken): some params were pending
-    without a held gradient, and every later forward raised a bare KeyError,
-    for good. Now nothing of that step() is pending, and training goes on as
-    eager's whose step() was stopped before its update (bitwise; torch's
-    Adam, fused, against reprop's, eager)."""
-    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_grad_mark", 2), _step)
+    the second gradient's mark is being taken: its version read): some params
+    were pending without a held gradient, and every later forward raised a
+    bare KeyError, for good. Now nothing of that step() is pending, and
+    training goes on as eager's whose step() was stopped before its update
+    (bitwise; torch's Adam, fused, against reprop's, eager)."""
+    stopped = _stopped(lambda: _stop_at_call(reprop.fusion, "_VERSION", 2), _step)
     got = _mlp_loop("forward", lambda m: torch.optim.Adam(m.parameters(), lr=0.01), 5,
                     instead_of_step={2: stopped})
     _assert_same_training(got, _mlp_loop(None, _adam, 5, instead_of_step={2: _skipped}))

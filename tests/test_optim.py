@@ -1059,6 +1059,40 @@ def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name:
 
 
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_after_a_stopped_one_and_another_optimizers_update_divides_again(name: str) -> None:
+    """As above, with the update that steps on the noted gradients made by
+    another reprop optimizer over the same params: the note was kept on
+    the stopped step's optimizer, which only its own updates dropped, and
+    its later scaled step skipped the division (SGD, p 1, grad 8, scale 2:
+    p 0.2 and grad 4 where torch's fused SGD gives 0.4 and 2). Every
+    reprop optimizer's update drops them."""
+    init, grads = make_params(AMP_SHAPES, seed=9), grad_sequence(AMP_SHAPES, 2)
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt, other = cls(params, **RICH[name]), cls(params, **RICH[name])
+        set_grads(params, grads[0])
+        opt.step()
+        if cls is reprop_cls(name):
+            set_grads(params, [g * 1024 for g in grads[1]])
+            opt.grad_scale = torch.tensor(1024.0)
+            _stop_after_division(opt)
+            opt.grad_scale = None
+        else:
+            set_grads(params, grads[1])  # (as the stopped step left them)
+        other.step()
+        opt.grad_scale = torch.tensor(2.0)
+        opt.step()
+        runs.append((Run(params, opt), other))
+    assert_runs_close(runs[0][0], runs[1][0], OPEN_LOOP_TOL)
+    assert_runs_close(Run(runs[0][0].params, runs[0][1]), Run(runs[1][0].params, runs[1][1]),
+                      OPEN_LOOP_TOL)
+    for p, r in zip(runs[0][0].params, runs[1][0].params):
+        assert torch.equal(p.grad, r.grad)
+    assert not rp._NOTING  # (the notes dropped, the registry with them)
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
 def test_amp_step_retried_divides_gradients_sharing_one_buffer_once(name: str) -> None:
     """Gradients that are views of one flat buffer share its version
     counter, which dividing them bumped once per view: the notes of a step

@@ -490,9 +490,13 @@ class SwapWatch:
 
 _DICT_OF = operator.attrgetter("__dict__")
 # What tells a tensor swapped since (torch.utils.swap_tensors by hand, not
-# through a conversion): its __dict__, which the swap exchanges with the other
-# tensor's; compared with `is` (empty dicts are equal). One C call a tensor.
-swap_mark = _DICT_OF
+# through a conversion): the address of its TensorImpl, which the swap
+# exchanges with the other tensor's (so does torch._C._swap_tensor_impl,
+# which leaves the __dict__); compared with ==. Not its __dict__: `p.__dict__
+# = dict(p.__dict__)` (no swap) replaces it, and the pending update was
+# refused falsely. `.data =`, setattr and in-place ops keep it. One C call a
+# tensor.
+swap_mark = operator.attrgetter("_cdata")
 
 
 def rearm_tensor_hooks(t: torch.Tensor) -> None:

@@ -1027,6 +1027,32 @@ def _grad_mark(t: torch.Tensor) -> tuple:
                 t.data_ptr() if t.layout is torch.strided else None)
 
 
+_VERSION = operator.attrgetter("_version")
+_HELD_GRAD = operator.itemgetter(0)
+
+
+def _held_marks(grads: list, params: list) -> list:
+    """(gradient, its _grad_mark's two parts, its param's _tensors.swap_mark)
+    for each of `grads` and their `params`: what forward mode holds for a
+    pending update (_ForwardFusion._grads' values), and what tells it edited
+    or swapped since. In C-level maps where every gradient is of the common
+    kinds (a Python call per gradient cost about as much as the rest of
+    forward mode's per-parameter bookkeeping); the tuples compare with ==,
+    the gradients by identity (the same objects: never Tensor.__eq__)."""
+    try:
+        return list(zip(grads, map(_VERSION, grads), map(torch.Tensor.data_ptr, grads),
+                        map(_tensors.swap_mark, params)))
+    except RuntimeError:  # an inference or sparse gradient: each on its own
+        return [(g, *_grad_mark(g), _tensors.swap_mark(p)) for g, p in zip(grads, params)]
+
+
+def _reads_param_into_state(group: dict) -> bool:
+    """Whether the update of `group` feeds the param's values into its
+    optimizer state: a weight decay that is not decoupled (torch adds
+    weight_decay * p to the gradient first; AdamW's multiplies p instead)."""
+    return bool(group.get("weight_decay", 0)) and not group.get("decoupled_weight_decay", False)
+
+
 def _frozen(value):
     """`value` as it is now: tensors (a tensor lr, betas) and NumPy arrays are
     copied, since schedulers (or the user) change them in place."""
@@ -2433,8 +2459,8 @@ class _ForwardFusion(FusionHandle):
         self._caller_checked = False
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
-        # step(), held, not copied; that tensor's _grad_mark then; the param's
-        # _tensors.swap_mark then, which a swap_tensors by hand changes)
+        # step(), held, not copied; then that tensor's _grad_mark, in two parts,
+        # and the param's _tensors.swap_mark, which a swap by hand changes)
         self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
         # id(group) -> (state slots, ids of the params with a gradient) of the
@@ -2701,9 +2727,14 @@ class _ForwardFusion(FusionHandle):
             return
         with self._lock:
             if self._pending:
-                if self._owners_moved:  # (a parametrization since step() is refused, not applied)
-                    self._refuse_parametrized_while_pending()
-                self._apply(list(self._pending.values()))
+                try:
+                    if self._owners_moved:  # (a parametrization since step() is refused, not applied)
+                        self._refuse_parametrized_while_pending()
+                finally:
+                    # the others apply before the refusal is raised: remove() lets go of
+                    # what is still pending once flush() returns, so they were lost there
+                    if self._pending:
+                        self._apply(list(self._pending.values()))
 
     def _before_regroup(self) -> None:
         # Eager step() applied its updates before the groups changed (a group
@@ -2717,13 +2748,19 @@ class _ForwardFusion(FusionHandle):
         of_step = self._state_if_edited_since_step()
         if of_step is not None:  # eager step() applied every update before the edit
             params = list(self._pending.values())
+        refusal = None
         try:
-            grads = self._held_grads(params)
+            grads, edited, swapped = self._held_grads(params)
             users = engine.state
             try:
                 # (inside the try: an interrupt right after the swap must undo it)
                 if of_step is not None:
                     engine.state = of_step
+                if edited or swapped:
+                    # Refused updates are dropped first, and the others applied before
+                    # the refusal is raised: raised at once, it left them pending, and
+                    # remove() (which lets go of what is pending) lost them
+                    params, refusal = self._drop_refused(params, grads, edited, swapped)
                 if torch.is_inference_mode_enabled():
                     # (a forward under the user's inference_mode): the state the update
                     # creates must be normal tensors, as eager step()'s, which the next
@@ -2732,12 +2769,18 @@ class _ForwardFusion(FusionHandle):
                         self._apply_by_group(params, grads)
                 else:
                     self._apply_by_group(params, grads)
+            except BaseException as e:
+                if refusal is not None:  # (the others' own error wins; the refusal is told too)
+                    e.add_note(str(refusal))
+                raise
             finally:
                 if of_step is not None:
                     engine.state = users
                     self._keep_state_created(of_step)
         finally:
             self._forget_step_if_over()
+        if refusal is not None:
+            raise refusal
 
     def _forget_step_if_over(self) -> None:
         if not self._pending:  # (every update of the last step() applied or dropped)
@@ -2762,47 +2805,102 @@ class _ForwardFusion(FusionHandle):
             finally:
                 self._settle(group_params)
 
-    def _held_grads(self, params: list) -> dict:
-        """id(param) -> the gradient step() held for each pending update of
-        `params`. One changed in place since (p.grad.zero_() or mul_() after
+    def _held_grads(self, params: list) -> tuple[dict, list, list]:
+        """(id(param) -> the gradient step() held for each pending update of
+        `params`, those of `params` whose update is refused: edited, swapped).
+        A held gradient changed in place since (p.grad.zero_() or mul_() after
         step(), where eager's step() had applied it already) can neither give
         eager's update nor be applied edited; nor can the update of a param
         swapped since (torch.utils.swap_tensors(p, new) by hand, which a
         conversion's flush does not precede): eager's step() updated the
         contents the swap moved into `new`, and p holds `new`'s values as
-        they were, which applying it changed, silently. Those updates are
-        dropped and a RuntimeError names them, before any of `params` is
-        applied (the others stay pending)."""
-        grads, edited, swapped, held = {}, [], [], self._grads
-        for p in params:
-            grad, mark, contents = held[i := id(p)]  # (locals: the check below costs none)
-            grads[i] = grad
-            if _grad_mark(grad) != mark:
+        they were, which applying it changed, silently. The caller drops
+        those (_drop_refused). The checks are C-level passes over `params`
+        (_held_marks), the steady state's only cost."""
+        held = list(map(self._grads.__getitem__, ids := list(map(id, params))))
+        grads = list(map(_HELD_GRAD, held))
+        now = _held_marks(grads, params)
+        if now == held:  # (the steady state: one comparison in C)
+            return dict(zip(ids, grads)), [], []
+        edited, swapped = [], []
+        for p, (_, *grad_mark, swap), (_, *grad_mark_then, swap_then) in zip(params, now, held):
+            if grad_mark != grad_mark_then:
                 edited.append(p)
-            elif p.__dict__ is not contents:  # (a swap exchanges the objects' __dict__)
+            elif swap != swap_then:
                 swapped.append(p)
-        if edited or swapped:
-            self._settle(edited + swapped)
-            raise RuntimeError(". ".join(
-                ([self._edited_message(edited)] if edited else [])
-                + ([self._swapped_message(swapped)] if swapped else [])))
-        return grads
+        return dict(zip(ids, grads)), edited, swapped
+
+    def _drop_refused(self, params: list, grads: dict, edited: list,
+                      swapped: list) -> tuple[list, RuntimeError]:
+        """Drops the refused updates of `params` (_held_grads), advancing the
+        optimizer state of the swapped ones as eager's step() advanced it
+        (_step_state_of_swapped); returns the others, to apply as usual, and
+        the error to raise once they are."""
+        self._settle(edited + swapped)
+        state_error = self._step_state_of_swapped(swapped, grads) if swapped else None
+        refused = set(map(id, edited + swapped))
+        return [p for p in params if id(p) not in refused], RuntimeError(". ".join(
+            ([self._edited_message(edited)] if edited else [])
+            + ([self._swapped_message(swapped, state_error)] if swapped else [])))
+
+    def _step_state_of_swapped(self, swapped: list, grads: dict) -> Exception | None:
+        """The optimizer state part of the dropped updates of params swapped
+        by hand since step(): eager's step() advanced their state (step,
+        exp_avg, ...) with the update, before the swap; left as it was, it
+        stayed a step behind eager's for good (Adam: 0.0145 off after six
+        steps). The update runs with each param's .data a copy of the values
+        swapped in, which are eager's as they are and are put back after
+        (not written, even for a moment). Exact but for a weight decay that is not
+        decoupled, which reads the param: eager's read the values swapped
+        out, no longer held here; this one reads those swapped in (see
+        _swapped_message). Returns the error of an update refused (a tensor
+        of another shape swapped in, which the state no longer fits): the
+        state of its group is then as it was."""
+        engine, error = self.optimizer, None
+        with torch.inference_mode(False):
+            for group, group_params in optim._by_group(swapped, self._group_of):
+                values = []
+                try:
+                    for p in group_params:
+                        values.append(p.data)
+                        p.data = values[-1].clone()
+                    _outside_torch_func(_tensors.without_grad, engine._update, group,
+                                        group_params, self._settings.get(id(group)), grads)
+                except Exception as e:  # (TypeError, ValueError, RuntimeError: a refusal)
+                    error = e
+                finally:
+                    for p, value in zip(group_params, values):
+                        p.data = value
+        return error
 
     def _edited_message(self, edited: list) -> str:
         names = ", ".join(_param_name(self.model, p) for p in edited)
         return (f"reprop.fuse(mode='forward'): the gradient of {names} was changed in place "
                 "after optimizer.step() (p.grad.zero_(), p.grad.data = ..., or the zero_grad() "
                 "of a module that contains the fused model, which zeroes .grad in place), "
-                "before its pending update was applied; that update is dropped. Set "
+                "before its pending update was applied; that update is dropped (the other "
+                "pending updates apply as usual). Set "
                 "p.grad = None or call optimizer.zero_grad() or the fused model's zero_grad() "
                 "instead, or call handle.flush() before editing .grad")
 
-    def _swapped_message(self, swapped: list) -> str:
+    def _swapped_message(self, swapped: list, state_error: Exception | None) -> str:
         names = ", ".join(_param_name(self.model, p) for p in swapped)
+        if state_error is not None:
+            state = (f"its optimizer state stays as it was before that step(), one step behind "
+                     f"eager's (advancing it was refused: {state_error})")
+        else:
+            state = ("its optimizer state (step count, moments, ...) is advanced by that update "
+                     "as eager's step() advanced it")
+            if any(_reads_param_into_state(self._settings.get(id(group)) or group)
+                   for group, _ in optim._by_group(swapped, self._group_of)):
+                state += (", but for the weight decay term, which eager's step() took from the "
+                          "values swapped out and this from the values swapped in")
         return (f"reprop.fuse(mode='forward'): {names} was swapped (torch.utils.swap_tensors) "
                 "after optimizer.step(), before its pending update was applied: eager's step() "
                 "had updated the contents the swap moved out, and the update cannot apply to "
-                "the ones swapped in; that update is dropped. Call handle.flush() before "
+                "the ones swapped in; that update is dropped (the other pending updates apply "
+                f"as usual): the parameter keeps the values swapped in, as eager's, and {state}. "
+                "Call handle.flush() before "
                 "swapping a fused parameter between optimizer.step() and the next forward "
                 "(a module's .to() or load_state_dict() under "
                 "torch.__future__.set_swap_module_params_on_conversion does so itself)")
@@ -3014,8 +3112,7 @@ class _ForwardFusion(FusionHandle):
         ids = list(map(id, params))
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
-        held = list(zip(grads, map(_grad_mark, grads), map(_tensors.swap_mark, params)))
-        self._grads.update(zip(ids, held))
+        self._grads.update(zip(ids, _held_marks(grads, params)))
         self._pending.update(zip(ids, params))
 
     def _decided(self, held: list) -> None:

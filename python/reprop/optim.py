@@ -382,21 +382,41 @@ def _stopped_notes(stopped: dict, divided: list) -> dict:
     return notes
 
 
-def _forget_read(notes: dict, running: list, given: dict | None) -> None:
-    """Drops from `notes` (call key -> _stopped_notes) the gradients that the
-    rows of `running` have just updated from: a note says a gradient is
-    divided but not yet stepped on, which an update without grad_scale, or
-    one of another call over the same param, makes stale, and a later scaled
-    step of the noted call skipped its division (stepping on g where torch's
-    fused step steps on g / scale)."""
+# The reprop optimizers that may hold notes of a stopped scaled step
+# (_divided_not_stepped): id -> a weak reference. Every update of any of them
+# drops the notes of the gradients it read from all (_forget_read): a note kept
+# on its own optimizer outlived the update of another optimizer sharing the
+# param. One truth test per update call while none holds notes.
+_NOTING: dict = {}
+
+
+def _note_noting(opt: "_FusedOptimizer") -> None:
+    """Registers `opt` as holding notes (before it writes them: a stop landing
+    in between leaves it registered with none, which the next update drops)."""
+    _NOTING[id(opt)] = weakref.ref(opt)
+
+
+def _forget_read(running: list, given: dict | None) -> None:
+    """Drops from the notes (call key -> _stopped_notes) of every optimizer
+    in _NOTING the gradients that the rows of `running` have just updated
+    from: a note says a gradient is divided but not yet stepped on, which an
+    update without grad_scale, or one of another call or another optimizer
+    over the same param, makes stale, and a later scaled step of the noted
+    call skipped its division (stepping on g where torch's fused step steps
+    on g / scale). An optimizer left with no notes (or freed) leaves _NOTING."""
     grad_of = _grad_getter(given)
     read = {id(grad_of(p)) for plan in running for p in plan.step_params}
-    for key in list(notes):
-        kept = {i: note for i, note in notes[key].items() if i not in read}
-        if kept:
-            notes[key] = kept
-        else:
-            del notes[key]
+    for i, ref in list(_NOTING.items()):
+        opt = ref()
+        notes = None if opt is None else opt.__dict__.get("_divided_not_stepped")
+        for key in list(notes or ()):
+            kept = {j: note for j, note in notes[key].items() if j not in read}
+            if kept:
+                notes[key] = kept
+            else:
+                del notes[key]
+        if not notes and _NOTING.get(i) is ref:
+            _NOTING.pop(i, None)  # (not del: another thread's pass may have dropped it since)
 
 
 def _divided_by_stopped_step(stopped: dict, g: torch.Tensor) -> bool:
@@ -1513,12 +1533,13 @@ class _FusedOptimizer:
             for plan in running:
                 plan.run(self, hp, hparams)
             divided = []
-            if self._divided_not_stepped and running:  # (only after a stopped scaled step)
-                _forget_read(self._divided_not_stepped, running, given)
+            if _NOTING and running:  # (only after a stopped scaled step, of any optimizer)
+                _forget_read(running, given)
             if new_plans:
                 self._cache_plans(key, plans)
         except BaseException as e:
             if divided or stopped:  # gradients divided, the update not finished (see _unscale_grads)
+                _note_noting(self)
                 self._divided_not_stepped[key] = _stopped_notes(stopped, divided)
             if not isinstance(e, (TypeError, ValueError, OverflowError)):
                 raise
