@@ -2112,6 +2112,46 @@ def test_pipeline_splits_only_layers_whose_dw_moves(solo_group, input_grad):
     pipe.remove()
 
 
+# (a module reused by two layers under GPipe with backward fusion raises
+# autograd's view error, as it did before layers ran plain: README, Pipeline)
+@pytest.mark.parametrize("sharing, schedule", [("tied", "gpipe"), ("tied", "fast_forward"),
+                                               ("reused", "fast_forward")])
+def test_pipeline_keeps_split_a_weight_of_several_local_layers_under_backward_fusion(
+        solo_group, sharing, schedule):
+    """A weight in two layers of one stage (tied, or one module reused) ran
+    plain under GPipe, a backward call per layer: the first call completed
+    its gradient, reprop.fuse(mode="backward") updated it in place, and the
+    second call, which still needed the value its forward saved, raised
+    autograd's in-place error, where single-process fused training trains.
+    Such a weight's layers stay split: the same parameters as one process,
+    bit for bit (one micro-batch)."""
+    def layers():
+        torch.manual_seed(0)
+        a, b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        if sharing == "tied":
+            b.weight = a.weight
+        else:
+            b = a
+        return [nn.Linear(WIDTH, WIDTH), a, nn.Tanh(), b]
+
+    x, t = _batch(0, 0)
+    ref = nn.Sequential(*layers())
+    fusion = fuse(ref, torch.optim.SGD(ref.parameters(), lr=0.1), mode="backward")
+    for _ in range(3):
+        F.mse_loss(ref(x), t).backward()
+    fusion.remove()
+    local = layers()
+    model = nn.Sequential(*local)
+    fusion = fuse(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    pipe = Pipeline(local, micro_batches=1, schedule=schedule)
+    for _ in range(3):
+        pipe.step(x, t, F.mse_loss)
+    pipe.remove()
+    fusion.remove()
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(got, want)
+
+
 def test_pipeline_backward_once_per_run_of_local_layers(solo_group, monkeypatch):
     """GPipe on one stage ran a backward call per layer and micro-batch,
     each layer's input a leaf detached from the previous layer's output and
@@ -2120,16 +2160,16 @@ def test_pipeline_backward_once_per_run_of_local_layers(solo_group, monkeypatch)
     micro-batch. Consecutive layers of a stage whose backward runs in one
     piece, one after the other, now make one graph: one backward per
     micro-batch, the same gradients as single-process training (bit for
-    bit with one micro-batch). Layers sharing a parameter start a new run
-    (autograd would sum its two gradients first: other bits), and
-    fast-forwarding, which moves dW, keeps a backward per layer."""
+    bit with one micro-batch). Layers sharing a parameter stay split, each
+    its own backward (see the test above), and fast-forwarding, which moves
+    dW, keeps a backward per layer."""
     calls = []
     backward = torch.autograd.backward
     monkeypatch.setattr(torch.autograd, "backward", lambda *a, **k: (calls.append(1),
                                                                      backward(*a, **k))[1])
     x, t = _batch(0, 0)
     for schedule, make, micro, runs in (("gpipe", _blocks, 4, 1), ("gpipe", _blocks, 1, 1),
-                                        ("gpipe", _tied, 1, 2), ("fast_forward", _blocks, 4, DEPTH)):
+                                        ("gpipe", _tied, 1, 3), ("fast_forward", _blocks, 4, DEPTH)):
         ref_layers, layers = make(), make()
         ref = nn.Sequential(*ref_layers)
         F.mse_loss(ref(x), t).backward()

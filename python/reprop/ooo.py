@@ -3714,11 +3714,17 @@ class Pipeline:
                 # each split module that may run plain -> the layers of this rank
                 # that hold it (see _run_plain)
                 self._site_layers = {}
+                kept_split = set()  # the layers holding a module that stays split
                 for site in (self.handle.sites if self.handle is not None else ()):
                     holders = frozenset(l for l, layer in self.layers.items()
                                         if any(m is site.module for m in layer.modules()))
-                    if not any(_reached_twice(self.layers[l], site.module) for l in holders):
+                    if not _in_several_layers(site.module, self.layers.values()) and not any(
+                            _reached_twice(self.layers[l], site.module) for l in holders):
                         self._site_layers[site] = holders
+                    else:
+                        kept_split |= holders
+                # never plain, so never chained either (see _schedule)
+                self._kept_split = frozenset(kept_split)
             except Exception:
                 _every_rank_installed(False, self.group, self.device)
                 raise
@@ -3860,7 +3866,7 @@ class Pipeline:
             if not train:
                 programs = [[task for task in p if task[0] == _FORWARD] for p in programs]
             program = programs[self.rank]
-            plain = _one_piece_backward(program) if train else None
+            plain = _one_piece_backward(program) - self._kept_split if train else None
             chained = _chained_layers(program, plain, self.layers, self.micro_batches) \
                 if train else frozenset()
             cached = self._schedules[(input_grad, train)] = (
@@ -3877,10 +3883,16 @@ class Pipeline:
         Linear + GELU layers each took 1.3x the CPU time of torch's
         ScheduleGPipe. The gradients are the same: the split computes them
         with autograd's own kernels, accumulated at the same point. A
-        module in several of this rank's layers runs plain only where all
-        of them do; one that a layer holds twice, or whose parameter it
-        holds twice (tied), stays split: plain autograd would sum its uses
-        before adding them to .grad, other bits than the split's one by one."""
+        module that a layer holds twice, or whose parameter it holds twice
+        (tied), stays split: plain autograd would sum its uses before adding
+        them to .grad, other bits than the split's one by one (a module a
+        layer calls twice but holds once runs plain: its bits are then plain
+        micro-batched torch's). So does one whose parameter is in several of
+        this rank's layers (reused, tied across layers): run plain, each
+        layer's backward call completes the parameter's gradient, and
+        reprop.fuse(mode="backward") updated it in place while the next
+        call still needed the value saved by its forward (autograd's
+        in-place error)."""
         if self.handle is not None:
             for site, layers in self._site_layers.items():
                 # in_order: split again under torch.use_deterministic_algorithms, as
@@ -4188,6 +4200,14 @@ def _inbox(programs: list, stage_of: np.ndarray, rank: int) -> dict[int, list]:
             elif kind == _OUTPUT_GRAD and l > 0 and stage_of[l - 1] == rank != src:
                 inbox.setdefault(src, []).append((_GRADIENT, l - 1, m))
     return inbox
+
+
+def _in_several_layers(module: nn.Module, layers) -> bool:
+    """Whether one of `module`'s own parameters is in more than one of
+    `layers` (the module reused by several layers, or its weight tied to
+    another layer's)."""
+    own = {id(p) for p in module.parameters(recurse=False)}
+    return sum(any(id(p) in own for p in layer.parameters()) for layer in layers) > 1
 
 
 def _reached_twice(layer: nn.Module, module: nn.Module) -> bool:
