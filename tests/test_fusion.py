@@ -1858,19 +1858,9 @@ def test_forward_mode_with_torchs_optimizer_in_backward_trains_as_eager() -> Non
     """Forward mode updates at step(), where it finds, as eager step() does,
     no gradient left by torch's optimizer in backward: accepted, and the same
     training as eager's."""
-    trained = {}
-    for mode in (None, "forward"):
-        model = _mlp_with_first_layer_optimized_in_backward()
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        for i in range(3):
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        if handle is not None:
-            handle.remove()
-        trained[mode] = model, opt
+    trained = {mode: _mlp_loop(mode, lambda m: rp.SGD(m.parameters(), lr=0.1, momentum=0.9), 3,
+                               make_model=_mlp_with_first_layer_optimized_in_backward)
+               for mode in (None, "forward")}
     _assert_same_training(trained["forward"], trained[None])
 
 
@@ -1891,8 +1881,7 @@ def test_backward_mode_takes_parameters_whose_optimizer_in_backward_never_runs(
     from torch.distributed.optim.apply_optimizer_in_backward import (
         param_to_optim_hook_handle_map)
 
-    trained = {}
-    for mode in (None, "backward"):
+    def make_model() -> nn.Module:
         model = _mlp()
         _apply_optimizer_in_backward(torch.optim.SGD, model[0].parameters(), {"lr": 0.01},
                                      register_hook=unhooked != "register_hook=False")
@@ -1900,18 +1889,13 @@ def test_backward_mode_takes_parameters_whose_optimizer_in_backward_never_runs(
             for p in model[0].parameters():
                 for hook in param_to_optim_hook_handle_map[p]:
                     hook.remove()
-        first = model[0].weight.detach().clone()
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        handle = reprop.fuse(model, opt, mode=mode) if mode else None
-        for i in range(3):
-            x, y = _mlp_batch(i)
-            F.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        if handle is not None:
-            handle.remove()
-        assert not torch.equal(model[0].weight, first)  # (trained by opt, as eager trains it)
-        trained[mode] = model, opt
+        return model
+
+    first = _mlp()[0].weight.detach()
+    trained = {mode: _mlp_loop(mode, lambda m: rp.SGD(m.parameters(), lr=0.1, momentum=0.9), 3,
+                               make_model=make_model)
+               for mode in (None, "backward")}
+    assert not torch.equal(trained[None][0][0].weight, first)  # (trained by opt, as eager trains it)
     _assert_same_training(trained["backward"], trained[None])
 
 

@@ -1027,19 +1027,26 @@ def _stop_after_division(opt: torch.optim.Optimizer) -> None:
             opt.step()
 
 
+@pytest.mark.parametrize("by", ["itself", "another optimizer"])
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
-def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name: str) -> None:
+def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name: str,
+                                                                          by: str) -> None:
     """A step stopped after dividing the gradients notes them as divided,
     for its retry not to divide them again; the note outlived an update that
     stepped on them (one without grad_scale), and a later step with
     grad_scale and the same gradients skipped the division torch's fused
     step makes (SGD: the params moved by 2x the gradient). That update
-    drops the note: the later step divides, as torch's."""
+    drops the note: the later step divides, as torch's. The same with the
+    update made by another reprop optimizer over the same params: the note
+    was kept on the stopped step's optimizer, which only its own updates
+    dropped (SGD, p 1, grad 8, scale 2: p 0.2 and grad 4 where torch's
+    fused SGD gives 0.4 and 2); every reprop optimizer's update drops them."""
     init, grads = make_params(AMP_SHAPES, seed=7), grad_sequence(AMP_SHAPES, 2)
     runs = []
     for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
         params = [nn.Parameter(t.clone()) for t in init]
         opt = cls(params, **RICH[name])
+        other = opt if by == "itself" else cls(params, **RICH[name])
         set_grads(params, grads[0])
         opt.step()
         if cls is reprop_cls(name):
@@ -1049,37 +1056,6 @@ def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name:
         else:
             set_grads(params, grads[1])  # (as the stopped step left them)
         opt.grad_scale = None
-        opt.step()
-        opt.grad_scale = torch.tensor(2.0)
-        opt.step()
-        runs.append(Run(params, opt))
-    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
-    for p, r in zip(runs[0].params, runs[1].params):
-        assert torch.equal(p.grad, r.grad)
-
-
-@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
-def test_amp_step_after_a_stopped_one_and_another_optimizers_update_divides_again(name: str) -> None:
-    """As above, with the update that steps on the noted gradients made by
-    another reprop optimizer over the same params: the note was kept on
-    the stopped step's optimizer, which only its own updates dropped, and
-    its later scaled step skipped the division (SGD, p 1, grad 8, scale 2:
-    p 0.2 and grad 4 where torch's fused SGD gives 0.4 and 2). Every
-    reprop optimizer's update drops them."""
-    init, grads = make_params(AMP_SHAPES, seed=9), grad_sequence(AMP_SHAPES, 2)
-    runs = []
-    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
-        params = [nn.Parameter(t.clone()) for t in init]
-        opt, other = cls(params, **RICH[name]), cls(params, **RICH[name])
-        set_grads(params, grads[0])
-        opt.step()
-        if cls is reprop_cls(name):
-            set_grads(params, [g * 1024 for g in grads[1]])
-            opt.grad_scale = torch.tensor(1024.0)
-            _stop_after_division(opt)
-            opt.grad_scale = None
-        else:
-            set_grads(params, grads[1])  # (as the stopped step left them)
         other.step()
         opt.grad_scale = torch.tensor(2.0)
         opt.step()
