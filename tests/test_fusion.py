@@ -4061,14 +4061,25 @@ def _swap_first_weight_by_hand(model: nn.Module, opt) -> None:
     torch.utils.swap_tensors(p, nn.Parameter(torch.full_like(p, 0.01)))
 
 
-def test_forward_mode_parameter_swapped_by_hand_while_its_update_is_pending_is_refused() -> None:
+def _swap_first_weight_impl_by_hand(model: nn.Module, opt) -> None:
+    """torch._C._swap_tensor_impl by hand (what swap_tensors calls, without
+    exchanging the objects' __dict__, class and slots)."""
+    torch._C._swap_tensor_impl(model[0].weight, nn.Parameter(torch.full_like(model[0].weight, 0.01)))
+
+
+@pytest.mark.parametrize("swap", [_swap_first_weight_by_hand, _swap_first_weight_impl_by_hand],
+                         ids=["swap_tensors", "_swap_tensor_impl"])
+def test_forward_mode_parameter_swapped_by_hand_while_its_update_is_pending_is_refused(
+        swap: Callable) -> None:
     """torch.utils.swap_tensors(p, new) by hand between step() and the next
     forward: eager's step() had updated p's old contents, which the swap
     moved into `new`, leaving p with `new`'s values as they were. The
     pending update was applied on top of those (0.0088 off eager after six
     steps of Adam, silently). It is refused where it would be applied,
     naming the parameter and handle.flush(), and dropped; the others stay
-    pending and apply as eager's did."""
+    pending and apply as eager's did. The check compared the param's
+    __dict__, which torch._C._swap_tensor_impl leaves (0.0097 off,
+    silently); it compares the TensorImpl's address: refused alike."""
     model = _mlp()
     opt = rp.Adam(model.parameters(), lr=0.01)
     handle = reprop.fuse(model, opt, mode="forward")
@@ -4077,7 +4088,7 @@ def test_forward_mode_parameter_swapped_by_hand_while_its_update_is_pending_is_r
     F.mse_loss(model(x), y).backward()
     opt.step()
     opt.zero_grad()
-    _swap_first_weight_by_hand(model, opt)
+    swap(model, opt)
     with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped.*handle\.flush\(\)"):
         model(x)
     handle.flush()  # (the others, the swapped one's module-mate too: the refusal came first)
@@ -4107,33 +4118,6 @@ def test_parameter_swapped_by_hand_after_step_trains_as_eager(mode: str) -> None
                     if mode == "backward" else None)
     ref = _mlp_loop(None, make_opt, 6, after_step={2: _swap_first_weight_by_hand})
     _assert_same_training(got, ref)
-
-
-def _swap_first_weight_impl_by_hand(model: nn.Module, opt) -> None:
-    """torch._C._swap_tensor_impl by hand (what swap_tensors calls, without
-    exchanging the objects' __dict__, class and slots)."""
-    torch._C._swap_tensor_impl(model[0].weight, nn.Parameter(torch.full_like(model[0].weight, 0.01)))
-
-
-def test_forward_mode_tensor_impl_swapped_by_hand_while_its_update_is_pending_is_refused() -> None:
-    """The swap check compared the param's __dict__, which
-    torch._C._swap_tensor_impl leaves: the pending update was applied on
-    top of the values swapped in (Adam: 0.0097 off eager after six steps,
-    silently). It compares the TensorImpl's address: refused, as
-    swap_tensors is."""
-    model = _mlp()
-    opt = rp.Adam(model.parameters(), lr=0.01)
-    handle = reprop.fuse(model, opt, mode="forward")
-    _first_mlp_step(model, opt)
-    x, y = _mlp_batch(1)
-    F.mse_loss(model(x), y).backward()
-    opt.step()
-    opt.zero_grad()
-    _swap_first_weight_impl_by_hand(model, opt)
-    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped.*handle\.flush\(\)"):
-        model(x)
-    assert torch.all(model[0].weight == 0.01)
-    handle.remove()
 
 
 def _replace_first_weight_dict(model: nn.Module, opt) -> None:
