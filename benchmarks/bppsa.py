@@ -909,7 +909,9 @@ def run_vgg(args, device: torch.device) -> VggResult:
                     errors[name] = harness.relative_error(got, ref)
                     candidates[name] = functools.partial(bppsa.chain_backward, layers, x, grad_out,
                                                          plan=peers[levels])
-        stats = harness.measure_alternated(candidates, device, args.warmup, args.reps)
+        inner = harness.choose_inner(list(candidates.values()), device, args.min_sample_ms)
+        result.setting[f"calls_per_sample_s{sparsity:g}"] = inner
+        stats = harness.measure_alternated(candidates, device, args.warmup, args.reps, inner)
         result.stats[sparsity] = stats
         kept = sum(int(torch.count_nonzero(m.weight)) for m in weighted(layers))
         nonzero = nonzero_values(plans[args.vgg_levels[0]], x)
@@ -987,7 +989,9 @@ def format_vgg(vgg: VggResult) -> str:
                      f(r["masked_ms"], ".3g"), f(r["chain_speedup"], ".2f"), f(r["chain_bwd_speedup"], ".2f"),
                      f(r["masked_speedup"], ".2f"), f(r["chain_err"], ".1e"), f(r["masked_err"], ".1e"),
                      f(r["cusparse_ms"], ".3g"), f(r["masked_vs_cusparse"], ".2f"), f(r["cusparse_err"], ".1e")])
-    lines += [f"\n{vgg.setting['reps']} rounds ({vgg.setting['warmup']} warm-ups), medians in ms per batch of one "
+    inner = sorted({v for k, v in vgg.setting.items() if k.startswith("calls_per_sample")})
+    lines += [f"\n{vgg.setting['reps']} rounds ({vgg.setting['warmup']} warm-ups, {'/'.join(map(str, inner))} "
+              "calls per sample), medians in ms per batch of one "
               "forward + input gradient: autograd = torch.autograd.grad(model(x), x, g); chain / masked = "
               "chain_backward with ChainPlan's patterns / without the pruned weights' zeros (plans built "
               "once, values gathered every call); fwd = a no-grad forward; chain x = autograd / chain, "

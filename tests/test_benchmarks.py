@@ -400,6 +400,15 @@ def test_bppsa_vgg_part_runs(capsys, tmp_path):
     assert 0 < pruned < dense < rows[0]["nnz"]
 
 
+def test_bppsa_vgg_part_follows_min_sample_ms(tmp_path):
+    # It timed one call per sample whatever --min-sample-ms said (the RNN parts followed it), so its
+    # microsecond-scale CUDA calls were timed at the events' resolution.
+    bppsa_bench.main(VGG_TINY + ["--vgg-sparsities", "0.9", "--min-sample-ms", "50",
+                                 "--json", str(tmp_path / "vgg.json")])
+    setting = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["setting"]
+    assert setting["calls_per_sample_s0.9"] > 1
+
+
 def test_bppsa_keeps_a_part_measured_before_a_later_part_fails(capsys, monkeypatch, tmp_path):
     # main() printed and saved nothing until every part had run: the vgg part's crash lost the
     # RNN tables measured before it.
