@@ -242,13 +242,21 @@ static PyObject *rp_cuda_shared_memory_per_block_py(PyObject *self, PyObject *co
     return rc == RP_OK ? PyLong_FromSize_t(bytes) : rp_py_raise(rc, &err);
 }
 
+/* Facts fixed at build time only: counting devices initializes the driver
+ * (a child forked after it cannot use CUDA), which reading them must not. */
 static PyObject *rp_cuda_build_info_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return Py_BuildValue("{s:s,s:i,s:O}", "archs", rp_cuda_archs(), "device_count",
-                         rp_cuda_device_count(), "cusparse",
+    return Py_BuildValue("{s:s,s:O}", "archs", rp_cuda_archs(), "cusparse",
                          rp_cuda_cusparse_built() ? Py_True : Py_False);
+}
+
+static PyObject *rp_cuda_device_count_py(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    return PyLong_FromLong(rp_cuda_device_count());
 }
 
 static PyMethodDef rp_cuda_methods[] = {
@@ -268,6 +276,8 @@ static PyMethodDef rp_cuda_methods[] = {
     {"shared_memory_per_block", (PyCFunction)(void (*)(void))rp_cuda_shared_memory_per_block_py,
      METH_FASTCALL, shared_memory_per_block_doc},
     {"build_info", rp_cuda_build_info_py, METH_NOARGS, "Facts about the CUDA build."},
+    {"device_count", rp_cuda_device_count_py, METH_NOARGS,
+     "The CUDA devices this build's runtime can use (0 without a driver); initializes the driver."},
     {NULL, NULL, 0, NULL},
 };
 

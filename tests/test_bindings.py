@@ -547,6 +547,32 @@ def test_cuda_scan_shared_bytes():
             cuda.shared_memory_per_block(0)
 
 
+def test_cuda_archs_and_availability_leave_the_driver_alone_unless_torch_sees_a_gpu(monkeypatch):
+    """_cuda.build_info() counted the devices (cudaGetDeviceCount, which
+    initializes the driver: a child forked after it cannot use CUDA), so
+    reprop.cuda_archs() did, and cuda_available() did even where torch's own
+    check leaves the driver alone (a CPU build of torch; NVML's check)."""
+    native = reprop._native
+    if native._cuda is not None:
+        assert set(native._cuda.build_info()) == {"archs", "cusparse"}
+
+    class Cuda:  # a CUDA build whose device count must not be asked
+        def build_info(self):
+            return {"archs": "sm_90", "cusparse": True}
+
+        def device_count(self):
+            raise AssertionError("the driver was initialized")
+
+    monkeypatch.setattr(native, "_cuda", Cuda())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    native._cuda_device_count.cache_clear()
+    try:
+        assert native.cuda_archs() == "sm_90"
+        assert native.cuda_available() is False
+    finally:
+        native._cuda_device_count.cache_clear()
+
+
 def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
     """The int arguments' OverflowError wrote the value with %R, which Python
     refuses for an int of over 4300 digits: its ValueError "Exceeds the limit

@@ -2325,7 +2325,7 @@ class _BuildInfo:
         self.cusparse = cusparse
 
     def build_info(self):
-        return {"archs": "sm_90", "device_count": 0, "cusparse": self.cusparse}
+        return {"archs": "sm_90", "cusparse": self.cusparse}
 
 
 def test_cusparse_peer_missing_from_the_build_is_named(monkeypatch):

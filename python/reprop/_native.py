@@ -92,7 +92,16 @@ def cuda_missing() -> str:
 
 @functools.lru_cache(maxsize=None)
 def _cuda_device_count() -> int:
-    return _cuda.build_info()["device_count"] if _cuda is not None else 0
+    """The devices reprop's kernels can use. torch is asked first: its own
+    check decides whether the driver is initialized (not at all in a CPU
+    build; by NVML under PYTORCH_NVML_BASED_CUDA_CHECK=1), and reprop's
+    runtime is counted only where torch has a device, as it may still refuse
+    one (a driver older than the CUDA reprop was built with)."""
+    import torch
+
+    if _cuda is None or not torch.cuda.is_available():
+        return 0
+    return _cuda.device_count()
 
 
 def cuda_available() -> bool:
