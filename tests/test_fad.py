@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import weakref
 
 import numpy as np
@@ -3337,6 +3338,97 @@ def test_compose_does_not_keep_finished_chains_alive():
             del y, z
         gc.collect()
         assert all(r() is None for r in refs) and len(mode._records) == 0
+
+
+class _PauseInForward(torch.autograd.Function):
+    """Identity whose forward, in the thread named `pausing`, lets `paused`
+    know and waits for `resume` (an interleaving forced, not left to luck)."""
+
+    pausing, paused, resume = None, None, None
+
+    @staticmethod
+    def forward(ctx, x):
+        if threading.current_thread().name == _PauseInForward.pausing:
+            _PauseInForward.paused.set()
+            assert _PauseInForward.resume.wait(60)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def _graph_nodes(t: torch.Tensor) -> list[str]:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [f for f, _ in node.next_functions]
+    return sorted(type(n).__name__ for n in seen)
+
+
+@pytest.mark.parametrize("meanwhile", ["another thread's eval forward", "another thread's training",
+                                       "a nested block"])
+def test_compose_block_of_one_instance_keeps_the_chains_of_another_still_open(meanwhile):
+    """One enabled(compose=True) instance entered by two threads at once (a
+    module-level mode each worker enters), or nested in one: the exit of the
+    other block dropped every record, so the chain of the block still
+    running, paused mid-chain, went on as a new chain: a second node saving
+    one tensor more, and a weight gradient 7e-9 off the same run alone. The
+    records now go when the last block of the instance exits."""
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 128), torch.randn(128, 128).mul(0.05).requires_grad_()
+    mode = fad.enabled(compose=True)
+
+    def chained(other=None):
+        root = x @ w
+        h = F.gelu(root) * 2.0 + 1.0
+        h = h.exp() * 0.5
+        if other is not None:
+            other()
+        _PauseInForward.apply(x)  # mid-chain: h stays a chain tensor
+        h = torch.tanh(h * 0.1) * 3.0
+        return root, F.silu(h) - 0.25
+
+    with mode:
+        _, want = chained()
+    (want_grad,) = torch.autograd.grad(want.square().sum(), w)
+
+    def other_block():
+        with mode:
+            if meanwhile == "another thread's training":
+                torch.autograd.grad((torch.exp(w * 2.0) + 1.0).sum(), w)
+            else:
+                with torch.no_grad():
+                    torch.exp(w * 2.0) + 1.0
+
+    got = {}
+
+    def train():
+        with mode:
+            got["root"], got["out"] = chained(other_block if meanwhile == "a nested block" else None)
+
+    _PauseInForward.paused, _PauseInForward.resume = threading.Event(), threading.Event()
+    _PauseInForward.pausing = "trainer" if meanwhile != "a nested block" else None
+    trainer = threading.Thread(target=train, name="trainer")
+    try:
+        trainer.start()
+        if meanwhile != "a nested block":
+            assert _PauseInForward.paused.wait(60)
+            other = threading.Thread(target=other_block)
+            other.start()
+            other.join(60)
+        _PauseInForward.resume.set()
+        trainer.join(60)
+    finally:
+        _PauseInForward.pausing = None
+        _PauseInForward.resume.set()
+    assert not trainer.is_alive()
+    assert _graph_nodes(got["out"]) == ["AccumulateGrad", "MmBackward0", "_ChainBackward"]
+    (grad,) = torch.autograd.grad(got["out"].square().sum(), w)
+    assert torch.equal(got["out"], want) and torch.equal(grad, want_grad)
+    assert len(mode._records) == 0  # the last block's exit dropped them
 
 
 @pytest.mark.parametrize("compose", [False, True])

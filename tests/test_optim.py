@@ -28,6 +28,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -1066,6 +1067,81 @@ def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name:
     for p, r in zip(runs[0][0].params, runs[1][0].params):
         assert torch.equal(p.grad, r.grad)
     assert not rp._NOTING  # (the notes dropped, the registry with them)
+
+
+class _NotesPausedForAPop(dict):
+    """An optimizer's notes (call key -> notes) whose first read by the
+    thread named `reader` waits until another thread has popped a key: the
+    interleaving forced, not left to luck."""
+
+    def __init__(self, notes: dict, reader: str):
+        super().__init__(notes)
+        self.reader, self.reading, self.popped = reader, threading.Event(), threading.Event()
+
+    def _pause(self) -> None:
+        if threading.current_thread().name == self.reader:
+            self.reading.set()
+            assert self.popped.wait(60)
+
+    def __getitem__(self, key):
+        self._pause()
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._pause()
+        return super().get(key, default)
+
+    def pop(self, *args):
+        out = super().pop(*args)
+        if threading.current_thread().name != self.reader:
+            self.popped.set()
+        return out
+
+
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_update_in_another_thread_while_a_stopped_step_is_retried(name: str) -> None:
+    """Every reprop update walks the notes of every optimizer holding some
+    (those of a scaled step stopped after its division, _forget_read): an
+    update of another optimizer, over other params, in another thread, that
+    walked them while the stopped step's retry popped its notes raised
+    KeyError from the other thread's step() (after its update had run).
+    The walk now takes a note another thread took since as gone."""
+    init, grads = make_params(AMP_SHAPES, seed=7), grad_sequence(AMP_SHAPES, 2)
+    stopped_params = [nn.Parameter(t.clone()) for t in init]
+    stopped = reprop_cls(name)(stopped_params, **RICH[name])
+    set_grads(stopped_params, grads[0])
+    stopped.step()
+    set_grads(stopped_params, [g * 1024 for g in grads[1]])
+    stopped.grad_scale = torch.tensor(1024.0)
+    _stop_after_division(stopped)
+    notes = stopped._divided_not_stepped = _NotesPausedForAPop(stopped._divided_not_stepped, "other")
+
+    def other_run() -> list:
+        params = [nn.Parameter(t.clone()) for t in init]
+        set_grads(params, grads[1])
+        reprop_cls(name)(params, **RICH[name]).step()
+        return params
+
+    want = other_run()  # (its walk of the notes pauses only in the thread named "other")
+    got, errors = [], []
+
+    def other() -> None:
+        try:
+            got.extend(other_run())
+        except BaseException as e:
+            errors.append(e)
+
+    other_thread = threading.Thread(target=other, name="other")
+    try:
+        other_thread.start()
+        assert notes.reading.wait(60)
+        stopped.step()  # the retry: pops the notes the other thread is walking
+    finally:
+        notes.popped.set()
+        other_thread.join(60)
+    assert not other_thread.is_alive() and not errors, errors
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
+    assert not notes and not rp._NOTING
 
 
 @pytest.mark.parametrize("name", FUSED_KWARG_NAMES)

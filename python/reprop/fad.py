@@ -1885,9 +1885,20 @@ class enabled(TorchFunctionMode):
         # whether a chain's node saved a lower-precision copy of the derivative
         # its record carries: then chain tensors leaving (YN) drop the carried one
         self._copies = False
+        # How many `with` blocks of this instance are open, in any thread: the
+        # records are dropped when the last one exits. Dropped at every exit,
+        # another thread's block of the same instance (an eval forward under
+        # no_grad included), or a nested one, ended the chains of a block still
+        # running: its next steps started new chains, each node saving one
+        # tensor more, and its gradients changed in the last bits. Counted at
+        # enter and exit only, under a lock, never per op.
+        self._open = 0
+        self._open_lock = threading.Lock()
 
     def __enter__(self):
         depth = torch._C._len_torch_function_stack()
+        with self._open_lock:
+            self._open += 1
         try:
             return super().__enter__()
         except BaseException:
@@ -1896,17 +1907,26 @@ class enabled(TorchFunctionMode):
             # the stack for the session
             if torch._C._len_torch_function_stack() > depth:
                 super().__exit__(None, None, None)
+            self._close()
             raise
 
     def __exit__(self, *exc):
         try:  # chain tensors leave as plain autograd tensors
-            self._records = WeakTensorKeyDictionary()
-            self._copies = False
+            self._close()
         finally:
             # the mode leaves the stack however the reset ends: an interrupt in
             # its Python-level constructor (a notebook's stop button) left it
             # there for the session, chaining every later expression
             super().__exit__(*exc)
+
+    def _close(self) -> None:
+        """One block of this instance ends; the last one drops the records."""
+        with self._open_lock:
+            self._open -= 1
+            if self._open <= 0:
+                self._open = 0
+                self._records = WeakTensorKeyDictionary()
+                self._copies = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -410,11 +410,19 @@ def _forget_read(running: list, given: dict | None) -> None:
         opt = ref()
         notes = None if opt is None else opt.__dict__.get("_divided_not_stepped")
         for key in list(notes or ()):
-            kept = {j: note for j, note in notes[key].items() if j not in read}
+            # .get and .pop(key, None): the retry of opt's stopped step in
+            # another thread, or that thread's own pass, may take the notes
+            # between the list and here (a KeyError out of this update)
+            noted = notes.get(key)
+            if noted is None:
+                continue
+            kept = {j: note for j, note in noted.items() if j not in read}
+            if notes.get(key) is not noted:
+                continue  # taken or replaced meanwhile: not put back as it was
             if kept:
                 notes[key] = kept
             else:
-                del notes[key]
+                notes.pop(key, None)
         if not notes and _NOTING.get(i) is ref:
             _NOTING.pop(i, None)  # (not del: another thread's pass may have dropped it since)
 
