@@ -258,6 +258,40 @@ def test_fullgraph_names_bppsa_eager_call(fresh_dynamo, call):
         torch.compile(fn, backend="eager", fullgraph=True)(x)
 
 
+def _fad_block(x: torch.Tensor) -> torch.Tensor:
+    from reprop import fad
+    with fad.enabled(compose=True):
+        y = torch.nn.functional.gelu(x)
+        return y * torch.sigmoid(y)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_fad_enabled_made_in_compiled_code_is_one_named_graph_break(fresh_dynamo, fullgraph):
+    """An enabled() made inside compiled code: dynamo traced its constructor,
+    broke the graph twice there (torch's WeakIdKeyDictionary, the lock) with a
+    warning about the lock, and fullgraph=True raised about
+    WeakIdKeyDictionary.__init__, naming nothing of reprop's. It is made
+    eagerly now: one graph break, and fullgraph=True's error names it. The
+    compiled block runs torch's ops, as README says."""
+    x = torch.randn(5, 7, requires_grad=True)
+    compiled = torch.compile(_fad_block, backend="eager", fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(Exception, match="reprop's enabled.__init__ runs eagerly under "
+                                            "torch.compile.*compile without fullgraph=True"):
+            compiled(x)
+        return
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+    y = torch.nn.functional.gelu(x)
+    ref = y * torch.sigmoid(y)
+    assert torch.equal(out, ref)
+    assert torch.equal(*(torch.autograd.grad(t.sum(), x)[0] for t in (out, ref)))
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 1
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_compile_gate_is_torchs_is_compiling(fresh_dynamo, monkeypatch, backend):
     """_tensors.compiling(), reprop's cheaper torch.compiler.is_compiling()

@@ -1871,6 +1871,11 @@ class enabled(TorchFunctionMode):
     in backward, by a node that leads past it: torch runs no Python for it).
     """
 
+    # Made inside compiled code, eagerly: one graph break. Dynamo traced this,
+    # broke the graph at torch's WeakTensorKeyDictionary and at the lock (with
+    # a warning about it), and under fullgraph=True raised about
+    # WeakIdKeyDictionary.__init__, naming nothing of reprop's.
+    @_tensors.eager_under_compile
     def __init__(self, compose: bool = False, saved_dtype=None):
         super().__init__()
         compose = _tensors.check_flag(compose, "compose")  # "False" would turn chains on
