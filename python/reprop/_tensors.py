@@ -165,6 +165,21 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 bump_versions = torch.autograd.graph.increment_version  # takes a list of tensors
 
 
+def versions_of(tensors: list) -> list:
+    """The version counters of `tensors` (None for an inference tensor,
+    which has none), for set_versions to put back."""
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+def set_versions(tensors: list, versions: list) -> None:
+    """Puts back the version counters versions_of read, after an update
+    that bumped them but wrote only copies (the tensors' values are as
+    they were, so what autograd saved of them is still good)."""
+    kept = [(t, v) for t, v in zip(tensors, versions) if v is not None]
+    if kept:
+        torch._C._autograd._unsafe_set_version_counter(*zip(*kept))
+
+
 def dispatch_mode_active() -> bool:
     """Whether a torch dispatch mode is on (allow_mutation_on_saved_tensors()
     runs one): it sees aten ops only, so a kernel's write through raw
