@@ -4001,6 +4001,27 @@ def test_backward_mode_updates_in_backward_after_a_swapping_conversion(conversio
     _assert_same_training(got, ref)
 
 
+def _one_weight_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Linear(4, 3, bias=False)
+
+
+def test_backward_mode_updates_in_backward_after_two_swapping_conversions_in_a_row() -> None:
+    """Two conversions between forwards (`m.cpu(); m.cpu()` under the swap
+    flag) of a one-parameter model: the second swap's new TensorImpl is
+    allocated where the first one's freed old one was (measured: the same
+    address), so a check comparing the TensorImpl's address (swap_mark)
+    sees no swap and the hooks stay dropped. SwapWatch compares the
+    __dict__ it holds, which no swap gives back."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    twice = _swap_converted(lambda m: (m.cpu(), m.cpu()))
+    got = _mlp_loop("backward", make_opt, 4, events={2: twice}, make_model=_one_weight_model,
+                    before_step=dict.fromkeys(range(4), _assert_grads_freed))
+    ref = _mlp_loop(None, make_opt, 4, events={2: twice}, make_model=_one_weight_model)
+    _assert_same_training(got, ref)
+
+
 def _grad_mode_forwards_then_swap_converted(conversion: str, forwards: int,
                                             layer_by_layer: bool = False) -> Callable:
     """`forwards` forwards of the model in grad mode with no backward (an

@@ -469,7 +469,16 @@ class SwapWatch:
     compares (one identity per tensor, in one C loop: measured about 0.2 us
     a tensor, less than reading each .grad); a tensor swapped since gets its hook dicts
     registered with its new impl, the user's hooks included, as they were
-    before the swap."""
+    before the swap. Not swap_mark, the impl's address: a freed impl's
+    address is given to the next one, so after two swaps between checks
+    (`m.cpu(); m.cpu()` of a one-weight model under the flag: measured) a
+    tensor may have the address it had, and a check by it would miss them,
+    where the __dict__ held here is never given back; and it costs more (a
+    new int per tensor: at 10000 tensors 0.30-0.34 us a tensor against
+    0.14-0.17, medians of 31). A __dict__ replaced without a swap only
+    registers the hooks again, harmlessly. torch._C._swap_tensor_impl
+    called directly (only swap_tensors calls it) leaves the __dict__ and is
+    not seen (README)."""
 
     __slots__ = ("_watched", "_tensors", "_marks")
 
@@ -510,7 +519,8 @@ _DICT_OF = operator.attrgetter("__dict__")
 # which leaves the __dict__); compared with ==. Not its __dict__: `p.__dict__
 # = dict(p.__dict__)` (no swap) replaces it, and the pending update was
 # refused falsely. `.data =`, setattr and in-place ops keep it. One C call a
-# tensor.
+# tensor. Two swaps may give it back (the allocator reuses a freed impl's
+# address): SwapWatch, which must see those, compares the __dict__ instead.
 swap_mark = operator.attrgetter("_cdata")
 
 
