@@ -864,6 +864,57 @@ def test_jit_script_is_refused_clearly(make):
             torch.jit.script(nn.Sequential(module))
 
 
+class _RecurrentModel(nn.Module):
+    """A model calling an RNN/GRU, as torch.compile meets one."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, h_n = self.rnn(x)
+        return self.head(out).relu().sum() + h_n.sum()
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_torch_compile_runs_the_module_eagerly_as_nns(kind):
+    """Dynamo does not trace nn.RNN/nn.GRU: a graph break at the call, the
+    module eager. It compiled the BPPSA modules' Python frames one by one
+    instead (inductor: out and h_n off nn's bits by about 1e-7, and two
+    UserWarnings about C checks it cannot trace). Now the module runs
+    eagerly as nn's (its bits, the scan's gradients), no graph holds any of
+    its ops, and nothing warns; strict torch.export (allow_rnn) traces
+    torch's recurrence, as for nn's modules (before: an Unsupported error)."""
+    torch.manual_seed(0)
+    ref, ours = make_pair(kind, 3, 4)
+    models = _RecurrentModel(ref), _RecurrentModel(ours)
+    models[1].head.load_state_dict(models[0].head.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = torch.compile(models[1], backend=backend)(x)
+    loss.backward()
+    loss_ref = models[0](x)
+    loss_ref.backward()
+    assert torch.equal(loss, loss_ref)
+    recurrences = [node for gm in graphs for node in gm.graph.nodes
+                   if any(name in str(node.target) for name in ("rnn_", "gru", "_VF"))]
+    assert recurrences == [], recurrences
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert rel_err(b.grad, a.grad) <= TOL, name
+    torch._dynamo.reset()
+    exported = torch.export.export(ours, (x,), strict=True).module()
+    for got, want in zip(exported(x), ref(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def _tangent(module, x, t):
     import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():

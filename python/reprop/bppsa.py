@@ -46,7 +46,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag, check_strided,
-                       check_writable, class_key, current_stream_handle, dispatch_mode_active,
+                       check_writable, class_key, compiling, current_stream_handle, dispatch_mode_active,
                        hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active, warn_at_users_line, DOUBLE_BACKWARD_CALLERS, byte_span)
@@ -56,6 +56,8 @@ __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstr
            "ChainPlan", "chain_backward", "transposed_jacobian"]
 
 _SCAN_NAMES = ("auto", "linear", "blelloch")
+# the hook Dynamo's torch.compile sets to compile each frame called (None outside a compiled region)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 # ---------------------------------------------------------------------------
@@ -920,6 +922,25 @@ class _ScanRNNBase:
             input.shape[0 if self.batch_first else 1] == 0
 
     def forward(self, input, hx=None):
+        # Under torch.compile Dynamo does not trace nn.RNN/nn.GRU (allow_rnn is
+        # off): it breaks the graph at the module's call and runs it with its
+        # frame hook still on, so it compiled this module's Python frames one
+        # by one (two UserWarnings about the C checks, inductor's bits for
+        # the forward, not nn's). They run eagerly instead, as nn's do.
+        if compiling() or _eval_frame_callback() is not None:
+            return self._forward_under_dynamo(input, hx)
+        return self._forward(input, hx)
+
+    def _forward_under_dynamo(self, input, hx):
+        """forward() where Dynamo is on: traced with allow_rnn (strict
+        torch.export sets it, or the user), torch's own recurrence, which
+        Dynamo traces as it traces nn's (the scan's backward cannot be in a
+        graph); else this module eagerly, its frames not compiled."""
+        if torch.compiler.is_dynamo_compiling() and torch._dynamo.config.allow_rnn:
+            return super().forward(input, hx)
+        return self._forward_eagerly(input, hx)
+
+    def _forward(self, input, hx=None):
         if self._torch_runs(input, hx):
             return super().forward(input, hx)
         weights = self._weights_now()
@@ -944,6 +965,11 @@ class _ScanRNNBase:
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+    _forward_eagerly = torch.compiler.disable(_forward, reason=(
+        "reprop.bppsa's RNN/GRU run eagerly under torch.compile, as nn.RNN/nn.GRU do (one graph "
+        "break); compile without fullgraph=True, or set torch._dynamo.config.allow_rnn=True to trace "
+        "torch's own recurrence"))
 
     def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx, weights: list):
         """A PackedSequence as torch's modules take it (batch_first has no say,
