@@ -1189,6 +1189,12 @@ BAD_MODULE_CALLS = {
     "hx batch size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 2, 6)), ValueError, "hx: expected shape"),
     "hx hidden size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 7)), ValueError, "hx: expected shape"),
     "2-D hx, 3-D input": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    # unbatched: the shape asked for is hx's as given, 2-D (before: "(1, 1, 6)", which then raised
+    # "hx: expected a 2-D tensor with unbatched 2-D input")
+    "hx hidden size, unbatched": (lambda: (torch.randn(5, 4), torch.randn(1, 7)), ValueError,
+                                  "hx: expected shape (1, 6) with unbatched input, got (1, 7)"),
+    "hx layers, unbatched": (lambda: (torch.randn(5, 4), torch.randn(2, 6)), ValueError,
+                             "hx: expected shape (1, 6) with unbatched input, got (2, 6)"),
     "3-D hx, 2-D input": (lambda: (torch.randn(5, 4), torch.randn(1, 1, 6)), ValueError, "hx: expected a 2-D"),
     "2-D hx, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
     "hx batch size, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 2, 6)), ValueError,

@@ -869,11 +869,16 @@ class _ScanRNNBase:
                 raise _HxTypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
                                    f"{hx.dtype} on {hx.device}")
 
-    def _initial_states(self, input: torch.Tensor, hx, B: int) -> torch.Tensor:
+    def _initial_states(self, input: torch.Tensor, hx, B: int, batched: bool = True) -> torch.Tensor:
+        """hx checked, or zeros; (layers * dirs, B, H). `batched` False: input
+        and hx were unbatched, and unsqueezed to a batch of one."""
         shape = (self.num_layers * (2 if self.bidirectional else 1), B, self.hidden_size)
         if hx is None:
             return input.new_zeros(shape)
         if hx.shape != shape:
+            if not batched:  # the shapes the caller gives: a 3-D hx is refused with unbatched input
+                raise _ArgError(f"hx: expected shape {(shape[0], shape[2])} with unbatched input, got "
+                                f"{(hx.shape[0], hx.shape[2])}")
             raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
@@ -961,7 +966,8 @@ class _ScanRNNBase:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
             raise _ArgError("input: expected a sequence of at least one step")
-        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, _Steps())
+        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1], batched), weights,
+                                   _Steps())
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
