@@ -1388,6 +1388,20 @@ def test_convert_takes_modules_converted_before_a_reload():
     assert proc.stdout.split() == ["[]", "linear", "linear"]
 
 
+class _OwnGRU(bppsa.GRU):
+    """A user's subclass of a BPPSA module."""
+
+
+def test_convert_gives_subclasses_of_bppsa_modules_the_scan_asked_for():
+    """convert(model, scan=...) sets the scan of the BPPSA modules already
+    there; a subclass of one kept its own ("auto" for convert(scan="linear"),
+    whose pick then changed with the thread count) while an exact one took it."""
+    model = nn.ModuleDict({"own": _OwnGRU(3, 4), "exact": bppsa.GRU(3, 4), "torch": nn.GRU(3, 4)})
+    assert bppsa.convert(model, scan="linear") == ["torch"]
+    assert [m.scan for m in model.values()] == ["linear"] * 3
+    assert type(model["own"]) is _OwnGRU
+
+
 def test_convert_warns_for_what_it_leaves():
     """An LSTM (README: not supported) was left silently; now a UserWarning
     names it, parametrized or the model itself too."""

@@ -1083,7 +1083,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif class_key(own) in _CONVERTED:  # converted before: the scan asked for now
+        elif any(class_key(cls) in _CONVERTED for cls in own.__mro__):
+            # converted before, or made as a BPPSA module (a subclass of one too,
+            # which kept its own scan): the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
             left.append((name, module, "LSTM is not supported (only nn.RNN and nn.GRU)"))
