@@ -1520,6 +1520,42 @@ def test_autocast_hidden_state_fed_back_as_hx():
             assert a.dtype == b.dtype and rel_err(b.float(), a.float()) <= 1e-2, cls
 
 
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_inside_the_autocast_region(kind, dtype, packed):
+    """loss.backward() inside `with torch.autocast(...)` works for nn's
+    modules; the scan's backward raised "self and mat2 must have the same
+    dtype" (autocast made h0's W_hh product bf16/fp16, which met float32 in
+    addmm_). Now it runs outside autocast: the gradients of a backward
+    outside the region, bit for bit, and torch's within the README's
+    autocast tolerances."""
+    ref, ours = make_pair(kind, 3, 4, num_layers=2)
+    torch.manual_seed(0)
+    data, h0 = torch.randn(5, 3, 3), torch.randn(2, 3, 4)
+    lengths = torch.tensor([5, 2, 4])
+
+    def grads(model, inside: bool):
+        x, h = data.clone().requires_grad_(), h0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            inp = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False) if packed else x
+            out, h_n = model(inp, h)
+            out = out.data if packed else out
+            loss = (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum() + h_n.float().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        result = [x.grad, h.grad] + [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return result
+
+    inside, outside, want = grads(ours, True), grads(ours, False), grads(ref, True)
+    for got, same, expected in zip(inside, outside, want):
+        assert torch.equal(got, same)
+        assert rel_err(got.float(), expected.float()) <= (1e-2 if dtype == torch.float16 else 6e-2)
+
 # float16 autocast: torch's backward runs its gates in float16, so its
 # gradients differ from float32's by float16 rounding (measured below 7e-3
 # relative between torch's and BPPSA's, README)

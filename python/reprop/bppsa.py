@@ -704,8 +704,8 @@ class _Layer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mode, levels, steps, x, hx, *weights):
         out, h_n = _forward_layer(mode, x, hx, weights, steps.batch_sizes)
-        ctx.mode, ctx.levels, ctx.steps = mode, levels, steps
-        ctx.held = _autocast_float16(x.device.type)
+        ctx.mode, ctx.levels, ctx.steps, ctx.device_type = mode, levels, steps, x.device.type
+        ctx.held = _autocast_float16(ctx.device_type)
         ctx.dtypes = [t if t is None else t.dtype for t in (x, hx, *weights)]
         ctx.save_for_backward(x, hx, *_layer_weights_for_backward(mode, weights), out)
         # an unused output's gradient stays None, not a (T, B, H) of zeros
@@ -726,6 +726,17 @@ class _Layer(torch.autograd.Function):
                                "True), jacobian(vectorize=True), gradcheck's batched check) have "
                                "no storage for the scan; use vectorize=False / "
                                "check_batched_grad=False, or torch.nn.RNN/GRU")
+        if autocast_enabled(ctx.device_type):
+            # backward called inside the autocast region, as torch's own backward
+            # may be: its GEMMs must stay float32 (autocast made h0's product
+            # bf16/fp16, which then met float32 in addmm_: a RuntimeError)
+            with torch.autocast(ctx.device_type, enabled=False):
+                return _Layer._backward(ctx, grad_out, grad_h)
+        return _Layer._backward(ctx, grad_out, grad_h)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_h):
+        """backward's scans and products, outside autocast."""
         x, hx, *weights, out = [t.float() if t is not None else None for t in ctx.saved_tensors]
         # the scan reads c's memory: a lazily negated gradient holds -g there
         grad_out, grad_h = (g if g is None else g.resolve_neg() for g in (grad_out, grad_h))
