@@ -806,6 +806,25 @@ def test_backward_temporaries(kind, buffers):
     assert peak <= buffers * unit + unit // 3, peak / unit
 
 
+@pytest.mark.parametrize("kind, buffers", [("tanh", 1), ("gru", 6)])
+def test_backward_temporaries_bidirectional(kind, buffers):
+    """What README gives for a bidirectional layer: the directions run one
+    after the other, and the reverse one takes x, out and grad_out in
+    flipped copies (the forward one its halves of out and grad_out, which
+    are strided) beside its own buffers and x's gradient from the first."""
+    T, B, H, I = 300, 8, 16, 4
+    torch.manual_seed(0)
+    module = (bppsa.GRU(I, H, bidirectional=True, scan="linear") if kind == "gru"
+              else bppsa.RNN(I, H, bidirectional=True, scan="linear"))
+    x = torch.randn(T, B, I, requires_grad=True)
+    out, _ = module(x)
+    peak = backward_peak_bytes(out, torch.randn(T, B, 2 * H))
+    unit = T * B * H * 4
+    # copies of out and grad_out, the buffers, x's copy and two of its gradients
+    want = (2 + buffers) * unit + 3 * unit * I // H
+    assert want - unit // 3 <= peak <= want + unit // 3, peak / unit
+
+
 @pytest.mark.parametrize("loss", ["square", "linear"])
 def test_double_backward_is_refused(loss):
     """create_graph=True through the scan raises, also for a loss linear in the

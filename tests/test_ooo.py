@@ -198,6 +198,79 @@ def test_corun_profile_defers_only_what_the_memory_cap_holds():
     assert max(held) == 0
 
 
+def _held_by_deferral(tasks, params) -> int:
+    """What the not-yet-run tasks keep alive: their storages, each once, but the model's
+    parameters'."""
+    own = {p.untyped_storage().data_ptr() for p in params}
+    held = {}
+    for task in tasks:
+        if not task.has_run:
+            for t in task.tensors():
+                s = t.untyped_storage()
+                if s.data_ptr() not in own:
+                    held[s.data_ptr()] = s.nbytes()
+    return sum(held.values())
+
+
+def test_task_bytes_are_what_deferring_it_holds_not_its_weight():
+    """A deferred Linear task reads its weight (as a W^T view) beside the saved
+    input and the output gradient, but deferring it keeps only those two alive.
+    Its bytes counted the weight: a Linear(512, 1024) on a batch of 4 was
+    2.1 MB where deferral holds 24 KiB, and a `.sum()` loss's expanded output
+    gradient counted every element of the view over one float."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 8))
+    handle = ooo.enable(model, order="conventional")
+    x = torch.randn(4, 512)
+    with handle.hold() as held:
+        model(x).sum().backward()
+    bytes_of = {t.site.module: t.nbytes() for t in held}
+    # x (8 KiB) and dO (16 KiB); the first layer's input x is the caller's, but the task holds it
+    assert bytes_of[model[0]] == 4 * 512 * 4 + 4 * 1024 * 4
+    # its input (16 KiB) and the loss's expanded gradient: one float
+    assert bytes_of[model[1]] == 4 * 1024 * 4 + 4
+    handle.run(held)
+    handle.remove()
+
+
+def test_memory_cap_holds_the_fraction_of_what_deferral_holds():
+    """max_extra_memory is a fraction of the bytes deferred tasks keep alive.
+    Counted with the weights (4 MiB in the wide Linear here, against about
+    0.85 MiB of inputs and output gradients in all five tasks), a cap of 0.1
+    let the schedule defer tasks of 96 to 260 KiB each where a tenth of what
+    deferral holds is 87 KiB, which fits none of them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                          nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                          nn.Linear(128, 8192), nn.Linear(8192, 10))
+    handle = ooo.enable(model, regions=4, max_extra_memory=0.1, profile_iters=2,
+                        speedup=lambda own, at: 3.0 if at > own else 1.0)
+    tasks = weakref.WeakSet()
+    held = []
+    ready = handle._weight_grad_ready
+
+    def watch(*args):
+        held.append(_held_by_deferral(tasks, model.parameters()))
+        task = ready(*args)
+        tasks.add(task)
+        return task
+
+    handle._weight_grad_ready = watch
+    x = torch.randn(8, 4, 16, 16)
+    with handle.hold() as every:
+        model(x).sum().backward()
+    total = _held_by_deferral(every, model.parameters())
+    assert total == (32 + 64 + 2 * (64 + 64) + 4 + 256 + 256) * 1024 + 4
+    handle.run(every)
+    del every
+    held.clear()  # (hold() held every task: the caller's choice, not the schedule's)
+    for _ in range(handle._profile_passes() + 3):
+        model(x).sum().backward()
+    assert handle.schedule is not None
+    assert handle.schedule["peak_extra_bytes"] <= 0.1 * total
+    assert max(held) <= 0.1 * total
+
+
 def test_corun_profile_runs_in_training():
     """The default speedup='profile' measures every pair a dW can meet and
     keeps gradients exact meanwhile (on the CPU dW runs inline: the ratios
