@@ -71,6 +71,23 @@ _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
                    torch.sparse_bsc)
 
 
+def stored_parts(t: torch.Tensor) -> tuple | None:
+    """The strided tensors that hold t's data: t itself, a sparse tensor's
+    indices and values (its numel() and element_size() are the dense
+    shape's, its storages those of the parts); None for a layout that has
+    no storage to read (mkldnn)."""
+    layout = t.layout
+    if layout is torch.strided:
+        return (t,)
+    if layout is torch.sparse_coo:
+        return (t._indices(), t._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return None
+
+
 def check_writable(x: torch.Tensor, name: str) -> None:
     """torch's refusal of an in-place write that a kernel's raw pointer would
     slip past: an inference tensor outside inference_mode cannot be tracked."""
