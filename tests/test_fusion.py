@@ -4206,19 +4206,27 @@ def test_forward_mode_swap_by_hand_refused_advances_the_state_as_eager(name: str
     _assert_same_training(got, ref)
 
 
-def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_differs() -> None:
-    """With a weight decay that is not decoupled the update feeds the param
-    into the state: eager's took the values swapped out, which the fusion
-    no longer holds. The state still gets the step (its count and the
-    gradient's part) and the error says what differs."""
+def _pending_step_swapped_by_hand(make_opt):
+    """(model, optimizer, forward-mode handle) after a second step whose update
+    is pending and a hand swap of the first weight."""
     model = _mlp()
-    opt = rp.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="forward")
     _first_mlp_step(model, opt)
     x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
     _swap_first_weight_by_hand(model, opt)
+    return model, opt, handle
+
+
+def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_differs() -> None:
+    """With a weight decay that is not decoupled the update feeds the param
+    into the state: eager's took the values swapped out, which the fusion
+    no longer holds. The state still gets the step (its count and the
+    gradient's part) and the error says what differs."""
+    model, opt, handle = _pending_step_swapped_by_hand(
+        lambda m: rp.Adam(m.parameters(), lr=0.01, weight_decay=0.1))
     with pytest.raises(RuntimeError, match=r"keeps the values swapped in, as eager's, and its "
                                            r"optimizer state .* is advanced by that update as "
                                            r"eager's step\(\) advanced it, but for the weight "
@@ -4251,14 +4259,7 @@ def test_forward_mode_swap_by_hand_refused_says_the_weight_decay_term_differs_on
     which has no state at all: exact as eager's, it named a difference
     there is not. Where a state reads the param it still says so."""
     make_opt, differs = WEIGHT_DECAY_STATES[name]
-    model = _mlp()
-    opt = make_opt(model)
-    handle = reprop.fuse(model, opt, mode="forward")
-    _first_mlp_step(model, opt)
-    x, y = _mlp_batch(1)
-    F.mse_loss(model(x), y).backward()
-    opt.step()
-    _swap_first_weight_by_hand(model, opt)
+    _, _, handle = _pending_step_swapped_by_hand(make_opt)
     with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped") as refused:
         handle.flush()
     assert ("but for the weight decay term" in str(refused.value)) == differs, str(refused.value)
