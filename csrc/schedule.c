@@ -1126,6 +1126,21 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
  * seconds at 8000 tasks): each region keeps its runnable tasks in a heap,
  * each task offered to it once as its reach grows, and tasks placed
  * elsewhere are dropped only when they surface.
+ *
+ * Under a memory cap pre runs from 0 up, up to n + 1 runs: each round of a
+ * run asked every open region for its proposal, pre-scheduling searched a
+ * task's region linearly, and every run played to its end, O(n^2 K log K)
+ * in all (64 regions, 1e5 tasks, a cap of 0: 11 s). Now the regions sit in
+ * a tournament tree keyed by the speedup each last proposed (before it was
+ * asked in the run: best[i]), an upper bound of what it proposes now: a
+ * region's candidates only shrink until a task is placed in it, when it is
+ * asked again. A round asks only the tree's top until its proposal is
+ * current, O(log n) more per placement. A task's region (the last starting by its
+ * ready time) is found once for all runs, and a run stops as soon as the
+ * memory its placements hold at some region end (a range-add max tree over
+ * region ends; held memory only grows within a run) passes the cap: that
+ * pre cannot fit, and the next is tried. The schedule is the plain loops'
+ * (csrc/tests/test_schedule.c checks it against them).
  * ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -1143,7 +1158,20 @@ typedef struct {
     int64_t *seq;           /* (n_tasks) placement sequence */
     int64_t placed;
     int64_t *region;        /* (n_tasks) the caller's; -1 while unplaced */
+    int64_t *home;          /* (n_tasks) the last region starting by ready[k] (n: past all) */
+    int64_t n_early;        /* tasks ready before start[pre]: by_ready[0, n_early) */
+    int64_t *top;           /* (n) region i's last proposal, RP_REGIONS_UNASKED, or -1: none */
+    double *bound;          /* (n) its speedup there (unasked: best[i]): >= what region i offers now */
+    double *best;           /* (n) under a cap, the most any task offers region i; else +inf */
+    int64_t *tour;          /* (2 n) tournament over regions by (bound desc, index asc), -1: none */
+    int64_t held_n;         /* leaves of the held-memory tree, a power of 2 >= n */
+    int64_t *held_max;      /* (2 held_n) max over the subtree's region ends of held memory */
+    int64_t *held_add;      /* (2 held_n) added to the whole subtree */
+    int64_t cap;            /* a run stops once some region end holds more (< 0: never) */
 } rp_regions;
+
+/* top[i] before region i was asked in this run: bound[i] is then best[i] */
+#define RP_REGIONS_UNASKED (-2)
 
 static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                             const int64_t *deadline, const double *t_sub, const double *speedup,
@@ -1194,6 +1222,28 @@ static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, co
     return RP_OK;
 }
 
+/* Adds v to the held memory at the ends of regions [l, r), bottom-up: the
+ * nodes that cover the range take it, then their ancestors' maxima are
+ * remade. Values stay within the sum of mem (checked within int64). */
+static void rp_regions_hold(rp_regions *x, int64_t l, int64_t r, int64_t v)
+{
+    int64_t lo = l + x->held_n, hi = r + x->held_n;
+    const int64_t left = lo, right = hi - 1;
+    if (l >= r || v == 0)
+        return;
+    for (; lo < hi; lo >>= 1, hi >>= 1) {
+        if (lo & 1)
+            x->held_max[lo] += v, x->held_add[lo++] += v;
+        if (hi & 1)
+            x->held_max[--hi] += v, x->held_add[hi] += v;
+    }
+    for (int side = 0; side < 2; side++)
+        for (int64_t p = (side == 0 ? left : right) >> 1; p >= 1; p >>= 1) {
+            const int64_t a = x->held_max[2 * p], b = x->held_max[2 * p + 1];
+            x->held_max[p] = (a > b ? a : b) + x->held_add[p];
+        }
+}
+
 static void rp_regions_place(rp_regions *x, int64_t k, int64_t i)
 {
     x->region[k] = i;
@@ -1208,13 +1258,14 @@ static void rp_regions_place(rp_regions *x, int64_t k, int64_t i)
  * first), in ready order. */
 static void rp_regions_pre(rp_regions *x, int64_t pre)
 {
-    for (int64_t r = 0; r < x->n_tasks && x->by_ready[r].key < x->start[pre]; r++) {
+    int64_t r = 0;
+    for (; r < x->n_tasks && x->by_ready[r].key < x->start[pre]; r++) {
         const int64_t k = x->by_ready[r].task;
-        int64_t i = pre - 1;
-        while (i > 0 && x->start[i] > x->ready[k])
-            i--;
+        /* the last region of [0, pre) starting by ready[k] (start[0] = 0 always does) */
+        const int64_t i = x->home[k] < pre - 1 ? x->home[k] : pre - 1;
         rp_regions_place(x, k, i < x->deadline[k] - 1 ? i : x->deadline[k] - 1);
     }
+    x->n_early = r;
 }
 
 /* Offers region i the tasks its sub-stream has reached since the last call:
@@ -1245,30 +1296,78 @@ static int64_t rp_regions_propose(rp_regions *x, int64_t i)
     return h->size > 0 ? h->items[0].task : -1;
 }
 
-static void rp_regions_algorithm1(rp_regions *x, int64_t pre)
+/* The better of regions a and b (-1: none) as a round of Algorithm 1 picks:
+ * the higher speedup, on a tie the lower region. */
+static int64_t rp_regions_better(const rp_regions *x, int64_t a, int64_t b)
 {
+    if (a < 0 || b < 0)
+        return a < 0 ? b : a;
+    if (x->bound[a] != x->bound[b])
+        return x->bound[a] > x->bound[b] ? a : b;
+    return a < b ? a : b;
+}
+
+static void rp_regions_tour_set(rp_regions *x, int64_t i)
+{
+    int64_t p = i + x->n;
+    x->tour[p] = x->top[i] != -1 ? i : -1;
+    for (p >>= 1; p >= 1; p >>= 1)
+        x->tour[p] = rp_regions_better(x, x->tour[2 * p], x->tour[2 * p + 1]);
+}
+
+/* Asks region i for its proposal now (none once closed). */
+static void rp_regions_ask(rp_regions *x, int64_t i)
+{
+    const int64_t k = x->open[i] ? rp_regions_propose(x, i) : -1;
+    x->top[i] = k;
+    x->bound[i] = k >= 0 ? x->speedup[k * x->n + i] : 0.0;
+    rp_regions_tour_set(x, i);
+}
+
+/* Algorithm 1 over regions [pre, n). A round's pick is the open region whose
+ * proposal has the highest speedup, the lowest such region on a tie: the
+ * tournament's top once its proposal is current, as every other region's
+ * bound is at least its proposal's speedup (only a placement in a region
+ * gives it new candidates, and that asks it again). Returns 0, or 1 when
+ * the held memory passed the cap (the run is then left unfinished). */
+static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
+{
+    for (int64_t i = 0; i < x->n; i++) {
+        x->top[i] = i >= pre ? RP_REGIONS_UNASKED : -1;
+        x->bound[i] = x->best[i];
+        x->tour[x->n + i] = x->top[i] != -1 ? i : -1;
+    }
+    for (int64_t p = x->n - 1; p >= 1; p--)
+        x->tour[p] = rp_regions_better(x, x->tour[2 * p], x->tour[2 * p + 1]);
     while (x->placed < x->n_tasks) {
-        int64_t region = -1, task = -1;
-        double gain = 0.0;
-        for (int64_t i = pre; i < x->n; i++) {
-            const int64_t k = x->open[i] ? rp_regions_propose(x, i) : -1;
-            if (k >= 0 && (region < 0 || x->speedup[k * x->n + i] > gain)) {
-                region = i, task = k;
-                gain = x->speedup[k * x->n + i];
-            }
-        }
-        if (region < 0)
+        const int64_t i = x->tour[1];
+        if (i < 0)
             break;
-        rp_regions_place(x, task, region);
+        const int64_t k = x->top[i];
+        if (k == RP_REGIONS_UNASKED || x->region[k] >= 0) {
+            rp_regions_ask(x, i); /* a bound, not its proposal: ask it, pick again */
+            continue;
+        }
+        rp_regions_place(x, k, i);
+        /* held at the ends of regions [home, i), as rp_regions_peak counts it
+         * (pre-scheduled tasks hold nothing; the fallback's come after the
+         * last check) */
+        if (x->cap >= 0) {
+            rp_regions_hold(x, x->home[k], i, x->mem[k]);
+            if (x->held_max[1] > x->cap)
+                return 1;
+        }
+        rp_regions_ask(x, i);
     }
     /* the open regions cannot take the rest (the sub-stream is overcommitted,
      * or the tasks are ready too late): never lose a task, run each in the
      * last region its deadline allows, in ready order */
-    for (int64_t r = 0; r < x->n_tasks; r++) {
+    for (int64_t r = x->n_early; r < x->n_tasks; r++) {
         const int64_t k = x->by_ready[r].task;
         if (x->region[k] < 0)
             rp_regions_place(x, k, x->deadline[k] - 1);
     }
+    return 0;
 }
 
 /* Held memory at the end of each region: tasks ready before it ends and
@@ -1276,17 +1375,15 @@ static void rp_regions_algorithm1(rp_regions *x, int64_t pre)
  * ready exactly at a boundary belongs to the region that starts there, as
  * in pre-scheduling, so that pre = n always holds nothing. Task k is held
  * at the ends of regions [first, region[k]), first the earliest region
- * ending after ready[k], which only grows along by_ready: one pass adds
- * and removes each task once in held[], a prefix sum gives each region's
- * total (never past the sum of mem, which the check keeps within int64). */
+ * ending after ready[k], i.e. home[k]: one pass adds and removes each task
+ * once in held[], a prefix sum gives each region's total (never past the
+ * sum of mem, which the check keeps within int64). */
 static int64_t rp_regions_peak(rp_regions *x)
 {
-    int64_t first = 0, total = 0, peak = 0;
+    int64_t total = 0, peak = 0;
     memset(x->held, 0, (size_t)x->n * sizeof *x->held);
-    for (int64_t r = 0; r < x->n_tasks; r++) {
-        const int64_t k = x->by_ready[r].task;
-        while (first < x->n && !(x->ready[k] < x->start[first + 1]))
-            first++;
+    for (int64_t k = 0; k < x->n_tasks; k++) {
+        const int64_t first = x->home[k];
         if (first < x->region[k]) {
             x->held[first] += x->mem[k];
             x->held[x->region[k]] -= x->mem[k];
@@ -1299,19 +1396,27 @@ static int64_t rp_regions_peak(rp_regions *x)
     return peak;
 }
 
-static void rp_regions_run(rp_regions *x, int64_t pre)
+/* One run; 1 when it stopped as its held memory passed x->cap. */
+static int rp_regions_run(rp_regions *x, int64_t pre)
 {
-    for (int64_t i = 0; i < x->n; i++) {
-        x->now[i] = 0.0;
-        x->open[i] = 1;
-        x->runnable[i] = (rp_heap){x->runnable_items + i * x->n_tasks, 0};
-        x->fed[i] = 0;
-    }
     for (int64_t k = 0; k < x->n_tasks; k++)
         x->region[k] = -1;
     x->placed = 0;
+    if (x->cap >= 0) {
+        memset(x->held_max, 0, (size_t)(2 * x->held_n) * sizeof *x->held_max);
+        memset(x->held_add, 0, (size_t)(2 * x->held_n) * sizeof *x->held_add);
+    }
+    for (int64_t i = 0; i < x->n; i++) {
+        x->now[i] = 0.0;
+        x->open[i] = 1;
+    }
     rp_regions_pre(x, pre);
-    rp_regions_algorithm1(x, pre);
+    /* the tasks ready before start[pre] are placed: no region need see them */
+    for (int64_t i = 0; i < x->n; i++) {
+        x->runnable[i] = (rp_heap){x->runnable_items + i * x->n_tasks, 0};
+        x->fed[i] = x->n_early;
+    }
+    return rp_regions_algorithm1(x, pre);
 }
 
 /* order: tasks by region, then in the sequence they were placed. */
@@ -1334,6 +1439,8 @@ static void rp_regions_free(rp_regions *x)
 {
     free(x->by_ready), free(x->start), free(x->now), free(x->open);
     free(x->runnable), free(x->runnable_items), free(x->fed), free(x->held), free(x->seq);
+    free(x->home), free(x->top), free(x->bound), free(x->best), free(x->tour);
+    free(x->held_max), free(x->held_add);
 }
 
 /* Every buffer of x, once for all of rp_sched_regions' runs. */
@@ -1348,9 +1455,22 @@ static int rp_regions_alloc(rp_regions *x)
     x->fed = rp_sched_alloc(x->n, sizeof *x->fed);
     x->held = rp_sched_alloc(x->n, sizeof *x->held);
     x->seq = rp_sched_alloc(x->n_tasks, sizeof *x->seq);
+    x->home = rp_sched_alloc(x->n_tasks, sizeof *x->home);
+    x->top = rp_sched_alloc(x->n, sizeof *x->top);
+    x->best = rp_sched_alloc(x->n, sizeof *x->best);
+    x->bound = rp_sched_alloc(x->n, sizeof *x->bound);
+    x->tour = rp_sched_alloc(rp_sched_mul(x->n, 2), sizeof *x->tour);
+    /* the held-memory tree only under a cap; with tasks, n <= n * n_tasks <= 2^40 */
+    x->held_n = 1;
+    while (x->cap >= 0 && x->held_n < x->n)
+        x->held_n *= 2;
+    x->held_max = rp_sched_alloc(2 * x->held_n, sizeof *x->held_max);
+    x->held_add = rp_sched_alloc(2 * x->held_n, sizeof *x->held_add);
     return x->by_ready != NULL && x->start != NULL && x->now != NULL && x->open != NULL &&
            x->runnable != NULL && x->runnable_items != NULL && x->fed != NULL &&
-           x->held != NULL && x->seq != NULL;
+           x->held != NULL && x->seq != NULL && x->home != NULL &&
+           x->top != NULL && x->best != NULL && x->bound != NULL && x->tour != NULL &&
+           x->held_max != NULL && x->held_add != NULL;
 }
 
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
@@ -1358,9 +1478,10 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
                      const int64_t *mem, int64_t mem_cap, int64_t *region, int64_t *order,
                      int64_t *pre, int64_t *peak, rp_error *err)
 {
+    /* a run can stop early only where a cap is checked and pre may still grow */
     rp_regions x = {.n = n, .n_tasks = n_tasks, .t_main = t_main, .ready = ready,
                     .t_sub = t_sub, .speedup = speedup, .deadline = deadline, .mem = mem,
-                    .region = region};
+                    .region = region, .cap = mem != NULL && n_tasks > 0 ? mem_cap : -1};
     int64_t *fill = NULL, *by_seq = NULL;
     int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, region,
                               order, pre, peak, err);
@@ -1382,10 +1503,30 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
     for (int64_t k = 0; k < n_tasks; k++)
         x.by_ready[k] = (rp_task_key){ready[k], k};
     qsort(x.by_ready, (size_t)n_tasks, sizeof *x.by_ready, rp_task_key_cmp);
+    /* home[k]: the last region starting by ready[k], which the by_ready order
+     * only moves on (start[0] = 0 <= every ready) */
+    for (int64_t r = 0, i = 0; r < n_tasks; r++) {
+        const int64_t k = x.by_ready[r].task;
+        while (i < n && !(ready[k] < x.start[i + 1]))
+            i++;
+        x.home[k] = i;
+    }
+    /* best[i], the bound of a region not yet asked in a run: under a cap,
+     * where runs repeat and most stop at their first placements, the most
+     * any task offers it (-inf: none may run there), so that only regions
+     * that may win are fed; one pass, as the check's. Else +inf: one run
+     * asks every region anyway. */
+    for (int64_t i = 0; i < n; i++)
+        x.best[i] = x.cap >= 0 ? -INFINITY : INFINITY;
+    for (int64_t k = 0; x.cap >= 0 && k < n_tasks; k++)
+        for (int64_t i = 0; i < deadline[k]; i++)
+            x.best[i] = speedup[k * n + i] > x.best[i] ? speedup[k * n + i] : x.best[i];
     /* pre grows until the held memory fits (or every region is pre-scheduled:
-     * the caller sees *peak > mem_cap) */
+     * the caller sees *peak > mem_cap); a run stopped once its held memory
+     * passed the cap would have ended with a peak past it */
     for (*pre = 0;; ++*pre) {
-        rp_regions_run(&x, *pre);
+        if (rp_regions_run(&x, *pre) != 0 && *pre < n)
+            continue;
         *peak = mem != NULL ? rp_regions_peak(&x) : 0;
         if (mem == NULL || mem_cap < 0 || *peak <= mem_cap || *pre == n)
             break;

@@ -806,6 +806,25 @@ def test_backward_temporaries(kind, buffers):
     assert peak <= buffers * unit + unit // 3, peak / unit
 
 
+@pytest.mark.parametrize("kind, buffers", [("tanh", 1), ("gru", 6)])
+def test_backward_temporaries_bidirectional(kind, buffers):
+    """What README gives for a bidirectional layer: the directions run one
+    after the other, and the reverse one takes x, out and grad_out in
+    flipped copies (the forward one its halves of out and grad_out, which
+    are strided) beside its own buffers and x's gradient from the first."""
+    T, B, H, I = 300, 8, 16, 4
+    torch.manual_seed(0)
+    module = (bppsa.GRU(I, H, bidirectional=True, scan="linear") if kind == "gru"
+              else bppsa.RNN(I, H, bidirectional=True, scan="linear"))
+    x = torch.randn(T, B, I, requires_grad=True)
+    out, _ = module(x)
+    peak = backward_peak_bytes(out, torch.randn(T, B, 2 * H))
+    unit = T * B * H * 4
+    # copies of out and grad_out, the buffers, x's copy and two of its gradients
+    want = (2 + buffers) * unit + 3 * unit * I // H
+    assert want - unit // 3 <= peak <= want + unit // 3, peak / unit
+
+
 @pytest.mark.parametrize("loss", ["square", "linear"])
 def test_double_backward_is_refused(loss):
     """create_graph=True through the scan raises, also for a loss linear in the
@@ -862,6 +881,57 @@ def test_jit_script_is_refused_clearly(make):
         with pytest.raises(RuntimeError, match=r"torch.jit.script: reprop.bppsa.(GRU|RNN) .*"
                                                "torch.jit.trace"):
             torch.jit.script(nn.Sequential(module))
+
+
+class _RecurrentModel(nn.Module):
+    """A model calling an RNN/GRU, as torch.compile meets one."""
+
+    def __init__(self, rnn: nn.Module):
+        super().__init__()
+        self.rnn, self.head = rnn, nn.Linear(4, 2)
+
+    def forward(self, x):
+        out, h_n = self.rnn(x)
+        return self.head(out).relu().sum() + h_n.sum()
+
+
+@pytest.mark.parametrize("kind", ["gru", "tanh"])
+def test_torch_compile_runs_the_module_eagerly_as_nns(kind):
+    """Dynamo does not trace nn.RNN/nn.GRU: a graph break at the call, the
+    module eager. It compiled the BPPSA modules' Python frames one by one
+    instead (inductor: out and h_n off nn's bits by about 1e-7, and two
+    UserWarnings about C checks it cannot trace). Now the module runs
+    eagerly as nn's (its bits, the scan's gradients), no graph holds any of
+    its ops, and nothing warns; strict torch.export (allow_rnn) traces
+    torch's recurrence, as for nn's modules (before: an Unsupported error)."""
+    torch.manual_seed(0)
+    ref, ours = make_pair(kind, 3, 4)
+    models = _RecurrentModel(ref), _RecurrentModel(ours)
+    models[1].head.load_state_dict(models[0].head.state_dict())
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    x = torch.randn(5, 2, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = torch.compile(models[1], backend=backend)(x)
+    loss.backward()
+    loss_ref = models[0](x)
+    loss_ref.backward()
+    assert torch.equal(loss, loss_ref)
+    recurrences = [node for gm in graphs for node in gm.graph.nodes
+                   if any(name in str(node.target) for name in ("rnn_", "gru", "_VF"))]
+    assert recurrences == [], recurrences
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        assert rel_err(b.grad, a.grad) <= TOL, name
+    torch._dynamo.reset()
+    exported = torch.export.export(ours, (x,), strict=True).module()
+    for got, want in zip(exported(x), ref(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _tangent(module, x, t):
@@ -1138,6 +1208,12 @@ BAD_MODULE_CALLS = {
     "hx batch size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 2, 6)), ValueError, "hx: expected shape"),
     "hx hidden size": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 3, 7)), ValueError, "hx: expected shape"),
     "2-D hx, 3-D input": (lambda: (torch.randn(5, 3, 4), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
+    # unbatched: the shape asked for is hx's as given, 2-D (before: "(1, 1, 6)", which then raised
+    # "hx: expected a 2-D tensor with unbatched 2-D input")
+    "hx hidden size, unbatched": (lambda: (torch.randn(5, 4), torch.randn(1, 7)), ValueError,
+                                  "hx: expected shape (1, 6) with unbatched input, got (1, 7)"),
+    "hx layers, unbatched": (lambda: (torch.randn(5, 4), torch.randn(2, 6)), ValueError,
+                             "hx: expected shape (1, 6) with unbatched input, got (2, 6)"),
     "3-D hx, 2-D input": (lambda: (torch.randn(5, 4), torch.randn(1, 1, 6)), ValueError, "hx: expected a 2-D"),
     "2-D hx, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 6)), ValueError, "hx: expected a 3-D"),
     "hx batch size, packed": (lambda: (_packed(torch.randn(5, 3, 4)), torch.randn(1, 2, 6)), ValueError,
@@ -1331,6 +1407,20 @@ def test_convert_takes_modules_converted_before_a_reload():
     assert proc.stdout.split() == ["[]", "linear", "linear"]
 
 
+class _OwnGRU(bppsa.GRU):
+    """A user's subclass of a BPPSA module."""
+
+
+def test_convert_gives_subclasses_of_bppsa_modules_the_scan_asked_for():
+    """convert(model, scan=...) sets the scan of the BPPSA modules already
+    there; a subclass of one kept its own ("auto" for convert(scan="linear"),
+    whose pick then changed with the thread count) while an exact one took it."""
+    model = nn.ModuleDict({"own": _OwnGRU(3, 4), "exact": bppsa.GRU(3, 4), "torch": nn.GRU(3, 4)})
+    assert bppsa.convert(model, scan="linear") == ["torch"]
+    assert [m.scan for m in model.values()] == ["linear"] * 3
+    assert type(model["own"]) is _OwnGRU
+
+
 def test_convert_warns_for_what_it_leaves():
     """An LSTM (README: not supported) was left silently; now a UserWarning
     names it, parametrized or the model itself too."""
@@ -1448,6 +1538,42 @@ def test_autocast_hidden_state_fed_back_as_hx():
         for a, b in zip(*results):
             assert a.dtype == b.dtype and rel_err(b.float(), a.float()) <= 1e-2, cls
 
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backward_inside_the_autocast_region(kind, dtype, packed):
+    """loss.backward() inside `with torch.autocast(...)` works for nn's
+    modules; the scan's backward raised "self and mat2 must have the same
+    dtype" (autocast made h0's W_hh product bf16/fp16, which met float32 in
+    addmm_). Now it runs outside autocast: the gradients of a backward
+    outside the region, bit for bit, and torch's within the README's
+    autocast tolerances."""
+    ref, ours = make_pair(kind, 3, 4, num_layers=2)
+    torch.manual_seed(0)
+    data, h0 = torch.randn(5, 3, 3), torch.randn(2, 3, 4)
+    lengths = torch.tensor([5, 2, 4])
+
+    def grads(model, inside: bool):
+        x, h = data.clone().requires_grad_(), h0.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=dtype):
+            inp = nn.utils.rnn.pack_padded_sequence(x, lengths, enforce_sorted=False) if packed else x
+            out, h_n = model(inp, h)
+            out = out.data if packed else out
+            loss = (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum() + h_n.float().sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        result = [x.grad, h.grad] + [p.grad for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return result
+
+    inside, outside, want = grads(ours, True), grads(ours, False), grads(ref, True)
+    for got, same, expected in zip(inside, outside, want):
+        assert torch.equal(got, same)
+        assert rel_err(got.float(), expected.float()) <= (1e-2 if dtype == torch.float16 else 6e-2)
 
 # float16 autocast: torch's backward runs its gates in float16, so its
 # gradients differ from float32's by float16 rounding (measured below 7e-3

@@ -179,14 +179,15 @@ def _scans_counted(monkeypatch) -> list:
     return scans
 
 
-@pytest.mark.parametrize("compiled", ["model", "training step", "compiled autograd"])
-def test_bppsa_under_torch_compile_runs_the_scan_eagerly(fresh_dynamo, monkeypatch, compiled):
-    """Dynamo traced into a reprop.bppsa GRU's forward, and from a compiled
-    step into its backward: it warned at torch's functorch checks and at
+@pytest.mark.parametrize("compiled", ["training step", "compiled autograd"])
+def test_bppsa_backward_in_compiled_code_runs_the_scan_eagerly(fresh_dynamo, monkeypatch, compiled):
+    """A compiled step calling loss.backward() (or compiled autograd) of a
+    reprop.bppsa GRU: the module runs eagerly (test_bppsa), but the engine
+    ran its backward in the compiled frame, so dynamo traced it, warned at
     each C call (reprop._C.scan, scan_plan, scan_workspace) to wrap it as a
-    custom operator, and compiled the bookkeeping between them in a dozen
-    frames. Forward and backward run eagerly now, one graph break each: the
-    scan runs once per layer and step, the gradients are eager's bit for bit."""
+    custom operator, and compiled its bookkeeping. The backward runs
+    eagerly now, one graph break: the scan runs once per layer and step,
+    the gradients are eager's bit for bit."""
     from reprop import bppsa
     torch.manual_seed(0)
     model = bppsa.GRU(4, 8, num_layers=2)
@@ -194,16 +195,13 @@ def test_bppsa_under_torch_compile_runs_the_scan_eagerly(fresh_dynamo, monkeypat
     x = torch.randn(6, 3, 4)
     scans = _scans_counted(monkeypatch)
     torch._dynamo.utils.counters.clear()
-    if compiled == "model":
-        net, step = torch.compile(model, backend="eager"), _bppsa_step
-    else:
-        net, step = model, torch.compile(_bppsa_step, backend="eager")
+    net, step = model, torch.compile(_bppsa_step, backend="eager")
     with torch._dynamo.config.patch(compiled_autograd=compiled == "compiled autograd"), \
             warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
             assert torch.equal(step(net, x), _bppsa_step(ref, x))
-    assert len(scans) == 2 * 2 * 2  # two layers, two steps, the compiled model and the eager one
+    assert len(scans) == 2 * 2 * 2  # two layers, two steps, the compiled step and the eager one
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
@@ -237,25 +235,16 @@ def test_chain_backward_under_torch_compile_runs_eagerly(fresh_dynamo, planned):
     assert not [str(w.message) for w in caught if "reprop._C" in str(w.message)]
 
 
-@pytest.mark.parametrize("call", ["GRU", "chain_backward"])
-def test_fullgraph_names_bppsa_eager_call(fresh_dynamo, call):
-    """fullgraph=True (with allow_rnn=True, under which dynamo traces into
-    RNN modules) raised "torch.* op returned non-Tensor" about
-    torch._C._is_tracing, and for chain_backward the same, naming nothing
-    of reprop's. It names reprop's eager call now."""
+def test_fullgraph_names_bppsa_eager_call(fresh_dynamo):
+    """fullgraph=True over chain_backward raised "torch.* op returned
+    non-Tensor" about torch._C._is_tracing, naming nothing of reprop's. It
+    names reprop's eager call now."""
     from reprop import bppsa
-    if call == "GRU":
-        model, x, name = bppsa.GRU(4, 8), torch.randn(5, 2, 4), "_ScanRNNBase.forward"
-        fn = model
-    else:
-        layers, x, name = [torch.nn.Linear(4, 3), torch.nn.ReLU()], torch.randn(2, 4), "chain_backward"
-
-        def fn(x):
-            return bppsa.chain_backward(layers, x)
-    with torch._dynamo.config.patch(allow_rnn=True), \
-            pytest.raises(Exception, match=f"reprop's {name} runs eagerly under torch.compile.*"
-                                           "compile without fullgraph=True"):
-        torch.compile(fn, backend="eager", fullgraph=True)(x)
+    layers = [torch.nn.Linear(4, 3), torch.nn.ReLU()]
+    with pytest.raises(Exception, match="reprop's chain_backward runs eagerly under torch.compile.*"
+                                        "compile without fullgraph=True"):
+        torch.compile(lambda x: bppsa.chain_backward(layers, x), backend="eager",
+                      fullgraph=True)(torch.randn(2, 4))
 
 
 def _fad_block(x: torch.Tensor) -> torch.Tensor:
@@ -268,11 +257,12 @@ def _fad_block(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_fad_enabled_made_in_compiled_code_is_one_named_graph_break(fresh_dynamo, fullgraph):
     """An enabled() made inside compiled code: dynamo traced its constructor,
-    broke the graph twice there (torch's WeakIdKeyDictionary, the lock) with a
-    warning about the lock, and fullgraph=True raised about
-    WeakIdKeyDictionary.__init__, naming nothing of reprop's. It is made
-    eagerly now: one graph break, and fullgraph=True's error names it. The
-    compiled block runs torch's ops, as README says."""
+    broke the graph twice there (at its per-thread state; before that was
+    a threading.local, at torch's WeakIdKeyDictionary and a lock, with a
+    warning), and fullgraph=True raised that it cannot trace the class of
+    that state, not what reprop's call was. It is made eagerly now: one
+    graph break, and fullgraph=True's error names it. The compiled block
+    runs torch's ops, as README says."""
     x = torch.randn(5, 7, requires_grad=True)
     compiled = torch.compile(_fad_block, backend="eager", fullgraph=fullgraph)
     if fullgraph:

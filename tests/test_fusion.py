@@ -4001,6 +4001,27 @@ def test_backward_mode_updates_in_backward_after_a_swapping_conversion(conversio
     _assert_same_training(got, ref)
 
 
+def _one_weight_model() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Linear(4, 3, bias=False)
+
+
+def test_backward_mode_updates_in_backward_after_two_swapping_conversions_in_a_row() -> None:
+    """Two conversions between forwards (`m.cpu(); m.cpu()` under the swap
+    flag) of a one-parameter model: the second swap's new TensorImpl is
+    allocated where the first one's freed old one was (measured: the same
+    address), so a check comparing the TensorImpl's address (swap_mark)
+    sees no swap and the hooks stay dropped. SwapWatch compares the
+    __dict__ it holds, which no swap gives back."""
+    make_opt = lambda m: rp.Adam(m.parameters(), lr=0.01)  # noqa: E731
+    twice = _swap_converted(lambda m: (m.cpu(), m.cpu()))
+    got = _mlp_loop("backward", make_opt, 4, events={2: twice}, make_model=_one_weight_model,
+                    before_step=dict.fromkeys(range(4), _assert_grads_freed))
+    ref = _mlp_loop(None, make_opt, 4, events={2: twice}, make_model=_one_weight_model)
+    _assert_same_training(got, ref)
+
+
 def _grad_mode_forwards_then_swap_converted(conversion: str, forwards: int,
                                             layer_by_layer: bool = False) -> Callable:
     """`forwards` forwards of the model in grad mode with no backward (an
@@ -4185,19 +4206,27 @@ def test_forward_mode_swap_by_hand_refused_advances_the_state_as_eager(name: str
     _assert_same_training(got, ref)
 
 
-def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_differs() -> None:
-    """With a weight decay that is not decoupled the update feeds the param
-    into the state: eager's took the values swapped out, which the fusion
-    no longer holds. The state still gets the step (its count and the
-    gradient's part) and the error says what differs."""
+def _pending_step_swapped_by_hand(make_opt):
+    """(model, optimizer, forward-mode handle) after a second step whose update
+    is pending and a hand swap of the first weight."""
     model = _mlp()
-    opt = rp.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="forward")
     _first_mlp_step(model, opt)
     x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
     _swap_first_weight_by_hand(model, opt)
+    return model, opt, handle
+
+
+def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_differs() -> None:
+    """With a weight decay that is not decoupled the update feeds the param
+    into the state: eager's took the values swapped out, which the fusion
+    no longer holds. The state still gets the step (its count and the
+    gradient's part) and the error says what differs."""
+    model, opt, handle = _pending_step_swapped_by_hand(
+        lambda m: rp.Adam(m.parameters(), lr=0.01, weight_decay=0.1))
     with pytest.raises(RuntimeError, match=r"keeps the values swapped in, as eager's, and its "
                                            r"optimizer state .* is advanced by that update as "
                                            r"eager's step\(\) advanced it, but for the weight "
@@ -4205,6 +4234,62 @@ def test_forward_mode_swap_by_hand_refused_with_coupled_weight_decay_says_what_d
         handle.flush()
     assert opt.state[model[0].weight]["step"].item() == 2
     assert torch.all(model[0].weight == 0.01)
+    handle.remove()
+
+
+# Weight decays that feed no param into any state (SGD without momentum has
+# none), with one that does (SGD's momentum buffer), and whether the error says so
+WEIGHT_DECAY_STATES = {
+    "SGD without momentum": (lambda m: rp.SGD(m.parameters(), lr=0.1, weight_decay=0.1), False),
+    "torch SGD without momentum": (
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.1, weight_decay=0.1), False),
+    "Adam decoupled": (lambda m: rp.Adam(m.parameters(), lr=0.01, weight_decay=0.1,
+                                         decoupled_weight_decay=True), False),
+    "SGD with momentum": (lambda m: rp.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                           weight_decay=0.1), True),
+}
+
+
+@pytest.mark.parametrize("name", list(WEIGHT_DECAY_STATES))
+def test_forward_mode_swap_by_hand_refused_says_the_weight_decay_term_differs_only_where_it_does(
+        name: str) -> None:
+    """The refusal said the state's weight decay term was taken from the
+    values swapped in (not eager's, swapped out) for any non-zero
+    weight_decay that is not decoupled, also for SGD without momentum,
+    which has no state at all: exact as eager's, it named a difference
+    there is not. Where a state reads the param it still says so."""
+    make_opt, differs = WEIGHT_DECAY_STATES[name]
+    _, _, handle = _pending_step_swapped_by_hand(make_opt)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped") as refused:
+        handle.flush()
+    assert ("but for the weight decay term" in str(refused.value)) == differs, str(refused.value)
+    handle.remove()
+
+
+def test_forward_mode_swap_by_hand_refused_keeps_the_param_version() -> None:
+    """The state part of a refused update (see above) ran on a copy of the
+    swapped-in values, put back after, yet the update bumped the param's
+    version counter: a graph that saved the swapped-in param before the
+    refusal (a weight penalty taken from it, as eager's) then raised
+    autograd's "modified by an inplace operation" at backward, where eager's
+    trains. The param is not written: its version stays."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _first_mlp_step(model, opt)
+    x, y = _mlp_batch(1)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    _swap_first_weight_by_hand(model, opt)
+    p = model[0].weight
+    version = p._version
+    penalty = p.square().sum()  # (saves p)
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped"):
+        handle.flush()
+    assert p._version == version
+    penalty.backward()
+    assert torch.equal(p.grad, 2 * torch.full_like(p, 0.01))
     handle.remove()
 
 

@@ -898,15 +898,15 @@ static void ref_regions_run(ref_regions *x, const int64_t *by_ready, int64_t pre
     ref_regions_algorithm1(x, pre);
 }
 
-/* The reference's region, order, pre and peak for valid inputs (n <= 12). */
+/* The reference's region, order, pre and peak for valid inputs (n <= 48). */
 static void ref_sched_regions(int64_t n, const double *t_main, int64_t n_tasks,
                               const double *ready, const int64_t *deadline, const double *t_sub,
                               const double *speedup, const int64_t *mem, int64_t mem_cap,
                               int64_t *region, int64_t *order, int64_t *pre, int64_t *peak)
 {
-    double start[13], now[12];
-    unsigned char open[12];
-    int64_t *by_ready = alloc(n_tasks, sizeof *by_ready), fill[13] = {0};
+    double start[49], now[48];
+    unsigned char open[48];
+    int64_t *by_ready = alloc(n_tasks, sizeof *by_ready), fill[49] = {0};
     ref_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem, start, now, open,
                      alloc(n_tasks, sizeof(int64_t)), 0, alloc(n_tasks, sizeof(int64_t)), 0,
                      region};
@@ -941,20 +941,20 @@ static double pick(uint64_t *state, const double *from, int count)
     return from[lcg(state) % (uint64_t)count];
 }
 
-/* One random Algorithm 1 input: n in [1, 12], up to 300 tasks; values from
+/* One random Algorithm 1 input: n in [1, max_n], up to max_tasks tasks; values from
  * small sets (ties in ready, speedup and t_sub; zero times; ready on region
  * boundaries), a scale that ranges from roomy to overcommitted sub-streams,
  * random deadlines, and a cap from none to 0. Library and reference agree. */
-static void regions_trial(uint64_t *state, int trial)
+static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
 {
     static const double times[] = {0.0, 0.5, 1.0, 1.0, 2.0, 3.25};
     static const double gains[] = {-0.5, -0.0, 0.0, 0.1, 0.25, 0.25, 0.9, 1.0};
     static const double scales[] = {0.0, 0.01, 0.1, 0.5, 1.0, 4.0};
-    const int64_t n = 1 + (int64_t)(lcg(state) % 12);
-    const int64_t tasks = (int64_t)(lcg(state) % 301);
+    const int64_t n = 1 + (int64_t)(lcg(state) % (uint64_t)max_n);
+    const int64_t tasks = (int64_t)(lcg(state) % (uint64_t)(max_tasks + 1));
     const double scale = pick(state, scales, 6);
     const int with_mem = lcg(state) % 4 != 0;
-    double t_main[12], start = 0.0, *ready = alloc(tasks, sizeof *ready);
+    double t_main[48], start = 0.0, *ready = alloc(tasks, sizeof *ready);
     double *t_sub = alloc(tasks * n, sizeof *t_sub), *speedup = alloc(tasks * n, sizeof *speedup);
     int64_t *deadline = alloc(tasks, sizeof *deadline), *mem = alloc(tasks, sizeof *mem);
     int64_t *region = alloc(tasks, sizeof *region), *order = alloc(tasks, sizeof *order);
@@ -1001,7 +1001,12 @@ static void test_regions_reference(void)
 {
     uint64_t state = 11;
     for (int trial = 0; trial < 1500; trial++)
-        regions_trial(&state, trial);
+        regions_trial(&state, trial, 12, 300);
+    /* many regions, so that a run under a cap stops at the placement that
+     * passes it, and the tournament over regions picks among dozens */
+    state = 12;
+    for (int trial = 0; trial < 300; trial++)
+        regions_trial(&state, 1500 + trial, 48, 120);
 }
 
 /* ---- every validation error ---- */

@@ -71,6 +71,23 @@ _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.s
                    torch.sparse_bsc)
 
 
+def stored_parts(t: torch.Tensor) -> tuple | None:
+    """The strided tensors that hold t's data: t itself, a sparse tensor's
+    indices and values (its numel() and element_size() are the dense
+    shape's, its storages those of the parts); None for a layout that has
+    no storage to read (mkldnn)."""
+    layout = t.layout
+    if layout is torch.strided:
+        return (t,)
+    if layout is torch.sparse_coo:
+        return (t._indices(), t._values())
+    if layout in (torch.sparse_csr, torch.sparse_bsr):
+        return (t.crow_indices(), t.col_indices(), t.values())
+    if layout in (torch.sparse_csc, torch.sparse_bsc):
+        return (t.ccol_indices(), t.row_indices(), t.values())
+    return None
+
+
 def check_writable(x: torch.Tensor, name: str) -> None:
     """torch's refusal of an in-place write that a kernel's raw pointer would
     slip past: an inference tensor outside inference_mode cannot be tracked."""
@@ -163,6 +180,21 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 # version counters ourselves, so that a tensor saved for backward and modified
 # since raises PyTorch's in-place-modification error instead of going wrong.
 bump_versions = torch.autograd.graph.increment_version  # takes a list of tensors
+
+
+def versions_of(tensors: list) -> list:
+    """The version counters of `tensors` (None for an inference tensor,
+    which has none), for set_versions to put back."""
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+def set_versions(tensors: list, versions: list) -> None:
+    """Puts back the version counters versions_of read, after an update
+    that bumped them but wrote only copies (the tensors' values are as
+    they were, so what autograd saved of them is still good)."""
+    kept = [(t, v) for t, v in zip(tensors, versions) if v is not None]
+    if kept:
+        torch._C._autograd._unsafe_set_version_counter(*zip(*kept))
 
 
 def dispatch_mode_active() -> bool:
@@ -454,7 +486,16 @@ class SwapWatch:
     compares (one identity per tensor, in one C loop: measured about 0.2 us
     a tensor, less than reading each .grad); a tensor swapped since gets its hook dicts
     registered with its new impl, the user's hooks included, as they were
-    before the swap."""
+    before the swap. Not swap_mark, the impl's address: a freed impl's
+    address is given to the next one, so after two swaps between checks
+    (`m.cpu(); m.cpu()` of a one-weight model under the flag: measured) a
+    tensor may have the address it had, and a check by it would miss them,
+    where the __dict__ held here is never given back; and it costs more (a
+    new int per tensor: at 10000 tensors 0.30-0.34 us a tensor against
+    0.14-0.17, medians of 31). A __dict__ replaced without a swap only
+    registers the hooks again, harmlessly. torch._C._swap_tensor_impl
+    called directly (only swap_tensors calls it) leaves the __dict__ and is
+    not seen (README)."""
 
     __slots__ = ("_watched", "_tensors", "_marks")
 
@@ -495,7 +536,8 @@ _DICT_OF = operator.attrgetter("__dict__")
 # which leaves the __dict__); compared with ==. Not its __dict__: `p.__dict__
 # = dict(p.__dict__)` (no swap) replaces it, and the pending update was
 # refused falsely. `.data =`, setattr and in-place ops keep it. One C call a
-# tensor.
+# tensor. Two swaps may give it back (the allocator reuses a freed impl's
+# address): SwapWatch, which must see those, compares the __dict__ instead.
 swap_mark = operator.attrgetter("_cdata")
 
 

@@ -46,8 +46,9 @@ from torch.nn.utils.weight_norm import WeightNorm
 
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag, check_strided,
-                       check_writable, class_key, current_stream_handle, dispatch_mode_active,
-                       eager_under_compile, hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
+                       check_writable, class_key, compiling, current_stream_handle, dispatch_mode_active,
+                       eager_under_compile, hook_owner, is_count, is_instance_by_name, on_device,
+                       profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active, warn_at_users_line, DOUBLE_BACKWARD_CALLERS, byte_span)
 from . import fusion
@@ -56,6 +57,8 @@ __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstr
            "ChainPlan", "chain_backward", "transposed_jacobian"]
 
 _SCAN_NAMES = ("auto", "linear", "blelloch")
+# the hook Dynamo's torch.compile sets to compile each frame called (None outside a compiled region)
+_eval_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 
 
 # ---------------------------------------------------------------------------
@@ -281,8 +284,8 @@ def _check_activation(activation, y, v, jt) -> int:
 
 
 # Under torch.compile, the entry points that call the C core (scan, the
-# RNN/GRU forward, chain_backward, ChainPlan.forward_inputs and backward) run
-# eagerly, one graph break each: dynamo traced into them, warned at each C call
+# RNN/GRU backward, chain_backward, ChainPlan.forward_inputs and backward; the
+# RNN/GRU forward: _forward_under_dynamo) run eagerly, one graph break each: dynamo traced into them, warned at each C call
 # (to wrap reprop._C as a custom operator) and at torch's functorch checks,
 # compiled the Python between them in a dozen or more frames, and under
 # fullgraph=True raised an error about torch._C._is_tracing that did not name
@@ -710,8 +713,8 @@ class _Layer(torch.autograd.Function):
     @staticmethod
     def forward(ctx, mode, levels, steps, x, hx, *weights):
         out, h_n = _forward_layer(mode, x, hx, weights, steps.batch_sizes)
-        ctx.mode, ctx.levels, ctx.steps = mode, levels, steps
-        ctx.held = _autocast_float16(x.device.type)
+        ctx.mode, ctx.levels, ctx.steps, ctx.device_type = mode, levels, steps, x.device.type
+        ctx.held = _autocast_float16(ctx.device_type)
         ctx.dtypes = [t if t is None else t.dtype for t in (x, hx, *weights)]
         ctx.save_for_backward(x, hx, *_layer_weights_for_backward(mode, weights), out)
         # an unused output's gradient stays None, not a (T, B, H) of zeros
@@ -733,6 +736,17 @@ class _Layer(torch.autograd.Function):
                                "True), jacobian(vectorize=True), gradcheck's batched check) have "
                                "no storage for the scan; use vectorize=False / "
                                "check_batched_grad=False, or torch.nn.RNN/GRU")
+        if autocast_enabled(ctx.device_type):
+            # backward called inside the autocast region, as torch's own backward
+            # may be: its GEMMs must stay float32 (autocast made h0's product
+            # bf16/fp16, which then met float32 in addmm_: a RuntimeError)
+            with torch.autocast(ctx.device_type, enabled=False):
+                return _Layer._backward(ctx, grad_out, grad_h)
+        return _Layer._backward(ctx, grad_out, grad_h)
+
+    @staticmethod
+    def _backward(ctx, grad_out, grad_h):
+        """backward's scans and products, outside autocast."""
         x, hx, *weights, out = [t.float() if t is not None else None for t in ctx.saved_tensors]
         # the scan reads c's memory: a lazily negated gradient holds -g there
         grad_out, grad_h = (g if g is None else g.resolve_neg() for g in (grad_out, grad_h))
@@ -876,11 +890,16 @@ class _ScanRNNBase:
                 raise _HxTypeError(f"hx: expected {input.dtype} on {input.device} like input, got "
                                    f"{hx.dtype} on {hx.device}")
 
-    def _initial_states(self, input: torch.Tensor, hx, B: int) -> torch.Tensor:
+    def _initial_states(self, input: torch.Tensor, hx, B: int, batched: bool = True) -> torch.Tensor:
+        """hx checked, or zeros; (layers * dirs, B, H). `batched` False: input
+        and hx were unbatched, and unsqueezed to a batch of one."""
         shape = (self.num_layers * (2 if self.bidirectional else 1), B, self.hidden_size)
         if hx is None:
             return input.new_zeros(shape)
         if hx.shape != shape:
+            if not batched:  # the shapes the caller gives: a 3-D hx is refused with unbatched input
+                raise _ArgError(f"hx: expected shape {(shape[0], shape[2])} with unbatched input, got "
+                                f"{(hx.shape[0], hx.shape[2])}")
             raise _ArgError(f"hx: expected shape {shape}, got {tuple(hx.shape)}")
         return hx
 
@@ -928,8 +947,26 @@ class _ScanRNNBase:
         return isinstance(input, torch.Tensor) and input.dim() == 3 and \
             input.shape[0 if self.batch_first else 1] == 0
 
-    @eager_under_compile  # (see scan)
     def forward(self, input, hx=None):
+        # Under torch.compile Dynamo does not trace nn.RNN/nn.GRU (allow_rnn is
+        # off): it breaks the graph at the module's call and runs it with its
+        # frame hook still on, so it compiled this module's Python frames one
+        # by one (two UserWarnings about the C checks, inductor's bits for
+        # the forward, not nn's). They run eagerly instead, as nn's do.
+        if compiling() or _eval_frame_callback() is not None:
+            return self._forward_under_dynamo(input, hx)
+        return self._forward(input, hx)
+
+    def _forward_under_dynamo(self, input, hx):
+        """forward() where Dynamo is on: traced with allow_rnn (strict
+        torch.export sets it, or the user), torch's own recurrence, which
+        Dynamo traces as it traces nn's (the scan's backward cannot be in a
+        graph); else this module eagerly, its frames not compiled."""
+        if torch.compiler.is_dynamo_compiling() and torch._dynamo.config.allow_rnn:
+            return super().forward(input, hx)
+        return self._forward_eagerly(input, hx)
+
+    def _forward(self, input, hx=None):
         if self._torch_runs(input, hx):
             return super().forward(input, hx)
         weights = self._weights_now()
@@ -950,10 +987,16 @@ class _ScanRNNBase:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
             raise _ArgError("input: expected a sequence of at least one step")
-        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1]), weights, _Steps())
+        output, h_n = self._layers(input, self._initial_states(input, hx, input.shape[1], batched), weights,
+                                   _Steps())
         if not batched:
             return output.squeeze(1), h_n.squeeze(1)
         return (output.transpose(0, 1) if self.batch_first else output), h_n
+
+    _forward_eagerly = torch.compiler.disable(_forward, reason=(
+        "reprop.bppsa's RNN/GRU run eagerly under torch.compile, as nn.RNN/nn.GRU do (one graph "
+        "break); compile without fullgraph=True, or set torch._dynamo.config.allow_rnn=True to trace "
+        "torch's own recurrence"))
 
     def _forward_packed(self, input: nn.utils.rnn.PackedSequence, hx, weights: list):
         """A PackedSequence as torch's modules take it (batch_first has no say,
@@ -1061,7 +1104,9 @@ def convert(model: nn.Module, scan="auto") -> list[str]:
             module.__class__ = target if type(module) is own else _parametrized_over(type(module), target)
             module.scan = scan
             changed.append(name)
-        elif class_key(own) in _CONVERTED:  # converted before: the scan asked for now
+        elif any(class_key(cls) in _CONVERTED for cls in own.__mro__):
+            # converted before, or made as a BPPSA module (a subclass of one too,
+            # which kept its own scan): the scan asked for now
             module.scan = scan
         elif isinstance(module, nn.LSTM):
             left.append((name, module, "LSTM is not supported (only nn.RNN and nn.GRU)"))

@@ -1814,6 +1814,25 @@ def _inplace_call(fn, args, kwargs) -> bool:
         return True
 
 
+class _ThreadChains(threading.local):
+    """One thread's chains in an enabled() instance: the record of each chain
+    tensor, and whether a chain's node saved a lower-precision copy of the
+    derivative its record carries (then chain tensors leaving, YN, drop the
+    carried one). A thread's first use makes its own (an autograd worker's
+    too, which runs no chain step)."""
+
+    def __init__(self):
+        self.records = WeakTensorKeyDictionary()
+        self.copies = False
+
+
+def _on_function_stack(mode) -> bool:
+    """Whether `mode` is on this thread's stack of torch function modes
+    (it is per thread): a block of it is open here."""
+    return any(torch._C._get_function_stack_at(i) is mode
+               for i in range(torch._C._len_torch_function_stack()))
+
+
 class enabled(TorchFunctionMode):
     """Context manager: inside it, torch's functional activations run through
     reprop (saving only f'(x)), and with compose=True chains of element-wise ops
@@ -1872,9 +1891,9 @@ class enabled(TorchFunctionMode):
     """
 
     # Made inside compiled code, eagerly: one graph break. Dynamo traced this,
-    # broke the graph at torch's WeakTensorKeyDictionary and at the lock (with
-    # a warning about it), and under fullgraph=True raised about
-    # WeakIdKeyDictionary.__init__, naming nothing of reprop's.
+    # broke the graph twice at its per-thread state (_ThreadChains, a
+    # threading.local), and under fullgraph=True raised that it does not know
+    # how to trace that class, not that enabled() cannot be made there.
     @_tensors.eager_under_compile
     def __init__(self, compose: bool = False, saved_dtype=None):
         super().__init__()
@@ -1886,24 +1905,21 @@ class enabled(TorchFunctionMode):
                              "reprop.fad's functions or patch()")
         self.compose = compose
         self.saved_dtype = saved_dtype
-        self._records = WeakTensorKeyDictionary()
-        # whether a chain's node saved a lower-precision copy of the derivative
-        # its record carries: then chain tensors leaving (YN) drop the carried one
-        self._copies = False
-        # How many `with` blocks of this instance are open, in any thread: the
-        # records are dropped when the last one exits. Dropped at every exit,
-        # another thread's block of the same instance (an eval forward under
-        # no_grad included), or a nested one, ended the chains of a block still
-        # running: its next steps started new chains, each node saving one
-        # tensor more, and its gradients changed in the last bits. Counted at
-        # enter and exit only, under a lock, never per op.
-        self._open = 0
-        self._open_lock = threading.Lock()
+        # Each thread's chains are its own, and end when its outermost block of
+        # this instance exits: one instance shared by threads (or nested in
+        # one) dropped every record at any exit, ending the chains of a block
+        # still running elsewhere, and a count of open blocks over all threads
+        # instead let one thread's chains run on across its consecutive blocks
+        # while another thread held one open; either way a step's gradients
+        # changed in the last bits with the other thread's timing.
+        self._chains = _ThreadChains()
 
     def __enter__(self):
         depth = torch._C._len_torch_function_stack()
-        with self._open_lock:
-            self._open += 1
+        if not _on_function_stack(self):
+            # outermost here: nothing of an earlier block carries on (one whose
+            # exit an interrupt cut short kept its records)
+            self._chains.__init__()
         try:
             return super().__enter__()
         except BaseException:
@@ -1912,30 +1928,19 @@ class enabled(TorchFunctionMode):
             # the stack for the session
             if torch._C._len_torch_function_stack() > depth:
                 super().__exit__(None, None, None)
-            self._close()
             raise
 
     def __exit__(self, *exc):
-        try:  # chain tensors leave as plain autograd tensors
-            self._close()
-        finally:
-            # the mode leaves the stack however the reset ends: an interrupt in
-            # its Python-level constructor (a notebook's stop button) left it
-            # there for the session, chaining every later expression
-            super().__exit__(*exc)
-
-    def _close(self) -> None:
-        """One block of this instance ends; the last one drops the records."""
-        with self._open_lock:
-            self._open -= 1
-            if self._open <= 0:
-                self._open = 0
-                self._records = WeakTensorKeyDictionary()
-                self._copies = False
+        # the mode leaves the stack first, however the rest ends: an interrupt
+        # in a reset before it (a notebook's stop button) left the mode there
+        # for the session, chaining every later expression
+        super().__exit__(*exc)
+        if not _on_function_stack(self):  # chain tensors leave as plain autograd tensors
+            self._chains.__init__()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _SEEN_BY_MODE and not self._copies:
+        if func not in _SEEN_BY_MODE and not self._chains.copies:
             return func(*args, **kwargs)  # what every path below ends in for it, checks skipped
         # Code dynamo traces runs torch's ops, before anything it cannot trace:
         # it would bake the chain's bookkeeping (the weak record table, the
@@ -1957,7 +1962,7 @@ class enabled(TorchFunctionMode):
             out = self._chain_step(func, args, kwargs)
             if out is not None:
                 return out
-            if self._copies:
+            if self._chains.copies:
                 self._leave_chains(args, kwargs)
         ours = _REROUTED.get(func)
         if ours is not None and args and _kernel_input(args[0]):
@@ -1970,7 +1975,7 @@ class enabled(TorchFunctionMode):
         """Chain tensors consumed outside their chain (YN): a next step now uses
         the saved copy, and the full-precision derivative is freed."""
         for t in _tensors_in(args, kwargs):
-            rec = self._records.get(t)
+            rec = self._chains.records.get(t)
             if rec is not None and rec.kept is not rec.deriv:
                 # the node's own low-precision copy: no one else writes it
                 rec.deriv, rec.deriv_version = rec.kept, None
@@ -2019,8 +2024,9 @@ class enabled(TorchFunctionMode):
         _lead_past(operands)
         deriv, kept, blocked = step.result
         if deriv is not None:
-            self._records[out] = _Record(root, out, deriv, kept, blocked, constant)
-            self._copies = self._copies or kept is not deriv
+            chains = self._chains
+            chains.records[out] = _Record(root, out, deriv, kept, blocked, constant)
+            chains.copies = chains.copies or kept is not deriv
         # else relu of the root saved its own output under a saved-tensor hook
         # (_saved_tensor_hooks_active): unrecorded, out is a root to a next
         # step, which reaches its node through autograd, so that the node's
@@ -2058,7 +2064,7 @@ class enabled(TorchFunctionMode):
         Its node must still be a chain node: detach_(), and requires_grad_()
         after it, leave the version as it was, and make the tensor a constant
         or a leaf (a root)."""
-        rec = self._records.get(t)
+        rec = self._chains.records.get(t)
         if rec is not None and rec.version == t._version \
                 and getattr(t.grad_fn, "hooked", True) is False \
                 and t._backward_hooks is None and not t.retains_grad \

@@ -1046,13 +1046,6 @@ def _held_marks(grads: list, params: list) -> list:
         return [(g, *_grad_mark(g), _tensors.swap_mark(p)) for g, p in zip(grads, params)]
 
 
-def _reads_param_into_state(group: dict) -> bool:
-    """Whether the update of `group` feeds the param's values into its
-    optimizer state: a weight decay that is not decoupled (torch adds
-    weight_decay * p to the gradient first; AdamW's multiplies p instead)."""
-    return bool(group.get("weight_decay", 0)) and not group.get("decoupled_weight_decay", False)
-
-
 def _frozen(value):
     """`value` as it is now: tensors (a tensor lr, betas) and NumPy arrays are
     copied, since schedulers (or the user) change them in place."""
@@ -2860,6 +2853,11 @@ class _ForwardFusion(FusionHandle):
         with torch.inference_mode(False):
             for group, group_params in optim._by_group(swapped, self._group_of):
                 values = []
+                # The update bumps each param's version, as for a write: this
+                # one writes only the copies, so a graph that saved a param
+                # (the swapped-in values, eager's) raised autograd's in-place
+                # error at backward, where eager's trains. Put back as well.
+                versions = _tensors.versions_of(group_params)
                 try:
                     for p in group_params:
                         values.append(p.data)
@@ -2871,6 +2869,7 @@ class _ForwardFusion(FusionHandle):
                 finally:
                     for p, value in zip(group_params, values):
                         p.data = value
+                    _tensors.set_versions(group_params, versions)
         return error
 
     def _edited_message(self, edited: list) -> str:
@@ -2891,7 +2890,8 @@ class _ForwardFusion(FusionHandle):
         else:
             state = ("its optimizer state (step count, moments, ...) is advanced by that update "
                      "as eager's step() advanced it")
-            if any(_reads_param_into_state(self._settings.get(id(group)) or group)
+            # (the optimizer knows its options: SGD without momentum has no state)
+            if any(self.optimizer._reads_param_into_state(self._settings.get(id(group)) or group)
                    for group, _ in optim._by_group(swapped, self._group_of)):
                 state += (", but for the weight decay term, which eager's step() took from the "
                           "values swapped out and this from the values swapped in")

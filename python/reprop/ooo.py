@@ -39,6 +39,7 @@ import copy
 import functools
 import hashlib
 import inspect
+import itertools
 import math
 import numbers
 import reprlib
@@ -67,7 +68,7 @@ from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
-                       weak_hook, without_grad, DOUBLE_BACKWARD_CALLERS)
+                       stored_parts, weak_hook, without_grad, DOUBLE_BACKWARD_CALLERS)
 
 __all__ = ["enable", "OOOHandle", "capture", "CapturedStep", "simulate", "SimResult", "stages", "reverse_first_k",
            "search_k", "allreduce_time", "ORDERS", "DataParallel", "data_parallel", "Pipeline",
@@ -680,8 +681,43 @@ class _Task:
         return [t for t in (self.grad, *self.saved, *(self.done or ()))
                 if isinstance(t, torch.Tensor)]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors())
+    def storages(self, kept: set) -> dict:
+        """What deferring the task keeps alive: id of each storage it reads,
+        once -> (the storage, its size in bytes), but those the model holds
+        anyway (data pointers in `kept`: its parameters' and buffers', a
+        Linear's saved W^T being a view of the weight) and its own
+        parameters'. Counting those (and numel times the element size) made
+        a Linear(1024, 4096)'s task 17.1 MB where deferring it holds
+        0.33 MB, so a model with such a layer let max_extra_memory=0.1 hold
+        a third of what its deferred tasks hold, and kept that cheap task in
+        place; an expanded output gradient (a `.sum()` loss's) holds one
+        element. A sparse tensor holds its indices and values (its numel()
+        is the dense shape's: a COO input of a Linear(100000, 64) counted
+        12.8 MB for 40 KB); a layout with no storage (mkldnn), its elements.
+        Storage objects live as long as their memory (torch keeps the one
+        Python object), so the ids name them while the task holds them."""
+        own = {p.untyped_storage().data_ptr() for p in self.params
+               if p is not None and p.layout is torch.strided}
+        held = {}
+        for t in self.tensors():
+            parts = stored_parts(t)
+            if parts is None:
+                held[id(t)] = (None, t.numel() * t.element_size())
+                continue
+            for part in parts:
+                storage = part.untyped_storage()
+                ptr = storage.data_ptr()
+                if not ptr or (ptr not in kept and ptr not in own):
+                    held[id(storage)] = (storage, storage.nbytes())
+        return held
+
+    def nbytes(self, kept: set | None = None) -> int:
+        """The bytes deferring the task alone keeps alive (storages(), the
+        model's by default); the cap charges a storage several tasks read
+        once in all (_Reads)."""
+        if kept is None:
+            kept = self.site.handle._kept_storages()
+        return sum(size for _, size in self.storages(kept).values())
 
     @property
     def has_run(self) -> bool:
@@ -734,14 +770,73 @@ class _Profile:
         """Keys in backward order (main's keys, in the order first timed)."""
         return list(self.main)
 
-    def with_times(self, marks: list) -> "_Profile":
+    def with_times(self, marks: list, nbytes: dict) -> "_Profile":
         """This profile and one more pass's main-stream times, from its
-        stamps (task key, stamp; the last closes the pass): a new profile,
-        which the handle stores if that pass counts (_commit)."""
+        stamps (task key, stamp; the last closes the pass), and its tasks'
+        bytes (_Reads.shares): a new profile, which the handle stores if
+        that pass counts (_commit)."""
         main = dict(self.main)
         for (key, a), (_, b) in zip(marks, marks[1:]):
             main[key] = [*main.get(key, ()), _elapsed(a, b)]
-        return _Profile(main, self.sub, self.nbytes)
+        return _Profile(main, self.sub, {**self.nbytes, **nbytes})
+
+
+class _Reads:
+    """The storages one profiling pass's tasks read, and which tasks read
+    each: what the memory cap charges them (shares).
+
+    A storage several tasks read (q/k/v projections of one input, output
+    gradients that are views of one cat's gradient, autocast's one cast
+    copy of a weight for all its call sites: _cast_param) is held once
+    however many of them are deferred. Charged in full to each, the tasks
+    of a Linear called 8 times under bf16 autocast were 67 MB for 8.4 MB
+    held, the cap a fraction of that sum, and the schedule's
+    peak_extra_bytes twice what it held. Its bytes are split equally among
+    the tasks that read it instead (the remainder to the first), so the
+    charges of all the pass's tasks sum to what deferring them all holds,
+    which the cap is a fraction of. The scheduler's model (_C.sched_regions)
+    adds the charges of the tasks deferred past each region's end, one
+    number per task: no charge makes a sum of them the size of a union.
+    Equal shares are exact where every reader is deferred, and give none of
+    them a preference; giving all to one reader instead charged nothing
+    where only the others were deferred. Where only some readers are
+    deferred, their shares count part of the storage: autograd holds it
+    anyway until the last reader's own backward node ran, and what a
+    deferral past that holds beyond the shares is not counted.
+
+    A storage is named by its object, checked alive: one freed while the
+    pass runs (its tasks ran already) and another made where it was are two.
+    """
+
+    def __init__(self, kept: set):
+        self.kept = kept     # data pointers of the storages the model holds (_kept_storages)
+        self.keys: list = []  # task keys, in the order noted
+        self.by_id: dict = {}  # id(storage) -> [weak storage, bytes, readers' keys]
+        self.entries: list = []  # every entry, those of storages freed since too
+
+    def note(self, task: "_Task") -> None:
+        self.keys.append(task.key)
+        for sid, (storage, size) in task.storages(self.kept).items():
+            entry = self.by_id.get(sid)
+            if storage is None or entry is None or entry[0]() is not storage:
+                entry = [weakref.ref(storage) if storage is not None else _no_storage, size, []]
+                self.entries.append(entry)
+                if storage is not None:
+                    self.by_id[sid] = entry
+            entry[2].append(task.key)
+
+    def shares(self) -> dict:
+        """Task key -> bytes: each storage's split equally among its readers."""
+        out = dict.fromkeys(self.keys, 0)
+        for _, size, readers in self.entries:
+            share, rest = divmod(size, len(readers))
+            for i, key in enumerate(readers):
+                out[key] += share + (i < rest)
+        return out
+
+
+def _no_storage() -> None:
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -890,6 +985,7 @@ class OOOHandle(_PassTracking):
         self._owner: tuple = (-1, None)
         self._pass_lock = threading.Lock()  # two threads' backward passes begin one at a time
         self._profile = _Profile()
+        self._reads: _Reads | None = None  # what this profiling pass's tasks read
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
         self._next_index = 0
@@ -1059,6 +1155,7 @@ class OOOHandle(_PassTracking):
         self._calls = {}
         self._current_region = -1
         self._marks = []
+        self._reads = None
         self._end_ref = queue_end_of_backward(self._end_backward)
         # marked running last, its end queued: another thread's forward never
         # sees it as a backward that raised (running, its end gone) and drops it
@@ -1130,6 +1227,7 @@ class OOOHandle(_PassTracking):
         self._held_in_pass = []  # its held tasks are partial: their hooks wait for none
         self._restore_post_hooks_not_held()
         self._marks = []
+        self._reads = None
         if self._corun is not None:  # that pass is measured again
             self._corun.entries, self._corun.groups = [], []
         self._in_backward = False
@@ -1167,7 +1265,10 @@ class OOOHandle(_PassTracking):
         dict of the handle's attributes, and stored whole by _commit."""
         change: dict = {"_iteration": self._iteration + 1}
         if profiling:
-            change["_profile"] = self._profile.with_times(self._marks)
+            reads = self._reads
+            change["_profile"] = self._profile.with_times(
+                self._marks, reads.shares() if reads is not None else {})
+            change["_reads"] = None
         if self.order == "ooo" and self.schedule is None:
             try:
                 self._advance_schedule(corun, change)
@@ -1516,7 +1617,9 @@ class OOOHandle(_PassTracking):
     def _issue(self, task: _Task) -> None:
         profiling = self._profiling()
         if profiling:
-            self._profile.nbytes[task.key] = task.nbytes()
+            if self._reads is None:  # (the model's storages, once a pass: _Reads)
+                self._reads = _Reads(self._kept_storages())
+            self._reads.note(task)
         if task.event is None:
             start = time.perf_counter()
             task.run()
@@ -1591,6 +1694,18 @@ class OOOHandle(_PassTracking):
                 "schedule": {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
                              "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
                              "moved": int(sum(1 for k in tasks if region_of[k] != region_main[k]))}}
+
+    def _kept_storages(self) -> set:
+        """Data pointers of the storages the model holds anyway, which
+        deferring a task keeps no longer: its parameters' and buffers'. Not
+        only the task's own parameters: a learned latent array read through
+        .expand, or BatchNorm's running statistics in eval, counted."""
+        kept = set()
+        for t in itertools.chain(self.model.parameters(), self.model.buffers()):
+            for part in stored_parts(t) or ():
+                kept.add(part.untyped_storage().data_ptr())
+        kept.discard(0)
+        return kept
 
     def _cap_bytes(self, total: int) -> int:
         """max_extra_memory in bytes of the deferred tasks' `total` (a
@@ -1835,7 +1950,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
         max_extra_memory: cap on the bytes held by deferred tasks at a region
-            end, as a fraction of what all of them hold together.
+            end, as a fraction of what all of them hold together (what
+            deferring keeps alive: saved inputs and output gradients, not
+            the parameters they read).
         profile_iters: backward passes that time each layer alone (the
             first is a warm-up), after which the regions are cut.
         speedup: "profile": measured in `regions` + 1 more backward passes

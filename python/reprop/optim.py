@@ -1707,6 +1707,17 @@ class _FusedOptimizer:
         """Names of the state tensors in the core's slots 0..2 (None: unused)."""
         raise NotImplementedError
 
+    def _reads_param_into_state(self, group: dict) -> bool:
+        """Whether the update of `group` (or settings dict) feeds the param's
+        values into its optimizer state: a weight decay that is not
+        decoupled adds weight_decay * p to the gradient the state takes in
+        (no other option of these optimizers reads the param; maximize only
+        negates the gradient; fusion takes no other torch optimizer, such as
+        ASGD, whose average reads it). Fusion's refusal of a param swapped by hand
+        says the state's weight decay term differs from eager's where it
+        does (fusion.py: _swapped_message)."""
+        return bool(group.get("weight_decay", 0))
+
 
 class SGD(_FusedOptimizer, torch.optim.SGD):
     """Fused SGD with momentum, dampening, nesterov, weight_decay and maximize.
@@ -1718,6 +1729,10 @@ class SGD(_FusedOptimizer, torch.optim.SGD):
 
     def _state_slots(self, group):
         return ("momentum_buffer" if group["momentum"] != 0 else None, None, None)
+
+    def _reads_param_into_state(self, group):
+        # without momentum SGD has no state for the weight decay to feed
+        return super()._reads_param_into_state(group) and group.get("momentum", 0) != 0
 
     def _initial_state(self, key, p, group):
         # filled from the first gradient by the first update, and only then
@@ -1734,6 +1749,11 @@ class Adam(_FusedOptimizer, torch.optim.Adam):
 
     def _state_slots(self, group):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq" if group["amsgrad"] else None)
+
+    def _reads_param_into_state(self, group):
+        # AdamW's (decoupled_weight_decay) multiplies the param instead
+        return super()._reads_param_into_state(group) and not group.get(
+            "decoupled_weight_decay", False)
 
 
 class AdamW(Adam, torch.optim.AdamW):
