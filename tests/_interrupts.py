@@ -20,6 +20,7 @@ a trace function).
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import sys
 import types
@@ -27,7 +28,9 @@ from collections.abc import Callable
 
 
 def _code(function) -> types.CodeType:
-    return function if isinstance(function, types.CodeType) else function.__code__
+    # unwrapped: a function reprop wraps (_tensors.eager_under_compile) has the
+    # wrapper's code, one code object shared by every function so wrapped
+    return function if isinstance(function, types.CodeType) else inspect.unwrap(function).__code__
 
 
 class LineStop:

@@ -3,6 +3,7 @@ PyTorch floor (refused at import below it, declared the same in
 pyproject.toml), and the native extensions (_C not built for this Python,
 a built _cuda that does not load); and how the techniques meet
 torch.compile."""
+import copy
 import os
 import pathlib
 import platform
@@ -162,6 +163,123 @@ def test_fullgraph_names_reprop_eager_step(fresh_dynamo):
     model(torch.ones(1, 8)).sum().backward()
     with pytest.raises(Exception, match="compile without fullgraph=True"):
         torch.compile(opt.step, backend="eager", fullgraph=True)()
+
+
+def _bppsa_step(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out, h = model(x)
+    loss = out.pow(2).sum() + h.sum()
+    loss.backward()
+    return loss
+
+
+def _scans_counted(monkeypatch) -> list:
+    import reprop.bppsa as bppsa
+    scans, run_scan = [], bppsa._run_scan
+    monkeypatch.setattr(bppsa, "_run_scan", lambda *args: scans.append(1) or run_scan(*args))
+    return scans
+
+
+@pytest.mark.parametrize("compiled", ["training step", "compiled autograd"])
+def test_bppsa_backward_in_compiled_code_runs_the_scan_eagerly(fresh_dynamo, monkeypatch, compiled):
+    """A compiled step calling loss.backward() (or compiled autograd) of a
+    reprop.bppsa GRU: the module runs eagerly (test_bppsa), but the engine
+    ran its backward in the compiled frame, so dynamo traced it, warned at
+    each C call (reprop._C.scan, scan_plan, scan_workspace) to wrap it as a
+    custom operator, and compiled its bookkeeping. The backward runs
+    eagerly now, one graph break: the scan runs once per layer and step,
+    the gradients are eager's bit for bit."""
+    from reprop import bppsa
+    torch.manual_seed(0)
+    model = bppsa.GRU(4, 8, num_layers=2)
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 3, 4)
+    scans = _scans_counted(monkeypatch)
+    torch._dynamo.utils.counters.clear()
+    net, step = model, torch.compile(_bppsa_step, backend="eager")
+    with torch._dynamo.config.patch(compiled_autograd=compiled == "compiled autograd"), \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            assert torch.equal(step(net, x), _bppsa_step(ref, x))
+    assert len(scans) == 2 * 2 * 2  # two layers, two steps, the compiled step and the eager one
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+    breaks = list(torch._dynamo.utils.counters["graph_break"])
+    assert not [reason for reason in breaks if "reprop._C" in reason or "_functorch" in reason], breaks
+
+
+@pytest.mark.parametrize("planned", [False, True])
+def test_chain_backward_under_torch_compile_runs_eagerly(fresh_dynamo, planned):
+    """chain_backward (with a ChainPlan, or building one) inside a compiled
+    function: dynamo warned at each reprop._C call and compiled 18 to 24
+    frames of its bookkeeping. It runs eagerly now, one graph break."""
+    from reprop import bppsa
+    torch.manual_seed(0)
+    layers = [torch.nn.Conv2d(2, 3, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+              torch.nn.Flatten(), torch.nn.Linear(48, 5), torch.nn.Tanh()]
+    x, g = torch.randn(2, 2, 8, 8), torch.randn(2, 5)
+    plan = bppsa.ChainPlan(layers, (2, 8, 8)) if planned else None
+
+    def grads(x, g):
+        return bppsa.chain_backward(layers, x + 0.0, g, plan=plan)
+
+    counter = torch._dynamo.testing.CompileCounter()
+    compiled = torch.compile(grads, backend=counter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for a, b in zip(compiled(x, g), grads(x, g)):
+                assert torch.equal(a, b)
+    assert counter.frame_count == 1
+    assert not [str(w.message) for w in caught if "reprop._C" in str(w.message)]
+
+
+def test_fullgraph_names_bppsa_eager_call(fresh_dynamo):
+    """fullgraph=True over chain_backward raised "torch.* op returned
+    non-Tensor" about torch._C._is_tracing, naming nothing of reprop's. It
+    names reprop's eager call now."""
+    from reprop import bppsa
+    layers = [torch.nn.Linear(4, 3), torch.nn.ReLU()]
+    with pytest.raises(Exception, match="reprop's chain_backward runs eagerly under torch.compile.*"
+                                        "compile without fullgraph=True"):
+        torch.compile(lambda x: bppsa.chain_backward(layers, x), backend="eager",
+                      fullgraph=True)(torch.randn(2, 4))
+
+
+def _fad_block(x: torch.Tensor) -> torch.Tensor:
+    from reprop import fad
+    with fad.enabled(compose=True):
+        y = torch.nn.functional.gelu(x)
+        return y * torch.sigmoid(y)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_fad_enabled_made_in_compiled_code_is_one_named_graph_break(fresh_dynamo, fullgraph):
+    """An enabled() made inside compiled code: dynamo traced its constructor,
+    broke the graph twice there (at its per-thread state; before that was
+    a threading.local, at torch's WeakIdKeyDictionary and a lock, with a
+    warning), and fullgraph=True raised that it cannot trace the class of
+    that state, not what reprop's call was. It is made eagerly now: one
+    graph break, and fullgraph=True's error names it. The compiled block
+    runs torch's ops, as README says."""
+    x = torch.randn(5, 7, requires_grad=True)
+    compiled = torch.compile(_fad_block, backend="eager", fullgraph=fullgraph)
+    if fullgraph:
+        with pytest.raises(Exception, match="reprop's enabled.__init__ runs eagerly under "
+                                            "torch.compile.*compile without fullgraph=True"):
+            compiled(x)
+        return
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = compiled(x)
+    y = torch.nn.functional.gelu(x)
+    ref = y * torch.sigmoid(y)
+    assert torch.equal(out, ref)
+    assert torch.equal(*(torch.autograd.grad(t.sum(), x)[0] for t in (out, ref)))
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 1
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -1768,6 +1768,46 @@ def test_torch_compile_traces_the_layers_own_forward():
     assert "_Split" in type(model(x).grad_fn).__name__
 
 
+@pytest.mark.parametrize("compiled_autograd", [False, True])
+def test_a_backward_started_in_compiled_code_runs_the_split_eagerly(compiled_autograd):
+    """Layers called eagerly (split) and loss.backward() in a compiled
+    function (a compiled backward-and-step; compiled autograd): the engine
+    ran the split's backward and the end-of-pass callback in the compiled
+    frame, so dynamo traced them and the handle's bookkeeping, warned at
+    time.perf_counter and threading.get_ident, and recompiled _issue per
+    task until its recompile limit. They run eagerly now, one graph break
+    each: the dW still deferred and profiled, gradients autograd's."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                        nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    x = torch.randn(4, 8)
+
+    def backward(loss):
+        loss.backward()
+
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(backward, backend="eager")
+        with torch._dynamo.config.patch(compiled_autograd=compiled_autograd), \
+                warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                for net in (ref, model):
+                    net.zero_grad()
+                ref(x).sum().backward()
+                loss = model(x).sum()
+                compiled(loss)
+                assert handle._iteration == step + 1 and handle.pending() == 0
+                for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                    torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    finally:
+        torch._dynamo.reset()
+    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
+
+
 @pytest.mark.filterwarnings("ignore:Complex modules")
 def test_complex_and_meta_calls_run_plain_autograd():
     """The split's formulas are the real ones (autograd conjugates for complex

@@ -47,7 +47,8 @@ from torch.nn.utils.weight_norm import WeightNorm
 from ._native import _C, _cuda, cuda_missing
 from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag, check_strided,
                        check_writable, class_key, compiling, current_stream_handle, dispatch_mode_active,
-                       hook_owner, is_count, is_instance_by_name, on_device, profiler_range,
+                       eager_under_compile, hook_owner, is_count, is_instance_by_name, on_device,
+                       profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
                        transform_active, warn_at_users_line, DOUBLE_BACKWARD_CALLERS, byte_span)
 from . import fusion
@@ -282,6 +283,14 @@ def _check_activation(activation, y, v, jt) -> int:
     return _ACTIVATIONS[activation]
 
 
+# Under torch.compile, the entry points that call the C core (scan, the
+# RNN/GRU backward, chain_backward, ChainPlan.forward_inputs and backward; the
+# RNN/GRU forward: _forward_under_dynamo) run eagerly, one graph break each: dynamo traced into them, warned at each C call
+# (to wrap reprop._C as a custom operator) and at torch's functorch checks,
+# compiled the Python between them in a dozen or more frames, and under
+# fullgraph=True raised an error about torch._C._is_tracing that did not name
+# reprop. The scan still runs; its gate costs about 0.06 us a call.
+@eager_under_compile
 def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | None = None,
          v: torch.Tensor | None = None, jt: torch.Tensor | None = None, activation: str | None = None,
          y: torch.Tensor | None = None, pre_activation: bool = False, levels="auto",
@@ -713,6 +722,7 @@ class _Layer(torch.autograd.Function):
         return out, h_n
 
     @staticmethod
+    @eager_under_compile  # (see scan: a backward run from a compiled step was traced too)
     def backward(ctx, grad_out, grad_h):
         if torch.is_grad_enabled():
             # once_differentiable would only refuse a grad_out that needs grad:
@@ -1972,6 +1982,7 @@ class ChainPlan:
         return _rebuilt_plan, ([layer for layer, _ in self.steps], self.input_shape, self.info["levels"],
                                self._max_pairs, masks, self.product)
 
+    @eager_under_compile  # (see scan)
     def forward_inputs(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Runs the chain, keeping each Jacobian layer's input; returns them and
         the output. A Conv2d or Linear weight computed at each forward (a
@@ -2047,6 +2058,7 @@ class ChainPlan:
         else:
             _C.csr_run(self._plan, B, seq.data_ptr(), shared.data_ptr(), 0, 0, 0, 0, torch.get_num_threads())
 
+    @eager_under_compile  # (see scan)
     def backward(self, inputs: Iterable[torch.Tensor], grad_output: torch.Tensor) -> list[torch.Tensor]:
         """Gradients of every Jacobian layer's input, shaped like it, from the
         layer inputs of forward_inputs() (any iterable of them, as autograd.grad
@@ -2199,6 +2211,7 @@ def _same_modules(a: Sequence[nn.Module], b: Sequence[nn.Module]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+@eager_under_compile  # (see scan)
 def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: torch.Tensor | None = None,
                    *, plan: ChainPlan | None = None, levels="auto") -> list[torch.Tensor]:
     """BPPSA over a chain: the gradient of the input of every Jacobian layer

@@ -1890,6 +1890,11 @@ class enabled(TorchFunctionMode):
     in backward, by a node that leads past it: torch runs no Python for it).
     """
 
+    # Made inside compiled code, eagerly: one graph break. Dynamo traced this,
+    # broke the graph twice at its per-thread state (_ThreadChains, a
+    # threading.local), and under fullgraph=True raised that it does not know
+    # how to trace that class, not that enabled() cannot be made there.
+    @_tensors.eager_under_compile
     def __init__(self, compose: bool = False, saved_dtype=None):
         super().__init__()
         compose = _tensors.check_flag(compose, "compose")  # "False" would turn chains on

@@ -63,7 +63,8 @@ from torch.utils import _pytree
 from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_flag as _flag,
-                       current_class, hook_owner, is_dense, is_instance_by_name, replaced_forward,
+                       current_class, eager_under_compile, hook_owner, is_dense,
+                       is_instance_by_name, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -493,7 +494,14 @@ class _Split(torch.autograd.Function):
         ctx.params = (w, b)
         return y
 
+    # A backward started in compiled code (a compiled step calling
+    # loss.backward() on a loss of layers called eagerly; compiled autograd)
+    # runs this eagerly, one graph break: dynamo traced it and the handle's
+    # bookkeeping behind it (timers, thread ids, the task queue), warned at
+    # each, and recompiled per layer kind, shape and handle state until its
+    # recompile limit.
     @staticmethod
+    @eager_under_compile
     def backward(ctx, g: torch.Tensor):
         if torch.is_grad_enabled():
             raise RuntimeError("reprop.ooo: backward with create_graph=True through a split "
@@ -1224,6 +1232,7 @@ class OOOHandle(_PassTracking):
             self._corun.entries, self._corun.groups = [], []
         self._in_backward = False
 
+    @eager_under_compile  # (as _Split.backward: the engine runs it in the compiled step's frame)
     def _end_backward(self) -> None:
         """The pass's deferred dW run, then the pass counts (_count_pass),
         which ends it. Until then it is marked as running: an exception
