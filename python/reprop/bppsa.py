@@ -285,7 +285,8 @@ def _check_activation(activation, y, v, jt) -> int:
 
 # Under torch.compile, the entry points that call the C core (scan, the
 # RNN/GRU backward, chain_backward, ChainPlan.forward_inputs and backward; the
-# RNN/GRU forward: _forward_under_dynamo) run eagerly, one graph break each: dynamo traced into them, warned at each C call
+# RNN/GRU forward: _forward_under_dynamo) run eagerly, one graph break each:
+# dynamo traced into them, warned at each C call
 # (to wrap reprop._C as a custom operator) and at torch's functorch checks,
 # compiled the Python between them in a dozen or more frames, and under
 # fullgraph=True raised an error about torch._C._is_tracing that did not name
