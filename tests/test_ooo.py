@@ -1740,6 +1740,15 @@ def test_a_reentrant_checkpoint_first_in_backward_is_one_step_with_the_rest():
     assert _checkpointed_head_steps(reentrant=True, steps=5) == plain
 
 
+def _small_net_and_its_enabled_copy():
+    """(plain net, an enabled copy, its handle, an input) for the torch.compile tests."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
+                        nn.Linear(16, 4))
+    model = copy.deepcopy(ref)
+    return ref, model, ooo.enable(model, speedup=None), torch.randn(4, 8)
+
+
 def test_torch_compile_traces_the_layers_own_forward():
     """torch.compile traces an enabled model as the plain one: the layers'
     own forwards, with no graph break, so fullgraph=True compiles it, and
@@ -1747,12 +1756,7 @@ def test_torch_compile_traces_the_layers_own_forward():
     split as before. The split's checks (autograd's tracing state, the
     checkpoint hooks) broke the graph at every split layer, and fullgraph=True
     raised a Dynamo error that did not say why."""
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
-                        nn.Linear(16, 4))
-    model = copy.deepcopy(ref)
-    handle = ooo.enable(model, speedup=None)
-    x = torch.randn(4, 8)
+    ref, model, handle, x = _small_net_and_its_enabled_copy()
     torch._dynamo.reset()
     try:
         compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -1778,12 +1782,7 @@ def test_a_backward_started_in_compiled_code_runs_the_split_eagerly(compiled_aut
     task until its recompile limit. They run eagerly now, one graph break
     each: the dW still deferred and profiled, gradients autograd's."""
     import torch._dynamo
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16),
-                        nn.Linear(16, 4))
-    model = copy.deepcopy(ref)
-    handle = ooo.enable(model, speedup=None)
-    x = torch.randn(4, 8)
+    ref, model, handle, x = _small_net_and_its_enabled_copy()
 
     def backward(loss):
         loss.backward()
