@@ -104,7 +104,6 @@ at full width it would not fit: use --vgg-width-div 1 --vgg-levels 0 there).
 from __future__ import annotations
 
 import functools
-import gc
 import math
 import os
 import sys
@@ -450,7 +449,7 @@ def measure_peaks(res: Result, cfg: Config, x, y, device, with_ours: bool, args)
             raise
         except Exception as e:  # noqa: BLE001
             res.unavailable.setdefault(OURS, describe_error(e))
-    release(device)
+    harness.release(device)
 
 
 def measure_times(res: Result, base: Trainer, ours: Trainer | None, x, y, device, args) -> None:
@@ -461,13 +460,6 @@ def measure_times(res: Result, base: Trainer, ours: Trainer | None, x, y, device
         candidates[OURS] = lambda: ours.step(x, y)
     res.inner = harness.choose_inner(list(candidates.values()), device, args.min_sample_ms)
     res.stats = harness.measure_alternated(candidates, device, args.warmup, args.reps, res.inner)
-
-
-def release(device: torch.device) -> None:
-    """Free what the last measurement left, so the next starts alike."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def run_config(cfg: Config, device: torch.device, args) -> Result:
@@ -489,7 +481,7 @@ def run_config(cfg: Config, device: torch.device, args) -> Result:
         res.skipped = f"out of memory ({describe_error(e)[:80]})"
     finally:
         del base, ours
-        release(device)
+        harness.release(device)
     return res
 
 
@@ -943,7 +935,7 @@ def run_vgg(args, device: torch.device) -> VggResult:
                 "masked_vs_cusparse": harness.speedup(t_peer, t_msk) if t_peer else None,
             })
         del masked, peers
-        release(device)
+        harness.release(device)
     return result
 
 

@@ -221,8 +221,7 @@ def run_single(args, device: torch.device) -> list[dict]:
                 steps, mismatch = trainers["eager"].steps, single_mismatch(trainers, device)
             if cuda:  # timed with cuDNN's default algorithms, as users train: captured anew
                 del trainers
-                gc.collect()  # (an ooo model, its hooks and its handle are a cycle: del frees nothing)
-                torch.cuda.empty_cache()
+                harness.release(device)  # (an ooo model, its hooks and its handle are a cycle)
                 checked = errors
                 trainers, errors = make_trainers(base, x, y, kinds)
                 errors.update({f"{label} (check)": err for label, err in checked.items() if label not in errors})
@@ -239,8 +238,7 @@ def run_single(args, device: torch.device) -> list[dict]:
             rows.append(row)
             del trainers
             if cuda:
-                gc.collect()
-                torch.cuda.empty_cache()
+                harness.release(device)
     return rows
 
 
