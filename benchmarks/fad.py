@@ -343,12 +343,6 @@ def try_trainer(candidate: Candidate, case: Case, batch, device: torch.device, a
         return describe_error(e)
 
 
-def release(device: torch.device) -> None:
-    """Return cached device memory, so the next measurement starts alike."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 # ---------------------------------------------------------------------------
 # Bytes saved for backward
 # ---------------------------------------------------------------------------
@@ -474,7 +468,7 @@ def batch_peak(trainer: Trainer, case: Case, batch_size: int, device: torch.devi
     except torch.cuda.OutOfMemoryError:
         trainer.optimizer.zero_grad(set_to_none=True)
         peak = None
-    release(device)  # after the handler: the failed step's tensors are gone
+    harness.release(device)  # after the handler: the failed step's tensors are gone
     return peak
 
 
@@ -484,7 +478,7 @@ def largest_batch(candidate: Candidate, case: Case, cap: int, device: torch.devi
     One model for the whole search, its bytes counted from before it was built;
     doubling from 1, then bisection.
     """
-    release(device)
+    harness.release(device)
     base = torch.cuda.memory_allocated(device)
     trainer = make_trainer(candidate, case, device, args)
 
@@ -575,7 +569,7 @@ def run_case(case: Case, names: list[str], device: torch.device, args) -> CaseRe
         {name: (lambda t=t: t.step(*batch)) for name, t in trainers.items()}, device, args.warmup, args.reps)
     available = list(trainers)
     trainers.clear()
-    release(device)
+    harness.release(device)
     result.peak_bytes = {name: steady_peak(CANDIDATES[name], case, batch, device, args) for name in available}
     if device.type == "cuda" and args.mem_cap_gib > 0:
         result.max_batch = largest_batches(case, available, device, args)
@@ -627,7 +621,7 @@ def steady_peak(candidate: Candidate, case: Case, batch, device: torch.device, a
 
     peak = harness.peak_memory(lambda: holder[0].step(*batch), device, setup)
     holder.clear()
-    release(device)
+    harness.release(device)
     return peak
 
 

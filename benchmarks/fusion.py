@@ -391,13 +391,7 @@ def check_candidates(result: CaseResult, template: nn.Module, batch, device: tor
             for name in checked(EAGER):
                 got = checked_params(name, template, factories[name], batch, device)
                 result.mismatch[name] = harness.check_close(got, want, rtol=0.0, atol=0.0)
-    release(device)
-
-
-def release(device: torch.device) -> None:
-    """Return cached device memory between cases, so the next case starts alike."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    harness.release(device)
 
 
 # ---------------------------------------------------------------------------
@@ -420,7 +414,7 @@ def time_candidates(result: CaseResult, template: nn.Module, batch, factories: d
     for trainer in trainers.values():
         trainer.close()
     trainers.clear()
-    release(device)
+    harness.release(device)
 
 
 def measure_peaks(result: CaseResult, template: nn.Module, batch, factories: dict,
@@ -437,7 +431,7 @@ def measure_peaks(result: CaseResult, template: nn.Module, batch, factories: dic
         result.peak_bytes[name] = harness.peak_memory(lambda: holder[0].step(), device, setup)
         holder[0].close()
         holder.clear()
-        release(device)
+        harness.release(device)
 
 
 def run_case(case: Case, sweeps: list[str], device: torch.device, args) -> CaseResult:
