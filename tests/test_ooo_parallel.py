@@ -1200,6 +1200,42 @@ def test_data_parallel_model_converted_after_planning(solo_group):
     dp.remove()
 
 
+class _CastingNet(_Net):
+    """_Net whose layers may have different dtypes: each casts its input to its own."""
+
+    def forward(self, x):
+        for lin in self.layers:
+            x = torch.tanh(lin(x.to(lin.weight.dtype)))
+        return x.to(self.scale.dtype) * self.scale
+
+
+@pytest.mark.parametrize("model_dtype,layer_dtype", [
+    (torch.float32, torch.float64),   # old: 2.7e-9 off (float32 rounding)
+    (torch.bfloat16, torch.float32),  # old: 1e-4 off (bfloat16 rounding)
+    (torch.float16, torch.float32),
+])
+def test_data_parallel_one_layer_converted_after_planning(solo_group, model_dtype, layer_dtype):
+    """One layer converted after the buckets were planned (a layer kept in
+    float32 in a bfloat16 model, one .double()): its parameters sat in a
+    bucket of the model's dtype, not first in it, and the staleness check
+    looked only at each bucket's first parameter: their gradients were
+    averaged in the bucket's lower precision and written back rounded. Every
+    parameter's dtype is checked; the buckets are planned again."""
+    torch.manual_seed(0)
+    model = _CastingNet().to(model_dtype)
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=2)
+    x, t = _batch(0, 0)
+    F.mse_loss(model(x).float(), t).backward()
+    for net in (model, ref):
+        net.layers[DEPTH // 2].to(layer_dtype)
+        net.zero_grad()
+        F.mse_loss(net(x).float(), t).backward()
+    assert model.layers[DEPTH // 2].weight.grad.dtype == layer_dtype
+    _assert_same(model, ref, "grad")
+    dp.remove()
+
+
 def _dp_swap_converted(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = _Net()

@@ -42,6 +42,7 @@ import inspect
 import itertools
 import math
 import numbers
+import operator
 import reprlib
 import sys
 import threading
@@ -2717,6 +2718,9 @@ class _Bucket:
         return zip(self.params, self._slices)
 
 
+_DTYPE_OF = operator.attrgetter("dtype")
+
+
 def _shaped_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """A bucket's flat piece as p's gradient: with p's strides where p is
     dense (channels_last, a transpose, size-1 dims with any stride), as
@@ -3139,6 +3143,9 @@ class DataParallel(_PassTracking, Joinable):
             self._layer_buckets[layer] = [_Bucket(run, layer) for run in _pack(mine, float("inf"))]
             buckets += self._layer_buckets[layer]
         self._buckets = buckets
+        # every bucketed parameter and its bucket's dtype, for _buckets_stale
+        self._bucketed = [p for b in buckets for p in b.params]
+        self._bucketed_dtypes = [b.flat.dtype for b in buckets for _ in b.params]
 
     def _agree(self) -> list:
         """The split layers called so far on any rank, ordered by their
@@ -3259,9 +3266,16 @@ class DataParallel(_PassTracking, Joinable):
 
     def _buckets_stale(self) -> bool:
         """The model was converted since the plan (model.double(), .to()):
-        a bucket of the old dtype would round the gradients it averages."""
-        return any(b.flat.dtype != b.params[0].dtype or b.flat.device != b.params[0].device
-                   for b in self._buckets)
+        a bucket of the old dtype would round the gradients it averages.
+        Every parameter's dtype, not only each bucket's first: one layer
+        converted (kept in float32 in a bfloat16 model, one .double()) sat in
+        a bucket of the old dtype, and its gradients were averaged and
+        written back rounded to it (a float64 layer 2.7e-9 off, silently).
+        One C loop (dtypes are singletons: compared by identity); devices,
+        as before, by each bucket's first parameter."""
+        if not all(map(operator.is_, map(_DTYPE_OF, self._bucketed), self._bucketed_dtypes)):
+            return True
+        return any(b.flat.device != b.params[0].device for b in self._buckets)
 
     def _launch_ready(self) -> None:
         """Launches complete buckets in bucket order (the order every rank issues)."""
