@@ -64,7 +64,7 @@ from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_flag as _flag,
                        current_class, eager_under_compile, hook_owner, is_dense,
-                       is_instance_by_name, replaced_forward,
+                       is_instance_by_name, kept_across_reloads, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -2759,13 +2759,18 @@ def _output_tensors(out) -> list[torch.Tensor]:
 
 # The DataParallel instances not removed yet: reprop.fuse(mode="backward")
 # would update their parameters from the local gradients, before the average.
-_LIVE_DATA_PARALLEL: "weakref.WeakSet" = weakref.WeakSet()
+# Both registries are kept across importlib.reload of this module (IPython's
+# %autoreload 2): a new, empty one left those made before the reload unseen,
+# and backward fusion of their parameters was silently accepted.
+_LIVE_DATA_PARALLEL: "weakref.WeakSet" = kept_across_reloads(__name__, "_LIVE_DATA_PARALLEL",
+                                                             weakref.WeakSet())
 
 
 # The Pipelines of several micro-batches: reprop.fuse(mode="backward") would
 # update their parameters in each micro-batch's backward, between the
 # forwards and backwards of the others.
-_MICRO_BATCH_PIPELINES: "weakref.WeakSet" = weakref.WeakSet()
+_MICRO_BATCH_PIPELINES: "weakref.WeakSet" = kept_across_reloads(__name__, "_MICRO_BATCH_PIPELINES",
+                                                                weakref.WeakSet())
 
 
 def _live(registry: weakref.WeakSet) -> list:
