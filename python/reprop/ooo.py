@@ -1063,7 +1063,11 @@ class OOOHandle(_PassTracking):
             raise TypeError(f"tasks: expected a list of the tasks a hold() block collected, got "
                             f"{type(tasks).__name__}")
         tasks = list(tasks)
-        wrong = next((t for t in tasks if not isinstance(t, _Task)), None)
+        # by name after isinstance: a task a hold() block collected before
+        # importlib.reload(reprop.ooo) (IPython's %autoreload 2) is no instance of
+        # the reloaded class, and was refused ("got <reprop.ooo._Task ...>")
+        wrong = next((t for t in tasks if not (isinstance(t, _Task) or is_instance_by_name(t, _Task))),
+                     None)
         if wrong is not None:
             raise TypeError(f"tasks: expected the tasks a hold() block collected, got {wrong!r}")
         if self._removed and any(t in self._unrun_held for t in tasks):
@@ -2223,7 +2227,9 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
     warmup = _count(warmup, "warmup", 1)
-    if handle is not None and not isinstance(handle, OOOHandle):
+    # by name too: a handle made before importlib.reload(reprop.ooo) is no
+    # instance of the reloaded class ("expected the OOOHandle ..., got OOOHandle")
+    if handle is not None and not (isinstance(handle, OOOHandle) or is_instance_by_name(handle, OOOHandle)):
         raise TypeError(f"handle: expected the OOOHandle of reprop.ooo.enable(), got "
                         f"{type(handle).__name__}")
     device = _check_capture_inputs(inputs)
