@@ -1407,6 +1407,38 @@ def test_convert_takes_modules_converted_before_a_reload():
     assert proc.stdout.split() == ["[]", "linear", "linear"]
 
 
+_PLAN_ACROSS_A_RELOAD = """
+import importlib, sys, torch
+import reprop.bppsa as bppsa
+torch.manual_seed(0)
+layers = [torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)]
+x, g = torch.randn(5, 8), torch.randn(5, 3)
+plan = bppsa.ChainPlan(layers, (8,))
+before = bppsa.chain_backward(layers, x, g, plan=plan)
+if sys.argv[1] == "cleared":  # as IPython's %autoreload: the namespace cleared first
+    kept = {k: vars(bppsa)[k] for k in ("__name__", "__loader__")}
+    vars(bppsa).clear()
+    vars(bppsa).update(kept)
+bppsa = importlib.reload(bppsa)
+after = bppsa.chain_backward(layers, x, g, plan=plan)
+print(len(before) == len(after) == 3 and all(map(torch.equal, before, after)))
+"""
+
+
+@pytest.mark.parametrize("namespace", ["kept", "cleared"], ids=["importlib", "autoreload"])
+def test_chain_backward_takes_a_plan_built_before_a_reload(namespace):
+    """A ChainPlan built before importlib.reload(reprop.bppsa) (IPython's
+    autoreload) is taken by chain_backward after it, with the same results.
+    It is no instance of the reloaded class, and was refused: 'plan:
+    expected a ChainPlan or None, got reprop.bppsa.ChainPlan'."""
+    root = os.path.dirname(os.path.dirname(reprop.__file__))
+    proc = subprocess.run([sys.executable, "-c", _PLAN_ACROSS_A_RELOAD, namespace],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
+
+
 class _OwnGRU(bppsa.GRU):
     """A user's subclass of a BPPSA module."""
 

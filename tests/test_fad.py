@@ -3241,6 +3241,33 @@ def test_compose_chain_continues_across_a_reload(namespace_cleared: bool):
     assert out == ["relu", "True", "hardswish", "True"]
 
 
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+def test_warnings_stay_reprops_class_across_a_reload_of_tensors(namespace_cleared: bool):
+    """A filter by reprop.ReproPWarning (README's way to let reprop's
+    warnings through a warnings-as-errors run) still holds after
+    importlib.reload(reprop._tensors) (IPython's %autoreload 2 when reprop's
+    files change): fad.patch's warning about an activation with a forward on
+    the instance was of the reloaded module's new class, which the filter
+    let through (raised here as an error)."""
+    out = _run_fresh(_reloading(namespace_cleared) + """
+    import warnings
+    import torch
+    import reprop, reprop._tensors
+    from reprop import fad
+
+    warnings.simplefilter("error")
+    warnings.filterwarnings("ignore", category=reprop.ReproPWarning)
+    reload(reprop._tensors)
+    act = torch.nn.GELU()
+    act.forward = act.forward  # as accelerate's add_hook_to_module: fad.patch warns, leaves it
+    try:
+        print(fad.patch(torch.nn.Sequential(act)))
+    except Warning as w:
+        print(type(w).__name__, "let through")
+    """)
+    assert out == ["{}"]
+
+
 def test_compose_retain_grad_after_the_mode_is_kept_where_nothing_led_past_it_runs():
     """retain_grad() after the mode on a chain tensor that a next step led
     past is refused only if that step's node runs: where only the tensor's

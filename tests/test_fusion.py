@@ -7531,3 +7531,44 @@ def test_model_fused_before_a_reload_of_the_module_can_be_saved(mode: str,
         assert torch.equal(p, q), f"{n}: {_diff(q, p)}"
     assert reprop.fusion.fusion_of(copied) is None
     handle.remove()
+
+
+@pytest.fixture
+def optim_namespace_restored():
+    """reprop.optim's namespace put back after a test reloads the module (as
+    fusion_namespace_restored does for reprop.fusion)."""
+    namespace = dict(vars(reprop.optim))
+    yield
+    vars(reprop.optim).clear()
+    vars(reprop.optim).update(namespace)
+
+
+@pytest.mark.usefixtures("optim_namespace_restored")
+@pytest.mark.parametrize("namespace_cleared", [False, True], ids=["importlib", "autoreload"])
+@pytest.mark.parametrize("mode", MODES)
+def test_reprop_optimizer_made_before_a_reload_of_optim_is_fused(mode: str,
+                                                                 namespace_cleared: bool) -> None:
+    """A reprop.optim optimizer made before reprop.optim is reloaded (a
+    notebook's importlib.reload, or IPython's %autoreload, whose update of
+    the old classes fails on torch's wrapped step) fuses and trains as eager,
+    bit for bit. Before, it was no instance of the reloaded class, and fuse()
+    refused it: 'Adam is not supported; use a reprop.optim optimizer'."""
+    def train(mode: str | None) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        opt = _adam(model)
+        _mlp_steps(model, opt, 1)
+        if mode is not None:
+            if namespace_cleared:
+                kept = {k: vars(reprop.optim)[k] for k in ("__name__", "__loader__")}
+                vars(reprop.optim).clear()
+                vars(reprop.optim).update(kept)
+            importlib.reload(reprop.optim)
+            assert not isinstance(opt, reprop.optim.Adam)
+            handle = reprop.fuse(model, opt, mode=mode)
+        _mlp_steps(model, opt, 3)
+        if mode is not None:
+            handle.remove()
+        return model, opt
+
+    got = train(mode)
+    _assert_same_training(got, train(None))

@@ -1895,6 +1895,56 @@ def test_backward_fusion_is_seen_across_a_reload_of_fusion():
     assert proc.stdout.split() == ["True", "True"]
 
 
+_HANDLE_ACROSS_A_RELOAD = """
+import importlib, sys, torch
+import reprop.ooo as ooo
+
+def run(reloading):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    x = torch.randn(5, 4)
+    handle = ooo.enable(model, speedup=None)
+    for _ in range(4):  # profile and schedule
+        model(x).sum().backward()
+    model.zero_grad()
+    with handle.hold() as held:
+        model(x).sum().backward()
+    if reloading:
+        if sys.argv[1] == "cleared":  # as IPython's %autoreload: the namespace cleared first
+            kept = {k: vars(ooo)[k] for k in ("__name__", "__loader__")}
+            vars(ooo).clear()
+            vars(ooo).update(kept)
+        importlib.reload(ooo)
+    handle.run(held)
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    step = ooo.capture(lambda x: model(x).sum().backward(), x, handle=handle)
+    model.zero_grad()
+    step(x)
+    grads += [p.grad.clone() for p in model.parameters()]
+    handle.remove()
+    return grads
+
+print(all(torch.equal(a, b) for a, b in zip(run(False), run(True))))
+"""
+
+
+@pytest.mark.parametrize("namespace", ["kept", "cleared"], ids=["importlib", "autoreload"])
+def test_held_tasks_and_handle_made_before_a_reload_of_ooo_are_taken(namespace):
+    """Tasks a hold() block collected, and the handle given to capture(),
+    made before importlib.reload(reprop.ooo) (IPython's autoreload), are
+    taken after it, with the same gradients. They are no instances of the
+    reloaded classes: run() refused the tasks ('expected the tasks a hold()
+    block collected, got <reprop.ooo._Task ...>') and capture() the handle
+    ('expected the OOOHandle ..., got OOOHandle')."""
+    root = os.path.dirname(os.path.dirname(reprop.__file__))
+    proc = subprocess.run([sys.executable, "-c", _HANDLE_ACROSS_A_RELOAD, namespace],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
+
+
 def test_a_deep_copy_is_an_independent_plain_model():
     """copy.deepcopy of an enabled model (an EMA or teacher copy) must use its
     own parameters and fill its own gradients, as a copy of a plain model."""

@@ -1439,6 +1439,47 @@ def test_a_data_parallel_model_saves_after_a_reload_of_ooo(tmp_path):
     assert proc.stdout.split() == ["Sequential"]
 
 
+_FUSION_AFTER_A_RELOAD = """
+import importlib, sys, torch, torch.distributed as dist
+import torch.nn as nn
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+import reprop
+import reprop.ooo as ooo
+model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+dp = ooo.DataParallel(model, k=1)
+layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(4)]
+pipe = ooo.Pipeline(layers, micro_batches=2)
+if sys.argv[2] == "cleared":  # as IPython's %autoreload: the namespace cleared first
+    kept = {k: vars(ooo)[k] for k in ("__name__", "__loader__")}
+    vars(ooo).clear()
+    vars(ooo).update(kept)
+importlib.reload(ooo)
+for root in (model, nn.Sequential(*layers)):
+    try:
+        reprop.fuse(root, torch.optim.SGD(root.parameters(), lr=0.1), mode="backward")
+        print("fused")
+    except ValueError as exc:
+        print("refused" if "mode='forward'" in str(exc) else exc)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("namespace", ["kept", "cleared"], ids=["importlib", "autoreload"])
+def test_backward_fusion_is_refused_after_a_reload_of_ooo(tmp_path, namespace):
+    """A DataParallel and a Pipeline of several micro-batches made before
+    importlib.reload(reprop.ooo) (IPython's autoreload) still refuse backward
+    fusion of their parameters. The reload made new, empty registries of
+    them, so fuse() took both: the replicas' updates from local gradients,
+    and a micro-batched step() that raised its second-gradient error only
+    after the first micro-batch's backward had updated the parameters."""
+    root = os.path.dirname(os.path.dirname(ooo.__file__))
+    proc = subprocess.run([sys.executable, "-c", _FUSION_AFTER_A_RELOAD, str(tmp_path / "rdzv"),
+                           namespace], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["refused", "refused"]
+
+
 def test_a_deepcopy_of_a_data_parallel_model_is_a_model_of_its_own(solo_group, monkeypatch):
     """copy.deepcopy of the model (an EMA, a teacher) copied DataParallel's
     forward hooks with a working DataParallel behind them: the copy's

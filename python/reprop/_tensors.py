@@ -352,7 +352,7 @@ def _import_machinery(filename: str) -> bool:
     return "importlib" in filename and "_bootstrap" in filename
 
 
-def warn_at_users_line(message: str, category: type = ReproPWarning) -> None:
+def warn_at_users_line(message: str, category: type | None = None) -> None:
     """warnings.warn at the first frame outside reprop, torch and importlib:
     the user's call, however many of reprop's and torch's frames lie between
     (an optimizer's step wrappers, autograd's backward, under torch.compile
@@ -366,7 +366,9 @@ def warn_at_users_line(message: str, category: type = ReproPWarning) -> None:
             if not filename.startswith(_NOT_USERS):
                 break
         frame = frame.f_back
-    warnings.warn(message, category, stacklevel=level + 1)
+    # (None: ReproPWarning looked up now, the class kept across reloads, not
+    # bound as a default when this function was defined)
+    warnings.warn(message, ReproPWarning if category is None else category, stacklevel=level + 1)
 
 
 def torch_only_weight(p) -> bool:
@@ -594,6 +596,15 @@ def kept_across_reloads(module: str, name: str, value):
     imported."""
     kept = vars(importlib.import_module(f"{__package__}._C")).setdefault("_kept_across_reloads", {})
     return kept.setdefault((module, name), value)
+
+
+# reprop's warning classes as first imported: a filter by class (README:
+# warnings.filterwarnings(category=reprop.ReproPWarning), pytest's -W) holds
+# that one, and after importlib.reload of this module (IPython's %autoreload 2
+# when its file changes) the warnings of the modules that look the class up
+# here (fad.patch's) were of a new class, which such a filter let through.
+ReproPWarning = kept_across_reloads(__name__, "ReproPWarning", ReproPWarning)
+ReproPRuntimeWarning = kept_across_reloads(__name__, "ReproPRuntimeWarning", ReproPRuntimeWarning)
 
 
 def current_class(cls: type) -> type:

@@ -2230,7 +2230,9 @@ def chain_backward(layers: Sequence[nn.Module], x: torch.Tensor, grad_output: to
     _check_chain_tensor(x, "x", "chain_backward")
     if x.dim() < 2 or 0 in x.shape[1:]:
         raise ValueError(f"x: expected a batch (B, ...) of non-empty samples, got shape {tuple(x.shape)}")
-    if plan is not None and not isinstance(plan, ChainPlan):
+    # by name too: a plan built before importlib.reload(reprop.bppsa) is no
+    # instance of the reloaded class ("expected a ChainPlan, got reprop.bppsa.ChainPlan")
+    if plan is not None and not (isinstance(plan, ChainPlan) or is_instance_by_name(plan, ChainPlan)):
         raise TypeError(f"plan: expected a ChainPlan or None, got {_type_name(plan)}")
     if plan is None:
         # the build's read of each parametrized weight is the forward's (a

@@ -821,7 +821,12 @@ def _check_not_micro_batch_pipelined(engine: optim._FusedOptimizer) -> None:
 def _engine_for(optimizer) -> optim._FusedOptimizer:
     """The reprop optimizer that applies the updates: `optimizer` itself, or a
     reprop counterpart sharing a torch optimizer's param_groups and state."""
-    if isinstance(optimizer, optim._FusedOptimizer):
+    # by name too: a reprop optimizer made before importlib.reload(reprop.optim)
+    # (by hand, or IPython's %autoreload, whose update of the old classes
+    # fails on torch's wrapped step) is not an instance of the reloaded class,
+    # and was refused as "not supported; use a reprop.optim optimizer"
+    if isinstance(optimizer, optim._FusedOptimizer) \
+            or _tensors.is_instance_by_name(optimizer, optim._FusedOptimizer):
         # Fusion replaces step() and zero_grad() (updates go through
         # step_params), so a subclass's own would never run: refused, as a
         # torch.optim subclass is. inspect.unwrap: torch wraps step per class.

@@ -65,7 +65,7 @@ from ._native import _C
 from . import fusion
 from ._tensors import (NotANumberError, SwapWatch, check_count as _count, check_flag as _flag,
                        current_class, eager_under_compile, hook_owner, is_dense,
-                       is_instance_by_name, replaced_forward,
+                       is_instance_by_name, kept_across_reloads, replaced_forward,
                        is_count as _is_count, non_reentrant_checkpointing, not_queued,
                        note_node_hooks, outside_backward, queue_end_of_backward, repeated_dims,
                        suggest_memory_format, torch_only, torch_only_weight, transform_active,
@@ -1064,7 +1064,11 @@ class OOOHandle(_PassTracking):
             raise TypeError(f"tasks: expected a list of the tasks a hold() block collected, got "
                             f"{type(tasks).__name__}")
         tasks = list(tasks)
-        wrong = next((t for t in tasks if not isinstance(t, _Task)), None)
+        # by name after isinstance: a task a hold() block collected before
+        # importlib.reload(reprop.ooo) (IPython's %autoreload 2) is no instance of
+        # the reloaded class, and was refused ("got <reprop.ooo._Task ...>")
+        wrong = next((t for t in tasks if not (isinstance(t, _Task) or is_instance_by_name(t, _Task))),
+                     None)
         if wrong is not None:
             raise TypeError(f"tasks: expected the tasks a hold() block collected, got {wrong!r}")
         if self._removed and any(t in self._unrun_held for t in tasks):
@@ -2224,7 +2228,9 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
     if not callable(step):
         raise TypeError(f"step: expected a callable, got {type(step).__name__}")
     warmup = _count(warmup, "warmup", 1)
-    if handle is not None and not isinstance(handle, OOOHandle):
+    # by name too: a handle made before importlib.reload(reprop.ooo) is no
+    # instance of the reloaded class ("expected the OOOHandle ..., got OOOHandle")
+    if handle is not None and not (isinstance(handle, OOOHandle) or is_instance_by_name(handle, OOOHandle)):
         raise TypeError(f"handle: expected the OOOHandle of reprop.ooo.enable(), got "
                         f"{type(handle).__name__}")
     device = _check_capture_inputs(inputs)
@@ -2763,13 +2769,18 @@ def _output_tensors(out) -> list[torch.Tensor]:
 
 # The DataParallel instances not removed yet: reprop.fuse(mode="backward")
 # would update their parameters from the local gradients, before the average.
-_LIVE_DATA_PARALLEL: "weakref.WeakSet" = weakref.WeakSet()
+# Both registries are kept across importlib.reload of this module (IPython's
+# %autoreload 2): a new, empty one left those made before the reload unseen,
+# and backward fusion of their parameters was silently accepted.
+_LIVE_DATA_PARALLEL: "weakref.WeakSet" = kept_across_reloads(__name__, "_LIVE_DATA_PARALLEL",
+                                                             weakref.WeakSet())
 
 
 # The Pipelines of several micro-batches: reprop.fuse(mode="backward") would
 # update their parameters in each micro-batch's backward, between the
 # forwards and backwards of the others.
-_MICRO_BATCH_PIPELINES: "weakref.WeakSet" = weakref.WeakSet()
+_MICRO_BATCH_PIPELINES: "weakref.WeakSet" = kept_across_reloads(__name__, "_MICRO_BATCH_PIPELINES",
+                                                                weakref.WeakSet())
 
 
 def _live(registry: weakref.WeakSet) -> list:
