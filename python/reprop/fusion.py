@@ -3179,7 +3179,10 @@ class _ForwardFusion(FusionHandle):
         the last step checked; otherwise only the hyper-parameters are."""
         engine = self.optimizer
         settings = self._settings[id(group)]
-        engine._hparams(settings)
+        # the core's checks too, not _hparams' conversion alone: a value they
+        # refuse (lr=1e300, Adam's beta1 = 1) passed step() and was refused at
+        # the next forward, once per module, also after the user undid it
+        engine._check_hparams(group, settings, params)
         slots = engine._state_slots(settings)
         checked = (slots, tuple(map(id, params)))
         if self._checked.get(id(group)) != checked:
