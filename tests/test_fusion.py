@@ -3728,6 +3728,10 @@ _REFUSED_HPARAMS = {
     "adagrad-lr-decay-zero-later": ("Adagrad", {"lr": 0.1}, {"lr_decay": -1 / 4}, "lr_decay", 4),
     "rmsprop-alpha-beyond-float32": ("RMSprop", {"lr": 0.01}, {"alpha": 1e300}, "1 - alpha", 2),
     "adadelta-lr-beyond-float32": ("Adadelta", {"lr": 1.0}, {"lr": 1e300}, "-lr", 2),
+    # not a value the core refuses, but one the optimizer's check of the params
+    # refuses (CPU params), which forward mode's step() ran only on a change of
+    # the state slots or of the params with a gradient
+    "adam-capturable-on-cpu": ("Adam", {"lr": 0.01}, {"capturable": True}, "needs CUDA", 2),
 }
 
 
