@@ -3712,6 +3712,124 @@ def test_forward_mode_step_raises_what_eager_step_raises() -> None:
     _assert_same_training(_amsgrad_switched_on_at_2("forward"), _amsgrad_switched_on_at_2(None))
 
 
+# Hyper-parameter values set in the second group between steps that the
+# optimizer's update refuses (the core's checks, as torch's update fails on
+# them): (optimizer, its options, the values, a match of the error, the steps
+# they stay set from step 2 on before the user puts back the old ones). The
+# Adagrad case passes its first steps and is refused at a later count only.
+_REFUSED_HPARAMS = {
+    "sgd-lr-beyond-float32": ("SGD", {"lr": 0.1, "momentum": 0.9}, {"lr": 1e300}, "beyond float32", 2),
+    "sgd-dampening-beyond-float32": ("SGD", {"lr": 0.1, "momentum": 0.9}, {"dampening": -1e300},
+                                     "1 - dampening", 2),
+    "adam-beta1-one": ("Adam", {"lr": 0.01}, {"betas": (1.0, 0.9)}, "division by zero", 2),
+    "adam-beta2-above-one": ("Adam", {"lr": 0.01}, {"betas": (0.9, 1.5)}, "complex", 2),
+    "adam-beta1-minus-one": ("Adam", {"lr": 0.01}, {"betas": (-1.0, 0.9)}, "division by zero", 2),
+    "adam-lr-beyond-float32": ("AdamW", {"lr": 0.01}, {"lr": 1e300}, "step size", 2),
+    "adagrad-lr-decay-zero-later": ("Adagrad", {"lr": 0.1}, {"lr_decay": -1 / 4}, "lr_decay", 4),
+    "rmsprop-alpha-beyond-float32": ("RMSprop", {"lr": 0.01}, {"alpha": 1e300}, "1 - alpha", 2),
+    "adadelta-lr-beyond-float32": ("Adadelta", {"lr": 1.0}, {"lr": 1e300}, "-lr", 2),
+    # not a value the core refuses, but one the optimizer's check of the params
+    # refuses (CPU params), which forward mode's step() ran only on a change of
+    # the state slots or of the params with a gradient
+    "adam-capturable-on-cpu": ("Adam", {"lr": 0.01}, {"capturable": True}, "needs CUDA", 2),
+}
+
+
+def _refused_hparams_from_2(mode: str | None, case: str) -> tuple:
+    """Two groups; from step 2 on the second has values its update refuses:
+    each step() that would use them raises (every one, as eager's: the user
+    catches it and trains on), until they are put back."""
+    name, options, values, match, steps = _REFUSED_HPARAMS[case]
+    model = _mlp()
+    opt = getattr(rp, name)([{"params": model[:4].parameters()},
+                             {"params": model[4].parameters()}], **options)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    good = {key: opt.param_groups[1][key] for key in values}
+    refused = 0
+    for i in range(8):
+        if i == 2:
+            opt.param_groups[1].update(values)
+        if i == 2 + steps:
+            opt.param_groups[1].update(good)
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+        except ValueError as e:
+            assert match in str(e), str(e)
+            assert str(e).startswith(f"{name}: param_groups[1]: "), str(e)
+            refused += 1
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    assert refused, "no step() was refused"
+    return model, opt
+
+
+@pytest.mark.parametrize("case", list(_REFUSED_HPARAMS))
+def test_forward_mode_step_refuses_the_hyper_parameters_eager_step_refuses(case: str) -> None:
+    """Values the update refuses (lr beyond float32, Adam's beta1 = 1, a
+    beta2 > 1, Adagrad's lr_decay making 1 + (step - 1) * lr_decay zero at a
+    later count) are refused by forward mode's step(), naming the optimizer
+    and the group, as by eager's step(). step() let them through (it only
+    converted them), the next forward raised instead, a step late, and the
+    updates pending with them were refused once per module, forward after
+    forward, also once the user had put the old values back."""
+    _assert_same_training(_refused_hparams_from_2("forward", case),
+                          _refused_hparams_from_2(None, case))
+
+
+# Values the update takes only at some counts, set before step `at`, where
+# eager's step() takes them: Adam's step size lr / (1 - beta1 ** t) is beyond
+# float32 up to t = 3 only; SGD reads 1 - dampening only from its second step
+# (the first makes the buffer).
+_TAKEN_HPARAMS = {
+    "adam-lr-beyond-float32-at-first-counts": ("Adam", {"lr": 0.01}, {"lr": 1e38}, 3),
+    "sgd-dampening-beyond-float32-at-first-step": ("SGD", {"lr": 0.1, "momentum": 0.9},
+                                                   {"dampening": -1e300}, 0),
+}
+
+
+def _taken_hparams_at(mode: str | None, case: str) -> tuple:
+    name, options, values, at = _TAKEN_HPARAMS[case]
+    model = _mlp()
+    opt = getattr(rp, name)(model.parameters(), **options)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    for i in range(at + 1):
+        if i == at:
+            opt.param_groups[0].update(values)
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+@pytest.mark.parametrize("case", list(_TAKEN_HPARAMS))
+def test_forward_mode_step_takes_the_hyper_parameters_eager_step_takes(case: str) -> None:
+    """step()'s check of the hyper-parameters tries the first step count
+    alone where no later one can be refused if it is not; refused there, it
+    checks the params' own counts, which take these values, as eager does."""
+    _assert_same_training(_taken_hparams_at("forward", case), _taken_hparams_at(None, case))
+
+
+def test_forward_mode_step_names_the_group_of_a_hyper_parameter_of_the_wrong_type() -> None:
+    """A value the update cannot take (a string lr) is refused by step() with
+    the optimizer and group named, as eager's step() names them; forward mode's
+    named only the key."""
+    model = _mlp()
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    x, y = _mlp_batch(0)
+    F.mse_loss(model(x), y).backward()
+    opt.param_groups[1]["lr"] = "0.1"
+    with pytest.raises(TypeError, match=r"^Adam: param_groups\[1\]: lr: expected a real number"):
+        opt.step()
+    handle.remove()
+
+
 def test_forward_mode_step_refuses_a_sparse_gradient() -> None:
     emb = nn.Embedding(10, 3, sparse=True)
     opt = rp.SGD(emb.parameters(), lr=0.1)

@@ -2461,8 +2461,8 @@ class _ForwardFusion(FusionHandle):
         # and the param's _tensors.swap_mark, which a swap by hand changes)
         self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
-        # id(group) -> (state slots, ids of the params with a gradient) of the
-        # last step() whose update of the group passed the optimizer's full check
+        # id(group) -> (state slots, capturable, ids of the params with a gradient)
+        # of the last step() whose update of the group passed the optimizer's full check
         self._checked: dict = {}
         # (optimizer.state, a shallow copy of it) at step(), until the first update checks it
         self._step_state: tuple | None = None
@@ -3180,15 +3180,25 @@ class _ForwardFusion(FusionHandle):
         pending: refused at the next forward instead, it would stay pending,
         refused again by every forward and flush. The optimizer's full check
         costs as much as the update, so it runs, as the optimizer's own does,
-        when the group's state slots or parameters with a gradient differ from
-        the last step checked; otherwise only the hyper-parameters are."""
+        when the group's state slots, capturable setting or parameters with a
+        gradient differ from the last step checked; otherwise only the
+        hyper-parameters are."""
         engine = self.optimizer
         settings = self._settings[id(group)]
-        engine._hparams(settings)
+        # the core's checks too, not _hparams' conversion alone: a value they
+        # refuse (lr=1e300, Adam's beta1 = 1) passed step() and was refused at
+        # the next forward, once per module, also after the user undid it
+        engine._check_hparams(group, settings, params)
         slots = engine._state_slots(settings)
-        checked = (slots, tuple(map(id, params)))
+        # capturable too, which the optimizer's plans are rebuilt for (its check
+        # refuses CPU params there): switched on by editing the group, it passed
+        # step() and was refused by the next forward, and again after it was undone
+        checked = (slots, bool(settings.get("capturable", False)), tuple(map(id, params)))
         if self._checked.get(id(group)) != checked:
-            engine._check_step(settings, params, None, slots)
+            try:
+                engine._check_step(settings, params, None, slots)
+            except (TypeError, ValueError, OverflowError) as e:  # named as eager step() names them
+                raise engine._refusal(group, e) from None
             # (in this order: a check cached must have set _rechecked, even if
             # a KeyboardInterrupt stops the step between the two)
             self._rechecked = True

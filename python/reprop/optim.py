@@ -229,6 +229,9 @@ _NUMERIC_HPARAMS = ("lr", "weight_decay", "eps", "betas[0]", "betas[1]", "moment
 _FLAG_HPARAMS = ("nesterov", "maximize", "amsgrad", "decoupled_weight_decay", "centered")
 # The entries of the tuple that Plan.run reads.
 _HP_LR, _HP_WEIGHT_DECAY = _NUMERIC_HPARAMS.index("lr"), _NUMERIC_HPARAMS.index("weight_decay")
+# The entries _FusedOptimizer._check_hparams reads.
+_HP_BETA1, _HP_BETA2 = _NUMERIC_HPARAMS.index("betas[0]"), _NUMERIC_HPARAMS.index("betas[1]")
+_HP_MOMENTUM, _HP_LR_DECAY = _NUMERIC_HPARAMS.index("momentum"), _NUMERIC_HPARAMS.index("lr_decay")
 _HP_MAXIMIZE = len(_NUMERIC_HPARAMS) + _FLAG_HPARAMS.index("maximize")
 _HP_DECOUPLED = len(_NUMERIC_HPARAMS) + _FLAG_HPARAMS.index("decoupled_weight_decay")
 # torch passes an int hyper-parameter (or -int, 1 - int) to its tensor ops as a
@@ -1167,6 +1170,60 @@ def _usable_state(t, work: torch.Tensor) -> bool:
             and t.device == work.device and _tensors.same_layout(t, work))
 
 
+# The one-row tables of _FusedOptimizer._check_hparams, made once (optim_check
+# reads a table and changes nothing in it): a row without a step count, one
+# of a new SGD buffer, and one pointing at a count of 0 (the first), which
+# the core advances and puts back, under the GIL (optim_check keeps it).
+_NO_COUNT_ROW = _tensors.new_table(1)
+_FRESH_BUFFER_ROW = _tensors.new_table(1)
+_FRESH_BUFFER_ROW[0, _COL_FLAGS] = _FRESH_BUFFER
+_FIRST_COUNT = np.zeros(1, dtype=np.float32)
+_FIRST_COUNT_ROW = _tensors.new_table(1)
+_FIRST_COUNT_ROW[0, _COL_STEP] = _FIRST_COUNT.ctypes.data
+
+
+def _first_count_is_worst(kind: int, hparams: tuple) -> bool:
+    """Whether these values, which torch's constructor takes (Adam: betas in
+    [0, 1) but beta2 = 1 too, Adagrad: lr_decay >= 0), pass the core's
+    per-step checks at every count >= 1 if they pass at the first: Adam's
+    step size lr / (1 - beta1 ** t) is largest at t = 1 and 1 - beta2 ** t
+    never negative, Adagrad's 1 + (t - 1) * lr_decay is at least 1. (A count
+    below 0, set by hand, may still be refused by the update itself.)"""
+    if kind == _ADAM:
+        return 0 <= hparams[_HP_BETA1] < 1 and 0 <= hparams[_HP_BETA2] <= 1
+    return hparams[_HP_LR_DECAY] >= 0
+
+
+def _count_table(state, params: list) -> tuple:
+    """(float32 step counts, a table of one row per param pointing at its
+    count there) for the core's per-step checks: each param's count as its
+    next update reads it (0 without state), one slot per step tensor, which
+    state made by hand may share (the core counts a shared one once per row,
+    as the update does). A count that is not one number is left to the
+    update's own check (_check_step_count): its row points at none."""
+    slots: dict = {}
+    values: list = []
+    rows: list = []
+    for p in params:
+        step = (state.get(p) or {}).get("step", 0)
+        if isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_complex():
+            key = id(step)
+        elif isinstance(step, (int, float)) and not isinstance(step, bool):
+            key = None  # a number: its own count
+        else:
+            continue
+        if key is None or key not in slots:
+            values.append(float(step))
+            if key is not None:
+                slots[key] = len(values) - 1
+        rows.append(len(values) - 1 if key is None else slots[key])
+    counts = np.array(values, dtype=np.float32)
+    table = _tensors.new_table(max(len(rows), 1))
+    if rows:
+        table[:len(rows), _COL_STEP] = counts.ctypes.data + 4 * np.array(rows, dtype=np.int64)
+    return counts, table
+
+
 class _PlanCache:
     """The plans of update calls, by key (id(group), ids of the call's
     params packed as bytes by _C.optim_call_key, which hash and compare in
@@ -1551,9 +1608,57 @@ class _FusedOptimizer:
                 self._divided_not_stepped[key] = _stopped_notes(stopped, divided)
             if not isinstance(e, (TypeError, ValueError, OverflowError)):
                 raise
-            refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
-            raise refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}") from None
+            raise self._refusal(group, e) from None
         del keep  # the gradients read (and copies): only now may they be freed
+
+    def _refusal(self, group: dict, e: Exception) -> Exception:
+        """Refusal `e` (a TypeError, OverflowError or ValueError) of an update
+        of `group`, again with the optimizer and the group named."""
+        refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
+        return refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}")
+
+    def _check_hparams(self, group: dict, settings: dict, params: list) -> None:
+        """Raises what an update of `params` (of `group`, each with a
+        gradient) with `settings` (the group's hyper-parameters, or a copy of
+        them) would raise for the hyper-parameters, changing nothing, named as
+        that update names it: _hparams' conversion (a string lr), then the
+        core's checks (optim_check: a constant beyond float32, Adam's bias
+        correction of zero or complex at each param's next step count,
+        Adagrad's 1 + (step - 1) * lr_decay of zero), without a plan: for an
+        update decided now and run later (fusion's forward mode, whose step()
+        must refuse what eager's step() refuses). The core checks the step
+        counts one row each; where the values leave no count to fail but the
+        first (_first_count_is_worst), one row at the first count tells, so
+        the common case reads no param's state."""
+        kind = self._kind
+        try:
+            hparams = self._hparams(settings)
+            capturable = bool(settings.get("capturable", False))
+            table = _NO_COUNT_ROW
+            if kind == _SGD:
+                # 1 - dampening is read only by an update into an existing buffer
+                # (a loop, not any() of a generator: a microsecond less a step)
+                if hparams[_HP_MOMENTUM] != 0:
+                    state = self.state
+                    for p in params:
+                        st = state.get(p)
+                        if st and "momentum_buffer" in st:
+                            break
+                    else:
+                        table = _FRESH_BUFFER_ROW
+            elif (kind == _ADAM or kind == _ADAGRAD) and not capturable:
+                # (the core counts a capturable group's steps on the device, unchecked)
+                if _first_count_is_worst(kind, hparams):
+                    try:
+                        _C.optim_check(kind, 0, _FIRST_COUNT_ROW, hparams, False)
+                        return
+                    except ValueError:
+                        pass  # refused at the first count: the params' own counts tell
+                counts, table = _count_table(self.state, params)
+                # (counts: the memory the rows point at, held over the check)
+            _C.optim_check(kind, 0, table, hparams, capturable)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise self._refusal(group, e) from None
 
     def _refuse_fake_mode(self) -> None:
         """Under a FakeTensorMode (a memory or shape dry run over real
