@@ -1236,6 +1236,44 @@ def test_data_parallel_one_layer_converted_after_planning(solo_group, model_dtyp
     dp.remove()
 
 
+class _TwoLinear(nn.Module):
+    """Two Linear(2, 2), each casting its input to its own dtype: one bucket
+    of 12 elements and 4 flags, 64 bytes in float32, as many as the planning
+    agreement's 8 float64 slots."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x.to(self.a.weight.dtype))).to(self.b.weight.dtype))
+
+
+def _dp_one_rank_converts(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    DataParallel(model, k=0)
+    x = torch.full((4, 2), 1.0 + rank)
+    model(x).sum().backward()
+    if rank == 1:
+        model.a.double()
+    model.zero_grad()
+    if rank == 0:
+        model(x).sum().backward()  # (its gradients are garbage: the message says so)
+        return
+    with pytest.raises(RuntimeError, match="collectives are out of step.*on every rank"):
+        model(x).sum().backward()
+
+
+def test_data_parallel_model_converted_on_one_rank_only_raises_clearly():
+    """A layer converted on one rank only: that rank planned its buckets
+    again alone, and its agreement's all-reduce met its peer's bucket: of
+    the same size (64 bytes here), it read the sum as k (ValueError: cannot
+    convert float NaN to integer), else gloo aborted the process. Of the same
+    size, it raises a RuntimeError naming the cause."""
+    _spawn(_dp_one_rank_converts, 2)
+
+
 def _dp_swap_converted(rank: int, world: int) -> None:
     torch.manual_seed(0)
     model = _Net()

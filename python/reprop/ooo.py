@@ -2828,6 +2828,25 @@ def _backward_fused(model: nn.Module) -> bool:
 _JOIN_STATE = ("sync", "plans", "buffers", "rank")
 
 
+# The last slot of _agree's all-reduce, which every rank sends: any other
+# result means the reduce was paired with another collective.
+_AGREED = -0.5
+
+
+def _check_agreed(first: list, never: int, mark: float) -> None:
+    """Refuses an agreement whose all-reduce met a peer's other collective:
+    a rank that planned again alone (its model converted on it only: the
+    buckets are stale by its own parameters' dtypes) sums its agreement
+    with a peer's bucket, and read the garbage as k (ValueError: cannot
+    convert float NaN to integer) while the peer went on with NaN
+    gradients."""
+    if mark != _AGREED or not all(0 <= i <= never and i == int(i) for i in first):
+        raise RuntimeError(
+            "reprop.ooo.DataParallel: the ranks' collectives are out of step: this rank planned its "
+            "buckets again alone. Convert the model (model.double(), .to(), one layer's dtype) on every "
+            "rank, as under DistributedDataParallel; a peer's gradients of this step are garbage")
+
+
 class DataParallel(_PassTracking, Joinable):
     """Data-parallel training of `model` with reverse first-k scheduling.
 
@@ -3177,9 +3196,12 @@ class DataParallel(_PassTracking, Joinable):
         if dist.get_rank(self.group) != 0:
             settings = [math.inf] * len(settings)
         # float64 holds the indices, the counts and the byte caps exactly
-        agreed = torch.tensor(first + settings, dtype=torch.float64, device=self._comm_device())
+        agreed = torch.tensor(first + settings + [_AGREED], dtype=torch.float64,
+                              device=self._comm_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        *first, k, searching, search_iters, self._cap, self._first_cap = agreed.tolist()
+        *first, k, searching, search_iters, cap, first_cap, mark = agreed.tolist()
+        _check_agreed(first, never, mark)
+        self._cap, self._first_cap = cap, first_cap
         self.k, self.searching, self.search_iters = int(k), bool(searching), int(search_iters)
         called = [i for i in range(len(sites)) if first[i] < never]
         return [sites[i] for i in sorted(called, key=lambda i: (first[i], i))]
