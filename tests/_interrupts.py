@@ -37,17 +37,16 @@ class LineStop:
     """Raises KeyboardInterrupt before the n-th line run in the frames of
     `where`: a source file's path (module.__file__: every frame of its
     code), or a function or code object, or a tuple, list or set of them
-    (each one's own frames). `under` (a function or code object) keeps only
-    frames called, at any depth, from a frame of it (or its own); `starting`
-    counts only the lines whose source text, stripped, starts with it."""
+    (each file's frames, each function's own). `under` (a function or
+    code object) keeps only frames called, at any depth, from a frame of
+    it (or its own); `starting` counts only the lines whose source text,
+    stripped, starts with it."""
 
     def __init__(self, where, n: int = 0, *, under=None, starting: str | None = None) -> None:
-        if isinstance(where, str):
-            self._file, self._codes = where, None
-        else:
-            self._file = None
-            many = isinstance(where, (tuple, list, set, frozenset))
-            self._codes = {_code(f) for f in where} if many else {_code(where)}
+        many = isinstance(where, (tuple, list, set, frozenset))
+        where = where if many else (where,)
+        self._files = {w for w in where if isinstance(w, str)}
+        self._codes = {_code(f) for f in where if not isinstance(f, str)}
         self._under = None if under is None else _code(under)
         self.n, self.starting, self.count = n, starting, 0
 
@@ -65,10 +64,7 @@ class LineStop:
 
     def _traced(self, frame) -> bool:
         code = frame.f_code
-        if self._codes is None:
-            if code.co_filename != self._file:
-                return False
-        elif code not in self._codes:
+        if code.co_filename not in self._files and code not in self._codes:
             return False
         if self._under is None:
             return True

@@ -1084,6 +1084,185 @@ def test_hooks_wait_for_no_held_task_that_ran(monkeypatch):
         assert len(fired) - before == 1, f"step {step}: times the hook fired"
 
 
+# enable()'s settings for the any-line sweeps below, each for the passes it
+# reaches: the profile's, the co-run profile's, those after a schedule that
+# moves dW past later layers' dO (deferred to the end of backward), autograd's
+# order, and a memory cap that holds nothing back
+_SWEPT = {
+    "profile": dict(profile_iters=2, regions=2, speedup=None),
+    "co-run": dict(profile_iters=2, regions=2, speedup="profile"),
+    "moved": dict(profile_iters=2, regions=2, max_extra_memory=float("inf"),
+                  speedup=lambda r, i: 10.0 if r < i else 1.0),
+    "conventional": dict(order="conventional"),
+    "capped": dict(profile_iters=2, regions=2, max_extra_memory=0.0,
+                   speedup=lambda r, i: 10.0 if r < i else 1.0),
+}
+# the forward a split layer's module calls (ooo's forward hook on it)
+_SPLIT_FORWARD = next(c for c in ooo._make_forward.__code__.co_consts
+                      if isinstance(c, types.CodeType) and c.co_name == "forward")
+
+
+def _trains_on_after_a_line_stop(k: int, config: str, at: int, under, where=ooo.__file__,
+                                 hold: bool = False, fused: bool = False) -> bool:
+    """A _three_layers() enabled with _SWEPT[config] trains beside its plain
+    twin, step `at` of its own stopped before its k-th line in `where` under
+    `under` (LineStop), inside hold() and run() if `hold`, its SGD fused
+    into backward if `fused`. After the stop: grad mode is on and no
+    lock is left held; the twin takes the model's parameters and gradients
+    as left, and each later step gives the same gradients, parameters and
+    hook calls bitwise; remove() leaves the model's modules and hooks as
+    they were. Returns whether the step stopped."""
+    ref, model = _three_layers(), _three_layers()
+    fired: dict = {ref: [], model: []}
+    for net in (ref, model):
+        net[3].weight.register_post_accumulate_grad_hook(lambda p, net=net: fired[net].append(p))
+    hooks = [dict(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    opts = {net: torch.optim.SGD(net.parameters(), lr=0.1) for net in (ref, model)} if fused else {}
+    fusing = reprop.fuse(model, opts[model], mode="backward") if fused else None
+    handle = ooo.enable(model, **_SWEPT[config])
+
+    def step(net, x):  # (fused: README's loop, backward then step() and zero_grad())
+        if not fused:
+            net.zero_grad()
+        if net is model and hold:
+            with handle.hold() as tasks:
+                net(x).sum().backward()
+            handle.run(tasks)
+        else:
+            net(x).sum().backward()
+        if fused:
+            opts[net].step()
+            opts[net].zero_grad()
+
+    stopped = False
+    for i in range(at + 3):
+        x = torch.randn(3, 4)
+        if i == at:
+            try:
+                with LineStop(where, k, under=under):
+                    step(model, x)
+            except KeyboardInterrupt:
+                stopped = True
+            # (a lock left held: the next backward through the model waited for good)
+            assert torch.is_grad_enabled() and not handle._pass_lock.locked(), k
+            assert handle._holding == (), k
+            if fused:  # (as after any backward that raised, fusion's next step() says)
+                opts[model].zero_grad()
+            with torch.no_grad():
+                for a, b in zip(ref.parameters(), model.parameters()):
+                    a.copy_(b)
+                    a.grad = None if b.grad is None else b.grad.clone()
+            continue
+        before = {net: len(fired[net]) for net in fired}
+        step(ref, x), step(model, x)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            # (torch.equal: assert_close, called a thousand times a sweep, took most of its time)
+            assert fused or torch.equal(b.grad, a.grad), f"k={k} step {i} {name}.grad"
+            assert torch.equal(b, a), f"k={k} step {i} {name}"
+        assert len(fired[model]) - before[model] == len(fired[ref]) - before[ref], (k, i)
+    indices = [s.index for s in handle.sites]
+    assert sorted(indices) == list(range(len(indices))), (k, indices)
+    handle.remove()
+    if fusing is not None:
+        fusing.remove()
+    assert not any("forward" in m.__dict__ for m in model.modules()), k
+    if fusing is None:
+        assert [dict(p._post_accumulate_grad_hooks or {}) for p in model.parameters()] == hooks, k
+    return stopped
+
+
+def _sweep(run) -> int:
+    """run(k) for k = 1, 2, ... until it ran past the last line; how many lines."""
+    for k in itertools.count(1):
+        if not run(k):
+            return k - 1
+
+
+@pytest.mark.parametrize("config, at, under, least", [
+    # (the layer's forward takes in _Split.forward, and ooo's checks before it)
+    ("profile", 0, _SPLIT_FORWARD, 180),  # the first forward numbers the layers
+    ("co-run", 2, _SPLIT_FORWARD, 180),
+    ("moved", 3, _SPLIT_FORWARD, 90),
+    ("profile", 0, ooo._Split.backward, 350),  # the first backward begins the pass
+    ("co-run", 2, ooo._Split.backward, 400),
+    ("moved", 3, ooo._Split.backward, 100),  # dW deferred to the end of backward
+    ("conventional", 1, ooo._Split.backward, 290),
+])
+def test_an_interrupt_at_any_line_of_a_split_layer_trains_on_as_autograd(config, at, under,
+                                                                         least):
+    """A KeyboardInterrupt before any line a split layer's forward or
+    backward runs, in each phase: the model trains on as its plain twin from
+    where it was left, and remove() leaves it as it was. One before the
+    release of the lock that begins a pass left it held, and the next
+    backward waited on it for good; one between numbering a layer and
+    counting it gave the next layer the same number (the schedule took the
+    two for one)."""
+    assert _sweep(lambda k: _trains_on_after_a_line_stop(k, config, at, under)) > least
+
+
+@pytest.mark.parametrize("config, at, under, hold, fused, least", [
+    ("moved", 3, ooo.OOOHandle._end_backward, False, False, 85),
+    ("capped", 1, ooo.OOOHandle._end_backward, False, False, 300),
+    ("conventional", 1, ooo.OOOHandle._end_backward, False, False, 25),
+    ("moved", 3, ooo.OOOHandle.hold, True, False, 5),  # (hold() has 7 lines)
+    ("conventional", 1, ooo.OOOHandle.run, True, False, 120),
+    ("moved", 3, ooo.OOOHandle.run, True, False, 120),
+    ("moved", 3, ooo.OOOHandle._end_backward, False, True, 200),
+    ("conventional", 1, ooo._Split.backward, False, True, 290),
+])
+def test_an_interrupt_at_any_line_of_the_deferred_dw_trains_on_as_autograd(config, at, under,
+                                                                           hold, fused, least):
+    """The same before any line of the deferred dW's runs (the end of
+    backward, hold() and run() of held tasks, with the updates of a
+    backward-fused optimizer that wait for them). One at the line of
+    hold()'s finally that a block ending without an exception reaches, or
+    at its try, left the block entered for good: every later backward's
+    dW was held in a list no one ran, its gradient lost; one at the
+    finally's line of the grad-mode switch of run() left grad mode off."""
+    where = (ooo.__file__, reprop._tensors.__file__) + ((reprop.fusion.__file__,) if fused else ())
+    assert _sweep(lambda k: _trains_on_after_a_line_stop(k, config, at, under, where, hold,
+                                                         fused)) > least
+
+
+def test_an_interrupt_at_any_line_of_a_split_forward_leaves_grad_mode_and_autocast_on():
+    """The same under autocast, through an Embedding with max_norm (its rows
+    renormalised in place first, without grad), autocast's policy probed
+    afresh: grad mode stays on, and autocast's cache of cast weights is
+    cleared where its outermost region ends. One at the line after the
+    split's own autocast region (or the probe's), where CPython runs the
+    context's exit, skipped it: autocast's nesting count stayed up, torch
+    never cleared that cache again, and every later autocast forward of the
+    session read the cast of a weight from before its in-place updates; one
+    after the renorm left grad mode off."""
+    def run(k: int) -> bool:
+        ooo._autocast_policy.cache_clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+        handle = ooo.enable(model, order="conventional")
+        stop = LineStop(ooo.__file__, k, under=_SPLIT_FORWARD)
+        try:
+            with stop, torch.autocast("cpu", dtype=torch.bfloat16):
+                model(torch.tensor([[1, 2], [3, 4]])).float().sum().backward()
+        except KeyboardInterrupt:
+            pass
+        assert torch.is_grad_enabled(), k
+        torch.autocast_increment_nesting()
+        left = torch.autocast_decrement_nesting()
+        for _ in range(left):  # (not to leave it to the tests after this one)
+            torch.autocast_decrement_nesting()
+        w, x = nn.Parameter(torch.ones(1, 4)), torch.ones(1, 4)
+        for value in (1.0, 2.0):
+            with torch.no_grad():
+                w.fill_(value)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                assert nn.functional.linear(x, w).item() == 4 * value, (k, left)
+        handle.remove()
+        assert not any("forward" in m.__dict__ for m in model.modules()), k
+        return stop.stopped
+
+    assert _sweep(run) > 120
+
+
 @pytest.mark.parametrize("training", [True, False])
 def test_norms_with_batch_statistics_make_dw_with_do(training):
     """BatchNorm with batch statistics and GroupNorm need dbias and dweight's
@@ -2989,6 +3168,28 @@ def test_a_captured_step_takes_only_the_values_of_its_inputs():
         assert not captured.static_inputs[0].requires_grad
         torch.testing.assert_close(loss, ref_step(x.detach(), y), rtol=RTOL, atol=ATOL)
     assert features.weight.grad is None
+
+
+def test_an_interrupt_at_any_line_of_a_captured_step_on_cpu_leaves_grad_mode_on():
+    """A KeyboardInterrupt before any line a CPU call of a captured step runs
+    in reprop (copying the inputs in, the outputs out): grad mode stays on
+    (one at the exit's line of the `with torch.no_grad()` around the copies
+    left it off for the session), and the step runs again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    step = _sgd_step(model)
+    x, y = torch.randn(3, 4), torch.randint(2, (3,))
+    captured = ooo.capture(step, x, y, warmup=1)
+    captured(x, y)
+    where = (ooo.__file__, reprop._tensors.__file__)
+    for k in itertools.count(1):
+        stopped = interrupted_at_line(k, lambda: captured(x, y), where,
+                                      under=ooo.CapturedStep.__call__)
+        assert torch.is_grad_enabled(), k
+        captured(x, y)
+        if not stopped:
+            break
+    assert k > 40
 
 
 def test_a_captured_step_on_cpu_overwrites_its_outputs_as_a_replay_does():

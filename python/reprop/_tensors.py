@@ -393,15 +393,20 @@ def without_grad(fn: Callable, *args) -> None:
     inside backward finds grad mode off already, and where the context
     manager object costs about a microsecond per call. Switched off inside
     the try: a KeyboardInterrupt (a notebook's stop button) arriving as the
-    switch returns would otherwise leave grad mode off for the session."""
+    switch returns would otherwise leave grad mode off for the session.
+    Switched on again on the line of the call when it returns: one landing
+    at the start of a line of its own after it (a finally's, which a call
+    that returned reaches too) left it off (no later forward recorded a
+    graph)."""
     if not torch.is_grad_enabled():
         fn(*args)
         return
     try:
         torch._C._set_grad_enabled(False)
-        fn(*args)
-    finally:
+        fn(*args); torch._C._set_grad_enabled(True)  # noqa: E702 (see above)
+    except BaseException:
         torch._C._set_grad_enabled(True)
+        raise
 
 
 # Part of each refusal of double backward (fad, bppsa, ooo): the calls

@@ -246,8 +246,9 @@ class _EmbeddingKind(_Kind):
     def prepare(self, m, x):
         self._padding_index(m, m.weight)  # F.embedding's check, before the renorm writes
         if m.max_norm is not None:  # as F.embedding: renormalise rows in place first
-            with torch.no_grad():
-                torch.embedding_renorm_(m.weight, x, m.max_norm, m.norm_type)
+            # (not `with torch.no_grad()`: a KeyboardInterrupt at its exit's
+            # line, after the body, left grad mode off for the session)
+            without_grad(torch.embedding_renorm_, m.weight, x, m.max_norm, m.norm_type)
         return x
 
     def op(self, m):
@@ -433,8 +434,11 @@ def _autocast_policy(op: str, device: torch.device, dtype: torch.dtype) -> torch
     def out_dtype(x_dtype):
         def make(dt):
             return lambda *shape: torch.zeros(shape, dtype=dt, device=device)
-        with torch.no_grad(), torch.autocast(device.type, dtype=dtype):
-            return probe(make(x_dtype), make(torch.float32)).dtype
+        x, z, on = make(x_dtype), make(torch.float32), torch.autocast(device.type, dtype=dtype)
+        # one line, as the split forward's autocast (_Split.forward): an
+        # interrupt at the exit's line of its own left grad mode off and autocast's
+        # nesting count up
+        with torch.no_grad(), on: return probe(x, z).dtype  # noqa: E701
 
     if out_dtype(torch.float32) == dtype:
         return dtype
@@ -486,8 +490,14 @@ class _Split(torch.autograd.Function):
             # casts the returned gradients back to the inputs' dtypes
             xc = _autocast_cast(x, cast)
             wc, bc = (site.handle._cast_param(p, cast) for p in (w, b))
-            with torch.autocast(device.type, enabled=False):
-                y, saved = kind.forward(m, xc, wc, bc)
+            # the op on the `with` line: a KeyboardInterrupt (a notebook's stop
+            # button) at the start of a line of its own after it, where CPython
+            # puts the context's exit, skipped the exit: autocast's nesting count
+            # never came back to 0, so torch never cleared its cache of cast
+            # weights again, and every later autocast forward in the session
+            # read the cast of a weight from before its updates
+            off = torch.autocast(device.type, enabled=False)
+            with off: y, saved = kind.forward(m, xc, wc, bc)  # noqa: E701 (see above)
         n = kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
         ctx.extra = saved[n:]
@@ -1051,9 +1061,14 @@ class OOOHandle(_PassTracking):
             raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
         saved = self._holding
-        self._holding = (*saved, (held, keep))
+        # entered inside the try, left on the line the block's end resumes at:
+        # a KeyboardInterrupt (a notebook's stop button lands at the start of
+        # any line) at the `try` line, or at the finally's line that a block
+        # ended without an exception reaches, left the block entered for good,
+        # every later backward's dW held in a list no one runs
         try:
-            yield held
+            self._holding = (*saved, (held, keep))
+            yield held; self._holding = saved  # noqa: E702 (see above)
         finally:
             self._holding = saved
 
@@ -1175,14 +1190,22 @@ class OOOHandle(_PassTracking):
         """From inside a backward not known to be the pass's own: the pass of
         this handle it is part of, begun here if none runs (a backward that
         raised is dropped). The look and the begin are one step under a
-        lock: two threads' backward passes each beginning one would share it."""
-        with self._pass_lock:
-            if self._backward_raised():
-                self._abandon_backward()
-            if self._in_backward:
-                self._check_same_backward()
-            else:
-                self._begin_backward()
+        lock: two threads' backward passes each beginning one would share it.
+        The step is one call on the `with` line: CPython gives the lock's
+        release a line event of its own after a body on lines of their own,
+        where a KeyboardInterrupt (a notebook's stop button lands at the start
+        of any line) skipped the release, and the next backward through the
+        model waited on the lock for good; on one line there is none."""
+        with self._pass_lock: self._enter_pass_locked()  # noqa: E701 (see above)
+
+    def _enter_pass_locked(self) -> None:
+        """_enter_pass's step, under its lock."""
+        if self._backward_raised():
+            self._abandon_backward()
+        if self._in_backward:
+            self._check_same_backward()
+        else:
+            self._begin_backward()
 
     def _check_same_backward(self) -> None:
         """Refuses a backward of another thread while this handle's pass runs,
@@ -1641,22 +1664,29 @@ class OOOHandle(_PassTracking):
         for t in task.tensors():
             if t.is_cuda:
                 t.record_stream(sub)  # the main stream's allocator reuses it only after sub
-        with torch.cuda.stream(sub):
-            if profiling:
-                begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                begin.record(sub)
-            task.run()
-            done = sub.record_event()
-            for p in task.targets:
-                self._written[p] = done
-            self._after_deferred_run(task)  # hooks see the gradient on the stream it is made on
-            if profiling:
-                end.record(sub)
-                self._profile.sub.setdefault(task.key, []).append((begin, end))
+        # the work in one call on the `with` line: a KeyboardInterrupt (a
+        # notebook's stop button) at the start of a line of its own after it,
+        # where CPython puts the context's exit, skips the exit and leaves the
+        # sub-stream current for the session
+        with torch.cuda.stream(sub): self._run_on_sub_stream(task, sub, profiling)  # noqa: E701
         main = torch.cuda.current_stream(task.targets[0].device)
         for p in task.targets:
             if p.grad is not None:
                 p.grad.record_stream(main)
+
+    def _run_on_sub_stream(self, task: _Task, sub: "torch.cuda.Stream", profiling: bool) -> None:
+        """_issue's run of `task` with `sub` the current stream."""
+        if profiling:
+            begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            begin.record(sub)
+        task.run()
+        done = sub.record_event()
+        for p in task.targets:
+            self._written[p] = done
+        self._after_deferred_run(task)  # hooks see the gradient on the stream it is made on
+        if profiling:
+            end.record(sub)
+            self._profile.sub.setdefault(task.key, []).append((begin, end))
 
     def _sub_stream(self, device: torch.device) -> "torch.cuda.Stream":
         sub = self._sub_streams.get(device)
@@ -1909,8 +1939,9 @@ def _make_forward(site: _Site):
             return forward(self, x.unsqueeze(0)).squeeze(0)
         handle._before_split_forward()
         if site.index < 0:
-            site.index = handle._next_index
-            handle._next_index += 1
+            # one statement: a KeyboardInterrupt between two gave the next
+            # layer called the same index, and the schedule took the two for one
+            site.index, handle._next_index = handle._next_index, handle._next_index + 1
         x = kind.prepare(module, x)
         if transform_active():
             return _Split.apply(site, x, *params)
@@ -2033,11 +2064,10 @@ class CapturedStep:
     def __call__(self, *inputs: torch.Tensor):
         _check_replay_inputs(inputs, self.static_inputs)
         # the values only: a batch that requires grad must not make the static
-        # buffers part of its graph (each call would chain every earlier batch)
-        with torch.no_grad():
-            for static, new in zip(self.static_inputs, inputs):
-                if new is not static:
-                    static.copy_(new)
+        # buffers part of its graph (each call would chain every earlier batch);
+        # not `with torch.no_grad()`: a KeyboardInterrupt at its exit's line
+        # left grad mode off for the session
+        without_grad(_copy_into, self.static_inputs, inputs)
         if self.graph is None:
             return self._as_static_outputs(self.step(*self.static_inputs))
         self.graph.replay()
@@ -2051,9 +2081,15 @@ class CapturedStep:
         if not self._stepped:
             self.outputs, self._stepped = results, True
             return results
-        with torch.no_grad():
-            _write_outputs(self.outputs, results, "", set())
+        without_grad(_write_outputs, self.outputs, results, "", set())  # (as in __call__)
         return self.outputs
+
+
+def _copy_into(static: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+    """A replay's inputs into the captured step's static ones (CapturedStep)."""
+    for t, new in zip(static, inputs):
+        if new is not t:
+            t.copy_(new)
 
 
 _MISSING = object()
