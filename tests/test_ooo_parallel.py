@@ -1318,6 +1318,130 @@ def test_data_parallel_averages_after_a_swapping_conversion():
     _spawn(_dp_swap_converted, 2)
 
 
+def _averaged_by_hand(model: nn.Module, world: int) -> None:
+    """DDP's average of the gradients there are (each times 1/world, summed)."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(1.0 / world)
+            dist.all_reduce(p.grad)
+
+
+def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int = 6) -> None:
+    """Layers 0-2 of _Net frozen whole (not split) and layers 3 and 4's
+    weights (split on their biases; held at k = 2) frozen when DataParallel
+    is built, unfrozen at steps 2 and 3, and layers[5].weight frozen at step
+    1 and unfrozen at step 4 between the forward and its backward: every
+    gradient is the average of the ranks' (None where no rank has one),
+    bitwise, and the replicas step alike; a step that accumulates a
+    no_sync() backward first averages the sum."""
+    torch.manual_seed(0)
+    model = _Net()
+    for lin in model.layers[:3]:
+        lin.requires_grad_(False)
+    for lin in model.layers[3:5]:
+        lin.weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=k, gradient_as_bucket_view=as_view)
+    for step in range(steps):
+        for net in (model, ref):
+            if step == 1:
+                net.layers[5].weight.requires_grad_(False)
+            if step == 2:
+                net.layers[:3].requires_grad_(True)
+                net.layers[3].weight.requires_grad_(True)
+            if step == 3:
+                net.layers[4].weight.requires_grad_(True)
+        x, t = _batch(rank, step)
+        for net in (model, ref):
+            net.zero_grad()
+            if step == 2:  # the first unfrozen step begins under no_sync(): hooked at its forward
+                with dp.no_sync() if net is model else contextlib.nullcontext():
+                    F.mse_loss(net(t), x).backward()
+            loss = F.mse_loss(net(x), t)
+            if step == 4:
+                net.layers[5].weight.requires_grad_(True)  # in no graph yet: no gradient
+            loss.backward()
+        _averaged_by_hand(ref, world)
+        _assert_same(model, ref, "grad")
+        with torch.no_grad():
+            for net in (model, ref):
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+        _assert_same(model, ref, "parameter")
+    assert model.layers[0].weight.grad is not None and model.layers[5].weight.grad is not None
+    dp.remove()
+
+
+def _check_unfrozen_apart(rank: int, world: int) -> None:
+    """Each rank unfreezes another weight frozen at construction: a
+    ValueError naming the first on every rank at the backward that plans
+    with them; unfrozen alike, the next step is averaged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+    model[0].weight.requires_grad_(False)
+    model[2].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=0)
+    x, t = _batch(rank, 0)
+    F.mse_loss(model(x), t).backward()
+    model[2 * (rank % 2)].weight.requires_grad_(True)
+    model.zero_grad()
+    with pytest.raises(ValueError, match=r"^model\.0\.weight\.requires_grad: True on some ranks, "
+                                         r"False on others.*on every rank"):
+        F.mse_loss(model(x), t).backward()
+    for net in (model, ref):
+        net.requires_grad_(True)
+        net.zero_grad()
+        F.mse_loss(net(x), t).backward()
+    _averaged_by_hand(ref, world)
+    _assert_same(model, ref, "grad")
+    dp.remove()
+
+
+def _compare_unfrozen_uneven(rank: int, world: int, steps=((2, 1), (3, 0))) -> None:
+    """Under Join, a first layer frozen at construction and unfrozen on
+    every rank between two Joins, in the second of which rank 1 has no data:
+    its shadow of rank 0's steps plans with the unfrozen layer too (its
+    first forward since never comes). The model equals that of DDP under
+    Join, built again after the unfreeze (DDP's own parameters are fixed
+    when it is built)."""
+    torch.manual_seed(rank)  # replicas differ until both broadcast rank 0's
+    model = _join_net()
+    model[0].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp = data_parallel(model, k=2, search_iters=1)
+    for epoch, counts in enumerate(steps):
+        if epoch:
+            model[0].requires_grad_(True)
+            ref[0].requires_grad_(True)
+        ddp = DistributedDataParallel(ref)
+        _train_uneven(rank, ddp, ddp, ddp.join, counts[rank], accumulate=False)
+        _train_uneven(rank, model, dp, dp.join, counts[rank], accumulate=False)
+    ours = itertools.chain(model.named_parameters(), model.named_buffers())
+    for (name, a), b in zip(ours, itertools.chain(ref.parameters(), ref.buffers())):
+        assert torch.equal(a, b), f"{name}: max diff {(a - b).abs().max().item()}"
+    dp.remove()
+
+
+def _dp_unfrozen(rank: int, world: int) -> None:
+    _compare_unfrozen_uneven(rank, world)
+    _compare_unfrozen(rank, world, k=0, as_view=False)
+    _compare_unfrozen(rank, world, k=2, as_view=True)
+    _check_unfrozen_apart(rank, world)
+
+
+def test_data_parallel_averages_parameters_unfrozen_after_construction():
+    """Parameters frozen when DataParallel was built and unfrozen later
+    (gradual unfreezing of a frozen backbone) were never averaged: they had
+    no hook and no bucket, so each rank stepped on its own gradient,
+    silently (rank 1's 0.01121 against the mean 0.00100), as under DDP. They
+    join the buckets at the next backward, hooked at the forward before it.
+    Parameters frozen after construction keep no gradient on any rank, their
+    buckets averaged around them."""
+    _spawn(_dp_unfrozen, 2)
+
+
 def test_data_parallel_bucket_views_outlive_what_the_caller_does_to_grad(solo_group):
     """gradient_as_bucket_view: after each backward every .grad is a view
     into a bucket (zero_grad() drops them between steps), and a .grad the

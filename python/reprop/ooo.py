@@ -2761,6 +2761,7 @@ class _Bucket:
 
 
 _DTYPE_OF = operator.attrgetter("dtype")
+_REQUIRES_GRAD_OF = operator.attrgetter("requires_grad")
 
 
 def _shaped_like(piece: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -2872,15 +2873,17 @@ _AGREED = -0.5
 def _check_agreed(first: list, never: int, mark: float) -> None:
     """Refuses an agreement whose all-reduce met a peer's other collective:
     a rank that planned again alone (its model converted on it only: the
-    buckets are stale by its own parameters' dtypes) sums its agreement
+    buckets are stale by its own parameters' dtypes; or a parameter frozen
+    at construction unfrozen on it only) sums its agreement
     with a peer's bucket, and read the garbage as k (ValueError: cannot
     convert float NaN to integer) while the peer went on with NaN
     gradients."""
     if mark != _AGREED or not all(0 <= i <= never and i == int(i) for i in first):
         raise RuntimeError(
             "reprop.ooo.DataParallel: the ranks' collectives are out of step: this rank planned its "
-            "buckets again alone. Convert the model (model.double(), .to(), one layer's dtype) on every "
-            "rank, as under DistributedDataParallel; a peer's gradients of this step are garbage")
+            "buckets again alone. Convert the model (model.double(), .to(), one layer's dtype) and "
+            "unfreeze a parameter frozen when DataParallel was built on every rank, before the same "
+            "forward, as under DistributedDataParallel; a peer's gradients of this step are garbage")
 
 
 class DataParallel(_PassTracking, Joinable):
@@ -2934,6 +2937,9 @@ class DataParallel(_PassTracking, Joinable):
     ValueError on every rank otherwise), then broadcasts the parameters from
     rank 0 of the group, and the buffers only with `broadcast_buffers`, as
     DDP (without it a rank's buffers are its own, from the start).
+    A parameter frozen then and unfrozen later (on every rank, before the
+    same forward: gradual unfreezing) joins the buckets at the next
+    backward (``_join_unfrozen``); DDP never averages it.
     With `broadcast_buffers` (DDP's default) buffers are broadcast again
     before a forward that follows a grad-mode forward outside ``no_sync()``,
     as DDP does (not after a ``no_sync()`` or ``no_grad`` one: a BatchNorm's
@@ -3052,6 +3058,12 @@ class DataParallel(_PassTracking, Joinable):
         self._announced: tuple | None = None
         self._output_leaves: set = set()  # ids of the last forward's outputs that are leaves
         self._params = [p for p in model.parameters() if p.requires_grad]  # deduplicated
+        # the parameters frozen now, by name: one unfrozen later (gradual
+        # unfreezing of a frozen backbone) joins the averaged ones at the next
+        # forward or plan (_join_unfrozen); before, it was never averaged
+        self._unfreezable = [(name, p) for name, p in model.named_parameters()
+                             if not p.requires_grad]
+        self._frozen = [p for _, p in self._unfreezable]  # those not unfrozen yet
         self._buckets: list[_Bucket] | None = None  # planned at a backward, once layers are known
         self._bucket_of: dict = {}     # param -> its bucket, for params autograd completes
         self._layer_buckets: dict = {}  # held layer -> the buckets its dW completes
@@ -3174,6 +3186,8 @@ class DataParallel(_PassTracking, Joinable):
         one per held layer in Algorithm 2's dW order (the launch order).
         Everything here must be the same on every rank: the layers, k and
         the bucket sizes come from ``_agree``, the parameters in the model's order."""
+        if self._frozen and any(map(_REQUIRES_GRAD_OF, self._frozen)):
+            self._join_unfrozen()  # (no forward since on a rank that ran out of data)
         sites = self._agree()
         self._position = {s: l for l, s in enumerate(sites)}
         if self.searching and self.scores is None and sites:
@@ -3213,6 +3227,37 @@ class DataParallel(_PassTracking, Joinable):
         self._bucketed = [p for b in buckets for p in b.params]
         self._bucketed_dtypes = [b.flat.dtype for b in buckets for _ in b.params]
 
+    def _join_unfrozen(self) -> None:
+        """Parameters frozen when this was built and unfrozen since join the
+        averaged ones: hooked now (before the forward whose graph gives them
+        a gradient, or at the plan), bucketed at the next plan, which checks
+        that every rank unfroze the same (``_agree``). They had no hook and
+        no bucket: each rank stepped on its own gradient, silently (as under
+        DDP). Once joined a parameter stays (frozen again, it gets no
+        gradient: averaged as unused on every rank, its .grad left None).
+        A split layer's newly trainable weight is its site's too: held, its
+        dW comes after autograd, and in a bucket of autograd's part it was
+        averaged before it (as zeros). A layer frozen whole was not split:
+        it runs plain autograd, its parameters bucketed last."""
+        accumulated = weak_hook(self._grad_accumulated)
+        # hooked before self._frozen drops them: an interrupt midway leaves
+        # some hooked twice (the hook is idempotent), none unhooked
+        for p in self._frozen:
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+                self._swap_watch.add(p)
+        joined = {id(p) for p in self._frozen if p.requires_grad}
+        for s in self.handle.sites:
+            had = set(map(id, s.params))  # (a join interrupted midway added some)
+            s.params = s.params + [p for p in s.kind.params(s.module) or ()
+                                   if p is not None and id(p) in joined and id(p) not in had]
+        self.handle._summed_by_autograd = _shared_by_sites(self.handle.sites)
+        frozen = [p for p in self._frozen if id(p) not in joined]
+        left = {id(p) for p in frozen}
+        self._params = [p for p in self._all_params if id(p) not in left]  # the model's order
+        self._frozen = frozen
+        self._buckets = None
+
     def _agree(self) -> list:
         """The split layers called so far on any rank, ordered by their
         earliest first call over the ranks, ties in the model's module order
@@ -3224,19 +3269,34 @@ class DataParallel(_PassTracking, Joinable):
         configured apart (k measured per rank, "auto" on one): buckets
         planned from either would sum different parameters, or all-reduce
         tensors of different sizes (gloo aborts). DDP's buckets are rank 0's
-        too (it broadcasts their layout after the first iteration)."""
+        too (it broadcasts their layout after the first iteration).
+        It also carries, for each parameter frozen at construction, whether
+        this rank unfroze it (and its negation, for the MAX): ranks that
+        bucket different parameters are refused, naming the first."""
         sites = self.handle.sites
         never = len(sites)  # after every first-call index
         first = [s.index if s.index >= 0 else never for s in sites]
         settings = [self.k, self.searching, self.search_iters, self._cap, self._first_cap]
         if dist.get_rank(self.group) != 0:
             settings = [math.inf] * len(settings)
+        left = {id(p) for p in self._frozen}
+        joined = [0.0 if id(p) in left else 1.0 for _, p in self._unfreezable]
         # float64 holds the indices, the counts and the byte caps exactly
-        agreed = torch.tensor(first + settings + [_AGREED], dtype=torch.float64,
-                              device=self._comm_device())
+        agreed = torch.tensor(first + settings + joined + [-j for j in joined] + [_AGREED],
+                              dtype=torch.float64, device=self._comm_device())
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
-        *first, k, searching, search_iters, cap, first_cap, mark = agreed.tolist()
-        _check_agreed(first, never, mark)
+        values = agreed.tolist()
+        first, (k, searching, search_iters, cap, first_cap) = values[:never], values[never:never + 5]
+        _check_agreed(first, never, values[-1])
+        f = len(joined)
+        for (name, _), low, high in zip(self._unfreezable, values[never + 5:never + 5 + f],
+                                        values[never + 5 + f:-1]):
+            if low != -high:
+                raise ValueError(
+                    f"model.{name}.requires_grad: True on some ranks, False on others at this "
+                    f"backward: it was frozen when DataParallel was built, and is averaged once "
+                    f"unfrozen, which every rank must do before the same forward "
+                    f"(requires_grad_(True) on every rank)")
         self._cap, self._first_cap = cap, first_cap
         self.k, self.searching, self.search_iters = int(k), bool(searching), int(search_iters)
         called = [i for i in range(len(sites)) if first[i] < never]
@@ -3249,6 +3309,13 @@ class DataParallel(_PassTracking, Joinable):
             return
         if self._backward_raised():
             self._abandon_backward()
+        # one C loop over the parameters frozen at construction (about 0.1 us
+        # each), here and not at the backward: their hooks must be there before
+        # the backward (one not started at the outputs, a no_sync() one),
+        # and the Join's announcement below must see the plan coming. Not in
+        # a backward (a forward recomputed by checkpointing): its buckets are in use
+        if self._frozen and not self._in_backward and any(map(_REQUIRES_GRAD_OF, self._frozen)):
+            self._join_unfrozen()
         buffers = self._sync_buffers and self._sync_next_forward
         if self._join_config.enable:
             self._announce(buffers)
