@@ -13,6 +13,7 @@ or level schedule gives errors of order 1e-1.
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 import re
 import subprocess
@@ -30,6 +31,8 @@ import reprop
 import reprop.optim
 from reprop import bppsa
 from reprop._native import _C
+
+from _interrupts import LineStop
 
 TOL = 3e-6
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -1551,6 +1554,97 @@ def test_convert_leaves_a_module_whose_forward_was_set_on_the_instance(kind):
     assert bppsa.convert(model) == ["0"]
 
 
+def _autocast_nesting() -> int:
+    """How many torch.autocast blocks (entered, not yet exited) this thread is in."""
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+def _sgd_steps(model, x, steps):
+    """`steps` SGD steps of model (an RNN or GRU) on packed x; each step's
+    output and gradients, as float64."""
+    runs = []
+    for _ in range(steps):
+        out, h_n = model(x)
+        loss = out.data.square().mean() + h_n.sum()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        with torch.no_grad():
+            torch._foreach_add_(list(model.parameters()), grads, alpha=-0.05)
+        runs.append([out.data.detach(), *grads])
+    return runs
+
+
+@pytest.mark.parametrize("phase", ["convert", "forward", "backward"])
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_an_interrupt_at_any_line_leaves_the_module_training_as_nn(kind, phase):
+    """A KeyboardInterrupt (a notebook's stop button) before any line bppsa.py
+    runs in convert(), or in a forward or backward of a converted module
+    (bidirectional, a PackedSequence; two layers for the RNN, one for the
+    GRU, whose backward runs more lines), leaves a module that
+    convert() (run again) and the step run again train as nn's does, to the
+    scan's float32 rounding, with grad mode and autocast as they were."""
+    torch.manual_seed(0)
+    cls = nn.GRU if kind == "gru" else nn.RNN
+    ref = cls(3, 4, num_layers=1 if kind == "gru" else 2, bidirectional=True)
+    x = nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 3), torch.tensor([4, 3]))
+    want = _sgd_steps(copy.deepcopy(ref), x, 2)
+    for k in itertools.count(1):
+        model = nn.Sequential(copy.deepcopy(ref))
+        if phase != "convert":
+            bppsa.convert(model)
+        try:
+            with LineStop(bppsa.__file__, k):
+                if phase == "convert":
+                    bppsa.convert(model)
+                else:
+                    out, h_n = model[0](x)
+                    if phase == "backward":
+                        torch.autograd.grad(out.data.square().mean() + h_n.sum(), list(model.parameters()))
+        except KeyboardInterrupt:
+            assert torch.is_grad_enabled() and _autocast_nesting() == 0
+        else:
+            break
+        if phase == "convert":
+            bppsa.convert(model)
+        assert type(model[0]) is getattr(bppsa, cls.__name__)
+        for got, expected in zip(_sgd_steps(model[0], x, 2), want):
+            assert max(map(rel_err, got, expected)) < TOL, k
+    assert k > {"convert": 10, "forward": 50, "backward": 300}[phase]  # it did stop them midway
+
+
+def test_an_interrupt_in_a_backward_under_autocast_leaves_autocast_as_it_was():
+    """A KeyboardInterrupt at any line of a backward run inside an autocast
+    region: the scan's backward left autocast through
+    torch.autocast(enabled=False), whose Python __exit__ a stop as that
+    block ended skipped, leaving autocast's nesting count at 1 for the
+    session. No autocast region then dropped its cast cache again: a
+    Linear whose weight an optimizer updated in place computed with its
+    stale bfloat16 copy, its output unchanged by training."""
+    torch.manual_seed(0)
+    rnn, lin = bppsa.GRU(3, 4), nn.Linear(4, 2)
+    x = torch.randn(5, 2, 3)
+    for k in itertools.count(1):
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out, _ = rnn(x)
+                loss = lin(out).float().square().sum()
+                with LineStop(bppsa.__file__, k):
+                    loss.backward()
+        except KeyboardInterrupt:
+            assert _autocast_nesting() == 0 and not torch.is_autocast_enabled("cpu"), k
+        else:
+            break
+    assert k > 100
+    z = torch.randn(3, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        before = lin(z)
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not torch.equal(lin(z), before)  # the updated weight, cast again
+
+
 def test_autocast_hidden_state_fed_back_as_hx():
     """Under autocast h_n is bf16; fed back as hx with float32 input (truncated
     BPTT), nn.RNN casts both, and so must the BPPSA modules."""
@@ -1971,6 +2065,44 @@ def test_chain_plan_reuse_equals_fresh_plans():
         fresh = bppsa.chain_backward(layers, x, g, levels="blelloch")
         for a, b in zip(reused, fresh):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("call", ["ChainPlan", "ChainPlan.backward", "chain_backward",
+                                  "chain_backward_plan"])
+def test_an_interrupt_at_any_line_of_a_chain_leaves_it_working(call):
+    """A KeyboardInterrupt (a notebook's stop button) before any line bppsa.py
+    runs in building a ChainPlan (pruned), its backward, or chain_backward
+    (with or without a plan) leaves grad mode on and the plan (built again
+    where its build was stopped) giving autograd's gradients. Both ran the
+    layers and wrote the Jacobians' values under `with torch.no_grad()`:
+    a stop as that block ended, before its Python __exit__ ran, left grad
+    mode off for the session (the next training step's loss had no graph)."""
+    torch.manual_seed(2)
+    layers = small_cnn()
+    with torch.no_grad():
+        layers[6].weight[0, :2] = 0  # (pruned: the pattern leaves them out)
+    x, g = torch.randn(2, 2, 6, 6), torch.randn(2, 4)
+    want = autograd_layer_input_grads(layers, x, g)
+    for k in itertools.count(1):
+        plan = None if call == "ChainPlan" else bppsa.ChainPlan(layers, (2, 6, 6), pruned=True)
+        try:
+            with LineStop(bppsa.__file__, k):
+                if call == "ChainPlan":
+                    plan = bppsa.ChainPlan(layers, (2, 6, 6), pruned=True)
+                elif call == "ChainPlan.backward":
+                    plan.backward(plan.forward_inputs(x)[0], g)
+                else:
+                    bppsa.chain_backward(layers, x, g, plan=plan if call == "chain_backward_plan" else None)
+        except KeyboardInterrupt:
+            assert torch.is_grad_enabled(), k
+        else:
+            break
+        if call == "ChainPlan" and not isinstance(plan, bppsa.ChainPlan):
+            plan = bppsa.ChainPlan(layers, (2, 6, 6), pruned=True)
+        for _ in range(2):
+            got = plan.backward(plan.forward_inputs(x)[0], g)
+            assert all(rel_err(a, b) < TOL for a, b in zip(got, want)), k
+    assert k > 300  # it did stop them midway
 
 
 @pytest.mark.parametrize("change", ["conv dilation", "conv stride", "pool ceil_mode", "pool stride",

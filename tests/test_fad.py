@@ -29,6 +29,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import traceback
 import weakref
 
 import numpy as np
@@ -41,7 +42,7 @@ from torch import nn
 
 from reprop import _tensors, fad
 
-from _interrupts import interrupted_at_line
+from _interrupts import LineStop, interrupted_at_line
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", *CUDA]
@@ -4182,3 +4183,143 @@ def test_patch_and_unpatch_interrupted_anywhere_run_again(interrupted, attribute
         fad.unpatch(model)
         _assert_as_torchs(model, ref, x)
     assert k > 20  # it did stop them midway
+
+
+class _Chains(nn.Module):
+    """Element-wise chains of enabled(compose=True) between two Linears: a
+    reprop activation in a chain (_captured) and a select (relu) continued
+    by a power, the two chains of one root joined, leaving into a Linear (YN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.lin1(x)
+        return self.lin2(F.silu(h) * 2.0 + torch.relu(h) ** 2)
+
+
+class _Patched(nn.Module):
+    """fad.patch's activations (reprop's autograd Function) between Linears:
+    an 8-bit-coded GELU, a LeakyReLU (two outputs: its anchor) and a
+    Hardswish (a select)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.acts = nn.Sequential(nn.GELU(), nn.LeakyReLU(0.2), nn.Hardswish())
+
+    def forward(self, x):
+        return self.lin2(self.acts(self.lin1(x)))
+
+
+def _sgd_steps(model, mode, x, steps):
+    """`steps` SGD steps of model, its forward inside `mode`; each step's
+    output and gradients."""
+    runs = []
+    for _ in range(steps):
+        with mode:
+            out = model(x)
+        grads = torch.autograd.grad(out.square().mean(), list(model.parameters()))
+        with torch.no_grad():
+            torch._foreach_add_(list(model.parameters()), grads, alpha=-0.05)
+        runs.append((out.detach(), grads))
+    return runs
+
+
+def _stopped_before_exit_ran(stop: KeyboardInterrupt) -> bool:
+    """Whether LineStop raised `stop` before the first statement of
+    enabled.__exit__: the one stop the mode cannot survive (README)."""
+    *_, (frame, line), _ = traceback.walk_tb(stop.__traceback__)  # (the last: the trace function)
+    code = fad.enabled.__exit__.__code__
+    first = min(n for *_, n in code.co_lines() if n is not None and n > code.co_firstlineno)
+    return frame.f_code is code and line == first
+
+
+def _assert_left_clean(stop: KeyboardInterrupt):
+    """After a stop in enabled(): no mode left on torch's function-mode stack
+    (but where __exit__ ran none of its statements: popped, as README
+    says to), grad mode on, and reprop's activations return their output,
+    not the (y, f'(x)) a chain step captures."""
+    if _stopped_before_exit_ran(stop):
+        assert torch._C._len_torch_function_stack() == 1
+        torch._C._pop_torch_function_stack()
+    assert torch._C._len_torch_function_stack() == 0 and torch.is_grad_enabled()
+    assert isinstance(fad.silu(torch.ones(3, requires_grad=True)), torch.Tensor)
+    assert not fad._capture.on
+
+
+@pytest.mark.parametrize("phase, saved_dtype", [("first_forward", None),
+                                                ("later_forward", torch.bfloat16),
+                                                ("backward", None)], ids=["first_forward",
+                                                                          "later_forward_bf16",
+                                                                          "backward"])
+def test_enabled_interrupted_at_any_line_trains_on(phase, saved_dtype, function_mode_stack):
+    """A KeyboardInterrupt before any line fad.py runs in a forward of a model
+    under enabled(compose=True) (its first block, or a later one), or in the
+    backward of its chains, leaves the thread as it was: the step run again
+    and the next give the uninterrupted run's outputs and gradients bit for
+    bit (within float32 rounding of torch's, bfloat16's with saved_dtype).
+    A stop between _captured's switch and its try left the switch on for
+    the thread: every later reprop activation outside a chain (fad.silu,
+    a patched module, compose=False's rerouting) returned (y, f'(x))."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model0 = _Chains()
+    pre = 1 if phase == "later_forward" else 0
+    want = _sgd_steps(copy.deepcopy(model0), fad.enabled(compose=True, saved_dtype=saved_dtype), x, pre + 2)
+    torch_run = _sgd_steps(copy.deepcopy(model0), contextlib.nullcontext(), x, pre + 2)
+    tol = {"rtol": 2e-2, "atol": 1e-3} if saved_dtype else {"rtol": 1e-5, "atol": 1e-6}
+    for (out, grads), (out_t, grads_t) in zip(want, torch_run):
+        torch.testing.assert_close(out, out_t, **tol)
+        torch.testing.assert_close(grads, grads_t, **tol)
+    for k in itertools.count(1):
+        model, mode = copy.deepcopy(model0), fad.enabled(compose=True, saved_dtype=saved_dtype)
+        _sgd_steps(model, mode, x, pre)
+        try:
+            if phase == "backward":
+                with mode:
+                    out = model(x)
+                with LineStop(fad.__file__, k):
+                    torch.autograd.grad(out.square().mean(), list(model.parameters()))
+            else:
+                with LineStop(fad.__file__, k):
+                    with mode:
+                        model(x)
+        except KeyboardInterrupt as stop:
+            _assert_left_clean(stop)
+        else:
+            break
+        got = _sgd_steps(model, mode, x, 2)  # the cell run again, then the next step
+        for (out, grads), (out_w, grads_w) in zip(got, want[pre:]):
+            assert torch.equal(out, out_w) and all(map(torch.equal, grads, grads_w)), k
+    assert k > (60 if phase == "backward" else 500)  # it did stop them midway
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_patched_activations_interrupted_at_any_line_train_on(phase):
+    """The same for fad.patch's activations (reprop's autograd Function, its
+    forward and backward, 8-bit codes): the model trains on as uninterrupted."""
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model0 = _Patched()
+    fad.patch(model0, saved_dtype=torch.uint8)
+    want = _sgd_steps(copy.deepcopy(model0), contextlib.nullcontext(), x, 2)
+    for k in itertools.count(1):
+        model = copy.deepcopy(model0)
+        try:
+            if phase == "backward":
+                out = model(x)
+                with LineStop(fad.__file__, k):
+                    torch.autograd.grad(out.square().mean(), list(model.parameters()))
+            else:
+                with LineStop(fad.__file__, k):
+                    model(x)
+        except KeyboardInterrupt:
+            assert torch.is_grad_enabled() and not fad._capture.on
+        else:
+            break
+        got = _sgd_steps(model, contextlib.nullcontext(), x, 2)
+        for (out, grads), (out_w, grads_w) in zip(got, want):
+            assert torch.equal(out, out_w) and all(map(torch.equal, grads, grads_w)), k
+    assert k > (50 if phase == "backward" else 100)

@@ -388,25 +388,46 @@ _is_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
 _is_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
 
 
-def without_grad(fn: Callable, *args) -> None:
-    """fn(*args) under torch.no_grad(): for per-module work in hooks, which
-    inside backward finds grad mode off already, and where the context
-    manager object costs about a microsecond per call. Switched off inside
-    the try: a KeyboardInterrupt (a notebook's stop button) arriving as the
-    switch returns would otherwise leave grad mode off for the session.
+def without_grad(fn: Callable, *args):
+    """fn(*args) under torch.no_grad(), returning what it returns: for
+    per-module work in hooks, which inside backward finds grad mode off
+    already, and where the context manager object costs about a
+    microsecond per call. Switched off inside the try: a KeyboardInterrupt
+    (a notebook's stop button) arriving as the switch returns would
+    otherwise leave grad mode off for the session, and so did one as a
+    `with torch.no_grad():` block ended, before its Python __exit__ ran.
     Switched on again on the line of the call when it returns: one landing
     at the start of a line of its own after it (a finally's, which a call
     that returned reaches too) left it off (no later forward recorded a
     graph)."""
     if not torch.is_grad_enabled():
-        fn(*args)
-        return
+        return fn(*args)
     try:
         torch._C._set_grad_enabled(False)
-        fn(*args); torch._C._set_grad_enabled(True)  # noqa: E702 (see above)
+        result = fn(*args); torch._C._set_grad_enabled(True)  # noqa: E702 (see above)
     except BaseException:
         torch._C._set_grad_enabled(True)
         raise
+    return result
+
+
+def without_autocast(device_type: str, fn: Callable, *args):
+    """fn(*args) with autocast off for `device_type`, as inside
+    torch.autocast(device_type, enabled=False), returning what it returns;
+    switched by torch's C calls inside a try. torch.autocast's __exit__ is
+    Python: a KeyboardInterrupt (a notebook's stop button) as such a block
+    ended, before it ran, left autocast's nesting count up for the session,
+    so no autocast region dropped its cast cache again and a weight updated
+    in place was used as its stale lower-precision copy (the forward no
+    longer changed with training)."""
+    prev = torch.is_autocast_enabled(device_type)
+    try:
+        torch.set_autocast_enabled(device_type, False)
+        result = fn(*args); torch.set_autocast_enabled(device_type, prev)  # noqa: E702 (as without_grad)
+    except BaseException:
+        torch.set_autocast_enabled(device_type, prev)
+        raise
+    return result
 
 
 # Part of each refusal of double backward (fad, bppsa, ooo): the calls

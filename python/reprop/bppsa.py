@@ -50,7 +50,8 @@ from ._tensors import (autocast_enabled, bump_versions, check_count, check_flag,
                        eager_under_compile, hook_owner, is_count, is_instance_by_name, on_device,
                        profiler_range,
                        replaced_forward, show_coming_writes, torch_only, torch_only_weight,
-                       transform_active, warn_at_users_line, DOUBLE_BACKWARD_CALLERS, byte_span)
+                       transform_active, warn_at_users_line, without_autocast, without_grad,
+                       DOUBLE_BACKWARD_CALLERS, byte_span)
 from . import fusion
 
 __all__ = ["RNN", "GRU", "convert", "scan", "scan_levels", "max_levels", "bitstream",
@@ -741,8 +742,8 @@ class _Layer(torch.autograd.Function):
             # backward called inside the autocast region, as torch's own backward
             # may be: its GEMMs must stay float32 (autocast made h0's product
             # bf16/fp16, which then met float32 in addmm_: a RuntimeError)
-            with torch.autocast(ctx.device_type, enabled=False):
-                return _Layer._backward(ctx, grad_out, grad_h)
+            # (not torch.autocast(enabled=False): without_autocast)
+            return without_autocast(ctx.device_type, _Layer._backward, ctx, grad_out, grad_h)
         return _Layer._backward(ctx, grad_out, grad_h)
 
     @staticmethod
@@ -1627,8 +1628,7 @@ class _Leaf:
             flat = weight.detach().reshape(-1).to(torch.float32)
             return flat[self._map("wmap", x.device)].expand(x.shape[0], -1)
         dst = torch.empty(x.shape[0], self.indices.size, dtype=torch.float32, device=x.device)
-        with torch.no_grad():
-            self.write_values(x, dst)
+        without_grad(self.write_values, x, dst)
         return dst
 
     def write_values(self, x: torch.Tensor, dst: torch.Tensor) -> None:
@@ -2106,10 +2106,9 @@ class ChainPlan:
         seq = torch.empty(self.info["seq_floats"], B, dtype=torch.float32, device=device)
         shared = torch.empty(self.info["shared_floats"], dtype=torch.float32, device=device)
         shared[0] = 1.0
-        with torch.no_grad():
-            self._weights.write(shared, weights)
-            for i, leaf, start, stop in self._sequence_leaves:
-                leaf.write_values(inputs[i], seq[start:stop].T)
+        # (not `with torch.no_grad()`, whose Python __exit__ an interrupt as
+        # the block ended skipped, leaving grad mode off: without_grad)
+        without_grad(self._write_values, seq, shared, inputs, weights)
         out = prog["g_out_addr"]
         seq[out:out + self.leaves[-1].cols].copy_(grad_output.detach().reshape(B, -1).T)
         with profiler_range("reprop.bppsa.ChainPlan.scan"):
@@ -2120,6 +2119,14 @@ class ChainPlan:
         # and at any levels it multiplies by ReLU's and MaxPool2d's 0/1 values
         # where torch selects (0 * inf = NaN, torch's 0).
         return self._torch_backward(inputs, grad_output, weights) if grads is None else grads
+
+    def _write_values(self, seq: torch.Tensor, shared: torch.Tensor, inputs: Sequence[torch.Tensor],
+                      weights: dict) -> None:
+        """_backward's values: the shared leaves' `weights` into shared, the
+        others' Jacobian values at `inputs` into seq. Under torch.no_grad."""
+        self._weights.write(shared, weights)
+        for i, leaf, start, stop in self._sequence_leaves:
+            leaf.write_values(inputs[i], seq[start:stop].T)
 
     def _check_modules(self) -> None:
         """Every layer checked again but for its weight (hooks, torch's global
@@ -2162,8 +2169,7 @@ class ChainPlan:
         if (B, device) not in self._peers:
             self._peers[B, device] = _CusparsePeer(self, B, device)
         peer = self._peers[B, device]
-        with torch.no_grad():
-            peer.load(self, inputs, grad_output, weights)
+        without_grad(peer.load, self, inputs, grad_output, weights)
         peer.run(device)
         return _owned_gradients(peer.grads, inputs)
 
@@ -2255,8 +2261,7 @@ def _forward_backward(plan: ChainPlan, x: torch.Tensor, grad_output: torch.Tenso
     """chain_backward's run of its checked plan over x, whose layers passed
     its build or _check_modules; `reads`: the parametrized weights read for
     this forward already (see _build)."""
-    with torch.no_grad():
-        inputs, out = plan._forward_inputs(x, reads)
+    inputs, out = without_grad(plan._forward_inputs, x, reads)  # (not `with torch.no_grad()`: _backward)
     if grad_output is None:
         grad_output = torch.ones_like(out)
     elif isinstance(grad_output, torch.Tensor) and grad_output.shape[:1] != x.shape[:1]:

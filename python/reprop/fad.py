@@ -1783,9 +1783,14 @@ _capture = _Capture()
 
 def _captured(ours, args, kwargs):
     """ours(*args, **kwargs) with _capture on. A try/finally rather than a
-    generator context manager, which cost a chain step about a microsecond."""
-    _capture.on = True
+    generator context manager, which cost a chain step about a microsecond.
+    Switched on inside the try: a KeyboardInterrupt (a notebook's stop
+    button) between the switch and the try left it on for the thread, and
+    every later reprop.fad activation (a patched module's, fad.gelu, the
+    rerouting of compose=False) returned a tuple (y, f'(x)). One landing
+    in the finally before it switches off is caught by enabled.__exit__."""
     try:
+        _capture.on = True
         return ours(*args, **kwargs)
     finally:
         _capture.on = False
@@ -1935,6 +1940,9 @@ class enabled(TorchFunctionMode):
         # in a reset before it (a notebook's stop button) left the mode there
         # for the session, chaining every later expression
         super().__exit__(*exc)
+        # only _captured switches it on, inside a block, for a call that runs
+        # no user code: off here, whatever an interrupt cut short (_captured)
+        _capture.on = False
         if not _on_function_stack(self):  # chain tensors leave as plain autograd tensors
             self._chains.__init__()
 
