@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import re
-import subprocess
-import sys
 import threading
 import warnings
 
@@ -33,6 +30,7 @@ from reprop import bppsa
 from reprop._native import _C
 
 from _interrupts import LineStop
+from _scripts import script_output
 
 TOL = 3e-6
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -1403,11 +1401,7 @@ def test_convert_takes_modules_converted_before_a_reload():
     """importlib.reload(reprop.bppsa) (IPython's autoreload) makes new BPPSA
     classes: convert() told a module converted before it apart by identity,
     so scan= was silently not applied to it ([] blelloch blelloch)."""
-    root = os.path.dirname(os.path.dirname(reprop.__file__))
-    proc = subprocess.run([sys.executable, "-c", _RELOADED_CONVERT], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["[]", "linear", "linear"]
+    assert script_output(_RELOADED_CONVERT) == ["[]", "linear", "linear"]
 
 
 _PLAN_ACROSS_A_RELOAD = """
@@ -1434,12 +1428,7 @@ def test_chain_backward_takes_a_plan_built_before_a_reload(namespace):
     autoreload) is taken by chain_backward after it, with the same results.
     It is no instance of the reloaded class, and was refused: 'plan:
     expected a ChainPlan or None, got reprop.bppsa.ChainPlan'."""
-    root = os.path.dirname(os.path.dirname(reprop.__file__))
-    proc = subprocess.run([sys.executable, "-c", _PLAN_ACROSS_A_RELOAD, namespace],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True"]
+    assert script_output(_PLAN_ACROSS_A_RELOAD, namespace) == ["True"]
 
 
 class _OwnGRU(bppsa.GRU):

@@ -17,9 +17,6 @@ import gc
 import io
 import itertools
 import math
-import os
-import subprocess
-import sys
 import types
 import warnings
 import weakref
@@ -34,6 +31,7 @@ import reprop
 from reprop import ooo
 
 from _interrupts import LineStop, interrupted_at_line
+from _scripts import script_output
 
 RTOL, ATOL = 1e-6, 1e-7
 
@@ -2067,11 +2065,7 @@ def test_backward_fusion_is_seen_across_a_reload_of_fusion():
     (DataParallel, micro-batched Pipeline), by the fusion's class, which it
     imported once: after importlib.reload(reprop.fusion) a fusion made then
     was not seen (False), and the refusal was silently off."""
-    root = os.path.dirname(os.path.dirname(reprop.__file__))
-    proc = subprocess.run([sys.executable, "-c", _FUSED_ACROSS_A_RELOAD], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "True"]
+    assert script_output(_FUSED_ACROSS_A_RELOAD) == ["True", "True"]
 
 
 _HANDLE_ACROSS_A_RELOAD = """
@@ -2116,12 +2110,7 @@ def test_held_tasks_and_handle_made_before_a_reload_of_ooo_are_taken(namespace):
     reloaded classes: run() refused the tasks ('expected the tasks a hold()
     block collected, got <reprop.ooo._Task ...>') and capture() the handle
     ('expected the OOOHandle ..., got OOOHandle')."""
-    root = os.path.dirname(os.path.dirname(reprop.__file__))
-    proc = subprocess.run([sys.executable, "-c", _HANDLE_ACROSS_A_RELOAD, namespace],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True"]
+    assert script_output(_HANDLE_ACROSS_A_RELOAD, namespace) == ["True"]
 
 
 def test_a_deep_copy_is_an_independent_plain_model():

@@ -23,9 +23,6 @@ import gc
 import io
 import itertools
 import math
-import os
-import subprocess
-import sys
 import tempfile
 import threading
 import warnings
@@ -48,6 +45,7 @@ from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _che
                         _pipelined_in_micro_batches, _stage_programs, allreduce_time,
                         data_parallel, enable, reverse_first_k, search_k, simulate)
 from _interrupts import interrupted_at_line
+from _scripts import script_output
 from test_ooo import assert_as_built
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
@@ -1593,12 +1591,7 @@ def test_a_data_parallel_model_saves_after_a_reload_of_ooo(tmp_path):
     """torch.save(model) pickles DataParallel's hooks as an inert copy by its
     class: after importlib.reload(reprop.ooo) (IPython's autoreload) pickle
     refused the class the reload replaced ('not the same object')."""
-    root = os.path.dirname(os.path.dirname(ooo.__file__))
-    proc = subprocess.run([sys.executable, "-c", _SAVED_AFTER_A_RELOAD, str(tmp_path / "rdzv")],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["Sequential"]
+    assert script_output(_SAVED_AFTER_A_RELOAD, str(tmp_path / "rdzv")) == ["Sequential"]
 
 
 _FUSION_AFTER_A_RELOAD = """
@@ -1634,12 +1627,8 @@ def test_backward_fusion_is_refused_after_a_reload_of_ooo(tmp_path, namespace):
     them, so fuse() took both: the replicas' updates from local gradients,
     and a micro-batched step() that raised its second-gradient error only
     after the first micro-batch's backward had updated the parameters."""
-    root = os.path.dirname(os.path.dirname(ooo.__file__))
-    proc = subprocess.run([sys.executable, "-c", _FUSION_AFTER_A_RELOAD, str(tmp_path / "rdzv"),
-                           namespace], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": root})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["refused", "refused"]
+    assert script_output(_FUSION_AFTER_A_RELOAD, str(tmp_path / "rdzv"), namespace) == \
+        ["refused", "refused"]
 
 
 def test_a_deepcopy_of_a_data_parallel_model_is_a_model_of_its_own(solo_group, monkeypatch):
