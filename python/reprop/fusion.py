@@ -1236,7 +1236,14 @@ class FusionHandle:
         # callbacks on the process group's threads), and each must find an
         # update not yet started or over, never half done (applied twice, or
         # a plan's table refilled mid-update). Reentrant: flush() runs
-        # inside step(), remove() and the hooks.
+        # inside step(), remove() and the hooks. Every `with self._lock:`
+        # holds one call, on its own line: CPython gives the release of a
+        # block whose body has lines of its own a line event of its own,
+        # where a KeyboardInterrupt (a notebook's stop button lands at the
+        # start of any line) skipped the release and left the lock held for
+        # good: the thread that stopped re-entered it unnoticed, and any other
+        # (a CUDA backward's hooks run on autograd's device thread, remove()
+        # or a checkpoint's flush() from another thread) waited on it forever.
         self._lock = threading.RLock()
 
     def _install(self) -> None:
@@ -1318,12 +1325,14 @@ class FusionHandle:
 
     def _after_load(self, optimizer) -> None:
         over, self._loaded_over = self._loaded_over, None
-        with self._lock:
-            if self._removed:
-                return
-            if over is not None and optimizer.param_groups is not over[0]:
-                self._refuse_loaded_groups(optimizer, over)
-            self._sync()
+        with self._lock: self._after_load_locked(optimizer, over)  # noqa: E701 (see _lock)
+
+    def _after_load_locked(self, optimizer, over: tuple | None) -> None:
+        if self._removed:
+            return
+        if over is not None and optimizer.param_groups is not over[0]:
+            self._refuse_loaded_groups(optimizer, over)
+        self._sync()
 
     def _refuse_loaded_groups(self, optimizer, over: tuple) -> None:
         """The groups torch's load_state_dict installed, checked as
@@ -1472,13 +1481,15 @@ class FusionHandle:
         handle (_inert_handle, which has no lock)."""
         if self._removed:
             return
-        with self._lock:
-            if not self._removed:  # (another thread's remove() since)
-                try:
-                    self._undo()
-                finally:
-                    self._removed = True
-                    self._let_go()
+        with self._lock: self._remove_locked()  # noqa: E701 (see _lock)
+
+    def _remove_locked(self) -> None:
+        if not self._removed:  # (another thread's remove() since)
+            try:
+                self._undo()
+            finally:
+                self._removed = True
+                self._let_go()
 
     def _let_go(self) -> None:
         """Once removed: a handle the user keeps (a notebook variable, a
@@ -1641,12 +1652,14 @@ class FusionHandle:
         if closure is not None:  # outside the lock: it runs forward and backward
             with torch.enable_grad():
                 loss = closure()
-        with self._lock:
-            if self._removed:
-                self._step_after_removal()
-            else:
-                self._fused_step()
+        with self._lock: self._step_locked()  # noqa: E701 (see _lock)
         return loss
+
+    def _step_locked(self) -> None:
+        if self._removed:
+            self._step_after_removal()
+        else:
+            self._fused_step()
 
     def _fused_step(self) -> None:
         """What the mode's step() does once the closure has run (under the lock)."""
@@ -1660,13 +1673,15 @@ class FusionHandle:
 
     @_tensors.eager_under_compile
     def _zero_grad(self, set_to_none: bool = True) -> None:
-        with self._lock:
-            if self._removed:  # by another thread since this call began: eager's
-                opt = self._user_optimizer  # (None: freed after remove(), nothing left to zero)
-                if opt is not None:
-                    self._after_removal(opt, "zero_grad")(set_to_none)
-            else:
-                self._fused_zero_grad(set_to_none)
+        with self._lock: self._zero_grad_locked(set_to_none)  # noqa: E701 (see _lock)
+
+    def _zero_grad_locked(self, set_to_none: bool) -> None:
+        if self._removed:  # by another thread since this call began: eager's
+            opt = self._user_optimizer  # (None: freed after remove(), nothing left to zero)
+            if opt is not None:
+                self._after_removal(opt, "zero_grad")(set_to_none)
+        else:
+            self._fused_zero_grad(set_to_none)
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         raise NotImplementedError
@@ -1817,10 +1832,13 @@ class _BackwardFusion(FusionHandle):
         those still running on the side streams."""
         if self._removed:  # also a copy's inert handle
             return
-        with self._lock:  # (the hooks of a backward on another thread add side streams)
-            if _tensors.outside_backward():
-                self._finish_step()
-            self._join_side_streams()
+        # (locked: the hooks of a backward on another thread add side streams)
+        with self._lock: self._flush_locked()  # noqa: E701 (see _lock)
+
+    def _flush_locked(self) -> None:
+        if _tensors.outside_backward():
+            self._finish_step()
+        self._join_side_streams()
 
     def _unhook(self) -> None:
         super()._unhook()
@@ -1864,12 +1882,18 @@ class _BackwardFusion(FusionHandle):
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        with self._lock:
-            if self._removed:  # by another thread since
-                return
-            self._sync()
+        with self._lock: removed = self._sync_unless_removed()  # noqa: E701 (see _lock)
+        if removed:  # by another thread since
+            return
         self._swap_check_due = True  # (each forward of the model checks: see there)
         self._on_training_forward(module, args)
+
+    def _sync_unless_removed(self) -> bool:
+        """_sync() unless removed (under the lock); whether removed."""
+        if self._removed:
+            return True
+        self._sync()
+        return False
 
     @_tensors.eager_under_compile
     def _on_training_forward(self, module, args) -> None:
@@ -1885,8 +1909,7 @@ class _BackwardFusion(FusionHandle):
             # run before this one, has materialized its parameters by now: hooked
             # before its backward (one missed, materialized without a forward of
             # its module, has its gradient applied by step(), as one set by hand)
-            with self._lock:
-                self._hook_materialized()
+            with self._lock: self._hook_materialized()  # noqa: E701 (see _lock)
         if not _tensors.outside_backward():  # a forward that checkpointing recomputes
             # counts only when it is the micro-batch's first grad-mode forward (a
             # reentrant checkpoint of the whole model runs the first under no_grad),
@@ -1910,30 +1933,36 @@ class _BackwardFusion(FusionHandle):
             # again to check (every update was left to step(), for good).
             # Once per forward of the model, or after step() or zero_grad() where
             # its layers are called one by one (not once per owner module).
-            with self._lock:
-                self._swap_check_due = False
-                self._swap_watch.check()
+            with self._lock: self._check_swaps()  # noqa: E701 (see _lock)
+
+    def _check_swaps(self) -> None:
+        """The SwapWatch check a forward is due (under the lock)."""
+        self._swap_check_due = False
+        self._swap_watch.check()
 
     def _start_micro_batch(self) -> None:
         """Counts a micro-batch, and frees the gradients kept since the last
         update (eager's zero_grad() cleared them before it): also when it
         starts inside backward, at a recompute that no gradient of this pass
         came before (so none of its gradients is among them)."""
-        with self._lock:  # (remove() on another thread zeroes the kept gradients too)
-            # before its backward: a conversion since that swapped the parameters
-            # (torch.__future__.set_swap_module_params_on_conversion) dropped the
-            # update hooks, and every backward after it left its gradients to step()
-            self._swap_check_due = False
-            self._swap_watch.check()
-            if self._kept_unstepped:  # (step() checked them; later edits change no step)
-                # before anything changes: refused, no micro-batch has started, so a
-                # retry is checked (and refused) again; counted, it would skip the
-                # check, and its backward would add to the kept gradients and apply them
-                self._refuse_kept_grads_edited()
-            self._backward_since_forward = False
-            self._micro_batches += 1
-            self._groups_followed_in = None  # (gradients run outside backward: see there)
-            self._discard_kept(set_to_none=True)
+        # (locked: remove() on another thread zeroes the kept gradients too)
+        with self._lock: self._start_micro_batch_locked()  # noqa: E701 (see _lock)
+
+    def _start_micro_batch_locked(self) -> None:
+        # before its backward: a conversion since that swapped the parameters
+        # (torch.__future__.set_swap_module_params_on_conversion) dropped the
+        # update hooks, and every backward after it left its gradients to step()
+        self._swap_check_due = False
+        self._swap_watch.check()
+        if self._kept_unstepped:  # (step() checked them; later edits change no step)
+            # before anything changes: refused, no micro-batch has started, so a
+            # retry is checked (and refused) again; counted, it would skip the
+            # check, and its backward would add to the kept gradients and apply them
+            self._refuse_kept_grads_edited()
+        self._backward_since_forward = False
+        self._micro_batches += 1
+        self._groups_followed_in = None  # (gradients run outside backward: see there)
+        self._discard_kept(set_to_none=True)
 
     def _discard_kept(self, set_to_none: bool) -> None:
         """Does to the kept gradients what eager's zero_grad() did to them."""
@@ -1970,37 +1999,39 @@ class _BackwardFusion(FusionHandle):
     def _on_grad_ready(self, p: torch.Tensor) -> None:
         if _tensors.fake_mode_active():
             return  # a dry run's backward (fake gradients): eager's updates nothing either
-        with self._lock:
-            if self._removed:  # by another thread during this backward: p.grad is eager's now
-                return
-            self._mark_backward(p)
-            if not self._updating():  # accumulating: eager would not step now
-                self._note_if_late(p)
-                return
-            self._note_if_moved_again(p)
-            first_of_pass = self._end_ref() is None  # (no update of this pass yet)
-            if first_of_pass:
-                self._follow_groups()
-            if id(p) not in self._params:
-                return  # no longer in the optimizer
-            if id(p) in self._updated:
-                self._refuse_second_gradient(p)
-            # Parameters whose module-mates got no gradient this time are updated at the
-            # end of backward; outside one (reprop.ooo's run() of held weight gradients
-            # fires the hook), what is left waits for _finish_step.
-            if first_of_pass and not _tensors.outside_backward():
-                self._drop_failed_pass()  # (a retry of a backward that raised)
-                self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
-                self._pass_open = True
-            if self._step_settings is None:
-                self._step_settings = _settings_snapshot(self.optimizer)
-            self._ready[id(p)] = p
-            batch = _complete(self._batch_of[id(p)], self._ready)
-            if batch:
-                if self._hooks_after_ours(p):  # they see .grad first: at the end of backward
-                    self._hooked_behind[id(p)] = p
-                else:
-                    self._update(batch)
+        with self._lock: self._on_grad_ready_locked(p)  # noqa: E701 (see _lock)
+
+    def _on_grad_ready_locked(self, p: torch.Tensor) -> None:
+        if self._removed:  # by another thread during this backward: p.grad is eager's now
+            return
+        self._mark_backward(p)
+        if not self._updating():  # accumulating: eager would not step now
+            self._note_if_late(p)
+            return
+        self._note_if_moved_again(p)
+        first_of_pass = self._end_ref() is None  # (no update of this pass yet)
+        if first_of_pass:
+            self._follow_groups()
+        if id(p) not in self._params:
+            return  # no longer in the optimizer
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
+        # Parameters whose module-mates got no gradient this time are updated at the
+        # end of backward; outside one (reprop.ooo's run() of held weight gradients
+        # fires the hook), what is left waits for _finish_step.
+        if first_of_pass and not _tensors.outside_backward():
+            self._drop_failed_pass()  # (a retry of a backward that raised)
+            self._end_ref = _tensors.queue_end_of_backward(self._on_backward_end)
+            self._pass_open = True
+        if self._step_settings is None:
+            self._step_settings = _settings_snapshot(self.optimizer)
+        self._ready[id(p)] = p
+        batch = _complete(self._batch_of[id(p)], self._ready)
+        if batch:
+            if self._hooks_after_ours(p):  # they see .grad first: at the end of backward
+                self._hooked_behind[id(p)] = p
+            else:
+                self._update(batch)
 
     def _follow_groups(self) -> None:
         """Follows the optimizer's groups as they are at this backward, whose
@@ -2039,16 +2070,18 @@ class _BackwardFusion(FusionHandle):
         # local gradient would stay in .grad for the next step's all-reduce)
         if _tensors.fake_mode_active():
             return  # (see _on_grad_ready)
-        with self._lock:
-            if self._removed:
-                return
-            self._mark_backward(p)
-            if id(p) in self._updated:
-                self._refuse_second_gradient(p)
-            if not self._updating():
-                self._note_if_late(p)
-            else:
-                self._note_if_moved_again(p)
+        with self._lock: self._on_ddp_grad_ready_locked(p)  # noqa: E701 (see _lock)
+
+    def _on_ddp_grad_ready_locked(self, p: torch.Tensor) -> None:
+        if self._removed:
+            return
+        self._mark_backward(p)
+        if id(p) in self._updated:
+            self._refuse_second_gradient(p)
+        if not self._updating():
+            self._note_if_late(p)
+        else:
+            self._note_if_moved_again(p)
 
     def _note_if_late(self, p: torch.Tensor) -> None:
         """Notes p if this accumulating micro-batch's gradient reached it after
@@ -2093,14 +2126,16 @@ class _BackwardFusion(FusionHandle):
     def _on_backward_end(self) -> None:
         # (under reentrant checkpointing this may be a nested backward's end:
         # what it updates is complete, and the rest waits for _finish_step)
-        with self._lock:
-            self._pass_open = False
-            if self._removed:  # (eager's step() applies what is ready)
-                return
-            if self._ready:
-                self._update(list(self._ready.values()))
-            if self._hooked_behind:
-                self._put_hooks_last()
+        with self._lock: self._on_backward_end_locked()  # noqa: E701 (see _lock)
+
+    def _on_backward_end_locked(self) -> None:
+        self._pass_open = False
+        if self._removed:  # (eager's step() applies what is ready)
+            return
+        if self._ready:
+            self._update(list(self._ready.values()))
+        if self._hooked_behind:
+            self._put_hooks_last()
 
     def _drop_failed_pass(self) -> None:
         """Forgets a backward that reached this fusion and raised (an error in
@@ -2131,22 +2166,24 @@ class _BackwardFusion(FusionHandle):
         or forward."""
         if not stepping and self._step_settings is None and not self._updated:
             return  # nothing to finish, as at most forwards: no lock taken
-        with self._lock:
-            if self._removed or self._end_ref() is not None:
-                return
-            self._drop_failed_pass()
-            # (None after DDP's bucket hooks, which update without step settings)
-            settings, self._step_settings = self._step_settings, None
-            if settings is not None or stepping:
-                self._apply_unapplied(settings)
-            # the window's step is finished: a gradient from now on is not a second
-            # one, and until one comes, the window's step() (if this is not it)
-            # moves none of the params this finish found moved
-            self._moved_before_step = set() if stepping else self._updated
-            self._updated = set()
-            if stepping:
-                self._restart_window()
-                self._kept_unstepped = False
+        with self._lock: self._finish_step_locked(stepping)  # noqa: E701 (see _lock)
+
+    def _finish_step_locked(self, stepping: bool) -> None:
+        if self._removed or self._end_ref() is not None:
+            return
+        self._drop_failed_pass()
+        # (None after DDP's bucket hooks, which update without step settings)
+        settings, self._step_settings = self._step_settings, None
+        if settings is not None or stepping:
+            self._apply_unapplied(settings)
+        # the window's step is finished: a gradient from now on is not a second
+        # one, and until one comes, the window's step() (if this is not it)
+        # moves none of the params this finish found moved
+        self._moved_before_step = set() if stepping else self._updated
+        self._updated = set()
+        if stepping:
+            self._restart_window()
+            self._kept_unstepped = False
 
     def _restart_window(self) -> None:
         """A step() or zero_grad() ends the window, its gradients applied or
@@ -2194,15 +2231,17 @@ class _BackwardFusion(FusionHandle):
         # DDP's end of backward wrote the all-reduced gradient into .grad of the
         # parameters a rank used, and left .grad None where none did, as eager
         # step() then sees it (find_unused_parameters=True).
-        with self._lock:
-            used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
-            self._ddp_unused_here = []
-            if used_elsewhere and not self._removed:  # (removed: eager's step() applies them)
-                self.optimizer.step_params(used_elsewhere)
-                self._record_updated(used_elsewhere)
-                self._ddp_updated.extend(used_elsewhere)
-            self._release_grads(self._ddp_updated)
-            self._ddp_updated = []
+        with self._lock: self._release_ddp_grads_locked()  # noqa: E701 (see _lock)
+
+    def _release_ddp_grads_locked(self) -> None:
+        used_elsewhere = [p for p in self._ddp_unused_here if p.grad is not None]
+        self._ddp_unused_here = []
+        if used_elsewhere and not self._removed:  # (removed: eager's step() applies them)
+            self.optimizer.step_params(used_elsewhere)
+            self._record_updated(used_elsewhere)
+            self._ddp_updated.extend(used_elsewhere)
+        self._release_grads(self._ddp_updated)
+        self._ddp_updated = []
 
     def _update(self, params: Iterable[torch.Tensor], settings: dict | None = None) -> None:
         params = self._with_grad(params)
@@ -2345,19 +2384,9 @@ class _BackwardFusion(FusionHandle):
             # DDP's join hook (Join([ddp]) with uneven inputs) running it on a joined
             # rank to match another rank's all-reduce, of zeros: no backward, no update
             return reduced
-        with self._lock:
-            self._backward_since_forward = True
-            self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
-            if self._removed or not self._updating():
-                return reduced
-            self._follow_groups()
-            pairs, unused_here = _split_by_local_use(
-                (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
-                if id(p) in self._params)
-            self._ddp_unused_here.extend(unused_here)
-            self._record_updated(p for p, _ in pairs)
-            if self._end_ref() is None:
-                self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
+        with self._lock: pairs = self._bucket_pairs(bucket)  # noqa: E701 (see _lock)
+        if pairs is None:
+            return reduced
 
         # weakly: the callback may be released later, by gloo's or NCCL's thread
         # (a strong one kept the dropped model alive until then)
@@ -2371,13 +2400,33 @@ class _BackwardFusion(FusionHandle):
             fusion = handle()
             if pairs and fusion is not None:
                 _into_bucket(fut.value(), buffer)
-                with fusion._lock:
-                    fusion.optimizer.step_params([p for p, _ in pairs],
-                                                 grads=[g for _, g in pairs])
-                    fusion._ddp_updated.extend(p for p, _ in pairs)
+                with fusion._lock: fusion._update_bucket(pairs)  # noqa: E701 (see _lock)
             return fut.value()
 
         return reduced.then(update)
+
+    def _bucket_pairs(self, bucket) -> list | None:
+        """(param, all-reduced gradient) of the bucket's fused params this
+        rank gave a gradient, noted as updated (under the lock); None when
+        this backward updates nothing (removed, or accumulating)."""
+        self._backward_since_forward = True
+        self._moved_before_step.clear()  # (as _mark_backward: a rank may have no gradient)
+        if self._removed or not self._updating():
+            return None
+        self._follow_groups()
+        pairs, unused_here = _split_by_local_use(
+            (p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+            if id(p) in self._params)
+        self._ddp_unused_here.extend(unused_here)
+        self._record_updated(p for p, _ in pairs)
+        if self._end_ref() is None:
+            self._end_ref = _tensors.queue_end_of_backward(self._after_ddp_backward)
+        return pairs
+
+    def _update_bucket(self, pairs: list) -> None:
+        """The update of a bucket's params from its reduced gradients (under the lock)."""
+        self.optimizer.step_params([p for p, _ in pairs], grads=[g for _, g in pairs])
+        self._ddp_updated.extend(p for p, _ in pairs)
 
     def _fused_step(self) -> None:
         # (called by _step, _hooked_step and the step() fusion installs).
@@ -2624,9 +2673,11 @@ class _ForwardFusion(FusionHandle):
         applied it, and until the owners are followed nothing applies it
         before a read through its new module (remove_parametrizations reads
         the weight through its parametrizations)."""
-        with self._lock:
-            if id(p) in self._pending and not self._removed:
-                self._apply([p])
+        with self._lock: self._apply_moved_locked(p)  # noqa: E701 (see _lock)
+
+    def _apply_moved_locked(self, p: torch.Tensor) -> None:
+        if id(p) in self._pending and not self._removed:
+            self._apply([p])
 
     def _follow_owners(self) -> None:
         """Hooks the new owners of fused parameters registered in other modules
@@ -2723,16 +2774,18 @@ class _ForwardFusion(FusionHandle):
     def flush(self) -> None:
         if self._removed:  # also what a copy's hooks call (see __reduce__)
             return
-        with self._lock:
-            if self._pending:
-                try:
-                    if self._owners_moved:  # (a parametrization since step() is refused, not applied)
-                        self._refuse_parametrized_while_pending()
-                finally:
-                    # the others apply before the refusal is raised: remove() lets go of
-                    # what is still pending once flush() returns, so they were lost there
-                    if self._pending:
-                        self._apply(list(self._pending.values()))
+        with self._lock: self._flush_locked()  # noqa: E701 (see _lock)
+
+    def _flush_locked(self) -> None:
+        if self._pending:
+            try:
+                if self._owners_moved:  # (a parametrization since step() is refused, not applied)
+                    self._refuse_parametrized_while_pending()
+            finally:
+                # the others apply before the refusal is raised: remove() lets go of
+                # what is still pending once flush() returns, so they were lost there
+                if self._pending:
+                    self._apply(list(self._pending.values()))
 
     def _before_regroup(self) -> None:
         # Eager step() applied its updates before the groups changed (a group
@@ -2952,34 +3005,40 @@ class _ForwardFusion(FusionHandle):
             return
         self._ran[id(module)] = self._stamp
         if self._pending:  # the common case, nothing pending, takes no lock
-            with self._lock:  # (another thread may be applying these very updates)
-                self._follow_owners()  # (layers called one by one: no root forward)
-                pending = self._pending
-                # (a parameter registered under two names is applied once)
-                mine = {id(p): p for p in _params_read_by(module, self._own_of) if id(p) in pending}
-                if mine:
-                    self._apply(list(mine.values()))
+            # (locked: another thread may be applying these very updates)
+            with self._lock: self._apply_for(module)  # noqa: E701 (see _lock)
+
+    def _apply_for(self, module: nn.Module) -> None:
+        """Applies the pending updates of what `module` reads (under the lock)."""
+        self._follow_owners()  # (layers called one by one: no root forward)
+        pending = self._pending
+        # (a parameter registered under two names is applied once)
+        mine = {id(p): p for p in _params_read_by(module, self._own_of) if id(p) in pending}
+        if mine:
+            self._apply(list(mine.values()))
 
     @_tensors.eager_under_compile
     def _on_root_forward(self, module, args) -> None:
         if self._removed:  # the hook of a copy of the model (see __reduce__)
             return
-        with self._lock:
-            if self._removed:  # by another thread since
-                return
-            self._sync()
-            self._forget_late()
-            previous, self._stamp = self._stamp, object()
-            # Parameters of modules never seen running are read some other way: now.
-            # (a module seen leaves _unseen for good, so the steady state looks at
-            # no module here)
-            self._unseen = [(i, own) for i, own in self._unseen if i not in self._ran]
-            orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
-            if self._pending:
-                orphans += self._of_idle_owners(previous)
-            if orphans:
-                # (a weight tied between owners is among each one's: applied once)
-                self._apply(list({id(p): p for p in orphans}.values()))
+        with self._lock: self._on_root_forward_locked()  # noqa: E701 (see _lock)
+
+    def _on_root_forward_locked(self) -> None:
+        if self._removed:  # by another thread since
+            return
+        self._sync()
+        self._forget_late()
+        previous, self._stamp = self._stamp, object()
+        # Parameters of modules never seen running are read some other way: now.
+        # (a module seen leaves _unseen for good, so the steady state looks at
+        # no module here)
+        self._unseen = [(i, own) for i, own in self._unseen if i not in self._ran]
+        orphans = [p for _, own in self._unseen for p in own if id(p) in self._pending]
+        if self._pending:
+            orphans += self._of_idle_owners(previous)
+        if orphans:
+            # (a weight tied between owners is among each one's: applied once)
+            self._apply(list({id(p): p for p in orphans}.values()))
 
     def _of_idle_owners(self, previous: object) -> list:
         """The pending parameters of the owners seen running before but not
@@ -3005,10 +3064,13 @@ class _ForwardFusion(FusionHandle):
         # gradients it still holds must not meet unscale_() or clipping.
         if self._removed or not self._pending:  # (the steady state: every owner ran)
             return
-        with self._lock:
-            late = dict(self._pending)
-            self.flush()
-            self._watch_late(late, output)
+        with self._lock: self._flush_watching_late(output)  # noqa: E701 (see _lock)
+
+    def _flush_watching_late(self, output) -> None:
+        """flush(), then watch what it applied (under the lock)."""
+        late = dict(self._pending)
+        self.flush()
+        self._watch_late(late, output)
 
     def _watch_late(self, late: dict, output) -> None:
         """Has a gradient reaching a parameter of `late` (applied after this
