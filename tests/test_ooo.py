@@ -137,6 +137,24 @@ def test_memory_cap_zero_keeps_every_task_in_place():
     assert not any(s.split for s in handle.sites)
 
 
+def test_regions_are_cut_where_the_main_stream_time_reaches_each_share():
+    """Region r ends at the first layer whose cumulative main-stream time
+    reaches r / n of the total (that layer included): equal times split into
+    equal regions. Cut one layer earlier, four equal layers made regions of
+    one and three."""
+    assert ooo._balanced_cuts(np.ones(4), 2) == [0, 2, 4]
+    assert ooo._balanced_cuts(np.ones(8), 4) == [0, 2, 4, 6, 8]
+    assert ooo._balanced_cuts(np.array([3.0, 1, 1, 1, 3, 1, 1, 1]), 2) == [0, 4, 8]
+    rng = np.random.default_rng(0)
+    for n in range(1, 9):
+        times = rng.uniform(0.5, 1.5, 40)
+        cum, cuts = np.cumsum(times), ooo._balanced_cuts(times, n)
+        assert cuts[0] == 0 and cuts[-1] == 40 and len(cuts) == n + 1
+        for r in range(1, n):
+            target = cum[-1] * r / n
+            assert cum[cuts[r] - 1] >= target > (cum[cuts[r] - 2] if cuts[r] >= 2 else 0.0), (n, r)
+
+
 def _moved_sites(handle) -> set:
     return {k[0] for k, r in handle._region_of.items() if r != handle._region_of_main[k]}
 
@@ -228,6 +246,26 @@ def test_task_bytes_are_what_deferring_it_holds_not_its_weight():
     # its input (16 KiB) and the loss's expanded gradient: one float
     assert bytes_of[model[1]] == 4 * 1024 * 4 + 4
     handle.run(held)
+    handle.remove()
+
+
+def test_task_bytes_leave_out_its_own_parameters_passed_by_functional_call():
+    """torch.func.functional_call hands the layer leaf tensors that are not
+    the model's parameters: the task defers into their .grad and reads the
+    weight (as a W^T view), which the caller holds anyway. Deferring it holds
+    the saved input and the output gradient only, as for the model's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 8))
+    handle = ooo.enable(model, order="conventional")
+    params = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+    x = torch.randn(4, 256)
+    with handle.hold() as held:
+        torch.func.functional_call(model, params, (x,)).sum().backward()
+    bytes_of = {t.site.module: t.nbytes() for t in held}
+    assert bytes_of[model[0]] == 4 * 256 * 4 + 4 * 512 * 4
+    assert bytes_of[model[1]] == 4 * 512 * 4 + 4
+    handle.run(held)
+    assert all(p.grad is not None for p in params.values())
     handle.remove()
 
 
@@ -415,6 +453,79 @@ def test_speedup_profile_moves_tasks_and_keeps_gradients():
     # the layers whose dW moved stay split; the others run plain autograd
     moved = _moved_sites(handle)
     assert moved and all(s.split == (s.index in moved) for s in handle.sites)
+
+
+def test_placement_reads_the_speedup_of_a_dw_by_its_own_region():
+    """speedup[r, i] is the dW of region r beside region i: a task of region
+    0 goes where row 0 is highest (region 1 here), a task of region 1 stays
+    in region 1 (row 1 puts nothing higher). Read as a column (speedup[:, r]),
+    region 0's task saw 1 everywhere and stayed."""
+    handle = ooo.enable(nn.Linear(2, 2), max_extra_memory=1.0)
+    a, b = (0, 0), (1, 0)
+    prof = ooo._Profile(main={a: [1.0], b: [1.0]}, sub={a: [0.25], b: [0.25]}, nbytes={})
+    cut = ooo._cut_regions(prof, 2)
+    assert cut.region_of == {a: 0, b: 1}
+    placed = handle._placement(np.array([[1.0, 3.0], [1.0, 1.0]]), prof, cut)
+    assert placed["_region_of"] == {a: 1, b: 1}
+    assert placed["schedule"]["moved"] == 1
+    # the other way round: region 0's dW is best beside its own region
+    placed = handle._placement(np.array([[3.0, 1.0], [1.0, 2.0]]), prof, cut)
+    assert placed["_region_of"] == {a: 0, b: 1}
+    handle.remove()
+
+
+def test_placement_takes_a_dw_as_ready_once_its_own_call_ran():
+    """A dW is ready at the start of its call's interval within its region,
+    not at the region's start: the second call of region 0 becomes ready at
+    1.0, after the sub-stream's 0.25 s of the first task there, so Algorithm
+    1 runs it in region 1. Stamped at the region's start, it stayed in
+    region 0, as if its dO had run before the first call's."""
+    handle = ooo.enable(nn.Linear(2, 2), max_extra_memory=1.0)
+    a, a2, b = (0, 0), (1, 0), (2, 0)
+    prof = ooo._Profile(main={a: [1.0], a2: [1.0], b: [2.0]},
+                        sub={a: [0.25], a2: [0.25], b: [0.25]}, nbytes={})
+    cut = ooo._cut_regions(prof, 2)
+    assert cut.region_of == {a: 0, a2: 0, b: 1}
+    assert handle._placement(np.ones((2, 2)), prof, cut)["_region_of"] == {a: 0, a2: 1, b: 1}
+    handle.remove()
+
+
+def test_each_dw_runs_in_the_region_the_schedule_places_it():
+    """Once the schedule is fixed, the main stream's entry into region r
+    issues the dW placed there, and a dW placed in the region its dO runs
+    in runs at once: none waits for a later region (memory held past the
+    cap, dW off the sub-stream's slot). Under deterministic algorithms every
+    layer stays split on the CPU too, so every region is entered."""
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [nn.Linear(16, 16), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    handle = ooo.enable(model, regions=4, profile_iters=2, max_extra_memory=1.0,
+                        speedup=lambda own, at: 2.0 if at == 2 else 1.0)
+    x = torch.randn(4, 16)
+    for _ in range(handle._profile_passes()):
+        model(x).sum().backward()
+    assert handle.schedule is not None
+    ran = []
+    issue = handle._issue
+    handle._issue = lambda task: ran.append((task.key, handle._current_region)) or issue(task)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        m.__dict__.pop("forward", None)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        for net in (ref, model):
+            net.zero_grad()
+            net(x).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    placed = handle._region_of
+    assert len(ran) == 8 and any(placed[k] != handle._region_of_main[k] for k, _ in ran)
+    assert [(k, placed[k]) for k, _ in ran] == ran
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
 
 
 def test_hold_defers_until_run():
@@ -1450,6 +1561,33 @@ def test_tensor_hooks_see_the_summed_gradient(order):
             torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
     assert len(seen[model]) == len(seen[ref]) == 8
     assert order == "conventional" or handle.schedule["moved"] > 0
+
+
+@pytest.mark.parametrize("hooked", ["weight", "bias"])
+@pytest.mark.parametrize("make", [lambda: nn.GroupNorm(2, 8), lambda: nn.BatchNorm1d(8)],
+                         ids=["group_norm", "batch_norm"])
+def test_a_tensor_hook_on_one_parameter_of_a_fused_norm_keeps_both_gradients(make, hooked):
+    """A norm with batch statistics makes dW with dO in one call (fuses):
+    with a tensor hook on one parameter, that one is returned to autograd
+    and the other deferred, and the one call must make both. Asked for the
+    deferred one only, the returned one came back None: its .grad stayed
+    unset and its hook never ran."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), make(), nn.Tanh(), nn.Linear(8, 2))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    seen = {}
+    for net in (ref, model):
+        getattr(net[1], hooked).register_hook(lambda g, net=net: seen.setdefault(net, []).append(g)
+                                              or g * 2)
+    x = torch.randn(6, 8)
+    for net in (ref, model):
+        net(x).pow(2).sum().backward()
+    assert len(seen[model]) == len(seen[ref]) == 1
+    assert torch.equal(seen[model][0], seen[ref][0])
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    handle.remove()
 
 
 class OneOfEachKind(nn.Sequential):
@@ -2843,6 +2981,25 @@ def test_sub_stream_corun_halves_overlap():
     assert alone.makespan < serial.makespan <= shared.makespan + 1e-9
 
 
+def test_simulated_order_lists_each_devices_sub_stream_tasks_too():
+    """SimResult.order[d] lists device d's F, dO and dW: with sub_stream the
+    dW run on the device's second stream, and are listed with its tasks (a
+    sub-stream's resources come after the main streams', before the links)."""
+    for sync in (None, 1.0):
+        r = ooo.simulate(4, num_stages=2, sub_stream=True, order="fast_forward", sync=sync)
+        listed = sorted((kind, layer) for on_d in r.order for kind, layer, _, _ in on_d)
+        assert listed == sorted([("F", l) for l in range(4)] + [("dO", l) for l in range(1, 4)]
+                                + [("dW", l) for l in range(4)])
+        assert {layer for kind, layer, _, _ in r.order[1] if kind == "dW"} == {2, 3}
+
+
+def test_modulo_groups_of_any_size_put_every_layer_on_device_0():
+    """A group of `layers` or more puts every layer on device 0, however
+    large (the core's int64 would not hold 2**70)."""
+    assert ooo.stages(4, 2, "modulo", 2 ** 70) == ooo.stages(4, 2, "modulo", 4) == [0, 0, 0, 0]
+    assert ooo.simulate(4, num_stages=2, allocation="modulo", group=2 ** 70).busy[1] == 0.0
+
+
 def test_a_huge_cost_leaves_the_other_tasks_times_alone():
     """Events were simultaneous within 1e-12 of the graph's largest cost: a
     dW of 1e12 ended dO(1) (0.6 + 0.7) with the sub-stream's dW(1) at 0.9.
@@ -3034,6 +3191,10 @@ def test_reverse_first_k_takes_float16_sizes_without_a_warning():
     (lambda: ooo.simulate(2, out_grad=np.array(1.0)), "out_grad"),
     (lambda: ooo.simulate(2, weight_grad=[torch.tensor(1.0), 1.0]), "weight_grad"),
     (lambda: ooo.reverse_first_k(2, 1, torch.tensor([1, 1]), [1, 1]), "mem_out_grad"),
+    # k holds layers in reverse first-k only, and at most every layer
+    (lambda: ooo.simulate(4, k=2), "k"),
+    (lambda: ooo.simulate(4, order="fast_forward", k=1), "k"),
+    (lambda: ooo.simulate(4, order="reverse_first_k", k=5), "k"),
 ])
 def test_planning_bad_arguments(bad, name):
     with pytest.raises(ValueError, match=f"^{name}: "):
@@ -3157,6 +3318,21 @@ def test_a_captured_step_takes_only_the_values_of_its_inputs():
         assert not captured.static_inputs[0].requires_grad
         torch.testing.assert_close(loss, ref_step(x.detach(), y), rtol=RTOL, atol=ATOL)
     assert features.weight.grad is None
+
+
+def test_a_captured_step_leaves_the_example_batch_as_it_was():
+    """capture() reads static copies of the example batch: replays write each
+    new batch into those copies, never into the caller's tensors (x0 is
+    often the first batch of a loader, or a tensor kept for evaluation)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    handle = ooo.enable(model, speedup=None, profile_iters=2)
+    x0, y0 = torch.randn(5, 6), torch.randint(4, (5,))
+    kept = x0.clone(), y0.clone()
+    captured = ooo.capture(_sgd_step(model), x0, y0, warmup=1, handle=handle)
+    assert captured.static_inputs[0] is not x0
+    captured(torch.randn(5, 6), torch.randint(4, (5,)))
+    assert torch.equal(x0, kept[0]) and torch.equal(y0, kept[1])
 
 
 def test_an_interrupt_at_any_line_of_a_captured_step_on_cpu_leaves_grad_mode_on():
@@ -3460,6 +3636,31 @@ def test_same_padding_with_dilation_matches_autograd(order):
     torch.manual_seed(0)
     for conv, x in ((nn.Conv2d(3, 4, 3, padding="same", dilation=2), torch.randn(2, 3, 9, 9)),
                     (nn.Conv1d(3, 4, 5, padding="same", dilation=3), torch.randn(2, 3, 16))):
+        ref = copy.deepcopy(conv)
+        handle = ooo.enable(conv, order=order)
+        outs = []
+        for net in (ref, conv):
+            xi = x.clone().requires_grad_()
+            y = net(xi)
+            y.pow(2).sum().backward()
+            outs.append((y.detach(), xi.grad))
+        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+        for a, b in zip(ref.parameters(), conv.parameters()):
+            assert torch.equal(b.grad, a.grad)
+        handle.remove()
+
+
+@pytest.mark.parametrize("order", ooo.ORDERS)
+def test_grouped_strided_and_depthwise_convs_match_autograd(order):
+    """Grouped, depthwise (MobileNet's, one of the paper's models) and
+    strided convolutions: the split passes the layer's groups and stride to
+    the native convolution and its backward, so output, dX and dW equal
+    autograd's bitwise. No other test had a conv with groups or stride: the
+    split calling the kernels with groups=1 or stride 1 went unseen."""
+    torch.manual_seed(0)
+    for conv, x in ((nn.Conv2d(4, 6, 3, groups=2, stride=2, padding=1), torch.randn(2, 4, 9, 9)),
+                    (nn.Conv1d(4, 4, 3, groups=4, padding=1), torch.randn(2, 4, 10)),
+                    (nn.Conv3d(4, 2, 1, groups=2, stride=(1, 2, 2)), torch.randn(2, 4, 3, 4, 4))):
         ref = copy.deepcopy(conv)
         handle = ooo.enable(conv, order=order)
         outs = []
