@@ -2920,3 +2920,46 @@ def test_data_parallel_stopped_at_any_line_on_every_rank_trains_on():
     the old plan was dropped, left that plan in use: the parameter was
     never averaged (0.025 off DDP's gradient)."""
     _spawn(_dp_stopped_at_any_line, 2)
+
+
+# Pipeline's own code (its static methods' functions too)
+_PIPELINE_LINES = tuple(getattr(f, "__func__", f) for f in vars(Pipeline).values()
+                        if isinstance(getattr(f, "__func__", f), types.FunctionType))
+
+
+@pytest.mark.parametrize("method", ["step", "evaluate"])
+def test_pipeline_stopped_at_any_line_trains_on(solo_group, method):
+    """A KeyboardInterrupt (a notebook's stop button) before any line of a
+    one-stage Pipeline's step() or evaluate() (4 layers, 2 micro-batches,
+    fast_forward: held dW; inputs needing a gradient), its traceback kept
+    as a notebook keeps the last error's: grad mode is on after it, and
+    the next steps give single-process training's gradients until
+    remove() leaves the layers as built."""
+    built = nn.Sequential(*_blocks()[:3])
+    for k in itertools.count(1):
+        layers, ref = copy.deepcopy(built), copy.deepcopy(built)
+        pipe = Pipeline(list(layers), micro_batches=2)
+        x, t = _batch(0, 0)
+        stop = LineStop(_PIPELINE_LINES, k)
+        kept = []
+        try:
+            with stop:
+                getattr(pipe, method)(x.requires_grad_(), t, F.mse_loss)
+        except KeyboardInterrupt as e:
+            kept.append(e)
+        assert torch.is_grad_enabled(), k
+        ref.load_state_dict(layers.state_dict())
+        for step in range(1, 3):
+            x, t = _batch(0, step)
+            for net in (layers, ref):
+                net.zero_grad()
+            pipe.step(x, t, F.mse_loss)
+            F.mse_loss(ref(x), t).backward()
+            _assert_same(layers, ref, "grad", exact=False)
+        pipe.remove()
+        assert_as_built(layers, built)
+        if not stop.stopped:
+            break
+    assert k > {"step": 350, "evaluate": 140}[method], k  # 387, 157
+
+

@@ -4068,8 +4068,10 @@ class Pipeline:
         evaluate() where the others do (a rank calling step() instead waits
         for gradients never sent). For predictions, have `loss_fn` keep its
         micro-batch's output."""
-        with torch.no_grad():
-            return self._run(inputs, targets, loss_fn, train=False)
+        # (not `with torch.no_grad()`: a stop button at its `return`, before
+        # its exit ran, left grad mode off for the session, and every later
+        # step() refused to train)
+        return without_grad(self._run, inputs, targets, loss_fn, False)
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
              train: bool) -> torch.Tensor | None:
