@@ -2963,3 +2963,50 @@ def test_pipeline_stopped_at_any_line_trains_on(solo_group, method):
     assert k > {"step": 350, "evaluate": 140}[method], k  # 387, 157
 
 
+
+class _GradOnItsDevice(torch.autograd.Function):
+    """x + 0 * w in value; w's gradient ones on w's device, whichever it is."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.shape, ctx.device = w.shape, w.device
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.ones(ctx.shape, device=ctx.device)
+
+
+class _OnItsDevice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(WIDTH))
+
+    def forward(self, x):
+        return _GradOnItsDevice.apply(x, self.weight)
+
+
+def test_data_parallel_parameter_moved_to_another_device_is_named(solo_group):
+    """A parameter moved to another device after the plan, not the first of
+    its bucket (whose device alone each backward checks): torch raised
+    'Attempting to copy from device meta to device cpu' as the bucket
+    launched, naming no parameter, at every later backward. Now the error
+    names it, and the next backward plans the buckets by device again. (The
+    meta device stands for a second GPU: swapped in under torch's swap
+    flag, the parameter object stays the one DataParallel hooked.)"""
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _OnItsDevice())
+    dp = DataParallel(model, k=0)
+    x, t = _batch(0, 0)
+    F.mse_loss(model(x), t).backward()
+    assert dp._bucket_of[model[1].weight] is dp._bucket_of[model[0].weight]  # one bucket
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model[1].to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    with pytest.raises(RuntimeError, match=r"^model\.1\.weight: its gradient is on meta, its "
+                                           r"bucket \(planned at an earlier backward\) on cpu"):
+        F.mse_loss(model(x), t).backward()
+    assert dp._buckets_stale()
+    dp.remove()

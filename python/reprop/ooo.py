@@ -3440,13 +3440,36 @@ class DataParallel(_PassTracking, Joinable):
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, scale, out=view)
+                try:
+                    torch.mul(p.grad, scale, out=view)
+                except RuntimeError:
+                    self._refuse_moved(p, view)
+                    raise
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
             b.flags[idle] = 0
         b.idle_here = bool(idle)
         b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+
+    def _refuse_moved(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """Raises naming `p` where its gradient is on another device than its
+        bucket: p moved since the plan (one layer of a model spread over
+        devices, `.to()` after the first backward) and was not its bucket's
+        first parameter, the one _buckets_stale checks (each of them would
+        cost every backward). Torch's own error named no parameter, and every
+        later backward raised it again. The plan is dropped: the next
+        backward plans buckets by the devices then (as after a conversion)."""
+        if p.grad.device == view.device:
+            return
+        self._bucketed_dtypes = [None] * len(self._bucketed)  # stale: planned again
+        name = next((n for n, q in self.model.named_parameters() if q is p), "?")
+        raise RuntimeError(
+            f"model.{name}: its gradient is on {p.grad.device}, its bucket (planned at an "
+            f"earlier backward) on {view.device}: the parameter moved to another device since. "
+            f"This backward's gradients are not averaged; the next backward plans the buckets "
+            f"again by the parameters' devices (move them on every rank, before the same "
+            f"forward, as under DDP)")
 
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
