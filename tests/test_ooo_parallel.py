@@ -25,6 +25,7 @@ import itertools
 import math
 import tempfile
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from reprop import _C, fuse, ooo
 from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
                         _pipelined_in_micro_batches, _stage_programs, allreduce_time,
                         data_parallel, enable, reverse_first_k, search_k, simulate)
-from _interrupts import interrupted_at_line
+from _interrupts import LineStop, interrupted_at_line
 from _scripts import script_output
 from test_ooo import assert_as_built
 
@@ -2768,3 +2769,244 @@ def test_data_parallel_removed_ignores_its_gradient_hooks(solo_group, monkeypatc
     p.grad = torch.ones_like(p)
     hook(p)
     assert not dp._used and not reduced
+
+
+# ---------------------------------------------------------------------------
+# The stop button on every rank at once: the same line of DataParallel's
+# hooks stopped on each rank (LineStop), then training goes on
+# ---------------------------------------------------------------------------
+
+
+class _SweptNet(nn.Module):
+    """Split Linear layers around a BatchNorm (buffers broadcast before each
+    forward), then a plain parameter: at k = 2 (Linear and BatchNorm held)
+    and _SWEPT_CAP, two buckets of autograd's and one per held layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Tanh(),
+                                    nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+
+    def forward(self, x):
+        return self.layers(x) * self.scale
+
+
+_SWEPT_CAP = 1.6e-3  # MiB: a Linear's weight and bias (1088 bytes) and no more
+
+
+def _dp_code(*names: str) -> tuple:
+    """DataParallel's functions of these names (all: none given), but
+    _agree, whose rank 0 skips a line the others run: a count of lines
+    would stop the ranks at different lines after it."""
+    return tuple(f for name, f in vars(DataParallel).items() if isinstance(f, types.FunctionType)
+                 and name != "_agree" and (not names or name in names))
+
+
+def _dp_stopped_step(rank: int, dp: DataParallel, twin, step: int, where, k: int,
+                     case: str, raising: list) -> bool:
+    """Step `step` of dp's model stopped before its k-th line in `where`
+    (LineStop), the same line on every rank: the same collectives issued.
+    Then grad mode is on, and `twin` (a DistributedDataParallel) takes the
+    parameters and buffers left behind: two more steps give its gradients
+    and parameters bitwise, and leave no hold of the first layers' dW open
+    (one the stop left is closed by the next forward). Whether it stopped."""
+    model = dp.model
+    x, t = _batch(rank, step)
+    if case == "unfrozen":
+        model.scale.requires_grad_(True)
+    stop = LineStop(where, k)
+    kept = []  # the stop's traceback, kept as a notebook keeps the last error's
+    try:
+        with stop:
+            _train_step(model, torch.optim.SGD(model.parameters()), x, t)
+    except (KeyboardInterrupt, ValueError) as e:  # ValueError: "raises", not stopped before
+        kept.append(e)
+    raising[0] = False  # (armed by the caller for this step)
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        for a, b in itertools.chain(zip(twin.module.parameters(), model.parameters()),
+                                    zip(twin.module.buffers(), model.buffers())):
+            a.copy_(b)
+    for step in range(step + 1, step + 3):
+        x, t = _batch(rank, step)
+        for net in (model, twin):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        assert dp.handle._holding == ()
+        _assert_same(model, twin.module, "grad")
+        for net in (model, twin.module):
+            with torch.no_grad():
+                for p in net.parameters():
+                    p -= 0.1 * p.grad
+        _assert_same(model, twin.module, "parameter")
+    return stop.stopped
+
+
+def _dp_stopped_at_every_line(rank: int, built: nn.Module, twin, case: str, where) -> int:
+    """A DataParallel of a copy of `built` (k = 2) trains, one step stopped
+    (_dp_stopped_step) before its first line in `where`, then before its
+    second, and so on, until a step runs fewer lines; remove() then leaves
+    the model as built. `case`: "first" (the first step stopped, each time
+    on a new DataParallel and model), "unfrozen" (likewise, `scale` frozen
+    at construction and unfrozen before the stopped step, its join and
+    plan), "raised" (one DataParallel, with gradient_as_bucket_view, each
+    stopped step after one whose check on a held layer's weight raised on
+    every rank: the step drops that backward) or "raises" (it raises in
+    the stopped step, after autograd: a stop as that backward is dropped).
+    Returns how many lines the step ran."""
+    dp = None
+    raising = [False]
+
+    def check(p):
+        if raising[0]:
+            raise ValueError("gradient check failed")
+
+    for k in itertools.count(1):
+        if dp is None:
+            model = copy.deepcopy(built)
+            if case == "unfrozen":
+                model.scale.requires_grad_(False)
+            dp = DataParallel(model, k=2, bucket_cap_mb=_SWEPT_CAP,
+                              gradient_as_bucket_view=case == "raised")
+            checked = model.layers[0].weight.register_post_accumulate_grad_hook(check)
+            if case != "first":  # (planned: "unfrozen" without scale)
+                _train_step(model, torch.optim.SGD(model.parameters()), *_batch(rank, 0))
+        if case == "raised":
+            raising[0] = True
+            with pytest.raises(ValueError, match="gradient check failed"):
+                _train_step(model, torch.optim.SGD(model.parameters()), *_batch(rank, 1))
+        raising[0] = case == "raises"
+        try:
+            stopped = _dp_stopped_step(rank, dp, twin, 2, where, k, case, raising)
+        except AssertionError as e:
+            raise AssertionError(f"case {case!r}, stopped before line {k}: {e}") from e
+        if case in ("first", "unfrozen") or not stopped:
+            checked.remove()
+            dp.remove()
+            assert_as_built(model, built)
+            dp = None
+        if not stopped:
+            return k - 1
+
+
+def _dp_stopped_at_any_line(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    built = _SweptNet()
+    twin = DistributedDataParallel(copy.deepcopy(built))
+    # the first backward's plan, and a join's: the lines a later step runs
+    # alike are swept in "raised"
+    planning = _dp_code("_before_forward", "_join_unfrozen", "_begin_backward", "_plan",
+                        "_after_reduction")
+    assert _dp_stopped_at_every_line(rank, built, twin, "first", planning) > 120  # 147
+    assert _dp_stopped_at_every_line(rank, built, twin, "unfrozen", planning) > 150  # 174
+    assert _dp_stopped_at_every_line(rank, built, twin, "raised", _dp_code()) > 280  # 312
+    ending = _dp_code("_reduce", "_end_backward", "_abandon_backward", "_release_held")
+    assert _dp_stopped_at_every_line(rank, built, twin, "raises", ending) > 50  # 57
+
+
+def test_data_parallel_stopped_at_any_line_on_every_rank_trains_on():
+    """A KeyboardInterrupt (a notebook's stop button) before any line of
+    DataParallel's hooks (the forward's pre-hook and output watch, the
+    gradients' hooks, a plan, the buckets' launch, the end of backward and
+    the dropping of one that raised), the same line on every rank: after
+    it grad mode is on, and training goes on as DistributedDataParallel's
+    from the state left behind, bitwise, until remove() leaves the model
+    as built. A stop as the buffers' broadcast ended (its `with
+    torch.no_grad()` exit skipped) left grad mode off for the session; one
+    in the first plan, after the buckets were stored and before the lists
+    _buckets_stale reads, made every later backward raise AttributeError;
+    one as a parameter unfrozen after construction joined, right before
+    the old plan was dropped, left that plan in use: the parameter was
+    never averaged (0.025 off DDP's gradient)."""
+    _spawn(_dp_stopped_at_any_line, 2)
+
+
+# Pipeline's own code (its static methods' functions too)
+_PIPELINE_LINES = tuple(getattr(f, "__func__", f) for f in vars(Pipeline).values()
+                        if isinstance(getattr(f, "__func__", f), types.FunctionType))
+
+
+@pytest.mark.parametrize("method", ["step", "evaluate"])
+def test_pipeline_stopped_at_any_line_trains_on(solo_group, method):
+    """A KeyboardInterrupt (a notebook's stop button) before any line of a
+    one-stage Pipeline's step() or evaluate() (4 layers, 2 micro-batches,
+    fast_forward: held dW; inputs needing a gradient), its traceback kept
+    as a notebook keeps the last error's: grad mode is on after it, and
+    the next steps give single-process training's gradients until
+    remove() leaves the layers as built."""
+    built = nn.Sequential(*_blocks()[:3])
+    for k in itertools.count(1):
+        layers, ref = copy.deepcopy(built), copy.deepcopy(built)
+        pipe = Pipeline(list(layers), micro_batches=2)
+        x, t = _batch(0, 0)
+        stop = LineStop(_PIPELINE_LINES, k)
+        kept = []
+        try:
+            with stop:
+                getattr(pipe, method)(x.requires_grad_(), t, F.mse_loss)
+        except KeyboardInterrupt as e:
+            kept.append(e)
+        assert torch.is_grad_enabled(), k
+        ref.load_state_dict(layers.state_dict())
+        for step in range(1, 3):
+            x, t = _batch(0, step)
+            for net in (layers, ref):
+                net.zero_grad()
+            pipe.step(x, t, F.mse_loss)
+            F.mse_loss(ref(x), t).backward()
+            _assert_same(layers, ref, "grad", exact=False)
+        pipe.remove()
+        assert_as_built(layers, built)
+        if not stop.stopped:
+            break
+    assert k > {"step": 350, "evaluate": 140}[method], k  # 387, 157
+
+
+
+class _GradOnItsDevice(torch.autograd.Function):
+    """x + 0 * w in value; w's gradient ones on w's device, whichever it is."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.shape, ctx.device = w.shape, w.device
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, torch.ones(ctx.shape, device=ctx.device)
+
+
+class _OnItsDevice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(WIDTH))
+
+    def forward(self, x):
+        return _GradOnItsDevice.apply(x, self.weight)
+
+
+def test_data_parallel_parameter_moved_to_another_device_is_named(solo_group):
+    """A parameter moved to another device after the plan, not the first of
+    its bucket (whose device alone each backward checks): torch raised
+    'Attempting to copy from device meta to device cpu' as the bucket
+    launched, naming no parameter, at every later backward. Now the error
+    names it, and the next backward plans the buckets by device again. (The
+    meta device stands for a second GPU: swapped in under torch's swap
+    flag, the parameter object stays the one DataParallel hooked.)"""
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _OnItsDevice())
+    dp = DataParallel(model, k=0)
+    x, t = _batch(0, 0)
+    F.mse_loss(model(x), t).backward()
+    assert dp._bucket_of[model[1].weight] is dp._bucket_of[model[0].weight]  # one bucket
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model[1].to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    with pytest.raises(RuntimeError, match=r"^model\.1\.weight: its gradient is on meta, its "
+                                           r"bucket \(planned at an earlier backward\) on cpu"):
+        F.mse_loss(model(x), t).backward()
+    assert dp._buckets_stale()
+    dp.remove()

@@ -3222,10 +3222,14 @@ class DataParallel(_PassTracking, Joinable):
             mine = held_params.get(layer, [])
             self._layer_buckets[layer] = [_Bucket(run, layer) for run in _pack(mine, float("inf"))]
             buckets += self._layer_buckets[layer]
-        self._buckets = buckets
         # every bucketed parameter and its bucket's dtype, for _buckets_stale
         self._bucketed = [p for b in buckets for p in b.params]
         self._bucketed_dtypes = [b.flat.dtype for b in buckets for _ in b.params]
+        # the plan goes in last, in one statement: a stop button after it and
+        # before the lists above (set after it) left the first plan without
+        # them (every later backward raised AttributeError) and a later one
+        # with the previous plan's
+        self._buckets = buckets
 
     def _join_unfrozen(self) -> None:
         """Parameters frozen when this was built and unfrozen since join the
@@ -3239,14 +3243,20 @@ class DataParallel(_PassTracking, Joinable):
         dW comes after autograd, and in a bucket of autograd's part it was
         averaged before it (as zeros). A layer frozen whole was not split:
         it runs plain autograd, its parameters bucketed last."""
+        # the plan dropped first, self._frozen changed last: a stop button
+        # (KeyboardInterrupt) anywhere between leaves the join to do again at
+        # the next forward or plan, whole. (The plan was dropped last: a stop
+        # right before it kept the old buckets, without the parameters that
+        # had left self._frozen, which every later step left unaveraged)
+        self._buckets = None
         accumulated = weak_hook(self._grad_accumulated)
+        unfrozen = [p for p in self._frozen if p.requires_grad]
         # hooked before self._frozen drops them: an interrupt midway leaves
         # some hooked twice (the hook is idempotent), none unhooked
-        for p in self._frozen:
-            if p.requires_grad:
-                self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
-                self._swap_watch.add(p)
-        joined = {id(p) for p in self._frozen if p.requires_grad}
+        for p in unfrozen:
+            self._hooks.append(p.register_post_accumulate_grad_hook(accumulated))
+            self._swap_watch.add(p)
+        joined = set(map(id, unfrozen))
         for s in self.handle.sites:
             had = set(map(id, s.params))  # (a join interrupted midway added some)
             s.params = s.params + [p for p in s.kind.params(s.module) or ()
@@ -3256,7 +3266,6 @@ class DataParallel(_PassTracking, Joinable):
         left = {id(p) for p in frozen}
         self._params = [p for p in self._all_params if id(p) not in left]  # the model's order
         self._frozen = frozen
-        self._buckets = None
 
     def _agree(self) -> list:
         """The split layers called so far on any rank, ordered by their
@@ -3320,8 +3329,9 @@ class DataParallel(_PassTracking, Joinable):
         if self._join_config.enable:
             self._announce(buffers)
         if buffers:
-            with torch.no_grad():
-                self._broadcast(list(module.buffers()), self._deciding_rank())
+            # (not `with torch.no_grad()`: a stop button as its body ended, before
+            # its exit ran, left grad mode off for the session, on every rank)
+            without_grad(self._broadcast, list(module.buffers()), self._deciding_rank())
 
     def _watch_output(self, module, args, out) -> None:
         if self._removed:
@@ -3430,13 +3440,36 @@ class DataParallel(_PassTracking, Joinable):
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
             else:
-                torch.mul(p.grad, scale, out=view)
+                try:
+                    torch.mul(p.grad, scale, out=view)
+                except RuntimeError:
+                    self._refuse_moved(p, view)
+                    raise
         b.flags.fill_(1)
         idle = [i for i, p in enumerate(b.params) if p not in self._used]
         if idle:
             b.flags[idle] = 0
         b.idle_here = bool(idle)
         b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)
+
+    def _refuse_moved(self, p: torch.Tensor, view: torch.Tensor) -> None:
+        """Raises naming `p` where its gradient is on another device than its
+        bucket: p moved since the plan (one layer of a model spread over
+        devices, `.to()` after the first backward) and was not its bucket's
+        first parameter, the one _buckets_stale checks (each of them would
+        cost every backward). Torch's own error named no parameter, and every
+        later backward raised it again. The plan is dropped: the next
+        backward plans buckets by the devices then (as after a conversion)."""
+        if p.grad.device == view.device:
+            return
+        self._bucketed_dtypes = [None] * len(self._bucketed)  # stale: planned again
+        name = next((n for n, q in self.model.named_parameters() if q is p), "?")
+        raise RuntimeError(
+            f"model.{name}: its gradient is on {p.grad.device}, its bucket (planned at an "
+            f"earlier backward) on {view.device}: the parameter moved to another device since. "
+            f"This backward's gradients are not averaged; the next backward plans the buckets "
+            f"again by the parameters' devices (move them on every rank, before the same "
+            f"forward, as under DDP)")
 
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
@@ -3626,8 +3659,8 @@ class DataParallel(_PassTracking, Joinable):
         work.wait()
         sync, plans, buffers, decider = state.tolist()
         if buffers:
-            with torch.no_grad():
-                self._broadcast(list(self.model.buffers()), decider)
+            # (see _before_forward)
+            without_grad(self._broadcast, list(self.model.buffers()), decider)
         self._sync_next_forward = bool(sync)  # as theirs after their forward
         if not sync:
             return
@@ -3647,8 +3680,8 @@ class DataParallel(_PassTracking, Joinable):
         last = torch.tensor([dist.get_rank(self.group) if is_last_joiner else -1],
                             dtype=torch.int64, device=self._comm_device())
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group)
-        with torch.no_grad():
-            self._broadcast(self._synced_states(), int(last.item()))
+        # (see _before_forward)
+        without_grad(self._broadcast, self._synced_states(), int(last.item()))
 
 
 class _JoinHook(JoinHook):
@@ -4058,8 +4091,10 @@ class Pipeline:
         evaluate() where the others do (a rank calling step() instead waits
         for gradients never sent). For predictions, have `loss_fn` keep its
         micro-batch's output."""
-        with torch.no_grad():
-            return self._run(inputs, targets, loss_fn, train=False)
+        # (not `with torch.no_grad()`: a stop button at its `return`, before
+        # its exit ran, left grad mode off for the session, and every later
+        # step() refused to train)
+        return without_grad(self._run, inputs, targets, loss_fn, False)
 
     def _run(self, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: Callable,
              train: bool) -> torch.Tensor | None:
