@@ -247,6 +247,16 @@ def check_against_torch(name, x, grad, units=2):
 # ---------------------------------------------------------------------------
 
 
+def test_matches_torch_past_a_chunk():
+    """Past csrc/fad.c's chunks of 16384 elements (a full one and a tail of
+    37): every element against torch's. The
+    other value tests stay within one chunk, and test_thread_count_does_not_change_a_bit
+    compares thread counts only: a chunk's last element left unwritten
+    showed there only as uninitialized memory that happened to differ."""
+    x = sample("cpu", torch.float32, n=(1 << 14) + 37)
+    check_against_torch("gelu", x, torch.randn(x.shape, generator=torch.Generator().manual_seed(1)))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
@@ -443,6 +453,9 @@ FLOAT16_WIDE = {
     "celu_negative_alpha": (fad.celu, F.celu, -0.5, [-6.0, -5.8, -1.0, 2.0]),
     "elu_large_alpha": (fad.elu, F.elu, 1e5, [-1e-3, -2e-3, -20.0, 2.0]),
     "leaky_relu_large_slope": (fad.leaky_relu, F.leaky_relu, 1e5, [-1e-3, -2e-3, -1.0, 2.0]),
+    # |f'| past 65504 with a negative parameter: d = -99900 is -inf in float16
+    "elu_large_negative_alpha": (fad.elu, F.elu, -1e5, [-1e-3, -2e-3, -20.0, 2.0]),
+    "leaky_relu_large_negative_slope": (fad.leaky_relu, F.leaky_relu, -1e5, [-1e-3, -2e-3, -1.0, 2.0]),
 }
 
 
@@ -628,7 +641,8 @@ def test_codebook_defaults_are_the_functions():
 
 @pytest.mark.parametrize("name,params", [("leaky_relu", ()), ("leaky_relu", (-0.3,)),
                                          ("leaky_relu", (1e-31,)), ("leaky_relu", (-1e-35,)),
-                                         ("leaky_relu", (1e-40,)), ("hardsigmoid", ())])
+                                         ("leaky_relu", (1e-40,)), ("leaky_relu", (-1e-40,)),
+                                         ("hardsigmoid", ())])
 def test_codebook_two_valued_max_error(name, params):
     """LeakyReLU and Hardsigmoid store their two derivative values exactly
     (max_error 0) unless the slope is subnormal, and max_error is then the
@@ -1377,6 +1391,8 @@ def test_bad_input_raises_clearly():
         fad.sigmoid([1.0, 2.0])
     with pytest.raises(ValueError, match="saved_dtype"):
         fad.gelu(torch.randn(3), saved_dtype=torch.int8)
+    with pytest.raises(ValueError, match="saved_dtype"):  # a float dtype, but not one d is stored in
+        fad.gelu(torch.randn(3), saved_dtype=torch.float64)
     with pytest.raises(ValueError, match="saved_dtype"):
         fad.GELU(saved_dtype="8bit")
     with pytest.raises(ValueError, match="uint8"):
@@ -1580,6 +1596,9 @@ OUTPUT_SAVED_IN_PLACE = {
     "CELU": (lambda: nn.CELU(0.5, inplace=True), (F.celu, 0.5)),
     "SELU": (lambda: nn.SELU(inplace=True), (F.selu,)),
     "LeakyReLU": (lambda: nn.LeakyReLU(0.2, inplace=True), (F.leaky_relu, 0.2)),
+    # the boundary: torch takes a zero slope or alpha in place (only a negative one it refuses)
+    "LeakyReLU_zero_slope": (lambda: nn.LeakyReLU(0.0, inplace=True), (F.leaky_relu, 0.0)),
+    "ELU_zero_alpha": (lambda: nn.ELU(0.0, inplace=True), (F.elu, 0.0)),
 }
 
 
@@ -1752,6 +1771,7 @@ def test_patch_and_unpatch_leave_a_function_attribute_the_user_set_since():
     assert fad.patch(layer, saved_dtype=torch.bfloat16) == {} and layer.activation is F.relu
     assert torch.equal(layer(x), ref(x))
     assert fad.unpatch(layer) == [] and layer.activation is F.relu
+    layer.activation = F.gelu  # (patched again from torch's GELU, so that unpatch has a record)
     fad.patch(layer)
     layer.activation = F.relu
     assert fad.unpatch(layer) == [] and layer.activation is F.relu
@@ -2777,6 +2797,66 @@ def test_compose_rdiv_differentiates_its_numerator(name):
     (got,) = torch.autograd.grad(y.sum(), x)
     (want,) = torch.autograd.grad(fn(x).sum(), x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+# One chain per op of the chain tables (fad._UNARY, fad._BINARY), each op on a
+# chain tensor (YY) between two other steps, so that its local derivative
+# rule is what the gradient depends on: a rule without a test here (rsqrt,
+# expm1, sin, cos, erf, alpha of sub and rsub) could be wrong unnoticed.
+def _positive(h):
+    return h * h + 0.5  # (a chain tensor > 0, for log, sqrt, rsqrt, pow)
+
+
+CHAIN_OPS = {
+    "neg": lambda h: -(h * 2.0),
+    "exp": lambda h: torch.exp(h * 0.5),
+    "expm1": lambda h: torch.expm1(h * 0.5),
+    "special_expm1": lambda h: torch.special.expm1(h * 0.5),
+    "log": lambda h: torch.log(_positive(h)),
+    "log1p": lambda h: torch.log1p(_positive(h)),
+    "sqrt": lambda h: torch.sqrt(_positive(h)),
+    "rsqrt": lambda h: torch.rsqrt(_positive(h)),
+    "reciprocal": lambda h: torch.reciprocal(_positive(h)),
+    "sin": lambda h: torch.sin(h * 2.0),
+    "cos": lambda h: torch.cos(h * 2.0),
+    "erf": lambda h: torch.erf(h * 0.7),
+    "special_erf": lambda h: torch.special.erf(h * 0.7),
+    "square": lambda h: torch.square(h - 0.5),
+    "abs": lambda h: torch.abs(h - 0.5),
+    "relu": lambda h: torch.relu(h - 0.5),
+    "add_alpha": lambda h: torch.add(h.exp(), h * h, alpha=-1.5),
+    "sub_alpha": lambda h: torch.sub(h.exp(), h * h, alpha=2.5),
+    "rsub": lambda h: 3.0 - h.exp(),
+    "rsub_alpha": lambda h: torch.rsub(h * h, h.exp(), alpha=3.0),
+    "mul": lambda h: h.sin() * h.cos(),
+    "div": lambda h: h.sin() / _positive(h),
+    "rdiv": lambda h: 2.0 / _positive(h),
+    "pow_number": lambda h: _positive(h) ** 1.7,
+    "pow_tensor": lambda h: _positive(h) ** torch.linspace(-1.0, 2.0, 24).reshape(4, 6),
+    "rpow": lambda h: 3.0 ** (h * 0.5),
+    "pow_of_a_constant_tensor": lambda h: torch.pow(torch.full((4, 6), 2.5), h * 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAIN_OPS))
+def test_compose_each_element_wise_op_matches_autograd(name):
+    """Every op of the chain tables, met inside a chain, gives autograd's
+    values and gradients (and is a chain step, not plain autograd)."""
+    fn = CHAIN_OPS[name]
+    x = torch.linspace(-2.0, 2.5, 24).reshape(4, 6)
+    grad = torch.linspace(1.0, -0.5, 24).reshape(4, 6)
+
+    def run(compose):
+        leaf = x.clone().requires_grad_()
+        with fad.enabled(compose=compose):
+            y = fn(leaf * 1.25) * 0.75  # the root, a non-leaf, and a step after the op
+        return y, torch.autograd.grad(y, leaf, grad)[0]
+
+    y, g = run(True)
+    y_ref, g_ref = run(False)
+    assert type(y.grad_fn).__name__ == "_ChainBackward"
+    torch.testing.assert_close(y.detach(), y_ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6)
 
 
 def square_of_thousand_x(x):
@@ -3955,12 +4035,12 @@ def test_unpatch_leaves_the_torch_modules_attributes_as_before_patch():
     assert type(model[1]) is nn.GELU and type(model[2]) is nn.ELU and model[2].alpha == 0.5
 
 
-def _compose_grad(compose: bool, edit):
-    """d/dx of 3 * exp(h) with h = x.clone(), `edit` run after the exp."""
+def _compose_grad(compose: bool, edit, op: str = "exp"):
+    """d/dx of 3 * op(h) with h = x.clone(), `edit` run after the op."""
     x = torch.linspace(-1.0, 1.0, 7, requires_grad=True)
     with fad.enabled(compose=True) if compose else contextlib.nullcontext():
         h = x.clone()
-        y = h.exp()
+        y = getattr(torch, op)(h)
         edit(h, y)
         z = y * 3.0
     z.sum().backward()
@@ -3978,18 +4058,21 @@ def test_compose_root_changed_in_place_after_a_step_ends_the_chain():
     assert torch.equal(_compose_grad(True, edit), _compose_grad(False, edit))
 
 
-def test_compose_chain_tensor_changed_in_place_under_no_grad_raises_as_autograd():
+@pytest.mark.parametrize("op", ["exp", "relu"])
+def test_compose_chain_tensor_changed_in_place_under_no_grad_raises_as_autograd(op):
     """A chain tensor changed in place under no_grad (its node unchanged, its
     version bumped) and used by a next step: autograd's check of the output
-    exp saved raises, as in plain autograd; chaining past it would use the
-    new value as the derivative, silently wrong. Kills dropping the chain
-    tensor's version check in enabled._root_of."""
+    exp or relu saved raises, as in plain autograd; chaining past it would
+    use the new value as the derivative, silently wrong. relu kills dropping
+    the chain tensor's version check in enabled._root_of (relu of the root
+    keeps no derivative of its own, whose version would catch it: it gave
+    a gradient of 3s, no error); exp is caught by either check."""
     def edit(h, y):
         with torch.no_grad():
             y.add_(1.0)
     for compose in (False, True):
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            _compose_grad(compose, edit)
+            _compose_grad(compose, edit, op)
 
 
 @pytest.mark.parametrize("op", ["exp", "relu"])
