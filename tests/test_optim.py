@@ -47,6 +47,7 @@ from reprop._native import _C
 
 from _interrupts import LineStop
 from _optim_options import RICH
+from _scripts import script_output
 
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
@@ -1067,6 +1068,38 @@ def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name:
     for p, r in zip(runs[0][0].params, runs[1][0].params):
         assert torch.equal(p.grad, r.grad)
     assert not rp._NOTING  # (the notes dropped, the registry with them)
+
+
+_NOTES_ACROSS_A_RELOAD = """
+import importlib, sys, torch
+sys.path.insert(0, sys.argv[1])  # (the tests' folder)
+from _interrupts import LineStop
+import reprop.optim as rp
+
+params = [torch.nn.Parameter(torch.ones(3))]
+opt, other = rp.SGD(params, lr=0.1), rp.SGD(params, lr=0.1)
+params[0].grad = torch.full((3,), 8.0)
+opt.grad_scale = torch.tensor(2.0)
+try:  # stopped between the division of the gradients and the update
+    with LineStop(rp._FusedOptimizer._update, 1, starting="for plan in running"):
+        opt.step()
+except KeyboardInterrupt:
+    pass
+print(bool(opt._divided_not_stepped))
+importlib.reload(rp)
+other.step()  # steps on the divided gradients: the notes are stale
+print(bool(opt._divided_not_stepped))
+"""
+
+
+def test_notes_of_a_stopped_amp_step_are_dropped_across_a_reload_of_optim() -> None:
+    """The registry of the optimizers holding notes of a stopped scaled
+    step (_NOTING) is kept across importlib.reload(reprop.optim) (IPython's
+    %autoreload 2): a new, empty one after the reload left the notes of an
+    optimizer made before it, which the update of another optimizer over
+    the same params no longer dropped, and a later scaled step of it
+    skipped the division."""
+    assert script_output(_NOTES_ACROSS_A_RELOAD, os.path.dirname(__file__)) == ["True", "False"]
 
 
 class _NotesPausedForAPop(dict):

@@ -389,8 +389,11 @@ def _stopped_notes(stopped: dict, divided: list) -> dict:
 # (_divided_not_stepped): id -> a weak reference. Every update of any of them
 # drops the notes of the gradients it read from all (_forget_read): a note kept
 # on its own optimizer outlived the update of another optimizer sharing the
-# param. One truth test per update call while none holds notes.
-_NOTING: dict = {}
+# param. One truth test per update call while none holds notes. Kept across
+# importlib.reload of this module (IPython's %autoreload 2): a new, empty one
+# left the notes of an optimizer made before the reload to outlive the updates
+# that made them stale.
+_NOTING: dict = _tensors.kept_across_reloads(__name__, "_NOTING", {})
 
 
 def _note_noting(opt: "_FusedOptimizer") -> None:
