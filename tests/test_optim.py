@@ -4787,6 +4787,54 @@ def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
                             OPEN_LOOP_TOL if name != "SGD" else Tol(0.0, 0.0))
 
 
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_a_stop_at_any_line_of_a_plan_run_leaves_the_step_whole_and_seen(name: str) -> None:
+    """The stop button before any line a first step runs under _Plan.run
+    (its kernels, the copy back into a param with gaps, publishing new SGD
+    buffers, the version bump): the step is left undone (params as before)
+    or done (params and state as an uninterrupted step's, bitwise), and
+    then a backward through a graph that saved a param before the step
+    raises torch's in-place error, as after torch's step. Training on (the
+    step again where undone) is torch's. These followed the kernels in a
+    finally, where a stop at one of its lines skipped the rest: the version
+    bump (26 lines of an SGD first step: the graph backpropagated through
+    the new values, silently), or the copy back (the param kept its old
+    values while its state had the update)."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=36), grad_sequence(shapes, 3)
+    with_gaps = lambda t: torch.zeros(t.shape[0], 2 * t.shape[1])[:, ::2].copy_(t) if t.dim() == 2 else t
+    done = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:1],
+                         make_param=with_gaps)
+    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
+    n, undone, done_ = 0, 0, 0
+    while True:
+        n += 1
+        got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, [], make_param=with_gaps)
+        assert not got.params[0].is_contiguous()
+        x = torch.ones(5, requires_grad=True)
+        saved = (got.params[1] * x).sum()  # saves the param for x's gradient
+        set_grads(got.params, grads[0])
+        stop = LineStop((rp.__file__, rp._tensors.__file__), n, under=rp._Plan.run)
+        try:
+            with stop:
+                got.opt.step()
+        except KeyboardInterrupt:
+            pass
+        if not stop.stopped:
+            break
+        if all(torch.equal(p, i) for p, i in zip(got.params, init)):
+            undone += 1
+            left = grads[0:]
+        else:
+            done_ += 1
+            assert_runs_equal(got, done)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                saved.backward()
+            left = grads[1:]
+        assert_resumes_as_torch(name, RICH[name], got, left, tol)
+    assert undone > 5 and done_ > 5, (undone, done_)
+
+
 def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:
     """The first step after a group left param_groups drops the plans of its
     params (_follow_param_groups), which torch then frees. It noted the
