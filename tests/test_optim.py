@@ -47,6 +47,7 @@ from reprop._native import _C
 
 from _interrupts import LineStop
 from _optim_options import RICH
+from _scripts import script_output
 
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
@@ -1067,6 +1068,38 @@ def test_amp_step_after_a_stopped_one_and_an_unscaled_update_divides_again(name:
     for p, r in zip(runs[0][0].params, runs[1][0].params):
         assert torch.equal(p.grad, r.grad)
     assert not rp._NOTING  # (the notes dropped, the registry with them)
+
+
+_NOTES_ACROSS_A_RELOAD = """
+import importlib, sys, torch
+sys.path.insert(0, sys.argv[1])  # (the tests' folder)
+from _interrupts import LineStop
+import reprop.optim as rp
+
+params = [torch.nn.Parameter(torch.ones(3))]
+opt, other = rp.SGD(params, lr=0.1), rp.SGD(params, lr=0.1)
+params[0].grad = torch.full((3,), 8.0)
+opt.grad_scale = torch.tensor(2.0)
+try:  # stopped between the division of the gradients and the update
+    with LineStop(rp._FusedOptimizer._update, 1, starting="for plan in running"):
+        opt.step()
+except KeyboardInterrupt:
+    pass
+print(bool(opt._divided_not_stepped))
+importlib.reload(rp)
+other.step()  # steps on the divided gradients: the notes are stale
+print(bool(opt._divided_not_stepped))
+"""
+
+
+def test_notes_of_a_stopped_amp_step_are_dropped_across_a_reload_of_optim() -> None:
+    """The registry of the optimizers holding notes of a stopped scaled
+    step (_NOTING) is kept across importlib.reload(reprop.optim) (IPython's
+    %autoreload 2): a new, empty one after the reload left the notes of an
+    optimizer made before it, which the update of another optimizer over
+    the same params no longer dropped, and a later scaled step of it
+    skipped the division."""
+    assert script_output(_NOTES_ACROSS_A_RELOAD, os.path.dirname(__file__)) == ["True", "False"]
 
 
 class _NotesPausedForAPop(dict):
@@ -4752,6 +4785,54 @@ def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
         saved.backward()
     assert_resumes_as_torch(name, RICH[name], got, grads[1:],
                             OPEN_LOOP_TOL if name != "SGD" else Tol(0.0, 0.0))
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_a_stop_at_any_line_of_a_plan_run_leaves_the_step_whole_and_seen(name: str) -> None:
+    """The stop button before any line a first step runs under _Plan.run
+    (its kernels, the copy back into a param with gaps, publishing new SGD
+    buffers, the version bump): the step is left undone (params as before)
+    or done (params and state as an uninterrupted step's, bitwise), and
+    then a backward through a graph that saved a param before the step
+    raises torch's in-place error, as after torch's step. Training on (the
+    step again where undone) is torch's. These followed the kernels in a
+    finally, where a stop at one of its lines skipped the rest: the version
+    bump (26 lines of an SGD first step: the graph backpropagated through
+    the new values, silently), or the copy back (the param kept its old
+    values while its state had the update)."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=36), grad_sequence(shapes, 3)
+    with_gaps = lambda t: torch.zeros(t.shape[0], 2 * t.shape[1])[:, ::2].copy_(t) if t.dim() == 2 else t
+    done = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads[:1],
+                         make_param=with_gaps)
+    tol = Tol(0.0, 0.0) if name == "SGD" else OPEN_LOOP_TOL
+    n, undone, done_ = 0, 0, 0
+    while True:
+        n += 1
+        got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, [], make_param=with_gaps)
+        assert not got.params[0].is_contiguous()
+        x = torch.ones(5, requires_grad=True)
+        saved = (got.params[1] * x).sum()  # saves the param for x's gradient
+        set_grads(got.params, grads[0])
+        stop = LineStop((rp.__file__, rp._tensors.__file__), n, under=rp._Plan.run)
+        try:
+            with stop:
+                got.opt.step()
+        except KeyboardInterrupt:
+            pass
+        if not stop.stopped:
+            break
+        if all(torch.equal(p, i) for p, i in zip(got.params, init)):
+            undone += 1
+            left = grads[0:]
+        else:
+            done_ += 1
+            assert_runs_equal(got, done)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                saved.backward()
+            left = grads[1:]
+        assert_resumes_as_torch(name, RICH[name], got, left, tol)
+    assert undone > 5 and done_ > 5, (undone, done_)
 
 
 def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:

@@ -2847,14 +2847,32 @@ class _ForwardFusion(FusionHandle):
         check let pass): it would be refused by every forward for good, as
         its gradient stays what step() held, and eager's step() refused it
         too, updating nothing of the group. The groups applied before a
-        refused one are not pending any more: each is updated once."""
+        refused one are not pending any more: each is updated once.
+
+        A KeyboardInterrupt (a notebook's stop button) at any line leaves
+        pending exactly the updates not applied, which the next forward (or
+        step()) applies once: those the kernels ran are noted by their call
+        (`ran`, see optim._Plan.run), and the settling is done after the
+        update and, where a stop lands, again (idempotent) in the finally.
+        Settled in the finally only, whatever the update did, a stop before
+        the kernels lost the update (SGD with momentum: 0.2 off after three
+        more steps), and one partway through settling left updates pending
+        that had run, which the next forward applied again."""
         # (each in the group its update was decided in)
         for group, group_params in optim._by_group(params, self._group_of):
+            ran, whole = {}, False  # whole: every update of the group applied or dropped
+            update = (_tensors.without_grad, self.optimizer._update, group, group_params,
+                      self._settings.get(id(group)), grads, None, ran)
             try:
-                _outside_torch_func(_tensors.without_grad, self.optimizer._update, group,
-                                    group_params, self._settings.get(id(group)), grads)
+                _outside_torch_func(*update); whole = True  # noqa: E702 (see optim._Plan.run)
+                self._settle(group_params); ran = None  # noqa: E702
+            except Exception:
+                whole = True  # refused: dropped (see above)
+                raise
             finally:
-                self._settle(group_params)
+                if ran is not None:  # (stopped, or refused)
+                    self._settle(group_params if whole else
+                                 [p for ps in ran.values() for p in ps])
 
     def _held_grads(self, params: list) -> tuple[dict, list, list]:
         """(id(param) -> the gradient step() held for each pending update of
@@ -2964,10 +2982,11 @@ class _ForwardFusion(FusionHandle):
                 "torch.__future__.set_swap_module_params_on_conversion does so itself)")
 
     def _settle(self, params: list) -> None:
-        """These updates are no longer pending (applied, or dropped)."""
+        """These updates are no longer pending (applied, or dropped).
+        Idempotent (_apply_by_group settles again after a stop button)."""
         for p in params:
-            del self._pending[id(p)]
-            del self._grads[id(p)]
+            self._pending.pop(id(p), None)
+            self._grads.pop(id(p), None)
 
     def _state_if_edited_since_step(self) -> dict | None:
         """At the first update since step(): None when the optimizer's state

@@ -389,8 +389,11 @@ def _stopped_notes(stopped: dict, divided: list) -> dict:
 # (_divided_not_stepped): id -> a weak reference. Every update of any of them
 # drops the notes of the gradients it read from all (_forget_read): a note kept
 # on its own optimizer outlived the update of another optimizer sharing the
-# param. One truth test per update call while none holds notes.
-_NOTING: dict = {}
+# param. One truth test per update call while none holds notes. Kept across
+# importlib.reload of this module (IPython's %autoreload 2): a new, empty one
+# left the notes of an optimizer made before the reload to outlive the updates
+# that made them stale.
+_NOTING: dict = _tensors.kept_across_reloads(__name__, "_NOTING", {})
 
 
 def _note_noting(opt: "_FusedOptimizer") -> None:
@@ -613,7 +616,8 @@ class _Plan:
         """Puts the new SGD buffers that the kernels have filled (they clear
         the row's fresh flag) into the state dicts, watched from now on; the
         others (a row that sat the step out, a step stopped before the
-        kernels ran) stay fresh."""
+        kernels ran) stay fresh. Idempotent (run's finally does it again after
+        a stop button partway through): a row is watched with its buffer once."""
         self._sync_flags()
         unfilled = []
         for row, entry in self.fresh:
@@ -622,7 +626,8 @@ class _Plan:
                 continue
             key, t, _ = entry
             self.state_dicts[row][key] = t
-            self.watched[row] += (entry,)
+            if not any(w is entry for w in self.watched[row]):
+                self.watched[row] += (entry,)
         self.fresh = unfilled
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
@@ -688,7 +693,7 @@ class _Plan:
         self.aliased = aliased
         return keep
 
-    def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
+    def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple, ran: dict | None = None) -> None:
         """Issues the update of this step's rows with `group`'s hyper-parameters
         (hp: their opt._hparams tuple); prepare_grads() must have succeeded
         this step. Under a dispatch mode (allow_mutation_on_saved_tensors())
@@ -697,7 +702,16 @@ class _Plan:
         after; otherwise only the params' versions are bumped (a graph rarely
         saves optimizer state, and bumping it too would cost microseconds a
         step). A param that sits the step out is neither written nor bumped,
-        as torch leaves it."""
+        as torch leaves it.
+
+        `ran` (fusion's forward mode, which must know whether a stopped
+        update was applied): ran[self] = this step's params, stored on the
+        kernels' own line, right before their call. A KeyboardInterrupt (a
+        notebook's stop button) lands before a line, so never between the
+        two; one pressed while the kernels run (most of an update's time)
+        is raised as their call returns, after the update, and no check for
+        it comes between a dict store and the call (a flag set after the
+        call, or by a call before it, would be wrong there)."""
         if self.aliased:
             self._fill_aliased(opt, group, hp)
         staged = self.step_staged
@@ -710,24 +724,41 @@ class _Plan:
         try:
             with _tensors.profiler_range("reprop.optim.update"):
                 if self.on_cpu:
-                    _C.optim_step(opt._kind, self.dtype_code, self.step_table, hp,
-                                  torch.get_num_threads())
+                    args = (opt._kind, self.dtype_code, self.step_table, hp,
+                            torch.get_num_threads())
+                    if ran is None:
+                        _C.optim_step(*args)
+                    else:
+                        ran[self] = self.step_params; _C.optim_step(*args)  # noqa: E702 (see above)
                 else:
-                    self._run_cuda(opt, group, hp)
+                    self._run_cuda(opt, group, hp, ran)
+            # The rest of the update (the staged params get the update their
+            # state has had, new SGD buffers filled go into the state, autograd
+            # sees the write: a graph saved before then raises at backward, not
+            # reads the new values), done here and, where a KeyboardInterrupt (a
+            # notebook's stop button) lands at any line from the kernels' on,
+            # again in full in the finally: done there only, a stop at one of
+            # its own lines skipped the rest (the version bump: a graph saved
+            # before the step then backpropagated through the new values
+            # without torch's in-place error). _finish is idempotent.
+            self._finish(staged, written); staged = None  # noqa: E702
         except Exception:
             staged = written = ()  # refused (a hyper-parameter) before the kernels wrote
             raise
         finally:
-            # also when a KeyboardInterrupt (a notebook's stop button) lands,
-            # most likely as the kernels return: the staged params get the
-            # update their state has had, new SGD buffers filled go into the
-            # state, and autograd sees the write (a graph saved before then
-            # raises at backward, not reads the new values)
-            for _, p, work in staged:
-                p.copy_(work)
-            if self.fresh:
-                self.publish_fresh()
-            _tensors.bump_versions(written)
+            # (None: finished above; a stop pressed while the kernels run is
+            # raised as their call returns, with the update done)
+            if staged is not None:
+                self._finish(staged, written)
+
+    def _finish(self, staged: list, written: list) -> None:
+        """What follows the kernels (see run): idempotent, so that run's
+        finally can do it again after a stop partway through."""
+        for _, p, work in staged:
+            p.copy_(work)
+        if self.fresh:
+            self.publish_fresh()
+        _tensors.bump_versions(written)
 
     def _fill_aliased(self, opt: "_FusedOptimizer", group: dict, hp: tuple) -> None:
         """Fills the copies through which rows read gradients that share their
@@ -757,12 +788,16 @@ class _Plan:
         rows = range(len(self.params)) if self.rows is None else self.rows
         return self.step_params + [t for row in rows for _, t, _ in self.watched[row]]
 
-    def _run_cuda(self, opt, group, hp) -> None:
+    def _run_cuda(self, opt, group, hp, ran: dict | None = None) -> None:
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
         with _tensors.on_device(self.device):
-            _cuda.optim_step(opt._kind, self.dtype_code, self.step_table, hp, self.capturable,
-                             stream, lr_ptr)
+            args = (opt._kind, self.dtype_code, self.step_table, hp, self.capturable, stream,
+                    lr_ptr)
+            if ran is None:
+                _cuda.optim_step(*args)
+            else:
+                ran[self] = self.step_params; _cuda.optim_step(*args)  # noqa: E702 (see run)
 
 
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
@@ -1544,10 +1579,13 @@ class _FusedOptimizer:
         return hp
 
     def _update(self, group: dict, params: list, settings: dict | None = None,
-                given: dict | None = None, scaling: _Scaling | None = None) -> None:
+                given: dict | None = None, scaling: _Scaling | None = None,
+                ran: dict | None = None) -> None:
         """Updates `params` of `group` with its hyper-parameters (or those in
         `settings`), from their gradients (or those `given`), as `scaling`
-        says (step(): torch's fused AMP protocol)."""
+        says (step(): torch's fused AMP protocol). `ran`: a dict in which
+        each call of the kernels notes the params it updates (_Plan.run), so
+        that a caller stopped (a notebook's stop button) knows which were."""
         if _tensors.fake_mode_active():
             self._refuse_fake_mode()
         hp = group if settings is None else settings
@@ -1596,7 +1634,7 @@ class _FusedOptimizer:
                     # param) were made from the scaled ones
                     keep = _prepare_grads(plans, self.state, given)
             for plan in running:
-                plan.run(self, hp, hparams)
+                plan.run(self, hp, hparams, ran)
             divided = []
             if _NOTING and running:  # (only after a stopped scaled step, of any optimizer)
                 _forget_read(running, given)
