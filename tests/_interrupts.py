@@ -16,6 +16,12 @@ a trace function).
     interrupted_at_line(n, call, where, **options) -> bool
         Runs call() inside LineStop(where, n, **options); whether it was
         interrupted (False: call() ran fewer than n lines there).
+
+    KernelsThenStop(c_module)
+        Stands in for reprop's C module: its optim_step runs the real one,
+        then raises KeyboardInterrupt, as Python raises one pressed while the
+        kernels run (they release the GIL) as their call returns. Every other
+        name is the real module's.
 """
 
 from __future__ import annotations
@@ -96,3 +102,15 @@ def interrupted_at_line(n: int, call: Callable[[], object], where, **options) ->
     except KeyboardInterrupt:
         return True
     return False
+
+
+class KernelsThenStop:
+    def __init__(self, c_module) -> None:
+        self._real = c_module
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def optim_step(self, *args) -> None:
+        self._real.optim_step(*args)
+        raise KeyboardInterrupt

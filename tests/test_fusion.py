@@ -59,7 +59,7 @@ from torch.utils.checkpoint import checkpoint
 import reprop
 import reprop.optim as rp
 
-from _interrupts import LineStop
+from _interrupts import KernelsThenStop, LineStop
 from _optim_options import RICH
 
 MODES = ("backward", "forward")
@@ -7702,7 +7702,7 @@ def _lazy_update_stopped_at_line(k: int, name: str, at: int, stop_after: bool = 
     kernels = reprop.optim._C
     try:
         if stop_after:
-            reprop.optim._C = _KernelsThenStop()
+            reprop.optim._C = KernelsThenStop(kernels)
         _tiny_step(model, opt, at, "forward", stop)
     except KeyboardInterrupt:
         pass
@@ -7722,20 +7722,6 @@ def _lazy_update_stopped_at_line(k: int, name: str, at: int, stop_after: bool = 
         assert torch.equal(p, q), f"line {k}: {n}: {_diff(p, q)}"
     handle.remove()
     return True
-
-
-class _KernelsThenStop:
-    """Stands in for reprop._C: its optim_step runs the real one, then raises
-    KeyboardInterrupt, as Python raises one pressed while the kernels run
-    (they release the GIL) as their call returns."""
-
-    def __getattr__(self, name: str):
-        return getattr(reprop._C, name)
-
-    @staticmethod
-    def optim_step(*args) -> None:
-        reprop._C.optim_step(*args)
-        raise KeyboardInterrupt
 
 
 @pytest.mark.parametrize("name", ["SGD", "Adam"])

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import reprop.optim as rp
 from reprop._native import _C
 
-from _interrupts import LineStop
+from _interrupts import KernelsThenStop, LineStop
 from _optim_options import RICH
 from _scripts import script_output
 
@@ -4742,20 +4742,6 @@ def test_a_stop_as_adamw_decays_a_param_its_gradient_shares_leaves_it_as_it_was(
     assert_runs_close(Run([p], opt), Run([ref], ref_opt), STEP_TOL)
 
 
-class _KernelsThenStop:
-    """Stands in for reprop._C: its optim_step runs the real one, then raises
-    KeyboardInterrupt, as Python raises one pressed while the kernels run
-    (they release the GIL) as their call returns."""
-
-    def __getattr__(self, name: str):
-        return getattr(_C, name)
-
-    @staticmethod
-    def optim_step(*args) -> None:
-        _C.optim_step(*args)
-        raise KeyboardInterrupt
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
                                                                     monkeypatch) -> None:
@@ -4776,7 +4762,7 @@ def test_a_stop_as_the_kernels_return_leaves_the_step_done_and_seen(name: str,
     x = torch.ones(5, requires_grad=True)
     saved = (got.params[1] * x).sum()  # saves the param for x's gradient
     set_grads(got.params, grads[0])
-    monkeypatch.setattr(rp, "_C", _KernelsThenStop())
+    monkeypatch.setattr(rp, "_C", KernelsThenStop(_C))
     with pytest.raises(KeyboardInterrupt):
         got.opt.step()
     monkeypatch.undo()
