@@ -1102,6 +1102,35 @@ def test_notes_of_a_stopped_amp_step_are_dropped_across_a_reload_of_optim() -> N
     assert script_output(_NOTES_ACROSS_A_RELOAD, os.path.dirname(__file__)) == ["True", "False"]
 
 
+@pytest.mark.parametrize("name", FUSED_KWARG_NAMES)
+def test_amp_step_retried_after_its_gradients_were_written_in_place_divides_them(name: str) -> None:
+    """A step stopped after dividing the gradients notes them as divided; a
+    gradient written in place since (the same tensor and memory: a new
+    backward accumulated into it, copy_) is new, and the retried step must
+    divide it, as torch's fused step does: the note's version tells. (A note
+    kept by identity and address alone would step on it 1024 times too big.)"""
+    init, grads = make_params(AMP_SHAPES, seed=7), grad_sequence(AMP_SHAPES, 3)
+    runs = []
+    for cls in (reprop_cls(name), lambda ps, **kw: torch_cls(name)(ps, fused=True, **kw)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        set_grads(params, grads[0])
+        opt.step()
+        opt.grad_scale = torch.tensor(1024.0)
+        if cls is reprop_cls(name):
+            set_grads(params, [g * 1024 for g in grads[1]])
+            _stop_after_division(opt)
+            for p, g in zip(params, grads[2]):
+                p.grad.copy_(g * 1024)
+        else:
+            set_grads(params, [g * 1024 for g in grads[2]])
+        opt.step()
+        runs.append(Run(params, opt))
+    assert_runs_close(runs[0], runs[1], OPEN_LOOP_TOL)
+    for p, r in zip(runs[0].params, runs[1].params):
+        assert torch.equal(p.grad, r.grad)
+
+
 class _NotesPausedForAPop(dict):
     """An optimizer's notes (call key -> notes) whose first read by the
     thread named `reader` waits until another thread has popped a key: the
@@ -2365,6 +2394,137 @@ def test_step_params_rejects_repeated_param(name: str) -> None:
     opt.step_params(params)  # and the optimizer steps on
     assert not torch.equal(params[0], before[0])
 
+
+
+# ---- mutation audit (mut_optim): what no test above would catch ----
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_settings_are_the_hyper_parameters_used(name: str) -> None:
+    """settings[id(group)] replaces the group's hyper-parameters for that call
+    (a deferred update applies the lr of the moment it was decided): the
+    update equals torch's with the settings' values, not the group's, and
+    the group keeps its own. An update that read the group instead passed
+    every test (they gave a copy of the group as settings)."""
+    shapes = [(5,), (3, 2)]
+    params = [nn.Parameter(t) for t in make_params(shapes, seed=5)]
+    opt = reprop_cls(name)(params, **RICH[name])
+    own = dict(opt.param_groups[0])
+    settings = dict(own, lr=own["lr"] * 3, weight_decay=0.25)
+    refs = [nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch_cls(name)(refs, **RICH[name])
+    ref.param_groups[0].update((k, v) for k, v in settings.items() if k != "params")
+    for step_grads in grad_sequence(shapes, 3):
+        for p, r, g in zip(params, refs, step_grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        opt.step_params(params, settings={id(opt.param_groups[0]): settings})
+        ref.step()
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["weight_decay"]) == (
+        own["lr"], own["weight_decay"])
+    for p, r in zip(params, refs):
+        assert_tensor_close(p.detach(), r.detach(), OPEN_LOOP_TOL, "param")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_step_params_checks_every_groups_settings_before_updating_any(name: str) -> None:
+    """A call over params of two groups whose second group's settings are
+    refused changes nothing: neither group's params nor state (the checks of
+    all groups run before the first group is updated)."""
+    opt, params = _fresh_open_loop(name, [(3,), (4,)])
+    groups = opt.param_groups
+    assert len(groups) == 2 and all(len(g["params"]) == 1 for g in groups)
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    before, state = [p.detach().clone() for p in params], _state_snapshot(opt, params)
+    settings = {id(groups[0]): dict(groups[0]), id(groups[1]): {"lr": 0.1}}
+    with pytest.raises(ValueError, match=r"settings: the hyper-parameters given for param_groups\[1\] lack"):
+        opt.step_params(params, settings=settings)
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b), "the first group must not be updated"
+    assert _state_snapshot(opt, params) == state
+
+
+@pytest.mark.parametrize("name, options", [
+    ("SGD", {"momentum": 0.9, "weight_decay": 0.1}), ("SGD", {"momentum": 0.9}),
+    ("SGD", {"weight_decay": 0.1}), ("Adam", {"weight_decay": 0.1}), ("Adam", {}),
+    ("Adam", {"weight_decay": 0.1, "decoupled_weight_decay": True}), ("AdamW", {"weight_decay": 0.1}),
+    ("Adagrad", {"weight_decay": 0.1}), ("RMSprop", {"weight_decay": 0.1}),
+    ("Adadelta", {"weight_decay": 0.1}), ("Adadelta", {})])
+def test_reads_param_into_state_says_whether_torchs_state_depends_on_the_param(
+        name: str, options: dict) -> None:
+    """_reads_param_into_state (which fusion's message for a swapped param
+    relies on) is true exactly where torch's optimizer state after a step
+    depends on the param's values: two runs from different params with the
+    same gradients end with different state."""
+    states = []
+    for start in (torch.linspace(-1.0, 1.0, 5), torch.linspace(2.0, 3.0, 5)):
+        p = nn.Parameter(start)
+        opt = torch_cls(name)([p], lr=0.1, **options)
+        for k in range(2):
+            p.grad = torch.full_like(p, 0.5 * (k + 1))
+            opt.step()
+        states.append({k: v for k, v in opt.state[p].items() if k != "step"})
+    depends = any(not torch.equal(states[0][k], states[1][k]) for k in states[0])
+    ours = reprop_cls(name)([nn.Parameter(torch.zeros(5))], lr=0.1, **options)
+    assert ours._reads_param_into_state(ours.param_groups[0]) is depends
+
+
+def test_a_stale_plan_rebuilt_under_its_key_keeps_the_count_of_rows() -> None:
+    """A plan gone stale (a param's .data replaced) is rebuilt and cached
+    under the same key, replacing the old entry: the cache's count of rows
+    stays that of the plans it holds. Counted without taking the old
+    entry's rows off, it grew by the call's rows at every rebuild, and the
+    cache evicted live plans long before its budget."""
+    params = [nn.Parameter(torch.randn(4)) for _ in range(3)]
+    opt = rp.SGD(params, lr=0.1, momentum=0.9)
+    for _ in range(4):
+        params[0].data = torch.randn(4)  # the plan of the group's call goes stale
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert len(opt._plans) == 1
+    assert opt._plans.rows == 3
+
+
+def test_sgd_without_momentum_keeps_no_state_entries_as_torch() -> None:
+    """torch's SGD without momentum puts no entry into `state` (not even an
+    empty dict), so its state_dict()["state"] is {}; reprop's, by step() and
+    step_params() alike, matches (empty entries would show up in the saved
+    dict as {0: {}, 1: {}})."""
+    params = [nn.Parameter(t) for t in make_params([(3,), (2, 2)], seed=3)]
+    refs = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = rp.SGD(params, lr=0.1, weight_decay=0.01)
+    ref = torch.optim.SGD(refs, lr=0.1, weight_decay=0.01)
+    for step in (opt.step, lambda: opt.step_params(params[:1])):
+        for p, r in zip(params, refs):
+            p.grad = torch.ones_like(p)
+            r.grad = torch.ones_like(r)
+        step()
+        ref.step()
+        assert len(opt.state) == len(ref.state) == 0
+        assert opt.state_dict()["state"] == ref.state_dict()["state"] == {}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_state_dict_of_a_param_replaced_by_the_user_is_used(name: str) -> None:
+    """opt.state[p] replaced by a new dict between steps (a reset by hand)
+    is what the next update reads and writes, as torch's is: the cached
+    plan's rows pointed at the old dict's tensors, which must not pass for
+    the new dict's (they are the same keys, in another dict)."""
+    a = nn.Parameter(torch.linspace(-1.0, 1.0, 7))
+    b = nn.Parameter(a.detach().clone())
+    ours = reprop_cls(name)([a], **RICH[name])
+    ref = torch_cls(name)([b], **RICH[name])
+    for k in range(4):
+        for p, opt in ((a, ours), (b, ref)):
+            p.grad = torch.full_like(p, 0.1 * (k + 1))
+            opt.step()
+            if k == 1:
+                opt.state[p] = {key: torch.zeros_like(v) if torch.is_tensor(v) and key != "step" else v
+                                for key, v in opt.state[p].items()}
+    assert_tensor_close(a.detach(), b.detach(), OPEN_LOOP_TOL, "param")
+    for key, value in ref.state[b].items():
+        assert_tensor_close(ours.state[a][key], value.float(), OPEN_LOOP_TOL, f"state[{key!r}]")
 
 def make_lazy_model() -> nn.Module:
     """(B, 3, 6, 6) -> (B, 3) through a LazyConv2d and a LazyLinear, whose
