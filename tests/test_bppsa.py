@@ -524,6 +524,28 @@ def test_scan_rejects_bad_input():
         assert g.shape == (5, 0, 3)
 
 
+def test_scan_refuses_operands_of_the_right_size_but_another_shape():
+    """The kernels read each operand's memory in its (T, B, ...) layout: one
+    with as many elements in another shape (a batch-first u, a transposed
+    jt) would be read as the wrong steps and samples, a silently wrong g."""
+    c, w = torch.randn(5, 2, 3), torch.randn(3, 3)
+    for name, kwargs in [("u", dict(w=w, u=torch.randn(5, 3, 2), v=torch.randn(5, 2, 3))),
+                         ("v", dict(w=w, v=torch.randn(2, 5, 3))),
+                         ("y", dict(w=w, y=torch.randn(2, 5, 3), activation="tanh")),
+                         ("jt", dict(jt=torch.randn(2, 5, 3, 3))),
+                         ("out", dict(jt=torch.randn(5, 2, 3, 3), out=torch.empty(2, 5, 3)))]:
+        with pytest.raises(ValueError, match=f"^{name}: expected shape"):
+            bppsa.scan(c, **kwargs)
+
+
+def test_scan_refuses_a_w_of_no_gate():
+    """w (0, H) is no gate: refused naming w, as any w not (G*H, H) with
+    G >= 1, rather than run as G = 0, which the core took for dense leaves
+    and refused for a jt never given."""
+    with pytest.raises(ValueError, match=r"^w: expected a \(G\*3, 3\) tensor, G >= 1"):
+        bppsa.scan(torch.randn(5, 2, 3), w=torch.randn(0, 3), v=torch.randn(5, 2, 0))
+
+
 # ---------------------------------------------------------------------------
 # The modules against nn.RNN / nn.GRU
 # ---------------------------------------------------------------------------
@@ -737,6 +759,26 @@ def test_h_n_is_not_part_of_the_output(kind, num_layers, layout, with_h0):
         (out.pow(2).sum() + h_n.sin().sum()).backward()
         results.append([out.grad, grad_x_from_h_n] + [p.grad for p in module.parameters()])
     assert_close_lists(results[1], results[0])
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_backward_leaves_the_outputs_gradient_as_it_got_it(kind):
+    """The scan's c is the output's gradient plus h_n's at the last step:
+    backward builds it in a copy. Written into the gradient autograd passed
+    (a copy dropped), a hook that kept the output's gradient (gradient
+    statistics, logging) saw h_n's gradient added to its last step."""
+    torch.manual_seed(5)
+    ref, ours = make_pair(kind, 3, 4)
+    x = torch.randn(5, 2, 3)
+    weight = torch.randn(5, 2, 4)
+    kept = []
+    for module in (ref, ours):
+        out, h_n = module(x)
+        seen = []
+        out.register_hook(seen.append)
+        ((out * weight).sum() + h_n.sum()).backward()
+        kept.append(seen[0])
+    assert torch.equal(kept[0], weight) and torch.equal(kept[1], weight)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -1770,6 +1812,24 @@ def test_float16_autocast_grad_scaler_skips_torchs_steps(kind):
     for a, b, p in zip(ref.parameters(), ours.parameters(), start):
         assert rel_err(b - p, a - p) <= FP16_TOL
 
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_bfloat16_autocast_gradients_past_float16s_range_stay_finite(kind):
+    """Only float16 autocast rounds the scan's values through float16
+    (_autocast_float16): bfloat16 has float32's range, so gradients past
+    65504 stay finite there, as torch's do; rounded through float16 they
+    were inf."""
+    ref, ours, x, weight_out = float16_pair(kind, {}, 0)
+    grads = []
+    for model in (ref, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, h_n = model(x)
+        (2.0 ** 24 * ((out.float() * weight_out).sum() + h_n.float().sum())).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert max(g.abs().max().item() for g in grads[0]) > 65504  # past float16's range
+    for a, b in zip(*grads):
+        assert torch.isfinite(b).all() and rel_err(b, a) <= 6e-2
+
 # ---------------------------------------------------------------------------
 # Convergence on the paper's bitstream task (Eq. 8)
 # ---------------------------------------------------------------------------
@@ -2025,6 +2085,20 @@ def test_chain_backward_equals_autograd(levels):
         assert rel_err(a, b) <= 1e-5
 
 
+def test_chain_relu_at_zero_selects_like_autograd():
+    """ReLU's Jacobian is autograd's threshold_backward: 0 where its input is
+    <= 0, exactly 0 included (the second ReLU's input is 0 wherever the
+    first cut), not 1 there."""
+    torch.manual_seed(3)
+    layers = [nn.Linear(6, 8), nn.ReLU(), nn.ReLU(), nn.Linear(8, 3)]
+    x, g = torch.randn(4, 6), torch.randn(4, 3)
+    want = autograd_layer_input_grads(layers, x, g)
+    assert (want[2] == 0).any() and ((layers[1](layers[0](x)) == 0).sum() > 0)
+    for levels in ("linear", "blelloch"):
+        for a, b in zip(bppsa.chain_backward(layers, x, g, levels=levels), want):
+            assert rel_err(a, b) <= 1e-6, levels
+
+
 def test_chain_gradients_are_contiguous_and_own_their_memory():
     """They were transposed views of the scan's batch-minor buffer (the batch
     the fastest dim), which kept the whole buffer alive; autograd's are
@@ -2094,8 +2168,8 @@ def test_an_interrupt_at_any_line_of_a_chain_leaves_it_working(call):
     assert k > 300  # it did stop them midway
 
 
-@pytest.mark.parametrize("change", ["conv dilation", "conv stride", "pool ceil_mode", "pool stride",
-                                    "conv weight shape"])
+@pytest.mark.parametrize("change", ["conv dilation", "conv dilation alone", "conv stride", "pool ceil_mode",
+                                    "pool stride", "conv weight shape"])
 def test_chain_plan_refuses_layers_changed_since_the_plan(change):
     """The plan's patterns and weight placement are those of the layers as
     they were: a setting or a weight shape changed in place since (one that
@@ -2109,6 +2183,8 @@ def test_chain_plan_refuses_layers_changed_since_the_plan(change):
     conv, pool = layers[0], layers[2]
     if change == "conv dilation":  # same output shape
         conv.dilation, conv.padding = (1, 2), (0, 2)
+    elif change == "conv dilation alone":  # the plan's inputs and gradient keep their shapes
+        conv.dilation = (1, 2)
     elif change == "conv stride":
         conv.stride = (2, 1)
     elif change == "pool ceil_mode":
@@ -2518,6 +2594,38 @@ def test_chain_auto_levels_are_the_cheapest():
              for L in range(bppsa.max_levels(len(auto.leaves) + 1) + 1)]
     assert auto.info["cost"] == min(costs)
     assert auto.info["levels"] == costs.index(min(costs))
+
+
+def test_chain_plan_linear_is_the_linear_scan_where_auto_picks_levels():
+    """levels="linear" is no level at all, whatever the cost model would
+    pick: 64 Tanh of 256 with 16 threads, where "auto" picks one level, and
+    its gradients are autograd's."""
+    layers = [nn.Tanh() for _ in range(64)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(16)
+        auto, linear = (bppsa.ChainPlan(layers, (256,), levels=levels) for levels in ("auto", "linear"))
+    finally:
+        torch.set_num_threads(threads)
+    assert auto.info["levels"] == 1 and linear.info["levels"] == 0 and linear.info["products"] == 0
+    x, g = torch.randn(2, 256), torch.randn(2, 256)
+    for a, b in zip(linear.backward(linear.forward_inputs(x)[0], g), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("levels", [1, "blelloch"])
+def test_chain_products_of_overlapping_patterns_equal_autograd(levels):
+    """Up-sweep products whose rows reach one column through several inner
+    indices (Conv2d after Conv2d, Linear after Linear), the symbolic
+    product's merge of repeated columns, against autograd."""
+    torch.manual_seed(4)
+    layers = [nn.Conv2d(2, 3, 3, padding=1), nn.Conv2d(3, 2, 3, padding=1), nn.Conv2d(2, 2, 2),
+              nn.Flatten(), nn.Linear(18, 7), nn.Linear(7, 5), nn.Linear(5, 3)]
+    x, g = torch.randn(2, 2, 4, 4), torch.randn(2, 3)
+    plan = bppsa.ChainPlan(layers, (2, 4, 4), levels=levels)
+    assert plan.info["products"] > 0
+    for a, b in zip(bppsa.chain_backward(layers, x, g, plan=plan), autograd_layer_input_grads(layers, x, g)):
+        assert rel_err(a, b) <= 1e-5
 
 
 @pytest.mark.gpu
@@ -3283,6 +3391,30 @@ def test_chain_reads_a_parametrized_weight_once_per_step(how):
             got = plan.backward(inputs, g)[0]
         else:
             got = bppsa.chain_backward(list(layers), x, g, plan=plan)[0]
+        assert rel_err(got, xr.grad) <= 1e-6
+        assert all(torch.equal(a, b) for a, b in zip(u(layers), u(ref)))
+
+
+@pytest.mark.parametrize("with_plan", [False, True])
+def test_chain_torch_backward_uses_the_forwards_parametrized_weights(with_plan):
+    """Where the chain runs each layer's own torch backward (here always: a
+    MaxPool2d window lies in the padding; else where the scan's result is
+    not finite), it takes the weights its forward read: read again, a
+    spectral_norm weight ran another power iteration, a gradient of another
+    weight than the forward's and the state a step ahead of torch's."""
+    from torch.nn.utils.parametrizations import spectral_norm
+    torch.manual_seed(0)
+    layers = nn.Sequential(spectral_norm(nn.Conv2d(1, 2, 1)), nn.ReLU(),
+                           nn.MaxPool2d(2, stride=3, padding=1, dilation=2), nn.Flatten(),
+                           spectral_norm(nn.Linear(4, 3)))
+    plan = bppsa.ChainPlan(layers, (1, 5, 1)) if with_plan else None
+    ref = copy.deepcopy(layers)
+    u = lambda m: [m[i].parametrizations.weight[0]._u for i in (0, 4)]
+    for _ in range(2):
+        x, g = torch.randn(2, 1, 5, 1), torch.randn(2, 3)
+        xr = x.clone().requires_grad_()
+        ref(xr).backward(g)
+        got = bppsa.chain_backward(list(layers), x, g, plan=plan)[0]
         assert rel_err(got, xr.grad) <= 1e-6
         assert all(torch.equal(a, b) for a, b in zip(u(layers), u(ref)))
 
