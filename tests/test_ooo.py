@@ -3627,6 +3627,23 @@ def test_capture_refuses_a_step_that_synchronizes():
 # ---------------------------------------------------------------------------
 
 
+def _assert_split_conv_is_autograds(conv: nn.Module, x: torch.Tensor, order: str) -> None:
+    """conv split by ooo.enable gives the output, dX and dW of a copy left to
+    autograd, bitwise (the same native kernels); removed after."""
+    ref = copy.deepcopy(conv)
+    handle = ooo.enable(conv, order=order)
+    outs = []
+    for net in (ref, conv):
+        xi = x.clone().requires_grad_()
+        y = net(xi)
+        y.pow(2).sum().backward()
+        outs.append((y.detach(), xi.grad))
+    assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
+    for a, b in zip(ref.parameters(), conv.parameters()):
+        assert torch.equal(b.grad, a.grad)
+    handle.remove()
+
+
 @pytest.mark.parametrize("order", ["conventional", "ooo"])
 def test_same_padding_with_dilation_matches_autograd(order):
     """padding='same' with a dilation: torch pads dilation * (kernel - 1) / 2
@@ -3636,18 +3653,7 @@ def test_same_padding_with_dilation_matches_autograd(order):
     torch.manual_seed(0)
     for conv, x in ((nn.Conv2d(3, 4, 3, padding="same", dilation=2), torch.randn(2, 3, 9, 9)),
                     (nn.Conv1d(3, 4, 5, padding="same", dilation=3), torch.randn(2, 3, 16))):
-        ref = copy.deepcopy(conv)
-        handle = ooo.enable(conv, order=order)
-        outs = []
-        for net in (ref, conv):
-            xi = x.clone().requires_grad_()
-            y = net(xi)
-            y.pow(2).sum().backward()
-            outs.append((y.detach(), xi.grad))
-        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
-        for a, b in zip(ref.parameters(), conv.parameters()):
-            assert torch.equal(b.grad, a.grad)
-        handle.remove()
+        _assert_split_conv_is_autograds(conv, x, order)
 
 
 @pytest.mark.parametrize("order", ooo.ORDERS)
@@ -3661,18 +3667,7 @@ def test_grouped_strided_and_depthwise_convs_match_autograd(order):
     for conv, x in ((nn.Conv2d(4, 6, 3, groups=2, stride=2, padding=1), torch.randn(2, 4, 9, 9)),
                     (nn.Conv1d(4, 4, 3, groups=4, padding=1), torch.randn(2, 4, 10)),
                     (nn.Conv3d(4, 2, 1, groups=2, stride=(1, 2, 2)), torch.randn(2, 4, 3, 4, 4))):
-        ref = copy.deepcopy(conv)
-        handle = ooo.enable(conv, order=order)
-        outs = []
-        for net in (ref, conv):
-            xi = x.clone().requires_grad_()
-            y = net(xi)
-            y.pow(2).sum().backward()
-            outs.append((y.detach(), xi.grad))
-        assert torch.equal(outs[1][0], outs[0][0]) and torch.equal(outs[1][1], outs[0][1])
-        for a, b in zip(ref.parameters(), conv.parameters()):
-            assert torch.equal(b.grad, a.grad)
-        handle.remove()
+        _assert_split_conv_is_autograds(conv, x, order)
 
 
 @pytest.mark.parametrize("order", ["conventional", "ooo"])

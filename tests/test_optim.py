@@ -2071,6 +2071,17 @@ def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
     """Replacing a state tensor (or the step) between steps, as some training
     code does to reset an optimizer, must act on the new tensor: the cached
     pointer table may not keep writing into the old one."""
+    def zero_each_tensor(opt, p: nn.Parameter) -> None:
+        st = opt.state[p]
+        for key, value in list(st.items()):
+            st[key] = torch.zeros_like(value) if torch.is_tensor(value) else value
+
+    _trains_as_torch_with_state_reset_by_hand(name, zero_each_tensor)
+
+
+def _trains_as_torch_with_state_reset_by_hand(name: str, reset) -> None:
+    """Four steps of reprop's and torch's `name`, reset(opt, p) after the
+    second: the params and state end as torch's."""
     a = nn.Parameter(torch.linspace(-1.0, 1.0, 7))
     b = nn.Parameter(a.detach().clone())
     ours = reprop_cls(name)([a], **RICH[name])
@@ -2080,9 +2091,7 @@ def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
             p.grad = torch.full_like(p, 0.1 * (k + 1))
             opt.step()
             if k == 1:
-                st = opt.state[p]
-                for key, value in list(st.items()):
-                    st[key] = torch.zeros_like(value) if torch.is_tensor(value) else value
+                reset(opt, p)
     assert_tensor_close(a.detach(), b.detach(), OPEN_LOOP_TOL, "param")
     for key, value in ref.state[b].items():
         assert_tensor_close(ours.state[a][key], value.float(), OPEN_LOOP_TOL, f"state[{key!r}]")
@@ -2511,20 +2520,11 @@ def test_state_dict_of_a_param_replaced_by_the_user_is_used(name: str) -> None:
     is what the next update reads and writes, as torch's is: the cached
     plan's rows pointed at the old dict's tensors, which must not pass for
     the new dict's (they are the same keys, in another dict)."""
-    a = nn.Parameter(torch.linspace(-1.0, 1.0, 7))
-    b = nn.Parameter(a.detach().clone())
-    ours = reprop_cls(name)([a], **RICH[name])
-    ref = torch_cls(name)([b], **RICH[name])
-    for k in range(4):
-        for p, opt in ((a, ours), (b, ref)):
-            p.grad = torch.full_like(p, 0.1 * (k + 1))
-            opt.step()
-            if k == 1:
-                opt.state[p] = {key: torch.zeros_like(v) if torch.is_tensor(v) and key != "step" else v
-                                for key, v in opt.state[p].items()}
-    assert_tensor_close(a.detach(), b.detach(), OPEN_LOOP_TOL, "param")
-    for key, value in ref.state[b].items():
-        assert_tensor_close(ours.state[a][key], value.float(), OPEN_LOOP_TOL, f"state[{key!r}]")
+    def new_dict(opt, p: nn.Parameter) -> None:
+        opt.state[p] = {key: torch.zeros_like(v) if torch.is_tensor(v) and key != "step" else v
+                        for key, v in opt.state[p].items()}
+
+    _trains_as_torch_with_state_reset_by_hand(name, new_dict)
 
 def make_lazy_model() -> nn.Module:
     """(B, 3, 6, 6) -> (B, 3) through a LazyConv2d and a LazyLinear, whose
