@@ -2905,6 +2905,36 @@ def _dp_stopped_at_any_line(rank: int, world: int) -> None:
     assert _dp_stopped_at_every_line(rank, built, twin, "raises", ending) > 50  # 57
 
 
+@pytest.mark.parametrize("line", ["self._bucketed =", "self._bucketed_dtypes =",
+                                  "self._buckets = buckets"])
+def test_data_parallel_replan_stopped_at_its_end_plans_again(solo_group, line):
+    """A re-plan after model.double() stopped at one of its last lines: the
+    next backward plans again, and the gradients are float64 autograd's. A
+    stop at the plan's last statement kept the float32 buckets in use with
+    the new plan's lists (not seen as stale), and every later backward
+    averaged float64 gradients in float32 (3.4e-9 off, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    ref = copy.deepcopy(model)
+    handle = DataParallel(model, k=0)
+    x, t = torch.randn(8, 16), torch.randn(8, 16)
+    F.mse_loss(model(x), t).backward()
+    model.zero_grad()
+    model.double(), ref.double()
+    x, t = x.double(), t.double()
+    assert interrupted_at_line(1, lambda: F.mse_loss(model(x), t).backward(), DataParallel._plan,
+                               starting=line)
+    model.zero_grad()
+    for _ in range(2):
+        F.mse_loss(model(x), t).backward()
+        F.mse_loss(ref(x), t).backward()
+        assert {b.flat.dtype for b in handle._buckets} == {torch.float64}
+        for p, q in zip(model.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        model.zero_grad(), ref.zero_grad()
+    handle.remove()
+
+
 def test_data_parallel_stopped_at_any_line_on_every_rank_trains_on():
     """A KeyboardInterrupt (a notebook's stop button) before any line of
     DataParallel's hooks (the forward's pre-hook and output watch, the

@@ -3186,6 +3186,11 @@ class DataParallel(_PassTracking, Joinable):
         one per held layer in Algorithm 2's dW order (the launch order).
         Everything here must be the same on every rank: the layers, k and
         the bucket sizes come from ``_agree``, the parameters in the model's order."""
+        # no plan until this one is whole (see its last line): a stop button
+        # (KeyboardInterrupt) inside a re-plan then leaves the next backward to
+        # plan again, not the stale plan in use with this one's lists (after
+        # model.double(), float64 gradients averaged in float32 buckets, for good)
+        self._buckets = None
         if self._frozen and any(map(_REQUIRES_GRAD_OF, self._frozen)):
             self._join_unfrozen()  # (no forward since on a rank that ran out of data)
         sites = self._agree()
@@ -3227,8 +3232,7 @@ class DataParallel(_PassTracking, Joinable):
         self._bucketed_dtypes = [b.flat.dtype for b in buckets for _ in b.params]
         # the plan goes in last, in one statement: a stop button after it and
         # before the lists above (set after it) left the first plan without
-        # them (every later backward raised AttributeError) and a later one
-        # with the previous plan's
+        # them (every later backward raised AttributeError)
         self._buckets = buckets
 
     def _join_unfrozen(self) -> None:
