@@ -1201,6 +1201,34 @@ def test_backward_mode_dry_run_under_fake_tensor_mode_updates_nothing() -> None:
         assert torch.equal(a, b), _diff(b, a)
 
 
+def test_forward_mode_dry_run_under_fake_tensor_mode_keeps_the_pending_updates() -> None:
+    """A dry-run forward under a FakeTensorMode while forward mode holds
+    updates pending: eager's has applied them in step() and updates nothing
+    there; the fusion leaves them pending for the next real forward. Its
+    hooks tried them under the mode, where the optimizer refuses, and the
+    refusal dropped them: that step was lost (0.12 off after the run)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ref, model = _mlp(), _mlp()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="forward")
+    for i in range(4):
+        x, y = _mlp_batch(i)
+        if i == 2:
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                model(mode.from_tensor(x))
+            assert handle._pending
+        for m, o in ((ref, ref_opt), (model, opt)):
+            F.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    handle.flush()
+    handle.remove()
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), _diff(b, a)
+
+
 # ---------------------------------------------------------------------------
 # 3. Forward mode: clipping and GradScaler
 # ---------------------------------------------------------------------------

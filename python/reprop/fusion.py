@@ -3020,7 +3020,8 @@ class _ForwardFusion(FusionHandle):
 
     @_tensors.eager_under_compile
     def _on_module_forward(self, module, args) -> None:
-        if self._removed:  # the hook of a copy of the model (see __reduce__)
+        # (a dry run under a FakeTensorMode: see _on_root_forward)
+        if self._removed or _tensors.fake_mode_active():  # (removed: a copy's hook, see __reduce__)
             return
         self._ran[id(module)] = self._stamp
         if self._pending:  # the common case, nothing pending, takes no lock
@@ -3038,7 +3039,11 @@ class _ForwardFusion(FusionHandle):
 
     @_tensors.eager_under_compile
     def _on_root_forward(self, module, args) -> None:
-        if self._removed:  # the hook of a copy of the model (see __reduce__)
+        # A dry run under a FakeTensorMode (a memory estimate) is not seen:
+        # eager's updates nothing there, and the pending updates, which the
+        # optimizer refuses in that mode, wait for the next real forward (an
+        # update tried there was refused and dropped: the step lost, 0.12 off)
+        if self._removed or _tensors.fake_mode_active():  # (removed: a copy's hook, see __reduce__)
             return
         with self._lock: self._on_root_forward_locked()  # noqa: E701 (see _lock)
 
@@ -3081,8 +3086,8 @@ class _ForwardFusion(FusionHandle):
         # other way, one update behind (its module ran in the forward before,
         # not in this one): eager training has applied it long ago, and the
         # gradients it still holds must not meet unscale_() or clipping.
-        if self._removed or not self._pending:  # (the steady state: every owner ran)
-            return
+        if self._removed or not self._pending or _tensors.fake_mode_active():
+            return  # (pending empty: the steady state, every owner ran; fake: see _on_root_forward)
         with self._lock: self._flush_watching_late(output)  # noqa: E701 (see _lock)
 
     def _flush_watching_late(self, output) -> None:
