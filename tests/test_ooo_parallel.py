@@ -3040,3 +3040,41 @@ def test_data_parallel_parameter_moved_to_another_device_is_named(solo_group):
         F.mse_loss(model(x), t).backward()
     assert dp._buckets_stale()
     dp.remove()
+
+
+class _SideOnItsDevice(nn.Module):
+    """A Linear, then an _OnItsDevice used only while `use_side`."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.side, self.use_side = nn.Linear(WIDTH, WIDTH), _OnItsDevice(), True
+
+    def forward(self, x):
+        y = self.lin(x)
+        return self.side(y) if self.use_side else y
+
+
+def test_data_parallel_parameter_moved_and_unused_is_named_too(solo_group):
+    """The moved parameter unused in this backward (no gradient on this
+    rank): it is named as where it has one, so every rank raises at the same
+    bucket. It was zeroed in silence and its bucket launched: a rank that
+    used it raised before launching, and the all-reduces were out of step
+    (gloo aborted the process at the next collective, on 2 ranks)."""
+    model = _SideOnItsDevice()
+    dp = DataParallel(model, k=0)
+    x, t = _batch(0, 0)
+    F.mse_loss(model(x), t).backward()
+    assert dp._bucket_of[model.side.weight] is dp._bucket_of[model.lin.weight]  # one bucket
+    model.zero_grad()
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.side.to("meta")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    model.use_side = False
+    with pytest.raises(RuntimeError, match=r"^model\.side\.weight: it is on meta, its bucket "
+                                           r"\(planned at an earlier backward\) on cpu"):
+        F.mse_loss(model(x), t).backward()
+    assert dp._buckets_stale()
+    dp.remove()

@@ -3440,6 +3440,8 @@ class DataParallel(_PassTracking, Joinable):
         scale = 1.0 / self._divide_by()
         for p, view in b.views():
             if p.grad is None:
+                if p.device != view.device:  # (moved, unused here: raised as on the ranks using it)
+                    self._refuse_moved(p, view)
                 view.zero_()
             elif p.grad.layout != torch.strided:
                 raise RuntimeError("DataParallel: only dense gradients are supported")
@@ -3463,13 +3465,17 @@ class DataParallel(_PassTracking, Joinable):
         first parameter, the one _buckets_stale checks (each of them would
         cost every backward). Torch's own error named no parameter, and every
         later backward raised it again. The plan is dropped: the next
-        backward plans buckets by the devices then (as after a conversion)."""
-        if p.grad.device == view.device:
+        backward plans buckets by the devices then (as after a conversion).
+        A rank where p got no gradient raises it too (p's own device): it
+        launched the bucket's all-reduce, which the ranks that raised never
+        matched (gloo aborted at the next collective)."""
+        what, device = ("it", p.device) if p.grad is None else ("its gradient", p.grad.device)
+        if device == view.device:
             return
         self._bucketed_dtypes = [None] * len(self._bucketed)  # stale: planned again
         name = next((n for n, q in self.model.named_parameters() if q is p), "?")
         raise RuntimeError(
-            f"model.{name}: its gradient is on {p.grad.device}, its bucket (planned at an "
+            f"model.{name}: {what} is on {device}, its bucket (planned at an "
             f"earlier backward) on {view.device}: the parameter moved to another device since. "
             f"This backward's gradients are not averaged; the next backward plans the buckets "
             f"again by the parameters' devices (move them on every rank, before the same "
