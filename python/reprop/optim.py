@@ -712,6 +712,7 @@ class _Plan:
         is raised as their call returns, after the update, and no check for
         it comes between a dict store and the call (a flag set after the
         call, or by a call before it, would be wrong there)."""
+        ran = {} if ran is None else ran  # a caller that does not track it: a throwaway
         if self.aliased:
             self._fill_aliased(opt, group, hp)
         staged = self.step_staged
@@ -726,10 +727,7 @@ class _Plan:
                 if self.on_cpu:
                     args = (opt._kind, self.dtype_code, self.step_table, hp,
                             torch.get_num_threads())
-                    if ran is None:
-                        _C.optim_step(*args)
-                    else:
-                        ran[self] = self.step_params; _C.optim_step(*args)  # noqa: E702 (see above)
+                    ran[self] = self.step_params; _C.optim_step(*args)  # noqa: E702 (see above)
                 else:
                     self._run_cuda(opt, group, hp, ran)
             # The rest of the update (the staged params get the update their
@@ -788,16 +786,13 @@ class _Plan:
         rows = range(len(self.params)) if self.rows is None else self.rows
         return self.step_params + [t for row in rows for _, t, _ in self.watched[row]]
 
-    def _run_cuda(self, opt, group, hp, ran: dict | None = None) -> None:
+    def _run_cuda(self, opt, group, hp, ran: dict) -> None:
         lr_ptr = _cuda_lr_pointer(opt, group, self.device)
         stream = _tensors.current_stream_handle(self.device)
         with _tensors.on_device(self.device):
             args = (opt._kind, self.dtype_code, self.step_table, hp, self.capturable, stream,
                     lr_ptr)
-            if ran is None:
-                _cuda.optim_step(*args)
-            else:
-                ran[self] = self.step_params; _cuda.optim_step(*args)  # noqa: E702 (see run)
+            ran[self] = self.step_params; _cuda.optim_step(*args)  # noqa: E702 (see run)
 
 
 def _cuda_lr_pointer(opt, group: dict, device: torch.device) -> int:
