@@ -6,6 +6,7 @@ release the GIL around long work, and raise an exception naming a bad
 argument."""
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -13,12 +14,15 @@ import sys
 import textwrap
 import threading
 import types
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 import reprop
+import reprop.optim as ro
+from reprop import _tensors
 from reprop._native import _C
 
 
@@ -725,3 +729,213 @@ def test_kernels_run_in_a_child_forked_after_a_parallel_region():
             print("child hung")
     """)
     assert proc.returncode == 0 and proc.stdout == "child exit 0\n", (proc.stdout, proc.stderr[-2000:])
+
+
+# ---- Checks a mutation audit of the bindings and _tensors found untested: each test ----
+# ---- below fails on a plausible wrong version of the check it names.              ----
+
+def test_fast_path_reads_a_negative_bit_gradient_as_its_values():
+    """A gradient with torch's lazy negative bit (x.conj().imag) holds -g in
+    memory. The C fast path of a cached plan (all rows contiguous, so none
+    sends the step to the Python path) must not hand that memory to the
+    kernels: the update is torch's, from g, at the steps that read the plan
+    from the cache as at the one that built it."""
+    torch.manual_seed(0)
+    init = [torch.randn(4, 3), torch.randn(5)]
+    grads = [[torch.randn(4, 3), torch.randn(5)] for _ in range(4)]
+    for mine, theirs, kw in [(ro.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9)),
+                             (ro.Adam, torch.optim.Adam, dict(lr=0.1))]:
+        results = []
+        for cls in (mine, theirs):
+            params = [torch.nn.Parameter(t.clone()) for t in init]
+            opt = cls(params, **kw)
+            for k, step_grads in enumerate(grads):
+                for p, g in zip(params, step_grads):
+                    p.grad = (-g)._neg_view() if k >= 2 else g.clone()  # cached from step 1 on
+                    assert torch.equal(p.grad, g)
+                opt.step()
+            results.append([p.detach() for p in params])
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_optim_step_refuses_a_read_only_table():
+    """The core writes the table (a new SGD buffer's flag is cleared once
+    filled): a read-only array is refused, not written behind NumPy's back."""
+    p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    table = np.zeros((1, 8), np.int64)
+    table[0, 0], table[0, 1], table[0, 6] = p.ctypes.data, g.ctypes.data, 4
+    table.setflags(write=False)
+    hparams = (0.1,) + (0.0,) * 9 + (False,) * 5  # SGD, lr 0.1
+    for call in (lambda: _C.optim_step(0, 0, table, hparams, 1),
+                 lambda: _C.optim_check(0, 0, table, hparams, False)):
+        with pytest.raises(ValueError, match="^table: expected a C-contiguous, aligned, writeable"):
+            call()
+    assert (p == 1).all()
+
+
+def test_optim_grad_pointers_refuses_tables_and_step_rows_of_another_length():
+    """A table with fewer rows than the lists (the fast path writes one row
+    a param), or step_rows of another length than step_table (it reads
+    step_rows[k] for each of step_table's rows), is refused."""
+    no_grad = [types.SimpleNamespace(grad=None)] * 2
+    lists = ([None] * 2, {}, [None] * 2, [None] * 2, [True] * 2, torch.strided)
+    table, memory = np.zeros((2, 8), np.int64), np.zeros(0, np.int64)
+    with pytest.raises(ValueError, match="^optim_grad_pointers: lists and table differ in length$"):
+        _C.optim_grad_pointers(no_grad, *lists, table[:1], None, table[:1], None, torch.Tensor, memory)
+    for step_rows in (np.zeros(1, np.int64), np.zeros(3, np.int64)):
+        with pytest.raises(ValueError, match="^optim_grad_pointers: step_rows must be None"):
+            _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(), step_rows,
+                                   torch.Tensor, memory)
+    # the right lengths: no row has a gradient, none takes part
+    assert _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(),
+                                  np.zeros(2, np.int64), torch.Tensor, memory) == ([], [])
+
+
+@pytest.mark.parametrize("value", [2**31, -2**31 - 1, -2**32 + 1])
+def test_int32_fields_of_a_task_graph_out_of_int32_are_refused_not_wrapped(value):
+    """The int32 fields of sched_graph's spec and simulate's graph are read
+    through int64 with a range check on both sides: -2**32 + 1 wrapped
+    to 1, a valid stage or task kind, silently."""
+    spec = dict(layers=2, micro=1, stages=2, iterations=1, transfer=0.5, order=0, k=0,
+                sync_by_layer=False, sub_stream=True, input_grad=False, fwd=[1.0, 1.0],
+                out_grad=[1.0, 1.0], weight_grad=[1.0, 1.0], sync=None, stage=[0, 1])
+    graph = _C.sched_graph(spec)
+    _C.simulate(graph, 1.0)  # (taken as it is)
+    with pytest.raises(ValueError, match=rf"^sched_graph: stage\[1\] = {value} does not fit in int32$"):
+        _C.sched_graph(dict(spec, stage=np.array([0, value], np.int64)))
+    kind = graph["kind"].astype(np.int64)
+    kind[0] = value
+    with pytest.raises(ValueError, match=rf"^simulate: kind\[0\] = {value} does not fit in int32$"):
+        _C.simulate(dict(graph, kind=kind), 1.0)
+
+
+def test_dtype_code_names_complex_and_other_dtypes():
+    assert [_tensors.dtype_code(torch.zeros(1, dtype=d), "x")
+            for d in (torch.float32, torch.float16, torch.bfloat16)] == [0, 1, 2]
+    with pytest.raises(TypeError, match=r"^x: complex tensors are not supported \(got torch.complex64\)$"):
+        _tensors.dtype_code(torch.zeros(1, dtype=torch.complex64), "x")
+    with pytest.raises(TypeError, match=r"^x: expected float32, float16 or bfloat16, got torch.float64$"):
+        _tensors.dtype_code(torch.zeros(1, dtype=torch.float64), "x")
+
+
+def test_stored_parts_are_every_tensor_holding_a_sparse_layouts_data():
+    """ooo charges a task the storages of stored_parts: a CSR tensor's
+    crow_indices, col_indices and values (each compressed layout's three
+    arrays, COO's indices and values); None where there is no storage."""
+    dense = torch.tensor([[0.0, 1.0, 0.0, 2.0], [3.0, 0.0, 0.0, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's beta warning on sparse tensors)
+        coo = dense.to_sparse().coalesce()
+        csr, csc = dense.to_sparse_csr(), dense.to_sparse_csc()
+        bsr, bsc = dense.to_sparse_bsr((1, 2)), dense.to_sparse_bsc((1, 2))
+    want = {torch.strided: [dense], torch.sparse_coo: [coo._indices(), coo._values()],
+            torch.sparse_csr: [csr.crow_indices(), csr.col_indices(), csr.values()],
+            torch.sparse_csc: [csc.ccol_indices(), csc.row_indices(), csc.values()],
+            torch.sparse_bsr: [bsr.crow_indices(), bsr.col_indices(), bsr.values()],
+            torch.sparse_bsc: [bsc.ccol_indices(), bsc.row_indices(), bsc.values()]}
+    for t in (dense, coo, csr, csc, bsr, bsc):
+        got = _tensors.stored_parts(t)
+        assert [(x.data_ptr(), x.shape) for x in got] == [(x.data_ptr(), x.shape) for x in want[t.layout]]
+    if torch.backends.mkldnn.is_available():
+        assert _tensors.stored_parts(dense.to_mkldnn()) is None
+
+
+def _element_bytes(t: torch.Tensor) -> set:
+    """Every byte address an element of t covers, by enumerating its indices."""
+    size = t.element_size()
+    offsets = {sum(i * s for i, s in zip(index, t.stride()))
+               for index in itertools.product(*map(range, t.shape))}
+    return {t.data_ptr() + o * size + b for o in offsets for b in range(size)}
+
+
+def test_dense_span_and_shared_elements_agree_with_the_element_addresses():
+    """is_dense, byte_span and shares_elements against each element's
+    addresses: a dim of size 1 has no say in density whatever its stride (a
+    broadcast's new leading dim has stride 0), a span ends after the last
+    element's last byte, tensors side by side share nothing, and the
+    transposed column slices of one matrix interleave without sharing (their
+    element addresses are not in order)."""
+    base = torch.arange(48.0)
+    m = base[:24].view(4, 6)
+    cases = [m, m.t(), m[:, :3], m[:, 3:], m[:, ::2], m[:, 1::2], m.t()[::2], m.t()[1::2],
+             torch.broadcast_to(m.t(), (1, 6, 4)), base.as_strided((4, 1, 3), (1, 100, 4)),
+             base.as_strided((2, 3), (3, 1), 24), base[:24].view(1, 2, 3, 4).permute(0, 2, 3, 1),
+             base.as_strided((2, 2), (1, 1)), base[:0], m[:, 2:4]]
+    for t in cases:
+        addresses = _element_bytes(t)
+        offsets = sorted({a - t.data_ptr() for a in addresses})
+        assert _tensors.is_dense(t) == (offsets == list(range(t.numel() * t.element_size()))), \
+            (t.shape, t.stride())
+        if t.numel():
+            assert _tensors.byte_span(t) == (min(addresses), max(addresses) + 1), (t.shape, t.stride())
+    for a, b in itertools.combinations(cases, 2):
+        assert _tensors.shares_elements(a, b) == bool(_element_bytes(a) & _element_bytes(b)), \
+            (a.shape, a.stride(), b.shape, b.stride())
+
+
+def test_repeated_dims_are_the_dims_of_size_over_one_with_stride_zero():
+    """A stride-0 dim of size 1 (a broadcast's new leading dim) repeats no
+    element: optim refuses state that repeats elements, as torch's in-place
+    update does, and must not refuse that one, which torch takes."""
+    x = torch.zeros(3)
+    assert _tensors.repeated_dims(torch.broadcast_to(x, (1, 3))) == []
+    assert _tensors.repeated_dims(x.expand(4, 3)) == [0]
+    assert _tensors.repeated_dims(torch.broadcast_to(x, (1, 2, 3))) == [1]
+
+
+def test_without_autocast_turns_it_back_on_when_fn_raises():
+    """A backward run by without_autocast inside an autocast region that
+    raises (caught by the user's loop) leaves autocast on for the rest of
+    the region, as torch.autocast(enabled=False) would."""
+
+    def fails():
+        assert not torch.is_autocast_enabled("cpu")
+        raise KeyError("inside")
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(KeyError, match="inside"):
+            _tensors.without_autocast("cpu", fails)
+        assert torch.is_autocast_enabled("cpu")
+        assert _tensors.without_autocast("cpu", torch.is_autocast_enabled, "cpu") is False
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_suggest_memory_format_is_torchs():
+    """suggest_memory_format is c10's, which torch's Python port
+    (torch._prims_common) reproduces: every permutation of contiguous and
+    channels_last tensors with dims of size 1, and the ambiguous N111
+    tensors c10 takes as contiguous."""
+    from torch._prims_common import suggest_memory_format as torchs
+    cases = [torch.empty(2, 1, 1, 1).as_strided((2, 1, 1, 1), (1, 1, 1, 1)),
+             torch.empty(2, 1, 1, 3)[..., :1],
+             torch.empty(2, 3, 4, 5).as_strided((2, 3, 4, 5), (60, 0, 15, 3)),
+             torch.empty(2, 3, 4, 5, 6).contiguous(memory_format=torch.channels_last_3d)]
+    for shape in itertools.product((1, 2), (1, 3), (1, 2), (1, 4)):
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            base = torch.empty(shape).contiguous(memory_format=fmt)
+            cases += [base.permute(perm) for perm in itertools.permutations(range(4))]
+    for x in cases:
+        assert _tensors.suggest_memory_format(x) == torchs(x), (x.shape, x.stride())
+
+
+def test_a_c_extension_that_is_there_but_fails_to_load_raises_its_own_error(monkeypatch):
+    """_load_core's "not built for this Python" is for a reprop._C that is
+    not there; one that is there but fails to load (a missing symbol,
+    another NumPy's ABI) raises the loader's own error, which says why."""
+    native = reprop._native
+
+    def import_module(name):
+        raise ImportError("undefined symbol: rp_optim_step_cpu", name=name)
+
+    monkeypatch.setattr(native, "importlib", types.SimpleNamespace(import_module=import_module))
+    with pytest.raises(ImportError, match="^undefined symbol: rp_optim_step_cpu$"):
+        native._load_core()
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    monkeypatch.setattr(native, "importlib", types.SimpleNamespace(import_module=missing))
+    with pytest.raises(ImportError, match="^reprop's C extension reprop._C is not built for this Python"):
+        native._load_core()
