@@ -2454,8 +2454,9 @@ _MAX_SEARCH_LAYERS = 2 ** 20
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
     steps of L/10 (k = L included), then steps halved (rounded up) around
-    the best down to 1, which finds the maximum of a concave score.
-    `measure(k)` returns a finite score, an int or a float (never a bool, a
+    the best down to 1, which finds the maximum of a concave score; equal
+    scores go to the smaller k (fewer dW held). `measure(k)` returns a
+    finite score, an int or a float (never a bool, a
     string or a tensor, as enable()'s speedup), higher is better (a
     throughput, or a negated time); each k is measured at most once. Returns
     the best k and every measurement. `layers` is at most 2^20."""
