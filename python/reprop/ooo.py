@@ -3473,7 +3473,7 @@ class DataParallel(_PassTracking, Joinable):
         what, device = ("it", p.device) if p.grad is None else ("its gradient", p.grad.device)
         if device == view.device:
             return
-        self._bucketed_dtypes = [None] * len(self._bucketed)  # stale: planned again
+        self._plan_again()
         name = next((n for n, q in self.model.named_parameters() if q is p), "?")
         raise RuntimeError(
             f"model.{name}: {what} is on {device}, its bucket (planned at an "
@@ -3481,6 +3481,14 @@ class DataParallel(_PassTracking, Joinable):
             f"This backward's gradients are not averaged; the next backward plans the buckets "
             f"again by the parameters' devices (move them on every rank, before the same "
             f"forward, as under DDP)")
+
+    def _plan_again(self) -> None:
+        """Has the next backward plan the buckets again, as after a
+        conversion: every bucketed dtype reads as changed (_buckets_stale,
+        which _announce reads too). Not ``self._buckets = None``: this runs
+        inside a backward, whose launched buckets _abandon_backward must
+        still find to wait for."""
+        self._bucketed_dtypes = [None] * len(self._bucketed)
 
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
