@@ -573,6 +573,7 @@ def _compare_branchy(rank: int, world: int, k: int, steps: int = 4) -> None:
 def _dp_branchy(rank: int, world: int) -> None:
     for k in (0, 2, 5):
         _compare_branchy(rank, world, k)
+    _compare_used_only_under_no_sync(rank, world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -580,7 +581,8 @@ def test_data_parallel_rank_dependent_branch(world):
     """Buckets are the same on every rank although the ranks call different
     layers in different orders (they were planned from each rank's own
     calls: other parameters summed together, or a gloo abort for k = 5);
-    unused parameters get DDP's gradients, None where no rank used them."""
+    unused parameters get DDP's gradients, None where no rank used them;
+    a use in a no_sync() backward counts (_compare_used_only_under_no_sync)."""
     _spawn(_dp_branchy, world)
 
 
@@ -924,6 +926,7 @@ def _dp_edge_cases(rank: int, world: int) -> None:
     _compare_local_buffers(rank, world)
     _check_output_parameter(rank, world)
     _check_different_models(rank, world)
+    _check_different_buffers(rank, world)
     _check_broadcast_buffers_agree(rank, world)
     _check_requires_grad_agrees(rank, world)
     _check_repeated_tensors_refused(rank, world)
@@ -1897,6 +1900,7 @@ def _check_pipeline(rank: int, case: dict, steps: int = 3) -> None:
     pipe_layers = make()
     pipe = Pipeline(pipe_layers, micro_batches=case["micro_batches"], schedule=case["schedule"],
                     allocation=case["allocation"], group=case["group"], costs=case.get("costs"))
+    _assert_allocated(pipe, pipe_layers, case, rank)
     local = list(pipe.parameters())  # none on a stage of tanh layers only
     opt = torch.optim.SGD(local, lr=0.1) if local else None
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -3078,3 +3082,128 @@ def test_data_parallel_parameter_moved_and_unused_is_named_too(solo_group):
         F.mse_loss(model(x), t).backward()
     assert dp._buckets_stale()
     dp.remove()
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of DataParallel and Pipeline: what no test above caught
+# ---------------------------------------------------------------------------
+
+
+def _compare_used_only_under_no_sync(rank: int, world: int, steps: int = 3) -> None:
+    """Accumulation where one rank uses the branch in its no_sync() backward
+    only, and no rank in the synced backward that ends it: a use under
+    no_sync() counts (DDP(find_unused_parameters=True) counts it too, since
+    torch 2.4), so the branch's accumulated gradient is averaged with the
+    other ranks' zeros, DDP's gradients on every rank. (Uses recorded only
+    in synced backward passes left it unaveraged: that rank's own gradient,
+    None on the others.) Called from _dp_branchy, in its processes."""
+    torch.manual_seed(rank)
+    model = _Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = data_parallel(model, k=2)
+    for step in range(steps):
+        for net, handle in ((ref, ref), (model, dp)):
+            net.zero_grad()
+            with handle.no_sync():
+                x, t = _batch(rank, 10 * step)
+                F.mse_loss(net(x, (rank + step) % world == 0), t).backward()
+            x, t = _batch(rank, 10 * step + 1)
+            F.mse_loss(net(x, False), t).backward()
+        assert model.branch.weight.grad is not None, f"step {step}: branch left unaveraged"
+        _assert_same(model, ref.module, "grad", world == 2)
+    dp.remove()
+
+
+def test_data_parallel_search_runs_the_schedule_of_each_k_it_times(solo_group):
+    """k="auto": each iteration of the search runs reverse first-k for the
+    k in force at its forward (the dW of layers 0 .. k-1 after backward, in
+    that order), and so does the k it ends on; the search times each k's
+    own schedule. A plan kept when the search moved k held the old k's
+    layers (none: the first k is 0), and every k was timed running
+    another's schedule, gradients unchanged."""
+    torch.manual_seed(0)
+    model = _Net()
+    dp = DataParallel(model, k="auto", search_iters=1)
+    released, release = [], dp._release_held
+
+    def marking():
+        released.append(True)
+        return release()
+
+    dp._release_held = marking
+    after_backward = _recorded(dp, lambda t: t.site.index if released else None)
+    seen = set()
+    for step in itertools.count():
+        assert step < 200, "the search for k did not end"
+        searching, k = dp.searching, dp.k
+        released.clear(), after_backward.clear()
+        x, t = _batch(0, step)
+        model.zero_grad()
+        F.mse_loss(model(x), t).backward()
+        assert after_backward == list(range(k)), (step, k, after_backward)
+        seen.add(k)
+        if not searching:
+            break
+    assert len(seen) > 2, seen
+    dp.remove()
+
+
+def _assert_allocated(pipe: Pipeline, layers: list, case: dict, rank: int) -> None:
+    """The layers this rank keeps are those the paper's allocation gives its
+    stage: contiguous blocks (floor(l S / L)), or modulo allocation of
+    groups of `group` layers ((l // group) mod S), computed here on their
+    own. (A Pipeline that dropped `group` still matched single-process
+    training: every rank agreed on the wrong allocation.)"""
+    n, stages = len(layers), pipe.stages
+    want = [(l // case["group"]) % stages if case["allocation"] == "modulo" else l * stages // n
+            for l in range(n)]
+    assert list(pipe.stage_of) == want, (case, list(pipe.stage_of))
+    assert pipe.layers == {l: layers[l] for l in range(n) if want[l] == rank}, (case, rank)
+
+
+def test_search_k_breaks_ties_towards_the_smaller_k():
+    """Equal scores pick the smaller k (fewer dW held, less memory): a flat
+    score, as timings too coarse to tell the ks apart give, keeps k = 0,
+    and a plateau its first k. The core's tie-break had no test: taking the
+    larger k instead held every layer on a flat score."""
+    assert ooo.search_k(20, lambda k: 1.0)[0] == 0
+    assert ooo.search_k(20, lambda k: float(min(k, 6)))[0] == 6
+
+
+def _check_different_buffers(rank: int, world: int) -> None:
+    """The same parameters on every rank, but a norm layer without affine
+    parameters of another width on rank 1 (its buffers alone differ): the
+    ValueError on every rank that models differing in their parameters get,
+    before any buffer is broadcast (_check_different_models' models all
+    differ in a parameter too, so a check of the parameters alone passed
+    them). Called from _dp_edge_cases, in its processes."""
+    norm = nn.BatchNorm1d(WIDTH + (rank == 1), affine=False)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), norm)
+    with pytest.raises(ValueError, match="^model: .*every rank must build the same model"):
+        data_parallel(model, k=0)
+    assert all("forward" not in m.__dict__ for m in model.modules()), "split left behind"
+
+
+def test_pipeline_steps_and_evaluations_of_one_input_keep_their_programs(solo_group):
+    """step(), evaluate(), step() on the same batch (an input that needs no
+    gradient, so both ask for the same input_grad): each runs its own
+    program, cached apart: single-process gradients in each step (accumulated
+    over both), the forwards' loss in the evaluation, which leaves .grad as
+    it was. A program cached by input_grad alone gave the evaluation the
+    training program (a backward under no_grad), or the step the forwards
+    alone (no gradient)."""
+    ref_layers = _blocks()
+    ref = nn.Sequential(*ref_layers)
+    pipe = Pipeline(_blocks(), micro_batches=2)
+    x, t = _batch(0, 0)
+    for i in range(2):
+        F.mse_loss(ref(x), t).backward()
+        pipe.step(x, t, F.mse_loss)
+        _assert_pipeline_grads(pipe, ref_layers, f"step {i}")
+        if i == 0:
+            before = [p.grad.clone() for p in pipe.parameters()]
+            with torch.no_grad():
+                want = F.mse_loss(ref(x), t)
+            torch.testing.assert_close(pipe.evaluate(x, t, F.mse_loss), want, rtol=1e-6, atol=0)
+            assert all(torch.equal(p.grad, b) for p, b in zip(pipe.parameters(), before))
+    pipe.remove()

@@ -2454,8 +2454,9 @@ _MAX_SEARCH_LAYERS = 2 ** 20
 def search_k(layers: int, measure: Callable[[int], float]) -> tuple[int, dict]:
     """The paper's coarse-to-fine search for reverse first-k's k in [0, L]:
     steps of L/10 (k = L included), then steps halved (rounded up) around
-    the best down to 1, which finds the maximum of a concave score.
-    `measure(k)` returns a finite score, an int or a float (never a bool, a
+    the best down to 1, which finds the maximum of a concave score; equal
+    scores go to the smaller k (fewer dW held). `measure(k)` returns a
+    finite score, an int or a float (never a bool, a
     string or a tensor, as enable()'s speedup), higher is better (a
     throughput, or a negated time); each k is measured at most once. Returns
     the best k and every measurement. `layers` is at most 2^20."""
@@ -3472,7 +3473,7 @@ class DataParallel(_PassTracking, Joinable):
         what, device = ("it", p.device) if p.grad is None else ("its gradient", p.grad.device)
         if device == view.device:
             return
-        self._bucketed_dtypes = [None] * len(self._bucketed)  # stale: planned again
+        self._plan_again()
         name = next((n for n, q in self.model.named_parameters() if q is p), "?")
         raise RuntimeError(
             f"model.{name}: {what} is on {device}, its bucket (planned at an "
@@ -3480,6 +3481,14 @@ class DataParallel(_PassTracking, Joinable):
             f"This backward's gradients are not averaged; the next backward plans the buckets "
             f"again by the parameters' devices (move them on every rank, before the same "
             f"forward, as under DDP)")
+
+    def _plan_again(self) -> None:
+        """Has the next backward plan the buckets again, as after a
+        conversion: every bucketed dtype reads as changed (_buckets_stale,
+        which _announce reads too). Not ``self._buckets = None``: this runs
+        inside a backward, whose launched buckets _abandon_backward must
+        still find to wait for."""
+        self._bucketed_dtypes = [None] * len(self._bucketed)
 
     def _end_backward(self) -> None:
         """Autograd is done: reverse first-k, then wait and write the averages back."""
