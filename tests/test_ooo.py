@@ -1800,6 +1800,33 @@ def test_inplace_change_of_a_saved_input_is_caught():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("shape", [(5,), (3, 2, 5), (2, 2, 3, 5)], ids=["1-d", "3-d", "4-d"])
+@pytest.mark.parametrize("act", [lambda: nn.ReLU(inplace=True),
+                                 lambda: reprop.fad.SiLU(inplace=True)], ids=["relu_", "fad-silu_"])
+def test_an_in_place_op_on_a_split_linear_over_a_folded_input_trains(shape, act):
+    """at::linear folds a non-2-D input to 2-D and views the product back, so
+    the split Function returned a view made inside it, on which autograd
+    refuses every in-place op: nn.ReLU(inplace=True) (or an in-place fad
+    activation) after a Linear over (B, T, C) raised "Output 0 of _Split is
+    a view and is being modified inplace" in the forward, where plain
+    autograd trains. Now it trains with plain autograd's gradients."""
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), act(), nn.Linear(4, 3))
+        if split:
+            handle = ooo.enable(model, order="conventional")
+        x = torch.randn(*shape, requires_grad=True)
+        for _ in range(2):  # a profiling pass and the next
+            model.zero_grad()
+            x.grad = None
+            model(x).pow(2).sum().backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    handle.remove()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
 @pytest.mark.parametrize("layer, change", [
     (lambda: nn.BatchNorm1d(4).eval(), lambda m: m.running_var.mul_(100)),
     (lambda: nn.BatchNorm1d(4), lambda m: m.running_mean.add_(1)),

@@ -498,6 +498,14 @@ class _Split(torch.autograd.Function):
             # read the cast of a weight from before its updates
             off = torch.autocast(device.type, enabled=False)
             with off: y, saved = kind.forward(m, xc, wc, bc)  # noqa: E701 (see above)
+        if y._is_view():
+            # at::linear folds a non-2-D input to 2-D and views the product
+            # back: returned as a view made inside this Function, autograd
+            # refused every in-place op on it ("Output 0 of _Split is a view
+            # and is being modified inplace"), nn.ReLU(inplace=True) or an
+            # in-place fad activation after a Linear over (B, T, C), which
+            # plain autograd trains. detach(): the same storage, no view
+            y = y.detach()
         n = kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
         ctx.extra = saved[n:]
