@@ -1685,6 +1685,59 @@ def test_backward_fusion_updates_after_the_deferred_dw():
         torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_forward_fusion_leaves_the_dw_deferred_and_still_refuses_a_pending_read():
+    """reprop.fuse(mode='forward') hooks every parameter (register_hook) to
+    refuse a gradient reaching one whose update is pending; the split took
+    any tensor hook for one that reads the summed gradient and returned every
+    dW to autograd: no backward pass began, the profile never ran, the
+    schedule was never fixed and nothing was moved (nor held, under
+    DataParallel and Pipeline), while each call paid the split. Now the dW
+    are deferred and moved as without the fusion, training equals the
+    plain fused model's, and the refusal still comes, from the task, before
+    the parameter's .grad changes."""
+    import reprop
+
+    torch.manual_seed(0)
+    ref = EveryKind()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **_moving())
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9) for net in (ref, model)]
+    fused = [reprop.fuse(net, opt, mode="forward") for net, opt in zip((ref, model), opts)]
+    for step in range(10):
+        idx, y = _batch(step)
+        for net, opt in zip((ref, model), opts):
+            nn.functional.cross_entropy(net(idx), y).backward()
+            opt.step()
+            opt.zero_grad()
+    for f in fused:
+        f.flush()
+    assert handle.schedule is not None and handle.schedule["moved"] > 0
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=name)
+    # a graph built before step() and backpropagated after it: an Embedding
+    # saves no weight, so only the fusion's check sees its pending update,
+    # which the task runs before it adds to .grad
+    emb = nn.Sequential(nn.Embedding(20, 4))
+    handle = ooo.enable(emb, order="conventional")  # every dW deferred, run after its dO
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    fusion = reprop.fuse(emb, opt, mode="forward")
+    idx, _ = _batch(0)
+    for _ in range(2):  # the second step() leaves its update pending (momentum state)
+        emb(idx).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    emb(idx).sum().backward()
+    stale = emb(idx)
+    opt.step()
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"mode='forward'.*update was still pending"):
+        stale.sum().backward()
+    assert emb[0].weight.grad is None and handle.pending() == 0
+    fusion.flush()
+    emb(idx).sum().backward()
+    assert emb[0].weight.grad is not None
+
+
 def test_a_post_accumulate_grad_hook_removed_while_its_dw_waits_stays_removed():
     """The hooks of layer 2's weight wait for its dW, moved to the last
     region; layer 4's hook, fired as layer 2's backward starts, removes one
@@ -1798,6 +1851,33 @@ def test_inplace_change_of_a_saved_input_is_caught():
     h.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 2, 5), (2, 2, 3, 5)], ids=["1-d", "3-d", "4-d"])
+@pytest.mark.parametrize("act", [lambda: nn.ReLU(inplace=True),
+                                 lambda: reprop.fad.SiLU(inplace=True)], ids=["relu_", "fad-silu_"])
+def test_an_in_place_op_on_a_split_linear_over_a_folded_input_trains(shape, act):
+    """at::linear folds a non-2-D input to 2-D and views the product back, so
+    the split Function returned a view made inside it, on which autograd
+    refuses every in-place op: nn.ReLU(inplace=True) (or an in-place fad
+    activation) after a Linear over (B, T, C) raised "Output 0 of _Split is
+    a view and is being modified inplace" in the forward, where plain
+    autograd trains. Now it trains with plain autograd's gradients."""
+    grads = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), act(), nn.Linear(4, 3))
+        if split:
+            handle = ooo.enable(model, order="conventional")
+        x = torch.randn(*shape, requires_grad=True)
+        for _ in range(2):  # a profiling pass and the next
+            model.zero_grad()
+            x.grad = None
+            model(x).pow(2).sum().backward()
+        grads.append([x.grad] + [p.grad for p in model.parameters()])
+    handle.remove()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("layer, change", [

@@ -498,6 +498,14 @@ class _Split(torch.autograd.Function):
             # read the cast of a weight from before its updates
             off = torch.autocast(device.type, enabled=False)
             with off: y, saved = kind.forward(m, xc, wc, bc)  # noqa: E701 (see above)
+        if y._is_view():
+            # at::linear folds a non-2-D input to 2-D and views the product
+            # back: returned as a view made inside this Function, autograd
+            # refused every in-place op on it ("Output 0 of _Split is a view
+            # and is being modified inplace"), nn.ReLU(inplace=True) or an
+            # in-place fad activation after a Linear over (B, T, C), which
+            # plain autograd trains. detach(): the same storage, no view
+            y = y.detach()
         n = kind.tensors_saved
         ctx.save_for_backward(*saved[:n])
         ctx.extra = saved[n:]
@@ -589,11 +597,27 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # post-hook on the node must see (and may replace) dW and db.
         # DataParallel's weights shared by several layers go to autograd
         # under deterministic algorithms (_shared_by_sites).
-        if p._backward_hooks or not p.is_leaf or hooked or p in summed:
+        if (p._backward_hooks and not _fusion_checks_only(p)) or not p.is_leaf or hooked \
+                or p in summed:
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
     return deferred, returned, nodes
+
+
+def _fusion_checks_only(p: torch.Tensor) -> bool:
+    """Whether every tensor hook of p is reprop.fuse(mode="forward")'s check
+    that refuses a gradient reaching a parameter whose update is pending: it
+    reads no gradient value, so p's dW may be deferred, its task running the
+    check before it adds to .grad (_Task.run: a dW run inline, beside its
+    dO, comes before autograd calls the hook, with None, for the split's
+    node leaving the dW out). Returned to autograd for it, every dW of a
+    forward-fused model was made in place: no pass began, the profile never
+    ran and nothing was ever moved (nor held, under DataParallel and
+    Pipeline, which README pairs with forward mode), while every call paid
+    the split."""
+    return all(is_instance_by_name(hook_owner(getattr(hook, "func", hook)), fusion._ForwardFusion)
+               for hook in p._backward_hooks.values())
 
 
 @dataclass(eq=False)
@@ -749,6 +773,9 @@ class _Task:
         self.saved = self.grad = self.done = None
         for p, d, want in zip(self.params, grads, self.mask):
             if want:
+                if p._backward_hooks:  # forward fusion's check (_fusion_checks_only)
+                    for hook in tuple(p._backward_hooks.values()):
+                        hook(d)
                 _accumulate(p, d)
 
     def _check_nan(self, grads: tuple) -> None:
