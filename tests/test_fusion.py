@@ -7904,3 +7904,100 @@ def test_reprop_optimizer_made_before_a_reload_of_optim_is_fused(mode: str,
 
     got = train(mode)
     _assert_same_training(got, train(None))
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit, second round: each test below fails on a mutant of
+# fusion.py that the rest of this file let pass, or on a fault such a
+# mutant showed in the original (named in the docstring).
+# ---------------------------------------------------------------------------
+
+
+def _two_layer_letters(seq: str, fused: bool, keep_grads: bool, opt_name: str) -> list:
+    """Two Linears trained by the letters of `seq`: "b" a backward of both,
+    "A"/"B" a backward of the first/second alone (each a micro-batch of its
+    own), "s" step(), "z" zero_grad(set_to_none=False), "Z" zero_grad(),
+    "r" remove() (eager training from there). Returns the parameters."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+    opt = (rp.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+           if opt_name == "SGD" else rp.Adam(model.parameters(), lr=0.1))
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=keep_grads) if fused else None
+    for i, c in enumerate(seq):
+        x = torch.randn(4, 3, generator=_gen(700 + i))
+        if c == "b":
+            model[1](model[0](x)).square().mean().backward()
+        elif c in "AB":
+            model["AB".index(c)](x).square().mean().backward()
+        elif c == "s":
+            opt.step()
+        elif c in "zZ":
+            opt.zero_grad(set_to_none=c == "Z")
+        elif c == "r" and handle is not None:
+            handle.remove()
+            handle = None
+    if handle is not None:
+        handle.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+@pytest.mark.parametrize("seq", ["bszs", "zbszszs", "bszsbszs", "bsZzs", "bsZzrs", "bszrs", "bsZs"])
+def test_backward_mode_kept_grads_zeroed_keeping_zeros_step_as_eager(seq: str, opt_name: str) -> None:
+    """keep_grads=True, then zero_grad(set_to_none=False) and a step() with no
+    backward since: eager's step() moves every parameter from the zeros it
+    holds (momentum, weight decay, Adam's moments), as backward mode does
+    without keep_grads. The zeroing of the kept gradients was deferred, and
+    step() skipped them as applied: the parameters stayed (0.027 off eager,
+    SGD). And zero_grad() then zero_grad(set_to_none=False): eager's .grad
+    stays None, but the second call's flag replaced the first's, and remove()
+    gave the kept gradients zeros that the eager step() after it moved the
+    parameters from. ("bsZs" kills a mutant taking the kept gradients for
+    step()'s leftovers: eager's .grad is None after zero_grad().)"""
+    ref = _two_layer_letters(seq, False, True, opt_name)
+    for keep_grads in (False, True):
+        got = _two_layer_letters(seq, True, keep_grads, opt_name)
+        for a, b in _paired(got, ref):
+            assert torch.equal(a, b), f"keep_grads={keep_grads}: {_diff(a, b)}"
+
+
+def test_backward_mode_kept_grads_remove_between_backward_and_step_frees_them() -> None:
+    """keep_grads=True, zero_grad(set_to_none=False) after backward, then
+    remove() before step(): the parameters that backward moved stay without
+    .grad, as README says and as without keep_grads (the eager step() after
+    remove() would move them a second time). They were given the kept
+    gradients zeroed, and that step() moved them from those zeros again."""
+    freed = {}
+    for keep_grads in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode="backward", keep_grads=keep_grads)
+        model(torch.randn(4, 3, generator=_gen(0))).square().mean().backward()
+        opt.zero_grad(set_to_none=False)
+        handle.remove()
+        assert all(p.grad is None for p in model.parameters()), keep_grads
+        opt.step()  # eager's: nothing to move
+        freed[keep_grads] = [p.detach().clone() for p in model.parameters()]
+    for a, b in _paired(freed[True], freed[False]):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_backward_mode_kept_grads_zeroed_after_step_are_zeroed_in_place_by_remove() -> None:
+    """keep_grads=True, step(), zero_grad(set_to_none=False), remove(): each
+    .grad is the gradient tensor backward gave, zeroed in place, as eager's
+    zero_grad(set_to_none=False) leaves it (a reference taken after backward
+    sees the zeros). Kills a mutant of _undo freeing them instead (a new
+    zero tensor given back after)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=True)
+    model(torch.randn(4, 3, generator=_gen(0))).square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.any() for g in grads)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    handle.remove()
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g and not g.any()
