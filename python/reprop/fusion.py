@@ -1877,7 +1877,8 @@ class _BackwardFusion(FusionHandle):
             return
         moved = self._moved_by_window_step()
         for i, p in self._updated_since_freed.items():
-            if p.grad is None and i not in moved:
+            # (nor to those moved by a window not stepped: see _apply_unapplied)
+            if p.grad is None and i not in moved and i not in self._moved_in_step:
                 p.grad = _zero_grad_for(p)
 
     @_tensors.eager_under_compile
@@ -2215,8 +2216,14 @@ class _BackwardFusion(FusionHandle):
         left = [p for i, p in self._params.items()
                 if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
+            # (nor from zeros those moved since the last step() or zero_grad() by
+            # a window the loop did not step, two backward passes per step()
+            # reaching different layers: eager's one step() moves each once;
+            # moved again, they were 0.12 off eager's. Looked up last: the
+            # steady state's params are all in `moved`)
             zeroed = [p for i, p in self._updated_since_freed.items()
-                      if i not in moved and p.grad is None and i in self._params]
+                      if i not in moved and p.grad is None and i in self._params
+                      and i not in self._moved_in_step]
             for p in zeroed:
                 p.grad = _zero_grad_for(p)
             left += zeroed
