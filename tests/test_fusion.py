@@ -7904,3 +7904,374 @@ def test_reprop_optimizer_made_before_a_reload_of_optim_is_fused(mode: str,
 
     got = train(mode)
     _assert_same_training(got, train(None))
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit, second round: each test below fails on a mutant of
+# fusion.py that the rest of this file let pass, or on a fault such a
+# mutant showed in the original (named in the docstring).
+# ---------------------------------------------------------------------------
+
+
+def _two_layer_letters(seq: str, fused: bool, keep_grads: bool, opt_name: str) -> list:
+    """Two Linears trained by the letters of `seq`: "b" a backward of both,
+    "A"/"B" a backward of the first/second alone (each a micro-batch of its
+    own), "s" step(), "z" zero_grad(set_to_none=False), "Z" zero_grad(),
+    "r" remove() (eager training from there). Returns the parameters."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+    opt = (rp.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+           if opt_name == "SGD" else rp.Adam(model.parameters(), lr=0.1))
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=keep_grads) if fused else None
+    for i, c in enumerate(seq):
+        x = torch.randn(4, 3, generator=_gen(700 + i))
+        if c == "b":
+            model[1](model[0](x)).square().mean().backward()
+        elif c in "AB":
+            model["AB".index(c)](x).square().mean().backward()
+        elif c == "s":
+            opt.step()
+        elif c in "zZ":
+            opt.zero_grad(set_to_none=c == "Z")
+        elif c == "r" and handle is not None:
+            handle.remove()
+            handle = None
+    if handle is not None:
+        handle.remove()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+@pytest.mark.parametrize("seq", ["bszs", "zbszszs", "bszsbszs", "bsZzs", "bsZzrs", "bszrs", "bsZs"])
+def test_backward_mode_kept_grads_zeroed_keeping_zeros_step_as_eager(seq: str, opt_name: str) -> None:
+    """keep_grads=True, then zero_grad(set_to_none=False) and a step() with no
+    backward since: eager's step() moves every parameter from the zeros it
+    holds (momentum, weight decay, Adam's moments), as backward mode does
+    without keep_grads. The zeroing of the kept gradients was deferred, and
+    step() skipped them as applied: the parameters stayed (0.027 off eager,
+    SGD). And zero_grad() then zero_grad(set_to_none=False): eager's .grad
+    stays None, but the second call's flag replaced the first's, and remove()
+    gave the kept gradients zeros that the eager step() after it moved the
+    parameters from. ("bsZs" kills a mutant taking the kept gradients for
+    step()'s leftovers: eager's .grad is None after zero_grad().)"""
+    ref = _two_layer_letters(seq, False, True, opt_name)
+    for keep_grads in (False, True):
+        got = _two_layer_letters(seq, True, keep_grads, opt_name)
+        for a, b in _paired(got, ref):
+            assert torch.equal(a, b), f"keep_grads={keep_grads}: {_diff(a, b)}"
+
+
+def test_backward_mode_kept_grads_remove_between_backward_and_step_frees_them() -> None:
+    """keep_grads=True, zero_grad(set_to_none=False) after backward, then
+    remove() before step(): the parameters that backward moved stay without
+    .grad, as README says and as without keep_grads (the eager step() after
+    remove() would move them a second time). They were given the kept
+    gradients zeroed, and that step() moved them from those zeros again."""
+    freed = {}
+    for keep_grads in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode="backward", keep_grads=keep_grads)
+        model(torch.randn(4, 3, generator=_gen(0))).square().mean().backward()
+        opt.zero_grad(set_to_none=False)
+        handle.remove()
+        assert all(p.grad is None for p in model.parameters()), keep_grads
+        opt.step()  # eager's: nothing to move
+        freed[keep_grads] = [p.detach().clone() for p in model.parameters()]
+    for a, b in _paired(freed[True], freed[False]):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_backward_mode_kept_grads_zeroed_after_step_are_zeroed_in_place_by_remove() -> None:
+    """keep_grads=True, step(), zero_grad(set_to_none=False), remove(): each
+    .grad is the gradient tensor backward gave, zeroed in place, as eager's
+    zero_grad(set_to_none=False) leaves it (a reference taken after backward
+    sees the zeros). Kills a mutant of _undo freeing them instead (a new
+    zero tensor given back after)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=True)
+    model(torch.randn(4, 3, generator=_gen(0))).square().mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.any() for g in grads)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    handle.remove()
+    for p, g in zip(model.parameters(), grads):
+        assert p.grad is g and not g.any()
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+@pytest.mark.parametrize("seq", ["zABs", "zAeBs", "zABrs", "ABs"])
+def test_backward_mode_two_backwards_of_other_layers_per_step_move_each_once(
+        seq: str, opt_name: str) -> None:
+    """Two backward passes per step() reaching different layers ("e": an
+    evaluation forward between them), after zero_grad(set_to_none=False):
+    eager's one step() moves each layer once, from its gradient. Backward
+    mode updated the first layer in its backward, and step() (or the eager
+    step() after remove()) moved it again from the zeros eager holds where
+    no backward gave a gradient since the last zero_grad(): the second
+    pass's first gradient had dropped the record that the first window's
+    step had moved it (0.12 off eager, SGD)."""
+    letters = seq.replace("e", "")  # (an evaluation forward changes nothing eager)
+    ref = _two_layer_letters(letters, False, False, opt_name)
+
+    def fused() -> list:
+        if "e" not in seq:
+            return _two_layer_letters(seq, True, False, opt_name)
+        torch.manual_seed(0)
+        model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+        opt = (rp.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+               if opt_name == "SGD" else rp.Adam(model.parameters(), lr=0.1))
+        handle = reprop.fuse(model, opt, mode="backward")
+        for i, c in enumerate(letters):
+            x = torch.randn(4, 3, generator=_gen(700 + i))
+            if c in "AB":
+                model["AB".index(c)](x).square().mean().backward()
+                if c == "A":
+                    with torch.no_grad():
+                        model[1](model[0](x))
+            elif c == "s":
+                opt.step()
+            elif c == "z":
+                opt.zero_grad(set_to_none=False)
+        handle.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in _paired(fused(), ref):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_backward_mode_tied_weight_leaves_its_other_owners_params_to_their_own_time() -> None:
+    """A weight tied between an Embedding and a head Linear goes with the
+    first module owning it, the Embedding: the head's bias, complete early
+    in backward, is updated then, not held back until the tied weight's
+    gradient completes at the Embedding (a mutant batching the tied weight
+    with every owner's parameters did that). The values are eager's."""
+    def train(fused: bool) -> tuple[list, list]:
+        torch.manual_seed(0)
+        emb, head = nn.Embedding(7, 4), nn.Linear(4, 7)
+        head.weight = emb.weight
+        model = nn.ModuleDict({"emb": emb, "mid": nn.Linear(4, 4), "head": head})
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode="backward") if fused else None
+        seen = []
+        for i in range(3):
+            bias = head.bias.detach().clone()
+            e = emb(torch.randint(0, 7, (5,), generator=_gen(i)))
+            e.register_hook(lambda g: seen.append(torch.equal(head.bias, bias)))
+            head(torch.tanh(model["mid"](e))).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()], seen
+
+    (got, seen), (ref, _) = train(True), train(False)
+    assert seen == [False] * 3, "the head's bias waited for the tied weight"
+    for a, b in _paired(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_backward_mode_updates_in_a_backward_of_a_forward_that_ran_no_hook() -> None:
+    """Without accumulation every backward updates, also after a forward
+    that ran no hook of the fusion: a module owning the parameters called
+    through module.forward(x) (the test with a Sequential above calls its
+    Linear's hooks all the same). Kills a mutant of _updating that counts
+    micro-batches for accumulation_steps=1 too: the update was left to
+    step()."""
+    torch.manual_seed(0)
+    layer = nn.Linear(3, 2)
+    ref = copy.deepcopy(layer)
+    opt = rp.SGD(layer.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = rp.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(layer, opt, mode="backward")
+    for i in range(2):
+        x = torch.randn(4, 3, generator=_gen(i))
+        layer.forward(x).square().sum().backward()
+        assert layer.weight.grad is None and layer.bias.grad is None  # applied and freed
+        ref(x).square().sum().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        for a, b in zip(layer.parameters(), ref.parameters()):
+            assert torch.equal(a, b), _diff(a, b)  # before step(): moved in backward
+        opt.step()
+        opt.zero_grad()
+    handle.remove()
+
+
+def test_backward_accumulation_zero_grad_between_forward_and_backward_updates_in_time() -> None:
+    """accumulation_steps=2 in the loop order forward, zero_grad() at a
+    window's start, backward: the zero_grad() comes after the window's first
+    forward, which counts as its first micro-batch, so the window's second
+    backward updates (its gradients freed), and the values are eager's. A
+    mutant restarting the count at 0 there left every update to step()."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode="backward", accumulation_steps=2) if fused else None
+        for i in range(6):
+            loss = model(torch.randn(4, 3, generator=_gen(i))).square().mean()
+            if i % 2 == 0:
+                opt.zero_grad()
+            loss.backward()
+            if i % 2 == 1:
+                if fused:
+                    assert all(p.grad is None for p in model.parameters()), i
+                opt.step()
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for a, b in _paired(train(True), train(False)):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+class _RaiseAt(nn.Module):
+    """The identity, whose backward raises once while `armed`."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.armed:
+            x = x.clone()
+            x.register_hook(self._raise)
+        return x
+
+    def _raise(self, grad: torch.Tensor) -> None:
+        self.armed = False
+        raise _Interrupted
+
+
+def test_backward_mode_backward_raised_after_an_update_then_zero_grad_trains_on() -> None:
+    """A backward that raised after it had updated the last layer (the first
+    layer not reached), zero_grad(), and training goes on without step():
+    the next backward is a new step, not a second gradient for the layer
+    updated (a mutant that let the next forward finish no step after a
+    failed pass refused it so). The values are those of an eager run given
+    the last layer's update from the failed pass (SGD: the same kernel)."""
+    def batch(i: int) -> torch.Tensor:
+        return torch.randn(4, 3, generator=_gen(i))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), _RaiseAt(), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = rp.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward")
+    model[1].armed = True
+    with pytest.raises(_Interrupted):
+        model(batch(0)).square().mean().backward()
+    opt.zero_grad()
+    # eager: the last layer's update of the failed pass, then the same loop
+    grads = torch.autograd.grad(ref(batch(0)).square().mean(), list(ref[3].parameters()))
+    for p, g in zip(ref[3].parameters(), grads):
+        p.grad = g
+    ref_opt.step()
+    ref_opt.zero_grad()
+    for i in range(1, 3):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(batch(i)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    handle.remove()
+    for a, b in _paired(list(model.parameters()), list(ref.parameters())):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_backward_mode_layer_dropped_from_model_and_optimizer_under_zero_grads_is_freed() -> None:
+    """zero_grad(set_to_none=False) training, then a layer dropped from both
+    the model and the optimizer's group: backward mode lets it go (its
+    record of the parameters holding eager's zeros follows the optimizer's
+    groups; a mutant keeping it there held its parameters until remove()),
+    and the others train as eager."""
+    def train(fused: bool) -> tuple[list, weakref.ref]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, mode="backward") if fused else None
+        x = torch.randn(5, 3, generator=_gen(0))
+        old = None
+        for i in range(4):
+            if i == 2:
+                old = [weakref.ref(q) for q in model[2].parameters()]
+                dropped = set(map(id, model[2].parameters()))
+                opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"]
+                                                 if id(p) not in dropped]
+                model[2] = nn.Identity()
+                opt.state.clear()  # (eager's state would hold the dropped ones)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        del dropped
+        gc.collect()
+        alive = [ref() is not None for ref in old]
+        if handle is not None:
+            handle.remove()
+        return [p.detach().clone() for p in model.parameters()], alive
+
+    (got, alive), (ref, _) = train(True), train(False)
+    assert alive == [False, False], "the dropped layer's parameters are alive"
+    for a, b in _paired(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
+
+
+def test_forward_mode_tensor_betas_edited_in_place_after_step() -> None:
+    """Adam's betas as a tuple of tensors, the first changed in place after
+    step() (a hand-written momentum schedule): the pending update uses the
+    betas of step(), as eager's step() did (a mutant freezing the tuple but
+    not the tensors in it shared them, and the update used the new beta)."""
+    def after(model: nn.Module, opt) -> None:
+        opt.param_groups[0]["betas"][0].fill_(0.5)
+
+    make_opt = lambda model: rp.Adam(model.parameters(), lr=0.01,  # noqa: E731
+                                     betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    got = _mlp_loop("forward", make_opt, 3, after_step={1: after})
+    ref = _mlp_loop(None, make_opt, 3, after_step={1: after})
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("inputs", [True, False])
+def test_forward_mode_graph_saved_before_a_later_step_raises_as_eager(inputs: bool) -> None:
+    """As test_forward_mode_graph_saved_before_step_raises_as_eager, at the
+    second step, where the discriminator has optimizer state (momentum) and
+    its update waits instead of being applied at step() (a first step's
+    are applied at once, which bumps the versions itself): step() marks the
+    saved weights as eager's in-place update does, and backward raises
+    autograd's in-place error (a mutant leaving the waiting updates
+    unmarked went through the old weights, silently with inputs=...)."""
+    def run(mode: str | None) -> list:
+        torch.manual_seed(0)
+        gen, disc = nn.Linear(4, 6), nn.Linear(6, 1)
+        opt_g = rp.SGD(gen.parameters(), lr=0.1, momentum=0.9)
+        opt_d = rp.SGD(disc.parameters(), lr=0.1, momentum=0.9)
+        handles = ([reprop.fuse(m, o, mode=mode) for m, o in ((gen, opt_g), (disc, opt_d))]
+                   if mode else [])
+        real = torch.randn(8, 6, generator=_gen(1))
+        try:
+            for i in range(2):
+                fake = gen(torch.randn(8, 4, generator=_gen(10 + i)))
+                d_fake = disc(fake)  # saves disc.weight as it is before opt_d.step()
+                (F.softplus(-disc(real)).mean() + F.softplus(disc(fake.detach())).mean()).backward()
+                opt_d.step()
+                opt_d.zero_grad()
+                if i == 0:  # (done right in the first step)
+                    d_fake = disc(fake)
+                try:
+                    F.softplus(-d_fake).mean().backward(
+                        inputs=list(gen.parameters()) if inputs else None)
+                except RuntimeError as e:
+                    return [i, str(e)]
+                opt_g.step()
+                opt_g.zero_grad()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [p.detach() for p in gen.parameters()]
+
+    got, ref = run("forward"), run(None)
+    assert ref[0] == 1 and "modified by an inplace operation" in ref[1]
+    assert got == ref
