@@ -3677,10 +3677,10 @@ def _head_apart(model: nn.Module):
 
 def _sparse_head_gradient_at_2(mode: str | None) -> tuple:
     """Step 2's head gradient is sparse. Eager step() updates the first group
-    and refuses the second. Fused step() lets it pass (the gradients are
-    checked when a group's parameters with a gradient change, not each step)
-    and flush() refuses it: the first group's update is applied, and the
-    second's dropped, as eager's; then training goes on."""
+    and refuses the second. Fused step() refuses it too (it let it pass, the
+    gradients being checked when a group's parameters with a gradient
+    change, and flush() refused it): the first group's update is applied,
+    and the second's dropped, as eager's; then training goes on."""
     model = _mlp()
     opt = _head_apart(model)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
@@ -3890,6 +3890,194 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
         handle.remove()
     assert_no_fusion_left(model, opt, before)
     handle.remove()  # done already: a no-op
+
+
+# Forward mode: updates the optimizer refuses, against eager training with
+# the same recovery (the user catches the error, puts its cause right and
+# runs the call again).
+
+def _recovering_loop(mode: str | None, spoil: Callable, undo: Callable, head_apart: bool = False,
+                     refused_again: bool = True) -> tuple:
+    """Adam over _mlp (the head in a second group with `head_apart`: one
+    group otherwise, where eager's step() retried after a refusal applies
+    every update once). At step 2, spoil(model, opt, when) runs after the
+    backward (when="backward") and after step() (when="step"). A forward
+    or step() that raises is caught (with `refused_again`, a forward is
+    refused again before the fix), undo(model, opt) puts the cause right
+    and the call runs again. Returns ((model, opt), the (call, error)
+    pairs caught)."""
+    model = _mlp()
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}]
+                  if head_apart else model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    errors = []
+
+    def again(call: Callable, what: str):
+        try:
+            return call()
+        except Exception as e:
+            errors.append((what, e))
+            if refused_again and what.startswith("forward"):
+                with pytest.raises(type(e)):
+                    call()
+            undo(model, opt)
+            return call()
+
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        out = again(lambda: model(x), f"forward {i}")
+        F.mse_loss(out, y).backward()
+        if i == 2:
+            spoil(model, opt, "backward")
+        again(opt.step, f"step {i}")
+        if i == 2:
+            spoil(model, opt, "step")
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return (model, opt), errors
+
+
+def _head_state_replaced(key: str, value) -> tuple[Callable, Callable]:
+    kept = {}
+
+    def spoil(model, opt, when):
+        if when == "step":
+            st = opt.state[model[4].weight]
+            kept[key] = st.pop(key)
+            if value is not None:
+                st[key] = value
+
+    def undo(model, opt):
+        opt.state[model[4].weight][key] = kept[key]
+    return spoil, undo
+
+
+def _head_weight_data(change: Callable, back: Callable) -> tuple[Callable, Callable]:
+    def spoil(model, opt, when):
+        if when == "step":
+            model[4].weight.data = change(model[4].weight.data)
+
+    def undo(model, opt):
+        model[4].weight.data = back(model[4].weight.data)
+    return spoil, undo
+
+
+def _head_grad_sparse() -> tuple[Callable, Callable]:
+    def spoil(model, opt, when):
+        if when == "backward":
+            model[4].weight.grad = model[4].weight.grad.to_sparse()
+
+    def undo(model, opt):
+        model[4].weight.grad = model[4].weight.grad.to_dense()
+    return spoil, undo
+
+
+# (spoil and undo, what the fused error says, the call it raises at)
+_REFUSED_LATER = {
+    # after step(), before the next forward: eager's step() had applied the update
+    "state-tensor-replaced": (_head_state_replaced("exp_avg", torch.zeros(2)), "exp_avg", "forward 3"),
+    "step-count-replaced": (_head_state_replaced("step", "x"), "step", "forward 3"),
+    "state-key-deleted": (_head_state_replaced("exp_avg_sq", None), "exp_avg_sq", "forward 3"),
+    "param-data-float64": (_head_weight_data(torch.Tensor.double, torch.Tensor.float), "float64",
+                           "forward 3"),
+    "param-data-transposed": (_head_weight_data(torch.Tensor.t, torch.Tensor.t), "(6, 3)", "forward 3"),
+    # before step(), whose check of the gradients is cached: refused there, as eager's
+    "gradient-made-sparse": (_head_grad_sparse(), "sparse", "step 2"),
+}
+
+
+@pytest.mark.parametrize("case", list(_REFUSED_LATER))
+def test_forward_mode_refused_update_is_applied_once_after_the_fix_as_eager(case: str) -> None:
+    """An update refused when applied, for a cause that came after step()
+    (the param's .data or its optimizer state replaced), was dropped: after
+    the user's fix and the forward again that step was lost (0.011 off eager
+    training, whose step() had applied it before the change and whose
+    refused call, retried after the fix, applies once). It stays pending now,
+    refused again until the fix, then applied once, the error's note saying
+    so. A gradient made sparse where step()'s check is cached passed step()
+    and was dropped at the next forward; step() refuses it now, as eager's,
+    and step() again after the fix applies it once."""
+    (spoil, undo), match, where = _REFUSED_LATER[case]
+    got, errors = _recovering_loop("forward", spoil, undo)
+    ref, ref_errors = _recovering_loop(None, spoil, undo)
+    assert len(errors) == 1 and len(ref_errors) == 1, (errors, ref_errors)
+    (at, e), = errors
+    assert at == where and match in str(e), (at, e)
+    if at.startswith("forward"):
+        note = "\n".join(getattr(e, "__notes__", ()))
+        assert "parameter '4.weight'" in note and "stays pending" in note, note
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_update_refused_for_its_held_gradient_is_dropped_as_eager_refused_it() -> None:
+    """A held gradient the optimizer refuses itself (a tensor subclass with
+    __torch_dispatch__, which step() does not look for) would be refused by
+    every forward: its update is dropped, as eager's step() refused its group
+    (here the head's alone), and the error's note says so (it said nothing
+    of the update)."""
+    two = pytest.importorskip("torch.testing._internal.two_tensor")
+
+    def spoil(model, opt, when):
+        if when == "backward":
+            g = model[4].weight.grad
+            model[4].weight.grad = two.TwoTensor(g.clone(), g.clone())
+
+    def train(mode: str | None) -> tuple:
+        def skip_it(model, opt):  # eager: step() refused, the user goes on
+            opt.zero_grad()
+        return _recovering_loop(mode, spoil, skip_it, head_apart=True, refused_again=False)
+
+    got, errors = train("forward")
+    ref, ref_errors = train(None)
+    assert [at for at, _ in errors] == ["forward 3"] and [at for at, _ in ref_errors] == ["step 2"]
+    note = "\n".join(getattr(errors[0][1], "__notes__", ()))
+    assert "parameter '4.weight'" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+
+
+def _foreign_state_replaced_at_3(mode: str | None) -> tuple:
+    """_mlp plus a bias no module owns (its update is applied in step()), in
+    the head's group; before step 3 its exp_avg is replaced by a tensor of
+    another shape: step() raises, the user puts it back and steps again."""
+    model = _mlp()
+    extra = nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+    opt = rp.Adam([{"params": model[:4].parameters()},
+                   {"params": [*model[4].parameters(), extra]}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    errors = []
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x) + extra, y).backward()
+        if i == 3:
+            kept = opt.state[extra]["exp_avg"]
+            opt.state[extra]["exp_avg"] = torch.zeros(2)
+        try:
+            opt.step()
+        except RuntimeError as e:
+            errors.append(e)
+            opt.state[extra]["exp_avg"] = kept
+            opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    assert len(errors) == 1 and "exp_avg" in str(errors[0]), errors
+    model.extra = extra  # (compared with the model's)
+    return (model, opt), errors
+
+
+def test_forward_mode_update_refused_inside_step_drops_the_step_from_its_group_as_eager() -> None:
+    """An update step() applies itself (a param no module owns) refused
+    there made step() raise, dropping that update alone: the others of its
+    group stayed pending, and step() again after the fix held them again,
+    applying them twice (0.0098 off eager, whose step() stops at the refused
+    group and whose retry applies it once). Now step() drops its updates of
+    that group and the groups after it, as eager's step() leaves them, the
+    error's note saying so."""
+    got, errors = _foreign_state_replaced_at_3("forward")
+    ref, _ = _foreign_state_replaced_at_3(None)
+    assert "groups after it are dropped" in "\n".join(getattr(errors[0], "__notes__", ()))
+    _assert_same_training(got, ref)
 
 
 def _two_groups(model: nn.Module):

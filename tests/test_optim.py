@@ -4981,6 +4981,50 @@ def test_a_stop_at_any_line_of_a_plan_run_leaves_the_step_whole_and_seen(name: s
     assert undone > 5 and done_ > 5, (undone, done_)
 
 
+# A stop before the kernels ran leaves no trace of the step on autograd's
+# version counters.
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_a_stop_before_the_kernels_of_a_plan_run_bumps_no_version(name: str) -> None:
+    """The stop button before any line a first step runs under _Plan.run:
+    where the kernels had not run (the params as before), run's finally
+    still bumped the params' versions (and copied the stand-in back into
+    the param with gaps, an in-place write too), so a graph that saved a
+    param before the step, never applied, raised torch's in-place error at
+    backward, spuriously: eager's interrupted step leaves it trainable.
+    Now the versions are unchanged there and the graph backpropagates;
+    where the kernels ran, it still raises, at any line stopped after."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=36), grad_sequence(shapes, 3)
+    with_gaps = lambda t: torch.zeros(t.shape[0], 2 * t.shape[1])[:, ::2].copy_(t) if t.dim() == 2 else t
+    n, undone, done = 0, 0, 0
+    while True:
+        n += 1
+        got = run_open_loop(factory(reprop_cls(name), **RICH[name]), init, [], make_param=with_gaps)
+        x, y = torch.ones(4, 3, requires_grad=True), torch.ones(5, requires_grad=True)
+        saved = (got.params[0] * x).sum() + (got.params[1] * y).sum()  # saves both params
+        versions = [p._version for p in got.params]
+        set_grads(got.params, grads[0])
+        stop = LineStop((rp.__file__, rp._tensors.__file__), n, under=rp._Plan.run)
+        try:
+            with stop:
+                got.opt.step()
+        except KeyboardInterrupt:
+            pass
+        if not stop.stopped:
+            break
+        if all(torch.equal(p, i) for p, i in zip(got.params, init)):
+            undone += 1
+            assert [p._version for p in got.params] == versions, f"line {n}"
+            saved.backward()
+            assert torch.equal(x.grad, got.params[0].detach()) and torch.equal(y.grad, got.params[1].detach())
+        else:
+            done += 1
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                saved.backward()
+    assert undone > 5 and done > 5, (undone, done)
+
+
 def test_a_stop_as_a_removed_group_is_followed_still_frees_its_params() -> None:
     """The first step after a group left param_groups drops the plans of its
     params (_follow_param_groups), which torch then frees. It noted the

@@ -1036,18 +1036,22 @@ _VERSION = operator.attrgetter("_version")
 _HELD_GRAD = operator.itemgetter(0)
 
 
-def _held_marks(grads: list, params: list) -> list:
+def _held_marks(grads: list, params: list, rare: tuple | None = None) -> list:
     """(gradient, its _grad_mark's two parts, its param's _tensors.swap_mark)
     for each of `grads` and their `params`: what forward mode holds for a
     pending update (_ForwardFusion._grads' values), and what tells it edited
     or swapped since. In C-level maps where every gradient is of the common
     kinds (a Python call per gradient cost about as much as the rest of
     forward mode's per-parameter bookkeeping); the tuples compare with ==,
-    the gradients by identity (the same objects: never Tensor.__eq__)."""
+    the gradients by identity (the same objects: never Tensor.__eq__).
+    `rare`: (function, *args), called first where a gradient is not of the
+    common kinds (step()'s check of such gradients: see _hold)."""
     try:
         return list(zip(grads, map(_VERSION, grads), map(torch.Tensor.data_ptr, grads),
                         map(_tensors.swap_mark, params)))
     except RuntimeError:  # an inference or sparse gradient: each on its own
+        if rare is not None:
+            rare[0](*rare[1:])
         return [(g, *_grad_mark(g), _tensors.swap_mark(p)) for g, p in zip(grads, params)]
 
 
@@ -2809,9 +2813,10 @@ class _ForwardFusion(FusionHandle):
         # popped, a param moved): apply the pending ones in their groups of then.
         self.flush()
 
-    def _apply(self, params: list) -> None:
+    def _apply(self, params: list, in_step: bool = False) -> None:
         """Applies these pending updates (under the lock), from the gradients
-        step() held for them."""
+        step() held for them; `in_step`: by the step() that decided them
+        (_decided), which drops what the optimizer refuses (_keeps_refused)."""
         engine = self.optimizer
         of_step = self._state_if_edited_since_step()
         if of_step is not None:  # eager step() applied every update before the edit
@@ -2834,9 +2839,9 @@ class _ForwardFusion(FusionHandle):
                     # creates must be normal tensors, as eager step()'s, which the next
                     # eager update can change in place
                     with torch.inference_mode(False):
-                        self._apply_by_group(params, grads)
+                        self._apply_by_group(params, grads, in_step)
                 else:
-                    self._apply_by_group(params, grads)
+                    self._apply_by_group(params, grads, in_step)
             except BaseException as e:
                 if refusal is not None:  # (the others' own error wins; the refusal is told too)
                     e.add_note(str(refusal))
@@ -2855,16 +2860,14 @@ class _ForwardFusion(FusionHandle):
             self._settings = {}
             self._step_state = None
 
-    def _apply_by_group(self, params: list, grads: dict) -> None:
+    def _apply_by_group(self, params: list, grads: dict, in_step: bool = False) -> None:
         """The updates of `params`, group by group (each group's in one call,
         which the optimizer refuses or runs whole). Each group's leave
         _pending once applied, so a module pre-hook finding nothing of its
-        own there knows its parameters are current, without taking the lock;
-        or once refused (a held gradient made sparse that step()'s cached
-        check let pass): it would be refused by every forward for good, as
-        its gradient stays what step() held, and eager's step() refused it
-        too, updating nothing of the group. The groups applied before a
-        refused one are not pending any more: each is updated once.
+        own there knows its parameters are current, without taking the lock.
+        One the optimizer refuses stays pending or is dropped as
+        _keeps_refused says. The groups applied before a refused one are not
+        pending any more: each is updated once.
 
         A KeyboardInterrupt (a notebook's stop button) at any line leaves
         pending exactly the updates not applied, which the next forward (or
@@ -2883,13 +2886,71 @@ class _ForwardFusion(FusionHandle):
             try:
                 _outside_torch_func(*update); whole = True  # noqa: E702 (see optim._Plan.run)
                 self._settle(group_params); ran = None  # noqa: E702
-            except Exception:
-                whole = True  # refused: dropped (see above)
+            except Exception as e:
+                # refused: those the kernels ran (a call of another device
+                # refused after them) are settled, the others kept or dropped
+                whole = not self._keeps_refused(e, group, group_params, grads, in_step)
                 raise
             finally:
                 if ran is not None:  # (stopped, or refused)
                     self._settle(group_params if whole else
                                  [p for ps in ran.values() for p in ps])
+
+    def _keeps_refused(self, error: Exception, group: dict, params: list, grads: dict,
+                       in_step: bool) -> bool:
+        """Whether the updates of `params` (one group's) that the optimizer
+        refused with `error` stay pending, as eager training has them: the
+        cause came after step() (the parameter's .data or its optimizer state
+        changed, a forward under a CUDA graph capture: eager's step() had
+        applied the update before), so the user undoes it and the next
+        forward (or flush()) applies them once; dropped, they were lost (0.011
+        off eager's). Dropped where a held gradient is itself refused (a
+        tensor subclass with __torch_dispatch__, which step() cannot tell
+        without a look at each gradient): it would be refused by every
+        forward for good, and eager's step() refused it (its whole group,
+        where here the group's other modules may have applied theirs); and
+        where step() itself applies them (_decided): the error is step()'s,
+        which stops at the refused group as eager's does, so every update
+        this step() decided for that group and the groups after it is
+        dropped (_drop_step_from), and a step() again after the fix holds
+        the gradients again, applying each once as eager's retry does (the
+        others of the group stayed pending, and a retry applied them twice).
+        The error tells which, in a note."""
+        if in_step:
+            self._drop_step_from(group)
+            error.add_note("reprop.fuse(mode='forward'): this step()'s updates of that group and "
+                           "of the groups after it are dropped, as eager's step() stops there; "
+                           "step() again after the fix applies them")
+            return False
+        unfit = [p for p in params if (g := grads.get(id(p))) is not None
+                 and (g.layout is not torch.strided or optim._dispatches(g))]
+        which = unfit or params
+        names = ", ".join(_param_name(self.model, p) for p in which[:3])
+        if len(which) > 3:
+            names += f" and {len(which) - 3} more"
+        if unfit:
+            error.add_note(
+                f"reprop.fuse(mode='forward'): the gradient optimizer.step() held for {names} is "
+                f"refused itself, so the {len(params)} pending update(s) refused with it are "
+                "dropped, as eager's step() refused them (eager's refused their whole group; "
+                "here the group's others apply as usual); set a gradient of a plain tensor")
+            return False
+        error.add_note(
+            f"reprop.fuse(mode='forward'): the update(s) of {names} that optimizer.step() left "
+            "pending stays pending (eager's step() applied it before what changed since): "
+            "undo the change and run the forward again, or call handle.flush(), to apply it "
+            "once; handle.remove() drops it")
+        return True
+
+    def _drop_step_from(self, group: dict) -> None:
+        """Drops the pending updates of `group` and of the groups after it in
+        param_groups (only `group` where it has left them)."""
+        groups = self.optimizer.param_groups
+        at = next((i for i, g in enumerate(groups) if g is group), len(groups))
+        dropped = {id(group)} | {id(g) for g in groups[at:]}
+        group_of = self._group_of
+        self._settle([p for i, p in list(self._pending.items())
+                      if id(group_of.get(i)) in dropped])
 
     def _held_grads(self, params: list) -> tuple[dict, list, list]:
         """(id(param) -> the gradient step() held for each pending update of
@@ -3196,7 +3257,7 @@ class _ForwardFusion(FusionHandle):
             for group, params in by_group:
                 if params:
                     self._check_update(group, params)
-                    self._hold(params)
+                    self._hold(params, group)
         finally:  # a refused group: eager step() has updated the groups before it
             # (what is pending now, not a list kept beside it, which an interrupt
             # between the two would leave short: nothing was pending before the loop)
@@ -3206,8 +3267,8 @@ class _ForwardFusion(FusionHandle):
             # _ddp_join_hook) nothing may wait: this rank may have run out
             self.flush()
 
-    def _hold(self, params: list) -> None:
-        """Marks these updates pending, each to apply the gradient its param
+    def _hold(self, params: list, group: dict) -> None:
+        """Marks these updates (of `group`) pending, each to apply the gradient its param
         has now (the tensor, not a copy), as eager's step() applies it now,
         whatever .grad becomes meanwhile (zero_grad(), p.grad = None, a
         gradient set by hand); its _grad_mark tells an edit in place, and the
@@ -3216,11 +3277,15 @@ class _ForwardFusion(FusionHandle):
         two statements, so each prefix is consistent:
         the entries are made whole first, and a pending update always finds
         its held gradient, so _grads is filled before _pending (one held
-        but not pending is ignored: see _fused_zero_grad, _fused_step)."""
+        but not pending is ignored: see _fused_zero_grad, _fused_step).
+        A gradient of a rare kind (sparse, or another kind without storage),
+        which _held_marks tells at no cost to the others, gets the group's full
+        check first (_check_rare_grads)."""
         ids = list(map(id, params))
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
-        self._grads.update(zip(ids, _held_marks(grads, params)))
+        self._grads.update(zip(ids, _held_marks(grads, params,
+                                                (self._check_rare_grads, group, params))))
         self._pending.update(zip(ids, params))
 
     def _decided(self, held: list) -> None:
@@ -3247,7 +3312,7 @@ class _ForwardFusion(FusionHandle):
         if waiting:
             _as_if_updated_in_place(waiting)
         if now:
-            self._apply(now)
+            self._apply(now, in_step=True)
         self._state_seen = (id(state), len(state))
         if self._pending:
             self._step_state = (state, dict(state))
@@ -3285,7 +3350,7 @@ class _ForwardFusion(FusionHandle):
         costs as much as the update, so it runs, as the optimizer's own does,
         when the group's state slots, capturable setting or parameters with a
         gradient differ from the last step checked; otherwise only the
-        hyper-parameters are."""
+        hyper-parameters are (and a group with a gradient of a rare kind: _hold)."""
         engine = self.optimizer
         settings = self._settings[id(group)]
         # the core's checks too, not _hparams' conversion alone: a value they
@@ -3298,14 +3363,30 @@ class _ForwardFusion(FusionHandle):
         # step() and was refused by the next forward, and again after it was undone
         checked = (slots, bool(settings.get("capturable", False)), tuple(map(id, params)))
         if self._checked.get(id(group)) != checked:
-            try:
-                engine._check_step(settings, params, None, slots)
-            except (TypeError, ValueError, OverflowError) as e:  # named as eager step() names them
-                raise engine._refusal(group, e) from None
+            self._check_fully(group, params, settings, slots)
             # (in this order: a check cached must have set _rechecked, even if
             # a KeyboardInterrupt stops the step between the two)
             self._rechecked = True
             self._checked[id(group)] = checked
+
+    def _check_fully(self, group: dict, params: list, settings: dict, slots: tuple) -> None:
+        """The optimizer's full check of the update of `params` of `group`."""
+        engine = self.optimizer
+        try:
+            engine._check_step(settings, params, None, slots)
+        except (TypeError, ValueError, OverflowError) as e:  # named as eager step() names them
+            raise engine._refusal(group, e) from None
+
+    def _check_rare_grads(self, group: dict, params: list) -> None:
+        """step()'s full check of a group one of whose gradients is of a rare
+        kind (_hold), also where its check is cached (the group's params with
+        a gradient as at the last step checked): a gradient made sparse since
+        (an nn.Embedding switched to sparse=True) passed step() and was
+        refused when its update was applied, at the next forward, where it
+        was dropped (0.011 off eager's after a retry); eager's step() refuses
+        it, and a step() again after the user's fix applies it once."""
+        settings = self._settings[id(group)]
+        self._check_fully(group, params, settings, self.optimizer._state_slots(settings))
 
     def _fused_zero_grad(self, set_to_none: bool) -> None:
         """What eager's zero_grad() does, now (the pending updates hold their

@@ -745,8 +745,12 @@ class _Plan:
             raise
         finally:
             # (None: finished above; a stop pressed while the kernels run is
-            # raised as their call returns, with the update done)
-            if staged is not None:
+            # raised as their call returns, with the update done.) Only once
+            # the kernels ran (`ran` notes it on their own line): a stop before
+            # them leaves the params as they were, and the version bump then
+            # made a graph saved before the step, never applied, raise torch's
+            # in-place error at backward.
+            if staged is not None and self in ran:
                 self._finish(staged, written)
 
     def _finish(self, staged: list, written: list) -> None:
