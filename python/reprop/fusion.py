@@ -1036,7 +1036,7 @@ _VERSION = operator.attrgetter("_version")
 _HELD_GRAD = operator.itemgetter(0)
 
 
-def _held_marks(grads: list, params: list, rare: tuple | None = None) -> list:
+def _held_marks(grads: list, params: list, rare: Callable[[], None] | None = None) -> list:
     """(gradient, its _grad_mark's two parts, its param's _tensors.swap_mark)
     for each of `grads` and their `params`: what forward mode holds for a
     pending update (_ForwardFusion._grads' values), and what tells it edited
@@ -1044,14 +1044,14 @@ def _held_marks(grads: list, params: list, rare: tuple | None = None) -> list:
     kinds (a Python call per gradient cost about as much as the rest of
     forward mode's per-parameter bookkeeping); the tuples compare with ==,
     the gradients by identity (the same objects: never Tensor.__eq__).
-    `rare`: (function, *args), called first where a gradient is not of the
-    common kinds (step()'s check of such gradients: see _hold)."""
+    `rare`: called first where a gradient is not of the common kinds
+    (step()'s check of such gradients: see _hold)."""
     try:
         return list(zip(grads, map(_VERSION, grads), map(torch.Tensor.data_ptr, grads),
                         map(_tensors.swap_mark, params)))
     except RuntimeError:  # an inference or sparse gradient: each on its own
         if rare is not None:
-            rare[0](*rare[1:])
+            rare()
         return [(g, *_grad_mark(g), _tensors.swap_mark(p)) for g, p in zip(grads, params)]
 
 
@@ -3285,7 +3285,7 @@ class _ForwardFusion(FusionHandle):
         grads = [p.grad for p in params]
         # (map and zip: a Python loop here cost a microsecond per param)
         self._grads.update(zip(ids, _held_marks(grads, params,
-                                                (self._check_rare_grads, group, params))))
+                                                lambda: self._check_rare_grads(group, params))))
         self._pending.update(zip(ids, params))
 
     def _decided(self, held: list) -> None:
