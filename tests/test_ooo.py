@@ -1430,6 +1430,42 @@ def test_autocast_bf16_gradients_match_autograd(order):
     _autocast_gradients_match(EveryKind, _batch, "cpu", torch.bfloat16, order, shared=("shared",))
 
 
+def test_autocast_fp16_gradients_match_autograd_on_cpu():
+    """float16 autocast on the CPU (torch >= 2.5 has its policy there) casts
+    as bfloat16's does: the same bitwise equality."""
+    _autocast_gradients_match(EveryKind, _batch, "cpu", torch.float16, "conventional",
+                              shared=("shared",))
+
+
+def test_autocast_shared_weight_sum_is_nearer_float64_than_autograds():
+    """The one place split gradients part from autograd's under autocast: a
+    weight read at two sites. autograd sums the two bfloat16 dW in bfloat16
+    (one more rounding) before the cast back; the split adds each to the
+    float32 .grad, which holds the sum of two bfloat16 values exactly. So
+    the split's is autograd's before that last rounding, and nearer the
+    float64 gradient (README, autocast)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(32, 32)
+    x = torch.randn(64, 32)
+
+    def grad(net, dtype=None):
+        net.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is None):
+            xin = x if dtype is None else x.to(dtype)
+            net(torch.tanh(net(xin))).float().square().sum().backward()
+        return net.weight.grad.double()
+
+    exact = grad(copy.deepcopy(lin).double(), torch.float64)
+    plain = grad(lin)
+    split = copy.deepcopy(lin)
+    ooo.enable(split, order="conventional")
+    ours = grad(split)
+    assert not torch.equal(ours, plain)
+    # autograd's is the split's rounded to bfloat16 once
+    assert torch.equal(ours.to(torch.bfloat16).double(), plain)
+    assert (ours - exact).norm() < (plain - exact).norm()
+
+
 def test_autocast_forward_without_backward_leaves_parameters_swappable():
     """Under torch's swap flag, .to() swaps each parameter's contents with
     torch.utils.swap_tensors, which refuses a tensor with a weak reference:
