@@ -4036,6 +4036,49 @@ def test_forward_mode_update_refused_for_its_held_gradient_is_dropped_as_eager_r
     _assert_same_training(got, ref)
 
 
+# Forward mode: a refused update left pending, probed against eager
+# training with the same recovery (review of the refusal code).
+
+def _head_grad_sharing(what: str) -> Callable:
+    """spoil (for _recovering_loop) giving the head's weight, after step 2's
+    backward, a gradient that shares memory with its Adam state (`state`)
+    or gives its bias one that is the weight's first row (`param`): eager's
+    update refuses both, reading the gradient while it writes that memory."""
+    def spoil(model, opt, when):
+        if when == "backward":
+            head = model[4]
+            if what == "state":
+                head.weight.grad = opt.state[head.weight]["exp_avg"]
+            else:
+                head.bias.grad = head.weight.data[0, :3]
+    return spoil
+
+
+@pytest.mark.parametrize("what", ["state", "param"])
+def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_good(
+        what: str) -> None:
+    """A held gradient sharing memory with the optimizer state or another
+    parameter of its update (step() does not look at memory; eager's update
+    refuses it) was kept pending as if its cause came after step(): every
+    forward raised again, for good (the user's .grad fixed since is not the
+    held one; remove() alone got out, dropping it). It is dropped now, as a
+    held gradient refused itself is, eager's step() having refused its group
+    (the head's alone here), and the note says so."""
+    def train(mode: str | None) -> tuple:
+        def skip_it(model, opt):  # eager: step() refused, the user goes on
+            opt.zero_grad()
+        return _recovering_loop(mode, _head_grad_sharing(what), skip_it, head_apart=True,
+                                refused_again=False)
+
+    got, errors = train("forward")
+    ref, ref_errors = train(None)
+    assert [at for at, _ in errors] == ["forward 3"] and [at for at, _ in ref_errors] == ["step 2"]
+    assert "shares memory" in str(errors[0][1]), errors
+    note = "\n".join(getattr(errors[0][1], "__notes__", ()))
+    assert "refused itself" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+
+
 def _foreign_state_replaced_at_3(mode: str | None) -> tuple:
     """_mlp plus a bias no module owns (its update is applied in step()), in
     the head's group; before step 3 its exp_avg is replaced by a tensor of

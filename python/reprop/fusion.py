@@ -2923,7 +2923,7 @@ class _ForwardFusion(FusionHandle):
                            "step() again after the fix applies them")
             return False
         unfit = [p for p in params if (g := grads.get(id(p))) is not None
-                 and (g.layout is not torch.strided or optim._dispatches(g))]
+                 and self._held_grad_refused(p, g, params)]
         which = unfit or params
         names = ", ".join(_param_name(self.model, p) for p in which[:3])
         if len(which) > 3:
@@ -2933,7 +2933,8 @@ class _ForwardFusion(FusionHandle):
                 f"reprop.fuse(mode='forward'): the gradient optimizer.step() held for {names} is "
                 f"refused itself, so the {len(params)} pending update(s) refused with it are "
                 "dropped, as eager's step() refused them (eager's refused their whole group; "
-                "here the group's others apply as usual); set a gradient of a plain tensor")
+                "here the group's others apply as usual); set a gradient of a plain tensor "
+                "with memory of its own before step()")
             return False
         error.add_note(
             f"reprop.fuse(mode='forward'): the update(s) of {names} that optimizer.step() left "
@@ -2941,6 +2942,28 @@ class _ForwardFusion(FusionHandle):
             "undo the change and run the forward again, or call handle.flush(), to apply it "
             "once; handle.remove() drops it")
         return True
+
+    def _held_grad_refused(self, p: torch.Tensor, g: torch.Tensor, params: list) -> bool:
+        """Whether the gradient `g` held for `p`, in a refused update of
+        `params`, is itself what the optimizer refuses, which no change made
+        since step() puts right (the user's .grad fixed since is not the one
+        held): not a plain strided tensor, or sharing memory with the state
+        of a param of the update or with another param of it, which the
+        update writes while it reads g (p.grad = opt.state[p]["momentum_buffer"]
+        before step(), whose check does not look at memory, as eager's
+        update does). Kept pending, such an update was refused by every
+        forward for good (every later step() too, until remove()). Its own
+        param's memory is read through a copy, not refused. Called on a
+        refusal only."""
+        if g.layout is not torch.strided or optim._dispatches(g):
+            return True
+        state = self.optimizer.state  # (the state the refused update ran on: see _apply)
+        written = [q for q in params if q is not p]
+        written += [t for q in params for t in state.get(q, {}).values()
+                    if isinstance(t, torch.Tensor) and t.layout is torch.strided
+                    and not optim._dispatches(t)]
+        # (addresses compare on one device only)
+        return any(t.device == g.device and _tensors.shares_elements(g, t) for t in written)
 
     def _drop_step_from(self, group: dict) -> None:
         """Drops the pending updates of `group` and of the groups after it in
@@ -3406,3 +3429,4 @@ class _ForwardFusion(FusionHandle):
                 p.grad = torch.zeros_like(held[0])
             else:
                 _zero_grad_of(p, False)
+
