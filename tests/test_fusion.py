@@ -3897,15 +3897,16 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
 # runs the call again).
 
 def _recovering_loop(mode: str | None, spoil: Callable, undo: Callable, head_apart: bool = False,
-                     refused_again: bool = True) -> tuple:
+                     refused_again: bool = True, set_to_none: bool = True) -> tuple:
     """Adam over _mlp (the head in a second group with `head_apart`: one
     group otherwise, where eager's step() retried after a refusal applies
     every update once). At step 2, spoil(model, opt, when) runs after the
     backward (when="backward") and after step() (when="step"). A forward
     or step() that raises is caught (with `refused_again`, a forward is
     refused again before the fix), undo(model, opt) puts the cause right
-    and the call runs again. Returns ((model, opt), the (call, error)
-    pairs caught)."""
+    and the call runs again. Each step ends with
+    opt.zero_grad(set_to_none=set_to_none). Returns ((model, opt), the
+    (call, error) pairs caught)."""
     model = _mlp()
     opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}]
                   if head_apart else model.parameters(), lr=0.01)
@@ -3932,7 +3933,7 @@ def _recovering_loop(mode: str | None, spoil: Callable, undo: Callable, head_apa
         again(opt.step, f"step {i}")
         if i == 2:
             spoil(model, opt, "step")
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     if handle is not None:
         handle.remove()
     return (model, opt), errors
@@ -4076,6 +4077,23 @@ def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_go
     assert "shares memory" in str(errors[0][1]), errors
     note = "\n".join(getattr(errors[0][1], "__notes__", ()))
     assert "refused itself" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
+def test_forward_mode_zero_grad_keeping_zeros_while_a_param_data_is_replaced_trains_as_eager(
+        case: str) -> None:
+    """zero_grad(set_to_none=False) after a parameter's .data was replaced
+    by one of another dtype or shape, its update pending (refused until the
+    user puts it back): the new zero gradient it gives a held one was
+    refused by torch (its RuntimeError about the gradient's dtype or size),
+    zero_grad() stopping halfway through the parameters, where eager's
+    zeroes that gradient in place. The update now holds a copy and that one
+    is zeroed in place: after the fix, training is eager's."""
+    (spoil, undo), _, _ = _REFUSED_LATER[case]
+    got, errors = _recovering_loop("forward", spoil, undo, set_to_none=False)
+    ref, ref_errors = _recovering_loop(None, spoil, undo, set_to_none=False)
+    assert [at for at, _ in errors] == ["forward 3"] == [at for at, _ in ref_errors], errors
     _assert_same_training(got, ref)
 
 

@@ -3426,7 +3426,22 @@ class _ForwardFusion(FusionHandle):
             # (a gradient held with no update pending, after an interrupted step(), is eager's)
             held = self._grads.get(id(p)) if id(p) in pending else None
             if held is not None and p.grad is held[0]:
-                p.grad = torch.zeros_like(held[0])
+                try:
+                    p.grad = torch.zeros_like(held[0])
+                except RuntimeError:  # torch refuses it: p's .data replaced since step()
+                    self._hold_a_copy(p, held)
+                    _zero_grad_of(p, False)
             else:
                 _zero_grad_of(p, False)
 
+    def _hold_a_copy(self, p: torch.Tensor, held: tuple) -> None:
+        """Has the pending update of `p` hold a copy of its held gradient
+        (`held`, its _grads entry), which zero_grad(set_to_none=False) then
+        zeroes in place as eager's does: a new zero gradient is refused by
+        torch where p's .data was replaced since step() by one of another
+        dtype or shape (whose update is refused until the user puts it back:
+        _keeps_refused), and zero_grad() raised torch's error halfway through
+        the parameters, where eager's zeroes them all. The swap mark stays
+        step()'s (a swap since is still told)."""
+        copy = held[0].detach().clone()
+        self._grads[id(p)] = (copy, *_grad_mark(copy), held[3])
