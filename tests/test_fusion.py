@@ -4080,6 +4080,28 @@ def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_go
     _assert_same_training(got, ref)
 
 
+def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() -> None:
+    """remove() meeting an update refused for a cause that came after
+    step() (the head's exp_avg replaced) drops it, as README says, and
+    raises; the error's note said the update "stays pending" and would
+    apply at the next forward after the fix, which nothing does once the
+    fusion is gone. It says remove() dropped it now (that step lost)."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    before = hook_snapshot(model, opt)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _mlp_steps(model, opt, 2)
+    x, y = _mlp_batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.state[model[4].weight]["exp_avg"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="exp_avg") as raised:
+        handle.remove()
+    note = "\n".join(getattr(raised.value, "__notes__", ()))
+    assert "remove() dropped" in note and "stays pending" not in note, note
+    assert_no_fusion_left(model, opt, before)
+
+
 @pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
 def test_forward_mode_zero_grad_keeping_zeros_while_a_param_data_is_replaced_trains_as_eager(
         case: str) -> None:

@@ -2525,6 +2525,8 @@ class _ForwardFusion(FusionHandle):
         # whether the first step() was found not to be a ZeroRedundancyOptimizer's
         # local step (_refuse_zero_redundancy_caller)
         self._caller_checked = False
+        # set by remove(), whose refused updates are dropped (see _keeps_refused's note)
+        self._removing = False
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
         # step(), held, not copied; then that tensor's _grad_mark, in two parts,
@@ -2774,6 +2776,10 @@ class _ForwardFusion(FusionHandle):
         self.flush()
         return type(opt).__getstate__(opt)
 
+    def _undo(self) -> None:
+        self._removing = True  # (never unset: the fusion is removed even if this raises)
+        super()._undo()
+
     def _unhook(self) -> None:
         super()._unhook()
         for module in list(self._covered):
@@ -2936,6 +2942,15 @@ class _ForwardFusion(FusionHandle):
                 "here the group's others apply as usual); set a gradient of a plain tensor "
                 "with memory of its own before step()")
             return False
+        if self._removing:
+            # (remove() lets go of what is pending: a note saying it stays
+            # pending, to apply at the next forward, told the user wrong)
+            error.add_note(
+                f"reprop.fuse(mode='forward'): remove() dropped the pending update(s) of {names} "
+                "that optimizer.step() decided (eager's step() applied them before what changed "
+                "since): that step is lost for them; undo the change and call handle.flush() "
+                "before remove() to apply them")
+            return True
         error.add_note(
             f"reprop.fuse(mode='forward'): the update(s) of {names} that optimizer.step() left "
             "pending stays pending (eager's step() applied it before what changed since): "
