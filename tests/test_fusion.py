@@ -3897,15 +3897,16 @@ def test_forward_mode_remove_removes_the_fusion_when_an_update_is_refused() -> N
 # runs the call again).
 
 def _recovering_loop(mode: str | None, spoil: Callable, undo: Callable, head_apart: bool = False,
-                     refused_again: bool = True) -> tuple:
+                     refused_again: bool = True, set_to_none: bool = True) -> tuple:
     """Adam over _mlp (the head in a second group with `head_apart`: one
     group otherwise, where eager's step() retried after a refusal applies
     every update once). At step 2, spoil(model, opt, when) runs after the
     backward (when="backward") and after step() (when="step"). A forward
     or step() that raises is caught (with `refused_again`, a forward is
     refused again before the fix), undo(model, opt) puts the cause right
-    and the call runs again. Returns ((model, opt), the (call, error)
-    pairs caught)."""
+    and the call runs again. Each step ends with
+    opt.zero_grad(set_to_none=set_to_none). Returns ((model, opt), the
+    (call, error) pairs caught)."""
     model = _mlp()
     opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}]
                   if head_apart else model.parameters(), lr=0.01)
@@ -3932,7 +3933,7 @@ def _recovering_loop(mode: str | None, spoil: Callable, undo: Callable, head_apa
         again(opt.step, f"step {i}")
         if i == 2:
             spoil(model, opt, "step")
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
     if handle is not None:
         handle.remove()
     return (model, opt), errors
@@ -4033,6 +4034,88 @@ def test_forward_mode_update_refused_for_its_held_gradient_is_dropped_as_eager_r
     assert [at for at, _ in errors] == ["forward 3"] and [at for at, _ in ref_errors] == ["step 2"]
     note = "\n".join(getattr(errors[0][1], "__notes__", ()))
     assert "parameter '4.weight'" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+
+
+# Forward mode: a refused update left pending, probed against eager
+# training with the same recovery (review of the refusal code).
+
+def _head_grad_sharing(what: str) -> Callable:
+    """spoil (for _recovering_loop) giving the head's weight, after step 2's
+    backward, a gradient that shares memory with its Adam state (`state`)
+    or gives its bias one that is the weight's first row (`param`): eager's
+    update refuses both, reading the gradient while it writes that memory."""
+    def spoil(model, opt, when):
+        if when == "backward":
+            head = model[4]
+            if what == "state":
+                head.weight.grad = opt.state[head.weight]["exp_avg"]
+            else:
+                head.bias.grad = head.weight.data[0, :3]
+    return spoil
+
+
+@pytest.mark.parametrize("what", ["state", "param"])
+def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_good(
+        what: str) -> None:
+    """A held gradient sharing memory with the optimizer state or another
+    parameter of its update (step() does not look at memory; eager's update
+    refuses it) was kept pending as if its cause came after step(): every
+    forward raised again, for good (the user's .grad fixed since is not the
+    held one; remove() alone got out, dropping it). It is dropped now, as a
+    held gradient refused itself is, eager's step() having refused its group
+    (the head's alone here), and the note says so."""
+    def train(mode: str | None) -> tuple:
+        def skip_it(model, opt):  # eager: step() refused, the user goes on
+            opt.zero_grad()
+        return _recovering_loop(mode, _head_grad_sharing(what), skip_it, head_apart=True,
+                                refused_again=False)
+
+    got, errors = train("forward")
+    ref, ref_errors = train(None)
+    assert [at for at, _ in errors] == ["forward 3"] and [at for at, _ in ref_errors] == ["step 2"]
+    assert "shares memory" in str(errors[0][1]), errors
+    note = "\n".join(getattr(errors[0][1], "__notes__", ()))
+    assert "refused itself" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+
+
+def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() -> None:
+    """remove() meeting an update refused for a cause that came after
+    step() (the head's exp_avg replaced) drops it, as README says, and
+    raises; the error's note said the update "stays pending" and would
+    apply at the next forward after the fix, which nothing does once the
+    fusion is gone. It says remove() dropped it now (that step lost)."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    before = hook_snapshot(model, opt)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _mlp_steps(model, opt, 2)
+    x, y = _mlp_batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.state[model[4].weight]["exp_avg"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="exp_avg") as raised:
+        handle.remove()
+    note = "\n".join(getattr(raised.value, "__notes__", ()))
+    assert "remove() dropped" in note and "stays pending" not in note, note
+    assert_no_fusion_left(model, opt, before)
+
+
+@pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
+def test_forward_mode_zero_grad_keeping_zeros_while_a_param_data_is_replaced_trains_as_eager(
+        case: str) -> None:
+    """zero_grad(set_to_none=False) after a parameter's .data was replaced
+    by one of another dtype or shape, its update pending (refused until the
+    user puts it back): the new zero gradient it gives a held one was
+    refused by torch (its RuntimeError about the gradient's dtype or size),
+    zero_grad() stopping halfway through the parameters, where eager's
+    zeroes that gradient in place. The update now holds a copy and that one
+    is zeroed in place: after the fix, training is eager's."""
+    (spoil, undo), _, _ = _REFUSED_LATER[case]
+    got, errors = _recovering_loop("forward", spoil, undo, set_to_none=False)
+    ref, ref_errors = _recovering_loop(None, spoil, undo, set_to_none=False)
+    assert [at for at, _ in errors] == ["forward 3"] == [at for at, _ in ref_errors], errors
     _assert_same_training(got, ref)
 
 

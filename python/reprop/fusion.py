@@ -2525,6 +2525,8 @@ class _ForwardFusion(FusionHandle):
         # whether the first step() was found not to be a ZeroRedundancyOptimizer's
         # local step (_refuse_zero_redundancy_caller)
         self._caller_checked = False
+        # set by remove(), whose refused updates are dropped (see _keeps_refused's note)
+        self._removing = False
         self._pending: dict = {}  # id(param) -> param whose update is decided but not applied
         # id(param) -> (the gradient its pending update applies: its .grad at
         # step(), held, not copied; then that tensor's _grad_mark, in two parts,
@@ -2774,6 +2776,10 @@ class _ForwardFusion(FusionHandle):
         self.flush()
         return type(opt).__getstate__(opt)
 
+    def _undo(self) -> None:
+        self._removing = True  # (never unset: the fusion is removed even if this raises)
+        super()._undo()
+
     def _unhook(self) -> None:
         super()._unhook()
         for module in list(self._covered):
@@ -2923,7 +2929,7 @@ class _ForwardFusion(FusionHandle):
                            "step() again after the fix applies them")
             return False
         unfit = [p for p in params if (g := grads.get(id(p))) is not None
-                 and (g.layout is not torch.strided or optim._dispatches(g))]
+                 and self._held_grad_refused(p, g, params)]
         which = unfit or params
         names = ", ".join(_param_name(self.model, p) for p in which[:3])
         if len(which) > 3:
@@ -2933,14 +2939,46 @@ class _ForwardFusion(FusionHandle):
                 f"reprop.fuse(mode='forward'): the gradient optimizer.step() held for {names} is "
                 f"refused itself, so the {len(params)} pending update(s) refused with it are "
                 "dropped, as eager's step() refused them (eager's refused their whole group; "
-                "here the group's others apply as usual); set a gradient of a plain tensor")
+                "here the group's others apply as usual); set a gradient of a plain tensor "
+                "with memory of its own before step()")
             return False
+        if self._removing:
+            # (remove() lets go of what is pending: a note saying it stays
+            # pending, to apply at the next forward, told the user wrong)
+            error.add_note(
+                f"reprop.fuse(mode='forward'): remove() dropped the pending update(s) of {names} "
+                "that optimizer.step() decided (eager's step() applied them before what changed "
+                "since): that step is lost for them; undo the change and call handle.flush() "
+                "before remove() to apply them")
+            return True
         error.add_note(
             f"reprop.fuse(mode='forward'): the update(s) of {names} that optimizer.step() left "
             "pending stays pending (eager's step() applied it before what changed since): "
             "undo the change and run the forward again, or call handle.flush(), to apply it "
             "once; handle.remove() drops it")
         return True
+
+    def _held_grad_refused(self, p: torch.Tensor, g: torch.Tensor, params: list) -> bool:
+        """Whether the gradient `g` held for `p`, in a refused update of
+        `params`, is itself what the optimizer refuses, which no change made
+        since step() puts right (the user's .grad fixed since is not the one
+        held): not a plain strided tensor, or sharing memory with the state
+        of a param of the update or with another param of it, which the
+        update writes while it reads g (p.grad = opt.state[p]["momentum_buffer"]
+        before step(), whose check does not look at memory, as eager's
+        update does). Kept pending, such an update was refused by every
+        forward for good (every later step() too, until remove()). Its own
+        param's memory is read through a copy, not refused. Called on a
+        refusal only."""
+        if g.layout is not torch.strided or optim._dispatches(g):
+            return True
+        state = self.optimizer.state  # (the state the refused update ran on: see _apply)
+        written = [q for q in params if q is not p]
+        written += [t for q in params for t in state.get(q, {}).values()
+                    if isinstance(t, torch.Tensor) and t.layout is torch.strided
+                    and not optim._dispatches(t)]
+        # (addresses compare on one device only)
+        return any(t.device == g.device and _tensors.shares_elements(g, t) for t in written)
 
     def _drop_step_from(self, group: dict) -> None:
         """Drops the pending updates of `group` and of the groups after it in
@@ -3403,6 +3441,22 @@ class _ForwardFusion(FusionHandle):
             # (a gradient held with no update pending, after an interrupted step(), is eager's)
             held = self._grads.get(id(p)) if id(p) in pending else None
             if held is not None and p.grad is held[0]:
-                p.grad = torch.zeros_like(held[0])
+                try:
+                    p.grad = torch.zeros_like(held[0])
+                except RuntimeError:  # torch refuses it: p's .data replaced since step()
+                    self._hold_a_copy(p, held)
+                    _zero_grad_of(p, False)
             else:
                 _zero_grad_of(p, False)
+
+    def _hold_a_copy(self, p: torch.Tensor, held: tuple) -> None:
+        """Has the pending update of `p` hold a copy of its held gradient
+        (`held`, its _grads entry), which zero_grad(set_to_none=False) then
+        zeroes in place as eager's does: a new zero gradient is refused by
+        torch where p's .data was replaced since step() by one of another
+        dtype or shape (whose update is refused until the user puts it back:
+        _keeps_refused), and zero_grad() raised torch's error halfway through
+        the parameters, where eager's zeroes them all. The swap mark stays
+        step()'s (a swap since is still told)."""
+        copy = held[0].detach().clone()
+        self._grads[id(p)] = (copy, *_grad_mark(copy), held[3])
