@@ -372,6 +372,21 @@ def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     assert "seeded steps (bitwise): yes" in report
 
 
+def test_peak_memory_on_cpu_counts_what_the_step_starts_with():
+    # A step whose first event is a free: the peak is what it started with, setup's 256 KiB, as the
+    # CUDA counters give (reset_peak_memory_stats leaves the peak at what is allocated). The
+    # profiler's running sum took its peak over the step's events alone: 16 KiB here.
+    held = []
+
+    def step():
+        held.clear()
+        torch.empty(1 << 12).fill_(1)
+
+    assert harness.peak_memory(step, CPU, lambda: held.append(torch.empty(1 << 16))) == 4 << 16
+    # A step that allocates nothing peaks at what it holds, not at 0.
+    assert harness.peak_memory(lambda: None, CPU, lambda: held.append(torch.empty(1 << 10))) == 4 << 10
+
+
 # ---------------------------------------------------------------------------
 # bppsa.py
 # ---------------------------------------------------------------------------
