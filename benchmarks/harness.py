@@ -177,7 +177,8 @@ def peak_memory(fn: Callable[[], object], device: torch.device,
     CPU: torch keeps no counter for its CPU allocator (and tracemalloc does
     not see it), but the profiler with profile_memory=True records each of its
     allocations and frees as a "[memory]" event with a signed size; the peak
-    is the largest running sum, in time order, within ``fn()``. Memory taken
+    is the largest running sum, in time order, within ``fn()``, starting from
+    what is held when ``fn()`` starts (as CUDA's counters do). Memory taken
     outside torch's allocator (oneDNN scratch pads, Python objects) is not
     seen. The profiler slows the calls down: never time under it.
     """
@@ -203,20 +204,27 @@ def peak_memory(fn: Callable[[], object], device: torch.device,
 
 
 def _cpu_peak_from_events(events) -> int | None:
-    """Largest running sum of CPU "[memory]" event sizes inside the PEAK_MARKER range."""
+    """Largest running sum of CPU "[memory]" event sizes inside the PEAK_MARKER range, the sum held
+    when the range starts included."""
     marker = next((e for e in events if e.name() == PEAK_MARKER), None)
     memory = sorted((e.start_ns(), e.nbytes()) for e in events
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     if marker is None or not memory:
         return None
-    held = peak = 0
+    held = 0
+    peak = None  # set when fn() starts: what is held then counts, as on CUDA (see below)
     for t, nbytes in memory:
         if t > marker.end_ns():
             break
+        if t >= marker.start_ns() and peak is None:
+            # What setup() left held is part of the step's peak (CUDA's reset_peak_memory_stats
+            # leaves the peak at what is allocated). Taken over fn()'s events alone, a step whose
+            # first event is a free, or that allocates nothing, peaked below what it started with.
+            peak = max(0, held)
         held += nbytes
-        if t >= marker.start_ns():
+        if peak is not None:
             peak = max(peak, held)
-    return peak
+    return max(0, held) if peak is None else peak
 
 
 # ---------------------------------------------------------------------------

@@ -30,6 +30,128 @@ def machine() -> dict:
     return harness.machine_info(CPU)
 
 
+def fake_stats(**ms: float) -> dict[str, harness.Stats]:
+    """{name: Stats} of one sample each: the median is the given time (ms); names with spaces as **{...}."""
+    return {name.replace("_", " "): harness.Stats.from_samples([t]) for name, t in ms.items()}
+
+
+# ---------------------------------------------------------------------------
+# harness.py: the formulas every figure goes through (fake timings, no timing assertions)
+# ---------------------------------------------------------------------------
+
+
+def test_stats_summarise_every_sample():
+    # A median of all samples (none dropped as a warm-up), min, max and the quartiles the right way round.
+    s = harness.Stats.from_samples([5.0, 1.0, 4.0, 2.0, 3.0, 9.0])
+    assert (s.median, s.min, s.max, s.q1, s.q3) == (3.5, 1.0, 9.0, 2.25, 4.75)
+    assert s.iqr == 2.5 and s.samples == [5.0, 1.0, 4.0, 2.0, 3.0, 9.0]
+
+
+def test_time_call_returns_ms_per_call(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: clock[0])
+
+    def call():  # 2 ms per call
+        clock[0] += 2e-3
+
+    assert harness.time_call(call, CPU, inner=5) == pytest.approx(2.0)
+
+
+def test_choose_inner_lets_the_fastest_candidate_reach_the_minimum_sample(monkeypatch):
+    times = {"fast": 0.3, "slow": 0.7}
+    monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1: times[fn()])
+    fns = [lambda: "fast", lambda: "slow"]
+    # 3 calls of the fastest take 0.9 ms < 1 ms: 4 are needed
+    assert harness.choose_inner(fns, CPU, min_sample_ms=1.0) == 4
+    assert harness.choose_inner(fns, CPU, min_sample_ms=1.0, max_inner=3) == 3
+    assert harness.choose_inner(fns, CPU, min_sample_ms=0.0) == 1
+
+
+def test_measure_alternated_rotates_and_leaves_the_warmups_out():
+    calls = []
+    candidates = {name: (lambda name=name: calls.append(name)) for name in "ABC"}
+    stats = harness.measure_alternated(candidates, CPU, warmup=2, reps=3, inner=2)
+    assert calls[:6] == list("AABBCC")  # the warm-ups, untimed
+    timed = calls[6:]
+    assert timed == [c for c in "AABBCC" "BBCCAA" "CCAABB"]
+    assert {n: len(s.samples) for n, s in stats.items()} == {"A": 3, "B": 3, "C": 3}
+
+
+class FakeCudaAllocator:
+    """torch.cuda's allocated-bytes counters, driven by alloc() and free()."""
+
+    def __init__(self, allocated: int):
+        self.allocated = self.peak = allocated
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                            lambda device=None: setattr(self, "peak", self.allocated))
+
+
+def test_peak_memory_on_cuda_counts_setups_holdings_not_its_transients(monkeypatch):
+    # The measured step's peak, counted from before setup(): what setup still holds (100), plus the
+    # step's own transient (50); setup's freed transient (1000) and what was held before (10) not.
+    alloc = FakeCudaAllocator(10)
+    alloc.install(monkeypatch)
+
+    def setup():
+        alloc.alloc(1000)
+        alloc.free(1000)
+        alloc.alloc(100)
+
+    def step():
+        alloc.alloc(50)
+        alloc.free(50)
+
+    assert harness.peak_memory(step, torch.device("cuda", 0), setup) == 150
+
+
+def test_peak_memory_on_cpu_counts_setups_holdings_not_its_transients():
+    held = []
+
+    def setup():
+        torch.empty(1 << 18).fill_(1)  # a transient of setup's: 1 MiB, freed
+        held.append(torch.empty(1 << 10))
+
+    peak = harness.peak_memory(lambda: torch.empty(1 << 12).fill_(1), CPU, setup)
+    assert peak == 4 * ((1 << 10) + (1 << 12))
+
+
+def test_speedup_and_bandwidth_formulas():
+    assert harness.speedup(10.0, 4.0) == 2.5  # peer / ours: > 1, ours faster
+    assert harness.gbps(3e9, 1500.0) == pytest.approx(2.0)  # 3 GB in 1.5 s
+
+
+@pytest.mark.parametrize("kind, bytes_per_element", [("copy", 8), ("inplace", 12)])
+def test_bandwidth_probes_move_the_bytes_asked(kind, bytes_per_element):
+    out = harness.make_bandwidth_probe(96_000, CPU, kind)()  # copy_ and add_ return the written tensor
+    assert out.numel() * bytes_per_element == 96_000 and out.dtype == torch.float32
+
+
+def test_error_checks():
+    assert harness.within(None, 0.0) and harness.within(1e-5, 1e-5) and not harness.within(2e-5, 1e-5)
+    assert not harness.within(float("nan"), 1.0)
+    # In units of the reference's largest magnitude, not the candidate's.
+    assert harness.relative_error(torch.tensor([0.0, 3.0]), torch.tensor([0.0, 2.0])) == 0.5
+    assert harness.relative_error(torch.tensor([float("nan")]), torch.tensor([1.0])) == float("inf")
+    want = {"a": torch.tensor([1.0]), "b": torch.tensor([10.0])}
+    assert harness.check_close({"a": torch.tensor([1.5]), "b": torch.tensor([10.0])}, want, 0.0,
+                               {"a": 0.1, "b": 1.0}) is not None  # a's own tolerance, not b's
+    assert harness.check_close({"a": torch.tensor([1.05]), "b": torch.tensor([10.5])}, want, 0.0,
+                               {"a": 0.1, "b": 1.0}) is None
+    assert "different tensors" in harness.check_close({**want, "c": torch.tensor([0.0])}, want, 0.0, 0.0)
+
+
 # ---------------------------------------------------------------------------
 # optim.py
 # ---------------------------------------------------------------------------
@@ -101,6 +223,44 @@ def test_optim_flags_wrong_betas(name, wrong, machine, capsys, monkeypatch):
 def test_optim_accepts_reprop(name, machine, capsys):
     report = optim_report(name, machine, capsys)
     assert "(|p| + largest update)): ok" in report
+
+
+@pytest.mark.parametrize("name", list(optim_bench.OPTIMIZERS))
+def test_optim_traffic_counts_the_tensors_it_names(name):
+    # bytes/param, every GB/s figure's numerator: 4 bytes per tensor read or written, as printed.
+    spec = optim_bench.OPTIMIZERS[name]
+    reads, writes = (part.split()[1].split(",") for part in spec.traffic.split(" = ")[0].split(" + "))
+    assert spec.bytes_per_param == 4 * (len(reads) + len(writes))
+
+
+def test_optim_table_ratios():
+    # speedup = peer / reprop; reprop's GB/s over the step's bytes; "% copy" = reprop's bandwidth over the
+    # probe's = probe ms / reprop ms.
+    result = optim_bench.CaseResult("adamw", optim_bench.ParamSet("single", "1x1M", [torch.Size([10**6])]),
+                                    bytes_per_step=28 * 10**6, inner=1)
+    result.stats = fake_stats(**{optim_bench.FOREACH: 6.0, optim_bench.FUSED: 4.0, optim_bench.REPROP: 2.0,
+                                 "copy": 1.0, "inplace": 1.5})
+    rows = {r["peer"]: r for r in optim_bench.table_rows(result)}
+    assert (rows[optim_bench.FOREACH]["speedup"], rows[optim_bench.FUSED]["speedup"]) == (3.0, 2.0)
+    row = rows[optim_bench.FUSED]
+    assert row["reprop_gbps"] == pytest.approx(14.0) and row["peer_gbps"] == pytest.approx(7.0)
+    assert (row["reprop_copy_fraction"], row["reprop_inplace_fraction"]) == (0.5, 0.75)
+
+
+def test_optim_compare_updates_rule():
+    # SGD is torch's bit for bit on the CPU; on CUDA torch's kernels are other code: a rounding step passes.
+    want = {"p": torch.tensor([1.0, 2.0])}
+    got = {"p": torch.nextafter(want["p"], torch.tensor(3.0))}
+    init = {"p": torch.tensor([1.5, 2.5])}
+    spec = optim_bench.OPTIMIZERS["sgd"]
+    assert optim_bench.compare_updates(spec, got, want, init, CPU) is not None
+    assert optim_bench.compare_updates(spec, got, want, init, torch.device("cuda")) is None
+    # Elsewhere within CHECK_ULPS rounding steps of the element and of the tensor's largest *update*,
+    # not of its largest value: a small element's update 1% off beside a large element is flagged.
+    want, init = {"p": torch.tensor([100.0, 1e-3])}, {"p": torch.tensor([100.001, 0.0])}
+    got = {"p": torch.tensor([100.0, 1.01e-3])}
+    assert optim_bench.compare_updates(optim_bench.OPTIMIZERS["adamw"], got, want, init, CPU) is not None
+    assert optim_bench.compare_updates(optim_bench.OPTIMIZERS["adamw"], want, want, init, CPU) is None
 
 
 # ---------------------------------------------------------------------------
@@ -200,6 +360,35 @@ def test_fusion_run_exits_1_on_a_wrong_update(capsys, monkeypatch):
 def test_fusion_accepts_reprop(optimizer, machine, capsys, monkeypatch):
     report = fusion_report(optimizer, machine, capsys, monkeypatch)
     assert "bit for bit after 3 steps: ok" in report
+
+
+def test_fusion_rows_and_summary_formulas():
+    # x <baseline> = baseline ms / candidate ms; opt share = (foreach - floor) / foreach; saved ms =
+    # foreach - fusion; best torch = the fastest of torch's three; peak saving = (eager - BF) / grads.
+    F = fusion_bench
+    result = F.CaseResult(F.Case("mobilenet_v2", 8, "adamw"), ["optims"], num_tensors=2, num_params=2**20)
+    result.stats = fake_stats(**{F.FOREACH: 10.0, F.FUSED: 8.0, F.TORCH_BACKWARD: 9.0, F.EAGER: 7.0,
+                                 F.FORWARD: 6.0, F.BACKWARD: 5.0, F.FLOOR: 4.0})
+    result.peak_bytes = {F.EAGER: 10 * F.MIB, F.BACKWARD: 8 * F.MIB}
+    rows = {r["candidate"]: r for r in F.detail_rows(result, F.candidate_names(False))}
+    assert rows[F.BACKWARD]["x_" + F.FOREACH] == 2.0 and rows[F.BACKWARD]["x_" + F.EAGER] == 1.4
+    assert rows[F.BACKWARD]["peak_vs_eager_mib"] == -2.0
+    summary = F.summary_row(result)
+    assert summary["opt_share_foreach"] == 0.6 and summary["opt_share_eager"] == pytest.approx(3 / 7)
+    assert (summary["bf_x_foreach"], summary["bf_x_best_torch"], summary["bf_x_torch_backward"]) == (2.0, 1.6, 1.8)
+    assert (summary["ff_saved_ms"], summary["bf_saved_ms"]) == (4.0, 5.0)
+    assert summary["bf_peak_saving_of_grads"] == 0.5  # 2 MiB of 4 MiB of gradients
+    assert summary["params_per_tensor"] == 2**19
+
+
+def test_fusion_times_with_the_warmups_and_rounds_asked(monkeypatch):
+    seen = []
+    monkeypatch.setattr(harness, "measure_alternated",
+                        lambda candidates, device, warmup, reps, inner=1: seen.append((warmup, reps)) or {})
+    result = fusion_bench.CaseResult(fusion_bench.Case("mobilenet_v2", 2, "sgd"), ["optims"], 0, 0)
+    fusion_bench.time_candidates(result, torch.nn.Linear(3, 2), (torch.randn(2, 3), torch.tensor([0, 1])), {},
+                                 [fusion_bench.FLOOR], CPU, SimpleNamespace(warmup=2, reps=7))
+    assert seen == [(2, 7)]
 
 
 # ---------------------------------------------------------------------------
@@ -307,6 +496,46 @@ def test_fad_micro_accepts_reprop(act, dtype, machine, capsys):
     assert {"reprop", "reprop u8", "reprop compose"} <= set(micro[0].grad_err)
 
 
+def test_fad_micro_counts_the_bytes_each_candidate_moves():
+    # fp32 (4 B): native 2 forward + 3 backward elements; reprop 3 + 3 (d in fp32), with u8 codes 2 + 2
+    # elements and 1 + 1 bytes; the probe copies reprop's forward + backward traffic.
+    n = 2**10
+    r = fad_bench.run_micro("swish", "fp32", n, CPU, SimpleNamespace(warmup=0, micro_reps=1))
+    assert r.nbytes == {"torch native": 20 * n, "reprop": 24 * n, "reprop u8": 18 * n, "reprop compose": 24 * n,
+                        "torch native fwd": 8 * n, "reprop fwd": 12 * n, fad_bench.PROBE: 24 * n}
+
+
+def test_fad_micro_tolerance_scales_the_codebook_error():
+    # f' off by the codebook's max error e puts dx off by e |g|: in units of max |dx_native|, e max|g| / max|dx|.
+    u8 = next(c for c in fad_bench.MICRO_CANDIDATES if c.name == "reprop u8")
+    e = fad_bench.codebook_error("swish")
+    tolerance = fad_bench.micro_tolerance(u8, "swish", "fp32", torch.tensor([10.0, -1.0]), torch.tensor([0.5, 2.0]))
+    assert tolerance == pytest.approx(fad_bench.MICRO_TOLERANCE["fp32"] + 5 * e)
+
+
+def test_fad_step_rows_against_native_and_the_identity_model():
+    # act = saved - the Identity model's saved, per call for tensors and per input byte for x.
+    r = fad_bench.CaseResult(fad_bench.Case("resnet50", "mish"), 2, fad_bench.ActivationCalls(4, 1000),
+                             identity=fad_bench.Saved(5000, 10))
+    r.saved = {fad_bench.NATIVE: fad_bench.Saved(6000, 14), fad_bench.COMPOSED: fad_bench.Saved(8000, 22)}
+    r.stats = fake_stats(**{fad_bench.NATIVE: 10.0, fad_bench.COMPOSED: 12.5, fad_bench.CHECKPOINTED: 20.0})
+    r.peak_bytes = {fad_bench.NATIVE: 100, fad_bench.COMPOSED: 150}
+    row = {x["candidate"]: x for x in fad_bench.step_rows(r, [fad_bench.NATIVE, fad_bench.COMPOSED])}[
+        fad_bench.COMPOSED]
+    assert (row["x_native"], row["x_ckpt"]) == (0.8, 1.6)
+    assert (row["act_x"], row["act_tensors"], row["saved_vs_native"], row["peak_vs_native"]) == (3.0, 3.0, 4 / 3, 1.5)
+
+
+def test_fad_largest_batch_bisects_to_the_last_that_fits(monkeypatch):
+    # Doubling to 16, then bisection between 16 and 32: 23 fits, 24 does not.
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1000)
+    monkeypatch.setattr(harness, "release", lambda device: None)
+    monkeypatch.setattr(fad_bench, "make_trainer", lambda *a, **k: None)
+    monkeypatch.setattr(fad_bench, "batch_peak", lambda trainer, case, b, device, args: 1000 + 10 * b)
+    assert fad_bench.largest_batch(None, None, 230, torch.device("cuda"), None) == 23
+    assert fad_bench.largest_batch(None, None, 5, torch.device("cuda"), None) == 0
+
+
 # ---------------------------------------------------------------------------
 # ooo.py
 # ---------------------------------------------------------------------------
@@ -370,6 +599,53 @@ def test_ooo_pipeline_times_and_checks_torchs_gpipe(capsys):
 def test_ooo_single_accepts_ooo(capsys, monkeypatch):
     report = ooo_single_report(capsys, monkeypatch, wrong=False)
     assert "seeded steps (bitwise): yes" in report
+
+
+def test_peak_memory_on_cpu_counts_what_the_step_starts_with():
+    # A step whose first event is a free: the peak is what it started with, setup's 256 KiB, as the
+    # CUDA counters give (reset_peak_memory_stats leaves the peak at what is allocated). The
+    # profiler's running sum took its peak over the step's events alone: 16 KiB here.
+    held = []
+
+    def step():
+        held.clear()
+        torch.empty(1 << 12).fill_(1)
+
+    assert harness.peak_memory(step, CPU, lambda: held.append(torch.empty(1 << 16))) == 4 << 16
+    # A step that allocates nothing peaks at what it holds, not at 0.
+    assert harness.peak_memory(lambda: None, CPU, lambda: held.append(torch.empty(1 << 10))) == 4 << 10
+
+
+def test_ooo_throughput_and_ratio_formulas(monkeypatch):
+    # images/s = batch / (median ms / 1000); x <baseline> = baseline ms / candidate ms; the split's cost
+    # per layer in microseconds.
+    monkeypatch.setattr(ooo_bench.models, "build", lambda name: small_net())
+    monkeypatch.setattr(ooo_bench, "settle", lambda trainers: None)  # steps not needed here
+    monkeypatch.setattr(ooo_bench, "step_peaks", lambda trainers, device: {})
+    monkeypatch.setattr(harness, "measure_alternated", lambda candidates, *a, **k: fake_stats(**{
+        n: {"eager": 40.0, "ooo": 50.0, "split": 60.0}[n] for n in candidates}))
+    (row,) = ooo_bench.run_single(SimpleNamespace(quick=True, models=[], batches=[8], warmup=0, reps=1), CPU)
+    assert row["images_per_s"] == {"eager": 200.0, "ooo": 160.0}
+    monkeypatch.setattr(ooo_bench, "SPLIT_CHAINS",
+                        {"Linear(4, 4)": (lambda: [torch.nn.Linear(4, 4) for _ in range(8)], (2, 4))})
+    (row,) = ooo_bench.run_split(SimpleNamespace(warmup=0, reps=1), CPU)
+    assert (row["layers"], row["us_per_layer"], row["split_cost_us"], row["ratio"]) == \
+        (8, {"eager": 5000.0, "split": 7500.0}, 2500.0, 40 / 60)
+    summary = ooo_bench.stats_summary(fake_stats(DDP=10.0, fast=5.0), "DDP")
+    assert summary["speedup"] == {"fast": 2.0} and summary["ms"] == {"DDP": 10.0, "fast": 5.0}
+
+
+def test_ooo_simulation_formulas():
+    # One node: no inter-node ring, whatever its bandwidth. The calibrated bandwidth gives the target
+    # all-reduce time. The speedups are the baselines' periods over reverse first-k's.
+    sizes = [4_000_000, 1_000_000, 40_000]
+    assert ooo_bench.hierarchical_sync(sizes, 4, 1e6) == ooo_bench.hierarchical_sync(sizes, 4, 1e12)
+    bw = ooo_bench.calibrated_bandwidth(sizes, 16, 0.2)
+    assert sum(ooo_bench.hierarchical_sync(sizes, 16, bw)) == pytest.approx(0.2)
+    row = ooo_bench.simulate_dp_case([0.01, 0.02, 0.03], [0.05, 0.01, 0.02])
+    assert row["speedup_over_priority"] == pytest.approx(row["priority_ms"] / row["reverse_first_k_ms"])
+    assert row["speedup_over_fifo"] == pytest.approx(row["fifo_ms"] / row["reverse_first_k_ms"])
+    assert row["allreduce_ms"] == pytest.approx(80.0)
 
 
 # ---------------------------------------------------------------------------
@@ -459,3 +735,153 @@ def test_bppsa_flags_a_gradient_off_by_a_thousandth(capsys, monkeypatch):
     assert exit_.value.code == 1
     assert "WARNING: T=10 B=2 d=4: gradient error 0.001 vs the baseline" in capsys.readouterr().out
 
+
+
+def bppsa_row(fwd: float, fwd_ours: float, base: float, ours: float) -> dict:
+    res = bppsa_bench.Result(bppsa_bench.rnn_config(100, 4, 8))
+    res.stats = fake_stats(**{bppsa_bench.FWD: fwd, bppsa_bench.FWD_OURS: fwd_ours, bppsa_bench.BASE: base,
+                              bppsa_bench.OURS: ours})
+    return bppsa_bench.result_row("rnn-t", res)
+
+
+def test_bppsa_speedups_subtract_the_forward():
+    # The paper's backward speedup (base - fwd) / (bppsa - fwd), bppsa's own forward subtracted where it
+    # is the faster one; the excluding-overhead one subtracts bppsa's forward; end to end base / bppsa.
+    row = bppsa_row(fwd=2.0, fwd_ours=1.0, base=10.0, ours=4.0)
+    assert row["bwd_speedup"] == pytest.approx(8 / 3) and row["bwd_speedup_baseline_fwd"] == pytest.approx(4.0)
+    assert row["bwd_speedup_excl_overhead"] == pytest.approx(8 / 3) and row["e2e_speedup"] == pytest.approx(2.5)
+    row = bppsa_row(fwd=2.0, fwd_ours=3.0, base=10.0, ours=4.0)
+    assert row["bwd_speedup"] == pytest.approx(4.0) and row["bwd_speedup_excl_overhead"] == pytest.approx(8.0)
+    assert bppsa_row(fwd=2.0, fwd_ours=2.0, base=10.0, ours=2.0)["bwd_speedup"] is None  # within noise
+
+
+def test_bppsa_paper_speedups_from_its_v100_tables():
+    # Appendix G's Tables 4-6 (seconds per epoch), typed here from the paper: T = 1000, B = 16 is
+    # FP 25.86, baseline 53.33, BPPSA 29.29; B = 2 is 200.65, 409.33, 227.13; the GRU's S set at
+    # B = 16 is FP 1.66, baseline 3.71, FP + overhead 2.1, BPPSA 2.94.
+    rnn = bppsa_bench.paper_speedups(bppsa_bench.rnn_config(1000, 16, 20))
+    assert rnn["bwd"] == pytest.approx((53.33 - 25.86) / (29.29 - 25.86)) and rnn["bwd_ex"] is None
+    assert rnn["e2e"] == pytest.approx(53.33 / 29.29)
+    assert bppsa_bench.paper_speedups(bppsa_bench.rnn_config(1000, 2, 20))["e2e"] == pytest.approx(409.33 / 227.13)
+    gru = bppsa_bench.paper_speedups(bppsa_bench.gru_config("S", 16))
+    assert gru["bwd_ex"] == pytest.approx((3.71 - 1.66) / (2.94 - 2.1))
+    assert gru["bwd"] == pytest.approx((3.71 - 1.66) / (2.94 - 1.66)) and gru["e2e"] == pytest.approx(3.71 / 2.94)
+    assert bppsa_bench.paper_speedups(bppsa_bench.rnn_config(1000, 16, 32)) == {"bwd": None, "bwd_ex": None,
+                                                                               "e2e": None}
+
+
+def test_bppsa_gradient_error_is_the_worst_parameter():
+    base = {"a": torch.ones(3), "b": torch.ones(3)}
+    assert bppsa_bench.gradient_error(base, {"a": torch.ones(3), "b": torch.full((3,), 1.5)}) == 0.5
+    assert bppsa_bench.gradient_error(base, {"a": torch.ones(3)}) == float("inf")
+    a, b = (bppsa_bench.build_model(bppsa_bench.rnn_config(10, 2, 4)) for _ in range(2))
+    assert bppsa_bench.same_weights(a, b)
+    with torch.no_grad():
+        b.head.bias[0] += 1
+    assert not bppsa_bench.same_weights(a, b)
+
+
+def test_bppsa_data_follow_the_paper():
+    # Bitstream (Eq. 8): (T, B, 1) bits, labels c in 0..9, x_t ~ Bernoulli(0.05 + 0.1 c); per class
+    # the rate within 5 binomial standard deviations. MFCC sets (Table 3): F x C, 11 classes.
+    x, y = bppsa_bench.make_data(bppsa_bench.rnn_config(500, 400, 20), CPU)
+    assert x.shape == (500, 400, 1) and y.shape == (400,) and set(x.unique().tolist()) <= {0.0, 1.0}
+    assert set(y.tolist()) == set(range(10))
+    for c in range(10):
+        bits = x[:, y == c].flatten()
+        p = 0.05 + 0.1 * c
+        assert abs(float(bits.mean()) - p) <= 5 * (p * (1 - p) / bits.numel()) ** 0.5
+    assert bppsa_bench.models.MFCC_SHAPES == {"S": (259, 38), "M": (517, 24), "L": (1034, 12)}
+    x, y = bppsa_bench.make_data(bppsa_bench.gru_config("L", 1000), CPU)
+    assert x.shape == (1034, 1000, 12) and set(y.tolist()) == set(range(11))
+    assert abs(float(x.mean())) < 0.01 and abs(float(x.std()) - 1) < 0.01
+
+
+def test_bppsa_models_are_the_papers():
+    # Section 4.1, Eq. 9: tanh RNN(1, 20) + Linear(20, 10); Section 4.2, Eq. 10: GRU(C, 20) + Linear(20, 11).
+    rnn = bppsa_bench.build_model(bppsa_bench.rnn_config(10, 2, 20))
+    assert type(rnn.rnn) is torch.nn.RNN and rnn.rnn.nonlinearity == "tanh"
+    assert bppsa_bench.models.param_counts(rnn) == (6, 670)
+    gru = bppsa_bench.build_model(bppsa_bench.gru_config("S", 16))
+    assert type(gru.rnn) is torch.nn.GRU and bppsa_bench.models.param_counts(gru) == (6, 3831)
+
+
+def test_bppsa_vgg11_chain_and_dense_ops():
+    # Configuration A (VGG-11): 8 convs (64, 128, 256, 256, 512 x 4), 3 Linear (CIFAR classifier).
+    layers = bppsa_bench.vgg11_chain(1, 32, classifier=True)
+    convs = [m.out_channels for m in layers if isinstance(m, torch.nn.Conv2d)]
+    assert convs == [64, 128, 256, 256, 512, 512, 512, 512]
+    assert [(m.in_features, m.out_features) for m in layers if isinstance(m, torch.nn.Linear)] == \
+        [(512, 512), (512, 512), (512, 10)]
+    # Conv 3 -> 4 on 8x8 (pad 1): 3 * 4 * 9 * 64 MACs, ReLU 256 and pool 64 element ops, Linear 64 x 10.
+    chain = [torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2, 2), torch.nn.Flatten(),
+             torch.nn.Linear(64, 10)]
+    assert bppsa_bench.dense_backward_ops(chain, (3, 8, 8)) == (3 * 4 * 9 * 64 + 640, 256 + 64)
+
+
+def test_bppsa_vgg_rows_speedups(monkeypatch, tmp_path):
+    # The vgg rows' ratios from the medians: chain x = autograd / chain, bwd x = (autograd - fwd) / (chain - fwd).
+    times = {bppsa_bench.V_FWD: 1.0, bppsa_bench.V_AUTOGRAD: 5.0, "chain L0": 3.0, "masked L0": 2.0}
+    monkeypatch.setattr(harness, "measure_alternated", lambda candidates, *a, **k: fake_stats(**{
+        n: times.get(n, 4.0) for n in candidates}))
+    bppsa_bench.main(VGG_TINY + ["--vgg-sparsities", "0.9", "--vgg-levels", "0", "--vgg-width-div", "64",
+                                 "--vgg-features-only", "--json", str(tmp_path / "v.json")])
+    (row,) = json.loads((tmp_path / "v.json").read_text())["vgg"]["rows"]
+    assert (row["chain_speedup"], row["chain_bwd_speedup"]) == (pytest.approx(5 / 3), pytest.approx(2.0))
+    assert (row["masked_speedup"], row["masked_bwd_speedup"]) == (pytest.approx(2.5), pytest.approx(4.0))
+
+
+# ---------------------------------------------------------------------------
+# models.py: the architectures the papers name
+# ---------------------------------------------------------------------------
+
+models = bppsa_bench.models
+
+# Parameter counts published for these architectures: torchvision's model pages (num_params) and
+# HuggingFace's bert-base-uncased (109,482,240 with the pooler) plus a 768 x 2 + 2 classifier.
+PUBLISHED_PARAMS = {"mobilenet_v2": 3_504_872, "mobilenet_v3_large": 5_483_032, "resnet18": 11_689_512,
+                    "resnet50": 25_557_032, "densenet121": 7_978_856, "vgg19_bn": 143_678_248,
+                    "bert_base": 109_482_240 + 1_538}
+
+
+def densenet121_params(growth: int) -> int:
+    """DenseNet-121's parameters at ``growth``, summed by hand from Huang et al.'s Table 1 (blocks 6, 12,
+    24, 16; 64 initial features, 4 x growth bottlenecks, compression 0.5) with torchvision's layers."""
+    n = 3 * 64 * 49 + 2 * 64  # conv0, norm0
+    ch = 64
+    for i, layers in enumerate((6, 12, 24, 16)):
+        for _ in range(layers):  # norm1, conv1 1x1, norm2, conv2 3x3
+            n += 2 * ch + ch * 4 * growth + 2 * 4 * growth + 4 * growth * growth * 9
+            ch += growth
+        if i < 3:  # transition: norm, 1x1 conv halving the channels
+            n += 2 * ch + ch * (ch // 2)
+            ch //= 2
+    return n + 2 * ch + ch * 1000 + 1000  # norm5, classifier
+
+
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_models_have_the_published_parameter_counts(name):
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        got = models.param_counts(models.build(name))
+    spec = models.MODELS[name]
+    assert got == (spec.num_tensors, spec.num_params)
+    if name in PUBLISHED_PARAMS:
+        assert got[1] == PUBLISHED_PARAMS[name]
+    if name.startswith("densenet121"):
+        assert got == (364, densenet121_params(int(name.partition("_k")[2] or 32)))
+
+
+def test_models_follow_torchvision_where_counts_cannot_tell():
+    # ResNet v1.5: a stage's stride on the 3x3 conv, not the first 1x1; DenseNet: a ReLU after norm5
+    # (the classifier sees non-negative features); the activation forms agree with torch's modules.
+    with torch.device("meta"):
+        r50 = models.resnet50()
+    assert (r50.layer2[0].conv1.stride, r50.layer2[0].conv2.stride) == ((1, 1), (2, 2))
+    torch.manual_seed(0)
+    net = models.DenseNet(growth=4, block_config=(1, 1, 1, 1), num_init_features=8, num_classes=5)
+    seen = []
+    net.classifier.register_forward_pre_hook(lambda m, inp: seen.append(inp[0]))
+    with torch.no_grad():
+        net(torch.randn(2, 3, 32, 32))
+    assert float(seen[0].min()) >= 0 and float(seen[0].max()) > 0
+    models.check_activations()
