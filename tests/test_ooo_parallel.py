@@ -1574,6 +1574,14 @@ def test_data_parallel_bad_arguments(solo_group):
         DataParallel(model, search_iters=0)
     with pytest.raises(TypeError, match="^process_group: .*got str"):
         DataParallel(model, process_group="world")
+    # README: reprop's flags take True or False only; these two were taken
+    # by their truth (broadcast_buffers="False" broadcast the buffers)
+    for flag in ("broadcast_buffers", "gradient_as_bucket_view"):
+        for bad in ("False", 1, None):
+            with pytest.raises(TypeError, match=f"^{flag}: expected True or False, got {bad!r}$") as raised:
+                DataParallel(model, **{flag: bad})
+            assert isinstance(raised.value, ValueError)
+            assert all("forward" not in lin.__dict__ for lin in model.layers), "split left behind"
 
 
 _SAVED_AFTER_A_RELOAD = """
