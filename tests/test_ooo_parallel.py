@@ -2486,6 +2486,10 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x.tolist(), t, F.mse_loss)
     with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):
         pipe.step(x, t.tolist(), F.mse_loss)
+    # plan(input_grad=) took any value by its truth: "False" planned the input's gradient
+    with pytest.raises(TypeError, match="^input_grad: expected True or False, got 'False'$"):
+        pipe.plan("False")
+    assert pipe.plan(np.bool_(True)) == pipe.plan(True) != pipe.plan(False)
 
 
 def test_pipeline_takes_numpy_ints(solo_group):

@@ -4106,7 +4106,8 @@ class Pipeline:
     def plan(self, input_grad: bool = False) -> list[tuple[str, int, int]]:
         """This rank's tasks in execution order: ("F" | "dO" | "dW", layer, micro-batch),
         from simulating the iteration; `input_grad`: dO(0, .) exists."""
-        return [(_TASK_NAMES[k], l, m) for k, l, m in self._schedule(bool(input_grad))[0]]
+        # True or False only, as every flag of ooo (README): "False" was True
+        return [(_TASK_NAMES[k], l, m) for k, l, m in self._schedule(_flag(input_grad, "input_grad"))[0]]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable) -> torch.Tensor | None:
