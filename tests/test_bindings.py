@@ -577,6 +577,18 @@ def test_cuda_archs_and_availability_leave_the_driver_alone_unless_torch_sees_a_
         native._cuda_device_count.cache_clear()
 
 
+def test_cuda_archs_is_public_as_readme_calls_it():
+    """README's Quick start names reprop.cuda_archs() beside cuda_built(),
+    cuda_available() and cuda_error(), but only reprop._native had it:
+    reprop.cuda_archs() raised AttributeError. The architectures the kernels
+    were built for, or None in a build without CUDA (python -m reprop info's
+    cuda_archs)."""
+    assert "cuda_archs" in reprop.__all__
+    assert reprop.cuda_archs is reprop._native.cuda_archs
+    expected = None if reprop._native._cuda is None else reprop._native._cuda.build_info()["archs"]
+    assert reprop.cuda_archs() == expected
+
+
 def test_an_int_too_long_to_write_as_text_is_an_overflow_naming_the_argument():
     """The int arguments' OverflowError wrote the value with %R, which Python
     refuses for an int of over 4300 digits: its ValueError "Exceeds the limit

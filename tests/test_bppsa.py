@@ -1233,6 +1233,13 @@ def test_module_rejects_bad_input():
         rnn(torch.randn(4, 2, 2, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="input: expected torch.bfloat16 like the weights"):
         bppsa.GRU(2, 3).bfloat16()(torch.randn(4, 2, 2))
+    # README: a dtype's error is also a TypeError (nn's class, ValueError, too);
+    # the input of another dtype than the weights' was a plain ValueError
+    for module, x in ((rnn, torch.randn(4, 2, 2, dtype=torch.bfloat16)),
+                      (bppsa.RNN(2, 3).half(), torch.randn(4, 2, 2))):
+        with pytest.raises(TypeError, match="like the weights") as raised:
+            module(x)
+        assert isinstance(raised.value, ValueError)
     with pytest.raises(ValueError, match="hx: expected a 2-D tensor with unbatched 2-D input, got 3-D"):
         rnn(torch.randn(4, 2), torch.randn(1, 1, 3))
     with pytest.raises(ValueError, match="hx: expected a 3-D tensor with batched 3-D input, got 2-D"):

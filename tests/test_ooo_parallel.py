@@ -1574,6 +1574,14 @@ def test_data_parallel_bad_arguments(solo_group):
         DataParallel(model, search_iters=0)
     with pytest.raises(TypeError, match="^process_group: .*got str"):
         DataParallel(model, process_group="world")
+    # README: reprop's flags take True or False only; these two were taken
+    # by their truth (broadcast_buffers="False" broadcast the buffers)
+    for flag in ("broadcast_buffers", "gradient_as_bucket_view"):
+        for bad in ("False", 1, None):
+            with pytest.raises(TypeError, match=f"^{flag}: expected True or False, got {bad!r}$") as raised:
+                DataParallel(model, **{flag: bad})
+            assert isinstance(raised.value, ValueError)
+            assert all("forward" not in lin.__dict__ for lin in model.layers), "split left behind"
 
 
 _SAVED_AFTER_A_RELOAD = """
@@ -2478,6 +2486,10 @@ def test_pipeline_bad_arguments(solo_group):
         pipe.step(x.tolist(), t, F.mse_loss)
     with pytest.raises(TypeError, match="^targets: expected a tensor, got list"):
         pipe.step(x, t.tolist(), F.mse_loss)
+    # plan(input_grad=) took any value by its truth: "False" planned the input's gradient
+    with pytest.raises(TypeError, match="^input_grad: expected True or False, got 'False'$"):
+        pipe.plan("False")
+    assert pipe.plan(np.bool_(True)) == pipe.plan(True) != pipe.plan(False)
 
 
 def test_pipeline_takes_numpy_ints(solo_group):

@@ -878,8 +878,10 @@ class _ScanRNNBase:
             raise _InputTypeError("input: the scan runs in float32; got float64 (use torch.nn for "
                                   "double precision)")
         if weight_ih_l0.dtype != input.dtype and not autocast_enabled(input.device.type):
-            raise ValueError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), got "
-                             f"{input.dtype}; convert the input or the module")
+            # nn's class (ValueError) and TypeError, as README gives a dtype's
+            # error: a plain ValueError escaped an `except TypeError`
+            raise _InputTypeError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), "
+                                  f"got {input.dtype}; convert the input or the module")
         if input.shape[-1] != self.input_size:
             raise _ArgError(f"input: expected {self.input_size} features (input_size) in the last "
                             f"dimension, got {input.shape[-1]}")

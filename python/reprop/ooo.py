@@ -3010,6 +3010,11 @@ class DataParallel(_PassTracking, Joinable):
             raise RuntimeError("DataParallel: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group first")
         _check_group(process_group)
+        # True or False only, as every flag of reprop (README): taken by their
+        # truth, broadcast_buffers="False" broadcast; before any collective,
+        # so that ranks passing the same value refuse it alike
+        broadcast_buffers = _flag(broadcast_buffers, "broadcast_buffers")
+        gradient_as_bucket_view = _flag(gradient_as_bucket_view, "gradient_as_bucket_view")
         if _backward_fused(model):
             raise ValueError("model: reprop.fuse(mode='backward') updates its parameters from "
                              "local gradients inside backward, before they are averaged over "
@@ -3021,7 +3026,6 @@ class DataParallel(_PassTracking, Joinable):
         # the buffers too, broadcast or not: the check of broadcast_buffers
         # below counts on every rank having buffers if one has
         _verify_same_shapes(list(model.parameters()) + list(model.buffers()), process_group)
-        broadcast_buffers = bool(broadcast_buffers)
         # unlike k and the bucket sizes, which only schedule the same sums
         # (rank 0's are taken, see _agree), these say what is summed: which
         # parameters' gradients fill the buckets (DDP's parameters too are
@@ -4102,7 +4106,8 @@ class Pipeline:
     def plan(self, input_grad: bool = False) -> list[tuple[str, int, int]]:
         """This rank's tasks in execution order: ("F" | "dO" | "dW", layer, micro-batch),
         from simulating the iteration; `input_grad`: dO(0, .) exists."""
-        return [(_TASK_NAMES[k], l, m) for k, l, m in self._schedule(bool(input_grad))[0]]
+        # True or False only, as every flag of ooo (README): "False" was True
+        return [(_TASK_NAMES[k], l, m) for k, l, m in self._schedule(_flag(input_grad, "input_grad"))[0]]
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor,
              loss_fn: Callable) -> torch.Tensor | None:
