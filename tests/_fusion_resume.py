@@ -26,6 +26,15 @@
         eager step() moves a parameter no rank used from; also with a
         no_grad forward before each step() (the keys ending in "_eval").
 
+    python _fusion_resume.py ddp_used_elsewhere RANK WORLD INIT_FILE OUT
+        DDP(find_unused_parameters=True) of _SometimesAux, parameters one rank
+        alone used in a step: backward mode in a loop that never calls step()
+        against eager DDP stepping; and only `aux` fused with keep_grads=True,
+        rank 1 never using it (its backward gives no fused parameter a
+        gradient); torch.save {name: (fused, eager)} to OUT, each a dict of the
+        parameters and the .grad after each backward ("unfreed": the steps
+        whose backward left a fused parameter's gradient unfreed).
+
     python _fusion_resume.py ddp_twice RANK WORLD INIT_FILE OUT
         reprop.fuse(DDP(model), mode="backward") and two backward() calls of
         one forward (the second reaching only an Embedding's weight, which
@@ -189,6 +198,49 @@ def ddp_unused(rank: int, world: int, init_file: str, out: str, set_to_none: boo
         r = tf.Result(params={n: p.detach().clone() for n, p in model.named_parameters()},
                       buffers={}, state=tf.optimizer_state(model, opt))
         results[kind + "_view" * as_view + "_eval" * evaluate] = dataclasses.asdict(r)
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _used_elsewhere_run(rank: int, fused: bool, as_view: bool, aux_only: bool) -> dict:
+    """One training of ddp_used_elsewhere's (see the module docstring)."""
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = DDP(_SometimesAux(), find_unused_parameters=True, gradient_as_bucket_view=as_view,
+                bucket_cap_mb=1e-5)  # (a bucket per parameter)
+    trained = list(model.module.aux.parameters() if aux_only else model.parameters())
+    opt = reprop.optim.Adam(trained, lr=0.01)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=aux_only) if fused else None
+    grads, unfreed = [], []
+    for i in range(5):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+        if aux_only:  # rank 0 uses aux in most steps, rank 1 never
+            use_aux = rank == 0 and i != 1
+        else:  # every rank in step 0; then rank 0 alone in step 2, rank 1 alone in step 3
+            use_aux = i == 0 or (i == 2 and rank == 0) or (i == 3 and rank == 1)
+        model(x, use_aux).square().mean().backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in trained])
+        if fused and not aux_only and any(p.grad is not None for p in trained):
+            unfreed.append(i)
+        if aux_only:  # (the others are in no optimizer)
+            model.module.body.zero_grad()
+        if not fused or aux_only:  # (backward mode's loop need not step)
+            opt.step()
+            opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return {"params": [p.detach().clone() for p in model.parameters()], "grads": grads,
+            "unfreed": unfreed}
+
+
+def ddp_used_elsewhere(rank: int, world: int, init_file: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for as_view, aux_only in itertools.product((False, True), (False, True)):
+        results[f"view={as_view}, aux_only={aux_only}"] = tuple(
+            _used_elsewhere_run(rank, fused, as_view, aux_only) for fused in (True, False))
     torch.save(results, out)
     dist.barrier()
     dist.destroy_process_group()
@@ -362,6 +414,7 @@ DDP_COMMANDS = {
     "ddp_unused_zeroed": functools.partial(ddp_unused, set_to_none=False),
     "ddp_twice": ddp_twice,
     "ddp_join": ddp_join,
+    "ddp_used_elsewhere": ddp_used_elsewhere,
 }
 
 

@@ -8546,3 +8546,150 @@ def test_forward_mode_graph_saved_before_a_later_step_raises_as_eager(inputs: bo
     got, ref = run("forward"), run(None)
     assert ref[0] == 1 and "modified by an inplace operation" in ref[1]
     assert got == ref
+
+
+# ---------------------------------------------------------------------------
+# 11b. DistributedDataParallel: backward mode's bucket hook (mutation audit)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("accumulate", ["no", "under no_sync()", "all-reduced"])
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_ddp_backward_frees_or_keeps_the_gradients_it_applied(keep_grads: bool, as_view: bool,
+                                                               accumulate: str) -> None:
+    """Under DDP (one rank, a bucket per parameter) backward mode frees each
+    gradient once the bucket hook applied it, as without DDP (keep_grads:
+    keeps the all-reduced one eager DDP's backward leaves in .grad, until the
+    next forward); accumulating 2 micro-batches (under no_sync(), or each
+    all-reduced), after the window's updating backward. The tests compared
+    only parameters, which a step() and zero_grad() after every window leave
+    the same: mutants that never released the gradients (or released them
+    before DDP's end of backward wrote them, or updated from local gradients
+    outside the bucket hook, or missed the no_sync() backward, so the next
+    micro-batch was not counted and the update was left to step()) passed,
+    holding every gradient until zero_grad(); one updating in an
+    accumulating micro-batch's bucket hook passed where only no_sync()
+    accumulated."""
+    every = 1 if accumulate == "no" else 2
+
+    def train(fused: bool) -> tuple[list, list]:
+        model = nn.parallel.DistributedDataParallel(_mlp(), bucket_cap_mb=1e-5,
+                                                    gradient_as_bucket_view=as_view)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        handle = reprop.fuse(model, opt, accumulation_steps=every,
+                             keep_grads=keep_grads) if fused else None
+        grads = []
+        for i in range(3 * every):
+            x, y = _mlp_batch(i)
+            last = (i + 1) % every == 0
+            syncing = last or accumulate == "all-reduced"
+            with contextlib.nullcontext() if syncing else model.no_sync():
+                F.mse_loss(model(x), y).backward()
+            if last:
+                grads.append([None if p.grad is None else p.grad.clone()
+                              for p in model.parameters()])
+                opt.step()
+                opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        return [p.detach() for p in model.parameters()], grads
+
+    with _one_rank_process_group():
+        (got, got_grads), (ref, ref_grads) = train(True), train(False)
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b), _diff(a, b)
+    for step, (gs, refs) in enumerate(zip(got_grads, ref_grads)):
+        for i, (g, ref_g) in enumerate(zip(gs, refs)):
+            if keep_grads:
+                assert g is not None and torch.equal(g, ref_g), f"step {step}, param {i}"
+            else:
+                assert g is None, f"step {step}, param {i}: .grad not freed after its update"
+
+
+@pytest.mark.parametrize("ops, every", [
+    ("bbbs", 2),  # stepping every 3 where accumulation_steps=2: the 3rd accumulating is late
+    ("bsbbs", 1),  # an accumulating loop given no accumulation_steps: each backward updated
+])
+def test_ddp_backward_accumulation_step_refuses_a_window_longer_than_counted(ops: str,
+                                                                            every: int) -> None:
+    """test_backward_accumulation_step_refuses_a_window_longer_than_counted
+    under DDP (one rank, every backward all-reduced: no no_sync()), whose
+    gradients reach the fusion through its own hook: the late gradient was
+    not noted there by mutants (accumulating, or updating again), and the
+    loop's extra updates passed silently."""
+    def loop(fused: bool):
+        torch.manual_seed(0)
+        model = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(3, 4), nn.Tanh(),
+                                                                  nn.Linear(4, 1)))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, mode="backward", accumulation_steps=every)
+        for i, op in enumerate(ops):
+            if op == "b":
+                model(torch.randn(4, 3, generator=_gen(i))).square().mean().backward()
+            else:
+                opt.step()
+                opt.zero_grad()
+                yield [p.detach().clone() for p in model.parameters()]
+
+    with _one_rank_process_group():
+        want = list(loop(False))
+        got = loop(True)
+        for refs, ps in zip(want[:-1], got):
+            for p, ref in zip(ps, refs):
+                assert torch.equal(p, ref), _diff(p, ref)
+        with pytest.raises(RuntimeError, match=_LATE_GRADIENT):
+            next(got)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_parameters_one_rank_used_are_updated_and_freed_in_backward(tmp_path: Path) -> None:
+    """DDP(find_unused_parameters=True), 2 ranks, a parameter one rank alone
+    used in a step: the rank that gave it no gradient updates it at the end
+    of backward, from DDP's all-reduced .grad, and frees that. In a loop
+    that never calls step() (backward mode needs none) the parameters are
+    eager DDP's stepping loop's, bitwise, and no gradient is left unfreed;
+    the tests' loops all stepped, and step() applied what mutants left
+    there (an update skipped, a gradient not freed, which the next
+    backward then all-reduced again). Only `aux` fused with keep_grads=True,
+    on a rank whose backward gives it no gradient: the bucket hook alone
+    tells that a backward ran, and the kept gradients are freed at the next
+    forward (a mutant left them there to be all-reduced again: 0.017 off
+    eager after 5 Adam steps); the kept .grad is eager DDP's after each
+    backward."""
+    for rank, r in enumerate(_run_ddp_workers("ddp_used_elsewhere", tmp_path)):
+        for name, (got, ref) in r.items():
+            where = f"rank {rank}, {name}"
+            assert got["unfreed"] == [], f"{where}: gradients left unfreed in steps {got['unfreed']}"
+            for i, (a, b) in enumerate(zip(got["params"], ref["params"])):
+                assert torch.equal(a, b), f"{where}, parameter {i}: {_diff(a, b)}"
+            if "aux_only=True" in name:
+                for step, (gs, refs) in enumerate(zip(got["grads"], ref["grads"])):
+                    for i, (g, ref_g) in enumerate(zip(gs, refs)):
+                        assert (g is None) == (ref_g is None) and (
+                            g is None or torch.equal(g, ref_g)), f"{where}, step {step}, grad {i}"
+
+
+def test_ddp_forward_mode_remove_gives_ddp_its_join_hook_back() -> None:
+    """Forward mode under DDP (one rank) installs its own join hook on the
+    model (flushing the pending updates first); remove() gives DDP's back, or
+    the one set on the instance before fuse(). A mutant leaving the removed
+    handle's hook there passed every test (it only delegates to DDP's once
+    removed), the model holding the removed handle alive through it."""
+    with _one_rank_process_group():
+        model = nn.parallel.DistributedDataParallel(_mlp())
+        handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="forward")
+        assert model.join_hook.__func__ is not type(model).join_hook
+        handle.remove()
+        assert "join_hook" not in vars(model)
+        gone = weakref.ref(handle)
+        del handle
+        gc.collect()
+        assert gone() is None, "the removed handle is kept alive by the model"
+
+        def own_join_hook(**kwargs):
+            return type(model).join_hook(model, **kwargs)
+        model.join_hook = own_join_hook
+        reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="forward").remove()
+        assert vars(model)["join_hook"] is own_join_hook
