@@ -538,6 +538,32 @@ def test_float16_derivative_is_zero_in_the_tails(name):
     assert grad[0] == torch_grad[0] and grad[1].isnan()
 
 
+# float16 x and upstream gradient whose exact input gradient lies within a
+# rounding of float16's overflow (65520): (x, gradient, float64's, torch's)
+FLOAT16_OVERFLOW_EDGE = {"gelu": (1.859375, 59552.0, 65519.04, 65504.0),
+                         "mish": (1.005859375, 62400.0, 65526.83, math.inf)}
+
+
+@pytest.mark.parametrize("name", sorted(FLOAT16_OVERFLOW_EDGE))
+def test_float16_gradient_at_the_overflow_edge_rounds_once_more(name):
+    """What README says of GradScaler's decisions under float16 with None:
+    torch rounds g * f'(x) once, FAD f'(x) first, so at the overflow edge
+    one input gradient is inf where torch's is 65504 (GELU) or 65504 where
+    torch's is inf (Mish): a scaler's skip there can differ. float32 storage
+    rounds once, as torch does."""
+    ours, ref, kw = ACTIVATIONS[name]
+    at, g, exact, want = FLOAT16_OVERFLOW_EDGE[name]
+    x, grad = torch.tensor([at], dtype=torch.float16), torch.tensor([g], dtype=torch.float16)
+    _, gx64 = values_and_grads(lambda t: ref(t, **kw), x.double(), grad.double())
+    assert gx64.item() == pytest.approx(exact, abs=0.01)
+    _, torch_grad = values_and_grads(lambda t: ref(t, **kw), x, grad)
+    assert torch_grad.item() == want
+    _, grad_none = values_and_grads(lambda t: ours(t, **kw), x, grad)
+    assert grad_none.isinf().item() != math.isinf(want)
+    _, grad_f32 = values_and_grads(lambda t: ours(t, **kw, saved_dtype=torch.float32), x, grad)
+    assert torch.equal(grad_f32, torch_grad)
+
+
 @pytest.mark.parametrize("name", sorted(ACTIVATIONS))
 def test_8bit_storage_error_is_bounded(name):
     ours, _, kw = ACTIVATIONS[name]

@@ -648,6 +648,31 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
         p.grad.add_(d)
 
 
+def _sum_low_precision(p: torch.Tensor, d: torch.Tensor, low_sums: dict) -> bool:
+    """Under autocast autograd sums the dW of a weight's sites (all reading
+    autocast's one cast copy) in the low precision, in the copy's node, and
+    casts that sum once: past 65504 a float16 sum is inf where each site's
+    dW is finite, and GradScaler skips that step. Added one by one to the
+    float32 .grad, the sum stayed finite, and the split's scaler stepped
+    where torch's skipped (its scale then twice torch's for the steps after).
+    So in one backward, while .grad holds only this backward's split dW of p
+    (made here from None, not written since: the same tensor at the version
+    left, in `low_sums`), the next dW is added to it in d's dtype, as
+    autograd's node adds it, and .grad holds that sum cast: autograd's bits.
+    Otherwise (a .grad from an earlier backward, or one autograd added to)
+    False: _accumulate adds in float32. Cleared at each backward's start."""
+    g = p.grad
+    if g is None:
+        p.grad = g = d.to(p.dtype) if d.stride() == p.stride() else torch.empty_like(p).copy_(d)
+    else:
+        left = low_sums.get(p)
+        if left is None or left[0] is not g or left[1] != g._version:
+            return False
+        g.copy_(g.to(d.dtype).add_(d))
+    low_sums[p] = (g, g._version)
+    return True
+
+
 _STAND_IN = object()  # key of the internal post-accumulate-grad hook
 
 
@@ -776,7 +801,9 @@ class _Task:
                 if p._backward_hooks:  # forward fusion's check (_fusion_checks_only)
                     for hook in tuple(p._backward_hooks.values()):
                         hook(d)
-                _accumulate(p, d)
+                # (under autocast a dW in the low precision: _sum_low_precision)
+                if d.dtype == p.dtype or not _sum_low_precision(p, d, self.site.handle._low_sums):
+                    _accumulate(p, d)
 
     def _check_nan(self, grads: tuple) -> None:
         """Anomaly mode's check of each backward function's outputs, which a
@@ -1042,6 +1069,9 @@ class OOOHandle(_PassTracking):
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
+        # parameter -> (its .grad, that .grad's version) while .grad holds the
+        # low-precision sum of this backward's split dW: _sum_low_precision
+        self._low_sums: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1200,6 +1230,7 @@ class OOOHandle(_PassTracking):
             self._restore_post_hooks_not_held()
         self._owner = (torch._C._current_graph_task_id(), threading.get_ident())
         self._calls = {}
+        self._low_sums = {}
         self._current_region = -1
         self._marks = []
         self._reads = None
@@ -1304,6 +1335,7 @@ class OOOHandle(_PassTracking):
         self.flush()
         self._end_stream_order()
         self._casts.clear()
+        self._low_sums = {}  # (held tasks run later add in float32)
         for state in list(self._hooked.values()):
             if state.outstanding == 0:  # autograd never reached it: hooks back
                 self._restore_post_hooks(state)
