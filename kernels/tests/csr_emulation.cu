@@ -10,10 +10,11 @@
  * call's stream and device, for the next non-empty phase of the program, with
  * the grid the launcher caps (RP_SCAN_MAX_GRID is 3 and RP_CSR_THREADS 32
  * here, so launches loop over their items), then runs every thread of every
- * block through the kernel's body (rp_csr_items), blocks and threads first to
- * last on one run and last to first on another: the results must be bitwise
- * identical, which catches an item that reads what another item of the same
- * launch writes.
+ * block through the kernel itself (its host copy, emu_exec.h's executor:
+ * its indices are the built-ins'), blocks first to last on one run and last
+ * to first on another, each block's threads in one order on one run and the
+ * other on the other: the results must be bitwise identical, which catches
+ * an item that reads what another item of the same launch writes.
  *
  * Programs come from real plans: rp_csr_plan_create on random chains of n = 1
  * to 40 random CSR patterns (dense, diagonal, banded, random densities, empty;
@@ -73,6 +74,53 @@
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "scan.cu"
 #include "emu_faults.h" /* after reprop.h: rp_error */
+
+/* scan.cu again, as host code: rp_csr_kernel itself, which the launch mock
+ * runs for every thread of the grid (emu_exec.h), so that the item and
+ * stride it derives from blockIdx, blockDim, gridDim and threadIdx are its
+ * own, not the mock's restatement. The copy's extern "C" entry points are
+ * renamed (dead code), as are rp_csr_check_run and rp_scan_rows (nvcc finds
+ * both copies ambiguous); __shared__ reads as nothing: only the scan kernels' extern
+ * array has it, in templates never instantiated here. */
+#include "emu_exec.h"
+#include "emu_host_begin.h"
+#undef __shared__
+#define __shared__
+#define rp_cuda_scan_shared_bytes emu_dead_scan_shared_bytes
+#define rp_cuda_shared_memory_per_block emu_dead_shared_memory_per_block
+#define rp_cuda_scan emu_dead_scan
+#define rp_cuda_csr_run emu_dead_csr_run
+#define rp_csr_check_run emu_dead_csr_check_run
+#define rp_scan_rows emu_host_scan_rows
+#define rp_cuda_cusparse_built emu_dead_cusparse_built
+#define rp_cuda_cusparse_free emu_dead_cusparse_free
+#define rp_cuda_cusparse_create emu_dead_cusparse_create
+#define rp_cuda_cusparse_run emu_dead_cusparse_run
+namespace emu_dev {
+#include "scan.cu"
+} // namespace emu_dev
+#undef rp_cuda_cusparse_run
+#undef rp_cuda_cusparse_create
+#undef rp_cuda_cusparse_free
+#undef rp_cuda_cusparse_built
+#undef rp_scan_rows
+#undef rp_csr_check_run
+#undef rp_cuda_csr_run
+#undef rp_cuda_scan
+#undef rp_cuda_shared_memory_per_block
+#undef rp_cuda_scan_shared_bytes
+#include "emu_host_end.h"
+
+/* The scan kernels' dynamic shared memory, for the link: the dead launcher of
+ * the host copy names them, and nothing here runs them. */
+namespace emu_dev {
+float4 rp_scan_smem[1];
+} // namespace emu_dev
+
+static_assert(sizeof(emu_dev::rp_csr_args) == sizeof(rp_csr_args), "kernel arguments");
+
+/* rp_csr_kernel, its host copy, for one thread. */
+static void csr_thread(void *arg) { emu_dev::rp_csr_kernel(*(const emu_dev::rp_csr_args *)arg); }
 
 /* ---------------------------------------------------------------------------
  * The emulated runtime
@@ -147,14 +195,12 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
         return cudaSuccess;
 
     const int64_t stride = (int64_t)grid.x * block.x;
-    for (unsigned i = 0; i < grid.x; i++) {
-        const unsigned blk = g_rt.reverse ? grid.x - 1 - i : i;
-        for (unsigned j = 0; j < block.x; j++) {
-            const unsigned t = g_rt.reverse ? block.x - 1 - j : j;
-            rp_csr_items(a, (int64_t)blk * block.x + t, stride);
-        }
-        g_stats.blocks++;
-    }
+    emu_dev::rp_csr_args copy;
+    memcpy(&copy, &a, sizeof copy);
+    /* reversed: blocks last to first, each block's threads in the order the
+     * forward run does not use */
+    emu_run_grid_order(grid.x, block.x, csr_thread, &copy, g_rt.reverse, g_rt.reverse);
+    g_stats.blocks += grid.x;
     g_stats.launches++;
     g_stats.looped += items > stride;
     return cudaSuccess;
@@ -681,12 +727,17 @@ static void error_cases(void)
 
     /* bad arguments: RP_EINVAL, nothing launched */
     {
-        rp_csr_program bad_order = s.g, null_phases = s.g, negative = s.g, below = s.g;
-        std::vector<int64_t> ps = s.phase_shared, pp = s.phase_ptr;
+        rp_csr_program bad_order = s.g, null_phases = s.g, negative = s.g, below = s.g,
+                       above = s.g;
+        std::vector<int64_t> ps = s.phase_shared, pp = s.phase_ptr, pe = s.phase_ptr;
         ps[1] = s.phase_ptr[2] + 1;
         bad_order.phase_shared = ps.data();
         pp[0] = -1; /* phase 0 from row -1: ordered, but before the rows */
         below.phase_ptr = pp.data();
+        /* the last phase ending past the rows: its kernel would read term_ptr
+         * and dst past their ends */
+        pe[(size_t)s.g.nphases] = s.g.nrows + 1;
+        above.phase_ptr = pe.data();
         null_phases.phase_ptr = NULL;
         negative.nterms = -1;
         rp_csr_device_rows no_dst = rows.r, no_tx = rows.r;
@@ -709,6 +760,7 @@ static void error_cases(void)
             {"phases out of order", &bad_order, &rows.r, B, seq.p(), shared.p()},
             {"NULL phase_ptr", &null_phases, &rows.r, B, seq.p(), shared.p()},
             {"phase starting at row -1", &below, &rows.r, B, seq.p(), shared.p()},
+            {"phase ending past the last row", &above, &rows.r, B, seq.p(), shared.p()},
             {"negative nterms", &negative, &rows.r, B, seq.p(), shared.p()},
             {"batch overflowing", &s.g, &rows.r, INT64_MAX / 4, seq.p(), shared.p()},
         };

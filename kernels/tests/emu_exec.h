@@ -237,9 +237,11 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
  * running body(arg): blocks 0 to nblocks - 1, or with blocks_reversed last
  * to first (an emulation that alternates it between launches shows a kernel
  * whose blocks depend on running in index order); every second block run
- * (the second, fourth, ...) runs its threads last to first. */
+ * (the second, fourth, ...) runs its threads last to first, or with
+ * odd_reversed the first, third, ... (a run with both flags and one with
+ * neither run every block's threads in both orders). */
 static void emu_run_grid_order(unsigned nblocks, unsigned nthreads, void (*body)(void *),
-                               void *arg, bool blocks_reversed)
+                               void *arg, bool blocks_reversed, bool odd_reversed = false)
 {
     CHECK(nthreads >= 1 && nthreads <= EMU_MAX_THREADS, "%u threads per block", nthreads);
     if (nthreads < 1 || nthreads > EMU_MAX_THREADS)
@@ -249,7 +251,7 @@ static void emu_run_grid_order(unsigned nblocks, unsigned nthreads, void (*body)
     g_exec.arg = arg;
     for (unsigned i = 0; i < nblocks; i++)
         emu_run_block(blocks_reversed ? nblocks - 1 - i : i, nblocks, (int)nthreads,
-                      (i & 1u) != 0);
+                      ((i & 1u) != 0) != odd_reversed);
 }
 
 /* The same, blocks in index order: odd blocks run their threads last to first. */

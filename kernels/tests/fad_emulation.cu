@@ -62,7 +62,8 @@
  * and values; sizes 0, 1, around the vector width, one below/at/above a
  * block of RP_FAD_THREADS vector steps and of scalar steps, and past
  * RP_FAD_MAX_BLOCKS blocks (grid-stride loops: a thread's second step);
- * aligned, misaligned (by an element of x, y, d, or 4 or 8 bytes of d) and
+ * aligned, misaligned (by an element of x, y, d, or 4, 8 or 16 bytes of d:
+ * float32 d of 16-bit x moves 32 bytes a step, in 16-byte pieces) and
  * in-place (y == x) buffers; the backward from codes for each dtype, every
  * code 0..255 (the NaN and exact-slope codes too) with codes of real
  * forwards, codes and grads misaligned, in place (grad_x == grad_y);
@@ -587,6 +588,7 @@ typedef enum {
     L_D_OFF,      /* d one element of its own off (NONE: a buffer to leave alone) */
     L_D_OFF8,     /* d 8 bytes off */
     L_D_OFF4,     /* d 4 bytes off */
+    L_D_OFF16,    /* d 16 bytes off: enough for its widest steps (16 bytes), not 32 */
     L_INPLACE,    /* y == x */
     L_INPLACE_OFF, /* y == x, one element off */
     N_LAYOUTS
@@ -594,7 +596,7 @@ typedef enum {
 
 static const char *const layout_names[N_LAYOUTS] = {
     "aligned", "x misaligned", "y misaligned", "d misaligned by an element",
-    "d 8 bytes off", "d 4 bytes off", "in place", "in place, misaligned"};
+    "d 8 bytes off", "d 4 bytes off", "d 16 bytes off", "in place", "in place, misaligned"};
 
 typedef struct {
     guarded_buffer x, y, d;
@@ -604,7 +606,11 @@ static void alloc_forward(fwd_buffers *b, int dtype, int d_store, int64_t n, lay
                           size_t start)
 {
     const size_t xs = (size_t)x_size(dtype), ds = store_size(d_store);
-    const size_t dmis = l == L_D_OFF ? (ds ? ds : 4) : (l == L_D_OFF8 ? 8 : (l == L_D_OFF4 ? 4 : 0));
+    const size_t dmis = l == L_D_OFF    ? (ds ? ds : 4)
+                        : l == L_D_OFF8 ? 8
+                        : l == L_D_OFF4 ? 4
+                        : l == L_D_OFF16 ? 16
+                                         : 0;
     buffer_allocate(&b->x, (size_t)n * xs, l == L_X_OFF || l == L_INPLACE_OFF ? xs : 0);
     buffer_allocate(&b->y, (size_t)n * xs, l == L_Y_OFF ? xs : 0);
     buffer_allocate(&b->d, (size_t)n * (ds ? ds : 4), dmis);
@@ -618,7 +624,8 @@ static bool run_forward(const act_config &c, int dtype, int d_store, int64_t n, 
     const launch_config lc = launch_config_for(g_stats.cases);
     const bool inplace = l == L_INPLACE || l == L_INPLACE_OFF;
     /* NONE: d NULL, or (misaligned layouts) a buffer that must stay untouched */
-    const bool pass_d = d_store != RP_FAD_NONE || l == L_D_OFF || l == L_D_OFF8 || l == L_D_OFF4;
+    const bool pass_d = d_store != RP_FAD_NONE || l == L_D_OFF || l == L_D_OFF8 || l == L_D_OFF4 ||
+                        l == L_D_OFF16;
     fwd_buffers cpu, emu;
     rp_error ecpu = {{0}}, eemu = {{0}};
     const int failures = g_failures;

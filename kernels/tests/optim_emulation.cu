@@ -46,7 +46,9 @@
  *     (by thread 0, shared past the barrier), from the device lr when given;
  *   - tables that fill up: several launches per call and a tensor continued in
  *     the next table (RP_TAB_TENSORS, RP_TAB_BLOCKS and RP_STEP_TAB are made
- *     small below, which optim.cu allows, so small inputs spill);
+ *     small below, which optim.cu allows, so small inputs spill; RP_STEP_TAB
+ *     still past the 128 counters of one increment block, so that a full step
+ *     table is a grid of two);
  *   - the stream's device is current during the launches and restored after;
  *   - error statuses: bad arguments give RP_EINVAL with nothing launched or
  *     written, CUDA errors (a refused launch, or one cudaGetLastError reports,
@@ -82,10 +84,13 @@
 #include <algorithm>
 #include <vector>
 
-/* Small tables, so that a few thousand elements already need several launches. */
+/* Small tables, so that a few thousand elements already need several launches.
+ * The step table stays above the increment kernel's 128 threads per block, so
+ * that a full one is a grid of two blocks (a grid short of a block would leave
+ * counters unincremented). */
 #define RP_TAB_TENSORS 6
 #define RP_TAB_BLOCKS 24
-#define RP_STEP_TAB 5
+#define RP_STEP_TAB 200
 
 #define EMU_DEVICES 4
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
@@ -161,6 +166,7 @@ typedef struct {
     long vector_blocks, scalar_blocks;
     long multi_launch_calls;      /* calls with more than one update launch */
     long multi_step_launch_calls; /* capturable calls with more than one increment launch */
+    long multi_block_step_launches; /* increment launches of more than one block */
     long continued_tensors;       /* table tensors that continue an entry begun earlier */
     long capped_chunks;           /* launches with chunks of RP_HUGE_STEPS block steps */
     std::vector<int> chunks;      /* the distinct chunk sizes launched */
@@ -197,6 +203,7 @@ static void step_increment_launch(const rp_step_launch &S, dim3 grid, dim3 block
     emu_dev::rp_step_launch copy;
     memcpy(&copy, &S, sizeof copy);
     emu_run_grid(grid.x, block.x, step_increment_thread, &copy);
+    g_stats.multi_block_step_launches += grid.x > 1;
     g_call.step_launches++;
     g_stats.step_launches++;
 }
@@ -762,6 +769,14 @@ static std::vector<size_set> size_sets(void)
         v.push_back(many);
     }
     v.push_back({"largest chunks, split over tables", {1600001, 77}, true});
+    {
+        /* more step counters than a step table holds (RP_STEP_TAB), more
+         * than one increment block's (128) in the first table */
+        size_set steps = {"step tables of several blocks", {}, true};
+        for (int i = 0; i < 2 * RP_STEP_TAB - 130; i++)
+            steps.sizes.push_back(i % 4);
+        v.push_back(steps);
+    }
     return v;
 }
 
@@ -1061,6 +1076,7 @@ static void check_coverage(void)
     CHECK(g_stats.multi_launch_calls > 0, "no call needed several update launches");
     CHECK(g_stats.continued_tensors > 0, "no tensor continued in a second table");
     CHECK(g_stats.multi_step_launch_calls > 0, "no call needed several increment launches");
+    CHECK(g_stats.multi_block_step_launches > 0, "no increment launch of several blocks");
     CHECK(g_stats.chunks.size() >= 6, "only %zu chunk sizes", g_stats.chunks.size());
     CHECK(g_stats.capped_chunks > 0, "chunks never reached RP_HUGE_STEPS block steps");
     CHECK(g_stats.device_switches > 0, "no call on another device's stream");
