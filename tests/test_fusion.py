@@ -4162,6 +4162,56 @@ def test_forward_mode_update_refused_inside_step_drops_the_step_from_its_group_a
     assert "groups after it are dropped" in "\n".join(getattr(errors[0], "__notes__", ()))
     _assert_same_training(got, ref)
 
+def _graph_kept_over_a_refused_step(mode: str | None) -> tuple:
+    """_mlp plus a bias no module owns, in the first group with the head
+    (its update is applied in step()), the rest in a second group. At step
+    3 the loss keeps its graph, the bias's exp_avg is replaced, step()
+    raises; the user puts it back, backpropagates the kept graph again and
+    steps again. Returns ((model, opt), the second backward's error or None)."""
+    model = _mlp()
+    extra = nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+    opt = rp.Adam([{"params": [*model[4].parameters(), extra]},
+                   {"params": model[:4].parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    again = None
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        loss = F.mse_loss(model(x) + extra, y)
+        loss.backward(retain_graph=i == 3)
+        if i == 3:
+            kept = opt.state[extra]["exp_avg"]
+            opt.state[extra]["exp_avg"] = torch.zeros(2)
+            with pytest.raises(RuntimeError, match="exp_avg"):
+                opt.step()
+            opt.state[extra]["exp_avg"] = kept
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                again = e
+        opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    model.extra = extra  # (compared with the model's)
+    return (model, opt), again
+
+
+def test_forward_mode_update_refused_inside_step_leaves_the_dropped_versions_as_eager() -> None:
+    """step() counts the updates it leaves pending as done in place (their
+    params' versions bumped, so that a graph saved before it raises
+    autograd's error at backward, as after eager's update), then applies
+    those of params no module owns; one refused there drops this step's
+    updates of its group and the groups after it (here every group), whose
+    params eager's refused step() leaves untouched. Their versions stayed
+    bumped: the graph kept over that step() raised autograd's in-place error
+    at its backward, where eager's backpropagates. They are bumped only for
+    what stays pending now."""
+    got, error = _graph_kept_over_a_refused_step("forward")
+    ref, ref_error = _graph_kept_over_a_refused_step(None)
+    assert ref_error is None and error is None, error
+    _assert_same_training(got, ref)
+
+
 
 def _two_groups(model: nn.Module):
     return rp.SGD([{"params": list(model[0].parameters()), "lr": 0.01},

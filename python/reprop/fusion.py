@@ -3336,7 +3336,9 @@ class _ForwardFusion(FusionHandle):
         empty and ran a step of its own). Then the optimizer state the others
         will update is noted (_state_if_edited_since_step): a shallow copy, in C.
         What waits gets eager's in-place update done to it now
-        (_as_if_updated_in_place); what is applied now gets it from its update."""
+        (_as_if_updated_in_place), once those applied now ran: one refused drops
+        what waits in its group and the groups after it, which eager's refused
+        step() leaves untouched; what is applied now gets it from its update."""
         state = self.optimizer.state
         stateless = self._may_lack_state()
         now = []
@@ -3347,10 +3349,22 @@ class _ForwardFusion(FusionHandle):
             waiting = [p for p in held if id(p) not in applied]
         else:
             waiting = held
-        if waiting:
-            _as_if_updated_in_place(waiting)
         if now:
-            self._apply(now, in_step=True)
+            try:
+                self._apply(now, in_step=True)
+            except BaseException:
+                # refused: this step's updates of that group and the groups after it
+                # are dropped (_drop_step_from), whose params eager's refused step()
+                # left untouched; bumped before, a graph saved before step() raised
+                # autograd's in-place error at its backward, where eager's ran
+                pending = self._pending
+                waiting = [p for p in waiting if id(p) in pending]
+                raise
+            finally:  # (after the update: it does not read the waiting params)
+                if waiting:
+                    _as_if_updated_in_place(waiting)
+        elif waiting:
+            _as_if_updated_in_place(waiting)
         self._state_seen = (id(state), len(state))
         if self._pending:
             self._step_state = (state, dict(state))
