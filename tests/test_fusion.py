@@ -4101,6 +4101,56 @@ def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() ->
     assert "remove() dropped" in note and "stays pending" not in note, note
     assert_no_fusion_left(model, opt, before)
 
+def _note_of_refused_call(call: str, refused: tuple) -> str:
+    """The note of the error a handle.flush(), opt.state_dict() or
+    handle.remove() (`call`) raises, applying one group's pending updates in
+    one call, when the Adam state of the layers `refused` was replaced after
+    step()."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _mlp_steps(model, opt, 2)
+    x, y = _mlp_batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for i in refused:
+        opt.state[model[i].weight]["exp_avg"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="exp_avg") as raised:
+        {"flush": handle.flush, "state_dict": opt.state_dict, "remove": handle.remove}[call]()
+    with contextlib.suppress(RuntimeError):  # (refused again: remove() drops it)
+        handle.remove()
+    return "\n".join(getattr(raised.value, "__notes__", ()))
+
+
+@pytest.mark.parametrize("call", ["flush", "state_dict", "remove"])
+def test_forward_mode_refusal_note_names_the_refused_parameter_not_the_groups_first(
+        call: str) -> None:
+    """A flush(), state_dict() or remove() applies a whole group's pending
+    updates in one call; when the optimizer refused it (the head's exp_avg
+    replaced after step()), the note named the group's first three
+    parameters ('0.weight', '0.bias', '2.weight' "and 3 more"), not the
+    head's weight, and read "the update(s) ... stays pending". It names the
+    refused parameter now, and says what became of the others."""
+    note = _note_of_refused_call(call, (4,))
+    assert "parameter '4.weight'" in note and "'0.weight'" not in note, note
+    assert "(s)" not in note, note
+    if call == "remove":
+        assert "pending update of parameter '4.weight' (of shape (3, 6)) is refused" in note, note
+        assert "remove() dropped it" in note, note
+    else:
+        assert ("update of parameter '4.weight' (of shape (3, 6)) that optimizer.step() left "
+                "pending is refused and stays pending, as do the 5 other updates") in note, note
+
+
+def test_forward_mode_refusal_note_names_every_refused_parameter() -> None:
+    """Two updates of the group refused (the exp_avg of both 2.weight and
+    4.weight replaced after step()): the note names both, in the plural."""
+    note = _note_of_refused_call("flush", (2, 4))
+    assert ("updates of parameter '2.weight' (of shape (6, 8)), parameter '4.weight' (of shape "
+            "(3, 6)) that optimizer.step() left pending are refused and stay pending, as do the "
+            "4 other updates") in note, note
+
+
 
 @pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
 def test_forward_mode_zero_grad_keeping_zeros_while_a_param_data_is_replaced_trains_as_eager(
