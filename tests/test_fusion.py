@@ -4101,6 +4101,7 @@ def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() ->
     assert "remove() dropped" in note and "stays pending" not in note, note
     assert_no_fusion_left(model, opt, before)
 
+
 def _note_of_refused_call(call: str, refused: tuple) -> str:
     """The note of the error a handle.flush(), opt.state_dict() or
     handle.remove() (`call`) raises, applying one group's pending updates in
@@ -4150,6 +4151,34 @@ def test_forward_mode_refusal_note_names_every_refused_parameter() -> None:
             "(3, 6)) that optimizer.step() left pending are refused and stay pending, as do the "
             "4 other updates") in note, note
 
+
+@pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
+def test_forward_mode_param_data_replaced_before_step_is_refused_at_the_next_forward(
+        case: str) -> None:
+    """A parameter's .data replaced by one of another dtype or shape between
+    backward() and step(): eager's step() refuses it, fused step() does not
+    look at each parameter (its check is cached), so the next forward does,
+    as README says. Undoing the change and running the forward again applies
+    the update once, which is eager's retried step(): the same training. The
+    note said eager's step() had applied the update before the change,
+    which is wrong here; it tells both orders now."""
+    (_, undo), match, _ = _REFUSED_LATER[case]
+    change = {"param-data-float64": torch.Tensor.double,
+              "param-data-transposed": torch.Tensor.t}[case]
+
+    def spoil(model, opt, when):
+        if when == "backward":
+            model[4].weight.data = change(model[4].weight.data)
+
+    got, errors = _recovering_loop("forward", spoil, undo)
+    ref, ref_errors = _recovering_loop(None, spoil, undo)
+    assert [at for at, _ in errors] == ["forward 3"], errors
+    assert [at for at, _ in ref_errors] == ["step 2"], ref_errors
+    assert match in str(errors[0][1]), errors
+    note = "\n".join(getattr(errors[0][1], "__notes__", ()))
+    assert "parameter '4.weight'" in note and "before what changed since" not in note, note
+    assert "one made before it eager's step() refused" in note, note
+    _assert_same_training(got, ref)
 
 
 @pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
@@ -4212,6 +4241,7 @@ def test_forward_mode_update_refused_inside_step_drops_the_step_from_its_group_a
     assert "groups after it are dropped" in "\n".join(getattr(errors[0], "__notes__", ()))
     _assert_same_training(got, ref)
 
+
 def _graph_kept_over_a_refused_step(mode: str | None) -> tuple:
     """_mlp plus a bias no module owns, in the first group with the head
     (its update is applied in step()), the rest in a second group. At step
@@ -4260,7 +4290,6 @@ def test_forward_mode_update_refused_inside_step_leaves_the_dropped_versions_as_
     ref, ref_error = _graph_kept_over_a_refused_step(None)
     assert ref_error is None and error is None, error
     _assert_same_training(got, ref)
-
 
 
 def _two_groups(model: nn.Module):

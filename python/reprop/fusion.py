@@ -2968,13 +2968,16 @@ class _ForwardFusion(FusionHandle):
             return True
         also = ("" if not others else ", as does the other update of its group in that call"
                 if others == 1 else f", as do the {others} other updates of its group in that call")
+        # (a .data replaced before step(), which step() does not look for: eager's
+        # refused it there, and its retry after the fix applies it once, as here)
         error.add_note(
             f"reprop.fuse(mode='forward'): the update{'' if one else 's'} of {names} that "
             f"optimizer.step() left pending {'is' if one else 'are'} refused and "
-            f"{'stays' if one else 'stay'} pending{also} (eager's step() applied {it} before "
-            f"what changed since): undo the change and run the forward again, or call "
-            f"handle.flush(), to apply {'it' if n == 1 else 'each'} once; handle.remove() "
-            f"drops {it}")
+            f"{'stays' if one else 'stay'} pending{also}: undo the change and run the forward "
+            f"again, or call handle.flush(), to apply {'it' if n == 1 else 'each'} once, as "
+            f"eager's step() applied {it} (before a change made after it; one made before it "
+            f"eager's step() refused, and its retry after the fix applied {it} once); "
+            f"handle.remove() drops {it}")
         return True
 
     def _refused_alone(self, group: dict, params: list, grads: dict) -> list:
