@@ -4102,6 +4102,85 @@ def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() ->
     assert_no_fusion_left(model, opt, before)
 
 
+def _note_of_refused_call(call: str, refused: tuple) -> str:
+    """The note of the error a handle.flush(), opt.state_dict() or
+    handle.remove() (`call`) raises, applying one group's pending updates in
+    one call, when the Adam state of the layers `refused` was replaced after
+    step()."""
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode="forward")
+    _mlp_steps(model, opt, 2)
+    x, y = _mlp_batch(2)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    for i in refused:
+        opt.state[model[i].weight]["exp_avg"] = torch.zeros(2)
+    with pytest.raises(RuntimeError, match="exp_avg") as raised:
+        {"flush": handle.flush, "state_dict": opt.state_dict, "remove": handle.remove}[call]()
+    with contextlib.suppress(RuntimeError):  # (refused again: remove() drops it)
+        handle.remove()
+    return "\n".join(getattr(raised.value, "__notes__", ()))
+
+
+@pytest.mark.parametrize("call", ["flush", "state_dict", "remove"])
+def test_forward_mode_refusal_note_names_the_refused_parameter_not_the_groups_first(
+        call: str) -> None:
+    """A flush(), state_dict() or remove() applies a whole group's pending
+    updates in one call; when the optimizer refused it (the head's exp_avg
+    replaced after step()), the note named the group's first three
+    parameters ('0.weight', '0.bias', '2.weight' "and 3 more"), not the
+    head's weight, and read "the update(s) ... stays pending". It names the
+    refused parameter now, and says what became of the others."""
+    note = _note_of_refused_call(call, (4,))
+    assert "parameter '4.weight'" in note and "'0.weight'" not in note, note
+    assert "(s)" not in note, note
+    if call == "remove":
+        assert "pending update of parameter '4.weight' (of shape (3, 6)) is refused" in note, note
+        assert "remove() dropped it" in note, note
+    else:
+        assert ("update of parameter '4.weight' (of shape (3, 6)) that optimizer.step() left "
+                "pending is refused and stays pending, as do the 5 other updates") in note, note
+
+
+def test_forward_mode_refusal_note_names_every_refused_parameter() -> None:
+    """Two updates of the group refused (the exp_avg of both 2.weight and
+    4.weight replaced after step()): the note names both, in the plural."""
+    note = _note_of_refused_call("flush", (2, 4))
+    assert ("updates of parameter '2.weight' (of shape (6, 8)), parameter '4.weight' (of shape "
+            "(3, 6)) that optimizer.step() left pending are refused and stay pending, as do the "
+            "4 other updates") in note, note
+
+
+@pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
+def test_forward_mode_param_data_replaced_before_step_is_refused_at_the_next_forward(
+        case: str) -> None:
+    """A parameter's .data replaced by one of another dtype or shape between
+    backward() and step(): eager's step() refuses it, fused step() does not
+    look at each parameter (its check is cached), so the next forward does,
+    as README says. Undoing the change and running the forward again applies
+    the update once, which is eager's retried step(): the same training. The
+    note said eager's step() had applied the update before the change,
+    which is wrong here; it tells both orders now."""
+    (_, undo), match, _ = _REFUSED_LATER[case]
+    change = {"param-data-float64": torch.Tensor.double,
+              "param-data-transposed": torch.Tensor.t}[case]
+
+    def spoil(model, opt, when):
+        if when == "backward":
+            model[4].weight.data = change(model[4].weight.data)
+
+    got, errors = _recovering_loop("forward", spoil, undo)
+    ref, ref_errors = _recovering_loop(None, spoil, undo)
+    assert [at for at, _ in errors] == ["forward 3"], errors
+    assert [at for at, _ in ref_errors] == ["step 2"], ref_errors
+    assert match in str(errors[0][1]), errors
+    note = "\n".join(getattr(errors[0][1], "__notes__", ()))
+    assert "parameter '4.weight'" in note and "before what changed since" not in note, note
+    assert "one made before it eager's step() refused" in note, note
+    _assert_same_training(got, ref)
+
+
 @pytest.mark.parametrize("case", ["param-data-float64", "param-data-transposed"])
 def test_forward_mode_zero_grad_keeping_zeros_while_a_param_data_is_replaced_trains_as_eager(
         case: str) -> None:
@@ -4160,6 +4239,56 @@ def test_forward_mode_update_refused_inside_step_drops_the_step_from_its_group_a
     got, errors = _foreign_state_replaced_at_3("forward")
     ref, _ = _foreign_state_replaced_at_3(None)
     assert "groups after it are dropped" in "\n".join(getattr(errors[0], "__notes__", ()))
+    _assert_same_training(got, ref)
+
+
+def _graph_kept_over_a_refused_step(mode: str | None) -> tuple:
+    """_mlp plus a bias no module owns, in the first group with the head
+    (its update is applied in step()), the rest in a second group. At step
+    3 the loss keeps its graph, the bias's exp_avg is replaced, step()
+    raises; the user puts it back, backpropagates the kept graph again and
+    steps again. Returns ((model, opt), the second backward's error or None)."""
+    model = _mlp()
+    extra = nn.Parameter(torch.linspace(-1.0, 1.0, 3))
+    opt = rp.Adam([{"params": [*model[4].parameters(), extra]},
+                   {"params": model[:4].parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    again = None
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        loss = F.mse_loss(model(x) + extra, y)
+        loss.backward(retain_graph=i == 3)
+        if i == 3:
+            kept = opt.state[extra]["exp_avg"]
+            opt.state[extra]["exp_avg"] = torch.zeros(2)
+            with pytest.raises(RuntimeError, match="exp_avg"):
+                opt.step()
+            opt.state[extra]["exp_avg"] = kept
+            try:
+                loss.backward()
+            except RuntimeError as e:
+                again = e
+        opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    model.extra = extra  # (compared with the model's)
+    return (model, opt), again
+
+
+def test_forward_mode_update_refused_inside_step_leaves_the_dropped_versions_as_eager() -> None:
+    """step() counts the updates it leaves pending as done in place (their
+    params' versions bumped, so that a graph saved before it raises
+    autograd's error at backward, as after eager's update), then applies
+    those of params no module owns; one refused there drops this step's
+    updates of its group and the groups after it (here every group), whose
+    params eager's refused step() leaves untouched. Their versions stayed
+    bumped: the graph kept over that step() raised autograd's in-place error
+    at its backward, where eager's backpropagates. They are bumped only for
+    what stays pending now."""
+    got, error = _graph_kept_over_a_refused_step("forward")
+    ref, ref_error = _graph_kept_over_a_refused_step(None)
+    assert ref_error is None and error is None, error
     _assert_same_training(got, ref)
 
 

@@ -1019,6 +1019,13 @@ def _param_name(model: nn.Module, p: torch.Tensor) -> str:
     return f"parameter {name!r} ({shape})" if name else f"a parameter {shape}"
 
 
+def _params_named(model: nn.Module, params: list, most: int = 3) -> str:
+    """The first `most` of `params` as _param_name names them, and how many
+    more."""
+    names = ", ".join(_param_name(model, p) for p in params[:most])
+    return names + (f" and {len(params) - most} more" if len(params) > most else "")
+
+
 def _grad_mark(t: torch.Tensor) -> tuple:
     """What tells a held gradient edited since step(): its version counter,
     which in-place ops bump (None for an inference tensor, which has none:
@@ -2930,33 +2937,69 @@ class _ForwardFusion(FusionHandle):
             return False
         unfit = [p for p in params if (g := grads.get(id(p))) is not None
                  and self._held_grad_refused(p, g, params)]
-        which = unfit or params
-        names = ", ".join(_param_name(self.model, p) for p in which[:3])
-        if len(which) > 3:
-            names += f" and {len(which) - 3} more"
+        n = len(params)
+        it = "it" if n == 1 else "them"
         if unfit:
+            dropped = ("its pending update is" if n == 1
+                       else f"the {n} pending updates of that call are")
             error.add_note(
-                f"reprop.fuse(mode='forward'): the gradient optimizer.step() held for {names} is "
-                f"refused itself, so the {len(params)} pending update(s) refused with it are "
-                "dropped, as eager's step() refused them (eager's refused their whole group; "
-                "here the group's others apply as usual); set a gradient of a plain tensor "
-                "with memory of its own before step()")
+                f"reprop.fuse(mode='forward'): the gradient optimizer.step() held for "
+                f"{_params_named(self.model, unfit)} is refused itself, so {dropped} dropped, "
+                f"as eager's step() refused {it} (eager's refused the whole group; here the "
+                "group's others apply as usual); set a gradient of a plain tensor with memory of "
+                "its own before step()")
             return False
+        # The note names the updates refused, not the first ones of the call (a
+        # flush() applies a whole group in one call: it named the group's first
+        # three parameters, whatever was refused)
+        refused = self._refused_alone(group, params, grads) or params
+        one, others = len(refused) == 1, n - len(refused)
+        names = _params_named(self.model, refused)
         if self._removing:
             # (remove() lets go of what is pending: a note saying it stays
             # pending, to apply at the next forward, told the user wrong)
             error.add_note(
-                f"reprop.fuse(mode='forward'): remove() dropped the pending update(s) of {names} "
-                "that optimizer.step() decided (eager's step() applied them before what changed "
+                f"reprop.fuse(mode='forward'): the pending update{'' if one else 's'} of {names} "
+                f"{'is' if one else 'are'} refused, and remove() dropped "
+                f"{'it' if one else 'them'} with every other update that optimizer.step() "
+                "decided and left pending (eager's step() applied them before what changed "
                 "since): that step is lost for them; undo the change and call handle.flush() "
                 "before remove() to apply them")
             return True
+        also = ("" if not others else ", as does the other update of its group in that call"
+                if others == 1 else f", as do the {others} other updates of its group in that call")
+        # (a .data replaced before step(), which step() does not look for: eager's
+        # refused it there, and its retry after the fix applies it once, as here)
         error.add_note(
-            f"reprop.fuse(mode='forward'): the update(s) of {names} that optimizer.step() left "
-            "pending stays pending (eager's step() applied it before what changed since): "
-            "undo the change and run the forward again, or call handle.flush(), to apply it "
-            "once; handle.remove() drops it")
+            f"reprop.fuse(mode='forward'): the update{'' if one else 's'} of {names} that "
+            f"optimizer.step() left pending {'is' if one else 'are'} refused and "
+            f"{'stays' if one else 'stay'} pending{also}: undo the change and run the forward "
+            f"again, or call handle.flush(), to apply {'it' if n == 1 else 'each'} once, as "
+            f"eager's step() applied {it} (before a change made after it; one made before it "
+            f"eager's step() refused, and its retry after the fix applied {it} once); "
+            f"handle.remove() drops {it}")
         return True
+
+    def _refused_alone(self, group: dict, params: list, grads: dict) -> list:
+        """Those of `params` (one group's, whose update the optimizer refused
+        in one call, from the gradients `grads`) whose update alone its check
+        refuses (their .data or optimizer state replaced): what the refusal's
+        note names. Empty where none is (the call refused as a
+        whole: a CUDA graph capture). Called on a refusal only: a check per
+        parameter."""
+        engine = self.optimizer
+        settings = self._settings.get(id(group)) or group  # (what the update ran with)
+        refused = []
+        try:
+            slots = engine._state_slots(settings)
+        except Exception:  # (the hyper-parameters themselves: every update)
+            return refused
+        for p in params:
+            try:
+                engine._check_step(settings, [p], grads, slots)
+            except Exception:
+                refused.append(p)
+        return refused
 
     def _held_grad_refused(self, p: torch.Tensor, g: torch.Tensor, params: list) -> bool:
         """Whether the gradient `g` held for `p`, in a refused update of
@@ -3336,7 +3379,9 @@ class _ForwardFusion(FusionHandle):
         empty and ran a step of its own). Then the optimizer state the others
         will update is noted (_state_if_edited_since_step): a shallow copy, in C.
         What waits gets eager's in-place update done to it now
-        (_as_if_updated_in_place); what is applied now gets it from its update."""
+        (_as_if_updated_in_place), once those applied now ran: one refused drops
+        what waits in its group and the groups after it, which eager's refused
+        step() leaves untouched; what is applied now gets it from its update."""
         state = self.optimizer.state
         stateless = self._may_lack_state()
         now = []
@@ -3347,10 +3392,22 @@ class _ForwardFusion(FusionHandle):
             waiting = [p for p in held if id(p) not in applied]
         else:
             waiting = held
-        if waiting:
-            _as_if_updated_in_place(waiting)
         if now:
-            self._apply(now, in_step=True)
+            try:
+                self._apply(now, in_step=True)
+            except BaseException:
+                # refused: this step's updates of that group and the groups after it
+                # are dropped (_drop_step_from), whose params eager's refused step()
+                # left untouched; bumped before, a graph saved before step() raised
+                # autograd's in-place error at its backward, where eager's ran
+                pending = self._pending
+                waiting = [p for p in waiting if id(p) in pending]
+                raise
+            finally:  # (after the update: it does not read the waiting params)
+                if waiting:
+                    _as_if_updated_in_place(waiting)
+        elif waiting:
+            _as_if_updated_in_place(waiting)
         self._state_seen = (id(state), len(state))
         if self._pending:
             self._step_state = (state, dict(state))
