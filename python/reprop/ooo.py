@@ -663,7 +663,8 @@ def _sum_low_precision(p: torch.Tensor, d: torch.Tensor, low_sums: dict) -> bool
     False: _accumulate adds in float32. Cleared at each backward's start."""
     g = p.grad
     if g is None:
-        p.grad = g = d.to(p.dtype) if d.stride() == p.stride() else torch.empty_like(p).copy_(d)
+        _accumulate(p, d)  # (the first dW: its cast is exact)
+        g = p.grad
     else:
         left = low_sums.get(p)
         if left is None or left[0] is not g or left[1] != g._version:
