@@ -3392,22 +3392,20 @@ class _ForwardFusion(FusionHandle):
             waiting = [p for p in held if id(p) not in applied]
         else:
             waiting = held
-        if now:
-            try:
+        try:
+            if now:
                 self._apply(now, in_step=True)
-            except BaseException:
-                # refused: this step's updates of that group and the groups after it
-                # are dropped (_drop_step_from), whose params eager's refused step()
-                # left untouched; bumped before, a graph saved before step() raised
-                # autograd's in-place error at its backward, where eager's ran
-                pending = self._pending
-                waiting = [p for p in waiting if id(p) in pending]
-                raise
-            finally:  # (after the update: it does not read the waiting params)
-                if waiting:
-                    _as_if_updated_in_place(waiting)
-        elif waiting:
-            _as_if_updated_in_place(waiting)
+        except BaseException:
+            # refused: this step's updates of that group and the groups after it
+            # are dropped (_drop_step_from), whose params eager's refused step()
+            # left untouched; bumped before, a graph saved before step() raised
+            # autograd's in-place error at its backward, where eager's ran
+            pending = self._pending
+            waiting = [p for p in waiting if id(p) in pending]
+            raise
+        finally:  # (after the update: it does not read the waiting params)
+            if waiting:
+                _as_if_updated_in_place(waiting)
         self._state_seen = (id(state), len(state))
         if self._pending:
             self._step_state = (state, dict(state))
