@@ -6585,6 +6585,28 @@ def test_backward_mode_layers_called_one_by_one_without_step() -> None:
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_accumulation_counts_a_no_sync_backward_giving_no_fused_parameter_a_gradient(
+        tmp_path: Path) -> None:
+    """DDP, accumulation_steps=2 under no_sync(), only `aux` fused, rank 1
+    using it in the all-reduced micro-batch alone: its no_sync() backward,
+    giving no fused parameter a gradient, was not seen, so rank 1 counted
+    one micro-batch less than rank 0 and did not update in the all-reduced
+    backward (step() did: its gradients kept until then). In a loop not
+    calling step() it never updated, and its gradients, never freed, were
+    all-reduced again into rank 0's updates: rank 1 0.027 from rank 0, and
+    rank 0 0.0054 from eager DDP. Every rank now updates in the all-reduced
+    backward, bitwise as eager DDP, stepping or not."""
+    results = _run_ddp_workers("ddp_acc_unused", tmp_path)
+    for rank, r in enumerate(results):
+        for kind in ("fused_step", "fused_no_step"):
+            assert r[kind]["freed"] == [True] * 4, (rank, kind, r[kind]["freed"])
+            for a, b in zip(r[kind]["params"], r["eager"]["params"]):
+                assert torch.equal(a, b), f"rank {rank}, {kind}: {_diff(a, b)}"
+            for a, b in zip(r[kind]["params"], results[0][kind]["params"]):
+                assert torch.equal(a, b), f"rank {rank} vs rank 0, {kind}: {_diff(a, b)}"
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
 def test_ddp_second_backward_of_one_forward_raises(tmp_path: Path) -> None:
     """Under DDP a second backward() of one forward is not all-reduced (DDP's
     reducer ignores it); backward mode left its local gradient in .grad,
