@@ -4080,6 +4080,72 @@ def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_go
     _assert_same_training(got, ref)
 
 
+def _graph_saved_before_a_dropped_update(mode: str | None, how: str) -> tuple:
+    """Adam over _mlp, the head in a group of its own. At step 2 a weight
+    penalty saves the head's weight before step(), whose update of it is
+    spoiled: its gradient set to its exp_avg before step() (`how`="shared":
+    eager's step() refuses the head's group) or edited in place after
+    step() ("edited": eager's step() applied it). Fused, forward 3 drops
+    the update and raises; the call is caught and run again, as is eager's
+    step(). Then the penalty's gradient is asked for. Returns ((model,
+    opt), the calls that raised, the error asking for it raised or None)."""
+    model = _mlp()
+    head = model[4]
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": head.parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    raised, penalty, penalty_error = [], None, None
+
+    def again(call: Callable, what: str):
+        try:
+            return call()
+        except (RuntimeError, ValueError):
+            raised.append(what)
+            return call() if what.startswith("forward") else None
+
+    for i in range(5):
+        x, y = _mlp_batch(i)
+        out = again(lambda: model(x), f"forward {i}")
+        if i == 3:
+            try:
+                torch.autograd.grad(penalty, [head.weight])
+            except RuntimeError as e:
+                penalty_error = str(e)
+        F.mse_loss(out, y).backward()
+        if i == 2:
+            penalty = head.weight.square().sum()  # (saves the weight as it is before step())
+            if how == "shared":
+                head.weight.grad = opt.state[head.weight]["exp_avg"]
+        again(opt.step, f"step {i}")
+        if i == 2 and how == "edited":
+            head.weight.grad.mul_(2)
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return (model, opt), raised, penalty_error
+
+
+@pytest.mark.parametrize("how", ["shared", "edited"])
+def test_forward_mode_update_dropped_at_the_forward_leaves_the_version_as_eager(how: str) -> None:
+    """step() bumps the versions of the params whose update it leaves
+    pending, as eager's in-place update does. An update dropped at the
+    forward for its held gradient refused itself (sharing memory with the
+    optimizer state), which eager's step() refused, leaving the head
+    untouched, kept that bump: a graph saved before step() raised
+    autograd's in-place error at backward, where eager's backpropagates.
+    The bump is taken back there. One dropped for its held gradient edited
+    after step() keeps it: eager's step() had applied that update, and its
+    graph raises too (a check that this was right already)."""
+    got, raised, error = _graph_saved_before_a_dropped_update("forward", how)
+    ref, ref_raised, ref_error = _graph_saved_before_a_dropped_update(None, how)
+    assert raised == ["forward 3"] and ref_raised == (["step 2"] if how == "shared" else [])
+    if how == "shared":
+        assert error is None and ref_error is None, error
+        _assert_same_training(got, ref)
+    else:  # (training differs from there: the edited gradient cannot give eager's update)
+        assert "modified by an inplace operation" in error, error
+        assert "modified by an inplace operation" in ref_error, ref_error
+
+
 def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() -> None:
     """remove() meeting an update refused for a cause that came after
     step() (the head's exp_avg replaced) drops it, as README says, and

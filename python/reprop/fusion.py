@@ -974,6 +974,17 @@ def _as_if_updated_in_place(params: list) -> None:
     _tensors.bump_versions(params)
 
 
+def _as_if_not_updated(params: list) -> None:
+    """Takes back the version bump _as_if_updated_in_place gave `params` at
+    step(), for updates dropped unapplied where eager's step() refused them
+    (left, a graph saved before step() raised autograd's in-place error at
+    backward, where eager's, its params untouched, backpropagates). One
+    down, not back to a number read at step(): an in-place write since (the
+    user's) bumped eager's version too."""
+    versions = _tensors.versions_of(params)
+    _tensors.set_versions(params, [v if v is None else v - 1 for v in versions])
+
+
 def _zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
     """What torch.optim.Optimizer.zero_grad does to one parameter."""
     if p.grad is None:
@@ -2943,7 +2954,7 @@ class _ForwardFusion(FusionHandle):
             except Exception as e:
                 # refused: those the kernels ran (a call of another device
                 # refused after them) are settled, the others kept or dropped
-                whole = not self._keeps_refused(e, group, group_params, grads, in_step)
+                whole = not self._keeps_refused(e, group, group_params, grads, in_step, ran)
                 raise
             finally:
                 if ran is not None:  # (stopped, or refused)
@@ -2951,7 +2962,7 @@ class _ForwardFusion(FusionHandle):
                                  [p for ps in ran.values() for p in ps])
 
     def _keeps_refused(self, error: Exception, group: dict, params: list, grads: dict,
-                       in_step: bool) -> bool:
+                       in_step: bool, ran: dict) -> bool:
         """Whether the updates of `params` (one group's) that the optimizer
         refused with `error` stay pending, as eager training has them: the
         cause came after step() (the parameter's .data or its optimizer state
@@ -2969,7 +2980,8 @@ class _ForwardFusion(FusionHandle):
         dropped (_drop_step_from), and a step() again after the fix holds
         the gradients again, applying each once as eager's retry does (the
         others of the group stayed pending, and a retry applied them twice).
-        The error tells which, in a note."""
+        The error tells which, in a note. `ran`: the params the kernels ran
+        for in that call (optim._Plan.run), by plan."""
         if in_step:
             self._drop_step_from(group)
             error.add_note("reprop.fuse(mode='forward'): this step()'s updates of that group and "
@@ -2981,6 +2993,10 @@ class _ForwardFusion(FusionHandle):
         n = len(params)
         it = "it" if n == 1 else "them"
         if unfit:
+            # eager's step() refused the group, writing none of them: the
+            # in-place mark step() gave those not written here goes too
+            written = {id(p) for ps in ran.values() for p in ps}
+            _as_if_not_updated([p for p in params if id(p) not in written])
             dropped = ("its pending update is" if n == 1
                        else f"the {n} pending updates of that call are")
             error.add_note(
