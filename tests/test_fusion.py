@@ -4146,6 +4146,62 @@ def test_forward_mode_update_dropped_at_the_forward_leaves_the_version_as_eager(
         assert "modified by an inplace operation" in ref_error, ref_error
 
 
+def _head_replaced_after_a_refused_update(mode: str | None, case: str, add_group: bool) -> tuple:
+    """Adam over _mlp; after step 2 the head's update is spoiled (`case` of
+    _REFUSED_LATER: eager's step() had applied it) and the head replaced by
+    a new one (with `add_group`, given a group of its own), the old one
+    left in the optimizer. A forward that raises is caught and run again.
+    Returns ((model, opt), the old head, the errors caught)."""
+    (spoil, _), _, _ = _REFUSED_LATER[case]
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    errors, old = [], model[4]
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        try:
+            out = model(x)
+        except (RuntimeError, ValueError) as e:
+            errors.append(e)
+            out = model(x)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            spoil(model, opt, "step")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(7)
+                model[4] = nn.Linear(6, 3)
+            if add_group:
+                opt.add_param_group({"params": list(model[4].parameters())})
+    if handle is not None:
+        handle.remove()
+    return (model, opt), old, errors
+
+
+@pytest.mark.parametrize("add_group", [False, True])
+@pytest.mark.parametrize("case", ["state-tensor-replaced", "param-data-transposed"])
+def test_forward_mode_refused_update_of_a_module_no_longer_in_the_model_is_dropped(
+        case: str, add_group: bool) -> None:
+    """An update refused for a cause that came after step() stays pending
+    until the user's fix; but where its module left the model since (a
+    head replaced, the old one still in the optimizer) every later forward
+    was refused again, for good, training stuck, where eager's step() had
+    applied it before the change and eager trains on (no later eager step
+    touches a parameter no forward uses). It is dropped at the first
+    refusal now, the note saying why: the model trains as eager's, the old
+    head one update behind eager's."""
+    got, old, errors = _head_replaced_after_a_refused_update("forward", case, add_group)
+    ref, ref_old, ref_errors = _head_replaced_after_a_refused_update(None, case, add_group)
+    assert len(errors) == 1 and not ref_errors, errors
+    note = "\n".join(getattr(errors[0], "__notes__", ()))
+    assert "in no module of the model any more" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+    # its refused update lost (the bias's, not refused, applied as eager's)
+    assert not torch.equal(old.weight.data.reshape(-1), ref_old.weight.data.reshape(-1))
+    assert torch.equal(old.bias, ref_old.bias)
+
+
 def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() -> None:
     """remove() meeting an update refused for a cause that came after
     step() (the head's exp_avg replaced) drops it, as README says, and

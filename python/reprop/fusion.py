@@ -3009,7 +3009,8 @@ class _ForwardFusion(FusionHandle):
         # The note names the updates refused, not the first ones of the call (a
         # flush() applies a whole group in one call: it named the group's first
         # three parameters, whatever was refused)
-        refused = self._refused_alone(group, params, grads) or params
+        alone = self._refused_alone(group, params, grads)
+        refused = alone or params
         one, others = len(refused) == 1, n - len(refused)
         names = _params_named(self.model, refused)
         if self._removing:
@@ -3023,6 +3024,13 @@ class _ForwardFusion(FusionHandle):
                 "since): that step is lost for them; undo the change and call handle.flush() "
                 "before remove() to apply them")
             return True
+        gone = self._drop_outside_model(alone, error, n)
+        if gone:
+            refused = [p for p in refused if id(p) not in gone]
+            if not refused:
+                return True
+            one, others = len(refused) == 1, n - len(refused) - len(gone)
+            names = _params_named(self.model, refused)
         also = ("" if not others else ", as does the other update of its group in that call"
                 if others == 1 else f", as do the {others} other updates of its group in that call")
         # (a .data replaced before step(), which step() does not look for: eager's
@@ -3036,6 +3044,36 @@ class _ForwardFusion(FusionHandle):
             f"eager's step() refused, and its retry after the fix applied {it} once); "
             f"handle.remove() drops {it}")
         return True
+
+    def _drop_outside_model(self, refused: list, error: Exception, n: int) -> dict:
+        """Drops the refused updates (`refused`, of a call of `n`) of params
+        no module of the model holds any more (their module removed or
+        replaced since step(), the optimizer still holding them), noting it
+        on `error`; returns them by id. Kept pending, such an update was
+        refused by every later forward for good, training stuck until the
+        user repaired the state or .data of a parameter no longer used,
+        where eager's step() had applied it before the change and trains on
+        (no later eager step() touches it: it gets no gradient). Dropped,
+        its values stay one update behind eager's. A walk of the model's
+        parameters, on a refusal only."""
+        if not refused:
+            return {}
+        held = set(map(id, self.model.parameters()))
+        gone = {id(p): p for p in refused if id(p) not in held}
+        if not gone:
+            return gone
+        self._settle(list(gone.values()))
+        one, rest = len(gone) == 1, n - len(gone)
+        it = "it" if one else "them"
+        error.add_note(
+            f"reprop.fuse(mode='forward'): {_params_named(self.model, list(gone.values()))} "
+            f"{'is' if one else 'are'} in no module of the model any more (removed or replaced "
+            f"since optimizer.step()): no forward would apply the update refused, which is "
+            f"dropped; {'its' if one else 'their'} values stay one update behind eager's "
+            f"step(), which applied {it} before the change"
+            + ("" if not rest else "; the other updates of that call stay pending, to apply "
+               "at the next forward or handle.flush()"))
+        return gone
 
     def _refused_alone(self, group: dict, params: list, grads: dict) -> list:
         """Those of `params` (one group's, whose update the optimizer refused
