@@ -35,6 +35,16 @@
         parameters and the .grad after each backward ("unfreed": the steps
         whose backward left a fused parameter's gradient unfreed).
 
+    python _fusion_resume.py ddp_acc_unused RANK WORLD INIT_FILE OUT
+        DDP(find_unused_parameters=True) of _SometimesAux, only `aux` in the
+        optimizer, accumulating 2 micro-batches under no_sync(), rank 1
+        using aux only in the all-reduced one (its no_sync() backward gives
+        no fused parameter a gradient): eager step(), and
+        reprop.fuse(mode="backward", accumulation_steps=2) in a loop calling
+        step() and in one not; torch.save {"eager": ..., "fused_step": ...,
+        "fused_no_step": ...} to OUT, each aux's parameters and whether its
+        gradients were freed right after each all-reduced backward.
+
     python _fusion_resume.py ddp_twice RANK WORLD INIT_FILE OUT
         reprop.fuse(DDP(model), mode="backward") and two backward() calls of
         one forward (the second reaching only an Embedding's weight, which
@@ -246,6 +256,38 @@ def ddp_used_elsewhere(rank: int, world: int, init_file: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+def ddp_acc_unused(rank: int, world: int, init_file: str, out: str) -> None:
+    import reprop
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    results = {}
+    for kind in ("eager", "fused_step", "fused_no_step"):
+        model = DDP(_SometimesAux(), find_unused_parameters=True)
+        opt = reprop.optim.Adam(model.module.aux.parameters(), lr=0.01)
+        handle = (reprop.fuse(model, opt, mode="backward", accumulation_steps=2)
+                  if kind != "eager" else None)
+        freed = []
+        for i in range(8):
+            x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * rank + i))
+            last = i % 2 == 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                (model(x, rank == 0 or last).square().mean() / 2).backward()
+            model.module.body.zero_grad()  # (in no optimizer)
+            if last:
+                freed.append(all(p.grad is None for p in model.module.aux.parameters()))
+                if kind != "fused_no_step":
+                    opt.step()
+                    opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        results[kind] = {"params": [p.detach().clone() for p in model.module.aux.parameters()],
+                         "freed": freed}
+    torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 class _EmbeddingHead(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -412,6 +454,7 @@ DDP_COMMANDS = {
     "ddp": ddp,
     "ddp_unused": ddp_unused,
     "ddp_unused_zeroed": functools.partial(ddp_unused, set_to_none=False),
+    "ddp_acc_unused": ddp_acc_unused,
     "ddp_twice": ddp_twice,
     "ddp_join": ddp_join,
     "ddp_used_elsewhere": ddp_used_elsewhere,

@@ -4080,6 +4080,185 @@ def test_forward_mode_held_gradient_sharing_memory_is_dropped_not_refused_for_go
     _assert_same_training(got, ref)
 
 
+def _graph_saved_before_a_dropped_update(mode: str | None, how: str) -> tuple:
+    """Adam over _mlp, the head in a group of its own. At step 2 a weight
+    penalty saves the head's weight before step(), whose update of it is
+    spoiled: its gradient set to its exp_avg before step() (`how`="shared":
+    eager's step() refuses the head's group) or edited in place after
+    step() ("edited": eager's step() applied it). Fused, forward 3 drops
+    the update and raises; the call is caught and run again, as is eager's
+    step(). Then the penalty's gradient is asked for. Returns ((model,
+    opt), the calls that raised, the error asking for it raised or None)."""
+    model = _mlp()
+    head = model[4]
+    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": head.parameters()}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    raised, penalty, penalty_error = [], None, None
+
+    def again(call: Callable, what: str):
+        try:
+            return call()
+        except (RuntimeError, ValueError):
+            raised.append(what)
+            return call() if what.startswith("forward") else None
+
+    for i in range(5):
+        x, y = _mlp_batch(i)
+        out = again(lambda: model(x), f"forward {i}")
+        if i == 3:
+            try:
+                torch.autograd.grad(penalty, [head.weight])
+            except RuntimeError as e:
+                penalty_error = str(e)
+        F.mse_loss(out, y).backward()
+        if i == 2:
+            penalty = head.weight.square().sum()  # (saves the weight as it is before step())
+            if how == "shared":
+                head.weight.grad = opt.state[head.weight]["exp_avg"]
+        again(opt.step, f"step {i}")
+        if i == 2 and how == "edited":
+            head.weight.grad.mul_(2)
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return (model, opt), raised, penalty_error
+
+
+@pytest.mark.parametrize("how", ["shared", "edited"])
+def test_forward_mode_update_dropped_at_the_forward_leaves_the_version_as_eager(how: str) -> None:
+    """step() bumps the versions of the params whose update it leaves
+    pending, as eager's in-place update does. An update dropped at the
+    forward for its held gradient refused itself (sharing memory with the
+    optimizer state), which eager's step() refused, leaving the head
+    untouched, kept that bump: a graph saved before step() raised
+    autograd's in-place error at backward, where eager's backpropagates.
+    The bump is taken back there. One dropped for its held gradient edited
+    after step() keeps it: eager's step() had applied that update, and its
+    graph raises too (a check that this was right already)."""
+    got, raised, error = _graph_saved_before_a_dropped_update("forward", how)
+    ref, ref_raised, ref_error = _graph_saved_before_a_dropped_update(None, how)
+    assert raised == ["forward 3"] and ref_raised == (["step 2"] if how == "shared" else [])
+    if how == "shared":
+        assert error is None and ref_error is None, error
+        _assert_same_training(got, ref)
+    else:  # (training differs from there: the edited gradient cannot give eager's update)
+        assert "modified by an inplace operation" in error, error
+        assert "modified by an inplace operation" in ref_error, ref_error
+
+
+def _head_replaced_after_a_refused_update(mode: str | None, case: str, add_group: bool) -> tuple:
+    """Adam over _mlp; after step 2 the head's update is spoiled (`case` of
+    _REFUSED_LATER: eager's step() had applied it) and the head replaced by
+    a new one (with `add_group`, given a group of its own), the old one
+    left in the optimizer. A forward that raises is caught and run again.
+    Returns ((model, opt), the old head, the errors caught)."""
+    (spoil, _), _, _ = _REFUSED_LATER[case]
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    errors, old = [], model[4]
+    for i in range(6):
+        x, y = _mlp_batch(i)
+        try:
+            out = model(x)
+        except (RuntimeError, ValueError) as e:
+            errors.append(e)
+            out = model(x)
+        F.mse_loss(out, y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 2:
+            spoil(model, opt, "step")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(7)
+                model[4] = nn.Linear(6, 3)
+            if add_group:
+                opt.add_param_group({"params": list(model[4].parameters())})
+    if handle is not None:
+        handle.remove()
+    return (model, opt), old, errors
+
+
+@pytest.mark.parametrize("add_group", [False, True])
+@pytest.mark.parametrize("case", ["state-tensor-replaced", "param-data-transposed"])
+def test_forward_mode_refused_update_of_a_module_no_longer_in_the_model_is_dropped(
+        case: str, add_group: bool) -> None:
+    """An update refused for a cause that came after step() stays pending
+    until the user's fix; but where its module left the model since (a
+    head replaced, the old one still in the optimizer) every later forward
+    was refused again, for good, training stuck, where eager's step() had
+    applied it before the change and eager trains on (no later eager step
+    touches a parameter no forward uses). It is dropped at the first
+    refusal now, the note saying why: the model trains as eager's, the old
+    head one update behind eager's."""
+    got, old, errors = _head_replaced_after_a_refused_update("forward", case, add_group)
+    ref, ref_old, ref_errors = _head_replaced_after_a_refused_update(None, case, add_group)
+    assert len(errors) == 1 and not ref_errors, errors
+    note = "\n".join(getattr(errors[0], "__notes__", ()))
+    assert "in no module of the model any more" in note and "dropped" in note, note
+    _assert_same_training(got, ref)
+    # its refused update lost (the bias's, not refused, applied as eager's)
+    assert not torch.equal(old.weight.data.reshape(-1), ref_old.weight.data.reshape(-1))
+    assert torch.equal(old.bias, ref_old.bias)
+
+
+def _loaded_over_a_refused_update(mode: str | None, what: str) -> tuple:
+    """Adam over _mlp, checkpointed after step 1; after step 2 the head's
+    exp_avg is replaced (eager's step() had applied the update) and the
+    checkpoint's `what` ("model" or "optimizer") loaded. Where the load
+    raises, the user puts exp_avg back and loads again; eager puts it back
+    after a model load (its next step() would refuse it), not after an
+    optimizer load (which replaced it). Returns ((model, opt), the errors
+    the loads raised, the head's exp_avg shape right after one)."""
+    (spoil, undo), _, _ = _REFUSED_LATER["state-tensor-replaced"]
+    model = _mlp()
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    errors, shapes = [], []
+    for i in range(5):
+        x, y = _mlp_batch(i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+        if i == 2:
+            spoil(model, opt, "step")
+            load = model.load_state_dict if what == "model" else opt.load_state_dict
+            checkpoint = saved[0] if what == "model" else saved[1]
+            try:
+                load(checkpoint)
+            except RuntimeError as e:
+                errors.append(e)
+                shapes.append(tuple(opt.state[model[4].weight]["exp_avg"].shape))
+                undo(model, opt)
+                load(checkpoint)
+            else:
+                if what == "model":
+                    undo(model, opt)
+    if handle is not None:
+        handle.remove()
+    return (model, opt), errors, shapes
+
+
+@pytest.mark.parametrize("what", ["model", "optimizer"])
+def test_forward_mode_load_refuses_over_a_refused_update_then_loads_as_eager(what: str) -> None:
+    """A checkpoint loaded (the model's or the optimizer's) while an update
+    refused for a cause after step() is pending raises, as every call that
+    applies pending updates does, and loads nothing; eager's load does not
+    raise. Not dropped there: eager's step() had applied that update, so a
+    load of one of the two leaves the other with it (dropped, the optimizer
+    loaded alone left the params 0.0098 off eager's three steps later, the
+    model loaded alone Adam's step count one behind, the params 0.0235 off);
+    only both loaded would make it moot, which one load cannot know. After
+    the user's fix the load applies it first and training is eager's."""
+    got, errors, shapes = _loaded_over_a_refused_update("forward", what)
+    ref, ref_errors, _ = _loaded_over_a_refused_update(None, what)
+    assert len(errors) == 1 and "exp_avg" in str(errors[0]) and not ref_errors, errors
+    assert shapes == [(2,)]  # (nothing loaded: the state as the user left it)
+    _assert_same_training(got, ref)
+
+
 def test_forward_mode_remove_with_a_refused_update_pending_says_it_drops_it() -> None:
     """remove() meeting an update refused for a cause that came after
     step() (the head's exp_avg replaced) drops it, as README says, and
@@ -6582,6 +6761,28 @@ def test_backward_mode_layers_called_one_by_one_without_step() -> None:
     for (name, a), b in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(a, b), name
     handle.remove()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_ddp_accumulation_counts_a_no_sync_backward_giving_no_fused_parameter_a_gradient(
+        tmp_path: Path) -> None:
+    """DDP, accumulation_steps=2 under no_sync(), only `aux` fused, rank 1
+    using it in the all-reduced micro-batch alone: its no_sync() backward,
+    giving no fused parameter a gradient, was not seen, so rank 1 counted
+    one micro-batch less than rank 0 and did not update in the all-reduced
+    backward (step() did: its gradients kept until then). In a loop not
+    calling step() it never updated, and its gradients, never freed, were
+    all-reduced again into rank 0's updates: rank 1 0.027 from rank 0, and
+    rank 0 0.0054 from eager DDP. Every rank now updates in the all-reduced
+    backward, bitwise as eager DDP, stepping or not."""
+    results = _run_ddp_workers("ddp_acc_unused", tmp_path)
+    for rank, r in enumerate(results):
+        for kind in ("fused_step", "fused_no_step"):
+            assert r[kind]["freed"] == [True] * 4, (rank, kind, r[kind]["freed"])
+            for a, b in zip(r[kind]["params"], r["eager"]["params"]):
+                assert torch.equal(a, b), f"rank {rank}, {kind}: {_diff(a, b)}"
+            for a, b in zip(r[kind]["params"], results[0][kind]["params"]):
+                assert torch.equal(a, b), f"rank {rank} vs rank 0, {kind}: {_diff(a, b)}"
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
