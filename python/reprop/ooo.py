@@ -544,7 +544,7 @@ class _Split(torch.autograd.Function):
         else:
             dx = kind.input_grad(saved, g) if input_grad else None
         if task is not None:
-            site.handle._after_input_grad(task)
+            site.handle._after_input_grad(task, nodes)
         if not (returned[0] or returned[1]):
             return None, dx, None, None
         if weight_grads is None:
@@ -597,12 +597,17 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # post-hook on the node must see (and may replace) dW and db.
         # DataParallel's weights shared by several layers go to autograd
         # under deterministic algorithms (_shared_by_sites).
-        if (p._backward_hooks and not _fusion_checks_only(p)) or not p.is_leaf or hooked \
-                or p in summed:
+        # (the attribute before the call: no call on the common path)
+        if (p._backward_hooks and _hooked_by_user(p)) or not p.is_leaf or hooked or p in summed:
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
     return deferred, returned, nodes
+
+
+def _hooked_by_user(p: torch.Tensor) -> bool:
+    """Whether p has a tensor hook (register_hook) that must get its summed dW."""
+    return bool(p._backward_hooks) and not _fusion_checks_only(p)
 
 
 def _fusion_checks_only(p: torch.Tensor) -> bool:
@@ -648,31 +653,137 @@ def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
         p.grad.add_(d)
 
 
-def _sum_low_precision(p: torch.Tensor, d: torch.Tensor, low_sums: dict) -> bool:
-    """Under autocast autograd sums the dW of a weight's sites (all reading
-    autocast's one cast copy) in the low precision, in the copy's node, and
-    casts that sum once: past 65504 a float16 sum is inf where each site's
-    dW is finite, and GradScaler skips that step. Added one by one to the
-    float32 .grad, the sum stayed finite, and the split's scaler stepped
-    where torch's skipped (its scale then twice torch's for the steps after).
-    So in one backward, while .grad holds only this backward's split dW of p
-    (made here from None, not written since: the same tensor at the version
-    left, in `low_sums`), the next dW is added to it in d's dtype, as
-    autograd's node adds it, and .grad holds that sum cast: autograd's bits.
-    Otherwise (a .grad from an earlier backward, or one autograd added to)
-    False: _accumulate adds in float32. Cleared at each backward's start."""
-    g = p.grad
-    if g is None:
-        _accumulate(p, d)  # (the first dW: its cast is exact)
-        g = p.grad
-    else:
-        left = low_sums.get(p)
-        if left is None or left[0] is not g or left[1] != g._version:
-            return False
-        g.copy_(g.to(d.dtype).add_(d))
-    low_sums[p] = (g, g._version)
-    return True
+class _PassSum:
+    """One backward's split dW of a parameter, summed as autograd's engine
+    sums what reaches the parameter (in the input buffer of its
+    AccumulateGrad node, or under autocast of the node of autocast's one
+    cast copy that every site reads), before AccumulateGrad adds the sum to
+    .grad once:
 
+    - in backward order, the order the tasks were made (numbered here),
+      whatever order the schedule runs them in: a dW that runs before its
+      turn waits in `early`. Only the first two may come in either order
+      (a + b is b + a). Added in the order they ran, a weight read at three
+      sites whose first dW the schedule moved past the others was
+      (d2 + d3) + d1 where autograd has (d1 + d2) + d3: 7e-8 of the largest
+      element apart in float32, 0.5% in bfloat16;
+    - under autocast in the dW's low precision: past 65504 a float16 sum is
+      inf where each site's dW is finite, and GradScaler skips that step.
+      Added one by one to the float32 .grad, the sum stayed finite, and the
+      split's scaler stepped where torch's skipped (its scale then twice
+      torch's for the steps after);
+    - `apart` from a .grad that already held a gradient when the pass first
+      reached the parameter (accumulation over backward passes, or the
+      zeros of zero_grad(set_to_none=False)), unless the last backward made
+      one dW of it (OOOHandle._number): autograd adds the sites' sum,
+      g + (d1 + d2); added one by one, (g + d1) + d2 was 1e-7 apart in
+      float32 and 0.2% in bfloat16. `close()` adds the sum once autograd is
+      done with the parameter (its AccumulateGrad node is about to run:
+      `reached`) and every numbered dW is in, so before the parameter's
+      post-accumulate-grad hooks run, as under autograd. Otherwise each dW
+      goes to .grad: from None the sum is made there, as AccumulateGrad
+      takes a buffer into a .grad that is None; onto g, one dW is what
+      autograd adds.
+    Held tasks (hold()) are not numbered: they run in their caller's order,
+    and add to .grad in float32. One is made per parameter and backward:
+    slots and no dataclass, for the common path's cost."""
+
+    __slots__ = ("param", "apart", "made", "added", "sites", "early", "total", "in_grad",
+                 "autograd_done", "node", "reach")
+
+    def __init__(self, param: torch.Tensor, apart: bool):
+        self.param, self.apart = param, apart
+        self.made = 0    # dW tasks numbered (in backward order)
+        self.added = 0   # of those, the ones in the sum
+        self.sites = 0   # dW numbered in the backward, all sums (a nested backward's) together
+        self.early: dict | None = None  # number -> a dW that ran before its turn
+        self.total: torch.Tensor | None = None  # apart: the sum so far
+        self.in_grad: tuple | None = None  # not apart, autocast: (.grad holding the sum, version)
+        self.autograd_done = False  # apart: the AccumulateGrad node is reached
+        self.node = None  # apart: that node, and the handle of `reached` on it
+        self.reach = None
+
+    def watch(self, node) -> None:
+        """`reached` runs before `node`, the parameter's AccumulateGrad, from
+        the first dW of a sum on. (Where a nested backward's graph, a
+        reentrant checkpoint's, reached the parameter through a node of its
+        own, the next sum's node is another.)"""
+        if self.node is not node:
+            if self.reach is not None:
+                self.reach.remove()
+            self.node, self.reach = node, node.register_prehook(self.reached)
+
+    def reached(self, grads: tuple) -> None:
+        """A pre-hook of the parameter's AccumulateGrad node: every split call
+        reaching it has made its task; the sum closes with the last dW (on
+        CUDA after OOOHandle._before_accumulate, registered before, has
+        ordered the sub-stream's dW before this stream)."""
+        self.autograd_done = True
+        if self.added == self.made:
+            self.close()
+
+    def add(self, d: torch.Tensor, n: int) -> None:
+        """The dW numbered `n` ran."""
+        if n > 1 and n != self.added:
+            if self.early is None:
+                self.early = {}
+            self.early[n] = d
+            return
+        self._add_in_turn(d)
+        early = self.early
+        while early and self.added in early:
+            self._add_in_turn(early.pop(self.added))
+        if self.autograd_done and self.added == self.made:
+            self.close()
+
+    def close(self) -> None:
+        """Adds the sum apart to .grad, as AccumulateGrad adds its buffer.
+        The next dW (of a nested backward's graph reaching the parameter
+        again) starts another sum, as autograd's next buffer does."""
+        total, self.total = self.total, None
+        self.made = self.added = 0
+        self.autograd_done = False
+        if total is not None:
+            if total.is_cuda:  # made on the sub-stream, maybe added on the main one
+                total.record_stream(torch.cuda.current_stream(total.device))
+            _accumulate(self.param, total)
+
+    def _add_in_turn(self, d: torch.Tensor) -> None:
+        self.added += 1
+        p = self.param
+        if self.apart:
+            total = self.total
+            if total is None:
+                self.total = d  # (a dW is the task's own: the sum is made in it)
+            elif total.dtype == d.dtype:
+                total.add_(d)
+            else:  # sites inside and outside autocast: in the parameter's dtype
+                self.total = total.to(p.dtype).add_(d)
+        elif d.dtype == p.dtype or not self._sum_low_precision(d):
+            _accumulate(p, d)
+
+    def _sum_low_precision(self, d: torch.Tensor) -> bool:
+        """Under autocast, while .grad holds only this backward's dW of the
+        parameter (made here from None, not written since: the same tensor
+        at the version left in `in_grad`), the next dW is added to it in d's
+        dtype, as autograd's node adds it, and .grad holds that sum cast:
+        autograd's bits. Otherwise (one autograd added to: a tied weight's
+        use outside split layers) False: _accumulate adds in float32."""
+        p = self.param
+        g = p.grad
+        if g is None:
+            _accumulate(p, d)  # (the first dW: its cast is exact)
+            g = p.grad
+        else:
+            left = self.in_grad
+            if left is None or left[0] is not g or left[1] != g._version:
+                return False
+            g.copy_(g.to(d.dtype).add_(d))
+        self.in_grad = (g, g._version)
+        return True
+
+
+_NOT_NUMBERED = (None, None)  # _Task.sums of a held task
 
 _STAND_IN = object()  # key of the internal post-accumulate-grad hook
 
@@ -719,7 +830,7 @@ class _Task:
     or the gradients already made beside dO (``made``), to accumulate."""
 
     __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
-                 "hooks_wait", "__weakref__")
+                 "hooks_wait", "sums", "__weakref__")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
                  params: tuple, mask: list):
@@ -729,6 +840,8 @@ class _Task:
         self.event = None
         self.done: tuple | None = None
         self.hooks_wait = False  # its targets' post-accumulate-grad hooks wait for it
+        # per parameter, (its _PassSum, this dW's number there) or None: held tasks
+        self.sums: tuple = _NOT_NUMBERED
 
     def made(self, grads: tuple) -> None:
         """dW was made with dO (a fused kind): what is left is to accumulate it,
@@ -797,14 +910,15 @@ class _Task:
         # on: cut short while accumulating (a KeyboardInterrupt), a second
         # run() raises rather than adds a gradient twice
         self.saved = self.grad = self.done = None
-        for p, d, want in zip(self.params, grads, self.mask):
+        for p, d, want, numbered in zip(self.params, grads, self.mask, self.sums):
             if want:
                 if p._backward_hooks:  # forward fusion's check (_fusion_checks_only)
                     for hook in tuple(p._backward_hooks.values()):
                         hook(d)
-                # (under autocast a dW in the low precision: _sum_low_precision)
-                if d.dtype == p.dtype or not _sum_low_precision(p, d, self.site.handle._low_sums):
+                if numbered is None:
                     _accumulate(p, d)
+                else:
+                    numbered[0].add(d, numbered[1])
 
     def _check_nan(self, grads: tuple) -> None:
         """Anomaly mode's check of each backward function's outputs, which a
@@ -1070,9 +1184,12 @@ class OOOHandle(_PassTracking):
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
-        # parameter -> (its .grad, that .grad's version) while .grad holds the
-        # low-precision sum of this backward's split dW: _sum_low_precision
-        self._low_sums: dict = {}
+        # id(parameter) -> the sum of this backward's split dW (_PassSum), and
+        # those summed apart from .grad; id(parameter) -> its dW numbered in
+        # the last backward that ended
+        self._sums: dict = {}
+        self._apart: list = []
+        self._last_sites: dict = {}
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1231,7 +1348,7 @@ class OOOHandle(_PassTracking):
             self._restore_post_hooks_not_held()
         self._owner = (torch._C._current_graph_task_id(), threading.get_ident())
         self._calls = {}
-        self._low_sums = {}
+        self._drop_sums()
         self._current_region = -1
         self._marks = []
         self._reads = None
@@ -1311,6 +1428,7 @@ class OOOHandle(_PassTracking):
         self._join_sub_streams()
         self._end_stream_order()
         self._pending = []
+        self._drop_sums()  # (dW not added yet go, as autograd's buffers do)
         self._held_in_pass = []  # its held tasks are partial: their hooks wait for none
         self._restore_post_hooks_not_held()
         self._marks = []
@@ -1333,10 +1451,11 @@ class OOOHandle(_PassTracking):
         corun = self._corun
         if corun is not None:
             self._end_corun_pass(corun)
-        self.flush()
+        self.flush()  # (every sum apart from .grad closes in it or before: _PassSum.reached)
+        self._last_sites = {k: total.sites for k, total in self._sums.items()}
+        self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
-        self._low_sums = {}  # (held tasks run later add in float32)
         for state in list(self._hooked.values()):
             if state.outstanding == 0:  # autograd never reached it: hooks back
                 self._restore_post_hooks(state)
@@ -1515,10 +1634,18 @@ class OOOHandle(_PassTracking):
             self._issue_due(lambda t: any(q is p for q in t.targets))
         if grads[0] is not None:
             self._main_writes.add(p)
-        if grads[0] is not None or p in self._hooked:
+        total = self._sums.get(id(p))
+        if grads[0] is not None or p in self._hooked or (total is not None and total.apart):
             done = self._written.get(p)
             if done is not None:
                 torch.cuda.current_stream(p.device).wait_event(done)
+        # (a sum apart from .grad closes in its pre-hook, registered after this one)
+
+    def _drop_sums(self) -> None:
+        """This backward's sums of dW go (_PassSum), with their pre-hooks."""
+        for total in self._apart:
+            total.reach.remove()
+        self._sums, self._apart = {}, []
 
     def _end_stream_order(self) -> None:
         """After the sub-streams are joined: this backward's guards go."""
@@ -1526,26 +1653,50 @@ class OOOHandle(_PassTracking):
             guard.remove()
         self._guards, self._written, self._main_writes = {}, {}, set()
 
-    def _cast_param(self, p, dtype: torch.dtype):
+    def _cast_param(self, p, dtype: torch.dtype, tracked: bool = False):
         """Autocast's cast of a parameter, one copy for every split site
         while the parameter is unchanged and the copy saved by a graph, as
         autocast's cache gives autograd (a weight read at N sites saved N
         copies). Kept until the end of the next backward at most: an
         in-place change through .data, which no version counter sees, then
         reaches only forwards of a graph still alive, as autograd's saved
-        tensors miss it too."""
+        tensors miss it too. `tracked`: a copy autograd recorded (made in
+        grad mode: _cast_hooked), which serves the others too."""
         if p is None or not p.is_leaf:
             return _autocast_cast(p, dtype)
         key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
         hit = self._casts.get(id(p))
         if hit is not None and hit[0] is p and hit[1] == key:
             copy = hit[2]()
-            if copy is not None:
+            if copy is not None and (not tracked or copy.requires_grad):
                 return copy
         copy = _autocast_cast(p, dtype)
         if copy is not p:
             self._casts[id(p)] = (p, key, weakref.ref(copy))
         return copy
+
+    def _cast_hooked(self, site: _Site, x: torch.Tensor, params: tuple) -> tuple:
+        """Under autocast, the split call's parameters, those with a tensor
+        hook of the user's (their dW go to autograd: _weight_grad_targets)
+        cast here, in grad mode, one copy for every site (_cast_param), as
+        autocast's cache gives autograd: the engine then sums the sites' dW
+        in the low precision in the copy's node and calls the hook once on
+        that sum cast, autograd's bits. Cast inside the split, each site's
+        dW was cast to float32 there and summed in float32 (0.2% of the
+        largest element apart in bfloat16; float16's sum finite where
+        autograd's is inf, so a GradScaler stepped where torch's skipped)."""
+        hooked = [p is not None and p.requires_grad and _hooked_by_user(p) for p in params]
+        if not any(hooked):
+            return params
+        device = x.device
+        if not torch.is_autocast_enabled(device.type):
+            return params
+        cast = _autocast_policy(site.kind.op(site.module), device,
+                                torch.get_autocast_dtype(device.type))
+        if cast is None:
+            return params
+        return tuple(self._cast_param(p, cast, tracked=True) if h else p
+                     for p, h in zip(params, hooked))
 
     def _hold_list(self, module: nn.Module) -> list | None:
         """Inside hold(): the list that collects the dW tasks of `module`."""
@@ -1556,7 +1707,7 @@ class OOOHandle(_PassTracking):
                 return held
         return None
 
-    def _after_input_grad(self, task: _Task) -> None:
+    def _after_input_grad(self, task: _Task, nodes: list) -> None:
         held = self._hold_list(task.site.module)
         if held is not None:
             task.event = None
@@ -1564,6 +1715,7 @@ class OOOHandle(_PassTracking):
             held.append(task)
             self._held_in_pass.append(task)
             return
+        self._number(task, nodes)
         if self.order == "conventional" or self._holding:
             # run() less its checks of a caller's list, which a task made in
             # this backward and held nowhere passes (grad mode is off in
@@ -1583,6 +1735,35 @@ class OOOHandle(_PassTracking):
                 self._issue(task)
         else:
             self._pending.append(task)
+
+    def _number(self, task: _Task, nodes: list) -> None:
+        """Numbers the task's dW of each parameter (its AccumulateGrad node
+        in `nodes`) in this backward's sum of its dW (_PassSum), begun at
+        the parameter's first: apart from a .grad that holds a gradient,
+        unless the last backward numbered one dW of the parameter. A sum
+        apart costs a pre-hook on the node, about 7 us a parameter and
+        backward on the CPU (a 16 x Linear(8) step took 1.0 ms for 0.8),
+        and one dW added to g is what autograd adds; a parameter the last
+        backward read once and this one several times has its dW added to g
+        in turn, as before."""
+        sums = self._sums
+        numbered = []
+        for p, want, node in zip(task.params, task.mask, nodes):
+            if not want:
+                numbered.append(None)
+                continue
+            total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
+            if total is None:
+                total = sums[id(p)] = _PassSum(
+                    p, p.grad is not None and self._last_sites.get(id(p)) != 1)
+                if total.apart:
+                    self._apart.append(total)
+            if total.apart and total.made == 0:
+                total.watch(node)
+            numbered.append((total, total.made))
+            total.made += 1
+            total.sites += 1
+        task.sums = tuple(numbered)
 
     def _after_deferred_run(self, task: _Task) -> None:
         if not (task.hooks_wait and self._hooked):
@@ -1954,11 +2135,13 @@ def _input_alone(args: tuple, kwargs: dict, name: str):
 def _split_now(site: _Site) -> bool:
     """Whether the site's calls run split now. A layer the CPU schedule left
     in autograd's order runs plain, but not under
-    torch.use_deterministic_algorithms: split, a weight's dW from several
-    calls are added to .grad one by one in backward order ((g + s1) + s2),
-    plain autograd adds their sum (g + (s1 + s2)), and which layers the timed
-    schedule moves differs from run to run, so under gradient accumulation a
-    shared weight got other bits each run."""
+    torch.use_deterministic_algorithms: a weight tied across layers the
+    schedule moved (split) and layers it left in place (plain) has the
+    split calls' dW summed apart from what autograd sums for the plain ones,
+    (g + s_split) + s_plain where all split or all plain give
+    g + (s1 + s2 + s3) in backward order, and which layers the timed
+    schedule moves differs from run to run, so such a weight got other
+    bits each run."""
     return site.split or (site.in_order and torch.are_deterministic_algorithms_enabled())
 
 
@@ -2003,6 +2186,10 @@ def _make_forward(site: _Site):
             # layer called the same index, and the schedule took the two for one
             site.index, handle._next_index = handle._next_index, handle._next_index + 1
         x = kind.prepare(module, x)
+        w, b = params
+        if ((w is not None and w._backward_hooks) or (b is not None and b._backward_hooks)) \
+                and torch._C._is_any_autocast_enabled():
+            params = handle._cast_hooked(site, x, params)
         if transform_active():
             return _Split.apply(site, x, *params)
         return _apply_split(site, x, *params)
