@@ -3669,6 +3669,131 @@ def test_groups_changed_right_after_step_match_eager(mode: str, change: str, imp
         assert (grads["0.weight"] is not None) == (change == "popped")  # its stale gradient stays
 
 
+class _WithSpareHead(nn.Module):
+    """_mlp and a head its forward does not call: in the optimizer, its
+    parameters never get a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _mlp()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.spare = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _spare_weight_made_float64(model: nn.Module, opt) -> None:
+    model.spare.weight.data = model.spare.weight.data.double()
+
+
+def _first_layer_added(model: nn.Module, opt) -> None:
+    opt.add_param_group({"params": list(model.body[0].parameters()), "lr": 0.02})
+
+
+@pytest.mark.parametrize("spare", ["own-group", "in-trained-group"])
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("mode", MODES)
+def test_group_added_after_a_param_without_gradient_became_float64_trains_as_eager(
+        mode: str, impl: str, spare: str) -> None:
+    """A parameter of the optimizer that never gets a gradient (a head the
+    forward does not call) whose .data was made float64, which the kernels
+    cannot take, then a group added: eager's add_param_group checks only the
+    group it adds, and eager's step() only the parameters with a gradient,
+    so training goes on. Fusion checked every group when it followed the
+    groups after add_param_group(): every later forward, step() and
+    zero_grad() raised TypeError ('expected float32, float16 or bfloat16,
+    got torch.float64'), training stuck for good. Now the training is eager
+    reprop's, bitwise; the float64 parameter is left as eager leaves it."""
+    def make_opt(cls):
+        def make(model):
+            trained = list(model.body[2:].parameters())
+            if spare == "own-group":
+                groups = [{"params": trained}, {"params": list(model.spare.parameters())}]
+            else:
+                groups = [{"params": trained + list(model.spare.parameters())}]
+            return cls(groups, lr=0.01, weight_decay=0.1)
+        return make
+
+    events = {2: _spare_weight_made_float64, 4: _first_layer_added}
+    cls = rp.AdamW if impl == "reprop" else torch.optim.AdamW
+    got = _mlp_loop(mode, make_opt(cls), 8, events=events, make_model=_WithSpareHead)
+    ref = _mlp_loop(None, make_opt(rp.AdamW), 8, events=events, make_model=_WithSpareHead)
+    assert got[0].spare.weight.dtype == torch.float64
+    assert not torch.equal(ref[0].body[0].weight, _mlp()[0].weight)  # the added group trained
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("mode", [None, *MODES])
+def test_float64_param_given_a_gradient_is_still_refused_by_step_as_eager(mode: str | None) -> None:
+    """The other side of the test above: the kernels cannot take a float64
+    parameter, so once the spare head's float64 weight has a gradient (set by
+    hand: step() finds it), step() refuses it with eager's TypeError, fused
+    as eager, and the weight is left as it was."""
+    model = _WithSpareHead()
+    opt = rp.AdamW([{"params": list(model.body[2:].parameters())},
+                    {"params": list(model.spare.parameters())}], lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode) if mode else None
+    _mlp_steps(model, opt, 2)
+    _spare_weight_made_float64(model, opt)
+    _first_layer_added(model, opt)
+    _mlp_steps(model, opt, 2)  # (the groups followed)
+    x, y = _mlp_batch(2)
+    F.mse_loss(model(x), y).backward()
+    weight = model.spare.weight.detach().clone()
+    model.spare.weight.grad = torch.ones_like(weight)
+    with pytest.raises(TypeError, match="got torch.float64"):
+        opt.step()
+    assert torch.equal(model.spare.weight, weight) and model.spare.weight.dtype == torch.float64
+    if handle is not None:
+        handle.remove()
+
+
+def _group_appended_by_hand(model: nn.Module, opt) -> None:
+    """The first layer and the spare head in a group put into param_groups by
+    hand, not through add_param_group (which would refuse a float64 one)."""
+    opt.param_groups.append({**opt.defaults, "params": [*model.body[0].parameters(),
+                                                         *model.spare.parameters()]})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_reprop_optimizer_group_appended_by_hand_is_checked_as_eager_checks_it(mode: str) -> None:
+    """A group appended to a reprop optimizer's param_groups by hand: eager
+    checks it only where its parameters are updated (step(), with a
+    gradient), so its float64 parameter without a gradient (the spare head's
+    weight) stops nothing. Fusion checked it (with every group) when it
+    followed the groups: every forward raised TypeError. Now the training is
+    eager's, bitwise."""
+    events = {2: _spare_weight_made_float64, 4: _group_appended_by_hand}
+
+    def make_opt(model):
+        return rp.AdamW(model.body[2:].parameters(), lr=0.01, weight_decay=0.1)
+
+    got = _mlp_loop(mode, make_opt, 8, events=events, make_model=_WithSpareHead)
+    ref = _mlp_loop(None, make_opt, 8, events=events, make_model=_WithSpareHead)
+    assert not torch.equal(ref[0].body[0].weight, _mlp()[0].weight)  # the appended group trained
+    _assert_same_training(got, ref)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_torch_optimizer_group_added_after_fuse_is_checked_as_reprop_checks_it(
+        mode: str) -> None:
+    """A torch optimizer's add_param_group, which the engine does not see,
+    took a group reprop's refuses (a float64 parameter): following the
+    groups refuses it, at each forward while the group stays (the test
+    above: the added group alone is checked)."""
+    model = _mlp()
+    opt = torch.optim.Adam(model[2:].parameters(), lr=0.01)
+    handle = reprop.fuse(model, opt, mode=mode)
+    _mlp_steps(model, opt, 1)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    for _ in range(2):
+        with pytest.raises(TypeError, match="got torch.float64"):
+            model(_mlp_batch(1)[0])
+    handle.remove()
+
+
 def _head_apart(model: nn.Module):
     """SGD with momentum, the last layer in a second group."""
     return rp.SGD([{"params": model[:4].parameters()}, {"params": model[4].parameters()}],

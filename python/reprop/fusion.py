@@ -1244,6 +1244,9 @@ class FusionHandle:
         self._swap_watch = _tensors.SwapWatch()
         self._check_new(self._params.values())
         self._membership = _membership(engine)
+        # the groups followed (_check_added_groups): held, not noted by id, which
+        # a group popped and freed would leave to the next dict, a group added
+        self._groups = tuple(engine.param_groups)
         # id -> module given this fusion's forward hooks (weakly: the id of one
         # freed may be a new owner's, the next ParametrizationList's)
         self._hooked_modules: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
@@ -1387,8 +1390,7 @@ class FusionHandle:
         if rebound:
             engine.param_groups = opt.param_groups
             engine.state = opt.state
-        for group in engine.param_groups:
-            engine._check_group(group)
+        self._check_added_groups()
         engine._forget_plans()
         params = _all_params(engine)
         new = [p for i, p in params.items() if i not in self._params]
@@ -1405,8 +1407,30 @@ class FusionHandle:
             raise
         # last: a sync stopped half-way (a KeyboardInterrupt, a notebook's stop
         # button) must not count as followed, or `new` would never be tracked
-        self._membership = _membership(engine)
+        self._membership, self._groups = _membership(engine), tuple(engine.param_groups)
         return new
+
+    def _check_added_groups(self) -> None:
+        """Checks the groups of a torch optimizer that the fusion does not
+        follow yet (added by torch's add_param_group, which the engine does
+        not see, or installed by a load) as the engine's own add_param_group
+        checks the group it adds (differentiable=True, capturable=True on the
+        CPU, a parameter the kernels cannot take); a reprop optimizer's own
+        add_param_group and load_state_dict checked its groups already. Only
+        those, as eager's add_param_group checks only the group it adds: a
+        parameter of an older group whose .data has since become one the
+        kernels cannot take (float64), with no gradient, is no concern of
+        eager training, whose step() refuses it only with a gradient, as the
+        engine's update does (_check_step). Checked here with every group, it
+        made every forward, step() and zero_grad() raise after any
+        add_param_group, for good."""
+        engine = self.optimizer
+        if engine is self._user_optimizer:
+            return
+        followed = set(map(id, self._groups))
+        for group in engine.param_groups:
+            if id(group) not in followed:
+                engine._check_group(group)
 
     def _check_new(self, params: Iterable[torch.Tensor]) -> None:
         """Refuses what the mode cannot fuse among `params`, the parameters it
@@ -1525,7 +1549,7 @@ class FusionHandle:
         self._weakly = {name: weakref.ref(getattr(self, name)) for name in _HELD_UNTIL_REMOVED}
         for name in _HELD_UNTIL_REMOVED:
             del self.__dict__[name]
-        self._params, self._lazy = {}, {}
+        self._params, self._lazy, self._groups = {}, {}, ()
 
     def __getattr__(self, name: str):
         """model, optimizer and _user_optimizer of a removed handle
