@@ -35,7 +35,9 @@
  *   vec  (n + 1, B, H)      the vector (c part) of every odd slot < n and the
  *                           prefixes of the middle and the down-sweep (even
  *                           slots < n never live here: their c is c itself)
- *   prod (n / 2, B, H, H)   the matrix of odd slot s < n at index (s - 1) / 2
+ *   prod (n / 2 - 1, B, H, H)  the matrix of odd slot s, 3 <= s < n, at
+ *                           rp_scan_prod_index(s) (slot 1's pair is on the
+ *                           spine: a mat-vec, no product)
  * The up-sweep writes each product over its right operand: a task's rows are
  * read only by the block that writes them, and that block stages them in
  * shared memory before its first store.
@@ -156,7 +158,7 @@ typedef struct {
     const float *c;              /* (n, B, H) */
     float *g;                    /* (n, B, H), may alias c */
     float *vec;                  /* (n + 1, B, H) */
-    float *prod;                 /* (n / 2, B, H, H) */
+    float *prod;                 /* (n / 2 - 1, B, H, H) */
     int64_t n, B, H;
     int G;
     int d;          /* up/down: the level (0: leaves and c/g) */
@@ -282,7 +284,7 @@ template <class F> RP_HD void rp_scan_rows(int t, int nt, int nj, int nk, F &&f)
  * v[n-s] with pre_activation, where G = 1; to the workspace otherwise). */
 RP_HD float *rp_scan_prod(const rp_scan_args &a, int64_t s, int64_t b)
 {
-    return a.prod + (((s - 1) >> 1) * a.B + b) * a.H * a.H;
+    return a.prod + (rp_scan_prod_index(s) * a.B + b) * a.H * a.H;
 }
 RP_HD float *rp_scan_vec(const rp_scan_args &a, int64_t s, int64_t b)
 {

@@ -33,7 +33,8 @@
  * at 3 blocks so that every kernel's loop over work items runs. Workspace
  * and g start as NaN (a read of anything not yet written shows), every
  * buffer is fenced by canaries (the workspace is exactly
- * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
+ * rp_scan_workspace_floats for the levels run, and every product float of it
+ * must be written), and the inputs must come back unchanged.
  * On the first run of each levels c and the leaves are read-only copies that
  * end at an inaccessible page: a read past the end of an input (a leaf or a
  * c the scan does not have, say) crashes there.
@@ -534,6 +535,18 @@ static bool same_bits(const float *a, const float *b, int64_t n)
     return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
 }
 
+/* How many of the n floats at p still hold the bits `fill`. */
+static int64_t count_bits(const float *p, int64_t n, uint32_t fill)
+{
+    int64_t left = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &p[i], 4);
+        left += bits == fill;
+    }
+    return left;
+}
+
 /* ---------------------------------------------------------------------------
  * One case: every levels, in place and not, blocks forward and reversed
  * ------------------------------------------------------------------------- */
@@ -636,6 +649,13 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                   "the leaves were modified");
             if (!inplace)
                 CHECK(same_bits(cin.p(), saved.c.p(), total), "c was modified");
+            /* every product the workspace holds is written (the vectors' even
+             * slots < n are not: on the device their c is c itself) */
+            if (L > 0) {
+                const int64_t vecs = (n + 1) * B * H, left = count_bits(work.p() + vecs, wf - vecs, nb);
+                CHECK(left == 0, "%lld of the workspace's %lld product floats never written",
+                      (long long)left, (long long)(wf - vecs));
+            }
             double err_max = 0.0;
             int64_t worst = 0;
             for (int64_t i = 0; i < total; i++) {
