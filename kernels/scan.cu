@@ -79,6 +79,8 @@
  * the recurrence. Rules that keep that honest: per-thread state that crosses
  * a barrier lives in an executor-provided `local`; a phase's lambda captures
  * loop counters by value (the emulation runs phases late, at the next barrier).
+ * The emulation also runs the kernels themselves, with this file's device
+ * executor (rp_scan_dev), each thread a fiber (see rp_scan_dev).
  *
  * Layout: executor and helpers, the task bodies, the kernels, the launcher;
  * then the sparse scan's program runner (rp_cuda_csr_run), and at the end
@@ -123,7 +125,14 @@ enum { RP_SCAN_PROD = 0, RP_SCAN_DENSE = 1, RP_SCAN_STRUCT = 2 };
 /* One thread of a block on the device. each(f) runs this thread's share of a
  * phase, sync() is the barrier, local<T> a register variable, group_sum sums
  * `x` over aligned groups of S lanes (S a power of two <= 32, every lane gets
- * the sum; called by every thread of the block). */
+ * the sum; called by every thread of the block). The barrier and the shuffle
+ * are the device's; on the host they exist only where RP_SCAN_HOST_THREADS
+ * is defined: kernels/tests/scan_host_copy.h compiles this file a second
+ * time as host code, with __syncthreads and __shfl_xor_sync its emulation's,
+ * whose threads are fibers, so that the kernels themselves run there. */
+#if defined(__CUDA_ARCH__) || defined(RP_SCAN_HOST_THREADS)
+#define RP_SCAN_BARRIERS 1
+#endif
 struct rp_scan_dev {
     template <class T> struct local {
         T v;
@@ -133,21 +142,22 @@ struct rp_scan_dev {
     template <class F> RP_HD void each(F &&f) { f(tid); }
     RP_HD void sync()
     {
-#ifdef __CUDA_ARCH__
+#ifdef RP_SCAN_BARRIERS
         __syncthreads();
 #endif
     }
     RP_HD void group_sum(local<float> &x, int S)
     {
-#ifdef __CUDA_ARCH__
+#ifdef RP_SCAN_BARRIERS
         for (int o = S >> 1; o > 0; o >>= 1)
             x.v += __shfl_xor_sync(0xffffffffu, x.v, o);
 #else
-        (void)x; /* never run on the host */
+        (void)x; /* never run on the host but by the emulation's fibers */
         (void)S;
 #endif
     }
 };
+#undef RP_SCAN_BARRIERS
 
 /* Everything a kernel needs, passed by value. */
 typedef struct {
