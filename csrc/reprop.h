@@ -355,8 +355,8 @@ int rp_scan_cost(int64_t n, int64_t batch, int64_t dim, int gates, int levels,
 
 /* Float32 workspace a scan with `levels` needs: none for the linear scan
  * (levels = 0 runs from c into g directly; work may then be NULL), else
- * (n + 1) B H for the slots' vectors and floor(n / 2) B H H for the
- * up-sweep products; -1 when a size is negative or the workspace's bytes
+ * (n + 1) B H for the slots' vectors and (floor(n / 2) - 1) B H H for the
+ * up-sweep products (none for n < 2); -1 when a size is negative or the workspace's bytes
  * would pass INT64_MAX. */
 int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int levels);
 

@@ -35,6 +35,16 @@ RP_HOSTDEV int64_t rp_mul_capped(int64_t a, int64_t b, int64_t cap)
     return a * b;
 }
 
+/* ---- the BPPSA scan's up-sweep products (csrc/scan.c, kernels/scan.cu) ----
+ * One H x H matrix per sequence for each odd slot s in [3, n): the up-sweep
+ * writes products at odd slots only, and never at slot 1, which level 0
+ * combines on the left spine (its result there is a vector, the pair's
+ * mat-vec). floor(n / 2) - 1 of them, none for n < 2. */
+
+RP_HOSTDEV int64_t rp_scan_prod_count(int64_t n) { return n >= 2 ? n / 2 - 1 : 0; }
+
+RP_HOSTDEV int64_t rp_scan_prod_index(int64_t s) { return (s - 3) >> 1; }
+
 /* ---- reduced-precision element types, round-to-nearest-even as torch ---- */
 
 RP_HOSTDEV float rp_bits_to_f32(uint32_t u)

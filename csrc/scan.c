@@ -184,7 +184,8 @@ static int rp_scan_run(const rp_scan_sched *s, int num_threads)
  *
  * Slots: N = n; a[0] = c[n-1]; a[k] = (J[n-k]^T, c[n-1-k]); a[n] spare.
  * vecs (n + 1, B, H): the c part or vector of each slot.
- * mats (n / 2, B, H, H): the up-sweep product of odd slot s at (s - 1) / 2.
+ * mats (n / 2 - 1, B, H, H): the up-sweep product of odd slot s >= 3 at
+ * rp_scan_prod_index(s) (slot 1 never holds one).
  * A slot's map is its leaf until level 0 combines it (odd slots, L >= 1).
  * The linear scan (L = 0) skips the slots: rp_rec_linear runs c into g.
  * ------------------------------------------------------------------------- */
@@ -210,7 +211,7 @@ static int64_t rp_rec_len(void *ctx, int64_t s)
 
 static float *rp_rec_mat(const rp_rec_ctx *x, int64_t s, int64_t b)
 {
-    return x->mats + (((s - 1) / 2) * x->B + b) * x->H * x->H;
+    return x->mats + (rp_scan_prod_index(s) * x->B + b) * x->H * x->H;
 }
 
 /* y = M x + c for a dense H x H matrix (y may alias c, not x). */
@@ -419,9 +420,10 @@ int64_t rp_scan_workspace_floats(int64_t n, int64_t batch, int64_t dim, int leve
     /* Counted with overflow checks: a wrapped count would size a buffer that
      * the scan overruns. The cap keeps the buffer's bytes in int64 too. */
     const int64_t cap = INT64_MAX / (int64_t)sizeof(float);
-    const int64_t row = rp_mul_capped(batch, dim, cap);                         /* B H */
-    const int64_t vecs = rp_mul_capped(n, row, cap);                            /* n B H */
-    const int64_t prods = rp_mul_capped(rp_mul_capped(n / 2, row, cap), dim, cap); /* (n/2) B H H */
+    const int64_t row = rp_mul_capped(batch, dim, cap); /* B H */
+    const int64_t vecs = rp_mul_capped(n, row, cap);    /* n B H */
+    /* (n/2 - 1) B H H */
+    const int64_t prods = rp_mul_capped(rp_mul_capped(rp_scan_prod_count(n), row, cap), dim, cap);
     if (levels == 0) /* the linear scan runs from c to g directly */
         return 0;
     if (vecs < 0 || prods < 0 || prods > cap - row - vecs)

@@ -35,7 +35,9 @@
  *   vec  (n + 1, B, H)      the vector (c part) of every odd slot < n and the
  *                           prefixes of the middle and the down-sweep (even
  *                           slots < n never live here: their c is c itself)
- *   prod (n / 2, B, H, H)   the matrix of odd slot s < n at index (s - 1) / 2
+ *   prod (n / 2 - 1, B, H, H)  the matrix of odd slot s, 3 <= s < n, at
+ *                           rp_scan_prod_index(s) (slot 1's pair is on the
+ *                           spine: a mat-vec, no product)
  * The up-sweep writes each product over its right operand: a task's rows are
  * read only by the block that writes them, and that block stages them in
  * shared memory before its first store.
@@ -77,6 +79,8 @@
  * the recurrence. Rules that keep that honest: per-thread state that crosses
  * a barrier lives in an executor-provided `local`; a phase's lambda captures
  * loop counters by value (the emulation runs phases late, at the next barrier).
+ * The emulation also runs the kernels themselves, with this file's device
+ * executor (rp_scan_dev), each thread a fiber (see rp_scan_dev).
  *
  * Layout: executor and helpers, the task bodies, the kernels, the launcher;
  * then the sparse scan's program runner (rp_cuda_csr_run), and at the end
@@ -121,7 +125,14 @@ enum { RP_SCAN_PROD = 0, RP_SCAN_DENSE = 1, RP_SCAN_STRUCT = 2 };
 /* One thread of a block on the device. each(f) runs this thread's share of a
  * phase, sync() is the barrier, local<T> a register variable, group_sum sums
  * `x` over aligned groups of S lanes (S a power of two <= 32, every lane gets
- * the sum; called by every thread of the block). */
+ * the sum; called by every thread of the block). The barrier and the shuffle
+ * are the device's; on the host they exist only where RP_SCAN_HOST_THREADS
+ * is defined: kernels/tests/scan_host_copy.h compiles this file a second
+ * time as host code, with __syncthreads and __shfl_xor_sync its emulation's,
+ * whose threads are fibers, so that the kernels themselves run there. */
+#if defined(__CUDA_ARCH__) || defined(RP_SCAN_HOST_THREADS)
+#define RP_SCAN_BARRIERS 1
+#endif
 struct rp_scan_dev {
     template <class T> struct local {
         T v;
@@ -131,21 +142,22 @@ struct rp_scan_dev {
     template <class F> RP_HD void each(F &&f) { f(tid); }
     RP_HD void sync()
     {
-#ifdef __CUDA_ARCH__
+#ifdef RP_SCAN_BARRIERS
         __syncthreads();
 #endif
     }
     RP_HD void group_sum(local<float> &x, int S)
     {
-#ifdef __CUDA_ARCH__
+#ifdef RP_SCAN_BARRIERS
         for (int o = S >> 1; o > 0; o >>= 1)
             x.v += __shfl_xor_sync(0xffffffffu, x.v, o);
 #else
-        (void)x; /* never run on the host */
+        (void)x; /* never run on the host but by the emulation's fibers */
         (void)S;
 #endif
     }
 };
+#undef RP_SCAN_BARRIERS
 
 /* Everything a kernel needs, passed by value. */
 typedef struct {
@@ -156,7 +168,7 @@ typedef struct {
     const float *c;              /* (n, B, H) */
     float *g;                    /* (n, B, H), may alias c */
     float *vec;                  /* (n + 1, B, H) */
-    float *prod;                 /* (n / 2, B, H, H) */
+    float *prod;                 /* (n / 2 - 1, B, H, H) */
     int64_t n, B, H;
     int G;
     int d;          /* up/down: the level (0: leaves and c/g) */
@@ -282,7 +294,7 @@ template <class F> RP_HD void rp_scan_rows(int t, int nt, int nj, int nk, F &&f)
  * v[n-s] with pre_activation, where G = 1; to the workspace otherwise). */
 RP_HD float *rp_scan_prod(const rp_scan_args &a, int64_t s, int64_t b)
 {
-    return a.prod + (((s - 1) >> 1) * a.B + b) * a.H * a.H;
+    return a.prod + (rp_scan_prod_index(s) * a.B + b) * a.H * a.H;
 }
 RP_HD float *rp_scan_vec(const rp_scan_args &a, int64_t s, int64_t b)
 {

@@ -432,7 +432,10 @@ def test_scan_refuses_what_only_torch_carries():
 
 def test_linear_scan_needs_no_workspace():
     assert _C.scan_workspace(1000, 16, 20, 0) == 0
-    assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 500 * 16 * 20 * 20
+    # products for the odd slots 3, 5, ..., 999 only: slot 1's pair is on the
+    # spine (a mat-vec), and its B H H floats were held but never touched
+    assert _C.scan_workspace(1000, 16, 20, 1) == 1001 * 16 * 20 + 499 * 16 * 20 * 20
+    assert [_C.scan_workspace(n, 2, 3, 1) for n in (2, 3, 4, 5)] == [18, 24, 30 + 18, 36 + 18]
 
 
 def test_scan_entry_points_check_sizes_at_int64_ends():

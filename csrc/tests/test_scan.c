@@ -119,6 +119,38 @@ static void test_recurrence(int64_t n, int64_t B, int64_t H, int gates, int with
     free(w), free(u), free(v), free(jt), free(c), free(g), free(work), free(want);
 }
 
+/* The workspace has no float a scan with levels leaves unwritten: it starts
+ * as a NaN no scan of finite data makes, and none may be left (a product
+ * slot no pair writes, as slot 1's was, is memory the scan holds for nothing). */
+static void test_workspace_all_written(int64_t n, int64_t B, int64_t H, int gates)
+{
+    const uint32_t unwritten = 0x7fa00badu;
+    float *w = rnd_array(gates * H * H, 0.5f / sqrtf((float)(gates * H)));
+    float *v = rnd_array(n * B * gates * H, 1.0f), *c = rnd_array(n * B * H, 1.0f);
+    float *jt = rnd_array(n * B * H * H, 0.5f / sqrtf((float)H)), *g = malloc((size_t)(n * B * H) * sizeof *g);
+    rp_scan_jacobians j = {n, B, H, gates, w, NULL, v, jt, RP_SCAN_ACT_NONE, NULL, 0};
+    rp_error err = {{0}};
+    for (int L = 1; L <= rp_scan_max_levels(n); L++) {
+        const int64_t len = rp_scan_workspace_floats(n, B, H, L);
+        float *work = malloc((size_t)len * sizeof *work);
+        int64_t left = 0, first = -1;
+        for (int64_t i = 0; i < len; i++)
+            memcpy(&work[i], &unwritten, sizeof unwritten);
+        CHECK(rp_scan_cpu(&j, c, g, L, work, 2, &err) == RP_OK, "n=%lld L=%d: %s", (long long)n, L, err.msg);
+        for (int64_t i = 0; i < len; i++) {
+            uint32_t bits;
+            memcpy(&bits, &work[i], sizeof bits);
+            if (bits == unwritten && left++ == 0)
+                first = i;
+        }
+        CHECK(left == 0, "n=%lld B=%lld H=%lld G=%d L=%d: %lld of %lld workspace floats never written, from %lld",
+              (long long)n, (long long)B, (long long)H, gates, L, (long long)left, (long long)len,
+              (long long)first);
+        free(work);
+    }
+    free(w), free(v), free(c), free(jt), free(g);
+}
+
 static void test_levels(void)
 {
     CHECK(rp_scan_max_levels(1) == 0, "n=1");
@@ -154,14 +186,18 @@ static void test_size_limits(void)
               "cost of levels = %d: %s", bad_levels[i], err.msg);
     CHECK(rp_scan_cost(10, 1, 1, -1, 0, &m, &cost, &err) == RP_EINVAL && strstr(err.msg, "gates"),
           "cost with gates < 0: %s", err.msg);
-    /* (n + 1) B H + (n / 2) B H H floats, whose bytes must fit in int64 */
+    /* (n + 1) B H + (n / 2 - 1) B H H floats, whose bytes must fit in int64 */
     const int64_t cap = INT64_MAX / 4;
     CHECK(rp_scan_workspace_floats((int64_t)1 << 62, (int64_t)1 << 62, (int64_t)1 << 62, 60) == -1,
           "2^62 cubed");
     CHECK(rp_scan_workspace_floats(cap - 1, 1, 1, 1) == -1, "n B H alone fits, with n/2 B H H not");
-    /* B = H = 1: n + 1 + n / 2 floats, exactly cap for n = 2 (cap - 1) / 3 */
-    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3), 1, 1, 1) == cap, "the largest workspace");
-    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3) + 1, 1, 1, 1) == -1, "one float past it");
+    /* B = H = 1: n + n / 2 floats, exactly cap (= 1 mod 3) for n = 2 (cap - 1) / 3 + 1 */
+    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3) + 1, 1, 1, 1) == cap, "the largest workspace");
+    CHECK(rp_scan_workspace_floats(2 * ((cap - 1) / 3) + 2, 1, 1, 1) == -1, "two floats past it");
+    /* no products below n = 4: n = 2 and 3 combine slot 1 on the spine only */
+    CHECK(rp_scan_workspace_floats(2, 3, 5, 1) == 3 * 15 && rp_scan_workspace_floats(3, 3, 5, 1) == 4 * 15,
+          "n = 2, 3: the slots' vectors alone");
+    CHECK(rp_scan_workspace_floats(1, 3, 5, 1) == 2 * 15, "n = 1 (levels past its max): vectors alone");
     CHECK(rp_scan_workspace_floats(-4, 1, 1, 1) == -1 && rp_scan_workspace_floats(4, -1, 1, 1) == -1,
           "negative sizes");
     CHECK(rp_scan_workspace_floats(INT64_MAX, INT64_MAX, INT64_MAX, 0) == 0, "the linear scan needs none");
@@ -187,7 +223,7 @@ static void test_errors(void)
     /* the linear scan needs no workspace; a Blelloch level does */
     j.gates = 1;
     CHECK(rp_scan_workspace_floats(1000, 16, 20, 0) == 0, "linear scan workspace");
-    CHECK(rp_scan_workspace_floats(4, 1, 2, 1) == 5 * 2 + 2 * 4, "one level's workspace");
+    CHECK(rp_scan_workspace_floats(4, 1, 2, 1) == 5 * 2 + 1 * 4, "one level's workspace");
     CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_OK, "linear, NULL work: %s", err.msg);
     CHECK(rp_scan_cpu(&j, buf, buf + 8, 1, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "workspace"),
           "a level without workspace: %s", err.msg);
@@ -743,6 +779,9 @@ int main(void)
         test_recurrence(n, 1, 4, 0, 0, 1);
         test_recurrence(n, 3, 5, 3, 1, 3);
     }
+    for (int64_t n = 1; n <= 70; n++)
+        test_workspace_all_written(n, 2, 3, n % 2);
+    test_workspace_all_written(1000, 2, 2, 1);
     test_recurrence(64, 2, 20, 1, 0, 2);
     test_recurrence(100, 1, 1, 1, 1, 2);
     test_recurrence(33, 2, 37, 3, 1, 2);

@@ -78,44 +78,8 @@
 /* scan.cu again, as host code: rp_csr_kernel itself, which the launch mock
  * runs for every thread of the grid (emu_exec.h), so that the item and
  * stride it derives from blockIdx, blockDim, gridDim and threadIdx are its
- * own, not the mock's restatement. The copy's extern "C" entry points are
- * renamed (dead code), as are rp_csr_check_run and rp_scan_rows (nvcc finds
- * both copies ambiguous); __shared__ reads as nothing: only the scan kernels' extern
- * array has it, in templates never instantiated here. */
-#include "emu_exec.h"
-#include "emu_host_begin.h"
-#undef __shared__
-#define __shared__
-#define rp_cuda_scan_shared_bytes emu_dead_scan_shared_bytes
-#define rp_cuda_shared_memory_per_block emu_dead_shared_memory_per_block
-#define rp_cuda_scan emu_dead_scan
-#define rp_cuda_csr_run emu_dead_csr_run
-#define rp_csr_check_run emu_dead_csr_check_run
-#define rp_scan_rows emu_host_scan_rows
-#define rp_cuda_cusparse_built emu_dead_cusparse_built
-#define rp_cuda_cusparse_free emu_dead_cusparse_free
-#define rp_cuda_cusparse_create emu_dead_cusparse_create
-#define rp_cuda_cusparse_run emu_dead_cusparse_run
-namespace emu_dev {
-#include "scan.cu"
-} // namespace emu_dev
-#undef rp_cuda_cusparse_run
-#undef rp_cuda_cusparse_create
-#undef rp_cuda_cusparse_free
-#undef rp_cuda_cusparse_built
-#undef rp_scan_rows
-#undef rp_csr_check_run
-#undef rp_cuda_csr_run
-#undef rp_cuda_scan
-#undef rp_cuda_shared_memory_per_block
-#undef rp_cuda_scan_shared_bytes
-#include "emu_host_end.h"
-
-/* The scan kernels' dynamic shared memory, for the link: the dead launcher of
- * the host copy names them, and nothing here runs them. */
-namespace emu_dev {
-float4 rp_scan_smem[1];
-} // namespace emu_dev
+ * own, not the mock's restatement. */
+#include "scan_host_copy.h"
 
 static_assert(sizeof(emu_dev::rp_csr_args) == sizeof(rp_csr_args), "kernel arguments");
 

@@ -14,7 +14,8 @@
  * reverse order, so that a missing barrier shows whichever thread writes
  * first (emu_run_grid_order also runs the blocks last to first, if asked).
  * A barrier that some threads of a block reach and the others never do is a
- * CHECK failure.
+ * CHECK failure. __shfl_xor_sync is emu_shfl_xor_sync, an exchange between
+ * barriers.
  *
  * The fibers are made once and kept (one per thread of the largest block);
  * on x86-64 they switch with the few instructions below (callee-saved
@@ -49,6 +50,9 @@ static dim3 emu_blockDim, emu_gridDim;
 
 #define EMU_MAX_THREADS 1024
 #define EMU_FIBER_STACK (64 * 1024)
+#ifndef EMU_MAX_ROUNDS /* barriers a block may pass before it counts as running away */
+#define EMU_MAX_ROUNDS 64
+#endif
 
 /* ---------------------------------------------------------------------------
  * Context switches
@@ -160,6 +164,27 @@ static void emu_syncthreads(void)
     emu_switch(&g_exec.ctx[t], &g_exec.sched);
 }
 
+/* __shfl_xor_sync: lane t gets the v of lane t ^ o. A block-wide exchange
+ * between two barriers, so every thread of the block must call it (the
+ * scan's group_sum is called so; a kernel shuffling in some warps only is
+ * a barrier the others never reach here), and a missing __syncthreads right
+ * before or after it does not show. */
+static float g_emu_shfl[EMU_MAX_THREADS];
+
+static float emu_shfl_xor_sync(unsigned mask, float v, int o)
+{
+    const int t = g_exec.current, partner = t ^ o;
+    CHECK(mask == 0xffffffffu && o > 0 && o < 32 && partner < (int)emu_blockDim.x,
+          "thread %d: shuffle with mask %#x, lane mask %d of %u threads", t, mask, o, emu_blockDim.x);
+    if (t < 0 || partner >= (int)emu_blockDim.x)
+        return v;
+    g_emu_shfl[t] = v;
+    emu_syncthreads(); /* every lane has published */
+    const float got = g_emu_shfl[partner];
+    emu_syncthreads(); /* every lane has read before the next publishes */
+    return got;
+}
+
 /* The kernels' __shared__ variables (section emu_shared) start each block as NaN. */
 extern "C" char __start_emu_shared[] __attribute__((weak));
 extern "C" char __stop_emu_shared[] __attribute__((weak));
@@ -219,7 +244,7 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
             break;
         CHECK(waiting == nthreads, "block %u: %d threads wait at a barrier the others never reach",
               block, waiting);
-        if (waiting != nthreads || round > 64) {
+        if (waiting != nthreads || round > EMU_MAX_ROUNDS) {
             /* Threads left at a barrier stay suspended: let them finish, as if
              * released, so that every fiber is at its loop's end again. */
             int left = live;
@@ -233,6 +258,22 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
     g_exec.threads += nthreads;
 }
 
+/* Block `block` of a 1-D grid of nblocks x nthreads threads, each thread
+ * running body(arg), its threads last to first when `reverse`: for an
+ * emulation that prepares and checks something around each block (a
+ * dynamic shared memory buffer of its own, say). */
+static void emu_run_one_block(unsigned block, unsigned nblocks, unsigned nthreads,
+                              void (*body)(void *), void *arg, bool reverse)
+{
+    CHECK(nthreads >= 1 && nthreads <= EMU_MAX_THREADS, "%u threads per block", nthreads);
+    if (nthreads < 1 || nthreads > EMU_MAX_THREADS)
+        return;
+    emu_make_fibers((int)nthreads);
+    g_exec.body = body;
+    g_exec.arg = arg;
+    emu_run_block(block, nblocks, (int)nthreads, reverse);
+}
+
 /* Every block of a 1-D grid of nblocks x nthreads threads, each thread
  * running body(arg): blocks 0 to nblocks - 1, or with blocks_reversed last
  * to first (an emulation that alternates it between launches shows a kernel
@@ -243,15 +284,9 @@ static void emu_run_block(unsigned block, unsigned nblocks, int nthreads, bool r
 static void emu_run_grid_order(unsigned nblocks, unsigned nthreads, void (*body)(void *),
                                void *arg, bool blocks_reversed, bool odd_reversed = false)
 {
-    CHECK(nthreads >= 1 && nthreads <= EMU_MAX_THREADS, "%u threads per block", nthreads);
-    if (nthreads < 1 || nthreads > EMU_MAX_THREADS)
-        return;
-    emu_make_fibers((int)nthreads);
-    g_exec.body = body;
-    g_exec.arg = arg;
     for (unsigned i = 0; i < nblocks; i++)
-        emu_run_block(blocks_reversed ? nblocks - 1 - i : i, nblocks, (int)nthreads,
-                      ((i & 1u) != 0) != odd_reversed);
+        emu_run_one_block(blocks_reversed ? nblocks - 1 - i : i, nblocks, nthreads, body, arg,
+                          ((i & 1u) != 0) != odd_reversed);
 }
 
 /* The same, blocks in index order: odd blocks run their threads last to first. */

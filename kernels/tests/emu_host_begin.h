@@ -12,9 +12,9 @@
  *
  * __global__ and __device__ read as __host__, __shared__ as static in
  * section emu_shared (poisoned before each block), __launch_bounds__ and
- * __grid_constant__ as nothing, the built-in indices and __syncthreads as
- * the executor's. The .cu's include-guarded headers are not read again:
- * the host copy uses their first (host) compilation. Whatever else the copy
+ * __grid_constant__ as nothing, the built-in indices, __syncthreads and
+ * __shfl_xor_sync as the executor's. The .cu's include-guarded headers are
+ * not read again: the host copy uses their first (host) compilation. Whatever else the copy
  * defines that the first one has defined at global scope with C linkage
  * (extern "C" entry points) the emulation renames around these headers.
  * No include guard: each use is a pair.
@@ -35,6 +35,7 @@
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __syncthreads emu_syncthreads
+#define __shfl_xor_sync emu_shfl_xor_sync
 #define threadIdx emu_threadIdx
 #define blockIdx emu_blockIdx
 #define blockDim emu_blockDim

@@ -3,6 +3,7 @@
 #undef blockDim
 #undef blockIdx
 #undef threadIdx
+#undef __shfl_xor_sync
 #undef __syncthreads
 #pragma pop_macro("__grid_constant__")
 #pragma pop_macro("__launch_bounds__")

@@ -20,6 +20,18 @@
  * already overwritten. Per-thread state lives in one array slot per thread;
  * the shuffle sum is the same butterfly over the group's slots.
  *
+ * One run of each levels (variant 2 below) runs the kernels themselves
+ * instead, with their device executor rp_scan_dev: scan.cu compiled a second
+ * time as host code (scan_host_copy.h), every thread of a block a fiber
+ * (emu_exec.h) with its own threadIdx, that runs until its __syncthreads,
+ * the shuffle an exchange between two barriers, odd blocks' threads last to
+ * first, the dynamic shared memory the same fenced NaN buffer. That covers
+ * what the host executor restates: the kernels' entry (thread and block
+ * indices, the shared memory), rp_scan_dev's barrier and shuffle, and the
+ * device's own semantics, where a phase runs at once, every automatic
+ * variable is the thread's, and a barrier that some threads of a block skip
+ * fails; its results must be bitwise those of the host executor.
+ *
  * Each case compares g with the recurrence g[n-1] = c[n-1], g[t] = c[t] +
  * J[t+1]^T g[t+1] evaluated in double, and with rp_scan_cpu (csrc/scan.c),
  * for n = 1..70 (a subset for the larger H) and every levels in [0,
@@ -33,7 +45,8 @@
  * at 3 blocks so that every kernel's loop over work items runs. Workspace
  * and g start as NaN (a read of anything not yet written shows), every
  * buffer is fenced by canaries (the workspace is exactly
- * rp_scan_workspace_floats for the levels run), and the inputs must come back unchanged.
+ * rp_scan_workspace_floats for the levels run, and every product float of it
+ * must be written), and the inputs must come back unchanged.
  * On the first run of each levels c and the leaves are read-only copies that
  * end at an inaccessible page: a read past the end of an input (a leaf or a
  * c the scan does not have, say) crashes there.
@@ -56,7 +69,9 @@
  *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
- * register limits). Blocks of a launch run one after another, in forward
+ * register limits), nor a missing __syncthreads right next to a shuffle
+ * (emulated with barriers of the whole block, where the device's syncs a
+ * warp). Blocks of a launch run one after another, in forward
  * order and (on a third run of the small n) in reverse, and the results must
  * be bitwise identical, which catches a block that reads what another block
  * of the same launch writes; thread orders likewise.
@@ -92,12 +107,15 @@ static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute att
 #define cudaFuncSetAttribute mock_func_set_attribute
 #include "scan.cu"
 #include "emu_faults.h" /* after reprop.h: rp_error */
+/* the linear scan's block passes a few barriers per step (its shuffles two each) */
+#define EMU_MAX_ROUNDS (1 << 24)
+#include "scan_host_copy.h" /* the kernels themselves, for the device executor's runs */
+
+static_assert(sizeof(emu_dev::rp_scan_args) == sizeof(rp_scan_args), "kernel arguments");
 
 /* ---------------------------------------------------------------------------
  * The host executor: every thread of a block, phase by phase
  * ------------------------------------------------------------------------- */
-
-#define EMU_MAX_THREADS 1024
 
 struct emu_exec {
     template <class T> struct local {
@@ -156,13 +174,14 @@ static struct {
     int launches;
     bool reverse_blocks;  /* run each grid's blocks last to first */
     bool reverse_threads; /* run unsynchronized phases' threads last to first */
+    bool device_executor; /* run the kernels themselves, threads as fibers */
     std::vector<std::pair<const void *, int>> attr; /* opt-ins set */
     int attr_fault; /* 1: cudaDeviceGetAttribute fails, 2: cudaFuncSetAttribute fails */
 } g_rt;
 
 static struct {
-    long cases, launches, blocks, optins;
-    long by_kind[4];
+    long cases, launches, blocks, optins, device_blocks;
+    long by_kind[4], device_by_kind[4]; /* launches; those run by the device executor */
     long tiles[8]; /* large up-sweep launches by log2(T) */
 } g_stats;
 
@@ -225,9 +244,17 @@ static void body_mid(emu_exec &x, const rp_scan_args &a, int64_t block, int64_t 
     rp_scan_mid<MODE>(x, a, block, grid, sm);
 }
 
+/* The host copy of kernel K (scan_host_copy.h) for one thread: rp_scan_dev
+ * with the built-in indices, a fiber's barriers and the shuffle. */
+template <void (*K)(emu_dev::rp_scan_args)> static void dev_thread(void *arg)
+{
+    K(*(const emu_dev::rp_scan_args *)arg);
+}
+
 typedef struct {
     const void *fn;
     emu_body body;
+    void (*thread)(void *); /* the kernel itself, for the device executor */
     int kind; /* 0 up small, 1 up large, 2 down, 3 middle */
     int mode, tm;
     int max_threads;
@@ -237,18 +264,23 @@ static std::vector<emu_kernel> g_kernels;
 
 template <int MODE> static void register_mode()
 {
-    g_kernels.push_back({(const void *)rp_scan_up_small_kernel<MODE>, body_up_small<MODE>, 0, MODE,
-                         0, RP_SCAN_THREADS});
-    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 1>, body_up_large<MODE, 1>, 1,
-                         MODE, 1, RP_SCAN_THREADS});
-    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 2>, body_up_large<MODE, 2>, 1,
-                         MODE, 2, RP_SCAN_THREADS});
-    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 4>, body_up_large<MODE, 4>, 1,
-                         MODE, 4, RP_SCAN_THREADS});
-    g_kernels.push_back(
-        {(const void *)rp_scan_down_kernel<MODE>, body_down<MODE>, 2, MODE, 0, RP_SCAN_THREADS});
-    g_kernels.push_back(
-        {(const void *)rp_scan_mid_kernel<MODE>, body_mid<MODE>, 3, MODE, 0, RP_SCAN_MID_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_small_kernel<MODE>, body_up_small<MODE>,
+                         dev_thread<emu_dev::rp_scan_up_small_kernel<MODE>>, 0, MODE, 0,
+                         RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 1>, body_up_large<MODE, 1>,
+                         dev_thread<emu_dev::rp_scan_up_large_kernel<MODE, 1>>, 1, MODE, 1,
+                         RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 2>, body_up_large<MODE, 2>,
+                         dev_thread<emu_dev::rp_scan_up_large_kernel<MODE, 2>>, 1, MODE, 2,
+                         RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_up_large_kernel<MODE, 4>, body_up_large<MODE, 4>,
+                         dev_thread<emu_dev::rp_scan_up_large_kernel<MODE, 4>>, 1, MODE, 4,
+                         RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_down_kernel<MODE>, body_down<MODE>,
+                         dev_thread<emu_dev::rp_scan_down_kernel<MODE>>, 2, MODE, 0, RP_SCAN_THREADS});
+    g_kernels.push_back({(const void *)rp_scan_mid_kernel<MODE>, body_mid<MODE>,
+                         dev_thread<emu_dev::rp_scan_mid_kernel<MODE>>, 3, MODE, 0,
+                         RP_SCAN_MID_THREADS});
 }
 
 /* What the current call is expected to launch. */
@@ -328,11 +360,15 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
 
     g_stats.launches++;
     g_stats.by_kind[k->kind]++;
+    g_stats.device_by_kind[k->kind] += g_rt.device_executor;
     std::vector<float> sm(smem / 4 + 2 * EMU_CANARY + 4);
     float *base = sm.data() + EMU_CANARY;
     emu_exec x;
     x.nt = (int)block.x;
     x.reverse = g_rt.reverse_threads;
+    emu_dev::rp_scan_args copy;
+    memcpy(&copy, &a, sizeof copy);
+    emu_dev::emu_scan_smem = reinterpret_cast<float4 (*)[]>(base);
     for (unsigned i = 0; i < grid.x; i++) {
         const unsigned blk = g_rt.reverse_blocks ? grid.x - 1 - i : i;
         float nan_fill;
@@ -342,10 +378,15 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
             memcpy(&sm[e], &canary, 4);
         for (size_t e = 0; e < smem / 4; e++)
             base[e] = nan_fill;
-        k->body(x, a, blk, grid.x, base);
-        CHECK(x.pending.empty(), "block %u ends with %zu phases after its last barrier", blk,
-              x.pending.size());
-        x.flush();
+        if (g_rt.device_executor) { /* odd blocks' threads last to first */
+            emu_run_one_block(blk, grid.x, block.x, k->thread, &copy, (i & 1u) != 0);
+            g_stats.device_blocks++;
+        } else {
+            k->body(x, a, blk, grid.x, base);
+            CHECK(x.pending.empty(), "block %u ends with %zu phases after its last barrier", blk,
+                  x.pending.size());
+            x.flush();
+        }
         for (size_t e = 0; e < sm.size(); e++) {
             if (e >= EMU_CANARY && e < EMU_CANARY + smem / 4)
                 continue;
@@ -534,6 +575,18 @@ static bool same_bits(const float *a, const float *b, int64_t n)
     return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
 }
 
+/* How many of the n floats at p still hold the bits `fill`. */
+static int64_t count_bits(const float *p, int64_t n, uint32_t fill)
+{
+    int64_t left = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, &p[i], 4);
+        left += bits == fill;
+    }
+    return left;
+}
+
 /* ---------------------------------------------------------------------------
  * One case: every levels, in place and not, blocks forward and reversed
  * ------------------------------------------------------------------------- */
@@ -576,14 +629,15 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
     for (int L = 0; L <= maxL; L++) {
         const int64_t wf = rp_scan_workspace_floats(n, B, H, L);
         std::vector<float> first; /* the forward-order result of this levels */
-        /* 0: forward, out of place; 1: in place, threads reversed; 2: blocks
-         * reversed; 3: another shared-memory budget (other Q, T, S: the
-         * results must not depend on the launch configuration); v as f'(y)
-         * from 1 on */
+        /* 0: forward, out of place; 1: in place, threads reversed; 2: the
+         * device executor (the kernels themselves, threads as fibers); 3:
+         * blocks reversed; 4: another shared-memory budget (other Q, T, S:
+         * the results must not depend on the launch configuration); v as
+         * f'(y) from 1 on */
         const int save_budget = g_smem_default;
-        for (int variant = 0; variant < (both_orders ? 4 : 2); variant++) {
-            const bool inplace = variant == 1, reverse = variant == 2;
-            g_smem_default = variant == 3 ? (save_budget == 12288 ? 49152 : 12288) : save_budget;
+        for (int variant = 0; variant < (both_orders ? 5 : 3); variant++) {
+            const bool inplace = variant == 1, fibers = variant == 2, reverse = variant == 3;
+            g_smem_default = variant == 4 ? (save_budget == 12288 ? 49152 : 12288) : save_budget;
             rp_scan_jacobians j = jacobians_of(D, variant > 0);
             fenced work, gsep, cin;
             rp_error err;
@@ -605,16 +659,17 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                 j.w = gw.p, j.u = gu.p, j.v = gv.p, j.jt = gjt.p, j.y = gy.p;
             }
             snprintf(g_context, sizeof g_context,
-                     "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s smem=%d",
+                     "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s%s smem=%d",
                      (long long)n, (long long)B, (long long)H, pr.G, (int)pr.has_u, pr.act,
                      j.act ? " (f'(y))" : "", (int)pr.pre, L, inplace ? "in place" : "out of place",
-                     reverse ? " reversed" : "", g_smem_default);
+                     reverse ? " reversed" : "", fibers ? " device executor" : "", g_smem_default);
             g_emu.stream = emu_stream(device);
             g_emu.stream_device = device;
             g_emu.current_device = (device + 1) % EMU_DEVICES;
             g_rt.launches = 0;
             g_rt.reverse_blocks = reverse;
             g_rt.reverse_threads = inplace;
+            g_rt.device_executor = fibers;
             g_rt.attr.clear();
             g_expect.levels = L;
             g_expect.mode = pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
@@ -636,6 +691,13 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                   "the leaves were modified");
             if (!inplace)
                 CHECK(same_bits(cin.p(), saved.c.p(), total), "c was modified");
+            /* every product the workspace holds is written (the vectors' even
+             * slots < n are not: on the device their c is c itself) */
+            if (L > 0) {
+                const int64_t vecs = (n + 1) * B * H, left = count_bits(work.p() + vecs, wf - vecs, nb);
+                CHECK(left == 0, "%lld of the workspace's %lld product floats never written",
+                      (long long)left, (long long)(wf - vecs));
+            }
             double err_max = 0.0;
             int64_t worst = 0;
             for (int64_t i = 0; i < total; i++) {
@@ -698,6 +760,7 @@ static void error_cases(void)
     g_rt.attr.clear();
     g_rt.reverse_blocks = false;
     g_rt.reverse_threads = false;
+    g_rt.device_executor = false;
 
     /* rp_scan_check's verdicts, nothing launched */
     {
@@ -917,7 +980,9 @@ int main(int argc, char **argv)
     if (!g_failures) {
         snprintf(g_context, sizeof g_context, "coverage");
         for (int k = 0; k < 4; k++)
-            CHECK(g_stats.by_kind[k] > 0, "kernel kind %d never launched", k);
+            CHECK(g_stats.by_kind[k] > 0 && g_stats.device_by_kind[k] > 0,
+                  "kernel kind %d never launched (%ld), or not by the device executor (%ld)", k,
+                  g_stats.by_kind[k], g_stats.device_by_kind[k]);
         for (int s = 0; s <= 6; s++)
             CHECK(smoke || g_stats.tiles[s] > 0, "large up-sweep with %d-row panels never launched", 1 << s);
         CHECK(smoke || g_stats.optins > 0, "the shared-memory opt-in never exercised");
@@ -928,8 +993,9 @@ int main(int argc, char **argv)
                g_stats.cases, g_stats.launches);
         return 1;
     }
-    printf("scan_emulation: OK (%ld cases, %ld launches, %ld blocks, %ld opt-ins; max error "
-           "%.2e vs double, %.2e vs rp_scan_cpu, relative to max |g|)\n",
-           g_stats.cases, g_stats.launches, g_stats.blocks, g_stats.optins, g_max_err, g_max_err_cpu);
+    printf("scan_emulation: OK (%ld cases, %ld launches, %ld blocks (%ld as fibers), %ld opt-ins; max "
+           "error %.2e vs double, %.2e vs rp_scan_cpu, relative to max |g|)\n",
+           g_stats.cases, g_stats.launches, g_stats.blocks, g_stats.device_blocks, g_stats.optins,
+           g_max_err, g_max_err_cpu);
     return 0;
 }

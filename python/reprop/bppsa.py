@@ -325,7 +325,7 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     tensor, a subclass, any under jit.trace) raises RuntimeError naming the
     operand: the kernels read raw memory. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
-    workspace of (T + 1) B H + (T / 2) B H H floats.
+    workspace of (T + 1) B H + (T // 2 - 1) B H H floats (T >= 2).
     """
     _check_raw_readable({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out})
     return _scan(c, w=w, u=u, v=v, jt=jt, activation=activation, y=y, pre_activation=pre_activation,
