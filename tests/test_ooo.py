@@ -1539,15 +1539,18 @@ def _same_scaled_training(order: str, **kwargs) -> None:
 
 class _Sites(nn.Module):
     """A Linear called `calls` times, then a head (or none): a weight whose
-    dW autograd sums over its sites before adding them to .grad."""
+    dW autograd sums over its sites before adding them to .grad. `pre`: a
+    Linear before them, whose backward comes after the weight's."""
 
-    def __init__(self, calls: int = 3, head: bool = True):
+    def __init__(self, calls: int = 3, head: bool = True, width: int = 32, pre: bool = False):
         super().__init__()
         self.calls = calls
-        self.lin = nn.Linear(32, 32)
-        self.head = nn.Linear(32, 4) if head else nn.Identity()
+        self.pre = nn.Linear(width, width) if pre else nn.Identity()
+        self.lin = nn.Linear(width, width)
+        self.head = nn.Linear(width, 4) if head else nn.Identity()
 
     def forward(self, x):
+        x = self.pre(x)
         for _ in range(self.calls):
             x = torch.tanh(self.lin(x))
         return self.head(x)
@@ -1666,23 +1669,106 @@ def test_a_tensor_hook_under_autocast_gets_the_low_precision_sum_once(dtype, ord
         assert torch.equal(b, a)
 
 
+@pytest.mark.parametrize("max_extra_memory", [1.0, 0.5])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
-def test_a_moved_dw_of_a_weight_read_at_four_sites_waits_for_its_turn(dtype, set_to_none):
+def test_a_moved_dw_of_a_weight_read_at_four_sites_waits_for_its_turn(dtype, set_to_none,
+                                                                      max_extra_memory):
     """The schedule moves the dW of the weight's last call (the first in
     backward, e1) past the next two: autograd sums ((e1 + e2) + e3) + e4,
     the split added them in the order they ran, ((e2 + e3) + e1) + e4: 7e-8
     of the largest element apart in float32, 0.5% in bfloat16, 0.06% in
-    float16. Now the dW that runs before its turn (e3) waits for it. (.grad
-    zeroed before each backward: None, or zeros, which the sum is added to.)"""
+    float16. Now the dW that runs before its turn (e3) waits for it, or
+    under a memory cap e1 runs before it. (.grad zeroed before each
+    backward: None, or zeros, which the sum is added to.)"""
     handle = _accumulating_twins(
-        dict(profile_iters=2, regions=4, max_extra_memory=1.0,
+        dict(profile_iters=2, regions=4, max_extra_memory=max_extra_memory,
              speedup=lambda own, at: 2.0 if (own, at) == (0, 3) else 1.0),
         dtype, set_to_none, steps=6, make=lambda: _Sites(calls=4, head=False), zero_every=1)
     (lin,) = handle.sites
     keys = sorted(handle._region_of)
     assert lin.split and [handle._region_of[k] for k in keys] == [3, 1, 2, 3], \
         "the schedule should move e1 past e2 and e3"
+
+
+def _held_past_autograd(handle, params) -> int:
+    """What a backward of `handle` holds now that plain autograd's would
+    not: the pending tasks' storages, dW waiting for their turn
+    (_PassSum.early), and sums kept apart from .grad past their parameter's
+    AccumulateGrad node (autograd's own sum is gone there)."""
+    sums = handle._sums.values()
+    waiting = [d for s in sums for d in (s.early or {}).values()]
+    kept = [s.total for s in sums if s.autograd_done and s.total is not None]
+    return _held_by_deferral(handle._pending, params) + sum(
+        t.untyped_storage().nbytes() for t in waiting + kept)
+
+
+def _held_under_a_cap(make, enable: dict, set_to_none: bool) -> tuple:
+    """make() and its copy enabled with `enable` trained side by side on
+    batches of 4 (no step; .grad zeroed before each backward), gradients
+    bitwise equal: the handle, the cap in bytes and the most the copy held
+    past autograd at a region end or after `pre`'s AccumulateGrad."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, **enable)
+    params = list(model.parameters())
+    held = [0]
+    enter_region = handle._enter_region
+
+    def entering(region):  # the end of the regions before it
+        if region > handle._current_region:
+            held.append(_held_past_autograd(handle, params))
+        enter_region(region)
+
+    handle._enter_region = entering
+    for p in model.pre.parameters():  # (past the weight's node: on the CPU `pre` runs plain)
+        p.register_post_accumulate_grad_hook(
+            lambda _: held.append(_held_past_autograd(handle, params)))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(handle._profile_passes() + 3):
+        x = torch.randn(4, model.lin.in_features, generator=gen)
+        for net in (ref, model):
+            net.zero_grad(set_to_none=set_to_none)
+            _squares(net, x, torch.float32).backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(b.grad, a.grad), name
+    return handle, handle._cap_bytes(sum(handle._profile.nbytes.values())), max(held)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_dw_before_its_turn_holds_nothing_past_a_region_end_under_a_memory_cap(set_to_none):
+    """A Linear(256) read at 4 sites, batches of 4, the schedule moving the
+    first dW in backward (e1) to the last region under a cap of half what
+    the tasks hold (16 KiB): e3 ran in its own region and waited for e1,
+    holding its weight and bias gradients (257 KiB) past that region's end,
+    which no task's bytes count: with e1's inputs 16.6 times the cap. Under
+    a cap e1 now runs before e3, and what deferral holds stays within it."""
+    handle, cap, most = _held_under_a_cap(
+        lambda: _Sites(calls=4, head=False, width=256),
+        dict(profile_iters=2, regions=4, max_extra_memory=0.5,
+             speedup=lambda own, at: 2.0 if (own, at) == (0, 3) else 1.0), set_to_none)
+    assert [handle._region_of[k] for k in sorted(handle._region_of)] == [3, 1, 2, 3], \
+        "the schedule should move e1 past e2 and e3"
+    assert 0 < most <= cap == 16384
+
+
+def test_a_sum_apart_from_grad_outlives_no_accumulate_grad_under_a_memory_cap():
+    """A Linear(256) read at 2 sites, then `pre` in backward, .grad holding
+    zeros (summed apart: g + (e1 + e2)), the schedule moving e2 past the
+    weight's AccumulateGrad node under a cap of half what the tasks hold
+    (12 KiB): e1 waited apart from .grad until e2 ran, 257 KiB past the node
+    (where autograd's own sum is gone), which no task's bytes count: with
+    e2's inputs 22 times the cap. Under a cap e2 now runs at the node,
+    which adds the sum."""
+    handle, cap, most = _held_under_a_cap(
+        lambda: _Sites(calls=2, head=False, width=256, pre=True),
+        dict(profile_iters=2, regions=3, max_extra_memory=0.5,
+             speedup=lambda own, at: 2.0 if (own, at) == (1, 2) else 1.0), False)
+    e2 = (next(s for s in handle.sites if s.name == "lin").index, 1)  # (calls count in backward)
+    assert handle._region_of[e2] == 2 > handle._region_of_main[e2], \
+        "the schedule should move e2 past the weight's node"
+    assert most <= cap == 12288
 
 
 @pytest.mark.parametrize("order", ooo.ORDERS)

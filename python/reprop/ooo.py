@@ -661,12 +661,15 @@ class _PassSum:
     .grad once:
 
     - in backward order, the order the tasks were made (numbered here),
-      whatever order the schedule runs them in: a dW that runs before its
-      turn waits in `early`. Only the first two may come in either order
-      (a + b is b + a). Added in the order they ran, a weight read at three
-      sites whose first dW the schedule moved past the others was
-      (d2 + d3) + d1 where autograd has (d1 + d2) + d3: 7e-8 of the largest
-      element apart in float32, 0.5% in bfloat16;
+      whatever order the schedule runs them in. Only the first two may come
+      in either order (a + b is b + a). Added in the order they ran, a
+      weight read at three sites whose first dW the schedule moved past the
+      others was (d2 + d3) + d1 where autograd has (d1 + d2) + d3: 7e-8 of
+      the largest element apart in float32, 0.5% in bfloat16. Without a
+      memory cap a dW that runs before its turn (`waits`) waits in `early`,
+      holding a tensor of the weight's size that no task's bytes count;
+      under a cap the handle runs the earlier ones first instead
+      (OOOHandle._issue_earlier);
     - under autocast in the dW's low precision: past 65504 a float16 sum is
       inf where each site's dW is finite, and GradScaler skips that step.
       Added one by one to the float32 .grad, the sum stayed finite, and the
@@ -680,7 +683,9 @@ class _PassSum:
       float32 and 0.2% in bfloat16. `close()` adds the sum once autograd is
       done with the parameter (its AccumulateGrad node is about to run:
       `reached`) and every numbered dW is in, so before the parameter's
-      post-accumulate-grad hooks run, as under autograd. Otherwise each dW
+      post-accumulate-grad hooks run, as under autograd. Under a memory
+      cap the dW still pending then run there (`run_pending`,
+      OOOHandle._sum_reached). Otherwise each dW
       goes to .grad: from None the sum is made there, as AccumulateGrad
       takes a buffer into a .grad that is None; onto g, one dW is what
       autograd adds.
@@ -689,10 +694,11 @@ class _PassSum:
     slots and no dataclass, for the common path's cost."""
 
     __slots__ = ("param", "apart", "made", "added", "sites", "early", "total", "in_grad",
-                 "autograd_done", "node", "reach")
+                 "autograd_done", "node", "reach", "run_pending")
 
-    def __init__(self, param: torch.Tensor, apart: bool):
+    def __init__(self, param: torch.Tensor, apart: bool, run_pending: Callable | None = None):
         self.param, self.apart = param, apart
+        self.run_pending = run_pending  # apart, under a memory cap: runs the sum's pending dW
         self.made = 0    # dW tasks numbered (in backward order)
         self.added = 0   # of those, the ones in the sum
         self.sites = 0   # dW numbered in the backward, all sums (a nested backward's) together
@@ -721,10 +727,16 @@ class _PassSum:
         self.autograd_done = True
         if self.added == self.made:
             self.close()
+        elif self.run_pending is not None:  # (the last of them closes the sum)
+            self.run_pending(self)
+
+    def waits(self, n: int) -> bool:
+        """Whether the dW numbered `n`, run now, would wait for its turn."""
+        return n > 1 and n != self.added
 
     def add(self, d: torch.Tensor, n: int) -> None:
         """The dW numbered `n` ran."""
-        if n > 1 and n != self.added:
+        if self.waits(n):
             if self.early is None:
                 self.early = {}
             self.early[n] = d
@@ -1636,10 +1648,25 @@ class OOOHandle(_PassTracking):
             self._main_writes.add(p)
         total = self._sums.get(id(p))
         if grads[0] is not None or p in self._hooked or (total is not None and total.apart):
-            done = self._written.get(p)
-            if done is not None:
-                torch.cuda.current_stream(p.device).wait_event(done)
+            self._wait_for_written(p)
         # (a sum apart from .grad closes in its pre-hook, registered after this one)
+
+    def _wait_for_written(self, p: torch.Tensor) -> None:
+        """The current (main) stream waits for p's last dW on the sub-stream."""
+        done = self._written.get(p)
+        if done is not None:
+            torch.cuda.current_stream(p.device).wait_event(done)
+
+    def _sum_reached(self, total: _PassSum) -> None:
+        """Under a memory cap, a sum apart from .grad reached its parameter's
+        AccumulateGrad node with dW still pending (the schedule moved them
+        past the node): they run now, in backward order, the last closing
+        the sum, which the node's stream then waits for. Kept apart until
+        they ran, the sum was a tensor of the weight's size that autograd
+        no longer holds and no task's bytes count: 257 KiB past the node
+        for a Linear(256) read at 2 sites (batch 4), where the cap was 12 KiB."""
+        self._issue_numbered(total, total.made)
+        self._wait_for_written(total.param)
 
     def _drop_sums(self) -> None:
         """This backward's sums of dW go (_PassSum), with their pre-hooks."""
@@ -1754,9 +1781,10 @@ class OOOHandle(_PassTracking):
                 continue
             total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
             if total is None:
+                apart = p.grad is not None and self._last_sites.get(id(p)) != 1
                 total = sums[id(p)] = _PassSum(
-                    p, p.grad is not None and self._last_sites.get(id(p)) != 1)
-                if total.apart:
+                    p, apart, weak_hook(self._sum_reached) if apart and self._capped() else None)
+                if apart:
                     self._apart.append(total)
             if total.apart and total.made == 0:
                 total.watch(node)
@@ -1883,7 +1911,31 @@ class OOOHandle(_PassTracking):
         for t in issue:
             self._issue(t)
 
+    def _issue_earlier(self, task: _Task) -> None:
+        """Under a memory cap, the pending dW of the task's parameters that
+        come before its own in backward order run first where its dW would
+        otherwise wait for them (_PassSum.waits): a waiting dW is a tensor of
+        the weight's size, held until the schedule runs the earlier ones,
+        that no task's bytes count. A Linear(256) read at 4 sites (batch 4)
+        whose first dW moved to the last region held 257 KiB past a region
+        end where the cap was 16 KiB."""
+        for numbered in task.sums:
+            if numbered is not None and numbered[0].waits(numbered[1]):
+                self._issue_numbered(*numbered)
+
+    def _issue_numbered(self, total: _PassSum, below: int) -> None:
+        """Issues the pending tasks whose dW is numbered below `below` in `total`."""
+        self._issue_due(lambda t: any(s is not None and s[0] is total and s[1] < below
+                                      for s in t.sums))
+
+    def _capped(self) -> bool:
+        """Whether max_extra_memory caps what deferred tasks hold (below 1:
+        a fraction of it; 1 or more holds everything)."""
+        return self.max_extra_memory < 1
+
     def _issue(self, task: _Task) -> None:
+        if self._pending and self._capped():  # (earlier dW can only be pending)
+            self._issue_earlier(task)
         profiling = self._profiling()
         if profiling:
             if self._reads is None:  # (the model's storages, once a pass: _Reads)
@@ -2235,7 +2287,10 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
         max_extra_memory: cap on the bytes held by deferred tasks at a region
             end, as a fraction of what all of them hold together (what
             deferring keeps alive: saved inputs and output gradients, not
-            the parameters they read).
+            the parameters they read); 1 or more: no cap. Under a cap a
+            weight read at several split calls has its dW run in backward
+            order where one would otherwise hold its gradient, uncounted,
+            waiting for an earlier one (see README).
         profile_iters: backward passes that time each layer alone (the
             first is a warm-up), after which the regions are cut.
         speedup: "profile": measured in `regions` + 1 more backward passes
