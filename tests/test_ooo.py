@@ -4130,3 +4130,30 @@ def test_each_micro_batchs_backward_runs_after_its_own_forward(order):
         assert r.order[1] == [("F", 1, 0, 0), ("dO", 1, 0, 0), ("dW", 1, 0, 0), ("F", 1, 1, 0),
                               ("dO", 1, 1, 0), ("dW", 1, 1, 0)]
         assert r.makespan == 9.0
+
+
+def test_reverse_first_k_runs_each_micro_batchs_backward_in_turn():
+    """With micro-batches, each one's backward runs whole in Algorithm 2's
+    order (reverse_first_k's list), one micro-batch after the other, as
+    GPipe's conventional order does; not the micro-batches' tasks of each
+    slot side by side. One device, forwards first."""
+    layers, k, micro = 4, 2, 3
+    backward, _ = ooo.reverse_first_k(layers, k)
+    r = ooo.simulate(layers, micro_batches=micro, order="reverse_first_k", k=k, input_grad=True)
+    assert r.order[0] == ([("F", l, m, 0) for m in range(micro) for l in range(layers)] +
+                          [(kind, l, m, 0) for m in range(micro) for kind, l in backward])
+
+
+def test_transfer_delays_only_what_crosses_devices():
+    """`transfer` is the delay between devices: layers on one device hand
+    their activations and gradients on at once. Worked by hand, unit times,
+    conventional order: F0 F1 dW1 dO1 dW0 back to back on one device (5);
+    on two devices F1 waits 0.5 for F0's output and dW0 0.5 for dO1's (6)."""
+    assert ooo.simulate(2, transfer=0.5).makespan == 5.0
+    assert ooo.simulate(4, num_stages=2, transfer=0.5).makespan == \
+        ooo.simulate(4, num_stages=2).makespan + 2 * 0.5
+    r = ooo.simulate(2, num_stages=2, transfer=0.5)
+    assert r.makespan == 6.0
+    g = r.graph
+    assert {(int(kind), int(layer)): start for kind, layer, start in zip(g["kind"], g["layer"], r.start)} \
+        == {(0, 0): 0.0, (0, 1): 1.5, (2, 1): 2.5, (1, 1): 3.5, (2, 0): 5.0}  # kinds: F 0, dO 1, dW 2

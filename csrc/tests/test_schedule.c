@@ -1258,6 +1258,24 @@ static void test_audit_checks(void)
     }
 }
 
+/* A release a rounding above the clock is simultaneous with it, as a finish
+ * is (test_tolerance): P's ready time 0.1 + 0.2 lies 2^-54 past 0.3, when
+ * Q's is; the priority resource must see both at 0.3 and run P first. */
+static void test_audit_release_tolerance(void)
+{
+    int32_t res[4] = {0, 1, 2, 2}, policy[3] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER, RP_RES_PRIORITY};
+    int32_t group[3] = {-1, -1, -1};
+    double cost[4] = {0.1, 0.3, 1, 1}, prio[4] = {0, 0, 0, 1}, delay[2] = {0.2, 0};
+    int64_t ptr[5] = {0, 0, 0, 1, 2}, idx[2] = {0, 1}; /* P <- A (+0.2), Q <- B */
+    double start[4], finish[4], busy[3], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(4, 3, res, cost, prio, ptr, idx, delay, policy, group);
+    CHECK(0.1 + 0.2 > 0.3, "the rounding this case is about");
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    CHECK(start[2] == 0.3 && start[3] == 1.3, "P first, at 0.3: P %.17g, Q %.17g", start[2],
+          start[3]);
+}
+
 int main(void)
 {
     test_fig5();
@@ -1282,6 +1300,7 @@ int main(void)
     test_builder_errors();
     test_other_errors();
     test_audit_checks();
+    test_audit_release_tolerance();
     if (failures) {
         fprintf(stderr, "test_schedule: %d failure(s)\n", failures);
         return 1;
