@@ -6,6 +6,7 @@ release the GIL around long work, and raise an exception naming a bad
 argument."""
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import tracemalloc
 import types
 import warnings
 
@@ -298,10 +300,12 @@ def test_csr_plan_refuses_layers_past_what_a_program_addresses():
     assert _C.csr_plan_info(_C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0))["levels"] == 0
 
 
-def _lets_another_thread_run(call) -> bool:
+def _lets_another_thread_run(call, armed_by_call: bool = False) -> bool:
     """Whether call() releases the GIL: with a switch interval far longer than
     the test, a thread waiting for the GIL alone gets it only while the caller
-    has released it. A few tries, should the thread be slow to wake."""
+    has released it. A few tries, should the thread be slow to wake.
+    armed_by_call: call(arm) calls arm() itself, from Python code the binding
+    runs, so that the thread waits for the GIL only from then on."""
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
@@ -309,8 +313,11 @@ def _lets_another_thread_run(call) -> bool:
             go, ran = threading.Event(), []
             waiter = threading.Thread(target=lambda: (go.wait(), ran.append(True)))
             waiter.start()
-            go.set()  # the waiter now waits for the GIL
-            call()
+            if armed_by_call:
+                call(go.set)
+            else:
+                go.set()  # the waiter now waits for the GIL
+                call()
             during = bool(ran)
             waiter.join()
             if during:
@@ -951,3 +958,119 @@ def test_a_c_extension_that_is_there_but_fails_to_load_raises_its_own_error(monk
     monkeypatch.setattr(native, "importlib", types.SimpleNamespace(import_module=missing))
     with pytest.raises(ImportError, match="^reprop's C extension reprop._C is not built for this Python"):
         native._load_core()
+
+
+# ---- mutation audit of the scheduler bindings, csrc/pyutil.c (session 38):
+# what no other test checked
+
+def _leaked_bytes(call, times: int = 20) -> int:
+    """What `times` calls of call() leave allocated, as tracemalloc sees it
+    (NumPy reports its data buffers to it): 0 when nothing is kept."""
+    call()  # caches, first-use allocations
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(times):
+            call()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_scheduling_bindings_keep_no_reference_to_what_they_return():
+    """Each array a scheduling binding returns is the caller's alone: a
+    reference kept back would leak it once the caller lets it go."""
+    graph = _C.sched_graph(_SPEC)
+    assert [sys.getrefcount(graph[key]) for key in graph] == [2] * len(graph)  # the dict's, the call's
+    start, finish, busy, _ = _C.simulate(graph, 1.0)
+    assert (sys.getrefcount(start), sys.getrefcount(finish), sys.getrefcount(busy)) == (2, 2, 2)
+    kind, layer, _ = _C.reverse_first_k(4, 2, [1] * 4, [1] * 4, 0, 100)
+    assert (sys.getrefcount(kind), sys.getrefcount(layer)) == (2, 2)
+    region, order, _, _ = _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], [1], 5)
+    assert (sys.getrefcount(region), sys.getrefcount(order)) == (2, 2)
+    stage = _C.sched_stages(4, 2, 1)
+    assert sys.getrefcount(stage) == 2
+
+
+def test_scheduling_bindings_free_the_copies_they_make():
+    """sched_regions copies mem and sched_graph copies stage (the core checks
+    them, then uses them without the GIL): each copy must go with the call.
+    100000 int64 sizes copied 20 times would keep 16 MB."""
+    k = 10**5
+    mem, t = np.ones(k, np.int64), np.ones((k, 1))
+    assert _leaked_bytes(lambda: _C.sched_regions(np.ones(1), np.zeros(k), np.ones(k, np.int64),
+                                                  t, t, mem, -1)) < 10**6
+    spec = dict(_SPEC, layers=k, stages=1, micro=1, fwd=np.ones(k), out_grad=np.ones(k),
+                weight_grad=np.ones(k), stage=np.zeros(k, np.int64))
+    assert _leaked_bytes(lambda: _C.sched_graph(spec)) < 10**6
+
+
+def test_simulate_refuses_a_dep_ptr_of_another_length():
+    """dep_ptr has one entry per task and one more: the core reads exactly
+    n_tasks + 1 of it, so a longer one was silently cut (a shorter one read
+    past its end)."""
+    graph = _C.sched_graph(_SPEC)
+    n = len(graph["kind"])
+    longer = np.append(graph["dep_ptr"], graph["dep_ptr"][-1])
+    with pytest.raises(ValueError, match=rf"^simulate: dep_ptr must have {n + 1} elements along axis 0 "
+                                         rf"\(got {n + 2}\)$"):
+        _C.simulate(dict(graph, dep_ptr=longer), 1.0)
+
+
+def test_simulate_names_a_corun_rate_that_is_not_a_number():
+    """A corun_rate Python cannot make a float of raises its TypeError named,
+    not whatever the core's check of the -1.0 it was read as would say."""
+    graph = _C.sched_graph(_SPEC)
+    with pytest.raises(TypeError, match="^simulate: corun_rate: must be real number, not str$"):
+        _C.simulate(graph, "0.5")
+
+
+def test_simulate_and_sched_regions_release_the_gil_around_their_work():
+    """module.c says each scheduling binding releases the GIL around the
+    core's work; simulate and sched_regions were not tested for it. NumPy
+    releases it too while it copies an array of over 500 elements, as
+    simulate does with each of a graph's int arrays: the waiter is armed by
+    the graph's last entry, read after those copies (sched_regions' copy of
+    400 deadlines stays under NumPy's threshold)."""
+    layers = 2000
+    graph = _C.sched_graph(dict(_SPEC, layers=layers, micro=8, stages=4, iterations=2, order=1,
+                                fwd=np.ones(layers), out_grad=np.ones(layers),
+                                weight_grad=np.ones(layers),
+                                stage=np.arange(layers, dtype=np.int32) % 4))
+    group = graph["group"].tolist()
+
+    class ArmingGroup:  # the waiter starts waiting for the GIL as simulate reads "group"
+        __slots__ = ("arm",)
+
+        def __init__(self, arm):
+            self.arm = arm
+
+        def __len__(self):
+            self.arm()
+            return len(group)
+
+        def __getitem__(self, i):
+            return group[i]
+
+    assert _lets_another_thread_run(lambda arm: _C.simulate(dict(graph, group=ArmingGroup(arm)), 1.0),
+                                    armed_by_call=True)
+    n, k = 2000, 400  # made before the call: NumPy releases the GIL filling them too
+    args = (np.ones(n), np.zeros(k), np.full(k, n, np.int64), np.full((k, n), 0.01),
+            np.random.default_rng(0).random((k, n)), None, -1)
+    assert _lets_another_thread_run(lambda: _C.sched_regions(*args))
+
+
+def test_scheduling_bindings_refuse_keyword_arguments():
+    """The bindings take their arguments by position only (METH_FASTCALL): a
+    keyword one reads as nothing, so it must be refused, not silently
+    dropped after the positional ones."""
+    graph = _C.sched_graph(_SPEC)
+    calls = [lambda: _C.sched_stages(4, 2, 1, group=2), lambda: _C.simulate(graph, 1.0, corun_rate=0.5),
+             lambda: _C.sched_graph(_SPEC, spec=_SPEC), lambda: _C.ksearch_next(4, [0.0] * 5, layers=4),
+             lambda: _C.reverse_first_k(4, 2, None, None, 0, 0, k=1),
+             lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, -1, mem_cap=5)]
+    for call in calls:
+        with pytest.raises(TypeError, match="takes no keyword arguments$"):
+            call()

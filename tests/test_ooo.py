@@ -4176,3 +4176,70 @@ def test_enable_interrupted_anywhere_runs_again():
         handle.remove()
         assert_as_built(model, built)
     assert k > 100  # it did stop enable() midway
+
+
+# ---- mutation audit of the scheduler core, csrc/schedule.c (session 38):
+# behaviour no other test pinned
+
+
+def test_fast_forward_defers_each_dw_in_backward_order():
+    """Fast-forwarding moves every ready dO ahead of the dWs and nothing
+    else: the deferred dWs keep the order conventional backprop runs them
+    in, top layer first. Worked by hand, one device, unit times: F0 F1 F2
+    (0..3), dO2 (3..4), dO1 (4..5; layer 0 has no dO), then dW2, dW1, dW0
+    (5..8); lowest layer first would have run dW0 at 5."""
+    r = ooo.simulate(3, order="fast_forward")
+    assert r.order == [[("F", 0, 0, 0), ("F", 1, 0, 0), ("F", 2, 0, 0), ("dO", 2, 0, 0),
+                        ("dO", 1, 0, 0), ("dW", 2, 0, 0), ("dW", 1, 0, 0), ("dW", 0, 0, 0)]]
+    assert r.makespan == 8.0
+    r = ooo.simulate(3, order="fast_forward", input_grad=True)
+    assert [t[:2] for t in r.order[0][3:]] == [("dO", 2), ("dO", 1), ("dO", 0),
+                                               ("dW", 2), ("dW", 1), ("dW", 0)]
+
+
+@pytest.mark.parametrize("order", ["conventional", "fast_forward"])
+def test_each_micro_batchs_backward_runs_after_its_own_forward(order):
+    """The top layer's backward of micro-batch m starts from the loss of
+    that micro-batch's forward. Layer 0's slow forward (3 units) makes
+    F(1, 1) on device 1 late (6..7): under fast-forwarding dO(1, 1), ready
+    as soon as its own forward is, must not run in the gap at 5..6 that
+    F(1, 0) alone would have opened; worked by hand: device 1 runs F(1, 0)
+    3..4, dO(1, 0) 4..5, dW(1, 0) 5..6, then micro-batch 1 from 6 (9 in
+    all)."""
+    r = ooo.simulate(2, num_stages=2, micro_batches=2, fwd=[3.0, 1.0], order=order)
+    for tasks in r.order:
+        at = {t: i for i, t in enumerate(tasks)}
+        for kind, layer, micro, it in tasks:
+            if kind != "F":
+                assert at[("F", layer, micro, it)] < at[(kind, layer, micro, it)], (kind, layer, micro)
+    if order == "fast_forward":
+        assert r.order[1] == [("F", 1, 0, 0), ("dO", 1, 0, 0), ("dW", 1, 0, 0), ("F", 1, 1, 0),
+                              ("dO", 1, 1, 0), ("dW", 1, 1, 0)]
+        assert r.makespan == 9.0
+
+
+def test_reverse_first_k_runs_each_micro_batchs_backward_in_turn():
+    """With micro-batches, each one's backward runs whole in Algorithm 2's
+    order (reverse_first_k's list), one micro-batch after the other, as
+    GPipe's conventional order does; not the micro-batches' tasks of each
+    slot side by side. One device, forwards first."""
+    layers, k, micro = 4, 2, 3
+    backward, _ = ooo.reverse_first_k(layers, k)
+    r = ooo.simulate(layers, micro_batches=micro, order="reverse_first_k", k=k, input_grad=True)
+    assert r.order[0] == ([("F", l, m, 0) for m in range(micro) for l in range(layers)] +
+                          [(kind, l, m, 0) for m in range(micro) for kind, l in backward])
+
+
+def test_transfer_delays_only_what_crosses_devices():
+    """`transfer` is the delay between devices: layers on one device hand
+    their activations and gradients on at once. Worked by hand, unit times,
+    conventional order: F0 F1 dW1 dO1 dW0 back to back on one device (5);
+    on two devices F1 waits 0.5 for F0's output and dW0 0.5 for dO1's (6)."""
+    assert ooo.simulate(2, transfer=0.5).makespan == 5.0
+    assert ooo.simulate(4, num_stages=2, transfer=0.5).makespan == \
+        ooo.simulate(4, num_stages=2).makespan + 2 * 0.5
+    r = ooo.simulate(2, num_stages=2, transfer=0.5)
+    assert r.makespan == 6.0
+    g = r.graph
+    assert {(int(kind), int(layer)): start for kind, layer, start in zip(g["kind"], g["layer"], r.start)} \
+        == {(0, 0): 0.0, (0, 1): 1.5, (2, 1): 2.5, (1, 1): 3.5, (2, 0): 5.0}  # kinds: F 0, dO 1, dW 2

@@ -1220,6 +1220,62 @@ static void test_other_errors(void)
     }
 }
 
+/* ---- mutation audit of schedule.c (session 38): checks no other test made ---- */
+
+/* A dep_ptr that decreases while staying within [0, n_deps] (the other
+ * tests' decreasing one also ran past n_deps, which a bound check alone
+ * refuses): its negative count would have made task 1 wait forever. An
+ * infinite priority (NaN was the only one refused by a test) and a memory
+ * sum past int64 in the regions (each size alone is fine). */
+static void test_audit_checks(void)
+{
+    int32_t res[3] = {0, 0, 0}, policy[1] = {RP_RES_PRIORITY}, group[1] = {-1};
+    double cost[3] = {1, 1, 1}, prio[3] = {0, 1, 2}, delay[1] = {0};
+    int64_t ptr[4] = {0, 1, 0, 1}, idx[1] = {1};
+    double start[3], finish[3], busy[1], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(3, 1, res, cost, prio, ptr, idx, delay, policy, group);
+    expect(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err), err.msg, "non-decreasing",
+           "dep_ptr decreasing within [0, n_deps]");
+    ptr[1] = 0, ptr[2] = 0; /* task 2 <- task 1: valid again */
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    prio[1] = INFINITY;
+    expect(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err), err.msg, "priority[1]",
+           "infinite priority");
+    prio[1] = -INFINITY;
+    expect(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err), err.msg, "priority[1]",
+           "-infinite priority");
+    {
+        double tm[2] = {1, 1}, rd[2] = {0, 0}, ts[4] = {1, 1, 1, 1}, sp[4] = {1, 1, 1, 1};
+        int64_t dl[2] = {2, 2}, mem[2] = {INT64_MAX, 1}, region[2], order[2], pre, peak;
+        expect(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
+                                &err),
+               err.msg, "mem[1]", "regions: the sum of mem past int64");
+        mem[0] = INT64_MAX - 1;
+        CHECK(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
+                               &err) == RP_OK,
+              "regions: a sum of mem of INT64_MAX: %s", err.msg);
+    }
+}
+
+/* A release a rounding above the clock is simultaneous with it, as a finish
+ * is (test_tolerance): P's ready time 0.1 + 0.2 lies 2^-54 past 0.3, when
+ * Q's is; the priority resource must see both at 0.3 and run P first. */
+static void test_audit_release_tolerance(void)
+{
+    int32_t res[4] = {0, 1, 2, 2}, policy[3] = {RP_RES_IN_ORDER, RP_RES_IN_ORDER, RP_RES_PRIORITY};
+    int32_t group[3] = {-1, -1, -1};
+    double cost[4] = {0.1, 0.3, 1, 1}, prio[4] = {0, 0, 0, 1}, delay[2] = {0.2, 0};
+    int64_t ptr[5] = {0, 0, 0, 1, 2}, idx[2] = {0, 1}; /* P <- A (+0.2), Q <- B */
+    double start[4], finish[4], busy[3], makespan;
+    rp_error err = {{0}};
+    rp_task_graph g = graph(4, 3, res, cost, prio, ptr, idx, delay, policy, group);
+    CHECK(0.1 + 0.2 > 0.3, "the rounding this case is about");
+    CHECK(rp_simulate(&g, 1.0, start, finish, busy, &makespan, &err) == RP_OK, "%s", err.msg);
+    CHECK(start[2] == 0.3 && start[3] == 1.3, "P first, at 0.3: P %.17g, Q %.17g", start[2],
+          start[3]);
+}
+
 int main(void)
 {
     test_fig5();
@@ -1243,6 +1299,8 @@ int main(void)
     test_simulate_errors();
     test_builder_errors();
     test_other_errors();
+    test_audit_checks();
+    test_audit_release_tolerance();
     if (failures) {
         fprintf(stderr, "test_schedule: %d failure(s)\n", failures);
         return 1;
