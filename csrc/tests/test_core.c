@@ -405,6 +405,30 @@ static void test_undo_restores_advanced_counters(void)
     CHECK(shared == 1.0f && own == 5.0f, "undone: shared %g, own %g", shared, own);
 }
 
+/* ---- C mutation audit of the optimizer core: what no test above caught ---- */
+
+/* A non-empty entry without a gradient (or a parameter) is refused by the
+ * check every update runs first, whichever pointer is missing: a check of
+ * the param alone let the loops read a NULL gradient. */
+static void test_null_pointers_refused(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_SGD);
+    float p = 1.0f, g = 0.5f;
+    rp_optim_entry e = scalar_entry(&p, &g, NULL, NULL, NULL);
+    rp_error err;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_OK, "a whole entry refused: %s", err.msg);
+    e.grad = NULL;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "entry 0: null param or grad pointer") != NULL,
+          "a NULL gradient passed the check");
+    e.grad = &g;
+    e.param = NULL;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "entry 0: null param or grad pointer") != NULL,
+          "a NULL param passed the check");
+    CHECK(p == 1.0f, "the check changed the param");
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -416,6 +440,7 @@ int main(void)
     test_refused_hparams();
     test_refused_step_restores_counters();
     test_undo_restores_advanced_counters();
+    test_null_pointers_refused();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
