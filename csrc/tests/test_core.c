@@ -429,6 +429,25 @@ static void test_null_pointers_refused(void)
     CHECK(p == 1.0f, "the check changed the param");
 }
 
+/* A capturable update's step counters are device memory, which the check
+ * before it (rp_optim_check_update) must not read: with capturable it
+ * checks the hyper-parameters alone, here passing a count that a
+ * non-capturable check refuses (Adagrad's lr_decay -1 at step 2). */
+static void test_capturable_check_reads_no_counter(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_ADAGRAD);
+    float p = 1.0f, g = 0.5f, sum = 0.0f, step = 1.0f;
+    rp_optim_entry e = scalar_entry(&p, &g, &sum, NULL, &step);
+    rp_error err;
+    hp.lr_decay = -1.0;
+    CHECK(rp_optim_check_update(&hp, &e, 1, 0, &err) == RP_EINVAL &&
+              strstr(err.msg, "lr_decay") != NULL,
+          "the host check passed 1 + (2 - 1) * -1 = 0");
+    CHECK(rp_optim_check_update(&hp, &e, 1, 1, &err) == RP_OK,
+          "the capturable check read the step counter: %s", err.msg);
+    CHECK(step == 1.0f && p == 1.0f, "a check changed the counter or the param");
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -441,6 +460,7 @@ int main(void)
     test_refused_step_restores_counters();
     test_undo_restores_advanced_counters();
     test_null_pointers_refused();
+    test_capturable_check_reads_no_counter();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
