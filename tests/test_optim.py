@@ -3235,6 +3235,8 @@ REFUSED_AT_A_STEP = {
     "SGD-momentum-without-nesterov": ("SGD", {"momentum": 1e39, "nesterov": False}, None, None),
     "SGD-weight_decay-float32-max": ("SGD", {"weight_decay": float(np.finfo(np.float32).max)},
                                      None, None),
+    # 1 - inf ** step is -inf, whose ** 0.5 is inf in Python (not complex): NaN params in both
+    "Adam-beta2-inf": ("Adam", {"betas": (0.9, float("inf"))}, None, None),
 }
 
 
