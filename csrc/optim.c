@@ -199,8 +199,8 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
                             "betas: 1 - beta1 ** step is 0 at step %g (beta1 = %g), a division by "
                             "zero (torch.optim raises ZeroDivisionError)", t, hp->beta1);
     bc2 = 1.0 - pow2;
-    /* Python's (-inf) ** 0.5 is inf, not complex: beta2 beyond 1 in size at
-     * an infinite step (a count made by hand), where torch steps on */
+    /* Python's (-inf) ** 0.5 is inf, not complex: beta2 = inf, or beyond 1
+     * in size at an infinite step count (made by hand), where torch steps on */
     if (bc2 < 0.0 && isfinite(bc2))
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta2 ** step = %g at step %g (beta2 = %g) is negative, "
