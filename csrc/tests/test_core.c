@@ -427,6 +427,11 @@ static void test_null_pointers_refused(void)
               strstr(err.msg, "entry 0: null param or grad pointer") != NULL,
           "a NULL param passed the check");
     CHECK(p == 1.0f, "the check changed the param");
+    /* a negative count is refused as such, not taken as an empty table (or
+     * passed on to a malloc of n scalars) */
+    CHECK(rp_optim_check(&hp, &e, -1, &err) == RP_EINVAL &&
+              strstr(err.msg, "invalid entry table (n=-1)") != NULL,
+          "n = -1 passed the check");
 }
 
 /* A capturable update's step counters are device memory, which the check
