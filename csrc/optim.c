@@ -188,7 +188,7 @@ static int rp_python_pow(double base, double t, const char *name, double *out, r
 static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
                            rp_error *err)
 {
-    double pow1, pow2, step_size;
+    double pow1, pow2, bc2, step_size;
     int rc = rp_python_pow(hp->beta1, t, "beta1", &pow1, err);
     if (rc == RP_OK)
         rc = rp_python_pow(hp->beta2, t, "beta2", &pow2, err);
@@ -198,18 +198,21 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta1 ** step is 0 at step %g (beta1 = %g), a division by "
                             "zero (torch.optim raises ZeroDivisionError)", t, hp->beta1);
-    if (1.0 - pow2 < 0.0)
+    bc2 = 1.0 - pow2;
+    /* Python's (-inf) ** 0.5 is inf, not complex: beta2 = inf, or beyond 1
+     * in size at an infinite step count (made by hand), where torch steps on */
+    if (bc2 < 0.0 && isfinite(bc2))
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta2 ** step = %g at step %g (beta2 = %g) is negative, "
                             "so its square root is complex; torch.optim raises too",
-                            1.0 - pow2, t, hp->beta2);
+                            bc2, t, hp->beta2);
     step_size = hp->lr / (1.0 - pow1);
     if (rp_beyond_float(step_size))
         return rp_set_error(err, RP_EINVAL,
                             "lr: the step size lr / (1 - beta1 ** step) = %g at step %g "
                             RP_BEYOND_FLOAT, step_size, t);
     sc->a = (float)(-step_size);
-    sc->b = (float)sqrt(1.0 - pow2);
+    sc->b = (float)(isinf(bc2) ? INFINITY : sqrt(bc2));
     return RP_OK;
 }
 

@@ -287,7 +287,10 @@ RP_HD void rp_block_consts(const rp_optim_launch &L, rp_optim_consts *c)
 }
 
 /* Capturable: the step scalars of a tensor from its (already incremented)
- * device step, in double, exactly as rp_optim_advance_steps on the host. */
+ * device step, in double, as rp_optim_advance_steps on the host, but for
+ * 1 - beta2 ** step = -inf (beta2 = inf), whose square root is NaN here as
+ * in torch's capturable Adam (a tensor sqrt), where the host follows
+ * Python's (-inf) ** 0.5 = inf as torch's host path does. */
 template <int KIND>
 RP_HD float2 rp_capturable_scalars(const rp_optim_hparams *hp, const float *step)
 {

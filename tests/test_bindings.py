@@ -1074,3 +1074,121 @@ def test_scheduling_bindings_refuse_keyword_arguments():
     for call in calls:
         with pytest.raises(TypeError, match="takes no keyword arguments$"):
             call()
+
+
+# ---- C mutation audit of the optimizer core (optim_step, optim_check and the ----
+# ---- fast path's argument checks): each test below fails on a plausible     ----
+# ---- wrong version of the line it names.                                     ----
+
+_SGD_HPARAMS = (0.1,) + (0.0,) * 9 + (False,) * 5  # SGD, lr 0.1
+
+
+def _sgd_table(p: np.ndarray, g: np.ndarray) -> np.ndarray:
+    """One row updating float32 p from g (param, grad, numel)."""
+    table = np.zeros((1, 8), np.int64)
+    table[0, 0], table[0, 1], table[0, 6] = p.ctypes.data, g.ctypes.data, p.size
+    return table
+
+
+def test_optim_step_releases_the_gil_around_the_update():
+    """module.c's optim_step runs the update without the GIL (the fused
+    backward steps a module while other threads run Python): a version that
+    kept it stalled every other thread for the whole update."""
+    p, g = np.ones(1 << 23, np.float32), np.full(1 << 23, 0.5, np.float32)
+    table = _sgd_table(p, g)
+    assert _lets_another_thread_run(lambda: _C.optim_step(0, 0, table, _SGD_HPARAMS, 1))
+    assert p[0] < 1 and p[-1] < 1
+
+
+def test_optim_step_and_check_release_the_table_they_hold():
+    """Both bindings hold the table while they read it and release it after,
+    whether the update runs or is refused: a missing Py_DECREF leaked every
+    table (one a step) for good."""
+    p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    table = _sgd_table(p, g)
+    refused = (1e300,) + _SGD_HPARAMS[1:]  # lr beyond float32: ValueError
+    before = sys.getrefcount(table)
+    for _ in range(3):
+        _C.optim_step(0, 0, table, _SGD_HPARAMS, 1)
+        _C.optim_check(0, 0, table, _SGD_HPARAMS, False)
+        for call in (_C.optim_step, _C.optim_check):
+            with pytest.raises(ValueError, match="^lr: -lr = -1e\\+300"):
+                call(0, 0, table, refused, 1)
+    assert sys.getrefcount(table) == before
+    np.testing.assert_allclose(p, 1 - 3 * 0.05, rtol=1e-6)
+
+
+def test_optim_check_raises_the_error_of_bool_capturable():
+    """optim_check takes bool(capturable) first: an object whose __bool__
+    raises has that error raised, not a SystemError for a result returned
+    with an exception set (the core went on, taking -1 as True)."""
+    class Refused(Exception):
+        pass
+
+    class NoTruth:
+        def __bool__(self):
+            raise Refused("no truth value")
+
+    table = np.zeros((0, 8), np.int64)
+    with pytest.raises(Refused, match="^no truth value$"):
+        _C.optim_check(0, 0, table, _SGD_HPARAMS, NoTruth())
+
+
+@pytest.mark.parametrize("shape", [(1, 7), (0, 9), (2, 16)])
+def test_a_table_whose_rows_are_not_8_int64_is_refused(shape):
+    """The core reads each row as an rp_optim_entry of 8 int64: a table of
+    another width is refused by every binding that reads one, not read with
+    the wrong row stride (past the end of a 7-wide one)."""
+    table = np.zeros(shape, np.int64)
+    width = "^table: expected an int64 array of shape \\(n, 8\\)$"
+    with pytest.raises(ValueError, match=width):
+        _C.optim_step(0, 0, table, _SGD_HPARAMS, 1)
+    with pytest.raises(ValueError, match=width):
+        _C.optim_check(0, 0, table, _SGD_HPARAMS, False)
+    n = shape[0]
+    with pytest.raises(ValueError, match=width):
+        _C.optim_grad_pointers([types.SimpleNamespace(grad=None)] * n, [None] * n, {}, [None] * n,
+                               [None] * n, [True] * n, torch.strided, table, None, table, None,
+                               torch.Tensor, np.zeros(0, np.int64))
+
+
+def test_optim_grad_pointers_refuses_odd_memory_and_step_tables_longer_than_the_table():
+    """memory holds [start, end) pairs: an odd length is refused, not read
+    as one pair fewer. A step table with more rows than the table (and
+    step_rows as long as it) is refused: the rows of the last step are some
+    of this table's."""
+    no_grad = [types.SimpleNamespace(grad=None)] * 2
+    lists = ([None] * 2, {}, [None] * 2, [None] * 2, [True] * 2, torch.strided)
+    table, memory = np.zeros((2, 8), np.int64), np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match="^optim_grad_pointers: memory must be a C-contiguous 1-D "
+                                         "int64 array of \\[start, end\\) pairs"):
+        _C.optim_grad_pointers(no_grad, *lists, table, None, table, None, torch.Tensor, memory[:1])
+    with pytest.raises(ValueError, match="^optim_grad_pointers: step_rows must be None"):
+        _C.optim_grad_pointers(no_grad, *lists, table, None, np.zeros((3, 8), np.int64),
+                               np.arange(3, dtype=np.int64), torch.Tensor, memory)
+    assert _C.optim_grad_pointers(no_grad, *lists, table, None, table, None, torch.Tensor,
+                                  memory) == ([], [])
+
+
+def test_more_rows_taking_part_than_last_step_leave_memory_past_the_step_table_alone():
+    """Both rows have a gradient where only row 0 took part last step (a
+    step table of one row, step_rows [0]): row 1 is listed for a new step
+    table, and nothing past the one-row step table or its step_rows is read
+    or written. A version that looked up step_rows[1] found the 1 lying
+    past it here and wrote row 1's gradient past the step table."""
+    params = [torch.zeros(2), torch.zeros(2)]
+    for p in params:
+        p.grad = torch.ones(2)
+    table = np.zeros((2, 8), np.int64)
+    for i, p in enumerate(params):
+        table[i, 0], table[i, 6] = p.data_ptr(), p.numel()
+    keys = [ro._layout_key(p) for p in params]
+    beyond = np.zeros((2, 8), np.int64)  # the step table is its first row
+    step_rows = np.arange(2, dtype=np.int64)  # [0], with a 1 past its end
+    held, rows = _C.optim_grad_pointers(
+        params, keys, {}, [None] * 2, [()] * 2, [True] * 2, torch.strided, table, None,
+        beyond[:1], step_rows[:1], torch.Tensor, np.zeros(0, np.int64))
+    assert rows == [0, 1] and [g is p.grad for g, p in zip(held, params)] == [True, True]
+    assert list(table[:, 1]) == [p.grad.data_ptr() for p in params]
+    assert beyond[0, 1] == params[0].grad.data_ptr()
+    assert not beyond[1].any()

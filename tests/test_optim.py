@@ -3230,6 +3230,13 @@ REFUSED_AT_A_STEP = {
     "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
     "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
     "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
+    # (C mutation audit) torch's mul_(momentum) takes any float, its add(alpha=) float32's
+    # largest: refusing either where torch steps on passed every test
+    "SGD-momentum-without-nesterov": ("SGD", {"momentum": 1e39, "nesterov": False}, None, None),
+    "SGD-weight_decay-float32-max": ("SGD", {"weight_decay": float(np.finfo(np.float32).max)},
+                                     None, None),
+    # 1 - inf ** step is -inf, whose ** 0.5 is inf in Python (not complex): NaN params in both
+    "Adam-beta2-inf": ("Adam", {"betas": (0.9, float("inf"))}, None, None),
 }
 
 
@@ -5078,6 +5085,134 @@ def test_a_stop_as_torch_adds_a_param_group_keeps_no_unchecked_group(monkeypatch
     opt.step()
     torch_opt.step()
     assert torch.equal(got[0], ref) and torch.equal(got[1], torch.ones(2))
+
+
+# ---------------------------------------------------------------------------
+# C mutation audit of the optimizer core (csrc/optim.c, optim_math.h): what no
+# test above caught. Each test fails on a plausible wrong version of the line
+# its docstring names.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW"])
+def test_amsgrad_max_made_nan_by_hand_stays_nan_as_torchs(name: str) -> None:
+    """torch.maximum keeps a NaN of either operand: a max_exp_avg_sq element
+    made NaN by hand (state reset but for it, a checkpoint's) stays NaN
+    beside a finite exp_avg_sq, and so does its param element. A maximum
+    that dropped its first operand's NaN (rp_maximum) passed every test: a
+    NaN gradient makes both moments NaN at once."""
+    shapes = [(4, 3), (5,)]
+    init, grads = make_params(shapes, seed=61), grad_sequence(shapes, 3)
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            if k == 0:
+                opt.state[params[0]]["max_exp_avg_sq"][1, 2] = float("nan")
+        runs.append(Run(params, opt))
+    assert runs[1].params[0].isnan().sum().item() == 1 and runs[1].params[0][1, 2].isnan()
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+def test_adagrad_lr_decay_reads_the_float32_step_count() -> None:
+    """torch counts steps in a float32 tensor, where 2**24 + 1 is 2**24, and
+    decays the lr by the count it reads back: at a count of 2**24 (state
+    made by hand) the lr is 1 / (1 + (2**24 - 1) * 1), bitwise. A count
+    advanced in double (2**24 + 1) gave the next float below."""
+    results = []
+    for cls in (rp.Adagrad, torch.optim.Adagrad):
+        p = nn.Parameter(torch.zeros(5))
+        opt = cls([p], lr=1.0, lr_decay=1.0, eps=0.0)
+        p.grad = torch.ones(5)
+        opt.step()
+        with torch.no_grad():
+            p.zero_()
+            opt.state[p]["sum"].zero_()
+            opt.state[p]["step"].fill_(2.0 ** 24)
+        opt.step()  # sum 1, so the param is -lr exactly
+        results.append((p.detach().clone(), opt.state[p]["step"].item()))
+    assert torch.equal(results[0][0], torch.full((5,), -2.0 ** -24))
+    assert torch.equal(results[0][0], results[1][0]) and results[0][1] == results[1][1] == 2.0 ** 24
+
+
+@pytest.mark.parametrize("betas", [(1.5, 0.999), (0.9, 1.5), (-1.5, 0.999)])
+def test_adam_at_an_infinite_step_count_steps_as_torch(betas: tuple) -> None:
+    """An infinite step count (state made by hand) with a beta above 1 in
+    size (set after construction): Python's beta ** inf is inf, no
+    OverflowError, and torch steps on: 1 - beta1 ** step = -inf makes a
+    step size of -0.0 (the param stays), 1 - beta2 ** step = -inf a square
+    root of inf (Python's (-inf) ** 0.5), the NaN of beta2 > 1's negative
+    exp_avg_sq aside. reprop refused both: beta1's as a power beyond
+    double's range (a check that ignored the infinite exponent), beta2's as
+    a complex square root."""
+    runs = []
+    for cls in (rp.Adam, torch.optim.Adam):
+        params = [nn.Parameter(t.clone()) for t in make_params([(3, 2), (4,)], seed=62)]
+        opt = cls(params, lr=0.1)
+        for k, step_grads in enumerate(grad_sequence([(3, 2), (4,)], 3)):
+            for p, g in zip(params, step_grads):
+                p.grad = g.clone()
+            opt.step()
+            if k == 0:
+                opt.param_groups[0]["betas"] = betas
+                for p in params:
+                    opt.state[p]["step"].fill_(float("inf"))
+        runs.append(Run(params, opt))
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
+@X86_ONLY
+def test_plain_rounding_hook_is_read_at_the_first_step_only() -> None:
+    """REPROP_TEST_UNFUSED_MADD=1 at the first step rounds the products
+    apart for the life of the process, as torch reads ATEN_CPU_CAPABILITY
+    once: a cache that asked again whenever it held 0 (unfused) fused from
+    the step after the hook was gone."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("torch's add(alpha=) fuses only with AVX2 or AVX-512")
+    script = "\n".join([
+        "import os, torch, reprop.optim as rp",
+        "gen = torch.Generator().manual_seed(63)",
+        "p = torch.nn.Parameter(torch.rand(4096, generator=gen) + 0.5)",
+        "opt = rp.SGD([p], lr=0.1)",
+        "for k in range(2):",
+        "    before, p.grad = p.detach().clone(), torch.randn(4096, generator=gen)",
+        "    opt.step()",
+        "    plain, fused = before + p.grad * -0.1, before.add(p.grad, alpha=-0.1)",
+        "    print(torch.equal(p.detach(), plain), torch.equal(p.detach(), fused))",
+        "    if k == 0:",
+        "        del os.environ['REPROP_TEST_UNFUSED_MADD']",
+    ])
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env={**os.environ, "REPROP_TEST_UNFUSED_MADD": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout == "True False\n" * 2, proc.stdout
+
+
+def test_gradient_right_after_its_params_memory_takes_the_fast_path(monkeypatch) -> None:
+    """A gradient starting where its param's memory ends (one buffer, the
+    param its first half) shares no memory with it: the C fast path reads
+    it (a span ending at the gradient's start counted as meeting it sent
+    every step to the Python path), and the update is torch's."""
+    init, runs = make_params([(16,)], seed=64)[0], []
+    for cls in (rp.Adam, torch.optim.Adam):
+        spy = _FastPathSpy()
+        monkeypatch.setattr(rp, "_C", spy)
+        buf = torch.zeros(32)
+        buf[:16] = init
+        params = [nn.Parameter(buf[:16])]
+        opt = cls(params, **RICH["Adam"])
+        for k in range(3):
+            buf[16:] = 0.1 * (k + 1) - init
+            params[0].grad = buf[16:]
+            opt.step()
+        runs.append(Run(params, opt))
+        if cls is rp.Adam:
+            assert spy.read == [True] * 3
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
 # ---------------------------------------------------------------------------

@@ -405,6 +405,54 @@ static void test_undo_restores_advanced_counters(void)
     CHECK(shared == 1.0f && own == 5.0f, "undone: shared %g, own %g", shared, own);
 }
 
+/* ---- C mutation audit of the optimizer core: what no test above caught ---- */
+
+/* A non-empty entry without a gradient (or a parameter) is refused by the
+ * check every update runs first, whichever pointer is missing: a check of
+ * the param alone let the loops read a NULL gradient. */
+static void test_null_pointers_refused(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_SGD);
+    float p = 1.0f, g = 0.5f;
+    rp_optim_entry e = scalar_entry(&p, &g, NULL, NULL, NULL);
+    rp_error err;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_OK, "a whole entry refused: %s", err.msg);
+    e.grad = NULL;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "entry 0: null param or grad pointer") != NULL,
+          "a NULL gradient passed the check");
+    e.grad = &g;
+    e.param = NULL;
+    CHECK(rp_optim_check(&hp, &e, 1, &err) == RP_EINVAL &&
+              strstr(err.msg, "entry 0: null param or grad pointer") != NULL,
+          "a NULL param passed the check");
+    CHECK(p == 1.0f, "the check changed the param");
+    /* a negative count is refused as such, not taken as an empty table (or
+     * passed on to a malloc of n scalars) */
+    CHECK(rp_optim_check(&hp, &e, -1, &err) == RP_EINVAL &&
+              strstr(err.msg, "invalid entry table (n=-1)") != NULL,
+          "n = -1 passed the check");
+}
+
+/* A capturable update's step counters are device memory, which the check
+ * before it (rp_optim_check_update) must not read: with capturable it
+ * checks the hyper-parameters alone, here passing a count that a
+ * non-capturable check refuses (Adagrad's lr_decay -1 at step 2). */
+static void test_capturable_check_reads_no_counter(void)
+{
+    rp_optim_hparams hp = base_hparams(RP_ADAGRAD);
+    float p = 1.0f, g = 0.5f, sum = 0.0f, step = 1.0f;
+    rp_optim_entry e = scalar_entry(&p, &g, &sum, NULL, &step);
+    rp_error err;
+    hp.lr_decay = -1.0;
+    CHECK(rp_optim_check_update(&hp, &e, 1, 0, &err) == RP_EINVAL &&
+              strstr(err.msg, "lr_decay") != NULL,
+          "the host check passed 1 + (2 - 1) * -1 = 0");
+    CHECK(rp_optim_check_update(&hp, &e, 1, 1, &err) == RP_OK,
+          "the capturable check read the step counter: %s", err.msg);
+    CHECK(step == 1.0f && p == 1.0f, "a check changed the counter or the param");
+}
+
 int main(void)
 {
     test_f16_round_trip();
@@ -416,6 +464,8 @@ int main(void)
     test_refused_hparams();
     test_refused_step_restores_counters();
     test_undo_restores_advanced_counters();
+    test_null_pointers_refused();
+    test_capturable_check_reads_no_counter();
     test_optimizers();
     if (failures) {
         fprintf(stderr, "%d check(s) failed\n", failures);
