@@ -4618,3 +4618,36 @@ def test_8bit_exact_at_the_edge_of_a_constant_piece(name, at):
     _, gx = values_and_grads(lambda t: ours(t, saved_dtype=torch.uint8, **kw), x, grad)
     _, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
     assert torch.equal(gx, gx_ref)
+
+
+# README's table of the 8-bit grids (saved_dtype): codebook(*args) -> its
+# [lo, hi], step and max error as README prints them
+_README_GRIDS = [
+    (("gelu",), "-0.129", "1.129", "0.0051", "0.0025"),
+    (("gelu_tanh",), "-0.129", "1.129", "0.0051", "0.0025"),
+    (("silu",), "-0.0998", "1.100", "0.0049", "0.0024"),
+    (("mish",), "-0.113", "1.088", "0.0048", "0.0024"),
+    *[((name,), "0", "1", "0.0040", "0.0020")
+      for name in ("softplus", "logsigmoid", "tanhshrink", "tanh", "softsign")],
+    (("sigmoid",), "0", "0.25", "0.00099", "0.00050"),
+    (("elu", 1.0), "0", "1", "0.0040", "0.0020"), (("celu", 1.0), "0", "1", "0.0040", "0.0020"),
+    (("selu",), "0", "1.758", "0.0070", "0.0035"),
+    (("hardswish",), "-0.5", "1.5", "0.0080", "0.0040"),
+]
+
+
+def _rounds_to(value, printed):
+    """value rounded to printed's decimals is printed (a string)."""
+    decimals = len(printed.partition(".")[2])
+    return abs(value - float(printed)) <= 0.5 * 10.0**-decimals * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("args,lo,hi,step,max_error", _README_GRIDS, ids=str)
+def test_codebook_grids_are_the_readmes(args, lo, hi, step, max_error):
+    """The grids README's table prints: the step follows from [lo, hi]
+    widened by 1/512 of its span on its open sides (the float32 f' may pass
+    an exact extreme by an ulp); without that margin on the negative side
+    GELU's step was 0.0050 and SiLU's 0.0048."""
+    cb = fad.codebook(*args)
+    assert _rounds_to(cb.lo, lo) and _rounds_to(cb.hi, hi), (cb.lo, cb.hi)
+    assert _rounds_to(cb.step, step) and _rounds_to(cb.max_error, max_error), (cb.step, cb.max_error)
