@@ -4651,3 +4651,18 @@ def test_codebook_grids_are_the_readmes(args, lo, hi, step, max_error):
     cb = fad.codebook(*args)
     assert _rounds_to(cb.lo, lo) and _rounds_to(cb.hi, hi), (cb.lo, cb.hi)
     assert _rounds_to(cb.step, step) and _rounds_to(cb.max_error, max_error), (cb.step, cb.max_error)
+
+
+@pytest.mark.parametrize("alpha", [1e-40, -1e-40, 1e-38, -1e-38])
+def test_8bit_of_a_tiny_alpha_stays_within_max_error(alpha):
+    """ELU's f' range [0, alpha] with alpha below float32's normal numbers:
+    the grid step is at least 2^-102, so inv_step stays finite and every f'
+    decodes within max_error (without that floor the step was alpha / 253,
+    its inverse inf, and f' near 0 decoded as alpha: 505 times max_error
+    off)."""
+    cb = fad.codebook("elu", alpha)
+    x = torch.cat([torch.linspace(-30, 0, 3001), torch.tensor([-0.0, -1e-3, 2.0])])
+    _, gx = values_and_grads(lambda t: fad.elu(t, alpha=alpha, saved_dtype=torch.uint8), x, torch.ones_like(x))
+    _, want = values_and_grads(lambda t: F.elu(t, alpha=alpha), x.double(), torch.ones_like(x, dtype=torch.float64))
+    assert np.isfinite(cb.step) and cb.step > 0
+    assert (gx.double() - want).abs().max() <= cb.max_error
