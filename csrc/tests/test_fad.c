@@ -589,6 +589,11 @@ static void test_errors(void)
     CHECK(strstr(err.msg, "CELU") != NULL, "message: %s", err.msg);
     CHECK(rp_fad_check(RP_FAD_ELU, rp_bits_to_f32(RP_F32_QNAN), 0, RP_F32, RP_F32, &err) ==
               RP_EINVAL, "NaN parameter");
+    /* mutation audit (session 38): p1 (Softplus's threshold) is checked as p0 is */
+    CHECK(rp_fad_check(RP_FAD_SOFTPLUS, 1, rp_bits_to_f32(RP_F32_INF), RP_F32, RP_F32, &err) ==
+              RP_EINVAL, "infinite threshold");
+    CHECK(rp_fad_check(RP_FAD_SOFTPLUS, 1, rp_bits_to_f32(RP_F32_QNAN), RP_F32, RP_F32, &err) ==
+              RP_EINVAL, "NaN threshold");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, RP_FAD_NONE, &err) == RP_OK, "NONE ok");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_BF16, RP_FAD_CODE8, &err) == RP_OK, "CODE8 ok");
     CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, x, y, RP_F32, d, -1, 1, &err) ==
