@@ -585,6 +585,9 @@ static void test_errors(void)
     CHECK(rp_fad_check(-1, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "negative kind");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, 7, RP_F32, &err) == RP_EINVAL, "bad dtype");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, 9, &err) == RP_EINVAL, "bad d_store");
+    /* mutation audit (session 38): below RP_FAD_NONE too, not only past RP_FAD_CODE8 */
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, RP_FAD_NONE - 1, &err) == RP_EINVAL,
+          "d_store below RP_FAD_NONE");
     CHECK(rp_fad_check(RP_FAD_CELU, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "CELU alpha 0");
     CHECK(strstr(err.msg, "CELU") != NULL, "message: %s", err.msg);
     CHECK(rp_fad_check(RP_FAD_ELU, rp_bits_to_f32(RP_F32_QNAN), 0, RP_F32, RP_F32, &err) ==
