@@ -369,6 +369,25 @@ static void test_forward_storage(void)
     free(d16);
 }
 
+/* Mutation audit (session 38): the conversions themselves, at the points the
+ * storage test above cannot tell apart (it rounds its reference with them):
+ * ties to even, float16's overflow edge, and a signalling NaN whose payload
+ * lies in the bits bfloat16 drops (truncated, it read as inf). */
+static void test_conversions(void)
+{
+    CHECK(rp_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80u && rp_f32_to_bf16(1.0f + 0x3p-8f) == 0x3f82u,
+          "bfloat16 ties to even");
+    CHECK(rp_f32_to_bf16(-(1.0f + 0x1p-8f)) == 0xbf80u, "bfloat16 negative tie to even");
+    CHECK(rp_f32_to_f16(1.0f + 0x1p-11f) == 0x3c00u && rp_f32_to_f16(1.0f + 0x3p-11f) == 0x3c02u,
+          "float16 ties to even");
+    CHECK(rp_f32_to_f16(65519.99f) == 0x7bffu && rp_f32_to_f16(65520.0f) == 0x7c00u,
+          "float16 overflow edge");
+    CHECK((rp_f32_to_bf16(rp_bits_to_f32(0x7f800001u)) & 0x7fffu) > 0x7f80u,
+          "bfloat16 of a NaN with a low payload is not NaN");
+    CHECK((rp_f32_to_f16(rp_bits_to_f32(0x7f800001u)) & 0x7fffu) > 0x7c00u,
+          "float16 of a NaN with a low payload is not NaN");
+}
+
 /* y == x gives what a separate y gives, for every dtype. */
 static void test_forward_in_place(void)
 {
@@ -632,6 +651,7 @@ int main(void)
     test_eval_against_reference();
     test_eval_special_values();
     test_forward_storage();
+    test_conversions();
     test_forward_in_place();
     test_forward_threads();
     test_codebook();
