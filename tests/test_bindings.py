@@ -347,6 +347,20 @@ def test_fad_and_jacobian_bindings_release_the_gil_around_their_work():
         assert _lets_another_thread_run(lambda: [call() for _ in range(8)]), name
 
 
+def test_fad_backward_code8_refuses_a_codebook_of_another_size():
+    """Mutation audit (session 38): the codebook is read as the C struct, so
+    bytes of any other length (one short read past its end, unnoticed) are
+    refused before the call."""
+    grad, out = torch.ones(4), torch.empty(4)
+    codes = torch.zeros(4, dtype=torch.uint8)
+    codebook = _C.fad_codebook(0, 0.0, 0.0)
+    for bad in (codebook[:-1], codebook + b"\0", b"", bytearray(codebook)):
+        with pytest.raises(TypeError, match="^codebook: expected the bytes fad_codebook"):
+            _C.fad_backward_code8(0, grad.data_ptr(), codes.data_ptr(), bad, out.data_ptr(), 4, 1)
+    _C.fad_backward_code8(0, grad.data_ptr(), codes.data_ptr(), codebook, out.data_ptr(), 4, 1)
+    assert torch.equal(out, torch.full((4,), np.frombuffer(codebook, np.float32)[0]))
+
+
 # The child's helper for the tests below: the caller's array written by
 # another thread while the binding runs.
 _CHANGED_WHILE_RUNNING = """
