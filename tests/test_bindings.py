@@ -334,6 +334,40 @@ def test_scheduling_bindings_release_the_gil_around_their_work():
     assert _lets_another_thread_run(lambda: _C.reverse_first_k(5 * 10**6, 10**6, None, None, 0, 0))
 
 
+def test_fad_and_jacobian_bindings_release_the_gil_around_their_work():
+    """Mutation audit (session 38): fad_forward, fad_backward_code8 and
+    jacobian's fill run without the GIL too (each kept it unnoticed). Each
+    binding runs several times per try, so that the waiter (only it) has
+    time to wake on a loaded machine."""
+    x = torch.randn(1 << 22)
+    y, d = torch.empty_like(x), torch.empty_like(x)
+    codes = torch.zeros(x.numel(), dtype=torch.uint8)
+    codebook = _C.fad_codebook(0, 0.0, 0.0)  # GELU
+    calls = {
+        "fad_forward": lambda: _C.fad_forward(0, 0.0, 0.0, 0, x.data_ptr(), y.data_ptr(), 0, d.data_ptr(),
+                                              x.numel(), 1),
+        "fad_backward_code8": lambda: _C.fad_backward_code8(0, x.data_ptr(), codes.data_ptr(), codebook,
+                                                            y.data_ptr(), x.numel(), 1),
+        "jacobian": lambda: _C.jacobian("linear", (2000, 2000)),
+    }
+    for name, call in calls.items():
+        assert _lets_another_thread_run(lambda: [call() for _ in range(8)]), name
+
+
+def test_fad_backward_code8_refuses_a_codebook_of_another_size():
+    """Mutation audit (session 38): the codebook is read as the C struct, so
+    bytes of any other length (one short read past its end, unnoticed) are
+    refused before the call."""
+    grad, out = torch.ones(4), torch.empty(4)
+    codes = torch.zeros(4, dtype=torch.uint8)
+    codebook = _C.fad_codebook(0, 0.0, 0.0)
+    for bad in (codebook[:-1], codebook + b"\0", b"", bytearray(codebook)):
+        with pytest.raises(TypeError, match="^codebook: expected the bytes fad_codebook"):
+            _C.fad_backward_code8(0, grad.data_ptr(), codes.data_ptr(), bad, out.data_ptr(), 4, 1)
+    _C.fad_backward_code8(0, grad.data_ptr(), codes.data_ptr(), codebook, out.data_ptr(), 4, 1)
+    assert torch.equal(out, torch.full((4,), np.frombuffer(codebook, np.float32)[0]))
+
+
 # The child's helper for the tests below: the caller's array written by
 # another thread while the binding runs.
 _CHANGED_WHILE_RUNNING = """

@@ -4507,3 +4507,162 @@ def test_patched_activations_interrupted_at_any_line_train_on(phase):
         for (out, grads), (out_w, grads_w) in zip(got, want):
             assert torch.equal(out, out_w) and all(map(torch.equal, grads, grads_w)), k
     assert k > (50 if phase == "backward" else 100)
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of csrc/fad_math.h and csrc/fad.c (session 38): what the
+# tolerance of check_against_torch lets through. Where f or f' is torch's
+# formula with no elementary function of reprop's own, or is computed from
+# reprop's own output as torch computes it from its output, the bits are
+# torch's; a reordered formula is an ulp off on many elements, far inside
+# check_accuracy's tolerance.
+# ---------------------------------------------------------------------------
+
+
+def _audit_sweep():
+    """sample() (its special points first, where torch's vectorized loop
+    runs) and dense sweeps across the pieces' edges -3, 0 and 3, and
+    subnormal inputs."""
+    edges = [torch.linspace(e - 1e-3, e + 1e-3, 2001) for e in (-3.0, 0.0, 3.0)]
+    tiny = torch.tensor([1e-45, -1e-45, 1e-40, -1e-40, 1.1e-38, -1.1e-38])
+    return torch.cat([sample("cpu", torch.float32), *edges, tiny])
+
+
+def _same_bits(a, b):
+    """Equal bit for bit (the sign of zero included), NaN wherever the other is NaN."""
+    both_nan = a.isnan() & b.isnan()
+    return torch.where(both_nan, True, a.view(torch.int32) == b.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["hardswish", "hardsigmoid", "leaky_relu", "softsign"])
+def test_algebraic_activations_are_torchs_bits(name):
+    """No elementary function, the same terms in the same order as torch: f
+    and f' are torch's bits (Hardswish's x * m / 6 written x * (m / 6) was
+    off by an ulp on 24% of the values). Softsign's f' is autograd's sum for
+    grad_y = 1, so the gradient is compared at 1 there."""
+    ours, ref, kw = ACTIVATIONS[name]
+    x = _audit_sweep()
+    grad = torch.ones_like(x) if name in TORCH_COMPOSITE else torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    y, gx = values_and_grads(lambda t: ours(t, **kw), x, grad)
+    y_ref, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
+    assert _same_bits(y, y_ref).all(), x[~_same_bits(y, y_ref)][:4]
+    assert _same_bits(gx, gx_ref).all(), x[~_same_bits(gx, gx_ref)][:4]
+
+
+@pytest.mark.parametrize("name,backward", [
+    ("tanh", lambda g, y: g * (1 - y * y)),  # torch's kernel fuses 1 - y * y on FMA CPUs
+    ("sigmoid", lambda g, y: g * ((1 - y) * y))])  # torch's kernel: (g (1 - y)) y
+def test_output_saving_gradients_are_torchs_formula_of_the_output(name, backward):
+    """Tanh's and Sigmoid's f' is torch's tanh_backward / sigmoid_backward
+    formula of reprop's own output, grad_y (1 - y^2) and grad_y (1 - y) y,
+    f' rounded term by term, then grad_y times it ((1 - y)(1 + y) for Tanh
+    was an ulp off on a third of the values). torch's tanh_backward
+    itself rounds 1 - y * y once where the CPU has FMA (this one: all of
+    _audit_sweep()'s values), where reprop, bound to CUDA's bits without
+    fused multiply-adds, rounds twice: within check_accuracy's tolerance."""
+    ours, _, kw = ACTIVATIONS[name]
+    x = _audit_sweep()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    y, gx = values_and_grads(lambda t: ours(t, **kw), x, grad)
+    want = backward(grad, y)
+    assert _same_bits(gx, want).all(), x[~_same_bits(gx, want)][:4]
+
+
+def test_tanhshrink_is_x_minus_reprops_tanh_bit_for_bit():
+    """F.tanhshrink is x - tanh(x): reprop's value and f' are what autograd
+    gives for x - fad.tanh(x), 1 + (-1)(1 - t^2), bit for bit (t^2 was an
+    ulp off on a tenth of the values near 0)."""
+    x = _audit_sweep()
+    ones = torch.ones_like(x)
+    y, gx = values_and_grads(fad.tanhshrink, x, ones)
+    y_ref, gx_ref = values_and_grads(lambda t: t - fad.tanh(t), x, ones)
+    assert _same_bits(y, y_ref).all() and _same_bits(gx, gx_ref).all()
+
+
+@pytest.mark.parametrize("name", ["sigmoid", "silu", "elu", "elu_alpha", "celu", "selu", "softplus",
+                                  "softplus_beta", "logsigmoid"])
+def test_values_of_exp_only_activations_are_mostly_torchs_bits(name):
+    """f is torch's formula around one exp (or expm1 / log1p), so its bits
+    are torch's but where the two exps differ by an ulp: measured 95% to
+    99% of sample()'s values; SiLU's x / (1 + exp(-x)) written x * (1 / (1 +
+    exp(-x))) matched 77%."""
+    ours, ref, kw = ACTIVATIONS[name]
+    x = sample("cpu", torch.float32)
+    same = _same_bits(ours(x, **kw), ref(x, **kw))
+    assert same.double().mean() >= 0.9, same.double().mean().item()
+
+
+@pytest.mark.parametrize("name,kw", [("elu", {"alpha": -0.5}), ("elu", {"alpha": 0.5}),
+                                     ("celu", {"alpha": -0.5}), ("selu", {})])
+def test_elu_family_keeps_torchs_sign_of_zero(name, kw):
+    """x >= 0 selects ELU's x * scale side as torch's vectorized loop does:
+    +0 stays +0 with a negative alpha (the other side, expm1(+0) alpha,
+    gives -0)."""
+    ours, ref = getattr(fad, name), getattr(F, name)
+    x = torch.zeros(64)
+    x[1::2] = -0.0
+    y, gx = values_and_grads(lambda t: ours(t, **kw), x, torch.ones_like(x))
+    y_ref, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, torch.ones_like(x))
+    assert _same_bits(y, y_ref).all() and _same_bits(gx, gx_ref).all()
+
+
+@pytest.mark.parametrize("name,at", [("hardswish", 3.0), ("elu", 1e-45), ("leaky_relu", 1e-45),
+                                     ("softplus_beta", 2.5000002)])
+def test_8bit_exact_at_the_edge_of_a_constant_piece(name, at):
+    """A constant piece's first point (Hardswish's x = 3, ELU's and
+    LeakyReLU's smallest x > 0, Softplus's first x * beta > threshold) has
+    the exact slope, not its nearest grid value."""
+    ours, ref, kw = ACTIVATIONS[name]
+    x = torch.full((16,), at)
+    grad = torch.randn(16, generator=torch.Generator().manual_seed(1))
+    _, gx = values_and_grads(lambda t: ours(t, saved_dtype=torch.uint8, **kw), x, grad)
+    _, gx_ref = values_and_grads(lambda t: ref(t, **kw), x, grad)
+    assert torch.equal(gx, gx_ref)
+
+
+# README's table of the 8-bit grids (saved_dtype): codebook(*args) -> its
+# [lo, hi], step and max error as README prints them
+_README_GRIDS = [
+    (("gelu",), "-0.129", "1.129", "0.0051", "0.0025"),
+    (("gelu_tanh",), "-0.129", "1.129", "0.0051", "0.0025"),
+    (("silu",), "-0.0998", "1.100", "0.0049", "0.0024"),
+    (("mish",), "-0.113", "1.088", "0.0048", "0.0024"),
+    *[((name,), "0", "1", "0.0040", "0.0020")
+      for name in ("softplus", "logsigmoid", "tanhshrink", "tanh", "softsign")],
+    (("sigmoid",), "0", "0.25", "0.00099", "0.00050"),
+    (("elu", 1.0), "0", "1", "0.0040", "0.0020"), (("celu", 1.0), "0", "1", "0.0040", "0.0020"),
+    (("selu",), "0", "1.758", "0.0070", "0.0035"),
+    (("hardswish",), "-0.5", "1.5", "0.0080", "0.0040"),
+]
+
+
+def _rounds_to(value, printed):
+    """value rounded to printed's decimals is printed (a string)."""
+    decimals = len(printed.partition(".")[2])
+    return abs(value - float(printed)) <= 0.5 * 10.0**-decimals * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("args,lo,hi,step,max_error", _README_GRIDS, ids=str)
+def test_codebook_grids_are_the_readmes(args, lo, hi, step, max_error):
+    """The grids README's table prints: the step follows from [lo, hi]
+    widened by 1/512 of its span on its open sides (the float32 f' may pass
+    an exact extreme by an ulp); without that margin on the negative side
+    GELU's step was 0.0050 and SiLU's 0.0048."""
+    cb = fad.codebook(*args)
+    assert _rounds_to(cb.lo, lo) and _rounds_to(cb.hi, hi), (cb.lo, cb.hi)
+    assert _rounds_to(cb.step, step) and _rounds_to(cb.max_error, max_error), (cb.step, cb.max_error)
+
+
+@pytest.mark.parametrize("alpha", [1e-40, -1e-40, 1e-38, -1e-38])
+def test_8bit_of_a_tiny_alpha_stays_within_max_error(alpha):
+    """ELU's f' range [0, alpha] with alpha below float32's normal numbers:
+    the grid step is at least 2^-102, so inv_step stays finite and every f'
+    decodes within max_error (without that floor the step was alpha / 253,
+    its inverse inf, and f' near 0 decoded as alpha: 505 times max_error
+    off)."""
+    cb = fad.codebook("elu", alpha)
+    x = torch.cat([torch.linspace(-30, 0, 3001), torch.tensor([-0.0, -1e-3, 2.0])])
+    _, gx = values_and_grads(lambda t: fad.elu(t, alpha=alpha, saved_dtype=torch.uint8), x, torch.ones_like(x))
+    _, want = values_and_grads(lambda t: F.elu(t, alpha=alpha), x.double(), torch.ones_like(x, dtype=torch.float64))
+    assert np.isfinite(cb.step) and cb.step > 0
+    assert (gx.double() - want).abs().max() <= cb.max_error

@@ -94,17 +94,48 @@ static void test_math_function(const math_case *mc)
     CHECK(mc->f(nan) != mc->f(nan), "%s(NaN) is not NaN", mc->name);
 }
 
+/* Mutation audit (session 38): below 2^-125 in magnitude (the subnormals
+ * and the first normal binade) expm1, log1p and tanh round to x itself, and
+ * these functions give x bit for bit; halving x there (expm1's 2^(k-1)
+ * scaling without its k == 0 select) loses its last bit. */
+static void test_math_tiny(void)
+{
+    static float (*const fns[])(float) = {rp_expm1f, rp_log1pf, rp_tanhf};
+    static const char *const names[] = {"expm1", "log1p", "tanh"};
+    uint32_t b;
+    size_t f;
+    for (f = 0; f < sizeof fns / sizeof *fns; f++) {
+        long bad = 0;
+        float first = 0.0f;
+        for (b = 1; b < 0x01000000u; b++) {
+            float x = rp_bits_to_f32(b), nx = rp_bits_to_f32(b | RP_F32_SIGN);
+            if (!same_bits(fns[f](x), x) || !same_bits(fns[f](nx), nx)) {
+                if (bad == 0)
+                    first = x;
+                bad++;
+            }
+        }
+        CHECK(bad == 0, "%s(x) != x for %ld tiny x (first +-%a)", names[f], bad, (double)first);
+    }
+}
+
 static void test_math(void)
 {
+    /* Bounds: the measured maxima (exp 0.92, expm1 1.39, log1p 0.81, tanh
+     * 1.37, erf 1.43 ulp) rounded up a little, so that a dropped term or a
+     * "tidied" coefficient fails (mutation audit, session 38: expm1 without
+     * its degree-8 term 1.70, tanh's -1/3 for -0.33333318 1.42, log1p's
+     * near-0 interval widened to 0.5 0.93). */
     const math_case cases[] = {
-        {"exp", rp_expf, exp, 2.0},     {"expm1", rp_expm1f, expm1, 2.0},
-        {"log1p", rp_log1pf, log1p, 2.0}, {"tanh", rp_tanhf, tanh, 2.0},
-        {"erf", rp_erff, erf, 2.0},
+        {"exp", rp_expf, exp, 1.0},     {"expm1", rp_expm1f, expm1, 1.5},
+        {"log1p", rp_log1pf, log1p, 0.9}, {"tanh", rp_tanhf, tanh, 1.4},
+        {"erf", rp_erff, erf, 1.5},
     };
     size_t i;
     printf("elementary functions, every 257th float against double libm:\n");
     for (i = 0; i < sizeof cases / sizeof *cases; i++)
         test_math_function(&cases[i]);
+    test_math_tiny();
     CHECK(rp_log1pf(-1.0f) == -rp_bits_to_f32(RP_F32_INF), "log1p(-1)");
     CHECK(rp_log1pf(-2.0f) != rp_log1pf(-2.0f), "log1p(-2) is not NaN");
 }
@@ -338,6 +369,25 @@ static void test_forward_storage(void)
     free(d16);
 }
 
+/* Mutation audit (session 38): the conversions themselves, at the points the
+ * storage test above cannot tell apart (it rounds its reference with them):
+ * ties to even, float16's overflow edge, and a signalling NaN whose payload
+ * lies in the bits bfloat16 drops (truncated, it read as inf). */
+static void test_conversions(void)
+{
+    CHECK(rp_f32_to_bf16(1.0f + 0x1p-8f) == 0x3f80u && rp_f32_to_bf16(1.0f + 0x3p-8f) == 0x3f82u,
+          "bfloat16 ties to even");
+    CHECK(rp_f32_to_bf16(-(1.0f + 0x1p-8f)) == 0xbf80u, "bfloat16 negative tie to even");
+    CHECK(rp_f32_to_f16(1.0f + 0x1p-11f) == 0x3c00u && rp_f32_to_f16(1.0f + 0x3p-11f) == 0x3c02u,
+          "float16 ties to even");
+    CHECK(rp_f32_to_f16(65519.99f) == 0x7bffu && rp_f32_to_f16(65520.0f) == 0x7c00u,
+          "float16 overflow edge");
+    CHECK((rp_f32_to_bf16(rp_bits_to_f32(0x7f800001u)) & 0x7fffu) > 0x7f80u,
+          "bfloat16 of a NaN with a low payload is not NaN");
+    CHECK((rp_f32_to_f16(rp_bits_to_f32(0x7f800001u)) & 0x7fffu) > 0x7c00u,
+          "float16 of a NaN with a low payload is not NaN");
+}
+
 /* y == x gives what a separate y gives, for every dtype. */
 static void test_forward_in_place(void)
 {
@@ -554,10 +604,18 @@ static void test_errors(void)
     CHECK(rp_fad_check(-1, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "negative kind");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, 7, RP_F32, &err) == RP_EINVAL, "bad dtype");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, 9, &err) == RP_EINVAL, "bad d_store");
+    /* mutation audit (session 38): below RP_FAD_NONE too, not only past RP_FAD_CODE8 */
+    CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, RP_FAD_NONE - 1, &err) == RP_EINVAL,
+          "d_store below RP_FAD_NONE");
     CHECK(rp_fad_check(RP_FAD_CELU, 0, 0, RP_F32, RP_F32, &err) == RP_EINVAL, "CELU alpha 0");
     CHECK(strstr(err.msg, "CELU") != NULL, "message: %s", err.msg);
     CHECK(rp_fad_check(RP_FAD_ELU, rp_bits_to_f32(RP_F32_QNAN), 0, RP_F32, RP_F32, &err) ==
               RP_EINVAL, "NaN parameter");
+    /* mutation audit (session 38): p1 (Softplus's threshold) is checked as p0 is */
+    CHECK(rp_fad_check(RP_FAD_SOFTPLUS, 1, rp_bits_to_f32(RP_F32_INF), RP_F32, RP_F32, &err) ==
+              RP_EINVAL, "infinite threshold");
+    CHECK(rp_fad_check(RP_FAD_SOFTPLUS, 1, rp_bits_to_f32(RP_F32_QNAN), RP_F32, RP_F32, &err) ==
+              RP_EINVAL, "NaN threshold");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_F32, RP_FAD_NONE, &err) == RP_OK, "NONE ok");
     CHECK(rp_fad_check(RP_FAD_GELU, 0, 0, RP_BF16, RP_FAD_CODE8, &err) == RP_OK, "CODE8 ok");
     CHECK(rp_fad_forward_cpu(RP_FAD_GELU, 0, 0, RP_F32, x, y, RP_F32, d, -1, 1, &err) ==
@@ -593,6 +651,7 @@ int main(void)
     test_eval_against_reference();
     test_eval_special_values();
     test_forward_storage();
+    test_conversions();
     test_forward_in_place();
     test_forward_threads();
     test_codebook();

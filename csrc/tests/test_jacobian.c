@@ -786,6 +786,14 @@ static void test_errors(void)
     g = base;
     g.kh = 20; /* dilated kernel past the padded input */
     CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "h_out", "kernel too large");
+    /* mutation audit (session 38): an odd total d (k - 1) = 2p + 1 with
+     * h_out == h_in pads one more after only at stride 1 ('same'): one input
+     * row, kernel 2, stride 2, no padding is a kernel past the input (torch
+     * refuses it), not a 'same' layer of one output row */
+    g = conv_geom(1, 1, 1, 1, 3, 2, 1, 2, 1, 0, 0, 1, 1);
+    g.h_out = 1;
+    CALL_EINVAL(rp_jac_conv2d(&g, &nnz, NULL, NULL, NULL, &err), "h_out",
+                "kernel 2, stride 2 on one row");
 
     /* maxpool2d geometry */
     g = pool_geom(2, 7, 7, 2, 2, 2, 2, 0, 0, 1, 1, 1);
