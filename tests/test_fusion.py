@@ -2472,6 +2472,30 @@ def test_backward_mode_remove_gives_back_the_zero_grads_eager_keeps(
     _assert_same_grads(got[0], ref[0])
 
 
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_remove_after_step_gives_back_the_zeros_of_a_later_zero_grad(
+        opt_name: str, every: int, keep_grads: bool) -> None:
+    """remove() right after the step() of micro-batch 3, which used the
+    second layer, in a loop that zeroes with set_to_none=True until then and
+    with set_to_none=False after: eager's .grad of the second layer holds
+    the applied gradient at remove(), its next zero_grad() makes it zeros,
+    and the eager steps of micro-batches 4 and 5 move it from there.
+    Backward mode had freed that gradient, and remove() gave zeros back only
+    after a zero_grad(set_to_none=False) called before it: .grad stayed None
+    and the eager steps after remove() left the layer (its weight 0.04 to
+    0.13 off eager's; found by the fusion fuzzer)."""
+    def zeroing(i: int) -> bool:
+        return i <= 3
+
+    fused = {"mode": "backward", "keep_grads": keep_grads, "accumulation_steps": every}
+    got = _second_layer_idle(opt_name, fused, zeroing, (3, "after_step"), every)
+    ref = _second_layer_idle(opt_name, None, zeroing, every=every)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
 class _GappedChannelsLast(nn.Module):
     """x * w, w a Parameter with gaps in memory whose strides look
     channels_last: autograd lays its gradient out contiguous (its gradient

@@ -1918,11 +1918,14 @@ class _BackwardFusion(FusionHandle):
         reaches it (momentum, weight decay, Adam's step); this fusion freed
         them after their update, and only its own steps gave the zeros back
         (_apply_unapplied): remove() gives them back for the steps after it.
+        So it does after a step() that no zero_grad() followed yet: eager
+        holds the applied gradients there, which the loop's next
+        zero_grad(set_to_none=False) makes those zeros (left None, the eager
+        steps after it did not move the params: 0.12 off eager's with SGD's
+        momentum); its zero_grad(set_to_none=True) frees them as eager's.
         Not to the params the window's step moved before its step() was
         called (remove() between backward() and step()): that eager step()
         would move them a second time."""
-        if not self._zeroed_not_freed:
-            return
         moved = self._moved_by_window_step()
         for i, p in self._updated_since_freed.items():
             # (nor to those moved by a window not stepped: see _apply_unapplied)
