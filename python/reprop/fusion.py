@@ -1979,7 +1979,14 @@ class _BackwardFusion(FusionHandle):
             return
         if self._backward_since_forward:
             self._start_micro_batch()
-        elif self._swap_check_due:
+            return
+        if self._kept:
+            # kept by a step() after this micro-batch's first forward (a training
+            # accuracy taken before stepping): freed at this training forward, as
+            # at a micro-batch's first; kept, its backward added to the applied
+            # gradients, and the window's update applied them again
+            with self._lock: self._discard_kept(set_to_none=True)  # noqa: E701 (see _lock)
+        if self._swap_check_due:
             # A grad-mode forward with no backward seen since the last one (an
             # evaluation forward left in grad mode, a model called twice per
             # micro-batch): a swapping conversion since dropped the hooks that
@@ -2430,6 +2437,14 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
+            if self._kept_zeroed is not None:
+                # gradients kept before a zero_grad() that these come after (a
+                # step() applying ones no backward did: of a group added, set by
+                # hand): that call's clearing, deferred, is done to them now,
+                # not forgotten; taken for the new ones', a later
+                # zero_grad(set_to_none=False) made them zeros, which the next
+                # step() moved their params from (0.025 off eager's)
+                self._discard_kept(self._kept_zeroed)
             self._kept.update((id(p), (p, _grad_mark(p.grad))) for p in params)
             self._kept_zeroed = None
             self._kept_unstepped = True
