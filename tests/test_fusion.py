@@ -8824,6 +8824,50 @@ def test_backward_mode_kept_grads_zeroed_then_others_kept_by_step_stay_zeroed() 
     _assert_same_grads(got[0], ref[0])
 
 
+def _kept_grads_then_one_set_by_hand(fused: bool, every: int, then: str) -> tuple:
+    """keep_grads=True: a window of `every` micro-batches, step(),
+    zero_grad(set_to_none=False), the second layer's gradient set by hand
+    (p.grad = g), then `then`: "train", another window and its step(); or
+    "step", step() of that gradient alone; or "zero_grad", zero_grad() and
+    step(). The model and its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = None
+    if fused:
+        handle = reprop.fuse(model, opt, mode="backward", keep_grads=True, accumulation_steps=every)
+    x = [torch.randn(4, 3, generator=_gen(i)) for i in range(2 * every)]
+    for i in range(every):
+        model(x[i]).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    model[2].weight.grad = torch.full_like(model[2].weight, 0.02)
+    if then == "train":
+        for i in range(every, 2 * every):
+            model(x[i]).square().mean().backward()
+    elif then == "zero_grad":
+        opt.zero_grad()
+    opt.step()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+@pytest.mark.parametrize("then", ["train", "step", "zero_grad"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_backward_mode_a_gradient_set_by_hand_on_a_kept_one_is_eagers(every: int, then: str) -> None:
+    """A gradient set by hand where keep_grads kept the applied one is
+    eager's, as on any other parameter: taken for the kept one, the next
+    training forward freed it ("train": the second layer's update lost it,
+    0.002 off eager's, 0.02 in the fusion fuzzer that found it), and step()
+    refused it as changed in place. Parameters, state and .grad as
+    eager's."""
+    got = _kept_grads_then_one_set_by_hand(True, every, then)
+    ref = _kept_grads_then_one_set_by_hand(False, every, then)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
 def _kept_grads_with_an_accuracy_forward(fused: bool) -> tuple:
     """keep_grads=True, accumulation_steps=2: a micro-batch, a training
     accuracy (a grad-mode forward, no backward), step() ending the window
