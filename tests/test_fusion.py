@@ -38,6 +38,7 @@ import gc
 import importlib
 import io
 import math
+import random
 import subprocess
 import sys
 import threading
@@ -1317,6 +1318,42 @@ def test_forward_mode_grad_scaler(name: str, clip: bool, case: str) -> None:
     assert_results_equal(got, ref)
 
 
+def _scaled_steps_not_zeroing(fused: bool, loop: str) -> torch.Tensor:
+    """Adagrad (state from its construction: its first update waits for the
+    next forward) under a GradScaler: "twice" steps twice after one
+    backward; "unzeroed" trains three steps without zero_grad(), the second
+    layer in the first forward only. Fused: handle.flush() before each
+    scaler.step(opt), as README says. The second layer's weight at the end."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(3, 3), nn.Linear(3, 3)])
+    opt = rp.Adagrad(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode="forward") if fused else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=1)
+    x = torch.ones(2, 3)
+    for i in range(2 if loop == "twice" else 3):
+        if loop == "unzeroed" or i == 0:
+            out = model[1](model[0](x)) if i == 0 else model[0](x)
+            scaler.scale(out.sum()).backward()
+        if handle is not None:
+            handle.flush()
+        scaler.step(opt)
+        scaler.update()
+    if handle is not None:
+        handle.remove()
+    return model[1].weight.detach().clone()
+
+
+@pytest.mark.parametrize("loop", ["twice", "unzeroed"])
+def test_forward_mode_grad_scaler_on_a_held_gradient_after_flush_matches_eager(loop: str) -> None:
+    """GradScaler's unscaling bumps no version counter, so fusion cannot tell
+    it changed a gradient a pending update holds (README; found by the fusion
+    fuzzer: 0.07 off eager's after a second scaler.step()); handle.flush()
+    before scaler.step(opt) applies that update first, and training is
+    eager's bit for bit."""
+    got, ref = _scaled_steps_not_zeroing(True, loop), _scaled_steps_not_zeroing(False, loop)
+    assert torch.equal(got, ref), _diff(got, ref)
+
+
 # ---------------------------------------------------------------------------
 # 4. state_dict and checkpoints (forward mode: updates pending at save time)
 # ---------------------------------------------------------------------------
@@ -2467,6 +2504,30 @@ def test_backward_mode_remove_gives_back_the_zero_grads_eager_keeps(
 
     fused = {"mode": "backward", "keep_grads": keep_grads, "accumulation_steps": every}
     got = _second_layer_idle(opt_name, fused, zeroing, (at, place), every)
+    ref = _second_layer_idle(opt_name, None, zeroing, every=every)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
+@pytest.mark.parametrize("keep_grads", [False, True])
+@pytest.mark.parametrize("every", [1, 2])
+@pytest.mark.parametrize("opt_name", list(_MOMENTUM_OR_MOMENTS))
+def test_backward_mode_remove_after_step_gives_back_the_zeros_of_a_later_zero_grad(
+        opt_name: str, every: int, keep_grads: bool) -> None:
+    """remove() right after the step() of micro-batch 3, which used the
+    second layer, in a loop that zeroes with set_to_none=True until then and
+    with set_to_none=False after: eager's .grad of the second layer holds
+    the applied gradient at remove(), its next zero_grad() makes it zeros,
+    and the eager steps of micro-batches 4 and 5 move it from there.
+    Backward mode had freed that gradient, and remove() gave zeros back only
+    after a zero_grad(set_to_none=False) called before it: .grad stayed None
+    and the eager steps after remove() left the layer (its weight 0.04 to
+    0.13 off eager's; found by the fusion fuzzer)."""
+    def zeroing(i: int) -> bool:
+        return i <= 3
+
+    fused = {"mode": "backward", "keep_grads": keep_grads, "accumulation_steps": every}
+    got = _second_layer_idle(opt_name, fused, zeroing, (3, "after_step"), every)
     ref = _second_layer_idle(opt_name, None, zeroing, every=every)
     _assert_same_training(got, ref)
     _assert_same_grads(got[0], ref[0])
@@ -8729,6 +8790,119 @@ def test_backward_mode_kept_grads_zeroed_after_step_are_zeroed_in_place_by_remov
         assert p.grad is g and not g.any()
 
 
+def _kept_grads_then_a_group_added(fused: bool) -> tuple:
+    """keep_grads=True: a backward, step(), zero_grad(); then a group of a
+    layer the optimizer lacked, whose gradients accumulated in that
+    backward, added; step() (which applies them, no backward did),
+    zero_grad(set_to_none=False), step(). The model and its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    opt = rp.SGD(model[0].parameters(), lr=0.1, momentum=0.9)
+    handle = reprop.fuse(model, opt, mode="backward", keep_grads=True) if fused else None
+    model(torch.randn(4, 3, generator=_gen(0))).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.add_param_group({"params": list(model[1].parameters())})
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    opt.step()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_backward_mode_kept_grads_zeroed_then_others_kept_by_step_stay_zeroed() -> None:
+    """The first layer's kept gradients were cleared by zero_grad() (deferred
+    to the next micro-batch: eager's are None), then step() applied and kept
+    the added layer's: that forgot the deferred clearing, so the later
+    zero_grad(set_to_none=False) zeroed the first layer's too and the last
+    step() moved it from those zeros (momentum), where eager's leaves it
+    (0.025 off eager's; found by the fusion fuzzer). Parameters, state and
+    .grad as eager's."""
+    got, ref = _kept_grads_then_a_group_added(True), _kept_grads_then_a_group_added(False)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
+def _kept_grads_then_one_set_by_hand(fused: bool, every: int, then: str) -> tuple:
+    """keep_grads=True: a window of `every` micro-batches, step(),
+    zero_grad(set_to_none=False), the second layer's gradient set by hand
+    (p.grad = g), then `then`: "train", another window and its step(); or
+    "step", step() of that gradient alone; or "zero_grad", zero_grad() and
+    step(). The model and its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handle = None
+    if fused:
+        handle = reprop.fuse(model, opt, mode="backward", keep_grads=True, accumulation_steps=every)
+    x = [torch.randn(4, 3, generator=_gen(i)) for i in range(2 * every)]
+    for i in range(every):
+        model(x[i]).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    model[2].weight.grad = torch.full_like(model[2].weight, 0.02)
+    if then == "train":
+        for i in range(every, 2 * every):
+            model(x[i]).square().mean().backward()
+    elif then == "zero_grad":
+        opt.zero_grad()
+    opt.step()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+@pytest.mark.parametrize("then", ["train", "step", "zero_grad"])
+@pytest.mark.parametrize("every", [1, 2])
+def test_backward_mode_a_gradient_set_by_hand_on_a_kept_one_is_eagers(every: int, then: str) -> None:
+    """A gradient set by hand where keep_grads kept the applied one is
+    eager's, as on any other parameter: taken for the kept one, the next
+    training forward freed it ("train": the second layer's update lost it,
+    0.002 off eager's, 0.02 in the fusion fuzzer that found it), and step()
+    refused it as changed in place. Parameters, state and .grad as
+    eager's."""
+    got = _kept_grads_then_one_set_by_hand(True, every, then)
+    ref = _kept_grads_then_one_set_by_hand(False, every, then)
+    _assert_same_training(got, ref)
+    _assert_same_grads(got[0], ref[0])
+
+
+def _kept_grads_with_an_accuracy_forward(fused: bool) -> tuple:
+    """keep_grads=True, accumulation_steps=2: a micro-batch, a training
+    accuracy (a grad-mode forward, no backward), step() ending the window
+    short, zero_grad(), then a full window of two micro-batches and its
+    step(). The model and its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 2))
+    opt = rp.Adam(model.parameters(), lr=0.01)
+    handle = None
+    if fused:
+        handle = reprop.fuse(model, opt, mode="backward", keep_grads=True, accumulation_steps=2)
+    x = [torch.randn(4, 3, generator=_gen(i)) for i in range(4)]
+    model(x[0]).square().mean().backward()
+    model(x[1]).argmax(-1)  # a training accuracy, before step()
+    opt.step()
+    opt.zero_grad()
+    for i in (2, 3):
+        model(x[i]).square().mean().backward()
+    opt.step()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+def test_backward_mode_kept_grads_of_a_step_after_an_accuracy_forward_are_freed() -> None:
+    """The accuracy forward before step() started the next micro-batch, so
+    the one after zero_grad() started none and left the gradients step()
+    kept: its backward accumulated onto them (eager's zero_grad() cleared
+    them) and the window's update applied them again (0.011 off eager's;
+    found by the fusion fuzzer). They are freed at the next training forward, as README says.
+    Parameters and state bitwise as eager's."""
+    got, ref = _kept_grads_with_an_accuracy_forward(True), _kept_grads_with_an_accuracy_forward(False)
+    _assert_same_training(got, ref)
+
+
 @pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
 @pytest.mark.parametrize("seq", ["zABs", "zAeBs", "zABrs", "ABs"])
 def test_backward_mode_two_backwards_of_other_layers_per_step_move_each_once(
@@ -9148,3 +9322,437 @@ def test_ddp_forward_mode_remove_gives_ddp_its_join_hook_back() -> None:
         model.join_hook = own_join_hook
         reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), mode="forward").remove()
         assert vars(model)["join_hook"] is own_join_hook
+
+
+# ---------------------------------------------------------------------------
+# Differential fuzzing: random legal loops, fused against eager, bit for bit
+# ---------------------------------------------------------------------------
+#
+# A seed draws a small model (an Embedding tied or not to the output Linear, an
+# optional Conv1d, BatchNorm1d and LayerNorm, a Linear called once or twice,
+# under a checkpoint or not, a branch run only sometimes, a frozen Linear, a
+# reserve Linear left out of the optimizer until add_param_group, a root-owned
+# parameter and one never used), an optimizer with random options and groups
+# (reprop's, or torch's for fuse() to convert), a mode, and a loop of events
+# that README says fusion follows bitwise (_FUZZ_WEIGHTS: a micro-batch's
+# forward and backward, optionally checkpointed or under autocast, step(),
+# zero_grad() either way, of the optimizer or the model, lr and other
+# hyper-parameters, a scheduler, freezing, add_param_group and a group popped,
+# state_dicts loaded into a fresh pair or rolled back, evaluations, a training
+# accuracy, flush(), remove() and fuse() again, copies, a conversion, a
+# gradient set by hand). _FuzzRules is README as a state
+# machine: what may come next (e.g. backward mode steps after the n-th
+# micro-batch, before any zero_grad() or lr change; GradScaler in forward mode,
+# after a zero_grad()) and when .grad is eager's (backward mode frees what it
+# applied; keep_grads keeps it, and clears it at the next training forward).
+# After each event the loss and outputs, and where fusion has nothing pending
+# the parameters, buffers, optimizer state and .grad, must be eager's.
+
+_FUZZ_WEIGHTS = {
+    "micro": 10, "step": 5, "zero_grad": 4, "lr": 1, "hyper": 0.7, "sched": 1, "freeze": 1,
+    "unfreeze": 1, "add_group": 0.5, "reload": 0.7, "snap": 0.5, "rollback": 0.7, "eval": 1.5,
+    "eval_late": 1, "nograd_train": 0.7, "grad_fwd": 0.7, "flush": 1, "remove": 0.5, "refuse": 2,
+    "compare": 1, "sd_compare": 0.7, "mzero": 0.5, "convert": 0.4, "pop_group": 0.4, "copy": 0.6,
+    "hand_grad": 0.6,
+}
+
+
+class _FuzzNet(nn.Module):
+    def __init__(self, s: dict) -> None:
+        super().__init__()
+        V, D = s["V"], s["D"]
+        self.emb = nn.Embedding(V, D)
+        self.conv = nn.Conv1d(D, D, 3, padding=1, bias=s["conv_bias"]) if s["conv"] else None
+        self.bn = nn.BatchNorm1d(D) if s["bn"] else None
+        self.ln = nn.LayerNorm(D) if s["ln"] else None
+        self.main, self.branch, self.frozen, self.reserve = (nn.Linear(D, D) for _ in range(4))
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, D))
+        self.unused = nn.Parameter(torch.ones(3))
+        self.head = nn.Linear(D, V, bias=s["head_bias"])
+        if s["tied"]:
+            self.head.weight = self.emb.weight
+
+    def forward(self, tok, branch=False, ckpt=False, twice=False):
+        h = self.emb(tok)
+        if self.conv is not None:
+            c = self.conv(h.transpose(1, 2))
+            h = h + torch.tanh(c if self.bn is None else self.bn(c)).transpose(1, 2)
+        if self.ln is not None:
+            h = self.ln(h)
+        def body(t):
+            return torch.tanh(self.main(t))
+        h = checkpoint(body, h, use_reentrant=False) if ckpt else body(h)
+        if twice:
+            h = body(h)
+        if branch:
+            h = h + torch.tanh(self.branch(h))
+        h = h + 0.5 * torch.tanh(self.frozen(h)) + 0.5 * torch.tanh(self.reserve(h))
+        return self.head(h * self.scale)
+
+
+def _fuzz_model(spec: dict, seed: int) -> _FuzzNet:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = _FuzzNet(spec)
+    model.frozen.requires_grad_(False)
+    return model
+
+
+def _fuzz_tokens(spec: dict, i: int) -> torch.Tensor:
+    return torch.randint(0, spec["V"], (spec["B"], spec["T"]), generator=_gen(1000 + i))
+
+
+def _fuzz_options(r, name: str) -> dict:
+    lrs = {"SGD": [0.01, 0.05], "Adagrad": [0.01, 0.05], "Adadelta": [0.5, 1.0]}
+    o = {"lr": r.choice(lrs.get(name, [1e-3, 1e-2]))}
+    if r.random() < 0.5:
+        o["weight_decay"] = r.choice([0.01, 0.1])
+    if r.random() < 0.2:
+        o["maximize"] = True
+    if r.random() < 0.3:
+        o["foreach"] = r.random() < 0.5
+    flags = {"SGD": ("momentum", "nesterov"), "Adam": ("amsgrad", "decoupled_weight_decay"),
+             "AdamW": ("amsgrad",), "Adagrad": ("lr_decay", "initial_accumulator_value"),
+             "RMSprop": ("momentum", "centered"), "Adadelta": ("rho",)}
+    values = {"momentum": 0.9, "nesterov": True, "amsgrad": True, "decoupled_weight_decay": True, "lr_decay": 0.01,
+              "initial_accumulator_value": 0.1, "centered": True, "rho": 0.8}
+    for key in flags[name]:
+        if r.random() < 0.5 and (key != "nesterov" or o.get("momentum")):
+            o[key] = values[key]
+    if name in ("Adam", "AdamW") and r.random() < 0.3:
+        o["betas"] = (0.8, 0.99)
+    return o
+
+
+def _fuzz_fuse_args(r, scaler: bool) -> tuple:
+    mode = "forward" if scaler else r.choice(MODES)
+    if mode == "forward":
+        return mode, 1, False
+    return mode, r.choice([1, 1, 2, 3]), r.random() < 0.25
+
+
+@dataclass
+class _FuzzRules:
+    """README's rules for a loop, as a state machine over the events."""
+
+    mode: str
+    n: int
+    keep: bool
+    torch_class: bool
+    sched: bool
+    scaler: bool
+    bn: bool
+    fused: bool = True
+    k: int = 0  # micro-batches since the last step() or zero_grad()
+    stepped: bool = False  # a step() since the last zero_grad()
+    updated: bool = False  # backward mode: a backward updated, no step() yet
+    freed: bool = False  # backward mode applied gradients eager's .grad still holds
+    freed_keep: bool = False  # ... and keeps them (keep_grads)
+    kept_zeroed: bool = False  # ... which a zero_grad() since clears at the next training forward
+    added: bool = False
+    snap: int | None = None  # groups added at the last snapshot
+    groups: int = 0
+
+    @property
+    def bwd(self) -> bool:
+        return self.fused and self.mode == "backward"
+
+    def allowed(self, kind: str) -> bool:
+        late = self.bwd and self.updated  # between the updating backward and step()
+        boundary = self.k == 0 and not late
+        return {
+            "micro": not self.freed and not (self.bwd and (self.k >= self.n or self.stepped))
+            and not (self.scaler and self.stepped),
+            "step": not (self.bwd and self.stepped) and (self.updated or not self.freed)
+            and (self.k > 0 or not self.scaler),
+            "zero_grad": not late, "lr": not late, "hyper": not late, "sched": self.sched and not late,
+            "eval": not late, "nograd_train": not late, "compare": not late, "sd_compare": not late,
+            "snap": not late, "convert": not late, "copy": not late, "freeze": boundary,
+            "unfreeze": boundary,
+            # (a popped group's .grad no zero_grad() clears again: eager's there, not freed)
+            "pop_group": boundary and not self.freed, "hand_grad": not late and not self.freed,
+            "add_group": boundary and not self.added, "reload": boundary,
+            "rollback": boundary and self.snap == self.groups,
+            "mzero": not self.bwd,  # a module's zero_grad() is not seen by backward mode
+            "flush": self.fused, "remove": self.fused and not self.torch_class and not late,
+            "refuse": not self.fused and self.k == 0, "grad_fwd": not (late and self.bn), "eval_late": late,
+        }[kind]
+
+    def apply(self, kind: str, a: dict) -> None:
+        if kind == "micro":
+            self.k += 1
+            self.kept_zeroed = False
+            if self.bwd and self.k == self.n:
+                self.updated = self.freed = True
+                self.freed_keep = self.keep
+        elif kind == "step":
+            self.k, self.stepped, self.updated = 0, True, False
+            if self.bwd and not self.freed:
+                self.freed, self.freed_keep = True, self.keep
+        elif kind in ("zero_grad", "mzero"):
+            self.kept_zeroed |= self.freed and self.freed_keep and self.bwd
+            self.k, self.stepped, self.updated, self.freed = 0, False, False, False
+        elif kind == "grad_fwd" and self.bwd and self.freed_keep:
+            self.freed_keep = self.kept_zeroed = False
+        elif kind == "add_group":
+            self.added, self.groups = True, self.groups + 1
+        elif kind == "snap":
+            self.snap = self.groups
+        elif kind == "pop_group":
+            self.groups += 100  # (no rollback to a snapshot of other groups)
+        elif kind == "reload":
+            self.stepped = self.freed = self.kept_zeroed = False
+            self.snap = None
+            if a["refuse"] is not None:
+                self.mode, self.n, self.keep = a["refuse"]
+        elif kind == "remove":
+            self.fused = self.kept_zeroed = False
+        elif kind == "refuse":
+            self.fused = True
+            self.mode, self.n, self.keep = a["refuse"]
+
+    def grads_are_eagers(self) -> bool:
+        return not (self.freed and not self.freed_keep) and not self.kept_zeroed
+
+
+def _fuzz_event(r, i: int, rules: _FuzzRules) -> tuple:
+    while True:
+        kind = r.choices(list(_FUZZ_WEIGHTS), list(_FUZZ_WEIGHTS.values()))[0]
+        if rules.allowed(kind):
+            break
+    a = {"i": i, "branch": r.random() < 0.5}
+    if kind == "micro":
+        a.update(ckpt=r.random() < 0.2, twice=r.random() < 0.2, div=rules.n if rules.bwd else r.choice([1, 2]),
+                 inf=rules.scaler and r.random() < 0.1, amp=r.random() < 0.1)
+    elif kind in ("zero_grad", "mzero"):
+        a["none"] = r.random() < 0.6
+    elif kind in ("lr", "hyper", "hand_grad"):
+        a.update(g=r.randrange(8), f=r.choice([0.5, 2.0]))
+    elif kind in ("freeze", "unfreeze"):
+        a["which"] = r.choice(["frozen", "branch", "main", "scale"])
+    elif kind == "convert":
+        a["how"] = r.choice(["float", "to", "cpu"])
+    elif kind in ("reload", "refuse"):
+        a.update(seed=r.randrange(10**6), remove_old=r.random() < 0.5,
+                 refuse=_fuzz_fuse_args(r, rules.scaler) if rules.fused or kind == "refuse" else None)
+    return kind, a
+
+
+def _fuzz_case(seed: int) -> dict:
+    r = random.Random(seed)
+    spec = {"V": r.choice([5, 7, 9]), "D": r.choice([4, 6]), "B": r.choice([2, 3]), "T": r.choice([3, 4]),
+            **{k: r.random() < p for k, p in (("conv", 0.6), ("conv_bias", 0.5), ("bn", 0.5), ("ln", 0.6),
+                                               ("tied", 0.5), ("head_bias", 0.5))}}
+    name = r.choice(OPT_NAMES)
+    names = [n for n, _ in _fuzz_model(spec, 0).named_parameters() if not n.startswith("reserve.")]
+    r.shuffle(names)
+    cuts = sorted(r.sample(range(1, len(names)), r.choice([0, 0, 1, 2])))
+    groups = [{"names": names[a:b], "opts": _fuzz_options(r, name) if r.random() < 0.5 else {}}
+              for a, b in zip([0] + cuts, cuts + [len(names)])]
+    case = {"spec": spec, "name": name, "defaults": _fuzz_options(r, name), "groups": groups, "seed": seed,
+            "scaler": r.random() < 0.15}
+    case.update(fuse=_fuzz_fuse_args(r, case["scaler"]), torch_class=r.random() < 0.25, sched=r.random() < 0.5)
+    rules = _fuzz_rules(case)
+    events = []
+    for i in range(r.randint(8, 30)):
+        kind, a = _fuzz_event(r, i, rules)
+        rules.apply(kind, a)
+        events.append((kind, a))
+    if rules.updated:  # the loop steps after its updating backward
+        events.append(("step", {}))
+    case["events"] = events
+    return case
+
+
+def _fuzz_rules(case: dict) -> _FuzzRules:
+    return _FuzzRules(*case["fuse"], case["torch_class"], case["sched"], case["scaler"], case["spec"]["bn"])
+
+
+class _FuzzSide:
+    """One training run of a case: eager, or fused (and removed, fused again...)."""
+
+    def __init__(self, case: dict, fused: bool) -> None:
+        self.case, self.fused = case, fused
+        self.model = _fuzz_model(case["spec"], case["seed"])
+        self.opt = self._optimizer(self.model, case["groups"], torch.optim if fused and case["torch_class"] else rp)
+        self.sched = torch.optim.lr_scheduler.StepLR(self.opt, 1, 0.9) if case["sched"] else None
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if case["scaler"] else None
+        self.handle = self.snapshot = self.out = None
+        if fused:
+            self.fuse(case["fuse"])
+
+    def _optimizer(self, model: nn.Module, groups: list, where) -> torch.optim.Optimizer:
+        params = dict(model.named_parameters())
+        return getattr(where, self.case["name"])(
+            [{**g["opts"], "params": [params[n] for n in g["names"]]} for g in groups], **self.case["defaults"])
+
+    def fuse(self, args: tuple) -> None:
+        mode, n, keep = args
+        self.handle = reprop.fuse(self.model, self.opt, mode, **({"accumulation_steps": n} if n > 1 else {}),
+                                  **({"keep_grads": True} if keep else {}))
+
+    def do(self, kind: str, a: dict) -> None:
+        m, o = self.model, self.opt
+        self.out = None
+        if kind == "micro":
+            tok = _fuzz_tokens(self.case["spec"], a["i"])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a["amp"]):
+                out = m(tok, branch=a["branch"], ckpt=a["ckpt"], twice=a["twice"])
+            loss = F.cross_entropy(out.flatten(0, 1), tok.roll(1, 1).flatten()) / a["div"]
+            loss = loss * float("inf") if a["inf"] else loss
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            self.out = loss.detach()
+        elif kind == "step" and self.scaler is not None:
+            self.scaler.step(o)
+            self.scaler.update()
+        elif kind == "step":
+            o.step()
+        elif kind in ("zero_grad", "mzero"):
+            (o if kind == "zero_grad" else m).zero_grad(set_to_none=a["none"])
+        elif kind in ("lr", "hyper"):
+            g = o.param_groups[a["g"] % len(o.param_groups)]
+            for key in ("lr",) if kind == "lr" else ("weight_decay", "momentum", "rho"):
+                if key in g:
+                    g[key] = g[key] * a["f"] if key != "momentum" else g[key] ** a["f"]
+            if kind == "hyper" and "betas" in g:
+                g["betas"] = (g["betas"][0] ** a["f"], g["betas"][1])
+        elif kind == "sched":
+            self.sched.step()
+        elif kind in ("freeze", "unfreeze"):
+            getattr(m, a["which"]).requires_grad_(kind == "unfreeze")
+        elif kind == "add_group":
+            o.add_param_group({"params": list(m.reserve.parameters()), "lr": o.param_groups[0]["lr"] * 0.5})
+        elif kind == "reload":
+            self.reload(a)
+        elif kind == "snap":
+            self.snapshot = copy.deepcopy((m.state_dict(), o.state_dict()))
+        elif kind == "rollback":
+            m.load_state_dict(self.snapshot[0])
+            o.load_state_dict(self.snapshot[1])
+        elif kind == "convert":
+            {"float": m.float, "to": lambda: m.to(torch.float32), "cpu": m.cpu}[a["how"]]()
+        elif kind == "sd_compare":
+            self.out = (m.state_dict(), o.state_dict()["state"])
+        elif kind == "copy":  # (copy.deepcopy applies what is pending first)
+            self.out = list(copy.deepcopy(m).parameters())
+        elif kind == "pop_group" and len(o.param_groups) > 1:
+            for p in o.param_groups.pop()["params"]:
+                o.state.pop(p, None)
+        elif kind == "hand_grad":
+            m.scale.grad = torch.full_like(m.scale, 0.01 * (a["g"] + 1))
+        elif kind in ("eval", "eval_late", "nograd_train", "grad_fwd"):
+            m.train(kind in ("nograd_train", "grad_fwd"))
+            with torch.set_grad_enabled(kind == "grad_fwd"):
+                self.out = m(_fuzz_tokens(self.case["spec"], 10_000 + a["i"]), branch=a["branch"]).detach()
+            m.train()
+        elif kind == "flush" and self.handle is not None:
+            self.handle.flush()
+        elif kind == "remove" and self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        elif kind == "refuse" and self.fused:
+            self.fuse(a["refuse"])
+
+    def reload(self, a: dict) -> None:
+        """state_dicts saved, loaded into a fresh model and optimizer (fused again)."""
+        saved = copy.deepcopy((self.model.state_dict(), self.opt.state_dict()))
+        model = _fuzz_model(self.case["spec"], a["seed"])
+        for p, q in zip(model.parameters(), self.model.parameters()):
+            p.requires_grad_(q.requires_grad)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        groups = [{"names": [names[id(p)] for p in g["params"]], "opts": {}} for g in self.opt.param_groups]
+        opt = self._optimizer(model, groups, sys.modules[type(self.opt).__module__])
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        if self.handle is not None and a["remove_old"]:
+            self.handle.remove()
+        if self.sched is not None:
+            sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
+            sched.load_state_dict(self.sched.state_dict())
+            self.sched = sched
+        self.model, self.opt, self.handle, self.snapshot = model, opt, None, None
+        if self.fused and a["refuse"] is not None:
+            self.fuse(a["refuse"])
+
+
+def _fuzz_same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise, NaN where NaN (GradScaler's infs)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) and \
+        torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _fuzz_assert_same(got, ref, what: str) -> None:
+    if isinstance(ref, dict):
+        assert sorted(got) == sorted(ref), f"{what}: keys {sorted(got)} != {sorted(ref)}"
+        for k in ref:
+            _fuzz_assert_same(got[k], ref[k], f"{what}[{k!r}]")
+    elif isinstance(ref, (tuple, list)):
+        assert len(got) == len(ref), f"{what}: {len(got)} items, expected {len(ref)}"
+        for i, (g, r) in enumerate(zip(got, ref)):
+            _fuzz_assert_same(g, r, f"{what}[{i}]")
+    elif isinstance(ref, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and _fuzz_same(got, ref), \
+            f"{what}: {_diff(got, ref) if isinstance(got, torch.Tensor) else got}"
+    else:
+        assert got == ref, f"{what}: {got!r} != {ref!r}"
+
+
+def _fuzz_compare(e: _FuzzSide, f: _FuzzSide, rules: _FuzzRules, where: str, outputs: bool, all_: bool) -> None:
+    if outputs and e.out is not None:
+        _fuzz_assert_same(f.out, e.out, f"{where}: output")
+    names = {id(p): n for n, p in e.model.named_parameters()}
+    fnames = {id(p): n for n, p in f.model.named_parameters()}
+    if all_:
+        _fuzz_assert_same(dict(f.model.named_parameters()), dict(e.model.named_parameters()), f"{where}: params")
+        _fuzz_assert_same(dict(f.model.named_buffers()), dict(e.model.named_buffers()), f"{where}: buffers")
+        _fuzz_assert_same({fnames[id(p)]: s for p, s in f.opt.state.items() if s},
+                          {names[id(p)]: s for p, s in e.opt.state.items() if s}, f"{where}: state")
+        _fuzz_assert_same([g["lr"] for g in f.opt.param_groups], [g["lr"] for g in e.opt.param_groups], where)
+    if rules.grads_are_eagers():
+        fp = dict(f.model.named_parameters())
+        for n, p in e.model.named_parameters():
+            g, h = p.grad, fp[n].grad
+            if rules.bwd and h is None and g is not None and not g.any():
+                continue  # the zeros eager holds, backward mode freed (README)
+            assert (g is None) == (h is None) and (g is None or _fuzz_same(h, g)), f"{where}: .grad of {n}"
+
+
+def _fuzz_run(case: dict) -> None:
+    e, f = _FuzzSide(case, False), _FuzzSide(case, True)
+    rules = _fuzz_rules(case)
+    r = random.Random(case["seed"] + 1)
+    for idx, (kind, a) in enumerate(case["events"] + [("final", {})]):
+        where = f"seed {case['seed']}, event {idx} {kind} {a}"
+        outputs = kind != "eval_late" and not (kind == "grad_fwd" and rules.bwd and rules.updated)
+        if kind != "final":
+            rules.apply(kind, a)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (torch's scheduler notes)
+                e.do(kind, a)
+                f.do(kind, a)
+        all_ = kind in ("step", "compare", "final", "reload", "remove")
+        pending = f.handle is not None and f.handle.mode == "forward"
+        if all_ and pending and (kind in ("compare", "final") or r.random() < 0.5):
+            f.handle.flush()  # (applies what is pending, as the next forward would)
+        elif all_ and pending:
+            all_ = False
+        if kind == "sd_compare":
+            _fuzz_assert_same(f.out, e.out, f"{where}: state_dict")
+        else:
+            _fuzz_compare(e, f, rules, where, outputs, all_)
+
+
+# Seeds whose loops cover every event kind, each optimizer (reprop's and
+# torch's), both modes, accumulation, keep_grads and GradScaler; 185, 205,
+# 241 and 329 failed before the fixes of remove() after step() and of kept
+# gradients (the tests above), 58 and 82 where zero_grad() did not restart
+# the window.
+FUZZ_SEEDS = list(range(40)) + [43, 46, 58, 82, 185, 205, 241, 329]
+
+
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_fuzzed_training_loops_match_eager_bit_for_bit(seed: int) -> None:
+    """A random loop README says fusion follows (see _FuzzRules): the same
+    outputs, parameters, buffers, optimizer state and .grad as eager
+    training's after each event, bit for bit."""
+    _fuzz_run(_fuzz_case(seed))

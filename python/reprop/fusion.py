@@ -1051,6 +1051,7 @@ def _grad_mark(t: torch.Tensor) -> tuple:
 
 
 _VERSION = operator.attrgetter("_version")
+_GRAD = operator.attrgetter("grad")
 _HELD_GRAD = operator.itemgetter(0)
 
 
@@ -1757,10 +1758,11 @@ class _BackwardFusion(FusionHandle):
         self._marked_in: weakref.ref | None = None
         self._pass: weakref.ref | None = None  # see _backward_pass
         self._groups_followed_in: int | None = None  # see _follow_groups
-        # id(param) -> (param, _grad_mark of its .grad) whose .grad (keep_grads=True)
-        # holds a gradient applied already, kept for the user until the next
-        # micro-batch. Every other .grad of a fused param is one not applied yet:
-        # what step() applies and zero_grad() clears, as in eager training.
+        # id(param) -> (param, _grad_mark of its .grad, weakly that .grad) whose
+        # .grad (keep_grads=True) holds a gradient applied already, kept for the
+        # user until the next micro-batch. Every other .grad of a fused param (one
+        # set by hand since too) is one not applied yet: what step() applies and
+        # zero_grad() clears, as in eager training.
         self._kept: dict = {}
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (deferred: they are still there), None when none was: remove() does to
@@ -1918,11 +1920,14 @@ class _BackwardFusion(FusionHandle):
         reaches it (momentum, weight decay, Adam's step); this fusion freed
         them after their update, and only its own steps gave the zeros back
         (_apply_unapplied): remove() gives them back for the steps after it.
+        So it does after a step() that no zero_grad() followed yet: eager
+        holds the applied gradients there, which the loop's next
+        zero_grad(set_to_none=False) makes those zeros (left None, the eager
+        steps after it did not move the params: 0.12 off eager's with SGD's
+        momentum); its zero_grad(set_to_none=True) frees them as eager's.
         Not to the params the window's step moved before its step() was
         called (remove() between backward() and step()): that eager step()
         would move them a second time."""
-        if not self._zeroed_not_freed:
-            return
         moved = self._moved_by_window_step()
         for i, p in self._updated_since_freed.items():
             # (nor to those moved by a window not stepped: see _apply_unapplied)
@@ -1976,7 +1981,14 @@ class _BackwardFusion(FusionHandle):
             return
         if self._backward_since_forward:
             self._start_micro_batch()
-        elif self._swap_check_due:
+            return
+        if self._kept:
+            # kept by a step() after this micro-batch's first forward (a training
+            # accuracy taken before stepping): freed at this training forward, as
+            # at a micro-batch's first; kept, its backward added to the applied
+            # gradients, and the window's update applied them again
+            with self._lock: self._discard_kept(set_to_none=True)  # noqa: E701 (see _lock)
+        if self._swap_check_due:
             # A grad-mode forward with no backward seen since the last one (an
             # evaluation forward left in grad mode, a model called twice per
             # micro-batch): a swapping conversion since dropped the hooks that
@@ -2050,11 +2062,23 @@ class _BackwardFusion(FusionHandle):
         self._discard_kept(set_to_none=True)
 
     def _discard_kept(self, set_to_none: bool) -> None:
-        """Does to the kept gradients what eager's zero_grad() did to them."""
-        for p, _ in self._kept.values():
-            _zero_grad_of(p, set_to_none)
+        """Does to the kept gradients what eager's zero_grad() did to them
+        (not to one set by hand since: see _forget_kept_replaced)."""
+        for p, _, kept in self._kept.values():
+            if p.grad is not None and p.grad is kept():
+                _zero_grad_of(p, set_to_none)
         self._kept.clear()
         self._kept_edit_refused = False
+
+    def _forget_kept_replaced(self) -> None:
+        """Drops the params whose kept gradient (keep_grads=True), applied
+        already, was replaced since: one set by hand (p.grad = g) is eager's,
+        as on any other param, which step() applies and zero_grad() discards
+        (taken for the kept one, the next training forward freed it: 0.002
+        off eager's; and step() refused it as changed in place)."""
+        replaced = [i for i, (p, _, kept) in self._kept.items() if p.grad is not kept()]
+        for i in replaced:
+            del self._kept[i]
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         self._moved_before_step.clear()  # (a gradient opens the next window)
@@ -2300,6 +2324,7 @@ class _BackwardFusion(FusionHandle):
         hold. Not those this window's step moved already: eager's step()
         moves each once."""
         moved = self._moved_by_window_step()
+        self._forget_kept_replaced()
         left = [p for i, p in self._params.items()
                 if i not in moved and i not in self._kept and p.grad is not None]
         if self._zeroed_not_freed:
@@ -2427,7 +2452,16 @@ class _BackwardFusion(FusionHandle):
 
     def _release_grads(self, params: list) -> None:
         if self._keep_grads:
-            self._kept.update((id(p), (p, _grad_mark(p.grad))) for p in params)
+            if self._kept_zeroed is not None:
+                # gradients kept before a zero_grad() that these come after (a
+                # step() applying ones no backward did: of a group added, set by
+                # hand): that call's clearing, deferred, is done to them now,
+                # not forgotten; taken for the new ones', a later
+                # zero_grad(set_to_none=False) made them zeros, which the next
+                # step() moved their params from (0.025 off eager's)
+                self._discard_kept(self._kept_zeroed)
+            self._kept.update((id(p), (p, _grad_mark(g), weakref.ref(g)))
+                              for p, g in zip(params, map(_GRAD, params)))
             self._kept_zeroed = None
             self._kept_unstepped = True
         else:
@@ -2465,8 +2499,9 @@ class _BackwardFusion(FusionHandle):
         calls no step() in backward mode, maybe zeroing first: a zero_grad()
         before the refusal does not excuse it). Refused at every check until
         a zero_grad() after the refusal discards them, as eager's does."""
-        for p, mark in self._kept.values():
-            if p.grad is not None and _grad_mark(p.grad) != mark:
+        for p, mark, kept in self._kept.values():
+            # (the kept tensor edited, its .data replaced too; one set by hand is eager's)
+            if p.grad is not None and _grad_mark(p.grad) != mark and p.grad is kept():
                 self._kept_edit_refused = True
                 raise RuntimeError(
                     f"reprop.fuse(mode='backward', keep_grads=True): the gradient of "
@@ -2589,6 +2624,7 @@ class _BackwardFusion(FusionHandle):
         # micro-batches of a window, of a backward that raised, set by hand), of
         # the groups as they are now; no update waits for them any more.
         self._sync()
+        self._forget_kept_replaced()
         for p in self._params.values():
             if p.grad is not None and id(p) not in self._kept:
                 _zero_grad_of(p, set_to_none)
