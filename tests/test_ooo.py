@@ -4501,7 +4501,7 @@ def test_autocast_sites_after_a_one_site_backward_sum_onto_zeros_as_autograd():
     gets 0.0039 off autograd's .grad in the second (float32 and the step
     before are bitwise; "conventional" and "ooo" alike)."""
     torch.manual_seed(0)
-    ref = nn.ModuleDict(a=nn.Linear(8, 8), b=nn.Linear(8, 8))
+    ref = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
     ref.b.weight = ref.a.weight
     model = copy.deepcopy(ref)
     ooo.enable(model, order="conventional")
