@@ -3150,6 +3150,27 @@ def test_linear_on_a_column_major_input_gives_autograd_bits(make_x):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("dims", [3, 4])
+def test_linear_bias_gradient_of_a_transposed_input_and_gradient_is_autograds(dims):
+    """at::linear runs a non-contiguous input of 3 or more dims as matmul,
+    then add_ of the bias, whose gradient autograd sums over g's leading dims
+    as g lies; a transposed g (Conv1d/BatchNorm1d -> transpose -> Linear ->
+    transpose -> BatchNorm1d) sums in another order than its folded copy,
+    which the split summed before: 7e-7 off here, 19% of a bias gradient
+    that a BatchNorm after the Linear makes ~0 (found by a fuzzer)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 8)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    lead = (3, 2)[:dims - 2]
+    x = torch.randn(*lead, 8, 6).transpose(-1, -2)
+    g = torch.randn(*lead, 8, 6).transpose(-1, -2)
+    for net in (ref, model):
+        net(x).backward(g)
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("shape", [(6,), (4, 6), (2, 3, 6), (2, 1, 3, 6)],
                          ids=["1d", "2d", "3d", "4d"])
 def test_linear_gradients_keep_autograd_bits_and_layout_at_every_rank(shape):
@@ -4243,3 +4264,253 @@ def test_transfer_delays_only_what_crosses_devices():
     g = r.graph
     assert {(int(kind), int(layer)): start for kind, layer, start in zip(g["kind"], g["layer"], r.start)} \
         == {(0, 0): 0.0, (0, 1): 1.5, (2, 1): 2.5, (1, 1): 3.5, (2, 0): 5.0}  # kinds: F 0, dO 1, dW 2
+
+
+# --- randomized differential test: random models and loops against autograd --
+
+_FUZZ_D, _FUZZ_T, _FUZZ_V = 8, 6, 11
+_FUZZ_KINDS = ("linear", "conv1d", "conv2d", "ln", "bn", "gn")
+
+
+class _FuzzBlock(nn.Module):
+    """One split layer over (B, T, D) activations, then an element-wise op,
+    maybe as a residual branch; Conv1d and the norms see (B, D, T), so the
+    layers around them get transposed inputs and gradients."""
+
+    def __init__(self, kind: str, rng, weight: nn.Parameter | None = None):
+        super().__init__()
+        D = _FUZZ_D
+        self.kind, self.act, self.residual = kind, rng.choice(["tanh", "relu", "silu", "none"]), rng.random() < 0.4
+        self.stride = rng.choice([1, 2])
+        bias, width = rng.random() < 0.6, rng.choice([1, 3])
+        self.m = {
+            "linear": lambda: nn.Linear(D, D, bias=bias),
+            "conv1d": lambda: nn.Conv1d(D, D, width, stride=self.stride, padding=width // 2,
+                                        groups=rng.choice([1, 2, 4]), bias=bias),
+            "conv2d": lambda: nn.Conv2d(2, 2, 3, stride=self.stride, padding=1, groups=rng.choice([1, 2]),
+                                        bias=bias),
+            "ln": lambda: nn.LayerNorm(D, bias=bias),
+            "bn": lambda: nn.BatchNorm1d(D),
+            "gn": lambda: nn.GroupNorm(rng.choice([1, 2, 4]), D),
+        }[kind]()
+        if weight is not None:
+            self.m.weight = weight
+
+    def forward(self, x):
+        B, T, D = x.shape
+        if self.kind in ("linear", "ln"):
+            y = self.m(x)
+        elif self.kind == "conv2d":  # (B, 2, T, 4), back to (B, T, D) at T and 4 columns
+            y = self.m(x.reshape(B, T, 2, D // 2).permute(0, 2, 1, 3))
+            y = y.repeat_interleave(self.stride, 2).repeat_interleave(self.stride, 3)[:, :, :T, :D // 2]
+            y = y.permute(0, 2, 1, 3).reshape(B, T, D)
+        else:
+            y = self.m(x.transpose(1, 2))
+            y = y.repeat_interleave(2, -1)[..., :T] if y.shape[-1] < T else y  # stride 2
+            y = y.transpose(1, 2)
+        y = {"tanh": torch.tanh, "relu": torch.relu, "silu": lambda t: t * torch.sigmoid(t),
+             "none": lambda t: t}[self.act](y)
+        return x + y if self.residual else y
+
+
+class _FuzzNet(nn.Module):
+    """Embedding (maybe with padding_idx, maybe tied to the head), 2-5
+    random blocks, a weight tied at 2-4 Linear sites, maybe a block called
+    twice, a frozen block and a block skipped in odd steps."""
+
+    def __init__(self, rng, kinds):
+        super().__init__()
+        D, V = _FUZZ_D, _FUZZ_V
+        self.emb = nn.Embedding(V, D, padding_idx=rng.choice([None, 0, 3]))
+        self.tied = nn.Parameter(torch.randn(D, D) * 0.3) if rng.random() < 0.5 else None
+        blocks = [_FuzzBlock(k, rng) for k in kinds]
+        for _ in range(rng.randint(2, 4) if self.tied is not None else 0):
+            blocks.insert(rng.randint(0, len(blocks)), _FuzzBlock("linear", rng, self.tied))
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(D, V, bias=rng.random() < 0.5)
+        if rng.random() < 0.25:
+            self.head.weight = self.emb.weight
+        self.twice = rng.randrange(len(blocks)) if rng.random() < 0.25 else None
+        self.sometimes = rng.randrange(len(blocks)) if rng.random() < 0.3 else None
+        frozen = rng.choice(blocks) if rng.random() < 0.3 else None
+        if frozen is not None and frozen.m.weight is not self.tied:
+            frozen.m.requires_grad_(False)
+
+    def shares(self) -> bool:
+        return self.tied is not None or self.twice is not None or self.head.weight is self.emb.weight
+
+    def forward(self, ids, step: int):
+        x = self.emb(ids)
+        for i, block in enumerate(self.blocks):
+            if not (i == self.sometimes and step % 2):
+                x = block(x)
+                x = block(x) if i == self.twice else x
+        return self.head(x)
+
+
+def _fuzz_case(seed: int) -> tuple[_FuzzNet, dict, dict]:
+    """A model, enable() options and a training loop drawn from `seed`; the
+    first len(_FUZZ_KINDS) seeds each start with one kind, so every kind is drawn."""
+    import random
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    kinds = [rng.choice(_FUZZ_KINDS) for _ in range(rng.randint(1, 3))]
+    model = _FuzzNet(rng, [_FUZZ_KINDS[seed]] + kinds if seed < len(_FUZZ_KINDS) else kinds)
+    options = dict(order=rng.choice(["ooo", "ooo", "conventional"]), regions=rng.choice([1, 2, 3]),
+                   max_extra_memory=rng.choice([0, 0.1, 0.5, 1, 2]), profile_iters=2,
+                   speedup=rng.choice([None, "profile", lambda a, b: 1.0 + 0.1 * (b - a)]))
+    loop = dict(steps=rng.randint(2, 4), adam=rng.random() < 0.5, set_to_none=rng.random() < 0.5,
+                backwards=rng.choice([1, 2, 3]), retain_graph=rng.random() < 0.25,
+                autocast=rng.random() < 0.3, hook=rng.choice([None, "tensor", "post"]),
+                evaluate=rng.random() < 0.3, enable_again=rng.choice([None, 2]))
+    # the README's exception: once the schedule is fixed, the CPU runs some
+    # sites of a shared weight plain while it moves others, adding them apart
+    # (last bits); deterministic algorithms keep every site split and summed
+    # in turn. Otherwise only the passes before (every site split, the
+    # co-run passes moving dW past later regions) are compared
+    moving_shared = model.shares() and options["order"] == "ooo"
+    loop["deterministic"] = rng.random() < (0.5 if moving_shared else 0.2)
+    loop["until_fixed"] = moving_shared and not loop["deterministic"]
+    if loop["until_fixed"]:  # every pass until the schedule is fixed
+        options.update(speedup="profile", regions=3)
+        loop["steps"] = options["profile_iters"] + options["regions"] + 1
+    return model, options, loop
+
+
+def _fuzz_hooks(model: nn.Module, kind: str | None, calls: list) -> None:
+    """Logs (name, gradient) at every call of a tensor hook on the first
+    block's parameters or of a post-accumulate-grad hook on every one."""
+    for name, p in model.named_parameters():
+        if kind == "tensor" and name.startswith("blocks.0.") and p.requires_grad:
+            p.register_hook(lambda g, name=name: calls.append((name, g.clone())))
+        elif kind == "post" and p.requires_grad:
+            p.register_post_accumulate_grad_hook(lambda p, name=name: calls.append((name, p.grad.clone())))
+
+
+def _assert_same_bits(ref: nn.Module, model: nn.Module, attr: str, where: str) -> None:
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        a, b = (getattr(a, attr), getattr(b, attr)) if attr else (a, b)
+        assert (a is None) == (b is None), f"{where}: {name}.{attr} None"
+        if a is not None:
+            torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"{where}: {name}.{attr}")
+
+
+def _per_parameter(calls: list) -> list:
+    # the schedule moves a parameter's hooks past other parameters' (that is
+    # the point); each one's own calls keep autograd's number, order and values
+    return sorted(calls, key=lambda c: c[0])
+
+
+def _train_fuzz_case(seed: int) -> None:
+    model, options, loop = _fuzz_case(seed)
+    ref = copy.deepcopy(model)
+    ref_calls, calls = [], []
+    _fuzz_hooks(ref, loop["hook"], ref_calls)
+    _fuzz_hooks(model, loop["hook"], calls)
+    handle = ooo.enable(model, **options)
+    opts = [(torch.optim.Adam if loop["adam"] else torch.optim.SGD)(
+        [p for p in net.parameters() if p.requires_grad], lr=0.01) for net in (ref, model)]
+    data = torch.Generator().manual_seed(seed)
+    for step in range(loop["steps"]):
+        if step == loop["enable_again"]:
+            handle.remove()
+            handle = ooo.enable(model, **options)
+        for opt in opts:
+            opt.zero_grad(set_to_none=loop["set_to_none"])
+        for k in range(loop["backwards"]):
+            if loop["until_fixed"] and handle.schedule is not None:
+                return
+            ids = torch.randint(0, _FUZZ_V, (3, _FUZZ_T), generator=data)
+            target = torch.randn(3, _FUZZ_T, _FUZZ_V, generator=data)
+            outs = []
+            for net in (ref, model):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=loop["autocast"]):
+                    out = net(ids, step)
+                    loss = ((out.float() - target) ** 2).mean()
+                loss.backward(retain_graph=loop["retain_graph"])
+                if loop["retain_graph"]:
+                    (out.float().sum() * 0.01).backward()
+                outs.append(out)
+            where = f"seed {seed} step {step} backward {k}"
+            torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0, msg=where)
+            _assert_same_bits(ref, model, "grad", where)
+            assert [c[0] for c in _per_parameter(calls)] == [c[0] for c in _per_parameter(ref_calls)], where
+            for (name, got), (_, want) in zip(_per_parameter(calls), _per_parameter(ref_calls)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{where}: hook of {name}")
+        for opt in opts:
+            opt.step()
+        _assert_same_bits(ref, model, None, f"seed {seed} step {step}")
+        if loop["evaluate"]:
+            ids = torch.randint(0, _FUZZ_V, (2, _FUZZ_T), generator=data)
+            with torch.no_grad():
+                torch.testing.assert_close(model.eval()(ids, step), ref.eval()(ids, step), rtol=0, atol=0)
+            ref.train(), model.train()
+    for (name, a), b in zip(ref.named_buffers(), model.buffers()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+    handle.remove()
+
+
+# 185, 188 and 290: co-run passes that move a dW of a weight read at three or
+# more sites past the later sites' (1 seed in 100 does), so a sum in run order
+# or a dW dropped under a cap has a case to show in
+_FUZZ_SEEDS = (*range(40), 185, 188, 290)
+
+
+@pytest.mark.parametrize("seed", _FUZZ_SEEDS)
+def test_random_models_and_training_loops_give_autograds_bits(seed):
+    """A differential test: random models of every split kind (tied, frozen,
+    skipped, called twice) under random enable() options and training loops
+    (SGD/Adam, zero_grad either way, accumulation, retain_graph, bf16
+    autocast, hooks, evaluation, remove() and enable() again) give plain
+    autograd's gradients, hook calls and parameters bit for bit (the
+    README's CPU claim; where a weight is shared under order="ooo", under
+    deterministic algorithms or until the schedule is fixed, as the README
+    says)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(_fuzz_case(seed)[2]["deterministic"])
+    try:
+        _train_fuzz_case(seed)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+def test_the_random_cases_draw_every_feature():
+    """The seeds above cover every layer kind and every option and loop
+    feature, so a fault in any of them has a case to show in."""
+    cases = [_fuzz_case(seed) for seed in _FUZZ_SEEDS]
+    kinds = {b.kind for model, _, _ in cases for b in model.blocks}
+    assert kinds == set(_FUZZ_KINDS)
+    assert any(m.tied is not None for m, _, _ in cases) and any(m.twice is not None for m, _, _ in cases)
+    assert any(m.head.weight is m.emb.weight for m, _, _ in cases)
+    assert any(m.sometimes is not None for m, _, _ in cases)
+    assert any(not p.requires_grad for m, _, _ in cases for p in m.parameters())
+    assert {o["max_extra_memory"] for _, o, _ in cases} == {0, 0.1, 0.5, 1, 2}
+    assert {o["order"] for _, o, _ in cases} == {"ooo", "conventional"}
+    for key in ("adam", "set_to_none", "retain_graph", "autocast", "evaluate", "deterministic",
+                "until_fixed"):
+        assert {bool(loop[key]) for _, _, loop in cases} == {True, False}, key
+    assert {loop["hook"] for _, _, loop in cases} == {None, "tensor", "post"}
+    assert {loop["backwards"] for _, _, loop in cases} == {1, 2, 3}
+    assert {loop["enable_again"] for _, _, loop in cases} == {None, 2}
+
+
+@pytest.mark.xfail(strict=True, reason="known fault, found by the differential fuzzer: not fixed yet")
+def test_autocast_sites_after_a_one_site_backward_sum_onto_zeros_as_autograd():
+    """bf16 autocast, .grad holding zeros (zero_grad(set_to_none=False)): a
+    weight read at one split call in a backward and at three in the next
+    gets 0.0039 off autograd's .grad in the second (float32 and the step
+    before are bitwise; "conventional" and "ooo" alike)."""
+    torch.manual_seed(0)
+    ref = nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)})
+    ref.b.weight = ref.a.weight
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    for step in range(3):
+        x = torch.randn(4, 8)
+        for net in (ref, model):
+            for p in net.parameters():
+                p.grad = None if step == 0 else torch.zeros_like(p)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                h = x if step % 2 else net.a(net.a(x))
+                net.b(h).float().pow(2).sum().backward()
+        torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, rtol=0, atol=0, msg=f"step {step}")
