@@ -3148,9 +3148,10 @@ def test_state_without_a_step_count_raises_torchs_key_error(name: str) -> None:
         assert torch.equal(p.detach(), before)
 
 
-def _step_with_a_shared_step_tensor(cls: type, name: str, init: list, grads: list,
-                                    step: torch.Tensor) -> list:
-    """Steps once, puts `step` into every param's state, steps on; returns the params."""
+def _step_editing_state_after_the_first(cls: type, name: str, init: list, grads: list,
+                                        edit: Callable) -> tuple[list, object]:
+    """Steps once, calls edit(opt, params) (state made by hand), steps on;
+    returns the params and the optimizer."""
     params = [nn.Parameter(t.clone()) for t in init]
     opt = cls(params, **RICH[name])
     for k, gs in enumerate(grads):
@@ -3158,8 +3159,17 @@ def _step_with_a_shared_step_tensor(cls: type, name: str, init: list, grads: lis
             p.grad = g.clone()
         opt.step()
         if k == 0:
-            for p in params:
-                opt.state[p]["step"] = step
+            edit(opt, params)
+    return params, opt
+
+
+def _step_with_a_shared_step_tensor(cls: type, name: str, init: list, grads: list,
+                                    step: torch.Tensor) -> list:
+    """Steps once, puts `step` into every param's state, steps on; returns the params."""
+    def share(opt, params):
+        for p in params:
+            opt.state[p]["step"] = step
+    params, opt = _step_editing_state_after_the_first(cls, name, init, grads, share)
     assert all(opt.state[p]["step"] is opt.state[params[0]]["step"] for p in params)
     return params
 
@@ -5103,17 +5113,10 @@ def test_amsgrad_max_made_nan_by_hand_stays_nan_as_torchs(name: str) -> None:
     NaN gradient makes both moments NaN at once."""
     shapes = [(4, 3), (5,)]
     init, grads = make_params(shapes, seed=61), grad_sequence(shapes, 3)
-    runs = []
-    for cls in (reprop_cls(name), torch_cls(name)):
-        params = [nn.Parameter(t.clone()) for t in init]
-        opt = cls(params, **RICH[name])
-        for k, step_grads in enumerate(grads):
-            for p, g in zip(params, step_grads):
-                p.grad = g.clone()
-            opt.step()
-            if k == 0:
-                opt.state[params[0]]["max_exp_avg_sq"][1, 2] = float("nan")
-        runs.append(Run(params, opt))
+    def nan_in_max(opt, params):
+        opt.state[params[0]]["max_exp_avg_sq"][1, 2] = float("nan")
+    runs = [Run(*_step_editing_state_after_the_first(cls, name, init, grads, nan_in_max))
+            for cls in (reprop_cls(name), torch_cls(name))]
     assert runs[1].params[0].isnan().sum().item() == 1 and runs[1].params[0][1, 2].isnan()
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
