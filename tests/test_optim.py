@@ -3247,6 +3247,19 @@ REFUSED_AT_A_STEP = {
                                      None, None),
     # 1 - inf ** step is -inf, whose ** 0.5 is inf in Python (not complex): NaN params in both
     "Adam-beta2-inf": ("Adam", {"betas": (0.9, float("inf"))}, None, None),
+    # (fuzzer) a tensor lr is divided by the step-count denominators as a tensor op, in its
+    # dtype: a zero one gives inf or NaN, and so does an overflow of float32, where torch
+    # steps on; reprop refused them as for a number lr
+    "Adam-beta1-one-tensor-lr": ("Adam", {"lr": torch.tensor(0.01), "betas": (1.0, 0.999)}, None, None),
+    "Adam-beta1-minus-one-bf16-tensor-lr": (
+        "Adam", {"lr": torch.tensor(0.01, dtype=torch.bfloat16), "betas": (-1.0, 0.999)}, None, None),
+    "Adagrad-lr_decay-tensor-lr": ("Adagrad", {"lr": torch.tensor(0.05), "lr_decay": -1.0}, None, None),
+    "Adam-lr-float32-tensor-overflow": ("Adam", {"lr": torch.tensor(3e38)}, None, None),
+    "Adagrad-lr-float32-tensor-overflow": ("Adagrad", {"lr": torch.tensor(3e38), "lr_decay": -0.5},
+                                           None, None),
+    # a float64 one divides in double, and its step size goes to the float32 op as a number
+    "Adam-lr-float64-tensor": ("Adam", {"lr": torch.tensor(1e300, dtype=torch.float64)}, 0,
+                               r"lr: the step size lr / \(1 - beta1 \*\* step\) = 1e\+301"),
 }
 
 
@@ -3291,6 +3304,23 @@ def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) ->
     # group 0 was updated, as torch updates it before it gets to group 1
     assert_runs_close(Run(runs[1].params[:2], runs[1].opt), Run(runs[0].params[:2], runs[0].opt),
                       OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64],
+                         ids=str)
+@pytest.mark.parametrize("name, options", [("Adam", {"betas": (0.9, 0.999)}), ("Adagrad", {"lr_decay": 0.3})],
+                         ids=["Adam", "Adagrad"])
+def test_a_tensor_lr_is_divided_in_its_dtype(name: str, options: dict, dtype: torch.dtype) -> None:
+    """torch divides a tensor lr by Adam's 1 - beta1 ** step and Adagrad's
+    1 + (step - 1) * lr_decay as a tensor op, in torch.result_type(lr, 1.0):
+    a 16-bit lr's step size is rounded to its dtype (0.3% from the quotient
+    in double for this bfloat16 one, which reprop used whatever the lr)."""
+    lr = torch.tensor(7 if dtype == torch.int64 else 0.0123, dtype=dtype)
+    shapes = [(4, 3), (5,)]
+    init = make_params(shapes, seed=33)
+    ref = run_open_loop(factory(torch_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
+    got = run_open_loop(factory(reprop_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
 
 
 def test_group_updated_in_several_calls_is_refused_before_any() -> None:
