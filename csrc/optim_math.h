@@ -79,7 +79,8 @@ typedef struct {
     float sign;            /* -1 when maximize, else 1: exact negation */
     int has_wd;            /* weight_decay != 0, coupled (not AdamW's) */
     float wd;              /* coupled weight decay: grad + wd * param */
-    float decay_factor;    /* AdamW: 1 - lr * weight_decay; else 1, and param * 1 is param */
+    float decay_factor;    /* AdamW: 1 - lr * weight_decay (weight_decay != 0); else 1,
+                              and param * 1 is param */
     float eps;
     float w1, one_minus_w1; /* lerp weight (1 - beta1 or 1 - alpha) and 1 - weight */
     float beta2, one_minus_beta2;
@@ -110,7 +111,9 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
     c->sign = hp->maximize ? -1.0f : 1.0f;
     c->has_wd = hp->weight_decay != 0.0 && !decoupled;
     c->wd = (float)hp->weight_decay;
-    c->decay_factor = decoupled ? (float)(1.0 - lr * hp->weight_decay) : 1.0f;
+    /* torch multiplies only for a non-zero weight_decay: 1 - inf * 0 is NaN */
+    c->decay_factor =
+        decoupled && hp->weight_decay != 0.0 ? (float)(1.0 - lr * hp->weight_decay) : 1.0f;
     c->eps = (float)hp->eps;
     c->amsgrad = hp->amsgrad;
     c->momentum = (float)hp->momentum;

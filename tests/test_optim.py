@@ -3240,6 +3240,11 @@ REFUSED_AT_A_STEP = {
     "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
     "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
     "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
+    # (fuzzer) torch decays decoupled only for a non-zero weight_decay; reprop multiplied
+    # the params by 1 - inf * 0 = NaN, where torch's are +-inf
+    "AdamW-lr-inf-without-weight_decay": ("AdamW", {"lr": float("inf"), "weight_decay": 0.0}, None, None),
+    "Adam-decoupled-lr-inf-without-weight_decay": (
+        "Adam", {"lr": float("inf"), "weight_decay": 0.0, "decoupled_weight_decay": True}, None, None),
     # (C mutation audit) torch's mul_(momentum) takes any float, its add(alpha=) float32's
     # largest: refusing either where torch steps on passed every test
     "SGD-momentum-without-nesterov": ("SGD", {"momentum": 1e39, "nesterov": False}, None, None),
