@@ -190,15 +190,9 @@ static int rp_python_pow(double base, double t, const char *name, double *out, r
  * lr's dtype; an overflow is then inf, which torch's update steps on with. */
 static double rp_lr_over(const rp_optim_hparams *hp, double denom)
 {
-    float q;
     if (hp->lr_kind == RP_LR_NUMBER || hp->lr_kind == RP_LR_F64)
         return hp->lr / denom;
-    q = (float)hp->lr / (float)denom;
-    if (hp->lr_kind == RP_LR_F16)
-        return rp_f16_to_f32(rp_f32_to_f16(q));
-    if (hp->lr_kind == RP_LR_BF16)
-        return rp_bf16_to_f32(rp_f32_to_bf16(q));
-    return q;
+    return rp_lr_round(hp->lr_kind, (float)hp->lr / (float)denom);
 }
 
 /* Adam at step t: a = -lr / (1 - beta1^t), b = sqrt(1 - beta2^t). */

@@ -3313,13 +3313,16 @@ def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) ->
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64],
                          ids=str)
-@pytest.mark.parametrize("name, options", [("Adam", {"betas": (0.9, 0.999)}), ("Adagrad", {"lr_decay": 0.3})],
-                         ids=["Adam", "Adagrad"])
-def test_a_tensor_lr_is_divided_in_its_dtype(name: str, options: dict, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("name, options", [("Adam", {"betas": (0.9, 0.999)}), ("Adagrad", {"lr_decay": 0.3}),
+                                           ("AdamW", {"weight_decay": 0.3})],
+                         ids=["Adam", "Adagrad", "AdamW"])
+def test_a_tensor_lr_is_computed_with_in_its_dtype(name: str, options: dict, dtype: torch.dtype) -> None:
     """torch divides a tensor lr by Adam's 1 - beta1 ** step and Adagrad's
-    1 + (step - 1) * lr_decay as a tensor op, in torch.result_type(lr, 1.0):
-    a 16-bit lr's step size is rounded to its dtype (0.3% from the quotient
-    in double for this bfloat16 one, which reprop used whatever the lr)."""
+    1 + (step - 1) * lr_decay, and computes AdamW's 1 - lr * weight_decay,
+    in tensor ops, in torch.result_type(lr, 1.0): with a 16-bit lr they are
+    rounded to its dtype (a bfloat16 step size 0.3% from the quotient in
+    double, which reprop used whatever the lr, and a decay factor of
+    0.99609 for 0.99631)."""
     lr = torch.tensor(7 if dtype == torch.int64 else 0.0123, dtype=dtype)
     shapes = [(4, 3), (5,)]
     init = make_params(shapes, seed=33)

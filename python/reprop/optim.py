@@ -843,7 +843,8 @@ def _decoupled_decay_factor(opt, group: dict, hp: tuple):
     it reads their gradients (AdamW, Adam with decoupled_weight_decay), as
     the kernels compute it: 1 - lr * weight_decay in double, rounded to
     float32 once (as mul_ rounds a Python float for a float32 tensor), from
-    a capturable group's tensor lr as they read it on the device. None where
+    a capturable group's tensor lr as they read it on the device; from
+    another tensor lr torch's own tensor ops, in its dtype. None where
     the update reads the gradients first: without decoupled decay, and with
     maximize, for which torch negates them into new tensors first."""
     if (opt._kind != _ADAM or not hp[_HP_DECOUPLED] or hp[_HP_MAXIMIZE]
@@ -853,6 +854,8 @@ def _decoupled_decay_factor(opt, group: dict, hp: tuple):
     lr = group["lr"]
     if group.get("capturable", False) and isinstance(lr, torch.Tensor):
         return (1.0 - lr.double() * weight_decay).float()
+    if isinstance(lr, torch.Tensor):
+        return 1 - lr * weight_decay
     return 1.0 - float(hp[_HP_LR]) * weight_decay
 
 
