@@ -184,6 +184,17 @@ static int rp_python_pow(double base, double t, const char *name, double *out, r
     return RP_OK;
 }
 
+/* lr / denom as torch computes it (see rp_lr_kind): in double for a number or
+ * a float64 tensor (a zero denominator gives inf or NaN: the callers refuse
+ * it for a number, as Python raises), else in float32, rounded to a 16-bit
+ * lr's dtype; an overflow is then inf, which torch's update steps on with. */
+static double rp_lr_over(const rp_optim_hparams *hp, double denom)
+{
+    if (hp->lr_kind == RP_LR_NUMBER || hp->lr_kind == RP_LR_F64)
+        return hp->lr / denom;
+    return rp_lr_round(hp->lr_kind, (float)hp->lr / (float)denom);
+}
+
 /* Adam at step t: a = -lr / (1 - beta1^t), b = sqrt(1 - beta2^t). */
 static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
                            rp_error *err)
@@ -194,7 +205,7 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
         rc = rp_python_pow(hp->beta2, t, "beta2", &pow2, err);
     if (rc != RP_OK)
         return rc;
-    if (1.0 - pow1 == 0.0)
+    if (1.0 - pow1 == 0.0 && hp->lr_kind == RP_LR_NUMBER)
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta1 ** step is 0 at step %g (beta1 = %g), a division by "
                             "zero (torch.optim raises ZeroDivisionError)", t, hp->beta1);
@@ -206,7 +217,7 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
                             "betas: 1 - beta2 ** step = %g at step %g (beta2 = %g) is negative, "
                             "so its square root is complex; torch.optim raises too",
                             bc2, t, hp->beta2);
-    step_size = hp->lr / (1.0 - pow1);
+    step_size = rp_lr_over(hp, 1.0 - pow1);
     if (rp_beyond_float(step_size))
         return rp_set_error(err, RP_EINVAL,
                             "lr: the step size lr / (1 - beta1 ** step) = %g at step %g "
@@ -222,12 +233,12 @@ static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scal
 {
     const double decay = 1.0 + (t - 1.0) * hp->lr_decay;
     double clr;
-    if (decay == 0.0)
+    if (decay == 0.0 && hp->lr_kind == RP_LR_NUMBER)
         return rp_set_error(err, RP_EINVAL,
                             "lr_decay: 1 + (step - 1) * lr_decay is 0 at step %g (lr_decay = %g), "
                             "a division by zero (torch.optim raises ZeroDivisionError)",
                             t, hp->lr_decay);
-    clr = hp->lr / decay;
+    clr = rp_lr_over(hp, decay);
     if (rp_beyond_float(clr))
         return rp_set_error(err, RP_EINVAL,
                             "lr: lr / (1 + (step - 1) * lr_decay) = %g at step %g "

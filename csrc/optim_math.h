@@ -79,7 +79,8 @@ typedef struct {
     float sign;            /* -1 when maximize, else 1: exact negation */
     int has_wd;            /* weight_decay != 0, coupled (not AdamW's) */
     float wd;              /* coupled weight decay: grad + wd * param */
-    float decay_factor;    /* AdamW: 1 - lr * weight_decay; else 1, and param * 1 is param */
+    float decay_factor;    /* AdamW: 1 - lr * weight_decay (weight_decay != 0); else 1,
+                              and param * 1 is param */
     float eps;
     float w1, one_minus_w1; /* lerp weight (1 - beta1 or 1 - alpha) and 1 - weight */
     float beta2, one_minus_beta2;
@@ -100,6 +101,29 @@ RP_HOSTDEV int rp_optim_has_momentum(const rp_optim_hparams *hp)
     return hp->kind == RP_RMSPROP ? hp->momentum > 0.0 : hp->momentum != 0.0;
 }
 
+/* x, a float32 result of a tensor op on a tensor lr of rp_lr_kind `kind`
+ * (RP_LR_F32, F16 or BF16), rounded to the lr's dtype as that op rounds it. */
+RP_HOSTDEV float rp_lr_round(int kind, float x)
+{
+    if (kind == RP_LR_F16)
+        return rp_f16_to_f32(rp_f32_to_f16(x));
+    if (kind == RP_LR_BF16)
+        return rp_bf16_to_f32(rp_f32_to_bf16(x));
+    return x;
+}
+
+/* AdamW's 1 - lr * weight_decay as torch computes it: in double, rounded to
+ * float32 once by the param's mul_, for a number (or a float64 tensor) lr;
+ * for a tensor lr of another dtype two tensor ops in its dtype (see
+ * rp_lr_kind), each rounded to it. */
+RP_HOSTDEV float rp_decay_factor(const rp_optim_hparams *hp, double lr)
+{
+    if (hp->lr_kind == RP_LR_NUMBER || hp->lr_kind == RP_LR_F64)
+        return (float)(1.0 - lr * hp->weight_decay);
+    return rp_lr_round(hp->lr_kind,
+                       1.0f - rp_lr_round(hp->lr_kind, (float)lr * (float)hp->weight_decay));
+}
+
 /* Fills the float constants from the double hyper-parameters. `lr` is passed
  * separately because capturable CUDA updates read it from device memory. */
 RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_optim_consts *c)
@@ -110,7 +134,8 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
     c->sign = hp->maximize ? -1.0f : 1.0f;
     c->has_wd = hp->weight_decay != 0.0 && !decoupled;
     c->wd = (float)hp->weight_decay;
-    c->decay_factor = decoupled ? (float)(1.0 - lr * hp->weight_decay) : 1.0f;
+    /* torch multiplies only for a non-zero weight_decay: 1 - inf * 0 is NaN */
+    c->decay_factor = decoupled && hp->weight_decay != 0.0 ? rp_decay_factor(hp, lr) : 1.0f;
     c->eps = (float)hp->eps;
     c->amsgrad = hp->amsgrad;
     c->momentum = (float)hp->momentum;

@@ -109,11 +109,12 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
         PyErr_SetString(PyExc_TypeError, "hparams: expected a tuple");
         return -1;
     }
-    if (!PyArg_ParseTuple(hparams, "ddddddddddppppp;hparams: expected 10 floats and 5 bools",
+    if (!PyArg_ParseTuple(hparams,
+                          "ddddddddddppppp|i;hparams: expected 10 floats, 5 bools and an optional int",
                           &hp->lr, &hp->weight_decay, &hp->eps, &hp->beta1, &hp->beta2,
                           &hp->momentum, &hp->dampening, &hp->alpha, &hp->rho, &hp->lr_decay,
                           &hp->nesterov, &hp->maximize, &hp->amsgrad, &hp->decoupled_weight_decay,
-                          &hp->centered))
+                          &hp->centered, &hp->lr_kind))
         return -1;
     if (rp_py_check_table(table, &arr) < 0)
         return -1;
@@ -764,8 +765,8 @@ static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
     return 1;
 }
 
-/* The 15 entries of the hparams tuple into item (new references; NULL: a
- * numeric entry absent, 0.0), read in the order optim.py's _hparams_of reads
+/* The first 15 entries of the hparams tuple (all but lr_kind) into item
+ * (new references; NULL: a numeric entry absent, 0.0), read in the order optim.py's _hparams_of reads
  * them: 1 done, 0 when the group holds a value that only _hparams_of takes, -1
  * with an exception set. *betas holds group["betas"] (a new reference or
  * NULL) for the caller to release. */
@@ -820,7 +821,7 @@ static int rp_py_hparam_items(PyObject *group, PyObject *const *keys, PyObject *
 PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *const *keys;
-    PyObject *item[15] = {NULL}, *betas = NULL, *zero = NULL, *result = NULL;
+    PyObject *item[16] = {NULL}, *betas = NULL, *zero = NULL, *result = NULL;
     int k, ok;
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "optim_hparams") < 0)
@@ -831,9 +832,10 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
     if ((keys = rp_py_hparam_keys()) == NULL)
         return NULL;
     ok = rp_py_hparam_items(args[0], keys, item, &betas);
-    if (ok == 1 && (zero = PyFloat_FromDouble(0.0)) != NULL &&
-        (result = PyTuple_New(15)) != NULL) {
-        for (k = 0; k < 15; k++) {
+    /* lr_kind: the lr is a number here (a tensor one goes to Python) */
+    if (ok == 1 && (item[15] = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
+        (zero = PyFloat_FromDouble(0.0)) != NULL && (result = PyTuple_New(16)) != NULL) {
+        for (k = 0; k < 16; k++) {
             if (item[k] == NULL) {
                 Py_INCREF(zero);
                 item[k] = zero;
@@ -845,7 +847,7 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_INCREF(Py_None);
         result = Py_None;
     }
-    for (k = 0; k < 15; k++)
+    for (k = 0; k < 16; k++)
         Py_XDECREF(item[k]);
     Py_XDECREF(betas);
     Py_XDECREF(zero);

@@ -27,8 +27,10 @@ typedef struct {
 
 /* Parses (kind, dtype, table, hparams) where hparams is the tuple
  * (lr, weight_decay, eps, beta1, beta2, momentum, dampening, alpha, rho,
- *  lr_decay, nesterov, maximize, amsgrad, decoupled_weight_decay, centered)
- * and checks the table. 0 on success, -1 with a Python exception set. */
+ *  lr_decay, nesterov, maximize, amsgrad, decoupled_weight_decay, centered
+ *  [, lr_kind]), lr_kind an rp_lr_kind (absent: RP_LR_NUMBER), and checks
+ * the table.
+ * 0 on success, -1 with a Python exception set. */
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call);
 
@@ -38,7 +40,8 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * dict with "lr", the numeric entries (absent: 0.0; beta1 and beta2 the
  * first two items of an exact tuple or list "betas", absent: 0.0) exact
  * floats or ints of 64 bits, "capturable" and the flags (absent: False) bools, None,
- * exact ints or floats, whose truth is the flag. None otherwise (a tensor lr,
+ * exact ints or floats, whose truth is the flag; lr_kind RP_LR_NUMBER. None
+ * otherwise (a tensor lr,
  * a NumPy scalar, a bool where a number goes, a value refused, no "lr"), for
  * _hparams to convert or refuse the group's values itself. Defined in
  * pyutil.c. */

@@ -3240,6 +3240,11 @@ REFUSED_AT_A_STEP = {
     "AdamW-weight_decay": ("AdamW", {"weight_decay": 1e30}, None, None),  # 1 - lr * wd: not checked
     "Adam-beta2-one": ("Adam", {"betas": (0.9, 1.0)}, None, None),  # a tensor divided by 0
     "RMSprop-lr-inf": ("RMSprop", {"lr": float("inf")}, None, None),
+    # (fuzzer) torch decays decoupled only for a non-zero weight_decay; reprop multiplied
+    # the params by 1 - inf * 0 = NaN, where torch's are +-inf
+    "AdamW-lr-inf-without-weight_decay": ("AdamW", {"lr": float("inf"), "weight_decay": 0.0}, None, None),
+    "Adam-decoupled-lr-inf-without-weight_decay": (
+        "Adam", {"lr": float("inf"), "weight_decay": 0.0, "decoupled_weight_decay": True}, None, None),
     # (C mutation audit) torch's mul_(momentum) takes any float, its add(alpha=) float32's
     # largest: refusing either where torch steps on passed every test
     "SGD-momentum-without-nesterov": ("SGD", {"momentum": 1e39, "nesterov": False}, None, None),
@@ -3247,6 +3252,19 @@ REFUSED_AT_A_STEP = {
                                      None, None),
     # 1 - inf ** step is -inf, whose ** 0.5 is inf in Python (not complex): NaN params in both
     "Adam-beta2-inf": ("Adam", {"betas": (0.9, float("inf"))}, None, None),
+    # (fuzzer) a tensor lr is divided by the step-count denominators as a tensor op, in its
+    # dtype: a zero one gives inf or NaN, and so does an overflow of float32, where torch
+    # steps on; reprop refused them as for a number lr
+    "Adam-beta1-one-tensor-lr": ("Adam", {"lr": torch.tensor(0.01), "betas": (1.0, 0.999)}, None, None),
+    "Adam-beta1-minus-one-bf16-tensor-lr": (
+        "Adam", {"lr": torch.tensor(0.01, dtype=torch.bfloat16), "betas": (-1.0, 0.999)}, None, None),
+    "Adagrad-lr_decay-tensor-lr": ("Adagrad", {"lr": torch.tensor(0.05), "lr_decay": -1.0}, None, None),
+    "Adam-lr-float32-tensor-overflow": ("Adam", {"lr": torch.tensor(3e38)}, None, None),
+    "Adagrad-lr-float32-tensor-overflow": ("Adagrad", {"lr": torch.tensor(3e38), "lr_decay": -0.5},
+                                           None, None),
+    # a float64 one divides in double, and its step size goes to the float32 op as a number
+    "Adam-lr-float64-tensor": ("Adam", {"lr": torch.tensor(1e300, dtype=torch.float64)}, 0,
+                               r"lr: the step size lr / \(1 - beta1 \*\* step\) = 1e\+301"),
 }
 
 
@@ -3291,6 +3309,26 @@ def test_hyperparameters_torch_refuses_at_a_step_are_refused_first(case: str) ->
     # group 0 was updated, as torch updates it before it gets to group 1
     assert_runs_close(Run(runs[1].params[:2], runs[1].opt), Run(runs[0].params[:2], runs[0].opt),
                       OPEN_LOOP_TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64],
+                         ids=str)
+@pytest.mark.parametrize("name, options", [("Adam", {"betas": (0.9, 0.999)}), ("Adagrad", {"lr_decay": 0.3}),
+                                           ("AdamW", {"weight_decay": 0.3})],
+                         ids=["Adam", "Adagrad", "AdamW"])
+def test_a_tensor_lr_is_computed_with_in_its_dtype(name: str, options: dict, dtype: torch.dtype) -> None:
+    """torch divides a tensor lr by Adam's 1 - beta1 ** step and Adagrad's
+    1 + (step - 1) * lr_decay, and computes AdamW's 1 - lr * weight_decay,
+    in tensor ops, in torch.result_type(lr, 1.0): with a 16-bit lr they are
+    rounded to its dtype (a bfloat16 step size 0.3% from the quotient in
+    double, which reprop used whatever the lr, and a decay factor of
+    0.99609 for 0.99631)."""
+    lr = torch.tensor(7 if dtype == torch.int64 else 0.0123, dtype=dtype)
+    shapes = [(4, 3), (5,)]
+    init = make_params(shapes, seed=33)
+    ref = run_open_loop(factory(torch_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
+    got = run_open_loop(factory(reprop_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
 
 
 def test_group_updated_in_several_calls_is_refused_before_any() -> None:
@@ -5515,3 +5553,260 @@ def test_gpu_capturable_step_tensor_shared_by_params_is_refused() -> None:
         opt.step()
     assert step.item() == 10.0
     assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in params)
+
+
+# ---------------------------------------------------------------------------
+# Differential fuzzing: random options, params and loops against torch.optim
+# ---------------------------------------------------------------------------
+# A compact, seeded form of the fuzzer of session 39: every constructor
+# argument (edge values included: lr 0 or a tensor, betas 0, eps 0, huge
+# weight decay), several groups, params of edge shapes, dtypes and layouts,
+# gradients with NaN/inf/huge/denormal elements or none, and a loop of
+# steps, closures, zero_grad, hyper-parameter changes (to inf, NaN, 1, ...),
+# add_param_group, state edited by hand and state dicts swapped between
+# torch and reprop. Each step is compared with torch's single-tensor update
+# (on float32 twins of 16-bit params: README's float32 math): SGD and Adam's
+# moments bitwise where README says so, the rest within one step's rounding
+# of the operands' scale, NaN and inf positions exactly; then torch's copy is
+# re-synchronized to reprop's, so that every step is judged on its own.
+
+FUZZ_SEEDS = range(48)  # 8 per optimizer: NAMES[seed % 6]
+FUZZ_SHAPES = [(), (0,), (1,), (7,), (17, 3), (33,), (131,), (2, 0, 3), (5, 1, 9)]
+FUZZ_SPECIALS = [float("nan"), float("inf"), -float("inf"), 3e38, -3e38, 1e-40, -1e-44, 0.0, -0.0, 7e4]
+FUZZ_EDGES = [0.0, -0.0, 1.0, 0.5, 2.0, -1.0, 1e-45, 3e38, 1e300, float("inf"), float("nan")]
+
+
+def _fuzz_options(rng: np.random.Generator, name: str) -> dict:
+    """Random constructor options of optimizer `name` (each argument or its default)."""
+    pick = lambda *xs: xs[rng.integers(len(xs))]  # noqa: E731
+    o = {"lr": pick(0.0, 1e-3, 0.1, 1.0, 1e-30, torch.tensor(0.01)),
+         "weight_decay": pick(0.0, 0.0, 0.01, 1e3), "maximize": bool(rng.integers(2))}
+    if name == "SGD":
+        o["momentum"] = pick(0.0, 0.9, 1.0)
+        o["dampening"] = pick(0.0, 0.0, 0.5) if o["momentum"] else 0.0
+        o["nesterov"] = bool(o["momentum"] and not o["dampening"] and rng.integers(2))
+    elif name in ("Adam", "AdamW"):
+        o |= {"betas": pick((0.9, 0.999), (0.0, 0.0), (0.9, 0.0), (0.5, 1 - 2**-24)),
+              "eps": pick(1e-8, 0.0, 1e-45, 1.0), "amsgrad": bool(rng.integers(2))}
+        if name == "Adam":
+            o["decoupled_weight_decay"] = bool(rng.integers(2))
+    elif name == "Adagrad":
+        o |= {"lr_decay": pick(0.0, 0.01, 1.0), "initial_accumulator_value": pick(0.0, 0.1, 1e-45),
+              "eps": pick(1e-10, 0.0)}
+    elif name == "RMSprop":
+        o |= {"alpha": pick(0.99, 0.0, 1.0), "eps": pick(1e-8, 0.0), "momentum": pick(0.0, 0.9),
+              "centered": bool(rng.integers(2))}
+    else:
+        o |= {"rho": pick(0.9, 0.0, 1.0), "eps": pick(1e-6, 0.0, 1e-40)}
+    return o
+
+
+def _copied(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _fuzz_tensor(gen: torch.Generator, shape: tuple, dtype: torch.dtype, layout: int) -> torch.Tensor:
+    """Random values of `shape`: contiguous (layout 0), transposed (1) or a strided view (2)."""
+    if layout == 1 and len(shape) == 2:
+        return torch.randn(shape[::-1], generator=gen).to(dtype).t()
+    if layout == 2 and shape:
+        return torch.randn(*shape[:-1], 2 * shape[-1], generator=gen).to(dtype)[..., ::2]
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def _twin(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of t in `dtype` with t's strides, in memory of its own."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=dtype) if t.is_contiguous() or t.dim() == 2 \
+        else torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=dtype)[..., ::2]
+    return out.copy_(t.detach())
+
+
+def _fuzz_params(rng: np.random.Generator, gen: torch.Generator, dtypes: list) -> list[tuple]:
+    """(reprop's param, torch's float32 twin) pairs of random shapes, dtypes and layouts."""
+    pairs = []
+    for _ in range(rng.integers(1, 4)):
+        shape = FUZZ_SHAPES[rng.integers(len(FUZZ_SHAPES))]
+        x = _fuzz_tensor(gen, shape, dtypes[rng.integers(len(dtypes))], int(rng.integers(3)))
+        pairs.append((nn.Parameter(x), nn.Parameter(_twin(x, torch.float32))))
+    return pairs
+
+
+def _fuzz_grads(rng: np.random.Generator, gen: torch.Generator, pairs: list) -> None:
+    """Each pair gets no gradient, keeps its own, or a new random one (some with special values)."""
+    for p, twin in pairs:
+        c = rng.random()
+        if c < 0.15 or (c < 0.25 and p.grad is None):
+            p.grad = twin.grad = None
+            continue
+        if c >= 0.25:
+            g = _fuzz_tensor(gen, tuple(p.shape), torch.float32, int(rng.integers(3)))
+            g = g * [1.0, 1e-3, 1e20, 1e-20][rng.integers(4)]
+            if g.is_contiguous() and g.numel() and rng.random() < 0.4:
+                g.view(-1)[rng.integers(g.numel())] = FUZZ_SPECIALS[rng.integers(len(FUZZ_SPECIALS))]
+            p.grad = g.to(p.dtype)
+        twin.grad = _twin(p.grad, torch.float32)
+
+
+def _finite_max(*tensors) -> float:
+    return max((_finite_scale(t.detach().double()) for t in tensors if t is not None), default=0.0)
+
+
+def _assert_fuzzed_close(actual: torch.Tensor, expected: torch.Tensor, before, what: str,
+                         *, bitwise: bool, zero_sign: bool = True) -> None:
+    """actual (reprop's, any dtype) against torch's float32 `expected`: NaN and
+    inf positions exactly; bitwise (the sign of zero too, unless not
+    zero_sign), or within STEP_TOL of the larger of the values before and
+    after the step (an update may cancel a param to near zero), or, for a
+    16-bit actual, one ulp of its dtype from torch's rounded."""
+    rounded = expected.detach().to(actual.dtype)
+    a, r = actual.detach().double(), rounded.double()
+    assert torch.equal(a.isnan(), r.isnan()), f"{what}: NaN at {(a.isnan() != r.isnan()).nonzero()[:3].tolist()}"
+    assert torch.equal(a.isinf(), r.isinf()) and torch.equal(a[a.isinf()], r[r.isinf()]), f"{what}: infinities"
+    fin = torch.isfinite(r)
+    a, e = a[fin], expected.detach().double()[fin]
+    if bitwise:
+        bad = (a != e) | (zero_sign & (a.signbit() != e.signbit()))
+        assert not bad.any(), f"{what}: {a[bad][:3].tolist()} where torch has {e[bad][:3].tolist()}"
+        return
+    allowed = STEP_TOL.atol * _finite_max(expected, before) + STEP_TOL.rtol * e.abs() + 4 * 2.0**-149
+    bad = (a - e).abs() > allowed
+    if actual.dtype != torch.float32:
+        bad &= ulp_distance(actual, rounded)[fin] > 1
+    assert not bad.any(), f"{what}: {a[bad][:3].tolist()} where torch has {e[bad][:3].tolist()}"
+
+
+def _weight_is_one(key: str, group: dict) -> bool:
+    """A lerp at weight 1 into this state key, whose zeros have the sign of
+    torch's scalar loop, not its vectorized one (README)."""
+    beta = group["betas"][0] if key == "exp_avg" else group.get("alpha") if key == "grad_avg" else None
+    with np.errstate(over="ignore"):
+        return beta is not None and np.float32(1 - float(beta)) == 1
+
+
+def _assert_fuzzed_step(name: str, ropt, topt, pairs: list, before: dict, step: int) -> None:
+    for i, (p, twin) in enumerate(pairs):
+        group = next((g for g in ropt.param_groups if any(q is p for q in g["params"])), None)
+        if group is None:
+            continue
+        what = f"step {step} param {i} {tuple(p.shape)} {p.dtype}"
+        _assert_fuzzed_close(p, twin, before.get(id(twin)), what,
+                             bitwise=name == "SGD" and p.dtype == torch.float32)
+        mine, theirs = ropt.state.get(p, {}), topt.state.get(twin, {})
+        assert sorted(mine) == sorted(theirs), f"{what}: state keys {sorted(mine)} != {sorted(theirs)}"
+        moments_exact = name == "SGD" or (name in ("Adam", "AdamW") and (
+            float(group["weight_decay"]) == 0 or name == "AdamW" or group["decoupled_weight_decay"]))
+        for key, e in theirs.items():
+            if key == "step":
+                assert float(mine[key]) == float(e), f"{what}: step {float(mine[key])} != {float(e)}"
+            elif e is not None:
+                assert mine[key].dtype == torch.float32, f"{what}: state[{key!r}] {mine[key].dtype}"
+                _assert_fuzzed_close(mine[key], e, before.get((id(twin), key)), f"{what} state[{key!r}]",
+                                     bitwise=moments_exact and key != "momentum_buffer" or name == "SGD",
+                                     zero_sign=not _weight_is_one(key, group))
+
+
+def _fuzz_before(topt, pairs: list) -> dict:
+    """torch's params and state tensors before a step, for the scale of its rounding."""
+    before = {}
+    for _, twin in pairs:
+        before[id(twin)] = twin.detach().clone()
+        for key, v in topt.state.get(twin, {}).items():
+            if isinstance(v, torch.Tensor) and key != "step":
+                before[(id(twin), key)] = v.clone()
+    return before
+
+
+def _resync(ropt, topt, pairs: list) -> None:
+    with torch.no_grad():
+        for p, twin in pairs:
+            twin.copy_(p)
+            for key, v in ropt.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor):
+                    topt.state[twin][key].copy_(v)
+
+
+def _swap_state_dicts(name: str, ropt, topt) -> tuple:
+    """Fresh optimizers over the same groups, reprop's loading torch's state
+    dict and torch's loading reprop's (its foreach and fused kept off)."""
+    theirs, mine = copy.deepcopy(topt.state_dict()), copy.deepcopy(ropt.state_dict())
+    for g in mine["param_groups"]:
+        g.update(foreach=False, fused=None) if "fused" in g else g.update(foreach=False)
+    new_r = reprop_cls(name)([{"params": g["params"]} for g in ropt.param_groups])
+    new_t = torch_cls(name)([{"params": g["params"]} for g in topt.param_groups], foreach=False)
+    new_r.load_state_dict(theirs)
+    new_t.load_state_dict(mine)
+    return new_r, new_t
+
+
+def _fuzz_edit(rng: np.random.Generator, name: str, ropt, topt, pairs: list) -> None:
+    """A random change to both optimizers: a hyper-parameter (edge values
+    too), a new param group, state edited by hand, or swapped state dicts."""
+    kind = rng.integers(4)
+    if kind == 0:
+        gi = int(rng.integers(len(ropt.param_groups)))
+        keys = [key for key in ("lr", "weight_decay", "eps", "betas") if key in ropt.defaults]
+        key = keys[rng.integers(len(keys))]
+        value = FUZZ_EDGES[rng.integers(len(FUZZ_EDGES))]
+        value = (0.9, value) if key == "betas" else value
+        for g in (ropt.param_groups[gi], topt.param_groups[gi]):
+            if isinstance(g[key], torch.Tensor):
+                g[key] = torch.tensor(min(value, 3e38))  # a float32 tensor lr stays one
+            else:
+                g[key] = value
+    elif kind == 1:
+        dtypes = sorted({p.dtype for g in ropt.param_groups for p in g["params"]}, key=str)
+        new, options = _fuzz_params(rng, torch.Generator().manual_seed(int(rng.integers(99))), dtypes), \
+            _fuzz_options(rng, name)
+        ropt.add_param_group({"params": [p for p, _ in new], **{k: _copied(v) for k, v in options.items()}})
+        topt.add_param_group({"params": [t for _, t in new], **{k: _copied(v) for k, v in options.items()}})
+        pairs += new
+    elif kind == 2:
+        p, twin = pairs[rng.integers(len(pairs))]
+        for key in list(topt.state.get(twin, {})):
+            scale = [0.5, 0.0, -1.0][rng.integers(3)]
+            ropt.state[p][key] = ropt.state[p][key] * scale if key != "step" else torch.tensor(7.0)
+            topt.state[twin][key] = topt.state[twin][key] * scale if key != "step" else torch.tensor(7.0)
+
+
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_fuzzed_loops_match_torch(seed: int) -> None:
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(seed)
+    name = NAMES[seed % len(NAMES)]
+    dtypes = [[torch.float32], [torch.bfloat16, torch.float16], [torch.float32, torch.bfloat16]][seed % 3]
+    groups = [_fuzz_params(rng, gen, dtypes) for _ in range(rng.integers(1, 3))]
+    options = [_fuzz_options(rng, name) for _ in groups]
+    pairs = [pair for group in groups for pair in group]
+    flags = {"foreach": [None, True, False][rng.integers(3)]}
+    if name in FUSED_KWARG_NAMES and not flags["foreach"]:
+        flags["fused"] = [None, True, False][rng.integers(3)]
+    ropt = reprop_cls(name)([{"params": [p for p, _ in g], **{k: _copied(v) for k, v in o.items()}}
+                             for g, o in zip(groups, options)], **flags)
+    topt = torch_cls(name)([{"params": [t for _, t in g], **{k: _copied(v) for k, v in o.items()}}
+                            for g, o in zip(groups, options)], foreach=False)
+    hooks = {"reprop": 0, "torch": 0}
+    for key, opt in (("reprop", ropt), ("torch", topt)):
+        opt.register_step_post_hook(lambda *_, key=key: hooks.__setitem__(key, hooks[key] + 1))
+    for step in range(6):
+        if rng.random() < 0.15:
+            set_to_none = bool(rng.integers(2))
+            ropt.zero_grad(set_to_none=set_to_none)
+            topt.zero_grad(set_to_none=set_to_none)
+        elif rng.random() < 0.3:
+            _fuzz_edit(rng, name, ropt, topt, pairs)
+        elif rng.random() < 0.1:
+            ropt, topt = _swap_state_dicts(name, ropt, topt)
+            hooks = {"reprop": 0, "torch": 0}
+        _fuzz_grads(rng, gen, pairs)
+        before, closure = _fuzz_before(topt, pairs), (lambda: 2.5) if rng.random() < 0.3 else None
+        errors = []
+        for opt in (topt, ropt):
+            try:
+                errors.append(None if opt.step(closure) == (closure and 2.5) else "closure result")
+            except (ValueError, TypeError, RuntimeError, ZeroDivisionError, OverflowError) as e:
+                errors.append(e)
+        assert (errors[0] is None) == (errors[1] is None), f"step {step}: torch {errors[0]!r}, reprop {errors[1]!r}"
+        if errors[0] is not None:  # torch has updated part of the group by now: stop
+            return
+        _assert_fuzzed_step(name, ropt, topt, pairs, before, step)
+        assert hooks["reprop"] == hooks["torch"]
+        _resync(ropt, topt, pairs)

@@ -290,8 +290,9 @@ def _described(value) -> str:
 
 def _hparams_of(group: dict) -> tuple:
     """The hparams tuple of csrc/pyutil.h of a param group (or settings
-    dict): what _C.optim_hparams builds, for the groups it leaves to Python
-    (it returns None): a tensor lr, NumPy scalars, bools and values to refuse
+    dict), with the lr's rp_lr_kind: what _C.optim_hparams builds (whose lr
+    is a number), for the groups it leaves to Python (it returns None): a
+    tensor lr, NumPy scalars, bools and values to refuse
     (with _scalar's error), betas of another type, a dict subclass, no "lr"
     (KeyError)."""
     lr = group["lr"]
@@ -301,7 +302,22 @@ def _hparams_of(group: dict) -> tuple:
     numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), beta1, beta2,
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-    return _numbers(numeric) + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
+    return (_numbers(numeric) + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
+            + (_lr_kind(lr),))
+
+
+# csrc/reprop.h's rp_lr_kind of a tensor lr, by the dtype torch divides it in
+_LR_KINDS = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+
+
+def _lr_kind(lr) -> int:
+    """How torch's update divides lr by Adam's and Adagrad's step-count
+    denominators: a number in Python (0: a zero denominator raises
+    ZeroDivisionError), a tensor as a tensor op in torch.result_type(lr, 1.0),
+    where a zero denominator or an overflow gives inf or NaN and it steps on."""
+    if not isinstance(lr, torch.Tensor):
+        return 0
+    return _LR_KINDS[torch.result_type(lr, 1.0)]
 
 
 def _betas(group: dict) -> tuple:
@@ -827,7 +843,8 @@ def _decoupled_decay_factor(opt, group: dict, hp: tuple):
     it reads their gradients (AdamW, Adam with decoupled_weight_decay), as
     the kernels compute it: 1 - lr * weight_decay in double, rounded to
     float32 once (as mul_ rounds a Python float for a float32 tensor), from
-    a capturable group's tensor lr as they read it on the device. None where
+    a capturable group's tensor lr as they read it on the device; from
+    another tensor lr torch's own tensor ops, in its dtype. None where
     the update reads the gradients first: without decoupled decay, and with
     maximize, for which torch negates them into new tensors first."""
     if (opt._kind != _ADAM or not hp[_HP_DECOUPLED] or hp[_HP_MAXIMIZE]
@@ -837,6 +854,8 @@ def _decoupled_decay_factor(opt, group: dict, hp: tuple):
     lr = group["lr"]
     if group.get("capturable", False) and isinstance(lr, torch.Tensor):
         return (1.0 - lr.double() * weight_decay).float()
+    if isinstance(lr, torch.Tensor):
+        return 1 - lr * weight_decay
     return 1.0 - float(hp[_HP_LR]) * weight_decay
 
 
