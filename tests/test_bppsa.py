@@ -3756,9 +3756,10 @@ def _fuzz_rnn_inputs(c: dict, dtype: torch.dtype = torch.float32) -> tuple:
     g = torch.Generator().manual_seed(c["seed"])
     D, T, B = 2 if c["bidirectional"] else 1, c["T"], c["B"]
     unbatched = c["form"] == "unbatched"
+    # drawn in float32 and converted: randn draws other values for float64
     x = torch.randn((T, c["I"]) if unbatched else (B, T, c["I"]) if c["batch_first"] else (T, B, c["I"]),
-                    generator=g, dtype=dtype)
-    h0 = torch.randn((c["L"] * D, c["H"]) if unbatched else (c["L"] * D, B, c["H"]), generator=g, dtype=dtype)
+                    generator=g).to(dtype)
+    h0 = torch.randn((c["L"] * D, c["H"]) if unbatched else (c["L"] * D, B, c["H"]), generator=g).to(dtype)
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     lengths[0] = T
     if c["sorted"]:
@@ -3782,7 +3783,7 @@ def _fuzz_rnn_run(module: nn.Module, c: dict, x, h0, lengths) -> dict:
     out = out.data if c["form"] == "packed" else out
     got = {"out": out.detach().clone(), "h_n": h_n.detach().clone(), "graph": out.requires_grad}
     if out.requires_grad or h_n.requires_grad:
-        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"]), dtype=out.dtype)
+        w = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"])).to(out.dtype)
         loss = {"both": (out * w).sum() + h_n.sin().sum(), "out": (out * w).sum(), "h_n": h_n.sin().sum()}[c["loss"]]
         for _ in range(2 if c["op"] == "retain" else 1):
             loss.backward(retain_graph=c["op"] == "retain")
