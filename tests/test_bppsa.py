@@ -3822,7 +3822,7 @@ def _fuzz_chain(seed: int) -> tuple[list, tuple]:
     while True:
         shape = (rng.randint(1, 4), rng.randint(1, 8), rng.randint(1, 8))
         layers, out = [], torch.zeros(1, *shape)
-        for _ in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 8)):
             if out.dim() == 4 and rng.random() < 0.4:
                 groups = rng.choice([g for g in range(1, out.shape[1] + 1) if out.shape[1] % g == 0])
                 k, d = (rng.randint(1, 3), rng.randint(1, 3)), (rng.randint(1, 2), rng.randint(1, 2))
@@ -3907,7 +3907,7 @@ def test_fuzzed_chains_equal_autograd():
         for a, b in zip(ours, want):
             assert a.shape == b.shape and rel_err(a, b) <= 1e-5, (seed, levels, layers)
         sample = x[0]
-        for layer in layers:
+        for layer in layers if seed % 2 else ():  # (autograd's Jacobian: one backward per output)
             if not isinstance(layer, nn.Flatten):
                 jacobian = bppsa.transposed_jacobian(layer, sample).to_dense()
                 assert torch.equal(jacobian, dense_transposed_jacobian(layer, sample)), (seed, layer)
