@@ -2127,6 +2127,24 @@ def test_chain_relu_at_zero_selects_like_autograd():
             assert rel_err(a, b) <= 1e-6, levels
 
 
+def test_chain_elementwise_jacobian_is_autograds_derivative_times_the_gradient():
+    """Found by the differential fuzzer, documented (README): an element-wise
+    layer's Jacobian is f'(x) as autograd has it (its backward of ones),
+    multiplied into the gradient, where Tanhshrink's own backward, g - g (1 -
+    tanh^2 x), cancels near 0: the two differ by 1e-4 and more here, each
+    of the order of the other's distance to float64, not a wrong Jacobian."""
+    torch.manual_seed(0)
+    x, g = torch.randn(2, 40) * 3e-3, torch.randn(2, 40)
+    ours = bppsa.chain_backward([nn.Tanhshrink()], x, g)[0]
+    xr, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    (derivative,) = torch.autograd.grad(nn.Tanhshrink()(xr), xr, torch.ones_like(x))
+    (want,) = torch.autograd.grad(nn.Tanhshrink()(xr), xr, g)
+    (exact,) = torch.autograd.grad(nn.Tanhshrink()(x64), x64, g.double())
+    assert torch.equal(ours, derivative * g)
+    assert rel_err(ours, want) > 1e-4
+    assert rel_err(ours, exact) <= 2 * rel_err(want, exact)
+
+
 def test_chain_gradients_are_contiguous_and_own_their_memory():
     """They were transposed views of the scan's batch-minor buffer (the batch
     the fastest dim), which kept the whole buffer alive; autograd's are
