@@ -3740,7 +3740,8 @@ def _fuzz_rnn_config(seed: int) -> dict:
         dropout=rng.choice([0.0, 0.5]) if layers > 1 else 0.0, sorted=rng.random() < 0.5,
         T=rng.choice([1, 2, 3, rng.randint(1, 40), rng.randint(40, 150)]), B=rng.randint(1, 5),
         h0=rng.choice(["none", "given", "grad"]), x_grad=rng.random() < 0.7, frozen=rng.random() < 0.3,
-        scan=rng.choice(["auto", "linear", "blelloch", rng.randint(1, 3)]), loss=rng.choice(["both", "out", "h_n"]),
+        scan=rng.choice(["auto", "linear", "blelloch", rng.randint(1, 3)]),
+        loss=rng.choice(["both", "out", "h_n", "sum"]), strided=rng.random() < 0.3,
         state=rng.choice(["nn_to_ours", "ours_to_nn", "convert"]), seed=seed)
 
 
@@ -3764,8 +3765,9 @@ def _fuzz_rnn_pair(c: dict) -> tuple[nn.Module, nn.Module]:
         target.load_state_dict(source.state_dict())
     assert type(ours) is ours_cls
     if c["frozen"]:
+        pick = random.Random(c["seed"])
         for p, q in zip(ref.parameters(), ours.parameters()):
-            if random.Random(c["seed"] + p.numel()).random() < 0.5:
+            if pick.random() < 0.5:
                 p.requires_grad_(False), q.requires_grad_(False)
     return ref, ours
 
@@ -3778,6 +3780,8 @@ def _fuzz_rnn_inputs(c: dict, dtype: torch.dtype = torch.float32) -> tuple:
     x = torch.randn((T, c["I"]) if unbatched else (B, T, c["I"]) if c["batch_first"] else (T, B, c["I"]),
                     generator=g).to(dtype)
     h0 = torch.randn((c["L"] * D, c["H"]) if unbatched else (c["L"] * D, B, c["H"]), generator=g).to(dtype)
+    if c["strided"]:  # every other feature of a wider tensor
+        x = torch.cat([x, x], -1)[..., ::2]
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     lengths[0] = T
     if c["sorted"]:
@@ -3789,8 +3793,8 @@ def _fuzz_rnn_run(module: nn.Module, c: dict, x, h0, lengths) -> dict:
     """The outputs and every gradient (None where autograd gives None) of
     one call as `c` describes it."""
     graph = c["op"] not in ("no_grad", "inference")
-    x = x.clone().requires_grad_(c["x_grad"] and graph)
-    h0 = None if h0 is None else h0.clone().requires_grad_(c["h0"] == "grad" and graph)
+    x = x.detach().requires_grad_(c["x_grad"] and graph)  # (a clone would be contiguous)
+    h0 = None if h0 is None else h0.detach().requires_grad_(c["h0"] == "grad" and graph)
     module.train(c["op"] in ("train", "retain"))
     given = x if c["form"] != "packed" else nn.utils.rnn.pack_padded_sequence(
         x, lengths, batch_first=c["batch_first"], enforce_sorted=c["sorted"])
@@ -3802,7 +3806,8 @@ def _fuzz_rnn_run(module: nn.Module, c: dict, x, h0, lengths) -> dict:
     got = {"out": out.detach().clone(), "h_n": h_n.detach().clone(), "graph": out.requires_grad}
     if out.requires_grad or h_n.requires_grad:
         w = torch.randn(out.shape, generator=torch.Generator().manual_seed(c["seed"])).to(out.dtype)
-        loss = {"both": (out * w).sum() + h_n.sin().sum(), "out": (out * w).sum(), "h_n": h_n.sin().sum()}[c["loss"]]
+        loss = {"both": lambda: (out * w).sum() + h_n.sin().sum(), "out": lambda: (out * w).sum(),
+                "h_n": lambda: h_n.sin().sum(), "sum": lambda: out.sum()}[c["loss"]]()  # sum: an expanded gradient
         for _ in range(2 if c["op"] == "retain" else 1):
             loss.backward(retain_graph=c["op"] == "retain")
         got.update({"x": x.grad, "h0": None if h0 is None else h0.grad},
@@ -3874,7 +3879,7 @@ FUZZ_SEEDS = range(45)
 def test_fuzzed_rnn_and_gru_equal_nn():
     configs = [_fuzz_rnn_config(seed) for seed in FUZZ_SEEDS]
     for key in ("kind", "form", "op", "bias", "batch_first", "bidirectional", "dropout", "sorted", "h0",
-                "x_grad", "frozen", "loss", "state", "L"):
+                "x_grad", "frozen", "loss", "strided", "state", "L"):
         assert len({c[key] for c in configs}) > 1, key  # the seeds cover every choice of each feature
     assert {(c["kind"], c["form"]) for c in configs} == set(itertools.product(KINDS, ("batched", "unbatched", "packed")))
     for c in configs:
