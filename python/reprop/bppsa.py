@@ -985,9 +985,12 @@ class _ScanRNNBase:
                             f"{'batched' if batched else 'unbatched'} {input.dim()}-D input, "
                             f"got {hx.dim()}-D")
         if not batched:
-            input = input.unsqueeze(1)
+            # at nn's batch dim, then transposed like a batch: torch's input
+            # projection (a matmul without bias) folds a (T, 1, I) of other
+            # strides otherwise where a weight does not require grad (other bits)
+            input = input.unsqueeze(0 if self.batch_first else 1)
             hx = hx.unsqueeze(1) if hx is not None else None
-        elif self.batch_first:
+        if self.batch_first:
             input = input.transpose(0, 1)
         if input.shape[0] == 0:
             raise _ArgError("input: expected a sequence of at least one step")
