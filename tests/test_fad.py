@@ -4901,21 +4901,24 @@ def _fuzz_model_case(seed, run=True):
     return features
 
 
+_FUZZ_LAYOUTS = {  # name: (base shape, the view of the leaf the program runs on)
+    "0-d": ((), None), "1-D": ((5,), None), "long 1-D": ((33,), None), "2-D": ((3, 7), None),
+    "transposed": ((7, 3), torch.t), "sliced": ((6, 8), lambda b: b[::2, 1::3]),
+    "channels_last": ((2, 3, 4, 5), lambda b: b.contiguous(memory_format=torch.channels_last)),
+    "empty": ((0, 4), None), "expanded": ((1, 5), lambda b: b.expand(4, 5)),
+}
+
+
 def _fuzz_input(rng, dtype):
-    """(layout name, tensor): a 0-d, 1-D, transposed, channels_last, empty,
-    sliced or expanded x, at times with a large or signed-zero element."""
-    layout = rng.choice(["0-d", "1-D", "2-D", "transposed", "channels_last", "empty", "sliced", "expanded"])
-    x = {"0-d": lambda: torch.randn(()), "1-D": lambda: torch.randn(rng.choice([1, 5, 33])),
-         "2-D": lambda: torch.randn(3, 7), "transposed": lambda: torch.randn(7, 3).t(),
-         "channels_last": lambda: torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
-         "empty": lambda: torch.randn(0, 4), "sliced": lambda: torch.randn(6, 8)[::2, 1::3],
-         "expanded": lambda: torch.randn(1, 5).expand(4, 5)}[layout]()
-    x = x * rng.choice([1.0, 3.0, 8.0])
+    """(layout name, x's contiguous base, the view of it the program runs on:
+    transposed, sliced, channels_last, expanded or none), at times with a
+    large or signed-zero element."""
+    layout = rng.choice(list(_FUZZ_LAYOUTS))
+    shape, view = _FUZZ_LAYOUTS[layout]
+    x = torch.randn(shape) * rng.choice([1.0, 3.0, 8.0])
     if x.numel() and rng.random() < 0.2:
-        at = torch.unravel_index(torch.tensor(rng.randrange(x.numel())), x.shape)
-        x = x.clone()
-        x[tuple(int(i) for i in at)] = rng.choice([30.0, -30.0, 100.0, -100.0, -0.0, 3.0, -3.0])
-    return layout, x.to(dtype)
+        x.view(-1)[rng.randrange(x.numel())] = rng.choice([30.0, -30.0, 100.0, -100.0, -0.0, 3.0, -3.0])
+    return layout, x.to(dtype), view or (lambda b: b)
 
 
 # in-place ops on a chain tensor (a fresh one: an earlier op may save h)
@@ -4942,6 +4945,8 @@ def _fuzz_program_steps(rng, features):
             step = (name, module, fn)
         elif kind == "in-place slice":
             name, module, fn = _fuzz_activation(rng, True)
+            while "inplace" not in fn.keywords:  # a result dropped would be an op chained past h
+                name, module, fn = _fuzz_activation(rng, True)
             step = (name + " on a slice", None, fn)
         elif kind == "chain":
             step = rng.choice(_FUZZ_CHAINS)
@@ -4957,9 +4962,9 @@ def _fuzz_program_steps(rng, features):
 
 
 def _run_program(steps, x, w, reprop, how, saved_dtype, hook):
-    """The program on x * w (w broadcast, or 1): reprop's side, for `how`
+    """The program on x * w (w broadcast), or x: reprop's side, for `how`
     "functions", calls reprop's functions; a hook on the first step's output."""
-    h = root = x * w
+    h = root = x * w if w.requires_grad or w.dim() else x
     for i, (kind, name, *fns) in enumerate(steps):
         if kind == "activation" and reprop and how == "functions" and name != "relu":
             h = getattr(fad, name)(h, **fns[1].keywords, saved_dtype=saved_dtype)
@@ -4991,9 +4996,10 @@ def _fuzz_program_case(seed, run=True):
     dtype = rng.choice([torch.float32] * 4 + [torch.float64, torch.bfloat16, torch.float16])
     how = rng.choice(["functions", "compose", "compose", "enabled", "patch"])
     saved_dtype = rng.choice([None, None, torch.float32]) if dtype != torch.float64 else None
-    layout, x0 = _fuzz_input(rng, dtype)
+    layout, x0, view = _fuzz_input(rng, dtype)
+    shape = view(x0).shape
     use_w = rng.random() < 0.4
-    w0 = torch.randn(x0.shape[-1:]).to(dtype) if use_w else torch.ones((), dtype=dtype)
+    w0 = torch.randn(shape[-1:]).to(dtype) if use_w else torch.ones((), dtype=dtype)
     steps = _fuzz_program_steps(rng, features)
     twice, x_requires_grad = rng.random() < 0.2, rng.random() < 0.85
     w_requires_grad = use_w and rng.random() < 0.7
@@ -5005,13 +5011,13 @@ def _fuzz_program_case(seed, run=True):
     ours = copy.deepcopy(steps)
     if how == "patch":
         fad.patch(nn.ModuleList(s[2] for s in ours if s[0] == "activation"), saved_dtype=saved_dtype)
-    g_out = torch.randn(x0.shape).to(dtype)
+    g_out = torch.randn(shape).to(dtype)
 
     def run_it(steps, to, reprop, ctx=contextlib.nullcontext):
         x = x0.to(to, copy=True).requires_grad_(x_requires_grad)
         w = w0.to(to, copy=True).requires_grad_(w_requires_grad)
         with ctx():
-            y = _run_program(steps, x, w, reprop, how, saved_dtype, hook)
+            y = _run_program(steps, view(x), w, reprop, how, saved_dtype, hook)
         if y.requires_grad:
             loss = (y * g_out.to(to)).sum()
             loss.backward(retain_graph=twice)
@@ -5098,8 +5104,7 @@ def _patched_module_of(fn, kw, saved_dtype):
 
 _FUZZ_CASES = {"model": _fuzz_model_case, "program": _fuzz_program_case, "storage": _fuzz_storage_case}
 _FUZZ_SEEDS = {"model": [*range(36), 33, 66, 95, 462, 496, 774, 1141],
-               "program": [*range(30), 75, 98, 103, 104, 141, 171, 194, 197, 222, 250, 389, 412, 447,
-                           630, 858, 1413],
+               "program": [*range(40), 260, 739, 1163, 1880, 2824],
                "storage": [*range(30), 31, 38]}
 _FUZZ_SEEDS = {kind: sorted(set(seeds)) for kind, seeds in _FUZZ_SEEDS.items()}
 
@@ -5120,7 +5125,7 @@ def _fuzz_features(kind):
                 | {u[0] for u in _FUZZ_IN_PLACE} | dtypes | {"None", "torch.float32"}
                 | {"activation", "chain", "unary", "join", "fork", "in-place", "in-place slice"}
                 | {"functions", "compose", "enabled", "patch", "broadcast", "retain_graph"}
-                | {"0-d", "1-D", "2-D", "transposed", "channels_last", "empty", "sliced", "expanded"}
+                | set(_FUZZ_LAYOUTS)
                 | {"tensor hook", "node pre-hook", "pre-hook giving None"})
     return (set(ACTIVATIONS) | {"function", "enabled", "patched module"}
             | {str(d) for d in (torch.uint8, torch.bfloat16, torch.float16, torch.float32)})
