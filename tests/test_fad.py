@@ -3017,6 +3017,31 @@ def test_compose_carries_half_chains_in_float32(name, dtype):
         assert mode._chains.records[y].deriv.dtype == dtype
 
 
+@pytest.mark.parametrize("how", ["function", "compose"])
+@pytest.mark.parametrize("name", ["sigmoid", "tanh"])
+def test_output_changed_in_place_trains_where_torchs_refuses(name, how):
+    """torch's Sigmoid and Tanh save their output, so changing it in place
+    (y.mul_(2)) makes torch's backward raise; reprop's save f'(x), not y, and
+    train with the gradient of the out-of-place program (found by the
+    random differential test; README)."""
+    ours, theirs, _ = ACTIVATIONS[name]
+    x0 = torch.randn(64)
+
+    def grad_of(act, inplace, mode=contextlib.nullcontext()):
+        x = x0.clone().requires_grad_()
+        with mode:
+            y = act(x * 1.0)
+            y = y.mul_(2) if inplace else y * 2
+            (y * 3).sum().backward()
+        return x.grad
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad_of(theirs, True)
+    got = (grad_of(ours, True) if how == "function"
+           else grad_of(theirs, True, fad.enabled(compose=True)))
+    torch.testing.assert_close(got, grad_of(theirs, False))
+
+
 def test_compose_constant_changed_in_place_between_steps():
     """x * c carries c itself as the derivative; c changed in place before the
     next step must not change the gradient silently: autograd raises, and
