@@ -1431,6 +1431,25 @@ def test_autocast_fp16_gradients_match_autograd_on_cpu():
     _autocast_gradients_match(EveryKind, _batch, "cpu", torch.float16, "conventional")
 
 
+def test_fp16_autocast_linear_over_a_transposed_input_gives_torchs_output_bits():
+    """at::matmul folds a non-contiguous (B, T, C) input to 2-D when the
+    weight requires grad, as autocast's cast copy of a trainable weight
+    does, and multiplies batch by batch otherwise: the split's cast copy,
+    made without a graph, did not require grad, so its float16 output was
+    1 ulp off torch's for 13 of these 300 inputs (found by the fuzzer), and
+    the gradients of every layer before it with it."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 11, bias=False)
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    for seed in range(300):
+        x = torch.randn(3, 8, 6, generator=torch.Generator().manual_seed(seed)).transpose(1, 2)
+        with torch.autocast("cpu", dtype=torch.float16):
+            want, got = ref(x), model(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"input {seed}")
+    handle.remove()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_shared_weight_sums_its_sites_in_the_low_precision_as_autograd(dtype):
     """A weight read at two sites: autograd sums the two low-precision dW in
