@@ -3886,6 +3886,8 @@ class DataParallel(_PassTracking, Joinable):
         torch's cached copy, another node, and the two sums met in float32:
         a bfloat16 weight tied across 2 layers, k = 1, was 0.15% off DDP's."""
         shared = self.handle._summed_by_autograd
+        if not shared:  # the common model (a set only grows, as parameters are unfrozen)
+            return
         for site in self.handle.sites:
             site.in_order = not site.split and any(p in shared for p in site.params)
 
