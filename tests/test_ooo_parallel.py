@@ -495,6 +495,36 @@ def test_data_parallel_deterministic_tied_weight_accumulates_as_ddp():
     _spawn(_dp_deterministic_tied_accumulation, 2)
 
 
+def _dp_deterministic_tied_autocast(rank: int, world: int, steps: int = 3) -> None:
+    """_Net(shared=True) (layers 0 and 7 tied) under bf16 autocast and
+    deterministic algorithms, k = 1 and 4: DDP's gradients, bitwise."""
+    torch.use_deterministic_algorithms(True)
+    for k in (1, 4):
+        torch.manual_seed(rank)
+        model = _Net(shared=True)
+        ref = DistributedDataParallel(copy.deepcopy(model))
+        dp = data_parallel(model, k=k)
+        for step in range(steps):
+            x, t = _batch(rank, step)
+            for net in (ref, model):
+                net.zero_grad()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = F.mse_loss(net(x).float(), t)
+                loss.backward()
+            _assert_same(model, ref.module, "grad")
+        dp.remove()
+
+
+def test_data_parallel_deterministic_tied_weight_under_autocast_matches_ddp():
+    """Under deterministic algorithms a tied weight's dW go to autograd, as
+    DDP's: under bf16 autocast its sites must read one cast copy, whose node
+    sums their dW in bfloat16. They read two (the split's, inside the split
+    Function, and, for the layers past k run plain from the second step,
+    torch's cached one), summed apart in float32: 0.2% off DDP's in the first
+    step, 0.15% in the next, for every k."""
+    _spawn(_dp_deterministic_tied_autocast, 2)
+
+
 def test_data_parallel_order():
     _spawn(_dp_order, 2)
 

@@ -464,6 +464,20 @@ def _autocast_cast(t, dtype: torch.dtype):
     return t
 
 
+def _param_cast(p, dtype: torch.dtype):
+    """Autocast's cast of a parameter as the split forward sees it: a copy
+    of one that requires grad requires grad too, as autocast's, made in grad
+    mode, does (here, in the Function's forward, a leaf without a graph).
+    Kernels read it: at::matmul folds a non-contiguous (B, T, C) input to
+    2-D for a weight that requires grad and multiplies batch by batch
+    otherwise, so the split Linear's float16 output was 1 ulp off torch's
+    for 13 of 300 random inputs."""
+    copy = _autocast_cast(p, dtype)
+    if copy is not p and copy.is_leaf and p.requires_grad:
+        copy.requires_grad_()
+    return copy
+
+
 def _own_forward_site(m: nn.Module) -> "_Site | None":
     """The site of a split forward set on `m` itself: a live handle's split of
     m (site.module is m), or a deepcopy's or a pickle's copy of another's."""
@@ -647,7 +661,7 @@ class _Site:
     index: int = -1  # order of first forward call in the iteration being profiled
     params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
-    in_order: bool = False  # made plain by the CPU schedule (_split_moved; see _split_now)
+    in_order: bool = False  # made plain by the CPU schedule or DataParallel's order (see _split_now)
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1699,32 +1713,37 @@ class OOOHandle(_PassTracking):
         in-place change through .data, which no version counter sees, then
         reaches only forwards of a graph still alive, as autograd's saved
         tensors miss it too. `tracked`: a copy autograd recorded (made in
-        grad mode: _cast_hooked), which serves the others too."""
+        grad mode: _cast_returned), which serves the others too."""
         if p is None or not p.is_leaf:
-            return _autocast_cast(p, dtype)
+            return _param_cast(p, dtype)
         key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
         hit = self._casts.get(id(p))
         if hit is not None and hit[0] is p and hit[1] == key:
             copy = hit[2]()
-            if copy is not None and (not tracked or copy.requires_grad):
+            if copy is not None and (not tracked or not copy.is_leaf):
                 return copy
-        copy = _autocast_cast(p, dtype)
+        copy = _param_cast(p, dtype)
         if copy is not p:
             self._casts[id(p)] = (p, key, weakref.ref(copy))
         return copy
 
-    def _cast_hooked(self, site: _Site, x: torch.Tensor, params: tuple) -> tuple:
-        """Under autocast, the split call's parameters, those with a tensor
-        hook of the user's (their dW go to autograd: _weight_grad_targets)
-        cast here, in grad mode, one copy for every site (_cast_param), as
-        autocast's cache gives autograd: the engine then sums the sites' dW
-        in the low precision in the copy's node and calls the hook once on
-        that sum cast, autograd's bits. Cast inside the split, each site's
-        dW was cast to float32 there and summed in float32 (0.2% of the
-        largest element apart in bfloat16; float16's sum finite where
-        autograd's is inf, so a GradScaler stepped where torch's skipped)."""
-        hooked = [p is not None and p.requires_grad and _hooked_by_user(p) for p in params]
-        if not any(hooked):
+    def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple) -> tuple:
+        """Under autocast, the split call's parameters whose dW go to
+        autograd (_weight_grad_targets): those with a tensor hook of the
+        user's, and under deterministic algorithms DataParallel's weights
+        shared by several layers (_shared_by_sites), cast here, in grad
+        mode, one copy for every site (_cast_param), as autocast's cache
+        gives autograd: the engine then sums the sites' dW in the low
+        precision in the copy's node (and calls a hook once on that sum)
+        before the cast back, autograd's bits. Cast inside the split, each
+        site's dW was cast to float32 there and summed in float32 (0.2% of
+        the largest element apart in bfloat16, DataParallel's tied weight
+        off DDP's as far; float16's sum finite where autograd's is inf, so
+        a GradScaler stepped where torch's skipped)."""
+        summed = self._summed_by_autograd if torch.are_deterministic_algorithms_enabled() else ()
+        to_autograd = [p is not None and p.requires_grad and (_hooked_by_user(p) or p in summed)
+                       for p in params]
+        if not any(to_autograd):
             return params
         device = x.device
         if not torch.is_autocast_enabled(device.type):
@@ -1733,8 +1752,8 @@ class OOOHandle(_PassTracking):
                                 torch.get_autocast_dtype(device.type))
         if cast is None:
             return params
-        return tuple(self._cast_param(p, cast, tracked=True) if h else p
-                     for p, h in zip(params, hooked))
+        return tuple(self._cast_param(p, cast, tracked=True) if r else p
+                     for p, r in zip(params, to_autograd))
 
     def _hold_list(self, module: nn.Module) -> list | None:
         """Inside hold(): the list that collects the dW tasks of `module`."""
@@ -2250,9 +2269,9 @@ def _make_forward(site: _Site):
             site.index, handle._next_index = handle._next_index, handle._next_index + 1
         x = kind.prepare(module, x)
         w, b = params
-        if ((w is not None and w._backward_hooks) or (b is not None and b._backward_hooks)) \
-                and torch._C._is_any_autocast_enabled():
-            params = handle._cast_hooked(site, x, params)
+        if ((w is not None and w._backward_hooks) or (b is not None and b._backward_hooks)
+                or handle._summed_by_autograd) and torch._C._is_any_autocast_enabled():
+            params = handle._cast_returned(site, x, params)
         if transform_active():
             return _Split.apply(site, x, *params)
         return _apply_split(site, x, *params)
@@ -3856,6 +3875,21 @@ class DataParallel(_PassTracking, Joinable):
         # only the held layers leave autograd's order, from the next forward on
         # (at the k the search may just have moved to; a layer no plan saw is not held)
         self.handle._split_only(lambda site: self._position.get(site, self.k) < self.k)
+        self._split_shared_when_deterministic()
+
+    def _split_shared_when_deterministic(self) -> None:
+        """The plain layers that share a weight with others stay split under
+        deterministic algorithms (_split_now), where that weight's dW go to
+        autograd (_shared_by_sites): every site then reads the handle's one
+        autocast copy of it (_cast_returned), whose node sums their dW in
+        the low precision, as DDP's autograd does. Run plain, a layer read
+        torch's cached copy, another node, and the two sums met in float32:
+        a bfloat16 weight tied across 2 layers, k = 1, was 0.15% off DDP's."""
+        shared = self.handle._summed_by_autograd
+        if not shared:  # the common model (a set only grows, as parameters are unfrozen)
+            return
+        for site in self.handle.sites:
+            site.in_order = not site.split and any(p in shared for p in site.params)
 
     def _release_held(self) -> list:
         """Ends the hold of this backward's first k layers: their tasks."""
