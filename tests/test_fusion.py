@@ -9324,6 +9324,48 @@ def test_ddp_forward_mode_remove_gives_ddp_its_join_hook_back() -> None:
         assert vars(model)["join_hook"] is own_join_hook
 
 
+def _weight_normed(bias: bool) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3, bias=bias))
+    nn.utils.parametrizations.weight_norm(model[2])
+    return model
+
+
+def test_keep_grads_survive_a_read_of_a_parametrized_weight() -> None:
+    """keep_grads=True keeps the applied gradients until the next training
+    forward; reading a weight_norm weight (`layer.weight` logged after step(),
+    or remove_parametrizations, both in grad mode) runs its
+    ParametrizationList's forward, which is no training forward: before, it
+    freed every kept .grad of the model (None where eager's holds it; found
+    by the fusion fuzzer). The layer's own forward still is one, also for a
+    layer owning no fused parameter but through its parametrization (no bias)
+    called alone: it frees them, as eager's zero_grad() before it did."""
+    x = torch.randn(4, 3, generator=_gen(7))
+    for bias in (True, False):
+        eager, fused = _weight_normed(bias), _weight_normed(bias)
+        opt_e, opt_f = rp.Adam(eager.parameters(), lr=0.1), rp.Adam(fused.parameters(), lr=0.1)
+        reprop.fuse(fused, opt_f, mode="backward", keep_grads=True)
+        for model, opt in ((eager, opt_e), (fused, opt_f)):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            model[2].weight.norm()  # a grad-mode read, outside any forward
+        for (n, p), q in zip(eager.named_parameters(), fused.parameters()):
+            assert q.grad is not None and torch.equal(q.grad, p.grad), n
+            assert torch.equal(q, p), n
+        nn.utils.parametrize.remove_parametrizations(fused[2], "weight")  # reads in grad mode too
+        assert all(p.grad is not None for p in fused[0].parameters())
+        fused[0](x)  # a layer's training forward frees them
+        assert all(p.grad is None for p in fused[0].parameters())
+    model = _weight_normed(bias=False)  # the parametrized layer alone, no fused parameter of its own
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    reprop.fuse(model, opt, mode="backward", keep_grads=True)
+    model(x).sum().backward()
+    opt.step()
+    model[2](x)
+    assert all(p.grad is None for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------
 # Differential fuzzing: random legal loops, fused against eager, bit for bit
 # ---------------------------------------------------------------------------
