@@ -9568,11 +9568,7 @@ class _FuzzRules:
             self.k, self.stepped, self.updated, self.freed = 0, False, False, False
         if kind in ("hook", "reparam"):
             setattr(self, kind + "s", getattr(self, kind + "s") + 1)
-        if kind == "reparam" and self.bwd and self.freed_keep:
-            # removing weight_norm reads the weight in grad mode, a forward of its ParametrizationList,
-            # which frees the kept gradients as a training forward does (README): .grad is unsure until one
-            self.kept_zeroed = True
-        elif kind == "grad_fwd" and self.bwd and self.freed_keep:
+        if kind == "grad_fwd" and self.bwd and self.freed_keep:
             self.freed_keep = self.kept_zeroed = False
         elif kind == "add_group":
             self.added, self.groups = True, self.groups + 1
@@ -9931,8 +9927,9 @@ def test_fuzzed_training_loops_match_eager_bit_for_bit(seed: int) -> None:
 # Seeds whose loops cover the layers called one by one, the three hooks, both clippings in forward mode
 # and fuse(clip_grad_norm=...), clipping after backward mode's updates (with and without keep_grads),
 # parametrizations registered and removed (on a tied weight too) and the main weight parametrized
-# from the start (weight_norm, orthogonal, one without right_inverse).
-FUZZ_NEW_SEEDS = list(range(12)) + [14, 29, 49, 65, 102, 118, 159]
+# from the start (weight_norm, orthogonal, one without right_inverse); 21 failed before kept
+# gradients survived a read of a parametrized weight (test_keep_grads_survive_a_read_of_a_parametrized_weight).
+FUZZ_NEW_SEEDS = list(range(12)) + [14, 21, 29, 49, 65, 102, 118, 159]
 
 
 @pytest.mark.parametrize("seed", FUZZ_NEW_SEEDS)
