@@ -1764,6 +1764,9 @@ class _BackwardFusion(FusionHandle):
         # set by hand since too) is one not applied yet: what step() applies and
         # zero_grad() clears, as in eager training.
         self._kept: dict = {}
+        # id -> the ParametrizationLists owning fused parameters (see _hook_parametrized;
+        # weakly, as _hooked_modules: an id seen is a freed one's that another reuses)
+        self._reads: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
         # set_to_none of a zero_grad() called since the kept gradients were applied
         # (deferred: they are still there), None when none was: remove() does to
         # them what that call did in eager training.
@@ -1864,6 +1867,23 @@ class _BackwardFusion(FusionHandle):
         # module with fused parameters: the root's may not run (layers called one by one)
         for module in self._owners_to_hook():
             self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+        self._hook_parametrized()
+
+    def _hook_parametrized(self) -> None:
+        """A ParametrizationList owning fused parameters (torch.nn.utils.parametrize's,
+        weight_norm's) runs at every read of its tensor, `layer.weight` logged after
+        step() too, not only in its module's forward: that read is no training
+        forward (counted one, it freed the kept gradients, keep_grads=True, where
+        eager's .grad holds them). Its module's forward is: hooked here, whether or
+        not it owns fused parameters of its own (a Linear without bias called alone)."""
+        for module in self.model.modules():
+            if not parametrize.is_parametrized(module):
+                continue
+            lists = [plist for plist in module.parametrizations.values() if self._hooks_on(plist)]
+            self._reads.update((id(plist), plist) for plist in lists)
+            if lists and not self._hooks_on(module):
+                self._hooks.append(module.register_forward_pre_hook(self._on_training_forward))
+                self._hooked_modules[id(module)] = module
 
     def _hook_param(self, p: torch.Tensor) -> None:
         # under DDP the bucket hook updates; a no_sync() backward calls no bucket
@@ -1959,6 +1979,10 @@ class _BackwardFusion(FusionHandle):
         the updated parameters); in grad mode,
         the first forward after a backward starts a micro-batch."""
         if self._removed:  # the hook of a copy of the model (see __reduce__)
+            return
+        if self._reads and self._reads.get(id(module)) is module:  # a parametrized tensor read (_hook_parametrized)
+            if _tensors.outside_backward():
+                self._finish_step()
             return
         if id(module) in self._lazy_owners:
             # a lazy module's own pre-hook, registered at its construction and so
