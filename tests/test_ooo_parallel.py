@@ -2383,6 +2383,46 @@ def test_pipeline_stopped_gradients_solo(solo_group):
     _check_pipeline_stopped_gradients(0)
 
 
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
+    """A Conv1d before a layer that transposes (README: the layout of each
+    layer's input gradient): one process gives the Conv1d a transposed output
+    gradient, the Pipeline a contiguous one (the .grad of the leaf that stands
+    for its output), and on one CPU thread torch sums the bias gradient in
+    memory order. The Pipeline's gradients are one process's with the
+    gradient made contiguous, bitwise, and plain torch's to rounding; the
+    random differential test found the difference (1.2e-7)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, t = torch.randn(4, 4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+        def layers():
+            torch.manual_seed(0)
+            return [nn.Conv1d(4, 3, 1), _Transpose(), nn.Flatten(), nn.Linear(15, 2)]
+
+        plain, contiguous, piped = layers(), layers(), layers()
+        F.mse_loss(nn.Sequential(*plain)(x), t).backward()
+        y = contiguous[0](x)
+        leaf = y.detach().requires_grad_()
+        F.mse_loss(nn.Sequential(*contiguous[1:])(leaf), t).backward()
+        y.backward(leaf.grad.contiguous())
+        pipe = Pipeline(piped, micro_batches=1, schedule="fast_forward")
+        pipe.step(x, t, F.mse_loss)
+        pipe.remove()
+        for name in ("weight", "bias"):
+            got = getattr(piped[0], name).grad
+            assert torch.equal(got, getattr(contiguous[0], name).grad), name
+            torch.testing.assert_close(got, getattr(plain[0], name).grad, rtol=1e-6, atol=1e-7)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
     """ReLU(inplace=True) after tanh, which saves its output for backward:
     the single process's error, not a wrong gradient."""
