@@ -2423,6 +2423,39 @@ def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
         torch.set_num_threads(threads)
 
 
+class _CalledTwice(nn.Module):
+    """Holds one Linear and calls it twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_pipeline_module_called_twice_by_a_layer(solo_group):
+    """README: under "gpipe" the layer runs plain, with micro-batched torch's
+    bits; split under "fast_forward", its calls' weight gradients are added
+    one by one, to float32 rounding of torch's sum (the random test found
+    1.3e-7)."""
+    x, t = _batch(0, 0)
+    for schedule in ("gpipe", "fast_forward"):
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(WIDTH, WIDTH), _CalledTwice(), nn.Linear(WIDTH, WIDTH))
+        layers = list(copy.deepcopy(ref))
+        for xm, tm in zip(x.split(BATCH // 2), t.split(BATCH // 2)):
+            (F.mse_loss(ref(xm.clone()), tm) / 2).backward()
+        pipe = Pipeline(layers, micro_batches=2, schedule=schedule)
+        pipe.step(x, t, F.mse_loss)
+        pipe.remove()
+        for (name, p), want in zip(nn.Sequential(*layers).named_parameters(), ref.parameters()):
+            if schedule == "gpipe":
+                assert torch.equal(p.grad, want.grad), name
+            else:
+                torch.testing.assert_close(p.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
     """ReLU(inplace=True) after tanh, which saves its output for backward:
     the single process's error, not a wrong gradient."""
