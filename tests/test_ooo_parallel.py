@@ -23,6 +23,7 @@ import gc
 import io
 import itertools
 import math
+import random
 import tempfile
 import threading
 import types
@@ -2305,9 +2306,184 @@ def test_pipeline_freezing_and_unfreezing_between_steps():
     _spawn(_check_pipeline_freezing, 3, timeout=20)
 
 
+def _random_layers(seed: int) -> list:
+    """A seeded random chain for the differential test: a Conv1d block on
+    (B, 2, 5) inputs, Flatten, then Linear layers with and without bias,
+    frozen or wrapped with tanh, changing the width or not, activations
+    (ReLU(inplace=True) right after a Linear, which saves no output),
+    LayerNorm, BatchNorm1d; the last maps to 2 outputs."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    layers = [nn.Conv1d(2, 3, 3, padding=1, bias=rng.random() < 0.5), nn.GELU(), nn.Flatten()]
+    width = 15
+    for _ in range(rng.randint(3, 6)):
+        kind = rng.choice(["linear", "block", "frozen", "norm", "batchnorm", "act"])
+        if kind in ("linear", "block", "frozen"):
+            out = rng.choice([width, 6, 9])
+            lin = nn.Linear(width, out, bias=rng.random() < 0.7)
+            layers.append(nn.Sequential(lin, nn.Tanh()) if kind == "block" else
+                          lin.requires_grad_(kind != "frozen"))
+            width = out
+        elif kind == "norm":
+            layers.append(nn.LayerNorm(width))
+        elif kind == "batchnorm":
+            layers.append(nn.BatchNorm1d(width))
+        else:
+            linear_before = type(layers[-1]) is nn.Linear
+            layers.append(nn.ReLU(inplace=True) if linear_before else nn.Sigmoid())
+    return layers + [nn.Linear(width, 2)]
+
+
+# (seed, schedule, allocation, group, micro_batches, optimizer, input_grad):
+# every schedule and allocation, plain and fused optimizers (backward fusion
+# needs one micro-batch), an input that needs a gradient; seeds whose layers
+# hold BatchNorm1d, ReLU(inplace=True) and frozen Linears
+_RANDOM_PIPELINE_CASES = [
+    (39, "gpipe", "contiguous", 1, 3, "sgd", False),
+    (9, "fast_forward", "modulo", 1, 4, "adam", True),
+    (8, "fast_forward", "modulo", 2, 2, "forward", False),
+    (16, "gpipe", "modulo", 1, 1, "backward", True),
+    (0, "fast_forward", "contiguous", 1, 2, "sgd", True),
+]
+
+
+def _check_random_pipelines(rank: int, world: int, steps: int = 3) -> None:
+    """Random layer lists against single-process training that runs the same
+    micro-batches one after the other, each on a copy of its rows as the
+    Pipeline's first layer gets (a view of the batch starts elsewhere in
+    memory, and the CPU's matrix products then round otherwise): the loss,
+    every gradient, the input's, BatchNorm's statistics and the parameters
+    after each optimizer step are bitwise equal. Steps zero the gradients
+    both ways, and the last one takes another batch size."""
+    for seed, schedule, allocation, group, micro, kind, input_grad in _RANDOM_PIPELINE_CASES:
+        ref_layers, layers = _random_layers(seed), _random_layers(seed)
+        ref = nn.Sequential(*ref_layers)
+        pipe = Pipeline(layers, micro_batches=micro, schedule=schedule, allocation=allocation,
+                        group=group)
+        # a stage of activations alone has no optimizer
+        models = [m for m in (nn.ModuleList(pipe.layers.values()), ref) if list(m.parameters())]
+        opts = [torch.optim.Adam(m.parameters(), lr=0.01) if kind == "adam" else
+                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+        fusions = [fuse(m, o, mode=kind) for m, o in zip(models, opts)] \
+            if kind in ("forward", "backward") else []
+        g = torch.Generator().manual_seed(seed)
+        for step in range(steps):
+            batch = micro * (2 if step < steps - 1 else 3)  # BatchNorm: 2 rows or more
+            x, t = torch.randn(batch, 2, 5, generator=g), torch.randn(batch, 2, generator=g)
+            x_ref = x.clone().requires_grad_(input_grad)
+            losses = []
+            for xm, tm in zip(x_ref.split(batch // micro), t.split(batch // micro)):
+                losses.append(F.mse_loss(ref(xm.clone()), tm) / micro)
+                losses[-1].backward()
+            x = x.clone().requires_grad_(input_grad)
+            loss = pipe.step(x, t, F.mse_loss)
+            where = f"seed {seed} step {step} rank {rank}"
+            if loss is not None:
+                assert torch.equal(loss, torch.stack(losses).detach().sum()), where
+            if input_grad and pipe.stage_of[0] == rank:
+                assert torch.equal(x.grad, x_ref.grad), f"{where}: input gradient"
+            for l, layer in pipe.layers.items():
+                for (name, p), want in itertools.chain(
+                        zip(layer.named_parameters(), ref_layers[l].parameters()),
+                        zip(layer.named_buffers(), ref_layers[l].buffers())):
+                    got, want = (p.grad, want.grad) if isinstance(p, nn.Parameter) else (p, want)
+                    assert (got is None) == (want is None), f"{where}: layer {l} {name}"
+                    assert got is None or torch.equal(got, want), f"{where}: layer {l} {name}"
+            for o in opts:
+                o.step()
+                o.zero_grad(set_to_none=step % 2 == 0)
+        for f in fusions:
+            f.remove()  # applies forward fusion's pending updates
+        for l, layer in pipe.layers.items():
+            for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
+                assert torch.equal(p, want), f"seed {seed} rank {rank}: layer {l} {name}"
+        pipe.remove()
+
+
+def test_pipeline_random_layers_match_micro_batched_training():
+    """A compact, seeded form of a differential fuzzer: random layer lists
+    on 3 ranks, each schedule and allocation, 1 to 4 micro-batches,
+    SGD, Adam and fused optimizers, against single-process training of the
+    same micro-batches: bitwise equal (see _check_random_pipelines)."""
+    _spawn(_check_random_pipelines, 3)
+
+
 def test_pipeline_stopped_gradients_solo(solo_group):
     """Gradients that stop at a layer, within one stage."""
     _check_pipeline_stopped_gradients(0)
+
+
+class _Transpose(nn.Module):
+    def forward(self, x):
+        return x.transpose(1, 2)
+
+
+def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
+    """A Conv1d before a layer that transposes (README: the layout of each
+    layer's input gradient): one process gives the Conv1d a transposed output
+    gradient, the Pipeline a contiguous one (the .grad of the leaf that stands
+    for its output), and on one CPU thread torch sums the bias gradient in
+    memory order. The Pipeline's gradients are one process's with the
+    gradient made contiguous, bitwise, and plain torch's to rounding; the
+    random differential test found the difference (1.2e-7)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(1)
+        x, t = torch.randn(4, 4, 5, generator=g), torch.randn(4, 2, generator=g)
+
+        def layers():
+            torch.manual_seed(0)
+            return [nn.Conv1d(4, 3, 1), _Transpose(), nn.Flatten(), nn.Linear(15, 2)]
+
+        plain, contiguous, piped = layers(), layers(), layers()
+        F.mse_loss(nn.Sequential(*plain)(x), t).backward()
+        y = contiguous[0](x)
+        leaf = y.detach().requires_grad_()
+        F.mse_loss(nn.Sequential(*contiguous[1:])(leaf), t).backward()
+        y.backward(leaf.grad.contiguous())
+        pipe = Pipeline(piped, micro_batches=1, schedule="fast_forward")
+        pipe.step(x, t, F.mse_loss)
+        pipe.remove()
+        for name in ("weight", "bias"):
+            got = getattr(piped[0], name).grad
+            assert torch.equal(got, getattr(contiguous[0], name).grad), name
+            torch.testing.assert_close(got, getattr(plain[0], name).grad, rtol=1e-6, atol=1e-7)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _CalledTwice(nn.Module):
+    """Holds one Linear and calls it twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x)))
+
+
+def test_pipeline_module_called_twice_by_a_layer(solo_group):
+    """README: under "gpipe" the layer runs plain, with micro-batched torch's
+    bits; split under "fast_forward", its calls' weight gradients are added
+    one by one, to float32 rounding of torch's sum (the random test found
+    1.3e-7)."""
+    x, t = _batch(0, 0)
+    for schedule in ("gpipe", "fast_forward"):
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(WIDTH, WIDTH), _CalledTwice(), nn.Linear(WIDTH, WIDTH))
+        layers = list(copy.deepcopy(ref))
+        for xm, tm in zip(x.split(BATCH // 2), t.split(BATCH // 2)):
+            (F.mse_loss(ref(xm.clone()), tm) / 2).backward()
+        pipe = Pipeline(layers, micro_batches=2, schedule=schedule)
+        pipe.step(x, t, F.mse_loss)
+        pipe.remove()
+        for (name, p), want in zip(nn.Sequential(*layers).named_parameters(), ref.parameters()):
+            if schedule == "gpipe":
+                assert torch.equal(p.grad, want.grad), name
+            else:
+                torch.testing.assert_close(p.grad, want.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_pipeline_in_place_layer_after_a_saved_output(solo_group):
