@@ -3291,10 +3291,10 @@ class DataParallel(_PassTracking, Joinable):
     that got no gradient on any rank keeps its ``.grad`` (None after
     ``zero_grad()``), as under DDP(find_unused_parameters=True). Under
     ``torch.use_deterministic_algorithms(True)`` a parameter several split
-    layers share is never deferred: autograd sums its sites as under DDP, so
-    its bits, accumulated under ``no_sync()`` too, do not depend on k (a
-    held layer called twice in a forward, or whose weight is also used
-    outside split layers, still adds its dW to ``.grad`` after the rest).
+    layers share, or one layer called twice in a forward, is never deferred:
+    autograd sums its sites as under DDP, so its bits, accumulated under
+    ``no_sync()`` too, do not depend on k (a held layer whose weight is also
+    used outside split layers still adds its dW to ``.grad`` after the rest).
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
