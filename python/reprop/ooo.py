@@ -662,6 +662,10 @@ class _Site:
     params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
     in_order: bool = False  # made plain by the CPU schedule or DataParallel's order (see _split_now)
+    # DataParallel's: the mark of the last forward that called it split, and
+    # whether one forward called it more than once (_shared_by_sites)
+    forward_mark: object = None
+    reused: bool = False
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1216,6 +1220,9 @@ class OOOHandle(_PassTracking):
         # parameters whose dW every split call returns to autograd under
         # torch.use_deterministic_algorithms (DataParallel's: _shared_by_sites)
         self._summed_by_autograd: frozenset = frozenset()
+        # DataParallel's, new at each forward of the model: a site called
+        # twice under one mark is reused (_called_again); None: not counted
+        self._forward_mark: object = None
         # id(parameter) -> (the parameter, (its version, data pointer, dtype),
         # weakly its cast copy): _cast_param. Not a weak map keyed by the
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
@@ -1727,7 +1734,8 @@ class OOOHandle(_PassTracking):
             self._casts[id(p)] = (p, key, weakref.ref(copy))
         return copy
 
-    def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple) -> tuple:
+    def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple,
+                       unseen: bool = False) -> tuple:
         """Under autocast, the split call's parameters whose dW go to
         autograd (_weight_grad_targets): those with a tensor hook of the
         user's, and under deterministic algorithms DataParallel's weights
@@ -1739,10 +1747,18 @@ class OOOHandle(_PassTracking):
         site's dW was cast to float32 there and summed in float32 (0.2% of
         the largest element apart in bfloat16, DataParallel's tied weight
         off DDP's as far; float16's sum finite where autograd's is inf, so
-        a GradScaler stepped where torch's skipped)."""
-        summed = self._summed_by_autograd if torch.are_deterministic_algorithms_enabled() else ()
-        to_autograd = [p is not None and p.requires_grad and (_hooked_by_user(p) or p in summed)
-                       for p in params]
+        a GradScaler stepped where torch's skipped).
+        `unseen`: DataParallel's first call of the layer, which may be
+        called again in this forward (_called_again, too late for this
+        call's cast): under deterministic algorithms every parameter of it
+        is cast so, its dW going to autograd this once, so that a second
+        call reads the same copy (cast inside the split, the first call's
+        dW met the second's in float32: 9e-5 off DDP's in bfloat16)."""
+        deterministic = torch.are_deterministic_algorithms_enabled()
+        summed = self._summed_by_autograd if deterministic else ()
+        unseen = unseen and deterministic
+        to_autograd = [p is not None and p.requires_grad
+                       and (unseen or _hooked_by_user(p) or p in summed) for p in params]
         if not any(to_autograd):
             return params
         device = x.device
@@ -1754,6 +1770,19 @@ class OOOHandle(_PassTracking):
             return params
         return tuple(self._cast_param(p, cast, tracked=True) if r else p
                      for p, r in zip(params, to_autograd))
+
+    def _called_again(self, site: _Site) -> None:
+        """DataParallel's forward called `site` a second time: its
+        parameters join those autograd sums under deterministic algorithms,
+        from this call on (_shared_by_sites), as a weight shared by several
+        sites. Held, a reused layer's dW were added to .grad one by one,
+        apart from autograd's sum (a Conv1d called twice, k past it: 0.2%
+        off DDP's in bfloat16 autocast, 1.3e-7 in float32 under no_sync()).
+        Not a checkpoint's recompute inside backward: the same call again."""
+        if site.reused or not outside_backward():
+            return
+        site.reused = True
+        self._summed_by_autograd = _shared_by_sites(self.sites)
 
     def _hold_list(self, module: nn.Module) -> list | None:
         """Inside hold(): the list that collects the dW tasks of `module`."""
@@ -2263,15 +2292,22 @@ def _make_forward(site: _Site):
         if kind.unbatched(module, x):
             return forward(self, x.unsqueeze(0)).squeeze(0)
         handle._before_split_forward()
-        if site.index < 0:
+        first = site.index < 0
+        if first:
             # one statement: a KeyboardInterrupt between two gave the next
             # layer called the same index, and the schedule took the two for one
             site.index, handle._next_index = handle._next_index, handle._next_index + 1
+        mark = handle._forward_mark
+        if mark is not None:  # (DataParallel's: one compare a call otherwise)
+            if site.forward_mark is mark:
+                handle._called_again(site)
+            site.forward_mark = mark
         x = kind.prepare(module, x)
         w, b = params
+        unseen = first and mark is not None
         if ((w is not None and w._backward_hooks) or (b is not None and b._backward_hooks)
-                or handle._summed_by_autograd) and torch._C._is_any_autocast_enabled():
-            params = handle._cast_returned(site, x, params)
+                or handle._summed_by_autograd or unseen) and torch._C._is_any_autocast_enabled():
+            params = handle._cast_returned(site, x, params, unseen)
         if transform_active():
             return _Split.apply(site, x, *params)
         return _apply_split(site, x, *params)
@@ -3029,16 +3065,18 @@ def _verify_same_shapes(tensors: list, group) -> None:
 
 
 def _shared_by_sites(sites: Sequence[_Site]) -> frozenset:
-    """The parameters several split layers share (a tied embedding). Under
-    torch.use_deterministic_algorithms DataParallel has autograd sum them, as
-    DDP's: each split call returns its dW to autograd. Deferred, a held
-    layer's dW was added to .grad after the others' sum, so under no_sync()
-    accumulation ((g + s7) + s0, DDP's g + (s7 + s0)) the bits depended on
-    k, which k="auto" picks from measured times."""
+    """The parameters several split calls of a forward share: those of
+    several layers (a tied embedding) and of a layer one forward called
+    more than once (_Site.reused, seen as it runs: OOOHandle._called_again).
+    Under torch.use_deterministic_algorithms DataParallel has autograd sum
+    them, as DDP's: each split call returns its dW to autograd. Deferred, a
+    held layer's dW was added to .grad after the others' sum, so under
+    no_sync() accumulation ((g + s7) + s0, DDP's g + (s7 + s0)) the bits
+    depended on k, which k="auto" picks from measured times."""
     seen, shared = set(), set()
     for s in sites:
         for p in s.params:
-            (shared if p in seen else seen).add(p)
+            (shared if p in seen or s.reused else seen).add(p)
     return frozenset(shared)
 
 
@@ -3253,10 +3291,10 @@ class DataParallel(_PassTracking, Joinable):
     that got no gradient on any rank keeps its ``.grad`` (None after
     ``zero_grad()``), as under DDP(find_unused_parameters=True). Under
     ``torch.use_deterministic_algorithms(True)`` a parameter several split
-    layers share is never deferred: autograd sums its sites as under DDP, so
-    its bits, accumulated under ``no_sync()`` too, do not depend on k (a
-    held layer called twice in a forward, or whose weight is also used
-    outside split layers, still adds its dW to ``.grad`` after the rest).
+    layers share, or one layer called twice in a forward, is never deferred:
+    autograd sums its sites as under DDP, so its bits, accumulated under
+    ``no_sync()`` too, do not depend on k (a held layer whose weight is also
+    used outside split layers still adds its dW to ``.grad`` after the rest).
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
@@ -3659,6 +3697,7 @@ class DataParallel(_PassTracking, Joinable):
             return
         if self._backward_raised():
             self._abandon_backward()
+        self.handle._forward_mark = object()  # a layer called twice under it is reused
         # one C loop over the parameters frozen at construction (about 0.1 us
         # each), here and not at the backward: their hooks must be there before
         # the backward (one not started at the outputs, a no_sync() one),
