@@ -110,11 +110,14 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
         return -1;
     }
     if (!PyArg_ParseTuple(hparams,
-                          "ddddddddddppppp|i;hparams: expected 10 floats, 5 bools and an optional int",
+                          "ddddddddddppppp|iiiiiiii;hparams: expected 10 floats, 5 bools and up "
+                          "to 8 ints",
                           &hp->lr, &hp->weight_decay, &hp->eps, &hp->beta1, &hp->beta2,
                           &hp->momentum, &hp->dampening, &hp->alpha, &hp->rho, &hp->lr_decay,
                           &hp->nesterov, &hp->maximize, &hp->amsgrad, &hp->decoupled_weight_decay,
-                          &hp->centered, &hp->lr_kind))
+                          &hp->centered, &hp->lr_kind, &hp->weight_decay_kind, &hp->beta1_kind,
+                          &hp->beta2_kind, &hp->dampening_kind, &hp->alpha_kind, &hp->rho_kind,
+                          &hp->lr_decay_kind))
         return -1;
     if (rp_py_check_table(table, &arr) < 0)
         return -1;
@@ -765,7 +768,7 @@ static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
     return 1;
 }
 
-/* The first 15 entries of the hparams tuple (all but lr_kind) into item
+/* The first 15 entries of the hparams tuple (all but the kinds) into item
  * (new references; NULL: a numeric entry absent, 0.0), read in the order optim.py's _hparams_of reads
  * them: 1 done, 0 when the group holds a value that only _hparams_of takes, -1
  * with an exception set. *betas holds group["betas"] (a new reference or
@@ -821,7 +824,9 @@ static int rp_py_hparam_items(PyObject *group, PyObject *const *keys, PyObject *
 PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *const *keys;
-    PyObject *item[16] = {NULL}, *betas = NULL, *zero = NULL, *result = NULL;
+    /* 15 values, then the 8 kinds */
+    PyObject *item[RP_HPARAMS_LEN] = {NULL}, *betas = NULL, *zero = NULL, *number = NULL,
+             *result = NULL;
     int k, ok;
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "optim_hparams") < 0)
@@ -832,13 +837,14 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
     if ((keys = rp_py_hparam_keys()) == NULL)
         return NULL;
     ok = rp_py_hparam_items(args[0], keys, item, &betas);
-    /* lr_kind: the lr is a number here (a tensor one goes to Python) */
-    if (ok == 1 && (item[15] = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
-        (zero = PyFloat_FromDouble(0.0)) != NULL && (result = PyTuple_New(16)) != NULL) {
-        for (k = 0; k < 16; k++) {
+    /* the kinds: every value is a number here (a tensor one goes to Python) */
+    if (ok == 1 && (number = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
+        (zero = PyFloat_FromDouble(0.0)) != NULL &&
+        (result = PyTuple_New(RP_HPARAMS_LEN)) != NULL) {
+        for (k = 0; k < RP_HPARAMS_LEN; k++) {
             if (item[k] == NULL) {
-                Py_INCREF(zero);
-                item[k] = zero;
+                item[k] = k < RP_HPARAMS_LEN - RP_HPARAM_KINDS ? zero : number;
+                Py_INCREF(item[k]);
             }
             PyTuple_SET_ITEM(result, k, item[k]); /* steals it */
             item[k] = NULL;
@@ -847,10 +853,11 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_INCREF(Py_None);
         result = Py_None;
     }
-    for (k = 0; k < 16; k++)
+    for (k = 0; k < RP_HPARAMS_LEN; k++)
         Py_XDECREF(item[k]);
     Py_XDECREF(betas);
     Py_XDECREF(zero);
+    Py_XDECREF(number);
     return result;
 }
 
