@@ -97,11 +97,24 @@ static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
     return 0;
 }
 
+/* The kinds packed into the hparams tuple's last int (pyutil.h). */
+static void rp_py_unpack_kinds(int packed, rp_optim_hparams *hp)
+{
+    int *const kinds[RP_HPARAM_KINDS] = {&hp->lr_kind,        &hp->weight_decay_kind,
+                                         &hp->beta1_kind,     &hp->beta2_kind,
+                                         &hp->dampening_kind, &hp->alpha_kind,
+                                         &hp->rho_kind,       &hp->lr_decay_kind};
+    int k;
+    for (k = 0; k < RP_HPARAM_KINDS; k++)
+        *kinds[k] = packed >> (RP_HPARAM_KIND_BITS * k) & ((1 << RP_HPARAM_KIND_BITS) - 1);
+}
+
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call)
 {
     PyArrayObject *arr = NULL;
     rp_optim_hparams *hp = &call->hp;
+    int kinds = 0;
     memset(call, 0, sizeof *call);
     if (rp_py_int_arg(kind, "kind", &hp->kind) < 0 || rp_py_int_arg(dtype, "dtype", &call->dtype) < 0)
         return -1;
@@ -110,15 +123,13 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
         return -1;
     }
     if (!PyArg_ParseTuple(hparams,
-                          "ddddddddddppppp|iiiiiiii;hparams: expected 10 floats, 5 bools and up "
-                          "to 8 ints",
+                          "ddddddddddppppp|i;hparams: expected 10 floats, 5 bools and an optional int",
                           &hp->lr, &hp->weight_decay, &hp->eps, &hp->beta1, &hp->beta2,
                           &hp->momentum, &hp->dampening, &hp->alpha, &hp->rho, &hp->lr_decay,
                           &hp->nesterov, &hp->maximize, &hp->amsgrad, &hp->decoupled_weight_decay,
-                          &hp->centered, &hp->lr_kind, &hp->weight_decay_kind, &hp->beta1_kind,
-                          &hp->beta2_kind, &hp->dampening_kind, &hp->alpha_kind, &hp->rho_kind,
-                          &hp->lr_decay_kind))
+                          &hp->centered, &kinds))
         return -1;
+    rp_py_unpack_kinds(kinds, hp);
     if (rp_py_check_table(table, &arr) < 0)
         return -1;
     Py_INCREF(table);
@@ -824,9 +835,7 @@ static int rp_py_hparam_items(PyObject *group, PyObject *const *keys, PyObject *
 PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *const *keys;
-    /* 15 values, then the 8 kinds */
-    PyObject *item[RP_HPARAMS_LEN] = {NULL}, *betas = NULL, *zero = NULL, *number = NULL,
-             *result = NULL;
+    PyObject *item[16] = {NULL}, *betas = NULL, *zero = NULL, *result = NULL;
     int k, ok;
     (void)self;
     if (rp_py_check_nargs(nargs, 1, "optim_hparams") < 0)
@@ -838,13 +847,12 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     ok = rp_py_hparam_items(args[0], keys, item, &betas);
     /* the kinds: every value is a number here (a tensor one goes to Python) */
-    if (ok == 1 && (number = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
-        (zero = PyFloat_FromDouble(0.0)) != NULL &&
-        (result = PyTuple_New(RP_HPARAMS_LEN)) != NULL) {
-        for (k = 0; k < RP_HPARAMS_LEN; k++) {
+    if (ok == 1 && (item[15] = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
+        (zero = PyFloat_FromDouble(0.0)) != NULL && (result = PyTuple_New(16)) != NULL) {
+        for (k = 0; k < 16; k++) {
             if (item[k] == NULL) {
-                item[k] = k < RP_HPARAMS_LEN - RP_HPARAM_KINDS ? zero : number;
-                Py_INCREF(item[k]);
+                Py_INCREF(zero);
+                item[k] = zero;
             }
             PyTuple_SET_ITEM(result, k, item[k]); /* steals it */
             item[k] = NULL;
@@ -853,11 +861,10 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
         Py_INCREF(Py_None);
         result = Py_None;
     }
-    for (k = 0; k < RP_HPARAMS_LEN; k++)
+    for (k = 0; k < 16; k++)
         Py_XDECREF(item[k]);
     Py_XDECREF(betas);
     Py_XDECREF(zero);
-    Py_XDECREF(number);
     return result;
 }
 

@@ -304,14 +304,16 @@ def _hparams_of(group: dict) -> tuple:
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
     numbers = _numbers(numeric)  # refuses what has no kind first
-    return (numbers + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
-            + tuple(_kind(numeric[i]) for i in _KIND_HPARAMS))
+    kinds = sum(_kind(numeric[i]) << _KIND_BITS * k for k, i in enumerate(_KIND_HPARAMS))
+    return numbers + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS) + (kinds,)
 
 
 # csrc/reprop.h's rp_lr_kind of a tensor hyper-parameter, by the dtype torch
 # computes with it in
 _KINDS = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
-# The numeric hyper-parameters whose kinds end the hparams tuple, in its order.
+# The numeric hyper-parameters whose kinds the hparams tuple's last int packs,
+# _KIND_BITS each from the lowest (csrc/pyutil.h).
+_KIND_BITS = 3
 _KIND_HPARAMS = tuple(_NUMERIC_HPARAMS.index(name) for name in (
     "lr", "weight_decay", "betas[0]", "betas[1]", "dampening", "alpha", "rho", "lr_decay"))
 
