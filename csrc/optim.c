@@ -172,58 +172,53 @@ int rp_optim_check(const rp_optim_hparams *hp, const rp_optim_entry *entries, in
     return rp_optim_check_hparams(hp, entries, n, err);
 }
 
-/* base ** t as Python computes it: finite operands with a result that is not
- * a finite real number raise there (see above). */
-static int rp_python_pow(double base, double t, const char *name, double *out, rp_error *err)
+/* beta ** t, a number beta's as Python computes it: finite operands with a
+ * result that is not a finite real number raise there (see above). A
+ * float16 tensor's: torch raises for a t beyond float16's range. */
+static int rp_check_beta_pow(int kind, double beta, double t, double power, const char *name,
+                             rp_error *err)
 {
-    *out = pow(base, t);
-    if (!isfinite(*out) && isfinite(base) && isfinite(t))
+    if (kind == RP_LR_NUMBER && !isfinite(power) && isfinite(beta) && isfinite(t))
         return rp_set_error(err, RP_EINVAL,
                             "betas: %s ** step is not a finite real number at step %g (%s = %g); "
-                            "torch.optim raises too", name, t, name, base);
+                            "torch.optim raises too", name, t, name, beta);
+    if (kind == RP_LR_F16 && fabs(t) > 65504.0)
+        return rp_set_error(err, RP_EINVAL,
+                            "betas: the step %g is beyond float16, the dtype of %s, which torch's "
+                            "%s ** step converts it to (torch.optim raises too)", t, name, name);
     return RP_OK;
-}
-
-/* lr / denom as torch computes it (see rp_lr_kind): in double for a number or
- * a float64 tensor (a zero denominator gives inf or NaN: the callers refuse
- * it for a number, as Python raises), else in float32, rounded to a 16-bit
- * lr's dtype; an overflow is then inf, which torch's update steps on with. */
-static double rp_lr_over(const rp_optim_hparams *hp, double denom)
-{
-    if (hp->lr_kind == RP_LR_NUMBER || hp->lr_kind == RP_LR_F64)
-        return hp->lr / denom;
-    return rp_lr_round(hp->lr_kind, (float)hp->lr / (float)denom);
 }
 
 /* Adam at step t: a = -lr / (1 - beta1^t), b = sqrt(1 - beta2^t). */
 static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
                            rp_error *err)
 {
-    double pow1, pow2, bc2, step_size;
-    int rc = rp_python_pow(hp->beta1, t, "beta1", &pow1, err);
+    rp_adam_terms r;
+    int rc;
+    rp_adam_step_terms(hp, hp->lr, t, &r);
+    rc = rp_check_beta_pow(hp->beta1_kind, hp->beta1, t, r.pow1, "beta1", err);
     if (rc == RP_OK)
-        rc = rp_python_pow(hp->beta2, t, "beta2", &pow2, err);
+        rc = rp_check_beta_pow(hp->beta2_kind, hp->beta2, t, r.pow2, "beta2", err);
     if (rc != RP_OK)
         return rc;
-    if (1.0 - pow1 == 0.0 && hp->lr_kind == RP_LR_NUMBER)
+    if (r.bc1 == 0.0 && hp->lr_kind == RP_LR_NUMBER && hp->beta1_kind == RP_LR_NUMBER)
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta1 ** step is 0 at step %g (beta1 = %g), a division by "
                             "zero (torch.optim raises ZeroDivisionError)", t, hp->beta1);
-    bc2 = 1.0 - pow2;
     /* Python's (-inf) ** 0.5 is inf, not complex: beta2 = inf, or beyond 1
-     * in size at an infinite step count (made by hand), where torch steps on */
-    if (bc2 < 0.0 && isfinite(bc2))
+     * in size at an infinite step count (made by hand), where torch steps on;
+     * a tensor's square root is NaN */
+    if (r.bc2 < 0.0 && isfinite(r.bc2) && hp->beta2_kind == RP_LR_NUMBER)
         return rp_set_error(err, RP_EINVAL,
                             "betas: 1 - beta2 ** step = %g at step %g (beta2 = %g) is negative, "
                             "so its square root is complex; torch.optim raises too",
-                            bc2, t, hp->beta2);
-    step_size = rp_lr_over(hp, 1.0 - pow1);
-    if (rp_beyond_float(step_size))
+                            r.bc2, t, hp->beta2);
+    if (rp_beyond_float(r.step_size))
         return rp_set_error(err, RP_EINVAL,
                             "lr: the step size lr / (1 - beta1 ** step) = %g at step %g "
-                            RP_BEYOND_FLOAT, step_size, t);
-    sc->a = (float)(-step_size);
-    sc->b = (float)(isinf(bc2) ? INFINITY : sqrt(bc2));
+                            RP_BEYOND_FLOAT, r.step_size, t);
+    sc->a = (float)(-r.step_size);
+    sc->b = (float)r.bc2_sqrt;
     return RP_OK;
 }
 
@@ -231,14 +226,14 @@ static int rp_adam_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars
 static int rp_adagrad_scalars(const rp_optim_hparams *hp, double t, rp_step_scalars *sc,
                               rp_error *err)
 {
-    const double decay = 1.0 + (t - 1.0) * hp->lr_decay;
+    const double decay = rp_adagrad_decay(hp, t);
     double clr;
-    if (decay == 0.0 && hp->lr_kind == RP_LR_NUMBER)
+    if (decay == 0.0 && hp->lr_kind == RP_LR_NUMBER && hp->lr_decay_kind == RP_LR_NUMBER)
         return rp_set_error(err, RP_EINVAL,
                             "lr_decay: 1 + (step - 1) * lr_decay is 0 at step %g (lr_decay = %g), "
                             "a division by zero (torch.optim raises ZeroDivisionError)",
                             t, hp->lr_decay);
-    clr = rp_lr_over(hp, decay);
+    clr = rp_lr_over(hp, hp->lr, hp->lr_decay_kind, decay);
     if (rp_beyond_float(clr))
         return rp_set_error(err, RP_EINVAL,
                             "lr: lr / (1 + (step - 1) * lr_decay) = %g at step %g "

@@ -38,12 +38,14 @@
 
 #if defined(__CUDA_ARCH__)
 #define RP_SQRTF(x) __fsqrt_rn(x) /* IEEE round-to-nearest whatever -prec-sqrt says */
+#define RP_DMUL(a, b) __dmul_rn(a, b) /* never contracted into a following add */
 #define RP_FMAF(a, b, c) __fmaf_rn(a, b, c)
 #define RP_ISNAN(x) isnan(x)
 #elif defined(__CUDACC__)
 #define RP_SQRTF(x) sqrtf(x)
 #define RP_FMAF(a, b, c) fmaf(a, b, c)
 #define RP_ISNAN(x) isnan(x)
+#define RP_DMUL(a, b) ((a) * (b))
 #else
 #include <math.h>
 #define RP_SQRTF(x) sqrtf(x)
@@ -53,6 +55,7 @@
  * of x86-64-v3 */
 #define RP_FMAF(a, b, c) fmaf(a, b, c)
 #define RP_ISNAN(x) ((x) != (x))
+#define RP_DMUL(a, b) ((a) * (b)) /* the build does not contract */
 #endif
 
 /* The element math below is inlined into every CPU loop, or the loop does
@@ -112,16 +115,111 @@ RP_HOSTDEV float rp_lr_round(int kind, float x)
     return x;
 }
 
+/* The arithmetic of tensor ops on hyper-parameters of rp_lr_kind `kind`
+ * (reprop.h), in double: for RP_LR_NUMBER and RP_LR_F64 the double itself;
+ * else float32 operands and each result rounded to float32 (one +, -, *, /
+ * or sqrt of float32 operands is the same in double rounded once to float32
+ * as in float32), then to a 16-bit dtype. RP_DMUL keeps a device from
+ * contracting a product into the add that follows it. */
+
+/* x as an operand of such an op: a number is converted to the op's math
+ * type (float32 but for float64). */
+RP_HOSTDEV double rp_kind_operand(int kind, double x)
+{
+    return kind == RP_LR_NUMBER || kind == RP_LR_F64 ? x : (double)(float)x;
+}
+
+/* x, the exact result of such an op, rounded as the op rounds it. */
+RP_HOSTDEV double rp_kind_round(int kind, double x)
+{
+    return kind == RP_LR_NUMBER || kind == RP_LR_F64 ? x : (double)rp_lr_round(kind, (float)x);
+}
+
+/* The kind of an op on values of kinds a and b: torch's promotion of two
+ * 0-d tensors (a number takes the tensor's dtype). */
+RP_HOSTDEV int rp_kind_promote(int a, int b)
+{
+    if (a == RP_LR_NUMBER)
+        return b;
+    if (b == RP_LR_NUMBER || a == b)
+        return a;
+    if (a == RP_LR_F64 || b == RP_LR_F64)
+        return RP_LR_F64;
+    return RP_LR_F32; /* float32 with a 16-bit dtype, float16 with bfloat16 */
+}
+
+/* 1 - x, x of `kind`. */
+RP_HOSTDEV float rp_kind_one_minus(int kind, double x)
+{
+    return (float)rp_kind_round(kind, 1.0 - rp_kind_operand(kind, x));
+}
+
+/* lr / denom, lr of hp->lr_kind and denom of `denom_kind`, as torch computes
+ * it: a number over a tensor is the tensor's reciprocal times the number
+ * (Tensor.__rtruediv__), two ops; else one division in the promoted kind. */
+RP_HOSTDEV double rp_lr_over(const rp_optim_hparams *hp, double lr, int denom_kind, double denom)
+{
+    int k = denom_kind;
+    if (hp->lr_kind == RP_LR_NUMBER && k != RP_LR_NUMBER)
+        return rp_kind_round(k, rp_kind_round(k, 1.0 / denom) * rp_kind_operand(k, lr));
+    k = rp_kind_promote(hp->lr_kind, denom_kind);
+    return rp_kind_round(k, rp_kind_operand(k, lr) / rp_kind_operand(k, denom));
+}
+
 /* AdamW's 1 - lr * weight_decay as torch computes it: in double, rounded to
- * float32 once by the param's mul_, for a number (or a float64 tensor) lr;
- * for a tensor lr of another dtype two tensor ops in its dtype (see
- * rp_lr_kind), each rounded to it. */
+ * float32 once by the param's mul_, for numbers (or float64 tensors); else
+ * two tensor ops in the kind both promote to. */
 RP_HOSTDEV float rp_decay_factor(const rp_optim_hparams *hp, double lr)
 {
-    if (hp->lr_kind == RP_LR_NUMBER || hp->lr_kind == RP_LR_F64)
-        return (float)(1.0 - lr * hp->weight_decay);
-    return rp_lr_round(hp->lr_kind,
-                       1.0f - rp_lr_round(hp->lr_kind, (float)lr * (float)hp->weight_decay));
+    const int k = rp_kind_promote(hp->lr_kind, hp->weight_decay_kind);
+    const double lr_wd = RP_DMUL(rp_kind_operand(k, lr), rp_kind_operand(k, hp->weight_decay));
+    return (float)rp_kind_round(k, 1.0 - rp_kind_round(k, lr_wd));
+}
+
+/* beta ** t of a tensor beta of `kind` (not a number) as torch's pow of a
+ * 0-d tensor by a Python float: t converted to the tensor's dtype, the
+ * powers 2 and 3 as products (but for float16), others by pow. */
+RP_HOSTDEV double rp_kind_pow(int kind, double beta, double t)
+{
+    const double e = rp_kind_round(kind, t);
+    if (kind != RP_LR_F16 && (e == 2.0 || e == 3.0)) {
+        const double square = rp_kind_round(kind, beta * beta);
+        return e == 2.0 ? square : rp_kind_round(kind, square * beta);
+    }
+    return rp_kind_round(kind, pow(beta, e));
+}
+
+/* Adam's terms at step t. */
+typedef struct {
+    double pow1, pow2;   /* beta1 ** t, beta2 ** t */
+    double bc1, bc2;     /* 1 - pow1, 1 - pow2 */
+    double step_size;    /* lr / bc1 */
+    double bc2_sqrt;     /* bc2 ** 0.5 */
+} rp_adam_terms;
+
+/* Adam's terms at step t as torch's for-loop update computes them, with
+ * number betas in Python (a number beta ** t is Python's pow, whose errors
+ * the host checks), tensor ones in tensor ops of their kinds. */
+RP_HOSTDEV void rp_adam_step_terms(const rp_optim_hparams *hp, double lr, double t,
+                                   rp_adam_terms *r)
+{
+    const int k1 = hp->beta1_kind, k2 = hp->beta2_kind;
+    r->pow1 = k1 == RP_LR_NUMBER ? pow(hp->beta1, t) : rp_kind_pow(k1, hp->beta1, t);
+    r->pow2 = k2 == RP_LR_NUMBER ? pow(hp->beta2, t) : rp_kind_pow(k2, hp->beta2, t);
+    r->bc1 = rp_kind_round(k1, 1.0 - r->pow1);
+    r->bc2 = rp_kind_round(k2, 1.0 - r->pow2);
+    r->step_size = rp_lr_over(hp, lr, k1, r->bc1);
+    /* Python's (-inf) ** 0.5 is inf (beta2 = inf), a tensor's sqrt NaN */
+    r->bc2_sqrt = k2 == RP_LR_NUMBER && isinf(r->bc2) ? INFINITY
+                                                      : rp_kind_round(k2, sqrt(r->bc2));
+}
+
+/* Adagrad's 1 + (t - 1) * lr_decay as torch computes it. */
+RP_HOSTDEV double rp_adagrad_decay(const rp_optim_hparams *hp, double t)
+{
+    const int k = hp->lr_decay_kind;
+    const double prod = RP_DMUL(rp_kind_operand(k, t - 1.0), rp_kind_operand(k, hp->lr_decay));
+    return rp_kind_round(k, 1.0 + rp_kind_round(k, prod));
 }
 
 /* Fills the float constants from the double hyper-parameters. `lr` is passed
@@ -129,7 +227,6 @@ RP_HOSTDEV float rp_decay_factor(const rp_optim_hparams *hp, double lr)
 RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_optim_consts *c)
 {
     const int decoupled = hp->kind == RP_ADAM && hp->decoupled_weight_decay;
-    double w1 = 0.0;
     memset(c, 0, sizeof *c);
     c->sign = hp->maximize ? -1.0f : 1.0f;
     c->has_wd = hp->weight_decay != 0.0 && !decoupled;
@@ -140,21 +237,22 @@ RP_HOSTDEV void rp_optim_make_consts(const rp_optim_hparams *hp, double lr, rp_o
     c->amsgrad = hp->amsgrad;
     c->momentum = (float)hp->momentum;
     c->has_momentum = rp_optim_has_momentum(hp);
-    c->one_minus_dampening = (float)(1.0 - hp->dampening);
+    c->one_minus_dampening = rp_kind_one_minus(hp->dampening_kind, hp->dampening);
     c->nesterov = hp->nesterov;
     c->neg_lr = (float)(-lr);
     c->beta2 = (float)hp->beta2;
-    c->one_minus_beta2 = (float)(1.0 - hp->beta2);
+    c->one_minus_beta2 = rp_kind_one_minus(hp->beta2_kind, hp->beta2);
     c->alpha = (float)hp->alpha;
-    c->one_minus_alpha = (float)(1.0 - hp->alpha);
+    c->one_minus_alpha = rp_kind_one_minus(hp->alpha_kind, hp->alpha);
     c->centered = hp->centered;
     c->rho = (float)hp->rho;
-    c->one_minus_rho = (float)(1.0 - hp->rho);
+    c->one_minus_rho = rp_kind_one_minus(hp->rho_kind, hp->rho);
+    /* torch casts a tensor beta1 to the (float32) moment's dtype first */
     if (hp->kind == RP_ADAM)
-        w1 = 1.0 - hp->beta1;
+        c->w1 = rp_kind_one_minus(hp->beta1_kind == RP_LR_NUMBER ? RP_LR_NUMBER : RP_LR_F32,
+                                  hp->beta1);
     else if (hp->kind == RP_RMSPROP)
-        w1 = 1.0 - hp->alpha;
-    c->w1 = (float)w1;
+        c->w1 = c->one_minus_alpha;
     c->one_minus_w1 = 1.0f - c->w1;
     c->fused_madd = RP_FUSED_MADD();
 }

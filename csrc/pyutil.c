@@ -97,11 +97,24 @@ static int rp_py_check_table(PyObject *obj, PyArrayObject **out)
     return 0;
 }
 
+/* The kinds packed into the hparams tuple's last int (pyutil.h). */
+static void rp_py_unpack_kinds(int packed, rp_optim_hparams *hp)
+{
+    int *const kinds[RP_HPARAM_KINDS] = {&hp->lr_kind,        &hp->weight_decay_kind,
+                                         &hp->beta1_kind,     &hp->beta2_kind,
+                                         &hp->dampening_kind, &hp->alpha_kind,
+                                         &hp->rho_kind,       &hp->lr_decay_kind};
+    int k;
+    for (k = 0; k < RP_HPARAM_KINDS; k++)
+        *kinds[k] = packed >> (RP_HPARAM_KIND_BITS * k) & ((1 << RP_HPARAM_KIND_BITS) - 1);
+}
+
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call)
 {
     PyArrayObject *arr = NULL;
     rp_optim_hparams *hp = &call->hp;
+    int kinds = 0;
     memset(call, 0, sizeof *call);
     if (rp_py_int_arg(kind, "kind", &hp->kind) < 0 || rp_py_int_arg(dtype, "dtype", &call->dtype) < 0)
         return -1;
@@ -114,8 +127,9 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
                           &hp->lr, &hp->weight_decay, &hp->eps, &hp->beta1, &hp->beta2,
                           &hp->momentum, &hp->dampening, &hp->alpha, &hp->rho, &hp->lr_decay,
                           &hp->nesterov, &hp->maximize, &hp->amsgrad, &hp->decoupled_weight_decay,
-                          &hp->centered, &hp->lr_kind))
+                          &hp->centered, &kinds))
         return -1;
+    rp_py_unpack_kinds(kinds, hp);
     if (rp_py_check_table(table, &arr) < 0)
         return -1;
     Py_INCREF(table);
@@ -765,7 +779,7 @@ static int rp_py_beta(PyObject *betas, Py_ssize_t i, PyObject **out)
     return 1;
 }
 
-/* The first 15 entries of the hparams tuple (all but lr_kind) into item
+/* The first 15 entries of the hparams tuple (all but the kinds) into item
  * (new references; NULL: a numeric entry absent, 0.0), read in the order optim.py's _hparams_of reads
  * them: 1 done, 0 when the group holds a value that only _hparams_of takes, -1
  * with an exception set. *betas holds group["betas"] (a new reference or
@@ -832,7 +846,7 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
     if ((keys = rp_py_hparam_keys()) == NULL)
         return NULL;
     ok = rp_py_hparam_items(args[0], keys, item, &betas);
-    /* lr_kind: the lr is a number here (a tensor one goes to Python) */
+    /* the kinds: every value is a number here (a tensor one goes to Python) */
     if (ok == 1 && (item[15] = PyLong_FromLong(RP_LR_NUMBER)) != NULL &&
         (zero = PyFloat_FromDouble(0.0)) != NULL && (result = PyTuple_New(16)) != NULL) {
         for (k = 0; k < 16; k++) {

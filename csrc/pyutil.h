@@ -25,11 +25,16 @@ typedef struct {
     int64_t n;
 } rp_py_optim_call;
 
+/* The kinds in the hparams tuple's last int, RP_HPARAM_KIND_BITS each. */
+enum { RP_HPARAM_KINDS = 8, RP_HPARAM_KIND_BITS = 3 };
+
 /* Parses (kind, dtype, table, hparams) where hparams is the tuple
  * (lr, weight_decay, eps, beta1, beta2, momentum, dampening, alpha, rho,
  *  lr_decay, nesterov, maximize, amsgrad, decoupled_weight_decay, centered
- *  [, lr_kind]), lr_kind an rp_lr_kind (absent: RP_LR_NUMBER), and checks
- * the table.
+ *  [, kinds]), kinds the rp_lr_kinds of lr, weight_decay, beta1, beta2,
+ *  dampening, alpha, rho and lr_decay, RP_HPARAM_KIND_BITS each from the
+ *  lowest (absent: 0, all RP_LR_NUMBER; one int, for the tuple to stay as
+ *  short as Python's free lists keep), and checks the table.
  * 0 on success, -1 with a Python exception set. */
 int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyObject *hparams,
                            rp_py_optim_call *call);
@@ -40,7 +45,7 @@ int rp_py_parse_optim_call(PyObject *kind, PyObject *dtype, PyObject *table, PyO
  * dict with "lr", the numeric entries (absent: 0.0; beta1 and beta2 the
  * first two items of an exact tuple or list "betas", absent: 0.0) exact
  * floats or ints of 64 bits, "capturable" and the flags (absent: False) bools, None,
- * exact ints or floats, whose truth is the flag; lr_kind RP_LR_NUMBER. None
+ * exact ints or floats, whose truth is the flag; kinds 0. None
  * otherwise (a tensor lr,
  * a NumPy scalar, a bool where a number goes, a value refused, no "lr"), for
  * _hparams to convert or refuse the group's values itself. Defined in

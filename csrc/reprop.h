@@ -71,13 +71,16 @@ typedef struct {
     int64_t flags;     /* RP_ENTRY_* */
 } rp_optim_entry;
 
-/* How torch divides lr by Adam's bias correction 1 - beta1^step and by
- * Adagrad's 1 + (step - 1) * lr_decay, and computes AdamW's 1 - lr *
- * weight_decay: a Python number in double, where a zero denominator raises
- * ZeroDivisionError; a tensor lr (not capturable) in tensor ops in
- * torch.result_type(lr, 1.0), float32 arithmetic rounded to a 16-bit dtype,
- * where a zero denominator or an overflow gives inf or NaN and the update
- * steps on. */
+/* How torch computes with a hyper-parameter (rp_optim_hparams' *_kind): a
+ * Python number in double, where a zero denominator raises
+ * ZeroDivisionError; a tensor one in tensor ops in torch.result_type(x, 1.0)
+ * (two tensors: the dtype both promote to), float32 arithmetic rounded to a
+ * 16-bit dtype, where a zero denominator or an overflow gives inf or NaN and
+ * the update steps on: Adam's bias corrections 1 - beta ** step (the power
+ * too), Adagrad's 1 + (step - 1) * lr_decay, lr divided by them, AdamW's
+ * 1 - lr * weight_decay and the weights 1 - beta2, 1 - alpha, 1 - rho and
+ * 1 - dampening (Adam's 1 - beta1 is a float32 op whatever the dtype:
+ * torch casts beta1 to the parameter's). A device lr (capturable) is float32. */
 typedef enum { RP_LR_NUMBER = 0, RP_LR_F64 = 1, RP_LR_F32 = 2, RP_LR_F16 = 3, RP_LR_BF16 = 4 } rp_lr_kind;
 
 /* Hyper-parameters of one parameter group, in torch's names. */
@@ -96,7 +99,9 @@ typedef struct {
     int amsgrad;                /* Adam */
     int decoupled_weight_decay; /* Adam: 1 for AdamW */
     int centered;               /* RMSprop */
-    int lr_kind;                /* rp_lr_kind: how Adam and Adagrad compute with lr */
+    int lr_kind;                /* rp_lr_kind of each: how torch computes with it */
+    int weight_decay_kind, beta1_kind, beta2_kind, dampening_kind, alpha_kind, rho_kind,
+        lr_decay_kind;
     /* Capturable CUDA updates read the learning rate from device memory when
      * lr_ptr is not NULL (a float32 scalar), and the steps from entry.step. */
     const float *lr_ptr;

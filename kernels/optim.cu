@@ -287,10 +287,11 @@ RP_HD void rp_block_consts(const rp_optim_launch &L, rp_optim_consts *c)
 }
 
 /* Capturable: the step scalars of a tensor from its (already incremented)
- * device step, in double, as rp_optim_advance_steps on the host, but for
- * 1 - beta2 ** step = -inf (beta2 = inf), whose square root is NaN here as
+ * device step, by the host's arithmetic (rp_adam_step_terms, rp_lr_over), but
+ * for 1 - beta2 ** step = -inf (beta2 = inf), whose square root is NaN here as
  * in torch's capturable Adam (a tensor sqrt), where the host follows
- * Python's (-inf) ** 0.5 = inf as torch's host path does. */
+ * Python's (-inf) ** 0.5 = inf as torch's host path does. A device lr is
+ * float32 (the launcher sets its kind). */
 template <int KIND>
 RP_HD float2 rp_capturable_scalars(const rp_optim_hparams *hp, const float *step)
 {
@@ -298,10 +299,12 @@ RP_HD float2 rp_capturable_scalars(const rp_optim_hparams *hp, const float *step
     const double t = (double)*step;
     float2 v = make_float2(0.0f, 1.0f);
     if (KIND == RP_ADAM) {
-        v.x = (float)(-(lr / (1.0 - pow(hp->beta1, t))));
-        v.y = (float)sqrt(1.0 - pow(hp->beta2, t));
+        rp_adam_terms r;
+        rp_adam_step_terms(hp, lr, t, &r);
+        v.x = (float)(-r.step_size);
+        v.y = (float)(isinf(r.bc2) ? sqrt(r.bc2) : r.bc2_sqrt);
     } else if (KIND == RP_ADAGRAD) {
-        v.x = (float)(-(lr / (1.0 + (t - 1.0) * hp->lr_decay)));
+        v.x = (float)(-rp_lr_over(hp, lr, hp->lr_decay_kind, rp_adagrad_decay(hp, t)));
     }
     return v;
 }
@@ -623,6 +626,8 @@ extern "C" int rp_cuda_optim_step(const rp_optim_hparams *hp, int dtype,
     L->hp = *hp;
     if (!capturable)
         L->hp.lr_ptr = NULL;
+    else if (hp->lr_ptr != NULL)
+        L->hp.lr_kind = RP_LR_F32; /* torch's tensor ops on a float32 lr */
     L->c = c;
     L->chunk = (int32_t)chunk;
     slots = rp_optim_state_slots(hp);

@@ -142,7 +142,7 @@ def test_optim_hparams_holds_each_value_while_python_code_changes_the_group():
         del lr
         made = _C.optim_hparams(group)
         assert made is not None and made[0] == float("0.1") * 3, made
-        assert made[1:] == (0.0,) * 9 + (False,) * 5 + (0,), made  # lr_kind 0: a number lr
+        assert made[1:] == (0.0,) * 9 + (False,) * 5 + (0,), made  # kinds 0: numbers
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]

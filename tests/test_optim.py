@@ -3262,6 +3262,16 @@ REFUSED_AT_A_STEP = {
     "Adam-lr-float32-tensor-overflow": ("Adam", {"lr": torch.tensor(3e38)}, None, None),
     "Adagrad-lr-float32-tensor-overflow": ("Adagrad", {"lr": torch.tensor(3e38), "lr_decay": -0.5},
                                            None, None),
+    # the bias corrections of tensor betas and the lr decay of a tensor lr_decay are tensor
+    # ops too: lr over a zero one is inf, a negative one's square root NaN, where torch steps
+    # on; reprop refused them as for numbers
+    "Adam-beta1-one-bf16-tensor-betas": (
+        "Adam", {"betas": (torch.tensor(1.0, dtype=torch.bfloat16),
+                           torch.tensor(0.999, dtype=torch.bfloat16))}, None, None),
+    "Adam-beta2-two-float64-tensor-betas": (
+        "Adam", {"betas": (torch.tensor(0.9, dtype=torch.float64),
+                           torch.tensor(2.0, dtype=torch.float64))}, None, None),
+    "Adagrad-lr_decay-tensor": ("Adagrad", {"lr_decay": torch.tensor(-1.0)}, None, None),
     # a float64 one divides in double, and its step size goes to the float32 op as a number
     "Adam-lr-float64-tensor": ("Adam", {"lr": torch.tensor(1e300, dtype=torch.float64)}, 0,
                                r"lr: the step size lr / \(1 - beta1 \*\* step\) = 1e\+301"),
@@ -3329,6 +3339,93 @@ def test_a_tensor_lr_is_computed_with_in_its_dtype(name: str, options: dict, dty
     ref = run_open_loop(factory(torch_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
     got = run_open_loop(factory(reprop_cls(name), lr=lr.clone(), **options), init, grad_sequence(shapes, 4))
     assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+def _tensor_hparams(dtype: torch.dtype, **values) -> dict:
+    """Options with these values as 0-d tensors of `dtype` (betas: a pair)."""
+    def tensor(v):
+        return torch.tensor(v, dtype=dtype)
+    return {k: tuple(map(tensor, v)) if k == "betas" else tensor(v) for k, v in values.items()}
+
+
+TENSOR_HPARAM_CASES = {
+    "Adam": ("Adam", {"betas": (0.9, 0.99)}, {}),
+    "Adam-amsgrad": ("Adam", {"betas": (0.8, 0.95)}, {"amsgrad": True}),
+    "Adam-float32-lr": ("Adam", {"betas": (0.9, 0.99)}, {"lr": torch.tensor(0.0123)}),
+    "AdamW": ("AdamW", {"betas": (0.9, 0.99), "weight_decay": 0.3}, {}),
+    "SGD": ("SGD", {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01}, {}),
+    "RMSprop": ("RMSprop", {"alpha": 0.1, "momentum": 0.5}, {"centered": True}),
+    "Adadelta": ("Adadelta", {"rho": 0.1, "weight_decay": 0.1}, {}),
+    "Adagrad": ("Adagrad", {"lr_decay": 0.013}, {}),
+    "Adagrad-float32-lr": ("Adagrad", {"lr_decay": 0.013}, {"lr": torch.tensor(0.0123)}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", list(TENSOR_HPARAM_CASES))
+def test_tensor_hparams_are_computed_with_in_their_dtype(case: str, dtype: torch.dtype) -> None:
+    """torch computes with a tensor hyper-parameter in tensor ops in its
+    dtype: Adam's bias corrections 1 - beta ** step (the power with the step
+    converted to that dtype, 2 and 3 as products), lr divided by the first
+    (a number lr: the tensor's reciprocal times lr), the square root of the
+    second, AdamW's 1 - lr * weight_decay, Adagrad's 1 + (step - 1) *
+    lr_decay, the weights 1 - beta2, 1 - alpha, 1 - rho and 1 - dampening,
+    each rounded to the dtype (two tensors: the dtype both promote to).
+    reprop took their values as Python floats: a bfloat16 beta1 = 0.9's bias
+    correction 0.7% off at step 2, bfloat16 1 - dampening 0.8999 where
+    torch's is 0.8984."""
+    name, values, options = TENSOR_HPARAM_CASES[case]
+    options = {**options, **_tensor_hparams(dtype, **values)}
+    shapes = [(4, 3), (37,)]
+    init = make_params(shapes, seed=35)
+    grads = grad_sequence(shapes, 6)
+    ref = run_open_loop(factory(torch_cls(name), **options), init, grads)
+    got = run_open_loop(factory(reprop_cls(name), **options), init, grads)
+    assert_runs_close(got, ref, OPEN_LOOP_TOL)
+
+
+def test_float16_tensor_beta_past_step_65504_is_refused() -> None:
+    """torch's beta1 ** step converts the step to a float16 beta's dtype and
+    raises RuntimeError past 65504; reprop raises ValueError naming the group
+    and the beta, before the step changes anything."""
+    p = nn.Parameter(torch.ones(3))
+    opt = rp.Adam([p], betas=tuple(_tensor_hparams(torch.float16, betas=(0.9, 0.99))["betas"]))
+    p.grad = torch.ones(3)
+    opt.step()
+    opt.state[p]["step"].fill_(65503.0)
+    opt.step()  # step 65504: still a float16
+    before = copy.deepcopy((p.detach(), opt.state_dict()["state"]))
+    with pytest.raises(ValueError, match=r"Adam: param_groups\[0\]: betas: the step 65505 is "
+                                         r"beyond float16, the dtype of beta1"):
+        opt.step()
+    torch.testing.assert_close((p.detach(), opt.state_dict()["state"]), before, rtol=0, atol=0)
+
+
+# Tensor hyper-parameters of the ops that no square root reaches (see
+# ADD_LERP_RESULTS), whose results are torch's bit for bit: a float64 beta1,
+# which torch casts to float32 before 1 - beta1 (0.100000024 for 0.9, where
+# the float64 difference rounds to 0.1), and the 16-bit weights below 0.5,
+# whose 1 - weight torch rounds to their dtype.
+TENSOR_HPARAM_BITWISE = [
+    ("Adam", {"lr": 1e-2, **_tensor_hparams(torch.float64, betas=(0.9, 0.999))}, ["exp_avg"]),
+    ("Adam", {"lr": 1e-2, **_tensor_hparams(torch.bfloat16, betas=(0.9, 0.1))}, ["exp_avg_sq"]),
+    ("SGD", {"lr": 0.05, **_tensor_hparams(torch.float16, momentum=0.9, dampening=0.1)},
+     ["param", "momentum_buffer"]),
+    ("RMSprop", {"lr": 1e-3, "centered": True, **_tensor_hparams(torch.bfloat16, alpha=0.1)},
+     ["square_avg", "grad_avg"]),
+    ("Adadelta", {"lr": 1.0, **_tensor_hparams(torch.float16, rho=0.1)}, ["square_avg"]),
+]
+
+
+@pytest.mark.skipif(not TORCH_FUSES_MULTIPLY_ADDS, reason=NO_TORCH_FMA)
+@pytest.mark.parametrize("name, options, keys", TENSOR_HPARAM_BITWISE,
+                         ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(TENSOR_HPARAM_BITWISE)])
+def test_tensor_hparam_weights_are_torchs_bitwise(name: str, options: dict, keys: list) -> None:
+    """1 - beta1, 1 - beta2, 1 - dampening, 1 - alpha and 1 - rho of tensor
+    hyper-parameters as torch computes them (see
+    test_tensor_hparams_are_computed_with_in_their_dtype): reprop's were the
+    values' differences in double, rounded to float32 once."""
+    assert_keys_are_torchs_bitwise(name, options, keys, seed=36)
 
 
 def test_group_updated_in_several_calls_is_refused_before_any() -> None:

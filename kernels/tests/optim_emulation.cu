@@ -715,6 +715,19 @@ static std::vector<hparam_config> hparam_configs(void)
     h = base_hparams(RP_ADAM);
     h.beta1 = 0.5; /* lerp weight exactly 0.5: still the other formula (|w| < 0.5 is not) */
     v.push_back({"adam beta1=0.5", h});
+    /* 1 - lr * weight_decay rounded once is 0.79f, torch's two float32 ops
+     * on a float32 tensor lr (capturable) give 0.78999996f */
+    h = base_hparams(RP_ADAM);
+    h.lr = 0.7;
+    h.weight_decay = 0.3;
+    h.decoupled_weight_decay = 1;
+    v.push_back({"adamw lr=0.7 weight_decay=0.3", h});
+    /* bfloat16 tensor betas: the bias corrections in bfloat16 (rp_lr_kind) */
+    h = base_hparams(RP_ADAM);
+    h.beta1 = 0.90234375;
+    h.beta2 = 0.98828125;
+    h.beta1_kind = h.beta2_kind = RP_LR_BF16;
+    v.push_back({"adam bfloat16 betas", h});
 
     h = base_hparams(RP_ADAGRAD);
     v.push_back({"adagrad", h});
@@ -914,8 +927,13 @@ static bool run_case(const case_spec &spec, const std::vector<launch_config> &co
 
     build_case(&cpu, hp, spec.dtype, spec.sizes->sizes, spec.misalign, seed);
     build_case(&emu, hp, spec.dtype, spec.sizes->sizes, spec.misalign, seed, &cpu);
-    if (spec.capture == CAPTURABLE_LR_PTR)
-        hp_cpu.lr = (double)device_lr; /* what the device reads */
+    if (spec.capture == CAPTURABLE_LR_PTR) {
+        /* what the device reads: a float32 tensor lr, which torch computes
+         * with in float32 tensor ops (AdamW's 1 - lr * weight_decay, Adam's
+         * lr / (1 - beta1 ** step)) */
+        hp_cpu.lr = (double)device_lr;
+        hp_cpu.lr_kind = RP_LR_F32;
+    }
     g_stats.cases++;
     for (int it = 0; it < STEPS_PER_CASE; it++) {
         const launch_config &lc = configs[(size_t)(g_stats.cases + it) % configs.size()];

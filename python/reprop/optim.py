@@ -290,34 +290,43 @@ def _described(value) -> str:
 
 def _hparams_of(group: dict) -> tuple:
     """The hparams tuple of csrc/pyutil.h of a param group (or settings
-    dict), with the lr's rp_lr_kind: what _C.optim_hparams builds (whose lr
-    is a number), for the groups it leaves to Python (it returns None): a
-    tensor lr, NumPy scalars, bools and values to refuse
+    dict), with the kinds of its tensor values (_kind): what
+    _C.optim_hparams builds (whose values are numbers), for the groups it
+    leaves to Python (it returns None): a tensor hyper-parameter, NumPy
+    scalars, bools and values to refuse
     (with _scalar's error), betas of another type, a dict subclass, no "lr"
     (KeyError)."""
     lr = group["lr"]
     if group.get("capturable", False) and isinstance(lr, torch.Tensor):
-        lr = 0.0  # the kernels read it on the device
+        lr = 0.0  # the kernels read it on the device (as float32: its kind there)
     beta1, beta2 = _betas(group)
     numeric = (lr, group.get("weight_decay", 0.0), group.get("eps", 0.0), beta1, beta2,
                group.get("momentum", 0.0), group.get("dampening", 0.0),
                group.get("alpha", 0.0), group.get("rho", 0.0), group.get("lr_decay", 0.0))
-    return (_numbers(numeric) + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS)
-            + (_lr_kind(lr),))
+    numbers = _numbers(numeric)  # refuses what has no kind first
+    kinds = sum(_kind(numeric[i]) << _KIND_BITS * k for k, i in enumerate(_KIND_HPARAMS))
+    return numbers + tuple(bool(group.get(key, False)) for key in _FLAG_HPARAMS) + (kinds,)
 
 
-# csrc/reprop.h's rp_lr_kind of a tensor lr, by the dtype torch divides it in
-_LR_KINDS = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+# csrc/reprop.h's rp_lr_kind of a tensor hyper-parameter, by the dtype torch
+# computes with it in
+_KINDS = {torch.float64: 1, torch.float32: 2, torch.float16: 3, torch.bfloat16: 4}
+# The numeric hyper-parameters whose kinds the hparams tuple's last int packs,
+# _KIND_BITS each from the lowest (csrc/pyutil.h).
+_KIND_BITS = 3
+_KIND_HPARAMS = tuple(_NUMERIC_HPARAMS.index(name) for name in (
+    "lr", "weight_decay", "betas[0]", "betas[1]", "dampening", "alpha", "rho", "lr_decay"))
 
 
-def _lr_kind(lr) -> int:
-    """How torch's update divides lr by Adam's and Adagrad's step-count
-    denominators: a number in Python (0: a zero denominator raises
-    ZeroDivisionError), a tensor as a tensor op in torch.result_type(lr, 1.0),
-    where a zero denominator or an overflow gives inf or NaN and it steps on."""
-    if not isinstance(lr, torch.Tensor):
+def _kind(value) -> int:
+    """How torch's update computes with a hyper-parameter (rp_lr_kind): a
+    number in Python (0: a zero denominator raises ZeroDivisionError), a
+    tensor in tensor ops in torch.result_type(value, 1.0), where a zero
+    denominator or an overflow gives inf or NaN and it steps on, each result
+    rounded to that dtype (a bfloat16 beta1's 1 - beta1 ** step too)."""
+    if not isinstance(value, torch.Tensor):
         return 0
-    return _LR_KINDS[torch.result_type(lr, 1.0)]
+    return _KINDS[torch.result_type(value, 1.0)]
 
 
 def _betas(group: dict) -> tuple:
