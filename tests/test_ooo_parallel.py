@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import io
 import itertools
@@ -2399,55 +2400,69 @@ _RANDOM_PIPELINE_CASES = [
 
 def _check_random_pipelines(rank: int, world: int, steps: int = 3) -> None:
     """Random layer lists against single-process training that runs the same
-    micro-batches one after the other, each on a copy of its rows as the
-    Pipeline's first layer gets (a view of the batch starts elsewhere in
-    memory, and the CPU's matrix products then round otherwise): the loss,
-    every gradient, the input's, BatchNorm's statistics and the parameters
-    after each optimizer step are bitwise equal. Steps zero the gradients
-    both ways, and the last one takes another batch size."""
+    micro-batches one after the other (see _check_micro_batched)."""
     for seed, schedule, allocation, group, micro, kind, input_grad in _RANDOM_PIPELINE_CASES:
-        ref_layers, layers = _random_layers(seed), _random_layers(seed)
-        ref = nn.Sequential(*ref_layers)
-        pipe = Pipeline(layers, micro_batches=micro, schedule=schedule, allocation=allocation,
-                        group=group)
-        # a stage of activations alone has no optimizer
-        models = [m for m in (nn.ModuleList(pipe.layers.values()), ref) if list(m.parameters())]
-        opts = [torch.optim.Adam(m.parameters(), lr=0.01) if kind == "adam" else
-                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        fusions = [fuse(m, o, mode=kind) for m, o in zip(models, opts)] \
-            if kind in ("forward", "backward") else []
-        g = torch.Generator().manual_seed(seed)
-        for step in range(steps):
-            batch = micro * (2 if step < steps - 1 else 3)  # BatchNorm: 2 rows or more
-            x, t = torch.randn(batch, 2, 5, generator=g), torch.randn(batch, 2, generator=g)
-            x_ref = x.clone().requires_grad_(input_grad)
-            losses = []
-            for xm, tm in zip(x_ref.split(batch // micro), t.split(batch // micro)):
-                losses.append(F.mse_loss(ref(xm.clone()), tm) / micro)
-                losses[-1].backward()
-            x = x.clone().requires_grad_(input_grad)
-            loss = pipe.step(x, t, F.mse_loss)
-            where = f"seed {seed} step {step} rank {rank}"
-            if loss is not None:
-                assert torch.equal(loss, torch.stack(losses).detach().sum()), where
-            if input_grad and pipe.stage_of[0] == rank:
-                assert torch.equal(x.grad, x_ref.grad), f"{where}: input gradient"
-            for l, layer in pipe.layers.items():
-                for (name, p), want in itertools.chain(
-                        zip(layer.named_parameters(), ref_layers[l].parameters()),
-                        zip(layer.named_buffers(), ref_layers[l].buffers())):
-                    got, want = (p.grad, want.grad) if isinstance(p, nn.Parameter) else (p, want)
-                    assert (got is None) == (want is None), f"{where}: layer {l} {name}"
-                    assert got is None or torch.equal(got, want), f"{where}: layer {l} {name}"
-            for o in opts:
-                o.step()
-                o.zero_grad(set_to_none=step % 2 == 0)
-        for f in fusions:
-            f.remove()  # applies forward fusion's pending updates
+        _check_micro_batched(rank, functools.partial(_random_layers, seed), seed, (2, 5), 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation,
+                                  group=group), kind, input_grad, steps)
+
+
+def _check_micro_batched(rank: int, make: Callable, seed: int, sample: tuple, outputs: int,
+                         arguments: dict, kind: str = "sgd", input_grad: bool = False,
+                         steps: int = 3) -> None:
+    """A Pipeline of `make()`'s layers against single-process training of
+    another `make()` that runs the same micro-batches one after the other,
+    each on a copy of its rows as the Pipeline's first layer gets (a view
+    of the batch starts elsewhere in memory, and the CPU's matrix products
+    then round otherwise), on inputs (batch, *sample) and targets (batch,
+    outputs) drawn from `seed`: the loss, every gradient, the input's,
+    the buffers (BatchNorm's statistics) and the parameters after each
+    optimizer step ("sgd", "adam", or "forward"/"backward" fused SGD) are
+    bitwise equal. Steps zero the gradients both ways, and the last one
+    takes another batch size."""
+    micro = arguments["micro_batches"]
+    ref_layers, layers = make(), make()
+    ref = nn.Sequential(*ref_layers)
+    pipe = Pipeline(layers, **arguments)
+    # a stage of activations alone has no optimizer
+    models = [m for m in (nn.ModuleList(pipe.layers.values()), ref) if list(m.parameters())]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) if kind == "adam" else
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    fusions = [fuse(m, o, mode=kind) for m, o in zip(models, opts)] \
+        if kind in ("forward", "backward") else []
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        batch = micro * (2 if step < steps - 1 else 3)  # BatchNorm: 2 rows or more
+        x, t = torch.randn(batch, *sample, generator=g), torch.randn(batch, outputs, generator=g)
+        x_ref = x.clone().requires_grad_(input_grad)
+        losses = []
+        for xm, tm in zip(x_ref.split(batch // micro), t.split(batch // micro)):
+            losses.append(F.mse_loss(ref(xm.clone()), tm) / micro)
+            losses[-1].backward()
+        x = x.clone().requires_grad_(input_grad)
+        loss = pipe.step(x, t, F.mse_loss)
+        where = f"{make} {arguments} step {step} rank {rank}"
+        if loss is not None:
+            assert torch.equal(loss, torch.stack(losses).detach().sum()), where
+        if input_grad and pipe.stage_of[0] == rank:
+            assert torch.equal(x.grad, x_ref.grad), f"{where}: input gradient"
         for l, layer in pipe.layers.items():
-            for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
-                assert torch.equal(p, want), f"seed {seed} rank {rank}: layer {l} {name}"
-        pipe.remove()
+            for (name, p), want in itertools.chain(
+                    zip(layer.named_parameters(), ref_layers[l].parameters()),
+                    zip(layer.named_buffers(), ref_layers[l].buffers())):
+                got, want = (p.grad, want.grad) if isinstance(p, nn.Parameter) else (p, want)
+                assert (got is None) == (want is None), f"{where}: layer {l} {name}"
+                assert got is None or torch.equal(got, want), \
+                    f"{where}: layer {l} {name}: {(got - want).abs().max().item():.2g} off"
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=step % 2 == 0)
+    for f in fusions:
+        f.remove()  # applies forward fusion's pending updates
+    for l, layer in pipe.layers.items():
+        for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            assert torch.equal(p, want), f"{make} {arguments} rank {rank}: layer {l} {name}"
+    pipe.remove()
 
 
 def test_pipeline_random_layers_match_micro_batched_training():
@@ -2499,6 +2514,79 @@ def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
             got = getattr(piped[0], name).grad
             assert torch.equal(got, getattr(contiguous[0], name).grad), name
             torch.testing.assert_close(got, getattr(plain[0], name).grad, rtol=1e-6, atol=1e-7)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Expand(nn.Module):
+    """(B, n) -> (B, n, 3), each value thrice: an expanded output (stride 0)."""
+
+    def forward(self, x):
+        return x.unsqueeze(-1).expand(-1, -1, 3)
+
+
+class _SumLast(nn.Module):
+    """(B, n, k) -> (B, n): its input gradient is expanded (stride 0)."""
+
+    def forward(self, x):
+        return x.sum(-1)
+
+
+def _transposing(seed: int = 0) -> list:
+    """On (B, 4, 5): transposed activations, a Linear on one, a BatchNorm1d
+    on another (its running mean sums in memory order), and transposed
+    input gradients at Conv1d layers (their bias gradient too)."""
+    torch.manual_seed(seed)
+    return [nn.Conv1d(4, 6, 1), _Transpose(), nn.Linear(6, 6), _Transpose(), nn.BatchNorm1d(6),
+            nn.Conv1d(6, 2, 1), nn.Flatten(), nn.Linear(10, 2)]
+
+
+def _channels_last(seed: int = 0) -> list:
+    """On (B, 3, 4, 4): channels_last Conv2d outputs and BatchNorm2d, then
+    an expanded activation and the expanded input gradient of a sum."""
+    torch.manual_seed(seed)
+    return [nn.Conv2d(3, 4, 3, padding=1).to(memory_format=torch.channels_last),
+            nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Conv2d(4, 4, 1).to(memory_format=torch.channels_last), nn.Flatten(),
+            nn.Linear(64, 5), _Expand(), nn.Linear(3, 3), _SumLast(), nn.Linear(5, 2)]
+
+
+# (layers, input sample shape), each with every (schedule, allocation, group,
+# micro_batches, input_grad) below
+_LAYOUT_MODELS = [(_transposing, (4, 5)), (_channels_last, (3, 4, 4))]
+_LAYOUT_CASES = [("gpipe", "contiguous", 1, 2, False), ("fast_forward", "modulo", 1, 2, True),
+                 ("fast_forward", "contiguous", 1, 1, True), ("gpipe", "modulo", 2, 3, False)]
+
+
+def _check_pipeline_layouts(rank: int, world: int) -> None:
+    """Activations and input gradients in the layout their layer made them,
+    between stages and on one: single-process training's bits (see
+    _check_micro_batched)."""
+    for (make, sample), (schedule, allocation, group, micro, input_grad) in itertools.product(
+            _LAYOUT_MODELS, _LAYOUT_CASES):
+        _check_micro_batched(rank, make, 5, sample, 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation,
+                                  group=group), input_grad=input_grad)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_hands_on_activations_and_gradients_in_their_layout(world):
+    """README: a layer's output travels to the next stage with its strides
+    (transposed, channels_last, expanded), and so does its input gradient
+    to the stage before; on a stage, a layer gets its output gradient as
+    the next layer's backward made it. They arrived contiguous: the next
+    kernels summed in another order (BatchNorm1d's running mean 2.2e-7 off,
+    a Conv1d's bias gradient 1.2e-7)."""
+    _spawn(_check_pipeline_layouts, world)
+
+
+def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
+    """One stage: each layer's input gradient as its backward made it, not
+    the .grad of the leaf standing for its input (laid out as the input)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: sums in memory order
+    try:
+        _check_pipeline_layouts(0, 1)
     finally:
         torch.set_num_threads(threads)
 
