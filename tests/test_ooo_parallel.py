@@ -2028,14 +2028,17 @@ def _check_pipeline(rank: int, case: dict, steps: int = 3) -> None:
         messages.append(pipe.messages)
     stage = pipe.stage_of
     activations = case["micro_batches"] * sum(stage[l] == rank != stage[l + 1] for l in range(DEPTH - 1))
-    # per step: its activations and gradients, plus a header per activation in a shape's first step
-    assert messages[0] == messages[1] + activations and messages[2] == messages[0], (case, rank, messages)
+    # at most one per activation received (none where it needs no gradient)
+    gradients = case["micro_batches"] * sum(stage[l] == rank != stage[l - 1] for l in range(1, DEPTH))
+    # per step: its activations and gradients, plus a header per activation
+    # and per gradient sent in a shape's first step
+    headers = messages[0] - messages[1]
+    assert activations <= headers <= activations + gradients and messages[2] == messages[0], \
+        (case, rank, messages)
     if make is _blocks:
         # every activation gets its gradient back, one message each: its flag
         # (whether it has one) travels in it, not in a message of its own
-        gradients = case["micro_batches"] * sum(stage[l] == rank != stage[l - 1]
-                                                for l in range(1, DEPTH))
-        assert messages[1] == activations + gradients, (case, rank, messages)
+        assert messages[1] == activations + gradients == headers, (case, rank, messages)
     pipe.remove()
 
 
@@ -2483,14 +2486,14 @@ class _Transpose(nn.Module):
         return x.transpose(1, 2)
 
 
-def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
+def test_pipeline_hands_on_input_gradients_as_made(solo_group):
     """A Conv1d before a layer that transposes (README: the layout of each
     layer's input gradient): one process gives the Conv1d a transposed output
-    gradient, the Pipeline a contiguous one (the .grad of the leaf that stands
-    for its output), and on one CPU thread torch sums the bias gradient in
-    memory order. The Pipeline's gradients are one process's with the
-    gradient made contiguous, bitwise, and plain torch's to rounding; the
-    random differential test found the difference (1.2e-7)."""
+    gradient, and on one CPU thread torch sums the bias gradient in memory
+    order. The Pipeline gave a contiguous one (the .grad of the leaf that
+    stood for its output): 1.2e-7 off, found by the random differential
+    test; it hands on the gradient as the transpose's backward made it now,
+    for plain torch's bits."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -2507,13 +2510,13 @@ def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
         leaf = y.detach().requires_grad_()
         F.mse_loss(nn.Sequential(*contiguous[1:])(leaf), t).backward()
         y.backward(leaf.grad.contiguous())
+        # the layout matters here: a contiguous output gradient rounds otherwise
+        assert not torch.equal(contiguous[0].bias.grad, plain[0].bias.grad)
         pipe = Pipeline(piped, micro_batches=1, schedule="fast_forward")
         pipe.step(x, t, F.mse_loss)
         pipe.remove()
         for name in ("weight", "bias"):
-            got = getattr(piped[0], name).grad
-            assert torch.equal(got, getattr(contiguous[0], name).grad), name
-            torch.testing.assert_close(got, getattr(plain[0], name).grad, rtol=1e-6, atol=1e-7)
+            assert torch.equal(getattr(piped[0], name).grad, getattr(plain[0], name).grad), name
     finally:
         torch.set_num_threads(threads)
 
