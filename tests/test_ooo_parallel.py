@@ -44,9 +44,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse, ooo
-from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
-                        _pipelined_in_micro_batches, _stage_programs, allreduce_time,
-                        data_parallel, enable, reverse_first_k, search_k, simulate)
+from reprop.ooo import (DataParallel, Pipeline, _Layout, _averaged_by_data_parallel,
+                        _check_costs, _inbox, _pipelined_in_micro_batches, _stage_programs,
+                        allreduce_time, data_parallel, enable, reverse_first_k, search_k,
+                        simulate)
 from _interrupts import LineStop, interrupted_at_line
 from _scripts import script_output
 from test_ooo import assert_as_built
@@ -2561,15 +2562,109 @@ _LAYOUT_CASES = [("gpipe", "contiguous", 1, 2, False), ("fast_forward", "modulo"
                  ("fast_forward", "contiguous", 1, 1, True), ("gpipe", "modulo", 2, 3, False)]
 
 
+class _Relaid(nn.Module):
+    """The identity, on a copy transposed and back in odd calls: an output
+    whose strides change between steps, its shape not."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if self.calls % 2 else x + 0
+
+
+def _relaid(seed: int = 0) -> list:
+    torch.manual_seed(seed)
+    return [nn.Conv1d(4, 6, 1), _Relaid(), nn.BatchNorm1d(6), nn.Conv1d(6, 2, 1), nn.Flatten(),
+            nn.Linear(10, 2)]
+
+
+def _check_pipeline_relaid(rank: int) -> None:
+    """A layer whose output's strides change between steps for one input
+    shape: sent in the kept header's layout (a copy), which rounds
+    otherwise downstream, not a hang or an error."""
+    ref_layers, layers = _relaid(), _relaid()
+    pipe = Pipeline(layers, micro_batches=1, allocation="modulo")
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, t = torch.randn(4, 4, 5, generator=g), torch.randn(4, 2, generator=g)
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()
+        pipe.step(x, t, F.mse_loss)
+        _assert_pipeline_grads(pipe, ref_layers, f"rank {rank} step {step}")
+    pipe.remove()
+
+
+def _check_pipeline_kept_headers(rank: int) -> None:
+    """Headers are kept for the last _KEPT_INPUTS input descriptions, every
+    rank dropping the same: they grew by one per input shape, for good. A
+    dropped shape seen again sends its headers anew, a kept one does not,
+    for single-process training's gradients (bitwise, one micro-batch)."""
+    ref_layers, layers = _blocks(), _blocks()
+    pipe = Pipeline(layers, micro_batches=1, allocation="modulo")
+    x = torch.cat([_batch(0, 0)[0], _batch(0, 1)[0]])
+    t = torch.cat([_batch(0, 0)[1], _batch(0, 1)[1]])
+    first = {}
+    shapes = list(range(1, ooo._KEPT_INPUTS + 3))
+    for rows in shapes + [shapes[0], shapes[-1]]:
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        F.mse_loss(nn.Sequential(*ref_layers)(x[:rows]), t[:rows]).backward()
+        pipe.step(x[:rows], t[:rows], F.mse_loss)
+        _assert_pipeline_grads(pipe, ref_layers, f"rank {rank} rows {rows}", exact=True)
+        first.setdefault(rows, pipe.messages)
+        assert len(pipe._headers) <= ooo._KEPT_INPUTS, (rank, rows, len(pipe._headers))
+    if dist.get_world_size() > 1:  # every rank sends: both kinds of header
+        assert pipe.messages < first[shapes[-1]], (rank, pipe.messages, first)
+        # dropped (the least recently used), then back: its headers again
+        assert pipe.messages < first[shapes[0]] == first[shapes[-1]], (rank, first)
+    pipe.remove()
+
+
 def _check_pipeline_layouts(rank: int, world: int) -> None:
     """Activations and input gradients in the layout their layer made them,
     between stages and on one: single-process training's bits (see
-    _check_micro_batched)."""
+    _check_micro_batched); layouts that change between steps; headers kept
+    for a bounded number of input shapes."""
     for (make, sample), (schedule, allocation, group, micro, input_grad) in itertools.product(
             _LAYOUT_MODELS, _LAYOUT_CASES):
         _check_micro_batched(rank, make, 5, sample, 2,
                              dict(micro_batches=micro, schedule=schedule, allocation=allocation,
                                   group=group), input_grad=input_grad)
+    _check_pipeline_relaid(rank)
+    _check_pipeline_kept_headers(rank)
+
+
+def test_pipeline_layouts_on_the_wire():
+    """What travels for a layout, and what the receiver rebuilds from it: a
+    transposed tensor's storage itself (no copy), an expanded one's
+    distinct elements, a slice with gaps contiguous; a tensor whose strides
+    changed since the header is copied into the header's layout, and
+    raises where that layout is expanded (no copy can make one)."""
+    x = torch.randn(4, 6, 5)
+    cases = [(x.transpose(1, 2), 120, False), (x.permute(2, 0, 1), 120, False),
+             (torch.randn(4, 1).expand(4, 3), 4, False), (x[:, ::2], 60, True), (x, 120, True),
+             (x[:0].transpose(1, 2), 0, False)]
+    for t, span, contiguous in cases:
+        layout = _Layout.of_tensor(t)
+        assert (layout.span, layout.contiguous) == (span, contiguous), t.stride()
+        assert _Layout.read(layout.header(True, t.device)) == (layout, True)
+        wire = layout.wire(t)
+        assert wire.shape == (span,)
+        if not contiguous:
+            assert wire.data_ptr() == t.data_ptr() and layout.strides == t.stride()
+        received = layout.rebuilt(torch.cat((wire, torch.ones(1))))  # a gradient's flag
+        assert torch.equal(received, t) and received.stride() == layout.strides
+    layout = _Layout.of_tensor(x.transpose(1, 2))
+    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()))
+    assert torch.equal(relaid, x.transpose(1, 2)) and relaid.stride() == layout.strides
+    with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
+        _Layout.of_tensor(torch.randn(4, 1).expand(4, 3)).wire(torch.randn(4, 3))
 
 
 @pytest.mark.parametrize("world", [2, 3])
