@@ -2654,14 +2654,17 @@ def test_pipeline_layouts_on_the_wire():
         layout = _Layout.of_tensor(t)
         assert (layout.span, layout.contiguous) == (span, contiguous), t.stride()
         assert _Layout.read(layout.header(True, t.device)) == (layout, True)
-        wire = layout.wire(t)
+        wire = layout.wire(t).reshape(-1)
         assert wire.shape == (span,)
         if not contiguous:
             assert wire.data_ptr() == t.data_ptr() and layout.strides == t.stride()
-        received = layout.rebuilt(torch.cat((wire, torch.ones(1))))  # a gradient's flag
-        assert torch.equal(received, t) and received.stride() == layout.strides
+        for extra in (0, 1):  # an activation; a gradient and its flag
+            buffer = layout.empty(extra, t.device)
+            buffer.view(-1)[:span] = wire
+            received = layout.rebuilt(buffer)
+            assert torch.equal(received, t) and received.stride() == layout.strides
     layout = _Layout.of_tensor(x.transpose(1, 2))
-    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()))
+    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()).reshape(-1))
     assert torch.equal(relaid, x.transpose(1, 2)) and relaid.stride() == layout.strides
     with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
         _Layout.of_tensor(torch.randn(4, 1).expand(4, 3)).wire(torch.randn(4, 3))

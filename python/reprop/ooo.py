@@ -4256,19 +4256,23 @@ class _Layout(NamedTuple):
         return cls.of(_WIRE_DTYPES[dtype], rest[:ndim], rest[ndim:2 * ndim]), bool(requires_grad)
 
     def empty(self, extra: int, device: torch.device) -> torch.Tensor:
-        """A flat buffer to receive into: the span, then `extra` elements."""
+        """A buffer to receive into: the span, then `extra` elements (flat;
+        contiguous without any: the tensor itself, as rebuilt() gives it)."""
+        if self.contiguous and not extra:
+            return torch.empty(self.shape, dtype=self.dtype, device=device)
         return torch.empty(self.span + extra, dtype=self.dtype, device=device)
 
     def rebuilt(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The tensor a received buffer holds, in this layout (a view)."""
-        if self.contiguous:
-            return (buffer[:self.span] if buffer.numel() > self.span else buffer).view(self.shape)
-        return buffer.as_strided(self.shape, self.strides)
+        """The tensor a buffer from empty() holds once received, in this layout."""
+        if not self.contiguous:
+            return buffer.as_strided(self.shape, self.strides)
+        return buffer[:self.span].view(self.shape) if buffer.numel() > self.span else buffer
 
     def wire(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (of this shape and dtype) as it travels: the storage span of
-        these strides, a view of t's storage where t has them (a copy in
-        this layout where its strides changed since the header)."""
+        these strides, a view of t's storage where t has them (t itself
+        where contiguous; a copy in this layout where its strides changed
+        since the header)."""
         if t.stride() != self.strides:
             if self.span < t.numel():
                 raise RuntimeError(
@@ -4277,8 +4281,7 @@ class _Layout(NamedTuple):
                     "description; build a new Pipeline")
             t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
                                     device=t.device).copy_(t)
-        return t.reshape(-1) if self.contiguous else \
-            t.as_strided((self.span,), (1,), t.storage_offset())
+        return t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple:
@@ -4851,7 +4854,7 @@ class Pipeline:
             one = self._ones.get(g.dtype)
             if one is None:
                 one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
-            message = torch.cat((layout.wire(g), one))
+            message = torch.cat((layout.wire(g).reshape(-1), one))
         self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
