@@ -4430,7 +4430,8 @@ class Pipeline:
     Activations and gradients go between stages with ``isend`` (waited on at
     the end of the step) and blocking ``recv``, in the order each sender
     sends (see ``_receive``), so NCCL's in-order matching is met as well as
-    gloo's. They are received on `device`: by default this rank's first
+    gloo's; each in the layout its layer or backward made it, as one
+    process hands it on (see the note on messages). They are received on `device`: by default this rank's first
     layer parameter's device, the CPU when its layers have none.
     """
 
