@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import gc
 import io
 import itertools
@@ -43,9 +44,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from reprop import _C, fuse, ooo
-from reprop.ooo import (DataParallel, Pipeline, _averaged_by_data_parallel, _check_costs, _inbox,
-                        _pipelined_in_micro_batches, _stage_programs, allreduce_time,
-                        data_parallel, enable, reverse_first_k, search_k, simulate)
+from reprop.ooo import (DataParallel, Pipeline, _Layout, _averaged_by_data_parallel,
+                        _check_costs, _inbox, _pipelined_in_micro_batches, _stage_programs,
+                        allreduce_time, data_parallel, enable, reverse_first_k, search_k,
+                        simulate)
 from _interrupts import LineStop, interrupted_at_line
 from _scripts import script_output
 from test_ooo import assert_as_built
@@ -2027,14 +2029,17 @@ def _check_pipeline(rank: int, case: dict, steps: int = 3) -> None:
         messages.append(pipe.messages)
     stage = pipe.stage_of
     activations = case["micro_batches"] * sum(stage[l] == rank != stage[l + 1] for l in range(DEPTH - 1))
-    # per step: its activations and gradients, plus a header per activation in a shape's first step
-    assert messages[0] == messages[1] + activations and messages[2] == messages[0], (case, rank, messages)
+    # at most one per activation received (none where it needs no gradient)
+    gradients = case["micro_batches"] * sum(stage[l] == rank != stage[l - 1] for l in range(1, DEPTH))
+    # per step: its activations and gradients, plus a header per activation
+    # and per gradient sent in a shape's first step
+    headers = messages[0] - messages[1]
+    assert activations <= headers <= activations + gradients and messages[2] == messages[0], \
+        (case, rank, messages)
     if make is _blocks:
         # every activation gets its gradient back, one message each: its flag
         # (whether it has one) travels in it, not in a message of its own
-        gradients = case["micro_batches"] * sum(stage[l] == rank != stage[l - 1]
-                                                for l in range(1, DEPTH))
-        assert messages[1] == activations + gradients, (case, rank, messages)
+        assert messages[1] == activations + gradients == headers, (case, rank, messages)
     pipe.remove()
 
 
@@ -2399,55 +2404,69 @@ _RANDOM_PIPELINE_CASES = [
 
 def _check_random_pipelines(rank: int, world: int, steps: int = 3) -> None:
     """Random layer lists against single-process training that runs the same
-    micro-batches one after the other, each on a copy of its rows as the
-    Pipeline's first layer gets (a view of the batch starts elsewhere in
-    memory, and the CPU's matrix products then round otherwise): the loss,
-    every gradient, the input's, BatchNorm's statistics and the parameters
-    after each optimizer step are bitwise equal. Steps zero the gradients
-    both ways, and the last one takes another batch size."""
+    micro-batches one after the other (see _check_micro_batched)."""
     for seed, schedule, allocation, group, micro, kind, input_grad in _RANDOM_PIPELINE_CASES:
-        ref_layers, layers = _random_layers(seed), _random_layers(seed)
-        ref = nn.Sequential(*ref_layers)
-        pipe = Pipeline(layers, micro_batches=micro, schedule=schedule, allocation=allocation,
-                        group=group)
-        # a stage of activations alone has no optimizer
-        models = [m for m in (nn.ModuleList(pipe.layers.values()), ref) if list(m.parameters())]
-        opts = [torch.optim.Adam(m.parameters(), lr=0.01) if kind == "adam" else
-                torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-        fusions = [fuse(m, o, mode=kind) for m, o in zip(models, opts)] \
-            if kind in ("forward", "backward") else []
-        g = torch.Generator().manual_seed(seed)
-        for step in range(steps):
-            batch = micro * (2 if step < steps - 1 else 3)  # BatchNorm: 2 rows or more
-            x, t = torch.randn(batch, 2, 5, generator=g), torch.randn(batch, 2, generator=g)
-            x_ref = x.clone().requires_grad_(input_grad)
-            losses = []
-            for xm, tm in zip(x_ref.split(batch // micro), t.split(batch // micro)):
-                losses.append(F.mse_loss(ref(xm.clone()), tm) / micro)
-                losses[-1].backward()
-            x = x.clone().requires_grad_(input_grad)
-            loss = pipe.step(x, t, F.mse_loss)
-            where = f"seed {seed} step {step} rank {rank}"
-            if loss is not None:
-                assert torch.equal(loss, torch.stack(losses).detach().sum()), where
-            if input_grad and pipe.stage_of[0] == rank:
-                assert torch.equal(x.grad, x_ref.grad), f"{where}: input gradient"
-            for l, layer in pipe.layers.items():
-                for (name, p), want in itertools.chain(
-                        zip(layer.named_parameters(), ref_layers[l].parameters()),
-                        zip(layer.named_buffers(), ref_layers[l].buffers())):
-                    got, want = (p.grad, want.grad) if isinstance(p, nn.Parameter) else (p, want)
-                    assert (got is None) == (want is None), f"{where}: layer {l} {name}"
-                    assert got is None or torch.equal(got, want), f"{where}: layer {l} {name}"
-            for o in opts:
-                o.step()
-                o.zero_grad(set_to_none=step % 2 == 0)
-        for f in fusions:
-            f.remove()  # applies forward fusion's pending updates
+        _check_micro_batched(rank, functools.partial(_random_layers, seed), seed, (2, 5), 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation,
+                                  group=group), kind, input_grad, steps)
+
+
+def _check_micro_batched(rank: int, make: Callable, seed: int, sample: tuple, outputs: int,
+                         arguments: dict, kind: str = "sgd", input_grad: bool = False,
+                         steps: int = 3) -> None:
+    """A Pipeline of `make()`'s layers against single-process training of
+    another `make()` that runs the same micro-batches one after the other,
+    each on a copy of its rows as the Pipeline's first layer gets (a view
+    of the batch starts elsewhere in memory, and the CPU's matrix products
+    then round otherwise), on inputs (batch, *sample) and targets (batch,
+    outputs) drawn from `seed`: the loss, every gradient, the input's,
+    the buffers (BatchNorm's statistics) and the parameters after each
+    optimizer step ("sgd", "adam", or "forward"/"backward" fused SGD) are
+    bitwise equal. Steps zero the gradients both ways, and the last one
+    takes another batch size."""
+    micro = arguments["micro_batches"]
+    ref_layers, layers = make(), make()
+    ref = nn.Sequential(*ref_layers)
+    pipe = Pipeline(layers, **arguments)
+    # a stage of activations alone has no optimizer
+    models = [m for m in (nn.ModuleList(pipe.layers.values()), ref) if list(m.parameters())]
+    opts = [torch.optim.Adam(m.parameters(), lr=0.01) if kind == "adam" else
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    fusions = [fuse(m, o, mode=kind) for m, o in zip(models, opts)] \
+        if kind in ("forward", "backward") else []
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        batch = micro * (2 if step < steps - 1 else 3)  # BatchNorm: 2 rows or more
+        x, t = torch.randn(batch, *sample, generator=g), torch.randn(batch, outputs, generator=g)
+        x_ref = x.clone().requires_grad_(input_grad)
+        losses = []
+        for xm, tm in zip(x_ref.split(batch // micro), t.split(batch // micro)):
+            losses.append(F.mse_loss(ref(xm.clone()), tm) / micro)
+            losses[-1].backward()
+        x = x.clone().requires_grad_(input_grad)
+        loss = pipe.step(x, t, F.mse_loss)
+        where = f"{make} {arguments} step {step} rank {rank}"
+        if loss is not None:
+            assert torch.equal(loss, torch.stack(losses).detach().sum()), where
+        if input_grad and pipe.stage_of[0] == rank:
+            assert torch.equal(x.grad, x_ref.grad), f"{where}: input gradient"
         for l, layer in pipe.layers.items():
-            for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
-                assert torch.equal(p, want), f"seed {seed} rank {rank}: layer {l} {name}"
-        pipe.remove()
+            for (name, p), want in itertools.chain(
+                    zip(layer.named_parameters(), ref_layers[l].parameters()),
+                    zip(layer.named_buffers(), ref_layers[l].buffers())):
+                got, want = (p.grad, want.grad) if isinstance(p, nn.Parameter) else (p, want)
+                assert (got is None) == (want is None), f"{where}: layer {l} {name}"
+                assert got is None or torch.equal(got, want), \
+                    f"{where}: layer {l} {name}: {(got - want).abs().max().item():.2g} off"
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=step % 2 == 0)
+    for f in fusions:
+        f.remove()  # applies forward fusion's pending updates
+    for l, layer in pipe.layers.items():
+        for (name, p), want in zip(layer.named_parameters(), ref_layers[l].parameters()):
+            assert torch.equal(p, want), f"{make} {arguments} rank {rank}: layer {l} {name}"
+    pipe.remove()
 
 
 def test_pipeline_random_layers_match_micro_batched_training():
@@ -2468,14 +2487,14 @@ class _Transpose(nn.Module):
         return x.transpose(1, 2)
 
 
-def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
+def test_pipeline_hands_on_input_gradients_as_made(solo_group):
     """A Conv1d before a layer that transposes (README: the layout of each
     layer's input gradient): one process gives the Conv1d a transposed output
-    gradient, the Pipeline a contiguous one (the .grad of the leaf that stands
-    for its output), and on one CPU thread torch sums the bias gradient in
-    memory order. The Pipeline's gradients are one process's with the
-    gradient made contiguous, bitwise, and plain torch's to rounding; the
-    random differential test found the difference (1.2e-7)."""
+    gradient, and on one CPU thread torch sums the bias gradient in memory
+    order. The Pipeline gave a contiguous one (the .grad of the leaf that
+    stood for its output): 1.2e-7 off, found by the random differential
+    test; it hands on the gradient as the transpose's backward made it now,
+    for plain torch's bits."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -2492,13 +2511,183 @@ def test_pipeline_hands_on_input_gradients_contiguous(solo_group):
         leaf = y.detach().requires_grad_()
         F.mse_loss(nn.Sequential(*contiguous[1:])(leaf), t).backward()
         y.backward(leaf.grad.contiguous())
+        # the layout matters here: a contiguous output gradient rounds otherwise
+        assert not torch.equal(contiguous[0].bias.grad, plain[0].bias.grad)
         pipe = Pipeline(piped, micro_batches=1, schedule="fast_forward")
         pipe.step(x, t, F.mse_loss)
         pipe.remove()
         for name in ("weight", "bias"):
-            got = getattr(piped[0], name).grad
-            assert torch.equal(got, getattr(contiguous[0], name).grad), name
-            torch.testing.assert_close(got, getattr(plain[0], name).grad, rtol=1e-6, atol=1e-7)
+            assert torch.equal(getattr(piped[0], name).grad, getattr(plain[0], name).grad), name
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _Expand(nn.Module):
+    """(B, n) -> (B, n, 3), each value thrice: an expanded output (stride 0)."""
+
+    def forward(self, x):
+        return x.unsqueeze(-1).expand(-1, -1, 3)
+
+
+class _SumLast(nn.Module):
+    """(B, n, k) -> (B, n): its input gradient is expanded (stride 0)."""
+
+    def forward(self, x):
+        return x.sum(-1)
+
+
+def _transposing(seed: int = 0) -> list:
+    """On (B, 4, 5): transposed activations, a Linear on one, a BatchNorm1d
+    on another (its running mean sums in memory order), and transposed
+    input gradients at Conv1d layers (their bias gradient too)."""
+    torch.manual_seed(seed)
+    return [nn.Conv1d(4, 6, 1), _Transpose(), nn.Linear(6, 6), _Transpose(), nn.BatchNorm1d(6),
+            nn.Conv1d(6, 2, 1), nn.Flatten(), nn.Linear(10, 2)]
+
+
+def _channels_last(seed: int = 0) -> list:
+    """On (B, 3, 4, 4): channels_last Conv2d outputs and BatchNorm2d, then
+    an expanded activation and the expanded input gradient of a sum."""
+    torch.manual_seed(seed)
+    return [nn.Conv2d(3, 4, 3, padding=1).to(memory_format=torch.channels_last),
+            nn.BatchNorm2d(4), nn.ReLU(),
+            nn.Conv2d(4, 4, 1).to(memory_format=torch.channels_last), nn.Flatten(),
+            nn.Linear(64, 5), _Expand(), nn.Linear(3, 3), _SumLast(), nn.Linear(5, 2)]
+
+
+# (layers, input sample shape), each with every (schedule, allocation, group,
+# micro_batches, input_grad) below
+_LAYOUT_MODELS = [(_transposing, (4, 5)), (_channels_last, (3, 4, 4))]
+_LAYOUT_CASES = [("gpipe", "contiguous", 1, 2, False), ("fast_forward", "modulo", 1, 2, True),
+                 ("fast_forward", "contiguous", 1, 1, True), ("gpipe", "modulo", 2, 3, False)]
+
+
+class _Relaid(nn.Module):
+    """The identity, on a copy transposed and back in odd calls: an output
+    whose strides change between steps, its shape not."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.transpose(1, 2).contiguous().transpose(1, 2) if self.calls % 2 else x + 0
+
+
+def _relaid(seed: int = 0) -> list:
+    torch.manual_seed(seed)
+    return [nn.Conv1d(4, 6, 1), _Relaid(), nn.BatchNorm1d(6), nn.Conv1d(6, 2, 1), nn.Flatten(),
+            nn.Linear(10, 2)]
+
+
+def _check_pipeline_relaid(rank: int) -> None:
+    """A layer whose output's strides change between steps for one input
+    shape: sent in the kept header's layout (a copy), which rounds
+    otherwise downstream, not a hang or an error."""
+    ref_layers, layers = _relaid(), _relaid()
+    pipe = Pipeline(layers, micro_batches=1, allocation="modulo")
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        x, t = torch.randn(4, 4, 5, generator=g), torch.randn(4, 2, generator=g)
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()
+        pipe.step(x, t, F.mse_loss)
+        _assert_pipeline_grads(pipe, ref_layers, f"rank {rank} step {step}")
+    pipe.remove()
+
+
+def _check_pipeline_kept_headers(rank: int) -> None:
+    """Headers are kept for the last _KEPT_INPUTS input descriptions, every
+    rank dropping the same: they grew by one per input shape, for good. A
+    dropped shape seen again sends its headers anew, a kept one does not,
+    for single-process training's gradients (bitwise, one micro-batch)."""
+    ref_layers, layers = _blocks(), _blocks()
+    pipe = Pipeline(layers, micro_batches=1, allocation="modulo")
+    x = torch.cat([_batch(0, 0)[0], _batch(0, 1)[0]])
+    t = torch.cat([_batch(0, 0)[1], _batch(0, 1)[1]])
+    first = {}
+    shapes = list(range(1, ooo._KEPT_INPUTS + 3))
+    for rows in shapes + [shapes[0], shapes[-1]]:
+        for some in (ref_layers, layers):
+            for layer in some:
+                layer.zero_grad()
+        F.mse_loss(nn.Sequential(*ref_layers)(x[:rows]), t[:rows]).backward()
+        pipe.step(x[:rows], t[:rows], F.mse_loss)
+        _assert_pipeline_grads(pipe, ref_layers, f"rank {rank} rows {rows}", exact=True)
+        first.setdefault(rows, pipe.messages)
+        assert len(pipe._headers) <= ooo._KEPT_INPUTS, (rank, rows, len(pipe._headers))
+    if dist.get_world_size() > 1:  # every rank sends: both kinds of header
+        assert pipe.messages < first[shapes[-1]], (rank, pipe.messages, first)
+        # dropped (the least recently used), then back: its headers again
+        assert pipe.messages < first[shapes[0]] == first[shapes[-1]], (rank, first)
+    pipe.remove()
+
+
+def _check_pipeline_layouts(rank: int, world: int) -> None:
+    """Activations and input gradients in the layout their layer made them,
+    between stages and on one: single-process training's bits (see
+    _check_micro_batched); layouts that change between steps; headers kept
+    for a bounded number of input shapes."""
+    for (make, sample), (schedule, allocation, group, micro, input_grad) in itertools.product(
+            _LAYOUT_MODELS, _LAYOUT_CASES):
+        _check_micro_batched(rank, make, 5, sample, 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation,
+                                  group=group), input_grad=input_grad)
+    _check_pipeline_relaid(rank)
+    _check_pipeline_kept_headers(rank)
+
+
+def test_pipeline_layouts_on_the_wire():
+    """What travels for a layout, and what the receiver rebuilds from it: a
+    transposed tensor's storage itself (no copy), an expanded one's
+    distinct elements, a slice with gaps contiguous; a tensor whose strides
+    changed since the header is copied into the header's layout, and
+    raises where that layout is expanded (no copy can make one)."""
+    x = torch.randn(4, 6, 5)
+    cases = [(x.transpose(1, 2), 120, False), (x.permute(2, 0, 1), 120, False),
+             (torch.randn(4, 1).expand(4, 3), 4, False), (x[:, ::2], 60, True), (x, 120, True),
+             (x[:0].transpose(1, 2), 0, False)]
+    for t, span, contiguous in cases:
+        layout = _Layout.of_tensor(t)
+        assert (layout.span, layout.contiguous) == (span, contiguous), t.stride()
+        assert _Layout.read(layout.header(True, t.device)) == (layout, True)
+        wire = layout.wire(t).reshape(-1)
+        assert wire.shape == (span,)
+        if not contiguous:
+            assert wire.data_ptr() == t.data_ptr() and layout.strides == t.stride()
+        for extra in (0, 1):  # an activation; a gradient and its flag
+            buffer = layout.empty(extra, t.device)
+            buffer.view(-1)[:span] = wire
+            received = layout.rebuilt(buffer)
+            assert torch.equal(received, t) and received.stride() == layout.strides
+    layout = _Layout.of_tensor(x.transpose(1, 2))
+    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()).reshape(-1))
+    assert torch.equal(relaid, x.transpose(1, 2)) and relaid.stride() == layout.strides
+    with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
+        _Layout.of_tensor(torch.randn(4, 1).expand(4, 3)).wire(torch.randn(4, 3))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipeline_hands_on_activations_and_gradients_in_their_layout(world):
+    """README: a layer's output travels to the next stage with its strides
+    (transposed, channels_last, expanded), and so does its input gradient
+    to the stage before; on a stage, a layer gets its output gradient as
+    the next layer's backward made it. They arrived contiguous: the next
+    kernels summed in another order (BatchNorm1d's running mean 2.2e-7 off,
+    a Conv1d's bias gradient 1.2e-7)."""
+    _spawn(_check_pipeline_layouts, world)
+
+
+def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
+    """One stage: each layer's input gradient as its backward made it, not
+    the .grad of the leaf standing for its input (laid out as the input)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: sums in memory order
+    try:
+        _check_pipeline_layouts(0, 1)
     finally:
         torch.set_num_threads(threads)
 

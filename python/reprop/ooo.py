@@ -50,7 +50,7 @@ import time
 import types
 import weakref
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -4161,9 +4161,19 @@ SCHEDULES = {"gpipe": _ORDER_CODES["conventional"], "fast_forward": _ORDER_CODES
 ALLOCATIONS = ("contiguous", "modulo")
 
 # Messages between stages: an activation travels as a header, then its data
-# (the receiver learns shape, dtype and whether it needs a gradient); a
-# gradient needs no header: it has the shape of the activation it is for.
-# It travels as one message, its data and one more element after it, a
+# (the receiver learns shape, dtype, strides and whether it needs a
+# gradient); a gradient has the shape and dtype of the activation it is
+# for, and its header, its strides alone, goes back the first time it
+# does. Both travel in the layout the layer (or its backward) made them,
+# as one process hands a tensor on: torch's kernels sum in memory order,
+# so a transposed or channels_last tensor made contiguous rounded
+# otherwise downstream (BatchNorm1d's running mean 2.2e-7 off, a Conv1d's
+# bias gradient 1.2e-7). The data sent is the storage span the strides
+# cover (see _Layout): no copy for a permutation of the dims (transposed,
+# channels_last) nor an expanded tensor (its span is smaller); a layout
+# whose span has gaps (a slice of every other column) would send the gaps,
+# so it travels contiguous, as before. A gradient travels as one message,
+# its data and one more element after it, a
 # flag: 1, or 0 where there is none (its data zeros, unread): a layer
 # that ignores or detaches its input gives it no gradient, and the layers
 # before it must then get none either (plain autograd leaves their .grad
@@ -4174,8 +4184,13 @@ ALLOCATIONS = ("contiguous", "modulo")
 # requires_grad) and autocast state: both ends keep them per (input,
 # layer, micro-batch), as a layer's output is described by its input's
 # description and the autocast state (turning autocast on or off between
-# steps sends new headers, as a new input shape does); a sender whose
-# output no longer matches the kept header raises instead of sending. The
+# steps sends new headers, as a new input shape does), for the last
+# _KEPT_INPUTS such inputs (every rank steps on the same ones in the same
+# order, so all drop the same one and send or await its headers anew); a
+# sender whose output no longer matches the kept header's shape or dtype
+# raises instead of sending. One whose strides changed (a data-dependent
+# layout) is copied into the kept layout (another rounding downstream, not
+# a hang), and raises where that layout is expanded. The
 # receiver is not told: in the usual step an activation that required grad
 # in its header's step travels as its data alone, so telling it would take
 # a message (or a host read of a status sent with the data) in every step;
@@ -4192,25 +4207,96 @@ ALLOCATIONS = ("contiguous", "modulo")
 # each step by a flag saying whether it requires grad now (none for dtypes
 # without gradients).
 _ACTIVATION, _GRADIENT = 0, 1
-_HEADER = 16  # int64 slots: ndim, dtype, requires_grad when sent, then the shape
+_HEADER = 32  # int64 slots: ndim, dtype, requires_grad when sent, the shape, the strides
+_MAX_DIMS = (_HEADER - 3) // 2
+_KEPT_INPUTS = 8  # input descriptions whose headers a Pipeline keeps (see the note above)
 _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
                 torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8,
                 torch.uint8, torch.bool)
 
 
-def _describe(t: torch.Tensor) -> tuple:
-    """(ndim, dtype's index, *shape) of `t`, which the receiver's copy is to match."""
-    if t.dim() > _HEADER - 3 or t.dtype not in _WIRE_DTYPES:
-        raise ValueError(f"Pipeline: cannot send a {t.dim()}-d {t.dtype} activation between "
-                         f"stages (at most {_HEADER - 3} dims of {_WIRE_DTYPES})")
-    return (t.dim(), _WIRE_DTYPES.index(t.dtype), *t.shape)
+class _Layout(NamedTuple):
+    """What a header says of a tensor between stages: the receiver rebuilds
+    it with these strides over a buffer of `span` elements, the storage
+    they cover, which is what travels (see the note above)."""
+
+    dtype: torch.dtype
+    shape: tuple
+    strides: tuple
+    span: int
+    contiguous: bool
+
+    @classmethod
+    def of(cls, dtype: torch.dtype, shape: tuple, strides: tuple) -> _Layout:
+        """These strides where their span holds at most the elements (dims in
+        any order, expanded), else contiguous ones (a span with gaps)."""
+        shape, natural = tuple(shape), _contiguous_strides(shape)
+        span = _span(shape, strides)
+        if span > math.prod(shape):
+            strides, span = natural, math.prod(shape)
+        return cls(dtype, shape, tuple(strides), span, tuple(strides) == natural)
+
+    @classmethod
+    def of_tensor(cls, t: torch.Tensor) -> _Layout:
+        if t.dim() > _MAX_DIMS or t.dtype not in _WIRE_DTYPES:
+            raise ValueError(f"Pipeline: cannot send a {t.dim()}-d {t.dtype} tensor between "
+                             f"stages (at most {_MAX_DIMS} dims of {_WIRE_DTYPES})")
+        return cls.of(t.dtype, t.shape, t.stride())
+
+    def header(self, requires_grad: bool, device: torch.device) -> torch.Tensor:
+        """(_HEADER,) int64: ndim, dtype, requires_grad, shape, strides."""
+        h = [len(self.shape), _WIRE_DTYPES.index(self.dtype), int(requires_grad), *self.shape,
+             *self.strides]
+        return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=device)
+
+    @classmethod
+    def read(cls, header: torch.Tensor) -> tuple[_Layout, bool]:
+        """The layout and requires_grad a header() says."""
+        ndim, dtype, requires_grad, *rest = header.tolist()
+        return cls.of(_WIRE_DTYPES[dtype], rest[:ndim], rest[ndim:2 * ndim]), bool(requires_grad)
+
+    def empty(self, extra: int, device: torch.device) -> torch.Tensor:
+        """A buffer to receive into: the span, then `extra` elements (flat;
+        contiguous without any: the tensor itself, as rebuilt() gives it)."""
+        if self.contiguous and not extra:
+            return torch.empty(self.shape, dtype=self.dtype, device=device)
+        return torch.empty(self.span + extra, dtype=self.dtype, device=device)
+
+    def rebuilt(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The tensor a buffer from empty() holds once received, in this layout."""
+        if not self.contiguous:
+            return buffer.as_strided(self.shape, self.strides)
+        return buffer[:self.span].view(self.shape) if buffer.numel() > self.span else buffer
+
+    def wire(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (of this shape and dtype) as it travels: the storage span of
+        these strides, a view of t's storage where t has them (t itself
+        where contiguous; a copy in this layout where its strides changed
+        since the header)."""
+        if t.stride() != self.strides:
+            if self.span < t.numel():
+                raise RuntimeError(
+                    f"Pipeline: a tensor between stages changed its strides from the kept "
+                    f"header's {self.strides} (expanded) to {t.stride()} for the same input "
+                    "description; build a new Pipeline")
+            t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
+                                    device=t.device).copy_(t)
+        return t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
 
 
-def _header(description: tuple, requires_grad: bool, device: torch.device) -> torch.Tensor:
-    """(16,) int64: the header of an activation (see the note above)."""
-    ndim, dtype, *shape = description
-    h = [ndim, dtype, int(requires_grad), *shape]
-    return torch.tensor(h + [0] * (_HEADER - len(h)), dtype=torch.int64, device=device)
+def _contiguous_strides(shape: Sequence[int]) -> tuple:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _span(shape: Sequence[int], strides: Sequence[int]) -> int:
+    """The elements of storage a tensor of this layout covers (0 if empty)."""
+    if 0 in shape:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(shape, strides))
 
 
 def _autocast_state(device: torch.device) -> tuple:
@@ -4236,15 +4322,20 @@ class _Alias(torch.autograd.Function):
     place while backward still reaches the leaf behind it. It shares the
     leaf's storage and version counter, as a layer's input shares its
     producer's output in a single process: changing in place what the
-    previous layer saved for backward fails the same way."""
+    previous layer saved for backward fails the same way. Its backward
+    puts the gradient in `box` as the layer's backward made it, which one
+    process hands the producer, and none in the leaf's .grad, which
+    autograd lays out as the leaf (a copy where they differ)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, box: list) -> torch.Tensor:
+        ctx.box = box
         return x.detach()
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return g
+    def backward(ctx, g: torch.Tensor) -> tuple:
+        ctx.box.append(g)
+        return None, None
 
 
 def _splits_any(module: nn.Module) -> bool:
@@ -4294,8 +4385,10 @@ class _Step:
     input_grads: dict = field(default_factory=dict)  # m -> grad of the micro-batch input
     sends: list = field(default_factory=list)       # (request, tensor kept alive)
     losses: list = field(default_factory=list)
-    key: tuple = ()                                 # the input's description and autocast
-                                                    # state, for the headers
+    # (what, l, m) -> the header sent or received for this input description
+    # and autocast state: (_Layout, requires_grad) of an activation, the
+    # _Layout of its gradient
+    headers: dict = field(default_factory=dict)
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
     chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
 
@@ -4337,7 +4430,8 @@ class Pipeline:
     Activations and gradients go between stages with ``isend`` (waited on at
     the end of the step) and blocking ``recv``, in the order each sender
     sends (see ``_receive``), so NCCL's in-order matching is met as well as
-    gloo's. They are received on `device`: by default this rank's first
+    gloo's; each in the layout its layer or backward made it, as one
+    process hands it on (see the note on messages). They are received on `device`: by default this rank's first
     layer parameter's device, the CPU when its layers have none.
     """
 
@@ -4401,7 +4495,7 @@ class Pipeline:
                 "would see the update, and each gradient would be applied on its own); fuse "
                 "with mode='forward' (or remove() the fusion first)")
         self._schedules: dict = {}  # (input_grad, train) -> (this rank's program, its inbox)
-        # (input key, layer, micro) -> (description, requires_grad) in the header sent or received
+        # input description and autocast state -> its _Step.headers, the last used last
         self._headers: dict = {}
         self.messages = 0  # point-to-point messages this rank sent in its last step
         self._plain: frozenset = frozenset()  # this rank's layers running plain autograd now
@@ -4536,8 +4630,9 @@ class Pipeline:
             self._run_plain(plain)
         st = _Step(inputs.detach().split(size), targets.split(size), input_grad, train,
                    {src: iter(msgs) for src, msgs in inbox.items()},
-                   key=(tuple(inputs.shape), inputs.dtype, input_grad, train,
-                        _autocast_state(self.device)), chained=chained)
+                   headers=self._kept_headers((tuple(inputs.shape), inputs.dtype, input_grad,
+                                               train, _autocast_state(self.device))),
+                   chained=chained)
         self.messages = 0
         for kind, l, m in program:
             if kind == _FORWARD:
@@ -4551,6 +4646,18 @@ class Pipeline:
         if st.input_grads:  # this rank has layer 0 and inputs need a gradient
             self._input_backward(inputs, st)
         return torch.stack(st.losses).sum() if st.losses else None
+
+    def _kept_headers(self, key: tuple) -> dict:
+        """The headers kept for input description `key`, made the last used;
+        a new one drops the least recently used past _KEPT_INPUTS (the
+        same on every rank: see the note on messages)."""
+        kept = self._headers.pop(key, None)
+        if kept is None:
+            kept = {}
+            if len(self._headers) >= _KEPT_INPUTS:
+                del self._headers[next(iter(self._headers))]
+        self._headers[key] = kept
+        return kept
 
     @staticmethod
     def _input_backward(inputs: torch.Tensor, st: _Step) -> None:
@@ -4627,13 +4734,14 @@ class Pipeline:
     def _forward(self, st: _Step, l: int, m: int, loss_fn: Callable) -> None:
         """F(l, m): layer l on micro-batch m's activation; the last layer adds the loss."""
         x = self._layer_input(st, l, m)
+        box: list = []  # x's gradient (see _Alias)
         with torch.set_grad_enabled(st.train):
             # the input stands for the previous layer's output (past layer 0)
             # or the caller's input, a non-leaf or a tensor without a
             # gradient, which the layer may change in place (nn.ReLU(inplace=True))
             # (a chained layer's input is the previous layer's output itself, as
             # in one process: it may change it in place as it would there)
-            y = self.layers[l](x if l in st.chained else _Alias.apply(x))
+            y = self.layers[l](x if l in st.chained else _Alias.apply(x, box))
             if not isinstance(y, torch.Tensor):
                 raise TypeError(f"layers[{l}]: expected a tensor output, got {type(y).__name__}")
             if l == self.num_layers - 1:
@@ -4641,7 +4749,8 @@ class Pipeline:
                 st.losses.append(y.detach())
         local_next = l + 1 < self.num_layers and self._owner(l + 1) == self.rank
         if st.train or local_next:  # for backward; forwards alone: for the next one only
-            st.acts[(l, m)] = (x, y)
+            # None: x needs no gradient
+            st.acts[(l, m)] = (box if x.requires_grad else None, y)
         if l + 1 < self.num_layers and not local_next:
             self._send_activation(st, l, m, y)
 
@@ -4668,7 +4777,7 @@ class Pipeline:
         in `in_grads`), the split layers' dW held for dW(l, m)."""
         if (l, m) in st.held:
             return
-        x, y = st.acts[(l, m)]
+        box, y = st.acts[(l, m)]
         tasks: list = []
         last = l == self.num_layers - 1
         grad = None if last else self._grad_of_output(st, l, m)
@@ -4680,10 +4789,10 @@ class Pipeline:
         st.held[(l, m)] = tasks
         while l in st.chained:  # the layers below in its graph: their backward ran in this one
             l -= 1
-            x, _ = st.acts.pop((l, m))
+            box, _ = st.acts.pop((l, m))
             st.held[(l, m)] = []
-        if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
-            st.in_grads[(l, m)] = x.grad
+        if box is not None:  # empty: the layer ignored its input, or got no gradient
+            st.in_grads[(l, m)] = box[0] if box else None
 
     def _hold(self):
         """Collects the dW tasks of a backward (none without split layers)."""
@@ -4730,18 +4839,23 @@ class Pipeline:
     def _send_gradient(self, st: _Step, g: torch.Tensor | None, l: int, m: int,
                        stage: int) -> None:
         """The gradient `g` of layer l's output for micro-batch m (None: it
-        has none) to `stage`, as one message: its data then a flag (see the
-        note on messages); without a gradient, zeros of the size the
-        header of that output gives."""
+        has none) to `stage`: its header (its layout; contiguous without a
+        gradient) the first time, then one message: its data then a flag
+        (see the note on messages); without a gradient, zeros."""
+        layout = st.headers.get((_GRADIENT, l, m))
+        if layout is None:
+            activation, _ = st.headers[(_ACTIVATION, l, m)]
+            layout = st.headers[(_GRADIENT, l, m)] = _Layout.of(
+                activation.dtype, activation.shape, _contiguous_strides(activation.shape)) \
+                if g is None else _Layout.of_tensor(g)
+            self._send(st, layout.header(False, self.device), stage)
         if g is None:
-            (_, dtype, *shape), _ = self._headers[(st.key, l, m)]
-            message = torch.zeros(math.prod(shape) + 1, dtype=_WIRE_DTYPES[dtype],
-                                  device=self.device)
+            message = layout.empty(1, self.device).zero_()
         else:
             one = self._ones.get(g.dtype)
             if one is None:
                 one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
-            message = torch.cat((g.reshape(-1), one))
+            message = torch.cat((layout.wire(g).reshape(-1), one))
         self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
@@ -4749,26 +4863,25 @@ class Pipeline:
         in the first step for the input's description, then, where the
         header leaves it open, a flag saying whether y requires grad, then
         its data (see the note on messages)."""
-        out = y.detach().contiguous()
+        out = y.detach()
         stage = self._owner(l + 1)
-        description = _describe(out)
-        kept = self._headers.get((st.key, l, m))
+        kept = st.headers.get((_ACTIVATION, l, m))
         if kept is None:
-            kept = self._headers[(st.key, l, m)] = (description, y.requires_grad)
-            self._send(st, _header(description, y.requires_grad, out.device), stage)
-        elif kept[0] != description:
+            kept = st.headers[(_ACTIVATION, l, m)] = (_Layout.of_tensor(out), y.requires_grad)
+            self._send(st, kept[0].header(y.requires_grad, out.device), stage)
+        elif kept[0].shape != out.shape or kept[0].dtype != out.dtype:
             raise RuntimeError(f"Pipeline: layers[{l}]'s output for micro-batch {m} changed shape "
                                "or dtype for the same input description; the stage that receives "
                                "it expects the kept header (pass inputs of another shape, or "
                                f"build a new Pipeline). Stage {stage} is not told: it waits for "
                                "this output until this process exits or the process group's "
                                "timeout")
-        always = kept[1]
+        layout, always = kept
         if _flagged(always, out.dtype, st.train):
             self._send(st, self._flags[y.requires_grad], stage)
         if always or y.requires_grad:
             st.returned.add((l, m))
-        self._send(st, out, stage)
+        self._send(st, layout.wire(out), stage)
 
     def _receive(self, st: _Step, what: int, l: int, m: int) -> torch.Tensor:
         """Message (what, l, m): the activation of layer l's output or its gradient.
@@ -4793,32 +4906,39 @@ class Pipeline:
         # F(l, m), which sent the activation, said whether it comes back;
         # the backward that drops y has received it by then
         if (l, m) in st.returned:
-            st.early[(what, l, m)] = self._recv_gradient(st.acts[(l, m)][1], src)
+            st.early[(what, l, m)] = self._recv_gradient(st, src, l, m)
 
     def _recv_activation(self, st: _Step, src: int, l: int, m: int) -> torch.Tensor:
         """Layer l's output for micro-batch m, after its header in the first
         step and its flag where the header leaves requires_grad open."""
-        kept = self._headers.get((st.key, l, m))
+        kept = st.headers.get((_ACTIVATION, l, m))
         if kept is None:
-            h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            self._recv(h, src)
-            ndim, dtype, always, *shape = h.tolist()
-            kept = self._headers[(st.key, l, m)] = ((ndim, dtype, *shape[:ndim]), bool(always))
-        (_, dtype, *shape), always = kept
-        dtype = _WIRE_DTYPES[dtype]
-        requires_grad = self._recv_flag(src) if _flagged(always, dtype, st.train) else always
-        x = torch.empty(shape, dtype=dtype, device=self.device)
-        self._recv(x, src)
-        return x.requires_grad_(requires_grad)
+            kept = st.headers[(_ACTIVATION, l, m)] = self._recv_header(src)
+        layout, always = kept
+        requires_grad = self._recv_flag(src) if _flagged(always, layout.dtype, st.train) \
+            else always
+        buffer = layout.empty(0, self.device)
+        self._recv(buffer, src)
+        return layout.rebuilt(buffer).requires_grad_(requires_grad)
 
-    def _recv_gradient(self, y: torch.Tensor, src: int) -> torch.Tensor | None:
-        """The gradient of output `y`, None when the sender has none for it
-        (its flag, the message's last element, 0)."""
-        message = torch.empty(y.numel() + 1, dtype=y.dtype, device=y.device)
+    def _recv_gradient(self, st: _Step, src: int, l: int, m: int) -> torch.Tensor | None:
+        """The gradient of layer l's output for micro-batch m, after its
+        header the first time; None when the sender has none for it (its
+        flag, the message's last element, 0)."""
+        layout = st.headers.get((_GRADIENT, l, m))
+        if layout is None:
+            layout, _ = self._recv_header(src)
+            st.headers[(_GRADIENT, l, m)] = layout
+        message = layout.empty(1, self.device)
         self._recv(message, src)
         if not message[-1]:
             return None
-        return message[:-1].view(y.shape)
+        return layout.rebuilt(message)
+
+    def _recv_header(self, src: int) -> tuple[_Layout, bool]:
+        h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        self._recv(h, src)
+        return _Layout.read(h)
 
     def _recv_flag(self, src: int) -> bool:
         flag = torch.empty_like(self._flags[True])
