@@ -2066,6 +2066,20 @@ def test_plans_of_ever_new_param_lists_stay_bounded(monkeypatch) -> None:
     assert spy.rows_held() <= 4096 < 7 * len(subsets)
 
 
+def test_calls_of_float64_params_only_stay_bounded() -> None:
+    """step_params on ever new lists of float64 params, which torch's step()
+    updates (no table rows): each cached call counts its params as rows, so
+    the calls held stay within the row budget (4096), as other calls do;
+    counted as no rows, they were never evicted (3432 held here)."""
+    params = [nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(14)]
+    opt = rp.Adam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(2, dtype=torch.float64)
+    for subset in itertools.combinations(params, 7):
+        opt.step_params(subset)
+    assert opt._plans.rows <= 4096 and len(opt._plans) <= 4096 // 7
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
     """Replacing a state tensor (or the step) between steps, as some training

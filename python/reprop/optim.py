@@ -1392,7 +1392,9 @@ class _PlanCache:
         """Caches `plans` (replacing a stale entry of the key), then evicts
         others while over budget."""
         self._clock += 1
-        rows = sum(len(plan.params) for plan in plans)
+        # a param torch's step() updates (plans.wide) counts as a row: the
+        # entry holds it, and entries of such params only must be bounded too
+        rows = sum(len(plan.params) for plan in plans) + len(plans.wide)
         old = self._entries.get(key)
         total = self.rows + rows - (0 if old is None else old[1])
         self._rows = None
@@ -1433,7 +1435,8 @@ class _PlanCache:
 
     @property
     def rows(self) -> int:
-        """The table rows of all the plans held."""
+        """The table rows of all the plans held (a param torch's step()
+        updates counting as one)."""
         if self._rows is None:
             self._rows = sum(entry[1] for entry in self._entries.values())
         return self._rows
