@@ -1722,6 +1722,7 @@ class _FusedOptimizer:
             if len(running) > 1 or (running and running[0].inference):
                 for plan in running:
                     plan.check(self, hparams)
+            scale = None
             if scaling is not None:
                 if scaling.skip:
                     # as torch's fused kernels skip: state a new plan made (Adam's
@@ -1731,14 +1732,14 @@ class _FusedOptimizer:
                 elif scaling.scale is not None:
                     stopped = self._divided_not_stepped.pop(key, {})
                     _unscale_grads(running, scaling.scale, stopped, divided)
-                    _unscale_wide(wide, scaling.scale, given)
+                    scale = scaling.scale
                     # again: gradient copies (another layout, memory shared with the
                     # param) were made from the scaled ones
                     keep = _prepare_grads(plans, self.state, given)
             for plan in running:
                 plan.run(self, hp, hparams, ran)
             if wide:
-                self._torch_update(hp, wide, given, ran)
+                self._torch_update(hp, wide, given, ran, scale)
             divided = []
             if _NOTING and running:  # (only after a stopped scaled step, of any optimizer)
                 _forget_read(running, given)
@@ -1760,13 +1761,17 @@ class _FusedOptimizer:
         return refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}")
 
     def _torch_update(self, hp: dict, params: list, given: dict | None,
-                      ran: dict | None) -> None:
+                      ran: dict | None, scale: torch.Tensor | None) -> None:
         """Updates `params` (float64, each with a gradient: _by_torch) by torch's
         own step() body on a group of just them with the hyper-parameters
         `hp`: torch's bits (its for-loop, foreach or fused implementation, as
         the group's flags and the params' device choose it, as torch's step()
-        chooses), its state created and kept as torch keeps it. `ran` notes
-        them (see _Plan.run)."""
+        chooses), its state created and kept as torch keeps it. Their
+        gradients are first divided by `scale` (step()'s grad_scale), right
+        before the update: one refused before then is not divided twice by a
+        step() again. `ran` notes them (see _Plan.run)."""
+        if scale is not None:
+            _unscale_wide(params, scale, given)
         view = _OneGroup(self, {**hp, "params": params})
         with _grads_given(params, given):
             if ran is not None:
@@ -1987,7 +1992,8 @@ class _FusedOptimizer:
 
 class SGD(_FusedOptimizer, torch.optim.SGD):
     """Fused SGD with momentum, dampening, nesterov, weight_decay and maximize.
-    State: ``momentum_buffer`` (float32; no state at all without momentum, as torch)."""
+    State: ``momentum_buffer`` (float32, torch's float64 for float64 params; no
+    state at all without momentum, as torch)."""
 
     _kind = _SGD
     _torch_class = torch.optim.SGD
