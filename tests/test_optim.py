@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import reprop.optim as rp
 from reprop._native import _C
@@ -6018,3 +6019,24 @@ def test_float64_capturable_on_cpu_still_refused() -> None:
     for any CPU param (torch's update asserts it at step())."""
     with pytest.raises(ValueError, match="capturable=True needs CUDA"):
         rp.Adam([nn.Parameter(torch.ones(3, dtype=torch.float64))], capturable=True)
+
+
+def test_float64_step_runs_the_step_hooks_once() -> None:
+    """torch's step() body runs for the float64 params without the hook
+    wrapper torch puts on torch.optim.Adam.step at its first instance: the
+    global and the optimizer's step hooks run once per step(), as torch's."""
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])  # (torch wraps Adam.step now)
+    calls = []
+    handles = [register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: calls.append("global pre"))]
+    try:
+        p = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        opt = rp.Adam([p], lr=0.1)
+        opt.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+        p.grad = torch.ones_like(p)
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["global pre", "post"]
+    assert opt.state[p]["step"] == 1
