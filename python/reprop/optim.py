@@ -10,12 +10,13 @@ math of torch's single-tensor implementation term by term.
 
 Differences from torch, all deliberate:
 
-* State tensors are always float32, also for float16/bfloat16 parameters,
-  whose update is computed in float32 and rounded once to the parameter's
-  dtype. torch's ``load_state_dict`` casts them back to the parameter dtype,
-  so state dicts stay interchangeable.
+* State tensors are always float32 (but float64 parameters', see below),
+  also for float16/bfloat16 parameters, whose update is computed in float32
+  and rounded once to the parameter's dtype. torch's ``load_state_dict``
+  casts them back to the parameter dtype, so state dicts stay
+  interchangeable.
 * ``foreach`` and ``fused`` are accepted for compatibility and ignored: reprop
-  always fuses. ``differentiable=True`` is refused.
+  always fuses (torch's update of float64 parameters follows them). ``differentiable=True`` is refused.
 * ``step()`` of SGD, Adam, AdamW and Adagrad follows torch's fused
   optimizers' AMP protocol whatever their ``fused`` flag: ``grad_scale`` set
   on the optimizer divides the gradients in place, ``found_inf`` non-zero
