@@ -3903,6 +3903,31 @@ def test_float64_model_trains_as_eager(mode: str, name: str, impl: str, mixed: b
                                              make_model=make_model))
 
 
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "SGD"])
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_model_takes_hyper_parameters_beyond_float32_as_eager(mode: str, name: str) -> None:
+    """An lr beyond float32's range (the kernels' refusal) trains a float64
+    model in eager training (torch's step() updates it, in float64): forward
+    mode's step() refused it with ValueError, checking the hyper-parameters
+    as for the kernels. A float32 layer beside them is refused as eager's
+    step() refuses it."""
+    options = {"lr": 1e39} if name != "SGD" else {"lr": 1e-3, "momentum": 0.9, "dampening": -1e39}
+
+    def make_opt(model):
+        return getattr(rp, name)(model.parameters(), **options)
+
+    def make_model(mixed=False):
+        return _float64_mlp(mixed)[:-1]  # (a float64 loss: the outputs overflow float32)
+
+    got = _mlp_loop(mode, make_opt, 3, make_model=make_model)
+    ref = _mlp_loop(None, make_opt, 3, make_model=make_model)
+    assert torch.isfinite(ref[0][1].weight).all()
+    _assert_same_training(got, ref)
+    for m in (None, mode):
+        with pytest.raises(ValueError, match="beyond float32's range"):
+            _mlp_loop(m, make_opt, 3, make_model=functools.partial(make_model, True))
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_torch_optimizer_with_float64_params_loads_its_state_dict_as_eager(
         mode: str) -> None:

@@ -1784,43 +1784,60 @@ class _FusedOptimizer:
         gradient) with `settings` (the group's hyper-parameters, or a copy of
         them) would raise for the hyper-parameters, changing nothing, named as
         that update names it: _hparams' conversion (a string lr), then the
-        core's checks (optim_check: a constant beyond float32, Adam's bias
-        correction of zero or complex at each param's next step count,
-        Adagrad's 1 + (step - 1) * lr_decay of zero), without a plan: for an
-        update decided now and run later (fusion's forward mode, whose step()
-        must refuse what eager's step() refuses). The core checks the step
-        counts one row each; where the values leave no count to fail but the
-        first (_first_count_is_worst), one row at the first count tells, so
-        the common case reads no param's state."""
-        kind = self._kind
+        core's checks (_check_kernel_hparams), without a plan: for an update
+        decided now and run later (fusion's forward mode, whose step() must
+        refuse what eager's step() refuses). The core's checks are those of
+        the kernels' calls: one refused where float64 params take part is
+        looked at again without them (torch's step() updates them, in
+        float64, as _update has it: lr = 1e39 trains them, as torch's does),
+        so the common case scans no param's dtype."""
         try:
-            hparams = self._hparams(settings)
-            capturable = bool(settings.get("capturable", False))
-            table = _NO_COUNT_ROW
-            if kind == _SGD:
-                # 1 - dampening is read only by an update into an existing buffer
-                # (a loop, not any() of a generator: a microsecond less a step)
-                if hparams[_HP_MOMENTUM] != 0:
-                    state = self.state
-                    for p in params:
-                        st = state.get(p)
-                        if st and "momentum_buffer" in st:
-                            break
-                    else:
-                        table = _FRESH_BUFFER_ROW
-            elif (kind == _ADAM or kind == _ADAGRAD) and not capturable:
-                # (the core counts a capturable group's steps on the device, unchecked)
-                if _first_count_is_worst(kind, hparams):
-                    try:
-                        _C.optim_check(kind, 0, _FIRST_COUNT_ROW, hparams, False)
-                        return
-                    except ValueError:
-                        pass  # refused at the first count: the params' own counts tell
-                counts, table = _count_table(self.state, params)
-                # (counts: the memory the rows point at, held over the check)
-            _C.optim_check(kind, 0, table, hparams, capturable)
+            try:
+                self._check_kernel_hparams(settings, params)
+            except (TypeError, ValueError, OverflowError):
+                kernel = [p for p in params if not _by_torch(p)]
+                if len(kernel) == len(params):
+                    raise
+                self._hparams(settings)  # (_update converts them for any call)
+                if kernel:
+                    self._check_kernel_hparams(settings, kernel)
         except (TypeError, ValueError, OverflowError) as e:
             raise self._refusal(group, e) from None
+
+    def _check_kernel_hparams(self, settings: dict, params: list) -> None:
+        """_check_hparams for `params` that the kernels update: _hparams'
+        conversion, then the core's checks (optim_check: a constant beyond
+        float32, Adam's bias correction of zero or complex at each param's
+        next step count, Adagrad's 1 + (step - 1) * lr_decay of zero). The
+        core checks the step counts one row each; where the values leave no
+        count to fail but the first (_first_count_is_worst), one row at the
+        first count tells, so the common case reads no param's state."""
+        kind = self._kind
+        hparams = self._hparams(settings)
+        capturable = bool(settings.get("capturable", False))
+        table = _NO_COUNT_ROW
+        if kind == _SGD:
+            # 1 - dampening is read only by an update into an existing buffer
+            # (a loop, not any() of a generator: a microsecond less a step)
+            if hparams[_HP_MOMENTUM] != 0:
+                state = self.state
+                for p in params:
+                    st = state.get(p)
+                    if st and "momentum_buffer" in st:
+                        break
+                else:
+                    table = _FRESH_BUFFER_ROW
+        elif (kind == _ADAM or kind == _ADAGRAD) and not capturable:
+            # (the core counts a capturable group's steps on the device, unchecked)
+            if _first_count_is_worst(kind, hparams):
+                try:
+                    _C.optim_check(kind, 0, _FIRST_COUNT_ROW, hparams, False)
+                    return
+                except ValueError:
+                    pass  # refused at the first count: the params' own counts tell
+            counts, table = _count_table(self.state, params)
+            # (counts: the memory the rows point at, held over the check)
+        _C.optim_check(kind, 0, table, hparams, capturable)
 
     def _refuse_fake_mode(self) -> None:
         """Under a FakeTensorMode (a memory or shape dry run over real
