@@ -3745,8 +3745,8 @@ class _WithSpareHead(nn.Module):
         return self.body(x)
 
 
-def _spare_weight_made_float64(model: nn.Module, opt) -> None:
-    model.spare.weight.data = model.spare.weight.data.double()
+def _spare_weight_made_complex(model: nn.Module, opt) -> None:
+    model.spare.weight.data = model.spare.weight.data.to(torch.cfloat)
 
 
 def _first_layer_added(model: nn.Module, opt) -> None:
@@ -3756,17 +3756,18 @@ def _first_layer_added(model: nn.Module, opt) -> None:
 @pytest.mark.parametrize("spare", ["own-group", "in-trained-group"])
 @pytest.mark.parametrize("impl", ["reprop", "torch"])
 @pytest.mark.parametrize("mode", MODES)
-def test_group_added_after_a_param_without_gradient_became_float64_trains_as_eager(
+def test_group_added_after_a_param_without_gradient_became_complex_trains_as_eager(
         mode: str, impl: str, spare: str) -> None:
     """A parameter of the optimizer that never gets a gradient (a head the
-    forward does not call) whose .data was made float64, which the kernels
-    cannot take, then a group added: eager's add_param_group checks only the
+    forward does not call) whose .data was made complex, which reprop's
+    optimizers cannot take, then a group added: eager's add_param_group checks only the
     group it adds, and eager's step() only the parameters with a gradient,
     so training goes on. Fusion checked every group when it followed the
     groups after add_param_group(): every later forward, step() and
-    zero_grad() raised TypeError ('expected float32, float16 or bfloat16,
-    got torch.float64'), training stuck for good. Now the training is eager
-    reprop's, bitwise; the float64 parameter is left as eager leaves it."""
+    zero_grad() raised TypeError, training stuck for good. Now the training
+    is eager reprop's, bitwise; the complex parameter is left as eager
+    leaves it. (A float64 one is trained now: see
+    test_float64_model_trains_as_eager.)"""
     def make_opt(cls):
         def make(model):
             trained = list(model.body[2:].parameters())
@@ -3777,19 +3778,19 @@ def test_group_added_after_a_param_without_gradient_became_float64_trains_as_eag
             return cls(groups, lr=0.01, weight_decay=0.1)
         return make
 
-    events = {2: _spare_weight_made_float64, 4: _first_layer_added}
+    events = {2: _spare_weight_made_complex, 4: _first_layer_added}
     cls = rp.AdamW if impl == "reprop" else torch.optim.AdamW
     got = _mlp_loop(mode, make_opt(cls), 8, events=events, make_model=_WithSpareHead)
     ref = _mlp_loop(None, make_opt(rp.AdamW), 8, events=events, make_model=_WithSpareHead)
-    assert got[0].spare.weight.dtype == torch.float64
+    assert got[0].spare.weight.dtype == torch.complex64
     assert not torch.equal(ref[0].body[0].weight, _mlp()[0].weight)  # the added group trained
     _assert_same_training(got, ref)
 
 
 @pytest.mark.parametrize("mode", [None, *MODES])
-def test_float64_param_given_a_gradient_is_still_refused_by_step_as_eager(mode: str | None) -> None:
-    """The other side of the test above: the kernels cannot take a float64
-    parameter, so once the spare head's float64 weight has a gradient (set by
+def test_complex_param_given_a_gradient_is_still_refused_by_step_as_eager(mode: str | None) -> None:
+    """The other side of the test above: reprop's optimizers cannot take a
+    complex parameter, so once the spare head's complex weight has a gradient (set by
     hand: step() finds it), step() refuses it with eager's TypeError, fused
     as eager, and the weight is left as it was."""
     model = _WithSpareHead()
@@ -3797,23 +3798,23 @@ def test_float64_param_given_a_gradient_is_still_refused_by_step_as_eager(mode: 
                     {"params": list(model.spare.parameters())}], lr=0.01)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
     _mlp_steps(model, opt, 2)
-    _spare_weight_made_float64(model, opt)
+    _spare_weight_made_complex(model, opt)
     _first_layer_added(model, opt)
     _mlp_steps(model, opt, 2)  # (the groups followed)
     x, y = _mlp_batch(2)
     F.mse_loss(model(x), y).backward()
     weight = model.spare.weight.detach().clone()
     model.spare.weight.grad = torch.ones_like(weight)
-    with pytest.raises(TypeError, match="got torch.float64"):
+    with pytest.raises(TypeError, match="complex parameters are not supported"):
         opt.step()
-    assert torch.equal(model.spare.weight, weight) and model.spare.weight.dtype == torch.float64
+    assert torch.equal(model.spare.weight, weight) and model.spare.weight.dtype == torch.complex64
     if handle is not None:
         handle.remove()
 
 
 def _group_appended_by_hand(model: nn.Module, opt) -> None:
     """The first layer and the spare head in a group put into param_groups by
-    hand, not through add_param_group (which would refuse a float64 one)."""
+    hand, not through add_param_group (which would refuse a complex one)."""
     opt.param_groups.append({**opt.defaults, "params": [*model.body[0].parameters(),
                                                          *model.spare.parameters()]})
 
@@ -3822,11 +3823,11 @@ def _group_appended_by_hand(model: nn.Module, opt) -> None:
 def test_reprop_optimizer_group_appended_by_hand_is_checked_as_eager_checks_it(mode: str) -> None:
     """A group appended to a reprop optimizer's param_groups by hand: eager
     checks it only where its parameters are updated (step(), with a
-    gradient), so its float64 parameter without a gradient (the spare head's
+    gradient), so its complex parameter without a gradient (the spare head's
     weight) stops nothing. Fusion checked it (with every group) when it
     followed the groups: every forward raised TypeError. Now the training is
     eager's, bitwise."""
-    events = {2: _spare_weight_made_float64, 4: _group_appended_by_hand}
+    events = {2: _spare_weight_made_complex, 4: _group_appended_by_hand}
 
     def make_opt(model):
         return rp.AdamW(model.body[2:].parameters(), lr=0.01, weight_decay=0.1)
@@ -3841,18 +3842,114 @@ def test_reprop_optimizer_group_appended_by_hand_is_checked_as_eager_checks_it(m
 def test_torch_optimizer_group_added_after_fuse_is_checked_as_reprop_checks_it(
         mode: str) -> None:
     """A torch optimizer's add_param_group, which the engine does not see,
-    took a group reprop's refuses (a float64 parameter): following the
+    took a group reprop's refuses (a complex parameter): following the
     groups refuses it, at each forward while the group stays (the test
     above: the added group alone is checked)."""
     model = _mlp()
     opt = torch.optim.Adam(model[2:].parameters(), lr=0.01)
     handle = reprop.fuse(model, opt, mode=mode)
     _mlp_steps(model, opt, 1)
-    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.float64))]})
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, dtype=torch.cfloat))]})
     for _ in range(2):
-        with pytest.raises(TypeError, match="got torch.float64"):
+        with pytest.raises(TypeError, match="complex parameters are not supported"):
             model(_mlp_batch(1)[0])
     handle.remove()
+
+
+class _Cast(nn.Module):
+    """Casts its input to `dtype` (autograd casts the gradient back)."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def _float64_mlp(mixed: bool = False) -> nn.Module:
+    """_mlp in float64 (its last layer float32 when `mixed`), taking and
+    giving float32 tensors, as _mlp_loop feeds it."""
+    body = _mlp().double()
+    if mixed:
+        body[4].float()
+    return nn.Sequential(_Cast(torch.float64), *body[:4], _Cast(body[4].weight.dtype), body[4],
+                         _Cast(torch.float32))
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["float64", "float64+float32"])
+@pytest.mark.parametrize("impl", ["reprop", "torch"])
+@pytest.mark.parametrize("name", OPT_NAMES)
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_model_trains_as_eager(mode: str, name: str, impl: str, mixed: bool) -> None:
+    """A float64 model (or one with a float32 layer too) fused with a reprop
+    optimizer or a torch one trains as eager, bit for bit, state included:
+    its float64 parameters are updated by torch's own step() (inside
+    backward in backward mode, lazily in forward mode), its float32 ones by
+    the kernels. Both were refused with a TypeError."""
+    def make_opt(cls):
+        return lambda model: cls([{"params": model[1:5].parameters()},
+                                  {"params": model[6].parameters(), "lr": RICH[name]["lr"] / 2}],
+                                 **RICH[name])
+
+    cls = getattr(rp if impl == "reprop" else torch.optim, name)
+    make_model = functools.partial(_float64_mlp, mixed)
+    got = _mlp_loop(mode, make_opt(cls), 6, make_model=make_model)
+    ref = _mlp_loop(None, make_opt(getattr(rp, name)), 6, make_model=make_model)
+    assert got[0][1].weight.dtype == torch.float64
+    _assert_same_training(got, ref)
+    if not mixed:  # (reprop's float32 update rounds its square roots apart from torch's)
+        _assert_same_training(got, _mlp_loop(None, make_opt(getattr(torch.optim, name)), 6,
+                                             make_model=make_model))
+
+
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "SGD"])
+@pytest.mark.parametrize("mode", MODES)
+def test_float64_model_takes_hyper_parameters_beyond_float32_as_eager(mode: str, name: str) -> None:
+    """An lr beyond float32's range (the kernels' refusal) trains a float64
+    model in eager training (torch's step() updates it, in float64): forward
+    mode's step() refused it with ValueError, checking the hyper-parameters
+    as for the kernels. A float32 layer beside them is refused as eager's
+    step() refuses it."""
+    options = {"lr": 1e39} if name != "SGD" else {"lr": 1e-3, "momentum": 0.9, "dampening": -1e39}
+
+    def make_opt(model):
+        return getattr(rp, name)(model.parameters(), **options)
+
+    def make_model(mixed=False):
+        return _float64_mlp(mixed)[:-1]  # (a float64 loss: the outputs overflow float32)
+
+    got = _mlp_loop(mode, make_opt, 3, make_model=make_model)
+    ref = _mlp_loop(None, make_opt, 3, make_model=make_model)
+    assert torch.isfinite(ref[0][1].weight).all()
+    _assert_same_training(got, ref)
+    for m in (None, mode):
+        with pytest.raises(ValueError, match="beyond float32's range"):
+            _mlp_loop(m, make_opt, 3, make_model=functools.partial(make_model, True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fused_torch_optimizer_with_float64_params_loads_its_state_dict_as_eager(
+        mode: str) -> None:
+    """A fused torch optimizer with float64 parameters saves its state at
+    step 2 and loads it back at step 4: its float64 state round-trips, and
+    training is eager torch's, bit for bit."""
+    saved = {}
+
+    def save(model, opt):
+        saved["sd"] = copy.deepcopy(opt.state_dict())
+
+    def load(model, opt):
+        opt.load_state_dict(saved["sd"])
+
+    def make_opt(model):
+        return torch.optim.Adam(model.parameters(), **RICH["Adam"])
+
+    events = {2: save, 4: load}
+    got = _mlp_loop(mode, make_opt, 7, events=events, make_model=_float64_mlp)
+    ref = _mlp_loop(None, make_opt, 7, events=dict(events), make_model=_float64_mlp)
+    assert got[1].state[got[0][1].weight]["exp_avg"].dtype == torch.float64
+    _assert_same_training(got, ref)
 
 
 def _head_apart(model: nn.Module):

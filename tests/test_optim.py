@@ -41,6 +41,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import reprop.optim as rp
 from reprop._native import _C
@@ -2066,6 +2067,20 @@ def test_plans_of_ever_new_param_lists_stay_bounded(monkeypatch) -> None:
     assert spy.rows_held() <= 4096 < 7 * len(subsets)
 
 
+def test_calls_of_float64_params_only_stay_bounded() -> None:
+    """step_params on ever new lists of float64 params, which torch's step()
+    updates (no table rows): each cached call counts its params as rows, so
+    the calls held stay within the row budget (4096), as other calls do;
+    counted as no rows, they were never evicted (3432 held here)."""
+    params = [nn.Parameter(torch.zeros(2, dtype=torch.float64)) for _ in range(14)]
+    opt = rp.Adam(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(2, dtype=torch.float64)
+    for subset in itertools.combinations(params, 7):
+        opt.step_params(subset)
+    assert opt._plans.rows <= 4096 and len(opt._plans) <= 4096 // 7
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_state_tensors_replaced_by_the_user_are_used(name: str) -> None:
     """Replacing a state tensor (or the step) between steps, as some training
@@ -2732,10 +2747,10 @@ def test_sparse_param_without_a_gradient_sits_out(name: str) -> None:  # refuses
         opt.step()
 
 
-@pytest.mark.parametrize("how", ["sparse_grad", "sparse_grad_step_params", "float64_param"])
+@pytest.mark.parametrize("how", ["sparse_grad", "sparse_grad_step_params", "complex_param"])
 @pytest.mark.parametrize("name", NAMES)
 def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
-    """A step refused for one parameter (a sparse gradient, or a float64
+    """A step refused for one parameter (a sparse gradient, or a complex
     parameter put into a group by hand, past add_param_group's check) must
     leave the state of the others as it was: SGD's momentum buffer is created
     empty and filled by its first update, so one left behind by the refused
@@ -2745,8 +2760,8 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     shapes = [(1000,), (7, 3)]
     init, grads = make_params(shapes, seed=30), grad_sequence(shapes, 3)
     params = [nn.Parameter(t.clone()) for t in init]
-    if how == "float64_param":
-        bad = nn.Parameter(torch.ones(3, dtype=torch.float64))
+    if how == "complex_param":
+        bad = nn.Parameter(torch.ones(3, dtype=torch.cfloat))
         bad.grad = torch.ones_like(bad)
     else:
         emb = nn.Embedding(4, 3, sparse=True)
@@ -2757,7 +2772,7 @@ def test_refused_step_leaves_the_state_as_it_was(name: str, how: str) -> None:
     for p, g in zip(params, grads[0]):
         p.grad = g.clone()
     before = copy.deepcopy(opt.state_dict()["state"])  # Adagrad's is made by __init__
-    with pytest.raises((RuntimeError, TypeError), match="(?i)sparse|float64"):
+    with pytest.raises((RuntimeError, TypeError), match="(?i)sparse|complex"):
         if how == "sparse_grad_step_params":
             opt.step_params([*params, bad], grads=[*grads[0], bad.grad])
         else:
@@ -4699,13 +4714,14 @@ def test_grad_of_another_size_is_refused() -> None:
         assert torch.equal(p.detach(), before)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.cfloat])
+@pytest.mark.parametrize("dtype", [torch.cfloat, torch.int64])
 @pytest.mark.parametrize("name", NAMES)
 def test_refused_param_group_is_not_added(name: str, dtype: torch.dtype) -> None:
     p = nn.Parameter(torch.randn(3))
     opt = reprop_cls(name)([p], **RICH[name])
+    bad = nn.Parameter(torch.ones(3, dtype=dtype), requires_grad=dtype.is_complex)
     with pytest.raises((TypeError, ValueError)):
-        opt.add_param_group({"params": [nn.Parameter(torch.randn(3, dtype=dtype))]})
+        opt.add_param_group({"params": [bad]})
     assert len(opt.param_groups) == 1
     p.grad = torch.ones(3)
     opt.step()
@@ -5907,3 +5923,217 @@ def test_fuzzed_loops_match_torch(seed: int) -> None:
         _assert_fuzzed_step(name, ropt, topt, pairs, before, step)
         assert hooks["reprop"] == hooks["torch"]
         _resync(ropt, topt, pairs)
+
+
+# float64 parameters: torch's own step() updates them (its for-loop, foreach or
+# fused implementation as the group's flags choose), with torch's state, so
+# they train to torch's bits; before, they were refused with a TypeError.
+FLOAT64_OPTIONS = [
+    ("SGD", RICH["SGD"]),
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.3, "maximize": True}),
+    ("SGD", {"lr": 0.1}),
+    ("SGD", {"lr": 0.1, "momentum": 0.5, "foreach": True}),
+    ("SGD", {"lr": 0.1, "momentum": 0.5, "fused": True}),
+    ("Adam", RICH["Adam"]),
+    ("Adam", {"lr": torch.tensor(0.01), "maximize": True, "decoupled_weight_decay": True,
+              "weight_decay": 0.1}),
+    ("Adam", {"lr": 0.01, "fused": True}),
+    ("Adam", {"lr": 0.01, "amsgrad": True, "foreach": True}),
+    ("AdamW", RICH["AdamW"]),
+    ("AdamW", {"lr": 0.01, "fused": True, "amsgrad": True}),
+    ("Adagrad", RICH["Adagrad"]),
+    ("Adagrad", {"lr": 0.1, "maximize": True, "fused": True}),
+    ("RMSprop", RICH["RMSprop"]),
+    ("RMSprop", {"lr": 0.01, "maximize": True, "alpha": 0.9}),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "foreach": True}),
+    ("Adadelta", RICH["Adadelta"]),
+    ("Adadelta", {"lr": 0.5, "maximize": True, "foreach": True}),
+]
+FLOAT64_IDS = [f"{name}-{i}" for i, (name, _) in enumerate(FLOAT64_OPTIONS)]
+FLOAT64_SHAPES = [(7, 3), (5,), (33,)]
+
+
+def float64_grads(steps: int) -> list[list[torch.Tensor | None]]:
+    """float64 gradients for FLOAT64_SHAPES, the last param without one at step 1."""
+    grads = grad_sequence(FLOAT64_SHAPES, steps, dtype=torch.float64)
+    grads[1][-1] = None
+    return grads
+
+
+def assert_same_bits(got: torch.optim.Optimizer, got_params: list, ref: torch.optim.Optimizer,
+                     ref_params: list) -> None:
+    """The params, and the state of each (keys, dtypes, values), bit for bit."""
+    for p, q in zip(got_params, ref_params):
+        assert p.dtype == q.dtype and torch.equal(p.detach(), q.detach())
+        st, rt = got.state.get(p, {}), ref.state.get(q, {})
+        assert list(st) == list(rt)
+        torch.testing.assert_close(st, rt, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, options", FLOAT64_OPTIONS, ids=FLOAT64_IDS)
+def test_float64_params_train_as_torch(name: str, options: dict) -> None:
+    """Every reprop optimizer trains float64 parameters (two groups, a param
+    without a gradient at one step) to torch.optim's bits, state included."""
+    init = make_params(FLOAT64_SHAPES, seed=41, dtype=torch.float64)
+    grads = float64_grads(6)
+    group1 = group1_overrides(name, options)
+    ref = run_open_loop(factory(torch_cls(name), **copy.deepcopy(options)), init, grads, group1=group1)
+    got = run_open_loop(factory(reprop_cls(name), **copy.deepcopy(options)), init, grads, group1=group1)
+    assert_same_bits(got.opt, got.params, ref.opt, ref.params)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_and_float32_params_in_one_group(name: str) -> None:
+    """float64 params in a group with float32 ones: the float64 ones get
+    torch's bits and state, the float32 ones exactly the fused update they
+    get without float64 params beside them (float32 state)."""
+    shapes32 = [(6, 5), (9,)]
+    init64 = make_params(FLOAT64_SHAPES, seed=42, dtype=torch.float64)
+    init32 = make_params(shapes32, seed=43)
+    g64 = float64_grads(5)
+    g32 = grad_sequence(shapes32, 5, seed=9)
+    mixed = [nn.Parameter(t.clone()) for t in init32[:1] + init64 + init32[1:]]
+    opt = reprop_cls(name)(mixed, **RICH[name])
+    for a, b in zip(g64, g32):
+        for p, g in zip(mixed, b[:1] + a + b[1:]):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    ref64 = run_open_loop(factory(torch_cls(name), **RICH[name]), init64, g64)
+    ref32 = run_open_loop(factory(reprop_cls(name), **RICH[name]), init32, g32)
+    assert_same_bits(opt, mixed[1:-1], ref64.opt, ref64.params)
+    assert_same_bits(opt, mixed[:1] + mixed[-1:], ref32.opt, ref32.params)
+
+
+@pytest.mark.parametrize("first", ["torch", "reprop"])
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_state_dict_round_trips_with_torch(name: str, first: str) -> None:
+    """Three steps by one of torch and reprop, its state_dict loaded into the
+    other, three more: torch's six steps, bit for bit, the state float64."""
+    init = make_params(FLOAT64_SHAPES, seed=44, dtype=torch.float64)
+    grads = float64_grads(6)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    classes = [torch_cls(name), reprop_cls(name)]
+    if first == "reprop":
+        classes.reverse()
+    before = run_open_loop(factory(classes[0], **RICH[name]), init, grads[:3])
+    params = [nn.Parameter(p.detach().clone()) for p in before.params]
+    opt = classes[1](params, **RICH[name])
+    opt.load_state_dict(before.opt.state_dict())
+    for step_grads in grads[3:]:
+        for p, g in zip(params, step_grads):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+    assert_same_bits(opt, params, ref.opt, ref.params)
+    assert all(t.dtype == torch.float64 for st in opt.state.values()
+               for k, t in st.items() if k != "step")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_step_params_with_given_grads(name: str) -> None:
+    """step_params(grads=...) updates a float64 param from the given gradient
+    (torch's step() reads .grad: set for the update, the param's own put
+    back after), as torch's step() with that gradient."""
+    init = make_params(FLOAT64_SHAPES, seed=45, dtype=torch.float64)
+    grads = grad_sequence(FLOAT64_SHAPES, 3, dtype=torch.float64)
+    ref = run_open_loop(factory(torch_cls(name), **RICH[name]), init, grads)
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = reprop_cls(name)(params, **RICH[name])
+    own = torch.full((5,), 7.0, dtype=torch.float64)
+    params[1].grad = own
+    for step_grads in grads:
+        opt.step_params(params, grads=[g.clone() for g in step_grads])
+    assert params[1].grad is own and params[0].grad is None
+    assert_same_bits(opt, params, ref.opt, ref.params)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
+def test_float64_grad_scale_and_found_inf_as_torch_fused(name: str) -> None:
+    """grad_scale and found_inf on the optimizer (torch's fused AMP protocol,
+    which reprop follows whatever the `fused` flag): a float64 param's
+    gradient is divided in place and a step with found_inf skipped, as by
+    torch's fused optimizer, to its bits."""
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in
+                  make_params(FLOAT64_SHAPES, seed=46, dtype=torch.float64)]
+        opt = cls(params, **RICH[name], fused=True)
+        for i, step_grads in enumerate(grad_sequence(FLOAT64_SHAPES, 4, dtype=torch.float64)):
+            for p, g in zip(params, step_grads):
+                p.grad = g * 1024
+            opt.grad_scale = torch.tensor(1024.0)
+            opt.found_inf = torch.tensor(1.0 if i == 2 else 0.0)
+            opt.step()
+        runs.append((opt, params))
+    assert_same_bits(*runs[1], *runs[0])
+    assert torch.equal(runs[1][1][0].grad, runs[0][1][0].grad)
+
+
+def test_param_whose_data_changes_dtype_switches_update() -> None:
+    """A param whose .data becomes float64 is updated by torch's step() from
+    then on (its float32 momentum buffer, which torch's SGD updates in place,
+    kept), and one becoming float32 again by the kernels (a cached call must
+    notice, though no row of it changed), whose state is float32."""
+    init = make_params([(5, 4)], seed=47)
+    grads = grad_sequence([(5, 4)], 6)
+    ps = []
+    for cls in (torch.optim.SGD, rp.SGD):
+        p = nn.Parameter(init[0].clone())
+        opt = cls([p], **RICH["SGD"])
+        for i, (g,) in enumerate(grads[:4]):
+            if i == 2:
+                p.data = p.data.double()
+            p.grad = g.to(p.dtype)
+            opt.step()
+        ps.append((opt, p))
+    assert_same_bits(*ps[1], *ps[0])
+    # a float64 param's torch-made float64 buffer is taken as float32 state
+    # (as set by hand) by the kernels once the param is float32
+    p = nn.Parameter(init[0].double())
+    opt = rp.SGD([p], **RICH["SGD"])
+    p.grad = grads[4][0].double()
+    opt.step()
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float64
+    p.data = p.data.float()
+    p.grad = grads[5][0].clone()
+    before = p.detach().clone()
+    opt.step()
+    assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+    assert not torch.equal(p.detach(), before)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_float64_params_train_a_model_as_torch(name: str) -> None:
+    """Closed loop: SmallNet in float64 trained 8 steps, as torch.optim trains it, bit for bit."""
+    batches = [(x.double(), y.double()) for x, y in make_batches(8)]
+    runs = [train_model(factory(cls, **RICH[name]), batches, model=make_model().double(),
+                        group1=group1_overrides(name, RICH[name]))
+            for cls in (torch_cls(name), reprop_cls(name))]
+    assert_same_bits(runs[1].opt, runs[1].params, runs[0].opt, runs[0].params)
+
+
+def test_float64_capturable_on_cpu_still_refused() -> None:
+    """capturable=True with CPU float64 params is refused at construction, as
+    for any CPU param (torch's update asserts it at step())."""
+    with pytest.raises(ValueError, match="capturable=True needs CUDA"):
+        rp.Adam([nn.Parameter(torch.ones(3, dtype=torch.float64))], capturable=True)
+
+
+def test_float64_step_runs_the_step_hooks_once() -> None:
+    """torch's step() body runs for the float64 params without the hook
+    wrapper torch puts on torch.optim.Adam.step at its first instance: the
+    global and the optimizer's step hooks run once per step(), as torch's."""
+    torch.optim.Adam([nn.Parameter(torch.zeros(1))])  # (torch wraps Adam.step now)
+    calls = []
+    handles = [register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: calls.append("global pre"))]
+    try:
+        p = nn.Parameter(torch.ones(3, dtype=torch.float64))
+        opt = rp.Adam([p], lr=0.1)
+        opt.register_step_post_hook(lambda opt, args, kwargs: calls.append("post"))
+        p.grad = torch.ones_like(p)
+        opt.step()
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == ["global pre", "post"]
+    assert opt.state[p]["step"] == 1

@@ -1416,11 +1416,11 @@ class FusionHandle:
         follow yet (added by torch's add_param_group, which the engine does
         not see, or installed by a load) as the engine's own add_param_group
         checks the group it adds (differentiable=True, capturable=True on the
-        CPU, a parameter the kernels cannot take); a reprop optimizer's own
+        CPU, a parameter reprop cannot update); a reprop optimizer's own
         add_param_group and load_state_dict checked its groups already. Only
         those, as eager's add_param_group checks only the group it adds: a
         parameter of an older group whose .data has since become one the
-        kernels cannot take (float64), with no gradient, is no concern of
+        optimizer cannot take (complex), with no gradient, is no concern of
         eager training, whose step() refuses it only with a gradient, as the
         engine's update does (_check_step). Checked here with every group, it
         made every forward, step() and zero_grad() raise after any

@@ -10,12 +10,13 @@ math of torch's single-tensor implementation term by term.
 
 Differences from torch, all deliberate:
 
-* State tensors are always float32, also for float16/bfloat16 parameters,
-  whose update is computed in float32 and rounded once to the parameter's
-  dtype. torch's ``load_state_dict`` casts them back to the parameter dtype,
-  so state dicts stay interchangeable.
+* State tensors are always float32 (but float64 parameters', see below),
+  also for float16/bfloat16 parameters, whose update is computed in float32
+  and rounded once to the parameter's dtype. torch's ``load_state_dict``
+  casts them back to the parameter dtype, so state dicts stay
+  interchangeable.
 * ``foreach`` and ``fused`` are accepted for compatibility and ignored: reprop
-  always fuses. ``differentiable=True`` is refused.
+  always fuses (torch's update of float64 parameters follows them). ``differentiable=True`` is refused.
 * ``step()`` of SGD, Adam, AdamW and Adagrad follows torch's fused
   optimizers' AMP protocol whatever their ``fused`` flag: ``grad_scale`` set
   on the optimizer divides the gradients in place, ``found_inf`` non-zero
@@ -23,14 +24,17 @@ Differences from torch, all deliberate:
   Adadelta, fused nowhere in torch, ignore them as torch's do).
 * ``step_params(params)`` updates just the given parameters now; the optimizer
   fusion hooks call it from inside backward.
-* Parameters other than float32, float16 and bfloat16 (float64, complex) are
-  refused at construction with a TypeError naming ``params``; torch takes them.
+* float64 parameters are updated by torch's own step() of the group (its
+  for-loop, foreach or fused implementation as the group's flags choose it),
+  with state as torch keeps it: torch's bits. Other dtypes (complex, integer)
+  are refused at construction with a TypeError naming ``params``.
 * ``capturable=True`` with CPU parameters is refused at construction with a
   ValueError, where torch raises an AssertionError at ``step()``.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import weakref
 from typing import Callable, Iterable, NamedTuple
@@ -396,6 +400,15 @@ def _unscale_grads(running: list, scale: torch.Tensor, stopped: dict, divided: l
     for grads, versions in divided:
         if versions is not None:
             versions[:] = [g._version for g in grads]
+
+
+def _unscale_wide(params: list, scale: torch.Tensor, given: dict | None) -> None:
+    """Divides the gradients of the float64 params (_by_torch) in place by
+    `scale`, as torch's fused kernels divide them (in the gradient's dtype)
+    and write them back into .grad."""
+    grad_of = _grad_getter(given)
+    for p in params:
+        grad_of(p).div_(scale.to(device=p.device))
 
 
 def _stopped_notes(stopped: dict, divided: list) -> dict:
@@ -898,6 +911,69 @@ def _described_param(p: torch.Tensor) -> str:
     return f"a parameter of shape {tuple(p.shape)}"
 
 
+def _by_torch(p: torch.Tensor) -> bool:
+    """Whether p is updated by torch's own step() (_FusedOptimizer._torch_update),
+    not by the kernels: a float64 parameter, whose update and state the
+    kernels would compute in float32."""
+    return p.dtype == torch.float64
+
+
+class _Plans(list):
+    """The plans of one call (a list of _Plan), and `wide`: the params of the
+    call that torch's own step() updates (_by_torch), in their order, which
+    have no row in any plan. `slots` and `capturable`: the settings they were
+    built for."""
+
+    def __init__(self, plans: list, wide: list, slots: tuple, capturable: bool):
+        super().__init__(plans)
+        self.wide = wide
+        self.slots = slots
+        self.capturable = capturable
+
+
+class _OneGroup:
+    """The optimizer `opt` as torch's step() body sees it, with `group` as its
+    only param group, and without grad_scale or found_inf (torch's
+    non-fused bodies raise for them; reprop's step() has applied them)."""
+
+    grad_scale = found_inf = None
+
+    def __init__(self, opt: torch.optim.Optimizer, group: dict):
+        self._opt = opt
+        self.param_groups = [group]
+
+    def __getattr__(self, name: str):
+        return getattr(self._opt, name)
+
+
+@functools.cache
+def _torch_step_body(torch_class: type) -> Callable:
+    """torch_class.step without the wrapper torch adds per class at its first
+    instance (Optimizer._patch_step_function), which runs the step hooks:
+    reprop's own step() has run them."""
+    step = torch_class.step
+    while getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step
+
+
+@contextlib.contextmanager
+def _grads_given(params: list, given: dict | None):
+    """Sets each param's .grad to given[id(param)] for the block, where torch's
+    step() reads it, and puts the params' own back after."""
+    if given is None:
+        yield
+        return
+    own = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = given[id(p)]
+        yield
+    finally:
+        for p, g in zip(params, own):
+            p.grad = g
+
+
 def _check_param(p: torch.Tensor, capturable: bool) -> None:
     """Refuses a parameter the fused update cannot take, in a group with this
     `capturable` setting; the caller names the optimizer and group."""
@@ -910,7 +986,8 @@ def _check_param(p: torch.Tensor, capturable: bool) -> None:
     if p.is_complex():
         raise TypeError(f"complex parameters are not supported "
                         f"(got a {p.dtype} parameter of shape {tuple(p.shape)})")
-    _tensors.dtype_code(p, "params")
+    if not _by_torch(p) and p.dtype not in _tensors.DTYPE_CODES:
+        raise TypeError(f"params: expected float32, float16, bfloat16 or float64, got {p.dtype}")
     if capturable and p.device.type != "cuda":
         # torch's update asserts this at each step, so a group switched to
         # capturable by editing param_groups is refused too (by _check_step)
@@ -1085,12 +1162,13 @@ def _keep_float32_state(state: dict, loaded: dict) -> None:
     """Puts the floating state (but "step") of low-precision params, which
     torch's load_state_dict cast to their dtype, into `state` (what it hands
     to __setstate__) as float32 copies of their values in `loaded`, the
-    state dict it loaded: reprop keeps their state in float32."""
+    state dict it loaded: reprop keeps their state in float32 (float64
+    params keep torch's, which torch's step() updates)."""
     saved_ids = (i for g in loaded["param_groups"] for i in g["params"])
     params = (p for g in state["param_groups"] for p in g["params"])
     for pid, p in zip(saved_ids, params):
         saved = loaded["state"].get(pid)
-        if not saved or p.dtype == torch.float32:
+        if not saved or p.dtype == torch.float32 or _by_torch(p):
             continue
         st = state["state"][p]
         for key, value in saved.items():
@@ -1122,8 +1200,9 @@ def _check_distinct(params: list) -> None:
 def _prepare_grads(plans: list | None, state, given: dict | None) -> list | None:
     """Prepares each plan's gradients for this step; returns the gradients to
     hold until the update has run, or None when there is no plan yet or one
-    of them is stale."""
-    if plans is None:
+    of them is stale (also where a param torch's step() updates no longer
+    is one, its .data replaced)."""
+    if plans is None or plans.wide and not all(map(_by_torch, plans.wide)):
         return None
     keep = []
     for plan in plans:
@@ -1323,7 +1402,9 @@ class _PlanCache:
         """Caches `plans` (replacing a stale entry of the key), then evicts
         others while over budget."""
         self._clock += 1
-        rows = sum(len(plan.params) for plan in plans)
+        # a param torch's step() updates (plans.wide) counts as a row: the
+        # entry holds it, and entries of such params only must be bounded too
+        rows = sum(len(plan.params) for plan in plans) + len(plans.wide)
         old = self._entries.get(key)
         total = self.rows + rows - (0 if old is None else old[1])
         self._rows = None
@@ -1364,7 +1445,8 @@ class _PlanCache:
 
     @property
     def rows(self) -> int:
-        """The table rows of all the plans held."""
+        """The table rows of all the plans held (a param torch's step()
+        updates counting as one)."""
         if self._rows is None:
             self._rows = sum(entry[1] for entry in self._entries.values())
         return self._rows
@@ -1626,7 +1708,8 @@ class _FusedOptimizer:
             plans = self._plans.get(key)
             keep = _prepare_grads(plans, self.state, given)
             running = None if keep is None else _running(plans)
-            if not (_with_grad(params, given) if keep is None else running):
+            wide = None if keep is None else plans.wide and _with_grad(plans.wide, given)
+            if not (_with_grad(params, given) if keep is None else running or wide):
                 return  # no param of the call has a gradient
             # a bad lr refuses the step before any state exists (self._hparams, inlined)
             hparams = _C.optim_hparams(hp) or _hparams_of(hp)
@@ -1635,33 +1718,38 @@ class _FusedOptimizer:
             # first use, a first gradient, a storage or state tensor replaced, other
             # state, capturable switched (step counts on another device; a CPU group
             # is refused, as torch's update refuses it)
-            new_plans = (keep is None or plans[0].slots != slots
-                         or plans[0].capturable != bool(hp.get("capturable", False)))
+            new_plans = (keep is None or plans.slots != slots
+                         or plans.capturable != bool(hp.get("capturable", False)))
             if new_plans:
                 active = _with_grad(params, given)
                 self._check_step(hp, active, given, slots)
                 plans = self._make_plans(hp, params, active, slots, hparams, given)
                 keep = _prepare_grads(plans, self.state, given)
                 running = _running(plans)
+                wide = _with_grad(plans.wide, given)
             # each call checks its own: let none run if one refuses (one that may
             # write inference tensors is checked alone too: run() does not)
             if len(running) > 1 or (running and running[0].inference):
                 for plan in running:
                     plan.check(self, hparams)
+            scale = None
             if scaling is not None:
                 if scaling.skip:
                     # as torch's fused kernels skip: state a new plan made (Adam's
                     # zeros, at step 0) stays, as torch's _init_group made it; a new
                     # SGD buffer, never filled, is not published
-                    running = []
+                    running = wide = []
                 elif scaling.scale is not None:
                     stopped = self._divided_not_stepped.pop(key, {})
                     _unscale_grads(running, scaling.scale, stopped, divided)
+                    scale = scaling.scale
                     # again: gradient copies (another layout, memory shared with the
                     # param) were made from the scaled ones
                     keep = _prepare_grads(plans, self.state, given)
             for plan in running:
                 plan.run(self, hp, hparams, ran)
+            if wide:
+                self._torch_update(hp, wide, given, ran, scale)
             divided = []
             if _NOTING and running:  # (only after a stopped scaled step, of any optimizer)
                 _forget_read(running, given)
@@ -1682,48 +1770,83 @@ class _FusedOptimizer:
         refusal = next(t for t in (TypeError, OverflowError, ValueError) if isinstance(e, t))
         return refusal(f"{type(self).__name__}: {self._group_name(group)}: {e}")
 
+    def _torch_update(self, hp: dict, params: list, given: dict | None,
+                      ran: dict | None, scale: torch.Tensor | None) -> None:
+        """Updates `params` (float64, each with a gradient: _by_torch) by torch's
+        own step() body on a group of just them with the hyper-parameters
+        `hp`: torch's bits (its for-loop, foreach or fused implementation, as
+        the group's flags and the params' device choose it, as torch's step()
+        chooses), its state created and kept as torch keeps it. Their
+        gradients are first divided by `scale` (step()'s grad_scale), right
+        before the update: one refused before then is not divided twice by a
+        step() again. `ran` notes them (see _Plan.run)."""
+        if scale is not None:
+            _unscale_wide(params, scale, given)
+        view = _OneGroup(self, {**hp, "params": params})
+        with _grads_given(params, given):
+            if ran is not None:
+                ran[_OneGroup] = params
+            _torch_step_body(self._torch_class)(view)
+
     def _check_hparams(self, group: dict, settings: dict, params: list) -> None:
         """Raises what an update of `params` (of `group`, each with a
         gradient) with `settings` (the group's hyper-parameters, or a copy of
         them) would raise for the hyper-parameters, changing nothing, named as
         that update names it: _hparams' conversion (a string lr), then the
-        core's checks (optim_check: a constant beyond float32, Adam's bias
-        correction of zero or complex at each param's next step count,
-        Adagrad's 1 + (step - 1) * lr_decay of zero), without a plan: for an
-        update decided now and run later (fusion's forward mode, whose step()
-        must refuse what eager's step() refuses). The core checks the step
-        counts one row each; where the values leave no count to fail but the
-        first (_first_count_is_worst), one row at the first count tells, so
-        the common case reads no param's state."""
-        kind = self._kind
+        core's checks (_check_kernel_hparams), without a plan: for an update
+        decided now and run later (fusion's forward mode, whose step() must
+        refuse what eager's step() refuses). The core's checks are those of
+        the kernels' calls: one refused where float64 params take part is
+        looked at again without them (torch's step() updates them, in
+        float64, as _update has it: lr = 1e39 trains them, as torch's does),
+        so the common case scans no param's dtype."""
         try:
-            hparams = self._hparams(settings)
-            capturable = bool(settings.get("capturable", False))
-            table = _NO_COUNT_ROW
-            if kind == _SGD:
-                # 1 - dampening is read only by an update into an existing buffer
-                # (a loop, not any() of a generator: a microsecond less a step)
-                if hparams[_HP_MOMENTUM] != 0:
-                    state = self.state
-                    for p in params:
-                        st = state.get(p)
-                        if st and "momentum_buffer" in st:
-                            break
-                    else:
-                        table = _FRESH_BUFFER_ROW
-            elif (kind == _ADAM or kind == _ADAGRAD) and not capturable:
-                # (the core counts a capturable group's steps on the device, unchecked)
-                if _first_count_is_worst(kind, hparams):
-                    try:
-                        _C.optim_check(kind, 0, _FIRST_COUNT_ROW, hparams, False)
-                        return
-                    except ValueError:
-                        pass  # refused at the first count: the params' own counts tell
-                counts, table = _count_table(self.state, params)
-                # (counts: the memory the rows point at, held over the check)
-            _C.optim_check(kind, 0, table, hparams, capturable)
+            try:
+                self._check_kernel_hparams(settings, params)
+            except (TypeError, ValueError, OverflowError):
+                kernel = [p for p in params if not _by_torch(p)]
+                if len(kernel) == len(params):
+                    raise
+                self._hparams(settings)  # (_update converts them for any call)
+                if kernel:
+                    self._check_kernel_hparams(settings, kernel)
         except (TypeError, ValueError, OverflowError) as e:
             raise self._refusal(group, e) from None
+
+    def _check_kernel_hparams(self, settings: dict, params: list) -> None:
+        """_check_hparams for `params` that the kernels update: _hparams'
+        conversion, then the core's checks (optim_check: a constant beyond
+        float32, Adam's bias correction of zero or complex at each param's
+        next step count, Adagrad's 1 + (step - 1) * lr_decay of zero). The
+        core checks the step counts one row each; where the values leave no
+        count to fail but the first (_first_count_is_worst), one row at the
+        first count tells, so the common case reads no param's state."""
+        kind = self._kind
+        hparams = self._hparams(settings)
+        capturable = bool(settings.get("capturable", False))
+        table = _NO_COUNT_ROW
+        if kind == _SGD:
+            # 1 - dampening is read only by an update into an existing buffer
+            # (a loop, not any() of a generator: a microsecond less a step)
+            if hparams[_HP_MOMENTUM] != 0:
+                state = self.state
+                for p in params:
+                    st = state.get(p)
+                    if st and "momentum_buffer" in st:
+                        break
+                else:
+                    table = _FRESH_BUFFER_ROW
+        elif (kind == _ADAM or kind == _ADAGRAD) and not capturable:
+            # (the core counts a capturable group's steps on the device, unchecked)
+            if _first_count_is_worst(kind, hparams):
+                try:
+                    _C.optim_check(kind, 0, _FIRST_COUNT_ROW, hparams, False)
+                    return
+                except ValueError:
+                    pass  # refused at the first count: the params' own counts tell
+            counts, table = _count_table(self.state, params)
+            # (counts: the memory the rows point at, held over the check)
+        _C.optim_check(kind, 0, table, hparams, capturable)
 
     def _refuse_fake_mode(self) -> None:
         """Under a FakeTensorMode (a memory or shape dry run over real
@@ -1754,7 +1877,8 @@ class _FusedOptimizer:
             st = self.state.get(p)
             if st:
                 self._check_state(p, st, slots)
-        for device in {p.device for p in active if p.device.type == "cuda"}:
+        # (a device of float64 params only: torch's step() reads the lr there)
+        for device in {p.device for p in active if p.device.type == "cuda" and not _by_torch(p)}:
             _cuda_lr_pointer(self, group, device)
 
     def _check_state(self, p: torch.Tensor, st: dict, slots: tuple) -> None:
@@ -1783,8 +1907,12 @@ class _FusedOptimizer:
                     hparams: tuple, given: dict | None) -> list:
         self._follow_param_groups(params)
         buckets: dict = {}
+        wide = []
         for p in params:
-            buckets.setdefault((p.device, p.dtype), []).append(p)
+            if _by_torch(p):
+                wide.append(p)
+            else:
+                buckets.setdefault((p.device, p.dtype), []).append(p)
         runs = [run for ps in buckets.values() for run in _ordered_runs(ps, self.state, slots)]
         if self._kind != _SGD:
             _check_shared_steps(self.state, runs, bool(group.get("capturable", False)))
@@ -1801,7 +1929,7 @@ class _FusedOptimizer:
                 plan.check(self, hparams)
         for plan in plans:
             plan.commit_state()
-        return plans
+        return _Plans(plans, wide, slots, bool(group.get("capturable", False)))
 
     def _cache_plans(self, key: tuple, plans: list) -> None:
         """Caches the plans just built for the call of `key` once their first
@@ -1836,7 +1964,7 @@ class _FusedOptimizer:
         self._group_of = None
         self._members = {id(p) for g in self.param_groups for p in g["params"]}
         self._plans.retain(lambda plans: self._members.issuperset(
-            id(p) for plan in plans for p in plan.params))
+            id(p) for ps in [plans.wide, *(plan.params for plan in plans)] for p in ps))
         self._plans.set_budget(len(self._members))
         self._groups_seen = groups
 
@@ -1891,7 +2019,8 @@ class _FusedOptimizer:
 
 class SGD(_FusedOptimizer, torch.optim.SGD):
     """Fused SGD with momentum, dampening, nesterov, weight_decay and maximize.
-    State: ``momentum_buffer`` (float32; no state at all without momentum, as torch)."""
+    State: ``momentum_buffer`` (float32, torch's float64 for float64 params; no
+    state at all without momentum, as torch)."""
 
     _kind = _SGD
     _torch_class = torch.optim.SGD
@@ -1946,11 +2075,12 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
 
     def _setup_fused(self) -> None:
         super()._setup_fused()
-        # torch's __init__ fills `sum` in the param's dtype; keep the exact value in float32
+        # torch's __init__ fills `sum` in the param's dtype; keep the exact value in
+        # float32 (torch's step() updates a float64 param's, as it made it)
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
-                if st and st["sum"].dtype != torch.float32:
+                if st and st["sum"].dtype != torch.float32 and not _by_torch(p):
                     st["sum"] = self._initial_state("sum", p, group)
 
     def _initial_state(self, key, p, group):
