@@ -449,6 +449,29 @@ def test_16bit_storage_error(name, saved_dtype):
     assert ((gx.double() - want).abs() <= tol).all()
 
 
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_bfloat16_input_with_float16_derivative_rounds_the_product_once(name):
+    """bfloat16 x, saved_dtype=torch.float16: backward's grad * d promotes
+    the pair to float32 (torch.promote_types), where the product of an 8-
+    and an 11-bit significand is exact, and rounds it once to bfloat16. No
+    rounding of d to bfloat16 on the way: that second rounding would move
+    some elements by an ulp (asserted below, so this test can tell them
+    apart). Sizes around the kernels' vector widths and block, for tails."""
+    ours, _, kw = ACTIVATIONS[name]
+    torch.manual_seed(0)
+    for n in (1, 7, 17, 33, 511, 513, 4097):
+        x = (torch.randn(n) * 3).bfloat16().requires_grad_()
+        g = torch.randn(n).bfloat16()
+        with LiveSaved() as saved:
+            y = ours(x, **kw, saved_dtype=torch.float16)
+        (d,) = saved.live()
+        (gx,) = torch.autograd.grad(y, x, g)
+        assert d.dtype == torch.float16 and gx.dtype == torch.bfloat16
+        assert torch.equal(gx, (g.float() * d.float()).bfloat16()), (name, n)
+        if n == 4097 and name not in ("leaky_relu", "hardsigmoid"):  # (f' exact in bfloat16)
+            assert not torch.equal(gx, (g.float() * d.bfloat16().float()).bfloat16())
+
+
 # f' beyond float16's 65504: (function, torch's, parameter, x)
 FLOAT16_WIDE = {
     "celu_negative_alpha": (fad.celu, F.celu, -0.5, [-6.0, -5.8, -1.0, 2.0]),
