@@ -662,9 +662,10 @@ class _Site:
     params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
     in_order: bool = False  # made plain by the CPU schedule or DataParallel's order (see _split_now)
-    # DataParallel's: the mark of the last forward that called it split, and
-    # whether one forward called it more than once (_shared_by_sites)
-    forward_mark: object = None
+    # DataParallel's: the mark of the last backward whose graph called it
+    # split, and whether one backward's graph called it more than once
+    # (_shared_by_sites)
+    backward_mark: object = None
     reused: bool = False
 
 
@@ -1220,9 +1221,10 @@ class OOOHandle(_PassTracking):
         # parameters whose dW every split call returns to autograd under
         # torch.use_deterministic_algorithms (DataParallel's: _shared_by_sites)
         self._summed_by_autograd: frozenset = frozenset()
-        # DataParallel's, new at each forward of the model: a site called
-        # twice under one mark is reused (_called_again); None: not counted
-        self._forward_mark: object = None
+        # DataParallel's, new at the first forward of the model after a
+        # backward (DataParallel._before_forward): a site called twice under
+        # one mark is reused (_called_again); None: not counted
+        self._backward_mark: object = None
         # id(parameter) -> (the parameter, (its version, data pointer, dtype),
         # weakly its cast copy): _cast_param. Not a weak map keyed by the
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
@@ -2297,11 +2299,11 @@ def _make_forward(site: _Site):
             # one statement: a KeyboardInterrupt between two gave the next
             # layer called the same index, and the schedule took the two for one
             site.index, handle._next_index = handle._next_index, handle._next_index + 1
-        mark = handle._forward_mark
+        mark = handle._backward_mark
         if mark is not None:  # (DataParallel's: one compare a call otherwise)
-            if site.forward_mark is mark:
+            if site.backward_mark is mark:
                 handle._called_again(site)
-            site.forward_mark = mark
+            site.backward_mark = mark
         x = kind.prepare(module, x)
         w, b = params
         unseen = first and mark is not None
@@ -3697,7 +3699,12 @@ class DataParallel(_PassTracking, Joinable):
             return
         if self._backward_raised():
             self._abandon_backward()
-        self.handle._forward_mark = object()  # a layer called twice under it is reused
+        if self.handle._backward_mark is None:
+            # the first forward since a backward: a layer called twice before
+            # the next backward is reused, within this forward or across the
+            # model's calls whose outputs one loss joins (siamese nets, two
+            # views: autograd and DDP sum the calls' dW, _called_again)
+            self.handle._backward_mark = object()
         # one C loop over the parameters frozen at construction (about 0.1 us
         # each), here and not at the backward: their hooks must be there before
         # the backward (one not started at the outputs, a no_sync() one),
@@ -3757,6 +3764,7 @@ class DataParallel(_PassTracking, Joinable):
         # a use is a gradient, as DDP counts it, under no_sync() too.
         if self._removed:  # a hook left by a construction stopped inside torch's registration
             return
+        self.handle._backward_mark = None  # spent: the next forward starts another
         if p.grad is not None:
             self._used.add(p)
         if not self._sync_backward:
@@ -3952,6 +3960,7 @@ class DataParallel(_PassTracking, Joinable):
             b.pending = set()
         self._used.clear()
         self._in_backward = False
+        self.handle._backward_mark = None  # (one that raised before any parameter's)
 
     @staticmethod
     def _write_back(b: _Bucket, as_view: bool) -> None:
