@@ -1230,6 +1230,8 @@ class OOOHandle(_PassTracking):
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
+        # device -> [a 1x1 leaf, the node of its cast in torch's autocast cache]
+        self._autocast_probes: dict = {}
         # id(parameter) -> the sum of this backward's split dW (_PassSum), and
         # those summed apart from .grad; id(parameter) -> its dW numbered in
         # the last backward that ended
@@ -1714,27 +1716,47 @@ class OOOHandle(_PassTracking):
             guard.remove()
         self._guards, self._written, self._main_writes = {}, {}, set()
 
-    def _cast_param(self, p, dtype: torch.dtype, tracked: bool = False):
+    def _cast_param(self, p, dtype: torch.dtype, epoch: object = None):
         """Autocast's cast of a parameter, one copy for every split site
         while the parameter is unchanged and the copy saved by a graph, as
         autocast's cache gives autograd (a weight read at N sites saved N
         copies). Kept until the end of the next backward at most: an
         in-place change through .data, which no version counter sees, then
         reaches only forwards of a graph still alive, as autograd's saved
-        tensors miss it too. `tracked`: a copy autograd recorded (made in
-        grad mode: _cast_returned), which serves the others too."""
+        tensors miss it too. `epoch` (_autocast_epoch), for a copy autograd
+        records (made in grad mode: _cast_returned), which serves the others
+        too: the one made in the same life of torch's autocast cache."""
         if p is None or not p.is_leaf:
             return _param_cast(p, dtype)
         key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
         hit = self._casts.get(id(p))
         if hit is not None and hit[0] is p and hit[1] == key:
             copy = hit[2]()
-            if copy is not None and (not tracked or not copy.is_leaf):
+            if copy is not None and (epoch is None or (hit[3] is epoch and not copy.is_leaf)):
                 return copy
         copy = _param_cast(p, dtype)
         if copy is not p:
-            self._casts[id(p)] = (p, key, weakref.ref(copy))
+            self._casts[id(p)] = (p, key, weakref.ref(copy), epoch)
         return copy
+
+    def _autocast_epoch(self, device: torch.device) -> object:
+        """The present life of torch's autocast cache on `device`: a node
+        that changes as the cache drops its copies (the outermost autocast
+        context exits) and at every call with the cache off. Autocast gives
+        a weight read in two such lives two copies, whose nodes sum the
+        sites' dW apart (cast back to float32, then added): the model
+        called in two autocast contexts before one backward (siamese
+        views). One copy across both summed the two calls' dW in bfloat16,
+        DataParallel 2.4e-3 off DDP's. Read as the node of a 1x1 leaf's
+        cached cast (prelu: no cuBLAS, which deterministic algorithms may
+        refuse; 6 us on a CPU), held so that its wrapper stays the same
+        object while the cache keeps it (an identity compare)."""
+        probe = self._autocast_probes.get(device)
+        if probe is None:
+            probe = [torch.zeros(1, device=device, requires_grad=True), None]
+            self._autocast_probes[device] = probe
+        probe[1] = torch.prelu(probe[0], probe[0]).grad_fn.next_functions[0][0]
+        return probe[1]
 
     def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple,
                        unseen: bool = False) -> tuple:
@@ -1751,11 +1773,12 @@ class OOOHandle(_PassTracking):
         off DDP's as far; float16's sum finite where autograd's is inf, so
         a GradScaler stepped where torch's skipped).
         `unseen`: DataParallel's first call of the layer, which may be
-        called again in this forward (_called_again, too late for this
-        call's cast): under deterministic algorithms every parameter of it
-        is cast so, its dW going to autograd this once, so that a second
+        called again before the next backward (_called_again, too late for
+        this call's cast): under deterministic algorithms every parameter of
+        it is cast so, its dW going to autograd this once, so that a second
         call reads the same copy (cast inside the split, the first call's
-        dW met the second's in float32: 9e-5 off DDP's in bfloat16)."""
+        dW met the second's in float32: 9e-5 off DDP's in bfloat16), or in
+        another autocast context its own, as autocast's (_autocast_epoch)."""
         deterministic = torch.are_deterministic_algorithms_enabled()
         summed = self._summed_by_autograd if deterministic else ()
         unseen = unseen and deterministic
@@ -1770,7 +1793,8 @@ class OOOHandle(_PassTracking):
                                 torch.get_autocast_dtype(device.type))
         if cast is None:
             return params
-        return tuple(self._cast_param(p, cast, tracked=True) if r else p
+        epoch = self._autocast_epoch(device)
+        return tuple(self._cast_param(p, cast, epoch) if r else p
                      for p, r in zip(params, to_autograd))
 
     def _called_again(self, site: _Site) -> None:
