@@ -1798,10 +1798,11 @@ class OOOHandle(_PassTracking):
                      for p, r in zip(params, to_autograd))
 
     def _called_again(self, site: _Site) -> None:
-        """DataParallel's forward called `site` a second time: its
-        parameters join those autograd sums under deterministic algorithms,
-        from this call on (_shared_by_sites), as a weight shared by several
-        sites. Held, a reused layer's dW were added to .grad one by one,
+        """DataParallel's model called `site` a second time before a
+        backward (in one forward, or in two whose outputs one loss joins:
+        siamese views): its parameters join those autograd sums under
+        deterministic algorithms, from this call on (_shared_by_sites), as a
+        weight shared by several sites. Held, a reused layer's dW were added to .grad one by one,
         apart from autograd's sum (a Conv1d called twice, k past it: 0.2%
         off DDP's in bfloat16 autocast, 1.3e-7 in float32 under no_sync()).
         Not a checkpoint's recompute inside backward: the same call again."""
@@ -3092,8 +3093,8 @@ def _verify_same_shapes(tensors: list, group) -> None:
 
 def _shared_by_sites(sites: Sequence[_Site]) -> frozenset:
     """The parameters several split calls of a forward share: those of
-    several layers (a tied embedding) and of a layer one forward called
-    more than once (_Site.reused, seen as it runs: OOOHandle._called_again).
+    several layers (a tied embedding) and of a layer called more than once
+    before a backward (_Site.reused, seen as it runs: OOOHandle._called_again).
     Under torch.use_deterministic_algorithms DataParallel has autograd sum
     them, as DDP's: each split call returns its dW to autograd. Deferred, a
     held layer's dW was added to .grad after the others' sum, so under
@@ -3317,7 +3318,8 @@ class DataParallel(_PassTracking, Joinable):
     that got no gradient on any rank keeps its ``.grad`` (None after
     ``zero_grad()``), as under DDP(find_unused_parameters=True). Under
     ``torch.use_deterministic_algorithms(True)`` a parameter several split
-    layers share, or one layer called twice in a forward, is never deferred:
+    layers share, or one layer called twice before a backward (in a forward,
+    or the model called once per view), is never deferred:
     autograd sums its sites as under DDP, so its bits, accumulated under
     ``no_sync()`` too, do not depend on k (a held layer whose weight is also
     used outside split layers still adds its dW to ``.grad`` after the rest).
