@@ -613,10 +613,11 @@ def _dp_deterministic_siamese(rank: int, world: int, steps: int = 2) -> None:
     """_Encoder called 2 and 3 times (views) before one backward, under
     deterministic algorithms, k = 1 and 3, float32 accumulated under
     no_sync() and bfloat16 autocast (one context, or one per view): DDP's
-    gradients, bitwise, at every step."""
+    gradients, bitwise, at every step. Called once per backward, no layer
+    is reused (held, not summed by autograd), under no_sync() too."""
     torch.use_deterministic_algorithms(True)
     cases = [("none", 2), ("one", 1), ("each", 1), ("each", 2)]
-    for k, (amp, accum), views in itertools.product((1, 3), cases, (2, 3)):
+    for k, (amp, accum), views in itertools.product((1, 3), cases, (1, 2, 3)):
         torch.manual_seed(0)
         model = _Encoder()
         ref = DistributedDataParallel(copy.deepcopy(model))
@@ -631,6 +632,7 @@ def _dp_deterministic_siamese(rank: int, world: int, steps: int = 2) -> None:
                     with h.no_sync() if a < accum - 1 else contextlib.nullcontext():
                         _views_loss(_encoded(net, xs, amp)).backward()
             _assert_same(model, ref.module, "grad")
+        assert [s.reused for s in dp.handle.sites] == [views > 1] * 3
         dp.remove()
 
 
