@@ -1688,6 +1688,50 @@ def test_a_tensor_hook_under_autocast_gets_the_low_precision_sum_once(dtype, ord
         assert torch.equal(b, a)
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """torch.use_deterministic_algorithms(on) inside, as it was after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_a_tensor_hook_gets_one_cast_copy_per_autocast_region(deterministic):
+    """The model called in two autocast regions before one backward (two
+    views): torch's cache gives each region its own cast copy of a hooked
+    weight, whose nodes sum their dW apart, in float32 after the cast back.
+    The split's copy for autograd served both regions, the two views' dW
+    summed in bfloat16: the hook's gradient 0.33% of the largest element
+    off torch's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16))
+    model = copy.deepcopy(ref)
+    seen: dict = {}
+    for net in (ref, model):
+        net[0].weight.register_hook(lambda g, net=net: seen.setdefault(net, []).append(g.clone()))
+    handle = ooo.enable(model)
+    gen = torch.Generator().manual_seed(1)
+    with _deterministic(deterministic):
+        for _ in range(3):
+            xs = [torch.randn(8, 16, generator=gen) for _ in range(2)]
+            for net in (ref, model):
+                net.zero_grad()
+                zs = []
+                for x in xs:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        zs.append(net(x))
+                (zs[0].float() * zs[1].float()).mean().backward()
+            assert torch.equal(model[0].weight.grad, ref[0].weight.grad)
+    assert len(seen[model]) == len(seen[ref]) == 3
+    for a, b in zip(seen[ref], seen[model]):
+        assert torch.equal(b, a)
+    handle.remove()
+
+
 @pytest.mark.parametrize("max_extra_memory", [1.0, 0.5])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)

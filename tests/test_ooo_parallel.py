@@ -578,6 +578,78 @@ def test_data_parallel_deterministic_reused_layer_matches_ddp():
     _spawn(_dp_deterministic_reused_layer, 2)
 
 
+class _Encoder(nn.Module):
+    """3 Conv1d + tanh: the encoder of a siamese net, called once per view."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv1d(4, 4, 3, padding=1)
+        self.b = nn.Conv1d(4, 4, 3, padding=1)
+        self.c = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _views_loss(zs: list) -> torch.Tensor:
+    """A contrastive-like loss joining every view's output to the first's."""
+    z = [t.float() for t in zs]
+    return z[0].pow(2).mean() + sum((z[0] * t).mean() for t in z[1:])
+
+
+def _encoded(net: nn.Module, xs: list, amp: str) -> list:
+    """net called once per view: in float32, in one bfloat16 autocast
+    context ("one") or in one context per view ("each", as a loop that
+    enters autocast around each call)."""
+    if amp == "each":
+        outs = []
+        for x in xs:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                outs.append(net(x))
+        return outs
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp == "one"):
+        return [net(x) for x in xs]
+
+
+def _dp_deterministic_siamese(rank: int, world: int, steps: int = 2) -> None:
+    """_Encoder called 2 and 3 times (views) before one backward, under
+    deterministic algorithms, k = 1 and 3, float32 accumulated under
+    no_sync() and bfloat16 autocast (one context, or one per view): DDP's
+    gradients, bitwise, at every step. Called once per backward, no layer
+    is reused (held, not summed by autograd), under no_sync() too."""
+    torch.use_deterministic_algorithms(True)
+    cases = [("none", 2), ("one", 1), ("each", 1), ("each", 2)]
+    for k, (amp, accum), views in itertools.product((1, 3), cases, (1, 2, 3)):
+        torch.manual_seed(0)
+        model = _Encoder()
+        ref = DistributedDataParallel(copy.deepcopy(model))
+        dp = data_parallel(model, k=k)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(steps):
+            for net in (ref, model):
+                net.zero_grad()
+            for a in range(accum):
+                xs = [torch.randn(2, 4, 8, generator=g) for _ in range(views)]
+                for net, h in ((ref, ref), (model, dp)):
+                    with h.no_sync() if a < accum - 1 else contextlib.nullcontext():
+                        _views_loss(_encoded(net, xs, amp)).backward()
+            _assert_same(model, ref.module, "grad")
+        assert [s.reused for s in dp.handle.sites] == [views > 1] * 3
+        dp.remove()
+
+
+def test_data_parallel_deterministic_siamese_matches_ddp():
+    """The model called once per view before one backward (siamese nets,
+    two-view contrastive training): under deterministic algorithms each
+    layer is seen as reused across the model's calls, its dW summed by
+    autograd as DDP's (which takes several forwards before one backward).
+    Seen per forward, the calls' dW were added apart: 2.4e-3 of the largest
+    element off DDP's in bfloat16, 1.7e-7 in float32 under no_sync(); and
+    autocast's copy of a weight was shared across two autocast contexts,
+    where torch makes one per context (2.4e-3 off)."""
+    _spawn(_dp_deterministic_siamese, 2)
+
+
 def test_data_parallel_order():
     _spawn(_dp_order, 2)
 

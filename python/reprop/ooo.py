@@ -662,9 +662,10 @@ class _Site:
     params: list = field(default_factory=list)  # trainable at enable(): DataParallel's plan
     split: bool = True  # False: plain autograd (a schedule that never moves its dW)
     in_order: bool = False  # made plain by the CPU schedule or DataParallel's order (see _split_now)
-    # DataParallel's: the mark of the last forward that called it split, and
-    # whether one forward called it more than once (_shared_by_sites)
-    forward_mark: object = None
+    # DataParallel's: the mark of the last backward whose graph called it
+    # split, and whether one backward's graph called it more than once
+    # (_shared_by_sites)
+    backward_mark: object = None
     reused: bool = False
 
 
@@ -1220,14 +1221,17 @@ class OOOHandle(_PassTracking):
         # parameters whose dW every split call returns to autograd under
         # torch.use_deterministic_algorithms (DataParallel's: _shared_by_sites)
         self._summed_by_autograd: frozenset = frozenset()
-        # DataParallel's, new at each forward of the model: a site called
-        # twice under one mark is reused (_called_again); None: not counted
-        self._forward_mark: object = None
+        # DataParallel's, new at the first forward of the model after a
+        # backward (DataParallel._before_forward): a site called twice under
+        # one mark is reused (_called_again); None: not counted
+        self._backward_mark: object = None
         # id(parameter) -> (the parameter, (its version, data pointer, dtype),
         # weakly its cast copy): _cast_param. Not a weak map keyed by the
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
+        # device -> [a 1x1 leaf, the node of its cast in torch's autocast cache]
+        self._autocast_probes: dict = {}
         # id(parameter) -> the sum of this backward's split dW (_PassSum), and
         # those summed apart from .grad; id(parameter) -> its dW numbered in
         # the last backward that ended
@@ -1712,27 +1716,47 @@ class OOOHandle(_PassTracking):
             guard.remove()
         self._guards, self._written, self._main_writes = {}, {}, set()
 
-    def _cast_param(self, p, dtype: torch.dtype, tracked: bool = False):
+    def _cast_param(self, p, dtype: torch.dtype, epoch: object = None):
         """Autocast's cast of a parameter, one copy for every split site
         while the parameter is unchanged and the copy saved by a graph, as
         autocast's cache gives autograd (a weight read at N sites saved N
         copies). Kept until the end of the next backward at most: an
         in-place change through .data, which no version counter sees, then
         reaches only forwards of a graph still alive, as autograd's saved
-        tensors miss it too. `tracked`: a copy autograd recorded (made in
-        grad mode: _cast_returned), which serves the others too."""
+        tensors miss it too. `epoch` (_autocast_epoch), for a copy autograd
+        records (made in grad mode: _cast_returned), which serves the others
+        too: the one made in the same life of torch's autocast cache."""
         if p is None or not p.is_leaf:
             return _param_cast(p, dtype)
         key = (p._version, p.data_ptr(), dtype)  # (a change through .data bumps no version)
         hit = self._casts.get(id(p))
         if hit is not None and hit[0] is p and hit[1] == key:
             copy = hit[2]()
-            if copy is not None and (not tracked or not copy.is_leaf):
+            if copy is not None and (epoch is None or (hit[3] is epoch and not copy.is_leaf)):
                 return copy
         copy = _param_cast(p, dtype)
         if copy is not p:
-            self._casts[id(p)] = (p, key, weakref.ref(copy))
+            self._casts[id(p)] = (p, key, weakref.ref(copy), epoch)
         return copy
+
+    def _autocast_epoch(self, device: torch.device) -> object:
+        """The present life of torch's autocast cache on `device`: a node
+        that changes as the cache drops its copies (the outermost autocast
+        context exits) and at every call with the cache off. Autocast gives
+        a weight read in two such lives two copies, whose nodes sum the
+        sites' dW apart (cast back to float32, then added): the model
+        called in two autocast contexts before one backward (siamese
+        views). One copy across both summed the two calls' dW in bfloat16,
+        DataParallel 2.4e-3 off DDP's. Read as the node of a 1x1 leaf's
+        cached cast (prelu: no cuBLAS, which deterministic algorithms may
+        refuse; 6 us on a CPU), held so that its wrapper stays the same
+        object while the cache keeps it (an identity compare)."""
+        probe = self._autocast_probes.get(device)
+        if probe is None:
+            probe = [torch.zeros(1, device=device, requires_grad=True), None]
+            self._autocast_probes[device] = probe
+        probe[1] = torch.prelu(probe[0], probe[0]).grad_fn.next_functions[0][0]
+        return probe[1]
 
     def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple,
                        unseen: bool = False) -> tuple:
@@ -1749,11 +1773,12 @@ class OOOHandle(_PassTracking):
         off DDP's as far; float16's sum finite where autograd's is inf, so
         a GradScaler stepped where torch's skipped).
         `unseen`: DataParallel's first call of the layer, which may be
-        called again in this forward (_called_again, too late for this
-        call's cast): under deterministic algorithms every parameter of it
-        is cast so, its dW going to autograd this once, so that a second
+        called again before the next backward (_called_again, too late for
+        this call's cast): under deterministic algorithms every parameter of
+        it is cast so, its dW going to autograd this once, so that a second
         call reads the same copy (cast inside the split, the first call's
-        dW met the second's in float32: 9e-5 off DDP's in bfloat16)."""
+        dW met the second's in float32: 9e-5 off DDP's in bfloat16), or in
+        another autocast context its own, as autocast's (_autocast_epoch)."""
         deterministic = torch.are_deterministic_algorithms_enabled()
         summed = self._summed_by_autograd if deterministic else ()
         unseen = unseen and deterministic
@@ -1768,14 +1793,16 @@ class OOOHandle(_PassTracking):
                                 torch.get_autocast_dtype(device.type))
         if cast is None:
             return params
-        return tuple(self._cast_param(p, cast, tracked=True) if r else p
+        epoch = self._autocast_epoch(device)
+        return tuple(self._cast_param(p, cast, epoch) if r else p
                      for p, r in zip(params, to_autograd))
 
     def _called_again(self, site: _Site) -> None:
-        """DataParallel's forward called `site` a second time: its
-        parameters join those autograd sums under deterministic algorithms,
-        from this call on (_shared_by_sites), as a weight shared by several
-        sites. Held, a reused layer's dW were added to .grad one by one,
+        """DataParallel's model called `site` a second time before a
+        backward (in one forward, or in two whose outputs one loss joins:
+        siamese views): its parameters join those autograd sums under
+        deterministic algorithms, from this call on (_shared_by_sites), as a
+        weight shared by several sites. Held, a reused layer's dW were added to .grad one by one,
         apart from autograd's sum (a Conv1d called twice, k past it: 0.2%
         off DDP's in bfloat16 autocast, 1.3e-7 in float32 under no_sync()).
         Not a checkpoint's recompute inside backward: the same call again."""
@@ -2297,11 +2324,11 @@ def _make_forward(site: _Site):
             # one statement: a KeyboardInterrupt between two gave the next
             # layer called the same index, and the schedule took the two for one
             site.index, handle._next_index = handle._next_index, handle._next_index + 1
-        mark = handle._forward_mark
+        mark = handle._backward_mark
         if mark is not None:  # (DataParallel's: one compare a call otherwise)
-            if site.forward_mark is mark:
+            if site.backward_mark is mark:
                 handle._called_again(site)
-            site.forward_mark = mark
+            site.backward_mark = mark
         x = kind.prepare(module, x)
         w, b = params
         unseen = first and mark is not None
@@ -3066,8 +3093,8 @@ def _verify_same_shapes(tensors: list, group) -> None:
 
 def _shared_by_sites(sites: Sequence[_Site]) -> frozenset:
     """The parameters several split calls of a forward share: those of
-    several layers (a tied embedding) and of a layer one forward called
-    more than once (_Site.reused, seen as it runs: OOOHandle._called_again).
+    several layers (a tied embedding) and of a layer called more than once
+    before a backward (_Site.reused, seen as it runs: OOOHandle._called_again).
     Under torch.use_deterministic_algorithms DataParallel has autograd sum
     them, as DDP's: each split call returns its dW to autograd. Deferred, a
     held layer's dW was added to .grad after the others' sum, so under
@@ -3291,7 +3318,8 @@ class DataParallel(_PassTracking, Joinable):
     that got no gradient on any rank keeps its ``.grad`` (None after
     ``zero_grad()``), as under DDP(find_unused_parameters=True). Under
     ``torch.use_deterministic_algorithms(True)`` a parameter several split
-    layers share, or one layer called twice in a forward, is never deferred:
+    layers share, or one layer called twice before a backward (in a forward,
+    or the model called once per view), is never deferred:
     autograd sums its sites as under DDP, so its bits, accumulated under
     ``no_sync()`` too, do not depend on k (a held layer whose weight is also
     used outside split layers still adds its dW to ``.grad`` after the rest).
@@ -3697,7 +3725,12 @@ class DataParallel(_PassTracking, Joinable):
             return
         if self._backward_raised():
             self._abandon_backward()
-        self.handle._forward_mark = object()  # a layer called twice under it is reused
+        if self.handle._backward_mark is None:
+            # the first forward since a backward: a layer called twice before
+            # the next backward is reused, within this forward or across the
+            # model's calls whose outputs one loss joins (siamese nets, two
+            # views: autograd and DDP sum the calls' dW, _called_again)
+            self.handle._backward_mark = object()
         # one C loop over the parameters frozen at construction (about 0.1 us
         # each), here and not at the backward: their hooks must be there before
         # the backward (one not started at the outputs, a no_sync() one),
@@ -3757,6 +3790,7 @@ class DataParallel(_PassTracking, Joinable):
         # a use is a gradient, as DDP counts it, under no_sync() too.
         if self._removed:  # a hook left by a construction stopped inside torch's registration
             return
+        self.handle._backward_mark = None  # spent: the next forward starts another
         if p.grad is not None:
             self._used.add(p)
         if not self._sync_backward:
@@ -3952,6 +3986,7 @@ class DataParallel(_PassTracking, Joinable):
             b.pending = set()
         self._used.clear()
         self._in_backward = False
+        self.handle._backward_mark = None  # (one that raised before any parameter's)
 
     @staticmethod
     def _write_back(b: _Bucket, as_view: bool) -> None:
