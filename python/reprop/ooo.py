@@ -1343,7 +1343,7 @@ class OOOHandle(_PassTracking):
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
         self._next_index = 0
-        self._holding: tuple = ()  # (tasks, keep) of each hold() block, innermost last
+        self._holding: tuple = ()  # (tasks, keep, step) of each hold() block, innermost last
         # held tasks of backward passes that ended, not run yet, which their
         # parameters' hooks wait for (weak: a caller that drops them drops
         # them); those of the running pass join at its end, not if it raises
@@ -1400,7 +1400,7 @@ class OOOHandle(_PassTracking):
     # -- public ----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def hold(self, keep: Callable[[nn.Module], bool] | None = None):
+    def hold(self, keep: Callable[[nn.Module], bool] | None = None, *, _step: object = None):
         """Within the block, deferred tasks of modules `keep` accepts (all by
         default) are collected into the yielded list instead of being run;
         run them later with ``run(tasks)``. Those modules' forwards inside
@@ -1410,11 +1410,14 @@ class OOOHandle(_PassTracking):
         post-accumulate-grad hooks of a held task's parameters wait for it:
         ``run()`` adds each backward's held dW of a parameter (summed as
         autograd sums them) and fires its hooks after each, as autograd
-        fires them after each backward (_HeldSum, _HookState). A held task never run keeps them waiting
-        until ``remove()``; one dropped unrun (no reference left) gives them
-        back, unfired, when the next backward starts (its gradient is lost).
-        In nested blocks a task goes to the innermost one whose `keep`
-        accepts it."""
+        fires them after each backward (_HeldSum, _HookState). A held task
+        never run keeps them waiting until ``remove()``; one dropped unrun
+        (no reference left) gives them back, unfired, when the next backward
+        starts (its gradient is lost). In nested blocks a task goes to the
+        innermost one whose `keep` accepts it. `_step` (Pipeline's, a
+        step's key): the block's backward calls, a layer's each, are one
+        backward of the model, whose hooks fire once for them all (in
+        place of once per backward graph: _wait_key)."""
         if keep is not None and (not callable(keep) or isinstance(keep, (type, nn.Module))):
             raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
@@ -1425,7 +1428,7 @@ class OOOHandle(_PassTracking):
         # ended without an exception reaches, left the block entered for good,
         # every later backward's dW held in a list no one runs
         try:
-            self._holding = (*saved, (held, keep))
+            self._holding = (*saved, (held, keep, _step))
             yield held; self._holding = saved  # noqa: E702 (see above)
         finally:
             self._holding = saved
@@ -1968,7 +1971,7 @@ class OOOHandle(_PassTracking):
         """Inside hold(): the list that collects the dW tasks of `module`."""
         if not self._holding:  # (every call of every layer asks: no iterator then)
             return None
-        for held, keep in reversed(self._holding):
+        for held, keep, _ in reversed(self._holding):
             if keep is None or keep(module):
                 return held
         return None
@@ -2033,10 +2036,17 @@ class OOOHandle(_PassTracking):
             total.sites += 1
         task.sums = tuple(numbered)
 
+    def _wait_key(self) -> object:
+        """What a parameter's hooks wait for once: the running backward
+        graph (task id), or the step of the innermost hold() block given
+        one (Pipeline's)."""
+        step = self._holding[-1][2] if self._holding else None
+        return torch._C._current_graph_task_id() if step is None else step
+
     def _number_held(self, task: _Task) -> None:
         """Numbers a held task's dW of each parameter in this backward
         graph's held sum of it (_HeldSum), begun at the parameter's first."""
-        graph = torch._C._current_graph_task_id()
+        graph = self._wait_key()
         numbered = []
         for p, want in zip(task.params, task.mask):
             if not want:
@@ -2091,7 +2101,7 @@ class OOOHandle(_PassTracking):
                 # collector cannot see it (it kept the handle and model alive)
                 state.hold_back(weak_hook(self._accumulated))
             if graph is None:  # (asked only where hooks wait)
-                graph = torch._C._current_graph_task_id()
+                graph = self._wait_key()
             state.wait(graph).outstanding += 1
         task.graph = graph
 
@@ -2108,7 +2118,7 @@ class OOOHandle(_PassTracking):
             return
         if self._in_backward and not self._backward_raised():
             self._check_same_backward()
-            state.reach(torch._C._current_graph_task_id())
+            state.reach(self._wait_key())
             self._fire_ready(state)
             return
         self._restore_post_hooks_not_held()
@@ -2116,7 +2126,7 @@ class OOOHandle(_PassTracking):
             for hook in state.give_back():
                 hook(param)
         else:  # this backward's call comes after those that wait for held dW
-            state.reach(torch._C._current_graph_task_id())
+            state.reach(self._wait_key())
 
     def _fire_ready(self, state: "_HookState") -> None:
         """Fires the parameter's own hooks once for each backward graph, in
@@ -4516,6 +4526,7 @@ class _Step:
                                                     # state, for the headers
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
     chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
+    hooks: object = field(default_factory=object)   # what the step's hook waits share (hold())
 
 
 class Pipeline:
@@ -4892,7 +4903,7 @@ class Pipeline:
         grad = None if last else self._grad_of_output(st, l, m)
         # no gradient: no later layer used y; y needs none: the one received is dropped
         if y.requires_grad and (last or grad is not None):
-            with self._hold() as tasks:
+            with self._hold(st) as tasks:
                 torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
@@ -4903,9 +4914,11 @@ class Pipeline:
         if x.requires_grad:  # x.grad None: the layer ignored x, or got no gradient
             st.in_grads[(l, m)] = x.grad
 
-    def _hold(self):
-        """Collects the dW tasks of a backward (none without split layers)."""
-        return self.handle.hold() if self.handle is not None else contextlib.nullcontext([])
+    def _hold(self, st: _Step):
+        """Collects the dW tasks of a backward (none without split layers):
+        the step's backward calls, a layer's each, are one backward of the
+        model, after which a parameter's hooks fire once, as one process's."""
+        return self.handle.hold(_step=st.hooks) if self.handle is not None else contextlib.nullcontext([])
 
     def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor | None:
         """The gradient of layer l's output for micro-batch m, None if none
