@@ -670,6 +670,45 @@ def test_hold_around_several_backward_passes_fires_the_hooks_after_each(make, de
     handle.remove()
 
 
+@pytest.mark.parametrize("in_turn", [False, True])
+def test_hold_around_accumulation_with_a_backward_fused_optimizer(in_turn):
+    """reprop.fuse(mode="backward", accumulation_steps=2) over two
+    micro-batches in one hold() block, run() once or a backward's tasks at
+    a time: the hooks fire after each micro-batch's gradient, the first
+    seeing the first micro-batch's alone, and the update is eager's
+    (bitwise), as where nothing is held (one call, the sum, before)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(ref)
+    opts = {net: reprop.optim.SGD(net.parameters(), lr=0.1) for net in (ref, model)}
+    fused = [reprop.fuse(net, opts[net], mode="backward", accumulation_steps=2)
+             for net in (ref, model)]
+    handle = ooo.enable(model, speedup=None)
+    seen = _hook_calls((ref, model))
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+    with handle.hold() as tasks:
+        for x in xs:
+            model(x).pow(2).sum().backward()
+    if in_turn:  # (each backward's tasks, one per Linear)
+        handle.run(tasks[:2])
+        handle.run(tasks[2:])
+    else:
+        handle.run(tasks)
+    for net in (ref, model):
+        opts[net].step()
+        opts[net].zero_grad()
+    for name, p in ref.named_parameters():
+        calls, expected = seen[(model, name)], seen[(ref, name)]
+        assert len(calls) == len(expected) == 2, name
+        assert all(torch.equal(a, b) for a, b in zip(calls, expected)), name
+        assert torch.equal(dict(model.named_parameters())[name], p), name
+    handle.remove()
+    for f in fused:
+        f.remove()
+
+
 class _InAndOutOfACheckpoint(nn.Module):
     """`lin` read inside a reentrant checkpoint and outside it, in the
     order `pattern` gives: i inside, o outside, x another Linear."""
