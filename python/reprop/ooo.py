@@ -1465,12 +1465,8 @@ class OOOHandle(_PassTracking):
         first."""
         touched: list = []
         for t in tasks:
-            t.run()
-            self._unrun_held.discard(t)
-            held = [s[0] for s in t.sums if s is not None and _is_held_sum(s[0])]
-            if not held:  # (no task of a hold() block: every dW is in .grad)
-                self._after_deferred_run(t)
-            for total in held:
+            self._run_each((t,))  # (a held task's dW goes to its held sums)
+            for total in (s[0] for s in t.sums if s is not None and _is_held_sum(s[0])):
                 if total.complete and self._first_open(total):
                     self._close_held(total)
                 elif all(total is not u for u in touched):
@@ -1496,8 +1492,8 @@ class OOOHandle(_PassTracking):
             self._fire_ready(state)
 
     def _run_each(self, tasks) -> None:
-        """Runs dW tasks now, inline in backward: those no hold() keeps (a
-        graph made before remove() too)."""
+        """Runs dW tasks now: held ones from run(), and inline in backward
+        those no hold() keeps (a graph made before remove() too)."""
         for t in tasks:
             t.run()
             self._unrun_held.discard(t)
@@ -1982,6 +1978,7 @@ class OOOHandle(_PassTracking):
             task.event = None
             self._number_held(task)
             self._defer_post_hooks(task)
+            task.graph = None  # (its hooks' wait counts down as its held sums close)
             held.append(task)
             self._held_in_pass.append(task)
             return
@@ -2145,9 +2142,9 @@ class OOOHandle(_PassTracking):
         for t in self._unrun_held:
             if t.has_run:  # its run() cut short (a KeyboardInterrupt) before it left the set
                 continue
-            for p in t.targets:
-                left = waiting.setdefault(id(p), {})
-                left[t.graph] = left.get(t.graph, 0) + 1
+            for total in (s[0] for s in t.sums if s is not None):
+                left = waiting.setdefault(id(total.param), {})
+                left[total.graph] = left.get(total.graph, 0) + 1
         for state in list(self._hooked.values()):
             state.keep_only(waiting.get(id(state.param), {}))
             if not state.waits:
