@@ -605,6 +605,161 @@ def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     handle.remove()
 
 
+class _TiedTwice(nn.Module):
+    """A Linear read at two sites, then another: a shared weight in a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+
+def _hook_calls(nets) -> dict:
+    """(net, name) -> the .grad each post-accumulate-grad hook call saw."""
+    seen: dict = {}
+    for net in nets:
+        for name, p in net.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, key=(net, name): seen.setdefault(key, []).append(p.grad.clone()))
+    return seen
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("make", [lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)),
+                                  _TiedTwice], ids=["two Linear", "shared weight"])
+@pytest.mark.parametrize("passes", ["accumulation", "retain_graph"])
+def test_hold_around_several_backward_passes_fires_the_hooks_after_each(make, deterministic,
+                                                                          passes):
+    """A hold() block around two backward passes: run() adds each pass's
+    held dW (a shared weight's two sites summed as autograd sums them) and
+    fires each parameter's hooks after each pass's, as autograd fires them
+    after each backward, bitwise the .grad autograd's calls see (they fired
+    once, after the last: 4 calls for 8 for two Linear, seeing both passes'
+    sum; the second pass's sites were added one by one onto the first's)."""
+    torch.manual_seed(0)
+    ref = make()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    seen = _hook_calls((ref, model))
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    old = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        for net in (ref, model):
+            with handle.hold() if net is model else contextlib.nullcontext([]) as tasks:
+                if passes == "accumulation":
+                    for x in xs:
+                        net(x).pow(2).sum().backward()
+                else:
+                    loss = net(xs[0]).pow(2).sum()
+                    loss.backward(retain_graph=True)
+                    (2 * loss).backward()
+            if net is model:
+                assert not any(key[0] is model for key in seen)  # (they wait for the held dW)
+                handle.run(tasks)
+    finally:
+        torch.use_deterministic_algorithms(old)
+    for name, p in ref.named_parameters():
+        calls, expected = seen[(model, name)], seen[(ref, name)]
+        assert len(calls) == len(expected) == 2, name
+        for i, (a, b) in enumerate(zip(calls, expected)):
+            assert torch.equal(a, b), f"{name}, call {i}"
+        assert torch.equal(dict(model.named_parameters())[name].grad, p.grad), name
+    handle.remove()
+
+
+@pytest.mark.parametrize("in_turn", [False, True])
+def test_hold_around_accumulation_with_a_backward_fused_optimizer(in_turn):
+    """reprop.fuse(mode="backward", accumulation_steps=2) over two
+    micro-batches in one hold() block, run() once or a backward's tasks at
+    a time: the hooks fire after each micro-batch's gradient, the first
+    seeing the first micro-batch's alone, and the update is eager's
+    (bitwise), as where nothing is held (one call, the sum, before)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(ref)
+    opts = {net: reprop.optim.SGD(net.parameters(), lr=0.1) for net in (ref, model)}
+    fused = [reprop.fuse(net, opts[net], mode="backward", accumulation_steps=2)
+             for net in (ref, model)]
+    handle = ooo.enable(model, speedup=None)
+    seen = _hook_calls((ref, model))
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for x in xs:
+        ref(x).pow(2).sum().backward()
+    with handle.hold() as tasks:
+        for x in xs:
+            model(x).pow(2).sum().backward()
+    if in_turn:  # (each backward's tasks, one per Linear)
+        handle.run(tasks[:2])
+        handle.run(tasks[2:])
+    else:
+        handle.run(tasks)
+    for net in (ref, model):
+        opts[net].step()
+        opts[net].zero_grad()
+    for name, p in ref.named_parameters():
+        calls, expected = seen[(model, name)], seen[(ref, name)]
+        assert len(calls) == len(expected) == 2, name
+        assert all(torch.equal(a, b) for a, b in zip(calls, expected)), name
+        assert torch.equal(dict(model.named_parameters())[name], p), name
+    handle.remove()
+    for f in fused:
+        f.remove()
+
+
+class _InAndOutOfACheckpoint(nn.Module):
+    """`lin` read inside a reentrant checkpoint and outside it, in the
+    order `pattern` gives: i inside, o outside, x another Linear."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = pattern
+        self.lin, self.other = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def _inside(self, x):
+        return torch.tanh(self.lin(x))
+
+    def forward(self, x):
+        for c in self.pattern:
+            if c == "i":
+                x = checkpoint(self._inside, x, use_reentrant=True)
+            else:
+                x = torch.tanh((self.lin if c == "o" else self.other)(x))
+        return x
+
+
+@pytest.mark.parametrize("pattern", ["oi", "io", "xoix"])
+def test_a_weight_read_inside_and_outside_a_reentrant_checkpoint_fires_its_hooks_per_graph(
+        pattern):
+    """Autograd fires a weight's post-accumulate-grad hooks once per backward
+    graph that reaches it: the reentrant checkpoint's nested backward, then
+    the outer one. With the schedule moving the dW past both graphs' sums
+    the hooks waited for all of them: one call where autograd makes two
+    ("xoix"), or two both seeing the whole gradient where autograd's first
+    sees the nested graph's ("oi", "io"); now bitwise autograd's calls."""
+    torch.manual_seed(0)
+    ref = _InAndOutOfACheckpoint(pattern)
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, profile_iters=2, regions=4, max_extra_memory=float("inf"),
+                        speedup=lambda r, i: 10.0 if r < i else 1.0)
+    seen = _hook_calls((ref, model))
+    for step in range(7):
+        seen.clear()
+        x = torch.randn(3, 4, requires_grad=True)
+        for net in (ref, model):
+            net.zero_grad()
+            net(x).pow(2).sum().backward()
+        for name in ("lin.weight", "lin.bias"):
+            calls, expected = seen[(model, name)], seen[(ref, name)]
+            assert len(calls) == len(expected) == 2, f"step {step} {name}"
+            for i, (a, b) in enumerate(zip(calls, expected)):
+                assert torch.equal(a, b), f"step {step} {name}, call {i}"
+    assert handle.schedule is not None
+    handle.remove()
+
+
 def _drop_enabled_after(case: str) -> "weakref.ref":
     """A model with post-accumulate-grad hooks, enabled, left after a backward
     that raised or held tasks dropped unrun; everything dropped but a weak

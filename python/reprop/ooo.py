@@ -719,8 +719,8 @@ class _PassSum:
       goes to .grad: from None the sum is made there, as AccumulateGrad
       takes a buffer into a .grad that is None; onto g, one dW is what
       autograd adds.
-    Held tasks (hold()) are not numbered: they run in their caller's order,
-    and add to .grad in float32. One is made per parameter and backward:
+    Held tasks (hold()) are numbered in a sum of their own (_HeldSum),
+    which their caller's run() closes. One is made per parameter and backward:
     slots and no dataclass, for the common path's cost."""
 
     __slots__ = ("param", "apart", "made", "added", "sites", "early", "total", "in_grad",
@@ -825,7 +825,7 @@ class _PassSum:
         return True
 
 
-_NOT_NUMBERED = (None, None)  # _Task.sums of a held task
+_NOT_NUMBERED = (None, None)  # _Task.sums before numbering (none: each dW to .grad)
 
 _STAND_IN = object()  # key of the internal post-accumulate-grad hook
 
@@ -834,18 +834,97 @@ def _held_back(p: torch.Tensor) -> None:
     """What AccumulateGrad finds in place of a hook that waits for a deferred dW."""
 
 
+_HELD_SUMS_MADE = itertools.count()
+
+
+def _is_held_sum(total) -> bool:
+    """By name after isinstance, as run() takes tasks held before a reload."""
+    return isinstance(total, _HeldSum) or is_instance_by_name(total, _HeldSum)
+
+
+class _HeldSum:
+    """One backward graph's held dW of a parameter (hold()), numbered in
+    backward order as held, summed as autograd's engine sums them and added
+    to .grad once: g + (d1 + d2), where one by one (g + d1) + d2 was 1e-7
+    off in float32. run() closes a sum once its backward has ended and all
+    its dW ran, if no earlier backward's held sum of the parameter is open
+    (autograd adds each backward's in turn), and at its own end what it ran
+    of the others, earliest backward first: a caller's subset of the tasks
+    is in .grad when run() returns, as before. A backward's dW of a
+    parameter are held here, a tensor of the weight's size each, until the
+    last of them ran (a weight read at one site: none)."""
+
+    __slots__ = ("param", "graph", "order", "made", "closed", "got", "ended", "__weakref__")
+
+    def __init__(self, param: torch.Tensor, graph: int):
+        self.param, self.graph = param, graph
+        self.order = next(_HELD_SUMS_MADE)  # (sums close earliest first)
+        self.made = 0       # dW held (numbered) in the backward
+        self.closed = 0     # of those, the ones added to .grad
+        self.got: dict = {}  # number -> a dW that ran, not in .grad yet
+        self.ended = False  # the backward ended: no more dW come
+
+    def add(self, d: torch.Tensor, n: int) -> None:
+        """The dW numbered `n` ran (_Task.run)."""
+        self.got[n] = d
+
+    @property
+    def complete(self) -> bool:
+        return self.ended and self.closed + len(self.got) == self.made
+
+    @property
+    def done(self) -> bool:
+        return self.ended and self.closed == self.made
+
+    def close(self) -> int:
+        """Adds the dW that ran, summed in backward order, to .grad;
+        returns how many. (Each dW is the task's own: the sum is made in
+        the first, in its dtype, the low one under autocast, as autograd's
+        buffer of autocast's one cast copy.)"""
+        got, self.got = self.got, {}
+        total = None
+        for n in sorted(got):
+            d = got[n]
+            if total is None:
+                total = d
+            elif total.dtype == d.dtype:
+                total.add_(d)
+            else:  # sites inside and outside autocast: in the parameter's dtype
+                total = total.to(self.param.dtype).add_(d)
+        self.closed += len(got)
+        if total is not None:
+            _accumulate(self.param, total)
+        return len(got)
+
+
+class _Wait:
+    """What a parameter's hooks wait for in one backward graph (autograd
+    fires them once per graph, after its sum: each backward pass of a
+    hold() block, a reentrant checkpoint's nested backward): its deferred dW
+    not in .grad yet, and autograd reaching the parameter there."""
+
+    __slots__ = ("graph", "outstanding", "reached")
+
+    def __init__(self, graph: int):
+        self.graph = graph
+        self.outstanding = 0
+        self.reached = False
+
+
 @dataclass(eq=False)
 class _HookState:
     """A parameter's own post-accumulate-grad hooks, held back until its
-    deferred dW tasks have run and autograd is done with it. They stay in
-    the parameter's dict, each under its key with its function set aside:
-    a handle's remove() meanwhile removes it for good, and one registered
+    deferred dW tasks have run and autograd is done with it, once per
+    backward graph that reached it, in the order autograd reached it (a
+    graph done before an earlier one waits for it). They stay in the
+    parameter's dict, each under its key with its function set aside: a
+    handle's remove() meanwhile removes it for good, and one registered
     meanwhile comes after them, as it would."""
 
     param: torch.Tensor
     hooks: dict = field(default_factory=dict)  # key -> the function set aside
-    outstanding: int = 1
-    autograd_done: bool = False
+    waits: dict = field(default_factory=dict)  # graph task id -> _Wait
+    reached: list = field(default_factory=list)  # the reached _Waits, in the order reached
 
     def hold_back(self, stand_in: Callable) -> None:
         """Sets the functions aside; `stand_in` runs when autograd is done."""
@@ -854,6 +933,58 @@ class _HookState:
             self.hooks[key] = hook
             hooks[key] = _held_back
         hooks[_STAND_IN] = stand_in
+
+    def wait(self, graph: int) -> _Wait:
+        w = self.waits.get(graph)
+        if w is None:
+            w = self.waits[graph] = _Wait(graph)
+        return w
+
+    def reach(self, graph: int) -> None:
+        """Autograd is done with the parameter in `graph`."""
+        w = self.wait(graph)
+        if not w.reached:
+            w.reached = True
+            self.reached.append(w)
+
+    def next_ready(self) -> bool:
+        """Drops the first graph reached if nothing is left to wait for in
+        it: whether its hooks fire now."""
+        if not self.reached or self.reached[0].outstanding:
+            return False
+        del self.waits[self.reached.pop(0).graph]
+        return True
+
+    def end_backward(self) -> None:
+        """The backward ended: a graph that never reached the parameter
+        waits for its held dW alone (run() fires the hooks after them), or,
+        with none, for nothing (the hooks do not fire for it)."""
+        for w in list(self.waits.values()):
+            if not w.reached:
+                if w.outstanding:
+                    w.reached = True
+                    self.reached.append(w)
+                else:
+                    del self.waits[w.graph]
+
+    def keep_only(self, left: dict) -> None:
+        """Keeps the graphs whose held dW not run yet are in `left` (graph
+        -> how many), waiting for those, and those done that wait for them:
+        the others' hooks never fire (their tasks were dropped unrun)."""
+        for w in list(self.waits.values()):
+            if left.get(w.graph):
+                w.outstanding = left[w.graph]
+            elif not (w.reached and w.outstanding == 0):
+                del self.waits[w.graph]
+        self.reached = [w for w in self.reached if self.waits.get(w.graph) is w]
+        self.end_backward()
+        while self.reached and not self.reached[0].outstanding:
+            del self.waits[self.reached.pop(0).graph]
+
+    def still_held(self) -> list:
+        """The functions set aside whose keys are still there, in order."""
+        hooks = self.param._post_accumulate_grad_hooks
+        return [hook for key, hook in self.hooks.items() if key in hooks]
 
     def give_back(self) -> list:
         """Puts the functions back where their keys still are; returns those, in order."""
@@ -872,7 +1003,7 @@ class _Task:
     or the gradients already made beside dO (``made``), to accumulate."""
 
     __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
-                 "hooks_wait", "sums", "__weakref__")
+                 "graph", "sums", "__weakref__")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
                  params: tuple, mask: list):
@@ -881,8 +1012,10 @@ class _Task:
         self.targets = [p for p, m in zip(params, mask) if m]  # whose .grad it adds to
         self.event = None
         self.done: tuple | None = None
-        self.hooks_wait = False  # its targets' post-accumulate-grad hooks wait for it
-        # per parameter, (its _PassSum, this dW's number there) or None: held tasks
+        # the backward graph (task id) in which its targets' post-accumulate-grad
+        # hooks wait for it, None if they do not
+        self.graph: int | None = None
+        # per parameter, (its _PassSum, or held its _HeldSum, this dW's number there)
         self.sums: tuple = _NOT_NUMBERED
 
     def made(self, grads: tuple) -> None:
@@ -1211,12 +1344,17 @@ class OOOHandle(_PassTracking):
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
         self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
         self._next_index = 0
-        self._holding: tuple = ()  # (tasks, keep) of each hold() block, innermost last
+        self._holding: tuple = ()  # (tasks, keep, step) of each hold() block, innermost last
         # held tasks of backward passes that ended, not run yet, which their
         # parameters' hooks wait for (weak: a caller that drops them drops
         # them); those of the running pass join at its end, not if it raises
         self._unrun_held: "weakref.WeakSet[_Task]" = weakref.WeakSet()
         self._held_in_pass: list = []
+        # this backward's held sums, (id(parameter), graph task id) -> _HeldSum;
+        # id(parameter) -> weak references to its held sums not all in .grad
+        # yet, earliest backward first (run() closes them in that order)
+        self._held_sums: dict = {}
+        self._open_held: dict = {}
         self._sub_streams: dict = {}
         # parameters whose dW every split call returns to autograd under
         # torch.use_deterministic_algorithms (DataParallel's: _shared_by_sites)
@@ -1266,7 +1404,7 @@ class OOOHandle(_PassTracking):
     # -- public ----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def hold(self, keep: Callable[[nn.Module], bool] | None = None):
+    def hold(self, keep: Callable[[nn.Module], bool] | None = None, *, _step: object = None):
         """Within the block, deferred tasks of modules `keep` accepts (all by
         default) are collected into the yielded list instead of being run;
         run them later with ``run(tasks)``. Those modules' forwards inside
@@ -1274,12 +1412,16 @@ class OOOHandle(_PassTracking):
         The building block of the data- and pipeline-parallel schedules,
         which order dW explicitly. As for any deferred dW, the
         post-accumulate-grad hooks of a held task's parameters wait for it:
-        ``run()`` fires them once autograd is done with the parameter and its
-        last held task has run. A held task never run keeps them waiting
-        until ``remove()``; one dropped unrun (no reference left) gives them
-        back, unfired, when the next backward starts (its gradient is lost).
-        In nested blocks a task goes to the innermost one whose `keep`
-        accepts it."""
+        ``run()`` adds each backward's held dW of a parameter (summed as
+        autograd sums them) and fires its hooks after each, as autograd
+        fires them after each backward (_HeldSum, _HookState). A held task
+        never run keeps them waiting until ``remove()``; one dropped unrun
+        (no reference left) gives them back, unfired, when the next backward
+        starts (its gradient is lost). In nested blocks a task goes to the
+        innermost one whose `keep` accepts it. `_step` (Pipeline's, a
+        step's key): the block's backward calls, a layer's each, are one
+        backward of the model, whose hooks fire once for them all (in
+        place of once per backward graph: _wait_key)."""
         if keep is not None and (not callable(keep) or isinstance(keep, (type, nn.Module))):
             raise TypeError(f"keep: expected None or a function module -> bool, got {keep!r}")
         held: list = []
@@ -1290,7 +1432,7 @@ class OOOHandle(_PassTracking):
         # ended without an exception reaches, left the block entered for good,
         # every later backward's dW held in a list no one runs
         try:
-            self._holding = (*saved, (held, keep))
+            self._holding = (*saved, (held, keep, _step))
             yield held; self._holding = saved  # noqa: E702 (see above)
         finally:
             self._holding = saved
@@ -1317,7 +1459,41 @@ class OOOHandle(_PassTracking):
         # saved input that requires grad must not record a graph into .grad;
         # the tasks no hold() keeps run in backward, where grad mode is off,
         # through _run_each alone)
-        without_grad(self._run_each, tasks)
+        without_grad(self._run_held, tasks)
+
+    def _run_held(self, tasks: list) -> None:
+        """run()'s: each task's dW goes to its backward's held sum of each
+        parameter (_HeldSum), which goes to .grad, its hooks firing after
+        it, once complete and the parameter's first open one; what the
+        tasks ran of the others goes to .grad at the end, earliest backward
+        first."""
+        touched: list = []
+        for t in tasks:
+            self._run_each((t,))  # (a held task's dW goes to its held sums)
+            for total in (s[0] for s in t.sums if s is not None and _is_held_sum(s[0])):
+                if total.complete and self._first_open(total):
+                    self._close_held(total)
+                elif all(total is not u for u in touched):
+                    touched.append(total)
+        for total in sorted(touched, key=operator.attrgetter("order")):
+            if total.got:
+                self._close_held(total)
+
+    def _first_open(self, total: _HeldSum) -> bool:
+        """Whether `total` is the first held sum of its parameter not all in .grad."""
+        refs = self._open_held.get(id(total.param), ())
+        first = next((r() for r in refs if r() is not None and not r().done), None)
+        return first is None or first is total
+
+    def _close_held(self, total: _HeldSum) -> None:
+        """Adds what ran of a held sum to .grad, then fires the hooks that
+        waited for it (in its backward graph) if nothing else is left."""
+        n = total.close()
+        state = self._hooked.get(total.param)
+        w = state.waits.get(total.graph) if state is not None else None
+        if w is not None and n:
+            w.outstanding -= n
+            self._fire_ready(state)
 
     def _run_each(self, tasks) -> None:
         """Runs dW tasks now: held ones from run(), and inline in backward
@@ -1478,6 +1654,7 @@ class OOOHandle(_PassTracking):
         self._pending = []
         self._drop_sums()  # (dW not added yet go, as autograd's buffers do)
         self._held_in_pass = []  # its held tasks are partial: their hooks wait for none
+        self._end_held_sums()  # (run(), they go to .grad as they run)
         self._restore_post_hooks_not_held()
         self._marks = []
         self._reads = None
@@ -1505,9 +1682,11 @@ class OOOHandle(_PassTracking):
         self._end_stream_order()
         self._casts.clear()
         for state in list(self._hooked.values()):
-            if state.outstanding == 0:  # autograd never reached it: hooks back
+            state.end_backward()
+            if not state.waits:  # autograd never reached it: hooks back
                 self._restore_post_hooks(state)
             # the others wait for held tasks, which run() runs
+        self._end_held_sums()
         self._unrun_held.update(t for t in self._held_in_pass if not t.has_run)
         self._held_in_pass = []
         if self._profiling_left():  # before any dW moves
@@ -1815,7 +1994,7 @@ class OOOHandle(_PassTracking):
         """Inside hold(): the list that collects the dW tasks of `module`."""
         if not self._holding:  # (every call of every layer asks: no iterator then)
             return None
-        for held, keep in reversed(self._holding):
+        for held, keep, _ in reversed(self._holding):
             if keep is None or keep(module):
                 return held
         return None
@@ -1824,7 +2003,9 @@ class OOOHandle(_PassTracking):
         held = self._hold_list(task.site.module)
         if held is not None:
             task.event = None
+            self._number_held(task)
             self._defer_post_hooks(task)
+            task.graph = None  # (its hooks' wait counts down as its held sums close)
             held.append(task)
             self._held_in_pass.append(task)
             return
@@ -1879,30 +2060,74 @@ class OOOHandle(_PassTracking):
             total.sites += 1
         task.sums = tuple(numbered)
 
+    def _wait_key(self) -> object:
+        """What a parameter's hooks wait for once: the running backward
+        graph (task id), or the step of the innermost hold() block given
+        one (Pipeline's)."""
+        step = self._holding[-1][2] if self._holding else None
+        return torch._C._current_graph_task_id() if step is None else step
+
+    def _number_held(self, task: _Task) -> None:
+        """Numbers a held task's dW of each parameter in this backward
+        graph's held sum of it (_HeldSum), begun at the parameter's first."""
+        graph = self._wait_key()
+        numbered = []
+        for p, want in zip(task.params, task.mask):
+            if not want:
+                numbered.append(None)
+                continue
+            total = self._held_sums.get((id(p), graph))
+            if total is None:
+                total = self._held_sums[(id(p), graph)] = _HeldSum(p, graph)
+                self._open_held.setdefault(id(p), []).append(weakref.ref(total))
+            numbered.append((total, total.made))
+            total.made += 1
+        task.sums = tuple(numbered)
+
+    def _end_held_sums(self) -> None:
+        """This backward's held sums get no more dW; those all in .grad, or
+        whose tasks were dropped, are forgotten."""
+        for total in self._held_sums.values():
+            total.ended = True
+        self._held_sums = {}
+        for key, refs in list(self._open_held.items()):
+            refs[:] = [r for r in refs if r() is not None and not r().done]
+            if not refs:
+                del self._open_held[key]
+
     def _after_deferred_run(self, task: _Task) -> None:
-        if not (task.hooks_wait and self._hooked):
+        if task.graph is None or not self._hooked:
             return  # ran inline in its layer's backward node: autograd fires p's hooks
         for p in task.targets:
             state = self._hooked.get(p)
-            if state is not None:
-                self._hook_event(state)
+            w = state.waits.get(task.graph) if state is not None else None
+            if w is not None:
+                w.outstanding -= 1
+                self._fire_ready(state)
 
     def _defer_post_hooks(self, task: _Task) -> None:
         """Post-accumulate-grad hooks (an optimizer in backward, a gradient
         all-reduce) must see the final gradient: autograd would fire them when
         its AccumulateGrad node runs, maybe before a deferred dW did. Until the
-        last of both, the hooks wait here and an internal one stands in."""
-        task.hooks_wait = True
+        last of both, the hooks wait here and an internal one stands in; once
+        per backward graph (task id), as autograd fires them once per graph
+        that reaches the parameter (each backward a hold() block holds, a
+        reentrant checkpoint's nested backward)."""
+        graph = None
         for p in task.targets:
             state = self._hooked.get(p)
-            if state is not None:
-                state.outstanding += 1
-            elif p._post_accumulate_grad_hooks:
+            if state is None:
+                if not p._post_accumulate_grad_hooks:
+                    continue
                 state = self._hooked[p] = _HookState(p)
                 # weakly: the stand-in outlives a pass that raised or held tasks
                 # dropped unrun, and the parameter keeps it where the garbage
                 # collector cannot see it (it kept the handle and model alive)
                 state.hold_back(weak_hook(self._accumulated))
+            if graph is None:  # (asked only where hooks wait)
+                graph = self._wait_key()
+            state.wait(graph).outstanding += 1
+        task.graph = graph
 
     def _accumulated(self, param: torch.Tensor) -> None:
         """The stand-in: autograd accumulated the parameter's gradient. In a
@@ -1917,39 +2142,39 @@ class OOOHandle(_PassTracking):
             return
         if self._in_backward and not self._backward_raised():
             self._check_same_backward()
-            self._hook_event(state, autograd_done=True)
+            state.reach(self._wait_key())
+            self._fire_ready(state)
             return
         self._restore_post_hooks_not_held()
         if self._hooked.get(param) is not state:
             for hook in state.give_back():
                 hook(param)
+        else:  # this backward's call comes after those that wait for held dW
+            state.reach(self._wait_key())
 
-    def _hook_event(self, state: "_HookState", autograd_done: bool = False) -> None:
-        """A deferred dW of the parameter ran, or autograd is done with it:
-        after the last of both, its own hooks come back and run."""
-        if autograd_done:
-            state.autograd_done = True
-        else:
-            state.outstanding -= 1
-        if state.outstanding == 0 and state.autograd_done:
-            for hook in self._restore_post_hooks(state):
+    def _fire_ready(self, state: "_HookState") -> None:
+        """Fires the parameter's own hooks once for each backward graph, in
+        the order autograd reached it there, that waits for nothing more;
+        they come back with the last."""
+        while state.next_ready():
+            hooks = state.still_held() if state.waits else self._restore_post_hooks(state)
+            for hook in hooks:
                 hook(state.param)
 
     def _restore_post_hooks_not_held(self) -> None:
         """Hooks back for every parameter but those that held tasks not run
         yet (of an earlier backward) still add to: run() fires those after
         the last of them, autograd being done with the parameter."""
-        waiting: dict = {}
+        waiting: dict = {}  # id(parameter) -> {graph: its held tasks not run}
         for t in self._unrun_held:
             if t.has_run:  # its run() cut short (a KeyboardInterrupt) before it left the set
                 continue
-            for p in t.targets:
-                waiting[p] = waiting.get(p, 0) + 1
+            for total in (s[0] for s in t.sums if s is not None):
+                left = waiting.setdefault(id(total.param), {})
+                left[total.graph] = left.get(total.graph, 0) + 1
         for state in list(self._hooked.values()):
-            n = waiting.get(state.param, 0)
-            if n:
-                state.outstanding, state.autograd_done = n, True
-            else:
+            state.keep_only(waiting.get(id(state.param), {}))
+            if not state.waits:
                 self._restore_post_hooks(state)
 
     def _restore_all_post_hooks(self) -> None:
@@ -4426,6 +4651,7 @@ class _Step:
     headers: dict = field(default_factory=dict)
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
     chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
+    hooks: object = field(default_factory=object)   # what the step's hook waits share (hold())
 
 
 class Pipeline:
@@ -4818,7 +5044,7 @@ class Pipeline:
         grad = None if last else self._grad_of_output(st, l, m)
         # no gradient: no later layer used y; y needs none: the one received is dropped
         if y.requires_grad and (last or grad is not None):
-            with self._hold() as tasks:
+            with self._hold(st) as tasks:
                 torch.autograd.backward(y, grad)
         del st.acts[(l, m)]
         st.held[(l, m)] = tasks
@@ -4829,9 +5055,11 @@ class Pipeline:
         if box is not None:  # empty: the layer ignored its input, or got no gradient
             st.in_grads[(l, m)] = box[0] if box else None
 
-    def _hold(self):
-        """Collects the dW tasks of a backward (none without split layers)."""
-        return self.handle.hold() if self.handle is not None else contextlib.nullcontext([])
+    def _hold(self, st: _Step):
+        """Collects the dW tasks of a backward (none without split layers):
+        the step's backward calls, a layer's each, are one backward of the
+        model, after which a parameter's hooks fire once, as one process's."""
+        return self.handle.hold(_step=st.hooks) if self.handle is not None else contextlib.nullcontext([])
 
     def _grad_of_output(self, st: _Step, l: int, m: int) -> torch.Tensor | None:
         """The gradient of layer l's output for micro-batch m, None if none
