@@ -33,6 +33,7 @@
 
 #include <float.h>
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -517,6 +518,174 @@ int rp_fad_backward_code8_cpu(int dtype, const void *grad_y, const uint8_t *code
         int64_t start = k * RP_FAD_CHUNK;
         int64_t len = n - start < RP_FAD_CHUNK ? n - start : RP_FAD_CHUNK;
         rp_fad_backward_chunk(dtype, grad_y, codes, cb->value, grad_x, start, len);
+    }
+    return RP_OK;
+}
+
+/* ---------------------------------------------------------------------------
+ * Backward from a 16-bit f' of the other 16-bit dtype
+ * ------------------------------------------------------------------------- */
+
+/* torch's CPU cast of a float32 NaN to bfloat16 gives 0xffff whatever the
+ * NaN's sign and payload (its vector conversion blends all ones into the
+ * unordered lanes, and it runs that conversion on tails too); every other
+ * value rounds to nearest even, as rp_f32_to_bf16. */
+static inline uint16_t rp_fad_f32_to_bf16_as_torch(float f)
+{
+    return f != f ? (uint16_t)0xffffu : rp_f32_to_bf16(f);
+}
+
+/* grad_x = grad_y * d of a bfloat16 grad_y and a float16 d, and of the
+ * reverse pair: the float32 product of an 8- and an 11-bit significand is
+ * exact (but beyond float32's range), so one rounding to grad_y's dtype
+ * gives the bits of torch's promoted multiply and cast, without its
+ * float32 temporary. The portable loops convert through rp_internal.h's
+ * exact selects; where the CPU has AVX2 and F16C, the loops below convert
+ * float16 in hardware (vcvtph2ps / vcvtps2ph, exact both ways but for the
+ * final rounding, which is to nearest even as torch's), several times as
+ * fast as the selects, which GCC vectorizes poorly. */
+RP_TARGET_CLONES static void rp_fad_bwd_bf16_by_f16(const uint16_t *restrict g,
+                                                    const uint16_t *restrict d,
+                                                    uint16_t *restrict out, int64_t len)
+{
+    int64_t i;
+    for (i = 0; i < len; i++)
+        out[i] = rp_fad_f32_to_bf16_as_torch(rp_bf16_to_f32(g[i]) * rp_f16_to_f32(d[i]));
+}
+
+RP_TARGET_CLONES static void rp_fad_bwd_f16_by_bf16(const uint16_t *restrict g,
+                                                    const uint16_t *restrict d,
+                                                    uint16_t *restrict out, int64_t len)
+{
+    int64_t i;
+    for (i = 0; i < len; i++)
+        out[i] = rp_f32_to_f16(rp_f16_to_f32(g[i]) * rp_bf16_to_f32(d[i]));
+}
+
+typedef void (*rp_fad_mixed16_loop)(const uint16_t *restrict, const uint16_t *restrict,
+                                    uint16_t *restrict, int64_t);
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+
+#define RP_FAD_F16C __attribute__((target("avx2,f16c")))
+
+/* 8 bfloat16 -> float32: the bits shifted up, exact. */
+RP_FAD_F16C static inline __m256 rp_fad_load8_bf16(const uint16_t *p)
+{
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* float32 -> 8 bfloat16, rp_fad_f32_to_bf16_as_torch's rounding and NaN. */
+RP_FAD_F16C static inline void rp_fad_store8_bf16(uint16_t *p, __m256 v)
+{
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_or_si256(r, _mm256_srli_epi32(nan, 16)); /* 0xffff there */
+    /* every lane <= 0xffff, so the unsigned saturation of the pack is exact */
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+
+RP_FAD_F16C static inline void rp_fad_mul8_bf16_by_f16(const uint16_t *g, const uint16_t *d,
+                                                     uint16_t *out)
+{
+    __m256 df = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d));
+    rp_fad_store8_bf16(out, _mm256_mul_ps(rp_fad_load8_bf16(g), df));
+}
+
+RP_FAD_F16C static inline void rp_fad_mul8_f16_by_bf16(const uint16_t *g, const uint16_t *d,
+                                                     uint16_t *out)
+{
+    __m256 gf = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+    __m256 p = _mm256_mul_ps(gf, rp_fad_load8_bf16(d));
+    _mm_storeu_si128((__m128i *)out, _mm256_cvtps_ph(p, _MM_FROUND_TO_NEAREST_INT));
+}
+
+/* Blocks of 8, the tail (len % 8) through the same vector code on zero-
+ * padded copies, so that every element takes the one rounding. */
+#define RP_FAD_DEFINE_F16C_LOOP(NAME, MUL8)                                                        \
+    RP_FAD_F16C static void NAME(const uint16_t *restrict g, const uint16_t *restrict d,           \
+                                 uint16_t *restrict out, int64_t len)                              \
+    {                                                                                              \
+        uint16_t gt[8] = {0}, dt[8] = {0}, ot[8];                                                  \
+        int64_t i, tail = len % 8;                                                                 \
+        for (i = 0; i < len - tail; i += 8)                                                        \
+            MUL8(g + i, d + i, out + i);                                                           \
+        if (tail == 0)                                                                             \
+            return;                                                                                \
+        memcpy(gt, g + i, (size_t)tail * sizeof *g);                                               \
+        memcpy(dt, d + i, (size_t)tail * sizeof *d);                                               \
+        MUL8(gt, dt, ot);                                                                          \
+        memcpy(out + i, ot, (size_t)tail * sizeof *out);                                           \
+    }
+
+RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_bf16_by_f16_f16c, rp_fad_mul8_bf16_by_f16)
+RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_f16_by_bf16_f16c, rp_fad_mul8_f16_by_bf16)
+
+/* A test hook, not an option: REPROP_TEST_NO_F16C=1 in the environment at
+ * the first call takes the portable loops on any CPU (as optim.c's
+ * REPROP_TEST_UNFUSED_MADD), so that tests check them against the same
+ * bits here. */
+static int rp_fad_detect_f16c(void)
+{
+    const char *hook = getenv("REPROP_TEST_NO_F16C");
+    if (hook != NULL && strcmp(hook, "1") == 0)
+        return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+
+/* detected once: the answer never changes, and backwards may run on many threads */
+static int rp_fad_has_f16c(void)
+{
+    static atomic_int has = -1;
+    int h = atomic_load_explicit(&has, memory_order_relaxed);
+    if (h < 0) {
+        h = rp_fad_detect_f16c();
+        atomic_store_explicit(&has, h, memory_order_relaxed);
+    }
+    return h;
+}
+
+static rp_fad_mixed16_loop rp_fad_mixed16_pick(int dtype)
+{
+    if (rp_fad_has_f16c())
+        return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16_f16c : rp_fad_bwd_f16_by_bf16_f16c;
+    return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
+}
+#else
+static rp_fad_mixed16_loop rp_fad_mixed16_pick(int dtype)
+{
+    return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
+}
+#endif
+
+int rp_fad_backward_mixed16_cpu(int dtype, const void *grad_y, const void *d, void *grad_x,
+                                int64_t n, int num_threads, rp_error *err)
+{
+    rp_fad_mixed16_loop loop;
+    int64_t nchunks, k;
+    int rc;
+    if (dtype != RP_BF16 && dtype != RP_F16)
+        return rp_set_error(err, RP_EINVAL, "unsupported dtype code %d (bfloat16 or float16)",
+                            dtype);
+    rc = rp_fad_check_buffers(n, grad_y, d, grad_x, err);
+    if (rc != RP_OK)
+        return rc;
+    loop = rp_fad_mixed16_pick(dtype);
+    num_threads = rp_omp_threads(num_threads);
+    nchunks = (n + RP_FAD_CHUNK - 1) / RP_FAD_CHUNK;
+
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (n >= RP_FAD_PARALLEL_MIN)
+    for (k = 0; k < nchunks; k++) {
+        int64_t start = k * RP_FAD_CHUNK;
+        int64_t len = n - start < RP_FAD_CHUNK ? n - start : RP_FAD_CHUNK;
+        loop((const uint16_t *)grad_y + start, (const uint16_t *)d + start,
+             (uint16_t *)grad_x + start, len);
     }
     return RP_OK;
 }

@@ -66,6 +66,11 @@ PyDoc_STRVAR(fad_backward_code8_doc,
              "fad_backward_code8(dtype, grad_y, codes, codebook, grad_x, n, num_threads)\n--\n\n"
              "grad_x = grad_y * codebook.value[codes] on the CPU (rp_fad_backward_code8_cpu).");
 
+PyDoc_STRVAR(fad_backward_mixed16_doc,
+             "fad_backward_mixed16(dtype, grad_y, d, grad_x, n, num_threads)\n--\n\n"
+             "grad_x = grad_y * d on the CPU, d of the other 16-bit dtype than grad_y's\n"
+             "(rp_fad_backward_mixed16_cpu).");
+
 PyDoc_STRVAR(scan_doc,
              "scan(n, batch, dim, gates, w, u, v, jt, act, y, pre_activation, c, g, levels, work,\n"
              "     num_threads)\n--\n\n"
@@ -138,6 +143,8 @@ static PyMethodDef rp_methods[] = {
     {"fad_forward", (PyCFunction)(void (*)(void))rp_py_fad_forward, METH_FASTCALL, fad_forward_doc},
     {"fad_backward_code8", (PyCFunction)(void (*)(void))rp_py_fad_backward_code8, METH_FASTCALL,
      fad_backward_code8_doc},
+    {"fad_backward_mixed16", (PyCFunction)(void (*)(void))rp_py_fad_backward_mixed16, METH_FASTCALL,
+     fad_backward_mixed16_doc},
     {"fad_codebook", (PyCFunction)(void (*)(void))rp_py_fad_codebook, METH_FASTCALL,
      "fad_codebook(kind, p0, p1) -> bytes: an activation's 8-bit codebook (csrc/pyutil.h)."},
     {"scan", (PyCFunction)(void (*)(void))rp_py_scan, METH_FASTCALL, scan_doc},

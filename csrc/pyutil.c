@@ -1032,6 +1032,25 @@ PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssi
     return rp_py_none_or_raise(rc, &err);
 }
 
+/* reprop._C only: CUDA runs that pair through torch's ops (fad.py). */
+PyObject *rp_py_fad_backward_mixed16(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    void *grad_y, *d, *grad_x;
+    int64_t n;
+    int dtype, num_threads, rc;
+    rp_error err = {{0}};
+    (void)self;
+    if (rp_py_check_nargs(nargs, 6, "fad_backward_mixed16") < 0 ||
+        rp_py_int_arg(args[0], "dtype", &dtype) < 0 || rp_py_pointer_arg(args[1], "grad_y", &grad_y) < 0 ||
+        rp_py_pointer_arg(args[2], "d", &d) < 0 || rp_py_pointer_arg(args[3], "grad_x", &grad_x) < 0 ||
+        rp_py_size_arg(args[4], "n", &n) < 0 || rp_py_int_arg(args[5], "num_threads", &num_threads) < 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = rp_fad_backward_mixed16_cpu(dtype, grad_y, d, grad_x, n, num_threads, &err);
+    Py_END_ALLOW_THREADS
+    return rp_py_none_or_raise(rc, &err);
+}
+
 PyObject *rp_py_fad_codebook(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     rp_fad_codebook cb;

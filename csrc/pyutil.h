@@ -135,6 +135,10 @@ PyObject *rp_py_fad_backward_code8(PyObject *self, PyObject *const *args, Py_ssi
 PyObject *rp_py_scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_csr_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
+/* reprop._C's alone: fad_backward_mixed16(dtype, grad_y, d, grad_x, n, num_threads)
+ * (rp_fad_backward_mixed16_cpu), the GIL released. */
+PyObject *rp_py_fad_backward_mixed16(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
+
 /* None when a core call returned RP_OK, else its error raised (NULL). */
 PyObject *rp_py_none_or_raise(int code, const rp_error *err);
 

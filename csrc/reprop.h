@@ -270,6 +270,13 @@ int rp_cuda_fad_backward_code8(int dtype, const void *grad_y, const uint8_t *cod
                                const rp_fad_codebook *cb, void *grad_x, int64_t n,
                                void *stream, rp_error *err);
 
+/* CPU backward from a 16-bit d of the other 16-bit dtype: grad_x[i] =
+ * grad_y[i] * d[i], grad_y and grad_x of `dtype` (RP_BF16 with a float16 d,
+ * RP_F16 with a bfloat16 d), the exact float32 product rounded once as
+ * torch's promoted multiply and cast round it, NaN as torch's CPU cast. */
+int rp_fad_backward_mixed16_cpu(int dtype, const void *grad_y, const void *d, void *grad_x,
+                                int64_t n, int num_threads, rp_error *err);
+
 /* ---------------------------------------------------------------------------
  * BPPSA: backprop as a parallel scan (csrc/scan.c, kernels/scan.cu)
  *

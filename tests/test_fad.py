@@ -472,6 +472,118 @@ def test_bfloat16_input_with_float16_derivative_rounds_the_product_once(name):
             assert not torch.equal(gx, (g.float() * d.bfloat16().float()).bfloat16())
 
 
+def _mixed16_operands(n, grad_dtype, seed=0):
+    """n gradients of grad_dtype and n derivatives of the other 16-bit dtype:
+    random values across both formats' exponent ranges, then (cycled) the
+    special ones: NaN, +-inf, +-0, the smallest subnormals and normals of
+    both formats, products that overflow grad_dtype (and float32), that
+    underflow float32, and ties of grad_dtype's rounding both ways."""
+    d_dtype = torch.float16 if grad_dtype is torch.bfloat16 else torch.bfloat16
+    gen = torch.Generator().manual_seed(seed)
+    g = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 30, (n,), generator=gen))).to(grad_dtype)
+    d = (torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 15, (n,), generator=gen))).to(d_dtype)
+    nan, inf = float("nan"), float("inf")
+    tie = 1 + 2.0 ** -8 if grad_dtype is torch.bfloat16 else 1 + 2.0 ** -11  # halfway: to even 1
+    tie_up = 1 + 3 * 2.0 ** -8 if grad_dtype is torch.bfloat16 else 1 + 3 * 2.0 ** -11  # to even, up
+    pairs = [(nan, 1.0), (1.0, nan), (-nan, -2.0), (inf, 0.0), (inf, -1.0), (-inf, 3.0), (inf, inf),
+             (-0.0, 5.0), (0.0, -5.0), (-0.0, -0.0), (2.0 ** -24, 1.0), (1.0, 2.0 ** -24),
+             (2.0 ** -133, 1.0), (1.0, 2.0 ** -133), (2.0 ** -126, 0.5), (2.0 ** -14, 0.5),
+             (2.0 ** -133, 2.0 ** -24), (3e38, 60000.0), (60000.0, 3e38), (65504.0, 2.0), (300.0, 300.0),
+             (-3e38, 2.0), (tie, 1.0), (1.0, tie), (tie_up, 1.0), (1.0, tie_up), (1.5, 1 + 2.0 ** -7),
+             (1 + 2.0 ** -7, 1 + 2.0 ** -10)]
+    special_g = torch.tensor([a for a, _ in pairs]).to(grad_dtype)
+    special_d = torch.tensor([b for _, b in pairs]).to(d_dtype)
+    k = min(n, len(pairs))
+    g[:k], d[:k] = special_g[:k], special_d[:k]
+    if n > 2 * len(pairs):  # the specials again past the first vector blocks, at an odd offset
+        g[-len(pairs) - 3:-3], d[-len(pairs) - 3:-3] = special_g, special_d
+    return g, d
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 15, 16, 17, 4097, 100003])
+def test_mixed_16bit_backward_kernel_gives_torchs_bits(grad_dtype, n):
+    """fad._times_saved's kernel for a 16-bit gradient times a derivative of
+    the other 16-bit dtype: the bits of torch's float32 product cast to the
+    gradient's dtype, across vector tails and the special values, on one
+    and two threads (OpenMP over chunks past 32768 elements). A bfloat16
+    NaN too: torch's CPU cast gives 0xffff for every NaN. A float16 NaN is
+    a NaN only: torch's float16 -> float32 conversion gives NaN a payload
+    of all ones in its scalar tail (a float16 NaN times 1 then casts to
+    0x7fff) and none in its vector body (0x7e00), by position."""
+    g, d = _mixed16_operands(n, grad_dtype)
+    want = (g.float() * d.float()).to(grad_dtype)
+    for threads in (1, 2):
+        with _num_threads(threads), torch.no_grad():
+            got = fad._times_saved(g, d, grad_dtype)
+        assert got.dtype == grad_dtype and got.shape == g.shape
+        assert torch.equal(got.isnan(), want.isnan())
+        nan_free = (lambda t: t.nan_to_num(0.0)) if grad_dtype is torch.float16 else (lambda t: t)
+        assert torch.equal(nan_free(got).view(torch.int16), nan_free(want).view(torch.int16)), (n, threads)
+
+
+@contextlib.contextmanager
+def _num_threads(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _backward_ops(fn):
+    """The names of the aten ops fn() runs (the profiler's CPU events)."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    return {e.name for e in prof.function_events}
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("how", ["function", "compose"])
+def test_mixed_16bit_saved_derivative_backward_is_one_pass(x_dtype, how):
+    """A bfloat16 x with saved_dtype=torch.float16 (or the reverse), through
+    an activation's backward and a compose chain's: the product runs in
+    the kernel, no torch multiply and cast (which made a float32 temporary
+    of x's size and took 3.5 times the bfloat16-saved backward), with the
+    bits of torch's product on contiguous, channels_last and transposed
+    gradients and those of the torch path a strided gradient takes."""
+    other = torch.float16 if x_dtype is torch.bfloat16 else torch.bfloat16
+    torch.manual_seed(1)
+    x0 = (torch.randn(2, 3, 17, 9) * 3).to(x_dtype)
+    g, _ = _mixed16_operands(x0.numel(), x_dtype, seed=2)
+    g = g.view(x0.shape)
+    if how == "function":
+        def run(x):
+            return fad.silu(x, saved_dtype=other)
+    else:
+        def run(x):
+            with fad.enabled(compose=True, saved_dtype=other):
+                return x * torch.sigmoid(x)
+
+    def grad_for(grad):
+        x = x0.clone().requires_grad_()
+        with LiveSaved() as saved:
+            y = run(x)
+        assert other in {t.dtype for t in saved.live()}
+        return torch.autograd.grad(y, x, grad)[0]
+
+    x = x0.clone().requires_grad_()
+    with LiveSaved() as saved:
+        y = run(x)
+    d = next(t for t in saved.live() if t.dtype is other)
+    ops = _backward_ops(lambda: torch.autograd.grad(y, x, g, retain_graph=True))
+    assert not ops & {"aten::mul", "aten::to", "aten::_to_copy"}, ops
+    got = torch.autograd.grad(y, x, g)[0]
+    assert got.dtype == x_dtype
+    if how == "function":
+        assert torch.equal(got.view(torch.int16), (g.float() * d.float()).to(x_dtype).view(torch.int16))
+    strided = torch.empty(g.shape + (2,), dtype=x_dtype)[..., 0].copy_(g)  # the torch path
+    for grad in (g.contiguous(memory_format=torch.channels_last), g.transpose(2, 3).contiguous().transpose(2, 3),
+                 strided):
+        assert torch.equal(grad_for(grad).view(torch.int16), got.view(torch.int16))
+
+
 # f' beyond float16's 65504: (function, torch's, parameter, x)
 FLOAT16_WIDE = {
     "celu_negative_alpha": (fad.celu, F.celu, -0.5, [-6.0, -5.8, -1.0, 2.0]),

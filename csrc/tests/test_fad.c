@@ -592,6 +592,128 @@ static void test_backward_code8(void)
     free(codes);
 }
 
+/* ---- backward from a 16-bit f' of the other 16-bit dtype ---- */
+
+/* v rounded to nearest even with `frac_bits` fraction bits, normal
+ * exponents from `min_exp` up, inf past `max_finite`: the reference of the
+ * 16-bit roundings, in double and by another route than rp_internal.h's
+ * bit tricks. v holds at most 24 significant bits, so v / ulp is exact. */
+static double round_to_format(double v, int frac_bits, int min_exp, double max_finite)
+{
+    int e;
+    double ulp, r;
+    if (v == 0.0 || isinf(v))
+        return v;
+    frexp(v, &e); /* |v| in [2^(e-1), 2^e) */
+    e = e - 1 < min_exp ? min_exp : e - 1;
+    ulp = ldexp(1.0, e - frac_bits);
+    r = nearbyint(v / ulp) * ulp; /* the default rounding mode: to nearest even */
+    return fabs(r) > max_finite ? copysign(INFINITY, r) : r;
+}
+
+/* The expected output bits for grad bits gb (of `dtype`) times d bits db (of
+ * the other 16-bit dtype): bfloat16 NaN 0xffff (torch's CPU cast), float16
+ * NaN any quiet NaN (checked apart: rp_f32_to_f16 keeps the payload). */
+static uint16_t mixed16_reference(int dtype, uint16_t gb, uint16_t db)
+{
+    int bf16 = dtype == RP_BF16;
+    float g = bf16 ? rp_bf16_to_f32(gb) : rp_f16_to_f32(gb);
+    float d = bf16 ? rp_f16_to_f32(db) : rp_bf16_to_f32(db);
+    /* the double product is exact; its float rounding is the float32 product's */
+    double p = (double)(float)((double)g * (double)d);
+    if (p != p)
+        return bf16 ? 0xffffu : rp_f32_to_f16((float)p);
+    if (bf16)
+        return (uint16_t)(rp_f32_to_bits((float)round_to_format(p, 7, -126, 0x1.fep127)) >> 16);
+    return rp_f32_to_f16((float)round_to_format(p, 10, -14, 65504.0)); /* exact: no rounding */
+}
+
+static int is_f16_nan(uint16_t h) { return (h & 0x7c00u) == 0x7c00u && (h & 0x3ffu) != 0; }
+
+/* Run by .ci/run twice: as this CPU picks (the F16C loops on x86-64 with
+ * AVX2 and F16C), and with REPROP_TEST_NO_F16C=1 (the portable loops). */
+static void test_backward_mixed16(void)
+{
+    /* every 16-bit pattern of one operand against a random other (NaNs, infs,
+     * subnormals, overflow, ties), past OpenMP's threshold, with a tail */
+    const int64_t n = 2 * 65536 + 7;
+    uint16_t *g = (uint16_t *)malloc((size_t)n * 2), *d = (uint16_t *)malloc((size_t)n * 2);
+    uint16_t *out = (uint16_t *)malloc((size_t)n * 2), *out1 = (uint16_t *)malloc((size_t)n * 2);
+    rp_error err;
+    int64_t i, len;
+    int dtype, threads;
+    for (i = 0; i < n; i++) {
+        rng_state = rng_state * 1664525u + 1013904223u;
+        g[i] = i < 65536 ? (uint16_t)i : (uint16_t)(rng_state >> 16);
+        d[i] = i >= 65536 && i < 2 * 65536 ? (uint16_t)(i - 65536) : (uint16_t)(rng_state >> 3);
+    }
+    for (dtype = RP_F16; dtype <= RP_BF16; dtype++) {
+        for (threads = 1; threads <= 3; threads += 2) {
+            CHECK(rp_fad_backward_mixed16_cpu(dtype, g, d, out, n, threads, &err) == RP_OK, "%s",
+                  err.msg);
+            for (i = 0; i < n; i++) {
+                uint16_t want = mixed16_reference(dtype, g[i], d[i]);
+                int nan_ok = dtype == RP_F16 && is_f16_nan(want) && is_f16_nan(out[i]);
+                CHECK(out[i] == want || nan_ok, "dtype %d: %#x * %#x gave %#x, want %#x", dtype,
+                      g[i], d[i], out[i], want);
+            }
+            if (threads == 1)
+                memcpy(out1, out, (size_t)n * 2);
+            else
+                CHECK(memcmp(out, out1, (size_t)n * 2) == 0, "dtype %d: 3 threads differ", dtype);
+        }
+        /* the vector tails: each length from 0 to 17 at an odd offset, the
+         * element past the end left as it was */
+        for (len = 0; len <= 17; len++) {
+            memset(out, 0x5a, 20 * 2);
+            CHECK(rp_fad_backward_mixed16_cpu(dtype, g + 65541, d + 65541, out, len, 1, &err) ==
+                      RP_OK, "%s", err.msg);
+            for (i = 0; i < len; i++)
+                CHECK(out[i] == out1[65541 + i], "dtype %d: length %lld at %lld", dtype,
+                      (long long)len, (long long)i);
+            CHECK(out[len] == 0x5a5a, "dtype %d: length %lld wrote past the end", dtype,
+                  (long long)len);
+        }
+    }
+    /* hand-checked bfloat16 values: ties to even both ways, overflow, a
+     * float16 subnormal, NaN */
+    {
+        static const struct {
+            float g, d;
+            uint16_t want;
+        } cases[] = {
+            {1.0f, 1.0f + 0x1p-8f, 0x3f80},     /* halfway: down to even 1 */
+            {1.0f, 1.0f + 0x3p-8f, 0x3f82},     /* halfway: up to even 1 + 2^-6 */
+            {1.0f + 0x1p-7f, 1.0f + 0x1p-10f, 0x3f81}, /* just past 1 + 2^-7 */
+            {0x1p127f, 2.0f, 0x7f80},           /* overflow: inf */
+            {-0x1.fep127f, 1.0f + 0x1p-8f, 0xff80}, /* rounds up past the largest: -inf */
+            {1.0f, 0x1p-24f, 0x3380},           /* the smallest float16 subnormal */
+            {-0.0f, 3.0f, 0x8000},
+        };
+        uint16_t gb, db, o;
+        size_t c;
+        for (c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            gb = rp_f32_to_bf16(cases[c].g);
+            db = rp_f32_to_f16(cases[c].d);
+            CHECK(rp_fad_backward_mixed16_cpu(RP_BF16, &gb, &db, &o, 1, 1, &err) == RP_OK, "%s",
+                  err.msg);
+            CHECK(o == cases[c].want, "case %zu: %#x, want %#x", c, o, cases[c].want);
+        }
+        gb = 0xffc1; /* a negative NaN with a payload */
+        db = rp_f32_to_f16(1.0f);
+        CHECK(rp_fad_backward_mixed16_cpu(RP_BF16, &gb, &db, &o, 1, 1, &err) == RP_OK, "%s", err.msg);
+        CHECK(o == 0xffff, "NaN: %#x", o);
+    }
+    CHECK(rp_fad_backward_mixed16_cpu(RP_F32, g, d, out, 4, 1, &err) == RP_EINVAL, "float32");
+    CHECK(rp_fad_backward_mixed16_cpu(RP_BF16, g, NULL, out, 4, 1, &err) == RP_EINVAL, "NULL d");
+    CHECK(rp_fad_backward_mixed16_cpu(RP_BF16, g, d, out, -1, 1, &err) == RP_EINVAL, "negative n");
+    CHECK(rp_fad_backward_mixed16_cpu(RP_BF16, NULL, NULL, NULL, 0, 1, &err) == RP_OK, "n = 0");
+    free(g);
+    free(d);
+    free(out);
+    free(out1);
+}
+
 /* ---- error statuses ---- */
 
 static void test_errors(void)
@@ -657,6 +779,7 @@ int main(void)
     test_codebook();
     test_codebook_extremes();
     test_backward_code8();
+    test_backward_mixed16();
     test_errors();
     if (failures) {
         fprintf(stderr, "test_fad: %d check(s) failed\n", failures);

@@ -230,6 +230,32 @@ def _backward_code8(act: _Act, grad: torch.Tensor, codes: torch.Tensor) -> torch
     return out
 
 
+# The 16-bit dtype whose saved f' a 16-bit gradient meets in _times_saved's kernel.
+_OTHER_16BIT = {torch.bfloat16: torch.float16, torch.float16: torch.bfloat16}
+
+
+def _times_saved(grad: torch.Tensor, d, dtype: torch.dtype):
+    """grad * d, the backward of _Activation and _Chain, whose result the
+    caller casts to `dtype`. torch promotes a bfloat16 grad with a float16 d
+    (or the reverse) to float32, where the product of an 8- and an 11-bit
+    significand is exact, and the cast rounds it once: a float32 temporary
+    of the full size, and 3.5 times as long as a bfloat16 d's backward on
+    the CPU (1M elements). The CPU kernel gives those bits in `dtype` in one
+    pass, where `dtype` is grad's (else the cast would round the rounded
+    product again) and grad and d have one dense layout; torch's product
+    elsewhere, and where autograd must see it (create_graph=True) or a
+    transform or lazy view needs torch's op (_torch_runs)."""
+    if (isinstance(d, torch.Tensor) and d.dtype is _OTHER_16BIT.get(grad.dtype)
+            and grad.dtype is dtype and grad.is_cpu and d.is_cpu
+            and _tensors.same_layout(grad, d) and _tensors.is_dense(grad)
+            and not (torch.is_grad_enabled() or _torch_runs(grad) or _torch_runs(d))):
+        out = torch.empty_like(grad)
+        _C.fad_backward_mixed16(_tensors.DTYPE_CODES[dtype], grad.data_ptr(), d.data_ptr(),
+                                out.data_ptr(), out.numel(), torch.get_num_threads())
+        return out
+    return grad * d
+
+
 def _refuse_double_backward(what: str, instead: str) -> None:
     # create_graph=True runs backward with grad mode on; grad * d would then
     # silently miss the d(f'(x))/dx term, as f''(x) is not kept.
@@ -284,7 +310,8 @@ class _Activation(torch.autograd.Function):
             _refuse_double_backward(f"reprop.fad.{ctx.act.kind}", _ACTIVATION_INSTEAD)
         d, *anchor = ctx.saved_tensors
         coded = d.dtype == torch.uint8
-        grad_x = _backward_code8(ctx.act, grad, d) if coded else _in_dtype(grad * d, grad.dtype)
+        grad_x = (_backward_code8(ctx.act, grad, d) if coded
+                  else _in_dtype(_times_saved(grad, d, grad.dtype), grad.dtype))
         if ctx.act.kind in _SELECTS:  # torch's backward selects 0 there, even from an inf or NaN grad
             grad_x = grad_x.masked_fill_(_selected(ctx.act, d, coded), 0)
         if anchor and torch.is_grad_enabled():
@@ -1178,12 +1205,12 @@ class _Chain(torch.autograd.Function):
             return torch.ops.aten.threshold_backward(grad, out, 0).to(ctx.source_dtype), None
         *kept, blocked = ctx.saved_tensors
         d = kept[0] if ctx.number is None else ctx.number
-        grad_source = grad * d
+        grad_source = _times_saved(grad, d, ctx.source_dtype)
         if blocked is not None:  # a select on the way: d is the gradient there, whatever grad holds
             grad_source = torch.where(blocked, d, grad_source)
         if ctx.where_zero is not None:  # the root's select: +0, where d has a 0 of either sign
             grad_source.masked_fill_(ctx.where_zero.of(d), 0)
-        return grad_source.to(ctx.source_dtype), None
+        return _in_dtype(grad_source, ctx.source_dtype), None
 
 
 def _saved_tensor_hooks_active() -> bool:
