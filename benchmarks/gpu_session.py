@@ -4,7 +4,8 @@ For each benchmark JSON under a folder, in name order: a heading with the date
 and commit, the machine (harness.describe_machine), the command that wrote it
 (from the parts' logs beside it), then a markdown table of each of its
 tabulated results (the printed table's rows, the targets' PASS/MISS, ooo's
-rows), to paste under the benchmark's "### CUDA" section.
+rows), to paste under the benchmark's "### CUDA" section (headed "CPU" for the
+script's CPU smoke run).
 
     python3 benchmarks/gpu_session.py $OUT
 """
@@ -57,7 +58,8 @@ def markdown_rows(rows: list[dict]) -> str:
 def entry(payload: dict, command: str | None) -> str:
     """One RESULTS.md entry: heading, machine, command, then each table."""
     machine = payload.get("machine", {})
-    lines = [f"### CUDA ({str(machine.get('date', 'undated'))[:10]}, commit {machine.get('git_commit') or 'n/a'})",
+    where = "CUDA" if str(machine.get("device", "")).startswith("cuda") else "CPU"
+    lines = [f"### {where} ({str(machine.get('date', 'undated'))[:10]}, commit {machine.get('git_commit') or 'n/a'})",
              "", harness.describe_machine(machine) if "reprop" in machine else "(no machine description)",
              f"`{command or 'command not found in the logs'}`"]
     for key in TABLE_KEYS:
