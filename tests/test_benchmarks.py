@@ -891,6 +891,7 @@ def test_models_follow_torchvision_where_counts_cannot_tell():
 # gpu_session.sh / gpu_session.py: the first GPU session's plan (dry run only here)
 # ---------------------------------------------------------------------------
 
+import os  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
@@ -958,6 +959,42 @@ def test_gpu_session_parts_fit_a_device_call_issue_targets_first():
     every = " ".join(cmd for part, _, _, cmd in lines if part in SESSION_PARTS)
     for script in ("optim", "fusion", "fad", "bppsa", "ooo"):
         assert f"benchmarks/{script}.py --device cuda" in every
+
+
+@needs_bash
+def test_gpu_session_commands_parse_with_their_scripts(monkeypatch):
+    # An option renamed in a script must not cost the GPU session a command (ooo parses in main()).
+    scripts = {"optim": optim_bench, "fusion": fusion_bench, "fad": fad_bench, "bppsa": bppsa_bench}
+    parsed = 0
+    commands = [cmd for part, _, _, cmd in gpu_session_dry_run(*SESSION_PARTS) if part in SESSION_PARTS]
+    for cmd in commands:
+        argv = cmd.replace("$OUT", "/tmp").split()[1:]
+        script = scripts.get(Path(argv[0]).stem)
+        if script is not None:
+            monkeypatch.setattr(sys, "argv", argv)
+            args = script.parse_args(argv[1:]) if script is bppsa_bench else script.parse_args()
+            assert args.device == "cuda" and args.json.startswith("/tmp/")
+            parsed += 1
+    assert parsed == 7
+
+
+@needs_bash
+@pytest.mark.parametrize("budget_s", [40, 60])
+def test_gpu_session_time_guard_shortens_timeouts_then_skips(tmp_path, budget_s):
+    # PYTHON=echo: each command only prints itself, so the run shows the guard's arithmetic:
+    # a command gets the time left less 15 s, and none starts with under 30 s left.
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": "echo", "GPU_SESSION_BUDGET_S": str(budget_s)}
+    subprocess.run(["bash", "benchmarks/gpu_session.sh", "--device", "cpu", "--quick", "bench-b"], cwd=ROOT,
+                   env=env, capture_output=True, text=True, check=True, timeout=60)
+    log = (tmp_path / "bench-b.log").read_text()
+    commands = [cmd for part, _, _, cmd in gpu_session_dry_run("--device", "cpu", "--quick", "bench-b")
+                if part == "bench-b"]
+    if budget_s == 40:
+        assert log.count("SKIPPED (time guard") == len(commands) and "run [" not in log
+    else:
+        limits = [int(t) for t in re.findall(r"run \[estimate \d+ s, timeout (\d+) s", log)]
+        assert len(limits) == len(commands) and all(40 <= t <= 45 for t in limits), log
+        assert "benchmarks/ooo.py --device cpu --quick" in log  # echo's output went to the log
 
 
 @needs_bash
