@@ -85,10 +85,11 @@ adapt() {
   echo "${cmd/#python3 /$PY }"
 }
 
-# Run one command under min(its timeout, the time left), its output appended to LOG.
-# A failure or timeout is reported and the part goes on: later figures still count.
+# Run one command under min(its timeout, the time left), its output appended to LOG, stopped
+# with SIGNAL (default TERM). A failure or timeout is reported and the part goes on: later
+# figures still count.
 run_timed() {
-  local log=$1 estimate=$2 limit=$3 cmd=$4 left
+  local log=$1 estimate=$2 limit=$3 cmd=$4 signal=${5:-TERM} left
   left=$(( $(time_left) - 15 ))
   if [ "$left" -lt 30 ]; then
     say "SKIPPED (time guard, $(elapsed) s used of $BUDGET_S): $cmd" | tee -a "$log"
@@ -97,12 +98,13 @@ run_timed() {
   if [ "$left" -lt "$limit" ]; then limit=$left; fi
   say "run [estimate ${estimate} s, timeout ${limit} s, at $(elapsed) s]: $cmd" | tee -a "$log"
   local t0=$SECONDS rc=0
-  timeout -k 20 "$limit" bash -c "$cmd" >>"$log" 2>&1 || rc=$?
-  say "done rc=$rc in $((SECONDS - t0)) s: $cmd" | tee -a "$log"
+  timeout -s "$signal" -k 20 "$limit" bash -c "$cmd" >>"$log" 2>&1 || rc=$?
+  say "done rc=$rc (124: timed out) in $((SECONDS - t0)) s: $cmd" | tee -a "$log"
 }
 
+# Whether the installed reprop (pip install -e . of this checkout) has its CUDA extension.
 reprop_has_cuda() {
-  PYTHONPATH=python "$PY" -c 'import reprop, sys; sys.exit(0 if reprop.cuda_built() else 1)' 2>/dev/null
+  "$PY" -c 'import reprop, sys; sys.exit(0 if reprop.cuda_built() else 1)' 2>/dev/null
 }
 
 # The GUIDE's install recipe (no network there, so no build isolation), then what was built.
@@ -114,7 +116,11 @@ part_build() {
     say "reprop already built with CUDA: no rebuild" | tee -a "$log"
   else
     say "building (estimate ${BUILD_ESTIMATE_S} s)" | tee -a "$log"
-    REPROP_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e . -q >>"$log" 2>&1
+    if ! REPROP_CUDA=1 "$PY" -m pip install --no-build-isolation --no-deps -e . -q >>"$log" 2>&1; then
+      tail -n 60 "$log"
+      say "build FAILED (log: $log)"
+      exit 1
+    fi
   fi
   {
     "$PY" -c 'import reprop, torch
@@ -131,19 +137,14 @@ ensure_built() {
   if [ "$SMOKE" = 0 ] && ! reprop_has_cuda; then part_build; fi
 }
 
-# pytest -m gpu, interrupted (SIGINT: pytest then writes its summary and the XML) before the guard.
+TESTS_CMD='python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=30 --junitxml=$OUT/gpu-tests.xml'
+
+# pytest -m gpu until the guard, then SIGINT: pytest stops there and still writes its
+# summary, the slowest durations and the XML.
 part_tests() {
   ensure_built
-  local left limit rc=0
-  left=$(( $(time_left) - 20 ))
-  limit=$left
-  if [ "$limit" -gt 1800 ]; then limit=1800; fi
-  local cmd=("$PY" -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=30
-             --junitxml="$OUT/gpu-tests.xml")
-  say "run [timeout ${limit} s, at $(elapsed) s]: ${cmd[*]}" | tee -a "$OUT/gpu-tests.log"
-  timeout -s INT -k 30 "$limit" "${cmd[@]}" >>"$OUT/gpu-tests.log" 2>&1 || rc=$?
-  tail -n 40 "$OUT/gpu-tests.log"
-  say "pytest rc=$rc (124: stopped by the time guard) at $(elapsed) s"
+  run_timed "$OUT/gpu-tests.log" - 999999 "$(adapt "$TESTS_CMD")" INT
+  tail -n 45 "$OUT/gpu-tests.log"
 }
 
 part_bench() {
@@ -163,7 +164,7 @@ dry_run() {
   local part=$1 entry p est limit cmd total=$BUILD_ESTIMATE_S
   case $part in
     build) printf 'build\t%s\t-\t%s\n' "$BUILD_ESTIMATE_S" "REPROP_CUDA=1 $PY -m pip install --no-build-isolation --no-deps -e . -q";;
-    tests) printf 'tests\t-\t-\t%s\n' "$PY -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=30 --junitxml=\$OUT/gpu-tests.xml";;
+    tests) printf 'tests\t-\t-\t%s\n' "$(adapt "$TESTS_CMD")";;
     *)
       for entry in "${BENCHMARKS[@]}"; do
         IFS='|' read -r p est limit cmd <<<"$entry"
