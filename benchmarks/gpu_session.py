@@ -7,7 +7,7 @@ tabulated results (the printed table's rows, the targets' PASS/MISS, ooo's
 rows), to paste under the benchmark's "### CUDA" section (headed "CPU" for the
 script's CPU smoke run).
 
-    python3 benchmarks/gpu_session.py $OUT
+    python3 benchmarks/gpu_session.py $OUT [--commit HASH]
 """
 from __future__ import annotations
 
@@ -55,9 +55,14 @@ def markdown_rows(rows: list[dict]) -> str:
     return harness.format_markdown_table(headers, [[harness.fmt(row.get(h)) for h in headers] for row in flat])
 
 
-def entry(payload: dict, command: str | None) -> str:
-    """One RESULTS.md entry: heading, machine, command, then each table."""
-    machine = payload.get("machine", {})
+def entry(payload: dict, command: str | None, commit: str | None = None) -> str:
+    """One RESULTS.md entry: heading, machine, command, then each table.
+
+    ``commit`` stands in for the machine's git commit where it has none (the
+    device's copy of the tree carries no .git).
+    """
+    machine = dict(payload.get("machine", {}))
+    machine["git_commit"] = machine.get("git_commit") or commit
     where = "CUDA" if str(machine.get("device", "")).startswith("cuda") else "CPU"
     lines = [f"### {where} ({str(machine.get('date', 'undated'))[:10]}, commit {machine.get('git_commit') or 'n/a'})",
              "", harness.describe_machine(machine) if "reprop" in machine else "(no machine description)",
@@ -72,6 +77,7 @@ def entry(payload: dict, command: str | None) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder", type=Path, help="where the session's files are ($OUT's copy)")
+    p.add_argument("--commit", default=None, help="the commit the session sent, where the JSON has none")
     args = p.parse_args(argv)
     commands = commands_by_json(args.folder)
     paths = sorted(args.folder.glob("*.json"))
@@ -79,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no JSON files under {args.folder}")
     for path in paths:
         print(f"<!-- {path.name} -->")
-        print(entry(json.loads(path.read_text()), commands.get(path.name)))
+        print(entry(json.loads(path.read_text()), commands.get(path.name), args.commit))
         print()
 
 

@@ -1011,16 +1011,17 @@ def test_gpu_session_collector_writes_results_rows(tmp_path, machine, capsys):
                "targets": [{"target": "speedup >= 1", "ok": True}],
                "cases": [{"stats_ms": {"samples": [1.0, 2.0]}}]}
     (tmp_path / "optim-cuda.json").write_text(json.dumps(payload))
-    (tmp_path / "optim-z.json").write_text(json.dumps({"machine": {**machine, "device": "cuda"}}))
+    (tmp_path / "optim-z.json").write_text(json.dumps({"machine": {**machine, "device": "cuda", "git_commit": None}}))
     command = "python3 benchmarks/optim.py --device cuda --json $OUT/optim-cuda.json"
     (tmp_path / "bench-a.log").write_text(
         f"noise\ngpu_session: run [estimate 45 s, timeout 180 s, at 3 s]: {command}\nmore\n")
-    gpu_session.main([str(tmp_path)])
+    gpu_session.main([str(tmp_path), "--commit", "abc123"])
     out = capsys.readouterr().out
     assert f"`{command}`" in out
-    assert f"### CPU ({machine['date'][:10]}, commit {machine['git_commit'] or 'n/a'})" in out
+    assert f"### CPU ({machine['date'][:10]}, commit {machine['git_commit'] or 'abc123'})" in out
     assert harness.describe_machine(machine).splitlines()[0] in out
-    assert out.index("<!-- optim-cuda.json -->") < out.index("<!-- optim-z.json -->\n### CUDA (")
+    assert out.index("<!-- optim-cuda.json -->") < out.index(
+        f"<!-- optim-z.json -->\n### CUDA ({machine['date'][:10]}, commit abc123)")
     assert "`command not found in the logs`" in out
     assert ("| optimizer | case | ms.reprop | ms.peer | extra |\n| --- | --- | --- | --- | --- |\n"
             "| AdamW | 1x100M | 0.81 | 1.2 | - |\n| SGD | a\\|b | - | - | 3 |") in out
