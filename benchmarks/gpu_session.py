@@ -69,6 +69,8 @@ def entry(payload: dict, command: str | None, commit: str | None = None) -> str:
              f"`{command or 'command not found in the logs'}`"]
     for key in TABLE_KEYS:
         rows = payload.get(key)
+        if isinstance(rows, dict):  # settings and their rows (ooo's simulate_dp)
+            rows = rows.get("rows")
         if isinstance(rows, list) and rows and all(isinstance(r, dict) for r in rows):
             lines += ["", f"{key}:", "", markdown_rows(rows)]
     return "\n".join(lines)

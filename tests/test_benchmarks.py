@@ -1009,6 +1009,7 @@ def test_gpu_session_collector_writes_results_rows(tmp_path, machine, capsys):
                "rows": [{"optimizer": "AdamW", "case": "1x100M", "ms": {"reprop": 0.81, "peer": 1.2}},
                         {"optimizer": "SGD", "case": "a|b", "extra": 3}],
                "targets": [{"target": "speedup >= 1", "ok": True}],
+               "simulate_dp": {"compute_ms": 9.5, "rows": [{"gpus": 16, "speedup": 1.5}]},
                "cases": [{"stats_ms": {"samples": [1.0, 2.0]}}]}
     (tmp_path / "optim-cuda.json").write_text(json.dumps(payload))
     (tmp_path / "optim-z.json").write_text(json.dumps({"machine": {**machine, "device": "cuda", "git_commit": None}}))
@@ -1026,4 +1027,5 @@ def test_gpu_session_collector_writes_results_rows(tmp_path, machine, capsys):
     assert ("| optimizer | case | ms.reprop | ms.peer | extra |\n| --- | --- | --- | --- | --- |\n"
             "| AdamW | 1x100M | 0.81 | 1.2 | - |\n| SGD | a\\|b | - | - | 3 |") in out
     assert "| target | ok |\n| --- | --- |\n| speedup >= 1 | True |" in out
+    assert "simulate_dp:\n\n| gpus | speedup |\n| --- | --- |\n| 16 | 1.5 |" in out
     assert "samples" not in out  # the per-sample statistics stay in the JSON
