@@ -542,6 +542,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join([line(cells[0]), rule] + [line(r) for r in cells[1:]])
 
 
+def format_markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """The rows as a markdown table, RESULTS.md's style; cells are str()-ed, their pipes escaped."""
+    def line(row: Sequence[object]) -> str:
+        return "| " + " | ".join(str(c).replace("|", "\\|") for c in row) + " |"
+
+    return "\n".join([line(headers), line(["---"] * len(headers))] + [line(r) for r in rows])
+
+
 def write_json(path: str | None, payload: dict) -> None:
     """Write ``payload`` as indented JSON to ``path`` (nothing when path is None)."""
     if path is None:

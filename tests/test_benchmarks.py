@@ -885,3 +885,147 @@ def test_models_follow_torchvision_where_counts_cannot_tell():
         net(torch.randn(2, 3, 32, 32))
     assert float(seen[0].min()) >= 0 and float(seen[0].max()) > 0
     models.check_activations()
+
+
+# ---------------------------------------------------------------------------
+# gpu_session.sh / gpu_session.py: the first GPU session's plan (dry run only here)
+# ---------------------------------------------------------------------------
+
+import os  # noqa: E402
+import re  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+
+import gpu_session  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION_PARTS = ("bench-a", "bench-b")
+DEVICE_CALL_LIMIT_S = 540  # a device command's 10 minutes, less a minute for start-up and transfers
+DEVICE_FILES_LIMIT = 8     # files a device call brings back from $OUT
+
+needs_bash = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def gpu_session_dry_run(*args: str) -> list[list[str]]:
+    """gpu_session.sh --dry-run's lines, split at tabs: [part, estimate, timeout, command] and
+    [\"total\", part, estimate with the build, budget]."""
+    out = subprocess.run(["bash", "benchmarks/gpu_session.sh", "--dry-run", *args], cwd=ROOT,
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return [line.split("\t") for line in out.splitlines()]
+
+
+def normalized(command: str) -> str:
+    """A command as RESULTS.md and the script both can write it: python3, one space, no comment."""
+    command = command.split("  #", 1)[0].removesuffix("&& \\").strip()
+    return re.sub(r"^python ", "python3 ", re.sub(r"\s+", " ", command))
+
+
+def results_cuda_commands() -> set[str]:
+    """Every `--device cuda` command in RESULTS.md, in fenced blocks or inline code."""
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    blocks = re.findall(r"^```\n(.*?)^```", text, flags=re.S | re.M)
+    lines = [line for block in blocks for line in block.splitlines()]
+    lines += re.findall(r"`([^`\n]+)`", re.sub(r"^```\n.*?^```", "", text, flags=re.S | re.M))
+    return {normalized(line) for line in lines if "--device cuda" in line}
+
+
+@needs_bash
+def test_gpu_session_runs_every_cuda_command_results_names_and_no_other():
+    lines = gpu_session_dry_run(*SESSION_PARTS)
+    planned = {normalized(cmd) for part, _, _, cmd in lines if part in SESSION_PARTS}
+    named = results_cuda_commands()
+    assert len(named) >= 9  # optim, fusion, 3 x fad, 2 x bppsa, 2 x ooo: the parser still finds them
+    assert named - planned == set(), "RESULTS.md names CUDA commands the session would not run"
+    assert planned - named == set(), "the session runs CUDA commands RESULTS.md does not name"
+
+
+@needs_bash
+def test_gpu_session_parts_fit_a_device_call_issue_targets_first():
+    lines = gpu_session_dry_run("build", "tests", *SESSION_PARTS)
+    assert [line[0] for line in lines[:2]] == ["build", "tests"]
+    totals = {line[1]: (int(line[2]), int(line[3])) for line in lines if line[0] == "total"}
+    assert set(totals) == set(SESSION_PARTS)
+    for part, (estimate, budget) in totals.items():
+        commands = [line for line in lines if line[0] == part]
+        assert estimate == int(lines[0][1]) + sum(int(est) for _, est, _, _ in commands)
+        assert estimate <= budget <= DEVICE_CALL_LIMIT_S, part
+        assert all(int(limit) >= int(est) for _, est, limit, _ in commands)
+        outputs = [re.search(r"--json \$OUT/(\S+)", cmd).group(1) for *_, cmd in commands]
+        assert len(set(outputs)) == len(outputs)
+        assert len(outputs) + 2 <= DEVICE_FILES_LIMIT, part  # + the part's log and build.log
+    first = [cmd for part, _, _, cmd in lines if part == "bench-a"][:2]
+    assert "bppsa.py" in first[0] and "--part rnn-t" in first[0]  # issue 5: T=1000, B=16, d=20
+    assert "--models densenet121_k12 --batches 32" in first[1]     # issue 6
+    every = " ".join(cmd for part, _, _, cmd in lines if part in SESSION_PARTS)
+    for script in ("optim", "fusion", "fad", "bppsa", "ooo"):
+        assert f"benchmarks/{script}.py --device cuda" in every
+
+
+@needs_bash
+def test_gpu_session_commands_parse_with_their_scripts(monkeypatch):
+    # An option renamed in a script must not cost the GPU session a command (ooo parses in main()).
+    scripts = {"optim": optim_bench, "fusion": fusion_bench, "fad": fad_bench, "bppsa": bppsa_bench}
+    parsed = 0
+    commands = [cmd for part, _, _, cmd in gpu_session_dry_run(*SESSION_PARTS) if part in SESSION_PARTS]
+    for cmd in commands:
+        argv = cmd.replace("$OUT", "/tmp").split()[1:]
+        script = scripts.get(Path(argv[0]).stem)
+        if script is not None:
+            monkeypatch.setattr(sys, "argv", argv)
+            args = script.parse_args(argv[1:]) if script is bppsa_bench else script.parse_args()
+            assert args.device == "cuda" and args.json.startswith("/tmp/")
+            parsed += 1
+    assert parsed == 7
+
+
+@needs_bash
+@pytest.mark.parametrize("budget_s", [40, 60])
+def test_gpu_session_time_guard_shortens_timeouts_then_skips(tmp_path, budget_s):
+    # PYTHON=echo: each command only prints itself, so the run shows the guard's arithmetic:
+    # a command gets the time left less 15 s, and none starts with under 30 s left.
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": "echo", "GPU_SESSION_BUDGET_S": str(budget_s)}
+    subprocess.run(["bash", "benchmarks/gpu_session.sh", "--device", "cpu", "--quick", "bench-b"], cwd=ROOT,
+                   env=env, capture_output=True, text=True, check=True, timeout=60)
+    log = (tmp_path / "bench-b.log").read_text()
+    commands = [cmd for part, _, _, cmd in gpu_session_dry_run("--device", "cpu", "--quick", "bench-b")
+                if part == "bench-b"]
+    if budget_s == 40:
+        assert log.count("SKIPPED (time guard") == len(commands) and "run [" not in log
+    else:
+        limits = [int(t) for t in re.findall(r"run \[estimate \d+ s, timeout (\d+) s", log)]
+        assert len(limits) == len(commands) and all(40 <= t <= 45 for t in limits), log
+        assert "benchmarks/ooo.py --device cpu --quick" in log  # echo's output went to the log
+
+
+@needs_bash
+def test_gpu_session_smoke_run_swaps_every_cuda_option():
+    for part, _, _, cmd in gpu_session_dry_run("--device", "cpu", "--quick", *SESSION_PARTS):
+        if part in SESSION_PARTS:
+            assert "--device cpu --quick" in cmd and "cuda" not in cmd and "--reps" not in cmd, cmd
+
+
+def test_gpu_session_collector_writes_results_rows(tmp_path, machine, capsys):
+    payload = {"benchmark": "optim", "machine": machine,
+               "rows": [{"optimizer": "AdamW", "case": "1x100M", "ms": {"reprop": 0.81, "peer": 1.2}},
+                        {"optimizer": "SGD", "case": "a|b", "extra": 3}],
+               "targets": [{"target": "speedup >= 1", "ok": True}],
+               "simulate_dp": {"compute_ms": 9.5, "rows": [{"gpus": 16, "speedup": 1.5}]},
+               "cases": [{"stats_ms": {"samples": [1.0, 2.0]}}]}
+    (tmp_path / "optim-cuda.json").write_text(json.dumps(payload))
+    (tmp_path / "optim-z.json").write_text(json.dumps({"machine": {**machine, "device": "cuda", "git_commit": None}}))
+    command = "python3 benchmarks/optim.py --device cuda --json $OUT/optim-cuda.json"
+    (tmp_path / "bench-a.log").write_text(
+        f"noise\ngpu_session: run [estimate 45 s, timeout 180 s, at 3 s]: {command}\nmore\n")
+    gpu_session.main([str(tmp_path), "--commit", "abc123"])
+    out = capsys.readouterr().out
+    assert f"`{command}`" in out
+    assert f"### CPU ({machine['date'][:10]}, commit {machine['git_commit'] or 'abc123'})" in out
+    assert harness.describe_machine(machine).splitlines()[0] in out
+    assert out.index("<!-- optim-cuda.json -->") < out.index(
+        f"<!-- optim-z.json -->\n### CUDA ({machine['date'][:10]}, commit abc123)")
+    assert "`command not found in the logs`" in out
+    assert ("| optimizer | case | ms.reprop | ms.peer | extra |\n| --- | --- | --- | --- | --- |\n"
+            "| AdamW | 1x100M | 0.81 | 1.2 | - |\n| SGD | a\\|b | - | - | 3 |") in out
+    assert "| target | ok |\n| --- | --- |\n| speedup >= 1 | True |" in out
+    assert "simulate_dp:\n\n| gpus | speedup |\n| --- | --- |\n| 16 | 1.5 |" in out
+    assert "samples" not in out  # the per-sample statistics stay in the JSON
