@@ -92,7 +92,10 @@
 #define RP_TAB_BLOCKS 24
 #define RP_STEP_TAB 200
 
-#define EMU_DEVICES 4
+/* The grid runs on devices 0 to 3; the random mode on the others, each with
+ * an SM count drawn once (optim.cu caches each device's count). */
+#define EMU_DEVICES 64
+#define GRID_DEVICES 4
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "optim.cu"
 
@@ -130,7 +133,7 @@ static_assert(sizeof(emu_dev::rp_step_launch) == sizeof(rp_step_launch), "step t
  * The emulated runtime: devices, injected faults
  * ------------------------------------------------------------------------- */
 
-/* The grid's SM counts; the random mode draws them per case. */
+/* The grid's SM counts; the random mode draws the other devices'. */
 static int emu_sm_count[EMU_DEVICES] = {132, 1, 4, 7};
 
 /* The order the executor runs blocks and threads in (emu_run_grid_order):
@@ -1275,9 +1278,24 @@ static std::vector<int64_t> random_sizes(rng64 *r)
     return v;
 }
 
-static launch_config pick_config(rng64 *r, const std::vector<launch_config> &all)
+/* SM counts of the random mode's devices: few (1 to 8) or any up to 200. */
+static void draw_sm_counts(uint64_t seed)
 {
-    return all[rng_below(r, all.size())];
+    rng64 r = {seed};
+    for (int d = GRID_DEVICES; d < EMU_DEVICES; d++)
+        emu_sm_count[d] = (int)(1 + (rng_below(&r, 2) ? rng_below(&r, 8) : rng_below(&r, 200)));
+}
+
+/* A call on one of the random mode's devices: its stream, from it or from
+ * another device, or one of the special streams of the current device. */
+static launch_config random_launch_config(rng64 *r)
+{
+    static const cudaStream_t specials[] = {NULL, cudaStreamPerThread, cudaStreamLegacy};
+    const int dev = GRID_DEVICES + (int)rng_below(r, EMU_DEVICES - GRID_DEVICES);
+    const int current = GRID_DEVICES + (int)rng_below(r, EMU_DEVICES - GRID_DEVICES);
+    if (rng_below(r, 3) == 0)
+        return {"a special stream of the current device", dev, pick(r, specials), dev};
+    return {"a stream of its own device", current, emu_stream(dev), dev};
 }
 
 static void describe_hparams(char *buf, size_t size, const rp_optim_hparams &h)
@@ -1300,21 +1318,19 @@ static bool run_random_case(uint64_t seed, uint64_t index)
     rng64 r = random_case_rng(seed, index);
     const hparam_config config = {hp_name, random_hparams(&r)};
     size_set sizes = {sizes_name, random_sizes(&r), false};
-    const std::vector<launch_config> all = launch_configs();
-    const std::vector<launch_config> configs = {pick_config(&r, all), pick_config(&r, all)};
+    const std::vector<launch_config> configs = {random_launch_config(&r),
+                                               random_launch_config(&r)};
     const case_spec spec = {&config, (int)rng_below(&r, 3), &sizes,
                             (misalignment)rng_below(&r, N_MISALIGNMENTS + 1),
                             (capture_mode)rng_below(&r, N_CAPTURE_MODES)};
-    for (int d = 0; d < EMU_DEVICES; d++)
-        emu_sm_count[d] = rng_below(&r, 2) ? (int)(1 + rng_below(&r, 8)) : (int)(1 + rng_below(&r, 200));
     g_blocks_reversed = rng_below(&r, 2);
     g_odd_reversed = rng_below(&r, 2);
     g_offset_salt = rng_next(&r);
     describe_hparams(hp_name, sizeof hp_name, config.hp);
     snprintf(sizes_name, sizeof sizes_name,
-             "random case %llu:%llu, %zu tensors, SMs %d %d %d %d (not the names'), order %d%d",
+             "random case %llu:%llu, %zu tensors, %d and %d SMs, order %d%d",
              (unsigned long long)seed, (unsigned long long)index, sizes.sizes.size(),
-             emu_sm_count[0], emu_sm_count[1], emu_sm_count[2], emu_sm_count[3],
+             emu_sm_count[configs[0].stream_device], emu_sm_count[configs[1].stream_device],
              (int)g_blocks_reversed, (int)g_odd_reversed);
     return run_case(spec, configs, rng_next(&r));
 }
@@ -1331,6 +1347,7 @@ int main(int argc, char **argv)
     test_runtime_errors();
     const int devices = test_device_count();
     if (g_random_mode) {
+        draw_sm_counts(random.seed);
         run_random_cases(random, run_random_case);
     } else {
         run_grid();
