@@ -1216,9 +1216,9 @@ static rp_optim_hparams random_hparams(rng64 *r)
 {
     static const double lrs[] = {1e-2, 0.0, 1e-40, 1e-30, 0.7, 1.0, 3.0, 1e30, INFINITY};
     static const double decays[] = {0.0, 0.0, 0.01, 0.3, 1e-40, 1e3, INFINITY};
-    static const double epss[] = {1e-8, 0.0, 1e-30, 1.0, 1e-3};
+    static const double epss[] = {1e-8, 0.0, 1e-30, 1.0, 1e-3, INFINITY};
     static const double beta1s[] = {0.9, 0.0, 0.3, 0.5, 0.999, 1.0, 0.90234375};
-    static const double beta2s[] = {0.999, 0.0, 0.5, 0.99999, 0.98828125};
+    static const double beta2s[] = {0.999, 0.0, 0.5, 0.99999, 0.98828125, INFINITY};
     static const double momenta[] = {0.0, 0.9, 0.5, 1.0, 1e-40};
     static const double dampenings[] = {0.0, 0.1, 1.0};
     static const double alphas[] = {0.99, 0.0, 0.5, 1.0};
