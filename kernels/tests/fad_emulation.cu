@@ -71,6 +71,14 @@
  * a refused launch and an error cudaGetLastError reports after it (RP_ERUNTIME
  * with CUDA's text, the error cleared).
  *
+ * With --random N [--seed S] [--first I] it runs N cases drawn from the seed
+ * instead of the grid (.ci/run runs a couple hundred): any activation with
+ * parameters drawn from edge values (0, -0, tiny, subnormal, huge, inf, NaN;
+ * the CPU core's refusals must be the launcher's) or at random, any x dtype
+ * and derivative storage, any layout, sizes near the vector width, a block
+ * and the RP_FAD_MAX_BLOCKS cap, and a quarter backwards from codes. A
+ * failed case prints the arguments that rerun it alone.
+ *
  * What it cannot prove: anything only the device does: the device code nvcc
  * generates for fad_math.h (the emulation runs the host compilation of the
  * same source; --fmad=false and IEEE division and sqrt are what make them

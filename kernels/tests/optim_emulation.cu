@@ -56,6 +56,17 @@
  *     text (no update after failed increments), and
  *     rp_cuda_device_count() is 0 when the runtime finds no driver.
  *
+ * With --random N [--seed S] [--first I] it runs N cases drawn from the seed
+ * instead of the grid (.ci/run runs a few thousand): any optimizer with any
+ * options and edge hyper-parameters (0, tiny, huge, inf; tensor value kinds;
+ * those the C core refuses are counted and skipped), any dtype and capture
+ * mode, up to a few hundred tensors of sizes near the vector, block-step and
+ * chunk edges, every buffer at its own offset, devices 4 to 63 with SM
+ * counts drawn per seed (optim.cu caches each device's), blocks last to
+ * first or not and either parity of blocks with threads reversed. A failed
+ * case prints the arguments that rerun it alone. Both modes take a NaN for
+ * any NaN (first_difference_nan_equal).
+ *
  * What it cannot prove: anything only the device does: real 128-bit and 64-bit
  * loads and stores, shared memory banks, threads of a block running
  * concurrently (the executor's interleaving is one legal order), CUDA's

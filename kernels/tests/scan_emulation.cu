@@ -67,6 +67,13 @@
  * opt-in, and an up-sweep block (not the linear scan's) needing more than the
  * device's opt-in at levels = 1.
  *
+ * With --random N [--seed S] [--first I] it runs N problems drawn from the
+ * seed instead of the grid (.ci/run runs 20), each as run_case runs a grid
+ * one: n up to 300, H from 1 to 130 (mostly up to 40), batch 1 to 4, dense
+ * leaves or 1 to 3 gates with or without u, v or f'(y), pre_activation, a
+ * shared-memory budget of 12 to 48 KB in 1 KB steps and an opt-in maximum
+ * of 48, 99, 163 or 227 KB. A failed problem prints its seed and index.
+ *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
  * register limits), nor a missing __syncthreads right next to a shuffle
