@@ -688,10 +688,12 @@ static bool is_nan_bits(uint32_t b, int dtype)
 }
 
 /* The first element where two buffers of `dtype` differ, or -1: bit for
- * bit, except that a NaN equals any NaN. Their sign and payload carry no
- * meaning: the device's arithmetic makes canonical NaNs (0x7fffffff), the
- * CPU's x86's negative "indefinite" one, and an update may negate a NaN
- * where the C core does not (p - lr * u against p + (-lr) * u). */
+ * bit, except that a NaN equals any NaN (as fad_emulation.cu compares). Their
+ * sign and payload carry no meaning: the device's arithmetic returns its
+ * canonical NaN, and on the host an operation with two NaN operands returns
+ * the first one's, whose order GCC may commute differently in the C core's
+ * compilation and the kernels' host copy (the random mode's RMSprop with
+ * lr = 1e30 ended at 0x7fc0 here, 0xffc0 on the CPU). */
 static int64_t first_difference_nan_equal(guarded_buffer *want, guarded_buffer *got, int dtype)
 {
     const size_t esize = dtype == RP_F32 ? 4 : 2;
