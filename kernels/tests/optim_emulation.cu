@@ -690,10 +690,10 @@ static bool is_nan_bits(uint32_t b, int dtype)
 /* The first element where two buffers of `dtype` differ, or -1: bit for
  * bit, except that a NaN equals any NaN (as fad_emulation.cu compares). Their
  * sign and payload carry no meaning: the device's arithmetic returns its
- * canonical NaN, and on the host an operation with two NaN operands returns
- * the first one's, whose order GCC may commute differently in the C core's
- * compilation and the kernels' host copy (the random mode's RMSprop with
- * lr = 1e30 ended at 0x7fc0 here, 0xffc0 on the CPU). */
+ * canonical NaN, and on the host the C core's compilation and the kernels'
+ * host copy may order operands or fold a negation differently (x86 returns
+ * the first NaN operand; a negation flips a NaN's sign): the random mode's
+ * RMSprop with lr = 1e30 ended at NaN 0x7fc0 here, 0xffc0 on the CPU. */
 static int64_t first_difference_nan_equal(guarded_buffer *want, guarded_buffer *got, int dtype)
 {
     const size_t esize = dtype == RP_F32 ? 4 : 2;
