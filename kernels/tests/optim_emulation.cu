@@ -811,6 +811,13 @@ static std::vector<hparam_config> hparam_configs(void)
     h.weight_decay = 0.1;
     h.maximize = 1;
     v.push_back({"adagrad lr_decay weight_decay maximize", h});
+    /* tensor lr and lr_decay of two dtypes: the capturable kernel's step size
+     * must divide with lr_decay's kind (found missing by the random mode) */
+    h = base_hparams(RP_ADAGRAD);
+    h.lr_decay = 0.01;
+    h.lr_kind = RP_LR_F16;
+    h.lr_decay_kind = RP_LR_F32;
+    v.push_back({"adagrad float16 tensor lr, float32 tensor lr_decay", h});
 
     h = base_hparams(RP_RMSPROP);
     v.push_back({"rmsprop", h});
