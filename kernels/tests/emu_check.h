@@ -14,13 +14,14 @@
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include <vector>
 
 static int g_failures;
-static char g_context[256]; /* the case being run */
+static char g_context[640]; /* the case being run */
 
 static void report_failure(const char *file, int line, const char *cond, const char *fmt, ...)
 {
@@ -158,6 +159,64 @@ static uint64_t rng_next(rng64 *r)
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
+}
+
+/* ---------------------------------------------------------------------------
+ * The random modes (--random N [--seed S] [--first I]): cases drawn from the
+ * seed and their index alone, so that a failed one runs again by itself
+ * ------------------------------------------------------------------------- */
+
+static uint64_t rng_below(rng64 *r, uint64_t n) { return n ? rng_next(r) % n : 0; }
+
+/* One of the values, uniformly. */
+template <typename T, size_t N> static T pick(rng64 *r, const T (&values)[N])
+{
+    return values[rng_below(r, N)];
+}
+
+/* The generator of random case `index` of `seed`. */
+static rng64 random_case_rng(uint64_t seed, uint64_t index)
+{
+    return rng64{seed * 0x9E3779B97F4A7C15u + index};
+}
+
+typedef struct {
+    long count; /* 0: the grid */
+    uint64_t seed, first;
+} random_args;
+
+static random_args parse_random_args(int argc, char **argv)
+{
+    random_args a = {0, 1, 0};
+    bool ok = argc % 2 == 1;
+    for (int i = 1; ok && i + 1 < argc; i += 2) {
+        if (strcmp(argv[i], "--random") == 0)
+            a.count = atol(argv[i + 1]);
+        else if (strcmp(argv[i], "--seed") == 0)
+            a.seed = strtoull(argv[i + 1], NULL, 10);
+        else if (strcmp(argv[i], "--first") == 0)
+            a.first = strtoull(argv[i + 1], NULL, 10);
+        else
+            ok = false;
+    }
+    if (!ok) {
+        fprintf(stderr, "usage: %s [--random N [--seed S] [--first I]]\n", argv[0]);
+        exit(2);
+    }
+    return a;
+}
+
+/* Runs a.count random cases, case(seed, index) false for a failed one,
+ * each failure's rerun command printed; stops after 10. */
+static void run_random_cases(const random_args &a, bool (*run_case)(uint64_t, uint64_t))
+{
+    int failed = 0;
+    for (long i = 0; i < a.count && failed < 10; i++)
+        if (!run_case(a.seed, a.first + (uint64_t)i)) {
+            printf("failed: --random 1 --seed %llu --first %llu\n", (unsigned long long)a.seed,
+                   (unsigned long long)(a.first + (uint64_t)i));
+            failed++;
+        }
 }
 
 #endif /* REPROP_EMU_CHECK_H */

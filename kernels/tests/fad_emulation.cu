@@ -71,6 +71,14 @@
  * a refused launch and an error cudaGetLastError reports after it (RP_ERUNTIME
  * with CUDA's text, the error cleared).
  *
+ * With --random N [--seed S] [--first I] it runs N cases drawn from the seed
+ * instead of the grid (.ci/run runs a couple hundred): any activation with
+ * parameters drawn from edge values (0, -0, tiny, subnormal, huge, inf, NaN;
+ * the CPU core's refusals must be the launcher's) or at random, any x dtype
+ * and derivative storage, any layout, sizes near the vector width, a block
+ * and the RP_FAD_MAX_BLOCKS cap, and a quarter backwards from codes. A
+ * failed case prints the arguments that rerun it alone.
+ *
  * What it cannot prove: anything only the device does: the device code nvcc
  * generates for fad_math.h (the emulation runs the host compilation of the
  * same source; --fmad=false and IEEE division and sqrt are what make them
@@ -1041,21 +1049,80 @@ static void check_coverage(void)
           g_stats.blocks, g_stats.threads);
 }
 
-int main(void)
+/* ---------------------------------------------------------------------------
+ * The random mode: cases the grid does not walk
+ * ------------------------------------------------------------------------- */
+
+/* A parameter: mostly a plain value, sometimes an edge one (the C core's
+ * refusals must be the launcher's too, status and message). */
+static float random_param(rng64 *r)
+{
+    static const float edges[] = {0.0f, -0.0f, 1.0f, -1.0f, 1e-30f, -1e-30f, 1e-45f, 20.0f,
+                                  -20.0f, 100.0f, 3e38f, INFINITY, -INFINITY, NAN, 0.5f, 2.0f};
+    return rng_below(r, 2) ? pick(r, edges) : (float)((double)(rng_next(r) >> 40) / 1677721.6 - 5.0);
+}
+
+/* A size near an edge: the vector width, a block of vector or scalar steps,
+ * the cap of RP_FAD_MAX_BLOCKS blocks (a thread's second step), or any. */
+static int64_t random_size(rng64 *r, int dtype)
+{
+    const int64_t E = vec_width(dtype), B = (int64_t)RP_FAD_THREADS * E;
+    const int64_t T = (int64_t)RP_FAD_MAX_BLOCKS * RP_FAD_THREADS;
+    const int64_t edges[] = {0, E, 2 * E, RP_FAD_THREADS, B, 2 * B, T, E * T};
+    switch (rng_below(r, 4)) {
+    case 0:
+        return (int64_t)rng_below(r, 3 * E);
+    case 1:
+        return std::max<int64_t>(0, pick(r, edges) + (int64_t)rng_below(r, 2 * E + 1) - E);
+    case 2:
+        return (int64_t)rng_below(r, 3 * B);
+    default:
+        return (int64_t)rng_below(r, 300);
+    }
+}
+
+/* Random case `index` of `seed`: a forward, or a backward from codes when
+ * the drawn activation has a codebook. */
+static bool run_random_case(uint64_t seed, uint64_t index)
+{
+    static char name[96];
+    rng64 r = random_case_rng(seed, index);
+    const act_config c = {name, (int)rng_below(&r, RP_FAD_KINDS), random_param(&r),
+                          random_param(&r)};
+    const int dtype = pick(&r, k_dtypes);
+    const int64_t n = random_size(&r, dtype);
+    const size_t start = (size_t)rng_below(&r, pool_size(dtype));
+    snprintf(name, sizeof name, "random case %llu:%llu: kind %d p0 %a p1 %a",
+             (unsigned long long)seed, (unsigned long long)index, c.kind, (double)c.p0,
+             (double)c.p1);
+    rp_fad_codebook cb;
+    rp_error err = {{0}};
+    if (rng_below(&r, 4) == 0 && rp_fad_codebook_init(c.kind, c.p0, c.p1, &cb, &err) == RP_OK)
+        return run_backward(c, dtype, n, (blayout)rng_below(&r, N_BLAYOUTS), start,
+                            rng_below(&r, 2));
+    return run_forward(c, dtype, pick(&r, k_stores), n, (layout)rng_below(&r, N_LAYOUTS), start);
+}
+
+int main(int argc, char **argv)
 {
     struct timespec t0, t1;
     int failed = 0;
+    const random_args random = parse_random_args(argc, argv);
     catch_fatal_signals();
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
     test_runtime_errors();
-    run_forward_grid(&failed);
-    if (failed < 10)
-        run_forward_grid_stride(&failed);
-    if (failed < 10)
-        run_backward_grid(&failed);
-    if (g_failures == 0)
-        check_coverage();
+    if (random.count > 0) {
+        run_random_cases(random, run_random_case);
+    } else {
+        run_forward_grid(&failed);
+        if (failed < 10)
+            run_forward_grid_stride(&failed);
+        if (failed < 10)
+            run_backward_grid(&failed);
+        if (g_failures == 0)
+            check_coverage();
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     printf("fad_emulation: %s: %ld cases, %ld launches (%ld vector, %ld scalar, %ld backward, "
            "%ld capped grids), %ld blocks, %ld threads, %ld barriers, %.1f s\n",

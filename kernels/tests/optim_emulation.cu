@@ -56,6 +56,17 @@
  *     text (no update after failed increments), and
  *     rp_cuda_device_count() is 0 when the runtime finds no driver.
  *
+ * With --random N [--seed S] [--first I] it runs N cases drawn from the seed
+ * instead of the grid (.ci/run runs a few thousand): any optimizer with any
+ * options and edge hyper-parameters (0, tiny, huge, inf; tensor value kinds;
+ * those the C core refuses are counted and skipped), any dtype and capture
+ * mode, up to a few hundred tensors of sizes near the vector, block-step and
+ * chunk edges, every buffer at its own offset, devices 4 to 63 with SM
+ * counts drawn per seed (optim.cu caches each device's), blocks last to
+ * first or not and either parity of blocks with threads reversed. A failed
+ * case prints the arguments that rerun it alone. Both modes take a NaN for
+ * any NaN (first_difference_nan_equal).
+ *
  * What it cannot prove: anything only the device does: real 128-bit and 64-bit
  * loads and stores, shared memory banks, threads of a block running
  * concurrently (the executor's interleaving is one legal order), CUDA's
@@ -92,7 +103,10 @@
 #define RP_TAB_BLOCKS 24
 #define RP_STEP_TAB 200
 
-#define EMU_DEVICES 4
+/* The grid runs on devices 0 to 3; the random mode on the others, each with
+ * an SM count drawn once (optim.cu caches each device's count). */
+#define EMU_DEVICES 64
+#define GRID_DEVICES 4
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 #include "optim.cu"
 
@@ -130,7 +144,12 @@ static_assert(sizeof(emu_dev::rp_step_launch) == sizeof(rp_step_launch), "step t
  * The emulated runtime: devices, injected faults
  * ------------------------------------------------------------------------- */
 
-static const int emu_sm_count[EMU_DEVICES] = {132, 1, 4, 7};
+/* The grid's SM counts; the random mode draws the other devices'. */
+static int emu_sm_count[EMU_DEVICES] = {132, 1, 4, 7};
+
+/* The order the executor runs blocks and threads in (emu_run_grid_order):
+ * index order in the grid, drawn per case in the random mode. */
+static bool g_blocks_reversed, g_odd_reversed;
 
 typedef enum {
     FAULT_NONE,
@@ -142,6 +161,8 @@ typedef enum {
 } emu_fault;
 
 static emu_fault g_fault;
+
+static bool g_random_mode; /* --random: cases drawn at random, not the grid */
 
 static bool emu_get_device_fails(void) { return g_fault == FAULT_GET_DEVICE; }
 
@@ -171,6 +192,7 @@ typedef struct {
     long capped_chunks;           /* launches with chunks of RP_HUGE_STEPS block steps */
     std::vector<int> chunks;      /* the distinct chunk sizes launched */
     long device_switches;         /* calls on a stream of another device than the current */
+    long refused_cases;           /* random cases whose hyper-parameters the C core refuses */
 } emu_stats;
 
 static emu_stats g_stats;
@@ -202,7 +224,8 @@ static void step_increment_launch(const rp_step_launch &S, dim3 grid, dim3 block
           "%u x %u threads for %d counters", grid.x, block.x, S.n);
     emu_dev::rp_step_launch copy;
     memcpy(&copy, &S, sizeof copy);
-    emu_run_grid(grid.x, block.x, step_increment_thread, &copy);
+    emu_run_grid_order(grid.x, block.x, step_increment_thread, &copy, g_blocks_reversed,
+                       g_odd_reversed);
     g_stats.multi_block_step_launches += grid.x > 1;
     g_call.step_launches++;
     g_stats.step_launches++;
@@ -219,7 +242,8 @@ static void emulate_grid(const rp_optim_launch &L, int nblocks, int nthreads)
 {
     emu_dev::rp_optim_launch copy;
     memcpy(&copy, &L, sizeof copy);
-    emu_run_grid((unsigned)nblocks, (unsigned)nthreads, update_thread<KIND, DT, CAPT>, &copy);
+    emu_run_grid_order((unsigned)nblocks, (unsigned)nthreads, update_thread<KIND, DT, CAPT>,
+                       &copy, g_blocks_reversed, g_odd_reversed);
 }
 
 typedef void (*emulate_fn)(const rp_optim_launch &, int, int);
@@ -519,10 +543,16 @@ static void state_range(int kind, int slot, float *lo, float *hi)
     }
 }
 
-typedef enum { ALIGNED, MIXED, EIGHT_BYTES, N_MISALIGNMENTS } misalignment;
+/* RANDOM_OFFSETS (the random mode only): every buffer at its own offset. */
+typedef enum { ALIGNED, MIXED, EIGHT_BYTES, N_MISALIGNMENTS, RANDOM_OFFSETS = N_MISALIGNMENTS }
+    misalignment;
 
-static const char *const misalignment_names[N_MISALIGNMENTS] = {
-    "aligned", "mixed misaligned", "param/grad 8-byte aligned"};
+static const char *const misalignment_names[N_MISALIGNMENTS + 1] = {
+    "aligned", "mixed misaligned", "param/grad 8-byte aligned", "random offsets"};
+
+/* The random mode's offsets of a case derive from this and the entry index,
+ * so that a case's twin (build_case's `from`) gets the same ones. */
+static uint64_t g_offset_salt;
 
 /* Byte offsets of entry i's buffers from a 64-byte boundary. */
 typedef struct {
@@ -546,6 +576,12 @@ static buffer_offsets offsets_for(misalignment m, size_t i, size_t esize)
     } else if (m == EIGHT_BYTES) {
         o.param = 8; /* enough for 16-bit vectors (8 bytes), not for float32 ones */
         o.grad = 8;
+    } else if (m == RANDOM_OFFSETS) {
+        rng64 r = {g_offset_salt * 1000003u + i}; /* element (param, grad) or float offsets */
+        o.param = rng_next(&r) % 3 == 0 ? esize * (rng_next(&r) % 16) : 0;
+        o.grad = rng_next(&r) % 3 == 0 ? esize * (rng_next(&r) % 16) : 0;
+        for (int s = 0; s < 3; s++)
+            o.state[s] = rng_next(&r) % 4 == 0 ? 4 * (rng_next(&r) % 16) : 0;
     }
     return o;
 }
@@ -641,28 +677,68 @@ static void build_case(case_data *cd, const rp_optim_hparams &hp, int dtype,
         build_tensor(cd, i, hp, dtype, sizes[i], m, from ? &from->tensors[i] : NULL, &r);
 }
 
-static bool compare_buffer(guarded_buffer *want, guarded_buffer *got, size_t esize,
+/* Element bits `b` of `dtype` are a NaN. */
+static bool is_nan_bits(uint32_t b, int dtype)
+{
+    if (dtype == RP_F32)
+        return (b & 0x7fffffffu) > 0x7f800000u;
+    if (dtype == RP_BF16)
+        return (b & 0x7fffu) > 0x7f80u;
+    return (b & 0x7fffu) > 0x7c00u;
+}
+
+/* The first element where two buffers of `dtype` differ, or -1: bit for
+ * bit, except that a NaN equals any NaN (as fad_emulation.cu compares). Their
+ * sign and payload carry no meaning: the device's arithmetic returns its
+ * canonical NaN, and on the host the C core's compilation and the kernels'
+ * host copy may order operands or fold a negation differently (x86 returns
+ * the first NaN operand; a negation flips a NaN's sign): the random mode's
+ * RMSprop with lr = 1e30 ended at NaN 0x7fc0 here, 0xffc0 on the CPU. */
+static int64_t first_difference_nan_equal(guarded_buffer *want, guarded_buffer *got, int dtype)
+{
+    const size_t esize = dtype == RP_F32 ? 4 : 2;
+    const int64_t first = first_difference(want, got, esize); /* bit for bit: the fast path */
+    if (first < 0 || want->size != got->size)
+        return first;
+    const unsigned char *w = (const unsigned char *)buffer_data(want);
+    const unsigned char *g = (const unsigned char *)buffer_data(got);
+    for (size_t i = (size_t)first; i < want->size / esize; i++) {
+        uint32_t wb = 0, gb = 0;
+        memcpy(&wb, w + i * esize, esize);
+        memcpy(&gb, g + i * esize, esize);
+        if (wb != gb && !(is_nan_bits(wb, dtype) && is_nan_bits(gb, dtype)))
+            return (int64_t)i;
+    }
+    return -1;
+}
+
+static bool compare_buffer(guarded_buffer *want, guarded_buffer *got, int dtype,
                            const char *what, size_t i)
 {
-    const int64_t at = first_difference(want, got, esize);
+    const size_t esize = dtype == RP_F32 ? 4 : 2;
+    const int64_t at = first_difference_nan_equal(want, got, dtype);
     const bool guards = buffer_guards_intact(got);
     CHECK(guards, "write out of bounds of %s of tensor %zu", what, i);
-    CHECK(at < 0, "%s of tensor %zu differs from the CPU's at element %lld", what, i,
-          (long long)at);
+    uint32_t want_bits = 0, got_bits = 0; /* the element's bytes, for the report */
+    if (at >= 0) {
+        memcpy(&want_bits, (const char *)buffer_data(want) + (size_t)at * esize, esize);
+        memcpy(&got_bits, (const char *)buffer_data(got) + (size_t)at * esize, esize);
+    }
+    CHECK(at < 0, "%s of tensor %zu differs from the CPU's at element %lld: 0x%x, CPU 0x%x",
+          what, i, (long long)at, got_bits, want_bits);
     return at < 0 && guards;
 }
 
 /* Everything of `got` equal, byte for byte, to `want`. */
 static bool compare_cases(case_data *want, case_data *got, int dtype)
 {
-    const size_t esize = (size_t)param_size(dtype);
     for (size_t i = 0; i < want->tensors.size(); i++) {
         tensor_data *w = &want->tensors[i], *g = &got->tensors[i];
-        bool ok = compare_buffer(&w->param, &g->param, esize, "param", i) &&
-                  compare_buffer(&w->grad, &g->grad, esize, "grad", i);
+        bool ok = compare_buffer(&w->param, &g->param, dtype, "param", i) &&
+                  compare_buffer(&w->grad, &g->grad, dtype, "grad", i);
         static const char *const names[3] = {"state 0", "state 1", "state 2"};
         for (int s = 0; s < 3 && ok; s++)
-            ok = compare_buffer(&w->state[s], &g->state[s], 4, names[s], i);
+            ok = compare_buffer(&w->state[s], &g->state[s], RP_F32, names[s], i);
         if (ok) {
             CHECK(same_float_bits(w->step, g->step), "step of tensor %zu: %g, CPU %g", i,
                   (double)g->step, (double)w->step);
@@ -735,6 +811,13 @@ static std::vector<hparam_config> hparam_configs(void)
     h.weight_decay = 0.1;
     h.maximize = 1;
     v.push_back({"adagrad lr_decay weight_decay maximize", h});
+    /* tensor lr and lr_decay of two dtypes: the capturable kernel's step size
+     * must divide with lr_decay's kind (found missing by the random mode) */
+    h = base_hparams(RP_ADAGRAD);
+    h.lr_decay = 0.01;
+    h.lr_kind = RP_LR_F16;
+    h.lr_decay_kind = RP_LR_F32;
+    v.push_back({"adagrad float16 tensor lr, float32 tensor lr_decay", h});
 
     h = base_hparams(RP_RMSPROP);
     v.push_back({"rmsprop", h});
@@ -941,6 +1024,11 @@ static bool run_case(const case_spec &spec, const std::vector<launch_config> &co
         describe_case(spec, it, lc);
         const int rc = rp_optim_step_cpu(&hp_cpu, spec.dtype, cpu.entries.data(),
                                          (int64_t)cpu.entries.size(), 1, &err);
+        if (rc == RP_EINVAL && g_random_mode) {
+            /* hyper-parameters torch refuses: the C core's tests cover the refusal */
+            g_stats.refused_cases++;
+            return true;
+        }
         CHECK(rc == RP_OK, "rp_optim_step_cpu: status %d: %s", rc, err.msg);
         if (rc != RP_OK || emulated_step(spec, it, &emu, lc, &device_lr) != RP_OK)
             return false;
@@ -1132,24 +1220,166 @@ static bool run_grid(void)
     return failed_cases == 0;
 }
 
-int main(void)
+/* ---------------------------------------------------------------------------
+ * The random mode: cases the grid does not walk
+ * ------------------------------------------------------------------------- */
+
+/* A hyper-parameter's rp_lr_kind: mostly a Python number. */
+static int random_value_kind(rng64 *r)
+{
+    return rng_below(r, 3) == 0 ? (int)rng_below(r, 5) : RP_LR_NUMBER;
+}
+
+/* Hyper-parameters of a random optimizer, edge values included (those the C
+ * core refuses are skipped by run_case). */
+static rp_optim_hparams random_hparams(rng64 *r)
+{
+    static const double lrs[] = {1e-2, 0.0, 1e-40, 1e-30, 0.7, 1.0, 3.0, 1e30, INFINITY};
+    static const double decays[] = {0.0, 0.0, 0.01, 0.3, 1e-40, 1e3, INFINITY};
+    static const double epss[] = {1e-8, 0.0, 1e-30, 1.0, 1e-3, INFINITY};
+    static const double beta1s[] = {0.9, 0.0, 0.3, 0.5, 0.999, 1.0, 0.90234375};
+    static const double beta2s[] = {0.999, 0.0, 0.5, 0.99999, 0.98828125, INFINITY};
+    static const double momenta[] = {0.0, 0.9, 0.5, 1.0, 1e-40};
+    static const double dampenings[] = {0.0, 0.1, 1.0};
+    static const double alphas[] = {0.99, 0.0, 0.5, 1.0};
+    static const double rhos[] = {0.9, 0.0, 0.99, 1.0};
+    static const double lr_decays[] = {0.0, 0.01, 1.0, 1e3};
+    rp_optim_hparams h = base_hparams((int)rng_below(r, 5));
+    h.lr = pick(r, lrs);
+    h.weight_decay = pick(r, decays);
+    h.eps = pick(r, epss);
+    h.beta1 = pick(r, beta1s);
+    h.beta2 = pick(r, beta2s);
+    h.momentum = pick(r, momenta);
+    h.dampening = pick(r, dampenings);
+    h.alpha = pick(r, alphas);
+    h.rho = pick(r, rhos);
+    h.lr_decay = pick(r, lr_decays);
+    h.nesterov = (int)rng_below(r, 2);
+    h.maximize = (int)rng_below(r, 2);
+    h.amsgrad = (int)rng_below(r, 2);
+    h.decoupled_weight_decay = (int)rng_below(r, 2);
+    h.centered = (int)rng_below(r, 2);
+    h.lr_kind = random_value_kind(r);
+    h.weight_decay_kind = random_value_kind(r);
+    h.beta1_kind = random_value_kind(r);
+    h.beta2_kind = random_value_kind(r);
+    h.dampening_kind = random_value_kind(r);
+    h.alpha_kind = random_value_kind(r);
+    h.rho_kind = random_value_kind(r);
+    h.lr_decay_kind = random_value_kind(r);
+    return h;
+}
+
+/* A tensor size near an edge: vector width, block step, chunk sizes. */
+static int64_t random_size(rng64 *r)
+{
+    static const int64_t edges[] = {0, 1, 4, BLOCK_STEP, 2 * BLOCK_STEP, 2048, 4096, 8192, 16384};
+    switch (rng_below(r, 4)) {
+    case 0:
+        return (int64_t)rng_below(r, 9);
+    case 1:
+        return std::max<int64_t>(0, pick(r, edges) + (int64_t)rng_below(r, 7) - 3);
+    case 2:
+        return (int64_t)rng_below(r, rng_below(r, 8) == 0 ? 80000 : 12000);
+    default:
+        return (int64_t)rng_below(r, 300);
+    }
+}
+
+static std::vector<int64_t> random_sizes(rng64 *r)
+{
+    const uint64_t shape = rng_below(r, 10);
+    /* mostly a few tensors; sometimes more than a step table holds */
+    const size_t n = shape == 0 ? 0 : shape == 1 ? 150 + rng_below(r, 200) : rng_below(r, 12);
+    std::vector<int64_t> v(n);
+    for (size_t i = 0; i < n; i++)
+        v[i] = shape == 1 ? (int64_t)rng_below(r, 5) : random_size(r);
+    return v;
+}
+
+/* SM counts of the random mode's devices: few (1 to 8) or any up to 200. */
+static void draw_sm_counts(uint64_t seed)
+{
+    rng64 r = {seed};
+    for (int d = GRID_DEVICES; d < EMU_DEVICES; d++)
+        emu_sm_count[d] = (int)(1 + (rng_below(&r, 2) ? rng_below(&r, 8) : rng_below(&r, 200)));
+}
+
+/* A call on one of the random mode's devices: its stream, from it or from
+ * another device, or one of the special streams of the current device. */
+static launch_config random_launch_config(rng64 *r)
+{
+    static const cudaStream_t specials[] = {NULL, cudaStreamPerThread, cudaStreamLegacy};
+    const int dev = GRID_DEVICES + (int)rng_below(r, EMU_DEVICES - GRID_DEVICES);
+    const int current = GRID_DEVICES + (int)rng_below(r, EMU_DEVICES - GRID_DEVICES);
+    if (rng_below(r, 3) == 0)
+        return {"a special stream of the current device", dev, pick(r, specials), dev};
+    return {"a stream of its own device", current, emu_stream(dev), dev};
+}
+
+static void describe_hparams(char *buf, size_t size, const rp_optim_hparams &h)
+{
+    snprintf(buf, size,
+             "kind %d lr %g wd %g eps %g betas %g %g momentum %g dampening %g alpha %g rho %g "
+             "lr_decay %g nesterov %d maximize %d amsgrad %d decoupled %d centered %d "
+             "value kinds %d%d%d%d%d%d%d%d",
+             h.kind, h.lr, h.weight_decay, h.eps, h.beta1, h.beta2, h.momentum, h.dampening,
+             h.alpha, h.rho, h.lr_decay, h.nesterov, h.maximize, h.amsgrad,
+             h.decoupled_weight_decay, h.centered, h.lr_kind, h.weight_decay_kind,
+             h.beta1_kind, h.beta2_kind, h.dampening_kind, h.alpha_kind, h.rho_kind,
+             h.lr_decay_kind);
+}
+
+/* Random case `index` of `seed`. */
+static bool run_random_case(uint64_t seed, uint64_t index)
+{
+    static char hp_name[200], sizes_name[120];
+    rng64 r = random_case_rng(seed, index);
+    const hparam_config config = {hp_name, random_hparams(&r)};
+    size_set sizes = {sizes_name, random_sizes(&r), false};
+    const std::vector<launch_config> configs = {random_launch_config(&r),
+                                               random_launch_config(&r)};
+    const case_spec spec = {&config, (int)rng_below(&r, 3), &sizes,
+                            (misalignment)rng_below(&r, N_MISALIGNMENTS + 1),
+                            (capture_mode)rng_below(&r, N_CAPTURE_MODES)};
+    g_blocks_reversed = rng_below(&r, 2);
+    g_odd_reversed = rng_below(&r, 2);
+    g_offset_salt = rng_next(&r);
+    describe_hparams(hp_name, sizeof hp_name, config.hp);
+    snprintf(sizes_name, sizeof sizes_name,
+             "random case %llu:%llu, %zu tensors, %d and %d SMs, order %d%d",
+             (unsigned long long)seed, (unsigned long long)index, sizes.sizes.size(),
+             emu_sm_count[configs[0].stream_device], emu_sm_count[configs[1].stream_device],
+             (int)g_blocks_reversed, (int)g_odd_reversed);
+    return run_case(spec, configs, rng_next(&r));
+}
+
+int main(int argc, char **argv)
 {
     struct timespec t0, t1;
+    const random_args random = parse_random_args(argc, argv);
+    g_random_mode = random.count > 0;
     unsetenv("REPROP_CUDA_OPTIM_CHUNK"); /* the chunk heuristic, not a tuning override */
     catch_fatal_signals();
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
     test_runtime_errors();
     const int devices = test_device_count();
-    run_grid();
-    if (g_failures == 0)
-        check_coverage();
+    if (g_random_mode) {
+        draw_sm_counts(random.seed);
+        run_random_cases(random, run_random_case);
+    } else {
+        run_grid();
+        if (g_failures == 0)
+            check_coverage();
+    }
     clock_gettime(CLOCK_MONOTONIC, &t1);
-    printf("optim_emulation: %s: %ld cases, %ld calls, %ld update + %ld increment launches "
+    printf("optim_emulation: %s: %ld cases (%ld refused by the C core), %ld calls, %ld update + %ld increment launches "
            "(%ld vector / %ld scalar blocks, %ld multi-launch calls, %ld continued tensors, "
            "%zu chunk sizes; %ld blocks, %ld threads, %ld barriers emulated), %d CUDA devices, "
            "%.1f s\n",
-           g_failures ? "FAILED" : "ok", g_stats.cases, g_stats.calls, g_stats.update_launches,
+           g_failures ? "FAILED" : "ok", g_stats.cases, g_stats.refused_cases, g_stats.calls, g_stats.update_launches,
            g_stats.step_launches, g_stats.vector_blocks, g_stats.scalar_blocks,
            g_stats.multi_launch_calls, g_stats.continued_tensors, g_stats.chunks.size(),
            g_exec.blocks, g_exec.threads, g_exec.barriers, devices,

@@ -67,6 +67,13 @@
  * opt-in, and an up-sweep block (not the linear scan's) needing more than the
  * device's opt-in at levels = 1.
  *
+ * With --random N [--seed S] [--first I] it runs N problems drawn from the
+ * seed instead of the grid (.ci/run runs 20), each as run_case runs a grid
+ * one: n up to 300, H from 1 to 130 (mostly up to 40), batch 1 to 4, dense
+ * leaves or 1 to 3 gates with or without u, v or f'(y), pre_activation, a
+ * shared-memory budget of 12 to 48 KB in 1 KB steps and an opt-in maximum
+ * of 48, 99, 163 or 227 KB. A failed problem prints its seed and index.
+ *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
  * register limits), nor a missing __syncthreads right next to a shuffle
@@ -91,6 +98,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <algorithm>
 #include <functional>
 #include <vector>
 
@@ -962,16 +970,62 @@ static void sweep(bool quick, bool smoke)
     g_smem_default = 49152;
 }
 
+/* ---------------------------------------------------------------------------
+ * The random mode: problems the grid does not walk
+ * ------------------------------------------------------------------------- */
+
+/* Random case `index` of `seed`: a problem of any leaf kind, n up to 300 and
+ * H up to 130 (their product bounded, for time), under a random
+ * shared-memory budget and opt-in maximum, each of its levels run as
+ * run_case runs them. */
+static bool run_random_case(uint64_t seed, uint64_t index)
+{
+    static const int optins[] = {49152, 101376, 166912, 232448}; /* sm_86/89, sm_80, sm_90 */
+    rng64 r = random_case_rng(seed, index);
+    const int failures = g_failures;
+    emu_problem pr;
+    pr.H = 1 + (int64_t)rng_below(&r, rng_below(&r, 3) == 0 ? 130 : 40);
+    pr.G = (int)rng_below(&r, 4);
+    /* the dense leaves' n * B * H * H floats, the structured ones' reference
+     * n * B * G * H * H products: a few million at most */
+    const int64_t per_step = pr.H * pr.H * (pr.G > 0 ? pr.G : 1);
+    const int64_t max_n = std::min<int64_t>(300, std::max<int64_t>(1, 1500000 / per_step));
+    pr.n = 1 + (int64_t)rng_below(&r, rng_below(&r, 2) ? std::min<int64_t>(max_n, 40) : max_n);
+    pr.B = 1 + (int64_t)rng_below(&r, pr.n * per_step < 200000 ? 4 : 1);
+    pr.has_u = pr.G > 0 && rng_below(&r, 2);
+    pr.act = pr.G > 0 ? (int)rng_below(&r, 3) : 0; /* 0, RP_SCAN_ACT_TANH or _RELU */
+    pr.pre = pr.G == 1 && rng_below(&r, 3) == 0;
+    g_smem_default = 12288 + 1024 * (int)rng_below(&r, 37); /* 12 to 48 KB */
+    g_rt.optin = pick(&r, optins);
+    g_rng = rng_next(&r) | 1u; /* make_data's values */
+    run_case(pr, (int)rng_below(&r, EMU_DEVICES), rng_below(&r, 2) != 0);
+    if (g_failures != failures)
+        printf("  random case %llu:%llu: smem budget %d, opt-in %d\n", (unsigned long long)seed,
+               (unsigned long long)index, g_smem_default, g_rt.optin);
+    g_smem_default = 49152;
+    g_rt.optin = 232448;
+    return g_failures == failures;
+}
+
 int main(int argc, char **argv)
 {
     const bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     const bool smoke = argc > 1 && strcmp(argv[1], "--smoke") == 0; /* seconds: for edits */
+    const random_args random = parse_random_args(quick || smoke ? 1 : argc, argv);
     catch_fatal_signals();
     register_mode<RP_SCAN_PROD>();
     register_mode<RP_SCAN_DENSE>();
     register_mode<RP_SCAN_STRUCT>();
     g_rt.optin = 232448;
 
+    if (random.count > 0) {
+        run_random_cases(random, run_random_case);
+        printf("scan_emulation: %s (%ld random cases' runs, %ld launches, %ld blocks (%ld as "
+               "fibers), %ld opt-ins; max error %.2e vs double, %.2e vs rp_scan_cpu)\n",
+               g_failures ? "FAILED" : "OK", g_stats.cases, g_stats.launches, g_stats.blocks,
+               g_stats.device_blocks, g_stats.optins, g_max_err, g_max_err_cpu);
+        return g_failures != 0;
+    }
     sweep(quick || smoke, smoke);
     if (!g_failures)
         error_cases();
