@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
 BENCHMARKS_DIR = ROOT / "benchmarks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
-# benchmarks/ modules that are shared code, not benchmarks
-NOT_BENCHMARKS = {"harness", "models"}
+# benchmarks/ modules that are not benchmarks: shared code, and the GPU
+# session's collector of the others' JSON
+NOT_BENCHMARKS = {"harness", "models", "gpu_session"}
 
 sys.path.insert(0, str(BENCHMARKS_DIR))
 
