@@ -2931,6 +2931,33 @@ def test_pipeline_keeps_split_a_weight_of_several_local_layers_under_fusion(
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("sharing", ["tied", "reused"])
+def test_pipeline_fires_a_shared_weights_hooks_once_after_every_use(solo_group, sharing):
+    """A weight in three layers of a stage under GPipe: its post-accumulate-grad
+    hooks fired after each layer's dW (3 times a step, the first two on a
+    partial gradient), where one process fires them once, on the whole
+    gradient. Now once per step, with one process's gradient, bit for bit."""
+    def layers():
+        local = _sharing_layers(sharing, False)
+        third = local[1] if sharing == "reused" else nn.Linear(WIDTH, WIDTH, bias=False)
+        third.weight = local[1].weight
+        return local + [nn.Tanh(), third]
+
+    def seen_by_hooks(local, train_step) -> list:
+        seen: list = []
+        local[1].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        train_step(*_batch(0, 0))
+        return seen
+
+    ref = nn.Sequential(*layers())
+    want = seen_by_hooks(ref, lambda x, t: F.mse_loss(ref(x), t).backward())
+    local = layers()
+    pipe = Pipeline(local, micro_batches=1, schedule="gpipe")
+    got = seen_by_hooks(local, lambda x, t: pipe.step(x, t, F.mse_loss))
+    pipe.remove()
+    assert len(want) == len(got) == 1 and torch.equal(got[0], want[0])
+
+
 def _sharing_pipeline_worker(rank: int, world: int) -> None:
     """Each rank's layers after fused training under GPipe against one
     process's (see the test below)."""
