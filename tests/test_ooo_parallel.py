@@ -2873,44 +2873,116 @@ def test_pipeline_splits_only_layers_whose_dw_moves(solo_group, input_grad):
     pipe.remove()
 
 
-# (a module reused by two layers under GPipe with backward fusion raises
-# autograd's view error, as it did before layers ran plain: README, Pipeline)
-@pytest.mark.parametrize("sharing, schedule", [("tied", "gpipe"), ("tied", "fast_forward"),
-                                               ("reused", "fast_forward")])
-def test_pipeline_keeps_split_a_weight_of_several_local_layers_under_backward_fusion(
-        solo_group, sharing, schedule):
+def _sharing_layers(sharing: str, bias: bool, depth: int = 4) -> list:
+    """Linear, a, tanh, b, then Linears up to `depth` layers: b is a (one
+    module reused by two layers) or a Linear whose weight is a's (tied)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(WIDTH, WIDTH, bias=bias), nn.Linear(WIDTH, WIDTH, bias=bias)
+    if sharing == "tied":
+        b.weight = a.weight
+    else:
+        b = a
+    return [nn.Linear(WIDTH, WIDTH), a, nn.Tanh(), b] + [
+        nn.Linear(WIDTH, WIDTH) for _ in range(depth - 4)]
+
+
+def _fused_training(layers: list, optimizer: type, mode: str, train_step: Callable) -> nn.Module:
+    """Three steps of train_step(model, x, t) on `layers` with `optimizer`
+    fused in `mode` (forward mode: the step() and zero_grad() of its loop);
+    returns the model."""
+    model = nn.Sequential(*layers)
+    opt = optimizer(model.parameters(), lr=0.1)
+    fusion = fuse(model, opt, mode=mode)
+    for step in range(3):
+        train_step(model, *_batch(0, step))
+        opt.step()
+        opt.zero_grad()
+    fusion.remove()
+    return model
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "fast_forward"])
+@pytest.mark.parametrize("sharing, bias", [("tied", True), ("tied", False), ("reused", True)])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_pipeline_keeps_split_a_weight_of_several_local_layers_under_fusion(
+        solo_group, sharing, bias, schedule, mode):
     """A weight in two layers of one stage (tied, or one module reused) ran
     plain under GPipe, a backward call per layer: the first call completed
     its gradient, reprop.fuse(mode="backward") updated it in place, and the
     second call, which still needed the value its forward saved, raised
     autograd's in-place error, where single-process fused training trains.
-    Such a weight's layers stay split: the same parameters as one process,
-    bit for bit (one micro-batch)."""
-    def layers():
-        torch.manual_seed(0)
-        a, b = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
-        if sharing == "tied":
-            b.weight = a.weight
-        else:
-            b = a
-        return [nn.Linear(WIDTH, WIDTH), a, nn.Tanh(), b]
-
-    x, t = _batch(0, 0)
-    ref = nn.Sequential(*layers())
-    fusion = fuse(ref, torch.optim.SGD(ref.parameters(), lr=0.1), mode="backward")
-    for _ in range(3):
-        F.mse_loss(ref(x), t).backward()
-    fusion.remove()
-    local = layers()
-    model = nn.Sequential(*local)
-    fusion = fuse(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    Such a weight's layers stay split. Split, GPipe's order still ran the
+    dW of the layer nearer the loss before the other layer's backward,
+    which fired the weight's hooks: the fusion updated it there, and the
+    other layer's backward raised autograd's error about a view made in
+    no_grad mode (the saved W^T), for a reused module and a tied weight
+    without bias (a's bias, completed by the second layer alone, held the
+    tied weight's update of a back). Its dW now wait for every use's
+    backward: the same parameters as one process, bit for bit (one
+    micro-batch), either fusion mode, either schedule."""
+    ref = _fused_training(_sharing_layers(sharing, bias), torch.optim.SGD, mode,
+                          lambda model, x, t: F.mse_loss(model(x), t).backward())
+    local = _sharing_layers(sharing, bias)
     pipe = Pipeline(local, micro_batches=1, schedule=schedule)
-    for _ in range(3):
-        pipe.step(x, t, F.mse_loss)
+    model = _fused_training(local, torch.optim.SGD, mode,
+                            lambda model, x, t: pipe.step(x, t, F.mse_loss))
     pipe.remove()
-    fusion.remove()
     for got, want in zip(model.parameters(), ref.parameters()):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("sharing", ["tied", "reused"])
+def test_pipeline_fires_a_shared_weights_hooks_once_after_every_use(solo_group, sharing):
+    """A weight in three layers of a stage under GPipe: its post-accumulate-grad
+    hooks fired after each layer's dW (3 times a step, the first two on a
+    partial gradient), where one process fires them once, on the whole
+    gradient. Now once per step, with one process's gradient, bit for bit."""
+    def layers():
+        local = _sharing_layers(sharing, False)
+        third = local[1] if sharing == "reused" else nn.Linear(WIDTH, WIDTH, bias=False)
+        third.weight = local[1].weight
+        return local + [nn.Tanh(), third]
+
+    def seen_by_hooks(local, train_step) -> list:
+        seen: list = []
+        local[1].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        train_step(*_batch(0, 0))
+        return seen
+
+    ref = nn.Sequential(*layers())
+    want = seen_by_hooks(ref, lambda x, t: F.mse_loss(ref(x), t).backward())
+    local = layers()
+    pipe = Pipeline(local, micro_batches=1, schedule="gpipe")
+    got = seen_by_hooks(local, lambda x, t: pipe.step(x, t, F.mse_loss))
+    pipe.remove()
+    assert len(want) == len(got) == 1 and torch.equal(got[0], want[0])
+
+
+def _sharing_pipeline_worker(rank: int, world: int) -> None:
+    """Each rank's layers after fused training under GPipe against one
+    process's (see the test below)."""
+    import reprop.optim
+    for sharing, optimizer, mode in itertools.product(
+            ("tied", "reused"), (torch.optim.SGD, reprop.optim.SGD), ("backward", "forward")):
+        ref = _fused_training(_sharing_layers(sharing, False, DEPTH), optimizer, mode,
+                              lambda model, x, t: F.mse_loss(model(x), t).backward())
+        pipe = Pipeline(_sharing_layers(sharing, False, DEPTH), micro_batches=1,
+                        schedule="gpipe")
+        _fused_training(list(pipe.layers.values()), optimizer, mode,
+                        lambda model, x, t: pipe.step(x, t, F.mse_loss))
+        pipe.remove()
+        for l, layer in pipe.layers.items():
+            for got, want in zip(layer.parameters(), ref[l].parameters()):
+                assert torch.equal(got, want), (sharing, optimizer, mode, rank, l)
+
+
+def test_pipeline_of_ranks_keeps_a_weight_of_several_local_layers_under_fusion():
+    """The test above on 2 ranks, layers 1 and 3 (one module, or a tied
+    weight without bias) on rank 0: GPipe with reprop.fuse(mode="backward")
+    raised autograd's view error there; each rank's layers now end as one
+    process's fused training leaves them, bit for bit, with torch's SGD and
+    reprop's, in either fusion mode."""
+    _spawn(_sharing_pipeline_worker, 2)
 
 
 def test_pipeline_backward_once_per_run_of_local_layers(solo_group, monkeypatch):

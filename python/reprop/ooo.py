@@ -4651,6 +4651,9 @@ class _Step:
     headers: dict = field(default_factory=dict)
     returned: set = field(default_factory=set)      # (l, m): y sent, and its gradient comes back
     chained: frozenset = frozenset()                # l: its input is layer l - 1's output itself
+    # (l, m, its dW tasks) held back until every layer sharing a parameter
+    # with l has run its backward of m (see Pipeline._due_shared)
+    waiting: list = field(default_factory=list)
     hooks: object = field(default_factory=object)   # what the step's hook waits share (hold())
 
 
@@ -4798,6 +4801,7 @@ class Pipeline:
                         kept_split |= holders
                 # never plain, so never chained either (see _schedule)
                 self._kept_split = frozenset(kept_split)
+                self._sharers = _local_sharers(self.layers)
             except Exception:
                 _every_rank_installed(False, self.group, self.device)
                 raise
@@ -5086,8 +5090,33 @@ class Pipeline:
         """dW(l, m): the held weight gradients of layer l for micro-batch m."""
         self._backward(st, l, m)
         tasks, st.held[(l, m)] = st.held[(l, m)], []
+        if l in self._sharers:
+            tasks = self._due_shared(st, l, m, tasks)
         if tasks:
             self.handle.run(tasks)
+
+    def _due_shared(self, st: _Step, l: int, m: int, tasks: list) -> list:
+        """The held dW tasks to run at dW(l, m), layer l sharing a parameter
+        with other layers of this rank (a module reused, a weight tied): of
+        l's and those held back before, the tasks of each layer whose
+        sharers have all run their backward of m, in the order held; the
+        others wait. Run as soon as held (GPipe's order runs dW(3, m) before
+        layer 1's backward), the last of a shared parameter's dW fired its
+        post-accumulate-grad hooks, which one process fires once, after
+        every use: reprop.fuse(mode="backward") updated the weight in place
+        while layer 1's backward still needed the value its forward saved
+        (autograd's error about a view made in no_grad mode: the split
+        Linear's saved W^T). Held back, the hooks wait for every use's dW,
+        as under "fast_forward", whose dO all come before any dW."""
+        st.waiting.append((l, m, tasks))
+        due, waiting = [], []
+        for k, n, held in st.waiting:
+            if n == m and all((j, m) in st.held for j in self._sharers[k]):
+                due.extend(held)
+            else:
+                waiting.append((k, n, held))
+        st.waiting = waiting
+        return due
 
     # -- point to point ------------------------------------------------------------------
 
@@ -5312,6 +5341,16 @@ def _in_several_layers(module: nn.Module, layers) -> bool:
     another layer's)."""
     own = {id(p) for p in module.parameters(recurse=False)}
     return sum(any(id(p) in own for p in layer.parameters()) for layer in layers) > 1
+
+
+def _local_sharers(layers: dict) -> dict:
+    """Layer -> the other layers (of `layers`, this rank's by index) that
+    hold one of its parameters (a module reused, a weight tied), for the
+    layers that share one."""
+    params = {l: {id(p) for p in layer.parameters()} for l, layer in layers.items()}
+    sharers = {l: frozenset(k for k in params if k != l and params[k] & own)
+               for l, own in params.items()}
+    return {l: ks for l, ks in sharers.items() if ks}
 
 
 def _reached_twice(layer: nn.Module, module: nn.Module) -> bool:
