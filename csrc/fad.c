@@ -33,8 +33,6 @@
 
 #include <float.h>
 #include <math.h>
-#include <stdatomic.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "fad_math.h"
@@ -626,34 +624,9 @@ RP_FAD_F16C static inline void rp_fad_mul8_f16_by_bf16(const uint16_t *g, const 
 RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_bf16_by_f16_f16c, rp_fad_mul8_bf16_by_f16)
 RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_f16_by_bf16_f16c, rp_fad_mul8_f16_by_bf16)
 
-/* A test hook, not an option: REPROP_TEST_NO_F16C=1 in the environment at
- * the first call takes the portable loops on any CPU (as optim.c's
- * REPROP_TEST_UNFUSED_MADD), so that tests check them against the same
- * bits here. */
-static int rp_fad_detect_f16c(void)
-{
-    const char *hook = getenv("REPROP_TEST_NO_F16C");
-    if (hook != NULL && strcmp(hook, "1") == 0)
-        return 0;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-}
-
-/* detected once: the answer never changes, and backwards may run on many threads */
-static int rp_fad_has_f16c(void)
-{
-    static atomic_int has = -1;
-    int h = atomic_load_explicit(&has, memory_order_relaxed);
-    if (h < 0) {
-        h = rp_fad_detect_f16c();
-        atomic_store_explicit(&has, h, memory_order_relaxed);
-    }
-    return h;
-}
-
 static rp_fad_mixed16_loop rp_fad_mixed16_pick(int dtype)
 {
-    if (rp_fad_has_f16c())
+    if (rp_cpu_has(RP_CPU_F16C))
         return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16_f16c : rp_fad_bwd_f16_by_bf16_f16c;
     return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
 }

@@ -10,9 +10,7 @@
  */
 #include <float.h>
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "optim_math.h"
 #include "reprop.h"
@@ -29,39 +27,6 @@ typedef struct {
     int64_t start;
     int64_t len;
 } rp_chunk;
-
-/* ---- the rounding of multiply-adds: torch's on this CPU ---- */
-
-/* torch's kernels for AVX2 and AVX-512 fuse add(alpha=), addcmul and lerp;
- * it picks them where the CPU has AVX2 and FMA (ATen's DispatchStub), and its
- * baseline kernels, which round the products apart, elsewhere. A test hook,
- * not an option: REPROP_TEST_UNFUSED_MADD=1 in the environment at the first
- * step rounds apart on any CPU, to check that path against torch run with
- * ATEN_CPU_CAPABILITY=default. */
-static int rp_detect_fused_madd(void)
-{
-    const char *hook = getenv("REPROP_TEST_UNFUSED_MADD");
-    if (hook != NULL && strcmp(hook, "1") == 0)
-        return 0;
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-    return 1; /* aarch64 and the others fuse in hardware, as torch's kernels there */
-#endif
-}
-
-int rp_optim_cpu_fused_madd(void)
-{
-    /* detected once: the answer never changes, and steps may run on many threads */
-    static atomic_int fused = -1;
-    int f = atomic_load_explicit(&fused, memory_order_relaxed);
-    if (f < 0) {
-        f = rp_detect_fused_madd();
-        atomic_store_explicit(&fused, f, memory_order_relaxed);
-    }
-    return f;
-}
 
 /* ---- state-slot requirements and validation ---- */
 

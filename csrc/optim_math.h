@@ -71,9 +71,8 @@
 /* torch's CUDA kernels fuse, and every CUDA device has the instruction */
 #define RP_FUSED_MADD() 1
 #else
-/* Whether torch's CPU kernels fuse on this CPU (optim.c). */
-int rp_optim_cpu_fused_madd(void);
-#define RP_FUSED_MADD() rp_optim_cpu_fused_madd()
+/* Whether torch's CPU kernels fuse on this CPU (common.c). */
+#define RP_FUSED_MADD() rp_cpu_has(RP_CPU_FUSED_MADD)
 #endif
 
 /* Hyper-parameters rounded to float32 once per call, in the form each

@@ -170,6 +170,13 @@ int rp_optim_step_cpu(const rp_optim_hparams *hp, int dtype, rp_optim_entry *ent
 /* Number of OpenMP threads the core would use by default (1 without OpenMP). */
 int rp_omp_max_threads(void);
 
+/* CPU features that pick the core's loops at run time, each probed once per
+ * process: whether torch's CPU kernels fuse multiply-adds here (the fused
+ * optimizers round as they do), and AVX2 with F16C (FAD's mixed 16-bit
+ * backward). A probe's REPROP_TEST_* variable forces "no" (common.c). */
+enum { RP_CPU_FUSED_MADD, RP_CPU_F16C, RP_CPU_NPROBES };
+int rp_cpu_has(int probe);
+
 /* The threads a parallel region of the core runs on: num_threads, or
  * OpenMP's default where num_threads <= 0; always 1 in a process forked from
  * the one that loaded the core (GNU libgomp's pool does not survive fork:
