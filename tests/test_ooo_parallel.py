@@ -544,28 +544,46 @@ class _Reused(nn.Module):
         return self.out(h)
 
 
+def _train_like_ddp(rank: int, make_model, k: int, steps: int, accum: int, batch,
+                    loss) -> DataParallel:
+    """make_model() under data_parallel(k=k) and under DDP, from one seed:
+    each step zeroes both, then runs `accum` backward passes of
+    loss(net, batch(g)) (inputs drawn per rank), all but the last under
+    no_sync(); DDP's gradients, bitwise, after every step. Returns the
+    handle, still enabled."""
+    torch.manual_seed(0)
+    model = make_model()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=k)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(steps):
+        for net in (ref, model):
+            net.zero_grad()
+        for a in range(accum):
+            inputs = batch(g)
+            for net, h in ((ref, ref), (model, dp)):
+                with h.no_sync() if a < accum - 1 else contextlib.nullcontext():
+                    loss(net, inputs).backward()
+        _assert_same(model, ref.module, "grad")
+    return dp
+
+
+def _squared_mean_loss(amp: bool):
+    """net(x)'s mean square, its forward under bf16 autocast where amp."""
+    def loss(net, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return net(x).float().pow(2).mean()
+    return loss
+
+
 def _dp_deterministic_reused_layer(rank: int, world: int, steps: int = 3) -> None:
     """_Reused under deterministic algorithms, k = 2 and 3 (the reused layer
     held), float32 accumulated under no_sync() and bf16 autocast: DDP's
     gradients, bitwise, at every step."""
     torch.use_deterministic_algorithms(True)
     for k, amp, accum in itertools.product((2, 3), (False, True), (1, 2)):
-        torch.manual_seed(0)
-        model = _Reused()
-        ref = DistributedDataParallel(copy.deepcopy(model))
-        dp = data_parallel(model, k=k)
-        g = torch.Generator().manual_seed(rank)
-        for step in range(steps):
-            for net in (ref, model):
-                net.zero_grad()
-            for a in range(accum):
-                x = torch.randn(4, 4, 16, generator=g)
-                for net, h in ((ref, ref), (model, dp)):
-                    with h.no_sync() if a < accum - 1 else contextlib.nullcontext():
-                        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                            loss = net(x).float().pow(2).mean()
-                        loss.backward()
-            _assert_same(model, ref.module, "grad")
+        dp = _train_like_ddp(rank, _Reused, k, steps, accum,
+                             lambda g: torch.randn(4, 4, 16, generator=g), _squared_mean_loss(amp))
         dp.remove()
 
 
@@ -620,20 +638,9 @@ def _dp_deterministic_siamese(rank: int, world: int, steps: int = 2) -> None:
     torch.use_deterministic_algorithms(True)
     cases = [("none", 2), ("one", 1), ("each", 1), ("each", 2)]
     for k, (amp, accum), views in itertools.product((1, 3), cases, (1, 2, 3)):
-        torch.manual_seed(0)
-        model = _Encoder()
-        ref = DistributedDataParallel(copy.deepcopy(model))
-        dp = data_parallel(model, k=k)
-        g = torch.Generator().manual_seed(rank)
-        for step in range(steps):
-            for net in (ref, model):
-                net.zero_grad()
-            for a in range(accum):
-                xs = [torch.randn(2, 4, 8, generator=g) for _ in range(views)]
-                for net, h in ((ref, ref), (model, dp)):
-                    with h.no_sync() if a < accum - 1 else contextlib.nullcontext():
-                        _views_loss(_encoded(net, xs, amp)).backward()
-            _assert_same(model, ref.module, "grad")
+        dp = _train_like_ddp(rank, _Encoder, k, steps, accum,
+                             lambda g: [torch.randn(2, 4, 8, generator=g) for _ in range(views)],
+                             lambda net, xs: _views_loss(_encoded(net, xs, amp)))
         assert [s.reused for s in dp.handle.sites] == [views > 1] * 3
         dp.remove()
 
