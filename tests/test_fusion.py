@@ -3958,29 +3958,38 @@ def _head_apart(model: nn.Module):
                   lr=0.1, momentum=0.9)
 
 
-def _sparse_head_gradient_at_2(mode: str | None) -> tuple:
-    """Step 2's head gradient is sparse. Eager step() updates the first group
-    and refuses the second. Fused step() refuses it too (it let it pass, the
-    gradients being checked when a group's parameters with a gradient
-    change, and flush() refused it): the first group's update is applied,
-    and the second's dropped, as eager's; then training goes on."""
+def _five_steps_refused_at_2(mode: str | None, make_opt, refused_step) -> tuple:
+    """Five steps of _mlp() under make_opt(model), fused in `mode` (None:
+    eager); at step 2, refused_step(model, opt) replaces opt.step()."""
     model = _mlp()
-    opt = _head_apart(model)
+    opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode=mode) if mode else None
     for i in range(5):
         x, y = _mlp_batch(i)
         F.mse_loss(model(x), y).backward()
         if i == 2:
-            model[4].weight.grad = model[4].weight.grad.to_sparse()
-            with pytest.raises(RuntimeError, match="sparse"):
-                opt.step()  # eager: raises here
-                handle.flush()  # fused: here
+            refused_step(model, opt, handle)
         else:
             opt.step()
         opt.zero_grad()
     if handle is not None:
         handle.remove()
     return model, opt
+
+
+def _sparse_head_gradient_at_2(mode: str | None) -> tuple:
+    """Step 2's head gradient is sparse. Eager step() updates the first group
+    and refuses the second. Fused step() refuses it too (it let it pass, the
+    gradients being checked when a group's parameters with a gradient
+    change, and flush() refused it): the first group's update is applied,
+    and the second's dropped, as eager's; then training goes on."""
+    def refused_step(model, opt, handle):
+        model[4].weight.grad = model[4].weight.grad.to_sparse()
+        with pytest.raises(RuntimeError, match="sparse"):
+            opt.step()  # eager: raises here
+            handle.flush()  # fused: here
+
+    return _five_steps_refused_at_2(mode, _head_apart, refused_step)
 
 
 def test_forward_mode_update_refused_in_a_later_group_applies_the_earlier_once() -> None:
@@ -3996,23 +4005,17 @@ def _amsgrad_switched_on_at_2(mode: str | None) -> tuple:
     """Adam in two groups; before step 2 the user switches amsgrad on in the
     second group (its state has no max_exp_avg_sq), step() raises, and the
     user switches it off again and trains on."""
-    model = _mlp()
-    opt = rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}], lr=0.01)
-    handle = reprop.fuse(model, opt, mode=mode) if mode else None
-    for i in range(5):
-        x, y = _mlp_batch(i)
-        F.mse_loss(model(x), y).backward()
-        if i == 2:
-            opt.param_groups[1]["amsgrad"] = True
-            with pytest.raises(KeyError, match="max_exp_avg_sq"):
-                opt.step()
-            opt.param_groups[1]["amsgrad"] = False
-        else:
+    def make_opt(model):
+        return rp.Adam([{"params": model[:4].parameters()}, {"params": model[4].parameters()}],
+                       lr=0.01)
+
+    def refused_step(model, opt, handle):
+        opt.param_groups[1]["amsgrad"] = True
+        with pytest.raises(KeyError, match="max_exp_avg_sq"):
             opt.step()
-        opt.zero_grad()
-    if handle is not None:
-        handle.remove()
-    return model, opt
+        opt.param_groups[1]["amsgrad"] = False
+
+    return _five_steps_refused_at_2(mode, make_opt, refused_step)
 
 
 def test_forward_mode_step_raises_what_eager_step_raises() -> None:
