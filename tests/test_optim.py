@@ -6181,13 +6181,13 @@ DIFFERENTIABLE_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(DIFFERENTIA
 
 def differentiable_run(cls: type, options: dict, lr_tensor: bool, steps: int = 3) -> tuple:
     """Meta-learning as torch's tests do it: params that are non-leaf clones
-    of w (float32 and float64), stepped `steps` times by a differentiable
+    of w (float32, float64, bfloat16), stepped `steps` times by a differentiable
     optimizer on gradients taken with create_graph, then the hyper-gradient
     of the loss after the steps with respect to w (and the lr, a tensor
     requiring grad, when lr_tensor). Returns (optimizer, params, hyper-gradients)."""
     gen = torch.Generator().manual_seed(50)
     ws = [torch.randn(5, 3, generator=gen, dtype=dtype).requires_grad_()
-          for dtype in (torch.float32, torch.float64, torch.float32)]
+          for dtype in (torch.float32, torch.float64, torch.bfloat16)]
     x = torch.randn(8, 5, generator=gen)
     lr = torch.tensor(options["lr"], requires_grad=True) if lr_tensor else options["lr"]
     params = [w.clone() for w in ws]
@@ -6249,9 +6249,14 @@ def test_differentiable_group_takes_complex_params_as_torch(name: str) -> None:
 def test_differentiable_state_dict_loads_both_ways(name: str) -> None:
     """A differentiable optimizer's state dict (refused by load_state_dict
     before) loads into either of torch and reprop, whose steps then go on as
-    torch's: state and params bit for bit, the state dicts equal."""
+    torch's: state (in the params' dtypes) and params bit for bit, the state
+    dicts equal."""
     init = make_params(FLOAT64_SHAPES, seed=51)
     grads = grad_sequence(FLOAT64_SHAPES, 4)
+    # a bfloat16 param keeps its bfloat16 state (torch's), not reprop's float32
+    init[-1] = init[-1].bfloat16()
+    for step_grads in grads:
+        step_grads[-1] = step_grads[-1].bfloat16()
 
     def run(cls: type, step_grads: list, loaded: dict | None = None) -> Run:
         # plain tensors: torch's differentiable update writes in place under

@@ -30,7 +30,8 @@ Differences from torch, all deliberate:
 * float64 parameters are updated by torch's own step() of the group (its
   for-loop, foreach or fused implementation as the group's flags choose it),
   with state as torch keeps it: torch's bits. Other dtypes (complex, integer)
-  are refused at construction with a TypeError naming ``params``.
+  are refused at construction with a TypeError naming ``params`` (but in a
+  differentiable group, where torch's checks apply).
 * ``capturable=True`` with CPU parameters is refused at construction with a
   ValueError, where torch raises an AssertionError at ``step()``.
 """
