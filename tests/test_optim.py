@@ -6309,7 +6309,7 @@ def test_differentiable_first_step_skipped_by_found_inf(name: str) -> None:
     assert_differentiable_runs_equal(got, ref)
 
 
-@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "Adagrad"])
+@pytest.mark.parametrize("name", NAMES)
 def test_differentiable_group_added_beside_a_plain_one(name: str) -> None:
     """A differentiable group and a plain one in one optimizer (added by
     add_param_group, refused before): the differentiable one's params
