@@ -3201,11 +3201,11 @@ def test_non_optimizer_raises_type_error_naming_it(not_an_optimizer, mode: str) 
         reprop.fuse(SmallCNN(), not_an_optimizer, mode=mode)
 
 
-def _differentiable(name: str, where: str) -> Callable:
-    """torch.optim.`name` with differentiable=True in its defaults, or in
-    the first of two param groups."""
+def _differentiable(name: str, where: str, module=torch.optim) -> Callable:
+    """`module`.`name` (torch.optim's or reprop.optim's) with
+    differentiable=True in its defaults, or in the first of two param groups."""
     def make(model: nn.Module) -> torch.optim.Optimizer:
-        cls = getattr(torch.optim, name)
+        cls = getattr(module, name)
         if where == "defaults":
             return cls(model.parameters(), lr=0.1, differentiable=True)
         first, *rest = model.parameters()
@@ -3225,6 +3225,36 @@ def test_differentiable_torch_optimizer_refused_naming_the_argument(name: str, m
     info = _refused(ValueError, f"^optimizer: torch.optim.{name} with differentiable=True "
                                 "cannot be fused", _differentiable(name, where), mode=mode)
     assert "use torch.optim" not in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["defaults", "one group"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", OPT_NAMES)
+def test_differentiable_reprop_optimizer_refused_naming_the_argument(name: str, mode: str,
+                                                                     where: str) -> None:
+    """reprop's optimizers take differentiable=True (torch's own update for
+    such a group), which fusion's updates from inside backward or forward
+    would not give: fuse() refuses it as it refuses torch's."""
+    _refused(ValueError, f"^optimizer: reprop.optim.{name} with differentiable=True "
+                         "cannot be fused", _differentiable(name, where, rp), mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_differentiable_group_added_to_a_fused_reprop_optimizer_refused(mode: str) -> None:
+    """While fused, a reprop optimizer's add_param_group refuses a
+    differentiable group (adding nothing), which it takes once the fusion
+    is removed, as it takes it unfused."""
+    model = nn.Linear(3, 2)
+    opt = rp.Adam(model.parameters(), lr=0.1)
+    handle = reprop.fuse(model, opt, mode=mode)
+    extra = {"params": [nn.Parameter(torch.ones(2))], "differentiable": True}
+    with pytest.raises(ValueError, match="differentiable=True is not supported while fused"):
+        opt.add_param_group(dict(extra))
+    assert len(opt.param_groups) == 1
+    _assert_trains_after_refused_load(model, opt, handle)
+    handle.remove()
+    opt.add_param_group(dict(extra))
+    assert opt.param_groups[1]["differentiable"]
 
 
 def test_clip_grad_norm_in_backward_mode_raises() -> None:

@@ -3784,12 +3784,6 @@ def test_complex_param_raises(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_differentiable_raises(name: str) -> None:
-    with pytest.raises(ValueError):
-        reprop_cls(name)([nn.Parameter(torch.randn(3))], differentiable=True)
-
-
-@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
 def test_duplicate_params_in_a_group_raise(name: str) -> None:
     """torch warns that this will be an error; its loop updates such a param
@@ -4727,12 +4721,10 @@ def test_refused_param_group_is_not_added(name: str, dtype: torch.dtype) -> None
     opt.step()
 
 
-# A saved group reprop refuses (a checkpoint of torch's capturable=True, or of
-# a differentiable optimizer) and what the refusal says.
+# A saved group reprop refuses (a checkpoint of torch's capturable=True) and
+# what the refusal says.
 REFUSED_ON_LOAD = [(name, "capturable", "capturable=True needs CUDA parameters")
                    for name in CAPTURABLE_NAMES]
-REFUSED_ON_LOAD += [(name, "differentiable", "differentiable=True is not supported")
-                    for name in NAMES]
 
 
 @pytest.mark.parametrize("name,flag,message", REFUSED_ON_LOAD)
@@ -6116,6 +6108,244 @@ def test_float64_capturable_on_cpu_still_refused() -> None:
     for any CPU param (torch's update asserts it at step())."""
     with pytest.raises(ValueError, match="capturable=True needs CUDA"):
         rp.Adam([nn.Parameter(torch.ones(3, dtype=torch.float64))], capturable=True)
+
+
+# A first step skipped by found_inf: torch's fused step() makes the state of
+# its _init_group before its kernels skip (Adam's zero moments at step 0,
+# Adagrad's `sum` of a group added after the constructor), which the float64
+# params got none of (a state dict without them) before torch's step() body
+# updated them. SGD: torch's fused stores an uninitialized momentum buffer,
+# reprop none, for float64 params as for the others (README).
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
+def test_float64_first_step_skipped_by_found_inf_makes_torchs_fused_state(name: str) -> None:
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        params = [nn.Parameter(t.clone()) for t in
+                  make_params(FLOAT64_SHAPES, seed=48, dtype=torch.float64)]
+        opt = cls(params[:1], **RICH[name], fused=True)
+        opt.add_param_group({"params": params[1:]})  # (Adagrad: no state until a step)
+        for i, step_grads in enumerate(grad_sequence(FLOAT64_SHAPES, 3, dtype=torch.float64)):
+            for p, g in zip(params, step_grads):
+                p.grad = g * 8
+            opt.grad_scale = torch.tensor(8.0)
+            opt.found_inf = torch.tensor(1.0 if i == 0 else 0.0)
+            opt.step()
+            if i == 0:
+                runs.append(copy.deepcopy(opt.state_dict()))
+        runs.append((opt, params))
+    torch_first, (torch_opt, torch_params), first, (opt, params) = runs
+    assert sorted(first["state"]) == sorted(torch_first["state"]) == [0, 1, 2]
+    torch.testing.assert_close(first["state"], torch_first["state"], rtol=0, atol=0)
+    assert all(float(st["step"]) == 0 for st in first["state"].values())
+    assert_same_bits(opt, params, torch_opt, torch_params)
+
+
+def test_float64_sgd_first_step_skipped_by_found_inf_makes_no_buffer() -> None:
+    """SGD with momentum: a skipped first step leaves a float64 param no
+    momentum buffer, as it leaves a float32 one (torch's fused stores an
+    uninitialized one), and the next step starts one from its gradient: the
+    step of torch's that was not skipped."""
+    init = make_params(FLOAT64_SHAPES, seed=49, dtype=torch.float64)
+    grads = grad_sequence(FLOAT64_SHAPES, 3, dtype=torch.float64)
+    ref = run_open_loop(factory(torch.optim.SGD, **RICH["SGD"], fused=True), init, grads[1:])
+    params = [nn.Parameter(t.clone()) for t in init]
+    opt = rp.SGD(params, **RICH["SGD"], fused=True)
+    for i, step_grads in enumerate(grads):
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        opt.found_inf = torch.tensor(1.0 if i == 0 else 0.0)
+        opt.step()
+        if i == 0:
+            assert not any(opt.state_dict()["state"].values())  # (empty entries, as float32's)
+    assert_same_bits(opt, params, ref.opt, ref.params)
+
+
+# differentiable=True: a group that torch's own step() body updates, all its
+# params (float32 and float64 here), so that autograd goes through the update
+# (hyper-gradients, meta-learning); refused before. Options that torch's
+# differentiable update supports (amsgrad, centered RMSprop, SGD with momentum
+# and a tensor lr write in place what its graph saved), a tensor lr requiring
+# grad where it takes one.
+DIFFERENTIABLE_OPTIONS = [
+    ("SGD", {"lr": 0.1, "momentum": 0.9, "dampening": 0.1, "nesterov": False,
+             "weight_decay": 0.01, "maximize": True}, False),
+    ("SGD", {"lr": 0.1}, True),
+    ("Adam", {"lr": 0.01, "weight_decay": 0.1}, True),
+    ("AdamW", {"lr": 0.01, "weight_decay": 0.1, "maximize": True}, True),
+    ("Adagrad", {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.1}, False),
+    ("RMSprop", {"lr": 0.01, "momentum": 0.5, "alpha": 0.9}, False),
+    ("Adadelta", {"lr": 0.5, "weight_decay": 0.1}, False),
+]
+DIFFERENTIABLE_IDS = [f"{name}-{i}" for i, (name, _, _) in enumerate(DIFFERENTIABLE_OPTIONS)]
+
+
+def differentiable_run(cls: type, options: dict, lr_tensor: bool, steps: int = 3) -> tuple:
+    """Meta-learning as torch's tests do it: params that are non-leaf clones
+    of w (float32, float64, bfloat16), stepped `steps` times by a differentiable
+    optimizer on gradients taken with create_graph, then the hyper-gradient
+    of the loss after the steps with respect to w (and the lr, a tensor
+    requiring grad, when lr_tensor). Returns (optimizer, params, hyper-gradients)."""
+    gen = torch.Generator().manual_seed(50)
+    ws = [torch.randn(5, 3, generator=gen, dtype=dtype).requires_grad_()
+          for dtype in (torch.float32, torch.float64, torch.bfloat16)]
+    x = torch.randn(8, 5, generator=gen)
+    lr = torch.tensor(options["lr"], requires_grad=True) if lr_tensor else options["lr"]
+    params = [w.clone() for w in ws]
+
+    def loss() -> torch.Tensor:
+        return sum((x.to(p.dtype) @ p).tanh().pow(2).sum() for p in params)
+
+    opt = cls(params, **{**options, "lr": lr}, differentiable=True)
+    for _ in range(steps):
+        for p, g in zip(params, torch.autograd.grad(loss(), params, create_graph=True)):
+            p.grad = g
+        opt.step()
+    inputs = [*ws, lr] if lr_tensor else ws
+    return opt, params, torch.autograd.grad(loss(), inputs)
+
+
+def assert_differentiable_runs_equal(got: tuple, ref: tuple) -> None:
+    """Params, state (values and whether autograd records them) and
+    hyper-gradients bit for bit."""
+    (opt, params, hyper), (ref_opt, ref_params, ref_hyper) = got, ref
+    assert_same_bits(opt, params, ref_opt, ref_params)
+    for p, q in zip(params, ref_params):
+        assert [t.requires_grad for t in opt.state[p].values() if isinstance(t, torch.Tensor)] \
+            == [t.requires_grad for t in ref_opt.state[q].values() if isinstance(t, torch.Tensor)]
+    assert len(hyper) == len(ref_hyper)
+    for h, r in zip(hyper, ref_hyper):
+        assert torch.equal(h, r)
+
+
+@pytest.mark.parametrize("name, options, lr_tensor", DIFFERENTIABLE_OPTIONS, ids=DIFFERENTIABLE_IDS)
+def test_differentiable_steps_and_hypergradients_are_torchs(name: str, options: dict,
+                                                           lr_tensor: bool) -> None:
+    """differentiable=True: three steps give torch's params and state, and
+    the gradient of the loss after them with respect to the initial weights
+    (and the lr) is torch's, bit for bit (refused with a ValueError before)."""
+    ref = differentiable_run(torch_cls(name), options, lr_tensor)
+    got = differentiable_run(reprop_cls(name), options, lr_tensor)
+    assert any(h.abs().sum() > 0 for h in ref[2])
+    assert_differentiable_runs_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_differentiable_group_takes_complex_params_as_torch(name: str) -> None:
+    """A differentiable group's complex params (refused in other groups)
+    train as torch's, whose update views them as real pairs."""
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        w = torch.randn(4, dtype=torch.cfloat, generator=torch.Generator().manual_seed(55))
+        p = w.requires_grad_().clone()
+        opt = cls([p], **BASE[name], differentiable=True)
+        for _ in range(2):
+            p.grad = torch.autograd.grad((p * p).real.sum(), p, create_graph=True)[0]
+            opt.step()
+        runs.append((opt, [p], torch.autograd.grad(p.abs().sum(), w)))
+    assert_differentiable_runs_equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_differentiable_state_dict_loads_both_ways(name: str) -> None:
+    """A differentiable optimizer's state dict (refused by load_state_dict
+    before) loads into either of torch and reprop, whose steps then go on as
+    torch's: state (in the params' dtypes) and params bit for bit, the state
+    dicts equal."""
+    init = make_params(FLOAT64_SHAPES, seed=51)
+    grads = grad_sequence(FLOAT64_SHAPES, 4)
+    # a bfloat16 param keeps its bfloat16 state (torch's), not reprop's float32
+    init[-1] = init[-1].bfloat16()
+    for step_grads in grads:
+        step_grads[-1] = step_grads[-1].bfloat16()
+
+    def run(cls: type, step_grads: list, loaded: dict | None = None) -> Run:
+        # plain tensors: torch's differentiable update writes in place under
+        # grad mode, which it refuses for a leaf that requires grad
+        params = [t.clone() for t in init] if loaded is None else loaded["params"]
+        opt = cls(params, **RICH[name], differentiable=True)
+        if loaded is not None:
+            opt.load_state_dict(loaded["state"])
+        for gs in step_grads:
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        return Run(params, opt)
+
+    ref = run(torch_cls(name), grads)
+    for first, second in ((torch_cls(name), reprop_cls(name)), (reprop_cls(name), torch_cls(name))):
+        before = run(first, grads[:2])
+        after = run(second, grads[2:], {"params": before.params, "state": before.opt.state_dict()})
+        assert_same_bits(after.opt, after.params, ref.opt, ref.params)
+        torch.testing.assert_close(after.opt.state_dict(), ref.opt.state_dict(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "Adagrad"])
+def test_differentiable_first_step_skipped_by_found_inf(name: str) -> None:
+    """step() of a differentiable group follows found_inf as the other
+    groups do (torch's non-fused update raises for it): a skipped first
+    step leaves the state torch's _init_group makes (zero moments, `sum`,
+    at step 0) and the params as they were; the steps after are torch's
+    from there, hyper-gradient included."""
+    options = {"lr": 0.01, "weight_decay": 0.1}
+    ref = differentiable_run(torch_cls(name), options, False, steps=2)
+
+    class Skipping(reprop_cls(name)):
+        skips = 1
+
+        def step(self, closure=None):
+            self.found_inf = torch.tensor(float(self.skips > 0))
+            if self.skips:
+                before = [p.detach().clone() for g in self.param_groups for p in g["params"]]
+            super().step(closure)
+            if self.skips:
+                self.skips -= 1
+                params = [p for g in self.param_groups for p in g["params"]]
+                assert all(torch.equal(p, b) for p, b in zip(params, before))
+                for p in params:
+                    assert float(self.state[p]["step"]) == 0
+                    assert all(not t.any() for k, t in self.state[p].items() if k != "step")
+
+    got = differentiable_run(Skipping, options, False, steps=3)
+    assert_differentiable_runs_equal(got, ref)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_differentiable_group_added_beside_a_plain_one(name: str) -> None:
+    """A differentiable group and a plain one in one optimizer (added by
+    add_param_group, refused before): the differentiable one's params
+    (float32 and float64) are updated by torch's step() body, through which
+    the hyper-gradient goes as torch's, the plain one's by the kernels as
+    without it."""
+    options = {"lr": 0.01, "weight_decay": 0.1} if name != "SGD" else {"lr": 0.1}
+    init32 = make_params([(6, 5), (9,)], seed=52)
+    g32 = grad_sequence([(6, 5), (9,)], 3, seed=9)
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        plain = [nn.Parameter(t.clone()) for t in init32]
+        # differentiable=True in the defaults: torch's step() sets grad mode from them
+        opt = cls([{"params": plain, "differentiable": False}], **options, differentiable=True)
+        w = torch.randn(5, 3, generator=torch.Generator().manual_seed(53), requires_grad=True)
+        diff = [w.clone(), w.double().clone()]
+        opt.add_param_group({"params": diff})
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(54))
+        loss = lambda: sum((x.to(p.dtype) @ p).sin().sum() for p in diff)  # noqa: E731
+        for step_grads in g32:
+            for p, g in zip(plain, step_grads):
+                p.grad = g.clone()
+            for p, g in zip(diff, torch.autograd.grad(loss(), diff, create_graph=True)):
+                p.grad = g
+            with torch.no_grad():  # plain params: torch's would raise as leaves needing grad
+                for p in plain:
+                    p.requires_grad_(False)
+                opt.step()
+                for p in plain:
+                    p.requires_grad_(True)
+        runs.append((opt, plain, diff, torch.autograd.grad(loss(), w)))
+    (ref, ref_plain, ref_diff, ref_hyper), (opt, plain, diff, hyper) = runs
+    assert_same_bits(opt, diff, ref, ref_diff)
+    assert torch.equal(hyper[0], ref_hyper[0])
+    kernels = run_open_loop(factory(reprop_cls(name), **options), init32, g32)
+    assert_same_bits(opt, plain, kernels.opt, kernels.params)
 
 
 def test_float64_step_runs_the_step_hooks_once() -> None:

@@ -827,6 +827,7 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     # and was refused as "not supported; use a reprop.optim optimizer"
     if isinstance(optimizer, optim._FusedOptimizer) \
             or _tensors.is_instance_by_name(optimizer, optim._FusedOptimizer):
+        _refuse_differentiable(optimizer, "reprop.optim")
         # Fusion replaces step() and zero_grad() (updates go through
         # step_params), so a subclass's own would never run: refused, as a
         # torch.optim subclass is. inspect.unwrap: torch wraps step per class.
@@ -844,7 +845,7 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
         names = ", ".join(f"torch.optim.{c.__name__}" for c in _CONVERTIBLE)
         raise TypeError(f"optimizer: {type(optimizer).__name__} is not supported; use a "
                         f"reprop.optim optimizer or one of {names}")
-    _refuse_differentiable(optimizer)
+    _refuse_differentiable(optimizer, "torch.optim")
     accepted = inspect.signature(ours._torch_class.__init__).parameters
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     for flag in ("foreach", "fused"):  # torch's own fast paths play no part
@@ -863,14 +864,15 @@ def _engine_for(optimizer) -> optim._FusedOptimizer:
     return engine
 
 
-def _refuse_differentiable(optimizer: torch.optim.Optimizer) -> None:
+def _refuse_differentiable(optimizer: torch.optim.Optimizer, module: str) -> None:
     """differentiable=True (in any group) asks for steps autograd can go
-    through, which no fused update is. Refused here, naming the argument:
-    the reprop counterpart's own refusal would send the user to the very
-    torch.optim class they pass."""
+    through, which no fused update is (a reprop optimizer's step() gives
+    such a group torch's own update, which fusion's per-parameter updates
+    from inside backward would not). Refused here, naming the argument and
+    the optimizer's class, of `module`."""
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
         raise ValueError(
-            f"optimizer: torch.optim.{type(optimizer).__name__} with differentiable=True cannot "
+            f"optimizer: {module}.{type(optimizer).__name__} with differentiable=True cannot "
             "be fused: its steps must be differentiable, and reprop's fused updates are not; "
             "train it unfused, without reprop.fuse")
 
@@ -1284,6 +1286,7 @@ class FusionHandle:
         self._saved = {name: optimizer.__dict__.get(name, _MISSING) for name in _OVERRIDDEN}
         ref = weakref.ref(self)
         _FUSED_BY[optimizer] = _FUSED_BY[engine] = ref
+        engine._in_fusion = True  # (its groups: differentiable=True refused from now on)
         # (the set, not the handle: a handle freed without remove() drops its entries)
         self._claimed: set = set()
         self._unclaim_all = weakref.finalize(self, _unclaim, self._claimed, self._claimed, ref)
@@ -1593,6 +1596,7 @@ class FusionHandle:
             _low_precision_state_as_torch_keeps_it(opt)
         _FUSED_BY.pop(opt, None)
         _FUSED_BY.pop(self.optimizer, None)
+        self.optimizer.__dict__.pop("_in_fusion", None)
         self._unclaim_all()
         self._swap_watch = _tensors.SwapWatch()  # (lets go of the parameters)
 

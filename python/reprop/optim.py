@@ -16,7 +16,10 @@ Differences from torch, all deliberate:
   casts them back to the parameter dtype, so state dicts stay
   interchangeable.
 * ``foreach`` and ``fused`` are accepted for compatibility and ignored: reprop
-  always fuses (torch's update of float64 parameters follows them). ``differentiable=True`` is refused.
+  always fuses (torch's update of float64 parameters follows them).
+* A group with ``differentiable=True`` is updated by torch's own step()
+  body, all its params (see float64 below), so autograd goes through the
+  update as through torch's; ``reprop.fuse`` refuses it.
 * ``step()`` of SGD, Adam, AdamW and Adagrad follows torch's fused
   optimizers' AMP protocol whatever their ``fused`` flag: ``grad_scale`` set
   on the optimizer divides the gradients in place, ``found_inf`` non-zero
@@ -27,7 +30,8 @@ Differences from torch, all deliberate:
 * float64 parameters are updated by torch's own step() of the group (its
   for-loop, foreach or fused implementation as the group's flags choose it),
   with state as torch keeps it: torch's bits. Other dtypes (complex, integer)
-  are refused at construction with a TypeError naming ``params``.
+  are refused at construction with a TypeError naming ``params`` (but in a
+  differentiable group, where torch's checks apply).
 * ``capturable=True`` with CPU parameters is refused at construction with a
   ValueError, where torch raises an AssertionError at ``step()``.
 """
@@ -36,6 +40,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import Callable, Iterable, NamedTuple
 
@@ -914,8 +919,16 @@ def _described_param(p: torch.Tensor) -> str:
 def _by_torch(p: torch.Tensor) -> bool:
     """Whether p is updated by torch's own step() (_FusedOptimizer._torch_update),
     not by the kernels: a float64 parameter, whose update and state the
-    kernels would compute in float32."""
+    kernels would compute in float32 (and every param of a differentiable
+    group: _by_torch_in)."""
     return p.dtype == torch.float64
+
+
+def _by_torch_in(p: torch.Tensor, group: dict) -> bool:
+    """Whether p, a param of `group`, is updated by torch's own step() with
+    torch's state: _by_torch, or any param of a differentiable=True group,
+    whose update autograd must go through as it goes through torch's."""
+    return _by_torch(p) or group.get("differentiable", False)
 
 
 class _Plans(list):
@@ -944,6 +957,13 @@ class _OneGroup:
 
     def __getattr__(self, name: str):
         return getattr(self._opt, name)
+
+
+@functools.cache
+def _init_group_lists(torch_class: type) -> int:
+    """How many lists torch_class._init_group fills (its arguments after
+    self and the group: params, grads, then the state of each kind)."""
+    return len(inspect.signature(torch_class._init_group).parameters) - 2
 
 
 @functools.cache
@@ -1163,12 +1183,13 @@ def _keep_float32_state(state: dict, loaded: dict) -> None:
     torch's load_state_dict cast to their dtype, into `state` (what it hands
     to __setstate__) as float32 copies of their values in `loaded`, the
     state dict it loaded: reprop keeps their state in float32 (float64
-    params keep torch's, which torch's step() updates)."""
+    params and differentiable groups' keep torch's, which torch's step()
+    updates: _by_torch_in)."""
     saved_ids = (i for g in loaded["param_groups"] for i in g["params"])
-    params = (p for g in state["param_groups"] for p in g["params"])
-    for pid, p in zip(saved_ids, params):
+    params = ((p, g) for g in state["param_groups"] for p in g["params"])
+    for pid, (p, group) in zip(saved_ids, params):
         saved = loaded["state"].get(pid)
-        if not saved or p.dtype == torch.float32 or _by_torch(p):
+        if not saved or p.dtype == torch.float32 or _by_torch_in(p, group):
             continue
         st = state["state"][p]
         for key, value in saved.items():
@@ -1463,6 +1484,10 @@ class _FusedOptimizer:
     # Whether step() follows torch's fused-optimizer AMP protocol (see
     # _grad_scaling): torch's classes with a fused implementation do.
     _reads_grad_scale = False
+    # True while reprop.fuse fuses this optimizer (set and cleared by
+    # fusion.py): no fused update is differentiable, so a differentiable
+    # group is then refused (add_param_group, load_state_dict).
+    _in_fusion = False
 
     def __init_subclass__(cls, **kwargs):
         """Gives each reprop class (one that names its _torch_class) torch's
@@ -1520,8 +1545,11 @@ class _FusedOptimizer:
 
     def _check_group(self, group: dict) -> None:
         if group.get("differentiable", False):
-            raise ValueError(f"{type(self).__name__}: differentiable=True is not supported "
-                             f"by reprop; use torch.optim.{self._torch_class.__name__}")
+            if self._in_fusion:
+                raise ValueError(f"{type(self).__name__}: differentiable=True is not supported "
+                                 f"while fused by reprop.fuse: no fused update is "
+                                 f"differentiable; remove() the fusion first")
+            return  # torch's step() body updates it (_update_differentiable), with its checks
         if len({id(p) for p in group["params"]}) != len(group["params"]):
             # torch warns that this will be an error; one fused call would update
             # the parameter twice at once, not twice in a row as torch's loop does
@@ -1698,6 +1726,9 @@ class _FusedOptimizer:
         if _tensors.fake_mode_active():
             self._refuse_fake_mode()
         hp = group if settings is None else settings
+        if group.get("differentiable", False):
+            self._update_differentiable(hp, params, given, scaling, ran)
+            return
         # Keyed by all the params of the call, not those with a gradient: a plan
         # per subset would be built (O(params)) and kept for every new subset
         # with gradients; its rows without one sit the step out. A cached plan
@@ -1738,6 +1769,8 @@ class _FusedOptimizer:
                     # as torch's fused kernels skip: state a new plan made (Adam's
                     # zeros, at step 0) stays, as torch's _init_group made it; a new
                     # SGD buffer, never filled, is not published
+                    if wide:
+                        self._init_torch_state(hp, wide, given)
                     running = wide = []
                 elif scaling.scale is not None:
                     stopped = self._divided_not_stepped.pop(key, {})
@@ -1772,8 +1805,9 @@ class _FusedOptimizer:
 
     def _torch_update(self, hp: dict, params: list, given: dict | None,
                       ran: dict | None, scale: torch.Tensor | None) -> None:
-        """Updates `params` (float64, each with a gradient: _by_torch) by torch's
-        own step() body on a group of just them with the hyper-parameters
+        """Updates `params` (each with a gradient: float64 ones, _by_torch, or
+        a differentiable group's, _update_differentiable) by torch's own
+        step() body on a group of just them with the hyper-parameters
         `hp`: torch's bits (its for-loop, foreach or fused implementation, as
         the group's flags and the params' device choose it, as torch's step()
         chooses), its state created and kept as torch keeps it. Their
@@ -1787,6 +1821,34 @@ class _FusedOptimizer:
             if ran is not None:
                 ran[_OneGroup] = params
             _torch_step_body(self._torch_class)(view)
+
+    def _init_torch_state(self, hp: dict, params: list, given: dict | None) -> None:
+        """Makes the state that torch's fused step() makes for `params` (as
+        _torch_update takes them) before its kernels skip the step for
+        found_inf: its _init_group's, for the group's flags (Adam's zero
+        moments at step 0, Adagrad's `sum` for a group added since the
+        constructor; SGD's makes none, as the kernels' groups publish no
+        buffer never filled), so that a skipped first step leaves torch's
+        state dict and the next step starts from it."""
+        view = _OneGroup(self, {**hp, "params": params})
+        lists = ([] for _ in range(_init_group_lists(self._torch_class)))
+        with _grads_given(params, given):
+            self._torch_class._init_group(view, view.param_groups[0], *lists)
+
+    def _update_differentiable(self, hp: dict, params: list, given: dict | None,
+                               scaling: _Scaling | None, ran: dict | None) -> None:
+        """_update of a differentiable=True group: all its params with a
+        gradient, of any dtype, by torch's own step() body (_torch_update),
+        which records the update for autograd as torch's does (grad mode as
+        torch's step() sets it, from the optimizer's defaults), with torch's
+        state; grad_scale and found_inf as the other groups follow them."""
+        active = _with_grad(params, given)
+        if not active:
+            return
+        if scaling is not None and scaling.skip:
+            self._init_torch_state(hp, active, given)
+            return
+        self._torch_update(hp, active, given, ran, None if scaling is None else scaling.scale)
 
     def _check_hparams(self, group: dict, settings: dict, params: list) -> None:
         """Raises what an update of `params` (of `group`, each with a
@@ -2080,7 +2142,7 @@ class Adagrad(_FusedOptimizer, torch.optim.Adagrad):
         for group in self.param_groups:
             for p in group["params"]:
                 st = self.state.get(p)
-                if st and st["sum"].dtype != torch.float32 and not _by_torch(p):
+                if st and st["sum"].dtype != torch.float32 and not _by_torch_in(p, group):
                     st["sum"] = self._initial_state("sum", p, group)
 
     def _initial_state(self, key, p, group):
