@@ -1228,9 +1228,6 @@ def test_forced_levels_give_the_same_bits_at_every_thread_count(levels):
 
 def test_module_rejects_bad_input():
     rnn = bppsa.RNN(2, 3)
-    with pytest.raises(TypeError, match="float64"):
-        rnn.double()(torch.randn(4, 1, 2, dtype=torch.float64))
-    rnn = bppsa.RNN(2, 3)
     with pytest.raises(ValueError, match="hx: expected a 3-D tensor with a PackedSequence"):
         rnn(nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 2), [4, 3]), torch.randn(2, 3))
     with pytest.raises(ValueError, match=r"hx: expected shape \(1, 2, 3\)"):
@@ -1297,8 +1294,11 @@ BAD_MODULE_CALLS = {
     "integer hx": (lambda: (torch.randn(5, 3, 4), torch.zeros(1, 3, 6, dtype=torch.int64)), TypeError,
                    "hx: expected a real"),
     "integer input": (lambda: (torch.zeros(5, 3, 4, dtype=torch.int64),), TypeError, "input: expected a real"),
+    # (before: "input: the scan runs in float32; got float64", for float64 weights too)
     "float64 input": (lambda: (torch.randn(5, 3, 4, dtype=torch.float64),), TypeError,
-                      "input: the scan runs in float32; got float64"),
+                      "input: expected torch.float32 like the weights (weight_ih_l0), got torch.float64"),
+    "float64 packed": (lambda: (_packed(torch.randn(5, 3, 4, dtype=torch.float64)),), TypeError,
+                       "input: expected torch.float32 like the weights (weight_ih_l0), got torch.float64"),
     "complex input": (lambda: (torch.randn(5, 3, 4, dtype=torch.complex64),), TypeError, "input: expected a real"),
     "integer packed": (lambda: (_packed(torch.zeros(5, 3, 4, dtype=torch.int64)),), TypeError,
                        "input: expected a real"),
@@ -1338,6 +1338,92 @@ def test_module_empty_batch_is_torch_own(batch_first):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+# (kind, keyword arguments, input form): README's float64 cases
+FLOAT64_CASES = [(kind, dict(num_layers=layers, bidirectional=bidirectional, batch_first=batch_first), form)
+                 for kind in KINDS for layers, bidirectional, batch_first, form in
+                 ((1, False, False, "batched"), (2, True, False, "batched"), (2, False, True, "batched"),
+                  (2, True, True, "unbatched"), (2, True, False, "packed"))]
+
+
+@pytest.mark.parametrize("kind, kwargs, form", FLOAT64_CASES)
+@pytest.mark.parametrize("h0", [False, True])
+def test_module_float64_is_nns_bitwise(kind, kwargs, form, h0):
+    """A float64 module (model.double(), or convert() of one) runs torch's own
+    recurrence: output, h_n and every gradient nn's bit for bit, the
+    state_dict nn's (before: a TypeError, "the scan runs in float32")."""
+    torch.manual_seed(len(FLOAT64_CASES) * h0 + FLOAT64_CASES.index((kind, kwargs, form)))
+    ref = (nn.GRU(3, 5, **kwargs) if kind == "gru" else nn.RNN(3, 5, nonlinearity=kind, **kwargs)).double()
+    ours = copy.deepcopy(ref)
+    assert bppsa.convert(ours) == [""]
+    D = 2 if kwargs["bidirectional"] else 1
+    x = torch.randn((6, 3) if form == "unbatched" else (4, 6, 3) if kwargs["batch_first"] else (6, 4, 3),
+                    dtype=torch.float64)
+    hx = torch.randn((kwargs["num_layers"] * D,) + ((5,) if form == "unbatched" else (4, 5)), dtype=torch.float64)
+    results = []
+    for module in (ref, ours):
+        given, state = x.clone().requires_grad_(), hx.clone().requires_grad_() if h0 else None
+        call = nn.utils.rnn.pack_padded_sequence(given, [6, 5, 3, 1], batch_first=kwargs["batch_first"]) \
+            if form == "packed" else given
+        out, h_n = module(call, state)
+        out = out.data if form == "packed" else out
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view(out.shape)).sum().add(
+            h_n.sin().sum()).backward()
+        results.append([out, h_n, given.grad] + ([state.grad] if h0 else []) + [p.grad for p in module.parameters()])
+    assert len(results[0]) == len(results[1])
+    for a, b in zip(*results):
+        assert a.dtype == torch.float64 and torch.equal(a, b)
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), ref.state_dict().values()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_module_float64_gradcheck(kind):
+    """torch.autograd.gradcheck (and gradgradcheck: torch's recurrence takes
+    double backward) of a converted float64 module, two layers both ways,
+    in the input, h0 and every weight (before: float64 raised)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.GRU(2, 3, num_layers=2, bidirectional=True) if kind == "gru" else
+                          nn.RNN(2, 3, num_layers=2, bidirectional=True, nonlinearity=kind)).double()
+    assert bppsa.convert(model) == ["0"]
+    rnn = model[0]
+    names = [name for name, _ in rnn.named_parameters()]
+
+    def f(x, h0, *weights):
+        return torch.func.functional_call(rnn, dict(zip(names, weights)), (x, h0))
+
+    # relu: inputs away from its kink, where finite differences hold
+    x = torch.randn(4, 2, 2, dtype=torch.float64) + (0.5 if kind == "relu" else 0.0)
+    args = (x, torch.randn(4, 2, 3, dtype=torch.float64),
+            *(p.detach().clone() for p in rnn.parameters()))
+    args = tuple(a.requires_grad_() for a in args)
+    assert torch.autograd.gradcheck(f, args)
+    assert torch.autograd.gradcheck(lambda x, h0: rnn(x, h0), args[:2])
+    assert torch.autograd.gradgradcheck(lambda x, h0: rnn(x, h0), args[:2])
+
+
+def test_module_float64_mixed_dtypes_raise_as_nn():
+    """Only a float64 module takes float64: float64 input to float32 weights
+    (BAD_MODULE_CALLS) and float32 input to float64 weights raise the
+    modules' TypeError, also nn's ValueError; a float32 hx with float64
+    input, and float64 input under autocast to float32 weights, raise
+    nn's own error, as torch's recurrence runs them."""
+    for dtype, other in ((torch.float64, torch.float32), (torch.float32, torch.float64)):
+        ref, ours = make_pair("gru", 2, 3)
+        ref.to(other), ours.to(other)
+        with pytest.raises(ValueError, match="does not match weight dtype"):
+            ref(torch.randn(4, 1, 2, dtype=dtype))
+        with pytest.raises(TypeError, match=f"^input: expected {other} like the weights") as raised:
+            ours(torch.randn(4, 1, 2, dtype=dtype))
+        assert isinstance(raised.value, ValueError)
+    ref, ours = make_pair("tanh", 2, 3)
+    for module in (ref.double(), ours.double()):
+        with pytest.raises(RuntimeError, match="same dtype"):
+            module(torch.randn(4, 1, 2, dtype=torch.float64), torch.randn(1, 1, 3))
+    for module in (ref.float(), ours.float()):
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(RuntimeError, match="same dtype"):
+            module(torch.randn(4, 1, 2, dtype=torch.float64))
+
+
 # ---------------------------------------------------------------------------
 # convert()
 # ---------------------------------------------------------------------------
@@ -1357,9 +1443,10 @@ class Tagger(nn.Module):
         return self.head(y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layers, bidirectional", [(1, False), (2, True)])
 @pytest.mark.parametrize("kind", ["gru", "tanh"])
-def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirectional):
+def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirectional, dtype):
     """spectral_norm's power iteration runs at each read of its weight. nn's
     forward reads the weights several times (_update_flat_weights: four
     computations of the first parametrized weight, two of the others), the
@@ -1367,19 +1454,21 @@ def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirection
     their gradients differed (1.5e-4 relative). Now they read them as nn
     does: the same computations, states and outputs bit for bit, gradients
     within rounding; for an empty batch (torch's own recurrence) and a
-    PackedSequence too."""
+    PackedSequence too. float64 (torch's own recurrence, its dtype seen
+    without computing a weight): gradients bit for bit too."""
     from torch.nn.utils.parametrizations import spectral_norm
     torch.manual_seed(0)
     names = ["weight_hh_l0", f"weight_ih_l{layers - 1}" + ("_reverse" if bidirectional else "")]
     models, calls = make_pair(kind, 3, 4, num_layers=layers, bidirectional=bidirectional), ([], [])
     for m, called in zip(models, calls):
+        m.to(dtype)
         for name in names:
             torch.manual_seed(1)  # the same first u and v for both
             spectral_norm(m, name)
             m.parametrizations[name][0].register_forward_hook(lambda *_, name=name, called=called: called.append(name))
-    x = torch.randn(5, 2, 3)
-    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3), [5, 3])
-    for inputs in (x, torch.randn(5, 0, 3), packed, x):
+    x = torch.randn(5, 2, 3, dtype=dtype)
+    packed = nn.utils.rnn.pack_padded_sequence(torch.randn(5, 2, 3, dtype=dtype), [5, 3])
+    for inputs in (x, torch.randn(5, 0, 3, dtype=dtype), packed, x):
         (out_ref, h_ref), (out, h_n) = (m(inputs) for m in models)
         if isinstance(out, nn.utils.rnn.PackedSequence):
             out_ref, out = out_ref.data, out.data
@@ -1390,7 +1479,7 @@ def test_stateful_parametrizations_advance_as_under_nn(kind, layers, bidirection
     for a, b in zip(models[0].buffers(), models[1].buffers(), strict=True):  # each _u and _v
         assert torch.equal(b, a)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters(), strict=True):
-        assert rel_err(b.grad, a.grad) <= TOL, name
+        assert rel_err(b.grad, a.grad) <= (TOL if dtype == torch.float32 else 0.0), name
 
 
 # (asserted, not filtered: a filter that stops matching the text lets it through unseen)
@@ -2945,7 +3034,7 @@ def test_chain_rejects_bad_layers_and_shapes():
             bppsa.ChainPlan([nn.Linear(4, 2)], (4,), max_pairs=bad)
     with pytest.raises(ValueError, match="^levels: expected an int >= 0, got -1"):
         bppsa.ChainPlan([nn.Linear(4, 2)], (4,), levels=-1)
-    # float64 came back float32-accurate: refused, as the RNN modules refuse it
+    # float64 came back float32-accurate: refused
     chain = [nn.Linear(4, 3).double(), nn.Tanh()]
     with pytest.raises(TypeError, match="^x: chain Jacobians are float32; got float64"):
         bppsa.chain_backward(chain, torch.randn(2, 4, dtype=torch.float64))
@@ -3886,18 +3975,31 @@ def test_fuzzed_rnn_and_gru_equal_nn():
         _fuzz_rnn_check(c)
 
 
+def test_fuzzed_float64_rnn_and_gru_are_nns_bitwise():
+    """float64 runs torch's own recurrence: outputs and every gradient nn's
+    bit for bit, over every input form, operation and dropout (before: a
+    TypeError, "the scan runs in float32")."""
+    for seed in range(0, 45, 2):
+        c = _fuzz_rnn_config(seed)
+        ref, ours = _fuzz_rnn_pair(c)
+        want = _fuzz_rnn_run(ref.double(), c, *_fuzz_rnn_inputs(c, torch.float64))
+        got = _fuzz_rnn_run(ours.double(), c, *_fuzz_rnn_inputs(c, torch.float64))
+        assert want.keys() == got.keys()
+        for name, b in want.items():
+            a = got[name]
+            assert a == b if isinstance(b, bool) or b is None else a.dtype == torch.float64 and torch.equal(a, b), \
+                (name, c)
+
+
 def test_fuzzed_rnn_refusals_are_documented_ones():
-    """float64 raises a TypeError naming it, proj_size nn's own error, double
-    backward a RuntimeError (README's "Not supported")."""
+    """proj_size raises nn's own error, double backward a RuntimeError
+    (README's "Not supported")."""
     for seed in range(6):
         c = _fuzz_rnn_config(seed)
         ref, ours = _fuzz_rnn_pair(dict(c, form="batched", dropout=0.0, frozen=False))
-        x, h0, _ = _fuzz_rnn_inputs(dict(c, form="batched"), torch.float64)
-        ref.double()(x, h0)  # nn takes it
-        with pytest.raises(TypeError, match="float64"):
-            ours.double()(x, h0)
-        x = x.float().requires_grad_()
-        out, _ = ours.float()(x, None if h0 is None else h0.float())
+        x, h0, _ = _fuzz_rnn_inputs(dict(c, form="batched"))
+        x = x.requires_grad_()
+        out, _ = ours(x, h0)
         with pytest.raises(RuntimeError, match="double backward"):
             torch.autograd.grad(out.sum(), x, create_graph=True)
         nn_cls, ours_cls = (nn.GRU, bppsa.GRU) if c["kind"] == "gru" else (nn.RNN, bppsa.RNN)

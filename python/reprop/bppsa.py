@@ -816,7 +816,22 @@ class _HxTypeError(TypeError, RuntimeError):
 
 class _InputTypeError(TypeError, ValueError):
     """input of a dtype the module does not run: not real floating-point,
-    or float64 (nn raises ValueError for a dtype not its weights')."""
+    or not the weights' outside autocast (nn raises ValueError for that)."""
+
+
+def _check_input_dtype(input: torch.Tensor, weight_ih_l0: torch.Tensor) -> None:
+    """input of the weights' dtype, or any under autocast (which casts both),
+    as nn.RNN's check_input has it."""
+    if weight_ih_l0.dtype != input.dtype and not autocast_enabled(input.device.type):
+        # nn's class (ValueError) and TypeError, as README gives a dtype's
+        # error: a plain ValueError escaped an `except TypeError`
+        raise _InputTypeError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), "
+                              f"got {input.dtype}; convert the input or the module")
+
+
+def _data(input) -> torch.Tensor:
+    """The tensor of input's steps: a PackedSequence's rows, or input itself."""
+    return input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
 
 
 class _ScanRNNBase:
@@ -874,14 +889,7 @@ class _ScanRNNBase:
         _check_real_dense(input, "input", _InputTypeError)
         if input.dim() not in (2, 3):
             raise ValueError(f"input: expected a 2-D (unbatched) or 3-D tensor, got {input.dim()}-D")
-        if input.dtype == torch.float64:
-            raise _InputTypeError("input: the scan runs in float32; got float64 (use torch.nn for "
-                                  "double precision)")
-        if weight_ih_l0.dtype != input.dtype and not autocast_enabled(input.device.type):
-            # nn's class (ValueError) and TypeError, as README gives a dtype's
-            # error: a plain ValueError escaped an `except TypeError`
-            raise _InputTypeError(f"input: expected {weight_ih_l0.dtype} like the weights (weight_ih_l0), "
-                                  f"got {input.dtype}; convert the input or the module")
+        _check_input_dtype(input, weight_ih_l0)
         if input.shape[-1] != self.input_size:
             raise _ArgError(f"input: expected {self.input_size} features (input_size) in the last "
                             f"dimension, got {input.shape[-1]}")
@@ -917,7 +925,8 @@ class _ScanRNNBase:
         computes nothing. The one exception: a parametrization that produces
         a torch_only weight from plain originals is computed twice on that
         call (once by the read, once by torch's forward)."""
-        return self._needs_torch_own(input, hx) or self._no_scan_fits(input) or self._no_sequence(input)
+        return (self._needs_torch_own(input, hx) or self._in_float64(input) or self._no_scan_fits(input)
+                or self._no_sequence(input))
 
     def _needs_torch_own(self, input, hx) -> bool:
         """Whether a tensor of the call is one the scan cannot carry (functorch
@@ -930,18 +939,30 @@ class _ScanRNNBase:
         without computing it."""
         if transform_active():
             return True
-        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
-        if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (data, hx)):
+        if any(isinstance(t, torch.Tensor) and torch_only(t) for t in (_data(input), hx)):
             return True
         parametrizations = self._modules.get("parametrizations")
         return parametrizations is not None and any(
             map(torch_only_weight, itertools.chain(parametrizations.parameters(), parametrizations.buffers())))
 
+    def _in_float64(self, input) -> bool:
+        """Whether input is float64, which the float32 scan would round:
+        torch's own recurrence then, with nn's float64 results and gradients
+        (model.double(), gradcheck). Weights of another dtype raise as in
+        the scan's path, outside autocast; they are seen as nn's check sees
+        them, in _flat_weights (which setattr, functional_call and _apply
+        keep current), so that no parametrization is computed an extra time."""
+        data = _data(input)
+        if not (isinstance(data, torch.Tensor) and data.dtype == torch.float64):
+            return False
+        _check_input_dtype(data, self._flat_weights[0])
+        return True
+
     def _no_scan_fits(self, input) -> bool:
         """Whether scan="auto" finds no scan that runs over this hidden size on
         input's device (the CUDA scan's shared memory): torch's recurrence
         then, with the same gradients. A forced choice is refused at backward."""
-        data = input.data if isinstance(input, nn.utils.rnn.PackedSequence) else input
+        data = _data(input)
         return (self.scan == "auto" and isinstance(data, torch.Tensor)
                 and not _scan_fits(data.device, self.hidden_size, 0))
 
@@ -1047,7 +1068,8 @@ class RNN(_ScanRNNBase, nn.RNN):
     Same arguments, parameters and state_dict as nn.RNN, plus keyword ``scan``
     ("auto", "linear", "blelloch" or a number of up-sweep levels). Input
     (T, B, I), (B, T, I) with batch_first, or unbatched (T, I); float32, or
-    lower precision under autocast (the scan itself runs in float32)."""
+    lower precision under autocast (the scan itself runs in float32); a
+    float64 module runs torch's own recurrence, with nn's float64 results."""
 
     def __init__(self, *args, scan="auto", **kwargs):
         super().__init__(*args, **kwargs)
@@ -1392,7 +1414,8 @@ def _check_sample_shape(shape, name: str) -> tuple[int, ...]:
 
 def _check_chain_tensor(t, name: str, call: str) -> None:
     """What a chain's float32 Jacobian values can take: float64 would come
-    back float32-accurate, so it is refused as the RNN modules refuse it.
+    back float32-accurate, so it is refused (the RNN modules hand float64
+    to torch's recurrence; a chain has no such fallback of its own).
     `call`: the public function checking it, for _refuse_torch_only."""
     _check_real_dense(t, name)
     if t.dtype == torch.float64:
