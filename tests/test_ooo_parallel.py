@@ -2715,31 +2715,42 @@ def _check_pipeline_layouts(rank: int, world: int) -> None:
 def test_pipeline_layouts_on_the_wire():
     """What travels for a layout, and what the receiver rebuilds from it: a
     transposed tensor's storage itself (no copy), an expanded one's
-    distinct elements, a slice with gaps contiguous; a tensor whose strides
-    changed since the header is copied into the header's layout, and
-    raises where that layout is expanded (no copy can make one)."""
+    distinct elements, a slice with gaps its distinct elements alone (a
+    copy), rebuilt with its strides (it travelled contiguous), windows
+    that overlap with gaps contiguous; a tensor whose strides changed
+    since the header is copied into the header's layout, and raises where
+    that layout is expanded (no copy can make one)."""
     x = torch.randn(4, 6, 5)
-    cases = [(x.transpose(1, 2), 120, False), (x.permute(2, 0, 1), 120, False),
-             (torch.randn(4, 1).expand(4, 3), 4, False), (x[:, ::2], 60, True), (x, 120, True),
-             (x[:0].transpose(1, 2), 0, False)]
-    for t, span, contiguous in cases:
+    windows = torch.randn(300).as_strided((2, 3, 3), (100, 1, 1))  # overlap, and gaps
+    # (tensor, elements sent, storage spanned, contiguous, sent without a copy)
+    cases = [(x.transpose(1, 2), 120, 120, False, True),
+             (x.permute(2, 0, 1), 120, 120, False, True),
+             (torch.randn(4, 1).expand(4, 3), 4, 4, False, True), (x, 120, 120, True, True),
+             (x[:, ::2], 60, 115, False, False), (x.transpose(0, 2)[:, :3], 60, 105, False, False),
+             (x[:, ::2].unsqueeze(-1).expand(-1, -1, -1, 3), 60, 115, False, False),
+             (torch.randn(10).unfold(0, 3, 1), 10, 10, False, True),
+             (windows, 18, 18, True, False), (x[:0].transpose(1, 2), 0, 0, False, True)]
+    for t, sent, span, contiguous, in_place in cases:
         layout = _Layout.of_tensor(t)
-        assert (layout.span, layout.contiguous) == (span, contiguous), t.stride()
+        assert (layout.sent, layout.span, layout.contiguous) == (sent, span, contiguous), t.stride()
         assert _Layout.read(layout.header(True, t.device)) == (layout, True)
         wire = layout.wire(t).reshape(-1)
-        assert wire.shape == (span,)
-        if not contiguous:
-            assert wire.data_ptr() == t.data_ptr() and layout.strides == t.stride()
+        assert wire.shape == (sent,)
+        assert (wire.data_ptr() == t.data_ptr() or not sent) == in_place, t.stride()
+        assert layout.strides == t.stride() or contiguous
         for extra in (0, 1):  # an activation; a gradient and its flag
             buffer = layout.empty(extra, t.device)
-            buffer.view(-1)[:span] = wire
+            buffer.view(-1)[:sent] = wire
             received = layout.rebuilt(buffer)
             assert torch.equal(received, t) and received.stride() == layout.strides
-    layout = _Layout.of_tensor(x.transpose(1, 2))
-    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()).reshape(-1))
-    assert torch.equal(relaid, x.transpose(1, 2)) and relaid.stride() == layout.strides
-    with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
-        _Layout.of_tensor(torch.randn(4, 1).expand(4, 3)).wire(torch.randn(4, 3))
+    for t in (x.transpose(1, 2), x[:, ::2]):
+        layout = _Layout.of_tensor(t)
+        relaid = layout.rebuilt(layout.wire(t.contiguous()).reshape(-1))
+        assert torch.equal(relaid, t) and relaid.stride() == layout.strides
+    for expanded in (torch.randn(4, 1).expand(4, 3),
+                     x[:, ::2].unsqueeze(-1).expand(-1, -1, -1, 3)):
+        with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
+            _Layout.of_tensor(expanded).wire(expanded.contiguous())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -2760,6 +2771,66 @@ def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
     torch.set_num_threads(1)  # as the ranks: sums in memory order
     try:
         _check_pipeline_layouts(0, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _EveryOther(nn.Module):
+    """(B, C, L) -> (B, C / 2, L): every other channel, a view whose span has gaps."""
+
+    def forward(self, x):
+        return x[:, ::2]
+
+
+class _PadLast(nn.Module):
+    """(B, C, L) -> (B, C, 2L), zeros after: cat's backward gives it a slice
+    of its output gradient as input gradient, a view with gaps."""
+
+    def forward(self, x):
+        return torch.cat([x, torch.zeros_like(x)], -1)
+
+
+def _gapped(seed: int = 0) -> list:
+    """On (B, 4, 5): a slice of a Conv1d's output (gaps) into a
+    BatchNorm1d, which sums it in memory order, and a slice of a gradient
+    (gaps) back to another one, whose backward sums that too (on a
+    contiguous input: with one with gaps it sums in one order either way)."""
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Conv1d(4, 12, 1), _EveryOther()), nn.BatchNorm1d(6),
+            nn.BatchNorm1d(6), _PadLast(),
+            nn.Sequential(nn.Conv1d(6, 2, 1), nn.Flatten(), nn.Linear(20, 2))]
+
+
+def _check_pipeline_gaps(rank: int, world: int) -> None:
+    """Activations and gradients whose span has gaps, between the stages of
+    either allocation (contiguous: the gradient; modulo: both), either
+    schedule, 1 to 3 micro-batches: single-process training's bits (see
+    _check_micro_batched)."""
+    for allocation, schedule, micro in itertools.product(
+            ("contiguous", "modulo"), ("gpipe", "fast_forward"), (1, 2, 3)):
+        _check_micro_batched(rank, _gapped, 7, (4, 5), 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation),
+                             input_grad=micro == 2)
+
+
+def test_pipeline_hands_on_a_slice_with_gaps_in_its_layout():
+    """README: an activation or a gradient whose span has gaps (a slice of
+    every other channel, the slice cat's backward makes) travels as its
+    distinct elements alone and is rebuilt with its strides. It travelled
+    contiguous, and the BatchNorm1d that got it summed it in another order,
+    forward or backward: the first Conv1d's weight gradient was 3e-8 to
+    1.5e-7 off, a BatchNorm1d's 1e-8 to 2.6e-8 (every case, both
+    allocations: contiguous has the gradient between the stages)."""
+    _spawn(_check_pipeline_gaps, 2)
+
+
+def test_pipeline_hands_on_a_slice_with_gaps_on_one_stage(solo_group):
+    """The same on one stage, where nothing travels: each layer gets the
+    slice as the layer before or after made it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: sums in memory order
+    try:
+        _check_pipeline_gaps(0, 1)
     finally:
         torch.set_num_threads(threads)
 

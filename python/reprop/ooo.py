@@ -4430,10 +4430,14 @@ ALLOCATIONS = ("contiguous", "modulo")
 # otherwise downstream (BatchNorm1d's running mean 2.2e-7 off, a Conv1d's
 # bias gradient 1.2e-7). The data sent is the storage span the strides
 # cover (see _Layout): no copy for a permutation of the dims (transposed,
-# channels_last) nor an expanded tensor (its span is smaller); a layout
-# whose span has gaps (a slice of every other column) would send the gaps,
-# so it travels contiguous, as before. A gradient travels as one message,
-# its data and one more element after it, a
+# channels_last) nor an expanded tensor (its span is smaller). A layout
+# whose span has gaps (a slice of every other column) would send the gaps:
+# its distinct elements alone travel, a copy in memory order, which the
+# receiver scatters into a span of its own, rebuilt with the sender's
+# strides (made contiguous, as they were, the next stage's BatchNorm1d
+# summed otherwise: a Conv1d's weight gradient up to 1.5e-7 off); windows
+# that overlap with gaps travel contiguous. A gradient travels as one
+# message, its data and one more element after it, a
 # flag: 1, or 0 where there is none (its data zeros, unread): a layer
 # that ignores or detaches its input gives it no gradient, and the layers
 # before it must then get none either (plain autograd leaves their .grad
@@ -4478,23 +4482,31 @@ _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, tor
 class _Layout(NamedTuple):
     """What a header says of a tensor between stages: the receiver rebuilds
     it with these strides over a buffer of `span` elements, the storage
-    they cover, which is what travels (see the note above)."""
+    they cover. What travels is `sent` elements: the span itself, or where
+    it has gaps the distinct elements alone (see the note above)."""
 
     dtype: torch.dtype
     shape: tuple
     strides: tuple
     span: int
     contiguous: bool
+    sent: int
 
     @classmethod
     def of(cls, dtype: torch.dtype, shape: tuple, strides: tuple) -> _Layout:
-        """These strides where their span holds at most the elements (dims in
-        any order, expanded), else contiguous ones (a span with gaps)."""
-        shape, natural = tuple(shape), _contiguous_strides(shape)
-        span = _span(shape, strides)
-        if span > math.prod(shape):
-            strides, span = natural, math.prod(shape)
-        return cls(dtype, shape, tuple(strides), span, tuple(strides) == natural)
+        """These strides where their distinct elements lie apart (dims in any
+        order, expanded, a slice with gaps: those elements alone are sent)
+        or where their span holds at most the elements (overlapping
+        windows); else (windows with gaps) contiguous ones."""
+        shape, strides, natural = tuple(shape), tuple(strides), _contiguous_strides(shape)
+        span, numel = _span(shape, strides), math.prod(shape)
+        if _apart(shape, strides):
+            sent = math.prod(_distinct_shape(shape, strides))  # the span, unless it has gaps
+        elif span <= numel:
+            sent = span
+        else:
+            strides, span, sent = natural, numel, numel
+        return cls(dtype, shape, strides, span, strides == natural, sent)
 
     @classmethod
     def of_tensor(cls, t: torch.Tensor) -> _Layout:
@@ -4516,14 +4528,22 @@ class _Layout(NamedTuple):
         return cls.of(_WIRE_DTYPES[dtype], rest[:ndim], rest[ndim:2 * ndim]), bool(requires_grad)
 
     def empty(self, extra: int, device: torch.device) -> torch.Tensor:
-        """A buffer to receive into: the span, then `extra` elements (flat;
+        """A buffer to receive into: what is sent, then `extra` elements (flat;
         contiguous without any: the tensor itself, as rebuilt() gives it)."""
         if self.contiguous and not extra:
             return torch.empty(self.shape, dtype=self.dtype, device=device)
-        return torch.empty(self.span + extra, dtype=self.dtype, device=device)
+        return torch.empty(self.sent + extra, dtype=self.dtype, device=device)
 
     def rebuilt(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The tensor a buffer from empty() holds once received, in this layout."""
+        """The tensor a buffer from empty() holds once received, in this
+        layout: a view of it, or where the span has gaps a tensor of its
+        own, the elements scattered into the span (the gaps left unset:
+        nothing reads them)."""
+        if self.sent < self.span:
+            spanned = torch.empty(self.span, dtype=self.dtype, device=buffer.device)
+            distinct = self._in_memory_order(spanned.as_strided(self.shape, self.strides))
+            distinct.copy_(buffer[:self.sent].view(distinct.shape))
+            return spanned.as_strided(self.shape, self.strides)
         if not self.contiguous:
             return buffer.as_strided(self.shape, self.strides)
         return buffer[:self.span].view(self.shape) if buffer.numel() > self.span else buffer
@@ -4532,16 +4552,49 @@ class _Layout(NamedTuple):
         """`t` (of this shape and dtype) as it travels: the storage span of
         these strides, a view of t's storage where t has them (t itself
         where contiguous; a copy in this layout where its strides changed
-        since the header)."""
+        since the header); where the span has gaps, a copy of the distinct
+        elements alone, in memory order."""
         if t.stride() != self.strides:
-            if self.span < t.numel():
+            if self.sent < t.numel():
                 raise RuntimeError(
                     f"Pipeline: a tensor between stages changed its strides from the kept "
                     f"header's {self.strides} (expanded) to {t.stride()} for the same input "
                     "description; build a new Pipeline")
-            t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
-                                    device=t.device).copy_(t)
+            if self.sent == self.span:
+                t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
+                                        device=t.device).copy_(t)
+        if self.sent < self.span:
+            return self._in_memory_order(t).contiguous()
         return t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
+
+    def _in_memory_order(self, t: torch.Tensor) -> torch.Tensor:
+        """A view of `t` (of this shape) with each of its distinct elements
+        once (an expanded dim narrowed to its first), its dims in this
+        layout's memory order (largest stride first): the order a span with
+        gaps sends them in, as reads and writes then run through memory
+        forward on both ends."""
+        for d, s in enumerate(self.strides):
+            if not s:
+                t = t.narrow(d, 0, 1)
+        return t.permute(sorted(range(len(self.strides)), key=self.strides.__getitem__,
+                                reverse=True))
+
+
+def _distinct_shape(shape: Sequence[int], strides: Sequence[int]) -> tuple:
+    """The shape without its expanded dims (stride 0: size 1)."""
+    return tuple(n if s else 1 for n, s in zip(shape, strides))
+
+
+def _apart(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    """Whether the distinct elements of a layout (expanded dims once) lie at
+    distinct places: each dim's stride, smallest first, past the reach of
+    the dims below it (a sufficient test; windows that overlap fail it)."""
+    reach = 1
+    for s, n in sorted((s, n) for n, s in zip(shape, strides) if n > 1 and s):
+        if s < reach:
+            return False
+        reach += (n - 1) * s
+    return True
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple:
