@@ -2946,12 +2946,13 @@ def test_pipeline_splits_only_layers_whose_dw_moves(solo_group, input_grad):
 
 def _sharing_layers(sharing: str, bias: bool, depth: int = 4) -> list:
     """Linear, a, tanh, b, then Linears up to `depth` layers: b is a (one
-    module reused by two layers) or a Linear whose weight is a's (tied)."""
+    module reused by two layers), a Linear whose weight is a's (tied), or
+    ("none") one of its own (the same values as tied, but its weight)."""
     torch.manual_seed(0)
     a, b = nn.Linear(WIDTH, WIDTH, bias=bias), nn.Linear(WIDTH, WIDTH, bias=bias)
     if sharing == "tied":
         b.weight = a.weight
-    else:
+    elif sharing == "reused":
         b = a
     return [nn.Linear(WIDTH, WIDTH), a, nn.Tanh(), b] + [
         nn.Linear(WIDTH, WIDTH) for _ in range(depth - 4)]
@@ -3027,6 +3028,33 @@ def test_pipeline_fires_a_shared_weights_hooks_once_after_every_use(solo_group, 
     got = seen_by_hooks(local, lambda x, t: pipe.step(x, t, F.mse_loss))
     pipe.remove()
     assert len(want) == len(got) == 1 and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "fast_forward"])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_pipeline_sees_a_weight_tied_after_it_was_built(solo_group, schedule, mode):
+    """A weight tied between two layers of a stage after Pipeline() (the
+    sharing was learned at construction): unseen, its dW ran as soon as
+    held and its layers ran plain under GPipe, so reprop.fuse(mode="backward")
+    updated it between the layers' backward calls (autograd's in-place
+    error). The next step sees it: one process's fused training with the
+    weight tied from the start, bit for bit, either mode and schedule; the
+    tied layers stay split, and run plain again once untied."""
+    ref = _fused_training(_sharing_layers("tied", False), torch.optim.SGD, mode,
+                          lambda model, x, t: F.mse_loss(model(x), t).backward())
+    local = _sharing_layers("none", False)
+    pipe = Pipeline(local, micro_batches=1, schedule=schedule)
+    local[3].weight = local[1].weight
+    model = _fused_training(local, torch.optim.SGD, mode,
+                            lambda model, x, t: pipe.step(x, t, F.mse_loss))
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(got, want)
+    split = {s.module: s.split for s in pipe.handle.sites}
+    assert split[local[1]] and split[local[3]] and not split[local[0]]  # (its dW alone)
+    local[3].weight = nn.Parameter(local[1].weight.detach().clone())
+    pipe.step(*_batch(0, 3), F.mse_loss)
+    assert {s.module: s.split for s in pipe.handle.sites}[local[3]] == (schedule != "gpipe")
+    pipe.remove()
 
 
 def _sharing_pipeline_worker(rank: int, world: int) -> None:

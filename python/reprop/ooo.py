@@ -4840,21 +4840,7 @@ class Pipeline:
                 if self.micro_batches > 1:
                     _MICRO_BATCH_PIPELINES.add(self)
                 self.handle = enable(local, order="conventional") if _splits_any(local) else None
-                # each split module that may run plain -> the layers of this rank
-                # that hold it (see _run_plain)
-                self._site_layers = {}
-                kept_split = set()  # the layers holding a module that stays split
-                for site in (self.handle.sites if self.handle is not None else ()):
-                    holders = frozenset(l for l, layer in self.layers.items()
-                                        if any(m is site.module for m in layer.modules()))
-                    if not _in_several_layers(site.module, self.layers.values()) and not any(
-                            _reached_twice(self.layers[l], site.module) for l in holders):
-                        self._site_layers[site] = holders
-                    else:
-                        kept_split |= holders
-                # never plain, so never chained either (see _schedule)
-                self._kept_split = frozenset(kept_split)
-                self._sharers = _local_sharers(self.layers)
+                self._learn_sharing()
             except Exception:
                 _every_rank_installed(False, self.group, self.device)
                 raise
@@ -4862,6 +4848,48 @@ class Pipeline:
         except BaseException:
             self.remove()
             raise
+
+    def _learn_sharing(self) -> None:
+        """What the parameters this rank's layers share (a module reused, a
+        weight tied) decide, from those they hold now: the split modules
+        that may run plain and the layers that stay split (_run_plain), and
+        the layers whose dW wait for their sharers' backward (_due_shared).
+        Their identities are kept last, so that a step after one stopped
+        midway (a KeyboardInterrupt) learns it all again."""
+        # each split module that may run plain -> the layers of this rank
+        # that hold it (see _run_plain)
+        site_layers = {}
+        kept_split = set()  # the layers holding a module that stays split
+        for site in (self.handle.sites if self.handle is not None else ()):
+            holders = frozenset(l for l, layer in self.layers.items()
+                                if any(m is site.module for m in layer.modules()))
+            if not _in_several_layers(site.module, self.layers.values()) and not any(
+                    _reached_twice(self.layers[l], site.module) for l in holders):
+                site_layers[site] = holders
+            else:
+                kept_split |= holders
+        self._site_layers = site_layers
+        # never plain, so never chained either (see _schedule)
+        self._kept_split = frozenset(kept_split)
+        self._sharers = _local_sharers(self.layers)
+        self._identities = _parameter_identities(self.layers)
+
+    def _learn_sharing_again(self) -> None:
+        """A parameter tied (or untied) between this rank's layers since the
+        sharing was learned (``layers[3].weight = layers[1].weight`` after
+        Pipeline()): unseen, its dW ran as soon as held, and under GPipe
+        reprop.fuse(mode="backward") updated it before the other layer's
+        backward (autograd's in-place error). Every split module is split
+        again until _run_plain makes the right ones plain, and the plain and
+        chained layers of each schedule are derived anew. The ranks need not
+        agree on it: it changes how this rank computes its tasks, not the
+        programs nor the messages between stages (a weight tied across
+        stages is refused: see _run)."""
+        for site in (self.handle.sites if self.handle is not None else ()):
+            site.split, site.in_order = True, False
+        self._schedules.clear()
+        self._plain = None  # not a set of layers: the next step runs _run_plain
+        self._learn_sharing()
 
     # -- public ----------------------------------------------------------------
 
@@ -4942,6 +4970,8 @@ class Pipeline:
             _check_not_tied_across_stages(
                 [(l, layer) for l, ref in self._sharing if (layer := ref()) is not None],
                 self.stage_of, "; it was fixed when the Pipeline was built, and has changed since")
+        if train and _parameter_identities(self.layers) != self._identities:
+            self._learn_sharing_again()
         input_grad = train and inputs.requires_grad
         program, inbox, plain, chained = self._schedule(input_grad, train)
         if plain is not None and plain != self._plain:
@@ -5394,6 +5424,17 @@ def _in_several_layers(module: nn.Module, layers) -> bool:
     another layer's)."""
     own = {id(p) for p in module.parameters(recurse=False)}
     return sum(any(id(p) in own for p in layer.parameters()) for layer in layers) > 1
+
+
+def _parameter_identities(layers: dict) -> tuple:
+    """The id of each parameter slot of `layers` (this rank's, by index),
+    every module as often as a layer holds it (None for an unset bias):
+    the same tuple as long as no parameter is tied, untied or replaced, as
+    the ids of live parameters are equal exactly where they are one.
+    Compared once per step (about 1 us per layer)."""
+    return tuple(id(p) for layer in layers.values()
+                 for _, m in layer.named_modules(remove_duplicate=False)
+                 for p in m._parameters.values())
 
 
 def _local_sharers(layers: dict) -> dict:
