@@ -3057,6 +3057,28 @@ def test_pipeline_sees_a_weight_tied_after_it_was_built(solo_group, schedule, mo
     pipe.remove()
 
 
+def _check_tied_across_stages_after_it_was_built(rank: int, world: int) -> None:
+    """See the test below: layers 0, 1 on rank 0, 2, 3 on rank 1."""
+    layers = _blocks()[:4]
+    pipe = Pipeline(layers, micro_batches=2)
+    x, t = _batch(0, 0)
+    pipe.step(x, t, F.mse_loss)
+    layers[3][0].weight = layers[0][0].weight
+    if rank == 1:  # rank 0's layers did not change: it would wait for rank 1's messages
+        with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.0\.weight is "
+                                             r"layers\[3\]\.0\.weight.*stages 0 and 1.*"
+                                             r"fixed when the Pipeline was built"):
+            pipe.step(x, t, F.mse_loss)
+    pipe.remove()
+
+
+def test_pipeline_refuses_a_weight_tied_across_stages_after_it_was_built():
+    """README: a weight tied between layers of two stages after Pipeline()
+    trained a copy on each stage, unseen; the step of the stage whose layer
+    now holds the other's weight raises the ValueError of construction."""
+    _spawn(_check_tied_across_stages_after_it_was_built, 2)
+
+
 def _sharing_pipeline_worker(rank: int, world: int) -> None:
     """Each rank's layers after fused training under GPipe against one
     process's (see the test below)."""
