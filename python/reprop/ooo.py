@@ -5434,22 +5434,23 @@ def _in_several_layers(module: nn.Module, layers) -> bool:
     return sum(any(id(p) in own for p in layer.parameters()) for layer in layers) > 1
 
 
-def _parameter_slots(layers: dict) -> list[dict]:
-    """The parameter dicts of the modules of `layers` (this rank's, by
-    index), each as often as a layer holds its module: where tying a
-    weight (``module.weight = other``) writes, found once, so that a step
-    reads them without walking the modules (a module replaced in a layer is
-    not seen: it is no split module either)."""
-    return [m._parameters for layer in layers.values()
-            for _, m in layer.named_modules(remove_duplicate=False)]
+def _parameter_slots(layers: dict) -> list:
+    """Live views of the parameter dicts of the modules of `layers` (this
+    rank's, by index) that have parameter slots, each as often as a layer
+    holds its module: where tying a weight (``module.weight = other``)
+    writes, found once, so that a step reads them without walking the
+    modules (7.8 us a step for 16 Linear + GELU layers, 2.4 us so). Not
+    seen: a submodule replaced in a layer (it is not split either), a
+    parameter given to a module that had none."""
+    return [m._parameters.values() for layer in layers.values()
+            for _, m in layer.named_modules(remove_duplicate=False) if m._parameters]
 
 
-def _parameter_identities(slots: list[dict]) -> tuple:
+def _parameter_identities(slots: list) -> tuple:
     """The id of each parameter in `slots` (None for an unset bias): the
     same tuple as long as no parameter is tied, untied or replaced, as the
-    ids of live parameters are equal exactly where they are one object.
-    Compared once per step (0.5 us per Linear on a slow CPU)."""
-    return tuple(map(id, itertools.chain.from_iterable(map(dict.values, slots))))
+    ids of live parameters are equal exactly where they are one object."""
+    return tuple(map(id, itertools.chain.from_iterable(slots)))
 
 
 def _local_sharers(layers: dict) -> dict:
