@@ -3084,11 +3084,16 @@ def _sharing_pipeline_worker(rank: int, world: int) -> None:
     process's (see the test below)."""
     import reprop.optim
     for sharing, optimizer, mode in itertools.product(
-            ("tied", "reused"), (torch.optim.SGD, reprop.optim.SGD), ("backward", "forward")):
-        ref = _fused_training(_sharing_layers(sharing, False, DEPTH), optimizer, mode,
+            ("tied", "reused", "tied later"), (torch.optim.SGD, reprop.optim.SGD),
+            ("backward", "forward")):
+        later = sharing == "tied later"  # after Pipeline() (see the test after the next)
+        ref = _fused_training(_sharing_layers("tied" if later else sharing, False, DEPTH),
+                              optimizer, mode,
                               lambda model, x, t: F.mse_loss(model(x), t).backward())
-        pipe = Pipeline(_sharing_layers(sharing, False, DEPTH), micro_batches=1,
-                        schedule="gpipe")
+        layers = _sharing_layers("none" if later else sharing, False, DEPTH)
+        pipe = Pipeline(layers, micro_batches=1, schedule="gpipe")
+        if later:
+            layers[3].weight = layers[1].weight
         _fused_training(list(pipe.layers.values()), optimizer, mode,
                         lambda model, x, t: pipe.step(x, t, F.mse_loss))
         pipe.remove()
@@ -3102,7 +3107,8 @@ def test_pipeline_of_ranks_keeps_a_weight_of_several_local_layers_under_fusion()
     weight without bias) on rank 0: GPipe with reprop.fuse(mode="backward")
     raised autograd's view error there; each rank's layers now end as one
     process's fused training leaves them, bit for bit, with torch's SGD and
-    reprop's, in either fusion mode."""
+    reprop's, in either fusion mode; so do they with the weight tied after
+    Pipeline() (autograd's in-place error before the next step saw it)."""
     _spawn(_sharing_pipeline_worker, 2)
 
 
