@@ -2722,31 +2722,42 @@ def _check_pipeline_layouts(rank: int, world: int) -> None:
 def test_pipeline_layouts_on_the_wire():
     """What travels for a layout, and what the receiver rebuilds from it: a
     transposed tensor's storage itself (no copy), an expanded one's
-    distinct elements, a slice with gaps contiguous; a tensor whose strides
-    changed since the header is copied into the header's layout, and
-    raises where that layout is expanded (no copy can make one)."""
+    distinct elements, a slice with gaps its distinct elements alone (a
+    copy), rebuilt with its strides (it travelled contiguous), windows
+    that overlap with gaps contiguous; a tensor whose strides changed
+    since the header is copied into the header's layout, and raises where
+    that layout is expanded (no copy can make one)."""
     x = torch.randn(4, 6, 5)
-    cases = [(x.transpose(1, 2), 120, False), (x.permute(2, 0, 1), 120, False),
-             (torch.randn(4, 1).expand(4, 3), 4, False), (x[:, ::2], 60, True), (x, 120, True),
-             (x[:0].transpose(1, 2), 0, False)]
-    for t, span, contiguous in cases:
+    windows = torch.randn(300).as_strided((2, 3, 3), (100, 1, 1))  # overlap, and gaps
+    # (tensor, elements sent, storage spanned, contiguous, sent without a copy)
+    cases = [(x.transpose(1, 2), 120, 120, False, True),
+             (x.permute(2, 0, 1), 120, 120, False, True),
+             (torch.randn(4, 1).expand(4, 3), 4, 4, False, True), (x, 120, 120, True, True),
+             (x[:, ::2], 60, 115, False, False), (x.transpose(0, 2)[:, :3], 60, 105, False, False),
+             (x[:, ::2].unsqueeze(-1).expand(-1, -1, -1, 3), 60, 115, False, False),
+             (torch.randn(10).unfold(0, 3, 1), 10, 10, False, True),
+             (windows, 18, 18, True, False), (x[:0].transpose(1, 2), 0, 0, False, True)]
+    for t, sent, span, contiguous, in_place in cases:
         layout = _Layout.of_tensor(t)
-        assert (layout.span, layout.contiguous) == (span, contiguous), t.stride()
+        assert (layout.sent, layout.span, layout.contiguous) == (sent, span, contiguous), t.stride()
         assert _Layout.read(layout.header(True, t.device)) == (layout, True)
         wire = layout.wire(t).reshape(-1)
-        assert wire.shape == (span,)
-        if not contiguous:
-            assert wire.data_ptr() == t.data_ptr() and layout.strides == t.stride()
+        assert wire.shape == (sent,)
+        assert (wire.data_ptr() == t.data_ptr() or not sent) == in_place, t.stride()
+        assert layout.strides == t.stride() or contiguous
         for extra in (0, 1):  # an activation; a gradient and its flag
             buffer = layout.empty(extra, t.device)
-            buffer.view(-1)[:span] = wire
+            buffer.view(-1)[:sent] = wire
             received = layout.rebuilt(buffer)
             assert torch.equal(received, t) and received.stride() == layout.strides
-    layout = _Layout.of_tensor(x.transpose(1, 2))
-    relaid = layout.rebuilt(layout.wire(x.transpose(1, 2).contiguous()).reshape(-1))
-    assert torch.equal(relaid, x.transpose(1, 2)) and relaid.stride() == layout.strides
-    with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
-        _Layout.of_tensor(torch.randn(4, 1).expand(4, 3)).wire(torch.randn(4, 3))
+    for t in (x.transpose(1, 2), x[:, ::2]):
+        layout = _Layout.of_tensor(t)
+        relaid = layout.rebuilt(layout.wire(t.contiguous()).reshape(-1))
+        assert torch.equal(relaid, t) and relaid.stride() == layout.strides
+    for expanded in (torch.randn(4, 1).expand(4, 3),
+                     x[:, ::2].unsqueeze(-1).expand(-1, -1, -1, 3)):
+        with pytest.raises(RuntimeError, match=r"changed its strides .*\(expanded\)"):
+            _Layout.of_tensor(expanded).wire(expanded.contiguous())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -2767,6 +2778,66 @@ def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
     torch.set_num_threads(1)  # as the ranks: sums in memory order
     try:
         _check_pipeline_layouts(0, 1)
+    finally:
+        torch.set_num_threads(threads)
+
+
+class _EveryOther(nn.Module):
+    """(B, C, L) -> (B, C / 2, L): every other channel, a view whose span has gaps."""
+
+    def forward(self, x):
+        return x[:, ::2]
+
+
+class _PadLast(nn.Module):
+    """(B, C, L) -> (B, C, 2L), zeros after: cat's backward gives it a slice
+    of its output gradient as input gradient, a view with gaps."""
+
+    def forward(self, x):
+        return torch.cat([x, torch.zeros_like(x)], -1)
+
+
+def _gapped(seed: int = 0) -> list:
+    """On (B, 4, 5): a slice of a Conv1d's output (gaps) into a
+    BatchNorm1d, which sums it in memory order, and a slice of a gradient
+    (gaps) back to another one, whose backward sums that too (on a
+    contiguous input: with one with gaps it sums in one order either way)."""
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.Conv1d(4, 12, 1), _EveryOther()), nn.BatchNorm1d(6),
+            nn.BatchNorm1d(6), _PadLast(),
+            nn.Sequential(nn.Conv1d(6, 2, 1), nn.Flatten(), nn.Linear(20, 2))]
+
+
+def _check_pipeline_gaps(rank: int, world: int) -> None:
+    """Activations and gradients whose span has gaps, between the stages of
+    either allocation (contiguous: the gradient; modulo: both), either
+    schedule, 1 to 3 micro-batches: single-process training's bits (see
+    _check_micro_batched)."""
+    for allocation, schedule, micro in itertools.product(
+            ("contiguous", "modulo"), ("gpipe", "fast_forward"), (1, 2, 3)):
+        _check_micro_batched(rank, _gapped, 7, (4, 5), 2,
+                             dict(micro_batches=micro, schedule=schedule, allocation=allocation),
+                             input_grad=micro == 2)
+
+
+def test_pipeline_hands_on_a_slice_with_gaps_in_its_layout():
+    """README: an activation or a gradient whose span has gaps (a slice of
+    every other channel, the slice cat's backward makes) travels as its
+    distinct elements alone and is rebuilt with its strides. It travelled
+    contiguous, and the BatchNorm1d that got it summed it in another order,
+    forward or backward: the first Conv1d's weight gradient was 3e-8 to
+    1.5e-7 off, a BatchNorm1d's 1e-8 to 2.6e-8 (every case, both
+    allocations: contiguous has the gradient between the stages)."""
+    _spawn(_check_pipeline_gaps, 2)
+
+
+def test_pipeline_hands_on_a_slice_with_gaps_on_one_stage(solo_group):
+    """The same on one stage, where nothing travels: each layer gets the
+    slice as the layer before or after made it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks: sums in memory order
+    try:
+        _check_pipeline_gaps(0, 1)
     finally:
         torch.set_num_threads(threads)
 
@@ -2882,12 +2953,13 @@ def test_pipeline_splits_only_layers_whose_dw_moves(solo_group, input_grad):
 
 def _sharing_layers(sharing: str, bias: bool, depth: int = 4) -> list:
     """Linear, a, tanh, b, then Linears up to `depth` layers: b is a (one
-    module reused by two layers) or a Linear whose weight is a's (tied)."""
+    module reused by two layers), a Linear whose weight is a's (tied), or
+    ("none") one of its own (the same values as tied, but its weight)."""
     torch.manual_seed(0)
     a, b = nn.Linear(WIDTH, WIDTH, bias=bias), nn.Linear(WIDTH, WIDTH, bias=bias)
     if sharing == "tied":
         b.weight = a.weight
-    else:
+    elif sharing == "reused":
         b = a
     return [nn.Linear(WIDTH, WIDTH), a, nn.Tanh(), b] + [
         nn.Linear(WIDTH, WIDTH) for _ in range(depth - 4)]
@@ -2965,16 +3037,70 @@ def test_pipeline_fires_a_shared_weights_hooks_once_after_every_use(solo_group, 
     assert len(want) == len(got) == 1 and torch.equal(got[0], want[0])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "fast_forward"])
+@pytest.mark.parametrize("mode", ["backward", "forward"])
+def test_pipeline_sees_a_weight_tied_after_it_was_built(solo_group, schedule, mode):
+    """A weight tied between two layers of a stage after Pipeline() (the
+    sharing was learned at construction): unseen, its dW ran as soon as
+    held and its layers ran plain under GPipe, so reprop.fuse(mode="backward")
+    updated it between the layers' backward calls (autograd's in-place
+    error). The next step sees it: one process's fused training with the
+    weight tied from the start, bit for bit, either mode and schedule; the
+    tied layers stay split, and run plain again once untied."""
+    ref = _fused_training(_sharing_layers("tied", False), torch.optim.SGD, mode,
+                          lambda model, x, t: F.mse_loss(model(x), t).backward())
+    local = _sharing_layers("none", False)
+    pipe = Pipeline(local, micro_batches=1, schedule=schedule)
+    local[3].weight = local[1].weight
+    model = _fused_training(local, torch.optim.SGD, mode,
+                            lambda model, x, t: pipe.step(x, t, F.mse_loss))
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(got, want)
+    split = {s.module: s.split for s in pipe.handle.sites}
+    assert split[local[1]] and split[local[3]] and not split[local[0]]  # (its dW alone)
+    local[3].weight = nn.Parameter(local[1].weight.detach().clone())
+    pipe.step(*_batch(0, 3), F.mse_loss)
+    assert {s.module: s.split for s in pipe.handle.sites}[local[3]] == (schedule != "gpipe")
+    pipe.remove()
+
+
+def _check_tied_across_stages_after_it_was_built(rank: int, world: int) -> None:
+    """See the test below: layers 0, 1 on rank 0, 2, 3 on rank 1."""
+    layers = _blocks()[:4]
+    pipe = Pipeline(layers, micro_batches=2)
+    x, t = _batch(0, 0)
+    pipe.step(x, t, F.mse_loss)
+    layers[3][0].weight = layers[0][0].weight
+    if rank == 1:  # rank 0's layers did not change: it would wait for rank 1's messages
+        with pytest.raises(ValueError, match=r"^layers: layers\[0\]\.0\.weight is "
+                                             r"layers\[3\]\.0\.weight.*stages 0 and 1.*"
+                                             r"fixed when the Pipeline was built"):
+            pipe.step(x, t, F.mse_loss)
+    pipe.remove()
+
+
+def test_pipeline_refuses_a_weight_tied_across_stages_after_it_was_built():
+    """README: a weight tied between layers of two stages after Pipeline()
+    trained a copy on each stage, unseen; the step of the stage whose layer
+    now holds the other's weight raises the ValueError of construction."""
+    _spawn(_check_tied_across_stages_after_it_was_built, 2)
+
+
 def _sharing_pipeline_worker(rank: int, world: int) -> None:
     """Each rank's layers after fused training under GPipe against one
     process's (see the test below)."""
     import reprop.optim
     for sharing, optimizer, mode in itertools.product(
-            ("tied", "reused"), (torch.optim.SGD, reprop.optim.SGD), ("backward", "forward")):
-        ref = _fused_training(_sharing_layers(sharing, False, DEPTH), optimizer, mode,
+            ("tied", "reused", "tied later"), (torch.optim.SGD, reprop.optim.SGD),
+            ("backward", "forward")):
+        later = sharing == "tied later"  # after Pipeline() (see the test after the next)
+        ref = _fused_training(_sharing_layers("tied" if later else sharing, False, DEPTH),
+                              optimizer, mode,
                               lambda model, x, t: F.mse_loss(model(x), t).backward())
-        pipe = Pipeline(_sharing_layers(sharing, False, DEPTH), micro_batches=1,
-                        schedule="gpipe")
+        layers = _sharing_layers("none" if later else sharing, False, DEPTH)
+        pipe = Pipeline(layers, micro_batches=1, schedule="gpipe")
+        if later:
+            layers[3].weight = layers[1].weight
         _fused_training(list(pipe.layers.values()), optimizer, mode,
                         lambda model, x, t: pipe.step(x, t, F.mse_loss))
         pipe.remove()
@@ -2988,7 +3114,8 @@ def test_pipeline_of_ranks_keeps_a_weight_of_several_local_layers_under_fusion()
     weight without bias) on rank 0: GPipe with reprop.fuse(mode="backward")
     raised autograd's view error there; each rank's layers now end as one
     process's fused training leaves them, bit for bit, with torch's SGD and
-    reprop's, in either fusion mode."""
+    reprop's, in either fusion mode; so do they with the weight tied after
+    Pipeline() (autograd's in-place error before the next step saw it)."""
     _spawn(_sharing_pipeline_worker, 2)
 
 
