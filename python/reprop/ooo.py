@@ -2194,11 +2194,34 @@ class OOOHandle(_PassTracking):
         whose tasks were dropped, are forgotten."""
         for total in self._held_sums.values():
             total.ended = True
+        if self._nested_seen:
+            self._order_held_as_reached()
         self._held_sums = {}
         for key, refs in list(self._open_held.items()):
             refs[:] = [r for r in refs if r() is not None and not r().done]
             if not refs:
                 del self._open_held[key]
+
+    def _order_held_as_reached(self) -> None:
+        """A hooked parameter's held sums of this backward's graphs (a
+        reentrant checkpoint's nested backward, the outer one) close in the
+        order the graphs reached it, as autograd adds them, not in the order
+        they began: the outer graph's, begun at a site nearer the loss than
+        the checkpoint, went to .grad first, and the nested graph's first
+        hook call saw it (2.71 where autograd's sees 0.817)."""
+        of_param: dict = {}
+        for total in self._held_sums.values():
+            of_param.setdefault(id(total.param), []).append(total)
+        for key, sums in of_param.items():
+            state = self._hooked.get(sums[0].param)
+            if len(sums) < 2 or state is None:
+                continue
+            rank = {w.graph: i for i, w in enumerate(state.reached)}
+            orders = sorted(t.order for t in sums)
+            for total, order in zip(sorted(sums, key=lambda t: rank.get(t.graph, len(rank))),
+                                    orders):
+                total.order = order
+            self._open_held[key].sort(key=lambda r: -1 if r() is None else r().order)
 
     def _after_deferred_run(self, task: _Task) -> None:
         if task.graph is None or not self._hooked:
