@@ -2122,9 +2122,10 @@ class OOOHandle(_PassTracking):
         checkpoint, another farther) is kept apart from .grad from now on:
         autograd's input buffer of that graph holds them, and the hooks of
         this graph see .grad without them (a Linear(4) read outside, inside,
-        outside: its first call saw 2.62 where autograd's sees 0.817). The new sum is apart too where another's dW
-        are still to come to .grad: summed apart, it is added as autograd
-        adds it. Each sum apart closes where its own graph runs the node."""
+        outside: its first call saw 2.62 where autograd's sees 0.817). The
+        new sum is apart too where another's dW are still to come to .grad:
+        summed apart, it is added as autograd adds it. Each sum apart closes
+        where its own graph runs the node."""
         others = [(h, t) for h, t in self._sums_of(p) if h != graph]
         for h, t in others:
             if t.made and self._reached_later(p, h):
