@@ -749,6 +749,20 @@ class _PassSum:
                 self.reach.remove()
             self.node, self.reach = node, node.register_prehook(self.reached)
 
+    def keep_to_graph(self, node, graph: int) -> None:
+        """The sum closes where `node` runs in the backward graph `graph`
+        alone: a reentrant checkpoint's nested backward runs the same node
+        (the parameter's one AccumulateGrad) before this graph reaches it,
+        and adds a sum of its own there (OOOHandle._sum_begun)."""
+        if self.reach is not None:
+            self.reach.remove()
+        self.node = node
+        self.reach = node.register_prehook(functools.partial(self._reached_in, graph))
+
+    def _reached_in(self, graph: int, grads: tuple) -> None:
+        if torch._C._current_graph_task_id() == graph:
+            self.reached(grads)
+
     def reached(self, grads: tuple) -> None:
         """A pre-hook of the parameter's AccumulateGrad node: every split call
         reaching it has made its task; the sum closes with the last dW (on
@@ -1376,6 +1390,11 @@ class OOOHandle(_PassTracking):
         self._sums: dict = {}
         self._apart: list = []
         self._last_sites: dict = {}
+        # a hooked parameter's sums of nested backward graphs (a reentrant
+        # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
+        # pass saw one (_nested_seen)
+        self._nested_sums: dict = {}
+        self._nested_seen = False
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1573,6 +1592,7 @@ class OOOHandle(_PassTracking):
         self._owner = (torch._C._current_graph_task_id(), threading.get_ident())
         self._calls = {}
         self._drop_sums()
+        self._nested_seen = False
         self._current_region = -1
         self._marks = []
         self._reads = None
@@ -1678,6 +1698,8 @@ class OOOHandle(_PassTracking):
             self._end_corun_pass(corun)
         self.flush()  # (every sum apart from .grad closes in it or before: _PassSum.reached)
         self._last_sites = {k: total.sites for k, total in self._sums.items()}
+        for (k, _), total in self._nested_sums.items():
+            self._last_sites[k] = self._last_sites.get(k, 0) + total.sites
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -1822,6 +1844,8 @@ class OOOHandle(_PassTracking):
                            params: tuple, mask: list, nodes: list) -> _Task:
         if not self._in_own_pass():  # (a backward that raised and is retried, with
             self._enter_pass()       # retain_graph and no forward since, is dropped there)
+            if not self._nested_seen and self._nested_graph() is not None:
+                self._nested_seen = True  # (_number asks which graph from here on)
         self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
@@ -1887,7 +1911,7 @@ class OOOHandle(_PassTracking):
         """This backward's sums of dW go (_PassSum), with their pre-hooks."""
         for total in self._apart:
             total.reach.remove()
-        self._sums, self._apart = {}, []
+        self._sums, self._apart, self._nested_sums = {}, [], {}
 
     def _end_stream_order(self) -> None:
         """After the sub-streams are joined: this backward's guards go."""
@@ -2046,19 +2070,101 @@ class OOOHandle(_PassTracking):
             if not want:
                 numbered.append(None)
                 continue
-            total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
-            if total is None:
-                apart = p.grad is not None and self._last_sites.get(id(p)) != 1
-                total = sums[id(p)] = _PassSum(
-                    p, apart, weak_hook(self._sum_reached) if apart and self._capped() else None)
-                if apart:
-                    self._apart.append(total)
+            if self._nested_seen and p._post_accumulate_grad_hooks:
+                total = self._graph_sum(p, node)
+            else:
+                total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
+                if total is None:
+                    total = sums[id(p)] = self._new_sum(p)
             if total.apart and total.made == 0:
                 total.watch(node)
             numbered.append((total, total.made))
             total.made += 1
             total.sites += 1
         task.sums = tuple(numbered)
+
+    def _new_sum(self, p: torch.Tensor) -> _PassSum:
+        """This backward's (or nested backward's) sum of p's dW, begun."""
+        apart = p.grad is not None and self._last_sites.get(id(p)) != 1
+        total = _PassSum(p, apart, self._pending_runner() if apart else None)
+        if apart:
+            self._apart.append(total)
+        return total
+
+    def _pending_runner(self) -> Callable | None:
+        """A sum apart's run_pending: under a memory cap, _sum_reached."""
+        return weak_hook(self._sum_reached) if self._capped() else None
+
+    def _nested_graph(self) -> int | None:
+        """The running graph task if it is not the pass's own: a reentrant
+        checkpoint's nested backward."""
+        graph = torch._C._current_graph_task_id()
+        return None if graph == self._owner[0] else graph
+
+    def _graph_sum(self, p: torch.Tensor, node) -> _PassSum:
+        """A hooked parameter's sum of its dW in the running backward graph,
+        in a pass that ran a reentrant checkpoint's nested backward: autograd
+        sums each graph's dW of p in that graph's input buffer of p's one
+        AccumulateGrad node, adds each sum where its graph runs the node, and
+        fires the hooks after each. Each graph's sum is its own here too
+        (_sum_begun)."""
+        graph = torch._C._current_graph_task_id()
+        sums, key = ((self._sums, id(p)) if graph == self._owner[0] else
+                     (self._nested_sums, (id(p), graph)))
+        total = sums.get(key)
+        if total is None:
+            total = sums[key] = self._sum_begun(p, graph, node)
+        return total
+
+    def _sum_begun(self, p: torch.Tensor, graph: int, node) -> _PassSum:
+        """`graph`'s sum of p, begun. Another graph's sum of p that has dW
+        and reaches p's node later (an outside site nearer the loss than the
+        checkpoint, another farther) is kept apart from .grad from now on:
+        autograd's input buffer of that graph holds them, and the hooks of
+        this graph see .grad without them (a Linear(4) read outside, inside,
+        outside: its first call saw 2.62 where autograd's sees 0.817). The
+        new sum is apart too where another's dW are still to come to .grad:
+        summed apart, it is added as autograd adds it. Each sum apart closes
+        where its own graph runs the node."""
+        others = [(h, t) for h, t in self._sums_of(p) if h != graph]
+        for h, t in others:
+            if t.made and self._reached_later(p, h):
+                self._keep_apart(t, node, h)
+        total = self._new_sum(p)
+        if any(t.made > t.added or t.total is not None for _, t in others):
+            self._keep_apart(total, node, graph)
+        elif total.apart:
+            total.keep_to_graph(node, graph)
+        return total
+
+    def _sums_of(self, p: torch.Tensor) -> list:
+        """(graph task id, sum) of each graph's sum of p in this pass."""
+        own = self._sums.get(id(p))
+        found = [] if own is None else [(self._owner[0], own)]
+        return found + [(k[1], t) for k, t in self._nested_sums.items() if k[0] == id(p)]
+
+    def _keep_apart(self, total: _PassSum, node, graph: int) -> None:
+        """`total` closes where `graph` runs p's node, apart from .grad. What
+        of it went to .grad is taken back: all of .grad, which a sum not
+        apart made from None while no other sum was open (_sum_begun); one
+        that held a gradient under it (the last backward read p once, so it
+        was not apart) cannot be told apart, and stays (its hooks see it)."""
+        p = total.param
+        if not total.apart:
+            if total.added and self._last_sites.get(id(p)) == 1:
+                return
+            total.apart, total.total, total.in_grad = True, (p.grad if total.added else None), None
+            total.run_pending = self._pending_runner()
+            if total.added:
+                p.grad = None
+            self._apart.append(total)
+        total.keep_to_graph(node, graph)
+
+    def _reached_later(self, p: torch.Tensor, graph: int) -> bool:
+        """Whether `graph` is still to reach p (p's hooks wait for it there)."""
+        state = self._hooked.get(p)
+        w = state.waits.get(graph) if state is not None else None
+        return w is not None and not w.reached
 
     def _wait_key(self) -> object:
         """What a parameter's hooks wait for once: the running backward
@@ -2089,11 +2195,34 @@ class OOOHandle(_PassTracking):
         whose tasks were dropped, are forgotten."""
         for total in self._held_sums.values():
             total.ended = True
+        if self._nested_seen:
+            self._order_held_as_reached()
         self._held_sums = {}
         for key, refs in list(self._open_held.items()):
             refs[:] = [r for r in refs if r() is not None and not r().done]
             if not refs:
                 del self._open_held[key]
+
+    def _order_held_as_reached(self) -> None:
+        """A hooked parameter's held sums of this backward's graphs (a
+        reentrant checkpoint's nested backward, the outer one) close in the
+        order the graphs reached it, as autograd adds them, not in the order
+        they began: the outer graph's, begun at a site nearer the loss than
+        the checkpoint, went to .grad first, and the nested graph's first
+        hook call saw it (2.71 where autograd's sees 0.817)."""
+        of_param: dict = {}
+        for total in self._held_sums.values():
+            of_param.setdefault(id(total.param), []).append(total)
+        for key, sums in of_param.items():
+            state = self._hooked.get(sums[0].param)
+            if len(sums) < 2 or state is None:
+                continue
+            rank = {w.graph: i for i, w in enumerate(state.reached)}
+            orders = sorted(t.order for t in sums)
+            for total, order in zip(sorted(sums, key=lambda t: rank.get(t.graph, len(rank))),
+                                    orders):
+                total.order = order
+            self._open_held[key].sort(key=lambda r: -1 if r() is None else r().order)
 
     def _after_deferred_run(self, task: _Task) -> None:
         if task.graph is None or not self._hooked:
