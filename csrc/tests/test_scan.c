@@ -762,8 +762,35 @@ static void test_csr_errors(void)
     rp_csr_plan_free(plan);
 }
 
+/* ---- mutation audit (mut_scan): checks no other test made ---- */
+
+/* An activation with both v and y, and pre_activation with G = 3 gates, are
+ * refused (the checks accepted either when weakened to "y given" and
+ * "G >= 1"); the workspace one float past the int64 byte cap is refused,
+ * its spare slot's B H floats counted (dropped from the check, the count
+ * passed as cap + 1). */
+static void test_audit_checks(void)
+{
+    float buf[64] = {0};
+    rp_error err = {{0}};
+    rp_scan_jacobians j = {4, 1, 2, 1, buf, NULL, buf, NULL, RP_SCAN_ACT_TANH, buf + 16, 0};
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "v must be NULL"),
+          "activation with v and y: %s", err.msg);
+    j = (rp_scan_jacobians){4, 1, 2, 3, buf, NULL, buf + 32, NULL, RP_SCAN_ACT_NONE, NULL, 1};
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "gates = 1"),
+          "pre_activation with 3 gates: %s", err.msg);
+    /* B = 2, H = 1: 2 (n + 1) + 2 (n / 2 - 1) floats, cap + 1 (cap = 1 mod 6) for n = 2 (cap - 1) / 6 + 1 */
+    const int64_t cap = INT64_MAX / 4, n = 2 * ((cap - 1) / 6) + 1;
+    CHECK(rp_scan_workspace_floats(n - 2, 2, 1, 1) == cap - 5, "six floats below the cap");
+    CHECK(rp_scan_workspace_floats(n, 2, 1, 1) == -1, "one float past the cap: %lld",
+          (long long)rp_scan_workspace_floats(n, 2, 1, 1));
+    CHECK(rp_scan_check_sizes(n, 2, 1, 1, 1, &err) == RP_EINVAL && strstr(err.msg, "workspace"),
+          "one float past the cap: %s", err.msg);
+}
+
 int main(void)
 {
+    test_audit_checks();
     test_csr_errors();
     for (int64_t n = 1; n <= 40; n++)
         test_csr_chain(n, 2, 2);
