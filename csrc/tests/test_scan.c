@@ -788,9 +788,64 @@ static void test_audit_checks(void)
           "one float past the cap: %s", err.msg);
 }
 
+/* The dense cost model against a hand-worked figure, and the choice of the
+ * deepest level where it alone is cheapest. n = 8, B = 3, H = 2, G = 1, two
+ * levels, W = 2, level cost 10, step cost 1: leaf mat-mat 2^3 + 2^2 = 12,
+ * mat-mat 8, leaf mat-vec 2^2 + 2 = 6, mat-vec 4. Level 0: 4 pairs up and 4
+ * down per sequence, 12 tasks in 6 rounds: 6 * 12 + 10 and 6 * 6 + 10;
+ * level 1: 2 and 2, 6 tasks in 3 rounds: 3 * 8 + 10 and 3 * 4 + 10; the
+ * middle: 8 / 4 - 1 = 1 step, 3 sequences in 2 rounds: 2 * 4 + 1. In all
+ * 82 + 46 + 34 + 22 + 9 = 193. n = 3 with a step cost of 1000 and free
+ * levels: the linear scan's 2 steps cost 2 (6 + 1000), one level 2 + 2. */
+static void test_audit_cost(void)
+{
+    const rp_scan_machine m = {2, 10, 1}, steps_dear = {100, 0, 1000};
+    rp_error err = {{0}};
+    double cost = -1.0;
+    CHECK(rp_scan_cost(8, 3, 2, 1, 2, &m, &cost, &err) == RP_OK && cost == 193.0, "hand-worked cost: %g",
+          cost);
+    CHECK(rp_scan_cost(3, 1, 1, 1, 1, &steps_dear, &cost, &err) == RP_OK && cost == 4.0, "n = 3, L = 1: %g",
+          cost);
+    CHECK(rp_scan_choose_levels(3, 1, 1, 1, &steps_dear) == 1, "the one level, cheapest, chose %d",
+          rp_scan_choose_levels(3, 1, 1, 1, &steps_dear));
+}
+
+/* max_pairs caps a product at that many pairs: one of exactly max_pairs is
+ * planned (three 1 x 1 leaves: level 0's one product off the spine has one
+ * pair), one more than max_pairs is not. */
+static void test_audit_max_pairs(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0};
+    const rp_csr_pattern unit = {1, 1, 1, ptr, idx, 0, NULL, 0}, leaves[3] = {unit, unit, unit};
+    rp_csr_plan *plan = NULL;
+    rp_csr_plan_info info;
+    rp_error err = {{0}};
+    CHECK(rp_csr_plan_create(3, leaves, 1, 1, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 1 && info.products == 1 && info.pairs == 1,
+          "max_pairs 1, a product of 1 pair: %d levels, %lld products", info.levels, (long long)info.products);
+    rp_csr_plan_free(plan);
+    int32_t ptr2[2] = {0, 2}, idx2[2] = {0, 1}, ptr3[3] = {0, 1, 2}, idx3[2] = {0, 0};
+    /* 1 x 2 then 2 x 1 leaves: the product of slot 3 (leaf 0) and slot 2 (leaf 1) has 2 pairs */
+    const rp_csr_pattern row = {1, 2, 2, ptr2, idx2, 0, NULL, 0}, col = {2, 1, 2, ptr3, idx3, 0, NULL, 0};
+    const rp_csr_pattern chain[3] = {row, col, unit};
+    CHECK(rp_csr_plan_create(3, chain, 1, 1, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 0 && info.products == 0, "max_pairs 1, a product of 2 pairs: %d levels", info.levels);
+    rp_csr_plan_free(plan);
+    CHECK(rp_csr_plan_create(3, chain, 1, 2, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 1 && info.pairs == 2, "max_pairs 2, a product of 2 pairs: %d levels, %lld pairs",
+          info.levels, (long long)info.pairs);
+    rp_csr_plan_free(plan);
+}
+
 int main(void)
 {
     test_audit_checks();
+    test_audit_cost();
+    test_audit_max_pairs();
     test_csr_errors();
     for (int64_t n = 1; n <= 40; n++)
         test_csr_chain(n, 2, 2);
