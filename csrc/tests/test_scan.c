@@ -841,11 +841,56 @@ static void test_audit_max_pairs(void)
     rp_csr_plan_free(plan);
 }
 
+/* Every mat-vec row of the program, with a leaf's map or a planned
+ * product's, reads its input vector in ascending index: products' patterns
+ * are sorted CSR like the leaves', so every row sums in column order (a
+ * product sorted the other way gave the same values but for rounding). */
+static void test_audit_products_sorted(void)
+{
+    enum { n = 12 };
+    test_csr pat[n];
+    rp_csr_pattern leaves[n];
+    const rp_scan_machine m = {4, 100, 10};
+    rp_csr_plan *plan = NULL;
+    rp_csr_schedule sched;
+    rp_error err = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        pat[i] = random_pattern(6, 6, 0.5f);
+        leaves[i] = (rp_csr_pattern){6, 6, pat[i].nnz, pat[i].indptr, pat[i].indices, i % 2, NULL, 0};
+    }
+    CHECK(rp_csr_plan_create(n, leaves, rp_scan_max_levels(n + 1), 0, &m, &plan, &err) == RP_OK, "plan: %s",
+          err.msg);
+    CHECK(rp_csr_plan_schedule(plan, &sched, &err) == RP_OK, "schedule: %s", err.msg);
+    const rp_csr_program *g = rp_csr_plan_program(plan);
+    const uint32_t lo = g->g_out_addr, hi = lo + (uint32_t)(sched.nvectors * sched.width);
+    int64_t rows = 0, product_rows = 0;
+    for (int64_t r = 0; r < g->nrows; r++) {
+        const int64_t t0 = g->term_ptr[r], t1 = g->term_ptr[r + 1];
+        int matvec = t0 < t1, sorted = 1, of_product = 0;
+        for (int64_t t = t0; t < t1 && matvec; t++) {
+            matvec = !(g->ty[t] & RP_CSR_SHARED) && g->ty[t] >= lo && g->ty[t] < hi;
+            sorted &= t == t0 || g->ty[t] > g->ty[t - 1];
+            of_product |= !(g->tx[t] & RP_CSR_SHARED) && g->tx[t] >= hi; /* per-sequence products follow the vectors */
+        }
+        if (!matvec)
+            continue;
+        rows++, product_rows += of_product;
+        CHECK(sorted, "mat-vec row %lld reads its vector out of order", (long long)r);
+    }
+    CHECK(rows > 0 && product_rows > 0, "%lld mat-vec rows, %lld of products", (long long)rows,
+          (long long)product_rows);
+    rp_csr_schedule_free(&sched);
+    rp_csr_plan_free(plan);
+    for (int64_t i = 0; i < n; i++)
+        free(pat[i].indptr), free(pat[i].indices);
+}
+
 int main(void)
 {
     test_audit_checks();
     test_audit_cost();
     test_audit_max_pairs();
+    test_audit_products_sorted();
     test_csr_errors();
     for (int64_t n = 1; n <= 40; n++)
         test_csr_chain(n, 2, 2);
