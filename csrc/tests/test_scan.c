@@ -885,9 +885,33 @@ static void test_audit_products_sorted(void)
         free(pat[i].indptr), free(pat[i].indices);
 }
 
+/* The sparse cost of one sequence against hand-worked figures: three 1 x 1
+ * leaves (4 slots), W = 4, free levels and steps. The linear scan's 3
+ * middle steps of 1 multiply-add each run one after another, whatever W:
+ * 3; one level's 3 multiply-adds (up: the spine's 1 and a product's 1 pair;
+ * down: 1) spread over the workers, 3 / 4, then the middle's one step (the
+ * product's 1 multiply-add on one sequence, not shared out): 1.75. */
+static void test_audit_csr_cost(void)
+{
+    const rp_scan_machine m = {4, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0};
+    const rp_csr_pattern unit = {1, 1, 1, ptr, idx, 0, NULL, 0}, leaves[3] = {unit, unit, unit};
+    const double want[2] = {3.0, 1.75};
+    rp_csr_plan *plan = NULL;
+    rp_csr_plan_info info;
+    rp_error err = {{0}};
+    for (int L = 0; L < 2; L++) {
+        CHECK(rp_csr_plan_create(3, leaves, L, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+        rp_csr_plan_describe(plan, &info);
+        CHECK(info.cost == want[L], "L = %d: cost %g, hand-worked %g", L, info.cost, want[L]);
+        rp_csr_plan_free(plan);
+    }
+}
+
 int main(void)
 {
     test_audit_checks();
+    test_audit_csr_cost();
     test_audit_cost();
     test_audit_max_pairs();
     test_audit_products_sorted();
