@@ -908,9 +908,27 @@ static void test_audit_csr_cost(void)
     }
 }
 
+/* A leaf whose indptr ends short of nnz, or past it (its last row would run
+ * past indices), is refused; only a decreasing indptr was tested. */
+static void test_audit_indptr_end(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr_short[3] = {0, 1, 1}, ptr_past[3] = {0, 1, 3}, idx[2] = {0, 1};
+    const rp_csr_pattern cases[2] = {{2, 2, 2, ptr_short, idx, 0, NULL, 0}, {2, 2, 2, ptr_past, idx, 0, NULL, 0}};
+    for (int k = 0; k < 2; k++) {
+        rp_csr_plan *plan = NULL;
+        rp_error err = {{0}};
+        CHECK(rp_csr_plan_create(1, &cases[k], 0, 0, &m, &plan, &err) == RP_EINVAL &&
+                  strstr(err.msg, "from 0 to nnz") && plan == NULL,
+              "indptr ending at %d for nnz 2: %s", (int)cases[k].indptr[2], err.msg);
+        rp_csr_plan_free(plan);
+    }
+}
+
 int main(void)
 {
     test_audit_checks();
+    test_audit_indptr_end();
     test_audit_csr_cost();
     test_audit_cost();
     test_audit_max_pairs();
