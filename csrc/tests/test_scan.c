@@ -925,9 +925,31 @@ static void test_audit_indptr_end(void)
     }
 }
 
+/* The 2^31 floats a program addresses bound the sum of its allocations, not
+ * each one: two per-sequence leaves of 2^30 raw values each (a value map
+ * reads one of them; nothing that large is allocated) pass it together and
+ * are refused, where one of them fits. */
+static void test_audit_address_space_sum(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0}, map[1] = {0};
+    const rp_csr_pattern big = {1, 1, 1, ptr, idx, 0, map, (int64_t)1 << 30}, leaves[2] = {big, big};
+    rp_csr_plan *plan = NULL;
+    rp_error err = {{0}};
+    CHECK(rp_csr_plan_create(1, leaves, 0, 0, &m, &plan, &err) == RP_OK, "one leaf of 2^30 values: %s",
+          err.msg);
+    rp_csr_plan_free(plan);
+    plan = NULL;
+    CHECK(rp_csr_plan_create(2, leaves, 0, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "2^31 floats") &&
+              plan == NULL,
+          "two leaves of 2^30 values: %s", err.msg);
+    rp_csr_plan_free(plan);
+}
+
 int main(void)
 {
     test_audit_checks();
+    test_audit_address_space_sum();
     test_audit_indptr_end();
     test_audit_csr_cost();
     test_audit_cost();
