@@ -1226,3 +1226,39 @@ def test_more_rows_taking_part_than_last_step_leave_memory_past_the_step_table_a
     assert list(table[:, 1]) == [p.grad.data_ptr() for p in params]
     assert beyond[0, 1] == params[0].grad.data_ptr()
     assert not beyond[1].any()
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit (mut_scan): binding checks of the scan and the sparse chain
+# that no other test reached
+# ---------------------------------------------------------------------------
+
+def test_scan_plan_checks_sizes_as_the_other_scan_entry_points():
+    """scan_plan refuses sizes the scan refuses (n < 1, dim < 1, gates < 0)
+    with the core's message; without its check it answered (0, 0) for n = 0."""
+    for args, what in [((0, 1, 1, 1), "need n >= 1"), ((8, 1, 0, 1), "need n >= 1"),
+                       ((8, 1, 1, -1), "gates must be >= 0")]:
+        with pytest.raises(ValueError, match=what):
+            _C.scan_plan(*args, 1.0, 0.0, 0.0)
+    assert _C.scan_plan(8, 1, 1, 1, 1.0, 0.0, 0.0)[1] == 3
+
+
+def test_csr_gradients_takes_exactly_one_pointer_per_layer():
+    """csr_gradients' out must hold one pointer per layer: one more is
+    refused as one fewer is (a check for too few only let a stray extra
+    pointer pass unnoticed), and the right count copies each layer's
+    gradient out of seq (batch-minor) batch-major."""
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    g_addr = _C.csr_program(plan)["g_addr"]
+    batch = 3
+    seq = np.arange(_C.csr_plan_info(plan)["seq_floats"] * batch, dtype=np.float32)
+    out = [np.zeros((batch, 2), np.float32) for _ in range(2)]
+    ptrs = [o.ctypes.data for o in out]
+    for wrong in (ptrs[:1], ptrs + [ptrs[0]]):
+        with pytest.raises(ValueError, match=rf"^out: expected 2 data pointers \(one per layer\), got {len(wrong)}$"):
+            _C.csr_gradients(plan, batch, seq.ctypes.data, wrong, 1)
+    assert _C.csr_gradients(plan, batch, seq.ctypes.data, ptrs, 1) is True
+    for i, o in enumerate(out):
+        want = seq.reshape(-1, batch)[g_addr[i]:g_addr[i] + 2].T
+        np.testing.assert_array_equal(o, want)

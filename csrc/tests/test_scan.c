@@ -762,8 +762,199 @@ static void test_csr_errors(void)
     rp_csr_plan_free(plan);
 }
 
+/* ---- mutation audit (mut_scan): checks no other test made ---- */
+
+/* An activation with both v and y, and pre_activation with G = 3 gates, are
+ * refused (the checks accepted either when weakened to "y given" and
+ * "G >= 1"); the workspace one float past the int64 byte cap is refused,
+ * its spare slot's B H floats counted (dropped from the check, the count
+ * passed as cap + 1). */
+static void test_audit_checks(void)
+{
+    float buf[64] = {0};
+    rp_error err = {{0}};
+    rp_scan_jacobians j = {4, 1, 2, 1, buf, NULL, buf, NULL, RP_SCAN_ACT_TANH, buf + 16, 0};
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "v must be NULL"),
+          "activation with v and y: %s", err.msg);
+    j = (rp_scan_jacobians){4, 1, 2, 3, buf, NULL, buf + 32, NULL, RP_SCAN_ACT_NONE, NULL, 1};
+    CHECK(rp_scan_cpu(&j, buf, buf + 8, 0, NULL, 1, &err) == RP_EINVAL && strstr(err.msg, "gates = 1"),
+          "pre_activation with 3 gates: %s", err.msg);
+    /* B = 2, H = 1: 2 (n + 1) + 2 (n / 2 - 1) floats, cap + 1 (cap = 1 mod 6) for n = 2 (cap - 1) / 6 + 1 */
+    const int64_t cap = INT64_MAX / 4, n = 2 * ((cap - 1) / 6) + 1;
+    CHECK(rp_scan_workspace_floats(n - 2, 2, 1, 1) == cap - 5, "six floats below the cap");
+    CHECK(rp_scan_workspace_floats(n, 2, 1, 1) == -1, "one float past the cap: %lld",
+          (long long)rp_scan_workspace_floats(n, 2, 1, 1));
+    CHECK(rp_scan_check_sizes(n, 2, 1, 1, 1, &err) == RP_EINVAL && strstr(err.msg, "workspace"),
+          "one float past the cap: %s", err.msg);
+}
+
+/* The dense cost model against a hand-worked figure, and the choice of the
+ * deepest level where it alone is cheapest. n = 8, B = 3, H = 2, G = 1, two
+ * levels, W = 2, level cost 10, step cost 1: leaf mat-mat 2^3 + 2^2 = 12,
+ * mat-mat 8, leaf mat-vec 2^2 + 2 = 6, mat-vec 4. Level 0: 4 pairs up and 4
+ * down per sequence, 12 tasks in 6 rounds: 6 * 12 + 10 and 6 * 6 + 10;
+ * level 1: 2 and 2, 6 tasks in 3 rounds: 3 * 8 + 10 and 3 * 4 + 10; the
+ * middle: 8 / 4 - 1 = 1 step, 3 sequences in 2 rounds: 2 * 4 + 1. In all
+ * 82 + 46 + 34 + 22 + 9 = 193. n = 3 with a step cost of 1000 and free
+ * levels: the linear scan's 2 steps cost 2 (6 + 1000), one level 2 + 2. */
+static void test_audit_cost(void)
+{
+    const rp_scan_machine m = {2, 10, 1}, steps_dear = {100, 0, 1000};
+    rp_error err = {{0}};
+    double cost = -1.0;
+    CHECK(rp_scan_cost(8, 3, 2, 1, 2, &m, &cost, &err) == RP_OK && cost == 193.0, "hand-worked cost: %g",
+          cost);
+    CHECK(rp_scan_cost(3, 1, 1, 1, 1, &steps_dear, &cost, &err) == RP_OK && cost == 4.0, "n = 3, L = 1: %g",
+          cost);
+    CHECK(rp_scan_choose_levels(3, 1, 1, 1, &steps_dear) == 1, "the one level, cheapest, chose %d",
+          rp_scan_choose_levels(3, 1, 1, 1, &steps_dear));
+}
+
+/* max_pairs caps a product at that many pairs: one of exactly max_pairs is
+ * planned (three 1 x 1 leaves: level 0's one product off the spine has one
+ * pair), one more than max_pairs is not. */
+static void test_audit_max_pairs(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0};
+    const rp_csr_pattern unit = {1, 1, 1, ptr, idx, 0, NULL, 0}, leaves[3] = {unit, unit, unit};
+    rp_csr_plan *plan = NULL;
+    rp_csr_plan_info info;
+    rp_error err = {{0}};
+    CHECK(rp_csr_plan_create(3, leaves, 1, 1, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 1 && info.products == 1 && info.pairs == 1,
+          "max_pairs 1, a product of 1 pair: %d levels, %lld products", info.levels, (long long)info.products);
+    rp_csr_plan_free(plan);
+    int32_t ptr2[2] = {0, 2}, idx2[2] = {0, 1}, ptr3[3] = {0, 1, 2}, idx3[2] = {0, 0};
+    /* 1 x 2 then 2 x 1 leaves: the product of slot 3 (leaf 0) and slot 2 (leaf 1) has 2 pairs */
+    const rp_csr_pattern row = {1, 2, 2, ptr2, idx2, 0, NULL, 0}, col = {2, 1, 2, ptr3, idx3, 0, NULL, 0};
+    const rp_csr_pattern chain[3] = {row, col, unit};
+    CHECK(rp_csr_plan_create(3, chain, 1, 1, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 0 && info.products == 0, "max_pairs 1, a product of 2 pairs: %d levels", info.levels);
+    rp_csr_plan_free(plan);
+    CHECK(rp_csr_plan_create(3, chain, 1, 2, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+    rp_csr_plan_describe(plan, &info);
+    CHECK(info.levels == 1 && info.pairs == 2, "max_pairs 2, a product of 2 pairs: %d levels, %lld pairs",
+          info.levels, (long long)info.pairs);
+    rp_csr_plan_free(plan);
+}
+
+/* Every mat-vec row of the program, with a leaf's map or a planned
+ * product's, reads its input vector in ascending index: products' patterns
+ * are sorted CSR like the leaves', so every row sums in column order (a
+ * product sorted the other way gave the same values but for rounding). */
+static void test_audit_products_sorted(void)
+{
+    enum { n = 12 };
+    test_csr pat[n];
+    rp_csr_pattern leaves[n];
+    const rp_scan_machine m = {4, 100, 10};
+    rp_csr_plan *plan = NULL;
+    rp_csr_schedule sched;
+    rp_error err = {{0}};
+    for (int64_t i = 0; i < n; i++) {
+        pat[i] = random_pattern(6, 6, 0.5f);
+        leaves[i] = (rp_csr_pattern){6, 6, pat[i].nnz, pat[i].indptr, pat[i].indices, i % 2, NULL, 0};
+    }
+    CHECK(rp_csr_plan_create(n, leaves, rp_scan_max_levels(n + 1), 0, &m, &plan, &err) == RP_OK, "plan: %s",
+          err.msg);
+    CHECK(rp_csr_plan_schedule(plan, &sched, &err) == RP_OK, "schedule: %s", err.msg);
+    const rp_csr_program *g = rp_csr_plan_program(plan);
+    const uint32_t lo = g->g_out_addr, hi = lo + (uint32_t)(sched.nvectors * sched.width);
+    int64_t rows = 0, product_rows = 0;
+    for (int64_t r = 0; r < g->nrows; r++) {
+        const int64_t t0 = g->term_ptr[r], t1 = g->term_ptr[r + 1];
+        int matvec = t0 < t1, sorted = 1, of_product = 0;
+        for (int64_t t = t0; t < t1 && matvec; t++) {
+            matvec = !(g->ty[t] & RP_CSR_SHARED) && g->ty[t] >= lo && g->ty[t] < hi;
+            sorted &= t == t0 || g->ty[t] > g->ty[t - 1];
+            of_product |= !(g->tx[t] & RP_CSR_SHARED) && g->tx[t] >= hi; /* per-sequence products follow the vectors */
+        }
+        if (!matvec)
+            continue;
+        rows++, product_rows += of_product;
+        CHECK(sorted, "mat-vec row %lld reads its vector out of order", (long long)r);
+    }
+    CHECK(rows > 0 && product_rows > 0, "%lld mat-vec rows, %lld of products", (long long)rows,
+          (long long)product_rows);
+    rp_csr_schedule_free(&sched);
+    rp_csr_plan_free(plan);
+    for (int64_t i = 0; i < n; i++)
+        free(pat[i].indptr), free(pat[i].indices);
+}
+
+/* The sparse cost of one sequence against hand-worked figures: three 1 x 1
+ * leaves (4 slots), W = 4, free levels and steps. The linear scan's 3
+ * middle steps of 1 multiply-add each run one after another, whatever W:
+ * 3; one level's 3 multiply-adds (up: the spine's 1 and a product's 1 pair;
+ * down: 1) spread over the workers, 3 / 4, then the middle's one step (the
+ * product's 1 multiply-add on one sequence, not shared out): 1.75. */
+static void test_audit_csr_cost(void)
+{
+    const rp_scan_machine m = {4, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0};
+    const rp_csr_pattern unit = {1, 1, 1, ptr, idx, 0, NULL, 0}, leaves[3] = {unit, unit, unit};
+    const double want[2] = {3.0, 1.75};
+    rp_csr_plan *plan = NULL;
+    rp_csr_plan_info info;
+    rp_error err = {{0}};
+    for (int L = 0; L < 2; L++) {
+        CHECK(rp_csr_plan_create(3, leaves, L, 0, &m, &plan, &err) == RP_OK, "plan: %s", err.msg);
+        rp_csr_plan_describe(plan, &info);
+        CHECK(info.cost == want[L], "L = %d: cost %g, hand-worked %g", L, info.cost, want[L]);
+        rp_csr_plan_free(plan);
+    }
+}
+
+/* A leaf whose indptr ends short of nnz, or past it (its last row would run
+ * past indices), is refused; only a decreasing indptr was tested. */
+static void test_audit_indptr_end(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr_short[3] = {0, 1, 1}, ptr_past[3] = {0, 1, 3}, idx[2] = {0, 1};
+    const rp_csr_pattern cases[2] = {{2, 2, 2, ptr_short, idx, 0, NULL, 0}, {2, 2, 2, ptr_past, idx, 0, NULL, 0}};
+    for (int k = 0; k < 2; k++) {
+        rp_csr_plan *plan = NULL;
+        rp_error err = {{0}};
+        CHECK(rp_csr_plan_create(1, &cases[k], 0, 0, &m, &plan, &err) == RP_EINVAL &&
+                  strstr(err.msg, "from 0 to nnz") && plan == NULL,
+              "indptr ending at %d for nnz 2: %s", (int)cases[k].indptr[2], err.msg);
+        rp_csr_plan_free(plan);
+    }
+}
+
+/* The 2^31 floats a program addresses bound the sum of its allocations, not
+ * each one: two per-sequence leaves of 2^30 raw values each (a value map
+ * reads one of them; nothing that large is allocated) pass it together and
+ * are refused, where one of them fits. */
+static void test_audit_address_space_sum(void)
+{
+    const rp_scan_machine m = {1, 0, 0};
+    int32_t ptr[2] = {0, 1}, idx[1] = {0}, map[1] = {0};
+    const rp_csr_pattern big = {1, 1, 1, ptr, idx, 0, map, (int64_t)1 << 30}, leaves[2] = {big, big};
+    rp_csr_plan *plan = NULL;
+    rp_error err = {{0}};
+    CHECK(rp_csr_plan_create(1, leaves, 0, 0, &m, &plan, &err) == RP_OK, "one leaf of 2^30 values: %s",
+          err.msg);
+    rp_csr_plan_free(plan);
+    plan = NULL;
+    CHECK(rp_csr_plan_create(2, leaves, 0, 0, &m, &plan, &err) == RP_EINVAL && strstr(err.msg, "2^31 floats") &&
+              plan == NULL,
+          "two leaves of 2^30 values: %s", err.msg);
+    rp_csr_plan_free(plan);
+}
+
 int main(void)
 {
+    test_audit_checks();
+    test_audit_address_space_sum();
+    test_audit_indptr_end();
+    test_audit_csr_cost();
+    test_audit_cost();
+    test_audit_max_pairs();
+    test_audit_products_sorted();
     test_csr_errors();
     for (int64_t n = 1; n <= 40; n++)
         test_csr_chain(n, 2, 2);
