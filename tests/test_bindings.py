@@ -6,8 +6,10 @@ release the GIL around long work, and raise an exception naming a bad
 argument."""
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
+import math
 import os
 import re
 import subprocess
@@ -1289,3 +1291,83 @@ def test_optim_grad_pointers_gives_back_the_attributes_it_reads():
         _C.optim_grad_pointers(*args)
     after = sys.getrefcount(torch.float32), sys.getrefcount(torch.strided)
     assert after == before
+
+
+def test_the_error_paths_of_the_bppsa_and_scheduling_bindings_free_what_they_took():
+    """csr_plan copies the leaves into a tuple and an array of patterns,
+    csr_gradients reads its pointers through a sequence, sched_graph makes a
+    str per key it looks up, ksearch_next converts the scores: each must go
+    with the call, refused or not (a missing free or Py_DECREF kept them all
+    for good: 10000 refused csr_plan calls would keep a few MB)."""
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    bad = (2, 2, np.array([0, 1], np.int32), np.array([0, 1], np.int32), False, None, 2)
+
+    def refused_plan():
+        with pytest.raises(ValueError, match=r"^leaves\[1\]: indptr: "):
+            _C.csr_plan([leaf, bad], 0, 0, 1.0, 1.0, 1.0)
+    assert _leaked_bytes(refused_plan, times=2000) < 10**5
+    assert _leaked_bytes(lambda: _C.sched_graph(_SPEC), times=500) < 10**5
+    assert _leaked_bytes(lambda: _C.ksearch_next(1000, [math.nan] * 1001), times=200) < 10**5
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    seq = np.zeros(_C.csr_plan_info(plan)["seq_floats"], np.float32)
+    outs = [np.zeros(2, np.float32), np.zeros(2, np.float32)]
+    ptrs = [o.ctypes.data for o in outs]
+    before = sys.getrefcount(ptrs)
+    for _ in range(100):
+        assert _C.csr_gradients(plan, 1, seq.ctypes.data, ptrs, 1) is True
+    assert sys.getrefcount(ptrs) == before
+
+
+def test_optim_hparams_leaves_to_python_what_it_cannot_pass_on_as_it_is():
+    """The C hparams tuple takes exact dicts, betas of exactly two items and
+    ints of 64 bits; anything else is left to Python's _hparams_of (None),
+    which refuses or converts it as torch does, rather than read a dict
+    subclass's items past its own lookup, cut betas (0.9, 0.99, 0.5) to two,
+    or hand PyArg_ParseTuple an int that overflows a double's exact range."""
+    group = {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert _C.optim_hparams(group)[:5] == (0.1, 0.0, 0.0, 0.9, 0.99)
+    assert _C.optim_hparams(collections.OrderedDict(group)) is None
+    assert _C.optim_hparams(dict(group, betas=(0.9, 0.99, 0.5))) is None
+    assert _C.optim_hparams(dict(group, lr=2**63)) is None
+    assert _C.optim_hparams(dict(group, lr=2**63 - 1))[0] == 2**63 - 1
+
+
+def test_int_arguments_take_the_whole_int_range_and_exactly_their_count():
+    """An int argument takes every C int, INT_MAX too (here an unknown
+    activation kind, which the core refuses with its own ValueError), and
+    2**31 is an OverflowError naming it; a binding given one argument too
+    many refuses the call rather than ignore the extra one. fad_codebook
+    raises the core's refusal instead of returning an uninitialised
+    codebook."""
+    with pytest.raises(ValueError):
+        _C.fad_codebook(2**31 - 1, 0.0, 0.0)
+    with pytest.raises(OverflowError, match=r"^kind: expected an int in \[-2147483648, 2147483647\], "
+                                            r"got 2147483648$"):
+        _C.fad_codebook(2**31, 0.0, 0.0)
+    with pytest.raises(TypeError, match=r"^fad_codebook\(\) takes 3 arguments \(4 given\)$"):
+        _C.fad_codebook(0, 0.0, 0.0, 0)
+
+
+def test_optim_grad_pointers_raises_the_errors_of_its_lookups():
+    """A param missing from `given` raises KeyError as given[id(p)] does
+    (not a SystemError for an error return with no exception set), and an
+    error raised while the state dict is searched (a key's __eq__) is
+    raised, not taken for a param without state."""
+    p = torch.zeros(2)
+    p.grad = torch.ones(2)
+    args = list(_fast_path_args([p]))
+    args[8] = {}  # given: no gradient for p
+    with pytest.raises(KeyError):
+        _C.optim_grad_pointers(*args)
+
+    class Clash:
+        def __hash__(self):
+            return hash(p)
+
+        def __eq__(self, other):
+            raise LookupError("no comparing")
+
+    args = list(_fast_path_args([p]))
+    args[2] = {Clash(): {}}
+    with pytest.raises(LookupError, match="^no comparing$"):
+        _C.optim_grad_pointers(*args)
