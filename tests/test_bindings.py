@@ -1371,3 +1371,60 @@ def test_optim_grad_pointers_raises_the_errors_of_its_lookups():
     args[2] = {Clash(): {}}
     with pytest.raises(LookupError, match="^no comparing$"):
         _C.optim_grad_pointers(*args)
+
+
+def test_optim_grad_pointers_sends_a_moved_param_or_a_gradient_on_another_device_to_python():
+    """A row is current only for the param memory and device its key
+    recorded: a param whose .data now lies elsewhere (same dtype and shape)
+    or a gradient on another device than the key's (a CPU gradient for a
+    cuda:0 param) leaves the step to the Python path (None), where a version
+    without the address check updated the old memory, one without the
+    device check handed the kernels a host pointer."""
+    p = torch.zeros(2)
+    p.grad = torch.ones(2)
+    args = _fast_path_args([p])
+    assert _C.optim_grad_pointers(*args) is not None
+    p.data = torch.zeros(2)
+    assert _C.optim_grad_pointers(*args) is None
+    args = list(_fast_path_args([p]))
+    key = args[1][0]
+    args[1] = [key[:4] + (0,) + key[5:]]  # as if p were on cuda:0
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_optim_grad_pointers_sends_a_moved_or_reshaped_state_tensor_to_python():
+    """A watched state tensor must still lie at the address in its column
+    and be of the param's shape: one whose memory moved (.data replaced) or
+    that was reshaped in place at the same address (as_strided_ to fewer
+    elements) leaves the step to the Python path (None), where a version
+    without either check had the kernels write the param's numel floats at
+    the old address or past the tensor's elements."""
+    p = torch.zeros(4)
+    p.grad = torch.ones(4)
+    exp_avg = torch.zeros(4)
+    args = list(_fast_path_args([p]))
+    st = {"exp_avg": exp_avg}
+    args[2], args[3], args[4] = {p: st}, [st], [(("exp_avg", exp_avg, 2),)]
+    table = args[7]
+    table[0, 2] = exp_avg.data_ptr()
+    assert _C.optim_grad_pointers(*args) is not None
+    table[0, 2] += 4  # the row points one float past the tensor
+    assert _C.optim_grad_pointers(*args) is None
+    table[0, 2] -= 4
+    exp_avg.as_strided_((2,), (1,))  # same address, two elements
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_a_gradient_of_a_param_with_gaps_meets_the_call_memory_over_all_its_bytes():
+    """For a param with gaps (a column slice) the gradient's extent is numel
+    times the dtype's itemsize: call memory starting at its second float
+    overlaps it and sends the step to the Python path (None), where a version
+    counting numel bytes saw no overlap and let the kernels read a gradient
+    they write."""
+    p = torch.zeros(2, 2)[:, 0]
+    g = torch.ones(2)
+    args = list(_fast_path_args([p]))
+    args[8] = {id(p): g}
+    assert _C.optim_grad_pointers(*args) is not None
+    args[12] = np.array([g.data_ptr() + 4, g.data_ptr() + 8], np.int64)
+    assert _C.optim_grad_pointers(*args) is None
