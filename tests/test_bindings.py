@@ -1428,3 +1428,17 @@ def test_a_gradient_of_a_param_with_gaps_meets_the_call_memory_over_all_its_byte
     assert _C.optim_grad_pointers(*args) is not None
     args[12] = np.array([g.data_ptr() + 4, g.data_ptr() + 8], np.int64)
     assert _C.optim_grad_pointers(*args) is None
+
+
+def test_fad_backward_mixed16_releases_the_gil_and_multiplies_as_torch():
+    """fad_backward_mixed16 (reprop._C alone) runs without the GIL as
+    module.c says, which the GIL test of the other fad bindings left out;
+    its product is torch's grad * d (float32) rounded to grad's dtype."""
+    n = 1 << 22
+    grad = torch.randn(n).to(torch.float16)
+    d = torch.rand(n).to(torch.bfloat16)
+    out = torch.empty_like(grad)
+    code = _tensors.DTYPE_CODES[torch.float16]
+    call = lambda: _C.fad_backward_mixed16(code, grad.data_ptr(), d.data_ptr(), out.data_ptr(), n, 1)  # noqa: E731
+    assert _lets_another_thread_run(lambda: [call() for _ in range(8)])
+    torch.testing.assert_close(out, (grad * d).to(torch.float16), rtol=1e-3, atol=0)
