@@ -1442,3 +1442,17 @@ def test_fad_backward_mixed16_releases_the_gil_and_multiplies_as_torch():
     call = lambda: _C.fad_backward_mixed16(code, grad.data_ptr(), d.data_ptr(), out.data_ptr(), n, 1)  # noqa: E731
     assert _lets_another_thread_run(lambda: [call() for _ in range(8)])
     torch.testing.assert_close(out, (grad * d).to(torch.float16), rtol=1e-3, atol=0)
+
+
+def test_optim_grad_pointers_sends_a_param_relaid_at_its_address_to_python():
+    """A param's layout is part of its row: one whose .data became its own
+    transpose (same address, dtype and shape, no longer contiguous) leaves
+    the step to the Python path (None), where a version without the layout
+    check had the kernels pair its elements with the gradient's in the old
+    order."""
+    p = torch.arange(4.0).reshape(2, 2)
+    p.grad = torch.ones(2, 2)
+    args = _fast_path_args([p])
+    assert _C.optim_grad_pointers(*args) is not None
+    p.data = p.data.t()
+    assert _C.optim_grad_pointers(*args) is None
