@@ -1456,3 +1456,32 @@ def test_optim_grad_pointers_sends_a_param_relaid_at_its_address_to_python():
     assert _C.optim_grad_pointers(*args) is not None
     p.data = p.data.t()
     assert _C.optim_grad_pointers(*args) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (8,)])
+def test_a_table_of_another_ndim_is_refused(shape):
+    """The table is 2-D: a (1, 8, 1) one has 8 columns too, and a 1-D one
+    has no second dimension to read, so only the ndim check refuses them
+    before the core reads rows at the wrong stride."""
+    table = np.zeros(shape, np.int64)
+    with pytest.raises(ValueError, match="^table: expected an int64 array of shape \\(n, 8\\)$"):
+        _C.optim_step(0, 0, table, _SGD_HPARAMS, 1)
+
+
+def test_optim_grad_pointers_checks_every_list_length_and_watched_column():
+    """grad_contiguous is one of the lists with an item per row: a shorter
+    one is refused as the others are. A watched column is one of the row's 8:
+    column 8 is refused as stale (None), where a version bounding it by the
+    row's 64 bytes read row 8 past the row, here the next row's param
+    pointer, which the watched tensor (that param) matched."""
+    params = [torch.zeros(2), torch.zeros(2)]
+    for p in params:
+        p.grad = torch.ones(2)
+    args = list(_fast_path_args(params))
+    args[5] = [True]
+    with pytest.raises(ValueError, match="^optim_grad_pointers: lists and table differ in length$"):
+        _C.optim_grad_pointers(*args)
+    args = list(_fast_path_args(params))
+    st = {"exp_avg": params[1]}
+    args[2], args[3], args[4] = {params[0]: st}, [st, None], [(("exp_avg", params[1], 8),), ()]
+    assert _C.optim_grad_pointers(*args) is None
