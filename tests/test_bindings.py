@@ -1485,3 +1485,18 @@ def test_optim_grad_pointers_checks_every_list_length_and_watched_column():
     st = {"exp_avg": params[1]}
     args[2], args[3], args[4] = {params[0]: st}, [st, None], [(("exp_avg", params[1], 8),), ()]
     assert _C.optim_grad_pointers(*args) is None
+
+
+def test_bindings_refuse_arguments_of_the_wrong_kind_with_a_named_error():
+    """A list geometry is a TypeError naming it (PyArg_ParseTuple alone
+    raised SystemError); a float spec int is refused, not truncated; a float
+    flag is refused, not taken for its truth; a 2-D fwd is refused, not read
+    as its first row."""
+    with pytest.raises(TypeError, match="^geometry: expected a tuple, got list$"):
+        _C.jacobian("linear", [2, 3])
+    with pytest.raises(TypeError, match="^sched_graph: micro: "):
+        _C.sched_graph({**_SPEC, "micro": 2.5})
+    with pytest.raises(TypeError, match="^sched_graph: sub_stream must be a bool \\(got float\\)$"):
+        _C.sched_graph({**_SPEC, "sub_stream": 1.0})
+    with pytest.raises(ValueError, match="^sched_graph: fwd must be 1-D \\(got 2-D\\)$"):
+        _C.sched_graph({**_SPEC, "fwd": [[1.0] * 4] * 2})
