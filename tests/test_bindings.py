@@ -6,8 +6,10 @@ release the GIL around long work, and raise an exception naming a bad
 argument."""
 from __future__ import annotations
 
+import collections
 import gc
 import itertools
+import math
 import os
 import re
 import subprocess
@@ -1262,3 +1264,275 @@ def test_csr_gradients_takes_exactly_one_pointer_per_layer():
     for i, o in enumerate(out):
         want = seq.reshape(-1, batch)[g_addr[i]:g_addr[i] + 2].T
         np.testing.assert_array_equal(o, want)
+
+
+# ---- mutation audit of the binding layer, csrc/pyutil.c and module.c (session 41):   ----
+# ---- the references and memory each call takes it must give back, on every path.    ----
+
+def test_a_bad_argument_error_leaks_nothing_of_the_error_it_replaces():
+    """rp_py_prefix_error re-raises a bad argument's error with the
+    argument's name in front and releases the original exception: keeping
+    its value leaked an exception object (about 200 bytes) on every refused
+    call."""
+    def refused():
+        try:
+            _C.scan_workspace(None, 1, 1, 0)
+        except TypeError as exc:
+            assert str(exc).startswith("n: ")
+    assert _leaked_bytes(refused, times=10**4) < 10**5
+
+
+def test_optim_hparams_and_call_key_give_back_the_references_they_take():
+    """optim_hparams hands back True/False for each flag in its tuple and
+    releases the betas it read; optim_call_key releases the sequence it read
+    the ids from. A missing Py_INCREF of a flag took a reference from True on
+    every call (until the interpreter frees True), a missing Py_DECREF kept
+    the betas or the params list alive for good."""
+    betas, params = (0.9, 0.999), [torch.zeros(1), torch.zeros(1)]
+    group = {"lr": 0.1, "betas": betas, "eps": 1e-8, "weight_decay": 0.0, "nesterov": True,
+             "maximize": False, "amsgrad": 1, "decoupled_weight_decay": None, "centered": 0.0}
+    want = (0.1, 0.0, 1e-8, 0.9, 0.999, 0.0, 0.0, 0.0, 0.0, 0.0, True, False, True, False, False, 0)
+    assert _C.optim_hparams(group) == want
+    before = [sys.getrefcount(x) for x in (True, False, betas, params)]
+    for _ in range(1000):
+        _C.optim_hparams(group)
+        _C.optim_call_key(params)
+    after = [sys.getrefcount(x) for x in (True, False, betas, params)]
+    assert [abs(a - b) < 100 for a, b in zip(after, before)] == [True] * 4, (before, after)
+
+
+def _fast_path_args(params):
+    """optim_grad_pointers' arguments for params with gradients and no state."""
+    table = np.zeros((len(params), 8), np.int64)
+    for i, p in enumerate(params):
+        table[i, 0], table[i, 6] = p.data_ptr(), p.numel()
+    n = len(params)
+    return (params, [ro._layout_key(p) for p in params], {}, [None] * n, [()] * n, [True] * n,
+            torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64))
+
+
+def test_optim_grad_pointers_gives_back_the_attributes_it_reads():
+    """The fast path compares each param's and gradient's dtype, shape,
+    layout... with the key: every attribute it reads must be released (a
+    missing Py_DECREF kept torch.float32 one reference more per row and
+    step, and a torch.Size per row and step for good)."""
+    params = [torch.zeros(3), torch.zeros(3)]
+    for p in params:
+        p.grad = torch.ones(3)
+    args = _fast_path_args(params)
+    held, rows = _C.optim_grad_pointers(*args)
+    assert rows is None and [g is p.grad for g, p in zip(held, params)] == [True, True]
+    before = sys.getrefcount(torch.float32), sys.getrefcount(torch.strided)
+    for _ in range(1000):
+        _C.optim_grad_pointers(*args)
+    after = sys.getrefcount(torch.float32), sys.getrefcount(torch.strided)
+    assert after == before
+
+
+def test_the_error_paths_of_the_bppsa_and_scheduling_bindings_free_what_they_took():
+    """csr_plan copies the leaves into a tuple and an array of patterns,
+    csr_gradients reads its pointers through a sequence, sched_graph makes a
+    str per key it looks up, ksearch_next converts the scores: each must go
+    with the call, refused or not (a missing free or Py_DECREF kept them all
+    for good: 10000 refused csr_plan calls would keep a few MB)."""
+    leaf = (2, 2, np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32), False, None, 2)
+    bad = (2, 2, np.array([0, 1], np.int32), np.array([0, 1], np.int32), False, None, 2)
+
+    def refused_plan():
+        with pytest.raises(ValueError, match=r"^leaves\[1\]: indptr: "):
+            _C.csr_plan([leaf, bad], 0, 0, 1.0, 1.0, 1.0)
+    assert _leaked_bytes(refused_plan, times=2000) < 10**5
+    assert _leaked_bytes(lambda: _C.sched_graph(_SPEC), times=500) < 10**5
+    assert _leaked_bytes(lambda: _C.ksearch_next(1000, [math.nan] * 1001), times=200) < 10**5
+    plan = _C.csr_plan([leaf, leaf], 0, 0, 1.0, 1.0, 1.0)
+    seq = np.zeros(_C.csr_plan_info(plan)["seq_floats"], np.float32)
+    outs = [np.zeros(2, np.float32), np.zeros(2, np.float32)]
+    ptrs = [o.ctypes.data for o in outs]
+    before = sys.getrefcount(ptrs)
+    for _ in range(100):
+        assert _C.csr_gradients(plan, 1, seq.ctypes.data, ptrs, 1) is True
+    assert sys.getrefcount(ptrs) == before
+
+
+def test_optim_hparams_leaves_to_python_what_it_cannot_pass_on_as_it_is():
+    """The C hparams tuple takes exact dicts, betas of exactly two items and
+    ints of 64 bits; anything else is left to Python's _hparams_of (None),
+    which refuses or converts it as torch does, rather than read a dict
+    subclass's items past its own lookup, cut betas (0.9, 0.99, 0.5) to two,
+    or hand PyArg_ParseTuple an int that overflows a double's exact range."""
+    group = {"lr": 0.1, "betas": (0.9, 0.99)}
+    assert _C.optim_hparams(group)[:5] == (0.1, 0.0, 0.0, 0.9, 0.99)
+    assert _C.optim_hparams(collections.OrderedDict(group)) is None
+    assert _C.optim_hparams(dict(group, betas=(0.9, 0.99, 0.5))) is None
+    assert _C.optim_hparams(dict(group, lr=2**63)) is None
+    assert _C.optim_hparams(dict(group, lr=2**63 - 1))[0] == 2**63 - 1
+
+
+def test_int_arguments_take_the_whole_int_range_and_exactly_their_count():
+    """An int argument takes every C int, INT_MAX too (here an unknown
+    activation kind, which the core refuses with its own ValueError), and
+    2**31 is an OverflowError naming it; a binding given one argument too
+    many refuses the call rather than ignore the extra one. fad_codebook
+    raises the core's refusal instead of returning an uninitialised
+    codebook."""
+    with pytest.raises(ValueError):
+        _C.fad_codebook(2**31 - 1, 0.0, 0.0)
+    with pytest.raises(OverflowError, match=r"^kind: expected an int in \[-2147483648, 2147483647\], "
+                                            r"got 2147483648$"):
+        _C.fad_codebook(2**31, 0.0, 0.0)
+    with pytest.raises(TypeError, match=r"^fad_codebook\(\) takes 3 arguments \(4 given\)$"):
+        _C.fad_codebook(0, 0.0, 0.0, 0)
+
+
+def test_optim_grad_pointers_raises_the_errors_of_its_lookups():
+    """A param missing from `given` raises KeyError as given[id(p)] does
+    (not a SystemError for an error return with no exception set), and an
+    error raised while the state dict is searched (a key's __eq__) is
+    raised, not taken for a param without state."""
+    p = torch.zeros(2)
+    p.grad = torch.ones(2)
+    args = list(_fast_path_args([p]))
+    args[8] = {}  # given: no gradient for p
+    with pytest.raises(KeyError):
+        _C.optim_grad_pointers(*args)
+
+    class Clash:
+        def __hash__(self):
+            return hash(p)
+
+        def __eq__(self, other):
+            raise LookupError("no comparing")
+
+    args = list(_fast_path_args([p]))
+    args[2] = {Clash(): {}}
+    with pytest.raises(LookupError, match="^no comparing$"):
+        _C.optim_grad_pointers(*args)
+
+
+def test_optim_grad_pointers_sends_a_moved_param_or_a_gradient_on_another_device_to_python():
+    """A row is current only for the param memory and device its key
+    recorded: a param whose .data now lies elsewhere (same dtype and shape)
+    or a gradient on another device than the key's (a CPU gradient for a
+    cuda:0 param) leaves the step to the Python path (None), where a version
+    without the address check updated the old memory, one without the
+    device check handed the kernels a host pointer."""
+    p = torch.zeros(2)
+    p.grad = torch.ones(2)
+    args = _fast_path_args([p])
+    assert _C.optim_grad_pointers(*args) is not None
+    p.data = torch.zeros(2)
+    assert _C.optim_grad_pointers(*args) is None
+    args = list(_fast_path_args([p]))
+    key = args[1][0]
+    args[1] = [key[:4] + (0,) + key[5:]]  # as if p were on cuda:0
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_optim_grad_pointers_sends_a_moved_or_reshaped_state_tensor_to_python():
+    """A watched state tensor must still lie at the address in its column
+    and be of the param's shape: one whose memory moved (.data replaced) or
+    that was reshaped in place at the same address (as_strided_ to fewer
+    elements) leaves the step to the Python path (None), where a version
+    without either check had the kernels write the param's numel floats at
+    the old address or past the tensor's elements."""
+    p = torch.zeros(4)
+    p.grad = torch.ones(4)
+    exp_avg = torch.zeros(4)
+    args = list(_fast_path_args([p]))
+    st = {"exp_avg": exp_avg}
+    args[2], args[3], args[4] = {p: st}, [st], [(("exp_avg", exp_avg, 2),)]
+    table = args[7]
+    table[0, 2] = exp_avg.data_ptr()
+    assert _C.optim_grad_pointers(*args) is not None
+    table[0, 2] += 4  # the row points one float past the tensor
+    assert _C.optim_grad_pointers(*args) is None
+    table[0, 2] -= 4
+    exp_avg.as_strided_((2,), (1,))  # same address, two elements
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_a_gradient_of_a_param_with_gaps_meets_the_call_memory_over_all_its_bytes():
+    """For a param with gaps (a column slice) the gradient's extent is numel
+    times the dtype's itemsize: call memory starting at its second float
+    overlaps it and sends the step to the Python path (None), where a version
+    counting numel bytes saw no overlap and let the kernels read a gradient
+    they write."""
+    p = torch.zeros(2, 2)[:, 0]
+    g = torch.ones(2)
+    args = list(_fast_path_args([p]))
+    args[8] = {id(p): g}
+    assert _C.optim_grad_pointers(*args) is not None
+    args[12] = np.array([g.data_ptr() + 4, g.data_ptr() + 8], np.int64)
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_fad_backward_mixed16_releases_the_gil_and_multiplies_as_torch():
+    """fad_backward_mixed16 (reprop._C alone) runs without the GIL as
+    module.c says, which the GIL test of the other fad bindings left out;
+    its product is torch's grad * d (float32) rounded to grad's dtype."""
+    n = 1 << 22
+    grad = torch.randn(n).to(torch.float16)
+    d = torch.rand(n).to(torch.bfloat16)
+    out = torch.empty_like(grad)
+    code = _tensors.DTYPE_CODES[torch.float16]
+    call = lambda: _C.fad_backward_mixed16(code, grad.data_ptr(), d.data_ptr(), out.data_ptr(), n, 1)  # noqa: E731
+    assert _lets_another_thread_run(lambda: [call() for _ in range(8)])
+    torch.testing.assert_close(out, (grad * d).to(torch.float16), rtol=1e-3, atol=0)
+
+
+def test_optim_grad_pointers_sends_a_param_relaid_at_its_address_to_python():
+    """A param's layout is part of its row: one whose .data became its own
+    transpose (same address, dtype and shape, no longer contiguous) leaves
+    the step to the Python path (None), where a version without the layout
+    check had the kernels pair its elements with the gradient's in the old
+    order."""
+    p = torch.arange(4.0).reshape(2, 2)
+    p.grad = torch.ones(2, 2)
+    args = _fast_path_args([p])
+    assert _C.optim_grad_pointers(*args) is not None
+    p.data = p.data.t()
+    assert _C.optim_grad_pointers(*args) is None
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1), (8,)])
+def test_a_table_of_another_ndim_is_refused(shape):
+    """The table is 2-D: a (1, 8, 1) one has 8 columns too, and a 1-D one
+    has no second dimension to read, so only the ndim check refuses them
+    before the core reads rows at the wrong stride."""
+    table = np.zeros(shape, np.int64)
+    with pytest.raises(ValueError, match="^table: expected an int64 array of shape \\(n, 8\\)$"):
+        _C.optim_step(0, 0, table, _SGD_HPARAMS, 1)
+
+
+def test_optim_grad_pointers_checks_every_list_length_and_watched_column():
+    """grad_contiguous is one of the lists with an item per row: a shorter
+    one is refused as the others are. A watched column is one of the row's 8:
+    column 8 is refused as stale (None), where a version bounding it by the
+    row's 64 bytes read row 8 past the row, here the next row's param
+    pointer, which the watched tensor (that param) matched."""
+    params = [torch.zeros(2), torch.zeros(2)]
+    for p in params:
+        p.grad = torch.ones(2)
+    args = list(_fast_path_args(params))
+    args[5] = [True]
+    with pytest.raises(ValueError, match="^optim_grad_pointers: lists and table differ in length$"):
+        _C.optim_grad_pointers(*args)
+    args = list(_fast_path_args(params))
+    st = {"exp_avg": params[1]}
+    args[2], args[3], args[4] = {params[0]: st}, [st, None], [(("exp_avg", params[1], 8),), ()]
+    assert _C.optim_grad_pointers(*args) is None
+
+
+def test_bindings_refuse_arguments_of_the_wrong_kind_with_a_named_error():
+    """A list geometry is a TypeError naming it (PyArg_ParseTuple alone
+    raised SystemError); a float spec int is refused, not truncated; a float
+    flag is refused, not taken for its truth; a 2-D fwd is refused, not read
+    as its first row."""
+    with pytest.raises(TypeError, match="^geometry: expected a tuple, got list$"):
+        _C.jacobian("linear", [2, 3])
+    with pytest.raises(TypeError, match="^sched_graph: micro: "):
+        _C.sched_graph({**_SPEC, "micro": 2.5})
+    with pytest.raises(TypeError, match="^sched_graph: sub_stream must be a bool \\(got float\\)$"):
+        _C.sched_graph({**_SPEC, "sub_stream": 1.0})
+    with pytest.raises(ValueError, match="^sched_graph: fwd must be 1-D \\(got 2-D\\)$"):
+        _C.sched_graph({**_SPEC, "fwd": [[1.0] * 4] * 2})
