@@ -765,6 +765,18 @@ def test_a_weight_read_inside_and_outside_a_reentrant_checkpoint_fires_its_hooks
     handle.remove()
 
 
+def _assert_hook_calls_as_autograd(seen: dict, ref: nn.Module, model: nn.Module, step: int) -> None:
+    """model's post-accumulate-grad hook calls (_hook_calls) and final .grad
+    are ref's, autograd's, bit for bit, parameter by parameter."""
+    for name, p in ref.named_parameters():
+        calls, expected = seen.get((model, name), []), seen.get((ref, name), [])
+        assert len(calls) == len(expected), f"step {step} {name}"
+        for i, (a, b) in enumerate(zip(calls, expected)):
+            assert torch.equal(a, b), f"step {step} {name}, call {i}"
+        grad = model.get_parameter(name).grad
+        assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("grads", ["None", "zeros"])
 @pytest.mark.parametrize("moved", [False, True], ids=["in place", "moved"])
@@ -797,13 +809,7 @@ def test_an_outside_site_nearer_the_loss_is_not_in_the_nested_graphs_hook_call(
             for net in (ref, model):
                 net.zero_grad(set_to_none=grads == "None")
                 net(x).pow(2).sum().backward()
-            for name, p in ref.named_parameters():
-                calls, expected = seen.get((model, name), []), seen.get((ref, name), [])
-                assert len(calls) == len(expected), f"step {step} {name}"
-                for i, (a, b) in enumerate(zip(calls, expected)):
-                    assert torch.equal(a, b), f"step {step} {name}, call {i}"
-                grad = model.get_parameter(name).grad
-                assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
+            _assert_hook_calls_as_autograd(seen, ref, model, step)
     finally:
         torch.use_deterministic_algorithms(old)
     assert (handle.schedule["moved"] > 0) == moved
@@ -834,13 +840,7 @@ def test_hold_around_a_reentrant_checkpoint_adds_the_graphs_held_sums_as_they_re
             with handle.hold() if net is model else contextlib.nullcontext([]) as tasks:
                 net(x).pow(2).sum().backward()
             handle.run(tasks if run_order == "backward" else tasks[::-1])
-        for name, p in ref.named_parameters():
-            calls, expected = seen.get((model, name), []), seen.get((ref, name), [])
-            assert len(calls) == len(expected), f"step {step} {name}"
-            for i, (a, b) in enumerate(zip(calls, expected)):
-                assert torch.equal(a, b), f"step {step} {name}, call {i}"
-            grad = model.get_parameter(name).grad
-            assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
+        _assert_hook_calls_as_autograd(seen, ref, model, step)
     handle.remove()
 
 

@@ -2774,10 +2774,15 @@ def test_pipeline_hands_on_activations_and_gradients_in_their_layout(world):
 def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
     """One stage: each layer's input gradient as its backward made it, not
     the .grad of the leaf standing for its input (laid out as the input)."""
+    _on_one_thread(_check_pipeline_layouts, 0, 1)
+
+
+def _on_one_thread(check, *args) -> None:
+    """check(*args) on one torch thread, as the ranks run: sums in memory order."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: sums in memory order
+    torch.set_num_threads(1)
     try:
-        _check_pipeline_layouts(0, 1)
+        check(*args)
     finally:
         torch.set_num_threads(threads)
 
@@ -2834,12 +2839,7 @@ def test_pipeline_hands_on_a_slice_with_gaps_in_its_layout():
 def test_pipeline_hands_on_a_slice_with_gaps_on_one_stage(solo_group):
     """The same on one stage, where nothing travels: each layer gets the
     slice as the layer before or after made it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks: sums in memory order
-    try:
-        _check_pipeline_gaps(0, 1)
-    finally:
-        torch.set_num_threads(threads)
+    _on_one_thread(_check_pipeline_gaps, 0, 1)
 
 
 class _CalledTwice(nn.Module):
