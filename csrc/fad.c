@@ -623,19 +623,17 @@ RP_FAD_F16C static inline void rp_fad_mul8_f16_by_bf16(const uint16_t *g, const 
 
 RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_bf16_by_f16_f16c, rp_fad_mul8_bf16_by_f16)
 RP_FAD_DEFINE_F16C_LOOP(rp_fad_bwd_f16_by_bf16_f16c, rp_fad_mul8_f16_by_bf16)
+#define RP_FAD_HAS_F16C_LOOPS 1
+#endif
 
 static rp_fad_mixed16_loop rp_fad_mixed16_pick(int dtype)
 {
+#ifdef RP_FAD_HAS_F16C_LOOPS
     if (rp_cpu_has(RP_CPU_F16C))
         return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16_f16c : rp_fad_bwd_f16_by_bf16_f16c;
-    return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
-}
-#else
-static rp_fad_mixed16_loop rp_fad_mixed16_pick(int dtype)
-{
-    return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
-}
 #endif
+    return dtype == RP_BF16 ? rp_fad_bwd_bf16_by_f16 : rp_fad_bwd_f16_by_bf16;
+}
 
 int rp_fad_backward_mixed16_cpu(int dtype, const void *grad_y, const void *d, void *grad_x,
                                 int64_t n, int num_threads, rp_error *err)
