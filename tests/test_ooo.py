@@ -64,6 +64,17 @@ class EveryKind(nn.Module):
         return self.out((h + v).mean(1))
 
 
+@contextlib.contextmanager
+def _deterministic(on: bool):
+    """torch.use_deterministic_algorithms(on) inside, as it was after."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
     return torch.randint(20, (4, 7), generator=g), torch.randint(3, (4,), generator=g)
@@ -512,14 +523,10 @@ def test_each_dw_runs_in_the_region_the_schedule_places_it():
     ref = copy.deepcopy(model)
     for m in ref.modules():
         m.__dict__.pop("forward", None)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic(True):
         for net in (ref, model):
             net.zero_grad()
             net(x).sum().backward()
-    finally:
-        torch.use_deterministic_algorithms(was)
     placed = handle._region_of
     assert len(ran) == 8 and any(placed[k] != handle._region_of_main[k] for k, _ in ran)
     assert [(k, placed[k]) for k, _ in ran] == ran
@@ -644,9 +651,7 @@ def test_hold_around_several_backward_passes_fires_the_hooks_after_each(make, de
     handle = ooo.enable(model, speedup=None)
     seen = _hook_calls((ref, model))
     xs = [torch.randn(3, 4) for _ in range(2)]
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+    with _deterministic(deterministic):
         for net in (ref, model):
             with handle.hold() if net is model else contextlib.nullcontext([]) as tasks:
                 if passes == "accumulation":
@@ -659,8 +664,6 @@ def test_hold_around_several_backward_passes_fires_the_hooks_after_each(make, de
             if net is model:
                 assert not any(key[0] is model for key in seen)  # (they wait for the held dW)
                 handle.run(tasks)
-    finally:
-        torch.use_deterministic_algorithms(old)
     for name, p in ref.named_parameters():
         calls, expected = seen[(model, name)], seen[(ref, name)]
         assert len(calls) == len(expected) == 2, name
@@ -800,9 +803,7 @@ def test_an_outside_site_nearer_the_loss_is_not_in_the_nested_graphs_hook_call(
                 dict(speedup=None))
     handle = ooo.enable(model, **schedule)
     seen = _hook_calls((ref, model))
-    old = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+    with _deterministic(deterministic):
         for step in range(5):
             seen.clear()
             x = torch.randn(3, 4, requires_grad=True)
@@ -810,8 +811,6 @@ def test_an_outside_site_nearer_the_loss_is_not_in_the_nested_graphs_hook_call(
                 net.zero_grad(set_to_none=grads == "None")
                 net(x).pow(2).sum().backward()
             _assert_hook_calls_as_autograd(seen, ref, model, step)
-    finally:
-        torch.use_deterministic_algorithms(old)
     assert (handle.schedule["moved"] > 0) == moved
     handle.remove()
 
@@ -1925,17 +1924,6 @@ def test_a_tensor_hook_under_autocast_gets_the_low_precision_sum_once(dtype, ord
     assert len(seen[model]) == len(seen[ref]) == 6  # once per backward
     for a, b in zip(seen[ref], seen[model]):
         assert torch.equal(b, a)
-
-
-@contextlib.contextmanager
-def _deterministic(on: bool):
-    """torch.use_deterministic_algorithms(on) inside, as it was after."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(on)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -3263,15 +3251,11 @@ def _same_bits_every_schedule(make, backwards: int, reference: dict | None = Non
             out.append(m.l.weight.grad.clone())
         return out
 
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic(True):
         ref = grads(reference)
         for options in schedules:
             for got, want in zip(grads(options), ref):
                 assert torch.equal(got, want)
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 def test_deterministic_algorithms_accumulate_shared_weight_alike_every_schedule():
@@ -4859,12 +4843,8 @@ def test_random_models_and_training_loops_give_autograds_bits(seed):
     README's CPU claim; where a weight is shared under order="ooo", under
     deterministic algorithms or until the schedule is fixed, as the README
     says)."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(_fuzz_case(seed)[2]["deterministic"])
-    try:
+    with _deterministic(_fuzz_case(seed)[2]["deterministic"]):
         _train_fuzz_case(seed)
-    finally:
-        torch.use_deterministic_algorithms(was)
 
 
 def test_the_random_cases_draw_every_feature():
