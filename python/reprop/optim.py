@@ -408,7 +408,8 @@ def _unscale_grads(running: list, scale: torch.Tensor, stopped: dict, divided: l
 
 
 def _unscale_wide(params: list, scale: torch.Tensor, given: dict | None) -> None:
-    """Divides the gradients of the float64 params (_by_torch) in place by
+    """Divides the gradients of the params torch's step() updates
+    (_by_torch_in: float64 ones, a differentiable group's) in place by
     `scale`, as torch's fused kernels divide them (in the gradient's dtype)
     and write them back into .grad."""
     grad_of = _grad_getter(given)
