@@ -32,6 +32,7 @@ from reprop._native import _C
 
 from _interrupts import LineStop
 from _scripts import script_output
+from _threads import torch_threads
 
 TOL = 3e-6
 CUDA = pytest.param("cuda", marks=pytest.mark.gpu)
@@ -489,8 +490,8 @@ def test_csr_plan_refuses_a_decreasing_indptr():
 def test_max_levels_and_cost_model():
     assert [bppsa.max_levels(n) for n in (1, 2, 3, 4, 7, 8, 1000)] == [0, 1, 1, 2, 2, 3, 9]
     # two CPU threads: the linear scan's matrix-vector steps win over H x H products
-    torch.set_num_threads(2)
-    assert bppsa.scan_levels(1000, 16, 20, 1, "cpu") == 0
+    with torch_threads(2):
+        assert bppsa.scan_levels(1000, 16, 20, 1, "cpu") == 0
 
 
 def test_scan_rejects_bad_input():
@@ -1140,14 +1141,10 @@ def test_scan_auto_picks_the_linear_scan_where_levels_do_not_fit(monkeypatch):
     """Where the blocks of Blelloch levels would not fit in the device's
     shared memory (the CUDA scan, hidden sizes near 28,000), the cost model
     picks the linear scan. _scan_fits plays such a device here."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(64)  # Blelloch levels pay (test above)
+    with torch_threads(64):  # Blelloch levels pay (test above)
         assert bppsa.scan_levels(5000, 512, 1, 1) > 0
         monkeypatch.setattr(bppsa, "_scan_fits", lambda device, hidden, levels: levels == 0)
         assert bppsa.scan_levels(5000, 512, 1, 1) == 0
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", ["tanh", "gru"])
@@ -1178,28 +1175,19 @@ def test_no_scan_fits_runs_torch_recurrence(monkeypatch, kind):
 def test_scan_auto_follows_the_thread_count():
     """The CPU cost model counts the threads torch uses now (it kept the
     count of its first call)."""
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = bppsa.scan_levels(5000, 512, 1, 1)
-        torch.set_num_threads(64)
+    with torch_threads(64):
         assert bppsa.scan_levels(5000, 512, 1, 1) > one == 0
-    finally:
-        torch.set_num_threads(before)
-
 
 
 def _at_thread_counts(fn, counts=(1, 2, 3)) -> list:
     """fn() at each of torch's thread counts in turn."""
-    threads = torch.get_num_threads()
-    try:
-        out = []
-        for count in counts:
-            torch.set_num_threads(count)
+    out = []
+    for count in counts:
+        with torch_threads(count):
             out.append(fn())
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return out
 
 
 @pytest.mark.parametrize("levels", ["linear", 2, "blelloch"])
@@ -2513,16 +2501,12 @@ def test_chain_plan_pickles_with_its_schedule(tmp_path):
     depends on the thread count (64 Tanh of 256: a level with 64 threads,
     none with 1), and the copy's gradients are the original's bits."""
     layers = [nn.Tanh() for _ in range(64)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(64)
+    with torch_threads(64):
         model = PlannedChain(layers, (256,))
-        torch.set_num_threads(1)
+    with torch_threads(1):
         assert model.plan.info["levels"] == 1 and bppsa.ChainPlan(layers, (256,)).info["levels"] == 0
         torch.save(model, tmp_path / "model.pt")
         loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    finally:
-        torch.set_num_threads(threads)
     assert loaded.plan.info["levels"] == 1
     assert [layer for layer, _ in loaded.plan.steps] == list(loaded.layers)
     x, g = torch.randn(3, 256), torch.randn(3, 256)
@@ -2736,12 +2720,8 @@ def test_chain_plan_linear_is_the_linear_scan_where_auto_picks_levels():
     pick: 64 Tanh of 256 with 16 threads, where "auto" picks one level, and
     its gradients are autograd's."""
     layers = [nn.Tanh() for _ in range(64)]
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(16)
+    with torch_threads(16):
         auto, linear = (bppsa.ChainPlan(layers, (256,), levels=levels) for levels in ("auto", "linear"))
-    finally:
-        torch.set_num_threads(threads)
     assert auto.info["levels"] == 1 and linear.info["levels"] == 0 and linear.info["products"] == 0
     x, g = torch.randn(2, 256), torch.randn(2, 256)
     for a, b in zip(linear.backward(linear.forward_inputs(x)[0], g), autograd_layer_input_grads(layers, x, g)):

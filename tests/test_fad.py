@@ -44,6 +44,7 @@ from torch import nn
 from reprop import _tensors, fad
 
 from _interrupts import LineStop, interrupted_at_line
+from _threads import torch_threads
 
 CUDA = [pytest.param("cuda", marks=pytest.mark.gpu)]
 DEVICES = ["cpu", *CUDA]
@@ -514,22 +515,12 @@ def test_mixed_16bit_backward_kernel_gives_torchs_bits(grad_dtype, n):
     g, d = _mixed16_operands(n, grad_dtype)
     want = (g.float() * d.float()).to(grad_dtype)
     for threads in (1, 2):
-        with _num_threads(threads), torch.no_grad():
+        with torch_threads(threads), torch.no_grad():
             got = fad._times_saved(g, d, grad_dtype)
         assert got.dtype == grad_dtype and got.shape == g.shape
         assert torch.equal(got.isnan(), want.isnan())
         nan_free = (lambda t: t.nan_to_num(0.0)) if grad_dtype is torch.float16 else (lambda t: t)
         assert torch.equal(nan_free(got).view(torch.int16), nan_free(want).view(torch.int16)), (n, threads)
-
-
-@contextlib.contextmanager
-def _num_threads(n):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _backward_ops(fn):
@@ -4279,14 +4270,11 @@ def test_thread_count_does_not_change_a_bit(dtype, saved_dtype):
     past the size where they go parallel (an odd size: a scalar tail)."""
     x = sample("cpu", dtype, n=(1 << 15) + 37)  # past RP_FAD_PARALLEL_MIN (csrc/fad.c)
     grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
-    runs, threads = [], torch.get_num_threads()
-    try:
-        for count in (1, 2, 3):
-            torch.set_num_threads(count)
+    runs = []
+    for count in (1, 2, 3):
+        with torch_threads(count):
             runs.append([values_and_grads(lambda t: ours(t, saved_dtype=saved_dtype, **kw), x, grad)
                          for ours, _, kw in ACTIVATIONS.values()])
-    finally:
-        torch.set_num_threads(threads)
     for run in runs[1:]:
         for name, (y, gx), (y1, gx1) in zip(ACTIVATIONS, run, runs[0]):
             assert torch.equal(y.view(torch.int16 if dtype != torch.float32 else torch.int32),

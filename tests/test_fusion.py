@@ -62,6 +62,7 @@ import reprop.optim as rp
 
 from _interrupts import KernelsThenStop, LineStop
 from _optim_options import RICH
+from _threads import torch_threads
 
 MODES = ("backward", "forward")
 OPT_NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
@@ -84,10 +85,8 @@ GROUP1 = {
 @pytest.fixture(scope="module", autouse=True)
 def single_intra_op_thread():
     """Tiny tensors: intra-op threads are pure overhead (see test_optim.py)."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+    with torch_threads(1):
+        yield
 
 
 # ---------------------------------------------------------------------------

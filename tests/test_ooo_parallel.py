@@ -50,6 +50,7 @@ from reprop.ooo import (DataParallel, Pipeline, _Layout, _averaged_by_data_paral
                         simulate)
 from _interrupts import LineStop, interrupted_at_line
 from _scripts import script_output
+from _threads import torch_threads
 from test_ooo import assert_as_built
 
 WIDTH, BATCH, DEPTH = 16, 8, 8
@@ -2574,9 +2575,7 @@ def test_pipeline_hands_on_input_gradients_as_made(solo_group):
     stood for its output): 1.2e-7 off, found by the random differential
     test; it hands on the gradient as the transpose's backward made it now,
     for plain torch's bits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         g = torch.Generator().manual_seed(1)
         x, t = torch.randn(4, 4, 5, generator=g), torch.randn(4, 2, generator=g)
 
@@ -2597,8 +2596,6 @@ def test_pipeline_hands_on_input_gradients_as_made(solo_group):
         pipe.remove()
         for name in ("weight", "bias"):
             assert torch.equal(getattr(piped[0], name).grad, getattr(plain[0], name).grad), name
-    finally:
-        torch.set_num_threads(threads)
 
 
 class _Expand(nn.Module):
@@ -2773,18 +2770,10 @@ def test_pipeline_hands_on_activations_and_gradients_in_their_layout(world):
 
 def test_pipeline_hands_on_gradients_in_their_layout_on_one_stage(solo_group):
     """One stage: each layer's input gradient as its backward made it, not
-    the .grad of the leaf standing for its input (laid out as the input)."""
-    _on_one_thread(_check_pipeline_layouts, 0, 1)
-
-
-def _on_one_thread(check, *args) -> None:
-    """check(*args) on one torch thread, as the ranks run: sums in memory order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        check(*args)
-    finally:
-        torch.set_num_threads(threads)
+    the .grad of the leaf standing for its input (laid out as the input).
+    On one torch thread, as the ranks run: sums in memory order."""
+    with torch_threads(1):
+        _check_pipeline_layouts(0, 1)
 
 
 class _EveryOther(nn.Module):
@@ -2838,8 +2827,9 @@ def test_pipeline_hands_on_a_slice_with_gaps_in_its_layout():
 
 def test_pipeline_hands_on_a_slice_with_gaps_on_one_stage(solo_group):
     """The same on one stage, where nothing travels: each layer gets the
-    slice as the layer before or after made it."""
-    _on_one_thread(_check_pipeline_gaps, 0, 1)
+    slice as the layer before or after made it (one thread, as above)."""
+    with torch_threads(1):
+        _check_pipeline_gaps(0, 1)
 
 
 class _CalledTwice(nn.Module):

@@ -49,6 +49,7 @@ from reprop._native import _C
 from _interrupts import KernelsThenStop, LineStop
 from _optim_options import RICH
 from _scripts import script_output
+from _threads import torch_threads
 
 NAMES = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Adadelta")
 CAPTURABLE_NAMES = ("Adam", "AdamW", "RMSprop", "Adadelta")  # torch classes with `capturable`
@@ -468,10 +469,8 @@ def single_intra_op_thread():
     intra-op threads are pure overhead, and on a loaded 2-core machine OpenMP
     barriers made a 50-step run 80x slower (6 s instead of 0.08 s). The thread
     count reprop is given is exercised by test_thread_count_does_not_change_results."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
+    with torch_threads(1):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -1548,11 +1547,8 @@ def test_thread_count_does_not_change_results(name: str) -> None:
     init, grads = make_params(shapes, seed=6), grad_sequence(shapes, 2)
     runs = []
     for threads in (1, 2, 3):
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             runs.append(run_open_loop(factory(reprop_cls(name), **RICH[name]), init, grads))
-        finally:
-            torch.set_num_threads(1)
     assert_runs_equal(runs[1], runs[0])
     assert_runs_equal(runs[2], runs[0])
 
@@ -4023,8 +4019,7 @@ def test_state_shared_by_params_is_updated_in_turn(name: str, case: str) -> None
     call: its threads raced on a shared tensor, and a param with gaps was
     written back over the state of a later one."""
     runs = []
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         for cls in (reprop_cls(name), torch_cls(name)):
             base = make_params([(32768,)], seed=32)[0].abs() + 0.5
             init, share = SHARED_STATE[case](base)
@@ -4037,8 +4032,6 @@ def test_state_shared_by_params_is_updated_in_turn(name: str, case: str) -> None
                 if k == 0:
                     share(opt, params, FIRST_SLOT[name])
             runs.append(Run(params, opt))
-    finally:
-        torch.set_num_threads(1)
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
