@@ -72,7 +72,16 @@
  * one: n up to 300, H from 1 to 130 (mostly up to 40), batch 1 to 4, dense
  * leaves or 1 to 3 gates with or without u, v or f'(y), pre_activation, a
  * shared-memory budget of 12 to 48 KB in 1 KB steps and an opt-in maximum
- * of 48, 99, 163 or 227 KB. A failed problem prints its seed and index.
+ * of 48, 99, 163 or 227 KB; a third of them with 1 to 3 inputs (of c, jt,
+ * w, u, v or y) made +inf, -inf or NaN (a small grid of such cases runs after
+ * the others). A failed problem prints its seed and index.
+ *
+ * With inf or NaN inputs the recurrence in double is no reference (it would
+ * multiply where relu selects): a run with levels whose result is not finite
+ * is redone by the linear scan, as python/reprop/bppsa.py does on CUDA, and
+ * the result must be NaN where rp_scan_cpu's is NaN, the same inf where it is
+ * inf and within the rounding bound where it is finite; runs compare bitwise
+ * but for the NaNs' bits (which NaN a sum keeps follows its order).
  *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
