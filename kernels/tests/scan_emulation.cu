@@ -49,7 +49,8 @@
  * must be written), and the inputs must come back unchanged.
  * On the first run of each levels c and the leaves are read-only copies that
  * end at an inaccessible page: a read past the end of an input (a leaf or a
- * c the scan does not have, say) crashes there.
+ * c the scan does not have, say) crashes there; on the device executor's run
+ * they start after one, so that a read before the start (c[-1], say) crashes.
  * Where v is f'(y), the first run of each levels passes v = f'(y) (1 - y*y or
  * relu's slope, formed on the host) and every other run y with the
  * activation: the results must be bitwise the same (relu with pre_activation:
@@ -580,15 +581,15 @@ static void reference(emu_data &D, std::vector<double> &g)
             g[(size_t)e] *= D.v.p()[e];
 }
 
-/* A read-only copy of n floats that ends where an inaccessible page begins:
- * a kernel reading past the end of an input crashes (the canaries of
- * `fenced` catch writes only), as does a write to it. p is NULL for a NULL
- * source. */
-struct tail_guarded {
+/* A read-only copy of n floats that ends where an inaccessible page begins
+ * (`head`: that starts where one ends): a kernel reading past the end (before
+ * the start) of an input crashes (the canaries of `fenced` catch writes
+ * only), as does a write to it. p is NULL for a NULL source. */
+struct page_guarded {
     char *map = NULL;
     size_t len = 0;
     float *p = NULL;
-    tail_guarded(const float *src, int64_t n)
+    page_guarded(const float *src, int64_t n, bool head)
     {
         if (src == NULL)
             return;
@@ -600,18 +601,19 @@ struct tail_guarded {
         if (m == MAP_FAILED)
             return;
         map = (char *)m;
-        p = (float *)(map + data - bytes);
+        char *const first = head ? map + page : map, *const fence = head ? map : map + data;
+        p = (float *)(head ? first : first + data - bytes);
         memcpy(p, src, bytes);
-        CHECK(mprotect(map, data, PROT_READ) == 0 && mprotect(map + data, page, PROT_NONE) == 0,
+        CHECK(mprotect(first, data, PROT_READ) == 0 && mprotect(fence, page, PROT_NONE) == 0,
               "mprotect");
     }
-    ~tail_guarded()
+    ~page_guarded()
     {
         if (map != NULL)
             munmap(map, len);
     }
-    tail_guarded(const tail_guarded &) = delete;
-    tail_guarded &operator=(const tail_guarded &) = delete;
+    page_guarded(const page_guarded &) = delete;
+    page_guarded &operator=(const page_guarded &) = delete;
 };
 
 static bool same_bits(const float *a, const float *b, int64_t n)
@@ -765,11 +767,12 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             cin = D.c; /* the call's c (and g when in place) */
             float *g = inplace ? cin.p() : gsep.p();
             /* variant 0: c and the leaves read-only, each ending at an
-             * inaccessible page, so that a read past the end of one crashes */
-            const bool guarded = variant == 0;
-            tail_guarded gw(guarded ? j.w : NULL, D.w.n), gu(guarded ? j.u : NULL, D.u.n),
-                gv(guarded ? j.v : NULL, D.v.n), gjt(guarded ? j.jt : NULL, D.jt.n),
-                gy(guarded ? j.y : NULL, D.y.n), gc(guarded ? D.c.p() : NULL, total);
+             * inaccessible page, so that a read past the end of one crashes;
+             * variant 2: each starting after one, for a read before the start */
+            const bool guarded = variant == 0 || variant == 2, head = variant == 2;
+            page_guarded gw(guarded ? j.w : NULL, D.w.n, head), gu(guarded ? j.u : NULL, D.u.n, head),
+                gv(guarded ? j.v : NULL, D.v.n, head), gjt(guarded ? j.jt : NULL, D.jt.n, head),
+                gy(guarded ? j.y : NULL, D.y.n, head), gc(guarded ? D.c.p() : NULL, total, head);
             if (guarded) {
                 j.w = gw.p, j.u = gu.p, j.v = gv.p, j.jt = gjt.p, j.y = gy.p;
             }
