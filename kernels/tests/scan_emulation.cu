@@ -1051,6 +1051,23 @@ static void nonfinite_sweep(bool smoke, int device)
             }
 }
 
+/* A default budget 4 bytes under what a one-task block of the levels needs
+ * (rp_cuda_scan_shared_bytes): the launcher must take the opt-in even for a
+ * need that small a step past the default. */
+static void optin_edge_sweep(int device)
+{
+    const int64_t hs[] = {5, 20, 70};
+    for (int64_t H : hs)
+        for (int L = 0; L <= 1; L++) {
+            g_smem_default = (int)rp_cuda_scan_shared_bytes(H, L) - 4;
+            run_case({3, 2, H, 0, false, 0, false}, device, false);
+            device = (device + 1) % EMU_DEVICES;
+            if (g_failures)
+                break;
+        }
+    g_smem_default = 49152;
+}
+
 static void sweep(bool quick, bool smoke)
 {
     struct leafkind {
@@ -1127,6 +1144,7 @@ static void sweep(bool quick, bool smoke)
     }
     g_smem_default = 49152;
     nonfinite_sweep(smoke, device);
+    optin_edge_sweep(device);
 }
 
 /* ---------------------------------------------------------------------------
