@@ -203,10 +203,22 @@ RP_HD float4 rp_scan_ld4(const float *p) /* p 16-byte aligned (shared memory) */
 #endif
 }
 
+/* y * y rounded on its own, never fused into what follows: __fmul_rn on
+ * the device, a plain product on the host (which has no fused multiply-add
+ * unless asked), so that the emulation runs rp_scan_v's formula itself. */
+RP_HD float rp_scan_sq(float y)
+{
+#ifdef __CUDA_ARCH__
+    return __fmul_rn(y, y);
+#else
+    return y * y;
+#endif
+}
+
 /* Element idx of the structured leaves' v, (n, B, G H): v itself, or f'(y)
  * with the float32 operations of torch's 1 - y * y (the product rounded
- * first: __fmul_rn is never fused) and torch's relu slope (0 where y <= 0,
- * else 1, so 1 at a NaN y), as csrc/scan.c. */
+ * first) and torch's relu slope (0 where y <= 0, else 1, so 1 at a NaN y),
+ * as csrc/scan.c. */
 RP_HD float rp_scan_v(const rp_scan_args &a, int64_t idx)
 {
     if (a.act == RP_SCAN_ACT_NONE)
@@ -214,11 +226,7 @@ RP_HD float rp_scan_v(const rp_scan_args &a, int64_t idx)
     const float y = rp_scan_ldg(a.y + idx);
     if (a.act == RP_SCAN_ACT_RELU)
         return y <= 0.0f ? 0.0f : 1.0f;
-#ifdef __CUDA_ARCH__
-    return 1.0f - __fmul_rn(y, y);
-#else
-    return 1.0f - y * y;
-#endif
+    return 1.0f - rp_scan_sq(y);
 }
 
 /* v[idx] applied to x: v x, but relu as torch's threshold_backward applies

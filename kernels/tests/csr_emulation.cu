@@ -713,10 +713,11 @@ static void error_cases(void)
             const rp_csr_device_rows *rows;
             int64_t B;
             float *seq, *shared;
+            const char *says; /* the message's start, when more than the function's name */
         } bad[] = {
             {"NULL program", NULL, &rows.r, B, seq.p(), shared.p()},
             {"NULL rows", &s.g, NULL, B, seq.p(), shared.p()},
-            {"batch -1", &s.g, &rows.r, -1, seq.p(), shared.p()},
+            {"batch -1", &s.g, &rows.r, -1, seq.p(), shared.p(), "rp_cuda_csr_run: batch -1 < 0"},
             {"NULL seq", &s.g, &rows.r, B, NULL, shared.p()},
             {"NULL shared", &s.g, &rows.r, B, seq.p(), NULL},
             {"NULL device dst", &s.g, &no_dst, B, seq.p(), shared.p()},
@@ -734,8 +735,8 @@ static void error_cases(void)
             err.msg[0] = '\0';
             g_rt.launches = 0;
             const int rc = rp_cuda_csr_run(c.g, c.rows, c.B, c.seq, c.shared, g_emu.stream, &err);
-            CHECK(rc == RP_EINVAL && strstr(err.msg, "rp_cuda_csr_run") != NULL, "status %d: %s",
-                  rc, err.msg);
+            CHECK(rc == RP_EINVAL && strstr(err.msg, c.says ? c.says : "rp_cuda_csr_run") != NULL,
+                  "status %d: %s", rc, err.msg);
             CHECK(g_rt.launches == 0, "%d launches", g_rt.launches);
         }
     }

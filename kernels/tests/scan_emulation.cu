@@ -49,7 +49,8 @@
  * must be written), and the inputs must come back unchanged.
  * On the first run of each levels c and the leaves are read-only copies that
  * end at an inaccessible page: a read past the end of an input (a leaf or a
- * c the scan does not have, say) crashes there.
+ * c the scan does not have, say) crashes there; on the device executor's run
+ * they start after one, so that a read before the start (c[-1], say) crashes.
  * Where v is f'(y), the first run of each levels passes v = f'(y) (1 - y*y or
  * relu's slope, formed on the host) and every other run y with the
  * activation: the results must be bitwise the same (relu with pre_activation:
@@ -72,7 +73,16 @@
  * one: n up to 300, H from 1 to 130 (mostly up to 40), batch 1 to 4, dense
  * leaves or 1 to 3 gates with or without u, v or f'(y), pre_activation, a
  * shared-memory budget of 12 to 48 KB in 1 KB steps and an opt-in maximum
- * of 48, 99, 163 or 227 KB. A failed problem prints its seed and index.
+ * of 48, 99, 163 or 227 KB; a third of them with 1 to 3 inputs (of c, jt,
+ * w, u, v or y) made +inf, -inf or NaN (a small grid of such cases runs after
+ * the others). A failed problem prints its seed and index.
+ *
+ * With inf or NaN inputs the recurrence in double is no reference (it would
+ * multiply where relu selects): a run with levels whose result is not finite
+ * is redone by the linear scan, as python/reprop/bppsa.py does on CUDA, and
+ * the result must be NaN where rp_scan_cpu's is NaN, the same inf where it is
+ * inf and within the rounding bound where it is finite; runs compare bitwise
+ * but for the NaNs' bits (which NaN a sum keeps follows its order).
  *
  * What it cannot prove: anything only the device does (blocks running
  * concurrently, __ldg, bank conflicts, the generated code, launch-bound
@@ -191,6 +201,7 @@ static struct {
     long cases, launches, blocks, optins, device_blocks;
     long by_kind[4], device_by_kind[4]; /* launches; those run by the device executor */
     long tiles[8]; /* large up-sweep launches by log2(T) */
+    long nonfinite, fallbacks; /* runs with inf or NaN inputs; of those, linear fallbacks */
 } g_stats;
 
 static cudaError_t mock_device_get_attribute(int *value, cudaDeviceAttr attr, int dev)
@@ -429,6 +440,8 @@ typedef struct {
     bool has_u; /* structured */
     int act;    /* structured: v = f'(y), an rp_scan_act */
     bool pre;   /* G = 1: pre_activation */
+    int nonfinite;   /* inf or NaN values put into c or the leaves (inject_nonfinite) */
+    uint64_t nf_seed; /* where and which */
 } emu_problem;
 
 struct emu_data {
@@ -442,6 +455,29 @@ static float derivative(int act, float y)
 {
     const float yy = y * y;
     return act == RP_SCAN_ACT_TANH ? 1.0f - yy : (y <= 0.0f ? 0.0f : 1.0f);
+}
+
+/* pr.nonfinite values of +inf, -inf or NaN at random elements of c (the
+ * incoming gradient) or of one of the leaves' inputs (jt, w, u, and v or, with
+ * an activation, y, v then recomputed as f'(y)). */
+static void inject_nonfinite(emu_data &D)
+{
+    static const float values[] = {INFINITY, -INFINITY, NAN};
+    rng64 r = {D.pr.nf_seed};
+    fenced *leaves[] = {&D.jt, &D.w, &D.u, D.pr.act ? &D.y : &D.v};
+    for (int k = 0; k < D.pr.nonfinite; k++) {
+        fenced *dst = &D.c;
+        if (rng_below(&r, 5) >= 2) { /* 3 in 5: a leaf's input */
+            const int first = (int)rng_below(&r, 4);
+            for (int l = 0; l < 4 && dst == &D.c; l++)
+                if (leaves[(first + l) % 4]->n > 0)
+                    dst = leaves[(first + l) % 4];
+        }
+        const int64_t i = (int64_t)rng_below(&r, (uint64_t)dst->n);
+        dst->p()[i] = pick(&r, values);
+        if (dst == &D.y)
+            D.v.p()[i] = derivative(D.pr.act, D.y.p()[i]);
+    }
 }
 
 static void make_data(const emu_problem &pr, emu_data &D)
@@ -482,6 +518,7 @@ static void make_data(const emu_problem &pr, emu_data &D)
             D.u.p()[i] = urand(-0.4f, 0.4f);
         D.jt.init(0, 0.0f);
     }
+    inject_nonfinite(D);
 }
 
 /* The problem's Jacobians; `implied`: v as f'(y) where the problem has y. */
@@ -544,15 +581,15 @@ static void reference(emu_data &D, std::vector<double> &g)
             g[(size_t)e] *= D.v.p()[e];
 }
 
-/* A read-only copy of n floats that ends where an inaccessible page begins:
- * a kernel reading past the end of an input crashes (the canaries of
- * `fenced` catch writes only), as does a write to it. p is NULL for a NULL
- * source. */
-struct tail_guarded {
+/* A read-only copy of n floats that ends where an inaccessible page begins
+ * (`head`: that starts where one ends): a kernel reading past the end (before
+ * the start) of an input crashes (the canaries of `fenced` catch writes
+ * only), as does a write to it. p is NULL for a NULL source. */
+struct page_guarded {
     char *map = NULL;
     size_t len = 0;
     float *p = NULL;
-    tail_guarded(const float *src, int64_t n)
+    page_guarded(const float *src, int64_t n, bool head)
     {
         if (src == NULL)
             return;
@@ -564,23 +601,35 @@ struct tail_guarded {
         if (m == MAP_FAILED)
             return;
         map = (char *)m;
-        p = (float *)(map + data - bytes);
+        char *const first = head ? map + page : map, *const fence = head ? map : map + data;
+        p = (float *)(head ? first : first + data - bytes);
         memcpy(p, src, bytes);
-        CHECK(mprotect(map, data, PROT_READ) == 0 && mprotect(map + data, page, PROT_NONE) == 0,
+        CHECK(mprotect(first, data, PROT_READ) == 0 && mprotect(fence, page, PROT_NONE) == 0,
               "mprotect");
     }
-    ~tail_guarded()
+    ~page_guarded()
     {
         if (map != NULL)
             munmap(map, len);
     }
-    tail_guarded(const tail_guarded &) = delete;
-    tail_guarded &operator=(const tail_guarded &) = delete;
+    page_guarded(const page_guarded &) = delete;
+    page_guarded &operator=(const page_guarded &) = delete;
 };
 
 static bool same_bits(const float *a, const float *b, int64_t n)
 {
     return memcmp(a, b, (size_t)n * sizeof(float)) == 0;
+}
+
+/* Bitwise equal, but any NaN equals any NaN (with inf or NaN inputs the NaN
+ * that survives a sum, and the sign x86 gives inf * 0, follow the order of
+ * the operations, which the launch configuration changes). */
+static bool same_bits_or_nan(const float *a, const float *b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!(isnan(a[i]) && isnan(b[i])) && memcmp(&a[i], &b[i], 4) != 0)
+            return false;
+    return true;
 }
 
 /* How many of the n floats at p still hold the bits `fill`. */
@@ -618,7 +667,56 @@ static void check_pre_activation(const rp_scan_jacobians &j, emu_data &D, int L,
           "without pre_activation: %s", err.msg);
     for (int64_t i = 0; i < total; i++)
         g.p()[i] = D.v.p()[i] * g.p()[i];
-    CHECK(same_bits(g.p(), d, total), "pre_activation differs from v * g");
+    CHECK(D.pr.nonfinite ? same_bits_or_nan(g.p(), d, total) : same_bits(g.p(), d, total),
+          "pre_activation differs from v * g");
+}
+
+static bool all_finite(const float *p, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!isfinite(p[i]))
+            return false;
+    return true;
+}
+
+/* bppsa.py's fallback on CUDA: a scan with levels whose result is not finite
+ * (overflowing up-sweep products, inf * 0 = NaN) is redone by the linear scan
+ * from c as the caller kept it. */
+static void linear_fallback(const rp_scan_jacobians &j, const fenced &c, float *g)
+{
+    fenced kept = c;
+    rp_error err;
+    g_rt.launches = 0;
+    g_expect.levels = 0;
+    g_expect.next = 0;
+    CHECK(rp_cuda_scan(&j, kept.p(), g, 0, NULL, (void *)g_emu.stream, &err) == RP_OK,
+          "linear fallback: %s", err.msg);
+    CHECK(g_rt.launches == 1 && kept.intact(), "linear fallback: %d launches, canaries %d",
+          g_rt.launches, (int)kept.intact());
+}
+
+/* With inf or NaN inputs the reference is csrc/scan.c's (its linear scan's:
+ * the recurrence in double would turn relu's select into 0 * inf = NaN): at
+ * every element NaN where it is NaN, the same inf where it is inf, and within
+ * the usual rounding bound of it where it is finite. */
+static void check_nonfinite(const float *g, const float *ref, int64_t n, int64_t B, int64_t H)
+{
+    const int64_t total = n * B * H;
+    double scale = 1.0;
+    for (int64_t i = 0; i < total; i++)
+        if (isfinite(ref[i]))
+            scale = fmax(scale, fabs((double)ref[i]));
+    const double tol = 2e-5 * scale * (1.0 + 0.05 * (double)n * sqrt((double)H) / 8.0);
+    for (int64_t i = 0; i < total; i++) {
+        const bool ok = isnan(ref[i]) ? isnan(g[i])
+                        : isinf(ref[i]) ? g[i] == ref[i]
+                                        : fabs((double)g[i] - (double)ref[i]) <= tol;
+        CHECK(ok, "inf/NaN inputs: g = %g vs rp_scan_cpu's %g at (t=%lld, b=%lld, i=%lld)",
+              (double)g[i], (double)ref[i], (long long)(i / (B * H)), (long long)(i / H % B),
+              (long long)(i % H));
+        if (!ok)
+            return;
+    }
 }
 
 static void run_case(const emu_problem &pr, int device, bool both_orders)
@@ -633,10 +731,21 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
     double scale = 1.0;
     for (int64_t i = 0; i < total; i++)
         scale = fmax(scale, fabs(ref[(size_t)i]));
+    /* with inf or NaN inputs: rp_scan_cpu's results, v given and (where the
+     * problem has y) v as f'(y), which differ (relu's select is not 0 * x) */
+    std::vector<float> nf_ref[2];
+    for (int implied = 0; pr.nonfinite && implied < 2; implied++) {
+        const rp_scan_jacobians jc = jacobians_of(D, implied != 0);
+        rp_error e;
+        nf_ref[implied].resize((size_t)total);
+        CHECK(rp_scan_cpu(&jc, D.c.p(), nf_ref[implied].data(), 0, NULL, 1, &e) == RP_OK,
+              "rp_scan_cpu: %s", e.msg);
+    }
 
     for (int L = 0; L <= maxL; L++) {
         const int64_t wf = rp_scan_workspace_floats(n, B, H, L);
         std::vector<float> first; /* the forward-order result of this levels */
+        std::vector<float> firsts[2]; /* inf or NaN inputs: the first with v given, as f'(y) */
         /* 0: forward, out of place; 1: in place, threads reversed; 2: the
          * device executor (the kernels themselves, threads as fibers); 3:
          * blocks reversed; 4: another shared-memory budget (other Q, T, S:
@@ -658,19 +767,22 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             cin = D.c; /* the call's c (and g when in place) */
             float *g = inplace ? cin.p() : gsep.p();
             /* variant 0: c and the leaves read-only, each ending at an
-             * inaccessible page, so that a read past the end of one crashes */
-            const bool guarded = variant == 0;
-            tail_guarded gw(guarded ? j.w : NULL, D.w.n), gu(guarded ? j.u : NULL, D.u.n),
-                gv(guarded ? j.v : NULL, D.v.n), gjt(guarded ? j.jt : NULL, D.jt.n),
-                gy(guarded ? j.y : NULL, D.y.n), gc(guarded ? D.c.p() : NULL, total);
+             * inaccessible page, so that a read past the end of one crashes;
+             * variant 2: each starting after one, for a read before the start */
+            const bool guarded = variant == 0 || variant == 2, head = variant == 2;
+            page_guarded gw(guarded ? j.w : NULL, D.w.n, head), gu(guarded ? j.u : NULL, D.u.n, head),
+                gv(guarded ? j.v : NULL, D.v.n, head), gjt(guarded ? j.jt : NULL, D.jt.n, head),
+                gy(guarded ? j.y : NULL, D.y.n, head), gc(guarded ? D.c.p() : NULL, total, head);
             if (guarded) {
                 j.w = gw.p, j.u = gu.p, j.v = gv.p, j.jt = gjt.p, j.y = gy.p;
             }
             snprintf(g_context, sizeof g_context,
-                     "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s%s smem=%d",
+                     "n=%lld B=%lld H=%lld G=%d u=%d act=%d%s pre=%d levels=%d %s%s%s smem=%d "
+                     "inf/NaN inputs %d (seed %llu)",
                      (long long)n, (long long)B, (long long)H, pr.G, (int)pr.has_u, pr.act,
                      j.act ? " (f'(y))" : "", (int)pr.pre, L, inplace ? "in place" : "out of place",
-                     reverse ? " reversed" : "", fibers ? " device executor" : "", g_smem_default);
+                     reverse ? " reversed" : "", fibers ? " device executor" : "", g_smem_default,
+                     pr.nonfinite, (unsigned long long)pr.nf_seed);
             g_emu.stream = emu_stream(device);
             g_emu.stream_device = device;
             g_emu.current_device = (device + 1) % EMU_DEVICES;
@@ -705,6 +817,27 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
                 const int64_t vecs = (n + 1) * B * H, left = count_bits(work.p() + vecs, wf - vecs, nb);
                 CHECK(left == 0, "%lld of the workspace's %lld product floats never written",
                       (long long)left, (long long)(wf - vecs));
+            }
+            if (pr.nonfinite) {
+                const bool implied = variant > 0 && pr.act;
+                if (variant == 0 && pr.pre)
+                    check_pre_activation(j, D, L, g); /* before the fallback: the same levels */
+                g_stats.nonfinite++;
+                if (L > 0 && !all_finite(g, total)) {
+                    g_stats.fallbacks++;
+                    linear_fallback(j, saved.c, g);
+                }
+                check_nonfinite(g, nf_ref[implied].data(), n, B, H);
+                std::vector<float> &f = firsts[implied];
+                if (f.empty())
+                    f.assign(g, g + total);
+                else
+                    CHECK(same_bits_or_nan(f.data(), g, total),
+                          "inf/NaN inputs: differs bitwise from the first run");
+                g_smem_default = save_budget;
+                if (g_failures)
+                    return;
+                continue;
             }
             double err_max = 0.0;
             int64_t worst = 0;
@@ -893,6 +1026,48 @@ static void error_cases(void)
  * The grid of cases
  * ------------------------------------------------------------------------- */
 
+/* inf or NaN inputs (inject_nonfinite): whole-task and row-panel up-sweeps,
+ * dense and structured leaves, relu's select with pre_activation, under the
+ * 48 KB budget; the random mode draws the rest. */
+static void nonfinite_sweep(bool smoke, int device)
+{
+    const emu_problem kinds[] = {{0, 2, 0, 0, false, 0, false},
+                                 {0, 2, 0, 1, true, 0, false},
+                                 {0, 2, 0, 1, false, RP_SCAN_ACT_RELU, true},
+                                 {0, 1, 0, 3, true, RP_SCAN_ACT_TANH, false}};
+    const int64_t hs[] = {5, 20, 70}, ns[] = {1, 2, 3, 5, 8, 9, 17};
+    uint64_t seed = 1;
+    for (const emu_problem &k : kinds)
+        for (int64_t H : hs)
+            for (int64_t n : ns) {
+                if ((smoke && n > 9) || (H > 64 && n > 9))
+                    continue;
+                emu_problem pr = k;
+                pr.n = n, pr.H = H, pr.nonfinite = 1 + (int)(seed % 3), pr.nf_seed = seed++;
+                run_case(pr, device, n <= 5);
+                device = (device + 1) % EMU_DEVICES;
+                if (g_failures)
+                    return;
+            }
+}
+
+/* A default budget 4 bytes under what a one-task block of the levels needs
+ * (rp_cuda_scan_shared_bytes): the launcher must take the opt-in even for a
+ * need that small a step past the default. */
+static void optin_edge_sweep(int device)
+{
+    const int64_t hs[] = {5, 20, 70};
+    for (int64_t H : hs)
+        for (int L = 0; L <= 1; L++) {
+            g_smem_default = (int)rp_cuda_scan_shared_bytes(H, L) - 4;
+            run_case({3, 2, H, 0, false, 0, false}, device, false);
+            device = (device + 1) % EMU_DEVICES;
+            if (g_failures)
+                break;
+        }
+    g_smem_default = 49152;
+}
+
 static void sweep(bool quick, bool smoke)
 {
     struct leafkind {
@@ -968,6 +1143,8 @@ static void sweep(bool quick, bool smoke)
         }
     }
     g_smem_default = 49152;
+    nonfinite_sweep(smoke, device);
+    optin_edge_sweep(device);
 }
 
 /* ---------------------------------------------------------------------------
@@ -998,10 +1175,16 @@ static bool run_random_case(uint64_t seed, uint64_t index)
     g_smem_default = 12288 + 1024 * (int)rng_below(&r, 37); /* 12 to 48 KB */
     g_rt.optin = pick(&r, optins);
     g_rng = rng_next(&r) | 1u; /* make_data's values */
+    /* 1 in 3: 1 to 3 inf or NaN inputs, drawn from a stream of their own, so
+     * that the problems above are those the mode drew before it had them */
+    rng64 nf = random_case_rng(seed ^ 0x6e6f6e66696e6974u, index);
+    pr.nonfinite = rng_below(&nf, 3) == 0 ? 1 + (int)rng_below(&nf, 3) : 0;
+    pr.nf_seed = rng_next(&nf);
     run_case(pr, (int)rng_below(&r, EMU_DEVICES), rng_below(&r, 2) != 0);
     if (g_failures != failures)
-        printf("  random case %llu:%llu: smem budget %d, opt-in %d\n", (unsigned long long)seed,
-               (unsigned long long)index, g_smem_default, g_rt.optin);
+        printf("  random case %llu:%llu: smem budget %d, opt-in %d, %d inf or NaN inputs\n",
+               (unsigned long long)seed, (unsigned long long)index, g_smem_default, g_rt.optin,
+               pr.nonfinite);
     g_smem_default = 49152;
     g_rt.optin = 232448;
     return g_failures == failures;
@@ -1020,10 +1203,12 @@ int main(int argc, char **argv)
 
     if (random.count > 0) {
         run_random_cases(random, run_random_case);
-        printf("scan_emulation: %s (%ld random cases' runs, %ld launches, %ld blocks (%ld as "
-               "fibers), %ld opt-ins; max error %.2e vs double, %.2e vs rp_scan_cpu)\n",
-               g_failures ? "FAILED" : "OK", g_stats.cases, g_stats.launches, g_stats.blocks,
-               g_stats.device_blocks, g_stats.optins, g_max_err, g_max_err_cpu);
+        printf("scan_emulation: %s (%ld random cases' runs (%ld with inf or NaN inputs, %ld of "
+               "those redone by the linear scan), %ld launches, %ld blocks (%ld as fibers), %ld "
+               "opt-ins; max error %.2e vs double, %.2e vs rp_scan_cpu)\n",
+               g_failures ? "FAILED" : "OK", g_stats.cases, g_stats.nonfinite, g_stats.fallbacks,
+               g_stats.launches, g_stats.blocks, g_stats.device_blocks, g_stats.optins, g_max_err,
+               g_max_err_cpu);
         return g_failures != 0;
     }
     sweep(quick || smoke, smoke);
