@@ -164,6 +164,19 @@ static emu_fault g_fault;
 
 static bool g_random_mode; /* --random: cases drawn at random, not the grid */
 
+/* OPTIM_EMULATION_CHUNK=<elements> (random mode, mutation audit mut_kopt): the
+ * cases run with the tuning override REPROP_CUDA_OPTIM_CHUNK set to it (optim.cu
+ * reads it once per process, hence a variable of its own run), and every launch's
+ * chunk must be it rounded up to a block step, capped at RP_HUGE_STEPS steps.
+ * 0: the chunk heuristic (the override unset). */
+static int64_t g_chunk_override;
+
+static int64_t expected_override_chunk(void)
+{
+    const int64_t chunk = (g_chunk_override + BLOCK_STEP - 1) / BLOCK_STEP * BLOCK_STEP;
+    return std::min<int64_t>(chunk, RP_HUGE_STEPS * BLOCK_STEP);
+}
+
 static bool emu_get_device_fails(void) { return g_fault == FAULT_GET_DEVICE; }
 
 /* What the current rp_cuda_optim_step call is expected to launch, and what it did. */
@@ -385,6 +398,9 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
     CHECK(L.chunk > 0 && L.chunk % BLOCK_STEP == 0, "chunk %d", L.chunk);
     if (L.chunk <= 0 || L.chunk % BLOCK_STEP != 0)
         return false;
+    CHECK(g_chunk_override == 0 || L.chunk == expected_override_chunk(),
+          "chunk %d with REPROP_CUDA_OPTIM_CHUNK=%lld, not %lld", L.chunk,
+          (long long)g_chunk_override, (long long)expected_override_chunk());
     if (L.chunk == RP_HUGE_STEPS * BLOCK_STEP)
         g_stats.capped_chunks++;
     if (std::find(g_stats.chunks.begin(), g_stats.chunks.end(), L.chunk) == g_stats.chunks.end())
@@ -1355,12 +1371,24 @@ static bool run_random_case(uint64_t seed, uint64_t index)
     return run_case(spec, configs, rng_next(&r));
 }
 
+/* REPROP_CUDA_OPTIM_CHUNK from OPTIM_EMULATION_CHUNK in the random mode, else
+ * unset: the chunk heuristic, not a developer's tuning override. */
+static void set_chunk_override(bool random_mode)
+{
+    const char *s = getenv("OPTIM_EMULATION_CHUNK");
+    g_chunk_override = random_mode && s != NULL ? std::max(0LL, strtoll(s, NULL, 10)) : 0;
+    if (g_chunk_override > 0)
+        setenv("REPROP_CUDA_OPTIM_CHUNK", s, 1);
+    else
+        unsetenv("REPROP_CUDA_OPTIM_CHUNK");
+}
+
 int main(int argc, char **argv)
 {
     struct timespec t0, t1;
     const random_args random = parse_random_args(argc, argv);
     g_random_mode = random.count > 0;
-    unsetenv("REPROP_CUDA_OPTIM_CHUNK"); /* the chunk heuristic, not a tuning override */
+    set_chunk_override(g_random_mode);
     catch_fatal_signals();
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
