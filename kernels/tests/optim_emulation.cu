@@ -387,6 +387,18 @@ static int64_t check_table_tensor(const rp_optim_launch &L, int t)
     return j;
 }
 
+/* The chunk rp_pick_chunk (optim.cu's own, its host copy) gives for the call's
+ * total elements on the SM count of the launch's device (mutation audit
+ * mut_kopt: the launcher's inputs to the heuristic, which no result depends
+ * on, e.g. another device's cached SM count, went unnoticed). */
+static int64_t expected_chunk(void)
+{
+    int64_t total = 0;
+    for (int64_t i = 0; i < g_call.n; i++)
+        total += std::max<int64_t>(g_call.entries[i].numel, 0);
+    return emu_dev::rp_pick_chunk(total, emu_sm_count[g_emu.stream_device], BLOCK_STEP);
+}
+
 /* The table of one update launch of nblocks blocks; adds each block's elements
  * to g_call.updated. Returns false when the table cannot be emulated safely. */
 static bool check_table(const rp_optim_launch &L, int nblocks)
@@ -398,6 +410,8 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
     CHECK(L.chunk > 0 && L.chunk % BLOCK_STEP == 0, "chunk %d", L.chunk);
     if (L.chunk <= 0 || L.chunk % BLOCK_STEP != 0)
         return false;
+    CHECK(L.chunk == expected_chunk(), "chunk %d, not %lld: the call's total on its device's SMs",
+          L.chunk, (long long)expected_chunk());
     CHECK(g_chunk_override == 0 || L.chunk == expected_override_chunk(),
           "chunk %d with REPROP_CUDA_OPTIM_CHUNK=%lld, not %lld", L.chunk,
           (long long)g_chunk_override, (long long)expected_override_chunk());
