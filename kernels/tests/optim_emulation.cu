@@ -687,6 +687,12 @@ static void build_tensor(case_data *cd, size_t i, const rp_optim_hparams &hp, in
         e->step = &t->step;
     } else if (i % 2 == 0) {
         e->flags = RP_ENTRY_FRESH_BUFFER; /* momentum buffer created by this step */
+    } else {
+        /* SGD keeps no step count: a counter passed anyway stays as it is, as
+         * the CPU core leaves it (mutation audit mut_kopt: capturable SGD
+         * calls incrementing counters survived) */
+        t->step = (float)i;
+        e->step = &t->step;
     }
     cd->expect_vec[i] = vector_path_expected(o, used, esize);
 }
