@@ -1192,6 +1192,32 @@ static void test_runtime_errors(void)
                          cudaErrorLaunchFailure);
 }
 
+/* Capturable calls whose counters all lie in entries the C core checks
+ * nothing of (zero numel, no step pointer): nothing to increment, so no
+ * increment launch, whose empty grid a device refuses (mutation audit
+ * mut_kopt: an empty increment launch survived). After a full step table too. */
+static void test_stepless_empty_entries(void)
+{
+    static const launch_config lc = {"default stream", 0, NULL, 0};
+    const rp_optim_hparams adam = base_hparams(RP_ADAM);
+    const std::vector<int64_t> counts = {2, RP_STEP_TAB + 2};
+    for (const int64_t n : counts) {
+        case_data cd;
+        rp_error err = {{0}};
+        build_case(&cd, adam, RP_F32, std::vector<int64_t>((size_t)n, 0), ALIGNED, 7);
+        for (int64_t i = n == 2 ? 0 : RP_STEP_TAB; i < n; i++)
+            cd.entries[(size_t)i].step = NULL;
+        expect_call(adam, RP_F32, true, &cd, NULL, lc);
+        snprintf(g_context, sizeof g_context, "status: %lld empty entries, the last stepless",
+                 (long long)n);
+        const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(), NULL, n, 1,
+                                          (void *)lc.stream, &err);
+        check_status("stepless empty entries", rc, RP_OK, err, NULL);
+        if (rc == RP_OK)
+            check_call_done(&cd, lc);
+    }
+}
+
 /* The real runtime answers: without a driver (CI) the count must be 0. */
 static int test_device_count(void)
 {
@@ -1413,6 +1439,7 @@ int main(int argc, char **argv)
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
     test_runtime_errors();
+    test_stepless_empty_entries();
     const int devices = test_device_count();
     if (g_random_mode) {
         draw_sm_counts(random.seed);
