@@ -685,6 +685,11 @@ static void build_tensor(case_data *cd, size_t i, const rp_optim_hparams &hp, in
     if (hp.kind != RP_SGD) {
         t->step = (float)(i * 7 % 10);
         e->step = &t->step;
+        /* SGD's flag on another optimizer's entry reads nothing different: its
+         * slot 0 is state all the same (mutation audit mut_kopt: skipping
+         * the load of slot 0 for any flagged entry survived) */
+        if (i % 2 == 1)
+            e->flags = RP_ENTRY_FRESH_BUFFER;
     } else if (i % 2 == 0) {
         e->flags = RP_ENTRY_FRESH_BUFFER; /* momentum buffer created by this step */
     } else {
