@@ -164,6 +164,19 @@ static emu_fault g_fault;
 
 static bool g_random_mode; /* --random: cases drawn at random, not the grid */
 
+/* OPTIM_EMULATION_CHUNK=<elements> (random mode, mutation audit mut_kopt): the
+ * cases run with the tuning override REPROP_CUDA_OPTIM_CHUNK set to it (optim.cu
+ * reads it once per process, hence a variable of its own run), and every launch's
+ * chunk must be it rounded up to a block step, capped at RP_HUGE_STEPS steps.
+ * 0: the chunk heuristic (the override unset). */
+static int64_t g_chunk_override;
+
+static int64_t expected_override_chunk(void)
+{
+    const int64_t chunk = (g_chunk_override + BLOCK_STEP - 1) / BLOCK_STEP * BLOCK_STEP;
+    return std::min<int64_t>(chunk, RP_HUGE_STEPS * BLOCK_STEP);
+}
+
 static bool emu_get_device_fails(void) { return g_fault == FAULT_GET_DEVICE; }
 
 /* What the current rp_cuda_optim_step call is expected to launch, and what it did. */
@@ -177,6 +190,7 @@ typedef struct {
     const uint8_t *expect_vec;      /* per entry: 1 when the vector path must be taken */
     std::vector<int64_t> updated;   /* elements updated per entry */
     int step_launches, update_launches;
+    int partial_update_launches; /* tables with blocks and tensors to spare */
 } emu_call;
 
 static emu_call g_call;
@@ -374,6 +388,18 @@ static int64_t check_table_tensor(const rp_optim_launch &L, int t)
     return j;
 }
 
+/* The chunk rp_pick_chunk (optim.cu's own, its host copy) gives for the call's
+ * total elements on the SM count of the launch's device (mutation audit
+ * mut_kopt: the launcher's inputs to the heuristic, which no result depends
+ * on, e.g. another device's cached SM count, went unnoticed). */
+static int64_t expected_chunk(void)
+{
+    int64_t total = 0;
+    for (int64_t i = 0; i < g_call.n; i++)
+        total += std::max<int64_t>(g_call.entries[i].numel, 0);
+    return emu_dev::rp_pick_chunk(total, emu_sm_count[g_emu.stream_device], BLOCK_STEP);
+}
+
 /* The table of one update launch of nblocks blocks; adds each block's elements
  * to g_call.updated. Returns false when the table cannot be emulated safely. */
 static bool check_table(const rp_optim_launch &L, int nblocks)
@@ -381,10 +407,16 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
     int64_t entry_of[RP_TAB_TENSORS];
     bool seen[RP_TAB_TENSORS] = {false};
     bool ok = true;
+    int tensors = 0;
 
     CHECK(L.chunk > 0 && L.chunk % BLOCK_STEP == 0, "chunk %d", L.chunk);
     if (L.chunk <= 0 || L.chunk % BLOCK_STEP != 0)
         return false;
+    CHECK(L.chunk == expected_chunk(), "chunk %d, not %lld: the call's total on its device's SMs",
+          L.chunk, (long long)expected_chunk());
+    CHECK(g_chunk_override == 0 || L.chunk == expected_override_chunk(),
+          "chunk %d with REPROP_CUDA_OPTIM_CHUNK=%lld, not %lld", L.chunk,
+          (long long)g_chunk_override, (long long)expected_override_chunk());
     if (L.chunk == RP_HUGE_STEPS * BLOCK_STEP)
         g_stats.capped_chunks++;
     if (std::find(g_stats.chunks.begin(), g_stats.chunks.end(), L.chunk) == g_stats.chunks.end())
@@ -396,6 +428,7 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
             return false;
         if (!seen[t]) {
             seen[t] = true;
+            tensors++;
             entry_of[t] = check_table_tensor(L, t);
             ok = ok && entry_of[t] >= 0;
         }
@@ -411,6 +444,7 @@ static bool check_table(const rp_optim_launch &L, int nblocks)
         else
             g_stats.scalar_blocks++;
     }
+    g_call.partial_update_launches += nblocks < RP_TAB_BLOCKS && tensors < RP_TAB_TENSORS;
     return ok;
 }
 
@@ -655,8 +689,19 @@ static void build_tensor(case_data *cd, size_t i, const rp_optim_hparams &hp, in
     if (hp.kind != RP_SGD) {
         t->step = (float)(i * 7 % 10);
         e->step = &t->step;
+        /* SGD's flag on another optimizer's entry reads nothing different: its
+         * slot 0 is state all the same (mutation audit mut_kopt: skipping
+         * the load of slot 0 for any flagged entry survived) */
+        if (i % 2 == 1)
+            e->flags = RP_ENTRY_FRESH_BUFFER;
     } else if (i % 2 == 0) {
         e->flags = RP_ENTRY_FRESH_BUFFER; /* momentum buffer created by this step */
+    } else {
+        /* SGD keeps no step count: a counter passed anyway stays as it is, as
+         * the CPU core leaves it (mutation audit mut_kopt: capturable SGD
+         * calls incrementing counters survived) */
+        t->step = (float)i;
+        e->step = &t->step;
     }
     cd->expect_vec[i] = vector_path_expected(o, used, esize);
 }
@@ -926,6 +971,7 @@ static void expect_call(const rp_optim_hparams &hp, int dtype, bool capturable, 
     g_call.updated.assign(cd->entries.size(), 0);
     g_call.step_launches = 0;
     g_call.update_launches = 0;
+    g_call.partial_update_launches = 0;
     g_emu.current_device = lc.current_device;
     g_emu.stream = lc.stream;
     g_emu.stream_device = lc.stream_device;
@@ -949,6 +995,10 @@ static void check_call_done(const case_data *cd, const launch_config &lc)
     }
     CHECK((g_call.update_launches > 0) == (total > 0), "%d update launches for %lld elements",
           g_call.update_launches, (long long)total);
+    /* a table is launched when full, but the last (mutation audit mut_kopt:
+     * tables one block short of full survived) */
+    CHECK(g_call.partial_update_launches <= 1, "%d of %d update launches with room left",
+          g_call.partial_update_launches, g_call.update_launches);
     CHECK(g_emu.current_device == lc.current_device, "device %d current after the call, not %d",
           g_emu.current_device, lc.current_device);
     g_stats.calls++;
@@ -1156,6 +1206,32 @@ static void test_runtime_errors(void)
                          cudaErrorLaunchFailure);
 }
 
+/* Capturable calls whose counters all lie in entries the C core checks
+ * nothing of (zero numel, no step pointer): nothing to increment, so no
+ * increment launch, whose empty grid a device refuses (mutation audit
+ * mut_kopt: an empty increment launch survived). After a full step table too. */
+static void test_stepless_empty_entries(void)
+{
+    static const launch_config lc = {"default stream", 0, NULL, 0};
+    const rp_optim_hparams adam = base_hparams(RP_ADAM);
+    const std::vector<int64_t> counts = {2, RP_STEP_TAB + 2};
+    for (const int64_t n : counts) {
+        case_data cd;
+        rp_error err = {{0}};
+        build_case(&cd, adam, RP_F32, std::vector<int64_t>((size_t)n, 0), ALIGNED, 7);
+        for (int64_t i = n == 2 ? 0 : RP_STEP_TAB; i < n; i++)
+            cd.entries[(size_t)i].step = NULL;
+        expect_call(adam, RP_F32, true, &cd, NULL, lc);
+        snprintf(g_context, sizeof g_context, "status: %lld empty entries, the last stepless",
+                 (long long)n);
+        const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(), NULL, n, 1,
+                                          (void *)lc.stream, &err);
+        check_status("stepless empty entries", rc, RP_OK, err, NULL);
+        if (rc == RP_OK)
+            check_call_done(&cd, lc);
+    }
+}
+
 /* The real runtime answers: without a driver (CI) the count must be 0. */
 static int test_device_count(void)
 {
@@ -1355,16 +1431,29 @@ static bool run_random_case(uint64_t seed, uint64_t index)
     return run_case(spec, configs, rng_next(&r));
 }
 
+/* REPROP_CUDA_OPTIM_CHUNK from OPTIM_EMULATION_CHUNK in the random mode, else
+ * unset: the chunk heuristic, not a developer's tuning override. */
+static void set_chunk_override(bool random_mode)
+{
+    const char *s = getenv("OPTIM_EMULATION_CHUNK");
+    g_chunk_override = random_mode && s != NULL ? std::max(0LL, strtoll(s, NULL, 10)) : 0;
+    if (g_chunk_override > 0)
+        setenv("REPROP_CUDA_OPTIM_CHUNK", s, 1);
+    else
+        unsetenv("REPROP_CUDA_OPTIM_CHUNK");
+}
+
 int main(int argc, char **argv)
 {
     struct timespec t0, t1;
     const random_args random = parse_random_args(argc, argv);
     g_random_mode = random.count > 0;
-    unsetenv("REPROP_CUDA_OPTIM_CHUNK"); /* the chunk heuristic, not a tuning override */
+    set_chunk_override(g_random_mode);
     catch_fatal_signals();
     clock_gettime(CLOCK_MONOTONIC, &t0);
     test_argument_errors();
     test_runtime_errors();
+    test_stepless_empty_entries();
     const int devices = test_device_count();
     if (g_random_mode) {
         draw_sm_counts(random.seed);
