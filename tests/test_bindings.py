@@ -1536,3 +1536,43 @@ def test_bindings_refuse_arguments_of_the_wrong_kind_with_a_named_error():
         _C.sched_graph({**_SPEC, "sub_stream": 1.0})
     with pytest.raises(ValueError, match="^sched_graph: fwd must be 1-D \\(got 2-D\\)$"):
         _C.sched_graph({**_SPEC, "fwd": [[1.0] * 4] * 2})
+
+
+# ---- mutation audit of the binding layer, csrc/pyutil.c and module.c (session 42): ----
+# ---- each test below fails on a plausible wrong version of the line it names.       ----
+
+def test_a_core_failure_that_is_no_bad_argument_is_a_runtime_error():
+    """rp_py_raise maps the core's RP_EINVAL to ValueError and any other
+    status to RuntimeError: here the core's out-of-memory refusal (2**62
+    elements are 2**47 chunks of 24 bytes, 3 PB, more than any address space
+    or RAM holds, so malloc fails before the update reads anything). A version
+    raising ValueError for every status would pass a failure of the machine
+    off as the caller's bad argument."""
+    p, g = np.ones(1, np.float32), np.full(1, 0.5, np.float32)
+    table = _sgd_table(p, g)
+    table[0, 6] = 2**62
+    with pytest.raises(RuntimeError, match=r"^out of memory for 140737488355328 chunks$"):
+        _C.optim_step(0, 0, table, _SGD_HPARAMS, 1)
+    assert p[0] == 1.0
+
+
+def test_a_task_graph_array_of_floats_is_refused_not_truncated():
+    """rp_py_array casts by NumPy's safe rule (only an empty array, which
+    reads as float64, is cast freely): a stage of 1.5 is a TypeError naming
+    the entry, where a forced cast made it device 1."""
+    with pytest.raises(TypeError, match=r"^sched_graph: stage: Cannot cast array data from "
+                                        r"dtype\('float64'\) to dtype\('int64'\)"):
+        _C.sched_graph({**_SPEC, "stage": [0.0, 0.0, 1.5, 1.0]})
+
+
+def test_a_refused_task_graph_array_is_released():
+    """An array rp_py_array refuses for its shape is released: NumPy hands a
+    float64 fwd back as it is, so a missing Py_DECREF kept one reference to
+    the caller's array per refused call, and it was never freed."""
+    fwd = np.ones(5)
+    before = sys.getrefcount(fwd)
+    for _ in range(100):
+        with pytest.raises(ValueError, match=r"^sched_graph: fwd must have 4 elements along axis 0 "
+                                             r"\(got 5\)$"):
+            _C.sched_graph({**_SPEC, "fwd": fwd})
+    assert sys.getrefcount(fwd) == before
