@@ -1756,3 +1756,24 @@ def test_optim_grad_pointers_sends_a_gradient_of_another_layout_to_python():
         warnings.simplefilter("ignore")  # sparse CSR is in beta
         args[8] = {id(p): torch.ones(2, 2).to_sparse_csr()}
     assert _C.optim_grad_pointers(*args) is None
+
+
+def test_optim_grad_pointers_raises_the_error_of_a_data_ptr_it_cannot_read():
+    """A param whose data_ptr() gives no address (-1) raises the conversion's
+    OverflowError, not a SystemError for a stale row returned with it set."""
+    p = types.SimpleNamespace(grad=torch.ones(2), data_ptr=lambda: -1)
+    args = list(_fast_path_args([torch.zeros(2)]))
+    args[0] = [p]
+    with pytest.raises(OverflowError, match="^can't convert negative int to unsigned$"):
+        _C.optim_grad_pointers(*args)
+
+
+def test_optim_grad_pointers_sends_a_gradient_of_a_tensor_subclass_to_python():
+    """Only a plain torch.Tensor gradient is read in place: a subclass's
+    (whose __torch_dispatch__ may hold no memory of its own) leaves the step
+    to the Python path (None)."""
+    class Sub(torch.Tensor):
+        pass
+    p, args = _one_param_fast_path()
+    args[8] = {id(p): torch.ones(2).as_subclass(Sub)}
+    assert _C.optim_grad_pointers(*args) is None
