@@ -1777,3 +1777,13 @@ def test_optim_grad_pointers_sends_a_gradient_of_a_tensor_subclass_to_python():
     p, args = _one_param_fast_path()
     args[8] = {id(p): torch.ones(2).as_subclass(Sub)}
     assert _C.optim_grad_pointers(*args) is None
+
+
+def test_optim_grad_pointers_sends_a_param_with_another_state_dict_to_python():
+    """A row holds for the state dict its table was built with: a param that
+    has a state dict now, where it had none (or another one, after
+    load_state_dict), leaves the step to the Python path (None)."""
+    p, args = _one_param_fast_path()
+    assert _C.optim_grad_pointers(*args) is not None
+    args[2] = {p: {}}
+    assert _C.optim_grad_pointers(*args) is None
