@@ -10068,3 +10068,101 @@ def test_fuzzed_loops_with_layers_hooks_clipping_and_parametrizations_match_eage
     what README says fusion follows bitwise is eager's bit for bit, and clipping after backward
     mode's updates finds what README says (checked there, where the loops part)."""
     _fuzz_run(_fuzz_case(seed, new=True))
+
+
+# --- Mutation audit of python/reprop/fusion.py (session 42): each test below
+# fails on a one-line mutant of fusion.py that every test above let through.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_with_a_closure_under_no_grad_runs_it_in_grad_mode_as_eager(mode: str) -> None:
+    """torch's step(closure) runs the closure with grad enabled, also when
+    called under no_grad: so does the step() fusion installs, in both modes
+    (the closure's backward raised there otherwise)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def train(fused: bool) -> tuple:
+        torch.manual_seed(1)
+        model = nn.Linear(4, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, mode)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = []
+        for _ in range(3):
+            with torch.no_grad():
+                losses.append(opt.step(closure))
+        model(x)  # (forward mode: the last update applied)
+        return [p.detach().clone() for p in model.parameters()], losses
+
+    (want, want_losses), (got, got_losses) = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses))
+    assert not torch.equal(want_losses[0], want_losses[2])  # (it trained)
+
+
+def test_backward_mode_param_with_a_frozen_module_mate_is_updated_as_soon_as_its_grad_is_complete() -> None:
+    """As test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete,
+    with fc2's bias frozen (still in the optimizer): fc2's weight, the only
+    one of its module to get a gradient, is updated when it has it, not at
+    the end of backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[2].bias.requires_grad_(False)
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = {}
+
+    def watch(module, args, out):
+        out.register_hook(lambda g: seen.update(
+            {n: torch.equal(p, initial[n]) for n, p in model.named_parameters()}))
+
+    model[0].register_forward_hook(watch)
+    handle = reprop.fuse(model, opt, mode="backward")
+    model(torch.randn(6, 4)).square().sum().backward()
+    handle.remove()
+    assert seen == {"0.weight": True, "0.bias": True, "2.weight": False, "2.bias": True}, seen
+
+
+def test_backward_mode_lr_changed_between_backward_and_step_applies_from_the_next_step() -> None:
+    """README: hyper-parameters changed between backward() and step() apply
+    from the next step, also to what step() moves without a gradient (after
+    zero_grad(set_to_none=False) eager moves an unused layer from zeros,
+    here with SGD's momentum): as eager training changing them after step()."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+
+    def train(fused: bool) -> list:
+        torch.manual_seed(1)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "backward")
+        for i in range(3):
+            opt.zero_grad(set_to_none=False)
+            out = model["a"](x) + (model["b"](x) if i == 0 else 0)
+            out.square().sum().backward()
+            if fused:
+                opt.param_groups[0]["lr"] *= 0.5
+            opt.step()
+            if not fused:
+                opt.param_groups[0]["lr"] *= 0.5
+        return [p.detach().clone() for p in model.parameters()]
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_forward_mode_refusal_note_names_three_refused_parameters_and_no_more() -> None:
+    """_params_named lists up to three names, then "and N more": three
+    refused updates are named all three, with no "and 0 more"."""
+    note = _note_of_refused_call("flush", (0, 2, 4))
+    assert all(f"parameter '{i}.weight'" in note for i in (0, 2, 4)), note
+    assert "more" not in note, note
