@@ -10166,3 +10166,31 @@ def test_forward_mode_refusal_note_names_three_refused_parameters_and_no_more() 
     note = _note_of_refused_call("flush", (0, 2, 4))
     assert all(f"parameter '{i}.weight'" in note for i in (0, 2, 4)), note
     assert "more" not in note, note
+
+
+def test_backward_mode_param_whose_module_mate_got_no_gradient_is_updated_by_the_end_of_backward() -> None:
+    """A module's parameter whose module-mate got no gradient in this backward
+    (an unused Parameter) is updated when backward ends, its gradient freed
+    then: before step() or the next forward, as eager after step()."""
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(3))
+            self.b = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.a  # (b unused)
+
+    torch.manual_seed(0)
+    model = Two()
+    ref = copy.deepcopy(model)
+    a0 = model.a.detach().clone()
+    reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), "backward")
+    ref_opt = rp.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    assert model.a.grad is None and model.b.grad is None
+    assert torch.equal(model.a, ref.a) and torch.equal(model.b, ref.b)
+    assert not torch.equal(model.a, a0)  # (it moved)
