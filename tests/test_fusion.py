@@ -10194,3 +10194,29 @@ def test_backward_mode_param_whose_module_mate_got_no_gradient_is_updated_by_the
     assert model.a.grad is None and model.b.grad is None
     assert torch.equal(model.a, ref.a) and torch.equal(model.b, ref.b)
     assert not torch.equal(model.a, a0)  # (it moved)
+
+
+@pytest.mark.parametrize("between", ["nothing", "eval_forward", "flush"])
+def test_backward_mode_step_moves_a_param_its_window_updated_once_whatever_came_between(
+        between: str) -> None:
+    """The window's step() is eager's step of the window, which moves each
+    parameter once: a parameter backward updated is not moved again by the
+    step() after it, whether or not an evaluation forward or flush() (which
+    finish the window's step) came between (a gradient set by hand on it in
+    between is not applied a second time either)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), "backward")
+    opt = handle.optimizer
+    x = torch.randn(4, 3)
+    model(x).square().sum().backward()
+    after_backward = [p.detach().clone() for p in model.parameters()]
+    if between == "eval_forward":
+        with torch.no_grad():
+            model(x)
+    elif between == "flush":
+        handle.flush()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
