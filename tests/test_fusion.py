@@ -10220,3 +10220,26 @@ def test_backward_mode_step_moves_a_param_its_window_updated_once_whatever_came_
         p.grad = torch.ones_like(p)
     opt.step()
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
+
+
+def test_forward_mode_update_the_next_forward_did_not_use_is_applied_at_its_end() -> None:
+    """README: each pending update is applied right before its module's next
+    forward, those the next forward did not use at its end: after a forward
+    that skipped a layer, that layer holds eager's values."""
+    def train(fused: bool) -> nn.ModuleDict:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.Adam(model.parameters(), lr=0.1)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            (model["a"](x) + model["b"](x)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        model.forward = lambda x: model["a"](x)  # (this forward skips b)
+        model(x)
+        return model
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got["b"].parameters(), want["b"].parameters()))
