@@ -10243,3 +10243,32 @@ def test_forward_mode_update_the_next_forward_did_not_use_is_applied_at_its_end(
 
     want, got = train(False), train(True)
     assert all(torch.equal(p, q) for p, q in zip(got["b"].parameters(), want["b"].parameters()))
+
+
+def test_backward_mode_two_backward_passes_per_step_reaching_different_layers_keeping_zeros() -> None:
+    """zero_grad(set_to_none=False), then a step() after two forward-backward
+    passes each reaching one of two layers: eager's step() moves each layer
+    once; the first layer, updated by the first backward, is not moved again
+    from zeros (momentum) by that step(). (From the next such step on, the
+    forward of the second pass finishes the first pass's step and moves the
+    second layer from zeros, which its backward then refuses: README's
+    several backward() calls per step.)"""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "backward")
+        x = torch.randn(5, 4)
+        opt.zero_grad(set_to_none=False)
+        model["a"](x).square().sum().backward()
+        model["b"](x).square().sum().backward()
+        opt.step()
+        for _ in range(2):
+            opt.zero_grad(set_to_none=False)
+            (model["a"](x) + model["b"](x)).square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
