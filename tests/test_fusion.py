@@ -10272,3 +10272,52 @@ def test_backward_mode_two_backward_passes_per_step_reaching_different_layers_ke
 
     want, got = train(False), train(True)
     assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+def test_forward_mode_step_pre_hook_returning_new_arguments_passes_them_to_step() -> None:
+    """A step pre-hook may return (new_args, new_kwargs), which torch's step()
+    is called with: here a closure, which step() runs and whose loss it
+    returns, as eager's."""
+    def run(fused: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        calls = []
+
+        def closure():
+            calls.append(1)
+            return torch.tensor(7.0)
+
+        # (args: torch's, the optimizer first)
+        opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure}))
+        model(torch.randn(4, 3)).sum().backward()
+        return opt.step(), len(calls)
+
+    assert run(True) == run(False) == (torch.tensor(7.0), 1)
+
+
+def test_forward_mode_parameter_put_straight_into_another_modules_slot_is_applied_before_its_read() -> None:
+    """A fused parameter put straight into another module's slot after fuse()
+    (module._parameters[name] = p, which fires no registration hook) is
+    applied before that module's forward reads it, as eager has it."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        model[0]._parameters["weight"] = model[2].weight  # (read first by layer 0 now)
+        x = torch.randn(4, 3)
+        outs = []
+        for _ in range(3):
+            out = model(x)
+            outs.append(out.detach().clone())
+            out.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return outs
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
