@@ -10067,3 +10067,256 @@ def test_fuzzed_loops_with_layers_hooks_clipping_and_parametrizations_match_eage
     what README says fusion follows bitwise is eager's bit for bit, and clipping after backward
     mode's updates finds what README says (checked there, where the loops part)."""
     _fuzz_run(_fuzz_case(seed, new=True))
+
+
+# --- Mutation audit of python/reprop/fusion.py (session 42): each test below
+# fails on a one-line mutant of fusion.py that every test above let through.
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_step_with_a_closure_under_no_grad_runs_it_in_grad_mode_as_eager(mode: str) -> None:
+    """torch's step(closure) runs the closure with grad enabled, also when
+    called under no_grad: so does the step() fusion installs, in both modes
+    (the closure's backward raised there otherwise)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+
+    def train(fused: bool) -> tuple:
+        torch.manual_seed(1)
+        model = nn.Linear(4, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, mode)
+
+        def closure():
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        losses = []
+        for _ in range(3):
+            with torch.no_grad():
+                losses.append(opt.step(closure))
+        model(x)  # (forward mode: the last update applied)
+        return [p.detach().clone() for p in model.parameters()], losses
+
+    (want, want_losses), (got, got_losses) = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses))
+    assert not torch.equal(want_losses[0], want_losses[2])  # (it trained)
+
+
+def test_backward_mode_param_with_a_frozen_module_mate_is_updated_as_soon_as_its_grad_is_complete() -> None:
+    """As test_backward_mode_updates_each_param_as_soon_as_its_grad_is_complete,
+    with fc2's bias frozen (still in the optimizer): fc2's weight, the only
+    one of its module to get a gradient, is updated when it has it, not at
+    the end of backward."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))
+    model[2].bias.requires_grad_(False)
+    opt = rp.SGD(model.parameters(), lr=0.1)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seen = {}
+
+    def watch(module, args, out):
+        out.register_hook(lambda g: seen.update(
+            {n: torch.equal(p, initial[n]) for n, p in model.named_parameters()}))
+
+    model[0].register_forward_hook(watch)
+    handle = reprop.fuse(model, opt, mode="backward")
+    model(torch.randn(6, 4)).square().sum().backward()
+    handle.remove()
+    assert seen == {"0.weight": True, "0.bias": True, "2.weight": False, "2.bias": True}, seen
+
+
+def test_backward_mode_lr_changed_between_backward_and_step_applies_from_the_next_step() -> None:
+    """README: hyper-parameters changed between backward() and step() apply
+    from the next step, also to what step() moves without a gradient (after
+    zero_grad(set_to_none=False) eager moves an unused layer from zeros,
+    here with SGD's momentum): as eager training changing them after step()."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+
+    def train(fused: bool) -> list:
+        torch.manual_seed(1)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "backward")
+        for i in range(3):
+            opt.zero_grad(set_to_none=False)
+            out = model["a"](x) + (model["b"](x) if i == 0 else 0)
+            out.square().sum().backward()
+            if fused:
+                opt.param_groups[0]["lr"] *= 0.5
+            opt.step()
+            if not fused:
+                opt.param_groups[0]["lr"] *= 0.5
+        return [p.detach().clone() for p in model.parameters()]
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_forward_mode_refusal_note_names_three_refused_parameters_and_no_more() -> None:
+    """_params_named lists up to three names, then "and N more": three
+    refused updates are named all three, with no "and 0 more"."""
+    note = _note_of_refused_call("flush", (0, 2, 4))
+    assert all(f"parameter '{i}.weight'" in note for i in (0, 2, 4)), note
+    assert "more" not in note, note
+
+
+def test_backward_mode_param_whose_module_mate_got_no_gradient_is_updated_by_the_end_of_backward() -> None:
+    """A module's parameter whose module-mate got no gradient in this backward
+    (an unused Parameter) is updated when backward ends, its gradient freed
+    then: before step() or the next forward, as eager after step()."""
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.randn(3))
+            self.b = nn.Parameter(torch.randn(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.a  # (b unused)
+
+    torch.manual_seed(0)
+    model = Two()
+    ref = copy.deepcopy(model)
+    a0 = model.a.detach().clone()
+    reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), "backward")
+    ref_opt = rp.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3)
+    model(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    ref_opt.step()
+    assert model.a.grad is None and model.b.grad is None
+    assert torch.equal(model.a, ref.a) and torch.equal(model.b, ref.b)
+    assert not torch.equal(model.a, a0)  # (it moved)
+
+
+@pytest.mark.parametrize("between", ["nothing", "eval_forward", "flush"])
+def test_backward_mode_step_moves_a_param_its_window_updated_once_whatever_came_between(
+        between: str) -> None:
+    """The window's step() is eager's step of the window, which moves each
+    parameter once: a parameter backward updated is not moved again by the
+    step() after it, whether or not an evaluation forward or flush() (which
+    finish the window's step) came between (a gradient set by hand on it in
+    between is not applied a second time either)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    handle = reprop.fuse(model, rp.SGD(model.parameters(), lr=0.1), "backward")
+    opt = handle.optimizer
+    x = torch.randn(4, 3)
+    model(x).square().sum().backward()
+    after_backward = [p.detach().clone() for p in model.parameters()]
+    if between == "eval_forward":
+        with torch.no_grad():
+            model(x)
+    elif between == "flush":
+        handle.flush()
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), after_backward))
+
+
+def test_forward_mode_update_the_next_forward_did_not_use_is_applied_at_its_end() -> None:
+    """README: each pending update is applied right before its module's next
+    forward, those the next forward did not use at its end: after a forward
+    that skipped a layer, that layer holds eager's values."""
+    def train(fused: bool) -> nn.ModuleDict:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.Adam(model.parameters(), lr=0.1)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        x = torch.randn(5, 4)
+        for _ in range(2):
+            (model["a"](x) + model["b"](x)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        model.forward = lambda x: model["a"](x)  # (this forward skips b)
+        model(x)
+        return model
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got["b"].parameters(), want["b"].parameters()))
+
+
+def test_backward_mode_two_backward_passes_per_step_reaching_different_layers_keeping_zeros() -> None:
+    """zero_grad(set_to_none=False), then a step() after two forward-backward
+    passes each reaching one of two layers: eager's step() moves each layer
+    once; the first layer, updated by the first backward, is not moved again
+    from zeros (momentum) by that step(). (From the next such step on, the
+    forward of the second pass finishes the first pass's step and moves the
+    second layer from zeros, which its backward then refuses: README's
+    several backward() calls per step.)"""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "backward")
+        x = torch.randn(5, 4)
+        opt.zero_grad(set_to_none=False)
+        model["a"](x).square().sum().backward()
+        model["b"](x).square().sum().backward()
+        opt.step()
+        for _ in range(2):
+            opt.zero_grad(set_to_none=False)
+            (model["a"](x) + model["b"](x)).square().sum().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+def test_forward_mode_step_pre_hook_returning_new_arguments_passes_them_to_step() -> None:
+    """A step pre-hook may return (new_args, new_kwargs), which torch's step()
+    is called with: here a closure, which step() runs and whose loss it
+    returns, as eager's."""
+    def run(fused: bool) -> tuple:
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2)
+        opt = rp.SGD(model.parameters(), lr=0.1)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        calls = []
+
+        def closure():
+            calls.append(1)
+            return torch.tensor(7.0)
+
+        # (args: torch's, the optimizer first)
+        opt.register_step_pre_hook(lambda o, args, kwargs: (args, {"closure": closure}))
+        model(torch.randn(4, 3)).sum().backward()
+        return opt.step(), len(calls)
+
+    assert run(True) == run(False) == (torch.tensor(7.0), 1)
+
+
+def test_forward_mode_parameter_put_straight_into_another_modules_slot_is_applied_before_its_read() -> None:
+    """A fused parameter put straight into another module's slot after fuse()
+    (module._parameters[name] = p, which fires no registration hook) is
+    applied before that module's forward reads it, as eager has it."""
+    def train(fused: bool) -> list:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if fused:
+            reprop.fuse(model, opt, "forward")
+        model[0]._parameters["weight"] = model[2].weight  # (read first by layer 0 now)
+        x = torch.randn(4, 3)
+        outs = []
+        for _ in range(3):
+            out = model(x)
+            outs.append(out.detach().clone())
+            out.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return outs
+
+    want, got = train(False), train(True)
+    assert all(torch.equal(p, q) for p, q in zip(got, want))
