@@ -1788,7 +1788,7 @@ def test_an_accumulated_grad_gets_the_sites_sum_once_as_autograd(dtype, order, s
     assert len(seen[model]) == len(seen[ref]) == 6  # once per backward
     for a, b in zip(seen[ref], seen[model]):
         assert torch.equal(b, a)
-    assert handle._apart == [] and handle._sums == {}  # (dropped with the pass)
+    assert handle._watching == [] and handle._sums == {}  # (dropped with the pass)
 
 
 def test_only_a_weight_read_at_several_sites_is_summed_apart_from_its_grad():
@@ -1804,7 +1804,7 @@ def test_only_a_weight_read_at_several_sites_is_summed_apart_from_its_grad():
     handle = ooo.enable(model, order="conventional")
     apart: list = []
     model.lin.weight.register_post_accumulate_grad_hook(  # (after every task of the pass)
-        lambda p: apart.append({id(t.param) for t in handle._apart}))
+        lambda p: apart.append({id(t.param) for t in handle._watching if t.apart}))
     gen = torch.Generator().manual_seed(1)
     for step, calls in enumerate((1, 1, 2, 2)):
         x = torch.randn(64, 32, generator=gen)
