@@ -776,8 +776,8 @@ class _PassSum:
         self.node = None  # apart: that node, and the handle of `reached` on it
         self.reach = None
         # the life of torch's autocast cache (_autocast_epoch) of the first
-        # autocast call numbered; number -> life of each call in another, once
-        # there is one (_add_by_region)
+        # call numbered (None: outside autocast); number -> life of each call
+        # in another, once there is one (_add_by_region)
         self.first: object = None
         self.regions: dict | None = None
         self.part: torch.Tensor | None = None  # the running life's sum, low precision
@@ -805,14 +805,11 @@ class _PassSum:
             self.run_pending(self)
 
     def in_region(self, region: object, node) -> bool:
-        """The dW numbered next is of an autocast call in `region`, a life of
-        torch's cache other than the first call's, if any: from the first
-        such, the sum goes by life (_add_by_region) and closes at `node`,
-        the parameter's AccumulateGrad (`reached`), as one apart does.
-        Whether it began to watch the node there."""
-        if self.first is None:
-            self.first = region
-            return False
+        """The dW numbered next is of a call in `region`, a life of torch's
+        autocast cache (None: outside autocast) other than the first call's:
+        from the first such, the sum goes by life (_add_by_region) and
+        closes at `node`, the parameter's AccumulateGrad (`reached`), as one
+        apart does. Whether it began to watch the node here."""
         began = self.regions is None and self.reach is None
         if self.regions is None:
             self.regions = {}
@@ -846,7 +843,7 @@ class _PassSum:
         total, self.total = self.total, None
         self.made = self.added = 0
         self.autograd_done = False
-        self.first = self.regions = None
+        self.regions = None
         if total is not None:
             if total.is_cuda:  # made on the sub-stream, maybe added on the main one
                 total.record_stream(torch.cuda.current_stream(total.device))
@@ -2150,8 +2147,9 @@ class OOOHandle(_PassTracking):
             if total.apart and total.made == 0:
                 total.watch(node)
             region = task.region
-            if region is not None and region is not total.first \
-                    and total.in_region(region, node):
+            if total.made == 0:
+                total.first = region
+            elif region is not total.first and total.in_region(region, node):
                 self._watching.append(total)
             numbered.append((total, total.made))
             total.made += 1
