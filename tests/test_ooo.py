@@ -1938,7 +1938,6 @@ def test_a_weight_without_a_hook_sums_each_autocast_region_apart(dtype, order, v
     float32. A weight without a tensor hook had every site's dW summed in
     the low precision across regions: 0.8% of the largest element off
     torch's in bfloat16 (two or three views), 0.08% in float16."""
-
     _views_twins(dict(order=order, profile_iters=2, regions=2), [dtype] * views, deterministic)
 
 
