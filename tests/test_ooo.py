@@ -1918,7 +1918,8 @@ def _views_twins(enable: dict, views: list, deterministic: bool = False,
                         loss = net(x).float() * loss
                 loss.sum().backward()
             for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-                assert torch.equal(b.grad, a.grad), (name, step, float((b.grad - a.grad).abs().max()))
+                assert torch.equal(b.grad, a.grad), (name, step,
+                                                     float((b.grad - a.grad).abs().max()))
     assert len(seen[model]) == len(seen[ref]) == steps
     for a, b in zip(seen[ref], seen[model]):
         assert torch.equal(b, a)

@@ -1467,8 +1467,8 @@ class OOOHandle(_PassTracking):
         self._autocast_lives: dict = {}
         # id(parameter) -> the sum of this backward's split dW (_PassSum), and
         # those that close at the parameter's AccumulateGrad node (summed apart
-        # from .grad, or by life of autocast's cache); id(parameter) -> its dW numbered in
-        # the last backward that ended
+        # from .grad, or by life of autocast's cache); id(parameter) -> its dW
+        # numbered in the last backward that ended
         self._sums: dict = {}
         self._watching: list = []
         self._last_sites: dict = {}
@@ -1958,9 +1958,11 @@ class OOOHandle(_PassTracking):
         if grads[0] is not None:
             self._main_writes.add(p)
         total = self._sums.get(id(p))
-        if grads[0] is not None or p in self._hooked or (total is not None and total.reach is not None):
+        closes_here = total is not None and total.reach is not None
+        if grads[0] is not None or p in self._hooked or closes_here:
             self._wait_for_written(p)
-        # (a sum apart from .grad closes in its pre-hook, registered after this one)
+        # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
+        # registered after this one)
 
     def _wait_for_written(self, p: torch.Tensor) -> None:
         """The current (main) stream waits for p's last dW on the sub-stream."""
