@@ -495,13 +495,44 @@ def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     return (kind, params) if params else None
 
 
+class _AutocastLife:
+    """One life of torch's autocast cache on a device, told by a probe: a
+    1x1 leaf's cast, which the cache keeps, watched by a weak reference
+    that dies when the cache drops it (the outermost autocast context
+    exits, torch.clear_autocast_cache()), or at once where the cache is
+    off. `epoch` is the life's token while it lasts, None after. A probe
+    each split call (the node of the leaf's cached cast, compared) cost
+    2.5 us a call on a CPU; this costs one at the first call of each life.
+    (prelu: no cuBLAS, which deterministic algorithms may refuse.)"""
+
+    __slots__ = ("leaf", "epoch", "watch")
+
+    def __init__(self, device: torch.device):
+        self.leaf = torch.zeros(1, device=device, requires_grad=True)
+        self.epoch: object = None
+        self.watch = None
+
+    def begin(self) -> object:
+        """A new life's token: the leaf cast anew, in grad mode (inside the
+        split's Function too), so that the cast is saved, and read back."""
+        epoch = self.epoch = object()
+        with torch.enable_grad():
+            cast = torch.prelu(self.leaf, self.leaf).grad_fn._saved_self
+        self.watch = weakref.ref(cast, functools.partial(self._ended, epoch))
+        return epoch
+
+    def _ended(self, epoch: object, _ref) -> None:
+        if self.epoch is epoch:  # (not a later life's)
+            self.epoch = None
+
+
 class _Split(torch.autograd.Function):
     """One call of a split layer: backward returns dO and hands dW to the handle."""
 
     @staticmethod
     def forward(ctx, site: "_Site", x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         m, kind = site.module, site.kind
-        cast = None
+        cast = region = None
         # (the check for any device first: the one for x's costs a device object and a lookup)
         if torch._C._is_any_autocast_enabled():
             device = x.device
@@ -510,6 +541,9 @@ class _Split(torch.autograd.Function):
         if cast is None:
             y, saved = kind.forward(m, x, w, b)
         else:
+            # the life of torch's autocast cache: autograd sums the dW of a
+            # weight's sites per life, in the low precision (_PassSum)
+            region = site.handle._autocast_epoch(device)
             # what autocast does before the op, done here so that backward gets
             # the cast tensors, as autograd's own graph saves them; the engine
             # casts the returned gradients back to the inputs' dtypes
@@ -536,6 +570,7 @@ class _Split(torch.autograd.Function):
         ctx.extra = saved[n:]
         ctx.site = site
         ctx.params = (w, b)
+        ctx.region = region
         return y
 
     # A backward started in compiled code (a compiled step calling
@@ -558,7 +593,8 @@ class _Split(torch.autograd.Function):
         deferred, returned, nodes = _weight_grad_targets(ctx)
         task = None
         if deferred[0] or deferred[1]:
-            task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred, nodes)
+            task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred, nodes,
+                                                  ctx.region)
         input_grad = ctx.needs_input_grad[1]
         wanted = (deferred[0] or returned[0], deferred[1] or returned[1])
         weight_grads = None
@@ -724,7 +760,8 @@ class _PassSum:
     slots and no dataclass, for the common path's cost."""
 
     __slots__ = ("param", "apart", "made", "added", "sites", "early", "total", "in_grad",
-                 "autograd_done", "node", "reach", "run_pending")
+                 "autograd_done", "node", "reach", "run_pending", "first", "regions", "part",
+                 "part_region")
 
     def __init__(self, param: torch.Tensor, apart: bool, run_pending: Callable | None = None):
         self.param, self.apart = param, apart
@@ -738,6 +775,13 @@ class _PassSum:
         self.autograd_done = False  # apart: the AccumulateGrad node is reached
         self.node = None  # apart: that node, and the handle of `reached` on it
         self.reach = None
+        # the life of torch's autocast cache (_autocast_epoch) of the first
+        # call numbered (None: outside autocast); number -> life of each call
+        # in another, once there is one (_add_by_region)
+        self.first: object = None
+        self.regions: dict | None = None
+        self.part: torch.Tensor | None = None  # the running life's sum, low precision
+        self.part_region: object = None
 
     def watch(self, node) -> None:
         """`reached` runs before `node`, the parameter's AccumulateGrad, from
@@ -774,6 +818,19 @@ class _PassSum:
         elif self.run_pending is not None:  # (the last of them closes the sum)
             self.run_pending(self)
 
+    def in_region(self, region: object, node) -> bool:
+        """The dW numbered next is of a call in `region`, a life of torch's
+        autocast cache (None: outside autocast) other than the first call's:
+        from the first such, the sum goes by life (_add_by_region) and
+        closes at `node`, the parameter's AccumulateGrad (`reached`), as one
+        apart does. Whether it began to watch the node here."""
+        began = self.regions is None and self.reach is None
+        if self.regions is None:
+            self.regions = {}
+            self.watch(node)
+        self.regions[self.made] = region
+        return began
+
     def waits(self, n: int) -> bool:
         """Whether the dW numbered `n`, run now, would wait for its turn."""
         return n > 1 and n != self.added
@@ -796,16 +853,53 @@ class _PassSum:
         """Adds the sum apart to .grad, as AccumulateGrad adds its buffer.
         The next dW (of a nested backward's graph reaching the parameter
         again) starts another sum, as autograd's next buffer does."""
+        self._end_part()
         total, self.total = self.total, None
         self.made = self.added = 0
         self.autograd_done = False
+        self.regions = None
         if total is not None:
             if total.is_cuda:  # made on the sub-stream, maybe added on the main one
                 total.record_stream(torch.cuda.current_stream(total.device))
             _accumulate(self.param, total)
 
     def _add_in_turn(self, d: torch.Tensor) -> None:
+        n = self.added
         self.added += 1
+        if self.regions is None:
+            self._add(d)
+        else:
+            self._add_by_region(d, self.regions.get(n, self.first))
+
+    def _add_by_region(self, d: torch.Tensor, region: object) -> None:
+        """The sum of a parameter whose autocast calls span several lives of
+        torch's cache (the model called in two autocast contexts before one
+        backward: siamese views), each of which casts the weight anew.
+        Autograd sums a life's dW in the node of its copy, in the low
+        precision, and adds those sums, cast to float32, to the float32 dW
+        of calls outside autocast in the order they reach the parameter: a
+        life's as its copy's node runs, after its last dW (the next dW is of
+        another life, or none is left). Here the running life's sum is
+        `part`, held apart until then. Summed in the low precision across
+        lives, bfloat16's was 0.35% of the largest element off torch's."""
+        if self.part is not None and region is self.part_region and d.dtype == self.part.dtype:
+            self.part.add_(d)
+            return
+        self._end_part()
+        if d.dtype == self.param.dtype:
+            self._add(d)
+        else:
+            self.part, self.part_region = d, region  # (a dW is the task's own)
+
+    def _end_part(self) -> None:
+        """The running life's sum, cast to float32, joins the sum."""
+        part = self.part
+        if part is not None:
+            self.part = self.part_region = None
+            self._add(part.to(self.param.dtype))
+
+    def _add(self, d: torch.Tensor) -> None:
+        """Adds d to the sum apart, or to .grad."""
         p = self.param
         if self.apart:
             total = self.total
@@ -1017,11 +1111,12 @@ class _Task:
     or the gradients already made beside dO (``made``), to accumulate."""
 
     __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
-                 "graph", "sums", "__weakref__")
+                 "graph", "sums", "region", "__weakref__")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
-                 params: tuple, mask: list):
+                 params: tuple, mask: list, region: object):
         self.site, self.saved, self.grad, self.key = site, saved, grad, key
+        self.region = region  # the call's life of torch's autocast cache (_autocast_epoch)
         self.params, self.mask = params, mask  # (weight, bias) of the call, which to make
         self.targets = [p for p, m in zip(params, mask) if m]  # whose .grad it adds to
         self.event = None
@@ -1382,13 +1477,14 @@ class OOOHandle(_PassTracking):
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
-        # device -> [a 1x1 leaf, the node of its cast in torch's autocast cache]
-        self._autocast_probes: dict = {}
+        # device -> the life of torch's autocast cache there (_autocast_epoch)
+        self._autocast_lives: dict = {}
         # id(parameter) -> the sum of this backward's split dW (_PassSum), and
-        # those summed apart from .grad; id(parameter) -> its dW numbered in
-        # the last backward that ended
+        # those that close at the parameter's AccumulateGrad node (summed apart
+        # from .grad, or by life of autocast's cache); id(parameter) -> its dW
+        # numbered in the last backward that ended
         self._sums: dict = {}
-        self._apart: list = []
+        self._watching: list = []
         self._last_sites: dict = {}
         # a hooked parameter's sums of nested backward graphs (a reentrant
         # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
@@ -1841,7 +1937,7 @@ class OOOHandle(_PassTracking):
         return time.perf_counter() - self._task_time
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
-                           params: tuple, mask: list, nodes: list) -> _Task:
+                           params: tuple, mask: list, nodes: list, region: object) -> _Task:
         if not self._in_own_pass():  # (a backward that raised and is retried, with
             self._enter_pass()       # retain_graph and no forward since, is dropped there)
             if not self._nested_seen and self._nested_graph() is not None:
@@ -1849,7 +1945,7 @@ class OOOHandle(_PassTracking):
         self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
-        task = _Task(site, saved, g, (site.index, call), params, mask)
+        task = _Task(site, saved, g, (site.index, call), params, mask, region)
         if self._profiling():
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
@@ -1886,9 +1982,11 @@ class OOOHandle(_PassTracking):
         if grads[0] is not None:
             self._main_writes.add(p)
         total = self._sums.get(id(p))
-        if grads[0] is not None or p in self._hooked or (total is not None and total.apart):
+        closes_here = total is not None and total.reach is not None
+        if grads[0] is not None or p in self._hooked or closes_here:
             self._wait_for_written(p)
-        # (a sum apart from .grad closes in its pre-hook, registered after this one)
+        # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
+        # registered after this one)
 
     def _wait_for_written(self, p: torch.Tensor) -> None:
         """The current (main) stream waits for p's last dW on the sub-stream."""
@@ -1909,9 +2007,9 @@ class OOOHandle(_PassTracking):
 
     def _drop_sums(self) -> None:
         """This backward's sums of dW go (_PassSum), with their pre-hooks."""
-        for total in self._apart:
+        for total in self._watching:
             total.reach.remove()
-        self._sums, self._apart, self._nested_sums = {}, [], {}
+        self._sums, self._watching, self._nested_sums = {}, [], {}
 
     def _end_stream_order(self) -> None:
         """After the sub-streams are joined: this backward's guards go."""
@@ -1943,23 +2041,18 @@ class OOOHandle(_PassTracking):
         return copy
 
     def _autocast_epoch(self, device: torch.device) -> object:
-        """The present life of torch's autocast cache on `device`: a node
-        that changes as the cache drops its copies (the outermost autocast
-        context exits) and at every call with the cache off. Autocast gives
-        a weight read in two such lives two copies, whose nodes sum the
-        sites' dW apart (cast back to float32, then added): the model
-        called in two autocast contexts before one backward (siamese
-        views). One copy across both summed the two calls' dW in bfloat16,
-        DataParallel 2.4e-3 off DDP's. Read as the node of a 1x1 leaf's
-        cached cast (prelu: no cuBLAS, which deterministic algorithms may
-        refuse; 6 us on a CPU), held so that its wrapper stays the same
-        object while the cache keeps it (an identity compare)."""
-        probe = self._autocast_probes.get(device)
-        if probe is None:
-            probe = [torch.zeros(1, device=device, requires_grad=True), None]
-            self._autocast_probes[device] = probe
-        probe[1] = torch.prelu(probe[0], probe[0]).grad_fn.next_functions[0][0]
-        return probe[1]
+        """The present life of torch's autocast cache on `device`, which
+        ends as the cache drops its copies (the outermost autocast context
+        exits) and at every call with the cache off (_AutocastLife).
+        Autocast gives a weight read in two such lives two copies, whose
+        nodes sum the sites' dW apart (cast back to float32, then added):
+        the model called in two autocast contexts before one backward
+        (siamese views). One copy across both summed the two calls' dW in
+        bfloat16, DataParallel 2.4e-3 off DDP's."""
+        life = self._autocast_lives.get(device)
+        if life is None:
+            life = self._autocast_lives[device] = _AutocastLife(device)
+        return life.epoch or life.begin()
 
     def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple,
                        unseen: bool = False) -> tuple:
@@ -2078,6 +2171,11 @@ class OOOHandle(_PassTracking):
                     total = sums[id(p)] = self._new_sum(p)
             if total.apart and total.made == 0:
                 total.watch(node)
+            region = task.region
+            if total.made == 0:
+                total.first = region
+            elif region is not total.first and total.in_region(region, node):
+                self._watching.append(total)
             numbered.append((total, total.made))
             total.made += 1
             total.sites += 1
@@ -2088,7 +2186,7 @@ class OOOHandle(_PassTracking):
         apart = p.grad is not None and self._last_sites.get(id(p)) != 1
         total = _PassSum(p, apart, self._pending_runner() if apart else None)
         if apart:
-            self._apart.append(total)
+            self._watching.append(total)
         return total
 
     def _pending_runner(self) -> Callable | None:
@@ -2157,7 +2255,8 @@ class OOOHandle(_PassTracking):
             total.run_pending = self._pending_runner()
             if total.added:
                 p.grad = None
-            self._apart.append(total)
+            if total.reach is None:  # (not watching already: autocast lives, in_region)
+                self._watching.append(total)
         total.keep_to_graph(node, graph)
 
     def _reached_later(self, p: torch.Tensor, graph: int) -> bool:
