@@ -1961,13 +1961,14 @@ def test_a_tensor_hook_gets_one_cast_copy_per_autocast_region(deterministic):
 
 
 def _views_twins(enable: dict, views: list, deterministic: bool = False,
-                 steps: int = 6) -> None:
+                 steps: int = 6, call=lambda net, x: net(x)) -> ooo.OOOHandle:
     """_Sites(pre=True) and its copy enabled with `enable` called on one
     batch per entry of `views` (the autocast dtype of its region, None:
     outside autocast) before one backward of their outputs' product, .grad
     set to None every third backward and accumulated over the others.
     Asserts each backward's gradients, and what lin.weight's
-    post-accumulate-grad hook sees, bitwise equal."""
+    post-accumulate-grad hook sees, bitwise equal. `call` runs a net on a
+    batch. The handle, removed."""
     torch.manual_seed(0)
     ref = _Sites(calls=3, width=16, pre=True)
     model = copy.deepcopy(ref)
@@ -1987,7 +1988,7 @@ def _views_twins(enable: dict, views: list, deterministic: bool = False,
                 for x, dtype in zip(xs, views):
                     with torch.autocast("cpu", dtype=dtype or torch.bfloat16,
                                         enabled=dtype is not None):
-                        loss = net(x).float() * loss
+                        loss = call(net, x).float() * loss
                 loss.sum().backward()
             for (name, a), b in zip(ref.named_parameters(), model.parameters()):
                 assert torch.equal(b.grad, a.grad), (name, step,
@@ -1996,6 +1997,7 @@ def _views_twins(enable: dict, views: list, deterministic: bool = False,
     for a, b in zip(seen[ref], seen[model]):
         assert torch.equal(b, a)
     handle.remove()
+    return handle
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
@@ -2056,6 +2058,23 @@ def test_a_split_layer_reads_each_life_of_the_autocast_cache_once():
     first, second, off = epochs[:4], epochs[4:8], epochs[8:]
     assert all(e is first[0] for e in first) and all(e is second[0] for e in second)
     assert second[0] is not first[0] and len({id(e) for e in off}) == 4
+
+
+@pytest.mark.parametrize("views", [1, 2])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=str)
+def test_a_non_reentrant_checkpoint_around_split_layers_recomputes_the_same_saves(dtype, views):
+    """A non-reentrant checkpoint around split layers, called in one or two
+    autocast regions (None: outside autocast) before one backward: the
+    recomputed forward must save what the forward saved. The probe of
+    autocast's cache (_AutocastLife) saved its cast through the
+    checkpoint's hooks in a life's first split call, which the recompute,
+    in a life of its own begun before, does not make: CheckpointError (a
+    different number of tensors saved). Gradients bitwise autograd's."""
+    handle = _views_twins(dict(profile_iters=2, regions=2, max_extra_memory=1.0,
+                               speedup=lambda own, at: 2.0 if at == 1 else 1.0),
+                          [dtype] * views,
+                          call=lambda net, x: checkpoint(net, x, use_reentrant=False))
+    assert any(s.split for s in handle.sites)  # (every layer is split in the profiled passes)
 
 
 @pytest.mark.parametrize("max_extra_memory", [1.0, 0.5])

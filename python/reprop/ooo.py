@@ -495,6 +495,27 @@ def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     return (kind, params) if params else None
 
 
+@contextlib.contextmanager
+def _past_saved_tensor_hooks():
+    """Tensors saved for backward inside are saved as they are, past the
+    saved-tensor hooks in force (checkpoint's, save_on_cpu's), which are
+    taken off torch's stack meanwhile. (Hooks of one's own pushed on top
+    would not do: torch saves a new alias of the tensor for them.) Where
+    torch disables such hooks (torch.func's transforms), none is in force
+    and none may be pushed back."""
+    hooks = torch._C._autograd
+    stack = []
+    if hooks._saved_tensors_hooks_is_enabled():
+        while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
+            stack.append(top)
+            hooks._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
+
+
 class _AutocastLife:
     """One life of torch's autocast cache on a device, told by a probe: a
     1x1 leaf's cast, which the cache keeps, watched by a weak reference
@@ -514,9 +535,13 @@ class _AutocastLife:
 
     def begin(self) -> object:
         """A new life's token: the leaf cast anew, in grad mode (inside the
-        split's Function too), so that the cast is saved, and read back."""
+        split's Function too), so that the cast is saved, and read back.
+        Saved past any saved-tensor hooks of the caller: a non-reentrant
+        checkpoint's would count the probe's saves in the region's forward
+        and not in its recompute, which begins no life or another one, and
+        raise CheckpointError (a different number of tensors saved)."""
         epoch = self.epoch = object()
-        with torch.enable_grad():
+        with torch.enable_grad(), _past_saved_tensor_hooks():
             cast = torch.prelu(self.leaf, self.leaf).grad_fn._saved_self
         self.watch = weakref.ref(cast, functools.partial(self._ended, epoch))
         return epoch
