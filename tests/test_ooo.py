@@ -2077,6 +2077,22 @@ def test_a_non_reentrant_checkpoint_around_split_layers_recomputes_the_same_save
     assert any(s.split for s in handle.sites)  # (every layer is split in the profiled passes)
 
 
+def _on_cpu(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autograd.graph.save_on_cpu():
+        return net(x)
+
+
+@pytest.mark.parametrize("views", [1, 2])
+def test_split_layers_under_save_on_cpu_read_one_life_of_the_autocast_cache(views):
+    """The model called under save_on_cpu in one or two bfloat16 autocast
+    regions: the probe of autocast's cache (_AutocastLife) kept a weak
+    reference to the copy save_on_cpu's hook made of its cast, which died
+    at once, so each split call began a life of its own and a weight's
+    three sites were summed as three regions: 0.4% of the largest element
+    off torch's. Gradients bitwise autograd's."""
+    _views_twins(dict(profile_iters=2, regions=2), [torch.bfloat16] * views, call=_on_cpu)
+
+
 @pytest.mark.parametrize("max_extra_memory", [1.0, 0.5])
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
