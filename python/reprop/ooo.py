@@ -495,20 +495,18 @@ def _splittable(m: nn.Module) -> tuple[_Kind, list] | None:
     return (kind, params) if params else None
 
 
-def _saved_tensor_hooks_off() -> list:
+def _saved_tensor_hooks_off(stack: list) -> None:
     """Takes the saved-tensor hooks in force (checkpoint's, save_on_cpu's)
-    off torch's stack, for tensors saved as they are until
-    _saved_tensor_hooks_on puts them back; returns them, top first. (Hooks
-    of one's own pushed on top would not do: torch saves a new alias of the
-    tensor for them.) Where torch disables such hooks (torch.func's
-    transforms) none may be pushed back, and none is taken."""
+    off torch's stack onto `stack`, top first, for tensors saved as they
+    are until _saved_tensor_hooks_on puts them back. (Hooks of one's own
+    pushed on top would not do: torch saves a new alias of the tensor for
+    them.) Where torch disables such hooks (torch.func's transforms) none
+    may be pushed back, and none is taken."""
     hooks = torch._C._autograd
-    stack = []
     while ((top := hooks._top_saved_tensors_default_hooks(True)) is not None
            and hooks._saved_tensors_hooks_is_enabled()):
-        stack.append(top)
         hooks._pop_saved_tensors_default_hooks()
-    return stack
+        stack.append(top)
 
 
 def _saved_tensor_hooks_on(stack: list) -> None:
@@ -524,7 +522,8 @@ class _AutocastLife:
     exits, torch.clear_autocast_cache()), or at once where the cache is
     off. `epoch` is the life's token while it lasts, None after. A probe
     each split call (the node of the leaf's cached cast, compared) cost
-    2.5 us a call on a CPU; this costs one at the first call of each life.
+    2.5 us a call on a CPU; this costs one at the first call of each life
+    (1.1% of a 16 x Linear(8) step under bfloat16 autocast on a CPU).
     (prelu: no cuBLAS, which deterministic algorithms may refuse.)"""
 
     __slots__ = ("leaf", "epoch", "watch")
@@ -542,9 +541,10 @@ class _AutocastLife:
         and not in its recompute, which begins no life or another one, and
         raise CheckpointError (a different number of tensors saved)."""
         epoch = self.epoch = object()
-        hooks, grad = _saved_tensor_hooks_off(), torch.is_grad_enabled()
-        torch._C._set_grad_enabled(True)  # (no context managers: they cost 15 us a life)
-        try:
+        hooks, grad = [], torch.is_grad_enabled()
+        try:  # (no context managers: they cost 15 us a life)
+            _saved_tensor_hooks_off(hooks)
+            torch._C._set_grad_enabled(True)
             cast = torch.prelu(self.leaf, self.leaf).grad_fn._saved_self
         finally:
             torch._C._set_grad_enabled(grad)
