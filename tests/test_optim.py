@@ -6360,3 +6360,57 @@ def test_float64_step_runs_the_step_hooks_once() -> None:
             h.remove()
     assert calls == ["global pre", "post"]
     assert opt.state[p]["step"] == 1
+
+
+# --- Mutation audit of python/reprop/optim.py (session 42): tests that kill
+# mutants of the Python layer that no other test noticed.
+
+
+@pytest.mark.parametrize("name, key", [("AdamW", "lr"), ("Adagrad", "weight_decay"),
+                                       ("RMSprop", "alpha"), ("Adadelta", "rho")])
+def test_numpy_int64_hyperparameter_at_its_minimum_steps_like_torch(name: str, key: str) -> None:
+    """np.int64(-2**63), the least int64, is a hyper-parameter torch takes
+    (as an int64) and steps with: not refused as beyond 64 bits (a bound
+    checked with < instead of <= refused it with OverflowError)."""
+    v = np.int64(-2**63)
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = cls([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, lambda _: v)
+        for k in range(2):
+            p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
+            opt.step()
+        runs.append(p.detach())
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_step_params_refuses_fewer_gradients_than_params() -> None:
+    """grads shorter than params is refused naming both counts, as a longer
+    one is (a check of > only left a missing gradient to a bare KeyError)."""
+    ps = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    opt = reprop_cls("SGD")(ps, lr=0.1)
+    with pytest.raises(ValueError, match=r"grads: expected 2 gradients, got 1"):
+        opt.step_params(ps, grads=[torch.ones(3)])
+    assert all(torch.equal(p, torch.ones_like(p)) for p in ps)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad"])
+def test_differentiable_group_gradients_are_divided_by_grad_scale(name: str) -> None:
+    """step() of a differentiable group with grad_scale set (found_inf not)
+    divides the gradients by it before torch's update, as the other groups
+    (and torch's fused step) do, and writes them back into .grad: it steps
+    as torch from the unscaled gradients."""
+    g = torch.linspace(0.5, -0.3, 5)
+    # (tensors not requiring grad: torch's differentiable update of a leaf
+    # that requires grad raises)
+    ref, got = torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 5)
+    topt = torch_cls(name)([ref], lr=0.1, differentiable=True)
+    ropt = reprop_cls(name)([got], lr=0.1, differentiable=True)
+    ropt.grad_scale = torch.tensor(4.0)
+    for _ in range(2):
+        ref.grad, got.grad = g.clone(), g * 4
+        topt.step()
+        ropt.step()
+        torch.testing.assert_close(got.grad, g, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
