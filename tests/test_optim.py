@@ -6414,3 +6414,51 @@ def test_differentiable_group_gradients_are_divided_by_grad_scale(name: str) -> 
         ropt.step()
         torch.testing.assert_close(got.grad, g, rtol=0, atol=0)
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "RMSprop"])
+def test_state_without_a_step_count_is_refused_saying_so(name: str) -> None:
+    """The KeyError for state without "step" says what is missing and why
+    (not a bare KeyError('step') from reading it)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(3)
+    opt.step()
+    del opt.state[p]["step"]
+    with pytest.raises(KeyError, match=r"step: the state of a parameter of shape \(3,\) has no "
+                                        r"step count"):
+        opt.step()
+
+
+def test_adam_complex_step_count_is_refused_as_torch_refuses_it() -> None:
+    """A complex state["step"] makes torch's Adam raise RuntimeError: reprop
+    refuses it naming the key, the param left as it was (not read as its
+    real part and stepped on)."""
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        p = nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.state[p]["step"] = torch.tensor(1 + 0j)
+        before = p.detach().clone()
+        with pytest.raises(RuntimeError, match="step" if cls is reprop_cls("Adam") else "Complex"):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+
+
+def test_low_precision_load_keeps_a_float64_step_count_as_torch() -> None:
+    """load_state_dict keeps the float32 copies of a bfloat16 param's moments
+    but not of its "step": a float64 step count stays float64, as torch's
+    load keeps it."""
+    loaded = []
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3, dtype=torch.bfloat16)
+        opt.step()
+        sd = opt.state_dict()
+        sd["state"][0]["step"] = torch.tensor(5.0, dtype=torch.float64)
+        opt.load_state_dict(sd)
+        loaded.append(opt.state[p]["step"])
+    assert loaded[1].dtype == loaded[0].dtype == torch.float64
+    assert float(loaded[1]) == 5.0
