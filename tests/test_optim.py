@@ -6462,3 +6462,95 @@ def test_low_precision_load_keeps_a_float64_step_count_as_torch() -> None:
         loaded.append(opt.state[p]["step"])
     assert loaded[1].dtype == loaded[0].dtype == torch.float64
     assert float(loaded[1]) == 5.0
+
+
+def test_loaded_state_dict_is_not_held_after_load_state_dict() -> None:
+    """load_state_dict notes the dict it loads only while loading: once it
+    returns, the tensors of that dict that the optimizer did not keep (a
+    bfloat16 param's float32 moments, kept as copies) are freed with it."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    saved = weakref.ref(sd["state"][0]["exp_avg"])
+    opt.load_state_dict(sd)
+    assert opt.state[p]["exp_avg"] is not saved()
+    del sd
+    gc.collect()
+    assert saved() is None
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_given_gradient_is_checked_not_the_params_grad(name: str) -> None:
+    """step_params(grads=) checks the gradients given, also where the param
+    has a .grad of its own that would pass (the given one, read instead, is
+    refused before any state exists)."""
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = reprop_cls(name)([p], **RICH[name])
+    with pytest.raises(ValueError, match=r"grads: a gradient of shape \(4,\)"):
+        opt.step_params([p], grads=[torch.ones(4)])
+    assert torch.equal(p.detach(), torch.ones(3)) and not opt.state[p]
+
+
+def test_load_state_dict_leaves_no_hook_behind() -> None:
+    """The pre-hook load_state_dict registers to note the dict it loads is
+    removed when it returns: loads do not pile up hooks (each run at every
+    later load)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    hooks = (dict(opt._optimizer_load_state_dict_pre_hooks),
+             dict(opt._optimizer_load_state_dict_post_hooks))
+    for _ in range(3):
+        opt.load_state_dict(opt.state_dict())
+    assert (opt._optimizer_load_state_dict_pre_hooks,
+            opt._optimizer_load_state_dict_post_hooks) == hooks
+
+
+def _amp_step_of_two_plans(stop: LineStop) -> tuple[list, torch.optim.Optimizer]:
+    """Adam on a float32 and a bfloat16 param (one group, two kernel calls):
+    a scaled step (grad_scale 1024) under `stop`, retried once stopped."""
+    params = [nn.Parameter(torch.linspace(-1, 1, 5, dtype=dt)) for dt in (torch.float32, torch.bfloat16)]
+    opt = reprop_cls("Adam")(params, lr=0.1)
+    for p in params:
+        p.grad = torch.linspace(0.5, -0.3, 5, dtype=p.dtype) * 1024
+    opt.grad_scale = torch.tensor(1024.0)
+    try:
+        with stop:
+            opt.step()
+    except KeyboardInterrupt:
+        opt.step()
+    return params, opt
+
+
+def test_amp_step_stopped_amid_the_divisions_of_its_calls_divides_each_once() -> None:
+    """A stop between the divisions of two kernel calls' gradients by
+    grad_scale (the first call's divided, its versions not yet read back)
+    leaves notes that the retry takes as "divided": each gradient is divided
+    once, and the params step as an uninterrupted step (a forecast of the
+    versions read before the division took the first call's for written
+    since, and divided them again)."""
+    lines = LineStop(rp._unscale_grads, 0)
+    whole, _ = _amp_step_of_two_plans(lines)
+    for n in range(1, lines.count + 1):
+        got, _ = _amp_step_of_two_plans(LineStop(rp._unscale_grads, n))
+        for p, w in zip(got, whole):
+            assert torch.equal(p.grad, w.grad) and torch.equal(p, w), f"line {n}"
+
+
+def test_low_precision_load_does_not_step_the_loaded_dicts_tensors() -> None:
+    """The float32 state loaded for a bfloat16 param is the optimizer's own
+    copy: stepping on leaves the dict loaded as it was, as torch's load
+    (which casts it to bfloat16) leaves it."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    saved = {k: v.clone() for k, v in sd["state"][0].items()}
+    opt.load_state_dict(sd)
+    opt.step()
+    assert all(torch.equal(sd["state"][0][k], v) for k, v in saved.items())
