@@ -6554,3 +6554,13 @@ def test_low_precision_load_does_not_step_the_loaded_dicts_tensors() -> None:
     opt.load_state_dict(sd)
     opt.step()
     assert all(torch.equal(sd["state"][0][k], v) for k, v in saved.items())
+
+
+def test_complex_param_is_refused_saying_complex_is_not_supported() -> None:
+    """A complex param (outside a differentiable group) is refused as
+    complex, with its dtype and shape, at construction: not as one more
+    unsupported dtype."""
+    p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))
+    with pytest.raises(TypeError, match=r"^Adam: complex parameters are not supported \(got a "
+                                        r"torch\.complex64 parameter of shape \(3,\)\)$"):
+        reprop_cls("Adam")([p], lr=0.1)
