@@ -6541,19 +6541,26 @@ def test_amp_step_stopped_amid_the_divisions_of_its_calls_divides_each_once() ->
             assert torch.equal(p.grad, w.grad) and torch.equal(p, w), f"line {n}"
 
 
-def test_low_precision_load_does_not_step_the_loaded_dicts_tensors() -> None:
-    """The float32 state loaded for a bfloat16 param is the optimizer's own
-    copy: stepping on leaves the dict loaded as it was, as torch's load
-    (which casts it to bfloat16) leaves it."""
+def test_low_precision_load_does_not_step_the_loaded_dicts_moments() -> None:
+    """The float32 moments loaded for a bfloat16 param are the optimizer's
+    own copies: stepping on leaves those of the dict loaded as they were, as
+    torch's load, which casts them to bfloat16, leaves them (both step the
+    dict's "step" tensor, which both keep as it is)."""
     p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     opt = reprop_cls("Adam")([p], lr=0.1)
     p.grad = torch.ones(3, dtype=torch.bfloat16)
     opt.step()
-    sd = copy.deepcopy(opt.state_dict())
-    saved = {k: v.clone() for k, v in sd["state"][0].items()}
-    opt.load_state_dict(sd)
-    opt.step()
-    assert all(torch.equal(sd["state"][0][k], v) for k, v in saved.items())
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        loaded = copy.deepcopy(sd)
+        saved = {k: loaded["state"][0][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        q = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        other = cls([q], lr=0.1)
+        other.load_state_dict(loaded)
+        q.grad = torch.ones(3, dtype=torch.bfloat16)
+        other.step()
+        assert all(torch.equal(loaded["state"][0][k], v) for k, v in saved.items()), cls
 
 
 def test_complex_param_is_refused_saying_complex_is_not_supported() -> None:
