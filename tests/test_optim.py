@@ -6368,6 +6368,7 @@ def test_float64_step_runs_the_step_hooks_once() -> None:
 
 @pytest.mark.parametrize("name, key", [("AdamW", "lr"), ("Adagrad", "weight_decay"),
                                        ("RMSprop", "alpha"), ("Adadelta", "rho")])
+@pytest.mark.filterwarnings("ignore:overflow encountered in scalar subtract:RuntimeWarning")
 def test_numpy_int64_hyperparameter_at_its_minimum_steps_like_torch(name: str, key: str) -> None:
     """np.int64(-2**63), the least int64, is a hyper-parameter torch takes
     (as an int64) and steps with: not refused as beyond 64 bits (a bound
