@@ -6360,3 +6360,215 @@ def test_float64_step_runs_the_step_hooks_once() -> None:
             h.remove()
     assert calls == ["global pre", "post"]
     assert opt.state[p]["step"] == 1
+
+
+# --- Mutation audit of python/reprop/optim.py (session 42): tests that kill
+# mutants of the Python layer that no other test noticed.
+
+
+@pytest.mark.parametrize("name, key", [("AdamW", "lr"), ("Adagrad", "weight_decay"),
+                                       ("RMSprop", "alpha"), ("Adadelta", "rho")])
+@pytest.mark.filterwarnings("ignore:overflow encountered in scalar subtract:RuntimeWarning")
+def test_numpy_int64_hyperparameter_at_its_minimum_steps_like_torch(name: str, key: str) -> None:
+    """np.int64(-2**63), the least int64, is a hyper-parameter torch takes
+    (as an int64) and steps with: not refused as beyond 64 bits (a bound
+    checked with < instead of <= refused it with OverflowError)."""
+    v = np.int64(-2**63)
+    runs = []
+    for cls in (torch_cls(name), reprop_cls(name)):
+        p = nn.Parameter(torch.linspace(-1, 1, 5))
+        opt = cls([p], **RICH[name])
+        _set_hparam(opt.param_groups[0], key, lambda _: v)
+        for k in range(2):
+            p.grad = torch.linspace(0.5, -0.3, 5) * (k + 1)
+            opt.step()
+        runs.append(p.detach())
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-6, atol=1e-7, equal_nan=True)
+
+
+def test_step_params_refuses_fewer_gradients_than_params() -> None:
+    """grads shorter than params is refused naming both counts, as a longer
+    one is (a check of > only left a missing gradient to a bare KeyError)."""
+    ps = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
+    opt = reprop_cls("SGD")(ps, lr=0.1)
+    with pytest.raises(ValueError, match=r"grads: expected 2 gradients, got 1"):
+        opt.step_params(ps, grads=[torch.ones(3)])
+    assert all(torch.equal(p, torch.ones_like(p)) for p in ps)
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "Adagrad"])
+def test_differentiable_group_gradients_are_divided_by_grad_scale(name: str) -> None:
+    """step() of a differentiable group with grad_scale set (found_inf not)
+    divides the gradients by it before torch's update, as the other groups
+    (and torch's fused step) do, and writes them back into .grad: it steps
+    as torch from the unscaled gradients."""
+    g = torch.linspace(0.5, -0.3, 5)
+    # (tensors not requiring grad: torch's differentiable update of a leaf
+    # that requires grad raises)
+    ref, got = torch.linspace(-1, 1, 5), torch.linspace(-1, 1, 5)
+    topt = torch_cls(name)([ref], lr=0.1, differentiable=True)
+    ropt = reprop_cls(name)([got], lr=0.1, differentiable=True)
+    ropt.grad_scale = torch.tensor(4.0)
+    for _ in range(2):
+        ref.grad, got.grad = g.clone(), g * 4
+        topt.step()
+        ropt.step()
+        torch.testing.assert_close(got.grad, g, rtol=0, atol=0)
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["Adam", "Adagrad", "RMSprop"])
+def test_state_without_a_step_count_is_refused_saying_so(name: str) -> None:
+    """The KeyError for state without "step" says what is missing and why
+    (not a bare KeyError('step') from reading it)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls(name)([p], **RICH[name])
+    p.grad = torch.ones(3)
+    opt.step()
+    del opt.state[p]["step"]
+    with pytest.raises(KeyError, match=r"step: the state of a parameter of shape \(3,\) has no "
+                                        r"step count"):
+        opt.step()
+
+
+def test_adam_complex_step_count_is_refused_as_torch_refuses_it() -> None:
+    """A complex state["step"] makes torch's Adam raise RuntimeError: reprop
+    refuses it naming the key, the param left as it was (not read as its
+    real part and stepped on)."""
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        p = nn.Parameter(torch.ones(3))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3)
+        opt.step()
+        opt.state[p]["step"] = torch.tensor(1 + 0j)
+        before = p.detach().clone()
+        with pytest.raises(RuntimeError, match="step" if cls is reprop_cls("Adam") else "Complex"):
+            opt.step()
+        assert torch.equal(p.detach(), before)
+
+
+def test_low_precision_load_keeps_a_float64_step_count_as_torch() -> None:
+    """load_state_dict keeps the float32 copies of a bfloat16 param's moments
+    but not of its "step": a float64 step count stays float64, as torch's
+    load keeps it."""
+    loaded = []
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        opt = cls([p], lr=0.1)
+        p.grad = torch.ones(3, dtype=torch.bfloat16)
+        opt.step()
+        sd = opt.state_dict()
+        sd["state"][0]["step"] = torch.tensor(5.0, dtype=torch.float64)
+        opt.load_state_dict(sd)
+        loaded.append(opt.state[p]["step"])
+    assert loaded[1].dtype == loaded[0].dtype == torch.float64
+    assert float(loaded[1]) == 5.0
+
+
+def test_loaded_state_dict_is_not_held_after_load_state_dict() -> None:
+    """load_state_dict notes the dict it loads only while loading: once it
+    returns, the tensors of that dict that the optimizer did not keep (a
+    bfloat16 param's float32 moments, kept as copies) are freed with it."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    saved = weakref.ref(sd["state"][0]["exp_avg"])
+    opt.load_state_dict(sd)
+    assert opt.state[p]["exp_avg"] is not saved()
+    del sd
+    gc.collect()
+    assert saved() is None
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_given_gradient_is_checked_not_the_params_grad(name: str) -> None:
+    """step_params(grads=) checks the gradients given, also where the param
+    has a .grad of its own that would pass (the given one, read instead, is
+    refused before any state exists)."""
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt = reprop_cls(name)([p], **RICH[name])
+    with pytest.raises(ValueError, match=r"grads: a gradient of shape \(4,\)"):
+        opt.step_params([p], grads=[torch.ones(4)])
+    assert torch.equal(p.detach(), torch.ones(3)) and not opt.state[p]
+
+
+def test_load_state_dict_leaves_no_hook_behind() -> None:
+    """The pre-hook load_state_dict registers to note the dict it loads is
+    removed when it returns: loads do not pile up hooks (each run at every
+    later load)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    hooks = (dict(opt._optimizer_load_state_dict_pre_hooks),
+             dict(opt._optimizer_load_state_dict_post_hooks))
+    for _ in range(3):
+        opt.load_state_dict(opt.state_dict())
+    assert (opt._optimizer_load_state_dict_pre_hooks,
+            opt._optimizer_load_state_dict_post_hooks) == hooks
+
+
+def _amp_step_of_two_plans(stop: LineStop) -> tuple[list, torch.optim.Optimizer]:
+    """Adam on a float32 and a bfloat16 param (one group, two kernel calls):
+    a scaled step (grad_scale 1024) under `stop`, retried once stopped."""
+    params = [nn.Parameter(torch.linspace(-1, 1, 5, dtype=dt)) for dt in (torch.float32, torch.bfloat16)]
+    opt = reprop_cls("Adam")(params, lr=0.1)
+    for p in params:
+        p.grad = torch.linspace(0.5, -0.3, 5, dtype=p.dtype) * 1024
+    opt.grad_scale = torch.tensor(1024.0)
+    try:
+        with stop:
+            opt.step()
+    except KeyboardInterrupt:
+        opt.step()
+    return params, opt
+
+
+def test_amp_step_stopped_amid_the_divisions_of_its_calls_divides_each_once() -> None:
+    """A stop between the divisions of two kernel calls' gradients by
+    grad_scale (the first call's divided, its versions not yet read back)
+    leaves notes that the retry takes as "divided": each gradient is divided
+    once, and the params step as an uninterrupted step (a forecast of the
+    versions read before the division took the first call's for written
+    since, and divided them again)."""
+    lines = LineStop(rp._unscale_grads, 0)
+    whole, _ = _amp_step_of_two_plans(lines)
+    for n in range(1, lines.count + 1):
+        got, _ = _amp_step_of_two_plans(LineStop(rp._unscale_grads, n))
+        for p, w in zip(got, whole):
+            assert torch.equal(p.grad, w.grad) and torch.equal(p, w), f"line {n}"
+
+
+def test_low_precision_load_does_not_step_the_loaded_dicts_moments() -> None:
+    """The float32 moments loaded for a bfloat16 param are the optimizer's
+    own copies: stepping on leaves those of the dict loaded as they were, as
+    torch's load, which casts them to bfloat16, leaves them (both step the
+    dict's "step" tensor, which both keep as it is)."""
+    p = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    opt = reprop_cls("Adam")([p], lr=0.1)
+    p.grad = torch.ones(3, dtype=torch.bfloat16)
+    opt.step()
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    for cls in (torch_cls("Adam"), reprop_cls("Adam")):
+        loaded = copy.deepcopy(sd)
+        saved = {k: loaded["state"][0][k].clone() for k in ("exp_avg", "exp_avg_sq")}
+        q = nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+        other = cls([q], lr=0.1)
+        other.load_state_dict(loaded)
+        q.grad = torch.ones(3, dtype=torch.bfloat16)
+        other.step()
+        assert all(torch.equal(loaded["state"][0][k], v) for k, v in saved.items()), cls
+
+
+def test_complex_param_is_refused_saying_complex_is_not_supported() -> None:
+    """A complex param (outside a differentiable group) is refused as
+    complex, with its dtype and shape, at construction: not as one more
+    unsupported dtype."""
+    p = nn.Parameter(torch.randn(3, dtype=torch.cfloat))
+    with pytest.raises(TypeError, match=r"^Adam: complex parameters are not supported \(got a "
+                                        r"torch\.complex64 parameter of shape \(3,\)\)$"):
+        reprop_cls("Adam")([p], lr=0.1)
