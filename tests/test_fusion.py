@@ -10135,18 +10135,12 @@ def test_backward_mode_lr_changed_between_backward_and_step_applies_from_the_nex
     from the next step, also to what step() moves without a gradient (after
     zero_grad(set_to_none=False) eager moves an unused layer from zeros,
     here with SGD's momentum): as eager training changing them after step()."""
-    torch.manual_seed(0)
-    x = torch.randn(6, 4)
-
     def train(fused: bool) -> list:
-        torch.manual_seed(1)
-        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if fused:
-            reprop.fuse(model, opt, "backward")
+        model, opt, _ = _two_layers(fused)
         for i in range(3):
             opt.zero_grad(set_to_none=False)
-            out = model["a"](x) + (model["b"](x) if i == 0 else 0)
+            x = _LOOP_X[i]
+            out = model[0](x) + (model[1](x) if i == 0 else 0)
             out.square().sum().backward()
             if fused:
                 opt.param_groups[0]["lr"] *= 0.5
@@ -10253,19 +10247,15 @@ def test_backward_mode_two_backward_passes_per_step_reaching_different_layers_ke
     second layer from zeros, which its backward then refuses: README's
     several backward() calls per step.)"""
     def train(fused: bool) -> list:
-        torch.manual_seed(0)
-        model = nn.ModuleDict({"a": nn.Linear(4, 3), "b": nn.Linear(4, 3)})
-        opt = rp.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if fused:
-            reprop.fuse(model, opt, "backward")
-        x = torch.randn(5, 4)
+        model, opt, _ = _two_layers(fused)
+        x = _LOOP_X[0]
         opt.zero_grad(set_to_none=False)
-        model["a"](x).square().sum().backward()
-        model["b"](x).square().sum().backward()
+        model[0](x).square().sum().backward()
+        model[1](x).square().sum().backward()
         opt.step()
         for _ in range(2):
             opt.zero_grad(set_to_none=False)
-            (model["a"](x) + model["b"](x)).square().sum().backward()
+            (model[0](x) + model[1](x)).square().sum().backward()
             opt.step()
         return [p.detach().clone() for p in model.parameters()]
 
