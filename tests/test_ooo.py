@@ -738,6 +738,18 @@ class _InAndOutOfACheckpoint(nn.Module):
         return x
 
 
+def _assert_hook_calls_as_autograd(seen: dict, ref: nn.Module, model: nn.Module, step: int) -> None:
+    """model's post-accumulate-grad hook calls (_hook_calls) and final .grad
+    are ref's, autograd's, bit for bit, parameter by parameter."""
+    for name, p in ref.named_parameters():
+        calls, expected = seen.get((model, name), []), seen.get((ref, name), [])
+        assert len(calls) == len(expected), f"step {step} {name}"
+        for i, (a, b) in enumerate(zip(calls, expected)):
+            assert torch.equal(a, b), f"step {step} {name}, call {i}"
+        grad = model.get_parameter(name).grad
+        assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
+
+
 @pytest.mark.parametrize("pattern", ["oi", "io", "xoix"])
 def test_a_weight_read_inside_and_outside_a_reentrant_checkpoint_fires_its_hooks_per_graph(
         pattern):
@@ -759,25 +771,10 @@ def test_a_weight_read_inside_and_outside_a_reentrant_checkpoint_fires_its_hooks
         for net in (ref, model):
             net.zero_grad()
             net(x).pow(2).sum().backward()
-        for name in ("lin.weight", "lin.bias"):
-            calls, expected = seen[(model, name)], seen[(ref, name)]
-            assert len(calls) == len(expected) == 2, f"step {step} {name}"
-            for i, (a, b) in enumerate(zip(calls, expected)):
-                assert torch.equal(a, b), f"step {step} {name}, call {i}"
+        _assert_hook_calls_as_autograd(seen, ref, model, step)
+        assert len(seen[(ref, "lin.weight")]) == len(seen[(ref, "lin.bias")]) == 2, step
     assert handle.schedule is not None
     handle.remove()
-
-
-def _assert_hook_calls_as_autograd(seen: dict, ref: nn.Module, model: nn.Module, step: int) -> None:
-    """model's post-accumulate-grad hook calls (_hook_calls) and final .grad
-    are ref's, autograd's, bit for bit, parameter by parameter."""
-    for name, p in ref.named_parameters():
-        calls, expected = seen.get((model, name), []), seen.get((ref, name), [])
-        assert len(calls) == len(expected), f"step {step} {name}"
-        for i, (a, b) in enumerate(zip(calls, expected)):
-            assert torch.equal(a, b), f"step {step} {name}, call {i}"
-        grad = model.get_parameter(name).grad
-        assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
