@@ -802,7 +802,38 @@ class _ByRegion:
             out(part.to(self.dtype))
 
 
-class _PassSum:
+class _NumberedByLife:
+    """A parameter's dW numbered in backward order (`made` so far), each
+    with the life of torch's autocast cache its call ran in (_Task.region,
+    None: outside autocast): the first's as `first`, and number -> life of
+    each in another, once there is one (`regions`), by which _ByRegion sums
+    them. (_PassSum's, _HeldSum's.)"""
+
+    __slots__ = ("made", "first", "regions")
+
+    def __init__(self):
+        self.made = 0
+        self.first: object = None
+        self.regions: dict | None = None
+
+    def number(self, region: object) -> int:
+        """Numbers the next dW, of a call in `region`."""
+        n = self.made
+        self.made = n + 1
+        if n == 0:
+            self.first = region
+        elif region is not self.first:
+            if self.regions is None:
+                self.regions = {}
+            self.regions[n] = region
+        return n
+
+    def life(self, n: int) -> object:
+        """The life of the call of the dW numbered `n` (regions: not None)."""
+        return self.regions.get(n, self.first)
+
+
+class _PassSum(_NumberedByLife):
     """One backward's split dW of a parameter, summed as autograd's engine
     sums what reaches the parameter (in the input buffer of its
     AccumulateGrad node, or under autocast of the node of autocast's one
@@ -842,14 +873,14 @@ class _PassSum:
     which their caller's run() closes. One is made per parameter and backward:
     slots and no dataclass, for the common path's cost."""
 
-    __slots__ = ("param", "apart", "made", "added", "sites", "early", "total", "in_grad",
-                 "autograd_done", "node", "reach", "run_pending", "first", "regions", "parts")
+    __slots__ = ("param", "apart", "added", "sites", "early", "total", "in_grad",
+                 "autograd_done", "node", "reach", "run_pending", "parts")
 
     def __init__(self, param: torch.Tensor, apart: bool, run_pending: Callable | None = None):
+        super().__init__()  # the dW tasks numbered, and their lives of autocast's cache
         self.param, self.apart = param, apart
         self.run_pending = run_pending  # apart, under a memory cap: runs the sum's pending dW
-        self.made = 0    # dW tasks numbered (in backward order)
-        self.added = 0   # of those, the ones in the sum
+        self.added = 0   # of those numbered, the ones in the sum
         self.sites = 0   # dW numbered in the backward, all sums (a nested backward's) together
         self.early: dict | None = None  # number -> a dW that ran before its turn
         self.total: torch.Tensor | None = None  # apart: the sum so far
@@ -857,12 +888,7 @@ class _PassSum:
         self.autograd_done = False  # apart: the AccumulateGrad node is reached
         self.node = None  # apart: that node, and the handle of `reached` on it
         self.reach = None
-        # the life of torch's autocast cache (_autocast_epoch) of the first
-        # call numbered (None: outside autocast); number -> life of each call
-        # in another, and the sum by life (_ByRegion), once there is one
-        self.first: object = None
-        self.regions: dict | None = None
-        self.parts: _ByRegion | None = None
+        self.parts: _ByRegion | None = None  # the sum by life, once there are two (by_life)
 
     def watch(self, node) -> None:
         """`reached` runs before `node`, the parameter's AccumulateGrad, from
@@ -899,17 +925,15 @@ class _PassSum:
         elif self.run_pending is not None:  # (the last of them closes the sum)
             self.run_pending(self)
 
-    def in_region(self, region: object, node) -> bool:
-        """The dW numbered next is of a call in `region`, a life of torch's
-        autocast cache (None: outside autocast) other than the first call's:
-        from the first such, the sum goes by life (_ByRegion) and
-        closes at `node`, the parameter's AccumulateGrad (`reached`), as one
-        apart does. Whether it began to watch the node here."""
-        began = self.regions is None and self.reach is None
-        if self.regions is None:
-            self.regions, self.parts = {}, _ByRegion(self.param.dtype)
-            self.watch(node)
-        self.regions[self.made] = region
+    def by_life(self, node) -> bool:
+        """The dW numbered last is the first of a call in another life of
+        torch's autocast cache than the first call's: from here the sum goes
+        by life (_ByRegion) and closes at `node`, the parameter's
+        AccumulateGrad (`reached`), as one apart does. Whether it began to
+        watch the node here."""
+        self.parts = _ByRegion(self.param.dtype)
+        began = self.reach is None
+        self.watch(node)
         return began
 
     def waits(self, n: int) -> bool:
@@ -951,7 +975,7 @@ class _PassSum:
         if self.regions is None:
             self._add(d)
         else:
-            self.parts.add(d, self.regions.get(n, self.first), self._add)
+            self.parts.add(d, self.life(n), self._add)
 
     def _add(self, d: torch.Tensor) -> None:
         """Adds d to the sum apart, or to .grad."""
@@ -999,7 +1023,7 @@ def _is_held_sum(total) -> bool:
     return isinstance(total, _HeldSum) or is_instance_by_name(total, _HeldSum)
 
 
-class _HeldSum:
+class _HeldSum(_NumberedByLife):
     """One backward graph's held dW of a parameter (hold()), numbered in
     backward order as held, summed as autograd's engine sums them and added
     to .grad once: g + (d1 + d2), where one by one (g + d1) + d2 was 1e-7
@@ -1011,32 +1035,15 @@ class _HeldSum:
     parameter are held here, a tensor of the weight's size each, until the
     last of them ran (a weight read at one site: none)."""
 
-    __slots__ = ("param", "graph", "order", "made", "closed", "got", "ended", "first",
-                 "regions", "__weakref__")
+    __slots__ = ("param", "graph", "order", "closed", "got", "ended", "__weakref__")
 
     def __init__(self, param: torch.Tensor, graph: int):
+        super().__init__()  # the dW held (numbered) in the backward, and their lives
         self.param, self.graph = param, graph
         self.order = next(_HELD_SUMS_MADE)  # (sums close earliest first)
-        self.made = 0       # dW held (numbered) in the backward
-        self.closed = 0     # of those, the ones added to .grad
+        self.closed = 0     # of those numbered, the ones added to .grad
         self.got: dict = {}  # number -> a dW that ran, not in .grad yet
         self.ended = False  # the backward ended: no more dW come
-        # the life of torch's autocast cache of the first call numbered, and
-        # number -> life of each call in another, once there is one (_ByRegion)
-        self.first: object = None
-        self.regions: dict | None = None
-
-    def number(self, region: object) -> int:
-        """Numbers the next dW held, of a call in `region` (_Task.region)."""
-        n = self.made
-        self.made += 1
-        if n == 0:
-            self.first = region
-        elif region is not self.first:
-            if self.regions is None:
-                self.regions = {}
-            self.regions[n] = region
-        return n
 
     def add(self, d: torch.Tensor, n: int) -> None:
         """The dW numbered `n` ran (_Task.run)."""
@@ -1069,7 +1076,7 @@ class _HeldSum:
             if parts is None:
                 add(got[n])
             else:
-                parts.add(got[n], regions.get(n, self.first), add)
+                parts.add(got[n], self.life(n), add)
         if parts is not None:
             parts.end(add)
         self.closed += len(got)
@@ -2244,13 +2251,10 @@ class OOOHandle(_PassTracking):
                     total = sums[id(p)] = self._new_sum(p)
             if total.apart and total.made == 0:
                 total.watch(node)
-            region = task.region
-            if total.made == 0:
-                total.first = region
-            elif region is not total.first and total.in_region(region, node):
+            one_life = total.regions is None
+            numbered.append((total, total.number(task.region)))
+            if one_life and total.regions is not None and total.by_life(node):
                 self._watching.append(total)
-            numbered.append((total, total.made))
-            total.made += 1
             total.sites += 1
         task.sums = tuple(numbered)
 
