@@ -2332,7 +2332,7 @@ class OOOHandle(_PassTracking):
             total.run_pending = self._pending_runner()
             if total.added:
                 p.grad = None
-            if total.reach is None:  # (not watching already: autocast lives, in_region)
+            if total.reach is None:  # (not watching already: a sum by life, by_life)
                 self._watching.append(total)
         total.keep_to_graph(node, graph)
 
