@@ -5049,3 +5049,89 @@ def test_autocast_sites_after_a_one_site_backward_are_added_in_turn_as_documente
             torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}")
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of ooo.py's single-process half (session 43): each test below
+# fails on a mutant of ooo.py (lines 1 to the data-parallel section) that the
+# rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+def test_embedding_max_norm_renormalises_by_its_norm_type_as_torch():
+    """max_norm renormalises the looked-up rows in place by the module's
+    norm_type (here the 1-norm): the table after the forward, the output and
+    dW are torch's bits (the 2-norm renormalised other rows, other values)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(6, 4, max_norm=1.0, norm_type=1.0), nn.Flatten(),
+                        nn.Linear(12, 2))
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    idx = torch.tensor([[1, 3, 5], [2, 3, 0]])
+    outs = [net(idx) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(model[0].weight, ref[0].weight)
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+def test_simulated_idle_time_is_the_makespan_less_each_devices_busy_time():
+    """SimResult.idle[d] = makespan - busy[d], worked by hand for Figure 5's
+    conventional schedule (8 unit layers on 2 GPUs, 23 units): GPU 0 computes
+    4 forwards, 3 dO (layer 0 has none) and 4 dW, 11 units, idle 12; GPU 1
+    4 + 4 + 4 = 12, idle 11."""
+    r = ooo.simulate(8, num_stages=2)
+    assert r.makespan == 23 and r.busy == [11.0, 12.0]
+    assert r.idle == [12.0, 11.0]
+
+
+def test_a_storage_read_by_three_tasks_is_charged_whole_with_its_remainder():
+    """A storage whose bytes three readers do not divide evenly is charged in
+    full: the remainder goes one byte each to the first readers, so the
+    charges still sum to what deferring every task holds (140 bytes of input
+    read by three Linears: 47 + 47 + 46 beside their output gradients)."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(7, 7) for _ in range(3)])
+    x = torch.randn(5, 7)
+
+    def step():
+        sum(layer(x) for layer in model).pow(2).sum().backward()
+
+    charged, total = _profiled_bytes(model, step)
+    assert sum(charged.values()) == total
+
+
+def test_a_tensor_hook_beside_forward_fusions_check_gets_the_summed_gradient():
+    """A parameter with forward fusion's check and a tensor hook of the
+    user's: the hook must get autograd's summed gradient once per backward,
+    and what it returns is what .grad and the update take. The dW of such a
+    parameter goes to autograd (only a parameter whose hooks are all the
+    fusion's check defers it): deferred, the task called the user's hook
+    once per site and dropped what it returned (the doubled gradient)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 4)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (ref, model)]
+    fused = [reprop.fuse(net, opt, mode="forward") for net, opt in zip((ref, model), opts)]
+    calls = {ref: 0, model: 0}
+
+    def doubled(g, net):
+        calls[net] += 1
+        return g * 2
+
+    for net in (ref, model):
+        net.weight.register_hook(lambda g, net=net: doubled(g, net))
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        for net, opt in zip((ref, model), opts):
+            net(net(x)).pow(2).sum().backward()  # the weight read at two sites
+            opt.step()
+            opt.zero_grad()
+    for f in fused:
+        f.flush()
+    assert calls[model] == calls[ref] == 3
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b, a), name
