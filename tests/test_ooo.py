@@ -5135,3 +5135,71 @@ def test_a_tensor_hook_beside_forward_fusions_check_gets_the_summed_gradient():
     assert calls[model] == calls[ref] == 3
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(b, a), name
+
+
+def test_the_profile_keeps_each_timed_pass_and_cuts_by_the_median():
+    """Each profiling pass adds its main-stream times (from one stamp to the
+    next, the last closing the pass) to the profile's, in a new profile, and
+    the regions are cut by each task's median over the passes: one slow pass
+    (a page fault, another process) moves no cut. Kept from the last pass
+    alone, the medians were that pass's times."""
+    a, b = (0, 0), (1, 0)
+    prof = first = ooo._Profile()
+    for marks in ([(a, 0.0), (b, 1.0), (None, 2.0)],
+                  [(a, 10.0), (b, 15.0), (None, 16.0)],
+                  [(a, 20.0), (b, 22.0), (None, 25.0)]):
+        prof = prof.with_times(marks, {a: 8})
+    assert first.main == {} and prof.nbytes == {a: 8}
+    assert prof.main == {a: [1.0, 5.0, 2.0], b: [1.0, 1.0, 3.0]}
+    assert ooo._cut_regions(prof, 2).main.tolist() == [2.0, 1.0]
+
+
+def test_corun_profile_defers_tasks_that_fill_the_cap_exactly():
+    """The cap is what deferred tasks may hold: bytes that reach it exactly
+    are held (two tasks of 10 under a cap of 20 both move in the first
+    co-run pass, the third stays); refused at equality, the second stayed."""
+    corun = ooo._CoRun({("k", r): r for r in range(3)}, 3,
+                       nbytes={("k", r): 10 for r in range(3)}, cap=20)
+    corun.pass_ = 1
+    assert corun.regions() == {("k", 0): 1, ("k", 1): 2, ("k", 2): 2}
+
+
+def test_simulated_layers_may_take_no_time():
+    """A time of 0 is a time (a layer without weights has no dW): by hand, 3
+    unit forwards and the dO of layers 2 and 1 (layer 0's is not needed)
+    take 5 units when dW takes none; refusing 0 refused that model."""
+    assert ooo.simulate(3, weight_grad=0).makespan == 5
+    assert ooo.simulate(3, fwd=[0, 1, 0], weight_grad=[0, 0, 1]).makespan == 4
+
+
+def test_reverse_first_k_refuses_a_fraction_of_a_byte():
+    """Memory sizes are whole bytes: 1.5 would be truncated to 1 by the
+    core's int64, a silently different cap."""
+    with pytest.raises(ValueError, match=r"^mem_out_grad: expected whole numbers of bytes >= 0, "
+                                         r"got \[1.5, 1.0\]"):
+        ooo.reverse_first_k(2, 1, [1.5, 1.0], [1, 1])
+    assert ooo.reverse_first_k(2, 1, [2.0, 1.0], [1, 1]) == ooo.reverse_first_k(2, 1, [2, 1], [1, 1])
+
+
+def test_capture_and_replay_refuse_an_input_on_another_device():
+    """Every input of a capture is on one device, and a replay's are where
+    the captured ones are (a meta tensor stands for another device on a
+    CPU-only machine): named, before any copy."""
+    with pytest.raises(ValueError, match=r"^inputs\[1\]: expected every input on cpu, got meta"):
+        ooo.capture(print, torch.zeros(2), torch.zeros(2, device="meta"))
+    captured = ooo.capture(lambda x: x * 2, torch.zeros(2), warmup=1)
+    with pytest.raises(ValueError, match=r"^inputs\[0\]: expected torch.float32 on cpu as "
+                                         r"captured, got torch.float32 on meta"):
+        captured(torch.zeros(2, device="meta"))
+    assert torch.equal(captured(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_captured_step_on_cpu_refuses_an_output_of_another_dtype():
+    """A replay writes into the captured output, whose dtype is fixed: an
+    output that comes back in another dtype is refused, not cast into it."""
+    captured = ooo.capture(lambda x: x.double() if x.sum() > 0 else x.clone(), torch.zeros(2),
+                           warmup=1)
+    captured(torch.zeros(2))
+    with pytest.raises(RuntimeError, match=r"^step: output 0 was \(2,\) torch.float32 on cpu at "
+                                           r"its first call, now \(2,\) torch.float64 on cpu"):
+        captured(torch.ones(2))
