@@ -5203,3 +5203,30 @@ def test_a_captured_step_on_cpu_refuses_an_output_of_another_dtype():
     with pytest.raises(RuntimeError, match=r"^step: output 0 was \(2,\) torch.float32 on cpu at "
                                            r"its first call, now \(2,\) torch.float64 on cpu"):
         captured(torch.ones(2))
+
+
+@pytest.mark.parametrize("untracked", ["made_without", "turned_off_after"])
+def test_batch_norm_in_eval_without_tracking_normalizes_as_torch(untracked):
+    """torch's _BatchNorm.forward in eval mode: without running statistics
+    (track_running_stats=False at construction) it normalizes with the
+    batch's, and with them but tracking turned off since, with the running
+    ones. The split took eval mode as "running statistics" in the first case
+    and dropped them in the second: both raised "running_mean must be
+    defined in evaluation mode" where torch trains."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3),
+                        nn.BatchNorm1d(3, track_running_stats=untracked == "turned_off_after"))
+    if untracked == "turned_off_after":
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+        ref[1].track_running_stats = False
+    ref.eval()
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x = torch.randn(5, 4)
+    outs = [net(x) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
