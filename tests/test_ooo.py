@@ -5230,3 +5230,22 @@ def test_batch_norm_in_eval_without_tracking_normalizes_as_torch(untracked):
         out.pow(2).sum().backward()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(b.grad, a.grad), name
+
+
+class _SelfLinked:
+    """A plain record (no dataclass: every attribute is a field) that refers to itself."""
+
+    def __init__(self, loss):
+        self.loss, self.me = loss, self
+
+
+def test_a_captured_step_on_cpu_overwrites_a_plain_record_that_refers_to_itself():
+    """A record's attributes are written once each: an object of the step's
+    outputs whose attribute is itself (a parent or self link) is written,
+    not recursed into for ever (RecursionError); its loss is this call's.
+    (A dataclass's extra attribute is no field: the dataclass case never
+    reached the guard.)"""
+    captured = ooo.capture(lambda x: _SelfLinked(x.sum()), torch.zeros(3), warmup=1)
+    first = captured(torch.zeros(3))
+    got = captured(torch.ones(3))
+    assert got is first and got.me is got and got.loss.item() == 3.0
