@@ -5249,3 +5249,31 @@ def test_a_captured_step_on_cpu_overwrites_a_plain_record_that_refers_to_itself(
     first = captured(torch.zeros(3))
     got = captured(torch.ones(3))
     assert got is first and got.me is got and got.loss.item() == 3.0
+
+
+class _StandardizedConv(nn.Conv2d):
+    """Weight standardization through the hook torch's Conv2d.forward calls:
+    the class keeps torch's forward, and computes another output."""
+
+    def _conv_forward(self, x, weight, bias):
+        mean = weight.mean((1, 2, 3), keepdim=True)
+        return super()._conv_forward(x, weight - mean, bias)
+
+
+def test_a_subclass_that_keeps_torchs_forward_runs_plain():
+    """Exact types only: a subclass of a split type computes what its own
+    methods say (here the weight standardized in _conv_forward, which
+    Conv2d.forward calls), so it runs plain autograd beside a split layer;
+    split by isinstance, its output was the raw weight's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_StandardizedConv(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    assert [site.module for site in handle.sites] == [model[2]]
+    x = torch.randn(2, 2, 4, 4)
+    outs = [net(x) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
