@@ -5087,22 +5087,6 @@ def test_simulated_idle_time_is_the_makespan_less_each_devices_busy_time():
     assert r.idle == [12.0, 11.0]
 
 
-def test_a_storage_read_by_three_tasks_is_charged_whole_with_its_remainder():
-    """A storage whose bytes three readers do not divide evenly is charged in
-    full: the remainder goes one byte each to the first readers, so the
-    charges still sum to what deferring every task holds (140 bytes of input
-    read by three Linears: 47 + 47 + 46 beside their output gradients)."""
-    torch.manual_seed(0)
-    model = nn.ModuleList([nn.Linear(7, 7) for _ in range(3)])
-    x = torch.randn(5, 7)
-
-    def step():
-        sum(layer(x) for layer in model).pow(2).sum().backward()
-
-    charged, total = _profiled_bytes(model, step)
-    assert sum(charged.values()) == total
-
-
 def test_a_tensor_hook_beside_forward_fusions_check_gets_the_summed_gradient():
     """A parameter with forward fusion's check and a tensor hook of the
     user's: the hook must get autograd's summed gradient once per backward,
