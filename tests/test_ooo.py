@@ -5261,3 +5261,11 @@ def test_a_subclass_that_keeps_torchs_forward_runs_plain():
         out.pow(2).sum().backward()
     for (name, a), b in zip(ref.named_parameters(), model.parameters()):
         assert torch.equal(b.grad, a.grad), name
+
+
+def test_a_speedup_of_zero_is_refused():
+    """A speedup is a ratio of times, so 0 is none (the boundary the
+    negative values of test_bad_arguments leave open): refused at enable()."""
+    with pytest.raises(ValueError, match=r"^speedup: speedup\(0, 0\) = 0; expected a finite "
+                                         r"number > 0"):
+        ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: 0)
