@@ -5269,3 +5269,33 @@ def test_a_speedup_of_zero_is_refused():
     with pytest.raises(ValueError, match=r"^speedup: speedup\(0, 0\) = 0; expected a finite "
                                          r"number > 0"):
         ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: 0)
+
+
+def test_deterministic_algorithms_run_a_shared_weights_dw_in_backward_order(monkeypatch):
+    """README: under torch.use_deterministic_algorithms a shared weight's dW
+    that is due first runs the weight's earlier dW that the schedule moved
+    later. The schedule moves region 0's dW (the weight's first in
+    backward) to the last region; each later one, due in its own region,
+    takes it along first, so they run numbered 0, 1, 2, 3. (Summed by
+    number anyway, the gradient alone did not tell: the earlier one ran last,
+    the later ones waiting for it, each a tensor of the weight's size.)"""
+    ran = []
+    run = ooo._Task.run
+
+    def noted(task):
+        if task.site.module is model.l and task.sums[0] is not None:
+            ran.append(task.sums[0][1])
+        run(task)
+
+    monkeypatch.setattr(ooo._Task, "run", noted)
+    torch.manual_seed(0)
+    model = _Unrolled()
+    with _deterministic(True):
+        handle = ooo.enable(model, regions=4, profile_iters=2, max_extra_memory=1.0,
+                            speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0)
+        for _ in range(handle._profile_passes()):
+            model(torch.randn(32, 16)).pow(2).sum().backward()
+        assert handle.schedule is not None and handle.schedule["moved"] > 0
+        ran.clear()
+        model(torch.randn(32, 16)).pow(2).sum().backward()
+    assert ran == [0, 1, 2, 3]
