@@ -5299,3 +5299,18 @@ def test_deterministic_algorithms_run_a_shared_weights_dw_in_backward_order(monk
         ran.clear()
         model(torch.randn(32, 16)).pow(2).sum().backward()
     assert ran == [0, 1, 2, 3]
+
+
+def test_a_speedup_function_is_read_on_the_diagonal_too():
+    """A dW may run in its own region: Algorithm 1 reads speedup(r, r) as
+    given (here 0.5) and only the pairs i < r, which no dW reaches, as 1.
+    Read as 1 on the diagonal too, the schedule ignored what the user said
+    of a dW beside its own region."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    handle = ooo.enable(model, regions=2, profile_iters=2,
+                        speedup=lambda r, i: 0.5 if r == i else 2.0)
+    for _ in range(handle._profile_passes()):
+        model(torch.randn(4, 8)).sum().backward()
+    assert handle.schedule is not None
+    assert handle.schedule["speedup"] == [[0.5, 2.0], [1.0, 0.5]]
