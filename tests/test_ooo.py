@@ -5138,16 +5138,6 @@ def test_the_profile_keeps_each_timed_pass_and_cuts_by_the_median():
     assert ooo._cut_regions(prof, 2).main.tolist() == [2.0, 1.0]
 
 
-def test_corun_profile_defers_tasks_that_fill_the_cap_exactly():
-    """The cap is what deferred tasks may hold: bytes that reach it exactly
-    are held (two tasks of 10 under a cap of 20 both move in the first
-    co-run pass, the third stays); refused at equality, the second stayed."""
-    corun = ooo._CoRun({("k", r): r for r in range(3)}, 3,
-                       nbytes={("k", r): 10 for r in range(3)}, cap=20)
-    corun.pass_ = 1
-    assert corun.regions() == {("k", 0): 1, ("k", 1): 2, ("k", 2): 2}
-
-
 def test_simulated_layers_may_take_no_time():
     """A time of 0 is a time (a layer without weights has no dW): by hand, 3
     unit forwards and the dO of layers 2 and 1 (layer 0's is not needed)
