@@ -5049,3 +5049,258 @@ def test_autocast_sites_after_a_one_site_backward_are_added_in_turn_as_documente
             torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}")
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of ooo.py's single-process half (session 43): each test below
+# fails on a mutant of ooo.py (lines 1 to the data-parallel section) that the
+# rest of this file let pass.
+# ---------------------------------------------------------------------------
+
+
+def test_embedding_max_norm_renormalises_by_its_norm_type_as_torch():
+    """max_norm renormalises the looked-up rows in place by the module's
+    norm_type (here the 1-norm): the table after the forward, the output and
+    dW are torch's bits (the 2-norm renormalised other rows, other values)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Embedding(6, 4, max_norm=1.0, norm_type=1.0), nn.Flatten(),
+                        nn.Linear(12, 2))
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    idx = torch.tensor([[1, 3, 5], [2, 3, 0]])
+    outs = [net(idx) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    assert torch.equal(model[0].weight, ref[0].weight)
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+def test_simulated_idle_time_is_the_makespan_less_each_devices_busy_time():
+    """SimResult.idle[d] = makespan - busy[d], worked by hand for Figure 5's
+    conventional schedule (8 unit layers on 2 GPUs, 23 units): GPU 0 computes
+    4 forwards, 3 dO (layer 0 has none) and 4 dW, 11 units, idle 12; GPU 1
+    4 + 4 + 4 = 12, idle 11."""
+    r = ooo.simulate(8, num_stages=2)
+    assert r.makespan == 23 and r.busy == [11.0, 12.0]
+    assert r.idle == [12.0, 11.0]
+
+
+def test_a_tensor_hook_beside_forward_fusions_check_gets_the_summed_gradient():
+    """A parameter with forward fusion's check and a tensor hook of the
+    user's: the hook must get autograd's summed gradient once per backward,
+    and what it returns is what .grad and the update take. The dW of such a
+    parameter goes to autograd (only a parameter whose hooks are all the
+    fusion's check defers it): deferred, the task called the user's hook
+    once per site and dropped what it returned (the doubled gradient)."""
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 4)
+    model = copy.deepcopy(ref)
+    ooo.enable(model, order="conventional")
+    opts = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (ref, model)]
+    fused = [reprop.fuse(net, opt, mode="forward") for net, opt in zip((ref, model), opts)]
+    calls = {ref: 0, model: 0}
+
+    def doubled(g, net):
+        calls[net] += 1
+        return g * 2
+
+    for net in (ref, model):
+        net.weight.register_hook(lambda g, net=net: doubled(g, net))
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        for net, opt in zip((ref, model), opts):
+            net(net(x)).pow(2).sum().backward()  # the weight read at two sites
+            opt.step()
+            opt.zero_grad()
+    for f in fused:
+        f.flush()
+    assert calls[model] == calls[ref] == 3
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b, a), name
+
+
+def test_the_profile_keeps_each_timed_pass_and_cuts_by_the_median():
+    """Each profiling pass adds its main-stream times (from one stamp to the
+    next, the last closing the pass) to the profile's, in a new profile, and
+    the regions are cut by each task's median over the passes: one slow pass
+    (a page fault, another process) moves no cut. Kept from the last pass
+    alone, the medians were that pass's times."""
+    a, b = (0, 0), (1, 0)
+    prof = first = ooo._Profile()
+    for marks in ([(a, 0.0), (b, 1.0), (None, 2.0)],
+                  [(a, 10.0), (b, 15.0), (None, 16.0)],
+                  [(a, 20.0), (b, 22.0), (None, 25.0)]):
+        prof = prof.with_times(marks, {a: 8})
+    assert first.main == {} and prof.nbytes == {a: 8}
+    assert prof.main == {a: [1.0, 5.0, 2.0], b: [1.0, 1.0, 3.0]}
+    assert ooo._cut_regions(prof, 2).main.tolist() == [2.0, 1.0]
+
+
+def test_simulated_layers_may_take_no_time():
+    """A time of 0 is a time (a layer without weights has no dW): by hand, 3
+    unit forwards and the dO of layers 2 and 1 (layer 0's is not needed)
+    take 5 units when dW takes none; refusing 0 refused that model."""
+    assert ooo.simulate(3, weight_grad=0).makespan == 5
+    assert ooo.simulate(3, fwd=[0, 1, 0], weight_grad=[0, 0, 1]).makespan == 4
+
+
+def test_reverse_first_k_refuses_a_fraction_of_a_byte():
+    """Memory sizes are whole bytes: 1.5 would be truncated to 1 by the
+    core's int64, a silently different cap."""
+    with pytest.raises(ValueError, match=r"^mem_out_grad: expected whole numbers of bytes >= 0, "
+                                         r"got \[1.5, 1.0\]"):
+        ooo.reverse_first_k(2, 1, [1.5, 1.0], [1, 1])
+    assert ooo.reverse_first_k(2, 1, [2.0, 1.0], [1, 1]) == ooo.reverse_first_k(2, 1, [2, 1], [1, 1])
+
+
+def test_capture_and_replay_refuse_an_input_on_another_device():
+    """Every input of a capture is on one device, and a replay's are where
+    the captured ones are (a meta tensor stands for another device on a
+    CPU-only machine): named, before any copy."""
+    with pytest.raises(ValueError, match=r"^inputs\[1\]: expected every input on cpu, got meta"):
+        ooo.capture(print, torch.zeros(2), torch.zeros(2, device="meta"))
+    captured = ooo.capture(lambda x: x * 2, torch.zeros(2), warmup=1)
+    with pytest.raises(ValueError, match=r"^inputs\[0\]: expected torch.float32 on cpu as "
+                                         r"captured, got torch.float32 on meta"):
+        captured(torch.zeros(2, device="meta"))
+    assert torch.equal(captured(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_a_captured_step_on_cpu_refuses_an_output_of_another_dtype():
+    """A replay writes into the captured output, whose dtype is fixed: an
+    output that comes back in another dtype is refused, not cast into it."""
+    captured = ooo.capture(lambda x: x.double() if x.sum() > 0 else x.clone(), torch.zeros(2),
+                           warmup=1)
+    captured(torch.zeros(2))
+    with pytest.raises(RuntimeError, match=r"^step: output 0 was \(2,\) torch.float32 on cpu at "
+                                           r"its first call, now \(2,\) torch.float64 on cpu"):
+        captured(torch.ones(2))
+
+
+@pytest.mark.parametrize("untracked", ["made_without", "turned_off_after"])
+def test_batch_norm_in_eval_without_tracking_normalizes_as_torch(untracked):
+    """torch's _BatchNorm.forward in eval mode: without running statistics
+    (track_running_stats=False at construction) it normalizes with the
+    batch's, and with them but tracking turned off since, with the running
+    ones. The split took eval mode as "running statistics" in the first case
+    and dropped them in the second: both raised "running_mean must be
+    defined in evaluation mode" where torch trains."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 3),
+                        nn.BatchNorm1d(3, track_running_stats=untracked == "turned_off_after"))
+    if untracked == "turned_off_after":
+        ref[1].running_mean.uniform_(-1, 1)
+        ref[1].running_var.uniform_(0.5, 2)
+        ref[1].track_running_stats = False
+    ref.eval()
+    model = copy.deepcopy(ref)
+    ooo.enable(model)
+    x = torch.randn(5, 4)
+    outs = [net(x) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+class _SelfLinked:
+    """A plain record (no dataclass: every attribute is a field) that refers to itself."""
+
+    def __init__(self, loss):
+        self.loss, self.me = loss, self
+
+
+def test_a_captured_step_on_cpu_overwrites_a_plain_record_that_refers_to_itself():
+    """A record's attributes are written once each: an object of the step's
+    outputs whose attribute is itself (a parent or self link) is written,
+    not recursed into for ever (RecursionError); its loss is this call's.
+    (A dataclass's extra attribute is no field: the dataclass case never
+    reached the guard.)"""
+    captured = ooo.capture(lambda x: _SelfLinked(x.sum()), torch.zeros(3), warmup=1)
+    first = captured(torch.zeros(3))
+    got = captured(torch.ones(3))
+    assert got is first and got.me is got and got.loss.item() == 3.0
+
+
+class _StandardizedConv(nn.Conv2d):
+    """Weight standardization through the hook torch's Conv2d.forward calls:
+    the class keeps torch's forward, and computes another output."""
+
+    def _conv_forward(self, x, weight, bias):
+        mean = weight.mean((1, 2, 3), keepdim=True)
+        return super()._conv_forward(x, weight - mean, bias)
+
+
+def test_a_subclass_that_keeps_torchs_forward_runs_plain():
+    """Exact types only: a subclass of a split type computes what its own
+    methods say (here the weight standardized in _conv_forward, which
+    Conv2d.forward calls), so it runs plain autograd beside a split layer;
+    split by isinstance, its output was the raw weight's."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(_StandardizedConv(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, order="conventional")
+    assert [site.module for site in handle.sites] == [model[2]]
+    x = torch.randn(2, 2, 4, 4)
+    outs = [net(x) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(b.grad, a.grad), name
+
+
+def test_a_speedup_of_zero_is_refused():
+    """A speedup is a ratio of times, so 0 is none (the boundary the
+    negative values of test_bad_arguments leave open): refused at enable()."""
+    with pytest.raises(ValueError, match=r"^speedup: speedup\(0, 0\) = 0; expected a finite "
+                                         r"number > 0"):
+        ooo.enable(nn.Linear(2, 2), speedup=lambda r, i: 0)
+
+
+def test_deterministic_algorithms_run_a_shared_weights_dw_in_backward_order(monkeypatch):
+    """README: under torch.use_deterministic_algorithms a shared weight's dW
+    that is due first runs the weight's earlier dW that the schedule moved
+    later. The schedule moves region 0's dW (the weight's first in
+    backward) to the last region; each later one, due in its own region,
+    takes it along first, so they run numbered 0, 1, 2, 3. (Summed by
+    number anyway, the gradient alone did not tell: the earlier one ran last,
+    the later ones waiting for it, each a tensor of the weight's size.)"""
+    ran = []
+    run = ooo._Task.run
+
+    def noted(task):
+        if task.site.module is model.l and task.sums[0] is not None:
+            ran.append(task.sums[0][1])
+        run(task)
+
+    monkeypatch.setattr(ooo._Task, "run", noted)
+    torch.manual_seed(0)
+    model = _Unrolled()
+    with _deterministic(True):
+        handle = ooo.enable(model, regions=4, profile_iters=2, max_extra_memory=1.0,
+                            speedup=lambda r, i: 2.0 if (r, i) == (0, 3) else 1.0)
+        for _ in range(handle._profile_passes()):
+            model(torch.randn(32, 16)).pow(2).sum().backward()
+        assert handle.schedule is not None and handle.schedule["moved"] > 0
+        ran.clear()
+        model(torch.randn(32, 16)).pow(2).sum().backward()
+    assert ran == [0, 1, 2, 3]
+
+
+def test_a_speedup_function_is_read_on_the_diagonal_too():
+    """A dW may run in its own region: Algorithm 1 reads speedup(r, r) as
+    given (here 0.5) and only the pairs i < r, which no dW reaches, as 1.
+    Read as 1 on the diagonal too, the schedule ignored what the user said
+    of a dW beside its own region."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    handle = ooo.enable(model, regions=2, profile_iters=2,
+                        speedup=lambda r, i: 0.5 if r == i else 2.0)
+    for _ in range(handle._profile_passes()):
+        model(torch.randn(4, 8)).sum().backward()
+    assert handle.schedule is not None
+    assert handle.schedule["speedup"] == [[0.5, 2.0], [1.0, 0.5]]
