@@ -4109,3 +4109,13 @@ def test_saved_tensors_are_exactly_x_hx_weights_out_and_the_grus_bias_copies(kin
     want = [(50, 4, 3), (1, 4, 8), ((24 if kind == "gru" else 8), 3), ((24 if kind == "gru" else 8), 8),
             *biases, (50, 4, 8)]
     assert saved == want
+
+
+def test_max_levels_and_scan_levels_take_sizes_up_to_int32s_end():
+    """The core's sizes are int32s: 2**31 - 1 is taken, 2**31 refused by
+    name (one past the bound was let through to the C plan)."""
+    assert bppsa.max_levels(2**31 - 1) == 30
+    with pytest.raises(ValueError, match=r"^n: expected an int in \[1, 2147483647\], got 2147483648$"):
+        bppsa.max_levels(2**31)
+    with pytest.raises(ValueError, match=r"^batch: expected an int in \[0, 2147483647\], got 2147483648$"):
+        bppsa.scan_levels(5, 2**31, 1, 1)
