@@ -4119,3 +4119,22 @@ def test_max_levels_and_scan_levels_take_sizes_up_to_int32s_end():
         bppsa.max_levels(2**31)
     with pytest.raises(ValueError, match=r"^batch: expected an int in \[0, 2147483647\], got 2147483648$"):
         bppsa.scan_levels(5, 2**31, 1, 1)
+
+
+@pytest.mark.parametrize("shape, out", [((2, 5, 1), (3, -1)), ((2, 1, 5), (-1, 3))])
+def test_chain_conv_smaller_than_its_kernel_along_one_axis_is_refused_by_name(shape, out):
+    """A Conv2d input narrower than the kernel along either axis alone (the
+    other one fits) is refused naming the layer, before the C pattern builder."""
+    message = (rf"^layers\[0\]: Conv2d: an input of \(H, W\) = \({shape[1]}, {shape[2]}\) per sample, padded, "
+               rf"is smaller than the dilated kernel; the output would be \({out[0]}, {out[1]}\)$")
+    with pytest.raises(ValueError, match=message):
+        bppsa.ChainPlan([nn.Conv2d(2, 3, 3)], shape)
+
+
+def test_chain_flatten_refuses_an_end_dim_other_than_the_last():
+    """Flatten(1, 2) of a (C, H, W) sample keeps W apart: not one vector per
+    sample, refused naming end_dim (start_dim alone was checked)."""
+    layers = [nn.Conv2d(1, 2, 3), nn.Flatten(1, 2), nn.ReLU()]
+    with pytest.raises(ValueError, match=r"^layers\[1\]: only Flatten\(start_dim=1, end_dim=-1\) is supported "
+                                         r".*got start_dim=1, end_dim=2$"):
+        bppsa.ChainPlan(layers, (1, 6, 6))
