@@ -4017,3 +4017,124 @@ def test_fuzzed_chains_equal_autograd():
                 jacobian = bppsa.transposed_jacobian(layer, sample).to_dense()
                 assert torch.equal(jacobian, dense_transposed_jacobian(layer, sample)), (seed, layer)
             sample = layer(sample.unsqueeze(0))[0].detach()
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of python/reprop/bppsa.py's Python layer (session 43): each test below
+# kills a plausible bug no other test noticed
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_without_bias_every_layer_reads_its_own_weights(kind, bidirectional):
+    """bias=False has two weights per layer and direction in
+    _flat_weights_names, not four: a second layer (or reverse direction)
+    read at the biased stride took another's weights, or ran out of them.
+    One layer without bias (the test above) cannot tell."""
+    torch.manual_seed(7)
+    ref, ours = make_pair(kind, 3, 5, num_layers=3, bias=False, bidirectional=bidirectional)
+    dirs = 2 if bidirectional else 1
+    x, h0, w_out = torch.randn(6, 2, 3), torch.randn(3 * dirs, 2, 5), torch.randn(6, 2, 5 * dirs)
+    assert_close_lists(run(ours, x, h0, w_out), run(ref, x, h0, w_out))
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_input_of_no_step_is_refused_naming_it(batch_first):
+    """A sequence of no step (T = 0, B > 0) raises the module's own error
+    (a ValueError that is also nn's RuntimeError); only an empty batch
+    (B = 0) is torch's own empty result (test_module_empty_batch_is_torch_own)."""
+    ours = bppsa.GRU(2, 3, batch_first=batch_first)
+    x = torch.randn(4, 0, 2) if batch_first else torch.randn(0, 4, 2)
+    with pytest.raises(ValueError, match=r"^input: expected a sequence of at least one step$"):
+        ours(x)
+
+
+@pytest.mark.parametrize("kind", ["tanh", "gru"])
+def test_low_precision_input_under_bfloat16_amp_runs_as_nn(kind):
+    """Under autocast the input may be of another dtype than the weights
+    (bf16 activations into a float32 module), as nn.RNN's check allows:
+    the same outputs and gradients as nn, not a dtype refusal."""
+    torch.manual_seed(2)
+    ref, ours = make_pair(kind, 3, 4, num_layers=2)
+    x = torch.randn(5, 2, 3).bfloat16()
+    results = []
+    for module in (ref, ours):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, h = module(x)
+        (out.float().sum() + h.float().sum()).backward()
+        results.append([out, h, *(p.grad for p in module.parameters())])
+    for a, b in zip(*results):
+        assert a.dtype == b.dtype and rel_err(b.float(), a.float()) <= 1e-2
+
+
+@pytest.mark.parametrize("choice", ["linear", "blelloch", 2])
+def test_a_forced_choice_is_the_one_the_backward_runs(choice):
+    """scan="linear", "blelloch" or a number of levels is what backward
+    runs, each with its own rounding: a one-layer tanh RNN's h0 gradient is
+    d[0] W_hh, d the scan's pre-activation gradient at those levels (public
+    bppsa.scan), bit for bit, and the three choices round apart here (so a
+    choice silently replaced by another is seen)."""
+    torch.manual_seed(0)
+    ours = bppsa.RNN(4, 6)
+    x, h0, w_out = torch.randn(40, 3, 4), torch.randn(1, 3, 6), torch.randn(40, 3, 6)
+
+    def h0_grads(scan):
+        ours.scan = scan
+        h = h0.clone().requires_grad_()
+        out, _ = ours(x, h)
+        (out * w_out).sum().backward()
+        with torch.no_grad():
+            d = bppsa.scan(w_out, w=ours.weight_hh_l0, activation="tanh", y=out, pre_activation=True,
+                           levels=scan)
+        return h.grad[0], d[0] @ ours.weight_hh_l0
+
+    got, want = h0_grads(choice)
+    assert torch.equal(got, want)
+    others = [h0_grads(other)[0] for other in ("linear", "blelloch", 2) if other != choice]
+    assert not any(torch.equal(got, other) for other in others)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_saved_tensors_are_exactly_x_hx_weights_out_and_the_grus_bias_copies(kind):
+    """What a layer saves, tensor by tensor (the bound above allows slack):
+    x, hx, W_ih, W_hh and out, as nn's backward keeps; the GRU also copies
+    of b_ih and b_hh (it recomputes its gates), the RNN no bias (its
+    Jacobians and gradients read none)."""
+    _, ours = make_pair(kind, 3, 8)
+    x = torch.randn(50, 4, 3, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        ours(x)
+    biases = [(24,), (24,)] if kind == "gru" else []
+    want = [(50, 4, 3), (1, 4, 8), ((24 if kind == "gru" else 8), 3), ((24 if kind == "gru" else 8), 8),
+            *biases, (50, 4, 8)]
+    assert saved == want
+
+
+def test_max_levels_and_scan_levels_take_sizes_up_to_int32s_end():
+    """The core's sizes are int32s: 2**31 - 1 is taken, 2**31 refused by
+    name (one past the bound was let through to the C plan)."""
+    assert bppsa.max_levels(2**31 - 1) == 30
+    with pytest.raises(ValueError, match=r"^n: expected an int in \[1, 2147483647\], got 2147483648$"):
+        bppsa.max_levels(2**31)
+    with pytest.raises(ValueError, match=r"^batch: expected an int in \[0, 2147483647\], got 2147483648$"):
+        bppsa.scan_levels(5, 2**31, 1, 1)
+
+
+@pytest.mark.parametrize("shape, out", [((2, 5, 1), (3, -1)), ((2, 1, 5), (-1, 3))])
+def test_chain_conv_smaller_than_its_kernel_along_one_axis_is_refused_by_name(shape, out):
+    """A Conv2d input narrower than the kernel along either axis alone (the
+    other one fits) is refused naming the layer, before the C pattern builder."""
+    message = (rf"^layers\[0\]: Conv2d: an input of \(H, W\) = \({shape[1]}, {shape[2]}\) per sample, padded, "
+               rf"is smaller than the dilated kernel; the output would be \({out[0]}, {out[1]}\)$")
+    with pytest.raises(ValueError, match=message):
+        bppsa.ChainPlan([nn.Conv2d(2, 3, 3)], shape)
+
+
+def test_chain_flatten_refuses_an_end_dim_other_than_the_last():
+    """Flatten(1, 2) of a (C, H, W) sample keeps W apart: not one vector per
+    sample, refused naming end_dim (start_dim alone was checked)."""
+    layers = [nn.Conv2d(1, 2, 3), nn.Flatten(1, 2), nn.ReLU()]
+    with pytest.raises(ValueError, match=r"^layers\[1\]: only Flatten\(start_dim=1, end_dim=-1\) is supported "
+                                         r".*got start_dim=1, end_dim=2$"):
+        bppsa.ChainPlan(layers, (1, 6, 6))
