@@ -4036,3 +4036,46 @@ def test_data_parallel_bucket_holds_a_run_of_exactly_its_cap(solo_group):
     assert [list(map(id, b.params)) for b in dp._buckets] == \
         [[id(m.weight), id(m.bias)] for m in reversed(model)]
     dp.remove()
+
+
+def test_pipeline_sends_a_slice_with_gaps_in_memory_order():
+    """The distinct elements of a span with gaps travel in memory order
+    (largest stride first), as the note on messages says: reads and writes
+    then run forward through memory on both ends. Mutant killed: the dims
+    sorted smallest stride first (the same values arrive, both ends agreeing,
+    read and written backwards through memory)."""
+    x = torch.randn(4, 6, 5)
+    for t in (x[:, ::2], x.transpose(0, 2)[:, :3]):
+        layout = _Layout.of_tensor(t)
+        assert layout.sent < layout.span, t.stride()
+        by_address = t.permute(sorted(range(t.dim()), key=t.stride().__getitem__, reverse=True))
+        assert torch.equal(layout.wire(t).reshape(-1), by_address.reshape(-1)), t.stride()
+
+
+def _check_pipeline_agreement_and_kept_headers(rank: int, world: int) -> None:
+    """costs that differ in their transfer time alone are refused as any
+    other cost (it orders the tasks too); and the headers kept are those of
+    the last _KEPT_INPUTS input shapes used: shape 1 seen again after
+    _KEPT_INPUTS others sends its headers anew (as many messages as its
+    first step), the shape used last does not."""
+    with pytest.raises(ValueError, match=r"^costs: differs between the ranks \(rank 0 vs rank 1\)"):
+        Pipeline(_blocks(), micro_batches=2, costs=dict(transfer=0.1 * (1 + rank)))
+    pipe = Pipeline(_blocks(), micro_batches=1, allocation="modulo")
+    x, t = torch.randn(ooo._KEPT_INPUTS + 1, WIDTH), torch.randn(ooo._KEPT_INPUTS + 1, WIDTH)
+    messages = {}
+    shapes = list(range(1, ooo._KEPT_INPUTS + 2))
+    for rows in shapes + [shapes[0], shapes[0]]:
+        pipe.step(x[:rows], t[:rows], F.mse_loss)
+        messages.setdefault(rows, []).append(pipe.messages)
+    first, again, kept = messages[shapes[0]]
+    assert again == first > kept, (rank, messages)
+    pipe.remove()
+
+
+def test_pipeline_costs_and_kept_headers_agree_on_every_rank():
+    """Mutants killed: the costs' digest without the transfer time (ranks
+    with different transfer times ran different programs unrefused); the
+    most recently used headers dropped in place of the least (a shape seen
+    again after _KEPT_INPUTS others was sent without headers: no error, the
+    two ends agree, but not the documented least-recently-used rule)."""
+    _spawn(_check_pipeline_agreement_and_kept_headers, 2, timeout=30)
