@@ -4079,3 +4079,27 @@ def test_pipeline_costs_and_kept_headers_agree_on_every_rank():
     again after _KEPT_INPUTS others was sent without headers: no error, the
     two ends agree, but not the documented least-recently-used rule)."""
     _spawn(_check_pipeline_agreement_and_kept_headers, 2, timeout=30)
+
+
+def _check_first_call_ties_in_module_order(rank: int, world: int) -> None:
+    """Rank 0 calls `branch` second, rank 1 calls `b` second: both have
+    first-call index 1 over the ranks, a tie broken in the model's module
+    order (b is registered before branch), so k = 2 holds a and b on every
+    rank; the gradients are DDP(find_unused_parameters=True)'s."""
+    torch.manual_seed(rank)
+    model = _Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = data_parallel(model, k=2)
+    x, t = _batch(rank, 0)
+    for net in (ref, model):
+        F.mse_loss(net(x, rank == 0), t).backward()
+    _assert_same(model, ref.module, "grad")
+    assert dp._held_modules == {model.a, model.b}, rank
+    dp.remove()
+
+
+def test_data_parallel_breaks_first_call_ties_in_module_order():
+    """Mutant killed: ties of the first-call order broken against the module
+    order (the same on every rank, so the gradients stayed DDP's: only the
+    layers held differed from the documented rule)."""
+    _spawn(_check_first_call_ties_in_module_order, 2)
