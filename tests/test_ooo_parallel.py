@@ -4103,3 +4103,16 @@ def test_data_parallel_breaks_first_call_ties_in_module_order():
     order (the same on every rank, so the gradients stayed DDP's: only the
     layers held differed from the documented rule)."""
     _spawn(_check_first_call_ties_in_module_order, 2)
+
+
+def test_pipeline_keeps_the_strides_of_overlapping_windows_spanning_their_element_count():
+    """Windows that overlap (not apart) and span exactly as many elements as
+    they hold travel as their span, with their strides (the note on
+    messages: "where their span holds at most the elements"), and are
+    rebuilt with them. Mutant killed: span < numel in place of <=, which
+    sent them contiguous (strides (4, 2, 1))."""
+    t = torch.randn(20).as_strided((2, 2, 2), (5, 1, 1))
+    layout = _Layout.of_tensor(t)
+    assert (layout.span, layout.sent, layout.strides, layout.contiguous) == (8, 8, (5, 1, 1), False)
+    received = layout.rebuilt(layout.wire(t).reshape(-1).clone())
+    assert torch.equal(received, t) and received.stride() == t.stride()
