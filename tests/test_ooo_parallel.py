@@ -3935,3 +3935,184 @@ def test_pipeline_steps_and_evaluations_of_one_input_keep_their_programs(solo_gr
             torch.testing.assert_close(pipe.evaluate(x, t, F.mse_loss), want, rtol=1e-6, atol=0)
             assert all(torch.equal(p.grad, b) for p, b in zip(pipe.parameters(), before))
     pipe.remove()
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of the distributed half of ooo.py (session 43): each test
+# below kills mutants of DataParallel / Pipeline that the tests above let live
+# ---------------------------------------------------------------------------
+
+
+def _check_group_without_rank_0(rank: int, world: int) -> None:
+    """A group of global ranks 1 and 2 (its rank 0 is global rank 1): the
+    search for k broadcasts its decision from the group's rank 0, which
+    collectives name by its global rank, and a Pipeline sends to its
+    stages' global ranks. Gradients and parameters are DDP's on the same
+    group (bitwise, 2 ranks), every step of the search, and the pipeline's
+    single-process training's. Global rank 0 takes no part."""
+    assert world == 3
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return
+    torch.manual_seed(rank)
+    model = _Net()
+    ref = DistributedDataParallel(copy.deepcopy(model), process_group=group)
+    dp = data_parallel(model, process_group=group, k="auto", search_iters=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(100):
+        x, t = _batch(rank, step)
+        _train_step(ref, ref_opt, x, t)
+        _train_step(model, opt, x, t)
+        _assert_same(model, ref.module, "grad")
+        ref_opt.step()
+        opt.step()
+        _assert_same(model, ref.module, "parameter")
+        if not dp.searching:
+            break
+    assert not dp.searching, "the search for k did not end in 100 iterations"
+    ks = [None] * 2
+    dist.all_gather_object(ks, dp.k, group=group)
+    assert ks[0] == ks[1], f"ranks chose different k: {ks}"
+    dp.remove()
+    ref_layers = _blocks()
+    pipe = Pipeline(_blocks(), micro_batches=2, process_group=group)
+    assert list(pipe.stage_of) == [0] * 4 + [1] * 4
+    x, t = _batch(0, 0)
+    F.mse_loss(nn.Sequential(*ref_layers)(x), t).backward()
+    loss = pipe.step(x, t, F.mse_loss)
+    assert (loss is not None) == (rank == 2)
+    _assert_pipeline_grads(pipe, ref_layers, f"rank {rank}")
+    pipe.remove()
+
+
+def test_data_parallel_and_pipeline_on_a_group_without_global_rank_0():
+    """Mutants killed: the search's broadcast naming the group's rank 0 as
+    global rank 0 (_global_rank ignoring the group), a Pipeline sending to
+    group ranks as if global ones. The group of ranks 0 and 1 that
+    test_parallel_edge_cases uses maps each rank to itself, so neither showed."""
+    _spawn(_check_group_without_rank_0, 3, timeout=30)
+
+
+def _compare_nested_no_sync(rank: int, world: int) -> None:
+    """no_sync() inside no_sync(): leaving the inner one keeps the outer's
+    local accumulation, as DDP's (which restores the flag it found): a
+    backward between the two exits stays local, the one after both averages
+    the sum. The inner exit set the flag to True, and that backward was
+    averaged (the sum then averaged twice: gradients off DDP's)."""
+    torch.manual_seed(rank)
+    model = _Net()
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    dp = data_parallel(model, k=2)
+    for net, handle in ((ref, ref), (model, dp)):
+        with handle.no_sync():
+            with handle.no_sync():
+                F.mse_loss(net(_batch(rank, 0)[0]), _batch(rank, 0)[1]).backward()
+            F.mse_loss(net(_batch(rank, 1)[0]), _batch(rank, 1)[1]).backward()
+        F.mse_loss(net(_batch(rank, 2)[0]), _batch(rank, 2)[1]).backward()
+    _assert_same(model, ref.module, "grad")
+    dp.remove()
+
+
+def test_data_parallel_nested_no_sync_stays_local_as_ddp():
+    """Mutant killed: no_sync() restoring True instead of the state it found."""
+    _spawn(_compare_nested_no_sync, 2)
+
+
+def test_data_parallel_bucket_holds_a_run_of_exactly_its_cap(solo_group):
+    """A run of parameters exactly `bucket_cap_mb` in size fills one bucket
+    (the cap is "at most"): with a cap of one Linear's weight and bias, each
+    bucket is one layer's, in reverse forward order. Mutant killed: the
+    cap compared with >= (each layer's weight and bias in buckets apart)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(3)))
+    ref = copy.deepcopy(model)
+    one_layer = (WIDTH * WIDTH + WIDTH) * 4 / 2 ** 20
+    dp = DataParallel(model, k=0, bucket_cap_mb=one_layer)
+    x, t = _batch(0, 0)
+    for net in (model, ref):
+        F.mse_loss(net(x), t).backward()
+    _assert_same(model, ref, "grad")
+    assert [list(map(id, b.params)) for b in dp._buckets] == \
+        [[id(m.weight), id(m.bias)] for m in reversed(model)]
+    dp.remove()
+
+
+def test_pipeline_sends_a_slice_with_gaps_in_memory_order():
+    """The distinct elements of a span with gaps travel in memory order
+    (largest stride first), as the note on messages says: reads and writes
+    then run forward through memory on both ends. Mutant killed: the dims
+    sorted smallest stride first (the same values arrive, both ends agreeing,
+    read and written backwards through memory)."""
+    x = torch.randn(4, 6, 5)
+    for t in (x[:, ::2], x.transpose(0, 2)[:, :3]):
+        layout = _Layout.of_tensor(t)
+        assert layout.sent < layout.span, t.stride()
+        by_address = t.permute(sorted(range(t.dim()), key=t.stride().__getitem__, reverse=True))
+        assert torch.equal(layout.wire(t).reshape(-1), by_address.reshape(-1)), t.stride()
+
+
+def _check_pipeline_agreement_and_kept_headers(rank: int, world: int) -> None:
+    """costs that differ in their transfer time alone are refused as any
+    other cost (it orders the tasks too); and the headers kept are those of
+    the last _KEPT_INPUTS input shapes used: shape 1 seen again after
+    _KEPT_INPUTS others sends its headers anew (as many messages as its
+    first step), the shape used last does not."""
+    with pytest.raises(ValueError, match=r"^costs: differs between the ranks \(rank 0 vs rank 1\)"):
+        Pipeline(_blocks(), micro_batches=2, costs=dict(transfer=0.1 * (1 + rank)))
+    pipe = Pipeline(_blocks(), micro_batches=1, allocation="modulo")
+    x, t = torch.randn(ooo._KEPT_INPUTS + 1, WIDTH), torch.randn(ooo._KEPT_INPUTS + 1, WIDTH)
+    messages = {}
+    shapes = list(range(1, ooo._KEPT_INPUTS + 2))
+    for rows in shapes + [shapes[0], shapes[0]]:
+        pipe.step(x[:rows], t[:rows], F.mse_loss)
+        messages.setdefault(rows, []).append(pipe.messages)
+    first, again, kept = messages[shapes[0]]
+    assert again == first > kept, (rank, messages)
+    pipe.remove()
+
+
+def test_pipeline_costs_and_kept_headers_agree_on_every_rank():
+    """Mutants killed: the costs' digest without the transfer time (ranks
+    with different transfer times ran different programs unrefused); the
+    most recently used headers dropped in place of the least (a shape seen
+    again after _KEPT_INPUTS others was sent without headers: no error, the
+    two ends agree, but not the documented least-recently-used rule)."""
+    _spawn(_check_pipeline_agreement_and_kept_headers, 2, timeout=30)
+
+
+def _check_first_call_ties_in_module_order(rank: int, world: int) -> None:
+    """Rank 0 calls `branch` second, rank 1 calls `b` second: both have
+    first-call index 1 over the ranks, a tie broken in the model's module
+    order (b is registered before branch), so k = 2 holds a and b on every
+    rank; the gradients are DDP(find_unused_parameters=True)'s."""
+    torch.manual_seed(rank)
+    model = _Branchy()
+    ref = DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    dp = data_parallel(model, k=2)
+    x, t = _batch(rank, 0)
+    for net in (ref, model):
+        F.mse_loss(net(x, rank == 0), t).backward()
+    _assert_same(model, ref.module, "grad")
+    assert dp._held_modules == {model.a, model.b}, rank
+    dp.remove()
+
+
+def test_data_parallel_breaks_first_call_ties_in_module_order():
+    """Mutant killed: ties of the first-call order broken against the module
+    order (the same on every rank, so the gradients stayed DDP's: only the
+    layers held differed from the documented rule)."""
+    _spawn(_check_first_call_ties_in_module_order, 2)
+
+
+def test_pipeline_keeps_the_strides_of_overlapping_windows_spanning_their_element_count():
+    """Windows that overlap (not apart) and span exactly as many elements as
+    they hold travel as their span, with their strides (the note on
+    messages: "where their span holds at most the elements"), and are
+    rebuilt with them. Mutant killed: span < numel in place of <=, which
+    sent them contiguous (strides (4, 2, 1))."""
+    t = torch.randn(20).as_strided((2, 2, 2), (5, 1, 1))
+    layout = _Layout.of_tensor(t)
+    assert (layout.span, layout.sent, layout.strides, layout.contiguous) == (8, 8, (5, 1, 1), False)
+    received = layout.rebuilt(layout.wire(t).reshape(-1).clone())
+    assert torch.equal(received, t) and received.stride() == t.stride()
