@@ -5366,3 +5366,50 @@ def test_random_against_torch(kind, seed):
     equals torch, bitwise or within rounding, and its documented differences
     left out by the generator)."""
     _FUZZ_CASES[kind](seed)
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of python/reprop/fad.py (session 43): behaviour no earlier
+# test pinned down, each checked against plain autograd or by weakref
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda h: torch.div(h, 0.75, rounding_mode="floor"), id="div_floor"),
+    pytest.param(lambda h: torch.div(h, 0.75, rounding_mode="trunc"), id="div_trunc"),
+])
+def test_audit_a_binary_op_with_other_keywords_is_no_chain_step(call):
+    """A binary op of the chain tables given a keyword other than alpha
+    (div's rounding_mode) is no chain step: its derivative is not the
+    table's (torch's backward of a rounded quotient is zeros)."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+
+    def grad_of(mode):
+        xr = x.clone().requires_grad_(True)
+        with mode:
+            y = call(torch.exp(xr))
+        (y * torch.linspace(-1, 1, 64)).sum().backward()
+        return y.detach(), xr.grad
+
+    y_ref, g_ref = grad_of(contextlib.nullcontext())
+    y, g = grad_of(fad.enabled(compose=True))
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+    assert not g.any()
+
+
+def test_audit_a_chain_does_not_keep_its_root_alive():
+    """The record of a chain tensor holds its root weakly (README: an
+    unnamed root ends the chain): a root nothing else holds dies while the
+    chain tensor lives, as under plain autograd (exp's node saves its
+    output, the Linear's its input and weight, neither the root)."""
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with fad.enabled(compose=True):
+        h = lin(x)
+        root = weakref.ref(h)
+        y = torch.exp(h)
+        del h
+        gc.collect()
+        assert root() is None
+    y.sum().backward()
+    assert lin.weight.grad is not None
