@@ -5413,3 +5413,30 @@ def test_audit_a_chain_does_not_keep_its_root_alive():
         assert root() is None
     y.sum().backward()
     assert lin.weight.grad is not None
+
+
+def test_audit_compose_under_no_grad_computes_no_derivative(monkeypatch):
+    """Under no_grad inside enabled(compose=True) an element-wise op is no
+    chain step: no derivative is computed (the activation kernels are asked
+    for none) and the mode records nothing, where a record would hold f'
+    as long as the output lives."""
+    calls = []
+    real = fad._C
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def fad_forward(self, *args):
+            calls.append(args[6])  # d_store
+            return real.fad_forward(*args)
+
+    monkeypatch.setattr(fad, "_C", Spy())
+    x = torch.randn(64, requires_grad=True)
+    mode = fad.enabled(compose=True)
+    with mode:
+        with torch.no_grad():
+            y = F.gelu(x) * torch.exp(x) + torch.sigmoid(x)
+        assert calls == [-1] and len(mode._chains.records) == 0
+    with torch.no_grad():  # (F.gelu rerouted to reprop's)
+        assert torch.equal(y, fad.gelu(x) * torch.exp(x) + torch.sigmoid(x))
