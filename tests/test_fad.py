@@ -5440,3 +5440,24 @@ def test_audit_compose_under_no_grad_computes_no_derivative(monkeypatch):
         assert calls == [-1] and len(mode._chains.records) == 0
     with torch.no_grad():  # (F.gelu rerouted to reprop's)
         assert torch.equal(y, fad.gelu(x) * torch.exp(x) + torch.sigmoid(x))
+
+
+def test_audit_autocast_runs_an_activation_at_the_dtype_torchs_would(monkeypatch):
+    """Where torch's op runs in float32 under autocast (softplus on CUDA's
+    float32 list: none of the activations is on the CPU's), reprop's casts
+    its 16-bit input up and computes there, as that op would. Simulated on
+    the CPU by having torch's op report float32 (_autocast_target)."""
+    monkeypatch.setattr(fad, "_autocast_target", lambda native, x: torch.float32)
+    x = torch.randn(32, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        y = fad.softplus(h)
+    assert h.dtype is torch.bfloat16 and y.dtype is torch.float32
+    h32 = h.detach().float().requires_grad_()
+    y_ref = fad.softplus(h32)
+    assert torch.equal(y, y_ref)
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    (gh,) = torch.autograd.grad(y, h, g)
+    (gh_ref,) = torch.autograd.grad(y_ref, h32, g)
+    assert gh.dtype is torch.bfloat16 and torch.equal(gh, gh_ref.bfloat16())
