@@ -5461,3 +5461,18 @@ def test_audit_autocast_runs_an_activation_at_the_dtype_torchs_would(monkeypatch
     (gh,) = torch.autograd.grad(y, h, g)
     (gh_ref,) = torch.autograd.grad(y_ref, h32, g)
     assert gh.dtype is torch.bfloat16 and torch.equal(gh, gh_ref.bfloat16())
+
+
+def test_audit_patch_again_drops_the_record_of_a_function_attribute_the_user_replaced():
+    """patch() again over a function attribute the user replaced with what
+    is no torch activation reroutes nothing there, and drops the earlier
+    record with it: the module's attributes are again those it had before
+    any patch() (a stale record, holding the old partial, went along in
+    every pickle and deepcopy of the model)."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
+    before = set(vars(layer))
+    fad.patch(layer)
+    assert set(vars(layer)) > before
+    layer.activation = F.relu
+    assert fad.patch(layer) == {}
+    assert set(vars(layer)) == before and layer.activation is F.relu
