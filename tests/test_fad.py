@@ -5476,3 +5476,22 @@ def test_audit_patch_again_drops_the_record_of_a_function_attribute_the_user_rep
     layer.activation = F.relu
     assert fad.patch(layer) == {}
     assert set(vars(layer)) == before and layer.activation is F.relu
+
+
+@pytest.mark.parametrize("name", ["silu", "mish", "hardswish", "elu"])
+def test_audit_in_place_write_bumps_the_version_as_torchs(name):
+    """An in-place activation writes x through the kernels' raw pointer,
+    which autograd does not see: reprop bumps x's version as torch's
+    in-place op does, so a node that saved x raises in backward, as under
+    torch, rather than use the overwritten values. x that needs no gradient
+    (saved by a product with a weight: no node of the activation's own,
+    whose mark_dirty would bump it too) included."""
+    ours, ref = getattr(fad, name), getattr(F, name)
+    x = torch.randn(64, requires_grad=True)
+    for fn in (ref, ours):
+        for h in (torch.exp(x), torch.randn(64)):
+            out = h if h.requires_grad else x * h  # exp saves its output, the product h
+            version = h._version
+            assert fn(h, inplace=True) is h and h._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
