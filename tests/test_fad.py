@@ -5495,3 +5495,18 @@ def test_audit_in_place_write_bumps_the_version_as_torchs(name):
             assert fn(h, inplace=True) is h and h._version > version
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 out.sum().backward()
+
+
+def test_audit_double_backward_through_a_quotient_by_a_chain_tensor_is_refused():
+    """x / (x * 2 + 1): a quotient by a chain tensor has a derivative that
+    varies with the root, though its divisor's is a constant: create_graph
+    is refused (the chain keeps no second derivative), not answered with
+    the first derivative taken for a constant (torch's second derivative
+    -4 / (2x + 1)^3 would be missing)."""
+    x = (torch.rand(8) + 0.5).requires_grad_()
+    with fad.enabled(compose=True):
+        y = x / (x * 2 + 1)
+    (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    torch.testing.assert_close(g, 1 / (2 * x.detach() + 1) ** 2)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
