@@ -5366,3 +5366,147 @@ def test_random_against_torch(kind, seed):
     equals torch, bitwise or within rounding, and its documented differences
     left out by the generator)."""
     _FUZZ_CASES[kind](seed)
+
+
+# ---------------------------------------------------------------------------
+# Mutation audit of python/reprop/fad.py (session 43): behaviour no earlier
+# test pinned down, each checked against plain autograd or by weakref
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda h: torch.div(h, 0.75, rounding_mode="floor"), id="div_floor"),
+    pytest.param(lambda h: torch.div(h, 0.75, rounding_mode="trunc"), id="div_trunc"),
+])
+def test_audit_a_binary_op_with_other_keywords_is_no_chain_step(call):
+    """A binary op of the chain tables given a keyword other than alpha
+    (div's rounding_mode) is no chain step: its derivative is not the
+    table's (torch's backward of a rounded quotient is zeros)."""
+    x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 3
+
+    def grad_of(mode):
+        xr = x.clone().requires_grad_(True)
+        with mode:
+            y = call(torch.exp(xr))
+        (y * torch.linspace(-1, 1, 64)).sum().backward()
+        return y.detach(), xr.grad
+
+    y_ref, g_ref = grad_of(contextlib.nullcontext())
+    y, g = grad_of(fad.enabled(compose=True))
+    assert torch.equal(y, y_ref) and torch.equal(g, g_ref)
+    assert not g.any()
+
+
+def test_audit_a_chain_does_not_keep_its_root_alive():
+    """The record of a chain tensor holds its root weakly (README: an
+    unnamed root ends the chain): a root nothing else holds dies while the
+    chain tensor lives, as under plain autograd (exp's node saves its
+    output, the Linear's its input and weight, neither the root)."""
+    lin = nn.Linear(16, 16)
+    x = torch.randn(4, 16)
+    with fad.enabled(compose=True):
+        h = lin(x)
+        root = weakref.ref(h)
+        y = torch.exp(h)
+        del h
+        gc.collect()
+        assert root() is None
+    y.sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_audit_compose_under_no_grad_computes_no_derivative(monkeypatch):
+    """Under no_grad inside enabled(compose=True) an element-wise op is no
+    chain step: no derivative is computed (the activation kernels are asked
+    for none) and the mode records nothing, where a record would hold f'
+    as long as the output lives."""
+    calls = []
+    real = fad._C
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def fad_forward(self, *args):
+            calls.append(args[6])  # d_store
+            return real.fad_forward(*args)
+
+    monkeypatch.setattr(fad, "_C", Spy())
+    x = torch.randn(64, requires_grad=True)
+    mode = fad.enabled(compose=True)
+    with mode:
+        with torch.no_grad():
+            y = F.gelu(x) * torch.exp(x) + torch.sigmoid(x)
+        assert calls == [-1] and len(mode._chains.records) == 0
+    with torch.no_grad():  # (F.gelu rerouted to reprop's)
+        assert torch.equal(y, fad.gelu(x) * torch.exp(x) + torch.sigmoid(x))
+
+
+def test_audit_autocast_runs_an_activation_at_the_dtype_torchs_would(monkeypatch):
+    """Where torch's op runs in float32 under autocast (softplus on CUDA's
+    float32 list: none of the activations is on the CPU's), reprop's casts
+    its 16-bit input up and computes there, as that op would. Simulated on
+    the CPU by having torch's op report float32 (_autocast_target)."""
+    monkeypatch.setattr(fad, "_autocast_target", lambda native, x: torch.float32)
+    x = torch.randn(32, 16)
+    w = torch.randn(16, 16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        y = fad.softplus(h)
+    assert h.dtype is torch.bfloat16 and y.dtype is torch.float32
+    h32 = h.detach().float().requires_grad_()
+    y_ref = fad.softplus(h32)
+    assert torch.equal(y, y_ref)
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    (gh,) = torch.autograd.grad(y, h, g)
+    (gh_ref,) = torch.autograd.grad(y_ref, h32, g)
+    assert gh.dtype is torch.bfloat16 and torch.equal(gh, gh_ref.bfloat16())
+
+
+def test_audit_patch_again_drops_the_record_of_a_function_attribute_the_user_replaced():
+    """patch() again over a function attribute the user replaced with what
+    is no torch activation reroutes nothing there, and drops the earlier
+    record with it: the module's attributes are again those it had before
+    any patch() (a stale record, holding the old partial, went along in
+    every pickle and deepcopy of the model)."""
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation="gelu", batch_first=True)
+    before = set(vars(layer))
+    fad.patch(layer)
+    assert set(vars(layer)) > before
+    layer.activation = F.relu
+    assert fad.patch(layer) == {}
+    assert set(vars(layer)) == before and layer.activation is F.relu
+
+
+@pytest.mark.parametrize("name", ["silu", "mish", "hardswish", "elu"])
+def test_audit_in_place_write_bumps_the_version_as_torchs(name):
+    """An in-place activation writes x through the kernels' raw pointer,
+    which autograd does not see: reprop bumps x's version as torch's
+    in-place op does, so a node that saved x raises in backward, as under
+    torch, rather than use the overwritten values. x that needs no gradient
+    (saved by a product with a weight: no node of the activation's own,
+    whose mark_dirty would bump it too) included."""
+    ours, ref = getattr(fad, name), getattr(F, name)
+    x = torch.randn(64, requires_grad=True)
+    for fn in (ref, ours):
+        for h in (torch.exp(x), torch.randn(64)):
+            out = h if h.requires_grad else x * h  # exp saves its output, the product h
+            version = h._version
+            assert fn(h, inplace=True) is h and h._version > version
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                out.sum().backward()
+
+
+def test_audit_double_backward_through_a_quotient_by_a_chain_tensor_is_refused():
+    """x / (x * 2 + 1): a quotient by a chain tensor has a derivative that
+    varies with the root, though its divisor's is a constant: create_graph
+    is refused (the chain keeps no second derivative), not answered with
+    the first derivative taken for a constant (torch's second derivative
+    -4 / (2x + 1)^3 would be missing)."""
+    x = (torch.rand(8) + 0.5).requires_grad_()
+    with fad.enabled(compose=True):
+        y = x / (x * 2 + 1)
+    (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+    torch.testing.assert_close(g, 1 / (2 * x.detach() + 1) ** 2)
+    with pytest.raises(RuntimeError, match="cannot be differentiated twice"):
+        torch.autograd.grad(y.sum(), x, create_graph=True)
