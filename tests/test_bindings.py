@@ -1787,3 +1787,42 @@ def test_optim_grad_pointers_sends_a_param_with_another_state_dict_to_python():
     assert _C.optim_grad_pointers(*args) is not None
     args[2] = {p: {}}
     assert _C.optim_grad_pointers(*args) is None
+
+
+# ---- mutation audit of the binding layer, csrc/pyutil.c and module.c (session 43): ----
+# ---- the mutants the two audits above planned and never ran.                        ----
+
+def _dense_chain(layers: int, n: int) -> list:
+    """csr_plan's leaves of `layers` dense n x n Linear Jacobians."""
+    indptr, indices, _ = _C.jacobian("linear", (n, n))
+    return [(n, n, indptr, indices, False, None, 0)] * layers
+
+
+def test_scan_and_the_csr_bindings_release_the_gil_around_their_work():
+    """module.c says each binding releases the GIL around the core's work;
+    scan, csr_plan, csr_run, csr_gradients and sched_graph were not tested
+    for it: each kept it unnoticed. Their arguments are made before the
+    call (NumPy releases the GIL filling large arrays); sched_graph's arrays
+    are lists, which NumPy converts holding it."""
+    T, B, H = 64, 8, 64
+    c, g = torch.randn(T, B, H), torch.empty(T, B, H)
+    jt = torch.randn(T, B, H, H) / H
+    leaves = _dense_chain(16, 128)
+    plan = _C.csr_plan(leaves, 0, 0, 1.0, 1.0, 1.0)
+    info, batch = _C.csr_plan_info(plan), 64
+    seq, shared = np.ones(info["seq_floats"] * batch, np.float32), np.ones(batch, np.float32)
+    out = [np.zeros((batch, 128), np.float32) for _ in leaves]
+    ptrs = [o.ctypes.data for o in out]
+    layers = 20000
+    spec = dict(_SPEC, layers=layers, micro=8, stages=4, order=1, fwd=[1.0] * layers,
+                out_grad=[1.0] * layers, weight_grad=[1.0] * layers)
+    calls = {  # name: (call, times a try: csr_gradients' copy takes about 0.3 ms)
+        "scan": (lambda: _C.scan(T, B, H, 0, 0, 0, 0, jt.data_ptr(), 0, 0, 0, c.data_ptr(), g.data_ptr(),
+                                 0, 0, 1), 8),
+        "csr_plan": (lambda: _C.csr_plan(leaves, 0, 0, 1.0, 1.0, 1.0), 8),
+        "csr_run": (lambda: _C.csr_run(plan, batch, seq.ctypes.data, shared.ctypes.data, 0, 0, 0, 0, 1), 8),
+        "csr_gradients": (lambda: _C.csr_gradients(plan, batch, seq.ctypes.data, ptrs, 1), 400),
+        "sched_graph": (lambda: _C.sched_graph(spec), 8),
+    }
+    for name, (call, times) in calls.items():
+        assert _lets_another_thread_run(lambda: [call() for _ in range(times)]), name
