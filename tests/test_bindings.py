@@ -1826,3 +1826,17 @@ def test_scan_and_the_csr_bindings_release_the_gil_around_their_work():
     }
     for name, (call, times) in calls.items():
         assert _lets_another_thread_run(lambda: [call() for _ in range(times)]), name
+
+
+# ---- mutation audit of python/reprop/_tensors.py (session 43) ----
+
+@pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
+def test_check_strided_calls_each_sparse_layout_sparse():
+    """_SPARSE_LAYOUTS lacking one of torch's five sparse layouts (BSC) named
+    a BSC gradient or operand a "non-strided" tensor, as mkldnn's is."""
+    x = torch.randn(4, 4)
+    for sparse in (x.to_sparse(), x.to_sparse_csr(), x.to_sparse_csc(), x.to_sparse_bsr((2, 2)),
+                   x.to_sparse_bsc((2, 2))):
+        with pytest.raises(RuntimeError, match=rf"^x: sparse tensors are not supported "
+                                               rf"\(got layout {sparse.layout}\)$"):
+            _tensors.check_strided(sparse, "x")
