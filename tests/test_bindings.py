@@ -1828,6 +1828,37 @@ def test_scan_and_the_csr_bindings_release_the_gil_around_their_work():
         assert _lets_another_thread_run(lambda: [call() for _ in range(times)]), name
 
 
+
+def test_a_conv2d_geometry_of_another_length_is_refused():
+    """geometry is the 15 fields of rp_conv2d_geom: a tuple of 16 (a field
+    too many, or the fields of another layer) is refused as one of 14 is,
+    not read as its first 15."""
+    geometry = (1, 4, 4, 2, 4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1)
+    for kind in ("conv2d", "maxpool2d"):
+        for wrong in (geometry[:-1], geometry + (1,)):
+            with pytest.raises(TypeError, match=r"^geometry: expected a tuple \(c_in, h_in, w_in, c_out, h_out, "
+                                                r"w_out, kh, kw, sh, sw, ph, pw, dh, dw, groups\)$"):
+                _C.jacobian(kind, wrong)
+
+
+def test_csr_plan_refuses_index_arrays_of_another_dtype():
+    """A leaf's indptr, indices and value_map are read in place as int32: an
+    int64, uint32 or float32 array (the last two of the same size) is
+    refused, not read as int32 bits."""
+    indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
+    for dtype in (np.int64, np.uint32, np.float32):
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indptr: expected a C-contiguous, aligned int32 "
+                                             "array of 3 elements in native byte order$"):
+            _C.csr_plan([(2, 2, indptr.astype(dtype), indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indices: expected a C-contiguous, aligned 1-D "
+                                             "int32 array in native byte order$"):
+            _C.csr_plan([(2, 2, indptr, indices.astype(dtype), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: value_map: expected a C-contiguous, aligned "
+                                             "int32 array of 2 elements in native byte order$"):
+            _C.csr_plan([(2, 2, indptr, indices, True, indices.astype(dtype), 2)], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([(2, 2, indptr, indices, True, indices, 2)], 0, 0, 1.0, 1.0,
+                                        1.0))["levels"] == 0
+
 # ---- mutation audit of python/reprop/_tensors.py (session 43) ----
 
 @pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
