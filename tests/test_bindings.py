@@ -1871,3 +1871,17 @@ def test_check_strided_calls_each_sparse_layout_sparse():
         with pytest.raises(RuntimeError, match=rf"^x: sparse tensors are not supported "
                                                rf"\(got layout {sparse.layout}\)$"):
             _tensors.check_strided(sparse, "x")
+
+
+def test_check_count_takes_both_ends_of_its_range_as_python_ints():
+    """check_count's range is closed, and what it gives back is a Python int
+    (a NumPy count too): a bound taken as exclusive refused bppsa's largest
+    sequence, 2^31 - 1 steps (the core's sizes are int32s)."""
+    assert reprop.bppsa.scan_levels(2**31 - 1, 1, 1, 1) > 0
+    for value in (1, 5, np.int64(5), np.int32(1), np.uint8(3)):
+        got = _tensors.check_count(value, "n", 1, 5)
+        assert got == value and type(got) is int
+    for value in (0, 6, np.int64(-1)):
+        with pytest.raises(ValueError, match=rf"^n: expected an int in \[1, 5\], got {re.escape(repr(value))}$"):
+            _tensors.check_count(value, "n", 1, 5)
+    assert _tensors.check_count(2**70, "n", 0) == 2**70
