@@ -1859,6 +1859,26 @@ def test_csr_plan_refuses_index_arrays_of_another_dtype():
     assert _C.csr_plan_info(_C.csr_plan([(2, 2, indptr, indices, True, indices, 2)], 0, 0, 1.0, 1.0,
                                         1.0))["levels"] == 0
 
+
+def test_scan_workspace_and_jacobian_refuse_sizes_with_the_cores_message():
+    """scan_workspace checks its sizes as the scan does (unchecked, it
+    answered 0 for n = 0, 12 floats for 4 levels of n = 8 and -1 for a
+    workspace past INT64_MAX); jacobian raises the core's refusal of a
+    geometry before it makes arrays of the sizes the core gave (ignored,
+    NumPy's MemoryError for 2^40 features, its "negative dimensions" for a
+    diagonal of -2)."""
+    for args, message in [((0, 1, 1, 0), r"need n >= 1, batch >= 0, dim >= 1 \(got 0, 1, 1\)"),
+                          ((8, -1, 1, 1), r"need n >= 1, batch >= 0, dim >= 1 \(got 8, -1, 1\)"),
+                          ((8, 1, 1, 4), r"levels must be in \[0, 3\] for n = 8 \(got 4\)"),
+                          ((2**61, 1, 1, 1), r"the workspace of n = 2305843009213693952, batch = 1, dim = 1 ")]:
+        with pytest.raises(ValueError, match=f"^scan: {message}"):
+            _C.scan_workspace(*args)
+    for kind, geometry, message in [
+            ("diagonal", (-2, 0), r"diagonal: size must be >= 1 \(got -2\)$"),
+            ("linear", (2**40, 2**40), r"linear: in_features = 1099511627776 does not fit in int32")]:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            _C.jacobian(kind, geometry)
+
 # ---- mutation audit of python/reprop/_tensors.py (session 43) ----
 
 @pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
