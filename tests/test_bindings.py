@@ -1879,6 +1879,14 @@ def test_scan_workspace_and_jacobian_refuse_sizes_with_the_cores_message():
         with pytest.raises(ValueError, match=f"^{message}"):
             _C.jacobian(kind, geometry)
 
+
+def test_sched_graph_refuses_layers_past_int32_before_reading_the_arrays():
+    """layers past 2^31 - 1 (the core's int32 ids) is refused as such: without
+    the bound the refusal was about fwd's length, which no caller could meet."""
+    for layers in (2**31, 2**32 + 4):
+        with pytest.raises(ValueError, match=rf"^sched_graph: layers must be in \[1, 2\^31\) \(got {layers}\)$"):
+            _C.sched_graph({**_SPEC, "layers": layers})
+
 # ---- mutation audit of python/reprop/_tensors.py (session 43) ----
 
 @pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
