@@ -1787,3 +1787,129 @@ def test_optim_grad_pointers_sends_a_param_with_another_state_dict_to_python():
     assert _C.optim_grad_pointers(*args) is not None
     args[2] = {p: {}}
     assert _C.optim_grad_pointers(*args) is None
+
+
+# ---- mutation audit of the binding layer, csrc/pyutil.c and module.c (session 43): ----
+# ---- the mutants the two audits above planned and never ran.                        ----
+
+def _dense_chain(layers: int, n: int) -> list:
+    """csr_plan's leaves of `layers` dense n x n Linear Jacobians."""
+    indptr, indices, _ = _C.jacobian("linear", (n, n))
+    return [(n, n, indptr, indices, False, None, 0)] * layers
+
+
+def test_scan_and_the_csr_bindings_release_the_gil_around_their_work():
+    """module.c says each binding releases the GIL around the core's work;
+    scan, csr_plan, csr_run, csr_gradients and sched_graph were not tested
+    for it: each kept it unnoticed. Their arguments are made before the
+    call (NumPy releases the GIL filling large arrays); sched_graph's arrays
+    are lists, which NumPy converts holding it."""
+    T, B, H = 64, 8, 64
+    c, g = torch.randn(T, B, H), torch.empty(T, B, H)
+    jt = torch.randn(T, B, H, H) / H
+    leaves = _dense_chain(16, 128)
+    plan = _C.csr_plan(leaves, 0, 0, 1.0, 1.0, 1.0)
+    info, batch = _C.csr_plan_info(plan), 64
+    seq, shared = np.ones(info["seq_floats"] * batch, np.float32), np.ones(batch, np.float32)
+    out = [np.zeros((batch, 128), np.float32) for _ in leaves]
+    ptrs = [o.ctypes.data for o in out]
+    layers = 20000
+    spec = dict(_SPEC, layers=layers, micro=8, stages=4, order=1, fwd=[1.0] * layers,
+                out_grad=[1.0] * layers, weight_grad=[1.0] * layers)
+    calls = {  # name: (call, times a try: csr_gradients' copy takes about 0.3 ms)
+        "scan": (lambda: _C.scan(T, B, H, 0, 0, 0, 0, jt.data_ptr(), 0, 0, 0, c.data_ptr(), g.data_ptr(),
+                                 0, 0, 1), 8),
+        "csr_plan": (lambda: _C.csr_plan(leaves, 0, 0, 1.0, 1.0, 1.0), 8),
+        "csr_run": (lambda: _C.csr_run(plan, batch, seq.ctypes.data, shared.ctypes.data, 0, 0, 0, 0, 1), 8),
+        "csr_gradients": (lambda: _C.csr_gradients(plan, batch, seq.ctypes.data, ptrs, 1), 400),
+        "sched_graph": (lambda: _C.sched_graph(spec), 8),
+    }
+    for name, (call, times) in calls.items():
+        assert _lets_another_thread_run(lambda: [call() for _ in range(times)]), name
+
+
+
+def test_a_conv2d_geometry_of_another_length_is_refused():
+    """geometry is the 15 fields of rp_conv2d_geom: a tuple of 16 (a field
+    too many, or the fields of another layer) is refused as one of 14 is,
+    not read as its first 15."""
+    geometry = (1, 4, 4, 2, 4, 4, 3, 3, 1, 1, 1, 1, 1, 1, 1)
+    for kind in ("conv2d", "maxpool2d"):
+        for wrong in (geometry[:-1], geometry + (1,)):
+            with pytest.raises(TypeError, match=r"^geometry: expected a tuple \(c_in, h_in, w_in, c_out, h_out, "
+                                                r"w_out, kh, kw, sh, sw, ph, pw, dh, dw, groups\)$"):
+                _C.jacobian(kind, wrong)
+
+
+def test_csr_plan_refuses_index_arrays_of_another_dtype():
+    """A leaf's indptr, indices and value_map are read in place as int32: an
+    int64, uint32 or float32 array (the last two of the same size) is
+    refused, not read as int32 bits."""
+    indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
+    for dtype in (np.int64, np.uint32, np.float32):
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indptr: expected a C-contiguous, aligned int32 "
+                                             "array of 3 elements in native byte order$"):
+            _C.csr_plan([(2, 2, indptr.astype(dtype), indices, False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: indices: expected a C-contiguous, aligned 1-D "
+                                             "int32 array in native byte order$"):
+            _C.csr_plan([(2, 2, indptr, indices.astype(dtype), False, None, 2)], 0, 0, 1.0, 1.0, 1.0)
+        with pytest.raises(ValueError, match=r"^leaves\[0\]: value_map: expected a C-contiguous, aligned "
+                                             "int32 array of 2 elements in native byte order$"):
+            _C.csr_plan([(2, 2, indptr, indices, True, indices.astype(dtype), 2)], 0, 0, 1.0, 1.0, 1.0)
+    assert _C.csr_plan_info(_C.csr_plan([(2, 2, indptr, indices, True, indices, 2)], 0, 0, 1.0, 1.0,
+                                        1.0))["levels"] == 0
+
+
+def test_scan_workspace_and_jacobian_refuse_sizes_with_the_cores_message():
+    """scan_workspace checks its sizes as the scan does (unchecked, it
+    answered 0 for n = 0, 12 floats for 4 levels of n = 8 and -1 for a
+    workspace past INT64_MAX); jacobian raises the core's refusal of a
+    geometry before it makes arrays of the sizes the core gave (ignored,
+    NumPy's MemoryError for 2^40 features, its "negative dimensions" for a
+    diagonal of -2)."""
+    for args, message in [((0, 1, 1, 0), r"need n >= 1, batch >= 0, dim >= 1 \(got 0, 1, 1\)"),
+                          ((8, -1, 1, 1), r"need n >= 1, batch >= 0, dim >= 1 \(got 8, -1, 1\)"),
+                          ((8, 1, 1, 4), r"levels must be in \[0, 3\] for n = 8 \(got 4\)"),
+                          ((2**61, 1, 1, 1), r"the workspace of n = 2305843009213693952, batch = 1, dim = 1 ")]:
+        with pytest.raises(ValueError, match=f"^scan: {message}"):
+            _C.scan_workspace(*args)
+    for kind, geometry, message in [
+            ("diagonal", (-2, 0), r"diagonal: size must be >= 1 \(got -2\)$"),
+            ("linear", (2**40, 2**40), r"linear: in_features = 1099511627776 does not fit in int32")]:
+        with pytest.raises(ValueError, match=f"^{message}"):
+            _C.jacobian(kind, geometry)
+
+
+def test_sched_graph_refuses_layers_past_int32_before_reading_the_arrays():
+    """layers past 2^31 - 1 (the core's int32 ids) is refused as such: without
+    the bound the refusal was about fwd's length, which no caller could meet."""
+    for layers in (2**31, 2**32 + 4):
+        with pytest.raises(ValueError, match=rf"^sched_graph: layers must be in \[1, 2\^31\) \(got {layers}\)$"):
+            _C.sched_graph({**_SPEC, "layers": layers})
+
+# ---- mutation audit of python/reprop/_tensors.py (session 43) ----
+
+@pytest.mark.filterwarnings("ignore:Sparse (CSR|CSC|BSR|BSC) tensor support is in beta")
+def test_check_strided_calls_each_sparse_layout_sparse():
+    """_SPARSE_LAYOUTS lacking one of torch's five sparse layouts (BSC) named
+    a BSC gradient or operand a "non-strided" tensor, as mkldnn's is."""
+    x = torch.randn(4, 4)
+    for sparse in (x.to_sparse(), x.to_sparse_csr(), x.to_sparse_csc(), x.to_sparse_bsr((2, 2)),
+                   x.to_sparse_bsc((2, 2))):
+        with pytest.raises(RuntimeError, match=rf"^x: sparse tensors are not supported "
+                                               rf"\(got layout {sparse.layout}\)$"):
+            _tensors.check_strided(sparse, "x")
+
+
+def test_check_count_takes_both_ends_of_its_range_as_python_ints():
+    """check_count's range is closed, and what it gives back is a Python int
+    (a NumPy count too): a bound taken as exclusive refused bppsa's largest
+    sequence, 2^31 - 1 steps (the core's sizes are int32s)."""
+    assert reprop.bppsa.scan_levels(2**31 - 1, 1, 1, 1) > 0
+    for value in (1, 5, np.int64(5), np.int32(1), np.uint8(3)):
+        got = _tensors.check_count(value, "n", 1, 5)
+        assert got == value and type(got) is int
+    for value in (0, 6, np.int64(-1)):
+        with pytest.raises(ValueError, match=rf"^n: expected an int in \[1, 5\], got {re.escape(repr(value))}$"):
+            _tensors.check_count(value, "n", 1, 5)
+    assert _tensors.check_count(2**70, "n", 0) == 2**70

@@ -3286,6 +3286,11 @@ def test_bad_fuse_options_raise(kw: dict, match: str) -> None:
     (np.array([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
     (torch.tensor([1.0, 2.0]), TypeError, "^clip_grad_norm: expected a real number"),
     (torch.tensor(True), TypeError, "^clip_grad_norm: expected a real number"),
+    # (mutation audit of _tensors, session 43: a complex 0-d array or tensor went on to float(),
+    # which raised NumPy's TypeError or torch's RuntimeError without the argument's name)
+    (np.array(1 + 1j), TypeError, "^clip_grad_norm: expected a real number"),
+    (torch.tensor(1 + 1j), TypeError, "^clip_grad_norm: expected a real number"),
+    (np.True_, TypeError, "^clip_grad_norm: expected a real number"),
     (0.0, ValueError, "^clip_grad_norm: expected a number > 0"),
     (-1, ValueError, "^clip_grad_norm: expected a number > 0"),
     (float("nan"), ValueError, "^clip_grad_norm: expected a number > 0"),
