@@ -887,7 +887,8 @@ def test_8bit_negative_parameters_stay_bounded(name, params):
 # ---------------------------------------------------------------------------
 
 
-def test_no_grad_computes_no_derivative(monkeypatch):
+def _spy_on_d_stores(monkeypatch) -> list:
+    """The d_store argument of every fad_forward call from now on (-1: no derivative asked for)."""
     calls = []
     real = fad._C
 
@@ -896,10 +897,15 @@ def test_no_grad_computes_no_derivative(monkeypatch):
             return getattr(real, name)
 
         def fad_forward(self, *args):
-            calls.append(args[6])  # d_store
+            calls.append(args[6])
             return real.fad_forward(*args)
 
     monkeypatch.setattr(fad, "_C", Spy())
+    return calls
+
+
+def test_no_grad_computes_no_derivative(monkeypatch):
+    calls = _spy_on_d_stores(monkeypatch)
     x = torch.randn(100, requires_grad=True)
     with torch.no_grad():
         y = fad.gelu(x)
@@ -5420,18 +5426,7 @@ def test_audit_compose_under_no_grad_computes_no_derivative(monkeypatch):
     chain step: no derivative is computed (the activation kernels are asked
     for none) and the mode records nothing, where a record would hold f'
     as long as the output lives."""
-    calls = []
-    real = fad._C
-
-    class Spy:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        def fad_forward(self, *args):
-            calls.append(args[6])  # d_store
-            return real.fad_forward(*args)
-
-    monkeypatch.setattr(fad, "_C", Spy())
+    calls = _spy_on_d_stores(monkeypatch)
     x = torch.randn(64, requires_grad=True)
     mode = fad.enabled(compose=True)
     with mode:

@@ -5058,6 +5058,15 @@ def test_autocast_sites_after_a_one_site_backward_are_added_in_turn_as_documente
 # ---------------------------------------------------------------------------
 
 
+def _assert_one_backward_as_torch(ref: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
+    """The same output and every parameter's .grad, bit for bit, after one forward and backward."""
+    outs = [net(x) for net in (ref, model)]
+    assert torch.equal(outs[1], outs[0])
+    for out in outs:
+        out.pow(2).sum().backward()
+    _assert_same_bits(ref, model, "grad", "one backward")
+
+
 def test_embedding_max_norm_renormalises_by_its_norm_type_as_torch():
     """max_norm renormalises the looked-up rows in place by the module's
     norm_type (here the 1-norm): the table after the forward, the output and
@@ -5067,14 +5076,8 @@ def test_embedding_max_norm_renormalises_by_its_norm_type_as_torch():
                         nn.Linear(12, 2))
     model = copy.deepcopy(ref)
     ooo.enable(model)
-    idx = torch.tensor([[1, 3, 5], [2, 3, 0]])
-    outs = [net(idx) for net in (ref, model)]
-    assert torch.equal(outs[1], outs[0])
+    _assert_one_backward_as_torch(ref, model, torch.tensor([[1, 3, 5], [2, 3, 0]]))
     assert torch.equal(model[0].weight, ref[0].weight)
-    for out in outs:
-        out.pow(2).sum().backward()
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(b.grad, a.grad), name
 
 
 def test_simulated_idle_time_is_the_makespan_less_each_devices_busy_time():
@@ -5197,13 +5200,7 @@ def test_batch_norm_in_eval_without_tracking_normalizes_as_torch(untracked):
     ref.eval()
     model = copy.deepcopy(ref)
     ooo.enable(model)
-    x = torch.randn(5, 4)
-    outs = [net(x) for net in (ref, model)]
-    assert torch.equal(outs[1], outs[0])
-    for out in outs:
-        out.pow(2).sum().backward()
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(b.grad, a.grad), name
+    _assert_one_backward_as_torch(ref, model, torch.randn(5, 4))
 
 
 class _SelfLinked:
@@ -5244,13 +5241,7 @@ def test_a_subclass_that_keeps_torchs_forward_runs_plain():
     model = copy.deepcopy(ref)
     handle = ooo.enable(model, order="conventional")
     assert [site.module for site in handle.sites] == [model[2]]
-    x = torch.randn(2, 2, 4, 4)
-    outs = [net(x) for net in (ref, model)]
-    assert torch.equal(outs[1], outs[0])
-    for out in outs:
-        out.pow(2).sum().backward()
-    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-        assert torch.equal(b.grad, a.grad), name
+    _assert_one_backward_as_torch(ref, model, torch.randn(2, 2, 4, 4))
 
 
 def test_a_speedup_of_zero_is_refused():
