@@ -1792,6 +1792,7 @@ def test_optim_grad_pointers_sends_a_param_with_another_state_dict_to_python():
 # ---- mutation audit of the binding layer, csrc/pyutil.c and module.c (session 43): ----
 # ---- the mutants the two audits above planned and never ran.                        ----
 
+
 def _dense_chain(layers: int, n: int) -> list:
     """csr_plan's leaves of `layers` dense n x n Linear Jacobians."""
     indptr, indices, _ = _C.jacobian("linear", (n, n))
@@ -1826,7 +1827,6 @@ def test_scan_and_the_csr_bindings_release_the_gil_around_their_work():
     }
     for name, (call, times) in calls.items():
         assert _lets_another_thread_run(lambda: [call() for _ in range(times)]), name
-
 
 
 def test_a_conv2d_geometry_of_another_length_is_refused():
@@ -1886,6 +1886,7 @@ def test_sched_graph_refuses_layers_past_int32_before_reading_the_arrays():
     for layers in (2**31, 2**32 + 4):
         with pytest.raises(ValueError, match=rf"^sched_graph: layers must be in \[1, 2\^31\) \(got {layers}\)$"):
             _C.sched_graph({**_SPEC, "layers": layers})
+
 
 # ---- mutation audit of python/reprop/_tensors.py (session 43) ----
 
