@@ -1914,3 +1914,54 @@ def test_check_count_takes_both_ends_of_its_range_as_python_ints():
         with pytest.raises(ValueError, match=rf"^n: expected an int in \[1, 5\], got {re.escape(repr(value))}$"):
             _tensors.check_count(value, "n", 1, 5)
     assert _tensors.check_count(2**70, "n", 0) == 2**70
+
+
+# ---- the audit's last binding mutants (session 43, run after the merge) ----
+
+def test_int_arguments_below_int_min_are_refused_not_wrapped():
+    """An int argument takes INT_MIN (here an unknown activation kind, which
+    the core refuses with its own ValueError), and one below it is an
+    OverflowError naming it: unchecked, -2**32 wrapped to kind 0, a valid
+    activation, silently."""
+    with pytest.raises(ValueError, match="^unknown activation kind -2147483648$"):
+        _C.fad_codebook(-2**31, 0.0, 0.0)
+    for below in (-2**31 - 1, -2**32):
+        with pytest.raises(OverflowError, match=rf"^kind: expected an int in \[-2147483648, 2147483647\], "
+                                                rf"got {below}$"):
+            _C.fad_codebook(below, 0.0, 0.0)
+
+
+def test_ksearch_next_refuses_layers_past_its_bound_before_reading_score():
+    """layers past 2^40 is refused with the core's message, before score is
+    read as an array of layers + 1 elements (which no caller could give)."""
+    with pytest.raises(ValueError, match=r"^k search: layers must be in \[1, 2\^40\] \(got 1099511627777\)$"):
+        _C.ksearch_next(2**40 + 1, [0.0] * 5)
+
+
+def test_optim_hparams_leaves_every_numeric_hyper_parameter_not_a_plain_number_to_python():
+    """A tensor, a NumPy scalar or a bool in any numeric slot, lr_decay (the
+    last) too, is left to Python's _hparams_of (None), which converts or
+    refuses it as torch does; a plain number goes to its slot."""
+    group = {"lr": 0.1, "betas": (0.9, 0.99)}
+    for key in ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "rho", "lr_decay"):
+        for value in (torch.tensor(0.5), np.float64(0.5), True):
+            assert _C.optim_hparams(dict(group, **{key: value})) is None, (key, value)
+    assert _C.optim_hparams(dict(group, lr_decay=0.5))[9] == 0.5
+
+
+def test_optim_check_leaves_a_capturable_updates_step_scalars_to_the_device():
+    """A capturable update's step count lives on the device, so the check
+    makes no step scalars: Adam with beta1 = 1 is refused at step 1 on the
+    host (1 - beta1 ** step is 0) and passes the capturable check (torch's
+    capturable Adam divides on the device without raising); neither call
+    writes anything."""
+    p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+    m, v, step = np.zeros(4, np.float32), np.zeros(4, np.float32), np.zeros(1, np.float32)
+    table = np.zeros((1, 8), np.int64)
+    table[0, :4] = [a.ctypes.data for a in (p, g, m, v)]
+    table[0, 5], table[0, 6] = step.ctypes.data, p.size
+    hparams = (0.1, 0.0, 1e-8, 1.0, 0.999) + (0.0,) * 5 + (False,) * 5  # Adam, beta1 = 1
+    with pytest.raises(ValueError, match=r"^betas: 1 - beta1 \*\* step is 0 at step 1 \(beta1 = 1\)"):
+        _C.optim_check(1, 0, table, hparams, False)
+    assert _C.optim_check(1, 0, table, hparams, True) is None
+    assert (p == 1).all() and (m == 0).all() and (v == 0).all() and step[0] == 0
