@@ -1940,13 +1940,17 @@ def test_ksearch_next_refuses_layers_past_its_bound_before_reading_score():
 
 def test_optim_hparams_leaves_every_numeric_hyper_parameter_not_a_plain_number_to_python():
     """A tensor, a NumPy scalar or a bool in any numeric slot, lr_decay (the
-    last) too, is left to Python's _hparams_of (None), which converts or
-    refuses it as torch does; a plain number goes to its slot."""
+    last) too, and a capturable that is no plain bool are left to Python's
+    _hparams_of (None), which converts or refuses them as torch does; a
+    plain number goes to its slot."""
     group = {"lr": 0.1, "betas": (0.9, 0.99)}
     for key in ("lr", "weight_decay", "eps", "momentum", "dampening", "alpha", "rho", "lr_decay"):
         for value in (torch.tensor(0.5), np.float64(0.5), True):
             assert _C.optim_hparams(dict(group, **{key: value})) is None, (key, value)
     assert _C.optim_hparams(dict(group, lr_decay=0.5))[9] == 0.5
+    for capturable in (np.bool_(True), torch.tensor(True)):  # Python takes its bool()
+        assert _C.optim_hparams(dict(group, capturable=capturable)) is None, capturable
+    assert _C.optim_hparams(dict(group, capturable=True)) == _C.optim_hparams(group)
 
 
 def test_optim_check_leaves_a_capturable_updates_step_scalars_to_the_device():
@@ -1965,3 +1969,23 @@ def test_optim_check_leaves_a_capturable_updates_step_scalars_to_the_device():
         _C.optim_check(1, 0, table, hparams, False)
     assert _C.optim_check(1, 0, table, hparams, True) is None
     assert (p == 1).all() and (m == 0).all() and (v == 0).all() and step[0] == 0
+
+
+def test_stage_and_first_k_bindings_refuse_layers_past_their_bound_before_allocating():
+    """reverse_first_k and sched_stages raise the core's refusal of too many
+    layers before they make their arrays of layers elements: unchecked, the
+    same refusal came after NumPy had allocated 4 and 8 GiB (or raised its
+    MemoryError where that much could not be had)."""
+    calls = [(lambda: _C.reverse_first_k(2**30 + 1, 1, None, None, 0, 0),
+              r"^reverse first-k: layers must be in \[1, 2\^30\) \(got 1073741825\)$"),
+             (lambda: _C.sched_stages(2**31, 4, 0),
+              r"^stages: need layers and stages in \[1, 2\^31\) \(got 2147483648, 4\)$")]
+    tracemalloc.start()
+    try:
+        for call, message in calls:
+            with pytest.raises(ValueError, match=message):
+                call()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2**20, peak
