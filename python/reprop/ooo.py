@@ -4751,7 +4751,9 @@ ALLOCATIONS = ("contiguous", "modulo")
 # before it must then get none either (plain autograd leaves their .grad
 # alone), not zeros. (The flag was a message of its own, before the data:
 # two blocking receives per gradient, the first of them a host wake-up for
-# one byte; a copy of the gradient into the message costs less.)
+# one byte; a copy of the gradient into the message costs less: one copy
+# where its span has gaps too, its elements written straight into the
+# message, not first into a buffer of their own.)
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad) and autocast state: both ends keep them per (input,
 # layer, micro-batch), as a layer's output is described by its input's
@@ -4860,12 +4862,15 @@ class _Layout(NamedTuple):
             return buffer.as_strided(self.shape, self.strides)
         return buffer[:self.span].view(self.shape) if buffer.numel() > self.span else buffer
 
-    def wire(self, t: torch.Tensor) -> torch.Tensor:
+    def wire(self, t: torch.Tensor, flag: torch.Tensor | None = None) -> torch.Tensor:
         """`t` (of this shape and dtype) as it travels: the storage span of
         these strides, a view of t's storage where t has them (t itself
         where contiguous; a copy in this layout where its strides changed
         since the header); where the span has gaps, a copy of the cover's
-        elements alone, in memory order."""
+        elements alone, in memory order. With a `flag` (a gradient's: one
+        element), a flat message of that, then the flag: one copy of the
+        data either way (the cover's elements written into the message,
+        not first into a buffer of their own)."""
         if t.stride() != self.strides:
             if self.sent < t.numel():
                 raise RuntimeError(
@@ -4874,9 +4879,16 @@ class _Layout(NamedTuple):
                     "same input description; build a new Pipeline")
             t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
                                     device=t.device).copy_(t)
-        if self.sent < self.span:
-            return t.as_strided(*self.cover, t.storage_offset()).contiguous()
-        return t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
+        if self.sent == self.span:
+            data = t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
+            return data if flag is None else torch.cat((data.reshape(-1), flag))
+        covered = t.as_strided(*self.cover, t.storage_offset())
+        if flag is None:
+            return covered.contiguous()
+        message = torch.empty(self.sent + 1, dtype=t.dtype, device=t.device)
+        message.as_strided(self.cover[0], _contiguous_strides(self.cover[0])).copy_(covered)
+        message[self.sent:].copy_(flag)
+        return message
 
 
 def _cover(shape: Sequence[int], strides: Sequence[int]) -> tuple[tuple, tuple, bool]:
@@ -5542,7 +5554,7 @@ class Pipeline:
             one = self._ones.get(g.dtype)
             if one is None:
                 one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
-            message = torch.cat((layout.wire(g).reshape(-1), one))
+            message = layout.wire(g, one)
         self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
