@@ -4739,15 +4739,21 @@ ALLOCATIONS = ("contiguous", "modulo")
 # its distinct elements alone travel, a copy in memory order, which the
 # receiver scatters into a span of its own, rebuilt with the sender's
 # strides (made contiguous, as they were, the next stage's BatchNorm1d
-# summed otherwise: a Conv1d's weight gradient up to 1.5e-7 off); windows
-# that overlap with gaps travel contiguous. A gradient travels as one
+# summed otherwise: a Conv1d's weight gradient up to 1.5e-7 off). So do
+# windows that overlap with gaps (unfold over a slice), the elements they
+# reach (see _cover: holes between overlapping dims too, where their
+# steps leave any), contiguous only where those outnumber the elements
+# (made contiguous, a BatchNorm2d's running variance was 1.8e-7 off, the
+# Linear after it 9.5e-7). A gradient travels as one
 # message, its data and one more element after it, a
 # flag: 1, or 0 where there is none (its data zeros, unread): a layer
 # that ignores or detaches its input gives it no gradient, and the layers
 # before it must then get none either (plain autograd leaves their .grad
 # alone), not zeros. (The flag was a message of its own, before the data:
 # two blocking receives per gradient, the first of them a host wake-up for
-# one byte; a copy of the gradient into the message costs less.)
+# one byte; a copy of the gradient into the message costs less: one copy
+# where its span has gaps too, its elements written straight into the
+# message, not first into a buffer of their own.)
 # Headers go only in the first step for a given input (shape, dtype,
 # requires_grad) and autocast state: both ends keep them per (input,
 # layer, micro-batch), as a layer's output is described by its input's
@@ -4758,7 +4764,7 @@ ALLOCATIONS = ("contiguous", "modulo")
 # sender whose output no longer matches the kept header's shape or dtype
 # raises instead of sending. One whose strides changed (a data-dependent
 # layout) is copied into the kept layout (another rounding downstream, not
-# a hang), and raises where that layout is expanded. The
+# a hang), and raises where that layout is expanded or overlaps. The
 # receiver is not told: in the usual step an activation that required grad
 # in its header's step travels as its data alone, so telling it would take
 # a message (or a host read of a status sent with the data) in every step;
@@ -4786,8 +4792,9 @@ _WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, tor
 class _Layout(NamedTuple):
     """What a header says of a tensor between stages: the receiver rebuilds
     it with these strides over a buffer of `span` elements, the storage
-    they cover. What travels is `sent` elements: the span itself, or where
-    it has gaps the distinct elements alone (see the note above)."""
+    they cover. What travels is `sent` elements, those of the view `cover`
+    (shape, strides) of that storage in memory order: the span itself, or
+    where it has gaps the elements it reaches alone (see the note above)."""
 
     dtype: torch.dtype
     shape: tuple
@@ -4795,22 +4802,26 @@ class _Layout(NamedTuple):
     span: int
     contiguous: bool
     sent: int
+    cover: tuple
 
     @classmethod
     def of(cls, dtype: torch.dtype, shape: tuple, strides: tuple) -> _Layout:
         """These strides where their distinct elements lie apart (dims in any
-        order, expanded, a slice with gaps: those elements alone are sent)
-        or where their span holds at most the elements (overlapping
-        windows); else (windows with gaps) contiguous ones."""
+        order, expanded, a slice with gaps: those elements alone are sent),
+        where their span holds at most the elements (overlapping windows:
+        the span is sent), or where what _cover() sends of windows that
+        overlap with gaps is no more than the elements; else (the cover's
+        holes outnumber the overlaps) contiguous ones."""
         shape, strides, natural = tuple(shape), tuple(strides), _contiguous_strides(shape)
         span, numel = _span(shape, strides), math.prod(shape)
-        if _apart(shape, strides):
-            sent = math.prod(_distinct_shape(shape, strides))  # the span, unless it has gaps
-        elif span <= numel:
+        cover_shape, cover_strides, apart = _cover(shape, strides)
+        sent = math.prod(cover_shape)
+        if not apart and span <= numel:
             sent = span
-        else:
+        elif not apart and sent > numel:
             strides, span, sent = natural, numel, numel
-        return cls(dtype, shape, strides, span, strides == natural, sent)
+        cover = (cover_shape, cover_strides) if sent < span else ((span,), (1,))
+        return cls(dtype, shape, strides, span, strides == natural, sent, cover)
 
     @classmethod
     def of_tensor(cls, t: torch.Tensor) -> _Layout:
@@ -4845,60 +4856,63 @@ class _Layout(NamedTuple):
         nothing reads them)."""
         if self.sent < self.span:
             spanned = torch.empty(self.span, dtype=self.dtype, device=buffer.device)
-            distinct = self._in_memory_order(spanned.as_strided(self.shape, self.strides))
-            distinct.copy_(buffer[:self.sent].view(distinct.shape))
+            spanned.as_strided(*self.cover).copy_(buffer[:self.sent].view(self.cover[0]))
             return spanned.as_strided(self.shape, self.strides)
         if not self.contiguous:
             return buffer.as_strided(self.shape, self.strides)
         return buffer[:self.span].view(self.shape) if buffer.numel() > self.span else buffer
 
-    def wire(self, t: torch.Tensor) -> torch.Tensor:
+    def wire(self, t: torch.Tensor, flag: torch.Tensor | None = None) -> torch.Tensor:
         """`t` (of this shape and dtype) as it travels: the storage span of
         these strides, a view of t's storage where t has them (t itself
         where contiguous; a copy in this layout where its strides changed
-        since the header); where the span has gaps, a copy of the distinct
-        elements alone, in memory order."""
+        since the header); where the span has gaps, a copy of the cover's
+        elements alone, in memory order. With a `flag` (a gradient's: one
+        element), a flat message of that, then the flag: one copy of the
+        data either way (the cover's elements written into the message,
+        not first into a buffer of their own)."""
         if t.stride() != self.strides:
             if self.sent < t.numel():
                 raise RuntimeError(
                     f"Pipeline: a tensor between stages changed its strides from the kept "
-                    f"header's {self.strides} (expanded) to {t.stride()} for the same input "
-                    "description; build a new Pipeline")
-            if self.sent == self.span:
-                t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
-                                        device=t.device).copy_(t)
-        if self.sent < self.span:
-            return self._in_memory_order(t).contiguous()
-        return t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
-
-    def _in_memory_order(self, t: torch.Tensor) -> torch.Tensor:
-        """A view of `t` (of this shape) with each of its distinct elements
-        once (an expanded dim narrowed to its first), its dims in this
-        layout's memory order (largest stride first): the order a span with
-        gaps sends them in, as reads and writes then run through memory
-        forward on both ends."""
-        for d, s in enumerate(self.strides):
-            if not s:
-                t = t.narrow(d, 0, 1)
-        return t.permute(sorted(range(len(self.strides)), key=self.strides.__getitem__,
-                                reverse=True))
+                    f"header's {self.strides} (expanded or overlapping) to {t.stride()} for the "
+                    "same input description; build a new Pipeline")
+            t = torch.empty_strided(self.shape, self.strides, dtype=t.dtype,
+                                    device=t.device).copy_(t)
+        if self.sent == self.span:
+            data = t if self.contiguous else t.as_strided((self.span,), (1,), t.storage_offset())
+            return data if flag is None else torch.cat((data.reshape(-1), flag))
+        covered = t.as_strided(*self.cover, t.storage_offset())
+        if flag is None:
+            return covered.contiguous()
+        message = torch.empty(self.sent + 1, dtype=t.dtype, device=t.device)
+        message.as_strided(self.cover[0], _contiguous_strides(self.cover[0])).copy_(covered)
+        message[self.sent:].copy_(flag)
+        return message
 
 
-def _distinct_shape(shape: Sequence[int], strides: Sequence[int]) -> tuple:
-    """The shape without its expanded dims (stride 0: size 1)."""
-    return tuple(n if s else 1 for n, s in zip(shape, strides))
-
-
-def _apart(shape: Sequence[int], strides: Sequence[int]) -> bool:
-    """Whether the distinct elements of a layout (expanded dims once) lie at
-    distinct places: each dim's stride, smallest first, past the reach of
-    the dims below it (a sufficient test; windows that overlap fail it)."""
-    reach = 1
+def _cover(shape: Sequence[int], strides: Sequence[int]) -> tuple[tuple, tuple, bool]:
+    """The (shape, strides) of a view of the storage a layout reaches, its
+    dims in memory order (largest stride first, as reads and writes then
+    run through memory forward on both ends), and whether the layout's
+    distinct elements lie apart: each dim's stride, smallest first, past
+    the reach of the dims below it (a sufficient test). Such a dim is a dim
+    of the view (expanded dims are not: their elements once); one that
+    fails it (windows that overlap) joins all the dims below in one dim
+    that runs over what they reach, stepping by their strides' gcd: each
+    element they reach once, and the holes between (none in windows of
+    unit steps, as unfold makes)."""
+    if 0 in shape:
+        return (0,), (1,), True
+    dims, reach, apart = [], 1, True  # dims: (stride, size), smallest stride first
     for s, n in sorted((s, n) for n, s in zip(shape, strides) if n > 1 and s):
         if s < reach:
-            return False
+            step = math.gcd(s, *(d for d, _ in dims))
+            dims, apart = [(step, (reach - 1 + (n - 1) * s) // step + 1)], False
+        else:
+            dims.append((s, n))
         reach += (n - 1) * s
-    return True
+    return tuple(n for _, n in reversed(dims)), tuple(s for s, _ in reversed(dims)), apart
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple:
@@ -5540,7 +5554,7 @@ class Pipeline:
             one = self._ones.get(g.dtype)
             if one is None:
                 one = self._ones[g.dtype] = torch.ones(1, dtype=g.dtype, device=self.device)
-            message = torch.cat((layout.wire(g).reshape(-1), one))
+            message = layout.wire(g, one)
         self._send(st, message, stage)
 
     def _send_activation(self, st: _Step, l: int, m: int, y: torch.Tensor) -> None:
