@@ -5251,9 +5251,9 @@ def test_forward_mode_swap_by_hand_refused_advances_the_state_as_eager(name: str
     _assert_same_training(got, ref)
 
 
-def _pending_step_swapped_by_hand(make_opt):
+def _pending_step_swapped_by_hand(make_opt, swap=_swap_first_weight_by_hand):
     """(model, optimizer, forward-mode handle) after a second step whose update
-    is pending and a hand swap of the first weight."""
+    is pending and a hand swap of the first weight (by `swap`)."""
     model = _mlp()
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="forward")
@@ -5261,7 +5261,7 @@ def _pending_step_swapped_by_hand(make_opt):
     x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    _swap_first_weight_by_hand(model, opt)
+    swap(model, opt)
     return model, opt, handle
 
 
@@ -10315,3 +10315,33 @@ def test_forward_mode_parameter_put_straight_into_another_modules_slot_is_applie
 
     want, got = train(False), train(True)
     assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+# ---- mutation audit of python/reprop/_tensors.py: the mutants session 43 left alive ----
+
+def _swap_first_weight_for_an_inference_tensor(model: nn.Module, opt) -> None:
+    """_swap_first_weight_by_hand, the values swapped in made under
+    torch.inference_mode() (weights loaded there): the param becomes an
+    inference tensor, which has no version counter."""
+    p = model[0].weight
+    with torch.inference_mode():
+        new = nn.Parameter(torch.full_like(p, 0.01))
+    torch.utils.swap_tensors(p, new)
+
+
+def test_forward_mode_swap_for_an_inference_tensor_refused_advances_the_state_as_eager() -> None:
+    """The refused update's state part keeps the param's version counter
+    (versions_of / set_versions), which an inference tensor swapped in does
+    not have: it is skipped, and the refusal and the state step are those of
+    any swap (eager's step() had advanced the state to step 2). Reading its
+    version raised "Inference tensors do not track version counter" instead,
+    and putting back a None raised a TypeError, the state left at step 1."""
+    model, opt, handle = _pending_step_swapped_by_hand(
+        lambda m: rp.Adam(m.parameters(), lr=0.01), _swap_first_weight_for_an_inference_tensor)
+    p = model[0].weight
+    assert p.is_inference()
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped"):
+        handle.flush()
+    assert opt.state[p]["step"].item() == 2
+    assert torch.all(p == 0.01)
+    handle.remove()
