@@ -10345,3 +10345,48 @@ def test_forward_mode_swap_for_an_inference_tensor_refused_advances_the_state_as
     assert opt.state[p]["step"].item() == 2
     assert torch.all(p == 0.01)
     handle.remove()
+
+
+def _inference_first_layer_trained_in_inference_mode(make_opt, fused: bool) -> tuple:
+    """Three steps, each step() inside torch.inference_mode(), of an MLP whose
+    first layer was made there (weights loaded under it: inference tensors,
+    which the first layer's backward does not save)."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        first = nn.Linear(4, 3)
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(3, 2))
+    opt = make_opt(model)
+    handle = reprop.fuse(model, opt, mode="forward") if fused else None
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        model(x).square().sum().backward()
+        with torch.inference_mode():
+            opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "torch Adam"])
+def test_forward_mode_step_inside_inference_mode_updates_inference_params_as_eager(name: str) -> None:
+    """Eager step() inside torch.inference_mode() writes inference params and
+    makes its state there (inference tensors). The fusion applied the update,
+    the first at once and the others at the next forward, outside that mode
+    (to make normal state for a forward under inference_mode): the optimizer
+    refused the inference params ("inplace update to inference tensor outside
+    InferenceMode") at the first step(). Each update runs in its step()'s
+    mode: the same params and state as eager's, inference tensors alike."""
+    make_opt = STATE_EXACT_OPTIMIZERS[name]
+    got = _inference_first_layer_trained_in_inference_mode(make_opt, True)
+    want = _inference_first_layer_trained_in_inference_mode(make_opt, False)
+    _assert_same_training(got, want)
+    assert _state_inference_flags(*got) == _state_inference_flags(*want)
+    torch.manual_seed(0)
+    start = nn.Linear(4, 3).bias  # (the first layer's bias before training: its weight gets
+    assert got[0][0].bias.is_inference() and not torch.equal(got[0][0].bias, start)  # no grad)
+
+
+def _state_inference_flags(model: nn.Module, opt) -> list:
+    return [[t.is_inference() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+            for p in model.parameters()]
