@@ -10347,12 +10347,12 @@ def test_forward_mode_swap_for_an_inference_tensor_refused_advances_the_state_as
     handle.remove()
 
 
-def _inference_first_layer_trained_in_inference_mode(make_opt, fused: bool) -> tuple:
+def _trained_with_steps_in_inference_mode(make_opt, fused: bool, inference_first: bool) -> tuple:
     """Three steps, each step() inside torch.inference_mode(), of an MLP whose
-    first layer was made there (weights loaded under it: inference tensors,
-    which the first layer's backward does not save)."""
+    first layer was made there where `inference_first` (weights loaded under
+    it: inference tensors, which the first layer's backward does not save)."""
     torch.manual_seed(0)
-    with torch.inference_mode():
+    with torch.inference_mode(inference_first):
         first = nn.Linear(4, 3)
     model = nn.Sequential(first, nn.Tanh(), nn.Linear(3, 2))
     opt = make_opt(model)
@@ -10368,23 +10368,30 @@ def _inference_first_layer_trained_in_inference_mode(make_opt, fused: bool) -> t
     return model, opt
 
 
+@pytest.mark.parametrize("inference_first", [True, False])
 @pytest.mark.parametrize("name", ["SGD", "Adam", "torch Adam"])
-def test_forward_mode_step_inside_inference_mode_updates_inference_params_as_eager(name: str) -> None:
+def test_forward_mode_step_inside_inference_mode_updates_as_eager(name: str,
+                                                                  inference_first: bool) -> None:
     """Eager step() inside torch.inference_mode() writes inference params and
-    makes its state there (inference tensors). The fusion applied the update,
-    the first at once and the others at the next forward, outside that mode
-    (to make normal state for a forward under inference_mode): the optimizer
-    refused the inference params ("inplace update to inference tensor outside
-    InferenceMode") at the first step(). Each update runs in its step()'s
-    mode: the same params and state as eager's, inference tensors alike."""
+    makes its state there (inference tensors, which a step() outside the mode
+    then refuses to update). The fusion applied the update, the first at
+    once and the others at the next forward, outside that mode (to make
+    normal state for a forward under inference_mode): the optimizer refused
+    inference params ("inplace update to inference tensor outside
+    InferenceMode") at the first step(), and normal ones got normal state
+    (a step() outside the mode then trained on, where eager's raises). Each
+    update runs in its step()'s mode: the same params and state as eager's,
+    inference tensors alike."""
     make_opt = STATE_EXACT_OPTIMIZERS[name]
-    got = _inference_first_layer_trained_in_inference_mode(make_opt, True)
-    want = _inference_first_layer_trained_in_inference_mode(make_opt, False)
+    got = _trained_with_steps_in_inference_mode(make_opt, True, inference_first)
+    want = _trained_with_steps_in_inference_mode(make_opt, False, inference_first)
     _assert_same_training(got, want)
     assert _state_inference_flags(*got) == _state_inference_flags(*want)
+    assert all(all(flags) for flags in _state_inference_flags(*got))
     torch.manual_seed(0)
-    start = nn.Linear(4, 3).bias  # (the first layer's bias before training: its weight gets
-    assert got[0][0].bias.is_inference() and not torch.equal(got[0][0].bias, start)  # no grad)
+    start = nn.Linear(4, 3).bias  # (before training; an inference weight gets no gradient)
+    assert got[0][0].bias.is_inference() == inference_first
+    assert not torch.equal(got[0][0].bias, start)
 
 
 def _state_inference_flags(model: nn.Module, opt) -> list:
