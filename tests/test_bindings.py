@@ -1989,3 +1989,28 @@ def test_stage_and_first_k_bindings_refuse_layers_past_their_bound_before_alloca
     finally:
         tracemalloc.stop()
     assert peak < 2**20, peak
+
+
+# ---- the binding mutants session 43's audits left alive (session 44) ----
+
+def test_optim_grad_pointers_sends_a_list_shrunk_by_one_under_the_call_to_python():
+    """A .grad property popping the last param leaves the list exactly as
+    long as the row the fast path reads next: that row is gone (None, the
+    Python path), not read past the list's end. A bound check taking the
+    list's length as a valid row read the popped param's stale slot (here
+    still alive) and made it a row of the step ([grad], [1])."""
+    popped = []
+
+    class PopsTheLastParam:
+        @property
+        def grad(self):
+            popped.append(params.pop())
+            return None  # this row sits the step out: on to row 1
+
+    last = torch.zeros(3)
+    last.grad = torch.ones(3)
+    args = list(_fast_path_args([last, last]))
+    params = args[0] = [PopsTheLastParam(), last]
+    args[1][0] = (0, None, None, True, -1)
+    assert _C.optim_grad_pointers(*args) is None
+    assert popped == [last] and len(params) == 1

@@ -5251,9 +5251,9 @@ def test_forward_mode_swap_by_hand_refused_advances_the_state_as_eager(name: str
     _assert_same_training(got, ref)
 
 
-def _pending_step_swapped_by_hand(make_opt):
+def _pending_step_swapped_by_hand(make_opt, swap=_swap_first_weight_by_hand):
     """(model, optimizer, forward-mode handle) after a second step whose update
-    is pending and a hand swap of the first weight."""
+    is pending and a hand swap of the first weight (by `swap`)."""
     model = _mlp()
     opt = make_opt(model)
     handle = reprop.fuse(model, opt, mode="forward")
@@ -5261,7 +5261,7 @@ def _pending_step_swapped_by_hand(make_opt):
     x, y = _mlp_batch(1)
     F.mse_loss(model(x), y).backward()
     opt.step()
-    _swap_first_weight_by_hand(model, opt)
+    swap(model, opt)
     return model, opt, handle
 
 
@@ -10315,3 +10315,85 @@ def test_forward_mode_parameter_put_straight_into_another_modules_slot_is_applie
 
     want, got = train(False), train(True)
     assert all(torch.equal(p, q) for p, q in zip(got, want))
+
+
+# ---- mutation audit of python/reprop/_tensors.py: the mutants session 43 left alive ----
+
+def _swap_first_weight_for_an_inference_tensor(model: nn.Module, opt) -> None:
+    """_swap_first_weight_by_hand, the values swapped in made under
+    torch.inference_mode() (weights loaded there): the param becomes an
+    inference tensor, which has no version counter."""
+    p = model[0].weight
+    with torch.inference_mode():
+        new = nn.Parameter(torch.full_like(p, 0.01))
+    torch.utils.swap_tensors(p, new)
+
+
+def test_forward_mode_swap_for_an_inference_tensor_refused_advances_the_state_as_eager() -> None:
+    """The refused update's state part keeps the param's version counter
+    (versions_of / set_versions), which an inference tensor swapped in does
+    not have: it is skipped, and the refusal and the state step are those of
+    any swap (eager's step() had advanced the state to step 2). Reading its
+    version raised "Inference tensors do not track version counter" instead,
+    and putting back a None raised a TypeError, the state left at step 1."""
+    model, opt, handle = _pending_step_swapped_by_hand(
+        lambda m: rp.Adam(m.parameters(), lr=0.01), _swap_first_weight_for_an_inference_tensor)
+    p = model[0].weight
+    assert p.is_inference()
+    with pytest.raises(RuntimeError, match=r"'0\.weight'.*swapped"):
+        handle.flush()
+    assert opt.state[p]["step"].item() == 2
+    assert torch.all(p == 0.01)
+    handle.remove()
+
+
+def _trained_with_steps_in_inference_mode(make_opt, fused: bool, inference_first: bool) -> tuple:
+    """Three steps, each step() inside torch.inference_mode(), of an MLP whose
+    first layer was made there where `inference_first` (weights loaded under
+    it: inference tensors, which the first layer's backward does not save)."""
+    torch.manual_seed(0)
+    with torch.inference_mode(inference_first):
+        first = nn.Linear(4, 3)
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(3, 2))
+    opt = make_opt(model)
+    handle = reprop.fuse(model, opt, mode="forward") if fused else None
+    x = torch.randn(5, 4)
+    for _ in range(3):
+        model(x).square().sum().backward()
+        with torch.inference_mode():
+            opt.step()
+        opt.zero_grad()
+    if handle is not None:
+        handle.remove()
+    return model, opt
+
+
+@pytest.mark.parametrize("inference_first", [True, False])
+@pytest.mark.parametrize("name", ["SGD", "Adam", "torch Adam"])
+def test_forward_mode_step_inside_inference_mode_updates_as_eager(name: str,
+                                                                  inference_first: bool) -> None:
+    """Eager step() inside torch.inference_mode() writes inference params and
+    makes its state there (inference tensors, which a step() outside the mode
+    then refuses to update). The fusion applied the update, the first at
+    once and the others at the next forward, outside that mode (to make
+    normal state for a forward under inference_mode): the optimizer refused
+    inference params ("inplace update to inference tensor outside
+    InferenceMode") at the first step(), and normal ones got normal state
+    (a step() outside the mode then trained on, where eager's raises). Each
+    update runs in its step()'s mode: the same params and state as eager's,
+    inference tensors alike."""
+    make_opt = STATE_EXACT_OPTIMIZERS[name]
+    got = _trained_with_steps_in_inference_mode(make_opt, True, inference_first)
+    want = _trained_with_steps_in_inference_mode(make_opt, False, inference_first)
+    _assert_same_training(got, want)
+    assert _state_inference_flags(*got) == _state_inference_flags(*want)
+    assert all(all(flags) for flags in _state_inference_flags(*got))
+    torch.manual_seed(0)
+    start = nn.Linear(4, 3).bias  # (before training; an inference weight gets no gradient)
+    assert got[0][0].bias.is_inference() == inference_first
+    assert not torch.equal(got[0][0].bias, start)
+
+
+def _state_inference_flags(model: nn.Module, opt) -> list:
+    return [[t.is_inference() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
+            for p in model.parameters()]

@@ -54,7 +54,10 @@
  *     written, CUDA errors (a refused launch, or one cudaGetLastError reports,
  *     of the step increments or of an update) give RP_ERUNTIME with CUDA's
  *     text (no update after failed increments), and
- *     rp_cuda_device_count() is 0 when the runtime finds no driver.
+ *     rp_cuda_device_count() is 0 when the runtime finds no driver;
+ *   - capturable Adam where beta2 ** step overflows the host's double: every
+ *     param NaN, as torch's capturable Adam (checked apart: the C core, the
+ *     reference of everything above, refuses that step on the host path).
  *
  * With --random N [--seed S] [--first I] it runs N cases drawn from the seed
  * instead of the grid (.ci/run runs a few thousand): any optimizer with any
@@ -1232,6 +1235,57 @@ static void test_stepless_empty_entries(void)
     }
 }
 
+/* Capturable Adam where beta2 ** step overflows the host's double to inf
+ * (beta2 beyond 1, finite as a float32, made by hand after the optimizer's
+ * check): torch's capturable Adam computes 1 - beta2 ** step in float32
+ * tensor ops, -inf, and its tensor square root is NaN, so every param is
+ * NaN (torch 2.13's own capturable arithmetic on the CPU, its device check
+ * lifted: exp_avg and exp_avg_sq stay 0 with zero gradients and state, the
+ * step counts on). The C core refuses that step on the host path (Python's
+ * beta2 ** step overflows), so the cases above, run against it, never reach
+ * it (mutation audit, session 44: O04, the host's square root, inf for a
+ * Python number, in the kernel left the params as they were). */
+static void test_capturable_adam_past_the_beta2_power(void)
+{
+    static const launch_config lc = {"default stream", 0, NULL, 0};
+    static const struct {
+        double beta2;
+        float step; /* the counter before the call */
+    } overflows[] = {{1e34, 9.0f}, {1.5, 2000.0f}};
+    for (const auto &o : overflows) {
+        rp_optim_hparams adam = base_hparams(RP_ADAM);
+        adam.beta2 = o.beta2;
+        case_data cd;
+        rp_error err = {{0}};
+        build_case(&cd, adam, RP_F32, {5, 2 * BLOCK_STEP + 3}, ALIGNED, 11);
+        for (tensor_data &t : cd.tensors) {
+            for (guarded_buffer *b : {&t.grad, &t.state[0], &t.state[1]})
+                memset(buffer_data(b), 0, b->size);
+            t.step = o.step;
+        }
+        expect_call(adam, RP_F32, true, &cd, NULL, lc);
+        const int rc = rp_cuda_optim_step(&adam, RP_F32, cd.entries.data(), NULL,
+                                          (int64_t)cd.entries.size(), 1, (void *)lc.stream, &err);
+        check_status("capturable Adam past the beta2 power", rc, RP_OK, err, NULL);
+        if (rc != RP_OK)
+            continue;
+        check_call_done(&cd, lc);
+        snprintf(g_context, sizeof g_context, "capturable Adam, beta2 %g from step %g", o.beta2,
+                 (double)o.step);
+        for (size_t i = 0; i < cd.entries.size(); i++) {
+            const rp_optim_entry &e = cd.entries[i];
+            CHECK(*e.step == o.step + 1.0f, "tensor %zu: step %g", i, (double)*e.step);
+            int64_t k = 0;
+            while (k < e.numel && isnan(elem_load(RP_F32, e.param, k)) &&
+                   e.state[0][k] == 0.0f && e.state[1][k] == 0.0f)
+                k++;
+            CHECK(k == e.numel, "tensor %zu, element %lld: param %g (not NaN), moments %g, %g",
+                  i, (long long)k, (double)elem_load(RP_F32, e.param, k), (double)e.state[0][k],
+                  (double)e.state[1][k]);
+        }
+    }
+}
+
 /* The real runtime answers: without a driver (CI) the count must be 0. */
 static int test_device_count(void)
 {
@@ -1454,6 +1508,7 @@ int main(int argc, char **argv)
     test_argument_errors();
     test_runtime_errors();
     test_stepless_empty_entries();
+    test_capturable_adam_past_the_beta2_power();
     const int devices = test_device_count();
     if (g_random_mode) {
         draw_sm_counts(random.seed);

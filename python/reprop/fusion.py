@@ -2680,6 +2680,9 @@ class _ForwardFusion(FusionHandle):
         # and the param's _tensors.swap_mark, which a swap by hand changes)
         self._grads: dict = {}
         self._settings: dict = {}  # id(group) -> hyper-parameters when step() was called
+        # whether the last step() ran inside torch.inference_mode(): its updates
+        # run in that mode, wherever they are applied (see _apply)
+        self._step_inference = False
         # id(group) -> (state slots, capturable, ids of the params with a gradient)
         # of the last step() whose update of the group passed the optimizer's full check
         self._checked: dict = {}
@@ -2987,11 +2990,15 @@ class _ForwardFusion(FusionHandle):
                     # the refusal is raised: raised at once, it left them pending, and
                     # remove() (which lets go of what is pending) lost them
                     params, refusal = self._drop_refused(params, grads, edited, swapped)
-                if torch.is_inference_mode_enabled():
-                    # (a forward under the user's inference_mode): the state the update
-                    # creates must be normal tensors, as eager step()'s, which the next
-                    # eager update can change in place
-                    with torch.inference_mode(False):
+                if torch.is_inference_mode_enabled() != self._step_inference:
+                    # The updates run in the mode of the step() that decided them, as
+                    # eager's: applied by a forward under the user's inference_mode,
+                    # the state they create is normal tensors, as eager step()'s,
+                    # which the next eager update can change in place; decided by a
+                    # step() inside inference_mode, they write inference params and
+                    # make inference state, as eager's, where outside it the
+                    # optimizer refused them (torch's rule for in-place updates)
+                    with torch.inference_mode(self._step_inference):
                         self._apply_by_group(params, grads, in_step)
                 else:
                     self._apply_by_group(params, grads, in_step)
@@ -3515,6 +3522,7 @@ class _ForwardFusion(FusionHandle):
         if self._clip is not None and with_grad:
             torch.nn.utils.clip_grad_norm_(with_grad, self._clip)
         self._settings = _settings_snapshot(self.optimizer)
+        self._step_inference = torch.is_inference_mode_enabled()
         self._rechecked = False
         self._forget_checks_if_state_changed()
         try:
