@@ -10397,3 +10397,20 @@ def test_forward_mode_step_inside_inference_mode_updates_as_eager(name: str,
 def _state_inference_flags(model: nn.Module, opt) -> list:
     return [[t.is_inference() for t in opt.state[p].values() if isinstance(t, torch.Tensor)]
             for p in model.parameters()]
+
+
+def test_backward_mode_refuses_an_inference_param_at_backward() -> None:
+    """Backward mode updates inside backward(), outside inference mode (no
+    step() has said where yet): a param built under inference_mode is
+    refused there with torch's error naming it (README), left unwritten, as
+    eager's step() outside the mode refuses it."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        first = nn.Linear(4, 4)
+    model = nn.Sequential(first, nn.ReLU(), nn.Linear(4, 1))
+    before = first.bias.clone()
+    reprop.fuse(model, torch.optim.SGD(model.parameters(), lr=0.1), mode="backward")
+    with pytest.raises(RuntimeError, match=r"params: a parameter of shape \(4,\): (?i:inplace "
+                       r"update to inference tensor outside InferenceMode)"):
+        model(torch.randn(8, 4)).sum().backward()
+    assert torch.equal(first.bias, before)
