@@ -2044,21 +2044,21 @@ def test_held_dw_of_calls_in_several_autocast_regions_sum_as_autograd(views):
 
 
 def test_a_split_layer_reads_each_life_of_the_autocast_cache_once():
-    """The life of torch's autocast cache (_autocast_epoch) is one object
-    from a region's first split call until its outermost `autocast`
-    exits, nested regions included, and another for every call with the
+    """The life of torch's autocast cache (_autocast_life) is one token
+    from a context's first split call until its outermost `autocast`
+    exits, nested contexts included, and another for every call with the
     cache off (torch casts anew there); telling it costs a probe of the
     cache at the first call of each life only (it cost one every split
     call under autocast, 2.5 us on a CPU)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     handle = ooo.enable(model)
-    epochs, begun = [], []
+    tokens, begun = [], []
     life = ooo._AutocastLife
     begin = life.begin
     try:
         life.begin = lambda self: begun.append(1) or begin(self)
-        epoch = handle._autocast_epoch
-        handle._autocast_epoch = lambda device: epochs.append(epoch(device)) or epochs[-1]
+        present = handle._autocast_life
+        handle._autocast_life = lambda device: tokens.append(present(device)) or tokens[-1]
         x = torch.randn(2, 4)
         for cache in (True, True, False):
             with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
@@ -2069,8 +2069,8 @@ def test_a_split_layer_reads_each_life_of_the_autocast_cache_once():
     finally:
         life.begin = begin
         handle.remove()
-    assert len(epochs) == 12 and len(begun) == 2 + 4
-    first, second, off = epochs[:4], epochs[4:8], epochs[8:]
+    assert len(tokens) == 12 and len(begun) == 2 + 4
+    first, second, off = tokens[:4], tokens[4:8], tokens[8:]
     assert all(e is first[0] for e in first) and all(e is second[0] for e in second)
     assert second[0] is not first[0] and len({id(e) for e in off}) == 4
 
@@ -2103,7 +2103,7 @@ def test_split_layers_under_save_on_cpu_read_one_life_of_the_autocast_cache(view
     regions: the probe of autocast's cache (_AutocastLife) kept a weak
     reference to the copy save_on_cpu's hook made of its cast, which died
     at once, so each split call began a life of its own and a weight's
-    three sites were summed as three regions: 0.4% of the largest element
+    three sites were summed as three lives: 0.4% of the largest element
     off torch's. Gradients bitwise autograd's."""
     _views_twins(dict(profile_iters=2, regions=2), [torch.bfloat16] * views, call=_on_cpu)
 

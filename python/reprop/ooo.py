@@ -520,27 +520,27 @@ class _AutocastLife:
     1x1 leaf's cast, which the cache keeps, watched by a weak reference
     that dies when the cache drops it (the outermost autocast context
     exits, torch.clear_autocast_cache()), or at once where the cache is
-    off. `epoch` is the life's token while it lasts, None after. A probe
+    off. `token` is the life's token while it lasts, None after. A probe
     each split call (the node of the leaf's cached cast, compared) cost
     2.5 us a call on a CPU; this costs one at the first call of each life
     (1.1% of a 16 x Linear(8) step under bfloat16 autocast on a CPU).
     (prelu: no cuBLAS, which deterministic algorithms may refuse.)"""
 
-    __slots__ = ("leaf", "epoch", "watch")
+    __slots__ = ("leaf", "token", "watch")
 
     def __init__(self, device: torch.device):
         self.leaf = torch.zeros(1, device=device, requires_grad=True)
-        self.epoch: object = None
+        self.token: object = None
         self.watch = None
 
     def begin(self) -> object:
         """A new life's token: the leaf cast anew, in grad mode (inside the
         split's Function too), so that the cast is saved, and read back.
         Saved past any saved-tensor hooks of the caller: a non-reentrant
-        checkpoint's would count the probe's saves in the region's forward
+        checkpoint's would count the probe's saves in the checkpointed forward
         and not in its recompute, which begins no life or another one, and
         raise CheckpointError (a different number of tensors saved)."""
-        epoch = self.epoch = object()
+        token = self.token = object()
         hooks, grad = [], torch.is_grad_enabled()
         try:  # (no context managers: they cost 15 us a life)
             _saved_tensor_hooks_off(hooks)
@@ -549,12 +549,12 @@ class _AutocastLife:
         finally:
             torch._C._set_grad_enabled(grad)
             _saved_tensor_hooks_on(hooks)
-        self.watch = weakref.ref(cast, functools.partial(self._ended, epoch))
-        return epoch
+        self.watch = weakref.ref(cast, functools.partial(self._ended, token))
+        return token
 
-    def _ended(self, epoch: object, _ref) -> None:
-        if self.epoch is epoch:  # (not a later life's)
-            self.epoch = None
+    def _ended(self, token: object, _ref) -> None:
+        if self.token is token:  # (not a later life's)
+            self.token = None
 
 
 class _Split(torch.autograd.Function):
@@ -563,7 +563,7 @@ class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, site: "_Site", x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None):
         m, kind = site.module, site.kind
-        cast = region = None
+        cast = life = None
         # (the check for any device first: the one for x's costs a device object and a lookup)
         if torch._C._is_any_autocast_enabled():
             device = x.device
@@ -574,7 +574,7 @@ class _Split(torch.autograd.Function):
         else:
             # the life of torch's autocast cache: autograd sums the dW of a
             # weight's sites per life, in the low precision (_PassSum)
-            region = site.handle._autocast_epoch(device)
+            life = site.handle._autocast_life(device)
             # what autocast does before the op, done here so that backward gets
             # the cast tensors, as autograd's own graph saves them; the engine
             # casts the returned gradients back to the inputs' dtypes
@@ -601,7 +601,7 @@ class _Split(torch.autograd.Function):
         ctx.extra = saved[n:]
         ctx.site = site
         ctx.params = (w, b)
-        ctx.region = region
+        ctx.life = life
         return y
 
     # A backward started in compiled code (a compiled step calling
@@ -625,7 +625,7 @@ class _Split(torch.autograd.Function):
         task = None
         if deferred[0] or deferred[1]:
             task = site.handle._weight_grad_ready(site, saved, g, ctx.params, deferred, nodes,
-                                                  ctx.region)
+                                                  ctx.life)
         input_grad = ctx.needs_input_grad[1]
         wanted = (deferred[0] or returned[0], deferred[1] or returned[1])
         weight_grads = None
@@ -761,9 +761,9 @@ def _summed(total: torch.Tensor | None, d: torch.Tensor, dtype: torch.dtype) -> 
     return total.to(dtype).add_(d)
 
 
-class _ByRegion:
+class _ByLife:
     """A parameter's dW in backward order where its autocast calls span
-    several lives of torch's cache (_autocast_epoch: the model called in
+    several lives of torch's cache (_autocast_life: the model called in
     two autocast contexts before one backward, siamese views), each of
     which casts the weight anew. Autograd sums a life's dW in the node of
     its copy, in the low precision, and adds those sums, cast to the
@@ -775,62 +775,62 @@ class _ByRegion:
     lives, bfloat16's was 0.35% to 0.8% of the largest element off
     torch's. (_PassSum's, _HeldSum's.)"""
 
-    __slots__ = ("dtype", "part", "region")
+    __slots__ = ("dtype", "part", "life")
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.part: torch.Tensor | None = None  # the running life's sum, low precision
-        self.region: object = None
+        self.life: object = None
 
-    def add(self, d: torch.Tensor, region: object, out: Callable) -> None:
-        """The next dW, d, of a call in `region` (None: outside autocast)."""
+    def add(self, d: torch.Tensor, life: object, out: Callable) -> None:
+        """The next dW, d, of a call in `life` (None: outside autocast)."""
         part = self.part
-        if part is not None and region is self.region and d.dtype == part.dtype:
+        if part is not None and life is self.life and d.dtype == part.dtype:
             part.add_(d)
             return
         self.end(out)
         if d.dtype == self.dtype:
             out(d)
         else:
-            self.part, self.region = d, region  # (a dW is the task's own)
+            self.part, self.life = d, life  # (a dW is the task's own)
 
     def end(self, out: Callable) -> None:
         """The running life's sum, cast to the parameter's dtype, goes out."""
         part = self.part
         if part is not None:
-            self.part = self.region = None
+            self.part = self.life = None
             out(part.to(self.dtype))
 
 
 class _NumberedByLife:
     """A parameter's dW numbered in backward order (`made` so far), each
-    with the life of torch's autocast cache its call ran in (_Task.region,
+    with the life of torch's autocast cache its call ran in (_Task.life,
     None: outside autocast): the first's as `first`, and number -> life of
-    each in another, once there is one (`regions`), by which _ByRegion sums
+    each in another, once there is one (`lives`), by which _ByLife sums
     them. (_PassSum's, _HeldSum's.)"""
 
-    __slots__ = ("made", "first", "regions")
+    __slots__ = ("made", "first", "lives")
 
     def __init__(self):
         self.made = 0
         self.first: object = None
-        self.regions: dict | None = None
+        self.lives: dict | None = None
 
-    def number(self, region: object) -> int:
-        """Numbers the next dW, of a call in `region`."""
+    def number(self, life: object) -> int:
+        """Numbers the next dW, of a call in `life`."""
         n = self.made
         self.made = n + 1
         if n == 0:
-            self.first = region
-        elif region is not self.first:
-            if self.regions is None:
-                self.regions = {}
-            self.regions[n] = region
+            self.first = life
+        elif life is not self.first:
+            if self.lives is None:
+                self.lives = {}
+            self.lives[n] = life
         return n
 
     def life(self, n: int) -> object:
-        """The life of the call of the dW numbered `n` (regions: not None)."""
-        return self.regions.get(n, self.first)
+        """The life of the call of the dW numbered `n` (lives: not None)."""
+        return self.lives.get(n, self.first)
 
 
 class _PassSum(_NumberedByLife):
@@ -888,7 +888,7 @@ class _PassSum(_NumberedByLife):
         self.autograd_done = False  # apart: the AccumulateGrad node is reached
         self.node = None  # apart: that node, and the handle of `reached` on it
         self.reach = None
-        self.parts: _ByRegion | None = None  # the sum by life, once there are two (by_life)
+        self.parts: _ByLife | None = None  # the sum by life, once there are two (by_life)
 
     def watch(self, node) -> None:
         """`reached` runs before `node`, the parameter's AccumulateGrad, from
@@ -928,10 +928,10 @@ class _PassSum(_NumberedByLife):
     def by_life(self, node) -> bool:
         """The dW numbered last is the first of a call in another life of
         torch's autocast cache than the first call's: from here the sum goes
-        by life (_ByRegion) and closes at `node`, the parameter's
+        by life (_ByLife) and closes at `node`, the parameter's
         AccumulateGrad (`reached`), as one apart does. Whether it began to
         watch the node here."""
-        self.parts = _ByRegion(self.param.dtype)
+        self.parts = _ByLife(self.param.dtype)
         began = self.reach is None
         self.watch(node)
         return began
@@ -963,7 +963,7 @@ class _PassSum(_NumberedByLife):
         total, self.total = self.total, None
         self.made = self.added = 0
         self.autograd_done = False
-        self.regions = self.parts = None
+        self.lives = self.parts = None
         if total is not None:
             if total.is_cuda:  # made on the sub-stream, maybe added on the main one
                 total.record_stream(torch.cuda.current_stream(total.device))
@@ -972,7 +972,7 @@ class _PassSum(_NumberedByLife):
     def _add_in_turn(self, d: torch.Tensor) -> None:
         n = self.added
         self.added += 1
-        if self.regions is None:
+        if self.lives is None:
             self._add(d)
         else:
             self.parts.add(d, self.life(n), self._add)
@@ -1062,16 +1062,16 @@ class _HeldSum(_NumberedByLife):
         returns how many. (Each dW is the task's own: the sum is made in
         the first, in its dtype, the low one under autocast, as autograd's
         buffer of autocast's one cast copy; by life of autocast's cache where
-        the calls span several: _ByRegion.)"""
+        the calls span several: _ByLife.)"""
         got, self.got = self.got, {}
         total = None
-        dtype, regions = self.param.dtype, self.regions
+        dtype, lives = self.param.dtype, self.lives
 
         def add(d: torch.Tensor) -> None:
             nonlocal total
             total = _summed(total, d, dtype)
 
-        parts = None if regions is None else _ByRegion(dtype)
+        parts = None if lives is None else _ByLife(dtype)
         for n in sorted(got):
             if parts is None:
                 add(got[n])
@@ -1191,12 +1191,12 @@ class _Task:
     or the gradients already made beside dO (``made``), to accumulate."""
 
     __slots__ = ("site", "saved", "grad", "key", "params", "mask", "targets", "event", "done",
-                 "graph", "sums", "region", "__weakref__")
+                 "graph", "sums", "life", "__weakref__")
 
     def __init__(self, site: _Site, saved: tuple, grad: torch.Tensor, key: tuple,
-                 params: tuple, mask: list, region: object):
+                 params: tuple, mask: list, life: object):
         self.site, self.saved, self.grad, self.key = site, saved, grad, key
-        self.region = region  # the call's life of torch's autocast cache (_autocast_epoch)
+        self.life = life  # the call's life of torch's autocast cache (_autocast_life)
         self.params, self.mask = params, mask  # (weight, bias) of the call, which to make
         self.targets = [p for p, m in zip(params, mask) if m]  # whose .grad it adds to
         self.event = None
@@ -1557,7 +1557,7 @@ class OOOHandle(_PassTracking):
         # parameter: torch.utils.swap_tensors (.to()/.half() under torch's
         # swap flag) refuses a tensor with a weak reference
         self._casts: dict = {}
-        # device -> the life of torch's autocast cache there (_autocast_epoch)
+        # device -> the life of torch's autocast cache there (_autocast_life)
         self._autocast_lives: dict = {}
         # id(parameter) -> the sum of this backward's split dW (_PassSum), and
         # those that close at the parameter's AccumulateGrad node (summed apart
@@ -2017,7 +2017,7 @@ class OOOHandle(_PassTracking):
         return time.perf_counter() - self._task_time
 
     def _weight_grad_ready(self, site: _Site, saved: tuple, g: torch.Tensor,
-                           params: tuple, mask: list, nodes: list, region: object) -> _Task:
+                           params: tuple, mask: list, nodes: list, life: object) -> _Task:
         if not self._in_own_pass():  # (a backward that raised and is retried, with
             self._enter_pass()       # retain_graph and no forward since, is dropped there)
             if not self._nested_seen and self._nested_graph() is not None:
@@ -2025,7 +2025,7 @@ class OOOHandle(_PassTracking):
         self._device = g.device
         call = self._calls.get(site, 0)
         self._calls[site] = call + 1
-        task = _Task(site, saved, g, (site.index, call), params, mask, region)
+        task = _Task(site, saved, g, (site.index, call), params, mask, life)
         if self._profiling():
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
@@ -2097,14 +2097,14 @@ class OOOHandle(_PassTracking):
             guard.remove()
         self._guards, self._written, self._main_writes = {}, {}, set()
 
-    def _cast_param(self, p, dtype: torch.dtype, epoch: object = None):
+    def _cast_param(self, p, dtype: torch.dtype, life: object = None):
         """Autocast's cast of a parameter, one copy for every split site
         while the parameter is unchanged and the copy saved by a graph, as
         autocast's cache gives autograd (a weight read at N sites saved N
         copies). Kept until the end of the next backward at most: an
         in-place change through .data, which no version counter sees, then
         reaches only forwards of a graph still alive, as autograd's saved
-        tensors miss it too. `epoch` (_autocast_epoch), for a copy autograd
+        tensors miss it too. `life` (_autocast_life), for a copy autograd
         records (made in grad mode: _cast_returned), which serves the others
         too: the one made in the same life of torch's autocast cache."""
         if p is None or not p.is_leaf:
@@ -2113,26 +2113,26 @@ class OOOHandle(_PassTracking):
         hit = self._casts.get(id(p))
         if hit is not None and hit[0] is p and hit[1] == key:
             copy = hit[2]()
-            if copy is not None and (epoch is None or (hit[3] is epoch and not copy.is_leaf)):
+            if copy is not None and (life is None or (hit[3] is life and not copy.is_leaf)):
                 return copy
         copy = _param_cast(p, dtype)
         if copy is not p:
-            self._casts[id(p)] = (p, key, weakref.ref(copy), epoch)
+            self._casts[id(p)] = (p, key, weakref.ref(copy), life)
         return copy
 
-    def _autocast_epoch(self, device: torch.device) -> object:
-        """The present life of torch's autocast cache on `device`, which
-        ends as the cache drops its copies (the outermost autocast context
-        exits) and at every call with the cache off (_AutocastLife).
-        Autocast gives a weight read in two such lives two copies, whose
-        nodes sum the sites' dW apart (cast back to float32, then added):
-        the model called in two autocast contexts before one backward
-        (siamese views). One copy across both summed the two calls' dW in
-        bfloat16, DataParallel 2.4e-3 off DDP's."""
+    def _autocast_life(self, device: torch.device) -> object:
+        """The present life of torch's autocast cache on `device` (its
+        token), which ends as the cache drops its copies (the outermost
+        autocast context exits) and at every call with the cache off
+        (_AutocastLife). Autocast gives a weight read in two such lives two
+        copies, whose nodes sum the sites' dW apart (cast back to float32,
+        then added): the model called in two autocast contexts before one
+        backward (siamese views). One copy across both summed the two calls'
+        dW in bfloat16, DataParallel 2.4e-3 off DDP's."""
         life = self._autocast_lives.get(device)
         if life is None:
             life = self._autocast_lives[device] = _AutocastLife(device)
-        return life.epoch or life.begin()
+        return life.token or life.begin()
 
     def _cast_returned(self, site: _Site, x: torch.Tensor, params: tuple,
                        unseen: bool = False) -> tuple:
@@ -2154,7 +2154,7 @@ class OOOHandle(_PassTracking):
         it is cast so, its dW going to autograd this once, so that a second
         call reads the same copy (cast inside the split, the first call's
         dW met the second's in float32: 9e-5 off DDP's in bfloat16), or in
-        another autocast context its own, as autocast's (_autocast_epoch)."""
+        another autocast context its own, as autocast's (_autocast_life)."""
         deterministic = torch.are_deterministic_algorithms_enabled()
         summed = self._summed_by_autograd if deterministic else ()
         unseen = unseen and deterministic
@@ -2169,8 +2169,8 @@ class OOOHandle(_PassTracking):
                                 torch.get_autocast_dtype(device.type))
         if cast is None:
             return params
-        epoch = self._autocast_epoch(device)
-        return tuple(self._cast_param(p, cast, epoch) if r else p
+        life = self._autocast_life(device)
+        return tuple(self._cast_param(p, cast, life) if r else p
                      for p, r in zip(params, to_autograd))
 
     def _called_again(self, site: _Site) -> None:
@@ -2251,9 +2251,9 @@ class OOOHandle(_PassTracking):
                     total = sums[id(p)] = self._new_sum(p)
             if total.apart and total.made == 0:
                 total.watch(node)
-            one_life = total.regions is None
-            numbered.append((total, total.number(task.region)))
-            if one_life and total.regions is not None and total.by_life(node):
+            one_life = total.lives is None
+            numbered.append((total, total.number(task.life)))
+            if one_life and total.lives is not None and total.by_life(node):
                 self._watching.append(total)
             total.sites += 1
         task.sums = tuple(numbered)
@@ -2362,7 +2362,7 @@ class OOOHandle(_PassTracking):
             if total is None:
                 total = self._held_sums[(id(p), graph)] = _HeldSum(p, graph)
                 self._open_held.setdefault(id(p), []).append(weakref.ref(total))
-            numbered.append((total, total.number(task.region)))
+            numbered.append((total, total.number(task.life)))
         task.sums = tuple(numbered)
 
     def _end_held_sums(self) -> None:
