@@ -1495,11 +1495,12 @@ def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int =
     """Layers 0-2 of _Net frozen whole (split, run plain while frozen) and
     layers 3 and 4's weights (split on their biases; held at k = 2) frozen
     when DataParallel is built, unfrozen at steps 2 and 3 (layers 0-2 then
-    the first of the plan's 8 layers: held at k = 2), and layers[5].weight
-    frozen at step 1 and unfrozen at step 4 between the forward and its
-    backward: every gradient is the average of the ranks' (None where no
-    rank has one), bitwise, and the replicas step alike; a step that
-    accumulates a no_sync() backward first averages the sum."""
+    the first of the plan's 8 layers: held at k = 2; layer 1's weight first,
+    its bias a step later), layer 2 frozen again at step 5, and
+    layers[5].weight frozen at step 1 and unfrozen at step 4 between the
+    forward and its backward: every gradient is the average of the ranks'
+    (None where no rank has one), bitwise, and the replicas step alike; a
+    step that accumulates a no_sync() backward first averages the sum."""
     torch.manual_seed(0)
     model = _Net()
     for lin in model.layers[:3]:
@@ -1513,10 +1514,13 @@ def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int =
             if step == 1:
                 net.layers[5].weight.requires_grad_(False)
             if step == 2:
-                net.layers[:3].requires_grad_(True)
-                net.layers[3].weight.requires_grad_(True)
+                for p in (net.layers[0], net.layers[1].weight, net.layers[2], net.layers[3].weight):
+                    p.requires_grad_(True)
             if step == 3:
+                net.layers[1].bias.requires_grad_(True)
                 net.layers[4].weight.requires_grad_(True)
+            if step == 5:
+                net.layers[2].requires_grad_(False)
         x, t = _batch(rank, step)
         for net in (model, ref):
             net.zero_grad()
@@ -1634,6 +1638,7 @@ def _dp_unfrozen(rank: int, world: int) -> None:
     _compare_unfrozen_uneven(rank, world)
     _compare_unfrozen(rank, world, k=0, as_view=False)
     _compare_unfrozen(rank, world, k=2, as_view=True)
+    _compare_unfrozen(rank, world, k=DEPTH, as_view=False)
     _check_unfrozen_apart(rank, world)
 
 
