@@ -2829,19 +2829,21 @@ def test_a_layer_frozen_whole_at_enable_is_split_once_unfrozen(order):
     assert trainable == {model[0], model[2], model[6]}
 
 
-def test_a_layer_unfrozen_after_the_schedule_is_fixed_keeps_autograds_order():
+@pytest.mark.parametrize("unfreeze_at", [1, 4])
+def test_a_layer_unfrozen_after_the_schedule_is_fixed_keeps_autograds_order(unfreeze_at):
     """A layer frozen whole through the profile has an index (its place in
     the forward order) but no dW the schedule placed: off CUDA it then runs
     plain, as any layer the schedule leaves beside its dO (autograd's order,
     without the split's cost); unfrozen later, its gradients and the
-    parameters are autograd's bits. Inside hold() it is split."""
+    parameters are autograd's bits. Inside hold() it is split. Unfrozen
+    while the profile runs, its dW is profiled and placed as any layer's."""
     ref, model = _frozen_backbone(), _frozen_backbone()
     handle = ooo.enable(model, profile_iters=2, speedup=None)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(8):
-        if step == 4:
-            assert handle.schedule is not None
+        if step == unfreeze_at:
+            assert (handle.schedule is not None) == (unfreeze_at == 4)
             for net in (ref, model):
                 net.requires_grad_(True)
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
@@ -2852,7 +2854,12 @@ def test_a_layer_unfrozen_after_the_schedule_is_fixed_keeps_autograds_order():
         _assert_same_bits(ref, model, "grad", f"step {step}")
         _assert_same_bits(ref, model, "", f"step {step}")
     assert [s.index for s in handle.sites] == [0, 1, 2, 3]  # the forward order
-    assert [(s.split, s.in_order) for s in handle.sites[:3]] == [(False, True)] * 3
+    placed = {key[0] for key in handle._region_of_main}
+    if unfreeze_at == 4:
+        assert placed == {3}
+        assert [(s.split, s.in_order) for s in handle.sites[:3]] == [(False, True)] * 3
+    else:
+        assert placed == {0, 1, 2, 3}
     with handle.hold() as held:
         model(x).sum().backward()
     assert {t.site.module for t in held} == {model[0], model[2], model[4], model[6]}
