@@ -1494,13 +1494,15 @@ def _averaged_by_hand(model: nn.Module, world: int) -> None:
 
 
 def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int = 6) -> None:
-    """Layers 0-2 of _Net frozen whole (not split) and layers 3 and 4's
-    weights (split on their biases; held at k = 2) frozen when DataParallel
-    is built, unfrozen at steps 2 and 3, and layers[5].weight frozen at step
-    1 and unfrozen at step 4 between the forward and its backward: every
-    gradient is the average of the ranks' (None where no rank has one),
-    bitwise, and the replicas step alike; a step that accumulates a
-    no_sync() backward first averages the sum."""
+    """Layers 0-2 of _Net frozen whole (split, run plain while frozen) and
+    layers 3 and 4's weights (split on their biases; held at k = 2) frozen
+    when DataParallel is built, unfrozen at steps 2 and 3 (layers 0-2 then
+    the first of the plan's 8 layers: held at k = 2; layer 1's weight first,
+    its bias a step later), layer 2 frozen again at step 5, and
+    layers[5].weight frozen at step 1 and unfrozen at step 4 between the
+    forward and its backward: every gradient is the average of the ranks'
+    (None where no rank has one), bitwise, and the replicas step alike; a
+    step that accumulates a no_sync() backward first averages the sum."""
     torch.manual_seed(0)
     model = _Net()
     for lin in model.layers[:3]:
@@ -1514,10 +1516,13 @@ def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int =
             if step == 1:
                 net.layers[5].weight.requires_grad_(False)
             if step == 2:
-                net.layers[:3].requires_grad_(True)
-                net.layers[3].weight.requires_grad_(True)
+                for p in (net.layers[0], net.layers[1].weight, net.layers[2], net.layers[3].weight):
+                    p.requires_grad_(True)
             if step == 3:
+                net.layers[1].bias.requires_grad_(True)
                 net.layers[4].weight.requires_grad_(True)
+            if step == 5:
+                net.layers[2].requires_grad_(False)
         x, t = _batch(rank, step)
         for net in (model, ref):
             net.zero_grad()
@@ -1537,6 +1542,45 @@ def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int =
                         p.sub_(0.1 * p.grad)
         _assert_same(model, ref, "parameter")
     assert model.layers[0].weight.grad is not None and model.layers[5].weight.grad is not None
+    assert dp.layers == DEPTH  # (layers 0-2 planned too)
+    dp.remove()
+
+
+def _dp_unfrozen_order(rank: int, world: int) -> None:
+    """Layers 0-2 of _Net frozen whole when DataParallel is built: not
+    layers of the plan while frozen (k = 2 holds layers 3 and 4), yet in
+    the forward order; unfrozen at step 1 (layer 1's weight alone), they
+    join the plan at its backward in their place: from step 2 on layers 0
+    and 1 are the held ones, split, their dW after backward, each bucket
+    right after its dW (layer 1's frozen bias in none), the others plain,
+    bucketed in reverse forward order. Before, a layer frozen whole was
+    never split: unfrozen, it ran plain autograd, out of reverse first-k."""
+    torch.manual_seed(0)
+    model = _Net()
+    model.layers[:3].requires_grad_(False)
+    dp = DataParallel(model, k=2, bucket_cap_mb=1e-6)  # one bucket per parameter
+    name = {p: n for n, p in model.named_parameters()}
+    events = _recorded(dp, lambda t: ("dW", t.site.index),
+                       lambda b: ("sync", [name[p] for p in b.params], dp._held is None))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        if step == 1:
+            for lin in (model.layers[0], model.layers[2], model.layers[1].weight):
+                lin.requires_grad_(True)
+        events.clear()
+        _train_step(model, opt, *_batch(rank, step))
+        assert dp.layers == (DEPTH - 3 if step == 0 else DEPTH), step
+        held = [s.module for s in dp.handle.sites if dp._position.get(s, dp.k) < dp.k]
+        assert held == list(model.layers[3:5] if step == 0 else model.layers[:2]), step
+    during = [("sync", [f"layers.{l}.{p}"], False) for l in range(DEPTH - 1, 1, -1)
+              for p in ("weight", "bias")]
+    after = [("dW", 0), ("sync", ["layers.0.weight", "layers.0.bias"], True),
+             ("dW", 1), ("sync", ["layers.1.weight"], True)]
+    scale = ("sync", ["scale"], False)
+    assert events.count(scale) == 1, events
+    assert [e for e in events if e != scale] == during + after, events
+    assert [s.index for s in dp.handle.sites] == list(range(DEPTH))
+    assert [s.split for s in dp.handle.sites] == [True] * 2 + [False] * (DEPTH - 2)
     dp.remove()
 
 
@@ -1592,9 +1636,11 @@ def _compare_unfrozen_uneven(rank: int, world: int, steps=((2, 1), (3, 0))) -> N
 
 
 def _dp_unfrozen(rank: int, world: int) -> None:
+    _dp_unfrozen_order(rank, world)
     _compare_unfrozen_uneven(rank, world)
     _compare_unfrozen(rank, world, k=0, as_view=False)
     _compare_unfrozen(rank, world, k=2, as_view=True)
+    _compare_unfrozen(rank, world, k=DEPTH, as_view=False)
     _check_unfrozen_apart(rank, world)
 
 
