@@ -5309,9 +5309,9 @@ def test_run_inside_the_backward_fires_the_hooks_in_the_order_autograd_does():
     backward ended (more dW of it may come), so what ran goes to .grad at
     run()'s end, earliest held first, and the post-accumulate-grad hooks
     fire as autograd's do, the last layer's first, each seeing the other
-    layer's .grad as autograd's call sees it. (Taken as complete, each closed as its task ran,
-    in the order given: the first layer's hooks fired first, seeing no
-    gradient of the last layer.)"""
+    layer's .grad as autograd's call sees it. (Taken as complete, each sum
+    closed as its task ran, in the order given: the first layer's hooks
+    fired first, seeing no gradient of the last layer.)"""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
     model = copy.deepcopy(ref)
