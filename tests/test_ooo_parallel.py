@@ -4116,3 +4116,39 @@ def test_pipeline_keeps_the_strides_of_overlapping_windows_spanning_their_elemen
     assert (layout.span, layout.sent, layout.strides, layout.contiguous) == (8, 8, (5, 1, 1), False)
     received = layout.rebuilt(layout.wire(t).reshape(-1).clone())
     assert torch.equal(received, t) and received.stride() == t.stride()
+
+
+# ---------------------------------------------------------------------------
+# Session-44 leftovers of the ooo.py mutation audits: each test below fails on
+# a mutant of ooo.py that the session-43 audits left alive.
+# ---------------------------------------------------------------------------
+
+
+def _dp_one_rank_converts_beside_zero_gradients(rank: int, world: int, converting: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    DataParallel(model, k=0)
+    model(torch.ones(4, 2)).sum().backward()
+    if rank == converting:
+        model.a.double()
+    model.zero_grad()
+    if rank != converting:  # its bucket: zero gradients, then the flags (1.0)
+        (0.0 * model(torch.zeros(4, 2)).sum()).backward()
+        return
+    with pytest.raises(RuntimeError, match="collectives are out of step.*on every rank"):
+        model(torch.ones(4, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("converting", [0, 1])
+def test_data_parallel_model_converted_on_one_rank_beside_zero_gradients_raises_clearly(converting):
+    """As test_data_parallel_model_converted_on_one_rank_only_raises_clearly,
+    the peer's bucket zero gradients and its flags (1.0). Rank 0 converted:
+    paired with them, its agreement's first-call indices and settings stay
+    valid numbers; only the last slot, which every rank sends as -0.5,
+    comes back other (the flags added to it). Without that check rank 0
+    went on with the garbage and its next collective met the peer's
+    barrier. Rank 1 converted: its +inf for rank 0's settings came back
+    (zeros added), its indices and mark intact, and it raised
+    OverflowError: cannot convert float infinity to integer (a bug until
+    session 44: _check_agreed now checks that rank 0's counts came)."""
+    _spawn(_dp_one_rank_converts_beside_zero_gradients, 2, converting, timeout=30)
