@@ -4152,3 +4152,40 @@ def test_data_parallel_model_converted_on_one_rank_beside_zero_gradients_raises_
     OverflowError: cannot convert float infinity to integer (a bug until
     session 44: _check_agreed now checks that rank 0's counts came)."""
     _spawn(_dp_one_rank_converts_beside_zero_gradients, 2, converting, timeout=30)
+
+
+
+def _check_shared_weight_hooks_see_whole_micro_batches(rank: int, world: int) -> None:
+    """See the test below: layers 1 and 3 (a weight tied) on rank 1."""
+    def seen_by_hooks(layers, train_step) -> list:
+        seen: list = []
+        layers[1].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        train_step()
+        return seen
+
+    x, t = _batch(0, 0)
+    ref = nn.Sequential(*_sharing_layers("tied", False))
+    after_each = seen_by_hooks(ref, lambda: [  # micro-batched torch: one call per micro-batch
+        (F.mse_loss(ref(xm), tm) / 2).backward() for xm, tm in zip(x.chunk(2), t.chunk(2))])
+    local = _sharing_layers("tied", False)
+    pipe = Pipeline(local, micro_batches=2, schedule="fast_forward", allocation="modulo",
+                    costs=dict(out_grad=[1.0, 1.0, 2.0, 1.0], transfer=2.0))
+    got = seen_by_hooks(local, lambda: pipe.step(x, t, F.mse_loss))
+    pipe.remove()
+    if rank == 1:
+        program = [task[:3] for task in pipe._schedule(False)[0] if task[0] != ooo._FORWARD]
+        assert program.index((ooo._WEIGHT_GRAD, 3, 1)) < program.index((ooo._WEIGHT_GRAD, 1, 0)) \
+            < program.index((ooo._OUTPUT_GRAD, 1, 1))
+        assert len(got) == 1, [g.sum().item() for g in got]
+        torch.testing.assert_close(got[0], after_each[-1], rtol=1e-6, atol=1e-7)
+
+
+def test_pipeline_runs_a_shared_weights_dw_after_every_use_in_its_own_micro_batch():
+    """A weight tied between layers 1 and 3 of rank 1, 2 micro-batches,
+    "fast_forward" with costs under which rank 1 runs dW(3, 0), dW(3, 1),
+    dO(1, 0), dW(1, 0), then dO(1, 1): dW(3, 1) waits for layer 1's
+    backward of micro-batch 1, not 0. Released at dW(1, 0), every dW made
+    so far had run and the weight's hooks fired there on a gradient
+    missing layer 1's part of micro-batch 1 (no sum of whole micro-batches),
+    then again at the end; now once, on the step's gradient."""
+    _spawn(_check_shared_weight_hooks_see_whole_micro_batches, 2)
