@@ -4189,3 +4189,56 @@ def test_pipeline_runs_a_shared_weights_dw_after_every_use_in_its_own_micro_batc
     missing layer 1's part of micro-batch 1 (no sum of whole micro-batches),
     then again at the end; now once, on the step's gradient."""
     _spawn(_check_shared_weight_hooks_see_whole_micro_batches, 2)
+
+
+class _ExpandedMean(nn.Module):
+    """A Linear whose output is its mean over the batch, expanded back to
+    the batch (strides (0, 1): one row of memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.mean(0, keepdim=True).expand_as(y)
+
+
+class _DetachedWhile(nn.Module):
+    """A Linear that detaches its input while `stop` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.stop = nn.Linear(WIDTH, WIDTH), True
+
+    def forward(self, x):
+        return self.lin(x.detach() if self.stop else x)
+
+
+def _check_gradient_header_of_an_expanded_activation(rank: int, world: int) -> None:
+    """See the test below: layer 0 on rank 0, layer 1 on rank 1."""
+    x, t = _batch(0, 0)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_ExpandedMean(), _DetachedWhile())
+    layers = list(copy.deepcopy(ref))
+    pipe = Pipeline(layers, micro_batches=1)
+    for stop in (True, False):  # no gradient to send back, then one: the same headers
+        ref[1].stop = layers[1].stop = stop
+        ref.zero_grad()
+        F.mse_loss(ref(x), t).backward()
+        for layer in layers:
+            layer.zero_grad()
+        pipe.step(x, t, F.mse_loss)
+    for (name, got), want in zip(layers[rank].named_parameters(), ref[rank].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7, msg=name)
+    pipe.remove()
+
+
+def test_pipeline_sends_no_gradient_of_an_expanded_activation_in_a_contiguous_header():
+    """An activation expanded over the batch (stride 0) whose gradient the
+    next stage first has none of (its layer detaches it): the gradient's
+    header, kept for the later steps, describes it contiguous, since a real
+    gradient of it later has memory of its own. Made with the activation's
+    strides, the next step's gradient met an expanded kept layout and the
+    sender raised ("changed its strides ... (expanded)"), its peer waiting."""
+    _spawn(_check_gradient_header_of_an_expanded_activation, 2, timeout=30)
