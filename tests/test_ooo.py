@@ -5408,3 +5408,43 @@ def test_a_speedup_function_is_read_on_the_diagonal_too():
         model(torch.randn(4, 8)).sum().backward()
     assert handle.schedule is not None
     assert handle.schedule["speedup"] == [[0.5, 2.0], [1.0, 0.5]]
+
+
+# ---------------------------------------------------------------------------
+# Session-44 leftovers of the ooo.py mutation audits: each test below fails on
+# a mutant of ooo.py that the session-43 audits left alive.
+# ---------------------------------------------------------------------------
+
+
+def test_run_inside_the_backward_fires_the_hooks_in_the_order_autograd_does():
+    """run() called inside the backward (a tensor hook between the layers)
+    with the held tasks in any order: a held sum is not complete before its
+    backward ended (more dW of it may come), so what ran goes to .grad at
+    run()'s end, earliest held first, and the post-accumulate-grad hooks
+    fire as autograd's do, the last layer's first, each seeing the other
+    layer's .grad as autograd's call sees it. (Taken as complete, each sum
+    closed as its task ran, in the order given: the first layer's hooks
+    fired first, seeing no gradient of the last layer.)"""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, speedup=None)
+    seen: dict = {}
+    for net in (ref, model):
+        for name, p in net.named_parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda p, name=name, net=net: seen.setdefault(net, []).append(
+                    (name[0], [q.grad is not None for n, q in net.named_parameters()
+                               if n[0] != name[0]])))
+    x0 = torch.randn(3, 4)
+    for net in (ref, model):
+        with handle.hold() if net is model else contextlib.nullcontext([]) as tasks:
+            x = x0.clone().requires_grad_()
+            h = x * 1  # (its hook runs once autograd is done with every layer)
+            h.register_hook(lambda g: handle.run(tasks[::-1]) if net is model else None)
+            net(h).pow(2).sum().backward()
+        assert len(tasks) == (2 if net is model else 0)
+    # (per layer: the order of a layer's weight and bias hooks is the split's own)
+    assert seen[model] == seen[ref] == [("2", [False, False])] * 2 + [("0", [True, True])] * 2
+    _assert_same_bits(ref, model, "grad", "run inside the backward")
+    handle.remove()

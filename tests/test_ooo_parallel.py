@@ -4304,3 +4304,129 @@ def test_pipeline_keeps_the_strides_of_overlapping_windows_spanning_their_elemen
     assert (layout.span, layout.sent, layout.strides, layout.contiguous) == (8, 8, (5, 1, 1), False)
     received = layout.rebuilt(layout.wire(t).reshape(-1).clone())
     assert torch.equal(received, t) and received.stride() == t.stride()
+
+
+# ---------------------------------------------------------------------------
+# Session-44 leftovers of the ooo.py mutation audits: each test below fails on
+# a mutant of ooo.py that the session-43 audits left alive.
+# ---------------------------------------------------------------------------
+
+
+def _dp_one_rank_converts_beside_zero_gradients(rank: int, world: int, converting: int) -> None:
+    torch.manual_seed(0)
+    model = _TwoLinear()
+    DataParallel(model, k=0)
+    model(torch.ones(4, 2)).sum().backward()
+    if rank == converting:
+        model.a.double()
+    model.zero_grad()
+    if rank != converting:  # its bucket: zero gradients, then the flags (1.0)
+        (0.0 * model(torch.zeros(4, 2)).sum()).backward()
+        return
+    with pytest.raises(RuntimeError, match="collectives are out of step.*on every rank"):
+        model(torch.ones(4, 2)).sum().backward()
+
+
+@pytest.mark.parametrize("converting", [0, 1])
+def test_data_parallel_model_converted_on_one_rank_beside_zero_gradients_raises_clearly(converting):
+    """As test_data_parallel_model_converted_on_one_rank_only_raises_clearly,
+    the peer's bucket zero gradients and its flags (1.0). Rank 0 converted:
+    paired with them, its agreement's first-call indices and settings stay
+    valid numbers; only the last slot, which every rank sends as -0.5,
+    comes back other (the flags added to it). Without that check rank 0
+    went on with the garbage and its next collective met the peer's
+    barrier. Rank 1 converted: its +inf for rank 0's settings came back
+    (zeros added), its indices and mark intact, and it raised
+    OverflowError: cannot convert float infinity to integer (a bug until
+    session 44: _check_agreed now checks that rank 0's counts came)."""
+    _spawn(_dp_one_rank_converts_beside_zero_gradients, 2, converting, timeout=30)
+
+
+
+def _check_shared_weight_hooks_see_whole_micro_batches(rank: int, world: int) -> None:
+    """See the test below: layers 1 and 3 (a weight tied) on rank 1."""
+    def seen_by_hooks(layers, train_step) -> list:
+        seen: list = []
+        layers[1].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        train_step()
+        return seen
+
+    x, t = _batch(0, 0)
+    ref = nn.Sequential(*_sharing_layers("tied", False))
+    after_each = seen_by_hooks(ref, lambda: [  # micro-batched torch: one call per micro-batch
+        (F.mse_loss(ref(xm), tm) / 2).backward() for xm, tm in zip(x.chunk(2), t.chunk(2))])
+    local = _sharing_layers("tied", False)
+    pipe = Pipeline(local, micro_batches=2, schedule="fast_forward", allocation="modulo",
+                    costs=dict(out_grad=[1.0, 1.0, 2.0, 1.0], transfer=2.0))
+    got = seen_by_hooks(local, lambda: pipe.step(x, t, F.mse_loss))
+    pipe.remove()
+    if rank == 1:
+        program = [task[:3] for task in pipe._schedule(False)[0] if task[0] != ooo._FORWARD]
+        assert program.index((ooo._WEIGHT_GRAD, 3, 1)) < program.index((ooo._WEIGHT_GRAD, 1, 0)) \
+            < program.index((ooo._OUTPUT_GRAD, 1, 1))
+        assert len(got) == 1, [g.sum().item() for g in got]
+        torch.testing.assert_close(got[0], after_each[-1], rtol=1e-6, atol=1e-7)
+
+
+def test_pipeline_runs_a_shared_weights_dw_after_every_use_in_its_own_micro_batch():
+    """A weight tied between layers 1 and 3 of rank 1, 2 micro-batches,
+    "fast_forward" with costs under which rank 1 runs dW(3, 0), dW(3, 1),
+    dO(1, 0), dW(1, 0), then dO(1, 1): dW(3, 1) waits for layer 1's
+    backward of micro-batch 1, not 0. Released at dW(1, 0), every dW made
+    so far had run and the weight's hooks fired there on a gradient
+    missing layer 1's part of micro-batch 1 (no sum of whole micro-batches),
+    then again at the end; now once, on the step's gradient."""
+    _spawn(_check_shared_weight_hooks_see_whole_micro_batches, 2)
+
+
+class _ExpandedMean(nn.Module):
+    """A Linear whose output is its mean over the batch, expanded back to
+    the batch (strides (0, 1): one row of memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.mean(0, keepdim=True).expand_as(y)
+
+
+class _DetachedWhile(nn.Module):
+    """A Linear that detaches its input while `stop` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.stop = nn.Linear(WIDTH, WIDTH), True
+
+    def forward(self, x):
+        return self.lin(x.detach() if self.stop else x)
+
+
+def _check_gradient_header_of_an_expanded_activation(rank: int, world: int) -> None:
+    """See the test below: layer 0 on rank 0, layer 1 on rank 1."""
+    x, t = _batch(0, 0)
+    torch.manual_seed(0)
+    ref = nn.Sequential(_ExpandedMean(), _DetachedWhile())
+    layers = list(copy.deepcopy(ref))
+    pipe = Pipeline(layers, micro_batches=1)
+    for stop in (True, False):  # no gradient to send back, then one: the same headers
+        ref[1].stop = layers[1].stop = stop
+        ref.zero_grad()
+        F.mse_loss(ref(x), t).backward()
+        for layer in layers:
+            layer.zero_grad()
+        pipe.step(x, t, F.mse_loss)
+    for (name, got), want in zip(layers[rank].named_parameters(), ref[rank].parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7, msg=name)
+    pipe.remove()
+
+
+def test_pipeline_sends_no_gradient_of_an_expanded_activation_in_a_contiguous_header():
+    """An activation expanded over the batch (stride 0) whose gradient the
+    next stage first has none of (its layer detaches it): the gradient's
+    header, kept for the later steps, describes it contiguous, since a real
+    gradient of it later has memory of its own. Made with the activation's
+    strides, the next step's gradient met an expanded kept layout and the
+    sender raised ("changed its strides ... (expanded)"), its peer waiting."""
+    _spawn(_check_gradient_header_of_an_expanded_activation, 2, timeout=30)

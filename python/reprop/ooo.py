@@ -3831,15 +3831,19 @@ _JOIN_STATE = ("sync", "plans", "buffers", "rank")
 _AGREED = -0.5
 
 
-def _check_agreed(first: list, never: int, mark: float) -> None:
+def _check_agreed(first: list, counts: list, never: int, mark: float) -> None:
     """Refuses an agreement whose all-reduce met a peer's other collective:
     a rank that planned again alone (its model converted on it only: the
     buckets are stale by its own parameters' dtypes; or a parameter frozen
     at construction unfrozen on it only) sums its agreement
     with a peer's bucket, and read the garbage as k (ValueError: cannot
     convert float NaN to integer) while the peer went on with NaN
-    gradients."""
-    if mark != _AGREED or not all(0 <= i <= never and i == int(i) for i in first):
+    gradients. Rank 0's counts (k, searching, search_iters) come through
+    finite, the others sending +inf (its byte caps may be inf); a rank 1
+    whose peer's bucket held zeros kept its +inf there, the indices and the
+    mark intact (OverflowError: cannot convert float infinity to integer)."""
+    if mark != _AGREED or not all(map(math.isfinite, counts)) or not all(
+            0 <= i <= never and i == int(i) for i in first):
         raise RuntimeError(
             "reprop.ooo.DataParallel: the ranks' collectives are out of step: this rank planned its "
             "buckets again alone. Convert the model (model.double(), .to(), one layer's dtype) and "
@@ -4269,7 +4273,7 @@ class DataParallel(_PassTracking, Joinable):
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.group)
         values = agreed.tolist()
         first, (k, searching, search_iters, cap, first_cap) = values[:never], values[never:never + 5]
-        _check_agreed(first, never, values[-1])
+        _check_agreed(first, [k, searching, search_iters], never, values[-1])
         f = len(joined)
         for (name, _), low, high in zip(self._unfreezable, values[never + 5:never + 5 + f],
                                         values[never + 5 + f:-1]):
