@@ -1044,6 +1044,32 @@ def test_scheduling_bindings_free_the_copies_they_make():
     assert _leaked_bytes(lambda: _C.sched_graph(spec)) < 10**6
 
 
+def test_sched_regions_holds_a_storage_several_tasks_read_once():
+    """The storages several tasks read (shared_size, shared_start,
+    shared_task: all three or none) are held once, at a region end where
+    every reader is ready and one runs later: tasks A, B, C of 100 B each
+    read one 300 B storage, A alone moves to region 1 and holds 400 B there
+    (its 100 B without the storage). A last start that is not the length of
+    shared_task is refused before the core reads the readers up to it, the
+    arrays the binding copies go with the call, and 8 arguments are refused."""
+    args = ([2.0, 2.0], [0.0] * 3, [2] * 3, np.full((3, 2), 0.1),
+            [[0.1, 0.9], [0.9, 0.1], [0.9, 0.1]], [100] * 3, -1)
+    region, _, pre, peak = _C.sched_regions(*args, [300], [0, 3], [0, 1, 2])
+    assert region.tolist() == [1, 0, 0] and (pre, peak) == (0, 400)
+    assert _C.sched_regions(*args)[3] == _C.sched_regions(*args, None, None, None)[3] == 100
+    with pytest.raises(ValueError, match=r"^sched_regions\(\): shared_start\[-1\] = 4 must be "
+                                         r"len\(shared_task\) = 3$"):
+        _C.sched_regions(*args, [300], [0, 4], [0, 1, 2])
+    with pytest.raises(ValueError, match=r"shared task\[2\] = 3 is outside \[0, 3\)"):
+        _C.sched_regions(*args, [300], [0, 3], [0, 1, 3])
+    with pytest.raises(TypeError, match=r"takes 7 arguments \(8 given\)"):
+        _C.sched_regions(*args, [300])
+    k = 10**5
+    assert _leaked_bytes(lambda: _C.sched_regions(*args, np.ones(k, np.int64),
+                                                  np.arange(k + 1, dtype=np.int64),
+                                                  np.zeros(k, np.int64))) < 10**6
+
+
 def test_simulate_refuses_a_dep_ptr_of_another_length():
     """dep_ptr has one entry per task and one more: the core reads exactly
     n_tasks + 1 of it, so a longer one was silently cut (a shorter one read
