@@ -2114,8 +2114,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     const rp_shared_reads *shared = NULL;
     int rc;
     (void)self;
-    /* the shared storages' three arrays are optional, together */
-    if (rp_py_check_nargs(nargs, nargs == 10 ? 10 : 7, fname) < 0 ||
+    if (rp_py_check_nargs(nargs, 10, fname) < 0 ||
         rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
         return NULL;
     a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, 0, fname, "t_main");
@@ -2131,7 +2130,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
         (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, 0, fname, "t_sub")) == NULL ||
         (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, 0, fname, "speedup")) == NULL ||
         rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0 ||
-        (nargs == 10 && rp_py_shared_reads(args + 7, fname, a + 6, &sh, &shared) < 0))
+        rp_py_shared_reads(args + 7, fname, a + 6, &sh, &shared) < 0)
         goto done;
     region = rp_py_new_array(tasks, NPY_INT64);
     order = rp_py_new_array(tasks, NPY_INT64);

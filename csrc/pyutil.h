@@ -208,8 +208,8 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
  *       mem_cap) -> (kind, layer, k_used): int32 arrays of 2 layers; the
  *       memory sizes int64 arrays or None
  *   ksearch_next(layers, score) -> (next, best): score float64 (layers + 1)
- *   sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap
- *       [, shared_size, shared_start, shared_task])
+ *   sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap,
+ *       shared_size, shared_start, shared_task)
  *       -> (region, order, pre, peak): t_main (n), ready and deadline
  *       (n_tasks), t_sub and speedup (n_tasks, n), mem int64 (n_tasks) or
  *       None; the storages several tasks read (rp_shared_reads) int64
