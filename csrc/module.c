@@ -111,10 +111,13 @@ PyDoc_STRVAR(ksearch_next_doc,
              "rp_ksearch_next.");
 
 PyDoc_STRVAR(sched_regions_doc,
-             "sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap)\n--\n\n"
+             "sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap,\n"
+             "              shared_size, shared_start, shared_task)\n--\n\n"
              "Algorithm 1 with pre-scheduling (rp_sched_regions): (region, order, pre,\n"
              "peak), region and order int64 arrays of the tasks. mem may be None;\n"
-             "mem_cap < 0 is no cap.");
+             "mem_cap < 0 is no cap. The storages several tasks read, each held once\n"
+             "(rp_shared_reads): storage s of shared_size[s] bytes is read by the tasks\n"
+             "shared_task[shared_start[s]:shared_start[s + 1]] (all three None: none).");
 
 static PyObject *rp_build_info_py(PyObject *self, PyObject *unused)
 {

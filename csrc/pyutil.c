@@ -2071,18 +2071,51 @@ PyObject *rp_py_ksearch_next(PyObject *self, PyObject *const *args, Py_ssize_t n
     return Py_BuildValue("(LL)", (long long)next, (long long)best);
 }
 
+/* sched_regions' storages several tasks read (args: size, start, task;
+ * all None: none, *shared stays NULL): int64 arrays of n, n + 1 and
+ * start[n] elements, owned (the core checks them, then reads task up to
+ * start[n] and sums the sizes without the GIL). */
+static int rp_py_shared_reads(PyObject *const *args, const char *fname, PyArrayObject **a,
+                              rp_shared_reads *sh, const rp_shared_reads **shared)
+{
+    npy_intp any = -1, starts;
+    *shared = NULL;
+    if (args[0] == Py_None && args[1] == Py_None && args[2] == Py_None)
+        return 0;
+    if ((a[0] = rp_py_array(args[0], NPY_INT64, 1, &any, 1, fname, "shared_size")) == NULL)
+        return -1;
+    starts = PyArray_DIM(a[0], 0) + 1;
+    if ((a[1] = rp_py_array(args[1], NPY_INT64, 1, &starts, 1, fname, "shared_start")) == NULL ||
+        (a[2] = rp_py_array(args[2], NPY_INT64, 1, &any, 1, fname, "shared_task")) == NULL)
+        return -1;
+    sh->n = (int64_t)(starts - 1);
+    sh->size = PyArray_DATA(a[0]), sh->start = PyArray_DATA(a[1]), sh->task = PyArray_DATA(a[2]);
+    /* the core reads task up to start[n], which its check keeps >= every start */
+    if (sh->start[sh->n] != (int64_t)PyArray_DIM(a[2], 0)) {
+        PyErr_Format(PyExc_ValueError, "%s(): shared_start[-1] = %lld must be len(shared_task) "
+                     "= %lld", fname, (long long)sh->start[sh->n],
+                     (long long)PyArray_DIM(a[2], 0));
+        return -1;
+    }
+    *shared = sh;
+    return 0;
+}
+
 PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const fname = "sched_regions";
     rp_error err = {{0}};
-    /* t_main, ready, deadline, t_sub, speedup, mem */
-    PyArrayObject *a[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    /* t_main, ready, deadline, t_sub, speedup, mem, shared size, start, task */
+    PyArrayObject *a[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     PyObject *region = NULL, *order = NULL, *result = NULL;
     npy_intp any = -1, n, tasks, shape[2];
     int64_t mem_cap, pre = 0, peak = 0;
+    rp_shared_reads sh;
+    const rp_shared_reads *shared = NULL;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 7, fname) < 0 || rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 10, fname) < 0 ||
+        rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
         return NULL;
     a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, 0, fname, "t_main");
     if (a[0] == NULL)
@@ -2096,7 +2129,8 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     if ((a[2] = rp_py_array(args[2], NPY_INT64, 1, &tasks, 1, fname, "deadline")) == NULL ||
         (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, 0, fname, "t_sub")) == NULL ||
         (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, 0, fname, "speedup")) == NULL ||
-        rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0)
+        rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0 ||
+        rp_py_shared_reads(args + 7, fname, a + 6, &sh, &shared) < 0)
         goto done;
     region = rp_py_new_array(tasks, NPY_INT64);
     order = rp_py_new_array(tasks, NPY_INT64);
@@ -2105,7 +2139,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_regions((int64_t)n, PyArray_DATA(a[0]), (int64_t)tasks, PyArray_DATA(a[1]),
                           PyArray_DATA(a[2]), PyArray_DATA(a[3]), PyArray_DATA(a[4]),
-                          a[5] != NULL ? PyArray_DATA(a[5]) : NULL, mem_cap,
+                          a[5] != NULL ? PyArray_DATA(a[5]) : NULL, shared, mem_cap,
                           PyArray_DATA((PyArrayObject *)region),
                           PyArray_DATA((PyArrayObject *)order), &pre, &peak, &err);
     Py_END_ALLOW_THREADS
@@ -2114,7 +2148,7 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
     else
         result = Py_BuildValue("(OOLL)", region, order, (long long)pre, (long long)peak);
 done:
-    rp_py_release(a, 6);
+    rp_py_release(a, 9);
     Py_XDECREF(region);
     Py_XDECREF(order);
     return result;

@@ -728,6 +728,21 @@ int rp_sched_reverse_first_k(int64_t layers, int64_t k, const int64_t *mem_out_g
 int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t *best,
                     rp_error *err);
 
+/* Storages several tasks of rp_sched_regions read (one input of q/k/v
+ * projections, output gradients that are views of one cat's gradient),
+ * each held once however many of its readers are deferred. A storage is
+ * held at a region end where every reader is ready before that end (the
+ * main stream has run their nodes, which held it until then anyway) and
+ * some reader runs in a later region: the union of what the deferred
+ * readers hold. Charged a share per reader in mem instead, a deferral of
+ * only some readers counted part of it, and the cap could pass. */
+typedef struct {
+    int64_t n;            /* storages */
+    const int64_t *size;  /* (n) bytes of storage s */
+    const int64_t *start; /* (n + 1) its readers are task[start[s]] .. task[start[s + 1] - 1] */
+    const int64_t *task;  /* (start[n]) task indices in [0, n_tasks) */
+} rp_shared_reads;
+
 /* Algorithm 1, multi-region joint scheduling of sub-stream tasks, with the
  * memory model of pre-scheduling. The main stream's timeline is cut into n
  * regions of times t_main (n); task j (a deferred dW) becomes runnable at
@@ -740,11 +755,14 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
  * until the peak of held memory (measured at region ends) is <= mem_cap
  * (< 0: no cap), or up to n (*peak may then still pass the cap). Tasks that
  * no open region can take go to region deadline[j] - 1. Writes region[j],
- * order (tasks by region, then as placed), *pre and *peak (0 without mem). */
+ * order (tasks by region, then as placed), *pre and *peak (0 without mem).
+ * shared (NULL: none; only with mem) adds the storages several tasks read,
+ * held as rp_shared_reads says, to the held memory. */
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                      const int64_t *deadline, const double *t_sub, const double *speedup,
-                     const int64_t *mem, int64_t mem_cap, int64_t *region, int64_t *order,
-                     int64_t *pre, int64_t *peak, rp_error *err);
+                     const int64_t *mem, const rp_shared_reads *shared, int64_t mem_cap,
+                     int64_t *region, int64_t *order, int64_t *pre, int64_t *peak,
+                     rp_error *err);
 
 /* CUDA device count (0 when there is no driver or device), and the
  * architectures the kernels were compiled for, e.g. "sm_80 sm_90 compute_90". */

@@ -1141,12 +1141,20 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
  * region ends; held memory only grows within a run) passes the cap: that
  * pre cannot fit, and the next is tried. The schedule is the plain loops'
  * (csrc/tests/test_schedule.c checks it against them).
+ *
+ * A storage several tasks read (rp_shared_reads) is held at the ends of
+ * regions [sh_home, sh_reach): from the last region a reader's node runs
+ * in (autograd holds it until then) to the latest region a reader runs in.
+ * A placement only moves sh_reach on, so held memory still only grows
+ * within a run, and each storage adds its bytes to the tree once per
+ * reader placed past its reach.
  * ------------------------------------------------------------------------- */
 
 typedef struct {
     int64_t n, n_tasks;
     const double *t_main, *ready, *t_sub, *speedup;
     const int64_t *deadline, *mem;
+    const rp_shared_reads *shared; /* NULL: none */
     rp_task_key *by_ready;  /* (n_tasks) the tasks by (ready, id) */
     double *start;          /* (n + 1) */
     double *now;            /* (n) */
@@ -1168,15 +1176,62 @@ typedef struct {
     int64_t *held_max;      /* (2 held_n) max over the subtree's region ends of held memory */
     int64_t *held_add;      /* (2 held_n) added to the whole subtree */
     int64_t cap;            /* a run stops once some region end holds more (< 0: never) */
+    int64_t *sh_home;       /* (shared->n) the greatest home of the storage's readers */
+    int64_t *sh_reach;      /* (shared->n) the run holds it at the ends of [sh_home, sh_reach) */
+    int64_t *reads_start;   /* (n_tasks + 1) task k reads the shared storages */
+    int64_t *reads;         /* (start[n]) reads[reads_start[k] .. reads_start[k + 1]) */
 } rp_regions;
 
 /* top[i] before region i was asked in this run: bound[i] is then best[i] */
 #define RP_REGIONS_UNASKED (-2)
 
+/* shared's storages: readers in [0, n_tasks), sizes >= 0 and, with the
+ * tasks' mem_total, a sum within int64 (the held memory never passes it). */
+static int rp_regions_check_shared(const rp_shared_reads *shared, const int64_t *mem,
+                                   int64_t n_tasks, int64_t mem_total, rp_error *err)
+{
+    if (shared == NULL)
+        return RP_OK;
+    if (mem == NULL)
+        return rp_set_error(err, RP_EINVAL, "regions: shared storages need mem");
+    if (shared->n < 0 || shared->n > RP_SCHED_MAX_ITEMS)
+        return rp_set_error(err, RP_EINVAL, "regions: %lld shared storages, need [0, 2^40]",
+                            (long long)shared->n);
+    if (shared->start == NULL || (shared->n > 0 && shared->size == NULL))
+        return rp_set_error(err, RP_EINVAL, "regions: NULL shared size or start");
+    if (shared->start[0] != 0)
+        return rp_set_error(err, RP_EINVAL, "regions: shared start[0] = %lld must be 0",
+                            (long long)shared->start[0]);
+    /* every start first: the readers are read up to start[n] */
+    for (int64_t s = 0; s < shared->n; s++)
+        if (shared->start[s + 1] < shared->start[s] || shared->start[s + 1] > RP_SCHED_MAX_ITEMS)
+            return rp_set_error(err, RP_EINVAL,
+                                "regions: shared start[%lld] = %lld must be in [%lld, 2^40]",
+                                (long long)(s + 1), (long long)shared->start[s + 1],
+                                (long long)shared->start[s]);
+    if (shared->start[shared->n] > 0 && shared->task == NULL)
+        return rp_set_error(err, RP_EINVAL, "regions: NULL shared task");
+    for (int64_t s = 0; s < shared->n; s++) {
+        if (shared->size[s] < 0 || shared->size[s] > INT64_MAX - mem_total)
+            return rp_set_error(err, RP_EINVAL,
+                                "regions: shared size[%lld] = %lld must be >= 0, and the sum "
+                                "with mem within int64",
+                                (long long)s, (long long)shared->size[s]);
+        mem_total += shared->size[s];
+    }
+    for (int64_t r = 0; r < shared->start[shared->n]; r++)
+        if (shared->task[r] < 0 || shared->task[r] >= n_tasks)
+            return rp_set_error(err, RP_EINVAL,
+                                "regions: shared task[%lld] = %lld is outside [0, %lld)",
+                                (long long)r, (long long)shared->task[r], (long long)n_tasks);
+    return RP_OK;
+}
+
 static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                             const int64_t *deadline, const double *t_sub, const double *speedup,
-                            const int64_t *mem, const int64_t *region, const int64_t *order,
-                            const int64_t *pre, const int64_t *peak, rp_error *err)
+                            const int64_t *mem, const rp_shared_reads *shared,
+                            const int64_t *region, const int64_t *order, const int64_t *pre,
+                            const int64_t *peak, rp_error *err)
 {
     int64_t mem_total = 0;
     if (n < 1 || n_tasks < 0 || rp_sched_mul(n, n_tasks) < 0)
@@ -1219,7 +1274,7 @@ static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, co
                                 (long long)k, (long long)mem[k]);
         mem_total += mem != NULL ? mem[k] : 0;
     }
-    return RP_OK;
+    return rp_regions_check_shared(shared, mem, n_tasks, mem_total, err);
 }
 
 /* Adds v to the held memory at the ends of regions [l, r), bottom-up: the
@@ -1242,6 +1297,19 @@ static void rp_regions_hold(rp_regions *x, int64_t l, int64_t r, int64_t v)
             const int64_t a = x->held_max[2 * p], b = x->held_max[2 * p + 1];
             x->held_max[p] = (a > b ? a : b) + x->held_add[p];
         }
+}
+
+/* Task k placed in region i holds its shared storages at the region ends
+ * up to i that neither autograd nor an earlier placement holds them at. */
+static void rp_regions_hold_shared(rp_regions *x, int64_t k, int64_t i)
+{
+    for (int64_t r = x->reads_start[k]; r < x->reads_start[k + 1]; r++) {
+        const int64_t s = x->reads[r];
+        if (i > x->sh_reach[s]) {
+            rp_regions_hold(x, x->sh_reach[s], i, x->shared->size[s]);
+            x->sh_reach[s] = i;
+        }
+    }
 }
 
 static void rp_regions_place(rp_regions *x, int64_t k, int64_t i)
@@ -1354,6 +1422,7 @@ static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
          * last check) */
         if (x->cap >= 0) {
             rp_regions_hold(x, x->home[k], i, x->mem[k]);
+            rp_regions_hold_shared(x, k, i);
             if (x->held_max[1] > x->cap)
                 return 1;
         }
@@ -1377,7 +1446,9 @@ static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
  * at the ends of regions [first, region[k]), first the earliest region
  * ending after ready[k], i.e. home[k]: one pass adds and removes each task
  * once in held[], a prefix sum gives each region's total (never past the
- * sum of mem, which the check keeps within int64). */
+ * sum of mem and the shared sizes, which the check keeps within int64). A
+ * shared storage is held at the ends of [sh_home, the latest region of a
+ * reader). */
 static int64_t rp_regions_peak(rp_regions *x)
 {
     int64_t total = 0, peak = 0;
@@ -1387,6 +1458,15 @@ static int64_t rp_regions_peak(rp_regions *x)
         if (first < x->region[k]) {
             x->held[first] += x->mem[k];
             x->held[x->region[k]] -= x->mem[k];
+        }
+    }
+    for (int64_t s = 0; x->shared != NULL && s < x->shared->n; s++) {
+        int64_t last = x->sh_home[s];
+        for (int64_t r = x->shared->start[s]; r < x->shared->start[s + 1]; r++)
+            last = x->region[x->shared->task[r]] > last ? x->region[x->shared->task[r]] : last;
+        if (x->sh_home[s] < last) {
+            x->held[x->sh_home[s]] += x->shared->size[s];
+            x->held[last] -= x->shared->size[s];
         }
     }
     for (int64_t i = 0; i < x->n; i++) {
@@ -1406,6 +1486,8 @@ static int rp_regions_run(rp_regions *x, int64_t pre)
         memset(x->held_max, 0, (size_t)(2 * x->held_n) * sizeof *x->held_max);
         memset(x->held_add, 0, (size_t)(2 * x->held_n) * sizeof *x->held_add);
     }
+    for (int64_t s = 0; x->shared != NULL && s < x->shared->n; s++)
+        x->sh_reach[s] = x->sh_home[s];
     for (int64_t i = 0; i < x->n; i++) {
         x->now[i] = 0.0;
         x->open[i] = 1;
@@ -1441,11 +1523,14 @@ static void rp_regions_free(rp_regions *x)
     free(x->runnable), free(x->runnable_items), free(x->fed), free(x->held), free(x->seq);
     free(x->home), free(x->top), free(x->bound), free(x->best), free(x->tour);
     free(x->held_max), free(x->held_add);
+    free(x->sh_home), free(x->sh_reach), free(x->reads_start), free(x->reads);
 }
 
 /* Every buffer of x, once for all of rp_sched_regions' runs. */
 static int rp_regions_alloc(rp_regions *x)
 {
+    const int64_t n_shared = x->shared != NULL ? x->shared->n : 0;
+    const int64_t n_reads = x->shared != NULL ? x->shared->start[n_shared] : 0;
     x->by_ready = rp_sched_alloc(x->n_tasks, sizeof *x->by_ready);
     x->start = rp_sched_alloc(x->n + 1, sizeof *x->start);
     x->now = rp_sched_alloc(x->n, sizeof *x->now);
@@ -1466,25 +1551,55 @@ static int rp_regions_alloc(rp_regions *x)
         x->held_n *= 2;
     x->held_max = rp_sched_alloc(2 * x->held_n, sizeof *x->held_max);
     x->held_add = rp_sched_alloc(2 * x->held_n, sizeof *x->held_add);
+    x->sh_home = rp_sched_alloc(n_shared, sizeof *x->sh_home);
+    x->sh_reach = rp_sched_alloc(n_shared, sizeof *x->sh_reach);
+    x->reads_start = rp_sched_alloc(x->n_tasks + 1, sizeof *x->reads_start);
+    x->reads = rp_sched_alloc(n_reads, sizeof *x->reads);
     return x->by_ready != NULL && x->start != NULL && x->now != NULL && x->open != NULL &&
            x->runnable != NULL && x->runnable_items != NULL && x->fed != NULL &&
            x->held != NULL && x->seq != NULL && x->home != NULL &&
            x->top != NULL && x->best != NULL && x->bound != NULL && x->tour != NULL &&
-           x->held_max != NULL && x->held_add != NULL;
+           x->held_max != NULL && x->held_add != NULL && x->sh_home != NULL &&
+           x->sh_reach != NULL && x->reads_start != NULL && x->reads != NULL;
+}
+
+/* Task k's shared storages (the transpose of shared's readers), and each
+ * storage's greatest reader home. */
+static void rp_regions_reads(rp_regions *x)
+{
+    const rp_shared_reads *sh = x->shared;
+    memset(x->reads_start, 0, (size_t)(x->n_tasks + 1) * sizeof *x->reads_start);
+    for (int64_t s = 0; sh != NULL && s < sh->n; s++)
+        for (int64_t r = sh->start[s]; r < sh->start[s + 1]; r++)
+            x->reads_start[sh->task[r]]++;
+    /* reads_start[k]: where task k's list ends (n_tasks: the total), then
+     * each read moves it back one, so that it ends where the list starts */
+    for (int64_t k = 1; k <= x->n_tasks; k++)
+        x->reads_start[k] += x->reads_start[k - 1];
+    for (int64_t s = 0; sh != NULL && s < sh->n; s++) {
+        x->sh_home[s] = 0;
+        for (int64_t r = sh->start[s]; r < sh->start[s + 1]; r++) {
+            const int64_t k = sh->task[r];
+            x->reads[--x->reads_start[k]] = s;
+            x->sh_home[s] = x->home[k] > x->sh_home[s] ? x->home[k] : x->sh_home[s];
+        }
+    }
 }
 
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                      const int64_t *deadline, const double *t_sub, const double *speedup,
-                     const int64_t *mem, int64_t mem_cap, int64_t *region, int64_t *order,
-                     int64_t *pre, int64_t *peak, rp_error *err)
+                     const int64_t *mem, const rp_shared_reads *shared, int64_t mem_cap,
+                     int64_t *region, int64_t *order, int64_t *pre, int64_t *peak,
+                     rp_error *err)
 {
     /* a run can stop early only where a cap is checked and pre may still grow */
     rp_regions x = {.n = n, .n_tasks = n_tasks, .t_main = t_main, .ready = ready,
                     .t_sub = t_sub, .speedup = speedup, .deadline = deadline, .mem = mem,
-                    .region = region, .cap = mem != NULL && n_tasks > 0 ? mem_cap : -1};
+                    .shared = shared, .region = region,
+                    .cap = mem != NULL && n_tasks > 0 ? mem_cap : -1};
     int64_t *fill = NULL, *by_seq = NULL;
-    int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, region,
-                              order, pre, peak, err);
+    int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, shared,
+                              region, order, pre, peak, err);
     if (rc != RP_OK)
         return rc;
     fill = rp_sched_alloc(n + 1, sizeof *fill);
@@ -1511,6 +1626,7 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
             i++;
         x.home[k] = i;
     }
+    rp_regions_reads(&x);
     /* best[i], the bound of a region not yet asked in a run: under a cap,
      * where runs repeat and most stop at their first placements, the most
      * any task offers it (-inf: none may run there), so that only regions

@@ -441,7 +441,8 @@ def test_scheduling_bindings_use_the_values_they_checked_while_another_thread_wr
     ready[0] = 200  # past every region's reach: task 0 falls back to region deadline[0] - 1
     deadline = np.full(400, 200, np.int64)
     regions = lambda: _C.sched_regions(np.ones(200), ready, deadline, np.ones((400, 200)),
-                                       np.ones((400, 200)), np.ones(400, np.int64), 2)
+                                       np.ones((400, 200)), np.ones(400, np.int64), 2,
+                                       None, None, None)
     changed_while_running(regions, deadline, 0, 1 << 40)
 
     stage = np.zeros(100, np.int32)  # read for each of the 48000 tasks the builder writes
@@ -508,7 +509,8 @@ def test_binding_argument_errors_name_the_argument():
         (TypeError, "^layers: 'str' object cannot be interpreted as an integer$",
          lambda: _C.ksearch_next("4", [0.0] * 5)),
         (OverflowError, "^mem_cap: " + too_big,
-         lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, 2**64)),
+         lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, 2**64, None, None,
+                                  None)),
         (TypeError, r"^out\[1\]: an integer is required$", lambda: _C.csr_gradients(plan, 1, 0, [0, "x"], 1)),
         (OverflowError, "^seq: can't convert negative int to unsigned$",
          lambda: _C.csr_run(plan, 1, -1, 0, 0, 0, 0, 0, 1)),
@@ -1025,7 +1027,8 @@ def test_scheduling_bindings_keep_no_reference_to_what_they_return():
     assert (sys.getrefcount(start), sys.getrefcount(finish), sys.getrefcount(busy)) == (2, 2, 2)
     kind, layer, _ = _C.reverse_first_k(4, 2, [1] * 4, [1] * 4, 0, 100)
     assert (sys.getrefcount(kind), sys.getrefcount(layer)) == (2, 2)
-    region, order, _, _ = _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], [1], 5)
+    region, order, _, _ = _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], [1], 5, None, None,
+                                           None)
     assert (sys.getrefcount(region), sys.getrefcount(order)) == (2, 2)
     stage = _C.sched_stages(4, 2, 1)
     assert sys.getrefcount(stage) == 2
@@ -1038,10 +1041,37 @@ def test_scheduling_bindings_free_the_copies_they_make():
     k = 10**5
     mem, t = np.ones(k, np.int64), np.ones((k, 1))
     assert _leaked_bytes(lambda: _C.sched_regions(np.ones(1), np.zeros(k), np.ones(k, np.int64),
-                                                  t, t, mem, -1)) < 10**6
+                                                  t, t, mem, -1, None, None, None)) < 10**6
     spec = dict(_SPEC, layers=k, stages=1, micro=1, fwd=np.ones(k), out_grad=np.ones(k),
                 weight_grad=np.ones(k), stage=np.zeros(k, np.int64))
     assert _leaked_bytes(lambda: _C.sched_graph(spec)) < 10**6
+
+
+def test_sched_regions_holds_a_storage_several_tasks_read_once():
+    """The storages several tasks read (shared_size, shared_start,
+    shared_task: all three arrays or all None) are held once, at a region end where
+    every reader is ready and one runs later: tasks A, B, C of 100 B each
+    read one 300 B storage, A alone moves to region 1 and holds 400 B there
+    (its 100 B without the storage). A last start that is not the length of
+    shared_task is refused before the core reads the readers up to it, the
+    arrays the binding copies go with the call, and 8 arguments are refused
+    (it takes 10, as every binding a fixed number)."""
+    args = ([2.0, 2.0], [0.0] * 3, [2] * 3, np.full((3, 2), 0.1),
+            [[0.1, 0.9], [0.9, 0.1], [0.9, 0.1]], [100] * 3, -1)
+    region, _, pre, peak = _C.sched_regions(*args, [300], [0, 3], [0, 1, 2])
+    assert region.tolist() == [1, 0, 0] and (pre, peak) == (0, 400)
+    assert _C.sched_regions(*args, None, None, None)[3] == 100
+    with pytest.raises(ValueError, match=r"^sched_regions\(\): shared_start\[-1\] = 4 must be "
+                                         r"len\(shared_task\) = 3$"):
+        _C.sched_regions(*args, [300], [0, 4], [0, 1, 2])
+    with pytest.raises(ValueError, match=r"shared task\[2\] = 3 is outside \[0, 3\)"):
+        _C.sched_regions(*args, [300], [0, 3], [0, 1, 3])
+    with pytest.raises(TypeError, match=r"takes 10 arguments \(8 given\)"):
+        _C.sched_regions(*args, [300])
+    k = 10**5
+    assert _leaked_bytes(lambda: _C.sched_regions(*args, np.ones(k, np.int64),
+                                                  np.arange(k + 1, dtype=np.int64),
+                                                  np.zeros(k, np.int64))) < 10**6
 
 
 def test_simulate_refuses_a_dep_ptr_of_another_length():
@@ -1095,7 +1125,7 @@ def test_simulate_and_sched_regions_release_the_gil_around_their_work():
                                     armed_by_call=True)
     n, k = 2000, 400  # made before the call: NumPy releases the GIL filling them too
     args = (np.ones(n), np.zeros(k), np.full(k, n, np.int64), np.full((k, n), 0.01),
-            np.random.default_rng(0).random((k, n)), None, -1)
+            np.random.default_rng(0).random((k, n)), None, -1, None, None, None)
     assert _lets_another_thread_run(lambda: _C.sched_regions(*args))
 
 
@@ -1107,7 +1137,8 @@ def test_scheduling_bindings_refuse_keyword_arguments():
     calls = [lambda: _C.sched_stages(4, 2, 1, group=2), lambda: _C.simulate(graph, 1.0, corun_rate=0.5),
              lambda: _C.sched_graph(_SPEC, spec=_SPEC), lambda: _C.ksearch_next(4, [0.0] * 5, layers=4),
              lambda: _C.reverse_first_k(4, 2, None, None, 0, 0, k=1),
-             lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, -1, mem_cap=5)]
+             lambda: _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], None, -1, None, None,
+                                      None, mem_cap=5)]
     for call in calls:
         with pytest.raises(TypeError, match="takes no keyword arguments$"):
             call()

@@ -698,8 +698,8 @@ static regions_out regions(int64_t n, const double *t_main, int64_t tasks, const
     regions_out o;
     rp_error err = {{0}};
     memset(&o, 0xff, sizeof o);
-    o.rc = rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, mem, cap, o.region,
-                            o.order, &o.pre, &o.peak, &err);
+    o.rc = rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, mem, NULL, cap,
+                            o.region, o.order, &o.pre, &o.peak, &err);
     CHECK(o.rc == RP_OK, "regions: %s", err.msg);
     return o;
 }
@@ -799,6 +799,7 @@ typedef struct {
     int64_t n, n_tasks;
     const double *t_main, *ready, *t_sub, *speedup;
     const int64_t *deadline, *mem;
+    const rp_shared_reads *shared;
     double *start, *now;
     unsigned char *open;
     int64_t *pending, n_pending, *seq, placed, *region;
@@ -872,6 +873,20 @@ static void ref_regions_algorithm1(ref_regions *x, int64_t pre)
         ref_regions_place(x, 0, x->deadline[x->pending[0]] - 1);
 }
 
+/* Shared storage s at the end of region i: every reader ready before the
+ * end (autograd ran their nodes) and one still to run. */
+static int ref_shared_held(const ref_regions *x, int64_t s, int64_t i)
+{
+    int later = 0;
+    for (int64_t r = x->shared->start[s]; r < x->shared->start[s + 1]; r++) {
+        const int64_t k = x->shared->task[r];
+        if (!(x->ready[k] < x->start[i + 1]))
+            return 0;
+        later |= x->region[k] > i;
+    }
+    return later;
+}
+
 static int64_t ref_regions_peak(const ref_regions *x)
 {
     int64_t peak = 0;
@@ -880,6 +895,8 @@ static int64_t ref_regions_peak(const ref_regions *x)
         for (int64_t k = 0; k < x->n_tasks; k++)
             if (x->ready[k] < x->start[i + 1] && x->region[k] > i)
                 held += x->mem[k];
+        for (int64_t s = 0; x->shared != NULL && s < x->shared->n; s++)
+            held += ref_shared_held(x, s, i) ? x->shared->size[s] : 0;
         peak = held > peak ? held : peak;
     }
     return peak;
@@ -901,13 +918,15 @@ static void ref_regions_run(ref_regions *x, const int64_t *by_ready, int64_t pre
 /* The reference's region, order, pre and peak for valid inputs (n <= 48). */
 static void ref_sched_regions(int64_t n, const double *t_main, int64_t n_tasks,
                               const double *ready, const int64_t *deadline, const double *t_sub,
-                              const double *speedup, const int64_t *mem, int64_t mem_cap,
-                              int64_t *region, int64_t *order, int64_t *pre, int64_t *peak)
+                              const double *speedup, const int64_t *mem,
+                              const rp_shared_reads *shared, int64_t mem_cap, int64_t *region,
+                              int64_t *order, int64_t *pre, int64_t *peak)
 {
     double start[49], now[48];
     unsigned char open[48];
     int64_t *by_ready = alloc(n_tasks, sizeof *by_ready), fill[49] = {0};
-    ref_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem, start, now, open,
+    ref_regions x = {n, n_tasks, t_main, ready, t_sub, speedup, deadline, mem, shared,
+                     start, now, open,
                      alloc(n_tasks, sizeof(int64_t)), 0, alloc(n_tasks, sizeof(int64_t)), 0,
                      region};
     start[0] = 0.0;
@@ -941,10 +960,29 @@ static double pick(uint64_t *state, const double *from, int count)
     return from[lcg(state) % (uint64_t)count];
 }
 
+/* Up to 7 storages several tasks read (a task may be named twice), for
+ * with_mem's trials; their sizes added to *total. */
+static rp_shared_reads random_shared(uint64_t *state, int64_t tasks, int64_t *size,
+                                     int64_t *start, int64_t *task, int64_t *total)
+{
+    rp_shared_reads sh = {tasks > 0 ? (int64_t)(lcg(state) % 8) : 0, size, start, task};
+    start[0] = 0;
+    for (int64_t s = 0; s < sh.n; s++) {
+        const int64_t readers = 1 + (int64_t)(lcg(state) % 4);
+        size[s] = (int64_t)(lcg(state) % 4) * 1000 + (int64_t)(lcg(state) % 3);
+        *total += size[s];
+        for (int64_t r = 0; r < readers; r++)
+            task[start[s] + r] = (int64_t)(lcg(state) % (uint64_t)tasks);
+        start[s + 1] = start[s] + readers;
+    }
+    return sh;
+}
+
 /* One random Algorithm 1 input: n in [1, max_n], up to max_tasks tasks; values from
  * small sets (ties in ready, speedup and t_sub; zero times; ready on region
  * boundaries), a scale that ranges from roomy to overcommitted sub-streams,
- * random deadlines, and a cap from none to 0. Library and reference agree. */
+ * random deadlines, storages several tasks read, and a cap from none to 0.
+ * Library and reference agree. */
 static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
 {
     static const double times[] = {0.0, 0.5, 1.0, 1.0, 2.0, 3.25};
@@ -960,6 +998,8 @@ static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
     int64_t *region = alloc(tasks, sizeof *region), *order = alloc(tasks, sizeof *order);
     int64_t *ref_region = alloc(tasks, sizeof *region), *ref_order = alloc(tasks, sizeof *order);
     int64_t total = 0, cap, pre, peak, ref_pre, ref_peak;
+    int64_t sh_size[7], sh_start[8], sh_task[28];
+    rp_shared_reads shared;
     rp_error err = {{0}};
     for (int64_t i = 0; i < n; i++)
         start += t_main[i] = pick(state, times, 6);
@@ -975,17 +1015,18 @@ static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
             speedup[k * n + i] = pick(state, gains, 8);
         }
     }
+    shared = random_shared(state, tasks, sh_size, sh_start, sh_task, &total);
     switch (lcg(state) % 4) {
     case 0: cap = -1; break;
     case 1: cap = 0; break;
     default: cap = (int64_t)(lcg(state) % (uint64_t)(total + 1));
     }
     CHECK(rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup,
-                           with_mem ? mem : NULL, cap, region, order, &pre, &peak,
-                           &err) == RP_OK,
+                           with_mem ? mem : NULL, with_mem ? &shared : NULL, cap, region, order,
+                           &pre, &peak, &err) == RP_OK,
           "trial %d: %s", trial, err.msg);
     ref_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, with_mem ? mem : NULL,
-                      cap, ref_region, ref_order, &ref_pre, &ref_peak);
+                      with_mem ? &shared : NULL, cap, ref_region, ref_order, &ref_pre, &ref_peak);
     CHECK(pre == ref_pre && peak == ref_peak, "trial %d (n %lld, %lld tasks): pre %lld peak %lld, "
           "reference %lld %lld", trial, (long long)n, (long long)tasks, (long long)pre,
           (long long)peak, (long long)ref_pre, (long long)ref_peak);
@@ -995,6 +1036,54 @@ static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
           (long long)n, (long long)tasks);
     free(ready), free(t_sub), free(speedup), free(deadline), free(mem);
     free(region), free(order), free(ref_region), free(ref_order);
+}
+
+/* Storages several tasks read (rp_shared_reads): tasks A, B, C hold 100 B
+ * each of their own and read one 300 B storage S (q/k/v projections of
+ * one input). Charged a 100 B share each, deferring A alone counted 200 B
+ * at region 0's end where 400 B are held (S is no longer autograd's once
+ * B and C ran), so a cap of 250 passed by 1.6 times; deferring all three
+ * holds S once (600 B, not 900). S is not counted where a reader's node
+ * runs after the region end: autograd holds it there anyway. */
+static regions_out regions_shared(const double *ready, const double *speedup, int64_t cap)
+{
+    const double t_main[2] = {2, 2}, t_sub[6] = {0.1, 0.1, 0.1, 0.1, 0.1, 0.1};
+    const int64_t deadline[3] = {2, 2, 2}, mem[3] = {100, 100, 100};
+    const int64_t size[1] = {300}, start[2] = {0, 3}, task[3] = {0, 1, 2};
+    const rp_shared_reads shared = {1, size, start, task};
+    regions_out o;
+    rp_error err = {{0}};
+    memset(&o, 0xff, sizeof o);
+    o.rc = rp_sched_regions(2, t_main, 3, ready, deadline, t_sub, speedup, mem, &shared, cap,
+                            o.region, o.order, &o.pre, &o.peak, &err);
+    CHECK(o.rc == RP_OK, "regions_shared: %s", err.msg);
+    return o;
+}
+
+static void test_regions_shared(void)
+{
+    const double at0[3] = {0, 0, 0}, b_later[3] = {0, 2.5, 0};
+    /* A gains in region 1, B and C in region 0 */
+    const double a_moves[6] = {0.1, 0.9, 0.9, 0.1, 0.9, 0.1};
+    const double all_move[6] = {0.1, 0.9, 0.1, 0.9, 0.1, 0.9};
+    regions_out o = regions_shared(at0, a_moves, -1);
+    CHECK(o.region[0] == 1 && o.region[1] == 0 && o.region[2] == 0 && o.peak == 400,
+          "A deferred alone holds S whole: regions %lld %lld %lld, peak %lld",
+          (long long)o.region[0], (long long)o.region[1], (long long)o.region[2],
+          (long long)o.peak);
+    o = regions_shared(at0, a_moves, 399);
+    CHECK(o.pre == 1 && o.peak == 0 && o.region[0] == 0, "cap 399: pre %lld peak %lld",
+          (long long)o.pre, (long long)o.peak);
+    o = regions_shared(at0, a_moves, 400);
+    CHECK(o.pre == 0 && o.peak == 400 && o.region[0] == 1, "cap 400: pre %lld peak %lld",
+          (long long)o.pre, (long long)o.peak);
+    o = regions_shared(at0, all_move, -1);
+    CHECK(o.region[0] == 1 && o.region[1] == 1 && o.region[2] == 1 && o.peak == 600,
+          "all three deferred hold S once: peak %lld", (long long)o.peak);
+    o = regions_shared(b_later, a_moves, -1);
+    CHECK(o.region[0] == 1 && o.peak == 100,
+          "B's node runs in region 1, so autograd holds S at region 0's end: peak %lld",
+          (long long)o.peak);
 }
 
 static void test_regions_reference(void)
@@ -1185,18 +1274,20 @@ static void test_other_errors(void)
     {
         double tm[2] = {1, 1}, rd[1] = {0}, ts[2] = {1, 1}, sp[2] = {1, 1};
         int64_t dl[1] = {2}, mem[1] = {1}, region[1], order[1], pre, peak;
-#define REG() rp_sched_regions(2, tm, 1, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak, &err)
+#define REG() \
+    rp_sched_regions(2, tm, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak, &err)
         CHECK(REG() == RP_OK, "base regions: %s", err.msg);
-        expect(rp_sched_regions(0, tm, 1, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak, &err),
+        expect(rp_sched_regions(0, tm, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
+                                &err),
                err.msg, "n >= 1", "regions: n 0");
-        expect(rp_sched_regions(2, tm, -1, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
+        expect(rp_sched_regions(2, tm, -1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
                                 &err),
                err.msg, "n_tasks", "regions: n_tasks -1");
-        expect(rp_sched_regions(2, NULL, 1, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
-                                &err),
+        expect(rp_sched_regions(2, NULL, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre,
+                                &peak, &err),
                err.msg, "NULL t_main", "regions: NULL t_main");
-        expect(rp_sched_regions(2, tm, 1, rd, dl, ts, NULL, mem, 0, region, order, &pre, &peak,
-                                &err),
+        expect(rp_sched_regions(2, tm, 1, rd, dl, ts, NULL, mem, NULL, 0, region, order, &pre,
+                                &peak, &err),
                err.msg, "NULL ready", "regions: NULL speedup");
         tm[1] = -1;
         expect(REG(), err.msg, "t_main[1]", "regions: negative t_main");
@@ -1218,6 +1309,38 @@ static void test_other_errors(void)
         CHECK(REG() == RP_OK, "restored: %s", err.msg);
 #undef REG
     }
+}
+
+/* rp_shared_reads refused: without mem, a reader out of range, a start
+ * that decreases or does not begin at 0, a negative size, a sum past int64. */
+static void test_regions_shared_errors(void)
+{
+    const double tm[2] = {1, 1}, rd[1] = {0}, ts[2] = {1, 1}, sp[2] = {1, 1};
+    const int64_t dl[1] = {2}, mem[1] = {1};
+    int64_t size[1] = {1}, start[2] = {0, 1}, task[1] = {0}, region[1], order[1], pre, peak;
+    rp_shared_reads sh = {1, size, start, task};
+    rp_error err = {{0}};
+#define REG_SH(m) rp_sched_regions(2, tm, 1, rd, dl, ts, sp, m, &sh, 0, region, order, &pre, \
+                                   &peak, &err)
+    CHECK(REG_SH(mem) == RP_OK, "base shared: %s", err.msg);
+    expect(REG_SH(NULL), err.msg, "need mem", "shared without mem");
+    task[0] = 1;
+    expect(REG_SH(mem), err.msg, "task[0]", "reader past n_tasks");
+    task[0] = -1;
+    expect(REG_SH(mem), err.msg, "task[0]", "negative reader");
+    task[0] = 0, start[0] = 1;
+    expect(REG_SH(mem), err.msg, "start[0]", "start not at 0");
+    start[0] = 0, start[1] = -1;
+    expect(REG_SH(mem), err.msg, "start[1]", "decreasing start");
+    start[1] = 1, size[0] = -1;
+    expect(REG_SH(mem), err.msg, "size[0]", "negative size");
+    size[0] = INT64_MAX;
+    expect(REG_SH(mem), err.msg, "size[0]", "sizes with mem past int64");
+    sh.n = -1;
+    expect(REG_SH(mem), err.msg, "shared storages", "negative count");
+    sh.n = 1, sh.start = NULL;
+    expect(REG_SH(mem), err.msg, "NULL shared", "NULL start");
+#undef REG_SH
 }
 
 /* ---- mutation audit of schedule.c (session 38): checks no other test made ---- */
@@ -1248,11 +1371,11 @@ static void test_audit_checks(void)
     {
         double tm[2] = {1, 1}, rd[2] = {0, 0}, ts[4] = {1, 1, 1, 1}, sp[4] = {1, 1, 1, 1};
         int64_t dl[2] = {2, 2}, mem[2] = {INT64_MAX, 1}, region[2], order[2], pre, peak;
-        expect(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
+        expect(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
                                 &err),
                err.msg, "mem[1]", "regions: the sum of mem past int64");
         mem[0] = INT64_MAX - 1;
-        CHECK(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, 0, region, order, &pre, &peak,
+        CHECK(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
                                &err) == RP_OK,
               "regions: a sum of mem of INT64_MAX: %s", err.msg);
     }
@@ -1296,6 +1419,8 @@ int main(void)
     test_stages();
     test_regions();
     test_regions_reference();
+    test_regions_shared();
+    test_regions_shared_errors();
     test_simulate_errors();
     test_builder_errors();
     test_other_errors();
