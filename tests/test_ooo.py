@@ -3043,6 +3043,45 @@ def test_no_second_profile_without_a_new_layer_unfrozen():
     assert {k[0] for k in handle._region_of_main} == {0, 1, 2, 3}
 
 
+def test_an_interrupt_at_any_line_of_the_end_of_the_pass_that_profiles_again():
+    """A KeyboardInterrupt at each line the end of the backward runs in
+    which an unfrozen layer without a place asked for a new profile: the
+    pass counts whole (the old schedule given up, the profile begun again)
+    or not at all (asked again by the next pass), the new schedule places
+    every layer, and each complete pass's gradients are autograd's bits."""
+    for k in itertools.count():
+        ref, model = _frozen_backbone(), _frozen_backbone()
+        handle = ooo.enable(model, profile_iters=2, speedup=None)
+        fixed, interrupted = [], False
+        for step in range(8):
+            if step == 2:
+                for net in (ref, model):
+                    net.requires_grad_(True)
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            for net in (ref, model):
+                net.zero_grad()
+            ref(x).square().sum().backward()
+            try:
+                with LineStop(ooo.__file__, k + 1, under=ooo.OOOHandle._end_backward) \
+                        if step == 2 else contextlib.nullcontext():
+                    model(x).square().sum().backward()
+            except KeyboardInterrupt:
+                interrupted = True
+            else:
+                _assert_same_bits(ref, model, "grad", f"line {k + 1}, step {step}")
+            fixed.append(handle.schedule is not None)
+        if not interrupted:  # past the last line
+            break
+        # fixed after step 1; step 2 ends it (or, its change noted, step 3's forward stores
+        # it; or, dropped, step 3 ends it), then a warm-up and a profile
+        assert fixed in ([False, True, False, False, True, True, True, True],
+                         [False, True, True, False, True, True, True, True],
+                         [False, True, True, False, False, True, True, True]), (k, fixed)
+        assert {key[0] for key in handle._region_of_main} == {0, 1, 2, 3}, k
+        assert not any(s.unplaced for s in handle.sites), k
+    assert k > 50
+
+
 class _LateBranch(nn.Module):
     """A trained Linear and a second one called only once `late` is set."""
 
