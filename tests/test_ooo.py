@@ -20,6 +20,7 @@ import math
 import types
 import warnings
 import weakref
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -2927,23 +2928,17 @@ def test_a_layer_frozen_whole_at_enable_is_split_once_unfrozen(order):
     assert trainable == {model[0], model[2], model[6]}
 
 
-@pytest.mark.parametrize("unfreeze_at", [1, 4])
-def test_a_layer_unfrozen_after_the_schedule_is_fixed_keeps_autograds_order(unfreeze_at):
-    """A layer frozen whole through the profile has an index (its place in
-    the forward order) but no dW the schedule placed: off CUDA it then runs
-    plain, as any layer the schedule leaves beside its dO (autograd's order,
-    without the split's cost); unfrozen later, its gradients and the
-    parameters are autograd's bits. Inside hold() it is split. Unfrozen
-    while the profile runs, its dW is profiled and placed as any layer's."""
-    ref, model = _frozen_backbone(), _frozen_backbone()
-    handle = ooo.enable(model, profile_iters=2, speedup=None)
+def _train_against_plain(ref: nn.Module, model: nn.Module, handle, steps: range,
+                         change: Callable[[nn.Module, int], None]) -> list:
+    """Plain SGD steps of `ref` and `model` with `change(net, step)` applied
+    to both first, each step's gradients and parameters autograd's bits;
+    the handle's schedule after each step (None while it profiles)."""
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(8):
-        if step == unfreeze_at:
-            assert (handle.schedule is not None) == (unfreeze_at == 4)
-            for net in (ref, model):
-                net.requires_grad_(True)
+    schedules = []
+    for step in steps:
+        for net in (ref, model):
+            change(net, step)
         x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
         for net, o in ((ref, opt_ref), (model, opt)):
             o.zero_grad()
@@ -2951,17 +2946,181 @@ def test_a_layer_unfrozen_after_the_schedule_is_fixed_keeps_autograds_order(unfr
             o.step()
         _assert_same_bits(ref, model, "grad", f"step {step}")
         _assert_same_bits(ref, model, "", f"step {step}")
+        schedules.append(handle.schedule)
+    return schedules
+
+
+def _reprofiles(schedules: list) -> list:
+    """The steps after which a new schedule was fixed (a profile ended)."""
+    return [i for i in range(1, len(schedules))
+            if schedules[i] is not None and schedules[i] is not schedules[i - 1]]
+
+
+def _ticking(handle) -> None:
+    """Each main-stream stamp one tick of a fake clock: the regions and the
+    schedule do not depend on timing."""
+    ticks = itertools.count()
+    handle._stamp = lambda like: float(next(ticks))
+
+
+def _set_frozen(layers: dict) -> Callable[[nn.Module, int], None]:
+    """A change for _train_against_plain: at step s, the layers of
+    layers[s] (index in the Sequential -> requires_grad) set so."""
+    def change(net, step):
+        for i, trainable in layers.get(step, {}).items():
+            net[i].requires_grad_(trainable)
+    return change
+
+
+@pytest.mark.parametrize("unfreeze_at", [1, 4])
+def test_a_layer_unfrozen_after_the_schedule_is_fixed_profiles_again(unfreeze_at):
+    """A layer frozen whole through the profile had no place in the fixed
+    schedule: unfrozen later, it ran plain autograd for good off CUDA (on
+    CUDA its dW beside its dO), never scheduled. Its first trainable call
+    now makes the handle profile again (the pass under way ends the old
+    schedule, the next is the warm-up, as after enable()), and the new
+    schedule places every layer; gradients and parameters are autograd's
+    bits throughout. Unfrozen while the profile runs, it is profiled and
+    placed as any layer's, with no second profile."""
+    ref, model = _frozen_backbone(), _frozen_backbone()
+    handle = ooo.enable(model, profile_iters=2, speedup=None)
+    schedules = _train_against_plain(ref, model, handle, range(9),
+                                     _set_frozen({unfreeze_at: {0: True, 2: True, 4: True}}))
     assert [s.index for s in handle.sites] == [0, 1, 2, 3]  # the forward order
-    placed = {key[0] for key in handle._region_of_main}
-    if unfreeze_at == 4:
-        assert placed == {3}
-        assert [(s.split, s.in_order) for s in handle.sites[:3]] == [(False, True)] * 3
+    assert {key[0] for key in handle._region_of_main} == {0, 1, 2, 3}
+    if unfreeze_at == 4:  # fixed after step 1; step 4 ends it, 5 warms up, 6 profiles
+        assert [s is None for s in schedules] == [True, False, False, False, True, True,
+                                                  False, False, False]
+        assert _reprofiles(schedules) == [1, 6]
     else:
-        assert placed == {0, 1, 2, 3}
+        assert _reprofiles(schedules) == [1]
+    assert not any(s.unplaced for s in handle.sites)
     with handle.hold() as held:
-        model(x).sum().backward()
+        model(torch.randn(4, 6)).sum().backward()
     assert {t.site.module for t in held} == {model[0], model[2], model[4], model[6]}
     handle.run(held)
+
+
+def test_a_reprofiled_schedule_moves_the_unfrozen_layers_dW():
+    """With a speedup that favours a later region (a fake clock: the regions
+    do not depend on timing), the schedule fixed with the backbone frozen
+    moves only the head's dW, if any; after the unfreeze the new profile
+    places the backbone's dW, and the schedule moves some of them off their
+    dO's region (off CUDA those layers stay split, the others plain)."""
+    ref, model = _frozen_backbone(), _frozen_backbone()
+    handle = ooo.enable(model, regions=2, max_extra_memory=math.inf, profile_iters=2,
+                        speedup=lambda own, at: 3.0 if at > own else 1.0)
+    _ticking(handle)
+    change = _set_frozen({5: {0: True, 2: True, 4: True}})
+    first = _train_against_plain(ref, model, handle, range(5), change)[-1]
+    assert first is not None and {k[0] for k in handle._region_of_main} == {3}
+    assert [s.unplaced for s in handle.sites] == [True, True, True, False]
+    schedules = _train_against_plain(ref, model, handle, range(5, 10), change)
+    assert schedules[0] is None and schedules[-1] is not None
+    assert {k[0] for k in handle._region_of_main} == {0, 1, 2, 3}
+    moved = {k[0] for k, r in handle._region_of.items() if r != handle._region_of_main[k]}
+    assert moved & {0, 1, 2}, handle._region_of
+    assert handle.schedule["moved"] == len(moved)
+    assert [s.split for s in handle.sites] == [s.index in moved for s in handle.sites]
+
+
+def test_no_second_profile_without_a_new_layer_unfrozen():
+    """One profile again per layer unfrozen without a place: layers unfrozen
+    while that profile runs are profiled in it (no restart at each step);
+    layers frozen again keep their place, and unfrozen again profile
+    nothing more; only a layer still frozen through the second profile and
+    unfrozen after it makes a third."""
+    ref, model = _frozen_backbone(), _frozen_backbone()
+    handle = ooo.enable(model, profile_iters=2, speedup=None)
+    changes = {3: {4: True}, 4: {2: True}, 7: {4: False}, 8: {2: False}, 10: {2: True, 4: True},
+               12: {0: True}}
+    schedules = _train_against_plain(ref, model, handle, range(16), _set_frozen(changes))
+    # fixed after step 1; layer 4 unfrozen at 3 ends it, 4 warms up (layer 2 unfrozen
+    # there is profiled too), fixed after 5; the freezes of 7 and 8 and the unfreezes
+    # of 10 change nothing; layer 0 unfrozen at 12 makes a third, fixed after 14
+    assert _reprofiles(schedules) == [1, 5, 14]
+    assert schedules[6] is schedules[11]
+    assert {k[0] for k in handle._region_of_main} == {0, 1, 2, 3}
+
+
+def test_an_interrupt_at_any_line_of_the_end_of_the_pass_that_profiles_again():
+    """A KeyboardInterrupt at each line the end of the backward runs in
+    which an unfrozen layer without a place asked for a new profile: the
+    pass counts whole (the old schedule given up, the profile begun again)
+    or not at all (asked again by the next pass), the new schedule places
+    every layer, and each complete pass's gradients are autograd's bits."""
+    for k in itertools.count():
+        ref, model = _frozen_backbone(), _frozen_backbone()
+        handle = ooo.enable(model, profile_iters=2, speedup=None)
+        fixed, interrupted = [], False
+        for step in range(8):
+            if step == 2:
+                for net in (ref, model):
+                    net.requires_grad_(True)
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            for net in (ref, model):
+                net.zero_grad()
+            ref(x).square().sum().backward()
+            try:
+                with LineStop(ooo.__file__, k + 1, under=ooo.OOOHandle._end_backward) \
+                        if step == 2 else contextlib.nullcontext():
+                    model(x).square().sum().backward()
+            except KeyboardInterrupt:
+                interrupted = True
+            else:
+                _assert_same_bits(ref, model, "grad", f"line {k + 1}, step {step}")
+            fixed.append(handle.schedule is not None)
+        if not interrupted:  # past the last line
+            break
+        # fixed after step 1; step 2 ends it (or, its change noted, step 3's forward stores
+        # it; or, dropped, step 3 ends it), then a warm-up and a profile
+        assert fixed in ([False, True, False, False, True, True, True, True],
+                         [False, True, True, False, True, True, True, True],
+                         [False, True, True, False, False, True, True, True]), (k, fixed)
+        assert {key[0] for key in handle._region_of_main} == {0, 1, 2, 3}, k
+        assert not any(s.unplaced for s in handle.sites), k
+    assert k > 50
+
+
+class _LateBranch(nn.Module):
+    """A trained Linear and a second one called only once `late` is set."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+        self.late = False
+
+    def forward(self, x):
+        x = self.a(x).tanh()
+        return self.b(x) if self.late else x
+
+
+def test_a_layer_first_called_after_the_schedule_is_fixed_profiles_again():
+    """A layer first called after the schedule was fixed (a branch taken
+    late) has no place in it either: its first call profiles again, once,
+    and the new schedule places it; gradients autograd's bits."""
+    ref, model = _LateBranch(), _LateBranch()
+    handle = ooo.enable(model, profile_iters=2, speedup=None)
+
+    def change(net, step):
+        net.late = step >= 3
+    schedules = []
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(9):
+        for net in (ref, model):
+            change(net, step)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for net, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            net(x).square().sum().backward()
+            o.step()
+        _assert_same_bits(ref, model, "grad", f"step {step}")
+        _assert_same_bits(ref, model, "", f"step {step}")
+        schedules.append(handle.schedule)
+    assert _reprofiles(schedules) == [1, 5]
+    assert {k[0] for k in handle._region_of_main} == {0, 1}
 
 
 def _hook_counts(model: nn.Module) -> dict:

@@ -737,6 +737,9 @@ class _Site:
     # (_shared_by_sites)
     backward_mark: object = None
     reused: bool = False
+    # no dW in the profile of the fixed schedule, frozen whole or not called
+    # when it was fixed: its first split call profiles again (_reprofile)
+    unplaced: bool = False
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1545,6 +1548,8 @@ class OOOHandle(_PassTracking):
         self.sites: list[_Site] = []
         self._pending: list[_Task] = []
         self._iteration = 0          # backward passes seen
+        self._profile_from = 0       # _iteration when the profile (re)started
+        self._reprofile_due = False  # a layer without a place split: profile again
         self._calls: dict = {}       # site -> calls this iteration (tasks are keyed by call)
         self._region_of: dict = {}   # task key -> region of the fixed schedule
         self._region_of_main: dict = {}  # task key -> region its dO runs in
@@ -1937,7 +1942,9 @@ class OOOHandle(_PassTracking):
             change["_profile"] = self._profile.with_times(self._marks, {}) if reads is None \
                 else self._profile.with_times(self._marks, reads.shares(), reads.shared())
             change["_reads"] = None
-        if self.order == "ooo" and self.schedule is None:
+        if self._reprofile_due:
+            change.update(self._profile_again(change["_iteration"]))
+        elif self.order == "ooo" and self.schedule is None:
             try:
                 self._advance_schedule(corun, change)
             except Exception:
@@ -1963,10 +1970,39 @@ class OOOHandle(_PassTracking):
         for name, value in change.items():
             setattr(self, name, value)
         if "schedule" in change:
-            region_main = self._region_of_main
-            self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+            self._split_as_scheduled()
         self._counted = None  # first: a pass that ended is not stored again
         self._in_backward = False
+
+    def _split_as_scheduled(self) -> None:
+        """The sites' flags for the schedule just fixed, or for a profile
+        begun again (every layer split, as from enable())."""
+        if self.schedule is None:
+            for site in self.sites:
+                site.split, site.in_order, site.unplaced = True, False, False
+            return
+        region_main = self._region_of_main
+        self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
+        placed = {k[0] for k in region_main}
+        for site in self.sites:
+            site.unplaced = site.index not in placed and (
+                site.index < 0 or _frozen(site.kind.params(site.module)))
+            if site.unplaced:  # split, so that its first trainable call is seen
+                site.split, site.in_order = True, False
+
+    def _reprofile(self) -> None:
+        """A layer the fixed schedule has no place for is split (unfrozen
+        since, or first called): the pass under way ends the schedule
+        (_count_pass), and the handle profiles again as from enable()."""
+        self._reprofile_due = True
+
+    def _profile_again(self, iteration: int) -> dict:
+        """The attributes of a profile begun again after pass `iteration`
+        (its next pass is the warm-up, as enable()'s first), for _commit:
+        stored at a pass's end, where no task waits for a region."""
+        return {"_reprofile_due": False, "_profile_from": iteration, "_profile": _Profile(),
+                "_cut": None, "schedule_regions": 0, "_corun": None, "_region_of": {},
+                "_region_of_main": {}, "schedule": None}
 
     def _advance_schedule(self, corun: "_CoRun | None", change: dict) -> None:
         """After a profiling pass: cuts the regions, moves the co-run
@@ -1981,7 +2017,7 @@ class OOOHandle(_PassTracking):
             return
         prof = change.get("_profile", self._profile)
         cut = _cut_regions(prof, self.regions) \
-            if change["_iteration"] >= self.profile_iters else None
+            if change["_iteration"] - self._profile_from >= self.profile_iters else None
         if cut is None:
             return
         n = cut.n
@@ -2001,7 +2037,8 @@ class OOOHandle(_PassTracking):
     def _profiling(self) -> bool:
         """Backward passes after the warm-up that time the sequential profile
         (until the regions are cut: the co-run passes come after)."""
-        return self.order == "ooo" and self.schedule is None and self._iteration >= 1 \
+        return self.order == "ooo" and self.schedule is None \
+            and self._iteration > self._profile_from \
             and not self._region_of_main
 
     def _profiling_left(self) -> bool:
@@ -2936,6 +2973,8 @@ def _make_forward(site: _Site):
         handle._before_split_forward()
         if site.index < 0:
             _take_index(site)
+        if site.unplaced:  # trainable now: the fixed schedule has no place for it
+            handle._reprofile()
         mark = handle._backward_mark
         # DataParallel's first split call of the layer (not its first call: a
         # frozen layer's plain calls take an index too)
