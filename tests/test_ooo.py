@@ -690,6 +690,40 @@ def test_hold_defers_post_accumulate_grad_hooks_until_run():
     assert all(len(seen[(model, name)]) == 1 for name, _ in model.named_parameters())
 
 
+def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient():
+    """A weight tied across two enabled models (an encoder and a decoder
+    enabled apart) has one post-accumulate-grad hook, which autograd fires
+    once per backward, on the sum of both models' dW. Each handle held the
+    hooks back for its own deferred dW: the second set the first's stand-in
+    aside, so the first never saw autograd reach the weight, gave the hooks
+    back unfired at its end, and the second fired its placeholders: the
+    user's hook never fired (a fused backward optimizer skipped the tied
+    weight's update every step). A handle now runs a dW at once where
+    another handle holds the weight's hooks, before autograd reaches it."""
+    def pair():
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        dec[2].weight = enc.weight
+        return enc, dec
+
+    nets = {"ref": pair(), "reprop": pair()}
+    seen: dict = {key: [] for key in nets}
+    handles = [ooo.enable(m) for m in nets["reprop"]]
+    for key, (enc, _) in nets.items():
+        enc.weight.register_post_accumulate_grad_hook(
+            lambda p, key=key: seen[key].append(p.grad.clone()))
+    x = torch.randn(3, 4)
+    for step in range(3):
+        for enc, dec in nets.values():
+            dec(enc(x)).square().sum().backward()
+        assert len(seen["reprop"]) == len(seen["ref"]) == step + 1
+        torch.testing.assert_close(seen["reprop"][-1], seen["ref"][-1], rtol=RTOL, atol=ATOL)
+    for (ra, a), (_, b) in zip(itertools.chain(*(n.named_parameters() for n in nets["ref"])),
+                               itertools.chain(*(n.named_parameters() for n in nets["reprop"]))):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=ra)
+    assert all(h._iteration == 3 and not h._hooked for h in handles)
+
+
 def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     """Held tasks the caller drops unrun can never fire their parameters'
     hooks: the next backward gives the hooks back, and they fire on its

@@ -2243,7 +2243,7 @@ class OOOHandle(_PassTracking):
             self._held_in_pass.append(task)
             return
         self._number(task, nodes)
-        if self.order == "conventional" or self._holding:
+        if self.order == "conventional" or self._holding or self._hooks_held_elsewhere(task):
             # run() less its checks of a caller's list, which a task made in
             # this backward and held nowhere passes (grad mode is off in
             # backward): they cost about as much as a small layer's dW
@@ -2262,6 +2262,20 @@ class OOOHandle(_PassTracking):
                 self._issue(task)
         else:
             self._pending.append(task)
+
+    def _hooks_held_elsewhere(self, task: _Task) -> bool:
+        """Whether another handle holds back the hooks of one of the task's
+        parameters (a weight tied across two enabled models): that dW runs
+        now, in .grad before autograd reaches the parameter, where the
+        holder's stand-in fires them on the whole sum. Held again here, the
+        other's stand-in was set aside: it never saw autograd reach the
+        parameter, gave the hooks back unfired at its end, and this handle
+        fired its placeholders (the user's hook never fired)."""
+        for p in task.targets:
+            hooks = p._post_accumulate_grad_hooks
+            if hooks and _STAND_IN in hooks and self._hooked.get(p) is None:
+                return True
+        return False
 
     def _number(self, task: _Task, nodes: list) -> None:
         """Numbers the task's dW of each parameter (its AccumulateGrad node
