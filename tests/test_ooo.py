@@ -690,7 +690,8 @@ def test_hold_defers_post_accumulate_grad_hooks_until_run():
     assert all(len(seen[(model, name)]) == 1 for name, _ in model.named_parameters())
 
 
-def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient():
+@pytest.mark.parametrize("held", [None, 0, 1])
+def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(held):
     """A weight tied across two enabled models (an encoder and a decoder
     enabled apart) has one post-accumulate-grad hook, which autograd fires
     once per backward, on the sum of both models' dW. Each handle held the
@@ -698,8 +699,9 @@ def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(
     aside, so the first never saw autograd reach the weight, gave the hooks
     back unfired at its end, and the second fired its placeholders: the
     user's hook never fired (a fused backward optimizer skipped the tied
-    weight's update every step). A handle now runs a dW at once where
-    another handle holds the weight's hooks, before autograd reaches it."""
+    weight's update every step). The second handle's dW of the weight now
+    goes to autograd, as a plain use of it would. `held`: the backward in a
+    hold() block of the encoder's (0) or the decoder's (1) handle."""
     def pair():
         torch.manual_seed(0)
         enc, dec = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
@@ -714,13 +716,18 @@ def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(
             lambda p, key=key: seen[key].append(p.grad.clone()))
     x = torch.randn(3, 4)
     for step in range(3):
-        for enc, dec in nets.values():
-            dec(enc(x)).square().sum().backward()
+        for key, (enc, dec) in nets.items():
+            if key == "ref" or held is None:
+                dec(enc(x)).square().sum().backward()
+                continue
+            with handles[held].hold() as tasks:
+                dec(enc(x)).square().sum().backward()
+            handles[held].run(tasks)
         assert len(seen["reprop"]) == len(seen["ref"]) == step + 1
         torch.testing.assert_close(seen["reprop"][-1], seen["ref"][-1], rtol=RTOL, atol=ATOL)
-    for (ra, a), (_, b) in zip(itertools.chain(*(n.named_parameters() for n in nets["ref"])),
-                               itertools.chain(*(n.named_parameters() for n in nets["reprop"]))):
-        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=ra)
+    for (name, a), (_, b) in zip(itertools.chain(*(n.named_parameters() for n in nets["ref"])),
+                                 itertools.chain(*(n.named_parameters() for n in nets["reprop"]))):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
     assert all(h._iteration == 3 and not h._hooked for h in handles)
 
 
