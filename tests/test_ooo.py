@@ -691,6 +691,95 @@ def test_hold_defers_post_accumulate_grad_hooks_until_run():
     assert all(len(seen[(model, name)]) == 1 for name, _ in model.named_parameters())
 
 
+@pytest.mark.parametrize("held", [None, 0, 1])
+def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(held):
+    """A weight tied across two enabled models (an encoder and a decoder
+    enabled apart) has one post-accumulate-grad hook, which autograd fires
+    once per backward, on the sum of both models' dW. Each handle held the
+    hooks back for its own deferred dW: the second set the first's stand-in
+    aside, so the first never saw autograd reach the weight, gave the hooks
+    back unfired at its end, and the second fired its placeholders: the
+    user's hook never fired (a fused backward optimizer skipped the tied
+    weight's update every step). The second handle's dW of the weight now
+    goes to autograd, as a plain use of it would. `held`: the backward in a
+    hold() block of the encoder's (0) or the decoder's (1) handle."""
+    def pair():
+        torch.manual_seed(0)
+        enc, dec = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        dec[2].weight = enc.weight
+        return enc, dec
+
+    nets = {"ref": pair(), "reprop": pair()}
+    seen: dict = {key: [] for key in nets}
+    handles = [ooo.enable(m) for m in nets["reprop"]]
+    for key, (enc, _) in nets.items():
+        enc.weight.register_post_accumulate_grad_hook(
+            lambda p, key=key: seen[key].append(p.grad.clone()))
+    x = torch.randn(3, 4)
+    for step in range(3):
+        for key, (enc, dec) in nets.items():
+            if key == "ref" or held is None:
+                dec(enc(x)).square().sum().backward()
+                continue
+            with handles[held].hold() as tasks:
+                dec(enc(x)).square().sum().backward()
+            handles[held].run(tasks)
+        assert len(seen["reprop"]) == len(seen["ref"]) == step + 1
+        torch.testing.assert_close(seen["reprop"][-1], seen["ref"][-1], rtol=RTOL, atol=ATOL)
+    for (name, a), (_, b) in zip(itertools.chain(*(n.named_parameters() for n in nets["ref"])),
+                                 itertools.chain(*(n.named_parameters() for n in nets["reprop"]))):
+        torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
+    assert all(h._iteration == 3 and not h._hooked for h in handles)
+
+
+def test_a_nested_backward_that_raised_gives_the_hooks_back_at_the_end_of_the_pass():
+    """A custom Function's backward runs a nested backward through the
+    enabled model and swallows its error, raised after a split deferred the
+    weight's dW and before autograd reached the weight there: the nested
+    graph's wait is never reached. The pass, begun in the outer backward,
+    ends normally; its end gives the hooks it held back ("autograd never
+    reached it": without it, the stand-in and a placeholder stayed in the
+    parameter's hooks until the next pass or the next backward reaching
+    it), and the next plain backward through the weight fires the user's
+    hook as autograd does."""
+    torch.manual_seed(0)
+    outer, inner = nn.Linear(4, 4), nn.Linear(4, 4)
+    handle = ooo.enable(nn.ModuleList([outer, inner]))
+    fired = []
+    hook = inner.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+
+    def refuse(grad):
+        raise ValueError("refused")
+
+    class Nested(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, = ctx.saved_tensors
+            with torch.enable_grad():
+                # made before the split: the engine runs the split first
+                twice = inner.weight * 2
+                twice.register_hook(refuse)
+                loss = inner(x.detach().requires_grad_()).sum() + twice.sum()
+            with pytest.raises(ValueError, match="refused"):
+                loss.backward()
+            return g
+
+    outer(Nested.apply(torch.randn(3, 4, requires_grad=True))).sum().backward()
+    assert handle._iteration == 1 and not fired
+    hooks = inner.weight._post_accumulate_grad_hooks
+    assert list(hooks) == [hook.id] and hooks[hook.id] is not ooo._held_back  # the user's own
+    assert not handle._hooked
+    inner.weight.grad = None
+    (inner.weight * 3).sum().backward()
+    assert len(fired) == 1
+    torch.testing.assert_close(fired[0], torch.full((4, 4), 3.0), rtol=0, atol=0)
+
+
 def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     """Held tasks the caller drops unrun can never fire their parameters'
     hooks: the next backward gives the hooks back, and they fire on its

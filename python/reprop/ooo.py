@@ -690,13 +690,26 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # non-leaf) has no .grad to defer into: autograd carries it on. A
         # post-hook on the node must see (and may replace) dW and db.
         # DataParallel's weights shared by several layers go to autograd
-        # under deterministic algorithms (_shared_by_sites).
+        # under deterministic algorithms (_shared_by_sites). So does the dW of
+        # a weight whose hooks another handle holds (_held_elsewhere).
         # (the attribute before the call: no call on the common path)
-        if (p._backward_hooks and _hooked_by_user(p)) or not p.is_leaf or hooked or p in summed:
+        if (p._backward_hooks and _hooked_by_user(p)) or not p.is_leaf or hooked or p in summed \
+                or (p._post_accumulate_grad_hooks and _held_elsewhere(p, ctx.site.handle)):
             returned[i] = True
         else:
             deferred[i], nodes[i] = True, node
     return deferred, returned, nodes
+
+
+def _held_elsewhere(p: torch.Tensor, handle: "OOOHandle") -> bool:
+    """Whether another handle holds back p's post-accumulate-grad hooks for
+    its deferred dW (a weight tied across two enabled models): this dW then
+    goes to autograd, as a plain use of p's would, and the holder's stand-in
+    fires them once on the whole sum. Held here too, the holder's stand-in
+    was set aside: it never saw autograd reach p, gave the hooks back unfired
+    at its end, and this handle fired its placeholders (the user's hook, a
+    fused backward optimizer's update, never ran)."""
+    return _STAND_IN in p._post_accumulate_grad_hooks and handle._hooked.get(p) is None
 
 
 def _hooked_by_user(p: torch.Tensor) -> bool:
