@@ -3194,20 +3194,7 @@ def test_a_layer_first_called_after_the_schedule_is_fixed_profiles_again():
 
     def change(net, step):
         net.late = step >= 3
-    schedules = []
-    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(9):
-        for net in (ref, model):
-            change(net, step)
-        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
-        for net, o in ((ref, opt_ref), (model, opt)):
-            o.zero_grad()
-            net(x).square().sum().backward()
-            o.step()
-        _assert_same_bits(ref, model, "grad", f"step {step}")
-        _assert_same_bits(ref, model, "", f"step {step}")
-        schedules.append(handle.schedule)
+    schedules = _train_against_plain(ref, model, handle, range(9), change)
     assert _reprofiles(schedules) == [1, 5]
     assert {k[0] for k in handle._region_of_main} == {0, 1}
 
