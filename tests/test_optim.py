@@ -19,6 +19,7 @@ step counters (exactly) and the state values.
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 import io
@@ -2557,6 +2558,22 @@ def make_lazy_optimizer(cls: type[torch.optim.Optimizer], name: str,
     return opt
 
 
+@functools.cache
+def torch_steps_added_groups(name: str) -> bool:
+    """Whether torch's `name` steps a param group that add_param_group
+    added (make_lazy_optimizer's Adagrad): up to torch 2.11 Adagrad made its
+    state in the constructor only, and such a group's step raised KeyError:
+    'sum' (reprop's makes it at the first step, as later torch's)."""
+    p = torch.zeros(1, requires_grad=True)
+    opt = make_lazy_optimizer(torch_cls(name), name, [p])
+    p.grad = torch.ones(1)
+    try:
+        opt.step()
+    except KeyError:
+        return False
+    return True
+
+
 def _lazy_run(cls: type[torch.optim.Optimizer], name: str, batches, *,
               optimizer_first: bool) -> Run:
     """A lazy model materialized by a no-grad dry run, its optimizer built
@@ -2581,8 +2598,9 @@ def test_lazy_parameters_train_as_once_materialized(name: str, batches) -> None:
     shape of an UninitializedParameter and raised RuntimeError."""
     got = _lazy_run(reprop_cls(name), name, batches[:10], optimizer_first=True)
     assert_runs_equal(got, _lazy_run(reprop_cls(name), name, batches[:10], optimizer_first=False))
-    assert_runs_close(got, _lazy_run(torch_cls(name), name, batches[:10], optimizer_first=True),
-                      TRAIN_TOL[name])
+    if torch_steps_added_groups(name):
+        assert_runs_close(got, _lazy_run(torch_cls(name), name, batches[:10], optimizer_first=True),
+                          TRAIN_TOL[name])
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -2622,7 +2640,7 @@ def test_uninitialized_parameter_is_skipped_or_refused_as_torch_does(name: str) 
     refused with a ValueError naming params before anything of its group
     changes, where torch's update raises ValueError. step_params() of one not
     in the optimizer names it without reading its shape."""
-    for cls in (reprop_cls(name), torch_cls(name)):
+    for cls in (reprop_cls(name), torch_cls(name))[:2 if torch_steps_added_groups(name) else 1]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3))
         opt = make_lazy_optimizer(cls, name, model.parameters())
