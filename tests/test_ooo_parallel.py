@@ -1644,6 +1644,64 @@ def _dp_unfrozen(rank: int, world: int) -> None:
     _check_unfrozen_apart(rank, world)
 
 
+def _search_unfrozen(rank: int, world: int, unfreeze_at: int, steps: int) -> None:
+    """k="auto" on _Net with layers 0-2 frozen whole at construction (a
+    plan of 5 layers), unfrozen at step `unfreeze_at`: the plan of that
+    step's backward has 8 layers, and the search for k starts again over
+    [0, 8] (at k = 0, whether it had ended or not), measuring each k of its
+    coarse sweep up to 8; every rank has the same k at every step, and the
+    gradients are the average of the ranks' (DDP's), bitwise, throughout."""
+    torch.manual_seed(0)
+    model = _Net()
+    model.layers[:3].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp = data_parallel(model, k="auto", search_iters=1)
+    tried = set()  # the k each step's backward planned with, once the layers joined
+    for step in range(steps):
+        if step == unfreeze_at:
+            for net in (model, ref):
+                net.layers[:3].requires_grad_(True)
+        x, t = _batch(rank, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _averaged_by_hand(ref, world)
+        _assert_same(model, ref, "grad")
+        with torch.no_grad():
+            for net in (model, ref):
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+        _assert_same(model, ref, "parameter")
+        assert dp.layers == (DEPTH - 3 if step < unfreeze_at else DEPTH), step
+        if step == unfreeze_at - 1 and unfreeze_at > DEPTH - 3:
+            assert not dp.searching  # its sweep of [0, 5], one iteration a k, ended
+        if step >= unfreeze_at:
+            tried.add(len(dp._order))  # the k held in it
+        seen = [None] * world
+        dist.all_gather_object(seen, (dp.k, dp.searching))
+        assert len(set(seen)) == 1, f"step {step}: the ranks' k and search differ: {seen}"
+    assert not dp.searching and len(dp.scores) == DEPTH + 1, dp.scores
+    assert not np.isnan(dp.scores).any(), dp.scores  # every k of [0, 8] measured (steps of 1)
+    assert tried == set(range(DEPTH + 1)), tried
+    dp.remove()
+
+
+def _dp_search_unfrozen(rank: int, world: int) -> None:
+    _search_unfrozen(rank, world, unfreeze_at=8, steps=20)  # the search over 5 layers had ended
+    _search_unfrozen(rank, world, unfreeze_at=3, steps=15)  # midway through it
+
+
+def test_data_parallel_auto_k_searches_over_layers_unfrozen_later():
+    """Under k="auto", layers frozen whole at construction and unfrozen
+    later join the plan; the search for k kept the layer count of its
+    first plan (scores for k in [0, 5] of 8 layers): it never tried holding
+    the joined layers (k = 6 to 8), and one that had ended kept its k. It
+    starts again over the plan's layers, on every rank alike, the
+    gradients still DDP's."""
+    _spawn(_dp_search_unfrozen, 2)
+
+
 def test_data_parallel_averages_parameters_unfrozen_after_construction():
     """Parameters frozen when DataParallel was built and unfrozen later
     (gradual unfreezing of a frozen backbone) were never averaged: they had

@@ -4268,10 +4268,9 @@ class DataParallel(_PassTracking, Joinable):
             self._join_unfrozen()  # (no forward since on a rank that ran out of data)
         sites = self._agree()
         self._position = {s: l for l, s in enumerate(sites)}
-        if self.searching and self.scores is None and sites:
-            # the first k to measure is a function of L alone: every rank agrees
-            self.scores = np.full(len(sites) + 1, np.nan)
-            self.k = int(_C.ksearch_next(len(sites), self.scores)[0])
+        if sites and (self.searching and self.scores is None
+                      or self.scores is not None and len(self.scores) != len(sites) + 1):
+            self._start_search(len(sites))
         k = min(self.k, len(sites))
         self._order = _first_k_order(len(sites), k)
         held_layer, first_layer = {}, {}
@@ -4307,6 +4306,22 @@ class DataParallel(_PassTracking, Joinable):
         # before the lists above (set after it) left the first plan without
         # them (every later backward raised AttributeError)
         self._buckets = buckets
+
+    def _start_search(self, layers: int) -> None:
+        """The search for k over [0, layers] from its start: at the first plan
+        with layers (under k="auto"), and again at a plan whose layer count
+        changed (layers frozen whole at construction joined it, unfrozen),
+        ended or not: Algorithm 2's k ranges over the layers being trained,
+        and the times measured were of another model (fewer dW to compute
+        and all-reduce). A function of `layers` and of whether the search
+        ran (the scores exist on every rank once rank 0's k was "auto"):
+        every rank starts it alike, at the same k. The iteration whose
+        backward starts it is not timed (its forward ran the old plan)."""
+        self.scores = np.full(layers + 1, np.nan)
+        self._samples = []
+        self._last_end = None
+        self.searching = True
+        self.k = int(_C.ksearch_next(layers, self.scores)[0])
 
     def _join_unfrozen(self) -> None:
         """Parameters frozen when this was built and unfrozen since join the
