@@ -3823,8 +3823,8 @@ class _Bucket:
     params: list
     layer: int | None = None
     # ids of the params whose gradient is not final yet. By id, as
-    # DataParallel's _used: a Tensor's __hash__ is a Python call, five per
-    # parameter per backward (2.5 ms a step of 1000 Linear layers)
+    # DataParallel's _used and _bucket_of: a Tensor's __hash__ is a Python
+    # call, and these cost five per parameter per backward
     pending: set = field(default_factory=set)
     flat: torch.Tensor | None = None  # (sum of numels + len(params),) pre-divided, then summed; kept
     work: object = None               # the async all-reduce
