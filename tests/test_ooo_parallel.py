@@ -25,6 +25,7 @@ import io
 import itertools
 import math
 import random
+import sys
 import tempfile
 import threading
 import types
@@ -1644,6 +1645,64 @@ def _dp_unfrozen(rank: int, world: int) -> None:
     _check_unfrozen_apart(rank, world)
 
 
+def _search_unfrozen(rank: int, world: int, unfreeze_at: int, steps: int) -> None:
+    """k="auto" on _Net with layers 0-2 frozen whole at construction (a
+    plan of 5 layers), unfrozen at step `unfreeze_at`: the plan of that
+    step's backward has 8 layers, and the search for k starts again over
+    [0, 8] (at k = 0, whether it had ended or not), measuring each k of its
+    coarse sweep up to 8; every rank has the same k at every step, and the
+    gradients are the average of the ranks' (DDP's), bitwise, throughout."""
+    torch.manual_seed(0)
+    model = _Net()
+    model.layers[:3].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    dp = data_parallel(model, k="auto", search_iters=1)
+    tried = set()  # the k each step's backward planned with, once the layers joined
+    for step in range(steps):
+        if step == unfreeze_at:
+            for net in (model, ref):
+                net.layers[:3].requires_grad_(True)
+        x, t = _batch(rank, step)
+        for net in (model, ref):
+            net.zero_grad()
+            F.mse_loss(net(x), t).backward()
+        _averaged_by_hand(ref, world)
+        _assert_same(model, ref, "grad")
+        with torch.no_grad():
+            for net in (model, ref):
+                for p in net.parameters():
+                    if p.grad is not None:
+                        p.sub_(0.1 * p.grad)
+        _assert_same(model, ref, "parameter")
+        assert dp.layers == (DEPTH - 3 if step < unfreeze_at else DEPTH), step
+        if step == unfreeze_at - 1 and unfreeze_at > DEPTH - 3:
+            assert not dp.searching  # its sweep of [0, 5], one iteration a k, ended
+        if step >= unfreeze_at:
+            tried.add(len(dp._order))  # the k held in it
+        seen = [None] * world
+        dist.all_gather_object(seen, (dp.k, dp.searching))
+        assert len(set(seen)) == 1, f"step {step}: the ranks' k and search differ: {seen}"
+    assert not dp.searching and len(dp.scores) == DEPTH + 1, dp.scores
+    assert not np.isnan(dp.scores).any(), dp.scores  # every k of [0, 8] measured (steps of 1)
+    assert tried == set(range(DEPTH + 1)), tried
+    dp.remove()
+
+
+def _dp_search_unfrozen(rank: int, world: int) -> None:
+    _search_unfrozen(rank, world, unfreeze_at=8, steps=20)  # the search over 5 layers had ended
+    _search_unfrozen(rank, world, unfreeze_at=3, steps=15)  # midway through it
+
+
+def test_data_parallel_auto_k_searches_over_layers_unfrozen_later():
+    """Under k="auto", layers frozen whole at construction and unfrozen
+    later join the plan; the search for k kept the layer count of its
+    first plan (scores for k in [0, 5] of 8 layers): it never tried holding
+    the joined layers (k = 6 to 8), and one that had ended kept its k. It
+    starts again over the plan's layers, on every rank alike, the
+    gradients still DDP's."""
+    _spawn(_dp_search_unfrozen, 2)
+
+
 def test_data_parallel_averages_parameters_unfrozen_after_construction():
     """Parameters frozen when DataParallel was built and unfrozen later
     (gradual unfreezing of a frozen backbone) were never averaged: they had
@@ -1767,6 +1826,74 @@ def test_data_parallel_plan_reads_the_parameters_a_fixed_number_of_times(solo_gr
             == {l: [model[l].weight, model[l].bias] for l in range(depth)}
         dp.remove()
     assert passes[12] == passes[2]
+
+
+class _MulCalls(TorchDispatchMode):
+    """Counts the multiplications torch runs while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mul, torch.ops.aten.mul_):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_data_parallel_backward_host_work_is_per_bucket_not_per_parameter(solo_group,
+                                                                         monkeypatch):
+    """The host work of a DataParallel backward on many small layers (3000
+    Linear(8): 9% over DDP's step at k = 0, 7x at k = all): each gradient
+    was scaled into its bucket by a torch.mul of its own (7 us each),
+    looked up five times in sets keyed by the tensor (a Python __hash__
+    each), and a held layer's parameters had their only hook, DataParallel's
+    own, held back by the handle (a state per parameter per backward, whose
+    garbage filled a third of the step with full collections). Now one
+    multiplication per bucket, no tensor hashed, no state for a parameter
+    whose hooks are DataParallel's alone; a user's hook on a held weight is
+    still held back until its dW ran, and the gradients stay the plain ones."""
+    states = []
+
+    class CountedState(ooo._HookState):
+        def __init__(self, param, *args):
+            super().__init__(param, *args)
+            states.append(param)
+
+    monkeypatch.setattr(ooo, "_HookState", CountedState)
+    hashed = []  # by DataParallel's own code (the handle's, for its held tasks, are not counted)
+
+    def counted_hash(t):
+        if sys._getframe(1).f_code.co_qualname.startswith("DataParallel."):
+            hashed.append(t)
+        return id(t)
+
+    monkeypatch.setattr(torch.Tensor, "__hash__", counted_hash)
+    depth = 6
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(depth)))
+    ref = copy.deepcopy(model)
+    dp = DataParallel(model, k=3, bucket_cap_mb=1e-6)  # autograd's part: one bucket per parameter
+    x = torch.randn(BATCH, WIDTH)
+    seen = []
+    for step in range(3):
+        if step == 2:  # a user's hook on a held weight sees its dW in .grad
+            model[0].weight.register_post_accumulate_grad_hook(
+                lambda p: seen.append(p.grad.clone()))
+        for net in (model, ref):
+            net.zero_grad()
+        ref(x).sum().backward()
+        hashed[:], states[:] = [], []
+        model(x).sum().backward()
+        _assert_same(model, ref, "grad")
+        assert not hashed or step == 0, f"step {step}: {len(hashed)} tensors hashed"  # (0: plan)
+        assert states == ([model[0].weight] if step == 2 else []), step
+    assert len(seen) == 1 and torch.equal(seen[0], ref[0].weight.grad)
+    model.zero_grad()
+    with _MulCalls() as mode:
+        model(x).sum().backward()
+    assert mode.calls == len(dp._buckets) > 2 * depth - 6, mode.calls  # not one per parameter
+    dp.remove()
 
 
 def test_data_parallel_bad_arguments(solo_group):
@@ -3904,7 +4031,7 @@ def test_data_parallel_parameter_moved_to_another_device_is_named(solo_group):
     dp = DataParallel(model, k=0)
     x, t = _batch(0, 0)
     F.mse_loss(model(x), t).backward()
-    assert dp._bucket_of[model[1].weight] is dp._bucket_of[model[0].weight]  # one bucket
+    assert dp._bucket_of[id(model[1].weight)] is dp._bucket_of[id(model[0].weight)]  # one bucket
     swapping = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
     try:
@@ -3940,7 +4067,7 @@ def test_data_parallel_parameter_moved_and_unused_is_named_too(solo_group):
     dp = DataParallel(model, k=0)
     x, t = _batch(0, 0)
     F.mse_loss(model(x), t).backward()
-    assert dp._bucket_of[model.side.weight] is dp._bucket_of[model.lin.weight]  # one bucket
+    assert dp._bucket_of[id(model.side.weight)] is dp._bucket_of[id(model.lin.weight)]  # one bucket
     model.zero_grad()
     swapping = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)
