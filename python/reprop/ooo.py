@@ -1620,11 +1620,13 @@ class OOOHandle(_PassTracking):
         self._sums: dict = {}
         self._watching: list = []
         self._last_sites: dict = {}
-        # a hooked parameter's sums of nested backward graphs (a reentrant
+        # a parameter's sums of nested backward graphs (a reentrant
         # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
-        # pass saw one (_nested_seen)
+        # pass saw one (_nested_seen); id(parameter) of those the last
+        # backward that ended had such a sum of (_outer_sum)
         self._nested_sums: dict = {}
         self._nested_seen = False
+        self._last_nested: set = set()
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1928,8 +1930,10 @@ class OOOHandle(_PassTracking):
             self._end_corun_pass(corun)
         self.flush()  # (every sum apart from .grad closes in it or before: _PassSum.reached)
         self._last_sites = {k: total.sites for k, total in self._sums.items()}
+        self._last_nested = set()
         for (k, _), total in self._nested_sums.items():
             self._last_sites[k] = self._last_sites.get(k, 0) + total.sites
+            self._last_nested.add(k)
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -2329,12 +2333,13 @@ class OOOHandle(_PassTracking):
             if not want:
                 numbered.append(None)
                 continue
-            if self._nested_seen and p._post_accumulate_grad_hooks:
+            if self._nested_seen and (p._post_accumulate_grad_hooks
+                                      or self._nested_graph() is not None):
                 total = self._graph_sum(p, node)
             else:
                 total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
                 if total is None:
-                    total = sums[id(p)] = self._new_sum(p)
+                    total = sums[id(p)] = self._outer_sum(p, node)
             if total.apart and total.made == 0:
                 total.watch(node)
             one_life = total.lives is None
@@ -2343,6 +2348,19 @@ class OOOHandle(_PassTracking):
                 self._watching.append(total)
             total.sites += 1
         task.sums = tuple(numbered)
+
+    def _outer_sum(self, p: torch.Tensor, node) -> _PassSum:
+        """The pass's own graph's sum of p, begun. Where a nested backward's
+        graph (a reentrant checkpoint's) had a sum of p in the last backward,
+        this one is apart from .grad and closes where this graph runs p's
+        node: a nested graph's sum of p (_graph_sum) then knows whether this
+        graph reached p before it (autograd added this graph's sum first) or
+        will after, also for a parameter with no hooks to tell it (_reached_later).
+        A model with no reentrant checkpoint pays no pre-hook for it."""
+        total = self._new_sum(p)
+        if self._last_nested and id(p) in self._last_nested and not p._post_accumulate_grad_hooks:
+            self._keep_apart(total, node, self._owner[0])
+        return total
 
     def _new_sum(self, p: torch.Tensor) -> _PassSum:
         """This backward's (or nested backward's) sum of p's dW, begun."""
@@ -2389,7 +2407,7 @@ class OOOHandle(_PassTracking):
         where its own graph runs the node."""
         others = [(h, t) for h, t in self._sums_of(p) if h != graph]
         for h, t in others:
-            if t.made and self._reached_later(p, h):
+            if t.made and self._reached_later(p, h, t):
                 self._keep_apart(t, node, h)
         total = self._new_sum(p)
         if any(t.made > t.added or t.total is not None for _, t in others):
@@ -2422,8 +2440,13 @@ class OOOHandle(_PassTracking):
                 self._watching.append(total)
         total.keep_to_graph(node, graph)
 
-    def _reached_later(self, p: torch.Tensor, graph: int) -> bool:
-        """Whether `graph` is still to reach p (p's hooks wait for it there)."""
+    def _reached_later(self, p: torch.Tensor, graph: int, total: _PassSum) -> bool:
+        """Whether `graph`, whose sum of p is `total`, is still to reach p:
+        p's hooks wait for it there, or, with none, the sum watches p's node
+        and did not see it run (one that does not watch it, not known, is
+        taken as reached: _outer_sum watches from the next backward on)."""
+        if not p._post_accumulate_grad_hooks:
+            return total.reach is not None and not total.autograd_done
         state = self._hooked.get(p)
         w = state.waits.get(graph) if state is not None else None
         return w is not None and not w.reached
