@@ -2403,14 +2403,19 @@ class OOOHandle(_PassTracking):
         this graph see .grad without them (a Linear(4) read outside, inside,
         outside: its first call saw 2.62 where autograd's sees 0.817). The
         new sum is apart too where another's dW are still to come to .grad:
-        summed apart, it is added as autograd adds it. Each sum apart closes
-        where its own graph runs the node."""
+        summed apart, it is added as autograd adds it; so is a nested
+        graph's, always: one that raised before it reached p (its caller, a
+        custom Function's backward, swallowing the error) adds nothing, as
+        autograd's buffer of it is dropped (its dW went to .grad: 18.3 where
+        autograd's .grad stays None). Each sum apart closes where its own
+        graph runs the node."""
         others = [(h, t) for h, t in self._sums_of(p) if h != graph]
         for h, t in others:
             if t.made and self._reached_later(p, h, t):
                 self._keep_apart(t, node, h)
         total = self._new_sum(p)
-        if any(t.made > t.added or t.total is not None for _, t in others):
+        if graph != self._owner[0] or any(t.made > t.added or t.total is not None
+                                          for _, t in others):
             self._keep_apart(total, node, graph)
         elif total.apart:
             total.keep_to_graph(node, graph)
