@@ -2381,8 +2381,9 @@ class OOOHandle(_PassTracking):
         return None if graph == self._owner[0] else graph
 
     def _graph_sum(self, p: torch.Tensor, node) -> _PassSum:
-        """A hooked parameter's sum of its dW in the running backward graph,
-        in a pass that ran a reentrant checkpoint's nested backward: autograd
+        """A parameter's sum of its dW in the running backward graph, in a
+        pass that ran a reentrant checkpoint's nested backward (hooked, or in
+        the nested graph: an unhooked one's outer sum is _outer_sum's): autograd
         sums each graph's dW of p in that graph's input buffer of p's one
         AccumulateGrad node, adds each sum where its graph runs the node, and
         fires the hooks after each. Each graph's sum is its own here too
