@@ -1623,7 +1623,7 @@ class OOOHandle(_PassTracking):
         # a parameter's sums of nested backward graphs (a reentrant
         # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
         # pass saw one (_nested_seen); id(parameter) of those the last
-        # backward that ended had such a sum of (_outer_sum)
+        # backward that ended had such a sum of (_outer_sum_begun)
         self._nested_sums: dict = {}
         self._nested_seen = False
         self._last_nested: set = set()
@@ -2339,7 +2339,9 @@ class OOOHandle(_PassTracking):
             else:
                 total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
                 if total is None:
-                    total = sums[id(p)] = self._outer_sum(p, node)
+                    total = sums[id(p)] = self._new_sum(p)
+                    if self._last_nested:  # (a set, empty without reentrant checkpoints)
+                        self._outer_sum_begun(total, node)
             if total.apart and total.made == 0:
                 total.watch(node)
             one_life = total.lives is None
@@ -2349,18 +2351,18 @@ class OOOHandle(_PassTracking):
             total.sites += 1
         task.sums = tuple(numbered)
 
-    def _outer_sum(self, p: torch.Tensor, node) -> _PassSum:
-        """The pass's own graph's sum of p, begun. Where a nested backward's
-        graph (a reentrant checkpoint's) had a sum of p in the last backward,
-        this one is apart from .grad and closes where this graph runs p's
-        node: a nested graph's sum of p (_graph_sum) then knows whether this
-        graph reached p before it (autograd added this graph's sum first) or
-        will after, also for a parameter with no hooks to tell it (_reached_later).
-        A model with no reentrant checkpoint pays no pre-hook for it."""
-        total = self._new_sum(p)
-        if self._last_nested and id(p) in self._last_nested and not p._post_accumulate_grad_hooks:
+    def _outer_sum_begun(self, total: _PassSum, node) -> None:
+        """The pass's own graph's sum of p began: `total`. Where a nested
+        backward's graph (a reentrant checkpoint's) had a sum of p in the last
+        backward, this one is apart from .grad and closes where this graph
+        runs p's node: a nested graph's sum of p (_graph_sum) then knows
+        whether this graph reached p before it (autograd added this graph's
+        sum first) or will after, also for a parameter with no hooks to tell
+        it (_reached_later). A model with no reentrant checkpoint pays no
+        pre-hook for it."""
+        p = total.param
+        if id(p) in self._last_nested and not p._post_accumulate_grad_hooks:
             self._keep_apart(total, node, self._owner[0])
-        return total
 
     def _new_sum(self, p: torch.Tensor) -> _PassSum:
         """This backward's (or nested backward's) sum of p's dW, begun."""
@@ -2383,7 +2385,7 @@ class OOOHandle(_PassTracking):
     def _graph_sum(self, p: torch.Tensor, node) -> _PassSum:
         """A parameter's sum of its dW in the running backward graph, in a
         pass that ran a reentrant checkpoint's nested backward (hooked, or in
-        the nested graph: an unhooked one's outer sum is _outer_sum's): autograd
+        the nested graph: an unhooked one's outer sum: _outer_sum_begun): autograd
         sums each graph's dW of p in that graph's input buffer of p's one
         AccumulateGrad node, adds each sum where its graph runs the node, and
         fires the hooks after each. Each graph's sum is its own here too
@@ -2450,7 +2452,7 @@ class OOOHandle(_PassTracking):
         """Whether `graph`, whose sum of p is `total`, is still to reach p:
         p's hooks wait for it there, or, with none, the sum watches p's node
         and did not see it run (one that does not watch it, not known, is
-        taken as reached: _outer_sum watches from the next backward on)."""
+        taken as reached: _outer_sum_begun watches from the next backward on)."""
         if not p._post_accumulate_grad_hooks:
             return total.reach is not None and not total.autograd_done
         state = self._hooked.get(p)
