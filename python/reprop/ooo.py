@@ -1621,7 +1621,7 @@ class OOOHandle(_PassTracking):
         self._watching: list = []
         self._last_sites: dict = {}
         # a parameter's sums of nested backward graphs (a reentrant
-        # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
+        # checkpoint's), id(parameter) -> {graph task id: _PassSum}, once the
         # pass saw one (_nested_seen); id(parameter) of those the last
         # backward that ended had such a sum of (_outer_sum_begun)
         self._nested_sums: dict = {}
@@ -1930,10 +1930,10 @@ class OOOHandle(_PassTracking):
             self._end_corun_pass(corun)
         self.flush()  # (every sum apart from .grad closes in it or before: _PassSum.reached)
         self._last_sites = {k: total.sites for k, total in self._sums.items()}
-        self._last_nested = set()
-        for (k, _), total in self._nested_sums.items():
-            self._last_sites[k] = self._last_sites.get(k, 0) + total.sites
-            self._last_nested.add(k)
+        self._last_nested = set(self._nested_sums)
+        for k, by_graph in self._nested_sums.items():
+            self._last_sites[k] = self._last_sites.get(k, 0) + sum(
+                total.sites for total in by_graph.values())
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -2385,14 +2385,14 @@ class OOOHandle(_PassTracking):
     def _graph_sum(self, p: torch.Tensor, node) -> _PassSum:
         """A parameter's sum of its dW in the running backward graph, in a
         pass that ran a reentrant checkpoint's nested backward (hooked, or in
-        the nested graph: an unhooked one's outer sum: _outer_sum_begun): autograd
-        sums each graph's dW of p in that graph's input buffer of p's one
+        the nested graph: an unhooked one's outer sum is _outer_sum_begun's):
+        autograd sums each graph's dW of p in that graph's input buffer of p's one
         AccumulateGrad node, adds each sum where its graph runs the node, and
         fires the hooks after each. Each graph's sum is its own here too
         (_sum_begun)."""
         graph = torch._C._current_graph_task_id()
         sums, key = ((self._sums, id(p)) if graph == self._owner[0] else
-                     (self._nested_sums, (id(p), graph)))
+                     (self._nested_sums.setdefault(id(p), {}), graph))
         total = sums.get(key)
         if total is None:
             total = sums[key] = self._sum_begun(p, graph, node)
@@ -2428,7 +2428,7 @@ class OOOHandle(_PassTracking):
         """(graph task id, sum) of each graph's sum of p in this pass."""
         own = self._sums.get(id(p))
         found = [] if own is None else [(self._owner[0], own)]
-        return found + [(k[1], t) for k, t in self._nested_sums.items() if k[0] == id(p)]
+        return found + list(self._nested_sums.get(id(p), {}).items())
 
     def _keep_apart(self, total: _PassSum, node, graph: int) -> None:
         """`total` closes where `graph` runs p's node, apart from .grad. What
