@@ -780,6 +780,67 @@ def test_a_nested_backward_that_raised_gives_the_hooks_back_at_the_end_of_the_pa
     torch.testing.assert_close(fired[0], torch.full((4, 4), 3.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grads", ["None", "set"])
+@pytest.mark.parametrize("first", [False, True], ids=["after a split layer", "first"])
+@pytest.mark.parametrize("order", ["ooo", "conventional"])
+@pytest.mark.parametrize("hooked", [False, True])
+def test_a_nested_backward_that_raised_adds_no_dw_autograd_did_not(hooked, order, first, grads):
+    """A custom Function's backward runs a nested backward through the
+    enabled model that raises before autograd reaches `inner.weight` there,
+    swallows the error and returns its gradient. Autograd drops that
+    graph's buffer of the weight (.grad stays None) and keeps what it had
+    accumulated (the bias, reached before the raise): the split added the
+    deferred dW all the same (18.3 summed |.grad| where autograd's is None).
+    Now every .grad and hook call is autograd's, bitwise; `first`: the
+    Function nearer the loss than the outer split layer, so that the pass
+    began in the nested backward."""
+    def refuse(grad):
+        raise ValueError("refused")
+
+    def train(enabled: bool):
+        torch.manual_seed(0)
+        outer, inner = nn.Linear(4, 4), nn.Linear(4, 4)
+        both = nn.ModuleList([outer, inner])
+        handle = ooo.enable(both, order=order) if enabled else None
+        seen = _hook_calls((both,)) if hooked else {}
+
+        class Nested(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                x, = ctx.saved_tensors
+                with torch.enable_grad():
+                    twice = inner.weight * 2  # (made before the split: the engine runs it last)
+                    twice.register_hook(refuse)
+                    loss = inner(x.detach().requires_grad_()).sum() + twice.sum()
+                with pytest.raises(ValueError, match="refused"):
+                    loss.backward()
+                return g
+
+        torch.manual_seed(1)
+        if grads == "set":
+            for p in both.parameters():
+                p.grad = torch.randn_like(p)
+        x = torch.randn(3, 4, requires_grad=True)
+        (Nested.apply(outer(x)) if first else outer(Nested.apply(x))).sum().backward()
+        if handle is not None:
+            handle.remove()
+        return dict(both.named_parameters()), {name: calls for (_, name), calls in seen.items()}
+
+    (ref, ref_calls), (got, got_calls) = train(False), train(True)
+    assert (ref["1.weight"].grad is None) == (grads == "None")
+    for name, p in ref.items():
+        assert (got[name].grad is None) == (p.grad is None), name
+        assert p.grad is None or torch.equal(got[name].grad, p.grad), name
+        calls = got_calls.get(name, [])
+        assert len(calls) == len(ref_calls.get(name, [])), name
+        assert all(torch.equal(a, b) for a, b in zip(calls, ref_calls.get(name, []))), name
+
+
 def test_held_tasks_dropped_unrun_give_the_hooks_back_at_the_next_backward():
     """Held tasks the caller drops unrun can never fire their parameters'
     hooks: the next backward gives the hooks back, and they fire on its
@@ -996,6 +1057,41 @@ def test_an_outside_site_nearer_the_loss_is_not_in_the_nested_graphs_hook_call(
                 net.zero_grad(set_to_none=grads == "None")
                 net(x).pow(2).sum().backward()
             _assert_hook_calls_as_autograd(seen, ref, model, step)
+    assert (handle.schedule["moved"] > 0) == moved
+    handle.remove()
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["in place", "moved"])
+@pytest.mark.parametrize("pattern", ["oio", "ooio", "ioio", "oioi", "Io", "iIoi", "oIo", "IoI",
+                                     "II", "IIi", "III"])
+def test_a_weight_with_no_hooks_read_in_two_backward_graphs_sums_each_graph_apart(pattern, moved):
+    """A weight with no post-accumulate-grad hook read inside a reentrant
+    checkpoint and outside it, or inside two: autograd adds each backward
+    graph's sum of its dW to .grad apart, where its graph reaches the
+    weight; the split added them as one sum (1.05e-7 relative off in
+    float32 for "oio", every backward; 1e-7 for "III"). Each graph's sum is
+    its own now: the final .grad is autograd's bits, also where the
+    schedule moves dW; read outside too, from the backward after the first
+    that ran the checkpoint on (that one sees the outer graph reach the
+    weight only where it watches its node)."""
+    torch.manual_seed(0)
+    ref = _InAndOutOfACheckpoint(pattern)
+    model = copy.deepcopy(ref)
+    schedule = (dict(profile_iters=2, regions=4, max_extra_memory=float("inf"),
+                     speedup=lambda r, i: 10.0 if r < i else 1.0) if moved else
+                dict(speedup=None))
+    handle = ooo.enable(model, **schedule)
+    for step in range(5):
+        x = torch.randn(3, 4, requires_grad=True)
+        for net in (ref, model):
+            net.zero_grad()
+            net(x).pow(2).sum().backward()
+        for name, p in ref.named_parameters():
+            grad = model.get_parameter(name).grad
+            if step or "o" not in pattern:
+                assert grad is p.grad is None or torch.equal(grad, p.grad), f"step {step} {name}"
+            else:
+                torch.testing.assert_close(grad, p.grad, rtol=RTOL, atol=ATOL)
     assert (handle.schedule["moved"] > 0) == moved
     handle.remove()
 

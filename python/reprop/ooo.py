@@ -1640,11 +1640,13 @@ class OOOHandle(_PassTracking):
         self._sums: dict = {}
         self._watching: list = []
         self._last_sites: dict = {}
-        # a hooked parameter's sums of nested backward graphs (a reentrant
-        # checkpoint's), (id(parameter), graph task id) -> _PassSum, once the
-        # pass saw one (_nested_seen)
+        # a parameter's sums of nested backward graphs (a reentrant
+        # checkpoint's), id(parameter) -> {graph task id: _PassSum}, once the
+        # pass saw one (_nested_seen); id(parameter) of those the last
+        # backward that ended had such a sum of (_outer_sum_begun)
         self._nested_sums: dict = {}
         self._nested_seen = False
+        self._last_nested: set = set()
         self.schedule: dict | None = None  # facts about the fixed schedule, once made
         self._removed = False
         for name, m in model.named_modules():
@@ -1948,8 +1950,10 @@ class OOOHandle(_PassTracking):
             self._end_corun_pass(corun)
         self.flush()  # (every sum apart from .grad closes in it or before: _PassSum.reached)
         self._last_sites = {k: total.sites for k, total in self._sums.items()}
-        for (k, _), total in self._nested_sums.items():
-            self._last_sites[k] = self._last_sites.get(k, 0) + total.sites
+        self._last_nested = set(self._nested_sums)
+        for k, by_graph in self._nested_sums.items():
+            self._last_sites[k] = self._last_sites.get(k, 0) + sum(
+                total.sites for total in by_graph.values())
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -2349,12 +2353,15 @@ class OOOHandle(_PassTracking):
             if not want:
                 numbered.append(None)
                 continue
-            if self._nested_seen and p._post_accumulate_grad_hooks:
+            if self._nested_seen and (p._post_accumulate_grad_hooks
+                                      or self._nested_graph() is not None):
                 total = self._graph_sum(p, node)
             else:
                 total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
                 if total is None:
                     total = sums[id(p)] = self._new_sum(p)
+                    if self._last_nested:  # (a set, empty without reentrant checkpoints)
+                        self._outer_sum_begun(total, node)
             if total.apart and total.made == 0:
                 total.watch(node)
             one_life = total.lives is None
@@ -2363,6 +2370,19 @@ class OOOHandle(_PassTracking):
                 self._watching.append(total)
             total.sites += 1
         task.sums = tuple(numbered)
+
+    def _outer_sum_begun(self, total: _PassSum, node) -> None:
+        """The pass's own graph's sum of p began: `total`. Where a nested
+        backward's graph (a reentrant checkpoint's) had a sum of p in the last
+        backward, this one is apart from .grad and closes where this graph
+        runs p's node: a nested graph's sum of p (_graph_sum) then knows
+        whether this graph reached p before it (autograd added this graph's
+        sum first) or will after, also for a parameter with no hooks to tell
+        it (_reached_later). A model with no reentrant checkpoint pays no
+        pre-hook for it."""
+        p = total.param
+        if id(p) in self._last_nested and not p._post_accumulate_grad_hooks:
+            self._keep_apart(total, node, self._owner[0])
 
     def _new_sum(self, p: torch.Tensor) -> _PassSum:
         """This backward's (or nested backward's) sum of p's dW, begun."""
@@ -2383,15 +2403,16 @@ class OOOHandle(_PassTracking):
         return None if graph == self._owner[0] else graph
 
     def _graph_sum(self, p: torch.Tensor, node) -> _PassSum:
-        """A hooked parameter's sum of its dW in the running backward graph,
-        in a pass that ran a reentrant checkpoint's nested backward: autograd
-        sums each graph's dW of p in that graph's input buffer of p's one
+        """A parameter's sum of its dW in the running backward graph, in a
+        pass that ran a reentrant checkpoint's nested backward (hooked, or in
+        the nested graph: an unhooked one's outer sum is _outer_sum_begun's):
+        autograd sums each graph's dW of p in that graph's input buffer of p's one
         AccumulateGrad node, adds each sum where its graph runs the node, and
         fires the hooks after each. Each graph's sum is its own here too
         (_sum_begun)."""
         graph = torch._C._current_graph_task_id()
         sums, key = ((self._sums, id(p)) if graph == self._owner[0] else
-                     (self._nested_sums, (id(p), graph)))
+                     (self._nested_sums.setdefault(id(p), {}), graph))
         total = sums.get(key)
         if total is None:
             total = sums[key] = self._sum_begun(p, graph, node)
@@ -2405,14 +2426,19 @@ class OOOHandle(_PassTracking):
         this graph see .grad without them (a Linear(4) read outside, inside,
         outside: its first call saw 2.62 where autograd's sees 0.817). The
         new sum is apart too where another's dW are still to come to .grad:
-        summed apart, it is added as autograd adds it. Each sum apart closes
-        where its own graph runs the node."""
+        summed apart, it is added as autograd adds it; so is a nested
+        graph's, always: one that raised before it reached p (its caller, a
+        custom Function's backward, swallowing the error) adds nothing, as
+        autograd's buffer of it is dropped (its dW went to .grad: 18.3 where
+        autograd's .grad stays None). Each sum apart closes where its own
+        graph runs the node."""
         others = [(h, t) for h, t in self._sums_of(p) if h != graph]
         for h, t in others:
-            if t.made and self._reached_later(p, h):
+            if t.made and self._reached_later(p, h, t):
                 self._keep_apart(t, node, h)
         total = self._new_sum(p)
-        if any(t.made > t.added or t.total is not None for _, t in others):
+        if graph != self._owner[0] or any(t.made > t.added or t.total is not None
+                                          for _, t in others):
             self._keep_apart(total, node, graph)
         elif total.apart:
             total.keep_to_graph(node, graph)
@@ -2422,7 +2448,7 @@ class OOOHandle(_PassTracking):
         """(graph task id, sum) of each graph's sum of p in this pass."""
         own = self._sums.get(id(p))
         found = [] if own is None else [(self._owner[0], own)]
-        return found + [(k[1], t) for k, t in self._nested_sums.items() if k[0] == id(p)]
+        return found + list(self._nested_sums.get(id(p), {}).items())
 
     def _keep_apart(self, total: _PassSum, node, graph: int) -> None:
         """`total` closes where `graph` runs p's node, apart from .grad. What
@@ -2442,8 +2468,13 @@ class OOOHandle(_PassTracking):
                 self._watching.append(total)
         total.keep_to_graph(node, graph)
 
-    def _reached_later(self, p: torch.Tensor, graph: int) -> bool:
-        """Whether `graph` is still to reach p (p's hooks wait for it there)."""
+    def _reached_later(self, p: torch.Tensor, graph: int, total: _PassSum) -> bool:
+        """Whether `graph`, whose sum of p is `total`, is still to reach p:
+        p's hooks wait for it there, or, with none, the sum watches p's node
+        and did not see it run (one that does not watch it, not known, is
+        taken as reached: _outer_sum_begun watches from the next backward on)."""
+        if not p._post_accumulate_grad_hooks:
+            return total.reach is not None and not total.autograd_done
         state = self._hooked.get(p)
         w = state.waits.get(graph) if state is not None else None
         return w is not None and not w.reached
