@@ -753,6 +753,9 @@ class _Site:
     # no dW in the profile of the fixed schedule, frozen whole or not called
     # when it was fixed: its first split call profiles again (_reprofile)
     unplaced: bool = False
+    # a parameter of it is also read outside split layers: its calls run
+    # plain from the next forward on (OOOHandle._note_outside_uses)
+    outside: bool = False
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1572,6 +1575,9 @@ class OOOHandle(_PassTracking):
         self._guards: dict = {}      # param -> its AccumulateGrad pre-hook's handle
         self._written: dict = {}     # param -> event after its last dW on the sub-stream
         self._main_writes: set = set()  # params autograd added a gradient to on the main stream
+        # this backward looks for parameters read outside split layers too
+        # (_note_outside_uses): the passes before the schedule is fixed
+        self._seek_outside = False
         self.schedule_regions = 0    # regions of the schedule, once cut
         self._cut: _Cut | None = None  # the regions, once cut
         # what the pass that ends changes (attribute -> value) while _commit stores it
@@ -1823,6 +1829,7 @@ class OOOHandle(_PassTracking):
         self._calls = {}
         self._drop_sums()
         self._nested_seen = False
+        self._seek_outside = self.schedule is None and (self.order == "ooo" or self._iteration == 0)
         self._current_region = -1
         self._marks = []
         self._reads = None
@@ -1930,6 +1937,8 @@ class OOOHandle(_PassTracking):
         self._last_sites = {k: total.sites for k, total in self._sums.items()}
         for (k, _), total in self._nested_sums.items():
             self._last_sites[k] = self._last_sites.get(k, 0) + total.sites
+        if self._seek_outside and self._main_writes:
+            self._note_outside_uses()
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -2116,7 +2125,8 @@ class OOOHandle(_PassTracking):
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
-        if self.order == "ooo" and (g.is_cuda or torch.are_deterministic_algorithms_enabled()):
+        if self._seek_outside or self.order == "ooo" and (
+                g.is_cuda or torch.are_deterministic_algorithms_enabled()):
             self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
         return task
 
@@ -2126,7 +2136,9 @@ class OOOHandle(_PassTracking):
         firing the post-accumulate-grad hooks held for the dW) runs on the
         main stream: a hook ahead of it orders the two, once per parameter
         and backward. Under torch.use_deterministic_algorithms (any device)
-        the hook also runs the dW the schedule moved past it first."""
+        the hook also runs the dW the schedule moved past it first. In the
+        passes that seek uses outside split layers (any device), it sees
+        them (_note_outside_uses)."""
         for p, node in zip(targets, nodes):
             if p not in self._guards:
                 self._guards[p] = node.register_prehook(
@@ -2153,6 +2165,25 @@ class OOOHandle(_PassTracking):
             self._wait_for_written(p)
         # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
         # registered after this one)
+
+    def _note_outside_uses(self) -> None:
+        """The layers reading a parameter whose AccumulateGrad got a gradient
+        in this backward beside the dW the split took from it (_main_writes:
+        a use outside split layers, a tied weight read by F.linear) run
+        plain from the next forward on, every site of it: autograd then sums
+        all its uses as it orders them. Split, the split's dW were summed
+        apart from autograd's sum of the rest ((g + o) + s where autograd has
+        g + (o + s), or (o + s2) + s1 for (o + s1) + s2), and under autocast
+        each site read a cast copy of its own, where autograd's one cached
+        copy sums every use in the low precision (0.19% off in bfloat16, a
+        Linear read once split and once by F.linear). Seen in the passes
+        before the schedule is fixed, the first under order="conventional"
+        (_seek_outside): the hook that sees it costs a few us a parameter
+        and backward, which the later passes do without."""
+        seen = {id(p) for p in self._main_writes}
+        for site in self.sites:
+            if any(p is not None and id(p) in seen for p in site.kind.params(site.module) or ()):
+                site.outside = True
 
     def _wait_for_written(self, p: torch.Tensor) -> None:
         """The current (main) stream waits for p's last dW on the sub-stream."""
@@ -2927,8 +2958,10 @@ def _split_now(site: _Site) -> bool:
     (g + s_split) + s_plain where all split or all plain give
     g + (s1 + s2 + s3) in backward order, and which layers the timed
     schedule moves differs from run to run, so such a weight got other
-    bits each run."""
-    return site.split or (site.in_order and torch.are_deterministic_algorithms_enabled())
+    bits each run. A layer whose weight is also read outside split layers
+    runs plain (OOOHandle._note_outside_uses), inside hold() too."""
+    return not site.outside and (
+        site.split or (site.in_order and torch.are_deterministic_algorithms_enabled()))
 
 
 def _take_index(site: _Site) -> None:
@@ -2960,13 +2993,15 @@ def _make_forward(site: _Site):
         # compiles, and the checks below read state it cannot trace (each
         # broke the graph, and fullgraph=True raised)
         # a layer the schedule runs plain is split again inside hold(), whose
-        # caller takes every dW task it asks for, and under a non-reentrant
+        # caller takes every dW task it asks for (not one whose weight is read
+        # outside split layers: autograd sums that weight), and under a non-reentrant
         # checkpoint, whose recompute in backward may run in another hold()
         # state than the recorded forward and must save what that saved
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
                 or torch.compiler.is_dynamo_compiling() \
-                or not (_split_now(site) or handle._hold_list(module) is not None
+                or not (_split_now(site)
+                        or not site.outside and handle._hold_list(module) is not None
                         or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
