@@ -701,7 +701,9 @@ def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(
     back unfired at its end, and the second fired its placeholders: the
     user's hook never fired (a fused backward optimizer skipped the tied
     weight's update every step). The second handle's dW of the weight now
-    goes to autograd, as a plain use of it would. `held`: the backward in a
+    goes to autograd, as a plain use of it would; each handle sees it as a
+    use outside its split layers, and from then on runs the layers reading
+    the weight plain. `held`: the backward in a
     hold() block of the encoder's (0) or the decoder's (1) handle."""
     def pair():
         torch.manual_seed(0)
@@ -729,7 +731,10 @@ def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(
     for (name, a), (_, b) in zip(itertools.chain(*(n.named_parameters() for n in nets["ref"])),
                                  itertools.chain(*(n.named_parameters() for n in nets["reprop"]))):
         torch.testing.assert_close(b.grad, a.grad, rtol=RTOL, atol=ATOL, msg=name)
-    assert all(h._iteration == 3 and not h._hooked for h in handles)
+    assert not any(h._hooked for h in handles)
+    tied = nets["reprop"][0].weight
+    assert [s.outside for h in handles for s in h.sites] == [s.module.weight is tied
+                                                             for h in handles for s in h.sites]
 
 
 def test_a_nested_backward_that_raised_gives_the_hooks_back_at_the_end_of_the_pass():
