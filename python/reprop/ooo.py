@@ -4026,8 +4026,9 @@ class DataParallel(_PassTracking, Joinable):
     layers share, or one layer called twice before a backward (in a forward,
     or the model called once per view), is never deferred:
     autograd sums its sites as under DDP, so its bits, accumulated under
-    ``no_sync()`` too, do not depend on k (a held layer whose weight is also
-    used outside split layers still adds its dW to ``.grad`` after the rest).
+    ``no_sync()`` too, do not depend on k. A held layer whose weight is also
+    used outside split layers runs plain once a backward saw that use
+    (OOOHandle._note_outside_uses): autograd sums every use, as DDP's.
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
