@@ -691,11 +691,14 @@ def _weight_grad_targets(ctx) -> tuple[list, list, list]:
         # post-hook on the node must see (and may replace) dW and db.
         # DataParallel's weights shared by several layers go to autograd
         # under deterministic algorithms (_shared_by_sites). So does the dW of
-        # a weight whose hooks another handle holds (_held_elsewhere).
+        # a weight whose hooks another handle holds (_held_elsewhere), which
+        # is then read outside this handle's split layers, as the other's are.
         # (the attribute before the call: no call on the common path)
-        if (p._backward_hooks and _hooked_by_user(p)) or not p.is_leaf or hooked or p in summed \
-                or (p._post_accumulate_grad_hooks and _held_elsewhere(p, ctx.site.handle)):
+        if (p._backward_hooks and _hooked_by_user(p)) or not p.is_leaf or hooked or p in summed:
             returned[i] = True
+        elif p._post_accumulate_grad_hooks and _held_elsewhere(p, ctx.site.handle):
+            returned[i] = True
+            ctx.site.handle._main_writes.add(p)  # (autograd adds it: _note_outside_uses)
         else:
             deferred[i], nodes[i] = True, node
     return deferred, returned, nodes
@@ -768,6 +771,9 @@ class _Site:
     # no dW in the profile of the fixed schedule, frozen whole or not called
     # when it was fixed: its first split call profiles again (_reprofile)
     unplaced: bool = False
+    # a parameter of it is also read outside split layers: its calls run
+    # plain from the next forward on (OOOHandle._note_outside_uses)
+    outside: bool = False
 
 
 def _accumulate(p: torch.Tensor, d: torch.Tensor) -> None:
@@ -1592,6 +1598,9 @@ class OOOHandle(_PassTracking):
         self._guards: dict = {}      # param -> its AccumulateGrad pre-hook's handle
         self._written: dict = {}     # param -> event after its last dW on the sub-stream
         self._main_writes: set = set()  # params autograd added a gradient to on the main stream
+        # this backward looks for parameters read outside split layers too
+        # (_note_outside_uses): the first pass of a profile (from enable() on)
+        self._seek_outside = False
         self.schedule_regions = 0    # regions of the schedule, once cut
         self._cut: _Cut | None = None  # the regions, once cut
         # what the pass that ends changes (attribute -> value) while _commit stores it
@@ -1845,6 +1854,7 @@ class OOOHandle(_PassTracking):
         self._calls = {}
         self._drop_sums()
         self._nested_seen = False
+        self._seek_outside = self._iteration == self._profile_from
         self._current_region = -1
         self._marks = []
         self._reads = None
@@ -1954,6 +1964,8 @@ class OOOHandle(_PassTracking):
         for k, by_graph in self._nested_sums.items():
             self._last_sites[k] = self._last_sites.get(k, 0) + sum(
                 total.sites for total in by_graph.values())
+        if self._seek_outside and self._main_writes:
+            self._note_outside_uses()
         self._drop_sums()  # (held tasks run later add in float32)
         self._end_stream_order()
         self._casts.clear()
@@ -2140,7 +2152,8 @@ class OOOHandle(_PassTracking):
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
-        if self.order == "ooo" and (g.is_cuda or torch.are_deterministic_algorithms_enabled()):
+        if self._seek_outside or self.order == "ooo" and (
+                g.is_cuda or torch.are_deterministic_algorithms_enabled()):
             self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
         return task
 
@@ -2150,7 +2163,9 @@ class OOOHandle(_PassTracking):
         firing the post-accumulate-grad hooks held for the dW) runs on the
         main stream: a hook ahead of it orders the two, once per parameter
         and backward. Under torch.use_deterministic_algorithms (any device)
-        the hook also runs the dW the schedule moved past it first."""
+        the hook also runs the dW the schedule moved past it first. In the
+        passes that seek uses outside split layers (any device), it sees
+        them (_note_outside_uses)."""
         for p, node in zip(targets, nodes):
             if p not in self._guards:
                 self._guards[p] = node.register_prehook(
@@ -2177,6 +2192,26 @@ class OOOHandle(_PassTracking):
             self._wait_for_written(p)
         # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
         # registered after this one)
+
+    def _note_outside_uses(self) -> None:
+        """The layers reading a parameter whose AccumulateGrad got a gradient
+        in this backward beside the dW the split took from it (_main_writes:
+        a use outside split layers, a tied weight read by F.linear) run
+        plain from the next forward on, every site of it: autograd then sums
+        all its uses as it orders them. Split, the split's dW were summed
+        apart from autograd's sum of the rest ((g + o) + s where autograd has
+        g + (o + s), or (o + s2) + s1 for (o + s1) + s2), and under autocast
+        each site read a cast copy of its own, where autograd's one cached
+        copy sums every use in the low precision (0.19% off in bfloat16, a
+        Linear read once split and once by F.linear). Seen in the first
+        pass of a profile (from enable() on: the warm-up, which is not
+        timed; the first under order="conventional"), _seek_outside: the
+        hook that sees it cost a fifth of an 8 x Linear(64) step, which the
+        later passes do without."""
+        seen = {id(p) for p in self._main_writes}
+        for site in self.sites:
+            if any(p is not None and id(p) in seen for p in site.kind.params(site.module) or ()):
+                site.outside = True
 
     def _wait_for_written(self, p: torch.Tensor) -> None:
         """The current (main) stream waits for p's last dW on the sub-stream."""
@@ -2979,8 +3014,10 @@ def _split_now(site: _Site) -> bool:
     (g + s_split) + s_plain where all split or all plain give
     g + (s1 + s2 + s3) in backward order, and which layers the timed
     schedule moves differs from run to run, so such a weight got other
-    bits each run."""
-    return site.split or (site.in_order and torch.are_deterministic_algorithms_enabled())
+    bits each run. A layer whose weight is also read outside split layers
+    runs plain (OOOHandle._note_outside_uses), inside hold() too."""
+    return not site.outside and (
+        site.split or (site.in_order and torch.are_deterministic_algorithms_enabled()))
 
 
 def _take_index(site: _Site) -> None:
@@ -3012,13 +3049,15 @@ def _make_forward(site: _Site):
         # compiles, and the checks below read state it cannot trace (each
         # broke the graph, and fullgraph=True raised)
         # a layer the schedule runs plain is split again inside hold(), whose
-        # caller takes every dW task it asks for, and under a non-reentrant
+        # caller takes every dW task it asks for (not one whose weight is read
+        # outside split layers: autograd sums that weight), and under a non-reentrant
         # checkpoint, whose recompute in backward may run in another hold()
         # state than the recorded forward and must save what that saved
         if self is not module or not isinstance(x, torch.Tensor) \
                 or not torch.is_grad_enabled() or handle._removed \
                 or torch.compiler.is_dynamo_compiling() \
-                or not (_split_now(site) or handle._hold_list(module) is not None
+                or not (_split_now(site)
+                        or not site.outside and handle._hold_list(module) is not None
                         or non_reentrant_checkpointing()) \
                 or x.is_complex() or torch_only(x):
             # complex: autograd's formulas conjugate, the split's do not; meta,
@@ -4048,8 +4087,9 @@ class DataParallel(_PassTracking, Joinable):
     layers share, or one layer called twice before a backward (in a forward,
     or the model called once per view), is never deferred:
     autograd sums its sites as under DDP, so its bits, accumulated under
-    ``no_sync()`` too, do not depend on k (a held layer whose weight is also
-    used outside split layers still adds its dW to ``.grad`` after the rest).
+    ``no_sync()`` too, do not depend on k. A held layer whose weight is also
+    used outside split layers runs plain once a backward saw that use
+    (OOOHandle._note_outside_uses): autograd sums every use, as DDP's.
 
     Each bucket's flat buffer is allocated once per plan and reused by every
     backward; with `gradient_as_bucket_view` the averaged ``.grad`` are views
