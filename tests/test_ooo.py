@@ -2948,16 +2948,16 @@ def test_a_frozen_layer_called_before_runs_plain_before_any_check(monkeypatch):
     """A frozen backbone's layers go through the split forward at every call
     of every step: once a layer frozen whole has its index (its first call),
     its calls return to torch's forward before the split's checks
-    (_split_params, torch_only: 3.8 us a call of a frozen Linear(64) on a
-    CPU, a third of its forward); its first call and a trainable layer's
-    each go through them."""
+    (_input_alone, torch_only, ...: 3.8 us a call of a frozen Linear(64)
+    on a CPU, a third of its forward); its first call and a trainable
+    layer's each go through them."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)
     ooo.enable(model, order="conventional")
     seen = []
-    split_params = ooo._split_params
-    monkeypatch.setattr(ooo, "_split_params", lambda params, x: seen.append(x.shape[-1]) or
-                        split_params(params, x))
+    input_alone = ooo._input_alone
+    monkeypatch.setattr(ooo, "_input_alone", lambda args, kwargs, name: seen.append(
+        args[0].shape[-1]) or input_alone(args, kwargs, name))
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
     assert seen == [4, 4, 4, 4]  # layer 0's first call, then layer 1's only (input width 4)

@@ -1999,7 +1999,7 @@ class OOOHandle(_PassTracking):
         placed = {k[0] for k in region_main}
         for site in self.sites:
             site.unplaced = site.index not in placed and (
-                site.index < 0 or _frozen(site.kind.params(site.module)))
+                site.index < 0 or _split_params(site.kind.params(site.module)) is _FROZEN)
             if site.unplaced:  # split, so that its first trainable call is seen
                 site.split, site.in_order = True, False
 
@@ -2808,42 +2808,37 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
-def _split_params(params: tuple | None, x: torch.Tensor) -> tuple | None:
-    """The (weight, bias) a call on `x` splits with, of the layer's `params`
-    as they are now (kind.params: one may have been replaced, frozen or
-    unfrozen since enable()); None where the call runs plain autograd: a
-    weight computed before each forward (params None), none trainable (no
-    dW), one that torch_only_weight sends to torch's own ops, or an input
-    or parameter without elements. torch's
-    functional ops guard that last case before their native kernels
-    (at::batch_norm returns an empty output; native_batch_norm refuses it,
-    and its eval-mode backward divides by zero), and the split calls the
-    kernels directly; the module's own forward gives torch's empty output
-    and zero gradients. One pass over the parameters: this runs at every call.
-    _FROZEN (falsy, as None) where it is plain because nothing is trainable."""
-    if params is None or x.numel() == 0:
-        return None
-    trainable = False
-    for p in params:
-        if p is not None:
-            if torch_only_weight(p) or p.numel() == 0:
-                return None
-            trainable = trainable or p.requires_grad
-    return params if trainable else _FROZEN
-
-
-# _split_params's answer for a call of a layer with nothing trainable
-_FROZEN = ()
-
-
-def _frozen(params: tuple | None) -> bool:
-    """Whether a layer's registered `params` (kind.params) are all frozen."""
+def _split_params(params: tuple | None) -> tuple | None:
+    """The (weight, bias) a call splits with, of the layer's `params` as
+    they are now (kind.params: one may have been replaced, frozen or
+    unfrozen since enable()); _FROZEN (falsy, as None) where none is
+    trainable, whatever else (no dW: the call runs plain); None where the
+    call runs plain autograd for another reason: a weight computed before
+    each forward (params None), one that torch_only_weight sends to
+    torch's own ops, or a parameter without elements (as for an input
+    without them: torch's functional ops guard that case before their
+    native kernels (at::batch_norm returns an empty output;
+    native_batch_norm refuses it, and its eval-mode backward divides by
+    zero), and the split calls the kernels directly; the module's own
+    forward gives torch's empty output and zero gradients). It runs at
+    every call: requires_grad is read first, alone, so that a frozen
+    layer's call pays for nothing more (the other checks on each frozen
+    parameter cost a frozen Linear(64) 3% more a call)."""
     if params is None:
-        return False
-    for p in params:  # (no generator: it runs at every call)
+        return None
+    for p in params:  # (no generator)
         if p is not None and p.requires_grad:
-            return False
-    return True
+            break
+    else:
+        return _FROZEN
+    for p in params:
+        if p is not None and (torch_only_weight(p) or p.numel() == 0):
+            return None
+    return params
+
+
+# _split_params's answer for a layer with nothing trainable
+_FROZEN = ()
 
 
 _UNDER_DDP = (
@@ -2945,12 +2940,12 @@ def _make_forward(site: _Site):
     input_name = list(inspect.signature(own).parameters)[1]  # "input" in torch's layers
 
     def forward(self, *args, **kwargs):
-        params = kind.params(module)
+        params = _split_params(kind.params(module))
         # a layer frozen whole that has its index (a frozen backbone's, each
         # call of each step): plain at once, before any other check. The
-        # checks and _split_params cost 3.8 us more a call of a frozen
-        # Linear(64) on a CPU, a third of its forward
-        if site.index >= 0 and _frozen(params):
+        # checks cost 3.8 us more a call of a frozen Linear(64) on a CPU, a
+        # third of its forward
+        if params is _FROZEN and site.index >= 0:
             return own(self, *args, **kwargs)
         x = _input_alone(args, kwargs, input_name)
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
@@ -2972,9 +2967,8 @@ def _make_forward(site: _Site):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, *args, **kwargs)
-        params = _split_params(params, x)
-        if not params:
-            if params is _FROZEN and site.index < 0:
+        if not params or x.numel() == 0:  # (see _split_params for an empty input)
+            if params is _FROZEN and x.numel() != 0:  # (its index < 0: see above)
                 _take_index(site)  # its place in the forward order, for when it is unfrozen
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
