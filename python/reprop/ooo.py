@@ -1326,7 +1326,9 @@ class _Profile:
 
     main: dict = field(default_factory=dict)   # key -> [main-stream time from its dO on (s)]
     sub: dict = field(default_factory=dict)    # key -> [dW time (s), or CUDA event pairs]
-    nbytes: dict = field(default_factory=dict)  # key -> bytes the deferred task holds
+    # key -> bytes the deferred task holds alone: the storages no other task of
+    # its pass read (of its last pass: _own_past)
+    own: dict = field(default_factory=dict)
     # the last pass's storages several tasks read: (bytes, reader keys), each held once
     shared: tuple = ()
 
@@ -1335,22 +1337,42 @@ class _Profile:
         """Keys in backward order (main's keys, in the order first timed)."""
         return list(self.main)
 
-    def with_times(self, marks: list, nbytes: dict, shared: tuple | None = None) -> "_Profile":
+    @property
+    def held_bytes(self) -> int:
+        """What deferring every profiled task holds, each storage once."""
+        return sum(self.own.values()) + sum(size for size, _ in self.shared)
+
+    def with_times(self, marks: list, own: dict | None = None, shared: tuple = ()) -> "_Profile":
         """This profile and one more pass's main-stream times, from its
         stamps (task key, stamp; the last closes the pass), and its tasks'
-        bytes (_Reads.shares) and shared storages (_Reads.shared; None:
-        this profile's): a new profile, which the handle stores if that
-        pass counts (_commit)."""
+        own bytes (_Reads.own) and shared storages (_Reads.shared; None:
+        the pass read nothing, this profile's stay): a new profile, which
+        the handle stores if that pass counts (_commit)."""
         main = dict(self.main)
         for (key, a), (_, b) in zip(marks, marks[1:]):
             main[key] = [*main.get(key, ()), _elapsed(a, b)]
-        return _Profile(main, self.sub, {**self.nbytes, **nbytes},
-                        self.shared if shared is None else shared)
+        if own is None:
+            return _Profile(main, self.sub, self.own, self.shared)
+        return _Profile(main, self.sub, {**self._own_past(own), **own}, shared)
+
+    def _own_past(self, seen: dict) -> dict:
+        """`own`, its tasks the next pass did not see (not in `seen`) given
+        their shares of the `shared` storages they read: the next pass's
+        replace them, and a task profiled in an earlier pass only (a layer
+        skipped since) is charged what it read there, alone or in shares
+        (_split_equally), as one it alone read."""
+        own = dict(self.own)
+        for size, readers in self.shared:
+            for key, share in _split_equally(size, readers):
+                if key not in seen:
+                    own[key] += share
+        return own
 
 
 class _Reads:
     """The storages one profiling pass's tasks read, and which tasks read
-    each: what the memory cap charges them (shares).
+    each: what the memory cap charges them (own bytes, and shared
+    storages).
 
     A storage several tasks read (q/k/v projections of one input, output
     gradients that are views of one cat's gradient, autocast's one cast
@@ -1358,17 +1380,16 @@ class _Reads:
     however many of them are deferred. Charged in full to each, the tasks
     of a Linear called 8 times under bf16 autocast were 67 MB for 8.4 MB
     held, the cap a fraction of that sum, and the schedule's
-    peak_extra_bytes twice what it held. Its bytes are split equally among
-    the tasks that read it (shares; the remainder to the first), so the
-    charges of all the pass's tasks sum to what deferring them all holds,
-    which the cap is a fraction of. The scheduler (_C.sched_regions) holds
-    such a storage once instead (shared): at a region end where every
-    reader's backward node ran (autograd held it until then anyway) and
-    some reader is deferred past it. Adding the deferred readers' shares
-    counted part of it where only some were deferred: two blocks of four
-    1x1 convolutions that read one input, their output gradients views of
-    one cat's gradient, held 1.54 times a cap of 0.25 at a region end (up
-    to 2.6 times under other speedups); q/k/v projections, 1.06 times.
+    peak_extra_bytes twice what it held. It is kept apart from the tasks'
+    own bytes (shared), counted once in what deferring them all holds,
+    which the cap is a fraction of, and the scheduler (_C.sched_regions)
+    holds it once: at a region end where every reader's backward node ran
+    (autograd held it until then anyway) and some reader is deferred past
+    it. Split in shares among its readers, a deferral of only some of them
+    counted part of it: two blocks of four 1x1 convolutions that read one
+    input, their output gradients views of one cat's gradient, held 1.54
+    times a cap of 0.25 at a region end (up to 2.6 times under other
+    speedups); q/k/v projections, 1.06 times.
 
     A storage is named by its object, checked alive: one freed while the
     pass runs (its tasks ran already) and another made where it was are two.
@@ -1391,12 +1412,12 @@ class _Reads:
                     self.by_id[sid] = entry
             entry[2].append(task.key)
 
-    def shares(self) -> dict:
-        """Task key -> bytes: each storage's split equally among its readers."""
+    def own(self) -> dict:
+        """Task key -> bytes of the storages it alone read."""
         out = dict.fromkeys(self.keys, 0)
         for _, size, readers in self.entries:
-            for key, share in _split_equally(size, readers):
-                out[key] += share
+            if len(readers) == 1:
+                out[readers[0]] += size
         return out
 
     def shared(self) -> tuple:
@@ -1409,17 +1430,6 @@ def _split_equally(size: int, readers: list) -> list:
     """(reader, its share) of `size` bytes, the remainder to the first."""
     share, rest = divmod(size, len(readers))
     return [(key, share + (i < rest)) for i, key in enumerate(readers)]
-
-
-def _own_bytes(nbytes: dict, shared: tuple) -> dict:
-    """Task key -> its bytes (`nbytes`, shares) less its shares of the
-    `shared` storages (_Reads.shared), which are charged once apart."""
-    own = dict(nbytes)
-    for size, readers in shared:
-        for key, share in _split_equally(size, readers):
-            if key in own:
-                own[key] -= share
-    return own
 
 
 def _no_storage() -> None:
@@ -1462,14 +1472,14 @@ class _CoRun:
     pass n runs the regions alone, then each region's dW group alone. The main
     stream waits for the sub-stream at every region entry, so the time between
     two entries is the pair's time, or the region's alone. A pass defers only
-    what the memory cap holds (`cap` bytes of `nbytes`, in backward order;
+    what the memory cap holds (`cap` bytes of `own`, in backward order;
     a storage several tasks read, `shared`, in full with the first of them):
     the rest runs beside its dO, and the pairs measure the deferred part.
     """
 
-    def __init__(self, region_main: dict, n: int, nbytes: dict, cap: int, shared: tuple = ()):
+    def __init__(self, region_main: dict, n: int, own: dict, cap: int, shared: tuple = ()):
         self.region_main, self.n = region_main, n
-        self.nbytes, self.cap = _own_bytes(nbytes, shared), cap
+        self.own, self.cap = own, cap
         self.shared = shared
         self.reads: dict = {}  # task key -> indices in `shared` of what it reads
         for s, (_, readers) in enumerate(shared):
@@ -1489,7 +1499,7 @@ class _CoRun:
             to = min(r + self.pass_, self.n)
             if to > r:
                 new = [s for s in self.reads.get(k, ()) if s not in charged]
-                cost = self.nbytes.get(k, 0) + sum(self.shared[s][0] for s in new)
+                cost = self.own.get(k, 0) + sum(self.shared[s][0] for s in new)
                 if held + cost > self.cap:
                     to = r
                 else:
@@ -1952,8 +1962,8 @@ class OOOHandle(_PassTracking):
         change: dict = {"_iteration": self._iteration + 1}
         if profiling:
             reads = self._reads
-            change["_profile"] = self._profile.with_times(self._marks, {}) if reads is None \
-                else self._profile.with_times(self._marks, reads.shares(), reads.shared())
+            change["_profile"] = self._profile.with_times(self._marks) if reads is None \
+                else self._profile.with_times(self._marks, reads.own(), reads.shared())
             change["_reads"] = None
         if self._reprofile_due:
             change.update(self._profile_again(change["_iteration"]))
@@ -2036,8 +2046,8 @@ class OOOHandle(_PassTracking):
         n = cut.n
         change.update(_cut=cut, _region_of_main=cut.region_of, schedule_regions=n)
         if self._speedup == "profile":
-            corun = _CoRun(cut.region_of, n, prof.nbytes,
-                           self._cap_bytes(sum(prof.nbytes.values())), prof.shared)
+            corun = _CoRun(cut.region_of, n, prof.own, self._cap_bytes(prof.held_bytes),
+                           prof.shared)
             change.update(_corun=corun, _region_of=corun.regions())
         elif self._speedup is None:
             change.update(self._placement(np.ones((n, n)), prof, cut))
@@ -2775,8 +2785,7 @@ def _cap_charges(prof: _Profile, tasks: list) -> tuple:
     holds alone (int64), and the storages several of them read, each held
     once, as (bytes, start, readers' indices in `tasks`) int64 arrays."""
     index = {k: j for j, k in enumerate(tasks)}
-    own = _own_bytes(prof.nbytes, prof.shared)
-    mem = np.array([own.get(k, 0) for k in tasks], dtype=np.int64)
+    mem = np.array([prof.own.get(k, 0) for k in tasks], dtype=np.int64)
     sizes, start, readers = [], [0], []
     for size, keys in prof.shared:
         found = [index[k] for k in keys if k in index]
