@@ -2008,7 +2008,9 @@ class OOOHandle(_PassTracking):
         self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
         placed = {k[0] for k in region_main}
         for site in self.sites:
-            site.unplaced = site.index not in placed and (
+            # none placed: the schedule given up (_in_place), where no layer
+            # waits for a place (profiled again, it raised the error again)
+            site.unplaced = bool(placed) and site.index not in placed and (
                 site.index < 0 or _split_params(site.kind.params(site.module)) is _FROZEN)
             if site.unplaced:  # split, so that its first trainable call is seen
                 site.split, site.in_order = True, False
@@ -2756,8 +2758,8 @@ class OOOHandle(_PassTracking):
     def _in_place(n: int) -> dict:
         """The schedule that leaves every dW beside its dO (autograd's order),
         for a profile that could not be turned into one (its attributes, for
-        _commit)."""
-        return {"_corun": None, "_region_of": {},
+        _commit): no dW has a region, not even its dO's."""
+        return {"_corun": None, "_region_of": {}, "_region_of_main": {},
                 "schedule": {"regions": n, "region_time": [], "prescheduled": n,
                              "peak_extra_bytes": 0, "speedup": [], "moved": 0}}
 
@@ -3036,8 +3038,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
 
     Args:
         model: any nn.Module; its Linear, Conv1d/2d/3d, Embedding,
-            BatchNorm1d/2d/3d, LayerNorm and GroupNorm with trainable
-            parameters are split (exact types; others run as before, and so
+            BatchNorm1d/2d/3d, LayerNorm and GroupNorm with parameters are
+            split, those frozen whole too, their calls plain while nothing
+            of them is trainable (exact types; others run as before, and so
             do calls on complex, meta or empty tensors, and layers whose weight is
             not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
