@@ -1394,45 +1394,24 @@ def test_hold_and_a_non_reentrant_checkpoint_across_the_block(hold_in):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
-def test_a_schedule_that_cannot_be_made_raises_once():
+@pytest.mark.parametrize("unfrozen_at", [None, 4])
+def test_a_schedule_that_cannot_be_made_raises_once(unfrozen_at):
     """An error while fixing the schedule comes out of the backward that
     tried, with its gradients complete; the passes after it keep every dW in
-    place instead of trying again."""
-    ref = _three_layers()
-    model = copy.deepcopy(ref)
-    handle = ooo.enable(model, speedup=lambda r, i: 1.0 if i == r else float("nan"),
-                        profile_iters=2, regions=2)
-    raised = 0
-    for step in range(5):
-        x = torch.randn(3, 4)
-        for net in (ref, model):
-            net.zero_grad()
-            try:
-                net(x).sum().backward()
-            except ValueError as exc:
-                assert str(exc).startswith("speedup: speedup(0, 1) = nan"), exc
-                raised += 1
-        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
-    assert raised == 1
-    assert handle.schedule["moved"] == 0 and handle.pending() == 0
-
-
-def test_a_schedule_that_cannot_be_made_raises_once_with_a_layer_unfrozen_after_it():
-    """A schedule given up (every dW in place) has no place for any layer:
-    one frozen whole through the profile and unfrozen after the error runs
-    in place as the others. (Taken for a layer without a place, its first
-    split call made the handle profile again, and the backward that fixed
-    the schedule raised the same error once more, 6 passes later.)"""
+    place instead of trying again, also with a layer frozen whole through
+    the profile and unfrozen after the error: a schedule given up has no
+    place for any layer. (Taken for a layer without a place, its first split
+    call made the handle profile again, and the backward that fixed that
+    schedule raised the same error once more, 6 passes later.)"""
     ref = _three_layers()
     model = copy.deepcopy(ref)
     for net in (ref, model):
-        net[0].requires_grad_(False)
+        net[0].requires_grad_(unfrozen_at is None)
     handle = ooo.enable(model, speedup=lambda r, i: 1.0 if i == r else float("nan"),
                         profile_iters=2, regions=2)
     raised = 0
     for step in range(12):
-        if step == 4:
+        if step == unfrozen_at:
             for net in (ref, model):
                 net[0].requires_grad_(True)
         x = torch.randn(3, 4)
