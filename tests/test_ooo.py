@@ -175,7 +175,7 @@ def test_corun_profile_latin_square():
     and each dW group alone; speedup = sequential / together."""
     n = 3
     main, sub = np.array([1.0, 2.0, 3.0]), np.array([0.4, 0.6, 0.8])
-    corun = ooo._CoRun({("k", r): r for r in range(n)}, n, nbytes={}, cap=0)
+    corun = ooo._CoRun({("k", r): r for r in range(n)}, n, own={}, cap=0)
     for t in range(n + 1):
         assert corun.regions() == {("k", r): min(r + t, n) for r in range(n)}
         clock = 0.0
@@ -204,7 +204,7 @@ def test_corun_profile_defers_only_what_the_memory_cap_holds():
     rest run beside their dO; training never holds more than the cap."""
     n = 3
     corun = ooo._CoRun({("k", r): r for r in range(n)}, n,
-                       nbytes={("k", r): 10 for r in range(n)}, cap=15)
+                       own={("k", r): 10 for r in range(n)}, cap=15)
     corun.pass_ = 1
     assert corun.regions() == {("k", 0): 1, ("k", 1): 1, ("k", 2): 2}
 
@@ -296,21 +296,21 @@ class _Shared(nn.Module):
         return out * torch.arange(128.0)
 
 
-def _profiled_bytes(model, step, **kwargs) -> tuple[dict, int]:
-    """The bytes the profile charges each task, and what deferring all of a
-    pass's tasks holds (each storage once)."""
+def _profiled_bytes(model, step, **kwargs) -> tuple["ooo._Profile", int]:
+    """The profile (each task's own bytes, the storages several read), and
+    what deferring all of a pass's tasks holds (each storage once)."""
     handle = ooo.enable(model, regions=2, profile_iters=2, speedup=None, **kwargs)
     for _ in range(handle._profile_passes() + 1):
         step()
     assert handle.schedule is not None
-    charged = dict(handle._profile.nbytes)
+    prof = handle._profile
     with handle.hold() as held:
         step()
     total = _held_by_deferral(held, list(model.parameters()) + list(model.buffers()))
-    assert sorted(t.key for t in held) == sorted(charged)
+    assert sorted(t.key for t in held) == sorted(prof.own)
     handle.run(held)
     handle.remove()
-    return charged, total
+    return prof, total
 
 
 @pytest.mark.parametrize("autocast", [False, True])
@@ -320,8 +320,9 @@ def test_storage_several_tasks_read_is_charged_once_in_all(autocast):
     196,612 held, and under bf16 autocast (one cast copy of a weight for all
     its call sites) a Linear called 8 times charged 67 MB for 8.4 MB: the
     cap, a fraction of the charges' sum, and the schedule's peak_extra_bytes
-    counted the shared storages once per reader. Each is split among its
-    readers now: the charges sum to what deferring every task holds."""
+    counted the shared storages once per reader. Each is kept apart from
+    the tasks' own bytes now, once: the profile's bytes sum to what
+    deferring every task holds."""
     torch.manual_seed(0)
     if autocast:
         model = nn.Linear(256, 1024)
@@ -337,12 +338,14 @@ def test_storage_several_tasks_read_is_charged_once_in_all(autocast):
 
         def step():
             model(x).sum().backward()
-    charged, total = _profiled_bytes(model, step)
-    assert sum(charged.values()) == total
+    prof, total = _profiled_bytes(model, step)
+    assert prof.held_bytes == total
     if autocast:  # the cast weight (512 KiB) and the sum's output gradient (bf16, one for
-        # all calls) in 8 shares, beside each call's cast input
+        # all calls) read by the 8 calls, beside each call's cast input
         assert total == 256 * 1024 * 2 + 2 * 1024 * 2 + 8 * 2 * 256 * 2
-        assert set(charged.values()) == {(256 * 1024 * 2 + 2 * 1024 * 2) // 8 + 2 * 256 * 2}
+        assert sorted(size for size, readers in prof.shared if len(readers) == 8) == [
+            2 * 1024 * 2, 256 * 1024 * 2]
+        assert set(prof.own.values()) == {2 * 256 * 2}
 
 
 def test_sparse_input_is_charged_its_indices_and_values():
@@ -514,7 +517,7 @@ def test_memory_cap_holds_where_only_some_readers_of_a_storage_are_deferred(frac
     assert handle.schedule is not None and handle.schedule["moved"] > 0
     model.zero_grad(set_to_none=True)
     held = _held_at_region_ends(handle, step)
-    cap = handle._cap_bytes(sum(handle._profile.nbytes.values()))
+    cap = handle._cap_bytes(handle._profile.held_bytes)
     assert held and max(held) <= cap, (held, cap)
     assert handle.schedule["peak_extra_bytes"] == max(held)
     plain(x).square().sum().backward()
@@ -524,12 +527,12 @@ def test_memory_cap_holds_where_only_some_readers_of_a_storage_are_deferred(frac
 
 def test_corun_passes_charge_a_storage_several_tasks_read_once_in_full():
     """A co-run pass defers in backward order what the cap holds. Tasks A,
-    B, C read one 300 B storage beside 100 B each of their own (shares of
-    200 B each), D holds 50 B: charged shares, A, B and D fitted a cap of
-    450 B and held 550 (A's and B's 200, the storage, D's 50). The storage
-    counts in full with the first deferred reader now, and once."""
+    B, C read one 300 B storage beside 100 B each of their own, D holds
+    50 B: charged shares (200 B each), A, B and D fitted a cap of 450 B and
+    held 550 (A's and B's 200, the storage, D's 50). The storage counts in
+    full with the first deferred reader now, and once."""
     a, b, c, d = (0, 0), (1, 0), (2, 0), (3, 0)
-    corun = ooo._CoRun({a: 0, b: 0, c: 0, d: 1}, 2, {a: 200, b: 200, c: 200, d: 50}, 450,
+    corun = ooo._CoRun({a: 0, b: 0, c: 0, d: 1}, 2, {a: 100, b: 100, c: 100, d: 50}, 450,
                        ((300, (a, b, c)),))
     corun.pass_ = 1
     assert corun.regions() == {a: 1, b: 0, c: 0, d: 2}
@@ -571,7 +574,7 @@ def test_placement_reads_the_speedup_of_a_dw_by_its_own_region():
     region 0's task saw 1 everywhere and stayed."""
     handle = ooo.enable(nn.Linear(2, 2), max_extra_memory=1.0)
     a, b = (0, 0), (1, 0)
-    prof = ooo._Profile(main={a: [1.0], b: [1.0]}, sub={a: [0.25], b: [0.25]}, nbytes={})
+    prof = ooo._Profile(main={a: [1.0], b: [1.0]}, sub={a: [0.25], b: [0.25]}, own={})
     cut = ooo._cut_regions(prof, 2)
     assert cut.region_of == {a: 0, b: 1}
     placed = handle._placement(np.array([[1.0, 3.0], [1.0, 1.0]]), prof, cut)
@@ -592,7 +595,7 @@ def test_placement_takes_a_dw_as_ready_once_its_own_call_ran():
     handle = ooo.enable(nn.Linear(2, 2), max_extra_memory=1.0)
     a, a2, b = (0, 0), (1, 0), (2, 0)
     prof = ooo._Profile(main={a: [1.0], a2: [1.0], b: [2.0]},
-                        sub={a: [0.25], a2: [0.25], b: [0.25]}, nbytes={})
+                        sub={a: [0.25], a2: [0.25], b: [0.25]}, own={})
     cut = ooo._cut_regions(prof, 2)
     assert cut.region_of == {a: 0, a2: 0, b: 1}
     assert handle._placement(np.ones((2, 2)), prof, cut)["_region_of"] == {a: 0, a2: 1, b: 1}
@@ -1492,16 +1495,26 @@ def test_hold_and_a_non_reentrant_checkpoint_across_the_block(hold_in):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
 
 
-def test_a_schedule_that_cannot_be_made_raises_once():
+@pytest.mark.parametrize("unfrozen_at", [None, 4])
+def test_a_schedule_that_cannot_be_made_raises_once(unfrozen_at):
     """An error while fixing the schedule comes out of the backward that
     tried, with its gradients complete; the passes after it keep every dW in
-    place instead of trying again."""
+    place instead of trying again, also with a layer frozen whole through
+    the profile and unfrozen after the error: a schedule given up has no
+    place for any layer. (Taken for a layer without a place, its first split
+    call made the handle profile again, and the backward that fixed that
+    schedule raised the same error once more, 6 passes later.)"""
     ref = _three_layers()
     model = copy.deepcopy(ref)
+    for net in (ref, model):
+        net[0].requires_grad_(unfrozen_at is None)
     handle = ooo.enable(model, speedup=lambda r, i: 1.0 if i == r else float("nan"),
                         profile_iters=2, regions=2)
     raised = 0
-    for step in range(5):
+    for step in range(12):
+        if step == unfrozen_at:
+            for net in (ref, model):
+                net[0].requires_grad_(True)
         x = torch.randn(3, 4)
         for net in (ref, model):
             net.zero_grad()
@@ -1512,6 +1525,7 @@ def test_a_schedule_that_cannot_be_made_raises_once():
                 raised += 1
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+        assert handle.schedule is not None or step < 2, step
     assert raised == 1
     assert handle.schedule["moved"] == 0 and handle.pending() == 0
 
@@ -2461,7 +2475,7 @@ def _held_under_a_cap(make, enable: dict, set_to_none: bool) -> tuple:
             _squares(net, x, torch.float32).backward()
         for (name, a), b in zip(ref.named_parameters(), model.parameters()):
             assert torch.equal(b.grad, a.grad), name
-    return handle, handle._cap_bytes(sum(handle._profile.nbytes.values())), max(held)
+    return handle, handle._cap_bytes(handle._profile.held_bytes), max(held)
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -3049,16 +3063,16 @@ def test_a_frozen_layer_called_before_runs_plain_before_any_check(monkeypatch):
     """A frozen backbone's layers go through the split forward at every call
     of every step: once a layer frozen whole has its index (its first call),
     its calls return to torch's forward before the split's checks
-    (_split_params, torch_only: 3.8 us a call of a frozen Linear(64) on a
-    CPU, a third of its forward); its first call and a trainable layer's
-    each go through them."""
+    (_input_alone, torch_only, ...: 3.8 us a call of a frozen Linear(64)
+    on a CPU, a third of its forward); its first call and a trainable
+    layer's each go through them."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[0].requires_grad_(False)
     ooo.enable(model, order="conventional")
     seen = []
-    split_params = ooo._split_params
-    monkeypatch.setattr(ooo, "_split_params", lambda params, x: seen.append(x.shape[-1]) or
-                        split_params(params, x))
+    input_alone = ooo._input_alone
+    monkeypatch.setattr(ooo, "_input_alone", lambda args, kwargs, name: seen.append(
+        args[0].shape[-1]) or input_alone(args, kwargs, name))
     for _ in range(3):
         model(torch.randn(2, 4)).sum().backward()
     assert seen == [4, 4, 4, 4]  # layer 0's first call, then layer 1's only (input width 4)
@@ -5771,9 +5785,27 @@ def test_the_profile_keeps_each_timed_pass_and_cuts_by_the_median():
                   [(a, 10.0), (b, 15.0), (None, 16.0)],
                   [(a, 20.0), (b, 22.0), (None, 25.0)]):
         prof = prof.with_times(marks, {a: 8})
-    assert first.main == {} and prof.nbytes == {a: 8}
+    assert first.main == {} and prof.own == {a: 8}
     assert prof.main == {a: [1.0, 5.0, 2.0], b: [1.0, 1.0, 3.0]}
     assert ooo._cut_regions(prof, 2).main.tolist() == [2.0, 1.0]
+
+
+def test_a_task_profiled_in_an_earlier_pass_only_keeps_its_shares_as_its_own():
+    """Each pass replaces the profile's shared storages with its own; a
+    task it did not see (a layer skipped that step) keeps its bytes of the
+    pass that saw it, its share of a storage it read with others counted
+    as its own from then on (what the cap charged it before the profile
+    kept own and shared bytes apart), and a pass that read nothing keeps
+    both."""
+    a, b, c = (0, 0), (1, 0), (2, 0)
+    marks = [(a, 0.0), (None, 1.0)]
+    prof = ooo._Profile().with_times(marks, {a: 10, b: 20, c: 5}, ((7, (a, b)),))
+    assert prof.held_bytes == 42
+    prof = prof.with_times(marks, {a: 1, c: 6}, ((3, (a, c)),))
+    assert prof.own == {a: 1, b: 20 + 3, c: 6}  # b's share of 7 B (the remainder to a)
+    assert prof.shared == ((3, (a, c)),) and prof.held_bytes == 33
+    again = prof.with_times(marks)
+    assert again.own == prof.own and again.shared == prof.shared
 
 
 def test_simulated_layers_may_take_no_time():

@@ -769,7 +769,8 @@ class _Site:
     backward_mark: object = None
     reused: bool = False
     # no dW in the profile of the fixed schedule, frozen whole or not called
-    # when it was fixed: its first split call profiles again (_reprofile)
+    # when it was fixed: its first split call profiles again (_reprofile);
+    # never under a schedule given up (_in_place), which places no layer
     unplaced: bool = False
     # a parameter of it is also read outside split layers: its calls run
     # plain from the next forward on (OOOHandle._note_outside_uses)
@@ -1347,7 +1348,9 @@ class _Profile:
 
     main: dict = field(default_factory=dict)   # key -> [main-stream time from its dO on (s)]
     sub: dict = field(default_factory=dict)    # key -> [dW time (s), or CUDA event pairs]
-    nbytes: dict = field(default_factory=dict)  # key -> bytes the deferred task holds
+    # key -> bytes the deferred task holds alone: the storages no other task of
+    # its pass read (of its last pass: _own_past)
+    own: dict = field(default_factory=dict)
     # the last pass's storages several tasks read: (bytes, reader keys), each held once
     shared: tuple = ()
 
@@ -1356,22 +1359,42 @@ class _Profile:
         """Keys in backward order (main's keys, in the order first timed)."""
         return list(self.main)
 
-    def with_times(self, marks: list, nbytes: dict, shared: tuple | None = None) -> "_Profile":
+    @property
+    def held_bytes(self) -> int:
+        """What deferring every profiled task holds, each storage once."""
+        return sum(self.own.values()) + sum(size for size, _ in self.shared)
+
+    def with_times(self, marks: list, own: dict | None = None, shared: tuple = ()) -> "_Profile":
         """This profile and one more pass's main-stream times, from its
         stamps (task key, stamp; the last closes the pass), and its tasks'
-        bytes (_Reads.shares) and shared storages (_Reads.shared; None:
-        this profile's): a new profile, which the handle stores if that
-        pass counts (_commit)."""
+        own bytes (_Reads.own) and shared storages (_Reads.shared; None:
+        the pass read nothing, this profile's stay): a new profile, which
+        the handle stores if that pass counts (_commit)."""
         main = dict(self.main)
         for (key, a), (_, b) in zip(marks, marks[1:]):
             main[key] = [*main.get(key, ()), _elapsed(a, b)]
-        return _Profile(main, self.sub, {**self.nbytes, **nbytes},
-                        self.shared if shared is None else shared)
+        if own is None:
+            return _Profile(main, self.sub, self.own, self.shared)
+        return _Profile(main, self.sub, {**self._own_past(own), **own}, shared)
+
+    def _own_past(self, seen: dict) -> dict:
+        """`own`, its tasks the next pass did not see (not in `seen`) given
+        their shares of the `shared` storages they read: the next pass's
+        replace them, and a task profiled in an earlier pass only (a layer
+        skipped since) is charged what it read there, alone or in shares
+        (_split_equally), as one it alone read."""
+        own = dict(self.own)
+        for size, readers in self.shared:
+            for key, share in _split_equally(size, readers):
+                if key not in seen:
+                    own[key] += share
+        return own
 
 
 class _Reads:
     """The storages one profiling pass's tasks read, and which tasks read
-    each: what the memory cap charges them (shares).
+    each: what the memory cap charges them (own bytes, and shared
+    storages).
 
     A storage several tasks read (q/k/v projections of one input, output
     gradients that are views of one cat's gradient, autocast's one cast
@@ -1379,17 +1402,16 @@ class _Reads:
     however many of them are deferred. Charged in full to each, the tasks
     of a Linear called 8 times under bf16 autocast were 67 MB for 8.4 MB
     held, the cap a fraction of that sum, and the schedule's
-    peak_extra_bytes twice what it held. Its bytes are split equally among
-    the tasks that read it (shares; the remainder to the first), so the
-    charges of all the pass's tasks sum to what deferring them all holds,
-    which the cap is a fraction of. The scheduler (_C.sched_regions) holds
-    such a storage once instead (shared): at a region end where every
-    reader's backward node ran (autograd held it until then anyway) and
-    some reader is deferred past it. Adding the deferred readers' shares
-    counted part of it where only some were deferred: two blocks of four
-    1x1 convolutions that read one input, their output gradients views of
-    one cat's gradient, held 1.54 times a cap of 0.25 at a region end (up
-    to 2.6 times under other speedups); q/k/v projections, 1.06 times.
+    peak_extra_bytes twice what it held. It is kept apart from the tasks'
+    own bytes (shared), counted once in what deferring them all holds,
+    which the cap is a fraction of, and the scheduler (_C.sched_regions)
+    holds it once: at a region end where every reader's backward node ran
+    (autograd held it until then anyway) and some reader is deferred past
+    it. Split in shares among its readers, a deferral of only some of them
+    counted part of it: two blocks of four 1x1 convolutions that read one
+    input, their output gradients views of one cat's gradient, held 1.54
+    times a cap of 0.25 at a region end (up to 2.6 times under other
+    speedups); q/k/v projections, 1.06 times.
 
     A storage is named by its object, checked alive: one freed while the
     pass runs (its tasks ran already) and another made where it was are two.
@@ -1412,12 +1434,12 @@ class _Reads:
                     self.by_id[sid] = entry
             entry[2].append(task.key)
 
-    def shares(self) -> dict:
-        """Task key -> bytes: each storage's split equally among its readers."""
+    def own(self) -> dict:
+        """Task key -> bytes of the storages it alone read."""
         out = dict.fromkeys(self.keys, 0)
         for _, size, readers in self.entries:
-            for key, share in _split_equally(size, readers):
-                out[key] += share
+            if len(readers) == 1:
+                out[readers[0]] += size
         return out
 
     def shared(self) -> tuple:
@@ -1430,17 +1452,6 @@ def _split_equally(size: int, readers: list) -> list:
     """(reader, its share) of `size` bytes, the remainder to the first."""
     share, rest = divmod(size, len(readers))
     return [(key, share + (i < rest)) for i, key in enumerate(readers)]
-
-
-def _own_bytes(nbytes: dict, shared: tuple) -> dict:
-    """Task key -> its bytes (`nbytes`, shares) less its shares of the
-    `shared` storages (_Reads.shared), which are charged once apart."""
-    own = dict(nbytes)
-    for size, readers in shared:
-        for key, share in _split_equally(size, readers):
-            if key in own:
-                own[key] -= share
-    return own
 
 
 def _no_storage() -> None:
@@ -1483,14 +1494,14 @@ class _CoRun:
     pass n runs the regions alone, then each region's dW group alone. The main
     stream waits for the sub-stream at every region entry, so the time between
     two entries is the pair's time, or the region's alone. A pass defers only
-    what the memory cap holds (`cap` bytes of `nbytes`, in backward order;
+    what the memory cap holds (`cap` bytes of `own`, in backward order;
     a storage several tasks read, `shared`, in full with the first of them):
     the rest runs beside its dO, and the pairs measure the deferred part.
     """
 
-    def __init__(self, region_main: dict, n: int, nbytes: dict, cap: int, shared: tuple = ()):
+    def __init__(self, region_main: dict, n: int, own: dict, cap: int, shared: tuple = ()):
         self.region_main, self.n = region_main, n
-        self.nbytes, self.cap = _own_bytes(nbytes, shared), cap
+        self.own, self.cap = own, cap
         self.shared = shared
         self.reads: dict = {}  # task key -> indices in `shared` of what it reads
         for s, (_, readers) in enumerate(shared):
@@ -1510,7 +1521,7 @@ class _CoRun:
             to = min(r + self.pass_, self.n)
             if to > r:
                 new = [s for s in self.reads.get(k, ()) if s not in charged]
-                cost = self.nbytes.get(k, 0) + sum(self.shared[s][0] for s in new)
+                cost = self.own.get(k, 0) + sum(self.shared[s][0] for s in new)
                 if held + cost > self.cap:
                     to = r
                 else:
@@ -1988,8 +1999,8 @@ class OOOHandle(_PassTracking):
         change: dict = {"_iteration": self._iteration + 1}
         if profiling:
             reads = self._reads
-            change["_profile"] = self._profile.with_times(self._marks, {}) if reads is None \
-                else self._profile.with_times(self._marks, reads.shares(), reads.shared())
+            change["_profile"] = self._profile.with_times(self._marks) if reads is None \
+                else self._profile.with_times(self._marks, reads.own(), reads.shared())
             change["_reads"] = None
         if self._reprofile_due:
             change.update(self._profile_again(change["_iteration"]))
@@ -2034,8 +2045,10 @@ class OOOHandle(_PassTracking):
         self._split_moved({k[0] for k, r in self._region_of.items() if r != region_main[k]})
         placed = {k[0] for k in region_main}
         for site in self.sites:
-            site.unplaced = site.index not in placed and (
-                site.index < 0 or _frozen(site.kind.params(site.module)))
+            # none placed: the schedule given up (_in_place), where no layer
+            # waits for a place (profiled again, it raised the error again)
+            site.unplaced = bool(placed) and site.index not in placed and (
+                site.index < 0 or _split_params(site.kind.params(site.module)) is _FROZEN)
             if site.unplaced:  # split, so that its first trainable call is seen
                 site.split, site.in_order = True, False
 
@@ -2072,8 +2085,8 @@ class OOOHandle(_PassTracking):
         n = cut.n
         change.update(_cut=cut, _region_of_main=cut.region_of, schedule_regions=n)
         if self._speedup == "profile":
-            corun = _CoRun(cut.region_of, n, prof.nbytes,
-                           self._cap_bytes(sum(prof.nbytes.values())), prof.shared)
+            corun = _CoRun(cut.region_of, n, prof.own, self._cap_bytes(prof.held_bytes),
+                           prof.shared)
             change.update(_corun=corun, _region_of=corun.regions())
         elif self._speedup is None:
             change.update(self._placement(np.ones((n, n)), prof, cut))
@@ -2833,8 +2846,8 @@ class OOOHandle(_PassTracking):
     def _in_place(n: int) -> dict:
         """The schedule that leaves every dW beside its dO (autograd's order),
         for a profile that could not be turned into one (its attributes, for
-        _commit)."""
-        return {"_corun": None, "_region_of": {},
+        _commit): no dW has a region, not even its dO's."""
+        return {"_corun": None, "_region_of": {}, "_region_of_main": {},
                 "schedule": {"regions": n, "region_time": [], "prescheduled": n,
                              "peak_extra_bytes": 0, "speedup": [], "moved": 0}}
 
@@ -2862,8 +2875,7 @@ def _cap_charges(prof: _Profile, tasks: list) -> tuple:
     holds alone (int64), and the storages several of them read, each held
     once, as (bytes, start, readers' indices in `tasks`) int64 arrays."""
     index = {k: j for j, k in enumerate(tasks)}
-    own = _own_bytes(prof.nbytes, prof.shared)
-    mem = np.array([own.get(k, 0) for k in tasks], dtype=np.int64)
+    mem = np.array([prof.own.get(k, 0) for k in tasks], dtype=np.int64)
     sizes, start, readers = [], [0], []
     for size, keys in prof.shared:
         found = [index[k] for k in keys if k in index]
@@ -2895,42 +2907,37 @@ def _balanced_cuts(times: np.ndarray, n: int) -> list[int]:
     return cuts
 
 
-def _split_params(params: tuple | None, x: torch.Tensor) -> tuple | None:
-    """The (weight, bias) a call on `x` splits with, of the layer's `params`
-    as they are now (kind.params: one may have been replaced, frozen or
-    unfrozen since enable()); None where the call runs plain autograd: a
-    weight computed before each forward (params None), none trainable (no
-    dW), one that torch_only_weight sends to torch's own ops, or an input
-    or parameter without elements. torch's
-    functional ops guard that last case before their native kernels
-    (at::batch_norm returns an empty output; native_batch_norm refuses it,
-    and its eval-mode backward divides by zero), and the split calls the
-    kernels directly; the module's own forward gives torch's empty output
-    and zero gradients. One pass over the parameters: this runs at every call.
-    _FROZEN (falsy, as None) where it is plain because nothing is trainable."""
-    if params is None or x.numel() == 0:
-        return None
-    trainable = False
-    for p in params:
-        if p is not None:
-            if torch_only_weight(p) or p.numel() == 0:
-                return None
-            trainable = trainable or p.requires_grad
-    return params if trainable else _FROZEN
-
-
-# _split_params's answer for a call of a layer with nothing trainable
-_FROZEN = ()
-
-
-def _frozen(params: tuple | None) -> bool:
-    """Whether a layer's registered `params` (kind.params) are all frozen."""
+def _split_params(params: tuple | None) -> tuple | None:
+    """The (weight, bias) a call splits with, of the layer's `params` as
+    they are now (kind.params: one may have been replaced, frozen or
+    unfrozen since enable()); _FROZEN (falsy, as None) where none is
+    trainable, whatever else (no dW: the call runs plain); None where the
+    call runs plain autograd for another reason: a weight computed before
+    each forward (params None), one that torch_only_weight sends to
+    torch's own ops, or a parameter without elements (as for an input
+    without them: torch's functional ops guard that case before their
+    native kernels (at::batch_norm returns an empty output;
+    native_batch_norm refuses it, and its eval-mode backward divides by
+    zero), and the split calls the kernels directly; the module's own
+    forward gives torch's empty output and zero gradients). It runs at
+    every call: requires_grad is read first, alone, so that a frozen
+    layer's call pays for nothing more (the other checks on each frozen
+    parameter cost a frozen Linear(64) 3 to 6% more a call)."""
     if params is None:
-        return False
-    for p in params:  # (no generator: it runs at every call)
+        return None
+    for p in params:  # (no generator)
         if p is not None and p.requires_grad:
-            return False
-    return True
+            break
+    else:
+        return _FROZEN
+    for p in params:
+        if p is not None and (torch_only_weight(p) or p.numel() == 0):
+            return None
+    return params
+
+
+# _split_params's answer for a layer with nothing trainable
+_FROZEN = ()
 
 
 _UNDER_DDP = (
@@ -3034,12 +3041,12 @@ def _make_forward(site: _Site):
     input_name = list(inspect.signature(own).parameters)[1]  # "input" in torch's layers
 
     def forward(self, *args, **kwargs):
-        params = kind.params(module)
+        params = _split_params(kind.params(module))
         # a layer frozen whole that has its index (a frozen backbone's, each
         # call of each step): plain at once, before any other check. The
-        # checks and _split_params cost 3.8 us more a call of a frozen
-        # Linear(64) on a CPU, a third of its forward
-        if site.index >= 0 and _frozen(params):
+        # checks cost 3.8 us more a call of a frozen Linear(64) on a CPU, a
+        # third of its forward
+        if params is _FROZEN and site.index >= 0:
             return own(self, *args, **kwargs)
         x = _input_alone(args, kwargs, input_name)
         # self is not module in a copy (copy.deepcopy, an EMA or teacher
@@ -3063,9 +3070,8 @@ def _make_forward(site: _Site):
             # complex: autograd's formulas conjugate, the split's do not; meta,
             # functorch and forward-AD tensors: what the Function cannot carry
             return own(self, *args, **kwargs)
-        params = _split_params(params, x)
-        if not params:
-            if params is _FROZEN and site.index < 0:
+        if not params or x.numel() == 0:  # (see _split_params for an empty input)
+            if params is _FROZEN and x.numel() != 0:  # (its index < 0: see above)
                 _take_index(site)  # its place in the forward order, for when it is unfrozen
             return own(self, *args, **kwargs)
         kind.check(module)  # a setting changed since enable() (Embedding.sparse)
@@ -3124,8 +3130,9 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
 
     Args:
         model: any nn.Module; its Linear, Conv1d/2d/3d, Embedding,
-            BatchNorm1d/2d/3d, LayerNorm and GroupNorm with trainable
-            parameters are split (exact types; others run as before, and so
+            BatchNorm1d/2d/3d, LayerNorm and GroupNorm with parameters are
+            split, those frozen whole too, their calls plain while nothing
+            of them is trainable (exact types; others run as before, and so
             do calls on complex, meta or empty tensors, and layers whose weight is
             not a registered Parameter, as under nn.utils.weight_norm).
         order: "ooo" (deferred dW placed by Algorithm 1 once profiled; on
