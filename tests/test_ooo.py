@@ -4090,6 +4090,55 @@ def test_a_weight_shared_by_split_layers_only_stays_split():
     assert not any(s.outside for s in handle.sites)
 
 
+class _SharedAcross(nn.Module):
+    """Linears pre, a, mid, b, post, the weight of a tied to b's (b nearer
+    the loss) and the bias of a to pre's: a chain of sharing layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.mid, self.b, self.post = (nn.Linear(16, 16) for _ in range(5))
+        self.b.weight, self.a.bias = self.a.weight, self.pre.bias
+
+    def forward(self, x):
+        for layer in (self.pre, self.a, self.mid, self.b):
+            x = torch.tanh(layer(x))
+        return self.post(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_shared_with_a_layer_the_cpu_schedule_moved_gets_autograds_bits(dtype):
+    """The CPU schedule moves b's dW only (a fake clock and speedup): the
+    layers it leaves in place ran plain, a among them, whose use of the
+    tied weight reached autograd's AccumulateGrad while the split added b's
+    moved dW apart ((g + s_a) + s_b where autograd has g + (s_b + s_a):
+    5e-7 of the largest element off in float32 over Adam steps, 1.3% under
+    bfloat16 autocast, where each read a cast copy of its own). A layer
+    sharing a parameter with a moved one now stays split, and so, in turn,
+    does pre, sharing a's bias: autograd's bits, b's dW still moved."""
+    torch.manual_seed(0)
+    ref = _SharedAcross()
+    model = copy.deepcopy(ref)
+    handle = ooo.enable(model, regions=4, profile_iters=2, max_extra_memory=math.inf,
+                        speedup=lambda r, i: 2.0 if (r, i) == (3, 3) else 1.0)
+    _ticking(handle)
+    opts = [torch.optim.Adam(net.parameters(), lr=0.01) for net in (ref, model)]
+    for step in range(10):
+        for opt in opts:
+            opt.zero_grad()
+        for n in range(2):  # the second adds to .grad
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2 * step + n))
+            for net in (ref, model):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is torch.bfloat16):
+                    out = net(x)
+                out.float().square().mean().backward()
+        _assert_same_bits(ref, model, "grad", f"step {step}")
+        for opt in opts:
+            opt.step()
+        _assert_same_bits(ref, model, "", f"step {step}")
+    assert handle.schedule is not None and _moved_sites(handle) == {s.index for s in handle.sites if s.name == "b"}
+    assert [s.name for s in handle.sites if s.split] == ["pre", "a", "b"]
+
+
 def test_dense_gradient_onto_a_sparse_grad():
     """A dense dW added to a sparse .grad (a sparse phase before, or one set by
     hand) turns .grad dense, as AccumulateGrad does; sparse.add_(dense) raised."""

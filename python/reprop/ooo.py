@@ -2852,13 +2852,34 @@ class OOOHandle(_PassTracking):
                              "peak_extra_bytes": 0, "speedup": [], "moved": 0}}
 
     def _split_moved(self, moved: set) -> None:
-        """Off CUDA, only the layers of site index in `moved` stay split:
-        without a sub-stream a dW left in its dO's region runs right after
-        that dO, which is autograd's own order."""
+        """Off CUDA, only the layers of site index in `moved` stay split,
+        with those sharing a parameter with them (_sharing): without a
+        sub-stream a dW left in its dO's region runs right after that dO,
+        which is autograd's own order."""
         if self._device is None or self._device.type != "cuda":
-            self._split_only(lambda site: site.index in moved)
+            split = self._sharing({site for site in self.sites if site.index in moved})
+            self._split_only(split.__contains__)
             for site in self.sites:
                 site.in_order = not site.split
+
+    def _sharing(self, split: set) -> set:
+        """`split` and every site sharing a parameter with one of them, in
+        turn (a weight tied across the moved layer and one left in place).
+        Run plain, the one left in place gave its use to autograd's
+        AccumulateGrad while the split added the moved site's dW apart:
+        (g + s_plain) + s_moved where autograd has g + (s_moved + s_plain),
+        5e-7 of the largest element off in float32, and under bfloat16
+        autocast each read a cast copy of its own, 1.3% off. Split, their
+        sites sum as split sites do, autograd's bits; the moved dW stays
+        moved. Frozen parameters count too: one unfrozen later profiles
+        nothing again."""
+        params = {site: {id(p) for p in site.kind.params(site.module) or () if p is not None}
+                  for site in self.sites}
+        split, shared = set(split), set().union(*(params[site] for site in split))
+        while more := {site for site in self.sites if site not in split and params[site] & shared}:
+            split |= more
+            shared = shared.union(*(params[site] for site in more))
+        return split
 
     def _split_only(self, keep: Callable[[_Site], bool]) -> None:
         """From the next forward on, only the called layers `keep` accepts
