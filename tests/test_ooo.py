@@ -740,6 +740,35 @@ def test_two_handles_sharing_a_weight_fire_its_hooks_once_on_the_whole_gradient(
                                                              for h in handles for s in h.sites]
 
 
+def _swallowing_nested_backward(inner: nn.Module) -> type:
+    """A custom Function (identity) whose backward runs a nested backward
+    through `inner` that raises before autograd reaches inner.weight there
+    (a hook on a product of the weight made before the split's call: the
+    engine runs the split first), swallows the error and returns its
+    gradient."""
+    def refuse(grad):
+        raise ValueError("refused")
+
+    class Nested(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            x, = ctx.saved_tensors
+            with torch.enable_grad():
+                twice = inner.weight * 2
+                twice.register_hook(refuse)
+                loss = inner(x.detach().requires_grad_()).sum() + twice.sum()
+            with pytest.raises(ValueError, match="refused"):
+                loss.backward()
+            return g
+
+    return Nested
+
+
 def test_a_nested_backward_that_raised_gives_the_hooks_back_at_the_end_of_the_pass():
     """A custom Function's backward runs a nested backward through the
     enabled model and swallows its error, raised after a split deferred the
@@ -755,28 +784,7 @@ def test_a_nested_backward_that_raised_gives_the_hooks_back_at_the_end_of_the_pa
     handle = ooo.enable(nn.ModuleList([outer, inner]))
     fired = []
     hook = inner.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
-
-    def refuse(grad):
-        raise ValueError("refused")
-
-    class Nested(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            ctx.save_for_backward(x)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            x, = ctx.saved_tensors
-            with torch.enable_grad():
-                # made before the split: the engine runs the split first
-                twice = inner.weight * 2
-                twice.register_hook(refuse)
-                loss = inner(x.detach().requires_grad_()).sum() + twice.sum()
-            with pytest.raises(ValueError, match="refused"):
-                loss.backward()
-            return g
-
+    Nested = _swallowing_nested_backward(inner)
     outer(Nested.apply(torch.randn(3, 4, requires_grad=True))).sum().backward()
     assert handle._iteration == 1 and not fired
     hooks = inner.weight._post_accumulate_grad_hooks
@@ -802,32 +810,13 @@ def test_a_nested_backward_that_raised_adds_no_dw_autograd_did_not(hooked, order
     Now every .grad and hook call is autograd's, bitwise; `first`: the
     Function nearer the loss than the outer split layer, so that the pass
     began in the nested backward."""
-    def refuse(grad):
-        raise ValueError("refused")
-
     def train(enabled: bool):
         torch.manual_seed(0)
         outer, inner = nn.Linear(4, 4), nn.Linear(4, 4)
         both = nn.ModuleList([outer, inner])
         handle = ooo.enable(both, order=order) if enabled else None
         seen = _hook_calls((both,)) if hooked else {}
-
-        class Nested(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                ctx.save_for_backward(x)
-                return x.clone()
-
-            @staticmethod
-            def backward(ctx, g):
-                x, = ctx.saved_tensors
-                with torch.enable_grad():
-                    twice = inner.weight * 2  # (made before the split: the engine runs it last)
-                    twice.register_hook(refuse)
-                    loss = inner(x.detach().requires_grad_()).sum() + twice.sum()
-                with pytest.raises(ValueError, match="refused"):
-                    loss.backward()
-                return g
+        Nested = _swallowing_nested_backward(inner)
 
         torch.manual_seed(1)
         if grads == "set":
@@ -1034,6 +1023,19 @@ def test_a_weight_read_inside_and_outside_a_reentrant_checkpoint_fires_its_hooks
     handle.remove()
 
 
+def _enabled_checkpoint_pair(pattern: str, moved: bool) -> tuple:
+    """(reference, enabled copy, handle) of _InAndOutOfACheckpoint(pattern);
+    `moved`: a schedule (fake speedups) moving dW past the nested graph's
+    sums, else one leaving every dW in place."""
+    torch.manual_seed(0)
+    ref = _InAndOutOfACheckpoint(pattern)
+    model = copy.deepcopy(ref)
+    schedule = (dict(profile_iters=2, regions=4, max_extra_memory=float("inf"),
+                     speedup=lambda r, i: 10.0 if r < i else 1.0) if moved else
+                dict(speedup=None))
+    return ref, model, ooo.enable(model, **schedule)
+
+
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("grads", ["None", "zeros"])
 @pytest.mark.parametrize("moved", [False, True], ids=["in place", "moved"])
@@ -1049,13 +1051,7 @@ def test_an_outside_site_nearer_the_loss_is_not_in_the_nested_graphs_hook_call(
     the final .grad are autograd's bits, where the schedule moves dW too
     (a nested graph's sum begun while another's dW are still to come is
     summed apart: "Io", "iIoi" were 6e-8 off)."""
-    torch.manual_seed(0)
-    ref = _InAndOutOfACheckpoint(pattern)
-    model = copy.deepcopy(ref)
-    schedule = (dict(profile_iters=2, regions=4, max_extra_memory=float("inf"),
-                     speedup=lambda r, i: 10.0 if r < i else 1.0) if moved else
-                dict(speedup=None))
-    handle = ooo.enable(model, **schedule)
+    ref, model, handle = _enabled_checkpoint_pair(pattern, moved)
     seen = _hook_calls((ref, model))
     with _deterministic(deterministic):
         for step in range(5):
@@ -1082,13 +1078,7 @@ def test_a_weight_with_no_hooks_read_in_two_backward_graphs_sums_each_graph_apar
     schedule moves dW; read outside too, from the backward after the first
     that ran the checkpoint on (that one sees the outer graph reach the
     weight only where it watches its node)."""
-    torch.manual_seed(0)
-    ref = _InAndOutOfACheckpoint(pattern)
-    model = copy.deepcopy(ref)
-    schedule = (dict(profile_iters=2, regions=4, max_extra_memory=float("inf"),
-                     speedup=lambda r, i: 10.0 if r < i else 1.0) if moved else
-                dict(speedup=None))
-    handle = ooo.enable(model, **schedule)
+    ref, model, handle = _enabled_checkpoint_pair(pattern, moved)
     for step in range(5):
         x = torch.randn(3, 4, requires_grad=True)
         for net in (ref, model):

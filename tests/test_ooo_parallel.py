@@ -1546,6 +1546,17 @@ def _averaged_by_hand(model: nn.Module, world: int) -> None:
             dist.all_reduce(p.grad)
 
 
+def _sgd_both(model: nn.Module, ref: nn.Module) -> None:
+    """One SGD step (lr 0.1) of both models on the gradients they have, then
+    their parameters compared bitwise."""
+    with torch.no_grad():
+        for net in (model, ref):
+            for p in net.parameters():
+                if p.grad is not None:
+                    p.sub_(0.1 * p.grad)
+    _assert_same(model, ref, "parameter")
+
+
 def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int = 6) -> None:
     """Layers 0-2 of _Net frozen whole (split, run plain while frozen) and
     layers 3 and 4's weights (split on their biases; held at k = 2) frozen
@@ -1588,12 +1599,7 @@ def _compare_unfrozen(rank: int, world: int, k: int, as_view: bool, steps: int =
             loss.backward()
         _averaged_by_hand(ref, world)
         _assert_same(model, ref, "grad")
-        with torch.no_grad():
-            for net in (model, ref):
-                for p in net.parameters():
-                    if p.grad is not None:
-                        p.sub_(0.1 * p.grad)
-        _assert_same(model, ref, "parameter")
+        _sgd_both(model, ref)
     assert model.layers[0].weight.grad is not None and model.layers[5].weight.grad is not None
     assert dp.layers == DEPTH  # (layers 0-2 planned too)
     dp.remove()
@@ -1720,12 +1726,7 @@ def _search_unfrozen(rank: int, world: int, unfreeze_at: int, steps: int) -> Non
             F.mse_loss(net(x), t).backward()
         _averaged_by_hand(ref, world)
         _assert_same(model, ref, "grad")
-        with torch.no_grad():
-            for net in (model, ref):
-                for p in net.parameters():
-                    if p.grad is not None:
-                        p.sub_(0.1 * p.grad)
-        _assert_same(model, ref, "parameter")
+        _sgd_both(model, ref)
         assert dp.layers == (DEPTH - 3 if step < unfreeze_at else DEPTH), step
         if step == unfreeze_at - 1 and unfreeze_at > DEPTH - 3:
             assert not dp.searching  # its sweep of [0, 5], one iteration a k, ended
