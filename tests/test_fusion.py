@@ -3511,7 +3511,10 @@ def _mlp_loop(mode: str | None, make_opt: Callable, steps: int, events: dict | N
         if events and i in events:
             events[i](model, opt)
         x, y = (t.to(device) for t in _mlp_batch(i))
-        F.mse_loss(call(x), y).backward()
+        out = call(x)
+        # the target in the loss's dtype, as torch 2.13's mse_loss promotes it
+        # (a float64 output: up to torch 2.11, its backward refuses a float32 target)
+        F.mse_loss(out, y.to(torch.promote_types(out.dtype, y.dtype))).backward()
         if before_step and i in before_step:
             before_step[i](model, opt)
         if instead_of_step and i in instead_of_step:
