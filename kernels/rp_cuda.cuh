@@ -21,8 +21,12 @@ static int rp_cuda_error(cudaError_t e, const char *fn, rp_error *err)
 
 /* Makes the device of `stream` current for the lifetime of the guard
  * (kernels launch on the current device), restoring the caller's after.
- * A stream that names no device (NULL, legacy, per-thread), or a driver too
- * old to say, leaves the current one. */
+ * A stream that names no device (NULL, legacy, per-thread), a driver too
+ * old to say, or a stream being captured into a CUDA graph leaves the
+ * current one, which the Python callers make the tensors'
+ * (_tensors.on_device). A capturing stream cannot be asked: the runtime
+ * refuses cudaStreamGetDevice on it (cudaErrorStreamCaptureUnsupported) and
+ * the refusal invalidates the capture; cudaStreamIsCapturing is allowed. */
 struct rp_device_guard {
     int dev = 0; /* the device the call runs on */
     int prev = -1;
@@ -36,6 +40,12 @@ struct rp_device_guard {
 #if CUDART_VERSION >= 12080
         if (stream != NULL && stream != cudaStreamLegacy && stream != cudaStreamPerThread) {
             int sdev = dev;
+            cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+            e = cudaStreamIsCapturing(stream, &capture);
+            if (e != cudaSuccess)
+                return e;
+            if (capture != cudaStreamCaptureStatusNone)
+                return cudaSuccess;
             e = cudaStreamGetDevice(stream, &sdev);
             if (e == cudaErrorCallRequiresNewerDriver) {
                 /* a 12.8+ build on an older driver (minor-version

@@ -36,6 +36,7 @@ static struct {
     int current_device;
     cudaStream_t stream; /* the call's stream */
     int stream_device;   /* its device: current during every launch */
+    bool capturing;      /* it is being captured into a CUDA graph */
     cudaError_t pending; /* what cudaGetLastError returns next */
     long get_device_calls;
 } g_emu;
@@ -61,8 +62,12 @@ static cudaError_t mock_get_device(int *dev)
     return cudaSuccess;
 }
 
+/* The real runtime refuses cudaStreamGetDevice on a capturing stream, and
+ * the refusal invalidates the capture: asking is a failure of the launcher. */
 static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
 {
+    CHECK(!(g_emu.capturing && stream == g_emu.stream),
+          "cudaStreamGetDevice on stream %p while it is captured", (void *)stream);
     for (int d = 0; d < EMU_DEVICES; d++) {
         if (stream == emu_stream(d)) {
             *dev = d;
@@ -71,6 +76,13 @@ static cudaError_t mock_stream_get_device(cudaStream_t stream, int *dev)
     }
     CHECK(false, "cudaStreamGetDevice on stream %p, not an emulated one", (void *)stream);
     return cudaErrorInvalidResourceHandle;
+}
+
+static cudaError_t mock_stream_is_capturing(cudaStream_t stream, cudaStreamCaptureStatus *status)
+{
+    *status = g_emu.capturing && stream == g_emu.stream ? cudaStreamCaptureStatusActive
+                                                        : cudaStreamCaptureStatusNone;
+    return cudaSuccess;
 }
 
 static cudaError_t mock_set_device(int dev)
@@ -101,6 +113,7 @@ static void emu_check_launch_site(dim3 grid, dim3 block, cudaStream_t stream)
 #define cudaLaunchKernel mock_launch_kernel
 #define cudaGetDevice mock_get_device
 #define cudaStreamGetDevice mock_stream_get_device
+#define cudaStreamIsCapturing mock_stream_is_capturing
 #define cudaSetDevice mock_set_device
 #define cudaDeviceGetAttribute mock_device_get_attribute
 #define cudaGetLastError mock_get_last_error

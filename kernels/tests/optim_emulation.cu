@@ -5,8 +5,9 @@
  * CI has nvcc but no GPU. optim.cu is included twice:
  *
  *   - as it is, for its launcher (rp_cuda_optim_step), with the CUDA runtime
- *     calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice,
- *     cudaSetDevice, cudaDeviceGetAttribute, cudaGetLastError) renamed to host
+ *     calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamIsCapturing,
+ *     cudaStreamGetDevice, cudaSetDevice, cudaDeviceGetAttribute,
+ *     cudaGetLastError) renamed to host
  *     mocks (emu_runtime.h; the launch and attribute mocks below); every other
  *     runtime call (cudaGetDeviceCount, cudaGetErrorString) is the real static
  *     runtime;
@@ -50,6 +51,8 @@
  *     still past the 128 counters of one increment block, so that a full step
  *     table is a grid of two);
  *   - the stream's device is current during the launches and restored after;
+ *     a stream being captured into a CUDA graph is never asked its device
+ *     (the real runtime's refusal would invalidate the capture);
  *   - error statuses: bad arguments give RP_EINVAL with nothing launched or
  *     written, CUDA errors (a refused launch, or one cudaGetLastError reports,
  *     of the step increments or of an update) give RP_ERUNTIME with CUDA's
@@ -209,6 +212,7 @@ typedef struct {
     long capped_chunks;           /* launches with chunks of RP_HUGE_STEPS block steps */
     std::vector<int> chunks;      /* the distinct chunk sizes launched */
     long device_switches;         /* calls on a stream of another device than the current */
+    long captured_calls;          /* calls on a stream being captured into a CUDA graph */
     long refused_cases;           /* random cases whose hyper-parameters the C core refuses */
 } emu_stats;
 
@@ -929,12 +933,14 @@ typedef enum { NOT_CAPTURABLE, CAPTURABLE, CAPTURABLE_LR_PTR, N_CAPTURE_MODES } 
 static const char *const capture_names[N_CAPTURE_MODES] = {
     "not capturable", "capturable", "capturable with device lr"};
 
-/* Where a call runs: the current device and the stream (on its own device). */
+/* Where a call runs: the current device and the stream (on its own device),
+ * which may be being captured into a CUDA graph. */
 typedef struct {
     const char *name;
     int current_device;
     cudaStream_t stream;
     int stream_device;
+    bool capturing;
 } launch_config;
 
 static std::vector<launch_config> launch_configs(void)
@@ -945,6 +951,9 @@ static std::vector<launch_config> launch_configs(void)
     v.push_back({"per-thread stream, device 2 (4 SMs)", 2, cudaStreamPerThread, 2});
     v.push_back({"stream of device 3 (7 SMs), current", 3, emu_stream(3), 3});
     v.push_back({"legacy stream, device 1 (1 SM)", 1, cudaStreamLegacy, 1});
+    /* its device cannot be asked (emu_runtime.h): the current one, the Python
+     * callers' tensors' */
+    v.push_back({"stream of device 2 (4 SMs) being captured, current", 2, emu_stream(2), 2, true});
     return v;
 }
 
@@ -978,6 +987,7 @@ static void expect_call(const rp_optim_hparams &hp, int dtype, bool capturable, 
     g_emu.current_device = lc.current_device;
     g_emu.stream = lc.stream;
     g_emu.stream_device = lc.stream_device;
+    g_emu.capturing = lc.capturing;
 }
 
 /* After a successful call: everything updated once, the device restored. */
@@ -1008,6 +1018,7 @@ static void check_call_done(const case_data *cd, const launch_config &lc)
     g_stats.multi_launch_calls += g_call.update_launches > 1;
     g_stats.multi_step_launch_calls += g_call.step_launches > 1;
     g_stats.device_switches += lc.stream_device != lc.current_device;
+    g_stats.captured_calls += lc.capturing;
 }
 
 /* One step through rp_cuda_optim_step, as csrc/module_cuda.c makes it. */
@@ -1316,6 +1327,7 @@ static void check_coverage(void)
     CHECK(g_stats.chunks.size() >= 6, "only %zu chunk sizes", g_stats.chunks.size());
     CHECK(g_stats.capped_chunks > 0, "chunks never reached RP_HUGE_STEPS block steps");
     CHECK(g_stats.device_switches > 0, "no call on another device's stream");
+    CHECK(g_stats.captured_calls > 0, "no call on a stream being captured");
     CHECK(g_exec.barriers > 0, "no emulated thread reached a barrier");
 }
 

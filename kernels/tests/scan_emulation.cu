@@ -3,8 +3,8 @@
  * kernels), run on the host, must agree with the recurrence it computes.
  *
  * CI has nvcc but no GPU. This test includes scan.cu with the CUDA runtime
- * calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamGetDevice,
- * cudaSetDevice, cudaDeviceGetAttribute, cudaFuncSetAttribute,
+ * calls it makes (cudaLaunchKernel, cudaGetDevice, cudaStreamIsCapturing,
+ * cudaStreamGetDevice, cudaSetDevice, cudaDeviceGetAttribute, cudaFuncSetAttribute,
  * cudaGetLastError) renamed to host mocks (emu_runtime.h; the launch and
  * attribute mocks below). The launch mock finds the kernel it is handed
  * among every instantiation scan.cu can launch and runs every block of the
