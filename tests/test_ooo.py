@@ -5201,16 +5201,20 @@ def _nhwc(*shape):
     (lambda: nn.BatchNorm1d(8), lambda: torch.randn(3, 5, 8).transpose(1, 2),
      "CudnnBatchNormBackward0"),
     (lambda: nn.BatchNorm1d(8), _nchw(3, 8), "NativeBatchNormBackward0"),  # cuDNN: 3 dims or more
+    # native eval backward: one fused kernel for dO with dW, another for dO alone
+    (lambda: nn.BatchNorm1d(8).eval(), _nchw(3, 8), "NativeBatchNormBackward0"),
     (lambda: nn.GroupNorm(2, 8), _nhwc(3, 8, 5, 5), "NativeGroupNormBackward0"),
 ], ids=["bn2d", "bn2d_channels_last", "bn2d_cumulative", "bn2d_no_running_stats", "bn2d_eval",
-        "bn1d_transposed", "bn1d_2d_native", "group_norm_channels_last"])
+        "bn1d_transposed", "bn1d_2d_native", "bn1d_2d_native_eval", "group_norm_channels_last"])
 def test_norm_layers_run_torchs_cuda_kernels(make, batch, node):
     """On CUDA F.batch_norm runs cuDNN's kernels where they apply and native
     ones elsewhere (the CPU runs native ones only); the split runs what it
     runs: output, dX, dweight, dbias and the running statistics bitwise
     autograd's, step after step (native_batch_norm, called directly, put
-    every gradient of a model with a BatchNorm 1e-7 off on CUDA). GroupNorm
-    takes NCHW there: its split raised on a channels_last input."""
+    every gradient of a model with a BatchNorm 1e-7 off on CUDA); in eval
+    mode too, where CUDA's native backward rounds dO otherwise when asked for
+    it alone. GroupNorm takes NCHW there: its split raised on a
+    channels_last input."""
     with _cuda_exact():
         torch.manual_seed(0)
         ref = make().cuda()

@@ -354,8 +354,13 @@ class _BatchNormKind(_NormKind):
     def fuses(self, saved):
         # with batch statistics, dO needs the per-channel sums of g and g * x_hat,
         # which are dbias and dweight (cuDNN's backward makes all three in one
-        # call); in eval mode dO is element-wise, dW a reduction
-        return saved[8]
+        # call). In eval mode dO is element-wise, dW a reduction: two calls on
+        # the CPU, whose kernels give the same bits either way; CUDA's native
+        # backward asked for dO with dW or db runs one fused kernel, whose dO
+        # (g * (invstd * w)) rounds otherwise than its element-wise kernel's
+        # for dO alone (g * w * invstd): one call there, with autograd's mask
+        x, training = saved[0], saved[8]
+        return training or x.is_cuda
 
     def _backward(self, saved, g, mask):
         # autograd's backward of the forward's kernels: cudnn_batch_norm_backward
