@@ -5181,6 +5181,65 @@ def test_autocast_gradients_match_autograd_on_cuda(dtype):
         _autocast_gradients_match(ConvNet, lambda s: _conv_batch(s, "cpu"), "cuda", dtype, "ooo")
 
 
+def _nchw(*shape):
+    return lambda: torch.randn(shape)
+
+
+def _nhwc(*shape):
+    return lambda: torch.randn(shape).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make, batch, node", [
+    (lambda: nn.BatchNorm2d(8), _nchw(3, 8, 5, 5), "CudnnBatchNormBackward0"),
+    (lambda: nn.BatchNorm2d(8), _nhwc(3, 8, 5, 5), "CudnnBatchNormBackward0"),
+    (lambda: nn.BatchNorm2d(8, momentum=None), _nchw(3, 8, 5, 5), "CudnnBatchNormBackward0"),
+    (lambda: nn.BatchNorm2d(8, track_running_stats=False), _nchw(3, 8, 5, 5),
+     "CudnnBatchNormBackward0"),
+    (lambda: nn.BatchNorm2d(8).eval(), _nchw(3, 8, 5, 5), "CudnnBatchNormBackward0"),
+    # cuDNN normalizes a dense copy of a transposed input, which autograd saves
+    (lambda: nn.BatchNorm1d(8), lambda: torch.randn(3, 5, 8).transpose(1, 2),
+     "CudnnBatchNormBackward0"),
+    (lambda: nn.BatchNorm1d(8), _nchw(3, 8), "NativeBatchNormBackward0"),  # cuDNN: 3 dims or more
+    # native eval backward: one fused kernel for dO with dW, another for dO alone
+    (lambda: nn.BatchNorm1d(8).eval(), _nchw(3, 8), "NativeBatchNormBackward0"),
+    (lambda: nn.GroupNorm(2, 8), _nhwc(3, 8, 5, 5), "NativeGroupNormBackward0"),
+], ids=["bn2d", "bn2d_channels_last", "bn2d_cumulative", "bn2d_no_running_stats", "bn2d_eval",
+        "bn1d_transposed", "bn1d_2d_native", "bn1d_2d_native_eval", "group_norm_channels_last"])
+def test_norm_layers_run_torchs_cuda_kernels(make, batch, node):
+    """On CUDA F.batch_norm runs cuDNN's kernels where they apply and native
+    ones elsewhere (the CPU runs native ones only); the split runs what it
+    runs: output, dX, dweight, dbias and the running statistics bitwise
+    autograd's, step after step (native_batch_norm, called directly, put
+    every gradient of a model with a BatchNorm 1e-7 off on CUDA); in eval
+    mode too, where CUDA's native backward rounds dO otherwise when asked for
+    it alone. GroupNorm takes NCHW there: its split raised on a
+    channels_last input."""
+    with _cuda_exact():
+        torch.manual_seed(0)
+        ref = make().cuda()
+        model = copy.deepcopy(ref)
+        ooo.enable(model, order="conventional")
+        for step in range(3):
+            x = batch().cuda()
+            g = torch.randn(x.shape, device="cuda")
+            outs = []
+            for net in (ref, model):
+                xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
+                out = net(xi)
+                out.backward(g)
+                outs.append((out, xi.grad))
+            (want, want_dx), (got, got_dx) = outs
+            assert type(want.grad_fn).__name__ == node  # the kernels this case is about
+            assert got.stride() == want.stride()
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}: output")
+            torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=0, msg=f"step {step}: dX")
+            for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+                torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=f"step {step}: {name}")
+            for (name, a), b in zip(ref.named_buffers(), model.buffers()):
+                torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"step {step}: {name}")
+
+
 @pytest.mark.gpu
 def test_capture_on_cuda_trains_like_eager():
     with _cuda_exact():

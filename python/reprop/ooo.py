@@ -293,14 +293,16 @@ class _NormKind(_Kind):
     def grads(self, saved, g, input_grad: bool, mask) -> tuple:
         """(dO or None, (dweight, dbias)) from one call of the native backward."""
         dx, dw, db = self._backward(saved, g, [input_grad, *mask])
-        return dx, (dw, db)
+        # (cuDNN's BatchNorm backward has no mask: dO unasked goes here)
+        return (dx if input_grad else None), (dw, db)
 
 
 class _BatchNormKind(_NormKind):
-    # saves x, weight, save_mean, save_invstd and, as autograd's node does, the
-    # running statistics (eval mode normalizes with them), so an in-place change
-    # between forward and backward raises as it does there
-    tensors_saved = 6
+    # saves x, weight, save_mean, save_invstd, cuDNN's reserve space and, as
+    # autograd's node does, the running statistics (eval mode normalizes with
+    # them), so an in-place change between forward and backward raises as it
+    # does there
+    tensors_saved = 7
 
     def _state(self, m):
         # torch.nn.modules.batchnorm._BatchNorm.forward, step for step
@@ -337,17 +339,41 @@ class _BatchNormKind(_NormKind):
     def forward(self, m, x, w, b):
         training, eaf, rm, rv = self._state(m)
         self._check(x, w, b, rm, rv, training)
-        y, mean, invstd = _aten.native_batch_norm(x, w, b, rm, rv, training, eaf, m.eps)
-        return y, (x, w, mean, invstd, rm, rv, training, m.eps)
+        # at::batch_norm's own call (F.batch_norm's): on CUDA it runs cuDNN's
+        # kernels where they apply (impl 1), other sums than the native ones
+        # (impl 0, the CPU's) that native_batch_norm called directly ran there:
+        # every gradient of a model with a BatchNorm was 1e-7 off autograd's
+        y, mean, invstd, reserve, impl = _aten._batch_norm_impl_index(
+            x, w, b, rm, rv, training, eaf, m.eps, torch.backends.cudnn.enabled)
+        if impl == _CUDNN_BATCH_NORM:
+            # cudnn_batch_norm got x dense in its layout, autograd's node saved
+            # that copy, and cudnn_batch_norm_backward refuses any other
+            x = x.contiguous(memory_format=suggest_memory_format(x))
+        return y, (x, w, mean, invstd, rm, rv, reserve, impl, training, m.eps)
 
     def fuses(self, saved):
         # with batch statistics, dO needs the per-channel sums of g and g * x_hat,
-        # which are dbias and dweight; in eval mode dO is element-wise, dW a reduction
-        return saved[6]
+        # which are dbias and dweight (cuDNN's backward makes all three in one
+        # call). In eval mode dO is element-wise, dW a reduction: two calls on
+        # the CPU, whose kernels give the same bits either way; CUDA's native
+        # backward asked for dO with dW or db runs one fused kernel, whose dO
+        # (g * (invstd * w)) rounds otherwise than its element-wise kernel's
+        # for dO alone (g * w * invstd): one call there, with autograd's mask
+        x, training = saved[0], saved[8]
+        return training or x.is_cuda
 
     def _backward(self, saved, g, mask):
-        x, w, mean, invstd, rm, rv, training, eps = saved
-        return _aten.native_batch_norm_backward(g, x, w, rm, rv, mean, invstd, training, eps, mask)
+        # autograd's backward of the forward's kernels: cudnn_batch_norm_backward
+        # (no mask: dO, dweight and dbias) for cuDNN with batch statistics,
+        # native_batch_norm_backward otherwise, eval mode on cuDNN too
+        x, w, mean, invstd, rm, rv, reserve, impl, training, eps = saved
+        return _aten._batch_norm_impl_index_backward(impl, x, g, w, rm, rv, mean, invstd,
+                                                     training, eps, mask, reserve)
+
+
+# at::_batch_norm_impl_index's answer for cuDNN's kernels (0: native; 2,
+# MIOpen's, is ROCm's, for which reprop does not build)
+_CUDNN_BATCH_NORM = 1
 
 
 class _LayerNormKind(_NormKind):  # saves x, weight, mean, rstd and bias, as autograd's node
@@ -385,7 +411,7 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         return "group_norm"
 
     def forward(self, m, x, w, b):
-        x = x.contiguous(memory_format=suggest_memory_format(x))  # as at::group_norm
+        x = x.contiguous(memory_format=_group_norm_format(x))  # as at::group_norm
         n, c, hw = self._sizes(x)
         y, mean, rstd = _aten.native_group_norm(x, w, b, n, c, hw, m.num_groups, m.eps)
         return y, (x, w, mean, rstd, m.num_groups)
@@ -397,9 +423,17 @@ class _GroupNormKind(_NormKind):  # saves x, weight, mean, rstd
         x, w, mean, rstd, groups = saved
         n, c, hw = self._sizes(x)
         # the kernel reads both dense in x's layout; autograd's formula makes them so
-        fmt = suggest_memory_format(x)
+        fmt = _group_norm_format(x)
         return _aten.native_group_norm_backward(g.contiguous(memory_format=fmt), x, mean, rstd,
                                                 w, n, c, hw, groups, mask)
+
+
+def _group_norm_format(x: torch.Tensor) -> torch.memory_format:
+    """The layout at::group_norm makes x dense in, and autograd's formula x
+    and the output gradient: x's own on the CPU, whose kernels read
+    channels_last; NCHW on CUDA, whose native_group_norm refuses any other
+    (a channels_last input raised there)."""
+    return suggest_memory_format(x) if x.device.type == "cpu" else torch.contiguous_format
 
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
