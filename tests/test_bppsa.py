@@ -152,6 +152,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int32)
 
 
+def pre_activation_reference(activation: str, v: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The bits pre_activation should write for v = f'(y): v * g, but for relu
+    torch's threshold_backward (autograd's ReLU backward), a select: +0 where
+    y <= 0, where v * g is -0 for a negative g."""
+    return torch.ops.aten.threshold_backward(g, y, 0) if activation == "relu" else v * g
+
+
 def activation_case(activation: str, n: int, B: int, H: int, gates: int, seed: int):
     """w, y with zeros of both signs (and NaNs for relu), and v = f'(y) as
     _rnn_backward formed it before the scan could: 1 - y * y, or torch's relu
@@ -189,10 +196,9 @@ def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
 
     assert torch.equal(bits(implied()), bits(want))
     if gates == 1:
-        scaled = v * want
-        selected = torch.ops.aten.threshold_backward(want, y, 0) if activation == "relu" else scaled
+        selected = pre_activation_reference(activation, v, y, want)
         assert torch.equal(bits(implied(pre_activation=True)), bits(selected))
-        assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(scaled))
+        assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(v * want))
 
 
 @pytest.mark.parametrize("levels", [5, "blelloch"])
@@ -2039,13 +2045,19 @@ def test_cuda_scan_equals_cpu(gates, H):
 @pytest.mark.parametrize("activation", ["tanh", "relu"])
 @pytest.mark.parametrize("H", [20, 130])
 def test_cuda_scan_activation_equals_given_v(activation, H):
+    """test_scan_activation_equals_given_v's bits on CUDA: relu's
+    pre_activation is threshold_backward's select (+0 where y <= 0), as the
+    C scan's, not v * g (-0 there for a negative g)."""
     n, B = 77, 3
     w, y, v, c = (t.cuda() for t in activation_case(activation, n, B, H, 1, seed=H))
     for L in range(bppsa.max_levels(n) + 1):
         want = bppsa.scan(c, w=w, v=v, levels=L)
         implied = bppsa.scan(c, w=w, activation=activation, y=y, levels=L)
         d = bppsa.scan(c, w=w, activation=activation, y=y, levels=L, pre_activation=True)
-        assert torch.equal(bits(implied), bits(want)) and torch.equal(bits(d), bits(v * want)), L
+        scaled = bppsa.scan(c, w=w, v=v, levels=L, pre_activation=True)
+        assert torch.equal(bits(implied), bits(want)), L
+        assert torch.equal(bits(d), bits(pre_activation_reference(activation, v, y, want))), L
+        assert torch.equal(bits(scaled), bits(v * want)), L
 
 
 @pytest.mark.gpu
