@@ -458,16 +458,40 @@ def non_reentrant_checkpointing() -> bool:
         ("_checkpoint_hook.", "_recomputation_hook."))
 
 
-def queue_end_of_backward(callback: Callable[[], None]) -> "weakref.ref":
+class _Queued:
+    """An end-of-backward callback that records that it ran. On CUDA the
+    engine's device thread, which finishes the pass, can still hold the
+    pass and so its callbacks a moment after backward() returned to the
+    caller: a queued callback alive is not yet one still to run."""
+
+    __slots__ = ("callback", "ran", "__weakref__")
+
+    def __init__(self, callback: Callable[[], None]):
+        self.callback, self.ran = callback, False
+
+    def __call__(self) -> None:
+        try:
+            self.callback()
+        finally:
+            self.ran = True
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> Callable[[], object]:
     """Queues `callback` for the end of the backward pass running now, and
-    returns a weak reference to it. The pass holds the only strong one (pass
-    a fresh object, as ``obj.method`` is), so the reference dies when the
-    pass is over: alive while ``_in_backward`` says a pass runs, it is
-    running; dead, it raised and dropped the callback unrun, whichever
-    thread it ran in and whatever ran since (a retry of it, another
-    forward)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-    return weakref.ref(callback)
+    returns a function giving the queued entry while it is still to run,
+    else None: once it ran (whichever thread ran it) or once the pass
+    dropped it unrun by raising (the pass holds the only strong reference
+    to it, so a weak one dies with it), whatever ran since (a retry of it,
+    another forward)."""
+    queued = _Queued(callback)
+    torch.autograd.Variable._execution_engine.queue_callback(queued)
+    ref = weakref.ref(queued)
+
+    def pending() -> "_Queued | None":
+        entry = ref()
+        return None if entry is None or entry.ran else entry
+
+    return pending
 
 
 def not_queued() -> None:

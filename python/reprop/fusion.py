@@ -1759,8 +1759,8 @@ class _BackwardFusion(FusionHandle):
         # of the model, step() and zero_grad(), cleared by each check
         self._swap_check_due = True
         # _backward_pass() of the backward that set it (None: set outside one)
-        self._marked_in: weakref.ref | None = None
-        self._pass: weakref.ref | None = None  # see _backward_pass
+        self._marked_in: Callable | None = None
+        self._pass: Callable | None = None  # see _backward_pass
         self._groups_followed_in: int | None = None  # see _follow_groups
         # id(param) -> (param, _grad_mark of its .grad, weakly that .grad) whose
         # .grad (keep_grads=True) holds a gradient applied already, kept for the
@@ -1784,7 +1784,7 @@ class _BackwardFusion(FusionHandle):
         self._kept_edit_refused = False
         self._ready: dict = {}  # id(param) -> param with a complete gradient, not yet updated
         # _on_backward_end is queued for a backward that has not ended: when its
-        # weak reference is dead too, that backward raised (see _drop_failed_pass).
+        # entry is gone unrun too, that backward raised (see _drop_failed_pass).
         self._pass_open = False
         self._updated: set = set()  # ids of the params updated since the window's last step
         # ids of the params a window's step moved before its step() was called
@@ -2119,14 +2119,14 @@ class _BackwardFusion(FusionHandle):
             self._backward_since_forward = True
             self._marked_in = None if _tensors.outside_backward() else self._backward_pass()
 
-    def _backward_pass(self) -> weakref.ref:
+    def _backward_pass(self) -> Callable:
         """A token of the backward pass running now, the same in the nested
         backward passes of its reentrant checkpoints (whose graph task ids
-        are new ones): a weak reference alive until the end of the pass in
-        which this fusion first saw a gradient or a forward, the outermost
-        one unless every fused module runs inside a nested reentrant
-        checkpoint. Dead after an exception, which drops the pass's
-        callbacks."""
+        are new ones): queue_end_of_backward's function, which gives its
+        entry until the end of the pass in which this fusion first saw a
+        gradient or a forward, the outermost one unless every fused module
+        runs inside a nested reentrant checkpoint, and None once that pass
+        is over or raised (which drops the pass's callbacks)."""
         if self._pass is None or self._pass() is None:
             self._pass = _tensors.queue_end_of_backward(lambda: None)
         return self._pass

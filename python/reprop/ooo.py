@@ -1600,7 +1600,8 @@ class _CoRun:
 
 class _PassTracking:
     """For objects that mark a backward as running (_in_backward) and hold its
-    end-of-backward callback weakly (_end_ref, from queue_end_of_backward)."""
+    end-of-backward callback (_end_ref, from queue_end_of_backward: None once it ran
+    or was dropped)."""
 
     # until a pass queues its callback: a first backward stopped before it
     # did (a KeyboardInterrupt) is dropped as any backward that raised
