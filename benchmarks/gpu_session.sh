@@ -3,23 +3,26 @@
 #
 #   bash benchmarks/gpu_session.sh [--dry-run] [--device cpu --quick] PART...
 #
-# PART: build, tests, bench-a, bench-b, or all (the four in turn, no time guard:
+# PART: build, tests, bench-a, bench-b, bench-c, or all (the five in turn, no time guard:
 # for a machine without a per-command limit). Run from the repository root.
 # Results (JSON, logs, the tests' JUnit XML) go to $OUT (default ./gpu_session_out);
 # `python3 benchmarks/gpu_session.py $OUT` turns the JSON into RESULTS.md rows.
 #
 # The device lends one H200 for 30 minutes per session, at most 10 per command,
 # each fresh machine bare. So each part builds reprop first when this checkout's
-# build lacks CUDA (a minute or two), the issues' targets (BPPSA #5, out-of-order
-# #6) run first, and a time guard (GPU_SESSION_BUDGET_S, default 510 s counted
+# build lacks CUDA (about 200 s; carry a build made elsewhere to skip it: README),
+# the issues' targets (BPPSA #5, out-of-order #6) run first, and a time guard
+# (GPU_SESSION_BUDGET_S, default 510 s counted
 # from the script's start) shortens each command's timeout to what is left and
 # skips, with a line saying so, the commands no time is left for. Each part
 # writes at most 8 files (what a call brings back). Calls:
 #   run: bash benchmarks/gpu_session.sh build tests   (timeout_s 600)
 #   run: bash benchmarks/gpu_session.sh bench-a       (timeout_s 600)
 #   run: bash benchmarks/gpu_session.sh bench-b       (timeout_s 600)
+#   run: bash benchmarks/gpu_session.sh bench-c       (timeout_s 600)
 #
-# Estimates (seconds on an H200, none measured there yet): 20 s of start-up
+# Estimates (seconds on an H200; most measured there on 2026-11-25, each
+# command's comment says): 20 s of start-up
 # (python, torch, CUDA context, model builds) plus rounds x candidates x
 # cases x step time, the step time from the sizes (bytes / 3.5 TB/s for the
 # optimizers; about 30-100 ms for a 224x224 batch-32 CNN step; a cuDNN RNN
@@ -38,31 +41,32 @@ export OUT PYTHONUNBUFFERED=1
 DRY_RUN=0
 SMOKE=0
 BUDGET_S=${GPU_SESSION_BUDGET_S:-510}
-BUILD_ESTIMATE_S=90   # nvcc for sm_80 and sm_90 plus PTX, on 16 cores
+BUILD_ESTIMATE_S=200  # nvcc for sm_80 and sm_90 plus PTX: 199 s on the H200 (2026-11-25)
 START_S=$SECONDS
 
 # Each benchmark command: "part|estimate s|timeout s|command". The issue
 # targets come first in bench-a: bppsa's T sweep holds T=1000, B=16, d=20
 # (issue 5) and ooo's first command DenseNet-121 k=12 batch 32 (issue 6).
 BENCHMARKS=(
-  # T in 10..30000 x 3 candidates x 12 rounds; T=30000 alone about 0.5 s a cuDNN step
-  'bench-a|60|240|python3 benchmarks/bppsa.py --device cuda --part rnn-t --json $OUT/bppsa-cuda-t.json'
-  # 4 kinds x 2 builds (check, timed) x about 20 steps of about 30 ms, plus captures
-  'bench-a|60|240|python3 benchmarks/ooo.py --device cuda --parts single --models densenet121_k12 --batches 32 --json $OUT/ooo-cuda-target.json'
-  # 8 batches + 6 hiddens at T=1000, 9 GRU cases, the VGG-11 chain at 1/8 width
-  'bench-a|120|300|python3 benchmarks/bppsa.py --device cuda --part rnn-batch --part rnn-hidden --part gru --part vgg --json $OUT/bppsa-cuda-rest.json'
-  # 3 optimizers x 2 cases x 5 candidates x 28 rounds of about 1 ms (2.8 GB / 3.5 TB/s)
-  'bench-a|45|180|python3 benchmarks/optim.py --device cuda --json $OUT/optim-cuda.json'
-  # 12-layer BERT-base, 2 activations x 8 candidates x 13 steps, no largest-batch search
-  'bench-a|60|180|python3 benchmarks/fad.py --device cuda --models bert_base --reps 10 --mem-cap-gib 0 --json $OUT/fad-cuda-bert.json'
-  # bfloat16 autocast steps of both models
+  # estimates: 1.2-1.3 x what each took on the H200 (2026-11-25), where measured
+  # T in 10..30000 x 3 candidates x 12 rounds (took 19 s)
+  'bench-a|25|240|python3 benchmarks/bppsa.py --device cuda --part rnn-t --json $OUT/bppsa-cuda-t.json'
+  # 4 kinds x 2 builds (check, timed) x about 20 steps of about 30 ms, plus captures (took 34 s)
+  'bench-a|45|240|python3 benchmarks/ooo.py --device cuda --parts single --models densenet121_k12 --batches 32 --json $OUT/ooo-cuda-target.json'
+  # 8 batches + 6 hiddens at T=1000, 9 GRU cases, the VGG-11 chain at 1/8 width (took 86 s)
+  'bench-a|110|300|python3 benchmarks/bppsa.py --device cuda --part rnn-batch --part rnn-hidden --part gru --part vgg --json $OUT/bppsa-cuda-rest.json'
+  # 3 optimizers x 2 cases x 5 candidates x 28 rounds of about 1 ms (took 15 s)
+  'bench-a|25|180|python3 benchmarks/optim.py --device cuda --json $OUT/optim-cuda.json'
+  # bfloat16 autocast steps of both models (not measured yet)
   'bench-a|60|180|python3 benchmarks/fad.py --device cuda --amp --parts steps --reps 10 --mem-cap-gib 0 --json $OUT/fad-cuda-amp.json'
-  # 8 models x 2 batches x 4 kinds x 6 rounds, about 9 s a row (builds, captures)
-  'bench-b|150|300|python3 benchmarks/ooo.py --device cuda --parts single,split,simulate --reps 5 --json $OUT/ooo-cuda.json'
-  # 6 models + 5 batches + 6 optimizers, 7 candidates x 13 steps of 20-100 ms
-  'bench-b|120|300|python3 benchmarks/fusion.py --device cuda --reps 10 --json $OUT/fusion-cuda.json'
-  # ResNet-50, 3 activations x 8 candidates x 13 steps of about 50 ms, the search under 2 GiB
-  'bench-b|120|300|python3 benchmarks/fad.py --device cuda --models resnet50 --reps 10 --mem-cap-gib 2 --json $OUT/fad-cuda-resnet.json'
+  # 6 models + 5 batches + 6 optimizers, 7 candidates x 13 steps of 20-100 ms (took 134 s)
+  'bench-b|160|300|python3 benchmarks/fusion.py --device cuda --reps 10 --json $OUT/fusion-cuda.json'
+  # 12-layer BERT-base, 2 activations x 8 candidates x 13 steps, no largest-batch search (took 92 s)
+  'bench-b|110|180|python3 benchmarks/fad.py --device cuda --models bert_base --reps 10 --mem-cap-gib 0 --json $OUT/fad-cuda-bert.json'
+  # 8 models x 2 batches x 4 kinds x 6 rounds, about 9 s a row (builds, captures; not measured yet)
+  'bench-c|150|300|python3 benchmarks/ooo.py --device cuda --parts single,split,simulate --reps 5 --json $OUT/ooo-cuda.json'
+  # ResNet-50, 3 activations x 8 candidates x 13 steps of about 50 ms, the search under 2 GiB (not measured yet)
+  'bench-c|120|300|python3 benchmarks/fad.py --device cuda --models resnet50 --reps 10 --mem-cap-gib 2 --json $OUT/fad-cuda-resnet.json'
 )
 
 say() { printf 'gpu_session: %s\n' "$*"; }
@@ -143,7 +147,11 @@ TESTS_CMD='python3 -m pytest -q -m gpu tests/ -p no:cacheprovider --durations=30
 # summary, the slowest durations and the XML.
 part_tests() {
   ensure_built
-  run_timed "$OUT/gpu-tests.log" - 999999 "$(adapt "$TESTS_CMD")" INT
+  local cmd
+  cmd=$(adapt "$TESTS_CMD")
+  # four workers where pytest-xdist is there (the H200 image has it): 177 s, not some 10 minutes
+  if "$PY" -c 'import xdist' 2>/dev/null; then cmd="$cmd -n 4"; fi
+  run_timed "$OUT/gpu-tests.log" - 999999 "$cmd" INT
   tail -n 45 "$OUT/gpu-tests.log"
 }
 
@@ -184,10 +192,10 @@ main() {
       --device) [ "${2:-}" = cpu ] || { echo "--device: only cpu (the smoke run)" >&2; exit 2; }
                 SMOKE=1; shift;;
       --quick) SMOKE=1;;
-      all) parts+=(build tests bench-a bench-b)
+      all) parts+=(build tests bench-a bench-b bench-c)
            [ -n "${GPU_SESSION_BUDGET_S:-}" ] || BUDGET_S=0;;
-      build|tests|bench-a|bench-b) parts+=("$1");;
-      *) echo "unknown part or option: $1 (build, tests, bench-a, bench-b, all)" >&2; exit 2;;
+      build|tests|bench-a|bench-b|bench-c) parts+=("$1");;
+      *) echo "unknown part or option: $1 (build, tests, bench-a, bench-b, bench-c, all)" >&2; exit 2;;
     esac
     shift
   done

@@ -899,7 +899,7 @@ import subprocess  # noqa: E402
 import gpu_session  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SESSION_PARTS = ("bench-a", "bench-b")
+SESSION_PARTS = ("bench-a", "bench-b", "bench-c")
 DEVICE_CALL_LIMIT_S = 540  # a device command's 10 minutes, less a minute for start-up and transfers
 DEVICE_FILES_LIMIT = 8     # files a device call brings back from $OUT
 
@@ -984,11 +984,11 @@ def test_gpu_session_time_guard_shortens_timeouts_then_skips(tmp_path, budget_s)
     # PYTHON=echo: each command only prints itself, so the run shows the guard's arithmetic:
     # a command gets the time left less 15 s, and none starts with under 30 s left.
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": "echo", "GPU_SESSION_BUDGET_S": str(budget_s)}
-    subprocess.run(["bash", "benchmarks/gpu_session.sh", "--device", "cpu", "--quick", "bench-b"], cwd=ROOT,
+    subprocess.run(["bash", "benchmarks/gpu_session.sh", "--device", "cpu", "--quick", "bench-c"], cwd=ROOT,
                    env=env, capture_output=True, text=True, check=True, timeout=60)
-    log = (tmp_path / "bench-b.log").read_text()
-    commands = [cmd for part, _, _, cmd in gpu_session_dry_run("--device", "cpu", "--quick", "bench-b")
-                if part == "bench-b"]
+    log = (tmp_path / "bench-c.log").read_text()
+    commands = [cmd for part, _, _, cmd in gpu_session_dry_run("--device", "cpu", "--quick", "bench-c")
+                if part == "bench-c"]
     if budget_s == 40:
         assert log.count("SKIPPED (time guard") == len(commands) and "run [" not in log
     else:
