@@ -46,8 +46,7 @@
  * beyond, the launcher opts in to the device's maximum):
  *   up-sweep, H <= 64:   Q whole tasks per block, both operands staged in
  *                        shared memory (leaves computed on the fly while
- *                        staging, each thread's loads RP_SCAN_STAGE_BATCH at
- *                        a time), Q (2 H Hp + 2 Hp) floats + a 16-byte task
+ *                        staging), Q (2 H Hp + 2 Hp) floats + a 16-byte task
  *                        entry each, Hp = H rounded up to 4, Q ~ 256 / (Hp/4)^2
  *                        (H = 20: 10 tasks, 250 threads, 33 KB; H = 64: 1
  *                        task, 256 threads, 33 KB); each thread computes 4 x 4
@@ -281,71 +280,20 @@ RP_HD float rp_scan_leaf_dot(const rp_scan_args &a, const float *w_, int64_t tb,
     return s;
 }
 
-/* Lanes per row of a 2-D loop of rows of nk elements over nt threads: a
- * power of two, at most 32, about nk. */
-RP_HD int rp_scan_row_lanes(int nt, int nk)
-{
-    int L = 1;
-    while (L < 32 && L < nk && 2 * L <= nt)
-        L *= 2;
-    return L;
-}
-
 /* Calls f(j, lane, L) for the rows j < nj of a 2-D loop spread over the
- * block: L lanes per row (rp_scan_row_lanes), f covering
+ * block: L lanes per row (a power of two, at most 32, about nk), f covering
  * k = lane, lane + L, ... < nk (the index contiguous in global memory), so
  * that index arithmetic divides once per row, not per element. */
 template <class F> RP_HD void rp_scan_rows(int t, int nt, int nj, int nk, F &&f)
 {
-    const int L = rp_scan_row_lanes(nt, nk), R = nt / L;
+    int L = 1;
+    while (L < 32 && L < nk && 2 * L <= nt)
+        L *= 2;
+    const int R = nt / L;
     if (t >= R * L)
         return;
     for (int j = t / L; j < nj; j += R)
         f(j, t % L, L);
-}
-
-/* Elements a thread of rp_scan_stage loads before it stores any. */
-#define RP_SCAN_STAGE_BATCH 8
-
-/* The elements (j, k) of rp_scan_rows' loop, each copied as
- * store(j, k, load(j, k)), a thread's RP_SCAN_STAGE_BATCH at a time: all of
- * a batch's loads are issued before its first store, so that their
- * global-memory latencies overlap. One element at a time, each store waited
- * for its load (in-order issue), and a thread staging some 30 elements of a
- * small up-sweep block waited out some 30 latencies in a row: the block's
- * time, with as few blocks as a level of 16 sequences has. */
-template <class Load, class Store>
-RP_HD void rp_scan_stage(int t, int nt, int nj, int nk, Load &&load, Store &&store)
-{
-    const int L = rp_scan_row_lanes(nt, nk), R = nt / L, lane = t % L;
-    if (t >= R * L || lane >= nk)
-        return;
-    const int per = (nk - 1 - lane) / L + 1; /* this lane's elements of a row */
-    int j = t / L, s = 0;
-    /* the next element after (j, s): the lane's next in the row, else the thread's next row */
-    auto next = [&]() {
-        if (++s == per) {
-            s = 0;
-            j += R;
-        }
-    };
-    while (j < nj) {
-        const int j0 = j, s0 = s;
-        float val[RP_SCAN_STAGE_BATCH];
-RP_SCAN_UNROLL
-        for (int e = 0; e < RP_SCAN_STAGE_BATCH; e++) {
-            val[e] = j < nj ? load(j, lane + s * L) : 0.0f;
-            next();
-        }
-        j = j0;
-        s = s0;
-RP_SCAN_UNROLL
-        for (int e = 0; e < RP_SCAN_STAGE_BATCH; e++) {
-            if (j < nj)
-                store(j, lane + s * L, val[e]);
-            next();
-        }
-    }
 }
 
 /* Slot s of sequence b: its matrix in the workspace, its vector in the
@@ -439,59 +387,68 @@ RP_HD void rp_scan_up_small(X &x, const rp_scan_args &a, int64_t block, int64_t 
         });
         x.sync();
 
-        /* Stage M_r, M_l (not on the spine), c_l and c_r of every task. Slots
-         * of a task past the last (p < 0) and the spine's M_l get zeros,
-         * never read. */
+        /* Stage M_r, M_l (not on the spine), c_l and c_r of every task. */
         x.each([&](int t) {
-            /* M_r as As[m][i] = M_r[i][m] */
             if (MODE == RP_SCAN_STRUCT) { /* rows (q, m), lanes along i: w's rows run along i */
-                rp_scan_stage(
-                    t, nt, Q * H, Hp,
-                    [&](int j, int i) {
-                        const int q = j / H, m = j - q * H;
-                        const int64_t p = tab[2 * q], b = tab[2 * q + 1], r = p * 2 * half + 2 * half - 1;
-                        return p >= 0 && i < H ? rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m) : 0.0f;
-                    },
-                    [&](int j, int i, float val) { base[j / H * TS + j % H * Hp + i] = val; });
+                rp_scan_rows(t, nt, Q * H, Hp, [&](int j, int lane, int L) {
+                    const int q = j / H, m = j - q * H;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t tb = (a.n - p * 2 * half - 2 * half + 1) * a.B + b;
+                    float *dst = base + q * TS + m * Hp;
+                    if (p >= 0)
+                        for (int i = lane; i < Hp; i += L)
+                            dst[i] = i < H ? rp_scan_leaf<MODE>(a, a.w, tb, i, m) : 0.0f;
+                });
             } else { /* rows (q, i), lanes along m: rows of M are contiguous */
-                rp_scan_stage(
-                    t, nt, Q * Hp, H,
-                    [&](int j, int m) {
-                        const int q = j / Hp, i = j - q * Hp;
-                        const int64_t p = tab[2 * q], b = tab[2 * q + 1], r = p * 2 * half + 2 * half - 1;
-                        if (p < 0 || i >= H)
-                            return 0.0f;
-                        if constexpr (leaf)
-                            return rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m);
-                        else
-                            return rp_scan_prod(a, r, b)[(int64_t)i * H + m];
-                    },
-                    [&](int j, int m, float val) { base[j / Hp * TS + j % Hp + m * Hp] = val; });
+                rp_scan_rows(t, nt, Q * Hp, H, [&](int j, int lane, int L) {
+                    const int q = j / Hp, i = j - q * Hp;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t r = p * 2 * half + 2 * half - 1;
+                    float *dst = base + q * TS + i;
+                    if (p < 0)
+                        return;
+                    for (int m = lane; m < H; m += L) {
+                        float val = 0.0f;
+                        if (i < H) {
+                            if constexpr (leaf)
+                                val = rp_scan_leaf<MODE>(a, a.w, (a.n - r) * a.B + b, i, m);
+                            else
+                                val = rp_scan_prod(a, r, b)[(int64_t)i * H + m];
+                        }
+                        dst[m * Hp] = val;
+                    }
+                });
             }
-            /* M_l as Bs[m][k] = M_l[m][k], not on the spine (p == 0) */
+            /* M_l[m][k], not on the spine (p == 0) */
             if (MODE == RP_SCAN_STRUCT) { /* rows (q, k), lanes along m */
-                rp_scan_stage(
-                    t, nt, Q * Hp, H,
-                    [&](int j, int m) {
-                        const int q = j / Hp, k = j - q * Hp;
-                        const int64_t p = tab[2 * q], b = tab[2 * q + 1], l = p * 2 * half + half - 1;
-                        return p >= 1 && k < H ? rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k) : 0.0f;
-                    },
-                    [&](int j, int m, float val) { base[j / Hp * TS + H * Hp + m * Hp + j % Hp] = val; });
+                rp_scan_rows(t, nt, Q * Hp, H, [&](int j, int lane, int L) {
+                    const int q = j / Hp, k = j - q * Hp;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t tb = (a.n - p * 2 * half - half + 1) * a.B + b;
+                    float *dst = base + q * TS + H * Hp + k;
+                    if (p >= 1)
+                        for (int m = lane; m < H; m += L)
+                            dst[m * Hp] = k < H ? rp_scan_leaf<MODE>(a, a.w, tb, m, k) : 0.0f;
+                });
             } else { /* rows (q, m), lanes along k */
-                rp_scan_stage(
-                    t, nt, Q * H, Hp,
-                    [&](int j, int k) {
-                        const int q = j / H, m = j - q * H;
-                        const int64_t p = tab[2 * q], b = tab[2 * q + 1], l = p * 2 * half + half - 1;
-                        if (p < 1 || k >= H)
-                            return 0.0f;
-                        if constexpr (leaf)
-                            return rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
-                        else
-                            return rp_scan_prod(a, l, b)[(int64_t)m * H + k];
-                    },
-                    [&](int j, int k, float val) { base[j / H * TS + H * Hp + j % H * Hp + k] = val; });
+                rp_scan_rows(t, nt, Q * H, Hp, [&](int j, int lane, int L) {
+                    const int q = j / H, m = j - q * H;
+                    const int64_t p = tab[2 * q], b = tab[2 * q + 1];
+                    const int64_t l = p * 2 * half + half - 1;
+                    float *dst = base + q * TS + H * Hp + m * Hp;
+                    if (p < 1)
+                        return;
+                    for (int k = lane; k < Hp; k += L) {
+                        float val = 0.0f;
+                        if (k < H) {
+                            if constexpr (leaf)
+                                val = rp_scan_leaf<MODE>(a, a.w, (a.n - l) * a.B + b, m, k);
+                            else
+                                val = rp_scan_prod(a, l, b)[(int64_t)m * H + k];
+                        }
+                        dst[k] = val;
+                    }
+                });
             }
             rp_scan_rows(t, nt, Q, H, [&](int q, int lane, int L) {
                 const int64_t p = tab[2 * q], b = tab[2 * q + 1];

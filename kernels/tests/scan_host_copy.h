@@ -8,8 +8,7 @@
  * scan.cu (with the runtime's renames), once.
  *
  * The copy's extern "C" entry points are renamed (dead code), as are
- * rp_csr_check_run, rp_scan_rows and rp_scan_stage (nvcc finds both copies
- * ambiguous).
+ * rp_csr_check_run and rp_scan_rows (nvcc finds both copies ambiguous).
  * __shared__ reads as nothing: only the scan kernels' dynamic shared memory
  * has it, the extern array rp_scan_smem, which the copy reads through
  * emu_dev::emu_scan_smem, a pointer the emulation sets to a buffer of its
@@ -30,7 +29,6 @@
 #define rp_cuda_csr_run emu_dead_csr_run
 #define rp_csr_check_run emu_dead_csr_check_run
 #define rp_scan_rows emu_host_scan_rows
-#define rp_scan_stage emu_host_scan_stage
 #define rp_cuda_cusparse_built emu_dead_cusparse_built
 #define rp_cuda_cusparse_free emu_dead_cusparse_free
 #define rp_cuda_cusparse_create emu_dead_cusparse_create
@@ -43,7 +41,6 @@ float4 (*emu_scan_smem)[]; /* the running block's dynamic shared memory */
 #undef rp_cuda_cusparse_create
 #undef rp_cuda_cusparse_free
 #undef rp_cuda_cusparse_built
-#undef rp_scan_stage
 #undef rp_scan_rows
 #undef rp_csr_check_run
 #undef rp_cuda_csr_run
