@@ -4215,6 +4215,18 @@ def test_input_by_keyword_is_split(make, shape):
             model(**bad)
 
 
+def _outputs_and_input_grads(nets, x: torch.Tensor, g: torch.Tensor) -> list:
+    """(output, input gradient) of each net on its own copy of x, in x's
+    layout, after backward(g) from its output."""
+    outs = []
+    for net in nets:
+        xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
+        out = net(xi)
+        out.backward(g)
+        outs.append((out, xi.grad))
+    return outs
+
+
 @pytest.mark.parametrize("make, shape, fmt", [
     (lambda: nn.Conv2d(8, 4, 3), (3, 8, 5, 5), torch.channels_last),
     (lambda: nn.BatchNorm2d(8), (3, 8, 5, 5), torch.channels_last),
@@ -4232,13 +4244,7 @@ def test_channels_last_keeps_its_layout_and_bitwise_gradients(make, shape, fmt):
     ooo.enable(model, order="conventional")
     x = torch.randn(shape).contiguous(memory_format=fmt)
     g = torch.randn(ref(x).shape)
-    outs = []
-    for net in (ref, model):
-        xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
-        out = net(xi)
-        out.backward(g)
-        outs.append((out, xi.grad))
-    (want, want_dx), (got, got_dx) = outs
+    (want, want_dx), (got, got_dx) = _outputs_and_input_grads((ref, model), x, g)
     assert got.stride() == want.stride()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(got_dx, want_dx, rtol=0, atol=0)
@@ -5223,13 +5229,7 @@ def test_norm_layers_run_torchs_cuda_kernels(make, batch, node):
         for step in range(3):
             x = batch().cuda()
             g = torch.randn(x.shape, device="cuda")
-            outs = []
-            for net in (ref, model):
-                xi = x.clone(memory_format=torch.preserve_format).requires_grad_()
-                out = net(xi)
-                out.backward(g)
-                outs.append((out, xi.grad))
-            (want, want_dx), (got, got_dx) = outs
+            (want, want_dx), (got, got_dx) = _outputs_and_input_grads((ref, model), x, g)
             assert type(want.grad_fn).__name__ == node  # the kernels this case is about
             assert got.stride() == want.stride()
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"step {step}: output")
