@@ -5131,7 +5131,8 @@ def _cuda_exact():
 def test_sub_stream_training_matches_autograd_on_cuda(speedup):
     """dW on the low-priority sub-stream, ordered by events, through the
     profile (the co-run passes too) to the fixed schedule: gradients equal
-    autograd's at every step."""
+    autograd's bit for bit at every step (on the H200 they were 1e-7 off
+    while the split ran native BatchNorm where F.batch_norm runs cuDNN's)."""
     with _cuda_exact():
         torch.manual_seed(0)
         ref = ConvNet().cuda()
@@ -5143,7 +5144,7 @@ def test_sub_stream_training_matches_autograd_on_cuda(speedup):
                 net.zero_grad()
                 nn.functional.cross_entropy(net(x), y).backward()
             for (name, a), b in zip(ref.named_parameters(), model.parameters()):
-                torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+                torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
         assert handle.schedule is not None and handle._sub_streams
 
 
