@@ -37,7 +37,10 @@ set -euo pipefail
 
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/gpu_session_out}
-export OUT PYTHONUNBUFFERED=1
+# the checkout's package first: a build carried into python/reprop (README) is
+# then used as it is, and the build part's `pip install -e .` builds there too
+PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
+export OUT PYTHONPATH PYTHONUNBUFFERED=1
 DRY_RUN=0
 SMOKE=0
 BUDGET_S=${GPU_SESSION_BUDGET_S:-510}
