@@ -5247,6 +5247,53 @@ def test_capture_on_cuda_trains_like_eager():
         _captured_training("cuda", steps=6, rtol=1e-6, atol=1e-7)
 
 
+def _kernel_node_priorities(raw_graph: int) -> list[int]:
+    """The priority attribute of each kernel node of a cudaGraph_t (an int,
+    CUDAGraph.raw_cuda_graph()), read through the driver API, which every
+    CUDA process has loaded (a runtime graph is the driver's CUgraph)."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_size_t(0)
+    assert cuda.cuGraphGetNodes(ctypes.c_void_p(raw_graph), None, ctypes.byref(count)) == 0
+    nodes = (ctypes.c_void_p * count.value)()
+    assert cuda.cuGraphGetNodes(ctypes.c_void_p(raw_graph), nodes, ctypes.byref(count)) == 0
+    priorities = []
+    for node in nodes:
+        kind = ctypes.c_int(-1)
+        assert cuda.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind)) == 0
+        if kind.value != 0:  # CU_GRAPH_NODE_TYPE_KERNEL
+            continue
+        value = (ctypes.c_int * 16)()  # CUlaunchAttributeValue: 64 bytes, the priority first
+        assert cuda.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(node), 8,  # ..._PRIORITY
+                                                  ctypes.byref(value)) == 0
+        priorities.append(value[0])
+    return priorities
+
+
+@pytest.mark.gpu
+def test_capture_gives_do_a_higher_priority_than_dw_on_cuda(monkeypatch):
+    """In the captured graph the main stream's kernels (forward, dO, the
+    optimizer) carry a higher priority than the sub-stream's dW kernels:
+    torch's own capture stream has the sub-stream's priority 0, and every
+    kernel node of the graph then had priority 0."""
+    graphs, make = [], torch.cuda.CUDAGraph
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: graphs.append(make(keep_graph=True)) or graphs[-1])
+    torch.manual_seed(0)
+    model = ConvNet().cuda()
+    handle = ooo.enable(model)
+    x0, y0 = _conv_batch(0, "cuda")
+    captured = ooo.capture(_sgd_step(model), x0, y0, warmup=2, handle=handle)
+    assert captured.graph is graphs[-1]
+    priorities = _kernel_node_priorities(captured.graph.raw_cuda_graph())
+    (sub_stream,) = handle._sub_streams.values()
+    sub, main = sub_stream.priority, torch.cuda.Stream(priority=ooo._MAIN_PRIORITY).priority
+    assert main < sub  # CUDA: lower numbers, higher priority
+    assert priorities.count(sub) >= len(handle.sites), "a dW kernel (or more) per split layer"
+    assert priorities.count(main) > 0, "forward, dO and the optimizer at the main stream's"
+    assert priorities.count(main) + priorities.count(sub) == len(priorities)
+    captured(*_conv_batch(1, "cuda"))  # instantiated on the first replay (keep_graph)
+
+
 @pytest.mark.gpu
 def test_capture_refuses_a_step_that_synchronizes():
     model = nn.Linear(4, 4).cuda()

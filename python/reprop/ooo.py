@@ -26,7 +26,9 @@ gradients, equal to plain autograd's: the formulas are autograd's own kernels
 called with the dO and dW halves of their output masks.
 
 ``capture()`` records the whole step (forward, backward on both streams,
-optimizer) in one CUDA graph once the schedule is fixed, and replays it.
+optimizer) in one CUDA graph once the schedule is fixed, and replays it; it
+captures on a stream above the sub-stream's priority, which the graph's
+kernels keep, so that there dO takes precedence over dW.
 
 ``simulate()``, ``stages()``, ``reverse_first_k()`` and ``search_k()`` expose
 the scheduler core for planning runs on machines one does not have.
@@ -3254,6 +3256,10 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
 # what the CUDA runtime says when a captured stream is asked to synchronize
 _CAPTURE_ERRORS = ("capturing", "capture")
 
+# capture()'s stream priority: torch's high priority, one above the
+# sub-stream's 0 (CUDA's lowest), which is all the order of the two needs
+_MAIN_PRIORITY = -1
+
 
 class CapturedStep:
     """A training step captured once and replayed (see ``capture()``).
@@ -3463,7 +3469,10 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
             (``reprop.optim`` or torch's with ``capturable=True``; SGD is).
         inputs: example batch; static copies of it are what the graph reads.
         warmup: eager iterations first, on a side stream as torch's recipe
-            asks (lazy state such as optimizer moments is allocated there).
+            asks (lazy state such as optimizer moments is allocated there);
+            the side stream has a higher priority than the sub-stream, and
+            the capture runs on it too, so that in the replayed graph the
+            forward and dO kernels take precedence over the dW tasks.
         handle: the ``enable()`` handle of the model, if any: warm-up goes on
             until its profile is over, so the captured step has the fixed
             schedule (profiling synchronizes, which capture forbids).
@@ -3490,14 +3499,19 @@ def capture(step: Callable, *inputs: torch.Tensor, warmup: int = 3,
         steps = _warm_up(step, static, warmup, handle)
         return CapturedStep(step, static, None, None, steps)
     with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        # the warm-up (the profile too) and the capture on one stream above the
+        # sub-stream's priority: a graph's kernel nodes keep the priority of the
+        # stream they were captured on, and torch replays by those (since 2.10),
+        # so forward and dO take precedence over dW as the paper has it; torch's
+        # own capture stream has priority 0, the sub-stream's, which gave none
+        main = torch.cuda.Stream(device, priority=_MAIN_PRIORITY)
+        main.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(main):
             steps = _warm_up(step, static, warmup, handle)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(main)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=main):
                 outputs = step(*static)
         except RuntimeError as exc:
             if not any(word in str(exc) for word in _CAPTURE_ERRORS):
