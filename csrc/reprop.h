@@ -402,7 +402,12 @@ int rp_scan_cpu(const rp_scan_jacobians *j, const float *c, float *g, int levels
                 int num_threads, rp_error *err);
 
 /* CUDA scan on `stream`: one launch per level plus one for the linear part,
- * never synchronizing; every pointer is device memory. */
+ * never synchronizing; every pointer is device memory. With levels > 0 a
+ * result that is not finite is redone by the linear scan, as rp_scan_cpu
+ * does, decided on the device: work then holds one float more than
+ * rp_scan_workspace_floats (a flag), one more launch redoes the scan from c
+ * where the flag is set (2 levels + 2 launches in all, after a memset of
+ * the flag), and g must not be c (RP_EINVAL: the redo reads c). */
 int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g, int levels, float *work,
                  void *stream, rp_error *err);
 

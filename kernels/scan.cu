@@ -15,12 +15,20 @@
  *                                                 one block per sequence, a barrier a step
  *   down-sweep level d        (pair, sequence)   mat-vec: a[r] = M_l a[r] + c_l, a[l] = old a[r]
  *
- * so a scan is 2L + 1 launches (L = 0: the one linear-scan launch). Nothing
- * else runs: level 0 of the up-sweep (and the linear scan when L = 0) reads c
- * directly, level 0 of the down-sweep (the linear scan when L = 0) writes g
- * directly, so there are no copy kernels, and g may alias c (every element
- * of c is read before the element of g at its address is written, by the
- * same block).
+ * so a scan is 2L + 1 launches (L = 0: the one linear-scan launch). Level 0
+ * of the up-sweep (and the linear scan when L = 0) reads c directly, level 0
+ * of the down-sweep (the linear scan when L = 0) writes g directly, so there
+ * are no copy kernels. At L = 0 g may alias c (every element of c is read
+ * before the element of g at its address is written, by the same block).
+ *
+ * With L > 0 the up-sweep's products of 2^d Jacobians can overflow where the
+ * linear scan's vectors do not, and the down-sweep makes inf * 0 = NaN of
+ * them; rp_scan_cpu then redoes the scan linearly from c. So does this one,
+ * without the host waiting for the result: the call clears a flag (one int
+ * past the workspace's floats, a memset), down-sweep level 0 sets it where a
+ * result is not finite, and a last launch, the linear scan from c into g,
+ * returns at once unless it is set: 2L + 2 launches, capturable in a CUDA
+ * graph. c must then be apart from g (the redo reads it).
  *
  * Leaves J[t]^T are never materialized: element (i, m) is jt[t][i][m]
  * (dense) or u[t][i] [i == m] + sum_k w[(kH + m) H + i] v[t][kH + m]
@@ -88,6 +96,7 @@
  */
 #include <cuda_runtime.h>
 
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -181,6 +190,8 @@ typedef struct {
     int64_t nunits; /* block-sized work items */
     int64_t span;   /* middle: 2^levels */
     int64_t nb;     /* middle: number of blocks of slots */
+    int *nonfinite; /* down level 0 with levels: set to 1 where a result is not finite */
+    const int *redo_if; /* the linear redo: runs only where *redo_if is 1, else returns */
 } rp_scan_args;
 
 RP_HD int rp_scan_pad4(int64_t x) { return (int)((x + 3) & ~(int64_t)3); }
@@ -318,6 +329,10 @@ RP_HD void rp_scan_put(const rp_scan_args &a, bool out, int64_t s, int64_t b, in
         rp_scan_vec(a, s, b)[i] = val;
         return;
     }
+    /* the slot's value, before pre_activation's scaling, as rp_scan_cpu checks
+     * it; every thread that finds one stores the same 1: no atomics */
+    if (a.nonfinite != NULL && !(fabsf(val) <= FLT_MAX))
+        *a.nonfinite = 1;
     const int64_t e = ((a.n - s) * a.B + b) * a.H + i;
     a.g[e] = a.pre ? rp_scan_vx(a, e, val) : val;
 }
@@ -776,6 +791,8 @@ RP_HD void rp_scan_mid(X &x, const rp_scan_args &a, int64_t block, int64_t grid,
     typename X::template local<float> part;
     typename X::template local<rp_scan_pf> nx;
 
+    if (a.redo_if != NULL && *a.redo_if == 0)
+        return; /* the linear redo of a scan whose results were all finite */
     if (a.stage_w) {
         x.each([&](int t) {
             const int64_t nw = (int64_t)a.G * a.H * a.H;
@@ -1069,13 +1086,17 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     rp_scan_launch_plan *plans = NULL;
     rp_scan_args base;
     size_t limit = RP_SCAN_SMEM_DEFAULT;
-    int nplans = 0, mode, k, rc;
+    int nplans = 0, mode, k, rc, *redo = NULL;
 
     rc = rp_scan_check(j, c, g, levels, work, err);
     if (rc != RP_OK)
         return rc;
     if (j->n <= 0 || j->batch <= 0 || j->dim <= 0)
         return RP_OK;
+    if (levels > 0 && c == g)
+        return rp_set_error(err, RP_EINVAL,
+                            "rp_cuda_scan: with levels > 0, g must not be c: a result that is not "
+                            "finite is redone from c");
 
     {
         cudaError_t e = guard.enter(stream);
@@ -1096,6 +1117,7 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     if (levels > 0) { /* the linear scan reads c and writes g only: no workspace */
         base.vec = work;
         base.prod = work + (j->n + 1) * j->batch * j->dim;
+        redo = (int *)(work + rp_scan_workspace_floats(j->n, j->batch, j->dim, levels));
     }
     base.n = j->n;
     base.B = j->batch;
@@ -1119,7 +1141,7 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
         }
     }
 
-    plans = (rp_scan_launch_plan *)malloc(sizeof *plans * (size_t)(2 * levels + 1));
+    plans = (rp_scan_launch_plan *)malloc(sizeof *plans * (size_t)(2 * levels + 2));
     if (plans == NULL)
         return rp_set_error(err, RP_ERUNTIME, "rp_cuda_scan: out of host memory");
     for (k = 0; k < levels; k++)
@@ -1127,6 +1149,11 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
     rp_scan_plan_mid(&base, levels, levels == 0 ? mode : RP_SCAN_PROD, &plans[nplans++]);
     for (k = levels - 1; k >= 0; k--)
         rp_scan_plan_down(&base, k, k == 0 ? mode : RP_SCAN_PROD, limit, &plans[nplans++]);
+    if (redo != NULL) {
+        plans[nplans - 1].a.nonfinite = redo;
+        rp_scan_plan_mid(&base, 0, mode, &plans[nplans]);
+        plans[nplans++].a.redo_if = redo;
+    }
 
     /* A plan past the default fits `limit`, which is then the device's opt-in
      * maximum; the cap is set to that, not to the plan's own need: the cap
@@ -1141,6 +1168,13 @@ extern "C" int rp_cuda_scan(const rp_scan_jacobians *j, const float *c, float *g
                 free(plans);
                 return rp_cuda_error(e, "rp_cuda_scan", err);
             }
+        }
+    }
+    if (redo != NULL) {
+        const cudaError_t e = cudaMemsetAsync(redo, 0, sizeof *redo, stream);
+        if (e != cudaSuccess) {
+            free(plans);
+            return rp_cuda_error(e, "rp_cuda_scan", err);
         }
     }
     for (k = 0; k < nplans; k++) {

@@ -12,6 +12,7 @@ or level schedule gives errors of order 1e-1.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import random
@@ -201,23 +202,66 @@ def test_scan_activation_equals_given_v(activation, levels, inplace, gates):
         assert torch.equal(bits(bppsa.scan(c, w=w, v=v, levels=levels, pre_activation=True)), bits(v * want))
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("levels", [5, "blelloch"])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_scan_overflowing_products_fall_back_to_linear(levels, in_place):
+def test_scan_overflowing_products_fall_back_to_linear(levels, in_place, device):
     """J^T = diag(100, 0.5) and a gradient only in the second component at
     the end: g stays finite, but the up-sweep's products over 2^d steps
     overflow to inf in the first, and the down-sweep's inf * 0 gave NaN. A
-    result that is not finite is the linear scan's, bit for bit."""
+    result that is not finite is the linear scan's, bit for bit; on CUDA
+    decided on the device, so the host never waits for the GPU (torch's
+    sync debug mode raises at any wait)."""
     T = 64
-    jt = torch.diag(torch.tensor([100.0, 0.5])).expand(T, 1, 2, 2).contiguous()
-    c = torch.zeros(T, 1, 2)
+    jt = torch.diag(torch.tensor([100.0, 0.5])).expand(T, 1, 2, 2).contiguous().to(device)
+    c = torch.zeros(T, 1, 2, device=device)
     c[-1, 0, 1] = 1.0
     linear = bppsa.scan(c, jt=jt, levels="linear")
-    ours = bppsa.scan(c.clone(), jt=jt, levels=levels) if not in_place else \
-        bppsa.scan(c_ := c.clone(), jt=jt, levels=levels, out=c_)
+    with _no_host_sync(device):
+        ours = bppsa.scan(c.clone(), jt=jt, levels=levels) if not in_place else \
+            bppsa.scan(c_ := c.clone(), jt=jt, levels=levels, out=c_)
     assert torch.isfinite(ours).all()
     assert torch.equal(ours, linear)
-    assert torch.equal(ours.double(), reference_scan(c, jt))
+    assert torch.equal(ours.double().cpu(), reference_scan(c.cpu(), jt.cpu()))
+
+
+@contextlib.contextmanager
+def _no_host_sync(device):
+    """On CUDA, any wait of the host for the GPU raises inside the block."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("levels", [0, 3, "blelloch"])
+def test_cuda_scan_is_captured_in_a_cuda_graph(levels):
+    """The scan never waits for the GPU, so a CUDA graph captures it: replays
+    with new values of c (finite, and overflowing products redone by the
+    linear scan inside the graph) give the eager scan's bits."""
+    torch.manual_seed(0)
+    T, B, H = 64, 3, 2
+    w = torch.diag(torch.tensor([100.0, 0.5])).cuda()  # J^T = diag(100, 0.5): see the test above
+    v = torch.ones(T, B, H, device="cuda")
+    c = torch.zeros(T, B, H, device="cuda")
+    bppsa.scan(c, w=w, v=v, levels=levels)  # warm-up: lazy CUDA state outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g = bppsa.scan(c, w=w, v=v, levels=levels)
+    for _ in range(3):
+        c[..., 1].normal_()  # the first component stays 0: g is finite, the products overflow
+        graph.replay()
+        want = bppsa.scan(c, w=w, v=v, levels=levels)
+        assert torch.isfinite(g).all() and torch.equal(bits(g), bits(want))
+        if levels != 3:  # 0, and the levels whose products overflow (redone): the linear scan's bits
+            assert torch.equal(want, bppsa.scan(c, w=w, v=v, levels="linear"))
 
 
 def test_chaotic_rnn_gradients_stay_finite():
@@ -2074,6 +2118,24 @@ def test_cuda_gradients_equal_cudnn(kind, T):
     with cudnn_fp32():
         ref_res = run(ref, x, None, w_out)
         assert_close_lists(run(ours, x, None, w_out), ref_res, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_training_step_never_waits_for_the_gpu(kind):
+    """Forward and backward of a layer with Blelloch levels queue their work
+    and return: no wait for the GPU (torch's sync debug mode raises at any),
+    so the step can overlap the host's next work and be captured in a CUDA
+    graph. The finiteness check of the scan's result waited once per layer
+    and direction."""
+    torch.manual_seed(0)
+    _, ours = make_pair(kind, 4, 20, num_layers=2, scan="blelloch")
+    ours.cuda()
+    x = torch.randn(300, 8, 4, device="cuda", requires_grad=True)
+    with _no_host_sync("cuda"):
+        out, h = ours(x)
+        (out.square().sum() + h.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in ours.parameters())
 
 
 @pytest.mark.gpu

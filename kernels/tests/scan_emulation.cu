@@ -39,7 +39,7 @@
  * G = 1 and G = 3 with u; with v given as f'(y) for tanh and relu, and
  * pre_activation), H from 1 to 400 (whole-task up-sweep blocks up to
  * 64, row panels of 64, 32, 16, 8, 4, 2 and 1 rows beyond), in place (g ==
- * c) and not, under three shared-memory budgets (48 KB, and 20 KB and 12 KB
+ * c, at levels 0: with levels it is refused, the redo reads c) and not, under three shared-memory budgets (48 KB, and 20 KB and 12 KB
  * to force the other tile shapes and the opt-in path; the results must be
  * bitwise the same under another budget), with the grid capped
  * at 3 blocks so that every kernel's loop over work items runs. Workspace
@@ -57,7 +57,10 @@
  * but for the +0 of its select where y <= 0); with pre_activation the first
  * run's result must also be bitwise v times that of a run without it.
  *
- * Also checked: 2 levels + 1 launches per call, on the stream, with the
+ * Also checked: 2 levels + 1 launches per call, with levels one more (the
+ * linear redo, reading the flag that down-sweep level 0 alone sets, cleared
+ * by a memset of the one int past the workspace's floats before the first
+ * launch), on the stream, with the
  * stream's device current during them and the caller's restored after;
  * block sizes within the kernels' launch bounds and a multiple of the shuffle
  * group; dynamic shared memory within 48 KB or the opt-in set for that kernel
@@ -78,8 +81,8 @@
  * the others). A failed problem prints its seed and index.
  *
  * With inf or NaN inputs the recurrence in double is no reference (it would
- * multiply where relu selects): a run with levels whose result is not finite
- * is redone by the linear scan, as python/reprop/bppsa.py does on CUDA, and
+ * multiply where relu selects): a run with levels whose slots are not all
+ * finite is redone by the call's linear redo, as rp_scan_cpu redoes it, and
  * the result must be NaN where rp_scan_cpu's is NaN, the same inf where it is
  * inf and within the rounding bound where it is finite; runs compare bitwise
  * but for the NaNs' bits (which NaN a sum keeps follows its order).
@@ -123,6 +126,8 @@ static int g_smem_default = 49152; /* the budget scan.cu plans with */
 #include "emu_runtime.h" /* CHECK; every runtime mock but launch and attribute */
 static cudaError_t mock_func_set_attribute(const void *fn, cudaFuncAttribute attr, int value);
 #define cudaFuncSetAttribute mock_func_set_attribute
+static cudaError_t mock_memset_async(void *p, int value, size_t bytes, cudaStream_t stream);
+#define cudaMemsetAsync mock_memset_async
 #include "scan.cu"
 #include "emu_faults.h" /* after reprop.h: rp_error */
 /* the linear scan's block passes a few barriers per step (its shuffles two each) */
@@ -306,7 +311,39 @@ template <int MODE> static void register_mode()
 static struct {
     int levels, mode; /* the leaves' mode */
     int next;         /* launches so far */
+    int *redo;        /* with levels: the redo's flag, one int past the workspace's floats */
+    int memsets;      /* of the flag, before the first launch */
 } g_expect;
+
+/* The flag's clearing: on the call's stream and device, before any launch,
+ * the one int past the workspace's floats. */
+static cudaError_t mock_memset_async(void *p, int value, size_t bytes, cudaStream_t stream)
+{
+    emu_check_launch_site(dim3(1), dim3(1), stream);
+    CHECK(p == (void *)g_expect.redo && bytes == sizeof(int) && value == 0,
+          "memset of %zu bytes at %p, the flag is at %p", bytes, p, (void *)g_expect.redo);
+    CHECK(g_expect.next == 0, "the flag cleared after launch %d", g_expect.next);
+    g_expect.memsets++;
+    memset(p, value, bytes);
+    return cudaSuccess;
+}
+
+/* The workspace a call with `levels` takes: with levels, the flag's float too. */
+static int64_t work_floats(int64_t n, int64_t B, int64_t H, int levels)
+{
+    return rp_scan_workspace_floats(n, B, H, levels) + (levels > 0);
+}
+
+/* What the next call must launch: `levels` in the leaves' `mode`, with its
+ * flag past the workspace's floats at `work`. */
+static void expect_call(int levels, int mode, float *work, int64_t n, int64_t B, int64_t H)
+{
+    g_expect.levels = levels;
+    g_expect.mode = mode;
+    g_expect.next = 0;
+    g_expect.memsets = 0;
+    g_expect.redo = levels > 0 ? (int *)(work + rp_scan_workspace_floats(n, B, H, levels)) : NULL;
+}
 
 
 static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, void **args,
@@ -339,21 +376,29 @@ static cudaError_t mock_launch_kernel(const void *fn, dim3 grid, dim3 block, voi
         CHECK(smem <= allowed, "%zu bytes of shared memory, %zu allowed", smem, allowed);
     }
 
-    /* The order of launches: up-sweep levels 0..L-1, the middle, the down-sweep L-1..0. */
+    /* The order of launches: up-sweep levels 0..L-1, the middle, the down-sweep
+     * L-1..0, then with L > 0 the linear redo (a middle of leaves), which
+     * reads the flag that down-sweep level 0 alone sets. */
     {
         const int L = g_expect.levels, i = g_expect.next++;
+        const bool redo = L > 0 && i == 2 * L + 1;
         int kind, d = -1, mode;
         if (i < L) {
             kind = 0;
             d = i;
-        } else if (i == L) {
+        } else if (i == L || redo) {
             kind = 3;
         } else {
             kind = 2;
             d = 2 * L - i;
         }
-        mode = (kind == 3 ? L == 0 : d == 0) ? g_expect.mode : RP_SCAN_PROD;
-        CHECK(i < 2 * L + 1, "launch %d of a scan with %d levels", i, L);
+        mode = (kind == 3 ? L == 0 || redo : d == 0) ? g_expect.mode : RP_SCAN_PROD;
+        CHECK(i < 2 * L + 1 + (L > 0), "launch %d of a scan with %d levels", i, L);
+        CHECK(a.redo_if == (redo ? g_expect.redo : NULL), "launch %d reads the flag %p", i,
+              (const void *)a.redo_if);
+        CHECK(a.nonfinite == (L > 0 && i == 2 * L ? g_expect.redo : NULL), "launch %d sets the flag %p",
+              i, (void *)a.nonfinite);
+        CHECK(L == 0 || g_expect.memsets == 1, "launch %d before the flag's clearing", i);
         CHECK(k->kind == kind || (kind == 0 && k->kind == 1), "launch %d is kernel kind %d, not %d",
               i, k->kind, kind);
         CHECK(k->mode == mode, "launch %d in mode %d, not %d", i, k->mode, mode);
@@ -660,39 +705,15 @@ static void check_pre_activation(const rp_scan_jacobians &j, emu_data &D, int L,
     rp_error err;
     plain.pre_activation = 0;
     g.init(total, 0.0f);
-    work.init(rp_scan_workspace_floats(j.n, j.batch, j.dim, L), 0.0f);
+    work.init(work_floats(j.n, j.batch, j.dim, L), 0.0f);
     g_rt.launches = 0;
-    g_expect.next = 0;
+    expect_call(L, g_expect.mode, work.p(), j.n, j.batch, j.dim);
     CHECK(rp_cuda_scan(&plain, D.c.p(), g.p(), L, work.p(), (void *)g_emu.stream, &err) == RP_OK,
           "without pre_activation: %s", err.msg);
     for (int64_t i = 0; i < total; i++)
         g.p()[i] = D.v.p()[i] * g.p()[i];
     CHECK(D.pr.nonfinite ? same_bits_or_nan(g.p(), d, total) : same_bits(g.p(), d, total),
           "pre_activation differs from v * g");
-}
-
-static bool all_finite(const float *p, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++)
-        if (!isfinite(p[i]))
-            return false;
-    return true;
-}
-
-/* bppsa.py's fallback on CUDA: a scan with levels whose result is not finite
- * (overflowing up-sweep products, inf * 0 = NaN) is redone by the linear scan
- * from c as the caller kept it. */
-static void linear_fallback(const rp_scan_jacobians &j, const fenced &c, float *g)
-{
-    fenced kept = c;
-    rp_error err;
-    g_rt.launches = 0;
-    g_expect.levels = 0;
-    g_expect.next = 0;
-    CHECK(rp_cuda_scan(&j, kept.p(), g, 0, NULL, (void *)g_emu.stream, &err) == RP_OK,
-          "linear fallback: %s", err.msg);
-    CHECK(g_rt.launches == 1 && kept.intact(), "linear fallback: %d launches, canaries %d",
-          g_rt.launches, (int)kept.intact());
 }
 
 /* With inf or NaN inputs the reference is csrc/scan.c's (its linear scan's:
@@ -753,7 +774,8 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
          * f'(y) from 1 on */
         const int save_budget = g_smem_default;
         for (int variant = 0; variant < (both_orders ? 5 : 3); variant++) {
-            const bool inplace = variant == 1, fibers = variant == 2, reverse = variant == 3;
+            /* in place at L = 0 alone: with levels the redo reads c (error_cases) */
+            const bool inplace = variant == 1 && L == 0, fibers = variant == 2, reverse = variant == 3;
             g_smem_default = variant == 4 ? (save_budget == 12288 ? 49152 : 12288) : save_budget;
             rp_scan_jacobians j = jacobians_of(D, variant > 0);
             fenced work, gsep, cin;
@@ -762,7 +784,7 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             float nanv;
             uint32_t nb = 0x7fa00000;
             memcpy(&nanv, &nb, 4);
-            work.init(wf, nanv);
+            work.init(work_floats(n, B, H, L), nanv);
             gsep.init(total, nanv);
             cin = D.c; /* the call's c (and g when in place) */
             float *g = inplace ? cin.p() : gsep.p();
@@ -791,14 +813,17 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             g_rt.reverse_threads = inplace;
             g_rt.device_executor = fibers;
             g_rt.attr.clear();
-            g_expect.levels = L;
-            g_expect.mode = pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE;
-            g_expect.next = 0;
+            expect_call(L, pr.G > 0 ? RP_SCAN_STRUCT : RP_SCAN_DENSE, work.p(), n, B, H);
             const int rc = rp_cuda_scan(&j, guarded ? gc.p : cin.p(), g, L, work.p(),
                                         (void *)g_emu.stream, &err);
             g_stats.cases++;
             CHECK(rc == RP_OK, "status %d: %s", rc, err.msg);
-            CHECK(g_rt.launches == 2 * L + 1, "%d launches for %d levels", g_rt.launches, L);
+            CHECK(g_rt.launches == 2 * L + 1 + (L > 0), "%d launches for %d levels", g_rt.launches, L);
+            /* the flag: set where a result of the levels was not finite (the
+             * redo ran), which finite inputs never give here */
+            const int redone = L > 0 ? *g_expect.redo : 0;
+            CHECK(redone == 0 || redone == 1, "flag %d", redone);
+            CHECK(redone == 0 || pr.nonfinite, "finite inputs redone by the linear scan");
             CHECK(g_emu.current_device == (device + 1) % EMU_DEVICES,
                   "current device %d after the call, was %d", g_emu.current_device,
                   (device + 1) % EMU_DEVICES);
@@ -821,12 +846,9 @@ static void run_case(const emu_problem &pr, int device, bool both_orders)
             if (pr.nonfinite) {
                 const bool implied = variant > 0 && pr.act;
                 if (variant == 0 && pr.pre)
-                    check_pre_activation(j, D, L, g); /* before the fallback: the same levels */
+                    check_pre_activation(j, D, L, g); /* the same slots: the same redo */
                 g_stats.nonfinite++;
-                if (L > 0 && !all_finite(g, total)) {
-                    g_stats.fallbacks++;
-                    linear_fallback(j, saved.c, g);
-                }
+                g_stats.fallbacks += redone;
                 check_nonfinite(g, nf_ref[implied].data(), n, B, H);
                 std::vector<float> &f = firsts[implied];
                 if (f.empty())
@@ -893,7 +915,7 @@ static void error_cases(void)
     rp_scan_jacobians j = jacobians_of(D);
     fenced work, g;
     rp_error err;
-    work.init(rp_scan_workspace_floats(9, 2, 5, rp_scan_max_levels(9)), 0.0f);
+    work.init(work_floats(9, 2, 5, rp_scan_max_levels(9)), 0.0f);
     g.init(9 * 2 * 5, 0.0f);
     g_emu.stream = emu_stream(1);
     g_emu.stream_device = 1;
@@ -946,11 +968,21 @@ static void error_cases(void)
         const int rc = rp_cuda_scan(&j0, D.c.p(), g.p(), 1, NULL, g_emu.stream, &err);
         CHECK(rc == RP_OK && g_rt.launches == 0, "status %d, %d launches", rc, g_rt.launches);
     }
+    /* in place with levels: refused (the redo reads c), nothing cleared or launched */
+    {
+        snprintf(g_context, sizeof g_context, "error: in place with levels");
+        fenced cg = D.c;
+        g_rt.launches = 0;
+        expect_call(1, RP_SCAN_STRUCT, work.p(), 9, 2, 5);
+        err.msg[0] = '\0';
+        const int rc = rp_cuda_scan(&j, cg.p(), cg.p(), 1, work.p(), g_emu.stream, &err);
+        CHECK(rc == RP_EINVAL && strstr(err.msg, "must not be c") != NULL, "status %d: %s", rc, err.msg);
+        CHECK(g_rt.launches == 0 && g_expect.memsets == 0, "%d launches, %d memsets", g_rt.launches,
+              g_expect.memsets);
+    }
     /* faults: a refused launch, an error found by cudaGetLastError, no device */
-    emu_check_faults(5, g_rt.launches, "CUDA error", [&](rp_error &e) {
-        g_expect.levels = 2;
-        g_expect.mode = RP_SCAN_STRUCT;
-        g_expect.next = 0;
+    emu_check_faults(6, g_rt.launches, "CUDA error", [&](rp_error &e) {
+        expect_call(2, RP_SCAN_STRUCT, work.p(), 9, 2, 5);
         return rp_cuda_scan(&j, D.c.p(), g.p(), 2, work.p(), g_emu.stream, &e);
     });
     /* a dimension whose one-task blocks need more shared memory than the device has */
@@ -964,7 +996,7 @@ static void error_cases(void)
         make_data(p2, D2);
         rp_scan_jacobians j2 = jacobians_of(D2);
         fenced w2, g2;
-        w2.init(rp_scan_workspace_floats(4, 1, 200, 1), 0.0f);
+        w2.init(work_floats(4, 1, 200, 1), 0.0f);
         g2.init(4 * 200, 0.0f);
         g_rt.launches = 0;
         err.msg[0] = '\0';
@@ -986,7 +1018,7 @@ static void error_cases(void)
         make_data(p3, D3);
         rp_scan_jacobians j3 = jacobians_of(D3);
         fenced w3, g3;
-        w3.init(rp_scan_workspace_floats(4, 1, 64, 1), 0.0f);
+        w3.init(work_floats(4, 1, 64, 1), 0.0f);
         g3.init(4 * 64, 0.0f);
         g_smem_default = 12288;
         const struct {
@@ -1003,9 +1035,7 @@ static void error_cases(void)
             g_rt.attr_fault = o.fault;
             g_rt.attr.clear();
             g_rt.launches = 0;
-            g_expect.levels = 1;
-            g_expect.mode = RP_SCAN_DENSE;
-            g_expect.next = 0;
+            expect_call(1, RP_SCAN_DENSE, w3.p(), 4, 1, 64);
             g_emu.current_device = 0;
             g_emu.pending = cudaSuccess;
             err.msg[0] = '\0';
@@ -1054,6 +1084,57 @@ static void nonfinite_sweep(bool smoke, int device)
 /* A default budget 4 bytes under what a one-task block of the levels needs
  * (rp_cuda_scan_shared_bytes): the launcher must take the opt-in even for a
  * need that small a step past the default. */
+/* Finite inputs whose up-sweep products overflow: J^T = diag(100, 0.5) at every
+ * step (dense, and structured as w = diag(100, 0.5) with v = 1) and a
+ * gradient only in the second component at the end. g[t] = (0, 0.5^(n-1-t))
+ * exactly, but the products of 2^(d+1) leaves pass float32's range from
+ * level 4 on, and the down-sweep's inf * 0 made NaN of them: every levels
+ * must give the exact g, those that overflow through the linear redo. */
+static void overflow_sweep(int device)
+{
+    const int64_t n = 64, B = 2, H = 2, total = n * B * H;
+    fenced jt, w, v, c, g, work;
+    jt.init(n * B * H * H, 0.0f);
+    for (int64_t tb = 0; tb < n * B; tb++)
+        jt.p()[tb * H * H] = 100.0f, jt.p()[tb * H * H + 3] = 0.5f;
+    w.init(H * H, 0.0f);
+    w.p()[0] = 100.0f, w.p()[3] = 0.5f;
+    v.init(n * B * H, 1.0f);
+    c.init(total, 0.0f);
+    for (int64_t b = 0; b < B; b++)
+        c.p()[((n - 1) * B + b) * H + 1] = 1.0f;
+    g_emu.stream = emu_stream(device);
+    g_emu.stream_device = g_emu.current_device = device;
+    g_rt.reverse_blocks = g_rt.reverse_threads = g_rt.device_executor = false;
+    for (int G = 0; G <= 1; G++) {
+        rp_scan_jacobians j;
+        memset(&j, 0, sizeof j);
+        j.n = n, j.batch = B, j.dim = H, j.gates = G;
+        j.jt = G ? NULL : jt.p(), j.w = G ? w.p() : NULL, j.v = G ? v.p() : NULL;
+        int redone = 0;
+        for (int L = 0; L <= rp_scan_max_levels(n); L++) {
+            snprintf(g_context, sizeof g_context, "overflow: %s leaves, levels %d", G ? "structured" : "dense", L);
+            rp_error err;
+            g.init(total, NAN);
+            work.init(work_floats(n, B, H, L), NAN);
+            g_rt.launches = 0;
+            expect_call(L, G ? RP_SCAN_STRUCT : RP_SCAN_DENSE, work.p(), n, B, H);
+            CHECK(rp_cuda_scan(&j, c.p(), g.p(), L, work.p(), g_emu.stream, &err) == RP_OK, "%s", err.msg);
+            for (int64_t i = 0; i < total; i++) {
+                const int64_t t = i / (B * H);
+                const float want = i % H == 0 ? 0.0f : ldexpf(1.0f, -(int)(n - 1 - t));
+                CHECK(same_bits(&g.p()[i], &want, 1), "g = %g at (t=%lld, i=%lld), want %g", (double)g.p()[i],
+                      (long long)t, (long long)(i % H), (double)want);
+                if (g_failures)
+                    return;
+            }
+            redone += L > 0 ? *g_expect.redo : 0;
+            CHECK(L < 5 || *g_expect.redo == 1, "not redone: %d", *g_expect.redo);
+        }
+        g_stats.fallbacks += redone;
+    }
+}
+
 static void optin_edge_sweep(int device)
 {
     const int64_t hs[] = {5, 20, 70};
@@ -1144,6 +1225,7 @@ static void sweep(bool quick, bool smoke)
     }
     g_smem_default = 49152;
     nonfinite_sweep(smoke, device);
+    overflow_sweep(device);
     optin_edge_sweep(device);
 }
 

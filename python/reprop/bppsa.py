@@ -325,7 +325,10 @@ def scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | No
     tensor, a subclass, any under jit.trace) raises RuntimeError naming the
     operand: the kernels read raw memory. The linear
     scan (levels 0) needs no memory beyond g; with Blelloch levels it takes a
-    workspace of (T + 1) B H + (T // 2 - 1) B H H floats (T >= 2).
+    workspace of (T + 1) B H + (T // 2 - 1) B H H floats (T >= 2; one more on
+    CUDA, and there a copy of c to scan in place), and a result that is not
+    finite (overflowing products of Jacobians) is redone by the linear scan,
+    on CUDA decided on the device: no call waits for the GPU.
     """
     _check_raw_readable({"c": c, "w": w, "u": u, "v": v, "y": y, "jt": jt, "out": out})
     return _scan(c, w=w, u=u, v=v, jt=jt, activation=activation, y=y, pre_activation=pre_activation,
@@ -379,17 +382,14 @@ def _scan(c: torch.Tensor, *, w: torch.Tensor | None = None, u: torch.Tensor | N
     if out is not None and dispatch_mode_active():
         show_coming_writes([out])  # allow_mutation_on_saved_tensors() clones what it saved
     leaves = (T, B, H, gates, *map(_pointer, (w, u, v, jt)), act, _pointer(y), int(pre_activation))
-    if device.type == "cpu":  # the C scan itself falls back to the linear scan (reprop.h)
+    if device.type == "cpu":
         _run_scan(leaves, c, g, L)
     elif device.type == "cuda":
         if _cuda is None:
             raise RuntimeError(f"scan: CUDA tensors, but {cuda_missing()}")
-        kept = c.clone() if L and c.data_ptr() == g.data_ptr() else c  # in place: c for the fallback
-        _run_scan(leaves, c, g, L)
-        # as the CPU scan does: overflowing up-sweep products (inf * 0 = NaN) are
-        # redone by the linear scan; bool() waits for the GPU (see README)
-        if L and not _sums_finite([g]):
-            _run_scan(leaves, kept, g, 0)
+        # with levels the kernels redo a result that is not finite from c (as
+        # the CPU scan does, reprop.h): in place, from a copy of it
+        _run_scan(leaves, c.clone() if L and c.data_ptr() == g.data_ptr() else c, g, L)
     else:
         raise ValueError(f"c: expected a CPU or CUDA tensor, got device {device}")
     if out is not None:  # written through a raw pointer: autograd must see the change
@@ -418,10 +418,12 @@ def _gates(w: torch.Tensor | None, H: int) -> int:
 
 
 def _run_scan(leaves: tuple, c: torch.Tensor, g: torch.Tensor, levels: int) -> None:
-    """One scan of checked operands on c's device, with its workspace."""
+    """One scan of checked operands on c's device, with its workspace (on
+    CUDA with levels one float more: the flag of the linear redo, reprop.h)."""
     T, B, H = c.shape
     floats = _C.scan_workspace(T, B, H, levels)
-    work = torch.empty(floats, device=c.device) if floats else None
+    flag = 1 if floats and c.device.type == "cuda" else 0
+    work = torch.empty(floats + flag, device=c.device) if floats else None
     args = (*leaves, c.data_ptr(), g.data_ptr(), levels, _pointer(work))
     with profiler_range("reprop.bppsa.scan"):
         if c.device.type == "cuda":
