@@ -49,6 +49,9 @@ Sweeps (--part, repeatable; default all):
   rnn-hidden  d in 8, 16, 20, 32, 64, 128 at T = --seq-len, B = --batch: where the
               scan's d^2 matrix products stop paying
   gru         sets S, M, L x B in 16, 32, 64 (d = 20)
+  graph       T = --seq-len, B = --batch, d = --hidden with every call a CUDA graph's replay
+              (reprop.ooo.capture, Adam capturable), on both sides: the GPU's share of the
+              comparison, without the host's cost of issuing the kernels (CUDA only)
   vgg         the pruned VGG-11 micro-benchmark (Sections 4.3 and 5.3), on --device: VGG-11's
               layers (config A: 3x3 Conv2d pad 1 + ReLU, 2x2 MaxPool2d; then Flatten and the
               CIFAR classifier Linear 512-512-10 unless --vgg-features-only) as one chain on
@@ -128,7 +131,7 @@ MIB = 2**20
 GIB = 2**30
 
 RNN_PARTS = ("rnn-t", "rnn-batch", "rnn-hidden", "gru")
-PARTS = RNN_PARTS + ("vgg",)
+PARTS = RNN_PARTS + ("vgg", "graph")
 SCANS = ("auto", "blelloch", "linear")
 FULL = {"seq_lens": (10, 30, 100, 300, 1000, 3000, 10000, 30000),
         "batches": (2, 4, 8, 16, 32, 64, 128, 256),
@@ -318,8 +321,10 @@ class Trainer:
         return grads
 
 
-def make_trainer(cfg: Config, device: torch.device, scan: str | int | None = None) -> Trainer:
-    """A fresh baseline model (scan None) or a converted one (reprop.bppsa.convert(model, scan))."""
+def make_trainer(cfg: Config, device: torch.device, scan: str | int | None = None,
+                 capturable: bool = False) -> Trainer:
+    """A fresh baseline model (scan None) or a converted one (reprop.bppsa.convert(model, scan)),
+    with Adam's capturable update where a CUDA graph is to hold it."""
     model = build_model(cfg)
     converted = []
     if scan is not None:
@@ -327,7 +332,8 @@ def make_trainer(cfg: Config, device: torch.device, scan: str | int | None = Non
         if not converted:
             raise RuntimeError("reprop.bppsa.convert swapped no module")
     model = model.to(device).train()
-    return Trainer(model, torch.optim.Adam(model.parameters(), lr=LR[cfg.cell]), list(converted))
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR[cfg.cell], capturable=capturable)
+    return Trainer(model, optimizer, list(converted))
 
 
 def same_weights(a: nn.Module, b: nn.Module) -> bool:
@@ -1081,6 +1087,52 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+# ---------------------------------------------------------------------------
+# The graph part: both sides' calls replayed from CUDA graphs
+# ---------------------------------------------------------------------------
+
+
+def captured_calls(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, args) -> dict[str, Callable]:
+    """The trainer's forward-only call and training step, each captured once
+    (reprop.ooo.capture: warm-up on a side stream, static copies of x and y)
+    and then a replay; the step sets the gradients to None first, so that
+    its backward allocates them from the graph's pool as the eager step's does."""
+    from reprop import ooo
+
+    def step(x, y):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.loss(x, y).backward()
+        trainer.optimizer.step()
+
+    forward = ooo.capture(lambda x, y: trainer.loss(x, y).detach(), x, y, warmup=args.warmup + 1)
+    train = ooo.capture(step, x, y, warmup=args.warmup + 1)
+    return {"forward": lambda: forward(x, y), "step": lambda: train(x, y)}
+
+
+def run_graph(args, device: torch.device) -> dict | None:
+    """The graph part's times (ms medians) and speedups, or None off CUDA."""
+    cfg = rnn_config(args.seq_len, args.batch, args.hidden)
+    if device.type != "cuda":
+        print(f"\ngraph\nn/a: CUDA graphs need --device cuda ({cfg.label})", flush=True)
+        return None
+    x, y = make_data(cfg, device)
+    base = captured_calls(make_trainer(cfg, device, capturable=True), x, y, args)
+    ours = captured_calls(make_trainer(cfg, device, args.scan, capturable=True), x, y, args)
+    candidates = {FWD: base["forward"], BASE: base["step"], FWD_OURS: ours["forward"], OURS: ours["step"]}
+    inner = harness.choose_inner(list(candidates.values()), device, args.min_sample_ms)
+    stats = harness.measure_alternated(candidates, device, args.warmup, args.reps, inner)
+    ms = {name: st.median for name, st in stats.items()}
+    result = {"config": cfg.label, "ms": ms, "inner": inner,
+              "bwd_x": backward_speedup(ms[BASE], ms[OURS], ms[FWD], ms[FWD_OURS]),
+              "e2e_x": harness.speedup(ms[BASE], ms[OURS])}
+    rows = [[cfg.label, *(harness.fmt(ms[n], ".3f") for n in (FWD, BASE, FWD_OURS, OURS)),
+             harness.fmt(result["bwd_x"], ".2f"), harness.fmt(result["e2e_x"], ".2f")]]
+    print("\ngraph (every call a CUDA graph replay; ms)\n"
+          + harness.format_table(["config", "fwd", "cuDNN step", "fwd ours", "BPPSA step", "bwd x", "e2e x"],
+                                 rows), flush=True)
+    return result
+
+
 def check_reprop() -> None:
     """Exit with a clear message when reprop.bppsa is missing."""
     try:
@@ -1108,6 +1160,10 @@ def main(argv: list[str] | None = None) -> None:
         payload["vgg"] = {"setting": vgg.setting, "layers": vgg.layers, "rows": vgg.rows,
                           "stats_ms": {str(p): {n: st.to_dict() for n, st in st_.items()}
                                        for p, st_ in vgg.stats.items()}}
+        harness.write_json(args.json, payload)
+    if "graph" in args.part:
+        graph = run_graph(args, device)
+        payload["graph"] = {"rows": [graph]} if graph is not None else None
         harness.write_json(args.json, payload)
     harness.exit_if_failed(failed)
 

@@ -975,7 +975,7 @@ def test_gpu_session_commands_parse_with_their_scripts(monkeypatch):
             args = script.parse_args(argv[1:]) if script is bppsa_bench else script.parse_args()
             assert args.device == "cuda" and args.json.startswith("/tmp/")
             parsed += 1
-    assert parsed == 7
+    assert parsed == 8
 
 
 @needs_bash
