@@ -712,42 +712,57 @@ static int rp_py_grad_rows_again(PyObject *const *args, PyArrayObject *table,
     return rp_py_grad_rows(args, table, step, call, held, rows);
 }
 
+/* Clears the error a light look met, unless it is a KeyboardInterrupt or
+ * SystemExit (not an Exception), which stands: 1 cleared, 0 not. */
+static int rp_py_clear_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return 0;
+    PyErr_Clear();
+    return 1;
+}
+
 /* rp_py_grad_rows as the metadata guard (args[13]) has it. None: a full
- * look at each row. True: a full look that, where all rows take part,
- * reports the tensors it found right in *report (a tuple, in
- * rp_py_grad_call's order), for the caller to build a guard from. A guard,
- * a callable that says whether tensors (in that order) still have the
- * layouts of those it was built from: a light look at each row, for which
- * it vouches. A guard only knows all rows taking part, as they did the
- * previous step (step->at NULL): where one sits this step out, or where it
- * refuses, a full look after all; where it refused, *report is False, for
- * the caller to drop it. A light look finds a row stale or raises only where
- * a full look would (it looks at less), so its answer then stands.
- * *report: a new reference. */
+ * look at each row. True: a full look that, where the rows taking part are
+ * the previous step's, reports the tensors it found right in *report (a
+ * tuple, in rp_py_grad_call's order), for the caller to build a guard from.
+ * A guard, a callable that says whether tensors (in that order) still have
+ * the layouts of those it was built from: a light look at each row, for
+ * which it vouches. A guard knows the rows it was built from, the previous
+ * step's (the caller drops it where they change). Where others take part,
+ * where a row raised (a sparse gradient has no data pointer: the full look
+ * refuses its layout first), or where the guard refuses or raises, a full
+ * look after all, which has the last word; where the guard was asked,
+ * *report is then False, for the caller to drop it. A row the light look
+ * finds stale, a full look finds stale too (or raises first): that answer
+ * stands. *report: a new reference. */
 static int rp_py_guarded_rows(PyObject *const *args, PyArrayObject *table,
                               const rp_py_step_rows *step, rp_py_grad_call *call,
                               PyObject *held, PyObject **rows, PyObject **report)
 {
     PyObject *guard = args[13];
-    int ok, vouches = 0;
+    int ok, asked, vouches = 0;
     *report = Py_NewRef(Py_None);
-    if (guard == Py_None || step->at != NULL)
+    if (guard == Py_None)
         return rp_py_grad_rows(args, table, step, call, held, rows);
     if ((call->checked = PyList_New(0)) == NULL)
         return RP_ROW_ERROR;
     call->light = guard != Py_True;
     ok = rp_py_grad_rows(args, table, step, call, held, rows);
-    if (ok == RP_ROW_HOLDS && *rows == NULL) {
-        if (!call->light)
-            Py_SETREF(*report, PyList_AsTuple(call->checked));
-        else if ((vouches = rp_py_guard_vouches(guard, call->checked)) == 0)
-            Py_SETREF(*report, Py_NewRef(Py_False));
-    }
+    asked = call->light && ok == RP_ROW_HOLDS && *rows == NULL;
+    if (asked)
+        vouches = rp_py_guard_vouches(guard, call->checked);
+    else if (ok == RP_ROW_HOLDS && *rows == NULL)
+        Py_SETREF(*report, PyList_AsTuple(call->checked));
     Py_CLEAR(call->checked);
-    if (vouches < 0 || *report == NULL)
+    if (*report == NULL)
         return RP_ROW_ERROR;
-    if (!call->light || ok != RP_ROW_HOLDS || vouches == 1)
+    if (!call->light || ok == RP_ROW_STALE || vouches == 1)
         return ok;
+    if ((ok == RP_ROW_ERROR || vouches < 0) && !rp_py_clear_error())
+        return RP_ROW_ERROR;
+    if (asked)
+        Py_SETREF(*report, Py_NewRef(Py_False));
     return rp_py_grad_rows_again(args, table, step, call, held, rows);
 }
 

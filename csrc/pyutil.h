@@ -78,14 +78,14 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
  * else the list of their indices (for the caller to build another step
  * table), and `report`; or None as soon as anything differs, leaving the
  * Python path to rebuild, convert or raise. `guard` (optim.py's
- * _Plan.guard): None; True, for `report` to be, where all rows take part,
- * the tuple of the tensors whose layouts it checked (each row's param,
- * watched state tensors but step counts, and gradient), to build a layout
- * guard from; or such a guard, a callable given those tensors that says
- * whether they still have the layouts of the ones it was built from: where
- * all rows take part as they did the previous step, it checks the layouts
- * in one call, the rows being checked for identities and addresses only
- * (report False where it refused: the rows were then checked in full).
+ * _Plan.guard): None; True, for `report` to be, where the rows taking part
+ * are the previous step's, the tuple of the tensors whose layouts it checked
+ * (each row's param, watched state tensors but step counts, and gradient),
+ * to build a layout guard from; or such a guard, a callable given those
+ * tensors that says whether they still have the layouts of the ones it was
+ * built from: where the rows taking part are still those, it checks the
+ * layouts in one call, the rows being checked for identities and addresses
+ * only (report False where it refused: the rows were then checked in full).
  * report is None otherwise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 

@@ -841,15 +841,16 @@ def test_optim_grad_pointers_refuses_tables_and_step_rows_of_another_length():
     lists = ([None] * 2, {}, [None] * 2, [None] * 2, [True] * 2, torch.strided)
     table, memory = np.zeros((2, 8), np.int64), np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="^optim_grad_pointers: lists and table differ in length$"):
-        _C.optim_grad_pointers(no_grad, *lists, table[:1], None, table[:1], None, torch.Tensor, memory,
-                               None)
+        _C.optim_grad_pointers(no_grad, *lists, table[:1], None, table[:1], None, torch.Tensor,
+                               memory, None)
     for step_rows in (np.zeros(1, np.int64), np.zeros(3, np.int64)):
         with pytest.raises(ValueError, match="^optim_grad_pointers: step_rows must be None"):
             _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(), step_rows,
                                    torch.Tensor, memory, None)
     # the right lengths: no row has a gradient, none takes part
     assert _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(),
-                                  np.zeros(2, np.int64), torch.Tensor, memory, None) == ([], [], None)
+                                  np.zeros(2, np.int64), torch.Tensor, memory,
+                                  None) == ([], [], None)
 
 
 @pytest.mark.parametrize("value", [2**31, -2**31 - 1, -2**32 + 1])
@@ -1661,9 +1662,9 @@ def test_optim_grad_pointers_finds_tensors_for_a_layout_guard_and_leaves_rows_to
     """Asked for them (guard True), the fast path reports the tensors it found
     right, each row's param, state tensors but step counts and gradient; given
     a guard, it reads the same gradients leaving the layouts to it, the
-    guard called once with those tensors; where the guard refuses, it looks at
-    each row itself and reports False, and a stale row stays stale. No
-    reference is kept."""
+    guard called once with those tensors; where the guard refuses or raises,
+    it looks at each row itself and reports False, and a stale row stays
+    stale. No reference is kept."""
     params = [torch.zeros(3), torch.zeros(2)]
     for p in params:
         p.grad = torch.ones_like(p)
@@ -1680,8 +1681,16 @@ def test_optim_grad_pointers_finds_tensors_for_a_layout_guard_and_leaves_rows_to
         del reads
         assert [sys.getrefcount(x) for x in params + held] == before
     assert calls == [True] * 200
-    args[1] = [(1,) + args[1][0][1:], args[1][1]]  # row 0's param elsewhere: stale
+    # a gradient the light look cannot read (sparse: no data pointer) is left
+    # to the full look, which refuses its layout first: stale, not an error;
+    # as is a guard that raises
+    params[1].grad = params[1].grad.to_sparse()
     assert _C.optim_grad_pointers(*args) is None and len(calls) == 200
+    params[1].grad = held[1]
+    args[-1] = lambda *tensors: 1 / 0
+    assert _C.optim_grad_pointers(*args) == (held, None, False)
+    args[1] = [(1,) + args[1][0][1:], args[1][1]]  # row 0's param elsewhere: stale
+    assert _C.optim_grad_pointers(*args) is None
 
 def _one_param_fast_path():
     """A param with a gradient and optim_grad_pointers' arguments for it."""

@@ -286,9 +286,11 @@ def _guard_refuses_other_layouts(guards: type) -> bool:
     same elements in each other layout a caller must see."""
     x = torch.zeros(2, 3)
     check = guards(x, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-    others = (x.double(), x.reshape(3, 2), x.t().contiguous().t(), torch.zeros(2, 6)[:, ::2], torch._neg_view(x),
-              x.to_sparse(), x.to("meta"), x.clone().requires_grad_(), torch.nn.Parameter(x))
+    others = (x.double(), x.reshape(3, 2), x.t().contiguous().t(), torch.zeros(2, 6)[:, ::2],
+              torch._neg_view(x), x.to_sparse(), x.to("meta"), x.clone().requires_grad_(),
+              torch.nn.Parameter(x))
     return check(x.clone()) is True and not any(check(t) for t in others)
+
 
 def fake_mode_active() -> bool:
     """Whether a FakeTensorMode is active (torch's dry runs that estimate
