@@ -137,7 +137,8 @@ static PyMethodDef rp_methods[] = {
     {"optim_check", (PyCFunction)(void (*)(void))rp_optim_check_py, METH_FASTCALL, optim_check_doc},
     {"optim_grad_pointers", (PyCFunction)(void (*)(void))rp_py_optim_grad_pointers, METH_FASTCALL,
      "optim_grad_pointers(params, param_keys, state, state_dicts, watched, grad_contiguous,\n"
-     "                    strided, table, given, step_table, step_rows, tensor_type, memory)\n--\n\n"
+     "                    strided, table, given, step_table, step_rows, tensor_type, memory,\n"
+     "                    guard)\n--\n\n"
      "Per-step fast path of reprop.optim's cached pointer tables (see csrc/pyutil.h)."},
     {"optim_hparams", (PyCFunction)(void (*)(void))rp_py_optim_hparams, METH_FASTCALL,
      "optim_hparams(group) -> tuple or None: a param group's hparams tuple (csrc/pyutil.h)."},

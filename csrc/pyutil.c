@@ -150,14 +150,19 @@ static int rp_py_data_ptr(PyObject *t, PyObject *name, unsigned long long *out)
     return (*out == (unsigned long long)-1 && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* state.get(key) without calling __missing__: borrowed, Py_None when absent,
- * NULL with an exception set on error. */
-static PyObject *rp_py_dict_get(PyObject *dict, PyObject *key)
+/* A dict lookup's result as state.get() has it (no __missing__): borrowed,
+ * Py_None when absent, NULL with an exception set on error. */
+static PyObject *rp_py_found(PyObject *v)
 {
-    PyObject *v = PyDict_GetItemWithError(dict, key);
     if (v == NULL && !PyErr_Occurred())
         return Py_None;
     return v;
+}
+
+/* state.get(key), as rp_py_found has it. */
+static PyObject *rp_py_dict_get(PyObject *dict, PyObject *key)
+{
+    return rp_py_found(PyDict_GetItemWithError(dict, key));
 }
 
 /* Whether getattr(t, name) (call: t.name()) equals `want`: 1 yes, 0 no, -1 on error.
@@ -178,7 +183,7 @@ static int rp_py_attr_equals(PyObject *t, PyObject *name, int call, PyObject *wa
 
 /* Attribute names the fast path looks up. */
 enum { RP_N_DATA_PTR, RP_N_GRAD, RP_N_LAYOUT, RP_N_IS_CONTIGUOUS, RP_N_DTYPE, RP_N_SHAPE,
-       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_ITEMSIZE, RP_N_NAMES };
+       RP_N_STRIDE, RP_N_GET_DEVICE, RP_N_IS_NEG, RP_N_ITEMSIZE, RP_N_HASH, RP_N_NAMES };
 
 /* names[0 .. n) as the interned strings of text[], made at the first call
  * and kept for the process (names is the caller's static array; its last
@@ -209,9 +214,39 @@ static PyObject *const *rp_py_attr_names(void)
 {
     static const char *const text[RP_N_NAMES] = {
         "data_ptr", "grad", "layout", "is_contiguous", "dtype", "shape", "stride", "get_device",
-        "is_neg", "itemsize"};
+        "is_neg", "itemsize", "__hash__"};
     static PyObject *names[RP_N_NAMES];
     return rp_py_interned(text, names, RP_N_NAMES);
+}
+
+/* The memory the call writes (optim.py's _CallMemory.bounds): n disjoint
+ * [start, end) spans sorted by address, as pairs. */
+typedef struct {
+    const int64_t *span;
+    Py_ssize_t n;
+} rp_py_call_memory;
+
+/* What the rows of one fast-path call read (optim_grad_pointers' arguments),
+ * and how far each row looks. `light`: at identities and addresses only,
+ * leaving the layouts (dtype, shape, strides, and a gradient's layout,
+ * device and negative bit) to the caller's metadata guard, which vouches for
+ * all of them in one call (rp_py_guarded_rows). `checked`, where not NULL,
+ * collects the tensors whose layouts the guard checks, in its order: each
+ * row's param, its watched state tensors but step counts, its gradient. */
+typedef struct {
+    PyObject *const *names;
+    PyObject *state, *strided, *tensor_type, *given;
+    PyObject *tensor_hash; /* tensor_type's __hash__, borrowed; NULL if none */
+    const rp_py_call_memory *memory;
+    int light;
+    PyObject *checked;
+} rp_py_grad_call;
+
+/* Adds t to the tensors for the metadata guard, where the call collects
+ * them. 0, or -1 with an exception set. */
+static int rp_py_check_later(const rp_py_grad_call *call, PyObject *t)
+{
+    return call->checked == NULL ? 0 : PyList_Append(call->checked, t);
 }
 
 /* Whether param p still has the memory a row of the table was built for:
@@ -225,8 +260,9 @@ static PyObject *const *rp_py_attr_names(void)
  * same numel reshaped (p.data = p.data.reshape(3, 2)) no longer matches its
  * gradient, which torch refuses. Equal addresses are on the same device
  * (CUDA's unified addressing). 1 / 0 / -1 with an exception set. */
-static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
+static int rp_py_same_param(PyObject *p, PyObject *key, const rp_py_grad_call *call)
 {
+    PyObject *const *names = call->names;
     unsigned long long ptr, want;
     PyObject *layout = PyTuple_GET_ITEM(key, 3);
     int ok;
@@ -237,6 +273,8 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
         return -1;
     if (ptr != want)
         return 0;
+    if (call->light) /* the guard vouches for the rest */
+        return 1;
     ok = rp_py_attr_equals(p, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
     if (ok == 1)
         ok = rp_py_attr_equals(p, names[RP_N_SHAPE], 0, PyTuple_GET_ITEM(key, 2), 0);
@@ -255,13 +293,15 @@ static int rp_py_same_param(PyObject *p, PyObject *key, PyObject *const *names)
  * contiguous, with the param's dtype, shape (torch refuses a gradient of
  * another shape, also one of the same numel) and device, and without torch's
  * lazy negative bit (x.conj().imag: its memory holds -g). 1 / 0 / -1. */
-static int rp_py_usable_grad(PyObject *g, PyObject *key, PyObject *strided,
-                             PyObject *tensor_type, PyObject *const *names)
+static int rp_py_usable_grad(PyObject *g, PyObject *key, const rp_py_grad_call *call)
 {
+    PyObject *const *names = call->names;
     int ok;
-    if ((PyObject *)Py_TYPE(g) != tensor_type)
+    if ((PyObject *)Py_TYPE(g) != call->tensor_type)
         return 0;
-    ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, strided, 1);
+    if (call->light) /* the guard vouches for the rest */
+        return 1;
+    ok = rp_py_attr_equals(g, names[RP_N_LAYOUT], 0, call->strided, 1);
     if (ok == 1)
         ok = rp_py_attr_equals(g, names[RP_N_DTYPE], 0, PyTuple_GET_ITEM(key, 1), 1);
     if (ok == 1)
@@ -296,6 +336,22 @@ static int rp_py_state_current(PyObject *v, PyObject *shape, PyObject *const *na
     return ok;
 }
 
+/* state.get(p), as rp_py_found has it, with p's hash known where p's type
+ * hashes with torch.Tensor's own __hash__: id(self) (torch/_tensor.py),
+ * which CPython's slot for a Python __hash__ returns as the hash itself
+ * where it fits a Py_hash_t. Calling that Python function was 50 ns of a
+ * row's 1.2 us. The lookup is the same: the dict compares the keys as it
+ * did. */
+static PyObject *rp_py_state_of(PyObject *p, const rp_py_grad_call *call)
+{
+    PyTypeObject *type = Py_TYPE(p);
+    if (call->tensor_hash != NULL && (uintptr_t)p <= (uintptr_t)PY_SSIZE_T_MAX &&
+        type->tp_hash == ((PyTypeObject *)call->tensor_type)->tp_hash &&
+        _PyType_Lookup(type, call->names[RP_N_HASH]) == call->tensor_hash)
+        return rp_py_found(_PyDict_GetItem_KnownHash(call->state, p, (Py_hash_t)(uintptr_t)p));
+    return rp_py_dict_get(call->state, p);
+}
+
 /* Whether a row still points where the table was built for: the same
  * param memory and layout, the same state dict, and each state tensor
  * watched[i] lists, (key, tensor, column), still the tensor at that key, at
@@ -303,8 +359,8 @@ static int rp_py_state_current(PyObject *v, PyObject *shape, PyObject *const *na
  * .data replaced, is stale too) and as the row reads it there
  * (rp_py_state_current). A dormant row (watched None: its param had no state
  * when the table was built) never is. 1 / 0 / -1. */
-static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
-                             PyObject *watched, PyObject *contiguous, PyObject *const *names,
+static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *st, PyObject *watched,
+                             PyObject *contiguous, const rp_py_grad_call *call,
                              const int64_t *row)
 {
     unsigned long long ptr;
@@ -314,10 +370,12 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
     if (contiguous != Py_True || !PyTuple_Check(watched) || !PyTuple_Check(key) ||
         PyTuple_GET_SIZE(key) != 6)
         return 0;
-    ok = rp_py_same_param(p, key, names);
+    ok = rp_py_same_param(p, key, call);
     if (ok != 1)
         return ok;
-    attr = rp_py_dict_get(state, p);
+    if (rp_py_check_later(call, p) < 0)
+        return -1;
+    attr = rp_py_state_of(p, call);
     if (attr != st)
         return attr == NULL ? -1 : 0;
     for (k = 0; k < PyTuple_GET_SIZE(watched); k++) {
@@ -333,12 +391,14 @@ static int rp_py_row_current(PyObject *p, PyObject *key, PyObject *state, PyObje
             return -1;
         if (col < 0 || (size_t)col >= sizeof(rp_optim_entry) / sizeof(int64_t))
             return 0;
-        if (rp_py_data_ptr(v, names[RP_N_DATA_PTR], &ptr) < 0)
+        if (rp_py_data_ptr(v, call->names[RP_N_DATA_PTR], &ptr) < 0)
             return -1;
         if ((int64_t)ptr != row[col])
             return 0;
         if (col != RP_PY_STEP_COLUMN) {
-            ok = rp_py_state_current(v, PyTuple_GET_ITEM(key, 2), names);
+            ok = call->light ? 1 : rp_py_state_current(v, PyTuple_GET_ITEM(key, 2), call->names);
+            if (ok == 1 && rp_py_check_later(call, v) < 0)
+                ok = -1;
             if (ok != 1)
                 return ok;
         }
@@ -356,11 +416,11 @@ enum { RP_ROW_ERROR = -1, RP_ROW_STALE = 0, RP_ROW_HOLDS = 1, RP_ROW_NO_GRAD = 2
  * where the caller gives the gradients (a dict by id, as optim.py's `given`);
  * NULL with an exception set (KeyError for a param given none, as
  * given[id(p)] raises). */
-static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *names)
+static PyObject *rp_py_grad_of(PyObject *p, const rp_py_grad_call *call)
 {
-    PyObject *id, *g;
+    PyObject *given = call->given, *id, *g;
     if (given == Py_None)
-        return PyObject_GetAttr(p, names[RP_N_GRAD]);
+        return PyObject_GetAttr(p, call->names[RP_N_GRAD]);
     id = PyLong_FromVoidPtr(p); /* id(p) */
     if (id == NULL)
         return NULL;
@@ -371,13 +431,6 @@ static PyObject *rp_py_grad_of(PyObject *p, PyObject *given, PyObject *const *na
     Py_XINCREF(g);
     return g;
 }
-
-/* The memory the call writes (optim.py's _CallMemory.bounds): n disjoint
- * [start, end) spans sorted by address, as pairs. */
-typedef struct {
-    const int64_t *span;
-    Py_ssize_t n;
-} rp_py_call_memory;
 
 /* Whether a contiguous gradient at address g may share memory that the call
  * writes: a param's (its own too) or a state tensor's. Its numel elements of
@@ -427,13 +480,12 @@ static int rp_py_meets_call_memory(unsigned long long g, PyObject *key, int64_t 
 
 /* One row of the fast path; RP_ROW_HOLDS with the gradient the row now
  * points at, a new reference, in *held. */
-static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject *st,
-                          PyObject *watched, PyObject *contiguous, PyObject *strided,
-                          PyObject *tensor_type, PyObject *given, PyObject *const *names,
-                          const rp_py_call_memory *memory, int64_t *row, PyObject **held)
+static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *st, PyObject *watched,
+                          PyObject *contiguous, const rp_py_grad_call *call, int64_t *row,
+                          PyObject **held)
 {
     unsigned long long ptr;
-    PyObject *g = rp_py_grad_of(p, given, names);
+    PyObject *g = rp_py_grad_of(p, call);
     int ok;
     if (g == NULL)
         return RP_ROW_ERROR;
@@ -441,20 +493,22 @@ static int rp_py_grad_row(PyObject *p, PyObject *key, PyObject *state, PyObject 
         Py_DECREF(g);
         return RP_ROW_NO_GRAD;
     }
-    ok = rp_py_row_current(p, key, state, st, watched, contiguous, names, row);
+    ok = rp_py_row_current(p, key, st, watched, contiguous, call, row);
     if (ok == 1)
-        ok = rp_py_usable_grad(g, key, strided, tensor_type, names);
+        ok = rp_py_usable_grad(g, key, call);
     if (ok == 1)
-        ok = rp_py_data_ptr(g, names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
+        ok = rp_py_data_ptr(g, call->names[RP_N_DATA_PTR], &ptr) < 0 ? -1 : 1;
     /* no memory behind a non-empty gradient: a meta tensor, whose get_device()
      * is a CPU param's -1; the Python path names the mismatch */
     if (ok == 1 && ptr == 0 && ((const rp_optim_entry *)row)->numel > 0)
         ok = 0;
     if (ok == 1) {
         int meets = rp_py_meets_call_memory(ptr, key, ((const rp_optim_entry *)row)->numel,
-                                            names, memory);
+                                            call->names, call->memory);
         ok = meets < 0 ? -1 : !meets;
     }
+    if (ok == 1 && rp_py_check_later(call, g) < 0)
+        ok = -1;
     if (ok != 1) {
         Py_DECREF(g);
         return ok;
@@ -556,8 +610,8 @@ static int rp_py_hold_row(PyObject *const *args, Py_ssize_t i, PyObject **item)
  * NULL when the rows taking part are the previous step's, else their list;
  * or RP_ROW_STALE or RP_ROW_ERROR. */
 static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
-                           const rp_py_step_rows *step, const rp_py_call_memory *memory,
-                           PyObject *const *names, PyObject *held, PyObject **rows)
+                           const rp_py_step_rows *step, const rp_py_grad_call *call,
+                           PyObject *held, PyObject **rows)
 {
     Py_ssize_t n = PyList_GET_SIZE(args[0]), i, k = 0;
     for (i = 0; i < n; i++) {
@@ -566,8 +620,7 @@ static int rp_py_grad_rows(PyObject *const *args, PyArrayObject *table,
         int ok;
         if (!rp_py_hold_row(args, i, item))
             return RP_ROW_STALE; /* the lists shrank under the call */
-        ok = rp_py_grad_row(item[0], item[1], args[2], item[2], item[3], item[4], args[6], args[11],
-                            args[8], names, memory, row, &g);
+        ok = rp_py_grad_row(item[0], item[1], item[2], item[3], item[4], call, row, &g);
         rp_py_release_row(item, RP_PY_ROW_ITEMS);
         if (ok == RP_ROW_NO_GRAD)
             continue;
@@ -629,17 +682,102 @@ static int rp_py_call_memory_arg(PyObject *arg, rp_py_call_memory *memory)
     return 0;
 }
 
+/* Whether the metadata guard vouches for the layouts of the tensors a light
+ * look collected: 1 / 0 / -1 with an exception set. */
+static int rp_py_guard_vouches(PyObject *guard, PyObject *checked)
+{
+    PyObject *tensors = PyList_AsTuple(checked), *r;
+    int vouches;
+    if (tensors == NULL)
+        return -1;
+    r = PyObject_CallObject(guard, tensors);
+    Py_DECREF(tensors);
+    if (r == NULL)
+        return -1;
+    vouches = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return vouches;
+}
+
+/* rp_py_grad_rows with a full look at each row, again: what a light look
+ * had read is dropped. */
+static int rp_py_grad_rows_again(PyObject *const *args, PyArrayObject *table,
+                                 const rp_py_step_rows *step, rp_py_grad_call *call,
+                                 PyObject *held, PyObject **rows)
+{
+    call->light = 0;
+    Py_CLEAR(*rows);
+    if (PyList_SetSlice(held, 0, PyList_GET_SIZE(held), NULL) < 0)
+        return RP_ROW_ERROR;
+    return rp_py_grad_rows(args, table, step, call, held, rows);
+}
+
+/* Clears the error a light look met, unless it is a KeyboardInterrupt or
+ * SystemExit (not an Exception), which stands: 1 cleared, 0 not. */
+static int rp_py_clear_error(void)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception))
+        return 0;
+    PyErr_Clear();
+    return 1;
+}
+
+/* rp_py_grad_rows as the metadata guard (args[13]) has it. None: a full
+ * look at each row. True: a full look that, where the rows taking part are
+ * the previous step's, reports the tensors it found right in *report (a
+ * tuple, in rp_py_grad_call's order), for the caller to build a guard from.
+ * A guard, a callable that says whether tensors (in that order) still have
+ * the layouts of those it was built from: a light look at each row, for
+ * which it vouches. A guard knows the rows it was built from, the previous
+ * step's (the caller drops it where they change). Where others take part,
+ * where a row raised (a sparse gradient has no data pointer: the full look
+ * refuses its layout first), or where the guard refuses or raises, a full
+ * look after all, which has the last word; where the guard was asked,
+ * *report is then False, for the caller to drop it. A row the light look
+ * finds stale, a full look finds stale too (or raises first): that answer
+ * stands. *report: a new reference. */
+static int rp_py_guarded_rows(PyObject *const *args, PyArrayObject *table,
+                              const rp_py_step_rows *step, rp_py_grad_call *call,
+                              PyObject *held, PyObject **rows, PyObject **report)
+{
+    PyObject *guard = args[13];
+    int ok, asked, vouches = 0;
+    *report = Py_NewRef(Py_None);
+    if (guard == Py_None)
+        return rp_py_grad_rows(args, table, step, call, held, rows);
+    if ((call->checked = PyList_New(0)) == NULL)
+        return RP_ROW_ERROR;
+    call->light = guard != Py_True;
+    ok = rp_py_grad_rows(args, table, step, call, held, rows);
+    asked = call->light && ok == RP_ROW_HOLDS && *rows == NULL;
+    if (asked)
+        vouches = rp_py_guard_vouches(guard, call->checked);
+    else if (ok == RP_ROW_HOLDS && *rows == NULL)
+        Py_SETREF(*report, PyList_AsTuple(call->checked));
+    Py_CLEAR(call->checked);
+    if (*report == NULL)
+        return RP_ROW_ERROR;
+    if (!call->light || ok == RP_ROW_STALE || vouches == 1)
+        return ok;
+    if ((ok == RP_ROW_ERROR || vouches < 0) && !rp_py_clear_error())
+        return RP_ROW_ERROR;
+    if (asked)
+        Py_SETREF(*report, Py_NewRef(Py_False));
+    return rp_py_grad_rows_again(args, table, step, call, held, rows);
+}
+
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *const *names;
-    PyObject *result = NULL, *held = NULL, *rows = NULL;
+    PyObject *result = NULL, *held = NULL, *rows = NULL, *report = NULL;
     PyArrayObject *table;
     rp_py_step_rows step;
     rp_py_call_memory memory;
+    rp_py_grad_call call;
     Py_ssize_t n;
     int ok;
     (void)self;
-    if (rp_py_check_nargs(nargs, 13, "optim_grad_pointers") < 0)
+    if (rp_py_check_nargs(nargs, 14, "optim_grad_pointers") < 0)
         return NULL;
     if (!PyList_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2]) ||
         !PyList_Check(args[3]) || !PyList_Check(args[4]) || !PyList_Check(args[5]) ||
@@ -666,9 +804,12 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
     held = PyList_New(0);
     if (held == NULL)
         goto done;
-    ok = rp_py_grad_rows(args, table, &step, &memory, names, held, &rows);
+    call = (rp_py_grad_call){names, args[2], args[6], args[11], args[8],
+                             _PyType_Lookup((PyTypeObject *)args[11], names[RP_N_HASH]), &memory,
+                             0, NULL};
+    ok = rp_py_guarded_rows(args, table, &step, &call, held, &rows, &report);
     if (ok == RP_ROW_HOLDS) {
-        result = PyTuple_Pack(2, held, rows != NULL ? rows : Py_None);
+        result = PyTuple_Pack(3, held, rows != NULL ? rows : Py_None, report);
     } else if (ok == RP_ROW_STALE) {
         Py_INCREF(Py_None);
         result = Py_None;
@@ -676,6 +817,7 @@ PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ss
 done:
     Py_XDECREF(held);
     Py_XDECREF(rows);
+    Py_XDECREF(report);
     return result;
 }
 

@@ -54,7 +54,8 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
 
 /* optim_grad_pointers(params, param_keys, state, state_dicts, watched,
  *                     grad_contiguous, strided, table, given, step_table,
- *                     step_rows, tensor_type, memory) -> (held, rows) or None
+ *                     step_rows, tensor_type, memory, guard)
+ *     -> (held, rows, report) or None
  * The per-step fast path of reprop.optim's cached pointer tables. A param's
  * gradient is its .grad, or given[id(param)] where `given` (else None) is a
  * dict of them. A row whose param has no gradient sits the step out; of
@@ -75,8 +76,17 @@ PyObject *rp_py_optim_hparams(PyObject *self, PyObject *const *args, Py_ssize_t 
  * same rows take part, their pointers go into step_table too. Returns the
  * gradients read and None when the rows taking part are the previous step's,
  * else the list of their indices (for the caller to build another step
- * table); or None as soon as anything differs, leaving the Python path to
- * rebuild, convert or raise. Defined in pyutil.c. */
+ * table), and `report`; or None as soon as anything differs, leaving the
+ * Python path to rebuild, convert or raise. `guard` (optim.py's
+ * _Plan.guard): None; True, for `report` to be, where the rows taking part
+ * are the previous step's, the tuple of the tensors whose layouts it checked
+ * (each row's param, watched state tensors but step counts, and gradient),
+ * to build a layout guard from; or such a guard, a callable given those
+ * tensors that says whether they still have the layouts of the ones it was
+ * built from: where the rows taking part are still those, it checks the
+ * layouts in one call, the rows being checked for identities and addresses
+ * only (report False where it refused: the rows were then checked in full).
+ * report is None otherwise. Defined in pyutil.c. */
 PyObject *rp_py_optim_grad_pointers(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 
 /* optim_call_key(params) -> bytes: the id() of each object of the sequence

@@ -115,7 +115,8 @@ def test_optim_grad_pointers_holds_each_row_while_python_code_changes_the_lists(
             table = np.zeros((2, 8), np.int64)
             assert _C.optim_grad_pointers(
                 params, [(0, None, None, True, -1)] * 2, {}, [None] * 2, [()] * 2, [True] * 2,
-                torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64)) is None
+                torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64),
+                None) is None
         print("ok")
     """)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr[-2000:]
@@ -268,7 +269,7 @@ def test_arrays_the_core_reads_in_place_must_be_native_and_aligned():
         with pytest.raises(ValueError, match="step_rows must be None .* in native byte order$"):
             _C.optim_grad_pointers(no_grad, [None], {}, [None], [None], [True], torch.strided, table,
                                    None, table.copy(), step_rows, torch.Tensor,
-                                   np.zeros(0, np.int64))
+                                   np.zeros(0, np.int64), None)
 
     indptr, indices = np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32)
     for bad in (indptr.astype(">i4"), _unaligned(indptr, np.int32)):
@@ -840,14 +841,16 @@ def test_optim_grad_pointers_refuses_tables_and_step_rows_of_another_length():
     lists = ([None] * 2, {}, [None] * 2, [None] * 2, [True] * 2, torch.strided)
     table, memory = np.zeros((2, 8), np.int64), np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="^optim_grad_pointers: lists and table differ in length$"):
-        _C.optim_grad_pointers(no_grad, *lists, table[:1], None, table[:1], None, torch.Tensor, memory)
+        _C.optim_grad_pointers(no_grad, *lists, table[:1], None, table[:1], None, torch.Tensor,
+                               memory, None)
     for step_rows in (np.zeros(1, np.int64), np.zeros(3, np.int64)):
         with pytest.raises(ValueError, match="^optim_grad_pointers: step_rows must be None"):
             _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(), step_rows,
-                                   torch.Tensor, memory)
+                                   torch.Tensor, memory, None)
     # the right lengths: no row has a gradient, none takes part
     assert _C.optim_grad_pointers(no_grad, *lists, table, None, table.copy(),
-                                  np.zeros(2, np.int64), torch.Tensor, memory) == ([], [])
+                                  np.zeros(2, np.int64), torch.Tensor, memory,
+                                  None) == ([], [], None)
 
 
 @pytest.mark.parametrize("value", [2**31, -2**31 - 1, -2**32 + 1])
@@ -1219,7 +1222,7 @@ def test_a_table_whose_rows_are_not_8_int64_is_refused(shape):
     with pytest.raises(ValueError, match=width):
         _C.optim_grad_pointers([types.SimpleNamespace(grad=None)] * n, [None] * n, {}, [None] * n,
                                [None] * n, [True] * n, torch.strided, table, None, table, None,
-                               torch.Tensor, np.zeros(0, np.int64))
+                               torch.Tensor, np.zeros(0, np.int64), None)
 
 
 def test_optim_grad_pointers_refuses_odd_memory_and_step_tables_longer_than_the_table():
@@ -1232,12 +1235,13 @@ def test_optim_grad_pointers_refuses_odd_memory_and_step_tables_longer_than_the_
     table, memory = np.zeros((2, 8), np.int64), np.zeros(2, np.int64)
     with pytest.raises(ValueError, match="^optim_grad_pointers: memory must be a C-contiguous 1-D "
                                          "int64 array of \\[start, end\\) pairs"):
-        _C.optim_grad_pointers(no_grad, *lists, table, None, table, None, torch.Tensor, memory[:1])
+        _C.optim_grad_pointers(no_grad, *lists, table, None, table, None, torch.Tensor, memory[:1],
+                               None)
     with pytest.raises(ValueError, match="^optim_grad_pointers: step_rows must be None"):
         _C.optim_grad_pointers(no_grad, *lists, table, None, np.zeros((3, 8), np.int64),
-                               np.arange(3, dtype=np.int64), torch.Tensor, memory)
+                               np.arange(3, dtype=np.int64), torch.Tensor, memory, None)
     assert _C.optim_grad_pointers(no_grad, *lists, table, None, table, None, torch.Tensor,
-                                  memory) == ([], [])
+                                  memory, None) == ([], [], None)
 
 
 def test_more_rows_taking_part_than_last_step_leave_memory_past_the_step_table_alone():
@@ -1255,9 +1259,9 @@ def test_more_rows_taking_part_than_last_step_leave_memory_past_the_step_table_a
     keys = [ro._layout_key(p) for p in params]
     beyond = np.zeros((2, 8), np.int64)  # the step table is its first row
     step_rows = np.arange(2, dtype=np.int64)  # [0], with a 1 past its end
-    held, rows = _C.optim_grad_pointers(
+    held, rows, _ = _C.optim_grad_pointers(
         params, keys, {}, [None] * 2, [()] * 2, [True] * 2, torch.strided, table, None,
-        beyond[:1], step_rows[:1], torch.Tensor, np.zeros(0, np.int64))
+        beyond[:1], step_rows[:1], torch.Tensor, np.zeros(0, np.int64), None)
     assert rows == [0, 1] and [g is p.grad for g, p in zip(held, params)] == [True, True]
     assert list(table[:, 1]) == [p.grad.data_ptr() for p in params]
     assert beyond[0, 1] == params[0].grad.data_ptr()
@@ -1342,7 +1346,7 @@ def _fast_path_args(params):
         table[i, 0], table[i, 6] = p.data_ptr(), p.numel()
     n = len(params)
     return (params, [ro._layout_key(p) for p in params], {}, [None] * n, [()] * n, [True] * n,
-            torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64))
+            torch.strided, table, None, table, None, torch.Tensor, np.zeros(0, np.int64), None)
 
 
 def test_optim_grad_pointers_gives_back_the_attributes_it_reads():
@@ -1354,7 +1358,7 @@ def test_optim_grad_pointers_gives_back_the_attributes_it_reads():
     for p in params:
         p.grad = torch.ones(3)
     args = _fast_path_args(params)
-    held, rows = _C.optim_grad_pointers(*args)
+    held, rows, _ = _C.optim_grad_pointers(*args)
     assert rows is None and [g is p.grad for g, p in zip(held, params)] == [True, True]
     before = sys.getrefcount(torch.float32), sys.getrefcount(torch.strided)
     for _ in range(1000):
@@ -1654,6 +1658,40 @@ def test_optim_step_refuses_an_int32_table_and_hparams_of_another_type():
         _C.optim_step(0, 0, np.zeros((0, 8), np.int64), list(_SGD_HPARAMS), 1)
 
 
+def test_optim_grad_pointers_finds_tensors_for_a_layout_guard_and_leaves_rows_to_it():
+    """Asked for them (guard True), the fast path reports the tensors it found
+    right, each row's param, state tensors but step counts and gradient; given
+    a guard, it reads the same gradients leaving the layouts to it, the
+    guard called once with those tensors; where the guard refuses or raises,
+    it looks at each row itself and reports False, and a stale row stays
+    stale. No reference is kept."""
+    params = [torch.zeros(3), torch.zeros(2)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    args = list(_fast_path_args(params))
+    args[-1] = True
+    held, rows, checked = _C.optim_grad_pointers(*args)
+    assert rows is None and checked == (params[0], params[0].grad, params[1], params[1].grad)
+    calls = []
+    for vouches in (True, False):
+        args[-1] = lambda *tensors, vouches=vouches: calls.append(tensors == checked) or vouches
+        before = [sys.getrefcount(x) for x in params + held]
+        reads = [_C.optim_grad_pointers(*args) for _ in range(100)]
+        assert reads == [(held, None, None if vouches else False)] * 100
+        del reads
+        assert [sys.getrefcount(x) for x in params + held] == before
+    assert calls == [True] * 200
+    # a gradient the light look cannot read (sparse: no data pointer) is left
+    # to the full look, which refuses its layout first: stale, not an error;
+    # as is a guard that raises
+    params[1].grad = params[1].grad.to_sparse()
+    assert _C.optim_grad_pointers(*args) is None and len(calls) == 200
+    params[1].grad = held[1]
+    args[-1] = lambda *tensors: 1 / 0
+    assert _C.optim_grad_pointers(*args) == (held, None, False)
+    args[1] = [(1,) + args[1][0][1:], args[1][1]]  # row 0's param elsewhere: stale
+    assert _C.optim_grad_pointers(*args) is None
+
 def _one_param_fast_path():
     """A param with a gradient and optim_grad_pointers' arguments for it."""
     p = torch.zeros(2)
@@ -1683,7 +1721,7 @@ def test_optim_grad_pointers_skips_a_param_without_gradient_and_leaves_a_non_con
     grad_contiguous is False goes to the Python path (None)."""
     params = [torch.zeros(2), torch.zeros(2)]
     params[1].grad = torch.ones(2)
-    held, rows = _C.optim_grad_pointers(*_fast_path_args(params))
+    held, rows, _ = _C.optim_grad_pointers(*_fast_path_args(params))
     assert held == [params[1].grad] and rows == [1]
     p, args = _one_param_fast_path()
     args[5] = [False]

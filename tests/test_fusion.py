@@ -570,8 +570,14 @@ def _keys(d) -> list:
 
 def hook_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     """Every hook registry fuse() could touch, and the instance attributes that
-    are callables (patched methods) of the modules and the optimizer."""
+    are callables (patched methods) of the modules and the optimizer. The
+    fusions earlier tests left to the garbage collector are collected first:
+    each takes its hook out of the global registry when collected, which
+    happened within a test, between its two snapshots, as soon as reprop's
+    optimizer made a few more objects a step."""
     import torch.nn.modules.module as module_mod
+
+    gc.collect()
 
     snap = {}
     for name, m in model.named_modules():

@@ -4353,6 +4353,62 @@ def test_tensor_relaid_in_place_between_steps_is_read_in_its_new_layout(
     assert_runs_close(*runs, OPEN_LOOP_TOL)
 
 
+class _GuardSpy(_FastPathSpy):
+    """_FastPathSpy noting too the layout guard each call of the fast path
+    was given (optim_grad_pointers' last argument): None, True (find the
+    rows' tensors for one) or a guard."""
+
+    def __init__(self):
+        super().__init__()
+        self.guards = []
+
+    def optim_grad_pointers(self, *args):
+        self.guards.append(args[-1])
+        return super().optim_grad_pointers(*args)
+
+
+# A change of layout made where the fast path reads the rows with a layout
+# guard: a square param or its state tensor transposed, a gradient transposed
+# in memory or given torch's negative bit.
+GUARDED = {
+    "param": lambda p, st: setattr(p, "data", p.data.t()),
+    "state": lambda p, st: st.t_(),
+    "grad_transposed": lambda p, st: setattr(p, "grad", p.grad.t().contiguous().t()),
+    "grad_negative": lambda p, st: setattr(p, "grad", _negative_bit(p.grad)),
+}
+
+
+@pytest.mark.parametrize("change", list(GUARDED))
+@pytest.mark.parametrize("name", NAMES)
+def test_each_change_of_layout_is_seen_under_the_fast_paths_layout_guard(
+        name: str, change: str, monkeypatch) -> None:
+    """From its second or third step a plan's fast path looks at identities
+    and addresses only, and leaves the rows' layouts to one call of a guard
+    built from tensors it found right (_Plan._keep_guard), of the rows
+    taking part (the last param has no gradient from the second step on).
+    Each change of layout it looked for itself is still seen there, and read
+    as torch reads it: results as torch's."""
+    shapes = [(8, 8), (5,), (3,)]
+    init, grads = make_params(shapes, seed=61), grad_sequence(shapes, 6)
+    for step_grads in grads[1:]:
+        step_grads[2] = None
+    spy = _GuardSpy()
+    monkeypatch.setattr(rp, "_C", spy)
+    runs = []
+    for cls in (reprop_cls(name), torch_cls(name)):
+        params = [nn.Parameter(clone_exact(t)) for t in init]
+        opt = cls(params, **RICH[name])
+        for k, step_grads in enumerate(grads):
+            for p, g in zip(params, step_grads):
+                p.grad = None if g is None else clone_exact(g)
+            if k == 4:
+                GUARDED[change](params[0], opt.state[params[0]][FIRST_SLOT[name]])
+            opt.step()
+        runs.append(Run(params, opt))
+    assert callable(spy.guards[3]) and callable(spy.guards[4])
+    assert_runs_close(*runs, OPEN_LOOP_TOL)
+
+
 # A (4, 6) param's state tensor given another shape in place, keeping the
 # object and its address: as many elements in another shape, or fewer (the
 # last, onto a storage that ends before the param's numel floats do).

@@ -593,11 +593,11 @@ class _Plan:
         `step_params` their params and `step_staged` their staged entries.
         Kept while the same rows take part: the fast path writes the gradient
         pointers into the copy, so that the steady state of a model with
-        frozen params copies no rows and builds no lists of them. `rows` and
-        these four are set in one statement: the plan stays cached when a
-        KeyboardInterrupt (a notebook's stop button) lands here, and every
-        later step raised for the rows of one subset with the step table of
-        another."""
+        frozen params copies no rows and builds no lists of them. `rows`,
+        these four and `guard` are set in one statement: the plan stays
+        cached when a KeyboardInterrupt (a notebook's stop button) lands
+        here, and every later step raised for the rows of one subset with the
+        step table of another."""
         if rows is not None and len(rows) == len(self.params):
             rows = None
         self._sync_flags()
@@ -610,8 +610,12 @@ class _Plan:
             step_params = [self.params[r] for r in rows]
             taking_part = set(rows)
             step_staged = [s for s in self.staged if s[0] in taking_part]
-        self.rows, self.step_rows, self.step_table, self.step_params, self.step_staged = (
-            rows, step_rows, step_table, step_params, step_staged)
+        # `guard`, the fast path's layout guard (_keep_guard), knows the rows
+        # it was built from: None until the fast path has found these right
+        # at a step (False once dropped), set with them, as a guard of other
+        # rows would vouch for one row's tensors by another's layouts
+        (self.rows, self.step_rows, self.step_table, self.step_params, self.step_staged,
+         self.guard) = rows, step_rows, step_table, step_params, step_staged, None
 
     def _sync_flags(self) -> None:
         """Copies the flags the core cleared in the step table, where it is a
@@ -671,6 +675,7 @@ class _Plan:
             key, t, _ = entry
             self.state_dicts[row][key] = t
             if not any(w is entry for w in self.watched[row]):
+                self.guard = None  # first: a guard knows the tensors watched before
                 self.watched[row] += (entry,)
         self.fresh = unfilled
 
@@ -691,11 +696,14 @@ class _Plan:
         read = _C.optim_grad_pointers(
             self.params, self.param_keys, state, self.state_dicts, self.watched,
             self.grad_contiguous, torch.strided, self.table, given, self.step_table,
-            self.step_rows, torch.Tensor, self.memory.bounds)
+            self.step_rows, torch.Tensor, self.memory.bounds,
+            True if self.guard is None else self.guard or None)
         if read is not None:
-            held, rows = read
+            held, rows, checked = read
             if rows is not None:  # other rows than last step's
                 self._take_part(rows)
+            if checked is not None:
+                self._keep_guard(checked)
             return held
         rows, ptrs, keep, aliased = [], [], [], []
         grad_of = _grad_getter(given)
@@ -736,6 +744,19 @@ class _Plan:
         self._take_part(rows)
         self.aliased = aliased
         return keep
+
+    def _keep_guard(self, checked: tuple | bool) -> None:
+        """Keeps the layout guard the fast path reads rows with, built from
+        the tensors it has just found right (`checked`: the param, state
+        tensors but step counts, and gradient of each row taking part), or
+        drops the one it was given (False: it refused or raised, and a full
+        look found the rows right). With it, the fast path looks at each
+        row's identities and addresses only, and the guard at all their
+        layouts in one call: 2.2x less time for the fast path on 158 small
+        params. Dropped until the rows taking part or the state tensors
+        watched change: one refusing at each step would cost a second look
+        each time."""
+        self.guard = checked and _tensors.layout_guard(checked) or False
 
     def run(self, opt: "_FusedOptimizer", group: dict, hp: tuple, ran: dict | None = None) -> None:
         """Issues the update of this step's rows with `group`'s hyper-parameters
