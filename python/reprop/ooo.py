@@ -1642,8 +1642,12 @@ class OOOHandle(_PassTracking):
         # its closure, cells and weak reference were a fifth of the objects a
         # held layer's backward left to the garbage collector
         self._stand_in = weak_hook(self._accumulated)
+        # the AccumulateGrad pre-hook of _guard_accumulation, bound to each
+        # parameter by a partial: one weak hook for all, as the stand-in (made
+        # per parameter at every backward, it cost 0.5 us of each guard)
+        self._guard_hook = weak_hook(self._before_accumulate)
         # CUDA stream order around AccumulateGrad (_guard_accumulation), per backward:
-        self._guards: dict = {}      # param -> its AccumulateGrad pre-hook's handle
+        self._guards: dict = {}      # id(param) -> its AccumulateGrad pre-hook's handle
         self._written: dict = {}     # param -> event after its last dW on the sub-stream
         self._main_writes: set = set()  # params autograd added a gradient to on the main stream
         # this backward looks for parameters read outside split layers too
@@ -2203,11 +2207,26 @@ class OOOHandle(_PassTracking):
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
         if self._seek_outside or self.order == "ooo" and (
-                g.is_cuda or torch.are_deterministic_algorithms_enabled()):
-            self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
+                g.is_cuda or torch.are_deterministic_algorithms_enabled()
+                and self._may_be_deferred(task.key)):
+            self._guard_accumulation(params, nodes)
         return task
 
-    def _guard_accumulation(self, targets: list, nodes: list) -> None:
+    def _may_be_deferred(self, key: tuple) -> bool:
+        """Whether the task `key` may wait in _pending past its call's node
+        (_after_input_grad): one the schedule places in a region other than
+        its dO's. On the CPU, outside the passes that seek uses outside
+        split layers, _before_accumulate acts only on such a task of its
+        parameter (the pending dW it runs first, under deterministic
+        algorithms; no sub-stream order to keep): a task run in its node
+        needs no guard, and a parameter's AccumulateGrad runs after every
+        split node reading it, each of which guards it here if its task may
+        wait. The guard each call cost a third of the split's backward on a
+        CPU (two pre-hooks registered, two Python calls from the engine)."""
+        region = self._region_of.get(key)
+        return region is not None and region != self._region_of_main.get(key)
+
+    def _guard_accumulation(self, params: tuple, nodes: list) -> None:
         """On CUDA a deferred dW writes .grad on the sub-stream, while the
         parameter's AccumulateGrad (adding a use outside split layers, then
         firing the post-accumulate-grad hooks held for the dW) runs on the
@@ -2215,11 +2234,13 @@ class OOOHandle(_PassTracking):
         and backward. Under torch.use_deterministic_algorithms (any device)
         the hook also runs the dW the schedule moved past it first. In the
         passes that seek uses outside split layers (any device), it sees
-        them (_note_outside_uses)."""
-        for p, node in zip(targets, nodes):
-            if p not in self._guards:
-                self._guards[p] = node.register_prehook(
-                    functools.partial(weak_hook(self._before_accumulate), p))
+        them (_note_outside_uses). `nodes`: the AccumulateGrad node of each
+        of `params` whose dW is deferred, None for the others."""
+        guards = self._guards
+        for p, node in zip(params, nodes):
+            # by id: a tensor's __hash__ is a Python call (the partial keeps p alive)
+            if node is not None and id(p) not in guards:
+                guards[id(p)] = node.register_prehook(functools.partial(self._guard_hook, p))
 
     def _before_accumulate(self, p: torch.Tensor, grads: tuple) -> None:
         """p's AccumulateGrad is about to run on the current (main) stream.
