@@ -1340,10 +1340,11 @@ class _Task:
 
     def run(self) -> None:
         grads = self.done
-        if self.has_run:
-            raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} (call "
-                               f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
+            if self.grad is None:  # (has_run, asked without the property's call)
+                raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} "
+                                   f"(call {self.key[1]}) has run already; run each held task "
+                                   "once")
             grads = self.site.kind.weight_grads(self.saved, self.grad, self.mask)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             self._check_nan(grads)
@@ -1666,7 +1667,9 @@ class OOOHandle(_PassTracking):
         self._profile = _Profile()
         self._reads: _Reads | None = None  # what this profiling pass's tasks read
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
-        self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
+        # seconds spent in inline dW tasks (CPU clock) in profiling passes, whose
+        # stamps alone read it (differences within a pass: _Profile.with_times)
+        self._task_time = 0.0
         self._next_index = 0
         self._holding: tuple = ()  # (tasks, keep, step) of each hold() block, innermost last
         # held tasks of backward passes that ended, not run yet, which their
@@ -2253,13 +2256,16 @@ class OOOHandle(_PassTracking):
         schedule moved one past this point differs from run to run, and with
         it the order in which a weight also used outside split layers (tied)
         sums its gradients."""
-        if grads[0] is not None and torch.are_deterministic_algorithms_enabled():
-            self._issue_due(lambda t: any(q is p for q in t.targets))
-        if grads[0] is not None:
+        outside = grads[0] is not None
+        if outside:
+            if torch.are_deterministic_algorithms_enabled():
+                self._issue_due(lambda t: any(q is p for q in t.targets))
             self._main_writes.add(p)
         total = self._sums.get(id(p))
         closes_here = total is not None and total.reach is not None
-        if grads[0] is not None or p in self._hooked or closes_here:
+        # (the dict looked at last and only if not empty: a tensor's __hash__ is a
+        # Python call, and this runs for each guarded parameter and backward)
+        if outside or closes_here or (self._hooked and p in self._hooked):
             self._wait_for_written(p)
         # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
         # registered after this one)
@@ -2661,8 +2667,10 @@ class OOOHandle(_PassTracking):
         that reaches the parameter (each backward a hold() block holds, a
         reentrant checkpoint's nested backward)."""
         graph = None
+        hooked = self._hooked
         for p in task.targets:
-            state = self._hooked.get(p)
+            # (a tensor's __hash__ is a Python call: none while no hooks wait)
+            state = hooked.get(p) if hooked else None
             if state is None:
                 hooks = p._post_accumulate_grad_hooks
                 if not hooks or _fires_early(hooks.values(), p):
@@ -2801,12 +2809,12 @@ class OOOHandle(_PassTracking):
                 self._reads = _Reads(self._kept_storages())
             self._reads.note(task)
         if task.event is None:
-            start = time.perf_counter()
+            start = time.perf_counter() if profiling else None
             task.run()
             self._after_deferred_run(task)
-            spent = time.perf_counter() - start
-            self._task_time += spent
-            if profiling:
+            if profiling:  # (no stamp is read outside profiling passes: _stamp)
+                spent = time.perf_counter() - start
+                self._task_time += spent
                 self._profile.sub.setdefault(task.key, []).append(spent)
             return
         sub = self._sub_stream(task.targets[0].device)
