@@ -1340,10 +1340,11 @@ class _Task:
 
     def run(self) -> None:
         grads = self.done
-        if self.has_run:
-            raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} (call "
-                               f"{self.key[1]}) has run already; run each held task once")
         if grads is None:
+            if self.grad is None:  # (has_run, asked without the property's call)
+                raise RuntimeError(f"reprop.ooo: the weight-gradient task of {self.site.name} "
+                                   f"(call {self.key[1]}) has run already; run each held task "
+                                   "once")
             grads = self.site.kind.weight_grads(self.saved, self.grad, self.mask)
         if torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled():
             self._check_nan(grads)
@@ -1642,8 +1643,12 @@ class OOOHandle(_PassTracking):
         # its closure, cells and weak reference were a fifth of the objects a
         # held layer's backward left to the garbage collector
         self._stand_in = weak_hook(self._accumulated)
+        # the AccumulateGrad pre-hook of _guard_accumulation, bound to each
+        # parameter by a partial: one weak hook for all, as the stand-in (made
+        # per parameter at every backward, it cost 0.5 us of each guard)
+        self._guard_hook = weak_hook(self._before_accumulate)
         # CUDA stream order around AccumulateGrad (_guard_accumulation), per backward:
-        self._guards: dict = {}      # param -> its AccumulateGrad pre-hook's handle
+        self._guards: dict = {}      # id(param) -> its AccumulateGrad pre-hook's handle
         self._written: dict = {}     # param -> event after its last dW on the sub-stream
         self._main_writes: set = set()  # params autograd added a gradient to on the main stream
         # this backward looks for parameters read outside split layers too
@@ -1662,7 +1667,9 @@ class OOOHandle(_PassTracking):
         self._profile = _Profile()
         self._reads: _Reads | None = None  # what this profiling pass's tasks read
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
-        self._task_time = 0.0        # seconds spent in inline dW tasks (CPU clock)
+        # seconds spent in inline dW tasks (CPU clock) in profiling passes, whose
+        # stamps alone read it (differences within a pass: _Profile.with_times)
+        self._task_time = 0.0
         self._next_index = 0
         self._holding: tuple = ()  # (tasks, keep, step) of each hold() block, innermost last
         # held tasks of backward passes that ended, not run yet, which their
@@ -2203,11 +2210,26 @@ class OOOHandle(_PassTracking):
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
         if self._seek_outside or self.order == "ooo" and (
-                g.is_cuda or torch.are_deterministic_algorithms_enabled()):
-            self._guard_accumulation(task.targets, [n for n, m in zip(nodes, mask) if m])
+                g.is_cuda or torch.are_deterministic_algorithms_enabled()
+                and self._may_be_deferred(task.key)):
+            self._guard_accumulation(params, nodes)
         return task
 
-    def _guard_accumulation(self, targets: list, nodes: list) -> None:
+    def _may_be_deferred(self, key: tuple) -> bool:
+        """Whether the task `key` may wait in _pending past its call's node
+        (_after_input_grad): one the schedule places in a region other than
+        its dO's. On the CPU, outside the passes that seek uses outside
+        split layers, _before_accumulate acts only on such a task of its
+        parameter (the pending dW it runs first, under deterministic
+        algorithms; no sub-stream order to keep): a task run in its node
+        needs no guard, and a parameter's AccumulateGrad runs after every
+        split node reading it, each of which guards it here if its task may
+        wait. The guard each call cost a third of the split's backward on a
+        CPU (two pre-hooks registered, two Python calls from the engine)."""
+        region = self._region_of.get(key)
+        return region is not None and region != self._region_of_main.get(key)
+
+    def _guard_accumulation(self, params: tuple, nodes: list) -> None:
         """On CUDA a deferred dW writes .grad on the sub-stream, while the
         parameter's AccumulateGrad (adding a use outside split layers, then
         firing the post-accumulate-grad hooks held for the dW) runs on the
@@ -2215,11 +2237,13 @@ class OOOHandle(_PassTracking):
         and backward. Under torch.use_deterministic_algorithms (any device)
         the hook also runs the dW the schedule moved past it first. In the
         passes that seek uses outside split layers (any device), it sees
-        them (_note_outside_uses)."""
-        for p, node in zip(targets, nodes):
-            if p not in self._guards:
-                self._guards[p] = node.register_prehook(
-                    functools.partial(weak_hook(self._before_accumulate), p))
+        them (_note_outside_uses). `nodes`: the AccumulateGrad node of each
+        of `params` whose dW is deferred, None for the others."""
+        guards = self._guards
+        for p, node in zip(params, nodes):
+            # by id: a tensor's __hash__ is a Python call (the partial keeps p alive)
+            if node is not None and id(p) not in guards:
+                guards[id(p)] = node.register_prehook(functools.partial(self._guard_hook, p))
 
     def _before_accumulate(self, p: torch.Tensor, grads: tuple) -> None:
         """p's AccumulateGrad is about to run on the current (main) stream.
@@ -2232,13 +2256,16 @@ class OOOHandle(_PassTracking):
         schedule moved one past this point differs from run to run, and with
         it the order in which a weight also used outside split layers (tied)
         sums its gradients."""
-        if grads[0] is not None and torch.are_deterministic_algorithms_enabled():
-            self._issue_due(lambda t: any(q is p for q in t.targets))
-        if grads[0] is not None:
+        outside = grads[0] is not None
+        if outside:
+            if torch.are_deterministic_algorithms_enabled():
+                self._issue_due(lambda t: any(q is p for q in t.targets))
             self._main_writes.add(p)
         total = self._sums.get(id(p))
         closes_here = total is not None and total.reach is not None
-        if grads[0] is not None or p in self._hooked or closes_here:
+        # (the dict looked at last and only if not empty: a tensor's __hash__ is a
+        # Python call, and this runs for each guarded parameter and backward)
+        if outside or closes_here or (self._hooked and p in self._hooked):
             self._wait_for_written(p)
         # (a sum apart from .grad, or by autocast life, closes in its pre-hook,
         # registered after this one)
@@ -2640,8 +2667,10 @@ class OOOHandle(_PassTracking):
         that reaches the parameter (each backward a hold() block holds, a
         reentrant checkpoint's nested backward)."""
         graph = None
+        hooked = self._hooked
         for p in task.targets:
-            state = self._hooked.get(p)
+            # (a tensor's __hash__ is a Python call: none while no hooks wait)
+            state = hooked.get(p) if hooked else None
             if state is None:
                 hooks = p._post_accumulate_grad_hooks
                 if not hooks or _fires_early(hooks.values(), p):
@@ -2780,12 +2809,12 @@ class OOOHandle(_PassTracking):
                 self._reads = _Reads(self._kept_storages())
             self._reads.note(task)
         if task.event is None:
-            start = time.perf_counter()
+            start = time.perf_counter() if profiling else None
             task.run()
             self._after_deferred_run(task)
-            spent = time.perf_counter() - start
-            self._task_time += spent
-            if profiling:
+            if profiling:  # (no stamp is read outside profiling passes: _stamp)
+                spent = time.perf_counter() - start
+                self._task_time += spent
                 self._profile.sub.setdefault(task.key, []).append(spent)
             return
         sub = self._sub_stream(task.targets[0].device)
