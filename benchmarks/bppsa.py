@@ -52,6 +52,9 @@ Sweeps (--part, repeatable; default all):
   graph       T = --seq-len, B = --batch, d = --hidden with every call a CUDA graph's replay
               (reprop.ooo.capture, Adam capturable), on both sides: the GPU's share of the
               comparison, without the host's cost of issuing the kernels (CUDA only)
+  scan        the scan alone, as the RNN's backward calls it (tanh, pre_activation) at T = --seq-len,
+              B = --batch, d = --hidden, at every levels (the cost model's pick marked), alternated;
+              on CUDA also each kernel's GPU time at the pick (torch.profiler): what a level costs
   vgg         the pruned VGG-11 micro-benchmark (Sections 4.3 and 5.3), on --device: VGG-11's
               layers (config A: 3x3 Conv2d pad 1 + ReLU, 2x2 MaxPool2d; then Flatten and the
               CIFAR classifier Linear 512-512-10 unless --vgg-features-only) as one chain on
@@ -131,7 +134,7 @@ MIB = 2**20
 GIB = 2**30
 
 RNN_PARTS = ("rnn-t", "rnn-batch", "rnn-hidden", "gru")
-PARTS = RNN_PARTS + ("vgg", "graph")
+PARTS = RNN_PARTS + ("vgg", "graph", "scan")
 SCANS = ("auto", "blelloch", "linear")
 FULL = {"seq_lens": (10, 30, 100, 300, 1000, 3000, 10000, 30000),
         "batches": (2, 4, 8, 16, 32, 64, 128, 256),
@@ -1133,6 +1136,67 @@ def run_graph(args, device: torch.device) -> dict | None:
     return result
 
 
+# ---------------------------------------------------------------------------
+# The scan part: the scan alone at every levels, and its kernels
+# ---------------------------------------------------------------------------
+
+
+def scan_operands(args, device: torch.device) -> dict:
+    """The RNN backward's scan operands at T = --seq-len, B = --batch, d = --hidden:
+    c, W_hh (spectral radius about 1) and the tanh outputs y."""
+    T, B, H = args.seq_len, args.batch, args.hidden
+    g = torch.Generator().manual_seed(DATA_SEED)
+    return {"c": torch.randn(T, B, H, generator=g).to(device),
+            "w": (torch.randn(H, H, generator=g) / H ** 0.5).to(device),
+            "y": torch.tanh(torch.randn(T, B, H, generator=g)).to(device)}
+
+
+def scan_kernel_times(call: Callable[[], object], reps: int) -> list[dict]:
+    """Each CUDA kernel's mean GPU time over `reps` calls (torch.profiler), by total time."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:90], "launches_per_call": e.count / reps,
+             "us_per_launch": e.device_time_total / max(1, e.count)} for e in kernels]
+
+
+def run_scan(args, device: torch.device) -> dict:
+    """The scan part's rows (ms per call, x the linear scan) and, on CUDA, its kernels."""
+    bp = reprop_bppsa()
+    T, B, H = args.seq_len, args.batch, args.hidden
+    ops = scan_operands(args, device)
+    pick = bp.scan_levels(T, B, H, 1, device)
+
+    def scan_at(levels: int) -> Callable[[], object]:
+        return functools.partial(bp.scan, ops["c"], w=ops["w"], activation="tanh", y=ops["y"],
+                                 pre_activation=True, levels=levels)
+
+    candidates = {levels: scan_at(levels) for levels in range(bp.max_levels(T) + 1)}
+    inner = harness.choose_inner(list(candidates.values()), device, args.min_sample_ms)
+    stats = harness.measure_alternated(candidates, device, args.warmup, args.reps, inner)
+    linear = stats[0].median
+    rows = [{"levels": levels, "picked": levels == pick, "ms": st.median,
+             "x_linear": harness.speedup(linear, st.median)} for levels, st in stats.items()]
+    label = f"T={T} B={B} d={H}"
+    print(f"\nscan alone ({label}; ms per call, medians; * the cost model's pick)\n" + harness.format_table(
+        ["levels", "ms", "x linear"],
+        [[f"{r['levels']}{' *' if r['picked'] else ''}", harness.fmt(r["ms"], ".4f"),
+          harness.fmt(r["x_linear"], ".2f")] for r in rows]), flush=True)
+    kernels = scan_kernel_times(scan_at(pick), args.reps) if device.type == "cuda" else []
+    if kernels:
+        print(f"\nscan kernels at levels {pick} (GPU us per launch)\n" + harness.format_table(
+            ["kernel", "launches a call", "us a launch"],
+            [[k["kernel"], harness.fmt(k["launches_per_call"], ".3g"), harness.fmt(k["us_per_launch"], ".1f")]
+             for k in kernels]), flush=True)
+    return {"config": label, "rows": rows, "kernels": kernels, "inner": inner}
+
+
 def check_reprop() -> None:
     """Exit with a clear message when reprop.bppsa is missing."""
     try:
@@ -1164,6 +1228,9 @@ def main(argv: list[str] | None = None) -> None:
     if "graph" in args.part:
         graph = run_graph(args, device)
         payload["graph"] = {"rows": [graph]} if graph is not None else None
+        harness.write_json(args.json, payload)
+    if "scan" in args.part:
+        payload["scan"] = run_scan(args, device)
         harness.write_json(args.json, payload)
     harness.exit_if_failed(failed)
 

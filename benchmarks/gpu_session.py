@@ -20,7 +20,7 @@ import harness
 
 # What the scripts' JSON holds as one row per table line; "cases" and "stats_ms"
 # keep every sample and are left to the JSON itself.
-TABLE_KEYS = ("rows", "micro_rows", "single", "split", "simulate_dp", "simulate_pipeline", "targets", "graph")
+TABLE_KEYS = ("rows", "micro_rows", "single", "split", "simulate_dp", "simulate_pipeline", "targets", "graph", "scan")
 # The line gpu_session.sh logs before each command.
 RUN_LINE = re.compile(r"^gpu_session: run \[[^\]]*\]: (.*)$")
 

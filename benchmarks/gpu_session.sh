@@ -56,8 +56,9 @@ BENCHMARKS=(
   'bench-a|25|240|python3 benchmarks/bppsa.py --device cuda --part rnn-t --json $OUT/bppsa-cuda-t.json'
   # 4 kinds x 2 builds (check, timed) x about 20 steps of about 30 ms, plus captures (took 34 s)
   'bench-a|45|240|python3 benchmarks/ooo.py --device cuda --parts single --models densenet121_k12 --batches 32 --json $OUT/ooo-cuda-target.json'
-  # T=1000 with both sides' calls captured in CUDA graphs: 4 captures, 4 candidates x 12 rounds (not measured yet)
-  'bench-a|20|120|python3 benchmarks/bppsa.py --device cuda --part graph --json $OUT/bppsa-cuda-graph.json'
+  # T=1000 with both sides' calls captured in CUDA graphs: 4 captures, 4 candidates x 12 rounds; then
+  # the scan alone at its 10 levels x 12 rounds and its kernels under the profiler (not measured yet)
+  'bench-a|30|150|python3 benchmarks/bppsa.py --device cuda --part graph --part scan --json $OUT/bppsa-cuda-graph.json'
   # 8 batches + 6 hiddens at T=1000, 9 GRU cases, the VGG-11 chain at 1/8 width (took 86 s)
   'bench-a|110|300|python3 benchmarks/bppsa.py --device cuda --part rnn-batch --part rnn-hidden --part gru --part vgg --json $OUT/bppsa-cuda-rest.json'
   # 3 optimizers x 2 cases x 5 candidates x 28 rounds of about 1 ms (took 15 s)
