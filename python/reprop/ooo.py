@@ -947,9 +947,8 @@ class _PassSum(_NumberedByLife):
       takes a buffer into a .grad that is None; onto g, one dW is what
       autograd adds.
     Held tasks (hold()) are numbered in a sum of their own (_HeldSum),
-    which their caller's run() closes. One is made per parameter and backward
-    that reads it at two sites or more, or needs it whole (_FirstDW): slots and
-    no dataclass, for the common path's cost."""
+    which their caller's run() closes. One is made per parameter and backward:
+    slots and no dataclass, for the common path's cost."""
 
     __slots__ = ("param", "apart", "added", "sites", "early", "total", "in_grad",
                  "autograd_done", "node", "reach", "run_pending", "parts")
@@ -1082,56 +1081,6 @@ class _PassSum(_NumberedByLife):
             g.copy_(g.to(d.dtype).add_(d))
         self.in_grad = (g, g._version)
         return True
-
-
-class _FirstDW:
-    """The first dW of a parameter in a backward, numbered 0, where its sum
-    would be a _PassSum not apart from .grad, outside autocast (no life):
-    that sum adds a lone dW to .grad as _accumulate does, in the parameter's
-    dtype, so until a second dW of the parameter is numbered nothing more is
-    needed, and most parameters are read at one site (making, numbering and
-    adding through a _PassSum cost about 2 us a parameter on the CPU). The
-    second, or any reader of the pass's sums that needs more (_sums_of,
-    _graph_sum), makes the _PassSum (`sum`) in the state the first dW left
-    it in: one numbered (life None), in it if it ran. Sound because the only
-    state of a _PassSum at its first dW that a later step reads is made,
-    first, sites, added, and in_grad, which only a dW of another dtype than
-    the parameter's sets: that one goes through the _PassSum (`add`). What
-    readers of the pass's sums ask of one that is still this (reach, early,
-    total, autograd_done) is a _PassSum's at its first dW, not apart."""
-
-    __slots__ = ("param", "task", "index", "added", "whole")
-    sites = 1  # (OOOHandle._last_sites)
-    reach = early = total = None
-    autograd_done = False
-
-    def __init__(self, param: torch.Tensor, task: "_Task", index: int):
-        self.param, self.task, self.index = param, task, index  # (task.sums[index]: this)
-        self.added = False
-        self.whole: _PassSum | None = None
-
-    def waits(self, n: int) -> bool:
-        return False  # (numbered 0)
-
-    def add(self, d: torch.Tensor, n: int) -> None:
-        """The dW ran (_Task.run): to .grad, as its _PassSum would add it."""
-        if d.dtype == self.param.dtype:  # (made whole before, the task's entry is the sum's)
-            self.added = True
-            _accumulate(self.param, d)
-        else:
-            self.sum().add(d, n)
-
-    def sum(self) -> "_PassSum":
-        """The parameter's _PassSum, from here on the task's too if it has
-        not run (its entry in task.sums, a list, becomes the sum's)."""
-        if self.whole is None:
-            total = self.whole = _PassSum(self.param, False)
-            total.number(None)
-            total.sites = 1
-            total.added = int(self.added)
-            if not self.task.has_run:
-                self.task.sums[self.index] = (total, 0)
-        return self.whole
 
 
 _NOT_NUMBERED = (None, None)  # _Task.sums before numbering (none: each dW to .grad)
@@ -1333,7 +1282,7 @@ class _Task:
         # hooks wait for it, None if they do not
         self.graph: int | None = None
         # per parameter, (its _PassSum, or held its _HeldSum, this dW's number there)
-        self.sums: tuple | list = _NOT_NUMBERED
+        self.sums: tuple = _NOT_NUMBERED
 
     def made(self, grads: tuple) -> None:
         """dW was made with dO (a fused kind): what is left is to accumulate it,
@@ -2509,13 +2458,9 @@ class OOOHandle(_PassTracking):
         backward on the CPU (a 16 x Linear(8) step took 1.0 ms for 0.8),
         and one dW added to g is what autograd adds; a parameter the last
         backward read once and this one several times has its dW added to g
-        in turn, as before. A first dW whose sum would hold it alone in
-        .grad's dtype is a _FirstDW until a second comes."""
+        in turn, as before."""
         sums = self._sums
-        task.sums = numbered = []  # (a list: a _FirstDW in it becomes its sum's)
-        # (a first dW stands alone outside autocast, with no reentrant
-        # checkpoint's graph in the last backward: _FirstDW, _outer_sum_begun)
-        alone = task.life is None and not self._last_nested
+        numbered = []
         for p, want, node in zip(task.params, task.mask, nodes):
             if not want:
                 numbered.append(None)
@@ -2526,15 +2471,9 @@ class OOOHandle(_PassTracking):
             else:
                 total = sums.get(id(p))  # (by id: a tensor's __hash__ is a Python call)
                 if total is None:
-                    if alone and not self._apart(p):
-                        sums[id(p)] = first = _FirstDW(p, task, len(numbered))
-                        numbered.append((first, 0))
-                        continue
                     total = sums[id(p)] = self._new_sum(p)
                     if self._last_nested:  # (a set, empty without reentrant checkpoints)
                         self._outer_sum_begun(total, node)
-                elif type(total) is _FirstDW:
-                    total = sums[id(p)] = total.sum()
             if total.apart and total.made == 0:
                 total.watch(node)
             one_life = total.lives is None
@@ -2542,6 +2481,7 @@ class OOOHandle(_PassTracking):
             if one_life and total.lives is not None and total.by_life(node):
                 self._watching.append(total)
             total.sites += 1
+        task.sums = tuple(numbered)
 
     def _outer_sum_begun(self, total: _PassSum, node) -> None:
         """The pass's own graph's sum of p began: `total`. Where a nested
@@ -2558,15 +2498,11 @@ class OOOHandle(_PassTracking):
 
     def _new_sum(self, p: torch.Tensor) -> _PassSum:
         """This backward's (or nested backward's) sum of p's dW, begun."""
-        apart = self._apart(p)
+        apart = p.grad is not None and self._last_sites.get(id(p)) != 1
         total = _PassSum(p, apart, self._pending_runner() if apart else None)
         if apart:
             self._watching.append(total)
         return total
-
-    def _apart(self, p: torch.Tensor) -> bool:
-        """Whether p's sum begun now is apart from .grad (_PassSum.apart)."""
-        return p.grad is not None and self._last_sites.get(id(p)) != 1
 
     def _pending_runner(self) -> Callable | None:
         """A sum apart's run_pending: under a memory cap, _sum_reached."""
@@ -2587,12 +2523,9 @@ class OOOHandle(_PassTracking):
         fires the hooks after each. Each graph's sum is its own here too
         (_sum_begun)."""
         graph = torch._C._current_graph_task_id()
-        if graph == self._owner[0]:
-            sums, key = self._sums, id(p)
-            total = self._own_sum(p)
-        else:
-            sums, key = self._nested_sums.setdefault(id(p), {}), graph
-            total = sums.get(key)
+        sums, key = ((self._sums, id(p)) if graph == self._owner[0] else
+                     (self._nested_sums.setdefault(id(p), {}), graph))
+        total = sums.get(key)
         if total is None:
             total = sums[key] = self._sum_begun(p, graph, node)
         return total
@@ -2625,16 +2558,9 @@ class OOOHandle(_PassTracking):
 
     def _sums_of(self, p: torch.Tensor) -> list:
         """(graph task id, sum) of each graph's sum of p in this pass."""
-        own = self._own_sum(p)
+        own = self._sums.get(id(p))
         found = [] if own is None else [(self._owner[0], own)]
         return found + list(self._nested_sums.get(id(p), {}).items())
-
-    def _own_sum(self, p: torch.Tensor) -> _PassSum | None:
-        """The pass's own graph's sum of p, made whole if it was a _FirstDW."""
-        total = self._sums.get(id(p))
-        if type(total) is _FirstDW:
-            total = self._sums[id(p)] = total.sum()
-        return total
 
     def _keep_apart(self, total: _PassSum, node, graph: int) -> None:
         """`total` closes where `graph` runs p's node, apart from .grad. What
