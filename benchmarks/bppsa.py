@@ -1096,19 +1096,15 @@ def parse_args(argv: list[str] | None = None):
 
 
 def captured_calls(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, args) -> dict[str, Callable]:
-    """The trainer's forward-only call and training step, each captured once
-    (reprop.ooo.capture: warm-up on a side stream, static copies of x and y)
-    and then a replay; the step sets the gradients to None first, so that
-    its backward allocates them from the graph's pool as the eager step's does."""
+    """The trainer's forward-only call and training step (Trainer.forward,
+    Trainer.step), each captured once (reprop.ooo.capture: warm-up on a side
+    stream, static copies of x and y) and then a replay. The step ends with
+    the gradients set to None, so the captured backward allocates them from
+    the graph's pool, as each eager step's backward allocates its own."""
     from reprop import ooo
 
-    def step(x, y):
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.loss(x, y).backward()
-        trainer.optimizer.step()
-
-    forward = ooo.capture(lambda x, y: trainer.loss(x, y).detach(), x, y, warmup=args.warmup + 1)
-    train = ooo.capture(step, x, y, warmup=args.warmup + 1)
+    forward = ooo.capture(trainer.forward, x, y, warmup=args.warmup + 1)
+    train = ooo.capture(trainer.step, x, y, warmup=args.warmup + 1)
     return {"forward": lambda: forward(x, y), "step": lambda: train(x, y)}
 
 
