@@ -1391,7 +1391,8 @@ class _Profile:
     # the last pass's storages several tasks read: (bytes, reader keys), each held once
     shared: tuple = ()
     # key -> the allocator's largest reading right after its dO over the plain
-    # passes (None: as backward began); empty where the device gives none (CPU)
+    # passes (None: as backward reached its first split layer); empty where
+    # the device gives none (the CPU)
     allocated: dict = field(default_factory=dict)
 
     @property
@@ -2230,7 +2231,7 @@ class OOOHandle(_PassTracking):
         self._calls[site] = call + 1
         task = _Task(site, saved, g, (site.index, call), params, mask, life)
         if self._profiling():
-            if not self._marks:  # backward's start, as the handle sees it
+            if not self._marks:  # backward's start, as the handle sees it (its first split layer)
                 self._note_allocated(None)
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
@@ -2445,7 +2446,7 @@ class OOOHandle(_PassTracking):
         return None
 
     def _after_input_grad(self, task: _Task, nodes: list) -> None:
-        if self._profiling():
+        if self._marks:  # (a profiling pass: _weight_grad_ready marked the task)
             self._note_allocated(task.key)
         held = self._hold_list(task.site.module)
         if held is not None:
@@ -2926,7 +2927,7 @@ class OOOHandle(_PassTracking):
         of them. With the allocator's readings of the plain passes (CUDA),
         the cap is on the step's peak: region r's end, where the allocator
         held b_r, may hold max(0, (1 + f) P - b_r), P the largest reading
-        (as backward began or after any dO) and f max_extra_memory, so that
+        (as backward reached its first split layer or after any dO) and f max_extra_memory, so that
         no region end passes (1 + f) P; late in backward, activations
         freed, b_r is far below P and the cap far above f P. Without them
         (the CPU), the fraction f of `deferred`, what deferring every task
@@ -3307,10 +3308,19 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             "conventional" (dW right after dO on the main stream: the split
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
-        max_extra_memory: cap on the bytes held by deferred tasks at a region
-            end, as a fraction of what all of them hold together (what
-            deferring keeps alive: saved inputs and output gradients, not
-            the parameters they read); 1 or more: no cap. Under a cap a
+        max_extra_memory: f, the cap on the bytes deferred tasks hold at
+            each region end (what deferring keeps alive: saved inputs and
+            output gradients, not the parameters they read); 1 or more, or
+            inf: no cap. On CUDA a fraction of the step's peak: the plain
+            profiling passes read torch.cuda.memory_allocated as backward
+            reaches its first split layer and after each layer's dO, and region r's end may hold
+            max(0, (1 + f) P - b_r), P the largest reading and b_r the one
+            after region r's last dO, so 0.1 keeps the step's peak within
+            1.1 P at the region ends. Where there are no readings (the
+            CPU), a fraction f of what all deferred tasks hold together,
+            at every region end. ``handle.schedule`` reports cap_base
+            ("peak" or "deferred"), cap_bytes per region end,
+            base_peak_bytes (P) and held_bytes. Under a cap a
             weight read at several split calls has its dW run in backward
             order where one would otherwise hold its gradient, uncounted,
             waiting for an earlier one (see README).
