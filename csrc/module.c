@@ -114,8 +114,10 @@ PyDoc_STRVAR(sched_regions_doc,
              "sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap,\n"
              "              shared_size, shared_start, shared_task)\n--\n\n"
              "Algorithm 1 with pre-scheduling (rp_sched_regions): (region, order, pre,\n"
-             "peak), region and order int64 arrays of the tasks. mem may be None;\n"
-             "mem_cap < 0 is no cap. The storages several tasks read, each held once\n"
+             "peak, held), region and order int64 arrays of the tasks, held the bytes\n"
+             "held at each region end (int64, n). mem may be None; mem_cap an int\n"
+             "(< 0: no cap; else one cap for every region end) or n int64 caps, one\n"
+             "per region end, each >= 0. The storages several tasks read, each held once\n"
              "(rp_shared_reads): storage s of shared_size[s] bytes is read by the tasks\n"
              "shared_task[shared_start[s]:shared_start[s + 1]] (all three None: none).");
 

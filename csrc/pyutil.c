@@ -2243,21 +2243,42 @@ static int rp_py_shared_reads(PyObject *const *args, const char *fname, PyArrayO
     return 0;
 }
 
+/* sched_regions' mem_cap: an int, < 0 for no cap (*out stays NULL), else
+ * the same cap at each of the n region ends; or anything else as an int64
+ * array of n caps (each >= 0: the core checks it), owned as mem is. */
+static int rp_py_mem_caps(PyObject *obj, npy_intp n, const char *fname, PyArrayObject **out)
+{
+    int64_t cap;
+    *out = NULL;
+    if (PyArray_Check(obj) || PySequence_Check(obj)) {
+        *out = rp_py_array(obj, NPY_INT64, 1, &n, 1, fname, "mem_cap");
+        return *out == NULL ? -1 : 0;
+    }
+    if (rp_py_size_arg(obj, "mem_cap", &cap) < 0)
+        return -1;
+    if (cap < 0)
+        return 0;
+    if ((*out = (PyArrayObject *)rp_py_new_array(n, NPY_INT64)) == NULL)
+        return -1;
+    for (npy_intp i = 0; i < n; i++)
+        ((int64_t *)PyArray_DATA(*out))[i] = cap;
+    return 0;
+}
+
 PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const fname = "sched_regions";
     rp_error err = {{0}};
-    /* t_main, ready, deadline, t_sub, speedup, mem, shared size, start, task */
-    PyArrayObject *a[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
-    PyObject *region = NULL, *order = NULL, *result = NULL;
+    /* t_main, ready, deadline, t_sub, speedup, mem, shared size, start, task, mem_cap */
+    PyArrayObject *a[10] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *region = NULL, *order = NULL, *held = NULL, *result = NULL;
     npy_intp any = -1, n, tasks, shape[2];
-    int64_t mem_cap, pre = 0, peak = 0;
+    int64_t pre = 0, peak = 0;
     rp_shared_reads sh;
     const rp_shared_reads *shared = NULL;
     int rc;
     (void)self;
-    if (rp_py_check_nargs(nargs, 10, fname) < 0 ||
-        rp_py_size_arg(args[6], "mem_cap", &mem_cap) < 0)
+    if (rp_py_check_nargs(nargs, 10, fname) < 0)
         return NULL;
     a[0] = rp_py_array(args[0], NPY_FLOAT64, 1, &any, 0, fname, "t_main");
     if (a[0] == NULL)
@@ -2272,26 +2293,31 @@ PyObject *rp_py_sched_regions(PyObject *self, PyObject *const *args, Py_ssize_t 
         (a[3] = rp_py_array(args[3], NPY_FLOAT64, 2, shape, 0, fname, "t_sub")) == NULL ||
         (a[4] = rp_py_array(args[4], NPY_FLOAT64, 2, shape, 0, fname, "speedup")) == NULL ||
         rp_py_optional_int64(args[5], tasks, fname, "mem", &a[5]) < 0 ||
+        rp_py_mem_caps(args[6], n, fname, &a[9]) < 0 ||
         rp_py_shared_reads(args + 7, fname, a + 6, &sh, &shared) < 0)
         goto done;
     region = rp_py_new_array(tasks, NPY_INT64);
     order = rp_py_new_array(tasks, NPY_INT64);
-    if (region == NULL || order == NULL)
+    held = rp_py_new_array(n, NPY_INT64);
+    if (region == NULL || order == NULL || held == NULL)
         goto done;
     Py_BEGIN_ALLOW_THREADS
     rc = rp_sched_regions((int64_t)n, PyArray_DATA(a[0]), (int64_t)tasks, PyArray_DATA(a[1]),
                           PyArray_DATA(a[2]), PyArray_DATA(a[3]), PyArray_DATA(a[4]),
-                          a[5] != NULL ? PyArray_DATA(a[5]) : NULL, shared, mem_cap,
+                          a[5] != NULL ? PyArray_DATA(a[5]) : NULL, shared,
+                          a[9] != NULL ? PyArray_DATA(a[9]) : NULL,
                           PyArray_DATA((PyArrayObject *)region),
-                          PyArray_DATA((PyArrayObject *)order), &pre, &peak, &err);
+                          PyArray_DATA((PyArrayObject *)order),
+                          PyArray_DATA((PyArrayObject *)held), &pre, &peak, &err);
     Py_END_ALLOW_THREADS
     if (rc != RP_OK)
         rp_py_raise(rc, &err);
     else
-        result = Py_BuildValue("(OOLL)", region, order, (long long)pre, (long long)peak);
+        result = Py_BuildValue("(OOLLO)", region, order, (long long)pre, (long long)peak, held);
 done:
-    rp_py_release(a, 9);
+    rp_py_release(a, 10);
     Py_XDECREF(region);
     Py_XDECREF(order);
+    Py_XDECREF(held);
     return result;
 }

@@ -220,11 +220,13 @@ PyObject *rp_py_csr_gradients(PyObject *self, PyObject *const *args, Py_ssize_t 
  *   ksearch_next(layers, score) -> (next, best): score float64 (layers + 1)
  *   sched_regions(t_main, ready, deadline, t_sub, speedup, mem, mem_cap,
  *       shared_size, shared_start, shared_task)
- *       -> (region, order, pre, peak): t_main (n), ready and deadline
- *       (n_tasks), t_sub and speedup (n_tasks, n), mem int64 (n_tasks) or
- *       None; the storages several tasks read (rp_shared_reads) int64
- *       (n_shared), (n_shared + 1) and (start[-1]), or all None; region
- *       and order int64 arrays */
+ *       -> (region, order, pre, peak, held): t_main (n), ready and
+ *       deadline (n_tasks), t_sub and speedup (n_tasks, n), mem int64
+ *       (n_tasks) or None; mem_cap an int (< 0: none; else the same at
+ *       every region end) or int64 (n), each >= 0; the storages several
+ *       tasks read (rp_shared_reads) int64 (n_shared), (n_shared + 1) and
+ *       (start[-1]), or all None; region and order int64 arrays, held int64
+ *       (n) */
 PyObject *rp_py_sched_graph(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_simulate(PyObject *self, PyObject *const *args, Py_ssize_t nargs);
 PyObject *rp_py_sched_stages(PyObject *self, PyObject *const *args, Py_ssize_t nargs);

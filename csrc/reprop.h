@@ -757,16 +757,18 @@ typedef struct {
  * by speedup[j * n + i] (co-run profile). It holds mem[j] bytes from ready
  * until it runs (NULL: no memory model). Regions [0, pre) are pre-scheduled:
  * their tasks run as soon as ready, in their own region; pre grows from 0
- * until the peak of held memory (measured at region ends) is <= mem_cap
- * (< 0: no cap), or up to n (*peak may then still pass the cap). Tasks that
- * no open region can take go to region deadline[j] - 1. Writes region[j],
- * order (tasks by region, then as placed), *pre and *peak (0 without mem).
- * shared (NULL: none; only with mem) adds the storages several tasks read,
- * held as rp_shared_reads says, to the held memory. */
+ * until the held memory at the end of every region i is <= mem_cap[i] (n
+ * caps, each >= 0; NULL: no cap; one cap for all: n equal ones), or up to n
+ * (a region end may then still pass its cap). Tasks that no open region can
+ * take go to region deadline[j] - 1. Writes region[j], order (tasks by
+ * region, then as placed), held[i] the bytes held at the end of region i
+ * (n; NULL: not written), *pre and *peak, the largest held[i] (0 without
+ * mem). shared (NULL: none; only with mem) adds the storages several tasks
+ * read, held as rp_shared_reads says, to the held memory. */
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                      const int64_t *deadline, const double *t_sub, const double *speedup,
-                     const int64_t *mem, const rp_shared_reads *shared, int64_t mem_cap,
-                     int64_t *region, int64_t *order, int64_t *pre, int64_t *peak,
+                     const int64_t *mem, const rp_shared_reads *shared, const int64_t *mem_cap,
+                     int64_t *region, int64_t *order, int64_t *held, int64_t *pre, int64_t *peak,
                      rp_error *err);
 
 /* CUDA device count (0 when there is no driver or device), and the

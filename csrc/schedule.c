@@ -1137,9 +1137,10 @@ int rp_ksearch_next(int64_t layers, const double *score, int64_t *next, int64_t 
  * asked again. A round asks only the tree's top until its proposal is
  * current, O(log n) more per placement. A task's region (the last starting by its
  * ready time) is found once for all runs, and a run stops as soon as the
- * memory its placements hold at some region end (a range-add max tree over
- * region ends; held memory only grows within a run) passes the cap: that
- * pre cannot fit, and the next is tried. The schedule is the plain loops'
+ * memory its placements hold at some region end passes that end's own cap
+ * (a range-add max tree over region ends of held memory less the cap, all
+ * below 0 while it fits; held memory only grows within a run): that pre
+ * cannot fit, and the next is tried. The schedule is the plain loops'
  * (csrc/tests/test_schedule.c checks it against them).
  *
  * A storage several tasks read (rp_shared_reads) is held at the ends of
@@ -1162,7 +1163,7 @@ typedef struct {
     rp_heap *runnable;      /* (n) region i's runnable tasks, best proposal on top */
     rp_heap_item *runnable_items; /* (n * n_tasks) their storage, n_tasks per region */
     int64_t *fed;           /* (n) by_ready[0, fed[i]) have been offered to region i */
-    int64_t *held;          /* (n) the peak's changes of held memory by region */
+    int64_t *held;          /* (n) held memory at each region end (rp_regions_peak) */
     int64_t *seq;           /* (n_tasks) placement sequence */
     int64_t placed;
     int64_t *region;        /* (n_tasks) the caller's; -1 while unplaced */
@@ -1173,9 +1174,9 @@ typedef struct {
     double *best;           /* (n) under a cap, the most any task offers region i; else +inf */
     int64_t *tour;          /* (2 n) tournament over regions by (bound desc, index asc), -1: none */
     int64_t held_n;         /* leaves of the held-memory tree, a power of 2 >= n */
-    int64_t *held_max;      /* (2 held_n) max over the subtree's region ends of held memory */
+    int64_t *held_max;      /* (2 held_n) max over the subtree's region ends of held - cap */
     int64_t *held_add;      /* (2 held_n) added to the whole subtree */
-    int64_t cap;            /* a run stops once some region end holds more (< 0: never) */
+    const int64_t *cap;     /* (n) a run stops once region end i holds more (NULL: never) */
     int64_t *sh_home;       /* (shared->n) the greatest home of the storage's readers */
     int64_t *sh_reach;      /* (shared->n) the run holds it at the ends of [sh_home, sh_reach) */
     int64_t *reads_start;   /* (n_tasks + 1) task k reads the shared storages */
@@ -1230,8 +1231,8 @@ static int rp_regions_check_shared(const rp_shared_reads *shared, const int64_t 
 static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                             const int64_t *deadline, const double *t_sub, const double *speedup,
                             const int64_t *mem, const rp_shared_reads *shared,
-                            const int64_t *region, const int64_t *order, const int64_t *pre,
-                            const int64_t *peak, rp_error *err)
+                            const int64_t *mem_cap, const int64_t *region, const int64_t *order,
+                            const int64_t *pre, const int64_t *peak, rp_error *err)
 {
     int64_t mem_total = 0;
     if (n < 1 || n_tasks < 0 || rp_sched_mul(n, n_tasks) < 0)
@@ -1250,6 +1251,10 @@ static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, co
             return rp_set_error(err, RP_EINVAL,
                                 "regions: t_main[%lld] = %g must be finite and >= 0",
                                 (long long)i, t_main[i]);
+    for (int64_t i = 0; mem_cap != NULL && i < n; i++)
+        if (mem_cap[i] < 0)
+            return rp_set_error(err, RP_EINVAL, "regions: mem_cap[%lld] = %lld must be >= 0",
+                                (long long)i, (long long)mem_cap[i]);
     for (int64_t k = 0; k < n_tasks; k++) {
         if (!rp_sched_time_ok(ready[k]))
             return rp_set_error(err, RP_EINVAL, "regions: ready[%lld] = %g must be finite and >= 0",
@@ -1277,9 +1282,26 @@ static int rp_regions_check(int64_t n, const double *t_main, int64_t n_tasks, co
     return rp_regions_check_shared(shared, mem, n_tasks, mem_total, err);
 }
 
+/* The held-memory tree of a run's start, in slack form: leaf i is what
+ * region end i holds less its cap (-cap[i], nothing held yet), so that
+ * the root is past 0 exactly when some region end holds more than its
+ * own cap. Leaves past n are never added to: INT64_MIN keeps them out of
+ * every maximum. */
+static void rp_regions_hold_init(rp_regions *x)
+{
+    for (int64_t i = 0; i < x->held_n; i++)
+        x->held_max[x->held_n + i] = i < x->n ? -x->cap[i] : INT64_MIN;
+    for (int64_t p = x->held_n - 1; p >= 1; p--) {
+        const int64_t a = x->held_max[2 * p], b = x->held_max[2 * p + 1];
+        x->held_max[p] = a > b ? a : b;
+    }
+    memset(x->held_add, 0, (size_t)(2 * x->held_n) * sizeof *x->held_add);
+}
+
 /* Adds v to the held memory at the ends of regions [l, r), bottom-up: the
  * nodes that cover the range take it, then their ancestors' maxima are
- * remade. Values stay within the sum of mem (checked within int64). */
+ * remade. Values stay within [-cap, the sum of mem] (checked within
+ * int64). */
 static void rp_regions_hold(rp_regions *x, int64_t l, int64_t r, int64_t v)
 {
     int64_t lo = l + x->held_n, hi = r + x->held_n;
@@ -1397,7 +1419,7 @@ static void rp_regions_ask(rp_regions *x, int64_t i)
  * tournament's top once its proposal is current, as every other region's
  * bound is at least its proposal's speedup (only a placement in a region
  * gives it new candidates, and that asks it again). Returns 0, or 1 when
- * the held memory passed the cap (the run is then left unfinished). */
+ * the held memory passed a region's cap (the run is then left unfinished). */
 static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
 {
     for (int64_t i = 0; i < x->n; i++) {
@@ -1420,10 +1442,10 @@ static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
         /* held at the ends of regions [home, i), as rp_regions_peak counts it
          * (pre-scheduled tasks hold nothing; the fallback's come after the
          * last check) */
-        if (x->cap >= 0) {
+        if (x->cap != NULL) {
             rp_regions_hold(x, x->home[k], i, x->mem[k]);
             rp_regions_hold_shared(x, k, i);
-            if (x->held_max[1] > x->cap)
+            if (x->held_max[1] > 0)
                 return 1;
         }
         rp_regions_ask(x, i);
@@ -1439,7 +1461,8 @@ static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
     return 0;
 }
 
-/* Held memory at the end of each region: tasks ready before it ends and
+/* Held memory at the end of each region (into held[], NULL mem: none),
+ * and its peak: tasks ready before it ends and
  * placed in a later region. Regions are half-open, [start, end): a task
  * ready exactly at a boundary belongs to the region that starts there, as
  * in pre-scheduling, so that pre = n always holds nothing. Task k is held
@@ -1451,9 +1474,9 @@ static int rp_regions_algorithm1(rp_regions *x, int64_t pre)
  * reader). */
 static int64_t rp_regions_peak(rp_regions *x)
 {
-    int64_t total = 0, peak = 0;
+    int64_t peak = 0;
     memset(x->held, 0, (size_t)x->n * sizeof *x->held);
-    for (int64_t k = 0; k < x->n_tasks; k++) {
+    for (int64_t k = 0; x->mem != NULL && k < x->n_tasks; k++) {
         const int64_t first = x->home[k];
         if (first < x->region[k]) {
             x->held[first] += x->mem[k];
@@ -1470,22 +1493,29 @@ static int64_t rp_regions_peak(rp_regions *x)
         }
     }
     for (int64_t i = 0; i < x->n; i++) {
-        total += x->held[i];
-        peak = total > peak ? total : peak;
+        x->held[i] += i > 0 ? x->held[i - 1] : 0;
+        peak = x->held[i] > peak ? x->held[i] : peak;
     }
     return peak;
 }
 
-/* One run; 1 when it stopped as its held memory passed x->cap. */
+/* Whether every region end holds at most its cap (after rp_regions_peak). */
+static int rp_regions_fit(const rp_regions *x)
+{
+    for (int64_t i = 0; i < x->n; i++)
+        if (x->held[i] > x->cap[i])
+            return 0;
+    return 1;
+}
+
+/* One run; 1 when it stopped as its held memory passed a region's cap. */
 static int rp_regions_run(rp_regions *x, int64_t pre)
 {
     for (int64_t k = 0; k < x->n_tasks; k++)
         x->region[k] = -1;
     x->placed = 0;
-    if (x->cap >= 0) {
-        memset(x->held_max, 0, (size_t)(2 * x->held_n) * sizeof *x->held_max);
-        memset(x->held_add, 0, (size_t)(2 * x->held_n) * sizeof *x->held_add);
-    }
+    if (x->cap != NULL)
+        rp_regions_hold_init(x);
     for (int64_t s = 0; x->shared != NULL && s < x->shared->n; s++)
         x->sh_reach[s] = x->sh_home[s];
     for (int64_t i = 0; i < x->n; i++) {
@@ -1547,7 +1577,7 @@ static int rp_regions_alloc(rp_regions *x)
     x->tour = rp_sched_alloc(rp_sched_mul(x->n, 2), sizeof *x->tour);
     /* the held-memory tree only under a cap; with tasks, n <= n * n_tasks <= 2^40 */
     x->held_n = 1;
-    while (x->cap >= 0 && x->held_n < x->n)
+    while (x->cap != NULL && x->held_n < x->n)
         x->held_n *= 2;
     x->held_max = rp_sched_alloc(2 * x->held_n, sizeof *x->held_max);
     x->held_add = rp_sched_alloc(2 * x->held_n, sizeof *x->held_add);
@@ -1588,18 +1618,18 @@ static void rp_regions_reads(rp_regions *x)
 
 int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const double *ready,
                      const int64_t *deadline, const double *t_sub, const double *speedup,
-                     const int64_t *mem, const rp_shared_reads *shared, int64_t mem_cap,
-                     int64_t *region, int64_t *order, int64_t *pre, int64_t *peak,
-                     rp_error *err)
+                     const int64_t *mem, const rp_shared_reads *shared, const int64_t *mem_cap,
+                     int64_t *region, int64_t *order, int64_t *held, int64_t *pre,
+                     int64_t *peak, rp_error *err)
 {
     /* a run can stop early only where a cap is checked and pre may still grow */
     rp_regions x = {.n = n, .n_tasks = n_tasks, .t_main = t_main, .ready = ready,
                     .t_sub = t_sub, .speedup = speedup, .deadline = deadline, .mem = mem,
                     .shared = shared, .region = region,
-                    .cap = mem != NULL && n_tasks > 0 ? mem_cap : -1};
+                    .cap = mem != NULL && n_tasks > 0 ? mem_cap : NULL};
     int64_t *fill = NULL, *by_seq = NULL;
     int rc = rp_regions_check(n, t_main, n_tasks, ready, deadline, t_sub, speedup, mem, shared,
-                              region, order, pre, peak, err);
+                              mem_cap, region, order, pre, peak, err);
     if (rc != RP_OK)
         return rc;
     fill = rp_sched_alloc(n + 1, sizeof *fill);
@@ -1633,20 +1663,22 @@ int rp_sched_regions(int64_t n, const double *t_main, int64_t n_tasks, const dou
      * that may win are fed; one pass, as the check's. Else +inf: one run
      * asks every region anyway. */
     for (int64_t i = 0; i < n; i++)
-        x.best[i] = x.cap >= 0 ? -INFINITY : INFINITY;
-    for (int64_t k = 0; x.cap >= 0 && k < n_tasks; k++)
+        x.best[i] = x.cap != NULL ? -INFINITY : INFINITY;
+    for (int64_t k = 0; x.cap != NULL && k < n_tasks; k++)
         for (int64_t i = 0; i < deadline[k]; i++)
             x.best[i] = speedup[k * n + i] > x.best[i] ? speedup[k * n + i] : x.best[i];
-    /* pre grows until the held memory fits (or every region is pre-scheduled:
-     * the caller sees *peak > mem_cap); a run stopped once its held memory
-     * passed the cap would have ended with a peak past it */
+    /* pre grows until the held memory fits every region's cap (or every
+     * region is pre-scheduled: the caller may see held[i] > mem_cap[i]); a
+     * run stopped once its held memory passed a cap would have ended past it */
     for (*pre = 0;; ++*pre) {
         if (rp_regions_run(&x, *pre) != 0 && *pre < n)
             continue;
-        *peak = mem != NULL ? rp_regions_peak(&x) : 0;
-        if (mem == NULL || mem_cap < 0 || *peak <= mem_cap || *pre == n)
+        *peak = rp_regions_peak(&x);
+        if (x.cap == NULL || rp_regions_fit(&x) || *pre == n)
             break;
     }
+    if (held != NULL)
+        memcpy(held, x.held, (size_t)n * sizeof *held);
     rp_regions_order(&x, order, fill, by_seq);
 done:
     rp_regions_free(&x);

@@ -1030,9 +1030,9 @@ def test_scheduling_bindings_keep_no_reference_to_what_they_return():
     assert (sys.getrefcount(start), sys.getrefcount(finish), sys.getrefcount(busy)) == (2, 2, 2)
     kind, layer, _ = _C.reverse_first_k(4, 2, [1] * 4, [1] * 4, 0, 100)
     assert (sys.getrefcount(kind), sys.getrefcount(layer)) == (2, 2)
-    region, order, _, _ = _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], [1], 5, None, None,
-                                           None)
-    assert (sys.getrefcount(region), sys.getrefcount(order)) == (2, 2)
+    region, order, _, _, held = _C.sched_regions([1.0], [0.0], [1], [[1.0]], [[1.0]], [1], 5, None,
+                                                 None, None)
+    assert (sys.getrefcount(region), sys.getrefcount(order), sys.getrefcount(held)) == (2, 2, 2)
     stage = _C.sched_stages(4, 2, 1)
     assert sys.getrefcount(stage) == 2
 
@@ -1061,8 +1061,8 @@ def test_sched_regions_holds_a_storage_several_tasks_read_once():
     (it takes 10, as every binding a fixed number)."""
     args = ([2.0, 2.0], [0.0] * 3, [2] * 3, np.full((3, 2), 0.1),
             [[0.1, 0.9], [0.9, 0.1], [0.9, 0.1]], [100] * 3, -1)
-    region, _, pre, peak = _C.sched_regions(*args, [300], [0, 3], [0, 1, 2])
-    assert region.tolist() == [1, 0, 0] and (pre, peak) == (0, 400)
+    region, _, pre, peak, held = _C.sched_regions(*args, [300], [0, 3], [0, 1, 2])
+    assert region.tolist() == [1, 0, 0] and (pre, peak) == (0, 400) and held.tolist() == [400, 0]
     assert _C.sched_regions(*args, None, None, None)[3] == 100
     with pytest.raises(ValueError, match=r"^sched_regions\(\): shared_start\[-1\] = 4 must be "
                                          r"len\(shared_task\) = 3$"):

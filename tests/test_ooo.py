@@ -525,6 +525,151 @@ def test_memory_cap_holds_where_only_some_readers_of_a_storage_are_deferred(frac
     handle.remove()
 
 
+def _convs_then_wide_linear() -> nn.Module:
+    """Five split layers (backward order: two Linear, three convolutions),
+    whose deferred tasks hold 96 to 260 KiB each (see
+    test_memory_cap_holds_the_fraction_of_what_deferral_holds)."""
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.Conv2d(8, 8, 3, padding=1), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+                         nn.Linear(128, 8192), nn.Linear(8192, 10))
+
+
+# The scripted allocator of the memory-cap tests: per plain profiling pass,
+# the reading as backward begins, then after each of the five dO in backward
+# order. Activations go as backward proceeds: little is left after the
+# fourth dO (the end of region 2 of 4). Each key keeps its largest reading:
+# the first pass's after the fourth dO, the second's after the fifth.
+_PEAK = 512 * 1024
+_READINGS = ([_PEAK - 4096, _PEAK, _PEAK, _PEAK, 64 * 1024, 0],
+             [_PEAK, _PEAK - 8192, _PEAK, _PEAK, 32 * 1024, 100])
+
+
+def _scripted_cap_run(monkeypatch, scripted: bool, speedup) -> tuple:
+    """_convs_then_wide_linear and a copy enabled with max_extra_memory=0.1
+    on 4 regions, 3 profile iterations (2 plain passes), each task one tick
+    of a fake clock (cut into regions of tasks [0, 2), [2, 3), [3, 4),
+    [4, 5) whatever the timings), and `scripted`: the allocator read
+    through _READINGS (else the CPU's: none), until the schedule is fixed.
+    Returns the handle, the plain copy, a step (both models' gradients
+    made anew) and the reader's calls."""
+    calls = []
+    if scripted:
+        flat = itertools.cycle(r for run in _READINGS for r in run)
+
+        def reader(device):
+            calls.append(device)
+            return next(flat)
+
+        monkeypatch.setattr(ooo, "_allocated_bytes", reader)
+    torch.manual_seed(0)
+    model = _convs_then_wide_linear()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 4, 16, 16)
+    handle = ooo.enable(model, regions=4, max_extra_memory=0.1, profile_iters=3, speedup=speedup)
+    ticks = itertools.count()
+    handle._stamp = lambda like: float(next(ticks))
+
+    def step():
+        for net in (model, plain):
+            net.zero_grad(set_to_none=True)
+            net(x).sum().backward()
+
+    for _ in range(handle._profile_passes() + 1):
+        step()
+    assert handle.schedule is not None and handle._cut.bounds == [0, 2, 3, 4, 5]
+    return handle, plain, step, calls
+
+
+@pytest.mark.parametrize("scripted", [True, False])
+def test_memory_cap_on_the_step_peak_gives_late_regions_room(monkeypatch, scripted):
+    """With the allocator's readings (CUDA's; scripted here), region r's
+    end may hold (1 + f) P - b_r: P the largest reading, b_r the largest
+    after region r's last dO, over the plain passes. At region 2's end,
+    activations gone, that lets the fourth task (128 KiB) move to region 3,
+    while regions 0 and 1, read at the peak, may hold a tenth of it (52 KiB:
+    no task fits). Without readings (the CPU) the one cap is a tenth of what
+    deferring every task holds (87 KiB), which fits no task: nothing moves.
+    Either way every region end holds at most its cap, the scheduler's
+    held bytes are what the step holds, and gradients are autograd's bits."""
+    handle, plain, step, calls = _scripted_cap_run(
+        monkeypatch, scripted, lambda own, at: 3.0 if at > own else 1.0)
+    schedule = handle.schedule
+    if scripted:
+        assert len(calls) == sum(map(len, _READINGS))  # the plain passes alone read
+        largest = [max(run[i] for run in _READINGS) for i in range(6)]
+        ends = [largest[1 + b - 1] for b in handle._cut.bounds[1:]]
+        caps = [max(0, int(1.1 * _PEAK) - b) for b in ends]
+        assert ends == [_PEAK, _PEAK, 64 * 1024, 100]
+        assert schedule["cap_base"] == "peak" and schedule["base_peak_bytes"] == _PEAK
+        assert schedule["cap_bytes"] == caps
+        assert schedule["moved"] == 1 and schedule["prescheduled"] == 2
+    else:
+        caps = [handle._cap_bytes(handle._profile.held_bytes)] * 4
+        assert schedule["cap_base"] == "deferred" and schedule["base_peak_bytes"] is None
+        assert schedule["cap_bytes"] == caps
+        assert schedule["moved"] == 0
+    with _deterministic(True):  # (every layer split: each region entered, as on CUDA)
+        held = _held_at_region_ends(handle, step)
+    assert len(held) == 3 and all(h <= c for h, c in zip(held, caps)), (held, caps)
+    assert schedule["held_bytes"] == held + [0]
+    assert (held[2] > caps[0]) == scripted  # past what the single cap allows
+    _assert_same_bits(plain, handle.model, "grad", "split")
+    handle.remove()
+
+
+def test_corun_passes_defer_under_the_smallest_region_cap(monkeypatch):
+    """The co-run passes count what they defer as held from then on, so
+    under per-region caps they take the smallest one: never more than the
+    fixed schedule may hold at any region end. Their gradients stay
+    autograd's bits through to the fixed schedule."""
+    made = []
+
+    class Recording(ooo._CoRun):
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self.cap)
+
+    monkeypatch.setattr(ooo, "_CoRun", Recording)
+    handle, plain, step, _ = _scripted_cap_run(monkeypatch, True, "profile")
+    step()
+    caps = handle.schedule["cap_bytes"]
+    assert handle.schedule["cap_base"] == "peak" and min(caps) == int(1.1 * _PEAK) - _PEAK
+    assert made == [min(caps)] and min(caps) < caps[2]
+    assert ooo._corun_cap(-1) == math.inf and ooo._corun_cap(7) == 7
+    _assert_same_bits(plain, handle.model, "grad", "split")
+    handle.remove()
+
+
+def test_sched_regions_takes_a_cap_per_region_end():
+    """_C.sched_regions' mem_cap: an int (< 0: none) for every region end,
+    or one cap per end. Three tasks of 10 B ready in regions 0, 1, 2 of 4,
+    all gaining most in the last: deferred, they hold 10, 20, 30 at the
+    ends of regions 0, 1, 2. Region 0's end allowed 5 and the others 100,
+    only the first is pre-scheduled, and 20 is held at region 2's end: no
+    single cap gives that (5: three pre-scheduled; 100: none)."""
+    t_main, ready = [1.0] * 4, [0.5, 1.5, 2.5]
+    speedup = np.tile(0.1 * np.arange(4), (3, 1))
+    args = (t_main, ready, [4] * 3, np.full((3, 4), 0.1), speedup, [10] * 3)
+    region, _, pre, peak, held = _sched_regions(*args, np.array([5, 100, 100, 100]))
+    assert region.tolist() == [0, 3, 3] and (pre, peak) == (1, 20)
+    assert held.tolist() == [0, 10, 20, 0] and held.dtype == np.int64
+    assert _sched_regions(*args, 5)[2] == 3 and _sched_regions(*args, [5] * 4)[2] == 3
+    assert _sched_regions(*args, 100)[2] == 0 and _sched_regions(*args, -1)[4].tolist() == [10, 20, 30, 0]
+    with pytest.raises(ValueError, match=r"mem_cap must have 4 elements along axis 0 \(got 3\)"):
+        _sched_regions(*args, [5, 100, 100])
+    with pytest.raises(ValueError, match=r"mem_cap\[1\] = -1 must be >= 0"):
+        _sched_regions(*args, [5, -1, 100, 100])
+    with pytest.raises(TypeError, match=r"mem_cap: .*float64.*int64"):
+        _sched_regions(*args, [5.5, 1.0, 1.0, 1.0])
+    with pytest.raises(TypeError, match=r"^mem_cap: 'float' object cannot be interpreted"):
+        _sched_regions(*args, 5.5)
+
+
+def _sched_regions(*args):
+    """_C.sched_regions without storages several tasks read."""
+    return ooo._C.sched_regions(*args, None, None, None)
+
+
 def test_corun_passes_charge_a_storage_several_tasks_read_once_in_full():
     """A co-run pass defers in backward order what the cap holds. Tasks A,
     B, C read one 300 B storage beside 100 B each of their own, D holds
@@ -5179,6 +5324,48 @@ def test_sub_stream_dw_ordered_with_accumulate_grad_on_cuda():
             for (name, a), b in zip(ref.named_parameters(), model.parameters()):
                 torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
                 torch.testing.assert_close(seen[name], a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.gpu
+def test_memory_cap_bounds_the_step_peak_on_cuda():
+    """max_extra_memory=0.1 on CUDA caps the step's peak: with dW moved to
+    later regions (a speedup of 1.5 anywhere later), the step's
+    torch.cuda.max_memory_allocated, reset before it, is at most 1.1 times
+    plain autograd's step plus 1 MiB, the slack for what the cap's
+    readings, taken between layers, do not see: a layer's own transient
+    (a convolution's workspace, its dX made while its output gradient is
+    still held) may meet the deferred bytes at another point than plain
+    autograd's step meets its own. Both models are on the device throughout
+    (each step's peak counts both), and gradients are autograd's bits."""
+    def convs():
+        layers = [nn.Conv2d(3, 32, 3, padding=1)]
+        for _ in range(6):
+            layers += [nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1)]
+        return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+    def peak(net, x):
+        net.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        net(x).square().mean().backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    with _cuda_exact():
+        torch.manual_seed(0)
+        ref = convs().cuda()
+        model = copy.deepcopy(ref)
+        handle = ooo.enable(model, max_extra_memory=0.1,
+                            speedup=lambda own, at: 1.0 if own == at else 1.5)
+        x = torch.randn(32, 3, 64, 64, device="cuda")
+        for _ in range(handle._profile_passes() + 1):
+            peak(model, x)
+        assert handle.schedule["cap_base"] == "peak" and handle.schedule["moved"] > 0
+        plain, split = peak(ref, x), peak(model, x)
+        assert split <= 1.1 * plain + 2**20, (split, plain, handle.schedule)
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+    handle.remove()
 
 
 @pytest.mark.gpu

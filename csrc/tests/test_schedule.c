@@ -13,8 +13,9 @@
  * concave scores;
  * Algorithm 1 on hand-checked cases (max speedup against first come first
  * served, deadlines, the overcommitted fallback, pre-scheduling under a
- * memory cap), and bit for bit against a test-only copy of its first,
- * quadratic form on random inputs; and every validation error.
+ * memory cap, one for all region ends or one per region end), and bit for
+ * bit against a test-only copy of its first, quadratic form on random
+ * inputs; and every validation error.
  */
 #include <math.h>
 #include <stdio.h>
@@ -687,21 +688,40 @@ static void test_stages(void)
 /* ---- Algorithm 1 ---- */
 
 typedef struct {
-    int64_t region[4], order[4], pre, peak;
+    int64_t region[4], order[4], held[4], pre, peak;
     int rc;
 } regions_out;
 
-static regions_out regions(int64_t n, const double *t_main, int64_t tasks, const double *ready,
-                           const int64_t *deadline, const double *t_sub, const double *speedup,
-                           const int64_t *mem, int64_t cap)
+/* cap (n, each >= 0; NULL: no cap) per region end */
+static regions_out regions_caps(int64_t n, const double *t_main, int64_t tasks,
+                                const double *ready, const int64_t *deadline, const double *t_sub,
+                                const double *speedup, const int64_t *mem, const int64_t *cap)
 {
     regions_out o;
     rp_error err = {{0}};
     memset(&o, 0xff, sizeof o);
     o.rc = rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, mem, NULL, cap,
-                            o.region, o.order, &o.pre, &o.peak, &err);
+                            o.region, o.order, o.held, &o.pre, &o.peak, &err);
     CHECK(o.rc == RP_OK, "regions: %s", err.msg);
     return o;
+}
+
+/* n caps of `cap` each in caps (< 0: none, NULL) */
+static const int64_t *same_caps(int64_t n, int64_t cap, int64_t *caps)
+{
+    for (int64_t i = 0; i < n; i++)
+        caps[i] = cap;
+    return cap < 0 ? NULL : caps;
+}
+
+/* one cap for every region end (n <= 4; < 0: no cap) */
+static regions_out regions(int64_t n, const double *t_main, int64_t tasks, const double *ready,
+                           const int64_t *deadline, const double *t_sub, const double *speedup,
+                           const int64_t *mem, int64_t cap)
+{
+    int64_t caps[4];
+    return regions_caps(n, t_main, tasks, ready, deadline, t_sub, speedup, mem,
+                        same_caps(n, cap, caps));
 }
 
 static void test_regions(void)
@@ -784,6 +804,47 @@ static void test_regions(void)
     /* no tasks */
     o = regions(4, tm, 0, NULL, NULL, NULL, NULL, NULL, 0);
     CHECK(o.rc == RP_OK && o.pre == 0 && o.peak == 0, "no tasks");
+}
+
+/* A cap per region end: the case of test_regions (pre = 0 holds 10, 20,
+ * 30 at the ends of regions 0, 1, 2) with region 0's end allowed 5 and
+ * the later ones 100. Only A, held at region 0's end, is pre-scheduled:
+ * pre = 1 holds 20 at region 2's end, which no one cap fits (5 for all
+ * pre-schedules three regions, 100 for all none). Region 2's end allowed
+ * 15 alone pre-schedules two; three regions (not a power of 2: the
+ * tree's padding leaf) with region 1's end allowed 0 pre-schedule two. */
+static void test_regions_caps(void)
+{
+    double tm[4] = {1, 1, 1, 1}, rd[4] = {0.5, 1.5, 2.5};
+    double ts[16], sp[16], ts3[12], sp3[12];
+    int64_t dl[4] = {4, 4, 4}, dl3[4] = {3, 3, 3}, mem[4] = {10, 10, 10};
+    const int64_t first_small[4] = {5, 100, 100, 100}, third_small[4] = {100, 100, 15, 100};
+    const int64_t second_zero[3] = {100, 0, 100};
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < 4; i++)
+            ts[k * 4 + i] = 0.1, sp[k * 4 + i] = 0.1 * i;
+    regions_out o = regions_caps(4, tm, 3, rd, dl, ts, sp, mem, first_small);
+    CHECK(o.pre == 1 && o.peak == 20 && o.region[0] == 0 && o.region[1] == 3 &&
+              o.region[2] == 3 && o.held[0] == 0 && o.held[1] == 10 && o.held[2] == 20 &&
+              o.held[3] == 0,
+          "region 0's end capped at 5: pre %lld peak %lld held %lld %lld %lld", (long long)o.pre,
+          (long long)o.peak, (long long)o.held[0], (long long)o.held[1], (long long)o.held[2]);
+    o = regions(4, tm, 3, rd, dl, ts, sp, mem, 5);
+    CHECK(o.pre == 3, "5 at every end: pre %lld", (long long)o.pre);
+    o = regions(4, tm, 3, rd, dl, ts, sp, mem, 100);
+    CHECK(o.pre == 0 && o.held[0] == 10, "100 at every end: pre %lld", (long long)o.pre);
+    o = regions_caps(4, tm, 3, rd, dl, ts, sp, mem, third_small);
+    CHECK(o.pre == 2 && o.held[2] == 10 && o.region[2] == 3,
+          "region 2's end capped at 15: pre %lld held %lld", (long long)o.pre,
+          (long long)o.held[2]);
+    for (int k = 0; k < 3; k++)
+        for (int i = 0; i < 3; i++)
+            ts3[k * 3 + i] = 0.1, sp3[k * 3 + i] = 0.1 * i;
+    o = regions_caps(3, tm, 3, rd, dl3, ts3, sp3, mem, second_zero);
+    CHECK(o.pre == 2 && o.held[0] == 0 && o.held[1] == 0 && o.region[1] == 1 &&
+              o.region[2] == 2,
+          "3 regions, region 1's end capped at 0: pre %lld held %lld %lld", (long long)o.pre,
+          (long long)o.held[0], (long long)o.held[1]);
 }
 
 /* ---- Algorithm 1 against a reference ----
@@ -887,19 +948,29 @@ static int ref_shared_held(const ref_regions *x, int64_t s, int64_t i)
     return later;
 }
 
-static int64_t ref_regions_peak(const ref_regions *x)
+/* held[i] at each region end (mem NULL: 0), and their peak */
+static int64_t ref_regions_peak(const ref_regions *x, int64_t *held)
 {
     int64_t peak = 0;
     for (int64_t i = 0; i < x->n; i++) {
-        int64_t held = 0;
-        for (int64_t k = 0; k < x->n_tasks; k++)
+        held[i] = 0;
+        for (int64_t k = 0; x->mem != NULL && k < x->n_tasks; k++)
             if (x->ready[k] < x->start[i + 1] && x->region[k] > i)
-                held += x->mem[k];
+                held[i] += x->mem[k];
         for (int64_t s = 0; x->shared != NULL && s < x->shared->n; s++)
-            held += ref_shared_held(x, s, i) ? x->shared->size[s] : 0;
-        peak = held > peak ? held : peak;
+            held[i] += ref_shared_held(x, s, i) ? x->shared->size[s] : 0;
+        peak = held[i] > peak ? held[i] : peak;
     }
     return peak;
+}
+
+/* every region end within its own cap */
+static int ref_regions_fit(int64_t n, const int64_t *held, const int64_t *mem_cap)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (held[i] > mem_cap[i])
+            return 0;
+    return 1;
 }
 
 static void ref_regions_run(ref_regions *x, const int64_t *by_ready, int64_t pre)
@@ -915,12 +986,13 @@ static void ref_regions_run(ref_regions *x, const int64_t *by_ready, int64_t pre
     ref_regions_algorithm1(x, pre);
 }
 
-/* The reference's region, order, pre and peak for valid inputs (n <= 48). */
+/* The reference's region, order, held, pre and peak for valid inputs (n <= 48). */
 static void ref_sched_regions(int64_t n, const double *t_main, int64_t n_tasks,
                               const double *ready, const int64_t *deadline, const double *t_sub,
                               const double *speedup, const int64_t *mem,
-                              const rp_shared_reads *shared, int64_t mem_cap, int64_t *region,
-                              int64_t *order, int64_t *pre, int64_t *peak)
+                              const rp_shared_reads *shared, const int64_t *mem_cap,
+                              int64_t *region, int64_t *order, int64_t *held, int64_t *pre,
+                              int64_t *peak)
 {
     double start[49], now[48];
     unsigned char open[48];
@@ -938,8 +1010,8 @@ static void ref_sched_regions(int64_t n, const double *t_main, int64_t n_tasks,
     qsort(by_ready, (size_t)n_tasks, sizeof *by_ready, ref_by_ready);
     for (*pre = 0;; ++*pre) {
         ref_regions_run(&x, by_ready, *pre);
-        *peak = mem != NULL ? ref_regions_peak(&x) : 0;
-        if (mem == NULL || mem_cap < 0 || *peak <= mem_cap || *pre == n)
+        *peak = ref_regions_peak(&x, held);
+        if (mem == NULL || mem_cap == NULL || ref_regions_fit(n, held, mem_cap) || *pre == n)
             break;
     }
     /* order: by region, then as placed (by_ready reused as by_seq) */
@@ -981,8 +1053,8 @@ static rp_shared_reads random_shared(uint64_t *state, int64_t tasks, int64_t *si
 /* One random Algorithm 1 input: n in [1, max_n], up to max_tasks tasks; values from
  * small sets (ties in ready, speedup and t_sub; zero times; ready on region
  * boundaries), a scale that ranges from roomy to overcommitted sub-streams,
- * random deadlines, storages several tasks read, and a cap from none to 0.
- * Library and reference agree. */
+ * random deadlines, storages several tasks read, and a cap from none to 0,
+ * the same at every region end or one per end. Library and reference agree. */
 static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
 {
     static const double times[] = {0.0, 0.5, 1.0, 1.0, 2.0, 3.25};
@@ -997,7 +1069,8 @@ static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
     int64_t *deadline = alloc(tasks, sizeof *deadline), *mem = alloc(tasks, sizeof *mem);
     int64_t *region = alloc(tasks, sizeof *region), *order = alloc(tasks, sizeof *order);
     int64_t *ref_region = alloc(tasks, sizeof *region), *ref_order = alloc(tasks, sizeof *order);
-    int64_t total = 0, cap, pre, peak, ref_pre, ref_peak;
+    int64_t total = 0, caps[48], held[48], ref_held[48], pre, peak, ref_pre, ref_peak;
+    const int64_t *cap = caps;
     int64_t sh_size[7], sh_start[8], sh_task[28];
     rp_shared_reads shared;
     rp_error err = {{0}};
@@ -1016,20 +1089,28 @@ static void regions_trial(uint64_t *state, int trial, int max_n, int max_tasks)
         }
     }
     shared = random_shared(state, tasks, sh_size, sh_start, sh_task, &total);
-    switch (lcg(state) % 4) {
-    case 0: cap = -1; break;
-    case 1: cap = 0; break;
-    default: cap = (int64_t)(lcg(state) % (uint64_t)(total + 1));
+    switch (lcg(state) % 6) {
+    case 0: cap = NULL; break;
+    case 1: same_caps(n, 0, caps); break;
+    case 2:
+    case 3: same_caps(n, (int64_t)(lcg(state) % (uint64_t)(total + 1)), caps); break;
+    default: /* one per region end, a zero now and then */
+        for (int64_t i = 0; i < n; i++)
+            caps[i] = lcg(state) % 5 ? (int64_t)(lcg(state) % (uint64_t)(total + 1)) : 0;
     }
     CHECK(rp_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup,
                            with_mem ? mem : NULL, with_mem ? &shared : NULL, cap, region, order,
-                           &pre, &peak, &err) == RP_OK,
+                           held, &pre, &peak, &err) == RP_OK,
           "trial %d: %s", trial, err.msg);
     ref_sched_regions(n, t_main, tasks, ready, deadline, t_sub, speedup, with_mem ? mem : NULL,
-                      with_mem ? &shared : NULL, cap, ref_region, ref_order, &ref_pre, &ref_peak);
+                      with_mem ? &shared : NULL, cap, ref_region, ref_order, ref_held, &ref_pre,
+                      &ref_peak);
     CHECK(pre == ref_pre && peak == ref_peak, "trial %d (n %lld, %lld tasks): pre %lld peak %lld, "
           "reference %lld %lld", trial, (long long)n, (long long)tasks, (long long)pre,
           (long long)peak, (long long)ref_pre, (long long)ref_peak);
+    CHECK(memcmp(held, ref_held, (size_t)n * sizeof *held) == 0,
+          "trial %d (n %lld, %lld tasks): held differs from the reference", trial, (long long)n,
+          (long long)tasks);
     CHECK(memcmp(region, ref_region, (size_t)tasks * sizeof *region) == 0 &&
               memcmp(order, ref_order, (size_t)tasks * sizeof *order) == 0,
           "trial %d (n %lld, %lld tasks): region or order differ from the reference", trial,
@@ -1051,11 +1132,13 @@ static regions_out regions_shared(const double *ready, const double *speedup, in
     const int64_t deadline[3] = {2, 2, 2}, mem[3] = {100, 100, 100};
     const int64_t size[1] = {300}, start[2] = {0, 3}, task[3] = {0, 1, 2};
     const rp_shared_reads shared = {1, size, start, task};
+    int64_t caps[2];
     regions_out o;
     rp_error err = {{0}};
     memset(&o, 0xff, sizeof o);
-    o.rc = rp_sched_regions(2, t_main, 3, ready, deadline, t_sub, speedup, mem, &shared, cap,
-                            o.region, o.order, &o.pre, &o.peak, &err);
+    o.rc = rp_sched_regions(2, t_main, 3, ready, deadline, t_sub, speedup, mem, &shared,
+                            same_caps(2, cap, caps), o.region, o.order, o.held, &o.pre, &o.peak,
+                            &err);
     CHECK(o.rc == RP_OK, "regions_shared: %s", err.msg);
     return o;
 }
@@ -1273,22 +1356,26 @@ static void test_other_errors(void)
 
     {
         double tm[2] = {1, 1}, rd[1] = {0}, ts[2] = {1, 1}, sp[2] = {1, 1};
-        int64_t dl[1] = {2}, mem[1] = {1}, region[1], order[1], pre, peak;
+        int64_t dl[1] = {2}, mem[1] = {1}, cap[2] = {0, 0}, region[1], order[1], pre, peak;
 #define REG() \
-    rp_sched_regions(2, tm, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak, &err)
+    rp_sched_regions(2, tm, 1, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL, &pre, &peak, \
+                     &err)
         CHECK(REG() == RP_OK, "base regions: %s", err.msg);
-        expect(rp_sched_regions(0, tm, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
-                                &err),
+        expect(rp_sched_regions(0, tm, 1, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL,
+                                &pre, &peak, &err),
                err.msg, "n >= 1", "regions: n 0");
-        expect(rp_sched_regions(2, tm, -1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
-                                &err),
+        expect(rp_sched_regions(2, tm, -1, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL,
+                                &pre, &peak, &err),
                err.msg, "n_tasks", "regions: n_tasks -1");
-        expect(rp_sched_regions(2, NULL, 1, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre,
-                                &peak, &err),
+        expect(rp_sched_regions(2, NULL, 1, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL,
+                                &pre, &peak, &err),
                err.msg, "NULL t_main", "regions: NULL t_main");
-        expect(rp_sched_regions(2, tm, 1, rd, dl, ts, NULL, mem, NULL, 0, region, order, &pre,
-                                &peak, &err),
+        expect(rp_sched_regions(2, tm, 1, rd, dl, ts, NULL, mem, NULL, cap, region, order, NULL,
+                                &pre, &peak, &err),
                err.msg, "NULL ready", "regions: NULL speedup");
+        cap[1] = -1;
+        expect(REG(), err.msg, "mem_cap[1]", "regions: negative cap");
+        cap[1] = 0;
         tm[1] = -1;
         expect(REG(), err.msg, "t_main[1]", "regions: negative t_main");
         tm[1] = 1e308, tm[0] = 1e308;
@@ -1320,8 +1407,9 @@ static void test_regions_shared_errors(void)
     int64_t size[1] = {1}, start[2] = {0, 1}, task[1] = {0}, region[1], order[1], pre, peak;
     rp_shared_reads sh = {1, size, start, task};
     rp_error err = {{0}};
-#define REG_SH(m) rp_sched_regions(2, tm, 1, rd, dl, ts, sp, m, &sh, 0, region, order, &pre, \
-                                   &peak, &err)
+    const int64_t cap[2] = {0, 0};
+#define REG_SH(m) rp_sched_regions(2, tm, 1, rd, dl, ts, sp, m, &sh, cap, region, order, NULL, \
+                                   &pre, &peak, &err)
     CHECK(REG_SH(mem) == RP_OK, "base shared: %s", err.msg);
     expect(REG_SH(NULL), err.msg, "need mem", "shared without mem");
     task[0] = 1;
@@ -1371,12 +1459,13 @@ static void test_audit_checks(void)
     {
         double tm[2] = {1, 1}, rd[2] = {0, 0}, ts[4] = {1, 1, 1, 1}, sp[4] = {1, 1, 1, 1};
         int64_t dl[2] = {2, 2}, mem[2] = {INT64_MAX, 1}, region[2], order[2], pre, peak;
-        expect(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
-                                &err),
+        const int64_t cap[2] = {0, 0};
+        expect(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL,
+                                &pre, &peak, &err),
                err.msg, "mem[1]", "regions: the sum of mem past int64");
         mem[0] = INT64_MAX - 1;
-        CHECK(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, 0, region, order, &pre, &peak,
-                               &err) == RP_OK,
+        CHECK(rp_sched_regions(2, tm, 2, rd, dl, ts, sp, mem, NULL, cap, region, order, NULL,
+                               &pre, &peak, &err) == RP_OK,
               "regions: a sum of mem of INT64_MAX: %s", err.msg);
     }
 }
@@ -1420,6 +1509,7 @@ int main(void)
     test_regions();
     test_regions_reference();
     test_regions_shared();
+    test_regions_caps();
     test_regions_shared_errors();
     test_simulate_errors();
     test_builder_errors();

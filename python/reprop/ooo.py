@@ -1390,6 +1390,10 @@ class _Profile:
     own: dict = field(default_factory=dict)
     # the last pass's storages several tasks read: (bytes, reader keys), each held once
     shared: tuple = ()
+    # key -> the allocator's largest reading right after its dO over the plain
+    # passes (None: as backward reached its first split layer); empty where
+    # the device gives none (the CPU)
+    allocated: dict = field(default_factory=dict)
 
     @property
     def order(self) -> list:
@@ -1411,8 +1415,16 @@ class _Profile:
         for (key, a), (_, b) in zip(marks, marks[1:]):
             main[key] = [*main.get(key, ()), _elapsed(a, b)]
         if own is None:
-            return _Profile(main, self.sub, self.own, self.shared)
-        return _Profile(main, self.sub, {**self._own_past(own), **own}, shared)
+            return _Profile(main, self.sub, self.own, self.shared, self.allocated)
+        return _Profile(main, self.sub, {**self._own_past(own), **own}, shared, self.allocated)
+
+    def with_allocated(self, readings: dict) -> "_Profile":
+        """This profile and one more pass's allocator readings (key ->
+        bytes), each key keeping its largest: a new profile."""
+        allocated = dict(self.allocated)
+        for key, value in readings.items():
+            allocated[key] = max(value, allocated.get(key, value))
+        return _Profile(self.main, self.sub, self.own, self.shared, allocated)
 
     def _own_past(self, seen: dict) -> dict:
         """`own`, its tasks the next pass did not see (not in `seen`) given
@@ -1531,12 +1543,12 @@ class _CoRun:
     pass n runs the regions alone, then each region's dW group alone. The main
     stream waits for the sub-stream at every region entry, so the time between
     two entries is the pair's time, or the region's alone. A pass defers only
-    what the memory cap holds (`cap` bytes of `own`, in backward order;
-    a storage several tasks read, `shared`, in full with the first of them):
+    what the memory cap holds (`cap` bytes of `own`, inf: all, in backward
+    order; a storage several tasks read, `shared`, in full with the first of them):
     the rest runs beside its dO, and the pairs measure the deferred part.
     """
 
-    def __init__(self, region_main: dict, n: int, own: dict, cap: int, shared: tuple = ()):
+    def __init__(self, region_main: dict, n: int, own: dict, cap: float, shared: tuple = ()):
         self.region_main, self.n = region_main, n
         self.own, self.cap = own, cap
         self.shared = shared
@@ -1667,6 +1679,7 @@ class OOOHandle(_PassTracking):
         self._profile = _Profile()
         self._reads: _Reads | None = None  # what this profiling pass's tasks read
         self._marks: list = []       # (task key, main-stream stamp) of this pass, profiling
+        self._allocated: dict = {}   # this profiling pass's allocator readings (_note_allocated)
         # seconds spent in inline dW tasks (CPU clock) in profiling passes, whose
         # stamps alone read it (differences within a pass: _Profile.with_times)
         self._task_time = 0.0
@@ -1912,6 +1925,7 @@ class OOOHandle(_PassTracking):
         self._seek_outside = self._iteration == self._profile_from
         self._current_region = -1
         self._marks = []
+        self._allocated = {}
         self._reads = None
         self._end_ref = queue_end_of_backward(self._end_backward)
         # marked running last, its end queued: another thread's forward never
@@ -1994,6 +2008,7 @@ class OOOHandle(_PassTracking):
         self._end_held_sums()  # (run(), they go to .grad as they run)
         self._restore_post_hooks_not_held()
         self._marks = []
+        self._allocated = {}
         self._reads = None
         if self._corun is not None:  # that pass is measured again
             self._corun.entries, self._corun.groups = [], []
@@ -2043,8 +2058,9 @@ class OOOHandle(_PassTracking):
         change: dict = {"_iteration": self._iteration + 1}
         if profiling:
             reads = self._reads
-            change["_profile"] = self._profile.with_times(self._marks) if reads is None \
+            prof = self._profile.with_times(self._marks) if reads is None \
                 else self._profile.with_times(self._marks, reads.own(), reads.shared())
+            change["_profile"] = prof.with_allocated(self._allocated)
             change["_reads"] = None
         if self._reprofile_due:
             change.update(self._profile_again(change["_iteration"]))
@@ -2129,8 +2145,8 @@ class OOOHandle(_PassTracking):
         n = cut.n
         change.update(_cut=cut, _region_of_main=cut.region_of, schedule_regions=n)
         if self._speedup == "profile":
-            corun = _CoRun(cut.region_of, n, prof.own, self._cap_bytes(prof.held_bytes),
-                           prof.shared)
+            caps, _ = self._memory_caps(prof, cut, prof.held_bytes)
+            corun = _CoRun(cut.region_of, n, prof.own, _corun_cap(caps), prof.shared)
             change.update(_corun=corun, _region_of=corun.regions())
         elif self._speedup is None:
             change.update(self._placement(np.ones((n, n)), prof, cut))
@@ -2188,6 +2204,15 @@ class OOOHandle(_PassTracking):
                 self._issue(t)
             corun.groups.append((r, before, self._corun_stamp()))
 
+    def _note_allocated(self, key: tuple | None) -> None:
+        """The allocator's reading on this backward's device now, under
+        `key` (a task's, right after its dO; None, as backward begins), in
+        a plain profiling pass: nothing deferred, every dW beside its dO.
+        The memory cap's base (_memory_caps); none off CUDA."""
+        reading = _allocated_bytes(self._device)
+        if reading is not None:
+            self._allocated[key] = max(reading, self._allocated.get(key, reading))
+
     def _stamp(self, like):
         """A main-stream time stamp: a timing event on CUDA, a clock that
         excludes inline dW time on the CPU."""
@@ -2206,6 +2231,8 @@ class OOOHandle(_PassTracking):
         self._calls[site] = call + 1
         task = _Task(site, saved, g, (site.index, call), params, mask, life)
         if self._profiling():
+            if not self._marks:  # backward's start, as the handle sees it (its first split layer)
+                self._note_allocated(None)
             self._marks.append((task.key, self._stamp(g)))
         if g.is_cuda and self.order == "ooo":
             task.event = torch.cuda.current_stream(g.device).record_event()
@@ -2419,6 +2446,8 @@ class OOOHandle(_PassTracking):
         return None
 
     def _after_input_grad(self, task: _Task, nodes: list) -> None:
+        if self._marks:  # (a profiling pass: _weight_grad_ready marked the task)
+            self._note_allocated(task.key)
         held = self._hold_list(task.site.module)
         if held is not None:
             task.event = None
@@ -2882,14 +2911,37 @@ class OOOHandle(_PassTracking):
                           axis=1)
         per_task = np.array([speedup[region_main[k]] for k in tasks]).reshape(len(tasks), n)
         mem, shared = _cap_charges(prof, tasks)
-        region, order, pre, peak = _C.sched_regions(
-            t_main, ready, deadline, t_sub, per_task, mem,
-            self._cap_bytes(int(mem.sum() + shared[0].sum())), *shared)
+        caps, cap_facts = self._memory_caps(prof, cut, int(mem.sum() + shared[0].sum()))
+        region, order, pre, peak, held = _C.sched_regions(
+            t_main, ready, deadline, t_sub, per_task, mem, caps, *shared)
         region_of = {k: int(region[j]) for j, k in enumerate(tasks)}
         return {"_corun": None, "_region_of": region_of,
                 "schedule": {"regions": n, "region_time": t_main.tolist(), "prescheduled": int(pre),
-                             "peak_extra_bytes": int(peak), "speedup": speedup.tolist(),
+                             "peak_extra_bytes": int(peak), "held_bytes": held.tolist(),
+                             **cap_facts, "speedup": speedup.tolist(),
                              "moved": int(sum(1 for k in tasks if region_of[k] != region_main[k]))}}
+
+    def _memory_caps(self, prof: _Profile, cut: _Cut, deferred: int) -> tuple:
+        """The bytes each region end may hold for _C.sched_regions (-1: no
+        cap; an int: the same at every end), and what the schedule reports
+        of them. With the allocator's readings of the plain passes (CUDA),
+        the cap is on the step's peak: region r's end, where the allocator
+        held b_r, may hold max(0, (1 + f) P - b_r), P the largest reading
+        (as backward reached its first split layer or after any dO) and f max_extra_memory, so that
+        no region end passes (1 + f) P; late in backward, activations
+        freed, b_r is far below P and the cap far above f P. Without them
+        (the CPU), the fraction f of `deferred`, what deferring every task
+        holds, at every end."""
+        if not self._capped():
+            return -1, {"cap_base": None, "cap_bytes": None, "base_peak_bytes": None}
+        ends = _region_end_readings(prof, cut)
+        if ends is None:
+            cap = self._cap_bytes(deferred)
+            return cap, {"cap_base": "deferred", "cap_bytes": [cap] * cut.n,
+                         "base_peak_bytes": None}
+        peak = max(prof.allocated.values())
+        caps = np.maximum(0, int((1 + self.max_extra_memory) * peak) - ends)
+        return caps, {"cap_base": "peak", "cap_bytes": caps.tolist(), "base_peak_bytes": peak}
 
     def _kept_storages(self) -> set:
         """Data pointers of the storages the model holds anyway, which
@@ -2915,7 +2967,9 @@ class OOOHandle(_PassTracking):
         _commit): no dW has a region, not even its dO's."""
         return {"_corun": None, "_region_of": {}, "_region_of_main": {},
                 "schedule": {"regions": n, "region_time": [], "prescheduled": n,
-                             "peak_extra_bytes": 0, "speedup": [], "moved": 0}}
+                             "peak_extra_bytes": 0, "held_bytes": [], "cap_base": None,
+                             "cap_bytes": None, "base_peak_bytes": None, "speedup": [],
+                             "moved": 0}}
 
     def _split_moved(self, moved: set) -> None:
         """Off CUDA, only the layers of site index in `moved` stay split,
@@ -2971,6 +3025,32 @@ def _cap_charges(prof: _Profile, tasks: list) -> tuple:
             readers.extend(found)
             start.append(len(readers))
     return mem, tuple(np.array(v, dtype=np.int64) for v in (sizes, start, readers))
+
+
+def _allocated_bytes(device: torch.device | None) -> int | None:
+    """The bytes the caching allocator has handed out on `device` (a host
+    counter: no synchronization), None off CUDA. The memory cap's only
+    reader of memory (tests script it)."""
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device)
+
+
+def _region_end_readings(prof: _Profile, cut: _Cut) -> np.ndarray | None:
+    """b_r: the allocator's reading after the last dO of each region
+    (int64), None where the profile lacks one (no readings: the CPU)."""
+    ends = [prof.allocated.get(cut.keys[b - 1]) for b in cut.bounds[1:]]
+    return None if None in ends else np.array(ends, dtype=np.int64)
+
+
+def _corun_cap(caps: "np.ndarray | int") -> float:
+    """The co-run passes' one cap of _memory_caps' `caps`: the smallest
+    region end's (inf: none). A co-run pass counts what it defers as held
+    from then on (_CoRun.regions), so no region end holds more than that,
+    nor more than the fixed schedule may hold there."""
+    if isinstance(caps, np.ndarray):
+        return int(caps.min())
+    return math.inf if caps < 0 else caps
 
 
 def _elapsed(a, b) -> float:
@@ -3228,10 +3308,19 @@ def enable(model: nn.Module, *, order: str = "ooo", regions: int = 8,
             "conventional" (dW right after dO on the main stream: the split
             alone, for comparison).
         regions: how many regions the backward timeline is cut into.
-        max_extra_memory: cap on the bytes held by deferred tasks at a region
-            end, as a fraction of what all of them hold together (what
-            deferring keeps alive: saved inputs and output gradients, not
-            the parameters they read); 1 or more: no cap. Under a cap a
+        max_extra_memory: f, the cap on the bytes deferred tasks hold at
+            each region end (what deferring keeps alive: saved inputs and
+            output gradients, not the parameters they read); 1 or more, or
+            inf: no cap. On CUDA a fraction of the step's peak: the plain
+            profiling passes read torch.cuda.memory_allocated as backward
+            reaches its first split layer and after each layer's dO, and region r's end may hold
+            max(0, (1 + f) P - b_r), P the largest reading and b_r the one
+            after region r's last dO, so 0.1 keeps the step's peak within
+            1.1 P at the region ends. Where there are no readings (the
+            CPU), a fraction f of what all deferred tasks hold together,
+            at every region end. ``handle.schedule`` reports cap_base
+            ("peak" or "deferred"), cap_bytes per region end,
+            base_peak_bytes (P) and held_bytes. Under a cap a
             weight read at several split calls has its dW run in backward
             order where one would otherwise hold its gradient, uncounted,
             waiting for an earlier one (see README).
