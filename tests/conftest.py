@@ -13,6 +13,14 @@ import pytest
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # One torch (and so reprop) thread unless a test asks for more
+    # (_threads.torch_threads): the tests' tensors are tiny, and each op that
+    # forks a pool of two waits for a second vCPU; on a shared 2-core machine
+    # test_ooo's line-stop sweeps took 379 s with the default count, 59 s
+    # with one. The tests of a thread split set their counts themselves.
+    import torch
+
+    torch.set_num_threads(1)
     config.addinivalue_line(
         "markers",
         "gpu: needs a CUDA device and a reprop build with CUDA kernels "
