@@ -1,0 +1,156 @@
+"""Host cost per parameter of reprop.fuse's hook modes, on a model of many tiny tensors.
+
+A chain of --layers Linear(4, 4) layers (2 parameter tensors each), batch 2, on the
+CPU: each tensor's update costs next to nothing there, so what a candidate adds to
+a step is its host cost (Python, hooks, checks, torch dispatch). One step is
+
+    loss = model(x).square().sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
+
+Candidates, each training its own copy of the model, AdamW (lr 1e-6, weight decay
+0.01), alternated (harness.measure_alternated), medians:
+
+    floor            forward + backward + zero_grad, no update
+    torch hooks      floor with the hooks backward mode registers, doing nothing: a
+                     post-accumulate-grad hook per tensor, a forward pre-hook per layer
+    torch foreach    torch.optim.AdamW(foreach=True)
+    torch fused      torch.optim.AdamW(fused=True)
+    torch backward   torch's optimizer-in-backward: a fused AdamW per tensor, stepped in its
+                     post-accumulate-grad hook (benchmarks/fusion.py's InBackward)
+    reprop eager     reprop.optim.AdamW
+    reprop forward   reprop.fuse(model, reprop.optim.AdamW(...), mode="forward")
+    reprop backward  reprop.fuse(model, reprop.optim.AdamW(...), mode="backward")
+
+Printed: us per step, and (step - floor) / tensors, the host cost of the optimizer
+per parameter tensor. Samples are the thread's CPU time (time.thread_time), not
+wall time: on a shared machine a process that is preempted still counts only what
+it ran (the cache it finds cold is counted). Run with OMP_NUM_THREADS=1; to
+compare two trees, run this script with each on PYTHONPATH, alternating processes.
+
+    OMP_NUM_THREADS=1 PYTHONPATH=python python benchmarks/fusion_host.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+from fusion import InBackward  # noqa: E402  (benchmarks/fusion.py)
+
+import reprop  # noqa: E402
+from reprop import optim as rp_optim  # noqa: E402
+
+HPARAMS = {"lr": 1e-6, "weight_decay": 0.01}
+
+
+def make_model(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)))
+
+
+def make_step(model: nn.Module, optimizer, x: torch.Tensor):
+    def step() -> None:
+        loss = model(x).square().sum()
+        loss.backward()
+        if isinstance(optimizer, InBackward):
+            return
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad()
+        else:
+            model.zero_grad()
+    return step
+
+
+def hooks_only(model: nn.Module) -> None:
+    """The hooks backward mode registers, doing nothing: torch's own cost of calling them."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(lambda module, args: None)
+
+
+def measure(steps: dict, reps: int, inner: int) -> dict:
+    """name -> thread CPU times (us per step) of `reps` samples of `inner` steps,
+    the candidates alternated, the first of each round rotating."""
+    names = list(steps)
+    for f in steps.values():
+        for _ in range(5):
+            f()
+    samples = {name: [] for name in names}
+    for r in range(reps):
+        for k in range(len(names)):
+            name = names[(r + k) % len(names)]
+            t0 = time.thread_time()
+            for _ in range(inner):
+                steps[name]()
+            samples[name].append((time.thread_time() - t0) * 1e6 / inner)
+    return samples
+
+
+def candidates(template: nn.Module, x: torch.Tensor) -> tuple[dict, list]:
+    """name -> step function, and the fusion handles to remove at the end."""
+    steps, handles = {}, []
+    makers = {
+        "floor": None,
+        "torch hooks": None,
+        "torch foreach": lambda ps: torch.optim.AdamW(ps, foreach=True, **HPARAMS),
+        "torch fused": lambda ps: torch.optim.AdamW(ps, fused=True, **HPARAMS),
+        "torch backward": lambda ps: InBackward(
+            ps, lambda one: torch.optim.AdamW(one, fused=True, **HPARAMS)),
+        "reprop eager": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
+        "reprop forward": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
+        "reprop backward": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
+    }
+    for name, make in makers.items():
+        model = copy.deepcopy(template)
+        opt = make(list(model.parameters())) if make else None
+        if name == "torch hooks":
+            hooks_only(model)
+        if name.startswith("reprop ") and name != "reprop eager":
+            handles.append(reprop.fuse(model, opt, mode=name.split()[1]))
+        steps[name] = make_step(model, opt, x)
+    return steps, handles
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=150, help="Linear(4, 4) layers (default 150)")
+    parser.add_argument("--reps", type=int, default=41, help="alternated rounds (default 41)")
+    parser.add_argument("--inner", type=int, default=20, help="steps per sample (default 20)")
+    parser.add_argument("--only", default="", help="comma-separated candidates (default all)")
+    args = parser.parse_args()
+    template = make_model(args.layers)
+    tensors = sum(1 for _ in template.parameters())
+    x = torch.randn(2, 4)
+    steps, handles = candidates(template, x)
+    if args.only:
+        wanted = set(args.only.split(","))
+        steps = {n: f for n, f in steps.items() if n in wanted or n == "floor"}
+    samples = measure(steps, args.reps, args.inner)
+    floor = statistics.median(samples["floor"])
+    print(f"# {args.layers} x Linear(4, 4): {tensors} tensors; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), reprop at {harness.git_commit()}")
+    rows = []
+    for name, s in samples.items():
+        q1, median, q3 = statistics.quantiles(s, n=4)
+        rows.append((name, f"{median:.0f}", f"{q1:.0f}-{q3:.0f}",
+                     "" if name == "floor" else f"{(median - floor) / tensors:.2f}"))
+    print(harness.format_table(["candidate", "us/step (CPU)", "IQR", "us/tensor over floor"],
+                               rows))
+    for handle in handles:
+        handle.remove()
+
+
+if __name__ == "__main__":
+    main()
