@@ -24,7 +24,13 @@ Printed: us per step, and (step - floor) / tensors, the host cost of the optimiz
 per parameter tensor. Samples are the thread's CPU time (time.thread_time), not
 wall time: on a shared machine a process that is preempted still counts only what
 it ran (the cache it finds cold is counted). Run with OMP_NUM_THREADS=1; to
-compare two trees, run this script with each on PYTHONPATH, alternating processes.
+compare two trees, run this script with each on PYTHONPATH, alternating processes, or better, time another
+tree's copy of the package in the same run (--against; in-process alternation
+follows the load of a shared machine, separate processes do not):
+
+    cp -r OLD/python/reprop /tmp/ab/reprop_old
+    OMP_NUM_THREADS=1 PYTHONPATH=python:/tmp/ab python benchmarks/fusion_host.py \
+        --against reprop_old --only "reprop forward,reprop backward,reprop_old forward,reprop_old backward"
 
     OMP_NUM_THREADS=1 PYTHONPATH=python python benchmarks/fusion_host.py
 """
@@ -33,6 +39,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
+import importlib
 import os
 import statistics
 import sys
@@ -47,7 +55,6 @@ import harness  # noqa: E402
 from fusion import InBackward  # noqa: E402  (benchmarks/fusion.py)
 
 import reprop  # noqa: E402
-from reprop import optim as rp_optim  # noqa: E402
 
 HPARAMS = {"lr": 1e-6, "weight_decay": 0.01}
 
@@ -98,29 +105,50 @@ def measure(steps: dict, reps: int, inner: int) -> dict:
     return samples
 
 
-def candidates(template: nn.Module, x: torch.Tensor) -> tuple[dict, list]:
+def reprop_makers(package) -> dict:
+    """The reprop candidates of `package` (reprop, or a copy of another tree's: --against)."""
+    make = functools.partial(package.optim.AdamW, **HPARAMS)
+    return {f"{package.__name__} {mode}": (make, mode)
+            for mode in ("eager", "forward", "backward")}
+
+
+def candidates(template: nn.Module, x: torch.Tensor, against: list) -> tuple[dict, list]:
     """name -> step function, and the fusion handles to remove at the end."""
     steps, handles = {}, []
     makers = {
-        "floor": None,
-        "torch hooks": None,
-        "torch foreach": lambda ps: torch.optim.AdamW(ps, foreach=True, **HPARAMS),
-        "torch fused": lambda ps: torch.optim.AdamW(ps, fused=True, **HPARAMS),
-        "torch backward": lambda ps: InBackward(
-            ps, lambda one: torch.optim.AdamW(one, fused=True, **HPARAMS)),
-        "reprop eager": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
-        "reprop forward": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
-        "reprop backward": lambda ps: rp_optim.AdamW(ps, **HPARAMS),
+        "floor": (None, None),
+        "torch hooks": (None, None),
+        "torch foreach": (lambda ps: torch.optim.AdamW(ps, foreach=True, **HPARAMS), None),
+        "torch fused": (lambda ps: torch.optim.AdamW(ps, fused=True, **HPARAMS), None),
+        "torch backward": (lambda ps: InBackward(
+            ps, lambda one: torch.optim.AdamW(one, fused=True, **HPARAMS)), None),
     }
-    for name, make in makers.items():
+    for package in [reprop, *against]:
+        makers.update(reprop_makers(package))
+    for name, (make, mode) in makers.items():
         model = copy.deepcopy(template)
         opt = make(list(model.parameters())) if make else None
         if name == "torch hooks":
             hooks_only(model)
-        if name.startswith("reprop ") and name != "reprop eager":
-            handles.append(reprop.fuse(model, opt, mode=name.split()[1]))
+        if mode in ("forward", "backward"):
+            handles.append(sys.modules[type(opt).__module__.rpartition(".")[0]].fuse(
+                model, opt, mode=mode))
         steps[name] = make_step(model, opt, x)
     return steps, handles
+
+
+def print_paired(samples: dict, other: str, floor: float, tensors: int) -> None:
+    """reprop's candidates against `other`'s, sample by sample (the two were
+    timed in the same round, so under the same load): the median of the
+    per-round differences, in us per step and per tensor, and of the ratios."""
+    for mode in ("eager", "forward", "backward"):
+        ours, theirs = samples.get(f"reprop {mode}"), samples.get(f"{other} {mode}")
+        if ours is None or theirs is None:
+            continue
+        diff = statistics.median(a - b for a, b in zip(ours, theirs))
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        print(f"reprop {mode} - {other} {mode}: {diff:+.0f} us/step, {diff / tensors:+.2f} "
+              f"us/tensor (median of paired rounds); ratio {ratio:.3f}")
 
 
 def main() -> None:
@@ -129,11 +157,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=41, help="alternated rounds (default 41)")
     parser.add_argument("--inner", type=int, default=20, help="steps per sample (default 20)")
     parser.add_argument("--only", default="", help="comma-separated candidates (default all)")
+    parser.add_argument("--against", default="", help=(
+        "comma-separated names of other copies of the reprop package to time in the same run "
+        "(another tree's python/reprop copied to DIR/NAME, DIR on PYTHONPATH): their eager, "
+        "forward and backward candidates, named NAME eager etc."))
     args = parser.parse_args()
+    against = [importlib.import_module(name) for name in filter(None, args.against.split(","))]
     template = make_model(args.layers)
     tensors = sum(1 for _ in template.parameters())
     x = torch.randn(2, 4)
-    steps, handles = candidates(template, x)
+    steps, handles = candidates(template, x, against)
     if args.only:
         wanted = set(args.only.split(","))
         steps = {n: f for n, f in steps.items() if n in wanted or n == "floor"}
@@ -148,6 +181,8 @@ def main() -> None:
                      "" if name == "floor" else f"{(median - floor) / tensors:.2f}"))
     print(harness.format_table(["candidate", "us/step (CPU)", "IQR", "us/tensor over floor"],
                                rows))
+    for package in against:
+        print_paired(samples, package.__name__, floor, tensors)
     for handle in handles:
         handle.remove()
 
