@@ -7,7 +7,8 @@ a step is its host cost (Python, hooks, checks, torch dispatch). One step is
     loss = model(x).square().sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
 
 Candidates, each training its own copy of the model, AdamW (lr 1e-6, weight decay
-0.01), alternated (harness.measure_alternated), medians:
+0.01), alternated as harness.measure_alternated does (each round one sample of
+every candidate, the first rotating), medians:
 
     floor            forward + backward + zero_grad, no update
     torch hooks      floor with the hooks backward mode registers, doing nothing: a
@@ -20,19 +21,24 @@ Candidates, each training its own copy of the model, AdamW (lr 1e-6, weight deca
     reprop forward   reprop.fuse(model, reprop.optim.AdamW(...), mode="forward")
     reprop backward  reprop.fuse(model, reprop.optim.AdamW(...), mode="backward")
 
+After the timing, each fusion candidate's parameters are checked against its
+package's eager candidate's, bit for bit (the same steps on the same data): a
+mismatch prints a WARNING and the run exits with status 1.
+
 Printed: us per step, and (step - floor) / tensors, the host cost of the optimizer
 per parameter tensor. Samples are the thread's CPU time (time.thread_time), not
 wall time: on a shared machine a process that is preempted still counts only what
-it ran (the cache it finds cold is counted). Run with OMP_NUM_THREADS=1; to
-compare two trees, run this script with each on PYTHONPATH, alternating processes, or better, time another
-tree's copy of the package in the same run (--against; in-process alternation
-follows the load of a shared machine, separate processes do not):
-
-    cp -r OLD/python/reprop /tmp/ab/reprop_old
-    OMP_NUM_THREADS=1 PYTHONPATH=python:/tmp/ab python benchmarks/fusion_host.py \
-        --against reprop_old --only "reprop forward,reprop backward,reprop_old forward,reprop_old backward"
+it ran (the cache it finds cold is counted). Run with OMP_NUM_THREADS=1:
 
     OMP_NUM_THREADS=1 PYTHONPATH=python python benchmarks/fusion_host.py
+
+To compare two trees, time the other tree's copy of the package in the same run
+(--against): in-process alternation follows the load of a shared machine, which
+separate processes do not; the paired rounds' differences are printed too.
+
+    cp -r OLD/python/reprop /tmp/ab/reprop_old
+    OMP_NUM_THREADS=1 PYTHONPATH=python:/tmp/ab python benchmarks/fusion_host.py --against \
+        reprop_old --only "reprop forward,reprop backward,reprop_old forward,reprop_old backward"
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Iterable
 
 import torch
 from torch import nn
@@ -112,9 +119,9 @@ def reprop_makers(package) -> dict:
             for mode in ("eager", "forward", "backward")}
 
 
-def candidates(template: nn.Module, x: torch.Tensor, against: list) -> tuple[dict, list]:
-    """name -> step function, and the fusion handles to remove at the end."""
-    steps, handles = {}, []
+def candidates(template: nn.Module, x: torch.Tensor, against: list) -> tuple[dict, dict, dict]:
+    """name -> step function, name -> model it trains, and name -> fusion handle."""
+    steps, models, handles = {}, {}, {}
     makers = {
         "floor": (None, None),
         "torch hooks": (None, None),
@@ -126,18 +133,35 @@ def candidates(template: nn.Module, x: torch.Tensor, against: list) -> tuple[dic
     for package in [reprop, *against]:
         makers.update(reprop_makers(package))
     for name, (make, mode) in makers.items():
-        model = copy.deepcopy(template)
+        model = models[name] = copy.deepcopy(template)
         opt = make(list(model.parameters())) if make else None
         if name == "torch hooks":
             hooks_only(model)
         if mode in ("forward", "backward"):
-            handles.append(sys.modules[type(opt).__module__.rpartition(".")[0]].fuse(
-                model, opt, mode=mode))
+            handles[name] = sys.modules[type(opt).__module__.rpartition(".")[0]].fuse(
+                model, opt, mode=mode)
         steps[name] = make_step(model, opt, x)
-    return steps, handles
+    return steps, models, handles
 
 
-def print_paired(samples: dict, other: str, floor: float, tensors: int) -> None:
+def fusion_mismatches(ran: Iterable[str], models: dict, handles: dict) -> list[str]:
+    """The fusion candidates (of those that ran) whose parameters differ from
+    those of their package's eager candidate, bit for bit, after the same
+    steps (forward mode's pending updates applied first)."""
+    problems = []
+    for name, handle in handles.items():
+        eager = f"{name.rpartition(' ')[0]} eager"
+        if name not in ran or eager not in ran:
+            continue
+        handle.flush()
+        for (pname, p), q in zip(models[name].named_parameters(), models[eager].parameters()):
+            if not torch.equal(p, q):
+                problems.append(f"{name}: {pname} differs from {eager}'s")
+                break
+    return problems
+
+
+def print_paired(samples: dict, other: str, tensors: int) -> None:
     """reprop's candidates against `other`'s, sample by sample (the two were
     timed in the same round, so under the same load): the median of the
     per-round differences, in us per step and per tensor, and of the ratios."""
@@ -166,7 +190,7 @@ def main() -> None:
     template = make_model(args.layers)
     tensors = sum(1 for _ in template.parameters())
     x = torch.randn(2, 4)
-    steps, handles = candidates(template, x, against)
+    steps, models, handles = candidates(template, x, against)
     if args.only:
         wanted = set(args.only.split(","))
         steps = {n: f for n, f in steps.items() if n in wanted or n == "floor"}
@@ -182,9 +206,12 @@ def main() -> None:
     print(harness.format_table(["candidate", "us/step (CPU)", "IQR", "us/tensor over floor"],
                                rows))
     for package in against:
-        print_paired(samples, package.__name__, floor, tensors)
-    for handle in handles:
+        print_paired(samples, package.__name__, tensors)
+    problems = fusion_mismatches(samples, models, handles)
+    harness.print_check("fusion candidates equal their eager candidate bit for bit", problems)
+    for handle in handles.values():
         handle.remove()
+    harness.exit_if_failed(bool(problems))
 
 
 if __name__ == "__main__":
