@@ -341,6 +341,7 @@ def test_weak_hook_of_a_gated_method_keeps_its_gate(fresh_dynamo):
     The hook keeps the method's signature, bound."""
     import gc
     import inspect
+    import weakref
 
     gated = _Gated()
     hook = _tensors.weak_hook(gated.double)
@@ -354,6 +355,10 @@ def test_weak_hook_of_a_gated_method_keeps_its_gate(fresh_dynamo):
     del gated
     gc.collect()
     assert hook(torch.ones(2)) is None
+    # nothing but its holder (torch's hook dict) keeps a hook alive
+    made = weakref.ref(_tensors.weak_hook(_Gated().double))
+    gc.collect()
+    assert made() is None
 
 
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:

@@ -646,7 +646,6 @@ def rearm_tensor_hooks(t: torch.Tensor) -> None:
             setattr(t, name, hooks)
 
 
-@functools.lru_cache(maxsize=None)
 def _weak_gated_hook(owner: weakref.ref, fn: Callable, eager: Callable,
                      otherwise: Callable | None) -> Callable:
     """weak_hook's hook for a method under eager_under_compile, whose gate it
@@ -663,6 +662,7 @@ def _weak_gated_hook(owner: weakref.ref, fn: Callable, eager: Callable,
     return hook
 
 
+@functools.lru_cache(maxsize=None)
 def _bound_signature(function: Callable) -> inspect.Signature:
     """The signature of `function` bound to an object (self dropped); cached,
     as inspect.signature costs tens of microseconds and weak_hook is made once
