@@ -392,6 +392,46 @@ def test_fusion_times_with_the_warmups_and_rounds_asked(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
+# fusion_host.py
+# ---------------------------------------------------------------------------
+
+import fusion_host as fusion_host_bench  # noqa: E402
+
+
+def fusion_host_report(capsys, monkeypatch) -> str:
+    monkeypatch.setattr(sys, "argv", ["fusion_host.py", "--layers", "3", "--reps", "2", "--inner", "1"])
+    fusion_host_bench.main()
+    return capsys.readouterr().out
+
+
+def test_fusion_host_times_every_candidate_and_checks_the_fusions(capsys, monkeypatch):
+    report = fusion_host_report(capsys, monkeypatch)
+    for name in ("floor", "torch hooks", "torch foreach", "torch fused", "torch backward",
+                 "reprop eager", "reprop forward", "reprop backward"):
+        assert f"\n{name} " in report
+    assert "equal their eager candidate bit for bit: ok" in report
+
+
+def test_fusion_host_flags_a_fusion_that_updates_nothing(capsys, monkeypatch):
+    import reprop.fusion
+    monkeypatch.setattr(reprop.fusion._BackwardFusion, "_step_params", lambda self, params, settings: None)
+    with pytest.raises(SystemExit) as exit:
+        fusion_host_report(capsys, monkeypatch)
+    assert exit.value.code == 1
+    report = capsys.readouterr().out
+    assert "WARNING: reprop backward: 0.weight differs from reprop eager's" in report
+    assert "WARNING: reprop forward" not in report
+
+
+def test_fusion_host_pairs_rounds(capsys):
+    # differences 2, -1, 3 us (median 2, over 2 tensors 1.00); ratios 1.25, 0.952, 1.111 (median 1.111)
+    samples = {"reprop forward": [10.0, 20.0, 30.0], "old forward": [8.0, 21.0, 27.0]}
+    fusion_host_bench.print_paired(samples, "old", tensors=2)
+    assert capsys.readouterr().out == ("reprop forward - old forward: +2 us/step, +1.00 us/tensor "
+                                       "(median of paired rounds); ratio 1.111\n")
+
+
+# ---------------------------------------------------------------------------
 # fad.py
 # ---------------------------------------------------------------------------
 

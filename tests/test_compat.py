@@ -319,6 +319,48 @@ def test_compile_gate_falls_back_to_torchs_call_without_the_private_flag():
     assert done.returncode == 0, done.stderr
 
 
+class _Gated:
+    """An object with a method under eager_under_compile that notes, per call,
+    whether dynamo was tracing it."""
+
+    def __init__(self) -> None:
+        self.traced: list = []
+
+    @_tensors.eager_under_compile
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        self.traced.append(torch.compiler.is_compiling())
+        return x * 2
+
+
+def test_weak_hook_of_a_gated_method_keeps_its_gate(fresh_dynamo):
+    """weak_hook runs the gate of an eager_under_compile method itself (a
+    Python frame less per gradient hook call in fusion): eager, the method
+    runs; in code dynamo traces, it runs eagerly too, at a graph break
+    (traced, its bookkeeping was compiled); its object gone, the hook does
+    nothing.
+    The hook keeps the method's signature, bound."""
+    import gc
+    import inspect
+    import weakref
+
+    gated = _Gated()
+    hook = _tensors.weak_hook(gated.double)
+    assert list(inspect.signature(hook).parameters) == ["x"]
+    assert torch.equal(hook(torch.ones(2)), torch.full((2,), 2.0))
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(lambda x: hook(x) + 1, backend="eager")
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 3.0))
+    assert gated.traced == [False, False]
+    assert torch._dynamo.utils.counters["graph_break"]
+    del gated
+    gc.collect()
+    assert hook(torch.ones(2)) is None
+    # nothing but its holder (torch's hook dict) keeps a hook alive
+    made = weakref.ref(_tensors.weak_hook(_Gated().double))
+    gc.collect()
+    assert made() is None
+
+
 def _scratch_reprop(tmp_path: pathlib.Path) -> pathlib.Path:
     """A copy of this reprop's package under tmp_path without its CUDA
     extension, for breaking its native files."""
