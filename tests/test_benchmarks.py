@@ -741,7 +741,7 @@ def test_bppsa_vgg_part_follows_min_sample_ms(monkeypatch, tmp_path):
     # It timed one call per sample whatever --min-sample-ms said (the RNN parts followed it), so its
     # microsecond-scale CUDA calls were timed at the events' resolution. Each call is timed at 10 ms
     # here: on a loaded machine a real call took over 50 ms, and one call per sample was right.
-    monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1: 10.0)
+    monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1, clock=None: 10.0)
     bppsa_bench.main(VGG_TINY + ["--vgg-sparsities", "0.9", "--min-sample-ms", "50",
                                  "--json", str(tmp_path / "vgg.json")])
     setting = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["setting"]
