@@ -26,6 +26,7 @@ Sweeps, after Jiang et al., "Optimizer Fusion" (Figures 4-7, Table 2):
     models   --models at batch --batch (32), AdamW          (Figure 6)
     batches  MobileNetV2 at each of --batches, AdamW        (Figures 4, 5; Table 2 at 32)
     optims   MobileNetV2 at batch --batch, each of --optims (Figure 7)
+    host     the hook modes' host cost per parameter tensor (CPU only; run only when named)
 
 A case in several sweeps is measured once. Optimizers and hyper-parameters are
 optim.py's (lr 1e-6, so hundreds of steps keep the model in range; AdamW has
@@ -54,15 +55,47 @@ run exits with status 1 once the report is printed and the JSON written.
     python benchmarks/fusion.py --device cuda --json out.json
     python benchmarks/fusion.py --device cuda --sweeps batches --batches 32,64
     python benchmarks/fusion.py --quick --baselines-only      # baselines only (torch's, reprop eager), no reprop.fuse
+
+The host sweep: a chain of --layers Linear(4, 4) layers (2 parameter tensors
+each), batch 2, on the CPU: each tensor's update costs next to nothing there, so
+what a candidate adds to a step is its host cost (Python, hooks, checks, torch
+dispatch). The step's loss is model(x).square().sum(); AdamW as above; the
+candidates are the ones above (torch backward with a fused AdamW per tensor),
+the floor named "floor", plus
+
+    torch hooks      the floor with the hooks backward mode registers, doing nothing: a
+                     post-accumulate-grad hook per tensor, a forward pre-hook per layer
+
+alternated, --reps rounds (default 41, quick 5) of --inner steps (default 20,
+quick 5) after --warmup steps (default 5, quick 2), medians. Printed: us per
+step, and (step - floor) / tensors, the host cost of the optimizer per
+parameter tensor. Samples are the thread's CPU time (time.thread_time), not
+wall time: on a shared machine a process that is preempted still counts only
+what it ran (the cache it finds cold is counted). After the timing, each fusion
+candidate's parameters are checked against its package's eager candidate's, bit
+for bit (the same steps on the same data). Run with OMP_NUM_THREADS=1:
+
+    OMP_NUM_THREADS=1 PYTHONPATH=python python benchmarks/fusion.py --sweeps host
+
+To compare two trees, time the other tree's copy of the package in the same run
+(--against): in-process alternation follows the load of a shared machine, which
+separate processes do not; the paired rounds' differences are printed too.
+
+    cp -r OLD/python/reprop /tmp/ab/reprop_old
+    OMP_NUM_THREADS=1 PYTHONPATH=python:/tmp/ab python benchmarks/fusion.py --sweeps host --against \
+        reprop_old --only "reprop forward,reprop backward,reprop_old forward,reprop_old backward"
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
 import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -93,12 +126,15 @@ CHECK_REFERENCE = {FUSED: FOREACH, TORCH_BACKWARD: FOREACH, EAGER: FOREACH, FORW
 
 SEQ_LEN = 128
 MIB = 2**20
-SWEEPS = ("models", "batches", "optims")
+SWEEPS = ("models", "batches", "optims", "host")
+DEFAULT_SWEEPS = ("models", "batches", "optims")  # host is CPU-only: gpu_session.sh runs the default
 # The paper's Figure 6 models; any of models.MODELS can be named with --models.
 PAPER_MODELS = "mobilenet_v2,resnet18,resnet50,densenet121,vgg19_bn,transformer_base"
 FULL = {"models": PAPER_MODELS, "batches": "8,16,32,64,128",
-        "optims": "sgd,adam,adamw,adagrad,adadelta,rmsprop", "batch": 32, "image_size": 224}
-QUICK = {"models": "mobilenet_v2", "batches": "8", "optims": "adamw,sgd", "batch": 8, "image_size": 64}
+        "optims": "sgd,adam,adamw,adagrad,adadelta,rmsprop", "batch": 32, "image_size": 224,
+        "layers": 150, "inner": 20, "host_reps": 41, "host_warmup": 5}
+QUICK = {"models": "mobilenet_v2", "batches": "8", "optims": "adamw,sgd", "batch": 8, "image_size": 64,
+         "layers": 150, "inner": 5, "host_reps": 5, "host_warmup": 2}
 SWEEP_MODEL, SWEEP_OPTIM = "mobilenet_v2", "adamw"  # fixed in the sweeps that vary something else
 
 # Steps each candidate takes before its memory is measured: the first creates the
@@ -260,26 +296,24 @@ def in_backward_factory(base: dict) -> Callable[[list], InBackward]:
 
 
 def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | InBackward | None,
-                  x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    """The user's training step; without an optimizer, forward + backward + zero_grad only;
-    with torch's optimizer-in-backward, forward + backward (its hooks step and free the gradients).
+                  x: torch.Tensor, y: torch.Tensor | None, loss=models.cross_entropy) -> Callable[[], None]:
+    """The user's training step, ``loss(model(x), y).backward()`` then the update; without an
+    optimizer, forward + backward + zero_grad only; with torch's optimizer-in-backward, forward +
+    backward (its hooks step and free the gradients).
 
     ``optimizer.step`` is looked up at every call: reprop.fuse replaces it on
     the instance.
     """
     def in_backward() -> None:
-        loss = models.cross_entropy(model(x), y)
-        loss.backward()
+        loss(model(x), y).backward()
 
     def step() -> None:
-        loss = models.cross_entropy(model(x), y)
-        loss.backward()
+        loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
 
     def floor() -> None:
-        loss = models.cross_entropy(model(x), y)
-        loss.backward()
+        loss(model(x), y).backward()
         model.zero_grad()
 
     if isinstance(optimizer, InBackward):
@@ -287,16 +321,21 @@ def training_step(model: nn.Module, optimizer: torch.optim.Optimizer | InBackwar
     return floor if optimizer is None else step
 
 
-def make_trainer(name: str, template: nn.Module, factory, batch: tuple[torch.Tensor, torch.Tensor],
-                 device: torch.device) -> Trainer:
-    """A fresh copy of ``template`` on ``device``, the candidate's optimizer and fusion, its step()."""
+def make_trainer(name: str, template: nn.Module, factory, batch: tuple[torch.Tensor, torch.Tensor | None],
+                 device: torch.device, mode: str | None = None, loss=models.cross_entropy) -> Trainer:
+    """A fresh copy of ``template`` on ``device``, the candidate's optimizer and fusion, its step().
+
+    A fusion candidate (``mode``, by default FUSION_MODES[name]) is named "PACKAGE MODE" and fused
+    by that package's fuse(): reprop's, or another tree's copy (the host sweep's --against).
+    """
     model = copy.deepcopy(template).to(device).train()
     optimizer = factory(list(model.parameters())) if factory is not None else None
     handle = optimizer if isinstance(optimizer, InBackward) else None  # close() removes its hooks
-    if name in FUSION_MODES:
-        import reprop
-        handle = reprop.fuse(model, optimizer, mode=FUSION_MODES[name])
-    return Trainer(model, optimizer, handle, training_step(model, optimizer, *batch))
+    mode = mode or FUSION_MODES.get(name)
+    if mode is not None:
+        package = importlib.import_module(name.partition(" ")[0])
+        handle = package.fuse(model, optimizer, mode=mode)
+    return Trainer(model, optimizer, handle, training_step(model, optimizer, *batch, loss=loss))
 
 
 def try_trainer(name: str, template: nn.Module, factory, batch, device: torch.device) -> Trainer | str:
@@ -646,6 +685,131 @@ def json_payload(results: list[CaseResult], names: list[str], checks: list[dict]
 
 
 # ---------------------------------------------------------------------------
+# The host sweep: the hook modes' host cost per parameter tensor (CPU)
+# ---------------------------------------------------------------------------
+
+HOST_FLOOR, TORCH_HOOKS = "floor", "torch hooks"
+CPU = torch.device("cpu")
+
+
+@dataclass
+class HostResult:
+    """The host sweep's samples (us per step, in the order taken) and its bitwise check's problems."""
+
+    layers: int
+    tensors: int
+    samples: dict[str, list[float]]
+    problems: list[str]
+
+    def rows(self) -> list[dict]:
+        """Per candidate: median and quartiles (us per step), host cost per tensor over the floor."""
+        floor = statistics.median(self.samples[HOST_FLOOR])
+        rows = []
+        for name, samples in self.samples.items():
+            s = harness.Stats.from_samples(samples)
+            rows.append({"candidate": name, "us_step": s.median, "q1": s.q1, "q3": s.q3,
+                         "us_tensor_over_floor": None if name == HOST_FLOOR else (s.median - floor) / self.tensors})
+        return rows
+
+
+def square_sum(out: torch.Tensor, _: None) -> torch.Tensor:
+    """The host sweep's loss: no labels, next to no work."""
+    return out.square().sum()
+
+
+def hooks_only(model: nn.Module) -> None:
+    """The hooks backward mode registers, doing nothing: torch's own cost of calling them."""
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
+    for module in model.modules():
+        if any(True for _ in module.parameters(recurse=False)):
+            module.register_forward_pre_hook(lambda module, args: None)
+
+
+def host_candidates(against: list[str], baselines_only: bool) -> dict[str, tuple[Callable | None, str | None]]:
+    """Candidate -> (optimizer factory, fusion mode), in table order: the floor, torch's
+    hooks and steps, then each package's (reprop's, then --against's) eager and fusion modes."""
+    factories = optimizer_factories(SWEEP_OPTIM)
+    candidates = {HOST_FLOOR: (None, None), TORCH_HOOKS: (None, None),
+                  **{name: (factories[name], None) for name in TORCH_BASELINES}}
+    kwargs = OPTIMIZERS[SWEEP_OPTIM].kwargs
+    for package in ("reprop", *against):
+        cls = getattr(importlib.import_module(f"{package}.optim"), OPTIMIZERS[SWEEP_OPTIM].cls)
+        make = lambda ps, cls=cls: cls(ps, **kwargs)  # noqa: E731
+        modes = ("eager",) if baselines_only else ("eager", *FUSION_MODES.values())
+        candidates.update({f"{package} {mode}": (make, None if mode == "eager" else mode) for mode in modes})
+    return candidates
+
+
+def host_mismatches(trainers: dict[str, Trainer]) -> list[str]:
+    """The fusion candidates whose parameters differ from those of their package's eager
+    candidate (when it ran), bit for bit, after the same steps; close() applies forward
+    mode's pending updates first."""
+    problems = []
+    for name, trainer in trainers.items():
+        package, _, mode = name.rpartition(" ")
+        eager = trainers.get(f"{package} eager")  # none for torch's: "torch backward" is not checked here
+        if mode not in FUSION_MODES.values() or eager is None:
+            continue
+        trainer.close()
+        for (pname, p), q in zip(trainer.model.named_parameters(), eager.model.parameters()):
+            if not torch.equal(p, q):
+                problems.append(f"{name}: {pname} differs from {package} eager's")
+                break
+    return problems
+
+
+def run_host_sweep(args) -> HostResult:
+    """Build the host sweep's candidates (those of --only and the floor), time them alternated
+    in thread CPU time, then check the fusion candidates bit for bit."""
+    torch.manual_seed(0)
+    template = nn.Sequential(*(nn.Linear(4, 4) for _ in range(args.layers)))
+    x = torch.randn(2, 4)
+    trainers = {}
+    for name, (factory, mode) in host_candidates(args.against, args.baselines_only).items():
+        if args.only and name not in args.only and name != HOST_FLOOR:
+            continue
+        trainers[name] = make_trainer(name, template, factory, (x, None), CPU, mode=mode, loss=square_sum)
+        if name == TORCH_HOOKS:
+            hooks_only(trainers[name].model)
+    stats = harness.measure_alternated({n: t.step for n, t in trainers.items()}, CPU, args.host_warmup,
+                                       args.host_reps, args.inner, clock=time.thread_time)
+    problems = host_mismatches(trainers)
+    for trainer in trainers.values():
+        trainer.close()
+    harness.release(CPU)
+    return HostResult(args.layers, sum(1 for _ in template.parameters()),
+                      {n: [1e3 * t for t in s.samples] for n, s in stats.items()}, problems)
+
+
+def print_paired(samples: dict, other: str, tensors: int) -> None:
+    """reprop's candidates against `other`'s, sample by sample (the two were
+    timed in the same round, so under the same load): the median of the
+    per-round differences, in us per step and per tensor, and of the ratios."""
+    for mode in ("eager", *FUSION_MODES.values()):
+        ours, theirs = samples.get(f"reprop {mode}"), samples.get(f"{other} {mode}")
+        if ours is None or theirs is None:
+            continue
+        diff = statistics.median(a - b for a, b in zip(ours, theirs))
+        ratio = statistics.median(a / b for a, b in zip(ours, theirs))
+        print(f"reprop {mode} - {other} {mode}: {diff:+.0f} us/step, {diff / tensors:+.2f} "
+              f"us/tensor (median of paired rounds); ratio {ratio:.3f}")
+
+
+def print_host_report(result: HostResult, against: Iterable[str]) -> None:
+    """The host sweep's table, the paired rounds against each --against package, the check."""
+    print(f"# {result.layers} x Linear(4, 4): {result.tensors} tensors; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s), reprop at {harness.git_commit()}")
+    rows = [(r["candidate"], f"{r['us_step']:.0f}", f"{r['q1']:.0f}-{r['q3']:.0f}",
+             "" if r["us_tensor_over_floor"] is None else f"{r['us_tensor_over_floor']:.2f}")
+            for r in result.rows()]
+    print(harness.format_table(["candidate", "us/step (CPU)", "IQR", "us/tensor over floor"], rows))
+    for other in against:
+        print_paired(result.samples, other, result.tensors)
+    harness.print_check("fusion candidates equal their eager candidate bit for bit", result.problems)
+
+
+# ---------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------
 
@@ -658,7 +822,8 @@ def parse_list(text: str, convert=str) -> list:
 def parse_args():
     """Shared harness options plus the sweeps' settings (defaults from --quick)."""
     p = harness.make_parser(__doc__.splitlines()[0])
-    p.add_argument("--sweeps", default=",".join(SWEEPS), help=f"which sweeps (default all: {','.join(SWEEPS)})")
+    p.add_argument("--sweeps", default=",".join(DEFAULT_SWEEPS),
+                   help=f"which of {','.join(SWEEPS)} (default {','.join(DEFAULT_SWEEPS)}; host is CPU-only)")
     p.add_argument("--models", default=None,
                    help=f"models of the models sweep (default {FULL['models']}; quick {QUICK['models']})")
     p.add_argument("--batches", default=None,
@@ -672,9 +837,22 @@ def parse_args():
                    help=f"image height and width (default {FULL['image_size']}; quick {QUICK['image_size']})")
     p.add_argument("--baselines-only", action="store_true",
                    help="time the baselines (torch's and reprop eager) and the floor only (no reprop.fuse needed)")
+    p.add_argument("--layers", type=int, default=None,
+                   help=f"host sweep: Linear(4, 4) layers (default {FULL['layers']}; quick {QUICK['layers']})")
+    p.add_argument("--inner", type=int, default=None,
+                   help=f"host sweep: steps per sample (default {FULL['inner']}; quick {QUICK['inner']})")
+    p.add_argument("--only", default="", help="host sweep: comma-separated candidates (default all; the floor always)")
+    p.add_argument("--against", default="", help=(
+        "host sweep: comma-separated names of other copies of the reprop package to time in the same run "
+        "(another tree's python/reprop copied to DIR/NAME, DIR on PYTHONPATH): their eager, "
+        "forward and backward candidates, named NAME eager etc."))
     args = p.parse_args()
     defaults = QUICK if args.quick else FULL
-    for key in ("models", "batches", "optims", "batch", "image_size"):
+    # the host sweep's own defaults where --reps and --warmup are not given: its samples are
+    # cheap and noisier (thread CPU time of tiny steps on a shared machine)
+    args.host_reps = defaults["host_reps"] if args.reps is None else args.reps
+    args.host_warmup = defaults["host_warmup"] if args.warmup is None else args.warmup
+    for key in ("models", "batches", "optims", "batch", "image_size", "layers", "inner"):
         if getattr(args, key) is None:
             setattr(args, key, defaults[key])
     args.sweeps = parse_list(args.sweeps)
@@ -686,11 +864,33 @@ def parse_args():
         unknown = [v for v in given if v not in known]
         if unknown:
             p.error(f"{what}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    check_host_args(p, args)
     if args.reps is None:
         args.reps = 15 if args.quick else 20
     if args.warmup is None:
         args.warmup = 2 if args.quick else 3
     return args
+
+
+def check_host_args(p, args) -> None:
+    """The host sweep's options: only with it, on the CPU; --against's packages importable."""
+    args.only = parse_list(args.only)
+    if "host" not in args.sweeps:
+        if args.only or args.against:
+            p.error("--only and --against are options of the host sweep: add --sweeps host")
+        args.against = []
+        return
+    if args.device != "cpu":
+        p.error("--sweeps host: the host sweep runs on the CPU only (--device cpu)")
+    if args.layers < 1 or args.inner < 1:
+        p.error(f"--layers and --inner: expected positive integers, got {args.layers} and {args.inner}")
+    args.against = parse_list(args.against)
+    for name in args.against:
+        try:
+            importlib.import_module(f"{name}.optim")
+        except ImportError as e:
+            p.error(f"--against: cannot import {name}.optim ({e}); copy another tree's python/reprop to "
+                    f"DIR/{name} and put DIR on PYTHONPATH")
 
 
 def check_reprop(device: torch.device, baselines_only: bool) -> None:
@@ -717,9 +917,19 @@ def main() -> None:
         print(f"... {case.label} ({', '.join(sweeps)})", file=sys.stderr, flush=True)
         results.append(run_case(case, sweeps, device, args))
     checks = evaluate_targets(results, args)
-    print_report(results, names, checks, info, args)
-    harness.write_json(args.json, json_payload(results, names, checks, info, args))
-    harness.exit_if_failed(any(why is not None for res in results for why in res.mismatch.values()))
+    if results:
+        print_report(results, names, checks, info, args)
+    payload = json_payload(results, names, checks, info, args)
+    host = None
+    if "host" in args.sweeps:
+        print("... host", file=sys.stderr, flush=True)
+        host = run_host_sweep(args)
+        print_host_report(host, args.against)
+        payload["host"] = {"layers": host.layers, "tensors": host.tensors, "rows": host.rows(),
+                           "samples_us": host.samples, "mismatch": host.problems}
+    harness.write_json(args.json, payload)
+    harness.exit_if_failed(any(why is not None for res in results for why in res.mismatch.values())
+                           or bool(host and host.problems))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Every benchmark script (benchmarks/<technique>.py) follows the same recipe:
     exit_if_failed(failed)   # last: status 1 when a correctness check (a WARNING line) failed
 
 Timing rules, and why:
-  * CPU samples use time.perf_counter; CUDA samples use a pair of CUDA events
+  * CPU samples use time.perf_counter (or a clock given, such as
+    time.thread_time for host costs on a shared machine); CUDA samples use a pair of CUDA events
     around the calls and wait for the end event, so GPU work is counted and
     host-side launch overhead is counted too when it dominates (it is real cost).
   * Candidates are measured alternately, one sample of each in turn, so slow
@@ -87,11 +88,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
+def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1,
+              clock: Callable[[], float] | None = None) -> float:
     """Time ``inner`` back-to-back calls of ``fn``; return milliseconds per call.
 
     On CUDA the events are recorded on the current stream, which is the stream
-    torch ops and reprop's kernels are launched on.
+    torch ops and reprop's kernels are launched on. On the CPU ``clock`` (seconds;
+    default time.perf_counter) reads the time: time.thread_time counts only what
+    the thread ran, not the time it waited while preempted on a shared machine.
     """
     if device.type == "cuda":
         start = torch.cuda.Event(enable_timing=True)
@@ -103,10 +107,11 @@ def time_call(fn: Callable[[], object], device: torch.device, inner: int = 1) ->
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / inner
-    t0 = time.perf_counter()
+    clock = clock or time.perf_counter
+    t0 = clock()
     for _ in range(inner):
         fn()
-    return (time.perf_counter() - t0) * 1e3 / inner
+    return (clock() - t0) * 1e3 / inner
 
 
 def choose_inner(fns: Sequence[Callable[[], object]], device: torch.device,
@@ -128,13 +133,14 @@ def choose_inner(fns: Sequence[Callable[[], object]], device: torch.device,
 
 
 def measure_alternated(candidates: Mapping[str, Callable[[], object]], device: torch.device,
-                       warmup: int = 2, reps: int = 10, inner: int = 1) -> dict[str, Stats]:
+                       warmup: int = 2, reps: int = 10, inner: int = 1,
+                       clock: Callable[[], float] | None = None) -> dict[str, Stats]:
     """Measure several candidates in alternation; return ``{name: Stats}``.
 
     ``warmup`` untimed calls of each (lazy state allocation, caches, clocks),
     then ``reps`` rounds; round r times one sample of every candidate, starting
     from candidate r mod n (A B C, B C A, C A B, ...). Each sample is ``inner``
-    calls (see choose_inner).
+    calls (see choose_inner), timed with ``clock`` on the CPU (see time_call).
     """
     names = list(candidates)
     for name in names:
@@ -145,7 +151,7 @@ def measure_alternated(candidates: Mapping[str, Callable[[], object]], device: t
     for r in range(reps):
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
-            samples[name].append(time_call(candidates[name], device, inner))
+            samples[name].append(time_call(candidates[name], device, inner, clock))
     return {name: Stats.from_samples(s) for name, s in samples.items()}
 
 

@@ -57,6 +57,18 @@ def test_time_call_returns_ms_per_call(monkeypatch):
     assert harness.time_call(call, CPU, inner=5) == pytest.approx(2.0)
 
 
+def test_time_call_reads_the_clock_given(monkeypatch):
+    # The host sweep times thread CPU time: a clock given replaces perf_counter on the CPU.
+    clock = [0.0]
+    monkeypatch.setattr(harness.time, "perf_counter", lambda: 0.0)
+
+    def call():  # 3 ms per call on the clock given
+        clock[0] += 3e-3
+
+    assert harness.time_call(call, CPU, inner=4, clock=lambda: clock[0]) == pytest.approx(3.0)
+    assert harness.measure_alternated({"a": call}, CPU, 0, 2, 1, clock=lambda: clock[0])["a"].median == pytest.approx(3.0)
+
+
 def test_choose_inner_lets_the_fastest_candidate_reach_the_minimum_sample(monkeypatch):
     times = {"fast": 0.3, "slow": 0.7}
     monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1: times[fn()])
@@ -392,15 +404,14 @@ def test_fusion_times_with_the_warmups_and_rounds_asked(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# fusion_host.py
+# fusion.py --sweeps host
 # ---------------------------------------------------------------------------
-
-import fusion_host as fusion_host_bench  # noqa: E402
 
 
 def fusion_host_report(capsys, monkeypatch) -> str:
-    monkeypatch.setattr(sys, "argv", ["fusion_host.py", "--layers", "3", "--reps", "2", "--inner", "1"])
-    fusion_host_bench.main()
+    monkeypatch.setattr(sys, "argv", ["fusion.py", "--sweeps", "host", "--layers", "3", "--reps", "2",
+                                      "--inner", "1"])
+    fusion_bench.main()
     return capsys.readouterr().out
 
 
@@ -423,10 +434,20 @@ def test_fusion_host_flags_a_fusion_that_updates_nothing(capsys, monkeypatch):
     assert "WARNING: reprop forward" not in report
 
 
+def test_fusion_default_sweeps_leave_out_the_cpu_only_host_sweep(monkeypatch):
+    # gpu_session.sh runs fusion.py --device cuda with the default sweeps: host would refuse CUDA.
+    monkeypatch.setattr(sys, "argv", ["fusion.py"])
+    assert fusion_bench.parse_args().sweeps == ["models", "batches", "optims"]
+    monkeypatch.setattr(sys, "argv", ["fusion.py", "--device", "cuda", "--sweeps", "host"])
+    with pytest.raises(SystemExit) as exit_:
+        fusion_bench.parse_args()
+    assert exit_.value.code == 2
+
+
 def test_fusion_host_pairs_rounds(capsys):
     # differences 2, -1, 3 us (median 2, over 2 tensors 1.00); ratios 1.25, 0.952, 1.111 (median 1.111)
     samples = {"reprop forward": [10.0, 20.0, 30.0], "old forward": [8.0, 21.0, 27.0]}
-    fusion_host_bench.print_paired(samples, "old", tensors=2)
+    fusion_bench.print_paired(samples, "old", tensors=2)
     assert capsys.readouterr().out == ("reprop forward - old forward: +2 us/step, +1.00 us/tensor "
                                        "(median of paired rounds); ratio 1.111\n")
 
@@ -720,7 +741,7 @@ def test_bppsa_vgg_part_follows_min_sample_ms(monkeypatch, tmp_path):
     # It timed one call per sample whatever --min-sample-ms said (the RNN parts followed it), so its
     # microsecond-scale CUDA calls were timed at the events' resolution. Each call is timed at 10 ms
     # here: on a loaded machine a real call took over 50 ms, and one call per sample was right.
-    monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1: 10.0)
+    monkeypatch.setattr(harness, "time_call", lambda fn, device, inner=1, clock=None: 10.0)
     bppsa_bench.main(VGG_TINY + ["--vgg-sparsities", "0.9", "--min-sample-ms", "50",
                                  "--json", str(tmp_path / "vgg.json")])
     setting = json.loads((tmp_path / "vgg.json").read_text())["vgg"]["setting"]
