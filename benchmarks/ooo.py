@@ -307,6 +307,18 @@ def print_single(rows: list[dict]) -> None:
         print(f"{r['model']} b{r['batch']}: parameters and gradients equal to eager's after the same "
               f"{r['steps']} seeded steps ({'bitwise' if r['cpu'] else f'rtol {GRAD_RTOL:g}, atol {GRAD_ATOL:g}'}): "
               f"{yes_or_why(r['mismatch'])}")
+        if r["schedule"] is not None:
+            print(f"{r['model']} b{r['batch']}: {schedule_summary(r['schedule'])}")
+
+
+def schedule_summary(s: dict) -> str:
+    """The fixed schedule's moves and what its memory cap allowed (ooo.enable's
+    max_extra_memory: on CUDA per region end, from the step's peak P)."""
+    base = s.get("base_peak_bytes")
+    held = max(s.get("held_bytes") or [0])
+    return (f"{s['moved']} dW moved over {s['regions']} regions, cap base {s.get('cap_base')}, "
+            f"most held at a region end {held / 2**20:.1f} MiB"
+            + ("" if not base else f" ({held / base * 100:.1f}% of P = {base / 2**20:.1f} MiB)"))
 
 
 # ---------------------------------------------------------------------------
