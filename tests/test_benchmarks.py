@@ -640,10 +640,14 @@ def test_ooo_single_peaks_leave_captured_steps_out(capsys):
     assert peaks["graph"] is None and peaks["eager"] >= 4 << 16
     row = {"model": "m", "batch": 8, "errors": {}, "steps": 5, "cpu": False, "mismatch": {},
            "images_per_s": {"eager": 1.0, "ooo": 1.0, "graph": 2.0, "ooo+graph": 2.0},
-           "peak_bytes": {"eager": 100, "ooo": 110, "graph": None, "ooo+graph": None}}
+           "peak_bytes": {"eager": 100, "ooo": 110, "graph": None, "ooo+graph": None},
+           "schedule": {"moved": 3, "regions": 8, "cap_base": "peak", "held_bytes": [0, 2**20, 0],
+                        "base_peak_bytes": 10 * 2**20}}
     ooo_bench.print_single([row])
     out = capsys.readouterr().out
     assert "extra peak (ooo/eager)" in out and "+10.0%" in out
+    assert ("m b8: 3 dW moved over 8 regions, cap base peak, most held at a region end 1.0 MiB "
+            "(10.0% of P = 10.0 MiB)") in out
 
 
 def test_ooo_pipeline_times_and_checks_torchs_gpipe(capsys):
