@@ -333,9 +333,8 @@ class _Gated:
 
 
 def test_weak_hook_of_a_gated_method_keeps_its_gate(fresh_dynamo):
-    """weak_hook runs the gate of an eager_under_compile method itself (a
-    Python frame less per gradient hook call in fusion): eager, the method
-    runs; in code dynamo traces, it runs eagerly too, at a graph break
+    """weak_hook of an eager_under_compile method keeps its gate: eager, the
+    method runs; in code dynamo traces, it runs eagerly too, at a graph break
     (traced, its bookkeeping was compiled); its object gone, the hook does
     nothing.
     The hook keeps the method's signature, bound."""

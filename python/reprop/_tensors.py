@@ -362,7 +362,6 @@ def eager_under_compile(fn: Callable) -> Callable:
         if compiling():
             return eager(*args, **kwargs)
         return fn(*args, **kwargs)
-    gated.gate = (fn, eager)  # (weak_hook runs the gate itself: see there)
     return gated
 
 
@@ -553,15 +552,12 @@ def weak_hook(method: Callable, otherwise: Callable | None = None) -> Callable:
     # the object weakly, its class's function strongly (it refers to no
     # instance): a quarter of the cost of a weakref.WeakMethod call
     owner, function = weakref.ref(method.__self__), method.__func__
-    gate = getattr(function, "gate", None)
-    if gate is not None:
-        hook = _weak_gated_hook(owner, *gate, otherwise)
-    else:
-        def hook(*args):
-            obj = owner()
-            if obj is not None:
-                return function(obj, *args)
-            return otherwise(*args) if otherwise is not None else None
+
+    def hook(*args):
+        obj = owner()
+        if obj is not None:
+            return function(obj, *args)
+        return otherwise(*args) if otherwise is not None else None
 
     hook.__signature__ = _bound_signature(function)
     hook.owner = owner
@@ -644,22 +640,6 @@ def rearm_tensor_hooks(t: torch.Tensor) -> None:
         hooks = getattr(t, name)
         if hooks is not None:
             setattr(t, name, hooks)
-
-
-def _weak_gated_hook(owner: weakref.ref, fn: Callable, eager: Callable,
-                     otherwise: Callable | None) -> Callable:
-    """weak_hook's hook for a method under eager_under_compile, whose gate it
-    runs itself: one Python frame less per call (a fused backward calls a
-    gradient hook per parameter and step, and a frame costs about 0.4 us
-    there, where the cache is cold from the layers run in between)."""
-    def hook(*args):
-        obj = owner()
-        if obj is None:
-            return otherwise(*args) if otherwise is not None else None
-        if compiling():
-            return eager(obj, *args)
-        return fn(obj, *args)
-    return hook
 
 
 @functools.lru_cache(maxsize=None)

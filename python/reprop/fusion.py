@@ -2110,8 +2110,7 @@ class _BackwardFusion(FusionHandle):
 
     def _mark_backward(self, p: torch.Tensor) -> None:
         self._moved_before_step.clear()  # (a gradient opens the next window)
-        if not self._backward_since_forward:  # (once per micro-batch: a call per gradient cost)
-            self._note_backward()
+        self._note_backward()
 
     def _note_backward(self) -> None:
         """A backward of this micro-batch is running (or ran, outside
